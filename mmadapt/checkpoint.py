@@ -1,0 +1,122 @@
+"""Checkpoints through DeepSpeed's engine, made crash-safe, plus an offline full-weight reader.
+
+Layout of `<output_dir>/checkpoints/`:
+    step00000100/          one tag per save: DeepSpeed's files, then
+        rng_rank00000.pt   every rank's RNG states (DeepSpeed keeps client state for one rank only)
+        COMPLETE           written by rank 0 after every rank finished writing: the tag is usable
+    latest                 DeepSpeed's pointer, replaced atomically after COMPLETE
+
+A run killed at any moment, mid-save included, resumes from the newest tag that has COMPLETE;
+`latest` is only a convenience for DeepSpeed's own tools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mmadapt.parallel import rng_state, set_rng_state
+
+_TAG = re.compile(r"^step(\d{8})$")
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def complete_tags(ckpt_dir: str | os.PathLike) -> list[str]:
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(d.name for d in ckpt_dir.iterdir() if _TAG.match(d.name) and (d / "COMPLETE").is_file())
+
+
+def has_checkpoints(ckpt_dir: str | os.PathLike) -> bool:
+    ckpt_dir = Path(ckpt_dir)
+    return ckpt_dir.is_dir() and any(_TAG.match(d.name) or d.name == "latest" for d in ckpt_dir.iterdir())
+
+
+def latest_tag(ckpt_dir: str | os.PathLike) -> str | None:
+    tags = complete_tags(ckpt_dir)
+    return tags[-1] if tags else None
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict) -> str:
+    """Collective: every rank calls it. Returns the tag written."""
+    ckpt_dir, tag = Path(ckpt_dir), tag_for(step)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, "step": step},
+                           save_latest=False)
+    (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
+    if os.environ.get("MMADAPT_TEST_KILL_IN_SAVE") == str(step):  # test hook: die mid-checkpoint
+        os.kill(os.getpid(), 9)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step}))
+        _atomic_write(ckpt_dir / "latest", tag)
+    dist.barrier()
+    return tag
+
+
+def load(engine, ckpt_dir: str | os.PathLike, tag: str) -> dict:
+    """Collective. Restores module, optimizer, scheduler and this rank's RNG; returns client state."""
+    ckpt_dir = Path(ckpt_dir)
+    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
+    rng_file = ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt"
+    if not rng_file.is_file():
+        raise ValueError(f"{rng_file} is missing: resume with the same number of ranks that wrote {tag}")
+    set_rng_state(torch.load(rng_file, weights_only=False))
+    return client_state
+
+
+# --- offline: full weights of a checkpoint, in RobertaMLM's parameter names -----------------------
+
+def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """Merge a checkpoint's tensor-parallel shards and pipeline layers into one state dict.
+
+    Needs no process group. The partition dims of tensor-parallel parameters are recorded in
+    the client state at save time (key `tp_partition_dims`).
+    """
+    ckpt_dir = Path(ckpt_dir)
+    tag = tag or latest_tag(ckpt_dir)
+    if tag is None:
+        raise ValueError(f"no complete checkpoint in {ckpt_dir}")
+    d = ckpt_dir / tag
+    model_files = sorted(d.glob("mp_rank_*_model_states.pt"))
+    meta = torch.load(model_files[0], map_location="cpu", weights_only=False)
+    dims: dict[str, int] = meta["tp_partition_dims"]
+    layer_files = sorted(d.glob("layer_*-model_*-model_states.pt"))
+    shards: dict[str, list[torch.Tensor]] = {}
+    if layer_files:  # pipeline: one file per (layer, tp rank)
+        from mmadapt.config import ModelConfig
+        from mmadapt.pipeline import pipeline_param_name
+
+        cfg = ModelConfig(**meta["model_config"])
+        for f in layer_files:
+            idx = int(re.match(r"layer_(\d+)-model_(\d+)", f.name).group(1))
+            for k, v in torch.load(f, map_location="cpu", weights_only=False).items():
+                name = pipeline_param_name(f"{idx}.{k}", cfg) if idx != 0 else f"word_embeddings.{k}"
+                if idx == cfg.num_layers + 2:
+                    continue  # the last stage's copy of the tied embedding
+                shards.setdefault(name, []).append(v)
+    else:
+        for f in model_files:
+            for k, v in torch.load(f, map_location="cpu", weights_only=False)["module"].items():
+                shards.setdefault(k, []).append(v)
+    return {k: torch.cat(v, dim=dims[k]) if k in dims and len(v) > 1 else v[0] for k, v in shards.items()}

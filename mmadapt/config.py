@@ -1,0 +1,199 @@
+"""Configuration: one dataclass field per hyperparameter, named presets, system recipes.
+
+Field names follow megatron-core and DeepSpeed (`num_layers`, `hidden_size`,
+`tensor_model_parallel_size`, `train_micro_batch_size_per_gpu`, ...). Every field
+carries its help text in `metadata["help"]`; `add_dataclass_args` turns the fields
+into CLI flags, so a flag overrides a field by its own name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, get_type_hints
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = _f(12, "number of transformer layers")
+    hidden_size: int = _f(768, "hidden size h")
+    num_attention_heads: int = _f(12, "attention heads per layer")
+    ffn_hidden_size: int = _f(3072, "feed-forward inner size")
+    vocab_size: int = _f(50_000, "SentencePiece vocabulary size V (special tokens included)")
+    max_position_embeddings: int = _f(512, "learned positions; upper bound on seq_length")
+    hidden_dropout: float = _f(0.1, "dropout on embeddings and on each residual branch")
+    attention_dropout: float = _f(0.1, "dropout on attention probabilities")
+    layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon")
+    init_method_std: float = _f(0.02, "std of the normal init of every weight matrix and embedding")
+    head_layers: Optional[tuple] = _f(
+        None, "layers after which an MLM head sits, ascending; must end with num_layers "
+        "(the primary head). Default: (num_layers,)")
+    attention_impl: str = _f(
+        "sdpa", "'sdpa' (fused scaled_dot_product_attention) or 'math' (explicit matmuls, "
+        "which torch's FLOP counter sees)")
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (megatron-core layers)")
+    pipeline_model_parallel_size: int = _f(1, "pipeline stages (DeepSpeed PipelineModule)")
+
+    def __post_init__(self):
+        if self.head_layers is None:
+            self.head_layers = (self.num_layers,)
+        self.head_layers = tuple(int(x) for x in self.head_layers)
+
+    def validate(self) -> "ModelConfig":
+        """Raise ValueError naming the first invalid combination."""
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if min(self.num_layers, self.hidden_size, self.num_attention_heads, self.ffn_hidden_size,
+               self.vocab_size, tp, pp) < 1:
+            raise ValueError("num_layers, hidden_size, num_attention_heads, ffn_hidden_size, "
+                             "vocab_size and the parallel sizes must all be >= 1")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % tp:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                             f"tensor_model_parallel_size {tp}: pick a tensor-parallel size that divides it")
+        if self.ffn_hidden_size % tp:
+            raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by "
+                             f"tensor_model_parallel_size {tp}")
+        if self.vocab_size % tp:
+            raise ValueError(f"vocab_size {self.vocab_size} is not divisible by "
+                             f"tensor_model_parallel_size {tp}: choose a vocab size that is a multiple of it")
+        bad = [l for l in self.head_layers if not 1 <= l <= self.num_layers]
+        if bad:
+            raise ValueError(f"head layer {bad[0]} is outside 1..num_layers={self.num_layers}")
+        if list(self.head_layers) != sorted(set(self.head_layers)):
+            raise ValueError(f"head_layers {self.head_layers} must be ascending without repeats")
+        if self.head_layers[-1] != self.num_layers:
+            raise ValueError(f"head_layers {self.head_layers} must end with num_layers={self.num_layers} "
+                             "(the primary head)")
+        if pp > self.num_layers:
+            raise ValueError(f"pipeline_model_parallel_size {pp} exceeds num_layers {self.num_layers}: "
+                             "a stage must own at least one layer")
+        if self.attention_impl not in ("sdpa", "math"):
+            raise ValueError(f"attention_impl must be 'sdpa' or 'math', got {self.attention_impl!r}")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class TrainConfig:
+    seed: int = _f(1234, "seed for initialisation, data order, masking and dropout")
+    seq_length: int = _f(512, "tokens per block s (<= max_position_embeddings)")
+    train_micro_batch_size_per_gpu: int = _f(8, "blocks per micro-batch per data-parallel rank")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per update")
+    train_iters: int = _f(125_000, "number of updates U")
+    lr: float = _f(7e-4, "peak learning rate")
+    lr_warmup_iters: int = _f(10_000, "linear warm-up updates, then linear decay to 0 at train_iters")
+    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and LayerNorm)")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.98, "Adam beta2")
+    adam_eps: float = _f(1e-6, "Adam epsilon")
+    gradient_clipping: float = _f(0.0, "global gradient-norm clip (0 = off, as in RoBERTa)")
+    mask_prob: float = _f(0.15, "fraction p of tokens selected for MLM")
+    log_interval: int = _f(10, "updates between TensorBoard/console logs")
+    save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
+    num_data_workers: int = _f(0, "reserved; batches are built in-process from the memmap")
+
+    def validate(self, model: ModelConfig) -> "TrainConfig":
+        if self.seq_length > model.max_position_embeddings:
+            raise ValueError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
+                             f"{model.max_position_embeddings}")
+        if self.seq_length < 8:
+            raise ValueError(f"seq_length {self.seq_length} is too short (need >= 8)")
+        if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
+               self.train_iters, self.log_interval, self.save_interval) < 1:
+            raise ValueError("batch sizes, train_iters, log_interval and save_interval must be >= 1")
+        if not 0 < self.mask_prob < 1:
+            raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        return self
+
+
+# --- presets --------------------------------------------------------------------------------
+# A preset names a model size and the schedule that goes with it.
+
+PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
+    # RoBERTa-base with a 50k SentencePiece vocabulary and the paper's schedule (§3):
+    # 125k updates of 2048 x 512 tokens, lr 7e-4, 10k warm-up. Global batch 2048 =
+    # micro 8 x accumulation 4 x 64 data-parallel GPUs; set the two batch fields for your cluster.
+    "roberta-base": (ModelConfig(), TrainConfig(train_micro_batch_size_per_gpu=8,
+                                                gradient_accumulation_steps=4)),
+    # Trains visibly in minutes on 2 CPU cores; drives the tests, CI and the demo.
+    "tiny": (ModelConfig(num_layers=12, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                         vocab_size=2000, max_position_embeddings=128),
+             TrainConfig(seq_length=64, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=1,
+                         train_iters=200, lr=2e-3, lr_warmup_iters=20, log_interval=10,
+                         save_interval=100)),
+}
+
+
+# --- recipes: the paper's systems for Step 1 -------------------------------------------------
+
+RECIPES = ("bl_base", "bl_small", "minijoint")
+
+
+def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int = 4) -> ModelConfig:
+    """Return `model` shaped as one of the paper's Step-1 systems.
+
+    The preset fixes the depth of the primary model (12 for both shipped presets).
+    bl_base: that depth, one head. bl_small: `mini_layers` (N, paper: 4) layers, one head, the
+    standard model of the mini-model's size. minijoint: the preset's depth with a second MLM
+    head after layer N. MINIPOST is built from a pretrained bl_base model in Step 1b.
+    """
+    if not 1 <= mini_layers < model.num_layers:
+        raise ValueError(f"mini_layers {mini_layers} must be in 1..{model.num_layers - 1} "
+                         f"for a {model.num_layers}-layer primary model")
+    if recipe == "bl_base":
+        return dataclasses.replace(model, head_layers=(model.num_layers,))
+    if recipe == "bl_small":
+        return dataclasses.replace(model, num_layers=mini_layers, head_layers=(mini_layers,))
+    if recipe == "minijoint":
+        return dataclasses.replace(model, head_layers=(mini_layers, model.num_layers))
+    raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+
+
+# --- CLI glue: fields become flags ------------------------------------------------------------
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
+    """Add one `--name` flag per field of `cls`; unset flags stay None (the preset decides)."""
+    group = parser.add_argument_group(cls.__name__)
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        kw: dict[str, Any] = dict(default=None, help=f"{f.metadata['help']} (preset default: {f.default})")
+        if f.name == "head_layers":
+            kw.update(type=int, nargs="+")
+        elif kind in (int, float, str):
+            kw.update(type=kind)
+        else:
+            kw.update(type=str)
+        group.add_argument(f"--{f.name}", **kw)
+
+
+def override(cfg, args: argparse.Namespace):
+    """Copy of `cfg` with every field that `args` sets (not None) replaced."""
+    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(cfg)
+               if getattr(args, f.name, None) is not None}
+    if "head_layers" in changes:
+        changes["head_layers"] = tuple(changes["head_layers"])
+    return dataclasses.replace(cfg, **changes)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def model_config_from_dict(d: dict) -> ModelConfig:
+    return ModelConfig(**d)
+
+
+def dumps(cfg) -> str:
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=True)

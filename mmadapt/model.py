@@ -1,0 +1,215 @@
+"""RoBERTa masked language model with MLM heads after any set of layers.
+
+References: Liu et al. 2019 (RoBERTa; fairseq's `roberta.base`): learned positions, post-LayerNorm,
+GELU, tied input embedding / output projection, MLM head = dense -> GELU -> LayerNorm -> tied
+projection + bias. Marchisio et al. 2023 (mini-model adaptation): MINIJOINT adds a second head
+after layer N; the loss is the mean of the heads' losses.
+
+Tensor parallelism comes from megatron-core's layers (chosen at construction, active when
+`tensor_model_parallel_size` > 1): vocab-parallel embedding and cross-entropy, column-parallel
+QKV / FFN-in, row-parallel attention-out / FFN-out. This file never imports DeepSpeed; pipeline
+parallelism wraps these modules in `mmadapt/pipeline.py`.
+
+Shapes (batch first throughout):
+    b batch, s sequence, h hidden_size, nh heads, np heads on this TP rank, hd head dim,
+    m masked positions in the batch, V vocab_size, Vp = V / tensor_model_parallel_size.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core import ModelParallelConfig, tensor_parallel
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from torch import nn
+
+from mmadapt.config import ModelConfig
+from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
+from mmadapt.tokens import PAD_ID
+
+
+def derive_seed(seed: int, name: str) -> int:
+    """A per-module seed: stable across runs, processes and parallel layouts."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**31
+
+
+def _mp_config(config: ModelConfig) -> ModelParallelConfig:
+    # CPU initialisation builds each full ("master") weight from our seeded generator and keeps
+    # this rank's slice, so every tensor-parallel layout starts from the same full weights.
+    return ModelParallelConfig(tensor_model_parallel_size=config.tensor_model_parallel_size,
+                               use_cpu_initialization=True, params_dtype=torch.float32)
+
+
+def _normal(std: float):
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+class WordEmbedding(nn.Module):
+    """Vocab-parallel token embedding [V, h], also the output projection of every MLM head."""
+
+    def __init__(self, config: ModelConfig, seed: int = 1234):
+        super().__init__()
+        with seeded(derive_seed(seed, "word_embeddings")):
+            self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, init_method=_normal(config.init_method_std),
+                config=_mp_config(config))
+
+    @property
+    def weight(self) -> nn.Parameter:  # [Vp, h]
+        return self.word_embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
+        return self.word_embeddings(input_ids)
+
+
+class EmbeddingPost(nn.Module):
+    """Learned positions + LayerNorm + dropout on top of the token embeddings."""
+
+    def __init__(self, config: ModelConfig, seed: int = 1234):
+        super().__init__()
+        with seeded(derive_seed(seed, "position_embeddings")):
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            nn.init.normal_(self.position_embeddings.weight, std=config.init_method_std)
+        self.layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, word_embeds: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
+        positions = torch.arange(word_embeds.shape[1], device=word_embeds.device)
+        return self.dropout(self.layernorm(word_embeds + self.position_embeddings(positions)))
+
+
+class TransformerLayer(nn.Module):
+    """Post-LN encoder layer: x = LN(x + Drop(Attn(x))); x = LN(x + Drop(FFN(x)))."""
+
+    def __init__(self, config: ModelConfig, layer_number: int, seed: int = 1234):
+        super().__init__()
+        self.layer_number = layer_number  # 1-based, as in head_layers
+        tp = config.tensor_model_parallel_size
+        self.num_heads_per_partition = config.num_attention_heads // tp
+        self.head_dim = config.head_dim
+        self.attention_dropout = config.attention_dropout
+        self.attention_impl = config.attention_impl
+        mp, init, h = _mp_config(config), _normal(config.init_method_std), config.hidden_size
+        with seeded(derive_seed(seed, f"layers.{layer_number}")):
+            # QKV output is laid out per head as [nh, 3, hd], so the contiguous column block that
+            # a TP rank owns holds complete (q, k, v) triples of its own heads.
+            self.qkv = tensor_parallel.ColumnParallelLinear(h, 3 * h, config=mp, init_method=init,
+                                                            bias=True, gather_output=False)
+            self.attn_out = tensor_parallel.RowParallelLinear(h, h, config=mp, init_method=init, bias=True,
+                                                              input_is_parallel=True, skip_bias_add=False)
+            self.fc1 = tensor_parallel.ColumnParallelLinear(h, config.ffn_hidden_size, config=mp,
+                                                            init_method=init, bias=True, gather_output=False)
+            self.fc2 = tensor_parallel.RowParallelLinear(config.ffn_hidden_size, h, config=mp, init_method=init,
+                                                         bias=True, input_is_parallel=True, skip_bias_add=False)
+        self.attn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
+        self.ffn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def attention(self, x: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv, _ = self.qkv(x)  # [b, s, 3h/tp]
+        qkv = qkv.view(b, s, self.num_heads_per_partition, 3, self.head_dim).permute(3, 0, 2, 1, 4)
+        q, k, v = qkv.unbind(0)  # each [b, np, s, hd]
+        mask = None if key_padding is None else ~key_padding[:, None, None, :]  # [b, 1, 1, s], True = attend
+        p = self.attention_dropout if self.training else 0.0
+        # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
+        with MODEL_PARALLEL_RNG.fork(x.device):
+            if self.attention_impl == "sdpa":
+                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            else:
+                scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # [b, np, s, s]
+                if mask is not None:
+                    scores = scores.masked_fill(~mask, float("-inf"))
+                ctx = F.dropout(scores.softmax(-1), p=p) @ v  # [b, np, s, hd]
+        ctx = ctx.transpose(1, 2).reshape(b, s, self.num_heads_per_partition * self.head_dim)
+        out, _ = self.attn_out(ctx)  # [b, s, h], summed over TP ranks
+        return out
+
+    def forward(self, x: torch.Tensor, key_padding: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, h]; key_padding [b, s] bool, True at padding (None: no padding)."""
+        x = self.attn_layernorm(x + self.dropout(self.attention(x, key_padding)))
+        f, _ = self.fc1(x)  # [b, s, ffn/tp]
+        f, _ = self.fc2(F.gelu(f))  # [b, s, h]
+        return self.ffn_layernorm(x + self.dropout(f))
+
+
+class MLMHead(nn.Module):
+    """dense -> GELU -> LayerNorm, then the tied projection (passed in) + this head's bias."""
+
+    def __init__(self, config: ModelConfig, name: str, seed: int = 1234):
+        super().__init__()
+        h = config.hidden_size
+        with seeded(derive_seed(seed, name)):
+            self.dense = nn.Linear(h, h)
+            nn.init.normal_(self.dense.weight, std=config.init_method_std)
+            nn.init.zeros_(self.dense.bias)
+        self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
+        vp = config.vocab_size // config.tensor_model_parallel_size
+        self.bias = nn.Parameter(torch.zeros(vp))  # [Vp], this rank's slice of the vocabulary
+        set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
+
+    def forward(self, x: torch.Tensor, word_weight: torch.Tensor) -> torch.Tensor:
+        """x [m, h] hidden states of the masked positions only -> logits [m, Vp]."""
+        x = self.layernorm(F.gelu(self.dense(x)))
+        x = tensor_parallel.copy_to_tensor_model_parallel_region(x)  # backward: all-reduce over TP
+        return F.linear(x, word_weight, self.bias)
+
+
+class MLMHeads(nn.Module):
+    """One MLMHead per entry of `head_layers`; the loss is the mean of their losses."""
+
+    def __init__(self, config: ModelConfig, seed: int = 1234):
+        super().__init__()
+        self.head_layers = config.head_layers
+        self.heads = nn.ModuleList(MLMHead(config, f"heads.{l}", seed) for l in config.head_layers)
+
+    def forward(self, hiddens: list[torch.Tensor], labels: torch.Tensor, word_weight: torch.Tensor):
+        """hiddens: one [b, s, h] per head, in head_layers order; labels [b, s] (-100: not masked).
+
+        Only the m masked positions are projected onto the vocabulary: this is the factor p in the
+        FLOP count of the head, and it saves 1/p of the head's cost on shallow models.
+        Returns (loss, per_head): the mean of the heads' losses, and each head's loss, detached.
+        """
+        masked = labels.ge(0)  # [b, s]
+        targets = labels[masked]  # [m]
+        losses = []
+        for head, h in zip(self.heads, hiddens):
+            logits = head(h[masked], word_weight)  # [m, Vp]
+            losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean())
+        per_head = torch.stack(losses)
+        return per_head.mean(), per_head.detach()
+
+
+class RobertaMLM(nn.Module):
+    """The plain (non-pipelined) model. Parallelism is applied around it (see pipeline.py, train.py)."""
+
+    def __init__(self, config: ModelConfig, seed: int = 1234):
+        super().__init__()
+        self.config = config.validate()
+        self.word_embeddings = WordEmbedding(config, seed)
+        self.embeddings = EmbeddingPost(config, seed)
+        self.layers = nn.ModuleList(TransformerLayer(config, i, seed) for i in range(1, config.num_layers + 1))
+        self.heads = MLMHeads(config, seed)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """input_ids [b, s] -> the output [b, s, h] of each layer in head_layers."""
+        key_padding = input_ids.eq(PAD_ID)
+        key_padding = key_padding if bool(key_padding.any()) else None
+        x = self.embeddings(self.word_embeddings(input_ids))
+        out = []
+        for layer in self.layers:
+            x = layer(x, key_padding)
+            if layer.layer_number in self.config.head_layers:
+                out.append(x)
+        return out
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        """input_ids, labels [b, s] -> (loss, per_head [num heads])."""
+        return self.heads(self.hidden_states(input_ids), labels, self.word_embeddings.weight)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

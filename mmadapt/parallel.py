@@ -1,0 +1,241 @@
+"""Process groups, the model-parallel RNG tracker, and helpers that see across ranks.
+
+Rank layout (megatron-core's default order, and DeepSpeed's PipeModelDataParallelTopology
+with axes pipe, data, model): tensor-parallel rank varies fastest, then data, then pipeline:
+    global_rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+Groups are created once, by `init_parallel`, in megatron-core's `parallel_state`; everything
+else asks `parallel_state` (or the `DeepSpeedMPU` view of it) and never builds its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+# megatron-core warns about this on every layer when it is unset; on GPU it is the right value.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_distributed() -> None:
+    """Join the job that the launcher (deepspeed, torchrun, srun) describes in the environment;
+    a plain `python` run becomes a world of one."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    import deepspeed  # imported here so that model code never needs it
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device())
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               auto_mpi_discovery=False)
+
+
+def init_parallel(tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
+    """Create the tensor/pipeline/data-parallel groups (once per process)."""
+    init_distributed()
+    world = dist.get_world_size()
+    mp = tensor_model_parallel_size * pipeline_model_parallel_size
+    if world % mp:
+        raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size x "
+                         f"pipeline_model_parallel_size = {mp}: launch a multiple of {mp} ranks")
+    if parallel_state.model_parallel_is_initialized():
+        if (parallel_state.get_tensor_model_parallel_world_size() == tensor_model_parallel_size and
+                parallel_state.get_pipeline_model_parallel_world_size() == pipeline_model_parallel_size):
+            return
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size)
+
+
+def tp_rank() -> int:
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def tp_world() -> int:
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def dp_rank() -> int:
+    return parallel_state.get_data_parallel_rank()
+
+
+def dp_world() -> int:
+    return parallel_state.get_data_parallel_world_size()
+
+
+def pp_rank() -> int:
+    return parallel_state.get_pipeline_model_parallel_rank()
+
+
+def pp_world() -> int:
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+class DeepSpeedMPU:
+    """The model-parallel-unit interface DeepSpeed's engine asks for, read from parallel_state.
+
+    Used without pipeline parallelism, where "model parallel" means tensor parallel. (The
+    pipeline engine builds its own grid from the same topology.)
+    """
+
+    get_data_parallel_group = staticmethod(parallel_state.get_data_parallel_group)
+    get_data_parallel_rank = staticmethod(parallel_state.get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(parallel_state.get_data_parallel_world_size)
+    get_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_model_parallel_world_size = staticmethod(parallel_state.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_group = staticmethod(parallel_state.get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(parallel_state.get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(
+        parallel_state.get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_src_rank = staticmethod(parallel_state.get_tensor_model_parallel_src_rank)
+    get_pipeline_model_parallel_world_size = staticmethod(
+        parallel_state.get_pipeline_model_parallel_world_size)
+
+    @staticmethod
+    def get_data_parallel_group_ranks():
+        return dist.get_process_group_ranks(parallel_state.get_data_parallel_group())
+
+
+# --- RNG ------------------------------------------------------------------------------------
+
+class ModelParallelRNG:
+    """A second RNG stream for randomness inside tensor-parallel regions.
+
+    Dropout on a replicated tensor must draw the same mask on every tensor-parallel rank (the
+    default stream, seeded identically); dropout on a partitioned tensor (attention
+    probabilities, whose heads are split across ranks) must draw a different one per rank.
+    megatron-core's tracker does this for CUDA only; this one swaps the state of whichever
+    default generator the tensors live on, so it works on CPU and GPU alike.
+    """
+
+    def __init__(self):
+        self.states: dict[str, torch.Tensor] = {}
+
+    def seed(self, seed: int) -> None:
+        for dev in ("cpu", "cuda"):
+            if dev == "cuda" and not torch.cuda.is_available():
+                continue
+            with self._swap(dev):
+                torch.manual_seed(seed) if dev == "cpu" else torch.cuda.manual_seed(seed)
+
+    @staticmethod
+    def _get(dev):
+        return torch.get_rng_state() if dev == "cpu" else torch.cuda.get_rng_state()
+
+    @staticmethod
+    def _set(dev, state):
+        torch.set_rng_state(state) if dev == "cpu" else torch.cuda.set_rng_state(state)
+
+    @contextlib.contextmanager
+    def _swap(self, dev):
+        outer = self._get(dev)
+        if dev in self.states:
+            self._set(dev, self.states[dev])
+        try:
+            yield
+        finally:
+            self.states[dev] = self._get(dev)
+            self._set(dev, outer)
+
+    @contextlib.contextmanager
+    def fork(self, dev: torch.device | str = "cpu"):
+        dev = torch.device(dev).type
+        if dev not in self.states:  # not seeded: behave like the default stream
+            yield
+            return
+        with self._swap(dev):
+            yield
+
+    def state_dict(self) -> dict:
+        return dict(self.states)
+
+    def load_state_dict(self, states: dict) -> None:
+        self.states = dict(states)
+
+
+MODEL_PARALLEL_RNG = ModelParallelRNG()
+
+
+def seed_everything(seed: int) -> None:
+    """Default streams: same on all tensor-parallel ranks of a stage; the model-parallel stream:
+    different per tensor-parallel rank (megatron's offset of 2718)."""
+    import random
+
+    import numpy as np
+
+    stage_seed = seed + 100 * (pp_rank() if parallel_state.model_parallel_is_initialized() else 0)
+    random.seed(stage_seed)
+    np.random.seed(stage_seed % 2**32)
+    torch.manual_seed(stage_seed)
+    tp = tp_rank() if parallel_state.model_parallel_is_initialized() else 0
+    MODEL_PARALLEL_RNG.seed(stage_seed + 2718 + tp)
+
+
+def rng_state() -> dict:
+    import random
+
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "model_parallel": MODEL_PARALLEL_RNG.state_dict()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    MODEL_PARALLEL_RNG.load_state_dict(state["model_parallel"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """Run the body with the default generators seeded to `seed`, then restore them.
+
+    Each submodule is initialised inside `seeded(base + k)` so that its weights depend only on
+    (seed, k) - not on which other modules this rank builds. A pipeline stage that builds only
+    its own layers therefore gets exactly the weights of the single-process model.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+# --- gathering a full (unsharded) state dict ---------------------------------------------------
+
+def gather_tensor_parallel(param: torch.Tensor) -> torch.Tensor:
+    """Concatenate a tensor-parallel shard across the TP group along its partition dim."""
+    if not getattr(param, "tensor_model_parallel", False) or tp_world() == 1:
+        return param.detach().clone()
+    parts = [torch.empty_like(param) for _ in range(tp_world())]
+    dist.all_gather(parts, param.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=param.partition_dim)
