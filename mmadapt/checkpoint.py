@@ -110,10 +110,10 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) ->
         cfg = ModelConfig(**meta["model_config"])
         for f in layer_files:
             idx = int(re.match(r"layer_(\d+)-model_(\d+)", f.name).group(1))
+            if idx == cfg.num_layers + 2:
+                continue  # the last stage's copy of the tied embedding
             for k, v in torch.load(f, map_location="cpu", weights_only=False).items():
-                name = pipeline_param_name(f"{idx}.{k}", cfg) if idx != 0 else f"word_embeddings.{k}"
-                if idx == cfg.num_layers + 2:
-                    continue  # the last stage's copy of the tied embedding
+                name = f"word_embeddings.{k}" if idx == 0 else pipeline_param_name(f"{idx}.{k}", cfg)
                 shards.setdefault(name, []).append(v)
     else:
         for f in model_files:

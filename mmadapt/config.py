@@ -101,7 +101,8 @@ class TrainConfig:
     mask_prob: float = _f(0.15, "fraction p of tokens selected for MLM")
     log_interval: int = _f(10, "updates between TensorBoard/console logs")
     save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
-    num_data_workers: int = _f(0, "reserved; batches are built in-process from the memmap")
+    exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off); "
+                            "for jobs that must end before a scheduler's time limit")
 
     def validate(self, model: ModelConfig) -> "TrainConfig":
         if self.seq_length > model.max_position_embeddings:
@@ -110,8 +111,9 @@ class TrainConfig:
         if self.seq_length < 8:
             raise ValueError(f"seq_length {self.seq_length} is too short (need >= 8)")
         if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
-               self.train_iters, self.log_interval, self.save_interval) < 1:
-            raise ValueError("batch sizes, train_iters, log_interval and save_interval must be >= 1")
+               self.train_iters, self.log_interval, self.save_interval) < 1 or self.exit_interval < 0:
+            raise ValueError("batch sizes, train_iters, log_interval and save_interval must be >= 1 "
+                             "(exit_interval >= 0)")
         if not 0 < self.mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
         return self

@@ -6,10 +6,10 @@ seeds its own initialisation (model.derive_seed), so a pipeline starts from exac
 of the single-process `RobertaMLM` with the same seed.
 
 Layer list (partitioned so that each stage gets an equal share of transformer layers):
-    0   WordEmbedding            tied key "word" (first stage)
+    0   PipeWordEmbedding        tied key "word" (first stage)
     1   PipeEmbeddingPost
     2.. PipeTransformerLayer x num_layers
-    -2  WordEmbedding            tied key "word" (last stage): appends its weight to the tuple
+    -2  PipeWordEmbedding        tied key "word" (last stage): appends its weight to the tuple
     -1  PipeMLMHeads             returns the loss
 
 Activation tuple between layers (and between stages):
@@ -73,13 +73,20 @@ class PipeMLMHeads(MLMHeads):
         return loss
 
 
-def _embed_first(module: WordEmbedding, inputs):
-    input_ids, labels = inputs
-    return module(input_ids), input_ids, labels
+class PipeWordEmbedding(WordEmbedding):
+    """The tied word embedding, in both of its places.
 
+    First stage: (input_ids, labels) -> (embeddings, input_ids, labels). Last stage: appends its
+    weight to the tuple for PipeMLMHeads. Its own `forward` (rather than a TiedLayerSpec
+    forward_fn) makes DeepSpeed save it as a layer: layers given by forward_fn are skipped by
+    PipelineModule.save_state_dict.
+    """
 
-def _append_tied_weight(module: WordEmbedding, inputs):
-    return (*inputs, module.weight)
+    def forward(self, inputs):
+        if len(inputs) == 2:
+            input_ids, labels = inputs
+            return super().forward(input_ids), input_ids, labels
+        return (*inputs, self.weight)
 
 
 def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> PipelineModule:
@@ -88,10 +95,10 @@ def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> Pipe
                                              num_mp=config.tensor_model_parallel_size,
                                              num_dp=data_parallel_size)
     tie = dict(tied_weight_attr=["word_embeddings.weight"])
-    layers = [TiedLayerSpec("word", WordEmbedding, config, seed, forward_fn=_embed_first, **tie),
+    layers = [TiedLayerSpec("word", PipeWordEmbedding, config, seed, **tie),
               LayerSpec(PipeEmbeddingPost, config, seed)]
     layers += [LayerSpec(PipeTransformerLayer, config, i, seed) for i in range(1, config.num_layers + 1)]
-    layers += [TiedLayerSpec("word", WordEmbedding, config, seed, forward_fn=_append_tied_weight, **tie),
+    layers += [TiedLayerSpec("word", PipeWordEmbedding, config, seed, **tie),
                LayerSpec(PipeMLMHeads, config, seed)]
     pipe = PipelineModule(layers=layers, topology=topology, partition_method="type:PipeTransformerLayer")
     n = len(layers)

@@ -191,6 +191,9 @@ def pretrain(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, resume
     _tok, data_dir = prepare_data(model_cfg, train, paths)
     parallel.seed_everything(train.seed)
     engine, is_pipe, dims = build_engine(model_cfg, train, ds_config)
+    if rank == 0 and is_pipe:  # record which stage owns what (layer list: pipeline.py docstring)
+        run["pipeline_parts"] = [int(x) for x in engine.module.parts]
+        (paths.output_dir / "run.json").write_text(json.dumps(run, indent=2))
     batches = MLMBatches(data_dir, train.seq_length, model_cfg.vocab_size, train.seed, train.mask_prob,
                          train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps,
                          parallel.dp_rank(), parallel.dp_world())
@@ -241,8 +244,11 @@ def pretrain(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, resume
                 writer.add_scalar("perf/achieved_flops_per_s_per_device", row["flops_per_s"] / dist.get_world_size(), done)
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
         bar.update(1)
-        if done % train.save_interval == 0 or done == train.train_iters:
+        exiting = train.exit_interval > 0 and done % train.exit_interval == 0
+        if done % train.save_interval == 0 or done == train.train_iters or exiting:
             checkpoint.save(engine, paths.checkpoints, done, client)
+        if exiting:
+            break
     bar.close()
     if writer is not None:
         writer.close()

@@ -1,0 +1,63 @@
+"""Shared fixtures: a small real English corpus (Genesis + Exodus from the packaged Bible), a
+tokenizer trained on it once per session, and a launcher for pretraining runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PRETRAIN = str(REPO / "launch" / "pretrain.py")
+VOCAB = 1000
+# Dropout off so that different parallel layouts must agree to rounding error.
+NO_DROPOUT = ["--hidden_dropout", "0", "--attention_dropout", "0"]
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    from mmadapt.corpora import write_bible_corpus
+
+    return write_bible_corpus("en", tmp_path_factory.mktemp("corpus") / "en.txt", books=range(1, 3))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(corpus, tmp_path_factory) -> Path:
+    from mmadapt.data import train_tokenizer
+
+    return train_tokenizer(corpus, tmp_path_factory.mktemp("tok") / "spm", VOCAB)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_cmd(nproc: int, *args: str) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, PRETRAIN, *args]
+    return ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(_port()), PRETRAIN, *args]
+
+
+def run_pretrain(nproc: int, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run launch/pretrain.py in fresh processes; fail the test with the log on error."""
+    proc = subprocess.run(launch_cmd(nproc, *args), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        pytest.fail(f"pretrain exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def base_args(corpus: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
+    return ["--preset", "tiny", "--corpus", str(corpus), "--tokenizer", str(tokenizer), "--vocab_size", str(VOCAB),
+            "--output_dir", str(out), *extra]
