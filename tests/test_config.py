@@ -1,0 +1,54 @@
+"""Presets, recipes, CLI overrides and the shipped DeepSpeed configs."""
+
+from pathlib import Path
+
+import pytest
+
+from mmadapt.cli import configs_from_args, pretrain_parser
+from mmadapt.config import PRESETS, TrainConfig, apply_recipe
+from mmadapt.train import load_ds_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_recipes_follow_the_paper():
+    base = PRESETS["roberta-base"][0]
+    assert apply_recipe(base, "bl_base").head_layers == (12,)
+    small = apply_recipe(base, "bl_small")
+    assert (small.num_layers, small.head_layers) == (4, (4,))
+    mj = apply_recipe(base, "minijoint")
+    assert (mj.num_layers, mj.head_layers) == (12, (4, 12))
+    assert apply_recipe(base, "minijoint", mini_layers=6).head_layers == (6, 12)
+    with pytest.raises(ValueError, match="unknown recipe"):
+        apply_recipe(base, "minipost")
+
+
+def test_paper_schedule_in_roberta_base_preset():
+    model, train = PRESETS["roberta-base"]
+    assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.ffn_hidden_size,
+            model.vocab_size, model.max_position_embeddings) == (12, 768, 12, 3072, 50_000, 512)
+    assert (train.lr, train.lr_warmup_iters, train.train_iters, train.seq_length) == (7e-4, 10_000, 125_000, 512)
+    # 2048 sequences per update on 64 data-parallel ranks.
+    assert train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * 64 == 2048
+
+
+def test_flags_override_fields_by_name():
+    args = pretrain_parser().parse_args(["--corpus", "x", "--output_dir", "y", "--recipe", "minijoint",
+                                         "--mini_layers", "2", "--hidden_size", "32", "--lr", "0.1"])
+    model, train = configs_from_args(args)
+    assert (model.hidden_size, model.head_layers, train.lr) == (32, (2, 12), 0.1)
+    assert model.num_attention_heads == PRESETS["tiny"][0].num_attention_heads
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "ds_configs").glob("*.json")), ids=lambda p: p.name)
+def test_every_shipped_ds_config_loads(path):
+    cfg = load_ds_config(path, TrainConfig(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2))
+    assert cfg["train_micro_batch_size_per_gpu"] == 3 and cfg["gradient_accumulation_steps"] == 2
+    assert cfg["zero_optimization"]["stage"] in (0, 1, 2)
+
+
+def test_lr_schedule_warmup_then_linear_decay():
+    from mmadapt.train import lr_lambda
+
+    f = lr_lambda(TrainConfig(train_iters=10, lr_warmup_iters=4))
+    assert [round(f(s), 4) for s in range(11)] == [0.25, 0.5, 0.75, 1.0, 1.0, 0.8333, 0.6667, 0.5, 0.3333, 0.1667, 0.0]

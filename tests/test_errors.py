@@ -1,0 +1,102 @@
+"""Every invalid input stops with a one-line message, exit code 2, before anything is written."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import VOCAB
+from mmadapt.cli import pretrain_main
+
+
+def snapshot(path: Path):
+    if not path.exists():
+        return None
+    return sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*"))
+
+
+def expect_error(capsys, out: Path, argv: list[str], message: str):
+    before = snapshot(out)
+    assert pretrain_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err, err
+    assert len(err.splitlines()) == 1, err
+    assert snapshot(out) == before
+
+
+@pytest.fixture
+def args(corpus, tokenizer, tmp_path):
+    def make(*extra, out=None):
+        return ["--recipe", "minijoint", "--preset", "tiny", "--corpus", str(corpus), "--tokenizer", str(tokenizer),
+                "--vocab_size", str(VOCAB), "--output_dir", str(out or tmp_path / "run"), *extra]
+    return make
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tensor_model_parallel_size", "3"], "num_attention_heads 4 is not divisible by tensor_model_parallel_size 3"),
+    (["--tensor_model_parallel_size", "2", "--vocab_size", "999"], "vocab_size 999 is not divisible by tensor_model_parallel_size 2"),
+    (["--head_layers", "13"], "head layer 13 is outside 1..num_layers=12"),
+    (["--head_layers", "0", "12"], "head layer 0 is outside 1..num_layers=12"),
+    (["--pipeline_model_parallel_size", "13"], "pipeline_model_parallel_size 13 exceeds num_layers 12"),
+    (["--vocab_size", "2000"], f"has {VOCAB} pieces but the model's vocab_size is 2000"),
+    (["--seq_length", "1000"], "seq_length 1000 exceeds max_position_embeddings 128"),
+    (["--pipeline_model_parallel_size", "2", "--ds_config", "ds_configs/zero2.json"], "ZeRO stage 2 does not combine"),
+])
+def test_invalid_configuration(capsys, args, tmp_path, extra, message):
+    expect_error(capsys, tmp_path / "run", args(*extra), message)
+
+
+def test_bl_small_pipeline_deeper_than_model(capsys, args, tmp_path):
+    argv = args("--pipeline_model_parallel_size", "5")
+    argv[argv.index("minijoint")] = "bl_small"
+    expect_error(capsys, tmp_path / "run", argv, "pipeline_model_parallel_size 5 exceeds num_layers 4")
+
+
+def test_missing_corpus(capsys, args, tmp_path):
+    argv = args()
+    argv[argv.index("--corpus") + 1] = str(tmp_path / "nope.txt")
+    expect_error(capsys, tmp_path / "run", argv, "nope.txt does not exist")
+
+
+def test_empty_corpus(capsys, args, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    argv = args()
+    argv[argv.index("--corpus") + 1] = str(empty)
+    expect_error(capsys, tmp_path / "run", argv, "is empty")
+
+
+def test_missing_tokenizer(capsys, args, tmp_path):
+    argv = args()
+    argv[argv.index("--tokenizer") + 1] = str(tmp_path / "none.model")
+    expect_error(capsys, tmp_path / "run", argv, "none.model does not exist")
+
+
+def test_ds_config_with_batch_size(capsys, args, tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"train_batch_size": 32}))
+    expect_error(capsys, tmp_path / "run", args("--ds_config", str(bad)), "sets train_batch_size")
+
+
+def test_output_dir_with_another_runs_checkpoints(capsys, args, tmp_path):
+    out = tmp_path / "old_run"
+    (out / "checkpoints" / "step00000100").mkdir(parents=True)
+    (out / "checkpoints" / "step00000100" / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    (out / "checkpoints" / "latest").write_text("step00000100")
+    (out / "metrics.jsonl").write_text('{"step": 100}\n')
+    expect_error(capsys, out, args(out=out), "already holds checkpoints of another run: pass --resume")
+
+
+def test_resume_with_a_different_model(capsys, args, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    from mmadapt.config import PRESETS, apply_recipe, to_dict
+
+    (out / "run.json").write_text(json.dumps({"model": to_dict(apply_recipe(PRESETS["tiny"][0], "bl_base"))}))
+    expect_error(capsys, out, args("--resume", out=out), "--resume with a different model: vocab_size")
+
+
+def test_world_size_not_divisible(capsys, args, tmp_path, monkeypatch):
+    monkeypatch.setitem(os.environ, "WORLD_SIZE", "3")
+    expect_error(capsys, tmp_path / "run", args("--tensor_model_parallel_size", "2"), "3 ranks cannot hold")

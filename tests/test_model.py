@@ -1,0 +1,118 @@
+"""Model unit tests in one process (a gloo world of one)."""
+
+import pytest
+import torch
+
+from mmadapt.config import PRESETS, ModelConfig, apply_recipe
+from mmadapt.parallel import init_parallel
+from mmadapt.tokens import IGNORE_INDEX
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    init_parallel(1, 1)
+
+
+def tiny(**kw):
+    return ModelConfig(**{**vars(PRESETS["tiny"][0]), "vocab_size": 500, **kw})
+
+
+def batch(vocab=500, b=3, s=20, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (b, s), generator=g)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    masked = torch.rand(b, s, generator=g) < 0.3
+    labels[masked] = ids[masked]
+    return ids, labels
+
+
+def test_roberta_base_parameter_count():
+    """RoBERTa-base with a 50,000-piece vocabulary and 512 positions.
+
+    Hugging Face's RobertaForMaskedLM (50,265 vocab, 514 positions, one token-type row) has
+    124,697,433 parameters; ours has 265 fewer vocabulary rows (x768) and output-bias entries,
+    2 fewer positions (x768) and no token-type row (768).
+    """
+    from mmadapt.model import RobertaMLM, count_parameters
+
+    expected = 124_697_433 - 265 * 768 - 265 - 2 * 768 - 768
+    assert expected == 124_491_344
+    assert count_parameters(RobertaMLM(PRESETS["roberta-base"][0])) == expected
+
+
+def test_minijoint_loss_is_mean_of_heads_computed_separately():
+    from mmadapt.model import RobertaMLM
+
+    cfg = apply_recipe(tiny(hidden_dropout=0.0, attention_dropout=0.0), "minijoint", 4)
+    model = RobertaMLM(cfg, seed=7)
+    ids, labels = batch()
+    loss, per_head = model(ids, labels)
+    # Each head by hand: run the layers, take the masked rows, project with the tied weight.
+    x = model.embeddings(model.word_embeddings(ids))
+    outs = {}
+    for layer in model.layers:
+        x = layer(x)
+        outs[layer.layer_number] = x
+    m = labels >= 0
+    by_hand = []
+    for head, l in zip(model.heads.heads, (4, 12)):
+        h = head.layernorm(torch.nn.functional.gelu(head.dense(outs[l][m])))
+        logits = h @ model.word_embeddings.weight.T + head.bias
+        by_hand.append(torch.nn.functional.cross_entropy(logits, labels[m]))
+    torch.testing.assert_close(per_head, torch.stack(by_hand).detach())
+    torch.testing.assert_close(loss, (by_hand[0] + by_hand[1]) / 2)
+
+
+def test_lm_head_receives_exactly_the_masked_positions():
+    from mmadapt.model import RobertaMLM
+
+    cfg = apply_recipe(tiny(hidden_dropout=0.0, attention_dropout=0.0), "minijoint", 4)
+    model = RobertaMLM(cfg, seed=7)
+    ids, labels = batch()
+    seen = []
+    for head in model.heads.heads:
+        head.dense.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach()))
+    model(ids, labels)
+    hidden = dict(zip((4, 12), model.hidden_states(ids)))
+    m = labels >= 0
+    assert 0 < int(m.sum()) < m.numel()
+    for rows, l in zip(seen, (4, 12)):
+        assert rows.shape == (int(m.sum()), cfg.hidden_size)
+        torch.testing.assert_close(rows, hidden[l][m])
+
+
+def test_initialisation_depends_only_on_seed_and_module():
+    """A module's weights must not depend on what was built before it (pipeline stages)."""
+    from mmadapt.model import RobertaMLM, TransformerLayer
+
+    model = RobertaMLM(tiny(), seed=3)
+    torch.randn(1000)  # disturb the global RNG
+    alone = TransformerLayer(tiny(), 5, seed=3)
+    torch.testing.assert_close(alone.qkv.weight, model.layers[4].qkv.weight)
+    assert not torch.equal(model.layers[3].qkv.weight, model.layers[4].qkv.weight)
+    assert not torch.equal(RobertaMLM(tiny(), seed=4).layers[4].qkv.weight, alone.qkv.weight)
+
+
+def test_math_and_sdpa_attention_agree_with_padding():
+    from mmadapt.model import RobertaMLM
+
+    ids, labels = batch()
+    ids[0, 15:] = 0  # padding
+    labels[0, 15:] = IGNORE_INDEX
+    a = RobertaMLM(tiny(attention_impl="sdpa"), seed=1).eval()
+    b = RobertaMLM(tiny(attention_impl="math"), seed=1).eval()
+    torch.testing.assert_close(a(ids, labels)[1], b(ids, labels)[1], rtol=1e-5, atol=1e-5)
+    # Padding is invisible: the unpadded prefix gives the same hidden states alone.
+    full = a.hidden_states(ids)[0][0, :15]
+    alone = a.hidden_states(ids[:1, :15])[0][0]
+    torch.testing.assert_close(full, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_reaches_every_parameter():
+    from mmadapt.model import RobertaMLM
+
+    model = RobertaMLM(apply_recipe(tiny(), "minijoint", 2), seed=1)
+    ids, labels = batch()
+    model(ids, labels)[0].backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
