@@ -45,10 +45,21 @@ def launch_cmd(nproc: int, *args: str) -> list[str]:
     return ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(_port()), PRETRAIN, *args]
 
 
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "CROSS_RANK", "CROSS_SIZE")
+
+
+def child_env(**extra: str) -> dict:
+    """This process's environment without the launcher variables that in-process tests set
+    (a child would otherwise join this process's world-of-one and its port)."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    return {**env, **extra}
+
+
 def run_pretrain(nproc: int, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """Run launch/pretrain.py in fresh processes; fail the test with the log on error."""
     proc = subprocess.run(launch_cmd(nproc, *args), cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+                          timeout=timeout, env=child_env(**(env or {})))
     if proc.returncode != 0:
         pytest.fail(f"pretrain exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -1,17 +1,16 @@
 """The acceptance run: MINIJOINT at the tiny preset, 2 ranks, on the real English Bible."""
 
 import math
-import os
 import subprocess
 
-from conftest import REPO, launch_cmd, metrics
+from conftest import REPO, child_env, launch_cmd, metrics
 
 
 def test_minijoint_tiny_two_ranks_learns_english(tmp_path):
     out = tmp_path / "minijoint"
     cmd = launch_cmd(2, "--recipe", "minijoint", "--preset", "tiny", "--corpus", "bible:en", "--output_dir", str(out))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "MMADAPT_CACHE": str(tmp_path / "cache")})
+                          env=child_env(MMADAPT_CACHE=str(tmp_path / "cache")))
     assert proc.returncode == 0, proc.stderr[-5000:]
     rows = metrics(out)
     assert rows[-1]["step"] == 200

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import REPO, base_args, launch_cmd, metrics, run_pretrain
+from conftest import REPO, base_args, child_env, launch_cmd, metrics, run_pretrain
 
 STEPS = 8
 
@@ -40,8 +40,7 @@ def test_stop_and_resume_matches_uninterrupted(uninterrupted, corpus, tokenizer,
 def test_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_one(uninterrupted, corpus, tokenizer,
                                                                              tmp_path):
     proc = subprocess.run(launch_cmd(1, *_args(corpus, tokenizer, tmp_path, "--save_interval", "1")), cwd=REPO,
-                          capture_output=True, text=True, env={**__import__("os").environ,
-                                                               "MMADAPT_TEST_KILL_IN_SAVE": "3"})
+                          capture_output=True, text=True, env=child_env(MMADAPT_TEST_KILL_IN_SAVE="3"))
     assert proc.returncode == -signal.SIGKILL
     ckpt = tmp_path / "checkpoints"
     assert (ckpt / "step00000003").is_dir() and not (ckpt / "step00000003" / "COMPLETE").exists()
@@ -55,7 +54,7 @@ def test_sigkill_at_a_random_moment(uninterrupted, corpus, tokenizer, tmp_path):
     seed = random.randrange(10**6)
     delay = random.Random(seed).uniform(0.0, 1.5)
     proc = subprocess.Popen(launch_cmd(1, *_args(corpus, tokenizer, tmp_path, "--save_interval", "1")), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
     first = tmp_path / "checkpoints" / "step00000001" / "COMPLETE"
     deadline = time.time() + 300
     while not first.exists() and proc.poll() is None and time.time() < deadline:
