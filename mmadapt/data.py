@@ -131,11 +131,14 @@ def pack_blocks(sentences, seq_length: int):
 
 def encode_corpus(corpus: str | os.PathLike, tokenizer: str | os.PathLike, out_dir: str | os.PathLike,
                   seq_length: int, batch_lines: int = 10_000) -> Path:
-    """Tokenise and pack `corpus` once into `out_dir` (reused while corpus, tokenizer and
+    """Tokenise and pack `corpus` once into `out_dir` (reused while the corpus file, tokenizer and
     seq_length are unchanged). Files appear atomically, so concurrent writers are harmless."""
     corpus, tokenizer, out_dir = check_corpus(corpus), Path(tokenizer), Path(out_dir)
-    meta = {"corpus": str(corpus.resolve()), "corpus_sha": _sha(corpus), "tokenizer_sha": _sha(tokenizer),
-            "seq_length": seq_length}
+    # The corpus is keyed by size and mtime, not content: hashing CC-100's English (301 GB) on every
+    # start would cost more than encoding small corpora. The tokenizer is small: hash it.
+    st = corpus.stat()
+    meta = {"corpus": str(corpus.resolve()), "corpus_size": st.st_size, "corpus_mtime_ns": st.st_mtime_ns,
+            "tokenizer_sha": _sha(tokenizer), "seq_length": seq_length}
     meta_path = out_dir / "meta.json"
     if meta_path.is_file() and json.loads(meta_path.read_text()).get("key") == meta:
         return out_dir

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -180,10 +182,6 @@ MODEL_PARALLEL_RNG = ModelParallelRNG()
 def seed_everything(seed: int) -> None:
     """Default streams: same on all tensor-parallel ranks of a stage; the model-parallel stream:
     different per tensor-parallel rank (megatron's offset of 2718)."""
-    import random
-
-    import numpy as np
-
     stage_seed = seed + 100 * (pp_rank() if parallel_state.model_parallel_is_initialized() else 0)
     random.seed(stage_seed)
     np.random.seed(stage_seed % 2**32)
@@ -193,10 +191,6 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    import random
-
-    import numpy as np
-
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
              "model_parallel": MODEL_PARALLEL_RNG.state_dict()}
     if torch.cuda.is_available():
@@ -205,10 +199,6 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    import random
-
-    import numpy as np
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])

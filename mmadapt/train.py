@@ -71,6 +71,11 @@ def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume
     if world % mp:
         raise ValueError(f"{world} ranks cannot hold tensor_model_parallel_size x pipeline_model_parallel_size "
                          f"= {mp}: launch a multiple of {mp} ranks")
+    if model.pipeline_model_parallel_size > 1 and model.tensor_model_parallel_size > 1 and len(model.head_layers) > 1:
+        # With tensor parallelism DeepSpeed splits the first tensor sent between stages across the
+        # TP ranks and asserts that no other tensor of the tuple needs a gradient; the carried
+        # output of an intermediate head's layer does (pipeline.py), so send whole tensors.
+        ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
     check_corpus(paths.corpus)
     if paths.tokenizer is not None:
         load_tokenizer(paths.tokenizer, model.vocab_size)
@@ -139,6 +144,10 @@ def build_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict):
         names = {n: n for n, _ in module.named_parameters()}
     dims = {names[n]: p.partition_dim for n, p in module.named_parameters()
             if getattr(p, "tensor_model_parallel", False) and names[n] is not None}
+    # Rank 0 writes the client state but holds only its own stage: merge every stage's dims.
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dims)
+    dims = {k: v for d in every for k, v in d.items()}
     optimizer = torch.optim.AdamW(param_groups(module, train.weight_decay), lr=train.lr,
                                   betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))

@@ -27,8 +27,8 @@ def expect_error(capsys, out: Path, argv: list[str], message: str):
 
 @pytest.fixture
 def args(corpus, tokenizer, tmp_path):
-    def make(*extra, out=None):
-        return ["--recipe", "minijoint", "--preset", "tiny", "--corpus", str(corpus), "--tokenizer", str(tokenizer),
+    def make(*extra, out=None, recipe="minijoint", corpus=corpus, tokenizer=tokenizer):
+        return ["--recipe", recipe, "--preset", "tiny", "--corpus", str(corpus), "--tokenizer", str(tokenizer),
                 "--vocab_size", str(VOCAB), "--output_dir", str(out or tmp_path / "run"), *extra]
     return make
 
@@ -48,29 +48,22 @@ def test_invalid_configuration(capsys, args, tmp_path, extra, message):
 
 
 def test_bl_small_pipeline_deeper_than_model(capsys, args, tmp_path):
-    argv = args("--pipeline_model_parallel_size", "5")
-    argv[argv.index("minijoint")] = "bl_small"
-    expect_error(capsys, tmp_path / "run", argv, "pipeline_model_parallel_size 5 exceeds num_layers 4")
+    expect_error(capsys, tmp_path / "run", args("--pipeline_model_parallel_size", "5", recipe="bl_small"),
+                 "pipeline_model_parallel_size 5 exceeds num_layers 4")
 
 
 def test_missing_corpus(capsys, args, tmp_path):
-    argv = args()
-    argv[argv.index("--corpus") + 1] = str(tmp_path / "nope.txt")
-    expect_error(capsys, tmp_path / "run", argv, "nope.txt does not exist")
+    expect_error(capsys, tmp_path / "run", args(corpus=tmp_path / "nope.txt"), "nope.txt does not exist")
 
 
 def test_empty_corpus(capsys, args, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")
-    argv = args()
-    argv[argv.index("--corpus") + 1] = str(empty)
-    expect_error(capsys, tmp_path / "run", argv, "is empty")
+    expect_error(capsys, tmp_path / "run", args(corpus=empty), "is empty")
 
 
 def test_missing_tokenizer(capsys, args, tmp_path):
-    argv = args()
-    argv[argv.index("--tokenizer") + 1] = str(tmp_path / "none.model")
-    expect_error(capsys, tmp_path / "run", argv, "none.model does not exist")
+    expect_error(capsys, tmp_path / "run", args(tokenizer=tmp_path / "none.model"), "none.model does not exist")
 
 
 def test_ds_config_with_batch_size(capsys, args, tmp_path):

@@ -1,4 +1,5 @@
-"""Tensor parallel 2, pipeline parallel 2 and ZeRO-2 over 2 gloo ranks against one process.
+"""Tensor parallel 2, pipeline parallel 2 and ZeRO-2 over 2 gloo ranks (and TP2 x PP2 over 4)
+against one process.
 
 All runs use the same seed and global batch of 16 blocks: the single-process reference uses 2
 micro-batches of 8 (gradient accumulation); ZeRO-2 uses 2 data-parallel ranks of 8. Dropout is
@@ -19,6 +20,9 @@ LAYOUTS = {
     "tp2": (2, ["--tensor_model_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
     "pp2": (2, ["--pipeline_model_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
     "zero2_dp2": (2, ["--ds_config", "ds_configs/zero2.json", "--gradient_accumulation_steps", "1"]),
+    # Both model-parallel kinds at once: MINIJOINT's carried activation crosses a TP x PP grid.
+    "tp2_pp2": (4, ["--tensor_model_parallel_size", "2", "--pipeline_model_parallel_size", "2",
+                    "--gradient_accumulation_steps", "2"]),
 }
 
 
@@ -55,12 +59,17 @@ def test_two_rank_layout_matches_single_process(layout, reference, corpus, token
     assert sorted(mine) == sorted(init_like)
     for name, ref_w in init_like.items():
         torch.testing.assert_close(mine[name], ref_w, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name} differs")
-    if layout == "pp2":
+    if layout in ("pp2", "tp2_pp2"):
         # The second head's layer (4) sits on stage 0; both heads run on stage 1 (pipeline.py).
         parts = json.loads((tmp_path / "run.json").read_text())["pipeline_parts"]
         layer4_index = 1 + 4  # list index of transformer layer 4
         assert parts[0] <= layer4_index < parts[1]
         assert parts[1] <= 2 + 12 + 1 < parts[2]  # PipeMLMHeads on the last stage
+        # The tied embedding's two copies (layer 0 on stage 0, layer 14 on stage 1) stayed equal.
+        tag = tmp_path / "checkpoints" / "step00000003"
+        first = torch.load(tag / "layer_00-model_00-model_states.pt")["word_embeddings.weight"]
+        last = torch.load(tag / "layer_14-model_00-model_states.pt")["word_embeddings.weight"]
+        torch.testing.assert_close(first, last, rtol=0, atol=0)
 
 
 def test_weights_changed_from_initialisation(reference, corpus, tokenizer, tmp_path):
