@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, get_type_hints
 
@@ -191,11 +190,3 @@ def override(cfg, args: argparse.Namespace):
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def model_config_from_dict(d: dict) -> ModelConfig:
-    return ModelConfig(**d)
-
-
-def dumps(cfg) -> str:
-    return json.dumps(to_dict(cfg), indent=2, sort_keys=True)

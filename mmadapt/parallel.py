@@ -218,14 +218,3 @@ def seeded(seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
-
-
-# --- gathering a full (unsharded) state dict ---------------------------------------------------
-
-def gather_tensor_parallel(param: torch.Tensor) -> torch.Tensor:
-    """Concatenate a tensor-parallel shard across the TP group along its partition dim."""
-    if not getattr(param, "tensor_model_parallel", False) or tp_world() == 1:
-        return param.detach().clone()
-    parts = [torch.empty_like(param) for _ in range(tp_world())]
-    dist.all_gather(parts, param.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
-    return torch.cat(parts, dim=param.partition_dim)

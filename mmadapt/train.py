@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
 from mmadapt.config import ModelConfig, TrainConfig, to_dict
-from mmadapt.data import DataError, MLMBatches, check_corpus, encode_corpus, load_tokenizer, train_tokenizer
+from mmadapt.data import MLMBatches, check_corpus, encode_corpus, load_tokenizer, train_tokenizer
 from mmadapt.flops import pretrain_step_flops
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
