@@ -51,14 +51,17 @@ def init_distributed() -> None:
                                auto_mpi_discovery=False)
 
 
+def check_world_size(world: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
+    mp = tensor_model_parallel_size * pipeline_model_parallel_size
+    if world % mp:
+        raise ValueError(f"{world} ranks cannot hold tensor_model_parallel_size x pipeline_model_parallel_size "
+                         f"= {mp}: launch a multiple of {mp} ranks")
+
+
 def init_parallel(tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
     """Create the tensor/pipeline/data-parallel groups (once per process)."""
     init_distributed()
-    world = dist.get_world_size()
-    mp = tensor_model_parallel_size * pipeline_model_parallel_size
-    if world % mp:
-        raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size x "
-                         f"pipeline_model_parallel_size = {mp}: launch a multiple of {mp} ranks")
+    check_world_size(dist.get_world_size(), tensor_model_parallel_size, pipeline_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size() == tensor_model_parallel_size and
                 parallel_state.get_pipeline_model_parallel_world_size() == pipeline_model_parallel_size):

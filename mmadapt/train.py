@@ -66,11 +66,9 @@ def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume
     if model.pipeline_model_parallel_size > 1 and stage > 1:
         raise ValueError(f"ZeRO stage {stage} does not combine with DeepSpeed pipeline parallelism: "
                          "use ds_configs/zero1.json with --pipeline_model_parallel_size > 1")
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    mp = model.tensor_model_parallel_size * model.pipeline_model_parallel_size
-    if world % mp:
-        raise ValueError(f"{world} ranks cannot hold tensor_model_parallel_size x pipeline_model_parallel_size "
-                         f"= {mp}: launch a multiple of {mp} ranks")
+    # Before any process group exists: the launcher's WORLD_SIZE (1 for a plain `python` run).
+    parallel.check_world_size(int(os.environ.get("WORLD_SIZE", 1)), model.tensor_model_parallel_size,
+                              model.pipeline_model_parallel_size)
     if model.pipeline_model_parallel_size > 1 and model.tensor_model_parallel_size > 1 and len(model.head_layers) > 1:
         # With tensor parallelism DeepSpeed splits the first tensor sent between stages across the
         # TP ranks and asserts that no other tensor of the tuple needs a gradient; the carried
