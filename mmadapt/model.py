@@ -110,7 +110,13 @@ class TransformerLayer(nn.Module):
 
     def attention(self, x: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
-        qkv, _ = self.qkv(x)  # [b, s, 3h/tp]
+        if x.requires_grad or not self.qkv.weight.requires_grad or not torch.is_grad_enabled():
+            qkv, _ = self.qkv(x)  # [b, s, 3h/tp]
+        else:
+            # The lowest trainable layer above frozen ones (MINIPOST Step 1b): megatron's linear
+            # would compute an input gradient (6sh^2 FLOPs) that nothing uses; torch's skips it.
+            x_tp = tensor_parallel.copy_to_tensor_model_parallel_region(x)
+            qkv = F.linear(x_tp, self.qkv.weight, self.qkv.bias)
         qkv = qkv.view(b, s, self.num_heads_per_partition, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k, v = qkv.unbind(0)  # each [b, np, s, hd]
         mask = None if key_padding is None else ~key_padding[:, None, None, :]  # [b, 1, 1, s], True = attend

@@ -1,30 +1,132 @@
-"""Analytic FLOPs against the paper's numbers (Appendix A.1, footnote 2)."""
+"""FLOP accounting: the paper's numbers (Appendix A.1, section 3, footnote 2) and the exact counts
+against torch's FlopCounterMode on the real model, for every system and step."""
 
 import pytest
+import torch
 
-from mmadapt.config import PRESETS, apply_recipe
-from mmadapt.flops import forward_flops, layer_flops, pretrain_step_flops
+from mmadapt import adapt as A
+from mmadapt.config import PRESETS, ModelConfig, apply_recipe
+from mmadapt.flops import (adapt_flops, counted_flops, device_days, forward_flops, layer_flops, minipost_flops,
+                           mini_config, pretrain_flops, total_flops)
+from mmadapt.model import RobertaMLM
+from mmadapt.parallel import init_parallel
+from mmadapt.tokens import IGNORE_INDEX
 
 U, B, S, P = 125_000, 2048, 512, 0.15
-V100_DAY = 30e12 * 86_400  # 2.592 EFLOPs
+BASE = PRESETS["roberta-base"][0]
 
 
-def pretrain_eflops(recipe):
-    cfg = apply_recipe(PRESETS["roberta-base"][0], recipe)
-    return U * pretrain_step_flops(cfg, B, S, P) / 1e18
+def eflops(per_sequence):
+    return total_flops(per_sequence, B, U) / 1e18
 
 
 def test_layer_count_by_hand():
-    cfg = PRESETS["roberta-base"][0]
     h, s = 768, 512
-    assert layer_flops(cfg, s) == 24 * s * h * h + 4 * h * s * s
-    assert forward_flops(cfg, s, P) == pytest.approx(12 * (24 * s * h * h + 4 * h * s * s)
-                                                     + P * (2 * s * h * h + 2 * s * h * 50_000))
+    assert layer_flops(BASE, s) == 24 * s * h * h + 4 * h * s * s
+    assert forward_flops(BASE, s, P) == pytest.approx(12 * (24 * s * h * h + 4 * h * s * s)
+                                                      + P * (2 * s * h * h + 2 * s * h * 50_000))
 
 
 def test_pretraining_matches_paper():
-    assert round(pretrain_eflops("bl_base"), 1) == 78.8
-    assert round(pretrain_eflops("bl_small"), 1) == 29.3
+    assert round(eflops(pretrain_flops(apply_recipe(BASE, "bl_base"), S, P)), 1) == 78.8
+    assert round(eflops(pretrain_flops(apply_recipe(BASE, "bl_small"), S, P)), 1) == 29.3
     # Footnote 2: ~30.4 vs ~32.2 V100-days for BL_BASE vs MINIJOINT (second head).
-    assert round(pretrain_eflops("bl_base") * 1e18 / V100_DAY, 1) == 30.4
-    assert round(pretrain_eflops("minijoint") * 1e18 / V100_DAY, 1) == 32.2
+    bl = total_flops(pretrain_flops(apply_recipe(BASE, "bl_base"), S, P), B, U)
+    mj = total_flops(pretrain_flops(apply_recipe(BASE, "minijoint"), S, P), B, U)
+    assert (round(device_days(bl), 1), round(device_days(mj), 1)) == (30.4, 32.2)
+    assert device_days(2.592e18) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("layers, paper_eflops, paper_days", [(4, 21.1, 8.1), (6, 29.3, 11.3), (12, 54.1, 20.9)])
+def test_step2_matches_paper_a3(layers, paper_eflops, paper_days):
+    cfg = mini_config(BASE, layers)
+    paper = total_flops(adapt_flops(cfg, S, P, paper=True), B, U)
+    assert round(paper / 1e18, 1) == paper_eflops
+    assert round(device_days(paper), 1) == paper_days
+    # A3's closed form, and the exact count with attention products' backward at 2 forwards.
+    h, l, V = 768, layers, 50_000
+    closed = 48 * U * B * S * l * h * h
+    assert paper == pytest.approx(closed * (1 + S / (6 * h) + P / (12 * l) + P * V / (8 * h * l)))
+    assert total_flops(adapt_flops(cfg, S, P), B, U) == pytest.approx(
+        closed * (1 + S / (4 * h) + P / (12 * l) + P * V / (8 * h * l)))
+
+
+def test_minipost_step1b_matches_paper_a4():
+    cfg = mini_config(BASE, 6)
+    assert round(eflops(minipost_flops(cfg, S, P, trainable_layers=2, paper=True)), 1) == 21.6
+    # The exact count: one more layer backward (2 attention-product backwards per trainable
+    # layer, the lowest trainable layer's weight gradients and internal input gradients),
+    # less its QKV input gradient.
+    h, s = 768, S
+    exact = minipost_flops(cfg, S, P, trainable_layers=2)
+    paper = minipost_flops(cfg, S, P, trainable_layers=2, paper=True)
+    assert exact - paper == pytest.approx(layer_flops(cfg, s) - 6 * s * h * h)
+
+
+# --- exact functions against FlopCounterMode on the real model -------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    init_parallel(1, 1)
+
+
+def tiny(**kw) -> ModelConfig:
+    base = {**vars(PRESETS["tiny"][0]), "vocab_size": 300, "attention_impl": "math", "hidden_dropout": 0.0,
+            "attention_dropout": 0.0}
+    return ModelConfig(**{**base, **kw})
+
+
+def masked_batch(cfg, b=3, s=32, m=14):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, cfg.vocab_size, (b, s), generator=g)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    flat = torch.randperm(b * s, generator=g)[:m]
+    labels.view(-1)[flat] = ids.view(-1)[flat]
+    return ids, labels, m / (b * s)
+
+
+def count_update(model, ids, labels):
+    def step():
+        loss, _ = model(ids, labels)
+        loss.backward()
+    return counted_flops(step)
+
+
+def freeze(model, trainable):
+    for n, p in model.named_parameters():
+        p.requires_grad_(any(n == t or (t.endswith(".") and n.startswith(t)) for t in trainable))
+
+
+@pytest.mark.parametrize("recipe", ["bl_base", "bl_small", "minijoint"])
+def test_pretrain_count_equals_exact(recipe):
+    cfg = apply_recipe(tiny(), recipe)
+    ids, labels, p = masked_batch(cfg)
+    counted = count_update(RobertaMLM(cfg), ids, labels)
+    assert counted == pytest.approx(ids.shape[0] * pretrain_flops(cfg, ids.shape[1], p), rel=1e-9)
+
+
+@pytest.mark.parametrize("layers", [4, 6, 12])
+def test_step2_count_equals_exact(layers):
+    """Step 2 over a frozen body: no weight-gradient matmul anywhere but the output projection."""
+    cfg = mini_config(tiny(), layers)
+    ids, labels, p = masked_batch(cfg)
+    model = RobertaMLM(cfg)
+    freeze(model, A.ADAPT_TRAINABLE)
+    counted = count_update(model, ids, labels)
+    b, s = ids.shape
+    assert counted == pytest.approx(b * adapt_flops(cfg, s, p), rel=1e-9)
+    assert counted != pytest.approx(b * adapt_flops(cfg, s, p, paper=True), rel=1e-3)
+    # The body's share is exactly forward + input gradients: 2 x linear + 3 x attention per layer.
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    by_hand = b * (layers * (2 * (8 * s * h * h + 4 * s * h * f) + 3 * 4 * s * s * h)
+                   + p * s * (2 * 2 * h * h + 3 * 2 * h * cfg.vocab_size))
+    assert counted == pytest.approx(by_hand, rel=1e-9)
+
+
+def test_minipost_count_equals_exact():
+    cfg = mini_config(tiny(), 6)
+    ids, labels, p = masked_batch(cfg)
+    model = RobertaMLM(cfg)
+    freeze(model, A.minipost_trainable(4, 2))
+    counted = count_update(model, ids, labels)
+    assert counted == pytest.approx(ids.shape[0] * minipost_flops(cfg, ids.shape[1], p, 2), rel=1e-9)
