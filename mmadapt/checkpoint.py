@@ -55,11 +55,12 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict) -> str:
-    """Collective: every rank calls it. Returns the tag written."""
+def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, exclude_frozen: bool = False) -> str:
+    """Collective: every rank calls it. Returns the tag written. exclude_frozen: leave parameters
+    with requires_grad=False out of the module state (Steps 1b and 2 keep only what they train)."""
     ckpt_dir, tag = Path(ckpt_dir), tag_for(step)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, "step": step},
-                           save_latest=False)
+                           save_latest=False, exclude_frozen_parameters=exclude_frozen)
     (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
     if os.environ.get("MMADAPT_TEST_KILL_IN_SAVE") == str(step):  # test hook: die mid-checkpoint
@@ -72,10 +73,11 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict) -> 
     return tag
 
 
-def load(engine, ckpt_dir: str | os.PathLike, tag: str) -> dict:
-    """Collective. Restores module, optimizer, scheduler and this rank's RNG; returns client state."""
+def load(engine, ckpt_dir: str | os.PathLike, tag: str, strict: bool = True) -> dict:
+    """Collective. Restores module, optimizer, scheduler and this rank's RNG; returns client state.
+    strict=False: the checkpoint may lack frozen parameters (they come from the starting weights)."""
     ckpt_dir = Path(ckpt_dir)
-    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=strict)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     rng_file = ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt"

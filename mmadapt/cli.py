@@ -45,9 +45,16 @@ def pretrain_parser() -> argparse.ArgumentParser:
 
 
 def configs_from_args(args) -> tuple[ModelConfig, TrainConfig]:
+    """Preset, then the shape flags (--num_layers sets the primary depth), then the recipe, then
+    an explicit --head_layers."""
+    import dataclasses
+
     model, train = PRESETS[args.preset]
-    model = apply_recipe(model, args.recipe, args.mini_layers)
-    return override(model, args), override(train, args)
+    shape = override(model, argparse.Namespace(**{**vars(args), "head_layers": None}))
+    model = apply_recipe(dataclasses.replace(shape, head_layers=None), args.recipe, args.mini_layers)
+    if args.head_layers is not None:
+        model = dataclasses.replace(model, head_layers=tuple(args.head_layers))
+    return model, override(train, args)
 
 
 def pretrain_main(argv=None) -> int:
@@ -70,9 +77,245 @@ def pretrain_main(argv=None) -> int:
     return 0
 
 
+# --- Step 1b and Step 2: the model comes from an earlier run, only some fields may change ---------
+
+# ModelConfig fields that Steps 1b and 2 may set; the architecture itself is the source model's.
+_LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "hidden_dropout",
+                  "attention_dropout", "attention_impl")
+
+
+def _common_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...]) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="training schedule "
+                   "(the model's shape comes from the source run)")
+    p.add_argument("--output_dir", required=True, help="run directory: checkpoints, logs, tokenizer, data")
+    p.add_argument("--ds_config", default=str(DEFAULT_DS_CONFIG), help="DeepSpeed JSON (ZeRO stage, precision)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_dataclass_args(p, ModelConfig, only=model_fields)
+    add_dataclass_args(p, TrainConfig)
+
+
+def _source_tag(run_dir: Path, tag: str | None) -> str:
+    from mmadapt import checkpoint
+
+    tags = checkpoint.complete_tags(run_dir / "checkpoints")
+    if tag is not None and tag not in tags:
+        raise ValueError(f"{run_dir} has no complete checkpoint {tag}; it has {', '.join(tags)}")
+    return tag or tags[-1]
+
+
+def minipost_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="build_minipost", description="Step 1b (MINIPOST): copy the bottom "
+                                "N layers, embeddings and MLM head of a pretrained model, insert K new "
+                                "layers and train only those with source-language MLM.")
+    p.add_argument("--primary", required=True, help="the pretrain run directory of the primary model")
+    p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
+    p.add_argument("--mini_layers", type=int, default=4, help="N: bottom layers copied (paper: 4)")
+    p.add_argument("--new_layers", type=int, default=2, help="K: new layers trained on top (paper: 2)")
+    p.add_argument("--corpus", help="source-language corpus (default: the primary run's corpus)")
+    _common_args(p, _LAYOUT_FIELDS)
+    return p
+
+
+def minipost_main(argv=None) -> int:
+    args = minipost_parser().parse_args(argv)
+    from mmadapt.adapt import load_model, minipost_layout, minipost_trainable, read_run
+    from mmadapt.train import Job, RunPaths, run
+
+    try:
+        primary = Path(args.primary).resolve()
+        src = read_run(primary)
+        tag = _source_tag(primary, args.primary_tag)
+        cfg, _ = minipost_layout(ModelConfig(**src["model"]), {}, args.mini_layers, args.new_layers)
+        model, train = override(cfg, args), override(PRESETS[args.preset][1], args)
+        paths = RunPaths(output_dir=Path(args.output_dir), corpus=resolve_corpus(args.corpus or src["corpus"]),
+                         ds_config=Path(args.ds_config), tokenizer=primary / "tokenizer" / "spm.model")
+
+        def init(_tokenizer: Path) -> dict:
+            return minipost_layout(*load_model(primary, tag), args.mini_layers, args.new_layers)[1]
+
+        job = Job(step="minipost", recipe="minipost", trainable=minipost_trainable(args.mini_layers, args.new_layers),
+                  init=init, trainable_layers=args.new_layers,
+                  frozen_from={"run_dir": str(primary), "tag": tag, "mini_layers": args.mini_layers,
+                               "new_layers": args.new_layers})
+        rows = run(model, train, paths, job, resume=args.resume)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if rows:
+        print(f"done: {model.num_layers}-layer mini-model, step {rows[-1]['step']}, loss {rows[0]['loss']:.3f} -> "
+              f"{rows[-1]['loss']:.3f}; run in {args.output_dir}")
+    return 0
+
+
+def adapt_parser() -> argparse.ArgumentParser:
+    from mmadapt.adapt import SYSTEMS
+
+    p = argparse.ArgumentParser(prog="adapt", description="Step 2: learn a new language's embeddings "
+                                "(tied with the output projection) by MLM over a frozen model.")
+    p.add_argument("--system", choices=SYSTEMS, required=True, help="minijoint/minipost: over the "
+                   "mini-model; bl_base: over the full primary model; bl_small: over the 4-layer model")
+    p.add_argument("--source", required=True, help="the run to adapt: a pretrain run (bl_base, bl_small, "
+                   "minijoint) or a build_minipost run (minipost)")
+    p.add_argument("--source_tag", help="its checkpoint to use (default: the newest complete one)")
+    p.add_argument("--lang", required=True, help="target language code, recorded with the embeddings")
+    p.add_argument("--corpus", help="target-language corpus (default: bible:<lang>, the packaged Bible)")
+    p.add_argument("--tokenizer", help="an existing target-language SentencePiece .model (default: train "
+                   "one with --vocab_size pieces on the corpus)")
+    _common_args(p, _LAYOUT_FIELDS + ("vocab_size",))
+    return p
+
+
+def adapt_main(argv=None) -> int:
+    args = adapt_parser().parse_args(argv)
+    import torch
+
+    from mmadapt import adapt as A
+    from mmadapt.checkpoint import load_full_state_dict
+    from mmadapt.flops import adapt_flops, device_days
+    from mmadapt.model import derive_seed
+    from mmadapt.train import Job, RunPaths, run
+
+    try:
+        source = Path(args.source).resolve()
+        src = A.read_run(source)
+        if src.get("recipe") not in A.SOURCE_RECIPES[args.system]:
+            raise ValueError(f"--system {args.system} adapts a run with recipe "
+                             f"{' or '.join(A.SOURCE_RECIPES[args.system])}, but {source} has recipe "
+                             f"{src.get('recipe')}")
+        tag = _source_tag(source, args.source_tag)
+        src_cfg = ModelConfig(**src["model"])
+        body_cfg, _ = A.adapt_body(args.system, src_cfg, {})
+        model, train = override(body_cfg, args), override(PRESETS[args.preset][1], args)
+        out = Path(args.output_dir)
+        paths = RunPaths(output_dir=out, corpus=resolve_corpus(args.corpus or f"bible:{args.lang}"),
+                         ds_config=Path(args.ds_config), tokenizer=Path(args.tokenizer) if args.tokenizer else None)
+        info = {"system": args.system, "lang": args.lang}
+
+        def init(tokenizer: Path) -> dict:
+            _, body = A.adapt_body(args.system, *A.load_model(source, tag))
+            weight, bias, shared = A.overlap_init(
+                A.tokenizer_pieces(source / "tokenizer" / "spm.model"), body[A.WORD], body[A.BIAS],
+                A.tokenizer_pieces(tokenizer), std=model.init_method_std,
+                seed=derive_seed(train.seed, f"embeddings.{args.lang}"))
+            info.update(shared_pieces=shared, target_vocab_size=model.vocab_size)
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"new {args.lang} embeddings: {shared} of {model.vocab_size} pieces copied from the "
+                      f"source vocabulary, {model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
+            return {**body, A.WORD: weight, A.BIAS: bias}
+
+        seq_flops = {p: adapt_flops(model, train.seq_length, train.mask_prob, paper=p) for p in (False, True)}
+        global_batch = None
+
+        def on_save(step: int, ckpt_tag: str) -> None:
+            nonlocal global_batch
+            import torch.distributed as dist
+
+            if global_batch is None:
+                global_batch = (train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps *
+                                dist.get_world_size() // (model.tensor_model_parallel_size *
+                                                          model.pipeline_model_parallel_size))
+            sd = load_full_state_dict(paths.checkpoints, ckpt_tag)
+            flops = seq_flops[False] * global_batch * step
+            meta = {"system": args.system, "lang": args.lang, "step": step, "source": str(source),
+                    "source_tag": tag, "mini_layers": model.num_layers, "hidden_size": model.hidden_size,
+                    "vocab_size": model.vocab_size, "shared_pieces": info.get("shared_pieces"),
+                    "global_batch": global_batch, "seq_length": train.seq_length,
+                    "tokens": global_batch * train.seq_length * step, "flops": flops,
+                    "flops_paper": seq_flops[True] * global_batch * step, "v100_days": device_days(flops)}
+            A.write_artifact(out / "embeddings" / ckpt_tag, sd[A.WORD].to(torch.float32),
+                             sd[A.BIAS].to(torch.float32), out / "tokenizer" / "spm.model", meta)
+
+        job = Job(step="adapt", recipe=args.system, trainable=A.ADAPT_TRAINABLE, init=init, info=info,
+                  on_save=on_save, frozen_from={"run_dir": str(source), "tag": tag, "system": args.system})
+        rows = run(model, train, paths, job, resume=args.resume)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if rows:
+        print(f"done: {args.system} {args.lang} embeddings over {model.num_layers} layers, step {rows[-1]['step']}, "
+              f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; artifacts in {out / 'embeddings'}")
+    return 0
+
+
+# --- compute and results reports ---------------------------------------------------------------------
+
+def flops_main(argv=None) -> int:
+    import json
+
+    from mmadapt.flops import DEVICE_TFLOPS
+    from mmadapt.report import PAPER, flops_rows, format_flops_table, paper_rows
+
+    p = argparse.ArgumentParser(prog="mmadapt flops", description="Training cost of every step of every "
+                                "system (paper Appendix A.1: A1, A3, A4) and the exact counts.")
+    p.add_argument("--paper", action="store_true", help="the paper's settings (RoBERTa-base, U=125,000, B=2048, "
+                   "s=512, V=50,000, p=0.15), printed as JSON")
+    p.add_argument("--json", action="store_true", help="JSON rows instead of a table")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="roberta-base", help="model shape and schedule")
+    p.add_argument("--global_batch", type=int, help="sequences per update B (default: the paper's 2048 for "
+                   "roberta-base, else micro-batch x accumulation of the preset on one rank)")
+    p.add_argument("--mini_layers", type=int, default=4, help="N: mini-model depth")
+    p.add_argument("--new_layers", type=int, default=2, help="K: MINIPOST's new layers")
+    p.add_argument("--device", choices=sorted(DEVICE_TFLOPS), default="v100-paper",
+                   help="throughput for the device-days of the exact count")
+    add_dataclass_args(p, ModelConfig, only=("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                                             "vocab_size"))
+    add_dataclass_args(p, TrainConfig, only=("seq_length", "train_iters", "mask_prob"))
+    args = p.parse_args(argv)
+    try:
+        if args.paper:
+            rows = paper_rows()
+        else:
+            model, train = PRESETS[args.preset]
+            model, train = override(model, args), override(train, args)
+            model = ModelConfig(**{**vars(model), "head_layers": None}).validate()
+            batch = args.global_batch or (PAPER["global_batch"] if args.preset == "roberta-base" else
+                                          train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps)
+            rows = flops_rows(model, train.train_iters, batch, train.seq_length, train.mask_prob,
+                              args.mini_layers, args.new_layers, args.device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=1) if args.json or args.paper else format_flops_table(rows))
+    return 0
+
+
+def report_main(argv=None) -> int:
+    import json
+
+    from mmadapt.report import report_markdown
+
+    p = argparse.ArgumentParser(prog="mmadapt report", description="Evaluation results (Step 4 JSON) -> "
+                                "final scores with retention and days to near-maximal performance.")
+    p.add_argument("results", nargs="+", help="JSON files, each a list of {system, task, lang, step, flops, score}")
+    p.add_argument("--output", help="also write the markdown here")
+    p.add_argument("--device", default="v100-paper", help="device whose days are reported")
+    args = p.parse_args(argv)
+    try:
+        records = []
+        for f in args.results:
+            try:
+                records += json.loads(Path(f).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"cannot read results file {f}: {e}") from None
+        missing = [k for k in ("system", "task", "lang", "flops", "score") for r in records[:1] if k not in r]
+        if not records or missing:
+            raise ValueError(f"{args.results[0]} holds no result records"
+                             + (f" (a record lacks {missing[0]!r})" if missing else ""))
+        md = report_markdown(records, device=args.device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(md)
+    if args.output:
+        Path(args.output).write_text(md + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"pretrain": pretrain_main}
+    commands = {"pretrain": pretrain_main, "build_minipost": minipost_main, "adapt": adapt_main,
+                "flops": flops_main, "report": report_main}
     if not argv or argv[0] not in commands:
         print(f"usage: mmadapt {{{','.join(commands)}}} ...", file=sys.stderr)
         return 2

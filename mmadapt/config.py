@@ -100,6 +100,8 @@ class TrainConfig:
     mask_prob: float = _f(0.15, "fraction p of tokens selected for MLM")
     log_interval: int = _f(10, "updates between TensorBoard/console logs")
     save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
+    extra_save_steps: tuple = _f((), "more update counts to checkpoint at (Step 2: the paper adds "
+                                 "1000 2000 3000 4000 to every 5000 for fast-adapting languages)")
     exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off); "
                             "for jobs that must end before a scheduler's time limit")
 
@@ -163,14 +165,17 @@ def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int = 4) -> Model
 
 # --- CLI glue: fields become flags ------------------------------------------------------------
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
-    """Add one `--name` flag per field of `cls`; unset flags stay None (the preset decides)."""
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ...] | None = None) -> None:
+    """Add one `--name` flag per field of `cls` (or per field named in `only`); unset flags stay
+    None (the preset, or the model being adapted, decides)."""
     group = parser.add_argument_group(cls.__name__)
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
         kind = hints[f.name]
         kw: dict[str, Any] = dict(default=None, help=f"{f.metadata['help']} (preset default: {f.default})")
-        if f.name == "head_layers":
+        if f.name in ("head_layers", "extra_save_steps"):
             kw.update(type=int, nargs="+")
         elif kind in (int, float, str):
             kw.update(type=kind)
@@ -183,8 +188,9 @@ def override(cfg, args: argparse.Namespace):
     """Copy of `cfg` with every field that `args` sets (not None) replaced."""
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(cfg)
                if getattr(args, f.name, None) is not None}
-    if "head_layers" in changes:
-        changes["head_layers"] = tuple(changes["head_layers"])
+    for name in ("head_layers", "extra_save_steps"):
+        if name in changes:
+            changes[name] = tuple(changes[name])
     return dataclasses.replace(cfg, **changes)
 
 

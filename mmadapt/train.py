@@ -1,9 +1,15 @@
-"""Step 1: pretrain a RoBERTa MLM (BL_BASE, BL_SMALL, MINIJOINT) through DeepSpeed's engine.
+"""The MLM training loop of Steps 1, 1b and 2, through DeepSpeed's engine.
 
-The training loop wraps the plain model (model.py) or its pipeline form (pipeline.py) in a
-DeepSpeed engine; ZeRO stage and precision come from the JSON in ds_configs/, batch sizes and
-clipping from TrainConfig. `validate_run` checks everything a user can get wrong before any
-process group, file or directory is created.
+Step 1 (pretrain: BL_BASE, BL_SMALL, MINIJOINT) trains every parameter from a seeded init.
+Step 1b (MINIPOST) and Step 2 (new-language embeddings) start from given full weights and train
+only some parameters (`Job.trainable`): the others get requires_grad=False, so autograd computes
+no weight gradient for them, they are not handed to the optimizer (ZeRO shards and keeps state
+for the trainable ones only), and checkpoints leave them out (run.json says where they come from).
+
+The loop wraps the plain model (model.py) or its pipeline form (pipeline.py) in a DeepSpeed
+engine; ZeRO stage and precision come from the JSON in ds_configs/, batch sizes and clipping from
+TrainConfig. `validate_run` checks everything a user can get wrong before any process group, file
+or directory is created.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,9 +28,30 @@ import torch.distributed as dist
 from mmadapt import checkpoint, parallel
 from mmadapt.config import ModelConfig, TrainConfig, to_dict
 from mmadapt.data import MLMBatches, check_corpus, encode_corpus, load_tokenizer, train_tokenizer
-from mmadapt.flops import pretrain_step_flops
+from mmadapt.flops import step_flops
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+@dataclasses.dataclass
+class Job:
+    """What a run trains. Defaults: Step 1, every parameter, from the model's seeded init."""
+    step: str = "pretrain"  # one of flops.STEPS: the FLOP count logged, the progress-bar label
+    recipe: str = "custom"  # recorded in run.json
+    # RobertaMLM parameter names, or name prefixes ending in ".", that are trained (None: all).
+    trainable: tuple[str, ...] | None = None
+    # Called on every rank with the run's tokenizer; returns full weights (RobertaMLM names) to
+    # start from. Trainable parameters it omits keep the model's seeded init (MINIPOST's new layers).
+    init: Callable[[Path], dict] | None = None
+    frozen_from: dict | None = None  # where the frozen weights come from (run.json)
+    info: dict = dataclasses.field(default_factory=dict)  # more run.json entries
+    on_save: Callable[[int, str], None] | None = None  # rank 0, after each checkpoint: (step, tag)
+    trainable_layers: int = 0  # Step 1b: l_t, for its FLOP count
+
+    def is_trainable(self, name: str) -> bool:
+        if self.trainable is None:
+            return True
+        return any(name == t or (t.endswith(".") and name.startswith(t)) for t in self.trainable)
 
 
 @dataclasses.dataclass
@@ -126,13 +154,34 @@ def lr_lambda(train: TrainConfig):
     return f
 
 
-def build_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict):
+def _load_full_weights(module: torch.nn.Module, names: dict[str, str], state: dict[str, torch.Tensor],
+                       job: Job) -> None:
+    """Copy this rank's slice of full weights into `module` (names: module name -> full name)."""
+    tp, rank = parallel.tp_world(), parallel.tp_rank()
+    for n, p in module.named_parameters():
+        full = state.get(names[n])
+        if full is None:
+            if not job.is_trainable(names[n]):
+                raise ValueError(f"the starting weights lack {names[n]}, which this run keeps frozen")
+            continue
+        if getattr(p, "tensor_model_parallel", False) and tp > 1:
+            full = full.chunk(tp, dim=p.partition_dim)[rank]
+        if full.shape != p.shape:
+            raise ValueError(f"starting weight {names[n]} has shape {tuple(full.shape)}, the model "
+                             f"expects {tuple(p.shape)} on this rank")
+        with torch.no_grad():
+            p.copy_(full)
+
+
+def build_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict, job: Job | None = None,
+                 init_state: dict | None = None):
     """-> (engine, is_pipeline, tp_partition_dims). parallel.init_parallel must have run."""
     import deepspeed
 
     from mmadapt.model import RobertaMLM
     from mmadapt.pipeline import pipeline_param_name, to_pipeline
 
+    job = job or Job()
     is_pipe = model_cfg.pipeline_model_parallel_size > 1
     if is_pipe:
         module = to_pipeline(model_cfg, train.seed, parallel.dp_world())
@@ -140,14 +189,30 @@ def build_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict):
     else:
         module = RobertaMLM(model_cfg, seed=train.seed)
         names = {n: n for n, _ in module.named_parameters()}
+    if init_state is not None:
+        _load_full_weights(module, names, init_state, job)
+    for n, p in module.named_parameters():
+        p.requires_grad_(job.is_trainable(names[n]))
     dims = {names[n]: p.partition_dim for n, p in module.named_parameters()
             if getattr(p, "tensor_model_parallel", False) and names[n] is not None}
     # Rank 0 writes the client state but holds only its own stage: merge every stage's dims.
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, dims)
     dims = {k: v for d in every for k, v in d.items()}
-    optimizer = torch.optim.AdamW(param_groups(module, train.weight_decay), lr=train.lr,
-                                  betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+    groups = param_groups(module, train.weight_decay)
+    for i, group in enumerate(groups):
+        if not group["params"]:
+            # A pipeline stage with nothing of this kind to train (all of a middle stage in
+            # Step 2). torch and DeepSpeed refuse empty parameter groups, and ZeRO all-reduces
+            # each group's gradient norm across the stages, so every stage needs the same
+            # groups: give this one a scalar that no forward uses. Its gradient is zero and
+            # weight decay of a zero is zero, so AdamW leaves it at 0.
+            # It belongs to no pipeline layer, so no checkpoint layer file holds it.
+            placeholder = torch.nn.Parameter(torch.zeros(1, device=parallel.device()))
+            module.register_parameter(f"empty_group_placeholder_{i}", placeholder)
+            group["params"] = [placeholder]
+    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
+                                  eps=train.adam_eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, mpu=None if is_pipe else parallel.DeepSpeedMPU())
@@ -186,29 +251,40 @@ def train_step(engine, is_pipe: bool, batches, num_heads: int) -> torch.Tensor:
 def pretrain(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, resume: bool = False,
              recipe: str = "custom") -> list[dict]:
     """Run Step 1. Returns the metrics of this invocation (rank 0; empty on other ranks)."""
+    return run(model_cfg, train, paths, Job(recipe=recipe), resume)
+
+
+def run(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, job: Job, resume: bool = False) -> list[dict]:
+    """Train `job`. Returns the metrics of this invocation (rank 0; empty on other ranks)."""
     ds_config = validate_run(model_cfg, train, paths, resume)
     parallel.init_parallel(model_cfg.tensor_model_parallel_size, model_cfg.pipeline_model_parallel_size)
     rank = dist.get_rank()
+    run_info = {"step": job.step, "recipe": job.recipe, "model": to_dict(model_cfg), "train": to_dict(train),
+                "corpus": str(paths.corpus), "ds_config": ds_config, "frozen_from": job.frozen_from,
+                "trainable": list(job.trainable) if job.trainable is not None else None, **job.info}
     if rank == 0:
         paths.output_dir.mkdir(parents=True, exist_ok=True)
-        run = {"recipe": recipe, "model": to_dict(model_cfg), "train": to_dict(train),
-               "corpus": str(paths.corpus), "ds_config": ds_config}
-        (paths.output_dir / "run.json").write_text(json.dumps(run, indent=2))
+        (paths.output_dir / "run.json").write_text(json.dumps(run_info, indent=2))
     dist.barrier()
-    _tok, data_dir = prepare_data(model_cfg, train, paths)
+    tok, data_dir = prepare_data(model_cfg, train, paths)
+    init_state = job.init(tok) if job.init is not None else None
     parallel.seed_everything(train.seed)
-    engine, is_pipe, dims = build_engine(model_cfg, train, ds_config)
-    if rank == 0 and is_pipe:  # record which stage owns what (layer list: pipeline.py docstring)
-        run["pipeline_parts"] = [int(x) for x in engine.module.parts]
-        (paths.output_dir / "run.json").write_text(json.dumps(run, indent=2))
+    engine, is_pipe, dims = build_engine(model_cfg, train, ds_config, job, init_state)
+    del init_state
+    if rank == 0:  # what the job learnt while starting (e.g. shared pieces), and for pipelines
+        run_info.update(job.info)  # which stage owns what (layer list: pipeline.py docstring)
+        if is_pipe:
+            run_info["pipeline_parts"] = [int(x) for x in engine.module.parts]
+        (paths.output_dir / "run.json").write_text(json.dumps(run_info, indent=2))
     batches = MLMBatches(data_dir, train.seq_length, model_cfg.vocab_size, train.seed, train.mask_prob,
                          train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps,
                          parallel.dp_rank(), parallel.dp_world())
 
+    partial = job.trainable is not None  # checkpoints hold only the trained parameters
     start = 0
     tag = checkpoint.latest_tag(paths.checkpoints) if resume else None
     if tag is not None:
-        start = checkpoint.load(engine, paths.checkpoints, tag)["step"]
+        start = checkpoint.load(engine, paths.checkpoints, tag, strict=not partial)["step"]
     metrics_file = paths.output_dir / "metrics.jsonl"
     if rank == 0:  # drop metrics of steps after the checkpoint we resume from
         kept = [l for l in (metrics_file.read_text().splitlines() if metrics_file.is_file() and start else [])
@@ -222,9 +298,10 @@ def pretrain(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, resume
         writer = SummaryWriter(str(paths.output_dir / "tensorboard"), purge_step=start + 1 if start else None)
     from tqdm import tqdm
 
-    bar = tqdm(total=train.train_iters, initial=start, disable=rank != 0, desc="pretrain", unit="upd",
+    bar = tqdm(total=train.train_iters, initial=start, disable=rank != 0, desc=job.step, unit="upd",
                mininterval=2.0)
-    step_flops = pretrain_step_flops(model_cfg, batches.global_batch, train.seq_length, train.mask_prob)
+    update_flops = batches.global_batch * step_flops(job.step, model_cfg, train.seq_length, train.mask_prob,
+                                                     trainable_layers=job.trainable_layers)
     tokens_per_step = batches.global_batch * train.seq_length
     client = {"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}
     out, t_last, steps_since = [], time.perf_counter(), 0
@@ -237,7 +314,7 @@ def pretrain(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, resume
             row = {"step": done, "loss": per_head.mean().item(),
                    "head_losses": {str(l): v for l, v in zip(model_cfg.head_layers, per_head.tolist())},
                    "lr": engine.get_lr()[0], "tokens_per_s": tokens_per_step / dt,
-                   "flops_per_s": step_flops / dt}
+                   "flops_per_s": update_flops / dt, "flops_total": update_flops * done}
             if rank == 0:
                 out.append(row)
                 with open(metrics_file, "a") as f:
@@ -252,8 +329,11 @@ def pretrain(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, resume
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
         bar.update(1)
         exiting = train.exit_interval > 0 and done % train.exit_interval == 0
-        if done % train.save_interval == 0 or done == train.train_iters or exiting:
-            checkpoint.save(engine, paths.checkpoints, done, client)
+        if (done % train.save_interval == 0 or done in train.extra_save_steps or done == train.train_iters
+                or exiting):
+            tag = checkpoint.save(engine, paths.checkpoints, done, client, exclude_frozen=partial)
+            if rank == 0 and job.on_save is not None:
+                job.on_save(done, tag)
         if exiting:
             break
     bar.close()

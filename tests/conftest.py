@@ -14,6 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = str(REPO / "launch" / "pretrain.py")
+ADAPT = str(REPO / "launch" / "adapt.py")
+MINIPOST = str(REPO / "launch" / "build_minipost.py")
 VOCAB = 1000
 # Dropout off so that different parallel layouts must agree to rounding error.
 NO_DROPOUT = ["--hidden_dropout", "0", "--attention_dropout", "0"]
@@ -39,10 +41,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch_cmd(nproc: int, *args: str) -> list[str]:
+def launch_cmd(nproc: int, *args: str, script: str = PRETRAIN) -> list[str]:
     if nproc == 1:
-        return [sys.executable, PRETRAIN, *args]
-    return ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(_port()), PRETRAIN, *args]
+        return [sys.executable, script, *args]
+    return ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(_port()), script, *args]
 
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -56,12 +58,14 @@ def child_env(**extra: str) -> dict:
     return {**env, **extra}
 
 
-def run_pretrain(nproc: int, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run launch/pretrain.py in fresh processes; fail the test with the log on error."""
-    proc = subprocess.run(launch_cmd(nproc, *args), cwd=REPO, capture_output=True, text=True,
+def run_pretrain(nproc: int, *args: str, env: dict | None = None, timeout: int = 600,
+                 script: str = PRETRAIN) -> subprocess.CompletedProcess:
+    """Run a launch/ script (default pretrain.py) in fresh processes; fail the test with the log
+    on error."""
+    proc = subprocess.run(launch_cmd(nproc, *args, script=script), cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=child_env(**(env or {})))
     if proc.returncode != 0:
-        pytest.fail(f"pretrain exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"{Path(script).name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
@@ -72,3 +76,33 @@ def metrics(run_dir: Path) -> list[dict]:
 def base_args(corpus: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
     return ["--preset", "tiny", "--corpus", str(corpus), "--tokenizer", str(tokenizer), "--vocab_size", str(VOCAB),
             "--output_dir", str(out), *extra]
+
+
+@pytest.fixture(scope="session")
+def primary_run(corpus, tokenizer, tmp_path_factory) -> Path:
+    """A MINIJOINT primary model (heads after layers 4 and 12) pretrained for 150 updates: the
+    source of the mini-model and Step-2 tests (bl_base adapts its primary head)."""
+    out = tmp_path_factory.mktemp("primary")
+    run_pretrain(1, *base_args(corpus, tokenizer, out, "--recipe", "minijoint", "--train_iters", "150",
+                               "--save_interval", "150", "--log_interval", "50"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def de_corpus(tmp_path_factory) -> Path:
+    from mmadapt.corpora import write_bible_corpus
+
+    return write_bible_corpus("de", tmp_path_factory.mktemp("corpus_de") / "de.txt", books=range(1, 3))
+
+
+@pytest.fixture(scope="session")
+def de_tokenizer(de_corpus, tmp_path_factory) -> Path:
+    """One target tokenizer for every Step-2 run, so runs in different layouts see the same data."""
+    from mmadapt.data import train_tokenizer
+
+    return train_tokenizer(de_corpus, tmp_path_factory.mktemp("tok_de") / "spm", VOCAB)
+
+
+def adapt_args(system: str, source: Path, corpus: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
+    return ["--system", system, "--source", str(source), "--lang", "de", "--corpus", str(corpus),
+            "--tokenizer", str(tokenizer), "--vocab_size", str(VOCAB), "--output_dir", str(out), *extra]

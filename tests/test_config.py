@@ -52,3 +52,16 @@ def test_lr_schedule_warmup_then_linear_decay():
 
     f = lr_lambda(TrainConfig(train_iters=10, lr_warmup_iters=4))
     assert [round(f(s), 4) for s in range(11)] == [0.25, 0.5, 0.75, 1.0, 1.0, 0.8333, 0.6667, 0.5, 0.3333, 0.1667, 0.0]
+
+
+def test_num_layers_flag_sets_the_primary_depth_before_the_recipe():
+    from mmadapt.cli import configs_from_args, pretrain_parser
+
+    def cfg(*argv):
+        return configs_from_args(pretrain_parser().parse_args(["--corpus", "x", "--output_dir", "y", *argv]))[0]
+
+    assert cfg("--recipe", "minijoint", "--num_layers", "6").head_layers == (4, 6)
+    assert cfg("--recipe", "bl_base", "--num_layers", "24").head_layers == (24,)
+    small = cfg("--recipe", "bl_small", "--num_layers", "24", "--mini_layers", "3")
+    assert (small.num_layers, small.head_layers) == (3, (3,))
+    assert cfg("--recipe", "minijoint", "--head_layers", "2", "12").head_layers == (2, 12)

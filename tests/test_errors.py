@@ -93,3 +93,44 @@ def test_resume_with_a_different_model(capsys, args, tmp_path):
 def test_world_size_not_divisible(capsys, args, tmp_path, monkeypatch):
     monkeypatch.setitem(os.environ, "WORLD_SIZE", "3")
     expect_error(capsys, tmp_path / "run", args("--tensor_model_parallel_size", "2"), "3 ranks cannot hold")
+
+
+# --- Step 1b and Step 2 ------------------------------------------------------------------------
+
+def expect_cli_error(capsys, main, out: Path, argv: list[str], message: str):
+    before = snapshot(out)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
+    assert snapshot(out) == before
+
+
+def test_adapt_errors(capsys, primary_run, de_corpus, de_tokenizer, tmp_path):
+    from conftest import adapt_args
+    from mmadapt.cli import adapt_main
+
+    out = tmp_path / "adapt"
+    args = lambda system, source=primary_run, *extra: adapt_args(system, source, de_corpus, de_tokenizer, out, *extra)  # noqa: E731
+    expect_cli_error(capsys, adapt_main, out, args("minipost"), "--system minipost adapts a run with recipe minipost")
+    expect_cli_error(capsys, adapt_main, out, args("bl_small"), "but " + str(primary_run.resolve()) + " has recipe minijoint")
+    expect_cli_error(capsys, adapt_main, out, args("minijoint", tmp_path / "nowhere"), "is not an mmadapt run directory")
+    expect_cli_error(capsys, adapt_main, out, args("minijoint", primary_run, "--source_tag", "step00000007"),
+                     "has no complete checkpoint step00000007")
+    expect_cli_error(capsys, adapt_main, out, args("minijoint", primary_run, "--vocab_size", "999"),
+                     f"has {VOCAB} pieces but the model's vocab_size is 999")
+    expect_cli_error(capsys, adapt_main, out, args("minijoint", primary_run, "--tensor_model_parallel_size", "3"),
+                     "num_attention_heads 4 is not divisible by tensor_model_parallel_size 3")
+    # Step 2's output dir must not be the source run (it holds checkpoints).
+    expect_cli_error(capsys, adapt_main, primary_run,
+                     adapt_args("minijoint", primary_run, de_corpus, de_tokenizer, primary_run), "already holds checkpoints")
+
+
+def test_build_minipost_errors(capsys, primary_run, tmp_path):
+    from mmadapt.cli import minipost_main
+
+    out = tmp_path / "mp"
+    base = ["--primary", str(primary_run), "--output_dir", str(out)]
+    expect_cli_error(capsys, minipost_main, out, base + ["--mini_layers", "12"], "mini_layers 12 must be in 1..11")
+    expect_cli_error(capsys, minipost_main, out, base + ["--new_layers", "0"], "new_layers must be >= 1")
+    expect_cli_error(capsys, minipost_main, out, ["--primary", str(tmp_path), "--output_dir", str(out)],
+                     "is not an mmadapt run directory")

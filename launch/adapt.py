@@ -1,0 +1,19 @@
+"""Step 2: learn a target language's embeddings over a frozen model.
+
+    deepspeed --num_gpus 2 launch/adapt.py --system minijoint --source runs/minijoint \
+        --lang de --output_dir runs/adapt/minijoint-de
+    python launch/adapt.py ...               # one process, same flags
+
+The embeddings (and output bias) are saved under <output_dir>/embeddings/<tag>/ at every
+checkpoint (--save_interval, --extra_save_steps) for Step 4 to swap into the primary model.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mmadapt.cli import adapt_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(adapt_main())

@@ -1,0 +1,19 @@
+"""Step 1b (MINIPOST): build an (N + K)-layer mini-model aligned with a pretrained primary model.
+
+    deepspeed --num_gpus 2 launch/build_minipost.py --primary runs/bl_base --output_dir runs/minipost
+    python launch/build_minipost.py ...      # one process, same flags
+
+Copies the bottom N layers (--mini_layers, 4), the embeddings and the MLM head of the primary
+model, inserts K (--new_layers, 2) new layers under the head and trains only those with the
+primary's own source corpus and tokenizer. TrainConfig flags set the schedule.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mmadapt.cli import minipost_main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(minipost_main())

@@ -1,0 +1,177 @@
+"""Compute tables (the paper's Table 2 costs, A1/A3/A4) and time to near-maximal performance.
+
+Evaluation results, as Step 4 writes them and `mmadapt report` reads them, are JSON lists of
+records: {"system", "task", "lang", "step", "flops", "score"}: one per evaluated Step-2
+checkpoint, `flops` being the Step-2 compute spent up to that checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+
+from mmadapt.config import PRESETS, ModelConfig, apply_recipe
+from mmadapt.flops import (DEVICE_TFLOPS, adapt_flops, device_days, mini_config, minipost_flops, pretrain_flops,
+                           total_flops)
+
+# Paper section 3: 125k updates of 2048 sequences of 512 tokens, V = 50k, p = 0.15.
+PAPER = {"updates": 125_000, "global_batch": 2048, "seq_length": 512, "mask_prob": 0.15}
+NEAR_MAX = 0.95  # section 4.2: target = 95% of BL_BASE's final score for the language and task
+
+
+# --- compute --------------------------------------------------------------------------------
+
+def flops_rows(model: ModelConfig, updates: int, global_batch: int, seq_length: int, mask_prob: float,
+               mini_layers: int = 4, new_layers: int = 2, device: str = "v100-paper") -> list[dict]:
+    """Cost of every step of every system for a primary model `model` (its num_layers = l).
+
+    Rows: system, step, num_layers, eflops_paper, eflops_exact, v100_days (paper count at the
+    paper's 30 TFLOP/s, as its tables), device, days_exact (exact count at `device`'s rate).
+    """
+    s, p, l = seq_length, mask_prob, model.num_layers
+    base = dataclasses.replace(model, head_layers=(l,))
+    steps = [
+        ("bl_base", "pretrain", l, lambda paper: pretrain_flops(apply_recipe(base, "bl_base"), s, p, paper)),
+        ("minijoint", "pretrain", l,
+         lambda paper: pretrain_flops(apply_recipe(base, "minijoint", mini_layers), s, p, paper)),
+        ("bl_small", "pretrain", mini_layers,
+         lambda paper: pretrain_flops(apply_recipe(base, "bl_small", mini_layers), s, p, paper)),
+        ("minipost", "minipost", mini_layers + new_layers,
+         lambda paper: minipost_flops(mini_config(base, mini_layers + new_layers), s, p, new_layers, paper)),
+        ("bl_base", "adapt", l, lambda paper: adapt_flops(mini_config(base, l), s, p, paper)),
+        ("minipost", "adapt", mini_layers + new_layers,
+         lambda paper: adapt_flops(mini_config(base, mini_layers + new_layers), s, p, paper)),
+        ("minijoint", "adapt", mini_layers, lambda paper: adapt_flops(mini_config(base, mini_layers), s, p, paper)),
+        ("bl_small", "adapt", mini_layers, lambda paper: adapt_flops(mini_config(base, mini_layers), s, p, paper)),
+    ]
+    rows = []
+    for system, step, layers, f in steps:
+        paper = total_flops(f(True), global_batch, updates)
+        exact = total_flops(f(False), global_batch, updates)
+        rows.append({"system": system, "step": step, "num_layers": layers, "eflops_paper": paper / 1e18,
+                     "eflops_exact": exact / 1e18, "v100_days": device_days(paper), "device": device,
+                     "days_exact": device_days(exact, device)})
+    return rows
+
+
+def paper_rows() -> list[dict]:
+    """`flops_rows` at the paper's settings (RoBERTa-base shape, V = 50,000)."""
+    return flops_rows(PRESETS["roberta-base"][0], PAPER["updates"], PAPER["global_batch"], PAPER["seq_length"],
+                      PAPER["mask_prob"])
+
+
+def format_flops_table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    width = {k: max(len(k), *(len(_fmt(r[k])) for r in rows)) for k in keys}
+    lines = ["  ".join(k.ljust(width[k]) for k in keys)]
+    lines += ["  ".join(_fmt(r[k]).ljust(width[k]) for k in keys) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+# --- time to near-maximal performance ----------------------------------------------------------
+
+@dataclasses.dataclass
+class Hit:
+    """When a curve first reaches a target: `estimate` by linear interpolation between the last
+    checkpoint below and the first at or above it; `lower`/`upper` are those two checkpoints'
+    compute (lower = 0 when the first checkpoint already reaches it, paper A.4). None: never."""
+    estimate: float
+    lower: float
+    upper: float
+
+
+def time_to_target(points: list[tuple[float, float]], target: float) -> Hit | None:
+    """points: (compute, score) per checkpoint, any order. Compute may be updates, FLOPs or
+    device-days; the result is in the same unit."""
+    pts = sorted(points)
+    prev = None
+    for x, y in pts:
+        if y >= target:
+            if prev is None:  # reached before the first checkpoint: its compute is the estimate
+                return Hit(estimate=x, lower=0.0, upper=x)
+            x0, y0 = prev
+            return Hit(estimate=x0 + (target - y0) / (y - y0) * (x - x0), lower=x0, upper=x)
+        prev = (x, y)
+    return None
+
+
+def near_max_target(baseline_final: float) -> float:
+    return NEAR_MAX * baseline_final
+
+
+def mean_speedup(baseline: dict[str, float | None], system: dict[str, float | None]) -> tuple[float | None, int]:
+    """Mean over languages of baseline_time / system_time (paper footnote 6: the mean of ratios,
+    not the ratio of means). Languages where either never reaches the target are left out;
+    returns (mean or None, number of languages averaged)."""
+    ratios = [baseline[k] / system[k] for k in baseline
+              if baseline.get(k) is not None and system.get(k) is not None and system[k] > 0]
+    return (sum(ratios) / len(ratios) if ratios else None), len(ratios)
+
+
+def retention(system_avg: dict[str, float], baseline_avg: dict[str, float]) -> float:
+    """Mean over tasks of system average / BL_BASE average (paper footnote 4)."""
+    return sum(system_avg[t] / baseline_avg[t] for t in baseline_avg) / len(baseline_avg)
+
+
+# --- evaluation results -> tables -------------------------------------------------------------------
+
+def curves(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[float, float]]]:
+    """(system, task, lang) -> [(flops, score)] sorted by compute."""
+    out = defaultdict(list)
+    for r in records:
+        out[(r["system"], r["task"], r["lang"])].append((float(r["flops"]), float(r["score"])))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def report_markdown(records: list[dict], baseline: str = "bl_base", device: str = "v100-paper") -> str:
+    """Table-2-style final scores with retention, and Table-3-style device-days to near-maximal
+    performance (estimate and lower-upper bounds) with the mean per-language speedup."""
+    cs = curves(records)
+    systems = sorted({k[0] for k in cs}, key=lambda s: (s != baseline, s))
+    tasks = sorted({k[1] for k in cs})
+    if baseline not in systems:
+        raise ValueError(f"the results hold no {baseline} runs: the near-maximal target is 95% of its final score")
+    out = []
+    for task in tasks:
+        langs = sorted({k[2] for k in cs if k[1] == task})
+        final = {(s, lang): cs[(s, task, lang)][-1][1] for s in systems for lang in langs if (s, task, lang) in cs}
+        out += [f"## {task}: score at the last checkpoint", "",
+                "| system | " + " | ".join(langs) + " | avg | retention |", "|---" * (len(langs) + 3) + "|"]
+        avg = {}
+        for s in systems:
+            vals = [final.get((s, lang)) for lang in langs]
+            got = [v for v in vals if v is not None]
+            avg[s] = sum(got) / len(got) if got else math.nan
+        for s in systems:
+            vals = [final.get((s, lang)) for lang in langs]
+            ret = avg[s] / avg[baseline] if avg[baseline] else math.nan
+            out.append(f"| {s} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in vals) +
+                       f" | {avg[s]:.1f} | {100 * ret:.1f}% |")
+        out += ["", f"## {task}: {device} days to near-maximal performance (95% of {baseline}'s final score)", "",
+                "| system | " + " | ".join(langs) + " | speedup |", "|---" * (len(langs) + 2) + "|"]
+        times = {}
+        for s in systems:
+            cells, times[s] = [], {}
+            for lang in langs:
+                if (s, task, lang) not in cs or (baseline, lang) not in final:
+                    cells.append("-")
+                    times[s][lang] = None
+                    continue
+                hit = time_to_target([(device_days(x, device), y) for x, y in cs[(s, task, lang)]],
+                                     near_max_target(final[(baseline, lang)]))
+                times[s][lang] = None if hit is None else hit.estimate
+                cells.append("∞" if hit is None else f"{hit.estimate:.3g} ({hit.lower:.3g}–{hit.upper:.3g})")
+            speed, n = mean_speedup(times[baseline], times[s])
+            cells.append("-" if speed is None else f"{speed:.2f}× ({n} langs)")
+            out.append(f"| {s} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+__all__ = ["DEVICE_TFLOPS", "PAPER", "Hit", "flops_rows", "paper_rows", "time_to_target", "mean_speedup",
+           "retention", "report_markdown"]

@@ -1,0 +1,250 @@
+"""Mini-models and Step 2: what is copied, what is frozen, what the optimizer holds, and that
+tensor/pipeline/data-parallel Step-2 runs equal a single process."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import ADAPT, MINIPOST, NO_DROPOUT, REPO, VOCAB, adapt_args, metrics, run_pretrain
+from mmadapt import adapt as A
+from mmadapt.config import PRESETS, ModelConfig
+from mmadapt.data import MLMBatches, encode_corpus
+from mmadapt.model import RobertaMLM
+from mmadapt.parallel import init_parallel
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    init_parallel(1, 1)
+
+
+def no_dropout(cfg: ModelConfig) -> ModelConfig:
+    return ModelConfig(**{**vars(cfg), "hidden_dropout": 0.0, "attention_dropout": 0.0})
+
+
+@pytest.fixture(scope="module")
+def de_data(de_corpus, de_tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("de_data")
+    encode_corpus(de_corpus, de_tokenizer, out, 64)
+    return out
+
+
+# --- pure functions ------------------------------------------------------------------------
+
+def test_overlap_init_copies_exactly_the_shared_pieces():
+    src = ["<pad>", "<unk>", "<s>", "</s>", "<mask>", "▁the", "▁and", "s", "▁of"]
+    trg = ["<pad>", "<unk>", "<s>", "</s>", "<mask>", "▁und", "s", "▁the", "▁der", "en"]
+    src_w = torch.arange(len(src) * 4, dtype=torch.float32).view(len(src), 4) + 1.0
+    src_b = torch.arange(len(src), dtype=torch.float32) + 100.0
+    w, b, shared = A.overlap_init(src, src_w, src_b, trg, std=0.02, seed=7)
+    assert shared == 7  # 5 special tokens, "s", "▁the"
+    copied = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 6: 7, 7: 5}  # target row -> source row
+    for t, s in copied.items():
+        assert torch.equal(w[t], src_w[s]) and b[t] == src_b[s]
+    for t in (5, 8, 9):  # "▁und", "▁der", "en": new, small, bias 0
+        assert b[t] == 0 and w[t].abs().max() < 0.2 and not any(torch.equal(w[t], r) for r in src_w)
+    w2, b2, _ = A.overlap_init(src, src_w, src_b, trg, std=0.02, seed=7)
+    assert torch.equal(w, w2) and torch.equal(b, b2)
+    w3, _, _ = A.overlap_init(src, src_w, src_b, trg, std=0.02, seed=8)
+    assert not torch.equal(w3[5], w[5])
+
+
+def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data):
+    cfg, state = A.load_model(primary_run)
+    assert cfg.head_layers == (4, 12)
+    full = RobertaMLM(no_dropout(cfg)).eval()
+    full.load_state_dict(state, strict=False)
+    mini_cfg, mini_state = A.extract_minijoint(cfg, state)
+    assert mini_cfg.num_layers == 4 and mini_cfg.head_layers == (4,)
+    assert not any(k.startswith(("layers.4.", "heads.heads.1.")) for k in mini_state)
+    mini = RobertaMLM(no_dropout(mini_cfg)).eval()
+    mini.load_state_dict(mini_state, strict=False)
+    batches = MLMBatches(primary_run / "data", 64, VOCAB, 5, 0.15, 8, 1)
+    with torch.no_grad():
+        for step in range(3):
+            ids, labels = batches.micro_batch(step, 0)
+            _, per_head = full(ids, labels)
+            loss, _ = mini(ids, labels)
+            assert loss.item() == per_head[0].item()  # the same computation, bit for bit
+            assert per_head[1].item() != per_head[0].item()
+
+
+# --- Step 2 in one process: frozen body, optimizer state --------------------------------------
+
+def _step2_engine(primary_run, de_tokenizer, system, ds_config):
+    from mmadapt.model import derive_seed
+    from mmadapt.train import Job, build_engine, load_ds_config
+
+    train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8)
+    body_cfg, body = A.adapt_body(system, *A.load_model(primary_run))
+    body_cfg = no_dropout(ModelConfig(**{**vars(body_cfg), "vocab_size": VOCAB}))
+    w, b, _ = A.overlap_init(A.tokenizer_pieces(primary_run / "tokenizer" / "spm.model"), body[A.WORD],
+                             body[A.BIAS], A.tokenizer_pieces(de_tokenizer), 0.02, derive_seed(1, "de"))
+    init = {**body, A.WORD: w, A.BIAS: b}
+    ds = load_ds_config(REPO / "ds_configs" / ds_config, train)
+    engine, _, _ = build_engine(body_cfg, train, ds, Job(step="adapt", trainable=A.ADAPT_TRAINABLE), init)
+    return engine, body_cfg, train, init
+
+
+@pytest.mark.parametrize("system, ds_config", [("minijoint", "zero2.json"), ("bl_base", "zero1.json")])
+def test_step2_trains_only_the_embeddings(primary_run, de_tokenizer, de_data, system, ds_config):
+    from mmadapt.train import train_step
+
+    engine, cfg, train, init = _step2_engine(primary_run, de_tokenizer, system, ds_config)
+    assert cfg.num_layers == (4 if system == "minijoint" else 12)
+    batches = MLMBatches(de_data, 64, VOCAB, 1, 0.15, 8, 1)
+    losses = [train_step(engine, False, batches.step_batches(s), 1).item() for s in range(STEPS)]
+    assert all(math.isfinite(x) for x in losses)
+    trained = dict(engine.module.named_parameters())
+    assert {n for n, p in trained.items() if p.requires_grad} == set(A.ADAPT_TRAINABLE)
+    for name, p in trained.items():
+        if name in A.ADAPT_TRAINABLE:
+            assert not torch.equal(p.detach(), init[name]), f"{name} did not change"
+        else:
+            assert torch.equal(p.detach(), init[name]), f"frozen {name} changed"
+            assert p.grad is None
+    # ZeRO keeps AdamW state for exactly the embedding [V, h] and the bias [V].
+    states = [s for s in engine.optimizer.optimizer.state.values()]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert sum(s[key].numel() for s in states) == VOCAB * cfg.hidden_size + VOCAB
+
+
+# --- Step 2 across ranks and layouts, against one process ---------------------------------------
+
+LAYOUTS = {
+    "zero2_dp2": ["--ds_config", "ds_configs/zero2.json", "--gradient_accumulation_steps", "1"],
+    "tp2": ["--tensor_model_parallel_size", "2", "--gradient_accumulation_steps", "2"],
+    "pp2": ["--pipeline_model_parallel_size", "2", "--gradient_accumulation_steps", "2"],
+}
+
+
+def _step2(primary_run, de_corpus, de_tokenizer, out, nproc, *extra):
+    run_pretrain(nproc, *adapt_args("minijoint", primary_run, de_corpus, de_tokenizer, out, "--train_iters",
+                                    str(STEPS), "--log_interval", "1", "--save_interval", str(STEPS),
+                                    "--train_micro_batch_size_per_gpu", "8", *NO_DROPOUT, *extra), script=ADAPT)
+    return out
+
+
+@pytest.fixture(scope="module")
+def step2_single(primary_run, de_corpus, de_tokenizer, tmp_path_factory):
+    return _step2(primary_run, de_corpus, de_tokenizer, tmp_path_factory.mktemp("step2_single"), 1,
+                  "--ds_config", "ds_configs/zero0.json", "--gradient_accumulation_steps", "2")
+
+
+def _artifact(run):
+    tensors, tok, meta = A.read_artifact(run / "embeddings" / f"step{STEPS:08d}")
+    return tensors, tok, meta
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_step2_layout_matches_single_process(layout, step2_single, primary_run, de_corpus, de_tokenizer, tmp_path):
+    run = _step2(primary_run, de_corpus, de_tokenizer, tmp_path / layout, 2, *LAYOUTS[layout])
+    ref, got = metrics(step2_single), metrics(run)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    (ref_t, _, ref_meta), (got_t, tok, meta) = _artifact(step2_single), _artifact(run)
+    for k in ("word_embeddings", "output_bias"):
+        torch.testing.assert_close(got_t[k], ref_t[k], rtol=1e-5, atol=1e-6)
+    assert got_t["word_embeddings"].shape == (VOCAB, 64)
+    assert tok.read_bytes() == de_tokenizer.read_bytes()
+    assert meta["flops"] == ref_meta["flops"] and meta["global_batch"] == 16 and meta["mini_layers"] == 4
+    ckpt = run / "checkpoints" / f"step{STEPS:08d}"
+    if layout == "zero2_dp2":
+        # Checkpoints hold only what Step 2 trains; the optimizer state is split across the 2 ranks.
+        module = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+        assert {k for k, v in module.items() if v is not None} == set(A.ADAPT_TRAINABLE)
+        for rank in (0, 1):
+            opt = torch.load(ckpt / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)
+            state = opt["optimizer_state_dict"]["base_optimizer_state"]["state"]
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert sorted(s[key].numel() for s in state.values()) == [VOCAB // 2, VOCAB * 64 // 2]
+    run_json = json.loads((run / "run.json").read_text())
+    assert run_json["frozen_from"]["run_dir"] == str(primary_run.resolve())
+    assert run_json["shared_pieces"] > 5
+
+
+def test_step2_with_a_stage_that_trains_nothing(primary_run, de_corpus, de_tokenizer, step2_single, tmp_path):
+    """Pipeline 4 over the 4-layer mini-model: the two middle stages hold only frozen layers."""
+    run = _step2(primary_run, de_corpus, de_tokenizer, tmp_path / "pp4", 4, "--pipeline_model_parallel_size", "4",
+                 "--gradient_accumulation_steps", "2")
+    for a, b in zip(metrics(step2_single), metrics(run)):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    torch.testing.assert_close(_artifact(run)[0]["word_embeddings"], _artifact(step2_single)[0]["word_embeddings"],
+                               rtol=1e-5, atol=1e-6)
+
+
+# --- MINIPOST Step 1b ------------------------------------------------------------------------------
+
+def _eval_loss(cfg, state, data_dir, vocab):
+    model = RobertaMLM(no_dropout(cfg)).eval()
+    model.load_state_dict(state, strict=False)
+    batches = MLMBatches(data_dir, 64, vocab, 99, 0.15, 16, 1)
+    with torch.no_grad():  # the same 10 held-back masked batches every time
+        return sum(model(*batches.micro_batch(1000 + i, 0))[0].item() for i in range(10)) / 10
+
+
+N, K = 4, 2  # the paper's MINIPOST: bottom 4 layers + 2 new ones
+
+
+@pytest.fixture(scope="module")
+def minipost_run(primary_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("minipost")
+    run_pretrain(1, "--primary", str(primary_run), "--output_dir", str(out), "--train_iters", "20",
+                 "--save_interval", "20", "--log_interval", "10", script=MINIPOST)
+    return out
+
+
+def test_minipost_copies_and_freezes(primary_run, minipost_run):
+    src_cfg, src = A.load_model(primary_run)
+    cfg, state = A.load_model(minipost_run)
+    assert cfg.num_layers == N + K and cfg.head_layers == (N + K,)
+    new = A.minipost_trainable(N, K)
+    # The checkpoint holds only the new layers; the rest is the primary's, bit for bit.
+    own = torch.load(minipost_run / "checkpoints" / "step00000020" / "mp_rank_00_model_states.pt",
+                     weights_only=False)["module"]
+    assert {k for k, v in own.items() if v is not None} == {k for k in state if k.startswith(new)}
+    for name, value in state.items():
+        if not name.startswith(new):
+            source = name.replace("heads.heads.0.", "heads.heads.1.")  # the primary (layer-12) head
+            assert torch.equal(value, src[source]), name
+    _, init = A.minipost_layout(src_cfg, src, N, K)
+    start = {**RobertaMLM(cfg, seed=1234).state_dict(), **init}  # Step 1b's seeded new layers
+    for name in state:
+        if name.startswith(new) and name.endswith("weight") and "layernorm" not in name:
+            assert not torch.equal(state[name], start[name]), f"{name} did not train"
+
+
+def test_minipost_new_layers_learn(primary_run, de_data):
+    """Step 1b's engine fits a fixed set of batches: the loss falls at every update. (The tiny
+    primary is too weak for a drop on held-out text to be a reliable signal: its bottom 4 layers
+    feed its head about as well as all 12 do.)"""
+    from mmadapt.train import Job, build_engine, load_ds_config, train_step
+
+    src_cfg, src = A.load_model(primary_run)
+    cfg, init = A.minipost_layout(src_cfg, src, N, K)
+    cfg = no_dropout(cfg)
+    train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8, lr=1e-3, lr_warmup_iters=1)
+    ds = load_ds_config(REPO / "ds_configs" / "zero1.json", train)
+    job = Job(step="minipost", trainable=A.minipost_trainable(N, K), trainable_layers=K)
+    engine, _, _ = build_engine(cfg, train, ds, job, init)
+    batches = MLMBatches(primary_run / "data", 64, VOCAB, 3, 0.15, 8, 1).step_batches(0)
+    losses = [train_step(engine, False, batches, 1).item() for _ in range(25)]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.1, losses
+    for name, p in engine.module.named_parameters():
+        if not name.startswith(job.trainable):
+            assert torch.equal(p.detach(), init[name]), f"frozen {name} changed"
+
+
+def test_step2_over_the_minipost_mini_model(minipost_run, de_corpus, de_tokenizer, tmp_path):
+    run = tmp_path / "adapt"
+    run_pretrain(1, *adapt_args("minipost", minipost_run, de_corpus, de_tokenizer, run, "--train_iters", "2",
+                                "--save_interval", "1", "--log_interval", "1"), script=ADAPT)
+    tensors, _, meta = A.read_artifact(run / "embeddings" / "step00000002")
+    assert meta["mini_layers"] == N + K and tensors["word_embeddings"].shape == (VOCAB, 64)
+    assert (run / "embeddings" / "step00000001" / "embeddings.pt").is_file()

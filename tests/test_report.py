@@ -1,0 +1,80 @@
+"""Compute tables and near-maximal-performance metrics against the paper's worked examples."""
+
+import json
+
+import pytest
+
+from mmadapt.cli import flops_main, report_main
+from mmadapt.report import Hit, mean_speedup, paper_rows, report_markdown, retention, time_to_target
+
+
+def test_paper_rows_reproduce_the_paper(capsys):
+    assert flops_main(["--paper"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows == json.loads(json.dumps(paper_rows()))
+    assert all({"system", "step", "num_layers", "eflops_paper", "eflops_exact", "v100_days"} <= set(r) for r in rows)
+    by = {(r["system"], r["step"]): r for r in rows}
+    # Appendix A.1: Step 2 over 4 / 6 / 12 layers; Table 2's train cost in V100-days.
+    assert [round(by[(s, "adapt")]["eflops_paper"], 1) for s in ("minijoint", "minipost", "bl_base")] == [21.1, 29.3, 54.1]
+    assert [round(by[(s, "adapt")]["v100_days"], 1) for s in ("minijoint", "minipost", "bl_base")] == [8.1, 11.3, 20.9]
+    assert [round(by[(s, "pretrain")]["eflops_paper"], 1) for s in ("bl_small", "bl_base")] == [29.3, 78.8]
+    assert round(by[("minipost", "minipost")]["eflops_paper"], 1) == 21.6
+    assert [round(by[(s, "pretrain")]["v100_days"], 1) for s in ("bl_base", "minijoint")] == [30.4, 32.2]
+    # The exact Step-2 count is larger: attention products cost two products in the backward pass.
+    assert all(by[(s, "adapt")]["eflops_exact"] > by[(s, "adapt")]["eflops_paper"] for s in ("minijoint", "bl_base"))
+
+
+def test_flops_cli_for_any_model(capsys):
+    assert flops_main(["--json", "--num_layers", "24", "--hidden_size", "1024", "--num_attention_heads", "16",
+                       "--ffn_hidden_size", "4096", "--mini_layers", "6", "--train_iters", "1000"]) == 0
+    rows = {(r["system"], r["step"]): r for r in json.loads(capsys.readouterr().out)}
+    assert rows[("bl_base", "adapt")]["num_layers"] == 24 and rows[("minijoint", "adapt")]["num_layers"] == 6
+    # 48 U B s l h^2 (1 + s/4h + p/12l + pV/8hl), U = 1000, B = 2048, s = 512, V = 50k, l = 24, h = 1024
+    U, B, s, l, h, p, V = 1000, 2048, 512, 24, 1024, 0.15, 50_000
+    exact = 48 * U * B * s * l * h * h * (1 + s / (4 * h) + p / (12 * l) + p * V / (8 * h * l))
+    assert rows[("bl_base", "adapt")]["eflops_exact"] == pytest.approx(exact / 1e18)
+    assert flops_main(["--hidden_size", "100"]) == 2  # 100 not divisible by 12 heads
+    assert "not divisible" in capsys.readouterr().err
+
+
+def test_interpolation_example_from_the_paper():
+    # Section 3: 48% at 5,000 updates and 52% at 10,000 -> 50% reached at 7,500.
+    hit = time_to_target([(10_000, 52.0), (5_000, 48.0), (1_000, 30.0)], 50.0)
+    assert hit == Hit(estimate=7_500, lower=5_000, upper=10_000)
+    assert time_to_target([(5_000, 48.0), (10_000, 49.0)], 50.0) is None  # never reached
+    assert time_to_target([(1_000, 51.0), (2_000, 53.0)], 50.0) == Hit(1_000, 0.0, 1_000)  # before the first
+    assert time_to_target([(5_000, 48.0), (10_000, 50.0)], 50.0).estimate == 10_000  # reached exactly
+
+
+def test_speedup_is_the_mean_of_ratios_and_retention_as_footnote_4():
+    # Footnote 6: BL_BASE 2.5 days, MINIJOINT 1.0 -> 2.5x for that language.
+    base = {"ar": 2.5, "de": 4.0, "tr": 3.0, "zh": None}
+    mini = {"ar": 1.0, "de": 4.0, "tr": None, "zh": 1.0}
+    assert mean_speedup(base, mini) == (pytest.approx((2.5 + 1.0) / 2), 2)  # not 6.5 / 5.0
+    assert mean_speedup({"ar": None}, {"ar": 1.0}) == (None, 0)
+    # Footnote 4: (70.3/72.0 + 56.0/56.9 + 83.5/83.4) / 3 ~= 0.987
+    r = retention({"xnli": 70.3, "mlqa": 56.0, "pawsx": 83.5}, {"xnli": 72.0, "mlqa": 56.9, "pawsx": 83.4})
+    assert round(r, 3) == 0.987
+
+
+def test_report_from_results(tmp_path, capsys):
+    day = 2.592e18  # one V100-day at 30 TFLOP/s
+    records = [
+        # BL_BASE ends at 60 in de -> target 57; reached between day 2 (50) and day 4 (60) -> 3.4 days.
+        {"system": "bl_base", "task": "genre", "lang": "de", "step": 1, "flops": 2 * day, "score": 50.0},
+        {"system": "bl_base", "task": "genre", "lang": "de", "step": 2, "flops": 4 * day, "score": 60.0},
+        {"system": "minijoint", "task": "genre", "lang": "de", "step": 1, "flops": 1 * day, "score": 56.0},
+        {"system": "minijoint", "task": "genre", "lang": "de", "step": 2, "flops": 2 * day, "score": 58.0},
+    ]
+    md = report_markdown(records)
+    assert "| bl_base | 60.0 | 60.0 | 100.0% |" in md
+    assert "| minijoint | 58.0 | 58.0 | 96.7% |" in md
+    assert "| bl_base | 3.4 (2–4) | 1.00× (1 langs) |" in md
+    assert "| minijoint | 1.5 (1–2) | 2.27× (1 langs) |" in md
+    f = tmp_path / "results.json"
+    f.write_text(json.dumps(records))
+    assert report_main([str(f), "--output", str(tmp_path / "r.md")]) == 0
+    assert (tmp_path / "r.md").read_text().strip() == md.strip()
+    capsys.readouterr()
+    assert report_main([str(tmp_path / "missing.json")]) == 2
+    assert capsys.readouterr().err.startswith("error: cannot read results file")
