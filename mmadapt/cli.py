@@ -312,10 +312,16 @@ def report_main(argv=None) -> int:
     return 0
 
 
+def slurm_env_main(argv=None) -> int:
+    from mmadapt.slurm import main as slurm_main
+
+    return slurm_main(argv)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"pretrain": pretrain_main, "build_minipost": minipost_main, "adapt": adapt_main,
-                "flops": flops_main, "report": report_main}
+                "flops": flops_main, "report": report_main, "slurm-env": slurm_env_main}
     if not argv or argv[0] not in commands:
         print(f"usage: mmadapt {{{','.join(commands)}}} ...", file=sys.stderr)
         return 2

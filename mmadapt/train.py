@@ -121,10 +121,11 @@ def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume
 
 
 def prepare_data(model: ModelConfig, train: TrainConfig, paths: RunPaths) -> tuple[Path, Path]:
-    """Tokenizer and encoded blocks, made by one rank per node; files appear atomically."""
+    """Tokenizer and encoded blocks, made by global rank 0 while the others wait. Like DeepSpeed's
+    checkpoints, this assumes the output directory is on a file system all nodes share."""
     tok = paths.output_dir / "tokenizer" / "spm.model"
     data_dir = paths.output_dir / "data"
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+    if dist.get_rank() == 0:
         if paths.tokenizer is not None:
             if paths.tokenizer.resolve() != tok.resolve():
                 tok.parent.mkdir(parents=True, exist_ok=True)

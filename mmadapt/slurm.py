@@ -1,0 +1,178 @@
+"""From SLURM's environment to DeepSpeed's multi-node launch.
+
+mmadapt does not launch processes itself. On a SLURM cluster `srun` starts one task per node
+(see launch/slurm/*.sbatch), and on each node `mmadapt slurm-env -- <script> <args>` reads the
+job's environment, writes a DeepSpeed hostfile and replaces itself with
+
+    deepspeed --hostfile H --no_ssh --node_rank R --num_nodes N --num_gpus G \
+              --master_addr A --master_port P <script> <args>
+
+DeepSpeed's launcher then starts one rank per GPU on that node and torch.distributed
+rendezvouses at A:P. `--no_ssh` is what lets DeepSpeed's own launcher run under srun: no
+pdsh/ssh between nodes is needed (many clusters forbid it), and srun keeps its process
+tracking, accounting and clean-up of every rank.
+
+Variables read (SLURM sets them in every srun task):
+    SLURM_JOB_NODELIST (or SLURM_NODELIST)  compressed host list, e.g. gpu[01-03,07]
+    SLURM_NNODES (or SLURM_JOB_NUM_NODES)   number of nodes (checked against the list)
+    SLURM_NODEID                            this node's index in the list
+    SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE ("8" or "a100:8"): ranks per node
+    SLURM_JOB_ID                            picks a rendezvous port when MASTER_PORT is unset
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+from pathlib import Path
+
+PORT_BASE, PORT_SPAN = 20_000, 20_000  # rendezvous ports 20000-39999, one per job id
+
+
+def _split_top(s: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    parts, depth, cur = [], 0, ""
+    for ch in s:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in node list {s!r}")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise ValueError(f"unbalanced '[' in node list {s!r}")
+    parts.append(cur)
+    return [p for p in parts if p]
+
+
+def _expand_ranges(spec: str, nodelist: str) -> list[str]:
+    """'01-03,07' -> ['01', '02', '03', '07'] (zero padding kept)."""
+    out = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        if not m:
+            raise ValueError(f"cannot read range {item!r} in node list {nodelist!r}")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        if int(hi) < int(lo):
+            raise ValueError(f"range {item!r} runs backwards in node list {nodelist!r}")
+        width = len(lo) if lo.startswith("0") else 0
+        out += [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    return out
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list -> host names, in SLURM's order.
+    'gpu[01-03,07]' -> gpu01 gpu02 gpu03 gpu07; 'a1,b[2-3]' -> a1 b2 b3; 'r[1-2]-n[1-2]' -> r1-n1
+    r1-n2 r2-n1 r2-n2."""
+    hosts = []
+    for part in _split_top(nodelist.strip()):
+        m = re.search(r"\[([^\]]*)\]", part)
+        if m is None:
+            hosts.append(part)
+            continue
+        head, tail = part[:m.start()], part[m.end():]
+        for value in _expand_ranges(m.group(1), nodelist):
+            hosts += expand_nodelist(head + value + tail)
+    return hosts
+
+
+def _gpus_per_node(env: dict) -> int:
+    for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+        value = env.get(key)
+        if value:
+            m = re.fullmatch(r"(?:[\w-]+:)?(\d+)(?:\(.*\))?", value.split(",")[0])
+            if not m:
+                raise ValueError(f"cannot read {key}={value!r}: expected a count like 8 or a100:8")
+            return int(m.group(1))
+    raise ValueError("SLURM_GPUS_ON_NODE is not set: request GPUs with #SBATCH --gpus-per-node=N, or pass --gpus_per_node")
+
+
+@dataclasses.dataclass
+class SlurmJob:
+    hosts: list[str]
+    node_rank: int
+    gpus_per_node: int
+    master_addr: str
+    master_port: int
+
+    @classmethod
+    def from_env(cls, env: dict | None = None, gpus_per_node: int | None = None) -> "SlurmJob":
+        env = dict(os.environ if env is None else env)
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist:
+            raise ValueError("SLURM_JOB_NODELIST is not set: run this inside a SLURM job step (srun)")
+        hosts = expand_nodelist(nodelist)
+        nnodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
+        if nnodes is not None and int(nnodes) != len(hosts):
+            raise ValueError(f"SLURM_NNODES={nnodes} but the node list {nodelist!r} names {len(hosts)} hosts")
+        if "SLURM_NODEID" not in env:
+            raise ValueError("SLURM_NODEID is not set: start this with srun, one task per node")
+        node_rank = int(env["SLURM_NODEID"])
+        if not 0 <= node_rank < len(hosts):
+            raise ValueError(f"SLURM_NODEID={node_rank} is outside 0..{len(hosts) - 1}")
+        gpus = gpus_per_node if gpus_per_node is not None else _gpus_per_node(env)
+        if "MASTER_PORT" in env:
+            port = int(env["MASTER_PORT"])
+        elif "SLURM_JOB_ID" in env:
+            port = PORT_BASE + int(env["SLURM_JOB_ID"]) % PORT_SPAN
+        else:
+            raise ValueError("neither MASTER_PORT nor SLURM_JOB_ID is set: cannot choose a rendezvous port")
+        return cls(hosts, node_rank, gpus, env.get("MASTER_ADDR") or hosts[0], port)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.hosts) * self.gpus_per_node
+
+    def hostfile(self) -> str:
+        return "".join(f"{h} slots={self.gpus_per_node}\n" for h in self.hosts)
+
+    def command(self, hostfile: str | os.PathLike, script_and_args: list[str]) -> list[str]:
+        return ["deepspeed", "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(self.node_rank),
+                "--num_nodes", str(len(self.hosts)), "--num_gpus", str(self.gpus_per_node),
+                "--master_addr", self.master_addr, "--master_port", str(self.master_port), *script_and_args]
+
+
+def write_hostfile(job: SlurmJob, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(job.hostfile())
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="mmadapt slurm-env", description="Turn SLURM's environment into "
+                                "DeepSpeed's multi-node launch for this node, and run it.")
+    p.add_argument("--dry-run", action="store_true", help="print the hostfile and the command, run nothing")
+    p.add_argument("--hostfile", help="where to write the hostfile (default: $TMPDIR or /tmp, per job and node)")
+    p.add_argument("--gpus_per_node", type=int, help="ranks per node (default: from SLURM_GPUS_ON_NODE)")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="-- then the training script and its arguments")
+    args = p.parse_args(argv)
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    try:
+        if not script:
+            raise ValueError("no script given: mmadapt slurm-env [--dry-run] -- launch/pretrain.py ARGS")
+        job = SlurmJob.from_env(gpus_per_node=args.gpus_per_node)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    hostfile = Path(args.hostfile or Path(os.environ.get("TMPDIR", "/tmp")) /
+                    f"mmadapt-hostfile-{os.environ.get('SLURM_JOB_ID', 'job')}-{job.node_rank}")
+    cmd = job.command(hostfile, script)
+    if args.dry_run:
+        print(f"# hostfile {hostfile}\n{job.hostfile()}# node {job.node_rank} of {len(job.hosts)}, "
+              f"world size {job.world_size}\n{shlex.join(cmd)}")
+        return 0
+    write_hostfile(job, hostfile)
+    print(f"[mmadapt slurm-env] node {job.node_rank}/{len(job.hosts)}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    os.execvp(cmd[0], cmd)

