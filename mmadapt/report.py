@@ -173,5 +173,92 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
     return "\n".join(out)
 
 
+# --- plots (matplotlib, an optional dependency: pip install -e ".[plot]") ------------------------------
+
+COLORS = {"bl_base": "C0", "minijoint": "C1", "minipost": "C2", "bl_small": "C3"}  # one colour per system
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("plots need matplotlib: pip install matplotlib (or pip install -e '.[plot]')") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(records: list[dict], path, device: str = "v100-paper") -> None:
+    """Figure-3 style: score against Step-2 compute (device-days), one panel per task and
+    language, one line per system, with BL_BASE's near-maximal target dashed."""
+    plt = _pyplot()
+    cs = curves(records)
+    panels = sorted({(k[1], k[2]) for k in cs})
+    systems = sorted({k[0] for k in cs})
+    cols = min(4, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False)
+    for ax, (task, lang) in zip(axes.flat, panels):
+        for system in systems:
+            pts = cs.get((system, task, lang))
+            if pts:
+                ax.plot([device_days(x, device) for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=system,
+                        color=COLORS.get(system))
+        if ("bl_base", task, lang) in cs:
+            ax.axhline(near_max_target(cs[("bl_base", task, lang)][-1][1]), color="gray", ls="--", lw=0.8)
+        ax.set_title(f"{task} · {lang}", fontsize=9)
+        ax.set_xlabel(f"Step-2 {device} days", fontsize=8)
+        ax.set_ylabel("score", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def speedups(records: list[dict], baseline: str = "bl_base", device: str = "v100-paper") -> dict[tuple[str, str], float]:
+    """(system, task) -> mean per-language speedup over `baseline` to near-maximal performance."""
+    cs = curves(records)
+    out = {}
+    for task in sorted({k[1] for k in cs}):
+        langs = sorted({k[2] for k in cs if k[1] == task and (baseline, task, k[2]) in cs})
+        times: dict[str, dict[str, float | None]] = defaultdict(dict)
+        for (system, t, lang), pts in cs.items():
+            if t != task or lang not in langs:
+                continue
+            hit = time_to_target([(device_days(x, device), y) for x, y in pts],
+                                 near_max_target(cs[(baseline, task, lang)][-1][1]))
+            times[system][lang] = None if hit is None else hit.estimate
+        for system in times:
+            if system != baseline:
+                mean, n = mean_speedup(times[baseline], times[system])
+                if mean is not None:
+                    out[(system, task)] = mean
+    return out
+
+
+def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: str = "v100-paper") -> None:
+    """Figure-1 style: mean per-language speedup over BL_BASE, grouped by task."""
+    plt = _pyplot()
+    sp = speedups(records, baseline, device)
+    tasks = sorted({t for _, t in sp})
+    systems = sorted({s for s, _ in sp})
+    fig, ax = plt.subplots(figsize=(1.2 + 1.4 * max(1, len(tasks)), 3.0))
+    width = 0.8 / max(1, len(systems))
+    for i, system in enumerate(systems):
+        xs = [j + i * width for j in range(len(tasks))]
+        ax.bar(xs, [sp.get((system, t), 0.0) for t in tasks], width, label=system, color=COLORS.get(system))
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
+    ax.set_ylabel(f"speedup over {baseline}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 __all__ = ["DEVICE_TFLOPS", "PAPER", "Hit", "flops_rows", "paper_rows", "time_to_target", "mean_speedup",
-           "retention", "report_markdown"]
+           "retention", "report_markdown", "speedups", "plot_curves", "plot_speedup"]

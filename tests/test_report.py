@@ -78,3 +78,23 @@ def test_report_from_results(tmp_path, capsys):
     capsys.readouterr()
     assert report_main([str(tmp_path / "missing.json")]) == 2
     assert capsys.readouterr().err.startswith("error: cannot read results file")
+
+
+def test_speedups_and_plots(tmp_path):
+    day = 2.592e18
+    records = []
+    for lang, (b1, b2, m1, m2) in {"de": (50, 60, 56, 58), "fr": (40, 50, 48, 49)}.items():
+        records += [{"system": "bl_base", "task": "genre", "lang": lang, "step": i, "flops": x * day, "score": y}
+                    for i, (x, y) in enumerate([(2, b1), (4, b2)])]
+        records += [{"system": "minijoint", "task": "genre", "lang": lang, "step": i, "flops": x * day, "score": y}
+                    for i, (x, y) in enumerate([(1, m1), (2, m2)])]
+    from mmadapt.report import plot_curves, plot_speedup, speedups
+
+    # de: 3.4 / 1.5 (see above); fr: target 47.5, BL_BASE 2 + 7.5/10*2 = 3.5 days, MINIJOINT hits at
+    # its first checkpoint (1 day) -> 3.5; mean of ratios = (3.4/1.5 + 3.5) / 2.
+    assert speedups(records)[("minijoint", "genre")] == pytest.approx((3.4 / 1.5 + 3.5) / 2)
+    plot_curves(records, tmp_path / "c.png")
+    plot_speedup(records, tmp_path / "s.png")
+    for f in ("c.png", "s.png"):
+        data = (tmp_path / f).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

@@ -1,0 +1,90 @@
+"""Counted FLOPs of real training steps against the analytic functions in mmadapt/flops.py.
+
+    python benchmarks/flops_validation.py          # ~1 min on 2 CPU cores
+
+For every system and step (Step 1: BL_BASE, BL_SMALL, MINIJOINT; Step 1b: MINIPOST; Step 2:
+every system's model), one update is run through the DeepSpeed engine exactly as training runs
+it, under torch's FlopCounterMode, with attention_impl='math' (the counter sees CPU SDPA as zero
+FLOPs). The exact functions must agree to 0.1%; the paper's formulas' gap is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from common import REPO, table, write_results
+from step2_speed import SHAPES, masked_batches
+
+from mmadapt import adapt as A
+from mmadapt.config import TrainConfig, apply_recipe
+from mmadapt.flops import counted_flops, mini_config, step_flops
+from mmadapt.parallel import init_parallel
+from mmadapt.train import Job, build_engine, load_ds_config, train_step
+
+TOLERANCE = 1e-3
+
+
+def cases(base, mini_layers=4, new_layers=2):
+    depth = mini_layers + new_layers
+    return [
+        ("bl_base", "pretrain", apply_recipe(base, "bl_base"), None),
+        ("bl_small", "pretrain", apply_recipe(base, "bl_small", mini_layers), None),
+        ("minijoint", "pretrain", apply_recipe(base, "minijoint", mini_layers), None),
+        ("minipost", "minipost", mini_config(base, depth), A.minipost_trainable(mini_layers, new_layers)),
+        ("bl_base", "adapt", mini_config(base, base.num_layers), A.ADAPT_TRAINABLE),
+        ("minipost", "adapt", mini_config(base, depth), A.ADAPT_TRAINABLE),
+        ("minijoint", "adapt", mini_config(base, mini_layers), A.ADAPT_TRAINABLE),
+        ("bl_small", "adapt", mini_config(base, mini_layers), A.ADAPT_TRAINABLE),
+    ]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=SHAPES, default="cpu")
+    ap.add_argument("--seq_length", type=int, default=128)
+    ap.add_argument("--micro_batch", type=int, default=4)
+    args = ap.parse_args(argv)
+    base = dataclasses.replace(SHAPES[args.shape], attention_impl="math", hidden_dropout=0.0, attention_dropout=0.0)
+    s, b = args.seq_length, args.micro_batch
+    train = TrainConfig(seq_length=s, train_micro_batch_size_per_gpu=b, train_iters=10, lr_warmup_iters=1)
+    init_parallel(1, 1)
+    ds = load_ds_config(REPO / "ds_configs" / "zero1.json", train)
+    batch = masked_batches(base, b, s, train.mask_prob, 1)[0]
+    p = int(batch[1].ge(0).sum()) / (b * s)
+    rows = []
+    for system, step, cfg, trainable in cases(base):
+        job = Job(step=step, trainable=trainable, trainable_layers=2)
+        engine, _, _ = build_engine(cfg, train, ds, job)
+
+        def update(engine=engine, heads=len(cfg.head_layers)):
+            train_step(engine, False, [batch], heads)
+
+        counted = counted_flops(update)
+        exact = b * step_flops(step, cfg, s, p, trainable_layers=2)
+        paper = b * step_flops(step, cfg, s, p, paper=True, trainable_layers=2)
+        rows.append({"system": system, "step": step, "layers": cfg.num_layers, "counted_gflop": counted / 1e9,
+                     "exact_gflop": exact / 1e9, "exact_rel_error": abs(counted - exact) / counted,
+                     "paper_gflop": paper / 1e9, "paper_gap": (paper - counted) / counted,
+                     "within_tolerance": abs(counted - exact) / counted <= TOLERANCE})
+        del engine, update
+    ok = all(r["within_tolerance"] for r in rows)
+    md = [f"# Counted vs analytic FLOPs of one update (h={base.hidden_size}, V={base.vocab_size}, s={s}, "
+          f"batch {b}, p={p:.4f})", "",
+          table(rows, [("system", "system"), ("step", "step"), ("layers", "layers"),
+                       ("counted_gflop", "counted GFLOP"), ("exact_gflop", "exact GFLOP"),
+                       ("exact_rel_error", "exact rel. error"), ("paper_gflop", "paper GFLOP"),
+                       ("paper_gap", "paper gap")]),
+          "", f"Exact functions within {TOLERANCE:.1%} of the counted FLOPs: {'yes' if ok else 'NO'}."]
+    paths = write_results("flops_validation", {"shape": {"hidden_size": base.hidden_size, "vocab_size": base.vocab_size,
+                                                         "seq_length": s, "micro_batch": b, "mask_fraction": p},
+                                               "tolerance": TOLERANCE, "all_within_tolerance": ok, "rows": rows},
+                          "\n".join(md))
+    print("\n".join(md))
+    print(f"\nwritten: {paths[0]}, {paths[1]}")
+    if not ok:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Measured speed of real DeepSpeed training updates, against a matmul peak measured in the same
+run and against the analytic FLOP ratios.
+
+    python benchmarks/throughput.py               # CPU: h=256, ~3 min on 2 cores
+    python benchmarks/throughput.py --shape roberta-base --ds_config ds_configs/zero1_bf16.json   # GPU
+
+For each system and step (as in flops_validation.py) the median time of --repeats updates after
+warm-up is taken; achieved FLOP/s uses the exact count (mmadapt/flops.py, checked against
+FlopCounterMode by flops_validation.py). Utilisation is against the median speed of a large
+matmul in the training dtype measured here (and, on a GPU, against the vendor's bf16 peak).
+Targets (issue 5): Step-2 time ratio BL_BASE/MINIJOINT >= 0.9 x its exact FLOP ratio; achieved
+FLOP/s of Step-1 and Step-2 updates >= 70% of the measured matmul peak on CPU at h >= 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+from common import REPO, median_time, table, write_results
+from flops_validation import cases
+from step2_speed import SHAPES, masked_batches
+
+from mmadapt.config import TrainConfig
+from mmadapt.flops import DEVICE_TFLOPS, step_flops
+from mmadapt.parallel import device, init_parallel
+from mmadapt.train import Job, build_engine, load_ds_config, train_step
+
+
+def matmul_peak(dtype: torch.dtype, n: int, repeats: int = 10) -> float:
+    """Median FLOP/s of an n x n x n matmul on this device."""
+    dev = device()
+    a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+    t, _ = median_time(lambda: a @ b, warmup=3, repeats=repeats)
+    return 2 * n ** 3 / t
+
+
+def main(argv=None) -> None:
+    gpu = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=SHAPES, default="roberta-base" if gpu else "cpu")
+    ap.add_argument("--seq_length", type=int, default=512 if gpu else 128)
+    ap.add_argument("--micro_batch", type=int, default=32 if gpu else 16)
+    ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero1_bf16.json" if gpu else "zero1.json")))
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--vendor", choices=sorted(DEVICE_TFLOPS), default="h100", help="GPU vendor peak to compare with")
+    args = ap.parse_args(argv)
+    base = dataclasses.replace(SHAPES[args.shape], hidden_dropout=0.0, attention_dropout=0.0)
+    s, b = args.seq_length, args.micro_batch
+    train = TrainConfig(seq_length=s, train_micro_batch_size_per_gpu=b, train_iters=10**6, lr=1e-4, lr_warmup_iters=1)
+    init_parallel(1, 1)
+    ds = load_ds_config(REPO / args.ds_config, train)
+    dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float16 if ds.get("fp16", {}).get(
+        "enabled") else torch.float32
+    peak = matmul_peak(dtype, 8192 if gpu else 2048)
+    batches = masked_batches(base, b, s, train.mask_prob, 4)
+    p = sum(int(lab.ge(0).sum()) for _, lab in batches) / (len(batches) * b * s)
+    rows = []
+    for system, step, cfg, trainable in cases(base):
+        engine, _, _ = build_engine(cfg, train, ds, Job(step=step, trainable=trainable, trainable_layers=2))
+        counter = iter(range(10**9))
+
+        def update(engine=engine, counter=counter, heads=len(cfg.head_layers)):
+            train_step(engine, False, [batches[next(counter) % len(batches)]], heads)
+
+        t, times = median_time(update, args.warmup, args.repeats)
+        flops = b * step_flops(step, cfg, s, p, trainable_layers=2)
+        row = {"system": system, "step": step, "layers": cfg.num_layers, "ms_per_update": 1e3 * t,
+               "tokens_per_s": b * s / t, "achieved_tflops": flops / t / 1e12, "utilisation": flops / t / peak,
+               "exact_gflop": flops / 1e9, "times_s": times}
+        if gpu:
+            row["vendor_utilisation"] = flops / t / (DEVICE_TFLOPS[args.vendor] * 1e12)
+        rows.append(row)
+        del engine, update
+    by = {(r["system"], r["step"]): r for r in rows}
+    pairs = [(("bl_base", "adapt"), ("minijoint", "adapt")), (("bl_base", "adapt"), ("minipost", "adapt")),
+             (("minijoint", "pretrain"), ("bl_base", "pretrain")), (("bl_base", "pretrain"), ("bl_small", "pretrain"))]
+    ratios = []
+    for x, y in pairs:
+        measured = by[x]["ms_per_update"] / by[y]["ms_per_update"]
+        exact = by[x]["exact_gflop"] / by[y]["exact_gflop"]
+        ratios.append({"pair": f"{x[0]} {x[1]} / {y[0]} {y[1]}", "measured_time_ratio": measured,
+                       "exact_flop_ratio": exact, "measured_over_exact": measured / exact})
+    step2 = ratios[0]["measured_over_exact"]
+    min_util = min(r["utilisation"] for r in rows if r["step"] in ("pretrain", "adapt"))
+    targets = {"step2_ratio_over_exact": step2, "step2_ratio_target_met": step2 >= 0.9,
+               "min_utilisation_steps_1_and_2": min_util, "utilisation_target_met": min_util >= 0.7}
+    cols = [("system", "system"), ("step", "step"), ("layers", "layers"), ("ms_per_update", "ms/update"),
+            ("tokens_per_s", "tokens/s"), ("achieved_tflops", "achieved TFLOP/s"), ("utilisation", "of matmul peak")]
+    if gpu:
+        cols.append(("vendor_utilisation", f"of {args.vendor} bf16 peak"))
+    md = [f"# Training throughput ({device()}, {str(dtype).split('.')[-1]}, h={base.hidden_size}, V={base.vocab_size}, "
+          f"s={s}, batch {b}; matmul peak measured here: {peak / 1e12:.4g} TFLOP/s)", "", table(rows, cols), "",
+          table(ratios, [("pair", "pair"), ("measured_time_ratio", "measured time ratio"),
+                         ("exact_flop_ratio", "exact FLOP ratio"), ("measured_over_exact", "measured / exact")]), "",
+          f"- Step-2 BL_BASE/MINIJOINT measured ratio / exact FLOP ratio: {step2:.3f} (target >= 0.9: "
+          f"{'met' if targets['step2_ratio_target_met'] else 'NOT met'})",
+          f"- lowest utilisation of a Step-1/Step-2 update: {min_util:.1%} of the measured matmul peak (target >= 70%: "
+          f"{'met' if targets['utilisation_target_met'] else 'NOT met'})"]
+    paths = write_results("throughput", {"shape": {"hidden_size": base.hidden_size, "vocab_size": base.vocab_size,
+                                                   "seq_length": s, "micro_batch": b, "dtype": str(dtype)},
+                                         "matmul_peak_flops": peak, "rows": rows, "ratios": ratios,
+                                         "targets": targets}, "\n".join(md))
+    print("\n".join(md))
+    print(f"\nwritten: {paths[0]}, {paths[1]}")
+
+
+if __name__ == "__main__":
+    main()
