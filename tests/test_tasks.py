@@ -1,0 +1,107 @@
+"""Evaluation-data readers on small fixtures in each format (and on the real XQuAD beside the
+repository), and the SQuAD metric on hand-computed cases."""
+
+import pytest
+
+from conftest import REPO
+from mmadapt import tasks as T
+
+XQUAD = REPO.parent / "shared" / "data" / "xquad"
+
+
+def write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_xnli_test_tsv(tmp_path):
+    header = ("language\tgold_label\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\t"
+              "sentence2_parse\tsentence1\tsentence2\tpromptID\tpairID\tgenre\tlabel1\tlabel2\tlabel3\tlabel4\t"
+              "label5\tsentence1_tokenized\tsentence2_tokenized\tmatch")
+    rows = [
+        ["de", "entailment", "", "", "", "", 'Er sagte: "Ja".', "Er stimmte zu.", "1", "1", "g", *[""] * 8],
+        ["fr", "contradiction", "", "", "", "", "Il pleut.", "Il fait beau.", "2", "2", "g", *[""] * 8],
+        ["de", "-", "", "", "", "", "Unklar.", "Vielleicht.", "3", "3", "g", *[""] * 8],
+        ["de", "neutral", "", "", "", "", "Ein Hund.", "Ein Tier.", "4", "4", "g", *[""] * 8],
+    ]
+    f = write(tmp_path / "xnli.test.tsv", header + "\n" + "".join("\t".join(r) + "\n" for r in rows))
+    de = T.read_nli(f, lang="de")
+    assert [(e.sentence1, e.label) for e in de] == [('Er sagte: "Ja".', 0), ("Ein Hund.", 1)]  # '-' dropped
+    assert [e.label for e in T.read_nli(f)] == [0, 2, 1]
+
+
+def test_multinli_train_tsv(tmp_path):
+    header = ("index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\t"
+              "sentence2_parse\tsentence1\tsentence2\tlabel1\tgold_label")
+    row = "0\t1\t1e\tgov\t( ( x ) )\t( y )\t(ROOT x)\t(ROOT y)\tThe cat sat.\tA cat sat.\tentailment\tentailment"
+    ex = T.read_nli(write(tmp_path / "train.tsv", header + "\n" + row + "\n"))
+    assert [(e.sentence1, e.sentence2, e.label, e.lang) for e in ex] == [("The cat sat.", "A cat sat.", 0, "")]
+    with pytest.raises(ValueError, match="not an XNLI/MultiNLI TSV"):
+        T.read_nli(write(tmp_path / "bad.tsv", "a\tb\n1\t2\n"))
+
+
+def test_pawsx_tsv(tmp_path):
+    f = write(tmp_path / "translated_train.tsv", "id\tsentence1\tsentence2\tlabel\n"
+              "1\tDer Fluss fließt.\tDer Strom fließt.\t1\n2\t\tLeer.\t0\n3\tA.\tB.\t0\n")
+    ex = T.read_pawsx(f, lang="de")
+    assert [(e.sentence1, e.label, e.lang) for e in ex] == [("Der Fluss fließt.", 1, "de"), ("A.", 0, "de")]
+    with pytest.raises(ValueError, match="not a PAWS-X TSV"):
+        T.read_pawsx(write(tmp_path / "x.tsv", "sentence1\tsentence2\tlabel\n"))
+
+
+def test_conllu_with_multiword_tokens(tmp_path):
+    f = write(tmp_path / "es.conllu", "\n".join([
+        "# sent_id = 1", "# text = Vino del mar.",
+        "1\tVino\tvenir\tVERB\t_\t_\t0\troot\t_\t_",
+        "2-3\tdel\t_\t_\t_\t_\t_\t_\t_\t_",
+        "2\tde\tde\tADP\t_\t_\t4\tcase\t_\t_",
+        "3\tel\tel\tDET\t_\t_\t4\tdet\t_\t_",
+        "4\tmar\tmar\tNOUN\t_\t_\t1\tobl\t_\t_",
+        "4.1\tx\tx\tX\t_\t_\t_\t_\t_\t_",
+        "5\t.\t.\tPUNCT\t_\t_\t1\tpunct\t_\t_", "",
+        "1\tSí\tsí\tINTJ\t_\t_\t0\troot\t_\t_", ""]))
+    sents = T.read_conllu(f)
+    assert [(s.words, s.tags) for s in sents] == [
+        (["Vino", "de", "el", "mar", "."], ["VERB", "ADP", "DET", "NOUN", "PUNCT"]), (["Sí"], ["INTJ"])]
+    with pytest.raises(ValueError, match="10 tab-separated columns"):
+        T.read_conllu(write(tmp_path / "bad.conllu", "1\tword\tlemma\n"))
+
+
+def test_conll2003(tmp_path):
+    f = write(tmp_path / "eng.train", "-DOCSTART- -X- -X- O\n\nEU NNP B-NP B-ORG\nrejects VBZ B-VP O\n"
+              "German JJ B-NP B-MISC\n\nPeter NNP B-NP B-PER\n")
+    assert [(s.words, s.tags) for s in T.read_conll2003(f)] == [
+        (["EU", "rejects", "German"], ["B-ORG", "O", "B-MISC"]), (["Peter"], ["B-PER"])]
+
+
+def test_squad_metric_by_hand():
+    assert T.normalize_answer("The  Eiffel Tower!") == "eiffel tower"
+    assert T.exact_match("the Eiffel Tower", "Eiffel tower!") == 1.0
+    # prediction [in, year, 1889] vs gold [1889]: precision 1/3, recall 1 -> F1 0.5
+    assert T.f1_score("in the year 1889", "1889") == pytest.approx(0.5)
+    assert T.f1_score("Paris", "London") == 0.0
+    examples = [T.QAExample("q1", "c", "?", [("1889", 0), ("in 1889", 0)]),
+                T.QAExample("q2", "c", "?", [("Gustave Eiffel", 0)]),
+                T.QAExample("q3", "c", "?", [("a b c d", 0)])]
+    # q1: EM 1 (second answer), F1 1; q2: "Eiffel" -> p 1, r 1/2 -> F1 2/3, EM 0; q3: no prediction -> 0
+    scores = T.squad_scores({"q1": "in 1889", "q2": "Eiffel"}, examples)
+    assert scores["exact_match"] == pytest.approx(100 / 3)
+    assert scores["f1"] == pytest.approx(100 * (1 + 2 / 3) / 3)
+
+
+@pytest.mark.skipif(not XQUAD.is_dir(), reason="../shared/data/xquad is not beside the repository")
+@pytest.mark.parametrize("lang", ["en", "de", "zh"])
+def test_real_xquad(lang):
+    ex = T.read_squad(XQUAD / f"xquad.{lang}.json")
+    assert len(ex) == 1190  # XQuAD: 240 paragraphs, 1190 question-answer pairs per language
+    for e in ex:
+        for text, start in e.answers:
+            assert e.context[start:start + len(text)] == text
+    assert T.squad_scores({e.id: e.answers[0][0] for e in ex}, ex) == {"exact_match": 100.0, "f1": 100.0}
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        T.read_squad(tmp_path / "nope.json")
+    with pytest.raises(ValueError, match="not SQuAD-format JSON"):
+        T.read_squad(write(tmp_path / "x.json", '{"version": 1}'))
