@@ -141,11 +141,6 @@ def device_days(flops: float, device: str = "v100-paper") -> float:
     return flops / (DEVICE_TFLOPS[device] * 1e12 * 86400)
 
 
-def pretrain_step_flops(cfg: ModelConfig, global_batch: int, s: int, p: float) -> float:
-    """FLOPs of one update of Step 1 for the whole global batch."""
-    return global_batch * pretrain_flops(cfg, s, p)
-
-
 def mini_config(cfg: ModelConfig, num_layers: int) -> ModelConfig:
     """The config of a `num_layers`-deep model with one head, otherwise like `cfg`."""
     return dataclasses.replace(cfg, num_layers=num_layers, head_layers=(num_layers,))
