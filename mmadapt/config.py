@@ -165,6 +165,11 @@ def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int = 4) -> Model
 
 # --- CLI glue: fields become flags ------------------------------------------------------------
 
+def _is_int_tuple(kind) -> bool:
+    """Tuple-valued fields (head_layers, extra_save_steps) hold ints and take one or more values."""
+    return kind in (tuple, Optional[tuple])
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ...] | None = None) -> None:
     """Add one `--name` flag per field of `cls` (or per field named in `only`); unset flags stay
     None (the preset, or the model being adapted, decides)."""
@@ -175,7 +180,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
             continue
         kind = hints[f.name]
         kw: dict[str, Any] = dict(default=None, help=f"{f.metadata['help']} (preset default: {f.default})")
-        if f.name in ("head_layers", "extra_save_steps"):
+        if _is_int_tuple(kind):
             kw.update(type=int, nargs="+")
         elif kind in (int, float, str):
             kw.update(type=kind)
@@ -186,10 +191,11 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
 
 def override(cfg, args: argparse.Namespace):
     """Copy of `cfg` with every field that `args` sets (not None) replaced."""
+    hints = get_type_hints(type(cfg))
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(cfg)
                if getattr(args, f.name, None) is not None}
-    for name in ("head_layers", "extra_save_steps"):
-        if name in changes:
+    for name in changes:
+        if _is_int_tuple(hints[name]):
             changes[name] = tuple(changes[name])
     return dataclasses.replace(cfg, **changes)
 
