@@ -171,6 +171,16 @@ def overlap_init(src_pieces: list[str], src_weight: torch.Tensor, src_bias: torc
     return weight, bias, len(trg_rows)
 
 
+def step2_start(system: str, source: Path, tag: str, target_tokenizer: Path, std: float,
+                seed: int) -> tuple[ModelConfig, dict, int]:
+    """Step 2's starting weights: the system's model from the source run with overlap-initialised
+    target embeddings and output bias. -> (model config, full state dict, shared pieces)."""
+    cfg, body = adapt_body(system, *load_model(source, tag))
+    weight, bias, shared = overlap_init(tokenizer_pieces(Path(source) / "tokenizer" / "spm.model"), body[WORD],
+                                        body[BIAS], tokenizer_pieces(target_tokenizer), std, seed)
+    return cfg, {**body, WORD: weight, BIAS: bias}, shared
+
+
 def write_artifact(out_dir: Path, weight: torch.Tensor, bias: torch.Tensor, tokenizer: Path, meta: dict) -> Path:
     """The Step-2 product that Step 4 swaps into the primary model: embeddings.pt (word embedding
     [V, h] and output bias [V]), the target tokenizer, and meta.json. Written to a temporary

@@ -193,28 +193,17 @@ def adapt_main(argv=None) -> int:
         info = {"system": args.system, "lang": args.lang}
 
         def init(tokenizer: Path) -> dict:
-            _, body = A.adapt_body(args.system, *A.load_model(source, tag))
-            weight, bias, shared = A.overlap_init(
-                A.tokenizer_pieces(source / "tokenizer" / "spm.model"), body[A.WORD], body[A.BIAS],
-                A.tokenizer_pieces(tokenizer), std=model.init_method_std,
-                seed=derive_seed(train.seed, f"embeddings.{args.lang}"))
+            _, state, shared = A.step2_start(args.system, source, tag, tokenizer, model.init_method_std,
+                                             derive_seed(train.seed, f"embeddings.{args.lang}"))
             info.update(shared_pieces=shared, target_vocab_size=model.vocab_size)
             if int(os.environ.get("RANK", 0)) == 0:
                 print(f"new {args.lang} embeddings: {shared} of {model.vocab_size} pieces copied from the "
                       f"source vocabulary, {model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
-            return {**body, A.WORD: weight, A.BIAS: bias}
+            return state
 
         seq_flops = {p: adapt_flops(model, train.seq_length, train.mask_prob, paper=p) for p in (False, True)}
-        global_batch = None
 
-        def on_save(step: int, ckpt_tag: str) -> None:
-            nonlocal global_batch
-            import torch.distributed as dist
-
-            if global_batch is None:
-                global_batch = (train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps *
-                                dist.get_world_size() // (model.tensor_model_parallel_size *
-                                                          model.pipeline_model_parallel_size))
+        def on_save(step: int, ckpt_tag: str, global_batch: int) -> None:
             sd = load_full_state_dict(paths.checkpoints, ckpt_tag)
             flops = seq_flops[False] * global_batch * step
             meta = {"system": args.system, "lang": args.lang, "step": step, "source": str(source),

@@ -45,7 +45,7 @@ class Job:
     init: Callable[[Path], dict] | None = None
     frozen_from: dict | None = None  # where the frozen weights come from (run.json)
     info: dict = dataclasses.field(default_factory=dict)  # more run.json entries
-    on_save: Callable[[int, str], None] | None = None  # rank 0, after each checkpoint: (step, tag)
+    on_save: Callable[[int, str, int], None] | None = None  # rank 0, after each checkpoint: (step, tag, global batch)
     trainable_layers: int = 0  # Step 1b: l_t, for its FLOP count
 
     def is_trainable(self, name: str) -> bool:
@@ -334,7 +334,7 @@ def run(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, job: Job, r
                 or exiting):
             tag = checkpoint.save(engine, paths.checkpoints, done, client, exclude_frozen=partial)
             if rank == 0 and job.on_save is not None:
-                job.on_save(done, tag)
+                job.on_save(done, tag, batches.global_batch)
         if exiting:
             break
     bar.close()

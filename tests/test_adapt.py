@@ -81,11 +81,8 @@ def _step2_engine(primary_run, de_tokenizer, system, ds_config):
     from mmadapt.train import Job, build_engine, load_ds_config
 
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8)
-    body_cfg, body = A.adapt_body(system, *A.load_model(primary_run))
+    body_cfg, init, _ = A.step2_start(system, primary_run, None, de_tokenizer, 0.02, derive_seed(1, "de"))
     body_cfg = no_dropout(ModelConfig(**{**vars(body_cfg), "vocab_size": VOCAB}))
-    w, b, _ = A.overlap_init(A.tokenizer_pieces(primary_run / "tokenizer" / "spm.model"), body[A.WORD],
-                             body[A.BIAS], A.tokenizer_pieces(de_tokenizer), 0.02, derive_seed(1, "de"))
-    init = {**body, A.WORD: w, A.BIAS: b}
     ds = load_ds_config(REPO / "ds_configs" / ds_config, train)
     engine, _, _ = build_engine(body_cfg, train, ds, Job(step="adapt", trainable=A.ADAPT_TRAINABLE), init)
     return engine, body_cfg, train, init

@@ -93,8 +93,11 @@ def count_update(model, ids, labels):
 
 
 def freeze(model, trainable):
+    from mmadapt.train import Job
+
+    job = Job(trainable=trainable)
     for n, p in model.named_parameters():
-        p.requires_grad_(any(n == t or (t.endswith(".") and n.startswith(t)) for t in trainable))
+        p.requires_grad_(job.is_trainable(n))
 
 
 @pytest.mark.parametrize("recipe", ["bl_base", "bl_small", "minijoint"])
