@@ -128,6 +128,22 @@ def curves(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[float, 
     return {k: sorted(v) for k, v in out.items()}
 
 
+def near_max_hits(cs: dict, baseline: str = "bl_base", device: str = "v100-paper") -> dict[tuple, Hit | None]:
+    """(system, task, lang) -> when its curve first reaches 95% of `baseline`'s final score for
+    that task and language, in device-days (None: never). Curves without a baseline are left out."""
+    out = {}
+    for (system, task, lang), pts in cs.items():
+        if (baseline, task, lang) in cs:
+            out[(system, task, lang)] = time_to_target([(device_days(x, device), y) for x, y in pts],
+                                                       near_max_target(cs[(baseline, task, lang)][-1][1]))
+    return out
+
+
+def _estimates(hits: dict, system: str, task: str, langs: list[str]) -> dict[str, float | None]:
+    return {lang: None if hits.get((system, task, lang)) is None else hits[(system, task, lang)].estimate
+            for lang in langs}
+
+
 def report_markdown(records: list[dict], baseline: str = "bl_base", device: str = "v100-paper") -> str:
     """Table-2-style final scores with retention, and Table-3-style device-days to near-maximal
     performance (estimate and lower-upper bounds) with the mean per-language speedup."""
@@ -136,37 +152,31 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
     tasks = sorted({k[1] for k in cs})
     if baseline not in systems:
         raise ValueError(f"the results hold no {baseline} runs: the near-maximal target is 95% of its final score")
+    hits = near_max_hits(cs, baseline, device)
     out = []
     for task in tasks:
         langs = sorted({k[2] for k in cs if k[1] == task})
-        final = {(s, lang): cs[(s, task, lang)][-1][1] for s in systems for lang in langs if (s, task, lang) in cs}
+        final = {s: [cs[(s, task, lang)][-1][1] if (s, task, lang) in cs else None for lang in langs] for s in systems}
+        got = {s: [v for v in vals if v is not None] for s, vals in final.items()}
+        avg = {s: sum(v) / len(v) if v else math.nan for s, v in got.items()}
         out += [f"## {task}: score at the last checkpoint", "",
                 "| system | " + " | ".join(langs) + " | avg | retention |", "|---" * (len(langs) + 3) + "|"]
-        avg = {}
         for s in systems:
-            vals = [final.get((s, lang)) for lang in langs]
-            got = [v for v in vals if v is not None]
-            avg[s] = sum(got) / len(got) if got else math.nan
-        for s in systems:
-            vals = [final.get((s, lang)) for lang in langs]
             ret = avg[s] / avg[baseline] if avg[baseline] else math.nan
-            out.append(f"| {s} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in vals) +
+            out.append(f"| {s} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in final[s]) +
                        f" | {avg[s]:.1f} | {100 * ret:.1f}% |")
         out += ["", f"## {task}: {device} days to near-maximal performance (95% of {baseline}'s final score)", "",
                 "| system | " + " | ".join(langs) + " | speedup |", "|---" * (len(langs) + 2) + "|"]
-        times = {}
+        base_times = _estimates(hits, baseline, task, langs)
         for s in systems:
-            cells, times[s] = [], {}
+            cells = []
             for lang in langs:
-                if (s, task, lang) not in cs or (baseline, lang) not in final:
+                if (s, task, lang) not in hits:
                     cells.append("-")
-                    times[s][lang] = None
                     continue
-                hit = time_to_target([(device_days(x, device), y) for x, y in cs[(s, task, lang)]],
-                                     near_max_target(final[(baseline, lang)]))
-                times[s][lang] = None if hit is None else hit.estimate
+                hit = hits[(s, task, lang)]
                 cells.append("∞" if hit is None else f"{hit.estimate:.3g} ({hit.lower:.3g}–{hit.upper:.3g})")
-            speed, n = mean_speedup(times[baseline], times[s])
+            speed, n = mean_speedup(base_times, _estimates(hits, s, task, langs))
             cells.append("-" if speed is None else f"{speed:.2f}× ({n} langs)")
             out.append(f"| {s} | " + " | ".join(cells) + " |")
         out.append("")
@@ -221,22 +231,13 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> None:
 
 def speedups(records: list[dict], baseline: str = "bl_base", device: str = "v100-paper") -> dict[tuple[str, str], float]:
     """(system, task) -> mean per-language speedup over `baseline` to near-maximal performance."""
-    cs = curves(records)
+    hits = near_max_hits(curves(records), baseline, device)
     out = {}
-    for task in sorted({k[1] for k in cs}):
-        langs = sorted({k[2] for k in cs if k[1] == task and (baseline, task, k[2]) in cs})
-        times: dict[str, dict[str, float | None]] = defaultdict(dict)
-        for (system, t, lang), pts in cs.items():
-            if t != task or lang not in langs:
-                continue
-            hit = time_to_target([(device_days(x, device), y) for x, y in pts],
-                                 near_max_target(cs[(baseline, task, lang)][-1][1]))
-            times[system][lang] = None if hit is None else hit.estimate
-        for system in times:
-            if system != baseline:
-                mean, n = mean_speedup(times[baseline], times[system])
-                if mean is not None:
-                    out[(system, task)] = mean
+    for system, task in sorted({(k[0], k[1]) for k in hits if k[0] != baseline}):
+        langs = sorted({k[2] for k in hits if k[1] == task})
+        mean, _ = mean_speedup(_estimates(hits, baseline, task, langs), _estimates(hits, system, task, langs))
+        if mean is not None:
+            out[(system, task)] = mean
     return out
 
 
