@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,19 @@ def resolve_corpus(spec: str) -> Path:
         path = CACHE / "bible" / f"{lang}.txt"
         return path if path.is_file() else write_bible_corpus(lang, path)
     return Path(spec)
+
+
+def user_errors(main):
+    """A command's ValueError (DataError included) is a user's mistake: one `error:` line on
+    stderr and exit code 2. The commands check their inputs before they write anything."""
+    @functools.wraps(main)
+    def wrapped(argv=None) -> int:
+        try:
+            return main(argv)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return wrapped
 
 
 def pretrain_parser() -> argparse.ArgumentParser:
@@ -57,18 +71,15 @@ def configs_from_args(args) -> tuple[ModelConfig, TrainConfig]:
     return model, override(train, args)
 
 
+@user_errors
 def pretrain_main(argv=None) -> int:
     args = pretrain_parser().parse_args(argv)
     from mmadapt.train import RunPaths, pretrain
 
-    try:
-        model, train = configs_from_args(args)
-        paths = RunPaths(output_dir=Path(args.output_dir), corpus=resolve_corpus(args.corpus),
-                         ds_config=Path(args.ds_config), tokenizer=Path(args.tokenizer) if args.tokenizer else None)
-        rows = pretrain(model, train, paths, resume=args.resume, recipe=args.recipe)
-    except ValueError as e:  # DataError is a ValueError: a user's mistake, one line, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    model, train = configs_from_args(args)
+    paths = RunPaths(output_dir=Path(args.output_dir), corpus=resolve_corpus(args.corpus),
+                     ds_config=Path(args.ds_config), tokenizer=Path(args.tokenizer) if args.tokenizer else None)
+    rows = pretrain(model, train, paths, resume=args.resume, recipe=args.recipe)
     if rows:
         first, last = rows[0], rows[-1]
         print(f"done: step {last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f} "
@@ -117,31 +128,28 @@ def minipost_parser() -> argparse.ArgumentParser:
     return p
 
 
+@user_errors
 def minipost_main(argv=None) -> int:
     args = minipost_parser().parse_args(argv)
     from mmadapt.adapt import load_model, minipost_layout, minipost_trainable, read_run
     from mmadapt.train import Job, RunPaths, run
 
-    try:
-        primary = Path(args.primary).resolve()
-        src = read_run(primary)
-        tag = _source_tag(primary, args.primary_tag)
-        cfg, _ = minipost_layout(ModelConfig(**src["model"]), {}, args.mini_layers, args.new_layers)
-        model, train = override(cfg, args), override(PRESETS[args.preset][1], args)
-        paths = RunPaths(output_dir=Path(args.output_dir), corpus=resolve_corpus(args.corpus or src["corpus"]),
-                         ds_config=Path(args.ds_config), tokenizer=primary / "tokenizer" / "spm.model")
+    primary = Path(args.primary).resolve()
+    src = read_run(primary)
+    tag = _source_tag(primary, args.primary_tag)
+    cfg, _ = minipost_layout(ModelConfig(**src["model"]), {}, args.mini_layers, args.new_layers)
+    model, train = override(cfg, args), override(PRESETS[args.preset][1], args)
+    paths = RunPaths(output_dir=Path(args.output_dir), corpus=resolve_corpus(args.corpus or src["corpus"]),
+                     ds_config=Path(args.ds_config), tokenizer=primary / "tokenizer" / "spm.model")
 
-        def init(_tokenizer: Path) -> dict:
-            return minipost_layout(*load_model(primary, tag), args.mini_layers, args.new_layers)[1]
+    def init(_tokenizer: Path) -> dict:
+        return minipost_layout(*load_model(primary, tag), args.mini_layers, args.new_layers)[1]
 
-        job = Job(step="minipost", recipe="minipost", trainable=minipost_trainable(args.mini_layers, args.new_layers),
-                  init=init, trainable_layers=args.new_layers,
-                  frozen_from={"run_dir": str(primary), "tag": tag, "mini_layers": args.mini_layers,
-                               "new_layers": args.new_layers})
-        rows = run(model, train, paths, job, resume=args.resume)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    job = Job(step="minipost", recipe="minipost", trainable=minipost_trainable(args.mini_layers, args.new_layers),
+              init=init, trainable_layers=args.new_layers,
+              frozen_from={"run_dir": str(primary), "tag": tag, "mini_layers": args.mini_layers,
+                           "new_layers": args.new_layers})
+    rows = run(model, train, paths, job, resume=args.resume)
     if rows:
         print(f"done: {model.num_layers}-layer mini-model, step {rows[-1]['step']}, loss {rows[0]['loss']:.3f} -> "
               f"{rows[-1]['loss']:.3f}; run in {args.output_dir}")
@@ -166,6 +174,7 @@ def adapt_parser() -> argparse.ArgumentParser:
     return p
 
 
+@user_errors
 def adapt_main(argv=None) -> int:
     args = adapt_parser().parse_args(argv)
     import torch
@@ -176,51 +185,47 @@ def adapt_main(argv=None) -> int:
     from mmadapt.model import derive_seed
     from mmadapt.train import Job, RunPaths, run
 
-    try:
-        source = Path(args.source).resolve()
-        src = A.read_run(source)
-        if src.get("recipe") not in A.SOURCE_RECIPES[args.system]:
-            raise ValueError(f"--system {args.system} adapts a run with recipe "
-                             f"{' or '.join(A.SOURCE_RECIPES[args.system])}, but {source} has recipe "
-                             f"{src.get('recipe')}")
-        tag = _source_tag(source, args.source_tag)
-        src_cfg = ModelConfig(**src["model"])
-        body_cfg, _ = A.adapt_body(args.system, src_cfg, {})
-        model, train = override(body_cfg, args), override(PRESETS[args.preset][1], args)
-        out = Path(args.output_dir)
-        paths = RunPaths(output_dir=out, corpus=resolve_corpus(args.corpus or f"bible:{args.lang}"),
-                         ds_config=Path(args.ds_config), tokenizer=Path(args.tokenizer) if args.tokenizer else None)
-        info = {"system": args.system, "lang": args.lang}
+    source = Path(args.source).resolve()
+    src = A.read_run(source)
+    if src.get("recipe") not in A.SOURCE_RECIPES[args.system]:
+        raise ValueError(f"--system {args.system} adapts a run with recipe "
+                         f"{' or '.join(A.SOURCE_RECIPES[args.system])}, but {source} has recipe "
+                         f"{src.get('recipe')}")
+    tag = _source_tag(source, args.source_tag)
+    src_cfg = ModelConfig(**src["model"])
+    body_cfg, _ = A.adapt_body(args.system, src_cfg, {})
+    model, train = override(body_cfg, args), override(PRESETS[args.preset][1], args)
+    out = Path(args.output_dir)
+    paths = RunPaths(output_dir=out, corpus=resolve_corpus(args.corpus or f"bible:{args.lang}"),
+                     ds_config=Path(args.ds_config), tokenizer=Path(args.tokenizer) if args.tokenizer else None)
+    info = {"system": args.system, "lang": args.lang}
 
-        def init(tokenizer: Path) -> dict:
-            _, state, shared = A.step2_start(args.system, source, tag, tokenizer, model.init_method_std,
-                                             derive_seed(train.seed, f"embeddings.{args.lang}"))
-            info.update(shared_pieces=shared, target_vocab_size=model.vocab_size)
-            if int(os.environ.get("RANK", 0)) == 0:
-                print(f"new {args.lang} embeddings: {shared} of {model.vocab_size} pieces copied from the "
-                      f"source vocabulary, {model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
-            return state
+    def init(tokenizer: Path) -> dict:
+        _, state, shared = A.step2_start(args.system, source, tag, tokenizer, model.init_method_std,
+                                         derive_seed(train.seed, f"embeddings.{args.lang}"))
+        info.update(shared_pieces=shared, target_vocab_size=model.vocab_size)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"new {args.lang} embeddings: {shared} of {model.vocab_size} pieces copied from the "
+                  f"source vocabulary, {model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
+        return state
 
-        seq_flops = {p: adapt_flops(model, train.seq_length, train.mask_prob, paper=p) for p in (False, True)}
+    seq_flops = {p: adapt_flops(model, train.seq_length, train.mask_prob, paper=p) for p in (False, True)}
 
-        def on_save(step: int, ckpt_tag: str, global_batch: int) -> None:
-            sd = load_full_state_dict(paths.checkpoints, ckpt_tag)
-            flops = seq_flops[False] * global_batch * step
-            meta = {"system": args.system, "lang": args.lang, "step": step, "source": str(source),
-                    "source_tag": tag, "mini_layers": model.num_layers, "hidden_size": model.hidden_size,
-                    "vocab_size": model.vocab_size, "shared_pieces": info.get("shared_pieces"),
-                    "global_batch": global_batch, "seq_length": train.seq_length,
-                    "tokens": global_batch * train.seq_length * step, "flops": flops,
-                    "flops_paper": seq_flops[True] * global_batch * step, "v100_days": device_days(flops)}
-            A.write_artifact(out / "embeddings" / ckpt_tag, sd[A.WORD].to(torch.float32),
-                             sd[A.BIAS].to(torch.float32), out / "tokenizer" / "spm.model", meta)
+    def on_save(step: int, ckpt_tag: str, global_batch: int) -> None:
+        sd = load_full_state_dict(paths.checkpoints, ckpt_tag)
+        flops = seq_flops[False] * global_batch * step
+        meta = {"system": args.system, "lang": args.lang, "step": step, "source": str(source),
+                "source_tag": tag, "mini_layers": model.num_layers, "hidden_size": model.hidden_size,
+                "vocab_size": model.vocab_size, "shared_pieces": info.get("shared_pieces"),
+                "global_batch": global_batch, "seq_length": train.seq_length,
+                "tokens": global_batch * train.seq_length * step, "flops": flops,
+                "flops_paper": seq_flops[True] * global_batch * step, "v100_days": device_days(flops)}
+        A.write_artifact(out / "embeddings" / ckpt_tag, sd[A.WORD].to(torch.float32),
+                         sd[A.BIAS].to(torch.float32), out / "tokenizer" / "spm.model", meta)
 
-        job = Job(step="adapt", recipe=args.system, trainable=A.ADAPT_TRAINABLE, init=init, info=info,
-                  on_save=on_save, frozen_from={"run_dir": str(source), "tag": tag, "system": args.system})
-        rows = run(model, train, paths, job, resume=args.resume)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    job = Job(step="adapt", recipe=args.system, trainable=A.ADAPT_TRAINABLE, init=init, info=info,
+              on_save=on_save, frozen_from={"run_dir": str(source), "tag": tag, "system": args.system})
+    rows = run(model, train, paths, job, resume=args.resume)
     if rows:
         print(f"done: {args.system} {args.lang} embeddings over {model.num_layers} layers, step {rows[-1]['step']}, "
               f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; artifacts in {out / 'embeddings'}")
@@ -229,6 +234,7 @@ def adapt_main(argv=None) -> int:
 
 # --- compute and results reports ---------------------------------------------------------------------
 
+@user_errors
 def flops_main(argv=None) -> int:
     import json
 
@@ -251,24 +257,21 @@ def flops_main(argv=None) -> int:
                                              "vocab_size"))
     add_dataclass_args(p, TrainConfig, only=("seq_length", "train_iters", "mask_prob"))
     args = p.parse_args(argv)
-    try:
-        if args.paper:
-            rows = paper_rows()
-        else:
-            model, train = PRESETS[args.preset]
-            model, train = override(model, args), override(train, args)
-            model = ModelConfig(**{**vars(model), "head_layers": None}).validate()
-            batch = args.global_batch or (PAPER["global_batch"] if args.preset == "roberta-base" else
-                                          train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps)
-            rows = flops_rows(model, train.train_iters, batch, train.seq_length, train.mask_prob,
-                              args.mini_layers, args.new_layers, args.device)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.paper:
+        rows = paper_rows()
+    else:
+        model, train = PRESETS[args.preset]
+        model, train = override(model, args), override(train, args)
+        model = ModelConfig(**{**vars(model), "head_layers": None}).validate()
+        batch = args.global_batch or (PAPER["global_batch"] if args.preset == "roberta-base" else
+                                      train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps)
+        rows = flops_rows(model, train.train_iters, batch, train.seq_length, train.mask_prob,
+                          args.mini_layers, args.new_layers, args.device)
     print(json.dumps(rows, indent=1) if args.json or args.paper else format_flops_table(rows))
     return 0
 
 
+@user_errors
 def report_main(argv=None) -> int:
     import json
 
@@ -282,34 +285,31 @@ def report_main(argv=None) -> int:
                    "speedup.png (mean per-language speedup, as Figure 1) into this directory (needs matplotlib)")
     p.add_argument("--device", default="v100-paper", help="device whose days are reported")
     args = p.parse_args(argv)
-    try:
-        records = []
-        for f in args.results:
-            try:
-                records += json.loads(Path(f).read_text())
-            except (OSError, json.JSONDecodeError) as e:
-                raise ValueError(f"cannot read results file {f}: {e}") from None
-        missing = [k for k in ("system", "task", "lang", "flops", "score") for r in records[:1] if k not in r]
-        if not records or missing:
-            raise ValueError(f"{args.results[0]} holds no result records"
-                             + (f" (a record lacks {missing[0]!r})" if missing else ""))
-        md = report_markdown(records, device=args.device)
-        if args.plots:
-            from mmadapt.report import plot_curves, plot_speedup
+    records = []
+    for f in args.results:
+        try:
+            records += json.loads(Path(f).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read results file {f}: {e}") from None
+    missing = [k for k in ("system", "task", "lang", "flops", "score") for r in records[:1] if k not in r]
+    if not records or missing:
+        raise ValueError(f"{args.results[0]} holds no result records"
+                         + (f" (a record lacks {missing[0]!r})" if missing else ""))
+    md = report_markdown(records, device=args.device)
+    if args.plots:
+        from mmadapt.report import plot_curves, plot_speedup
 
-            out = Path(args.plots)
-            out.mkdir(parents=True, exist_ok=True)
-            plot_curves(records, out / "curves.png", device=args.device)
-            plot_speedup(records, out / "speedup.png", device=args.device)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        out = Path(args.plots)
+        out.mkdir(parents=True, exist_ok=True)
+        plot_curves(records, out / "curves.png", device=args.device)
+        plot_speedup(records, out / "speedup.png", device=args.device)
     print(md)
     if args.output:
         Path(args.output).write_text(md + "\n")
     return 0
 
 
+@user_errors
 def slurm_env_main(argv=None) -> int:
     from mmadapt.slurm import main as slurm_main
 

@@ -148,6 +148,7 @@ def write_hostfile(job: SlurmJob, path: Path) -> Path:
 
 
 def main(argv=None) -> int:
+    """`mmadapt slurm-env`; a ValueError is a user's mistake (cli.user_errors reports it)."""
     import argparse
     import sys
 
@@ -159,13 +160,9 @@ def main(argv=None) -> int:
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- then the training script and its arguments")
     args = p.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
-    try:
-        if not script:
-            raise ValueError("no script given: mmadapt slurm-env [--dry-run] -- launch/pretrain.py ARGS")
-        job = SlurmJob.from_env(gpus_per_node=args.gpus_per_node)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if not script:
+        raise ValueError("no script given: mmadapt slurm-env [--dry-run] -- launch/pretrain.py ARGS")
+    job = SlurmJob.from_env(gpus_per_node=args.gpus_per_node)
     hostfile = Path(args.hostfile or Path(os.environ.get("TMPDIR", "/tmp")) /
                     f"mmadapt-hostfile-{os.environ.get('SLURM_JOB_ID', 'job')}-{job.node_rank}")
     cmd = job.command(hostfile, script)
