@@ -5,7 +5,10 @@ Results go to benchmarks/results/<name>_<hardware>_<yyyymmdd>.{json,md}.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -19,6 +22,63 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 RESULTS = REPO / "benchmarks" / "results"
+
+from mmadapt.config import PRESETS, ModelConfig, TrainConfig  # noqa: E402
+from mmadapt.tokens import IGNORE_INDEX, NUM_SPECIAL  # noqa: E402
+
+# Model shapes the benchmarks run at (dropout is turned off by `setup`).
+SHAPES = {
+    "cpu": ModelConfig(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, vocab_size=8000,
+                       max_position_embeddings=128),
+    "roberta-base": PRESETS["roberta-base"][0],
+}
+
+
+def add_run_args(ap: argparse.ArgumentParser, cpu_micro_batch: int) -> None:
+    """--shape, --seq_length, --micro_batch, --repeats, --warmup; GPU defaults: roberta-base,
+    512 tokens, 32 sequences."""
+    gpu = torch.cuda.is_available()
+    ap.add_argument("--shape", choices=SHAPES, default="roberta-base" if gpu else "cpu")
+    ap.add_argument("--seq_length", type=int, default=512 if gpu else 128)
+    ap.add_argument("--micro_batch", type=int, default=32 if gpu else cpu_micro_batch)
+    ap.add_argument("--repeats", type=int, default=10, help="timed updates (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed updates first")
+
+
+def setup(args) -> tuple[ModelConfig, TrainConfig]:
+    """The model shape without dropout and a schedule at its peak lr, in a gloo/nccl world of one."""
+    from mmadapt.parallel import init_parallel
+
+    base = dataclasses.replace(SHAPES[args.shape], hidden_dropout=0.0, attention_dropout=0.0)
+    train = TrainConfig(seq_length=args.seq_length, train_micro_batch_size_per_gpu=args.micro_batch,
+                        train_iters=10**6, lr=1e-4, lr_warmup_iters=1)
+    init_parallel(1, 1)
+    return base, train
+
+
+def masked_batches(cfg: ModelConfig, micro: int, s: int, p: float, n: int, seed: int = 0):
+    """n random micro-batches (ids, labels) of ordinary tokens with a fraction p selected."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(NUM_SPECIAL, cfg.vocab_size, (micro, s), generator=g)
+        labels = torch.full_like(ids, IGNORE_INDEX)
+        pick = torch.rand(micro, s, generator=g) < p
+        labels[pick] = ids[pick]
+        out.append((ids, labels))
+    return out
+
+
+def mask_fraction(batches) -> float:
+    return sum(int(lab.ge(0).sum()) for _, lab in batches) / sum(lab.numel() for _, lab in batches)
+
+
+def engine_update(engine, batches, num_heads: int):
+    """One training update through mmadapt's loop per call, cycling through `batches`."""
+    from mmadapt.train import train_step
+
+    cycle = itertools.cycle(batches)
+    return lambda: train_step(engine, False, [next(cycle)], num_heads)
 
 
 def hardware() -> str:

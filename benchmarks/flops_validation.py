@@ -13,14 +13,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from common import REPO, table, write_results
-from step2_speed import SHAPES, masked_batches
+from common import (
+    REPO,
+    SHAPES,
+    engine_update,
+    mask_fraction,
+    masked_batches,
+    table,
+    write_results,
+)
 
 from mmadapt import adapt as A
 from mmadapt.config import TrainConfig, apply_recipe
 from mmadapt.flops import counted_flops, mini_config, step_flops
 from mmadapt.parallel import init_parallel
-from mmadapt.train import Job, build_engine, load_ds_config, train_step
+from mmadapt.train import Job, build_engine, load_ds_config
 
 TOLERANCE = 1e-3
 
@@ -51,23 +58,19 @@ def main(argv=None) -> None:
     init_parallel(1, 1)
     ds = load_ds_config(REPO / "ds_configs" / "zero1.json", train)
     batch = masked_batches(base, b, s, train.mask_prob, 1)[0]
-    p = int(batch[1].ge(0).sum()) / (b * s)
+    p = mask_fraction([batch])
     rows = []
     for system, step, cfg, trainable in cases(base):
         job = Job(step=step, trainable=trainable, trainable_layers=2)
         engine, _, _ = build_engine(cfg, train, ds, job)
-
-        def update(engine=engine, heads=len(cfg.head_layers)):
-            train_step(engine, False, [batch], heads)
-
-        counted = counted_flops(update)
+        counted = counted_flops(engine_update(engine, [batch], len(cfg.head_layers)))
         exact = b * step_flops(step, cfg, s, p, trainable_layers=2)
         paper = b * step_flops(step, cfg, s, p, paper=True, trainable_layers=2)
         rows.append({"system": system, "step": step, "layers": cfg.num_layers, "counted_gflop": counted / 1e9,
                      "exact_gflop": exact / 1e9, "exact_rel_error": abs(counted - exact) / counted,
                      "paper_gflop": paper / 1e9, "paper_gap": (paper - counted) / counted,
                      "within_tolerance": abs(counted - exact) / counted <= TOLERANCE})
-        del engine, update
+        del engine
     ok = all(r["within_tolerance"] for r in rows)
     md = [f"# Counted vs analytic FLOPs of one update (h={base.hidden_size}, V={base.vocab_size}, s={s}, "
           f"batch {b}, p={p:.4f})", "",

@@ -12,68 +12,45 @@ warm-up is reported. Weights are random: the work of an update does not depend o
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
-from common import REPO, median_time, table, write_results
+from common import (
+    REPO,
+    add_run_args,
+    engine_update,
+    mask_fraction,
+    masked_batches,
+    median_time,
+    setup,
+    table,
+    write_results,
+)
 
 from mmadapt import adapt as A
-from mmadapt.config import PRESETS, ModelConfig, TrainConfig
 from mmadapt.flops import adapt_flops, mini_config
-from mmadapt.parallel import device, init_parallel
-from mmadapt.tokens import IGNORE_INDEX, NUM_SPECIAL
-from mmadapt.train import Job, build_engine, load_ds_config, train_step
+from mmadapt.parallel import device
+from mmadapt.train import Job, build_engine, load_ds_config
 
-SHAPES = {
-    "cpu": ModelConfig(hidden_size=256, num_attention_heads=4, ffn_hidden_size=1024, vocab_size=8000,
-                       max_position_embeddings=128),
-    "roberta-base": PRESETS["roberta-base"][0],
-}
 SYSTEMS = {"bl_base": 12, "minipost": 6, "minijoint": 4}  # Step-2 depth (BL_SMALL = MINIJOINT's 4)
-
-
-def masked_batches(cfg: ModelConfig, micro: int, s: int, p: float, n: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(NUM_SPECIAL, cfg.vocab_size, (micro, s), generator=g)
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        pick = torch.rand(micro, s, generator=g) < p
-        labels[pick] = ids[pick]
-        out.append((ids, labels))
-    return out
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=SHAPES, default="roberta-base" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seq_length", type=int, default=None, help="default: 128 on CPU, 512 on GPU")
-    ap.add_argument("--micro_batch", type=int, default=None, help="default: 8 on CPU, 32 on GPU")
+    add_run_args(ap, cpu_micro_batch=8)
     ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / "zero1.json"))
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available()
-    s = args.seq_length or (512 if gpu else 128)
-    micro = args.micro_batch or (32 if gpu else 8)
-    base = dataclasses.replace(SHAPES[args.shape], hidden_dropout=0.0, attention_dropout=0.0)
-    train = TrainConfig(seq_length=s, train_micro_batch_size_per_gpu=micro, train_iters=10**6, lr=1e-4,
-                        lr_warmup_iters=1)
-    init_parallel(1, 1)
+    base, train = setup(args)
+    s, micro = args.seq_length, args.micro_batch
     ds = load_ds_config(REPO / args.ds_config, train)  # an absolute path replaces REPO
     batches = masked_batches(base, micro, s, train.mask_prob, 4)
+    p = mask_fraction(batches)
     rows = []
     for system, layers in SYSTEMS.items():
         cfg = mini_config(base, layers)
         engine, _, _ = build_engine(cfg, train, ds, Job(step="adapt", trainable=A.ADAPT_TRAINABLE))
-        counter = iter(range(10**9))
-
-        def step(engine=engine, counter=counter):
-            train_step(engine, False, [batches[next(counter) % len(batches)]], 1)
-
+        step = engine_update(engine, batches, 1)
         t, times = median_time(step, args.warmup, args.repeats)
-        m = sum(int(lab.ge(0).sum()) for _, lab in batches) / len(batches)  # masked rows per micro-batch
-        p = m / (micro * s)
         exact, paper = micro * adapt_flops(cfg, s, p), micro * adapt_flops(cfg, s, p, paper=True)
         rows.append({"system": system, "layers": layers, "ms_per_update": 1e3 * t, "tokens_per_s": micro * s / t,
                      "gflop_exact": exact / 1e9, "gflop_paper": paper / 1e9, "achieved_tflops": exact / t / 1e12,

@@ -15,17 +15,24 @@ FLOP/s of Step-1 and Step-2 updates >= 70% of the measured matmul peak on CPU at
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
-from common import REPO, median_time, table, write_results
+from common import (
+    REPO,
+    add_run_args,
+    engine_update,
+    mask_fraction,
+    masked_batches,
+    median_time,
+    setup,
+    table,
+    write_results,
+)
 from flops_validation import cases
-from step2_speed import SHAPES, masked_batches
 
-from mmadapt.config import TrainConfig
 from mmadapt.flops import DEVICE_TFLOPS, step_flops
-from mmadapt.parallel import device, init_parallel
-from mmadapt.train import Job, build_engine, load_ds_config, train_step
+from mmadapt.parallel import device
+from mmadapt.train import Job, build_engine, load_ds_config
 
 
 def matmul_peak(dtype: torch.dtype, n: int, repeats: int = 10) -> float:
@@ -39,32 +46,22 @@ def matmul_peak(dtype: torch.dtype, n: int, repeats: int = 10) -> float:
 def main(argv=None) -> None:
     gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=SHAPES, default="roberta-base" if gpu else "cpu")
-    ap.add_argument("--seq_length", type=int, default=512 if gpu else 128)
-    ap.add_argument("--micro_batch", type=int, default=32 if gpu else 16)
+    add_run_args(ap, cpu_micro_batch=16)
     ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero1_bf16.json" if gpu else "zero1.json")))
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--vendor", choices=sorted(DEVICE_TFLOPS), default="h100", help="GPU vendor peak to compare with")
     args = ap.parse_args(argv)
-    base = dataclasses.replace(SHAPES[args.shape], hidden_dropout=0.0, attention_dropout=0.0)
+    base, train = setup(args)
     s, b = args.seq_length, args.micro_batch
-    train = TrainConfig(seq_length=s, train_micro_batch_size_per_gpu=b, train_iters=10**6, lr=1e-4, lr_warmup_iters=1)
-    init_parallel(1, 1)
     ds = load_ds_config(REPO / args.ds_config, train)
     dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float16 if ds.get("fp16", {}).get(
         "enabled") else torch.float32
     peak = matmul_peak(dtype, 8192 if gpu else 2048)
     batches = masked_batches(base, b, s, train.mask_prob, 4)
-    p = sum(int(lab.ge(0).sum()) for _, lab in batches) / (len(batches) * b * s)
+    p = mask_fraction(batches)
     rows = []
     for system, step, cfg, trainable in cases(base):
         engine, _, _ = build_engine(cfg, train, ds, Job(step=step, trainable=trainable, trainable_layers=2))
-        counter = iter(range(10**9))
-
-        def update(engine=engine, counter=counter, heads=len(cfg.head_layers)):
-            train_step(engine, False, [batches[next(counter) % len(batches)]], heads)
-
+        update = engine_update(engine, batches, len(cfg.head_layers))
         t, times = median_time(update, args.warmup, args.repeats)
         flops = b * step_flops(step, cfg, s, p, trainable_layers=2)
         row = {"system": system, "step": step, "layers": cfg.num_layers, "ms_per_update": 1e3 * t,

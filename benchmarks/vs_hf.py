@@ -13,18 +13,26 @@ the same masked batches; dropout is off in both; median of --repeats updates aft
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import itertools
 
 import torch
-from common import REPO, median_time, table, write_results
-from step2_speed import SHAPES, masked_batches
+from common import (
+    REPO,
+    add_run_args,
+    engine_update,
+    mask_fraction,
+    masked_batches,
+    median_time,
+    setup,
+    table,
+    write_results,
+)
 
 from mmadapt import adapt as A
-from mmadapt.config import TrainConfig
 from mmadapt.flops import adapt_flops, mini_config
-from mmadapt.parallel import device, init_parallel
+from mmadapt.parallel import device
 from mmadapt.tokens import PAD_ID
-from mmadapt.train import Job, build_engine, load_ds_config, train_step
+from mmadapt.train import Job, build_engine, load_ds_config
 
 
 def hf_step2(cfg, lr: float):
@@ -47,41 +55,31 @@ def hf_step2(cfg, lr: float):
 def main(argv=None) -> None:
     gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=SHAPES, default="roberta-base" if gpu else "cpu")
-    ap.add_argument("--seq_length", type=int, default=512 if gpu else 128)
-    ap.add_argument("--micro_batch", type=int, default=32 if gpu else 16)
+    add_run_args(ap, cpu_micro_batch=16)
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 12], help="Step-2 depths (4: the mini-model)")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args(argv)
     import transformers
 
-    base = dataclasses.replace(SHAPES[args.shape], hidden_dropout=0.0, attention_dropout=0.0)
+    base, train = setup(args)
     s, b = args.seq_length, args.micro_batch
-    train = TrainConfig(seq_length=s, train_micro_batch_size_per_gpu=b, train_iters=10**6, lr=1e-4, lr_warmup_iters=1)
-    init_parallel(1, 1)
     ds = load_ds_config(REPO / "ds_configs" / ("zero1_bf16.json" if gpu else "zero1.json"), train)
     batches = masked_batches(base, b, s, train.mask_prob, 4)
     dev = device()
-    p = sum(int(lab.ge(0).sum()) for _, lab in batches) / (len(batches) * b * s)
+    p = mask_fraction(batches)
     rows = []
     for layers in args.layers:
         cfg = mini_config(base, layers)
         flops = b * adapt_flops(cfg, s, p)
         engine, _, _ = build_engine(cfg, train, ds, Job(step="adapt", trainable=A.ADAPT_TRAINABLE))
-        ours_counter = iter(range(10**9))
-
-        def ours(engine=engine, counter=ours_counter):
-            train_step(engine, False, [batches[next(counter) % len(batches)]], 1)
-
+        ours = engine_update(engine, batches, 1)
         t_ours, _ = median_time(ours, args.warmup, args.repeats)
         del engine, ours
         model, opt = hf_step2(cfg, train.lr)
-        hf_counter = iter(range(10**9))
+        hf_batches = itertools.cycle(batches)
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if gpu else torch.autocast("cpu", enabled=False)
 
-        def peer(model=model, opt=opt, counter=hf_counter):
-            ids, labels = batches[next(counter) % len(batches)]
+        def peer(model=model, opt=opt, cycle=hf_batches):
+            ids, labels = next(cycle)
             with autocast:
                 loss = model(input_ids=ids.to(dev), attention_mask=ids.ne(PAD_ID).to(dev), labels=labels.to(dev)).loss
             loss.backward()
