@@ -21,18 +21,27 @@ VOCAB = 1000
 NO_DROPOUT = ["--hidden_dropout", "0", "--attention_dropout", "0"]
 
 
-@pytest.fixture(scope="session")
-def corpus(tmp_path_factory) -> Path:
+def _bible(lang: str, tmp_path_factory) -> Path:
+    """Genesis + Exodus of the packaged Bible in `lang`."""
     from mmadapt.corpora import write_bible_corpus
 
-    return write_bible_corpus("en", tmp_path_factory.mktemp("corpus") / "en.txt", books=range(1, 3))
+    return write_bible_corpus(lang, tmp_path_factory.mktemp(f"corpus_{lang}") / f"{lang}.txt", books=range(1, 3))
+
+
+def _tokenizer(corpus: Path, tmp_path_factory) -> Path:
+    from mmadapt.data import train_tokenizer
+
+    return train_tokenizer(corpus, tmp_path_factory.mktemp(f"tok_{corpus.stem}") / "spm", VOCAB)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    return _bible("en", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def tokenizer(corpus, tmp_path_factory) -> Path:
-    from mmadapt.data import train_tokenizer
-
-    return train_tokenizer(corpus, tmp_path_factory.mktemp("tok") / "spm", VOCAB)
+    return _tokenizer(corpus, tmp_path_factory)
 
 
 def _port() -> int:
@@ -90,17 +99,13 @@ def primary_run(corpus, tokenizer, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def de_corpus(tmp_path_factory) -> Path:
-    from mmadapt.corpora import write_bible_corpus
-
-    return write_bible_corpus("de", tmp_path_factory.mktemp("corpus_de") / "de.txt", books=range(1, 3))
+    return _bible("de", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def de_tokenizer(de_corpus, tmp_path_factory) -> Path:
     """One target tokenizer for every Step-2 run, so runs in different layouts see the same data."""
-    from mmadapt.data import train_tokenizer
-
-    return train_tokenizer(de_corpus, tmp_path_factory.mktemp("tok_de") / "spm", VOCAB)
+    return _tokenizer(de_corpus, tmp_path_factory)
 
 
 def adapt_args(system: str, source: Path, corpus: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
