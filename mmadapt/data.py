@@ -192,6 +192,32 @@ def mask_tokens(block: np.ndarray, rng: np.random.Generator, vocab_size: int, ma
     return ids, labels
 
 
+class EpochOrder:
+    """Global sample index g -> item index: item perm_e[g mod n] of epoch e = g // n, with a
+    fresh seeded permutation per epoch. A pure function of (seed, g)."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._epoch, self._perm = -1, None
+
+    def __call__(self, g: int) -> int:
+        epoch, pos = divmod(g, self.n)
+        if epoch != self._epoch:
+            self._perm = np.random.default_rng([self.seed, 0, epoch]).permutation(self.n)
+            self._epoch = epoch
+        return int(self._perm[pos])
+
+
+def micro_batch_range(step: int, micro_step: int, micro_batch_size: int, gradient_accumulation_steps: int,
+                      dp_rank: int, dp_world: int) -> range:
+    """Global sample indices of one micro-batch: update `step`, micro-batch `micro_step`, DP rank
+    `dp_rank`. Data-parallel ranks together see the micro-batches of one process accumulating
+    gradients over the same global batch."""
+    global_batch = micro_batch_size * gradient_accumulation_steps * dp_world
+    first = step * global_batch + (micro_step * dp_world + dp_rank) * micro_batch_size
+    return range(first, first + micro_batch_size)
+
+
 class MLMBatches:
     """Micro-batches of masked blocks as a pure function of (seed, step, micro step, dp rank)."""
 
@@ -210,30 +236,23 @@ class MLMBatches:
         self.micro_batch_size, self.gas = micro_batch_size, gradient_accumulation_steps
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.global_batch = micro_batch_size * gradient_accumulation_steps * dp_world
-        self._perm_epoch, self._perm = -1, None
+        self.order = EpochOrder(len(self.blocks), seed)
 
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def _block_of(self, g: int) -> int:
-        epoch, pos = divmod(g, len(self.blocks))
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, 0, epoch]).permutation(len(self.blocks))
-            self._perm_epoch = epoch
-        return int(self._perm[pos])
-
     def sample(self, g: int):
-        offset, length = self.blocks[self._block_of(g)]
+        offset, length = self.blocks[self.order(g)]
         block = np.asarray(self.tokens[offset:offset + length])
         return mask_tokens(block, np.random.default_rng([self.seed, 1, g]), self.vocab_size, self.mask_prob)
 
     def micro_batch(self, step: int, micro_step: int):
         """-> (input_ids, labels), each [micro_batch_size, seq_length] int64, padded with PAD_ID."""
-        first = step * self.global_batch + (micro_step * self.dp_world + self.dp_rank) * self.micro_batch_size
+        samples = micro_batch_range(step, micro_step, self.micro_batch_size, self.gas, self.dp_rank, self.dp_world)
         ids = np.full((self.micro_batch_size, self.seq_length), PAD_ID, np.int64)
         labels = np.full((self.micro_batch_size, self.seq_length), IGNORE_INDEX, np.int64)
-        for i in range(self.micro_batch_size):
-            x, y = self.sample(first + i)
+        for i, g in enumerate(samples):
+            x, y = self.sample(g)
             ids[i, :len(x)], labels[i, :len(y)] = x, y
         return torch.from_numpy(ids), torch.from_numpy(labels)
 

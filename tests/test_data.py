@@ -79,8 +79,8 @@ def test_data_parallel_shards_equal_single_process_accumulation(encoded):
 def test_epochs_reshuffle_and_remask(encoded):
     data = MLMBatches(encoded, 64, 1000, seed=5, mask_prob=0.15, micro_batch_size=1, gradient_accumulation_steps=1)
     n = len(data)
-    assert sorted(data._block_of(g) for g in range(n)) == list(range(n))  # an epoch is a permutation
-    assert [data._block_of(g) for g in range(5)] != [data._block_of(n + g) for g in range(5)]
+    assert sorted(data.order(g) for g in range(n)) == list(range(n))  # an epoch is a permutation
+    assert [data.order(g) for g in range(5)] != [data.order(n + g) for g in range(5)]
     # The same block seen in two epochs gets different masks (dynamic masking).
-    g2 = n + [data._block_of(n + g) for g in range(n)].index(data._block_of(0))
+    g2 = n + [data.order(n + g) for g in range(n)].index(data.order(0))
     assert not np.array_equal(data.sample(0)[1], data.sample(g2)[1])
