@@ -189,8 +189,8 @@ class MLMHeads(nn.Module):
         return per_head.mean(), per_head.detach()
 
 
-class RobertaMLM(nn.Module):
-    """The plain (non-pipelined) model. Parallelism is applied around it (see pipeline.py, train.py)."""
+class RobertaEncoder(nn.Module):
+    """Embeddings and transformer layers: the body that every step shares (no output head)."""
 
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__()
@@ -198,23 +198,90 @@ class RobertaMLM(nn.Module):
         self.word_embeddings = WordEmbedding(config, seed)
         self.embeddings = EmbeddingPost(config, seed)
         self.layers = nn.ModuleList(TransformerLayer(config, i, seed) for i in range(1, config.num_layers + 1))
-        self.heads = MLMHeads(config, seed)
 
-    def hidden_states(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        """input_ids [b, s] -> the output [b, s, h] of each layer in head_layers."""
+    def encode(self, input_ids: torch.Tensor, layers: tuple[int, ...]) -> list[torch.Tensor]:
+        """input_ids [b, s] -> the output [b, s, h] of each layer in `layers` (1-based, ascending)."""
         key_padding = input_ids.eq(PAD_ID)
         key_padding = key_padding if bool(key_padding.any()) else None
         x = self.embeddings(self.word_embeddings(input_ids))
         out = []
         for layer in self.layers:
             x = layer(x, key_padding)
-            if layer.layer_number in self.config.head_layers:
+            if layer.layer_number in layers:
                 out.append(x)
         return out
+
+
+class RobertaMLM(RobertaEncoder):
+    """The plain (non-pipelined) model. Parallelism is applied around it (see pipeline.py, train.py)."""
+
+    def __init__(self, config: ModelConfig, seed: int = 1234):
+        super().__init__(config, seed)
+        self.heads = MLMHeads(config, seed)
+
+    def hidden_states(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """input_ids [b, s] -> the output [b, s, h] of each layer in head_layers."""
+        return self.encode(input_ids, self.config.head_layers)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
         """input_ids, labels [b, s] -> (loss, per_head [num heads])."""
         return self.heads(self.hidden_states(input_ids), labels, self.word_embeddings.weight)
+
+
+# --- task heads (Step 3 fine-tuning, Step 4 zero-shot evaluation) -----------------------------------
+
+TASK_KINDS = ("classify", "tag", "span")  # sequence / sentence-pair classification, token tagging, extractive QA
+
+
+class RobertaForTask(RobertaEncoder):
+    """The primary model's body with a task head on its last layer. Parameter names of the body
+    are RobertaMLM's, so a pretrained state dict loads as is (its MLM heads are not used) and
+    Step 4 swaps `word_embeddings.word_embeddings.weight` alone.
+
+    kind "classify": RoBERTa's sentence head on the <s> state: dropout -> dense -> tanh ->
+        dropout -> linear, logits [b, C]; labels [b].
+    kind "tag": dropout -> linear on every position, logits [b, s, C]; labels [b, s] (-100 on
+        positions that carry no label: specials, padding, non-initial pieces of a word).
+    kind "span": linear to (start, end) per position, logits [b, s, 2]; labels [b, 2] (the
+        answer's first and last piece; 0 = the <s> position when the answer is not in this window).
+        Padding positions get -inf so they are never predicted.
+    The task head is replicated on tensor-parallel ranks (the layers' outputs are complete there).
+    """
+
+    def __init__(self, config: ModelConfig, kind: str, num_labels: int, seed: int = 1234):
+        super().__init__(config, seed)
+        if kind not in TASK_KINDS:
+            raise ValueError(f"task kind must be one of {', '.join(TASK_KINDS)}, got {kind!r}")
+        self.kind, self.num_labels = kind, num_labels
+        h = config.hidden_size
+        out = 2 if kind == "span" else num_labels
+        with seeded(derive_seed(seed, "task_head")):
+            self.dense = nn.Linear(h, h) if kind == "classify" else None
+            self.out = nn.Linear(h, out)
+            for lin in (self.dense, self.out):
+                if lin is not None:
+                    nn.init.normal_(lin.weight, std=config.init_method_std)
+                    nn.init.zeros_(lin.bias)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.encode(input_ids, (self.config.num_layers,))[0]  # [b, s, h]
+        if self.kind == "classify":
+            return self.out(self.dropout(torch.tanh(self.dense(self.dropout(x[:, 0])))))  # [b, C]
+        if self.kind == "tag":
+            return self.out(self.dropout(x))  # [b, s, C]
+        return self.out(x).masked_fill(input_ids.eq(PAD_ID)[..., None], float("-inf"))  # [b, s, 2]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        """-> (loss or None, logits). The span loss is the mean of the start and end losses."""
+        logits = self.logits(input_ids)
+        if labels is None:
+            return None, logits
+        if self.kind == "span":
+            loss = (F.cross_entropy(logits[..., 0], labels[:, 0]) + F.cross_entropy(logits[..., 1], labels[:, 1])) / 2
+        else:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
+        return loss, logits
 
 
 def count_parameters(model: nn.Module) -> int:
