@@ -67,7 +67,7 @@ def _tsv(path: Path):
 def read_nli(path: str | os.PathLike, lang: str | None = None) -> list[PairExample]:
     """XNLI's xnli.{dev,test}.tsv (all languages in one file; `lang` selects one) or MultiNLI's
     train.tsv / dev_matched.tsv: columns found by header name (sentence1, sentence2, gold_label,
-    language). Pairs whose gold label is '-' (no annotator majority) are dropped, as in the
+    language; a file without a language column is read whole). Pairs whose gold label is '-' (no annotator majority) are dropped, as in the
     official evaluation."""
     rows = _tsv(_check(path))
     header = next(rows, None)
@@ -80,7 +80,7 @@ def read_nli(path: str | os.PathLike, lang: str | None = None) -> list[PairExamp
         if len(r) < len(header):
             continue
         gold, row_lang = r[col["gold_label"]], r[col["language"]] if "language" in col else ""
-        if gold not in NLI_LABELS or (lang is not None and row_lang != lang):
+        if gold not in NLI_LABELS or (lang is not None and "language" in col and row_lang != lang):
             continue
         out.append(PairExample(r[col["sentence1"]], r[col["sentence2"]], NLI_LABELS.index(gold), row_lang))
     return out

@@ -1,0 +1,205 @@
+"""Task examples -> fixed-length piece-id tensors (Steps 3 and 4), and model outputs -> answers.
+
+Layouts follow RoBERTa (ids from mmadapt/tokens.py, padding with PAD_ID to seq_length):
+    classify, one text    <s> a </s>
+    classify, a pair      <s> a </s> </s> b </s>          (longest side truncated first)
+    tag                   <s> w1 w2 ... </s>              a word's label sits on its first piece
+    span (extractive QA)  <s> question </s> </s> context window </s>
+A QA context longer than a window is split into windows that overlap by `doc_stride` pieces
+(as in BERT's SQuAD code); the answer is predicted per window and the best span over all
+windows of a question wins. Piece offsets come from SentencePiece (byte offsets into the
+original text, turned into character offsets), so an answer is cut from the context exactly,
+also in languages written without spaces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from mmadapt.tasks import PairExample, QAExample, TaggedSentence
+from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, NUM_SPECIAL, PAD_ID
+
+
+@dataclasses.dataclass
+class Encoded:
+    input_ids: torch.Tensor  # [n, s] int64
+    labels: torch.Tensor  # classify [n]; tag [n, s] (-100 where no label); span [n, 2] (start, end)
+    example: np.ndarray | None = None  # span: [n] index of the example each window comes from
+    offsets: np.ndarray | None = None  # span: [n, s, 2] character span in the context, -1 outside it
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def _pad(rows: list[list[int]], seq_length: int) -> torch.Tensor:
+    out = torch.full((len(rows), seq_length), PAD_ID, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+def _check_seq(seq_length: int, need: int) -> None:
+    if seq_length < need:
+        raise ValueError(f"seq_length {seq_length} is too short for this task (need at least {need})")
+
+
+def encode_classify(sp, examples: list[PairExample] | list[tuple[str, int]], seq_length: int) -> Encoded:
+    """Single texts as (text, label) pairs, or PairExamples (sentence1, sentence2, label)."""
+    _check_seq(seq_length, 8)
+    rows, labels = [], []
+    for ex in examples:
+        if isinstance(ex, PairExample):
+            a, b = sp.encode(ex.sentence1), sp.encode(ex.sentence2)
+            budget = seq_length - 4
+            while len(a) + len(b) > budget:  # longest first, as in BERT/RoBERTa
+                (a if len(a) >= len(b) else b).pop()
+            rows.append([BOS_ID, *a, EOS_ID, EOS_ID, *b, EOS_ID])
+            labels.append(ex.label)
+        else:
+            text, label = ex
+            rows.append([BOS_ID, *sp.encode(text)[:seq_length - 2], EOS_ID])
+            labels.append(label)
+    return Encoded(_pad(rows, seq_length), torch.tensor(labels, dtype=torch.long))
+
+
+def encode_tag(sp, sentences: list[TaggedSentence], label_names: list[str], seq_length: int) -> Encoded:
+    """One row per sentence, truncated to seq_length (words cut off are not scored). A gold tag
+    missing from `label_names` (not seen in training) gets the id len(label_names), which no
+    prediction can equal."""
+    _check_seq(seq_length, 4)
+    index = {t: i for i, t in enumerate(label_names)}
+    rows, label_rows = [], []
+    for sent in sentences:
+        ids, labels = [BOS_ID], [IGNORE_INDEX]
+        for word, tag in zip(sent.words, sent.tags):
+            pieces = sp.encode(word) or [1]
+            if len(ids) + len(pieces) > seq_length - 1:
+                break
+            ids += pieces
+            labels += [index.get(tag, len(label_names))] + [IGNORE_INDEX] * (len(pieces) - 1)
+        rows.append(ids + [EOS_ID])
+        label_rows.append(labels + [IGNORE_INDEX])
+    out = torch.full((len(rows), seq_length), IGNORE_INDEX, dtype=torch.long)
+    for i, r in enumerate(label_rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return Encoded(_pad(rows, seq_length), out)
+
+
+def piece_offsets(sp, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """Piece ids of `text` and each piece's [begin, end) character span in `text`, leading
+    whitespace excluded (SentencePiece reports byte offsets that include the space a '▁' stands for)."""
+    try:
+        proto = sp.encode(text, return_type="proto")  # sentencepiece >= 0.2.1
+    except (TypeError, ValueError):
+        proto = sp.encode(text, out_type="immutable_proto")
+    char_of_byte = np.zeros(len(text.encode("utf-8")) + 1, dtype=np.int64)
+    pos = 0
+    for i, ch in enumerate(text):
+        n = len(ch.encode("utf-8"))
+        char_of_byte[pos:pos + n] = i
+        pos += n
+    char_of_byte[pos] = len(text)
+    ids, spans = [], []
+    for p in proto.pieces:
+        b, e = int(char_of_byte[p.begin]), int(char_of_byte[p.end])
+        while b < e and text[b].isspace():
+            b += 1
+        ids.append(p.id)
+        spans.append((b, e))
+    return ids, spans
+
+
+def encode_span(sp, examples: list[QAExample], seq_length: int, doc_stride: int, max_query_length: int) -> Encoded:
+    """Windows over each context; labels are the first answer's first and last piece in the
+    window, or (0, 0) (the <s> position) when the window does not hold the whole answer."""
+    _check_seq(seq_length, max_query_length + 8)
+    rows, labels, example, offsets = [], [], [], []
+    for n, ex in enumerate(examples):
+        q = sp.encode(ex.question)[:max_query_length]
+        ctx_ids, spans = piece_offsets(sp, ex.context)
+        window = seq_length - len(q) - 4
+        if doc_stride >= window:
+            raise ValueError(f"doc_stride {doc_stride} must be smaller than the context window "
+                             f"({window} pieces at seq_length {seq_length})")
+        a_start = a_end = None
+        if ex.answers:
+            text, start = ex.answers[0]
+            end = start + len(text)
+            inside = [i for i, (b, e) in enumerate(spans) if e > start and b < end and e > b]
+            if inside:
+                a_start, a_end = inside[0], inside[-1]
+        first = 0
+        while True:
+            last = min(first + window, len(ctx_ids))
+            ids = [BOS_ID, *q, EOS_ID, EOS_ID, *ctx_ids[first:last], EOS_ID]
+            off = np.full((seq_length, 2), -1, dtype=np.int64)
+            base = len(q) + 3
+            off[base:base + last - first] = spans[first:last]
+            if a_start is not None and first <= a_start and a_end < last:
+                labels.append((base + a_start - first, base + a_end - first))
+            else:
+                labels.append((0, 0))
+            rows.append(ids)
+            example.append(n)
+            offsets.append(off)
+            if last == len(ctx_ids):
+                break
+            first += window - doc_stride
+    return Encoded(_pad(rows, seq_length), torch.tensor(labels, dtype=torch.long).reshape(-1, 2),
+                   np.asarray(example, dtype=np.int64), np.stack(offsets) if offsets else np.zeros((0, seq_length, 2)))
+
+
+def best_spans(logits: torch.Tensor, enc: Encoded, examples: list[QAExample], max_answer_length: int,
+               top_k: int = 20) -> dict[str, str]:
+    """logits [n, s, 2] of encode_span's windows -> {question id: answer text}: the highest
+    start + end score over all windows, with start <= end, both in the context, and at most
+    max_answer_length pieces."""
+    best: dict[int, tuple[float, str]] = {}
+    logits = logits.float()
+    for w in range(len(enc)):
+        n, off = int(enc.example[w]), enc.offsets[w]
+        start, end = logits[w, :, 0], logits[w, :, 1]
+        for i in start.topk(min(top_k, len(start))).indices.tolist():
+            for j in end.topk(min(top_k, len(end))).indices.tolist():
+                if off[i, 0] < 0 or off[j, 0] < 0 or j < i or j - i + 1 > max_answer_length:
+                    continue
+                score = float(start[i] + end[j])
+                if n not in best or score > best[n][0]:
+                    best[n] = (score, examples[n].context[off[i, 0]:off[j, 1]])
+    return {ex.id: best[n][1] if n in best else "" for n, ex in enumerate(examples)}
+
+
+def chunks(tags: list[str]) -> set[tuple[int, int, str]]:
+    """Entity chunks (start, end, type) of an IOB1/IOB2 tag sequence, as conlleval reads them: a
+    chunk starts at B-X, or at I-X after O or after another type."""
+    out, start, kind = set(), None, None
+    for i, tag in enumerate([*tags, "O"]):
+        prefix, _, t = tag.partition("-")
+        begins = prefix == "B" or (prefix == "I" and t != kind)
+        if start is not None and (tag == "O" or begins or t != kind):
+            out.add((start, i, kind))
+            start, kind = None, None
+        if tag != "O" and (begins or start is None):
+            start, kind = i, t
+    return out
+
+
+def chunk_f1(gold: list[list[str]], pred: list[list[str]]) -> float:
+    """Entity-level F1 in percent over sentences (CoNLL-2003's metric)."""
+    g = p = both = 0
+    for gs, ps in zip(gold, pred):
+        cg, cp = chunks(gs), chunks(ps)
+        g, p, both = g + len(cg), p + len(cp), both + len(cg & cp)
+    if both == 0:
+        return 0.0
+    precision, recall = both / p, both / g
+    return 100 * 2 * precision * recall / (precision + recall)
+
+
+def special_mask(input_ids: torch.Tensor) -> torch.Tensor:
+    """[b, s] True at ordinary pieces (not padding, <s>, </s>, ...): the positions pooled for
+    sentence vectors."""
+    return input_ids.ge(NUM_SPECIAL)

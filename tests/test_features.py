@@ -1,0 +1,115 @@
+"""Task encodings (classification, tagging, QA windows), span decoding and the NER metric, on
+hand-built cases and on the real XQuAD beside the repository."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO
+from mmadapt import features as F
+from mmadapt.tasks import PairExample, QAExample, TaggedSentence, f1_score, read_squad
+from mmadapt.tokens import BOS_ID, EOS_ID, PAD_ID
+
+XQUAD = REPO.parent / "shared" / "data" / "xquad"
+
+
+@pytest.fixture(scope="module")
+def sp(tokenizer):
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(tokenizer))
+
+
+def test_pair_layout_and_longest_first_truncation(sp):
+    a = "In the beginning God created the heaven and the earth and all the host of them"
+    b = "And God said"
+    enc = F.encode_classify(sp, [PairExample(a, b, 2)], seq_length=16)
+    ids = enc.input_ids[0].tolist()
+    ea, eb = sp.encode(a), sp.encode(b)
+    keep = 16 - 4 - len(eb)  # b is shorter and kept whole; a loses its tail
+    assert ids == [BOS_ID, *ea[:keep], EOS_ID, EOS_ID, *eb, EOS_ID]
+    assert enc.labels.tolist() == [2]
+    single = F.encode_classify(sp, [("And God said", 4)], seq_length=16)
+    assert single.input_ids[0].tolist() == [BOS_ID, *eb, EOS_ID] + [PAD_ID] * (16 - 2 - len(eb))
+
+
+def test_tag_labels_sit_on_first_pieces(sp):
+    words = ["Abraham", "begat", "Isaac"]
+    enc = F.encode_tag(sp, [TaggedSentence(words, ["B-PER", "O", "B-LOC"])], ["B-PER", "O"], seq_length=32)
+    ids, labels = enc.input_ids[0].tolist(), enc.labels[0].tolist()
+    expect_ids, expect_labels = [BOS_ID], [-100]
+    for w, tag in zip(words, [0, 1, 2]):  # B-LOC is unseen in training: id 2 = len(label_names)
+        pieces = sp.encode(w)
+        expect_ids += pieces
+        expect_labels += [tag] + [-100] * (len(pieces) - 1)
+    n = len(expect_ids)
+    assert ids[:n + 1] == expect_ids + [EOS_ID] and labels[:n] == expect_labels
+    assert all(l == -100 for l in labels[n:])
+
+
+def test_chunk_f1_by_hand():
+    gold = [["B-PER", "I-PER", "O", "B-LOC"], ["I-ORG", "I-ORG", "O"]]
+    pred = [["B-PER", "I-PER", "O", "B-ORG"], ["I-ORG", "O", "O"]]
+    # IOB1 "I-ORG I-ORG" is one chunk. Gold chunks: PER(0-2), LOC(3), ORG(0-2) = 3; predicted:
+    # PER(0-2), ORG(3), ORG(0-1) = 3; correct: PER only -> P = R = 1/3 -> F1 33.3.
+    assert F.chunks(gold[1]) == {(0, 2, "ORG")}
+    assert F.chunk_f1(gold, pred) == pytest.approx(100 / 3)
+    assert F.chunk_f1(gold, gold) == pytest.approx(100.0)
+    assert F.chunks(["B-PER", "B-PER", "I-LOC"]) == {(0, 1, "PER"), (1, 2, "PER"), (2, 3, "LOC")}
+
+
+def test_qa_windows_overlap_by_stride_and_cover_the_context(sp):
+    context = " ".join(f"word{i}" for i in range(60)) + " The answer is Moses."
+    ex = QAExample("q1", context, "Who?", [("Moses", context.index("Moses"))])
+    enc = F.encode_span(sp, [ex], seq_length=40, doc_stride=8, max_query_length=8)
+    ctx_ids, spans = F.piece_offsets(sp, context)
+    q = len(sp.encode("Who?"))
+    window = 40 - q - 4
+    assert len(enc) == 1 + -(-(len(ctx_ids) - window) // (window - 8))  # ceil
+    starts = []
+    for w in range(len(enc)):
+        ctx = [i for i in range(40) if enc.offsets[w][i][0] >= 0]
+        starts.append(spans.index(tuple(enc.offsets[w][ctx[0]])))
+        assert enc.input_ids[w][ctx[0] - 2:ctx[0]].tolist() == [EOS_ID, EOS_ID]
+    assert starts == [k * (window - 8) for k in range(len(enc))]
+    # Only the last window holds the answer; the others point at <s>.
+    assert enc.labels[:-1].tolist() == [[0, 0]] * (len(enc) - 1)
+    s, e = enc.labels[-1].tolist()
+    assert context[enc.offsets[-1][s][0]:enc.offsets[-1][e][1]] == "Moses"
+    # Decoding: the best valid span over all windows, cut from the context by character offsets.
+    logits = torch.zeros(len(enc), 40, 2)
+    logits[-1, s, 0] = logits[-1, e, 1] = 5.0
+    logits[0, 0, :] = 50.0  # <s> is not in the context: never an answer
+    assert F.best_spans(logits, enc, [ex], max_answer_length=5) == {"q1": "Moses"}
+
+
+def test_piece_offsets_are_character_offsets(sp):
+    text = "Gott schuf  Himmel und Érde. 起初"
+    ids, spans = F.piece_offsets(sp, text)
+    assert ids == sp.encode(text)
+    assert all(0 <= b <= e <= len(text) for b, e in spans)
+    covered = "".join(text[b:e] for b, e in spans)
+    assert covered.replace(" ", "") == text.replace(" ", "")
+
+
+@pytest.mark.skipif(not XQUAD.is_dir(), reason="../shared/data/xquad is not beside the repository")
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_real_xquad_gold_spans_recover_the_answers(sp, lang):
+    """With the English test tokenizer, every window's gold span is cut back out of the context:
+    in English it is the answer itself for >= 97% of questions (a piece may run past an answer
+    boundary), in Chinese (mostly unknown pieces spanning several characters) it contains it."""
+    examples = read_squad(XQUAD / f"xquad.{lang}.json")
+    enc = F.encode_span(sp, examples, seq_length=128, doc_stride=32, max_query_length=32)
+    found = {}
+    for w in range(len(enc)):
+        s, e = enc.labels[w].tolist()
+        if s:
+            found.setdefault(int(enc.example[w]), examples[int(enc.example[w])].context[
+                enc.offsets[w][s][0]:enc.offsets[w][e][1]])
+    assert len(found) >= 0.98 * len(examples)  # the rest: answers longer than the window overlap
+    answers = {n: examples[n].answers[0][0] for n in found}
+    if lang == "en":
+        assert np.mean([found[n] == answers[n] for n in found]) >= 0.97
+        assert np.mean([f1_score(found[n], answers[n]) for n in found]) >= 0.99
+    else:
+        assert all(answers[n] in found[n] for n in found)
