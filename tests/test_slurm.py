@@ -91,7 +91,8 @@ def test_cli_dry_run_and_error(capsys, monkeypatch):
 # --- the sbatch templates ------------------------------------------------------------------------
 
 def test_templates_exist():
-    assert {t.name for t in TEMPLATES} >= {"pretrain.sbatch", "build_minipost.sbatch", "adapt.sbatch"}
+    assert {t.name for t in TEMPLATES} >= {"pretrain.sbatch", "build_minipost.sbatch", "adapt.sbatch",
+                                           "finetune.sbatch"}
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
@@ -134,9 +135,12 @@ def test_template_renders_a_launch_per_node(template, tmp_path):
     script_at = next(i for i, a in enumerate(launches[0]) if a.startswith("launch/"))
     script, script_args = launches[0][script_at], launches[0][script_at + 1:]
     parser = {"launch/pretrain.py": cli.pretrain_parser, "launch/build_minipost.py": cli.minipost_parser,
-              "launch/adapt.py": cli.adapt_parser}[script]()
+              "launch/adapt.py": cli.adapt_parser, "launch/finetune.py": cli.finetune_parser}[script]()
     args = parser.parse_args(script_args)
-    assert args.resume
+    if script == "launch/finetune.py":  # a fine-tuning run is short: one array task per seed
+        assert args.seed == 3 and args.output_dir.endswith("pretrain-minijoint-xnli-seed3")  # array index 2
+    else:
+        assert args.resume
     if script == "launch/adapt.py":
         assert args.lang == "es" and args.output_dir.endswith("adapt/minijoint-es")  # array index 2
         assert args.extra_save_steps == [1000, 2000, 3000, 4000]
