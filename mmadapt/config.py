@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional, get_type_hints
+from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 
 def _f(default, help: str, **kw):
@@ -120,6 +120,43 @@ class TrainConfig:
         return self
 
 
+@dataclass
+class FinetuneConfig:
+    """Step 3 (fine-tuning the primary model on a source-language task, word embeddings frozen)
+    and Step 4 (zero-shot evaluation). Defaults: the paper's section 3."""
+    seed: int = _f(1, "seed of the task head's init, data order and dropout (the paper averages 5 seeds)")
+    seq_length: int = _f(128, "pieces per example (QA: per context window)")
+    train_micro_batch_size_per_gpu: int = _f(32, "examples per micro-batch per data-parallel rank")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per update")
+    epochs: float = _f(3.0, "passes over the training examples (paper: 3)")
+    lr: Optional[float] = _f(None, "peak learning rate (default: the task's, paper: 1e-5 XNLI/PAWS-X, "
+                             "3e-5 MLQA/XQuAD)")
+    warmup_ratio: float = _f(0.06, "fraction of the updates with linear warm-up, then linear decay to 0")
+    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and LayerNorm)")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.98, "Adam beta2")
+    adam_eps: float = _f(1e-6, "Adam epsilon")
+    gradient_clipping: float = _f(0.0, "global gradient-norm clip (0 = off)")
+    doc_stride: int = _f(128, "QA: pieces shared by consecutive windows of a long context")
+    max_query_length: int = _f(64, "QA: question pieces kept")
+    max_answer_length: int = _f(30, "QA: longest answer predicted, in pieces")
+    eval_batch_size: int = _f(64, "examples per forward pass in evaluation")
+    log_interval: int = _f(10, "updates between TensorBoard/console logs")
+
+    def validate(self, model: "ModelConfig") -> "FinetuneConfig":
+        if self.seq_length > model.max_position_embeddings:
+            raise ValueError(f"seq_length {self.seq_length} exceeds the model's max_position_embeddings "
+                             f"{model.max_position_embeddings}")
+        if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, self.eval_batch_size,
+               self.log_interval) < 1 or self.epochs <= 0:
+            raise ValueError("batch sizes and log_interval must be >= 1 and epochs > 0")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        return self
+
+
 # --- presets --------------------------------------------------------------------------------
 # A preset names a model size and the schedule that goes with it.
 
@@ -165,9 +202,12 @@ def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int = 4) -> Model
 
 # --- CLI glue: fields become flags ------------------------------------------------------------
 
-def _is_int_tuple(kind) -> bool:
-    """Tuple-valued fields (head_layers, extra_save_steps) hold ints and take one or more values."""
-    return kind in (tuple, Optional[tuple])
+def _tuple_item(kind):
+    """The item type of a tuple-valued field (one or more values on the command line), else None.
+    A bare `tuple` holds ints (head_layers, extra_save_steps); `tuple[str, ...]` says its type."""
+    if kind in (tuple, Optional[tuple]):
+        return int
+    return get_args(kind)[0] if get_origin(kind) is tuple else None
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ...] | None = None) -> None:
@@ -180,12 +220,11 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
             continue
         kind = hints[f.name]
         kw: dict[str, Any] = dict(default=None, help=f"{f.metadata['help']} (preset default: {f.default})")
-        if _is_int_tuple(kind):
-            kw.update(type=int, nargs="+")
-        elif kind in (int, float, str):
-            kw.update(type=kind)
+        if _tuple_item(kind) is not None:
+            kw.update(type=_tuple_item(kind), nargs="+")
         else:
-            kw.update(type=str)
+            base = next((a for a in get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
+            kw.update(type=base if base in (int, float) else str)
         group.add_argument(f"--{f.name}", **kw)
 
 
@@ -195,7 +234,7 @@ def override(cfg, args: argparse.Namespace):
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(cfg)
                if getattr(args, f.name, None) is not None}
     for name in changes:
-        if _is_int_tuple(hints[name]):
+        if _tuple_item(hints[name]) is not None:
             changes[name] = tuple(changes[name])
     return dataclasses.replace(cfg, **changes)
 
