@@ -69,3 +69,58 @@ def write_bible_corpus(lang: str, path: str | os.PathLike, books: range | None =
             last = (b, c)
     os.replace(tmp, path)
     return path
+
+
+# --- the demo's zero-shot task and parallel verses ------------------------------------------------
+# Genre of a verse's book, five classes. Fine-tuning uses English verses of the training books;
+# evaluation uses target-language verses of the held-out books, so no test item is a
+# translation of a training item (or comes from the same book).
+
+GENRES = {"law_history": range(1, 18), "poetry_wisdom": range(18, 23), "prophets": range(23, 40),
+          "gospels_acts": range(40, 45), "letters": range(45, 67)}
+GENRE_TEST_BOOKS = frozenset({6, 9, 18, 20, 24, 30, 43, 46, 58})  # Joshua, 1 Samuel, Job, Proverbs,
+# Jeremiah, Amos, John, 1 Corinthians, Hebrews: at least one held-out book per genre
+GENRE_TRAIN_PER_CLASS = 400  # English verses per genre for fine-tuning (2000 in all)
+GENRE_TEST_PER_CLASS = 100  # target verses per genre for evaluation
+MIN_VERSE_CHARS = 20  # very short verses ("Jesus wept.") say little about their book
+
+
+def genre_of(book: int) -> int:
+    return next(i for i, books in enumerate(GENRES.values()) if book in books)
+
+
+def _verse_keys(lang: str, test: bool) -> dict[tuple[int, int, int], str]:
+    return {(b, c, v): t for b, c, v, t in bible_verses(lang)
+            if (b in GENRE_TEST_BOOKS) == test and len(t) >= MIN_VERSE_CHARS}
+
+
+def _sample_keys(split: str, per_class: int, seed: int) -> list[tuple[int, int, int]]:
+    """`per_class` verse keys per genre from the split's books, chosen from the English Bible's
+    keys so every language gets the same items."""
+    import random
+
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    keys = sorted(_verse_keys("en", split == "test"))
+    rng = random.Random(f"{seed}:{split}")
+    out = []
+    for g in range(len(GENRES)):
+        mine = [k for k in keys if genre_of(k[0]) == g]
+        out += rng.sample(mine, min(per_class, len(mine)))
+    return out
+
+
+def genre_examples(lang: str, split: str, per_class: int, seed: int = 0) -> list[tuple[str, int]]:
+    """(verse text, genre id) pairs: a balanced sample of the split's books in `lang` (the
+    majority-class baseline is 1/len(GENRES))."""
+    text = _verse_keys(lang, split == "test")
+    return [(text[k], genre_of(k[0])) for k in _sample_keys(split, per_class, seed) if k in text]
+
+
+def parallel_verses(src: str, trg: str, n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """n aligned (source, target) verses from the held-out books, for retrieval accuracy."""
+    import random
+
+    a, b = _verse_keys(src, True), _verse_keys(trg, True)
+    keys = sorted(set(a) & set(b))
+    return [(a[k], b[k]) for k in random.Random(f"{seed}:parallel").sample(keys, min(n, len(keys)))]
