@@ -159,11 +159,16 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
         final = {s: [cs[(s, task, lang)][-1][1] if (s, task, lang) in cs else None for lang in langs] for s in systems}
         got = {s: [v for v in vals if v is not None] for s, vals in final.items()}
         avg = {s: sum(v) / len(v) if v else math.nan for s, v in got.items()}
+        # Train cost as in Table 2: the Step-2 compute at the last checkpoint, mean over languages.
+        cost = {s: [cs[(s, task, lang)][-1][0] for lang in langs if (s, task, lang) in cs] for s in systems}
+        cost = {s: sum(v) / len(v) for s, v in cost.items()}
         out += [f"## {task}: score at the last checkpoint", "",
-                "| system | " + " | ".join(langs) + " | avg | retention |", "|---" * (len(langs) + 3) + "|"]
+                f"| system | Step-2 EFLOPs | {device} days | " + " | ".join(langs) + " | avg | retention |",
+                "|---" * (len(langs) + 5) + "|"]
         for s in systems:
             ret = avg[s] / avg[baseline] if avg[baseline] else math.nan
-            out.append(f"| {s} | " + " | ".join("-" if v is None else f"{v:.1f}" for v in final[s]) +
+            out.append(f"| {s} | {cost[s] / 1e18:.3g} | {device_days(cost[s], device):.3g} | " +
+                       " | ".join("-" if v is None else f"{v:.1f}" for v in final[s]) +
                        f" | {avg[s]:.1f} | {100 * ret:.1f}% |")
         out += ["", f"## {task}: {device} days to near-maximal performance (95% of {baseline}'s final score)", "",
                 "| system | " + " | ".join(langs) + " | speedup |", "|---" * (len(langs) + 2) + "|"]

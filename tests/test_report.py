@@ -67,8 +67,9 @@ def test_report_from_results(tmp_path, capsys):
         {"system": "minijoint", "task": "genre", "lang": "de", "step": 2, "flops": 2 * day, "score": 58.0},
     ]
     md = report_markdown(records)
-    assert "| bl_base | 60.0 | 60.0 | 100.0% |" in md
-    assert "| minijoint | 58.0 | 58.0 | 96.7% |" in md
+    # Train cost: the last checkpoint's Step-2 compute (4 and 2 V100-days).
+    assert "| bl_base | 10.4 | 4 | 60.0 | 60.0 | 100.0% |" in md
+    assert "| minijoint | 5.18 | 2 | 58.0 | 58.0 | 96.7% |" in md
     assert "| bl_base | 3.4 (2–4) | 1.00× (1 langs) |" in md
     assert "| minijoint | 1.5 (1–2) | 2.27× (1 langs) |" in md
     f = tmp_path / "results.json"
