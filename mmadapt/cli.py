@@ -232,6 +232,89 @@ def adapt_main(argv=None) -> int:
     return 0
 
 
+# --- Step 3 and Step 4 ----------------------------------------------------------------------------------
+
+def finetune_parser() -> argparse.ArgumentParser:
+    from mmadapt.config import FinetuneConfig
+    from mmadapt.finetune import TASKS
+
+    p = argparse.ArgumentParser(prog="finetune", description="Step 3: fine-tune the primary model of a "
+                                "pretrain run on a source-language task, word embeddings frozen.")
+    p.add_argument("--task", choices=sorted(TASKS), required=True, help="xnli/pawsx (pairs), mlqa/xquad "
+                   "(extractive QA), pos (CoNLL-U), ner (CoNLL-2003), bible-genre (the demo's task)")
+    p.add_argument("--primary", required=True, help="the pretrain run whose primary model is fine-tuned")
+    p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
+    p.add_argument("--train_file", help="source-language training data in the task's format "
+                   "(bible-genre: 'bible', the default)")
+    p.add_argument("--eval_file", help="optional source-language evaluation data: its score is printed and "
+                   "kept in run.json ({lang} is replaced by --source_lang)")
+    p.add_argument("--source_lang", default="en", help="language of the training data")
+    p.add_argument("--output_dir", required=True, help="run directory: checkpoint, logs, run.json")
+    p.add_argument("--ds_config", default=str(DEFAULT_DS_CONFIG), help="DeepSpeed JSON (ZeRO stage, precision)")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_dataclass_args(p, ModelConfig, only=_LAYOUT_FIELDS)
+    add_dataclass_args(p, FinetuneConfig)
+    return p
+
+
+@user_errors
+def finetune_main(argv=None) -> int:
+    args = finetune_parser().parse_args(argv)
+    from mmadapt.config import FinetuneConfig
+    from mmadapt.finetune import finetune, get_task
+
+    task = get_task(args.task)
+    train_file = args.train_file or ("bible" if task.name == "bible-genre" else None)
+    if train_file is None:
+        raise ValueError(f"--train_file is required for {task.name} (see mmadapt/tasks.py for the data)")
+    layout = {k: getattr(args, k) for k in _LAYOUT_FIELDS if getattr(args, k) is not None}
+    out, _ = finetune(task, Path(args.primary).resolve(), args.primary_tag, train_file, args.source_lang,
+                   override(FinetuneConfig(), args), layout, Path(args.ds_config), Path(args.output_dir),
+                   args.eval_file)
+    if int(os.environ.get("RANK", 0)) == 0:
+        extra = f", {args.source_lang} score {out['source_score']:.1f}" if "source_score" in out else ""
+        print(f"done: {task.name} on {out['train_examples']} examples, {out['updates']} updates, final loss "
+              f"{out['final_loss']:.3f}{extra}; model in {args.output_dir}")
+    return 0
+
+
+def evaluate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="evaluate", description="Step 4: swap target-language embeddings "
+                                "(Step 2) into fine-tuned models (Step 3) and evaluate zero-shot; one "
+                                "record per checkpoint, the input of `mmadapt report`.")
+    p.add_argument("--finetuned", nargs="+", required=True, help="Step-3 run directories of one primary "
+                   "model (e.g. one per seed): their scores are averaged")
+    p.add_argument("--embeddings", nargs="+", required=True, help="Step-2 artifacts (<adapt run>/embeddings/"
+                   "<tag>) or adapt run directories (all their artifacts: a score-versus-compute curve)")
+    p.add_argument("--eval_file", required=True, help="target-language evaluation data; {lang} is replaced "
+                   "by each artifact's language (bible-genre: 'bible')")
+    p.add_argument("--output", required=True, help="JSON file of records {system, task, lang, step, flops, "
+                   "score, ...}; must not exist yet")
+    p.add_argument("--eval_batch_size", type=int, default=64, help="examples per forward pass")
+    return p
+
+
+@user_errors
+def evaluate_main(argv=None) -> int:
+    args = evaluate_parser().parse_args(argv)
+    import json
+
+    from mmadapt.finetune import evaluate_artifacts
+
+    out = Path(args.output)
+    if out.exists():
+        raise ValueError(f"{out} already exists: choose a new --output (records are never overwritten)")
+    records = evaluate_artifacts([Path(r) for r in args.finetuned], [Path(e) for e in args.embeddings],
+                                 args.eval_file, args.eval_batch_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    for r in records:
+        print(f"{r['system']:10s} {r['task']} {r['lang']} step {r['step']:>7d}  {r['flops']:.3g} FLOPs  "
+              f"{r['metric']} {r['score']:.2f}")
+    print(f"{len(records)} records in {out}")
+    return 0
+
+
 # --- compute and results reports ---------------------------------------------------------------------
 
 @user_errors
@@ -310,6 +393,13 @@ def report_main(argv=None) -> int:
 
 
 @user_errors
+def demo_main(argv=None) -> int:
+    from mmadapt.demo import main
+
+    return main(argv)
+
+
+@user_errors
 def slurm_env_main(argv=None) -> int:
     from mmadapt.slurm import main as slurm_main
 
@@ -319,7 +409,8 @@ def slurm_env_main(argv=None) -> int:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"pretrain": pretrain_main, "build_minipost": minipost_main, "adapt": adapt_main,
-                "flops": flops_main, "report": report_main, "slurm-env": slurm_env_main}
+                "finetune": finetune_main, "evaluate": evaluate_main, "demo": demo_main, "flops": flops_main,
+                "report": report_main, "slurm-env": slurm_env_main}
     if not argv or argv[0] not in commands:
         print(f"usage: mmadapt {{{','.join(commands)}}} ...", file=sys.stderr)
         return 2

@@ -1,0 +1,162 @@
+"""Steps 3 and 4: fine-tuning keeps the word embeddings frozen and saves only what it trains, the
+model rebuilt from disk is exactly the trained one, the swap changes only the embeddings and the
+tokenizer, data/tensor-parallel fine-tuning equals one process, and Step 4's records and errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ADAPT, NO_DROPOUT, REPO, adapt_args, child_env, metrics, run_pretrain
+from mmadapt import adapt as A
+from mmadapt.config import FinetuneConfig
+from mmadapt.finetune import (WORD, evaluate, finetune, get_task, load_finetuned, load_sp, encode, predict,
+                              read_examples, score, swap_embeddings)
+from mmadapt.parallel import init_parallel
+
+FINETUNE = str(REPO / "launch" / "finetune.py")
+EVALUATE = str(REPO / "launch" / "evaluate.py")
+# 0.1 epoch of the 2000 English bible-genre verses at batch 16: 13 updates.
+SHORT = FinetuneConfig(seq_length=64, train_micro_batch_size_per_gpu=16, epochs=0.1, log_interval=1, lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def step3(primary_run, tmp_path_factory):
+    """An in-process Step-3 run: (run dir, summary, the trained module, the primary's weights)."""
+    init_parallel(1, 1)
+    out = tmp_path_factory.mktemp("finetune")
+    summary, module = finetune(get_task("bible-genre"), primary_run, None, "bible", "en", SHORT,
+                               {"hidden_dropout": 0.0, "attention_dropout": 0.0},
+                               REPO / "ds_configs" / "zero0.json", out)
+    return out, summary, module, A.load_model(primary_run)[1]
+
+
+def test_step3_trains_everything_but_the_word_embeddings(step3):
+    out, summary, module, primary = step3
+    assert summary["updates"] == 13 and summary["global_batch"] == 16
+    trained = dict(module.named_parameters())
+    assert torch.equal(trained[WORD].detach(), primary[WORD])
+    assert not trained[WORD].requires_grad
+    for name, p in trained.items():
+        if name != WORD:
+            assert p.requires_grad, name
+            if name in primary:  # the body (the task head is new)
+                assert not torch.equal(p.detach(), primary[name]), f"{name} did not change"
+    # The checkpoint leaves the frozen embeddings out: they are the primary run's.
+    module_file = out / "checkpoints" / "step00000013" / "mp_rank_00_model_states.pt"
+    saved = torch.load(module_file, weights_only=False)["module"]
+    assert WORD not in {k for k, v in saved.items() if v is not None}
+    assert "layers.11.fc2.weight" in saved and "out.weight" in saved
+    losses = [r["loss"] for r in metrics(out)]
+    assert len(losses) == 13 and all(0 < x < 3 for x in losses)
+
+
+def test_the_model_rebuilt_from_disk_is_exactly_step3s(step3):
+    out, _, module, _ = step3
+    ft = load_finetuned(out)
+    live = module.state_dict()
+    assert set(ft.state) == {k for k in live if not k.endswith("_extra_state")}
+    for k, v in ft.state.items():
+        assert torch.equal(v, live[k]), k
+    ids = encode(ft.task, load_sp(ft.tokenizer), read_examples(ft.task, "bible", "en", "test")[:40], ft.labels,
+                 SHORT).input_ids
+    module.eval()
+    assert torch.equal(predict(ft.model(), ids, 16), predict(module, ids, 16))
+
+
+def _artifact(tmp_path, de_tokenizer, hidden=64, vocab=1000, source="x"):
+    g = torch.Generator().manual_seed(0)
+    return A.write_artifact(tmp_path / "artifact", torch.randn(vocab, hidden, generator=g) * 0.02,
+                            torch.zeros(vocab), de_tokenizer, {"lang": "de", "source": source})
+
+
+def test_swap_changes_only_the_embeddings_and_the_tokenizer(step3, de_tokenizer, tmp_path):
+    out, *_ = step3
+    ft = load_finetuned(out)
+    emb, tok, _ = A.read_artifact(_artifact(tmp_path, de_tokenizer))
+    swapped = swap_embeddings(ft.state, emb)
+    assert set(swapped) == set(ft.state)
+    assert torch.equal(swapped[WORD], emb["word_embeddings"])
+    assert all(torch.equal(swapped[k], ft.state[k]) for k in ft.state if k != WORD)
+    # Step 4 encodes with the artifact's tokenizer, the model's other weights untouched.
+    de = read_examples(ft.task, "bible", "de", "test")[:60]
+    cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_size": 32})
+    enc = encode(ft.task, load_sp(de_tokenizer), de, ft.labels, cfg)
+    model = type(ft)(ft.cfg, ft.task, ft.labels, swapped, ft.tokenizer, ft.run).model()
+    expected = score(ft.task, predict(model, enc.input_ids, 32), enc, de, ft.labels, cfg)
+    assert evaluate(ft, de, cfg, emb, tok) == expected
+    # Embeddings of another model's width are refused.
+    wrong, _, _ = A.read_artifact(_artifact(tmp_path / "w", de_tokenizer, hidden=32))
+    with pytest.raises(ValueError, match="hidden size 32"):
+        swap_embeddings(ft.state, wrong)
+
+
+# --- across processes ---------------------------------------------------------------------------------
+
+def _finetune(primary_run, out, nproc, *extra):
+    run_pretrain(nproc, "--task", "bible-genre", "--primary", str(primary_run), "--output_dir", str(out),
+                 "--seq_length", "64", "--epochs", "0.05", "--log_interval", "1", "--lr", "1e-3",
+                 "--train_micro_batch_size_per_gpu", "8", *NO_DROPOUT, *extra, script=FINETUNE)
+    return out
+
+
+@pytest.fixture(scope="module")
+def step3_single(primary_run, tmp_path_factory):
+    return _finetune(primary_run, tmp_path_factory.mktemp("ft_single"), 1, "--gradient_accumulation_steps", "2",
+                     "--ds_config", "ds_configs/zero0.json")
+
+
+@pytest.mark.parametrize("layout", [["--ds_config", "ds_configs/zero2.json"],
+                                    ["--tensor_model_parallel_size", "2", "--gradient_accumulation_steps", "2"]],
+                         ids=["zero2_dp2", "tp2"])
+def test_step3_layout_matches_single_process(layout, step3_single, primary_run, tmp_path):
+    run = _finetune(primary_run, tmp_path / "run", 2, *layout)
+    ref, got = metrics(step3_single), metrics(run)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == list(range(1, 8))
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    ft_ref, ft_got = load_finetuned(step3_single), load_finetuned(run)
+    for k, v in ft_ref.state.items():
+        torch.testing.assert_close(ft_got.state[k], v, rtol=1e-4, atol=1e-6)
+
+
+def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, tmp_path):
+    out, *_ = step3
+    adapt, baseline = tmp_path / "adapt", tmp_path / "adapt_bl_base"
+    for system, run in (("minijoint", adapt), ("bl_base", baseline)):
+        run_pretrain(1, *adapt_args(system, primary_run, de_corpus, de_tokenizer, run, "--train_iters", "4",
+                                    "--save_interval", "2", "--log_interval", "2"), script=ADAPT)
+    records_file = tmp_path / "records.json"
+    cmd = [sys.executable, EVALUATE, "--finetuned", str(out), "--embeddings", str(adapt), str(baseline),
+           "--eval_file", "bible", "--output", str(records_file)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = json.loads(records_file.read_text())
+    assert [(r["system"], r["lang"], r["step"], r["task"]) for r in records] == [
+        ("minijoint", "de", 2, "bible-genre"), ("minijoint", "de", 4, "bible-genre"),
+        ("bl_base", "de", 2, "bible-genre"), ("bl_base", "de", 4, "bible-genre")]
+    assert records[0]["flops"] * 2 == pytest.approx(records[1]["flops"])
+    assert records[0]["flops"] < records[2]["flops"]  # 4 layers against 12
+    assert all(0 <= r["score"] <= 100 and r["metric"] == "accuracy" for r in records)
+    # The same command again must not overwrite the records.
+    before = records_file.read_bytes()
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=300)
+    assert again.returncode != 0 and "already exists" in again.stderr and records_file.read_bytes() == before
+    report = subprocess.run([sys.executable, "-m", "mmadapt.cli", "report", str(records_file)], cwd=REPO,
+                            capture_output=True, text=True, env=child_env(), timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "| minijoint |" in report.stdout and "| bl_base |" in report.stdout
+
+    # Embeddings trained for another primary model are refused, naming both.
+    other = tmp_path / "other_primary"
+    shutil.copytree(primary_run, other)
+    artifact = tmp_path / "foreign"
+    shutil.copytree(adapt / "embeddings" / "step00000004", artifact)
+    meta = json.loads((artifact / "meta.json").read_text())
+    (artifact / "meta.json").write_text(json.dumps({**meta, "source": str(other)}))
+    bad = subprocess.run([*cmd[:5], str(artifact), "--eval_file", "bible", "--output", str(tmp_path / "r2.json")], cwd=REPO,
+                         capture_output=True, text=True, env=child_env(), timeout=300)
+    assert bad.returncode != 0 and "primary model" in bad.stderr and not (tmp_path / "r2.json").exists()
