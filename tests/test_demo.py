@@ -1,0 +1,52 @@
+"""`mmadapt demo --quick` (the README's CI setting) end to end: every stage runs, the table has
+the four systems, the records hold a score-versus-compute curve per system, the plot exists."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, child_env
+
+SYSTEMS = ("bl_base", "bl_small", "minijoint", "minipost")
+
+
+def _demo(*args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mmadapt.cli", "demo", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=child_env())
+
+
+def test_demo_quick_runs_all_steps_for_all_systems(tmp_path):
+    out = tmp_path / "demo"
+    proc = _demo("--quick", "--output_dir", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[13/13] Step 4" in proc.stdout
+
+    records = json.loads((out / "results.json").read_text())
+    for task in ("bible-genre", "retrieval"):
+        for system in SYSTEMS:
+            curve = sorted((r["step"], r["flops"], r["score"]) for r in records
+                           if r["task"] == task and r["system"] == system)
+            assert [s for s, _, _ in curve] == [20, 40, 60], (task, system)
+            assert all(0 <= score <= 100 for _, _, score in curve)
+            # The same Step-2 work per update: compute grows linearly along the curve.
+            assert curve[2][1] == pytest.approx(3 * curve[0][1])
+    flops = {r["system"]: r["flops"] for r in records if r["step"] == 60 and r["task"] == "retrieval"}
+    # Step 2 over the mini-models costs less than over the 12-layer model (4 and 6 of 12 layers).
+    assert flops["minijoint"] < flops["minipost"] < flops["bl_base"]
+    assert flops["bl_small"] == pytest.approx(flops["minijoint"])
+
+    table = (out / "results.md").read_text()
+    for system in SYSTEMS:
+        assert f"| {system} |" in table
+    assert "majority" in table and "retrieval" in table
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "demo.json").read_text())["langs"] == ["de"]
+
+
+def test_demo_refuses_an_unknown_language(tmp_path):
+    proc = _demo("--langs", "xx", "--output_dir", str(tmp_path / "d"), timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --langs xx is not a target language")
+    assert not (tmp_path / "d").exists()
