@@ -37,16 +37,23 @@ PRIMARY = {"bl_base": "bl_base", "bl_small": "bl_small", "minijoint": "minijoint
 @dataclass
 class DemoConfig:
     langs: tuple[str, ...] = _f(("de", "fr", "es"), "target languages (codes of mmadapt.corpora.BIBLE_VERSIONS)")
-    pretrain_iters: int = _f(300, "Step-1 updates of each source model")
+    seq_length: int = _f(32, "tokens per block in every step (Bible verses are about 30 pieces long)")
+    pretrain_iters: int = _f(400, "Step-1 updates of each source model")
+    pretrain_batch: int = _f(64, "Step-1 blocks per update: a 12 x 64 post-LN model leaves the unigram "
+                             "plateau within a few hundred updates at 64, not at the preset's 16")
+    pretrain_lr: float = _f(1e-3, "Step-1 peak learning rate")
+    init_method_std: float = _f(0.07, "weight init std: RoBERTa's 0.02 at h=768 scaled by sqrt(768/64) for the "
+                                "tiny preset's h=64; at 0.02 its top layers collapse to a constant")
     minipost_iters: int = _f(150, "Step-1b updates of MINIPOST's two new layers")
     adapt_iters: int = _f(200, "Step-2 updates per system and language")
     adapt_save_interval: int = _f(50, "Step-2 checkpoint (and evaluation) interval: the points of each curve")
     finetune_epochs: float = _f(3.0, "Step-3 epochs over the 2000 English training verses")
+    finetune_lr: float = _f(5e-4, "Step-3 peak learning rate (the paper's 1e-5..3e-5 suit 125M-parameter models)")
     retrieval_pairs: int = _f(500, "parallel verses for retrieval accuracy (chance: 1/this)")
 
 
 # The CI setting (README): the same stages and outputs, one language, far fewer updates.
-QUICK = DemoConfig(langs=("de",), pretrain_iters=150, minipost_iters=50, adapt_iters=60,
+QUICK = DemoConfig(langs=("de",), pretrain_iters=200, minipost_iters=50, adapt_iters=60,
                    adapt_save_interval=20, finetune_epochs=0.5, retrieval_pairs=200)
 
 
@@ -57,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
                                 "and MINIPOST at the tiny preset on the packaged Bibles; writes a Table-2 "
                                 "style table and a Figure-3 style plot.")
     p.add_argument("--output_dir", default="runs/demo", help="where every run and the results go")
-    p.add_argument("--quick", action="store_true", help="the CI setting: one language (de), far fewer updates, about 6 minutes")
+    p.add_argument("--quick", action="store_true", help="the CI setting: one language (de), far fewer updates, about 5 minutes")
     add_dataclass_args(p, DemoConfig)
     return p
 
@@ -112,11 +119,14 @@ class Demo:
             self.say(f"Step 1: pretrain {recipe} on the English Bible")
             self._run(pretrain_main, run_dir, cfg.pretrain_iters,
                       ["--recipe", recipe, "--preset", "tiny", "--corpus", "bible:en", "--tokenizer", str(tok["en"]),
+                       "--seq_length", str(cfg.seq_length), "--train_micro_batch_size_per_gpu", str(cfg.pretrain_batch),
+                       "--lr", str(cfg.pretrain_lr), "--init_method_std", str(cfg.init_method_std),
                        "--save_interval", str(cfg.pretrain_iters), "--log_interval", "50"])
         self.say("Step 1b: MINIPOST = bl_base's bottom 4 layers + 2 new layers")
         minipost = root / "minipost"
         self._run(minipost_main, minipost, cfg.minipost_iters,
-                  ["--primary", str(pre["bl_base"]), "--save_interval", str(cfg.minipost_iters), "--log_interval", "50"])
+                  ["--primary", str(pre["bl_base"]), "--seq_length", str(cfg.seq_length),
+                   "--save_interval", str(cfg.minipost_iters), "--log_interval", "50"])
         source = {"bl_base": pre["bl_base"], "bl_small": pre["bl_small"], "minijoint": pre["minijoint"],
                   "minipost": minipost}
         for lang in cfg.langs:
@@ -124,7 +134,8 @@ class Demo:
                 self.say(f"Step 2: {lang} embeddings for {system}")
                 self._run(adapt_main, root / "adapt" / f"{system}-{lang}", cfg.adapt_iters,
                           ["--system", system, "--source", str(source[system]), "--lang", lang,
-                           "--tokenizer", str(tok[lang]), "--save_interval", str(cfg.adapt_save_interval),
+                           "--tokenizer", str(tok[lang]), "--seq_length", str(cfg.seq_length),
+                           "--save_interval", str(cfg.adapt_save_interval),
                            "--log_interval", "50"])
         finetuned = {}
         for primary in ("bl_base", "bl_small", "minijoint"):
@@ -134,7 +145,8 @@ class Demo:
                 print(f"  already done: {out}")
                 continue
             rc = finetune_main(["--task", "bible-genre", "--primary", str(pre[primary]), "--eval_file", "bible",
-                                "--seq_length", "64", "--epochs", str(cfg.finetune_epochs), "--output_dir", str(out)])
+                                "--seq_length", str(cfg.seq_length), "--epochs", str(cfg.finetune_epochs),
+                                "--lr", str(cfg.finetune_lr), "--output_dir", str(out)])
             if rc:
                 raise SystemExit(rc)
         self.say("Step 4: zero-shot bible-genre and parallel-verse retrieval for every Step-2 checkpoint")
@@ -150,7 +162,7 @@ class Demo:
             records += evaluate_artifacts([finetuned[PRIMARY[system]]], runs, "bible", 128)
             records += retrieval_records(pre[PRIMARY[system]], runs,
                                          {lang: parallel_verses("en", lang, self.cfg.retrieval_pairs)
-                                          for lang in self.cfg.langs})
+                                          for lang in self.cfg.langs}, self.cfg.seq_length)
         source = {p: json.loads((finetuned[p] / "run.json").read_text()).get("source_score") for p in finetuned}
         return {"records": records, "source_scores": source}
 
