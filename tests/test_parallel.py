@@ -80,3 +80,32 @@ def test_weights_changed_from_initialisation(reference, corpus, tokenizer, tmp_p
     trained = load_full_state_dict(reference / "checkpoints")
     for name in ("word_embeddings.word_embeddings.weight", "layers.0.qkv.weight", "heads.heads.0.dense.weight"):
         assert not torch.allclose(untrained[name], trained[name]), name
+
+
+SHM_PROBE = """
+import os, torch, deepspeed.comm as dscomm
+from mmadapt import parallel
+parallel.init_parallel(1, 1)
+t = torch.full((1000,), float(parallel.dist.get_rank() + 1))
+dscomm.inference_all_reduce(t)  # DeepSpeed's shared-memory all-reduce, after its names are gone
+print("rank", parallel.dist.get_rank(), "sum", float(t[0]), "buffer left", os.path.exists(parallel.shm_allreduce_buffer()))
+"""
+
+
+def test_deepspeed_cpu_allreduce_buffers_leave_no_trace_in_dev_shm(tmp_path):
+    """DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm file per rank and never removes it;
+    init_distributed unlinks them once every rank has mapped them, and the all-reduce still works."""
+    import glob
+    import subprocess
+
+    from conftest import REPO, _port, child_env
+
+    script = tmp_path / "probe.py"
+    script.write_text(SHM_PROBE)
+    port = _port()
+    proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), str(script)],
+                          capture_output=True, text=True, timeout=300, env=child_env(PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(l[l.index("rank"):] for l in proc.stdout.splitlines() if "buffer left" in l)
+    assert lines == ["rank 0 sum 3.0 buffer left False", "rank 1 sum 3.0 buffer left False"]
+    assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
