@@ -54,7 +54,7 @@ class Task:
     metric: str  # accuracy | squad_f1 | chunk_f1, in percent
     lr: float  # the paper's peak fine-tuning learning rate
     read: Callable  # (path or spec, lang, split) -> examples
-    labels: tuple[str, ...] | None = None  # None: the tags seen in the training data
+    labels: tuple[str, ...] | None = None  # None: the tags seen in the training data; QA: none
 
 
 TASKS = {
@@ -62,8 +62,8 @@ TASKS = {
     "xnli": Task("xnli", "classify", "accuracy", 1e-5, lambda p, lang, split: read_nli(p, lang), NLI_LABELS),
     "pawsx": Task("pawsx", "classify", "accuracy", 1e-5, lambda p, lang, split: read_pawsx(p, lang),
                   ("different", "paraphrase")),
-    "mlqa": Task("mlqa", "span", "squad_f1", 3e-5, lambda p, lang, split: read_squad(p)),
-    "xquad": Task("xquad", "span", "squad_f1", 3e-5, lambda p, lang, split: read_squad(p)),
+    "mlqa": Task("mlqa", "span", "squad_f1", 3e-5, lambda p, lang, split: read_squad(p), ()),
+    "xquad": Task("xquad", "span", "squad_f1", 3e-5, lambda p, lang, split: read_squad(p), ()),
     "pos": Task("pos", "tag", "accuracy", 3e-5, lambda p, lang, split: read_conllu(p)),
     "ner": Task("ner", "tag", "chunk_f1", 3e-5, lambda p, lang, split: read_conll2003(p)),
     # The demo's task on the packaged Bible (mmadapt/corpora.py): a verse's book genre.

@@ -1,0 +1,195 @@
+"""The task heads (sequence classification, token tagging, extractive QA): losses against
+hand-computed cross-entropies, the task metrics from hand-built logits, and Step 3 + Step 4 for a
+tagging task (a CoNLL-U fixture) and a QA task (a slice of the real XQuAD)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import REPO
+from mmadapt import features as F
+from mmadapt.config import PRESETS, FinetuneConfig, ModelConfig
+from mmadapt.finetune import WORD, encode, evaluate, finetune, get_task, load_finetuned, load_sp, predict, score
+from mmadapt.model import RobertaForTask
+from mmadapt.parallel import init_parallel
+from mmadapt.tasks import QAExample, read_conllu, read_squad
+from mmadapt.tokens import PAD_ID
+
+XQUAD = REPO.parent / "shared" / "data" / "xquad"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    init_parallel(1, 1)
+
+
+def tiny(**kw) -> ModelConfig:
+    return ModelConfig(**{**vars(PRESETS["tiny"][0]), "vocab_size": 300, "num_layers": 2, "hidden_dropout": 0.0,
+                          "attention_dropout": 0.0, "head_layers": None, **kw})
+
+
+def nll(logits_row: torch.Tensor, target: int) -> float:
+    """-log softmax(logits_row)[target], from its definition."""
+    row = logits_row.detach().double()
+    return float(torch.log(torch.exp(row - row.max()).sum()) + row.max() - row[target])
+
+
+def ids_with_padding() -> torch.Tensor:
+    ids = torch.randint(5, 300, (3, 10), generator=torch.Generator().manual_seed(0))
+    ids[1, 6:] = PAD_ID
+    ids[2, 8:] = PAD_ID
+    return ids
+
+
+def test_classify_head_is_robertas_sentence_head_on_the_first_position():
+    model = RobertaForTask(tiny(), "classify", 3, seed=5).eval()
+    ids, labels = ids_with_padding(), torch.tensor([2, 0, 1])
+    loss, logits = model(ids, labels)
+    x = model.encode(ids, (2,))[0][:, 0]  # [b, h]: the <s> position's last-layer output
+    expect = model.out(torch.tanh(model.dense(x)))
+    torch.testing.assert_close(logits, expect)
+    assert logits.shape == (3, 3)
+    assert float(loss.detach()) == pytest.approx(sum(nll(logits[i], int(labels[i])) for i in range(3)) / 3, rel=1e-5)
+
+
+def test_tag_head_averages_only_over_labelled_positions():
+    model = RobertaForTask(tiny(), "tag", 4, seed=5).eval()
+    ids = ids_with_padding()
+    labels = torch.full((3, 10), -100)
+    labelled = [(0, 1, 3), (0, 2, 0), (1, 1, 1), (2, 4, 2), (2, 7, 3)]
+    for b, s, t in labelled:
+        labels[b, s] = t
+    loss, logits = model(ids, labels)
+    assert logits.shape == (3, 10, 4)
+    expect = sum(nll(logits[b, s], t) for b, s, t in labelled) / len(labelled)
+    assert float(loss.detach()) == pytest.approx(expect, rel=1e-5)
+
+
+def test_span_head_never_points_at_padding_and_averages_start_and_end_losses():
+    model = RobertaForTask(tiny(), "span", 0, seed=5).eval()
+    ids, labels = ids_with_padding(), torch.tensor([[3, 5], [0, 0], [2, 2]])
+    loss, logits = model(ids, labels)
+    assert logits.shape == (3, 10, 2)
+    assert torch.isneginf(logits[ids.eq(PAD_ID)]).all() and torch.isfinite(logits[ids.ne(PAD_ID)]).all()
+    start = sum(nll(logits[b, :, 0], int(labels[b, 0])) for b in range(3)) / 3
+    end = sum(nll(logits[b, :, 1], int(labels[b, 1])) for b in range(3)) / 3
+    assert float(loss.detach()) == pytest.approx((start + end) / 2, rel=1e-5)
+
+
+def test_unknown_head_kind_is_refused():
+    with pytest.raises(ValueError, match="task kind must be one of classify, tag, span"):
+        RobertaForTask(tiny(), "regress", 1)
+
+
+# --- metrics from hand-built logits ------------------------------------------------------------------
+
+def one_hot_logits(pred: list[list[int]], classes: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(pred), classes).float()
+
+
+def test_tag_accuracy_counts_only_labelled_positions():
+    labels = torch.tensor([[-100, 0, 1, -100, -100], [-100, 2, 2, 0, -100]])
+    enc = F.Encoded(torch.ones(2, 5, dtype=torch.long), labels)
+    # Labelled positions: 5; right: (0,1), (1,1), (1,3) -> 60%. Unlabelled ones are all wrong.
+    pred = [[1, 0, 0, 2, 2], [0, 2, 0, 0, 1]]
+    got = score(get_task("pos"), one_hot_logits(pred, 3), enc, [], ["NOUN", "VERB", "DET"], FinetuneConfig())
+    assert got == pytest.approx(60.0)
+
+
+def test_ner_score_is_chunk_f1():
+    names = ["B-PER", "I-PER", "O", "B-LOC"]
+    labels = torch.tensor([[-100, 0, 1, 2, 3, -100]])
+    enc = F.Encoded(torch.ones(1, 6, dtype=torch.long), labels)
+    # Gold chunks PER(0-2), LOC(3); predicted PER(0-1), O, O, LOC(3): 1 of 2 right each way -> F1 50.
+    pred = [[2, 0, 2, 2, 3, 2]]
+    got = score(get_task("ner"), one_hot_logits(pred, 4), enc, [], names, FinetuneConfig())
+    assert got == pytest.approx(50.0)
+
+
+def test_qa_score_is_squad_f1_of_the_decoded_spans(tokenizer):
+    sp = load_sp(tokenizer)
+    context = "Moses led the people out of Egypt"
+    exs = [QAExample("a", context, "Who led?", [("Moses", 0)]),
+           QAExample("b", context, "From where?", [("out of Egypt", context.index("out"))])]
+    enc = F.encode_span(sp, exs, seq_length=32, doc_stride=8, max_query_length=8)
+    assert enc.example.tolist() == [0, 1]
+    logits = torch.zeros(2, 32, 2)
+    for w, (want_start, want_end) in enumerate([(0, 5), (context.index("Egypt"), len(context))]):
+        pos = {int(b): i for i, (b, _) in enumerate(enc.offsets[w]) if b >= 0}
+        end = {int(e): i for i, (_, e) in enumerate(enc.offsets[w]) if e >= 0}
+        logits[w, pos[want_start], 0] = logits[w, end[want_end], 1] = 10.0
+    # "Moses" exact (F1 100); "Egypt" for "out of Egypt": precision 1, recall 1/3 -> F1 50.
+    cfg = FinetuneConfig(seq_length=32, doc_stride=8, max_query_length=8)
+    assert score(get_task("xquad"), logits, enc, exs, [], cfg) == pytest.approx(75.0)
+
+
+# --- Step 3 and Step 4 for tagging and QA --------------------------------------------------------------
+
+CONLLU = """\
+# sent_id = 1
+1\tIn\tin\tADP\t_\t_\t2\tcase\t_\t_
+2\tthe\tthe\tDET\t_\t_\t3\tdet\t_\t_
+3\tbeginning\tbeginning\tNOUN\t_\t_\t5\tobl\t_\t_
+4\tGod\tGod\tPROPN\t_\t_\t5\tnsubj\t_\t_
+5\tcreated\tcreate\tVERB\t_\t_\t0\troot\t_\t_
+6\tthe\tthe\tDET\t_\t_\t7\tdet\t_\t_
+7\theaven\theaven\tNOUN\t_\t_\t5\tobj\t_\t_
+
+# sent_id = 2
+1\tAnd\tand\tCCONJ\t_\t_\t3\tcc\t_\t_
+2\tGod\tGod\tPROPN\t_\t_\t3\tnsubj\t_\t_
+3\tsaw\tsee\tVERB\t_\t_\t0\troot\t_\t_
+4\tthe\tthe\tDET\t_\t_\t5\tdet\t_\t_
+5\tlight\tlight\tNOUN\t_\t_\t3\tobj\t_\t_
+
+"""
+
+
+def run_step3(task: str, train: str, primary_run, out, **cfg):
+    cfg = FinetuneConfig(**{"seq_length": 64, "train_micro_batch_size_per_gpu": 4, "log_interval": 1,
+                            "lr": 1e-3, "eval_batch_size": 8, **cfg})
+    summary, module = finetune(get_task(task), primary_run, None, train, "en", cfg,
+                               {"hidden_dropout": 0.0, "attention_dropout": 0.0},
+                               REPO / "ds_configs" / "zero0.json", out)
+    return summary, module, cfg
+
+
+def check_step3_and_swap(out, module, examples, cfg, de_tokenizer, num_outputs):
+    """The saved model is the live one (same scores), its head has `num_outputs` outputs, and
+    swapping in other embeddings and a tokenizer gives a score in range without touching the rest."""
+    ft = load_finetuned(out)
+    assert ft.state["out.weight"].shape[0] == num_outputs
+    enc = encode(ft.task, load_sp(ft.tokenizer), examples, ft.labels, cfg)
+    module.eval()
+    live = score(ft.task, predict(module, enc.input_ids, 8), enc, examples, ft.labels, cfg)
+    assert evaluate(ft, examples, cfg) == pytest.approx(live, abs=1e-9)
+    fake = {"word_embeddings": torch.randn(1000, ft.state[WORD].shape[1],
+                                           generator=torch.Generator().manual_seed(0)) * 0.02}
+    swapped = evaluate(ft, examples, cfg, fake, de_tokenizer)
+    assert 0.0 <= swapped <= 100.0 and math.isfinite(swapped)
+
+
+def test_step3_and_step4_for_pos_tagging(primary_run, de_tokenizer, tmp_path):
+    path = tmp_path / "en_ewt-ud-train.conllu"
+    path.write_text(CONLLU * 4, encoding="utf-8")  # 8 sentences: 2 updates of 4
+    summary, module, cfg = run_step3("pos", str(path), primary_run, tmp_path / "ft", epochs=1.0)
+    assert summary["labels"] == ["ADP", "CCONJ", "DET", "NOUN", "PROPN", "VERB"]
+    assert summary["updates"] == 2
+    check_step3_and_swap(tmp_path / "ft", module, read_conllu(path), cfg, de_tokenizer, 6)
+
+
+@pytest.mark.skipif(not XQUAD.is_dir(), reason="../shared/data/xquad is not beside the repository")
+def test_step3_and_step4_for_qa_on_real_xquad(primary_run, de_tokenizer, tmp_path):
+    """The first article's first two paragraphs of the real English XQuAD (long contexts, split
+    into windows with a stride)."""
+    data = json.loads((XQUAD / "xquad.en.json").read_text(encoding="utf-8"))
+    article = {**data["data"][0], "paragraphs": data["data"][0]["paragraphs"][:2]}
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"data": [article], "version": "1.1"}), encoding="utf-8")
+    examples = read_squad(path)
+    summary, module, cfg = run_step3("xquad", str(path), primary_run, tmp_path / "ft", epochs=0.5,
+                                     doc_stride=16, max_query_length=16)
+    assert summary["train_rows"] > summary["train_examples"] == len(examples)  # several windows per question
+    check_step3_and_swap(tmp_path / "ft", module, examples, cfg, de_tokenizer, 2)
