@@ -84,7 +84,18 @@ class ModelConfig:
 
 
 @dataclass
-class TrainConfig:
+class OptimizerConfig:
+    """AdamW and gradient clipping: the same settings in every step (RoBERTa's), so pretraining,
+    adaptation (TrainConfig) and fine-tuning (FinetuneConfig) share these fields."""
+    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and LayerNorm)")
+    adam_beta1: float = _f(0.9, "Adam beta1")
+    adam_beta2: float = _f(0.98, "Adam beta2")
+    adam_eps: float = _f(1e-6, "Adam epsilon")
+    gradient_clipping: float = _f(0.0, "global gradient-norm clip (0 = off, as in RoBERTa)")
+
+
+@dataclass
+class TrainConfig(OptimizerConfig):
     seed: int = _f(1234, "seed for initialisation, data order, masking and dropout")
     seq_length: int = _f(512, "tokens per block s (<= max_position_embeddings)")
     train_micro_batch_size_per_gpu: int = _f(8, "blocks per micro-batch per data-parallel rank")
@@ -92,11 +103,6 @@ class TrainConfig:
     train_iters: int = _f(125_000, "number of updates U")
     lr: float = _f(7e-4, "peak learning rate")
     lr_warmup_iters: int = _f(10_000, "linear warm-up updates, then linear decay to 0 at train_iters")
-    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and LayerNorm)")
-    adam_beta1: float = _f(0.9, "Adam beta1")
-    adam_beta2: float = _f(0.98, "Adam beta2")
-    adam_eps: float = _f(1e-6, "Adam epsilon")
-    gradient_clipping: float = _f(0.0, "global gradient-norm clip (0 = off, as in RoBERTa)")
     mask_prob: float = _f(0.15, "fraction p of tokens selected for MLM")
     log_interval: int = _f(10, "updates between TensorBoard/console logs")
     save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
@@ -121,7 +127,7 @@ class TrainConfig:
 
 
 @dataclass
-class FinetuneConfig:
+class FinetuneConfig(OptimizerConfig):
     """Step 3 (fine-tuning the primary model on a source-language task, word embeddings frozen)
     and Step 4 (zero-shot evaluation). Defaults: the paper's section 3."""
     seed: int = _f(1, "seed of the task head's init, data order and dropout (the paper averages 5 seeds)")
@@ -132,11 +138,6 @@ class FinetuneConfig:
     lr: Optional[float] = _f(None, "peak learning rate (default: the task's, paper: 1e-5 XNLI/PAWS-X, "
                              "3e-5 MLQA/XQuAD)")
     warmup_ratio: float = _f(0.06, "fraction of the updates with linear warm-up, then linear decay to 0")
-    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and LayerNorm)")
-    adam_beta1: float = _f(0.9, "Adam beta1")
-    adam_beta2: float = _f(0.98, "Adam beta2")
-    adam_eps: float = _f(1e-6, "Adam epsilon")
-    gradient_clipping: float = _f(0.0, "global gradient-norm clip (0 = off)")
     doc_stride: int = _f(128, "QA: pieces shared by consecutive windows of a long context")
     max_query_length: int = _f(64, "QA: question pieces kept")
     max_answer_length: int = _f(30, "QA: longest answer predicted, in pieces")

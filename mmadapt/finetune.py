@@ -231,14 +231,6 @@ def retrieval_accuracy(src_vectors: torch.Tensor, trg_vectors: torch.Tensor) -> 
 
 # --- Step 3 -----------------------------------------------------------------------------------------
 
-def lr_schedule(warmup: int, total: int):
-    def f(step: int) -> float:  # step = number of updates already taken
-        if step < warmup:
-            return (step + 1) / warmup
-        return max(0.0, (total - step) / max(1, total - warmup))
-    return f
-
-
 def finetune(task: Task, primary: Path, primary_tag: str | None, train_spec: str, source_lang: str,
              cfg: FinetuneConfig, layout: dict, ds_config_path: Path, output_dir: Path,
              eval_spec: str | None = None) -> tuple[dict, torch.nn.Module]:
@@ -248,7 +240,7 @@ def finetune(task: Task, primary: Path, primary_tag: str | None, train_spec: str
 
     from mmadapt.adapt import read_run
     from mmadapt.data import micro_batch_range, EpochOrder
-    from mmadapt.train import Job, _load_full_weights, load_ds_config, param_groups
+    from mmadapt.train import Job, _load_full_weights, adamw, load_ds_config, param_groups, warmup_linear_decay
 
     # --- checks before any side effect
     src = read_run(primary)
@@ -298,9 +290,8 @@ def finetune(task: Task, primary: Path, primary_tag: str | None, train_spec: str
     del state
     for n, p in module.named_parameters():
         p.requires_grad_(job.is_trainable(n))
-    optimizer = torch.optim.AdamW(param_groups(module, cfg.weight_decay), lr=lr,
-                                  betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(warmup, updates))
+    optimizer = adamw(param_groups(module, cfg.weight_decay), cfg, lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(warmup, updates))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, mpu=parallel.DeepSpeedMPU())
     dims = {n: p.partition_dim for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)}

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.config import ModelConfig, TrainConfig, to_dict
+from mmadapt.config import ModelConfig, OptimizerConfig, TrainConfig, to_dict
 from mmadapt.data import MLMBatches, check_corpus, encode_corpus, load_tokenizer, train_tokenizer
 from mmadapt.flops import step_flops
 
@@ -145,14 +145,21 @@ def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
-def lr_lambda(train: TrainConfig):
-    warm, total = train.lr_warmup_iters, train.train_iters
-
+def warmup_linear_decay(warmup: int, total: int):
+    """LambdaLR factor: linear warm-up over `warmup` updates, then linear decay to 0 at `total`."""
     def f(step: int) -> float:  # step = number of updates already taken
-        if step < warm:
-            return (step + 1) / warm
-        return max(0.0, (total - step) / max(1, total - warm))
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total - step) / max(1, total - warmup))
     return f
+
+
+def lr_lambda(train: TrainConfig):
+    return warmup_linear_decay(train.lr_warmup_iters, train.train_iters)
+
+
+def adamw(groups: list[dict], opt: OptimizerConfig, lr: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(groups, lr=lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
 
 
 def _load_full_weights(module: torch.nn.Module, names: dict[str, str], state: dict[str, torch.Tensor],
@@ -212,8 +219,7 @@ def build_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict, jo
             placeholder = torch.nn.Parameter(torch.zeros(1, device=parallel.device()))
             module.register_parameter(f"empty_group_placeholder_{i}", placeholder)
             group["params"] = [placeholder]
-    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
-                                  eps=train.adam_eps)
+    optimizer = adamw(groups, train, train.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, mpu=None if is_pipe else parallel.DeepSpeedMPU())
