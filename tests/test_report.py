@@ -99,3 +99,16 @@ def test_speedups_and_plots(tmp_path):
     for f in ("c.png", "s.png"):
         data = (tmp_path / f).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_report_with_several_tasks_gives_the_papers_retention():
+    """Footnote 4: the mean over tasks of each task's average ratio to BL_BASE (not the ratio of
+    the averages over tasks)."""
+    records = [{"system": s, "task": t, "lang": "de", "step": 1, "flops": 1e18, "score": v}
+               for s, t, v in [("bl_base", "genre", 60.0), ("bl_base", "retrieval", 40.0),
+                               ("minijoint", "genre", 58.0), ("minijoint", "retrieval", 30.0)]]
+    md = report_markdown(records)
+    assert "## retention against bl_base, mean over tasks (genre, retrieval)" in md
+    assert "| minijoint | 85.8% |" in md  # (58/60 + 30/40) / 2; the ratio of sums would be 88.0%
+    assert "| bl_base | 100.0% |" in md
+    assert "retention against" not in report_markdown(records[:1] + records[2:3])  # one task: no such table
