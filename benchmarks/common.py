@@ -78,7 +78,7 @@ def engine_update(engine, batches, num_heads: int):
     from mmadapt.train import train_step
 
     cycle = itertools.cycle(batches)
-    return lambda: train_step(engine, False, [next(cycle)], num_heads)
+    return lambda: train_step(engine, [next(cycle)], num_heads)
 
 
 def hardware() -> str:

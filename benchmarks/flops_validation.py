@@ -27,7 +27,8 @@ from mmadapt import adapt as A
 from mmadapt.config import TrainConfig, apply_recipe
 from mmadapt.flops import counted_flops, mini_config, step_flops
 from mmadapt.parallel import init_parallel
-from mmadapt.train import Job, build_engine, load_ds_config
+from mmadapt.engine import load_ds_config
+from mmadapt.train import MLMJob, mlm_engine
 
 TOLERANCE = 1e-3
 
@@ -61,9 +62,9 @@ def main(argv=None) -> None:
     p = mask_fraction([batch])
     rows = []
     for system, step, cfg, trainable in cases(base):
-        job = Job(step=step, trainable=trainable, trainable_layers=2)
-        engine, _, _ = build_engine(cfg, train, ds, job)
-        counted = counted_flops(engine_update(engine, [batch], len(cfg.head_layers)))
+        job = MLMJob(step=step, trainable=trainable, trainable_layers=2)
+        engine, _, _ = mlm_engine(cfg, train, ds, job)
+        counted = counted_flops(engine_update(engine, [batch], len(cfg.heads_after)))
         exact = b * step_flops(step, cfg, s, p, trainable_layers=2)
         paper = b * step_flops(step, cfg, s, p, paper=True, trainable_layers=2)
         rows.append({"system": system, "step": step, "layers": cfg.num_layers, "counted_gflop": counted / 1e9,

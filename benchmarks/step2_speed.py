@@ -29,7 +29,8 @@ from common import (
 from mmadapt import adapt as A
 from mmadapt.flops import adapt_flops, mini_config
 from mmadapt.parallel import device
-from mmadapt.train import Job, build_engine, load_ds_config
+from mmadapt.engine import load_ds_config
+from mmadapt.train import MLMJob, mlm_engine
 
 SYSTEMS = {"bl_base": 12, "minipost": 6, "minijoint": 4}  # Step-2 depth (BL_SMALL = MINIJOINT's 4)
 
@@ -48,7 +49,7 @@ def main(argv=None) -> None:
     rows = []
     for system, layers in SYSTEMS.items():
         cfg = mini_config(base, layers)
-        engine, _, _ = build_engine(cfg, train, ds, Job(step="adapt", trainable=A.ADAPT_TRAINABLE))
+        engine, _, _ = mlm_engine(cfg, train, ds, MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE))
         step = engine_update(engine, batches, 1)
         t, times = median_time(step, args.warmup, args.repeats)
         exact, paper = micro * adapt_flops(cfg, s, p), micro * adapt_flops(cfg, s, p, paper=True)

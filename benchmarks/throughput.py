@@ -32,7 +32,8 @@ from flops_validation import cases
 
 from mmadapt.flops import DEVICE_TFLOPS, step_flops
 from mmadapt.parallel import device
-from mmadapt.train import Job, build_engine, load_ds_config
+from mmadapt.engine import load_ds_config
+from mmadapt.train import MLMJob, mlm_engine
 
 
 def matmul_peak(dtype: torch.dtype, n: int, repeats: int = 10) -> float:
@@ -60,8 +61,8 @@ def main(argv=None) -> None:
     p = mask_fraction(batches)
     rows = []
     for system, step, cfg, trainable in cases(base):
-        engine, _, _ = build_engine(cfg, train, ds, Job(step=step, trainable=trainable, trainable_layers=2))
-        update = engine_update(engine, batches, len(cfg.head_layers))
+        engine, _, _ = mlm_engine(cfg, train, ds, MLMJob(step=step, trainable=trainable, trainable_layers=2))
+        update = engine_update(engine, batches, len(cfg.heads_after))
         t, times = median_time(update, args.warmup, args.repeats)
         flops = b * step_flops(step, cfg, s, p, trainable_layers=2)
         row = {"system": system, "step": step, "layers": cfg.num_layers, "ms_per_update": 1e3 * t,

@@ -32,7 +32,8 @@ from mmadapt import adapt as A
 from mmadapt.flops import adapt_flops, mini_config
 from mmadapt.parallel import device
 from mmadapt.tokens import PAD_ID
-from mmadapt.train import Job, build_engine, load_ds_config
+from mmadapt.engine import load_ds_config
+from mmadapt.train import MLMJob, mlm_engine
 
 
 def hf_step2(cfg, lr: float):
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
     for layers in args.layers:
         cfg = mini_config(base, layers)
         flops = b * adapt_flops(cfg, s, p)
-        engine, _, _ = build_engine(cfg, train, ds, Job(step="adapt", trainable=A.ADAPT_TRAINABLE))
+        engine, _, _ = mlm_engine(cfg, train, ds, MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE))
         ours = engine_update(engine, batches, 1)
         t_ours, _ = median_time(ours, args.warmup, args.repeats)
         del engine, ours

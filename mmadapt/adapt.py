@@ -67,8 +67,7 @@ def load_model(run_dir: str | os.PathLike, tag: str | None = None) -> tuple[Mode
     run = read_run(run_dir)
     cfg = _parallel_free(ModelConfig(**run["model"]))
     ckpt = run_dir / "checkpoints"
-    own = {k: v for k, v in checkpoint.load_full_state_dict(ckpt, tag or checkpoint.latest_tag(ckpt)).items()
-           if not k.endswith("_extra_state")}
+    own = checkpoint.load_full_state_dict(ckpt, tag or checkpoint.latest_tag(ckpt))
     ref = run.get("frozen_from")
     if run.get("step") == "adapt":
         raise ValueError(f"{run_dir} is a Step-2 run: its product is under {run_dir / 'embeddings'}")
@@ -106,16 +105,16 @@ def _keep_layers(state: dict, n: int) -> dict:
 
 def extract_minijoint(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dict]:
     """MINIJOINT's mini-model: embeddings, layers 1..N and the secondary head (after layer N)."""
-    if len(cfg.head_layers) != 2:
+    if len(cfg.heads_after) != 2:
         raise ValueError(f"a MINIJOINT model has two heads; this one has head_layers {cfg.head_layers}")
-    n = cfg.head_layers[0]
+    n = cfg.heads_after[0]
     return _parallel_free(cfg, num_layers=n, head_layers=(n,)), _rename_head(_keep_layers(state, n), 0)
 
 
 def primary_model(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dict]:
     """The full model with only its primary (last-layer) head."""
     return (_parallel_free(cfg, head_layers=(cfg.num_layers,)),
-            _rename_head(state, len(cfg.head_layers) - 1))
+            _rename_head(state, len(cfg.heads_after) - 1))
 
 
 def minipost_layout(cfg: ModelConfig, state: dict, mini_layers: int, new_layers: int) -> tuple[ModelConfig, dict]:

@@ -3,6 +3,9 @@
 Layout of `<output_dir>/checkpoints/`:
     step00000100/          one tag per save: DeepSpeed's files, then
         rng_rank00000.pt   every rank's RNG states (DeepSpeed keeps client state for one rank only)
+        fp32_tp00_pp00.pt  under bf16/fp16: the fp32 master weights of what the run trains, one file
+                           per (tensor, pipeline) rank, in full parameter names (DeepSpeed's module
+                           files hold the low-precision copies)
         COMPLETE           written by rank 0 after every rank finished writing: the tag is usable
     latest                 DeepSpeed's pointer, replaced atomically after COMPLETE
 
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from mmadapt.parallel import rng_state, set_rng_state
+from mmadapt.parallel import dp_rank, pp_rank, rng_state, set_rng_state, tp_rank
 
 _TAG = re.compile(r"^step(\d{8})$")
 
@@ -55,16 +58,33 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, exclude_frozen: bool = False) -> str:
-    """Collective: every rank calls it. Returns the tag written. exclude_frozen: leave parameters
-    with requires_grad=False out of the module state (Steps 1b and 2 keep only what they train)."""
+def _save_fp32_master(engine, path: Path, names: dict[str, str | None]) -> None:
+    """Collective over the data-parallel group: DeepSpeed assembles each trained parameter's
+    fp32 master copy from the ZeRO partitions (safe_get_full_fp32_param); data-parallel rank 0
+    writes this (tensor, pipeline) rank's shards."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    master = {}
+    for n, p in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(p) if p.requires_grad else None
+        if full is not None and names.get(n) is not None:
+            master[names[n]] = full.detach().to("cpu", torch.float32)
+    if dp_rank() == 0:
+        torch.save(master, path)
+
+
+def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, names: dict[str, str | None],
+         exclude_frozen: bool = False) -> str:
+    """Collective: every rank calls it. Returns the tag written. names: module parameter name ->
+    full name (None: a tied duplicate). exclude_frozen: leave parameters with requires_grad=False
+    out of the module state (Steps 1b, 2 and 3 keep only what they train)."""
     ckpt_dir, tag = Path(ckpt_dir), tag_for(step)
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, "step": step},
                            save_latest=False, exclude_frozen_parameters=exclude_frozen)
     (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+    if engine.bfloat16_enabled() or engine.fp16_enabled():
+        _save_fp32_master(engine, ckpt_dir / tag / f"fp32_tp{tp_rank():02d}_pp{pp_rank():02d}.pt", names)
     torch.save(rng_state(), ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
-    if os.environ.get("MMADAPT_TEST_KILL_IN_SAVE") == str(step):  # test hook: die mid-checkpoint
-        os.kill(os.getpid(), 9)
     dist.barrier()
     if dist.get_rank() == 0:
         _atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step}))
@@ -90,7 +110,9 @@ def load(engine, ckpt_dir: str | os.PathLike, tag: str, strict: bool = True) -> 
 # --- offline: full weights of a checkpoint, in RobertaMLM's parameter names -----------------------
 
 def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """Merge a checkpoint's tensor-parallel shards and pipeline layers into one state dict.
+    """Merge a checkpoint's tensor-parallel shards and pipeline layers into one state dict, with
+    the fp32 master weights wherever the run trained in bf16/fp16: what every later step starts
+    from.
 
     Needs no process group. The partition dims of tensor-parallel parameters are recorded in
     the client state at save time (key `tp_partition_dims`).
@@ -121,4 +143,16 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) ->
         for f in model_files:
             for k, v in torch.load(f, map_location="cpu", weights_only=False)["module"].items():
                 shards.setdefault(k, []).append(v)
-    return {k: torch.cat(v, dim=dims[k]) if k in dims and len(v) > 1 else v[0] for k, v in shards.items()}
+    # megatron's layers (TP > 1) also save an `_extra_state` entry each: not a weight, and absent
+    # from the plain layers of TP = 1, so a state dict means the same in every layout without it.
+    state = {k: torch.cat(v, dim=dims[k]) if k in dims and len(v) > 1 else v[0] for k, v in shards.items()
+             if not k.endswith("_extra_state")}
+    master: dict[str, dict[int, torch.Tensor]] = {}
+    for f in sorted(d.glob("fp32_tp*_pp*.pt")):  # sorted: pipeline stage 0's copy of a tied weight wins
+        tp = int(re.match(r"fp32_tp(\d+)_pp(\d+)", f.name).group(1))
+        for k, v in torch.load(f, map_location="cpu", weights_only=True).items():
+            master.setdefault(k, {}).setdefault(tp, v)
+    for k, by_tp in master.items():
+        parts = [by_tp[i] for i in sorted(by_tp)]
+        state[k] = torch.cat(parts, dim=dims[k]) if len(parts) > 1 else parts[0]
+    return state

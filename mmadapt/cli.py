@@ -8,27 +8,16 @@ import os
 import sys
 from pathlib import Path
 
-from mmadapt.config import PRESETS, RECIPES, ModelConfig, TrainConfig, add_dataclass_args, apply_recipe, override
+from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, PRESETS, RECIPES, FinetuneConfig, MiniModelConfig,
+                            ModelConfig, TrainConfig, add_dataclass_args, apply_recipe, override)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DS_CONFIG = REPO_ROOT / "ds_configs" / "zero1.json"
-CACHE = Path(os.environ.get("MMADAPT_CACHE", Path.home() / ".cache" / "mmadapt"))
-
-
-def resolve_corpus(spec: str) -> Path:
-    """A path, or `bible:<lang>` for the packaged Bible (written once to the cache)."""
-    if spec.startswith("bible:"):
-        from mmadapt.corpora import write_bible_corpus
-
-        lang = spec.split(":", 1)[1]
-        path = CACHE / "bible" / f"{lang}.txt"
-        return path if path.is_file() else write_bible_corpus(lang, path)
-    return Path(spec)
+MODEL_PRESETS = {name: model for name, (model, _) in PRESETS.items()}
+TRAIN_PRESETS = {name: train for name, (_, train) in PRESETS.items()}
 
 
 def user_errors(main):
     """A command's ValueError (DataError included) is a user's mistake: one `error:` line on
-    stderr and exit code 2. The commands check their inputs before they write anything."""
+    stderr and exit code 2. The steps check their inputs before they write anything."""
     @functools.wraps(main)
     def wrapped(argv=None) -> int:
         try:
@@ -39,22 +28,43 @@ def user_errors(main):
     return wrapped
 
 
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output_dir", required=True, help="run directory: checkpoints, logs, run.json")
+    p.add_argument("--ds_config", default=str(DEFAULT_DS_CONFIG), help="DeepSpeed JSON (ZeRO stage, precision)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
+
+
+def _layout(args) -> dict:
+    return {k: getattr(args, k) for k in LAYOUT_FIELDS if getattr(args, k, None) is not None}
+
+
+def _rank0() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def _done(rows: list[dict], what: str) -> None:
+    if rows:
+        first, last = rows[0], rows[-1]
+        heads = ", ".join(f"L{k}: {v:.3f}" for k, v in last.get("head_losses", {}).items())
+        print(f"done: step {last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f}"
+              + (f" (heads {heads})" if len(last.get("head_losses", {})) > 1 else "") + f"; {what}")
+
+
+# --- Step 1 --------------------------------------------------------------------------------------------
+
 def pretrain_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pretrain", description="Step 1: pretrain a source-language MLM "
                                 "(BL_BASE, BL_SMALL or MINIJOINT) with DeepSpeed.")
     p.add_argument("--recipe", choices=RECIPES, default="bl_base", help="which of the paper's systems")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and schedule")
-    p.add_argument("--mini_layers", type=int, default=4, help="N: depth of the mini-model (MINIJOINT's "
-                   "second head sits after layer N; BL_SMALL has N layers)")
     p.add_argument("--corpus", required=True, help="UTF-8 text, one sentence per line, blank line "
                    "between documents; or bible:<lang> for the packaged Bible (e.g. bible:en)")
     p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one on the corpus)")
-    p.add_argument("--output_dir", required=True, help="run directory: checkpoints, logs, tokenizer, data")
-    p.add_argument("--ds_config", default=str(DEFAULT_DS_CONFIG), help="DeepSpeed JSON (ZeRO stage, precision)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
-    add_dataclass_args(p, ModelConfig)
-    add_dataclass_args(p, TrainConfig)
+    _run_args(p)
+    add_dataclass_args(p, ModelConfig, defaults=MODEL_PRESETS)
+    add_dataclass_args(p, TrainConfig, defaults=TRAIN_PRESETS)
+    add_dataclass_args(p, MiniModelConfig, only=("mini_layers",))
     return p
 
 
@@ -64,8 +74,7 @@ def configs_from_args(args) -> tuple[ModelConfig, TrainConfig]:
     import dataclasses
 
     model, train = PRESETS[args.preset]
-    shape = override(model, argparse.Namespace(**{**vars(args), "head_layers": None}))
-    model = apply_recipe(dataclasses.replace(shape, head_layers=None), args.recipe, args.mini_layers)
+    model = apply_recipe(override(model, args), args.recipe, override(MiniModelConfig(), args).mini_layers)
     if args.head_layers is not None:
         model = dataclasses.replace(model, head_layers=tuple(args.head_layers))
     return model, override(train, args)
@@ -74,45 +83,24 @@ def configs_from_args(args) -> tuple[ModelConfig, TrainConfig]:
 @user_errors
 def pretrain_main(argv=None) -> int:
     args = pretrain_parser().parse_args(argv)
-    from mmadapt.train import RunPaths, pretrain
+    from mmadapt.steps import pretrain
+    from mmadapt.train import RunPaths
 
     model, train = configs_from_args(args)
-    paths = RunPaths(output_dir=Path(args.output_dir), corpus=resolve_corpus(args.corpus),
+    paths = RunPaths(output_dir=Path(args.output_dir), corpus=Path(args.corpus),
                      ds_config=Path(args.ds_config), tokenizer=Path(args.tokenizer) if args.tokenizer else None)
-    rows = pretrain(model, train, paths, resume=args.resume, recipe=args.recipe)
-    if rows:
-        first, last = rows[0], rows[-1]
-        print(f"done: step {last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f} "
-              f"(heads {', '.join(f'L{k}: {v:.3f}' for k, v in last['head_losses'].items())}); "
-              f"run in {args.output_dir}")
+    _done(pretrain(model, train, paths, recipe=args.recipe, resume=args.resume), f"{args.recipe} in {args.output_dir}")
     return 0
 
 
-# --- Step 1b and Step 2: the model comes from an earlier run, only some fields may change ---------
+# --- Step 1b and Step 2: the model comes from an earlier run, only its layout may change ----------------
 
-# ModelConfig fields that Steps 1b and 2 may set; the architecture itself is the source model's.
-_LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "hidden_dropout",
-                  "attention_dropout", "attention_impl")
-
-
-def _common_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...]) -> None:
+def _later_step_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...]) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="training schedule "
                    "(the model's shape comes from the source run)")
-    p.add_argument("--output_dir", required=True, help="run directory: checkpoints, logs, tokenizer, data")
-    p.add_argument("--ds_config", default=str(DEFAULT_DS_CONFIG), help="DeepSpeed JSON (ZeRO stage, precision)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    add_dataclass_args(p, ModelConfig, only=model_fields)
-    add_dataclass_args(p, TrainConfig)
-
-
-def _source_tag(run_dir: Path, tag: str | None) -> str:
-    from mmadapt import checkpoint
-
-    tags = checkpoint.complete_tags(run_dir / "checkpoints")
-    if tag is not None and tag not in tags:
-        raise ValueError(f"{run_dir} has no complete checkpoint {tag}; it has {', '.join(tags)}")
-    return tag or tags[-1]
+    _run_args(p)
+    add_dataclass_args(p, ModelConfig, only=model_fields, defaults="the source run's")
+    add_dataclass_args(p, TrainConfig, defaults=TRAIN_PRESETS)
 
 
 def minipost_parser() -> argparse.ArgumentParser:
@@ -121,38 +109,21 @@ def minipost_parser() -> argparse.ArgumentParser:
                                 "layers and train only those with source-language MLM.")
     p.add_argument("--primary", required=True, help="the pretrain run directory of the primary model")
     p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
-    p.add_argument("--mini_layers", type=int, default=4, help="N: bottom layers copied (paper: 4)")
-    p.add_argument("--new_layers", type=int, default=2, help="K: new layers trained on top (paper: 2)")
     p.add_argument("--corpus", help="source-language corpus (default: the primary run's corpus)")
-    _common_args(p, _LAYOUT_FIELDS)
+    _later_step_args(p, LAYOUT_FIELDS)
+    add_dataclass_args(p, MiniModelConfig)
     return p
 
 
 @user_errors
 def minipost_main(argv=None) -> int:
     args = minipost_parser().parse_args(argv)
-    from mmadapt.adapt import load_model, minipost_layout, minipost_trainable, read_run
-    from mmadapt.train import Job, RunPaths, run
+    from mmadapt.steps import build_minipost
 
-    primary = Path(args.primary).resolve()
-    src = read_run(primary)
-    tag = _source_tag(primary, args.primary_tag)
-    cfg, _ = minipost_layout(ModelConfig(**src["model"]), {}, args.mini_layers, args.new_layers)
-    model, train = override(cfg, args), override(PRESETS[args.preset][1], args)
-    paths = RunPaths(output_dir=Path(args.output_dir), corpus=resolve_corpus(args.corpus or src["corpus"]),
-                     ds_config=Path(args.ds_config), tokenizer=primary / "tokenizer" / "spm.model")
-
-    def init(_tokenizer: Path) -> dict:
-        return minipost_layout(*load_model(primary, tag), args.mini_layers, args.new_layers)[1]
-
-    job = Job(step="minipost", recipe="minipost", trainable=minipost_trainable(args.mini_layers, args.new_layers),
-              init=init, trainable_layers=args.new_layers,
-              frozen_from={"run_dir": str(primary), "tag": tag, "mini_layers": args.mini_layers,
-                           "new_layers": args.new_layers})
-    rows = run(model, train, paths, job, resume=args.resume)
-    if rows:
-        print(f"done: {model.num_layers}-layer mini-model, step {rows[-1]['step']}, loss {rows[0]['loss']:.3f} -> "
-              f"{rows[-1]['loss']:.3f}; run in {args.output_dir}")
+    rows = build_minipost(Path(args.primary), Path(args.output_dir), override(TRAIN_PRESETS[args.preset], args),
+                          override(MiniModelConfig(), args), _layout(args), Path(args.ds_config), args.corpus,
+                          args.primary_tag, args.resume)
+    _done(rows, f"MINIPOST mini-model in {args.output_dir}")
     return 0
 
 
@@ -162,7 +133,7 @@ def adapt_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="adapt", description="Step 2: learn a new language's embeddings "
                                 "(tied with the output projection) by MLM over a frozen model.")
     p.add_argument("--system", choices=SYSTEMS, required=True, help="minijoint/minipost: over the "
-                   "mini-model; bl_base: over the full primary model; bl_small: over the 4-layer model")
+                   "mini-model; bl_base: over the full primary model; bl_small: over the N-layer model")
     p.add_argument("--source", required=True, help="the run to adapt: a pretrain run (bl_base, bl_small, "
                    "minijoint) or a build_minipost run (minipost)")
     p.add_argument("--source_tag", help="its checkpoint to use (default: the newest complete one)")
@@ -170,72 +141,28 @@ def adapt_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", help="target-language corpus (default: bible:<lang>, the packaged Bible)")
     p.add_argument("--tokenizer", help="an existing target-language SentencePiece .model (default: train "
                    "one with --vocab_size pieces on the corpus)")
-    _common_args(p, _LAYOUT_FIELDS + ("vocab_size",))
+    p.add_argument("--vocab_size", type=int, help="target vocabulary size V (default: the --tokenizer's size, "
+                   "else the source model's)")
+    _later_step_args(p, LAYOUT_FIELDS)
     return p
 
 
 @user_errors
 def adapt_main(argv=None) -> int:
     args = adapt_parser().parse_args(argv)
-    import torch
+    from mmadapt.steps import adapt_embeddings
 
-    from mmadapt import adapt as A
-    from mmadapt.checkpoint import load_full_state_dict
-    from mmadapt.flops import adapt_flops, device_days
-    from mmadapt.model import derive_seed
-    from mmadapt.train import Job, RunPaths, run
-
-    source = Path(args.source).resolve()
-    src = A.read_run(source)
-    if src.get("recipe") not in A.SOURCE_RECIPES[args.system]:
-        raise ValueError(f"--system {args.system} adapts a run with recipe "
-                         f"{' or '.join(A.SOURCE_RECIPES[args.system])}, but {source} has recipe "
-                         f"{src.get('recipe')}")
-    tag = _source_tag(source, args.source_tag)
-    src_cfg = ModelConfig(**src["model"])
-    body_cfg, _ = A.adapt_body(args.system, src_cfg, {})
-    model, train = override(body_cfg, args), override(PRESETS[args.preset][1], args)
-    out = Path(args.output_dir)
-    paths = RunPaths(output_dir=out, corpus=resolve_corpus(args.corpus or f"bible:{args.lang}"),
-                     ds_config=Path(args.ds_config), tokenizer=Path(args.tokenizer) if args.tokenizer else None)
-    info = {"system": args.system, "lang": args.lang}
-
-    def init(tokenizer: Path) -> dict:
-        _, state, shared = A.step2_start(args.system, source, tag, tokenizer, model.init_method_std,
-                                         derive_seed(train.seed, f"embeddings.{args.lang}"))
-        info.update(shared_pieces=shared, target_vocab_size=model.vocab_size)
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"new {args.lang} embeddings: {shared} of {model.vocab_size} pieces copied from the "
-                  f"source vocabulary, {model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
-        return state
-
-    seq_flops = {p: adapt_flops(model, train.seq_length, train.mask_prob, paper=p) for p in (False, True)}
-
-    def on_save(step: int, ckpt_tag: str, global_batch: int) -> None:
-        sd = load_full_state_dict(paths.checkpoints, ckpt_tag)
-        flops = seq_flops[False] * global_batch * step
-        meta = {"system": args.system, "lang": args.lang, "step": step, "source": str(source),
-                "source_tag": tag, "mini_layers": model.num_layers, "hidden_size": model.hidden_size,
-                "vocab_size": model.vocab_size, "shared_pieces": info.get("shared_pieces"),
-                "global_batch": global_batch, "seq_length": train.seq_length,
-                "tokens": global_batch * train.seq_length * step, "flops": flops,
-                "flops_paper": seq_flops[True] * global_batch * step, "v100_days": device_days(flops)}
-        A.write_artifact(out / "embeddings" / ckpt_tag, sd[A.WORD].to(torch.float32),
-                         sd[A.BIAS].to(torch.float32), out / "tokenizer" / "spm.model", meta)
-
-    job = Job(step="adapt", recipe=args.system, trainable=A.ADAPT_TRAINABLE, init=init, info=info,
-              on_save=on_save, frozen_from={"run_dir": str(source), "tag": tag, "system": args.system})
-    rows = run(model, train, paths, job, resume=args.resume)
-    if rows:
-        print(f"done: {args.system} {args.lang} embeddings over {model.num_layers} layers, step {rows[-1]['step']}, "
-              f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}; artifacts in {out / 'embeddings'}")
+    rows = adapt_embeddings(args.system, Path(args.source), args.lang, Path(args.output_dir),
+                            override(TRAIN_PRESETS[args.preset], args), _layout(args), Path(args.ds_config),
+                            args.corpus, Path(args.tokenizer) if args.tokenizer else None, args.vocab_size,
+                            args.source_tag, args.resume)
+    _done(rows, f"{args.system} {args.lang} embeddings, artifacts in {Path(args.output_dir) / 'embeddings'}")
     return 0
 
 
 # --- Step 3 and Step 4 ----------------------------------------------------------------------------------
 
 def finetune_parser() -> argparse.ArgumentParser:
-    from mmadapt.config import FinetuneConfig
     from mmadapt.finetune import TASKS
 
     p = argparse.ArgumentParser(prog="finetune", description="Step 3: fine-tune the primary model of a "
@@ -249,10 +176,8 @@ def finetune_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval_file", help="optional source-language evaluation data: its score is printed and "
                    "kept in run.json ({lang} is replaced by --source_lang)")
     p.add_argument("--source_lang", default="en", help="language of the training data")
-    p.add_argument("--output_dir", required=True, help="run directory: checkpoint, logs, run.json")
-    p.add_argument("--ds_config", default=str(DEFAULT_DS_CONFIG), help="DeepSpeed JSON (ZeRO stage, precision)")
-    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-    add_dataclass_args(p, ModelConfig, only=_LAYOUT_FIELDS)
+    _run_args(p)
+    add_dataclass_args(p, ModelConfig, only=LAYOUT_FIELDS, defaults="the primary run's")
     add_dataclass_args(p, FinetuneConfig)
     return p
 
@@ -260,20 +185,14 @@ def finetune_parser() -> argparse.ArgumentParser:
 @user_errors
 def finetune_main(argv=None) -> int:
     args = finetune_parser().parse_args(argv)
-    from mmadapt.config import FinetuneConfig
-    from mmadapt.finetune import finetune, get_task
+    from mmadapt.steps import finetune
 
-    task = get_task(args.task)
-    train_file = args.train_file or ("bible" if task.name == "bible-genre" else None)
-    if train_file is None:
-        raise ValueError(f"--train_file is required for {task.name} (see mmadapt/tasks.py for the data)")
-    layout = {k: getattr(args, k) for k in _LAYOUT_FIELDS if getattr(args, k) is not None}
-    out, _ = finetune(task, Path(args.primary).resolve(), args.primary_tag, train_file, args.source_lang,
-                   override(FinetuneConfig(), args), layout, Path(args.ds_config), Path(args.output_dir),
-                   args.eval_file)
-    if int(os.environ.get("RANK", 0)) == 0:
+    out, _ = finetune(args.task, Path(args.primary), Path(args.output_dir), override(FinetuneConfig(), args),
+                      args.train_file, args.eval_file, args.source_lang, _layout(args), Path(args.ds_config),
+                      args.primary_tag, args.resume)
+    if _rank0() and "final_loss" in out:
         extra = f", {args.source_lang} score {out['source_score']:.1f}" if "source_score" in out else ""
-        print(f"done: {task.name} on {out['train_examples']} examples, {out['updates']} updates, final loss "
+        print(f"done: {out['task']} on {out['train_examples']} examples, {out['updates']} updates, final loss "
               f"{out['final_loss']:.3f}{extra}; model in {args.output_dir}")
     return 0
 
@@ -290,28 +209,21 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    "by each artifact's language (bible-genre: 'bible')")
     p.add_argument("--output", required=True, help="JSON file of records {system, task, lang, step, flops, "
                    "score, ...}; must not exist yet")
-    p.add_argument("--eval_batch_size", type=int, default=64, help="examples per forward pass")
+    add_dataclass_args(p, FinetuneConfig, only=("eval_batch_size",))
     return p
 
 
 @user_errors
 def evaluate_main(argv=None) -> int:
     args = evaluate_parser().parse_args(argv)
-    import json
+    from mmadapt.steps import evaluate
 
-    from mmadapt.finetune import evaluate_artifacts
-
-    out = Path(args.output)
-    if out.exists():
-        raise ValueError(f"{out} already exists: choose a new --output (records are never overwritten)")
-    records = evaluate_artifacts([Path(r) for r in args.finetuned], [Path(e) for e in args.embeddings],
-                                 args.eval_file, args.eval_batch_size)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
+    records = evaluate(args.finetuned, args.embeddings, args.eval_file, Path(args.output),
+                       args.eval_batch_size or FinetuneConfig().eval_batch_size)
     for r in records:
         print(f"{r['system']:10s} {r['task']} {r['lang']} step {r['step']:>7d}  {r['flops']:.3g} FLOPs  "
               f"{r['metric']} {r['score']:.2f}")
-    print(f"{len(records)} records in {out}")
+    print(f"{len(records)} records in {args.output}")
     return 0
 
 
@@ -332,24 +244,24 @@ def flops_main(argv=None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default="roberta-base", help="model shape and schedule")
     p.add_argument("--global_batch", type=int, help="sequences per update B (default: the paper's 2048 for "
                    "roberta-base, else micro-batch x accumulation of the preset on one rank)")
-    p.add_argument("--mini_layers", type=int, default=4, help="N: mini-model depth")
-    p.add_argument("--new_layers", type=int, default=2, help="K: MINIPOST's new layers")
     p.add_argument("--device", choices=sorted(DEVICE_TFLOPS), default="v100-paper",
                    help="throughput for the device-days of the exact count")
     add_dataclass_args(p, ModelConfig, only=("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                                              "vocab_size"))
     add_dataclass_args(p, TrainConfig, only=("seq_length", "train_iters", "mask_prob"))
+    add_dataclass_args(p, MiniModelConfig)
     args = p.parse_args(argv)
     if args.paper:
         rows = paper_rows()
     else:
         model, train = PRESETS[args.preset]
         model, train = override(model, args), override(train, args)
-        model = ModelConfig(**{**vars(model), "head_layers": None}).validate()
+        model.validate()
+        mini = override(MiniModelConfig(), args)
         batch = args.global_batch or (PAPER["global_batch"] if args.preset == "roberta-base" else
                                       train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps)
         rows = flops_rows(model, train.train_iters, batch, train.seq_length, train.mask_prob,
-                          args.mini_layers, args.new_layers, args.device)
+                          mini.mini_layers, mini.new_layers, args.device)
     print(json.dumps(rows, indent=1) if args.json or args.paper else format_flops_table(rows))
     return 0
 

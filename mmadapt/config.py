@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 
@@ -30,9 +31,9 @@ class ModelConfig:
     attention_dropout: float = _f(0.1, "dropout on attention probabilities")
     layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon")
     init_method_std: float = _f(0.02, "std of the normal init of every weight matrix and embedding")
-    head_layers: Optional[tuple] = _f(
-        None, "layers after which an MLM head sits, ascending; must end with num_layers "
-        "(the primary head). Default: (num_layers,)")
+    head_layers: tuple = _f(
+        (), "layers after which an MLM head sits, ascending; must end with num_layers "
+        "(the primary head). Empty: one head, after the last layer")
     attention_impl: str = _f(
         "sdpa", "'sdpa' (fused scaled_dot_product_attention) or 'math' (explicit matmuls, "
         "which torch's FLOP counter sees)")
@@ -40,9 +41,12 @@ class ModelConfig:
     pipeline_model_parallel_size: int = _f(1, "pipeline stages (DeepSpeed PipelineModule)")
 
     def __post_init__(self):
-        if self.head_layers is None:
-            self.head_layers = (self.num_layers,)
-        self.head_layers = tuple(int(x) for x in self.head_layers)
+        self.head_layers = tuple(int(x) for x in self.head_layers or ())
+
+    @property
+    def heads_after(self) -> tuple[int, ...]:
+        """The layers whose outputs feed an MLM head (head_layers, or the last layer alone)."""
+        return self.head_layers or (self.num_layers,)
 
     def validate(self) -> "ModelConfig":
         """Raise ValueError naming the first invalid combination."""
@@ -63,12 +67,12 @@ class ModelConfig:
         if self.vocab_size % tp:
             raise ValueError(f"vocab_size {self.vocab_size} is not divisible by "
                              f"tensor_model_parallel_size {tp}: choose a vocab size that is a multiple of it")
-        bad = [l for l in self.head_layers if not 1 <= l <= self.num_layers]
+        bad = [l for l in self.heads_after if not 1 <= l <= self.num_layers]
         if bad:
             raise ValueError(f"head layer {bad[0]} is outside 1..num_layers={self.num_layers}")
-        if list(self.head_layers) != sorted(set(self.head_layers)):
+        if list(self.heads_after) != sorted(set(self.heads_after)):
             raise ValueError(f"head_layers {self.head_layers} must be ascending without repeats")
-        if self.head_layers[-1] != self.num_layers:
+        if self.heads_after[-1] != self.num_layers:
             raise ValueError(f"head_layers {self.head_layers} must end with num_layers={self.num_layers} "
                              "(the primary head)")
         if pp > self.num_layers:
@@ -81,6 +85,14 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+
+@dataclass
+class MiniModelConfig:
+    """The mini-model's shape (paper section 2): its depth N, and MINIPOST's new layers K."""
+    mini_layers: int = _f(4, "N: depth of the mini-model (BL_SMALL has N layers; MINIJOINT's second head "
+                          "sits after layer N; MINIPOST copies the bottom N layers)")
+    new_layers: int = _f(2, "K: MINIPOST's new layers, trained on top of the copied N (Step 1b)")
 
 
 @dataclass
@@ -143,14 +155,17 @@ class FinetuneConfig(OptimizerConfig):
     max_answer_length: int = _f(30, "QA: longest answer predicted, in pieces")
     eval_batch_size: int = _f(64, "examples per forward pass in evaluation")
     log_interval: int = _f(10, "updates between TensorBoard/console logs")
+    save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
+    exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off)")
 
     def validate(self, model: "ModelConfig") -> "FinetuneConfig":
         if self.seq_length > model.max_position_embeddings:
             raise ValueError(f"seq_length {self.seq_length} exceeds the model's max_position_embeddings "
                              f"{model.max_position_embeddings}")
         if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, self.eval_batch_size,
-               self.log_interval) < 1 or self.epochs <= 0:
-            raise ValueError("batch sizes and log_interval must be >= 1 and epochs > 0")
+               self.log_interval, self.save_interval) < 1 or self.epochs <= 0 or self.exit_interval < 0:
+            raise ValueError("batch sizes, log_interval and save_interval must be >= 1, epochs > 0 and "
+                             "exit_interval >= 0")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.lr is not None and self.lr <= 0:
@@ -176,18 +191,26 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
 }
 
 
+# ModelConfig fields that Steps 1b, 2 and 3 may set; the architecture itself is the source run's.
+LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "hidden_dropout",
+                 "attention_dropout", "attention_impl")
+# The DeepSpeed JSON a run uses unless told otherwise.
+DEFAULT_DS_CONFIG = Path(__file__).resolve().parents[1] / "ds_configs" / "zero1.json"
+
+
 # --- recipes: the paper's systems for Step 1 -------------------------------------------------
 
 RECIPES = ("bl_base", "bl_small", "minijoint")
 
 
-def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int = 4) -> ModelConfig:
+def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int = MiniModelConfig.mini_layers) -> ModelConfig:
     """Return `model` shaped as one of the paper's Step-1 systems.
 
     The preset fixes the depth of the primary model (12 for both shipped presets).
     bl_base: that depth, one head. bl_small: `mini_layers` (N, paper: 4) layers, one head, the
     standard model of the mini-model's size. minijoint: the preset's depth with a second MLM
-    head after layer N. MINIPOST is built from a pretrained bl_base model in Step 1b.
+    head after layer N (`MiniModelConfig.mini_layers`). MINIPOST is built from a pretrained
+    bl_base model in Step 1b.
     """
     if not 1 <= mini_layers < model.num_layers:
         raise ValueError(f"mini_layers {mini_layers} must be in 1..{model.num_layers - 1} "
@@ -206,21 +229,36 @@ def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int = 4) -> Model
 def _tuple_item(kind):
     """The item type of a tuple-valued field (one or more values on the command line), else None.
     A bare `tuple` holds ints (head_layers, extra_save_steps); `tuple[str, ...]` says its type."""
-    if kind in (tuple, Optional[tuple]):
+    if kind is tuple:
         return int
     return get_args(kind)[0] if get_origin(kind) is tuple else None
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ...] | None = None) -> None:
+def _default_help(f, defaults) -> str:
+    """What an unset flag becomes: the field's default, each preset's value, or a sentence."""
+    if isinstance(defaults, str):
+        return f"default: {defaults}"
+    if isinstance(defaults, dict):
+        values = {name: getattr(cfg, f.name) for name, cfg in defaults.items()}
+        if len(set(map(repr, values.values()))) > 1:
+            return "default: " + ", ".join(f"{v} ({name})" for name, v in values.items())
+        return f"default: {next(iter(values.values()))}"
+    return f"default: {f.default}"
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ...] | None = None,
+                       defaults: dict[str, Any] | str | None = None) -> None:
     """Add one `--name` flag per field of `cls` (or per field named in `only`); unset flags stay
-    None (the preset, or the model being adapted, decides)."""
+    None (the preset, or the run being adapted, decides). `defaults` says in --help what an unset
+    flag becomes: {preset name: instance} (each preset's value), a sentence, or None (the field's
+    default)."""
     group = parser.add_argument_group(cls.__name__)
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if only is not None and f.name not in only:
             continue
         kind = hints[f.name]
-        kw: dict[str, Any] = dict(default=None, help=f"{f.metadata['help']} (preset default: {f.default})")
+        kw: dict[str, Any] = dict(default=None, help=f"{f.metadata['help']} ({_default_help(f, defaults)})")
         if _tuple_item(kind) is not None:
             kw.update(type=_tuple_item(kind), nargs="+")
         else:

@@ -55,6 +55,21 @@ def bible_verses(lang: str, books: range | None = None):
         con.close()
 
 
+CACHE = Path(os.environ.get("MMADAPT_CACHE", Path.home() / ".cache" / "mmadapt"))
+
+
+def resolve_corpus(spec: str | os.PathLike) -> Path:
+    """A path, or `bible:<lang>` for the packaged Bible (written once to the cache)."""
+    spec = str(spec)
+    if spec.startswith("bible:"):
+        lang = spec.split(":", 1)[1]
+        if lang not in BIBLE_VERSIONS:
+            raise ValueError(f"{spec}: no packaged Bible for {lang!r}; choose one of {', '.join(BIBLE_VERSIONS)}")
+        path = CACHE / "bible" / f"{lang}.txt"
+        return path if path.is_file() else write_bible_corpus(lang, path)
+    return Path(spec)
+
+
 def write_bible_corpus(lang: str, path: str | os.PathLike, books: range | None = None) -> Path:
     """Write one language's Bible as a plain-text corpus (atomically); returns the path."""
     path = Path(path)

@@ -14,9 +14,10 @@ Source language English, targets from the packaged verse-aligned Bibles (`sonofm
 It writes results.json (the records `mmadapt report` reads), results.md (Table-2 and Table-3
 shaped) and curves.png (score against Step-2 compute, Figure-3 shaped) into --output_dir.
 
-Every stage is a call of the same command a user runs (pretrain, build_minipost, adapt,
-finetune), in this process, one rank. A stage that finished is kept and skipped when the demo is
-run again; one that was interrupted resumes from its last checkpoint.
+Every stage is a call of the library function behind the command a user runs (mmadapt.steps:
+pretrain, build_minipost, adapt_embeddings, finetune), in this process, one rank, with configs
+built from the tiny preset by `dataclasses.replace`. A stage that finished is kept and skipped
+when the demo is run again; one that was interrupted resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmadapt.config import _f
+from mmadapt.config import (DEFAULT_DS_CONFIG, PRESETS, FinetuneConfig, MiniModelConfig, TrainConfig, _f,
+                            apply_recipe)
 
 SYSTEMS = ("bl_base", "bl_small", "minijoint", "minipost")
+VOCAB = PRESETS["tiny"][0].vocab_size  # pieces of every demo tokenizer: the tiny preset's V
 PRIMARY = {"bl_base": "bl_base", "bl_small": "bl_small", "minijoint": "minijoint", "minipost": "bl_base"}
 
 
@@ -70,8 +73,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 class Demo:
-    def __init__(self, cfg: DemoConfig, root: Path):
-        self.cfg, self.root = cfg, root
+    def __init__(self, cfg: DemoConfig, root: Path, mini: MiniModelConfig = MiniModelConfig()):
+        self.cfg, self.root, self.mini = cfg, root, mini
         self.stage, self.t0 = 0, time.perf_counter()
         # vocabularies, 3 pretraining runs, Step 1b, Step 2 per system and language, 3 fine-tunings, Step 4
         self.total = 1 + 3 + 1 + len(cfg.langs) * len(SYSTEMS) + 3 + 1
@@ -81,74 +84,80 @@ class Demo:
         print(f"\n[{self.stage}/{self.total}] {what}  (demo time {time.perf_counter() - self.t0:.0f} s)", flush=True)
 
     @staticmethod
-    def _done(run_dir: Path, iters: int) -> bool:
+    def _state(run_dir: Path, iters: int) -> str:
+        """'done', 'resume' (checkpoints of an interrupted run) or 'new'."""
         from mmadapt import checkpoint
 
-        return checkpoint.latest_tag(run_dir / "checkpoints") == checkpoint.tag_for(iters)
+        if checkpoint.latest_tag(run_dir / "checkpoints") == checkpoint.tag_for(iters):
+            return "done"
+        return "resume" if checkpoint.has_checkpoints(run_dir / "checkpoints") else "new"
 
-    def _run(self, main, run_dir: Path, iters: int, argv: list[str]) -> None:
-        if self._done(run_dir, iters):
-            print(f"  already done: {run_dir}")
-            return
-        resume = ["--resume"] if (run_dir / "checkpoints").is_dir() else []
-        rc = main([*argv, "--output_dir", str(run_dir), "--train_iters", str(iters), *resume])
-        if rc:
-            raise SystemExit(rc)
+    def _train(self, iters: int, save_interval: int, **changes) -> TrainConfig:
+        """The tiny preset's schedule with the demo's settings."""
+        return dataclasses.replace(PRESETS["tiny"][1], seq_length=self.cfg.seq_length, train_iters=iters,
+                                   save_interval=save_interval, log_interval=50, **changes)
 
     # --- the steps ----------------------------------------------------------------------------------
 
     def tokenizers(self) -> dict[str, Path]:
-        from mmadapt.cli import resolve_corpus
+        from mmadapt.corpora import resolve_corpus
         from mmadapt.data import train_tokenizer
 
         out = {}
         for lang in ("en", *self.cfg.langs):
             path = self.root / "tokenizers" / f"{lang}.model"
             out[lang] = path if path.is_file() else train_tokenizer(resolve_corpus(f"bible:{lang}"),
-                                                                    path.with_suffix(""), 2000)
+                                                                    path.with_suffix(""), VOCAB)
         return out
 
     def run(self) -> dict:
-        from mmadapt.cli import adapt_main, finetune_main, minipost_main, pretrain_main
+        from mmadapt import steps
+        from mmadapt.finetune import is_finished
+        from mmadapt.train import RunPaths
 
         cfg, root = self.cfg, self.root
-        self.say("SentencePiece vocabularies (2000 pieces): en, " + ", ".join(cfg.langs))
+        self.say(f"SentencePiece vocabularies ({VOCAB} pieces): en, " + ", ".join(cfg.langs))
         tok = self.tokenizers()
+        model = dataclasses.replace(PRESETS["tiny"][0], vocab_size=VOCAB, init_method_std=cfg.init_method_std)
         pre = {r: root / "pretrain" / r for r in ("bl_base", "bl_small", "minijoint")}
+        train = self._train(cfg.pretrain_iters, cfg.pretrain_iters, lr=cfg.pretrain_lr,
+                            train_micro_batch_size_per_gpu=cfg.pretrain_batch)
         for recipe, run_dir in pre.items():
             self.say(f"Step 1: pretrain {recipe} on the English Bible")
-            self._run(pretrain_main, run_dir, cfg.pretrain_iters,
-                      ["--recipe", recipe, "--preset", "tiny", "--corpus", "bible:en", "--tokenizer", str(tok["en"]),
-                       "--seq_length", str(cfg.seq_length), "--train_micro_batch_size_per_gpu", str(cfg.pretrain_batch),
-                       "--lr", str(cfg.pretrain_lr), "--init_method_std", str(cfg.init_method_std),
-                       "--save_interval", str(cfg.pretrain_iters), "--log_interval", "50"])
-        self.say("Step 1b: MINIPOST = bl_base's bottom 4 layers + 2 new layers")
+            state = self._state(run_dir, cfg.pretrain_iters)
+            if state != "done":
+                paths = RunPaths(output_dir=run_dir, corpus=Path("bible:en"), ds_config=DEFAULT_DS_CONFIG,
+                                 tokenizer=tok["en"])
+                steps.pretrain(apply_recipe(model, recipe, self.mini.mini_layers), train, paths, recipe,
+                               resume=state == "resume")
+        self.say(f"Step 1b: MINIPOST = bl_base's bottom {self.mini.mini_layers} layers + {self.mini.new_layers} "
+                 "new layers")
         minipost = root / "minipost"
-        self._run(minipost_main, minipost, cfg.minipost_iters,
-                  ["--primary", str(pre["bl_base"]), "--seq_length", str(cfg.seq_length),
-                   "--save_interval", str(cfg.minipost_iters), "--log_interval", "50"])
+        state = self._state(minipost, cfg.minipost_iters)
+        if state != "done":
+            steps.build_minipost(pre["bl_base"], minipost, self._train(cfg.minipost_iters, cfg.minipost_iters),
+                                 self.mini, resume=state == "resume")
         source = {"bl_base": pre["bl_base"], "bl_small": pre["bl_small"], "minijoint": pre["minijoint"],
                   "minipost": minipost}
+        adapt = self._train(cfg.adapt_iters, cfg.adapt_save_interval)
         for lang in cfg.langs:
             for system in SYSTEMS:
                 self.say(f"Step 2: {lang} embeddings for {system}")
-                self._run(adapt_main, root / "adapt" / f"{system}-{lang}", cfg.adapt_iters,
-                          ["--system", system, "--source", str(source[system]), "--lang", lang,
-                           "--tokenizer", str(tok[lang]), "--seq_length", str(cfg.seq_length),
-                           "--save_interval", str(cfg.adapt_save_interval),
-                           "--log_interval", "50"])
+                run_dir = root / "adapt" / f"{system}-{lang}"
+                state = self._state(run_dir, cfg.adapt_iters)
+                if state != "done":
+                    steps.adapt_embeddings(system, source[system], lang, run_dir, adapt, tokenizer=tok[lang],
+                                           resume=state == "resume")
         finetuned = {}
+        ft_cfg = dataclasses.replace(FinetuneConfig(), seq_length=cfg.seq_length, epochs=cfg.finetune_epochs,
+                                     lr=cfg.finetune_lr)
         for primary in ("bl_base", "bl_small", "minijoint"):
             self.say(f"Step 3: fine-tune {primary}'s primary model on English bible-genre (embeddings frozen)")
             out = finetuned[primary] = root / "finetune" / primary
-            if (out / "run.json").is_file():
-                print(f"  already done: {out}")
+            if is_finished(out):
                 continue
-            rc = finetune_main(["--task", "bible-genre", "--primary", str(pre[primary]), "--eval_file", "bible",
-                                "--seq_length", str(cfg.seq_length), "--epochs", str(cfg.finetune_epochs),
-                                "--lr", str(cfg.finetune_lr), "--output_dir", str(out)])
-            if rc:
-                raise SystemExit(rc)
+            steps.finetune("bible-genre", pre[primary], out, ft_cfg, eval_file="bible",
+                           resume=(out / "checkpoints").is_dir())
         self.say("Step 4: zero-shot bible-genre and parallel-verse retrieval for every Step-2 checkpoint")
         return self.evaluate(pre, finetuned, tok)
 
@@ -201,6 +210,9 @@ def main(argv=None) -> int:
         raise ValueError(f"--langs {bad[0]} is not a target language of the packaged Bible; choose from "
                          f"{', '.join(l for l in BIBLE_VERSIONS if l != 'en')}")
     bible_db_path()  # says how to install the data package when it is missing
+    from mmadapt import parallel
+
+    parallel.init_parallel(1, 1)  # the demo's one process: every step runs on one rank
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / "demo.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))

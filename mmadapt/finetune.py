@@ -1,11 +1,12 @@
 """Step 3 (fine-tune the primary model on a source-language task, word embeddings frozen) and
 Step 4 (swap in a target language's embeddings and tokenizer, evaluate zero-shot).
 
-Step 3 starts from the primary model of a Step-1 run (its last layer; MLM heads dropped) with a
-new task head, trains everything but the word embeddings through DeepSpeed's engine (data
-parallel, ZeRO, megatron tensor parallel; no pipeline: fine-tuning fits one device per model
-replica), and saves a DeepSpeed checkpoint without the frozen word embeddings: they are the
-primary run's, which run.json points to.
+Step 3 (steps.finetune) starts from the primary model of a Step-1 run (its last layer; MLM heads
+dropped) with a new task head, trains everything but the word embeddings through the shared
+engine (engine.py: data parallel, ZeRO, megatron tensor parallel; no pipeline: fine-tuning fits
+one device per model replica), and saves DeepSpeed checkpoints without the frozen word
+embeddings: they are the primary run's, which run.json points to. This module holds the tasks,
+their encodings and metrics, and the rebuilt model.
 
 Step 4 rebuilds that model, replaces `word_embeddings.word_embeddings.weight` with a Step-2
 artifact's and the tokenizer with the artifact's, and scores a target-language evaluation set.
@@ -18,16 +19,14 @@ import dataclasses
 import json
 import math
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
-from mmadapt import checkpoint, parallel
-from mmadapt.config import FinetuneConfig, ModelConfig, to_dict
+from mmadapt import checkpoint
+from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.features import Encoded, best_spans, chunk_f1, encode_classify, encode_span, encode_tag, special_mask
 from mmadapt.tasks import NLI_LABELS, read_nli, read_pawsx, read_squad, read_conll2003, read_conllu, squad_scores
 
@@ -133,7 +132,7 @@ def primary_state(run_dir: Path, tag: str | None) -> tuple[ModelConfig, dict]:
     if run.get("step") != "pretrain":
         raise ValueError(f"{run_dir} is a {run.get('step')} run: fine-tune the primary model of a pretrain run")
     cfg, state = load_model(run_dir, tag)
-    cfg = dataclasses.replace(cfg, head_layers=(cfg.num_layers,))
+    cfg = dataclasses.replace(cfg, head_layers=())
     return cfg, {k: v for k, v in state.items() if not k.startswith("heads.")}
 
 
@@ -148,29 +147,43 @@ class Finetuned:
     run: dict
 
     def model(self) -> torch.nn.Module:
-        """The evaluation model (dropout off) with these weights."""
-        parallel.init_parallel(1, 1)  # megatron's layers need their (here trivial) process groups
+        """The evaluation model (dropout off, TP=1: plain torch layers, no process group) with
+        these weights."""
         model = task_model(dataclasses.replace(self.cfg, hidden_dropout=0.0, attention_dropout=0.0),
                            self.task, len(self.labels), self.run["finetune"]["seed"])
         model.load_state_dict(self.state, strict=True)
         return model.eval()
 
 
+def is_finished(run_dir: str | os.PathLike) -> bool:
+    """A fine-tuning run whose last update is in a complete checkpoint."""
+    run_file = Path(run_dir) / "run.json"
+    if not run_file.is_file():
+        return False
+    run = json.loads(run_file.read_text())
+    return (run.get("step") == "finetune" and
+            checkpoint.latest_tag(Path(run_dir) / "checkpoints") == checkpoint.tag_for(run["updates"]))
+
+
 def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
-    """Step 3's model: the checkpoint's trained weights + the primary run's word embeddings."""
+    """Step 3's model: the final checkpoint's trained weights (fp32) + the primary run's word
+    embeddings."""
     run_dir = Path(run_dir)
     run_file = run_dir / "run.json"
-    if not run_file.is_file() or checkpoint.latest_tag(run_dir / "checkpoints") is None:
-        raise ValueError(f"{run_dir} is not a finished fine-tuning run (no run.json or no complete "
-                         "checkpoint): pass the --output_dir of launch/finetune.py")
+    if not run_file.is_file():
+        raise ValueError(f"{run_dir} is not a fine-tuning run (no run.json): pass the --output_dir of "
+                         "launch/finetune.py")
     run = json.loads(run_file.read_text())
     if run.get("step") != "finetune":
         raise ValueError(f"{run_dir} is a {run.get('step')} run, not a fine-tuning run")
+    if not is_finished(run_dir):
+        raise ValueError(f"{run_dir} has not finished its {run['updates']} updates: continue it with "
+                         "finetune --resume")
     cfg, primary = primary_state(Path(run["primary"]["run_dir"]), run["primary"]["tag"])
-    own = {k: v for k, v in checkpoint.load_full_state_dict(run_dir / "checkpoints").items()
-           if not k.endswith("_extra_state") and not k.startswith("empty_group_placeholder")}
-    cfg = ModelConfig(**{**run["model"], "head_layers": tuple(run["model"]["head_layers"]),
-                         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
+    tag = checkpoint.tag_for(run["updates"])
+    own = {k: v for k, v in checkpoint.load_full_state_dict(run_dir / "checkpoints", tag).items()
+           if not k.startswith("empty_group_placeholder")}
+    cfg = ModelConfig(**{**run["model"], "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
     return Finetuned(cfg, get_task(run["task"]), run["labels"], {WORD: primary[WORD], **own},
                      Path(run["primary"]["run_dir"]) / "tokenizer" / "spm.model", run)
 
@@ -227,130 +240,6 @@ def retrieval_accuracy(src_vectors: torch.Tensor, trg_vectors: torch.Tensor) -> 
     s = torch.nn.functional.normalize(src_vectors - src_vectors.mean(0), dim=-1)
     t = torch.nn.functional.normalize(trg_vectors - trg_vectors.mean(0), dim=-1)
     return 100 * float(((t @ s.T).argmax(1) == torch.arange(len(t))).float().mean())
-
-
-# --- Step 3 -----------------------------------------------------------------------------------------
-
-def finetune(task: Task, primary: Path, primary_tag: str | None, train_spec: str, source_lang: str,
-             cfg: FinetuneConfig, layout: dict, ds_config_path: Path, output_dir: Path,
-             eval_spec: str | None = None) -> tuple[dict, torch.nn.Module]:
-    """Run Step 3. `layout`: ModelConfig fields a user may set (parallel sizes, dropout).
-    Returns the run summary (as in run.json) and the trained module (this rank's TP shard)."""
-    import deepspeed
-
-    from mmadapt.adapt import read_run
-    from mmadapt.data import micro_batch_range, EpochOrder
-    from mmadapt.train import Job, _load_full_weights, adamw, load_ds_config, param_groups, warmup_linear_decay
-
-    # --- checks before any side effect
-    src = read_run(primary)
-    if src.get("step") != "pretrain":
-        raise ValueError(f"{primary} is a {src.get('step')} run: fine-tune the primary model of a pretrain run")
-    tag = primary_tag or checkpoint.latest_tag(primary / "checkpoints")
-    if tag not in checkpoint.complete_tags(primary / "checkpoints"):
-        raise ValueError(f"{primary} has no complete checkpoint {tag}")
-    model_cfg = dataclasses.replace(ModelConfig(**{**src["model"], "head_layers": None}), **layout).validate()
-    if model_cfg.pipeline_model_parallel_size > 1:
-        raise ValueError("fine-tuning does not use pipeline parallelism (a model replica fits one device): "
-                         "use --pipeline_model_parallel_size 1 with data or tensor parallelism")
-    cfg.validate(model_cfg)
-    ds_config = load_ds_config(ds_config_path, cfg)
-    parallel.check_world_size(int(os.environ.get("WORLD_SIZE", 1)), model_cfg.tensor_model_parallel_size, 1)
-    if (output_dir / "run.json").is_file():
-        raise ValueError(f"{output_dir} already holds a finished run: choose a new --output_dir")
-    tokenizer = primary / "tokenizer" / "spm.model"
-    sp = load_sp(tokenizer)
-    examples = read_examples(task, train_spec, source_lang, "train")
-    labels = label_names(task, examples)
-    enc = encode(task, sp, examples, labels, cfg)
-    eval_examples = read_examples(task, eval_spec, source_lang, "test") if eval_spec else None
-    lr = cfg.lr or task.lr
-
-    parallel.init_parallel(model_cfg.tensor_model_parallel_size, 1)
-    rank = dist.get_rank()
-    global_batch = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * parallel.dp_world()
-    updates = max(1, math.ceil(cfg.epochs * len(enc) / global_batch))
-    warmup = round(cfg.warmup_ratio * updates)
-    run_info = {"step": "finetune", "task": task.name, "labels": labels, "source_lang": source_lang,
-                "train": train_spec, "train_examples": len(examples), "train_rows": len(enc), "updates": updates,
-                "global_batch": global_batch, "lr": lr, "primary": {"run_dir": str(primary), "tag": tag},
-                "model": to_dict(model_cfg), "finetune": to_dict(cfg), "ds_config": ds_config}
-    if rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "metrics.jsonl").write_text("")  # a crashed earlier attempt saved nothing
-    dist.barrier()
-
-    # --- model: primary weights, a seeded task head, word embeddings frozen
-    parallel.seed_everything(cfg.seed)
-    _, state = primary_state(primary, tag)
-    module = task_model(model_cfg, task, len(labels), cfg.seed)
-    job = Job(step="finetune", trainable=FINETUNE_TRAINABLE)
-    names = {n: n for n, _ in module.named_parameters()}
-    _load_full_weights(module, names, state, job)
-    del state
-    for n, p in module.named_parameters():
-        p.requires_grad_(job.is_trainable(n))
-    optimizer = adamw(param_groups(module, cfg.weight_decay), cfg, lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(warmup, updates))
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, mpu=parallel.DeepSpeedMPU())
-    dims = {n: p.partition_dim for n, p in module.named_parameters() if getattr(p, "tensor_model_parallel", False)}
-
-    writer = None
-    if rank == 0:
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(str(output_dir / "tensorboard"))
-    from tqdm import tqdm
-
-    order = EpochOrder(len(enc), cfg.seed)
-    dev = engine.device
-    bar = tqdm(total=updates, disable=rank != 0, desc=f"finetune {task.name}", unit="upd", mininterval=2.0)
-    metrics_file = output_dir / "metrics.jsonl"
-    rows, t0 = [], time.perf_counter()
-    for step in range(updates):
-        loss_sum = torch.zeros((), device=dev)
-        for j in range(cfg.gradient_accumulation_steps):
-            idx = [order(g) for g in micro_batch_range(step, j, cfg.train_micro_batch_size_per_gpu,
-                                                       cfg.gradient_accumulation_steps, parallel.dp_rank(),
-                                                       parallel.dp_world())]
-            loss, _ = engine(enc.input_ids[idx].to(dev), enc.labels[idx].to(dev))
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.detach() / cfg.gradient_accumulation_steps
-        dist.all_reduce(loss_sum, group=parallel.parallel_state.get_data_parallel_group())
-        done = step + 1
-        if done % cfg.log_interval == 0 or done == updates:
-            row = {"step": done, "loss": loss_sum.item() / parallel.dp_world(), "lr": engine.get_lr()[0],
-                   "examples_per_s": global_batch * done / (time.perf_counter() - t0)}
-            if rank == 0:
-                rows.append(row)
-                with open(metrics_file, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                writer.add_scalar("finetune/loss", row["loss"], done)
-                writer.add_scalar("finetune/lr", row["lr"], done)
-                bar.set_postfix(loss=f"{row['loss']:.3f}")
-        bar.update(1)
-    bar.close()
-    checkpoint.save(engine, output_dir / "checkpoints", updates, {"tp_partition_dims": _all_dims(dims),
-                                                                   "model_config": to_dict(model_cfg)},
-                    exclude_frozen=True)
-    summary = {**run_info, "final_loss": rows[-1]["loss"] if rows else None}
-    if rank == 0:
-        writer.close()
-        # run.json goes last: a directory with it holds a finished model (load_finetuned).
-        (output_dir / "run.json").write_text(json.dumps(summary, indent=2))
-        if eval_examples is not None:  # the source-language score of exactly the saved model
-            summary["source_score"] = evaluate(load_finetuned(output_dir), eval_examples, cfg)
-            (output_dir / "run.json").write_text(json.dumps(summary, indent=2))
-    dist.barrier()
-    return summary, engine.module
-
-
-def _all_dims(dims: dict) -> dict:
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, dims)
-    return {k: v for d in every for k, v in d.items()}
 
 
 # --- Step 4 over series of Step-2 artifacts ------------------------------------------------------------
@@ -422,7 +311,6 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
 
     cfg, state = primary_state(primary_run, None)
     cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
-    parallel.init_parallel(1, 1)
     layer = layer or math.ceil(cfg.num_layers / 2)
     model = RobertaEncoder(cfg).eval()
     model.load_state_dict(state)

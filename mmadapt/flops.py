@@ -77,7 +77,7 @@ def head_flops(cfg: ModelConfig, s: int, p: float) -> float:
 
 def forward_flops(cfg: ModelConfig, s: int, p: float) -> float:
     """Forward FLOPs of one sequence through all layers and every MLM head (A2)."""
-    return cfg.num_layers * layer_flops(cfg, s) + len(cfg.head_layers) * head_flops(cfg, s, p)
+    return cfg.num_layers * layer_flops(cfg, s) + len(cfg.heads_after) * head_flops(cfg, s, p)
 
 
 def pretrain_flops(cfg: ModelConfig, s: int, p: float, paper: bool = False) -> float:
@@ -89,7 +89,7 @@ def pretrain_flops(cfg: ModelConfig, s: int, p: float, paper: bool = False) -> f
 def adapt_flops(cfg: ModelConfig, s: int, p: float, paper: bool = False) -> float:
     """Step 2: embeddings (tied with the output projection) and the output bias trainable, body and
     head dense frozen. One head (the mini-model's, or the primary model's). A3 when paper=True."""
-    if len(cfg.head_layers) != 1:
+    if len(cfg.heads_after) != 1:
         raise ValueError("Step 2 trains over one MLM head: pass the mini-model's config")
     attn_bwd = 1 if paper else 2
     lin, attn = layer_linear_flops(cfg, s), layer_attn_flops(cfg, s)
@@ -111,7 +111,7 @@ def minipost_flops(cfg: ModelConfig, s: int, p: float, trainable_layers: int, pa
     if not 1 <= lt <= l:
         raise ValueError(f"trainable_layers {lt} must be in 1..num_layers={l}")
     fwd = forward_flops(cfg, s, p)
-    head_bwd = len(cfg.head_layers) * head_flops(cfg, s, p)
+    head_bwd = len(cfg.heads_after) * head_flops(cfg, s, p)
     if paper:
         return fwd + head_bwd + (2 * lt - 1) * layer_flops(cfg, s)
     qkv_dgrad = 6 * s * cfg.hidden_size ** 2

@@ -5,10 +5,13 @@ GELU, tied input embedding / output projection, MLM head = dense -> GELU -> Laye
 projection + bias. Marchisio et al. 2023 (mini-model adaptation): MINIJOINT adds a second head
 after layer N; the loss is the mean of the heads' losses.
 
-Tensor parallelism comes from megatron-core's layers (chosen at construction, active when
-`tensor_model_parallel_size` > 1): vocab-parallel embedding and cross-entropy, column-parallel
-QKV / FFN-in, row-parallel attention-out / FFN-out. This file never imports DeepSpeed; pipeline
-parallelism wraps these modules in `mmadapt/pipeline.py`.
+Tensor parallelism comes from megatron-core's layers, chosen at construction as megatron does
+with its layer specs: with `tensor_model_parallel_size` > 1 vocab-parallel embedding and
+cross-entropy, column-parallel QKV / FFN-in, row-parallel attention-out / FFN-out; with 1 the
+plain torch layers of the same names and shapes, so a TP=1 model builds and runs with no process
+group at all (evaluation, export, notebooks). Both draw each full weight from the same seeded
+generator, so every layout starts from the same full weights. This file never imports DeepSpeed;
+pipeline parallelism wraps these modules in `mmadapt/pipeline.py`.
 
 Shapes (batch first throughout):
     b batch, s sequence, h hidden_size, nh heads, np heads on this TP rank, hd head dim,
@@ -47,15 +50,57 @@ def _normal(std: float):
     return lambda w: nn.init.normal_(w, mean=0.0, std=std)
 
 
+class Linear(nn.Linear):
+    """torch's linear with megatron's call convention (returns `(output, None)`), for TP=1.
+
+    Initialised like megatron's CPU initialisation: `init` on the full [out, in] weight, bias 0,
+    and no other draw from the generator (nn.Linear's own reset would consume one)."""
+
+    def __init__(self, in_features: int, out_features: int, init):
+        super().__init__(in_features, out_features, device="meta")
+        self.to_empty(device="cpu")
+        with torch.no_grad():
+            init(self.weight)
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor):
+        return super().forward(x), None
+
+
+def _column(config: ModelConfig, in_features: int, out_features: int, init):
+    if config.tensor_model_parallel_size == 1:
+        return Linear(in_features, out_features, init)
+    return tensor_parallel.ColumnParallelLinear(in_features, out_features, config=_mp_config(config),
+                                                init_method=init, bias=True, gather_output=False)
+
+
+def _row(config: ModelConfig, in_features: int, out_features: int, init):
+    if config.tensor_model_parallel_size == 1:
+        return Linear(in_features, out_features, init)
+    return tensor_parallel.RowParallelLinear(in_features, out_features, config=_mp_config(config), init_method=init,
+                                             bias=True, input_is_parallel=True, skip_bias_add=False)
+
+
+def _to_tp_region(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """Identity forward; backward all-reduces the gradient over the TP ranks (none at TP=1)."""
+    return x if tp == 1 else tensor_parallel.copy_to_tensor_model_parallel_region(x)
+
+
 class WordEmbedding(nn.Module):
     """Vocab-parallel token embedding [V, h], also the output projection of every MLM head."""
 
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__()
+        init = _normal(config.init_method_std)
         with seeded(derive_seed(seed, "word_embeddings")):
-            self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-                config.vocab_size, config.hidden_size, init_method=_normal(config.init_method_std),
-                config=_mp_config(config))
+            if config.tensor_model_parallel_size == 1:
+                self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
+                self.word_embeddings.to_empty(device="cpu")
+                with torch.no_grad():
+                    init(self.word_embeddings.weight)
+            else:
+                self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
+                    config.vocab_size, config.hidden_size, init_method=init, config=_mp_config(config))
 
     @property
     def weight(self) -> nn.Parameter:  # [Vp, h]
@@ -87,23 +132,19 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int, seed: int = 1234):
         super().__init__()
         self.layer_number = layer_number  # 1-based, as in head_layers
-        tp = config.tensor_model_parallel_size
+        tp = self.tp = config.tensor_model_parallel_size
         self.num_heads_per_partition = config.num_attention_heads // tp
         self.head_dim = config.head_dim
         self.attention_dropout = config.attention_dropout
         self.attention_impl = config.attention_impl
-        mp, init, h = _mp_config(config), _normal(config.init_method_std), config.hidden_size
+        init, h = _normal(config.init_method_std), config.hidden_size
         with seeded(derive_seed(seed, f"layers.{layer_number}")):
             # QKV output is laid out per head as [nh, 3, hd], so the contiguous column block that
             # a TP rank owns holds complete (q, k, v) triples of its own heads.
-            self.qkv = tensor_parallel.ColumnParallelLinear(h, 3 * h, config=mp, init_method=init,
-                                                            bias=True, gather_output=False)
-            self.attn_out = tensor_parallel.RowParallelLinear(h, h, config=mp, init_method=init, bias=True,
-                                                              input_is_parallel=True, skip_bias_add=False)
-            self.fc1 = tensor_parallel.ColumnParallelLinear(h, config.ffn_hidden_size, config=mp,
-                                                            init_method=init, bias=True, gather_output=False)
-            self.fc2 = tensor_parallel.RowParallelLinear(config.ffn_hidden_size, h, config=mp, init_method=init,
-                                                         bias=True, input_is_parallel=True, skip_bias_add=False)
+            self.qkv = _column(config, h, 3 * h, init)
+            self.attn_out = _row(config, h, h, init)
+            self.fc1 = _column(config, h, config.ffn_hidden_size, init)
+            self.fc2 = _row(config, config.ffn_hidden_size, h, init)
         self.attn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.ffn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -115,8 +156,7 @@ class TransformerLayer(nn.Module):
         else:
             # The lowest trainable layer above frozen ones (MINIPOST Step 1b): megatron's linear
             # would compute an input gradient (6sh^2 FLOPs) that nothing uses; torch's skips it.
-            x_tp = tensor_parallel.copy_to_tensor_model_parallel_region(x)
-            qkv = F.linear(x_tp, self.qkv.weight, self.qkv.bias)
+            qkv = F.linear(_to_tp_region(x, self.tp), self.qkv.weight, self.qkv.bias)
         qkv = qkv.view(b, s, self.num_heads_per_partition, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k, v = qkv.unbind(0)  # each [b, np, s, hd]
         mask = None if key_padding is None else ~key_padding[:, None, None, :]  # [b, 1, 1, s], True = attend
@@ -153,15 +193,15 @@ class MLMHead(nn.Module):
             nn.init.normal_(self.dense.weight, std=config.init_method_std)
             nn.init.zeros_(self.dense.bias)
         self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
-        vp = config.vocab_size // config.tensor_model_parallel_size
-        self.bias = nn.Parameter(torch.zeros(vp))  # [Vp], this rank's slice of the vocabulary
-        set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
+        self.tp = config.tensor_model_parallel_size
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size // self.tp))  # [Vp], this rank's slice of the vocabulary
+        if self.tp > 1:
+            set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
 
     def forward(self, x: torch.Tensor, word_weight: torch.Tensor) -> torch.Tensor:
         """x [m, h] hidden states of the masked positions only -> logits [m, Vp]."""
         x = self.layernorm(F.gelu(self.dense(x)))
-        x = tensor_parallel.copy_to_tensor_model_parallel_region(x)  # backward: all-reduce over TP
-        return F.linear(x, word_weight, self.bias)
+        return F.linear(_to_tp_region(x, self.tp), word_weight, self.bias)
 
 
 class MLMHeads(nn.Module):
@@ -169,8 +209,9 @@ class MLMHeads(nn.Module):
 
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__()
-        self.head_layers = config.head_layers
-        self.heads = nn.ModuleList(MLMHead(config, f"heads.{l}", seed) for l in config.head_layers)
+        self.head_layers = config.heads_after
+        self.tp = config.tensor_model_parallel_size
+        self.heads = nn.ModuleList(MLMHead(config, f"heads.{l}", seed) for l in config.heads_after)
 
     def forward(self, hiddens: list[torch.Tensor], labels: torch.Tensor, word_weight: torch.Tensor):
         """hiddens: one [b, s, h] per head, in head_layers order; labels [b, s] (-100: not masked).
@@ -184,7 +225,10 @@ class MLMHeads(nn.Module):
         losses = []
         for head, h in zip(self.heads, hiddens):
             logits = head(h[masked], word_weight)  # [m, Vp]
-            losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean())
+            if self.tp == 1:
+                losses.append(F.cross_entropy(logits.float(), targets))
+            else:
+                losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean())
         per_head = torch.stack(losses)
         return per_head.mean(), per_head.detach()
 
@@ -221,7 +265,7 @@ class RobertaMLM(RobertaEncoder):
 
     def hidden_states(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
         """input_ids [b, s] -> the output [b, s, h] of each layer in head_layers."""
-        return self.encode(input_ids, self.config.head_layers)
+        return self.encode(input_ids, self.config.heads_after)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
         """input_ids, labels [b, s] -> (loss, per_head [num heads])."""

@@ -80,41 +80,51 @@ def check_world_size(world: int, tensor_model_parallel_size: int, pipeline_model
 
 
 def init_parallel(tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
-    """Create the tensor/pipeline/data-parallel groups (once per process)."""
+    """Create the tensor/pipeline/data-parallel groups: once per process, by the entry point
+    (a command, a test, the demo). Groups are never torn down and rebuilt; asking for another
+    layout in the same process is an error. Evaluation needs no groups at all (TP=1 models are
+    plain torch modules)."""
     init_distributed()
     check_world_size(dist.get_world_size(), tensor_model_parallel_size, pipeline_model_parallel_size)
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size() == tensor_model_parallel_size and
-                parallel_state.get_pipeline_model_parallel_world_size() == pipeline_model_parallel_size):
-            return
-        parallel_state.destroy_model_parallel()
+        have = (tp_world(), parallel_state.get_pipeline_model_parallel_world_size())
+        if have != (tensor_model_parallel_size, pipeline_model_parallel_size):
+            raise ValueError(f"this process already runs tensor x pipeline parallel {have[0]} x {have[1]}; a step "
+                             f"with {tensor_model_parallel_size} x {pipeline_model_parallel_size} needs its own "
+                             "process (launch it separately)")
+        return
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size)
 
 
+def _initialized() -> bool:
+    return parallel_state.model_parallel_is_initialized()
+
+
+# Without process groups (evaluation, export) this process is rank 0 of a world of one.
 def tp_rank() -> int:
-    return parallel_state.get_tensor_model_parallel_rank()
+    return parallel_state.get_tensor_model_parallel_rank() if _initialized() else 0
 
 
 def tp_world() -> int:
-    return parallel_state.get_tensor_model_parallel_world_size()
+    return parallel_state.get_tensor_model_parallel_world_size() if _initialized() else 1
 
 
 def dp_rank() -> int:
-    return parallel_state.get_data_parallel_rank()
+    return parallel_state.get_data_parallel_rank() if _initialized() else 0
 
 
 def dp_world() -> int:
-    return parallel_state.get_data_parallel_world_size()
+    return parallel_state.get_data_parallel_world_size() if _initialized() else 1
 
 
 def pp_rank() -> int:
-    return parallel_state.get_pipeline_model_parallel_rank()
+    return parallel_state.get_pipeline_model_parallel_rank() if _initialized() else 0
 
 
-def pp_world() -> int:
-    return parallel_state.get_pipeline_model_parallel_world_size()
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 class DeepSpeedMPU:
@@ -206,12 +216,11 @@ MODEL_PARALLEL_RNG = ModelParallelRNG()
 def seed_everything(seed: int) -> None:
     """Default streams: same on all tensor-parallel ranks of a stage; the model-parallel stream:
     different per tensor-parallel rank (megatron's offset of 2718)."""
-    stage_seed = seed + 100 * (pp_rank() if parallel_state.model_parallel_is_initialized() else 0)
+    stage_seed = seed + 100 * pp_rank()
     random.seed(stage_seed)
     np.random.seed(stage_seed % 2**32)
     torch.manual_seed(stage_seed)
-    tp = tp_rank() if parallel_state.model_parallel_is_initialized() else 0
-    MODEL_PARALLEL_RNG.seed(stage_seed + 2718 + tp)
+    MODEL_PARALLEL_RNG.seed(stage_seed + 2718 + tp_rank())
 
 
 def rng_state() -> dict:

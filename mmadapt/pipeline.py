@@ -47,7 +47,7 @@ class PipeTransformerLayer(TransformerLayer):
     def __init__(self, config: ModelConfig, layer_number: int, seed: int = 1234):
         super().__init__(config, layer_number, seed)
         # Carry this layer's output down the pipe if an intermediate head reads it.
-        self.carry = layer_number in config.head_layers and layer_number != config.num_layers
+        self.carry = layer_number in config.heads_after and layer_number != config.num_layers
 
     def forward(self, inputs):
         hidden, input_ids, labels, *carried = inputs

@@ -77,14 +77,15 @@ def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data
 # --- Step 2 in one process: frozen body, optimizer state --------------------------------------
 
 def _step2_engine(primary_run, de_tokenizer, system, ds_config):
+    from mmadapt.engine import load_ds_config
     from mmadapt.model import derive_seed
-    from mmadapt.train import Job, build_engine, load_ds_config
+    from mmadapt.train import MLMJob, mlm_engine
 
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8)
     body_cfg, init, _ = A.step2_start(system, primary_run, None, de_tokenizer, 0.02, derive_seed(1, "de"))
     body_cfg = no_dropout(ModelConfig(**{**vars(body_cfg), "vocab_size": VOCAB}))
     ds = load_ds_config(REPO / "ds_configs" / ds_config, train)
-    engine, _, _ = build_engine(body_cfg, train, ds, Job(step="adapt", trainable=A.ADAPT_TRAINABLE), init)
+    engine, _, _ = mlm_engine(body_cfg, train, ds, MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE), init)
     return engine, body_cfg, train, init
 
 
@@ -95,7 +96,7 @@ def test_step2_trains_only_the_embeddings(primary_run, de_tokenizer, de_data, sy
     engine, cfg, train, init = _step2_engine(primary_run, de_tokenizer, system, ds_config)
     assert cfg.num_layers == (4 if system == "minijoint" else 12)
     batches = MLMBatches(de_data, 64, VOCAB, 1, 0.15, 8, 1)
-    losses = [train_step(engine, False, batches.step_batches(s), 1).item() for s in range(STEPS)]
+    losses = [train_step(engine, batches.step_batches(s), 1).item() for s in range(STEPS)]
     assert all(math.isfinite(x) for x in losses)
     trained = dict(engine.module.named_parameters())
     assert {n for n, p in trained.items() if p.requires_grad} == set(A.ADAPT_TRAINABLE)
@@ -138,6 +139,7 @@ def _artifact(run):
     return tensors, tok, meta
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_step2_layout_matches_single_process(layout, step2_single, primary_run, de_corpus, de_tokenizer, tmp_path):
     run = _step2(primary_run, de_corpus, de_tokenizer, tmp_path / layout, 2, *LAYOUTS[layout])
@@ -166,6 +168,7 @@ def test_step2_layout_matches_single_process(layout, step2_single, primary_run, 
     assert run_json["shared_pieces"] > 5
 
 
+@pytest.mark.slow
 def test_step2_with_a_stage_that_trains_nothing(primary_run, de_corpus, de_tokenizer, step2_single, tmp_path):
     """Pipeline 4 over the 4-layer mini-model: the two middle stages hold only frozen layers."""
     run = _step2(primary_run, de_corpus, de_tokenizer, tmp_path / "pp4", 4, "--pipeline_model_parallel_size", "4",
@@ -197,6 +200,7 @@ def minipost_run(primary_run, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_minipost_copies_and_freezes(primary_run, minipost_run):
     src_cfg, src = A.load_model(primary_run)
     cfg, state = A.load_model(minipost_run)
@@ -221,23 +225,25 @@ def test_minipost_new_layers_learn(primary_run, de_data):
     """Step 1b's engine fits a fixed set of batches: the loss falls at every update. (The tiny
     primary is too weak for a drop on held-out text to be a reliable signal: its bottom 4 layers
     feed its head about as well as all 12 do.)"""
-    from mmadapt.train import Job, build_engine, load_ds_config, train_step
+    from mmadapt.engine import load_ds_config
+    from mmadapt.train import MLMJob, mlm_engine, train_step
 
     src_cfg, src = A.load_model(primary_run)
     cfg, init = A.minipost_layout(src_cfg, src, N, K)
     cfg = no_dropout(cfg)
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8, lr=1e-3, lr_warmup_iters=1)
     ds = load_ds_config(REPO / "ds_configs" / "zero1.json", train)
-    job = Job(step="minipost", trainable=A.minipost_trainable(N, K), trainable_layers=K)
-    engine, _, _ = build_engine(cfg, train, ds, job, init)
+    job = MLMJob(step="minipost", trainable=A.minipost_trainable(N, K), trainable_layers=K)
+    engine, _, _ = mlm_engine(cfg, train, ds, job, init)
     batches = MLMBatches(primary_run / "data", 64, VOCAB, 3, 0.15, 8, 1).step_batches(0)
-    losses = [train_step(engine, False, batches, 1).item() for _ in range(25)]
+    losses = [train_step(engine, batches, 1).item() for _ in range(25)]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.1, losses
     for name, p in engine.module.named_parameters():
         if not name.startswith(job.trainable):
             assert torch.equal(p.detach(), init[name]), f"frozen {name} changed"
 
 
+@pytest.mark.slow
 def test_step2_over_the_minipost_mini_model(minipost_run, de_corpus, de_tokenizer, tmp_path):
     run = tmp_path / "adapt"
     run_pretrain(1, *adapt_args("minipost", minipost_run, de_corpus, de_tokenizer, run, "--train_iters", "2",
@@ -247,6 +253,7 @@ def test_step2_over_the_minipost_mini_model(minipost_run, de_corpus, de_tokenize
     assert (run / "embeddings" / "step00000001" / "embeddings.pt").is_file()
 
 
+@pytest.mark.slow
 def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_tokenizer, tmp_path):
     """Checkpoints without the frozen body still resume exactly (dropout on): the body comes back
     from the source run, the embeddings, optimizer, schedule and RNG from the checkpoint."""

@@ -6,7 +6,7 @@ import pytest
 
 from mmadapt.cli import configs_from_args, pretrain_parser
 from mmadapt.config import PRESETS, TrainConfig, apply_recipe
-from mmadapt.train import load_ds_config
+from mmadapt.engine import load_ds_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,9 +48,9 @@ def test_every_shipped_ds_config_loads(path):
 
 
 def test_lr_schedule_warmup_then_linear_decay():
-    from mmadapt.train import lr_lambda
+    from mmadapt.engine import warmup_linear_decay
 
-    f = lr_lambda(TrainConfig(train_iters=10, lr_warmup_iters=4))
+    f = warmup_linear_decay(4, 10)
     assert [round(f(s), 4) for s in range(11)] == [0.25, 0.5, 0.75, 1.0, 1.0, 0.8333, 0.6667, 0.5, 0.3333, 0.1667, 0.0]
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from conftest import REPO, child_env
 
+pytestmark = pytest.mark.slow
+
 SYSTEMS = ("bl_base", "bl_small", "minijoint", "minipost")
 
 

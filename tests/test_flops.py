@@ -93,11 +93,11 @@ def count_update(model, ids, labels):
 
 
 def freeze(model, trainable):
-    from mmadapt.train import Job
+    from mmadapt.engine import trainable_by_names
 
-    job = Job(trainable=trainable)
+    is_trainable = trainable_by_names(trainable)
     for n, p in model.named_parameters():
-        p.requires_grad_(job.is_trainable(n))
+        p.requires_grad_(is_trainable(n))
 
 
 @pytest.mark.parametrize("recipe", ["bl_base", "bl_small", "minijoint"])

@@ -11,7 +11,8 @@ import torch
 from conftest import REPO
 from mmadapt import features as F
 from mmadapt.config import PRESETS, FinetuneConfig, ModelConfig
-from mmadapt.finetune import WORD, encode, evaluate, finetune, get_task, load_finetuned, load_sp, predict, score
+from mmadapt.finetune import WORD, encode, evaluate, get_task, load_finetuned, load_sp, predict, score
+from mmadapt.steps import finetune
 from mmadapt.model import RobertaForTask
 from mmadapt.parallel import init_parallel
 from mmadapt.tasks import QAExample, read_conllu, read_squad
@@ -150,9 +151,9 @@ CONLLU = """\
 def run_step3(task: str, train: str, primary_run, out, **cfg):
     cfg = FinetuneConfig(**{"seq_length": 64, "train_micro_batch_size_per_gpu": 4, "log_interval": 1,
                             "lr": 1e-3, "eval_batch_size": 8, **cfg})
-    summary, module = finetune(get_task(task), primary_run, None, train, "en", cfg,
-                               {"hidden_dropout": 0.0, "attention_dropout": 0.0},
-                               REPO / "ds_configs" / "zero0.json", out)
+    summary, module = finetune(task, primary_run, out, cfg, train_file=train,
+                               layout={"hidden_dropout": 0.0, "attention_dropout": 0.0},
+                               ds_config=REPO / "ds_configs" / "zero0.json")
     return summary, module, cfg
 
 

@@ -15,6 +15,8 @@ import torch
 from conftest import NO_DROPOUT, base_args, metrics, run_pretrain
 from mmadapt.checkpoint import load_full_state_dict
 
+pytestmark = pytest.mark.slow
+
 STEPS = 3
 LAYOUTS = {
     "tp2": (2, ["--tensor_model_parallel_size", "2", "--gradient_accumulation_steps", "2"]),

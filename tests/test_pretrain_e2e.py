@@ -3,7 +3,11 @@
 import math
 import subprocess
 
+import pytest
+
 from conftest import REPO, child_env, launch_cmd, metrics
+
+pytestmark = pytest.mark.slow
 
 
 def test_minijoint_tiny_two_ranks_learns_english(tmp_path):

@@ -7,9 +7,26 @@ import time
 
 import pytest
 
-from conftest import REPO, base_args, child_env, launch_cmd, metrics, run_pretrain
+from conftest import PRETRAIN, REPO, base_args, child_env, launch_cmd, metrics, run_pretrain
+
+pytestmark = pytest.mark.slow
 
 STEPS = 8
+
+# Fault injection from the test side: launch/pretrain.py with checkpoint.py's last write (the
+# COMPLETE marker) of one tag replaced by SIGKILL, i.e. after DeepSpeed and the RNG files wrote.
+KILL_IN_SAVE = """
+import os, runpy, sys
+from mmadapt import checkpoint
+write = checkpoint._atomic_write
+def dying_write(path, text):
+    if path.name == "COMPLETE" and path.parent.name == os.environ["KILL_BEFORE_COMPLETE"]:
+        os.kill(os.getpid(), 9)
+    write(path, text)
+checkpoint._atomic_write = dying_write
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
 
 
 def _args(corpus, tokenizer, out, *extra):
@@ -39,9 +56,14 @@ def test_stop_and_resume_matches_uninterrupted(uninterrupted, corpus, tokenizer,
 
 def test_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_one(uninterrupted, corpus, tokenizer,
                                                                              tmp_path):
-    proc = subprocess.run(launch_cmd(1, *_args(corpus, tokenizer, tmp_path, "--save_interval", "1")), cwd=REPO,
-                          capture_output=True, text=True, env=child_env(MMADAPT_TEST_KILL_IN_SAVE="3"))
-    assert proc.returncode == -signal.SIGKILL
+    script = tmp_path / "pretrain_killed_in_save.py"
+    script.write_text(KILL_IN_SAVE.format(script=PRETRAIN))
+    proc = subprocess.run(launch_cmd(1, *_args(corpus, tokenizer, tmp_path / "run", "--save_interval", "1"),
+                                     script=str(script)),
+                          cwd=REPO, capture_output=True, text=True,
+                          env=child_env(KILL_BEFORE_COMPLETE="step00000003", PYTHONPATH=str(REPO)))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    tmp_path = tmp_path / "run"
     ckpt = tmp_path / "checkpoints"
     assert (ckpt / "step00000003").is_dir() and not (ckpt / "step00000003" / "COMPLETE").exists()
     assert (ckpt / "latest").read_text() == "step00000002"

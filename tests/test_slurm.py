@@ -148,6 +148,7 @@ def test_template_renders_a_launch_per_node(template, tmp_path):
 
 # --- a real two-node run on one machine -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_nodes_on_localhost_match_one_node(corpus, tokenizer, tmp_path):
     """Two launcher processes, node ranks 0 and 1, one gloo rank each, started through
     `mmadapt slurm-env` from a fake 2-node SLURM job, train like `deepspeed --num_gpus 2`."""

@@ -1,0 +1,265 @@
+"""One engine builder and one training loop for every step that trains (1, 1b, 2 and 3).
+
+`build_engine` wraps a plain model (model.py) or its pipeline form (pipeline.py) in DeepSpeed's
+engine: parameters outside `trainable` get requires_grad=False (autograd computes no weight
+gradient for them, the optimizer never sees them, ZeRO keeps no state for them), AdamW with no
+decay on biases and LayerNorm, linear warm-up then linear decay. ZeRO stage and precision come
+from the JSON in ds_configs/, batch sizes and clipping from our config (`load_ds_config`).
+
+`train_loop` runs the updates: a progress bar, TensorBoard and metrics.jsonl logging of the
+losses averaged over the updates since the last log line (as fairseq and Megatron report them),
+crash-safe checkpoints every `save_interval` updates (checkpoint.py), exact `--resume`, and
+`exit_interval` for jobs that must end before a scheduler's time limit. The step-specific work
+of one update is a function handed to the loop.
+
+Under bf16/fp16 the module holds low-precision copies; the fp32 master weights live in the
+optimizer. They go both ways here: a step that starts from given weights gets them bit for bit
+in its master copy (`_set_fp32_master`), and every checkpoint also saves them (checkpoint.py),
+so the next step starts from fp32 weights, not from their bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from mmadapt import checkpoint, parallel
+from mmadapt.config import OptimizerConfig
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def load_ds_config(path: Path, cfg) -> dict:
+    """Read a ds_configs/*.json and add what our config decides: `cfg` is a TrainConfig or a
+    FinetuneConfig (both name the batch fields and the clipping as DeepSpeed does)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"DeepSpeed config {path} does not exist: pass one of ds_configs/*.json")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    clash = [k for k in _BATCH_KEYS if k in ds]
+    if clash:
+        raise ValueError(f"DeepSpeed config {path} sets {clash[0]}: batch sizes come from mmadapt's "
+                         f"--train_micro_batch_size_per_gpu/--gradient_accumulation_steps; remove it")
+    ds.update(train_micro_batch_size_per_gpu=cfg.train_micro_batch_size_per_gpu,
+              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+              gradient_clipping=cfg.gradient_clipping)
+    ds.setdefault("steps_per_print", 2**31 - 1)  # mmadapt logs; DeepSpeed's own prints are noise
+    return ds
+
+
+def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and LayerNorm parameters (every tensor with fewer than 2 dims)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def warmup_linear_decay(warmup: int, total: int):
+    """LambdaLR factor: linear warm-up over `warmup` updates, then linear decay to 0 at `total`."""
+    def f(step: int) -> float:  # step = number of updates already taken
+        if step < warmup:
+            return (step + 1) / warmup
+        return max(0.0, (total - step) / max(1, total - warmup))
+    return f
+
+
+def adamw(groups: list[dict], opt: OptimizerConfig, lr: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(groups, lr=lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+
+
+def trainable_by_names(names: tuple[str, ...] | None) -> Callable[[str], bool]:
+    """Parameter names, or name prefixes ending in ".", that are trained (None: all)."""
+    if names is None:
+        return lambda name: True
+    return lambda name: any(name == t or (t.endswith(".") and name.startswith(t)) for t in names)
+
+
+def _shard(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor-parallel slice of the full weight `full` of parameter `p`."""
+    tp = parallel.tp_world()
+    if getattr(p, "tensor_model_parallel", False) and tp > 1:
+        return full.chunk(tp, dim=p.partition_dim)[parallel.tp_rank()]
+    return full
+
+
+def load_full_weights(module: torch.nn.Module, names: dict[str, str | None], state: dict[str, torch.Tensor],
+                      trainable: Callable[[str], bool]) -> None:
+    """Copy this rank's slice of full weights into `module` (names: module name -> full name).
+    A trainable parameter that `state` lacks keeps the module's seeded init (MINIPOST's new
+    layers, a new task head); a frozen one must be there."""
+    for n, p in module.named_parameters():
+        full = state.get(names[n])
+        if full is None:
+            if not trainable(names[n]):
+                raise ValueError(f"the starting weights lack {names[n]}, which this run keeps frozen")
+            continue
+        full = _shard(p, full)
+        if full.shape != p.shape:
+            raise ValueError(f"starting weight {names[n]} has shape {tuple(full.shape)}, the model "
+                             f"expects {tuple(p.shape)} on this rank")
+        with torch.no_grad():
+            p.copy_(full)
+
+
+def _set_fp32_master(engine, names: dict, state: dict) -> None:
+    """DeepSpeed builds the fp32 master weights from the module after casting it to bf16/fp16;
+    put the exact starting values back (collective over the data-parallel group)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for n, p in engine.module.named_parameters():
+        full = state.get(names.get(n))
+        if p.requires_grad and full is not None and hasattr(p, "_hp_mapping"):
+            safe_set_full_fp32_param(p, _shard(p, full).to(device=p.device, dtype=torch.float32))
+
+
+def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainable: Callable[[str], bool],
+                 opt: OptimizerConfig, lr: float, schedule, ds_config: dict, init_state: dict | None = None):
+    """-> (engine, tp_partition_dims of every rank's parameters, in full names).
+
+    module: this rank's model (or pipeline stage); names: its parameter names -> RobertaMLM /
+    RobertaForTask names (None: a tied duplicate). parallel.init_parallel must have run."""
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    is_pipe = isinstance(module, PipelineModule)
+    if init_state is not None:
+        load_full_weights(module, names, init_state, trainable)
+    for n, p in module.named_parameters():
+        p.requires_grad_(trainable(names[n]))
+    dims = {names[n]: p.partition_dim for n, p in module.named_parameters()
+            if getattr(p, "tensor_model_parallel", False) and names[n] is not None}
+    # Rank 0 writes the client state but holds only its own stage: merge every stage's dims.
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, dims)
+    dims = {k: v for d in every for k, v in d.items()}
+    groups = param_groups(module, opt.weight_decay)
+    for i, group in enumerate(groups):
+        if not group["params"]:
+            # A pipeline stage with nothing of this kind to train (all of a middle stage in
+            # Step 2). torch and DeepSpeed refuse empty parameter groups, and ZeRO all-reduces
+            # each group's gradient norm across the stages, so every stage needs the same
+            # groups: give this one a scalar that no forward uses. Its gradient is zero and
+            # weight decay of a zero is zero, so AdamW leaves it at 0.
+            # It belongs to no pipeline layer, so no checkpoint layer file holds it.
+            placeholder = torch.nn.Parameter(torch.zeros(1, device=parallel.device()))
+            module.register_parameter(f"empty_group_placeholder_{i}", placeholder)
+            group["params"] = [placeholder]
+    optimizer = adamw(groups, opt, lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config, mpu=None if is_pipe else parallel.DeepSpeedMPU())
+    if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        _set_fp32_master(engine, names, init_state)
+    return engine, dims
+
+
+def is_pipeline(engine) -> bool:
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    return isinstance(engine, PipelineEngine)
+
+
+def mean_over_ranks(local: torch.Tensor, is_pipe: bool) -> torch.Tensor:
+    """Average a per-rank loss tensor over the data-parallel replicas. In a pipeline only the
+    last stage computes losses (the others hold zeros), so the sum runs over every rank."""
+    total = local.detach().clone()
+    if is_pipe:
+        dist.all_reduce(total)
+        return total / (parallel.dp_world() * parallel.tp_world())
+    dist.all_reduce(total, group=parallel.parallel_state.get_data_parallel_group())
+    return total / parallel.dp_world()
+
+
+class MetricsLog:
+    """metrics.jsonl and TensorBoard, on global rank 0. On resume from update `start`, the
+    lines and events of later updates (written before a crash) are dropped."""
+
+    def __init__(self, run_dir: Path, start: int):
+        self.file, self.writer = run_dir / "metrics.jsonl", None
+        if dist.get_rank() != 0:
+            return
+        kept = [l for l in (self.file.read_text().splitlines() if self.file.is_file() and start else [])
+                if json.loads(l)["step"] <= start]
+        self.file.write_text("".join(l + "\n" for l in kept))
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1 if start else None)
+
+    def write(self, row: dict, scalars: dict[str, float]) -> None:
+        if self.writer is None:
+            return
+        with open(self.file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, row["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, run_dir: Path, resume: bool,
+               log_interval: int, save_interval: int, exit_interval: int = 0, extra_save_steps: tuple = (),
+               loss_names: tuple[str, ...] | None = None, perf: Callable[[float], dict] | None = None,
+               client_state: dict, names: dict, exclude_frozen: bool, label: str,
+               after_save: Callable[[int, str], None] | None = None) -> list[dict]:
+    """Run updates until `total` (or the next multiple of `exit_interval`). Returns the rows
+    logged by this invocation (global rank 0; empty elsewhere).
+
+    step_fn(step) does update `step` (0-based) and returns this rank's losses [k], before any
+    reduction over ranks: they are summed on the device and reduced once per log line, so an
+    update costs no host synchronisation. loss_names: one per entry (the MLM heads' layers;
+    None: one loss). perf(seconds per update) -> throughput fields of the row.
+    after_save(step, tag): global rank 0, after each complete checkpoint."""
+    from tqdm import tqdm
+
+    is_pipe = is_pipeline(engine)
+    ckpt_dir = run_dir / "checkpoints"
+    start = 0
+    tag = checkpoint.latest_tag(ckpt_dir) if resume else None
+    if tag is not None:
+        start = checkpoint.load(engine, ckpt_dir, tag, strict=not exclude_frozen)["step"]
+    rank = dist.get_rank()
+    log = MetricsLog(run_dir, start)
+    bar = tqdm(total=total, initial=start, disable=rank != 0, desc=label, unit="upd", mininterval=2.0)
+    rows, since, t_last, loss_sum = [], 0, time.perf_counter(), None
+    for step in range(start, total):
+        local = step_fn(step).detach()
+        loss_sum = local if loss_sum is None else loss_sum + local
+        done, since = step + 1, since + 1
+        if done % log_interval == 0 or done == total:
+            mean = mean_over_ranks(loss_sum, is_pipe) / since
+            dt = (time.perf_counter() - t_last) / since
+            row = {"step": done, "loss": mean.mean().item()}
+            scalars = {"loss/total": row["loss"]}
+            if loss_names is not None:
+                row["head_losses"] = dict(zip(loss_names, mean.tolist()))
+                scalars.update({f"loss/head_layer{k}": v for k, v in row["head_losses"].items()})
+            row["lr"] = engine.get_lr()[0]
+            row.update(perf(dt) if perf is not None else {})
+            scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
+                                                 if k not in ("step", "loss", "head_losses", "lr")}})
+            if rank == 0:
+                rows.append(row)
+                log.write(row, scalars)
+                bar.set_postfix(loss=f"{row['loss']:.3f}")
+            loss_sum, since, t_last = None, 0, time.perf_counter()
+        bar.update(1)
+        exiting = exit_interval > 0 and done % exit_interval == 0
+        if done % save_interval == 0 or done in extra_save_steps or done == total or exiting:
+            tag = checkpoint.save(engine, ckpt_dir, done, client_state, names, exclude_frozen=exclude_frozen)
+            if rank == 0 and after_save is not None:
+                after_save(done, tag)
+        if exiting:
+            break
+    bar.close()
+    log.close()
+    return rows

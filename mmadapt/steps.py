@@ -1,0 +1,270 @@
+"""The paper's steps as library functions: what the CLI, the launch/ scripts and the demo call.
+
+    pretrain          Step 1: BL_BASE, BL_SMALL or MINIJOINT from a seeded init
+    build_minipost    Step 1b: bottom N layers of a pretrained model + K new layers, only those trained
+    adapt_embeddings  Step 2: new-language embeddings (tied to the output projection) over a frozen model
+    finetune          Step 3: the primary model on a source-language task, word embeddings frozen
+    evaluate          Step 4: swap each Step-2 artifact in, score zero-shot
+
+Each takes config dataclasses and paths, checks everything a user can get wrong before any
+side effect, computes what it records in run.json itself, and returns what it produced. The
+training steps need torch.distributed: `parallel.init_parallel` is called once per process (here,
+or earlier by the caller with the same layout) and its groups are never rebuilt. Evaluation
+needs no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mmadapt import adapt as A
+from mmadapt import checkpoint, parallel
+from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, FinetuneConfig, MiniModelConfig, ModelConfig,
+                            TrainConfig, to_dict)
+from mmadapt.corpora import resolve_corpus
+from mmadapt.train import MLMJob, RunPaths, prepare_data, train_mlm, validate_run
+
+
+def _with_layout(cfg: ModelConfig, layout: dict | None, allowed: tuple[str, ...] = LAYOUT_FIELDS) -> ModelConfig:
+    layout = {k: v for k, v in (layout or {}).items() if v is not None}
+    bad = sorted(set(layout) - set(allowed))
+    if bad:
+        raise ValueError(f"{bad[0]} comes from the source run and cannot be changed here; settable: "
+                         f"{', '.join(allowed)}")
+    return dataclasses.replace(cfg, **layout)
+
+
+def checkpoint_tag(run_dir: Path, tag: str | None) -> str:
+    """`tag` if `run_dir` has it complete, else (tag None) its newest complete checkpoint."""
+    tags = checkpoint.complete_tags(Path(run_dir) / "checkpoints")
+    if tag is not None and tag not in tags:
+        raise ValueError(f"{run_dir} has no complete checkpoint {tag}; it has {', '.join(tags) or 'none'}")
+    if not tags:
+        raise ValueError(f"{run_dir} has no complete checkpoint yet: let its run save one first")
+    return tag or tags[-1]
+
+
+def _start(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume: bool) -> tuple[dict, Path, Path]:
+    """Checks, process groups, run directory, tokenizer and encoded blocks: what every MLM step
+    does before it can compute its starting weights. -> (DeepSpeed config, tokenizer, data dir)."""
+    paths.corpus = resolve_corpus(paths.corpus)  # bible:<lang> -> the packaged Bible, written once
+    ds_config = validate_run(model, train, paths, resume)
+    parallel.init_parallel(model.tensor_model_parallel_size, model.pipeline_model_parallel_size)
+    if dist.get_rank() == 0:
+        paths.output_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    tok, data_dir = prepare_data(model, train, paths)
+    return ds_config, tok, data_dir
+
+
+# --- Step 1 -----------------------------------------------------------------------------------------
+
+def pretrain(model: ModelConfig, train: TrainConfig, paths: RunPaths, recipe: str = "custom",
+             resume: bool = False) -> list[dict]:
+    """Step 1. `model` is already shaped by its recipe (config.apply_recipe). Returns the
+    metrics rows of this invocation (global rank 0; empty elsewhere)."""
+    ds_config, _, data_dir = _start(model, train, paths, resume)
+    return train_mlm(model, train, paths, ds_config, data_dir, {"recipe": recipe}, MLMJob(), resume=resume)
+
+
+# --- Step 1b ----------------------------------------------------------------------------------------
+
+def build_minipost(primary: Path, output_dir: Path, train: TrainConfig, mini: MiniModelConfig = MiniModelConfig(),
+                   layout: dict | None = None, ds_config: Path = DEFAULT_DS_CONFIG, corpus: Path | None = None,
+                   primary_tag: str | None = None, resume: bool = False) -> list[dict]:
+    """Step 1b (MINIPOST): the bottom N layers, embeddings and primary MLM head of `primary`,
+    K new layers on top, only those trained with source-language MLM (default corpus: the
+    primary run's)."""
+    primary = Path(primary).resolve()
+    src = A.read_run(primary)
+    tag = checkpoint_tag(primary, primary_tag)
+    cfg, _ = A.minipost_layout(ModelConfig(**src["model"]), {}, mini.mini_layers, mini.new_layers)
+    model = _with_layout(cfg, layout)
+    paths = RunPaths(output_dir=Path(output_dir), corpus=Path(corpus or src["corpus"]),
+                     ds_config=Path(ds_config), tokenizer=primary / "tokenizer" / "spm.model")
+    ds, _, data_dir = _start(model, train, paths, resume)
+    _, init = A.minipost_layout(*A.load_model(primary, tag), mini.mini_layers, mini.new_layers)
+    job = MLMJob(step="minipost", trainable=A.minipost_trainable(mini.mini_layers, mini.new_layers),
+                 trainable_layers=mini.new_layers)
+    info = {"recipe": "minipost", "frozen_from": {"run_dir": str(primary), "tag": tag, **dataclasses.asdict(mini)}}
+    return train_mlm(model, train, paths, ds, data_dir, info, job, init, resume)
+
+
+# --- Step 2 -----------------------------------------------------------------------------------------
+
+def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, train: TrainConfig,
+                     layout: dict | None = None, ds_config: Path = DEFAULT_DS_CONFIG, corpus: Path | None = None,
+                     tokenizer: Path | None = None, vocab_size: int | None = None, source_tag: str | None = None,
+                     resume: bool = False) -> list[dict]:
+    """Step 2: new `lang` embeddings and output bias over the frozen model of `system`, from
+    the source run `source`. Writes an artifact (embeddings.pt, spm.model, meta.json) under
+    <output_dir>/embeddings/<tag> at every checkpoint: what Step 4 swaps in.
+
+    corpus: default the packaged Bible (bible:<lang>). tokenizer: an existing target
+    SentencePiece model (default: one trained on the corpus). vocab_size: the target vocabulary
+    (default: the tokenizer's size, or the source model's when a tokenizer is trained)."""
+    from mmadapt.data import load_tokenizer
+    from mmadapt.flops import adapt_flops, device_days
+    from mmadapt.model import derive_seed
+
+    if system not in A.SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; choose one of {', '.join(A.SYSTEMS)}")
+    source = Path(source).resolve()
+    src = A.read_run(source)
+    if src.get("recipe") not in A.SOURCE_RECIPES[system]:
+        raise ValueError(f"--system {system} adapts a run with recipe {' or '.join(A.SOURCE_RECIPES[system])}, "
+                         f"but {source} has recipe {src.get('recipe')}")
+    tag = checkpoint_tag(source, source_tag)
+    body_cfg, _ = A.adapt_body(system, ModelConfig(**src["model"]), {})
+    if vocab_size is None:
+        vocab_size = (load_tokenizer(tokenizer).get_piece_size() if tokenizer is not None and Path(tokenizer).is_file()
+                      else body_cfg.vocab_size)
+    model = dataclasses.replace(_with_layout(body_cfg, layout), vocab_size=vocab_size)
+    out = Path(output_dir)
+    paths = RunPaths(output_dir=out, corpus=Path(corpus or f"bible:{lang}"), ds_config=Path(ds_config),
+                     tokenizer=Path(tokenizer) if tokenizer else None)
+    ds, tok, data_dir = _start(model, train, paths, resume)
+    _, init, shared = A.step2_start(system, source, tag, tok, model.init_method_std,
+                                    derive_seed(train.seed, f"embeddings.{lang}"))
+    if dist.get_rank() == 0:
+        print(f"new {lang} embeddings: {shared} of {model.vocab_size} pieces copied from the source vocabulary, "
+              f"{model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
+    info = {"recipe": system, "system": system, "lang": lang, "shared_pieces": shared,
+            "target_vocab_size": model.vocab_size,
+            "frozen_from": {"run_dir": str(source), "tag": tag, "system": system}}
+    seq_flops = {p: adapt_flops(model, train.seq_length, train.mask_prob, paper=p) for p in (False, True)}
+    global_batch = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * parallel.dp_world()
+
+    def write_artifact(step: int, ckpt_tag: str) -> None:
+        sd = checkpoint.load_full_state_dict(paths.checkpoints, ckpt_tag)  # fp32 master weights
+        flops = seq_flops[False] * global_batch * step
+        meta = {"system": system, "lang": lang, "step": step, "source": str(source), "source_tag": tag,
+                "mini_layers": model.num_layers, "hidden_size": model.hidden_size, "vocab_size": model.vocab_size,
+                "shared_pieces": shared, "global_batch": global_batch, "seq_length": train.seq_length,
+                "tokens": global_batch * train.seq_length * step, "flops": flops,
+                "flops_paper": seq_flops[True] * global_batch * step, "v100_days": device_days(flops)}
+        A.write_artifact(out / "embeddings" / ckpt_tag, sd[A.WORD].float(), sd[A.BIAS].float(), tok, meta)
+
+    job = MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE)
+    return train_mlm(model, train, paths, ds, data_dir, info, job, init, resume, after_save=write_artifact)
+
+
+# --- Step 3 -----------------------------------------------------------------------------------------
+
+def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = FinetuneConfig(),
+             train_file: str | None = None, eval_file: str | None = None, source_lang: str = "en",
+             layout: dict | None = None, ds_config: Path = DEFAULT_DS_CONFIG, primary_tag: str | None = None,
+             resume: bool = False) -> tuple[dict, torch.nn.Module]:
+    """Step 3: the primary model of a pretrain run + a new task head, everything but the word
+    embeddings trained through the DeepSpeed engine (data parallel, ZeRO, megatron tensor
+    parallel), with periodic checkpoints and exact --resume. Returns the run summary (as in
+    run.json; with `source_score` when `eval_file` is given) and the trained module (this rank's
+    tensor-parallel shard)."""
+    from mmadapt import finetune as F
+    from mmadapt.data import EpochOrder, micro_batch_range
+    from mmadapt.engine import build_engine, load_ds_config, train_loop, trainable_by_names, warmup_linear_decay
+
+    # --- checks before any side effect
+    t = F.get_task(task)
+    train_file = train_file or ("bible" if t.name == "bible-genre" else None)
+    if train_file is None:
+        raise ValueError(f"--train_file is required for {t.name} (see mmadapt/tasks.py for the data)")
+    primary, output_dir = Path(primary).resolve(), Path(output_dir)
+    src = A.read_run(primary)
+    if src.get("step") != "pretrain":
+        raise ValueError(f"{primary} is a {src.get('step')} run: fine-tune the primary model of a pretrain run")
+    tag = checkpoint_tag(primary, primary_tag)
+    model_cfg = _with_layout(dataclasses.replace(ModelConfig(**src["model"]), head_layers=()), layout).validate()
+    if model_cfg.pipeline_model_parallel_size > 1:
+        raise ValueError("fine-tuning does not use pipeline parallelism (a model replica fits one device): "
+                         "use --pipeline_model_parallel_size 1 with data or tensor parallelism")
+    cfg.validate(model_cfg)
+    ds = load_ds_config(ds_config, cfg)
+    parallel.check_world_size(int(os.environ.get("WORLD_SIZE", 1)), model_cfg.tensor_model_parallel_size, 1)
+    if checkpoint.has_checkpoints(output_dir / "checkpoints") and not resume:
+        raise ValueError(f"{output_dir} already holds checkpoints of another run: pass --resume to continue it, "
+                         "or choose a new --output_dir")
+    tokenizer = primary / "tokenizer" / "spm.model"
+    examples = F.read_examples(t, train_file, source_lang, "train")
+    labels = F.label_names(t, examples)
+    enc = F.encode(t, F.load_sp(tokenizer), examples, labels, cfg)
+    eval_examples = F.read_examples(t, eval_file, source_lang, "test") if eval_file else None
+    lr = cfg.lr or t.lr
+
+    parallel.init_parallel(model_cfg.tensor_model_parallel_size, 1)
+    rank = dist.get_rank()
+    global_batch = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * parallel.dp_world()
+    updates = max(1, math.ceil(cfg.epochs * len(enc) / global_batch))
+    summary = {"step": "finetune", "task": t.name, "labels": labels, "source_lang": source_lang,
+               "train": train_file, "train_examples": len(examples), "train_rows": len(enc), "updates": updates,
+               "global_batch": global_batch, "lr": lr, "primary": {"run_dir": str(primary), "tag": tag},
+               "model": to_dict(model_cfg), "finetune": to_dict(cfg), "ds_config": ds}
+    if rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "run.json").write_text(json.dumps(summary, indent=2))
+    dist.barrier()
+
+    # --- model: primary weights, a seeded task head, word embeddings frozen
+    parallel.seed_everything(cfg.seed)
+    _, state = F.primary_state(primary, tag)
+    module = F.task_model(model_cfg, t, len(labels), cfg.seed)
+    names = {n: n for n, _ in module.named_parameters()}
+    engine, dims = build_engine(module, names, trainable_by_names(F.FINETUNE_TRAINABLE), cfg, lr,
+                                warmup_linear_decay(round(cfg.warmup_ratio * updates), updates), ds, state)
+    del state
+    order, dev = EpochOrder(len(enc), cfg.seed), engine.device
+
+    def step_fn(step: int) -> torch.Tensor:
+        loss_sum = torch.zeros(1, device=dev)
+        for j in range(cfg.gradient_accumulation_steps):
+            idx = [order(g) for g in micro_batch_range(step, j, cfg.train_micro_batch_size_per_gpu,
+                                                       cfg.gradient_accumulation_steps, parallel.dp_rank(),
+                                                       parallel.dp_world())]
+            loss, _ = engine(enc.input_ids[idx].to(dev), enc.labels[idx].to(dev))
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach() / cfg.gradient_accumulation_steps
+        return loss_sum
+
+    train_loop(engine, step_fn, total=updates, run_dir=output_dir, resume=resume, log_interval=cfg.log_interval,
+               save_interval=cfg.save_interval, exit_interval=cfg.exit_interval,
+               perf=lambda seconds: {"examples_per_s": global_batch / seconds},
+               client_state={"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}, names=names,
+               exclude_frozen=True, label=f"finetune {t.name}")
+    if F.is_finished(output_dir):
+        if rank == 0:
+            rows = [json.loads(l) for l in (output_dir / "metrics.jsonl").read_text().splitlines()]
+            summary["final_loss"] = rows[-1]["loss"] if rows else None
+            if eval_examples is not None:
+                # The source-language score of exactly the saved (fp32) model, on this rank alone:
+                # a TP=1 model needs no process group, so the others just wait.
+                summary["source_score"] = F.evaluate(F.load_finetuned(output_dir), eval_examples, cfg)
+            (output_dir / "run.json").write_text(json.dumps(summary, indent=2))
+        dist.barrier()
+    return summary, engine.module
+
+
+# --- Step 4 -----------------------------------------------------------------------------------------
+
+def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, output: Path | None = None,
+             eval_batch_size: int = 64) -> list[dict]:
+    """Step 4: zero-shot scores of every Step-2 artifact (or every artifact of an adapt run),
+    averaged over the fine-tuned runs (seeds) of one primary model. Writes the records to
+    `output` (which must not exist) when given. Needs no process group."""
+    from mmadapt.finetune import evaluate_artifacts
+
+    if output is not None and Path(output).exists():
+        raise ValueError(f"{output} already exists: choose a new --output (records are never overwritten)")
+    records = evaluate_artifacts([Path(r) for r in finetuned], [Path(e) for e in embeddings], eval_file,
+                                 eval_batch_size)
+    if output is not None:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(records, indent=1) + "\n")
+    return records

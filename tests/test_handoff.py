@@ -1,0 +1,96 @@
+"""What one step hands the next: under bf16 the fp32 master weights, not their bf16 rounding;
+and a TP=1 model needs no process group (evaluation, export, notebooks)."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, VOCAB, child_env
+from mmadapt import checkpoint
+from mmadapt.config import PRESETS, apply_recipe
+from mmadapt.parallel import init_parallel
+
+
+@pytest.fixture(scope="module")
+def bf16_run(corpus, tokenizer, tmp_path_factory):
+    """Step 1 under ds_configs/zero1_bf16.json in this process (DeepSpeed's CPU accelerator runs bf16)."""
+    from mmadapt.steps import pretrain
+    from mmadapt.train import RunPaths
+
+    init_parallel(1, 1)
+    out = tmp_path_factory.mktemp("bf16")
+    model = dataclasses.replace(apply_recipe(PRESETS["tiny"][0], "minijoint"), vocab_size=VOCAB, num_layers=4,
+                                head_layers=(2, 4))
+    train = dataclasses.replace(PRESETS["tiny"][1], train_iters=3, save_interval=3, log_interval=1,
+                                train_micro_batch_size_per_gpu=4, seq_length=32, lr=1e-3)
+    pretrain(model, train, RunPaths(out, corpus, REPO / "ds_configs" / "zero1_bf16.json", tokenizer), "minijoint")
+    return out
+
+
+def test_bf16_run_hands_on_its_fp32_master_weights(bf16_run):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    tag = checkpoint.latest_tag(bf16_run / "checkpoints")
+    handed = checkpoint.load_full_state_dict(bf16_run / "checkpoints", tag)
+    module = torch.load(bf16_run / "checkpoints" / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert module["layers.0.qkv.weight"].dtype == torch.bfloat16  # what DeepSpeed's module file holds
+    # DeepSpeed's own reader of the ZeRO partitions is the reference.
+    master = get_fp32_state_dict_from_zero_checkpoint(str(bf16_run / "checkpoints"), tag=tag)
+    assert set(handed) == set(master)
+    for name, value in master.items():
+        assert handed[name].dtype == torch.float32, name
+        assert torch.equal(handed[name], value.float()), name
+    # ...and it is not the bf16 rounding: most weights are not representable in bf16.
+    w = handed["layers.0.qkv.weight"]
+    assert (w != w.bfloat16().float()).float().mean() > 0.9
+
+
+def test_a_step_starts_from_exact_fp32_weights_under_bf16(bf16_run):
+    """DeepSpeed builds its master copy from the module after casting it to bf16; the engine puts
+    the given starting weights back, so Step 2 trains from Step 1's fp32 weights."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from mmadapt import adapt as A
+    from mmadapt.engine import load_ds_config
+    from mmadapt.train import MLMJob, mlm_engine
+
+    cfg, state = A.load_model(bf16_run)
+    cfg, init = A.extract_minijoint(cfg, state)
+    train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=4)
+    ds = load_ds_config(REPO / "ds_configs" / "zero1_bf16.json", train)
+    engine, _, _ = mlm_engine(cfg, train, ds, MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE), init)
+    params = dict(engine.module.named_parameters())
+    for name in A.ADAPT_TRAINABLE:
+        assert params[name].dtype == torch.bfloat16
+        assert torch.equal(safe_get_full_fp32_param(params[name]).cpu(), init[name]), name
+
+
+# A TP=1 MINIJOINT forward and backward; leaves `result` = (loss, a gradient's sum).
+FORWARD_BACKWARD = """
+import dataclasses, torch
+from mmadapt.config import PRESETS, apply_recipe
+from mmadapt.model import RobertaMLM
+cfg = dataclasses.replace(apply_recipe(PRESETS["tiny"][0], "minijoint"), hidden_dropout=0.0, attention_dropout=0.0)
+model = RobertaMLM(cfg, seed=11)
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(5, cfg.vocab_size, (2, 24), generator=g)
+labels = torch.where(torch.rand(2, 24, generator=g) < 0.3, ids, -100)
+loss, _ = model(ids, labels)
+loss.backward()
+result = (loss.item(), model.layers[0].qkv.weight.grad.abs().sum().item())
+"""
+
+
+def test_tp1_model_needs_no_process_group():
+    fresh = FORWARD_BACKWARD + "import torch.distributed as dist\nassert not dist.is_initialized()\nprint(repr(result))"
+    proc = subprocess.run([sys.executable, "-c", fresh], cwd=REPO, capture_output=True, text=True,
+                          env=child_env(PYTHONPATH=str(REPO)), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The same model in a process that has its (trivial) process groups: the same numbers.
+    init_parallel(1, 1)
+    here: dict = {}
+    exec(FORWARD_BACKWARD, here)
+    assert repr(here["result"]) == proc.stdout.strip().splitlines()[-1]
