@@ -168,7 +168,9 @@ def finetune_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="finetune", description="Step 3: fine-tune the primary model of a "
                                 "pretrain run on a source-language task, word embeddings frozen.")
     p.add_argument("--task", choices=sorted(TASKS), required=True, help="xnli/pawsx (pairs), mlqa/xquad "
-                   "(extractive QA), pos (CoNLL-U), ner (CoNLL-2003), bible-genre (the demo's task)")
+                   "(extractive QA), pos (CoNLL-U), ner (CoNLL-2003), bible-genre (the demo's task); your own "
+                   "data in CSV, TSV or JSON Lines: classify (a text), pair (two texts), tag (tokens), columns "
+                   "named by --text_column, --text_pair_column, --label_column")
     p.add_argument("--primary", required=True, help="the pretrain run whose primary model is fine-tuned")
     p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
     p.add_argument("--train_file", help="source-language training data in the task's format "
@@ -191,7 +193,7 @@ def finetune_main(argv=None) -> int:
                       args.train_file, args.eval_file, args.source_lang, _layout(args), Path(args.ds_config),
                       args.primary_tag, args.resume)
     if _rank0() and "final_loss" in out:
-        extra = f", {args.source_lang} score {out['source_score']:.1f}" if "source_score" in out else ""
+        extra = f", {args.source_lang} {out['metric']} {out['source_score']:.1f}" if "source_score" in out else ""
         print(f"done: {out['task']} on {out['train_examples']} examples, {out['updates']} updates, final loss "
               f"{out['final_loss']:.3f}{extra}; model in {args.output_dir}")
     return 0

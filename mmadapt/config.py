@@ -155,6 +155,16 @@ class FinetuneConfig(OptimizerConfig):
     max_answer_length: int = _f(30, "QA: longest answer predicted, in pieces")
     eval_batch_size: int = _f(64, "examples per forward pass in evaluation")
     log_interval: int = _f(10, "updates between TensorBoard/console logs")
+# Your own tasks (`--task classify|pair|tag`, CSV, TSV or JSON Lines): the columns read where
+# FinetuneConfig's text_column, text_pair_column and label_column are unset.
+OWN_TASK_COLUMNS = {"classify": ("text", None, "label"), "pair": ("sentence1", "sentence2", "label"),
+                    "tag": ("tokens", None, "tags")}
+
+
+def _own_default(i: int) -> str:
+    return ", ".join(f"{cols[i]} for {task}" for task, cols in OWN_TASK_COLUMNS.items() if cols[i])
+
+
     save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
     exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off)")
 
@@ -174,6 +184,16 @@ class FinetuneConfig(OptimizerConfig):
 
 
 # --- presets --------------------------------------------------------------------------------
+    metric: Optional[str] = _f(None, "the headline score (run.json's source_score, Step 4's score): classify "
+                               "tasks accuracy or macro_f1, tag tasks accuracy or chunk_f1 (B-/I-/O tags), QA "
+                               "squad_f1 or exact_match; every one that applies is computed and recorded "
+                               "(default: the task's own, accuracy for classify/pair/tag)")
+    text_column: Optional[str] = _f(None, "classify/pair/tag: the column of the text; tag: its tokens, a JSON "
+                                    "list or space-separated (default: " + _own_default(0) + ")")
+    text_pair_column: Optional[str] = _f(None, "pair: the column of the second text (default: "
+                                         + _own_default(1) + ")")
+    label_column: Optional[str] = _f(None, "classify/pair/tag: the column of the label; tag: one tag per token "
+                                     "(default: " + _own_default(2) + ")")
 # A preset names a model size and the schedule that goes with it.
 
 PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
@@ -258,7 +278,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
         if only is not None and f.name not in only:
             continue
         kind = hints[f.name]
-        kw: dict[str, Any] = dict(default=None, help=f"{f.metadata['help']} ({_default_help(f, defaults)})")
+        text = f.metadata["help"]  # a help that says its own default (a None field's) keeps it
+        kw: dict[str, Any] = dict(default=None, help=text if "(default:" in text else
+                                  f"{text} ({_default_help(f, defaults)})")
         if _tuple_item(kind) is not None:
             kw.update(type=_tuple_item(kind), nargs="+")
         else:

@@ -199,6 +199,22 @@ def chunk_f1(gold: list[list[str]], pred: list[list[str]]) -> float:
     return 100 * 2 * precision * recall / (precision + recall)
 
 
+def is_bio(tags: list[str]) -> bool:
+    """A tag set that chunk F1 reads: every tag O, B-X or I-X (IOB1 or IOB2), not all O."""
+    return any(t != "O" for t in tags) and all(t == "O" or t[:2] in ("B-", "I-") for t in tags)
+
+
+def macro_f1(pred: torch.Tensor, gold: torch.Tensor) -> float:
+    """Mean per-class F1 in percent, over the classes that occur in `gold` or `pred` (as
+    scikit-learn's f1_score(average='macro')): every class counts the same, however rare."""
+    f1 = []
+    for c in torch.cat([gold, pred]).unique().tolist():
+        tp = int(((pred == c) & (gold == c)).sum())
+        wrong = int(((pred == c) != (gold == c)).sum())  # false positives + false negatives
+        f1.append(2 * tp / (2 * tp + wrong))
+    return 100 * sum(f1) / len(f1) if f1 else 0.0
+
+
 def special_mask(input_ids: torch.Tensor) -> torch.Tensor:
     """[b, s] True at ordinary pieces (not padding, <s>, </s>, ...): the positions pooled for
     sentence vectors."""

@@ -5,8 +5,9 @@ Step 3 (steps.finetune) starts from the primary model of a Step-1 run (its last 
 dropped) with a new task head, trains everything but the word embeddings through the shared
 engine (engine.py: data parallel, ZeRO, megatron tensor parallel; no pipeline: fine-tuning fits
 one device per model replica), and saves DeepSpeed checkpoints without the frozen word
-embeddings: they are the primary run's, which run.json points to. This module holds the tasks,
-their encodings and metrics, and the rebuilt model.
+embeddings: they are the primary run's, which run.json points to. This module holds the tasks
+(the paper's, and your own: classify, pair and tag over CSV, TSV or JSON Lines), their encodings
+and metrics, and the rebuilt model.
 
 Step 4 rebuilds that model, replaces `word_embeddings.word_embeddings.weight` with a Step-2
 artifact's and the tokenizer with the artifact's, and scores a target-language evaluation set.
@@ -26,9 +27,11 @@ from typing import Callable
 import torch
 
 from mmadapt import checkpoint
-from mmadapt.config import FinetuneConfig, ModelConfig
-from mmadapt.features import Encoded, best_spans, chunk_f1, encode_classify, encode_span, encode_tag, special_mask
-from mmadapt.tasks import NLI_LABELS, read_nli, read_pawsx, read_squad, read_conll2003, read_conllu, squad_scores
+from mmadapt.config import OWN_TASK_COLUMNS, FinetuneConfig, ModelConfig
+from mmadapt.features import (Encoded, best_spans, chunk_f1, encode_classify, encode_span, encode_tag, is_bio,
+                              macro_f1, special_mask)
+from mmadapt.tasks import (NLI_LABELS, PairExample, read_nli, read_pawsx, read_squad, read_conll2003, read_conllu,
+                           read_tagged, read_texts, squad_scores)
 
 WORD = "word_embeddings.word_embeddings.weight"
 # Everything but the word embeddings: the body (positions and embedding LayerNorm included,
@@ -38,7 +41,7 @@ FINETUNE_TRAINABLE = ("embeddings.", "layers.", "dense.", "out.")
 
 # --- tasks ---------------------------------------------------------------------------------------
 
-def _read_genre(spec: str, lang: str, split: str):
+def _read_genre(spec: str, lang: str, split: str, cfg: FinetuneConfig):
     from mmadapt.corpora import GENRE_TEST_PER_CLASS, GENRE_TRAIN_PER_CLASS, genre_examples
 
     if spec != "bible":
@@ -46,28 +49,49 @@ def _read_genre(spec: str, lang: str, split: str):
     return genre_examples(lang, split, GENRE_TRAIN_PER_CLASS if split == "train" else GENRE_TEST_PER_CLASS)
 
 
+def _read_own(name: str) -> Callable:
+    """Your own task's reader: the columns FinetuneConfig names, else OWN_TASK_COLUMNS[name]."""
+    defaults = OWN_TASK_COLUMNS[name]
+
+    def read(path: str, lang: str, split: str, cfg: FinetuneConfig):
+        if cfg.text_pair_column is not None and defaults[1] is None:
+            raise ValueError(f"--text_pair_column is for --task pair, not {name}")
+        text, pair, label = (given or default for given, default in
+                             zip((cfg.text_column, cfg.text_pair_column, cfg.label_column), defaults))
+        return read_tagged(path, text, label) if name == "tag" else read_texts(path, text, label, pair)
+    return read
+
+
 @dataclass(frozen=True)
 class Task:
     name: str
     kind: str  # model.TASK_KINDS: classify | tag | span
-    metric: str  # accuracy | squad_f1 | chunk_f1, in percent
+    metric: str  # the default headline (see `metric_names`), in percent
     lr: float  # the paper's peak fine-tuning learning rate
-    read: Callable  # (path or spec, lang, split) -> examples
-    labels: tuple[str, ...] | None = None  # None: the tags seen in the training data; QA: none
+    read: Callable  # (path or spec, lang, split, FinetuneConfig) -> examples
+    labels: tuple[str, ...] | None = None  # None: the labels seen in the training data; QA: none
+    # Your own data: an evaluation label the training file did not have is an error (the head
+    # has no output for it); the paper's tag sets instead score an unseen tag as wrong.
+    own: bool = False
 
 
 TASKS = {
     # XNLI: MultiNLI train.tsv for English training; xnli.test.tsv (every language, filtered by lang).
-    "xnli": Task("xnli", "classify", "accuracy", 1e-5, lambda p, lang, split: read_nli(p, lang), NLI_LABELS),
-    "pawsx": Task("pawsx", "classify", "accuracy", 1e-5, lambda p, lang, split: read_pawsx(p, lang),
+    "xnli": Task("xnli", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_nli(p, lang), NLI_LABELS),
+    "pawsx": Task("pawsx", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_pawsx(p, lang),
                   ("different", "paraphrase")),
-    "mlqa": Task("mlqa", "span", "squad_f1", 3e-5, lambda p, lang, split: read_squad(p), ()),
-    "xquad": Task("xquad", "span", "squad_f1", 3e-5, lambda p, lang, split: read_squad(p), ()),
-    "pos": Task("pos", "tag", "accuracy", 3e-5, lambda p, lang, split: read_conllu(p)),
-    "ner": Task("ner", "tag", "chunk_f1", 3e-5, lambda p, lang, split: read_conll2003(p)),
+    "mlqa": Task("mlqa", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p), ()),
+    "xquad": Task("xquad", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p), ()),
+    "pos": Task("pos", "tag", "accuracy", 3e-5, lambda p, lang, split, cfg: read_conllu(p)),
+    "ner": Task("ner", "tag", "chunk_f1", 3e-5, lambda p, lang, split, cfg: read_conll2003(p)),
     # The demo's task on the packaged Bible (mmadapt/corpora.py): a verse's book genre.
     "bible-genre": Task("bible-genre", "classify", "accuracy", 3e-5, _read_genre,
                         ("law_history", "poetry_wisdom", "prophets", "gospels_acts", "letters")),
+    # Your own data (CSV, TSV, JSON Lines), labels from the training file. 3e-5: the paper's rate
+    # for its smaller training sets (QA, tagging), as for bible-genre.
+    "classify": Task("classify", "classify", "accuracy", 3e-5, _read_own("classify"), own=True),
+    "pair": Task("pair", "classify", "accuracy", 3e-5, _read_own("pair"), own=True),
+    "tag": Task("tag", "tag", "accuracy", 3e-5, _read_own("tag"), own=True),
 }
 
 
@@ -77,43 +101,98 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-def read_examples(task: Task, spec: str, lang: str, split: str) -> list:
+def read_examples(task: Task, spec: str, lang: str, split: str, cfg: FinetuneConfig | None = None,
+                  labels: list[str] | None = None) -> list:
     """A task's examples from a file (or 'bible' for bible-genre); `{lang}` in the path is
-    replaced by the language."""
+    replaced by the language. `cfg` names your own task's columns; `labels` (evaluation data):
+    the run's labels, which your own task's file must not go beyond."""
     spec = spec.replace("{lang}", lang)
-    examples = task.read(spec, lang, split)
+    examples = task.read(spec, lang, split, cfg or FinetuneConfig())
     if not examples:
         raise ValueError(f"{spec} holds no {task.name} examples for language {lang!r}")
+    if labels is not None:
+        check_labels(task, examples, labels, spec)
     return examples
 
 
+def _gold(task: Task, ex) -> list:
+    return ex.tags if task.kind == "tag" else [ex.label]
+
+
 def label_names(task: Task, examples: list) -> list[str]:
-    return list(task.labels) if task.labels is not None else sorted({t for ex in examples for t in ex.tags})
+    """The task's fixed labels, else those of the training examples, sorted (integers by value)
+    and as strings: what run.json stores and evaluation maps labels by."""
+    if task.labels is not None:
+        return list(task.labels)
+    return [str(label) for label in sorted({g for ex in examples for g in _gold(task, ex)})]
+
+
+def check_labels(task: Task, examples: list, labels: list[str], where: str = "the data") -> None:
+    """Your own task: every label of `examples` must be one of the run's."""
+    if task.own:
+        known = set(labels)
+        unseen = next((g for ex in examples for g in _gold(task, ex) if str(g) not in known), None)
+        if unseen is not None:
+            raise ValueError(f"{where} has the label {unseen!r}, which the model was not trained on (its labels: "
+                             f"{', '.join(labels)})")
 
 
 def encode(task: Task, sp, examples: list, labels: list[str], cfg: FinetuneConfig) -> Encoded:
     if task.kind == "classify":
+        if task.own:  # file labels -> class ids of the run's label list
+            check_labels(task, examples, labels)
+            index = {name: i for i, name in enumerate(labels)}
+            examples = [(ex.text, index[str(ex.label)]) if ex.text_pair is None else
+                        PairExample(ex.text, ex.text_pair, index[str(ex.label)]) for ex in examples]
         return encode_classify(sp, examples, cfg.seq_length)
     if task.kind == "tag":
+        check_labels(task, examples, labels)
         return encode_tag(sp, examples, labels, cfg.seq_length)
     return encode_span(sp, examples, cfg.seq_length, cfg.doc_stride, cfg.max_query_length)
 
 
+def metric_names(task: Task, labels: list[str]) -> tuple[str, ...]:
+    """The metrics `scores` computes for a task: classify accuracy and macro-F1; span SQuAD F1
+    and exact match; tag accuracy, and chunk F1 when the tags are B-/I-/O (NER, your own BIO tags)."""
+    if task.kind == "classify":
+        return ("accuracy", "macro_f1")
+    if task.kind == "span":
+        return ("squad_f1", "exact_match")
+    return ("accuracy", "chunk_f1") if task.metric == "chunk_f1" or is_bio(labels) else ("accuracy",)
+
+
+def headline(task: Task, labels: list[str], cfg: FinetuneConfig) -> str:
+    """The metric a run is scored by: --metric, else the task's."""
+    names = metric_names(task, labels)
+    if cfg.metric is not None and cfg.metric not in names:
+        raise ValueError(f"--metric {cfg.metric} does not apply to {task.name}"
+                         + (" with these tags" if task.kind == "tag" else "") + f": choose {' or '.join(names)}")
+    return cfg.metric or task.metric
+
+
+def scores(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, labels: list[str],
+           cfg: FinetuneConfig) -> dict[str, float]:
+    """Every metric of `metric_names`, in percent, from the logits of `encode`'s rows."""
+    pred = logits.argmax(-1)
+    if task.kind == "classify":
+        return {"accuracy": 100 * float((pred == enc.labels).float().mean()), "macro_f1": macro_f1(pred, enc.labels)}
+    if task.kind == "span":
+        s = squad_scores(best_spans(logits, enc, examples, cfg.max_answer_length), examples)
+        return {"squad_f1": s["f1"], "exact_match": s["exact_match"]}
+    scored = enc.labels.ne(-100)
+    out = {"accuracy": 100 * float((pred[scored] == enc.labels[scored]).float().mean())}
+    if "chunk_f1" in metric_names(task, labels):
+        names = [*labels, "<unseen>"]
+        gold = [[names[i] for i in enc.labels[r][scored[r]].tolist()] for r in range(len(enc))]
+        pred_tags = [[names[i] for i in pred[r][scored[r]].tolist()] for r in range(len(enc))]
+        out["chunk_f1"] = chunk_f1(gold, pred_tags)
+    return out
+
+
 def score(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, labels: list[str],
           cfg: FinetuneConfig) -> float:
-    """The task's metric, in percent, from the logits of `encode`'s rows."""
-    if task.kind == "classify":
-        return 100 * float((logits.argmax(-1) == enc.labels).float().mean())
-    if task.kind == "span":
-        return squad_scores(best_spans(logits, enc, examples, cfg.max_answer_length), examples)["f1"]
-    scored = enc.labels.ne(-100)
-    pred = logits.argmax(-1)
-    if task.metric == "accuracy":
-        return 100 * float((pred[scored] == enc.labels[scored]).float().mean())
-    names = [*labels, "<unseen>"]
-    gold = [[names[i] for i in enc.labels[r][scored[r]].tolist()] for r in range(len(enc))]
-    pred_tags = [[names[i] for i in pred[r][scored[r]].tolist()] for r in range(len(enc))]
-    return chunk_f1(gold, pred_tags)
+    """The headline metric (`headline`), in percent."""
+    return scores(task, logits, enc, examples, labels, cfg)[headline(task, labels, cfg)]
 
 
 # --- the task model from runs ------------------------------------------------------------------------
@@ -208,15 +287,21 @@ def load_sp(path: Path):
     return spm.SentencePieceProcessor(model_file=str(path))
 
 
-def evaluate(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
-             tokenizer: Path | None = None) -> float:
-    """Score `examples` with Step 3's model, or with it after swapping in `artifact`'s word
-    embeddings and `tokenizer` (Step 4)."""
+def evaluate_scores(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
+                    tokenizer: Path | None = None) -> dict[str, float]:
+    """Every metric of `examples` (`scores`) with Step 3's model, or with it after swapping in
+    `artifact`'s word embeddings and `tokenizer` (Step 4)."""
     state = ft.state if artifact is None else swap_embeddings(ft.state, artifact)
     model = dataclasses.replace(ft, state=state).model()
     sp = load_sp(tokenizer or ft.tokenizer)
     enc = encode(ft.task, sp, examples, ft.labels, cfg)
-    return score(ft.task, predict(model, enc.input_ids, cfg.eval_batch_size), enc, examples, ft.labels, cfg)
+    return scores(ft.task, predict(model, enc.input_ids, cfg.eval_batch_size), enc, examples, ft.labels, cfg)
+
+
+def evaluate(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
+             tokenizer: Path | None = None) -> float:
+    """`evaluate_scores`' headline metric."""
+    return evaluate_scores(ft, examples, cfg, artifact, tokenizer)[headline(ft.task, ft.labels, cfg)]
 
 
 # --- parallel-sentence retrieval (no fine-tuning) --------------------------------------------------
@@ -280,6 +365,13 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     if len(primaries) > 1 or len(tasks) > 1:
         raise ValueError("--finetuned runs must share one primary model and task (one per seed)")
     primary = primaries.pop()
+
+    def run_cfg(ft: Finetuned) -> FinetuneConfig:
+        return FinetuneConfig(**{**ft.run["finetune"], "eval_batch_size": eval_batch_size, **(cfg_override or {})})
+
+    # The first run's settings read the evaluation files (your own task's columns) and name the
+    # headline; every metric is recorded, averaged over the seeds.
+    task, labels, metric = runs[0].task, runs[0].labels, headline(runs[0].task, runs[0].labels, run_cfg(runs[0]))
     records, cache = [], {}
     for path in artifact_dirs(artifacts):
         emb, tok, meta = read_artifact(path)
@@ -288,15 +380,14 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
                              f"fine-tuned runs start from {primary}: evaluate them with that model's runs")
         lang = meta["lang"]
         if lang not in cache:
-            cache[lang] = read_examples(runs[0].task, eval_spec, lang, "test")
-        seeds = []
-        for ft in runs:
-            cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_size": eval_batch_size, **(cfg_override or {})})
-            seeds.append(evaluate(ft, cache[lang], cfg, emb, tok))
-        records.append({"system": meta["system"], "task": runs[0].task.name, "lang": lang, "step": meta["step"],
+            cache[lang] = read_examples(task, eval_spec, lang, "test", run_cfg(runs[0]), labels)
+        seeds = [evaluate_scores(ft, cache[lang], run_cfg(ft), emb, tok) for ft in runs]
+        records.append({"system": meta["system"], "task": task.name, "lang": lang, "step": meta["step"],
                         "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
-                        "tokens": meta["tokens"], "metric": runs[0].task.metric, "score": sum(seeds) / len(seeds),
-                        "seed_scores": seeds, "artifact": str(path)})
+                        "tokens": meta["tokens"], "metric": metric,
+                        "score": sum(s[metric] for s in seeds) / len(seeds),
+                        "scores": {k: sum(s[k] for s in seeds) / len(seeds) for k in seeds[0]},
+                        "seed_scores": [s[metric] for s in seeds], "artifact": str(path)})
     return records
 
 

@@ -192,17 +192,17 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
         raise ValueError(f"{output_dir} already holds checkpoints of another run: pass --resume to continue it, "
                          "or choose a new --output_dir")
     tokenizer = primary / "tokenizer" / "spm.model"
-    examples = F.read_examples(t, train_file, source_lang, "train")
+    examples = F.read_examples(t, train_file, source_lang, "train", cfg)
     labels = F.label_names(t, examples)
     enc = F.encode(t, F.load_sp(tokenizer), examples, labels, cfg)
-    eval_examples = F.read_examples(t, eval_file, source_lang, "test") if eval_file else None
+    eval_examples = F.read_examples(t, eval_file, source_lang, "test", cfg, labels) if eval_file else None
     lr = cfg.lr or t.lr
 
     parallel.init_parallel(model_cfg.tensor_model_parallel_size, 1)
     rank = dist.get_rank()
     global_batch = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps * parallel.dp_world()
     updates = max(1, math.ceil(cfg.epochs * len(enc) / global_batch))
-    summary = {"step": "finetune", "task": t.name, "labels": labels, "source_lang": source_lang,
+    summary = {"step": "finetune", "task": t.name, "labels": labels, "metric": metric, "source_lang": source_lang,
                "train": train_file, "train_examples": len(examples), "train_rows": len(enc), "updates": updates,
                "global_batch": global_batch, "lr": lr, "primary": {"run_dir": str(primary), "tag": tag},
                "model": to_dict(model_cfg), "finetune": to_dict(cfg), "ds_config": ds}
@@ -217,6 +217,7 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
     module = F.task_model(model_cfg, t, len(labels), cfg.seed)
     names = {n: n for n, _ in module.named_parameters()}
     engine, dims = build_engine(module, names, trainable_by_names(F.FINETUNE_TRAINABLE), cfg, lr,
+    metric = F.headline(t, labels, cfg)
                                 warmup_linear_decay(round(cfg.warmup_ratio * updates), updates), ds, state)
     del state
     order, dev = EpochOrder(len(enc), cfg.seed), engine.device
@@ -245,7 +246,8 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
             if eval_examples is not None:
                 # The source-language score of exactly the saved (fp32) model, on this rank alone:
                 # a TP=1 model needs no process group, so the others just wait.
-                summary["source_score"] = F.evaluate(F.load_finetuned(output_dir), eval_examples, cfg)
+                scores = F.evaluate_scores(F.load_finetuned(output_dir), eval_examples, cfg)
+                summary["source_score"], summary["source_scores"] = scores[metric], scores
             (output_dir / "run.json").write_text(json.dumps(summary, indent=2))
         dist.barrier()
     return summary, engine.module

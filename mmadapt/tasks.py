@@ -8,7 +8,8 @@ None of these datasets can be downloaded at run time here; users fetch them once
     MLQA        https://github.com/facebookresearch/MLQA (MLQA_V1/{dev,test}/*-context-<c>-question-<q>.json)
     XQuAD       https://github.com/google-deepmind/xquad (xquad.<lang>.json), SQuAD v1.1 for English training
     POS         Universal Dependencies CoNLL-U treebanks; NER: CoNLL-2003-style column files
-All readers take the file as distributed and return plain Python records.
+All readers take the file as distributed and return plain Python records. Your own data (the
+classify, pair and tag tasks) is read from CSV, TSV or JSON Lines with named columns.
 """
 
 from __future__ import annotations
@@ -157,6 +158,133 @@ def read_conll2003(path: str | os.PathLike) -> list[TaggedSentence]:
             tags.append(cols[-1])
     if words:
         out.append(TaggedSentence(words, tags))
+    return out
+
+
+# --- your own data: CSV, TSV or JSON Lines with named columns ----------------------------------------
+
+# By file extension; a .json file is read as JSON Lines (one object per line), as many tools write it.
+TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl"}
+
+
+@dataclass
+class TextExample:
+    """A text, or a pair of texts, with its label as the file gives it: a string, or an integer
+    in JSON. Labels become class ids only against a run's label list (finetune.encode), so an
+    evaluation file is mapped with the training file's classes."""
+    text: str
+    label: str | int
+    text_pair: str | None = None
+
+
+def read_table(path: str | os.PathLike) -> tuple[list[str], list[dict]]:
+    """(column names, rows as {column: value}) of a CSV or TSV file with a header line (the
+    same quoting in both: a quoted field may hold the delimiter, quotes doubled, and newlines)
+    or of JSON Lines (one object per line; values keep their JSON types)."""
+    path = Path(path)
+    kind = TABLE_FORMATS.get(path.suffix.lower())
+    if kind is None:
+        raise ValueError(f"{path}: unknown file type {path.suffix or '(no extension)'!r}; your own data is read "
+                         f"from {', '.join(TABLE_FORMATS)} (.json: one object per line)")
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist")
+    if kind == "jsonl":
+        rows = []
+        with open(path, encoding="utf-8-sig") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not JSON ({e.msg}); JSON Lines hold one object per line") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{n}: a JSON Lines row must be an object {{column: value}}, "
+                                     f"not a {type(row).__name__}")
+                rows.append(row)
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+    else:
+        csv.field_size_limit(sys.maxsize)
+        with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: spreadsheets write a BOM
+            reader = csv.DictReader(f, delimiter="," if kind == "csv" else "\t")
+            rows = list(reader)
+            columns = list(reader.fieldnames or [])
+    if not rows:
+        raise ValueError(f"{path} holds no rows" + ("" if kind == "jsonl" else " under its header line"))
+    return columns, rows
+
+
+def _column(path: Path, columns: list[str], name: str, flag: str) -> str:
+    if name not in columns:
+        raise ValueError(f"{path} has no column {name!r} (its columns: {', '.join(map(repr, columns))}): "
+                         f"name the right one with --{flag}")
+    return name
+
+
+def _text(path: Path, n: int, row: dict, column: str) -> str:
+    value = row.get(column)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{path}, row {n}: column {column!r} holds a {type(value).__name__}, not a text")
+    if not value or not value.strip():
+        raise ValueError(f"{path}, row {n}: empty text in column {column!r}")
+    return value
+
+
+def _label(path: Path, n: int, row: dict, column: str) -> str | int:
+    value = row.get(column)
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"{path}, row {n}: no label in column {column!r}" +
+                     ("" if value is None or value == "" else f" ({value!r} is neither a string nor an integer)"))
+
+
+def read_texts(path: str | os.PathLike, text: str, label: str, text_pair: str | None = None) -> list[TextExample]:
+    """Your own sentence (or sentence-pair, `text_pair` set) classification data: the named
+    columns of a read_table file. Every text must be non-empty, and a file's labels all strings
+    or all integers (JSON 1 and "1" are one class to the run, but a file mixing them is likely a
+    mistake)."""
+    path = Path(path)
+    columns, rows = read_table(path)
+    for name, flag in ((text, "text_column"), (text_pair, "text_pair_column"), (label, "label_column")):
+        if name is not None:
+            _column(path, columns, name, flag)
+    out = [TextExample(_text(path, n, r, text), _label(path, n, r, label),
+                       None if text_pair is None else _text(path, n, r, text_pair)) for n, r in enumerate(rows, 1)]
+    kinds = {type(ex.label): ex.label for ex in out}
+    if len(kinds) > 1:
+        raise ValueError(f"{path}: the labels mix integers and strings (e.g. {kinds[int]!r} and {kinds[str]!r}): "
+                         "write every label the same way")
+    return out
+
+
+def _tokens(path: Path, n: int, row: dict, column: str) -> list[str]:
+    value = row.get(column)
+    if isinstance(value, str):
+        return value.split()
+    if isinstance(value, list) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+        return [str(v).strip() for v in value]
+    raise ValueError(f"{path}, row {n}: column {column!r} must hold a list of strings (JSON) or space-separated "
+                     f"ones, not {value!r}")
+
+
+def read_tagged(path: str | os.PathLike, tokens: str, tags: str) -> list[TaggedSentence]:
+    """Your own tagging data: one sentence per row, its tokens and one tag per token in two
+    columns (JSON Lines: lists; CSV/TSV: space-separated)."""
+    path = Path(path)
+    columns, rows = read_table(path)
+    _column(path, columns, tokens, "text_column")
+    _column(path, columns, tags, "label_column")
+    out = []
+    for n, row in enumerate(rows, 1):
+        words, labels = _tokens(path, n, row, tokens), _tokens(path, n, row, tags)
+        if not words or not all(words):
+            raise ValueError(f"{path}, row {n}: empty text in column {tokens!r}")
+        if len(words) != len(labels) or not all(labels):
+            raise ValueError(f"{path}, row {n}: {len(words)} tokens but {len([t for t in labels if t])} tags: "
+                             "give one tag per token")
+        out.append(TaggedSentence(words, labels))
     return out
 
 
