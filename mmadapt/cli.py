@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, PRESETS, RECIPES, FinetuneConfig, MiniModelConfig,
-                            ModelConfig, TrainConfig, add_dataclass_args, apply_recipe, override)
+                            ModelConfig, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe, override)
 
 MODEL_PRESETS = {name: model for name, (model, _) in PRESETS.items()}
 TRAIN_PRESETS = {name: train for name, (_, train) in PRESETS.items()}
@@ -35,6 +35,17 @@ def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
 
 
+def _data_args(p: argparse.ArgumentParser, corpus_help: str) -> None:
+    p.add_argument("--data_path", help="a dataset prepared once by `mmadapt preprocess` (shared by every run "
+                   "on that corpus and tokenizer)")
+    p.add_argument("--corpus", help=f"{corpus_help}; prepared into <output_dir>/data by the run itself (small "
+                   "corpora only: larger ones go through mmadapt preprocess)")
+
+
+def _path(value) -> Path | None:
+    return Path(value) if value else None
+
+
 def _layout(args) -> dict:
     return {k: getattr(args, k) for k in LAYOUT_FIELDS if getattr(args, k, None) is not None}
 
@@ -44,6 +55,7 @@ def _rank0() -> bool:
 
 
 def _done(rows: list[dict], what: str) -> None:
+    rows = [r for r in rows if "loss" in r]  # training rows (validation rows hold valid_loss)
     if rows:
         first, last = rows[0], rows[-1]
         heads = ", ".join(f"L{k}: {v:.3f}" for k, v in last.get("head_losses", {}).items())
@@ -58,8 +70,8 @@ def pretrain_parser() -> argparse.ArgumentParser:
                                 "(BL_BASE, BL_SMALL or MINIJOINT) with DeepSpeed.")
     p.add_argument("--recipe", choices=RECIPES, default="bl_base", help="which of the paper's systems")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and schedule")
-    p.add_argument("--corpus", required=True, help="UTF-8 text, one sentence per line, blank line "
-                   "between documents; or bible:<lang> for the packaged Bible (e.g. bible:en)")
+    _data_args(p, "UTF-8 text, one sentence per line, blank line between documents; or bible:<lang> for "
+               "the packaged Bible (e.g. bible:en)")
     p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one on the corpus)")
     _run_args(p)
     add_dataclass_args(p, ModelConfig, defaults=MODEL_PRESETS)
@@ -87,9 +99,38 @@ def pretrain_main(argv=None) -> int:
     from mmadapt.train import RunPaths
 
     model, train = configs_from_args(args)
-    paths = RunPaths(output_dir=Path(args.output_dir), corpus=Path(args.corpus),
-                     ds_config=Path(args.ds_config), tokenizer=Path(args.tokenizer) if args.tokenizer else None)
+    if (args.corpus is None) == (args.data_path is None):
+        raise ValueError("pass one of --data_path (a prepared dataset) and --corpus (raw text)")
+    paths = RunPaths(output_dir=Path(args.output_dir), corpus=_path(args.corpus), ds_config=Path(args.ds_config),
+                     tokenizer=_path(args.tokenizer), data_path=_path(args.data_path))
     _done(pretrain(model, train, paths, recipe=args.recipe, resume=args.resume), f"{args.recipe} in {args.output_dir}")
+    return 0
+
+
+# --- data: prepare once, train many ----------------------------------------------------------------------
+
+def preprocess_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="preprocess", description="Prepare a corpus once for every run that trains "
+                                "on it: a SentencePiece model (or --tokenizer) and the corpus encoded in parallel "
+                                "into megatron-core's indexed dataset; pass --data_path to the training commands.")
+    p.add_argument("--corpus", required=True, help="UTF-8 text, one sentence per line, blank line between "
+                   "documents; or bible:<lang> for the packaged Bible")
+    p.add_argument("--output_dir", required=True, help="the prepared dataset (a directory)")
+    p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one on a sample)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="whose vocab_size to use")
+    add_dataclass_args(p, ModelConfig, only=("vocab_size",), defaults=MODEL_PRESETS)
+    add_dataclass_args(p, PreprocessConfig)
+    return p
+
+
+@user_errors
+def preprocess_main(argv=None) -> int:
+    args = preprocess_parser().parse_args(argv)
+    from mmadapt.steps import preprocess
+
+    vocab = args.vocab_size or MODEL_PRESETS[args.preset].vocab_size
+    preprocess(Path(args.corpus), Path(args.output_dir), vocab, override(PreprocessConfig(), args),
+               _path(args.tokenizer))
     return 0
 
 
@@ -109,7 +150,7 @@ def minipost_parser() -> argparse.ArgumentParser:
                                 "layers and train only those with source-language MLM.")
     p.add_argument("--primary", required=True, help="the pretrain run directory of the primary model")
     p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
-    p.add_argument("--corpus", help="source-language corpus (default: the primary run's corpus)")
+    _data_args(p, "source-language corpus (default: the primary run's prepared data)")
     _later_step_args(p, LAYOUT_FIELDS)
     add_dataclass_args(p, MiniModelConfig)
     return p
@@ -122,7 +163,7 @@ def minipost_main(argv=None) -> int:
 
     rows = build_minipost(Path(args.primary), Path(args.output_dir), override(TRAIN_PRESETS[args.preset], args),
                           override(MiniModelConfig(), args), _layout(args), Path(args.ds_config), args.corpus,
-                          args.primary_tag, args.resume)
+                          args.primary_tag, args.resume, _path(args.data_path))
     _done(rows, f"MINIPOST mini-model in {args.output_dir}")
     return 0
 
@@ -138,9 +179,9 @@ def adapt_parser() -> argparse.ArgumentParser:
                    "minijoint) or a build_minipost run (minipost)")
     p.add_argument("--source_tag", help="its checkpoint to use (default: the newest complete one)")
     p.add_argument("--lang", required=True, help="target language code, recorded with the embeddings")
-    p.add_argument("--corpus", help="target-language corpus (default: bible:<lang>, the packaged Bible)")
-    p.add_argument("--tokenizer", help="an existing target-language SentencePiece .model (default: train "
-                   "one with --vocab_size pieces on the corpus)")
+    _data_args(p, "target-language corpus (default: bible:<lang>, the packaged Bible)")
+    p.add_argument("--tokenizer", help="with --corpus: an existing target-language SentencePiece .model "
+                   "(default: train one with --vocab_size pieces on the corpus)")
     p.add_argument("--vocab_size", type=int, help="target vocabulary size V (default: the --tokenizer's size, "
                    "else the source model's)")
     _later_step_args(p, LAYOUT_FIELDS)
@@ -154,8 +195,8 @@ def adapt_main(argv=None) -> int:
 
     rows = adapt_embeddings(args.system, Path(args.source), args.lang, Path(args.output_dir),
                             override(TRAIN_PRESETS[args.preset], args), _layout(args), Path(args.ds_config),
-                            args.corpus, Path(args.tokenizer) if args.tokenizer else None, args.vocab_size,
-                            args.source_tag, args.resume)
+                            args.corpus, _path(args.tokenizer), args.vocab_size, args.source_tag, args.resume,
+                            _path(args.data_path))
     _done(rows, f"{args.system} {args.lang} embeddings, artifacts in {Path(args.output_dir) / 'embeddings'}")
     return 0
 
@@ -322,7 +363,7 @@ def slurm_env_main(argv=None) -> int:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"pretrain": pretrain_main, "build_minipost": minipost_main, "adapt": adapt_main,
+    commands = {"preprocess": preprocess_main, "pretrain": pretrain_main, "build_minipost": minipost_main, "adapt": adapt_main,
                 "finetune": finetune_main, "evaluate": evaluate_main, "demo": demo_main, "flops": flops_main,
                 "report": report_main, "slurm-env": slurm_env_main}
     if not argv or argv[0] not in commands:

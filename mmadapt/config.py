@@ -96,6 +96,19 @@ class MiniModelConfig:
 
 
 @dataclass
+class PreprocessConfig:
+    """`mmadapt preprocess`: how a corpus is prepared once for every run that trains on it."""
+    workers: Optional[int] = _f(None, "encoding processes, each over its own byte range of the corpus "
+                                "(default: the CPU count); the result is the same for any number")
+    tokenizer_sample_lines: int = _f(2_000_000, "lines sampled (seeded reservoir) to train the SentencePiece "
+                                     "model: bounds its memory whatever the corpus size")
+    tokenizer_seed: int = _f(1234, "seed of that sample and of SentencePiece's training (and of the "
+                             "validation split)")
+    valid_fraction: float = _f(0.0, "fraction of the documents held out as validation data (chosen by a seeded "
+                               "hash of each document, so the same for any number of workers)")
+
+
+@dataclass
 class OptimizerConfig:
     """AdamW and gradient clipping: the same settings in every step (RoBERTa's), so pretraining,
     adaptation (TrainConfig) and fine-tuning (FinetuneConfig) share these fields."""
@@ -122,6 +135,9 @@ class TrainConfig(OptimizerConfig):
                                  "1000 2000 3000 4000 to every 5000 for fast-adapting languages)")
     exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off); "
                             "for jobs that must end before a scheduler's time limit")
+    eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
+                            "prepared with --valid_fraction)")
+    eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time")
 
     def validate(self, model: ModelConfig) -> "TrainConfig":
         if self.seq_length > model.max_position_embeddings:
@@ -130,12 +146,23 @@ class TrainConfig(OptimizerConfig):
         if self.seq_length < 8:
             raise ValueError(f"seq_length {self.seq_length} is too short (need >= 8)")
         if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
-               self.train_iters, self.log_interval, self.save_interval) < 1 or self.exit_interval < 0:
-            raise ValueError("batch sizes, train_iters, log_interval and save_interval must be >= 1 "
-                             "(exit_interval >= 0)")
+               self.train_iters, self.log_interval, self.save_interval, self.eval_iters) < 1 \
+                or min(self.exit_interval, self.eval_interval) < 0:
+            raise ValueError("batch sizes, train_iters, log_interval, save_interval and eval_iters must be >= 1 "
+                             "(exit_interval and eval_interval >= 0)")
         if not 0 < self.mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
         return self
+
+
+# Your own tasks (`--task classify|pair|tag`, CSV, TSV or JSON Lines): the columns read where
+# FinetuneConfig's text_column, text_pair_column and label_column are unset.
+OWN_TASK_COLUMNS = {"classify": ("text", None, "label"), "pair": ("sentence1", "sentence2", "label"),
+                    "tag": ("tokens", None, "tags")}
+
+
+def _own_default(i: int) -> str:
+    return ", ".join(f"{cols[i]} for {task}" for task, cols in OWN_TASK_COLUMNS.items() if cols[i])
 
 
 @dataclass
@@ -155,18 +182,18 @@ class FinetuneConfig(OptimizerConfig):
     max_answer_length: int = _f(30, "QA: longest answer predicted, in pieces")
     eval_batch_size: int = _f(64, "examples per forward pass in evaluation")
     log_interval: int = _f(10, "updates between TensorBoard/console logs")
-# Your own tasks (`--task classify|pair|tag`, CSV, TSV or JSON Lines): the columns read where
-# FinetuneConfig's text_column, text_pair_column and label_column are unset.
-OWN_TASK_COLUMNS = {"classify": ("text", None, "label"), "pair": ("sentence1", "sentence2", "label"),
-                    "tag": ("tokens", None, "tags")}
-
-
-def _own_default(i: int) -> str:
-    return ", ".join(f"{cols[i]} for {task}" for task, cols in OWN_TASK_COLUMNS.items() if cols[i])
-
-
     save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
     exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off)")
+    metric: Optional[str] = _f(None, "the headline score (run.json's source_score, Step 4's score): classify "
+                               "tasks accuracy or macro_f1, tag tasks accuracy or chunk_f1 (B-/I-/O tags), QA "
+                               "squad_f1 or exact_match; every one that applies is computed and recorded "
+                               "(default: the task's own, accuracy for classify/pair/tag)")
+    text_column: Optional[str] = _f(None, "classify/pair/tag: the column of the text; tag: its tokens, a JSON "
+                                    "list or space-separated (default: " + _own_default(0) + ")")
+    text_pair_column: Optional[str] = _f(None, "pair: the column of the second text (default: "
+                                         + _own_default(1) + ")")
+    label_column: Optional[str] = _f(None, "classify/pair/tag: the column of the label; tag: one tag per token "
+                                     "(default: " + _own_default(2) + ")")
 
     def validate(self, model: "ModelConfig") -> "FinetuneConfig":
         if self.seq_length > model.max_position_embeddings:
@@ -184,16 +211,6 @@ def _own_default(i: int) -> str:
 
 
 # --- presets --------------------------------------------------------------------------------
-    metric: Optional[str] = _f(None, "the headline score (run.json's source_score, Step 4's score): classify "
-                               "tasks accuracy or macro_f1, tag tasks accuracy or chunk_f1 (B-/I-/O tags), QA "
-                               "squad_f1 or exact_match; every one that applies is computed and recorded "
-                               "(default: the task's own, accuracy for classify/pair/tag)")
-    text_column: Optional[str] = _f(None, "classify/pair/tag: the column of the text; tag: its tokens, a JSON "
-                                    "list or space-separated (default: " + _own_default(0) + ")")
-    text_pair_column: Optional[str] = _f(None, "pair: the column of the second text (default: "
-                                         + _own_default(1) + ")")
-    label_column: Optional[str] = _f(None, "classify/pair/tag: the column of the label; tag: one tag per token "
-                                     "(default: " + _own_default(2) + ")")
 # A preset names a model size and the schedule that goes with it.
 
 PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {

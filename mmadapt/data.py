@@ -1,21 +1,36 @@
-"""Tokenizer training, one-time corpus encoding, and deterministic MLM batches.
+"""Data: tokenizer training, one-time parallel encoding into an indexed dataset ("prepare
+once, train many"), FULL-SENTENCES blocks and deterministic MLM batches.
 
 Corpus format: plain UTF-8 text, one sentence (or document line) per line, a blank line between
 documents - the layout CC-100 ships in.
 
-Blocks follow RoBERTa's FULL-SENTENCES packing: consecutive whole sentences fill a block of at
-most seq_length tokens as `<s> sent sent ... </s>`; blocks may cross document boundaries, with
-an extra `</s>` between documents; a sentence longer than a block is split. The packed blocks
-are written once to `tokens.bin` (a flat numpy memmap) with `blocks.npy` ([n, 2]: offset,
-length), so training reads them without re-tokenising.
+A prepared dataset (`prepare`, the `mmadapt preprocess` command) is a directory:
+    tokenizer.model      the SentencePiece model the text was encoded with
+    text.bin, text.idx   megatron-core's indexed dataset (megatron.core.datasets.indexed_dataset):
+                         one sequence per sentence, its pieces then `</s>` (fairseq's per-line
+                         eos), and after each document's last sentence a sequence holding a lone
+                         `</s>` (fairseq's empty line): the document separator
+    manifest.json        corpus path, size and content fingerprint, tokenizer fingerprint,
+                         vocabulary size, counts, mmadapt version; written last and atomically,
+                         so a directory without it is not a dataset
+    blocks_s<S>.npy      the block index for seq_length S, [n, 2] int64 (token offset, length),
+                         made on first use and memory-mapped afterwards
+Encoding runs in `workers` processes over byte ranges aligned to document boundaries; shards
+are concatenated in corpus order, so the dataset is byte-identical for any number of workers.
+
+Blocks follow RoBERTa's FULL-SENTENCES packing (fairseq's `--sample-break-mode complete`): each
+block is `<s>` followed by consecutive whole sequences (sentences with their `</s>`, document
+separators) up to seq_length tokens, crossing document boundaries; a sentence longer than a
+block is split. A block is therefore one contiguous range of the token stream.
 
 Batches are a pure function of (seed, update step): the global sample index of micro-batch j,
 data-parallel rank r, row i of update t is
     g = t * global_batch + (j * dp_world + r) * micro_batch + i
-and sample g is block perm_e[g mod n] of epoch e = g // n, masked with an RNG seeded by
-(seed, g) (RoBERTa's dynamic masking: a block seen again gets a new mask). Resuming therefore
-needs only the update step, and a data-parallel run sees exactly the micro-batches of a
-single-process run with gradient accumulation over the same global batch.
+and sample g is block perm_e(g mod n) of epoch e = g // n (a seeded permutation computed per
+index, never materialised), masked with an RNG seeded by (seed, g) (RoBERTa's dynamic masking:
+a block seen again gets a new mask). Resuming therefore needs only the update step, and a
+data-parallel run sees exactly the micro-batches of a single-process run with gradient
+accumulation over the same global batch.
 """
 
 from __future__ import annotations
@@ -23,12 +38,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID
+
+TEXT = "text"  # prefix of the indexed dataset inside a prepared directory
+VALID = "valid"  # prefix of its held-out documents (prepare's valid_fraction)
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.model"
+FORMAT = 1  # version of the prepared-dataset layout
+# A training command encodes a raw --corpus itself only below this size; larger corpora are
+# prepared once with `mmadapt preprocess` (parallel, shared by every run that uses them).
+RAW_CORPUS_LIMIT_BYTES = 1 << 30
 
 
 class DataError(ValueError):
@@ -39,18 +66,12 @@ def check_corpus(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"corpus {path} does not exist: pass --corpus a UTF-8 text file (one sentence per line)")
-    with open(path, encoding="utf-8", errors="replace") as f:
+    if path.is_dir():
+        raise DataError(f"corpus {path} is a directory: pass --corpus a UTF-8 text file (one sentence per line)")
+    with open(path, "rb") as f:
         if not any(line.strip() for line in f):
             raise DataError(f"corpus {path} is empty: it needs at least one non-blank line of text")
     return path
-
-
-def _sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
 
 
 def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, vocab_size: int,
@@ -93,84 +114,342 @@ def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
     return sp
 
 
-def _sentences(corpus: Path):
-    """Yield (is_new_document, line) for every non-blank line."""
-    new_doc = True
-    with open(corpus, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                new_doc = True
+def corpus_fingerprint(path: str | os.PathLike) -> dict:
+    """Size and a SHA-256 over the whole file when small, else over 64 evenly spaced 64 KiB
+    chunks plus the first and last MiB: cheap on a 300 GB corpus, and any edit that changes
+    the size or a sampled region shows."""
+    path = Path(path)
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= 16 << 20:
+            h.update(f.read())
+        else:
+            spans = [(0, 1 << 20), (size - (1 << 20), 1 << 20)]
+            spans += [(i * (size - (64 << 10)) // 63, 64 << 10) for i in range(64)]
+            for offset, length in spans:
+                f.seek(offset)
+                h.update(f.read(length))
+    return {"size": size, "sha256_sampled": h.hexdigest()}
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _doc_boundary(f, offset: int, size: int) -> int:
+    """The first document start at or after byte `offset`: just after a blank line (or 0/EOF)."""
+    if offset <= 0:
+        return 0
+    f.seek(offset - 1)
+    f.readline()  # the rest of the line that `offset` falls in (or the newline just before it)
+    pos = f.tell()
+    while pos < size:
+        line = f.readline()
+        pos += len(line)
+        if not line.strip():
+            return pos
+    return size
+
+
+class _Shard:
+    """One worker's output: megatron's builder plus the pending sentences of its range."""
+
+    def __init__(self, prefix: str, dtype: str, sp):
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+        self.builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.dtype(dtype).type)
+        self.prefix, self.dtype, self.sp = prefix, dtype, sp
+        self.items: list[str | None] = []  # a sentence, or None: the current document ends here
+        self.counts = [0, 0, 0]  # sentences, documents, tokens
+
+    def add(self, item: str | None) -> None:
+        self.items.append(item)
+        if len(self.items) >= 10_000 and item is not None:
+            self.flush()
+
+    def flush(self) -> None:
+        builder, items = self.builder, self.items
+        ids = iter(self.sp.encode([t for t in items if t is not None], num_threads=1))
+        seqs, doc_ends, before = [], [], len(builder.sequence_lengths)
+        for t in items:
+            if t is None:  # fairseq's empty line: a lone </s> between documents
+                seqs.append([EOS_ID])
+                doc_ends.append(before + len(seqs))
+            else:  # fairseq's line: its pieces and </s>
+                seqs.append(next(ids) + [EOS_ID])
+        flat = np.fromiter((t for q in seqs for t in q), dtype=self.dtype)
+        # What IndexedDatasetBuilder.add_item/end_document do, without a tensor per sentence.
+        builder.data_file.write(flat.tobytes(order="C"))
+        builder.sequence_lengths.extend(len(q) for q in seqs)
+        builder.document_indices.extend(doc_ends)
+        self.counts[0] += len(seqs) - len(doc_ends)
+        self.counts[1] += len(doc_ends)
+        self.counts[2] += len(flat)
+        items.clear()
+
+    def finalize(self) -> list[int]:
+        self.flush()
+        self.builder.finalize(self.prefix + ".idx")
+        return self.counts
+
+
+def is_validation_document(first_line: str, fraction: float, seed: int) -> bool:
+    """Held out by a seeded hash of the document's first line: the same split whichever worker
+    reads the document (and whatever the number of workers)."""
+    if fraction <= 0:
+        return False
+    import zlib
+
+    return _mix64(seed ^ zlib.crc32(first_line.encode("utf-8"))) < fraction * 2.0**64
+
+
+def _encode_range(job: tuple) -> tuple[list[int], list[int]]:
+    """Worker: encode the documents in bytes [start, end) of the corpus (both document starts)
+    into the indexed datasets `prefix` and `prefix`.valid (.bin/.idx).
+    -> (sentences, documents, tokens) of each."""
+    import sentencepiece as spm
+
+    corpus, start, end, tokenizer, prefix, dtype, valid_fraction, seed = job
+    sp = spm.SentencePieceProcessor(model_file=tokenizer)
+    train, valid = _Shard(prefix, dtype, sp), _Shard(prefix + ".valid", dtype, sp)
+    shard = None  # where the open document goes; None: no document is open
+    with open(corpus, "rb") as f:
+        f.seek(start)
+        pos = start
+        while pos < end:
+            raw = f.readline()
+            if not raw:
+                break
+            try:
+                text = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise DataError(f"corpus {corpus} is not UTF-8: byte {pos + e.start} (in the line starting at "
+                                f"byte {pos}) is invalid; convert it to UTF-8 first (e.g. with iconv)") from None
+            pos += len(raw)
+            if not text:
+                if shard is not None:
+                    shard.add(None)
+                shard = None
                 continue
-            yield new_doc, line
-            new_doc = False
+            if shard is None:
+                shard = valid if is_validation_document(text, valid_fraction, seed) else train
+            shard.add(text)
+    if shard is not None:  # the last document of the corpus (no blank line after it)
+        shard.add(None)
+    return train.finalize(), valid.finalize()
 
 
-def pack_blocks(sentences, seq_length: int):
-    """FULL-SENTENCES packing of token lists. sentences: iterable of (is_new_document, ids)."""
-    cap = seq_length - 2  # room left by <s> ... </s>
-    block: list[int] = []
-    for new_doc, ids in sentences:
-        if new_doc and block:
-            if len(block) + 1 + len(ids) <= cap:
-                block.append(EOS_ID)  # document separator inside a block
-            else:
-                yield [BOS_ID, *block, EOS_ID]
-                block = []
-        if len(block) + len(ids) > cap:
-            if block:
-                yield [BOS_ID, *block, EOS_ID]
-            block = []
-            while len(ids) > cap:
-                yield [BOS_ID, *ids[:cap], EOS_ID]
-                ids = ids[cap:]
-        block.extend(ids)
-    if block:
-        yield [BOS_ID, *block, EOS_ID]
+class _IndexWriter:
+    """megatron-core's .idx writer with the sequence pointers computed by numpy (its own loop
+    builds one Python int per sentence: a billion for CC-100's English)."""
+
+    def __new__(cls, idx_path: str, dtype):
+        from megatron.core.datasets.indexed_dataset import DType, _IndexWriter as MegatronWriter
+
+        class Writer(MegatronWriter):
+            def _sequence_pointers(self, sequence_lengths):
+                lengths = np.asarray(sequence_lengths, dtype=np.int64)
+                pointers = np.zeros(len(lengths), dtype=np.int64)
+                np.cumsum(lengths[:-1] * DType.size(self.dtype), out=pointers[1:])
+                return pointers
+
+        return Writer(idx_path, dtype)
 
 
-def encode_corpus(corpus: str | os.PathLike, tokenizer: str | os.PathLike, out_dir: str | os.PathLike,
-                  seq_length: int, batch_lines: int = 10_000) -> Path:
-    """Tokenise and pack `corpus` once into `out_dir` (reused while the corpus file, tokenizer and
-    seq_length are unchanged). Files appear atomically, so concurrent writers are harmless."""
-    corpus, tokenizer, out_dir = check_corpus(corpus), Path(tokenizer), Path(out_dir)
-    # The corpus is keyed by size and mtime, not content: hashing CC-100's English (301 GB) on every
-    # start would cost more than encoding small corpora. The tokenizer is small: hash it.
-    st = corpus.stat()
-    meta = {"corpus": str(corpus.resolve()), "corpus_size": st.st_size, "corpus_mtime_ns": st.st_mtime_ns,
-            "tokenizer_sha": _sha(tokenizer), "seq_length": seq_length}
-    meta_path = out_dir / "meta.json"
-    if meta_path.is_file() and json.loads(meta_path.read_text()).get("key") == meta:
-        return out_dir
-    sp = load_tokenizer(tokenizer)
-    dtype = np.uint16 if sp.get_piece_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
+def _merge(prefixes: list[str], out_prefix: str, dtype) -> None:
+    """Concatenate shard datasets in order into `out_prefix` (megatron's format)."""
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    lengths, doc_ends, total = [], [np.zeros(1, np.int64)], 0
+    with open(out_prefix + ".bin", "wb") as out:
+        for prefix in prefixes:
+            index = _IndexReader(prefix + ".idx", multimodal=False)
+            lengths.append(np.array(index.sequence_lengths, dtype=np.int32))
+            doc_ends.append(np.array(index.document_indices[1:], dtype=np.int64) + total)
+            total += len(index)
+            del index
+            with open(prefix + ".bin", "rb") as f:
+                shutil.copyfileobj(f, out, 16 << 20)
+    with _IndexWriter(out_prefix + ".idx", np.dtype(dtype).type) as writer:
+        writer.write(np.concatenate(lengths) if lengths else np.zeros(0, np.int32), None, np.concatenate(doc_ends))
+
+
+def read_manifest(data_path: str | os.PathLike) -> dict:
+    """The manifest of a finished prepared dataset (DataError if there is none)."""
+    data_path = Path(data_path)
+    if not (data_path / MANIFEST).is_file():
+        what = "does not exist" if not data_path.exists() else "holds no finished dataset (no manifest.json: " \
+            "its preparation did not finish)"
+        raise DataError(f"prepared dataset {data_path} {what}: run `mmadapt preprocess --corpus <text> "
+                        f"--output_dir {data_path}`")
+    manifest = json.loads((data_path / MANIFEST).read_text())
+    for f in (TEXT + ".bin", TEXT + ".idx", TOKENIZER):
+        if not (data_path / f).is_file():
+            raise DataError(f"prepared dataset {data_path} lacks {f}: prepare it again into a new directory")
+    return manifest
+
+
+def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
+                   tokenizer: str | os.PathLike | None = None) -> dict:
+    """Refuse a prepared dataset that does not fit the run: its corpus changed since it was
+    prepared, its tokenizer is not `tokenizer`, or its vocabulary is not the model's."""
+    data_path = Path(data_path)
+    manifest = read_manifest(data_path)
+    corpus = Path(manifest["corpus"])
+    if corpus.is_file() and corpus_fingerprint(corpus) != manifest["corpus_fingerprint"]:
+        raise DataError(f"corpus {corpus} changed since {data_path} was prepared from it: prepare it again "
+                        "(mmadapt preprocess) into a new --output_dir")
+    if tokenizer is not None and Path(tokenizer).is_file() and \
+            file_sha256(tokenizer) != manifest["tokenizer_sha256"]:
+        raise DataError(f"{data_path} was encoded with another tokenizer than {tokenizer}: drop --tokenizer "
+                        f"(the dataset's is {data_path / TOKENIZER}) or prepare the corpus with it")
+    if vocab_size is not None and manifest["vocab_size"] != vocab_size:
+        raise DataError(f"{data_path} was encoded with a {manifest['vocab_size']}-piece tokenizer but the "
+                        f"model's vocab_size is {vocab_size}: pass --vocab_size {manifest['vocab_size']}")
+    return manifest
+
+
+def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int,
+            tokenizer: str | os.PathLike | None = None, workers: int | None = None,
+            tokenizer_sample_lines: int = 2_000_000, seed: int = 1234, valid_fraction: float = 0.0,
+            quiet: bool = False) -> dict:
+    """Prepare `corpus` once: train a SentencePiece model on a seeded sample of at most
+    `tokenizer_sample_lines` lines (or copy `tokenizer`), encode with `workers` processes (default:
+    the CPU count) into megatron's indexed dataset (`valid_fraction` of the documents into a
+    validation set beside it), write the manifest last. A no-op (said so) when `out_dir` already
+    holds this corpus prepared with this tokenizer and split. -> the manifest."""
+    import multiprocessing as mp
+
+    corpus, out_dir = check_corpus(corpus), Path(out_dir)
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if workers < 1:
+        raise DataError(f"--workers must be >= 1, got {workers}")
+    if not 0 <= valid_fraction < 1:
+        raise DataError(f"--valid_fraction must be in [0, 1), got {valid_fraction}")
+    if tokenizer is not None:
+        load_tokenizer(tokenizer, vocab_size)
+    fingerprint = corpus_fingerprint(corpus)
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    if (out_dir / MANIFEST).is_file():
+        old = read_manifest(out_dir)
+        same = (old["corpus"] == str(corpus.resolve()) and old["corpus_fingerprint"] == fingerprint
+                and old["vocab_size"] == vocab_size and old.get("valid_fraction", 0.0) == valid_fraction
+                and (tokenizer is None or old["tokenizer_sha256"] == file_sha256(tokenizer)))
+        if not same:
+            raise DataError(f"{out_dir} already holds a dataset prepared from {old['corpus']} with another corpus "
+                            "content, tokenizer or vocabulary: choose a new --output_dir (nothing was overwritten)")
+        say(f"{out_dir} already holds {corpus} prepared with this tokenizer: nothing to do")
+        return old
     out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    tok = out_dir / TOKENIZER
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, tok)
+    else:
+        say(f"training a {vocab_size}-piece SentencePiece model on up to {tokenizer_sample_lines:,} sampled lines")
+        train_tokenizer(corpus, tok.with_suffix(""), vocab_size, seed=seed, max_sentences=tokenizer_sample_lines)
+        tok.with_suffix(".vocab").unlink(missing_ok=True)
+    t_tok = time.perf_counter() - t0
+    sp = load_tokenizer(tok, vocab_size)
+    dtype = np.dtype(np.uint16 if sp.get_piece_size() <= 65_535 else np.int32).name
+    # More ranges than workers so that uneven documents still balance; any split gives the same bytes.
+    size = fingerprint["size"]
+    n_ranges = max(1, min(4 * workers, size // (64 << 10)))
+    with open(corpus, "rb") as f:
+        cuts = sorted({_doc_boundary(f, i * size // n_ranges, size) for i in range(n_ranges)} | {size})
+    shard_dir = out_dir / f".shards{os.getpid()}"
+    shard_dir.mkdir(exist_ok=True)
+    jobs = [(str(corpus), a, b, str(tok), str(shard_dir / f"{i:05d}"), dtype, valid_fraction, seed)
+            for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
+    say(f"encoding {size / 1e6:.1f} MB in {len(jobs)} ranges with {workers} worker(s)")
+    t1 = time.perf_counter()
+    if workers == 1 or len(jobs) == 1:
+        counts = [_encode_range(j) for j in jobs]
+    else:
+        with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
+            counts = pool.map(_encode_range, jobs, chunksize=1)
+    _merge([j[4] for j in jobs], str(out_dir / TEXT), dtype)
+    valid_counts = [int(sum(c[1][k] for c in counts)) for k in range(3)]
+    if valid_fraction > 0:
+        _merge([j[4] + ".valid" for j in jobs], str(out_dir / VALID), dtype)
+    shutil.rmtree(shard_dir)
+    t_enc = time.perf_counter() - t1
+    sentences, documents, tokens = (int(sum(c[0][k] for c in counts)) for k in range(3))
+    if sentences == 0:
+        raise DataError(f"corpus {corpus} produced no training sentences")
+    if valid_fraction > 0 and valid_counts[0] == 0:
+        raise DataError(f"--valid_fraction {valid_fraction} held out no document of {corpus}: raise it")
+    from mmadapt import __version__
 
-    def encoded():
-        pending: list[tuple[bool, str]] = []
-        for item in _sentences(corpus):
-            pending.append(item)
-            if len(pending) == batch_lines:
-                yield from zip((d for d, _ in pending), sp.encode([t for _, t in pending]))
-                pending = []
-        if pending:
-            yield from zip((d for d, _ in pending), sp.encode([t for _, t in pending]))
+    manifest = {"format": FORMAT, "corpus": str(corpus.resolve()), "corpus_fingerprint": fingerprint,
+                "tokenizer_sha256": file_sha256(tok), "vocab_size": sp.get_piece_size(), "dtype": dtype,
+                "sentences": sentences, "documents": documents, "tokens": tokens, "valid_fraction": valid_fraction,
+                "valid": dict(zip(("sentences", "documents", "tokens"), valid_counts)) if valid_fraction > 0 else None,
+                "mmadapt_version": __version__}
+    tmp = out_dir / f".{MANIFEST}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp, out_dir / MANIFEST)
+    say(f"prepared {out_dir}: {sentences:,} sentences in {documents:,} documents, {tokens:,} tokens "
+        f"(tokenizer {t_tok:.1f} s, encoding {t_enc:.1f} s, {size / 1e6 / max(t_enc, 1e-9):.1f} MB/s)")
+    return manifest
 
-    tag = f".tmp{os.getpid()}"
-    offsets, lengths, total = [], [], 0
-    with open(out_dir / f"tokens.bin{tag}", "wb") as f:
-        for block in pack_blocks(encoded(), seq_length):
-            np.asarray(block, dtype=dtype).tofile(f)
-            offsets.append(total)
-            lengths.append(len(block))
-            total += len(block)
-    np.save(out_dir / f"blocks{tag}.npy", np.stack([np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)], 1))
-    os.replace(out_dir / f"tokens.bin{tag}", out_dir / "tokens.bin")
-    os.replace(out_dir / f"blocks{tag}.npy", out_dir / "blocks.npy")
-    (out_dir / f"meta.json{tag}").write_text(json.dumps({"key": meta, "dtype": np.dtype(dtype).name,
-                                                         "num_blocks": len(offsets), "num_tokens": total}))
-    os.replace(out_dir / f"meta.json{tag}", meta_path)
-    return out_dir
+
+def pack_blocks(lengths: np.ndarray, seq_length: int) -> np.ndarray:
+    """FULL-SENTENCES blocks over sequences of `lengths` tokens stored back to back: each block is
+    the longest run of whole sequences that fits seq_length - 1 tokens (room for `<s>`); a longer
+    sequence is split into pieces of that size. -> [n, 2] int64 (token offset, length)."""
+    cap = seq_length - 1
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cum = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cum[1:])
+    out = np.empty((max(16, int(cum[-1]) // max(1, cap) * 2 + len(lengths) // 64 + 16), 2), dtype=np.int64)
+    n, i, total = 0, 0, len(lengths)
+    while i < total:
+        if lengths[i] > cap:  # split a long sentence
+            pieces = np.arange(cum[i], cum[i + 1], cap)
+            if n + len(pieces) > len(out):
+                out = np.resize(out, (2 * (n + len(pieces)), 2))
+            out[n:n + len(pieces), 0] = pieces
+            out[n:n + len(pieces), 1] = np.minimum(cap, cum[i + 1] - pieces)
+            n, i = n + len(pieces), i + 1
+            continue
+        j = int(np.searchsorted(cum, cum[i] + cap, side="right")) - 1  # sequences i..j-1 fit
+        if n == len(out):
+            out = np.resize(out, (2 * n, 2))
+        out[n] = cum[i], cum[j] - cum[i]
+        n, i = n + 1, j
+    return out[:n].copy()
+
+
+def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT) -> Path:
+    """The cached block index of a prepared dataset's `split` (TEXT or VALID) for `seq_length`
+    (built once, atomically)."""
+    from megatron.core.datasets.indexed_dataset import _IndexReader
+
+    data_path = Path(data_path)
+    path = data_path / f"{'blocks' if split == TEXT else split + '_blocks'}_s{seq_length}.npy"
+    if not path.is_file():
+        index = _IndexReader(str(data_path / (split + ".idx")), multimodal=False)
+        blocks = pack_blocks(index.sequence_lengths, seq_length)
+        del index
+        tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
+        np.save(tmp, blocks)
+        os.replace(tmp, path)
+    return path
+
+
+def wait_for(path: Path, what: str, poll_s: float = 2.0) -> None:
+    """Wait (no collective: no process group exists yet) until `path` exists, saying why."""
+    if path.exists():
+        return
+    print(f"rank {os.environ.get('RANK', '?')}: waiting for rank 0 to prepare {what}", file=sys.stderr, flush=True)
+    while not path.exists():
+        time.sleep(poll_s)
 
 
 def mask_tokens(block: np.ndarray, rng: np.random.Generator, vocab_size: int, mask_prob: float):
@@ -192,20 +471,46 @@ def mask_tokens(block: np.ndarray, rng: np.random.Generator, vocab_size: int, ma
     return ids, labels
 
 
+_M64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a cheap 64-bit integer hash."""
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
 class EpochOrder:
-    """Global sample index g -> item index: item perm_e[g mod n] of epoch e = g // n, with a
-    fresh seeded permutation per epoch. A pure function of (seed, g)."""
+    """Global sample index g -> item perm_e(g mod n) of epoch e = g // n: a fresh seeded
+    permutation of range(n) per epoch, a pure function of (seed, g).
+
+    The permutation is computed per index (a 4-round Feistel network on the smallest even power
+    of two >= n, cycle-walking back into [0, n)), never materialised: no rank builds an array of
+    n indices per epoch, so 45 million blocks cost nothing at start-up."""
 
     def __init__(self, n: int, seed: int):
+        if n < 1:
+            raise DataError("no items to order: the dataset is empty")
         self.n, self.seed = n, seed
-        self._epoch, self._perm = -1, None
+        bits = max(2, (n - 1).bit_length())
+        self.half = (bits + 1) // 2
+        self.mask = (1 << self.half) - 1
+        self._epoch, self._keys = -1, ()
 
     def __call__(self, g: int) -> int:
-        epoch, pos = divmod(g, self.n)
+        epoch, x = divmod(g, self.n)
         if epoch != self._epoch:
-            self._perm = np.random.default_rng([self.seed, 0, epoch]).permutation(self.n)
             self._epoch = epoch
-        return int(self._perm[pos])
+            self._keys = tuple(_mix64(_mix64(_mix64(self.seed) ^ epoch) ^ r) for r in range(4))
+        while True:  # cycle-walking: at most a few rounds, as the domain is < 4n
+            left, right = x >> self.half, x & self.mask
+            for key in self._keys:
+                left, right = right, left ^ (_mix64(right ^ key) & self.mask)
+            x = (left << self.half) | right
+            if x < self.n:
+                return x
 
 
 def micro_batch_range(step: int, micro_step: int, micro_batch_size: int, gradient_accumulation_steps: int,
@@ -219,19 +524,21 @@ def micro_batch_range(step: int, micro_step: int, micro_batch_size: int, gradien
 
 
 class MLMBatches:
-    """Micro-batches of masked blocks as a pure function of (seed, step, micro step, dp rank)."""
+    """Micro-batches of masked blocks of a prepared dataset, a pure function of (seed, step,
+    micro step, dp rank). Everything is memory-mapped: start-up reads no index into memory."""
 
-    def __init__(self, data_dir: str | os.PathLike, seq_length: int, vocab_size: int, seed: int,
+    def __init__(self, data_path: str | os.PathLike, seq_length: int, vocab_size: int, seed: int,
                  mask_prob: float, micro_batch_size: int, gradient_accumulation_steps: int,
-                 dp_rank: int = 0, dp_world: int = 1):
-        data_dir = Path(data_dir)
-        meta = json.loads((data_dir / "meta.json").read_text())
-        self.tokens = np.memmap(data_dir / "tokens.bin", dtype=meta["dtype"], mode="r")
-        self.blocks = np.load(data_dir / "blocks.npy")
+                 dp_rank: int = 0, dp_world: int = 1, split: str = TEXT):
+        data_path = Path(data_path)
+        manifest = read_manifest(data_path)
+        if split == VALID and not manifest.get("valid"):
+            raise DataError(f"{data_path} holds no validation data: prepare it with --valid_fraction > 0 "
+                            "(or set --eval_interval 0)")
+        self.tokens = np.memmap(data_path / (split + ".bin"), dtype=manifest["dtype"], mode="r")
+        self.blocks = np.load(block_index(data_path, seq_length, split), mmap_mode="r")
         if len(self.blocks) == 0:
-            raise DataError(f"{data_dir} holds no blocks: the corpus produced no tokens")
-        if int(self.blocks[:, 1].max()) > seq_length:
-            raise DataError(f"{data_dir} was packed for longer blocks than seq_length {seq_length}")
+            raise DataError(f"{data_path} holds no blocks: the corpus produced no tokens")
         self.seq_length, self.vocab_size, self.seed, self.mask_prob = seq_length, vocab_size, seed, mask_prob
         self.micro_batch_size, self.gas = micro_batch_size, gradient_accumulation_steps
         self.dp_rank, self.dp_world = dp_rank, dp_world
@@ -243,7 +550,7 @@ class MLMBatches:
 
     def sample(self, g: int):
         offset, length = self.blocks[self.order(g)]
-        block = np.asarray(self.tokens[offset:offset + length])
+        block = np.concatenate([[BOS_ID], self.tokens[offset:offset + length]])
         return mask_tokens(block, np.random.default_rng([self.seed, 1, g]), self.vocab_size, self.mask_prob)
 
     def micro_batch(self, step: int, micro_step: int):

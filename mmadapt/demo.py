@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmadapt.config import (DEFAULT_DS_CONFIG, PRESETS, FinetuneConfig, MiniModelConfig, TrainConfig, _f,
-                            apply_recipe)
+from mmadapt.config import (DEFAULT_DS_CONFIG, PRESETS, FinetuneConfig, MiniModelConfig, PreprocessConfig,
+                            TrainConfig, _f, apply_recipe)
 
 SYSTEMS = ("bl_base", "bl_small", "minijoint", "minipost")
 VOCAB = PRESETS["tiny"][0].vocab_size  # pieces of every demo tokenizer: the tiny preset's V
@@ -76,7 +76,7 @@ class Demo:
     def __init__(self, cfg: DemoConfig, root: Path, mini: MiniModelConfig = MiniModelConfig()):
         self.cfg, self.root, self.mini = cfg, root, mini
         self.stage, self.t0 = 0, time.perf_counter()
-        # vocabularies, 3 pretraining runs, Step 1b, Step 2 per system and language, 3 fine-tunings, Step 4
+        # data preparation, 3 pretraining runs, Step 1b, Step 2 per system and language, 3 fine-tunings, Step 4
         self.total = 1 + 3 + 1 + len(cfg.langs) * len(SYSTEMS) + 3 + 1
 
     def say(self, what: str) -> None:
@@ -99,15 +99,15 @@ class Demo:
 
     # --- the steps ----------------------------------------------------------------------------------
 
-    def tokenizers(self) -> dict[str, Path]:
-        from mmadapt.corpora import resolve_corpus
-        from mmadapt.data import train_tokenizer
+    def prepare(self) -> dict[str, Path]:
+        """Each language's Bible prepared once (tokenizer + encoded text): English serves every
+        Step-1 recipe and Step 1b, each target language all four Step-2 systems."""
+        from mmadapt import steps
 
         out = {}
         for lang in ("en", *self.cfg.langs):
-            path = self.root / "tokenizers" / f"{lang}.model"
-            out[lang] = path if path.is_file() else train_tokenizer(resolve_corpus(f"bible:{lang}"),
-                                                                    path.with_suffix(""), VOCAB)
+            out[lang] = self.root / "data" / lang
+            steps.preprocess(Path(f"bible:{lang}"), out[lang], VOCAB, PreprocessConfig(workers=1))
         return out
 
     def run(self) -> dict:
@@ -116,8 +116,9 @@ class Demo:
         from mmadapt.train import RunPaths
 
         cfg, root = self.cfg, self.root
-        self.say(f"SentencePiece vocabularies ({VOCAB} pieces): en, " + ", ".join(cfg.langs))
-        tok = self.tokenizers()
+        self.say(f"prepare each Bible once: a {VOCAB}-piece SentencePiece vocabulary and the encoded text for en, "
+                 + ", ".join(cfg.langs))
+        data = self.prepare()
         model = dataclasses.replace(PRESETS["tiny"][0], vocab_size=VOCAB, init_method_std=cfg.init_method_std)
         pre = {r: root / "pretrain" / r for r in ("bl_base", "bl_small", "minijoint")}
         train = self._train(cfg.pretrain_iters, cfg.pretrain_iters, lr=cfg.pretrain_lr,
@@ -126,8 +127,7 @@ class Demo:
             self.say(f"Step 1: pretrain {recipe} on the English Bible")
             state = self._state(run_dir, cfg.pretrain_iters)
             if state != "done":
-                paths = RunPaths(output_dir=run_dir, corpus=Path("bible:en"), ds_config=DEFAULT_DS_CONFIG,
-                                 tokenizer=tok["en"])
+                paths = RunPaths(output_dir=run_dir, corpus=None, ds_config=DEFAULT_DS_CONFIG, data_path=data["en"])
                 steps.pretrain(apply_recipe(model, recipe, self.mini.mini_layers), train, paths, recipe,
                                resume=state == "resume")
         self.say(f"Step 1b: MINIPOST = bl_base's bottom {self.mini.mini_layers} layers + {self.mini.new_layers} "
@@ -146,7 +146,7 @@ class Demo:
                 run_dir = root / "adapt" / f"{system}-{lang}"
                 state = self._state(run_dir, cfg.adapt_iters)
                 if state != "done":
-                    steps.adapt_embeddings(system, source[system], lang, run_dir, adapt, tokenizer=tok[lang],
+                    steps.adapt_embeddings(system, source[system], lang, run_dir, adapt, data_path=data[lang],
                                            resume=state == "resume")
         finetuned = {}
         ft_cfg = dataclasses.replace(FinetuneConfig(), seq_length=cfg.seq_length, epochs=cfg.finetune_epochs,
@@ -159,9 +159,9 @@ class Demo:
             steps.finetune("bible-genre", pre[primary], out, ft_cfg, eval_file="bible",
                            resume=(out / "checkpoints").is_dir())
         self.say("Step 4: zero-shot bible-genre and parallel-verse retrieval for every Step-2 checkpoint")
-        return self.evaluate(pre, finetuned, tok)
+        return self.evaluate(pre, finetuned)
 
-    def evaluate(self, pre: dict, finetuned: dict, tok: dict) -> dict:
+    def evaluate(self, pre: dict, finetuned: dict) -> dict:
         from mmadapt.corpora import parallel_verses
         from mmadapt.finetune import evaluate_artifacts, retrieval_records
 

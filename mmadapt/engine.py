@@ -210,7 +210,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
                log_interval: int, save_interval: int, exit_interval: int = 0, extra_save_steps: tuple = (),
                loss_names: tuple[str, ...] | None = None, perf: Callable[[float], dict] | None = None,
                client_state: dict, names: dict, exclude_frozen: bool, label: str,
-               after_save: Callable[[int, str], None] | None = None) -> list[dict]:
+               after_save: Callable[[int, str], None] | None = None,
+               evaluate: Callable[[], torch.Tensor] | None = None, eval_interval: int = 0) -> list[dict]:
     """Run updates until `total` (or the next multiple of `exit_interval`). Returns the rows
     logged by this invocation (global rank 0; empty elsewhere).
 
@@ -218,7 +219,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
     reduction over ranks: they are summed on the device and reduced once per log line, so an
     update costs no host synchronisation. loss_names: one per entry (the MLM heads' layers;
     None: one loss). perf(seconds per update) -> throughput fields of the row.
-    after_save(step, tag): global rank 0, after each complete checkpoint."""
+    after_save(step, tag): global rank 0, after each complete checkpoint. evaluate() -> this
+    rank's validation losses [k] (as step_fn's), every `eval_interval` updates: logged as
+    `valid_loss` (and `valid_head_losses`) rows."""
     from tqdm import tqdm
 
     is_pipe = is_pipeline(engine)
@@ -252,6 +255,16 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
                 log.write(row, scalars)
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
             loss_sum, since, t_last = None, 0, time.perf_counter()
+        if evaluate is not None and eval_interval and done % eval_interval == 0:
+            mean = mean_over_ranks(evaluate(), is_pipe)
+            row = {"step": done, "valid_loss": mean.mean().item()}
+            scalars = {"valid/loss": row["valid_loss"]}
+            if loss_names is not None:
+                row["valid_head_losses"] = dict(zip(loss_names, mean.tolist()))
+                scalars.update({f"valid/head_layer{k}": v for k, v in row["valid_head_losses"].items()})
+            if rank == 0:
+                rows.append(row)
+                log.write(row, scalars)
         bar.update(1)
         exiting = exit_interval > 0 and done % exit_interval == 0
         if done % save_interval == 0 or done in extra_save_steps or done == total or exiting:

@@ -22,6 +22,12 @@ from megatron.core import parallel_state
 # megatron-core warns about this on every layer when it is unset; on GPU it is the right value.
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
+# How long a collective (and the rendezvous) may wait before the job fails. Set explicitly, not
+# left to the backend's default: no mmadapt step waits on data preparation in a collective
+# (train.prepare_data runs before the groups exist), so the default only has to cover a
+# checkpoint write and the slowest update. Override it for slow shared file systems.
+DIST_TIMEOUT_S = float(os.environ.get("MMADAPT_DIST_TIMEOUT_S", 1800))
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -47,8 +53,10 @@ def init_distributed() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
+    from datetime import timedelta
+
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               auto_mpi_discovery=False)
+                               auto_mpi_discovery=False, timeout=timedelta(seconds=DIST_TIMEOUT_S))
     _unlink_shm_allreduce_buffer()
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mmadapt import adapt as A
 from mmadapt import checkpoint, parallel
 from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, FinetuneConfig, MiniModelConfig, ModelConfig,
-                            TrainConfig, to_dict)
+                            PreprocessConfig, TrainConfig, to_dict)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.train import MLMJob, RunPaths, prepare_data, train_mlm, validate_run
 
@@ -52,16 +52,30 @@ def checkpoint_tag(run_dir: Path, tag: str | None) -> str:
 
 
 def _start(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume: bool) -> tuple[dict, Path, Path]:
-    """Checks, process groups, run directory, tokenizer and encoded blocks: what every MLM step
-    does before it can compute its starting weights. -> (DeepSpeed config, tokenizer, data dir)."""
-    paths.corpus = resolve_corpus(paths.corpus)  # bible:<lang> -> the packaged Bible, written once
+    """Checks, tokenizer and prepared data (before any process group: see train.prepare_data),
+    then the process groups: what every MLM step does before it can compute its starting
+    weights. -> (DeepSpeed config, tokenizer, prepared dataset)."""
+    if paths.corpus is not None:  # bible:<lang> -> the packaged Bible, written once
+        paths.corpus = resolve_corpus(paths.corpus)
     ds_config = validate_run(model, train, paths, resume)
-    parallel.init_parallel(model.tensor_model_parallel_size, model.pipeline_model_parallel_size)
-    if dist.get_rank() == 0:
+    if int(os.environ.get("RANK", 0)) == 0:
         paths.output_dir.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
     tok, data_dir = prepare_data(model, train, paths)
+    parallel.init_parallel(model.tensor_model_parallel_size, model.pipeline_model_parallel_size)
     return ds_config, tok, data_dir
+
+
+# --- data --------------------------------------------------------------------------------------------
+
+def preprocess(corpus: Path, output_dir: Path, vocab_size: int, cfg: PreprocessConfig = PreprocessConfig(),
+               tokenizer: Path | None = None) -> dict:
+    """Prepare `corpus` once (data.prepare): what `--data_path` of every training step reads.
+    A no-op when `output_dir` already holds it. -> the dataset's manifest. Needs no process group."""
+    from mmadapt.data import prepare
+
+    return prepare(resolve_corpus(corpus), output_dir, vocab_size, tokenizer=tokenizer, workers=cfg.workers,
+                   tokenizer_sample_lines=cfg.tokenizer_sample_lines, seed=cfg.tokenizer_seed,
+                   valid_fraction=cfg.valid_fraction)
 
 
 # --- Step 1 -----------------------------------------------------------------------------------------
@@ -78,17 +92,20 @@ def pretrain(model: ModelConfig, train: TrainConfig, paths: RunPaths, recipe: st
 
 def build_minipost(primary: Path, output_dir: Path, train: TrainConfig, mini: MiniModelConfig = MiniModelConfig(),
                    layout: dict | None = None, ds_config: Path = DEFAULT_DS_CONFIG, corpus: Path | None = None,
-                   primary_tag: str | None = None, resume: bool = False) -> list[dict]:
+                   primary_tag: str | None = None, resume: bool = False, data_path: Path | None = None) -> list[dict]:
     """Step 1b (MINIPOST): the bottom N layers, embeddings and primary MLM head of `primary`,
-    K new layers on top, only those trained with source-language MLM (default corpus: the
-    primary run's)."""
+    K new layers on top, only those trained with source-language MLM (default data: the primary
+    run's prepared dataset, encoded once for every source-language step)."""
     primary = Path(primary).resolve()
     src = A.read_run(primary)
     tag = checkpoint_tag(primary, primary_tag)
     cfg, _ = A.minipost_layout(ModelConfig(**src["model"]), {}, mini.mini_layers, mini.new_layers)
     model = _with_layout(cfg, layout)
-    paths = RunPaths(output_dir=Path(output_dir), corpus=Path(corpus or src["corpus"]),
-                     ds_config=Path(ds_config), tokenizer=primary / "tokenizer" / "spm.model")
+    if data_path is None and corpus is None:
+        data_path = Path(src["data_path"]) if src.get("data_path") else None
+        corpus = None if data_path is not None else Path(src["corpus"])
+    paths = RunPaths(output_dir=Path(output_dir), corpus=Path(corpus) if corpus else None, ds_config=Path(ds_config),
+                     tokenizer=primary / "tokenizer" / "spm.model", data_path=Path(data_path) if data_path else None)
     ds, _, data_dir = _start(model, train, paths, resume)
     _, init = A.minipost_layout(*A.load_model(primary, tag), mini.mini_layers, mini.new_layers)
     job = MLMJob(step="minipost", trainable=A.minipost_trainable(mini.mini_layers, mini.new_layers),
@@ -102,15 +119,16 @@ def build_minipost(primary: Path, output_dir: Path, train: TrainConfig, mini: Mi
 def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, train: TrainConfig,
                      layout: dict | None = None, ds_config: Path = DEFAULT_DS_CONFIG, corpus: Path | None = None,
                      tokenizer: Path | None = None, vocab_size: int | None = None, source_tag: str | None = None,
-                     resume: bool = False) -> list[dict]:
+                     resume: bool = False, data_path: Path | None = None) -> list[dict]:
     """Step 2: new `lang` embeddings and output bias over the frozen model of `system`, from
     the source run `source`. Writes an artifact (embeddings.pt, spm.model, meta.json) under
     <output_dir>/embeddings/<tag> at every checkpoint: what Step 4 swaps in.
 
-    corpus: default the packaged Bible (bible:<lang>). tokenizer: an existing target
-    SentencePiece model (default: one trained on the corpus). vocab_size: the target vocabulary
-    (default: the tokenizer's size, or the source model's when a tokenizer is trained)."""
-    from mmadapt.data import load_tokenizer
+    data_path: the target language's prepared dataset (mmadapt preprocess; its tokenizer is the
+    target vocabulary); else corpus (default: the packaged Bible, bible:<lang>) with tokenizer,
+    an existing target SentencePiece model (default: one trained on the corpus). vocab_size: the
+    target vocabulary (default: the dataset's or tokenizer's size, else the source model's)."""
+    from mmadapt.data import load_tokenizer, read_manifest
     from mmadapt.flops import adapt_flops, device_days
     from mmadapt.model import derive_seed
 
@@ -124,12 +142,17 @@ def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, tra
     tag = checkpoint_tag(source, source_tag)
     body_cfg, _ = A.adapt_body(system, ModelConfig(**src["model"]), {})
     if vocab_size is None:
-        vocab_size = (load_tokenizer(tokenizer).get_piece_size() if tokenizer is not None and Path(tokenizer).is_file()
-                      else body_cfg.vocab_size)
+        if data_path is not None:
+            vocab_size = read_manifest(data_path)["vocab_size"]
+        elif tokenizer is not None and Path(tokenizer).is_file():
+            vocab_size = load_tokenizer(tokenizer).get_piece_size()
+        else:
+            vocab_size = body_cfg.vocab_size
     model = dataclasses.replace(_with_layout(body_cfg, layout), vocab_size=vocab_size)
     out = Path(output_dir)
-    paths = RunPaths(output_dir=out, corpus=Path(corpus or f"bible:{lang}"), ds_config=Path(ds_config),
-                     tokenizer=Path(tokenizer) if tokenizer else None)
+    paths = RunPaths(output_dir=out, corpus=None if data_path else Path(corpus or f"bible:{lang}"),
+                     ds_config=Path(ds_config), tokenizer=Path(tokenizer) if tokenizer else None,
+                     data_path=Path(data_path) if data_path else None)
     ds, tok, data_dir = _start(model, train, paths, resume)
     _, init, shared = A.step2_start(system, source, tag, tok, model.init_method_std,
                                     derive_seed(train.seed, f"embeddings.{lang}"))
@@ -194,6 +217,7 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
     tokenizer = primary / "tokenizer" / "spm.model"
     examples = F.read_examples(t, train_file, source_lang, "train", cfg)
     labels = F.label_names(t, examples)
+    metric = F.headline(t, labels, cfg)
     enc = F.encode(t, F.load_sp(tokenizer), examples, labels, cfg)
     eval_examples = F.read_examples(t, eval_file, source_lang, "test", cfg, labels) if eval_file else None
     lr = cfg.lr or t.lr
@@ -217,7 +241,6 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
     module = F.task_model(model_cfg, t, len(labels), cfg.seed)
     names = {n: n for n, _ in module.named_parameters()}
     engine, dims = build_engine(module, names, trainable_by_names(F.FINETUNE_TRAINABLE), cfg, lr,
-    metric = F.headline(t, labels, cfg)
                                 warmup_linear_decay(round(cfg.warmup_ratio * updates), updates), ds, state)
     del state
     order, dev = EpochOrder(len(enc), cfg.seed), engine.device

@@ -14,6 +14,7 @@ any process group, file or directory exists), the tokenizer and encoded blocks
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -25,7 +26,8 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
 from mmadapt.config import ModelConfig, TrainConfig, to_dict
-from mmadapt.data import MLMBatches, check_corpus, encode_corpus, load_tokenizer, train_tokenizer
+from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TOKENIZER, VALID, MLMBatches, block_index,
+                          check_corpus, check_prepared, load_tokenizer, prepare, wait_for)
 from mmadapt.engine import (build_engine, is_pipeline, load_ds_config, mean_over_ranks, train_loop,
                             trainable_by_names, warmup_linear_decay)
 from mmadapt.flops import step_flops
@@ -43,9 +45,10 @@ class MLMJob:
 @dataclasses.dataclass
 class RunPaths:
     output_dir: Path
-    corpus: Path
+    corpus: Path | None  # raw text, prepared into <output_dir>/data (small corpora; None: data_path)
     ds_config: Path
-    tokenizer: Path | None = None  # None: train one on the corpus
+    tokenizer: Path | None = None  # None: train one on the corpus (a data_path has its own)
+    data_path: Path | None = None  # a dataset prepared by `mmadapt preprocess`
 
     @property
     def checkpoints(self) -> Path:
@@ -69,9 +72,26 @@ def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume
         # TP ranks and asserts that no other tensor of the tuple needs a gradient; the carried
         # output of an intermediate head's layer does (pipeline.py), so send whole tensors.
         ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
-    check_corpus(paths.corpus)
-    if paths.tokenizer is not None:
-        load_tokenizer(paths.tokenizer, model.vocab_size)
+    if paths.data_path is not None:
+        manifest = check_prepared(paths.data_path, model.vocab_size, paths.tokenizer)
+        if train.eval_interval and not manifest.get("valid"):
+            raise ValueError(f"--eval_interval needs validation data: {paths.data_path} was prepared without it "
+                             "(mmadapt preprocess --valid_fraction 0.01 ... into a new --output_dir)")
+    else:
+        if paths.corpus is None:
+            raise ValueError("no training data: pass --data_path (a dataset made by mmadapt preprocess) or --corpus")
+        corpus = check_corpus(paths.corpus)
+        if corpus.stat().st_size > RAW_CORPUS_LIMIT_BYTES:
+            prepared = corpus.with_name(corpus.name + ".prepared")
+            tok = f" --tokenizer {paths.tokenizer}" if paths.tokenizer else ""
+            raise ValueError(f"corpus {corpus} is {corpus.stat().st_size / 2**30:.1f} GiB: prepare it once first with "
+                             f"`mmadapt preprocess --corpus {corpus} --output_dir {prepared} --vocab_size "
+                             f"{model.vocab_size}{tok}`, then pass --data_path {prepared}")
+        if paths.tokenizer is not None:
+            load_tokenizer(paths.tokenizer, model.vocab_size)
+        if train.eval_interval:
+            raise ValueError("--eval_interval needs validation data: prepare the corpus with mmadapt preprocess "
+                             "--valid_fraction 0.01 and pass --data_path")
     if checkpoint.has_checkpoints(paths.checkpoints) and not resume:
         raise ValueError(f"{paths.output_dir} already holds checkpoints of another run: pass --resume to "
                          "continue it, or choose a new --output_dir")
@@ -87,21 +107,29 @@ def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume
 
 
 def prepare_data(model: ModelConfig, train: TrainConfig, paths: RunPaths) -> tuple[Path, Path]:
-    """Tokenizer and encoded blocks, made by global rank 0 while the others wait. Like DeepSpeed's
-    checkpoints, this assumes the output directory is on a file system all nodes share."""
-    tok = paths.output_dir / "tokenizer" / "spm.model"
-    data_dir = paths.output_dir / "data"
-    if dist.get_rank() == 0:
-        if paths.tokenizer is not None:
-            if paths.tokenizer.resolve() != tok.resolve():
-                tok.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(paths.tokenizer, tok)
-        elif not tok.is_file():
-            train_tokenizer(paths.corpus, tok.with_suffix(""), model.vocab_size, seed=train.seed)
-        load_tokenizer(tok, model.vocab_size)
-        encode_corpus(paths.corpus, tok, data_dir, train.seq_length)
-    dist.barrier()
-    return tok, data_dir
+    """-> (tokenizer, prepared dataset) of the run, with the block index for train.seq_length.
+
+    Runs before any process group exists, so no rank waits in a collective (whose timeout would
+    kill a job that prepares for longer): global rank 0 prepares a raw --corpus into
+    <output_dir>/data (once; `mmadapt preprocess` does the same for large corpora, ahead of the
+    job) and builds the block index, while the other ranks poll the file system. Like DeepSpeed's
+    checkpoints, this assumes a file system that all nodes share."""
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    data_path = paths.data_path or paths.output_dir / "data"
+    if paths.data_path is None:
+        if rank0:
+            prepare(paths.corpus, data_path, model.vocab_size, tokenizer=paths.tokenizer, seed=train.seed)
+        wait_for(data_path / MANIFEST, f"the corpus in {data_path}")
+    blocks = data_path / f"blocks_s{train.seq_length}.npy"
+    if rank0:
+        block_index(data_path, train.seq_length)
+        if train.eval_interval:
+            block_index(data_path, train.seq_length, VALID)
+        tok = paths.output_dir / "tokenizer" / "spm.model"  # what later steps read
+        tok.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(data_path / TOKENIZER, tok)
+    wait_for(blocks, f"the block index {blocks}")
+    return data_path / TOKENIZER, data_path
 
 
 def build_mlm(model_cfg: ModelConfig, seed: int) -> tuple[torch.nn.Module, dict[str, str | None]]:
@@ -154,6 +182,29 @@ def mlm_step(engine, batches, num_heads: int) -> torch.Tensor:
     return per_head
 
 
+@torch.no_grad()
+def mlm_eval(engine, batches, num_heads: int) -> torch.Tensor:
+    """Each head's mean loss over `batches` with dropout off, this rank's (pipeline: the last
+    stage's), not reduced over ranks. Consumes no random numbers: training resumes exactly."""
+    dev = engine.device
+    engine.eval()
+    try:
+        per_head = torch.zeros(num_heads, device=dev)
+        if is_pipeline(engine):
+            engine.eval_batch(iter([((ids.to(dev), lab.to(dev)), lab.to(dev)) for ids, lab in batches]),
+                              num_micro_batches=len(batches))
+            heads = _pipe_heads(engine)
+            if heads is not None:
+                per_head += torch.stack(heads.head_losses).mean(0)
+                heads.head_losses.clear()
+            return per_head
+        for ids, lab in batches:
+            per_head += engine(ids.to(dev), lab.to(dev))[1] / len(batches)
+        return per_head
+    finally:
+        engine.train()
+
+
 def train_step(engine, batches, num_heads: int) -> torch.Tensor:
     """mlm_step, averaged over the data-parallel replicas (every rank gets the result)."""
     return mean_over_ranks(mlm_step(engine, batches, num_heads), is_pipeline(engine))
@@ -169,7 +220,8 @@ def train_mlm(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, ds_co
     engine, names, dims = mlm_engine(model_cfg, train, ds_config, job, init_state)
     if dist.get_rank() == 0:
         info = {**run_info, "step": job.step, "model": to_dict(model_cfg), "train": to_dict(train),
-                "corpus": str(paths.corpus), "ds_config": ds_config,
+                "data_path": str(data_dir.resolve()), "corpus": json.loads((data_dir / MANIFEST).read_text())["corpus"],
+                "ds_config": ds_config,
                 "trainable": list(job.trainable) if job.trainable is not None else None}
         if model_cfg.pipeline_model_parallel_size > 1:  # which stage owns what (pipeline.py docstring)
             info["pipeline_parts"] = [int(x) for x in engine.module.parts]
@@ -187,10 +239,17 @@ def train_mlm(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, ds_co
                 "flops_per_s_per_device": update_flops / seconds / world}
 
     heads = len(model_cfg.heads_after)
+    evaluate = None
+    if train.eval_interval:
+        valid = MLMBatches(data_dir, train.seq_length, model_cfg.vocab_size, train.seed, train.mask_prob,
+                           train.train_micro_batch_size_per_gpu, 1, parallel.dp_rank(), parallel.dp_world(), VALID)
+        valid_batches = [valid.micro_batch(k, 0) for k in range(train.eval_iters)]  # the same ones every time
+        evaluate = functools.partial(mlm_eval, engine, valid_batches, heads)
     return train_loop(engine, lambda step: mlm_step(engine, batches.step_batches(step), heads),
                       total=train.train_iters, run_dir=paths.output_dir, resume=resume,
                       log_interval=train.log_interval, save_interval=train.save_interval,
                       exit_interval=train.exit_interval, extra_save_steps=train.extra_save_steps,
                       loss_names=tuple(str(l) for l in model_cfg.heads_after), perf=perf,
                       client_state={"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}, names=names,
-                      exclude_frozen=job.trainable is not None, label=job.step, after_save=after_save)
+                      exclude_frozen=job.trainable is not None, label=job.step, after_save=after_save,
+                      evaluate=evaluate, eval_interval=train.eval_interval)

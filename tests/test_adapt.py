@@ -11,7 +11,7 @@ import torch
 from conftest import ADAPT, MINIPOST, NO_DROPOUT, REPO, VOCAB, adapt_args, metrics, run_pretrain
 from mmadapt import adapt as A
 from mmadapt.config import PRESETS, ModelConfig
-from mmadapt.data import MLMBatches, encode_corpus
+from mmadapt.data import MLMBatches, prepare
 from mmadapt.model import RobertaMLM
 from mmadapt.parallel import init_parallel
 
@@ -30,7 +30,7 @@ def no_dropout(cfg: ModelConfig) -> ModelConfig:
 @pytest.fixture(scope="module")
 def de_data(de_corpus, de_tokenizer, tmp_path_factory):
     out = tmp_path_factory.mktemp("de_data")
-    encode_corpus(de_corpus, de_tokenizer, out, 64)
+    prepare(de_corpus, out, VOCAB, tokenizer=de_tokenizer, workers=1, quiet=True)
     return out
 
 
@@ -236,8 +236,8 @@ def test_minipost_new_layers_learn(primary_run, de_data):
     job = MLMJob(step="minipost", trainable=A.minipost_trainable(N, K), trainable_layers=K)
     engine, _, _ = mlm_engine(cfg, train, ds, job, init)
     batches = MLMBatches(primary_run / "data", 64, VOCAB, 3, 0.15, 8, 1).step_batches(0)
-    losses = [train_step(engine, batches, 1).item() for _ in range(25)]
-    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.1, losses
+    losses = [train_step(engine, batches, 1).item() for _ in range(40)]
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.05, losses
     for name, p in engine.module.named_parameters():
         if not name.startswith(job.trainable):
             assert torch.equal(p.detach(), init[name]), f"frozen {name} changed"

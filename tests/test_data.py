@@ -1,22 +1,150 @@
-"""Packing, masking, sharding and the encoded corpus."""
+"""Prepared datasets (parallel encoding, manifest, reuse, bad input), FULL-SENTENCES blocks with
+fairseq's separators, masking, sharding and the epoch order."""
+
+import filecmp
+import json
 
 import numpy as np
 import pytest
 
-from mmadapt.data import MLMBatches, encode_corpus, load_tokenizer, mask_tokens, pack_blocks
+from mmadapt import data as D
+from mmadapt.data import MLMBatches, mask_tokens, pack_blocks, prepare
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL
+
+VOCAB = 1000
 
 
 def test_full_sentences_packing_by_hand():
-    # seq_length 8 leaves 6 tokens between <s> and </s>.
-    sents = [(True, [10, 11]), (False, [12, 13, 14]), (False, [15, 16]),  # doc 1
-             (True, [20]),                                                # doc 2: separator fits
-             (True, [30, 31, 32, 33, 34, 35, 36, 37, 38])]                # doc 3: longer than a block
-    blocks = list(pack_blocks(sents, 8))
-    assert blocks == [[BOS_ID, 10, 11, 12, 13, 14, EOS_ID],
-                      [BOS_ID, 15, 16, EOS_ID, 20, EOS_ID],
-                      [BOS_ID, 30, 31, 32, 33, 34, 35, EOS_ID],
-                      [BOS_ID, 36, 37, 38, EOS_ID]]
+    # seq_length 8 leaves 7 tokens after <s>; sequences stored back to back.
+    lengths = [3, 3, 1, 4, 9, 2]  # sentence, sentence, separator, sentence, a long one, sentence
+    blocks = pack_blocks(np.array(lengths), 8)
+    assert blocks.tolist() == [[0, 7],    # 3 + 3 + 1
+                               [7, 4],    # 4 (the next, 9 tokens, does not fit)
+                               [11, 7],   # the long sentence, split into 7 + 2
+                               [18, 2],
+                               [20, 2]]
+    assert pack_blocks(np.array([], dtype=np.int64), 8).shape == (0, 2)
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus, tokenizer, tmp_path_factory):
+    """Genesis + Exodus prepared with 1 worker and with 2 (several ranges each), a tenth of the
+    chapters held out for validation."""
+    root = tmp_path_factory.mktemp("prepared")
+    return {w: (prepare(corpus, root / f"w{w}", VOCAB, tokenizer=tokenizer, workers=w, valid_fraction=0.1,
+                        quiet=True), root / f"w{w}") for w in (1, 2)}
+
+
+def test_any_number_of_workers_gives_the_same_bytes(prepared, corpus):
+    (m1, d1), (m2, d2) = prepared[1], prepared[2]
+    for f in ("text.bin", "text.idx", "valid.bin", "valid.idx", "tokenizer.model"):
+        assert filecmp.cmp(d1 / f, d2 / f, shallow=False), f
+    assert m1 == m2 and m1["vocab_size"] == VOCAB
+    assert m1["documents"] + m1["valid"]["documents"] == 90 and m1["valid"]["documents"] >= 3  # 50 + 40 chapters
+    assert corpus.stat().st_size // (64 << 10) >= 2  # the corpus was split into several ranges
+
+
+def test_dataset_is_megatrons_indexed_dataset_in_fairseqs_layout(prepared, corpus, tokenizer):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    sp = D.load_tokenizer(tokenizer)
+    ds = IndexedDataset(str(prepared[1][1] / "text"))
+    lines = corpus.read_text().splitlines()
+    docs = [[]]
+    for line in lines:
+        if line.strip():
+            docs[-1].append(line.strip())
+        elif docs[-1]:
+            docs.append([])
+    held_out = [d for d in docs if d and D.is_validation_document(d[0], 0.1, 1234)]
+    docs = [d for d in docs if d and not D.is_validation_document(d[0], 0.1, 1234)]
+    assert len(IndexedDataset(str(prepared[1][1] / "valid")).document_indices) == len(held_out) + 1
+    # Each line: its pieces and </s>; each document closed by a lone </s> (fairseq's empty line).
+    expected = [sp.encode(s) + [EOS_ID] for d in docs for s in d + [None] if s is not None]
+    got = [ds[i].tolist() for i in range(len(ds))]
+    assert [g for g in got if g != [EOS_ID]] == expected
+    assert len(ds.document_indices) == len(docs) + 1
+    first_doc_end = ds.document_indices[1]
+    assert got[first_doc_end - 1] == [EOS_ID] and got[first_doc_end - 2] == expected[len(docs[0]) - 1]
+
+
+def test_blocks_cross_documents_with_fairseqs_separators(tokenizer, tmp_path):
+    corpus = tmp_path / "two_docs.txt"
+    corpus.write_text("In the beginning.\nAnd the earth.\n\nLight was good.\n", encoding="utf-8")
+    prepare(corpus, tmp_path / "d", VOCAB, tokenizer=tokenizer, workers=1, quiet=True)
+    sp = D.load_tokenizer(tokenizer)
+    b = MLMBatches(tmp_path / "d", 64, VOCAB, seed=0, mask_prob=0.15, micro_batch_size=1,
+                   gradient_accumulation_steps=1)
+    assert len(b) == 1
+    offset, length = b.blocks[0]
+    block = [BOS_ID] + b.tokens[offset:offset + length].tolist()
+    a, c, e = (sp.encode(t) for t in ("In the beginning.", "And the earth.", "Light was good."))
+    assert block == [BOS_ID, *a, EOS_ID, *c, EOS_ID, EOS_ID, *e, EOS_ID, EOS_ID]
+
+
+def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpus, tokenizer, capsys, tmp_path):
+    from mmadapt.config import PRESETS
+    from mmadapt.train import RunPaths, prepare_data
+
+    _, d = prepared[2]
+    stamp = {f: (d / f).stat().st_mtime_ns for f in ("text.bin", "text.idx", "manifest.json")}
+    prepare(corpus, d, VOCAB, tokenizer=tokenizer, workers=2, valid_fraction=0.1)
+    assert "nothing to do" in capsys.readouterr().out
+    # Two runs (two recipes) on the prepared data: each only adds its block index.
+    model = PRESETS["tiny"][0]
+    train = PRESETS["tiny"][1]
+    for run in ("a", "b"):
+        tok, data = prepare_data(model, train, RunPaths(tmp_path / run, None, tmp_path, data_path=d))
+        assert data == d and (tmp_path / run / "tokenizer" / "spm.model").read_bytes() == tok.read_bytes()
+    assert {f: (d / f).stat().st_mtime_ns for f in stamp} == stamp
+    assert (d / f"blocks_s{train.seq_length}.npy").is_file()
+
+
+def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
+    _, d = prepared[1]
+    with pytest.raises(D.DataError, match="--workers must be >= 1"):
+        prepare(corpus, tmp_path / "x", VOCAB, tokenizer=tokenizer, workers=0)
+    # Another corpus into a finished dataset: refused, nothing overwritten.
+    other = tmp_path / "other.txt"
+    other.write_text("Another text.\n", encoding="utf-8")
+    before = (d / "text.bin").read_bytes()
+    with pytest.raises(D.DataError, match="choose a new --output_dir"):
+        prepare(other, d, VOCAB, tokenizer=tokenizer, workers=1, valid_fraction=0.1)
+    assert (d / "text.bin").read_bytes() == before
+    # Training checks: tokenizer, vocabulary, a half-written dataset, a changed corpus.
+    with pytest.raises(D.DataError, match="another tokenizer"):
+        D.check_prepared(d, VOCAB, de_tokenizer)
+    with pytest.raises(D.DataError, match="pass --vocab_size 1000"):
+        D.check_prepared(d, 2000)
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "text.bin").write_bytes(b"\0\0")
+    with pytest.raises(D.DataError, match="no manifest.json"):
+        D.check_prepared(half)
+    copy = tmp_path / "corpus.txt"
+    copy.write_bytes(corpus.read_bytes())
+    prepare(copy, tmp_path / "p", VOCAB, tokenizer=tokenizer, workers=1, quiet=True)
+    copy.write_bytes(copy.read_bytes().replace(b"God", b"Gad", 1))
+    with pytest.raises(D.DataError, match="changed since"):
+        D.check_prepared(tmp_path / "p", VOCAB)
+    # Not UTF-8: the byte offset of the first bad byte.
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("A line.\nCaf\u00e9 au lait.\n".encode("latin-1"))
+    with pytest.raises(D.DataError, match=r"not UTF-8: byte 11 \(in the line starting at byte 8\)"):
+        prepare(latin, tmp_path / "l", VOCAB, tokenizer=tokenizer, workers=1)
+    assert not (tmp_path / "l" / "manifest.json").exists()
+
+
+def test_a_large_raw_corpus_is_sent_to_preprocess(corpus, tokenizer, tmp_path, monkeypatch):
+    from mmadapt import train as T
+    from mmadapt.config import PRESETS
+
+    monkeypatch.setattr(T, "RAW_CORPUS_LIMIT_BYTES", 1000)
+    paths = T.RunPaths(tmp_path / "run", corpus, T.Path(__file__).parents[1] / "ds_configs" / "zero1.json", tokenizer)
+    model = PRESETS["tiny"][0].__class__(**{**vars(PRESETS["tiny"][0]), "vocab_size": VOCAB})
+    with pytest.raises(ValueError, match=f"`mmadapt preprocess --corpus {corpus} --output_dir "):
+        T.validate_run(model, PRESETS["tiny"][1], paths, resume=False)
+    assert not (tmp_path / "run").exists()
 
 
 def test_masking_80_10_10_and_determinism():
@@ -35,31 +163,8 @@ def test_masking_80_10_10_and_determinism():
 
 
 @pytest.fixture(scope="module")
-def encoded(corpus, tokenizer, tmp_path_factory):
-    return encode_corpus(corpus, tokenizer, tmp_path_factory.mktemp("enc"), 64)
-
-
-def test_encoded_blocks_round_trip_the_corpus(encoded, corpus, tokenizer):
-    sp = load_tokenizer(tokenizer, 1000)
-    tokens = np.memmap(encoded / "tokens.bin", dtype=np.uint16, mode="r")
-    blocks = np.load(encoded / "blocks.npy")
-    assert blocks[:, 1].max() <= 64
-    first = tokens[blocks[0, 0]:blocks[0, 0] + blocks[0, 1]].tolist()
-    assert first[0] == BOS_ID and first[-1] == EOS_ID
-    assert sp.decode(first[1:-1]).startswith("In the beginning God created the heaven and the earth.")
-    # Every corpus token appears once, in order (separators and block markers aside).
-    text_ids = [t for t in tokens.tolist() if t >= NUM_SPECIAL]
-    expected = [t for line in corpus.read_text().splitlines() if line.strip() for t in sp.encode(line)]
-    assert text_ids == [t for t in expected if t >= NUM_SPECIAL]
-
-
-def test_encoding_is_reused_and_invalidated(encoded, corpus, tokenizer):
-    mtime = (encoded / "tokens.bin").stat().st_mtime_ns
-    encode_corpus(corpus, tokenizer, encoded, 64)
-    assert (encoded / "tokens.bin").stat().st_mtime_ns == mtime
-    encode_corpus(corpus, tokenizer, encoded, 32)  # another seq_length re-packs
-    assert np.load(encoded / "blocks.npy")[:, 1].max() <= 32
-    encode_corpus(corpus, tokenizer, encoded, 64)
+def encoded(prepared):
+    return prepared[1][1]
 
 
 def test_data_parallel_shards_equal_single_process_accumulation(encoded):
@@ -74,6 +179,7 @@ def test_data_parallel_shards_equal_single_process_accumulation(encoded):
             assert (ids == ref[r][0]).all() and (labels == ref[r][1]).all()
     a, b = single.step_batches(0), single.step_batches(1)
     assert not (a[0][0] == b[0][0]).all()  # steps differ
+    assert (a[0][0][:, 0] == BOS_ID).all()
 
 
 def test_epochs_reshuffle_and_remask(encoded):
@@ -84,3 +190,115 @@ def test_epochs_reshuffle_and_remask(encoded):
     # The same block seen in two epochs gets different masks (dynamic masking).
     g2 = n + [data.order(n + g) for g in range(n)].index(data.order(0))
     assert not np.array_equal(data.sample(0)[1], data.sample(g2)[1])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 1024, 5000])
+def test_epoch_order_is_a_seeded_permutation(n):
+    order = D.EpochOrder(n, seed=3)
+    first = [order(g) for g in range(n)]
+    assert sorted(first) == list(range(n))
+    assert first == [D.EpochOrder(n, seed=3)(g) for g in range(n)]  # a pure function of (seed, g)
+    if n >= 17:
+        assert first != list(range(n)) and first != [D.EpochOrder(n, seed=4)(g) for g in range(n)]
+
+
+def test_manifest_names_what_the_dataset_was_made_from(prepared):
+    manifest = json.loads((prepared[1][1] / "manifest.json").read_text())
+    assert set(manifest) >= {"corpus", "corpus_fingerprint", "tokenizer_sha256", "vocab_size", "mmadapt_version"}
+
+
+@pytest.mark.slow
+def test_two_ranks_outlive_a_preparation_longer_than_the_collective_timeout(tmp_path):
+    """Rank 0 trains an 8000-piece tokenizer on three Bibles and encodes them (far longer than the
+    5 s collective timeout) while rank 1 polls the file system: no rank waits in a collective."""
+    import re
+    import subprocess
+
+    from conftest import REPO, child_env, launch_cmd, metrics
+    from mmadapt.corpora import bible_verses
+
+    corpus = tmp_path / "en_de_fr.txt"
+    with open(corpus, "w", encoding="utf-8") as f:
+        for lang in ("en", "de", "fr"):
+            for *_, text in bible_verses(lang):
+                f.write(text + "\n")
+            f.write("\n")
+    out = tmp_path / "run"
+    cmd = launch_cmd(2, "--recipe", "bl_small", "--preset", "tiny", "--corpus", str(corpus), "--vocab_size", "8000",
+                     "--output_dir", str(out), "--train_iters", "2", "--log_interval", "1", "--seq_length", "32",
+                     "--train_micro_batch_size_per_gpu", "4")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
+                          env=child_env(MMADAPT_DIST_TIMEOUT_S="5"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    tok_s, enc_s = map(float, re.search(r"tokenizer ([\d.]+) s, encoding ([\d.]+) s", proc.stdout).groups())
+    assert tok_s + enc_s > 5, (tok_s, enc_s)
+    assert "rank 1: waiting for rank 0 to prepare" in proc.stdout + proc.stderr
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+SLOW_RANK0 = """
+import time, torch.distributed as dist
+from mmadapt import parallel
+parallel.init_distributed()
+if dist.get_rank() == 0:
+    time.sleep(12)  # what preparing data inside a collective looked like
+dist.barrier()
+"""
+
+
+@pytest.mark.slow
+def test_the_collective_timeout_is_the_one_set(tmp_path):
+    """Guards the test above: with MMADAPT_DIST_TIMEOUT_S=4, a rank that waits 12 s in a barrier
+    for another one fails, as the old in-job preparation did."""
+    import subprocess
+
+    from conftest import REPO, child_env, launch_cmd
+
+    script = tmp_path / "slow_rank0.py"
+    script.write_text(SLOW_RANK0)
+    proc = subprocess.run(launch_cmd(2, script=str(script)), cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=child_env(MMADAPT_DIST_TIMEOUT_S="4", PYTHONPATH=str(REPO)))
+    assert proc.returncode != 0 and "Timed out waiting 4000ms" in proc.stdout + proc.stderr
+
+
+def test_validation_loss_every_eval_interval_leaves_training_unchanged(prepared, corpus, tokenizer, tmp_path):
+    """Each head's loss on the held-out chapters is logged every eval_interval updates; evaluating
+    draws no random numbers, so the training losses are those of a run without it."""
+    import dataclasses
+
+    from conftest import REPO
+    from mmadapt.config import PRESETS, apply_recipe
+    from mmadapt.parallel import init_parallel
+    from mmadapt.steps import pretrain
+    from mmadapt.train import RunPaths
+
+    init_parallel(1, 1)
+    model = dataclasses.replace(apply_recipe(PRESETS["tiny"][0], "minijoint"), vocab_size=VOCAB, num_layers=4,
+                                head_layers=(2, 4))
+    train = dataclasses.replace(PRESETS["tiny"][1], train_iters=4, log_interval=1, seq_length=32,
+                                train_micro_batch_size_per_gpu=4, eval_iters=2)
+    rows = {}
+    for name, every in (("plain", 0), ("eval", 2)):
+        paths = RunPaths(tmp_path / name, None, REPO / "ds_configs" / "zero0.json", data_path=prepared[1][1])
+        rows[name] = pretrain(model, dataclasses.replace(train, eval_interval=every), paths, "minijoint")
+    valid = [r for r in rows["eval"] if "valid_loss" in r]
+    assert [r["step"] for r in valid] == [2, 4]
+    for r in valid:
+        assert set(r["valid_head_losses"]) == {"2", "4"} and 0 < r["valid_loss"] < 10
+        assert r["valid_loss"] == pytest.approx(sum(r["valid_head_losses"].values()) / 2)
+    train_rows = [(r["step"], r["loss"]) for r in rows["eval"] if "loss" in r]
+    assert train_rows == [(r["step"], r["loss"]) for r in rows["plain"]]
+    with pytest.raises(ValueError, match="--eval_interval needs validation data"):
+        pretrain(model, dataclasses.replace(train, eval_interval=2),
+                 RunPaths(tmp_path / "x", corpus, REPO / "ds_configs" / "zero0.json", tokenizer))  # raw text
+
+
+def test_preprocess_command(corpus, tokenizer, tmp_path, capsys):
+    from mmadapt.cli import preprocess_main
+
+    argv = ["--corpus", str(corpus), "--output_dir", str(tmp_path / "d"), "--tokenizer", str(tokenizer),
+            "--vocab_size", str(VOCAB), "--workers", "2"]
+    assert preprocess_main(argv) == 0 and (tmp_path / "d" / "manifest.json").is_file()
+    assert preprocess_main(argv) == 0 and "nothing to do" in capsys.readouterr().out
+    assert preprocess_main(argv[:-1] + ["0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --workers must be >= 1, got 0"

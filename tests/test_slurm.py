@@ -91,8 +91,8 @@ def test_cli_dry_run_and_error(capsys, monkeypatch):
 # --- the sbatch templates ------------------------------------------------------------------------
 
 def test_templates_exist():
-    assert {t.name for t in TEMPLATES} >= {"pretrain.sbatch", "build_minipost.sbatch", "adapt.sbatch",
-                                           "finetune.sbatch"}
+    assert {t.name for t in TEMPLATES} >= {"preprocess.sbatch", "pretrain.sbatch", "build_minipost.sbatch",
+                                           "adapt.sbatch", "finetune.sbatch"}
 
 
 @pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
@@ -112,7 +112,26 @@ for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit $?; done
 """
 
 
-@pytest.mark.parametrize("template", TEMPLATES, ids=lambda p: p.name)
+GPU_TEMPLATES = [t for t in TEMPLATES if t.name != "preprocess.sbatch"]
+
+
+def test_preprocess_template_renders_one_cpu_command(tmp_path):
+    """The CPU job: one preprocess command per array task (here index 2: the third language)."""
+    from mmadapt import cli
+
+    env = child_env(SLURM_ARRAY_TASK_ID="2", SLURM_CPUS_PER_TASK="16", MMADAPT_DRY_RUN="1", REPO=str(REPO),
+                    PYTHON=sys.executable, DATA_ROOT=str(tmp_path / "prepared"), CORPUS_DIR="/data/cc100")
+    proc = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "preprocess.sbatch")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    command = shlex.split(proc.stdout.strip().splitlines()[-1])
+    assert command[:2] == [sys.executable, "launch/preprocess.py"]
+    args = cli.preprocess_parser().parse_args(command[2:])
+    assert args.corpus == "/data/cc100/fr.txt" and args.output_dir == str(tmp_path / "prepared" / "fr")
+    assert args.workers == 16 and args.vocab_size == 50000
+
+
+@pytest.mark.parametrize("template", GPU_TEMPLATES, ids=lambda p: p.name)
 def test_template_renders_a_launch_per_node(template, tmp_path):
     """Run the template with a fake 4-node SLURM job and a fake srun in dry-run mode: every node
     gets DeepSpeed's launch, and the script's arguments parse with the script's own parser."""
