@@ -35,6 +35,7 @@ accumulation over the same global batch.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -368,11 +369,18 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
             for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a]
     say(f"encoding {size / 1e6:.1f} MB in {len(jobs)} ranges with {workers} worker(s)")
     t1 = time.perf_counter()
-    if workers == 1 or len(jobs) == 1:
-        counts = [_encode_range(j) for j in jobs]
-    else:
-        with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
-            counts = pool.map(_encode_range, jobs, chunksize=1)
+    # The objects that exist now (torch, megatron: a large heap) leave the garbage collector's
+    # sight while the encoder allocates millions of small lists: rescanning them cost a third of
+    # the encoding time. Frozen before forking, so workers do not copy the heap to freeze it.
+    gc.freeze()
+    try:
+        if workers == 1 or len(jobs) == 1:
+            counts = [_encode_range(j) for j in jobs]
+        else:
+            with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
+                counts = pool.map(_encode_range, jobs, chunksize=1)
+    finally:
+        gc.unfreeze()
     _merge([j[4] for j in jobs], str(out_dir / TEXT), dtype)
     valid_counts = [int(sum(c[1][k] for c in counts)) for k in range(3)]
     if valid_fraction > 0:
@@ -429,11 +437,11 @@ def pack_blocks(lengths: np.ndarray, seq_length: int) -> np.ndarray:
 def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT) -> Path:
     """The cached block index of a prepared dataset's `split` (TEXT or VALID) for `seq_length`
     (built once, atomically)."""
-    from megatron.core.datasets.indexed_dataset import _IndexReader
-
     data_path = Path(data_path)
     path = data_path / f"{'blocks' if split == TEXT else split + '_blocks'}_s{seq_length}.npy"
     if not path.is_file():
+        from megatron.core.datasets.indexed_dataset import _IndexReader  # imports all of megatron.core: ~4 s
+
         index = _IndexReader(str(data_path / (split + ".idx")), multimodal=False)
         blocks = pack_blocks(index.sequence_lengths, seq_length)
         del index
