@@ -379,13 +379,13 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         else:
             with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
                 counts = pool.map(_encode_range, jobs, chunksize=1)
-    finally:
+        _merge([j[4] for j in jobs], str(out_dir / TEXT), dtype)
+        if valid_fraction > 0:
+            _merge([j[4] + ".valid" for j in jobs], str(out_dir / VALID), dtype)
+    finally:  # a failed preparation leaves no shards behind (and no manifest: not a dataset)
         gc.unfreeze()
-    _merge([j[4] for j in jobs], str(out_dir / TEXT), dtype)
+        shutil.rmtree(shard_dir, ignore_errors=True)
     valid_counts = [int(sum(c[1][k] for c in counts)) for k in range(3)]
-    if valid_fraction > 0:
-        _merge([j[4] + ".valid" for j in jobs], str(out_dir / VALID), dtype)
-    shutil.rmtree(shard_dir)
     t_enc = time.perf_counter() - t1
     sentences, documents, tokens = (int(sum(c[0][k] for c in counts)) for k in range(3))
     if sentences == 0:

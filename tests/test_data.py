@@ -133,6 +133,7 @@ def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
     with pytest.raises(D.DataError, match=r"not UTF-8: byte 11 \(in the line starting at byte 8\)"):
         prepare(latin, tmp_path / "l", VOCAB, tokenizer=tokenizer, workers=1)
     assert not (tmp_path / "l" / "manifest.json").exists()
+    assert not list((tmp_path / "l").glob(".shards*"))  # a failed preparation leaves no shards
 
 
 def test_a_large_raw_corpus_is_sent_to_preprocess(corpus, tokenizer, tmp_path, monkeypatch):

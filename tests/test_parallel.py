@@ -90,7 +90,9 @@ from mmadapt import parallel
 parallel.init_parallel(1, 1)
 t = torch.full((1000,), float(parallel.dist.get_rank() + 1))
 dscomm.inference_all_reduce(t)  # DeepSpeed's shared-memory all-reduce, after its names are gone
-print("rank", parallel.dist.get_rank(), "sum", float(t[0]), "buffer left", os.path.exists(parallel.shm_allreduce_buffer()))
+# One string, one write: the launcher runs python -u, where print's pieces are separate writes
+# that two ranks could interleave.
+print(f"rank {parallel.dist.get_rank()} sum {float(t[0])} buffer left {os.path.exists(parallel.shm_allreduce_buffer())}")
 """
 
 
@@ -98,6 +100,7 @@ def test_deepspeed_cpu_allreduce_buffers_leave_no_trace_in_dev_shm(tmp_path):
     """DeepSpeed's CPU all-reduce creates a 66 MB /dev/shm file per rank and never removes it;
     init_distributed unlinks them once every rank has mapped them, and the all-reduce still works."""
     import glob
+    import re
     import subprocess
 
     from conftest import REPO, _port, child_env
@@ -108,6 +111,6 @@ def test_deepspeed_cpu_allreduce_buffers_leave_no_trace_in_dev_shm(tmp_path):
     proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(port), str(script)],
                           capture_output=True, text=True, timeout=300, env=child_env(PYTHONPATH=str(REPO)))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(l[l.index("rank"):] for l in proc.stdout.splitlines() if "buffer left" in l)
-    assert lines == ["rank 0 sum 3.0 buffer left False", "rank 1 sum 3.0 buffer left False"]
+    lines = sorted(re.findall(r"rank \d sum [\d.]+ buffer left (?:True|False)", proc.stdout))
+    assert lines == ["rank 0 sum 3.0 buffer left False", "rank 1 sum 3.0 buffer left False"], proc.stdout[-2000:]
     assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
