@@ -27,7 +27,7 @@ from pathlib import Path
 from common import REPO, table, write_results
 
 from mmadapt.corpora import BIBLE_VERSIONS, bible_verses
-from mmadapt.data import pack_blocks, prepare, train_tokenizer
+from mmadapt.data import pack_blocks, prepare
 
 RSS_PROBE = """
 import resource, sys

@@ -44,6 +44,13 @@ def has_checkpoints(ckpt_dir: str | os.PathLike) -> bool:
     return ckpt_dir.is_dir() and any(_TAG.match(d.name) or d.name == "latest" for d in ckpt_dir.iterdir())
 
 
+def refuse_overwrite(output_dir: Path, resume: bool) -> None:
+    """A run directory with another run's checkpoints is continued (--resume) or left alone."""
+    if has_checkpoints(Path(output_dir) / "checkpoints") and not resume:
+        raise ValueError(f"{output_dir} already holds checkpoints of another run: pass --resume to continue it, "
+                         "or choose a new --output_dir")
+
+
 def latest_tag(ckpt_dir: str | os.PathLike) -> str | None:
     tags = complete_tags(ckpt_dir)
     return tags[-1] if tags else None

@@ -182,8 +182,8 @@ def adapt_parser() -> argparse.ArgumentParser:
     _data_args(p, "target-language corpus (default: bible:<lang>, the packaged Bible)")
     p.add_argument("--tokenizer", help="with --corpus: an existing target-language SentencePiece .model "
                    "(default: train one with --vocab_size pieces on the corpus)")
-    p.add_argument("--vocab_size", type=int, help="target vocabulary size V (default: the --tokenizer's size, "
-                   "else the source model's)")
+    p.add_argument("--vocab_size", type=int, help="target vocabulary size V (default: the --data_path's or "
+                   "--tokenizer's size, else the source model's)")
     _later_step_args(p, LAYOUT_FIELDS)
     return p
 

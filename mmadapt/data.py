@@ -434,11 +434,15 @@ def pack_blocks(lengths: np.ndarray, seq_length: int) -> np.ndarray:
     return out[:n].copy()
 
 
+def block_index_path(data_path: Path, seq_length: int, split: str = TEXT) -> Path:
+    return Path(data_path) / f"{'blocks' if split == TEXT else split + '_blocks'}_s{seq_length}.npy"
+
+
 def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT) -> Path:
     """The cached block index of a prepared dataset's `split` (TEXT or VALID) for `seq_length`
     (built once, atomically)."""
     data_path = Path(data_path)
-    path = data_path / f"{'blocks' if split == TEXT else split + '_blocks'}_s{seq_length}.npy"
+    path = block_index_path(data_path, seq_length, split)
     if not path.is_file():
         from megatron.core.datasets.indexed_dataset import _IndexReader  # imports all of megatron.core: ~4 s
 

@@ -206,6 +206,18 @@ class MetricsLog:
             self.writer.close()
 
 
+def _loss_row(step: int, mean: torch.Tensor, loss_names: tuple[str, ...] | None, prefix: str = "") -> tuple[dict, dict]:
+    """A metrics row {step, <prefix>loss[, <prefix>head_losses]} and its TensorBoard scalars
+    (under loss/ for training, valid/ for validation) from the per-head means [k]."""
+    group = "valid" if prefix else "loss"
+    row = {"step": step, f"{prefix}loss": mean.mean().item()}
+    scalars = {f"{group}/{'loss' if prefix else 'total'}": row[f"{prefix}loss"]}
+    if loss_names is not None:
+        row[f"{prefix}head_losses"] = dict(zip(loss_names, mean.tolist()))
+        scalars.update({f"{group}/head_layer{k}": v for k, v in row[f"{prefix}head_losses"].items()})
+    return row, scalars
+
+
 def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, run_dir: Path, resume: bool,
                log_interval: int, save_interval: int, exit_interval: int = 0, extra_save_steps: tuple = (),
                loss_names: tuple[str, ...] | None = None, perf: Callable[[float], dict] | None = None,
@@ -239,13 +251,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
         loss_sum = local if loss_sum is None else loss_sum + local
         done, since = step + 1, since + 1
         if done % log_interval == 0 or done == total:
-            mean = mean_over_ranks(loss_sum, is_pipe) / since
             dt = (time.perf_counter() - t_last) / since
-            row = {"step": done, "loss": mean.mean().item()}
-            scalars = {"loss/total": row["loss"]}
-            if loss_names is not None:
-                row["head_losses"] = dict(zip(loss_names, mean.tolist()))
-                scalars.update({f"loss/head_layer{k}": v for k, v in row["head_losses"].items()})
+            row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, loss_names)
             row["lr"] = engine.get_lr()[0]
             row.update(perf(dt) if perf is not None else {})
             scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
@@ -256,12 +263,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
                 bar.set_postfix(loss=f"{row['loss']:.3f}")
             loss_sum, since, t_last = None, 0, time.perf_counter()
         if evaluate is not None and eval_interval and done % eval_interval == 0:
-            mean = mean_over_ranks(evaluate(), is_pipe)
-            row = {"step": done, "valid_loss": mean.mean().item()}
-            scalars = {"valid/loss": row["valid_loss"]}
-            if loss_names is not None:
-                row["valid_head_losses"] = dict(zip(loss_names, mean.tolist()))
-                scalars.update({f"valid/head_layer{k}": v for k, v in row["valid_head_losses"].items()})
+            row, scalars = _loss_row(done, mean_over_ranks(evaluate(), is_pipe), loss_names, prefix="valid_")
             if rank == 0:
                 rows.append(row)
                 log.write(row, scalars)

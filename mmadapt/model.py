@@ -50,18 +50,24 @@ def _normal(std: float):
     return lambda w: nn.init.normal_(w, mean=0.0, std=std)
 
 
-class Linear(nn.Linear):
-    """torch's linear with megatron's call convention (returns `(output, None)`), for TP=1.
+def _init_like_megatron(module: nn.Module, init) -> nn.Module:
+    """Materialise a layer built on the meta device as megatron's CPU initialisation does:
+    `init` on the full weight, bias 0, and no other draw from the generator (the layer's own
+    reset would consume one)."""
+    module.to_empty(device="cpu")
+    with torch.no_grad():
+        init(module.weight)
+        if getattr(module, "bias", None) is not None:
+            module.bias.zero_()
+    return module
 
-    Initialised like megatron's CPU initialisation: `init` on the full [out, in] weight, bias 0,
-    and no other draw from the generator (nn.Linear's own reset would consume one)."""
+
+class Linear(nn.Linear):
+    """torch's linear with megatron's call convention (returns `(output, None)`), for TP=1."""
 
     def __init__(self, in_features: int, out_features: int, init):
         super().__init__(in_features, out_features, device="meta")
-        self.to_empty(device="cpu")
-        with torch.no_grad():
-            init(self.weight)
-            self.bias.zero_()
+        _init_like_megatron(self, init)
 
     def forward(self, x: torch.Tensor):
         return super().forward(x), None
@@ -94,10 +100,8 @@ class WordEmbedding(nn.Module):
         init = _normal(config.init_method_std)
         with seeded(derive_seed(seed, "word_embeddings")):
             if config.tensor_model_parallel_size == 1:
-                self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
-                self.word_embeddings.to_empty(device="cpu")
-                with torch.no_grad():
-                    init(self.word_embeddings.weight)
+                self.word_embeddings = _init_like_megatron(
+                    nn.Embedding(config.vocab_size, config.hidden_size, device="meta"), init)
             else:
                 self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
                     config.vocab_size, config.hidden_size, init_method=init, config=_mp_config(config))

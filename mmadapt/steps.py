@@ -211,9 +211,7 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
     cfg.validate(model_cfg)
     ds = load_ds_config(ds_config, cfg)
     parallel.check_world_size(int(os.environ.get("WORLD_SIZE", 1)), model_cfg.tensor_model_parallel_size, 1)
-    if checkpoint.has_checkpoints(output_dir / "checkpoints") and not resume:
-        raise ValueError(f"{output_dir} already holds checkpoints of another run: pass --resume to continue it, "
-                         "or choose a new --output_dir")
+    checkpoint.refuse_overwrite(output_dir, resume)
     tokenizer = primary / "tokenizer" / "spm.model"
     examples = F.read_examples(t, train_file, source_lang, "train", cfg)
     labels = F.label_names(t, examples)

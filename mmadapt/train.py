@@ -27,7 +27,7 @@ import torch.distributed as dist
 from mmadapt import checkpoint, parallel
 from mmadapt.config import ModelConfig, TrainConfig, to_dict
 from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TOKENIZER, VALID, MLMBatches, block_index,
-                          check_corpus, check_prepared, load_tokenizer, prepare, wait_for)
+                          block_index_path, check_corpus, check_prepared, load_tokenizer, prepare, wait_for)
 from mmadapt.engine import (build_engine, is_pipeline, load_ds_config, mean_over_ranks, train_loop,
                             trainable_by_names, warmup_linear_decay)
 from mmadapt.flops import step_flops
@@ -92,9 +92,7 @@ def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume
         if train.eval_interval:
             raise ValueError("--eval_interval needs validation data: prepare the corpus with mmadapt preprocess "
                              "--valid_fraction 0.01 and pass --data_path")
-    if checkpoint.has_checkpoints(paths.checkpoints) and not resume:
-        raise ValueError(f"{paths.output_dir} already holds checkpoints of another run: pass --resume to "
-                         "continue it, or choose a new --output_dir")
+    checkpoint.refuse_overwrite(paths.output_dir, resume)
     run_file = paths.output_dir / "run.json"
     if resume and run_file.is_file():
         saved = json.loads(run_file.read_text())["model"]
@@ -120,7 +118,7 @@ def prepare_data(model: ModelConfig, train: TrainConfig, paths: RunPaths) -> tup
         if rank0:
             prepare(paths.corpus, data_path, model.vocab_size, tokenizer=paths.tokenizer, seed=train.seed)
         wait_for(data_path / MANIFEST, f"the corpus in {data_path}")
-    blocks = data_path / f"blocks_s{train.seq_length}.npy"
+    blocks = block_index_path(data_path, train.seq_length)
     if rank0:
         block_index(data_path, train.seq_length)
         if train.eval_interval:
@@ -155,10 +153,22 @@ def mlm_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict, job:
     return engine, names, dims
 
 
-def _pipe_heads(engine):
+def _pipe_batches(batches, dev) -> iter:
+    """Micro-batches as DeepSpeed's pipeline takes them: ((inputs...), labels)."""
+    return iter([((ids.to(dev), lab.to(dev)), lab.to(dev)) for ids, lab in batches])
+
+
+def _pipe_head_losses(engine, num_heads: int) -> torch.Tensor:
+    """Each head's loss over the micro-batches just run, on the last stage (which holds the
+    heads); zeros on the other stages."""
     from mmadapt.pipeline import PipeMLMHeads
 
-    return next((m for m in engine.module.modules() if isinstance(m, PipeMLMHeads)), None)
+    heads = next((m for m in engine.module.modules() if isinstance(m, PipeMLMHeads)), None)
+    per_head = torch.zeros(num_heads, device=engine.device)
+    if heads is not None:
+        per_head += torch.stack(heads.head_losses).mean(0)
+        heads.head_losses.clear()
+    return per_head
 
 
 def mlm_step(engine, batches, num_heads: int) -> torch.Tensor:
@@ -166,13 +176,8 @@ def mlm_step(engine, batches, num_heads: int) -> torch.Tensor:
     over its micro-batches (pipeline: zeros except on the last stage), not reduced over ranks."""
     dev = engine.device
     if is_pipeline(engine):
-        engine.train_batch(iter([((ids.to(dev), lab.to(dev)), lab.to(dev)) for ids, lab in batches]))
-        heads = _pipe_heads(engine)
-        per_head = torch.zeros(num_heads, device=dev)
-        if heads is not None:  # last stage
-            per_head += torch.stack(heads.head_losses).mean(0)
-            heads.head_losses.clear()
-        return per_head
+        engine.train_batch(_pipe_batches(batches, dev))
+        return _pipe_head_losses(engine, num_heads)
     per_head = torch.zeros(num_heads, device=dev)
     for ids, lab in batches:
         loss, heads_loss = engine(ids.to(dev), lab.to(dev))
@@ -189,15 +194,10 @@ def mlm_eval(engine, batches, num_heads: int) -> torch.Tensor:
     dev = engine.device
     engine.eval()
     try:
-        per_head = torch.zeros(num_heads, device=dev)
         if is_pipeline(engine):
-            engine.eval_batch(iter([((ids.to(dev), lab.to(dev)), lab.to(dev)) for ids, lab in batches]),
-                              num_micro_batches=len(batches))
-            heads = _pipe_heads(engine)
-            if heads is not None:
-                per_head += torch.stack(heads.head_losses).mean(0)
-                heads.head_losses.clear()
-            return per_head
+            engine.eval_batch(_pipe_batches(batches, dev), num_micro_batches=len(batches))
+            return _pipe_head_losses(engine, num_heads)
+        per_head = torch.zeros(num_heads, device=dev)
         for ids, lab in batches:
             per_head += engine(ids.to(dev), lab.to(dev))[1] / len(batches)
         return per_head

@@ -70,7 +70,7 @@ def test_jsonl_integer_labels_sort_by_value_and_map_strings_alike(tmp_path):
     labels = label_names(t, train)
     assert labels == ["1", "2", "10"]  # by value, stored as strings
     # An evaluation file may write the same classes as strings (CSV always does), and hold a subset.
-    evalf = write_csv(tmp_path / "stars.de.csv", ["review", "stars"], [["gut", "10"], ["schlecht", "2"]])
+    write_csv(tmp_path / "stars.de.csv", ["review", "stars"], [["gut", "10"], ["schlecht", "2"]])
     assert [ex.label for ex in read_examples(t, str(tmp_path / "stars.{lang}.csv"), "de", "test", cfg, labels)] == [
         "10", "2"]
 
