@@ -54,7 +54,7 @@ def read_run(run_dir: str | os.PathLike) -> dict:
         raise ValueError(f"{run_dir} has no complete checkpoint yet: let its run save one first")
     if not (run_dir / "tokenizer" / "spm.model").is_file():
         raise ValueError(f"{run_dir} has no tokenizer/spm.model: it is not a complete mmadapt run")
-    return json.loads(run_file.read_text())
+    return checkpoint.read_json(run_file, "run file")
 
 
 def load_model(run_dir: str | os.PathLike, tag: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -203,5 +203,7 @@ def read_artifact(path: str | os.PathLike) -> tuple[dict, Path, dict]:
     if not (path / "embeddings.pt").is_file():
         raise ValueError(f"{path} is not a Step-2 embedding artifact (no embeddings.pt): pass a "
                          "directory under <adapt run>/embeddings/")
-    return (torch.load(path / "embeddings.pt", map_location="cpu", weights_only=True), path / "spm.model",
-            json.loads((path / "meta.json").read_text()))
+    art = checkpoint.load_pt(path / "embeddings.pt", "Step-2 artifact file", weights_only=True)
+    if not isinstance(art, dict) or not {"word_embeddings", "output_bias"} <= set(art):
+        raise ValueError(f"{path / 'embeddings.pt'} holds no word_embeddings/output_bias: it is not a Step-2 artifact")
+    return art, path / "spm.model", checkpoint.read_json(path / "meta.json", "Step-2 artifact file")

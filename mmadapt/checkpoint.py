@@ -6,11 +6,14 @@ Layout of `<output_dir>/checkpoints/`:
         fp32_tp00_pp00.pt  under bf16/fp16: the fp32 master weights of what the run trains, one file
                            per (tensor, pipeline) rank, in full parameter names (DeepSpeed's module
                            files hold the low-precision copies)
-        COMPLETE           written by rank 0 after every rank finished writing: the tag is usable
+        COMPLETE           written by rank 0 after every rank finished writing: the tag is usable.
+                           It lists every file of the tag with its size.
     latest                 DeepSpeed's pointer, replaced atomically after COMPLETE
 
 A run killed at any moment, mid-save included, resumes from the newest tag that has COMPLETE;
-`latest` is only a convenience for DeepSpeed's own tools.
+`latest` is only a convenience for DeepSpeed's own tools. A complete tag whose files no longer
+match COMPLETE's list (truncated, deleted), or that cannot be read, is reported and the one
+before it is used (`resume`). keep_last > 0 deletes all but the newest keep_last complete tags.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -44,8 +49,22 @@ def has_checkpoints(ckpt_dir: str | os.PathLike) -> bool:
     return ckpt_dir.is_dir() and any(_TAG.match(d.name) or d.name == "latest" for d in ckpt_dir.iterdir())
 
 
+def check_output_dir(output_dir: Path) -> None:
+    """An output directory must be a directory (or not exist yet) that this user can write in."""
+    output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ValueError(f"--output_dir {output_dir} is a file, not a directory: choose a directory")
+    existing = next(p for p in [output_dir, *output_dir.absolute().parents] if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--output_dir {output_dir} cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output_dir {output_dir} is not writable ({existing} does not let this user write): "
+                         "choose another directory")
+
+
 def refuse_overwrite(output_dir: Path, resume: bool) -> None:
     """A run directory with another run's checkpoints is continued (--resume) or left alone."""
+    check_output_dir(output_dir)
     if has_checkpoints(Path(output_dir) / "checkpoints") and not resume:
         raise ValueError(f"{output_dir} already holds checkpoints of another run: pass --resume to continue it, "
                          "or choose a new --output_dir")
@@ -56,7 +75,7 @@ def latest_tag(ckpt_dir: str | os.PathLike) -> str | None:
     return tags[-1] if tags else None
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
@@ -80,12 +99,77 @@ def _save_fp32_master(engine, path: Path, names: dict[str, str | None]) -> None:
         torch.save(master, path)
 
 
+def load_pt(path: str | os.PathLike, what: str = "file", weights_only: bool = False):
+    """torch.load on the CPU, with a file that is missing, truncated or not a PyTorch file
+    reported as a user's mistake (one line naming it) rather than a torch traceback."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {path} " + ("is a directory, not a file" if path.is_dir() else "does not exist"))
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # pickle, zip and torch errors all mean: not a readable checkpoint file
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise ValueError(f"{what} {path} cannot be read ({reason}): it is truncated or not a PyTorch file; "
+                         "restore or recreate it") from None
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> dict:
+    """A JSON object from `path`, with a missing file, broken JSON or another shape reported in
+    one line naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {path} " + ("is a directory, not a file" if path.is_dir() else "does not exist"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{what} {path} is not valid JSON ({str(e).splitlines()[0][:120]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _files(tag_dir: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir()) if p.is_file() and p.name != "COMPLETE"}
+
+
+def damaged(tag_dir: Path) -> str | None:
+    """Why a complete tag cannot be trusted (a file missing or of another size than when it
+    was saved), or None. Tags saved before COMPLETE listed their files are trusted."""
+    try:
+        listed = json.loads((tag_dir / "COMPLETE").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return f"{tag_dir / 'COMPLETE'} is unreadable"
+    for name, size in (listed or {}).items():
+        f = tag_dir / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != size:
+            return f"{f} has {f.stat().st_size} bytes, {size} when it was saved"
+    return None
+
+
+def prune(ckpt_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete tags, and incomplete tags older than them
+    (rank 0). COMPLETE goes first, so a tag being deleted is never taken for a usable one."""
+    tags = complete_tags(ckpt_dir)
+    if keep_last <= 0 or len(tags) <= keep_last:
+        return
+    oldest_kept = tags[-keep_last]
+    for d in sorted(ckpt_dir.iterdir()):
+        if _TAG.match(d.name) and d.name < oldest_kept:
+            (d / "COMPLETE").unlink(missing_ok=True)
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, names: dict[str, str | None],
-         exclude_frozen: bool = False) -> str:
+         exclude_frozen: bool = False, keep_last: int = 0) -> str:
     """Collective: every rank calls it. Returns the tag written. names: module parameter name ->
     full name (None: a tied duplicate). exclude_frozen: leave parameters with requires_grad=False
-    out of the module state (Steps 1b, 2 and 3 keep only what they train)."""
+    out of the module state (Steps 1b, 2 and 3 keep only what they train). keep_last: see prune."""
     ckpt_dir, tag = Path(ckpt_dir), tag_for(step)
+    if dist.get_rank() == 0:  # rewriting a tag (a stop after skipped fp16 steps): not usable meanwhile
+        (ckpt_dir / tag / "COMPLETE").unlink(missing_ok=True)
+    dist.barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, "step": step},
                            save_latest=False, exclude_frozen_parameters=exclude_frozen)
     (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
@@ -94,10 +178,37 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
     torch.save(rng_state(), ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
     dist.barrier()
     if dist.get_rank() == 0:
-        _atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step}))
-        _atomic_write(ckpt_dir / "latest", tag)
+        atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step, "files": _files(ckpt_dir / tag)}))
+        atomic_write(ckpt_dir / "latest", tag)
+        prune(ckpt_dir, keep_last)
     dist.barrier()
     return tag
+
+
+def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | None:
+    """Collective. Load the newest complete checkpoint that is intact, saying which newer ones
+    were skipped and why; None (with a message) when there is none: the run starts at update 0.
+    A file that passes the size check but cannot be read stops with a one-line error naming it."""
+    ckpt_dir = Path(ckpt_dir)
+    tags = complete_tags(ckpt_dir)
+    say = dist.get_rank() == 0
+    for tag in reversed(tags):
+        why = damaged(ckpt_dir / tag)
+        if why is None:
+            try:
+                return load(engine, ckpt_dir, tag, strict=strict)
+            except ValueError:
+                raise
+            except Exception as e:
+                reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+                raise ValueError(f"checkpoint {ckpt_dir / tag} cannot be read ({reason}): move it aside to resume "
+                                 "from the one before it") from None
+        if say:
+            print(f"checkpoint {tag} is damaged ({why}): resuming from the one before it", file=sys.stderr)
+    if say:
+        print(f"--resume: no {'intact ' if tags else ''}complete checkpoint in {ckpt_dir}: starting at update 0",
+              file=sys.stderr)
+    return None
 
 
 def load(engine, ckpt_dir: str | os.PathLike, tag: str, strict: bool = True) -> dict:
@@ -130,7 +241,10 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) ->
         raise ValueError(f"no complete checkpoint in {ckpt_dir}")
     d = ckpt_dir / tag
     model_files = sorted(d.glob("mp_rank_*_model_states.pt"))
-    meta = torch.load(model_files[0], map_location="cpu", weights_only=False)
+    if not model_files:
+        raise ValueError(f"checkpoint {d} has no model files (mp_rank_*_model_states.pt): it is not an mmadapt "
+                         "checkpoint, or it was damaged")
+    meta = load_pt(model_files[0], "checkpoint file")
     dims: dict[str, int] = meta["tp_partition_dims"]
     layer_files = sorted(d.glob("layer_*-model_*-model_states.pt"))
     shards: dict[str, list[torch.Tensor]] = {}
@@ -143,12 +257,12 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) ->
             idx = int(re.match(r"layer_(\d+)-model_(\d+)", f.name).group(1))
             if idx == cfg.num_layers + 2:
                 continue  # the last stage's copy of the tied embedding
-            for k, v in torch.load(f, map_location="cpu", weights_only=False).items():
+            for k, v in load_pt(f, "checkpoint file").items():
                 name = f"word_embeddings.{k}" if idx == 0 else pipeline_param_name(f"{idx}.{k}", cfg)
                 shards.setdefault(name, []).append(v)
     else:
         for f in model_files:
-            for k, v in torch.load(f, map_location="cpu", weights_only=False)["module"].items():
+            for k, v in load_pt(f, "checkpoint file")["module"].items():
                 shards.setdefault(k, []).append(v)
     # megatron's layers (TP > 1) also save an `_extra_state` entry each: not a weight, and absent
     # from the plain layers of TP = 1, so a state dict means the same in every layout without it.
@@ -157,7 +271,7 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) ->
     master: dict[str, dict[int, torch.Tensor]] = {}
     for f in sorted(d.glob("fp32_tp*_pp*.pt")):  # sorted: pipeline stage 0's copy of a tied weight wins
         tp = int(re.match(r"fp32_tp(\d+)_pp(\d+)", f.name).group(1))
-        for k, v in torch.load(f, map_location="cpu", weights_only=True).items():
+        for k, v in load_pt(f, "checkpoint file", weights_only=True).items():
             master.setdefault(k, {}).setdefault(tp, v)
     for k, by_tp in master.items():
         parts = [by_tp[i] for i in sorted(by_tp)]

@@ -16,15 +16,39 @@ TRAIN_PRESETS = {name: train for name, (_, train) in PRESETS.items()}
 
 
 def user_errors(main):
-    """A command's ValueError (DataError included) is a user's mistake: one `error:` line on
-    stderr and exit code 2. The steps check their inputs before they write anything."""
+    """What a command's failures look like (faults.py lists the exit statuses): a user's mistake
+    (ValueError, DataError included, or an OS error on a path the user gave) is one `error:`
+    line and exit 2 (the steps check their inputs before they write anything); a divergence one
+    line and exit 3; a stop on a signal one line and exit 75 (resume it); Ctrl-C during start-up
+    one line and 130. Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1
+    shows the traceback of every failure."""
+    from mmadapt import faults
+
     @functools.wraps(main)
     def wrapped(argv=None) -> int:
+        def fail(code: int, message: str, every_rank: bool = True) -> int:
+            if os.environ.get("MMADAPT_DEBUG") == "1":
+                import traceback
+
+                traceback.print_exc()
+            if every_rank or _rank0():
+                print(message, file=sys.stderr, flush=True)
+            return code
+
         try:
             return main(argv)
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return fail(faults.EXIT_USER, f"error: {e}")
+        except OSError as e:
+            if e.filename is None:
+                raise
+            return fail(faults.EXIT_USER, f"error: {e.filename}: {e.strerror or e}")
+        except faults.Diverged as e:
+            return fail(faults.EXIT_DIVERGED, f"error: diverged: {e}", every_rank=False)
+        except faults.Stopped as e:
+            return fail(faults.EXIT_STOPPED, str(e), every_rank=False)
+        except KeyboardInterrupt:
+            return fail(faults.EXIT_INTERRUPTED, "interrupted", every_rank=False)
     return wrapped
 
 
@@ -323,16 +347,24 @@ def report_main(argv=None) -> int:
                    "speedup.png (mean per-language speedup, as Figure 1) into this directory (needs matplotlib)")
     p.add_argument("--device", default="v100-paper", help="device whose days are reported")
     args = p.parse_args(argv)
+    if args.output and any(Path(args.output).resolve() == Path(f).resolve() for f in args.results):
+        raise ValueError(f"--output {args.output} is one of the results files it reads: choose another file")
     records = []
     for f in args.results:
         try:
-            records += json.loads(Path(f).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read results file {f}: {e}") from None
-    missing = [k for k in ("system", "task", "lang", "flops", "score") for r in records[:1] if k not in r]
-    if not records or missing:
-        raise ValueError(f"{args.results[0]} holds no result records"
-                         + (f" (a record lacks {missing[0]!r})" if missing else ""))
+            data = json.loads(Path(f).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read results file {f}: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            raise ValueError(f"results file {f} is not a JSON list of records (as `mmadapt evaluate --output` "
+                             "writes)")
+        missing = [(k, i) for i, r in enumerate(data) for k in ("system", "task", "lang", "flops", "score")
+                   if k not in r]
+        if missing:
+            raise ValueError(f"results file {f}: record {missing[0][1]} lacks {missing[0][0]!r}")
+        records += data
+    if not records:
+        raise ValueError(f"{args.results[0]} holds no result records")
     md = report_markdown(records, device=args.device)
     if args.plots:
         from mmadapt.report import plot_curves, plot_speedup

@@ -110,13 +110,28 @@ class PreprocessConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW and gradient clipping: the same settings in every step (RoBERTa's), so pretraining,
-    adaptation (TrainConfig) and fine-tuning (FinetuneConfig) share these fields."""
+    """AdamW, gradient clipping and the training loop's fault settings: the same in every step
+    that trains, so pretraining, adaptation (TrainConfig) and fine-tuning (FinetuneConfig) share
+    these fields."""
     weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and LayerNorm)")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.98, "Adam beta2")
     adam_eps: float = _f(1e-6, "Adam epsilon")
     gradient_clipping: float = _f(0.0, "global gradient-norm clip (0 = off, as in RoBERTa)")
+    keep_last: int = _f(0, "keep only the newest keep_last complete checkpoints (0 = keep all); Step-2 "
+                        "embedding artifacts are never deleted")
+    max_skipped_steps: int = _f(50, "stop as diverged after this many optimizer steps in a row are skipped "
+                                "(fp16 gradient overflow)")
+
+    def _validate_faults(self) -> None:
+        if self.keep_last < 0 or self.max_skipped_steps < 0:
+            raise ValueError("keep_last and max_skipped_steps must be >= 0")
+
+
+# What a --resume may change: when and how often to log, evaluate, save and stop. Everything
+# else (data, tokenizer, model, batch sizes, seed, schedule) belongs to the run being resumed.
+CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_interval", "eval_iters",
+                        "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_size", "metric")
 
 
 @dataclass
@@ -152,6 +167,7 @@ class TrainConfig(OptimizerConfig):
                              "(exit_interval and eval_interval >= 0)")
         if not 0 < self.mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        self._validate_faults()
         return self
 
 
@@ -177,7 +193,9 @@ class FinetuneConfig(OptimizerConfig):
     lr: Optional[float] = _f(None, "peak learning rate (default: the task's, paper: 1e-5 XNLI/PAWS-X, "
                              "3e-5 MLQA/XQuAD)")
     warmup_ratio: float = _f(0.06, "fraction of the updates with linear warm-up, then linear decay to 0")
-    doc_stride: int = _f(128, "QA: pieces shared by consecutive windows of a long context")
+    doc_stride: Optional[int] = _f(None, "QA: pieces shared by consecutive windows of a context longer than one "
+                                   "window (default: 128, as in SQuAD practice at seq_length 384, or half the "
+                                   "window where that is shorter)")
     max_query_length: int = _f(64, "QA: question pieces kept")
     max_answer_length: int = _f(30, "QA: longest answer predicted, in pieces")
     eval_batch_size: int = _f(64, "examples per forward pass in evaluation")
@@ -207,6 +225,7 @@ class FinetuneConfig(OptimizerConfig):
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.lr is not None and self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        self._validate_faults()
         return self
 
 
@@ -249,7 +268,7 @@ def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int = MiniModelCo
     head after layer N (`MiniModelConfig.mini_layers`). MINIPOST is built from a pretrained
     bl_base model in Step 1b.
     """
-    if not 1 <= mini_layers < model.num_layers:
+    if recipe in ("bl_small", "minijoint") and not 1 <= mini_layers < model.num_layers:
         raise ValueError(f"mini_layers {mini_layers} must be in 1..{model.num_layers - 1} "
                          f"for a {model.num_layers}-layer primary model")
     if recipe == "bl_base":

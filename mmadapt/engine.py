@@ -39,11 +39,19 @@ def load_ds_config(path: Path, cfg) -> dict:
     FinetuneConfig (both name the batch fields and the clipping as DeepSpeed does)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"DeepSpeed config {path} does not exist: pass one of ds_configs/*.json")
+        raise ValueError(f"DeepSpeed config {path} " + ("is a directory" if path.is_dir() else "does not exist")
+                         + ": pass one of ds_configs/*.json")
     try:
         ds = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    if not isinstance(ds, dict):
+        raise ValueError(f"DeepSpeed config {path} holds a JSON {type(ds).__name__}, not an object: see ds_configs/")
+    stage = ds.get("zero_optimization", {}).get("stage", 0) if isinstance(ds.get("zero_optimization"), dict) else 0
+    if stage not in (0, 1, 2):
+        raise ValueError(f"DeepSpeed config {path} uses ZeRO stage {stage}: mmadapt's later steps read checkpoints "
+                         "of stages 0-2 only (a model replica fits one device here); use ds_configs/zero1.json or "
+                         "zero2.json")
     clash = [k for k in _BATCH_KEYS if k in ds]
     if clash:
         raise ValueError(f"DeepSpeed config {path} sets {clash[0]}: batch sizes come from mmadapt's "
@@ -178,6 +186,14 @@ def mean_over_ranks(local: torch.Tensor, is_pipe: bool) -> torch.Tensor:
     return total / parallel.dp_world()
 
 
+def _step_of(line: str) -> float:
+    """A metrics line's update (infinity for a line cut short by a kill: it is dropped)."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return float("inf")
+
+
 class MetricsLog:
     """metrics.jsonl and TensorBoard, on global rank 0. On resume from update `start`, the
     lines and events of later updates (written before a crash) are dropped."""
@@ -187,8 +203,8 @@ class MetricsLog:
         if dist.get_rank() != 0:
             return
         kept = [l for l in (self.file.read_text().splitlines() if self.file.is_file() and start else [])
-                if json.loads(l)["step"] <= start]
-        self.file.write_text("".join(l + "\n" for l in kept))
+                if _step_of(l) <= start]
+        checkpoint.atomic_write(self.file, "".join(l + "\n" for l in kept))
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1 if start else None)
@@ -218,8 +234,19 @@ def _loss_row(step: int, mean: torch.Tensor, loss_names: tuple[str, ...] | None,
     return row, scalars
 
 
+def _first_nonfinite(bad_at: torch.Tensor) -> int | None:
+    """The first update with a non-finite loss on any rank (None: none). Collective."""
+    t = bad_at.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return None if t.item() == _FINITE else int(t.item())
+
+
+_FINITE = 2**62  # bad_at's value while every loss has been finite
+
+
 def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, run_dir: Path, resume: bool,
                log_interval: int, save_interval: int, exit_interval: int = 0, extra_save_steps: tuple = (),
+               keep_last: int = 0, max_skipped_steps: int = 50,
                loss_names: tuple[str, ...] | None = None, perf: Callable[[float], dict] | None = None,
                client_state: dict, names: dict, exclude_frozen: bool, label: str,
                after_save: Callable[[int, str], None] | None = None,
@@ -227,54 +254,103 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
     """Run updates until `total` (or the next multiple of `exit_interval`). Returns the rows
     logged by this invocation (global rank 0; empty elsewhere).
 
-    step_fn(step) does update `step` (0-based) and returns this rank's losses [k], before any
-    reduction over ranks: they are summed on the device and reduced once per log line, so an
-    update costs no host synchronisation. loss_names: one per entry (the MLM heads' layers;
-    None: one loss). perf(seconds per update) -> throughput fields of the row.
-    after_save(step, tag): global rank 0, after each complete checkpoint. evaluate() -> this
-    rank's validation losses [k] (as step_fn's), every `eval_interval` updates: logged as
-    `valid_loss` (and `valid_head_losses`) rows."""
+    step_fn(position) runs one update on the batches at data position `position` (0-based) and
+    returns this rank's losses [k], before any reduction over ranks: they are summed on the
+    device and reduced once per log line, so an update costs no device synchronisation.
+    Updates count applied optimizer steps: a step DeepSpeed skips (an fp16 overflow) consumes
+    its batches but advances neither the update count nor the schedule, so the schedule still
+    ends at 0 after `total` updates; more than `max_skipped_steps` in a row is a divergence.
+    loss_names: one per entry (the MLM heads' layers; None: one loss). perf(seconds per update)
+    -> throughput fields of the row. after_save(step, tag): global rank 0, after each complete
+    checkpoint. evaluate() -> this rank's validation losses [k] (as step_fn's), every
+    `eval_interval` updates: logged as `valid_loss` (and `valid_head_losses`) rows.
+
+    Faults (faults.py): a non-finite loss stops the run (faults.Diverged) before the next
+    checkpoint could record it, so the newest complete checkpoint is the last good one.
+    SIGTERM/SIGINT, or the death of the launcher, on any rank: every rank finishes the update,
+    saves a complete checkpoint and raises faults.Stopped. keep_last > 0: only the newest
+    keep_last complete checkpoints are kept."""
     from tqdm import tqdm
+
+    from mmadapt.faults import Diverged, StopRequest, Stopped
 
     is_pipe = is_pipeline(engine)
     ckpt_dir = run_dir / "checkpoints"
-    start = 0
-    tag = checkpoint.latest_tag(ckpt_dir) if resume else None
-    if tag is not None:
-        start = checkpoint.load(engine, ckpt_dir, tag, strict=not exclude_frozen)["step"]
+    start = position = 0
+    if resume:
+        state = checkpoint.resume(engine, ckpt_dir, strict=not exclude_frozen)
+        if state is not None:
+            start, position = state["step"], state.get("position", state["step"])
     rank = dist.get_rank()
     log = MetricsLog(run_dir, start)
     bar = tqdm(total=total, initial=start, disable=rank != 0, desc=label, unit="upd", mininterval=2.0)
     rows, since, t_last, loss_sum = [], 0, time.perf_counter(), None
-    for step in range(start, total):
-        local = step_fn(step).detach()
-        loss_sum = local if loss_sum is None else loss_sum + local
-        done, since = step + 1, since + 1
-        if done % log_interval == 0 or done == total:
-            dt = (time.perf_counter() - t_last) / since
-            row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, loss_names)
-            row["lr"] = engine.get_lr()[0]
-            row.update(perf(dt) if perf is not None else {})
-            scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
-                                                 if k not in ("step", "loss", "head_losses", "lr")}})
-            if rank == 0:
-                rows.append(row)
-                log.write(row, scalars)
-                bar.set_postfix(loss=f"{row['loss']:.3f}")
-            loss_sum, since, t_last = None, 0, time.perf_counter()
-        if evaluate is not None and eval_interval and done % eval_interval == 0:
-            row, scalars = _loss_row(done, mean_over_ranks(evaluate(), is_pipe), loss_names, prefix="valid_")
-            if rank == 0:
-                rows.append(row)
-                log.write(row, scalars)
-        bar.update(1)
-        exiting = exit_interval > 0 and done % exit_interval == 0
-        if done % save_interval == 0 or done in extra_save_steps or done == total or exiting:
-            tag = checkpoint.save(engine, ckpt_dir, done, client_state, names, exclude_frozen=exclude_frozen)
-            if rank == 0 and after_save is not None:
-                after_save(done, tag)
-        if exiting:
-            break
+    bad_at = torch.full((1,), _FINITE, dtype=torch.int64, device=engine.device)
+    done, skipped, saved = start, 0, None
+
+    def check_finite() -> None:
+        first = _first_nonfinite(bad_at)
+        if first is not None:
+            raise Diverged(f"{label}: the loss is not finite at update {first} (of {total}); stopped without "
+                           f"saving it. The newest complete checkpoint in {ckpt_dir} is the last good one: "
+                           "lower --lr, raise the warm-up or enable gradient clipping, then resume from it")
+
+    def save() -> str:
+        check_finite()
+        tag = checkpoint.save(engine, ckpt_dir, done, {**client_state, "position": position}, names,
+                              exclude_frozen=exclude_frozen, keep_last=keep_last)
+        if rank == 0 and after_save is not None:
+            after_save(done, tag)
+        return tag
+
+    with StopRequest() as stop:
+        while done < total:
+            local = step_fn(position).detach()
+            position += 1
+            # Device-side bookkeeping only: the first update whose loss is not finite.
+            bad_at = torch.where(torch.isfinite(local).all() | (bad_at != _FINITE), bad_at,
+                                 torch.full_like(bad_at, done + 1))
+            if not engine.was_step_applied():  # a Python flag: DeepSpeed's overflow check already synced
+                skipped += 1
+                if skipped > max_skipped_steps:
+                    raise Diverged(f"{label}: {skipped} optimizer steps in a row were skipped (gradient "
+                                   f"overflow) after update {done}; the newest complete checkpoint in {ckpt_dir} "
+                                   "is the last good one: lower --lr or use bf16")
+            else:
+                skipped = 0
+                loss_sum = local if loss_sum is None else loss_sum + local
+                done, since = done + 1, since + 1
+                if done % log_interval == 0 or done == total:
+                    dt = (time.perf_counter() - t_last) / since
+                    row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, loss_names)
+                    check_finite()
+                    row["lr"] = engine.get_lr()[0]
+                    row.update(perf(dt) if perf is not None else {})
+                    scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
+                                                         if k not in ("step", "loss", "head_losses", "lr")}})
+                    if rank == 0:
+                        rows.append(row)
+                        log.write(row, scalars)
+                        bar.set_postfix(loss=f"{row['loss']:.3f}")
+                    loss_sum, since, t_last = None, 0, time.perf_counter()
+                if evaluate is not None and eval_interval and done % eval_interval == 0:
+                    row, scalars = _loss_row(done, mean_over_ranks(evaluate(), is_pipe), loss_names,
+                                             prefix="valid_")
+                    if rank == 0:
+                        rows.append(row)
+                        log.write(row, scalars)
+                bar.update(1)
+                exiting = exit_interval > 0 and done % exit_interval == 0
+                if done % save_interval == 0 or done in extra_save_steps or done == total or exiting:
+                    saved = save()
+                if exiting:
+                    break
+            # Agree on a stop request every update, over gloo on the host (parallel.any_rank).
+            if parallel.any_rank(stop.reason is not None):
+                tag = saved if saved == checkpoint.tag_for(done) and not skipped else save()
+                bar.close()
+                log.close()
+                raise Stopped(done, tag, stop.reason or "a signal to another rank")
     bar.close()
     log.close()
     return rows

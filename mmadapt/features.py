@@ -112,18 +112,24 @@ def piece_offsets(sp, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     return ids, spans
 
 
-def encode_span(sp, examples: list[QAExample], seq_length: int, doc_stride: int, max_query_length: int) -> Encoded:
+DOC_STRIDE = 128  # SQuAD practice (with 384-piece windows)
+
+
+def encode_span(sp, examples: list[QAExample], seq_length: int, doc_stride: int | None,
+                max_query_length: int) -> Encoded:
     """Windows over each context; labels are the first answer's first and last piece in the
-    window, or (0, 0) (the <s> position) when the window does not hold the whole answer."""
+    window, or (0, 0) (the <s> position) when the window does not hold the whole answer.
+    doc_stride None: min(DOC_STRIDE, half the window)."""
     _check_seq(seq_length, max_query_length + 8)
     rows, labels, example, offsets = [], [], [], []
     for n, ex in enumerate(examples):
         q = sp.encode(ex.question)[:max_query_length]
         ctx_ids, spans = piece_offsets(sp, ex.context)
         window = seq_length - len(q) - 4
-        if doc_stride >= window:
-            raise ValueError(f"doc_stride {doc_stride} must be smaller than the context window "
-                             f"({window} pieces at seq_length {seq_length})")
+        stride = min(DOC_STRIDE, window // 2) if doc_stride is None else doc_stride
+        if stride >= window and len(ctx_ids) > window:  # only a context split into windows needs a stride
+            raise ValueError(f"doc_stride {stride} must be smaller than the context window "
+                             f"({window} pieces at seq_length {seq_length}): lower --doc_stride or leave it unset")
         a_start = a_end = None
         if ex.answers:
             text, start = ex.answers[0]
@@ -147,7 +153,7 @@ def encode_span(sp, examples: list[QAExample], seq_length: int, doc_stride: int,
             offsets.append(off)
             if last == len(ctx_ids):
                 break
-            first += window - doc_stride
+            first += window - stride
     return Encoded(_pad(rows, seq_length), torch.tensor(labels, dtype=torch.long).reshape(-1, 2),
                    np.asarray(example, dtype=np.int64), np.stack(offsets) if offsets else np.zeros((0, seq_length, 2)))
 

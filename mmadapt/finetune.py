@@ -292,7 +292,9 @@ def evaluate_scores(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact
     """Every metric of `examples` (`scores`) with Step 3's model, or with it after swapping in
     `artifact`'s word embeddings and `tokenizer` (Step 4)."""
     state = ft.state if artifact is None else swap_embeddings(ft.state, artifact)
-    model = dataclasses.replace(ft, state=state).model()
+    # The target vocabulary may have another size than the source's (adapt --vocab_size).
+    cfg_v = dataclasses.replace(ft.cfg, vocab_size=state[WORD].shape[0])
+    model = dataclasses.replace(ft, cfg=cfg_v, state=state).model()
     sp = load_sp(tokenizer or ft.tokenizer)
     enc = encode(ft.task, sp, examples, ft.labels, cfg)
     return scores(ft.task, predict(model, enc.input_ids, cfg.eval_batch_size), enc, examples, ft.labels, cfg)
@@ -412,8 +414,10 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
         if lang not in src_vectors:
             model.load_state_dict(state)
             src_vectors[lang] = sentence_vectors(model, src_sp, [a for a, _ in pairs[lang]], seq_length, layer)
-        model.load_state_dict(swap_embeddings(state, emb))
-        trg = sentence_vectors(model, load_sp(tok), [b for _, b in pairs[lang]], seq_length, layer)
+        swapped = swap_embeddings(state, emb)
+        target = RobertaEncoder(dataclasses.replace(cfg, vocab_size=swapped[WORD].shape[0])).eval()  # its vocab size
+        target.load_state_dict(swapped)
+        trg = sentence_vectors(target, load_sp(tok), [b for _, b in pairs[lang]], seq_length, layer)
         records.append({"system": meta["system"], "task": "retrieval", "lang": lang, "step": meta["step"],
                         "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
                         "tokens": meta["tokens"], "metric": "accuracy",

@@ -53,11 +53,31 @@ def init_distributed() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
+    else:  # DeepSpeed JIT-builds its CPU shared-memory all-reduce here, under torch's file lock
+        from mmadapt.faults import clear_stale_extension_lock
+
+        clear_stale_extension_lock()
     from datetime import timedelta
 
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                auto_mpi_discovery=False, timeout=timedelta(seconds=DIST_TIMEOUT_S))
     _unlink_shm_allreduce_buffer()
+    global _CONTROL
+    # Host-side agreements (a stop signal, checked every update) go over gloo on CPU tensors:
+    # no device synchronisation, and no NCCL kernel queued behind the step's work.
+    _CONTROL = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+
+
+_CONTROL = None
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (collective over the whole world)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL)
+    return bool(t.item())
 
 
 def shm_allreduce_buffer() -> str:

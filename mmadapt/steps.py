@@ -15,6 +15,7 @@ needs no process group.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -29,7 +30,7 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, FinetuneConfig, MiniModelConfig, ModelConfig,
                             PreprocessConfig, TrainConfig, to_dict)
 from mmadapt.corpora import resolve_corpus
-from mmadapt.train import MLMJob, RunPaths, prepare_data, train_mlm, validate_run
+from mmadapt.train import MLMJob, RunPaths, check_same_run, prepare_data, train_mlm, validate_run
 
 
 def _with_layout(cfg: ModelConfig, layout: dict | None, allowed: tuple[str, ...] = LAYOUT_FIELDS) -> ModelConfig:
@@ -51,18 +52,34 @@ def checkpoint_tag(run_dir: Path, tag: str | None) -> str:
     return tag or tags[-1]
 
 
-def _start(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume: bool) -> tuple[dict, Path, Path]:
-    """Checks, tokenizer and prepared data (before any process group: see train.prepare_data),
-    then the process groups: what every MLM step does before it can compute its starting
-    weights. -> (DeepSpeed config, tokenizer, prepared dataset)."""
+@contextlib.contextmanager
+def _start(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume: bool, same: dict | None = None):
+    """Checks, then the run directory's lock (global rank 0, held until the step returns), the
+    prepared data (before any process group: see train.prepare_data), then the process groups:
+    what every MLM step does before it can compute its starting weights. Yields (DeepSpeed
+    config, tokenizer, prepared dataset). same: see train.validate_run."""
     if paths.corpus is not None:  # bible:<lang> -> the packaged Bible, written once
         paths.corpus = resolve_corpus(paths.corpus)
-    ds_config = validate_run(model, train, paths, resume)
+    ds_config = validate_run(model, train, paths, resume, same)
+    with _run_lock(paths.output_dir):
+        tok, data_dir = prepare_data(model, train, paths)
+        parallel.init_parallel(model.tensor_model_parallel_size, model.pipeline_model_parallel_size)
+        yield ds_config, tok, data_dir
+
+
+@contextlib.contextmanager
+def _run_lock(output_dir: Path):
+    """Global rank 0 creates `output_dir` and holds its lock (faults.RunLock) meanwhile."""
+    from mmadapt.faults import RunLock
+
+    lock = RunLock(output_dir)
     if int(os.environ.get("RANK", 0)) == 0:
-        paths.output_dir.mkdir(parents=True, exist_ok=True)
-    tok, data_dir = prepare_data(model, train, paths)
-    parallel.init_parallel(model.tensor_model_parallel_size, model.pipeline_model_parallel_size)
-    return ds_config, tok, data_dir
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # --- data --------------------------------------------------------------------------------------------
@@ -84,8 +101,8 @@ def pretrain(model: ModelConfig, train: TrainConfig, paths: RunPaths, recipe: st
              resume: bool = False) -> list[dict]:
     """Step 1. `model` is already shaped by its recipe (config.apply_recipe). Returns the
     metrics rows of this invocation (global rank 0; empty elsewhere)."""
-    ds_config, _, data_dir = _start(model, train, paths, resume)
-    return train_mlm(model, train, paths, ds_config, data_dir, {"recipe": recipe}, MLMJob(), resume=resume)
+    with _start(model, train, paths, resume, {"recipe": recipe}) as (ds_config, _, data_dir):
+        return train_mlm(model, train, paths, ds_config, data_dir, {"recipe": recipe}, MLMJob(), resume=resume)
 
 
 # --- Step 1b ----------------------------------------------------------------------------------------
@@ -101,17 +118,22 @@ def build_minipost(primary: Path, output_dir: Path, train: TrainConfig, mini: Mi
     tag = checkpoint_tag(primary, primary_tag)
     cfg, _ = A.minipost_layout(ModelConfig(**src["model"]), {}, mini.mini_layers, mini.new_layers)
     model = _with_layout(cfg, layout)
+    if model.pipeline_model_parallel_size > 1:
+        # Stage 0 would hold only frozen modules, and DeepSpeed's pipeline backward needs a
+        # gradient on every stage. The mini-model is a fraction of the primary: it fits one device.
+        raise ValueError("build_minipost does not use pipeline parallelism (the mini-model fits one device): use "
+                         "--pipeline_model_parallel_size 1 with data or tensor parallelism")
     if data_path is None and corpus is None:
         data_path = Path(src["data_path"]) if src.get("data_path") else None
         corpus = None if data_path is not None else Path(src["corpus"])
     paths = RunPaths(output_dir=Path(output_dir), corpus=Path(corpus) if corpus else None, ds_config=Path(ds_config),
                      tokenizer=primary / "tokenizer" / "spm.model", data_path=Path(data_path) if data_path else None)
-    ds, _, data_dir = _start(model, train, paths, resume)
-    _, init = A.minipost_layout(*A.load_model(primary, tag), mini.mini_layers, mini.new_layers)
-    job = MLMJob(step="minipost", trainable=A.minipost_trainable(mini.mini_layers, mini.new_layers),
-                 trainable_layers=mini.new_layers)
     info = {"recipe": "minipost", "frozen_from": {"run_dir": str(primary), "tag": tag, **dataclasses.asdict(mini)}}
-    return train_mlm(model, train, paths, ds, data_dir, info, job, init, resume)
+    with _start(model, train, paths, resume, info) as (ds, _, data_dir):
+        _, init = A.minipost_layout(*A.load_model(primary, tag), mini.mini_layers, mini.new_layers)
+        job = MLMJob(step="minipost", trainable=A.minipost_trainable(mini.mini_layers, mini.new_layers),
+                     trainable_layers=mini.new_layers)
+        return train_mlm(model, train, paths, ds, data_dir, info, job, init, resume)
 
 
 # --- Step 2 -----------------------------------------------------------------------------------------
@@ -129,8 +151,6 @@ def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, tra
     an existing target SentencePiece model (default: one trained on the corpus). vocab_size: the
     target vocabulary (default: the dataset's or tokenizer's size, else the source model's)."""
     from mmadapt.data import load_tokenizer, read_manifest
-    from mmadapt.flops import adapt_flops, device_days
-    from mmadapt.model import derive_seed
 
     if system not in A.SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of {', '.join(A.SYSTEMS)}")
@@ -153,15 +173,24 @@ def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, tra
     paths = RunPaths(output_dir=out, corpus=None if data_path else Path(corpus or f"bible:{lang}"),
                      ds_config=Path(ds_config), tokenizer=Path(tokenizer) if tokenizer else None,
                      data_path=Path(data_path) if data_path else None)
-    ds, tok, data_dir = _start(model, train, paths, resume)
+    same = {"system": system, "lang": lang, "frozen_from": {"run_dir": str(source), "tag": tag, "system": system}}
+    with _start(model, train, paths, resume, same) as (ds, tok, data_dir):
+        return _adapt(system, source, tag, lang, model, train, paths, ds, tok, data_dir, resume, same)
+
+
+def _adapt(system: str, source: Path, tag: str, lang: str, model: ModelConfig, train: TrainConfig, paths: RunPaths,
+           ds: dict, tok: Path, data_dir: Path, resume: bool, same: dict) -> list[dict]:
+    """adapt_embeddings once its checks passed and its process groups exist."""
+    from mmadapt.flops import adapt_flops, device_days
+    from mmadapt.model import derive_seed
+
+    out = paths.output_dir
     _, init, shared = A.step2_start(system, source, tag, tok, model.init_method_std,
                                     derive_seed(train.seed, f"embeddings.{lang}"))
     if dist.get_rank() == 0:
         print(f"new {lang} embeddings: {shared} of {model.vocab_size} pieces copied from the source vocabulary, "
               f"{model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
-    info = {"recipe": system, "system": system, "lang": lang, "shared_pieces": shared,
-            "target_vocab_size": model.vocab_size,
-            "frozen_from": {"run_dir": str(source), "tag": tag, "system": system}}
+    info = {"recipe": system, **same, "shared_pieces": shared, "target_vocab_size": model.vocab_size}
     seq_flops = {p: adapt_flops(model, train.seq_length, train.mask_prob, paper=p) for p in (False, True)}
     global_batch = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * parallel.dp_world()
 
@@ -191,8 +220,7 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
     run.json; with `source_score` when `eval_file` is given) and the trained module (this rank's
     tensor-parallel shard)."""
     from mmadapt import finetune as F
-    from mmadapt.data import EpochOrder, micro_batch_range
-    from mmadapt.engine import build_engine, load_ds_config, train_loop, trainable_by_names, warmup_linear_decay
+    from mmadapt.engine import load_ds_config
 
     # --- checks before any side effect
     t = F.get_task(task)
@@ -228,10 +256,26 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
                "train": train_file, "train_examples": len(examples), "train_rows": len(enc), "updates": updates,
                "global_batch": global_batch, "lr": lr, "primary": {"run_dir": str(primary), "tag": tag},
                "model": to_dict(model_cfg), "finetune": to_dict(cfg), "ds_config": ds}
-    if rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "run.json").write_text(json.dumps(summary, indent=2))
-    dist.barrier()
+    run_file = output_dir / "run.json"
+    if resume and run_file.is_file():
+        check_same_run(run_file, summary)
+    with _run_lock(output_dir):
+        if rank == 0 and not (resume and run_file.is_file()):
+            checkpoint.atomic_write(run_file, json.dumps(summary, indent=2))
+        dist.barrier()
+        return _finetune(t, cfg, model_cfg, primary, tag, output_dir, labels, metric, enc, eval_examples, lr,
+                         updates, global_batch, summary, ds, resume)
+
+
+def _finetune(t, cfg: FinetuneConfig, model_cfg: ModelConfig, primary: Path, tag: str, output_dir: Path,
+              labels: list, metric: str, enc, eval_examples, lr: float, updates: int, global_batch: int,
+              summary: dict, ds: dict, resume: bool) -> tuple[dict, torch.nn.Module]:
+    """finetune once its checks passed, its process groups exist and its run.json is written."""
+    from mmadapt import finetune as F
+    from mmadapt.data import EpochOrder, micro_batch_range
+    from mmadapt.engine import build_engine, train_loop, trainable_by_names, warmup_linear_decay
+
+    rank = dist.get_rank()
 
     # --- model: primary weights, a seeded task head, word embeddings frozen
     parallel.seed_everything(cfg.seed)
@@ -256,8 +300,8 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
         return loss_sum
 
     train_loop(engine, step_fn, total=updates, run_dir=output_dir, resume=resume, log_interval=cfg.log_interval,
-               save_interval=cfg.save_interval, exit_interval=cfg.exit_interval,
-               perf=lambda seconds: {"examples_per_s": global_batch / seconds},
+               save_interval=cfg.save_interval, exit_interval=cfg.exit_interval, keep_last=cfg.keep_last,
+               max_skipped_steps=cfg.max_skipped_steps, perf=lambda seconds: {"examples_per_s": global_batch / seconds},
                client_state={"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}, names=names,
                exclude_frozen=True, label=f"finetune {t.name}")
     if F.is_finished(output_dir):
@@ -269,7 +313,7 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
                 # a TP=1 model needs no process group, so the others just wait.
                 scores = F.evaluate_scores(F.load_finetuned(output_dir), eval_examples, cfg)
                 summary["source_score"], summary["source_scores"] = scores[metric], scores
-            (output_dir / "run.json").write_text(json.dumps(summary, indent=2))
+            checkpoint.atomic_write(output_dir / "run.json", json.dumps(summary, indent=2))
         dist.barrier()
     return summary, engine.module
 

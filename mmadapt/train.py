@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.config import ModelConfig, TrainConfig, to_dict
+from mmadapt.config import CHANGEABLE_ON_RESUME, ModelConfig, TrainConfig, to_dict
 from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TOKENIZER, VALID, MLMBatches, block_index,
-                          block_index_path, check_corpus, check_prepared, load_tokenizer, prepare, wait_for)
+                          block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
+                          load_tokenizer, prepare, read_manifest, wait_for)
 from mmadapt.engine import (build_engine, is_pipeline, load_ds_config, mean_over_ranks, train_loop,
                             trainable_by_names, warmup_linear_decay)
 from mmadapt.flops import step_flops
@@ -55,8 +56,32 @@ class RunPaths:
         return self.output_dir / "checkpoints"
 
 
-def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume: bool) -> dict:
-    """All user-facing checks, before any side effect. Returns the DeepSpeed config dict."""
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_same_run(run_file: Path, expected: dict) -> None:
+    """--resume continues the run recorded in `run_file`: every entry of `expected` (nested dicts
+    compared leaf by leaf) must equal the recorded one, except config.CHANGEABLE_ON_RESUME."""
+    saved = _flat(checkpoint.read_json(run_file, "run file"))
+    mine = _flat(json.loads(json.dumps(expected)))  # tuples as lists, as run.json holds them
+    for key, value in mine.items():
+        if key.rsplit(".", 1)[-1] in CHANGEABLE_ON_RESUME or saved.get(key) == value:
+            continue
+        raise ValueError(f"--resume of a changed run: {key} is {value} here but {saved.get(key)} in {run_file}; "
+                         "resume with the run's settings, or start a new --output_dir")
+
+
+def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume: bool,
+                 same: dict | None = None) -> dict:
+    """All user-facing checks, before any side effect. Returns the DeepSpeed config dict.
+    same: more run.json entries a --resume must match (where a step's weights come from)."""
     model.validate()
     train.validate(model)
     ds = load_ds_config(paths.ds_config, train)
@@ -95,12 +120,21 @@ def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume
     checkpoint.refuse_overwrite(paths.output_dir, resume)
     run_file = paths.output_dir / "run.json"
     if resume and run_file.is_file():
-        saved = json.loads(run_file.read_text())["model"]
-        mine = json.loads(json.dumps(to_dict(model)))  # tuples as lists, as run.json holds them
-        diff = [k for k in mine if saved.get(k) != mine[k]]
-        if diff:
-            raise ValueError(f"--resume with a different model: {diff[0]} is {mine[diff[0]]} here but "
-                             f"{saved.get(diff[0])} in {run_file}")
+        if paths.data_path is not None:
+            data = {"data_path": str(Path(paths.data_path).resolve())}
+        else:
+            data = {"data_path": str((paths.output_dir / "data").resolve()), "corpus": str(paths.corpus.resolve())}
+            manifest = paths.output_dir / "data" / MANIFEST
+            if manifest.is_file() and corpus_fingerprint(paths.corpus) != read_manifest(manifest.parent)[
+                    "corpus_fingerprint"]:
+                raise ValueError(f"--resume: corpus {paths.corpus} changed since this run encoded it into "
+                                 f"{manifest.parent}; resume with the original text, or start a new --output_dir")
+        check_same_run(run_file, {"model": to_dict(model), "train": to_dict(train), **data, "ds_config": ds,
+                                  **(same or {})})
+        if paths.tokenizer is not None and (paths.output_dir / "tokenizer" / "spm.model").is_file() \
+                and file_sha256(paths.tokenizer) != file_sha256(paths.output_dir / "tokenizer" / "spm.model"):
+            raise ValueError(f"--resume with another tokenizer: {paths.tokenizer} is not the run's "
+                             f"{paths.output_dir / 'tokenizer' / 'spm.model'}")
     return ds
 
 
@@ -123,9 +157,6 @@ def prepare_data(model: ModelConfig, train: TrainConfig, paths: RunPaths) -> tup
         block_index(data_path, train.seq_length)
         if train.eval_interval:
             block_index(data_path, train.seq_length, VALID)
-        tok = paths.output_dir / "tokenizer" / "spm.model"  # what later steps read
-        tok.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(data_path / TOKENIZER, tok)
     wait_for(blocks, f"the block index {blocks}")
     return data_path / TOKENIZER, data_path
 
@@ -218,14 +249,18 @@ def train_mlm(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, ds_co
     Returns the metrics of this invocation (global rank 0; empty on other ranks)."""
     parallel.seed_everything(train.seed)
     engine, names, dims = mlm_engine(model_cfg, train, ds_config, job, init_state)
-    if dist.get_rank() == 0:
+    run_file = paths.output_dir / "run.json"
+    if dist.get_rank() == 0 and not (resume and run_file.is_file()):  # a resumed run's record stays as it is
+        tok = paths.output_dir / "tokenizer" / "spm.model"  # what later steps read
+        tok.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(data_dir / TOKENIZER, tok)
         info = {**run_info, "step": job.step, "model": to_dict(model_cfg), "train": to_dict(train),
                 "data_path": str(data_dir.resolve()), "corpus": json.loads((data_dir / MANIFEST).read_text())["corpus"],
                 "ds_config": ds_config,
                 "trainable": list(job.trainable) if job.trainable is not None else None}
         if model_cfg.pipeline_model_parallel_size > 1:  # which stage owns what (pipeline.py docstring)
             info["pipeline_parts"] = [int(x) for x in engine.module.parts]
-        (paths.output_dir / "run.json").write_text(json.dumps(info, indent=2))
+        checkpoint.atomic_write(run_file, json.dumps(info, indent=2))
     batches = MLMBatches(data_dir, train.seq_length, model_cfg.vocab_size, train.seed, train.mask_prob,
                          train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps,
                          parallel.dp_rank(), parallel.dp_world())
@@ -249,6 +284,7 @@ def train_mlm(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, ds_co
                       total=train.train_iters, run_dir=paths.output_dir, resume=resume,
                       log_interval=train.log_interval, save_interval=train.save_interval,
                       exit_interval=train.exit_interval, extra_save_steps=train.extra_save_steps,
+                      keep_last=train.keep_last, max_skipped_steps=train.max_skipped_steps,
                       loss_names=tuple(str(l) for l in model_cfg.heads_after), perf=perf,
                       client_state={"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}, names=names,
                       exclude_frozen=job.trainable is not None, label=job.step, after_save=after_save,

@@ -87,7 +87,7 @@ def test_resume_with_a_different_model(capsys, args, tmp_path):
     from mmadapt.config import PRESETS, apply_recipe, to_dict
 
     (out / "run.json").write_text(json.dumps({"model": to_dict(apply_recipe(PRESETS["tiny"][0], "bl_base"))}))
-    expect_error(capsys, out, args("--resume", out=out), "--resume with a different model: vocab_size")
+    expect_error(capsys, out, args("--resume", out=out), "--resume of a changed run: model.vocab_size is 1000 here but 2000")
 
 
 def test_world_size_not_divisible(capsys, args, tmp_path, monkeypatch):

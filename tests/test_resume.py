@@ -18,12 +18,12 @@ STEPS = 8
 KILL_IN_SAVE = """
 import os, runpy, sys
 from mmadapt import checkpoint
-write = checkpoint._atomic_write
+write = checkpoint.atomic_write
 def dying_write(path, text):
     if path.name == "COMPLETE" and path.parent.name == os.environ["KILL_BEFORE_COMPLETE"]:
         os.kill(os.getpid(), 9)
     write(path, text)
-checkpoint._atomic_write = dying_write
+checkpoint.atomic_write = dying_write
 sys.argv = [{script!r}, *sys.argv[1:]]
 runpy.run_path({script!r}, run_name="__main__")
 """

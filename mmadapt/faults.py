@@ -1,0 +1,237 @@
+"""What happens when things go wrong: the exit statuses, a graceful stop on SIGTERM/SIGINT (or
+when the launcher dies), one live writer per run directory, and DeepSpeed's extension lock.
+
+Exit statuses of every mmadapt command:
+    0   done
+    1   an internal error (a traceback: please report it)
+    2   a user's mistake (one `error:` line; nothing was written)
+    3   the run diverged (a non-finite loss, or too many consecutive skipped fp16 steps); the
+        newest complete checkpoint is the last good one
+    75  stopped by a signal after saving a complete checkpoint at the current update: run the
+        same command with --resume (75 is EX_TEMPFAIL, "try again": SLURM templates requeue on it)
+    130 interrupted during start-up (nothing to save yet)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+EXIT_INTERNAL, EXIT_USER, EXIT_DIVERGED, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 2, 3, 75, 130
+
+
+class Diverged(RuntimeError):
+    """Training cannot go on from here; the newest complete checkpoint is the last good one."""
+
+
+class Stopped(Exception):
+    """A signal (or the launcher's death) stopped the run after a complete checkpoint."""
+
+    def __init__(self, step: int, tag: str, reason: str):
+        super().__init__(f"stopped by {reason} at update {step}: checkpoint {tag} is complete; "
+                         "run the same command with --resume to continue")
+        self.step, self.tag, self.reason = step, tag, reason
+
+
+# --- signals -------------------------------------------------------------------------------------
+
+_LAUNCHERS = ("deepspeed", "torchrun", "torch.distributed.run", "torch.distributed.launch")
+
+
+def launcher_ancestors() -> list:
+    """The launcher processes above this one (DeepSpeed's runner and its per-node launch.py, or
+    torchrun): the contiguous chain of parents whose command line names a launcher."""
+    import psutil
+
+    chain = []
+    for parent in psutil.Process(os.getpid()).parents():
+        try:
+            cmd = " ".join(parent.cmdline())
+        except psutil.Error:
+            break
+        if not any(l in cmd for l in _LAUNCHERS):
+            break
+        chain.append(parent)
+    return chain
+
+
+def _gone(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE or not proc.is_running()  # is_running checks pid reuse
+    except psutil.Error:
+        return True
+
+
+class StopRequest:
+    """While active: SIGTERM or SIGINT, or the death of a launcher above this rank (DeepSpeed's
+    runner does not pass signals on to its ranks, and a SIGKILL cannot be passed on), sets
+    `reason` instead of killing the process; the training loop then agrees on it with the other
+    ranks, saves at the current update and stops (engine.train_loop). A second signal
+    interrupts at once (KeyboardInterrupt)."""
+
+    POLL_S = 1.0
+
+    def __init__(self):
+        self.reason: str | None = None
+        self._old: dict = {}
+        self._done = threading.Event()
+
+    def _handler(self, signum, frame):
+        if self.reason is not None:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(signum).name
+        print(f"{self.reason} received: finishing this update, then saving a checkpoint", file=sys.stderr, flush=True)
+
+    def _watch(self, launchers) -> None:
+        while not self._done.wait(self.POLL_S):
+            dead = next((p for p in launchers if _gone(p)), None)
+            if dead is not None and self.reason is None:
+                self.reason = f"the exit of launcher process {dead.pid}"
+                print(f"launcher process {dead.pid} exited: finishing this update, then saving a checkpoint",
+                      file=sys.stderr, flush=True)
+                return
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                self._old[s] = signal.signal(s, self._handler)
+        launchers = launcher_ancestors()
+        if launchers:
+            threading.Thread(target=self._watch, args=(launchers,), daemon=True, name="launcher-watch").start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+# --- one writer per run directory ------------------------------------------------------------------
+
+LOCK_NAME = "run.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class RunLock:
+    """`<run_dir>/run.lock` ({host, pid, since}), created exclusively by the process that writes
+    the run (global rank 0), after every input check: a second writer is refused. A lock left by
+    a dead process on this host is taken over with a message; a lock held from another host
+    cannot be checked from here, so it is refused with the holder named."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.held = False
+
+    def acquire(self) -> "RunLock":
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    holder = json.loads(self.path.read_text())
+                except (OSError, ValueError):
+                    holder = {}
+                if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) \
+                        and not _alive(holder["pid"]):
+                    print(f"taking over {self.path}: its holder (pid {holder['pid']}) is no longer running",
+                          file=sys.stderr)
+                    self.path.unlink(missing_ok=True)
+                    continue
+                who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')} (since {holder.get('since', '?')})"
+                raise ValueError(f"{self.path.parent} is being written by {who}: wait for it to finish, or if it "
+                                 f"is no longer running, delete {self.path}")
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise ValueError(f"could not take {self.path}: another process took it at the same time")
+
+    def release(self) -> None:
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+# --- DeepSpeed's CPU extension -----------------------------------------------------------------------
+
+def extension_lock_path(name: str = "deepspeed_shm_comm") -> Path:
+    """The file lock torch's JIT build of DeepSpeed's extension `name` waits on."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(name, verbose=False)) / "lock"
+
+
+def _open_by(path: Path) -> list[int]:
+    """Pids of the processes on this host with `path` open (torch's builder keeps it open)."""
+    import psutil
+
+    target, pids = os.path.realpath(path), []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if any(f.path == target for f in proc.open_files()):
+                pids.append(proc.pid)
+        except psutil.Error:
+            continue
+    return pids
+
+
+def clear_stale_extension_lock(path: Path | None = None, stale_after_s: float = 30.0, poll_s: float = 5.0,
+                               give_up_s: float | None = None) -> str | None:
+    """torch's extension builder holds a lock file while it compiles and removes it when done; a
+    process killed mid-build leaves it, and every later process would wait on it forever with no
+    output. Before DeepSpeed loads its extension: a lock that no process on this host holds
+    open, older than `stale_after_s` (a build on another host sharing this directory keeps it
+    younger: its compiler writes beside it), is removed with a message; otherwise say who we
+    wait for, every `poll_s`. Returns what was done (None: no lock)."""
+    path = path or extension_lock_path()
+    waited, said = 0.0, False
+    while path.exists():
+        holders = _open_by(path)
+        try:
+            age = time.time() - max(p.stat().st_mtime for p in [path, *path.parent.iterdir()])
+        except FileNotFoundError:
+            continue
+        if not holders and age > stale_after_s:
+            path.unlink(missing_ok=True)
+            msg = (f"removed a stale lock {path}: no process holds it (a process killed while building "
+                   "DeepSpeed's extension left it)")
+            print(msg, file=sys.stderr, flush=True)
+            return msg
+        if not said or waited % 30 < poll_s:
+            who = f"process {', '.join(map(str, holders))}" if holders else "a process on another host, or none"
+            print(f"waiting for {path}: DeepSpeed's extension is being built by {who}", file=sys.stderr, flush=True)
+            said = True
+        if give_up_s is not None and waited >= give_up_s:
+            return "waiting"
+        time.sleep(poll_s)
+        waited += poll_s
+    return "released" if said else None
