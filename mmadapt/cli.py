@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, PRESETS, RECIPES, FinetuneConfig, MiniModelConfig,
-                            ModelConfig, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe, override)
+                            ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe,
+                            override)
 
 MODEL_PRESETS = {name: model for name, (model, _) in PRESETS.items()}
 TRAIN_PRESETS = {name: train for name, (_, train) in PRESETS.items()}
@@ -90,7 +91,7 @@ def _done(rows: list[dict], what: str) -> None:
 # --- Step 1 --------------------------------------------------------------------------------------------
 
 def pretrain_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pretrain", description="Step 1: pretrain a source-language MLM "
+    p = Parser(prog="pretrain", description="Step 1: pretrain a source-language MLM "
                                 "(BL_BASE, BL_SMALL or MINIJOINT) with DeepSpeed.")
     p.add_argument("--recipe", choices=RECIPES, default="bl_base", help="which of the paper's systems")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and schedule")
@@ -134,7 +135,7 @@ def pretrain_main(argv=None) -> int:
 # --- data: prepare once, train many ----------------------------------------------------------------------
 
 def preprocess_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="preprocess", description="Prepare a corpus once for every run that trains "
+    p = Parser(prog="preprocess", description="Prepare a corpus once for every run that trains "
                                 "on it: a SentencePiece model (or --tokenizer) and the corpus encoded in parallel "
                                 "into megatron-core's indexed dataset; pass --data_path to the training commands.")
     p.add_argument("--corpus", required=True, help="UTF-8 text, one sentence per line, blank line between "
@@ -169,7 +170,7 @@ def _later_step_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...]) 
 
 
 def minipost_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="build_minipost", description="Step 1b (MINIPOST): copy the bottom "
+    p = Parser(prog="build_minipost", description="Step 1b (MINIPOST): copy the bottom "
                                 "N layers, embeddings and MLM head of a pretrained model, insert K new "
                                 "layers and train only those with source-language MLM.")
     p.add_argument("--primary", required=True, help="the pretrain run directory of the primary model")
@@ -195,7 +196,7 @@ def minipost_main(argv=None) -> int:
 def adapt_parser() -> argparse.ArgumentParser:
     from mmadapt.adapt import SYSTEMS
 
-    p = argparse.ArgumentParser(prog="adapt", description="Step 2: learn a new language's embeddings "
+    p = Parser(prog="adapt", description="Step 2: learn a new language's embeddings "
                                 "(tied with the output projection) by MLM over a frozen model.")
     p.add_argument("--system", choices=SYSTEMS, required=True, help="minijoint/minipost: over the "
                    "mini-model; bl_base: over the full primary model; bl_small: over the N-layer model")
@@ -230,7 +231,7 @@ def adapt_main(argv=None) -> int:
 def finetune_parser() -> argparse.ArgumentParser:
     from mmadapt.finetune import TASKS
 
-    p = argparse.ArgumentParser(prog="finetune", description="Step 3: fine-tune the primary model of a "
+    p = Parser(prog="finetune", description="Step 3: fine-tune the primary model of a "
                                 "pretrain run on a source-language task, word embeddings frozen.")
     p.add_argument("--task", choices=sorted(TASKS), required=True, help="xnli/pawsx (pairs), mlqa/xquad "
                    "(extractive QA), pos (CoNLL-U), ner (CoNLL-2003), bible-genre (the demo's task); your own "
@@ -265,7 +266,7 @@ def finetune_main(argv=None) -> int:
 
 
 def evaluate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="evaluate", description="Step 4: swap target-language embeddings "
+    p = Parser(prog="evaluate", description="Step 4: swap target-language embeddings "
                                 "(Step 2) into fine-tuned models (Step 3) and evaluate zero-shot; one "
                                 "record per checkpoint, the input of `mmadapt report`.")
     p.add_argument("--finetuned", nargs="+", required=True, help="Step-3 run directories of one primary "
@@ -303,7 +304,7 @@ def flops_main(argv=None) -> int:
     from mmadapt.flops import DEVICE_TFLOPS
     from mmadapt.report import PAPER, flops_rows, format_flops_table, paper_rows
 
-    p = argparse.ArgumentParser(prog="mmadapt flops", description="Training cost of every step of every "
+    p = Parser(prog="mmadapt flops", description="Training cost of every step of every "
                                 "system (paper Appendix A.1: A1, A3, A4) and the exact counts.")
     p.add_argument("--paper", action="store_true", help="the paper's settings (RoBERTa-base, U=125,000, B=2048, "
                    "s=512, V=50,000, p=0.15), printed as JSON")
@@ -339,7 +340,7 @@ def report_main(argv=None) -> int:
 
     from mmadapt.report import report_markdown
 
-    p = argparse.ArgumentParser(prog="mmadapt report", description="Evaluation results (Step 4 JSON) -> "
+    p = Parser(prog="mmadapt report", description="Evaluation results (Step 4 JSON) -> "
                                 "final scores with retention and days to near-maximal performance.")
     p.add_argument("results", nargs="+", help="JSON files, each a list of {system, task, lang, step, flops, score}")
     p.add_argument("--output", help="also write the markdown here")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
@@ -300,6 +301,14 @@ def _default_help(f, defaults) -> str:
             return "default: " + ", ".join(f"{v} ({name})" for name, v in values.items())
         return f"default: {next(iter(values.values()))}"
     return f"default: {f.default}"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported like every other user mistake: one line, exit 2."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ...] | None = None,

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmadapt.config import (DEFAULT_DS_CONFIG, PRESETS, FinetuneConfig, MiniModelConfig, PreprocessConfig,
+from mmadapt.config import (DEFAULT_DS_CONFIG, PRESETS, FinetuneConfig, MiniModelConfig, Parser, PreprocessConfig,
                             TrainConfig, _f, apply_recipe)
 
 SYSTEMS = ("bl_base", "bl_small", "minijoint", "minipost")
@@ -63,7 +63,7 @@ QUICK = DemoConfig(langs=("de",), pretrain_iters=200, minipost_iters=50, adapt_i
 def parser() -> argparse.ArgumentParser:
     from mmadapt.config import add_dataclass_args
 
-    p = argparse.ArgumentParser(prog="mmadapt demo", description="Steps 1-4 for BL_BASE, BL_SMALL, MINIJOINT "
+    p = Parser(prog="mmadapt demo", description="Steps 1-4 for BL_BASE, BL_SMALL, MINIJOINT "
                                 "and MINIPOST at the tiny preset on the packaged Bibles; writes a Table-2 "
                                 "style table and a Figure-3 style plot.")
     p.add_argument("--output_dir", default="runs/demo", help="where every run and the results go")

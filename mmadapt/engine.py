@@ -267,12 +267,12 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
 
     Faults (faults.py): a non-finite loss stops the run (faults.Diverged) before the next
     checkpoint could record it, so the newest complete checkpoint is the last good one.
-    SIGTERM/SIGINT, or the death of the launcher, on any rank: every rank finishes the update,
-    saves a complete checkpoint and raises faults.Stopped. keep_last > 0: only the newest
+    SIGTERM/SIGINT, the death of the launcher, on any rank, or a file <run_dir>/STOP: every rank
+    finishes the update, saves a complete checkpoint and raises faults.Stopped. keep_last > 0: only the newest
     keep_last complete checkpoints are kept."""
     from tqdm import tqdm
 
-    from mmadapt.faults import Diverged, StopRequest, Stopped
+    from mmadapt.faults import STOP_FILE, Diverged, StopRequest, Stopped
 
     is_pipe = is_pipeline(engine)
     ckpt_dir = run_dir / "checkpoints"
@@ -303,54 +303,61 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
             after_save(done, tag)
         return tag
 
-    with StopRequest() as stop:
-        while done < total:
-            local = step_fn(position).detach()
-            position += 1
-            # Device-side bookkeeping only: the first update whose loss is not finite.
-            bad_at = torch.where(torch.isfinite(local).all() | (bad_at != _FINITE), bad_at,
-                                 torch.full_like(bad_at, done + 1))
-            if not engine.was_step_applied():  # a Python flag: DeepSpeed's overflow check already synced
-                skipped += 1
-                if skipped > max_skipped_steps:
-                    raise Diverged(f"{label}: {skipped} optimizer steps in a row were skipped (gradient "
-                                   f"overflow) after update {done}; the newest complete checkpoint in {ckpt_dir} "
-                                   "is the last good one: lower --lr or use bf16")
-            else:
-                skipped = 0
-                loss_sum = local if loss_sum is None else loss_sum + local
-                done, since = done + 1, since + 1
-                if done % log_interval == 0 or done == total:
-                    dt = (time.perf_counter() - t_last) / since
-                    row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, loss_names)
-                    check_finite()
-                    row["lr"] = engine.get_lr()[0]
-                    row.update(perf(dt) if perf is not None else {})
-                    scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
-                                                         if k not in ("step", "loss", "head_losses", "lr")}})
+    stop_file = run_dir / STOP_FILE
+    if rank == 0:
+        stop_file.unlink(missing_ok=True)  # the request that stopped the previous job of this run
+    dist.barrier()
+    try:
+        with StopRequest(stop_file) as stop:
+            while done < total:
+                local = step_fn(position).detach()
+                position += 1
+                # Device-side bookkeeping only: the first update whose loss is not finite.
+                bad_at = torch.where(torch.isfinite(local).all() | (bad_at != _FINITE), bad_at,
+                                     torch.full_like(bad_at, done + 1))
+                if not engine.was_step_applied():  # a Python flag: DeepSpeed's overflow check already synced
+                    check_finite()  # DeepSpeed also skips the steps of a non-finite loss: name that first
+                    skipped += 1
+                    if skipped > max_skipped_steps:
+                        raise Diverged(f"{label}: {skipped} optimizer steps in a row were skipped (gradient "
+                                       f"overflow) after update {done}; the newest complete checkpoint in {ckpt_dir} "
+                                       "is the last good one: lower --lr or use bf16")
+                else:
+                    skipped = 0
+                    loss_sum = local if loss_sum is None else loss_sum + local
+                    done, since = done + 1, since + 1
+                    if done % log_interval == 0 or done == total:
+                        dt = (time.perf_counter() - t_last) / since
+                        row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, loss_names)
+                        check_finite()
+                        row["lr"] = engine.get_lr()[0]
+                        row.update(perf(dt) if perf is not None else {})
+                        scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
+                                                             if k not in ("step", "loss", "head_losses", "lr")}})
+                        if rank == 0:
+                            rows.append(row)
+                            log.write(row, scalars)
+                            bar.set_postfix(loss=f"{row['loss']:.3f}")
+                        loss_sum, since, t_last = None, 0, time.perf_counter()
+                    if evaluate is not None and eval_interval and done % eval_interval == 0:
+                        row, scalars = _loss_row(done, mean_over_ranks(evaluate(), is_pipe), loss_names,
+                                                 prefix="valid_")
+                        if rank == 0:
+                            rows.append(row)
+                            log.write(row, scalars)
+                    bar.update(1)
+                    exiting = exit_interval > 0 and done % exit_interval == 0
+                    if done % save_interval == 0 or done in extra_save_steps or done == total or exiting:
+                        saved = save()
+                    if exiting:
+                        break
+                # Agree on a stop request every update, over gloo on the host (parallel.any_rank).
+                if parallel.any_rank(stop.reason is not None):
+                    tag = saved if saved == checkpoint.tag_for(done) and not skipped else save()
                     if rank == 0:
-                        rows.append(row)
-                        log.write(row, scalars)
-                        bar.set_postfix(loss=f"{row['loss']:.3f}")
-                    loss_sum, since, t_last = None, 0, time.perf_counter()
-                if evaluate is not None and eval_interval and done % eval_interval == 0:
-                    row, scalars = _loss_row(done, mean_over_ranks(evaluate(), is_pipe), loss_names,
-                                             prefix="valid_")
-                    if rank == 0:
-                        rows.append(row)
-                        log.write(row, scalars)
-                bar.update(1)
-                exiting = exit_interval > 0 and done % exit_interval == 0
-                if done % save_interval == 0 or done in extra_save_steps or done == total or exiting:
-                    saved = save()
-                if exiting:
-                    break
-            # Agree on a stop request every update, over gloo on the host (parallel.any_rank).
-            if parallel.any_rank(stop.reason is not None):
-                tag = saved if saved == checkpoint.tag_for(done) and not skipped else save()
-                bar.close()
-                log.close()
-                raise Stopped(done, tag, stop.reason or "a signal to another rank")
-    bar.close()
-    log.close()
+                        stop_file.unlink(missing_ok=True)
+                    raise Stopped(done, tag, stop.reason or "a signal to another rank")
+    finally:  # before the caller prints why it stopped
+        bar.close()
+        log.close()
     return rows

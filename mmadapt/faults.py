@@ -70,42 +70,49 @@ def _gone(proc) -> bool:
         return True
 
 
+STOP_FILE = "STOP"
+
+
 class StopRequest:
-    """While active: SIGTERM or SIGINT, or the death of a launcher above this rank (DeepSpeed's
-    runner does not pass signals on to its ranks, and a SIGKILL cannot be passed on), sets
-    `reason` instead of killing the process; the training loop then agrees on it with the other
-    ranks, saves at the current update and stops (engine.train_loop). A second signal
-    interrupts at once (KeyboardInterrupt)."""
+    """While active, any of these sets `reason` instead of killing the process: SIGTERM or
+    SIGINT; the death of a launcher above this rank (DeepSpeed's runner does not pass signals on
+    to its ranks, and a SIGKILL cannot be passed on); a file `<run_dir>/STOP` (what the SLURM
+    templates create when SLURM warns of the time limit: one node's shell can stop ranks on
+    every node). The training loop then agrees on it with the other ranks, saves at the current
+    update and stops (engine.train_loop). A second SIGINT interrupts at once
+    (KeyboardInterrupt); more SIGTERMs (a launcher passing one on) change nothing."""
 
     POLL_S = 1.0
 
-    def __init__(self):
+    def __init__(self, stop_file: Path | None = None):
         self.reason: str | None = None
+        self.stop_file = stop_file
         self._old: dict = {}
         self._done = threading.Event()
 
+    def _request(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            print(f"{reason}: finishing this update, then saving a checkpoint", file=sys.stderr, flush=True)
+
     def _handler(self, signum, frame):
-        if self.reason is not None:
+        if self.reason is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.reason = signal.Signals(signum).name
-        print(f"{self.reason} received: finishing this update, then saving a checkpoint", file=sys.stderr, flush=True)
+        self._request(signal.Signals(signum).name)
 
     def _watch(self, launchers) -> None:
         while not self._done.wait(self.POLL_S):
             dead = next((p for p in launchers if _gone(p)), None)
-            if dead is not None and self.reason is None:
-                self.reason = f"the exit of launcher process {dead.pid}"
-                print(f"launcher process {dead.pid} exited: finishing this update, then saving a checkpoint",
-                      file=sys.stderr, flush=True)
-                return
+            if dead is not None:
+                self._request(f"the exit of launcher process {dead.pid}")
+            elif self.stop_file is not None and self.stop_file.exists():
+                self._request(f"{self.stop_file}")
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGTERM, signal.SIGINT):
                 self._old[s] = signal.signal(s, self._handler)
-        launchers = launcher_ancestors()
-        if launchers:
-            threading.Thread(target=self._watch, args=(launchers,), daemon=True, name="launcher-watch").start()
+        threading.Thread(target=self._watch, args=(launcher_ancestors(),), daemon=True, name="stop-watch").start()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -361,6 +361,7 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     fine-tune the primary model the embeddings were trained for."""
     from mmadapt.adapt import read_artifact
 
+    paths = artifact_dirs(artifacts)  # the cheap check first
     runs = [load_finetuned(r) for r in finetuned]
     primaries = {str(Path(r.run["primary"]["run_dir"]).resolve()) for r in runs}
     tasks = {r.task.name for r in runs}
@@ -375,7 +376,7 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     # headline; every metric is recorded, averaged over the seeds.
     task, labels, metric = runs[0].task, runs[0].labels, headline(runs[0].task, runs[0].labels, run_cfg(runs[0]))
     records, cache = [], {}
-    for path in artifact_dirs(artifacts):
+    for path in paths:
         emb, tok, meta = read_artifact(path)
         if str(artifact_primary(meta).resolve()) != primary:
             raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, but the "

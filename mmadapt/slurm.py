@@ -152,7 +152,9 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    p = argparse.ArgumentParser(prog="mmadapt slurm-env", description="Turn SLURM's environment into "
+    from mmadapt.config import Parser
+
+    p = Parser(prog="mmadapt slurm-env", description="Turn SLURM's environment into "
                                 "DeepSpeed's multi-node launch for this node, and run it.")
     p.add_argument("--dry-run", action="store_true", help="print the hostfile and the command, run nothing")
     p.add_argument("--hostfile", help="where to write the hostfile (default: $TMPDIR or /tmp, per job and node)")

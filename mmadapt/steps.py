@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -72,12 +73,19 @@ def _run_lock(output_dir: Path):
     """Global rank 0 creates `output_dir` and holds its lock (faults.RunLock) meanwhile."""
     from mmadapt.faults import RunLock
 
-    lock = RunLock(output_dir)
+    lock, created = RunLock(output_dir), not Path(output_dir).exists()
     if int(os.environ.get("RANK", 0)) == 0:
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         lock.acquire()
     try:
         yield
+    except ValueError:
+        # A user's mistake found late (a corpus SentencePiece cannot train on, an unreadable
+        # source checkpoint): a directory this call created and that holds no checkpoint goes.
+        if lock.held and created and not checkpoint.has_checkpoints(Path(output_dir) / "checkpoints"):
+            lock.release()
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
     finally:
         lock.release()
 

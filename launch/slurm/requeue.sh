@@ -1,0 +1,33 @@
+# Sourced by the sbatch templates (not a job itself): run a training step so that SLURM's
+# warning before the time limit ends it with a checkpoint, and requeue the job to continue.
+#
+#   #SBATCH --signal=B:TERM@300   SLURM sends SIGTERM to this batch shell 300 s before the limit
+#   #SBATCH --requeue
+#   run_requeueable RUN_DIR srun ... launch/<step>.py ... --resume
+#
+# On that SIGTERM the shell creates RUN_DIR/STOP. Every rank on every node watches for it (and
+# for SIGTERM/SIGINT or its launcher's death: mmadapt/faults.py), finishes its update, saves a
+# complete checkpoint and exits 75. The job is then requeued, and --resume continues it from
+# that checkpoint. A step that exits 75 for another reason (a signal sent by hand) is requeued too.
+
+run_requeueable() {
+    local run_dir=$1
+    shift
+    local stopping=0 rc=0
+    "$@" &
+    local pid=$!
+    trap 'stopping=1; touch "$run_dir/STOP"' TERM
+    wait "$pid" || rc=$?
+    # A trapped signal interrupts `wait` (status > 128) while the step is still saving.
+    while [[ $rc -gt 128 ]] && kill -0 "$pid" 2>/dev/null; do
+        rc=0
+        wait "$pid" || rc=$?
+    done
+    trap - TERM
+    if [[ $rc -eq 75 || $stopping -eq 1 ]] && [[ -n "${SLURM_JOB_ID:-}" ]]; then
+        echo "stopped with a complete checkpoint in $run_dir: requeueing job $SLURM_JOB_ID to resume it"
+        scontrol requeue "$SLURM_JOB_ID"
+        return 0
+    fi
+    return "$rc"
+}

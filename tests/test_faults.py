@@ -1,0 +1,159 @@
+"""faults.py and the training loop's fault handling, in one process (the multi-process fault
+injection is in test_resume.py): the run lock, DeepSpeed's stale extension lock, stop requests,
+skipped optimizer steps and non-finite losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from mmadapt import faults
+from mmadapt.engine import train_loop
+from mmadapt.parallel import init_parallel
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_run_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path, capsys):
+    with faults.RunLock(tmp_path):
+        held = json.loads((tmp_path / "run.lock").read_text())
+        assert held["pid"] == os.getpid() and held["host"] == socket.gethostname()
+        with pytest.raises(ValueError, match=f"is being written by process {os.getpid()} on "):
+            faults.RunLock(tmp_path).acquire()
+    assert not (tmp_path / "run.lock").exists()
+    dead = _dead_pid()
+    (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead, "since": "x"}))
+    with faults.RunLock(tmp_path):
+        assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+    assert f"its holder (pid {dead}) is no longer running" in capsys.readouterr().err
+    # Another host's lock cannot be checked from here: refused, naming the holder.
+    (tmp_path / "run.lock").write_text(json.dumps({"host": "gpu42", "pid": dead, "since": "x"}))
+    with pytest.raises(ValueError, match=f"process {dead} on gpu42 .*delete .*run.lock"):
+        faults.RunLock(tmp_path).acquire()
+
+
+def test_stale_extension_lock_is_removed_and_a_live_one_is_waited_for(tmp_path, capsys):
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    os.utime(lock.parent, (old, old))
+    assert faults.clear_stale_extension_lock(lock, stale_after_s=30) is not None
+    assert not lock.exists() and "removed a stale lock" in capsys.readouterr().err
+    # Held open by a live builder (torch's FileBaton keeps its descriptor): waited for, with a message.
+    holder = subprocess.Popen([sys.executable, "-c", f"import os, time; fd = os.open({str(lock)!r}, "
+                               "os.O_CREAT | os.O_EXCL); print('ok', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        os.utime(lock, (old, old))
+        assert faults.clear_stale_extension_lock(lock, stale_after_s=30, poll_s=0.1, give_up_s=0) == "waiting"
+        assert lock.exists()
+        assert f"being built by process {holder.pid}" in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    assert faults.clear_stale_extension_lock(tmp_path / "none" / "lock") is None
+
+
+def test_stop_request_from_a_signal_or_the_stop_file(tmp_path, capsys):
+    with faults.StopRequest(tmp_path / "STOP") as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.reason == "SIGTERM"
+        os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing it on: no change, no exit
+        assert stop.reason == "SIGTERM"
+        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C: out at once
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with faults.StopRequest(tmp_path / "STOP") as stop:
+        (tmp_path / "STOP").touch()
+        deadline = time.time() + 10
+        while stop.reason is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert stop.reason == str(tmp_path / "STOP")
+    assert "finishing this update" in capsys.readouterr().err
+
+
+class FakeEngine:
+    """What train_loop asks of DeepSpeed's engine, for updates that are applied or skipped."""
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.applied = True
+
+    def was_step_applied(self) -> bool:
+        return self.applied
+
+    def get_lr(self):
+        return [0.1]
+
+    def save_checkpoint(self, ckpt_dir, tag, client_state, **kw):
+        os.makedirs(os.path.join(ckpt_dir, tag), exist_ok=True)
+        with open(os.path.join(ckpt_dir, tag, "client.json"), "w") as f:
+            json.dump(client_state, f)
+
+    def bfloat16_enabled(self):
+        return False
+
+    fp16_enabled = bfloat16_enabled
+
+
+def _loop(tmp_path, engine, step_fn, **kw):
+    init_parallel(1, 1)
+    return train_loop(engine, step_fn, run_dir=tmp_path, resume=False, client_state={}, names={},
+                      exclude_frozen=False, label="test", **{"total": 10**6, "log_interval": 1,
+                                                            "save_interval": 10**6, **kw})
+
+
+def test_consecutive_skipped_steps_are_a_divergence(tmp_path):
+    engine, positions = FakeEngine(), []
+
+    def step(position):
+        positions.append(position)
+        engine.applied = position < 3  # three updates, then every step overflows
+        return torch.tensor([2.0])
+
+    with pytest.raises(faults.Diverged, match="5 optimizer steps in a row were skipped .*after update 3"):
+        _loop(tmp_path, engine, step, max_skipped_steps=4)
+    assert positions == list(range(8))  # skipped steps consume data
+    assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_skipped_steps_do_not_count_as_updates(tmp_path):
+    engine = FakeEngine()
+    losses = {0: 1.0, 1: 100.0, 2: 2.0, 3: 100.0, 4: 100.0, 5: 3.0}
+
+    def step(position):
+        engine.applied = losses[position] < 100  # 1, 3, 4 overflow
+        return torch.tensor([losses[position]])
+
+    rows = _loop(tmp_path, engine, step, total=3, log_interval=2)
+    assert [(r["step"], r["loss"]) for r in rows] == [(2, 1.5), (3, 3.0)]  # means over applied updates only
+    saved = json.loads((tmp_path / "checkpoints" / "step00000003" / "client.json").read_text())
+    assert (saved["step"], saved["position"]) == (3, 6)  # three updates, six batches consumed
+
+
+def test_a_non_finite_loss_is_named_by_its_update(tmp_path):
+    engine = FakeEngine()
+
+    def step(position):
+        return torch.tensor([float("nan") if position == 4 else 1.0])
+
+    with pytest.raises(faults.Diverged, match="the loss is not finite at update 5 "):
+        _loop(tmp_path, engine, step, log_interval=3)
+    assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [3]
