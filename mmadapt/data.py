@@ -99,13 +99,14 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
-    """Load a SentencePiece model; check its special ids and (if given) its vocabulary size."""
-    import sentencepiece as spm
+    """Load a SentencePiece model (or an imported tokenizer: mmadapt/tokenizer.py); check its
+    special ids and (if given) its vocabulary size."""
+    from mmadapt.tokenizer import load
 
     path = Path(path)
     if not path.is_file():
         raise DataError(f"tokenizer {path} does not exist: pass a SentencePiece .model file")
-    sp = spm.SentencePieceProcessor(model_file=str(path))
+    sp = load(path)
     if vocab_size is not None and sp.get_piece_size() != vocab_size:
         raise DataError(f"tokenizer {path} has {sp.get_piece_size()} pieces but the model's vocab_size is "
                         f"{vocab_size}: pass --vocab_size {sp.get_piece_size()} or a matching tokenizer")
@@ -213,10 +214,10 @@ def _encode_range(job: tuple) -> tuple[list[int], list[int]]:
     """Worker: encode the documents in bytes [start, end) of the corpus (both document starts)
     into the indexed datasets `prefix` and `prefix`.valid (.bin/.idx).
     -> (sentences, documents, tokens) of each."""
-    import sentencepiece as spm
+    from mmadapt.tokenizer import load
 
     corpus, start, end, tokenizer, prefix, dtype, valid_fraction, seed = job
-    sp = spm.SentencePieceProcessor(model_file=tokenizer)
+    sp = load(tokenizer)
     train, valid = _Shard(prefix, dtype, sp), _Shard(prefix + ".valid", dtype, sp)
     shard = None  # where the open document goes; None: no document is open
     with open(corpus, "rb") as f:

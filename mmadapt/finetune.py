@@ -282,9 +282,9 @@ def predict(model: torch.nn.Module, input_ids: torch.Tensor, batch_size: int) ->
 
 
 def load_sp(path: Path):
-    import sentencepiece as spm
+    from mmadapt.tokenizer import load
 
-    return spm.SentencePieceProcessor(model_file=str(path))
+    return load(path)
 
 
 def evaluate_scores(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
