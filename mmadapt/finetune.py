@@ -228,7 +228,9 @@ class Finetuned:
     def model(self) -> torch.nn.Module:
         """The evaluation model (dropout off, TP=1: plain torch layers, no process group) with
         these weights."""
-        model = task_model(dataclasses.replace(self.cfg, hidden_dropout=0.0, attention_dropout=0.0),
+        # vocab_size: the embeddings' own (Step 4 may swap in a vocabulary of another size)
+        model = task_model(dataclasses.replace(self.cfg, hidden_dropout=0.0, attention_dropout=0.0,
+                                               vocab_size=self.state[WORD].shape[0]),
                            self.task, len(self.labels), self.run["finetune"]["seed"])
         model.load_state_dict(self.state, strict=True)
         return model.eval()
