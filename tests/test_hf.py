@@ -311,3 +311,106 @@ def test_bad_input_is_one_line_and_writes_nothing(hf_dirs, runs, de_tokenizer, t
     # An existing run is never overwritten.
     assert main(["import-hf", "--model", str(hf_dirs["xlmr"]), "--output_dir", str(runs["roberta"])]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+# --- the rest: no HF libraries in mmadapt's core, a model mmadapt pretrained, TP 2, end to end ---------
+
+def test_core_does_not_import_the_hf_libraries():
+    import subprocess
+    import sys
+
+    code = ("import sys, mmadapt.cli, mmadapt.steps, mmadapt.hf, mmadapt.tokenizer, mmadapt.data; "
+            "print(sorted(m for m in ('transformers', 'tokenizers', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_export_of_a_model_mmadapt_pretrained(corpus, tokenizer, tmp_path):
+    """(c): a MINIJOINT primary model (two heads; the last one is exported) with its SentencePiece."""
+    from mmadapt.config import PRESETS, apply_recipe
+    from mmadapt.steps import pretrain
+    from mmadapt.train import RunPaths
+
+    init_parallel(1, 1)
+    vocab = load_sp(tokenizer).get_piece_size()
+    model = dataclasses.replace(apply_recipe(PRESETS["tiny"][0], "minijoint"), vocab_size=vocab, num_layers=4,
+                                head_layers=(2, 4), max_position_embeddings=SEQ)
+    train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,
+                                train_micro_batch_size_per_gpu=4, seq_length=SEQ)
+    run = tmp_path / "run"
+    pretrain(model, train, RunPaths(run, corpus, REPO / "ds_configs" / "zero0.json", tokenizer), "minijoint")
+    assert main(["export-hf", "--primary", str(run), "--output_dir", str(tmp_path / "out")]) == 0
+    enc = hf_batch(AutoTokenizer.from_pretrained(str(tmp_path / "out")), TEXTS["en"])
+    ids = encode_texts(load_sp(tokenizer), TEXTS["en"])
+    assert torch.equal(enc.input_ids, ids)
+    hf = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert type(hf).__name__ == "RobertaForMaskedLM" and hf.config.pad_token_id == PAD_ID
+    with torch.no_grad():
+        theirs = hf(**enc).logits
+    mine = mlm_logits(*A.primary_model(*A.load_model(run)), ids)
+    keep = enc.attention_mask.bool()
+    diff = (mine[keep] - theirs[keep]).abs().max().item()
+    print(f"mmadapt-pretrained MLM: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_imported_model_under_tensor_parallel_2(name, hf_dirs, runs, tmp_path):
+    from conftest import run_pretrain
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dirs[name]))
+    texts = TEXTS["en"] + TEXTS["de"]
+    enc = hf_batch(tok, texts)
+    sp = load(runs[name] / "tokenizer" / "spm.model")
+    ids = encode_texts(sp, texts)
+    torch.save(ids, tmp_path / "ids.pt")
+    run_pretrain(2, str(runs[name]), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"),
+                 script=str(REPO / "tests" / "hf_tp_worker.py"))
+    with torch.no_grad():
+        ref = AutoModelForMaskedLM.from_pretrained(str(hf_dirs[name])).eval()(**enc).logits[..., torch.tensor(sp.hf_ids)]
+    keep = enc.attention_mask.bool()
+    diff = (torch.load(tmp_path / "logits.pt")[keep] - ref[keep]).abs().max().item()
+    print(f"{name} at tensor parallel 2: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+
+
+@pytest.mark.slow
+def test_end_to_end_from_an_imported_model_to_an_exported_classifier(hf_dirs, corpus, de_corpus, de_tokenizer,
+                                                                    tmp_path, capsys):
+    """import-hf -> MINIPOST Step 1b -> Step 2 (German, packaged Bible) -> Step 3 (bible-genre) on the
+    imported primary -> Step 4 -> export-hf: the exported classifier predicts what Step 4 scored."""
+    from transformers import pipeline
+
+    init_parallel(1, 1)
+    run, mp, ad, ft, out = (tmp_path / d for d in ("run", "minipost", "adapt", "ft", "export"))
+    sched = ["--preset", "tiny", "--seq_length", str(SEQ), "--train_micro_batch_size_per_gpu", "8",
+             "--ds_config", str(REPO / "ds_configs" / "zero0.json")]
+    assert main(["import-hf", "--model", str(hf_dirs["xlmr"]), "--output_dir", str(run)]) == 0
+    assert main(["build_minipost", "--primary", str(run), "--corpus", str(corpus), "--output_dir", str(mp),
+                 "--mini_layers", "2", "--new_layers", "1", "--train_iters", "20", "--save_interval", "20",
+                 *sched]) == 0
+    assert main(["adapt", "--system", "minipost", "--source", str(mp), "--lang", "de", "--corpus", str(de_corpus),
+                 "--tokenizer", str(de_tokenizer), "--output_dir", str(ad), "--train_iters", "40",
+                 "--save_interval", "40", "--lr", "5e-3", *sched]) == 0
+    assert main(["finetune", "--task", "bible-genre", "--primary", str(run), "--output_dir", str(ft),
+                 "--seq_length", str(SEQ), "--epochs", "0.5", "--lr", "1e-3", "--hidden_dropout", "0",
+                 "--attention_dropout", "0", "--ds_config", str(REPO / "ds_configs" / "zero0.json")]) == 0
+    artifact = ad / "embeddings" / "step00000040"
+    assert main(["evaluate", "--finetuned", str(ft), "--embeddings", str(artifact), "--eval_file", "bible",
+                 "--output", str(tmp_path / "step4.json")]) == 0
+    record = json.loads((tmp_path / "step4.json").read_text())[0]
+    assert main(["export-hf", "--finetuned", str(ft), "--embeddings", str(artifact), "--output_dir", str(out)]) == 0
+    capsys.readouterr()
+
+    examples = read_examples(get_task("bible-genre"), "bible", "de", "test")
+    mine, enc, labels = step4_predictions(ft, artifact, examples)
+    got = pipeline("text-classification", model=str(out), tokenizer=str(out))([t for t, _ in examples],
+                                                                              truncation=True, batch_size=64)
+    predicted = [labels[i] for i in mine.argmax(-1).tolist()]
+    assert [r["label"] for r in got] == predicted
+    # ... and scores exactly what Step 4 recorded.
+    gold = [labels[y] for _, y in examples]
+    accuracy = 100 * sum(p == g for p, g in zip([r["label"] for r in got], gold)) / len(gold)
+    assert accuracy == pytest.approx(record["scores"]["accuracy"], abs=1e-4)  # Step 4 averages in float32
+    print(f"end to end: {len(examples)} German verses, exported classifier = Step 4, accuracy {accuracy:.1f}")
