@@ -192,6 +192,18 @@ def test_export_of_an_adapted_masked_lm(runs, artifact, de_tokenizer, tmp_path):
     assert diff <= TOL
 
 
+def test_exported_sentencepiece_gives_mmadapt_ids_on_the_whole_german_bible(de_tokenizer):
+    from mmadapt.hf import spm_to_hf
+
+    tok, sp = spm_to_hf(de_tokenizer, SEQ), load_sp(de_tokenizer)
+    verses = bible_lines("de", range(1, 67))  # all 66 books
+    got = tok(verses)["input_ids"]
+    differ = [v for v, ids in zip(verses, got) if ids != [BOS_ID, *sp.encode(v), EOS_ID]]
+    assert len(verses) > 30_000 and not differ, differ[:3]
+    pair = tok("Am Anfang", "schuf Gott")["input_ids"]
+    assert pair == [BOS_ID, *sp.encode("Am Anfang"), EOS_ID, EOS_ID, *sp.encode("schuf Gott"), EOS_ID]
+
+
 @pytest.mark.parametrize("kind", ["tag", "span"])
 def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_path):
     """The body of the imported model, a random task head, the German embeddings."""
