@@ -304,7 +304,9 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
     # What checkpoint.load_full_state_dict reads of a DeepSpeed checkpoint: one tensor-parallel rank.
     torch.save({"module": state, "tp_partition_dims": {}, "model_config": to_dict(cfg), "step": 0},
                tag / "mp_rank_00_model_states.pt")
-    (tag / "COMPLETE").write_text(json.dumps({"step": 0}))
+    # COMPLETE lists the files and their sizes, so that a reader can tell a damaged tag
+    files = {f.name: f.stat().st_size for f in sorted(tag.iterdir())}
+    (tag / "COMPLETE").write_text(json.dumps({"step": 0, "files": files}))
     (tmp / "checkpoints" / "latest").write_text(tag.name)
     (tmp / "tokenizer").mkdir()
     doc = HFTokenizer.document(tok.backend_tokenizer.to_str(), hf_ids, str(model_dir))
