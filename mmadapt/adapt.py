@@ -147,10 +147,10 @@ def adapt_body(system: str, cfg: ModelConfig, state: dict) -> tuple[ModelConfig,
 # --- new-language embeddings ------------------------------------------------------------------
 
 def tokenizer_pieces(path: str | os.PathLike) -> list[str]:
-    import sentencepiece as spm
+    """Each id's piece, as a surface form comparable across tokenizers (mmadapt/tokenizer.py)."""
+    from mmadapt.tokenizer import pieces
 
-    sp = spm.SentencePieceProcessor(model_file=str(path))
-    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    return pieces(path)
 
 
 def overlap_init(src_pieces: list[str], src_weight: torch.Tensor, src_bias: torch.Tensor,

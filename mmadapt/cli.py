@@ -394,11 +394,56 @@ def slurm_env_main(argv=None) -> int:
     return slurm_main(argv)
 
 
+# --- Hugging Face interchange ------------------------------------------------------------------------
+
+@user_errors
+def import_hf_main(argv=None) -> int:
+    from mmadapt.hf import SUPPORTED
+
+    p = argparse.ArgumentParser(prog="mmadapt import-hf", description="A Hugging Face masked LM of the RoBERTa "
+                                f"family ({SUPPORTED}) as a Step-1 run: what build_minipost --primary, adapt "
+                                "--system bl_base --source and finetune --primary take.")
+    p.add_argument("--model", required=True, help="a local Hugging Face model directory (config.json, "
+                   "model.safetensors or pytorch_model.bin, tokenizer files)")
+    p.add_argument("--output_dir", required=True, help="the run directory to write (must not exist or be empty)")
+    args = p.parse_args(argv)
+    from mmadapt.hf import import_hf
+
+    run = import_hf(Path(args.model), Path(args.output_dir))
+    m = run["model"]
+    print(f"imported {run['imported_from']['architecture']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
+          f"vocabulary {m['vocab_size']}, {m['max_position_embeddings']} positions; run in {args.output_dir}")
+    return 0
+
+
+@user_errors
+def export_hf_main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="mmadapt export-hf", description="Write a directory that transformers' "
+                                "AutoModelFor... and AutoTokenizer load: a primary model (masked LM) or a "
+                                "fine-tuned task model, optionally with a Step-2 artifact swapped in (the "
+                                "target-language model).")
+    p.add_argument("--primary", help="a pretrain (or imported) run: export its primary model as a masked LM")
+    p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
+    p.add_argument("--finetuned", help="a fine-tuning run: export its task model (sequence classification, "
+                   "token classification or question answering, with its label names)")
+    p.add_argument("--embeddings", help="a Step-2 artifact (<adapt run>/embeddings/<tag>): its word embeddings, "
+                   "output bias and tokenizer replace the model's (zero-shot target-language model)")
+    p.add_argument("--output_dir", required=True, help="the directory to write (must not exist or be empty)")
+    args = p.parse_args(argv)
+    from mmadapt.hf import export_hf
+
+    out = export_hf(Path(args.output_dir), _path(args.primary), _path(args.finetuned), _path(args.embeddings),
+                    args.primary_tag)
+    print(f"exported {out['architecture']} (vocabulary {out['vocab_size']}) to {args.output_dir}")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"preprocess": preprocess_main, "pretrain": pretrain_main, "build_minipost": minipost_main, "adapt": adapt_main,
                 "finetune": finetune_main, "evaluate": evaluate_main, "demo": demo_main, "flops": flops_main,
                 "report": report_main, "slurm-env": slurm_env_main}
+    commands.update({"import-hf": import_hf_main, "export-hf": export_hf_main})
     if not argv or argv[0] not in commands:
         print(f"usage: mmadapt {{{','.join(commands)}}} ...", file=sys.stderr)
         return 2

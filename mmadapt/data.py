@@ -130,16 +130,17 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
 
 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
-    """Load a SentencePiece model; check its special ids and (if given) its vocabulary size."""
-    import sentencepiece as spm
+    """Load a SentencePiece model (or an imported tokenizer: mmadapt/tokenizer.py); check its
+    special ids and (if given) its vocabulary size."""
+    from mmadapt.tokenizer import load
 
     path = Path(path)
     if not path.is_file():
         raise DataError(f"tokenizer {path} " + ("is a directory" if path.is_dir() else "does not exist")
                         + ": pass a SentencePiece .model file")
     try:
-        sp = spm.SentencePieceProcessor(model_file=str(path))
-    except (RuntimeError, OSError) as e:
+        sp = load(path)
+    except (RuntimeError, OSError, ValueError) as e:
         raise DataError(f"tokenizer {path} is not a SentencePiece model ({str(e).splitlines()[0][:100]}): pass a "
                         ".model file made by SentencePiece") from None
     if vocab_size is not None and sp.get_piece_size() != vocab_size:
@@ -249,10 +250,10 @@ def _encode_range(job: tuple) -> tuple[list[int], list[int]]:
     """Worker: encode the documents in bytes [start, end) of the corpus (both document starts)
     into the indexed datasets `prefix` and `prefix`.valid (.bin/.idx).
     -> (sentences, documents, tokens) of each."""
-    import sentencepiece as spm
+    from mmadapt.tokenizer import load
 
     corpus, start, end, tokenizer, prefix, dtype, valid_fraction, seed = job
-    sp = spm.SentencePieceProcessor(model_file=tokenizer)
+    sp = load(tokenizer)
     train, valid = _Shard(prefix, dtype, sp), _Shard(prefix + ".valid", dtype, sp)
     shard = None  # where the open document goes; None: no document is open
     with open(corpus, "rb") as f:

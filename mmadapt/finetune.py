@@ -228,7 +228,9 @@ class Finetuned:
     def model(self) -> torch.nn.Module:
         """The evaluation model (dropout off, TP=1: plain torch layers, no process group) with
         these weights."""
-        model = task_model(dataclasses.replace(self.cfg, hidden_dropout=0.0, attention_dropout=0.0),
+        # vocab_size: the embeddings' own (Step 4 may swap in a vocabulary of another size)
+        model = task_model(dataclasses.replace(self.cfg, hidden_dropout=0.0, attention_dropout=0.0,
+                                               vocab_size=self.state[WORD].shape[0]),
                            self.task, len(self.labels), self.run["finetune"]["seed"])
         model.load_state_dict(self.state, strict=True)
         return model.eval()
@@ -282,9 +284,9 @@ def predict(model: torch.nn.Module, input_ids: torch.Tensor, batch_size: int) ->
 
 
 def load_sp(path: Path):
-    import sentencepiece as spm
+    from mmadapt.tokenizer import load
 
-    return spm.SentencePieceProcessor(model_file=str(path))
+    return load(path)
 
 
 def evaluate_scores(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
@@ -292,9 +294,7 @@ def evaluate_scores(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact
     """Every metric of `examples` (`scores`) with Step 3's model, or with it after swapping in
     `artifact`'s word embeddings and `tokenizer` (Step 4)."""
     state = ft.state if artifact is None else swap_embeddings(ft.state, artifact)
-    # The target vocabulary may have another size than the source's (adapt --vocab_size).
-    cfg_v = dataclasses.replace(ft.cfg, vocab_size=state[WORD].shape[0])
-    model = dataclasses.replace(ft, cfg=cfg_v, state=state).model()
+    model = dataclasses.replace(ft, state=state).model()
     sp = load_sp(tokenizer or ft.tokenizer)
     enc = encode(ft.task, sp, examples, ft.labels, cfg)
     return scores(ft.task, predict(model, enc.input_ids, cfg.eval_batch_size), enc, examples, ft.labels, cfg)

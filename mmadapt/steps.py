@@ -133,6 +133,9 @@ def build_minipost(primary: Path, output_dir: Path, train: TrainConfig, mini: Mi
                          "--pipeline_model_parallel_size 1 with data or tensor parallelism")
     if data_path is None and corpus is None:
         data_path = Path(src["data_path"]) if src.get("data_path") else None
+        if data_path is None and not src.get("corpus"):
+            raise ValueError(f"{primary} was imported (mmadapt import-hf), so it has no pretraining data: pass "
+                             "source-language text with --corpus or --data_path")
         corpus = None if data_path is not None else Path(src["corpus"])
     paths = RunPaths(output_dir=Path(output_dir), corpus=Path(corpus) if corpus else None, ds_config=Path(ds_config),
                      tokenizer=primary / "tokenizer" / "spm.model", data_path=Path(data_path) if data_path else None)

@@ -1,0 +1,183 @@
+"""The tokenizer of a run: mmadapt's own SentencePiece model, or a source model's Hugging Face
+tokenizer (byte-level BPE for RoBERTa, SentencePiece with fairseq's id offset for XLM-R and
+CamemBERT) imported by `mmadapt import-hf`.
+
+Every step reads a run's tokenizer from `<run>/tokenizer/spm.model` (a prepared dataset's from
+`tokenizer.model`) through `load`, and uses the part of SentencePieceProcessor's interface
+that mmadapt needs. An imported tokenizer is stored at the same place as one JSON document
+(`HF_FORMAT`): the `tokenizers` pipeline of the source model and `hf_ids`, the permutation that
+gives it mmadapt's special ids (tokens.py: <pad> 0, <unk> 1, <s> 2, </s> 3, <mask> 4, then the
+source's other ids in their order). The import permutes the rows of the word embedding and the
+output bias the same way, so the imported model is an ordinary mmadapt model: masking, padding,
+the task encodings and every step work unchanged.
+
+Pieces are compared across tokenizers (Step 2's overlap initialisation) by their surface form
+(`pieces`): SentencePiece pieces as they are; byte-level BPE pieces decoded to text, with the
+word-boundary marker 'Ġ' (a leading space) written as SentencePiece's '▁', and bytes that are
+not whole UTF-8 characters written as SentencePiece's byte pieces (<0xE4>).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID
+
+HF_FORMAT = "mmadapt-hf-tokenizer"
+# mmadapt's special ids in order, named as SentencePiece models trained by mmadapt name them.
+SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>", MASK_ID: "<mask>"}
+SPECIAL_ROLES = ("pad", "unk", "bos", "eos", "mask")  # the same ids, by role
+WORD_BOUNDARY = "▁"
+
+
+def is_hf(path: str | os.PathLike) -> bool:
+    with open(path, "rb") as f:
+        return f.read(1) == b"{"  # a SentencePiece model is a protobuf and never starts with '{'
+
+
+def load(path: str | os.PathLike):
+    """A run's tokenizer: a SentencePieceProcessor, or an HFTokenizer with the same interface."""
+    path = Path(path)
+    if is_hf(path):
+        return HFTokenizer.read(path)
+    import sentencepiece as spm
+
+    return spm.SentencePieceProcessor(model_file=str(path))
+
+
+def pieces(path: str | os.PathLike) -> list[str]:
+    """The surface form of every id of a tokenizer (module docstring), for matching across tokenizers."""
+    sp = load(path)
+    return [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's byte -> printable character table (used by every byte-level BPE)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def byte_level_surface(piece: str, table: dict[str, int] | None = None) -> str:
+    table = table or _byte_decoder()
+    try:
+        raw = bytes(table[c] for c in piece)
+    except KeyError:  # not a byte-level piece (an added token): as it is
+        return piece
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "".join(f"<0x{b:02X}>" for b in raw)
+    return text.replace(" ", WORD_BOUNDARY)
+
+
+def _uses_byte_level(doc: dict) -> bool:
+    pre = doc.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    return any(p and p.get("type") == "ByteLevel" for p in parts)
+
+
+class _Piece:
+    __slots__ = ("id", "begin", "end", "piece")
+
+    def __init__(self, id: int, begin: int, end: int, piece: str):
+        self.id, self.begin, self.end, self.piece = id, begin, end, piece
+
+
+class _Proto:
+    """What features.piece_offsets reads of SentencePiece's proto: pieces with byte offsets."""
+
+    def __init__(self, pieces: list[_Piece]):
+        self.pieces = pieces
+
+
+class HFTokenizer:
+    """An imported Hugging Face fast tokenizer with mmadapt's ids (module docstring)."""
+
+    def __init__(self, doc: dict):
+        from tokenizers import Tokenizer
+
+        if doc.get("format") != HF_FORMAT:
+            raise ValueError(f"not an imported tokenizer (format {doc.get('format')!r}, expected {HF_FORMAT!r})")
+        self.doc = doc
+        self.tokenizer = Tokenizer.from_str(json.dumps(doc["tokenizer"]))
+        self.hf_ids = np.asarray(doc["hf_ids"], dtype=np.int64)  # mmadapt id -> source id
+        self.to_mmadapt = np.empty(len(self.hf_ids), dtype=np.int64)  # source id -> mmadapt id
+        self.to_mmadapt[self.hf_ids] = np.arange(len(self.hf_ids))
+        self.byte_level = _uses_byte_level(doc["tokenizer"])
+        self._surface = None
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "HFTokenizer":
+        return cls(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    @staticmethod
+    def document(tokenizer_json: str, hf_ids: list[int], source: str) -> dict:
+        return {"format": HF_FORMAT, "source": source, "hf_ids": [int(i) for i in hf_ids],
+                "tokenizer": json.loads(tokenizer_json)}
+
+    # --- SentencePieceProcessor's interface, the part mmadapt uses
+    def get_piece_size(self) -> int:
+        return len(self.hf_ids)
+
+    def pad_id(self) -> int:
+        return PAD_ID
+
+    def unk_id(self) -> int:
+        return UNK_ID
+
+    def bos_id(self) -> int:
+        return BOS_ID
+
+    def eos_id(self) -> int:
+        return EOS_ID
+
+    def id_to_piece(self, i: int) -> str:
+        """The surface form of id `i` (module docstring); the special ids under mmadapt's names."""
+        if self._surface is None:
+            table = _byte_decoder() if self.byte_level else None
+            out = []
+            for m, h in enumerate(self.hf_ids.tolist()):
+                token = self.tokenizer.id_to_token(h)
+                if m in SPECIAL_PIECES:
+                    out.append(SPECIAL_PIECES[m])
+                elif token is None:  # an embedding row that the tokenizer never produces
+                    out.append(f"<unused {h}>")
+                else:
+                    out.append(byte_level_surface(token, table) if self.byte_level else token)
+            self._surface = out
+        return self._surface[i]
+
+    def piece_to_id(self, piece: str) -> int:
+        if piece in SPECIAL_PIECES.values():
+            return next(m for m, p in SPECIAL_PIECES.items() if p == piece)
+        h = self.tokenizer.token_to_id(piece)
+        return UNK_ID if h is None else int(self.to_mmadapt[h])
+
+    def _ids(self, hf: list[int]) -> list[int]:
+        return self.to_mmadapt[np.asarray(hf, dtype=np.int64)].tolist() if hf else []
+
+    def encode(self, text, out_type=int, num_threads=None, return_type=None):
+        """ids of `text` (or of each text of a list), without <s> and </s>; with return_type
+        "proto" (or out_type "immutable_proto") an object whose pieces carry byte offsets."""
+        if isinstance(text, list):
+            return [self._ids(e.ids) for e in self.tokenizer.encode_batch(text, add_special_tokens=False)]
+        enc = self.tokenizer.encode(text, add_special_tokens=False)
+        if return_type == "proto" or out_type == "immutable_proto":
+            byte_of_char = np.zeros(len(text) + 1, dtype=np.int64)
+            np.cumsum([len(ch.encode("utf-8")) for ch in text], out=byte_of_char[1:])
+            return _Proto([_Piece(m, int(byte_of_char[b]), int(byte_of_char[e]), t) for m, (b, e), t in
+                           zip(self._ids(enc.ids), enc.offsets, enc.tokens)])
+        if out_type is str:
+            return enc.tokens
+        return self._ids(enc.ids)

@@ -1,0 +1,428 @@
+"""Hugging Face interchange (mmadapt/hf.py, mmadapt/tokenizer.py): imported RoBERTa / XLM-R models
+give transformers' logits, every later step takes an imported run, exported directories give
+mmadapt's token ids and logits in transformers, and bad input is one line with nothing written.
+
+The models are tiny random ones made here (tests/hf_models.py); nothing is downloaded. Parity is
+checked at the positions that are not padding (HF gives padding its own position; no other
+position attends to it)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from transformers import (AutoModelForMaskedLM, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
+                          AutoModelForTokenClassification, AutoTokenizer, BertConfig, GPT2Config)
+
+from conftest import REPO
+from hf_models import bible_lines, make_roberta, make_xlmr
+from mmadapt import adapt as A
+from mmadapt.cli import main
+from mmadapt.config import FinetuneConfig, TrainConfig
+from mmadapt.finetune import encode, get_task, load_finetuned, load_sp, predict, read_examples, swap_embeddings
+from mmadapt.hf import export_hf, import_hf, write_hf
+from mmadapt.model import RobertaForTask, RobertaMLM
+from mmadapt.parallel import init_parallel
+from mmadapt.tokenizer import HFTokenizer, load
+from mmadapt.tokens import BOS_ID, EOS_ID, PAD_ID
+
+TOL = 1e-5
+SEQ = 64  # the tiny models' positions
+MAKERS = {"roberta": make_roberta, "xlmr": make_xlmr}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: make(root / name) for name, make in MAKERS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(hf_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("imported")
+    for name, d in hf_dirs.items():
+        import_hf(d, root / name)
+    return {name: root / name for name in hf_dirs}
+
+
+def encode_texts(sp, texts: list[str]) -> torch.Tensor:
+    """<s> text </s>, truncated to SEQ and padded: as features.encode_classify lays a text out."""
+    rows = [[BOS_ID, *sp.encode(t)[:SEQ - 2], EOS_ID] for t in texts]
+    ids = torch.full((len(rows), max(map(len, rows))), PAD_ID)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+    return ids
+
+
+def mlm_logits(cfg, state, ids: torch.Tensor) -> torch.Tensor:
+    """RobertaMLM's primary-head logits at every position, dropout off: [b, s, V]."""
+    model = RobertaMLM(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.heads.heads[-1](model.hidden_states(ids)[-1], model.word_embeddings.weight)
+
+
+def hf_batch(tok, texts):
+    return tok(texts, padding=True, truncation=True, max_length=SEQ, return_tensors="pt")
+
+
+TEXTS = {"en": bible_lines("en", range(40, 41))[:6], "de": bible_lines("de", range(40, 41))[:6]}
+
+
+# --- import -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_imported_model_gives_transformers_logits(name, hf_dirs, runs):
+    tok = AutoTokenizer.from_pretrained(str(hf_dirs[name]))
+    hf = AutoModelForMaskedLM.from_pretrained(str(hf_dirs[name])).eval()
+    texts = TEXTS["en"] + TEXTS["de"]  # German: pieces the English vocabulary lacks (unk / bytes)
+    enc = hf_batch(tok, texts)
+    sp = load(runs[name] / "tokenizer" / "spm.model")
+    ids = encode_texts(sp, texts)
+    hf_ids = torch.tensor(sp.hf_ids)
+    # The same tokens, mmadapt's ids being a permutation of the source's (specials first).
+    assert torch.equal(hf_ids[ids], enc.input_ids)
+    assert hf_ids[:5].tolist() == [tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id,
+                                   tok.mask_token_id]
+    with torch.no_grad():
+        ref = hf(**enc).logits[..., hf_ids]  # columns in mmadapt's order
+    keep = enc.attention_mask.bool()
+    diff = (mlm_logits(*A.load_model(runs[name]), ids)[keep] - ref[keep]).abs().max().item()
+    print(f"{name}: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+    run = json.loads((runs[name] / "run.json").read_text())
+    assert run["step"] == "pretrain" and run["recipe"] == "bl_base"
+    assert run["model"]["max_position_embeddings"] == SEQ  # 66 HF rows less padding_idx + 1
+
+
+def test_byte_level_pieces_match_sentencepiece_pieces_by_surface(runs, de_tokenizer):
+    """Step 2's overlap: BPE's 'Ġ' is SentencePiece's '▁', byte pieces decode to their text."""
+    bpe = A.tokenizer_pieces(runs["roberta"] / "tokenizer" / "spm.model")
+    raw = HFTokenizer.read(runs["roberta"] / "tokenizer" / "spm.model")
+    gthe = raw.tokenizer.token_to_id("Ġthe")
+    assert bpe[int(raw.to_mmadapt[gthe])] == "▁the"
+    assert bpe[:5] == ["<pad>", "<unk>", "<s>", "</s>", "<mask>"]
+    trg = A.tokenizer_pieces(de_tokenizer)
+    w = torch.randn(len(bpe), 8)
+    b = torch.randn(len(bpe))
+    weight, bias, shared = A.overlap_init(bpe, w, b, trg, 0.02, 0)
+    both = [p for p in trg if p in set(bpe)]
+    assert shared == len(both) > 50  # German and English share many pieces (▁und is not one, ▁in is)
+    i, j = trg.index("▁in"), bpe.index("▁in")
+    assert torch.equal(weight[i], w[j]) and bias[i] == b[j]
+
+
+def test_imported_tokenizer_encodes_as_the_source(runs, hf_dirs):
+    """What Step 1b's data preparation and Step 3's encodings call: lists, offsets, special ids."""
+    sp = load(runs["roberta"] / "tokenizer" / "spm.model")
+    assert (sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.piece_to_id("<mask>")) == (0, 2, 3, 4)
+    text = "Und Gott sprach: Es werde Licht!"
+    assert sp.encode([text, text]) == [sp.encode(text)] * 2
+    proto = sp.encode(text, return_type="proto")
+    assert [p.id for p in proto.pieces] == sp.encode(text)
+    raw = text.encode("utf-8")  # byte offsets, as SentencePiece's; the spaces are left out (features.py skips them)
+    assert b"".join(raw[p.begin:p.end] for p in proto.pieces) == raw.replace(b" ", b"")
+
+
+# --- every later step takes an imported run --------------------------------------------------------
+
+def test_build_minipost_and_adapt_take_an_imported_run(runs, corpus, de_corpus, de_tokenizer, tmp_path):
+    from mmadapt.config import MiniModelConfig
+    from mmadapt.steps import adapt_embeddings, build_minipost
+
+    init_parallel(1, 1)
+    train = TrainConfig(seq_length=SEQ, train_micro_batch_size_per_gpu=4, train_iters=2, lr=1e-3,
+                        lr_warmup_iters=1, log_interval=1, save_interval=2)
+    zero0 = REPO / "ds_configs" / "zero0.json"
+    with pytest.raises(ValueError, match="imported"):
+        build_minipost(runs["roberta"], tmp_path / "x", train, MiniModelConfig(2, 1), ds_config=zero0)
+    rows = build_minipost(runs["roberta"], tmp_path / "minipost", train, MiniModelConfig(2, 1), ds_config=zero0,
+                          corpus=corpus)  # English encoded with the imported byte-level BPE
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2]
+    cfg, state = A.load_model(tmp_path / "minipost")
+    imported = A.load_model(runs["roberta"])[1]
+    assert cfg.num_layers == 3 and torch.equal(state["layers.1.fc1.weight"], imported["layers.1.fc1.weight"])
+    rows = adapt_embeddings("bl_base", runs["xlmr"], "de", tmp_path / "adapt", train, ds_config=zero0,
+                            corpus=de_corpus, tokenizer=de_tokenizer)
+    assert rows[-1]["step"] == 2
+    meta = json.loads((tmp_path / "adapt" / "embeddings" / "step00000002" / "meta.json").read_text())
+    assert meta["shared_pieces"] > 20 and meta["hidden_size"] == 32
+
+
+# --- export -----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def artifact(runs, de_tokenizer, tmp_path_factory):
+    """German embeddings for the imported XLM-R (random: export must carry them exactly)."""
+    g = torch.Generator().manual_seed(0)
+    v = load_sp(de_tokenizer).get_piece_size()
+    return A.write_artifact(tmp_path_factory.mktemp("art") / "step00000001", torch.randn(v, 32, generator=g) * 0.1,
+                            torch.randn(v, generator=g) * 0.1, de_tokenizer,
+                            {"source": str(runs["xlmr"]), "lang": "de", "step": 1, "system": "bl_base"})
+
+
+def test_export_of_an_imported_model_is_the_original(runs, hf_dirs, tmp_path):
+    export_hf(tmp_path / "out", primary=runs["roberta"])
+    tok, orig_tok = (AutoTokenizer.from_pretrained(str(d)) for d in (tmp_path / "out", hf_dirs["roberta"]))
+    enc = hf_batch(tok, TEXTS["en"])
+    assert torch.equal(enc.input_ids, hf_batch(orig_tok, TEXTS["en"]).input_ids)
+    with torch.no_grad():
+        got = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out")).eval()(**enc).logits
+        ref = AutoModelForMaskedLM.from_pretrained(str(hf_dirs["roberta"])).eval()(**enc).logits
+    keep = enc.attention_mask.bool()
+    assert (got[keep] - ref[keep]).abs().max().item() <= TOL
+
+
+def test_export_of_an_adapted_masked_lm(runs, artifact, de_tokenizer, tmp_path):
+    summary = export_hf(tmp_path / "out", primary=runs["xlmr"], embeddings=artifact)
+    assert summary["architecture"] == "XLMRobertaForMaskedLM"
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    enc = hf_batch(tok, TEXTS["de"])
+    ids = encode_texts(load_sp(de_tokenizer), TEXTS["de"])
+    assert torch.equal(enc.input_ids, ids)
+    cfg, state = A.primary_model(*A.load_model(runs["xlmr"]))
+    emb, _, _ = A.read_artifact(artifact)
+    state = {**swap_embeddings(state, emb), A.BIAS: emb["output_bias"]}
+    mine = mlm_logits(dataclasses.replace(cfg, vocab_size=len(emb["output_bias"])), state, ids)
+    with torch.no_grad():
+        theirs = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out")).eval()(**enc).logits
+    keep = enc.attention_mask.bool()
+    diff = (mine[keep] - theirs[keep]).abs().max().item()
+    print(f"adapted MLM: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+
+
+def test_exported_sentencepiece_gives_mmadapt_ids_on_the_whole_german_bible(de_tokenizer):
+    from mmadapt.hf import spm_to_hf
+
+    tok, sp = spm_to_hf(de_tokenizer, SEQ), load_sp(de_tokenizer)
+    verses = bible_lines("de", range(1, 67))  # all 66 books
+    got = tok(verses)["input_ids"]
+    differ = [v for v, ids in zip(verses, got) if ids != [BOS_ID, *sp.encode(v), EOS_ID]]
+    assert len(verses) > 30_000 and not differ, differ[:3]
+    pair = tok("Am Anfang", "schuf Gott")["input_ids"]
+    assert pair == [BOS_ID, *sp.encode("Am Anfang"), EOS_ID, EOS_ID, *sp.encode("schuf Gott"), EOS_ID]
+
+
+@pytest.mark.parametrize("kind", ["tag", "span"])
+def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_path):
+    """The body of the imported model, a random task head, the German embeddings."""
+    cfg, state = A.primary_model(*A.load_model(runs["xlmr"]))
+    emb, _, _ = A.read_artifact(artifact)
+    cfg = dataclasses.replace(cfg, vocab_size=len(emb["output_bias"]), hidden_dropout=0.0, attention_dropout=0.0)
+    model = RobertaForTask(cfg, kind, 3, seed=7).eval()
+    full = {**model.state_dict(), **{k: v for k, v in swap_embeddings(state, emb).items() if not k.startswith("heads.")}}
+    model.load_state_dict(full)
+    labels = ["B-X", "I-X", "O"] if kind == "tag" else None
+    write_hf(tmp_path / "out", cfg, full, kind, labels, de_tokenizer, "xlm-roberta")
+    enc = hf_batch(AutoTokenizer.from_pretrained(str(tmp_path / "out")), TEXTS["de"])
+    with torch.no_grad():
+        mine = model(encode_texts(load_sp(de_tokenizer), TEXTS["de"]))[1]
+    keep = enc.attention_mask.bool()
+    if kind == "tag":
+        hf = AutoModelForTokenClassification.from_pretrained(str(tmp_path / "out")).eval()
+        assert hf.config.id2label == dict(enumerate(labels))
+        with torch.no_grad():
+            diff = (mine[keep] - hf(**enc).logits[keep]).abs().max().item()
+    else:
+        hf = AutoModelForQuestionAnswering.from_pretrained(str(tmp_path / "out")).eval()
+        with torch.no_grad():
+            out = hf(**enc)
+        diff = max((mine[..., 0][keep] - out.start_logits[keep]).abs().max().item(),
+                   (mine[..., 1][keep] - out.end_logits[keep]).abs().max().item())
+    print(f"{kind}: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+
+
+SHORT = FinetuneConfig(seq_length=SEQ, train_micro_batch_size_per_gpu=16, epochs=0.05, log_interval=1, lr=1e-3)
+
+
+@pytest.fixture(scope="module")
+def classifier(runs, tmp_path_factory):
+    """Step 3 (bible-genre, English) on the imported XLM-R, in this process."""
+    from mmadapt.steps import finetune
+
+    init_parallel(1, 1)
+    out = tmp_path_factory.mktemp("ft")
+    finetune("bible-genre", runs["xlmr"], out, SHORT, layout={"hidden_dropout": 0.0, "attention_dropout": 0.0},
+             ds_config=REPO / "ds_configs" / "zero0.json")
+    return out
+
+
+def step4_predictions(ft_dir, artifact, examples):
+    """mmadapt's Step-4 logits: the fine-tuned model with the artifact swapped in."""
+    ft = load_finetuned(ft_dir)
+    emb, tok, _ = A.read_artifact(artifact)
+    model = dataclasses.replace(ft, state=swap_embeddings(ft.state, emb)).model()
+    enc = encode(ft.task, load_sp(tok), examples, ft.labels, FinetuneConfig(**ft.run["finetune"]))
+    return predict(model, enc.input_ids, 64), enc, ft.labels
+
+
+def test_export_of_a_zero_shot_classifier(classifier, artifact, tmp_path):
+    from transformers import pipeline
+
+    out = tmp_path / "clf"
+    assert export_hf(out, finetuned=classifier, embeddings=artifact)["architecture"] == \
+        "XLMRobertaForSequenceClassification"
+    examples = read_examples(get_task("bible-genre"), "bible", "de", "test")[::25]
+    mine, enc, labels = step4_predictions(classifier, artifact, examples)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    texts = [t for t, _ in examples]
+    batch = hf_batch(tok, texts)
+    assert torch.equal(batch.input_ids, enc.input_ids[:, :batch.input_ids.shape[1]])
+    hf = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        diff = (hf(**batch).logits - mine).abs().max().item()
+    print(f"classifier: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+    got = [r["label"] for r in pipeline("text-classification", model=str(out), tokenizer=str(out))(texts, truncation=True)]
+    assert got == [labels[i] for i in mine.argmax(-1).tolist()]
+
+
+# --- bad input: one line, exit 2, nothing written -----------------------------------------------------
+
+def _broken_dirs(tmp_path, hf_dirs):
+    import shutil
+
+    out = {"empty": tmp_path / "empty"}
+    out["empty"].mkdir()
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+               architectures=["BertForMaskedLM"]).save_pretrained(str(tmp_path / "bert"))
+    GPT2Config(n_embd=32, n_layer=1, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(str(tmp_path / "gpt2"))
+    out.update(bert=tmp_path / "bert", gpt2=tmp_path / "gpt2")
+    for what, drop in (("no_weights", ("model.safetensors",)),
+                       ("no_tokenizer", ("tokenizer.json", "tokenizer_config.json", "sentencepiece.bpe.model"))):
+        shutil.copytree(hf_dirs["xlmr"], tmp_path / what)
+        for f in drop:
+            (tmp_path / what / f).unlink()
+        out[what] = tmp_path / what
+    return out
+
+
+EXPECT = {"empty": "no config.json", "bert": "BertForMaskedLM", "gpt2": "GPT2LMHeadModel",
+          "no_weights": "no weights", "no_tokenizer": "no tokenizer files"}
+
+
+def test_bad_input_is_one_line_and_writes_nothing(hf_dirs, runs, de_tokenizer, tmp_path, capsys):
+    for what, d in _broken_dirs(tmp_path, hf_dirs).items():
+        out = tmp_path / f"run_{what}"
+        assert main(["import-hf", "--model", str(d), "--output_dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error:") and EXPECT[what] in err, err
+        if what in ("bert", "gpt2"):
+            assert "RobertaForMaskedLM, XLMRobertaForMaskedLM, CamembertForMaskedLM" in err
+        assert not out.exists() and not list(tmp_path.glob(f".run_{what}*"))
+    # An artifact trained for a model of another hidden size.
+    bad = A.write_artifact(tmp_path / "art64", torch.zeros(10, 64), torch.zeros(10), de_tokenizer,
+                           {"source": str(runs["xlmr"])})
+    assert main(["export-hf", "--primary", str(runs["xlmr"]), "--embeddings", str(bad),
+                 "--output_dir", str(tmp_path / "exp")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "hidden size 64" in err and "32" in err, err
+    assert not (tmp_path / "exp").exists()
+    # An existing run is never overwritten.
+    assert main(["import-hf", "--model", str(hf_dirs["xlmr"]), "--output_dir", str(runs["roberta"])]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+
+# --- the rest: no HF libraries in mmadapt's core, a model mmadapt pretrained, TP 2, end to end ---------
+
+def test_core_does_not_import_the_hf_libraries():
+    import subprocess
+    import sys
+
+    code = ("import sys, mmadapt.cli, mmadapt.steps, mmadapt.hf, mmadapt.tokenizer, mmadapt.data; "
+            "print(sorted(m for m in ('transformers', 'tokenizers', 'safetensors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_export_of_a_model_mmadapt_pretrained(corpus, tokenizer, tmp_path):
+    """(c): a MINIJOINT primary model (two heads; the last one is exported) with its SentencePiece."""
+    from mmadapt.config import PRESETS, apply_recipe
+    from mmadapt.steps import pretrain
+    from mmadapt.train import RunPaths
+
+    init_parallel(1, 1)
+    vocab = load_sp(tokenizer).get_piece_size()
+    model = dataclasses.replace(apply_recipe(PRESETS["tiny"][0], "minijoint"), vocab_size=vocab, num_layers=4,
+                                head_layers=(2, 4), max_position_embeddings=SEQ)
+    train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,
+                                train_micro_batch_size_per_gpu=4, seq_length=SEQ)
+    run = tmp_path / "run"
+    pretrain(model, train, RunPaths(run, corpus, REPO / "ds_configs" / "zero0.json", tokenizer), "minijoint")
+    assert main(["export-hf", "--primary", str(run), "--output_dir", str(tmp_path / "out")]) == 0
+    enc = hf_batch(AutoTokenizer.from_pretrained(str(tmp_path / "out")), TEXTS["en"])
+    ids = encode_texts(load_sp(tokenizer), TEXTS["en"])
+    assert torch.equal(enc.input_ids, ids)
+    hf = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert type(hf).__name__ == "RobertaForMaskedLM" and hf.config.pad_token_id == PAD_ID
+    with torch.no_grad():
+        theirs = hf(**enc).logits
+    mine = mlm_logits(*A.primary_model(*A.load_model(run)), ids)
+    keep = enc.attention_mask.bool()
+    diff = (mine[keep] - theirs[keep]).abs().max().item()
+    print(f"mmadapt-pretrained MLM: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_imported_model_under_tensor_parallel_2(name, hf_dirs, runs, tmp_path):
+    from conftest import run_pretrain
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dirs[name]))
+    texts = TEXTS["en"] + TEXTS["de"]
+    enc = hf_batch(tok, texts)
+    sp = load(runs[name] / "tokenizer" / "spm.model")
+    ids = encode_texts(sp, texts)
+    torch.save(ids, tmp_path / "ids.pt")
+    run_pretrain(2, str(runs[name]), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"),
+                 script=str(REPO / "tests" / "hf_tp_worker.py"))
+    with torch.no_grad():
+        ref = AutoModelForMaskedLM.from_pretrained(str(hf_dirs[name])).eval()(**enc).logits[..., torch.tensor(sp.hf_ids)]
+    keep = enc.attention_mask.bool()
+    diff = (torch.load(tmp_path / "logits.pt")[keep] - ref[keep]).abs().max().item()
+    print(f"{name} at tensor parallel 2: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+
+
+@pytest.mark.slow
+def test_end_to_end_from_an_imported_model_to_an_exported_classifier(hf_dirs, corpus, de_corpus, de_tokenizer,
+                                                                    tmp_path, capsys):
+    """import-hf -> MINIPOST Step 1b -> Step 2 (German, packaged Bible) -> Step 3 (bible-genre) on the
+    imported primary -> Step 4 -> export-hf: the exported classifier predicts what Step 4 scored."""
+    from transformers import pipeline
+
+    init_parallel(1, 1)
+    run, mp, ad, ft, out = (tmp_path / d for d in ("run", "minipost", "adapt", "ft", "export"))
+    sched = ["--preset", "tiny", "--seq_length", str(SEQ), "--train_micro_batch_size_per_gpu", "8",
+             "--ds_config", str(REPO / "ds_configs" / "zero0.json")]
+    assert main(["import-hf", "--model", str(hf_dirs["xlmr"]), "--output_dir", str(run)]) == 0
+    assert main(["build_minipost", "--primary", str(run), "--corpus", str(corpus), "--output_dir", str(mp),
+                 "--mini_layers", "2", "--new_layers", "1", "--train_iters", "20", "--save_interval", "20",
+                 *sched]) == 0
+    assert main(["adapt", "--system", "minipost", "--source", str(mp), "--lang", "de", "--corpus", str(de_corpus),
+                 "--tokenizer", str(de_tokenizer), "--output_dir", str(ad), "--train_iters", "40",
+                 "--save_interval", "40", "--lr", "5e-3", *sched]) == 0
+    assert main(["finetune", "--task", "bible-genre", "--primary", str(run), "--output_dir", str(ft),
+                 "--seq_length", str(SEQ), "--epochs", "0.5", "--lr", "1e-3", "--hidden_dropout", "0",
+                 "--attention_dropout", "0", "--ds_config", str(REPO / "ds_configs" / "zero0.json")]) == 0
+    artifact = ad / "embeddings" / "step00000040"
+    assert main(["evaluate", "--finetuned", str(ft), "--embeddings", str(artifact), "--eval_file", "bible",
+                 "--output", str(tmp_path / "step4.json")]) == 0
+    record = json.loads((tmp_path / "step4.json").read_text())[0]
+    assert main(["export-hf", "--finetuned", str(ft), "--embeddings", str(artifact), "--output_dir", str(out)]) == 0
+    capsys.readouterr()
+
+    examples = read_examples(get_task("bible-genre"), "bible", "de", "test")
+    mine, enc, labels = step4_predictions(ft, artifact, examples)
+    got = pipeline("text-classification", model=str(out), tokenizer=str(out))([t for t, _ in examples],
+                                                                              truncation=True, batch_size=64)
+    predicted = [labels[i] for i in mine.argmax(-1).tolist()]
+    assert [r["label"] for r in got] == predicted
+    # ... and scores exactly what Step 4 recorded.
+    gold = [labels[y] for _, y in examples]
+    accuracy = 100 * sum(p == g for p, g in zip([r["label"] for r in got], gold)) / len(gold)
+    assert accuracy == pytest.approx(record["scores"]["accuracy"], abs=1e-4)  # Step 4 averages in float32
+    print(f"end to end: {len(examples)} German verses, exported classifier = Step 4, accuracy {accuracy:.1f}")
