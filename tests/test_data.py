@@ -131,7 +131,7 @@ def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
     # Not UTF-8: the byte offset of the first bad byte.
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("A line.\nCaf\u00e9 au lait.\n".encode("latin-1"))
-    with pytest.raises(D.DataError, match=r"not UTF-8: byte 11 \(in the line starting at byte 8\)"):
+    with pytest.raises(D.DataError, match=r"not UTF-8: byte offset 11 "):
         prepare(latin, tmp_path / "l", VOCAB, tokenizer=tokenizer, workers=1)
     assert not (tmp_path / "l" / "manifest.json").exists()
     assert not list((tmp_path / "l").glob(".shards*"))  # a failed preparation leaves no shards
