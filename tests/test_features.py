@@ -113,3 +113,21 @@ def test_real_xquad_gold_spans_recover_the_answers(sp, lang):
         assert np.mean([f1_score(found[n], answers[n]) for n in found]) >= 0.99
     else:
         assert all(answers[n] in found[n] for n in found)
+
+
+def test_qa_default_stride_works_at_any_seq_length_and_a_long_one_only_fails_when_used(sp):
+    """The defaults of a QA run (seq_length 128, doc_stride unset) must encode long contexts;
+    an explicit stride no shorter than the window is an error only for a context it would split."""
+    context = " ".join(f"word{i}" for i in range(200))
+    ex = QAExample("q1", context, "Who?", [])
+    q = len(sp.encode("Who?"))
+    for seq_length in (40, 128):
+        enc = F.encode_span(sp, [ex], seq_length=seq_length, doc_stride=None, max_query_length=8)
+        window = seq_length - q - 4
+        stride = min(F.DOC_STRIDE, window // 2)
+        n_ctx = len(F.piece_offsets(sp, context)[0])
+        assert len(enc) == 1 + -(-(n_ctx - window) // (window - stride))
+    short = QAExample("q2", "The answer is Moses.", "Who?", [])
+    assert len(F.encode_span(sp, [short], seq_length=40, doc_stride=128, max_query_length=8)) == 1
+    with pytest.raises(ValueError, match="doc_stride 128 must be smaller than the context window"):
+        F.encode_span(sp, [ex], seq_length=40, doc_stride=128, max_query_length=8)

@@ -96,6 +96,33 @@ def test_swap_changes_only_the_embeddings_and_the_tokenizer(step3, de_tokenizer,
         swap_embeddings(ft.state, wrong)
 
 
+def test_step4_takes_the_artifacts_vocabulary_size(step3, primary_run, de_tokenizer, tmp_path):
+    """adapt --vocab_size may differ from the source's: Step 4 (and retrieval) builds its model
+    with the artifact's rows. Rows past the tokenizer's ids change nothing."""
+    from mmadapt.finetune import retrieval_records
+
+    out, *_ = step3
+    ft = load_finetuned(out)
+    meta = {"system": "bl_base", "lang": "de", "step": 1, "flops": 1.0, "flops_paper": 1.0, "v100_days": 0.0,
+            "tokens": 1, "source": str(primary_run)}
+    same = A.write_artifact(tmp_path / "v1000", *_rows(1000), de_tokenizer, meta)
+    more = A.write_artifact(tmp_path / "v1200", *_rows(1200), de_tokenizer, meta)
+    de = read_examples(ft.task, "bible", "de", "test")[:40]
+    cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_size": 20})
+    scores = [evaluate(ft, de, cfg, A.read_artifact(p)[0], de_tokenizer) for p in (same, more)]
+    assert scores[0] == scores[1]
+    pairs = {"de": [("In the beginning God created the heaven.", "Im Anfang schuf Gott Himmel und Erde.")] * 4}
+    rec = [retrieval_records(primary_run, [p], pairs)[0]["score"] for p in (same, more)]
+    assert rec[0] == rec[1]
+
+
+def _rows(vocab: int):
+    """Embeddings whose first 1000 rows are the same for every vocab size."""
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(1000, 64, generator=g) * 0.02, torch.randn(1000, generator=g)
+    return torch.cat([w, torch.ones(vocab - 1000, 64)]), torch.cat([b, torch.ones(vocab - 1000)])
+
+
 # --- across processes ---------------------------------------------------------------------------------
 
 def _finetune(primary_run, out, nproc, *extra):
