@@ -267,14 +267,21 @@ def finetune_main(argv=None) -> int:
 
 def evaluate_parser() -> argparse.ArgumentParser:
     p = Parser(prog="evaluate", description="Step 4: swap target-language embeddings "
-                                "(Step 2) into fine-tuned models (Step 3) and evaluate zero-shot; one "
-                                "record per checkpoint, the input of `mmadapt report`.")
-    p.add_argument("--finetuned", nargs="+", required=True, help="Step-3 run directories of one primary "
-                   "model (e.g. one per seed): their scores are averaged")
+               "(Step 2) into fine-tuned models (Step 3) and evaluate zero-shot; or, with --plugin_data, into "
+               "the primary model's MLM head (the plug-in MLM metric against the unigram reference, no task). "
+               "One record per checkpoint, the input of `mmadapt report`.")
+    p.add_argument("--finetuned", nargs="+", help="Step-3 run directories of one primary model (e.g. one per "
+                   "seed): their scores are averaged")
     p.add_argument("--embeddings", nargs="+", required=True, help="Step-2 artifacts (<adapt run>/embeddings/"
                    "<tag>) or adapt run directories (all their artifacts: a score-versus-compute curve)")
-    p.add_argument("--eval_file", required=True, help="target-language evaluation data; {lang} is replaced "
-                   "by each artifact's language (bible-genre: 'bible')")
+    p.add_argument("--eval_file", help="target-language evaluation data; {lang} is replaced by each artifact's "
+                   "language (bible-genre: 'bible')")
+    p.add_argument("--plugin_data", help="plug-in MLM metric instead of a task: a prepared target dataset with a "
+                   "validation split (mmadapt preprocess --valid_fraction), {lang} replaced by each artifact's "
+                   "language; the one Step 2 trained on")
+    p.add_argument("--primary", help="with --plugin_data: the run whose primary model the embeddings belong to")
+    p.add_argument("--seq_length", type=int, default=64, help="with --plugin_data: tokens per held-out block")
+    p.add_argument("--plugin_blocks", type=int, default=256, help="with --plugin_data: held-out blocks scored")
     p.add_argument("--output", required=True, help="JSON file of records {system, task, lang, step, flops, "
                    "score, ...}; must not exist yet")
     add_dataclass_args(p, FinetuneConfig, only=("eval_batch_size",))
@@ -284,10 +291,18 @@ def evaluate_parser() -> argparse.ArgumentParser:
 @user_errors
 def evaluate_main(argv=None) -> int:
     args = evaluate_parser().parse_args(argv)
-    from mmadapt.steps import evaluate
+    from mmadapt.steps import evaluate, evaluate_plugin
 
-    records = evaluate(args.finetuned, args.embeddings, args.eval_file, Path(args.output),
-                       args.eval_batch_size or FinetuneConfig().eval_batch_size)
+    if args.plugin_data:
+        if not args.primary or args.finetuned or args.eval_file:
+            raise ValueError("--plugin_data scores the primary model: pass --primary, not --finetuned/--eval_file")
+        records = evaluate_plugin(Path(args.primary), args.embeddings, args.plugin_data, Path(args.output),
+                                  args.seq_length, args.plugin_blocks)
+    else:
+        if not args.finetuned or not args.eval_file:
+            raise ValueError("pass --finetuned and --eval_file (a task), or --primary and --plugin_data")
+        records = evaluate(args.finetuned, args.embeddings, args.eval_file, Path(args.output),
+                           args.eval_batch_size or FinetuneConfig().eval_batch_size)
     for r in records:
         print(f"{r['system']:10s} {r['task']} {r['lang']} step {r['step']:>7d}  {r['flops']:.3g} FLOPs  "
               f"{r['metric']} {r['score']:.2f}")

@@ -53,6 +53,9 @@ class DemoConfig:
     finetune_epochs: float = _f(3.0, "Step-3 epochs over the 2000 English training verses")
     finetune_lr: float = _f(5e-4, "Step-3 peak learning rate (the paper's 1e-5..3e-5 suit 125M-parameter models)")
     retrieval_pairs: int = _f(500, "parallel verses for retrieval accuracy (chance: 1/this)")
+    heldout_fraction: float = _f(0.03, "chapters of each target Bible held out of Step 2: the plug-in MLM metric's "
+                                 "text")
+    plugin_blocks: int = _f(512, "held-out blocks scored by the plug-in MLM metric")
 
 
 # The CI setting (README): the same stages and outputs, one language, far fewer updates.
@@ -76,8 +79,9 @@ class Demo:
     def __init__(self, cfg: DemoConfig, root: Path, mini: MiniModelConfig = MiniModelConfig()):
         self.cfg, self.root, self.mini = cfg, root, mini
         self.stage, self.t0 = 0, time.perf_counter()
-        # data preparation, 3 pretraining runs, Step 1b, Step 2 per system and language, 3 fine-tunings, Step 4
-        self.total = 1 + 3 + 1 + len(cfg.langs) * len(SYSTEMS) + 3 + 1
+        # data preparation, 3 pretraining runs, Step 1b, Step 2 per system and language (and the
+        # ceiling: full-model Step 2 over MINIJOINT's source), 3 fine-tunings, Step 4
+        self.total = 1 + 3 + 1 + len(cfg.langs) * (len(SYSTEMS) + 1) + 3 + 1
 
     def say(self, what: str) -> None:
         self.stage += 1
@@ -107,7 +111,9 @@ class Demo:
         out = {}
         for lang in ("en", *self.cfg.langs):
             out[lang] = self.root / "data" / lang
-            steps.preprocess(Path(f"bible:{lang}"), out[lang], VOCAB, PreprocessConfig(workers=1))
+            held_out = 0.0 if lang == "en" else self.cfg.heldout_fraction  # the plug-in metric's text
+            steps.preprocess(Path(f"bible:{lang}"), out[lang], VOCAB,
+                             PreprocessConfig(workers=1, valid_fraction=held_out))
         return out
 
     def run(self) -> dict:
@@ -148,6 +154,13 @@ class Demo:
                 if state != "done":
                     steps.adapt_embeddings(system, source[system], lang, run_dir, adapt, data_path=data[lang],
                                            resume=state == "resume")
+            # The ceiling of MINIJOINT's plug-in metric: embeddings trained over its full primary model.
+            self.say(f"Step 2: {lang} embeddings over minijoint's full primary model (the plug-in ceiling)")
+            run_dir = root / "adapt" / f"minijoint-full-{lang}"
+            state = self._state(run_dir, cfg.adapt_iters)
+            if state != "done":
+                steps.adapt_embeddings("bl_base", pre["minijoint"], lang, run_dir, adapt, data_path=data[lang],
+                                       resume=state == "resume")
         finetuned = {}
         ft_cfg = dataclasses.replace(FinetuneConfig(), seq_length=cfg.seq_length, epochs=cfg.finetune_epochs,
                                      lr=cfg.finetune_lr)
@@ -158,12 +171,14 @@ class Demo:
                 continue
             steps.finetune("bible-genre", pre[primary], out, ft_cfg, eval_file="bible",
                            resume=(out / "checkpoints").is_dir())
-        self.say("Step 4: zero-shot bible-genre and parallel-verse retrieval for every Step-2 checkpoint")
-        return self.evaluate(pre, finetuned)
+        self.say("Step 4: the plug-in MLM metric, zero-shot bible-genre and parallel-verse retrieval for every "
+                 "Step-2 checkpoint")
+        return self.evaluate(pre, finetuned, data)
 
-    def evaluate(self, pre: dict, finetuned: dict) -> dict:
+    def evaluate(self, pre: dict, finetuned: dict, data: dict) -> dict:
         from mmadapt.corpora import parallel_verses
         from mmadapt.finetune import evaluate_artifacts, retrieval_records
+        from mmadapt.plugin import plugin_records
 
         records = []
         pairs = {lang: parallel_verses("en", lang, self.cfg.retrieval_pairs) for lang in self.cfg.langs}
@@ -172,6 +187,10 @@ class Demo:
         for primary in finetuned:
             runs = [self.root / "adapt" / f"{system}-{lang}"
                     for system in SYSTEMS if PRIMARY[system] == primary for lang in self.cfg.langs]
+            ceiling = [self.root / "adapt" / f"minijoint-full-{lang}" for lang in self.cfg.langs
+                       if primary == "minijoint"]
+            records += plugin_records(pre[primary], runs + ceiling, {lang: data[lang] for lang in self.cfg.langs},
+                                      self.cfg.seq_length, self.cfg.plugin_blocks)
             records += evaluate_artifacts([finetuned[primary]], runs, "bible", 128)
             records += retrieval_records(pre[primary], runs, pairs, self.cfg.seq_length)
         source = {p: json.loads((finetuned[p] / "run.json").read_text()).get("source_score") for p in finetuned}
@@ -180,7 +199,7 @@ class Demo:
 
 def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str:
     from mmadapt.corpora import GENRES
-    from mmadapt.report import plot_curves, report_markdown
+    from mmadapt.report import plot_curves, plugin_markdown, report_markdown
 
     records = out["records"]
     (root / "results.json").write_text(json.dumps(records, indent=1) + "\n")
@@ -189,7 +208,10 @@ def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str
           f"baseline {100 / len(GENRES):.1f}). retrieval: parallel-verse retrieval accuracy with no fine-tuning "
           f"(chance {100 / cfg.retrieval_pairs:.2f}). English accuracy of the fine-tuned primary models on the "
           "held-out books: " + ", ".join(f"{p} {s:.1f}" for p, s in out["source_scores"].items() if s is not None)
-          + ".", "", report_markdown(records)]
+          + ".", "", "plug-in MLM: the held-out target text's masked-LM loss through each primary model with the "
+          "Step-2 embeddings swapped in; contextual gain = unigram reference - loss (nats per masked piece), what the "
+          "new embeddings take from the model's context beyond piece frequencies.", "", plugin_markdown(records),
+          report_markdown(records)]
     text = "\n".join(md)
     (root / "results.md").write_text(text + "\n")
     try:

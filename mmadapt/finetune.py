@@ -385,13 +385,22 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
         if lang not in cache:
             cache[lang] = read_examples(task, eval_spec, lang, "test", run_cfg(runs[0]), labels)
         seeds = [evaluate_scores(ft, cache[lang], run_cfg(ft), emb, tok) for ft in runs]
+        chance = majority_share(cache[lang]) if task.kind == "classify" and metric == "accuracy" else None
         records.append({"system": meta["system"], "task": task.name, "lang": lang, "step": meta["step"],
                         "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
                         "tokens": meta["tokens"], "metric": metric,
                         "score": sum(s[metric] for s in seeds) / len(seeds),
                         "scores": {k: sum(s[k] for s in seeds) / len(seeds) for k in seeds[0]},
-                        "seed_scores": [s[metric] for s in seeds], "artifact": str(path)})
+                        "seed_scores": [s[metric] for s in seeds], "chance": chance, "artifact": str(path)})
     return records
+
+
+def majority_share(examples: list) -> float:
+    """Accuracy (percent) of always predicting the most frequent gold label: the chance level."""
+    import collections
+
+    gold = [ex[1] if isinstance(ex, tuple) else ex.label for ex in examples]
+    return 100 * max(collections.Counter(map(str, gold)).values()) / len(gold)
 
 
 def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str, list[tuple[str, str]]],
@@ -421,6 +430,6 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
         trg = sentence_vectors(target, load_sp(tok), [b for _, b in pairs[lang]], seq_length, layer)
         records.append({"system": meta["system"], "task": "retrieval", "lang": lang, "step": meta["step"],
                         "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
-                        "tokens": meta["tokens"], "metric": "accuracy",
+                        "tokens": meta["tokens"], "metric": "accuracy", "chance": 100 / len(pairs[lang]),
                         "score": retrieval_accuracy(src_vectors[lang], trg), "artifact": str(path)})
     return records

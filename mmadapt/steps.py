@@ -346,3 +346,26 @@ def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, outp
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(records, indent=1) + "\n")
     return records
+
+
+def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Path | None = None,
+                    seq_length: int = 64, blocks: int = 256) -> list[dict]:
+    """Step 4's plug-in MLM metric (plugin.py): every artifact through `primary`'s primary head,
+    scored on the validation split of the dataset `data` ({lang}: each artifact's language)
+    against the unigram reference. Writes the records to `output` (which must not exist) when
+    given. Needs no process group."""
+    from mmadapt.finetune import artifact_dirs
+    from mmadapt.plugin import plugin_records
+
+    if output is not None and Path(output).exists():
+        raise ValueError(f"{output} already exists: choose a new --output (records are never overwritten)")
+    A.read_run(primary)
+    langs = {checkpoint.read_json(p / "meta.json", "Step-2 artifact file")["lang"]
+             for p in artifact_dirs([Path(e) for e in embeddings])}
+    records = plugin_records(Path(primary), [Path(e) for e in embeddings],
+                             {lang: Path(data.replace("{lang}", lang)) for lang in langs}, seq_length, blocks)
+    if output is not None:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+        Path(output).write_text(json.dumps(records, indent=1) + "\n")
+    return records
+

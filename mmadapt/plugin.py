@@ -1,0 +1,165 @@
+"""Step 4 without a task: do the new embeddings plug into the primary model?
+
+The plug-in MLM metric is the masked-LM loss of held-out target-language text through the
+**primary** model's primary head (its last layer) with a Step-2 artifact swapped in: word
+embeddings (tied to the output projection) and output bias. For MINIJOINT and MINIPOST the
+embeddings were trained over the mini-model and are scored through a full model they never saw;
+that they work there is the paper's claim.
+
+A loss alone does not say whether the model uses context: the output bias alone can learn the
+target pieces' frequencies. So every artifact is scored beside references on the same masked
+positions:
+    unigram     the loss of the unigram distribution of the target pieces (counted on the Step-2
+                training text, add-one smoothed): what the output bias alone can reach
+    start       the overlap-initialised embeddings Step 2 started from
+and the headline is the **contextual gain**, unigram - loss (nats per masked piece). The
+ceiling is an artifact trained over the full primary model of the same source run (for
+MINIJOINT: `adapt --system bl_base --source <minijoint run>`), recorded as system
+`<recipe>:full`.
+
+Masking is deterministic (the dataset's validation split, masked with a fixed seed), so the
+curves of one language are comparable across systems. Needs no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mmadapt import adapt as A
+from mmadapt.config import ModelConfig
+
+TASK, METRIC = "plugin-mlm", "contextual_gain"
+UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
+
+
+def primary_head_state(primary_run: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The primary model with only its primary head (after its last layer), as a one-head
+    RobertaMLM config and state dict (that head renamed heads.heads.0.*)."""
+    cfg, state = A.load_model(primary_run)
+    k = len(cfg.heads_after) - 1
+    body = {n: v for n, v in state.items() if not n.startswith("heads.")}
+    head = {n.replace(f"heads.heads.{k}.", "heads.heads.0.", 1): v for n, v in state.items()
+            if n.startswith(f"heads.heads.{k}.")}
+    cfg = dataclasses.replace(cfg, head_layers=(cfg.num_layers,), hidden_dropout=0.0, attention_dropout=0.0,
+                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    return cfg, {**body, **head}
+
+
+def unigram_logprobs(data_path: Path, vocab_size: int) -> torch.Tensor:
+    """log p(piece) [V] of the pieces of the dataset's training text, add-one smoothed."""
+    from mmadapt.data import TEXT, read_manifest
+
+    manifest = read_manifest(data_path)
+    tokens = np.memmap(Path(data_path) / f"{TEXT}.bin", dtype=manifest["dtype"], mode="r")[:UNIGRAM_MAX_TOKENS]
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size] + 1.0
+    return torch.from_numpy(np.log(counts / counts.sum())).float()
+
+
+def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: int, batch_size: int,
+                    seed: int = 0, mask_prob: float = 0.15) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `blocks` blocks of the dataset's validation split in a seeded order, masked with
+    a fixed seed: the same positions for every artifact of this tokenizer."""
+    from mmadapt.data import VALID, MLMBatches
+
+    data = MLMBatches(data_path, seq_length, vocab_size, seed, mask_prob, batch_size, 1, split=VALID)
+    n = min(blocks, len(data)) // batch_size
+    if n == 0:
+        raise ValueError(f"{data_path}'s validation split holds {len(data)} blocks of {seq_length}, fewer than one "
+                         f"batch of {batch_size}: prepare it with a larger --valid_fraction")
+    return [data.micro_batch(k, 0) for k in range(n)]
+
+
+@torch.no_grad()
+def mlm_loss(cfg: ModelConfig, state: dict, batches: list) -> float:
+    """Mean loss per masked piece of a one-head RobertaMLM with `state` (vocab from its rows)."""
+    from mmadapt.model import RobertaMLM
+
+    model = RobertaMLM(dataclasses.replace(cfg, vocab_size=state[A.WORD].shape[0])).eval()
+    model.load_state_dict(state)
+    total, count = 0.0, 0
+    for ids, labels in batches:
+        masked = labels.ge(0)
+        h = model.hidden_states(ids)[0][masked]
+        logits = model.heads.heads[0](h, model.word_embeddings.weight)
+        total += float(F.cross_entropy(logits.float(), labels[masked], reduction="sum"))
+        count += int(masked.sum())
+    return total / count
+
+
+def unigram_loss(logp: torch.Tensor, batches: list) -> float:
+    labels = torch.cat([l[l.ge(0)] for _, l in batches])
+    return float(-logp[labels].mean())
+
+
+def _swap(state: dict, emb: dict) -> dict:
+    if emb["word_embeddings"].shape[1] != state[A.WORD].shape[1]:
+        raise ValueError(f"the embeddings have hidden size {emb['word_embeddings'].shape[1]}, the model "
+                         f"{state[A.WORD].shape[1]}: they were trained for another model")
+    return {**state, A.WORD: emb["word_embeddings"].float(), A.BIAS: emb["output_bias"].float()}
+
+
+def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
+    """The overlap-initialised embeddings and bias the adapt run started from (recomputed: the
+    same seeded draw as adapt_embeddings')."""
+    from mmadapt.model import derive_seed
+
+    run = json.loads((adapt_run / "run.json").read_text())
+    src = run["frozen_from"]
+    _, init, _ = A.step2_start(run["system"], Path(src["run_dir"]), src["tag"], tokenizer,
+                               run["model"]["init_method_std"], derive_seed(run["train"]["seed"],
+                                                                             f"embeddings.{run['lang']}"))
+    return {"word_embeddings": init[A.WORD], "output_bias": init[A.BIAS]}
+
+
+def label(meta: dict) -> str:
+    """The system a record is shown as: `<recipe>:full` for the ceiling (full-model Step 2 over a
+    source whose own system is another, e.g. bl_base over a MINIJOINT run)."""
+    recipe = json.loads((Path(meta["source"]) / "run.json").read_text()).get("recipe")
+    return f"{recipe}:full" if meta["system"] == "bl_base" and recipe not in (None, "bl_base") else meta["system"]
+
+
+def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[str, Path], seq_length: int,
+                   blocks: int = 256, batch_size: int = 32, seed: int = 0) -> list[dict]:
+    """Plug-in records of every artifact of `adapt_runs` (whose embeddings belong to the primary
+    model of `primary_run`), scored on the validation split of `data_paths[lang]` (a prepared
+    dataset whose tokenizer is the artifacts')."""
+    from mmadapt.data import TOKENIZER, file_sha256
+    from mmadapt.finetune import artifact_dirs, artifact_primary
+
+    cfg, state = primary_head_state(primary_run)
+    refs: dict[str, dict] = {}  # per language: batches and the unigram loss
+    starts: dict[Path, float] = {}
+    records = []
+    for path in artifact_dirs(adapt_runs):
+        emb, tok, meta = A.read_artifact(path)
+        if Path(artifact_primary(meta)).resolve() != Path(primary_run).resolve():
+            raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, not "
+                             f"{primary_run}")
+        lang = meta["lang"]
+        if lang not in data_paths:
+            raise ValueError(f"no held-out {lang} text: pass a prepared {lang} dataset with a validation split")
+        data = Path(data_paths[lang])
+        if file_sha256(data / TOKENIZER) != file_sha256(tok):
+            raise ValueError(f"{path} uses another tokenizer than {data}: score it on the dataset Step 2 trained on")
+        v = emb["word_embeddings"].shape[0]
+        if lang not in refs:
+            batches = heldout_batches(data, seq_length, v, blocks, batch_size, seed)
+            refs[lang] = {"batches": batches, "unigram": unigram_loss(unigram_logprobs(data, v), batches)}
+        batches, unigram = refs[lang]["batches"], refs[lang]["unigram"]
+        run = path.parent.parent
+        if run not in starts:
+            starts[run] = mlm_loss(cfg, _swap(state, _start_embeddings(run, tok)), batches)
+        loss = mlm_loss(cfg, _swap(state, emb), batches)
+        records.append({"system": label(meta), "task": TASK, "lang": lang, "step": meta["step"],
+                        "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
+                        "tokens": meta["tokens"], "metric": METRIC, "score": unigram - loss, "chance": 0.0, "loss": loss,
+                        "unigram_loss": unigram, "start_loss": starts[run], "start_gain": unigram - starts[run],
+                        "masked_pieces": int(sum(int(l.ge(0).sum()) for _, l in batches)),
+                        "artifact": str(path)})
+    return records

@@ -1,0 +1,80 @@
+"""The plug-in MLM metric (plugin.py): the primary head of the primary model, the unigram
+reference counted by hand, and the records against hand-computed values."""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import VOCAB
+from mmadapt import adapt as A
+from mmadapt import plugin as P
+from mmadapt.data import prepare
+
+
+@pytest.fixture(scope="module")
+def english(corpus, tokenizer, tmp_path_factory):
+    """The English corpus prepared with the primary run's tokenizer and a validation split."""
+    d = tmp_path_factory.mktemp("plugin_en") / "en"
+    prepare(corpus, d, VOCAB, tokenizer=tokenizer, workers=1, valid_fraction=0.1, quiet=True)
+    return d
+
+
+def test_primary_head_loss_is_the_models_own(primary_run, english):
+    """With the primary's own embeddings and bias 'swapped in', the metric is the 12-layer
+    MINIJOINT model's primary-head loss (its second head, after layer 12), token-weighted."""
+    from mmadapt.model import RobertaMLM
+
+    batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
+    assert len(batches) == 4
+    cfg, state = A.load_model(primary_run)
+    assert cfg.heads_after == (4, 12)
+    model = RobertaMLM(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        per_batch = [(float(model(ids, lab)[1][1]), int(lab.ge(0).sum())) for ids, lab in batches]
+    expected = sum(l * n for l, n in per_batch) / sum(n for _, n in per_batch)
+    one_head, head_state = P.primary_head_state(primary_run)
+    assert one_head.heads_after == (12,)
+    assert torch.equal(head_state[A.BIAS], state["heads.heads.1.bias"])
+    assert P.mlm_loss(one_head, head_state, batches) == pytest.approx(expected, abs=1e-5)
+
+
+def test_unigram_reference_by_hand(english):
+    batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
+    tokens = np.fromfile(english / "text.bin", dtype=json.loads((english / "manifest.json").read_text())["dtype"])
+    counts = np.bincount(tokens.astype(np.int64), minlength=VOCAB) + 1.0
+    labels = torch.cat([l[l.ge(0)] for _, l in batches]).numpy()
+    expected = -np.mean(np.log(counts[labels] / counts.sum()))
+    assert P.unigram_loss(P.unigram_logprobs(english, VOCAB), batches) == pytest.approx(expected, rel=1e-6)
+    # The same masked positions every time (a fixed seed), none of them special pieces.
+    again = P.heldout_batches(english, 32, VOCAB, 64, 16)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(batches, again))
+    assert int(torch.cat([l[l.ge(0)] for _, l in batches]).min()) >= 5
+
+
+def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, tmp_path):
+    """An 'artifact' holding the primary's own English embeddings: its gain is unigram - the
+    model's loss, its start is the overlap init (every piece shared: the same embeddings)."""
+    cfg, state = A.load_model(primary_run)
+    run = tmp_path / "adapt"
+    meta = {"system": "minijoint", "lang": "en", "step": 5, "flops": 1.0, "flops_paper": 1.0, "v100_days": 0.0,
+            "tokens": 1, "source": str(primary_run), "source_tag": "step00000150"}
+    art = A.write_artifact(run / "embeddings" / "step00000005", state[A.WORD], state["heads.heads.0.bias"],
+                           tokenizer, meta)
+    (run / "run.json").write_text(json.dumps({"system": "minijoint", "lang": "en", "model": {"init_method_std": 0.02},
+                                              "train": {"seed": 1}, "frozen_from": {"run_dir": str(primary_run),
+                                                                                    "tag": "step00000150"}}))
+    [rec] = P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=64, batch_size=16)
+    batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
+    one, head = P.primary_head_state(primary_run)
+    own = P.mlm_loss(one, {**head, A.BIAS: state["heads.heads.0.bias"]}, batches)
+    assert rec["loss"] == pytest.approx(own, abs=1e-6)
+    assert rec["score"] == pytest.approx(rec["unigram_loss"] - own)
+    assert rec["unigram_loss"] == pytest.approx(P.unigram_loss(P.unigram_logprobs(english, VOCAB), batches))
+    # The overlap init copies every shared piece's row and bias: all pieces are shared here.
+    assert rec["start_loss"] == pytest.approx(own, abs=1e-6)
+    assert rec["system"] == "minijoint" and rec["artifact"] == str(art) and math.isfinite(rec["score"])
