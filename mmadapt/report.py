@@ -199,17 +199,19 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
     out, task_avg = [], {}
     for task in tasks:
         langs = sorted({k[2] for k in cs if k[1] == task})
-        final = {s: [cs[(s, task, lang)][-1][1] if (s, task, lang) in cs else None for lang in langs] for s in systems}
+        task_systems = [s for s in systems if any((s, task, lang) in cs for lang in langs)]
+        final = {s: [cs[(s, task, lang)][-1][1] if (s, task, lang) in cs else None for lang in langs]
+                 for s in task_systems}
         got = {s: [v for v in vals if v is not None] for s, vals in final.items()}
         avg = task_avg[task] = {s: sum(v) / len(v) if v else math.nan for s, v in got.items()}
         # Train cost as in Table 2: the Step-2 compute at the last checkpoint, mean over languages.
-        cost = {s: [cs[(s, task, lang)][-1][0] for lang in langs if (s, task, lang) in cs] for s in systems}
+        cost = {s: [cs[(s, task, lang)][-1][0] for lang in langs if (s, task, lang) in cs] for s in task_systems}
         cost = {s: sum(v) / len(v) for s, v in cost.items()}
         f = _score_format(task)
         out += [f"## {task}: score at the last checkpoint", "",
                 f"| system | Step-2 EFLOPs | {device} days | " + " | ".join(langs) + " | avg | retention |",
                 "|---" * (len(langs) + 5) + "|"]
-        for s in systems:
+        for s in task_systems:
             ret = avg[s] / avg[baseline] if avg[baseline] else math.nan
             out.append(f"| {s} | {cost[s] / 1e18:.3g} | {device_days(cost[s], device):.3g} | " +
                        " | ".join("-" if v is None else format(v, f) for v in final[s]) +
@@ -223,7 +225,7 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
         out += ["", f"## {task}: {device} days to near-maximal performance (95% of {baseline}'s final score)", "",
                 "| system | " + " | ".join(langs) + " | speedup |", "|---" * (len(langs) + 2) + "|"]
         base_times = _estimates(hits, baseline, task, langs)
-        for s in systems:
+        for s in task_systems:
             cells = []
             for lang in langs:
                 if (s, task, lang) not in hits:
@@ -238,7 +240,7 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
     if len(tasks) > 1:  # the paper's single retention number (footnote 4): the mean of the per-task ones
         out += [f"## retention against {baseline}, mean over tasks ({', '.join(tasks)})", "",
                 "| system | retention |", "|---|---|"]
-        for s in systems:
+        for s in [s for s in systems if all(s in task_avg[t] for t in tasks)]:
             ret = retention({t: task_avg[t][s] for t in tasks}, {t: task_avg[t][baseline] for t in tasks})
             out.append(f"| {s} | {100 * ret:.1f}% |")
         out.append("")
