@@ -210,6 +210,8 @@ def adapt_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab_size", type=int, help="target vocabulary size V (default: the --data_path's or "
                    "--tokenizer's size, else the source model's)")
     _later_step_args(p, LAYOUT_FIELDS)
+    add_dataclass_args(p, MiniModelConfig, only=("mini_layers",),
+                       defaults="--system minijoint: the source run's secondary head, when it has only one")
     return p
 
 
@@ -218,10 +220,11 @@ def adapt_main(argv=None) -> int:
     args = adapt_parser().parse_args(argv)
     from mmadapt.steps import adapt_embeddings
 
+    depth = None if args.mini_layers is None else MiniModelConfig(args.mini_layers).one_depth("adapt")
     rows = adapt_embeddings(args.system, Path(args.source), args.lang, Path(args.output_dir),
                             override(TRAIN_PRESETS[args.preset], args), _layout(args), Path(args.ds_config),
                             args.corpus, _path(args.tokenizer), args.vocab_size, args.source_tag, args.resume,
-                            _path(args.data_path))
+                            _path(args.data_path), depth)
     _done(rows, f"{args.system} {args.lang} embeddings, artifacts in {Path(args.output_dir) / 'embeddings'}")
     return 0
 

@@ -121,6 +121,7 @@ def build_minipost(primary: Path, output_dir: Path, train: TrainConfig, mini: Mi
     """Step 1b (MINIPOST): the bottom N layers, embeddings and primary MLM head of `primary`,
     K new layers on top, only those trained with source-language MLM (default data: the primary
     run's prepared dataset, encoded once for every source-language step)."""
+    mini.one_depth("build_minipost")
     primary = Path(primary).resolve()
     src = A.read_run(primary)
     tag = checkpoint_tag(primary, primary_tag)
@@ -152,10 +153,14 @@ def build_minipost(primary: Path, output_dir: Path, train: TrainConfig, mini: Mi
 def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, train: TrainConfig,
                      layout: dict | None = None, ds_config: Path = DEFAULT_DS_CONFIG, corpus: Path | None = None,
                      tokenizer: Path | None = None, vocab_size: int | None = None, source_tag: str | None = None,
-                     resume: bool = False, data_path: Path | None = None) -> list[dict]:
+                     resume: bool = False, data_path: Path | None = None, mini_layers: int | None = None
+                     ) -> list[dict]:
     """Step 2: new `lang` embeddings and output bias over the frozen model of `system`, from
     the source run `source`. Writes an artifact (embeddings.pt, spm.model, meta.json) under
     <output_dir>/embeddings/<tag> at every checkpoint: what Step 4 swaps in.
+
+    mini_layers (minijoint): the depth N of the source's mini-model to train over, one of its
+    secondary heads (default: its only one; a run with several needs it, adapt.mini_depth).
 
     data_path: the target language's prepared dataset (mmadapt preprocess; its tokenizer is the
     target vocabulary); else corpus (default: the packaged Bible, bible:<lang>) with tokenizer,
@@ -171,7 +176,8 @@ def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, tra
         raise ValueError(f"--system {system} adapts a run with recipe {' or '.join(A.SOURCE_RECIPES[system])}, "
                          f"but {source} has recipe {src.get('recipe')}")
     tag = checkpoint_tag(source, source_tag)
-    body_cfg, _ = A.adapt_body(system, ModelConfig(**src["model"]), {})
+    src_cfg = ModelConfig(**src["model"])
+    body_cfg, _ = A.adapt_body(system, src_cfg, {}, mini_layers)
     if vocab_size is None:
         if data_path is not None:
             vocab_size = read_manifest(data_path)["vocab_size"]
@@ -185,23 +191,26 @@ def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, tra
                      ds_config=Path(ds_config), tokenizer=Path(tokenizer) if tokenizer else None,
                      data_path=Path(data_path) if data_path else None)
     same = {"system": system, "lang": lang, "frozen_from": {"run_dir": str(source), "tag": tag, "system": system}}
+    # Which mini-model (MINIJOINT): its depth, and every depth the source offers (artifact labels).
+    depth = {"mini_layers": body_cfg.num_layers, "mini_depths": list(src_cfg.heads_after[:-1])} \
+        if system == "minijoint" else {}
     with _start(model, train, paths, resume, same) as (ds, tok, data_dir):
-        return _adapt(system, source, tag, lang, model, train, paths, ds, tok, data_dir, resume, same)
+        return _adapt(system, source, tag, lang, model, train, paths, ds, tok, data_dir, resume, same, depth)
 
 
 def _adapt(system: str, source: Path, tag: str, lang: str, model: ModelConfig, train: TrainConfig, paths: RunPaths,
-           ds: dict, tok: Path, data_dir: Path, resume: bool, same: dict) -> list[dict]:
+           ds: dict, tok: Path, data_dir: Path, resume: bool, same: dict, depth: dict) -> list[dict]:
     """adapt_embeddings once its checks passed and its process groups exist."""
     from mmadapt.flops import adapt_flops, device_days
     from mmadapt.model import derive_seed
 
     out = paths.output_dir
     _, init, shared = A.step2_start(system, source, tag, tok, model.init_method_std,
-                                    derive_seed(train.seed, f"embeddings.{lang}"))
+                                    derive_seed(train.seed, f"embeddings.{lang}"), depth.get("mini_layers"))
     if dist.get_rank() == 0:
         print(f"new {lang} embeddings: {shared} of {model.vocab_size} pieces copied from the source vocabulary, "
               f"{model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
-    info = {"recipe": system, **same, "shared_pieces": shared, "target_vocab_size": model.vocab_size}
+    info = {"recipe": system, **same, **depth, "shared_pieces": shared, "target_vocab_size": model.vocab_size}
     seq_flops = {p: adapt_flops(model, train.seq_length, train.mask_prob, paper=p) for p in (False, True)}
     global_batch = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * parallel.dp_world()
 
@@ -209,7 +218,8 @@ def _adapt(system: str, source: Path, tag: str, lang: str, model: ModelConfig, t
         sd = checkpoint.load_full_state_dict(paths.checkpoints, ckpt_tag)  # fp32 master weights
         flops = seq_flops[False] * global_batch * step
         meta = {"system": system, "lang": lang, "step": step, "source": str(source), "source_tag": tag,
-                "mini_layers": model.num_layers, "hidden_size": model.hidden_size, "vocab_size": model.vocab_size,
+                "mini_layers": model.num_layers, **depth, "hidden_size": model.hidden_size,
+                "vocab_size": model.vocab_size,
                 "shared_pieces": shared, "global_batch": global_batch, "seq_length": train.seq_length,
                 "tokens": global_batch * train.seq_length * step, "flops": flops,
                 "flops_paper": seq_flops[True] * global_batch * step, "v100_days": device_days(flops)}
@@ -243,7 +253,8 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
     if src.get("step") != "pretrain":
         raise ValueError(f"{primary} is a {src.get('step')} run: fine-tune the primary model of a pretrain run")
     tag = checkpoint_tag(primary, primary_tag)
-    model_cfg = _with_layout(dataclasses.replace(ModelConfig(**src["model"]), head_layers=()), layout).validate()
+    model_cfg = _with_layout(dataclasses.replace(ModelConfig(**src["model"]), head_layers=(), head_weights=()),
+                             layout).validate()
     if model_cfg.pipeline_model_parallel_size > 1:
         raise ValueError("fine-tuning does not use pipeline parallelism (a model replica fits one device): "
                          "use --pipeline_model_parallel_size 1 with data or tensor parallelism")
@@ -368,4 +379,5 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(records, indent=1) + "\n")
     return records
+
 
