@@ -15,7 +15,8 @@ Step-2 runs train two tensors: the word embedding [V, h], tied with the output p
 the output bias [V]. The bias is trained because it is indexed by vocabulary piece: the source
 model's bias belongs to the source vocabulary and means nothing for most target pieces (it is
 initialised like the embeddings: copied for shared pieces, zero otherwise). It adds V elements
-to the h*V of the embedding and no matmul FLOPs.
+to the h*V of the embedding and no matmul FLOPs. TrainConfig.train_output_bias=False is the
+paper's setting: the embeddings alone, the bias frozen at that initialisation.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ SOURCE_RECIPES = {"bl_base": ("bl_base", "minijoint"), "bl_small": ("bl_small",)
 WORD = "word_embeddings.word_embeddings.weight"
 BIAS = "heads.heads.0.bias"
 ADAPT_TRAINABLE = (WORD, BIAS)
+
+
+def adapt_trainable(train_output_bias: bool = True) -> tuple[str, ...]:
+    """What Step 2 trains: the word embedding, and the output bias unless the paper's setting."""
+    return ADAPT_TRAINABLE if train_output_bias else (WORD,)
 
 
 def _parallel_free(cfg: ModelConfig, **changes) -> ModelConfig:

@@ -156,7 +156,9 @@ class OptimizerConfig:
     """AdamW, gradient clipping and the training loop's fault settings: the same in every step
     that trains, so pretraining, adaptation (TrainConfig) and fine-tuning (FinetuneConfig) share
     these fields."""
-    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and LayerNorm)")
+    weight_decay: float = _f(0.01, "AdamW weight decay (on weight matrices only, unless decay_all)")
+    decay_all: bool = _f(False, "weight decay on every trained parameter, biases and LayerNorm included, as "
+                         "fairseq does (so the paper: true); false: on weight matrices only, as BERT and Megatron")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.98, "Adam beta2")
     adam_eps: float = _f(1e-6, "Adam epsilon")
@@ -196,6 +198,9 @@ class TrainConfig(OptimizerConfig):
     eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
                             "prepared with --valid_fraction)")
     eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time")
+    train_output_bias: bool = _f(True, "Step 2: train the output bias with the embeddings (it is indexed by the "
+                                 "target vocabulary's pieces); false: the paper's setting, embeddings only, the bias "
+                                 "frozen at its overlap initialisation (source bias for shared pieces, 0 otherwise)")
 
     def validate(self, model: ModelConfig) -> "TrainConfig":
         if self.seq_length > model.max_position_embeddings:
@@ -381,8 +386,16 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
             kw.update(type=_tuple_item(kind), nargs="+")
         else:
             base = next((a for a in get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
-            kw.update(type=base if base in (int, float) else str)
+            kw.update(type=_bool if base is bool else base if base in (int, float) else str)
         group.add_argument(f"--{f.name}", **kw)
+
+
+def _bool(text: str) -> bool:
+    """A bool flag's value: --decay_all true (or false; also 1/0, yes/no)."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 def override(cfg, args: argparse.Namespace):

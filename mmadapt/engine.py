@@ -3,7 +3,7 @@
 `build_engine` wraps a plain model (model.py) or its pipeline form (pipeline.py) in DeepSpeed's
 engine: parameters outside `trainable` get requires_grad=False (autograd computes no weight
 gradient for them, the optimizer never sees them, ZeRO keeps no state for them), AdamW with no
-decay on biases and LayerNorm linear warm-up then linear decay. ZeRO stage and precision come
+decay on biases and LayerNorm (unless `decay_all`), linear warm-up then linear decay. ZeRO stage and precision come
 from the JSON in ds_configs/, batch sizes and clipping from our config (`load_ds_config`).
 
 `train_loop` runs the updates: a progress bar, TensorBoard and metrics.jsonl logging of the
@@ -63,11 +63,13 @@ def load_ds_config(path: Path, cfg) -> dict:
     return ds
 
 
-def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and LayerNorm parameters (every tensor with fewer than 2 dims)."""
+def param_groups(module: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
+    """Weight matrices, then biases and LayerNorm parameters (every tensor with fewer than 2 dims):
+    no weight decay on the second group unless `decay_all` (fairseq's, and so the paper's, AdamW
+    decays every parameter). Two groups either way: every pipeline stage needs the same groups."""
     params = [p for p in module.parameters() if p.requires_grad]
     return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": weight_decay if decay_all else 0.0}]
 
 
 def warmup_linear_decay(warmup: int, total: int):
@@ -148,7 +150,7 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, dims)
     dims = {k: v for d in every for k, v in d.items()}
-    groups = param_groups(module, opt.weight_decay)
+    groups = param_groups(module, opt.weight_decay, opt.decay_all)
     for i, group in enumerate(groups):
         if not group["params"]:
             # A pipeline stage with nothing of this kind to train (all of a middle stage in

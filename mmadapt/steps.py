@@ -105,10 +105,16 @@ def preprocess(corpus: Path, output_dir: Path, vocab_size: int, cfg: PreprocessC
 
 # --- Step 1 -----------------------------------------------------------------------------------------
 
+def _step2_only(train: TrainConfig, step: str) -> None:
+    if not train.train_output_bias:
+        raise ValueError(f"train_output_bias is a Step-2 setting; {step} trains its own parameters: drop the flag")
+
+
 def pretrain(model: ModelConfig, train: TrainConfig, paths: RunPaths, recipe: str = "custom",
              resume: bool = False) -> list[dict]:
     """Step 1. `model` is already shaped by its recipe (config.apply_recipe). Returns the
     metrics rows of this invocation (global rank 0; empty elsewhere)."""
+    _step2_only(train, "pretrain")
     with _start(model, train, paths, resume, {"recipe": recipe}) as (ds_config, _, data_dir):
         return train_mlm(model, train, paths, ds_config, data_dir, {"recipe": recipe}, MLMJob(), resume=resume)
 
@@ -122,6 +128,7 @@ def build_minipost(primary: Path, output_dir: Path, train: TrainConfig, mini: Mi
     K new layers on top, only those trained with source-language MLM (default data: the primary
     run's prepared dataset, encoded once for every source-language step)."""
     mini.one_depth("build_minipost")
+    _step2_only(train, "build_minipost")
     primary = Path(primary).resolve()
     src = A.read_run(primary)
     tag = checkpoint_tag(primary, primary_tag)
@@ -211,6 +218,7 @@ def _adapt(system: str, source: Path, tag: str, lang: str, model: ModelConfig, t
         print(f"new {lang} embeddings: {shared} of {model.vocab_size} pieces copied from the source vocabulary, "
               f"{model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
     info = {"recipe": system, **same, **depth, "shared_pieces": shared, "target_vocab_size": model.vocab_size}
+    trainable = A.adapt_trainable(train.train_output_bias)
     seq_flops = {p: adapt_flops(model, train.seq_length, train.mask_prob, paper=p) for p in (False, True)}
     global_batch = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * parallel.dp_world()
 
@@ -219,13 +227,15 @@ def _adapt(system: str, source: Path, tag: str, lang: str, model: ModelConfig, t
         flops = seq_flops[False] * global_batch * step
         meta = {"system": system, "lang": lang, "step": step, "source": str(source), "source_tag": tag,
                 "mini_layers": model.num_layers, **depth, "hidden_size": model.hidden_size,
-                "vocab_size": model.vocab_size,
+                "vocab_size": model.vocab_size, "train_output_bias": train.train_output_bias,
                 "shared_pieces": shared, "global_batch": global_batch, "seq_length": train.seq_length,
                 "tokens": global_batch * train.seq_length * step, "flops": flops,
                 "flops_paper": seq_flops[True] * global_batch * step, "v100_days": device_days(flops)}
-        A.write_artifact(out / "embeddings" / ckpt_tag, sd[A.WORD].float(), sd[A.BIAS].float(), tok, meta)
+        # A frozen bias (train_output_bias false) is not in the checkpoint: it is still its start.
+        bias = sd[A.BIAS] if A.BIAS in trainable else init[A.BIAS]
+        A.write_artifact(out / "embeddings" / ckpt_tag, sd[A.WORD].float(), bias.float(), tok, meta)
 
-    job = MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE)
+    job = MLMJob(step="adapt", trainable=trainable)
     return train_mlm(model, train, paths, ds, data_dir, info, job, init, resume, after_save=write_artifact)
 
 
