@@ -380,8 +380,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
             continue
         kind = hints[f.name]
         text = f.metadata["help"]  # a help that says its own default (a None field's) keeps it
-        kw: dict[str, Any] = dict(default=None, help=text if "(default:" in text else
-                                  f"{text} ({_default_help(f, defaults)})")
+        text = text if "(default:" in text else f"{text} ({_default_help(f, defaults)})"
+        kw: dict[str, Any] = dict(default=None, help=text.replace("%", "%%"))  # argparse %-formats help
         if _tuple_item(kind) is not None:
             kw.update(type=_tuple_item(kind), nargs="+")
         else:

@@ -3,6 +3,8 @@
     pretrain          Step 1: BL_BASE, BL_SMALL or MINIJOINT from a seeded init
     build_minipost    Step 1b: bottom N layers of a pretrained model + K new layers, only those trained
     adapt_embeddings  Step 2: new-language embeddings (tied to the output projection) over a frozen model
+    sweep             Step 2 over each mini-model of a multi-depth MINIJOINT run, scored by the plug-in
+                      metric against Step-2 compute: the cheapest depth that transfers
     finetune          Step 3: the primary model on a source-language task, word embeddings frozen
     evaluate          Step 4: swap each Step-2 artifact in, score zero-shot
 
@@ -391,3 +393,77 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
     return records
 
 
+
+# --- beyond the paper: the depth sweep ------------------------------------------------------------
+
+def _finished(run_dir: Path, iters: int) -> str:
+    """'done' (its last checkpoint is update `iters`), 'resume' (an interrupted run) or 'new'."""
+    ckpt = Path(run_dir) / "checkpoints"
+    if checkpoint.latest_tag(ckpt) == checkpoint.tag_for(iters):
+        return "done"
+    return "resume" if checkpoint.has_checkpoints(ckpt) else "new"
+
+
+def sweep(source: Path, lang: str, output_dir: Path, train: TrainConfig, data_path: Path,
+          mini_layers: tuple[int, ...] | None = None, cfg=None, layout: dict | None = None,
+          ds_config: Path = DEFAULT_DS_CONFIG, source_tag: str | None = None) -> dict | None:
+    """Step 2 over each mini-model of a MINIJOINT run (`mini_layers`, default: every secondary
+    head) on `lang`, into <output_dir>/<N>/ (and, with cfg.ceiling, over its full primary model
+    into <output_dir>/full/), every checkpoint scored with the plug-in MLM metric on the validation
+    split of `data_path` (the prepared target dataset Step 2 trains on). Writes sweep.json (the
+    records and the summary), sweep.md (table, cheapest depth) and sweep.png (needs matplotlib)
+    into `output_dir`. A depth already trained is kept, an interrupted one resumed: run it
+    again after a stop, or with more depths. Returns the summary (sweep.summarize) on global
+    rank 0, None elsewhere. cfg: a sweep.SweepConfig."""
+    from mmadapt.data import read_manifest
+    from mmadapt.plugin import plugin_records
+    from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
+
+    cfg = (cfg or SweepConfig()).validate()
+    source, out, data_path = Path(source).resolve(), Path(output_dir), Path(data_path)
+    src = A.read_run(source)
+    if src.get("recipe") != "minijoint":
+        raise ValueError(f"the sweep compares the mini-models of a MINIJOINT run; {source} has recipe "
+                         f"{src.get('recipe')}")
+    src_cfg = ModelConfig(**src["model"])
+    depths = tuple(mini_layers or src_cfg.heads_after[:-1])
+    for n in depths:
+        A.mini_depth(src_cfg, n)
+    if list(depths) != sorted(set(depths)):
+        raise ValueError(f"--mini_layers {' '.join(map(str, depths))} must be ascending without repeats")
+    if not read_manifest(data_path).get("valid"):
+        raise ValueError(f"{data_path} has no validation split for the plug-in metric: prepare it with mmadapt "
+                         "preprocess --valid_fraction 0.03 into a new --output_dir (or pass --corpus with "
+                         "--valid_fraction)")
+    runs = {n: out / str(n) for n in depths}
+    jobs = [("minijoint", n, run_dir) for n, run_dir in runs.items()]
+    if cfg.ceiling:
+        runs[CEILING] = out / CEILING
+        jobs.append(("bl_base", None, runs[CEILING]))
+    for system, n, run_dir in jobs:
+        state = _finished(run_dir, train.train_iters)
+        if state == "done":
+            continue
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"sweep: Step 2 over {'the full model' if n is None else f'the {n}-layer mini-model'} -> {run_dir}",
+                  flush=True)
+        adapt_embeddings(system, source, lang, run_dir, train, layout, ds_config, source_tag=source_tag,
+                         resume=state == "resume", data_path=data_path, mini_layers=n)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()  # rank 0 scores (the metric needs no process group)
+        return None
+    which = {str(run_dir.resolve()): n for n, run_dir in runs.items()}
+    records = plugin_records(source, list(runs.values()), {lang: data_path}, train.seq_length, cfg.plugin_blocks)
+    for r in records:
+        r["mini_layers"] = which[str(Path(r["artifact"]).resolve().parent.parent)]
+    summary = summarize(records, cfg.near_max)
+    (out / "sweep.json").write_text(json.dumps({"source": str(source), "records": records, "summary": summary},
+                                               indent=1) + "\n")
+    (out / "sweep.md").write_text(sweep_markdown(summary, str(source)) + "\n")
+    try:
+        plot_sweep(summary, out / "sweep.png")
+    except ValueError as e:  # matplotlib missing: the table still stands
+        print(f"note: no sweep.png ({e})")
+    if dist.is_initialized():
+        dist.barrier()
+    return summary
