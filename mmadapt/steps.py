@@ -33,6 +33,7 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, FinetuneConfig, MiniModelConfig, ModelConfig,
                             PreprocessConfig, TrainConfig, to_dict)
 from mmadapt.corpora import resolve_corpus
+from mmadapt.sweep import SweepConfig
 from mmadapt.train import MLMJob, RunPaths, check_same_run, prepare_data, train_mlm, validate_run
 
 
@@ -393,7 +394,6 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
     return records
 
 
-
 # --- beyond the paper: the depth sweep ------------------------------------------------------------
 
 def _finished(run_dir: Path, iters: int) -> str:
@@ -405,7 +405,7 @@ def _finished(run_dir: Path, iters: int) -> str:
 
 
 def sweep(source: Path, lang: str, output_dir: Path, train: TrainConfig, data_path: Path,
-          mini_layers: tuple[int, ...] | None = None, cfg=None, layout: dict | None = None,
+          mini_layers: tuple[int, ...] | None = None, cfg: SweepConfig | None = None, layout: dict | None = None,
           ds_config: Path = DEFAULT_DS_CONFIG, source_tag: str | None = None) -> dict | None:
     """Step 2 over each mini-model of a MINIJOINT run (`mini_layers`, default: every secondary
     head) on `lang`, into <output_dir>/<N>/ (and, with cfg.ceiling, over its full primary model
@@ -414,10 +414,10 @@ def sweep(source: Path, lang: str, output_dir: Path, train: TrainConfig, data_pa
     records and the summary), sweep.md (table, cheapest depth) and sweep.png (needs matplotlib)
     into `output_dir`. A depth already trained is kept, an interrupted one resumed: run it
     again after a stop, or with more depths. Returns the summary (sweep.summarize) on global
-    rank 0, None elsewhere. cfg: a sweep.SweepConfig."""
+    rank 0, None elsewhere."""
     from mmadapt.data import read_manifest
     from mmadapt.plugin import plugin_records
-    from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
+    from mmadapt.sweep import CEILING, plot_sweep, summarize, sweep_markdown
 
     cfg = (cfg or SweepConfig()).validate()
     source, out, data_path = Path(source).resolve(), Path(output_dir), Path(data_path)
