@@ -155,8 +155,11 @@ def plot_sweep(summary: dict, path) -> None:
     heights = [row["to_target"] or 0.0 for row in depths]
     bars.bar(names, heights, color=[f"C{i}" for i in range(len(depths))])
     for j, row in enumerate(depths):
-        if row["to_target"] is None:
+        if row["to_target"] is None and summary["meaningful"]:
             bars.text(j, 0, "never", ha="center", va="bottom", fontsize=7)
+    if not summary["meaningful"]:
+        bars.text(0.5, 0.5, "no near-maximal target: the reference gain\nis within noise of the unigram reference",
+                  transform=bars.transAxes, ha="center", va="center", fontsize=8)
     bars.set_xlabel("mini-model depth N", fontsize=8)
     bars.set_ylabel(f"Step-2 FLOPs to {round(100 * summary['near_max'])}%", fontsize=8)
     bars.set_title("compute to near-maximal gain (lower is better)", fontsize=9)
