@@ -66,9 +66,9 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _recorded_defaults() -> dict:
-    """Each config field's default as run.json records it (under model., train., finetune.): what a
-    run recorded before that field existed ran with."""
+def recorded_defaults() -> dict:
+    """Each config field's default as run.json records it, flattened ("model.head_weights",
+    "train.decay_all", "finetune.lr", ...): what a run recorded before that field existed ran with."""
     from mmadapt.config import FinetuneConfig
 
     configs = {"model": to_dict(ModelConfig()), "train": to_dict(TrainConfig()), "finetune": to_dict(FinetuneConfig())}
@@ -86,7 +86,7 @@ def check_same_run(run_file: Path, expected: dict) -> None:
         if key.rsplit(".", 1)[-1] in CHANGEABLE_ON_RESUME or saved.get(key) == value:
             continue
         if key not in saved:
-            defaults = defaults or _recorded_defaults()
+            defaults = defaults or recorded_defaults()
             if key in defaults and defaults[key] == value:
                 continue
         raise ValueError(f"--resume of a changed run: {key} is {value} here but {saved.get(key)} in {run_file}; "
