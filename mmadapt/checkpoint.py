@@ -227,6 +227,19 @@ def load(engine, ckpt_dir: str | os.PathLike, tag: str, strict: bool = True) -> 
 
 # --- offline: full weights of a checkpoint, in RobertaMLM's parameter names -----------------------
 
+def write_weights_only(ckpt_dir: Path, step: int, state: dict[str, torch.Tensor], model_config: dict) -> str:
+    """A complete tag holding full weights only (no optimizer state), in the layout
+    load_full_state_dict reads: for runs made outside this run's DeepSpeed engine (Hugging Face
+    imports, the demo's shipped source models). Later steps start from it; it cannot be resumed."""
+    ckpt_dir, tag = Path(ckpt_dir), tag_for(step)
+    (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+    torch.save({"module": state, "tp_partition_dims": {}, "model_config": model_config, "step": step},
+               ckpt_dir / tag / "mp_rank_00_model_states.pt")
+    atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step, "files": _files(ckpt_dir / tag)}))
+    atomic_write(ckpt_dir / "latest", tag)
+    return tag
+
+
 def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
     """Merge a checkpoint's tensor-parallel shards and pipeline layers into one state dict, with
     the fp32 master weights wherever the run trained in bf16/fp16: what every later step starts

@@ -49,6 +49,14 @@ def _read_genre(spec: str, lang: str, split: str, cfg: FinetuneConfig):
     return genre_examples(lang, split, GENRE_TRAIN_PER_CLASS if split == "train" else GENRE_TEST_PER_CLASS)
 
 
+def _read_testament(spec: str, lang: str, split: str, cfg: FinetuneConfig):
+    from mmadapt.corpora import TESTAMENT_TEST_PER_CLASS, TESTAMENT_TRAIN_PER_CLASS, testament_examples
+
+    if spec != "bible":
+        raise ValueError(f"the bible-testament task reads the packaged Bible: pass 'bible', not {spec!r}")
+    return testament_examples(lang, split, TESTAMENT_TRAIN_PER_CLASS if split == "train" else TESTAMENT_TEST_PER_CLASS)
+
+
 def _read_own(name: str) -> Callable:
     """Your own task's reader: the columns FinetuneConfig names, else OWN_TASK_COLUMNS[name]."""
     defaults = OWN_TASK_COLUMNS[name]
@@ -87,6 +95,7 @@ TASKS = {
     # The demo's task on the packaged Bible (mmadapt/corpora.py): a verse's book genre.
     "bible-genre": Task("bible-genre", "classify", "accuracy", 3e-5, _read_genre,
                         ("law_history", "poetry_wisdom", "prophets", "gospels_acts", "letters")),
+    "bible-testament": Task("bible-testament", "classify", "accuracy", 3e-5, _read_testament, ("old", "new")),
     # Your own data (CSV, TSV, JSON Lines), labels from the training file. 3e-5: the paper's rate
     # for its smaller training sets (QA, tagging), as for bible-genre.
     "classify": Task("classify", "classify", "accuracy", 3e-5, _read_own("classify"), own=True),

@@ -270,7 +270,7 @@ def _publish(tmp: Path, output_dir: Path) -> None:
 def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> dict:
     """Write a Step-1 run directory from a Hugging Face RoBERTa-family masked LM (module
     docstring). Every check comes before anything is written. -> the run's run.json."""
-    from mmadapt.checkpoint import tag_for
+    from mmadapt.checkpoint import write_weights_only
     from mmadapt.tokenizer import HFTokenizer
 
     model_dir, output_dir = Path(model_dir).resolve(), Path(output_dir)
@@ -299,15 +299,7 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
                              "special_ids": dict(zip(("pad", "unk", "bos", "eos", "mask"), specials))}}
     tmp = output_dir.with_name(f".{output_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tag = tmp / "checkpoints" / tag_for(0)
-    tag.mkdir(parents=True)
-    # What checkpoint.load_full_state_dict reads of a DeepSpeed checkpoint: one tensor-parallel rank.
-    torch.save({"module": state, "tp_partition_dims": {}, "model_config": to_dict(cfg), "step": 0},
-               tag / "mp_rank_00_model_states.pt")
-    # COMPLETE lists the files and their sizes, so that a reader can tell a damaged tag
-    files = {f.name: f.stat().st_size for f in sorted(tag.iterdir())}
-    (tag / "COMPLETE").write_text(json.dumps({"step": 0, "files": files}))
-    (tmp / "checkpoints" / "latest").write_text(tag.name)
+    write_weights_only(tmp / "checkpoints", 0, state, to_dict(cfg))
     (tmp / "tokenizer").mkdir()
     doc = HFTokenizer.document(tok.backend_tokenizer.to_str(), hf_ids, str(model_dir))
     (tmp / "tokenizer" / "spm.model").write_text(json.dumps(doc, ensure_ascii=False))

@@ -258,7 +258,7 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
 
     # --- checks before any side effect
     t = F.get_task(task)
-    train_file = train_file or ("bible" if t.name == "bible-genre" else None)
+    train_file = train_file or ("bible" if t.name.startswith("bible-") else None)
     if train_file is None:
         raise ValueError(f"--train_file is required for {t.name} (see mmadapt/tasks.py for the data)")
     primary, output_dir = Path(primary).resolve(), Path(output_dir)

@@ -1,0 +1,74 @@
+"""The demo's shipped Step-1 models (mmadapt/demo_models): what they hold, that the demo's own
+Step 1 reproduces their log, and that they install as runs every later step accepts."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import PRETRAIN, REPO, child_env, metrics
+from mmadapt.demo import RECIPES, SOURCE_MODELS, DemoConfig
+
+SHIPPED_VOCAB = 2000
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_shipped_model_is_a_complete_step1_run(recipe):
+    from mmadapt.config import ModelConfig
+    from mmadapt.model import RobertaMLM
+
+    blob = torch.load(SOURCE_MODELS / f"{recipe}.pt", map_location="cpu", weights_only=False)
+    run = blob["run"]
+    assert run["recipe"] == recipe and run["step"] == "pretrain"
+    assert run["train"]["train_iters"] == DemoConfig().pretrain_iters
+    RobertaMLM(ModelConfig(**run["model"])).load_state_dict(blob["state"], strict=True)
+    log = [json.loads(l) for l in (SOURCE_MODELS / f"{recipe}.metrics.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == run["train"]["train_iters"]
+    assert log[-1]["loss"] < log[0]["loss"] - 1.0  # it learned well beyond its first updates
+
+
+@pytest.mark.slow
+def test_the_demos_step1_reproduces_the_shipped_log(tmp_path):
+    """bl_small's first 50 updates, run by launch/pretrain.py with the demo's Step-1 settings on
+    the English Bible encoded with the shipped tokenizer, give the shipped log's loss."""
+    import subprocess
+    import sys
+
+    from mmadapt import steps
+    from mmadapt.config import PreprocessConfig
+
+    data = tmp_path / "en"
+    steps.preprocess("bible:en", data, SHIPPED_VOCAB, PreprocessConfig(workers=1), tokenizer=SOURCE_MODELS / "spm.model")
+    cfg = DemoConfig()
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, PRETRAIN, "--recipe", "bl_small", "--preset", "tiny", "--data_path", str(data),
+                           "--output_dir", str(out), "--vocab_size", str(SHIPPED_VOCAB),
+                           "--init_method_std", str(cfg.init_method_std), "--seq_length", str(cfg.seq_length),
+                           "--train_micro_batch_size_per_gpu", str(cfg.pretrain_batch), "--lr", str(cfg.pretrain_lr),
+                           "--train_iters", str(cfg.pretrain_iters), "--save_interval", str(cfg.pretrain_iters),
+                           "--log_interval", "50", "--exit_interval", "50"],
+                          cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shipped = [json.loads(l) for l in (SOURCE_MODELS / "bl_small.metrics.jsonl").read_text().splitlines()]
+    assert metrics(out)[0]["step"] == shipped[0]["step"] == 50
+    assert metrics(out)[0]["loss"] == pytest.approx(shipped[0]["loss"], abs=0.01)
+
+
+def test_installed_model_is_accepted_by_later_steps(tmp_path):
+    from mmadapt import adapt as A
+    from mmadapt import steps
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.demo import install_source_model
+
+    data = tmp_path / "en"
+    steps.preprocess("bible:en", data, SHIPPED_VOCAB, PreprocessConfig(workers=1), tokenizer=SOURCE_MODELS / "spm.model")
+    blob = torch.load(SOURCE_MODELS / "minijoint.pt", map_location="cpu", weights_only=False)
+    run_dir = tmp_path / "minijoint"
+    install_source_model("minijoint", run_dir, data, blob["run"]["model"], blob["run"]["train"])
+    run = A.read_run(run_dir)
+    assert run["data_path"] == str(data.resolve())
+    cfg, state = A.load_model(run_dir)
+    assert cfg.heads_after == (4, 12) and all(torch.equal(state[k], v) for k, v in blob["state"].items())
+    with pytest.raises(ValueError, match="pass --from_scratch"):
+        install_source_model("minijoint", tmp_path / "other", data, {**blob["run"]["model"], "hidden_size": 32},
+                             blob["run"]["train"])
