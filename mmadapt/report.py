@@ -183,7 +183,7 @@ def plugin_markdown(records: list[dict]) -> str:
                 "|---|---|---|---|---|---|"]
         for system in sorted(last, key=lambda s: (s != "bl_base", s)):
             r = last[system]
-            ceiling = last.get(f"{system}:full")
+            ceiling = last.get(f"{system.split('@')[0]}:full")
             share = f"{100 * r['score'] / ceiling['score']:.0f}% at {100 * r['flops'] / ceiling['flops']:.0f}% of its " \
                     "compute" if ceiling and ceiling["score"] > 0 else "-"
             out.append(f"| {system} | {r['flops'] / 1e18:.3g} | {r['start_loss']:.3f} | {r['loss']:.3f} | "
