@@ -6,14 +6,17 @@ train.py shards them onto whatever tensor/pipeline layout a run uses.
 The model each system trains its new embeddings over in Step 2 (paper section 2):
     bl_base    the full primary model (its last head)
     bl_small   the 4-layer model of Step 1 with recipe bl_small
-    minijoint  the bottom N layers of a MINIJOINT primary model + its secondary head (after layer N)
+    minijoint  the bottom N layers of a MINIJOINT primary model + its secondary head (after layer N);
+               a MINIJOINT run with several secondary heads holds a mini-model per head: Step 2
+               names its depth N (`mini_layers`), and its records are shown as `minijoint@N`
     minipost   the (N + K)-layer mini-model built in Step 1b: bottom N layers, K new layers, primary head
 
 Step-2 runs train two tensors: the word embedding [V, h], tied with the output projection, and
 the output bias [V]. The bias is trained because it is indexed by vocabulary piece: the source
 model's bias belongs to the source vocabulary and means nothing for most target pieces (it is
 initialised like the embeddings: copied for shared pieces, zero otherwise). It adds V elements
-to the h*V of the embedding and no matmul FLOPs.
+to the h*V of the embedding and no matmul FLOPs. TrainConfig.train_output_bias=False is the
+paper's setting: the embeddings alone, the bias frozen at that initialisation.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ SOURCE_RECIPES = {"bl_base": ("bl_base", "minijoint"), "bl_small": ("bl_small",)
 WORD = "word_embeddings.word_embeddings.weight"
 BIAS = "heads.heads.0.bias"
 ADAPT_TRAINABLE = (WORD, BIAS)
+
+
+def adapt_trainable(train_output_bias: bool = True) -> tuple[str, ...]:
+    """What Step 2 trains: the word embedding, and the output bias unless the paper's setting."""
+    return ADAPT_TRAINABLE if train_output_bias else (WORD,)
 
 
 def _parallel_free(cfg: ModelConfig, **changes) -> ModelConfig:
@@ -103,17 +111,37 @@ def _keep_layers(state: dict, n: int) -> dict:
     return {k: v for k, v in state.items() if not k.startswith("layers.") or int(k.split(".")[1]) < n}
 
 
-def extract_minijoint(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dict]:
-    """MINIJOINT's mini-model: embeddings, layers 1..N and the secondary head (after layer N)."""
-    if len(cfg.heads_after) != 2:
-        raise ValueError(f"a MINIJOINT model has two heads; this one has head_layers {cfg.head_layers}")
-    n = cfg.heads_after[0]
-    return _parallel_free(cfg, num_layers=n, head_layers=(n,)), _rename_head(_keep_layers(state, n), 0)
+def mini_depth(cfg: ModelConfig, mini_layers: int | None = None) -> int:
+    """The depth N of the MINIJOINT mini-model that Step 2 uses: `mini_layers`, checked to be a
+    layer with a secondary head in `cfg`; None: the run's only secondary head. A run with several
+    has no default: each is a different cost-quality trade-off (mmadapt sweep compares them)."""
+    depths = cfg.heads_after[:-1]
+    if not depths:
+        raise ValueError(f"a MINIJOINT model has a secondary head before its last layer; this one has head_layers "
+                         f"{cfg.heads_after}")
+    listed = ", ".join(map(str, depths))
+    if mini_layers is None:
+        if len(depths) > 1:
+            raise ValueError(f"the MINIJOINT source has mini-models after layers {listed}: choose one with "
+                             "--mini_layers (mmadapt sweep trains and compares them all)")
+        return depths[0]
+    if mini_layers not in depths:
+        raise ValueError(f"--mini_layers {mini_layers}: the MINIJOINT source has no secondary head after layer "
+                         f"{mini_layers}; its mini-models sit after layer{'s' if len(depths) > 1 else ''} {listed}")
+    return mini_layers
+
+
+def extract_minijoint(cfg: ModelConfig, state: dict, mini_layers: int | None = None) -> tuple[ModelConfig, dict]:
+    """MINIJOINT's mini-model: embeddings, layers 1..N and the secondary head after layer N
+    (`mini_depth`: the run's only secondary head unless `mini_layers` names one)."""
+    n = mini_depth(cfg, mini_layers)
+    return (_parallel_free(cfg, num_layers=n, head_layers=(n,), head_weights=()),
+            _rename_head(_keep_layers(state, n), cfg.heads_after.index(n)))
 
 
 def primary_model(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dict]:
     """The full model with only its primary (last-layer) head."""
-    return (_parallel_free(cfg, head_layers=(cfg.num_layers,)),
+    return (_parallel_free(cfg, head_layers=(cfg.num_layers,), head_weights=()),
             _rename_head(state, len(cfg.heads_after) - 1))
 
 
@@ -127,7 +155,8 @@ def minipost_layout(cfg: ModelConfig, state: dict, mini_layers: int, new_layers:
         raise ValueError(f"new_layers must be >= 1, got {new_layers}")
     depth = mini_layers + new_layers
     _, primary = primary_model(cfg, state)
-    return _parallel_free(cfg, num_layers=depth, head_layers=(depth,)), _keep_layers(primary, mini_layers)
+    return (_parallel_free(cfg, num_layers=depth, head_layers=(depth,), head_weights=()),
+            _keep_layers(primary, mini_layers))
 
 
 def minipost_trainable(mini_layers: int, new_layers: int) -> tuple[str, ...]:
@@ -135,13 +164,27 @@ def minipost_trainable(mini_layers: int, new_layers: int) -> tuple[str, ...]:
     return tuple(f"layers.{i}." for i in range(mini_layers, mini_layers + new_layers))
 
 
-def adapt_body(system: str, cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dict]:
-    """The model Step 2 trains embeddings over, from the weights of the system's source run."""
+def adapt_body(system: str, cfg: ModelConfig, state: dict, mini_layers: int | None = None
+               ) -> tuple[ModelConfig, dict]:
+    """The model Step 2 trains embeddings over, from the weights of the system's source run.
+    mini_layers: minijoint only, which of the source's mini-models (see `mini_depth`)."""
     if system == "minijoint":
-        return extract_minijoint(cfg, state)
+        return extract_minijoint(cfg, state, mini_layers)
     if system in ("bl_base", "bl_small", "minipost"):
+        if mini_layers is not None:
+            raise ValueError(f"--mini_layers picks one of a MINIJOINT run's mini-models; {system}'s model comes "
+                             "whole from its source run")
         return primary_model(cfg, state)
     raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
+
+
+def system_label(meta: dict) -> str:
+    """How an artifact's records name its system: `minijoint@N` when its MINIJOINT source has
+    several mini-models (meta `mini_depths`), so that curves of different depths stay apart;
+    otherwise the system itself."""
+    if meta["system"] == "minijoint" and len(meta.get("mini_depths") or ()) > 1:
+        return f"minijoint@{meta['mini_layers']}"
+    return meta["system"]
 
 
 # --- new-language embeddings ------------------------------------------------------------------
@@ -171,10 +214,10 @@ def overlap_init(src_pieces: list[str], src_weight: torch.Tensor, src_bias: torc
 
 
 def step2_start(system: str, source: Path, tag: str, target_tokenizer: Path, std: float,
-                seed: int) -> tuple[ModelConfig, dict, int]:
+                seed: int, mini_layers: int | None = None) -> tuple[ModelConfig, dict, int]:
     """Step 2's starting weights: the system's model from the source run with overlap-initialised
     target embeddings and output bias. -> (model config, full state dict, shared pieces)."""
-    cfg, body = adapt_body(system, *load_model(source, tag))
+    cfg, body = adapt_body(system, *load_model(source, tag), mini_layers)
     weight, bias, shared = overlap_init(tokenizer_pieces(Path(source) / "tokenizer" / "spm.model"), body[WORD],
                                         body[BIAS], tokenizer_pieces(target_tokenizer), std, seed)
     return cfg, {**body, WORD: weight, BIAS: bias}, shared

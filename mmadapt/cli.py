@@ -210,6 +210,8 @@ def adapt_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab_size", type=int, help="target vocabulary size V (default: the --data_path's or "
                    "--tokenizer's size, else the source model's)")
     _later_step_args(p, LAYOUT_FIELDS)
+    add_dataclass_args(p, MiniModelConfig, only=("mini_layers",),
+                       defaults="--system minijoint: the source run's secondary head, when it has only one")
     return p
 
 
@@ -218,11 +220,75 @@ def adapt_main(argv=None) -> int:
     args = adapt_parser().parse_args(argv)
     from mmadapt.steps import adapt_embeddings
 
+    depth = None if args.mini_layers is None else MiniModelConfig(args.mini_layers).one_depth("adapt")
     rows = adapt_embeddings(args.system, Path(args.source), args.lang, Path(args.output_dir),
                             override(TRAIN_PRESETS[args.preset], args), _layout(args), Path(args.ds_config),
                             args.corpus, _path(args.tokenizer), args.vocab_size, args.source_tag, args.resume,
-                            _path(args.data_path))
+                            _path(args.data_path), depth)
     _done(rows, f"{args.system} {args.lang} embeddings, artifacts in {Path(args.output_dir) / 'embeddings'}")
+    return 0
+
+
+def sweep_parser() -> argparse.ArgumentParser:
+    from mmadapt.sweep import SweepConfig
+
+    p = Parser(prog="sweep", description="Beyond the paper: Step 2 over each mini-model of a MINIJOINT run "
+               "pretrained with several secondary heads (pretrain --recipe minijoint --mini_layers 2 4 6), every "
+               "checkpoint scored by the plug-in MLM metric; writes a table and a plot of gain against Step-2 "
+               "compute per depth, naming the cheapest depth that reaches near-maximal gain. Depths already "
+               "trained in --output_dir are kept, interrupted ones resumed.")
+    p.add_argument("--source", required=True, help="the MINIJOINT pretrain run")
+    p.add_argument("--source_tag", help="its checkpoint to use (default: the newest complete one)")
+    p.add_argument("--lang", required=True, help="target language code")
+    _data_args(p, "target-language corpus (bible:<lang>: the packaged Bible) with --valid_fraction held out for "
+               "the metric")
+    p.add_argument("--vocab_size", type=int, help="with --corpus: the target vocabulary size V (default: the "
+                   "source model's)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="Step-2 training schedule "
+                   "(the model's shape comes from the source run)")
+    p.add_argument("--output_dir", required=True, help="one Step-2 run per depth (<output_dir>/<N>), the "
+                   "ceiling's (<output_dir>/full), sweep.md, sweep.json, sweep.png")
+    p.add_argument("--ds_config", default=str(DEFAULT_DS_CONFIG), help="DeepSpeed JSON (ZeRO stage, precision)")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
+    add_dataclass_args(p, MiniModelConfig, only=("mini_layers",), defaults="every secondary head of the source run")
+    add_dataclass_args(p, SweepConfig)
+    add_dataclass_args(p, PreprocessConfig, only=("valid_fraction", "workers"))
+    add_dataclass_args(p, ModelConfig, only=LAYOUT_FIELDS, defaults="the source run's")
+    add_dataclass_args(p, TrainConfig, defaults=TRAIN_PRESETS)
+    return p
+
+
+@user_errors
+def sweep_main(argv=None) -> int:
+    args = sweep_parser().parse_args(argv)
+    from mmadapt.steps import sweep
+    from mmadapt.sweep import SweepConfig
+
+    if (args.corpus is None) == (args.data_path is None):
+        raise ValueError("pass one of --data_path (a prepared target dataset with a validation split) and --corpus")
+    data_path = _path(args.data_path)
+    if args.corpus is not None:
+        prep = override(PreprocessConfig(), args)
+        if prep.valid_fraction <= 0:
+            raise ValueError("--corpus needs --valid_fraction (e.g. 0.03): the plug-in metric scores held-out text")
+        from mmadapt.adapt import read_run
+        from mmadapt.data import MANIFEST, wait_for
+        from mmadapt.steps import preprocess
+
+        vocab = args.vocab_size or ModelConfig(**read_run(args.source)["model"]).vocab_size
+        data_path = Path(args.output_dir) / "data"
+        if _rank0():
+            preprocess(Path(args.corpus), data_path, vocab, prep)
+        wait_for(data_path / MANIFEST, f"the {args.lang} corpus in {data_path}")
+    depths = None if args.mini_layers is None else tuple(args.mini_layers)
+    summary = sweep(Path(args.source), args.lang, Path(args.output_dir), override(TRAIN_PRESETS[args.preset], args),
+                    data_path, depths, override(SweepConfig(), args), _layout(args), Path(args.ds_config),
+                    args.source_tag)
+    if summary is not None:
+        best = summary["cheapest"]
+        print(f"done: {len(summary['rows'])} Step-2 runs scored; cheapest depth reaching "
+              f"{round(100 * summary['near_max'])}% of {summary['reference_from']}: "
+              f"{'none' if best is None else f'N = {best}'}; table in {Path(args.output_dir) / 'sweep.md'}")
     return 0
 
 
@@ -457,7 +523,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"preprocess": preprocess_main, "pretrain": pretrain_main, "build_minipost": minipost_main, "adapt": adapt_main,
                 "finetune": finetune_main, "evaluate": evaluate_main, "demo": demo_main, "flops": flops_main,
-                "report": report_main, "slurm-env": slurm_env_main}
+                "report": report_main, "slurm-env": slurm_env_main, "sweep": sweep_main}
     commands.update({"import-hf": import_hf_main, "export-hf": export_hf_main})
     if not argv or argv[0] not in commands:
         print(f"usage: mmadapt {{{','.join(commands)}}} ...", file=sys.stderr)

@@ -35,6 +35,9 @@ class ModelConfig:
     head_layers: tuple = _f(
         (), "layers after which an MLM head sits, ascending; must end with num_layers "
         "(the primary head). Empty: one head, after the last layer")
+    head_weights: tuple[float, ...] = _f(
+        (), "one weight per MLM head, in head_layers order: the loss is sum(w_i * loss_i) / sum(w_i). Empty: "
+        "the mean of the heads' losses (the paper's MINIJOINT: its two heads weighted equally)")
     attention_impl: str = _f(
         "sdpa", "'sdpa' (fused scaled_dot_product_attention) or 'math' (explicit matmuls, "
         "which torch's FLOP counter sees)")
@@ -43,6 +46,7 @@ class ModelConfig:
 
     def __post_init__(self):
         self.head_layers = tuple(int(x) for x in self.head_layers or ())
+        self.head_weights = tuple(float(x) for x in self.head_weights or ())
 
     @property
     def heads_after(self) -> tuple[int, ...]:
@@ -76,6 +80,11 @@ class ModelConfig:
         if self.heads_after[-1] != self.num_layers:
             raise ValueError(f"head_layers {self.head_layers} must end with num_layers={self.num_layers} "
                              "(the primary head)")
+        if self.head_weights and len(self.head_weights) != len(self.heads_after):
+            raise ValueError(f"head_weights {self.head_weights} has {len(self.head_weights)} entries for "
+                             f"{len(self.heads_after)} heads (after layers {self.heads_after}): give one per head")
+        if self.head_weights and (min(self.head_weights) < 0 or sum(self.head_weights) <= 0):
+            raise ValueError(f"head_weights {self.head_weights} must be >= 0 with a positive sum")
         if pp > self.num_layers:
             raise ValueError(f"pipeline_model_parallel_size {pp} exceeds num_layers {self.num_layers}: "
                              "a stage must own at least one layer")
@@ -87,13 +96,46 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    @property
+    def loss_weights(self) -> tuple[float, ...] | None:
+        """head_weights normalised to sum to 1 (None: every head weighted equally, the plain mean)."""
+        if not self.head_weights:
+            return None
+        return tuple(w / sum(self.head_weights) for w in self.head_weights)
+
 
 @dataclass
 class MiniModelConfig:
     """The mini-model's shape (paper section 2): its depth N, and MINIPOST's new layers K."""
-    mini_layers: int = _f(4, "N: depth of the mini-model (BL_SMALL has N layers; MINIJOINT's second head "
-                          "sits after layer N; MINIPOST copies the bottom N layers)")
+    mini_layers: tuple = _f(4, "N: depth of the mini-model (BL_SMALL has N layers; MINIJOINT's second head "
+                            "sits after layer N; MINIPOST copies the bottom N layers). MINIJOINT takes several "
+                            "(2 4 6: a secondary head after each, mini-models of each depth from one "
+                            "pretraining); Step 2 picks one of its source run's")
     new_layers: int = _f(2, "K: MINIPOST's new layers, trained on top of the copied N (Step 1b)")
+
+    def __post_init__(self):
+        # One depth stays an int (as run.json files of one-depth runs hold it); several, a tuple.
+        depths = mini_depths(self.mini_layers)
+        if not depths:
+            raise ValueError("mini_layers needs at least one depth")
+        self.mini_layers = depths[0] if len(depths) == 1 else depths
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        """mini_layers as a tuple, whether it holds one depth or several."""
+        return mini_depths(self.mini_layers)
+
+    def one_depth(self, what: str) -> int:
+        """The one depth N of a step that builds one mini-model (ValueError naming `what` otherwise)."""
+        if len(self.depths) != 1:
+            raise ValueError(f"{what} builds one mini-model: pass one --mini_layers, not "
+                             f"{' '.join(map(str, self.depths))}")
+        return self.depths[0]
+
+
+def mini_depths(mini_layers) -> tuple[int, ...]:
+    """One depth (an int) or several (a sequence) -> a tuple of ints."""
+    return tuple(int(x) for x in mini_layers) if isinstance(mini_layers, (tuple, list)) else (int(mini_layers),)
 
 
 @dataclass
@@ -114,7 +156,9 @@ class OptimizerConfig:
     """AdamW, gradient clipping and the training loop's fault settings: the same in every step
     that trains, so pretraining, adaptation (TrainConfig) and fine-tuning (FinetuneConfig) share
     these fields."""
-    weight_decay: float = _f(0.01, "AdamW weight decay (not applied to biases and LayerNorm)")
+    weight_decay: float = _f(0.01, "AdamW weight decay (on weight matrices only, unless decay_all)")
+    decay_all: bool = _f(False, "weight decay on every trained parameter, biases and LayerNorm included, as "
+                         "fairseq does (so the paper: true); false: on weight matrices only, as BERT and Megatron")
     adam_beta1: float = _f(0.9, "Adam beta1")
     adam_beta2: float = _f(0.98, "Adam beta2")
     adam_eps: float = _f(1e-6, "Adam epsilon")
@@ -154,6 +198,9 @@ class TrainConfig(OptimizerConfig):
     eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
                             "prepared with --valid_fraction)")
     eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time")
+    train_output_bias: bool = _f(True, "Step 2: train the output bias with the embeddings (it is indexed by the "
+                                 "target vocabulary's pieces); false: the paper's setting, embeddings only, the bias "
+                                 "frozen at its overlap initialisation (source bias for shared pieces, 0 otherwise)")
 
     def validate(self, model: ModelConfig) -> "TrainConfig":
         if self.seq_length > model.max_position_embeddings:
@@ -260,24 +307,33 @@ DEFAULT_DS_CONFIG = Path(__file__).resolve().parents[1] / "ds_configs" / "zero1.
 RECIPES = ("bl_base", "bl_small", "minijoint")
 
 
-def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int = MiniModelConfig.mini_layers) -> ModelConfig:
+def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int | tuple[int, ...] = MiniModelConfig.mini_layers
+                 ) -> ModelConfig:
     """Return `model` shaped as one of the paper's Step-1 systems.
 
     The preset fixes the depth of the primary model (12 for both shipped presets).
     bl_base: that depth, one head. bl_small: `mini_layers` (N, paper: 4) layers, one head, the
-    standard model of the mini-model's size. minijoint: the preset's depth with a second MLM
-    head after layer N (`MiniModelConfig.mini_layers`). MINIPOST is built from a pretrained
-    bl_base model in Step 1b.
+    standard model of the mini-model's size. minijoint: the preset's depth with a secondary MLM
+    head after layer N (`MiniModelConfig.mini_layers`), or after each of several depths
+    (beyond the paper, its section 7: mini-models of several depths from one pretraining). The
+    loss is the mean of the heads' losses unless model.head_weights says otherwise. MINIPOST is
+    built from a pretrained bl_base model in Step 1b.
     """
-    if recipe in ("bl_small", "minijoint") and not 1 <= mini_layers < model.num_layers:
-        raise ValueError(f"mini_layers {mini_layers} must be in 1..{model.num_layers - 1} "
-                         f"for a {model.num_layers}-layer primary model")
+    depths = mini_depths(mini_layers)
+    if recipe in ("bl_small", "minijoint"):
+        bad = [n for n in depths if not 1 <= n < model.num_layers]
+        if bad:
+            raise ValueError(f"mini_layers {bad[0]} must be in 1..{model.num_layers - 1} "
+                             f"for a {model.num_layers}-layer primary model")
+        if list(depths) != sorted(set(depths)):
+            raise ValueError(f"mini_layers {' '.join(map(str, depths))} must be ascending without repeats")
     if recipe == "bl_base":
         return dataclasses.replace(model, head_layers=(model.num_layers,))
     if recipe == "bl_small":
-        return dataclasses.replace(model, num_layers=mini_layers, head_layers=(mini_layers,))
+        n = MiniModelConfig(depths).one_depth("bl_small")
+        return dataclasses.replace(model, num_layers=n, head_layers=(n,))
     if recipe == "minijoint":
-        return dataclasses.replace(model, head_layers=(mini_layers, model.num_layers))
+        return dataclasses.replace(model, head_layers=(*depths, model.num_layers))
     raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
 
 
@@ -324,14 +380,22 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
             continue
         kind = hints[f.name]
         text = f.metadata["help"]  # a help that says its own default (a None field's) keeps it
-        kw: dict[str, Any] = dict(default=None, help=text if "(default:" in text else
-                                  f"{text} ({_default_help(f, defaults)})")
+        text = text if "(default:" in text else f"{text} ({_default_help(f, defaults)})"
+        kw: dict[str, Any] = dict(default=None, help=text.replace("%", "%%"))  # argparse %-formats help
         if _tuple_item(kind) is not None:
             kw.update(type=_tuple_item(kind), nargs="+")
         else:
             base = next((a for a in get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
-            kw.update(type=base if base in (int, float) else str)
+            kw.update(type=_bool if base is bool else base if base in (int, float) else str)
         group.add_argument(f"--{f.name}", **kw)
+
+
+def _bool(text: str) -> bool:
+    """A bool flag's value: --decay_all true (or false; also 1/0, yes/no)."""
+    value = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value
 
 
 def override(cfg, args: argparse.Namespace):

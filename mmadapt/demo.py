@@ -120,10 +120,14 @@ def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dic
     from mmadapt.checkpoint import write_weights_only
     from mmadapt.data import read_manifest
 
+    from mmadapt.train import recorded_defaults
+
     blob = torch.load(SOURCE_MODELS / f"{recipe}.pt", map_location="cpu", weights_only=False)
+    defaults = recorded_defaults()  # a field newer than the shipped record ran at its default
     for name, mine, shipped in (("model", model, blob["run"]["model"]), ("train", train, blob["run"]["train"])):
         mine = json.loads(json.dumps(mine))
-        diff = next((k for k in mine if k not in ("log_interval", "save_interval") and mine[k] != shipped.get(k)), None)
+        diff = next((k for k in mine if k not in ("log_interval", "save_interval")
+                     and mine[k] != shipped.get(k, defaults.get(f"{name}.{k}"))), None)
         if diff is not None:
             raise ValueError(f"the shipped {recipe} model was pretrained with {diff} {shipped.get(diff)}, this demo "
                              f"asks for {mine[diff]}: pass --from_scratch to pretrain with these settings")

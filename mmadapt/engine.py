@@ -3,7 +3,7 @@
 `build_engine` wraps a plain model (model.py) or its pipeline form (pipeline.py) in DeepSpeed's
 engine: parameters outside `trainable` get requires_grad=False (autograd computes no weight
 gradient for them, the optimizer never sees them, ZeRO keeps no state for them), AdamW with no
-decay on biases and LayerNorm, linear warm-up then linear decay. ZeRO stage and precision come
+decay on biases and LayerNorm (unless `decay_all`), linear warm-up then linear decay. ZeRO stage and precision come
 from the JSON in ds_configs/, batch sizes and clipping from our config (`load_ds_config`).
 
 `train_loop` runs the updates: a progress bar, TensorBoard and metrics.jsonl logging of the
@@ -63,11 +63,13 @@ def load_ds_config(path: Path, cfg) -> dict:
     return ds
 
 
-def param_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """No weight decay on biases and LayerNorm parameters (every tensor with fewer than 2 dims)."""
+def param_groups(module: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
+    """Weight matrices, then biases and LayerNorm parameters (every tensor with fewer than 2 dims):
+    no weight decay on the second group unless `decay_all` (fairseq's, and so the paper's, AdamW
+    decays every parameter). Two groups either way: every pipeline stage needs the same groups."""
     params = [p for p in module.parameters() if p.requires_grad]
     return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": weight_decay if decay_all else 0.0}]
 
 
 def warmup_linear_decay(warmup: int, total: int):
@@ -148,7 +150,7 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, dims)
     dims = {k: v for d in every for k, v in d.items()}
-    groups = param_groups(module, opt.weight_decay)
+    groups = param_groups(module, opt.weight_decay, opt.decay_all)
     for i, group in enumerate(groups):
         if not group["params"]:
             # A pipeline stage with nothing of this kind to train (all of a middle stage in
@@ -222,11 +224,14 @@ class MetricsLog:
             self.writer.close()
 
 
-def _loss_row(step: int, mean: torch.Tensor, loss_names: tuple[str, ...] | None, prefix: str = "") -> tuple[dict, dict]:
+def _loss_row(step: int, mean: torch.Tensor, loss_names: tuple[str, ...] | None, prefix: str = "",
+              loss_weights: tuple[float, ...] | None = None) -> tuple[dict, dict]:
     """A metrics row {step, <prefix>loss[, <prefix>head_losses]} and its TensorBoard scalars
-    (under loss/ for training, valid/ for validation) from the per-head means [k]."""
+    (under loss/ for training, valid/ for validation) from the per-head means [k]; the loss is
+    their mean, or their weighted mean with `loss_weights` (normalised, as the model's)."""
     group = "valid" if prefix else "loss"
-    row = {"step": step, f"{prefix}loss": mean.mean().item()}
+    total = mean.mean() if loss_weights is None else (mean * mean.new_tensor(loss_weights)).sum()
+    row = {"step": step, f"{prefix}loss": total.item()}
     scalars = {f"{group}/{'loss' if prefix else 'total'}": row[f"{prefix}loss"]}
     if loss_names is not None:
         row[f"{prefix}head_losses"] = dict(zip(loss_names, mean.tolist()))
@@ -247,7 +252,8 @@ _FINITE = 2**62  # bad_at's value while every loss has been finite
 def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, run_dir: Path, resume: bool,
                log_interval: int, save_interval: int, exit_interval: int = 0, extra_save_steps: tuple = (),
                keep_last: int = 0, max_skipped_steps: int = 50,
-               loss_names: tuple[str, ...] | None = None, perf: Callable[[float], dict] | None = None,
+               loss_names: tuple[str, ...] | None = None, loss_weights: tuple[float, ...] | None = None,
+               perf: Callable[[float], dict] | None = None,
                client_state: dict, names: dict, exclude_frozen: bool, label: str,
                after_save: Callable[[int, str], None] | None = None,
                evaluate: Callable[[], torch.Tensor] | None = None, eval_interval: int = 0) -> list[dict]:
@@ -260,7 +266,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
     Updates count applied optimizer steps: a step DeepSpeed skips (an fp16 overflow) consumes
     its batches but advances neither the update count nor the schedule, so the schedule still
     ends at 0 after `total` updates; more than `max_skipped_steps` in a row is a divergence.
-    loss_names: one per entry (the MLM heads' layers; None: one loss). perf(seconds per update)
+    loss_names: one per entry (the MLM heads' layers; None: one loss); loss_weights: how they make
+    the logged loss (ModelConfig.loss_weights; None: their mean). perf(seconds per update)
     -> throughput fields of the row. after_save(step, tag): global rank 0, after each complete
     checkpoint. evaluate() -> this rank's validation losses [k] (as step_fn's), every
     `eval_interval` updates: logged as `valid_loss` (and `valid_head_losses`) rows.
@@ -328,7 +335,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
                     done, since = done + 1, since + 1
                     if done % log_interval == 0 or done == total:
                         dt = (time.perf_counter() - t_last) / since
-                        row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, loss_names)
+                        row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, loss_names,
+                                                 loss_weights=loss_weights)
                         check_finite()
                         row["lr"] = engine.get_lr()[0]
                         row.update(perf(dt) if perf is not None else {})
@@ -341,7 +349,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
                         loss_sum, since, t_last = None, 0, time.perf_counter()
                     if evaluate is not None and eval_interval and done % eval_interval == 0:
                         row, scalars = _loss_row(done, mean_over_ranks(evaluate(), is_pipe), loss_names,
-                                                 prefix="valid_")
+                                                 prefix="valid_", loss_weights=loss_weights)
                         if rank == 0:
                             rows.append(row)
                             log.write(row, scalars)

@@ -220,7 +220,7 @@ def primary_state(run_dir: Path, tag: str | None) -> tuple[ModelConfig, dict]:
     if run.get("step") != "pretrain":
         raise ValueError(f"{run_dir} is a {run.get('step')} run: fine-tune the primary model of a pretrain run")
     cfg, state = load_model(run_dir, tag)
-    cfg = dataclasses.replace(cfg, head_layers=())
+    cfg = dataclasses.replace(cfg, head_layers=(), head_weights=())
     return cfg, {k: v for k, v in state.items() if not k.startswith("heads.")}
 
 
@@ -368,7 +368,7 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
                        cfg_override: dict | None = None) -> list[dict]:
     """Zero-shot scores of every artifact, averaged over the fine-tuned runs (seeds). All runs must
     fine-tune the primary model the embeddings were trained for."""
-    from mmadapt.adapt import read_artifact
+    from mmadapt.adapt import read_artifact, system_label
 
     paths = artifact_dirs(artifacts)  # the cheap check first
     runs = [load_finetuned(r) for r in finetuned]
@@ -395,7 +395,7 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
             cache[lang] = read_examples(task, eval_spec, lang, "test", run_cfg(runs[0]), labels)
         seeds = [evaluate_scores(ft, cache[lang], run_cfg(ft), emb, tok) for ft in runs]
         chance = majority_share(cache[lang]) if task.kind == "classify" and metric == "accuracy" else None
-        records.append({"system": meta["system"], "task": task.name, "lang": lang, "step": meta["step"],
+        records.append({"system": system_label(meta), "task": task.name, "lang": lang, "step": meta["step"],
                         "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
                         "tokens": meta["tokens"], "metric": metric,
                         "score": sum(s[metric] for s in seeds) / len(seeds),
@@ -418,7 +418,7 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     source sentences with the source embeddings against target sentences with each artifact's
     embeddings. `layer`: whose outputs are pooled (default: the middle layer, ceil(L / 2),
     whose representations are the least tied to the MLM objective)."""
-    from mmadapt.adapt import read_artifact
+    from mmadapt.adapt import read_artifact, system_label
     from mmadapt.model import RobertaEncoder
 
     cfg, state = primary_state(primary_run, None)
@@ -437,7 +437,7 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
         target = RobertaEncoder(dataclasses.replace(cfg, vocab_size=swapped[WORD].shape[0])).eval()  # its vocab size
         target.load_state_dict(swapped)
         trg = sentence_vectors(target, load_sp(tok), [b for _, b in pairs[lang]], seq_length, layer)
-        records.append({"system": meta["system"], "task": "retrieval", "lang": lang, "step": meta["step"],
+        records.append({"system": system_label(meta), "task": "retrieval", "lang": lang, "step": meta["step"],
                         "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
                         "tokens": meta["tokens"], "metric": "accuracy", "chance": 100 / len(pairs[lang]),
                         "score": retrieval_accuracy(src_vectors[lang], trg), "artifact": str(path)})

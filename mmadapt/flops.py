@@ -143,7 +143,7 @@ def device_days(flops: float, device: str = "v100-paper") -> float:
 
 def mini_config(cfg: ModelConfig, num_layers: int) -> ModelConfig:
     """The config of a `num_layers`-deep model with one head, otherwise like `cfg`."""
-    return dataclasses.replace(cfg, num_layers=num_layers, head_layers=(num_layers,))
+    return dataclasses.replace(cfg, num_layers=num_layers, head_layers=(num_layers,), head_weights=())
 
 
 def counted_flops(fn) -> int:

@@ -3,7 +3,8 @@
 References: Liu et al. 2019 (RoBERTa; fairseq's `roberta.base`): learned positions, post-LayerNorm,
 GELU, tied input embedding / output projection, MLM head = dense -> GELU -> LayerNorm -> tied
 projection + bias. Marchisio et al. 2023 (mini-model adaptation): MINIJOINT adds a second head
-after layer N; the loss is the mean of the heads' losses.
+after layer N; the loss is the mean of the heads' losses (or, with several secondary heads and
+ModelConfig.head_weights, their weighted mean).
 
 Tensor parallelism comes from megatron-core's layers, chosen at construction as megatron does
 with its layer specs: with `tensor_model_parallel_size` > 1 vocab-parallel embedding and
@@ -209,11 +210,13 @@ class MLMHead(nn.Module):
 
 
 class MLMHeads(nn.Module):
-    """One MLMHead per entry of `head_layers`; the loss is the mean of their losses."""
+    """One MLMHead per entry of `head_layers`; the loss is the mean of their losses, or their
+    weighted mean with `head_weights`."""
 
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__()
         self.head_layers = config.heads_after
+        self.loss_weights = config.loss_weights  # None: the plain mean
         self.tp = config.tensor_model_parallel_size
         self.heads = nn.ModuleList(MLMHead(config, f"heads.{l}", seed) for l in config.heads_after)
 
@@ -222,7 +225,8 @@ class MLMHeads(nn.Module):
 
         Only the m masked positions are projected onto the vocabulary: this is the factor p in the
         FLOP count of the head, and it saves 1/p of the head's cost on shallow models.
-        Returns (loss, per_head): the mean of the heads' losses, and each head's loss, detached.
+        Returns (loss, per_head): the mean (or weighted mean) of the heads' losses, and each head's
+        loss, detached.
         """
         masked = labels.ge(0)  # [b, s]
         targets = labels[masked]  # [m]
@@ -234,7 +238,10 @@ class MLMHeads(nn.Module):
             else:
                 losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean())
         per_head = torch.stack(losses)
-        return per_head.mean(), per_head.detach()
+        if self.loss_weights is None:
+            return per_head.mean(), per_head.detach()
+        weights = torch.tensor(self.loss_weights, dtype=per_head.dtype, device=per_head.device)
+        return (per_head * weights).sum(), per_head.detach()
 
 
 class RobertaEncoder(nn.Module):

@@ -46,8 +46,8 @@ def primary_head_state(primary_run: Path) -> tuple[ModelConfig, dict[str, torch.
     body = {n: v for n, v in state.items() if not n.startswith("heads.")}
     head = {n.replace(f"heads.heads.{k}.", "heads.heads.0.", 1): v for n, v in state.items()
             if n.startswith(f"heads.heads.{k}.")}
-    cfg = dataclasses.replace(cfg, head_layers=(cfg.num_layers,), hidden_dropout=0.0, attention_dropout=0.0,
-                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    cfg = dataclasses.replace(cfg, head_layers=(cfg.num_layers,), head_weights=(), hidden_dropout=0.0,
+                              attention_dropout=0.0, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     return cfg, {**body, **head}
 
 
@@ -113,15 +113,19 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     src = run["frozen_from"]
     _, init, _ = A.step2_start(run["system"], Path(src["run_dir"]), src["tag"], tokenizer,
                                run["model"]["init_method_std"], derive_seed(run["train"]["seed"],
-                                                                             f"embeddings.{run['lang']}"))
+                                                                             f"embeddings.{run['lang']}"),
+                               run.get("mini_layers"))
     return {"word_embeddings": init[A.WORD], "output_bias": init[A.BIAS]}
 
 
 def label(meta: dict) -> str:
     """The system a record is shown as: `<recipe>:full` for the ceiling (full-model Step 2 over a
-    source whose own system is another, e.g. bl_base over a MINIJOINT run)."""
+    source whose own system is another, e.g. bl_base over a MINIJOINT run); `minijoint@N` for
+    a mini-model of a MINIJOINT run with several (adapt.system_label)."""
     recipe = json.loads((Path(meta["source"]) / "run.json").read_text()).get("recipe")
-    return f"{recipe}:full" if meta["system"] == "bl_base" and recipe not in (None, "bl_base") else meta["system"]
+    if meta["system"] == "bl_base" and recipe not in (None, "bl_base"):
+        return f"{recipe}:full"
+    return A.system_label(meta)
 
 
 def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[str, Path], seq_length: int,

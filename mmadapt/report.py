@@ -11,7 +11,7 @@ import dataclasses
 import math
 from collections import defaultdict
 
-from mmadapt.config import PRESETS, ModelConfig, apply_recipe
+from mmadapt.config import PRESETS, ModelConfig, apply_recipe, mini_depths
 from mmadapt.flops import (DEVICE_TFLOPS, adapt_flops, device_days, mini_config, minipost_flops, pretrain_flops,
                            total_flops)
 
@@ -23,28 +23,35 @@ NEAR_MAX = 0.95  # section 4.2: target = 95% of BL_BASE's final score for the la
 # --- compute --------------------------------------------------------------------------------
 
 def flops_rows(model: ModelConfig, updates: int, global_batch: int, seq_length: int, mask_prob: float,
-               mini_layers: int = 4, new_layers: int = 2, device: str = "v100-paper") -> list[dict]:
+               mini_layers: int | tuple[int, ...] = 4, new_layers: int = 2, device: str = "v100-paper") -> list[dict]:
     """Cost of every step of every system for a primary model `model` (its num_layers = l).
 
     Rows: system, step, num_layers, eflops_paper, eflops_exact, v100_days (paper count at the
     paper's 30 TFLOP/s, as its tables), device, days_exact (exact count at `device`'s rate).
+    Several depths N (mini_layers 2 4 6): one MINIJOINT pretraining with a head after each, and
+    the systems whose mini-model has depth N once per depth, named `<system>@N`.
     """
     s, p, l = seq_length, mask_prob, model.num_layers
-    base = dataclasses.replace(model, head_layers=(l,))
+    depths = mini_depths(mini_layers)
+    base = dataclasses.replace(model, head_layers=(l,), head_weights=())
     steps = [
         ("bl_base", "pretrain", l, lambda paper: pretrain_flops(apply_recipe(base, "bl_base"), s, p, paper)),
         ("minijoint", "pretrain", l,
-         lambda paper: pretrain_flops(apply_recipe(base, "minijoint", mini_layers), s, p, paper)),
-        ("bl_small", "pretrain", mini_layers,
-         lambda paper: pretrain_flops(apply_recipe(base, "bl_small", mini_layers), s, p, paper)),
-        ("minipost", "minipost", mini_layers + new_layers,
-         lambda paper: minipost_flops(mini_config(base, mini_layers + new_layers), s, p, new_layers, paper)),
-        ("bl_base", "adapt", l, lambda paper: adapt_flops(mini_config(base, l), s, p, paper)),
-        ("minipost", "adapt", mini_layers + new_layers,
-         lambda paper: adapt_flops(mini_config(base, mini_layers + new_layers), s, p, paper)),
-        ("minijoint", "adapt", mini_layers, lambda paper: adapt_flops(mini_config(base, mini_layers), s, p, paper)),
-        ("bl_small", "adapt", mini_layers, lambda paper: adapt_flops(mini_config(base, mini_layers), s, p, paper)),
+         lambda paper: pretrain_flops(apply_recipe(base, "minijoint", depths), s, p, paper)),
     ]
+    for n in depths:
+        at = f"@{n}" if len(depths) > 1 else ""
+        steps += [(f"bl_small{at}", "pretrain", n,
+                   lambda paper, n=n: pretrain_flops(apply_recipe(base, "bl_small", n), s, p, paper)),
+                  (f"minipost{at}", "minipost", n + new_layers,
+                   lambda paper, n=n: minipost_flops(mini_config(base, n + new_layers), s, p, new_layers, paper))]
+    steps.append(("bl_base", "adapt", l, lambda paper: adapt_flops(mini_config(base, l), s, p, paper)))
+    for n in depths:
+        at = f"@{n}" if len(depths) > 1 else ""
+        steps += [(f"minipost{at}", "adapt", n + new_layers,
+                   lambda paper, n=n: adapt_flops(mini_config(base, n + new_layers), s, p, paper)),
+                  (f"minijoint{at}", "adapt", n, lambda paper, n=n: adapt_flops(mini_config(base, n), s, p, paper)),
+                  (f"bl_small{at}", "adapt", n, lambda paper, n=n: adapt_flops(mini_config(base, n), s, p, paper))]
     rows = []
     for system, step, layers, f in steps:
         paper = total_flops(f(True), global_batch, updates)
@@ -176,7 +183,7 @@ def plugin_markdown(records: list[dict]) -> str:
                 "|---|---|---|---|---|---|"]
         for system in sorted(last, key=lambda s: (s != "bl_base", s)):
             r = last[system]
-            ceiling = last.get(f"{system}:full")
+            ceiling = last.get(f"{system.split('@')[0]}:full")
             share = f"{100 * r['score'] / ceiling['score']:.0f}% at {100 * r['flops'] / ceiling['flops']:.0f}% of its " \
                     "compute" if ceiling and ceiling["score"] > 0 else "-"
             out.append(f"| {system} | {r['flops'] / 1e18:.3g} | {r['start_loss']:.3f} | {r['loss']:.3f} | "

@@ -3,6 +3,8 @@
     pretrain          Step 1: BL_BASE, BL_SMALL or MINIJOINT from a seeded init
     build_minipost    Step 1b: bottom N layers of a pretrained model + K new layers, only those trained
     adapt_embeddings  Step 2: new-language embeddings (tied to the output projection) over a frozen model
+    sweep             Step 2 over each mini-model of a multi-depth MINIJOINT run, scored by the plug-in
+                      metric against Step-2 compute: the cheapest depth that transfers
     finetune          Step 3: the primary model on a source-language task, word embeddings frozen
     evaluate          Step 4: swap each Step-2 artifact in, score zero-shot
 
@@ -31,6 +33,7 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, FinetuneConfig, MiniModelConfig, ModelConfig,
                             PreprocessConfig, TrainConfig, to_dict)
 from mmadapt.corpora import resolve_corpus
+from mmadapt.sweep import SweepConfig
 from mmadapt.train import MLMJob, RunPaths, check_same_run, prepare_data, train_mlm, validate_run
 
 
@@ -105,10 +108,16 @@ def preprocess(corpus: Path, output_dir: Path, vocab_size: int, cfg: PreprocessC
 
 # --- Step 1 -----------------------------------------------------------------------------------------
 
+def _step2_only(train: TrainConfig, step: str) -> None:
+    if not train.train_output_bias:
+        raise ValueError(f"train_output_bias is a Step-2 setting; {step} trains its own parameters: drop the flag")
+
+
 def pretrain(model: ModelConfig, train: TrainConfig, paths: RunPaths, recipe: str = "custom",
              resume: bool = False) -> list[dict]:
     """Step 1. `model` is already shaped by its recipe (config.apply_recipe). Returns the
     metrics rows of this invocation (global rank 0; empty elsewhere)."""
+    _step2_only(train, "pretrain")
     with _start(model, train, paths, resume, {"recipe": recipe}) as (ds_config, _, data_dir):
         return train_mlm(model, train, paths, ds_config, data_dir, {"recipe": recipe}, MLMJob(), resume=resume)
 
@@ -121,6 +130,8 @@ def build_minipost(primary: Path, output_dir: Path, train: TrainConfig, mini: Mi
     """Step 1b (MINIPOST): the bottom N layers, embeddings and primary MLM head of `primary`,
     K new layers on top, only those trained with source-language MLM (default data: the primary
     run's prepared dataset, encoded once for every source-language step)."""
+    mini.one_depth("build_minipost")
+    _step2_only(train, "build_minipost")
     primary = Path(primary).resolve()
     src = A.read_run(primary)
     tag = checkpoint_tag(primary, primary_tag)
@@ -152,10 +163,14 @@ def build_minipost(primary: Path, output_dir: Path, train: TrainConfig, mini: Mi
 def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, train: TrainConfig,
                      layout: dict | None = None, ds_config: Path = DEFAULT_DS_CONFIG, corpus: Path | None = None,
                      tokenizer: Path | None = None, vocab_size: int | None = None, source_tag: str | None = None,
-                     resume: bool = False, data_path: Path | None = None) -> list[dict]:
+                     resume: bool = False, data_path: Path | None = None, mini_layers: int | None = None
+                     ) -> list[dict]:
     """Step 2: new `lang` embeddings and output bias over the frozen model of `system`, from
     the source run `source`. Writes an artifact (embeddings.pt, spm.model, meta.json) under
     <output_dir>/embeddings/<tag> at every checkpoint: what Step 4 swaps in.
+
+    mini_layers (minijoint): the depth N of the source's mini-model to train over, one of its
+    secondary heads (default: its only one; a run with several needs it, adapt.mini_depth).
 
     data_path: the target language's prepared dataset (mmadapt preprocess; its tokenizer is the
     target vocabulary); else corpus (default: the packaged Bible, bible:<lang>) with tokenizer,
@@ -171,7 +186,8 @@ def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, tra
         raise ValueError(f"--system {system} adapts a run with recipe {' or '.join(A.SOURCE_RECIPES[system])}, "
                          f"but {source} has recipe {src.get('recipe')}")
     tag = checkpoint_tag(source, source_tag)
-    body_cfg, _ = A.adapt_body(system, ModelConfig(**src["model"]), {})
+    src_cfg = ModelConfig(**src["model"])
+    body_cfg, _ = A.adapt_body(system, src_cfg, {}, mini_layers)
     if vocab_size is None:
         if data_path is not None:
             vocab_size = read_manifest(data_path)["vocab_size"]
@@ -185,23 +201,27 @@ def adapt_embeddings(system: str, source: Path, lang: str, output_dir: Path, tra
                      ds_config=Path(ds_config), tokenizer=Path(tokenizer) if tokenizer else None,
                      data_path=Path(data_path) if data_path else None)
     same = {"system": system, "lang": lang, "frozen_from": {"run_dir": str(source), "tag": tag, "system": system}}
+    # Which mini-model (MINIJOINT): its depth, and every depth the source offers (artifact labels).
+    depth = {"mini_layers": body_cfg.num_layers, "mini_depths": list(src_cfg.heads_after[:-1])} \
+        if system == "minijoint" else {}
     with _start(model, train, paths, resume, same) as (ds, tok, data_dir):
-        return _adapt(system, source, tag, lang, model, train, paths, ds, tok, data_dir, resume, same)
+        return _adapt(system, source, tag, lang, model, train, paths, ds, tok, data_dir, resume, same, depth)
 
 
 def _adapt(system: str, source: Path, tag: str, lang: str, model: ModelConfig, train: TrainConfig, paths: RunPaths,
-           ds: dict, tok: Path, data_dir: Path, resume: bool, same: dict) -> list[dict]:
+           ds: dict, tok: Path, data_dir: Path, resume: bool, same: dict, depth: dict) -> list[dict]:
     """adapt_embeddings once its checks passed and its process groups exist."""
     from mmadapt.flops import adapt_flops, device_days
     from mmadapt.model import derive_seed
 
     out = paths.output_dir
     _, init, shared = A.step2_start(system, source, tag, tok, model.init_method_std,
-                                    derive_seed(train.seed, f"embeddings.{lang}"))
+                                    derive_seed(train.seed, f"embeddings.{lang}"), depth.get("mini_layers"))
     if dist.get_rank() == 0:
         print(f"new {lang} embeddings: {shared} of {model.vocab_size} pieces copied from the source vocabulary, "
               f"{model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
-    info = {"recipe": system, **same, "shared_pieces": shared, "target_vocab_size": model.vocab_size}
+    info = {"recipe": system, **same, **depth, "shared_pieces": shared, "target_vocab_size": model.vocab_size}
+    trainable = A.adapt_trainable(train.train_output_bias)
     seq_flops = {p: adapt_flops(model, train.seq_length, train.mask_prob, paper=p) for p in (False, True)}
     global_batch = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * parallel.dp_world()
 
@@ -209,13 +229,16 @@ def _adapt(system: str, source: Path, tag: str, lang: str, model: ModelConfig, t
         sd = checkpoint.load_full_state_dict(paths.checkpoints, ckpt_tag)  # fp32 master weights
         flops = seq_flops[False] * global_batch * step
         meta = {"system": system, "lang": lang, "step": step, "source": str(source), "source_tag": tag,
-                "mini_layers": model.num_layers, "hidden_size": model.hidden_size, "vocab_size": model.vocab_size,
+                "mini_layers": model.num_layers, **depth, "hidden_size": model.hidden_size,
+                "vocab_size": model.vocab_size, "train_output_bias": train.train_output_bias,
                 "shared_pieces": shared, "global_batch": global_batch, "seq_length": train.seq_length,
                 "tokens": global_batch * train.seq_length * step, "flops": flops,
                 "flops_paper": seq_flops[True] * global_batch * step, "v100_days": device_days(flops)}
-        A.write_artifact(out / "embeddings" / ckpt_tag, sd[A.WORD].float(), sd[A.BIAS].float(), tok, meta)
+        # A frozen bias (train_output_bias false) is not in the checkpoint: it is still its start.
+        bias = sd[A.BIAS] if A.BIAS in trainable else init[A.BIAS]
+        A.write_artifact(out / "embeddings" / ckpt_tag, sd[A.WORD].float(), bias.float(), tok, meta)
 
-    job = MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE)
+    job = MLMJob(step="adapt", trainable=trainable)
     return train_mlm(model, train, paths, ds, data_dir, info, job, init, resume, after_save=write_artifact)
 
 
@@ -243,7 +266,8 @@ def finetune(task: str, primary: Path, output_dir: Path, cfg: FinetuneConfig = F
     if src.get("step") != "pretrain":
         raise ValueError(f"{primary} is a {src.get('step')} run: fine-tune the primary model of a pretrain run")
     tag = checkpoint_tag(primary, primary_tag)
-    model_cfg = _with_layout(dataclasses.replace(ModelConfig(**src["model"]), head_layers=()), layout).validate()
+    model_cfg = _with_layout(dataclasses.replace(ModelConfig(**src["model"]), head_layers=(), head_weights=()),
+                             layout).validate()
     if model_cfg.pipeline_model_parallel_size > 1:
         raise ValueError("fine-tuning does not use pipeline parallelism (a model replica fits one device): "
                          "use --pipeline_model_parallel_size 1 with data or tensor parallelism")
@@ -369,3 +393,77 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
         Path(output).write_text(json.dumps(records, indent=1) + "\n")
     return records
 
+
+# --- beyond the paper: the depth sweep ------------------------------------------------------------
+
+def _finished(run_dir: Path, iters: int) -> str:
+    """'done' (its last checkpoint is update `iters`), 'resume' (an interrupted run) or 'new'."""
+    ckpt = Path(run_dir) / "checkpoints"
+    if checkpoint.latest_tag(ckpt) == checkpoint.tag_for(iters):
+        return "done"
+    return "resume" if checkpoint.has_checkpoints(ckpt) else "new"
+
+
+def sweep(source: Path, lang: str, output_dir: Path, train: TrainConfig, data_path: Path,
+          mini_layers: tuple[int, ...] | None = None, cfg: SweepConfig | None = None, layout: dict | None = None,
+          ds_config: Path = DEFAULT_DS_CONFIG, source_tag: str | None = None) -> dict | None:
+    """Step 2 over each mini-model of a MINIJOINT run (`mini_layers`, default: every secondary
+    head) on `lang`, into <output_dir>/<N>/ (and, with cfg.ceiling, over its full primary model
+    into <output_dir>/full/), every checkpoint scored with the plug-in MLM metric on the validation
+    split of `data_path` (the prepared target dataset Step 2 trains on). Writes sweep.json (the
+    records and the summary), sweep.md (table, cheapest depth) and sweep.png (needs matplotlib)
+    into `output_dir`. A depth already trained is kept, an interrupted one resumed: run it
+    again after a stop, or with more depths. Returns the summary (sweep.summarize) on global
+    rank 0, None elsewhere."""
+    from mmadapt.data import read_manifest
+    from mmadapt.plugin import plugin_records
+    from mmadapt.sweep import CEILING, plot_sweep, summarize, sweep_markdown
+
+    cfg = (cfg or SweepConfig()).validate()
+    source, out, data_path = Path(source).resolve(), Path(output_dir), Path(data_path)
+    src = A.read_run(source)
+    if src.get("recipe") != "minijoint":
+        raise ValueError(f"the sweep compares the mini-models of a MINIJOINT run; {source} has recipe "
+                         f"{src.get('recipe')}")
+    src_cfg = ModelConfig(**src["model"])
+    depths = tuple(mini_layers or src_cfg.heads_after[:-1])
+    for n in depths:
+        A.mini_depth(src_cfg, n)
+    if list(depths) != sorted(set(depths)):
+        raise ValueError(f"--mini_layers {' '.join(map(str, depths))} must be ascending without repeats")
+    if not read_manifest(data_path).get("valid"):
+        raise ValueError(f"{data_path} has no validation split for the plug-in metric: prepare it with mmadapt "
+                         "preprocess --valid_fraction 0.03 into a new --output_dir (or pass --corpus with "
+                         "--valid_fraction)")
+    runs = {n: out / str(n) for n in depths}
+    jobs = [("minijoint", n, run_dir) for n, run_dir in runs.items()]
+    if cfg.ceiling:
+        runs[CEILING] = out / CEILING
+        jobs.append(("bl_base", None, runs[CEILING]))
+    for system, n, run_dir in jobs:
+        state = _finished(run_dir, train.train_iters)
+        if state == "done":
+            continue
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"sweep: Step 2 over {'the full model' if n is None else f'the {n}-layer mini-model'} -> {run_dir}",
+                  flush=True)
+        adapt_embeddings(system, source, lang, run_dir, train, layout, ds_config, source_tag=source_tag,
+                         resume=state == "resume", data_path=data_path, mini_layers=n)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()  # rank 0 scores (the metric needs no process group)
+        return None
+    which = {str(run_dir.resolve()): n for n, run_dir in runs.items()}
+    records = plugin_records(source, list(runs.values()), {lang: data_path}, train.seq_length, cfg.plugin_blocks)
+    for r in records:
+        r["mini_layers"] = which[str(Path(r["artifact"]).resolve().parent.parent)]
+    summary = summarize(records, cfg.near_max)
+    (out / "sweep.json").write_text(json.dumps({"source": str(source), "records": records, "summary": summary},
+                                               indent=1) + "\n")
+    (out / "sweep.md").write_text(sweep_markdown(summary, str(source)) + "\n")
+    try:
+        plot_sweep(summary, out / "sweep.png")
+    except ValueError as e:  # matplotlib missing: the table still stands
+        print(f"note: no sweep.png ({e})")
+    if dist.is_initialized():
+        dist.barrier()
+    return summary

@@ -66,14 +66,29 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def recorded_defaults() -> dict:
+    """Each config field's default as run.json records it, flattened ("model.head_weights",
+    "train.decay_all", "finetune.lr", ...): what a run recorded before that field existed ran with."""
+    from mmadapt.config import FinetuneConfig
+
+    configs = {"model": to_dict(ModelConfig()), "train": to_dict(TrainConfig()), "finetune": to_dict(FinetuneConfig())}
+    return _flat(json.loads(json.dumps(configs)))
+
+
 def check_same_run(run_file: Path, expected: dict) -> None:
     """--resume continues the run recorded in `run_file`: every entry of `expected` (nested dicts
-    compared leaf by leaf) must equal the recorded one, except config.CHANGEABLE_ON_RESUME."""
+    compared leaf by leaf) must equal the recorded one, except config.CHANGEABLE_ON_RESUME. A
+    config field the record lacks (it predates the field) matches the field's default."""
     saved = _flat(checkpoint.read_json(run_file, "run file"))
     mine = _flat(json.loads(json.dumps(expected)))  # tuples as lists, as run.json holds them
+    defaults = None
     for key, value in mine.items():
         if key.rsplit(".", 1)[-1] in CHANGEABLE_ON_RESUME or saved.get(key) == value:
             continue
+        if key not in saved:
+            defaults = defaults or recorded_defaults()
+            if key in defaults and defaults[key] == value:
+                continue
         raise ValueError(f"--resume of a changed run: {key} is {value} here but {saved.get(key)} in {run_file}; "
                          "resume with the run's settings, or start a new --output_dir")
 
@@ -285,7 +300,8 @@ def train_mlm(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, ds_co
                       log_interval=train.log_interval, save_interval=train.save_interval,
                       exit_interval=train.exit_interval, extra_save_steps=train.extra_save_steps,
                       keep_last=train.keep_last, max_skipped_steps=train.max_skipped_steps,
-                      loss_names=tuple(str(l) for l in model_cfg.heads_after), perf=perf,
+                      loss_names=tuple(str(l) for l in model_cfg.heads_after),
+                      loss_weights=model_cfg.loss_weights, perf=perf,
                       client_state={"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}, names=names,
                       exclude_frozen=job.trainable is not None, label=job.step, after_save=after_save,
                       evaluate=evaluate, eval_interval=train.eval_interval)

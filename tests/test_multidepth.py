@@ -1,0 +1,485 @@
+"""Multi-depth MINIJOINT (issue 19): one pretraining with secondary heads after several layers,
+Step 2 over any of its mini-models, the FLOP counts for any number of heads, the depth sweep,
+and the paper-exact switches (frozen output bias in Step 2, weight decay on every parameter).
+
+Real numbers throughout: the 3-head loss against each head computed by hand, in one process and
+under pipeline (two intermediate heads on stage 0) and tensor parallelism; each extracted
+mini-model against its head of the full model, bit for bit; FLOPs against torch's counter."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, metrics, run_pretrain)
+from mmadapt import adapt as A
+from mmadapt.config import PRESETS, MiniModelConfig, ModelConfig, apply_recipe
+from mmadapt.model import RobertaMLM
+from mmadapt.parallel import init_parallel
+from mmadapt.tokens import IGNORE_INDEX
+
+SWEEP = str(REPO / "launch" / "sweep.py")
+DEPTHS = (2, 4)  # secondary heads; with the primary head after 12: a 3-head MINIJOINT model
+HEADS = (*DEPTHS, 12)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    init_parallel(1, 1)
+
+
+def tiny(**kw) -> ModelConfig:
+    base = {**vars(PRESETS["tiny"][0]), "vocab_size": 300, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    return ModelConfig(**{**base, **kw})
+
+
+def three_heads(**kw) -> ModelConfig:
+    return apply_recipe(tiny(**kw), "minijoint", DEPTHS)
+
+
+def masked_batch(vocab=300, b=3, s=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (b, s), generator=g)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    masked = torch.rand(b, s, generator=g) < 0.3
+    labels[masked] = ids[masked]
+    return ids, labels
+
+
+def heads_by_hand(model: RobertaMLM, ids, labels) -> list[torch.Tensor]:
+    """Each head's loss from its definition: run the layers, take the masked rows, project with
+    the tied weight."""
+    x = model.embeddings(model.word_embeddings(ids))
+    outs = {}
+    for layer in model.layers:
+        x = layer(x)
+        outs[layer.layer_number] = x
+    m = labels >= 0
+    losses = []
+    for head, layer in zip(model.heads.heads, model.config.heads_after):
+        h = head.layernorm(F.gelu(head.dense(outs[layer][m])))
+        losses.append(F.cross_entropy(h @ model.word_embeddings.weight.T + head.bias, labels[m]))
+    return losses
+
+
+# --- Step 1: the recipe, the flags, the loss ------------------------------------------------------------
+
+def test_recipe_takes_several_depths_and_one_stays_the_papers():
+    base = PRESETS["roberta-base"][0]
+    assert apply_recipe(base, "minijoint", (2, 4, 6)).head_layers == (2, 4, 6, 12)
+    assert apply_recipe(base, "minijoint", 4).head_layers == (4, 12)
+    assert apply_recipe(base, "minijoint", (4,)).head_layers == (4, 12)
+    # One depth stays an int: run.json files and the demo see the same value as before.
+    assert MiniModelConfig().mini_layers == 4 and MiniModelConfig([6]).mini_layers == 6
+    assert MiniModelConfig([2, 4]).mini_layers == (2, 4) and MiniModelConfig(4).depths == (4,)
+    with pytest.raises(ValueError, match="bl_small builds one mini-model: pass one --mini_layers, not 2 4"):
+        apply_recipe(base, "bl_small", (2, 4))
+    with pytest.raises(ValueError, match="must be ascending without repeats"):
+        apply_recipe(base, "minijoint", (4, 2))
+    with pytest.raises(ValueError, match="mini_layers 12 must be in 1..11"):
+        apply_recipe(base, "minijoint", (4, 12))
+
+
+def test_cli_flags_for_depths_weights_and_switches():
+    from mmadapt.cli import adapt_parser, configs_from_args, pretrain_parser
+    from mmadapt.config import TrainConfig, override
+
+    def parse(*argv):
+        return pretrain_parser().parse_args(["--corpus", "x", "--output_dir", "y", "--recipe", "minijoint", *argv])
+
+    model, train = configs_from_args(parse("--mini_layers", "2", "4", "6", "--head_weights", "1", "1", "1", "3",
+                                           "--decay_all", "true"))
+    assert model.head_layers == (2, 4, 6, 12) and model.loss_weights == (1 / 6, 1 / 6, 1 / 6, 0.5)
+    assert train.decay_all is True and TrainConfig().decay_all is False
+    assert configs_from_args(parse("--mini_layers", "4"))[0].head_layers == (4, 12)
+    with pytest.raises(ValueError, match=r"head_weights \(1.0, 2.0\) has 2 entries for 4 heads"):
+        configs_from_args(parse("--mini_layers", "2", "4", "6", "--head_weights", "1", "2"))[0].validate()
+    args = adapt_parser().parse_args(["--system", "minijoint", "--source", "s", "--lang", "de", "--output_dir", "o",
+                                      "--mini_layers", "2", "--train_output_bias", "false"])
+    assert args.mini_layers == [2] and override(TrainConfig(), args).train_output_bias is False
+
+
+def test_three_head_loss_is_the_mean_of_the_heads_computed_separately():
+    model = RobertaMLM(three_heads(), seed=7)
+    ids, labels = masked_batch()
+    loss, per_head = model(ids, labels)
+    by_hand = heads_by_hand(model, ids, labels)
+    assert len(by_hand) == 3 and len({round(x.item(), 4) for x in torch.stack(by_hand).detach()}) == 3  # three different losses
+    torch.testing.assert_close(per_head, torch.stack(by_hand).detach())
+    torch.testing.assert_close(loss, (by_hand[0] + by_hand[1] + by_hand[2]) / 3)
+    # The gradient of the mean reaches every head and every layer.
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_head_weights_give_the_weighted_mean_and_equal_weights_the_papers_mean():
+    ids, labels = masked_batch(seed=1)
+    weighted = RobertaMLM(three_heads(head_weights=(1, 1, 2)), seed=7)
+    loss, per_head = weighted(ids, labels)
+    a, b, c = heads_by_hand(weighted, ids, labels)
+    torch.testing.assert_close(loss, (a + b + 2 * c) / 4)
+    # The paper's MINIJOINT: two heads, equally weighted = the plain mean.
+    paper = apply_recipe(tiny(), "minijoint", 4)
+    plain = RobertaMLM(paper, seed=3)(ids, labels)
+    equal = RobertaMLM(dataclasses.replace(paper, head_weights=(1, 1)), seed=3)(ids, labels)
+    torch.testing.assert_close(equal[0], plain[0])
+    torch.testing.assert_close(plain[0], plain[1].mean())
+
+
+def test_logged_loss_uses_the_same_weights():
+    from mmadapt.engine import _loss_row
+
+    per_head = torch.tensor([3.0, 2.0, 1.0])
+    assert _loss_row(5, per_head, ("2", "4", "12"))[0]["loss"] == pytest.approx(2.0)
+    row, scalars = _loss_row(5, per_head, ("2", "4", "12"), loss_weights=(0.25, 0.25, 0.5))
+    assert row["loss"] == pytest.approx(1.75) and row["head_losses"] == {"2": 3.0, "4": 2.0, "12": 1.0}
+    assert scalars["loss/head_layer4"] == 2.0
+
+
+# --- Step 2: the mini-model of each depth --------------------------------------------------------------------
+
+def test_extraction_at_each_depth_gives_exactly_that_heads_loss():
+    cfg = three_heads()
+    full = RobertaMLM(cfg, seed=11).eval()
+    state = full.state_dict()
+    with torch.no_grad():
+        for seed in range(3):
+            ids, labels = masked_batch(seed=seed)
+            _, per_head = full(ids, labels)
+            for i, n in enumerate(DEPTHS):
+                mini_cfg, mini_state = A.extract_minijoint(cfg, state, n)
+                assert (mini_cfg.num_layers, mini_cfg.head_layers, mini_cfg.head_weights) == (n, (n,), ())
+                assert not any(k.startswith((f"layers.{n}.", "heads.heads.1.")) for k in mini_state)
+                mini = RobertaMLM(mini_cfg).eval()
+                mini.load_state_dict(mini_state)
+                assert mini(ids, labels)[0].item() == per_head[i].item()  # the same computation, bit for bit
+            primary_cfg, primary_state = A.primary_model(cfg, state)
+            primary = RobertaMLM(primary_cfg).eval()
+            primary.load_state_dict(primary_state)
+            assert primary(ids, labels)[0].item() == per_head[2].item()
+
+
+def test_the_depth_is_checked_against_the_source_heads():
+    cfg = three_heads()
+    assert A.mini_depth(cfg, 4) == 4 and A.mini_depth(apply_recipe(tiny(), "minijoint", 4)) == 4
+    with pytest.raises(ValueError, match="mini-models after layers 2, 4: choose one with --mini_layers"):
+        A.mini_depth(cfg)
+    with pytest.raises(ValueError, match="no secondary head after layer 6; its mini-models sit after layers 2, 4"):
+        A.mini_depth(cfg, 6)
+    with pytest.raises(ValueError, match="--mini_layers picks one of a MINIJOINT run's mini-models"):
+        A.adapt_body("bl_base", cfg, {}, 4)
+    with pytest.raises(ValueError, match="has a secondary head before its last layer"):
+        A.mini_depth(apply_recipe(tiny(), "bl_base"))
+
+
+def test_records_name_the_depth_only_when_the_source_has_several():
+    meta = {"system": "minijoint", "mini_layers": 4, "mini_depths": [2, 4]}
+    assert A.system_label(meta) == "minijoint@4"
+    assert A.system_label({**meta, "mini_depths": [4]}) == "minijoint"
+    assert A.system_label({"system": "minijoint", "mini_layers": 4}) == "minijoint"  # artifacts written before
+    assert A.system_label({"system": "bl_base", "mini_layers": 12}) == "bl_base"
+
+
+def test_bad_depth_is_one_error_line(primary_run, tmp_path, capsys):
+    from mmadapt.cli import main
+
+    base = ["adapt", "--system", "minijoint", "--source", str(primary_run), "--lang", "de",
+            "--output_dir", str(tmp_path / "run")]
+    for extra, message in [(["--mini_layers", "6"], "--mini_layers 6: the MINIJOINT source has no secondary "
+                                                    "head after layer 6; its mini-models sit after layer 4"),
+                           (["--mini_layers", "2", "4"], "adapt builds one mini-model"),
+                           (["--system", "bl_base", "--mini_layers", "4"], "picks one of a MINIJOINT run's")]:
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and message in err, err
+        assert not (tmp_path / "run").exists()
+    assert main(["sweep", "--source", str(primary_run), "--lang", "de", "--data_path", str(primary_run / "data"),
+                 "--output_dir", str(tmp_path / "sweep"), "--mini_layers", "3"]) == 2
+    assert "no secondary head after layer 3" in capsys.readouterr().err
+    # The primary run's own dataset has no validation split: refused before any training.
+    assert main(["sweep", "--source", str(primary_run), "--lang", "de", "--data_path", str(primary_run / "data"),
+                 "--output_dir", str(tmp_path / "sweep")]) == 2
+    assert "has no validation split for the plug-in metric" in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
+
+
+# --- FLOPs for any number of heads, against the counter ------------------------------------------------
+
+def test_pretrain_flops_of_three_heads_match_the_counter():
+    from mmadapt.flops import counted_flops, forward_flops, head_flops, layer_flops, pretrain_flops
+
+    cfg = three_heads(attention_impl="math")
+    model = RobertaMLM(cfg, seed=1)
+    ids, labels = masked_batch(b=3, s=32)
+    p = float(labels.ge(0).float().mean())
+
+    def update():
+        model(ids, labels)[0].backward()
+
+    counted = counted_flops(update)
+    b, s = ids.shape
+    assert counted == pytest.approx(b * pretrain_flops(cfg, s, p), rel=1e-9)
+    # The paper's A1 with one more head per secondary head: 3 x (l layers + 3 heads).
+    assert pretrain_flops(cfg, s, p, paper=True) == pytest.approx(
+        3 * (12 * layer_flops(cfg, s) + 3 * head_flops(cfg, s, p)))
+    assert forward_flops(cfg, s, p) - forward_flops(apply_recipe(cfg, "minijoint", 4), s, p) == pytest.approx(
+        head_flops(cfg, s, p))
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("train_output_bias", [True, False])
+def test_step2_flops_at_each_depth_match_the_counter(depth, train_output_bias):
+    """Step 2 over the extracted mini-model of each depth; a frozen output bias changes no matmul."""
+    from mmadapt.flops import adapt_flops, counted_flops
+    from mmadapt.engine import trainable_by_names
+
+    source = RobertaMLM(three_heads(), seed=2).state_dict()
+    cfg, state = A.extract_minijoint(three_heads(attention_impl="math"), source, depth)
+    model = RobertaMLM(cfg)
+    model.load_state_dict(state)
+    is_trainable = trainable_by_names(A.adapt_trainable(train_output_bias))
+    for n, p in model.named_parameters():
+        p.requires_grad_(is_trainable(n))
+    assert model.heads.heads[0].bias.requires_grad is train_output_bias
+    ids, labels = masked_batch(b=3, s=32)
+    p = float(labels.ge(0).float().mean())
+    counted = counted_flops(lambda: model(ids, labels)[0].backward())
+    assert counted == pytest.approx(3 * adapt_flops(cfg, 32, p), rel=1e-9)
+
+
+def test_flops_rows_per_depth():
+    from mmadapt.flops import adapt_flops, mini_config, pretrain_flops, total_flops
+    from mmadapt.report import flops_rows, paper_rows
+
+    base = PRESETS["roberta-base"][0]
+    rows = {(r["system"], r["step"]): r for r in flops_rows(base, 125_000, 2048, 512, 0.15, (2, 4, 6))}
+    per_depth = {f"{s}@{n}" for s in ("minijoint", "minipost", "bl_small") for n in (2, 4, 6)}
+    assert {s for s, step in rows if step == "adapt"} == {"bl_base", *per_depth}
+    for n in (2, 4, 6):
+        assert rows[(f"minijoint@{n}", "adapt")]["eflops_exact"] == pytest.approx(
+            total_flops(adapt_flops(mini_config(base, n), 512, 0.15), 2048, 125_000) / 1e18)
+    # The paper's N = 4 row is the same number in the multi-depth table (21.1 EFLOPs, A3).
+    assert round(rows[("minijoint@4", "adapt")]["eflops_paper"], 1) == 21.1
+    assert rows[("minijoint", "pretrain")]["eflops_exact"] == pytest.approx(
+        total_flops(pretrain_flops(apply_recipe(base, "minijoint", (2, 4, 6)), 512, 0.15), 2048, 125_000) / 1e18)
+    assert [r["system"] for r in paper_rows()] == ["bl_base", "minijoint", "bl_small", "minipost", "bl_base",
+                                                   "minipost", "minijoint", "bl_small"]
+
+
+# --- the paper-exact switches ---------------------------------------------------------------------------------
+
+def test_weight_decay_on_every_parameter_or_matrices_only():
+    from mmadapt.engine import param_groups
+
+    model = RobertaMLM(tiny(num_layers=2, head_layers=(2,)))
+    matrices, rest = param_groups(model, 0.01)
+    assert (matrices["weight_decay"], rest["weight_decay"]) == (0.01, 0.0)
+    assert all(p.ndim >= 2 for p in matrices["params"]) and all(p.ndim < 2 for p in rest["params"])
+    matrices, rest = param_groups(model, 0.01, decay_all=True)
+    assert (matrices["weight_decay"], rest["weight_decay"]) == (0.01, 0.01)
+    assert len(matrices["params"]) + len(rest["params"]) == len(list(model.parameters()))
+
+
+def test_step2_with_the_papers_frozen_output_bias(primary_run, de_corpus, de_tokenizer, tmp_path):
+    """train_output_bias false: only the embedding trains and is checkpointed; the artifact's
+    bias is exactly the overlap initialisation, its embedding is not."""
+    from mmadapt.model import derive_seed
+    from mmadapt.steps import adapt_embeddings
+
+    train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,
+                                train_micro_batch_size_per_gpu=4, train_output_bias=False)
+    out = tmp_path / "frozen-bias"
+    adapt_embeddings("minijoint", primary_run, "de", out, train, corpus=de_corpus, tokenizer=de_tokenizer,
+                     vocab_size=VOCAB)
+    tensors, _, meta = A.read_artifact(out / "embeddings" / "step00000002")
+    _, init, _ = A.step2_start("minijoint", primary_run, None, de_tokenizer, 0.02,
+                               derive_seed(train.seed, "embeddings.de"))
+    assert torch.equal(tensors["output_bias"], init[A.BIAS])
+    assert not torch.equal(tensors["word_embeddings"], init[A.WORD])
+    module = torch.load(out / "checkpoints" / "step00000002" / "mp_rank_00_model_states.pt",
+                        weights_only=False)["module"]
+    # (The empty bias group's placeholder scalar, engine.build_engine, is not a model weight.)
+    assert {k for k, v in module.items() if v is not None and not k.startswith("empty_group")} == {A.WORD}
+    run = json.loads((out / "run.json").read_text())
+    assert run["trainable"] == [A.WORD] and run["train"]["train_output_bias"] is False
+    assert meta["train_output_bias"] is False and meta["mini_layers"] == 4 and meta["mini_depths"] == [4]
+
+
+def test_resume_of_a_run_recorded_before_the_new_settings(tmp_path):
+    """run.json files written before head_weights / decay_all / train_output_bias existed still
+    resume with the defaults; a changed new setting is still refused."""
+    from mmadapt.config import TrainConfig, to_dict
+    from mmadapt.train import check_same_run
+
+    model, train = to_dict(three_heads()), to_dict(TrainConfig())
+    old = {"model": {k: v for k, v in model.items() if k != "head_weights"},
+           "train": {k: v for k, v in train.items() if k not in ("decay_all", "train_output_bias")}}
+    (tmp_path / "run.json").write_text(json.dumps(old))
+    check_same_run(tmp_path / "run.json", {"model": model, "train": train})
+    with pytest.raises(ValueError, match="train.decay_all is True here but None"):
+        check_same_run(tmp_path / "run.json", {"model": model, "train": {**train, "decay_all": True}})
+
+
+# --- the sweep's arithmetic -------------------------------------------------------------------------------
+
+def _records(curves: dict) -> list[dict]:
+    out = []
+    for depth, (start, points) in curves.items():
+        for step, (flops, gain) in enumerate(points, start=1):
+            out.append({"system": f"minijoint@{depth}" if depth != "full" else "minijoint:full", "lang": "de",
+                        "step": 10 * step, "flops": flops, "score": gain, "start_gain": start, "mini_layers": depth})
+    return out
+
+
+def test_sweep_picks_the_cheapest_depth_to_95_percent_of_the_best():
+    from mmadapt.sweep import summarize, sweep_markdown
+
+    # Shallow: cheap but plateaus at 0.6; middle: reaches 0.95 of the best (1.0 -> 0.95) first; deep: best, costly.
+    curves = {2: (0.0, [(1.0, 0.5), (2.0, 0.6)]), 4: (0.0, [(2.0, 0.9), (4.0, 0.98)]),
+              6: (0.0, [(3.0, 0.8), (6.0, 1.0)])}
+    s = summarize(_records(curves))
+    assert s["reference"] == 1.0 and s["target"] == pytest.approx(0.95) and s["meaningful"]
+    rows = {r["mini_layers"]: r for r in s["rows"]}
+    assert rows[2]["to_target"] is None
+    assert rows[4]["to_target"] == pytest.approx(2.0 + (0.95 - 0.9) / (0.98 - 0.9) * 2.0)  # 3.25
+    assert rows[6]["to_target"] == pytest.approx(3.0 + (0.95 - 0.8) / 0.2 * 3.0)  # 5.25
+    assert rows[4]["flops_per_update"] == pytest.approx(0.2) and rows[2]["share"] == pytest.approx(0.6)
+    assert s["cheapest"] == 4
+    md = sweep_markdown(s)
+    assert "| 2 | 1e-19 | 20 | 2e-18 | +0.000 | +0.600 | 60% | ∞ |" in md
+    assert "**Cheapest depth reaching 95% of the reference: N = 4**" in md
+    # A ceiling (the full model) becomes the reference; the start point (compute 0) interpolates.
+    s = summarize(_records({**curves, "full": (0.1, [(10.0, 1.2)])}))
+    assert s["reference"] == 1.2 and s["cheapest"] is None  # 1.14 is out of every depth's reach
+    rows = {r["mini_layers"]: r for r in s["rows"]}
+    assert rows["full"]["to_target"] == pytest.approx((1.14 - 0.1) / (1.2 - 0.1) * 10.0)
+    # Near the unigram reference no target means anything.
+    flat = summarize(_records({2: (0.0, [(1.0, 0.01)]), 4: (0.0, [(2.0, 0.02)])}))
+    assert not flat["meaningful"] and flat["cheapest"] is None
+    assert "within noise" in sweep_markdown(flat)
+
+
+# --- slow: parallel layouts and the sweep end to end -------------------------------------------------------
+
+STEPS = 3
+LAYOUTS = {
+    "pp2": ["--pipeline_model_parallel_size", "2", "--gradient_accumulation_steps", "2"],
+    "tp2": ["--tensor_model_parallel_size", "2", "--gradient_accumulation_steps", "2"],
+}
+
+
+def _three_head_args(corpus, tokenizer, out, *extra):
+    return base_args(corpus, tokenizer, out, "--recipe", "minijoint", "--mini_layers", *map(str, DEPTHS),
+                     "--train_iters", str(STEPS), "--log_interval", "1", "--train_micro_batch_size_per_gpu", "8",
+                     *NO_DROPOUT, *extra)
+
+
+@pytest.fixture(scope="module")
+def three_head_single(corpus, tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("three_heads_single")
+    run_pretrain(1, *_three_head_args(corpus, tokenizer, out, "--ds_config", "ds_configs/zero0.json",
+                                      "--gradient_accumulation_steps", "2"))
+    return out
+
+
+def _heads(rows):
+    return np.array([[r["head_losses"][str(l)] for l in HEADS] for r in rows])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_three_head_loss_under_parallelism_matches_one_process(layout, three_head_single, corpus, tokenizer,
+                                                               tmp_path):
+    run_pretrain(2, *_three_head_args(corpus, tokenizer, tmp_path, *LAYOUTS[layout]))
+    ref, got = metrics(three_head_single), metrics(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    np.testing.assert_allclose(_heads(got), _heads(ref), rtol=1e-5)
+    # The loss is the mean of the three heads' losses, in every layout.
+    np.testing.assert_allclose([r["loss"] for r in got], _heads(got).mean(1), rtol=1e-6)
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+    assert len({round(x, 3) for x in _heads(got)[-1]}) == 3
+    if layout == "pp2":
+        # Both intermediate heads' layers (2, 4) on stage 0, carried to the heads on stage 1.
+        parts = json.loads((tmp_path / "run.json").read_text())["pipeline_parts"]
+        assert parts[0] <= 1 + 2 and 1 + 4 < parts[1] <= 2 + 12 + 1 < parts[2]
+
+
+@pytest.fixture(scope="module")
+def three_head_run(corpus, tokenizer, tmp_path_factory):
+    """A 3-head MINIJOINT model (heads after 2, 4, 12) pretrained long enough to predict."""
+    out = tmp_path_factory.mktemp("three_heads")
+    run_pretrain(1, *base_args(corpus, tokenizer, out, "--recipe", "minijoint", "--mini_layers", *map(str, DEPTHS),
+                               "--train_iters", "150", "--save_interval", "150", "--log_interval", "50"))
+    return out
+
+
+@pytest.mark.slow
+def test_extracted_mini_models_of_a_trained_run_give_their_heads_losses(three_head_run):
+    from mmadapt.data import MLMBatches
+
+    cfg, state = A.load_model(three_head_run)
+    assert cfg.head_layers == HEADS
+    full = RobertaMLM(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    full.load_state_dict(state)
+    batches = MLMBatches(three_head_run / "data", 64, VOCAB, 5, 0.15, 8, 1)
+    with torch.no_grad():
+        for step in range(2):
+            ids, labels = batches.micro_batch(step, 0)
+            _, per_head = full(ids, labels)
+            for i, n in enumerate(DEPTHS):
+                mini_cfg, mini_state = A.extract_minijoint(cfg, state, n)
+                mini = RobertaMLM(dataclasses.replace(mini_cfg, hidden_dropout=0.0, attention_dropout=0.0)).eval()
+                mini.load_state_dict(mini_state)
+                assert mini(ids, labels)[0].item() == per_head[i].item()
+
+
+@pytest.mark.slow
+def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path):
+    out = tmp_path / "sweep"
+    args = ["--source", str(three_head_run), "--lang", "de", "--corpus", str(de_corpus), "--valid_fraction", "0.1",
+            "--output_dir", str(out), "--train_iters", "6", "--save_interval", "3", "--log_interval", "3",
+            "--train_micro_batch_size_per_gpu", "8", "--plugin_blocks", "64", "--ceiling", "true"]
+    proc = run_pretrain(1, *args, script=SWEEP)
+    assert "cheapest depth reaching 95% of" in proc.stdout
+    result = json.loads((out / "sweep.json").read_text())
+    records, summary = result["records"], result["summary"]
+    assert {r["system"] for r in records} == {"minijoint@2", "minijoint@4", "minijoint:full"}
+    by = {(str(r["mini_layers"]), r["step"]): r for r in records}
+    assert set(by) == {(d, s) for d in ("2", "4", "full") for s in (3, 6)}
+    # Step-2 compute grows with depth; each run over its own depth's mini-model.
+    assert by[("2", 6)]["flops"] < by[("4", 6)]["flops"] < by[("full", 6)]["flops"]
+    for n in DEPTHS:
+        run = json.loads((out / str(n) / "run.json").read_text())
+        assert run["mini_layers"] == n and run["mini_depths"] == list(DEPTHS) and run["model"]["num_layers"] == n
+        meta = json.loads((out / str(n) / "embeddings" / "step00000006" / "meta.json").read_text())
+        assert meta["mini_layers"] == n
+    assert [r["mini_layers"] for r in summary["rows"]] == [2, 4, "full"]
+    assert summary["reference_from"] == "the full model"
+    md = (out / "sweep.md").read_text()
+    assert "## Depth sweep, de" in md and "| 2 |" in md and "| 4 |" in md and "| full model |" in md
+    png = (out / "sweep.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    # Run again: every depth is finished, nothing is retrained, the same records come back.
+    before = (out / "2" / "metrics.jsonl").read_text()
+    run_pretrain(1, *args, script=SWEEP)
+    assert (out / "2" / "metrics.jsonl").read_text() == before
+    again = json.loads((out / "sweep.json").read_text())["records"]
+    assert [r["score"] for r in again] == [r["score"] for r in records]
+
+
+@pytest.mark.slow
+def test_step2_cli_over_a_chosen_depth(three_head_run, de_corpus, de_tokenizer, tmp_path, capsys):
+    """adapt --mini_layers N over a multi-depth run; without it, the one-line choice error."""
+    from mmadapt.cli import main
+
+    assert main(["adapt", *adapt_args("minijoint", three_head_run, de_corpus, de_tokenizer, tmp_path / "none")]) == 2
+    assert "mini-models after layers 2, 4: choose one with --mini_layers" in capsys.readouterr().err
+    run = tmp_path / "at2"
+    run_pretrain(1, *adapt_args("minijoint", three_head_run, de_corpus, de_tokenizer, run, "--mini_layers", "2",
+                                "--train_iters", "2", "--save_interval", "2", "--log_interval", "1"), script=ADAPT)
+    tensors, _, meta = A.read_artifact(run / "embeddings" / "step00000002")
+    assert meta["mini_layers"] == 2 and A.system_label(meta) == "minijoint@2"
+    assert tensors["word_embeddings"].shape == (VOCAB, 64)
