@@ -302,7 +302,7 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> None:
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
+    max(axes.flat, key=lambda ax: len(ax.get_lines())).legend(fontsize=7)  # the panel with every system
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
