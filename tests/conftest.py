@@ -111,3 +111,17 @@ def de_tokenizer(de_corpus, tmp_path_factory) -> Path:
 def adapt_args(system: str, source: Path, corpus: Path, tokenizer: Path, out: Path, *extra: str) -> list[str]:
     return ["--system", system, "--source", str(source), "--lang", "de", "--corpus", str(corpus),
             "--tokenizer", str(tokenizer), "--vocab_size", str(VOCAB), "--output_dir", str(out), *extra]
+
+
+def masked_batch(vocab: int, b: int = 3, s: int = 20, seed: int = 0):
+    """Random ordinary-piece ids [b, s] and MLM labels with about 30% of positions selected."""
+    import torch
+
+    from mmadapt.tokens import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, vocab, (b, s), generator=g)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    masked = torch.rand(b, s, generator=g) < 0.3
+    labels[masked] = ids[masked]
+    return ids, labels

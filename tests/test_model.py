@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from conftest import masked_batch
+
 from mmadapt.config import PRESETS, ModelConfig, apply_recipe
 from mmadapt.parallel import init_parallel
 from mmadapt.tokens import IGNORE_INDEX
@@ -18,12 +20,7 @@ def tiny(**kw):
 
 
 def batch(vocab=500, b=3, s=20, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, vocab, (b, s), generator=g)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    masked = torch.rand(b, s, generator=g) < 0.3
-    labels[masked] = ids[masked]
-    return ids, labels
+    return masked_batch(vocab, b, s, seed)
 
 
 def test_roberta_base_parameter_count():

@@ -14,12 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, metrics, run_pretrain)
+from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, masked_batch, metrics, run_pretrain)
 from mmadapt import adapt as A
 from mmadapt.config import PRESETS, MiniModelConfig, ModelConfig, apply_recipe
 from mmadapt.model import RobertaMLM
 from mmadapt.parallel import init_parallel
-from mmadapt.tokens import IGNORE_INDEX
 
 SWEEP = str(REPO / "launch" / "sweep.py")
 DEPTHS = (2, 4)  # secondary heads; with the primary head after 12: a 3-head MINIJOINT model
@@ -40,13 +39,8 @@ def three_heads(**kw) -> ModelConfig:
     return apply_recipe(tiny(**kw), "minijoint", DEPTHS)
 
 
-def masked_batch(vocab=300, b=3, s=24, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(5, vocab, (b, s), generator=g)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    masked = torch.rand(b, s, generator=g) < 0.3
-    labels[masked] = ids[masked]
-    return ids, labels
+def _batch(seed=0):
+    return masked_batch(300, 3, 24, seed)
 
 
 def heads_by_hand(model: RobertaMLM, ids, labels) -> list[torch.Tensor]:
@@ -104,7 +98,7 @@ def test_cli_flags_for_depths_weights_and_switches():
 
 def test_three_head_loss_is_the_mean_of_the_heads_computed_separately():
     model = RobertaMLM(three_heads(), seed=7)
-    ids, labels = masked_batch()
+    ids, labels = _batch()
     loss, per_head = model(ids, labels)
     by_hand = heads_by_hand(model, ids, labels)
     assert len(by_hand) == 3 and len({round(x.item(), 4) for x in torch.stack(by_hand).detach()}) == 3  # three different losses
@@ -116,7 +110,7 @@ def test_three_head_loss_is_the_mean_of_the_heads_computed_separately():
 
 
 def test_head_weights_give_the_weighted_mean_and_equal_weights_the_papers_mean():
-    ids, labels = masked_batch(seed=1)
+    ids, labels = _batch(seed=1)
     weighted = RobertaMLM(three_heads(head_weights=(1, 1, 2)), seed=7)
     loss, per_head = weighted(ids, labels)
     a, b, c = heads_by_hand(weighted, ids, labels)
@@ -147,7 +141,7 @@ def test_extraction_at_each_depth_gives_exactly_that_heads_loss():
     state = full.state_dict()
     with torch.no_grad():
         for seed in range(3):
-            ids, labels = masked_batch(seed=seed)
+            ids, labels = _batch(seed=seed)
             _, per_head = full(ids, labels)
             for i, n in enumerate(DEPTHS):
                 mini_cfg, mini_state = A.extract_minijoint(cfg, state, n)
@@ -213,7 +207,7 @@ def test_pretrain_flops_of_three_heads_match_the_counter():
 
     cfg = three_heads(attention_impl="math")
     model = RobertaMLM(cfg, seed=1)
-    ids, labels = masked_batch(b=3, s=32)
+    ids, labels = masked_batch(300, 3, 32)
     p = float(labels.ge(0).float().mean())
 
     def update():
@@ -244,7 +238,7 @@ def test_step2_flops_at_each_depth_match_the_counter(depth, train_output_bias):
     for n, p in model.named_parameters():
         p.requires_grad_(is_trainable(n))
     assert model.heads.heads[0].bias.requires_grad is train_output_bias
-    ids, labels = masked_batch(b=3, s=32)
+    ids, labels = masked_batch(300, 3, 32)
     p = float(labels.ge(0).float().mean())
     counted = counted_flops(lambda: model(ids, labels)[0].backward())
     assert counted == pytest.approx(3 * adapt_flops(cfg, 32, p), rel=1e-9)
