@@ -125,3 +125,21 @@ def masked_batch(vocab: int, b: int = 3, s: int = 20, seed: int = 0):
     masked = torch.rand(b, s, generator=g) < 0.3
     labels[masked] = ids[masked]
     return ids, labels
+
+
+def heads_by_hand(model, ids, labels) -> list:
+    """Each MLM head's loss from its definition: run the layers, take the masked rows, project
+    with the tied weight."""
+    import torch.nn.functional as F
+
+    x = model.embeddings(model.word_embeddings(ids))
+    outs = {}
+    for layer in model.layers:
+        x = layer(x)
+        outs[layer.layer_number] = x
+    m = labels >= 0
+    losses = []
+    for head, layer in zip(model.heads.heads, model.config.heads_after):
+        h = head.layernorm(F.gelu(head.dense(outs[layer][m])))
+        losses.append(F.cross_entropy(h @ model.word_embeddings.weight.T + head.bias, labels[m]))
+    return losses

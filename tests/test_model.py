@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import masked_batch
+from conftest import heads_by_hand, masked_batch
 
 from mmadapt.config import PRESETS, ModelConfig, apply_recipe
 from mmadapt.parallel import init_parallel
@@ -44,18 +44,7 @@ def test_minijoint_loss_is_mean_of_heads_computed_separately():
     model = RobertaMLM(cfg, seed=7)
     ids, labels = batch()
     loss, per_head = model(ids, labels)
-    # Each head by hand: run the layers, take the masked rows, project with the tied weight.
-    x = model.embeddings(model.word_embeddings(ids))
-    outs = {}
-    for layer in model.layers:
-        x = layer(x)
-        outs[layer.layer_number] = x
-    m = labels >= 0
-    by_hand = []
-    for head, l in zip(model.heads.heads, (4, 12)):
-        h = head.layernorm(torch.nn.functional.gelu(head.dense(outs[l][m])))
-        logits = h @ model.word_embeddings.weight.T + head.bias
-        by_hand.append(torch.nn.functional.cross_entropy(logits, labels[m]))
+    by_hand = heads_by_hand(model, ids, labels)
     torch.testing.assert_close(per_head, torch.stack(by_hand).detach())
     torch.testing.assert_close(loss, (by_hand[0] + by_hand[1]) / 2)
 

@@ -12,9 +12,8 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, masked_batch, metrics, run_pretrain)
+from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, heads_by_hand, masked_batch, metrics, run_pretrain)
 from mmadapt import adapt as A
 from mmadapt.config import PRESETS, MiniModelConfig, ModelConfig, apply_recipe
 from mmadapt.model import RobertaMLM
@@ -41,22 +40,6 @@ def three_heads(**kw) -> ModelConfig:
 
 def _batch(seed=0):
     return masked_batch(300, 3, 24, seed)
-
-
-def heads_by_hand(model: RobertaMLM, ids, labels) -> list[torch.Tensor]:
-    """Each head's loss from its definition: run the layers, take the masked rows, project with
-    the tied weight."""
-    x = model.embeddings(model.word_embeddings(ids))
-    outs = {}
-    for layer in model.layers:
-        x = layer(x)
-        outs[layer.layer_number] = x
-    m = labels >= 0
-    losses = []
-    for head, layer in zip(model.heads.heads, model.config.heads_after):
-        h = head.layernorm(F.gelu(head.dense(outs[layer][m])))
-        losses.append(F.cross_entropy(h @ model.word_embeddings.weight.T + head.bias, labels[m]))
-    return losses
 
 
 # --- Step 1: the recipe, the flags, the loss ------------------------------------------------------------
