@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, heads_by_hand, masked_batch, metrics, run_pretrain)
+from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, heads_by_hand, masked_batch, metrics,
+                      run_pretrain)
 from mmadapt import adapt as A
 from mmadapt.config import PRESETS, MiniModelConfig, ModelConfig, apply_recipe
 from mmadapt.model import RobertaMLM
