@@ -98,10 +98,10 @@ def unigram_loss(logp: torch.Tensor, batches: list) -> float:
 
 
 def _swap(state: dict, emb: dict) -> dict:
-    if emb["word_embeddings"].shape[1] != state[A.WORD].shape[1]:
-        raise ValueError(f"the embeddings have hidden size {emb['word_embeddings'].shape[1]}, the model "
-                         f"{state[A.WORD].shape[1]}: they were trained for another model")
-    return {**state, A.WORD: emb["word_embeddings"].float(), A.BIAS: emb["output_bias"].float()}
+    """Step 4's swap (embeddings, checked for the model's width) plus the MLM head's output bias."""
+    from mmadapt.finetune import swap_embeddings
+
+    return {**swap_embeddings(state, emb), A.BIAS: emb["output_bias"].to(state[A.BIAS].dtype)}
 
 
 def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
