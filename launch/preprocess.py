@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmadapt.cli import preprocess_main  # noqa: E402
+from mmadapt.cli import preprocess_main, run_process  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(preprocess_main())
+    sys.exit(run_process(preprocess_main))

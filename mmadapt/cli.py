@@ -531,5 +531,18 @@ def main(argv=None) -> int:
     return commands[argv[0]](argv[1:])
 
 
+def run_process(command=main) -> int:
+    """A process's entry (the launch/ scripts, the `mmadapt` command): run one command, then
+    tear its process groups down before the interpreter does (parallel.shutdown says why).
+    Commands called in-process (tests, the sweep) keep their groups: they are built once per
+    process."""
+    from mmadapt import faults
+
+    code = command()
+    if "mmadapt.parallel" in sys.modules:  # commands that never join a job leave torch.distributed alone
+        sys.modules["mmadapt.parallel"].shutdown(agreed=code in (0, faults.EXIT_DIVERGED, faults.EXIT_STOPPED))
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_process())

@@ -71,6 +71,23 @@ def init_distributed() -> None:
 _CONTROL = None
 
 
+def shutdown(agreed: bool = True) -> None:
+    """Destroy the process groups before the interpreter exits (torchtitan does the same at the
+    end of its trainer). Without it, gloo's worker threads can outlive Python's finalisation and
+    abort a rank that finished its work: "terminate called without an active exception", exit
+    -6 (it happened to a two-rank TP run in CI). `agreed` says every rank reached the same exit
+    together (success, a stop, a divergence); after an error only this rank saw, NCCL's teardown
+    may wait for peers that never come, so it is left to the process exit there, while gloo's is
+    local and lets peers that wait on this rank fail at once."""
+    global _CONTROL
+    if not dist.is_initialized() or not (agreed or dist.get_backend() == "gloo"):
+        return
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    _CONTROL = None
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is true on any (collective over the whole world)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
