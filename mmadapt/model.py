@@ -154,7 +154,7 @@ class TransformerLayer(nn.Module):
         self.ffn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def attention(self, x: torch.Tensor, key_padding: torch.Tensor | None) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, s, _ = x.shape
         if x.requires_grad or not self.qkv.weight.requires_grad or not torch.is_grad_enabled():
             qkv, _ = self.qkv(x)  # [b, s, 3h/tp]
@@ -164,7 +164,6 @@ class TransformerLayer(nn.Module):
             qkv = F.linear(_to_tp_region(x, self.tp), self.qkv.weight, self.qkv.bias)
         qkv = qkv.view(b, s, self.num_heads_per_partition, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k, v = qkv.unbind(0)  # each [b, np, s, hd]
-        mask = None if key_padding is None else ~key_padding[:, None, None, :]  # [b, 1, 1, s], True = attend
         p = self.attention_dropout if self.training else 0.0
         # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
         with MODEL_PARALLEL_RNG.fork(x.device):
@@ -179,9 +178,9 @@ class TransformerLayer(nn.Module):
         out, _ = self.attn_out(ctx)  # [b, s, h], summed over TP ranks
         return out
 
-    def forward(self, x: torch.Tensor, key_padding: torch.Tensor | None = None) -> torch.Tensor:
-        """x [b, s, h]; key_padding [b, s] bool, True at padding (None: no padding)."""
-        x = self.attn_layernorm(x + self.dropout(self.attention(x, key_padding)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, h]; mask [b, 1, 1, s] bool, True = attend (`attention_mask`; None: no padding)."""
+        x = self.attn_layernorm(x + self.dropout(self.attention(x, mask)))
         f, _ = self.fc1(x)  # [b, s, ffn/tp]
         f, _ = self.fc2(F.gelu(f))  # [b, s, h]
         return self.ffn_layernorm(x + self.dropout(f))
@@ -209,6 +208,27 @@ class MLMHead(nn.Module):
         return F.linear(_to_tp_region(x, self.tp), word_weight, self.bias)
 
 
+def masked_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels [b, s] (-100: not masked) -> (masked_index [m], targets [m]): the flat indices into
+    b * s of the masked positions, in row-major order, and their targets. Call it on the host
+    copy of a batch (train.to_device does): on a device tensor, `nonzero` waits for the device."""
+    flat = labels.reshape(-1)
+    masked_index = flat.ge(0).nonzero().squeeze(1)
+    return masked_index, flat.index_select(0, masked_index)
+
+
+def attention_mask(input_ids: torch.Tensor, has_padding: bool | None) -> torch.Tensor | None:
+    """[b, 1, 1, s] bool, True where a key may be attended (not padding), built once for all
+    layers; or None when the batch has no padding: attention then gets no mask, which is what
+    lets SDPA choose its flash kernel on GPU. `has_padding` comes from the host
+    (train.host_batch); None asks the device, which makes the host wait for it (evaluation,
+    tests)."""
+    attend = input_ids.ne(PAD_ID)
+    if has_padding is None:
+        has_padding = not bool(attend.all())
+    return attend[:, None, None, :] if has_padding else None
+
+
 class MLMHeads(nn.Module):
     """One MLMHead per entry of `head_layers`; the loss is the mean of their losses, or their
     weighted mean with `head_weights`."""
@@ -220,19 +240,22 @@ class MLMHeads(nn.Module):
         self.tp = config.tensor_model_parallel_size
         self.heads = nn.ModuleList(MLMHead(config, f"heads.{l}", seed) for l in config.heads_after)
 
-    def forward(self, hiddens: list[torch.Tensor], labels: torch.Tensor, word_weight: torch.Tensor):
-        """hiddens: one [b, s, h] per head, in head_layers order; labels [b, s] (-100: not masked).
+    def forward(self, hiddens: list[torch.Tensor], masked_index: torch.Tensor, targets: torch.Tensor,
+                word_weight: torch.Tensor):
+        """hiddens: one [b, s, h] per head, in head_layers order; masked_index [m]: the masked
+        positions as flat indices into b * s; targets [m]: their original tokens (see
+        `masked_positions`).
 
         Only the m masked positions are projected onto the vocabulary: this is the factor p in the
-        FLOP count of the head, and it saves 1/p of the head's cost on shallow models.
+        FLOP count of the head, and it saves 1/p of the head's cost on shallow models. The rows
+        are gathered by index, not by a boolean mask, so the m comes from the host: a boolean
+        gather on the device would make the host wait for the device to count m.
         Returns (loss, per_head): the mean (or weighted mean) of the heads' losses, and each head's
         loss, detached.
         """
-        masked = labels.ge(0)  # [b, s]
-        targets = labels[masked]  # [m]
         losses = []
         for head, h in zip(self.heads, hiddens):
-            logits = head(h[masked], word_weight)  # [m, Vp]
+            logits = head(h.reshape(-1, h.shape[-1]).index_select(0, masked_index), word_weight)  # [m, Vp]
             if self.tp == 1:
                 losses.append(F.cross_entropy(logits.float(), targets))
             else:
@@ -254,14 +277,15 @@ class RobertaEncoder(nn.Module):
         self.embeddings = EmbeddingPost(config, seed)
         self.layers = nn.ModuleList(TransformerLayer(config, i, seed) for i in range(1, config.num_layers + 1))
 
-    def encode(self, input_ids: torch.Tensor, layers: tuple[int, ...]) -> list[torch.Tensor]:
-        """input_ids [b, s] -> the output [b, s, h] of each layer in `layers` (1-based, ascending)."""
-        key_padding = input_ids.eq(PAD_ID)
-        key_padding = key_padding if bool(key_padding.any()) else None
+    def encode(self, input_ids: torch.Tensor, layers: tuple[int, ...],
+               has_padding: bool | None = None) -> list[torch.Tensor]:
+        """input_ids [b, s] -> the output [b, s, h] of each layer in `layers` (1-based, ascending).
+        has_padding: whether input_ids holds PAD_ID, known on the host (None: ask the device)."""
+        mask = attention_mask(input_ids, has_padding)
         x = self.embeddings(self.word_embeddings(input_ids))
         out = []
         for layer in self.layers:
-            x = layer(x, key_padding)
+            x = layer(x, mask)
             if layer.layer_number in layers:
                 out.append(x)
         return out
@@ -274,13 +298,20 @@ class RobertaMLM(RobertaEncoder):
         super().__init__(config, seed)
         self.heads = MLMHeads(config, seed)
 
-    def hidden_states(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    def hidden_states(self, input_ids: torch.Tensor, has_padding: bool | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> the output [b, s, h] of each layer in head_layers."""
-        return self.encode(input_ids, self.config.heads_after)
+        return self.encode(input_ids, self.config.heads_after, has_padding)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
-        """input_ids, labels [b, s] -> (loss, per_head [num heads])."""
-        return self.heads(self.hidden_states(input_ids), labels, self.word_embeddings.weight)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                masked_index: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                has_padding: bool | None = None):
+        """input_ids [b, s] and either labels [b, s] (-100: not masked) or, prepared on the host so
+        that the step never waits for the device (train.to_device), masked_index [m] and
+        targets [m] (`masked_positions`) and has_padding -> (loss, per_head [num heads])."""
+        if masked_index is None:
+            masked_index, targets = masked_positions(labels)
+        return self.heads(self.hidden_states(input_ids, has_padding), masked_index, targets,
+                          self.word_embeddings.weight)
 
 
 # --- task heads (Step 3 fine-tuning, Step 4 zero-shot evaluation) -----------------------------------
@@ -319,17 +350,18 @@ class RobertaForTask(RobertaEncoder):
                     nn.init.zeros_(lin.bias)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.encode(input_ids, (self.config.num_layers,))[0]  # [b, s, h]
+    def logits(self, input_ids: torch.Tensor, has_padding: bool | None = None) -> torch.Tensor:
+        x = self.encode(input_ids, (self.config.num_layers,), has_padding)[0]  # [b, s, h]
         if self.kind == "classify":
             return self.out(self.dropout(torch.tanh(self.dense(self.dropout(x[:, 0])))))  # [b, C]
         if self.kind == "tag":
             return self.out(self.dropout(x))  # [b, s, C]
         return self.out(x).masked_fill(input_ids.eq(PAD_ID)[..., None], float("-inf"))  # [b, s, 2]
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        """-> (loss or None, logits). The span loss is the mean of the start and end losses."""
-        logits = self.logits(input_ids)
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, has_padding: bool | None = None):
+        """-> (loss or None, logits). The span loss is the mean of the start and end losses.
+        has_padding: as in RobertaEncoder.encode."""
+        logits = self.logits(input_ids, has_padding)
         if labels is None:
             return None, logits
         if self.kind == "span":

@@ -28,13 +28,15 @@ all-reduce its gradient between them after each backward pass, so the copies sta
 
 from __future__ import annotations
 
+import collections
+
 import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from mmadapt.config import ModelConfig
-from mmadapt.model import EmbeddingPost, MLMHeads, TransformerLayer, WordEmbedding
-from mmadapt.tokens import PAD_ID
+from mmadapt.model import (EmbeddingPost, MLMHeads, TransformerLayer, WordEmbedding, attention_mask,
+                           masked_positions)
 
 
 class PipeEmbeddingPost(EmbeddingPost):
@@ -48,12 +50,13 @@ class PipeTransformerLayer(TransformerLayer):
         super().__init__(config, layer_number, seed)
         # Carry this layer's output down the pipe if an intermediate head reads it.
         self.carry = layer_number in config.heads_after and layer_number != config.num_layers
+        # Whether any micro-batch of the current update holds padding, set from the host before
+        # each train_batch / eval_batch (set_host_batches); None: ask the device, per layer.
+        self.has_padding: bool | None = None
 
     def forward(self, inputs):
         hidden, input_ids, labels, *carried = inputs
-        key_padding = input_ids.eq(PAD_ID)
-        key_padding = key_padding if bool(key_padding.any()) else None
-        hidden = super().forward(hidden, key_padding)
+        hidden = super().forward(hidden, attention_mask(input_ids, self.has_padding))
         if self.carry:
             carried.append(hidden)
         return (hidden, input_ids, labels, *carried)
@@ -65,10 +68,14 @@ class PipeMLMHeads(MLMHeads):
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__(config, seed)
         self.head_losses: list[torch.Tensor] = []  # one [num heads] tensor per micro-batch
+        # (masked_index, targets) of the micro-batches to come, in order, prepared on the host
+        # (set_host_batches): the last stage runs its forward passes in micro-batch order.
+        self.pending: collections.deque = collections.deque()
 
     def forward(self, inputs):
         hidden, _input_ids, labels, *carried, word_weight = inputs
-        loss, per_head = super().forward([*carried, hidden], labels, word_weight)
+        masked_index, targets = self.pending.popleft() if self.pending else masked_positions(labels)
+        loss, per_head = super().forward([*carried, hidden], masked_index, targets, word_weight)
         self.head_losses.append(per_head)
         return loss
 
@@ -87,6 +94,19 @@ class PipeWordEmbedding(WordEmbedding):
             input_ids, labels = inputs
             return super().forward(input_ids), input_ids, labels
         return (*inputs, self.weight)
+
+
+def set_host_batches(pipe: PipelineModule, has_padding: bool, masked: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Hand this rank's stage what the host knows about the micro-batches of the next
+    train_batch / eval_batch, so that no layer asks the device: whether any holds padding (one
+    flag for all of them: a mask on an unpadded micro-batch changes nothing but the kernel), and
+    each one's (masked_index, targets) on the device, for the heads of the last stage."""
+    for m in pipe.modules():
+        if isinstance(m, PipeTransformerLayer):
+            m.has_padding = has_padding
+        elif isinstance(m, PipeMLMHeads):
+            m.pending.clear()
+            m.pending.extend(masked)
 
 
 def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> PipelineModule:

@@ -19,7 +19,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TOKENIZER, VALID, ML
 from mmadapt.engine import (build_engine, is_pipeline, load_ds_config, mean_over_ranks, train_loop,
                             trainable_by_names, warmup_linear_decay)
 from mmadapt.flops import step_flops
+from mmadapt.tokens import PAD_ID
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,9 +200,69 @@ def mlm_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict, job:
     return engine, names, dims
 
 
-def _pipe_batches(batches, dev) -> iter:
-    """Micro-batches as DeepSpeed's pipeline takes them: ((inputs...), labels)."""
-    return iter([((ids.to(dev), lab.to(dev)), lab.to(dev)) for ids, lab in batches])
+class HostBatch(NamedTuple):
+    """One MLM micro-batch as the host prepares it: everything a step needs to know about the
+    batch is computed here, on CPU tensors, so that no layer has to ask the device (a boolean
+    gather or `.any()` on a device tensor blocks the host until the device catches up)."""
+    input_ids: torch.Tensor  # [b, s]
+    labels: torch.Tensor  # [b, s], -100 where not masked (the pipeline carries them)
+    masked_index: torch.Tensor  # [m] flat indices into b * s of the masked positions
+    targets: torch.Tensor  # [m]
+    has_padding: bool
+
+
+def host_batch(input_ids: torch.Tensor, labels: torch.Tensor, pin: bool = False) -> HostBatch:
+    """pin: page-locked copies, which the device reads asynchronously (non_blocking copies)."""
+    from mmadapt.model import masked_positions
+
+    b = HostBatch(input_ids, labels, *masked_positions(labels), bool(input_ids.eq(PAD_ID).any()))
+    return b._replace(**{k: getattr(b, k).pin_memory() for k in _TENSORS}) if pin else b
+
+
+_TENSORS = ("input_ids", "labels", "masked_index", "targets")
+
+
+def to_device(batch: HostBatch, dev: torch.device) -> HostBatch:
+    """Asynchronous when the host copy is pinned (HostBatch.pin): the step queues on."""
+    return batch._replace(**{k: getattr(batch, k).to(dev, non_blocking=True) for k in _TENSORS})
+
+
+class Prefetcher:
+    """Builds the host batches of the next update (numpy indexing, masking, pinning) in a
+    background thread while the device runs this one. `make(position)` must be a pure
+    function of the position (MLMBatches is), so a resumed run sees the same batches."""
+
+    def __init__(self, make: Callable[[int], list]):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.make, self.pool, self.ahead = make, ThreadPoolExecutor(1, thread_name_prefix="batches"), None
+
+    def __call__(self, position: int) -> list:
+        if self.ahead is not None and self.ahead[0] == position:
+            out = self.ahead[1].result()
+        else:
+            out = self.make(position)
+        self.ahead = (position + 1, self.pool.submit(self.make, position + 1))
+        return out
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _prepared(batches: list) -> list[HostBatch]:
+    """(input_ids, labels) pairs become HostBatches; HostBatches stay as they are."""
+    return [b if isinstance(b, HostBatch) else host_batch(*b) for b in batches]
+
+
+def _pipe_batches(engine, batches: list[HostBatch], dev) -> iter:
+    """Micro-batches as DeepSpeed's pipeline takes them, ((inputs...), labels), after handing
+    this stage what the host knows about them (pipeline.set_host_batches)."""
+    from mmadapt.pipeline import set_host_batches
+
+    on_dev = [to_device(b, dev) for b in batches]
+    set_host_batches(engine.module, any(b.has_padding for b in batches),
+                     [(b.masked_index, b.targets) for b in on_dev])
+    return iter([((b.input_ids, b.labels), b.labels) for b in on_dev])
 
 
 def _pipe_head_losses(engine, num_heads: int) -> torch.Tensor:
@@ -221,12 +282,14 @@ def mlm_step(engine, batches, num_heads: int) -> torch.Tensor:
     """One update over this rank's micro-batches. Returns this rank's loss of each head, the mean
     over its micro-batches (pipeline: zeros except on the last stage), not reduced over ranks."""
     dev = engine.device
+    batches = _prepared(batches)
     if is_pipeline(engine):
-        engine.train_batch(_pipe_batches(batches, dev))
+        engine.train_batch(_pipe_batches(engine, batches, dev))
         return _pipe_head_losses(engine, num_heads)
     per_head = torch.zeros(num_heads, device=dev)
-    for ids, lab in batches:
-        loss, heads_loss = engine(ids.to(dev), lab.to(dev))
+    for b in map(functools.partial(to_device, dev=dev), batches):
+        loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
+                                  has_padding=b.has_padding)
         engine.backward(loss)
         engine.step()
         per_head += heads_loss / len(batches)
@@ -240,12 +303,14 @@ def mlm_eval(engine, batches, num_heads: int) -> torch.Tensor:
     dev = engine.device
     engine.eval()
     try:
+        batches = _prepared(batches)
         if is_pipeline(engine):
-            engine.eval_batch(_pipe_batches(batches, dev), num_micro_batches=len(batches))
+            engine.eval_batch(_pipe_batches(engine, batches, dev), num_micro_batches=len(batches))
             return _pipe_head_losses(engine, num_heads)
         per_head = torch.zeros(num_heads, device=dev)
-        for ids, lab in batches:
-            per_head += engine(ids.to(dev), lab.to(dev))[1] / len(batches)
+        for b in map(functools.partial(to_device, dev=dev), batches):
+            per_head += engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
+                               has_padding=b.has_padding)[1] / len(batches)
         return per_head
     finally:
         engine.train()
@@ -288,20 +353,24 @@ def train_mlm(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, ds_co
         return {"tokens_per_s": tokens / seconds, "flops_per_s": update_flops / seconds,
                 "flops_per_s_per_device": update_flops / seconds / world}
 
-    heads = len(model_cfg.heads_after)
+    heads, pin = len(model_cfg.heads_after), engine.device.type == "cuda"
     evaluate = None
     if train.eval_interval:
         valid = MLMBatches(data_dir, train.seq_length, model_cfg.vocab_size, train.seed, train.mask_prob,
                            train.train_micro_batch_size_per_gpu, 1, parallel.dp_rank(), parallel.dp_world(), VALID)
-        valid_batches = [valid.micro_batch(k, 0) for k in range(train.eval_iters)]  # the same ones every time
+        valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
         evaluate = functools.partial(mlm_eval, engine, valid_batches, heads)
-    return train_loop(engine, lambda step: mlm_step(engine, batches.step_batches(step), heads),
-                      total=train.train_iters, run_dir=paths.output_dir, resume=resume,
-                      log_interval=train.log_interval, save_interval=train.save_interval,
-                      exit_interval=train.exit_interval, extra_save_steps=train.extra_save_steps,
-                      keep_last=train.keep_last, max_skipped_steps=train.max_skipped_steps,
-                      loss_names=tuple(str(l) for l in model_cfg.heads_after),
-                      loss_weights=model_cfg.loss_weights, perf=perf,
-                      client_state={"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}, names=names,
-                      exclude_frozen=job.trainable is not None, label=job.step, after_save=after_save,
-                      evaluate=evaluate, eval_interval=train.eval_interval)
+    prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin) for ids, lab in batches.step_batches(position)])
+    try:
+        return train_loop(engine, lambda step: mlm_step(engine, prefetch(step), heads),
+                          total=train.train_iters, run_dir=paths.output_dir, resume=resume,
+                          log_interval=train.log_interval, save_interval=train.save_interval,
+                          exit_interval=train.exit_interval, extra_save_steps=train.extra_save_steps,
+                          keep_last=train.keep_last, max_skipped_steps=train.max_skipped_steps,
+                          loss_names=tuple(str(l) for l in model_cfg.heads_after),
+                          loss_weights=model_cfg.loss_weights, perf=perf,
+                          client_state={"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}, names=names,
+                          exclude_frozen=job.trainable is not None, label=job.step, after_save=after_save,
+                          evaluate=evaluate, eval_interval=train.eval_interval)
+    finally:
+        prefetch.close()
