@@ -284,8 +284,8 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
     # RoBERTa-base with a 50k SentencePiece vocabulary and the paper's schedule (§3):
     # 125k updates of 2048 x 512 tokens, lr 7e-4, 10k warm-up. Global batch 2048 =
     # micro 32 x 64 data-parallel GPUs (x accumulation 2 on 32); set the two batch fields for your
-    # cluster. 32 sequences of 512 keep a GPU's matmuls large and halve the per-micro-batch host
-    # work against micro 8 x 4, and fit 16 GB in bf16.
+    # cluster. 32 sequences of 512 keep a GPU's matmuls large and cut the host work per update
+    # to a quarter of micro 8 x accumulation 4.
     "roberta-base": (ModelConfig(), TrainConfig(train_micro_batch_size_per_gpu=32,
                                                 gradient_accumulation_steps=1)),
     # Trains visibly in minutes on 2 CPU cores; drives the tests, CI and the demo.
