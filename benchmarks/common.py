@@ -35,21 +35,27 @@ SHAPES = {
 
 
 def add_run_args(ap: argparse.ArgumentParser, cpu_micro_batch: int) -> None:
-    """--shape, --seq_length, --micro_batch, --repeats, --warmup; GPU defaults: roberta-base,
-    512 tokens, 32 sequences."""
+    """--shape, --seq_length, --micro_batch, --repeats, --warmup, --real, --dropout; GPU
+    defaults: roberta-base, 512 tokens, 32 sequences."""
     gpu = torch.cuda.is_available()
     ap.add_argument("--shape", choices=SHAPES, default="roberta-base" if gpu else "cpu")
     ap.add_argument("--seq_length", type=int, default=512 if gpu else 128)
     ap.add_argument("--micro_batch", type=int, default=32 if gpu else cpu_micro_batch)
     ap.add_argument("--repeats", type=int, default=10, help="timed updates (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed updates first")
+    ap.add_argument("--real", action="store_true", help="real packed blocks of the packaged English Bible, "
+                    "padded at their ends as training pads them (default: random ids, no padding)")
+    ap.add_argument("--dropout", action="store_true", help="keep the model's dropout (default: off)")
 
 
 def setup(args) -> tuple[ModelConfig, TrainConfig]:
-    """The model shape without dropout and a schedule at its peak lr, in a gloo/nccl world of one."""
+    """The model shape (without dropout unless --dropout) and a schedule at its peak lr, in a
+    gloo/nccl world of one."""
     from mmadapt.parallel import init_parallel
 
-    base = dataclasses.replace(SHAPES[args.shape], hidden_dropout=0.0, attention_dropout=0.0)
+    base = SHAPES[args.shape]
+    if not getattr(args, "dropout", False):
+        base = dataclasses.replace(base, hidden_dropout=0.0, attention_dropout=0.0)
     train = TrainConfig(seq_length=args.seq_length, train_micro_batch_size_per_gpu=args.micro_batch,
                         train_iters=10**6, lr=1e-4, lr_warmup_iters=1)
     init_parallel(1, 1)
@@ -69,6 +75,29 @@ def masked_batches(cfg: ModelConfig, micro: int, s: int, p: float, n: int, seed:
     return out
 
 
+def real_batches(cfg: ModelConfig, micro: int, s: int, p: float, n: int, seed: int = 0):
+    """n micro-batches of the blocks training reads: the packaged English Bible prepared once
+    (cached in the temp directory) with a tokenizer of min(V, 8000) pieces, packed into
+    FULL-SENTENCES blocks of s tokens, padded at the end, masked with probability p."""
+    import tempfile
+
+    from mmadapt.corpora import write_bible_corpus
+    from mmadapt.data import MANIFEST, MLMBatches, prepare
+
+    pieces = min(cfg.vocab_size, 8000)
+    root = Path(tempfile.gettempdir()) / f"mmadapt-bench-bible-en-{pieces}"
+    if not (root / "data" / MANIFEST).is_file():
+        prepare(write_bible_corpus("en", root / "en.txt"), root / "data", pieces, quiet=True)
+    data = MLMBatches(root / "data", s, cfg.vocab_size, seed, p, micro, 1)
+    return [data.micro_batch(k, 0) for k in range(n)]
+
+
+def padding_fraction(batches) -> float:
+    from mmadapt.tokens import PAD_ID
+
+    return sum(int(ids.eq(PAD_ID).sum()) for ids, _ in batches) / sum(ids.numel() for ids, _ in batches)
+
+
 def mask_fraction(batches) -> float:
     return sum(int(lab.ge(0).sum()) for _, lab in batches) / sum(lab.numel() for _, lab in batches)
 
@@ -77,7 +106,10 @@ def engine_update(engine, batches, num_heads: int):
     """One training update through mmadapt's loop per call, cycling through `batches`."""
     from mmadapt.train import train_step
 
-    cycle = itertools.cycle(batches)
+    from mmadapt.train import host_batch
+
+    # Host batches as train_mlm's prefetcher hands them over (pinned on a GPU).
+    cycle = itertools.cycle([host_batch(ids, labels, torch.cuda.is_available()) for ids, labels in batches])
     return lambda: train_step(engine, [next(cycle)], num_heads)
 
 

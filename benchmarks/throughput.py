@@ -2,7 +2,8 @@
 run and against the analytic FLOP ratios.
 
     python benchmarks/throughput.py               # CPU: h=256, ~3 min on 2 cores
-    python benchmarks/throughput.py --shape roberta-base --ds_config ds_configs/zero1_bf16.json   # GPU
+    python benchmarks/throughput.py --real --dropout     # real padded blocks, dropout on (as training)
+    python benchmarks/throughput.py --shape roberta-base --ds_config ds_configs/zero2_bf16.json   # GPU
 
 For each system and step (as in flops_validation.py) the median time of --repeats updates after
 warm-up is taken; achieved FLOP/s uses the exact count (mmadapt/flops.py, checked against
@@ -24,6 +25,8 @@ from common import (
     mask_fraction,
     masked_batches,
     median_time,
+    padding_fraction,
+    real_batches,
     setup,
     table,
     write_results,
@@ -48,7 +51,7 @@ def main(argv=None) -> None:
     gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_args(ap, cpu_micro_batch=16)
-    ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero1_bf16.json" if gpu else "zero1.json")))
+    ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero2_bf16.json" if gpu else "zero1.json")))
     ap.add_argument("--vendor", choices=sorted(DEVICE_TFLOPS), default="h100", help="GPU vendor peak to compare with")
     args = ap.parse_args(argv)
     base, train = setup(args)
@@ -57,8 +60,8 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float16 if ds.get("fp16", {}).get(
         "enabled") else torch.float32
     peak = matmul_peak(dtype, 8192 if gpu else 2048)
-    batches = masked_batches(base, b, s, train.mask_prob, 4)
-    p = mask_fraction(batches)
+    batches = (real_batches if args.real else masked_batches)(base, b, s, train.mask_prob, 4)
+    p, pad = mask_fraction(batches), padding_fraction(batches)
     rows = []
     for system, step, cfg, trainable in cases(base):
         engine, _, _ = mlm_engine(cfg, train, ds, MLMJob(step=step, trainable=trainable, trainable_layers=2))
@@ -89,18 +92,23 @@ def main(argv=None) -> None:
             ("tokens_per_s", "tokens/s"), ("achieved_tflops", "achieved TFLOP/s"), ("utilisation", "of matmul peak")]
     if gpu:
         cols.append(("vendor_utilisation", f"of {args.vendor} bf16 peak"))
+    data = (f"real Bible blocks, {pad:.1%} padding" if args.real else "random ids, no padding") + \
+        f", dropout {'on' if args.dropout else 'off'}"
     md = [f"# Training throughput ({device()}, {str(dtype).split('.')[-1]}, h={base.hidden_size}, V={base.vocab_size}, "
-          f"s={s}, batch {b}; matmul peak measured here: {peak / 1e12:.4g} TFLOP/s)", "", table(rows, cols), "",
+          f"s={s}, batch {b}, {data}; matmul peak measured here: {peak / 1e12:.4g} TFLOP/s)", "", table(rows, cols), "",
           table(ratios, [("pair", "pair"), ("measured_time_ratio", "measured time ratio"),
                          ("exact_flop_ratio", "exact FLOP ratio"), ("measured_over_exact", "measured / exact")]), "",
           f"- Step-2 BL_BASE/MINIJOINT measured ratio / exact FLOP ratio: {step2:.3f} (target >= 0.9: "
           f"{'met' if targets['step2_ratio_target_met'] else 'NOT met'})",
           f"- lowest utilisation of a Step-1/Step-2 update: {min_util:.1%} of the measured matmul peak (target >= 70%: "
           f"{'met' if targets['utilisation_target_met'] else 'NOT met'})"]
-    paths = write_results("throughput", {"shape": {"hidden_size": base.hidden_size, "vocab_size": base.vocab_size,
-                                                   "seq_length": s, "micro_batch": b, "dtype": str(dtype)},
-                                         "matmul_peak_flops": peak, "rows": rows, "ratios": ratios,
-                                         "targets": targets}, "\n".join(md))
+    name = "throughput" + ("_real" if args.real else "") + ("_dropout" if args.dropout else "")
+    paths = write_results(name, {"shape": {"hidden_size": base.hidden_size, "vocab_size": base.vocab_size,
+                                           "seq_length": s, "micro_batch": b, "dtype": str(dtype)},
+                                 "data": {"real": args.real, "padding_fraction": pad, "mask_fraction": p,
+                                          "dropout": args.dropout}, "ds_config": args.ds_config,
+                                 "matmul_peak_flops": peak, "rows": rows, "ratios": ratios,
+                                 "targets": targets}, "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")
 

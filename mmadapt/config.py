@@ -39,8 +39,10 @@ class ModelConfig:
         (), "one weight per MLM head, in head_layers order: the loss is sum(w_i * loss_i) / sum(w_i). Empty: "
         "the mean of the heads' losses (the paper's MINIJOINT: its two heads weighted equally)")
     attention_impl: str = _f(
-        "sdpa", "'sdpa' (fused scaled_dot_product_attention) or 'math' (explicit matmuls, "
-        "which torch's FLOP counter sees)")
+        "sdpa", "'sdpa' (fused scaled_dot_product_attention; a padded batch passes a mask, so on a GPU "
+        "it gets the memory-efficient kernel, not flash), 'varlen' (padded batches as jagged tensors "
+        "of their real tokens: flash's variable-length kernel on a GPU, nothing spent on padding) or "
+        "'math' (explicit matmuls, which torch's FLOP counter sees)")
     tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (megatron-core layers)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages (DeepSpeed PipelineModule)")
 
@@ -88,8 +90,8 @@ class ModelConfig:
         if pp > self.num_layers:
             raise ValueError(f"pipeline_model_parallel_size {pp} exceeds num_layers {self.num_layers}: "
                              "a stage must own at least one layer")
-        if self.attention_impl not in ("sdpa", "math"):
-            raise ValueError(f"attention_impl must be 'sdpa' or 'math', got {self.attention_impl!r}")
+        if self.attention_impl not in ("sdpa", "varlen", "math"):
+            raise ValueError(f"attention_impl must be 'sdpa', 'varlen' or 'math', got {self.attention_impl!r}")
         return self
 
     @property

@@ -22,7 +22,9 @@ Shapes (batch first throughout):
 from __future__ import annotations
 
 import math
+import warnings
 import zlib
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -154,7 +156,7 @@ class TransformerLayer(nn.Module):
         self.ffn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def attention(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, mask: "torch.Tensor | Jagged | None") -> torch.Tensor:
         b, s, _ = x.shape
         if x.requires_grad or not self.qkv.weight.requires_grad or not torch.is_grad_enabled():
             qkv, _ = self.qkv(x)  # [b, s, 3h/tp]
@@ -167,7 +169,9 @@ class TransformerLayer(nn.Module):
         p = self.attention_dropout if self.training else 0.0
         # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
         with MODEL_PARALLEL_RNG.fork(x.device):
-            if self.attention_impl == "sdpa":
+            if isinstance(mask, Jagged):
+                ctx = _varlen_attention(q, k, v, mask, p)
+            elif self.attention_impl in ("sdpa", "varlen"):
                 ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
             else:
                 scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # [b, np, s, s]
@@ -178,8 +182,8 @@ class TransformerLayer(nn.Module):
         out, _ = self.attn_out(ctx)  # [b, s, h], summed over TP ranks
         return out
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """x [b, s, h]; mask [b, 1, 1, s] bool, True = attend (`attention_mask`; None: no padding)."""
+    def forward(self, x: torch.Tensor, mask: "torch.Tensor | Jagged | None" = None) -> torch.Tensor:
+        """x [b, s, h]; mask: `attention_mask`'s (None: no padding)."""
         x = self.attn_layernorm(x + self.dropout(self.attention(x, mask)))
         f, _ = self.fc1(x)  # [b, s, ffn/tp]
         f, _ = self.fc2(F.gelu(f))  # [b, s, h]
@@ -217,16 +221,68 @@ def masked_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return masked_index, flat.index_select(0, masked_index)
 
 
-def attention_mask(input_ids: torch.Tensor, has_padding: bool | None) -> torch.Tensor | None:
-    """[b, 1, 1, s] bool, True where a key may be attended (not padding), built once for all
-    layers; or None when the batch has no padding: attention then gets no mask, which is what
-    lets SDPA choose its flash kernel on GPU. `has_padding` comes from the host
-    (train.host_batch); None asks the device, which makes the host wait for it (evaluation,
-    tests)."""
-    attend = input_ids.ne(PAD_ID)
-    if has_padding is None:
-        has_padding = not bool(attend.all())
-    return attend[:, None, None, :] if has_padding else None
+class Padding(NamedTuple):
+    """Where a batch's padding is, counted on the host (train.host_batch) so that no layer has to
+    ask the device: `any`, whether input_ids holds PAD_ID at all; `tokens`, how many positions
+    do not (T); `max_len`, the longest sequence without its padding."""
+    any: bool
+    tokens: int
+    max_len: int
+
+    @staticmethod
+    def of(input_ids: torch.Tensor) -> "Padding":
+        """Count on `input_ids` [b, s]: free on a host tensor, a device wait on a device one."""
+        lengths = input_ids.ne(PAD_ID).sum(1)
+        return Padding(bool(lengths.lt(input_ids.shape[1]).any()), int(lengths.sum()), int(lengths.max()))
+
+
+class Jagged(NamedTuple):
+    """The real tokens of a padded batch, for attention_impl "varlen": token_index [T], their flat
+    indices into b * s in row-major order (so each sequence's tokens are contiguous), and
+    offsets [b + 1], where each sequence starts among them."""
+    token_index: torch.Tensor
+    offsets: torch.Tensor
+    max_len: int
+
+
+def attention_mask(input_ids: torch.Tensor, padding: Padding | None, impl: str = "sdpa"):
+    """What every layer's attention needs to know about padding, built once per forward:
+    None when the batch has none (attention then gets no mask, which is what lets SDPA choose its
+    flash kernel on a GPU); for "varlen", the `Jagged` layout of the real tokens; otherwise
+    [b, 1, 1, s] bool, True where a key may be attended. `padding` comes from the host
+    (train.host_batch); None counts it here, which makes the host wait for the device
+    (evaluation, tests)."""
+    padding = Padding.of(input_ids) if padding is None else padding
+    if not padding.any:
+        return None
+    attend = input_ids.ne(PAD_ID)  # [b, s]
+    if impl != "varlen":
+        return attend[:, None, None, :]
+    # nonzero_static: the host already knows T, so the device need not report it.
+    token_index = torch.nonzero_static(attend.reshape(-1), size=padding.tokens).squeeze(1)
+    return Jagged(token_index, F.pad(attend.sum(1).cumsum(0), (1, 0)), padding.max_len)
+
+
+# torch warns that nested tensors are a prototype when its CPU fallback builds strided ones;
+# "varlen" uses the jagged layout, the one torch recommends.
+warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
+
+
+def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, jagged: Jagged, p: float) -> torch.Tensor:
+    """q, k, v [b, np, s, hd] -> context [b, np, s, hd] computed over the real tokens only, as
+    jagged (nested) tensors: on a GPU, SDPA runs them through its variable-length flash kernel
+    (dropout included) and spends nothing on padding; padded positions get a zero context.
+    Their outputs are never read (every loss and pooling skips padding), and no real token
+    attends to them, as with a mask."""
+    b, heads, s, hd = q.shape
+
+    def pack(x):  # [b, np, s, hd] -> jagged [b, np, j, hd]
+        real = x.transpose(1, 2).reshape(b * s, heads, hd).index_select(0, jagged.token_index)  # [T, np, hd]
+        return torch.nested.nested_tensor_from_jagged(real, jagged.offsets, max_seqlen=jagged.max_len).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(pack(q), pack(k), pack(v), dropout_p=p).transpose(1, 2).values()
+    full = out.new_zeros(b * s, heads, hd).index_copy(0, jagged.token_index, out)  # [b * s, np, hd]
+    return full.view(b, s, heads, hd).transpose(1, 2)
 
 
 class MLMHeads(nn.Module):
@@ -278,10 +334,10 @@ class RobertaEncoder(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, i, seed) for i in range(1, config.num_layers + 1))
 
     def encode(self, input_ids: torch.Tensor, layers: tuple[int, ...],
-               has_padding: bool | None = None) -> list[torch.Tensor]:
+               padding: Padding | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> the output [b, s, h] of each layer in `layers` (1-based, ascending).
-        has_padding: whether input_ids holds PAD_ID, known on the host (None: ask the device)."""
-        mask = attention_mask(input_ids, has_padding)
+        padding: input_ids' Padding, counted on the host (None: ask the device)."""
+        mask = attention_mask(input_ids, padding, self.config.attention_impl)
         x = self.embeddings(self.word_embeddings(input_ids))
         out = []
         for layer in self.layers:
@@ -298,19 +354,19 @@ class RobertaMLM(RobertaEncoder):
         super().__init__(config, seed)
         self.heads = MLMHeads(config, seed)
 
-    def hidden_states(self, input_ids: torch.Tensor, has_padding: bool | None = None) -> list[torch.Tensor]:
+    def hidden_states(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> the output [b, s, h] of each layer in head_layers."""
-        return self.encode(input_ids, self.config.heads_after, has_padding)
+        return self.encode(input_ids, self.config.heads_after, padding)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 masked_index: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                has_padding: bool | None = None):
+                padding: Padding | None = None):
         """input_ids [b, s] and either labels [b, s] (-100: not masked) or, prepared on the host so
-        that the step never waits for the device (train.to_device), masked_index [m] and
-        targets [m] (`masked_positions`) and has_padding -> (loss, per_head [num heads])."""
+        that the step never waits for the device (train.host_batch), masked_index [m] and
+        targets [m] (`masked_positions`) and padding -> (loss, per_head [num heads])."""
         if masked_index is None:
             masked_index, targets = masked_positions(labels)
-        return self.heads(self.hidden_states(input_ids, has_padding), masked_index, targets,
+        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets,
                           self.word_embeddings.weight)
 
 
@@ -350,18 +406,18 @@ class RobertaForTask(RobertaEncoder):
                     nn.init.zeros_(lin.bias)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def logits(self, input_ids: torch.Tensor, has_padding: bool | None = None) -> torch.Tensor:
-        x = self.encode(input_ids, (self.config.num_layers,), has_padding)[0]  # [b, s, h]
+    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> torch.Tensor:
+        x = self.encode(input_ids, (self.config.num_layers,), padding)[0]  # [b, s, h]
         if self.kind == "classify":
             return self.out(self.dropout(torch.tanh(self.dense(self.dropout(x[:, 0])))))  # [b, C]
         if self.kind == "tag":
             return self.out(self.dropout(x))  # [b, s, C]
         return self.out(x).masked_fill(input_ids.eq(PAD_ID)[..., None], float("-inf"))  # [b, s, 2]
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, has_padding: bool | None = None):
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, padding: Padding | None = None):
         """-> (loss or None, logits). The span loss is the mean of the start and end losses.
-        has_padding: as in RobertaEncoder.encode."""
-        logits = self.logits(input_ids, has_padding)
+        padding: as in RobertaEncoder.encode."""
+        logits = self.logits(input_ids, padding)
         if labels is None:
             return None, logits
         if self.kind == "span":

@@ -35,7 +35,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from mmadapt.config import ModelConfig
-from mmadapt.model import (EmbeddingPost, MLMHeads, TransformerLayer, WordEmbedding, attention_mask,
+from mmadapt.model import (EmbeddingPost, MLMHeads, Padding, TransformerLayer, WordEmbedding, attention_mask,
                            masked_positions)
 
 
@@ -50,13 +50,15 @@ class PipeTransformerLayer(TransformerLayer):
         super().__init__(config, layer_number, seed)
         # Carry this layer's output down the pipe if an intermediate head reads it.
         self.carry = layer_number in config.heads_after and layer_number != config.num_layers
-        # Whether any micro-batch of the current update holds padding, set from the host before
-        # each train_batch / eval_batch (set_host_batches); None: ask the device, per layer.
-        self.has_padding: bool | None = None
+        # The Padding of each micro-batch to come, in order, counted on the host
+        # (set_host_batches): a stage runs its forward passes in micro-batch order. Empty:
+        # count it on the device.
+        self.pending: collections.deque = collections.deque()
 
     def forward(self, inputs):
         hidden, input_ids, labels, *carried = inputs
-        hidden = super().forward(hidden, attention_mask(input_ids, self.has_padding))
+        padding = self.pending.popleft() if self.pending else None
+        hidden = super().forward(hidden, attention_mask(input_ids, padding, self.attention_impl))
         if self.carry:
             carried.append(hidden)
         return (hidden, input_ids, labels, *carried)
@@ -96,17 +98,15 @@ class PipeWordEmbedding(WordEmbedding):
         return (*inputs, self.weight)
 
 
-def set_host_batches(pipe: PipelineModule, has_padding: bool, masked: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def set_host_batches(pipe: PipelineModule, padding: list[Padding], masked: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Hand this rank's stage what the host knows about the micro-batches of the next
-    train_batch / eval_batch, so that no layer asks the device: whether any holds padding (one
-    flag for all of them: a mask on an unpadded micro-batch changes nothing but the kernel), and
-    each one's (masked_index, targets) on the device, for the heads of the last stage."""
+    train_batch / eval_batch, in their order, so that no layer asks the device: each one's
+    Padding, for the transformer layers, and its (masked_index, targets) on the device, for the
+    heads of the last stage."""
     for m in pipe.modules():
-        if isinstance(m, PipeTransformerLayer):
-            m.has_padding = has_padding
-        elif isinstance(m, PipeMLMHeads):
+        if isinstance(m, (PipeTransformerLayer, PipeMLMHeads)):
             m.pending.clear()
-            m.pending.extend(masked)
+            m.pending.extend(padding if isinstance(m, PipeTransformerLayer) else masked)
 
 
 def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> PipelineModule:

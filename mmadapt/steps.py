@@ -33,9 +33,9 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, FinetuneConfig, MiniModelConfig, ModelConfig,
                             PreprocessConfig, TrainConfig, to_dict)
 from mmadapt.corpora import resolve_corpus
+from mmadapt.model import Padding
 from mmadapt.sweep import SweepConfig
 from mmadapt.train import MLMJob, RunPaths, check_same_run, prepare_data, train_mlm, validate_run
-from mmadapt.tokens import PAD_ID
 
 
 def _with_layout(cfg: ModelConfig, layout: dict | None, allowed: tuple[str, ...] = LAYOUT_FIELDS) -> ModelConfig:
@@ -329,9 +329,9 @@ def _finetune(t, cfg: FinetuneConfig, model_cfg: ModelConfig, primary: Path, tag
             idx = [order(g) for g in micro_batch_range(step, j, cfg.train_micro_batch_size_per_gpu,
                                                        cfg.gradient_accumulation_steps, parallel.dp_rank(),
                                                        parallel.dp_world())]
-            ids = enc.input_ids[idx]  # has_padding decided here, on the host: no device sync per micro-batch
+            ids = enc.input_ids[idx]  # padding counted here, on the host: no device sync per micro-batch
             loss, _ = engine(ids.to(dev, non_blocking=True), enc.labels[idx].to(dev, non_blocking=True),
-                             has_padding=bool(ids.eq(PAD_ID).any()))
+                             padding=Padding.of(ids))
             engine.backward(loss)
             engine.step()
             loss_sum += loss.detach() / cfg.gradient_accumulation_steps

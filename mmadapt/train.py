@@ -32,7 +32,7 @@ from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TOKENIZER, VALID, ML
 from mmadapt.engine import (build_engine, is_pipeline, load_ds_config, mean_over_ranks, train_loop,
                             trainable_by_names, warmup_linear_decay)
 from mmadapt.flops import step_flops
-from mmadapt.tokens import PAD_ID
+from mmadapt.model import Padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,14 +208,14 @@ class HostBatch(NamedTuple):
     labels: torch.Tensor  # [b, s], -100 where not masked (the pipeline carries them)
     masked_index: torch.Tensor  # [m] flat indices into b * s of the masked positions
     targets: torch.Tensor  # [m]
-    has_padding: bool
+    padding: Padding
 
 
 def host_batch(input_ids: torch.Tensor, labels: torch.Tensor, pin: bool = False) -> HostBatch:
     """pin: page-locked copies, which the device reads asynchronously (non_blocking copies)."""
     from mmadapt.model import masked_positions
 
-    b = HostBatch(input_ids, labels, *masked_positions(labels), bool(input_ids.eq(PAD_ID).any()))
+    b = HostBatch(input_ids, labels, *masked_positions(labels), Padding.of(input_ids))
     return b._replace(**{k: getattr(b, k).pin_memory() for k in _TENSORS}) if pin else b
 
 
@@ -260,8 +260,7 @@ def _pipe_batches(engine, batches: list[HostBatch], dev) -> iter:
     from mmadapt.pipeline import set_host_batches
 
     on_dev = [to_device(b, dev) for b in batches]
-    set_host_batches(engine.module, any(b.has_padding for b in batches),
-                     [(b.masked_index, b.targets) for b in on_dev])
+    set_host_batches(engine.module, [b.padding for b in batches], [(b.masked_index, b.targets) for b in on_dev])
     return iter([((b.input_ids, b.labels), b.labels) for b in on_dev])
 
 
@@ -289,7 +288,7 @@ def mlm_step(engine, batches, num_heads: int) -> torch.Tensor:
     per_head = torch.zeros(num_heads, device=dev)
     for b in map(functools.partial(to_device, dev=dev), batches):
         loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
-                                  has_padding=b.has_padding)
+                                  padding=b.padding)
         engine.backward(loss)
         engine.step()
         per_head += heads_loss / len(batches)
@@ -310,7 +309,7 @@ def mlm_eval(engine, batches, num_heads: int) -> torch.Tensor:
         per_head = torch.zeros(num_heads, device=dev)
         for b in map(functools.partial(to_device, dev=dev), batches):
             per_head += engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
-                               has_padding=b.has_padding)[1] / len(batches)
+                               padding=b.padding)[1] / len(batches)
         return per_head
     finally:
         engine.train()

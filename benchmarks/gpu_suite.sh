@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU benchmark suite: one command, one GPU, about 10 minutes; dated results files land in
+# benchmarks/results/ (<name>_<gpu>_<yyyymmdd>.{json,md}).
+#
+#   bash benchmarks/gpu_suite.sh                 # on a machine with one GPU
+#   SMOKE=1 bash benchmarks/gpu_suite.sh         # the same scripts at CPU scale, a few repeats
+#                                                # (checks the suite runs; its numbers mean nothing)
+#
+# What it measures (roberta-base, bf16, s=512, micro-batch 32 on a GPU):
+#   1. Step 1 (BL_BASE, BL_SMALL, MINIJOINT), Step 1b (MINIPOST) and Step 2 (BL_BASE, MINIJOINT,
+#      MINIPOST) on real packed Bible blocks with their padding and dropout on, under ZeRO-2:
+#      time per update, tokens/s, achieved TFLOP/s (exact FLOP count) against the measured matmul
+#      peak and the vendor's bf16 peak; eager, then --fusion compile.
+#   2. One transformer layer, forward + backward, eager against torch.compile, padded and not.
+#   3. Step-4 evaluation: wall time per (artifact, seed) on a 5,010-example set, and the time
+#      spent outside the forward passes.
+#   4. The same Step-2 work in Hugging Face transformers' RobertaForMaskedLM (if installed).
+# Each script prints its table and the paths it wrote; a failing one does not stop the others,
+# and the suite exits non-zero if any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -n "${SMOKE:-}" ]; then
+    QUICK=(--repeats 2 --warmup 1)
+    EVAL_ARGS=(--examples 200)
+else
+    if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "error: no CUDA device visible to torch: run on a GPU machine (or SMOKE=1 for a CPU check)" >&2
+        exit 2
+    fi
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv || true
+    QUICK=()
+    EVAL_ARGS=(--examples 5010 --shape roberta-base)
+fi
+python -c "import torch, deepspeed, megatron.core; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
+
+failed=()
+run() {  # run NAME CMD...: time it, keep going on failure
+    echo; echo "=== $1: ${*:2}"
+    local t0=$SECONDS
+    if "${@:2}"; then echo "=== $1: done in $((SECONDS - t0)) s"; else echo "=== $1: FAILED"; failed+=("$1"); fi
+}
+
+run throughput-eager   python benchmarks/throughput.py --real --dropout --fusion none "${QUICK[@]}"
+run throughput-compile python benchmarks/throughput.py --real --dropout --fusion compile "${QUICK[@]}"
+run layer              python benchmarks/layer_speed.py --dropout "${QUICK[@]}"
+run eval               python benchmarks/eval_overhead.py "${EVAL_ARGS[@]}"
+if python -c "import transformers" 2>/dev/null; then
+    run vs-hf          python benchmarks/vs_hf.py "${QUICK[@]}"
+else
+    echo "transformers is not installed: skipping vs_hf.py (pip install -e '.[hf]')"
+fi
+
+echo
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "failed: ${failed[*]}"
+    exit 1
+fi
+echo "all benchmarks written to benchmarks/results/"
