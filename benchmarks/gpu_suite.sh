@@ -10,7 +10,8 @@
 #   1. Step 1 (BL_BASE, BL_SMALL, MINIJOINT), Step 1b (MINIPOST) and Step 2 (BL_BASE, MINIJOINT,
 #      MINIPOST) on real packed Bible blocks with their padding and dropout on, under ZeRO-2:
 #      time per update, tokens/s, achieved TFLOP/s (exact FLOP count) against the measured matmul
-#      peak and the vendor's bf16 peak; eager, then --fusion compile.
+#      peak and the vendor's bf16 peak; eager with a padding mask (all seven cases), eager with
+#      --attention_impl varlen, then varlen with --fusion compile (the five cases above).
 #   2. One transformer layer, forward + backward, eager against torch.compile, padded and not.
 #   3. Step-4 evaluation: wall time per (artifact, seed) on a 5,010-example set, and the time
 #      spent outside the forward passes.
@@ -41,8 +42,11 @@ run() {  # run NAME CMD...: time it, keep going on failure
     if "${@:2}"; then echo "=== $1: done in $((SECONDS - t0)) s"; else echo "=== $1: FAILED"; failed+=("$1"); fi
 }
 
-run throughput-eager   python benchmarks/throughput.py --real --dropout --fusion none "${QUICK[@]}"
-run throughput-compile python benchmarks/throughput.py --real --dropout --fusion compile "${QUICK[@]}"
+CASES=(--only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt minipost:adapt)
+run throughput-eager   python benchmarks/throughput.py --real --dropout "${QUICK[@]}"
+run throughput-varlen  python benchmarks/throughput.py --real --dropout --attention_impl varlen "${CASES[@]}" "${QUICK[@]}"
+run throughput-compile python benchmarks/throughput.py --real --dropout --attention_impl varlen --fusion compile \
+                           "${CASES[@]}" "${QUICK[@]}"
 run layer              python benchmarks/layer_speed.py --dropout "${QUICK[@]}"
 run eval               python benchmarks/eval_overhead.py "${EVAL_ARGS[@]}"
 if python -c "import transformers" 2>/dev/null; then

@@ -8,7 +8,7 @@ Eager is `mmadapt.model.TransformerLayer` as the model runs it; compiled is the 
 `torch.compile` (what `--fusion compile` applies to each layer): inductor fuses the bias adds,
 GELU, dropout, residual adds and LayerNorms that eager launches one by one. "padded" blocks carry
 the attention mask of blocks that end in padding (SDPA then cannot use its flash kernel on a
-GPU); "unpadded" ones carry none. Median of --repeats after --warmup (compilation happens in
+GPU), or the jagged layout of attention_impl "varlen"; "unpadded" ones carry none. Median of --repeats after --warmup (compilation happens in
 the warm-up and is reported separately).
 """
 
@@ -21,8 +21,9 @@ import time
 import torch
 from common import SHAPES, add_run_args, median_time, table, write_results
 
-from mmadapt.model import TransformerLayer
+from mmadapt.model import Padding, TransformerLayer, attention_mask
 from mmadapt.parallel import device, seed_everything
+from mmadapt.tokens import NUM_SPECIAL, PAD_ID
 
 
 def layer_step(layer, x, mask):
@@ -43,14 +44,17 @@ def main(argv=None) -> None:
     b, s = args.micro_batch, args.seq_length
     seed_everything(0)
     x = torch.randn(b, s, cfg.hidden_size, device=dev, dtype=dtype, requires_grad=True)
-    mask = torch.ones(b, 1, 1, s, dtype=torch.bool, device=dev)
-    mask[..., s - s // 16:] = False  # the last 1/16 of each block is padding
+    ids = torch.full((b, s), NUM_SPECIAL, device=dev)
+    ids[:, s - s // 16:] = PAD_ID  # the last 1/16 of each block is padding
+    padding = Padding.of(ids.cpu())
+    masks = {"padded, mask": attention_mask(ids, padding, "sdpa"),
+             "padded, varlen": attention_mask(ids, padding, "varlen"), "unpadded": None}
     rows = []
     for fused in (False, True):
         layer = TransformerLayer(cfg, 1).to(dev, dtype).train()
         if fused:
             layer.compile()
-        for name, m in (("padded", mask), ("unpadded", None)):
+        for name, m in masks.items():
             t0 = time.perf_counter()
             layer_step(layer, x, m)()  # the first call compiles
             first = time.perf_counter() - t0
@@ -60,10 +64,12 @@ def main(argv=None) -> None:
     eager = {r["blocks"]: r["ms"] for r in rows if r["path"] == "eager"}
     for r in rows:
         r["speedup_vs_eager"] = eager[r["blocks"]] / r["ms"]
+        r["vs_eager_padded_mask"] = eager["padded, mask"] / r["ms"]
     md = [f"# One layer forward + backward ({dev}, {str(dtype).split('.')[-1]}, h={cfg.hidden_size}, "
           f"ffn={cfg.ffn_hidden_size}, s={s}, batch {b}, dropout {'on' if args.dropout else 'off'})", "",
           table(rows, [("path", "path"), ("blocks", "blocks"), ("ms", "ms fwd+bwd"),
-                       ("speedup_vs_eager", "vs eager"), ("first_call_s", "first call s (compile)")])]
+                       ("speedup_vs_eager", "vs eager, same blocks"), ("vs_eager_padded_mask", "vs eager padded+mask"),
+                       ("first_call_s", "first call s (compile)")])]
     paths = write_results("layer_speed", {"shape": dataclasses.asdict(cfg), "seq_length": s, "micro_batch": b,
                                           "dtype": str(dtype), "dropout": args.dropout, "rows": rows}, "\n".join(md))
     print("\n".join(md))
