@@ -20,6 +20,10 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help}, **kw)
 
 
+# ModelConfig.fusion's values (mmadapt/fusion.py applies them).
+FUSIONS = ("none", "compile")
+
+
 @dataclass
 class ModelConfig:
     num_layers: int = _f(12, "number of transformer layers")
@@ -43,6 +47,9 @@ class ModelConfig:
         "it gets the memory-efficient kernel, not flash), 'varlen' (padded batches as jagged tensors "
         "of their real tokens: flash's variable-length kernel on a GPU, nothing spent on padding) or "
         "'math' (explicit matmuls, which torch's FLOP counter sees)")
+    fusion: str = _f(
+        "none", "'none' (eager: the CPU default and the reference in tests) or 'compile' (torch.compile of "
+        "each transformer layer and of the MLM heads, in place: parameter names and checkpoints unchanged)")
     tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (megatron-core layers)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages (DeepSpeed PipelineModule)")
 
@@ -92,6 +99,8 @@ class ModelConfig:
                              "a stage must own at least one layer")
         if self.attention_impl not in ("sdpa", "varlen", "math"):
             raise ValueError(f"attention_impl must be 'sdpa', 'varlen' or 'math', got {self.attention_impl!r}")
+        if self.fusion not in FUSIONS:
+            raise ValueError(f"fusion must be one of {', '.join(map(repr, FUSIONS))}, got {self.fusion!r}")
         return self
 
     @property
@@ -177,8 +186,10 @@ class OptimizerConfig:
 
 # What a --resume may change: when and how often to log, evaluate, save and stop. Everything
 # else (data, tokenizer, model, batch sizes, seed, schedule) belongs to the run being resumed.
+# And `fusion`: it changes which kernels compute the same model (equal in fp32 to rounding,
+# tests/test_fusion.py; compiled dropout draws its masks differently), not what is trained.
 CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_interval", "eval_iters",
-                        "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_size", "metric")
+                        "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_size", "metric", "fusion")
 
 
 @dataclass
@@ -301,7 +312,7 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
 
 # ModelConfig fields that Steps 1b, 2 and 3 may set; the architecture itself is the source run's.
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "hidden_dropout",
-                 "attention_dropout", "attention_impl")
+                 "attention_dropout", "attention_impl", "fusion")
 # The DeepSpeed JSON a run uses unless told otherwise.
 DEFAULT_DS_CONFIG = Path(__file__).resolve().parents[1] / "ds_configs" / "zero1.json"
 

@@ -310,13 +310,14 @@ def _finetune(t, cfg: FinetuneConfig, model_cfg: ModelConfig, primary: Path, tag
     from mmadapt import finetune as F
     from mmadapt.data import EpochOrder, micro_batch_range
     from mmadapt.engine import build_engine, train_loop, trainable_by_names, warmup_linear_decay
+    from mmadapt.fusion import apply_fusion
 
     rank = dist.get_rank()
 
     # --- model: primary weights, a seeded task head, word embeddings frozen
     parallel.seed_everything(cfg.seed)
     _, state = F.primary_state(primary, tag)
-    module = F.task_model(model_cfg, t, len(labels), cfg.seed)
+    module = apply_fusion(F.task_model(model_cfg, t, len(labels), cfg.seed), model_cfg)
     names = {n: n for n, _ in module.named_parameters()}
     engine, dims = build_engine(module, names, trainable_by_names(F.FINETUNE_TRAINABLE), cfg, lr,
                                 warmup_linear_decay(round(cfg.warmup_ratio * updates), updates), ds, state)

@@ -193,7 +193,10 @@ def build_mlm(model_cfg: ModelConfig, seed: int) -> tuple[torch.nn.Module, dict[
 def mlm_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict, job: MLMJob = MLMJob(),
                init_state: dict | None = None):
     """-> (engine, names, tp_partition_dims). parallel.init_parallel must have run."""
+    from mmadapt.fusion import apply_fusion
+
     module, names = build_mlm(model_cfg, train.seed)
+    apply_fusion(module, model_cfg)
     engine, dims = build_engine(module, names, trainable_by_names(job.trainable), train, train.lr,
                                 warmup_linear_decay(train.lr_warmup_iters, train.train_iters), ds_config,
                                 init_state)

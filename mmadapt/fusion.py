@@ -1,0 +1,100 @@
+"""Fused execution of a plain model, chosen at construction (ModelConfig.fusion).
+
+Like torchtitan's `apply_compile`, fusion is applied *to* a built model (model.py's RobertaMLM or
+RobertaForTask, or this rank's pipeline stage from pipeline.py) and changes no module, parameter
+name or state-dict key: `module.compile()` compiles a module's call in place. The eager model
+stays the default and the reference that tests compare against (tests/test_fusion.py: equal
+losses and gradients in fp32 to rounding).
+
+fusion "compile": torch.compile (TorchInductor) of
+  - each TransformerLayer: bias + GELU, dropout + residual add + LayerNorm, and the FFN between
+    them become a few generated kernels instead of one kernel per op. Every layer runs the same
+    code, so the layers share their compiled graphs (parameters are graph inputs).
+  - the MLM heads: the container (MLMHeads: every head's projection and cross-entropy) and each
+    MLMHead (dense -> GELU -> LayerNorm -> tied projection). While MLMHeads selects the masked
+    rows with a boolean mask (a data-dependent shape, which dynamo does not trace), its loop
+    runs eagerly and only each head's projection is compiled; given precomputed masked indices
+    the whole container is one graph, projections and losses of every head together.
+  - not the task head of RobertaForTask: it is a few small ops on [b, h] (or [b, s, C]) written
+    inline in RobertaForTask.logits, not a module of its own; compiling it would mean compiling
+    the whole model, layers and all, as one graph. Its layers are compiled as above.
+
+Choices, and why:
+  - Graph breaks are allowed (fullgraph=False). The model-parallel RNG fork around the attention
+    core (model.TransformerLayer.attention: it swaps the CPU/CUDA generator state) is one in every
+    layer: the attention core runs eagerly inside it, so its dropout draws from the per-rank
+    stream exactly as in eager mode (and SDPA is a fused kernel already). Everything after it,
+    where the fusable elementwise work is (attention-out, dropout, residual, LayerNorm, FFN), is
+    one graph. With tensor parallelism megatron-core's autograd functions and collectives may
+    break graphs too; the layer stays correct (tests/test_fusion.py runs TP 2 against eager).
+  - Shapes are dynamic only where they vary ("automatic dynamic", torch's default): the layers
+    see a fixed [b, s, h] in training, while the heads see [m, h] with m the number of masked
+    positions, different in every micro-batch. The first call compiles for its m, the second
+    recompiles with m symbolic, and no later batch recompiles (a test counts the compilations).
+    Padding m to a fixed size would waste head FLOPs; marking every dimension dynamic from the
+    start would make the hidden size symbolic as well.
+  - Dropout in compiled graphs draws its masks from Inductor's own generator (seeded from torch's,
+    so a run is deterministic for a given seed), not the eager masks: with dropout on, compiled and
+    eager runs are equally valid but not equal.
+  - megatron-core's fused bias-GELU (`bias_gelu_impl`) is not used: it is the tanh approximation of
+    GELU, and RoBERTa's is the exact (erf) GELU, so it would change the model (about 1e-3 per
+    activation). Inductor fuses the exact GELU with the bias add instead.
+  - Transformer Engine is not offered: it is not installed where this was written and tested.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmadapt.config import ModelConfig
+from mmadapt.model import MLMHead, MLMHeads, TransformerLayer
+
+# Compiled module kinds (pipeline.py's stage classes are subclasses of these).
+COMPILED = (TransformerLayer, MLMHeads, MLMHead)
+
+# Each compiled function keeps one graph per combination of what its guards check: grad mode
+# (training or no_grad evaluation), padding or none (key_padding is None), which of its inputs and
+# parameters need gradients (frozen layers, the lowest trainable one, trainable ones: Step 1b),
+# static then dynamic shapes. A process can meet more than torch's default of 8, and past the
+# limit dynamo silently runs the function eagerly.
+RECOMPILE_LIMIT = 64
+
+
+def _check_cpp_compiler() -> None:
+    """Inductor builds its CPU kernels with a C++ compiler: say so before the first step fails."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except Exception as e:
+        raise ValueError(f"fusion 'compile' on CPU needs a C++ compiler for TorchInductor ({e}): install g++ "
+                         "(or set CXX), or use --fusion none") from None
+
+
+def apply_fusion(model: nn.Module, config: ModelConfig) -> nn.Module:
+    """Apply `config.fusion` to `model` in place (a RobertaMLM, a RobertaForTask or a pipeline
+    stage) and return it. Call it before the model is wrapped by DeepSpeed: the engine then
+    calls the compiled modules like any others."""
+    if config.fusion == "none":
+        return model
+    if config.fusion != "compile":
+        raise ValueError(f"unknown fusion {config.fusion!r}")
+    if not torch.cuda.is_available():
+        _check_cpp_compiler()
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    if config.pipeline_model_parallel_size > 1:
+        # DeepSpeed's pipeline runs one backward per floating-point tensor that a stage sends on
+        # (two with MINIJOINT's carried activation), all but the last with retain_graph=True.
+        # AOTAutograd's donated buffers (saved activations reused as gradient storage) allow a
+        # compiled backward to run once only.
+        torch._functorch.config.donated_buffer = False
+    for module in model.modules():
+        if isinstance(module, COMPILED):
+            module.compile()
+    return model
+
+
+def is_fused(model: nn.Module) -> bool:
+    """True if `apply_fusion` compiled any module of `model`."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
