@@ -1,0 +1,283 @@
+"""Fused execution (ModelConfig.fusion, mmadapt/fusion.py) against the eager model, the reference.
+
+With dropout off, compiled and eager models give the same losses and gradients in fp32 (to
+rounding, rtol 1e-5) in each step's training setting: Step 1 MINIJOINT (two heads, everything
+trained), Step 1b MINIPOST (lower layers frozen), Step 2 (word embeddings and output bias only),
+Step 3 (a task model, word embeddings frozen), and launched two-rank runs under tensor and
+pipeline parallelism. With dropout on, the compiled model trains and is deterministic for a
+seed. TorchInductor builds C++ kernels on first use (tens of seconds on 2 cores), so every test
+that compiles is slow; the config, CLI and resume checks are not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import NO_DROPOUT, base_args, masked_batch, metrics, run_pretrain
+from mmadapt.config import PRESETS, ModelConfig, TrainConfig, to_dict
+from mmadapt.engine import trainable_by_names
+from mmadapt.fusion import apply_fusion, is_fused
+from mmadapt.model import MLMHead, MLMHeads, RobertaForTask, RobertaMLM, TransformerLayer
+from mmadapt.tokens import IGNORE_INDEX, PAD_ID
+
+# Two layers keep compile time down; heads after both: MINIJOINT's shape with N = 1.
+TWO_HEADS = dataclasses.replace(PRESETS["tiny"][0], num_layers=2, head_layers=(1, 2), hidden_dropout=0.0,
+                                attention_dropout=0.0)
+
+
+def _compiled(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, fusion="compile")
+
+
+# --- config, CLI, resume (no compilation) ---------------------------------------------------------------
+
+def test_fusion_is_validated_in_one_line():
+    assert TWO_HEADS.fusion == "none"  # eager is the default
+    _compiled(TWO_HEADS).validate()
+    with pytest.raises(ValueError, match=r"^fusion must be one of 'none', 'compile', got 'inductor'$"):
+        dataclasses.replace(TWO_HEADS, fusion="inductor").validate()
+
+
+def test_fusion_is_a_flag_of_every_training_command():
+    from mmadapt.cli import adapt_parser, configs_from_args, finetune_parser, minipost_parser, pretrain_parser
+
+    args = pretrain_parser().parse_args(["--corpus", "x", "--output_dir", "y", "--fusion", "compile"])
+    assert configs_from_args(args)[0].fusion == "compile"
+    assert configs_from_args(pretrain_parser().parse_args(["--corpus", "x", "--output_dir", "y"]))[0].fusion == "none"
+    # Later steps take it as a layout setting (config.LAYOUT_FIELDS), over the source run's.
+    for parser, required in ((minipost_parser, ["--primary", "p"]), (adapt_parser, ["--system", "bl_base",
+                             "--source", "s", "--lang", "de"]), (finetune_parser, ["--task", "xnli", "--primary", "p"])):
+        args = parser().parse_args([*required, "--output_dir", "y", "--fusion", "compile"])
+        assert args.fusion == "compile", parser.__name__
+
+
+def test_a_resume_may_switch_fusion_and_old_records_resume(tmp_path):
+    """run.json files written before `fusion` existed resume with either value; the check still
+    refuses a changed model setting."""
+    import json
+
+    from mmadapt.train import check_same_run, recorded_defaults
+
+    assert recorded_defaults()["model.fusion"] == "none"
+    model, train = to_dict(TWO_HEADS), to_dict(TrainConfig())
+    old = {"model": {k: v for k, v in model.items() if k != "fusion"}, "train": train}
+    (tmp_path / "run.json").write_text(json.dumps(old))
+    for fusion in ("none", "compile"):
+        check_same_run(tmp_path / "run.json", {"model": {**model, "fusion": fusion}, "train": train})
+    (tmp_path / "run.json").write_text(json.dumps({"model": {**model, "fusion": "compile"}, "train": train}))
+    check_same_run(tmp_path / "run.json", {"model": {**model, "fusion": "none"}, "train": train})
+    with pytest.raises(ValueError, match="model.attention_impl is math here but sdpa"):
+        check_same_run(tmp_path / "run.json", {"model": {**model, "attention_impl": "math"}, "train": train})
+
+
+def test_compile_marks_layers_and_heads_in_place():
+    eager = RobertaMLM(TWO_HEADS, seed=1)
+    assert apply_fusion(eager, TWO_HEADS) is eager and not is_fused(eager)  # "none": untouched
+    fused = apply_fusion(RobertaMLM(TWO_HEADS, seed=1), _compiled(TWO_HEADS))
+    compiled = {type(m) for m in fused.modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    assert compiled == {TransformerLayer, MLMHeads, MLMHead}
+    assert sum(getattr(m, "_compiled_call_impl", None) is not None for m in fused.modules()) == 2 + 1 + 2
+    # Same parameter names and values: checkpoints and starting weights load as they are.
+    assert list(fused.state_dict()) == list(eager.state_dict())
+    for (name, a), b in zip(eager.state_dict().items(), fused.state_dict().values()):
+        assert torch.equal(a, b), name
+    task = apply_fusion(RobertaForTask(_compiled(TWO_HEADS), "classify", 3, seed=1), _compiled(TWO_HEADS))
+    assert {type(m) for m in task.modules() if getattr(m, "_compiled_call_impl", None) is not None} == \
+        {TransformerLayer}
+
+
+# --- compiled against eager, in process -------------------------------------------------------------
+
+def _padded(ids: torch.Tensor, labels: torch.Tensor, pad: int = 5):
+    """The batch with its last `pad` positions turned into padding (attention masks them)."""
+    ids, labels = ids.clone(), labels.clone()
+    ids[:, -pad:], labels[:, -pad:] = PAD_ID, IGNORE_INDEX
+    return ids, labels
+
+
+def _batches(vocab: int, n: int = 5) -> list:
+    """Micro-batches with a different number of masked positions each; every third padded."""
+    out = [masked_batch(vocab, b=4, s=32, seed=k) for k in range(n)]
+    return [_padded(*b) if k % 3 == 2 else b for k, b in enumerate(out)]
+
+
+def _freeze(model: torch.nn.Module, trainable) -> None:
+    for name, p in model.named_parameters():
+        p.requires_grad_(trainable(name))
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _compare(eager, fused, batches, trainable_names: set[str]) -> list[int]:
+    """Loss and every gradient of each batch, fused against eager. Returns the number of
+    compiled graphs after each batch."""
+    graphs = []
+    for ids, labels in batches:
+        for m in (eager, fused):
+            m.zero_grad(set_to_none=True)
+        loss_e, loss_f = eager(ids, labels)[0], fused(ids, labels)[0]
+        loss_e.backward()
+        loss_f.backward()
+        torch.testing.assert_close(loss_f, loss_e, rtol=1e-5, atol=1e-6)
+        with_grad = set()
+        for (name, p_e), p_f in zip(eager.named_parameters(), fused.parameters()):
+            assert (p_e.grad is None) == (p_f.grad is None), name
+            if p_e.grad is not None:
+                with_grad.add(name)
+                torch.testing.assert_close(p_f.grad, p_e.grad, rtol=1e-5, atol=1e-7, msg=name)
+        assert with_grad == trainable_names  # the freezing is real in both
+        graphs.append(_graphs())
+    return graphs
+
+
+def _check_pair(build, cfg: ModelConfig, trainable, batches) -> list[int]:
+    eager, fused = build(cfg), apply_fusion(build(_compiled(cfg)), _compiled(cfg))
+    assert is_fused(fused)
+    for m in (eager, fused):
+        _freeze(m, trainable)
+    names = {n for n, p in eager.named_parameters() if p.requires_grad}
+    # Past dynamo's recompile limit a function would silently run eagerly: make it an error here.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        return _compare(eager, fused, batches, names)
+
+
+@pytest.mark.slow
+def test_minijoint_compiled_equals_eager_and_does_not_recompile_per_batch():
+    """Step 1: two heads, everything trained; then evaluation (no_grad, eval mode)."""
+    batches = _batches(TWO_HEADS.vocab_size, 6)
+    assert len({int(labels.ge(0).sum()) for _, labels in batches}) == 6  # m differs in every batch
+    graphs = _check_pair(lambda c: RobertaMLM(c, seed=1), TWO_HEADS, trainable_by_names(None), batches)
+    # The heads see [m, h]: the second batch recompiles them with m symbolic, the first padded
+    # one (the third) adds the masked-attention graphs; later batches, padded or not, reuse them.
+    assert graphs[2] == graphs[3] == graphs[4] == graphs[5], graphs
+    eager, fused = RobertaMLM(TWO_HEADS, seed=1).eval(), apply_fusion(RobertaMLM(TWO_HEADS, seed=1),
+                                                                        _compiled(TWO_HEADS)).eval()
+    with torch.no_grad(), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for ids, labels in _batches(TWO_HEADS.vocab_size, 3):
+            le, he = eager(ids, labels)
+            lf, hf = fused(ids, labels)
+            torch.testing.assert_close(lf, le, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(hf, he, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_minipost_freezing_compiled_equals_eager():
+    """Step 1b: N = 1 copied layer, embeddings and head frozen, K = 2 new layers trained (the
+    lowest trainable layer skips megatron's input gradient: a path of its own)."""
+    from mmadapt.adapt import minipost_trainable
+
+    cfg = dataclasses.replace(TWO_HEADS, num_layers=3, head_layers=())
+    _check_pair(lambda c: RobertaMLM(c, seed=1), cfg, trainable_by_names(minipost_trainable(1, 2)),
+                _batches(cfg.vocab_size, 4))
+
+
+@pytest.mark.slow
+def test_step2_embeddings_only_compiled_equals_eager():
+    """Step 2: only the word embeddings (tied to the output projection) and the output bias."""
+    from mmadapt.adapt import ADAPT_TRAINABLE
+
+    cfg = dataclasses.replace(TWO_HEADS, head_layers=())
+    _check_pair(lambda c: RobertaMLM(c, seed=1), cfg, trainable_by_names(ADAPT_TRAINABLE),
+                _batches(cfg.vocab_size, 4))
+
+
+@pytest.mark.slow
+def test_task_model_compiled_equals_eager():
+    """Step 3: a classifier on the primary model, word embeddings frozen, padded examples."""
+    from mmadapt.finetune import FINETUNE_TRAINABLE
+
+    cfg = dataclasses.replace(TWO_HEADS, head_layers=())
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for pad in (3, 7, 1):  # padding differs per batch (fine-tuning pads each example to seq_length)
+        ids = torch.randint(5, cfg.vocab_size, (4, 32), generator=g)
+        ids[:, -pad:] = PAD_ID
+        batches.append((ids, torch.randint(0, 3, (4,), generator=g)))
+    _check_pair(lambda c: RobertaForTask(c, "classify", 3, seed=1), cfg, trainable_by_names(FINETUNE_TRAINABLE),
+                batches)
+
+
+@pytest.mark.slow
+def test_compiled_dropout_trains_and_is_deterministic_per_seed():
+    from mmadapt.parallel import seed_everything
+
+    cfg = _compiled(dataclasses.replace(TWO_HEADS, hidden_dropout=0.1, attention_dropout=0.1))
+    ids, labels = masked_batch(cfg.vocab_size, b=4, s=32, seed=0)
+
+    def train(seed: int) -> list[float]:
+        seed_everything(seed)
+        model = apply_fusion(RobertaMLM(cfg, seed=1), cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(4):
+            loss, _ = model(ids, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    first, again, other = train(0), train(0), train(1)
+    assert all(math.isfinite(x) for x in first + other)
+    assert first == again  # bit for bit
+    assert first != other  # the seed reaches the dropout masks: dropout is on in the compiled graphs
+    assert first[-1] < first[0]  # it learns the batch
+
+
+# --- launched two-rank runs: --fusion compile against --fusion none -------------------------------------
+
+STEPS = 3
+# Four layers (heads after 2 and 4): the pipeline's second head sits on its first stage.
+SHAPE = ["--recipe", "minijoint", "--num_layers", "4", "--mini_layers", "2"]
+LAYOUTS = {"tp2": ["--tensor_model_parallel_size", "2"], "pp2": ["--pipeline_model_parallel_size", "2"]}
+
+
+def _args(corpus, tokenizer, out, *extra):
+    return base_args(corpus, tokenizer, out, *SHAPE, "--train_iters", str(STEPS), "--log_interval", "1",
+                     "--train_micro_batch_size_per_gpu", "8", "--gradient_accumulation_steps", "2", *NO_DROPOUT,
+                     *extra)
+
+
+@pytest.fixture(scope="module")
+def eager_tp2(corpus, tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eager_tp2")
+    run_pretrain(2, *_args(corpus, tokenizer, out / "run", *LAYOUTS["tp2"], "--fusion", "none"),
+                 env={"TORCHINDUCTOR_CACHE_DIR": str(out / "inductor")})
+    return out
+
+
+def _losses(rows) -> np.ndarray:
+    return np.array([[r["loss"], r["head_losses"]["2"], r["head_losses"]["4"]] for r in rows])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_launched_compiled_run_matches_eager(layout, eager_tp2, corpus, tokenizer, tmp_path):
+    import json
+
+    from mmadapt.checkpoint import load_full_state_dict
+
+    # A cache of the run's own: its generated kernels show that Inductor compiled (the eager run
+    # wrote none).
+    cache = tmp_path / "inductor"
+    run_pretrain(2, *_args(corpus, tokenizer, tmp_path / "run", *LAYOUTS[layout], "--fusion", "compile"),
+                 env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    assert any(cache.rglob("*.py")) and not any((eager_tp2 / "inductor").rglob("*.py"))
+    eager_tp2 = eager_tp2 / "run"
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["model"]["fusion"] == "compile"
+    got, ref = metrics(tmp_path / "run"), metrics(eager_tp2)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose(_losses(got), _losses(ref), rtol=1e-5)
+    mine, theirs = load_full_state_dict(tmp_path / "run" / "checkpoints"), load_full_state_dict(eager_tp2 / "checkpoints")
+    assert sorted(mine) == sorted(theirs)
+    for name, w in theirs.items():
+        torch.testing.assert_close(mine[name], w, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name} differs")
