@@ -13,8 +13,9 @@ fusion "compile": torch.compile (TorchInductor) of
   - the MLM heads: the container (MLMHeads: every head's projection and cross-entropy) and each
     MLMHead (dense -> GELU -> LayerNorm -> tied projection). While MLMHeads selects the masked
     rows with a boolean mask (a data-dependent shape, which dynamo does not trace), its loop
-    runs eagerly and only each head's projection is compiled; given precomputed masked indices
-    the whole container is one graph, projections and losses of every head together.
+    runs eagerly and only each head's projection is compiled. Given precomputed masked indices
+    instead, the container should become one graph, projections and losses of every head
+    together (to be checked when MLMHeads takes them).
   - not the task head of RobertaForTask: it is a few small ops on [b, h] (or [b, s, C]) written
     inline in RobertaForTask.logits, not a module of its own; compiling it would mean compiling
     the whole model, layers and all, as one graph. Its layers are compiled as above.
@@ -23,10 +24,13 @@ Choices, and why:
   - Graph breaks are allowed (fullgraph=False). The model-parallel RNG fork around the attention
     core (model.TransformerLayer.attention: it swaps the CPU/CUDA generator state) is one in every
     layer: the attention core runs eagerly inside it, so its dropout draws from the per-rank
-    stream exactly as in eager mode (and SDPA is a fused kernel already). Everything after it,
-    where the fusable elementwise work is (attention-out, dropout, residual, LayerNorm, FFN), is
-    one graph. With tensor parallelism megatron-core's autograd functions and collectives may
-    break graphs too; the layer stays correct (tests/test_fusion.py runs TP 2 against eager).
+    stream exactly as in eager mode (and SDPA is a fused kernel already). After it come two
+    graphs: the rest of `attention` (the output projection) and the rest of `forward` (dropout,
+    residual, LayerNorm, FFN: where the fusable elementwise work is). With tensor parallelism every megatron-core linear is a graph break as well (its
+    autograd function all-reduces asynchronously in backward, which dynamo does not trace): the
+    linears run eagerly, the elementwise work between them is still compiled. A pipeline stage's
+    layer breaks once more at its host-side padding check (pipeline.PipeTransformerLayer).
+    Launched TP 2 and PP 2 runs match their eager losses and weights (tests/test_fusion.py).
   - Shapes are dynamic only where they vary ("automatic dynamic", torch's default): the layers
     see a fixed [b, s, h] in training, while the heads see [m, h] with m the number of masked
     positions, different in every micro-batch. The first call compiles for its m, the second
