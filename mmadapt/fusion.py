@@ -10,12 +10,10 @@ fusion "compile": torch.compile (TorchInductor) of
   - each TransformerLayer: bias + GELU, dropout + residual add + LayerNorm, and the FFN between
     them become a few generated kernels instead of one kernel per op. Every layer runs the same
     code, so the layers share their compiled graphs (parameters are graph inputs).
-  - the MLM heads: the container (MLMHeads: every head's projection and cross-entropy) and each
-    MLMHead (dense -> GELU -> LayerNorm -> tied projection). While MLMHeads selects the masked
-    rows with a boolean mask (a data-dependent shape, which dynamo does not trace), its loop
-    runs eagerly and only each head's projection is compiled. Given precomputed masked indices
-    instead, the container should become one graph, projections and losses of every head
-    together (to be checked when MLMHeads takes them).
+  - the MLM heads (MLMHeads): gathering the masked rows by index, and for every head dense ->
+    GELU -> LayerNorm -> tied projection + bias -> cross-entropy, then the (weighted) mean: one
+    graph for all heads (the masked indices and targets are its inputs, so no shape in it
+    depends on the data).
   - not the task head of RobertaForTask: it is a few small ops on [b, h] (or [b, s, C]) written
     inline in RobertaForTask.logits, not a module of its own; compiling it would mean compiling
     the whole model, layers and all, as one graph. Its layers are compiled as above.
@@ -26,23 +24,27 @@ Choices, and why:
     layer: the attention core runs eagerly inside it, so its dropout draws from the per-rank
     stream exactly as in eager mode (and SDPA is a fused kernel already). After it come two
     graphs: the rest of `attention` (the output projection) and the rest of `forward` (dropout,
-    residual, LayerNorm, FFN: where the fusable elementwise work is). With tensor parallelism every megatron-core linear is a graph break as well (its
-    autograd function all-reduces asynchronously in backward, which dynamo does not trace): the
-    linears run eagerly, the elementwise work between them is still compiled. A pipeline stage's
-    layer breaks once more at its host-side padding check (pipeline.PipeTransformerLayer).
-    Launched TP 2 and PP 2 runs match their eager losses and weights (tests/test_fusion.py).
+    residual, LayerNorm, FFN: where the fusable elementwise work is). With tensor parallelism
+    every megatron-core linear is a graph break as well (its autograd function all-reduces
+    asynchronously in backward, which dynamo does not trace): the linears run eagerly, the
+    elementwise work between them is still compiled. Pipeline stages keep their host-side
+    bookkeeping (each micro-batch's padding and masked positions, the logged losses) out of the
+    graphs with torch.compiler.disable (pipeline.py): traced, it would be guarded on and
+    recompiled for every micro-batch. Launched TP 2 and PP 2 runs match their eager losses and
+    weights (tests/test_fusion.py).
   - Shapes are dynamic only where they vary ("automatic dynamic", torch's default): the layers
     see a fixed [b, s, h] in training, while the heads see [m, h] with m the number of masked
     positions, different in every micro-batch. The first call compiles for its m, the second
     recompiles with m symbolic, and no later batch recompiles (a test counts the compilations).
+    attention_impl "varlen" passes each padded batch's longest length, an int: the same again.
     Padding m to a fixed size would waste head FLOPs; marking every dimension dynamic from the
     start would make the hidden size symbolic as well.
   - Dropout in compiled graphs draws its masks from Inductor's own generator (seeded from torch's,
     so a run is deterministic for a given seed), not the eager masks: with dropout on, compiled and
     eager runs are equally valid but not equal.
   - megatron-core's fused bias-GELU (`bias_gelu_impl`) is not used: it is the tanh approximation of
-    GELU, and RoBERTa's is the exact (erf) GELU, so it would change the model (about 1e-3 per
-    activation). Inductor fuses the exact GELU with the bias add instead.
+    GELU, and RoBERTa's is the exact (erf) GELU, so it would change the model (by up to 4.7e-4
+    per activation). Inductor fuses the exact GELU with the bias add instead.
   - Transformer Engine is not offered: it is not installed where this was written and tested.
 """
 
@@ -52,10 +54,11 @@ import torch
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.model import MLMHead, MLMHeads, TransformerLayer
+from mmadapt.model import MLMHeads, TransformerLayer
 
-# Compiled module kinds (pipeline.py's stage classes are subclasses of these).
-COMPILED = (TransformerLayer, MLMHeads, MLMHead)
+# Compiled module kinds (pipeline.py's stage classes are subclasses of these). Not each MLMHead:
+# MLMHeads' graph holds them.
+COMPILED = (TransformerLayer, MLMHeads)
 
 # Each compiled function keeps one graph per combination of what its guards check: grad mode
 # (training or no_grad evaluation), padding or none (key_padding is None), which of its inputs and

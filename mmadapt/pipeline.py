@@ -57,11 +57,17 @@ class PipeTransformerLayer(TransformerLayer):
 
     def forward(self, inputs):
         hidden, input_ids, labels, *carried = inputs
-        padding = self.pending.popleft() if self.pending else None
-        hidden = super().forward(hidden, attention_mask(input_ids, padding, self.attention_impl))
+        hidden = super().forward(hidden, self._next_mask(input_ids))
         if self.carry:
             carried.append(hidden)
         return (hidden, input_ids, labels, *carried)
+
+    # Host-side bookkeeping stays out of compiled graphs (fusion.py compiles this module): traced,
+    # it would make dynamo guard on each micro-batch's Padding, a recompile for every new one.
+    @torch.compiler.disable
+    def _next_mask(self, input_ids: torch.Tensor):
+        padding = self.pending.popleft() if self.pending else None
+        return attention_mask(input_ids, padding, self.attention_impl)
 
 
 class PipeMLMHeads(MLMHeads):
@@ -76,10 +82,20 @@ class PipeMLMHeads(MLMHeads):
 
     def forward(self, inputs):
         hidden, _input_ids, labels, *carried, word_weight = inputs
-        masked_index, targets = self.pending.popleft() if self.pending else masked_positions(labels)
+        masked_index, targets = self._next_masked(labels)
         loss, per_head = super().forward([*carried, hidden], masked_index, targets, word_weight)
-        self.head_losses.append(per_head)
+        self._record(per_head)
         return loss
+
+    # Out of compiled graphs, as PipeTransformerLayer._next_mask (traced, the list's length
+    # would be guarded on: a recompile per micro-batch).
+    @torch.compiler.disable
+    def _next_masked(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pending.popleft() if self.pending else masked_positions(labels)
+
+    @torch.compiler.disable
+    def _record(self, per_head: torch.Tensor) -> None:
+        self.head_losses.append(per_head)
 
 
 class PipeWordEmbedding(WordEmbedding):
