@@ -55,12 +55,13 @@ def main(argv=None) -> None:
     ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero2_bf16.json" if gpu else "zero1.json")))
     ap.add_argument("--attention_impl", default="sdpa", choices=("sdpa", "varlen", "math"),
                     help="ModelConfig.attention_impl of every model")
+    ap.add_argument("--fusion", default="none", choices=("none", "compile"), help="ModelConfig.fusion of every model")
     ap.add_argument("--only", nargs="+", metavar="SYSTEM:STEP", help="run only these cases (e.g. bl_base:pretrain "
                     "minijoint:adapt); default: all seven")
     ap.add_argument("--vendor", choices=sorted(DEVICE_TFLOPS), default="h100", help="GPU vendor peak to compare with")
     args = ap.parse_args(argv)
     base, train = setup(args)
-    base = dataclasses.replace(base, attention_impl=args.attention_impl)
+    base = dataclasses.replace(base, attention_impl=args.attention_impl, fusion=args.fusion)
     s, b = args.seq_length, args.micro_batch
     ds = load_ds_config(REPO / args.ds_config, train)
     dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float16 if ds.get("fp16", {}).get(
@@ -104,7 +105,7 @@ def main(argv=None) -> None:
     if gpu:
         cols.append(("vendor_utilisation", f"of {args.vendor} bf16 peak"))
     data = (f"real Bible blocks, {pad:.1%} padding" if args.real else "random ids, no padding") + \
-        f", dropout {'on' if args.dropout else 'off'}, attention {args.attention_impl}"
+        f", dropout {'on' if args.dropout else 'off'}, attention {args.attention_impl}, fusion {args.fusion}"
     md = [f"# Training throughput ({device()}, {str(dtype).split('.')[-1]}, h={base.hidden_size}, V={base.vocab_size}, "
           f"s={s}, batch {b}, {data}; matmul peak measured here: {peak / 1e12:.4g} TFLOP/s)", "", table(rows, cols), "",
           table(ratios, [("pair", "pair"), ("measured_time_ratio", "measured time ratio"),
@@ -114,12 +115,13 @@ def main(argv=None) -> None:
           f"- lowest utilisation of a Step-1/Step-2 update: {min_util:.1%} of the measured matmul peak (target >= 70%: "
           f"{'met' if targets['utilisation_target_met'] else 'NOT met'})"]
     name = "throughput" + ("_real" if args.real else "") + ("_dropout" if args.dropout else "") + \
-        ("" if args.attention_impl == "sdpa" else f"_{args.attention_impl}")
+        ("" if args.attention_impl == "sdpa" else f"_{args.attention_impl}") + \
+        ("" if args.fusion == "none" else f"_{args.fusion}")
     paths = write_results(name, {"shape": {"hidden_size": base.hidden_size, "vocab_size": base.vocab_size,
                                            "seq_length": s, "micro_batch": b, "dtype": str(dtype)},
                                  "data": {"real": args.real, "padding_fraction": pad, "mask_fraction": p,
                                           "dropout": args.dropout}, "ds_config": args.ds_config,
-                                 "attention_impl": args.attention_impl,
+                                 "attention_impl": args.attention_impl, "fusion": args.fusion,
                                  "matmul_peak_flops": peak, "rows": rows, "ratios": ratios,
                                  "targets": targets}, "\n".join(md))
     print("\n".join(md))

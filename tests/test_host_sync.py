@@ -50,14 +50,18 @@ def padded_batch(cfg, b: int = 16, s: int = 64, real: int = 50, seed: int = 0):
     return ids, labels
 
 
-@pytest.fixture(scope="module")
-def engine():
+def zero2_engine(fusion: str = "none"):
     """The tiny preset's 12-layer MINIJOINT model (heads after 4 and 12) under ZeRO-2."""
     init_parallel(1, 1)
     model, train = PRESETS["tiny"]
-    model = dataclasses.replace(model, head_layers=(4, 12))
+    model = dataclasses.replace(model, head_layers=(4, 12), fusion=fusion)
     eng, _, _ = mlm_engine(model, train, load_ds_config(REPO / "ds_configs" / "zero2.json", train))
     return eng
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return zero2_engine()
 
 
 def micro_batch(engine, batch):
@@ -129,22 +133,34 @@ def test_pipeline_stages_take_the_host_flags():
             assert torch.equal(loss, heads((*layer((h, b.input_ids, b.labels)), word)))
 
 
+def host_ops_per_micro_batch(engine) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = host_batch(*padded_batch(engine.module.config, seed=2))
+    for _ in range(3):  # warm (and, compiled, past the recompile for a symbolic m)
+        micro_batch(engine, batch)
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        micro_batch(engine, batch)
+    engine.step()
+    return count_host_ops(prof.events())
+
+
 def test_host_ops_per_micro_batch(engine):
     """ATen calls the host makes for the forward and backward of one micro-batch of the 12-layer
     model under ds_configs/zero2.json (the reduction settings of zero2_bf16.json): each is a
     dispatch, most a kernel launch on a GPU. Measured here: 232 forward + 1,392 backward; with
-    ZeRO-1 and contiguous gradients it was 266 + 2,977. What is left is autograd's own work
-    per parameter and per linear."""
-    from torch.profiler import ProfilerActivity, profile
-
-    batch = host_batch(*padded_batch(engine.module.config, seed=2))
-    micro_batch(engine, batch)  # warm
-    engine.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        micro_batch(engine, batch)
-    engine.step()
-    calls = count_host_ops(prof.events())
+    ZeRO-1 and contiguous gradients it was 266 + 2,977. What is left in eager mode is
+    autograd's own work per parameter and per linear; --fusion compile removes most of it."""
+    calls = host_ops_per_micro_batch(engine)
     assert calls <= 1700, f"{calls} host ops per micro-batch"
+
+
+@pytest.mark.slow  # compiles the model (about a minute on 2 cores)
+def test_host_ops_per_micro_batch_compiled():
+    """The same micro-batch with --fusion compile: 110 forward + 643 backward here."""
+    calls = host_ops_per_micro_batch(zero2_engine("compile"))
+    assert calls <= 1500, f"{calls} host ops per micro-batch"
 
 
 def count_host_ops(events) -> int:
