@@ -350,7 +350,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
     p.add_argument("--plugin_blocks", type=int, default=256, help="with --plugin_data: held-out blocks scored")
     p.add_argument("--output", required=True, help="JSON file of records {system, task, lang, step, flops, "
                    "score, ...}; must not exist yet")
-    add_dataclass_args(p, FinetuneConfig, only=("eval_batch_size",))
+    add_dataclass_args(p, FinetuneConfig, only=("eval_batch_tokens",), defaults="each --finetuned run's own")
     return p
 
 
@@ -368,7 +368,7 @@ def evaluate_main(argv=None) -> int:
         if not args.finetuned or not args.eval_file:
             raise ValueError("pass --finetuned and --eval_file (a task), or --primary and --plugin_data")
         records = evaluate(args.finetuned, args.embeddings, args.eval_file, Path(args.output),
-                           args.eval_batch_size or FinetuneConfig().eval_batch_size)
+                           args.eval_batch_tokens)
     for r in records:
         print(f"{r['system']:10s} {r['task']} {r['lang']} step {r['step']:>7d}  {r['flops']:.3g} FLOPs  "
               f"{r['metric']} {r['score']:.2f}")

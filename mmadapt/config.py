@@ -189,7 +189,8 @@ class OptimizerConfig:
 # And `fusion`: it changes which kernels compute the same model (equal in fp32 to rounding,
 # tests/test_fusion.py; compiled dropout draws its masks differently), not what is trained.
 CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_interval", "eval_iters",
-                        "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_size", "metric", "fusion")
+                        "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_tokens", "metric",
+                        "fusion")
 
 
 @dataclass
@@ -259,7 +260,12 @@ class FinetuneConfig(OptimizerConfig):
                                    "window where that is shorter)")
     max_query_length: int = _f(64, "QA: question pieces kept")
     max_answer_length: int = _f(30, "QA: longest answer predicted, in pieces")
-    eval_batch_size: int = _f(64, "examples per forward pass in evaluation")
+    # 16384: on a GPU, enough rows to fill it (128 rows of 128 pieces; roberta-base's bf16
+    # activations for them take a few hundred MiB of an H100's 80 GiB, and larger batches gain
+    # little once every SM is busy); on a CPU, batch size barely changes throughput.
+    eval_batch_tokens: int = _f(16384, "evaluation: piece ids per forward pass, counted as rows x the batch's longest "
+                                "row (rows are sorted by length, padding past the longest is never computed; at "
+                                "least one row per pass)")
     log_interval: int = _f(10, "updates between TensorBoard/console logs")
     save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
     exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off)")
@@ -278,7 +284,7 @@ class FinetuneConfig(OptimizerConfig):
         if self.seq_length > model.max_position_embeddings:
             raise ValueError(f"seq_length {self.seq_length} exceeds the model's max_position_embeddings "
                              f"{model.max_position_embeddings}")
-        if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, self.eval_batch_size,
+        if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, self.eval_batch_tokens,
                self.log_interval, self.save_interval) < 1 or self.epochs <= 0 or self.exit_interval < 0:
             raise ValueError("batch sizes, log_interval and save_interval must be >= 1, epochs > 0 and "
                              "exit_interval >= 0")

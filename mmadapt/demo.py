@@ -274,7 +274,7 @@ class Demo:
                        if primary == "minijoint"]
             records += plugin_records(pre[primary], runs + ceiling, {lang: data[lang] for lang in self.cfg.langs},
                                       self.cfg.seq_length, self.cfg.plugin_blocks)
-            records += evaluate_artifacts(finetuned[primary], runs, "bible", 128)
+            records += evaluate_artifacts(finetuned[primary], runs, "bible")
             records += retrieval_records(pre[primary], runs, pairs, self.cfg.seq_length)
         source = {p: sum(json.loads((r / "run.json").read_text()).get("source_score") or 0 for r in runs) / len(runs)
                   for p, runs in finetuned.items()}

@@ -9,13 +9,17 @@ embeddings: they are the primary run's, which run.json points to. This module ho
 (the paper's, and your own: classify, pair and tag over CSV, TSV or JSON Lines), their encodings
 and metrics, and the rebuilt model.
 
-Step 4 rebuilds that model, replaces `word_embeddings.word_embeddings.weight` with a Step-2
-artifact's and the tokenizer with the artifact's, and scores a target-language evaluation set.
-Nothing else changes: the source-language model is exactly Step 3's.
+Step 4 builds that model once per fine-tuning run (seed), on the device, replaces its
+`word_embeddings.word_embeddings.weight` with a Step-2 artifact's in place (and puts its own back
+afterwards) and the tokenizer with the artifact's, and scores a target-language evaluation set.
+Nothing else changes: the source-language model is exactly Step 3's. An evaluation set is encoded
+once per tokenizer and run in token-sized batches of rows of similar length (`TokenBatches`),
+each trimmed to its longest row: the padding a fixed-length batch would carry is never computed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -32,6 +36,7 @@ from mmadapt.features import (Encoded, best_spans, chunk_f1, encode_classify, en
                               macro_f1, special_mask)
 from mmadapt.tasks import (NLI_LABELS, PairExample, read_nli, read_pawsx, read_squad, read_conll2003, read_conllu,
                            read_tagged, read_texts, squad_scores)
+from mmadapt.tokens import PAD_ID
 
 WORD = "word_embeddings.word_embeddings.weight"
 # Everything but the word embeddings: the body (positions and embedding LayerNorm included,
@@ -233,16 +238,25 @@ class Finetuned:
     state: dict
     tokenizer: Path
     run: dict
+    # The evaluation model, built by the first `model()` call: once per run (seed), however many
+    # artifacts are then swapped into it.
+    _model: torch.nn.Module | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def model(self) -> torch.nn.Module:
         """The evaluation model (dropout off, TP=1: plain torch layers, no process group) with
-        these weights."""
-        # vocab_size: the embeddings' own (Step 4 may swap in a vocabulary of another size)
-        model = task_model(dataclasses.replace(self.cfg, hidden_dropout=0.0, attention_dropout=0.0,
-                                               vocab_size=self.state[WORD].shape[0]),
-                           self.task, len(self.labels), self.run["finetune"]["seed"])
-        model.load_state_dict(self.state, strict=True)
-        return model.eval()
+        these weights, on `parallel.device()` in `eval_dtype`: built on the first call and kept.
+        Step 4 swaps artifacts into it (`swapped`, which puts these weights back afterwards), so
+        it is for evaluation only."""
+        if self._model is None:
+            from mmadapt.parallel import device
+
+            # vocab_size: the embeddings' own (a swapped state may hold a vocabulary of another size)
+            model = task_model(dataclasses.replace(self.cfg, hidden_dropout=0.0, attention_dropout=0.0,
+                                                   vocab_size=self.state[WORD].shape[0]),
+                               self.task, len(self.labels), self.run["finetune"]["seed"])
+            model.load_state_dict(self.state, strict=True)
+            self._model = on_eval_device(model, device())
+        return self._model
 
 
 def is_finished(run_dir: str | os.PathLike) -> bool:
@@ -278,18 +292,139 @@ def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
                      Path(run["primary"]["run_dir"]) / "tokenizer" / "spm.model", run)
 
 
-def swap_embeddings(state: dict, artifact: dict) -> dict:
-    """Step 4: the same weights with the target language's word embeddings [V_trg, h]."""
+# --- Step 4: the model on the device, artifacts swapped in place, token-sized batches ---------------
+
+def eval_dtype(device: torch.device) -> torch.dtype:
+    """Step 4's precision: bf16 on a GPU, the precision mmadapt's GPU configs
+    (ds_configs/*_bf16.json) train in, so the forward passes the model learned from, at half the
+    memory traffic of fp32; fp32 on the CPU, the reference that the tests compare against (and
+    CPUs without bf16 units emulate it slowly)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def on_eval_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` moved to `device` in `eval_dtype`, in eval mode, with no parameter needing a gradient."""
+    return model.to(device, eval_dtype(device)).eval().requires_grad_(False)
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device: on a GPU from pinned memory without blocking the host (the copy is queued
+    on the stream, before the forward passes that read it); on the CPU, `t` itself."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def artifact_embeddings(artifact: dict, like: torch.Tensor) -> torch.Tensor:
+    """An artifact's word embeddings [V_trg, h] for a model whose own are `like` [V, h]: checked
+    for the model's width (V_trg may differ from V), in `like`'s dtype, on its device."""
     new = artifact["word_embeddings"]
-    if new.shape[1] != state[WORD].shape[1]:
-        raise ValueError(f"the embeddings have hidden size {new.shape[1]}, the model {state[WORD].shape[1]}: "
+    if new.shape[1] != like.shape[1]:
+        raise ValueError(f"the embeddings have hidden size {new.shape[1]}, the model {like.shape[1]}: "
                          "they were trained for another model")
-    return {**state, WORD: new.to(state[WORD].dtype)}
+    return new.to(like.device, like.dtype)
 
 
-@torch.no_grad()
-def predict(model: torch.nn.Module, input_ids: torch.Tensor, batch_size: int) -> torch.Tensor:
-    return torch.cat([model(input_ids[i:i + batch_size])[1] for i in range(0, len(input_ids), batch_size)])
+def swap_embeddings(state: dict, artifact: dict) -> dict:
+    """Step 4 on a state dict (export, a model built from it): the same weights with the target
+    language's word embeddings [V_trg, h]."""
+    return {**state, WORD: artifact_embeddings(artifact, state[WORD])}
+
+
+@contextlib.contextmanager
+def swapped(model: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+    """`model` with its named parameters replaced by `tensors`, its own put back on exit.
+
+    The Parameter objects are replaced, not copied into: a first dimension of another size (the
+    target vocabulary) needs no rebuilt model, and the model's own weights are never written.
+    `tensors` are on the model's device in its dtype already (`artifact_embeddings`)."""
+    own = []
+    try:
+        for name, t in tensors.items():
+            module, _, attr = name.rpartition(".")
+            owner = model.get_submodule(module)
+            old = getattr(owner, attr)
+            assert t.device == old.device and t.dtype == old.dtype, (name, t.device, t.dtype)
+            own.append((owner, attr, old))
+            setattr(owner, attr, torch.nn.Parameter(t, requires_grad=False))
+        yield model
+    finally:
+        for owner, attr, old in own:
+            setattr(owner, attr, old)
+
+
+def row_lengths(input_ids: torch.Tensor) -> torch.Tensor:
+    """[n, s] -> [n]: each row's length, up to and including its last piece that is not padding."""
+    positions = torch.arange(1, input_ids.shape[1] + 1)
+    return (input_ids.ne(PAD_ID) * positions).amax(1) if len(input_ids) else torch.zeros(0, dtype=torch.long)
+
+
+# Per-position logits past a row's batch, once padded back to [n, s, C]: span logits at padding
+# are -inf, as RobertaForTask gives them (never predicted); a tag at padding has no label and
+# is never scored.
+PAD_LOGIT = {"span": float("-inf"), "tag": 0.0}
+
+
+@dataclass
+class TokenBatches:
+    """The rows of input_ids [n, s] grouped for evaluation: sorted by length, longest first, each
+    batch trimmed to its longest row and holding at most `batch_tokens` ids (rows x that length;
+    at least one row). The batches are views of one block copied to the device once, so an
+    evaluation set pays one host-to-device copy for all the seeds and artifacts that score it.
+
+    Trimming changes no result: padding is a masked key (RobertaEncoder.encode), so a row's
+    outputs at its own positions do not depend on the padding after it."""
+    ids: list[torch.Tensor]  # per batch [b_i, s_i], on the device
+    rows: list[torch.Tensor]  # per batch [b_i]: each row's index in input_ids, on the device
+    n: int
+    seq_length: int
+
+    @classmethod
+    def plan(cls, input_ids: torch.Tensor, batch_tokens: int, device: torch.device) -> "TokenBatches":
+        lengths = row_lengths(input_ids)
+        order = torch.sort(lengths, descending=True, stable=True).indices  # [n]
+        groups, trimmed, start = [], [], 0  # groups: (rows, length) per batch
+        while start < len(order):
+            longest = max(int(lengths[order[start]]), 1)
+            rows = order[start:start + max(1, batch_tokens // longest)]
+            groups.append((len(rows), longest))
+            trimmed.append(input_ids[rows, :longest].reshape(-1))
+            start += len(rows)
+        block = to_device(torch.cat([*trimmed, order]), device)  # one copy: the ids, then the order
+        parts = block.split([b * s for b, s in groups] + [len(order)])
+        ids = [p.view(b, s) for p, (b, s) in zip(parts, groups)]
+        return cls(ids, list(parts[-1].split([b for b, _ in groups])), len(input_ids), input_ids.shape[1])
+
+    @torch.no_grad()
+    def run(self, fn, per_position: bool, fill: float = 0.0) -> torch.Tensor:
+        """fn(ids [b, s_i]) -> [b, ...], or per position [b, s_i, ...], over every batch -> fp32
+        on the CPU in input_ids' row order: [n, ...], or [n, s, ...] with `fill` past each row's batch."""
+        out = None
+        for ids, rows in zip(self.ids, self.rows):
+            y = fn(ids).float()
+            if out is None:
+                shape = (self.n, self.seq_length, *y.shape[2:]) if per_position else (self.n, *y.shape[1:])
+                out = torch.full(shape, fill, dtype=torch.float32, device=y.device)
+            if per_position:
+                out[rows, :ids.shape[1]] = y
+            else:
+                out[rows] = y
+        assert out is not None, "no rows to evaluate"
+        return out.cpu()
+
+    def logits(self, model: torch.nn.Module) -> torch.Tensor:
+        """A RobertaForTask's logits, as for the full rows: [n, C] (classify) or [n, s, C]."""
+        return self.run(lambda ids: model(ids)[1], model.kind != "classify", PAD_LOGIT.get(model.kind, 0.0))
+
+
+def predict(model: torch.nn.Module, input_ids: torch.Tensor, batch_tokens: int) -> torch.Tensor:
+    """A RobertaForTask's logits of the rows of input_ids [n, s], run on the model's device in
+    token-sized batches (`TokenBatches`): [n, C], or [n, s, C] for tag and span; fp32, on the CPU."""
+    return TokenBatches.plan(input_ids, batch_tokens, device_of(model)).logits(model)
 
 
 def load_sp(path: Path):
@@ -298,15 +433,37 @@ def load_sp(path: Path):
     return load(path)
 
 
+@dataclass
+class EvalSet:
+    """Evaluation examples encoded with one tokenizer and planned into token-sized batches on the
+    device: made once per (tokenizer, language), scored by every seed and artifact that share them."""
+    examples: list
+    enc: Encoded
+    batches: TokenBatches
+
+
+def eval_set(task: Task, sp, examples: list, labels: list[str], cfg: FinetuneConfig,
+             device: torch.device) -> EvalSet:
+    enc = encode(task, sp, examples, labels, cfg)
+    return EvalSet(examples, enc, TokenBatches.plan(enc.input_ids, cfg.eval_batch_tokens, device))
+
+
+def score_set(ft: Finetuned, data: EvalSet, cfg: FinetuneConfig, artifact: dict | None = None) -> dict[str, float]:
+    """Every metric of `data` (`scores`) with Step 3's model, or with `artifact`'s word
+    embeddings swapped into it (Step 4); the model is left as it was."""
+    model = ft.model()
+    swap = {} if artifact is None else {WORD: artifact_embeddings(artifact, model.get_parameter(WORD))}
+    with swapped(model, swap):
+        logits = data.batches.logits(model)
+    return scores(ft.task, logits, data.enc, data.examples, ft.labels, cfg)
+
+
 def evaluate_scores(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
                     tokenizer: Path | None = None) -> dict[str, float]:
     """Every metric of `examples` (`scores`) with Step 3's model, or with it after swapping in
     `artifact`'s word embeddings and `tokenizer` (Step 4)."""
-    state = ft.state if artifact is None else swap_embeddings(ft.state, artifact)
-    model = dataclasses.replace(ft, state=state).model()
-    sp = load_sp(tokenizer or ft.tokenizer)
-    enc = encode(ft.task, sp, examples, ft.labels, cfg)
-    return scores(ft.task, predict(model, enc.input_ids, cfg.eval_batch_size), enc, examples, ft.labels, cfg)
+    data = eval_set(ft.task, load_sp(tokenizer or ft.tokenizer), examples, ft.labels, cfg, device_of(ft.model()))
+    return score_set(ft, data, cfg, artifact)
 
 
 def evaluate(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
@@ -317,17 +474,19 @@ def evaluate(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict 
 
 # --- parallel-sentence retrieval (no fine-tuning) --------------------------------------------------
 
-@torch.no_grad()
-def sentence_vectors(model, sp, texts: list[str], seq_length: int, layer: int, batch_size: int = 64) -> torch.Tensor:
-    """Mean of layer `layer`'s outputs over each text's ordinary pieces -> [n, h], unit length."""
+def sentence_vectors(model, sp, texts: list[str], seq_length: int, layer: int,
+                     batch_tokens: int = FinetuneConfig.eval_batch_tokens) -> torch.Tensor:
+    """Mean of layer `layer`'s outputs over each text's ordinary pieces -> [n, h], unit length
+    (fp32, on the CPU), in token-sized batches on the model's device."""
     enc = encode_classify(sp, [(t, 0) for t in texts], seq_length)
-    out = []
-    for i in range(0, len(enc), batch_size):
-        ids = enc.input_ids[i:i + batch_size]
-        h = model.encode(ids, (layer,))[0]  # [b, s, h]
+
+    def pool(ids: torch.Tensor) -> torch.Tensor:  # [b, s_i] -> [b, h]
+        h = model.encode(ids, (layer,))[0].float()  # [b, s_i, h], summed in fp32
         keep = special_mask(ids)[..., None].float()
-        out.append((h * keep).sum(1) / keep.sum(1).clamp(min=1))
-    return torch.nn.functional.normalize(torch.cat(out), dim=-1)
+        return (h * keep).sum(1) / keep.sum(1).clamp(min=1)
+
+    vectors = TokenBatches.plan(enc.input_ids, batch_tokens, device_of(model)).run(pool, per_position=False)
+    return torch.nn.functional.normalize(vectors, dim=-1)
 
 
 def retrieval_accuracy(src_vectors: torch.Tensor, trg_vectors: torch.Tensor) -> float:
@@ -364,11 +523,24 @@ def artifact_primary(meta: dict) -> Path:
     return Path(run["frozen_from"]["run_dir"]) if run.get("step") == "minipost" else src
 
 
-def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: str, eval_batch_size: int,
-                       cfg_override: dict | None = None) -> list[dict]:
+def recorded_config(ft: Finetuned, **changes) -> FinetuneConfig:
+    """The FinetuneConfig of a run's run.json, with `changes`. A field that no longer exists is
+    dropped (eval_batch_size: eval_batch_tokens replaced it); a field the record lacks (it
+    predates the field) takes its default."""
+    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    return FinetuneConfig(**{**{k: v for k, v in ft.run["finetune"].items() if k in names}, **changes})
+
+
+def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: str,
+                       eval_batch_tokens: int | None = None, cfg_override: dict | None = None) -> list[dict]:
     """Zero-shot scores of every artifact, averaged over the fine-tuned runs (seeds). All runs must
-    fine-tune the primary model the embeddings were trained for."""
+    fine-tune the primary model the embeddings were trained for. eval_batch_tokens None: each
+    run's own (run.json).
+
+    Each run's model is built once (`Finetuned.model`) and every artifact swapped into it; each
+    evaluation set is encoded and put on the device once per (tokenizer, language)."""
     from mmadapt.adapt import read_artifact, system_label
+    from mmadapt.data import file_sha256
 
     paths = artifact_dirs(artifacts)  # the cheap check first
     runs = [load_finetuned(r) for r in finetuned]
@@ -377,24 +549,35 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     if len(primaries) > 1 or len(tasks) > 1:
         raise ValueError("--finetuned runs must share one primary model and task (one per seed)")
     primary = primaries.pop()
-
-    def run_cfg(ft: Finetuned) -> FinetuneConfig:
-        return FinetuneConfig(**{**ft.run["finetune"], "eval_batch_size": eval_batch_size, **(cfg_override or {})})
+    changes = {**({} if eval_batch_tokens is None else {"eval_batch_tokens": eval_batch_tokens}),
+               **(cfg_override or {})}
+    cfgs = [recorded_config(ft, **changes) for ft in runs]
 
     # The first run's settings read the evaluation files (your own task's columns) and name the
     # headline; every metric is recorded, averaged over the seeds.
-    task, labels, metric = runs[0].task, runs[0].labels, headline(runs[0].task, runs[0].labels, run_cfg(runs[0]))
-    records, cache = [], {}
+    task, labels, metric = runs[0].task, runs[0].labels, headline(runs[0].task, runs[0].labels, cfgs[0])
+    records, examples, sets = [], {}, {}
     for path in paths:
         emb, tok, meta = read_artifact(path)
         if str(artifact_primary(meta).resolve()) != primary:
             raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, but the "
                              f"fine-tuned runs start from {primary}: evaluate them with that model's runs")
         lang = meta["lang"]
-        if lang not in cache:
-            cache[lang] = read_examples(task, eval_spec, lang, "test", run_cfg(runs[0]), labels)
-        seeds = [evaluate_scores(ft, cache[lang], run_cfg(ft), emb, tok) for ft in runs]
-        chance = majority_share(cache[lang]) if task.kind == "classify" and metric == "accuracy" else None
+        if lang not in examples:
+            examples[lang] = read_examples(task, eval_spec, lang, "test", cfgs[0], labels)
+        # Every artifact of an adapt run carries a copy of one tokenizer: known by its content.
+        tokenizer = file_sha256(tok)
+        seeds = []
+        for ft, cfg in zip(runs, cfgs):
+            model = ft.model()
+            key = (tokenizer, lang, tuple(ft.labels), cfg.seq_length, cfg.doc_stride, cfg.max_query_length,
+                   cfg.eval_batch_tokens)  # what the encoding and the batches depend on
+            if key not in sets:
+                sets[key] = eval_set(task, load_sp(tok), examples[lang], ft.labels, cfg, device_of(model))
+            # On the device in the model's dtype after the first seed: one copy for all of them.
+            emb = {"word_embeddings": artifact_embeddings(emb, model.get_parameter(WORD))}
+            seeds.append(score_set(ft, sets[key], cfg, emb))
+        chance = majority_share(examples[lang]) if task.kind == "classify" and metric == "accuracy" else None
         records.append({"system": system_label(meta), "task": task.name, "lang": lang, "step": meta["step"],
                         "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
                         "tokens": meta["tokens"], "metric": metric,
@@ -420,23 +603,22 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     whose representations are the least tied to the MLM objective)."""
     from mmadapt.adapt import read_artifact, system_label
     from mmadapt.model import RobertaEncoder
+    from mmadapt.parallel import device
 
     cfg, state = primary_state(primary_run, None)
     cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
     layer = layer or math.ceil(cfg.num_layers / 2)
-    model = RobertaEncoder(cfg).eval()
+    model = RobertaEncoder(cfg)
     model.load_state_dict(state)
+    model = on_eval_device(model, device())  # built once; each artifact is swapped into it
     src_sp, src_vectors, records = load_sp(primary_run / "tokenizer" / "spm.model"), {}, []
     for path in artifact_dirs(adapt_runs):
         emb, tok, meta = read_artifact(path)
         lang = meta["lang"]
         if lang not in src_vectors:
-            model.load_state_dict(state)
             src_vectors[lang] = sentence_vectors(model, src_sp, [a for a, _ in pairs[lang]], seq_length, layer)
-        swapped = swap_embeddings(state, emb)
-        target = RobertaEncoder(dataclasses.replace(cfg, vocab_size=swapped[WORD].shape[0])).eval()  # its vocab size
-        target.load_state_dict(swapped)
-        trg = sentence_vectors(target, load_sp(tok), [b for _, b in pairs[lang]], seq_length, layer)
+        with swapped(model, {WORD: artifact_embeddings(emb, model.get_parameter(WORD))}):
+            trg = sentence_vectors(model, load_sp(tok), [b for _, b in pairs[lang]], seq_length, layer)
         records.append({"system": system_label(meta), "task": "retrieval", "lang": lang, "step": meta["step"],
                         "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
                         "tokens": meta["tokens"], "metric": "accuracy", "chance": 100 / len(pairs[lang]),

@@ -18,7 +18,9 @@ MINIJOINT: `adapt --system bl_base --source <minijoint run>`), recorded as syste
 `<recipe>:full`.
 
 Masking is deterministic (the dataset's validation split, masked with a fixed seed), so the
-curves of one language are comparable across systems. Needs no process group.
+curves of one language are comparable across systems. The model is built once, on the
+device in Step 4's precision (finetune.eval_dtype), and each artifact is swapped into it in
+place; the held-out batches go to the device once per language. Needs no process group.
 """
 
 from __future__ import annotations
@@ -75,21 +77,44 @@ def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: i
     return [data.micro_batch(k, 0) for k in range(n)]
 
 
-@torch.no_grad()
-def mlm_loss(cfg: ModelConfig, state: dict, batches: list) -> float:
-    """Mean loss per masked piece of a one-head RobertaMLM with `state` (vocab from its rows)."""
+def plugin_model(cfg: ModelConfig, state: dict) -> torch.nn.Module:
+    """A one-head RobertaMLM with `state` (vocab from its rows), on the device for evaluation."""
+    from mmadapt.finetune import on_eval_device
     from mmadapt.model import RobertaMLM
+    from mmadapt.parallel import device
 
-    model = RobertaMLM(dataclasses.replace(cfg, vocab_size=state[A.WORD].shape[0])).eval()
+    model = RobertaMLM(dataclasses.replace(cfg, vocab_size=state[A.WORD].shape[0]))
     model.load_state_dict(state)
+    return on_eval_device(model, device())
+
+
+def on_device(batches: list, device: torch.device) -> list:
+    """Held-out (ids [b, s], labels [b, s]) batches on `device`."""
+    from mmadapt.finetune import to_device
+
+    return [(to_device(ids, device), to_device(labels, device)) for ids, labels in batches]
+
+
+@torch.no_grad()
+def masked_loss(model: torch.nn.Module, batches: list) -> float:
+    """Mean loss per masked piece of a one-head RobertaMLM over (ids, labels) batches on its
+    device. Summed there and read once at the end: no host-device synchronisation per batch."""
     total, count = 0.0, 0
     for ids, labels in batches:
-        masked = labels.ge(0)
-        h = model.hidden_states(ids)[0][masked]
-        logits = model.heads.heads[0](h, model.word_embeddings.weight)
-        total += float(F.cross_entropy(logits.float(), labels[masked], reduction="sum"))
-        count += int(masked.sum())
-    return total / count
+        masked = labels.ge(0)  # [b, s]
+        h = model.hidden_states(ids)[0][masked]  # [m, h]
+        logits = model.heads.heads[0](h, model.word_embeddings.weight)  # [m, V]
+        total = total + F.cross_entropy(logits.float(), labels[masked], reduction="sum")
+        count = count + masked.sum()
+    return float(total) / int(count)
+
+
+def mlm_loss(cfg: ModelConfig, state: dict, batches: list) -> float:
+    """Mean loss per masked piece of a one-head RobertaMLM with `state` (vocab from its rows)."""
+    from mmadapt.finetune import device_of
+
+    model = plugin_model(cfg, state)
+    return masked_loss(model, on_device(batches, device_of(model)))
 
 
 def unigram_loss(logp: torch.Tensor, batches: list) -> float:
@@ -97,11 +122,14 @@ def unigram_loss(logp: torch.Tensor, batches: list) -> float:
     return float(-logp[labels].mean())
 
 
-def _swap(state: dict, emb: dict) -> dict:
-    """Step 4's swap (embeddings, checked for the model's width) plus the MLM head's output bias."""
-    from mmadapt.finetune import swap_embeddings
+def _swap(model: torch.nn.Module, emb: dict) -> dict:
+    """Step 4's swap (embeddings, checked for the model's width) plus the MLM head's output bias,
+    as `finetune.swapped` takes them: in the model's dtype, on its device."""
+    from mmadapt.finetune import artifact_embeddings
 
-    return {**swap_embeddings(state, emb), A.BIAS: emb["output_bias"].to(state[A.BIAS].dtype)}
+    bias = model.get_parameter(A.BIAS)
+    return {A.WORD: artifact_embeddings(emb, model.get_parameter(A.WORD)),
+            A.BIAS: emb["output_bias"].to(bias.device, bias.dtype)}
 
 
 def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
@@ -134,10 +162,11 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     model of `primary_run`), scored on the validation split of `data_paths[lang]` (a prepared
     dataset whose tokenizer is the artifacts')."""
     from mmadapt.data import TOKENIZER, file_sha256
-    from mmadapt.finetune import artifact_dirs, artifact_primary
+    from mmadapt.finetune import artifact_dirs, artifact_primary, device_of, swapped
 
     cfg, state = primary_head_state(primary_run)
-    refs: dict[str, dict] = {}  # per language: batches and the unigram loss
+    model = plugin_model(cfg, state)  # once: every artifact (and start) is swapped into it
+    refs: dict[str, dict] = {}  # per language: batches (on the host and the device) and the unigram loss
     starts: dict[Path, float] = {}
     records = []
     for path in artifact_dirs(adapt_runs):
@@ -154,12 +183,15 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
         v = emb["word_embeddings"].shape[0]
         if lang not in refs:
             batches = heldout_batches(data, seq_length, v, blocks, batch_size, seed)
-            refs[lang] = {"batches": batches, "unigram": unigram_loss(unigram_logprobs(data, v), batches)}
+            refs[lang] = {"batches": batches, "unigram": unigram_loss(unigram_logprobs(data, v), batches),
+                          "on_device": on_device(batches, device_of(model))}
         batches, unigram = refs[lang]["batches"], refs[lang]["unigram"]
         run = path.parent.parent
         if run not in starts:
-            starts[run] = mlm_loss(cfg, _swap(state, _start_embeddings(run, tok)), batches)
-        loss = mlm_loss(cfg, _swap(state, emb), batches)
+            with swapped(model, _swap(model, _start_embeddings(run, tok))):
+                starts[run] = masked_loss(model, refs[lang]["on_device"])
+        with swapped(model, _swap(model, emb)):
+            loss = masked_loss(model, refs[lang]["on_device"])
         records.append({"system": label(meta), "task": TASK, "lang": lang, "step": meta["step"],
                         "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
                         "tokens": meta["tokens"], "metric": METRIC, "score": unigram - loss, "chance": 0.0, "loss": loss,

@@ -360,16 +360,17 @@ def _finetune(t, cfg: FinetuneConfig, model_cfg: ModelConfig, primary: Path, tag
 # --- Step 4 -----------------------------------------------------------------------------------------
 
 def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, output: Path | None = None,
-             eval_batch_size: int = 64) -> list[dict]:
+             eval_batch_tokens: int | None = None) -> list[dict]:
     """Step 4: zero-shot scores of every Step-2 artifact (or every artifact of an adapt run),
     averaged over the fine-tuned runs (seeds) of one primary model. Writes the records to
-    `output` (which must not exist) when given. Needs no process group."""
+    `output` (which must not exist) when given. eval_batch_tokens None: each run's own. Needs no
+    process group."""
     from mmadapt.finetune import evaluate_artifacts
 
     if output is not None and Path(output).exists():
         raise ValueError(f"{output} already exists: choose a new --output (records are never overwritten)")
     records = evaluate_artifacts([Path(r) for r in finetuned], [Path(e) for e in embeddings], eval_file,
-                                 eval_batch_size)
+                                 eval_batch_tokens)
     if output is not None:
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(records, indent=1) + "\n")

@@ -66,7 +66,7 @@ def test_the_model_rebuilt_from_disk_is_exactly_step3s(step3):
     ids = encode(ft.task, load_sp(ft.tokenizer), read_examples(ft.task, "bible", "en", "test")[:40], ft.labels,
                  SHORT).input_ids
     module.eval()
-    assert torch.equal(predict(ft.model(), ids, 16), predict(module, ids, 16))
+    assert torch.equal(predict(ft.model(), ids, 1024), predict(module, ids, 1024))
 
 
 def _artifact(tmp_path, de_tokenizer, hidden=64, vocab=1000, source="x"):
@@ -85,10 +85,10 @@ def test_swap_changes_only_the_embeddings_and_the_tokenizer(step3, de_tokenizer,
     assert all(torch.equal(swapped[k], ft.state[k]) for k in ft.state if k != WORD)
     # Step 4 encodes with the artifact's tokenizer, the model's other weights untouched.
     de = read_examples(ft.task, "bible", "de", "test")[:60]
-    cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_size": 32})
+    cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_tokens": 2048})
     enc = encode(ft.task, load_sp(de_tokenizer), de, ft.labels, cfg)
     model = type(ft)(ft.cfg, ft.task, ft.labels, swapped, ft.tokenizer, ft.run).model()
-    expected = score(ft.task, predict(model, enc.input_ids, 32), enc, de, ft.labels, cfg)
+    expected = score(ft.task, predict(model, enc.input_ids, 2048), enc, de, ft.labels, cfg)
     assert evaluate(ft, de, cfg, emb, tok) == expected
     # Embeddings of another model's width are refused.
     wrong, _, _ = A.read_artifact(_artifact(tmp_path / "w", de_tokenizer, hidden=32))
@@ -108,7 +108,7 @@ def test_step4_takes_the_artifacts_vocabulary_size(step3, primary_run, de_tokeni
     same = A.write_artifact(tmp_path / "v1000", *_rows(1000), de_tokenizer, meta)
     more = A.write_artifact(tmp_path / "v1200", *_rows(1200), de_tokenizer, meta)
     de = read_examples(ft.task, "bible", "de", "test")[:40]
-    cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_size": 20})
+    cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_tokens": 1280})
     scores = [evaluate(ft, de, cfg, A.read_artifact(p)[0], de_tokenizer) for p in (same, more)]
     assert scores[0] == scores[1]
     pairs = {"de": [("In the beginning God created the heaven.", "Im Anfang schuf Gott Himmel und Erde.")] * 4}

@@ -150,7 +150,7 @@ CONLLU = """\
 
 def run_step3(task: str, train: str, primary_run, out, **cfg):
     cfg = FinetuneConfig(**{"seq_length": 64, "train_micro_batch_size_per_gpu": 4, "log_interval": 1,
-                            "lr": 1e-3, "eval_batch_size": 8, **cfg})
+                            "lr": 1e-3, "eval_batch_tokens": 512, **cfg})
     summary, module = finetune(task, primary_run, out, cfg, train_file=train,
                                layout={"hidden_dropout": 0.0, "attention_dropout": 0.0},
                                ds_config=REPO / "ds_configs" / "zero0.json")
@@ -164,7 +164,7 @@ def check_step3_and_swap(out, module, examples, cfg, de_tokenizer, num_outputs):
     assert ft.state["out.weight"].shape[0] == num_outputs
     enc = encode(ft.task, load_sp(ft.tokenizer), examples, ft.labels, cfg)
     module.eval()
-    live = score(ft.task, predict(module, enc.input_ids, 8), enc, examples, ft.labels, cfg)
+    live = score(ft.task, predict(module, enc.input_ids, 512), enc, examples, ft.labels, cfg)
     assert evaluate(ft, examples, cfg) == pytest.approx(live, abs=1e-9)
     fake = {"word_embeddings": torch.randn(1000, ft.state[WORD].shape[1],
                                            generator=torch.Generator().manual_seed(0)) * 0.02}

@@ -255,7 +255,7 @@ def step4_predictions(ft_dir, artifact, examples):
     emb, tok, _ = A.read_artifact(artifact)
     model = dataclasses.replace(ft, state=swap_embeddings(ft.state, emb)).model()
     enc = encode(ft.task, load_sp(tok), examples, ft.labels, FinetuneConfig(**ft.run["finetune"]))
-    return predict(model, enc.input_ids, 64), enc, ft.labels
+    return predict(model, enc.input_ids, 4096), enc, ft.labels
 
 
 def test_export_of_a_zero_shot_classifier(classifier, artifact, tmp_path):
