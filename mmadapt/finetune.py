@@ -448,14 +448,18 @@ def eval_set(task: Task, sp, examples: list, labels: list[str], cfg: FinetuneCon
     return EvalSet(examples, enc, TokenBatches.plan(enc.input_ids, cfg.eval_batch_tokens, device))
 
 
-def score_set(ft: Finetuned, data: EvalSet, cfg: FinetuneConfig, artifact: dict | None = None) -> dict[str, float]:
-    """Every metric of `data` (`scores`) with Step 3's model, or with `artifact`'s word
-    embeddings swapped into it (Step 4); the model is left as it was."""
+def set_logits(ft: Finetuned, data: EvalSet, artifact: dict | None = None) -> torch.Tensor:
+    """The logits of `data`'s rows (`TokenBatches.logits`) with Step 3's model, or with
+    `artifact`'s word embeddings swapped into it (Step 4); the model is left as it was."""
     model = ft.model()
     swap = {} if artifact is None else {WORD: artifact_embeddings(artifact, model.get_parameter(WORD))}
     with swapped(model, swap):
-        logits = data.batches.logits(model)
-    return scores(ft.task, logits, data.enc, data.examples, ft.labels, cfg)
+        return data.batches.logits(model)
+
+
+def score_set(ft: Finetuned, data: EvalSet, cfg: FinetuneConfig, artifact: dict | None = None) -> dict[str, float]:
+    """Every metric of `data` (`scores`) from `set_logits`."""
+    return scores(ft.task, set_logits(ft, data, artifact), data.enc, data.examples, ft.labels, cfg)
 
 
 def evaluate_scores(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,

@@ -1,0 +1,241 @@
+"""Step 4 on the device (finetune.py): each run's model built once with every artifact swapped
+into it in place, each evaluation set encoded once per tokenizer, token-sized batches trimmed to
+their longest row. Checked against the straightforward path Step 4 took before (a model rebuilt
+from the swapped state dict for every artifact and seed, full-length rows in batches of a fixed
+number of examples): the same logits for every task kind, the same records. CPU, fp32."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import REPO, VOCAB
+from mmadapt import adapt as A
+from mmadapt import finetune as F
+from mmadapt.config import PRESETS, FinetuneConfig
+from mmadapt.corpora import bible_verses
+from mmadapt.tasks import QAExample, TaggedSentence
+from mmadapt.tokens import PAD_ID
+
+# The tiny preset at the test tokenizers' vocabulary, its weights drawn 10x wider than the init:
+# logits spread over several units, so that 1e-5 is a tight tolerance.
+MODEL = dataclasses.replace(PRESETS["tiny"][0], vocab_size=VOCAB, init_method_std=0.2)
+# Small enough for several batches of several lengths from a hundred rows of at most 64 pieces.
+CFG = FinetuneConfig(seq_length=64, doc_stride=16, max_query_length=16, eval_batch_tokens=300)
+GENRES = list(F.get_task("bible-genre").labels)
+
+
+def old_logits(ft: F.Finetuned, artifact: dict | None, input_ids: torch.Tensor, batch_size: int = 16):
+    """The straightforward path: a model rebuilt from the swapped state dict, fp32 on the CPU,
+    full-length rows in batches of `batch_size` examples."""
+    state = ft.state if artifact is None else F.swap_embeddings(ft.state, artifact)
+    cfg = dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0, vocab_size=state[F.WORD].shape[0])
+    model = F.task_model(cfg, ft.task, len(ft.labels), ft.run["finetune"]["seed"])
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        return torch.cat([model(input_ids[i:i + batch_size])[1] for i in range(0, len(input_ids), batch_size)])
+
+
+def synthetic(task: str, labels: list[str], seed: int, tokenizer) -> F.Finetuned:
+    """A Finetuned with seeded, untrained weights: all the comparison of paths needs."""
+    t = F.get_task(task)
+    return F.Finetuned(MODEL, t, labels, F.task_model(MODEL, t, len(labels), seed).state_dict(), tokenizer,
+                       {"finetune": {"seed": seed}})
+
+
+def verses(n: int, lang: str = "de") -> list[str]:
+    out = []
+    for _, _, _, text in bible_verses(lang, range(1, 2)):
+        out.append(text)
+        if len(out) == n:
+            return out
+    return out
+
+
+def wide_artifact(vocab: int, seed: int) -> dict:
+    return {"word_embeddings": torch.randn(vocab, MODEL.hidden_size, generator=torch.Generator().manual_seed(seed))
+            * MODEL.init_method_std}
+
+
+def classify_case():
+    return "bible-genre", GENRES, [(t, i % len(GENRES)) for i, t in enumerate(verses(100))]
+
+
+def tag_case():
+    """Capitalised words tagged as names (German capitalises every noun: plenty of B- tags)."""
+    sentences = [t.split() for t in verses(100)]
+    return "tag", ["B-NAME", "I-NAME", "O"], [TaggedSentence(w, ["B-NAME" if x[0].isupper() else "O" for x in w])
+                                              for w in sentences]
+
+
+def span_case():
+    """Contexts of five verses (several windows of 64 pieces each) with a question and answer."""
+    texts = verses(160)
+    out = []
+    for i in range(0, 150, 5):
+        context = " ".join(texts[i:i + 5])
+        word = context.split()[7]
+        out.append(QAExample(str(i), context, texts[i + 5][:60], [(word, context.index(word))]))
+    return "xquad", [], out
+
+
+CASES = {"classify": classify_case, "tag": tag_case, "span": span_case}
+
+
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_token_batches_give_the_straightforward_paths_logits(kind, de_tokenizer):
+    task, labels, examples = CASES[kind]()
+    ft = synthetic(task, labels, 1, de_tokenizer)
+    assert ft.task.kind == kind
+    data = F.eval_set(ft.task, F.load_sp(de_tokenizer), examples, labels, CFG, torch.device("cpu"))
+    ids = data.enc.input_ids  # [n, 64]
+    # Sorted by length, longest first; each batch within the budget (or one row) and trimmed:
+    # its last column holds a piece of some row, so no all-padding column is computed.
+    shapes = [tuple(b.shape) for b in data.batches.ids]
+    assert sum(b for b, _ in shapes) == len(ids) > 25 and len(shapes) > 3
+    assert all(b * s <= CFG.eval_batch_tokens or b == 1 for b, s in shapes)
+    assert [s for _, s in shapes] == sorted((s for _, s in shapes), reverse=True) and shapes[-1][1] < 64
+    assert all(bool(b[:, -1].ne(PAD_ID).any()) for b in data.batches.ids)
+    real = ids.ne(PAD_ID)
+    outs = {}
+    # A target vocabulary larger than the model's (1200 rows against 1000), then none (the
+    # model's own embeddings, which must be back in place).
+    for name, artifact in (("swapped", wide_artifact(1200, 0)), ("own", None)):
+        new, old = F.set_logits(ft, data, artifact), old_logits(ft, artifact, ids)
+        assert new.shape == old.shape == ((len(ids), len(labels)) if kind == "classify" else (len(ids), 64, 2 if
+                                          kind == "span" else len(labels)))
+        if kind == "classify":
+            torch.testing.assert_close(new, old, rtol=0, atol=1e-5)
+        else:  # per position: the same at every piece; at padding -inf for spans, as the model gives
+            torch.testing.assert_close(new[real], old[real], rtol=0, atol=1e-5)
+            if kind == "span":
+                assert torch.isinf(old[~real]).all() and torch.equal(new[~real], old[~real])
+        assert float(old[real].std() if kind != "classify" else old.std()) > 0.3  # logits that say something
+        outs[name] = new
+    changed = outs["swapped"] - outs["own"]
+    assert (changed if kind == "classify" else changed[real]).abs().max() > 0.1  # the swap took effect
+
+
+def test_the_swap_leaves_the_runs_own_model_as_it_was(tokenizer, de_tokenizer):
+    ft = synthetic("bible-genre", GENRES, 2, tokenizer)
+    en = [(t, i % len(GENRES)) for i, t in enumerate(verses(60, "en"))]
+    de = [(t, i % len(GENRES)) for i, t in enumerate(verses(60))]
+    model = ft.model()
+    own = model.get_parameter(F.WORD)
+    en_set = F.eval_set(ft.task, F.load_sp(tokenizer), en, GENRES, CFG, torch.device("cpu"))
+    before, scores_before = F.set_logits(ft, en_set), F.evaluate_scores(ft, en, CFG)
+    artifact = wide_artifact(1200, 1)
+    F.evaluate_scores(ft, de, CFG, artifact, de_tokenizer)
+    assert not torch.equal(F.set_logits(ft, en_set, artifact), before)
+    # Built once; its own embedding Parameter back in place, never written.
+    assert ft.model() is model and model.get_parameter(F.WORD) is own
+    assert torch.equal(own, ft.state[F.WORD]) and own.shape == (VOCAB, MODEL.hidden_size)
+    assert torch.equal(F.set_logits(ft, en_set), before) and F.evaluate_scores(ft, en, CFG) == scores_before
+    # Also after an error inside the swap, and embeddings of another width are refused by the
+    # check swap_embeddings uses.
+    with pytest.raises(RuntimeError, match="inside"):
+        with F.swapped(model, {F.WORD: artifact["word_embeddings"]}):
+            assert model.get_parameter(F.WORD).shape == (1200, MODEL.hidden_size)
+            raise RuntimeError("inside")
+    assert model.get_parameter(F.WORD) is own
+    with pytest.raises(ValueError, match="hidden size 32"):
+        F.set_logits(ft, en_set, {"word_embeddings": torch.zeros(VOCAB, 32)})
+    assert model.get_parameter(F.WORD) is own
+
+
+# --- evaluate_artifacts over Step-3 runs -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def seeds(primary_run, tmp_path_factory):
+    """Two bible-genre Step-3 runs of the primary model (seeds 1 and 2), 3 updates each."""
+    from mmadapt.parallel import init_parallel
+    from mmadapt.steps import finetune
+
+    init_parallel(1, 1)
+    cfg = FinetuneConfig(seq_length=64, train_micro_batch_size_per_gpu=16, epochs=0.02, log_interval=1, lr=1e-3)
+    runs = []
+    for seed in (1, 2):
+        out = tmp_path_factory.mktemp(f"ft_seed{seed}")
+        finetune("bible-genre", primary_run, out, dataclasses.replace(cfg, seed=seed),
+                 layout={"hidden_dropout": 0.0, "attention_dropout": 0.0}, ds_config=REPO / "ds_configs" / "zero0.json")
+        runs.append(out)
+    return runs
+
+
+def _adapt_run(run, primary_run, tokenizer, vocab_sizes: dict[int, int]):
+    """An adapt run directory holding one artifact per {step: vocabulary size}: the primary's
+    trained embeddings (rows past its vocabulary: noise), perturbed differently at each step."""
+    primary = A.load_model(primary_run)[1][A.WORD]  # [1000, 64]
+    for step, vocab in vocab_sizes.items():
+        g = torch.Generator().manual_seed(step)
+        rows = torch.cat([primary, torch.randn(vocab - len(primary), primary.shape[1], generator=g) * 0.02])
+        meta = {"system": "bl_base", "lang": "de", "step": step, "flops": float(step), "flops_paper": float(step),
+                "v100_days": 0.0, "tokens": step, "source": str(primary_run)}
+        A.write_artifact(run / "embeddings" / f"step{step:08d}", rows + 0.05 * torch.randn(rows.shape, generator=g),
+                         torch.zeros(vocab), tokenizer, meta)
+    return run
+
+
+@pytest.fixture(scope="module")
+def adapt_run(primary_run, de_tokenizer, tmp_path_factory):
+    """Two artifacts of one German tokenizer (each with its own copy), 1000 and 1200 rows."""
+    return _adapt_run(tmp_path_factory.mktemp("adapt"), primary_run, de_tokenizer, {2: 1000, 4: 1200})
+
+
+def test_records_equal_the_straightforward_paths(seeds, adapt_run):
+    records = F.evaluate_artifacts(seeds, [adapt_run], "bible", eval_batch_tokens=700)
+    assert [(r["step"], r["metric"]) for r in records] == [(2, "accuracy"), (4, "accuracy")]
+    runs = [F.load_finetuned(r) for r in seeds]
+    examples = F.read_examples(runs[0].task, "bible", "de", "test")
+    for rec, vocab in zip(records, (1000, 1200)):
+        emb, tok, _ = A.read_artifact(rec["artifact"])
+        assert emb["word_embeddings"].shape == (vocab, 64)
+        per_seed = []
+        for ft in runs:
+            cfg = F.recorded_config(ft)
+            enc = F.encode(ft.task, F.load_sp(tok), examples, ft.labels, cfg)
+            per_seed.append(F.scores(ft.task, old_logits(ft, emb, enc.input_ids, 64), enc, examples, ft.labels, cfg))
+        assert per_seed[0] != per_seed[1]  # two models: a mixed-up seed would show
+        assert rec["seed_scores"] == pytest.approx([s["accuracy"] for s in per_seed], abs=1e-9)
+        assert rec["scores"] == pytest.approx({k: (per_seed[0][k] + per_seed[1][k]) / 2 for k in per_seed[0]},
+                                              abs=1e-9)
+
+
+def test_each_evaluation_set_is_encoded_once_per_tokenizer(seeds, adapt_run, primary_run, tokenizer, tmp_path,
+                                                           monkeypatch):
+    """2 seeds x 5 artifacts: 4 of the German tokenizer (copies of one file), 1 of another ->
+    two encodings of the evaluation set, and each seed's model built once."""
+    other = _adapt_run(tmp_path / "other", primary_run, tokenizer, {6: 1000})
+    calls = {"encode": 0, "task_model": 0}
+
+    def counted(name):
+        real = getattr(F, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(F, "encode", counted("encode"))
+    monkeypatch.setattr(F, "task_model", counted("task_model"))
+    records = F.evaluate_artifacts(seeds, [adapt_run, other, adapt_run], "bible")
+    assert [r["step"] for r in records] == [2, 4, 6, 2, 4]
+    assert calls == {"encode": 2, "task_model": 2}
+    assert records[3]["scores"] == records[0]["scores"]  # the same artifact again, the same model state
+
+
+def test_a_run_recorded_with_eval_batch_size_still_evaluates(seeds, adapt_run, tmp_path):
+    """run.json written before eval_batch_tokens replaced eval_batch_size: the field it lacks
+    takes its default, the one that no longer exists is dropped."""
+    import json
+    import shutil
+
+    old = shutil.copytree(seeds[0], tmp_path / "old")
+    run = json.loads((old / "run.json").read_text())
+    run["finetune"]["eval_batch_size"] = 64
+    del run["finetune"]["eval_batch_tokens"]
+    (old / "run.json").write_text(json.dumps(run))
+    assert F.recorded_config(F.load_finetuned(old)) == F.recorded_config(F.load_finetuned(seeds[0]))
+    [a, _], [b, _] = (F.evaluate_artifacts([r], [adapt_run], "bible") for r in (old, seeds[0]))
+    assert a["scores"] == b["scores"]
