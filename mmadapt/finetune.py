@@ -377,14 +377,18 @@ class TokenBatches:
     evaluation set pays one host-to-device copy for all the seeds and artifacts that score it.
 
     Trimming changes no result: padding is a masked key (RobertaEncoder.encode), so a row's
-    outputs at its own positions do not depend on the padding after it."""
+    outputs at its own positions do not depend on the padding after it. Each batch's Padding is
+    counted here, on the host, so that no forward pass waits for the device to count it."""
     ids: list[torch.Tensor]  # per batch [b_i, s_i], on the device
     rows: list[torch.Tensor]  # per batch [b_i]: each row's index in input_ids, on the device
+    padding: list  # per batch, its model.Padding
     n: int
     seq_length: int
 
     @classmethod
     def plan(cls, input_ids: torch.Tensor, batch_tokens: int, device: torch.device) -> "TokenBatches":
+        from mmadapt.model import Padding
+
         lengths = row_lengths(input_ids)
         order = torch.sort(lengths, descending=True, stable=True).indices  # [n]
         groups, trimmed, start = [], [], 0  # groups: (rows, length) per batch
@@ -397,15 +401,17 @@ class TokenBatches:
         block = to_device(torch.cat([*trimmed, order]), device)  # one copy: the ids, then the order
         parts = block.split([b * s for b, s in groups] + [len(order)])
         ids = [p.view(b, s) for p, (b, s) in zip(parts, groups)]
-        return cls(ids, list(parts[-1].split([b for b, _ in groups])), len(input_ids), input_ids.shape[1])
+        padding = [Padding.of(t.view(b, s)) for t, (b, s) in zip(trimmed, groups)]  # host tensors: no wait
+        return cls(ids, list(parts[-1].split([b for b, _ in groups])), padding, len(input_ids), input_ids.shape[1])
 
     @torch.no_grad()
     def run(self, fn, per_position: bool, fill: float = 0.0) -> torch.Tensor:
-        """fn(ids [b, s_i]) -> [b, ...], or per position [b, s_i, ...], over every batch -> fp32
-        on the CPU in input_ids' row order: [n, ...], or [n, s, ...] with `fill` past each row's batch."""
+        """fn(ids [b, s_i], its Padding) -> [b, ...], or per position [b, s_i, ...], over every
+        batch -> fp32 on the CPU in input_ids' row order: [n, ...], or [n, s, ...] with `fill`
+        past each row's batch."""
         out = None
-        for ids, rows in zip(self.ids, self.rows):
-            y = fn(ids).float()
+        for ids, rows, padding in zip(self.ids, self.rows, self.padding):
+            y = fn(ids, padding).float()
             if out is None:
                 shape = (self.n, self.seq_length, *y.shape[2:]) if per_position else (self.n, *y.shape[1:])
                 out = torch.full(shape, fill, dtype=torch.float32, device=y.device)
@@ -418,7 +424,8 @@ class TokenBatches:
 
     def logits(self, model: torch.nn.Module) -> torch.Tensor:
         """A RobertaForTask's logits, as for the full rows: [n, C] (classify) or [n, s, C]."""
-        return self.run(lambda ids: model(ids)[1], model.kind != "classify", PAD_LOGIT.get(model.kind, 0.0))
+        return self.run(lambda ids, padding: model(ids, padding=padding)[1], model.kind != "classify",
+                        PAD_LOGIT.get(model.kind, 0.0))
 
 
 def predict(model: torch.nn.Module, input_ids: torch.Tensor, batch_tokens: int) -> torch.Tensor:
@@ -484,8 +491,8 @@ def sentence_vectors(model, sp, texts: list[str], seq_length: int, layer: int,
     (fp32, on the CPU), in token-sized batches on the model's device."""
     enc = encode_classify(sp, [(t, 0) for t in texts], seq_length)
 
-    def pool(ids: torch.Tensor) -> torch.Tensor:  # [b, s_i] -> [b, h]
-        h = model.encode(ids, (layer,))[0].float()  # [b, s_i, h], summed in fp32
+    def pool(ids: torch.Tensor, padding) -> torch.Tensor:  # [b, s_i] -> [b, h]
+        h = model.encode(ids, (layer,), padding)[0].float()  # [b, s_i, h], summed in fp32
         keep = special_mask(ids)[..., None].float()
         return (h * keep).sum(1) / keep.sum(1).clamp(min=1)
 

@@ -89,24 +89,28 @@ def plugin_model(cfg: ModelConfig, state: dict) -> torch.nn.Module:
 
 
 def on_device(batches: list, device: torch.device) -> list:
-    """Held-out (ids [b, s], labels [b, s]) batches on `device`."""
+    """Held-out (ids [b, s], labels [b, s]) batches as (ids, Padding, masked_index [m],
+    targets [m]) on `device`: the padding and masked positions counted on the host, where that
+    costs no wait for the device."""
     from mmadapt.finetune import to_device
+    from mmadapt.model import Padding, masked_positions
 
-    return [(to_device(ids, device), to_device(labels, device)) for ids, labels in batches]
+    return [(to_device(ids, device), Padding.of(ids), *(to_device(t, device) for t in masked_positions(labels)))
+            for ids, labels in batches]
 
 
 @torch.no_grad()
 def masked_loss(model: torch.nn.Module, batches: list) -> float:
-    """Mean loss per masked piece of a one-head RobertaMLM over (ids, labels) batches on its
-    device. Summed there and read once at the end: no host-device synchronisation per batch."""
+    """Mean loss per masked piece of a one-head RobertaMLM over `on_device` batches. Summed on
+    the device and read once at the end: no host-device synchronisation per batch."""
     total, count = 0.0, 0
-    for ids, labels in batches:
-        masked = labels.ge(0)  # [b, s]
-        h = model.hidden_states(ids)[0][masked]  # [m, h]
+    for ids, padding, masked_index, targets in batches:
+        h = model.hidden_states(ids, padding)[0]  # [b, s, h]
+        h = h.reshape(-1, h.shape[-1]).index_select(0, masked_index)  # [m, h]
         logits = model.heads.heads[0](h, model.word_embeddings.weight)  # [m, V]
-        total = total + F.cross_entropy(logits.float(), labels[masked], reduction="sum")
-        count = count + masked.sum()
-    return float(total) / int(count)
+        total = total + F.cross_entropy(logits.float(), targets, reduction="sum")
+        count += len(targets)
+    return float(total) / count
 
 
 def mlm_loss(cfg: ModelConfig, state: dict, batches: list) -> float:

@@ -37,10 +37,10 @@ def old_logits(ft: F.Finetuned, artifact: dict | None, input_ids: torch.Tensor, 
         return torch.cat([model(input_ids[i:i + batch_size])[1] for i in range(0, len(input_ids), batch_size)])
 
 
-def synthetic(task: str, labels: list[str], seed: int, tokenizer) -> F.Finetuned:
+def synthetic(task: str, labels: list[str], seed: int, tokenizer, attention_impl: str = "sdpa") -> F.Finetuned:
     """A Finetuned with seeded, untrained weights: all the comparison of paths needs."""
-    t = F.get_task(task)
-    return F.Finetuned(MODEL, t, labels, F.task_model(MODEL, t, len(labels), seed).state_dict(), tokenizer,
+    t, cfg = F.get_task(task), dataclasses.replace(MODEL, attention_impl=attention_impl)
+    return F.Finetuned(cfg, t, labels, F.task_model(cfg, t, len(labels), seed).state_dict(), tokenizer,
                        {"finetune": {"seed": seed}})
 
 
@@ -83,10 +83,12 @@ def span_case():
 CASES = {"classify": classify_case, "tag": tag_case, "span": span_case}
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "varlen"])
 @pytest.mark.parametrize("kind", sorted(CASES))
-def test_token_batches_give_the_straightforward_paths_logits(kind, de_tokenizer):
+def test_token_batches_give_the_straightforward_paths_logits(kind, impl, de_tokenizer):
+    """Also with attention_impl varlen, which needs each batch's Padding exact (counted on the host)."""
     task, labels, examples = CASES[kind]()
-    ft = synthetic(task, labels, 1, de_tokenizer)
+    ft = synthetic(task, labels, 1, de_tokenizer, impl)
     assert ft.task.kind == kind
     data = F.eval_set(ft.task, F.load_sp(de_tokenizer), examples, labels, CFG, torch.device("cpu"))
     ids = data.enc.input_ids  # [n, 64]
