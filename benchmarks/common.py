@@ -21,7 +21,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-RESULTS = REPO / "benchmarks" / "results"
+# MMADAPT_BENCH_RESULTS: somewhere else (gpu_suite.sh's SMOKE run writes there, so that its
+# meaningless numbers never replace measured ones).
+RESULTS = Path(os.environ.get("MMADAPT_BENCH_RESULTS", REPO / "benchmarks" / "results"))
 
 from mmadapt.config import PRESETS, ModelConfig, TrainConfig  # noqa: E402
 from mmadapt.tokens import IGNORE_INDEX, NUM_SPECIAL  # noqa: E402

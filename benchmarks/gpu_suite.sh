@@ -4,7 +4,8 @@
 #
 #   bash benchmarks/gpu_suite.sh                 # on a machine with one GPU
 #   SMOKE=1 bash benchmarks/gpu_suite.sh         # the same scripts at CPU scale, a few repeats
-#                                                # (checks the suite runs; its numbers mean nothing)
+#                                                # (checks the suite runs; its numbers mean nothing,
+#                                                # so they go to a temporary directory)
 #
 # What it measures (roberta-base, bf16, s=512, micro-batch 32 on a GPU):
 #   1. Step 1 (BL_BASE, BL_SMALL, MINIJOINT), Step 1b (MINIPOST) and Step 2 (BL_BASE, MINIJOINT,
@@ -22,6 +23,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 if [ -n "${SMOKE:-}" ]; then
+    export MMADAPT_BENCH_RESULTS=${MMADAPT_BENCH_RESULTS:-$(mktemp -d)}
+    echo "SMOKE: results go to $MMADAPT_BENCH_RESULTS"
     QUICK=(--repeats 2 --warmup 1)
     EVAL_ARGS=(--examples 200)
 else
@@ -60,4 +63,4 @@ if [ ${#failed[@]} -gt 0 ]; then
     echo "failed: ${failed[*]}"
     exit 1
 fi
-echo "all benchmarks written to benchmarks/results/"
+echo "all benchmarks written to ${MMADAPT_BENCH_RESULTS:-benchmarks/results}/"
