@@ -61,7 +61,7 @@ from mmadapt.model import MLMHeads, TransformerLayer
 COMPILED = (TransformerLayer, MLMHeads)
 
 # Each compiled function keeps one graph per combination of what its guards check: grad mode
-# (training or no_grad evaluation), padding or none (key_padding is None), which of its inputs and
+# (training or no_grad evaluation), padding or none (no attention mask), which of its inputs and
 # parameters need gradients (frozen layers, the lowest trainable one, trainable ones: Step 1b),
 # static then dynamic shapes. A process can meet more than torch's default of 8, and past the
 # limit dynamo silently runs the function eagerly.
