@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from mmadapt import adapt as A
 from mmadapt.config import ModelConfig
@@ -101,14 +100,13 @@ def on_device(batches: list, device: torch.device) -> list:
 
 @torch.no_grad()
 def masked_loss(model: torch.nn.Module, batches: list) -> float:
-    """Mean loss per masked piece of a one-head RobertaMLM over `on_device` batches. Summed on
-    the device and read once at the end: no host-device synchronisation per batch."""
+    """Mean loss per masked piece of a one-head RobertaMLM over `on_device` batches (the model's
+    own forward: its loss is the batch's mean over its m masked pieces). Summed on the device and
+    read once at the end: no host-device synchronisation per batch."""
     total, count = 0.0, 0
     for ids, padding, masked_index, targets in batches:
-        h = model.hidden_states(ids, padding)[0]  # [b, s, h]
-        h = h.reshape(-1, h.shape[-1]).index_select(0, masked_index)  # [m, h]
-        logits = model.heads.heads[0](h, model.word_embeddings.weight)  # [m, V]
-        total = total + F.cross_entropy(logits.float(), targets, reduction="sum")
+        loss, _ = model(ids, masked_index=masked_index, targets=targets, padding=padding)
+        total = total + loss * len(targets)
         count += len(targets)
     return float(total) / count
 

@@ -226,7 +226,7 @@ _TENSORS = ("input_ids", "labels", "masked_index", "targets")
 
 
 def to_device(batch: HostBatch, dev: torch.device) -> HostBatch:
-    """Asynchronous when the host copy is pinned (HostBatch.pin): the step queues on."""
+    """Asynchronous when the host copy is pinned (`host_batch(..., pin=True)`): the step queues on."""
     return batch._replace(**{k: getattr(batch, k).to(dev, non_blocking=True) for k in _TENSORS})
 
 
