@@ -179,9 +179,15 @@ def adapt_body(system: str, cfg: ModelConfig, state: dict, mini_layers: int | No
 
 
 def system_label(meta: dict) -> str:
-    """How an artifact's records name its system: `minijoint@N` when its MINIJOINT source has
-    several mini-models (meta `mini_depths`), so that curves of different depths stay apart;
-    otherwise the system itself."""
+    """How an artifact's records name its system, in every Step-4 table and plot:
+    `<recipe>:full` for a ceiling, full-model Step 2 over a source pretrained as another system
+    (bl_base over a MINIJOINT run: `minijoint:full`, the embeddings the mini-model's are
+    measured against); `minijoint@N` when its MINIJOINT source has several mini-models (meta
+    `mini_depths`), so that curves of different depths stay apart; otherwise the system itself."""
+    if meta["system"] == "bl_base" and "source" in meta:
+        recipe = json.loads((Path(meta["source"]) / "run.json").read_text()).get("recipe")
+        if recipe not in (None, "bl_base"):  # None: an imported Hugging Face model
+            return f"{recipe}:full"
     if meta["system"] == "minijoint" and len(meta.get("mini_depths") or ()) > 1:
         return f"minijoint@{meta['mini_layers']}"
     return meta["system"]

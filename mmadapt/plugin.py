@@ -15,7 +15,7 @@ positions:
 and the headline is the **contextual gain**, unigram - loss (nats per masked piece). The
 ceiling is an artifact trained over the full primary model of the same source run (for
 MINIJOINT: `adapt --system bl_base --source <minijoint run>`), recorded as system
-`<recipe>:full`.
+`<recipe>:full` (adapt.system_label).
 
 Masking is deterministic (the dataset's validation split, masked with a fixed seed), so the
 curves of one language are comparable across systems. The model is built once, on the
@@ -148,16 +148,6 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     return {"word_embeddings": init[A.WORD], "output_bias": init[A.BIAS]}
 
 
-def label(meta: dict) -> str:
-    """The system a record is shown as: `<recipe>:full` for the ceiling (full-model Step 2 over a
-    source whose own system is another, e.g. bl_base over a MINIJOINT run); `minijoint@N` for
-    a mini-model of a MINIJOINT run with several (adapt.system_label)."""
-    recipe = json.loads((Path(meta["source"]) / "run.json").read_text()).get("recipe")
-    if meta["system"] == "bl_base" and recipe not in (None, "bl_base"):
-        return f"{recipe}:full"
-    return A.system_label(meta)
-
-
 def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[str, Path], seq_length: int,
                    blocks: int = 256, batch_size: int = 32, seed: int = 0) -> list[dict]:
     """Plug-in records of every artifact of `adapt_runs` (whose embeddings belong to the primary
@@ -194,7 +184,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                 starts[run] = masked_loss(model, refs[lang]["on_device"])
         with swapped(model, _swap(model, emb)):
             loss = masked_loss(model, refs[lang]["on_device"])
-        records.append({"system": label(meta), "task": TASK, "lang": lang, "step": meta["step"],
+        records.append({"system": A.system_label(meta), "task": TASK, "lang": lang, "step": meta["step"],
                         "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
                         "tokens": meta["tokens"], "metric": METRIC, "score": unigram - loss, "chance": 0.0, "loss": loss,
                         "unigram_loss": unigram, "start_loss": starts[run], "start_gain": unigram - starts[run],

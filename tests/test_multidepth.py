@@ -161,6 +161,20 @@ def test_records_name_the_depth_only_when_the_source_has_several():
     assert A.system_label({"system": "bl_base", "mini_layers": 12}) == "bl_base"
 
 
+def test_full_model_step2_over_another_recipe_is_named_as_that_recipes_ceiling(tmp_path):
+    """bl_base over a MINIJOINT source is MINIJOINT's ceiling, `minijoint:full`, in every Step-4
+    record (plug-in, task, retrieval); over a BL_BASE run or an imported model (no recipe) it
+    is bl_base."""
+    for recipe, label in (("minijoint", "minijoint:full"), ("bl_small", "bl_small:full"), ("bl_base", "bl_base"),
+                          (None, "bl_base")):
+        src = tmp_path / str(recipe)
+        src.mkdir()
+        (src / "run.json").write_text(json.dumps({} if recipe is None else {"recipe": recipe}))
+        assert A.system_label({"system": "bl_base", "mini_layers": 12, "source": str(src)}) == label
+    assert A.system_label({"system": "minijoint", "mini_layers": 4, "source": str(tmp_path / "minijoint")}) \
+        == "minijoint"
+
+
 def test_bad_depth_is_one_error_line(primary_run, tmp_path, capsys):
     from mmadapt.cli import main
 
