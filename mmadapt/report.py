@@ -215,15 +215,28 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
         cost = {s: [cs[(s, task, lang)][-1][0] for lang in langs if (s, task, lang) in cs] for s in task_systems}
         cost = {s: sum(v) / len(v) for s, v in cost.items()}
         f = _score_format(task)
+        # Where the records know the chance level, what a system learned is its gain over it: the
+        # share of BL_BASE's gain (and of its ceiling's, `<recipe>:full`, where one was run) says
+        # more than the ratio of scores that chance inflates.
+        floor = _chance(records, task)
+        ceiling = {s: f"{s.split('@')[0]}:full" for s in task_systems if f"{s.split('@')[0]}:full" in avg}
+        extra = [] if floor is None else ["gain over chance", f"share of {baseline}'s gain"]
+        extra += ["share of the ceiling's gain"] if floor is not None and ceiling else []
         out += [f"## {task}: score at the last checkpoint", "",
-                f"| system | Step-2 EFLOPs | {device} days | " + " | ".join(langs) + " | avg | retention |",
-                "|---" * (len(langs) + 5) + "|"]
+                f"| system | Step-2 EFLOPs | {device} days | " + " | ".join(langs + ["avg", "retention"] + extra)
+                + " |", "|---" * (len(langs) + 5 + len(extra)) + "|"]
+
+        def share(s: str, of: str | None) -> str:
+            whole = avg[of] - floor if of in avg else math.nan
+            return f"{100 * (avg[s] - floor) / whole:.0f}%" if whole > 0 else "-"
+
         for s in task_systems:
             ret = avg[s] / avg[baseline] if avg[baseline] else math.nan
+            cells = [] if floor is None else [format(avg[s] - floor, "+" + f), share(s, baseline)]
+            cells += [share(s, ceiling.get(s))] if len(extra) == 3 else []
             out.append(f"| {s} | {cost[s] / 1e18:.3g} | {device_days(cost[s], device):.3g} | " +
-                       " | ".join("-" if v is None else format(v, f) for v in final[s]) +
-                       f" | {format(avg[s], f)} | {100 * ret:.1f}% |")
-        floor = _chance(records, task)
+                       " | ".join(["-" if v is None else format(v, f) for v in final[s]]
+                                  + [format(avg[s], f), f"{100 * ret:.1f}%"] + cells) + " |")
         if floor is not None and avg[baseline] <= floor + NOISE[task if task in NOISE else "default"]:
             out += ["", f"## {task}: {device} days to near-maximal performance: not meaningful here ({baseline}'s "
                     f"final average {format(avg[baseline], f)} is within noise of the chance level "

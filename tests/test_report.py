@@ -112,3 +112,23 @@ def test_report_with_several_tasks_gives_the_papers_retention():
     assert "| minijoint | 85.8% |" in md  # (58/60 + 30/40) / 2; the ratio of sums would be 88.0%
     assert "| bl_base | 100.0% |" in md
     assert "retention against" not in report_markdown(records[:1] + records[2:3])  # one task: no such table
+
+
+def test_task_table_gives_gains_over_chance_and_the_share_of_the_ceilings():
+    """With a chance level in the records, each system's gain over it and its share of BL_BASE's
+    gain and of its ceiling's (`<recipe>:full`), by hand: chance 20; BL_BASE (36 + 38) / 2 = 37,
+    gain 17; MINIJOINT 33, gain 13, 13/17 = 76%; its ceiling 34, gain 14: 13/14 = 93%."""
+    rec = [("bl_base", "de", 36.0), ("bl_base", "fr", 38.0), ("minijoint", "de", 32.0), ("minijoint", "fr", 34.0),
+           ("minijoint:full", "de", 33.0), ("minijoint:full", "fr", 35.0)]
+    records = [{"system": s, "task": "genre", "lang": l, "step": 1, "flops": 1e18, "score": v, "chance": 20.0}
+               for s, l, v in rec]
+    md = report_markdown(records)
+    assert ("| system | Step-2 EFLOPs | v100-paper days | de | fr | avg | retention | gain over chance | "
+            "share of bl_base's gain | share of the ceiling's gain |") in md
+    assert "| bl_base | 1 | 0.386 | 36.0 | 38.0 | 37.0 | 100.0% | +17.0 | 100% | - |" in md
+    assert "| minijoint | 1 | 0.386 | 32.0 | 34.0 | 33.0 | 89.2% | +13.0 | 76% | 93% |" in md
+    assert "| minijoint:full | 1 | 0.386 | 33.0 | 35.0 | 34.0 | 91.9% | +14.0 | 82% | - |" in md
+    # No ceiling: no ceiling column; no chance level: neither gain column.
+    assert "ceiling's gain" not in report_markdown(records[:4])
+    assert "gain over chance" not in report_markdown([{k: v for k, v in r.items() if k != "chance"}
+                                                      for r in records])
