@@ -47,6 +47,9 @@ class DemoConfig:
     pretrain_batch: int = _f(64, "Step-1 blocks per update: a 12 x 64 post-LN model leaves the unigram "
                              "plateau within a few hundred updates at 64, not at the preset's 16")
     pretrain_lr: float = _f(1e-3, "Step-1 peak learning rate")
+    pretrain_seed: int = _f(1234, "Step-1 seed (init, data order, masking) of every source model; the shipped "
+                            "models' is the default, another needs --from_scratch. At this scale it moves zero-shot "
+                            "transfer more than the choice of system does (README)")
     init_method_std: float = _f(0.07, "weight init std: RoBERTa's 0.02 at h=768 scaled by sqrt(768/64) for the "
                                 "tiny preset's h=64; at 0.02 its top layers collapse to a constant")
     minipost_iters: int = _f(150, "Step-1b updates of MINIPOST's two new layers")
@@ -111,16 +114,11 @@ def pack_source_models(pretrain_root: Path, out: Path = SOURCE_MODELS) -> None:
     shutil.copyfile(Path(pretrain_root) / RECIPES[0] / "tokenizer" / "spm.model", out / "spm.model")
 
 
-def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dict, train: dict) -> None:
-    """The shipped Step-1 model of `recipe` as an mmadapt run directory (a weights-only checkpoint
-    at its last update), if it was pretrained with exactly `model` and `train` (the settings
-    --from_scratch would use)."""
-    import shutil
-
+def check_shipped(recipe: str, model: dict, train: dict) -> dict:
+    """The shipped Step-1 model of `recipe` ({"state", "run"}), if it was pretrained with exactly
+    `model` and `train` (the settings --from_scratch would use); else a ValueError naming the
+    first setting that differs."""
     import torch
-
-    from mmadapt.checkpoint import write_weights_only
-    from mmadapt.data import read_manifest
 
     from mmadapt.train import recorded_defaults
 
@@ -133,6 +131,18 @@ def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dic
         if diff is not None:
             raise ValueError(f"the shipped {recipe} model was pretrained with {diff} {shipped.get(diff)}, this demo "
                              f"asks for {mine[diff]}: pass --from_scratch to pretrain with these settings")
+    return blob
+
+
+def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dict, train: dict) -> None:
+    """The shipped Step-1 model of `recipe` as an mmadapt run directory (a weights-only checkpoint
+    at its last update), if it was pretrained with exactly `model` and `train` (check_shipped)."""
+    import shutil
+
+    from mmadapt.checkpoint import write_weights_only
+    from mmadapt.data import read_manifest
+
+    blob = check_shipped(recipe, model, train)
     tmp = run_dir.with_name(f".{run_dir.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     write_weights_only(tmp / "checkpoints", blob["run"]["train"]["train_iters"], blob["state"], blob["run"]["model"])
@@ -173,6 +183,21 @@ class Demo:
         return dataclasses.replace(PRESETS["tiny"][1], seq_length=self.cfg.seq_length, train_iters=iters,
                                    save_interval=save_interval, log_interval=50, **changes)
 
+    def source_settings(self, recipe: str) -> tuple:
+        """(ModelConfig, TrainConfig) of `recipe`'s Step 1 as the demo runs it."""
+        cfg = self.cfg
+        model = dataclasses.replace(PRESETS["tiny"][0], vocab_size=VOCAB, init_method_std=cfg.init_method_std)
+        return (apply_recipe(model, recipe, self.mini.mini_layers),
+                self._train(cfg.pretrain_iters, cfg.pretrain_iters, lr=cfg.pretrain_lr,
+                            train_micro_batch_size_per_gpu=cfg.pretrain_batch, seed=cfg.pretrain_seed))
+
+    def check_sources(self) -> None:
+        """Before any side effect: the shipped source models fit this demo's Step-1 settings
+        (unless --from_scratch pretrains them)."""
+        if not self.from_scratch:
+            for recipe in RECIPES:
+                check_shipped(recipe, *map(to_dict, self.source_settings(recipe)))
+
     # --- the steps ----------------------------------------------------------------------------------
 
     def prepare(self) -> dict[str, Path]:
@@ -199,12 +224,9 @@ class Demo:
         self.say(f"prepare each Bible once: a {VOCAB}-piece SentencePiece vocabulary and the encoded text for en, "
                  + ", ".join(cfg.langs))
         data = self.prepare()
-        model = dataclasses.replace(PRESETS["tiny"][0], vocab_size=VOCAB, init_method_std=cfg.init_method_std)
-        pre = {r: root / "pretrain" / r for r in ("bl_base", "bl_small", "minijoint")}
-        train = self._train(cfg.pretrain_iters, cfg.pretrain_iters, lr=cfg.pretrain_lr,
-                            train_micro_batch_size_per_gpu=cfg.pretrain_batch)
+        pre = {r: root / "pretrain" / r for r in RECIPES}
         for recipe, run_dir in pre.items():
-            shaped = apply_recipe(model, recipe, self.mini.mini_layers)
+            shaped, train = self.source_settings(recipe)
             if not self.from_scratch:
                 self.say(f"Step 1: {recipe}, pretrained on the English Bible (shipped: mmadapt/demo_models)")
                 if not run_dir.exists():
@@ -233,8 +255,9 @@ class Demo:
                 if state != "done":
                     steps.adapt_embeddings(system, source[system], lang, run_dir, adapt, data_path=data[lang],
                                            resume=state == "resume")
-            # The ceiling of MINIJOINT's plug-in metric: embeddings trained over its full primary model.
-            self.say(f"Step 2: {lang} embeddings over minijoint's full primary model (the plug-in ceiling)")
+            # MINIJOINT's ceiling: embeddings trained over its full primary model, what its
+            # mini-model's embeddings are measured against (plug-in metric and tasks).
+            self.say(f"Step 2: {lang} embeddings over minijoint's full primary model (its ceiling)")
             run_dir = root / "adapt" / f"minijoint-full-{lang}"
             state = self._state(run_dir, cfg.adapt_iters)
             if state != "done":
@@ -272,7 +295,11 @@ class Demo:
                     for system in SYSTEMS if PRIMARY[system] == primary for lang in self.cfg.langs]
             ceiling = [self.root / "adapt" / f"minijoint-full-{lang}" for lang in self.cfg.langs
                        if primary == "minijoint"]
-            records += plugin_records(pre[primary], runs + ceiling, {lang: data[lang] for lang in self.cfg.langs},
+            # The ceiling is scored on the tasks too: MINIJOINT's mini-model embeddings against
+            # embeddings trained over its own full model, apart from how its primary model
+            # compares with BL_BASE's.
+            runs += ceiling
+            records += plugin_records(pre[primary], runs, {lang: data[lang] for lang in self.cfg.langs},
                                       self.cfg.seq_length, self.cfg.plugin_blocks)
             records += evaluate_artifacts(finetuned[primary], runs, "bible")
             records += retrieval_records(pre[primary], runs, pairs, self.cfg.seq_length)
@@ -332,12 +359,14 @@ def main(argv=None) -> int:
     bible_db_path()  # says how to install the data package when it is missing
     from mmadapt import parallel
 
-    parallel.init_parallel(1, 1)  # the demo's one process: every step runs on one rank
     root = Path(args.output_dir)
+    demo = Demo(cfg, root, from_scratch=args.from_scratch)
+    demo.check_sources()
+    parallel.init_parallel(1, 1)  # the demo's one process: every step runs on one rank
     root.mkdir(parents=True, exist_ok=True)
     (root / "demo.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     t0 = time.perf_counter()
-    out = Demo(cfg, root, from_scratch=args.from_scratch).run()
+    out = demo.run()
     text = write_results(root, cfg, out, time.perf_counter() - t0)
     print("\n" + text)
     print(f"\nresults: {root / 'results.md'}, {root / 'results.json'}, {root / 'curves.png'}")

@@ -72,3 +72,16 @@ def test_installed_model_is_accepted_by_later_steps(tmp_path):
     with pytest.raises(ValueError, match="pass --from_scratch"):
         install_source_model("minijoint", tmp_path / "other", data, {**blob["run"]["model"], "hidden_size": 32},
                              blob["run"]["train"])
+
+
+def test_another_step1_seed_needs_from_scratch_and_is_refused_before_anything_is_written(tmp_path, capsys):
+    from mmadapt.cli import main
+
+    assert main(["demo", "--pretrain_seed", "2", "--output_dir", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: the shipped bl_base model was pretrained with seed 1234, this demo asks for 2: pass "
+                       "--from_scratch to pretrain with these settings")
+    assert not (tmp_path / "d").exists()
+    from mmadapt.demo import Demo
+    Demo(DemoConfig(pretrain_seed=2), tmp_path / "d", from_scratch=True).check_sources()  # nothing to check
+    Demo(DemoConfig(), tmp_path / "d").check_sources()  # the default is the shipped models' setting
