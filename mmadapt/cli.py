@@ -428,6 +428,9 @@ def report_main(argv=None) -> int:
     p.add_argument("--plots", help="write curves.png (score vs Step-2 compute, as the paper's Figure 3) and "
                    "speedup.png (mean per-language speedup, as Figure 1) into this directory (needs matplotlib)")
     p.add_argument("--device", default="v100-paper", help="device whose days are reported")
+    p.add_argument("--baseline", default="bl_base", help="the system retention, gains and the near-maximal target "
+                   "(95%% of its final score) are measured against, e.g. minijoint:full (a ceiling) when the "
+                   "results hold no BL_BASE runs")
     args = p.parse_args(argv)
     if args.output and any(Path(args.output).resolve() == Path(f).resolve() for f in args.results):
         raise ValueError(f"--output {args.output} is one of the results files it reads: choose another file")
@@ -447,14 +450,14 @@ def report_main(argv=None) -> int:
         records += data
     if not records:
         raise ValueError(f"{args.results[0]} holds no result records")
-    md = report_markdown(records, device=args.device)
+    md = report_markdown(records, baseline=args.baseline, device=args.device)
     if args.plots:
         from mmadapt.report import plot_curves, plot_speedup
 
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
         plot_curves(records, out / "curves.png", device=args.device)
-        plot_speedup(records, out / "speedup.png", device=args.device)
+        plot_speedup(records, out / "speedup.png", baseline=args.baseline, device=args.device)
     print(md)
     if args.output:
         Path(args.output).write_text(md + "\n")

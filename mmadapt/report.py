@@ -201,7 +201,8 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
     systems = sorted({k[0] for k in cs}, key=lambda s: (s != baseline, s))
     tasks = sorted({k[1] for k in cs})
     if baseline not in systems:
-        raise ValueError(f"the results hold no {baseline} runs: the near-maximal target is 95% of its final score")
+        raise ValueError(f"the results hold no {baseline} runs: the near-maximal target is 95% of its final score; "
+                         f"pass --baseline with one of their systems ({', '.join(systems)})")
     hits = near_max_hits(cs, baseline, device)
     out, task_avg = [], {}
     for task in tasks:
