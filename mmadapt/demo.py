@@ -58,7 +58,7 @@ class DemoConfig:
                           "from the same source models)")
     adapt_batch: int = _f(32, "Step-2 blocks per update")
     adapt_save_interval: int = _f(200, "Step-2 checkpoint (and evaluation) interval: the points of each curve")
-    finetune_epochs: float = _f(3.0, "Step-3 epochs over the 2000 English training verses")
+    finetune_epochs: float = _f(3.0, "Step-3 epochs over the 5000 English training verses")
     finetune_lr: float = _f(5e-4, "Step-3 peak learning rate (the paper's 1e-5..3e-5 suit 125M-parameter models)")
     finetune_seeds: tuple = _f((1, 2, 3), "Step-3 seeds per primary model: zero-shot scores are their mean, the "
                                "table notes their spread (the paper averages 5)")

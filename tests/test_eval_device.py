@@ -155,7 +155,7 @@ def seeds(primary_run, tmp_path_factory):
     from mmadapt.steps import finetune
 
     init_parallel(1, 1)
-    cfg = FinetuneConfig(seq_length=64, train_micro_batch_size_per_gpu=16, epochs=0.02, log_interval=1, lr=1e-3)
+    cfg = FinetuneConfig(seq_length=64, train_micro_batch_size_per_gpu=16, epochs=0.008, log_interval=1, lr=1e-3)
     runs = []
     for seed in (1, 2):
         out = tmp_path_factory.mktemp(f"ft_seed{seed}")

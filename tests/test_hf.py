@@ -234,7 +234,7 @@ def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_
     assert diff <= TOL
 
 
-SHORT = FinetuneConfig(seq_length=SEQ, train_micro_batch_size_per_gpu=16, epochs=0.05, log_interval=1, lr=1e-3)
+SHORT = FinetuneConfig(seq_length=SEQ, train_micro_batch_size_per_gpu=16, epochs=0.02, log_interval=1, lr=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -406,7 +406,7 @@ def test_end_to_end_from_an_imported_model_to_an_exported_classifier(hf_dirs, co
                  "--tokenizer", str(de_tokenizer), "--output_dir", str(ad), "--train_iters", "40",
                  "--save_interval", "40", "--lr", "5e-3", *sched]) == 0
     assert main(["finetune", "--task", "bible-genre", "--primary", str(run), "--output_dir", str(ft),
-                 "--seq_length", str(SEQ), "--epochs", "0.5", "--lr", "1e-3", "--hidden_dropout", "0",
+                 "--seq_length", str(SEQ), "--epochs", "0.2", "--lr", "1e-3", "--hidden_dropout", "0",
                  "--attention_dropout", "0", "--ds_config", str(REPO / "ds_configs" / "zero0.json")]) == 0
     artifact = ad / "embeddings" / "step00000040"
     assert main(["evaluate", "--finetuned", str(ft), "--embeddings", str(artifact), "--eval_file", "bible",
