@@ -70,7 +70,7 @@ class DemoConfig:
 
 # The CI setting (README): the same stages and outputs from the shipped source models, one
 # language, far fewer updates.
-QUICK = DemoConfig(langs=("de",), minipost_iters=50, adapt_iters=150, adapt_save_interval=50, finetune_epochs=0.5,
+QUICK = DemoConfig(langs=("de",), minipost_iters=50, adapt_iters=150, adapt_save_interval=50, finetune_epochs=0.2,
                    finetune_seeds=(1,), retrieval_pairs=200, plugin_blocks=256)
 
 # Step 1 as the demo runs it, done once and shipped (mmadapt/demo_models/README.md): 3 x 2,000
