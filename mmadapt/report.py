@@ -165,6 +165,12 @@ def _chance(records: list[dict], task: str) -> float | None:
     return max(vals) if vals else None
 
 
+def ceiling_of(system: str) -> str:
+    """The record name of `system`'s ceiling: Step 2 over the full model of its source
+    (adapt.system_label), one per recipe, so `minijoint@4` and `minijoint` share `minijoint:full`."""
+    return f"{system.split('@')[0]}:full"
+
+
 def plugin_markdown(records: list[dict]) -> str:
     """The plug-in MLM metric (plugin.py) with its references, per language: the unigram
     reference loss, and per system the overlap-initialised start and the last checkpoint's loss
@@ -183,7 +189,7 @@ def plugin_markdown(records: list[dict]) -> str:
                 "|---|---|---|---|---|---|"]
         for system in sorted(last, key=lambda s: (s != "bl_base", s)):
             r = last[system]
-            ceiling = last.get(f"{system.split('@')[0]}:full")
+            ceiling = last.get(ceiling_of(system))
             share = f"{100 * r['score'] / ceiling['score']:.0f}% at {100 * r['flops'] / ceiling['flops']:.0f}% of its " \
                     "compute" if ceiling and ceiling["score"] > 0 else "-"
             out.append(f"| {system} | {r['flops'] / 1e18:.3g} | {r['start_loss']:.3f} | {r['loss']:.3f} | "
@@ -220,21 +226,21 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
         # share of BL_BASE's gain (and of its ceiling's, `<recipe>:full`, where one was run) says
         # more than the ratio of scores that chance inflates.
         floor = _chance(records, task)
-        ceiling = {s: f"{s.split('@')[0]}:full" for s in task_systems if f"{s.split('@')[0]}:full" in avg}
+        with_ceiling = floor is not None and any(ceiling_of(s) in avg for s in task_systems)
         extra = [] if floor is None else ["gain over chance", f"share of {baseline}'s gain"]
-        extra += ["share of the ceiling's gain"] if floor is not None and ceiling else []
+        extra += ["share of the ceiling's gain"] if with_ceiling else []
         out += [f"## {task}: score at the last checkpoint", "",
                 f"| system | Step-2 EFLOPs | {device} days | " + " | ".join(langs + ["avg", "retention"] + extra)
                 + " |", "|---" * (len(langs) + 5 + len(extra)) + "|"]
 
-        def share(s: str, of: str | None) -> str:
+        def share(s: str, of: str) -> str:
             whole = avg[of] - floor if of in avg else math.nan
             return f"{100 * (avg[s] - floor) / whole:.0f}%" if whole > 0 else "-"
 
         for s in task_systems:
             ret = avg[s] / avg[baseline] if avg[baseline] else math.nan
             cells = [] if floor is None else [format(avg[s] - floor, "+" + f), share(s, baseline)]
-            cells += [share(s, ceiling.get(s))] if len(extra) == 3 else []
+            cells += [share(s, ceiling_of(s))] if with_ceiling else []
             out.append(f"| {s} | {cost[s] / 1e18:.3g} | {device_days(cost[s], device):.3g} | " +
                        " | ".join(["-" if v is None else format(v, f) for v in final[s]]
                                   + [format(avg[s], f), f"{100 * ret:.1f}%"] + cells) + " |")
