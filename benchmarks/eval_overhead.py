@@ -53,7 +53,7 @@ from mmadapt.checkpoint import tag_for, write_weights_only
 from mmadapt.config import FinetuneConfig, ModelConfig, to_dict
 from mmadapt.corpora import genre_examples, write_bible_corpus
 from mmadapt.data import train_tokenizer
-from mmadapt.model import RobertaForTask, RobertaMLM
+from mmadapt.models.roberta.model import RobertaForTask, RobertaMLM
 
 SHIPPED = REPO / "mmadapt" / "demo_models"
 SEEDS, STEPS, LABELS = (1, 2), (1000, 2000), ["0", "1", "2", "3", "4"]

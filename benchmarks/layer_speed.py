@@ -4,7 +4,7 @@ blocks, with dropout on (as training runs it).
     python benchmarks/layer_speed.py              # CPU: h=256, s=128, micro 16; ~1 min on 2 cores
     python benchmarks/layer_speed.py              # GPU: roberta-base layer, s=512, micro 32, bf16
 
-Eager is `mmadapt.model.TransformerLayer` as the model runs it; compiled is the same module after
+Eager is `mmadapt.models.roberta.model.TransformerLayer` as the model runs it; compiled is the same module after
 `torch.compile` (what `--fusion compile` applies to each layer): inductor fuses the bias adds,
 GELU, dropout, residual adds and LayerNorms that eager launches one by one. "padded" blocks carry
 the attention mask of blocks that end in padding (SDPA then cannot use its flash kernel on a
@@ -21,7 +21,7 @@ import time
 import torch
 from common import SHAPES, add_run_args, median_time, table, write_results
 
-from mmadapt.model import Padding, TransformerLayer, attention_mask
+from mmadapt.models.roberta.model import Padding, TransformerLayer, attention_mask
 from mmadapt.parallel import device, seed_everything
 from mmadapt.tokens import NUM_SPECIAL, PAD_ID
 

@@ -91,7 +91,7 @@ def load_model(run_dir: str | os.PathLike, tag: str | None = None) -> tuple[Mode
 
 
 def _expected_names(cfg: ModelConfig) -> list[str]:
-    from mmadapt.model import RobertaMLM
+    from mmadapt.models.roberta.model import RobertaMLM
 
     with torch.device("meta"):
         return [n for n, _ in RobertaMLM(cfg).named_parameters()]

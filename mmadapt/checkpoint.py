@@ -263,7 +263,7 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) ->
     shards: dict[str, list[torch.Tensor]] = {}
     if layer_files:  # pipeline: one file per (layer, tp rank)
         from mmadapt.config import ModelConfig
-        from mmadapt.pipeline import pipeline_param_name
+        from mmadapt.models.roberta.pipeline import pipeline_param_name
 
         cfg = ModelConfig(**meta["model_config"])
         for f in layer_files:

@@ -212,7 +212,7 @@ def score(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, labels
 # --- the task model from runs ------------------------------------------------------------------------
 
 def task_model(model_cfg: ModelConfig, task: Task, num_labels: int, seed: int):
-    from mmadapt.model import RobertaForTask
+    from mmadapt.models.roberta.model import RobertaForTask
 
     return RobertaForTask(model_cfg, task.kind, num_labels, seed=seed)
 
@@ -387,7 +387,7 @@ class TokenBatches:
 
     @classmethod
     def plan(cls, input_ids: torch.Tensor, batch_tokens: int, device: torch.device) -> "TokenBatches":
-        from mmadapt.model import Padding
+        from mmadapt.models.roberta.model import Padding
 
         lengths = row_lengths(input_ids)
         order = torch.sort(lengths, descending=True, stable=True).indices  # [n]
@@ -613,7 +613,7 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     embeddings. `layer`: whose outputs are pooled (default: the middle layer, ceil(L / 2),
     whose representations are the least tied to the MLM objective)."""
     from mmadapt.adapt import read_artifact, system_label
-    from mmadapt.model import RobertaEncoder
+    from mmadapt.models.roberta.model import RobertaEncoder
     from mmadapt.parallel import device
 
     cfg, state = primary_state(primary_run, None)

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.model import MLMHeads, TransformerLayer
+from mmadapt.models.roberta.model import MLMHeads, TransformerLayer
 
 # Compiled module kinds (pipeline.py's stage classes are subclasses of these). Not each MLMHead:
 # MLMHeads' graph holds them.

@@ -310,7 +310,7 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
 
 
 def _check_shapes(cfg: ModelConfig, state: dict, where: Path) -> None:
-    from mmadapt.model import RobertaMLM
+    from mmadapt.models.roberta.model import RobertaMLM
 
     with torch.device("meta"):
         want = {n: tuple(p.shape) for n, p in RobertaMLM(cfg).named_parameters()}

@@ -79,7 +79,7 @@ def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: i
 def plugin_model(cfg: ModelConfig, state: dict) -> torch.nn.Module:
     """A one-head RobertaMLM with `state` (vocab from its rows), on the device for evaluation."""
     from mmadapt.finetune import on_eval_device
-    from mmadapt.model import RobertaMLM
+    from mmadapt.models.roberta.model import RobertaMLM
     from mmadapt.parallel import device
 
     model = RobertaMLM(dataclasses.replace(cfg, vocab_size=state[A.WORD].shape[0]))
@@ -92,7 +92,7 @@ def on_device(batches: list, device: torch.device) -> list:
     targets [m]) on `device`: the padding and masked positions counted on the host, where that
     costs no wait for the device."""
     from mmadapt.finetune import to_device
-    from mmadapt.model import Padding, masked_positions
+    from mmadapt.models.roberta.model import Padding, masked_positions
 
     return [(to_device(ids, device), Padding.of(ids), *(to_device(t, device) for t in masked_positions(labels)))
             for ids, labels in batches]
@@ -137,7 +137,7 @@ def _swap(model: torch.nn.Module, emb: dict) -> dict:
 def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     """The overlap-initialised embeddings and bias the adapt run started from (recomputed: the
     same seeded draw as adapt_embeddings')."""
-    from mmadapt.model import derive_seed
+    from mmadapt.models.roberta.model import derive_seed
 
     run = json.loads((adapt_run / "run.json").read_text())
     src = run["frozen_from"]

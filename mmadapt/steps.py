@@ -33,7 +33,7 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, FinetuneConfig, MiniModelConfig, ModelConfig,
                             PreprocessConfig, TrainConfig, to_dict)
 from mmadapt.corpora import resolve_corpus
-from mmadapt.model import Padding
+from mmadapt.models.roberta.model import Padding
 from mmadapt.sweep import SweepConfig
 from mmadapt.train import MLMJob, RunPaths, check_same_run, prepare_data, train_mlm, validate_run
 
@@ -213,7 +213,7 @@ def _adapt(system: str, source: Path, tag: str, lang: str, model: ModelConfig, t
            ds: dict, tok: Path, data_dir: Path, resume: bool, same: dict, depth: dict) -> list[dict]:
     """adapt_embeddings once its checks passed and its process groups exist."""
     from mmadapt.flops import adapt_flops, device_days
-    from mmadapt.model import derive_seed
+    from mmadapt.models.roberta.model import derive_seed
 
     out = paths.output_dir
     _, init, shared = A.step2_start(system, source, tag, tok, model.init_method_std,

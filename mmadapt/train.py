@@ -32,7 +32,7 @@ from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TOKENIZER, VALID, ML
 from mmadapt.engine import (build_engine, is_pipeline, load_ds_config, mean_over_ranks, train_loop,
                             trainable_by_names, warmup_linear_decay)
 from mmadapt.flops import step_flops
-from mmadapt.model import Padding
+from mmadapt.models.roberta.model import Padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +179,10 @@ def prepare_data(model: ModelConfig, train: TrainConfig, paths: RunPaths) -> tup
 
 def build_mlm(model_cfg: ModelConfig, seed: int) -> tuple[torch.nn.Module, dict[str, str | None]]:
     """This rank's model (or pipeline stage) and its parameter names -> RobertaMLM names."""
-    from mmadapt.model import RobertaMLM
+    from mmadapt.models.roberta.model import RobertaMLM
 
     if model_cfg.pipeline_model_parallel_size > 1:
-        from mmadapt.pipeline import pipeline_param_name, to_pipeline
+        from mmadapt.models.roberta.pipeline import pipeline_param_name, to_pipeline
 
         module = to_pipeline(model_cfg, seed, parallel.dp_world())
         return module, {n: pipeline_param_name(n, model_cfg) for n, _ in module.named_parameters()}
@@ -216,7 +216,7 @@ class HostBatch(NamedTuple):
 
 def host_batch(input_ids: torch.Tensor, labels: torch.Tensor, pin: bool = False) -> HostBatch:
     """pin: page-locked copies, which the device reads asynchronously (non_blocking copies)."""
-    from mmadapt.model import masked_positions
+    from mmadapt.models.roberta.model import masked_positions
 
     b = HostBatch(input_ids, labels, *masked_positions(labels), Padding.of(input_ids))
     return b._replace(**{k: getattr(b, k).pin_memory() for k in _TENSORS}) if pin else b
@@ -260,7 +260,7 @@ def _prepared(batches: list) -> list[HostBatch]:
 def _pipe_batches(engine, batches: list[HostBatch], dev) -> iter:
     """Micro-batches as DeepSpeed's pipeline takes them, ((inputs...), labels), after handing
     this stage what the host knows about them (pipeline.set_host_batches)."""
-    from mmadapt.pipeline import set_host_batches
+    from mmadapt.models.roberta.pipeline import set_host_batches
 
     on_dev = [to_device(b, dev) for b in batches]
     set_host_batches(engine.module, [b.padding for b in batches], [(b.masked_index, b.targets) for b in on_dev])
@@ -270,7 +270,7 @@ def _pipe_batches(engine, batches: list[HostBatch], dev) -> iter:
 def _pipe_head_losses(engine, num_heads: int) -> torch.Tensor:
     """Each head's loss over the micro-batches just run, on the last stage (which holds the
     heads); zeros on the other stages."""
-    from mmadapt.pipeline import PipeMLMHeads
+    from mmadapt.models.roberta.pipeline import PipeMLMHeads
 
     heads = next((m for m in engine.module.modules() if isinstance(m, PipeMLMHeads)), None)
     per_head = torch.zeros(num_heads, device=engine.device)

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mmadapt import adapt as A, parallel  # noqa: E402
 from mmadapt.engine import load_full_weights  # noqa: E402
-from mmadapt.model import RobertaMLM  # noqa: E402
+from mmadapt.models.roberta.model import RobertaMLM  # noqa: E402
 
 
 def main() -> None:

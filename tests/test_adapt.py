@@ -12,7 +12,7 @@ from conftest import ADAPT, MINIPOST, NO_DROPOUT, REPO, VOCAB, adapt_args, metri
 from mmadapt import adapt as A
 from mmadapt.config import PRESETS, ModelConfig
 from mmadapt.data import MLMBatches, prepare
-from mmadapt.model import RobertaMLM
+from mmadapt.models.roberta.model import RobertaMLM
 from mmadapt.parallel import init_parallel
 
 STEPS = 3
@@ -78,7 +78,7 @@ def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data
 
 def _step2_engine(primary_run, de_tokenizer, system, ds_config):
     from mmadapt.engine import load_ds_config
-    from mmadapt.model import derive_seed
+    from mmadapt.models.roberta.model import derive_seed
     from mmadapt.train import MLMJob, mlm_engine
 
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmadapt.config import PRESETS
-from mmadapt.model import Jagged, Padding, RobertaForTask, RobertaMLM, attention_mask
+from mmadapt.models.roberta.model import Jagged, Padding, RobertaForTask, RobertaMLM, attention_mask
 from mmadapt.parallel import seed_everything
 from mmadapt.tokens import IGNORE_INDEX, PAD_ID
 from mmadapt.train import host_batch

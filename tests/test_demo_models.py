@@ -15,7 +15,7 @@ SHIPPED_VOCAB = 2000
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_shipped_model_is_a_complete_step1_run(recipe):
     from mmadapt.config import ModelConfig
-    from mmadapt.model import RobertaMLM
+    from mmadapt.models.roberta.model import RobertaMLM
 
     blob = torch.load(SOURCE_MODELS / f"{recipe}.pt", map_location="cpu", weights_only=False)
     run = blob["run"]

@@ -8,7 +8,7 @@ from mmadapt import adapt as A
 from mmadapt.config import PRESETS, ModelConfig, apply_recipe
 from mmadapt.flops import (adapt_flops, counted_flops, device_days, forward_flops, layer_flops, minipost_flops,
                            mini_config, pretrain_flops, total_flops)
-from mmadapt.model import RobertaMLM
+from mmadapt.models.roberta.model import RobertaMLM
 from mmadapt.parallel import init_parallel
 from mmadapt.tokens import IGNORE_INDEX
 

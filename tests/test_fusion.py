@@ -22,7 +22,7 @@ from conftest import NO_DROPOUT, base_args, masked_batch, metrics, run_pretrain
 from mmadapt.config import PRESETS, ModelConfig, TrainConfig, to_dict
 from mmadapt.engine import trainable_by_names
 from mmadapt.fusion import apply_fusion, is_fused
-from mmadapt.model import MLMHeads, RobertaForTask, RobertaMLM, TransformerLayer
+from mmadapt.models.roberta.model import MLMHeads, RobertaForTask, RobertaMLM, TransformerLayer
 from mmadapt.tokens import IGNORE_INDEX, PAD_ID
 
 # Two layers keep compile time down; heads after both: MINIJOINT's shape with N = 1.
@@ -212,8 +212,8 @@ def test_pipeline_stage_modules_compiled_equal_eager_without_recompiling(impl):
     """A last pipeline stage's modules (two layers, the first carrying its output to the second
     head), fed what set_host_batches hands them: same losses and gradients compiled as eager,
     and no recompilation per micro-batch for their host-side bookkeeping."""
-    from mmadapt.model import Padding, masked_positions
-    from mmadapt.pipeline import PipeMLMHeads, PipeTransformerLayer
+    from mmadapt.models.roberta.model import Padding, masked_positions
+    from mmadapt.models.roberta.pipeline import PipeMLMHeads, PipeTransformerLayer
 
     cfg = dataclasses.replace(TWO_HEADS, attention_impl=impl)
 

@@ -72,7 +72,7 @@ def test_a_step_starts_from_exact_fp32_weights_under_bf16(bf16_run):
 FORWARD_BACKWARD = """
 import dataclasses, torch
 from mmadapt.config import PRESETS, apply_recipe
-from mmadapt.model import RobertaMLM
+from mmadapt.models.roberta.model import RobertaMLM
 cfg = dataclasses.replace(apply_recipe(PRESETS["tiny"][0], "minijoint"), hidden_dropout=0.0, attention_dropout=0.0)
 model = RobertaMLM(cfg, seed=11)
 g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ from mmadapt import features as F
 from mmadapt.config import PRESETS, FinetuneConfig, ModelConfig
 from mmadapt.finetune import WORD, encode, evaluate, get_task, load_finetuned, load_sp, predict, score
 from mmadapt.steps import finetune
-from mmadapt.model import RobertaForTask
+from mmadapt.models.roberta.model import RobertaForTask
 from mmadapt.parallel import init_parallel
 from mmadapt.tasks import QAExample, read_conllu, read_squad
 from mmadapt.tokens import PAD_ID

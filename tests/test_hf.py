@@ -21,7 +21,7 @@ from mmadapt.cli import main
 from mmadapt.config import FinetuneConfig, TrainConfig
 from mmadapt.finetune import encode, get_task, load_finetuned, load_sp, predict, read_examples, swap_embeddings
 from mmadapt.hf import export_hf, import_hf, write_hf
-from mmadapt.model import RobertaForTask, RobertaMLM
+from mmadapt.models.roberta.model import RobertaForTask, RobertaMLM
 from mmadapt.parallel import init_parallel
 from mmadapt.tokenizer import HFTokenizer, load
 from mmadapt.tokens import BOS_ID, EOS_ID, PAD_ID

@@ -17,9 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmadapt.config import PRESETS
 from mmadapt.engine import load_ds_config
-from mmadapt.model import Padding, RobertaMLM, attention_mask
+from mmadapt.models.roberta.model import Padding, RobertaMLM, attention_mask
 from mmadapt.parallel import init_parallel
-from mmadapt.pipeline import PipeMLMHeads, PipeTransformerLayer, set_host_batches
+from mmadapt.models.roberta.pipeline import PipeMLMHeads, PipeTransformerLayer, set_host_batches
 from mmadapt.tokens import IGNORE_INDEX, PAD_ID
 from mmadapt.train import host_batch, mlm_engine, to_device
 

@@ -30,7 +30,8 @@ def test_roberta_base_parameter_count():
     124,697,433 parameters; ours has 265 fewer vocabulary rows (x768) and output-bias entries,
     2 fewer positions (x768) and no token-type row (768).
     """
-    from mmadapt.model import RobertaMLM, count_parameters
+    from mmadapt.models.layers import count_parameters
+    from mmadapt.models.roberta.model import RobertaMLM
 
     expected = 124_697_433 - 265 * 768 - 265 - 2 * 768 - 768
     assert expected == 124_491_344
@@ -38,7 +39,7 @@ def test_roberta_base_parameter_count():
 
 
 def test_minijoint_loss_is_mean_of_heads_computed_separately():
-    from mmadapt.model import RobertaMLM
+    from mmadapt.models.roberta.model import RobertaMLM
 
     cfg = apply_recipe(tiny(hidden_dropout=0.0, attention_dropout=0.0), "minijoint", 4)
     model = RobertaMLM(cfg, seed=7)
@@ -50,7 +51,7 @@ def test_minijoint_loss_is_mean_of_heads_computed_separately():
 
 
 def test_lm_head_receives_exactly_the_masked_positions():
-    from mmadapt.model import RobertaMLM
+    from mmadapt.models.roberta.model import RobertaMLM
 
     cfg = apply_recipe(tiny(hidden_dropout=0.0, attention_dropout=0.0), "minijoint", 4)
     model = RobertaMLM(cfg, seed=7)
@@ -69,7 +70,7 @@ def test_lm_head_receives_exactly_the_masked_positions():
 
 def test_initialisation_depends_only_on_seed_and_module():
     """A module's weights must not depend on what was built before it (pipeline stages)."""
-    from mmadapt.model import RobertaMLM, TransformerLayer
+    from mmadapt.models.roberta.model import RobertaMLM, TransformerLayer
 
     model = RobertaMLM(tiny(), seed=3)
     torch.randn(1000)  # disturb the global RNG
@@ -80,7 +81,7 @@ def test_initialisation_depends_only_on_seed_and_module():
 
 
 def test_math_and_sdpa_attention_agree_with_padding():
-    from mmadapt.model import RobertaMLM
+    from mmadapt.models.roberta.model import RobertaMLM
 
     ids, labels = batch()
     ids[0, 15:] = 0  # padding
@@ -95,7 +96,7 @@ def test_math_and_sdpa_attention_agree_with_padding():
 
 
 def test_backward_reaches_every_parameter():
-    from mmadapt.model import RobertaMLM
+    from mmadapt.models.roberta.model import RobertaMLM
 
     model = RobertaMLM(apply_recipe(tiny(), "minijoint", 2), seed=1)
     ids, labels = batch()

@@ -17,7 +17,7 @@ from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, hea
                       run_pretrain)
 from mmadapt import adapt as A
 from mmadapt.config import PRESETS, MiniModelConfig, ModelConfig, apply_recipe
-from mmadapt.model import RobertaMLM
+from mmadapt.models.roberta.model import RobertaMLM
 from mmadapt.parallel import init_parallel
 
 SWEEP = str(REPO / "launch" / "sweep.py")
@@ -278,7 +278,7 @@ def test_weight_decay_on_every_parameter_or_matrices_only():
 def test_step2_with_the_papers_frozen_output_bias(primary_run, de_corpus, de_tokenizer, tmp_path):
     """train_output_bias false: only the embedding trains and is checkpointed; the artifact's
     bias is exactly the overlap initialisation, its embedding is not."""
-    from mmadapt.model import derive_seed
+    from mmadapt.models.roberta.model import derive_seed
     from mmadapt.steps import adapt_embeddings
 
     train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,

@@ -26,7 +26,7 @@ def english(corpus, tokenizer, tmp_path_factory):
 def test_primary_head_loss_is_the_models_own(primary_run, english):
     """With the primary's own embeddings and bias 'swapped in', the metric is the 12-layer
     MINIJOINT model's primary-head loss (its second head, after layer 12), token-weighted."""
-    from mmadapt.model import RobertaMLM
+    from mmadapt.models.roberta.model import RobertaMLM
 
     batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
     assert len(batches) == 4

@@ -22,99 +22,18 @@ Shapes (batch first throughout):
 from __future__ import annotations
 
 import math
-import warnings
-import zlib
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from megatron.core import ModelParallelConfig, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
 from mmadapt.config import ModelConfig
+from mmadapt.models.layers import (Jagged, Padding, WordEmbedding, attention_mask, column_linear, derive_seed,
+                                   masked_positions, normal_init, row_linear, to_tp_region, varlen_attention)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
-
-
-def derive_seed(seed: int, name: str) -> int:
-    """A per-module seed: stable across runs, processes and parallel layouts."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**31
-
-
-def _mp_config(config: ModelConfig) -> ModelParallelConfig:
-    # CPU initialisation builds each full ("master") weight from our seeded generator and keeps
-    # this rank's slice, so every tensor-parallel layout starts from the same full weights.
-    return ModelParallelConfig(tensor_model_parallel_size=config.tensor_model_parallel_size,
-                               use_cpu_initialization=True, params_dtype=torch.float32)
-
-
-def _normal(std: float):
-    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
-
-
-def _init_like_megatron(module: nn.Module, init) -> nn.Module:
-    """Materialise a layer built on the meta device as megatron's CPU initialisation does:
-    `init` on the full weight, bias 0, and no other draw from the generator (the layer's own
-    reset would consume one)."""
-    module.to_empty(device="cpu")
-    with torch.no_grad():
-        init(module.weight)
-        if getattr(module, "bias", None) is not None:
-            module.bias.zero_()
-    return module
-
-
-class Linear(nn.Linear):
-    """torch's linear with megatron's call convention (returns `(output, None)`), for TP=1."""
-
-    def __init__(self, in_features: int, out_features: int, init):
-        super().__init__(in_features, out_features, device="meta")
-        _init_like_megatron(self, init)
-
-    def forward(self, x: torch.Tensor):
-        return super().forward(x), None
-
-
-def _column(config: ModelConfig, in_features: int, out_features: int, init):
-    if config.tensor_model_parallel_size == 1:
-        return Linear(in_features, out_features, init)
-    return tensor_parallel.ColumnParallelLinear(in_features, out_features, config=_mp_config(config),
-                                                init_method=init, bias=True, gather_output=False)
-
-
-def _row(config: ModelConfig, in_features: int, out_features: int, init):
-    if config.tensor_model_parallel_size == 1:
-        return Linear(in_features, out_features, init)
-    return tensor_parallel.RowParallelLinear(in_features, out_features, config=_mp_config(config), init_method=init,
-                                             bias=True, input_is_parallel=True, skip_bias_add=False)
-
-
-def _to_tp_region(x: torch.Tensor, tp: int) -> torch.Tensor:
-    """Identity forward; backward all-reduces the gradient over the TP ranks (none at TP=1)."""
-    return x if tp == 1 else tensor_parallel.copy_to_tensor_model_parallel_region(x)
-
-
-class WordEmbedding(nn.Module):
-    """Vocab-parallel token embedding [V, h], also the output projection of every MLM head."""
-
-    def __init__(self, config: ModelConfig, seed: int = 1234):
-        super().__init__()
-        init = _normal(config.init_method_std)
-        with seeded(derive_seed(seed, "word_embeddings")):
-            if config.tensor_model_parallel_size == 1:
-                self.word_embeddings = _init_like_megatron(
-                    nn.Embedding(config.vocab_size, config.hidden_size, device="meta"), init)
-            else:
-                self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-                    config.vocab_size, config.hidden_size, init_method=init, config=_mp_config(config))
-
-    @property
-    def weight(self) -> nn.Parameter:  # [Vp, h]
-        return self.word_embeddings.weight
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
-        return self.word_embeddings(input_ids)
 
 
 class EmbeddingPost(nn.Module):
@@ -144,14 +63,14 @@ class TransformerLayer(nn.Module):
         self.head_dim = config.head_dim
         self.attention_dropout = config.attention_dropout
         self.attention_impl = config.attention_impl
-        init, h = _normal(config.init_method_std), config.hidden_size
+        init, h = normal_init(config.init_method_std), config.hidden_size
         with seeded(derive_seed(seed, f"layers.{layer_number}")):
             # QKV output is laid out per head as [nh, 3, hd], so the contiguous column block that
             # a TP rank owns holds complete (q, k, v) triples of its own heads.
-            self.qkv = _column(config, h, 3 * h, init)
-            self.attn_out = _row(config, h, h, init)
-            self.fc1 = _column(config, h, config.ffn_hidden_size, init)
-            self.fc2 = _row(config, config.ffn_hidden_size, h, init)
+            self.qkv = column_linear(config, h, 3 * h, init)
+            self.attn_out = row_linear(config, h, h, init)
+            self.fc1 = column_linear(config, h, config.ffn_hidden_size, init)
+            self.fc2 = row_linear(config, config.ffn_hidden_size, h, init)
         self.attn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.ffn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -163,14 +82,14 @@ class TransformerLayer(nn.Module):
         else:
             # The lowest trainable layer above frozen ones (MINIPOST Step 1b): megatron's linear
             # would compute an input gradient (6sh^2 FLOPs) that nothing uses; torch's skips it.
-            qkv = F.linear(_to_tp_region(x, self.tp), self.qkv.weight, self.qkv.bias)
+            qkv = F.linear(to_tp_region(x, self.tp), self.qkv.weight, self.qkv.bias)
         qkv = qkv.view(b, s, self.num_heads_per_partition, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k, v = qkv.unbind(0)  # each [b, np, s, hd]
         p = self.attention_dropout if self.training else 0.0
         # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
         with MODEL_PARALLEL_RNG.fork(x.device):
             if isinstance(mask, Jagged):
-                ctx = _varlen_attention(q, k, v, mask, p)
+                ctx = varlen_attention(q, k, v, mask, p)
             elif self.attention_impl in ("sdpa", "varlen"):
                 ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
             else:
@@ -209,80 +128,7 @@ class MLMHead(nn.Module):
     def forward(self, x: torch.Tensor, word_weight: torch.Tensor) -> torch.Tensor:
         """x [m, h] hidden states of the masked positions only -> logits [m, Vp]."""
         x = self.layernorm(F.gelu(self.dense(x)))
-        return F.linear(_to_tp_region(x, self.tp), word_weight, self.bias)
-
-
-def masked_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """labels [b, s] (-100: not masked) -> (masked_index [m], targets [m]): the flat indices into
-    b * s of the masked positions, in row-major order, and their targets. Call it on the host
-    copy of a batch (train.to_device does): on a device tensor, `nonzero` waits for the device."""
-    flat = labels.reshape(-1)
-    masked_index = flat.ge(0).nonzero().squeeze(1)
-    return masked_index, flat.index_select(0, masked_index)
-
-
-class Padding(NamedTuple):
-    """Where a batch's padding is, counted on the host (train.host_batch) so that no layer has to
-    ask the device: `any`, whether input_ids holds PAD_ID at all; `tokens`, how many positions
-    do not (T); `max_len`, the longest sequence without its padding."""
-    any: bool
-    tokens: int
-    max_len: int
-
-    @staticmethod
-    def of(input_ids: torch.Tensor) -> "Padding":
-        """Count on `input_ids` [b, s]: free on a host tensor, a device wait on a device one."""
-        lengths = input_ids.ne(PAD_ID).sum(1)
-        return Padding(bool(lengths.lt(input_ids.shape[1]).any()), int(lengths.sum()), int(lengths.max()))
-
-
-class Jagged(NamedTuple):
-    """The real tokens of a padded batch, for attention_impl "varlen": token_index [T], their flat
-    indices into b * s in row-major order (so each sequence's tokens are contiguous), and
-    offsets [b + 1], where each sequence starts among them."""
-    token_index: torch.Tensor
-    offsets: torch.Tensor
-    max_len: int
-
-
-def attention_mask(input_ids: torch.Tensor, padding: Padding | None, impl: str = "sdpa"):
-    """What every layer's attention needs to know about padding, built once per forward:
-    None when the batch has none (attention then gets no mask, which is what lets SDPA choose its
-    flash kernel on a GPU); for "varlen", the `Jagged` layout of the real tokens; otherwise
-    [b, 1, 1, s] bool, True where a key may be attended. `padding` comes from the host
-    (train.host_batch); None counts it here, which makes the host wait for the device
-    (evaluation, tests)."""
-    padding = Padding.of(input_ids) if padding is None else padding
-    if not padding.any:
-        return None
-    attend = input_ids.ne(PAD_ID)  # [b, s]
-    if impl != "varlen":
-        return attend[:, None, None, :]
-    # nonzero_static: the host already knows T, so the device need not report it.
-    token_index = torch.nonzero_static(attend.reshape(-1), size=padding.tokens).squeeze(1)
-    return Jagged(token_index, F.pad(attend.sum(1).cumsum(0), (1, 0)), padding.max_len)
-
-
-# torch warns that nested tensors are a prototype when its CPU fallback builds strided ones;
-# "varlen" uses the jagged layout, the one torch recommends.
-warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
-
-
-def _varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, jagged: Jagged, p: float) -> torch.Tensor:
-    """q, k, v [b, np, s, hd] -> context [b, np, s, hd] computed over the real tokens only, as
-    jagged (nested) tensors: on a GPU, SDPA runs them through its variable-length flash kernel
-    (dropout included) and spends nothing on padding; padded positions get a zero context.
-    Their outputs are never read (every loss and pooling skips padding), and no real token
-    attends to them, as with a mask."""
-    b, heads, s, hd = q.shape
-
-    def pack(x):  # [b, np, s, hd] -> jagged [b, np, j, hd]
-        real = x.transpose(1, 2).reshape(b * s, heads, hd).index_select(0, jagged.token_index)  # [T, np, hd]
-        return torch.nested.nested_tensor_from_jagged(real, jagged.offsets, max_seqlen=jagged.max_len).transpose(1, 2)
-
-    out = F.scaled_dot_product_attention(pack(q), pack(k), pack(v), dropout_p=p).transpose(1, 2).values()
-    full = out.new_zeros(b * s, heads, hd).index_copy(0, jagged.token_index, out)  # [b * s, np, hd]
-    return full.view(b, s, heads, hd).transpose(1, 2)
+        return F.linear(to_tp_region(x, self.tp), word_weight, self.bias)
 
 
 class MLMHeads(nn.Module):
@@ -426,6 +272,3 @@ class RobertaForTask(RobertaEncoder):
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
         return loss, logits
 
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

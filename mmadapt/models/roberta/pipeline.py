@@ -35,7 +35,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from mmadapt.config import ModelConfig
-from mmadapt.model import (EmbeddingPost, MLMHeads, Padding, TransformerLayer, WordEmbedding, attention_mask,
+from mmadapt.models.roberta.model import (EmbeddingPost, MLMHeads, Padding, TransformerLayer, WordEmbedding, attention_mask,
                            masked_positions)
 
 
