@@ -26,6 +26,8 @@ FUSIONS = ("none", "compile")
 
 @dataclass
 class ModelConfig:
+    family: str = _f("roberta", "model family (mmadapt/models/): roberta (post-LayerNorm encoder, masked LM) or "
+                     "llama (pre-norm decoder: RMSNorm, rotary positions, SwiGLU, grouped-query attention; causal LM)")
     num_layers: int = _f(12, "number of transformer layers")
     hidden_size: int = _f(768, "hidden size h")
     num_attention_heads: int = _f(12, "attention heads per layer")
@@ -50,6 +52,16 @@ class ModelConfig:
     fusion: str = _f(
         "none", "'none' (eager: the CPU default and the reference in tests) or 'compile' (torch.compile of "
         "each transformer layer and of the MLM heads, in place: parameter names and checkpoints unchanged)")
+    num_query_groups: Optional[int] = _f(None, "decoder: key/value head groups of grouped-query attention, dividing "
+                                         "num_attention_heads and tensor_model_parallel_size (default: one per "
+                                         "attention head, i.e. multi-head attention)")
+    add_qkv_bias: bool = _f(False, "decoder: a bias on the query, key and value projections (Qwen2 has one; Llama "
+                            "and Mistral do not)")
+    rotary_base: float = _f(10000.0, "decoder: base of the rotary position embedding's frequencies (Llama-2 10000, "
+                            "Llama-3 500000, Qwen2 1000000)")
+    share_embeddings_and_output_weights: bool = _f(True, "decoder: the output projection is the input embedding "
+                                                   "(tied); false: an output projection of its own [V, h]. The "
+                                                   "encoder's is always tied")
     tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (megatron-core layers)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages (DeepSpeed PipelineModule)")
 
@@ -69,6 +81,16 @@ class ModelConfig:
                self.vocab_size, tp, pp) < 1:
             raise ValueError("num_layers, hidden_size, num_attention_heads, ffn_hidden_size, "
                              "vocab_size and the parallel sizes must all be >= 1")
+        groups = self.num_query_groups
+        if groups is not None and (groups < 1 or self.num_attention_heads % groups):
+            raise ValueError(f"num_query_groups {groups} does not divide num_attention_heads "
+                             f"{self.num_attention_heads}: each key/value group serves a whole number of heads")
+        if groups is not None and groups % tp:
+            raise ValueError(f"num_query_groups {groups} is not divisible by tensor_model_parallel_size {tp}: each "
+                             "tensor-parallel rank holds whole key/value groups; pick a tensor-parallel size that "
+                             "divides it")
+        if not self.rotary_base > 0:
+            raise ValueError(f"rotary_base must be > 0, got {self.rotary_base}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -106,6 +128,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value head groups: num_query_groups, or one per head (multi-head attention)."""
+        return self.num_query_groups or self.num_attention_heads
 
     @property
     def loss_weights(self) -> tuple[float, ...] | None:
