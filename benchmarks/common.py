@@ -90,7 +90,8 @@ def real_batches(cfg: ModelConfig, micro: int, s: int, p: float, n: int, seed: i
     root = Path(tempfile.gettempdir()) / f"mmadapt-bench-bible-en-{pieces}"
     if not (root / "data" / MANIFEST).is_file():
         prepare(write_bible_corpus("en", root / "en.txt"), root / "data", pieces, quiet=True)
-    data = MLMBatches(root / "data", s, cfg.vocab_size, seed, p, micro, 1)
+    held = TrainConfig(seq_length=s, seed=seed, mask_prob=p, train_micro_batch_size_per_gpu=micro)
+    data = MLMBatches(root / "data", held, cfg.vocab_size)
     return [data.micro_batch(k, 0) for k in range(n)]
 
 

@@ -43,10 +43,11 @@ def rss_kb():
     for line in open("/proc/self/status"):
         if line.startswith("VmRSS:"):
             return int(line.split()[1])
+from mmadapt.config import PreprocessConfig, TrainConfig
 from mmadapt.data import MLMBatches  # imports (torch, numpy) are not start-up cost of a dataset
 before = rss_kb()
 t = time.perf_counter()
-batches = MLMBatches(sys.argv[1], 512, 50000, 1234, 0.15, 8, 1, dp_rank=3, dp_world=64)
+batches = MLMBatches(sys.argv[1], TrainConfig(seq_length=512, train_micro_batch_size_per_gpu=8), 50000, dp_rank=3, dp_world=64)
 ids, labels = batches.micro_batch(123_456, 0)
 print(time.perf_counter() - t, (rss_kb() - before) / 1024, len(batches))
 """
@@ -120,7 +121,7 @@ def main(argv=None) -> None:
             for r in range(args.repeats):
                 d = tmp / f"w{workers}_{r}"
                 t = time.perf_counter()
-                prepare(corpus, d, args.vocab_size, tokenizer=tok, workers=workers, quiet=True)
+                prepare(corpus, d, args.vocab_size, tokenizer=tok, quiet=True, cfg=PreprocessConfig(workers=workers))
                 times.append(time.perf_counter() - t)
             best[workers] = min(times)
             median = statistics.median(times)

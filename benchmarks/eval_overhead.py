@@ -48,12 +48,15 @@ import torch
 from common import REPO, SHAPES, hardware, sync, table, write_results
 
 from mmadapt import adapt as A
-from mmadapt import finetune as F
+from mmadapt import evaluate as F
+from mmadapt import tasks as T
+from mmadapt.tokenizer import load as load_sp
 from mmadapt.checkpoint import tag_for, write_weights_only
 from mmadapt.config import FinetuneConfig, ModelConfig, to_dict
 from mmadapt.corpora import genre_examples, write_bible_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.models.roberta.model import RobertaForTask, RobertaMLM
+from mmadapt.family import WORD
 
 SHIPPED = REPO / "mmadapt" / "demo_models"
 SEEDS, STEPS, LABELS = (1, 2), (1000, 2000), ["0", "1", "2", "3", "4"]
@@ -98,8 +101,8 @@ def build_runs(root: Path, examples: int, shape: str) -> tuple[list[Path], Path,
     finetuned = []
     for seed in SEEDS:
         run = root / f"ft-seed{seed}"
-        head = F.task_model(model, F.get_task("classify"), len(LABELS), seed).state_dict()
-        write_weights_only(run / "checkpoints", 1, {k: v for k, v in head.items() if k != F.WORD}, to_dict(model))
+        head = F.task_model(model, T.get_task("classify"), len(LABELS), seed).state_dict()
+        write_weights_only(run / "checkpoints", 1, {k: v for k, v in head.items() if k != WORD}, to_dict(model))
         (run / "run.json").write_text(json.dumps({
             "step": "finetune", "task": "classify", "labels": LABELS, "metric": "accuracy", "updates": 1,
             "primary": {"run_dir": str(primary), "tag": tag_for(updates)}, "model": to_dict(model),
@@ -114,8 +117,9 @@ def build_runs(root: Path, examples: int, shape: str) -> tuple[list[Path], Path,
         g = torch.Generator().manual_seed(step)
         meta = {"system": "bl_base", "lang": "de", "step": step, "flops": 1.0, "flops_paper": 1.0, "v100_days": 0.0,
                 "tokens": 1, "source": str(primary)}
-        A.write_artifact(adapt / "embeddings" / tag_for(step), torch.randn(model.vocab_size, model.hidden_size,
-                         generator=g) * model.init_method_std, torch.zeros(model.vocab_size), tokenizer, meta)
+        emb = torch.randn(model.vocab_size, model.hidden_size, generator=g) * model.init_method_std
+        A.write_artifact(adapt / "embeddings" / tag_for(step),
+                         {"word_embeddings": emb, "output_bias": torch.zeros(model.vocab_size)}, tokenizer, meta)
 
     rows = genre_examples("de", "train", examples // len(LABELS))
     for name, part in (("genre", rows), ("warmup", rows[::50])):
@@ -138,20 +142,20 @@ def old_path(finetuned: list[Path], artifacts: list[Path], eval_spec: str, devic
         emb, tok, meta = A.read_artifact(path)
         lang = meta["lang"]
         if lang not in examples:
-            examples[lang] = F.read_examples(task, eval_spec, lang, "test", cfgs[0], labels)
+            examples[lang] = T.read_examples(task, eval_spec, lang, "test", cfgs[0], labels)
         seeds = []
         for ft, cfg in zip(runs, cfgs):
             state = F.swap_embeddings(ft.state, emb)
             model = F.task_model(dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0,
-                                                     vocab_size=state[F.WORD].shape[0]),
+                                                     vocab_size=state[WORD].shape[0]),
                                  ft.task, len(labels), ft.run["finetune"]["seed"])
             model.load_state_dict(state)
             model = model.to(device).eval()
-            enc = F.encode(task, F.load_sp(tok), examples[lang], labels, cfg)
+            enc = T.encode(task, load_sp(tok), examples[lang], labels, cfg)
             with torch.no_grad():
                 logits = torch.cat([model(enc.input_ids[i:i + OLD_BATCH].to(device))[1].cpu()
                                     for i in range(0, len(enc), OLD_BATCH)])
-            seeds.append(F.scores(task, logits, enc, examples[lang], labels, cfg))
+            seeds.append(T.scores(task, logits, enc, examples[lang], labels, cfg))
         out.append(seeds)
     return out
 
@@ -243,7 +247,7 @@ def main(argv=None) -> None:
             runs["new"].append(measure(new))
         records, old_scores = runs["new"][0][1], runs["old"][0][1]
         same = all(r["seed_scores"] == [s["accuracy"] for s in seeds] for r, seeds in zip(records, old_scores))
-        n_rows = len(F.read_examples(F.get_task("classify"), spec, "de", "test"))
+        n_rows = len(T.read_examples(T.get_task("classify"), spec, "de", "test"))
 
     result = {}
     for path, measured in runs.items():

@@ -25,10 +25,14 @@ from common import (
 
 from mmadapt import adapt as A
 from mmadapt.config import TrainConfig, apply_recipe
-from mmadapt.flops import counted_flops, mini_config, step_flops
+from mmadapt.flops import counted_flops
+from mmadapt.models.roberta.flops import step_flops
+from mmadapt.models.roberta import ROBERTA
 from mmadapt.parallel import init_parallel
 from mmadapt.engine import load_ds_config
-from mmadapt.train import MLMJob, mlm_engine
+from mmadapt.train import LMJob, lm_engine
+from mmadapt.family import WORD
+from mmadapt.models.roberta.model import BIAS
 
 TOLERANCE = 1e-3
 
@@ -39,11 +43,11 @@ def cases(base, mini_layers=4, new_layers=2):
         ("bl_base", "pretrain", apply_recipe(base, "bl_base"), None),
         ("bl_small", "pretrain", apply_recipe(base, "bl_small", mini_layers), None),
         ("minijoint", "pretrain", apply_recipe(base, "minijoint", mini_layers), None),
-        ("minipost", "minipost", mini_config(base, depth), A.minipost_trainable(mini_layers, new_layers)),
-        ("bl_base", "adapt", mini_config(base, base.num_layers), A.ADAPT_TRAINABLE),
-        ("minipost", "adapt", mini_config(base, depth), A.ADAPT_TRAINABLE),
-        ("minijoint", "adapt", mini_config(base, mini_layers), A.ADAPT_TRAINABLE),
-        ("bl_small", "adapt", mini_config(base, mini_layers), A.ADAPT_TRAINABLE),
+        ("minipost", "minipost", ROBERTA.one_head(base, depth), ROBERTA.minipost_trainable(mini_layers, new_layers)),
+        ("bl_base", "adapt", ROBERTA.one_head(base, base.num_layers), (WORD, BIAS)),
+        ("minipost", "adapt", ROBERTA.one_head(base, depth), (WORD, BIAS)),
+        ("minijoint", "adapt", ROBERTA.one_head(base, mini_layers), (WORD, BIAS)),
+        ("bl_small", "adapt", ROBERTA.one_head(base, mini_layers), (WORD, BIAS)),
     ]
 
 
@@ -62,8 +66,8 @@ def main(argv=None) -> None:
     p = mask_fraction([batch])
     rows = []
     for system, step, cfg, trainable in cases(base):
-        job = MLMJob(step=step, trainable=trainable, trainable_layers=2)
-        engine, _, _ = mlm_engine(cfg, train, ds, job)
+        job = LMJob(step=step, trainable=trainable, trainable_layers=2)
+        engine, _, _ = lm_engine(cfg, train, ds, job)
         counted = counted_flops(engine_update(engine, [batch], len(cfg.heads_after)))
         exact = b * step_flops(step, cfg, s, p, trainable_layers=2)
         paper = b * step_flops(step, cfg, s, p, paper=True, trainable_layers=2)

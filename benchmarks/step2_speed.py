@@ -27,10 +27,13 @@ from common import (
 )
 
 from mmadapt import adapt as A
-from mmadapt.flops import adapt_flops, mini_config
+from mmadapt.models.roberta.flops import adapt_flops
+from mmadapt.models.roberta import ROBERTA
 from mmadapt.parallel import device
 from mmadapt.engine import load_ds_config
-from mmadapt.train import MLMJob, mlm_engine
+from mmadapt.train import LMJob, lm_engine
+from mmadapt.family import WORD
+from mmadapt.models.roberta.model import BIAS
 
 SYSTEMS = {"bl_base": 12, "minipost": 6, "minijoint": 4}  # Step-2 depth (BL_SMALL = MINIJOINT's 4)
 
@@ -48,8 +51,8 @@ def main(argv=None) -> None:
     p = mask_fraction(batches)
     rows = []
     for system, layers in SYSTEMS.items():
-        cfg = mini_config(base, layers)
-        engine, _, _ = mlm_engine(cfg, train, ds, MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE))
+        cfg = ROBERTA.one_head(base, layers)
+        engine, _, _ = lm_engine(cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)))
         step = engine_update(engine, batches, 1)
         t, times = median_time(step, args.warmup, args.repeats)
         exact, paper = micro * adapt_flops(cfg, s, p), micro * adapt_flops(cfg, s, p, paper=True)

@@ -34,10 +34,11 @@ from common import (
 )
 from flops_validation import cases
 
-from mmadapt.flops import DEVICE_TFLOPS, step_flops
+from mmadapt.flops import DEVICE_TFLOPS
+from mmadapt.models.roberta.flops import step_flops
 from mmadapt.parallel import device
 from mmadapt.engine import load_ds_config
-from mmadapt.train import MLMJob, mlm_engine
+from mmadapt.train import LMJob, lm_engine
 
 
 def matmul_peak(dtype: torch.dtype, n: int, repeats: int = 10) -> float:
@@ -73,7 +74,7 @@ def main(argv=None) -> None:
     for system, step, cfg, trainable in cases(base):
         if args.only and f"{system}:{step}" not in args.only:
             continue
-        engine, _, _ = mlm_engine(cfg, train, ds, MLMJob(step=step, trainable=trainable, trainable_layers=2))
+        engine, _, _ = lm_engine(cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
         update = engine_update(engine, batches, len(cfg.heads_after))
         t, times = median_time(update, args.warmup, args.repeats)
         flops = b * step_flops(step, cfg, s, p, trainable_layers=2)

@@ -29,11 +29,14 @@ from common import (
 )
 
 from mmadapt import adapt as A
-from mmadapt.flops import adapt_flops, mini_config
+from mmadapt.models.roberta.flops import adapt_flops
+from mmadapt.models.roberta import ROBERTA
 from mmadapt.parallel import device
 from mmadapt.tokens import PAD_ID
 from mmadapt.engine import load_ds_config
-from mmadapt.train import MLMJob, mlm_engine
+from mmadapt.train import LMJob, lm_engine
+from mmadapt.family import WORD
+from mmadapt.models.roberta.model import BIAS
 
 
 def hf_step2(cfg, lr: float):
@@ -69,9 +72,9 @@ def main(argv=None) -> None:
     p = mask_fraction(batches)
     rows = []
     for layers in args.layers:
-        cfg = mini_config(base, layers)
+        cfg = ROBERTA.one_head(base, layers)
         flops = b * adapt_flops(cfg, s, p)
-        engine, _, _ = mlm_engine(cfg, train, ds, MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE))
+        engine, _, _ = lm_engine(cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)))
         ours = engine_update(engine, batches, 1)
         t_ours, _ = median_time(ours, args.warmup, args.repeats)
         del engine, ours

@@ -18,17 +18,19 @@ before it is used (`resume`). keep_last > 0 deletes all but the newest keep_last
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from mmadapt.parallel import dp_rank, pp_rank, rng_state, set_rng_state, tp_rank
+from mmadapt.parallel import dp_rank, is_rank0, pp_rank, rng_state, set_rng_state, tp_rank
 
 _TAG = re.compile(r"^step(\d{8})$")
 
@@ -73,6 +75,26 @@ def refuse_overwrite(output_dir: Path, resume: bool) -> None:
 def latest_tag(ckpt_dir: str | os.PathLike) -> str | None:
     tags = complete_tags(ckpt_dir)
     return tags[-1] if tags else None
+
+
+@contextlib.contextmanager
+def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
+    """A fresh temporary directory beside `dest` that becomes `dest` once the body has filled it,
+    so a reader never sees half of it (and a failure leaves nothing). replace: an existing `dest`
+    is deleted first; otherwise it must not exist or be empty (the caller has checked)."""
+    dest = Path(dest)
+    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dest.is_dir():
+        shutil.rmtree(dest) if replace else dest.rmdir()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, dest)
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -167,7 +189,7 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
     full name (None: a tied duplicate). exclude_frozen: leave parameters with requires_grad=False
     out of the module state (Steps 1b, 2 and 3 keep only what they train). keep_last: see prune."""
     ckpt_dir, tag = Path(ckpt_dir), tag_for(step)
-    if dist.get_rank() == 0:  # rewriting a tag (a stop after skipped fp16 steps): not usable meanwhile
+    if is_rank0():  # rewriting a tag (a stop after skipped fp16 steps): not usable meanwhile
         (ckpt_dir / tag / "COMPLETE").unlink(missing_ok=True)
     dist.barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, "step": step},
@@ -177,7 +199,7 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
         _save_fp32_master(engine, ckpt_dir / tag / f"fp32_tp{tp_rank():02d}_pp{pp_rank():02d}.pt", names)
     torch.save(rng_state(), ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
     dist.barrier()
-    if dist.get_rank() == 0:
+    if is_rank0():
         atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step, "files": _files(ckpt_dir / tag)}))
         atomic_write(ckpt_dir / "latest", tag)
         prune(ckpt_dir, keep_last)
@@ -191,7 +213,7 @@ def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | N
     A file that passes the size check but cannot be read stops with a one-line error naming it."""
     ckpt_dir = Path(ckpt_dir)
     tags = complete_tags(ckpt_dir)
-    say = dist.get_rank() == 0
+    say = is_rank0()
     for tag in reversed(tags):
         why = damaged(ckpt_dir / tag)
         if why is None:
@@ -225,7 +247,7 @@ def load(engine, ckpt_dir: str | os.PathLike, tag: str, strict: bool = True) -> 
     return client_state
 
 
-# --- offline: full weights of a checkpoint, in RobertaMLM's parameter names -----------------------
+# --- offline: full weights of a checkpoint, in the model family's parameter names -----------------------
 
 def write_weights_only(ckpt_dir: Path, step: int, state: dict[str, torch.Tensor], model_config: dict) -> str:
     """A complete tag holding full weights only (no optimizer state), in the layout
@@ -240,13 +262,17 @@ def write_weights_only(ckpt_dir: Path, step: int, state: dict[str, torch.Tensor]
     return tag
 
 
-def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) -> dict[str, torch.Tensor]:
+def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None,
+                         layer_prefixes: Callable[[dict], list] | None = None) -> dict[str, torch.Tensor]:
     """Merge a checkpoint's tensor-parallel shards and pipeline layers into one state dict, with
     the fp32 master weights wherever the run trained in bf16/fp16: what every later step starts
     from.
 
     Needs no process group. The partition dims of tensor-parallel parameters are recorded in
-    the client state at save time (key `tp_partition_dims`).
+    the client state at save time (key `tp_partition_dims`), and so is each pipeline layer's
+    name prefix (key `pipeline_layers`, ModelFamily.pipeline_layer_prefixes). A pipeline
+    checkpoint written before that key existed needs `layer_prefixes`(its model config dict)
+    (mmadapt.run.load_weights passes its family's).
     """
     ckpt_dir = Path(ckpt_dir)
     tag = tag or latest_tag(ckpt_dir)
@@ -262,17 +288,18 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None) ->
     layer_files = sorted(d.glob("layer_*-model_*-model_states.pt"))
     shards: dict[str, list[torch.Tensor]] = {}
     if layer_files:  # pipeline: one file per (layer, tp rank)
-        from mmadapt.config import ModelConfig
-        from mmadapt.models.roberta.pipeline import pipeline_param_name
-
-        cfg = ModelConfig(**meta["model_config"])
+        prefixes = meta.get("pipeline_layers")
+        if prefixes is None:
+            if layer_prefixes is None:
+                raise ValueError(f"pipeline checkpoint {d} predates recorded layer names: read it through its run "
+                                 "(mmadapt.run.load_weights)")
+            prefixes = layer_prefixes(meta["model_config"])
         for f in layer_files:
-            idx = int(re.match(r"layer_(\d+)-model_(\d+)", f.name).group(1))
-            if idx == cfg.num_layers + 2:
-                continue  # the last stage's copy of the tied embedding
+            prefix = prefixes[int(re.match(r"layer_(\d+)-model_(\d+)", f.name).group(1))]
+            if prefix is None:
+                continue  # the last stage's copy of a tied weight
             for k, v in load_pt(f, "checkpoint file").items():
-                name = f"word_embeddings.{k}" if idx == 0 else pipeline_param_name(f"{idx}.{k}", cfg)
-                shards.setdefault(name, []).append(v)
+                shards.setdefault(prefix + k, []).append(v)
     else:
         for f in model_files:
             for k, v in load_pt(f, "checkpoint file")["module"].items():

@@ -1,16 +1,32 @@
-"""Command line: `mmadapt <command>` and the scripts in launch/ share these entry points."""
+"""Command line: `mmadapt <command>` and the scripts in launch/ share these entry points.
+
+Each command parses its flags into the step's typed configs (a flag overrides the config field of
+its own name) and calls the step in steps.py by keyword; nothing here trains or evaluates.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import json
 import os
 import sys
+import traceback
 from pathlib import Path
 
-from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, PRESETS, RECIPES, FinetuneConfig, MiniModelConfig,
-                            ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe,
-                            override)
+from mmadapt import faults, parallel, steps
+from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, PRESETS, RECIPES, SYSTEMS, FinetuneConfig, Layout,
+                            MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args,
+                            apply_recipe, override)
+from mmadapt.demo import main as demo_command
+from mmadapt.flops import DEVICE_TFLOPS
+from mmadapt.hf import SUPPORTED, export_hf, import_hf
+from mmadapt.report import PAPER, flops_rows, format_flops_table, paper_rows, plot_curves, plot_speedup, report_markdown
+from mmadapt.run import RunSpec
+from mmadapt.slurm import main as slurm_command
+from mmadapt.sweep import SweepConfig
+from mmadapt.tasks import TASKS
 
 MODEL_PRESETS = {name: model for name, (model, _) in PRESETS.items()}
 TRAIN_PRESETS = {name: train for name, (_, train) in PRESETS.items()}
@@ -23,16 +39,12 @@ def user_errors(main):
     line and exit 3; a stop on a signal one line and exit 75 (resume it); Ctrl-C during start-up
     one line and 130. Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1
     shows the traceback of every failure."""
-    from mmadapt import faults
-
     @functools.wraps(main)
     def wrapped(argv=None) -> int:
         def fail(code: int, message: str, every_rank: bool = True) -> int:
             if os.environ.get("MMADAPT_DEBUG") == "1":
-                import traceback
-
                 traceback.print_exc()
-            if every_rank or _rank0():
+            if every_rank or parallel.is_rank0():
                 print(message, file=sys.stderr, flush=True)
             return code
 
@@ -71,12 +83,12 @@ def _path(value) -> Path | None:
     return Path(value) if value else None
 
 
-def _layout(args) -> dict:
-    return {k: getattr(args, k) for k in LAYOUT_FIELDS if getattr(args, k, None) is not None}
-
-
-def _rank0() -> bool:
-    return int(os.environ.get("RANK", 0)) == 0
+def _run_spec(args) -> RunSpec:
+    """The run description a command's flags give (those it has)."""
+    return RunSpec(output_dir=Path(args.output_dir), ds_config=Path(args.ds_config),
+                   data_path=_path(getattr(args, "data_path", None)), corpus=getattr(args, "corpus", None),
+                   tokenizer=_path(getattr(args, "tokenizer", None)), resume=getattr(args, "resume", False),
+                   layout=Layout.of(args))
 
 
 def _done(rows: list[dict], what: str) -> None:
@@ -108,8 +120,6 @@ def pretrain_parser() -> argparse.ArgumentParser:
 def configs_from_args(args) -> tuple[ModelConfig, TrainConfig]:
     """Preset, then the shape flags (--num_layers sets the primary depth), then the recipe, then
     an explicit --head_layers."""
-    import dataclasses
-
     model, train = PRESETS[args.preset]
     model = apply_recipe(override(model, args), args.recipe, override(MiniModelConfig(), args).mini_layers)
     if args.head_layers is not None:
@@ -120,15 +130,11 @@ def configs_from_args(args) -> tuple[ModelConfig, TrainConfig]:
 @user_errors
 def pretrain_main(argv=None) -> int:
     args = pretrain_parser().parse_args(argv)
-    from mmadapt.steps import pretrain
-    from mmadapt.train import RunPaths
-
     model, train = configs_from_args(args)
     if (args.corpus is None) == (args.data_path is None):
         raise ValueError("pass one of --data_path (a prepared dataset) and --corpus (raw text)")
-    paths = RunPaths(output_dir=Path(args.output_dir), corpus=_path(args.corpus), ds_config=Path(args.ds_config),
-                     tokenizer=_path(args.tokenizer), data_path=_path(args.data_path))
-    _done(pretrain(model, train, paths, recipe=args.recipe, resume=args.resume), f"{args.recipe} in {args.output_dir}")
+    rows = steps.pretrain(run=_run_spec(args), step=steps.Pretrain(model=model, train=train, recipe=args.recipe))
+    _done(rows, f"{args.recipe} in {args.output_dir}")
     return 0
 
 
@@ -151,11 +157,9 @@ def preprocess_parser() -> argparse.ArgumentParser:
 @user_errors
 def preprocess_main(argv=None) -> int:
     args = preprocess_parser().parse_args(argv)
-    from mmadapt.steps import preprocess
-
     vocab = args.vocab_size or MODEL_PRESETS[args.preset].vocab_size
-    preprocess(Path(args.corpus), Path(args.output_dir), vocab, override(PreprocessConfig(), args),
-               _path(args.tokenizer))
+    steps.preprocess(Path(args.corpus), output_dir=Path(args.output_dir), vocab_size=vocab,
+                     cfg=override(PreprocessConfig(), args), tokenizer=_path(args.tokenizer))
     return 0
 
 
@@ -184,18 +188,14 @@ def minipost_parser() -> argparse.ArgumentParser:
 @user_errors
 def minipost_main(argv=None) -> int:
     args = minipost_parser().parse_args(argv)
-    from mmadapt.steps import build_minipost
-
-    rows = build_minipost(Path(args.primary), Path(args.output_dir), override(TRAIN_PRESETS[args.preset], args),
-                          override(MiniModelConfig(), args), _layout(args), Path(args.ds_config), args.corpus,
-                          args.primary_tag, args.resume, _path(args.data_path))
+    step = steps.BuildMinipost(primary=Path(args.primary), train=override(TRAIN_PRESETS[args.preset], args),
+                               mini=override(MiniModelConfig(), args), primary_tag=args.primary_tag)
+    rows = steps.build_minipost(run=_run_spec(args), step=step)
     _done(rows, f"MINIPOST mini-model in {args.output_dir}")
     return 0
 
 
 def adapt_parser() -> argparse.ArgumentParser:
-    from mmadapt.adapt import SYSTEMS
-
     p = Parser(prog="adapt", description="Step 2: learn a new language's embeddings "
                                 "(tied with the output projection) by MLM over a frozen model.")
     p.add_argument("--system", choices=SYSTEMS, required=True, help="minijoint/minipost: over the "
@@ -218,20 +218,16 @@ def adapt_parser() -> argparse.ArgumentParser:
 @user_errors
 def adapt_main(argv=None) -> int:
     args = adapt_parser().parse_args(argv)
-    from mmadapt.steps import adapt_embeddings
-
     depth = None if args.mini_layers is None else MiniModelConfig(args.mini_layers).one_depth("adapt")
-    rows = adapt_embeddings(args.system, Path(args.source), args.lang, Path(args.output_dir),
-                            override(TRAIN_PRESETS[args.preset], args), _layout(args), Path(args.ds_config),
-                            args.corpus, _path(args.tokenizer), args.vocab_size, args.source_tag, args.resume,
-                            _path(args.data_path), depth)
+    step = steps.AdaptEmbeddings(system=args.system, source=Path(args.source), lang=args.lang,
+                                 train=override(TRAIN_PRESETS[args.preset], args), vocab_size=args.vocab_size,
+                                 source_tag=args.source_tag, mini_layers=depth)
+    rows = steps.adapt_embeddings(run=_run_spec(args), step=step)
     _done(rows, f"{args.system} {args.lang} embeddings, artifacts in {Path(args.output_dir) / 'embeddings'}")
     return 0
 
 
 def sweep_parser() -> argparse.ArgumentParser:
-    from mmadapt.sweep import SweepConfig
-
     p = Parser(prog="sweep", description="Beyond the paper: Step 2 over each mini-model of a MINIJOINT run "
                "pretrained with several secondary heads (pretrain --recipe minijoint --mini_layers 2 4 6), every "
                "checkpoint scored by the plug-in MLM metric; writes a table and a plot of gain against Step-2 "
@@ -261,29 +257,11 @@ def sweep_parser() -> argparse.ArgumentParser:
 @user_errors
 def sweep_main(argv=None) -> int:
     args = sweep_parser().parse_args(argv)
-    from mmadapt.steps import sweep
-    from mmadapt.sweep import SweepConfig
-
-    if (args.corpus is None) == (args.data_path is None):
-        raise ValueError("pass one of --data_path (a prepared target dataset with a validation split) and --corpus")
-    data_path = _path(args.data_path)
-    if args.corpus is not None:
-        prep = override(PreprocessConfig(), args)
-        if prep.valid_fraction <= 0:
-            raise ValueError("--corpus needs --valid_fraction (e.g. 0.03): the plug-in metric scores held-out text")
-        from mmadapt.adapt import read_run
-        from mmadapt.data import MANIFEST, wait_for
-        from mmadapt.steps import preprocess
-
-        vocab = args.vocab_size or ModelConfig(**read_run(args.source)["model"]).vocab_size
-        data_path = Path(args.output_dir) / "data"
-        if _rank0():
-            preprocess(Path(args.corpus), data_path, vocab, prep)
-        wait_for(data_path / MANIFEST, f"the {args.lang} corpus in {data_path}")
-    depths = None if args.mini_layers is None else tuple(args.mini_layers)
-    summary = sweep(Path(args.source), args.lang, Path(args.output_dir), override(TRAIN_PRESETS[args.preset], args),
-                    data_path, depths, override(SweepConfig(), args), _layout(args), Path(args.ds_config),
-                    args.source_tag)
+    step = steps.Sweep(source=Path(args.source), lang=args.lang, train=override(TRAIN_PRESETS[args.preset], args),
+                       mini_layers=None if args.mini_layers is None else tuple(args.mini_layers),
+                       cfg=override(SweepConfig(), args), source_tag=args.source_tag,
+                       prep=override(PreprocessConfig(), args), vocab_size=args.vocab_size)
+    summary = steps.sweep(run=_run_spec(args), step=step)
     if summary is not None:
         best = summary["cheapest"]
         print(f"done: {len(summary['rows'])} Step-2 runs scored; cheapest depth reaching "
@@ -295,8 +273,6 @@ def sweep_main(argv=None) -> int:
 # --- Step 3 and Step 4 ----------------------------------------------------------------------------------
 
 def finetune_parser() -> argparse.ArgumentParser:
-    from mmadapt.finetune import TASKS
-
     p = Parser(prog="finetune", description="Step 3: fine-tune the primary model of a "
                                 "pretrain run on a source-language task, word embeddings frozen.")
     p.add_argument("--task", choices=sorted(TASKS), required=True, help="xnli/pawsx (pairs), mlqa/xquad "
@@ -319,12 +295,11 @@ def finetune_parser() -> argparse.ArgumentParser:
 @user_errors
 def finetune_main(argv=None) -> int:
     args = finetune_parser().parse_args(argv)
-    from mmadapt.steps import finetune
-
-    out, _ = finetune(args.task, Path(args.primary), Path(args.output_dir), override(FinetuneConfig(), args),
-                      args.train_file, args.eval_file, args.source_lang, _layout(args), Path(args.ds_config),
-                      args.primary_tag, args.resume)
-    if _rank0() and "final_loss" in out:
+    step = steps.Finetune(task=args.task, primary=Path(args.primary), cfg=override(FinetuneConfig(), args),
+                          train_file=args.train_file, eval_file=args.eval_file, source_lang=args.source_lang,
+                          primary_tag=args.primary_tag)
+    out, _ = steps.finetune(run=_run_spec(args), step=step)
+    if parallel.is_rank0() and "final_loss" in out:
         extra = f", {args.source_lang} {out['metric']} {out['source_score']:.1f}" if "source_score" in out else ""
         print(f"done: {out['task']} on {out['train_examples']} examples, {out['updates']} updates, final loss "
               f"{out['final_loss']:.3f}{extra}; model in {args.output_dir}")
@@ -357,18 +332,17 @@ def evaluate_parser() -> argparse.ArgumentParser:
 @user_errors
 def evaluate_main(argv=None) -> int:
     args = evaluate_parser().parse_args(argv)
-    from mmadapt.steps import evaluate, evaluate_plugin
-
     if args.plugin_data:
         if not args.primary or args.finetuned or args.eval_file:
             raise ValueError("--plugin_data scores the primary model: pass --primary, not --finetuned/--eval_file")
-        records = evaluate_plugin(Path(args.primary), args.embeddings, args.plugin_data, Path(args.output),
-                                  args.seq_length, args.plugin_blocks)
+        records = steps.evaluate_plugin(Path(args.primary), embeddings=args.embeddings, data=args.plugin_data,
+                                        output=Path(args.output), seq_length=args.seq_length,
+                                        blocks=args.plugin_blocks)
     else:
         if not args.finetuned or not args.eval_file:
             raise ValueError("pass --finetuned and --eval_file (a task), or --primary and --plugin_data")
-        records = evaluate(args.finetuned, args.embeddings, args.eval_file, Path(args.output),
-                           args.eval_batch_tokens)
+        records = steps.evaluate(args.finetuned, embeddings=args.embeddings, eval_file=args.eval_file,
+                                 output=Path(args.output), eval_batch_tokens=args.eval_batch_tokens)
     for r in records:
         print(f"{r['system']:10s} {r['task']} {r['lang']} step {r['step']:>7d}  {r['flops']:.3g} FLOPs  "
               f"{r['metric']} {r['score']:.2f}")
@@ -380,11 +354,6 @@ def evaluate_main(argv=None) -> int:
 
 @user_errors
 def flops_main(argv=None) -> int:
-    import json
-
-    from mmadapt.flops import DEVICE_TFLOPS
-    from mmadapt.report import PAPER, flops_rows, format_flops_table, paper_rows
-
     p = Parser(prog="mmadapt flops", description="Training cost of every step of every "
                                 "system (paper Appendix A.1: A1, A3, A4) and the exact counts.")
     p.add_argument("--paper", action="store_true", help="the paper's settings (RoBERTa-base, U=125,000, B=2048, "
@@ -408,19 +377,14 @@ def flops_main(argv=None) -> int:
         model.validate()
         mini = override(MiniModelConfig(), args)
         batch = args.global_batch or (PAPER["global_batch"] if args.preset == "roberta-base" else
-                                      train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps)
-        rows = flops_rows(model, train.train_iters, batch, train.seq_length, train.mask_prob,
-                          mini.mini_layers, mini.new_layers, args.device)
+                                      train.global_batch(1))
+        rows = flops_rows(model, train, batch, mini, args.device)
     print(json.dumps(rows, indent=1) if args.json or args.paper else format_flops_table(rows))
     return 0
 
 
 @user_errors
 def report_main(argv=None) -> int:
-    import json
-
-    from mmadapt.report import report_markdown
-
     p = Parser(prog="mmadapt report", description="Evaluation results (Step 4 JSON) -> "
                                 "final scores with retention and days to near-maximal performance.")
     p.add_argument("results", nargs="+", help="JSON files, each a list of {system, task, lang, step, flops, score}")
@@ -452,8 +416,6 @@ def report_main(argv=None) -> int:
         raise ValueError(f"{args.results[0]} holds no result records")
     md = report_markdown(records, baseline=args.baseline, device=args.device)
     if args.plots:
-        from mmadapt.report import plot_curves, plot_speedup
-
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
         plot_curves(records, out / "curves.png", device=args.device)
@@ -466,24 +428,18 @@ def report_main(argv=None) -> int:
 
 @user_errors
 def demo_main(argv=None) -> int:
-    from mmadapt.demo import main
-
-    return main(argv)
+    return demo_command(argv)
 
 
 @user_errors
 def slurm_env_main(argv=None) -> int:
-    from mmadapt.slurm import main as slurm_main
-
-    return slurm_main(argv)
+    return slurm_command(argv)
 
 
 # --- Hugging Face interchange ------------------------------------------------------------------------
 
 @user_errors
 def import_hf_main(argv=None) -> int:
-    from mmadapt.hf import SUPPORTED
-
     p = argparse.ArgumentParser(prog="mmadapt import-hf", description="A Hugging Face masked LM of the RoBERTa "
                                 f"family ({SUPPORTED}) as a Step-1 run: what build_minipost --primary, adapt "
                                 "--system bl_base --source and finetune --primary take.")
@@ -491,9 +447,7 @@ def import_hf_main(argv=None) -> int:
                    "model.safetensors or pytorch_model.bin, tokenizer files)")
     p.add_argument("--output_dir", required=True, help="the run directory to write (must not exist or be empty)")
     args = p.parse_args(argv)
-    from mmadapt.hf import import_hf
-
-    run = import_hf(Path(args.model), Path(args.output_dir))
+    run = import_hf(Path(args.model), output_dir=Path(args.output_dir))
     m = run["model"]
     print(f"imported {run['imported_from']['architecture']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
           f"vocabulary {m['vocab_size']}, {m['max_position_embeddings']} positions; run in {args.output_dir}")
@@ -514,10 +468,8 @@ def export_hf_main(argv=None) -> int:
                    "output bias and tokenizer replace the model's (zero-shot target-language model)")
     p.add_argument("--output_dir", required=True, help="the directory to write (must not exist or be empty)")
     args = p.parse_args(argv)
-    from mmadapt.hf import export_hf
-
-    out = export_hf(Path(args.output_dir), _path(args.primary), _path(args.finetuned), _path(args.embeddings),
-                    args.primary_tag)
+    out = export_hf(Path(args.output_dir), primary=_path(args.primary), finetuned=_path(args.finetuned),
+                    embeddings=_path(args.embeddings), primary_tag=args.primary_tag)
     print(f"exported {out['architecture']} (vocabulary {out['vocab_size']}) to {args.output_dir}")
     return 0
 
@@ -538,12 +490,9 @@ def run_process(command=main) -> int:
     """A process's entry (the launch/ scripts, the `mmadapt` command): run one command, then
     tear its process groups down before the interpreter does (parallel.shutdown says why).
     Commands called in-process (tests, the sweep) keep their groups: they are built once per
-    process."""
-    from mmadapt import faults
-
+    process. Commands that never join a job leave torch.distributed alone."""
     code = command()
-    if "mmadapt.parallel" in sys.modules:  # commands that never join a job leave torch.distributed alone
-        sys.modules["mmadapt.parallel"].shutdown(agreed=code in (0, faults.EXIT_DIVERGED, faults.EXIT_STOPPED))
+    parallel.shutdown(agreed=code in (0, faults.EXIT_DIVERGED, faults.EXIT_STOPPED))
     return code
 
 

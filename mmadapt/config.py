@@ -145,35 +145,25 @@ class ModelConfig:
 @dataclass
 class MiniModelConfig:
     """The mini-model's shape (paper section 2): its depth N, and MINIPOST's new layers K."""
-    mini_layers: tuple = _f(4, "N: depth of the mini-model (BL_SMALL has N layers; MINIJOINT's second head "
+    mini_layers: tuple = _f((4,), "N: depth of the mini-model (BL_SMALL has N layers; MINIJOINT's second head "
                             "sits after layer N; MINIPOST copies the bottom N layers). MINIJOINT takes several "
                             "(2 4 6: a secondary head after each, mini-models of each depth from one "
                             "pretraining); Step 2 picks one of its source run's")
     new_layers: int = _f(2, "K: MINIPOST's new layers, trained on top of the copied N (Step 1b)")
 
     def __post_init__(self):
-        # One depth stays an int (as run.json files of one-depth runs hold it); several, a tuple.
-        depths = mini_depths(self.mini_layers)
-        if not depths:
+        # Always a tuple; one int is read as one depth (run.json files of one-depth runs hold an int).
+        depths = self.mini_layers
+        self.mini_layers = tuple(int(x) for x in depths) if isinstance(depths, (tuple, list)) else (int(depths),)
+        if not self.mini_layers:
             raise ValueError("mini_layers needs at least one depth")
-        self.mini_layers = depths[0] if len(depths) == 1 else depths
-
-    @property
-    def depths(self) -> tuple[int, ...]:
-        """mini_layers as a tuple, whether it holds one depth or several."""
-        return mini_depths(self.mini_layers)
 
     def one_depth(self, what: str) -> int:
         """The one depth N of a step that builds one mini-model (ValueError naming `what` otherwise)."""
-        if len(self.depths) != 1:
+        if len(self.mini_layers) != 1:
             raise ValueError(f"{what} builds one mini-model: pass one --mini_layers, not "
-                             f"{' '.join(map(str, self.depths))}")
-        return self.depths[0]
-
-
-def mini_depths(mini_layers) -> tuple[int, ...]:
-    """One depth (an int) or several (a sequence) -> a tuple of ints."""
-    return tuple(int(x) for x in mini_layers) if isinstance(mini_layers, (tuple, list)) else (int(mini_layers),)
+                             f"{' '.join(map(str, self.mini_layers))}")
+        return self.mini_layers[0]
 
 
 @dataclass
@@ -190,10 +180,16 @@ class PreprocessConfig:
 
 
 @dataclass
-class OptimizerConfig:
-    """AdamW, gradient clipping and the training loop's fault settings: the same in every step
-    that trains, so pretraining, adaptation (TrainConfig) and fine-tuning (FinetuneConfig) share
-    these fields."""
+class LoopConfig:
+    """What every step that trains shares (Steps 1, 1b, 2 and 3): the seed, the batch, AdamW and
+    its schedule's peak, clipping, and the loop's intervals and fault settings. engine.train_loop
+    and engine.build_engine take it whole. TrainConfig and FinetuneConfig add their own fields
+    and change some defaults (`_default`)."""
+    seed: int = _f(1234, "seed of initialisation, data order, masking and dropout")
+    train_micro_batch_size_per_gpu: int = _f(8, "blocks (fine-tuning: examples) per micro-batch per "
+                                             "data-parallel rank")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per update")
+    lr: Optional[float] = _f(7e-4, "peak learning rate")
     weight_decay: float = _f(0.01, "AdamW weight decay (on weight matrices only, unless decay_all)")
     decay_all: bool = _f(False, "weight decay on every trained parameter, biases and LayerNorm included, as "
                          "fairseq does (so the paper: true); false: on weight matrices only, as BERT and Megatron")
@@ -201,14 +197,38 @@ class OptimizerConfig:
     adam_beta2: float = _f(0.98, "Adam beta2")
     adam_eps: float = _f(1e-6, "Adam epsilon")
     gradient_clipping: float = _f(0.0, "global gradient-norm clip (0 = off, as in RoBERTa)")
+    log_interval: int = _f(10, "updates between TensorBoard/console logs")
+    save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
+    extra_save_steps: tuple = _f((), "more update counts to checkpoint at (Step 2: the paper adds "
+                                 "1000 2000 3000 4000 to every 5000 for fast-adapting languages)")
+    exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off); "
+                            "for jobs that must end before a scheduler's time limit")
     keep_last: int = _f(0, "keep only the newest keep_last complete checkpoints (0 = keep all); Step-2 "
                         "embedding artifacts are never deleted")
     max_skipped_steps: int = _f(50, "stop as diverged after this many optimizer steps in a row are skipped "
                                 "(fp16 gradient overflow)")
 
-    def _validate_faults(self) -> None:
+    def global_batch(self, data_parallel_size: int) -> int:
+        """Blocks (or examples) per update over every data-parallel rank."""
+        return self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * data_parallel_size
+
+    def warmup_iters(self, total: int) -> int:
+        """Updates of linear warm-up before the linear decay to 0 at `total`."""
+        raise NotImplementedError
+
+    def _validate_loop(self) -> None:
+        if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, self.log_interval,
+               self.save_interval) < 1 or self.exit_interval < 0:
+            raise ValueError("batch sizes, log_interval and save_interval must be >= 1 and exit_interval >= 0")
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.keep_last < 0 or self.max_skipped_steps < 0:
             raise ValueError("keep_last and max_skipped_steps must be >= 0")
+
+
+def _redefault(name: str, value):
+    """A LoopConfig field declared again in a subclass with another default; its help stays LoopConfig's."""
+    return field(default=value, metadata=LoopConfig.__dataclass_fields__[name].metadata)
 
 
 # What a --resume may change: when and how often to log, evaluate, save and stop. Everything
@@ -221,21 +241,12 @@ CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_
 
 
 @dataclass
-class TrainConfig(OptimizerConfig):
-    seed: int = _f(1234, "seed for initialisation, data order, masking and dropout")
+class TrainConfig(LoopConfig):
+    """Steps 1, 1b and 2: language-model training on prepared blocks of text."""
     seq_length: int = _f(512, "tokens per block s (<= max_position_embeddings)")
-    train_micro_batch_size_per_gpu: int = _f(8, "blocks per micro-batch per data-parallel rank")
-    gradient_accumulation_steps: int = _f(1, "micro-batches per update")
     train_iters: int = _f(125_000, "number of updates U")
-    lr: float = _f(7e-4, "peak learning rate")
     lr_warmup_iters: int = _f(10_000, "linear warm-up updates, then linear decay to 0 at train_iters")
     mask_prob: float = _f(0.15, "fraction p of tokens selected for MLM")
-    log_interval: int = _f(10, "updates between TensorBoard/console logs")
-    save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
-    extra_save_steps: tuple = _f((), "more update counts to checkpoint at (Step 2: the paper adds "
-                                 "1000 2000 3000 4000 to every 5000 for fast-adapting languages)")
-    exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off); "
-                            "for jobs that must end before a scheduler's time limit")
     eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
                             "prepared with --valid_fraction)")
     eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time")
@@ -243,20 +254,22 @@ class TrainConfig(OptimizerConfig):
                                  "target vocabulary's pieces); false: the paper's setting, embeddings only, the bias "
                                  "frozen at its overlap initialisation (source bias for shared pieces, 0 otherwise)")
 
+    def warmup_iters(self, total: int) -> int:
+        return self.lr_warmup_iters
+
     def validate(self, model: ModelConfig) -> "TrainConfig":
         if self.seq_length > model.max_position_embeddings:
             raise ValueError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
                              f"{model.max_position_embeddings}")
         if self.seq_length < 8:
             raise ValueError(f"seq_length {self.seq_length} is too short (need >= 8)")
-        if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps,
-               self.train_iters, self.log_interval, self.save_interval, self.eval_iters) < 1 \
-                or min(self.exit_interval, self.eval_interval) < 0:
-            raise ValueError("batch sizes, train_iters, log_interval, save_interval and eval_iters must be >= 1 "
-                             "(exit_interval and eval_interval >= 0)")
+        if min(self.train_iters, self.eval_iters) < 1 or self.eval_interval < 0:
+            raise ValueError("train_iters and eval_iters must be >= 1 (eval_interval >= 0)")
         if not 0 < self.mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
-        self._validate_faults()
+        if self.lr is None:
+            raise ValueError("lr must be set for pretraining, Step 1b and Step 2")
+        self._validate_loop()
         return self
 
 
@@ -271,16 +284,15 @@ def _own_default(i: int) -> str:
 
 
 @dataclass
-class FinetuneConfig(OptimizerConfig):
+class FinetuneConfig(LoopConfig):
     """Step 3 (fine-tuning the primary model on a source-language task, word embeddings frozen)
     and Step 4 (zero-shot evaluation). Defaults: the paper's section 3."""
-    seed: int = _f(1, "seed of the task head's init, data order and dropout (the paper averages 5 seeds)")
-    seq_length: int = _f(128, "pieces per example (QA: per context window)")
-    train_micro_batch_size_per_gpu: int = _f(32, "examples per micro-batch per data-parallel rank")
-    gradient_accumulation_steps: int = _f(1, "micro-batches per update")
-    epochs: float = _f(3.0, "passes over the training examples (paper: 3)")
+    seed: int = _redefault("seed", 1)  # the paper averages 5 fine-tuning seeds
+    train_micro_batch_size_per_gpu: int = _redefault("train_micro_batch_size_per_gpu", 32)
     lr: Optional[float] = _f(None, "peak learning rate (default: the task's, paper: 1e-5 XNLI/PAWS-X, "
                              "3e-5 MLQA/XQuAD)")
+    seq_length: int = _f(128, "pieces per example (QA: per context window)")
+    epochs: float = _f(3.0, "passes over the training examples (paper: 3)")
     warmup_ratio: float = _f(0.06, "fraction of the updates with linear warm-up, then linear decay to 0")
     doc_stride: Optional[int] = _f(None, "QA: pieces shared by consecutive windows of a context longer than one "
                                    "window (default: 128, as in SQuAD practice at seq_length 384, or half the "
@@ -293,9 +305,6 @@ class FinetuneConfig(OptimizerConfig):
     eval_batch_tokens: int = _f(16384, "evaluation: piece ids per forward pass, counted as rows x the batch's longest "
                                 "row (rows are sorted by length, padding past the longest is never computed; at "
                                 "least one row per pass)")
-    log_interval: int = _f(10, "updates between TensorBoard/console logs")
-    save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
-    exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off)")
     metric: Optional[str] = _f(None, "the headline score (run.json's source_score, Step 4's score): classify "
                                "tasks accuracy or macro_f1, tag tasks accuracy or chunk_f1 (B-/I-/O tags), QA "
                                "squad_f1 or exact_match; every one that applies is computed and recorded "
@@ -307,19 +316,18 @@ class FinetuneConfig(OptimizerConfig):
     label_column: Optional[str] = _f(None, "classify/pair/tag: the column of the label; tag: one tag per token "
                                      "(default: " + _own_default(2) + ")")
 
+    def warmup_iters(self, total: int) -> int:
+        return round(self.warmup_ratio * total)
+
     def validate(self, model: "ModelConfig") -> "FinetuneConfig":
         if self.seq_length > model.max_position_embeddings:
             raise ValueError(f"seq_length {self.seq_length} exceeds the model's max_position_embeddings "
                              f"{model.max_position_embeddings}")
-        if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, self.eval_batch_tokens,
-               self.log_interval, self.save_interval) < 1 or self.epochs <= 0 or self.exit_interval < 0:
-            raise ValueError("batch sizes, log_interval and save_interval must be >= 1, epochs > 0 and "
-                             "exit_interval >= 0")
+        if self.eval_batch_tokens < 1 or self.epochs <= 0:
+            raise ValueError("eval_batch_tokens must be >= 1 and epochs > 0")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.lr is not None and self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        self._validate_faults()
+        self._validate_loop()
         return self
 
 
@@ -346,13 +354,39 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
 # ModelConfig fields that Steps 1b, 2 and 3 may set; the architecture itself is the source run's.
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "hidden_dropout",
                  "attention_dropout", "attention_impl", "fusion")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a later step (1b, 2, 3) lays out and runs its source's model: the LAYOUT_FIELDS of
+    ModelConfig (see their help there), each None to keep the source run's."""
+    tensor_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_size: Optional[int] = None
+    hidden_dropout: Optional[float] = None
+    attention_dropout: Optional[float] = None
+    attention_impl: Optional[str] = None
+    fusion: Optional[str] = None
+
+    def apply(self, model: ModelConfig) -> ModelConfig:
+        return dataclasses.replace(model, **{k: v for k, v in dataclasses.asdict(self).items() if v is not None})
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "Layout":
+        """The layout flags a parser made with add_dataclass_args(ModelConfig, only=LAYOUT_FIELDS) read."""
+        return cls(**{k: getattr(args, k, None) for k in LAYOUT_FIELDS})
+
+
 # The DeepSpeed JSON a run uses unless told otherwise.
 DEFAULT_DS_CONFIG = Path(__file__).resolve().parents[1] / "ds_configs" / "zero1.json"
 
 
-# --- recipes: the paper's systems for Step 1 -------------------------------------------------
+# --- the paper's systems ------------------------------------------------------------------------
 
-RECIPES = ("bl_base", "bl_small", "minijoint")
+RECIPES = ("bl_base", "bl_small", "minijoint")  # Step 1 (MINIPOST is built in Step 1b)
+SYSTEMS = ("bl_base", "bl_small", "minijoint", "minipost")  # Step 2
+# Which Step-1 (or 1b) recipe each Step-2 system adapts.
+SOURCE_RECIPES = {"bl_base": ("bl_base", "minijoint"), "bl_small": ("bl_small",),
+                  "minijoint": ("minijoint",), "minipost": ("minipost",)}
 
 
 def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int | tuple[int, ...] = MiniModelConfig.mini_layers
@@ -361,27 +395,27 @@ def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int | tuple[int, 
 
     The preset fixes the depth of the primary model (12 for both shipped presets).
     bl_base: that depth, one head. bl_small: `mini_layers` (N, paper: 4) layers, one head, the
-    standard model of the mini-model's size. minijoint: the preset's depth with a secondary MLM
+    standard model of the mini-model's size. minijoint: the preset's depth with a secondary
     head after layer N (`MiniModelConfig.mini_layers`), or after each of several depths
     (beyond the paper, its section 7: mini-models of several depths from one pretraining). The
     loss is the mean of the heads' losses unless model.head_weights says otherwise. MINIPOST is
     built from a pretrained bl_base model in Step 1b.
     """
-    depths = mini_depths(mini_layers)
+    mini = MiniModelConfig(mini_layers)
     if recipe in ("bl_small", "minijoint"):
-        bad = [n for n in depths if not 1 <= n < model.num_layers]
+        bad = [n for n in mini.mini_layers if not 1 <= n < model.num_layers]
         if bad:
             raise ValueError(f"mini_layers {bad[0]} must be in 1..{model.num_layers - 1} "
                              f"for a {model.num_layers}-layer primary model")
-        if list(depths) != sorted(set(depths)):
-            raise ValueError(f"mini_layers {' '.join(map(str, depths))} must be ascending without repeats")
+        if list(mini.mini_layers) != sorted(set(mini.mini_layers)):
+            raise ValueError(f"mini_layers {' '.join(map(str, mini.mini_layers))} must be ascending without repeats")
     if recipe == "bl_base":
         return dataclasses.replace(model, head_layers=(model.num_layers,))
     if recipe == "bl_small":
-        n = MiniModelConfig(depths).one_depth("bl_small")
+        n = mini.one_depth("bl_small")
         return dataclasses.replace(model, num_layers=n, head_layers=(n,))
     if recipe == "minijoint":
-        return dataclasses.replace(model, head_layers=(*depths, model.num_layers))
+        return dataclasses.replace(model, head_layers=(*mini.mini_layers, model.num_layers))
     raise ValueError(f"unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -47,6 +48,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmadapt import __version__
+from mmadapt.config import LoopConfig, PreprocessConfig, TrainConfig
+from mmadapt.tokenizer import load
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID
 
 TEXT = "text"  # prefix of the indexed dataset inside a prepared directory
@@ -132,8 +136,6 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
 def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
     """Load a SentencePiece model (or an imported tokenizer: mmadapt/tokenizer.py); check its
     special ids and (if given) its vocabulary size."""
-    from mmadapt.tokenizer import load
-
     path = Path(path)
     if not path.is_file():
         raise DataError(f"tokenizer {path} " + ("is a directory" if path.is_dir() else "does not exist")
@@ -250,8 +252,6 @@ def _encode_range(job: tuple) -> tuple[list[int], list[int]]:
     """Worker: encode the documents in bytes [start, end) of the corpus (both document starts)
     into the indexed datasets `prefix` and `prefix`.valid (.bin/.idx).
     -> (sentences, documents, tokens) of each."""
-    from mmadapt.tokenizer import load
-
     corpus, start, end, tokenizer, prefix, dtype, valid_fraction, seed = job
     sp = load(tokenizer)
     train, valid = _Shard(prefix, dtype, sp), _Shard(prefix + ".valid", dtype, sp)
@@ -353,18 +353,16 @@ def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
 
 
 def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int,
-            tokenizer: str | os.PathLike | None = None, workers: int | None = None,
-            tokenizer_sample_lines: int = 2_000_000, seed: int = 1234, valid_fraction: float = 0.0,
+            tokenizer: str | os.PathLike | None = None, cfg: PreprocessConfig = PreprocessConfig(),
             quiet: bool = False) -> dict:
     """Prepare `corpus` once: train a SentencePiece model on a seeded sample of at most
-    `tokenizer_sample_lines` lines (or copy `tokenizer`), encode with `workers` processes (default:
-    the CPU count) into megatron's indexed dataset (`valid_fraction` of the documents into a
-    validation set beside it), write the manifest last. A no-op (said so) when `out_dir` already
-    holds this corpus prepared with this tokenizer and split. -> the manifest."""
-    import multiprocessing as mp
-
+    cfg.tokenizer_sample_lines lines (or copy `tokenizer`), encode with cfg.workers processes
+    (default: the CPU count) into megatron's indexed dataset (cfg.valid_fraction of the documents
+    into a validation set beside it), write the manifest last. A no-op (said so) when `out_dir`
+    already holds this corpus prepared with this tokenizer and split. -> the manifest."""
     corpus, out_dir = check_corpus(corpus), Path(out_dir)
-    workers = (os.cpu_count() or 1) if workers is None else workers
+    valid_fraction, seed = cfg.valid_fraction, cfg.tokenizer_seed
+    workers = (os.cpu_count() or 1) if cfg.workers is None else cfg.workers
     if workers < 1:
         raise DataError(f"--workers must be >= 1, got {workers}")
     if not 0 <= valid_fraction < 1:
@@ -389,8 +387,8 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     if tokenizer is not None:
         shutil.copyfile(tokenizer, tok)
     else:
-        say(f"training a {vocab_size}-piece SentencePiece model on up to {tokenizer_sample_lines:,} sampled lines")
-        train_tokenizer(corpus, tok.with_suffix(""), vocab_size, seed=seed, max_sentences=tokenizer_sample_lines)
+        say(f"training a {vocab_size}-piece SentencePiece model on up to {cfg.tokenizer_sample_lines:,} sampled lines")
+        train_tokenizer(corpus, tok.with_suffix(""), vocab_size, seed=seed, max_sentences=cfg.tokenizer_sample_lines)
         tok.with_suffix(".vocab").unlink(missing_ok=True)
     t_tok = time.perf_counter() - t0
     sp = load_tokenizer(tok, vocab_size)
@@ -429,8 +427,6 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         raise DataError(f"corpus {corpus} produced no training sentences")
     if valid_fraction > 0 and valid_counts[0] == 0:
         raise DataError(f"--valid_fraction {valid_fraction} held out no document of {corpus}: raise it")
-    from mmadapt import __version__
-
     manifest = {"format": FORMAT, "corpus": str(corpus.resolve()), "corpus_fingerprint": fingerprint,
                 "tokenizer_sha256": file_sha256(tok), "vocab_size": sp.get_piece_size(), "dtype": dtype,
                 "sentences": sentences, "documents": documents, "tokens": tokens, "valid_fraction": valid_fraction,
@@ -562,24 +558,24 @@ class EpochOrder:
                 return x
 
 
-def micro_batch_range(step: int, micro_step: int, micro_batch_size: int, gradient_accumulation_steps: int,
-                      dp_rank: int, dp_world: int) -> range:
+def micro_batch_range(step: int, micro_step: int, loop: LoopConfig, dp_rank: int, dp_world: int) -> range:
     """Global sample indices of one micro-batch: update `step`, micro-batch `micro_step`, DP rank
-    `dp_rank`. Data-parallel ranks together see the micro-batches of one process accumulating
-    gradients over the same global batch."""
-    global_batch = micro_batch_size * gradient_accumulation_steps * dp_world
-    first = step * global_batch + (micro_step * dp_world + dp_rank) * micro_batch_size
-    return range(first, first + micro_batch_size)
+    `dp_rank` (loop: the batch fields). Data-parallel ranks together see the micro-batches of one
+    process accumulating gradients over the same global batch."""
+    micro = loop.train_micro_batch_size_per_gpu
+    first = step * loop.global_batch(dp_world) + (micro_step * dp_world + dp_rank) * micro
+    return range(first, first + micro)
 
 
 class MLMBatches:
     """Micro-batches of masked blocks of a prepared dataset, a pure function of (seed, step,
     micro step, dp rank). Everything is memory-mapped: start-up reads no index into memory."""
 
-    def __init__(self, data_path: str | os.PathLike, seq_length: int, vocab_size: int, seed: int,
-                 mask_prob: float, micro_batch_size: int, gradient_accumulation_steps: int,
-                 dp_rank: int = 0, dp_world: int = 1, split: str = TEXT):
+    def __init__(self, data_path: str | os.PathLike, train: TrainConfig, vocab_size: int, dp_rank: int = 0,
+                 dp_world: int = 1, split: str = TEXT):
+        """train: the seed, seq_length, mask_prob and the batch fields (TrainConfig's)."""
         data_path = Path(data_path)
+        seq_length, seed = train.seq_length, train.seed
         manifest = read_manifest(data_path)
         if split == VALID and not manifest.get("valid"):
             raise DataError(f"{data_path} holds no validation data: prepare it with --valid_fraction > 0 "
@@ -588,10 +584,11 @@ class MLMBatches:
         self.blocks = np.load(block_index(data_path, seq_length, split), mmap_mode="r")
         if len(self.blocks) == 0:
             raise DataError(f"{data_path} holds no blocks: the corpus produced no tokens")
-        self.seq_length, self.vocab_size, self.seed, self.mask_prob = seq_length, vocab_size, seed, mask_prob
-        self.micro_batch_size, self.gas = micro_batch_size, gradient_accumulation_steps
+        self.seq_length, self.vocab_size, self.seed, self.mask_prob = seq_length, vocab_size, seed, train.mask_prob
+        self.train = train
+        self.micro_batch_size, self.gas = train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps
         self.dp_rank, self.dp_world = dp_rank, dp_world
-        self.global_batch = micro_batch_size * gradient_accumulation_steps * dp_world
+        self.global_batch = train.global_batch(dp_world)
         self.order = EpochOrder(len(self.blocks), seed)
 
     def __len__(self) -> int:
@@ -604,7 +601,7 @@ class MLMBatches:
 
     def micro_batch(self, step: int, micro_step: int):
         """-> (input_ids, labels), each [micro_batch_size, seq_length] int64, padded with PAD_ID."""
-        samples = micro_batch_range(step, micro_step, self.micro_batch_size, self.gas, self.dp_rank, self.dp_world)
+        samples = micro_batch_range(step, micro_step, self.train, self.dp_rank, self.dp_world)
         ids = np.full((self.micro_batch_size, self.seq_length), PAD_ID, np.int64)
         labels = np.full((self.micro_batch_size, self.seq_length), IGNORE_INDEX, np.int64)
         for i, g in enumerate(samples):

@@ -25,15 +25,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import time
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmadapt.config import (DEFAULT_DS_CONFIG, PRESETS, FinetuneConfig, MiniModelConfig, Parser, PreprocessConfig,
-                            TrainConfig, _f, apply_recipe, to_dict)
+import torch
 
-SYSTEMS = ("bl_base", "bl_small", "minijoint", "minipost")
+from mmadapt import parallel, steps
+from mmadapt.checkpoint import staged_dir, write_weights_only
+from mmadapt.config import (PRESETS, RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, Parser, PreprocessConfig,
+                            TrainConfig, _f, add_dataclass_args, apply_recipe, override, to_dict)
+from mmadapt.corpora import BIBLE_VERSIONS, GENRES, bible_db_path, parallel_verses
+from mmadapt.data import read_manifest
+from mmadapt.evaluate import evaluate_artifacts, retrieval_records
+from mmadapt.finetune import is_finished
+from mmadapt.plugin import plugin_records
+from mmadapt.report import plot_curves, plugin_markdown, report_markdown
+from mmadapt.run import TOKENIZER, RunSpec, load_checkpoint, recorded_defaults, run_progress
 VOCAB = PRESETS["tiny"][0].vocab_size  # pieces of every demo tokenizer: the tiny preset's V
 PRIMARY = {"bl_base": "bl_base", "bl_small": "bl_small", "minijoint": "minijoint", "minipost": "bl_base"}
 
@@ -77,12 +86,9 @@ QUICK = DemoConfig(langs=("de",), minipost_iters=50, adapt_iters=150, adapt_save
 # updates take about 30 minutes on 2 CPU cores, more than the rest of the demo. `--from_scratch`
 # pretrains instead; the shipped runs' settings are checked against the demo's.
 SOURCE_MODELS = Path(__file__).resolve().parent / "demo_models"
-RECIPES = ("bl_base", "bl_small", "minijoint")
 
 
 def parser() -> argparse.ArgumentParser:
-    from mmadapt.config import add_dataclass_args
-
     p = Parser(prog="mmadapt demo", description="Steps 1-4 for BL_BASE, BL_SMALL, MINIJOINT "
                                 "and MINIPOST at the tiny preset on the packaged Bibles; writes a Table-2 "
                                 "style table and a Figure-3 style plot.")
@@ -98,30 +104,20 @@ def pack_source_models(pretrain_root: Path, out: Path = SOURCE_MODELS) -> None:
     """The demo's Step-1 runs -> what the package ships, per recipe: <recipe>.pt (final fp32
     weights and run.json's model and train settings) and <recipe>.metrics.jsonl (its log); and
     the English tokenizer, spm.model."""
-    import shutil
-
-    import torch
-
-    from mmadapt.checkpoint import load_full_state_dict
-
     out.mkdir(parents=True, exist_ok=True)
     for recipe in RECIPES:
         run = Path(pretrain_root) / recipe
         info = json.loads((run / "run.json").read_text())
-        torch.save({"state": load_full_state_dict(run / "checkpoints"),
+        torch.save({"state": load_checkpoint(run),
                     "run": {k: info[k] for k in ("step", "recipe", "model", "train")}}, out / f"{recipe}.pt")
         shutil.copyfile(run / "metrics.jsonl", out / f"{recipe}.metrics.jsonl")
-    shutil.copyfile(Path(pretrain_root) / RECIPES[0] / "tokenizer" / "spm.model", out / "spm.model")
+    shutil.copyfile(Path(pretrain_root) / RECIPES[0] / TOKENIZER, out / "spm.model")
 
 
 def check_shipped(recipe: str, model: dict, train: dict) -> dict:
     """The shipped Step-1 model of `recipe` ({"state", "run"}), if it was pretrained with exactly
     `model` and `train` (the settings --from_scratch would use); else a ValueError naming the
     first setting that differs."""
-    import torch
-
-    from mmadapt.train import recorded_defaults
-
     blob = torch.load(SOURCE_MODELS / f"{recipe}.pt", map_location="cpu", weights_only=False)
     defaults = recorded_defaults()  # a field newer than the shipped record ran at its default
     for name, mine, shipped in (("model", model, blob["run"]["model"]), ("train", train, blob["run"]["train"])):
@@ -137,23 +133,16 @@ def check_shipped(recipe: str, model: dict, train: dict) -> dict:
 def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dict, train: dict) -> None:
     """The shipped Step-1 model of `recipe` as an mmadapt run directory (a weights-only checkpoint
     at its last update), if it was pretrained with exactly `model` and `train` (check_shipped)."""
-    import shutil
-
-    from mmadapt.checkpoint import write_weights_only
-    from mmadapt.data import read_manifest
-
     blob = check_shipped(recipe, model, train)
-    tmp = run_dir.with_name(f".{run_dir.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_weights_only(tmp / "checkpoints", blob["run"]["train"]["train_iters"], blob["state"], blob["run"]["model"])
-    (tmp / "tokenizer").mkdir()
-    shutil.copyfile(SOURCE_MODELS / "spm.model", tmp / "tokenizer" / "spm.model")
-    shutil.copyfile(SOURCE_MODELS / f"{recipe}.metrics.jsonl", tmp / "metrics.jsonl")
-    run = {**blob["run"], "data_path": str(data_path.resolve()), "corpus": read_manifest(data_path)["corpus"],
-           "shipped": str(SOURCE_MODELS / f"{recipe}.pt")}
-    (tmp / "run.json").write_text(json.dumps(run, indent=2))
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, run_dir)
+    with staged_dir(run_dir) as tmp:
+        write_weights_only(tmp / "checkpoints", blob["run"]["train"]["train_iters"], blob["state"],
+                           blob["run"]["model"])
+        (tmp / "tokenizer").mkdir()
+        shutil.copyfile(SOURCE_MODELS / "spm.model", tmp / TOKENIZER)
+        shutil.copyfile(SOURCE_MODELS / f"{recipe}.metrics.jsonl", tmp / "metrics.jsonl")
+        run = {**blob["run"], "data_path": str(data_path.resolve()), "corpus": read_manifest(data_path)["corpus"],
+               "shipped": str(SOURCE_MODELS / f"{recipe}.pt")}
+        (tmp / "run.json").write_text(json.dumps(run, indent=2))
 
 
 class Demo:
@@ -168,15 +157,6 @@ class Demo:
     def say(self, what: str) -> None:
         self.stage += 1
         print(f"\n[{self.stage}/{self.total}] {what}  (demo time {time.perf_counter() - self.t0:.0f} s)", flush=True)
-
-    @staticmethod
-    def _state(run_dir: Path, iters: int) -> str:
-        """'done', 'resume' (checkpoints of an interrupted run) or 'new'."""
-        from mmadapt import checkpoint
-
-        if checkpoint.latest_tag(run_dir / "checkpoints") == checkpoint.tag_for(iters):
-            return "done"
-        return "resume" if checkpoint.has_checkpoints(run_dir / "checkpoints") else "new"
 
     def _train(self, iters: int, save_interval: int, **changes) -> TrainConfig:
         """The tiny preset's schedule with the demo's settings."""
@@ -203,23 +183,17 @@ class Demo:
     def prepare(self) -> dict[str, Path]:
         """Each language's Bible prepared once (tokenizer + encoded text): English serves every
         Step-1 recipe and Step 1b, each target language all four Step-2 systems."""
-        from mmadapt import steps
-
         out = {}
         for lang in ("en", *self.cfg.langs):
             out[lang] = self.root / "data" / lang
             held_out = 0.0 if lang == "en" else self.cfg.heldout_fraction  # the plug-in metric's text
             # English through the shipped models' tokenizer unless Step 1 runs here.
             tok = SOURCE_MODELS / "spm.model" if lang == "en" and not self.from_scratch else None
-            steps.preprocess(Path(f"bible:{lang}"), out[lang], VOCAB,
-                             PreprocessConfig(workers=1, valid_fraction=held_out), tokenizer=tok)
+            steps.preprocess(f"bible:{lang}", output_dir=out[lang], vocab_size=VOCAB,
+                             cfg=PreprocessConfig(workers=1, valid_fraction=held_out), tokenizer=tok)
         return out
 
     def run(self) -> dict:
-        from mmadapt import steps
-        from mmadapt.finetune import is_finished
-        from mmadapt.train import RunPaths
-
         cfg, root = self.cfg, self.root
         self.say(f"prepare each Bible once: a {VOCAB}-piece SentencePiece vocabulary and the encoded text for en, "
                  + ", ".join(cfg.langs))
@@ -233,36 +207,29 @@ class Demo:
                     install_source_model(recipe, run_dir, data["en"], to_dict(shaped), to_dict(train))
                 continue
             self.say(f"Step 1: pretrain {recipe} on the English Bible")
-            state = self._state(run_dir, cfg.pretrain_iters)
+            state = run_progress(run_dir, cfg.pretrain_iters)
             if state != "done":
-                paths = RunPaths(output_dir=run_dir, corpus=None, ds_config=DEFAULT_DS_CONFIG, data_path=data["en"])
-                steps.pretrain(shaped, train, paths, recipe, resume=state == "resume")
-        self.say(f"Step 1b: MINIPOST = bl_base's bottom {self.mini.mini_layers} layers + {self.mini.new_layers} "
-                 "new layers")
+                steps.pretrain(run=RunSpec(output_dir=run_dir, data_path=data["en"], resume=state == "resume"),
+                               step=steps.Pretrain(model=shaped, train=train, recipe=recipe))
+        self.say(f"Step 1b: MINIPOST = bl_base's bottom {self.mini.one_depth('build_minipost')} layers + "
+                 f"{self.mini.new_layers} new layers")
         minipost = root / "minipost"
-        state = self._state(minipost, cfg.minipost_iters)
+        state = run_progress(minipost, cfg.minipost_iters)
         if state != "done":
-            steps.build_minipost(pre["bl_base"], minipost, self._train(cfg.minipost_iters, cfg.minipost_iters),
-                                 self.mini, resume=state == "resume")
+            steps.build_minipost(run=RunSpec(output_dir=minipost, resume=state == "resume"),
+                                 step=steps.BuildMinipost(primary=pre["bl_base"], mini=self.mini,
+                                                          train=self._train(cfg.minipost_iters, cfg.minipost_iters)))
         source = {"bl_base": pre["bl_base"], "bl_small": pre["bl_small"], "minijoint": pre["minijoint"],
                   "minipost": minipost}
-        adapt = self._train(cfg.adapt_iters, cfg.adapt_save_interval, train_micro_batch_size_per_gpu=cfg.adapt_batch)
         for lang in cfg.langs:
             for system in SYSTEMS:
                 self.say(f"Step 2: {lang} embeddings for {system}")
                 run_dir = root / "adapt" / f"{system}-{lang}"
-                state = self._state(run_dir, cfg.adapt_iters)
-                if state != "done":
-                    steps.adapt_embeddings(system, source[system], lang, run_dir, adapt, data_path=data[lang],
-                                           resume=state == "resume")
+                self.adapt(system, source[system], lang, run_dir, data[lang])
             # MINIJOINT's ceiling: embeddings trained over its full primary model, what its
             # mini-model's embeddings are measured against (plug-in metric and tasks).
             self.say(f"Step 2: {lang} embeddings over minijoint's full primary model (its ceiling)")
-            run_dir = root / "adapt" / f"minijoint-full-{lang}"
-            state = self._state(run_dir, cfg.adapt_iters)
-            if state != "done":
-                steps.adapt_embeddings("bl_base", pre["minijoint"], lang, run_dir, adapt, data_path=data[lang],
-                                       resume=state == "resume")
+            self.adapt("bl_base", pre["minijoint"], lang, root / "adapt" / f"minijoint-full-{lang}", data[lang])
         finetuned = {}
         for primary in ("bl_base", "bl_small", "minijoint"):
             self.say(f"Step 3: fine-tune {primary}'s primary model on English bible-genre (embeddings frozen), "
@@ -275,17 +242,23 @@ class Demo:
                     continue
                 ft_cfg = dataclasses.replace(FinetuneConfig(), seq_length=cfg.seq_length, epochs=cfg.finetune_epochs,
                                              lr=cfg.finetune_lr, seed=seed)
-                steps.finetune("bible-genre", pre[primary], out, ft_cfg, eval_file="bible",
-                               resume=(out / "checkpoints").is_dir())
+                steps.finetune(run=RunSpec(output_dir=out, resume=(out / "checkpoints").is_dir()),
+                               step=steps.Finetune(task="bible-genre", primary=pre[primary], cfg=ft_cfg,
+                                                   eval_file="bible"))
         self.say("Step 4: the plug-in MLM metric, zero-shot bible-genre and parallel-verse retrieval for every "
                  "Step-2 checkpoint")
         return self.evaluate(pre, finetuned, data)
 
-    def evaluate(self, pre: dict, finetuned: dict, data: dict) -> dict:
-        from mmadapt.corpora import parallel_verses
-        from mmadapt.finetune import evaluate_artifacts, retrieval_records
-        from mmadapt.plugin import plugin_records
+    def adapt(self, system: str, source: Path, lang: str, run_dir: Path, data_path: Path) -> None:
+        """Step 2 of `system` from `source` into `run_dir` (kept if done, resumed if interrupted)."""
+        cfg = self.cfg
+        state = run_progress(run_dir, cfg.adapt_iters)
+        if state != "done":
+            train = self._train(cfg.adapt_iters, cfg.adapt_save_interval, train_micro_batch_size_per_gpu=cfg.adapt_batch)
+            steps.adapt_embeddings(run=RunSpec(output_dir=run_dir, data_path=data_path, resume=state == "resume"),
+                                   step=steps.AdaptEmbeddings(system=system, source=source, lang=lang, train=train))
 
+    def evaluate(self, pre: dict, finetuned: dict, data: dict) -> dict:
         records = []
         pairs = {lang: parallel_verses("en", lang, self.cfg.retrieval_pairs) for lang in self.cfg.langs}
         # One pass per primary model (MINIPOST's embeddings belong to BL_BASE's): its test sets,
@@ -323,9 +296,6 @@ def _seed_spread(records: list[dict]) -> str:
 
 
 def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str:
-    from mmadapt.corpora import GENRES
-    from mmadapt.report import plot_curves, plugin_markdown, report_markdown
-
     records = out["records"]
     (root / "results.json").write_text(json.dumps(records, indent=1) + "\n")
     md = [f"# mmadapt demo: tiny preset, English -> {', '.join(cfg.langs)} ({seconds / 60:.1f} min)", "",
@@ -347,9 +317,6 @@ def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str
 
 
 def main(argv=None) -> int:
-    from mmadapt.config import override
-    from mmadapt.corpora import BIBLE_VERSIONS, bible_db_path
-
     args = parser().parse_args(argv)
     cfg = override(QUICK if args.quick else DemoConfig(), args)
     bad = [l for l in cfg.langs if l not in BIBLE_VERSIONS or l == "en"]
@@ -357,8 +324,6 @@ def main(argv=None) -> int:
         raise ValueError(f"--langs {bad[0]} is not a target language of the packaged Bible; choose from "
                          f"{', '.join(l for l in BIBLE_VERSIONS if l != 'en')}")
     bible_db_path()  # says how to install the data package when it is missing
-    from mmadapt import parallel
-
     root = Path(args.output_dir)
     demo = Demo(cfg, root, from_scratch=args.from_scratch)
     demo.check_sources()

@@ -20,6 +20,7 @@ so the next step starts from fp32 weights, not from their bf16 rounding.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -27,9 +28,11 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from mmadapt import checkpoint, parallel
-from mmadapt.config import OptimizerConfig
+from mmadapt.config import LoopConfig
+from mmadapt.faults import STOP_FILE, Diverged, StopRequest, Stopped
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -81,8 +84,8 @@ def warmup_linear_decay(warmup: int, total: int):
     return f
 
 
-def adamw(groups: list[dict], opt: OptimizerConfig, lr: float) -> torch.optim.AdamW:
-    return torch.optim.AdamW(groups, lr=lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+def adamw(groups: list[dict], loop: LoopConfig, lr: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(groups, lr=lr, betas=(loop.adam_beta1, loop.adam_beta2), eps=loop.adam_eps)
 
 
 def trainable_by_names(names: tuple[str, ...] | None) -> Callable[[str], bool]:
@@ -131,11 +134,13 @@ def _set_fp32_master(engine, names: dict, state: dict) -> None:
 
 
 def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainable: Callable[[str], bool],
-                 opt: OptimizerConfig, lr: float, schedule, ds_config: dict, init_state: dict | None = None):
+                 loop: LoopConfig, lr: float, total: int, ds_config: dict, init_state: dict | None = None):
     """-> (engine, tp_partition_dims of every rank's parameters, in full names).
 
-    module: this rank's model (or pipeline stage); names: its parameter names -> RobertaMLM /
-    RobertaForTask names (None: a tied duplicate). parallel.init_parallel must have run."""
+    module: this rank's model (or pipeline stage); names: its parameter names -> the family's
+    model names (None: a tied duplicate). AdamW at peak `lr` with loop's betas and decay, linear
+    warm-up over loop.warmup_iters(total) updates, then linear decay to 0 at `total`.
+    parallel.init_parallel must have run."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
 
@@ -150,7 +155,7 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, dims)
     dims = {k: v for d in every for k, v in d.items()}
-    groups = param_groups(module, opt.weight_decay, opt.decay_all)
+    groups = param_groups(module, loop.weight_decay, loop.decay_all)
     for i, group in enumerate(groups):
         if not group["params"]:
             # A pipeline stage with nothing of this kind to train (all of a middle stage in
@@ -162,8 +167,8 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
             placeholder = torch.nn.Parameter(torch.zeros(1, device=parallel.device()))
             module.register_parameter(f"empty_group_placeholder_{i}", placeholder)
             group["params"] = [placeholder]
-    optimizer = adamw(groups, opt, lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    optimizer = adamw(groups, loop, lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(loop.warmup_iters(total), total))
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                            config=ds_config, mpu=None if is_pipe else parallel.DeepSpeedMPU())
     if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
@@ -202,7 +207,7 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, start: int):
         self.file, self.writer = run_dir / "metrics.jsonl", None
-        if dist.get_rank() != 0:
+        if not parallel.is_rank0():
             return
         kept = [l for l in (self.file.read_text().splitlines() if self.file.is_file() and start else [])
                 if _step_of(l) <= start]
@@ -249,15 +254,32 @@ def _first_nonfinite(bad_at: torch.Tensor) -> int | None:
 _FINITE = 2**62  # bad_at's value while every loss has been finite
 
 
-def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, run_dir: Path, resume: bool,
-               log_interval: int, save_interval: int, exit_interval: int = 0, extra_save_steps: tuple = (),
-               keep_last: int = 0, max_skipped_steps: int = 50,
-               loss_names: tuple[str, ...] | None = None, loss_weights: tuple[float, ...] | None = None,
-               perf: Callable[[float], dict] | None = None,
-               client_state: dict, names: dict, exclude_frozen: bool, label: str,
-               after_save: Callable[[int, str], None] | None = None,
-               evaluate: Callable[[], torch.Tensor] | None = None, eval_interval: int = 0) -> list[dict]:
-    """Run updates until `total` (or the next multiple of `exit_interval`). Returns the rows
+@dataclasses.dataclass
+class LoopJob:
+    """What train_loop needs to know of the job it runs, beyond LoopConfig's settings.
+
+    names and client_state go into every checkpoint (checkpoint.save); exclude_frozen leaves
+    frozen parameters out of them. loss_names: one per entry of step_fn's losses (the heads'
+    layers; None: one loss); loss_weights: how they make the logged loss
+    (ModelConfig.loss_weights; None: their mean). perf(seconds per update) -> throughput fields
+    of a log row. after_save(step, tag): global rank 0, after each complete checkpoint.
+    evaluate() -> this rank's validation losses [k] (as step_fn's), every `eval_interval`
+    updates: logged as `valid_loss` (and `valid_head_losses`) rows."""
+    label: str
+    names: dict
+    client_state: dict
+    exclude_frozen: bool
+    loss_names: tuple[str, ...] | None = None
+    loss_weights: tuple[float, ...] | None = None
+    perf: Callable[[float], dict] | None = None
+    after_save: Callable[[int, str], None] | None = None
+    evaluate: Callable[[], torch.Tensor] | None = None
+    eval_interval: int = 0
+
+
+def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loop: LoopConfig, total: int,
+               run_dir: Path, resume: bool) -> list[dict]:
+    """Run updates until `total` (or the next multiple of loop.exit_interval). Returns the rows
     logged by this invocation (global rank 0; empty elsewhere).
 
     step_fn(position) runs one update on the batches at data position `position` (0-based) and
@@ -265,32 +287,23 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
     device and reduced once per log line, so an update costs no device synchronisation.
     Updates count applied optimizer steps: a step DeepSpeed skips (an fp16 overflow) consumes
     its batches but advances neither the update count nor the schedule, so the schedule still
-    ends at 0 after `total` updates; more than `max_skipped_steps` in a row is a divergence.
-    loss_names: one per entry (the MLM heads' layers; None: one loss); loss_weights: how they make
-    the logged loss (ModelConfig.loss_weights; None: their mean). perf(seconds per update)
-    -> throughput fields of the row. after_save(step, tag): global rank 0, after each complete
-    checkpoint. evaluate() -> this rank's validation losses [k] (as step_fn's), every
-    `eval_interval` updates: logged as `valid_loss` (and `valid_head_losses`) rows.
+    ends at 0 after `total` updates; more than loop.max_skipped_steps in a row is a divergence.
 
     Faults (faults.py): a non-finite loss stops the run (faults.Diverged) before the next
     checkpoint could record it, so the newest complete checkpoint is the last good one.
     SIGTERM/SIGINT, the death of the launcher, on any rank, or a file <run_dir>/STOP: every rank
-    finishes the update, saves a complete checkpoint and raises faults.Stopped. keep_last > 0: only the newest
-    keep_last complete checkpoints are kept."""
-    from tqdm import tqdm
-
-    from mmadapt.faults import STOP_FILE, Diverged, StopRequest, Stopped
-
+    finishes the update, saves a complete checkpoint and raises faults.Stopped. loop.keep_last
+    > 0: only the newest keep_last complete checkpoints are kept."""
     is_pipe = is_pipeline(engine)
     ckpt_dir = run_dir / "checkpoints"
     start = position = 0
     if resume:
-        state = checkpoint.resume(engine, ckpt_dir, strict=not exclude_frozen)
+        state = checkpoint.resume(engine, ckpt_dir, strict=not job.exclude_frozen)
         if state is not None:
             start, position = state["step"], state.get("position", state["step"])
-    rank = dist.get_rank()
+    rank0 = parallel.is_rank0()
     log = MetricsLog(run_dir, start)
-    bar = tqdm(total=total, initial=start, disable=rank != 0, desc=label, unit="upd", mininterval=2.0)
+    bar = tqdm(total=total, initial=start, disable=not rank0, desc=job.label, unit="upd", mininterval=2.0)
     rows, since, t_last, loss_sum = [], 0, time.perf_counter(), None
     bad_at = torch.full((1,), _FINITE, dtype=torch.int64, device=engine.device)
     done, skipped, saved = start, 0, None
@@ -298,20 +311,20 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
     def check_finite() -> None:
         first = _first_nonfinite(bad_at)
         if first is not None:
-            raise Diverged(f"{label}: the loss is not finite at update {first} (of {total}); stopped without "
+            raise Diverged(f"{job.label}: the loss is not finite at update {first} (of {total}); stopped without "
                            f"saving it. The newest complete checkpoint in {ckpt_dir} is the last good one: "
                            "lower --lr, raise the warm-up or enable gradient clipping, then resume from it")
 
     def save() -> str:
         check_finite()
-        tag = checkpoint.save(engine, ckpt_dir, done, {**client_state, "position": position}, names,
-                              exclude_frozen=exclude_frozen, keep_last=keep_last)
-        if rank == 0 and after_save is not None:
-            after_save(done, tag)
+        tag = checkpoint.save(engine, ckpt_dir, done, {**job.client_state, "position": position}, job.names,
+                              exclude_frozen=job.exclude_frozen, keep_last=loop.keep_last)
+        if rank0 and job.after_save is not None:
+            job.after_save(done, tag)
         return tag
 
     stop_file = run_dir / STOP_FILE
-    if rank == 0:
+    if rank0:
         stop_file.unlink(missing_ok=True)  # the request that stopped the previous job of this run
     dist.barrier()
     try:
@@ -325,44 +338,44 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], *, total: int, ru
                 if not engine.was_step_applied():  # a Python flag: DeepSpeed's overflow check already synced
                     check_finite()  # DeepSpeed also skips the steps of a non-finite loss: name that first
                     skipped += 1
-                    if skipped > max_skipped_steps:
-                        raise Diverged(f"{label}: {skipped} optimizer steps in a row were skipped (gradient "
+                    if skipped > loop.max_skipped_steps:
+                        raise Diverged(f"{job.label}: {skipped} optimizer steps in a row were skipped (gradient "
                                        f"overflow) after update {done}; the newest complete checkpoint in {ckpt_dir} "
                                        "is the last good one: lower --lr or use bf16")
                 else:
                     skipped = 0
                     loss_sum = local if loss_sum is None else loss_sum + local
                     done, since = done + 1, since + 1
-                    if done % log_interval == 0 or done == total:
+                    if done % loop.log_interval == 0 or done == total:
                         dt = (time.perf_counter() - t_last) / since
-                        row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, loss_names,
-                                                 loss_weights=loss_weights)
+                        row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, job.loss_names,
+                                                 loss_weights=job.loss_weights)
                         check_finite()
                         row["lr"] = engine.get_lr()[0]
-                        row.update(perf(dt) if perf is not None else {})
+                        row.update(job.perf(dt) if job.perf is not None else {})
                         scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
                                                              if k not in ("step", "loss", "head_losses", "lr")}})
-                        if rank == 0:
+                        if rank0:
                             rows.append(row)
                             log.write(row, scalars)
                             bar.set_postfix(loss=f"{row['loss']:.3f}")
                         loss_sum, since, t_last = None, 0, time.perf_counter()
-                    if evaluate is not None and eval_interval and done % eval_interval == 0:
-                        row, scalars = _loss_row(done, mean_over_ranks(evaluate(), is_pipe), loss_names,
-                                                 prefix="valid_", loss_weights=loss_weights)
-                        if rank == 0:
+                    if job.evaluate is not None and job.eval_interval and done % job.eval_interval == 0:
+                        row, scalars = _loss_row(done, mean_over_ranks(job.evaluate(), is_pipe), job.loss_names,
+                                                 prefix="valid_", loss_weights=job.loss_weights)
+                        if rank0:
                             rows.append(row)
                             log.write(row, scalars)
                     bar.update(1)
-                    exiting = exit_interval > 0 and done % exit_interval == 0
-                    if done % save_interval == 0 or done in extra_save_steps or done == total or exiting:
+                    exiting = loop.exit_interval > 0 and done % loop.exit_interval == 0
+                    if done % loop.save_interval == 0 or done in loop.extra_save_steps or done == total or exiting:
                         saved = save()
                     if exiting:
                         break
                 # Agree on a stop request every update, over gloo on the host (parallel.any_rank).
                 if parallel.any_rank(stop.reason is not None):
                     tag = saved if saved == checkpoint.tag_for(done) and not skipped else save()
-                    if rank == 0:
+                    if rank0:
                         stop_file.unlink(missing_ok=True)
                     raise Stopped(done, tag, stop.reason or "a signal to another rank")
     finally:  # before the caller prints why it stopped

@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from mmadapt.tasks import PairExample, QAExample, TaggedSentence
+from mmadapt.readers import PairExample, QAExample, TaggedSentence
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, NUM_SPECIAL, PAD_ID
 
 

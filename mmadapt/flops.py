@@ -1,38 +1,14 @@
-"""FLOP accounting (Marchisio et al. 2023, Appendix A.1, after Narayanan et al. 2021).
+"""FLOP accounting shared by every model family: devices, device-days, and the counter that
+checks each family's exact functions.
 
-A matmul of [m, n] x [n, k] costs 2mnk FLOPs; non-matmul work (LayerNorm, softmax, GELU, biases,
-embedding lookups) is not counted. Per sequence of s tokens, with hidden h, feed-forward f,
-vocabulary V, and a fraction p of positions masked (only those reach an MLM head):
-
-    linear(layer) = 2sh(3h) [QKV] + 2sh^2 [out] + 4shf [FFN]  = 24sh^2 when f = 4h
-    attn(layer)   = 2s^2h [QK^T] + 2s^2h [probs x V]          = 4s^2h
-    layer         = linear + attn                            (paper's FLOP_layer)
-    head          = p(2sh^2 [dense] + 2shV [tied projection]) (paper's FLOP_lm)
-    forward       = l * layer + heads * head                 (A2 with one head)
-
-Backward costs. A weight matmul y = xW needs one product for dL/dx and one for dL/dW. An
-attention product (QK^T, probs x V) multiplies two activations and needs two products for its
-input gradients, whatever is frozen. So:
-
-    trainable layer:                 2 * layer               (2 linear + 2 attn)
-    frozen layer that passes grads:  linear + 2 attn         (the paper's A3 counts one `layer`)
-    frozen layer below every trainable parameter: nothing
-
-Hence the paper's A3 (Step 2) undercounts by l * 4s^2h per sequence; the exact Step-2 count is
-    48 U B s l h^2 (1 + s/(4h) + p/(12l) + pV/(8hl))        (f = 4h, one head)
-against the paper's 48 U B s l h^2 (1 + s/(6h) + p/(12l) + pV/(8hl)). Both are kept: `paper=True`
-reproduces the paper's tables, the default is what the model in model.py executes (checked
-against torch's FlopCounterMode in tests/test_flops.py and benchmarks/flops_validation.py).
-
-All `*_flops` functions return FLOPs per sequence for one update; multiply by the global batch B
-(sequences per update) and the number of updates U. `total_flops` does that.
+Convention (Marchisio et al. 2023, Appendix A.1, after Narayanan et al. 2021): a matmul of
+[m, n] x [n, k] costs 2mnk FLOPs; non-matmul work (normalisation, softmax, activations, biases,
+embedding lookups) is not counted. Each family's FLOP functions (models/<family>/flops.py, reached
+through `ModelFamily.step_flops`) return FLOPs per sequence for one update; multiply by the global
+batch B (sequences per update) and the number of updates U: `total_flops`.
 """
 
 from __future__ import annotations
-
-import dataclasses
-
-from mmadapt.config import ModelConfig
 
 # 1 V100-day at the paper's assumed 30 TFLOP/s sustained = 2.592 EFLOPs (paper, section 3).
 PAPER_V100_TFLOPS = 30.0
@@ -45,89 +21,9 @@ DEVICE_TFLOPS = {
     "h100": 989.0,                   # bf16 dense peak, SXM
 }
 
+# What one update of a language-model step trains: everything (Step 1), MINIPOST's new layers
+# (Step 1b), the new vocabulary's embeddings over a frozen body (Step 2).
 STEPS = ("pretrain", "minipost", "adapt")
-
-
-def layer_linear_flops(cfg: ModelConfig, s: int) -> float:
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
-    return 8 * s * h * h + 4 * s * h * f
-
-
-def layer_attn_flops(cfg: ModelConfig, s: int) -> float:
-    return 4 * s * s * cfg.hidden_size
-
-
-def layer_flops(cfg: ModelConfig, s: int) -> float:
-    """Forward FLOPs of one transformer layer for one sequence (FLOP_layer)."""
-    return layer_linear_flops(cfg, s) + layer_attn_flops(cfg, s)
-
-
-def head_dense_flops(cfg: ModelConfig, s: int, p: float) -> float:
-    return p * 2 * s * cfg.hidden_size ** 2
-
-
-def head_proj_flops(cfg: ModelConfig, s: int, p: float) -> float:
-    return p * 2 * s * cfg.hidden_size * cfg.vocab_size
-
-
-def head_flops(cfg: ModelConfig, s: int, p: float) -> float:
-    """Forward FLOPs of one MLM head (FLOP_lm)."""
-    return head_dense_flops(cfg, s, p) + head_proj_flops(cfg, s, p)
-
-
-def forward_flops(cfg: ModelConfig, s: int, p: float) -> float:
-    """Forward FLOPs of one sequence through all layers and every MLM head (A2)."""
-    return cfg.num_layers * layer_flops(cfg, s) + len(cfg.heads_after) * head_flops(cfg, s, p)
-
-
-def pretrain_flops(cfg: ModelConfig, s: int, p: float, paper: bool = False) -> float:
-    """Step 1, everything trainable: 3 x forward (A1; MINIJOINT: A1 plus its second head).
-    The paper's count and the exact one agree here."""
-    return 3 * forward_flops(cfg, s, p)
-
-
-def adapt_flops(cfg: ModelConfig, s: int, p: float, paper: bool = False) -> float:
-    """Step 2: embeddings (tied with the output projection) and the output bias trainable, body and
-    head dense frozen. One head (the mini-model's, or the primary model's). A3 when paper=True."""
-    if len(cfg.heads_after) != 1:
-        raise ValueError("Step 2 trains over one MLM head: pass the mini-model's config")
-    attn_bwd = 1 if paper else 2
-    lin, attn = layer_linear_flops(cfg, s), layer_attn_flops(cfg, s)
-    body = cfg.num_layers * (2 * lin + (1 + attn_bwd) * attn)  # forward + input gradients
-    head = 2 * head_dense_flops(cfg, s, p) + 3 * head_proj_flops(cfg, s, p)  # + projection wgrad
-    return body + head
-
-
-def minipost_flops(cfg: ModelConfig, s: int, p: float, trainable_layers: int, paper: bool = False) -> float:
-    """Step 1b of MINIPOST: the top `trainable_layers` (l_t) of the cfg.num_layers (l) trainable,
-    the bottom layers, embeddings and head frozen (A4 when paper=True).
-
-    Exact: the head and the trainable layers pass gradients down (head: one forward; a trainable
-    layer: two), except that the lowest trainable layer needs no gradient for its input, so
-    its QKV input-gradient product (6sh^2) is skipped. The paper counts that lowest layer as a
-    single `layer`.
-    """
-    l, lt = cfg.num_layers, trainable_layers
-    if not 1 <= lt <= l:
-        raise ValueError(f"trainable_layers {lt} must be in 1..num_layers={l}")
-    fwd = forward_flops(cfg, s, p)
-    head_bwd = len(cfg.heads_after) * head_flops(cfg, s, p)
-    if paper:
-        return fwd + head_bwd + (2 * lt - 1) * layer_flops(cfg, s)
-    qkv_dgrad = 6 * s * cfg.hidden_size ** 2
-    return fwd + head_bwd + lt * 2 * layer_flops(cfg, s) - qkv_dgrad
-
-
-def step_flops(step: str, cfg: ModelConfig, s: int, p: float, paper: bool = False,
-               trainable_layers: int = 2) -> float:
-    """Per-sequence FLOPs of one update of `step` (one of STEPS)."""
-    if step == "pretrain":
-        return pretrain_flops(cfg, s, p, paper)
-    if step == "adapt":
-        return adapt_flops(cfg, s, p, paper)
-    if step == "minipost":
-        return minipost_flops(cfg, s, p, trainable_layers, paper)
-    raise ValueError(f"unknown step {step!r}; choose one of {', '.join(STEPS)}")
 
 
 def total_flops(per_sequence: float, global_batch: int, updates: int) -> float:
@@ -139,11 +35,6 @@ def device_days(flops: float, device: str = "v100-paper") -> float:
     if device not in DEVICE_TFLOPS:
         raise ValueError(f"unknown device {device!r}; choose one of {', '.join(DEVICE_TFLOPS)}")
     return flops / (DEVICE_TFLOPS[device] * 1e12 * 86400)
-
-
-def mini_config(cfg: ModelConfig, num_layers: int) -> ModelConfig:
-    """The config of a `num_layers`-deep model with one head, otherwise like `cfg`."""
-    return dataclasses.replace(cfg, num_layers=num_layers, head_layers=(num_layers,), head_weights=())
 
 
 def counted_flops(fn) -> int:

@@ -1,12 +1,12 @@
 """Fused execution of a plain model, chosen at construction (ModelConfig.fusion).
 
-Like torchtitan's `apply_compile`, fusion is applied *to* a built model (model.py's RobertaMLM or
-RobertaForTask, or this rank's pipeline stage from pipeline.py) and changes no module, parameter
-name or state-dict key: `module.compile()` compiles a module's call in place. The eager model
+Like torchtitan's `apply_compile`, fusion is applied *to* a built model (a family's LM or task
+model, or this rank's pipeline stage; what it compiles is the family's `compiled_kinds`) and
+changes no module, parameter name or state-dict key: `module.compile()` compiles a module's call in place. The eager model
 stays the default and the reference that tests compare against (tests/test_fusion.py: equal
 losses and gradients in fp32 to rounding).
 
-fusion "compile": torch.compile (TorchInductor) of
+fusion "compile" of the encoder family (models/roberta): torch.compile (TorchInductor) of
   - each TransformerLayer: bias + GELU, dropout + residual add + LayerNorm, and the FFN between
     them become a few generated kernels instead of one kernel per op. Every layer runs the same
     code, so the layers share their compiled graphs (parameters are graph inputs).
@@ -54,11 +54,7 @@ import torch
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.roberta.model import MLMHeads, TransformerLayer
-
-# Compiled module kinds (pipeline.py's stage classes are subclasses of these). Not each MLMHead:
-# MLMHeads' graph holds them.
-COMPILED = (TransformerLayer, MLMHeads)
+from mmadapt.models import get_family
 
 # Each compiled function keeps one graph per combination of what its guards check: grad mode
 # (training or no_grad evaluation), padding or none (no attention mask), which of its inputs and
@@ -80,9 +76,9 @@ def _check_cpp_compiler() -> None:
 
 
 def apply_fusion(model: nn.Module, config: ModelConfig) -> nn.Module:
-    """Apply `config.fusion` to `model` in place (a RobertaMLM, a RobertaForTask or a pipeline
-    stage) and return it. Call it before the model is wrapped by DeepSpeed: the engine then
-    calls the compiled modules like any others."""
+    """Apply `config.fusion` to `model` in place (a family's LM, task model or pipeline stage)
+    and return it: each instance of the family's `compiled_kinds` is compiled. Call it before the
+    model is wrapped by DeepSpeed: the engine then calls the compiled modules like any others."""
     if config.fusion == "none":
         return model
     if config.fusion != "compile":
@@ -96,8 +92,9 @@ def apply_fusion(model: nn.Module, config: ModelConfig) -> nn.Module:
         # AOTAutograd's donated buffers (saved activations reused as gradient storage) allow a
         # compiled backward to run once only.
         torch._functorch.config.donated_buffer = False
+    kinds = get_family(config).compiled_kinds
     for module in model.modules():
-        if isinstance(module, COMPILED):
+        if isinstance(module, kinds):
             module.compile()
     return model
 

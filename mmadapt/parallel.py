@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-# megatron-core warns about this on every layer when it is unset; on GPU it is the right value.
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+from mmadapt.faults import clear_stale_extension_lock
 
 # How long a collective (and the rendezvous) may wait before the job fails. Set explicitly, not
 # left to the backend's default: no mmadapt step waits on data preparation in a collective
@@ -29,7 +28,8 @@ os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 DIST_TIMEOUT_S = float(os.environ.get("MMADAPT_DIST_TIMEOUT_S", 1800))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a rendezvous on 127.0.0.1)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -48,14 +48,15 @@ def init_distributed() -> None:
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
+    # megatron-core's tensor-parallel layers warn about this on every layer when it is unset
+    # (they exist only once the groups do); on a GPU it is the right value.
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     import deepspeed  # imported here so that model code never needs it
 
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
     else:  # DeepSpeed JIT-builds its CPU shared-memory all-reduce here, under torch's file lock
-        from mmadapt.faults import clear_stale_extension_lock
-
         clear_stale_extension_lock()
     from datetime import timedelta
 
@@ -117,6 +118,12 @@ def _unlink_shm_allreduce_buffer() -> None:
         os.unlink(shm_allreduce_buffer())
 
 
+def launched_world_size() -> int:
+    """The job's size as the launcher describes it, before any process group exists (1 for a
+    plain `python` run)."""
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def check_world_size(world: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:
     mp = tensor_model_parallel_size * pipeline_model_parallel_size
     if world % mp:
@@ -168,8 +175,11 @@ def pp_rank() -> int:
     return parallel_state.get_pipeline_model_parallel_rank() if _initialized() else 0
 
 
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def is_rank0() -> bool:
+    """Global rank 0: the rank that writes run records, logs and shared files. Before the process
+    groups exist (data preparation, the run lock) the launcher's RANK says it; a plain `python`
+    run is rank 0."""
+    return (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0
 
 
 class DeepSpeedMPU:

@@ -19,7 +19,7 @@ MINIJOINT: `adapt --system bl_base --source <minijoint run>`), recorded as syste
 
 Masking is deterministic (the dataset's validation split, masked with a fixed seed), so the
 curves of one language are comparable across systems. The model is built once, on the
-device in Step 4's precision (finetune.eval_dtype), and each artifact is swapped into it in
+device in Step 4's precision (evaluate.eval_dtype), and each artifact is swapped into it in
 place; the held-out batches go to the device once per language. Needs no process group.
 """
 
@@ -32,8 +32,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmadapt import adapt as A
-from mmadapt.config import ModelConfig
+from mmadapt.adapt import artifact_state, read_artifact, step2_start
+from mmadapt.config import ModelConfig, TrainConfig
+from mmadapt.data import TEXT, TOKENIZER, VALID, MLMBatches, file_sha256, read_manifest
+from mmadapt.evaluate import (artifact_dirs, artifact_embeddings, artifact_primary, device_of, on_eval_device,
+                              record_base, swapped, to_device)
+from mmadapt.family import WORD
+from mmadapt.models import get_family
+from mmadapt.models.layers import Padding, derive_seed, masked_positions
+from mmadapt.parallel import device
+from mmadapt.run import load_weights
 
 TASK, METRIC = "plugin-mlm", "contextual_gain"
 UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
@@ -41,21 +49,14 @@ UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: 
 
 def primary_head_state(primary_run: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The primary model with only its primary head (after its last layer), as a one-head
-    RobertaMLM config and state dict (that head renamed heads.heads.0.*)."""
-    cfg, state = A.load_model(primary_run)
-    k = len(cfg.heads_after) - 1
-    body = {n: v for n, v in state.items() if not n.startswith("heads.")}
-    head = {n.replace(f"heads.heads.{k}.", "heads.heads.0.", 1): v for n, v in state.items()
-            if n.startswith(f"heads.heads.{k}.")}
-    cfg = dataclasses.replace(cfg, head_layers=(cfg.num_layers,), head_weights=(), hidden_dropout=0.0,
-                              attention_dropout=0.0, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    return cfg, {**body, **head}
+    config (dropout off) and state dict (that head renamed heads.heads.0.*)."""
+    cfg, state = load_weights(primary_run)
+    cfg, state = get_family(cfg).primary_model(cfg, state)
+    return dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), state
 
 
 def unigram_logprobs(data_path: Path, vocab_size: int) -> torch.Tensor:
     """log p(piece) [V] of the pieces of the dataset's training text, add-one smoothed."""
-    from mmadapt.data import TEXT, read_manifest
-
     manifest = read_manifest(data_path)
     tokens = np.memmap(Path(data_path) / f"{TEXT}.bin", dtype=manifest["dtype"], mode="r")[:UNIGRAM_MAX_TOKENS]
     counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size] + 1.0
@@ -66,9 +67,8 @@ def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: i
                     seed: int = 0, mask_prob: float = 0.15) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first `blocks` blocks of the dataset's validation split in a seeded order, masked with
     a fixed seed: the same positions for every artifact of this tokenizer."""
-    from mmadapt.data import VALID, MLMBatches
-
-    data = MLMBatches(data_path, seq_length, vocab_size, seed, mask_prob, batch_size, 1, split=VALID)
+    held_out = TrainConfig(seq_length=seq_length, seed=seed, mask_prob=mask_prob, train_micro_batch_size_per_gpu=batch_size)
+    data = MLMBatches(data_path, held_out, vocab_size, split=VALID)
     n = min(blocks, len(data)) // batch_size
     if n == 0:
         raise ValueError(f"{data_path}'s validation split holds {len(data)} blocks of {seq_length}, fewer than one "
@@ -77,12 +77,9 @@ def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: i
 
 
 def plugin_model(cfg: ModelConfig, state: dict) -> torch.nn.Module:
-    """A one-head RobertaMLM with `state` (vocab from its rows), on the device for evaluation."""
-    from mmadapt.finetune import on_eval_device
-    from mmadapt.models.roberta.model import RobertaMLM
-    from mmadapt.parallel import device
-
-    model = RobertaMLM(dataclasses.replace(cfg, vocab_size=state[A.WORD].shape[0]))
+    """The family's one-head LM with `state` (vocab from its rows), on the device for evaluation."""
+    cfg = dataclasses.replace(cfg, vocab_size=state[WORD].shape[0])
+    model = get_family(cfg).build_lm(cfg)
     model.load_state_dict(state)
     return on_eval_device(model, device())
 
@@ -91,16 +88,13 @@ def on_device(batches: list, device: torch.device) -> list:
     """Held-out (ids [b, s], labels [b, s]) batches as (ids, Padding, masked_index [m],
     targets [m]) on `device`: the padding and masked positions counted on the host, where that
     costs no wait for the device."""
-    from mmadapt.finetune import to_device
-    from mmadapt.models.roberta.model import Padding, masked_positions
-
     return [(to_device(ids, device), Padding.of(ids), *(to_device(t, device) for t in masked_positions(labels)))
             for ids, labels in batches]
 
 
 @torch.no_grad()
 def masked_loss(model: torch.nn.Module, batches: list) -> float:
-    """Mean loss per masked piece of a one-head RobertaMLM over `on_device` batches (the model's
+    """Mean loss per masked piece of a one-head LM over `on_device` batches (the model's
     own forward: its loss is the batch's mean over its m masked pieces). Summed on the device and
     read once at the end: no host-device synchronisation per batch."""
     total, count = 0.0, 0
@@ -112,9 +106,7 @@ def masked_loss(model: torch.nn.Module, batches: list) -> float:
 
 
 def mlm_loss(cfg: ModelConfig, state: dict, batches: list) -> float:
-    """Mean loss per masked piece of a one-head RobertaMLM with `state` (vocab from its rows)."""
-    from mmadapt.finetune import device_of
-
+    """Mean loss per masked piece of a one-head LM with `state` (vocab from its rows)."""
     model = plugin_model(cfg, state)
     return masked_loss(model, on_device(batches, device_of(model)))
 
@@ -125,27 +117,27 @@ def unigram_loss(logp: torch.Tensor, batches: list) -> float:
 
 
 def _swap(model: torch.nn.Module, emb: dict) -> dict:
-    """Step 4's swap (embeddings, checked for the model's width) plus the MLM head's output bias,
-    as `finetune.swapped` takes them: in the model's dtype, on its device."""
-    from mmadapt.finetune import artifact_embeddings
-
-    bias = model.get_parameter(A.BIAS)
-    return {A.WORD: artifact_embeddings(emb, model.get_parameter(A.WORD)),
-            A.BIAS: emb["output_bias"].to(bias.device, bias.dtype)}
+    """Step 4's swap (embeddings, checked for the model's width) plus the head's other
+    vocabulary-indexed parameters (the encoder's output bias), as `evaluate.swapped` takes them:
+    in the model's dtype, on its device."""
+    out = {WORD: artifact_embeddings(emb, model.get_parameter(WORD))}
+    for name, t in artifact_state(emb, model.config).items():
+        if name != WORD:
+            own = model.get_parameter(name)
+            out[name] = t.to(own.device, own.dtype)
+    return out
 
 
 def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     """The overlap-initialised embeddings and bias the adapt run started from (recomputed: the
     same seeded draw as adapt_embeddings')."""
-    from mmadapt.models.roberta.model import derive_seed
-
     run = json.loads((adapt_run / "run.json").read_text())
     src = run["frozen_from"]
-    _, init, _ = A.step2_start(run["system"], Path(src["run_dir"]), src["tag"], tokenizer,
+    cfg, init, _ = step2_start(run["system"], Path(src["run_dir"]), src["tag"], tokenizer,
                                run["model"]["init_method_std"], derive_seed(run["train"]["seed"],
                                                                              f"embeddings.{run['lang']}"),
                                run.get("mini_layers"))
-    return {"word_embeddings": init[A.WORD], "output_bias": init[A.BIAS]}
+    return {key: init[name] for key, name in get_family(cfg).artifact_keys().items() if name in init}
 
 
 def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[str, Path], seq_length: int,
@@ -153,16 +145,13 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     """Plug-in records of every artifact of `adapt_runs` (whose embeddings belong to the primary
     model of `primary_run`), scored on the validation split of `data_paths[lang]` (a prepared
     dataset whose tokenizer is the artifacts')."""
-    from mmadapt.data import TOKENIZER, file_sha256
-    from mmadapt.finetune import artifact_dirs, artifact_primary, device_of, swapped
-
     cfg, state = primary_head_state(primary_run)
     model = plugin_model(cfg, state)  # once: every artifact (and start) is swapped into it
     refs: dict[str, dict] = {}  # per language: batches (on the host and the device) and the unigram loss
     starts: dict[Path, float] = {}
     records = []
     for path in artifact_dirs(adapt_runs):
-        emb, tok, meta = A.read_artifact(path)
+        emb, tok, meta = read_artifact(path)
         if Path(artifact_primary(meta)).resolve() != Path(primary_run).resolve():
             raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, not "
                              f"{primary_run}")
@@ -184,9 +173,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                 starts[run] = masked_loss(model, refs[lang]["on_device"])
         with swapped(model, _swap(model, emb)):
             loss = masked_loss(model, refs[lang]["on_device"])
-        records.append({"system": A.system_label(meta), "task": TASK, "lang": lang, "step": meta["step"],
-                        "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
-                        "tokens": meta["tokens"], "metric": METRIC, "score": unigram - loss, "chance": 0.0, "loss": loss,
+        records.append({**record_base(meta, TASK), "metric": METRIC, "score": unigram - loss, "chance": 0.0, "loss": loss,
                         "unigram_loss": unigram, "start_loss": starts[run], "start_gain": unigram - starts[run],
                         "masked_pieces": int(sum(int(l.ge(0).sum()) for _, l in batches)),
                         "artifact": str(path)})

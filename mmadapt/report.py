@@ -11,9 +11,9 @@ import dataclasses
 import math
 from collections import defaultdict
 
-from mmadapt.config import PRESETS, ModelConfig, apply_recipe, mini_depths
-from mmadapt.flops import (DEVICE_TFLOPS, adapt_flops, device_days, mini_config, minipost_flops, pretrain_flops,
-                           total_flops)
+from mmadapt.config import PRESETS, MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
+from mmadapt.flops import DEVICE_TFLOPS, device_days, total_flops
+from mmadapt.models import get_family
 
 # Paper section 3: 125k updates of 2048 sequences of 512 tokens, V = 50k, p = 0.15.
 PAPER = {"updates": 125_000, "global_batch": 2048, "seq_length": 512, "mask_prob": 0.15}
@@ -22,40 +22,39 @@ NEAR_MAX = 0.95  # section 4.2: target = 95% of BL_BASE's final score for the la
 
 # --- compute --------------------------------------------------------------------------------
 
-def flops_rows(model: ModelConfig, updates: int, global_batch: int, seq_length: int, mask_prob: float,
-               mini_layers: int | tuple[int, ...] = 4, new_layers: int = 2, device: str = "v100-paper") -> list[dict]:
-    """Cost of every step of every system for a primary model `model` (its num_layers = l).
+def flops_rows(model: ModelConfig, train: TrainConfig, global_batch: int, mini: MiniModelConfig = MiniModelConfig(),
+               device: str = "v100-paper") -> list[dict]:
+    """Cost of every step of every system for a primary model `model` (its num_layers = l),
+    trained train.train_iters updates of `global_batch` blocks of train.seq_length.
 
     Rows: system, step, num_layers, eflops_paper, eflops_exact, v100_days (paper count at the
     paper's 30 TFLOP/s, as its tables), device, days_exact (exact count at `device`'s rate).
     Several depths N (mini_layers 2 4 6): one MINIJOINT pretraining with a head after each, and
     the systems whose mini-model has depth N once per depth, named `<system>@N`.
     """
-    s, p, l = seq_length, mask_prob, model.num_layers
-    depths = mini_depths(mini_layers)
-    base = dataclasses.replace(model, head_layers=(l,), head_weights=())
-    steps = [
-        ("bl_base", "pretrain", l, lambda paper: pretrain_flops(apply_recipe(base, "bl_base"), s, p, paper)),
-        ("minijoint", "pretrain", l,
-         lambda paper: pretrain_flops(apply_recipe(base, "minijoint", depths), s, p, paper)),
-    ]
+    family, s, p, l = get_family(model), train.seq_length, train.mask_prob, model.num_layers
+    depths, k = mini.mini_layers, mini.new_layers
+    base = family.one_head(model, l)
+
+    def cost(step: str, cfg: ModelConfig):
+        return lambda paper: family.step_flops(step, cfg, s, p, paper, trainable_layers=k)
+
+    steps = [("bl_base", "pretrain", l, cost("pretrain", apply_recipe(base, "bl_base"))),
+             ("minijoint", "pretrain", l, cost("pretrain", apply_recipe(base, "minijoint", depths)))]
     for n in depths:
         at = f"@{n}" if len(depths) > 1 else ""
-        steps += [(f"bl_small{at}", "pretrain", n,
-                   lambda paper, n=n: pretrain_flops(apply_recipe(base, "bl_small", n), s, p, paper)),
-                  (f"minipost{at}", "minipost", n + new_layers,
-                   lambda paper, n=n: minipost_flops(mini_config(base, n + new_layers), s, p, new_layers, paper))]
-    steps.append(("bl_base", "adapt", l, lambda paper: adapt_flops(mini_config(base, l), s, p, paper)))
+        steps += [(f"bl_small{at}", "pretrain", n, cost("pretrain", apply_recipe(base, "bl_small", n))),
+                  (f"minipost{at}", "minipost", n + k, cost("minipost", family.one_head(base, n + k)))]
+    steps.append(("bl_base", "adapt", l, cost("adapt", base)))
     for n in depths:
         at = f"@{n}" if len(depths) > 1 else ""
-        steps += [(f"minipost{at}", "adapt", n + new_layers,
-                   lambda paper, n=n: adapt_flops(mini_config(base, n + new_layers), s, p, paper)),
-                  (f"minijoint{at}", "adapt", n, lambda paper, n=n: adapt_flops(mini_config(base, n), s, p, paper)),
-                  (f"bl_small{at}", "adapt", n, lambda paper, n=n: adapt_flops(mini_config(base, n), s, p, paper))]
+        steps += [(f"minipost{at}", "adapt", n + k, cost("adapt", family.one_head(base, n + k))),
+                  (f"minijoint{at}", "adapt", n, cost("adapt", family.one_head(base, n))),
+                  (f"bl_small{at}", "adapt", n, cost("adapt", family.one_head(base, n)))]
     rows = []
     for system, step, layers, f in steps:
-        paper = total_flops(f(True), global_batch, updates)
-        exact = total_flops(f(False), global_batch, updates)
+        paper = total_flops(f(True), global_batch, train.train_iters)
+        exact = total_flops(f(False), global_batch, train.train_iters)
         rows.append({"system": system, "step": step, "num_layers": layers, "eflops_paper": paper / 1e18,
                      "eflops_exact": exact / 1e18, "v100_days": device_days(paper), "device": device,
                      "days_exact": device_days(exact, device)})
@@ -64,8 +63,8 @@ def flops_rows(model: ModelConfig, updates: int, global_batch: int, seq_length: 
 
 def paper_rows() -> list[dict]:
     """`flops_rows` at the paper's settings (RoBERTa-base shape, V = 50,000)."""
-    return flops_rows(PRESETS["roberta-base"][0], PAPER["updates"], PAPER["global_batch"], PAPER["seq_length"],
-                      PAPER["mask_prob"])
+    train = TrainConfig(train_iters=PAPER["updates"], seq_length=PAPER["seq_length"], mask_prob=PAPER["mask_prob"])
+    return flops_rows(PRESETS["roberta-base"][0], train, PAPER["global_batch"])
 
 
 def format_flops_table(rows: list[dict]) -> str:

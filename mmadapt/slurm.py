@@ -22,11 +22,15 @@ Variables read (SLURM sets them in every srun task):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
+
+from mmadapt.config import Parser
 
 PORT_BASE, PORT_SPAN = 20_000, 20_000  # rendezvous ports 20000-39999, one per job id
 
@@ -149,11 +153,6 @@ def write_hostfile(job: SlurmJob, path: Path) -> Path:
 
 def main(argv=None) -> int:
     """`mmadapt slurm-env`; a ValueError is a user's mistake (cli.user_errors reports it)."""
-    import argparse
-    import sys
-
-    from mmadapt.config import Parser
-
     p = Parser(prog="mmadapt slurm-env", description="Turn SLURM's environment into "
                                 "DeepSpeed's multi-node launch for this node, and run it.")
     p.add_argument("--dry-run", action="store_true", help="print the hostfile and the command, run nothing")

@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from mmadapt.config import _f
-from mmadapt.report import NEAR_MAX, NOISE, time_to_target
+from mmadapt.report import NEAR_MAX, NOISE, _pyplot, time_to_target
 
 CEILING = "full"  # the key of the full-model row
 
@@ -131,8 +131,6 @@ def sweep_markdown(summary: dict, source: str = "") -> str:
 def plot_sweep(summary: dict, path) -> None:
     """Two panels: gain against Step-2 FLOPs, one line per depth (the ceiling dashed, the
     target dotted, the cheapest depth's hit starred); and per depth the FLOPs to the target."""
-    from mmadapt.report import _pyplot
-
     plt = _pyplot()
     fig, (curves, bars) = plt.subplots(1, 2, figsize=(9.5, 3.4))
     for i, row in enumerate(summary["rows"]):

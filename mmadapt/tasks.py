@@ -1,325 +1,188 @@
-"""Readers for the paper's evaluation data formats, and the SQuAD answer metric.
+"""The tasks of Steps 3 and 4: what each one reads, how its examples are encoded, how it is scored.
 
-None of these datasets can be downloaded at run time here; users fetch them once:
-    XNLI        https://cims.nyu.edu/~sbowman/xnli/ (XNLI-1.0.zip: xnli.dev.tsv, xnli.test.tsv);
-                English training data: MultiNLI 1.0 (multinli_1.0_train.txt / train.tsv)
-    PAWS-X      https://github.com/google-research-datasets/paws/tree/master/pawsx
-                (x-final/<lang>/translated_train.tsv, dev_2k.tsv, test_2k.tsv)
-    MLQA        https://github.com/facebookresearch/MLQA (MLQA_V1/{dev,test}/*-context-<c>-question-<q>.json)
-    XQuAD       https://github.com/google-deepmind/xquad (xquad.<lang>.json), SQuAD v1.1 for English training
-    POS         Universal Dependencies CoNLL-U treebanks; NER: CoNLL-2003-style column files
-All readers take the file as distributed and return plain Python records. Your own data (the
-classify, pair and tag tasks) is read from CSV, TSV or JSON Lines with named columns.
+The paper's tasks (XNLI, PAWS-X, MLQA, XQuAD, POS, NER; their files: readers.py), the demo's
+tasks on the packaged Bible (bible-genre, bible-testament; corpora.py), and your own data
+(classify, pair and tag over CSV, TSV or JSON Lines, with the columns FinetuneConfig names).
+A task's examples become fixed-length piece ids (features.py) and its model's logits become
+every metric that applies to it (`scores`), in percent.
 """
 
 from __future__ import annotations
 
 import collections
-import csv
-import json
-import os
-import re
-import string
-import sys
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Callable
 
-NLI_LABELS = ("entailment", "neutral", "contradiction")
+import torch
 
-
-@dataclass
-class PairExample:
-    """A sentence pair with a class label (XNLI, MultiNLI, PAWS-X)."""
-    sentence1: str
-    sentence2: str
-    label: int
-    lang: str = ""
+from mmadapt.config import OWN_TASK_COLUMNS, FinetuneConfig
+from mmadapt.corpora import (GENRE_TEST_PER_CLASS, GENRE_TRAIN_PER_CLASS, TESTAMENT_TEST_PER_CLASS,
+                             TESTAMENT_TRAIN_PER_CLASS, genre_examples, testament_examples)
+from mmadapt.features import Encoded, best_spans, chunk_f1, encode_classify, encode_span, encode_tag, is_bio, macro_f1
+from mmadapt.readers import (NLI_LABELS, PairExample, read_conll2003, read_conllu, read_nli, read_pawsx, read_squad,
+                             read_tagged, read_texts, squad_scores)
 
 
-@dataclass
-class QAExample:
-    """One SQuAD-format question: answers as (text, character offset in context)."""
-    id: str
-    context: str
-    question: str
-    answers: list[tuple[str, int]] = field(default_factory=list)
+def _read_genre(spec: str, lang: str, split: str, cfg: FinetuneConfig):
+    if spec != "bible":
+        raise ValueError(f"the bible-genre task reads the packaged Bible: pass 'bible', not {spec!r}")
+    return genre_examples(lang, split, GENRE_TRAIN_PER_CLASS if split == "train" else GENRE_TEST_PER_CLASS)
 
 
-@dataclass
-class TaggedSentence:
-    """Words and one tag per word (UPOS for CoNLL-U, NER for CoNLL-2003)."""
-    words: list[str]
-    tags: list[str]
+def _read_testament(spec: str, lang: str, split: str, cfg: FinetuneConfig):
+    if spec != "bible":
+        raise ValueError(f"the bible-testament task reads the packaged Bible: pass 'bible', not {spec!r}")
+    return testament_examples(lang, split, TESTAMENT_TRAIN_PER_CLASS if split == "train" else TESTAMENT_TEST_PER_CLASS)
 
 
-def _check(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path} does not exist: see mmadapt/tasks.py for where each dataset comes from")
-    return path
+def _read_own(name: str) -> Callable:
+    """Your own task's reader: the columns FinetuneConfig names, else OWN_TASK_COLUMNS[name]."""
+    defaults = OWN_TASK_COLUMNS[name]
+
+    def read(path: str, lang: str, split: str, cfg: FinetuneConfig):
+        if cfg.text_pair_column is not None and defaults[1] is None:
+            raise ValueError(f"--text_pair_column is for --task pair, not {name}")
+        text, pair, label = (given or default for given, default in
+                             zip((cfg.text_column, cfg.text_pair_column, cfg.label_column), defaults))
+        return read_tagged(path, text, label) if name == "tag" else read_texts(path, text, label, pair)
+    return read
 
 
-def _tsv(path: Path):
-    csv.field_size_limit(sys.maxsize)
-    with open(path, encoding="utf-8", newline="") as f:
-        yield from csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+@dataclass(frozen=True)
+class Task:
+    name: str
+    kind: str  # classify | tag | span (the family's task_kinds)
+    metric: str  # the default headline (see `metric_names`), in percent
+    lr: float  # the paper's peak fine-tuning learning rate
+    read: Callable  # (path or spec, lang, split, FinetuneConfig) -> examples
+    labels: tuple[str, ...] | None = None  # None: the labels seen in the training data; QA: none
+    # Your own data: an evaluation label the training file did not have is an error (the head
+    # has no output for it); the paper's tag sets instead score an unseen tag as wrong.
+    own: bool = False
 
 
-def read_nli(path: str | os.PathLike, lang: str | None = None) -> list[PairExample]:
-    """XNLI's xnli.{dev,test}.tsv (all languages in one file; `lang` selects one) or MultiNLI's
-    train.tsv / dev_matched.tsv: columns found by header name (sentence1, sentence2, gold_label,
-    language; a file without a language column is read whole). Pairs whose gold label is '-' (no annotator majority) are dropped, as in the
-    official evaluation."""
-    rows = _tsv(_check(path))
-    header = next(rows, None)
-    need = ("sentence1", "sentence2", "gold_label")
-    if header is None or any(c not in header for c in need):
-        raise ValueError(f"{path} is not an XNLI/MultiNLI TSV: its header lacks one of {need}")
-    col = {c: header.index(c) for c in header}
-    out = []
-    for r in rows:
-        if len(r) < len(header):
-            continue
-        gold, row_lang = r[col["gold_label"]], r[col["language"]] if "language" in col else ""
-        if gold not in NLI_LABELS or (lang is not None and "language" in col and row_lang != lang):
-            continue
-        out.append(PairExample(r[col["sentence1"]], r[col["sentence2"]], NLI_LABELS.index(gold), row_lang))
+TASKS = {
+    # XNLI: MultiNLI train.tsv for English training; xnli.test.tsv (every language, filtered by lang).
+    "xnli": Task("xnli", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_nli(p, lang), NLI_LABELS),
+    "pawsx": Task("pawsx", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_pawsx(p, lang),
+                  ("different", "paraphrase")),
+    "mlqa": Task("mlqa", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p), ()),
+    "xquad": Task("xquad", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p), ()),
+    "pos": Task("pos", "tag", "accuracy", 3e-5, lambda p, lang, split, cfg: read_conllu(p)),
+    "ner": Task("ner", "tag", "chunk_f1", 3e-5, lambda p, lang, split, cfg: read_conll2003(p)),
+    # The demo's task on the packaged Bible (mmadapt/corpora.py): a verse's book genre.
+    "bible-genre": Task("bible-genre", "classify", "accuracy", 3e-5, _read_genre,
+                        ("law_history", "poetry_wisdom", "prophets", "gospels_acts", "letters")),
+    "bible-testament": Task("bible-testament", "classify", "accuracy", 3e-5, _read_testament, ("old", "new")),
+    # Your own data (CSV, TSV, JSON Lines), labels from the training file. 3e-5: the paper's rate
+    # for its smaller training sets (QA, tagging), as for bible-genre.
+    "classify": Task("classify", "classify", "accuracy", 3e-5, _read_own("classify"), own=True),
+    "pair": Task("pair", "classify", "accuracy", 3e-5, _read_own("pair"), own=True),
+    "tag": Task("tag", "tag", "accuracy", 3e-5, _read_own("tag"), own=True),
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def read_examples(task: Task, spec: str, lang: str, split: str, cfg: FinetuneConfig | None = None,
+                  labels: list[str] | None = None) -> list:
+    """A task's examples from a file (or 'bible' for bible-genre); `{lang}` in the path is
+    replaced by the language. `cfg` names your own task's columns; `labels` (evaluation data):
+    the run's labels, which your own task's file must not go beyond."""
+    spec = spec.replace("{lang}", lang)
+    examples = task.read(spec, lang, split, cfg or FinetuneConfig())
+    if not examples:
+        raise ValueError(f"{spec} holds no {task.name} examples for language {lang!r}")
+    if labels is not None:
+        check_labels(task, examples, labels, spec)
+    return examples
+
+
+def _gold(task: Task, ex) -> list:
+    return ex.tags if task.kind == "tag" else [ex.label]
+
+
+def label_names(task: Task, examples: list) -> list[str]:
+    """The task's fixed labels, else those of the training examples, sorted (integers by value)
+    and as strings: what run.json stores and evaluation maps labels by."""
+    if task.labels is not None:
+        return list(task.labels)
+    return [str(label) for label in sorted({g for ex in examples for g in _gold(task, ex)})]
+
+
+def check_labels(task: Task, examples: list, labels: list[str], where: str = "the data") -> None:
+    """Your own task: every label of `examples` must be one of the run's."""
+    if task.own:
+        known = set(labels)
+        unseen = next((g for ex in examples for g in _gold(task, ex) if str(g) not in known), None)
+        if unseen is not None:
+            raise ValueError(f"{where} has the label {unseen!r}, which the model was not trained on (its labels: "
+                             f"{', '.join(labels)})")
+
+
+def encode(task: Task, sp, examples: list, labels: list[str], cfg: FinetuneConfig) -> Encoded:
+    if task.kind == "classify":
+        if task.own:  # file labels -> class ids of the run's label list
+            check_labels(task, examples, labels)
+            index = {name: i for i, name in enumerate(labels)}
+            examples = [(ex.text, index[str(ex.label)]) if ex.text_pair is None else
+                        PairExample(ex.text, ex.text_pair, index[str(ex.label)]) for ex in examples]
+        return encode_classify(sp, examples, cfg.seq_length)
+    if task.kind == "tag":
+        check_labels(task, examples, labels)
+        return encode_tag(sp, examples, labels, cfg.seq_length)
+    return encode_span(sp, examples, cfg.seq_length, cfg.doc_stride, cfg.max_query_length)
+
+
+def metric_names(task: Task, labels: list[str]) -> tuple[str, ...]:
+    """The metrics `scores` computes for a task: classify accuracy and macro-F1; span SQuAD F1
+    and exact match; tag accuracy, and chunk F1 when the tags are B-/I-/O (NER, your own BIO tags)."""
+    if task.kind == "classify":
+        return ("accuracy", "macro_f1")
+    if task.kind == "span":
+        return ("squad_f1", "exact_match")
+    return ("accuracy", "chunk_f1") if task.metric == "chunk_f1" or is_bio(labels) else ("accuracy",)
+
+
+def headline(task: Task, labels: list[str], cfg: FinetuneConfig) -> str:
+    """The metric a run is scored by: --metric, else the task's."""
+    names = metric_names(task, labels)
+    if cfg.metric is not None and cfg.metric not in names:
+        raise ValueError(f"--metric {cfg.metric} does not apply to {task.name}"
+                         + (" with these tags" if task.kind == "tag" else "") + f": choose {' or '.join(names)}")
+    return cfg.metric or task.metric
+
+
+def scores(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, labels: list[str],
+           cfg: FinetuneConfig) -> dict[str, float]:
+    """Every metric of `metric_names`, in percent, from the logits of `encode`'s rows."""
+    pred = logits.argmax(-1)
+    if task.kind == "classify":
+        return {"accuracy": 100 * float((pred == enc.labels).float().mean()), "macro_f1": macro_f1(pred, enc.labels)}
+    if task.kind == "span":
+        s = squad_scores(best_spans(logits, enc, examples, cfg.max_answer_length), examples)
+        return {"squad_f1": s["f1"], "exact_match": s["exact_match"]}
+    scored = enc.labels.ne(-100)
+    out = {"accuracy": 100 * float((pred[scored] == enc.labels[scored]).float().mean())}
+    if "chunk_f1" in metric_names(task, labels):
+        names = [*labels, "<unseen>"]
+        gold = [[names[i] for i in enc.labels[r][scored[r]].tolist()] for r in range(len(enc))]
+        pred_tags = [[names[i] for i in pred[r][scored[r]].tolist()] for r in range(len(enc))]
+        out["chunk_f1"] = chunk_f1(gold, pred_tags)
     return out
 
 
-def read_pawsx(path: str | os.PathLike, lang: str = "") -> list[PairExample]:
-    """PAWS-X translated_train.tsv / dev_2k.tsv / test_2k.tsv: id, sentence1, sentence2, label
-    (1 = paraphrase). Rows with an empty sentence (untranslated) are dropped."""
-    rows = _tsv(_check(path))
-    header = next(rows, None)
-    if header is None or header[:4] != ["id", "sentence1", "sentence2", "label"]:
-        raise ValueError(f"{path} is not a PAWS-X TSV: expected the header id, sentence1, sentence2, label")
-    return [PairExample(r[1], r[2], int(r[3]), lang) for r in rows
-            if len(r) >= 4 and r[1].strip() and r[2].strip() and r[3] in ("0", "1")]
+def score(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, labels: list[str],
+          cfg: FinetuneConfig) -> float:
+    """The headline metric (`headline`), in percent."""
+    return scores(task, logits, enc, examples, labels, cfg)[headline(task, labels, cfg)]
 
 
-def read_squad(path: str | os.PathLike) -> list[QAExample]:
-    """SQuAD v1.1-format JSON (SQuAD, MLQA, XQuAD): data -> paragraphs -> context, qas."""
-    try:
-        data = json.loads(_check(path).read_text(encoding="utf-8"))["data"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{path} is not SQuAD-format JSON (a 'data' list of articles)") from None
-    out = []
-    for article in data:
-        for para in article["paragraphs"]:
-            for qa in para["qas"]:
-                out.append(QAExample(qa["id"], para["context"], qa["question"],
-                                     [(a["text"], int(a["answer_start"])) for a in qa.get("answers", [])]))
-    return out
-
-
-def read_conllu(path: str | os.PathLike) -> list[TaggedSentence]:
-    """CoNLL-U: one word per line (ID FORM LEMMA UPOS ...), sentences separated by blank lines.
-    Multiword-token lines (ID '1-2', e.g. Spanish 'del' = 'de' + 'el') and empty nodes ('1.1')
-    are skipped: the syntactic words that follow them carry the tags."""
-    out, words, tags = [], [], []
-    with open(_check(path), encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                if words:
-                    out.append(TaggedSentence(words, tags))
-                words, tags = [], []
-                continue
-            if line.startswith("#"):
-                continue
-            cols = line.split("\t")
-            if len(cols) != 10:
-                raise ValueError(f"{path}:{n}: a CoNLL-U word line has 10 tab-separated columns, this one {len(cols)}")
-            if "-" in cols[0] or "." in cols[0]:
-                continue
-            words.append(cols[1])
-            tags.append(cols[3])
-    if words:
-        out.append(TaggedSentence(words, tags))
-    return out
-
-
-def read_conll2003(path: str | os.PathLike) -> list[TaggedSentence]:
-    """CoNLL-2003-style columns (word ... NER tag last), blank lines between sentences,
-    -DOCSTART- lines ignored."""
-    out, words, tags = [], [], []
-    with open(_check(path), encoding="utf-8") as f:
-        for line in f:
-            cols = line.split()
-            if not cols or cols[0] == "-DOCSTART-":
-                if words:
-                    out.append(TaggedSentence(words, tags))
-                words, tags = [], []
-                continue
-            if len(cols) < 2:
-                raise ValueError(f"{path}: a CoNLL-2003 line needs a word and a tag: {line.strip()!r}")
-            words.append(cols[0])
-            tags.append(cols[-1])
-    if words:
-        out.append(TaggedSentence(words, tags))
-    return out
-
-
-# --- your own data: CSV, TSV or JSON Lines with named columns ----------------------------------------
-
-# By file extension; a .json file is read as JSON Lines (one object per line), as many tools write it.
-TABLE_FORMATS = {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl", ".json": "jsonl"}
-
-
-@dataclass
-class TextExample:
-    """A text, or a pair of texts, with its label as the file gives it: a string, or an integer
-    in JSON. Labels become class ids only against a run's label list (finetune.encode), so an
-    evaluation file is mapped with the training file's classes."""
-    text: str
-    label: str | int
-    text_pair: str | None = None
-
-
-def read_table(path: str | os.PathLike) -> tuple[list[str], list[dict]]:
-    """(column names, rows as {column: value}) of a CSV or TSV file with a header line (the
-    same quoting in both: a quoted field may hold the delimiter, quotes doubled, and newlines)
-    or of JSON Lines (one object per line; values keep their JSON types)."""
-    path = Path(path)
-    kind = TABLE_FORMATS.get(path.suffix.lower())
-    if kind is None:
-        raise ValueError(f"{path}: unknown file type {path.suffix or '(no extension)'!r}; your own data is read "
-                         f"from {', '.join(TABLE_FORMATS)} (.json: one object per line)")
-    if not path.is_file():
-        raise ValueError(f"{path} does not exist")
-    if kind == "jsonl":
-        rows = []
-        with open(path, encoding="utf-8-sig") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not JSON ({e.msg}); JSON Lines hold one object per line") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{n}: a JSON Lines row must be an object {{column: value}}, "
-                                     f"not a {type(row).__name__}")
-                rows.append(row)
-        columns = list(dict.fromkeys(k for r in rows for k in r))
-    else:
-        csv.field_size_limit(sys.maxsize)
-        with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: spreadsheets write a BOM
-            reader = csv.DictReader(f, delimiter="," if kind == "csv" else "\t")
-            rows = list(reader)
-            columns = list(reader.fieldnames or [])
-    if not rows:
-        raise ValueError(f"{path} holds no rows" + ("" if kind == "jsonl" else " under its header line"))
-    return columns, rows
-
-
-def _column(path: Path, columns: list[str], name: str, flag: str) -> str:
-    if name not in columns:
-        raise ValueError(f"{path} has no column {name!r} (its columns: {', '.join(map(repr, columns))}): "
-                         f"name the right one with --{flag}")
-    return name
-
-
-def _text(path: Path, n: int, row: dict, column: str) -> str:
-    value = row.get(column)
-    if value is not None and not isinstance(value, str):
-        raise ValueError(f"{path}, row {n}: column {column!r} holds a {type(value).__name__}, not a text")
-    if not value or not value.strip():
-        raise ValueError(f"{path}, row {n}: empty text in column {column!r}")
-    return value
-
-
-def _label(path: Path, n: int, row: dict, column: str) -> str | int:
-    value = row.get(column)
-    if isinstance(value, str) and value.strip():
-        return value.strip()
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ValueError(f"{path}, row {n}: no label in column {column!r}" +
-                     ("" if value is None or value == "" else f" ({value!r} is neither a string nor an integer)"))
-
-
-def read_texts(path: str | os.PathLike, text: str, label: str, text_pair: str | None = None) -> list[TextExample]:
-    """Your own sentence (or sentence-pair, `text_pair` set) classification data: the named
-    columns of a read_table file. Every text must be non-empty, and a file's labels all strings
-    or all integers (JSON 1 and "1" are one class to the run, but a file mixing them is likely a
-    mistake)."""
-    path = Path(path)
-    columns, rows = read_table(path)
-    for name, flag in ((text, "text_column"), (text_pair, "text_pair_column"), (label, "label_column")):
-        if name is not None:
-            _column(path, columns, name, flag)
-    out = [TextExample(_text(path, n, r, text), _label(path, n, r, label),
-                       None if text_pair is None else _text(path, n, r, text_pair)) for n, r in enumerate(rows, 1)]
-    kinds = {type(ex.label): ex.label for ex in out}
-    if len(kinds) > 1:
-        raise ValueError(f"{path}: the labels mix integers and strings (e.g. {kinds[int]!r} and {kinds[str]!r}): "
-                         "write every label the same way")
-    return out
-
-
-def _tokens(path: Path, n: int, row: dict, column: str) -> list[str]:
-    value = row.get(column)
-    if isinstance(value, str):
-        return value.split()
-    if isinstance(value, list) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
-        return [str(v).strip() for v in value]
-    raise ValueError(f"{path}, row {n}: column {column!r} must hold a list of strings (JSON) or space-separated "
-                     f"ones, not {value!r}")
-
-
-def read_tagged(path: str | os.PathLike, tokens: str, tags: str) -> list[TaggedSentence]:
-    """Your own tagging data: one sentence per row, its tokens and one tag per token in two
-    columns (JSON Lines: lists; CSV/TSV: space-separated)."""
-    path = Path(path)
-    columns, rows = read_table(path)
-    _column(path, columns, tokens, "text_column")
-    _column(path, columns, tags, "label_column")
-    out = []
-    for n, row in enumerate(rows, 1):
-        words, labels = _tokens(path, n, row, tokens), _tokens(path, n, row, tags)
-        if not words or not all(words):
-            raise ValueError(f"{path}, row {n}: empty text in column {tokens!r}")
-        if len(words) != len(labels) or not all(labels):
-            raise ValueError(f"{path}, row {n}: {len(words)} tokens but {len([t for t in labels if t])} tags: "
-                             "give one tag per token")
-        out.append(TaggedSentence(words, labels))
-    return out
-
-
-# --- the official SQuAD v1.1 answer metric ------------------------------------------------------
-
-def normalize_answer(s: str) -> str:
-    """Lower-case, drop ASCII punctuation and the articles a/an/the, collapse whitespace."""
-    s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def f1_score(prediction: str, truth: str) -> float:
-    pred, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
-    common = collections.Counter(pred) & collections.Counter(gold)
-    same = sum(common.values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(pred), same / len(gold)
-    return 2 * precision * recall / (precision + recall)
-
-
-def exact_match(prediction: str, truth: str) -> float:
-    return float(normalize_answer(prediction) == normalize_answer(truth))
-
-
-def squad_scores(predictions: dict[str, str], examples: list[QAExample]) -> dict[str, float]:
-    """{'exact_match', 'f1'} in percent: per question the best over its gold answers, averaged
-    over all questions (a question without a prediction scores 0)."""
-    em = f1 = 0.0
-    for ex in examples:
-        truths = [t for t, _ in ex.answers] or [""]
-        pred = predictions.get(ex.id, "")
-        em += max(exact_match(pred, t) for t in truths)
-        f1 += max(f1_score(pred, t) for t in truths)
-    n = max(1, len(examples))
-    return {"exact_match": 100 * em / n, "f1": 100 * f1 / n}
+def majority_share(examples: list) -> float:
+    """Accuracy (percent) of always predicting the most frequent gold label: the chance level."""
+    gold = [ex[1] if isinstance(ex, tuple) else ex.label for ex in examples]
+    return 100 * max(collections.Counter(map(str, gold)).values()) / len(gold)

@@ -1,223 +1,166 @@
-"""MLM training (Steps 1, 1b and 2) on the shared engine and loop of engine.py.
+"""Language-model training (Steps 1, 1b and 2) and Step 3's update, on the shared engine and
+loop of engine.py.
 
 Step 1 (pretrain: BL_BASE, BL_SMALL, MINIJOINT) trains every parameter from a seeded init.
 Step 1b (MINIPOST) and Step 2 (new-language embeddings) start from given full weights and train
-only some parameters (`MLMJob.trainable`): the others are frozen and left out of checkpoints
-(run.json says where they come from).
+only some parameters (`LMJob.trainable`): the others are frozen and left out of checkpoints
+(run.json says where they come from). Step 3 (fine-tuning) trains a task model (`task_step`).
 
-This module holds what is MLM-specific: the checks a user can get wrong (`validate_run`, before
-any process group, file or directory exists), the tokenizer and encoded blocks
-(`prepare_data`), the model or its pipeline form, one update over masked micro-batches
-(`mlm_step`), and `train_mlm`, which steps.py calls with the starting weights it computed.
+This module holds the LM steps' data (`TextData`: the checks a user can get wrong, then the
+tokenizer and the encoded blocks), the model of the run's family or its pipeline form, one update
+over micro-batches (`lm_step`: each position scored by the family's objective, masked pieces or
+next pieces), and `train_lm`, which steps.py calls with the starting weights it computed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from mmadapt import checkpoint, parallel
-from mmadapt.config import CHANGEABLE_ON_RESUME, ModelConfig, TrainConfig, to_dict
-from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TOKENIZER, VALID, MLMBatches, block_index,
+from mmadapt import parallel
+from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfig, to_dict
+from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TOKENIZER, VALID, EpochOrder, MLMBatches, block_index,
                           block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
-                          load_tokenizer, prepare, read_manifest, wait_for)
-from mmadapt.engine import (build_engine, is_pipeline, load_ds_config, mean_over_ranks, train_loop,
-                            trainable_by_names, warmup_linear_decay)
-from mmadapt.flops import step_flops
-from mmadapt.models.roberta.model import Padding
+                          load_tokenizer, micro_batch_range, prepare, read_manifest, wait_for)
+from mmadapt.engine import LoopJob, build_engine, is_pipeline, mean_over_ranks, train_loop, trainable_by_names
+from mmadapt.features import Encoded
+from mmadapt.fusion import apply_fusion
+from mmadapt.models import get_family
+from mmadapt.models.layers import Padding, masked_positions
+from mmadapt.models.pipe import set_host_batches, take_head_losses
+from mmadapt.run import TOKENIZER as RUN_TOKENIZER
+from mmadapt.run import RunSpec, Started
 
 
 @dataclasses.dataclass(frozen=True)
-class MLMJob:
-    """What an MLM run trains. Defaults: Step 1, every parameter, from the model's seeded init."""
+class LMJob:
+    """What an LM run trains. Defaults: Step 1, every parameter, from the model's seeded init."""
     step: str = "pretrain"  # one of flops.STEPS: the FLOP count logged, the progress-bar label
-    # RobertaMLM parameter names, or name prefixes ending in ".", that are trained (None: all).
+    # The family's parameter names, or name prefixes ending in ".", that are trained (None: all).
     trainable: tuple[str, ...] | None = None
     trainable_layers: int = 0  # Step 1b: l_t, for its FLOP count
 
 
-@dataclasses.dataclass
-class RunPaths:
-    output_dir: Path
-    corpus: Path | None  # raw text, prepared into <output_dir>/data (small corpora; None: data_path)
-    ds_config: Path
-    tokenizer: Path | None = None  # None: train one on the corpus (a data_path has its own)
-    data_path: Path | None = None  # a dataset prepared by `mmadapt preprocess`
+# --- data ----------------------------------------------------------------------------------------------
 
-    @property
-    def checkpoints(self) -> Path:
-        return self.output_dir / "checkpoints"
+class TextData:
+    """The data of an LM step (run.DataPlan): a dataset prepared by `mmadapt preprocess`
+    (RunSpec.data_path), or a raw corpus prepared into <output_dir>/data by the run itself."""
 
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def recorded_defaults() -> dict:
-    """Each config field's default as run.json records it, flattened ("model.head_weights",
-    "train.decay_all", "finetune.lr", ...): what a run recorded before that field existed ran with."""
-    from mmadapt.config import FinetuneConfig
-
-    configs = {"model": to_dict(ModelConfig()), "train": to_dict(TrainConfig()), "finetune": to_dict(FinetuneConfig())}
-    return _flat(json.loads(json.dumps(configs)))
-
-
-def check_same_run(run_file: Path, expected: dict) -> None:
-    """--resume continues the run recorded in `run_file`: every entry of `expected` (nested dicts
-    compared leaf by leaf) must equal the recorded one, except config.CHANGEABLE_ON_RESUME. A
-    config field the record lacks (it predates the field) matches the field's default."""
-    saved = _flat(checkpoint.read_json(run_file, "run file"))
-    mine = _flat(json.loads(json.dumps(expected)))  # tuples as lists, as run.json holds them
-    defaults = None
-    for key, value in mine.items():
-        if key.rsplit(".", 1)[-1] in CHANGEABLE_ON_RESUME or saved.get(key) == value:
-            continue
-        if key not in saved:
-            defaults = defaults or recorded_defaults()
-            if key in defaults and defaults[key] == value:
-                continue
-        raise ValueError(f"--resume of a changed run: {key} is {value} here but {saved.get(key)} in {run_file}; "
-                         "resume with the run's settings, or start a new --output_dir")
-
-
-def validate_run(model: ModelConfig, train: TrainConfig, paths: RunPaths, resume: bool,
-                 same: dict | None = None) -> dict:
-    """All user-facing checks, before any side effect. Returns the DeepSpeed config dict.
-    same: more run.json entries a --resume must match (where a step's weights come from)."""
-    model.validate()
-    train.validate(model)
-    ds = load_ds_config(paths.ds_config, train)
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
-    if model.pipeline_model_parallel_size > 1 and stage > 1:
-        raise ValueError(f"ZeRO stage {stage} does not combine with DeepSpeed pipeline parallelism: "
-                         "use ds_configs/zero1.json with --pipeline_model_parallel_size > 1")
-    # Before any process group exists: the launcher's WORLD_SIZE (1 for a plain `python` run).
-    parallel.check_world_size(int(os.environ.get("WORLD_SIZE", 1)), model.tensor_model_parallel_size,
-                              model.pipeline_model_parallel_size)
-    if model.pipeline_model_parallel_size > 1 and model.tensor_model_parallel_size > 1 and len(model.heads_after) > 1:
-        # With tensor parallelism DeepSpeed splits the first tensor sent between stages across the
-        # TP ranks and asserts that no other tensor of the tuple needs a gradient; the carried
-        # output of an intermediate head's layer does (pipeline.py), so send whole tensors.
-        ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
-    if paths.data_path is not None:
-        manifest = check_prepared(paths.data_path, model.vocab_size, paths.tokenizer)
-        if train.eval_interval and not manifest.get("valid"):
-            raise ValueError(f"--eval_interval needs validation data: {paths.data_path} was prepared without it "
-                             "(mmadapt preprocess --valid_fraction 0.01 ... into a new --output_dir)")
-    else:
-        if paths.corpus is None:
+    def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig) -> dict:
+        if run.data_path is not None:
+            manifest = check_prepared(run.data_path, model.vocab_size, run.tokenizer)
+            if train.eval_interval and not manifest.get("valid"):
+                raise ValueError(f"--eval_interval needs validation data: {run.data_path} was prepared without it "
+                                 "(mmadapt preprocess --valid_fraction 0.01 ... into a new --output_dir)")
+            return {"data_path": str(run.data_path.resolve())}
+        if run.corpus is None:
             raise ValueError("no training data: pass --data_path (a dataset made by mmadapt preprocess) or --corpus")
-        corpus = check_corpus(paths.corpus)
+        corpus = check_corpus(run.corpus)
         if corpus.stat().st_size > RAW_CORPUS_LIMIT_BYTES:
             prepared = corpus.with_name(corpus.name + ".prepared")
-            tok = f" --tokenizer {paths.tokenizer}" if paths.tokenizer else ""
+            tok = f" --tokenizer {run.tokenizer}" if run.tokenizer else ""
             raise ValueError(f"corpus {corpus} is {corpus.stat().st_size / 2**30:.1f} GiB: prepare it once first with "
                              f"`mmadapt preprocess --corpus {corpus} --output_dir {prepared} --vocab_size "
                              f"{model.vocab_size}{tok}`, then pass --data_path {prepared}")
-        if paths.tokenizer is not None:
-            load_tokenizer(paths.tokenizer, model.vocab_size)
+        if run.tokenizer is not None:
+            load_tokenizer(run.tokenizer, model.vocab_size)
         if train.eval_interval:
             raise ValueError("--eval_interval needs validation data: prepare the corpus with mmadapt preprocess "
                              "--valid_fraction 0.01 and pass --data_path")
-    checkpoint.refuse_overwrite(paths.output_dir, resume)
-    run_file = paths.output_dir / "run.json"
-    if resume and run_file.is_file():
-        if paths.data_path is not None:
-            data = {"data_path": str(Path(paths.data_path).resolve())}
-        else:
-            data = {"data_path": str((paths.output_dir / "data").resolve()), "corpus": str(paths.corpus.resolve())}
-            manifest = paths.output_dir / "data" / MANIFEST
-            if manifest.is_file() and corpus_fingerprint(paths.corpus) != read_manifest(manifest.parent)[
-                    "corpus_fingerprint"]:
-                raise ValueError(f"--resume: corpus {paths.corpus} changed since this run encoded it into "
-                                 f"{manifest.parent}; resume with the original text, or start a new --output_dir")
-        check_same_run(run_file, {"model": to_dict(model), "train": to_dict(train), **data, "ds_config": ds,
-                                  **(same or {})})
-        if paths.tokenizer is not None and (paths.output_dir / "tokenizer" / "spm.model").is_file() \
-                and file_sha256(paths.tokenizer) != file_sha256(paths.output_dir / "tokenizer" / "spm.model"):
-            raise ValueError(f"--resume with another tokenizer: {paths.tokenizer} is not the run's "
-                             f"{paths.output_dir / 'tokenizer' / 'spm.model'}")
-    return ds
+        return {"data_path": str((run.output_dir / "data").resolve()), "corpus": str(corpus.resolve())}
 
+    def check_resume(self, run: RunSpec) -> None:
+        manifest = run.output_dir / "data" / MANIFEST
+        if run.data_path is None and manifest.is_file() and \
+                corpus_fingerprint(run.corpus) != read_manifest(manifest.parent)["corpus_fingerprint"]:
+            raise ValueError(f"--resume: corpus {run.corpus} changed since this run encoded it into "
+                             f"{manifest.parent}; resume with the original text, or start a new --output_dir")
+        own = run.output_dir / RUN_TOKENIZER
+        if run.tokenizer is not None and own.is_file() and file_sha256(run.tokenizer) != file_sha256(own):
+            raise ValueError(f"--resume with another tokenizer: {run.tokenizer} is not the run's {own}")
 
-def prepare_data(model: ModelConfig, train: TrainConfig, paths: RunPaths) -> tuple[Path, Path]:
-    """-> (tokenizer, prepared dataset) of the run, with the block index for train.seq_length.
-
-    Runs before any process group exists, so no rank waits in a collective (whose timeout would
-    kill a job that prepares for longer): global rank 0 prepares a raw --corpus into
-    <output_dir>/data (once; `mmadapt preprocess` does the same for large corpora, ahead of the
-    job) and builds the block index, while the other ranks poll the file system. Like DeepSpeed's
-    checkpoints, this assumes a file system that all nodes share."""
-    rank0 = int(os.environ.get("RANK", 0)) == 0
-    data_path = paths.data_path or paths.output_dir / "data"
-    if paths.data_path is None:
+    def prepare(self, run: RunSpec, model: ModelConfig, train: TrainConfig) -> Path:
+        """-> the prepared dataset, with the block index for train.seq_length, and the run's copy
+        of its tokenizer (what later steps read). Global rank 0 prepares a raw corpus into
+        <output_dir>/data (once; `mmadapt preprocess` does the same for large corpora, ahead of
+        the job) and builds the block index, while the other ranks poll the file system. Like
+        DeepSpeed's checkpoints, this assumes a file system that all nodes share."""
+        rank0 = parallel.is_rank0()
+        data_path = run.data_path or run.output_dir / "data"
+        if run.data_path is None:
+            if rank0:
+                prepare(run.corpus, data_path, model.vocab_size, tokenizer=run.tokenizer,
+                        cfg=PreprocessConfig(tokenizer_seed=train.seed))
+            wait_for(data_path / MANIFEST, f"the corpus in {data_path}")
+        blocks = block_index_path(data_path, train.seq_length)
         if rank0:
-            prepare(paths.corpus, data_path, model.vocab_size, tokenizer=paths.tokenizer, seed=train.seed)
-        wait_for(data_path / MANIFEST, f"the corpus in {data_path}")
-    blocks = block_index_path(data_path, train.seq_length)
-    if rank0:
-        block_index(data_path, train.seq_length)
-        if train.eval_interval:
-            block_index(data_path, train.seq_length, VALID)
-    wait_for(blocks, f"the block index {blocks}")
-    return data_path / TOKENIZER, data_path
+            block_index(data_path, train.seq_length)
+            if train.eval_interval:
+                block_index(data_path, train.seq_length, VALID)
+            tok = run.output_dir / RUN_TOKENIZER
+            tok.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(data_path / TOKENIZER, tok)
+        wait_for(blocks, f"the block index {blocks}")
+        return data_path
 
 
-def build_mlm(model_cfg: ModelConfig, seed: int) -> tuple[torch.nn.Module, dict[str, str | None]]:
-    """This rank's model (or pipeline stage) and its parameter names -> RobertaMLM names."""
-    from mmadapt.models.roberta.model import RobertaMLM
+def lm_batches(data_path: Path, model: ModelConfig, train: TrainConfig, split: str = "text"):
+    """This data-parallel rank's batches of the family's objective (data.MLMBatches: masked
+    blocks), a pure function of (seed, update)."""
+    return MLMBatches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split)
 
+
+# --- the model and its engine -------------------------------------------------------------------------
+
+def build_lm(model_cfg: ModelConfig, seed: int) -> tuple[torch.nn.Module, dict[str, str | None]]:
+    """This rank's model (or pipeline stage) and its parameter names -> the family's model names."""
+    family = get_family(model_cfg)
     if model_cfg.pipeline_model_parallel_size > 1:
-        from mmadapt.models.roberta.pipeline import pipeline_param_name, to_pipeline
-
-        module = to_pipeline(model_cfg, seed, parallel.dp_world())
-        return module, {n: pipeline_param_name(n, model_cfg) for n, _ in module.named_parameters()}
-    module = RobertaMLM(model_cfg, seed=seed)
+        module = family.build_pipeline(model_cfg, seed, parallel.dp_world())
+        return module, {n: family.pipeline_param_name(n, model_cfg) for n, _ in module.named_parameters()}
+    module = family.build_lm(model_cfg, seed)
     return module, {n: n for n, _ in module.named_parameters()}
 
 
-def mlm_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict, job: MLMJob = MLMJob(),
-               init_state: dict | None = None):
+def lm_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict, job: LMJob = LMJob(),
+              init_state: dict | None = None):
     """-> (engine, names, tp_partition_dims). parallel.init_parallel must have run."""
-    from mmadapt.fusion import apply_fusion
-
-    module, names = build_mlm(model_cfg, train.seed)
+    module, names = build_lm(model_cfg, train.seed)
     apply_fusion(module, model_cfg)
     engine, dims = build_engine(module, names, trainable_by_names(job.trainable), train, train.lr,
-                                warmup_linear_decay(train.lr_warmup_iters, train.train_iters), ds_config,
-                                init_state)
+                                train.train_iters, ds_config, init_state)
     return engine, names, dims
 
 
+def client_state(model_cfg: ModelConfig, dims: dict) -> dict:
+    """What every checkpoint of this model holds besides weights: the tensor-parallel partition
+    dims and, for a pipeline, each layer's name prefix (checkpoint.load_full_state_dict)."""
+    state = {"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}
+    if model_cfg.pipeline_model_parallel_size > 1:
+        state["pipeline_layers"] = get_family(model_cfg).pipeline_layer_prefixes(model_cfg)
+    return state
+
+
 class HostBatch(NamedTuple):
-    """One MLM micro-batch as the host prepares it: everything a step needs to know about the
+    """One micro-batch as the host prepares it: everything a step needs to know about the
     batch is computed here, on CPU tensors, so that no layer has to ask the device (a boolean
     gather or `.any()` on a device tensor blocks the host until the device catches up)."""
     input_ids: torch.Tensor  # [b, s]
-    labels: torch.Tensor  # [b, s], -100 where not masked (the pipeline carries them)
-    masked_index: torch.Tensor  # [m] flat indices into b * s of the masked positions
+    labels: torch.Tensor  # [b, s], -100 where not scored (the pipeline carries them)
+    masked_index: torch.Tensor  # [m] flat indices into b * s of the scored positions
     targets: torch.Tensor  # [m]
     padding: Padding
 
 
 def host_batch(input_ids: torch.Tensor, labels: torch.Tensor, pin: bool = False) -> HostBatch:
     """pin: page-locked copies, which the device reads asynchronously (non_blocking copies)."""
-    from mmadapt.models.roberta.model import masked_positions
-
     b = HostBatch(input_ids, labels, *masked_positions(labels), Padding.of(input_ids))
     return b._replace(**{k: getattr(b, k).pin_memory() for k in _TENSORS}) if pin else b
 
@@ -233,11 +176,9 @@ def to_device(batch: HostBatch, dev: torch.device) -> HostBatch:
 class Prefetcher:
     """Builds the host batches of the next update (numpy indexing, masking, pinning) in a
     background thread while the device runs this one. `make(position)` must be a pure
-    function of the position (MLMBatches is), so a resumed run sees the same batches."""
+    function of the position (lm_batches' are), so a resumed run sees the same batches."""
 
     def __init__(self, make: Callable[[int], list]):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.make, self.pool, self.ahead = make, ThreadPoolExecutor(1, thread_name_prefix="batches"), None
 
     def __call__(self, position: int) -> list:
@@ -260,34 +201,19 @@ def _prepared(batches: list) -> list[HostBatch]:
 def _pipe_batches(engine, batches: list[HostBatch], dev) -> iter:
     """Micro-batches as DeepSpeed's pipeline takes them, ((inputs...), labels), after handing
     this stage what the host knows about them (pipeline.set_host_batches)."""
-    from mmadapt.models.roberta.pipeline import set_host_batches
-
     on_dev = [to_device(b, dev) for b in batches]
     set_host_batches(engine.module, [b.padding for b in batches], [(b.masked_index, b.targets) for b in on_dev])
     return iter([((b.input_ids, b.labels), b.labels) for b in on_dev])
 
 
-def _pipe_head_losses(engine, num_heads: int) -> torch.Tensor:
-    """Each head's loss over the micro-batches just run, on the last stage (which holds the
-    heads); zeros on the other stages."""
-    from mmadapt.models.roberta.pipeline import PipeMLMHeads
-
-    heads = next((m for m in engine.module.modules() if isinstance(m, PipeMLMHeads)), None)
-    per_head = torch.zeros(num_heads, device=engine.device)
-    if heads is not None:
-        per_head += torch.stack(heads.head_losses).mean(0)
-        heads.head_losses.clear()
-    return per_head
-
-
-def mlm_step(engine, batches, num_heads: int) -> torch.Tensor:
+def lm_step(engine, batches, num_heads: int) -> torch.Tensor:
     """One update over this rank's micro-batches. Returns this rank's loss of each head, the mean
     over its micro-batches (pipeline: zeros except on the last stage), not reduced over ranks."""
     dev = engine.device
     batches = _prepared(batches)
     if is_pipeline(engine):
         engine.train_batch(_pipe_batches(engine, batches, dev))
-        return _pipe_head_losses(engine, num_heads)
+        return take_head_losses(engine.module, num_heads, engine.device)
     per_head = torch.zeros(num_heads, device=dev)
     for b in map(functools.partial(to_device, dev=dev), batches):
         loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
@@ -299,7 +225,7 @@ def mlm_step(engine, batches, num_heads: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def mlm_eval(engine, batches, num_heads: int) -> torch.Tensor:
+def lm_eval(engine, batches, num_heads: int) -> torch.Tensor:
     """Each head's mean loss over `batches` with dropout off, this rank's (pipeline: the last
     stage's), not reduced over ranks. Consumes no random numbers: training resumes exactly."""
     dev = engine.device
@@ -308,7 +234,7 @@ def mlm_eval(engine, batches, num_heads: int) -> torch.Tensor:
         batches = _prepared(batches)
         if is_pipeline(engine):
             engine.eval_batch(_pipe_batches(engine, batches, dev), num_micro_batches=len(batches))
-            return _pipe_head_losses(engine, num_heads)
+            return take_head_losses(engine.module, num_heads, engine.device)
         per_head = torch.zeros(num_heads, device=dev)
         for b in map(functools.partial(to_device, dev=dev), batches):
             per_head += engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
@@ -319,60 +245,63 @@ def mlm_eval(engine, batches, num_heads: int) -> torch.Tensor:
 
 
 def train_step(engine, batches, num_heads: int) -> torch.Tensor:
-    """mlm_step, averaged over the data-parallel replicas (every rank gets the result)."""
-    return mean_over_ranks(mlm_step(engine, batches, num_heads), is_pipeline(engine))
+    """lm_step, averaged over the data-parallel replicas (every rank gets the result)."""
+    return mean_over_ranks(lm_step(engine, batches, num_heads), is_pipeline(engine))
 
 
-def train_mlm(model_cfg: ModelConfig, train: TrainConfig, paths: RunPaths, ds_config: dict, data_dir: Path,
-              run_info: dict, job: MLMJob = MLMJob(), init_state: dict | None = None, resume: bool = False,
-              after_save: Callable[[int, str], None] | None = None) -> list[dict]:
-    """Train an MLM job on the encoded blocks in `data_dir`, starting from `init_state` (full
-    weights; None: the seeded init). run.json gets `run_info` and the training settings.
-    Returns the metrics of this invocation (global rank 0; empty on other ranks)."""
+def task_step(engine, enc: Encoded, order: EpochOrder, cfg: LoopConfig, position: int) -> torch.Tensor:
+    """Step 3's update: this rank's micro-batches of update `position` of a task model (rows of
+    `enc` in `order`, the sample indices of data.micro_batch_range), one optimizer step each
+    (DeepSpeed accumulates). Returns this rank's mean loss [1], not reduced over ranks."""
+    loss_sum = torch.zeros(1, device=engine.device)
+    for j in range(cfg.gradient_accumulation_steps):
+        idx = [order(g) for g in micro_batch_range(position, j, cfg, parallel.dp_rank(), parallel.dp_world())]
+        ids = enc.input_ids[idx]  # padding counted here, on the host: no device sync per micro-batch
+        loss, _ = engine(ids.to(engine.device, non_blocking=True), enc.labels[idx].to(engine.device, non_blocking=True),
+                         padding=Padding.of(ids))
+        engine.backward(loss)
+        engine.step()
+        loss_sum += loss.detach() / cfg.gradient_accumulation_steps
+    return loss_sum
+
+
+def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: TrainConfig, job: LMJob = LMJob(),
+             init_state: dict | None = None, after_save: Callable[[int, str], None] | None = None,
+             record: dict | None = None) -> list[dict]:
+    """Train an LM job on the prepared data of `started` (start_run's), starting from
+    `init_state` (full weights; None: the seeded init). Writes the run record, with `record`'s
+    fields. Returns the metrics of this invocation (global rank 0; empty on other ranks)."""
     parallel.seed_everything(train.seed)
-    engine, names, dims = mlm_engine(model_cfg, train, ds_config, job, init_state)
-    run_file = paths.output_dir / "run.json"
-    if dist.get_rank() == 0 and not (resume and run_file.is_file()):  # a resumed run's record stays as it is
-        tok = paths.output_dir / "tokenizer" / "spm.model"  # what later steps read
-        tok.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(data_dir / TOKENIZER, tok)
-        info = {**run_info, "step": job.step, "model": to_dict(model_cfg), "train": to_dict(train),
-                "data_path": str(data_dir.resolve()), "corpus": json.loads((data_dir / MANIFEST).read_text())["corpus"],
-                "ds_config": ds_config,
-                "trainable": list(job.trainable) if job.trainable is not None else None}
-        if model_cfg.pipeline_model_parallel_size > 1:  # which stage owns what (pipeline.py docstring)
-            info["pipeline_parts"] = [int(x) for x in engine.module.parts]
-        checkpoint.atomic_write(run_file, json.dumps(info, indent=2))
-    batches = MLMBatches(data_dir, train.seq_length, model_cfg.vocab_size, train.seed, train.mask_prob,
-                         train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps,
-                         parallel.dp_rank(), parallel.dp_world())
-    update_flops = batches.global_batch * step_flops(job.step, model_cfg, train.seq_length, train.mask_prob,
-                                                     trainable_layers=job.trainable_layers)
+    engine, names, dims = lm_engine(model_cfg, train, started.ds_config, job, init_state)
+    data_dir = started.data
+    extra = {"step": job.step, **(record or {}), "corpus": read_manifest(data_dir)["corpus"],
+             "trainable": list(job.trainable) if job.trainable is not None else None}
+    if model_cfg.pipeline_model_parallel_size > 1:  # which stage owns what (the family's pipeline.py)
+        extra["pipeline_parts"] = [int(x) for x in engine.module.parts]
+    started.record.write(run.resume, **extra)
+    batches = lm_batches(data_dir, model_cfg, train)
+    update_flops = batches.global_batch * get_family(model_cfg).step_flops(
+        job.step, model_cfg, train.seq_length, train.mask_prob, trainable_layers=job.trainable_layers)
     tokens = batches.global_batch * train.seq_length
-    world = dist.get_world_size()
+    devices = parallel.launched_world_size()
 
     def perf(seconds: float) -> dict:
         return {"tokens_per_s": tokens / seconds, "flops_per_s": update_flops / seconds,
-                "flops_per_s_per_device": update_flops / seconds / world}
+                "flops_per_s_per_device": update_flops / seconds / devices}
 
     heads, pin = len(model_cfg.heads_after), engine.device.type == "cuda"
     evaluate = None
     if train.eval_interval:
-        valid = MLMBatches(data_dir, train.seq_length, model_cfg.vocab_size, train.seed, train.mask_prob,
-                           train.train_micro_batch_size_per_gpu, 1, parallel.dp_rank(), parallel.dp_world(), VALID)
+        valid = lm_batches(data_dir, model_cfg, dataclasses.replace(train, gradient_accumulation_steps=1), VALID)
         valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
-        evaluate = functools.partial(mlm_eval, engine, valid_batches, heads)
+        evaluate = functools.partial(lm_eval, engine, valid_batches, heads)
     prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin) for ids, lab in batches.step_batches(position)])
+    loop_job = LoopJob(label=job.step, names=names, client_state=client_state(model_cfg, dims),
+                       exclude_frozen=job.trainable is not None, loss_names=tuple(str(l) for l in model_cfg.heads_after),
+                       loss_weights=model_cfg.loss_weights, perf=perf, after_save=after_save, evaluate=evaluate,
+                       eval_interval=train.eval_interval)
     try:
-        return train_loop(engine, lambda step: mlm_step(engine, prefetch(step), heads),
-                          total=train.train_iters, run_dir=paths.output_dir, resume=resume,
-                          log_interval=train.log_interval, save_interval=train.save_interval,
-                          exit_interval=train.exit_interval, extra_save_steps=train.extra_save_steps,
-                          keep_last=train.keep_last, max_skipped_steps=train.max_skipped_steps,
-                          loss_names=tuple(str(l) for l in model_cfg.heads_after),
-                          loss_weights=model_cfg.loss_weights, perf=perf,
-                          client_state={"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}, names=names,
-                          exclude_frozen=job.trainable is not None, label=job.step, after_save=after_save,
-                          evaluate=evaluate, eval_interval=train.eval_interval)
+        return train_loop(engine, lambda step: lm_step(engine, prefetch(step), heads), loop_job, train,
+                          train.train_iters, run.output_dir, run.resume)
     finally:
         prefetch.close()

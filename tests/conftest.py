@@ -113,6 +113,17 @@ def adapt_args(system: str, source: Path, corpus: Path, tokenizer: Path, out: Pa
             "--tokenizer", str(tokenizer), "--vocab_size", str(VOCAB), "--output_dir", str(out), *extra]
 
 
+def mlm_batches(data_path: Path, seq_length: int, vocab: int, seed: int, micro_batch_size: int,
+                gradient_accumulation_steps: int = 1, dp_rank: int = 0, dp_world: int = 1):
+    """data.MLMBatches of a prepared dataset with these settings (the rest TrainConfig's)."""
+    from mmadapt.config import TrainConfig
+    from mmadapt.data import MLMBatches
+
+    train = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=micro_batch_size,
+                        gradient_accumulation_steps=gradient_accumulation_steps)
+    return MLMBatches(data_path, train, vocab, dp_rank, dp_world)
+
+
 def masked_batch(vocab: int, b: int = 3, s: int = 20, seed: int = 0):
     """Random ordinary-piece ids [b, s] and MLM labels with about 30% of positions selected."""
     import torch

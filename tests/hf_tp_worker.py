@@ -16,11 +16,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mmadapt import adapt as A, parallel  # noqa: E402
 from mmadapt.engine import load_full_weights  # noqa: E402
 from mmadapt.models.roberta.model import RobertaMLM  # noqa: E402
+from mmadapt.run import load_weights  # noqa: E402
 
 
 def main() -> None:
     run, ids_file, out_file = (Path(a) for a in sys.argv[1:] if not a.startswith("--local_rank"))
-    cfg, state = A.load_model(run)
+    cfg, state = load_weights(run)
     cfg = dataclasses.replace(cfg, tensor_model_parallel_size=2, hidden_dropout=0.0, attention_dropout=0.0)
     parallel.init_parallel(2, 1)
     parallel.seed_everything(0)

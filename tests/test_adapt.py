@@ -8,12 +8,16 @@ import math
 import pytest
 import torch
 
-from conftest import ADAPT, MINIPOST, NO_DROPOUT, REPO, VOCAB, adapt_args, metrics, run_pretrain
+from conftest import ADAPT, MINIPOST, NO_DROPOUT, REPO, VOCAB, adapt_args, metrics, mlm_batches, run_pretrain
 from mmadapt import adapt as A
-from mmadapt.config import PRESETS, ModelConfig
-from mmadapt.data import MLMBatches, prepare
+from mmadapt.config import ModelConfig, PRESETS, PreprocessConfig
+from mmadapt.data import prepare
 from mmadapt.models.roberta.model import RobertaMLM
 from mmadapt.parallel import init_parallel
+from mmadapt.family import WORD
+from mmadapt.models.roberta import ROBERTA
+from mmadapt.models.roberta.model import BIAS
+from mmadapt.run import load_weights
 
 STEPS = 3
 
@@ -30,7 +34,7 @@ def no_dropout(cfg: ModelConfig) -> ModelConfig:
 @pytest.fixture(scope="module")
 def de_data(de_corpus, de_tokenizer, tmp_path_factory):
     out = tmp_path_factory.mktemp("de_data")
-    prepare(de_corpus, out, VOCAB, tokenizer=de_tokenizer, workers=1, quiet=True)
+    prepare(de_corpus, out, VOCAB, tokenizer=de_tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
     return out
 
 
@@ -41,30 +45,31 @@ def test_overlap_init_copies_exactly_the_shared_pieces():
     trg = ["<pad>", "<unk>", "<s>", "</s>", "<mask>", "▁und", "s", "▁the", "▁der", "en"]
     src_w = torch.arange(len(src) * 4, dtype=torch.float32).view(len(src), 4) + 1.0
     src_b = torch.arange(len(src), dtype=torch.float32) + 100.0
-    w, b, shared = A.overlap_init(src, src_w, src_b, trg, std=0.02, seed=7)
+    new, shared = A.overlap_init(src, {WORD: src_w, BIAS: src_b}, trg, std=0.02, seed=7)
+    w, b = new[WORD], new[BIAS]
     assert shared == 7  # 5 special tokens, "s", "▁the"
     copied = {0: 0, 1: 1, 2: 2, 3: 3, 4: 4, 6: 7, 7: 5}  # target row -> source row
     for t, s in copied.items():
         assert torch.equal(w[t], src_w[s]) and b[t] == src_b[s]
     for t in (5, 8, 9):  # "▁und", "▁der", "en": new, small, bias 0
         assert b[t] == 0 and w[t].abs().max() < 0.2 and not any(torch.equal(w[t], r) for r in src_w)
-    w2, b2, _ = A.overlap_init(src, src_w, src_b, trg, std=0.02, seed=7)
-    assert torch.equal(w, w2) and torch.equal(b, b2)
-    w3, _, _ = A.overlap_init(src, src_w, src_b, trg, std=0.02, seed=8)
-    assert not torch.equal(w3[5], w[5])
+    again, _ = A.overlap_init(src, {WORD: src_w, BIAS: src_b}, trg, std=0.02, seed=7)
+    assert torch.equal(w, again[WORD]) and torch.equal(b, again[BIAS])
+    other, _ = A.overlap_init(src, {WORD: src_w, BIAS: src_b}, trg, std=0.02, seed=8)
+    assert not torch.equal(other[WORD][5], w[5])
 
 
 def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data):
-    cfg, state = A.load_model(primary_run)
+    cfg, state = load_weights(primary_run)
     assert cfg.head_layers == (4, 12)
     full = RobertaMLM(no_dropout(cfg)).eval()
     full.load_state_dict(state, strict=False)
-    mini_cfg, mini_state = A.extract_minijoint(cfg, state)
+    mini_cfg, mini_state = ROBERTA.extract_minijoint(cfg, state)
     assert mini_cfg.num_layers == 4 and mini_cfg.head_layers == (4,)
     assert not any(k.startswith(("layers.4.", "heads.heads.1.")) for k in mini_state)
     mini = RobertaMLM(no_dropout(mini_cfg)).eval()
     mini.load_state_dict(mini_state, strict=False)
-    batches = MLMBatches(primary_run / "data", 64, VOCAB, 5, 0.15, 8, 1)
+    batches = mlm_batches(primary_run / "data", 64, VOCAB, 5, 8, 1)
     with torch.no_grad():
         for step in range(3):
             ids, labels = batches.micro_batch(step, 0)
@@ -79,13 +84,13 @@ def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data
 def _step2_engine(primary_run, de_tokenizer, system, ds_config):
     from mmadapt.engine import load_ds_config
     from mmadapt.models.roberta.model import derive_seed
-    from mmadapt.train import MLMJob, mlm_engine
+    from mmadapt.train import LMJob, lm_engine
 
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8)
     body_cfg, init, _ = A.step2_start(system, primary_run, None, de_tokenizer, 0.02, derive_seed(1, "de"))
     body_cfg = no_dropout(ModelConfig(**{**vars(body_cfg), "vocab_size": VOCAB}))
     ds = load_ds_config(REPO / "ds_configs" / ds_config, train)
-    engine, _, _ = mlm_engine(body_cfg, train, ds, MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE), init)
+    engine, _, _ = lm_engine(body_cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)), init)
     return engine, body_cfg, train, init
 
 
@@ -95,13 +100,13 @@ def test_step2_trains_only_the_embeddings(primary_run, de_tokenizer, de_data, sy
 
     engine, cfg, train, init = _step2_engine(primary_run, de_tokenizer, system, ds_config)
     assert cfg.num_layers == (4 if system == "minijoint" else 12)
-    batches = MLMBatches(de_data, 64, VOCAB, 1, 0.15, 8, 1)
+    batches = mlm_batches(de_data, 64, VOCAB, 1, 8, 1)
     losses = [train_step(engine, batches.step_batches(s), 1).item() for s in range(STEPS)]
     assert all(math.isfinite(x) for x in losses)
     trained = dict(engine.module.named_parameters())
-    assert {n for n, p in trained.items() if p.requires_grad} == set(A.ADAPT_TRAINABLE)
+    assert {n for n, p in trained.items() if p.requires_grad} == set((WORD, BIAS))
     for name, p in trained.items():
-        if name in A.ADAPT_TRAINABLE:
+        if name in (WORD, BIAS):
             assert not torch.equal(p.detach(), init[name]), f"{name} did not change"
         else:
             assert torch.equal(p.detach(), init[name]), f"frozen {name} changed"
@@ -157,7 +162,7 @@ def test_step2_layout_matches_single_process(layout, step2_single, primary_run, 
     if layout == "zero2_dp2":
         # Checkpoints hold only what Step 2 trains; the optimizer state is split across the 2 ranks.
         module = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-        assert {k for k, v in module.items() if v is not None} == set(A.ADAPT_TRAINABLE)
+        assert {k for k, v in module.items() if v is not None} == set((WORD, BIAS))
         for rank in (0, 1):
             opt = torch.load(ckpt / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)
             state = opt["optimizer_state_dict"]["base_optimizer_state"]["state"]
@@ -184,7 +189,7 @@ def test_step2_with_a_stage_that_trains_nothing(primary_run, de_corpus, de_token
 def _eval_loss(cfg, state, data_dir, vocab):
     model = RobertaMLM(no_dropout(cfg)).eval()
     model.load_state_dict(state, strict=False)
-    batches = MLMBatches(data_dir, 64, vocab, 99, 0.15, 16, 1)
+    batches = mlm_batches(data_dir, 64, vocab, 99, 16, 1)
     with torch.no_grad():  # the same 10 held-back masked batches every time
         return sum(model(*batches.micro_batch(1000 + i, 0))[0].item() for i in range(10)) / 10
 
@@ -202,10 +207,10 @@ def minipost_run(primary_run, tmp_path_factory):
 
 @pytest.mark.slow
 def test_minipost_copies_and_freezes(primary_run, minipost_run):
-    src_cfg, src = A.load_model(primary_run)
-    cfg, state = A.load_model(minipost_run)
+    src_cfg, src = load_weights(primary_run)
+    cfg, state = load_weights(minipost_run)
     assert cfg.num_layers == N + K and cfg.head_layers == (N + K,)
-    new = A.minipost_trainable(N, K)
+    new = ROBERTA.minipost_trainable(N, K)
     # The checkpoint holds only the new layers; the rest is the primary's, bit for bit.
     own = torch.load(minipost_run / "checkpoints" / "step00000020" / "mp_rank_00_model_states.pt",
                      weights_only=False)["module"]
@@ -214,7 +219,7 @@ def test_minipost_copies_and_freezes(primary_run, minipost_run):
         if not name.startswith(new):
             source = name.replace("heads.heads.0.", "heads.heads.1.")  # the primary (layer-12) head
             assert torch.equal(value, src[source]), name
-    _, init = A.minipost_layout(src_cfg, src, N, K)
+    _, init = ROBERTA.minipost_start(src_cfg, src, N, K)
     start = {**RobertaMLM(cfg, seed=1234).state_dict(), **init}  # Step 1b's seeded new layers
     for name in state:
         if name.startswith(new) and name.endswith("weight") and "layernorm" not in name:
@@ -226,16 +231,16 @@ def test_minipost_new_layers_learn(primary_run, de_data):
     primary is too weak for a drop on held-out text to be a reliable signal: its bottom 4 layers
     feed its head about as well as all 12 do.)"""
     from mmadapt.engine import load_ds_config
-    from mmadapt.train import MLMJob, mlm_engine, train_step
+    from mmadapt.train import LMJob, lm_engine, train_step
 
-    src_cfg, src = A.load_model(primary_run)
-    cfg, init = A.minipost_layout(src_cfg, src, N, K)
+    src_cfg, src = load_weights(primary_run)
+    cfg, init = ROBERTA.minipost_start(src_cfg, src, N, K)
     cfg = no_dropout(cfg)
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8, lr=1e-3, lr_warmup_iters=1)
     ds = load_ds_config(REPO / "ds_configs" / "zero1.json", train)
-    job = MLMJob(step="minipost", trainable=A.minipost_trainable(N, K), trainable_layers=K)
-    engine, _, _ = mlm_engine(cfg, train, ds, job, init)
-    batches = MLMBatches(primary_run / "data", 64, VOCAB, 3, 0.15, 8, 1).step_batches(0)
+    job = LMJob(step="minipost", trainable=ROBERTA.minipost_trainable(N, K), trainable_layers=K)
+    engine, _, _ = lm_engine(cfg, train, ds, job, init)
+    batches = mlm_batches(primary_run / "data", 64, VOCAB, 3, 8, 1).step_batches(0)
     losses = [train_step(engine, batches, 1).item() for _ in range(40)]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.05, losses
     for name, p in engine.module.named_parameters():

@@ -7,8 +7,10 @@ import json
 import numpy as np
 import pytest
 
+from conftest import mlm_batches
 from mmadapt import data as D
-from mmadapt.data import MLMBatches, mask_tokens, pack_blocks, prepare
+from mmadapt.config import PreprocessConfig
+from mmadapt.data import mask_tokens, pack_blocks, prepare
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL
 
 VOCAB = 1000
@@ -31,8 +33,8 @@ def prepared(corpus, tokenizer, tmp_path_factory):
     """Genesis + Exodus prepared with 1 worker and with 2 (several ranges each), a tenth of the
     chapters held out for validation."""
     root = tmp_path_factory.mktemp("prepared")
-    return {w: (prepare(corpus, root / f"w{w}", VOCAB, tokenizer=tokenizer, workers=w, valid_fraction=0.1,
-                        quiet=True), root / f"w{w}") for w in (1, 2)}
+    return {w: (prepare(corpus, root / f"w{w}", VOCAB, tokenizer=tokenizer,
+                        quiet=True, cfg=PreprocessConfig(workers=w, valid_fraction=0.1)), root / f"w{w}") for w in (1, 2)}
 
 
 def test_any_number_of_workers_gives_the_same_bytes(prepared, corpus):
@@ -71,10 +73,9 @@ def test_dataset_is_megatrons_indexed_dataset_in_fairseqs_layout(prepared, corpu
 def test_blocks_cross_documents_with_fairseqs_separators(tokenizer, tmp_path):
     corpus = tmp_path / "two_docs.txt"
     corpus.write_text("In the beginning.\nAnd the earth.\n\nLight was good.\n", encoding="utf-8")
-    prepare(corpus, tmp_path / "d", VOCAB, tokenizer=tokenizer, workers=1, quiet=True)
+    prepare(corpus, tmp_path / "d", VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
     sp = D.load_tokenizer(tokenizer)
-    b = MLMBatches(tmp_path / "d", 64, VOCAB, seed=0, mask_prob=0.15, micro_batch_size=1,
-                   gradient_accumulation_steps=1)
+    b = mlm_batches(tmp_path / "d", 64, VOCAB, 0, 1)
     assert len(b) == 1
     offset, length = b.blocks[0]
     block = [BOS_ID] + b.tokens[offset:offset + length].tolist()
@@ -84,19 +85,21 @@ def test_blocks_cross_documents_with_fairseqs_separators(tokenizer, tmp_path):
 
 def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpus, tokenizer, capsys, tmp_path):
     from mmadapt.config import PRESETS
-    from mmadapt.train import RunPaths, prepare_data
+    from mmadapt.run import RunSpec
+    from mmadapt.train import TextData
 
     _, d = prepared[2]
     stamp = {f: (d / f).stat().st_mtime_ns for f in ("text.bin", "text.idx", "manifest.json")}
-    prepare(corpus, d, VOCAB, tokenizer=tokenizer, workers=2, valid_fraction=0.1)
+    prepare(corpus, d, VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=2, valid_fraction=0.1))
     assert "nothing to do" in capsys.readouterr().out
-    # Two runs (two recipes) on the prepared data: each only adds its block index (the tokenizer
-    # is copied into the run with its run.json, once its engine is built: train.train_mlm).
+    # Two runs (two recipes) on the prepared data: each only adds its block index (and its copy of
+    # the dataset's tokenizer, in the run directory).
     model = PRESETS["tiny"][0]
     train = PRESETS["tiny"][1]
     for run in ("a", "b"):
-        tok, data = prepare_data(model, train, RunPaths(tmp_path / run, None, tmp_path, data_path=d))
-        assert data == d and tok == d / "tokenizer.model"
+        data = TextData().prepare(RunSpec(output_dir=tmp_path / run, data_path=d), model, train)
+        assert data == d and (tmp_path / run / "tokenizer" / "spm.model").read_bytes() == \
+            (d / "tokenizer.model").read_bytes()
     assert {f: (d / f).stat().st_mtime_ns for f in stamp} == stamp
     assert (d / f"blocks_s{train.seq_length}.npy").is_file()
 
@@ -104,13 +107,13 @@ def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpu
 def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
     _, d = prepared[1]
     with pytest.raises(D.DataError, match="--workers must be >= 1"):
-        prepare(corpus, tmp_path / "x", VOCAB, tokenizer=tokenizer, workers=0)
+        prepare(corpus, tmp_path / "x", VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=0))
     # Another corpus into a finished dataset: refused, nothing overwritten.
     other = tmp_path / "other.txt"
     other.write_text("Another text.\n", encoding="utf-8")
     before = (d / "text.bin").read_bytes()
     with pytest.raises(D.DataError, match="choose a new --output_dir"):
-        prepare(other, d, VOCAB, tokenizer=tokenizer, workers=1, valid_fraction=0.1)
+        prepare(other, d, VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
     assert (d / "text.bin").read_bytes() == before
     # Training checks: tokenizer, vocabulary, a half-written dataset, a changed corpus.
     with pytest.raises(D.DataError, match="another tokenizer"):
@@ -124,7 +127,7 @@ def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
         D.check_prepared(half)
     copy = tmp_path / "corpus.txt"
     copy.write_bytes(corpus.read_bytes())
-    prepare(copy, tmp_path / "p", VOCAB, tokenizer=tokenizer, workers=1, quiet=True)
+    prepare(copy, tmp_path / "p", VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
     copy.write_bytes(copy.read_bytes().replace(b"God", b"Gad", 1))
     with pytest.raises(D.DataError, match="changed since"):
         D.check_prepared(tmp_path / "p", VOCAB)
@@ -132,7 +135,7 @@ def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("A line.\nCaf\u00e9 au lait.\n".encode("latin-1"))
     with pytest.raises(D.DataError, match=r"not UTF-8: byte offset 11 "):
-        prepare(latin, tmp_path / "l", VOCAB, tokenizer=tokenizer, workers=1)
+        prepare(latin, tmp_path / "l", VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=1))
     assert not (tmp_path / "l" / "manifest.json").exists()
     assert not list((tmp_path / "l").glob(".shards*"))  # a failed preparation leaves no shards
 
@@ -140,12 +143,13 @@ def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
 def test_a_large_raw_corpus_is_sent_to_preprocess(corpus, tokenizer, tmp_path, monkeypatch):
     from mmadapt import train as T
     from mmadapt.config import PRESETS
+    from mmadapt.run import RunSpec
 
     monkeypatch.setattr(T, "RAW_CORPUS_LIMIT_BYTES", 1000)
-    paths = T.RunPaths(tmp_path / "run", corpus, T.Path(__file__).parents[1] / "ds_configs" / "zero1.json", tokenizer)
+    run = RunSpec(output_dir=tmp_path / "run", corpus=corpus, tokenizer=tokenizer)
     model = PRESETS["tiny"][0].__class__(**{**vars(PRESETS["tiny"][0]), "vocab_size": VOCAB})
     with pytest.raises(ValueError, match=f"`mmadapt preprocess --corpus {corpus} --output_dir "):
-        T.validate_run(model, PRESETS["tiny"][1], paths, resume=False)
+        T.TextData().check(run, model, PRESETS["tiny"][1])
     assert not (tmp_path / "run").exists()
 
 
@@ -170,10 +174,8 @@ def encoded(prepared):
 
 
 def test_data_parallel_shards_equal_single_process_accumulation(encoded):
-    single = MLMBatches(encoded, 64, 1000, seed=5, mask_prob=0.15, micro_batch_size=4,
-                        gradient_accumulation_steps=2)
-    ranks = [MLMBatches(encoded, 64, 1000, seed=5, mask_prob=0.15, micro_batch_size=4,
-                        gradient_accumulation_steps=1, dp_rank=r, dp_world=2) for r in range(2)]
+    single = mlm_batches(encoded, 64, 1000, 5, 4, 2)
+    ranks = [mlm_batches(encoded, 64, 1000, 5, 4, 1, r, 2) for r in range(2)]
     for step in (0, 7):
         ref = single.step_batches(step)
         for r in range(2):
@@ -185,7 +187,7 @@ def test_data_parallel_shards_equal_single_process_accumulation(encoded):
 
 
 def test_epochs_reshuffle_and_remask(encoded):
-    data = MLMBatches(encoded, 64, 1000, seed=5, mask_prob=0.15, micro_batch_size=1, gradient_accumulation_steps=1)
+    data = mlm_batches(encoded, 64, 1000, 5, 1, 1)
     n = len(data)
     assert sorted(data.order(g) for g in range(n)) == list(range(n))  # an epoch is a permutation
     assert [data.order(g) for g in range(5)] != [data.order(n + g) for g in range(5)]
@@ -270,9 +272,9 @@ def test_validation_loss_every_eval_interval_leaves_training_unchanged(prepared,
 
     from conftest import REPO
     from mmadapt.config import PRESETS, apply_recipe
+    from mmadapt import steps
     from mmadapt.parallel import init_parallel
-    from mmadapt.steps import pretrain
-    from mmadapt.train import RunPaths
+    from mmadapt.run import RunSpec
 
     init_parallel(1, 1)
     model = dataclasses.replace(apply_recipe(PRESETS["tiny"][0], "minijoint"), vocab_size=VOCAB, num_layers=4,
@@ -281,8 +283,9 @@ def test_validation_loss_every_eval_interval_leaves_training_unchanged(prepared,
                                 train_micro_batch_size_per_gpu=4, eval_iters=2)
     rows = {}
     for name, every in (("plain", 0), ("eval", 2)):
-        paths = RunPaths(tmp_path / name, None, REPO / "ds_configs" / "zero0.json", data_path=prepared[1][1])
-        rows[name] = pretrain(model, dataclasses.replace(train, eval_interval=every), paths, "minijoint")
+        run = RunSpec(output_dir=tmp_path / name, ds_config=REPO / "ds_configs" / "zero0.json", data_path=prepared[1][1])
+        rows[name] = steps.pretrain(run=run, step=steps.Pretrain(model=model, recipe="minijoint",
+                                                                 train=dataclasses.replace(train, eval_interval=every)))
     valid = [r for r in rows["eval"] if "valid_loss" in r]
     assert [r["step"] for r in valid] == [2, 4]
     for r in valid:
@@ -291,8 +294,9 @@ def test_validation_loss_every_eval_interval_leaves_training_unchanged(prepared,
     train_rows = [(r["step"], r["loss"]) for r in rows["eval"] if "loss" in r]
     assert train_rows == [(r["step"], r["loss"]) for r in rows["plain"]]
     with pytest.raises(ValueError, match="--eval_interval needs validation data"):
-        pretrain(model, dataclasses.replace(train, eval_interval=2),
-                 RunPaths(tmp_path / "x", corpus, REPO / "ds_configs" / "zero0.json", tokenizer))  # raw text
+        steps.pretrain(run=RunSpec(output_dir=tmp_path / "x", ds_config=REPO / "ds_configs" / "zero0.json",
+                                   corpus=corpus, tokenizer=tokenizer),  # raw text
+                       step=steps.Pretrain(model=model, train=dataclasses.replace(train, eval_interval=2)))
 
 
 def test_preprocess_command(corpus, tokenizer, tmp_path, capsys):

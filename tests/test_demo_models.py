@@ -8,6 +8,7 @@ import torch
 
 from conftest import PRETRAIN, REPO, child_env, metrics
 from mmadapt.demo import RECIPES, SOURCE_MODELS, DemoConfig
+from mmadapt.run import load_weights, read_run
 
 SHIPPED_VOCAB = 2000
 
@@ -65,9 +66,9 @@ def test_installed_model_is_accepted_by_later_steps(tmp_path):
     blob = torch.load(SOURCE_MODELS / "minijoint.pt", map_location="cpu", weights_only=False)
     run_dir = tmp_path / "minijoint"
     install_source_model("minijoint", run_dir, data, blob["run"]["model"], blob["run"]["train"])
-    run = A.read_run(run_dir)
+    run = read_run(run_dir)
     assert run["data_path"] == str(data.resolve())
-    cfg, state = A.load_model(run_dir)
+    cfg, state = load_weights(run_dir)
     assert cfg.heads_after == (4, 12) and all(torch.equal(state[k], v) for k, v in blob["state"].items())
     with pytest.raises(ValueError, match="pass --from_scratch"):
         install_source_model("minijoint", tmp_path / "other", data, {**blob["run"]["model"], "hidden_size": 32},

@@ -11,26 +11,31 @@ import torch
 
 from conftest import REPO, VOCAB
 from mmadapt import adapt as A
-from mmadapt import finetune as F
+from mmadapt import evaluate as F
+from mmadapt import tasks as T
+from mmadapt.models.roberta import ROBERTA
+from mmadapt.tokenizer import load as load_sp
 from mmadapt.config import PRESETS, FinetuneConfig
 from mmadapt.corpora import bible_verses
-from mmadapt.tasks import QAExample, TaggedSentence
+from mmadapt.readers import QAExample, TaggedSentence
 from mmadapt.tokens import PAD_ID
+from mmadapt.family import WORD
+from mmadapt.run import load_weights
 
 # The tiny preset at the test tokenizers' vocabulary, its weights drawn 10x wider than the init:
 # logits spread over several units, so that 1e-5 is a tight tolerance.
 MODEL = dataclasses.replace(PRESETS["tiny"][0], vocab_size=VOCAB, init_method_std=0.2)
 # Small enough for several batches of several lengths from a hundred rows of at most 64 pieces.
 CFG = FinetuneConfig(seq_length=64, doc_stride=16, max_query_length=16, eval_batch_tokens=300)
-GENRES = list(F.get_task("bible-genre").labels)
+GENRES = list(T.get_task("bible-genre").labels)
 
 
 def old_logits(ft: F.Finetuned, artifact: dict | None, input_ids: torch.Tensor, batch_size: int = 16):
     """The straightforward path: a model rebuilt from the swapped state dict, fp32 on the CPU,
     full-length rows in batches of `batch_size` examples."""
     state = ft.state if artifact is None else F.swap_embeddings(ft.state, artifact)
-    cfg = dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0, vocab_size=state[F.WORD].shape[0])
-    model = F.task_model(cfg, ft.task, len(ft.labels), ft.run["finetune"]["seed"])
+    cfg = dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0, vocab_size=state[WORD].shape[0])
+    model = ROBERTA.build_task_model(cfg, ft.task.kind, len(ft.labels), ft.run["finetune"]["seed"])
     model.load_state_dict(state)
     model.eval()
     with torch.no_grad():
@@ -39,8 +44,8 @@ def old_logits(ft: F.Finetuned, artifact: dict | None, input_ids: torch.Tensor, 
 
 def synthetic(task: str, labels: list[str], seed: int, tokenizer, attention_impl: str = "sdpa") -> F.Finetuned:
     """A Finetuned with seeded, untrained weights: all the comparison of paths needs."""
-    t, cfg = F.get_task(task), dataclasses.replace(MODEL, attention_impl=attention_impl)
-    return F.Finetuned(cfg, t, labels, F.task_model(cfg, t, len(labels), seed).state_dict(), tokenizer,
+    t, cfg = T.get_task(task), dataclasses.replace(MODEL, attention_impl=attention_impl)
+    return F.Finetuned(cfg, t, labels, ROBERTA.build_task_model(cfg, t.kind, len(labels), seed).state_dict(), tokenizer,
                        {"finetune": {"seed": seed}})
 
 
@@ -90,7 +95,7 @@ def test_token_batches_give_the_straightforward_paths_logits(kind, impl, de_toke
     task, labels, examples = CASES[kind]()
     ft = synthetic(task, labels, 1, de_tokenizer, impl)
     assert ft.task.kind == kind
-    data = F.eval_set(ft.task, F.load_sp(de_tokenizer), examples, labels, CFG, torch.device("cpu"))
+    data = F.eval_set(ft.task, load_sp(de_tokenizer), examples, labels, CFG, torch.device("cpu"))
     ids = data.enc.input_ids  # [n, 64]
     # Sorted by length, longest first; each batch within the budget (or one row) and trimmed:
     # its last column holds a piece of some row, so no all-padding column is computed.
@@ -124,26 +129,26 @@ def test_the_swap_leaves_the_runs_own_model_as_it_was(tokenizer, de_tokenizer):
     en = [(t, i % len(GENRES)) for i, t in enumerate(verses(60, "en"))]
     de = [(t, i % len(GENRES)) for i, t in enumerate(verses(60))]
     model = ft.model()
-    own = model.get_parameter(F.WORD)
-    en_set = F.eval_set(ft.task, F.load_sp(tokenizer), en, GENRES, CFG, torch.device("cpu"))
+    own = model.get_parameter(WORD)
+    en_set = F.eval_set(ft.task, load_sp(tokenizer), en, GENRES, CFG, torch.device("cpu"))
     before, scores_before = F.set_logits(ft, en_set), F.evaluate_scores(ft, en, CFG)
     artifact = wide_artifact(1200, 1)
     F.evaluate_scores(ft, de, CFG, artifact, de_tokenizer)
     assert not torch.equal(F.set_logits(ft, en_set, artifact), before)
     # Built once; its own embedding Parameter back in place, never written.
-    assert ft.model() is model and model.get_parameter(F.WORD) is own
-    assert torch.equal(own, ft.state[F.WORD]) and own.shape == (VOCAB, MODEL.hidden_size)
+    assert ft.model() is model and model.get_parameter(WORD) is own
+    assert torch.equal(own, ft.state[WORD]) and own.shape == (VOCAB, MODEL.hidden_size)
     assert torch.equal(F.set_logits(ft, en_set), before) and F.evaluate_scores(ft, en, CFG) == scores_before
     # Also after an error inside the swap, and embeddings of another width are refused by the
     # check swap_embeddings uses.
     with pytest.raises(RuntimeError, match="inside"):
-        with F.swapped(model, {F.WORD: artifact["word_embeddings"]}):
-            assert model.get_parameter(F.WORD).shape == (1200, MODEL.hidden_size)
+        with F.swapped(model, {WORD: artifact["word_embeddings"]}):
+            assert model.get_parameter(WORD).shape == (1200, MODEL.hidden_size)
             raise RuntimeError("inside")
-    assert model.get_parameter(F.WORD) is own
+    assert model.get_parameter(WORD) is own
     with pytest.raises(ValueError, match="hidden size 32"):
         F.set_logits(ft, en_set, {"word_embeddings": torch.zeros(VOCAB, 32)})
-    assert model.get_parameter(F.WORD) is own
+    assert model.get_parameter(WORD) is own
 
 
 # --- evaluate_artifacts over Step-3 runs -------------------------------------------------------------
@@ -151,16 +156,19 @@ def test_the_swap_leaves_the_runs_own_model_as_it_was(tokenizer, de_tokenizer):
 @pytest.fixture(scope="module")
 def seeds(primary_run, tmp_path_factory):
     """Two bible-genre Step-3 runs of the primary model (seeds 1 and 2), 3 updates each."""
+    from mmadapt import steps
+    from mmadapt.config import Layout
     from mmadapt.parallel import init_parallel
-    from mmadapt.steps import finetune
+    from mmadapt.run import RunSpec
 
     init_parallel(1, 1)
     cfg = FinetuneConfig(seq_length=64, train_micro_batch_size_per_gpu=16, epochs=0.008, log_interval=1, lr=1e-3)
     runs = []
     for seed in (1, 2):
         out = tmp_path_factory.mktemp(f"ft_seed{seed}")
-        finetune("bible-genre", primary_run, out, dataclasses.replace(cfg, seed=seed),
-                 layout={"hidden_dropout": 0.0, "attention_dropout": 0.0}, ds_config=REPO / "ds_configs" / "zero0.json")
+        steps.finetune(run=RunSpec(output_dir=out, ds_config=REPO / "ds_configs" / "zero0.json",
+                                   layout=Layout(hidden_dropout=0.0, attention_dropout=0.0)),
+                       step=steps.Finetune(task="bible-genre", primary=primary_run, cfg=dataclasses.replace(cfg, seed=seed)))
         runs.append(out)
     return runs
 
@@ -168,14 +176,15 @@ def seeds(primary_run, tmp_path_factory):
 def _adapt_run(run, primary_run, tokenizer, vocab_sizes: dict[int, int]):
     """An adapt run directory holding one artifact per {step: vocabulary size}: the primary's
     trained embeddings (rows past its vocabulary: noise), perturbed differently at each step."""
-    primary = A.load_model(primary_run)[1][A.WORD]  # [1000, 64]
+    primary = load_weights(primary_run)[1][WORD]  # [1000, 64]
     for step, vocab in vocab_sizes.items():
         g = torch.Generator().manual_seed(step)
         rows = torch.cat([primary, torch.randn(vocab - len(primary), primary.shape[1], generator=g) * 0.02])
         meta = {"system": "bl_base", "lang": "de", "step": step, "flops": float(step), "flops_paper": float(step),
                 "v100_days": 0.0, "tokens": step, "source": str(primary_run)}
-        A.write_artifact(run / "embeddings" / f"step{step:08d}", rows + 0.05 * torch.randn(rows.shape, generator=g),
-                         torch.zeros(vocab), tokenizer, meta)
+        A.write_artifact(run / "embeddings" / f"step{step:08d}",
+                         {"word_embeddings": rows + 0.05 * torch.randn(rows.shape, generator=g),
+                          "output_bias": torch.zeros(vocab)}, tokenizer, meta)
     return run
 
 
@@ -189,15 +198,15 @@ def test_records_equal_the_straightforward_paths(seeds, adapt_run):
     records = F.evaluate_artifacts(seeds, [adapt_run], "bible", eval_batch_tokens=700)
     assert [(r["step"], r["metric"]) for r in records] == [(2, "accuracy"), (4, "accuracy")]
     runs = [F.load_finetuned(r) for r in seeds]
-    examples = F.read_examples(runs[0].task, "bible", "de", "test")
+    examples = T.read_examples(runs[0].task, "bible", "de", "test")
     for rec, vocab in zip(records, (1000, 1200)):
         emb, tok, _ = A.read_artifact(rec["artifact"])
         assert emb["word_embeddings"].shape == (vocab, 64)
         per_seed = []
         for ft in runs:
             cfg = F.recorded_config(ft)
-            enc = F.encode(ft.task, F.load_sp(tok), examples, ft.labels, cfg)
-            per_seed.append(F.scores(ft.task, old_logits(ft, emb, enc.input_ids, 64), enc, examples, ft.labels, cfg))
+            enc = T.encode(ft.task, load_sp(tok), examples, ft.labels, cfg)
+            per_seed.append(T.scores(ft.task, old_logits(ft, emb, enc.input_ids, 64), enc, examples, ft.labels, cfg))
         assert per_seed[0] != per_seed[1]  # two models: a mixed-up seed would show
         assert rec["seed_scores"] == pytest.approx([s["accuracy"] for s in per_seed], abs=1e-9)
         assert rec["scores"] == pytest.approx({k: (per_seed[0][k] + per_seed[1][k]) / 2 for k in per_seed[0]},
@@ -209,21 +218,21 @@ def test_each_evaluation_set_is_encoded_once_per_tokenizer(seeds, adapt_run, pri
     """2 seeds x 5 artifacts: 4 of the German tokenizer (copies of one file), 1 of another ->
     two encodings of the evaluation set, and each seed's model built once."""
     other = _adapt_run(tmp_path / "other", primary_run, tokenizer, {6: 1000})
-    calls = {"encode": 0, "task_model": 0}
+    calls = {"encode": 0, "build_task_model": 0}
 
-    def counted(name):
-        real = getattr(F, name)
+    def counted(owner, name):
+        real = getattr(owner, name)
 
         def call(*args, **kwargs):
             calls[name] += 1
             return real(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(F, "encode", counted("encode"))
-    monkeypatch.setattr(F, "task_model", counted("task_model"))
+    monkeypatch.setattr(F, "encode", counted(F, "encode"))
+    monkeypatch.setattr(ROBERTA, "build_task_model", counted(ROBERTA, "build_task_model"))
     records = F.evaluate_artifacts(seeds, [adapt_run, other, adapt_run], "bible")
     assert [r["step"] for r in records] == [2, 4, 6, 2, 4]
-    assert calls == {"encode": 2, "task_model": 2}
+    assert calls == {"encode": 2, "build_task_model": 2}
     assert records[3]["scores"] == records[0]["scores"]  # the same artifact again, the same model state
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from mmadapt import faults
-from mmadapt.engine import train_loop
+from mmadapt.config import TrainConfig
+from mmadapt.engine import LoopJob, train_loop
 from mmadapt.parallel import init_parallel
 
 
@@ -113,11 +114,11 @@ class FakeEngine:
     fp16_enabled = bfloat16_enabled
 
 
-def _loop(tmp_path, engine, step_fn, **kw):
+def _loop(tmp_path, engine, step_fn, total=10**6, **loop):
     init_parallel(1, 1)
-    return train_loop(engine, step_fn, run_dir=tmp_path, resume=False, client_state={}, names={},
-                      exclude_frozen=False, label="test", **{"total": 10**6, "log_interval": 1,
-                                                            "save_interval": 10**6, **kw})
+    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False)
+    cfg = TrainConfig(**{"log_interval": 1, "save_interval": 10**6, **loop})
+    return train_loop(engine, step_fn, job, cfg, total, run_dir=tmp_path, resume=False)
 
 
 def test_consecutive_skipped_steps_are_a_divergence(tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from conftest import REPO
 from mmadapt import features as F
-from mmadapt.tasks import PairExample, QAExample, TaggedSentence, f1_score, read_squad
+from mmadapt.readers import PairExample, QAExample, TaggedSentence, f1_score, read_squad
 from mmadapt.tokens import BOS_ID, EOS_ID, PAD_ID
 
 XQUAD = REPO.parent / "shared" / "data" / "xquad"

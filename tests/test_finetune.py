@@ -14,10 +14,14 @@ import torch
 from conftest import ADAPT, NO_DROPOUT, REPO, adapt_args, child_env, metrics, run_pretrain
 from mmadapt import adapt as A
 from mmadapt.config import FinetuneConfig
-from mmadapt.finetune import (WORD, evaluate, load_finetuned, load_sp, encode, predict, read_examples,
-                              score, swap_embeddings)
+from mmadapt import steps
+from mmadapt.config import Layout
+from mmadapt.evaluate import evaluate_score, load_finetuned, predict, retrieval_records, swap_embeddings
+from mmadapt.family import WORD
 from mmadapt.parallel import init_parallel
-from mmadapt.steps import finetune
+from mmadapt.run import RunSpec, load_weights
+from mmadapt.tasks import encode, read_examples, score
+from mmadapt.tokenizer import load as load_sp
 
 FINETUNE = str(REPO / "launch" / "finetune.py")
 EVALUATE = str(REPO / "launch" / "evaluate.py")
@@ -30,10 +34,10 @@ def step3(primary_run, tmp_path_factory):
     """An in-process Step-3 run: (run dir, summary, the trained module, the primary's weights)."""
     init_parallel(1, 1)
     out = tmp_path_factory.mktemp("finetune")
-    summary, module = finetune("bible-genre", primary_run, out, SHORT,
-                               layout={"hidden_dropout": 0.0, "attention_dropout": 0.0},
-                               ds_config=REPO / "ds_configs" / "zero0.json")
-    return out, summary, module, A.load_model(primary_run)[1]
+    run = RunSpec(output_dir=out, ds_config=REPO / "ds_configs" / "zero0.json",
+                  layout=Layout(hidden_dropout=0.0, attention_dropout=0.0))
+    summary, module = steps.finetune(run=run, step=steps.Finetune(task="bible-genre", primary=primary_run, cfg=SHORT))
+    return out, summary, module, load_weights(primary_run)[1]
 
 
 def test_step3_trains_everything_but_the_word_embeddings(step3):
@@ -71,8 +75,9 @@ def test_the_model_rebuilt_from_disk_is_exactly_step3s(step3):
 
 def _artifact(tmp_path, de_tokenizer, hidden=64, vocab=1000, source="x"):
     g = torch.Generator().manual_seed(0)
-    return A.write_artifact(tmp_path / "artifact", torch.randn(vocab, hidden, generator=g) * 0.02,
-                            torch.zeros(vocab), de_tokenizer, {"lang": "de", "source": source})
+    return A.write_artifact(tmp_path / "artifact", {"word_embeddings": torch.randn(vocab, hidden, generator=g) * 0.02,
+                                                    "output_bias": torch.zeros(vocab)}, de_tokenizer,
+                            {"lang": "de", "source": source})
 
 
 def test_swap_changes_only_the_embeddings_and_the_tokenizer(step3, de_tokenizer, tmp_path):
@@ -89,7 +94,7 @@ def test_swap_changes_only_the_embeddings_and_the_tokenizer(step3, de_tokenizer,
     enc = encode(ft.task, load_sp(de_tokenizer), de, ft.labels, cfg)
     model = type(ft)(ft.cfg, ft.task, ft.labels, swapped, ft.tokenizer, ft.run).model()
     expected = score(ft.task, predict(model, enc.input_ids, 2048), enc, de, ft.labels, cfg)
-    assert evaluate(ft, de, cfg, emb, tok) == expected
+    assert evaluate_score(ft, de, cfg, emb, tok) == expected
     # Embeddings of another model's width are refused.
     wrong, _, _ = A.read_artifact(_artifact(tmp_path / "w", de_tokenizer, hidden=32))
     with pytest.raises(ValueError, match="hidden size 32"):
@@ -99,17 +104,15 @@ def test_swap_changes_only_the_embeddings_and_the_tokenizer(step3, de_tokenizer,
 def test_step4_takes_the_artifacts_vocabulary_size(step3, primary_run, de_tokenizer, tmp_path):
     """adapt --vocab_size may differ from the source's: Step 4 (and retrieval) builds its model
     with the artifact's rows. Rows past the tokenizer's ids change nothing."""
-    from mmadapt.finetune import retrieval_records
-
     out, *_ = step3
     ft = load_finetuned(out)
     meta = {"system": "bl_base", "lang": "de", "step": 1, "flops": 1.0, "flops_paper": 1.0, "v100_days": 0.0,
             "tokens": 1, "source": str(primary_run)}
-    same = A.write_artifact(tmp_path / "v1000", *_rows(1000), de_tokenizer, meta)
-    more = A.write_artifact(tmp_path / "v1200", *_rows(1200), de_tokenizer, meta)
+    same = A.write_artifact(tmp_path / "v1000", _rows(1000), de_tokenizer, meta)
+    more = A.write_artifact(tmp_path / "v1200", _rows(1200), de_tokenizer, meta)
     de = read_examples(ft.task, "bible", "de", "test")[:40]
     cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_tokens": 1280})
-    scores = [evaluate(ft, de, cfg, A.read_artifact(p)[0], de_tokenizer) for p in (same, more)]
+    scores = [evaluate_score(ft, de, cfg, A.read_artifact(p)[0], de_tokenizer) for p in (same, more)]
     assert scores[0] == scores[1]
     pairs = {"de": [("In the beginning God created the heaven.", "Im Anfang schuf Gott Himmel und Erde.")] * 4}
     rec = [retrieval_records(primary_run, [p], pairs)[0]["score"] for p in (same, more)]
@@ -120,7 +123,8 @@ def _rows(vocab: int):
     """Embeddings whose first 1000 rows are the same for every vocab size."""
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(1000, 64, generator=g) * 0.02, torch.randn(1000, generator=g)
-    return torch.cat([w, torch.ones(vocab - 1000, 64)]), torch.cat([b, torch.ones(vocab - 1000)])
+    return {"word_embeddings": torch.cat([w, torch.ones(vocab - 1000, 64)]),
+            "output_bias": torch.cat([b, torch.ones(vocab - 1000)])}
 
 
 # --- across processes ---------------------------------------------------------------------------------
@@ -211,16 +215,20 @@ def test_step3_stopped_and_resumed_equals_uninterrupted(primary_run, tmp_path):
     """Dropout on: the head init, data order, dropout and optimizer state all come back."""
     cfg = dataclasses.replace(SHORT, epochs=0.02, save_interval=2)  # 7 updates of 16 examples
     zero0 = REPO / "ds_configs" / "zero0.json"
-    full, _ = finetune("bible-genre", primary_run, tmp_path / "full", cfg, ds_config=zero0)
+
+    def finetune(out, cfg, resume=False):
+        return steps.finetune(run=RunSpec(output_dir=out, ds_config=zero0, resume=resume),
+                              step=steps.Finetune(task="bible-genre", primary=primary_run, cfg=cfg))
+
+    full, _ = finetune(tmp_path / "full", cfg)
     assert full["updates"] == 7
-    part, _ = finetune("bible-genre", primary_run, tmp_path / "part", dataclasses.replace(cfg, exit_interval=3),
-                       ds_config=zero0)
+    part, _ = finetune(tmp_path / "part", dataclasses.replace(cfg, exit_interval=3))
     assert [r["step"] for r in metrics(tmp_path / "part")] == [1, 2, 3] and "final_loss" not in part
     with pytest.raises(ValueError, match="has not finished its 7 updates"):
         load_finetuned(tmp_path / "part")
     with pytest.raises(ValueError, match="pass --resume"):
-        finetune("bible-genre", primary_run, tmp_path / "part", cfg, ds_config=zero0)
-    resumed, _ = finetune("bible-genre", primary_run, tmp_path / "part", cfg, ds_config=zero0, resume=True)
+        finetune(tmp_path / "part", cfg)
+    resumed, _ = finetune(tmp_path / "part", cfg, resume=True)
     def losses(run):
         return [(r["step"], r["loss"], r["lr"]) for r in metrics(run)]
 

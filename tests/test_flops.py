@@ -6,11 +6,14 @@ import torch
 
 from mmadapt import adapt as A
 from mmadapt.config import PRESETS, ModelConfig, apply_recipe
-from mmadapt.flops import (adapt_flops, counted_flops, device_days, forward_flops, layer_flops, minipost_flops,
-                           mini_config, pretrain_flops, total_flops)
+from mmadapt.flops import counted_flops, device_days, total_flops
+from mmadapt.models.roberta.flops import adapt_flops, forward_flops, layer_flops, minipost_flops, pretrain_flops
+from mmadapt.models.roberta import ROBERTA
 from mmadapt.models.roberta.model import RobertaMLM
 from mmadapt.parallel import init_parallel
 from mmadapt.tokens import IGNORE_INDEX
+from mmadapt.family import WORD
+from mmadapt.models.roberta.model import BIAS
 
 U, B, S, P = 125_000, 2048, 512, 0.15
 BASE = PRESETS["roberta-base"][0]
@@ -39,7 +42,7 @@ def test_pretraining_matches_paper():
 
 @pytest.mark.parametrize("layers, paper_eflops, paper_days", [(4, 21.1, 8.1), (6, 29.3, 11.3), (12, 54.1, 20.9)])
 def test_step2_matches_paper_a3(layers, paper_eflops, paper_days):
-    cfg = mini_config(BASE, layers)
+    cfg = ROBERTA.one_head(BASE, layers)
     paper = total_flops(adapt_flops(cfg, S, P, paper=True), B, U)
     assert round(paper / 1e18, 1) == paper_eflops
     assert round(device_days(paper), 1) == paper_days
@@ -52,7 +55,7 @@ def test_step2_matches_paper_a3(layers, paper_eflops, paper_days):
 
 
 def test_minipost_step1b_matches_paper_a4():
-    cfg = mini_config(BASE, 6)
+    cfg = ROBERTA.one_head(BASE, 6)
     assert round(eflops(minipost_flops(cfg, S, P, trainable_layers=2, paper=True)), 1) == 21.6
     # The exact count: one more layer backward (2 attention-product backwards per trainable
     # layer, the lowest trainable layer's weight gradients and internal input gradients),
@@ -111,10 +114,10 @@ def test_pretrain_count_equals_exact(recipe):
 @pytest.mark.parametrize("layers", [4, 6, 12])
 def test_step2_count_equals_exact(layers):
     """Step 2 over a frozen body: no weight-gradient matmul anywhere but the output projection."""
-    cfg = mini_config(tiny(), layers)
+    cfg = ROBERTA.one_head(tiny(), layers)
     ids, labels, p = masked_batch(cfg)
     model = RobertaMLM(cfg)
-    freeze(model, A.ADAPT_TRAINABLE)
+    freeze(model, (WORD, BIAS))
     counted = count_update(model, ids, labels)
     b, s = ids.shape
     assert counted == pytest.approx(b * adapt_flops(cfg, s, p), rel=1e-9)
@@ -127,9 +130,9 @@ def test_step2_count_equals_exact(layers):
 
 
 def test_minipost_count_equals_exact():
-    cfg = mini_config(tiny(), 6)
+    cfg = ROBERTA.one_head(tiny(), 6)
     ids, labels, p = masked_batch(cfg)
     model = RobertaMLM(cfg)
-    freeze(model, A.minipost_trainable(4, 2))
+    freeze(model, ROBERTA.minipost_trainable(4, 2))
     counted = count_update(model, ids, labels)
     assert counted == pytest.approx(ids.shape[0] * minipost_flops(cfg, ids.shape[1], p, 2), rel=1e-9)

@@ -61,7 +61,7 @@ def test_a_resume_may_switch_fusion_and_old_records_resume(tmp_path):
     refuses a changed model setting."""
     import json
 
-    from mmadapt.train import check_same_run, recorded_defaults
+    from mmadapt.run import check_same_run, recorded_defaults
 
     assert recorded_defaults()["model.fusion"] == "none"
     model, train = to_dict(TWO_HEADS), to_dict(TrainConfig())
@@ -173,27 +173,28 @@ def test_minijoint_compiled_equals_eager_and_does_not_recompile_per_batch():
 def test_minipost_freezing_compiled_equals_eager():
     """Step 1b: N = 1 copied layer, embeddings and head frozen, K = 2 new layers trained (the
     lowest trainable layer skips megatron's input gradient: a path of its own)."""
-    from mmadapt.adapt import minipost_trainable
+    from mmadapt.models.roberta import ROBERTA
 
     cfg = dataclasses.replace(TWO_HEADS, num_layers=3, head_layers=())
-    _check_pair(lambda c: RobertaMLM(c, seed=1), cfg, trainable_by_names(minipost_trainable(1, 2)),
+    _check_pair(lambda c: RobertaMLM(c, seed=1), cfg, trainable_by_names(ROBERTA.minipost_trainable(1, 2)),
                 _batches(cfg.vocab_size, 4))
 
 
 @pytest.mark.slow
 def test_step2_embeddings_only_compiled_equals_eager():
     """Step 2: only the word embeddings (tied to the output projection) and the output bias."""
-    from mmadapt.adapt import ADAPT_TRAINABLE
+    from mmadapt.family import WORD
+    from mmadapt.models.roberta.model import BIAS
 
     cfg = dataclasses.replace(TWO_HEADS, head_layers=())
-    _check_pair(lambda c: RobertaMLM(c, seed=1), cfg, trainable_by_names(ADAPT_TRAINABLE),
+    _check_pair(lambda c: RobertaMLM(c, seed=1), cfg, trainable_by_names((WORD, BIAS)),
                 _batches(cfg.vocab_size, 4))
 
 
 @pytest.mark.slow
 def test_task_model_compiled_equals_eager():
     """Step 3: a classifier on the primary model, word embeddings frozen, padded examples."""
-    from mmadapt.finetune import FINETUNE_TRAINABLE
+    from mmadapt.models.roberta import ROBERTA
 
     cfg = dataclasses.replace(TWO_HEADS, head_layers=())
     g = torch.Generator().manual_seed(0)
@@ -202,7 +203,7 @@ def test_task_model_compiled_equals_eager():
         ids = torch.randint(5, cfg.vocab_size, (4, 32), generator=g)
         ids[:, -pad:] = PAD_ID
         batches.append((ids, torch.randint(0, 3, (4,), generator=g)))
-    _check_pair(lambda c: RobertaForTask(c, "classify", 3, seed=1), cfg, trainable_by_names(FINETUNE_TRAINABLE),
+    _check_pair(lambda c: RobertaForTask(c, "classify", 3, seed=1), cfg, trainable_by_names(ROBERTA.finetune_trainable(cfg)),
                 batches)
 
 

@@ -9,25 +9,28 @@ import pytest
 import torch
 
 from conftest import REPO, VOCAB, child_env
-from mmadapt import checkpoint
+from mmadapt import checkpoint, steps
 from mmadapt.config import PRESETS, apply_recipe
+from mmadapt.family import WORD
+from mmadapt.models.roberta import ROBERTA
+from mmadapt.models.roberta.model import BIAS
 from mmadapt.parallel import init_parallel
+from mmadapt.run import RunSpec, load_weights
 
 
 @pytest.fixture(scope="module")
 def bf16_run(corpus, tokenizer, tmp_path_factory):
     """Step 1 under ds_configs/zero1_bf16.json in this process (DeepSpeed's CPU accelerator runs bf16)."""
-    from mmadapt.steps import pretrain
-    from mmadapt.train import RunPaths
-
     init_parallel(1, 1)
     out = tmp_path_factory.mktemp("bf16")
     model = dataclasses.replace(apply_recipe(PRESETS["tiny"][0], "minijoint"), vocab_size=VOCAB, num_layers=4,
                                 head_layers=(2, 4))
     train = dataclasses.replace(PRESETS["tiny"][1], train_iters=3, save_interval=3, log_interval=1,
                                 train_micro_batch_size_per_gpu=4, seq_length=32, lr=1e-3)
-    pretrain(model, train, RunPaths(out, corpus, REPO / "ds_configs" / "zero1_bf16.json", tokenizer), "minijoint")
+    steps.pretrain(run=RunSpec(output_dir=out, corpus=corpus, ds_config=REPO / "ds_configs" / "zero1_bf16.json",
+                               tokenizer=tokenizer), step=steps.Pretrain(model=model, train=train, recipe="minijoint"))
     return out
+
 
 
 def test_bf16_run_hands_on_its_fp32_master_weights(bf16_run):
@@ -53,17 +56,16 @@ def test_a_step_starts_from_exact_fp32_weights_under_bf16(bf16_run):
     the given starting weights back, so Step 2 trains from Step 1's fp32 weights."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from mmadapt import adapt as A
     from mmadapt.engine import load_ds_config
-    from mmadapt.train import MLMJob, mlm_engine
+    from mmadapt.train import LMJob, lm_engine
 
-    cfg, state = A.load_model(bf16_run)
-    cfg, init = A.extract_minijoint(cfg, state)
+    cfg, state = load_weights(bf16_run)
+    cfg, init = ROBERTA.extract_minijoint(cfg, state)
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=4)
     ds = load_ds_config(REPO / "ds_configs" / "zero1_bf16.json", train)
-    engine, _, _ = mlm_engine(cfg, train, ds, MLMJob(step="adapt", trainable=A.ADAPT_TRAINABLE), init)
+    engine, _, _ = lm_engine(cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)), init)
     params = dict(engine.module.named_parameters())
-    for name in A.ADAPT_TRAINABLE:
+    for name in (WORD, BIAS):
         assert params[name].dtype == torch.bfloat16
         assert torch.equal(safe_get_full_fp32_param(params[name]).cpu(), init[name]), name
 

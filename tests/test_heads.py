@@ -11,11 +11,16 @@ import torch
 from conftest import REPO
 from mmadapt import features as F
 from mmadapt.config import PRESETS, FinetuneConfig, ModelConfig
-from mmadapt.finetune import WORD, encode, evaluate, get_task, load_finetuned, load_sp, predict, score
-from mmadapt.steps import finetune
+from mmadapt import steps
+from mmadapt.config import Layout
+from mmadapt.evaluate import evaluate_score, load_finetuned, predict
+from mmadapt.family import WORD
+from mmadapt.run import RunSpec
+from mmadapt.tasks import encode, get_task, score
+from mmadapt.tokenizer import load as load_sp
 from mmadapt.models.roberta.model import RobertaForTask
 from mmadapt.parallel import init_parallel
-from mmadapt.tasks import QAExample, read_conllu, read_squad
+from mmadapt.readers import QAExample, read_conllu, read_squad
 from mmadapt.tokens import PAD_ID
 
 XQUAD = REPO.parent / "shared" / "data" / "xquad"
@@ -151,9 +156,10 @@ CONLLU = """\
 def run_step3(task: str, train: str, primary_run, out, **cfg):
     cfg = FinetuneConfig(**{"seq_length": 64, "train_micro_batch_size_per_gpu": 4, "log_interval": 1,
                             "lr": 1e-3, "eval_batch_tokens": 512, **cfg})
-    summary, module = finetune(task, primary_run, out, cfg, train_file=train,
-                               layout={"hidden_dropout": 0.0, "attention_dropout": 0.0},
-                               ds_config=REPO / "ds_configs" / "zero0.json")
+    run = RunSpec(output_dir=out, ds_config=REPO / "ds_configs" / "zero0.json",
+                  layout=Layout(hidden_dropout=0.0, attention_dropout=0.0))
+    summary, module = steps.finetune(run=run, step=steps.Finetune(task=task, primary=primary_run, cfg=cfg,
+                                                                  train_file=train))
     return summary, module, cfg
 
 
@@ -165,10 +171,10 @@ def check_step3_and_swap(out, module, examples, cfg, de_tokenizer, num_outputs):
     enc = encode(ft.task, load_sp(ft.tokenizer), examples, ft.labels, cfg)
     module.eval()
     live = score(ft.task, predict(module, enc.input_ids, 512), enc, examples, ft.labels, cfg)
-    assert evaluate(ft, examples, cfg) == pytest.approx(live, abs=1e-9)
+    assert evaluate_score(ft, examples, cfg) == pytest.approx(live, abs=1e-9)
     fake = {"word_embeddings": torch.randn(1000, ft.state[WORD].shape[1],
                                            generator=torch.Generator().manual_seed(0)) * 0.02}
-    swapped = evaluate(ft, examples, cfg, fake, de_tokenizer)
+    swapped = evaluate_score(ft, examples, cfg, fake, de_tokenizer)
     assert 0.0 <= swapped <= 100.0 and math.isfinite(swapped)
 
 

@@ -19,12 +19,21 @@ from hf_models import bible_lines, make_roberta, make_xlmr
 from mmadapt import adapt as A
 from mmadapt.cli import main
 from mmadapt.config import FinetuneConfig, TrainConfig
-from mmadapt.finetune import encode, get_task, load_finetuned, load_sp, predict, read_examples, swap_embeddings
+from mmadapt import steps
+from mmadapt.config import Layout
+from mmadapt.evaluate import load_finetuned, predict, swap_embeddings
+from mmadapt.family import WORD
+from mmadapt.run import RunSpec
+from mmadapt.tasks import encode, get_task, read_examples
+from mmadapt.tokenizer import load as load_sp
 from mmadapt.hf import export_hf, import_hf, write_hf
 from mmadapt.models.roberta.model import RobertaForTask, RobertaMLM
 from mmadapt.parallel import init_parallel
 from mmadapt.tokenizer import HFTokenizer, load
 from mmadapt.tokens import BOS_ID, EOS_ID, PAD_ID
+from mmadapt.models.roberta import ROBERTA
+from mmadapt.models.roberta.model import BIAS
+from mmadapt.run import load_weights
 
 TOL = 1e-5
 SEQ = 64  # the tiny models' positions
@@ -87,7 +96,7 @@ def test_imported_model_gives_transformers_logits(name, hf_dirs, runs):
     with torch.no_grad():
         ref = hf(**enc).logits[..., hf_ids]  # columns in mmadapt's order
     keep = enc.attention_mask.bool()
-    diff = (mlm_logits(*A.load_model(runs[name]), ids)[keep] - ref[keep]).abs().max().item()
+    diff = (mlm_logits(*load_weights(runs[name]), ids)[keep] - ref[keep]).abs().max().item()
     print(f"{name}: max abs logit difference {diff:.2e}")
     assert diff <= TOL
     run = json.loads((runs[name] / "run.json").read_text())
@@ -105,7 +114,8 @@ def test_byte_level_pieces_match_sentencepiece_pieces_by_surface(runs, de_tokeni
     trg = A.tokenizer_pieces(de_tokenizer)
     w = torch.randn(len(bpe), 8)
     b = torch.randn(len(bpe))
-    weight, bias, shared = A.overlap_init(bpe, w, b, trg, 0.02, 0)
+    new, shared = A.overlap_init(bpe, {WORD: w, BIAS: b}, trg, 0.02, 0)
+    weight, bias = new[WORD], new[BIAS]
     both = [p for p in trg if p in set(bpe)]
     assert shared == len(both) > 50  # German and English share many pieces (▁und is not one, ▁in is)
     i, j = trg.index("▁in"), bpe.index("▁in")
@@ -128,22 +138,24 @@ def test_imported_tokenizer_encodes_as_the_source(runs, hf_dirs):
 
 def test_build_minipost_and_adapt_take_an_imported_run(runs, corpus, de_corpus, de_tokenizer, tmp_path):
     from mmadapt.config import MiniModelConfig
-    from mmadapt.steps import adapt_embeddings, build_minipost
 
     init_parallel(1, 1)
     train = TrainConfig(seq_length=SEQ, train_micro_batch_size_per_gpu=4, train_iters=2, lr=1e-3,
                         lr_warmup_iters=1, log_interval=1, save_interval=2)
     zero0 = REPO / "ds_configs" / "zero0.json"
+    minipost = steps.BuildMinipost(primary=runs["roberta"], train=train, mini=MiniModelConfig(2, 1))
     with pytest.raises(ValueError, match="imported"):
-        build_minipost(runs["roberta"], tmp_path / "x", train, MiniModelConfig(2, 1), ds_config=zero0)
-    rows = build_minipost(runs["roberta"], tmp_path / "minipost", train, MiniModelConfig(2, 1), ds_config=zero0,
-                          corpus=corpus)  # English encoded with the imported byte-level BPE
+        steps.build_minipost(run=RunSpec(output_dir=tmp_path / "x", ds_config=zero0), step=minipost)
+    # English encoded with the imported byte-level BPE
+    rows = steps.build_minipost(run=RunSpec(output_dir=tmp_path / "minipost", ds_config=zero0, corpus=corpus),
+                                step=minipost)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
-    cfg, state = A.load_model(tmp_path / "minipost")
-    imported = A.load_model(runs["roberta"])[1]
+    cfg, state = load_weights(tmp_path / "minipost")
+    imported = load_weights(runs["roberta"])[1]
     assert cfg.num_layers == 3 and torch.equal(state["layers.1.fc1.weight"], imported["layers.1.fc1.weight"])
-    rows = adapt_embeddings("bl_base", runs["xlmr"], "de", tmp_path / "adapt", train, ds_config=zero0,
-                            corpus=de_corpus, tokenizer=de_tokenizer)
+    rows = steps.adapt_embeddings(
+        run=RunSpec(output_dir=tmp_path / "adapt", ds_config=zero0, corpus=de_corpus, tokenizer=de_tokenizer),
+        step=steps.AdaptEmbeddings(system="bl_base", source=runs["xlmr"], lang="de", train=train))
     assert rows[-1]["step"] == 2
     meta = json.loads((tmp_path / "adapt" / "embeddings" / "step00000002" / "meta.json").read_text())
     assert meta["shared_pieces"] > 20 and meta["hidden_size"] == 32
@@ -156,8 +168,9 @@ def artifact(runs, de_tokenizer, tmp_path_factory):
     """German embeddings for the imported XLM-R (random: export must carry them exactly)."""
     g = torch.Generator().manual_seed(0)
     v = load_sp(de_tokenizer).get_piece_size()
-    return A.write_artifact(tmp_path_factory.mktemp("art") / "step00000001", torch.randn(v, 32, generator=g) * 0.1,
-                            torch.randn(v, generator=g) * 0.1, de_tokenizer,
+    return A.write_artifact(tmp_path_factory.mktemp("art") / "step00000001",
+                            {"word_embeddings": torch.randn(v, 32, generator=g) * 0.1,
+                             "output_bias": torch.randn(v, generator=g) * 0.1}, de_tokenizer,
                             {"source": str(runs["xlmr"]), "lang": "de", "step": 1, "system": "bl_base"})
 
 
@@ -180,9 +193,9 @@ def test_export_of_an_adapted_masked_lm(runs, artifact, de_tokenizer, tmp_path):
     enc = hf_batch(tok, TEXTS["de"])
     ids = encode_texts(load_sp(de_tokenizer), TEXTS["de"])
     assert torch.equal(enc.input_ids, ids)
-    cfg, state = A.primary_model(*A.load_model(runs["xlmr"]))
+    cfg, state = ROBERTA.primary_model(*load_weights(runs["xlmr"]))
     emb, _, _ = A.read_artifact(artifact)
-    state = {**swap_embeddings(state, emb), A.BIAS: emb["output_bias"]}
+    state = {**swap_embeddings(state, emb), BIAS: emb["output_bias"]}
     mine = mlm_logits(dataclasses.replace(cfg, vocab_size=len(emb["output_bias"])), state, ids)
     with torch.no_grad():
         theirs = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out")).eval()(**enc).logits
@@ -207,7 +220,7 @@ def test_exported_sentencepiece_gives_mmadapt_ids_on_the_whole_german_bible(de_t
 @pytest.mark.parametrize("kind", ["tag", "span"])
 def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_path):
     """The body of the imported model, a random task head, the German embeddings."""
-    cfg, state = A.primary_model(*A.load_model(runs["xlmr"]))
+    cfg, state = ROBERTA.primary_model(*load_weights(runs["xlmr"]))
     emb, _, _ = A.read_artifact(artifact)
     cfg = dataclasses.replace(cfg, vocab_size=len(emb["output_bias"]), hidden_dropout=0.0, attention_dropout=0.0)
     model = RobertaForTask(cfg, kind, 3, seed=7).eval()
@@ -240,12 +253,11 @@ SHORT = FinetuneConfig(seq_length=SEQ, train_micro_batch_size_per_gpu=16, epochs
 @pytest.fixture(scope="module")
 def classifier(runs, tmp_path_factory):
     """Step 3 (bible-genre, English) on the imported XLM-R, in this process."""
-    from mmadapt.steps import finetune
-
     init_parallel(1, 1)
     out = tmp_path_factory.mktemp("ft")
-    finetune("bible-genre", runs["xlmr"], out, SHORT, layout={"hidden_dropout": 0.0, "attention_dropout": 0.0},
-             ds_config=REPO / "ds_configs" / "zero0.json")
+    steps.finetune(run=RunSpec(output_dir=out, ds_config=REPO / "ds_configs" / "zero0.json",
+                               layout=Layout(hidden_dropout=0.0, attention_dropout=0.0)),
+                   step=steps.Finetune(task="bible-genre", primary=runs["xlmr"], cfg=SHORT))
     return out
 
 
@@ -313,7 +325,8 @@ def test_bad_input_is_one_line_and_writes_nothing(hf_dirs, runs, de_tokenizer, t
             assert "RobertaForMaskedLM, XLMRobertaForMaskedLM, CamembertForMaskedLM" in err
         assert not out.exists() and not list(tmp_path.glob(f".run_{what}*"))
     # An artifact trained for a model of another hidden size.
-    bad = A.write_artifact(tmp_path / "art64", torch.zeros(10, 64), torch.zeros(10), de_tokenizer,
+    bad = A.write_artifact(tmp_path / "art64", {"word_embeddings": torch.zeros(10, 64), "output_bias": torch.zeros(10)},
+                           de_tokenizer,
                            {"source": str(runs["xlmr"])})
     assert main(["export-hf", "--primary", str(runs["xlmr"]), "--embeddings", str(bad),
                  "--output_dir", str(tmp_path / "exp")]) == 2
@@ -340,8 +353,6 @@ def test_core_does_not_import_the_hf_libraries():
 def test_export_of_a_model_mmadapt_pretrained(corpus, tokenizer, tmp_path):
     """(c): a MINIJOINT primary model (two heads; the last one is exported) with its SentencePiece."""
     from mmadapt.config import PRESETS, apply_recipe
-    from mmadapt.steps import pretrain
-    from mmadapt.train import RunPaths
 
     init_parallel(1, 1)
     vocab = load_sp(tokenizer).get_piece_size()
@@ -350,7 +361,8 @@ def test_export_of_a_model_mmadapt_pretrained(corpus, tokenizer, tmp_path):
     train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,
                                 train_micro_batch_size_per_gpu=4, seq_length=SEQ)
     run = tmp_path / "run"
-    pretrain(model, train, RunPaths(run, corpus, REPO / "ds_configs" / "zero0.json", tokenizer), "minijoint")
+    steps.pretrain(run=RunSpec(output_dir=run, corpus=corpus, ds_config=REPO / "ds_configs" / "zero0.json",
+                               tokenizer=tokenizer), step=steps.Pretrain(model=model, train=train, recipe="minijoint"))
     assert main(["export-hf", "--primary", str(run), "--output_dir", str(tmp_path / "out")]) == 0
     enc = hf_batch(AutoTokenizer.from_pretrained(str(tmp_path / "out")), TEXTS["en"])
     ids = encode_texts(load_sp(tokenizer), TEXTS["en"])
@@ -359,7 +371,7 @@ def test_export_of_a_model_mmadapt_pretrained(corpus, tokenizer, tmp_path):
     assert type(hf).__name__ == "RobertaForMaskedLM" and hf.config.pad_token_id == PAD_ID
     with torch.no_grad():
         theirs = hf(**enc).logits
-    mine = mlm_logits(*A.primary_model(*A.load_model(run)), ids)
+    mine = mlm_logits(*ROBERTA.primary_model(*load_weights(run)), ids)
     keep = enc.attention_mask.bool()
     diff = (mine[keep] - theirs[keep]).abs().max().item()
     print(f"mmadapt-pretrained MLM: max abs logit difference {diff:.2e}")

@@ -14,11 +14,15 @@ import pytest
 import torch
 
 from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, heads_by_hand, masked_batch, metrics,
-                      run_pretrain)
+                      mlm_batches, run_pretrain)
 from mmadapt import adapt as A
-from mmadapt.config import PRESETS, MiniModelConfig, ModelConfig, apply_recipe
+from mmadapt.config import PRESETS, MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
 from mmadapt.models.roberta.model import RobertaMLM
 from mmadapt.parallel import init_parallel
+from mmadapt.family import WORD
+from mmadapt.models.roberta import ROBERTA
+from mmadapt.models.roberta.model import BIAS
+from mmadapt.run import load_weights
 
 SWEEP = str(REPO / "launch" / "sweep.py")
 DEPTHS = (2, 4)  # secondary heads; with the primary head after 12: a 3-head MINIJOINT model
@@ -50,9 +54,9 @@ def test_recipe_takes_several_depths_and_one_stays_the_papers():
     assert apply_recipe(base, "minijoint", (2, 4, 6)).head_layers == (2, 4, 6, 12)
     assert apply_recipe(base, "minijoint", 4).head_layers == (4, 12)
     assert apply_recipe(base, "minijoint", (4,)).head_layers == (4, 12)
-    # One depth stays an int: run.json files and the demo see the same value as before.
-    assert MiniModelConfig().mini_layers == 4 and MiniModelConfig([6]).mini_layers == 6
-    assert MiniModelConfig([2, 4]).mini_layers == (2, 4) and MiniModelConfig(4).depths == (4,)
+    # Depths are always a tuple; one int (as run.json files of one-depth runs hold it) is one depth.
+    assert MiniModelConfig().mini_layers == (4,) and MiniModelConfig([6]).mini_layers == (6,)
+    assert MiniModelConfig([2, 4]).mini_layers == (2, 4) and MiniModelConfig(4).mini_layers == (4,)
     with pytest.raises(ValueError, match="bl_small builds one mini-model: pass one --mini_layers, not 2 4"):
         apply_recipe(base, "bl_small", (2, 4))
     with pytest.raises(ValueError, match="must be ascending without repeats"):
@@ -128,13 +132,13 @@ def test_extraction_at_each_depth_gives_exactly_that_heads_loss():
             ids, labels = _batch(seed=seed)
             _, per_head = full(ids, labels)
             for i, n in enumerate(DEPTHS):
-                mini_cfg, mini_state = A.extract_minijoint(cfg, state, n)
+                mini_cfg, mini_state = ROBERTA.extract_minijoint(cfg, state, n)
                 assert (mini_cfg.num_layers, mini_cfg.head_layers, mini_cfg.head_weights) == (n, (n,), ())
                 assert not any(k.startswith((f"layers.{n}.", "heads.heads.1.")) for k in mini_state)
                 mini = RobertaMLM(mini_cfg).eval()
                 mini.load_state_dict(mini_state)
                 assert mini(ids, labels)[0].item() == per_head[i].item()  # the same computation, bit for bit
-            primary_cfg, primary_state = A.primary_model(cfg, state)
+            primary_cfg, primary_state = ROBERTA.primary_model(cfg, state)
             primary = RobertaMLM(primary_cfg).eval()
             primary.load_state_dict(primary_state)
             assert primary(ids, labels)[0].item() == per_head[2].item()
@@ -142,15 +146,15 @@ def test_extraction_at_each_depth_gives_exactly_that_heads_loss():
 
 def test_the_depth_is_checked_against_the_source_heads():
     cfg = three_heads()
-    assert A.mini_depth(cfg, 4) == 4 and A.mini_depth(apply_recipe(tiny(), "minijoint", 4)) == 4
+    assert ROBERTA.minijoint_depth(cfg, 4) == 4 and ROBERTA.minijoint_depth(apply_recipe(tiny(), "minijoint", 4)) == 4
     with pytest.raises(ValueError, match="mini-models after layers 2, 4: choose one with --mini_layers"):
-        A.mini_depth(cfg)
+        ROBERTA.minijoint_depth(cfg)
     with pytest.raises(ValueError, match="no secondary head after layer 6; its mini-models sit after layers 2, 4"):
-        A.mini_depth(cfg, 6)
+        ROBERTA.minijoint_depth(cfg, 6)
     with pytest.raises(ValueError, match="--mini_layers picks one of a MINIJOINT run's mini-models"):
         A.adapt_body("bl_base", cfg, {}, 4)
     with pytest.raises(ValueError, match="has a secondary head before its last layer"):
-        A.mini_depth(apply_recipe(tiny(), "bl_base"))
+        ROBERTA.minijoint_depth(apply_recipe(tiny(), "bl_base"))
 
 
 def test_records_name_the_depth_only_when_the_source_has_several():
@@ -201,7 +205,8 @@ def test_bad_depth_is_one_error_line(primary_run, tmp_path, capsys):
 # --- FLOPs for any number of heads, against the counter ------------------------------------------------
 
 def test_pretrain_flops_of_three_heads_match_the_counter():
-    from mmadapt.flops import counted_flops, forward_flops, head_flops, layer_flops, pretrain_flops
+    from mmadapt.flops import counted_flops
+    from mmadapt.models.roberta.flops import forward_flops, head_flops, layer_flops, pretrain_flops
 
     cfg = three_heads(attention_impl="math")
     model = RobertaMLM(cfg, seed=1)
@@ -225,14 +230,15 @@ def test_pretrain_flops_of_three_heads_match_the_counter():
 @pytest.mark.parametrize("train_output_bias", [True, False])
 def test_step2_flops_at_each_depth_match_the_counter(depth, train_output_bias):
     """Step 2 over the extracted mini-model of each depth; a frozen output bias changes no matmul."""
-    from mmadapt.flops import adapt_flops, counted_flops
+    from mmadapt.flops import counted_flops
+    from mmadapt.models.roberta.flops import adapt_flops
     from mmadapt.engine import trainable_by_names
 
     source = RobertaMLM(three_heads(), seed=2).state_dict()
-    cfg, state = A.extract_minijoint(three_heads(attention_impl="math"), source, depth)
+    cfg, state = ROBERTA.extract_minijoint(three_heads(attention_impl="math"), source, depth)
     model = RobertaMLM(cfg)
     model.load_state_dict(state)
-    is_trainable = trainable_by_names(A.adapt_trainable(train_output_bias))
+    is_trainable = trainable_by_names(ROBERTA.vocab_params(None, train_output_bias))
     for n, p in model.named_parameters():
         p.requires_grad_(is_trainable(n))
     assert model.heads.heads[0].bias.requires_grad is train_output_bias
@@ -243,16 +249,18 @@ def test_step2_flops_at_each_depth_match_the_counter(depth, train_output_bias):
 
 
 def test_flops_rows_per_depth():
-    from mmadapt.flops import adapt_flops, mini_config, pretrain_flops, total_flops
+    from mmadapt.flops import total_flops
+    from mmadapt.models.roberta.flops import adapt_flops, pretrain_flops
     from mmadapt.report import flops_rows, paper_rows
 
     base = PRESETS["roberta-base"][0]
-    rows = {(r["system"], r["step"]): r for r in flops_rows(base, 125_000, 2048, 512, 0.15, (2, 4, 6))}
+    train = TrainConfig(train_iters=125_000, seq_length=512, mask_prob=0.15)
+    rows = {(r["system"], r["step"]): r for r in flops_rows(base, train, 2048, MiniModelConfig((2, 4, 6)))}
     per_depth = {f"{s}@{n}" for s in ("minijoint", "minipost", "bl_small") for n in (2, 4, 6)}
     assert {s for s, step in rows if step == "adapt"} == {"bl_base", *per_depth}
     for n in (2, 4, 6):
         assert rows[(f"minijoint@{n}", "adapt")]["eflops_exact"] == pytest.approx(
-            total_flops(adapt_flops(mini_config(base, n), 512, 0.15), 2048, 125_000) / 1e18)
+            total_flops(adapt_flops(ROBERTA.one_head(base, n), 512, 0.15), 2048, 125_000) / 1e18)
     # The paper's N = 4 row is the same number in the multi-depth table (21.1 EFLOPs, A3).
     assert round(rows[("minijoint@4", "adapt")]["eflops_paper"], 1) == 21.1
     assert rows[("minijoint", "pretrain")]["eflops_exact"] == pytest.approx(
@@ -278,25 +286,27 @@ def test_weight_decay_on_every_parameter_or_matrices_only():
 def test_step2_with_the_papers_frozen_output_bias(primary_run, de_corpus, de_tokenizer, tmp_path):
     """train_output_bias false: only the embedding trains and is checkpointed; the artifact's
     bias is exactly the overlap initialisation, its embedding is not."""
+    from mmadapt import steps
     from mmadapt.models.roberta.model import derive_seed
-    from mmadapt.steps import adapt_embeddings
+    from mmadapt.run import RunSpec
 
     train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,
                                 train_micro_batch_size_per_gpu=4, train_output_bias=False)
     out = tmp_path / "frozen-bias"
-    adapt_embeddings("minijoint", primary_run, "de", out, train, corpus=de_corpus, tokenizer=de_tokenizer,
-                     vocab_size=VOCAB)
+    steps.adapt_embeddings(run=RunSpec(output_dir=out, corpus=de_corpus, tokenizer=de_tokenizer),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=primary_run, lang="de", train=train,
+                                                      vocab_size=VOCAB))
     tensors, _, meta = A.read_artifact(out / "embeddings" / "step00000002")
     _, init, _ = A.step2_start("minijoint", primary_run, None, de_tokenizer, 0.02,
                                derive_seed(train.seed, "embeddings.de"))
-    assert torch.equal(tensors["output_bias"], init[A.BIAS])
-    assert not torch.equal(tensors["word_embeddings"], init[A.WORD])
+    assert torch.equal(tensors["output_bias"], init[BIAS])
+    assert not torch.equal(tensors["word_embeddings"], init[WORD])
     module = torch.load(out / "checkpoints" / "step00000002" / "mp_rank_00_model_states.pt",
                         weights_only=False)["module"]
     # (The empty bias group's placeholder scalar, engine.build_engine, is not a model weight.)
-    assert {k for k, v in module.items() if v is not None and not k.startswith("empty_group")} == {A.WORD}
+    assert {k for k, v in module.items() if v is not None and not k.startswith("empty_group")} == {WORD}
     run = json.loads((out / "run.json").read_text())
-    assert run["trainable"] == [A.WORD] and run["train"]["train_output_bias"] is False
+    assert run["trainable"] == [WORD] and run["train"]["train_output_bias"] is False
     assert meta["train_output_bias"] is False and meta["mini_layers"] == 4 and meta["mini_depths"] == [4]
 
 
@@ -304,7 +314,7 @@ def test_resume_of_a_run_recorded_before_the_new_settings(tmp_path):
     """run.json files written before head_weights / decay_all / train_output_bias existed still
     resume with the defaults; a changed new setting is still refused."""
     from mmadapt.config import TrainConfig, to_dict
-    from mmadapt.train import check_same_run
+    from mmadapt.run import check_same_run
 
     model, train = to_dict(three_heads()), to_dict(TrainConfig())
     old = {"model": {k: v for k, v in model.items() if k != "head_weights"},
@@ -410,19 +420,18 @@ def three_head_run(corpus, tokenizer, tmp_path_factory):
 
 @pytest.mark.slow
 def test_extracted_mini_models_of_a_trained_run_give_their_heads_losses(three_head_run):
-    from mmadapt.data import MLMBatches
 
-    cfg, state = A.load_model(three_head_run)
+    cfg, state = load_weights(three_head_run)
     assert cfg.head_layers == HEADS
     full = RobertaMLM(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)).eval()
     full.load_state_dict(state)
-    batches = MLMBatches(three_head_run / "data", 64, VOCAB, 5, 0.15, 8, 1)
+    batches = mlm_batches(three_head_run / "data", 64, VOCAB, 5, 8, 1)
     with torch.no_grad():
         for step in range(2):
             ids, labels = batches.micro_batch(step, 0)
             _, per_head = full(ids, labels)
             for i, n in enumerate(DEPTHS):
-                mini_cfg, mini_state = A.extract_minijoint(cfg, state, n)
+                mini_cfg, mini_state = ROBERTA.extract_minijoint(cfg, state, n)
                 mini = RobertaMLM(dataclasses.replace(mini_cfg, hidden_dropout=0.0, attention_dropout=0.0)).eval()
                 mini.load_state_dict(mini_state)
                 assert mini(ids, labels)[0].item() == per_head[i].item()

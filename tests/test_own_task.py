@@ -14,14 +14,16 @@ from conftest import REPO, base_args, run_pretrain
 from mmadapt import adapt as A
 from mmadapt import steps
 from mmadapt.cli import finetune_main, finetune_parser, report_main
-from mmadapt.config import FinetuneConfig, override
+from mmadapt.config import FinetuneConfig, Layout, override
 from mmadapt.corpora import bible_verses
 from mmadapt.features import Encoded, is_bio, macro_f1
-from mmadapt.finetune import WORD, get_task, headline, label_names, read_examples, scores
+from mmadapt.family import WORD
 from mmadapt.parallel import init_parallel
-from mmadapt.tasks import TaggedSentence, TextExample
+from mmadapt.readers import TaggedSentence, TextExample
+from mmadapt.run import RunSpec, load_weights
+from mmadapt.tasks import get_task, headline, label_names, read_examples, scores
 
-NO_DROPOUT = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+NO_DROPOUT = Layout(hidden_dropout=0.0, attention_dropout=0.0)
 
 
 def write(path, text: str):
@@ -230,9 +232,11 @@ def toy_run(fresh_primary, tmp_path_factory):
     write_csv(d / "verses.de.csv", header, [[f"{k}", de[k], lab] for k, _, lab in test if k in de])
     cfg = FinetuneConfig(seq_length=48, train_micro_batch_size_per_gpu=16, epochs=3.0, lr=5e-4, log_interval=10,
                          text_column="verse", label_column="names_the_lord")
-    summary, _ = steps.finetune("classify", fresh_primary, d / "ft", cfg, train_file=str(d / "train.csv"),
-                                eval_file=str(d / "verses.{lang}.csv"), layout=NO_DROPOUT,
-                                ds_config=REPO / "ds_configs" / "zero0.json")
+    summary, _ = steps.finetune(run=RunSpec(output_dir=d / "ft", ds_config=REPO / "ds_configs" / "zero0.json",
+                                            layout=NO_DROPOUT),
+                                step=steps.Finetune(task="classify", primary=fresh_primary, cfg=cfg,
+                                                    train_file=str(d / "train.csv"),
+                                                    eval_file=str(d / "verses.{lang}.csv")))
     return d, summary
 
 
@@ -252,7 +256,7 @@ def test_the_toy_task_is_learned(toy_run):
 def _artifact(path, system, lang, emb, tokenizer, source, step):
     meta = {"system": system, "lang": lang, "step": step, "source": str(source), "flops": 1e12 * step,
             "flops_paper": 1e12 * step, "v100_days": 1e-6 * step, "tokens": 1000 * step}
-    return A.write_artifact(path, emb, torch.zeros(len(emb)), tokenizer, meta)
+    return A.write_artifact(path, {"word_embeddings": emb, "output_bias": torch.zeros(len(emb))}, tokenizer, meta)
 
 
 def test_zero_shot_records_go_into_the_report(toy_run, fresh_primary, de_tokenizer, tmp_path, capsys):
@@ -260,13 +264,13 @@ def test_zero_shot_records_go_into_the_report(toy_run, fresh_primary, de_tokeniz
     run = json.loads((d / "ft" / "run.json").read_text())
     # The primary's own English embeddings and tokenizer: the swap changes nothing, so Step 4
     # must reproduce Step 3's scores. German: embeddings of the right shape, never trained.
-    english = A.load_model(fresh_primary)[1][WORD]
+    english = load_weights(fresh_primary)[1][WORD]
     german = torch.randn(1000, english.shape[1], generator=torch.Generator().manual_seed(0)) * 0.07
     arts = [_artifact(tmp_path / "en", "bl_base", "en", english, fresh_primary / "tokenizer" / "spm.model",
                       fresh_primary, 1),
             _artifact(tmp_path / "de", "bl_base", "de", german, de_tokenizer, fresh_primary, 1)]
     out = tmp_path / "records.json"
-    records = steps.evaluate([d / "ft"], arts, str(d / "verses.{lang}.csv"), out)
+    records = steps.evaluate([d / "ft"], embeddings=arts, eval_file=str(d / "verses.{lang}.csv"), output=out)
     assert json.loads(out.read_text()) == json.loads(json.dumps(records))
     en, de = records
     assert (en["task"], en["lang"], de["lang"], en["metric"]) == ("classify", "en", "de", "accuracy")
@@ -281,7 +285,8 @@ def test_zero_shot_records_go_into_the_report(toy_run, fresh_primary, de_tokeniz
     # A target file with a class the run never saw is refused by name, and no records are written.
     write_csv(tmp_path / "bad.de.csv", ["verse", "names_the_lord"], [["Im Anfang", "lord"], ["Und Gott", "god"]])
     with pytest.raises(ValueError, match="bad.de.csv has the label 'god', which the model was not trained on"):
-        steps.evaluate([d / "ft"], arts[1:], str(tmp_path / "bad.{lang}.csv"), tmp_path / "bad.json")
+        steps.evaluate([d / "ft"], embeddings=arts[1:], eval_file=str(tmp_path / "bad.{lang}.csv"),
+                       output=tmp_path / "bad.json")
     assert not (tmp_path / "bad.json").exists()
 
 
@@ -297,9 +302,11 @@ def test_tagging_end_to_end_with_bio_tags(fresh_primary, tmp_path):
             break
     write_jsonl(tmp_path / "train.jsonl", rows)
     cfg = FinetuneConfig(seq_length=48, train_micro_batch_size_per_gpu=16, epochs=1.0, lr=5e-4, log_interval=1)
-    summary, _ = steps.finetune("tag", fresh_primary, tmp_path / "ft", cfg, train_file=str(tmp_path / "train.jsonl"),
-                                eval_file=str(tmp_path / "train.jsonl"), layout=NO_DROPOUT,
-                                ds_config=REPO / "ds_configs" / "zero0.json")
+    summary, _ = steps.finetune(run=RunSpec(output_dir=tmp_path / "ft", ds_config=REPO / "ds_configs" / "zero0.json",
+                                            layout=NO_DROPOUT),
+                                step=steps.Finetune(task="tag", primary=fresh_primary, cfg=cfg,
+                                                    train_file=str(tmp_path / "train.jsonl"),
+                                                    eval_file=str(tmp_path / "train.jsonl")))
     assert summary["labels"] == ["B-LORD", "O"] and summary["updates"] == 4
     assert set(summary["source_scores"]) == {"accuracy", "chunk_f1"}
     assert summary["source_score"] == summary["source_scores"]["accuracy"]

@@ -12,14 +12,18 @@ import torch
 from conftest import VOCAB
 from mmadapt import adapt as A
 from mmadapt import plugin as P
+from mmadapt.config import PreprocessConfig
 from mmadapt.data import prepare
+from mmadapt.family import WORD
+from mmadapt.models.roberta.model import BIAS
+from mmadapt.run import load_weights
 
 
 @pytest.fixture(scope="module")
 def english(corpus, tokenizer, tmp_path_factory):
     """The English corpus prepared with the primary run's tokenizer and a validation split."""
     d = tmp_path_factory.mktemp("plugin_en") / "en"
-    prepare(corpus, d, VOCAB, tokenizer=tokenizer, workers=1, valid_fraction=0.1, quiet=True)
+    prepare(corpus, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
     return d
 
 
@@ -30,7 +34,7 @@ def test_primary_head_loss_is_the_models_own(primary_run, english):
 
     batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
     assert len(batches) == 4
-    cfg, state = A.load_model(primary_run)
+    cfg, state = load_weights(primary_run)
     assert cfg.heads_after == (4, 12)
     model = RobertaMLM(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)).eval()
     model.load_state_dict(state)
@@ -39,7 +43,7 @@ def test_primary_head_loss_is_the_models_own(primary_run, english):
     expected = sum(l * n for l, n in per_batch) / sum(n for _, n in per_batch)
     one_head, head_state = P.primary_head_state(primary_run)
     assert one_head.heads_after == (12,)
-    assert torch.equal(head_state[A.BIAS], state["heads.heads.1.bias"])
+    assert torch.equal(head_state[BIAS], state["heads.heads.1.bias"])
     assert P.mlm_loss(one_head, head_state, batches) == pytest.approx(expected, abs=1e-5)
 
 
@@ -59,19 +63,19 @@ def test_unigram_reference_by_hand(english):
 def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, tmp_path):
     """An 'artifact' holding the primary's own English embeddings: its gain is unigram - the
     model's loss, its start is the overlap init (every piece shared: the same embeddings)."""
-    cfg, state = A.load_model(primary_run)
+    cfg, state = load_weights(primary_run)
     run = tmp_path / "adapt"
     meta = {"system": "minijoint", "lang": "en", "step": 5, "flops": 1.0, "flops_paper": 1.0, "v100_days": 0.0,
             "tokens": 1, "source": str(primary_run), "source_tag": "step00000150"}
-    art = A.write_artifact(run / "embeddings" / "step00000005", state[A.WORD], state["heads.heads.0.bias"],
-                           tokenizer, meta)
+    art = A.write_artifact(run / "embeddings" / "step00000005",
+                           {"word_embeddings": state[WORD], "output_bias": state["heads.heads.0.bias"]}, tokenizer, meta)
     (run / "run.json").write_text(json.dumps({"system": "minijoint", "lang": "en", "model": {"init_method_std": 0.02},
                                               "train": {"seed": 1}, "frozen_from": {"run_dir": str(primary_run),
                                                                                     "tag": "step00000150"}}))
     [rec] = P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=64, batch_size=16)
     batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
     one, head = P.primary_head_state(primary_run)
-    own = P.mlm_loss(one, {**head, A.BIAS: state["heads.heads.0.bias"]}, batches)
+    own = P.mlm_loss(one, {**head, BIAS: state["heads.heads.0.bias"]}, batches)
     assert rec["loss"] == pytest.approx(own, abs=1e-6)
     assert rec["score"] == pytest.approx(rec["unigram_loss"] - own)
     assert rec["unigram_loss"] == pytest.approx(P.unigram_loss(P.unigram_logprobs(english, VOCAB), batches))

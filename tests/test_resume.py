@@ -95,11 +95,11 @@ def test_sigkill_at_a_random_moment(uninterrupted, corpus, tokenizer, tmp_path):
 SLOW_STEPS = """
 import os, runpy, sys, time
 from mmadapt import train
-step = train.mlm_step
+step = train.lm_step
 def slow_step(*a, **k):
     time.sleep(float(os.environ["STEP_SLEEP"]))
     return step(*a, **k)
-train.mlm_step = slow_step
+train.lm_step = slow_step
 if os.environ.get("MARK_PIDS"):
     open(os.path.join(os.environ["MARK_PIDS"], str(os.getpid())), "w").close()
 sys.argv = [{script!r}, *sys.argv[1:]]

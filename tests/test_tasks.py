@@ -4,7 +4,7 @@ repository), and the SQuAD metric on hand-computed cases."""
 import pytest
 
 from conftest import REPO
-from mmadapt import tasks as T
+from mmadapt import readers as T
 
 XQUAD = REPO.parent / "shared" / "data" / "xquad"
 

@@ -1,0 +1,70 @@
+"""The encoder family: RoBERTa (model.py), its pipeline stages (pipeline.py), FLOP counts
+(flops.py) and Hugging Face mapping (hf.py), bundled as the `roberta` ModelFamily."""
+
+from __future__ import annotations
+
+from mmadapt.config import ModelConfig
+from mmadapt.family import WORD, ModelFamily
+from mmadapt.models.roberta import flops, hf
+from mmadapt.models.roberta.model import (BIAS, TASK_KINDS, MLMHeads, RobertaEncoder, RobertaForTask, RobertaMLM,
+                                          TransformerLayer)
+
+
+class RobertaFamily(ModelFamily):
+    name = "roberta"
+    objective = "mlm"
+    task_kinds = TASK_KINDS
+    # Each TransformerLayer and MLMHeads compiled in place (fusion.py; pipeline stage classes are
+    # subclasses of these). Not each MLMHead: MLMHeads' graph holds them.
+    compiled_kinds = (TransformerLayer, MLMHeads)
+    pipeline_ties = {"word": "word_embeddings."}  # the tied word embedding (pipeline.py)
+    hf = hf
+
+    def check(self, cfg: ModelConfig) -> None:
+        decoder_only = [(name, getattr(cfg, name)) for name, default in
+                        (("num_query_groups", None), ("add_qkv_bias", False))
+                        if getattr(cfg, name) != default]
+        if not cfg.share_embeddings_and_output_weights:
+            decoder_only.append(("share_embeddings_and_output_weights", False))
+        if decoder_only:
+            name, value = decoder_only[0]
+            raise ValueError(f"{name} {value} is a decoder setting; the roberta family has a tied output projection "
+                             "and multi-head attention with biases: drop it, or use a llama preset")
+
+    def build_lm(self, cfg: ModelConfig, seed: int = 1234) -> RobertaMLM:
+        return RobertaMLM(cfg, seed=seed)
+
+    def build_task_model(self, cfg: ModelConfig, kind: str, num_labels: int, seed: int = 1234) -> RobertaForTask:
+        return RobertaForTask(cfg, kind, num_labels, seed=seed)
+
+    def build_body(self, cfg: ModelConfig, seed: int = 1234) -> RobertaEncoder:
+        return RobertaEncoder(cfg, seed=seed)
+
+    def build_pipeline(self, cfg: ModelConfig, seed: int, data_parallel_size: int):
+        from mmadapt.models.roberta import pipeline  # imports DeepSpeed: only where a pipeline is built
+
+        return pipeline.to_pipeline(cfg, seed, data_parallel_size)
+
+    def pipeline_layer_prefixes(self, cfg: ModelConfig) -> list[str | None]:
+        # The order of pipeline.to_pipeline's layer list (its docstring).
+        return ["word_embeddings.", "embeddings.", *(f"layers.{i}." for i in range(cfg.num_layers)), None, "heads."]
+
+    def vocab_params(self, cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
+        # The output bias is indexed by piece: the source's means nothing for most target pieces
+        # (adapt.py). Frozen, it stays at its overlap initialisation (the paper's setting).
+        return (WORD, BIAS) if train_output_bias else (WORD,)
+
+    def artifact_keys(self) -> dict[str, str]:
+        return {"word_embeddings": WORD, "output_bias": BIAS}
+
+    def finetune_trainable(self, cfg: ModelConfig) -> tuple[str, ...]:
+        # The body (positions and embedding LayerNorm included: they are language-independent)
+        # and the task head.
+        return ("embeddings.", "layers.", "dense.", "out.")
+
+    def step_flops(self, step: str, cfg: ModelConfig, s: int, p: float, paper: bool = False,
+                   trainable_layers: int = 0) -> float:
+        return flops.step_flops(step, cfg, s, p, paper, trainable_layers)
+
+
+ROBERTA = RobertaFamily()

@@ -109,6 +109,11 @@ class TransformerLayer(nn.Module):
         return self.ffn_layernorm(x + self.dropout(f))
 
 
+# The primary head's output bias [V] in a one-head model: indexed by vocabulary piece, so Step 2
+# trains it with the new embeddings (adapt.py).
+BIAS = "heads.heads.0.bias"
+
+
 class MLMHead(nn.Module):
     """dense -> GELU -> LayerNorm, then the tied projection (passed in) + this head's bias."""
 

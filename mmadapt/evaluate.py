@@ -1,0 +1,420 @@
+"""Step 4: swap a target language's embeddings into a fine-tuned model and evaluate zero-shot
+(`evaluate_artifacts`); parallel-sentence retrieval through the primary model
+(`retrieval_records`); and what the plug-in metric (plugin.py) shares with them.
+
+A Step-3 run is rebuilt (`load_finetuned`) and its model built once per run (seed), on the
+device in Step 4's precision (`eval_dtype`). Its word embeddings
+(`word_embeddings.word_embeddings.weight`) are replaced by a Step-2 artifact's in place
+(`swapped`, which puts its own back afterwards) and the tokenizer by the artifact's, and a
+target-language evaluation set is scored. Nothing else changes: the source-language model is
+exactly Step 3's. An evaluation set is encoded once per tokenizer and run in token-sized
+batches of rows of similar length (`TokenBatches`), each trimmed to its longest row: the
+padding a fixed-length batch would carry is never computed. Needs no process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mmadapt import checkpoint
+from mmadapt.adapt import ARTIFACT_FILE, read_artifact, system_label
+from mmadapt.config import FinetuneConfig, ModelConfig
+from mmadapt.data import file_sha256
+from mmadapt.family import WORD
+from mmadapt.features import Encoded, encode_classify, special_mask
+from mmadapt.finetune import is_finished, primary_state
+from mmadapt.models import get_family
+from mmadapt.models.layers import Padding
+from mmadapt.parallel import device
+from mmadapt.run import RUN_FILE, TOKENIZER, load_checkpoint
+from mmadapt.tasks import Task, encode, get_task, headline, majority_share, read_examples, scores
+from mmadapt.tokenizer import load as load_tokenizer
+from mmadapt.tokens import PAD_ID
+
+
+# --- the fine-tuned model, rebuilt -----------------------------------------------------------------------
+
+@dataclass
+class Finetuned:
+    """A Step-3 model, rebuilt: config, task, label names, full weights, tokenizer, run.json."""
+    cfg: ModelConfig
+    task: Task
+    labels: list[str]
+    state: dict
+    tokenizer: Path
+    run: dict
+    # The evaluation model, built by the first `model()` call: once per run (seed), however many
+    # artifacts are then swapped into it.
+    _model: torch.nn.Module | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def model(self) -> torch.nn.Module:
+        """The evaluation model (dropout off, TP=1: plain torch layers, no process group) with
+        these weights, on `parallel.device()` in `eval_dtype`: built on the first call and kept.
+        Step 4 swaps artifacts into it (`swapped`, which puts these weights back afterwards), so
+        it is for evaluation only."""
+        if self._model is None:
+            # vocab_size: the embeddings' own (a swapped state may hold a vocabulary of another size)
+            cfg = dataclasses.replace(self.cfg, hidden_dropout=0.0, attention_dropout=0.0,
+                                      vocab_size=self.state[WORD].shape[0])
+            model = get_family(cfg).build_task_model(cfg, self.task.kind, len(self.labels),
+                                                     self.run["finetune"]["seed"])
+            model.load_state_dict(self.state, strict=True)
+            self._model = on_eval_device(model, device())
+        return self._model
+
+
+def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
+    """Step 3's model: the final checkpoint's trained weights (fp32) + the primary run's word
+    embeddings."""
+    run_dir = Path(run_dir)
+    run_file = run_dir / RUN_FILE
+    if not run_file.is_file():
+        raise ValueError(f"{run_dir} is not a fine-tuning run (no run.json): pass the --output_dir of "
+                         "launch/finetune.py")
+    run = json.loads(run_file.read_text())
+    if run.get("step") != "finetune":
+        raise ValueError(f"{run_dir} is a {run.get('step')} run, not a fine-tuning run")
+    if not is_finished(run_dir):
+        raise ValueError(f"{run_dir} has not finished its {run['updates']} updates: continue it with "
+                         "finetune --resume")
+    cfg, primary = primary_state(Path(run["primary"]["run_dir"]), run["primary"]["tag"])
+    tag = checkpoint.tag_for(run["updates"])
+    own = {k: v for k, v in load_checkpoint(run_dir, tag).items() if not k.startswith("empty_group_placeholder")}
+    cfg = ModelConfig(**{**run["model"], "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
+    return Finetuned(cfg, get_task(run["task"]), run["labels"], {WORD: primary[WORD], **own},
+                     Path(run["primary"]["run_dir"]) / TOKENIZER, run)
+
+
+# --- Step 4: the model on the device, artifacts swapped in place, token-sized batches ---------------
+
+def eval_dtype(device: torch.device) -> torch.dtype:
+    """Step 4's precision: bf16 on a GPU, the precision mmadapt's GPU configs
+    (ds_configs/*_bf16.json) train in, so the forward passes the model learned from, at half the
+    memory traffic of fp32; fp32 on the CPU, the reference that the tests compare against (and
+    CPUs without bf16 units emulate it slowly)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def on_eval_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`model` moved to `device` in `eval_dtype`, in eval mode, with no parameter needing a gradient."""
+    return model.to(device, eval_dtype(device)).eval().requires_grad_(False)
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device: on a GPU from pinned memory without blocking the host (the copy is queued
+    on the stream, before the forward passes that read it); on the CPU, `t` itself."""
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def artifact_embeddings(artifact: dict, like: torch.Tensor) -> torch.Tensor:
+    """An artifact's word embeddings [V_trg, h] for a model whose own are `like` [V, h]: checked
+    for the model's width (V_trg may differ from V), in `like`'s dtype, on its device."""
+    new = artifact["word_embeddings"]
+    if new.shape[1] != like.shape[1]:
+        raise ValueError(f"the embeddings have hidden size {new.shape[1]}, the model {like.shape[1]}: "
+                         "they were trained for another model")
+    return new.to(like.device, like.dtype)
+
+
+def swap_embeddings(state: dict, artifact: dict) -> dict:
+    """Step 4 on a state dict (export, a model built from it): the same weights with the target
+    language's word embeddings [V_trg, h]."""
+    return {**state, WORD: artifact_embeddings(artifact, state[WORD])}
+
+
+@contextlib.contextmanager
+def swapped(model: torch.nn.Module, tensors: dict[str, torch.Tensor]):
+    """`model` with its named parameters replaced by `tensors`, its own put back on exit.
+
+    The Parameter objects are replaced, not copied into: a first dimension of another size (the
+    target vocabulary) needs no rebuilt model, and the model's own weights are never written.
+    `tensors` are on the model's device in its dtype already (`artifact_embeddings`)."""
+    own = []
+    try:
+        for name, t in tensors.items():
+            module, _, attr = name.rpartition(".")
+            owner = model.get_submodule(module)
+            old = getattr(owner, attr)
+            assert t.device == old.device and t.dtype == old.dtype, (name, t.device, t.dtype)
+            own.append((owner, attr, old))
+            setattr(owner, attr, torch.nn.Parameter(t, requires_grad=False))
+        yield model
+    finally:
+        for owner, attr, old in own:
+            setattr(owner, attr, old)
+
+
+def row_lengths(input_ids: torch.Tensor) -> torch.Tensor:
+    """[n, s] -> [n]: each row's length, up to and including its last piece that is not padding."""
+    positions = torch.arange(1, input_ids.shape[1] + 1)
+    return (input_ids.ne(PAD_ID) * positions).amax(1) if len(input_ids) else torch.zeros(0, dtype=torch.long)
+
+
+# Per-position logits past a row's batch, once padded back to [n, s, C]: span logits at padding
+# are -inf, as the encoder's span head gives them (never predicted); a tag at padding has no label and
+# is never scored.
+PAD_LOGIT = {"span": float("-inf"), "tag": 0.0}
+
+
+@dataclass
+class TokenBatches:
+    """The rows of input_ids [n, s] grouped for evaluation: sorted by length, longest first, each
+    batch trimmed to its longest row and holding at most `batch_tokens` ids (rows x that length;
+    at least one row). The batches are views of one block copied to the device once, so an
+    evaluation set pays one host-to-device copy for all the seeds and artifacts that score it.
+
+    Trimming changes no result: padding is never attended to (a masked key, or causal attention
+    on right-padded rows), so a row's
+    outputs at its own positions do not depend on the padding after it. Each batch's Padding is
+    counted here, on the host, so that no forward pass waits for the device to count it."""
+    ids: list[torch.Tensor]  # per batch [b_i, s_i], on the device
+    rows: list[torch.Tensor]  # per batch [b_i]: each row's index in input_ids, on the device
+    padding: list  # per batch, its model.Padding
+    n: int
+    seq_length: int
+
+    @classmethod
+    def plan(cls, input_ids: torch.Tensor, batch_tokens: int, device: torch.device) -> "TokenBatches":
+        lengths = row_lengths(input_ids)
+        order = torch.sort(lengths, descending=True, stable=True).indices  # [n]
+        groups, trimmed, start = [], [], 0  # groups: (rows, length) per batch
+        while start < len(order):
+            longest = max(int(lengths[order[start]]), 1)
+            rows = order[start:start + max(1, batch_tokens // longest)]
+            groups.append((len(rows), longest))
+            trimmed.append(input_ids[rows, :longest].reshape(-1))
+            start += len(rows)
+        block = to_device(torch.cat([*trimmed, order]), device)  # one copy: the ids, then the order
+        parts = block.split([b * s for b, s in groups] + [len(order)])
+        ids = [p.view(b, s) for p, (b, s) in zip(parts, groups)]
+        padding = [Padding.of(t.view(b, s)) for t, (b, s) in zip(trimmed, groups)]  # host tensors: no wait
+        return cls(ids, list(parts[-1].split([b for b, _ in groups])), padding, len(input_ids), input_ids.shape[1])
+
+    @torch.no_grad()
+    def run(self, fn, per_position: bool, fill: float = 0.0) -> torch.Tensor:
+        """fn(ids [b, s_i], its Padding) -> [b, ...], or per position [b, s_i, ...], over every
+        batch -> fp32 on the CPU in input_ids' row order: [n, ...], or [n, s, ...] with `fill`
+        past each row's batch."""
+        out = None
+        for ids, rows, padding in zip(self.ids, self.rows, self.padding):
+            y = fn(ids, padding).float()
+            if out is None:
+                shape = (self.n, self.seq_length, *y.shape[2:]) if per_position else (self.n, *y.shape[1:])
+                out = torch.full(shape, fill, dtype=torch.float32, device=y.device)
+            if per_position:
+                out[rows, :ids.shape[1]] = y
+            else:
+                out[rows] = y
+        assert out is not None, "no rows to evaluate"
+        return out.cpu()
+
+    def logits(self, model: torch.nn.Module) -> torch.Tensor:
+        """A task model's logits, as for the full rows: [n, C] (classify) or [n, s, C]."""
+        return self.run(lambda ids, padding: model(ids, padding=padding)[1], model.kind != "classify",
+                        PAD_LOGIT.get(model.kind, 0.0))
+
+
+def predict(model: torch.nn.Module, input_ids: torch.Tensor, batch_tokens: int) -> torch.Tensor:
+    """A task model's logits of the rows of input_ids [n, s], run on the model's device in
+    token-sized batches (`TokenBatches`): [n, C], or [n, s, C] for tag and span; fp32, on the CPU."""
+    return TokenBatches.plan(input_ids, batch_tokens, device_of(model)).logits(model)
+
+
+@dataclass
+class EvalSet:
+    """Evaluation examples encoded with one tokenizer and planned into token-sized batches on the
+    device: made once per (tokenizer, language), scored by every seed and artifact that share them."""
+    examples: list
+    enc: Encoded
+    batches: TokenBatches
+
+
+def eval_set(task: Task, sp, examples: list, labels: list[str], cfg: FinetuneConfig,
+             device: torch.device) -> EvalSet:
+    enc = encode(task, sp, examples, labels, cfg)
+    return EvalSet(examples, enc, TokenBatches.plan(enc.input_ids, cfg.eval_batch_tokens, device))
+
+
+def set_logits(ft: Finetuned, data: EvalSet, artifact: dict | None = None) -> torch.Tensor:
+    """The logits of `data`'s rows (`TokenBatches.logits`) with Step 3's model, or with
+    `artifact`'s word embeddings swapped into it (Step 4); the model is left as it was."""
+    model = ft.model()
+    swap = {} if artifact is None else {WORD: artifact_embeddings(artifact, model.get_parameter(WORD))}
+    with swapped(model, swap):
+        return data.batches.logits(model)
+
+
+def score_set(ft: Finetuned, data: EvalSet, cfg: FinetuneConfig, artifact: dict | None = None) -> dict[str, float]:
+    """Every metric of `data` (`scores`) from `set_logits`."""
+    return scores(ft.task, set_logits(ft, data, artifact), data.enc, data.examples, ft.labels, cfg)
+
+
+def evaluate_scores(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
+                    tokenizer: Path | None = None) -> dict[str, float]:
+    """Every metric of `examples` (`scores`) with Step 3's model, or with it after swapping in
+    `artifact`'s word embeddings and `tokenizer` (Step 4)."""
+    data = eval_set(ft.task, load_tokenizer(tokenizer or ft.tokenizer), examples, ft.labels, cfg, device_of(ft.model()))
+    return score_set(ft, data, cfg, artifact)
+
+
+def evaluate_score(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
+                   tokenizer: Path | None = None) -> float:
+    """`evaluate_scores`' headline metric."""
+    return evaluate_scores(ft, examples, cfg, artifact, tokenizer)[headline(ft.task, ft.labels, cfg)]
+
+
+# --- parallel-sentence retrieval (no fine-tuning) --------------------------------------------------
+
+def sentence_vectors(model, sp, texts: list[str], seq_length: int, layer: int,
+                     batch_tokens: int = FinetuneConfig.eval_batch_tokens) -> torch.Tensor:
+    """Mean of layer `layer`'s outputs over each text's ordinary pieces -> [n, h], unit length
+    (fp32, on the CPU), in token-sized batches on the model's device."""
+    enc = encode_classify(sp, [(t, 0) for t in texts], seq_length)
+
+    def pool(ids: torch.Tensor, padding) -> torch.Tensor:  # [b, s_i] -> [b, h]
+        h = model.encode(ids, (layer,), padding)[0].float()  # [b, s_i, h], summed in fp32
+        keep = special_mask(ids)[..., None].float()
+        return (h * keep).sum(1) / keep.sum(1).clamp(min=1)
+
+    vectors = TokenBatches.plan(enc.input_ids, batch_tokens, device_of(model)).run(pool, per_position=False)
+    return torch.nn.functional.normalize(vectors, dim=-1)
+
+
+def retrieval_accuracy(src_vectors: torch.Tensor, trg_vectors: torch.Tensor) -> float:
+    """Percent of target sentences whose nearest source sentence (cosine, after centring each
+    side, which removes each language's common direction) is their translation."""
+    s = torch.nn.functional.normalize(src_vectors - src_vectors.mean(0), dim=-1)
+    t = torch.nn.functional.normalize(trg_vectors - trg_vectors.mean(0), dim=-1)
+    return 100 * float(((t @ s.T).argmax(1) == torch.arange(len(t))).float().mean())
+
+
+# --- Step 4 over series of Step-2 artifacts ------------------------------------------------------------
+
+def record_base(meta: dict, task: str) -> dict:
+    """The fields every Step-4 record of an artifact starts with: which system and language, at
+    which Step-2 update, for how much Step-2 compute."""
+    return {"system": system_label(meta), "task": task, "lang": meta["lang"], "step": meta["step"],
+            "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
+            "tokens": meta["tokens"]}
+
+
+def artifact_dirs(paths: list[Path]) -> list[Path]:
+    """Artifact directories, an adapt run's expanded to all its artifacts in step order."""
+    out = []
+    for p in paths:
+        if (p / ARTIFACT_FILE).is_file():
+            out.append(p)
+        elif (p / "embeddings").is_dir():
+            found = sorted(d for d in (p / "embeddings").iterdir() if (d / ARTIFACT_FILE).is_file())
+            if not found:
+                raise ValueError(f"{p} holds no Step-2 embeddings yet: let its adapt run save a checkpoint")
+            out += found
+        else:
+            raise ValueError(f"{p} is neither a Step-2 artifact nor an adapt run directory")
+    return out
+
+
+def artifact_primary(meta: dict) -> Path:
+    """The primary model that an artifact's embeddings belong to: the Step-2 source run, or for
+    MINIPOST the run its mini-model was built from."""
+    src = Path(meta["source"])
+    run = json.loads((src / RUN_FILE).read_text())
+    return Path(run["frozen_from"]["run_dir"]) if run.get("step") == "minipost" else src
+
+
+def recorded_config(ft: Finetuned, **changes) -> FinetuneConfig:
+    """The FinetuneConfig of a run's run.json, with `changes`. A field that no longer exists is
+    dropped (eval_batch_size: eval_batch_tokens replaced it); a field the record lacks (it
+    predates the field) takes its default."""
+    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    return FinetuneConfig(**{**{k: v for k, v in ft.run["finetune"].items() if k in names}, **changes})
+
+
+def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: str,
+                       eval_batch_tokens: int | None = None, cfg_override: dict | None = None) -> list[dict]:
+    """Zero-shot scores of every artifact, averaged over the fine-tuned runs (seeds). All runs must
+    fine-tune the primary model the embeddings were trained for. eval_batch_tokens None: each
+    run's own (run.json).
+
+    Each run's model is built once (`Finetuned.model`) and every artifact swapped into it; each
+    evaluation set is encoded and put on the device once per (tokenizer, language)."""
+    paths = artifact_dirs(artifacts)  # the cheap check first
+    runs = [load_finetuned(r) for r in finetuned]
+    primaries = {str(Path(r.run["primary"]["run_dir"]).resolve()) for r in runs}
+    tasks = {r.task.name for r in runs}
+    if len(primaries) > 1 or len(tasks) > 1:
+        raise ValueError("--finetuned runs must share one primary model and task (one per seed)")
+    primary = primaries.pop()
+    changes = {**({} if eval_batch_tokens is None else {"eval_batch_tokens": eval_batch_tokens}),
+               **(cfg_override or {})}
+    cfgs = [recorded_config(ft, **changes) for ft in runs]
+
+    # The first run's settings read the evaluation files (your own task's columns) and name the
+    # headline; every metric is recorded, averaged over the seeds.
+    task, labels, metric = runs[0].task, runs[0].labels, headline(runs[0].task, runs[0].labels, cfgs[0])
+    records, examples, sets = [], {}, {}
+    for path in paths:
+        emb, tok, meta = read_artifact(path)
+        if str(artifact_primary(meta).resolve()) != primary:
+            raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, but the "
+                             f"fine-tuned runs start from {primary}: evaluate them with that model's runs")
+        lang = meta["lang"]
+        if lang not in examples:
+            examples[lang] = read_examples(task, eval_spec, lang, "test", cfgs[0], labels)
+        # Every artifact of an adapt run carries a copy of one tokenizer: known by its content.
+        tokenizer = file_sha256(tok)
+        seeds = []
+        for ft, cfg in zip(runs, cfgs):
+            model = ft.model()
+            key = (tokenizer, lang, tuple(ft.labels), cfg.seq_length, cfg.doc_stride, cfg.max_query_length,
+                   cfg.eval_batch_tokens)  # what the encoding and the batches depend on
+            if key not in sets:
+                sets[key] = eval_set(task, load_tokenizer(tok), examples[lang], ft.labels, cfg, device_of(model))
+            # On the device in the model's dtype after the first seed: one copy for all of them.
+            emb = {"word_embeddings": artifact_embeddings(emb, model.get_parameter(WORD))}
+            seeds.append(score_set(ft, sets[key], cfg, emb))
+        chance = majority_share(examples[lang]) if task.kind == "classify" and metric == "accuracy" else None
+        records.append({**record_base(meta, task.name), "metric": metric,
+                        "score": sum(s[metric] for s in seeds) / len(seeds),
+                        "scores": {k: sum(s[k] for s in seeds) / len(seeds) for k in seeds[0]},
+                        "seed_scores": [s[metric] for s in seeds], "chance": chance, "artifact": str(path)})
+    return records
+
+
+def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str, list[tuple[str, str]]],
+                      seq_length: int = 64, layer: int | None = None) -> list[dict]:
+    """Parallel-sentence retrieval through the primary model (Step 1 weights, no fine-tuning):
+    source sentences with the source embeddings against target sentences with each artifact's
+    embeddings. `layer`: whose outputs are pooled (default: the middle layer, ceil(L / 2),
+    whose representations are the least tied to the MLM objective)."""
+    cfg, state = primary_state(primary_run, None)
+    cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
+    layer = layer or math.ceil(cfg.num_layers / 2)
+    model = get_family(cfg).build_body(cfg)
+    model.load_state_dict(state)
+    model = on_eval_device(model, device())  # built once; each artifact is swapped into it
+    src_sp, src_vectors, records = load_tokenizer(primary_run / TOKENIZER), {}, []
+    for path in artifact_dirs(adapt_runs):
+        emb, tok, meta = read_artifact(path)
+        lang = meta["lang"]
+        if lang not in src_vectors:
+            src_vectors[lang] = sentence_vectors(model, src_sp, [a for a, _ in pairs[lang]], seq_length, layer)
+        with swapped(model, {WORD: artifact_embeddings(emb, model.get_parameter(WORD))}):
+            trg = sentence_vectors(model, load_tokenizer(tok), [b for _, b in pairs[lang]], seq_length, layer)
+        records.append({**record_base(meta, "retrieval"), "metric": "accuracy", "chance": 100 / len(pairs[lang]),
+                        "score": retrieval_accuracy(src_vectors[lang], trg), "artifact": str(path)})
+    return records

@@ -1,0 +1,68 @@
+"""Host-side bookkeeping that every family's pipeline stages share (models/<family>/pipeline.py).
+
+DeepSpeed's pipeline engine calls each stage's layers once per micro-batch, in micro-batch
+order, with only the activation tuple. What the host already knows about those micro-batches
+(each one's Padding, and on the last stage its scored positions and their targets) is queued on
+the modules that need it before train_batch/eval_batch (`set_host_batches`), so no layer has to
+ask the device. The heads record each micro-batch's per-head losses for logging
+(`take_head_losses`). Both stay out of compiled graphs (torch.compiler.disable): traced, dynamo
+would guard on each micro-batch's values and recompile for every new one.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from mmadapt.models.layers import Padding, masked_positions
+
+
+class PaddingQueue:
+    """Mixin of a stage layer that builds its attention mask: the Padding of each micro-batch
+    to come, in order (empty: count it on the device)."""
+
+    def init_queue(self) -> None:
+        self.pending: collections.deque = collections.deque()
+
+    @torch.compiler.disable
+    def next_padding(self) -> Padding | None:
+        return self.pending.popleft() if self.pending else None
+
+
+class ScoredQueue:
+    """Mixin of the last stage's heads: (masked_index, targets) on the device of each
+    micro-batch to come, in order, and each micro-batch's per-head losses [num heads]."""
+
+    def init_queue(self) -> None:
+        self.pending: collections.deque = collections.deque()
+        self.head_losses: list[torch.Tensor] = []
+
+    @torch.compiler.disable
+    def next_scored(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pending.popleft() if self.pending else masked_positions(labels)
+
+    @torch.compiler.disable
+    def record(self, per_head: torch.Tensor) -> None:
+        self.head_losses.append(per_head)
+
+
+def set_host_batches(pipe: torch.nn.Module, padding: list[Padding],
+                     masked: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Hand this rank's stage what the host knows about the micro-batches of the next
+    train_batch / eval_batch, in their order."""
+    for m in pipe.modules():
+        if isinstance(m, (PaddingQueue, ScoredQueue)):
+            m.pending.clear()
+            m.pending.extend(padding if isinstance(m, PaddingQueue) else masked)
+
+
+def take_head_losses(pipe: torch.nn.Module, num_heads: int, device: torch.device) -> torch.Tensor:
+    """Each head's loss over the micro-batches just run, on the last stage (which holds the
+    heads); zeros on the other stages."""
+    heads = next((m for m in pipe.modules() if isinstance(m, ScoredQueue)), None)
+    per_head = torch.zeros(num_heads, device=device)
+    if heads is not None and heads.head_losses:
+        per_head += torch.stack(heads.head_losses).mean(0)
+        heads.head_losses.clear()
+    return per_head

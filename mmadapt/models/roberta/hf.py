@@ -1,0 +1,199 @@
+"""RoBERTa-family Hugging Face checkpoints <-> the encoder family (exact on a trained model).
+
+Hugging Face's RobertaForMaskedLM, XLMRobertaForMaskedLM and CamembertForMaskedLM are post-LN
+encoders with learned positions, exact (erf) GELU and a tied output projection, so the
+correspondence is exact (HF name -> mmadapt name, `b` = "roberta."):
+    b.embeddings.word_embeddings          word_embeddings.word_embeddings  rows permuted so that
+                                          the special tokens get mmadapt's ids (tokenizer.py)
+    b.embeddings.position_embeddings      embeddings.position_embeddings   HF counts positions from
+                                          padding_idx + 1 (514 rows for 512 tokens): rows from there
+    b.embeddings.token_type_embeddings    added into every position row (one type; HF's tokenizers
+                                          for these models give no token_type_ids)
+    b.embeddings.LayerNorm                embeddings.layernorm
+    b.encoder.layer.i.attention.self.{query,key,value}  layers.i.qkv, per head [nh, 3, hd] rows
+    b.encoder.layer.i.attention.output.dense / LayerNorm   layers.i.attn_out / attn_layernorm
+    b.encoder.layer.i.intermediate.dense / output.dense    layers.i.fc1 / fc2
+    b.encoder.layer.i.output.LayerNorm    layers.i.ffn_layernorm
+    lm_head.dense / layer_norm / bias     heads.heads.0.dense / layernorm / bias (rows permuted);
+                                          lm_head.decoder is the word embedding
+    classifier.dense / out_proj           dense / out   (sequence classification)
+    classifier                            out           (token classification)
+    qa_outputs                            out           (question answering: start, end)
+Only padding positions are computed differently (HF gives them position padding_idx, mmadapt
+its running position): no other position attends to them, so no other output changes.
+
+mmadapt/hf.py reads and writes the directories; this module maps configs and weights only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mmadapt.config import ModelConfig
+from mmadapt.family import WORD
+from mmadapt.models.roberta.model import BIAS
+ARCHITECTURES = {"RobertaForMaskedLM": "roberta", "XLMRobertaForMaskedLM": "xlm-roberta",
+                 "CamembertForMaskedLM": "camembert"}
+SUPPORTED = ", ".join(ARCHITECTURES)
+MODEL_TYPE = "roberta"  # what an mmadapt-pretrained encoder is exported as
+CLASS_PREFIX = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert"}
+TASK_CLASSES = {None: "ForMaskedLM", "classify": "ForSequenceClassification", "tag": "ForTokenClassification",
+                "span": "ForQuestionAnswering"}
+
+
+def check_config(cfg: dict, model_dir) -> None:
+    """config.json of one of ARCHITECTURES, checked for everything the encoder cannot express."""
+    unsupported = [(k, cfg.get(k, d), want) for k, d, want in (
+        ("hidden_act", "gelu", "gelu"), ("position_embedding_type", "absolute", "absolute"),
+        ("is_decoder", False, False), ("tie_word_embeddings", True, True))
+        if cfg.get(k, d) != want]
+    if unsupported:
+        k, got, want = unsupported[0]
+        raise ValueError(f"{model_dir}: {k} is {got!r}; mmadapt's RoBERTa has {want!r} (import-hf supports "
+                         f"{SUPPORTED} with exact GELU, absolute positions and a tied output projection)")
+
+
+def special_ids(tok, model_dir: Path) -> list[int]:
+    """The source ids of mmadapt's special tokens, in mmadapt's order (pad, unk, <s>, </s>, <mask>):
+    the tokens a RoBERTa-family tokenizer puts at a sequence's start (cls) and end (sep)."""
+    roles = {"pad": tok.pad_token_id, "unk": tok.unk_token_id, "<s>": tok.cls_token_id, "</s>": tok.sep_token_id,
+             "<mask>": tok.mask_token_id}
+    missing = [k for k, v in roles.items() if v is None]
+    if missing:
+        raise ValueError(f"{model_dir}: its tokenizer has no {missing[0]} token; a RoBERTa-family tokenizer "
+                         "has <pad>, <unk>, <s>, </s> and <mask>")
+    ids = list(roles.values())
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{model_dir}: its tokenizer gives two special tokens one id ({roles})")
+    return ids
+
+
+def hf_permutation(vocab_size: int, specials: list[int]) -> list[int]:
+    """mmadapt id -> source id: the special tokens first (tokens.py's ids), then every other row
+    in the source's order."""
+    taken = set(specials)
+    return specials + [i for i in range(vocab_size) if i not in taken]
+
+
+def model_config(cfg: dict) -> ModelConfig:
+    offset = cfg["pad_token_id"] + 1
+    return ModelConfig(num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+                       num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["intermediate_size"],
+                       vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"] - offset,
+                       hidden_dropout=cfg.get("hidden_dropout_prob", 0.1),
+                       attention_dropout=cfg.get("attention_probs_dropout_prob", 0.1),
+                       layernorm_epsilon=cfg.get("layer_norm_eps", 1e-5),
+                       init_method_std=cfg.get("initializer_range", 0.02)).validate()
+
+
+# --- the weight correspondence (module docstring) ----------------------------------------------------
+
+_LAYER = {"attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_layernorm",
+          "intermediate.dense": "fc1", "output.dense": "fc2", "output.LayerNorm": "ffn_layernorm"}
+
+
+def _base_prefix(state: dict) -> str:
+    key = next((k for k in state if k.endswith("embeddings.word_embeddings.weight")), None)
+    if key is None:
+        raise ValueError("the weights hold no embeddings.word_embeddings.weight: not a RoBERTa-family model")
+    return key[:-len("embeddings.word_embeddings.weight")]
+
+
+def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], pad_token_id: int) -> dict:
+    """A RobertaForMaskedLM-family state dict -> RobertaMLM's (tensor-parallel size 1)."""
+    b = _base_prefix(hf)
+    nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    perm = torch.tensor(hf_ids)
+
+    def get(name):
+        if name not in hf:
+            raise ValueError(f"the weights lack {name}")
+        return hf[name].float()
+
+    word = get(b + "embeddings.word_embeddings.weight")
+    if "lm_head.decoder.weight" in hf and not torch.equal(hf["lm_head.decoder.weight"].float(), word):
+        raise ValueError("lm_head.decoder.weight differs from the word embeddings: mmadapt's output projection is "
+                         "tied, this model's is not")
+    offset = pad_token_id + 1
+    pos = get(b + "embeddings.position_embeddings.weight")[offset:offset + cfg.max_position_embeddings]
+    out = {WORD: word[perm], "embeddings.position_embeddings.weight": pos + get(b + "embeddings.token_type_embeddings.weight")[0],
+           "embeddings.layernorm.weight": get(b + "embeddings.LayerNorm.weight"),
+           "embeddings.layernorm.bias": get(b + "embeddings.LayerNorm.bias")}
+    for i in range(cfg.num_layers):
+        p = f"{b}encoder.layer.{i}."
+        for kind in ("weight", "bias"):
+            q, k, v = (get(f"{p}attention.self.{n}.{kind}") for n in ("query", "key", "value"))
+            out[f"layers.{i}.qkv.{kind}"] = torch.stack(
+                [t.reshape(nh, hd, *t.shape[1:]) for t in (q, k, v)], dim=1).reshape(3 * h, *q.shape[1:])
+            for src, dst in _LAYER.items():
+                out[f"layers.{i}.{dst}.{kind}"] = get(f"{p}{src}.{kind}")
+    for kind in ("weight", "bias"):
+        out[f"heads.heads.0.dense.{kind}"] = get(f"lm_head.dense.{kind}")
+        out[f"heads.heads.0.layernorm.{kind}"] = get(f"lm_head.layer_norm.{kind}")
+    out[BIAS] = get("lm_head.bias")[perm]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, pad_token_id: int) -> dict:
+    """RobertaMLM's (kind None) or RobertaForTask's state dict -> the matching HF class's.
+    hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids)."""
+    nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    b = "roberta."
+    word = state[WORD].float()
+    if hf_ids is not None:
+        inverse = torch.empty(len(hf_ids), dtype=torch.long)
+        inverse[torch.tensor(hf_ids)] = torch.arange(len(hf_ids))
+        word = word[inverse]
+    pos = state["embeddings.position_embeddings.weight"].float()
+    out = {b + "embeddings.word_embeddings.weight": word,
+           b + "embeddings.position_embeddings.weight": torch.cat([pos.new_zeros(pad_token_id + 1, h), pos]),
+           b + "embeddings.token_type_embeddings.weight": pos.new_zeros(1, h),
+           b + "embeddings.LayerNorm.weight": state["embeddings.layernorm.weight"],
+           b + "embeddings.LayerNorm.bias": state["embeddings.layernorm.bias"]}
+    for i in range(cfg.num_layers):
+        p = f"{b}encoder.layer.{i}."
+        for t in ("weight", "bias"):
+            qkv = state[f"layers.{i}.qkv.{t}"]
+            q, k, v = qkv.reshape(nh, 3, hd, *qkv.shape[1:]).unbind(1)
+            for n, x in zip(("query", "key", "value"), (q, k, v)):
+                out[f"{p}attention.self.{n}.{t}"] = x.reshape(h, *qkv.shape[1:])
+            for src, dst in _LAYER.items():
+                out[f"{p}{src}.{t}"] = state[f"layers.{i}.{dst}.{t}"]
+    for t in ("weight", "bias"):
+        if kind is None:
+            out[f"lm_head.dense.{t}"] = state[f"heads.heads.0.dense.{t}"]
+            out[f"lm_head.layer_norm.{t}"] = state[f"heads.heads.0.layernorm.{t}"]
+        elif kind == "classify":
+            out[f"classifier.dense.{t}"] = state[f"dense.{t}"]
+            out[f"classifier.out_proj.{t}"] = state[f"out.{t}"]
+        else:
+            out[f"{'classifier' if kind == 'tag' else 'qa_outputs'}.{t}"] = state[f"out.{t}"]
+    if kind is None:
+        bias = state[BIAS].float()
+        out["lm_head.bias"] = bias if hf_ids is None else bias[inverse]
+        out["lm_head.decoder.weight"], out["lm_head.decoder.bias"] = word, out["lm_head.bias"]
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def hf_config(cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids: dict[str, int], model_type: str):
+    """The transformers config of `model_type`'s class for `kind` (None: the masked LM) that
+    holds `cfg`; ids: the exported tokenizer's pad, bos and eos ids."""
+    import transformers
+
+    extra = {}
+    if kind in ("classify", "tag"):
+        extra = {"id2label": dict(enumerate(labels)), "label2id": {n: i for i, n in enumerate(labels)}}
+        if kind == "classify":
+            extra["problem_type"] = "single_label_classification"
+    elif kind == "span":
+        extra = {"num_labels": 2}
+    return transformers.AutoConfig.for_model(
+        model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.ffn_hidden_size, hidden_act="gelu",
+        hidden_dropout_prob=cfg.hidden_dropout, attention_probs_dropout_prob=cfg.attention_dropout,
+        max_position_embeddings=cfg.max_position_embeddings + ids["pad"] + 1, type_vocab_size=1,
+        initializer_range=cfg.init_method_std, layer_norm_eps=cfg.layernorm_epsilon,
+        pad_token_id=ids["pad"], bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+        architectures=[CLASS_PREFIX[model_type] + TASK_CLASSES[kind]], tie_word_embeddings=True, **extra)

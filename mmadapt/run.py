@@ -1,0 +1,292 @@
+"""A run directory: how a step describes it (`RunSpec`), how every training step starts one
+(`start_run`), what it records (`RunRecord`, run.json), and how later steps read a finished one
+(`read_run`, `checkpoint_tag`, `load_weights`).
+
+Layout of a run directory:
+    run.json        the record: what the run is (compared on --resume) and what it produced
+    run.lock        held by global rank 0 while the run writes (faults.RunLock)
+    tokenizer/      spm.model, the vocabulary later steps read (LM steps)
+    data/           a raw --corpus, prepared by the run itself
+    checkpoints/    checkpoint.py's layout
+    metrics.jsonl, tensorboard/, embeddings/ (Step 2's artifacts)
+
+`start_run` is the one start-up of Steps 1, 1b, 2 and 3, in this order: every check a user can
+get wrong, before any side effect; the run lock (global rank 0 creates the directory); the data
+(before any process group exists: see `DataPlan`); the process groups. The step then builds its
+engine and writes its record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+import torch.distributed as dist
+
+from mmadapt import checkpoint, parallel
+from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, FinetuneConfig, Layout, LoopConfig,
+                            MiniModelConfig, ModelConfig, TrainConfig, to_dict)
+from mmadapt.engine import load_ds_config
+from mmadapt.faults import RunLock
+from mmadapt.models import get_family
+
+RUN_FILE = "run.json"
+TOKENIZER = Path("tokenizer") / "spm.model"  # a run's vocabulary, relative to its directory
+
+
+@dataclasses.dataclass
+class RunSpec:
+    """Where a step runs and on what: the same for every step.
+
+    output_dir: the run directory. ds_config: DeepSpeed JSON (ZeRO stage, precision). data_path:
+    a dataset prepared by `mmadapt preprocess`; else corpus: raw text (or bible:<lang>), prepared
+    into <output_dir>/data by the run, with tokenizer (an existing SentencePiece model; None: one
+    trained on the corpus). resume: continue from the newest complete checkpoint. layout: how a
+    later step lays out its source's model (Step 1 sets the whole ModelConfig instead)."""
+    output_dir: Path
+    ds_config: Path = DEFAULT_DS_CONFIG
+    data_path: Path | None = None
+    corpus: str | Path | None = None
+    tokenizer: Path | None = None
+    resume: bool = False
+    layout: Layout = Layout()
+
+    def __post_init__(self):
+        self.output_dir, self.ds_config = Path(self.output_dir), Path(self.ds_config)
+        self.data_path = None if self.data_path is None else Path(self.data_path)
+        self.tokenizer = None if self.tokenizer is None else Path(self.tokenizer)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+
+class DataPlan(Protocol):
+    """A training step's data, in start_run's order. `check` (before any side effect) refuses
+    what cannot work and returns the run record's data fields, the ones a --resume must match;
+    `check_resume` compares what the record cannot (a changed corpus, another tokenizer);
+    `prepare` (global rank 0 holds the run lock; no process group exists yet) returns what the
+    step trains on. Preparation runs before the process groups so that no rank waits in a
+    collective whose timeout would kill a job that prepares for longer."""
+
+    def check(self, run: RunSpec, model: ModelConfig, loop: LoopConfig) -> dict: ...
+
+    def check_resume(self, run: RunSpec) -> None: ...
+
+    def prepare(self, run: RunSpec, model: ModelConfig, loop: LoopConfig) -> Any: ...
+
+
+# --- the record ---------------------------------------------------------------------------------------
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def recorded_defaults() -> dict:
+    """Each config field's default as run.json records it, flattened ("model.head_weights",
+    "train.decay_all", "finetune.lr", ...): what a run recorded before that field existed ran with."""
+    configs = {"model": to_dict(ModelConfig()), "train": to_dict(TrainConfig()), "finetune": to_dict(FinetuneConfig())}
+    return _flat(json.loads(json.dumps(configs)))
+
+
+def check_same_run(run_file: Path, expected: dict) -> None:
+    """--resume continues the run recorded in `run_file`: every entry of `expected` (nested dicts
+    compared leaf by leaf) must equal the recorded one, except config.CHANGEABLE_ON_RESUME. A
+    config field the record lacks (it predates the field) matches the field's default."""
+    saved = _flat(checkpoint.read_json(run_file, "run file"))
+    mine = _flat(json.loads(json.dumps(expected)))  # tuples as lists, as run.json holds them
+    defaults = None
+    for key, value in mine.items():
+        if key.rsplit(".", 1)[-1] in CHANGEABLE_ON_RESUME or saved.get(key) == value:
+            continue
+        if key not in saved:
+            defaults = defaults or recorded_defaults()
+            if key in defaults and defaults[key] == value:
+                continue
+        raise ValueError(f"--resume of a changed run: {key} is {value} here but {saved.get(key)} in {run_file}; "
+                         "resume with the run's settings, or start a new --output_dir")
+
+
+# The key under which run.json holds each loop config.
+CONFIG_KEYS = {TrainConfig: "train", FinetuneConfig: "finetune"}
+
+
+class RunRecord:
+    """run.json: `identity` (what the run is: step, model, its config, data, DeepSpeed config,
+    where its weights come from; what a --resume must match) and what the run adds once it has
+    built its model (`write`) or finished (`finish`). Global rank 0 writes it, atomically."""
+
+    def __init__(self, run_dir: Path, identity: dict):
+        self.path, self.identity = Path(run_dir) / RUN_FILE, identity
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def check_resume(self) -> None:
+        check_same_run(self.path, self.identity)
+
+    def write(self, resume: bool, **extra) -> None:
+        """The record as the run starts (collective: every rank waits for it); a resumed run's
+        record stays as it is."""
+        if parallel.is_rank0() and not (resume and self.exists()):
+            checkpoint.atomic_write(self.path, json.dumps({**self.identity, **extra}, indent=2))
+        if dist.is_initialized():
+            dist.barrier()
+
+    def finish(self, **results) -> dict:
+        """Global rank 0: add what the run produced. Returns the whole record."""
+        record = {**checkpoint.read_json(self.path, "run file"), **results}
+        checkpoint.atomic_write(self.path, json.dumps(record, indent=2))
+        return record
+
+
+# --- start-up -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Started:
+    """What start_run hands the step: DeepSpeed's config, the prepared data, the record."""
+    ds_config: dict
+    data: Any
+    record: RunRecord
+
+
+@contextlib.contextmanager
+def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict, data: DataPlan
+              ) -> Iterator[Started]:
+    """The start of every training step (module docstring). `model` is the model as this run
+    lays it out; identity: the record's step-specific fields (step, recipe, where the weights
+    come from). Global rank 0 holds the run lock until the step returns."""
+    model.validate()
+    get_family(model).check(model)
+    loop.validate(model)
+    ds = load_ds_config(run.ds_config, loop)
+    tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if pp > 1 and stage > 1:
+        raise ValueError(f"ZeRO stage {stage} does not combine with DeepSpeed pipeline parallelism: "
+                         "use ds_configs/zero1.json with --pipeline_model_parallel_size > 1")
+    # Before any process group exists: the launcher's WORLD_SIZE (1 for a plain `python` run).
+    parallel.check_world_size(parallel.launched_world_size(), tp, pp)
+    if pp > 1 and tp > 1 and len(model.heads_after) > 1:
+        # With tensor parallelism DeepSpeed splits the first tensor sent between stages across the
+        # TP ranks and asserts that no other tensor of the tuple needs a gradient; the carried
+        # output of an intermediate head's layer does (pipeline.py), so send whole tensors.
+        ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
+    fields = data.check(run, model, loop)
+    checkpoint.refuse_overwrite(run.output_dir, run.resume)
+    record = RunRecord(run.output_dir, {"model": to_dict(model), CONFIG_KEYS[type(loop)]: to_dict(loop), **fields,
+                                        "ds_config": ds, **identity})
+    if run.resume and record.exists():
+        record.check_resume()
+        data.check_resume(run)
+    with run_lock(run.output_dir):
+        prepared = data.prepare(run, model, loop)
+        parallel.init_parallel(tp, pp)
+        yield Started(ds, prepared, record)
+
+
+@contextlib.contextmanager
+def run_lock(output_dir: Path):
+    """Global rank 0 creates `output_dir` and holds its lock (faults.RunLock) meanwhile."""
+    lock, created = RunLock(output_dir), not Path(output_dir).exists()
+    if parallel.is_rank0():
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    try:
+        yield
+    except ValueError:
+        # A user's mistake found late (a corpus SentencePiece cannot train on, an unreadable
+        # source checkpoint): a directory this call created and that holds no checkpoint goes.
+        if lock.held and created and not checkpoint.has_checkpoints(Path(output_dir) / "checkpoints"):
+            lock.release()
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+    finally:
+        lock.release()
+
+
+# --- finished runs ------------------------------------------------------------------------------------
+
+def read_run(run_dir: str | os.PathLike) -> dict:
+    """run.json of a run with a complete checkpoint and a tokenizer."""
+    run_dir = Path(run_dir)
+    if not (run_dir / RUN_FILE).is_file():
+        raise ValueError(f"{run_dir} is not an mmadapt run directory (no run.json): pass the "
+                         "--output_dir of a pretrain or build_minipost run")
+    if checkpoint.latest_tag(run_dir / "checkpoints") is None:
+        raise ValueError(f"{run_dir} has no complete checkpoint yet: let its run save one first")
+    if not (run_dir / TOKENIZER).is_file():
+        raise ValueError(f"{run_dir} has no tokenizer/spm.model: it is not a complete mmadapt run")
+    return checkpoint.read_json(run_dir / RUN_FILE, "run file")
+
+
+def run_progress(run_dir: Path, iters: int) -> str:
+    """'done' (its newest complete checkpoint is update `iters`), 'resume' (an interrupted run:
+    checkpoints, but not that one) or 'new'."""
+    ckpt = Path(run_dir) / "checkpoints"
+    if checkpoint.latest_tag(ckpt) == checkpoint.tag_for(iters):
+        return "done"
+    return "resume" if checkpoint.has_checkpoints(ckpt) else "new"
+
+
+def run_model(run: dict) -> ModelConfig:
+    """A record's model config (a run from before model families is a RoBERTa run)."""
+    return ModelConfig(**run["model"])
+
+
+def checkpoint_tag(run_dir: Path, tag: str | None) -> str:
+    """`tag` if `run_dir` has it complete, else (tag None) its newest complete checkpoint."""
+    tags = checkpoint.complete_tags(Path(run_dir) / "checkpoints")
+    if tag is not None and tag not in tags:
+        raise ValueError(f"{run_dir} has no complete checkpoint {tag}; it has {', '.join(tags) or 'none'}")
+    if not tags:
+        raise ValueError(f"{run_dir} has no complete checkpoint yet: let its run save one first")
+    return tag or tags[-1]
+
+
+def load_checkpoint(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """A run's checkpoint as full weights in its family's names (checkpoint.load_full_state_dict)."""
+    def prefixes(model_config: dict) -> list:
+        cfg = ModelConfig(**model_config)
+        return get_family(cfg).pipeline_layer_prefixes(cfg)
+
+    return checkpoint.load_full_state_dict(Path(run_dir) / "checkpoints", tag, layer_prefixes=prefixes)
+
+
+def load_weights(run_dir: str | os.PathLike, tag: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Full weights of a Step-1 or Step-1b run (newest complete checkpoint unless `tag`), with
+    its config on one device.
+
+    A Step-1b checkpoint holds only the layers it trained; its frozen part is rebuilt from the
+    run it references (run.json `frozen_from`), exactly as Step 1b started from it.
+    """
+    run_dir = Path(run_dir)
+    run = read_run(run_dir)
+    if run.get("step") == "adapt":
+        raise ValueError(f"{run_dir} is a Step-2 run: its product is under {run_dir / 'embeddings'}")
+    cfg = dataclasses.replace(run_model(run), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    own = load_checkpoint(run_dir, tag or checkpoint.latest_tag(run_dir / "checkpoints"))
+    ref = run.get("frozen_from")
+    if ref is None:
+        return cfg, own
+    family = get_family(cfg)
+    src_cfg, src_state = load_weights(ref["run_dir"], ref["tag"])
+    mini = MiniModelConfig(ref["mini_layers"], ref["new_layers"])
+    _, frozen = family.minipost_start(src_cfg, src_state, mini.one_depth("build_minipost"), mini.new_layers)
+    state = {**frozen, **own}
+    missing = sorted(set(family.param_names(cfg)) - set(state))
+    if missing:
+        raise ValueError(f"{run_dir}: the checkpoint lacks {missing[0]}; it was not written by build_minipost")
+    return cfg, state
