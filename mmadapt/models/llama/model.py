@@ -210,6 +210,14 @@ class LMHeads(nn.Module):
         return (per_head * weights).sum(), per_head.detach()
 
 
+def output_layer(config: ModelConfig, seed: int = 1234) -> nn.Module:
+    """The untied output projection, weight [Vp, h]: its own seeded draw. Only its weight is
+    used (LMHead projects with it), so that every head shares one matmul path, tied or not."""
+    with seeded(derive_seed(seed, "output_layer")):
+        return column_linear(config, config.hidden_size, config.vocab_size, normal_init(config.init_method_std),
+                             bias=False)
+
+
 class LlamaDecoder(nn.Module):
     """Word embedding and decoder layers: the body that every step shares (no final norm, no head)."""
 
@@ -242,9 +250,7 @@ class LlamaLM(LlamaDecoder):
         super().__init__(config, seed)
         self.heads = LMHeads(config)
         if not config.share_embeddings_and_output_weights:
-            with seeded(derive_seed(seed, "output_layer")):
-                self.output_layer = column_linear(config, config.hidden_size, config.vocab_size,
-                                                  normal_init(config.init_method_std), bias=False)
+            self.output_layer = output_layer(config, seed)
 
     @property
     def output_weight(self) -> nn.Parameter:  # [Vp, h]
