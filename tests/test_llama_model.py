@@ -330,6 +330,59 @@ def test_task_kinds_other_than_classify_are_refused():
         LlamaForTask(tiny(), "span", 2)
 
 
+# --- pipeline stages -------------------------------------------------------------------------------------
+
+@pytest.fixture
+def world_of_one():
+    from mmadapt.parallel import init_parallel
+
+    init_parallel(1, 1)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_one_stage_pipeline_is_the_model(tied, world_of_one):
+    """Every pipeline parameter maps to a LlamaLM name (each once), starts from its weight, and
+    the stage list computes LlamaLM's loss (MINIJOINT: the carried head) and gradients."""
+    from mmadapt.models.llama.pipeline import pipeline_param_name, to_pipeline
+
+    cfg = tiny(share_embeddings_and_output_weights=tied, add_qkv_bias=True, head_layers=(1, 3))
+    pipe = to_pipeline(cfg, seed=5, data_parallel_size=1)
+    model = LlamaLM(cfg, seed=5)
+    names = {n: pipeline_param_name(n, cfg) for n, _ in pipe.named_parameters()}
+    assert sorted(names.values()) == sorted(n for n, _ in model.named_parameters())
+    ours = dict(model.named_parameters())
+    for n, p in pipe.named_parameters():
+        assert torch.equal(p, ours[names[n]]), n
+    perturb_norms_and_biases(model)
+    with torch.no_grad():
+        for n, p in pipe.named_parameters():
+            p.copy_(ours[names[n]])
+    ids, labels = lm_batch()
+    loss = pipe((ids, labels))
+    want, per_head = model(ids, labels)
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(pipe.forward_funcs[-1].head_losses[-1], per_head)
+    loss.backward()
+    want.backward()
+    for n, p in pipe.named_parameters():
+        torch.testing.assert_close(p.grad, ours[names[n]].grad, msg=lambda m: f"{n}: {m}")
+
+
+def test_pipeline_names_of_every_stage_layout():
+    """The name map over the whole layer list, without building stages: both ends, tied or not."""
+    from mmadapt.models.llama.pipeline import pipeline_param_name
+
+    cfg = tiny(share_embeddings_and_output_weights=False)
+    assert pipeline_param_name("0.word_embeddings.weight", cfg) == "word_embeddings.word_embeddings.weight"
+    assert pipeline_param_name("tied_modules.word.word_embeddings.weight", cfg) == (
+        "word_embeddings.word_embeddings.weight")
+    assert pipeline_param_name("3.fc2.weight", cfg) == "layers.2.fc2.weight"
+    assert pipeline_param_name("4.output_layer.weight", cfg) == "output_layer.weight"
+    assert pipeline_param_name("5.heads.0.norm.weight", cfg) == "heads.heads.0.norm.weight"
+    with pytest.raises(AssertionError, match="unexpected pipeline parameter 6.x"):
+        pipeline_param_name("6.x", cfg)
+
+
 # --- tensor parallel 2 against one process -------------------------------------------------------------
 
 @pytest.mark.slow
