@@ -38,7 +38,6 @@ def main() -> None:
     given = torch.load(in_file)
     cfg = dataclasses.replace(ModelConfig(**given["config"]), tensor_model_parallel_size=2)
     parallel.init_parallel(2, 1)
-    parallel.seed_everything(0)
     model = LlamaLM(cfg, seed=given["seed"])
     init = {n: gather_full(p, p) for n, p in model.named_parameters()}
     load_full_weights(model, {n: n for n, _ in model.named_parameters()}, given["state"], lambda name: True)

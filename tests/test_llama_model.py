@@ -59,7 +59,7 @@ def rotary_by_hand(x, base):
 
 def layer_by_hand(layer: DecoderLayer, cfg: ModelConfig, x: torch.Tensor) -> torch.Tensor:
     """x [b, s, h] -> the layer's output, head by head from the weights' documented layout."""
-    nh, ng, hd, f = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim, cfg.ffn_hidden_size
+    nh, ng, hd = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
     r, eps, s = nh // ng, cfg.layernorm_epsilon, x.shape[1]
     w = layer.qkv.weight.view(ng, r + 2, hd, -1)  # [group, its r queries + key + value, hd, h]
     bias = layer.qkv.bias.view(ng, r + 2, hd) if cfg.add_qkv_bias else torch.zeros(ng, r + 2, hd)
@@ -79,7 +79,6 @@ def layer_by_hand(layer: DecoderLayer, cfg: ModelConfig, x: torch.Tensor) -> tor
         xn = rms_norm(row, layer.post_attention_layernorm.weight, eps)
         gate, up = xn @ layer.fc1.weight[0::2].T, xn @ layer.fc1.weight[1::2].T  # rows interleaved
         out.append(row + (gate * torch.sigmoid(gate) * up) @ layer.fc2.weight.T)
-        assert layer.fc1.weight.shape[0] == 2 * f
     return torch.stack(out)
 
 

@@ -44,14 +44,14 @@ def validated(config: ModelConfig) -> ModelConfig:
     """config.validate(), and what the decoder refuses on top of it."""
     config.validate()
     if config.attention_impl == "varlen":
-        raise ValueError("attention_impl 'varlen' packs away padding for the encoder; the decoder has no use for "
-                         "it: use sdpa: causal attention on right-padded rows needs no mask")
+        raise ValueError("attention_impl 'varlen' is the encoder's way around padding; for the decoder use sdpa: "
+                         "causal attention on right-padded rows needs no mask")
     return config
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight (Zhang & Sennrich 2019), in fp32 and cast back as transformers'
-    LlamaRMSNorm does, so bf16 runs round where Llama checkpoints were trained to."""
+    """x / rms(x) * weight (Zhang & Sennrich 2019). Normalised in fp32 and cast back before the
+    weight, as transformers' LlamaRMSNorm: in bf16 an imported checkpoint then rounds as it does."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -88,10 +88,12 @@ class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: x = x + Drop(Attn(RMSNorm(x))); x = x + Drop(SwiGLU(RMSNorm(x))).
 
     No special case for the lowest trainable layer above frozen ones (MINIPOST Step 1b), unlike
-    the post-LN encoder: there QKV reads the frozen layer's output, whose gradient nothing uses,
-    while here it reads input_layernorm's output, which needs a gradient whenever that norm's
-    weight trains (Step 1b trains whole layers). So QKV's input gradient is used, and megatron's
-    linear computing it unconditionally costs nothing extra.
+    the post-LN encoder, whose QKV reads the frozen layer's output directly: there megatron's
+    linear (TP > 1) computes an input gradient that nothing uses. Here every linear of a
+    trainable layer reads a tensor that needs a gradient: QKV and fc1 read RMSNorm outputs,
+    which need one for the norms' weights (Step 1b trains whole layers), attn_out and fc2 read
+    products of trainable projections. (Frozen weights are megatron's frozen-weight path:
+    input gradient only.)
     """
 
     def __init__(self, config: ModelConfig, layer_number: int, seed: int = 1234):
