@@ -52,7 +52,8 @@ def rotary_by_hand(x, base):
     """x [s, hd]: dimensions (d, d + hd/2) as one complex number, turned by position * base^(-2d/hd)."""
     s, hd = x.shape
     theta = base ** (-torch.arange(hd // 2, dtype=torch.float64) * 2 / hd)
-    turn = torch.polar(torch.ones(s, hd // 2, dtype=torch.float64), torch.arange(s, dtype=torch.float64)[:, None] * theta)
+    angle = torch.arange(s, dtype=torch.float64)[:, None] * theta  # [s, hd/2]
+    turn = torch.polar(torch.ones_like(angle), angle)
     z = torch.complex(x[:, :hd // 2].double(), x[:, hd // 2:].double()) * turn
     return torch.cat([z.real, z.imag], dim=1).to(x.dtype)
 
@@ -396,7 +397,8 @@ def test_tensor_parallel_2_matches_one_process(tied, tmp_path):
     ids, labels = lm_batch(b=4, s=16)
     torch.save({"config": vars(cfg), "seed": 11, "state": model.state_dict(), "ids": ids, "labels": labels},
                tmp_path / "in.pt")
-    run_pretrain(2, str(tmp_path / "in.pt"), str(tmp_path / "out.pt"), script=str(REPO / "tests" / "llama_tp_worker.py"))
+    run_pretrain(2, str(tmp_path / "in.pt"), str(tmp_path / "out.pt"),
+                 script=str(REPO / "tests" / "llama_tp_worker.py"))
     tp2 = torch.load(tmp_path / "out.pt")
     assert set(tp2["init"]) == set(init)
     for n, w in init.items():

@@ -115,7 +115,8 @@ class PipeLMHeads(LMHeads):
         self.head_losses.append(per_head)
 
 
-def set_host_batches(pipe: PipelineModule, padding: list[Padding], masked: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def set_host_batches(pipe: PipelineModule, padding: list[Padding],
+                     masked: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Hand this rank's stage what the host knows about the micro-batches of the next
     train_batch / eval_batch, in their order: each one's (masked_index, targets) on the device,
     for the heads of the last stage. `padding` is taken so that the trainer calls every family
