@@ -1,0 +1,93 @@
+"""Exact FLOP counts of the decoder (model.py), with the conventions of mmadapt/flops.py: a matmul
+of [m, n] x [n, k] costs 2mnk; non-matmul work (RMSNorm, rotary, softmax, SiLU and the gate
+product, embedding lookups) is not counted; counts are per sequence of s tokens for one update.
+Every position is scored by an LM head (a causal LM predicts each next token), so there is no
+mask fraction p: a block whose last position has no target scores s - 1 positions, and its head
+terms are (s - 1) / s of these.
+
+With hidden h, nh query heads and ng key/value groups of head dim hd (nh hd = h; g = ng / nh),
+feed-forward f, vocabulary V, l layers and H heads:
+
+    linear(layer) = 2sh(nh + 2ng)hd [QKV] + 2sh^2 [out] + 4shf [gate/up] + 2shf [down]
+                  = 4sh^2(1 + g) + 6shf        (= 24sh^2 with MHA, g = 1, and Llama's f = 8h/3)
+    attn(layer)   = 2s^2h [QK^T] + 2s^2h [probs x V] = 4s^2h
+    head          = 2shV [output projection; the final norm is free]
+    forward       = l (linear + attn) + H head
+
+attn counts the full s x s square: that is what attention_impl "math" executes (every score,
+then the causal mask) and what torch's FlopCounterMode sees. A causal flash kernel skips the
+blocks above the diagonal, about half of attn, so on a GPU this overstates attention's share.
+Grouped-query attention shrinks only the K and V projections: the products run over all nh
+query heads, each against its group's key and value.
+
+Backward, as in mmadapt/flops.py: a weight matmul needs one product for its input gradient and
+one for its weight gradient; an attention product multiplies two activations and needs two
+products for its inputs' gradients. So:
+
+    pretrain (everything trains) = 3 forward
+        = 72slh^2 (1 + s/(6h) + HV/(12hl))                   (MHA, f = 8h/3)
+    Step 2 (word embedding trains; untied: the output layer too; everything else frozen; one head)
+        = l (2 linear + 3 attn) + 3 head                    (forward + input gradients down to the
+          embedding, and the projection's weight gradient: tied, it is the embedding's)
+        = 48slh^2 (1 + s/(4h) + V/(8hl))                      (MHA, f = 8h/3)
+    Step 1b of MINIPOST (the top l_t layers train; the layers below, embeddings and heads frozen)
+        = forward + H_t head + 2 l_t (linear + attn)
+      where H_t counts the heads after a trainable layer (one with its input below l - l_t has no
+      backward at all). The lowest trainable layer costs a full backward: its QKV reads
+      input_layernorm's output, which needs a gradient for that norm's weight (model.py's
+      DecoderLayer), unlike the post-LN encoder's, whose QKV input gradient is skipped.
+"""
+
+from __future__ import annotations
+
+from mmadapt.config import ModelConfig
+
+
+def layer_linear_flops(cfg: ModelConfig, s: int) -> int:
+    h, hd, f = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size
+    qkv = 2 * s * h * (cfg.num_attention_heads + 2 * cfg.query_groups) * hd
+    out = 2 * s * cfg.num_attention_heads * hd * h
+    return qkv + out + 4 * s * h * f + 2 * s * f * h
+
+
+def layer_attn_flops(cfg: ModelConfig, s: int) -> int:
+    return 4 * s * s * cfg.num_attention_heads * cfg.head_dim
+
+
+def layer_flops(cfg: ModelConfig, s: int) -> int:
+    """Forward FLOPs of one decoder layer for one sequence."""
+    return layer_linear_flops(cfg, s) + layer_attn_flops(cfg, s)
+
+
+def head_flops(cfg: ModelConfig, s: int) -> int:
+    """Forward FLOPs of one LM head: the output projection of all s positions."""
+    return 2 * s * cfg.hidden_size * cfg.vocab_size
+
+
+def forward_flops(cfg: ModelConfig, s: int) -> int:
+    """Forward FLOPs of one sequence through all layers and every LM head."""
+    return cfg.num_layers * layer_flops(cfg, s) + len(cfg.heads_after) * head_flops(cfg, s)
+
+
+def pretrain_flops(cfg: ModelConfig, s: int) -> int:
+    """Step 1, everything trainable (MINIJOINT: every head's forward and backward)."""
+    return 3 * forward_flops(cfg, s)
+
+
+def adapt_flops(cfg: ModelConfig, s: int) -> int:
+    """Step 2 over one head: the word embedding trains (and an untied output layer), the body and
+    the final norm are frozen but pass gradients down to the embedding."""
+    if len(cfg.heads_after) != 1:
+        raise ValueError("Step 2 trains over one LM head: pass the mini-model's config")
+    body = cfg.num_layers * (2 * layer_linear_flops(cfg, s) + 3 * layer_attn_flops(cfg, s))
+    return body + 3 * head_flops(cfg, s)
+
+
+def minipost_flops(cfg: ModelConfig, s: int, trainable_layers: int) -> int:
+    """Step 1b of MINIPOST: the top `trainable_layers` (l_t) of cfg.num_layers trainable, the
+    layers below, the embeddings and the heads frozen."""
+    l, lt = cfg.num_layers, trainable_layers
+    if not 1 <= lt <= l:
+        raise ValueError(f"trainable_layers {lt} must be in 1..num_layers={l}")
+    heads_with_backward = sum(1 for after in cfg.heads_after if after > l - lt)
+    return forward_flops(cfg, s) + heads_with_backward * head_flops(cfg, s) + 2 * lt * layer_flops(cfg, s)

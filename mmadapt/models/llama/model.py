@@ -1,0 +1,323 @@
+"""Llama-style causal language model with LM heads after any set of layers.
+
+References: Touvron et al. 2023 (Llama, Llama 2): a pre-norm decoder with RMSNorm, rotary
+positions, a SwiGLU feed-forward and no biases. Su et al. 2021 (RoFormer): rotary position
+embedding, here in the non-interleaved ("rotate_half") form of transformers' Llama. Ainslie et
+al. 2023 (GQA): ng key/value heads, each shared by nh / ng query heads. Shazeer 2020 (GLU
+variants): SwiGLU, silu(x W_gate) * (x W_up). megatron-core's GPTModel: the tensor-parallel
+layout (one fused QKV per key/value group, a fused gate/up projection) and the config names
+(num_query_groups, add_qkv_bias, rotary_base, share_embeddings_and_output_weights). Qwen2 is this
+model with a QKV bias. Marchisio et al. 2023 (mini-model adaptation): MINIJOINT adds a secondary
+LM head after layer N, with its own final norm and the primary's output projection; the loss is
+the mean of the heads' losses (or their weighted mean, ModelConfig.head_weights).
+
+Numerics follow transformers' LlamaForCausalLM (RMSNorm in fp32, rotary tables in fp32 cast to
+the activations' dtype, softmax in fp32 on the explicit path), so imported checkpoints give its
+logits (tests/test_llama_model.py). As in the encoder (mmadapt/models/roberta/model.py),
+tensor parallelism comes from megatron-core's layers at tensor_model_parallel_size > 1 and
+plain torch layers of the same names and shapes at 1, every full weight is drawn from its own
+seeded generator, and this file never imports DeepSpeed (pipeline.py wraps these modules).
+
+Shapes (batch first throughout):
+    b batch, s sequence, h hidden_size, nh attention heads, ng key/value (query) groups,
+    np / gp heads / groups on this TP rank, r = nh / ng query heads per group, hd head dim,
+    f ffn_hidden_size, fp = f / TP, m scored positions in the batch, V vocab_size, Vp = V / TP.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from torch import nn
+
+from mmadapt.config import ModelConfig
+from mmadapt.models.layers import (Linear, Padding, WordEmbedding, column_linear, derive_seed, masked_positions,
+                                   normal_init, row_linear, to_tp_region)
+from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
+from mmadapt.tokens import PAD_ID
+
+
+def validated(config: ModelConfig) -> ModelConfig:
+    """config.validate(), and what the decoder refuses on top of it."""
+    config.validate()
+    if config.attention_impl == "varlen":
+        raise ValueError("attention_impl 'varlen' is the encoder's way around padding; for the decoder use sdpa: "
+                         "causal attention on right-padded rows needs no mask")
+    return config
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (Zhang & Sennrich 2019). Normalised in fp32 and cast back before the
+    weight, as transformers' LlamaRMSNorm: in bf16 an imported checkpoint then rounds as it does."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotary_table(s: int, head_dim: int, base: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [s, hd], for positions 0..s-1, in `like`'s dtype and device.
+
+    Built once per forward pass and handed to every layer (not cached on the module): it costs
+    O(s * hd), nothing next to one layer's matmuls, and a cache keyed by (s, device, dtype)
+    would be module state that dynamo guards on and that `.to()` and checkpoints must skip.
+    Angles are computed in fp32 whatever the activations' dtype: in bf16, position * frequency
+    would lose the position past a few hundred tokens."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=like.device) / head_dim)
+    freqs = torch.arange(s, dtype=torch.float32, device=like.device)[:, None] * inv_freq  # [s, hd/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [s, hd]: dimension i pairs with i + hd/2
+    return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
+def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate each (i, i + hd/2) pair of x [b, heads, s, hd] by its position's angle."""
+    cos, sin = rope
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: x = x + Drop(Attn(RMSNorm(x))); x = x + Drop(SwiGLU(RMSNorm(x))).
+
+    No special case for the lowest trainable layer above frozen ones (MINIPOST Step 1b), unlike
+    the post-LN encoder, whose QKV reads the frozen layer's output directly: there megatron's
+    linear (TP > 1) computes an input gradient that nothing uses. Here every linear of a
+    trainable layer reads a tensor that needs a gradient: QKV and fc1 read RMSNorm outputs,
+    which need one for the norms' weights (Step 1b trains whole layers), attn_out and fc2 read
+    products of trainable projections. (Frozen weights are megatron's frozen-weight path:
+    input gradient only.)
+    """
+
+    def __init__(self, config: ModelConfig, layer_number: int, seed: int = 1234):
+        super().__init__()
+        self.layer_number = layer_number  # 1-based, as in head_layers
+        tp = config.tensor_model_parallel_size
+        nh, ng, hd, h = config.num_attention_heads, config.query_groups, config.head_dim, config.hidden_size
+        self.heads, self.groups, self.head_dim = nh // tp, ng // tp, hd  # np, gp, hd
+        self.ffn_per_partition = config.ffn_hidden_size // tp  # fp
+        self.attention_dropout = config.attention_dropout
+        self.attention_impl = config.attention_impl
+        init = normal_init(config.init_method_std)
+        # megatron's scaled init of the two projections that write into the residual stream,
+        # so that the stream's variance does not grow with depth.
+        out_init = normal_init(config.init_method_std / math.sqrt(2 * config.num_layers))
+        with seeded(derive_seed(seed, f"layers.{layer_number}")):
+            # Rows laid out per key/value group as [ng, r + 2, hd] (the group's r query heads,
+            # its key head, its value head), so the contiguous row block that a TP rank owns
+            # holds whole groups: attention needs no communication.
+            self.qkv = column_linear(config, h, (nh + 2 * ng) * hd, init, bias=config.add_qkv_bias)
+            self.attn_out = row_linear(config, nh * hd, h, out_init, bias=False)
+            # Rows interleaved, 2j = gate_j and 2j + 1 = up_j: any TP chunk of rows holds whole
+            # (gate, up) pairs, so the full weight's layout does not depend on the TP size.
+            self.fc1 = column_linear(config, h, 2 * config.ffn_hidden_size, init, bias=False)
+            self.fc2 = row_linear(config, config.ffn_hidden_size, h, out_init, bias=False)
+        self.input_layernorm = RMSNorm(h, config.layernorm_epsilon)
+        self.post_attention_layernorm = RMSNorm(h, config.layernorm_epsilon)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Causal self-attention. No padding mask, ever: batches are unpadded (packed LM blocks)
+        or right-padded (task batches), and in a right-padded row every real token precedes
+        every pad, so the causal mask alone keeps real tokens from seeing padding. Pad positions
+        do see real tokens, but no loss and no pooling reads their outputs. Hence SDPA always
+        gets is_causal and no mask, which keeps its flash kernel eligible on a GPU."""
+        b, s, _ = x.shape
+        r = self.heads // self.groups
+        qkv, _ = self.qkv(x)  # [b, s, (np + 2gp) hd]
+        q, k, v = qkv.view(b, s, self.groups, r + 2, self.head_dim).split((r, 1, 1), dim=3)
+        # Query head j of group g is head g * r + j: transformers' order (its repeat_kv).
+        q = rotate(q.reshape(b, s, self.heads, self.head_dim).transpose(1, 2), rope)  # [b, np, s, hd]
+        k = rotate(k.squeeze(3).transpose(1, 2), rope)  # [b, gp, s, hd]
+        v = v.squeeze(3).transpose(1, 2)  # [b, gp, s, hd]
+        p = self.attention_dropout if self.training else 0.0
+        # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
+        with MODEL_PARALLEL_RNG.fork(x.device):
+            if self.attention_impl == "sdpa":
+                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=r > 1)
+            else:  # "math": explicit matmuls, which torch's FLOP counter sees
+                k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # [b, np, s, hd]
+                scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # [b, np, s, s]
+                future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+                probs = scores.masked_fill(future, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+                ctx = F.dropout(probs, p=p) @ v  # [b, np, s, hd]
+        out, _ = self.attn_out(ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        return out  # [b, s, h], summed over TP ranks
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc1(x)[0].unflatten(-1, (self.ffn_per_partition, 2)).unbind(-1)  # each [b, s, fp]
+        out, _ = self.fc2(F.silu(gate) * up)
+        return out  # [b, s, h], summed over TP ranks
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [b, s, h]; rope: `rotary_table` for s."""
+        x = x + self.dropout(self.attention(self.input_layernorm(x), rope))
+        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+
+
+class LMHead(nn.Module):
+    """This head's final RMSNorm, then the output projection (passed in: every head shares the
+    primary's). Its only parameter is the norm's weight, initialised to ones: nothing to seed."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        self.tp = config.tensor_model_parallel_size
+
+    def forward(self, x: torch.Tensor, output_weight: torch.Tensor) -> torch.Tensor:
+        """x [m, h], the hidden states of the scored positions only -> logits [m, Vp]."""
+        return F.linear(to_tp_region(self.norm(x), self.tp), output_weight)
+
+
+class LMHeads(nn.Module):
+    """One LMHead per entry of heads_after; the loss is the mean of their losses, or their
+    weighted mean with head_weights."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.loss_weights = config.loss_weights  # None: the plain mean
+        self.tp = config.tensor_model_parallel_size
+        self.heads = nn.ModuleList(LMHead(config) for _ in config.heads_after)
+
+    def forward(self, hiddens: list[torch.Tensor], masked_index: torch.Tensor, targets: torch.Tensor,
+                output_weight: torch.Tensor):
+        """hiddens: one [b, s, h] per head, in heads_after order; masked_index [m]: the scored
+        positions as flat indices into b * s, targets [m]: their next tokens (`masked_positions`);
+        output_weight [Vp, h].
+
+        Only the m scored rows are normed and projected. They are gathered by index, not by a
+        boolean mask, so that m comes from the host: a boolean gather on the device would make
+        the host wait for the device to count m.
+        Returns (loss, per_head): the mean (or weighted mean) of the heads' losses, and each
+        head's loss, detached.
+        """
+        losses = []
+        for head, h in zip(self.heads, hiddens):
+            logits = head(h.reshape(-1, h.shape[-1]).index_select(0, masked_index), output_weight)  # [m, Vp]
+            if self.tp == 1:
+                losses.append(F.cross_entropy(logits.float(), targets))
+            else:
+                losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean())
+        per_head = torch.stack(losses)
+        if self.loss_weights is None:
+            return per_head.mean(), per_head.detach()
+        weights = torch.tensor(self.loss_weights, dtype=per_head.dtype, device=per_head.device)
+        return (per_head * weights).sum(), per_head.detach()
+
+
+def output_layer(config: ModelConfig, seed: int = 1234) -> nn.Module:
+    """The untied output projection, weight [Vp, h]: its own seeded draw. Only its weight is
+    used (LMHead projects with it), so that every head shares one matmul path, tied or not."""
+    with seeded(derive_seed(seed, "output_layer")):
+        return column_linear(config, config.hidden_size, config.vocab_size, normal_init(config.init_method_std),
+                             bias=False)
+
+
+class LlamaDecoder(nn.Module):
+    """Word embedding and decoder layers: the body that every step shares (no final norm, no head)."""
+
+    def __init__(self, config: ModelConfig, seed: int = 1234):
+        super().__init__()
+        self.config = validated(config)
+        self.word_embeddings = WordEmbedding(config, seed)
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)  # megatron GPT's; Llama's is 0
+        self.layers = nn.ModuleList(DecoderLayer(config, i, seed) for i in range(1, config.num_layers + 1))
+
+    def encode(self, input_ids: torch.Tensor, layers: tuple[int, ...],
+               padding: Padding | None = None) -> list[torch.Tensor]:
+        """input_ids [b, s] -> the output [b, s, h] of each layer in `layers` (1-based,
+        ascending), before any final norm. padding is accepted so that every family is called
+        alike, and unused: causal attention needs no padding mask (DecoderLayer.attention)."""
+        x = self.embedding_dropout(self.word_embeddings(input_ids))
+        rope = rotary_table(input_ids.shape[1], self.config.head_dim, self.config.rotary_base, x)
+        out = []
+        for layer in self.layers:
+            x = layer(x, rope)
+            if layer.layer_number in layers:
+                out.append(x)
+        return out
+
+
+class LlamaLM(LlamaDecoder):
+    """The plain (non-pipelined) causal LM. Parallelism is applied around it (pipeline.py)."""
+
+    def __init__(self, config: ModelConfig, seed: int = 1234):
+        super().__init__(config, seed)
+        self.heads = LMHeads(config)
+        if not config.share_embeddings_and_output_weights:
+            self.output_layer = output_layer(config, seed)
+
+    @property
+    def output_weight(self) -> nn.Parameter:  # [Vp, h]
+        if self.config.share_embeddings_and_output_weights:
+            return self.word_embeddings.weight
+        return self.output_layer.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
+        """input_ids [b, s] -> the output [b, s, h] of each layer in heads_after (each head
+        applies its own final norm)."""
+        return self.encode(input_ids, self.config.heads_after, padding)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
+                masked_index: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                padding: Padding | None = None):
+        """input_ids [b, s] and either labels [b, s] (the next token at each position; -100: not
+        scored) or, prepared on the host so that the step never waits for the device,
+        masked_index [m] and targets [m] (`masked_positions`) -> (loss, per_head [num heads])."""
+        if masked_index is None:
+            masked_index, targets = masked_positions(labels)
+        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.output_weight)
+
+
+# --- task head (Step 3 fine-tuning, Step 4 zero-shot evaluation) ---------------------------------------
+
+TASK_KINDS = ("classify",)
+
+
+def task_param_name(name: str, config: ModelConfig) -> str:
+    """Map a LlamaForTask parameter name to the LlamaLM name it loads from: the body's are the
+    same; the final norm is the primary head's (the task head `score` has none, so its name
+    stays and a pretrained state lacks it)."""
+    return f"heads.heads.{len(config.heads_after) - 1}.norm.weight" if name == "norm.weight" else name
+
+
+class LlamaForTask(LlamaDecoder):
+    """The primary model's body and final norm with a linear `score` on the last real token of
+    each row, as transformers' LlamaForSequenceClassification: causal attention makes that the
+    only position that has read the whole sequence. Parameter names of the body are LlamaLM's
+    (`task_param_name` maps the final norm), so a pretrained state dict loads and Step 4 swaps
+    `word_embeddings.word_embeddings.weight` alone.
+
+    kind "classify": logits [b, C]; labels [b]. Rows are right-padded (features.py), so the last
+    real token is the rightmost non-PAD one. The head is replicated on tensor-parallel ranks.
+    """
+
+    def __init__(self, config: ModelConfig, kind: str, num_labels: int, seed: int = 1234):
+        super().__init__(config, seed)
+        if kind not in TASK_KINDS:
+            raise ValueError(f"task kind must be one of {', '.join(TASK_KINDS)} for the decoder family, got {kind!r}")
+        self.kind, self.num_labels = kind, num_labels
+        self.norm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        with seeded(derive_seed(seed, "score")):
+            self.score = Linear(config.hidden_size, num_labels, normal_init(config.init_method_std), bias=False)
+
+    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> torch.Tensor:
+        x = self.encode(input_ids, (self.config.num_layers,), padding)[0]  # [b, s, h]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        last = (positions * input_ids.ne(PAD_ID)).argmax(-1)  # [b], found on the device: no host wait
+        logits, _ = self.score(self.norm(x[torch.arange(x.shape[0], device=x.device), last]))
+        return logits  # [b, C]
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, padding: Padding | None = None):
+        """-> (loss or None, logits [b, C]). padding: as in LlamaDecoder.encode."""
+        logits = self.logits(input_ids, padding)
+        if labels is None:
+            return None, logits
+        return F.cross_entropy(logits.float(), labels), logits

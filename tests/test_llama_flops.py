@@ -1,0 +1,110 @@
+"""The decoder's FLOP counts (mmadapt/models/llama/flops.py): every function against torch's
+FlopCounterMode on the real model (attention_impl "math": the counter sees CPU SDPA as 0), with
+the requires_grad pattern of each step, tied and untied, with and without grouped-query
+attention; and the closed forms of the docstring."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mmadapt.config import ModelConfig
+from mmadapt.flops import counted_flops
+from mmadapt.models.llama.flops import (adapt_flops, forward_flops, head_flops, layer_attn_flops, layer_flops,
+                                        layer_linear_flops, minipost_flops, pretrain_flops)
+from mmadapt.models.llama.model import DecoderLayer, LlamaLM, rotary_table
+from mmadapt.models.llama.presets import QWEN2_0_5B, TINY
+
+B, S = 2, 24
+
+
+def tiny(**kw) -> ModelConfig:
+    """4 layers of h 32, 4 heads of 8 (2 key/value groups unless told), ffn 48, V 160."""
+    return dataclasses.replace(TINY, num_layers=4, hidden_size=32, ffn_hidden_size=48, vocab_size=160,
+                               attention_impl="math", **kw)
+
+
+SHAPES = {"gqa-tied": {}, "mha-tied": {"num_query_groups": None},
+          "gqa-untied-bias": {"share_embeddings_and_output_weights": False, "add_qkv_bias": True},
+          "mqa-untied": {"num_query_groups": 1, "share_embeddings_and_output_weights": False}}
+
+
+def lm_batch(cfg):
+    """ids [B, S] and a next-token target at every position (every position scored)."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(5, cfg.vocab_size, (B, S), generator=g), torch.randint(5, cfg.vocab_size, (B, S), generator=g)
+
+
+def count_update(model, ids, labels) -> int:
+    def step():
+        loss, _ = model(ids, labels)
+        loss.backward()
+    return counted_flops(step)
+
+
+def train_only(model, prefixes: tuple[str, ...]) -> None:
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith(prefixes))
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_one_layer_and_one_head_forward(shape):
+    cfg = tiny(**SHAPES[shape])
+    layer = DecoderLayer(cfg, 1)
+    x = torch.randn(B, S, cfg.hidden_size)
+    rope = rotary_table(S, cfg.head_dim, cfg.rotary_base, x)
+    with torch.no_grad():
+        assert counted_flops(lambda: layer(x, rope)) == B * layer_flops(cfg, S)
+        layer.attention_impl = "sdpa"  # the counter does not see CPU SDPA: what is left is the linears
+        assert counted_flops(lambda: layer(x, rope)) == B * layer_linear_flops(cfg, S)
+    assert layer_attn_flops(cfg, S) == layer_flops(cfg, S) - layer_linear_flops(cfg, S)
+    model = LlamaLM(cfg)
+    with torch.no_grad():
+        rows = torch.randn(B * S, cfg.hidden_size)
+        assert counted_flops(lambda: model.heads.heads[0](rows, model.output_weight)) == B * head_flops(cfg, S)
+        assert counted_flops(lambda: model(*lm_batch(cfg))) == B * forward_flops(cfg, S)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES) + ["minijoint"])
+def test_pretrain_count_equals_exact(shape):
+    cfg = tiny(head_layers=(1, 4)) if shape == "minijoint" else tiny(**SHAPES[shape])
+    assert count_update(LlamaLM(cfg), *lm_batch(cfg)) == B * pretrain_flops(cfg, S)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_step2_count_equals_exact(shape):
+    cfg = tiny(**SHAPES[shape])
+    model = LlamaLM(cfg)
+    train_only(model, ("word_embeddings.", "output_layer."))
+    assert count_update(model, *lm_batch(cfg)) == B * adapt_flops(cfg, S)
+
+
+@pytest.mark.parametrize("shape, trainable", [("gqa-tied", 2), ("gqa-untied-bias", 1), ("mha-tied", 4),
+                                              ("minijoint", 2)])
+def test_minipost_count_equals_exact(shape, trainable):
+    """Top layers trainable; for MINIJOINT, the head after layer 1 sits below them: no backward."""
+    cfg = tiny(head_layers=(1, 4)) if shape == "minijoint" else tiny(**SHAPES[shape])
+    model = LlamaLM(cfg)
+    train_only(model, tuple(f"layers.{i}." for i in range(cfg.num_layers - trainable, cfg.num_layers)))
+    assert count_update(model, *lm_batch(cfg)) == B * minipost_flops(cfg, S, trainable)
+
+
+def test_closed_forms():
+    s, h, l, V = 512, 96, 6, 1000
+    mha = ModelConfig(family="llama", num_layers=l, hidden_size=h, num_attention_heads=4, ffn_hidden_size=8 * h // 3,
+                      vocab_size=V)
+    assert layer_linear_flops(mha, s) == 24 * s * h * h
+    assert pretrain_flops(mha, s) == pytest.approx(72 * s * l * h * h * (1 + s / (6 * h) + V / (12 * h * l)))
+    assert adapt_flops(mha, s) == pytest.approx(48 * s * l * h * h * (1 + s / (4 * h) + V / (8 * h * l)))
+    # Qwen2-0.5B: g = 2 / 14 of the key/value projections, f = 4864.
+    q = QWEN2_0_5B
+    h, f, g = q.hidden_size, q.ffn_hidden_size, 2 / 14
+    assert layer_linear_flops(q, s) == pytest.approx(4 * s * h * h * (1 + g) + 6 * s * h * f)
+    assert minipost_flops(q, s, 2) == forward_flops(q, s) + head_flops(q, s) + 4 * layer_flops(q, s)
+
+
+def test_bad_step_shapes_are_refused():
+    with pytest.raises(ValueError, match="one LM head"):
+        adapt_flops(tiny(head_layers=(1, 4)), S)
+    with pytest.raises(ValueError, match="trainable_layers 5 must be in 1..num_layers=4"):
+        minipost_flops(tiny(), S, 5)
