@@ -16,14 +16,14 @@ import traceback
 from pathlib import Path
 
 from mmadapt import faults, parallel, steps
-from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, PRESETS, RECIPES, SYSTEMS, FinetuneConfig, Layout,
+from mmadapt.config import (DEFAULT_DS_CONFIG, FAMILY_PRESETS, LAYOUT_FIELDS, PRESETS, RECIPES, SYSTEMS, FinetuneConfig, Layout,
                             MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args,
                             apply_recipe, override)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_hf
 from mmadapt.report import PAPER, flops_rows, format_flops_table, paper_rows, plot_curves, plot_speedup, report_markdown
-from mmadapt.run import RunSpec
+from mmadapt.run import RunSpec, read_run, run_model
 from mmadapt.slurm import main as slurm_command
 from mmadapt.sweep import SweepConfig
 from mmadapt.tasks import TASKS
@@ -166,11 +166,23 @@ def preprocess_main(argv=None) -> int:
 # --- Step 1b and Step 2: the model comes from an earlier run, only its layout may change ----------------
 
 def _later_step_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...]) -> None:
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="training schedule "
-                   "(the model's shape comes from the source run)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="training schedule (the model's shape comes from the "
+                   "source run; default: its family's small preset, "
+                   + ", ".join(f"{v} for {k}" for k, v in FAMILY_PRESETS.items()) + ")")
     _run_args(p)
     add_dataclass_args(p, ModelConfig, only=model_fields, defaults="the source run's")
     add_dataclass_args(p, TrainConfig, defaults=TRAIN_PRESETS)
+
+
+def _schedule(args, source: str) -> TrainConfig:
+    """The TrainConfig of a step over the run `source`: its --preset's schedule (default: the
+    source family's small preset; another family's preset is refused) with the flags over it."""
+    family = run_model(read_run(source)).family
+    preset = args.preset or FAMILY_PRESETS[family]
+    if PRESETS[preset][0].family != family:
+        raise ValueError(f"--preset {preset} is a {PRESETS[preset][0].family} preset, but {source} is a {family} "
+                         f"run: drop --preset, or choose one of {', '.join(n for n, (m, _) in PRESETS.items() if m.family == family)}")
+    return override(PRESETS[preset][1], args)
 
 
 def minipost_parser() -> argparse.ArgumentParser:
@@ -188,7 +200,7 @@ def minipost_parser() -> argparse.ArgumentParser:
 @user_errors
 def minipost_main(argv=None) -> int:
     args = minipost_parser().parse_args(argv)
-    step = steps.BuildMinipost(primary=Path(args.primary), train=override(TRAIN_PRESETS[args.preset], args),
+    step = steps.BuildMinipost(primary=Path(args.primary), train=_schedule(args, args.primary),
                                mini=override(MiniModelConfig(), args), primary_tag=args.primary_tag)
     rows = steps.build_minipost(run=_run_spec(args), step=step)
     _done(rows, f"MINIPOST mini-model in {args.output_dir}")
@@ -220,7 +232,7 @@ def adapt_main(argv=None) -> int:
     args = adapt_parser().parse_args(argv)
     depth = None if args.mini_layers is None else MiniModelConfig(args.mini_layers).one_depth("adapt")
     step = steps.AdaptEmbeddings(system=args.system, source=Path(args.source), lang=args.lang,
-                                 train=override(TRAIN_PRESETS[args.preset], args), vocab_size=args.vocab_size,
+                                 train=_schedule(args, args.source), vocab_size=args.vocab_size,
                                  source_tag=args.source_tag, mini_layers=depth)
     rows = steps.adapt_embeddings(run=_run_spec(args), step=step)
     _done(rows, f"{args.system} {args.lang} embeddings, artifacts in {Path(args.output_dir) / 'embeddings'}")
@@ -240,8 +252,8 @@ def sweep_parser() -> argparse.ArgumentParser:
                "the metric")
     p.add_argument("--vocab_size", type=int, help="with --corpus: the target vocabulary size V (default: the "
                    "source model's)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="Step-2 training schedule "
-                   "(the model's shape comes from the source run)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="Step-2 training schedule (the model's shape comes from "
+                   "the source run; default: its family's small preset)")
     p.add_argument("--output_dir", required=True, help="one Step-2 run per depth (<output_dir>/<N>), the "
                    "ceiling's (<output_dir>/full), sweep.md, sweep.json, sweep.png")
     p.add_argument("--ds_config", default=str(DEFAULT_DS_CONFIG), help="DeepSpeed JSON (ZeRO stage, precision)")
@@ -257,7 +269,7 @@ def sweep_parser() -> argparse.ArgumentParser:
 @user_errors
 def sweep_main(argv=None) -> int:
     args = sweep_parser().parse_args(argv)
-    step = steps.Sweep(source=Path(args.source), lang=args.lang, train=override(TRAIN_PRESETS[args.preset], args),
+    step = steps.Sweep(source=Path(args.source), lang=args.lang, train=_schedule(args, args.source),
                        mini_layers=None if args.mini_layers is None else tuple(args.mini_layers),
                        cfg=override(SweepConfig(), args), source_tag=args.source_tag,
                        prep=override(PreprocessConfig(), args), vocab_size=args.vocab_size)

@@ -18,17 +18,20 @@ A prepared dataset (`prepare`, the `mmadapt preprocess` command) is a directory:
 Encoding runs in `workers` processes over byte ranges aligned to document boundaries; shards
 are concatenated in corpus order, so the dataset is byte-identical for any number of workers.
 
-Blocks follow RoBERTa's FULL-SENTENCES packing (fairseq's `--sample-break-mode complete`): each
-block is `<s>` followed by consecutive whole sequences (sentences with their `</s>`, document
-separators) up to seq_length tokens, crossing document boundaries; a sentence longer than a
-block is split. A block is therefore one contiguous range of the token stream.
+Masked-LM blocks (the encoder's objective, MLMBatches) follow RoBERTa's FULL-SENTENCES packing
+(fairseq's `--sample-break-mode complete`): each block is `<s>` followed by consecutive whole
+sequences (sentences with their `</s>`, document separators) up to seq_length tokens, crossing
+document boundaries; a sentence longer than a block is split. A block is therefore one
+contiguous range of the token stream. Next-token blocks (the decoder's objective,
+CausalBatches) are GPT-style packing of the same stream: consecutive chunks of seq_length + 1
+tokens, each position scored on its next piece.
 
 Batches are a pure function of (seed, update step): the global sample index of micro-batch j,
 data-parallel rank r, row i of update t is
     g = t * global_batch + (j * dp_world + r) * micro_batch + i
 and sample g is block perm_e(g mod n) of epoch e = g // n (a seeded permutation computed per
-index, never materialised), masked with an RNG seeded by (seed, g) (RoBERTa's dynamic masking:
-a block seen again gets a new mask). Resuming therefore needs only the update step, and a
+index, never materialised), for MLM masked with an RNG seeded by (seed, g) (RoBERTa's dynamic
+masking: a block seen again gets a new mask). Resuming therefore needs only the update step, and a
 data-parallel run sees exactly the micro-batches of a single-process run with gradient
 accumulation over the same global batch.
 """
@@ -567,37 +570,44 @@ def micro_batch_range(step: int, micro_step: int, loop: LoopConfig, dp_rank: int
     return range(first, first + micro)
 
 
-class MLMBatches:
-    """Micro-batches of masked blocks of a prepared dataset, a pure function of (seed, step,
-    micro step, dp rank). Everything is memory-mapped: start-up reads no index into memory."""
+class TokenBatches:
+    """Micro-batches of blocks of a prepared dataset's token stream, a pure function of (seed,
+    step, micro step, dp rank): what every language-model objective shares. A subclass says how
+    many blocks there are (`__len__`) and what block g's (input_ids, labels) are (`sample`).
+    Everything is memory-mapped: start-up reads no index into memory."""
+    indexed = False  # whether its blocks need `block_index` (made once, before training)
 
     def __init__(self, data_path: str | os.PathLike, train: TrainConfig, vocab_size: int, dp_rank: int = 0,
                  dp_world: int = 1, split: str = TEXT):
         """train: the seed, seq_length, mask_prob and the batch fields (TrainConfig's)."""
-        data_path = Path(data_path)
-        seq_length, seed = train.seq_length, train.seed
-        manifest = read_manifest(data_path)
+        self.data_path = Path(data_path)
+        manifest = read_manifest(self.data_path)
         if split == VALID and not manifest.get("valid"):
-            raise DataError(f"{data_path} holds no validation data: prepare it with --valid_fraction > 0 "
+            raise DataError(f"{self.data_path} holds no validation data: prepare it with --valid_fraction > 0 "
                             "(or set --eval_interval 0)")
-        self.tokens = np.memmap(data_path / (split + ".bin"), dtype=manifest["dtype"], mode="r")
-        self.blocks = np.load(block_index(data_path, seq_length, split), mmap_mode="r")
-        if len(self.blocks) == 0:
-            raise DataError(f"{data_path} holds no blocks: the corpus produced no tokens")
-        self.seq_length, self.vocab_size, self.seed, self.mask_prob = seq_length, vocab_size, seed, train.mask_prob
+        self.split = split
+        self.tokens = np.memmap(self.data_path / (split + ".bin"), dtype=manifest["dtype"], mode="r")
+        self.seq_length, self.vocab_size, self.seed, self.mask_prob = train.seq_length, vocab_size, train.seed, \
+            train.mask_prob
         self.train = train
         self.micro_batch_size, self.gas = train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.global_batch = train.global_batch(dp_world)
-        self.order = EpochOrder(len(self.blocks), seed)
+        self.blocks = self._block_index()
+        if len(self) == 0:
+            raise DataError(f"{self.data_path} holds no blocks of {self.seq_length}: the corpus produced too few "
+                            "tokens")
+        self.order = EpochOrder(len(self), train.seed)
+
+    def _block_index(self) -> np.ndarray | None:
+        """[n, 2] (token offset, length) of each block, when blocks are not evenly spaced."""
+        return None
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        raise NotImplementedError
 
-    def sample(self, g: int):
-        offset, length = self.blocks[self.order(g)]
-        block = np.concatenate([[BOS_ID], self.tokens[offset:offset + length]])
-        return mask_tokens(block, np.random.default_rng([self.seed, 1, g]), self.vocab_size, self.mask_prob)
+    def sample(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
 
     def micro_batch(self, step: int, micro_step: int):
         """-> (input_ids, labels), each [micro_batch_size, seq_length] int64, padded with PAD_ID."""
@@ -612,3 +622,41 @@ class MLMBatches:
     def step_batches(self, step: int):
         """The gradient_accumulation_steps micro-batches of this rank for one update."""
         return [self.micro_batch(step, j) for j in range(self.gas)]
+
+
+class MLMBatches(TokenBatches):
+    """Masked blocks (the encoder's objective): FULL-SENTENCES blocks (`block_index`), `<s>` first,
+    masked with an RNG seeded by (seed, g): RoBERTa's dynamic masking."""
+    indexed = True
+
+    def _block_index(self) -> np.ndarray:
+        return np.load(block_index(self.data_path, self.seq_length, self.split), mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def sample(self, g: int):
+        offset, length = self.blocks[self.order(g)]
+        block = np.concatenate([[BOS_ID], self.tokens[offset:offset + length]])
+        return mask_tokens(block, np.random.default_rng([self.seed, 1, g]), self.vocab_size, self.mask_prob)
+
+
+class CausalBatches(TokenBatches):
+    """Packed blocks for next-token prediction (the decoder's objective): the token stream cut
+    into consecutive chunks of seq_length + 1 tokens (sentences with their `</s>`, documents
+    separated by a lone `</s>`, so blocks cross documents as GPT-style packing does); block g's
+    input is its chunk's first seq_length tokens and its labels the last seq_length: every
+    position is scored on its next piece. No padding, no masking, no block index: chunk k starts
+    at token k * seq_length."""
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.seq_length)
+
+    def sample(self, g: int):
+        start = self.order(g) * self.seq_length
+        chunk = self.tokens[start:start + self.seq_length + 1].astype(np.int64)
+        return chunk[:-1], chunk[1:]
+
+
+# The batches of each model family's objective (ModelFamily.objective).
+OBJECTIVES = {"mlm": MLMBatches, "causal": CausalBatches}

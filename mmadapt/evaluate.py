@@ -405,7 +405,7 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
     layer = layer or math.ceil(cfg.num_layers / 2)
     model = get_family(cfg).build_body(cfg)
-    model.load_state_dict(state)
+    model.load_state_dict({k: state[k] for k in model.state_dict()})  # the body of the task model's start
     model = on_eval_device(model, device())  # built once; each artifact is swapped into it
     src_sp, src_vectors, records = load_tokenizer(primary_run / TOKENIZER), {}, []
     for path in artifact_dirs(adapt_runs):

@@ -32,7 +32,7 @@ import dataclasses
 
 import torch
 
-from mmadapt.config import ModelConfig
+from mmadapt.config import LoopConfig, ModelConfig
 
 WORD = "word_embeddings.word_embeddings.weight"  # every family's input embedding [V, h]
 
@@ -51,6 +51,9 @@ class ModelFamily:
     def check(self, cfg: ModelConfig) -> None:
         """Refuse, with one line, what this family cannot build (ModelConfig.validate has checked
         the rest)."""
+
+    def check_loop(self, loop: LoopConfig) -> None:
+        """Refuse, with one line, a training setting that means nothing for this family's objective."""
 
     # --- modules -------------------------------------------------------------------------------------
     def build_lm(self, cfg: ModelConfig, seed: int = 1234) -> torch.nn.Module:
@@ -80,9 +83,9 @@ class ModelFamily:
             key, rest = name[len("tied_modules."):].split(".", 1)
             return self.pipeline_ties[key] + rest
         idx, rest = name.split(".", 1)
-        prefix = prefixes[int(idx)]
-        assert prefix is not None, f"unexpected pipeline parameter {name}"
-        return prefix + rest
+        if int(idx) >= len(prefixes) or prefixes[int(idx)] is None:
+            raise AssertionError(f"unexpected pipeline parameter {name}")
+        return prefixes[int(idx)] + rest
 
     # --- what each step trains -------------------------------------------------------------------------
     def vocab_params(self, cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
@@ -99,6 +102,11 @@ class ModelFamily:
         """build_task_model names (or prefixes ending in ".") that Step 3 trains: everything but
         the word embeddings."""
         raise NotImplementedError
+
+    def task_state(self, cfg: ModelConfig, state: dict) -> dict:
+        """The part of a `build_lm` state dict that `build_task_model` starts from, in its names
+        (the task head itself is new): by default the body, every head dropped."""
+        return {k: v for k, v in state.items() if not k.startswith("heads.")}
 
     # --- mini-models (paper section 2) -----------------------------------------------------------------
     def one_head(self, cfg: ModelConfig, num_layers: int) -> ModelConfig:

@@ -22,19 +22,21 @@ from pathlib import Path
 from mmadapt import checkpoint, parallel
 from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.features import Encoded
+from mmadapt.models import get_family
 from mmadapt.run import RUN_FILE, TOKENIZER, RunSpec, load_weights, read_run
 from mmadapt.tasks import Task, encode, headline, label_names, read_examples
 from mmadapt.tokenizer import load as load_tokenizer
 
 
 def primary_state(run_dir: Path, tag: str | None) -> tuple[ModelConfig, dict]:
-    """The primary model of a Step-1 run: its full depth, without heads."""
+    """The primary model of a Step-1 run as its task model starts from it (ModelFamily.task_state:
+    its full depth, without heads)."""
     run = read_run(run_dir)
     if run.get("step") != "pretrain":
         raise ValueError(f"{run_dir} is a {run.get('step')} run: fine-tune the primary model of a pretrain run")
     cfg, state = load_weights(run_dir, tag)
-    cfg = dataclasses.replace(cfg, head_layers=(), head_weights=())
-    return cfg, {k: v for k, v in state.items() if not k.startswith("heads.")}
+    task_state = get_family(cfg).task_state(cfg, state)
+    return dataclasses.replace(cfg, head_layers=(), head_weights=()), task_state
 
 
 def is_finished(run_dir: str | os.PathLike) -> bool:

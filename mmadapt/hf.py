@@ -253,7 +253,10 @@ def write_hf(output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None, 
     family's own model type)."""
     import transformers
 
-    mapping = get_family(cfg).hf
+    family = get_family(cfg)
+    if family.hf is None:
+        raise ValueError(f"the {family.name} family has no Hugging Face mapping yet: export-hf writes encoders only")
+    mapping = family.hf
     model_type = model_type or mapping.MODEL_TYPE
     output_dir = Path(output_dir)
     _fresh_output(output_dir)

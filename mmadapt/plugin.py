@@ -34,16 +34,17 @@ import torch
 
 from mmadapt.adapt import artifact_state, read_artifact, step2_start
 from mmadapt.config import ModelConfig, TrainConfig
-from mmadapt.data import TEXT, TOKENIZER, VALID, MLMBatches, file_sha256, read_manifest
+from mmadapt.data import OBJECTIVES, TEXT, TOKENIZER, VALID, file_sha256, read_manifest
 from mmadapt.evaluate import (artifact_dirs, artifact_embeddings, artifact_primary, device_of, on_eval_device,
                               record_base, swapped, to_device)
 from mmadapt.family import WORD
 from mmadapt.models import get_family
 from mmadapt.models.layers import Padding, derive_seed, masked_positions
 from mmadapt.parallel import device
+from mmadapt.report import PLUGIN_TASKS
 from mmadapt.run import load_weights
 
-TASK, METRIC = "plugin-mlm", "contextual_gain"
+METRIC = "contextual_gain"
 UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
 
 
@@ -64,11 +65,12 @@ def unigram_logprobs(data_path: Path, vocab_size: int) -> torch.Tensor:
 
 
 def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: int, batch_size: int,
-                    seed: int = 0, mask_prob: float = 0.15) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `blocks` blocks of the dataset's validation split in a seeded order, masked with
-    a fixed seed: the same positions for every artifact of this tokenizer."""
-    held_out = TrainConfig(seq_length=seq_length, seed=seed, mask_prob=mask_prob, train_micro_batch_size_per_gpu=batch_size)
-    data = MLMBatches(data_path, held_out, vocab_size, split=VALID)
+                    seed: int = 0, objective: str = "mlm") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `blocks` blocks of the dataset's validation split in a seeded order, scored by
+    the family's objective (MLM: masked with a fixed seed): the same positions for every
+    artifact of this tokenizer."""
+    held_out = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=batch_size)
+    data = OBJECTIVES[objective](data_path, held_out, vocab_size, split=VALID)
     n = min(blocks, len(data)) // batch_size
     if n == 0:
         raise ValueError(f"{data_path}'s validation split holds {len(data)} blocks of {seq_length}, fewer than one "
@@ -163,7 +165,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
             raise ValueError(f"{path} uses another tokenizer than {data}: score it on the dataset Step 2 trained on")
         v = emb["word_embeddings"].shape[0]
         if lang not in refs:
-            batches = heldout_batches(data, seq_length, v, blocks, batch_size, seed)
+            batches = heldout_batches(data, seq_length, v, blocks, batch_size, seed, get_family(cfg).objective)
             refs[lang] = {"batches": batches, "unigram": unigram_loss(unigram_logprobs(data, v), batches),
                           "on_device": on_device(batches, device_of(model))}
         batches, unigram = refs[lang]["batches"], refs[lang]["unigram"]
@@ -173,7 +175,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                 starts[run] = masked_loss(model, refs[lang]["on_device"])
         with swapped(model, _swap(model, emb)):
             loss = masked_loss(model, refs[lang]["on_device"])
-        records.append({**record_base(meta, TASK), "metric": METRIC, "score": unigram - loss, "chance": 0.0, "loss": loss,
+        records.append({**record_base(meta, PLUGIN_TASKS[get_family(cfg).objective]), "metric": METRIC, "score": unigram - loss, "chance": 0.0, "loss": loss,
                         "unigram_loss": unigram, "start_loss": starts[run], "start_gain": unigram - starts[run],
                         "masked_pieces": int(sum(int(l.ge(0).sum()) for _, l in batches)),
                         "artifact": str(path)})

@@ -18,6 +18,9 @@ from mmadapt.models import get_family
 # Paper section 3: 125k updates of 2048 sequences of 512 tokens, V = 50k, p = 0.15.
 PAPER = {"updates": 125_000, "global_batch": 2048, "seq_length": 512, "mask_prob": 0.15}
 NEAR_MAX = 0.95  # section 4.2: target = 95% of BL_BASE's final score for the language and task
+# The plug-in metric's task name in records, per objective (ModelFamily.objective): masked
+# pieces (the encoder) or next pieces (the decoder), both scored as contextual gain in nats.
+PLUGIN_TASKS = {"mlm": "plugin-mlm", "causal": "plugin-lm"}
 
 
 # --- compute --------------------------------------------------------------------------------
@@ -152,11 +155,11 @@ def _estimates(hits: dict, system: str, task: str, langs: list[str]) -> dict[str
 
 # How far above its chance level (records' "chance": majority class, 1/candidates, or 0 for the
 # plug-in metric's contextual gain) BL_BASE must end for "95% of its final score" to mean anything.
-NOISE = {"plugin-mlm": 0.05, "default": 5.0}
+NOISE = {**{task: 0.05 for task in PLUGIN_TASKS.values()}, "default": 5.0}
 
 
 def _score_format(task: str) -> str:
-    return ".3f" if task == "plugin-mlm" else ".1f"  # nats vs percent
+    return ".3f" if task in PLUGIN_TASKS.values() else ".1f"  # nats vs percent
 
 
 def _chance(records: list[dict], task: str) -> float | None:
@@ -175,7 +178,7 @@ def plugin_markdown(records: list[dict]) -> str:
     reference loss, and per system the overlap-initialised start and the last checkpoint's loss
     and contextual gain (unigram - loss, nats per masked piece), and its share of the ceiling's
     gain (`<recipe>:full`, the same source's full model) where one was run."""
-    rows = [r for r in records if r["task"] == "plugin-mlm"]
+    rows = [r for r in records if r["task"] in PLUGIN_TASKS.values()]
     out = []
     for lang in sorted({r["lang"] for r in rows}):
         mine = [r for r in rows if r["lang"] == lang]
@@ -314,10 +317,10 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> None:
         floor = _chance([r for r in records if r["lang"] == lang], task)
         if floor is not None:
             ax.axhline(floor, color="black", ls=":", lw=0.8,
-                       label="unigram reference" if task == "plugin-mlm" else "chance")
+                       label="unigram reference" if task in PLUGIN_TASKS.values() else "chance")
         ax.set_title(f"{task} · {lang}", fontsize=9)
         ax.set_xlabel(f"Step-2 {device} days", fontsize=8)
-        ax.set_ylabel("contextual gain (nats)" if task == "plugin-mlm" else "score", fontsize=8)
+        ax.set_ylabel("contextual gain (nats)" if task in PLUGIN_TASKS.values() else "score", fontsize=8)
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")

@@ -169,8 +169,10 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     lays it out; identity: the record's step-specific fields (step, recipe, where the weights
     come from). Global rank 0 holds the run lock until the step returns."""
     model.validate()
-    get_family(model).check(model)
+    family = get_family(model)
+    family.check(model)
     loop.validate(model)
+    family.check_loop(loop)
     ds = load_ds_config(run.ds_config, loop)
     tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
     stage = ds.get("zero_optimization", {}).get("stage", 0)

@@ -25,7 +25,7 @@ import torch
 
 from mmadapt import parallel
 from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfig, to_dict
-from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TOKENIZER, VALID, EpochOrder, MLMBatches, block_index,
+from mmadapt.data import (MANIFEST, OBJECTIVES, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, block_index,
                           block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
                           load_tokenizer, micro_batch_range, prepare, read_manifest, wait_for)
 from mmadapt.engine import LoopJob, build_engine, is_pipeline, mean_over_ranks, train_loop, trainable_by_names
@@ -99,22 +99,26 @@ class TextData:
                 prepare(run.corpus, data_path, model.vocab_size, tokenizer=run.tokenizer,
                         cfg=PreprocessConfig(tokenizer_seed=train.seed))
             wait_for(data_path / MANIFEST, f"the corpus in {data_path}")
+        indexed = OBJECTIVES[get_family(model).objective].indexed
         blocks = block_index_path(data_path, train.seq_length)
         if rank0:
-            block_index(data_path, train.seq_length)
-            if train.eval_interval:
-                block_index(data_path, train.seq_length, VALID)
+            if indexed:
+                block_index(data_path, train.seq_length)
+                if train.eval_interval:
+                    block_index(data_path, train.seq_length, VALID)
             tok = run.output_dir / RUN_TOKENIZER
             tok.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(data_path / TOKENIZER, tok)
-        wait_for(blocks, f"the block index {blocks}")
+        if indexed:
+            wait_for(blocks, f"the block index {blocks}")
         return data_path
 
 
-def lm_batches(data_path: Path, model: ModelConfig, train: TrainConfig, split: str = "text"):
-    """This data-parallel rank's batches of the family's objective (data.MLMBatches: masked
-    blocks), a pure function of (seed, update)."""
-    return MLMBatches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split)
+def lm_batches(data_path: Path, model: ModelConfig, train: TrainConfig, split: str = TEXT):
+    """This data-parallel rank's batches of the family's objective (data.OBJECTIVES: masked
+    blocks, or packed next-token blocks), a pure function of (seed, update)."""
+    batches = OBJECTIVES[get_family(model).objective]
+    return batches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split)
 
 
 # --- the model and its engine -------------------------------------------------------------------------

@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, run_pretrain
-from mmadapt.config import ModelConfig
 from mmadapt.models.layers import count_parameters
+from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.model import DecoderLayer, LlamaForTask, LlamaLM, rotary_table, task_param_name
-from mmadapt.models.llama.presets import QWEN2_0_5B, TINY
+from mmadapt.config import LLAMA_TINY as TINY
+from mmadapt.config import QWEN2_0_5B, ModelConfig
 from mmadapt.tokens import IGNORE_INDEX, PAD_ID
 
 V = 128
@@ -343,8 +344,9 @@ def world_of_one():
 def test_one_stage_pipeline_is_the_model(tied, world_of_one):
     """Every pipeline parameter maps to a LlamaLM name (each once), starts from its weight, and
     the stage list computes LlamaLM's loss (MINIJOINT: the carried head) and gradients."""
-    from mmadapt.models.llama.pipeline import pipeline_param_name, to_pipeline
+    from mmadapt.models.llama.pipeline import to_pipeline
 
+    pipeline_param_name = LLAMA.pipeline_param_name
     cfg = tiny(share_embeddings_and_output_weights=tied, add_qkv_bias=True, head_layers=(1, 3))
     pipe = to_pipeline(cfg, seed=5, data_parallel_size=1)
     model = LlamaLM(cfg, seed=5)
@@ -370,8 +372,7 @@ def test_one_stage_pipeline_is_the_model(tied, world_of_one):
 
 def test_pipeline_names_of_every_stage_layout():
     """The name map over the whole layer list, without building stages: both ends, tied or not."""
-    from mmadapt.models.llama.pipeline import pipeline_param_name
-
+    pipeline_param_name = LLAMA.pipeline_param_name
     cfg = tiny(share_embeddings_and_output_weights=False)
     assert pipeline_param_name("0.word_embeddings.weight", cfg) == "word_embeddings.word_embeddings.weight"
     assert pipeline_param_name("tied_modules.word.word_embeddings.weight", cfg) == (

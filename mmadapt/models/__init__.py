@@ -1,15 +1,17 @@
 """The model families (family.py's seam), registered by name: `ModelConfig.family` picks one.
 
     roberta   post-LayerNorm encoder, masked LM (the paper's models; mmadapt/models/roberta/)
+    llama     pre-norm decoder (Llama, Qwen2, Mistral), causal LM (mmadapt/models/llama/)
 """
 
 from __future__ import annotations
 
 from mmadapt.config import ModelConfig
 from mmadapt.family import ModelFamily
+from mmadapt.models.llama import LLAMA
 from mmadapt.models.roberta import ROBERTA
 
-FAMILIES: dict[str, ModelFamily] = {ROBERTA.name: ROBERTA}
+FAMILIES: dict[str, ModelFamily] = {ROBERTA.name: ROBERTA, LLAMA.name: LLAMA}
 
 
 def register_family(family: ModelFamily) -> ModelFamily:

@@ -36,11 +36,17 @@ products for its inputs' gradients. So:
       backward at all). The lowest trainable layer costs a full backward: its QKV reads
       input_layernorm's output, which needs a gradient for that norm's weight (model.py's
       DecoderLayer), unlike the post-LN encoder's, whose QKV input gradient is skipped.
+
+The paper has no decoder; `paper=True` gives these steps in its conventions (Appendix A.1, as
+models/roberta/flops.py does for the encoder): a frozen layer's backward counted as one forward
+(Step 2: 2 l layer + 3 head, the analogue of A3) and the lowest trainable layer of Step 1b as
+one layer (the analogue of A4), so the decoder's tables compare with the encoder's.
 """
 
 from __future__ import annotations
 
 from mmadapt.config import ModelConfig
+from mmadapt.flops import STEPS
 
 
 def layer_linear_flops(cfg: ModelConfig, s: int) -> int:
@@ -74,20 +80,34 @@ def pretrain_flops(cfg: ModelConfig, s: int) -> int:
     return 3 * forward_flops(cfg, s)
 
 
-def adapt_flops(cfg: ModelConfig, s: int) -> int:
+def adapt_flops(cfg: ModelConfig, s: int, paper: bool = False) -> int:
     """Step 2 over one head: the word embedding trains (and an untied output layer), the body and
     the final norm are frozen but pass gradients down to the embedding."""
     if len(cfg.heads_after) != 1:
         raise ValueError("Step 2 trains over one LM head: pass the mini-model's config")
+    if paper:
+        return 2 * cfg.num_layers * layer_flops(cfg, s) + 3 * head_flops(cfg, s)
     body = cfg.num_layers * (2 * layer_linear_flops(cfg, s) + 3 * layer_attn_flops(cfg, s))
     return body + 3 * head_flops(cfg, s)
 
 
-def minipost_flops(cfg: ModelConfig, s: int, trainable_layers: int) -> int:
+def minipost_flops(cfg: ModelConfig, s: int, trainable_layers: int, paper: bool = False) -> int:
     """Step 1b of MINIPOST: the top `trainable_layers` (l_t) of cfg.num_layers trainable, the
     layers below, the embeddings and the heads frozen."""
     l, lt = cfg.num_layers, trainable_layers
     if not 1 <= lt <= l:
         raise ValueError(f"trainable_layers {lt} must be in 1..num_layers={l}")
     heads_with_backward = sum(1 for after in cfg.heads_after if after > l - lt)
-    return forward_flops(cfg, s) + heads_with_backward * head_flops(cfg, s) + 2 * lt * layer_flops(cfg, s)
+    layers = (2 * lt - 1) if paper else 2 * lt
+    return forward_flops(cfg, s) + heads_with_backward * head_flops(cfg, s) + layers * layer_flops(cfg, s)
+
+
+def step_flops(step: str, cfg: ModelConfig, s: int, paper: bool = False, trainable_layers: int = 0) -> int:
+    """Per-sequence FLOPs of one update of `step` (one of STEPS); Step 1 is 3 forwards either way."""
+    if step == "pretrain":
+        return pretrain_flops(cfg, s)
+    if step == "adapt":
+        return adapt_flops(cfg, s, paper)
+    if step == "minipost":
+        return minipost_flops(cfg, s, trainable_layers, paper)
+    raise ValueError(f"unknown step {step!r}; choose one of {', '.join(STEPS)}")

@@ -29,16 +29,14 @@ matmuls, and it keeps the table out of the tuple that crosses stages.
 
 from __future__ import annotations
 
-import collections
-
-import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import Padding, WordEmbedding, masked_positions
+from mmadapt.models.layers import WordEmbedding
 from mmadapt.models.llama.model import DecoderLayer, LMHeads, output_layer, rotary_table, validated
+from mmadapt.models.pipe import ScoredQueue
 
 
 class PipeWordEmbedding(WordEmbedding):
@@ -87,44 +85,20 @@ class PipeDecoderLayer(DecoderLayer):
         return (hidden, input_ids, labels, *carried)
 
 
-class PipeLMHeads(LMHeads):
-    """Last layer: heads on (carried..., final hidden); stores each head's loss for logging."""
+class PipeLMHeads(ScoredQueue, LMHeads):
+    """Last layer: heads on (carried..., final hidden); stores each head's loss for logging.
+    The decoder layers need no queue (models/pipe.py): causal attention needs no padding mask."""
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)
-        self.head_losses: list[torch.Tensor] = []  # one [num heads] tensor per micro-batch
-        # (masked_index, targets) of the micro-batches to come, in order, prepared on the host
-        # (set_host_batches): the last stage runs its forward passes in micro-batch order.
-        self.pending: collections.deque = collections.deque()
+        self.init_queue()
 
     def forward(self, inputs):
         hidden, _input_ids, labels, *carried, output_weight = inputs
-        masked_index, targets = self._next_masked(labels)
+        masked_index, targets = self.next_scored(labels)
         loss, per_head = super().forward([*carried, hidden], masked_index, targets, output_weight)
-        self._record(per_head)
+        self.record(per_head)
         return loss
-
-    # Host-side bookkeeping stays out of compiled graphs: traced, the deque's length would be
-    # guarded on, a recompile per micro-batch.
-    @torch.compiler.disable
-    def _next_masked(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pending.popleft() if self.pending else masked_positions(labels)
-
-    @torch.compiler.disable
-    def _record(self, per_head: torch.Tensor) -> None:
-        self.head_losses.append(per_head)
-
-
-def set_host_batches(pipe: PipelineModule, padding: list[Padding],
-                     masked: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Hand this rank's stage what the host knows about the micro-batches of the next
-    train_batch / eval_batch, in their order: each one's (masked_index, targets) on the device,
-    for the heads of the last stage. `padding` is taken so that the trainer calls every family
-    alike; causal attention needs none (model.DecoderLayer.attention)."""
-    for m in pipe.modules():
-        if isinstance(m, PipeLMHeads):
-            m.pending.clear()
-            m.pending.extend(masked)
 
 
 def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> PipelineModule:
@@ -146,25 +120,3 @@ def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> Pipe
     # the balanced partition put them there as long as every stage owns a decoder layer).
     assert pipe.parts[1] >= 1 and pipe.parts[-2] <= n - 2, f"unexpected pipeline partition {pipe.parts}"
     return pipe
-
-
-def pipeline_param_name(name: str, config: ModelConfig) -> str:
-    """Map a PipelineModule parameter name to the LlamaLM name.
-
-    PipelineModule names layers by their index in the list above ("3.qkv.weight") and tied
-    modules as "tied_modules.word.<attr>": a stage holds its copy of the tied embedding once,
-    under that one name, so no name maps to a duplicate.
-    """
-    if name.startswith("tied_modules.word."):
-        return "word_embeddings." + name[len("tied_modules.word."):]
-    idx, rest = name.split(".", 1)
-    idx, l = int(idx), config.num_layers
-    if idx == 0:
-        return f"word_embeddings.{rest}"
-    if 1 <= idx <= l:
-        return f"layers.{idx - 1}.{rest}"
-    if idx == l + 1:
-        return rest  # untied: output_layer.weight
-    if idx == l + 2:
-        return f"heads.{rest}"
-    raise AssertionError(f"unexpected pipeline parameter {name}")
