@@ -168,6 +168,20 @@ CASES = [
     ("preprocess-workers", lambda c: ["preprocess", "--corpus", str(c.corpus), "--output_dir", str(c.out),
                                       "--workers", "0"], "--workers must be >= 1"),
     ("no-such-command", lambda c: ["pretrian"], "usage: mmadapt"),
+    # --- the decoder family
+    ("decoder-given-mask-prob", lambda c: c.pretrain("--preset", "llama-tiny", "--mask_prob", "0.3"),
+     "mask_prob 0.3 is a masked-LM setting; the llama family scores every next piece"),
+    ("decoder-groups-not-dividing-heads", lambda c: c.pretrain("--preset", "llama-tiny", "--num_query_groups", "3"),
+     "num_query_groups 3 does not divide num_attention_heads 4"),
+    ("decoder-groups-not-dividing-tp", lambda c: c.pretrain("--preset", "llama-tiny",
+                                                            "--tensor_model_parallel_size", "4"),
+     "num_query_groups 2 is not divisible by tensor_model_parallel_size 4"),
+    ("decoder-rotary-base", lambda c: c.pretrain("--preset", "llama-tiny", "--rotary_base", "0"),
+     "rotary_base must be > 0"),
+    ("encoder-given-decoder-option", lambda c: c.pretrain("--num_query_groups", "2"),
+     "num_query_groups 2 is a decoder setting"),
+    ("encoder-source-decoder-step", lambda c: c.adapt("--preset", "llama-tiny"),
+     "--preset llama-tiny is a llama preset, but"),
 ]
 
 

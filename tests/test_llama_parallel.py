@@ -1,0 +1,122 @@
+"""The decoder family under every parallel layout against one process: tensor parallel 2,
+pipeline parallel 2 and ZeRO-2 on 2 gloo ranks, and TP 2 x PP 2 on 4, for MINIJOINT pretraining
+(tied and untied output projection) and for Step 2 over its mini-model.
+
+As tests/test_parallel.py does for the encoder: the same seed and global batch of 16 blocks (one
+process: 2 micro-batches of 8 with gradient accumulation; ZeRO-2: 2 data-parallel ranks of 8),
+dropout off (the llama-tiny preset's), so only floating-point reduction orders differ.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ADAPT, VOCAB, adapt_args, metrics, run_pretrain
+from mmadapt import adapt as A
+from mmadapt.checkpoint import load_full_state_dict
+from mmadapt.family import WORD
+
+pytestmark = pytest.mark.slow
+
+STEPS = 3
+LAYOUTS = {
+    "tp2": (2, ["--tensor_model_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
+    "pp2": (2, ["--pipeline_model_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
+    "zero2_dp2": (2, ["--ds_config", "ds_configs/zero2.json", "--gradient_accumulation_steps", "1"]),
+    "tp2_pp2": (4, ["--tensor_model_parallel_size", "2", "--pipeline_model_parallel_size", "2",
+                    "--gradient_accumulation_steps", "2"]),
+}
+SINGLE = ["--ds_config", "ds_configs/zero0.json", "--gradient_accumulation_steps", "2"]
+
+
+def _pretrain_args(corpus, tokenizer, out, tied, *extra):
+    # 4 decoder layers, heads after 2 and 4; 2 query groups of the 4 heads (GQA) divide TP 2.
+    return ["--preset", "llama-tiny", "--corpus", str(corpus), "--tokenizer", str(tokenizer), "--vocab_size",
+            str(VOCAB), "--output_dir", str(out), "--recipe", "minijoint", "--num_layers", "4", "--mini_layers", "2",
+            "--train_iters", str(STEPS), "--log_interval", "1", "--seq_length", "32", "--save_interval", str(STEPS),
+            "--train_micro_batch_size_per_gpu", "8", "--share_embeddings_and_output_weights", str(tied).lower(),
+            *extra]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def reference(request, corpus, tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"llama_single_{request.param}")
+    run_pretrain(1, *_pretrain_args(corpus, tokenizer, out, request.param, *SINGLE))
+    return request.param, out
+
+
+def _heads(rows):
+    return np.array([[r["head_losses"]["2"], r["head_losses"]["4"]] for r in rows])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_decoder_pretraining_layout_matches_single_process(layout, reference, corpus, tokenizer, tmp_path):
+    tied, ref_run = reference
+    if not tied and layout in ("zero2_dp2", "tp2_pp2"):
+        pytest.skip("untied: the layouts that split the output projection (TP) or move it (PP) are the ones checked")
+    nproc, extra = LAYOUTS[layout]
+    run_pretrain(nproc, *_pretrain_args(corpus, tokenizer, tmp_path, tied, *extra))
+    ref, got = metrics(ref_run), metrics(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    np.testing.assert_allclose(_heads(got), _heads(ref), rtol=1e-5)
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+    np.testing.assert_allclose([r["loss"] for r in got], _heads(got).mean(1), rtol=1e-6)
+    want, mine = load_full_state_dict(ref_run / "checkpoints"), load_full_state_dict(tmp_path / "checkpoints")
+    assert sorted(mine) == sorted(want)
+    assert ("output_layer.weight" in mine) is not tied
+    for name, w in want.items():
+        torch.testing.assert_close(mine[name], w, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name} differs")
+
+
+# --- Step 2 over the decoder's mini-model -------------------------------------------------------------
+
+STEP2_LAYOUTS = {k: v for k, v in LAYOUTS.items() if k != "tp2_pp2"}
+
+
+def _step2(source, de_corpus, de_tokenizer, out, nproc, *extra):
+    run_pretrain(nproc, *adapt_args("minijoint", source, de_corpus, de_tokenizer, out, "--preset", "llama-tiny",
+                                    "--train_iters", str(STEPS), "--log_interval", "1", "--save_interval", str(STEPS),
+                                    "--seq_length", "32", "--train_micro_batch_size_per_gpu", "8", *extra),
+                 script=ADAPT)
+    return out
+
+
+@pytest.fixture(scope="module")
+def step2_single(reference, de_corpus, de_tokenizer, tmp_path_factory):
+    tied, source = reference
+    return _step2(source, de_corpus, de_tokenizer, tmp_path_factory.mktemp(f"llama_step2_{tied}"), 1, *SINGLE)
+
+
+@pytest.mark.parametrize("layout", sorted(STEP2_LAYOUTS))
+def test_decoder_step2_layout_matches_single_process(layout, reference, step2_single, de_corpus, de_tokenizer,
+                                                     tmp_path):
+    """Only the vocabulary-indexed matrices train (tied: the embedding; untied: and the output
+    projection), and the ZeRO-2 optimizer state holds exactly them, split over the 2 ranks."""
+    tied, source = reference
+    nproc, extra = STEP2_LAYOUTS[layout]
+    run = _step2(source, de_corpus, de_tokenizer, tmp_path / layout, nproc, *extra)
+    ref, got = metrics(step2_single), metrics(run)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+    tag = f"step{STEPS:08d}"
+    want, _, _ = A.read_artifact(step2_single / "embeddings" / tag)
+    mine, _, meta = A.read_artifact(run / "embeddings" / tag)
+    assert sorted(mine) == sorted(want) == (["word_embeddings"] if tied else ["output_layer", "word_embeddings"])
+    for k in want:
+        torch.testing.assert_close(mine[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert meta["body_layers"] == meta["mini_layers"] == 2
+    trained = [WORD] if tied else [WORD, "output_layer.weight"]
+    assert json.loads((run / "run.json").read_text())["trainable"] == trained
+    if layout == "zero2_dp2":
+        ckpt = run / "checkpoints" / tag
+        module = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+        assert sorted(k for k, v in module.items() if v is not None) == sorted(trained)
+        for rank in (0, 1):
+            opt = torch.load(ckpt / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)
+            state = opt["optimizer_state_dict"]["base_optimizer_state"]["state"]
+            # The matrices' flat group, halved; the other group holds engine.build_engine's
+            # one-element placeholder (no vector trains here).
+            sizes = sorted(s["exp_avg"].numel() for s in state.values())
+            assert sizes[-1] == VOCAB * 64 * len(trained) // 2 and sum(sizes[:-1]) <= 16, sizes

@@ -1,0 +1,113 @@
+"""The decoder family through every step, in one process: next-token blocks, MINIJOINT
+pretraining, MINIPOST, Step 2 over both mini-models (only the embedding trains), fine-tuning
+with the last-token classifier, zero-shot evaluation and the plug-in next-token metric."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO, VOCAB
+from mmadapt import steps
+from mmadapt.adapt import read_artifact
+from mmadapt.config import PRESETS, FinetuneConfig, Layout, MiniModelConfig, PreprocessConfig, TrainConfig, apply_recipe
+from mmadapt.data import CausalBatches, read_manifest
+from mmadapt.family import WORD
+from mmadapt.models.llama import LLAMA
+from mmadapt.parallel import init_parallel
+from mmadapt.run import RunSpec, load_weights, read_run
+from mmadapt.tokens import IGNORE_INDEX
+
+ZERO0 = REPO / "ds_configs" / "zero0.json"
+
+
+def _train(iters, **changes):
+    return dataclasses.replace(PRESETS["llama-tiny"][1], train_iters=iters, save_interval=iters, log_interval=1,
+                               seq_length=32, train_micro_batch_size_per_gpu=4, **changes)
+
+
+@pytest.fixture(scope="module")
+def german(de_corpus, de_tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama_de") / "de"
+    steps.preprocess(de_corpus, output_dir=out, vocab_size=VOCAB, tokenizer=de_tokenizer,
+                     cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def decoder_runs(corpus, tokenizer, german, tmp_path_factory):
+    """A 4-layer decoder MINIJOINT (heads after 2 and 4), its MINIPOST (1 + 1) and German
+    embeddings over both mini-models."""
+    init_parallel(1, 1)
+    root = tmp_path_factory.mktemp("llama_runs")
+    model = apply_recipe(dataclasses.replace(PRESETS["llama-tiny"][0], vocab_size=VOCAB, num_layers=4), "minijoint", 2)
+    steps.pretrain(run=RunSpec(output_dir=root / "mj", ds_config=ZERO0, corpus=corpus, tokenizer=tokenizer),
+                   step=steps.Pretrain(model=model, train=_train(6), recipe="minijoint"))
+    steps.build_minipost(run=RunSpec(output_dir=root / "post", ds_config=ZERO0),
+                         step=steps.BuildMinipost(primary=root / "mj", train=_train(2), mini=MiniModelConfig(1, 1)))
+    for system, source in (("minijoint", root / "mj"), ("minipost", root / "post")):
+        steps.adapt_embeddings(run=RunSpec(output_dir=root / f"{system}-de", ds_config=ZERO0, data_path=german),
+                               step=steps.AdaptEmbeddings(system=system, source=source, lang="de", train=_train(4)))
+    return root
+
+
+def test_next_token_blocks_are_the_stream_shifted_by_one(german):
+    data = CausalBatches(german, TrainConfig(seq_length=32, seed=3, train_micro_batch_size_per_gpu=4), VOCAB)
+    stream = np.memmap(german / "text.bin", dtype=read_manifest(german)["dtype"], mode="r")
+    assert len(data) == (len(stream) - 1) // 32
+    ids, labels = data.micro_batch(0, 0)
+    for row, g in enumerate(range(4)):
+        start = data.order(g) * 32
+        assert ids[row].tolist() == stream[start:start + 32].tolist()
+        assert labels[row].tolist() == stream[start + 1:start + 33].tolist()  # every position scored
+    assert not (labels == IGNORE_INDEX).any()
+
+
+def test_decoder_step2_trains_only_the_embedding(decoder_runs):
+    for system, depth in (("minijoint", 2), ("minipost", 2)):
+        run = read_run(decoder_runs / f"{system}-de")
+        assert run["model"]["family"] == "llama" and run["trainable"] == [WORD]
+        tensors, _, meta = read_artifact(decoder_runs / f"{system}-de" / "embeddings" / "step00000004")
+        assert sorted(tensors) == ["word_embeddings"] and meta["body_layers"] == depth
+    # MINIPOST: its bottom layer is the primary's, frozen; its new one trained.
+    (_, mj), (cfg, post) = load_weights(decoder_runs / "mj"), load_weights(decoder_runs / "post")
+    assert cfg.family == "llama" and cfg.num_layers == 2
+    assert torch.equal(post["layers.0.fc1.weight"], mj["layers.0.fc1.weight"])
+    assert not torch.equal(post["layers.1.fc1.weight"], mj["layers.1.fc1.weight"])
+
+
+def test_decoder_plugin_metric_scores_next_pieces(decoder_runs, german):
+    records = steps.evaluate_plugin(decoder_runs / "mj", embeddings=[decoder_runs / "minijoint-de",
+                                                                      decoder_runs / "minipost-de"],
+                                    data=str(german), seq_length=32, blocks=32)
+    assert [r["system"] for r in records] == ["minijoint", "minipost"]
+    for r in records:
+        assert r["task"] == "plugin-lm" and r["score"] == pytest.approx(r["unigram_loss"] - r["loss"])
+        assert r["masked_pieces"] == 32 * 32  # every position of 32 blocks of 32
+
+
+def test_decoder_finetune_and_zero_shot(decoder_runs, tmp_path):
+    cfg = FinetuneConfig(seq_length=32, train_micro_batch_size_per_gpu=16, epochs=0.02, log_interval=1, lr=1e-3)
+    summary, module = steps.finetune(
+        run=RunSpec(output_dir=tmp_path / "ft", ds_config=ZERO0, layout=Layout(hidden_dropout=0.0)),
+        step=steps.Finetune(task="bible-genre", primary=decoder_runs / "mj", cfg=cfg, eval_file="bible"))
+    trained = dict(module.named_parameters())
+    assert type(module).__name__ == "LlamaForTask" and not trained[WORD].requires_grad
+    cfg_mj, primary = load_weights(decoder_runs / "mj")
+    assert torch.equal(trained[WORD].detach(), primary[WORD])
+    # The classifier starts from the primary head's final norm (the last of the two heads).
+    start = LLAMA.task_state(cfg_mj, primary)
+    assert torch.equal(start["norm.weight"], primary["heads.heads.1.norm.weight"])
+    assert not any(k.startswith("heads.") for k in start)
+    assert summary["updates"] == 7 and 0 <= summary["source_score"] <= 100
+    records = steps.evaluate([tmp_path / "ft"], embeddings=[decoder_runs / "minijoint-de"], eval_file="bible")
+    assert records[0]["task"] == "bible-genre" and records[0]["lang"] == "de" and 0 <= records[0]["score"] <= 100
+
+
+def test_decoder_options_the_encoder_refuses(decoder_runs, tmp_path):
+    with pytest.raises(ValueError, match="mask_prob 0.3 is a masked-LM setting"):
+        steps.adapt_embeddings(run=RunSpec(output_dir=tmp_path / "x"),
+                               step=steps.AdaptEmbeddings(system="minijoint", source=decoder_runs / "mj", lang="de",
+                                                          train=_train(2, mask_prob=0.3)))
+    assert not (tmp_path / "x").exists()
