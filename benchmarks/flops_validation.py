@@ -23,7 +23,6 @@ from common import (
     write_results,
 )
 
-from mmadapt import adapt as A
 from mmadapt.config import TrainConfig, apply_recipe
 from mmadapt.flops import counted_flops
 from mmadapt.models.roberta.flops import step_flops

@@ -26,7 +26,6 @@ from common import (
     write_results,
 )
 
-from mmadapt import adapt as A
 from mmadapt.models.roberta.flops import adapt_flops
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.parallel import device

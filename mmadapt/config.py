@@ -220,8 +220,6 @@ class LoopConfig:
         if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, self.log_interval,
                self.save_interval) < 1 or self.exit_interval < 0:
             raise ValueError("batch sizes, log_interval and save_interval must be >= 1 and exit_interval >= 0")
-        if self.lr is not None and self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.keep_last < 0 or self.max_skipped_steps < 0:
             raise ValueError("keep_last and max_skipped_steps must be >= 0")
 
@@ -327,6 +325,8 @@ class FinetuneConfig(LoopConfig):
             raise ValueError("eval_batch_tokens must be >= 1 and epochs > 0")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.lr is not None and self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
         self._validate_loop()
         return self
 

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mmadapt import adapt as A, parallel  # noqa: E402
+from mmadapt import parallel  # noqa: E402
 from mmadapt.engine import load_full_weights  # noqa: E402
 from mmadapt.models.roberta.model import RobertaMLM  # noqa: E402
 from mmadapt.run import load_weights  # noqa: E402

@@ -254,7 +254,9 @@ def test_step2_over_the_minipost_mini_model(minipost_run, de_corpus, de_tokenize
     run_pretrain(1, *adapt_args("minipost", minipost_run, de_corpus, de_tokenizer, run, "--train_iters", "2",
                                 "--save_interval", "1", "--log_interval", "1"), script=ADAPT)
     tensors, _, meta = A.read_artifact(run / "embeddings" / "step00000002")
-    assert meta["mini_layers"] == N + K and tensors["word_embeddings"].shape == (VOCAB, 64)
+    # The depth it was trained over, and the mini-model's N and K.
+    assert (meta["body_layers"], meta["mini_layers"], meta["new_layers"]) == (N + K, N, K)
+    assert tensors["word_embeddings"].shape == (VOCAB, 64)
     assert (run / "embeddings" / "step00000001" / "embeddings.pt").is_file()
 
 

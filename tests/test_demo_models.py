@@ -38,13 +38,16 @@ def test_the_demos_step1_reproduces_the_shipped_log(tmp_path):
     from mmadapt import steps
     from mmadapt.config import PreprocessConfig
 
+    from mmadapt.demo import Demo
+
     data = tmp_path / "en"
     steps.preprocess("bible:en", data, SHIPPED_VOCAB, PreprocessConfig(workers=1), tokenizer=SOURCE_MODELS / "spm.model")
     cfg = DemoConfig()
+    model, _ = Demo(cfg, tmp_path / "demo").source_settings("bl_small")
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, PRETRAIN, "--recipe", "bl_small", "--preset", "tiny", "--data_path", str(data),
                            "--output_dir", str(out), "--vocab_size", str(SHIPPED_VOCAB),
-                           "--init_method_std", str(cfg.init_method_std), "--seq_length", str(cfg.seq_length),
+                           "--init_method_std", str(model.init_method_std), "--seq_length", str(cfg.seq_length),
                            "--train_micro_batch_size_per_gpu", str(cfg.pretrain_batch), "--lr", str(cfg.pretrain_lr),
                            "--train_iters", str(cfg.pretrain_iters), "--save_interval", str(cfg.pretrain_iters),
                            "--log_interval", "50", "--exit_interval", "50"],
@@ -56,7 +59,6 @@ def test_the_demos_step1_reproduces_the_shipped_log(tmp_path):
 
 
 def test_installed_model_is_accepted_by_later_steps(tmp_path):
-    from mmadapt import adapt as A
     from mmadapt import steps
     from mmadapt.config import PreprocessConfig
     from mmadapt.demo import install_source_model

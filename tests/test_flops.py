@@ -4,7 +4,6 @@ against torch's FlopCounterMode on the real model, for every system and step."""
 import pytest
 import torch
 
-from mmadapt import adapt as A
 from mmadapt.config import PRESETS, ModelConfig, apply_recipe
 from mmadapt.flops import counted_flops, device_days, total_flops
 from mmadapt.models.roberta.flops import adapt_flops, forward_flops, layer_flops, minipost_flops, pretrain_flops

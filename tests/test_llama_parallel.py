@@ -112,7 +112,8 @@ def test_decoder_step2_layout_matches_single_process(layout, reference, step2_si
     if layout == "zero2_dp2":
         ckpt = run / "checkpoints" / tag
         module = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["module"]
-        assert sorted(k for k, v in module.items() if v is not None) == sorted(trained)
+        # (The empty vector group's placeholder scalar, engine.build_engine, is not a model weight.)
+        assert sorted(k for k, v in module.items() if v is not None and "placeholder" not in k) == sorted(trained)
         for rank in (0, 1):
             opt = torch.load(ckpt / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt", weights_only=False)
             state = opt["optimizer_state_dict"]["base_optimizer_state"]["state"]
