@@ -33,7 +33,7 @@ from mmadapt import checkpoint
 from mmadapt.config import SYSTEMS, ModelConfig
 from mmadapt.family import WORD
 from mmadapt.models import get_family
-from mmadapt.run import TOKENIZER, load_weights
+from mmadapt.run import RUN_TOKENIZER, load_weights
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 
 ARTIFACT_FILE = "embeddings.pt"
@@ -105,7 +105,7 @@ def step2_start(system: str, source: Path, tag: str, target_tokenizer: Path, std
     rows of every vocabulary-indexed parameter. -> (model config, full state dict, shared pieces)."""
     cfg, body = adapt_body(system, *load_weights(source, tag), mini_layers)
     vocab = {name: body[name] for name in get_family(cfg).vocab_params(cfg)}
-    new, shared = overlap_init(tokenizer_pieces(Path(source) / TOKENIZER), vocab,
+    new, shared = overlap_init(tokenizer_pieces(Path(source) / RUN_TOKENIZER), vocab,
                                tokenizer_pieces(target_tokenizer), std, seed)
     return cfg, {**body, **new}, shared
 

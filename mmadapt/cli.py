@@ -16,9 +16,9 @@ import traceback
 from pathlib import Path
 
 from mmadapt import faults, parallel, steps
-from mmadapt.config import (DEFAULT_DS_CONFIG, FAMILY_PRESETS, LAYOUT_FIELDS, PRESETS, RECIPES, SYSTEMS, FinetuneConfig, Layout,
-                            MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args,
-                            apply_recipe, override)
+from mmadapt.config import (DEFAULT_DS_CONFIG, FAMILY_PRESETS, LAYOUT_FIELDS, PRESETS, RECIPES, SYSTEMS,
+                            FinetuneConfig, Layout, MiniModelConfig, ModelConfig, Parser, PreprocessConfig,
+                            TrainConfig, add_dataclass_args, apply_recipe, override)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_hf
@@ -181,7 +181,8 @@ def _schedule(args, source: str) -> TrainConfig:
     preset = args.preset or FAMILY_PRESETS[family]
     if PRESETS[preset][0].family != family:
         raise ValueError(f"--preset {preset} is a {PRESETS[preset][0].family} preset, but {source} is a {family} "
-                         f"run: drop --preset, or choose one of {', '.join(n for n, (m, _) in PRESETS.items() if m.family == family)}")
+                         f"run: drop --preset, or choose one of "
+                         f"{', '.join(n for n, (m, _) in PRESETS.items() if m.family == family)}")
     return override(PRESETS[preset][1], args)
 
 

@@ -334,8 +334,9 @@ class FinetuneConfig(LoopConfig):
 # --- presets --------------------------------------------------------------------------------
 # A preset names a model size and the schedule that goes with it.
 
-# Decoder (family llama) shapes. # 682,560 parameters: 12 x 46,208 per layer (QKV 64 x (4 + 2 x 2) x 16, out 64 x 64, gate/up
-# 2 x 176 x 64, down 176 x 64, two norms) + the tied embedding 2000 x 64 + the final norm.
+# Decoder (family llama) shapes.
+# LLAMA_TINY, 682,560 parameters: 12 x 46,208 per layer (QKV 64 x (4 + 2 x 2) x 16, out 64 x 64,
+# gate/up 2 x 176 x 64, down 176 x 64, two norms) + the tied embedding 2000 x 64 + the final norm.
 # ffn 176 = 8h/3 rounded up to a multiple of 16, Llama's ratio.
 # init_method_std 0.05, not the 0.02 of h >= 768 models: at h = 64, 0.02 scales each projection's
 # output to 0.02 * sqrt(64) = 0.16 of its normed input, and SwiGLU multiplies two such factors, so

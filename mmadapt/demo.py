@@ -49,7 +49,7 @@ from mmadapt.evaluate import evaluate_artifacts, retrieval_records
 from mmadapt.finetune import is_finished
 from mmadapt.plugin import plugin_records
 from mmadapt.report import plot_curves, plugin_markdown, report_markdown
-from mmadapt.run import TOKENIZER, RunSpec, load_checkpoint, recorded_defaults, run_progress
+from mmadapt.run import RUN_TOKENIZER, RunSpec, load_checkpoint, recorded_defaults, run_progress
 VOCAB = PRESETS["tiny"][0].vocab_size  # pieces of every demo tokenizer: the tiny preset's V
 # The demo's init std where its family's preset's is not the one the demo trains with (the
 # encoder: RoBERTa's 0.02 at h=768 scaled by sqrt(768/64) for h=64; at 0.02 its top layers
@@ -131,7 +131,7 @@ def pack_source_models(pretrain_root: Path, family: str = "roberta") -> None:
         torch.save({"state": load_checkpoint(run),
                     "run": {k: info[k] for k in ("step", "recipe", "model", "train")}}, out / f"{recipe}.pt")
         shutil.copyfile(run / "metrics.jsonl", out / f"{recipe}.metrics.jsonl")
-    shutil.copyfile(Path(pretrain_root) / RECIPES[0] / TOKENIZER, out / "spm.model")
+    shutil.copyfile(Path(pretrain_root) / RECIPES[0] / RUN_TOKENIZER, out / "spm.model")
 
 
 def check_shipped(recipe: str, model: dict, train: dict) -> dict:
@@ -159,7 +159,7 @@ def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dic
         write_weights_only(tmp / "checkpoints", blob["run"]["train"]["train_iters"], blob["state"],
                            blob["run"]["model"])
         (tmp / "tokenizer").mkdir()
-        shutil.copyfile(shipped / "spm.model", tmp / TOKENIZER)
+        shutil.copyfile(shipped / "spm.model", tmp / RUN_TOKENIZER)
         shutil.copyfile(shipped / f"{recipe}.metrics.jsonl", tmp / "metrics.jsonl")
         run = {**blob["run"], "data_path": str(data_path.resolve()), "corpus": read_manifest(data_path)["corpus"],
                "shipped": str(shipped / f"{recipe}.pt")}
@@ -277,7 +277,8 @@ class Demo:
         cfg = self.cfg
         state = run_progress(run_dir, cfg.adapt_iters)
         if state != "done":
-            train = self._train(cfg.adapt_iters, cfg.adapt_save_interval, train_micro_batch_size_per_gpu=cfg.adapt_batch)
+            train = self._train(cfg.adapt_iters, cfg.adapt_save_interval,
+                                train_micro_batch_size_per_gpu=cfg.adapt_batch)
             steps.adapt_embeddings(run=RunSpec(output_dir=run_dir, data_path=data_path, resume=state == "resume"),
                                    step=steps.AdaptEmbeddings(system=system, source=source, lang=lang, train=train))
 
@@ -295,10 +296,11 @@ class Demo:
             # embeddings trained over its own full model, apart from how its primary model
             # compares with BL_BASE's.
             runs += ceiling
-            records += plugin_records(pre[primary], runs, {lang: data[lang] for lang in self.cfg.langs},
-                                      self.cfg.seq_length, self.cfg.plugin_blocks)
-            records += evaluate_artifacts(finetuned[primary], runs, "bible")
-            records += retrieval_records(pre[primary], runs, pairs, self.cfg.seq_length)
+            records += plugin_records(pre[primary], adapt_runs=runs,
+                                      data_paths={lang: data[lang] for lang in self.cfg.langs},
+                                      seq_length=self.cfg.seq_length, blocks=self.cfg.plugin_blocks)
+            records += evaluate_artifacts(finetuned[primary], artifacts=runs, eval_spec="bible")
+            records += retrieval_records(pre[primary], adapt_runs=runs, pairs=pairs, seq_length=self.cfg.seq_length)
         source = {p: sum(json.loads((r / "run.json").read_text()).get("source_score") or 0 for r in runs) / len(runs)
                   for p, runs in finetuned.items()}
         return {"records": records, "source_scores": source}
@@ -326,7 +328,8 @@ def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str
               if cfg.family == "roberta" else
               "plug-in LM: the held-out target text's next-token loss through each primary model with the Step-2 "
               "embeddings swapped in; contextual gain = unigram reference - loss (nats per piece)")
-    md = [f"# mmadapt demo: {FAMILY_PRESETS[cfg.family]} preset, English -> {', '.join(cfg.langs)} ({seconds / 60:.1f} min)",
+    md = [f"# mmadapt demo: {FAMILY_PRESETS[cfg.family]} preset, English -> {', '.join(cfg.langs)} "
+          f"({seconds / 60:.1f} min)",
           "",
           "Scores in percent. bible-genre: accuracy of the zero-shot genre (5 balanced classes, majority "
           f"baseline {100 / len(GENRES):.1f}). retrieval: parallel-verse retrieval accuracy with no fine-tuning "

@@ -34,7 +34,7 @@ from mmadapt.finetune import is_finished, primary_state
 from mmadapt.models import get_family
 from mmadapt.models.layers import Padding
 from mmadapt.parallel import device
-from mmadapt.run import RUN_FILE, TOKENIZER, load_checkpoint
+from mmadapt.run import RUN_FILE, RUN_TOKENIZER, load_checkpoint
 from mmadapt.tasks import Task, encode, get_task, headline, majority_share, read_examples, scores
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokens import PAD_ID
@@ -90,7 +90,7 @@ def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
     own = {k: v for k, v in load_checkpoint(run_dir, tag).items() if not k.startswith("empty_group_placeholder")}
     cfg = ModelConfig(**{**run["model"], "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
     return Finetuned(cfg, get_task(run["task"]), run["labels"], {WORD: primary[WORD], **own},
-                     Path(run["primary"]["run_dir"]) / TOKENIZER, run)
+                     Path(run["primary"]["run_dir"]) / RUN_TOKENIZER, run)
 
 
 # --- Step 4: the model on the device, artifacts swapped in place, token-sized batches ---------------
@@ -407,7 +407,7 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     model = get_family(cfg).build_body(cfg)
     model.load_state_dict({k: state[k] for k in model.state_dict()})  # the body of the task model's start
     model = on_eval_device(model, device())  # built once; each artifact is swapped into it
-    src_sp, src_vectors, records = load_tokenizer(primary_run / TOKENIZER), {}, []
+    src_sp, src_vectors, records = load_tokenizer(primary_run / RUN_TOKENIZER), {}, []
     for path in artifact_dirs(adapt_runs):
         emb, tok, meta = read_artifact(path)
         lang = meta["lang"]

@@ -23,7 +23,7 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.features import Encoded
 from mmadapt.models import get_family
-from mmadapt.run import RUN_FILE, TOKENIZER, RunSpec, load_weights, read_run
+from mmadapt.run import RUN_FILE, RUN_TOKENIZER, RunSpec, load_weights, read_run
 from mmadapt.tasks import Task, encode, headline, label_names, read_examples
 from mmadapt.tokenizer import load as load_tokenizer
 
@@ -64,7 +64,8 @@ class TaskData:
         examples = read_examples(self.task, self.train_file, self.source_lang, "train", cfg)
         self.labels = label_names(self.task, examples)
         self.metric = headline(self.task, self.labels, cfg)
-        self.enc: Encoded = encode(self.task, load_tokenizer(self.primary / TOKENIZER), examples, self.labels, cfg)
+        sp = load_tokenizer(self.primary / RUN_TOKENIZER)
+        self.enc: Encoded = encode(self.task, sp, examples, self.labels, cfg)
         self.eval_examples = (read_examples(self.task, self.eval_file, self.source_lang, "test", cfg, self.labels)
                               if self.eval_file else None)
         dp = parallel.launched_world_size() // model.tensor_model_parallel_size

@@ -2,9 +2,9 @@
 
 Like torchtitan's `apply_compile`, fusion is applied *to* a built model (a family's LM or task
 model, or this rank's pipeline stage; what it compiles is the family's `compiled_kinds`) and
-changes no module, parameter name or state-dict key: `module.compile()` compiles a module's call in place. The eager model
-stays the default and the reference that tests compare against (tests/test_fusion.py: equal
-losses and gradients in fp32 to rounding).
+changes no module, parameter name or state-dict key: `module.compile()` compiles a module's call
+in place. The eager model stays the default and the reference that tests compare against
+(tests/test_fusion.py: equal losses and gradients in fp32 to rounding).
 
 fusion "compile" of the encoder family (models/roberta): torch.compile (TorchInductor) of
   - each TransformerLayer: bias + GELU, dropout + residual add + LayerNorm, and the FFN between

@@ -29,11 +29,12 @@ from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import artifact_primary, load_finetuned
 from mmadapt.family import WORD
 from mmadapt.models import FAMILIES, get_family
-from mmadapt.run import TOKENIZER, checkpoint_tag, load_weights, read_run
+from mmadapt.run import RUN_TOKENIZER, checkpoint_tag, load_weights, read_run
 from mmadapt.tokenizer import HFTokenizer, is_hf
 from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "sentencepiece.bpe.model", "vocab.json + merges.txt")
 
 
@@ -155,7 +156,7 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
         write_weights_only(tmp / "checkpoints", 0, state, to_dict(cfg))
         (tmp / "tokenizer").mkdir()
         doc = HFTokenizer.document(tok.backend_tokenizer.to_str(), hf_ids, str(model_dir))
-        (tmp / TOKENIZER).write_text(json.dumps(doc, ensure_ascii=False))
+        (tmp / RUN_TOKENIZER).write_text(json.dumps(doc, ensure_ascii=False))
         tok.save_pretrained(str(tmp / "tokenizer" / "hf"))  # export-hf hands these back
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
     return run
@@ -227,7 +228,7 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                              "the primary model with --primary")
         cfg, state = load_weights(primary_run, checkpoint_tag(primary_run, primary_tag))
         cfg, state = get_family(cfg).primary_model(cfg, state)
-        kind, tokenizer = None, primary_run / TOKENIZER
+        kind, tokenizer = None, primary_run / RUN_TOKENIZER
     if embeddings is not None:
         emb, tokenizer, meta = read_artifact(embeddings)
         if emb["word_embeddings"].shape[1] != cfg.hidden_size:

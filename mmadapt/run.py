@@ -37,7 +37,7 @@ from mmadapt.faults import RunLock
 from mmadapt.models import get_family
 
 RUN_FILE = "run.json"
-TOKENIZER = Path("tokenizer") / "spm.model"  # a run's vocabulary, relative to its directory
+RUN_TOKENIZER = Path("tokenizer") / "spm.model"  # a run's vocabulary, relative to its directory
 
 
 @dataclasses.dataclass
@@ -229,7 +229,7 @@ def read_run(run_dir: str | os.PathLike) -> dict:
                          "--output_dir of a pretrain or build_minipost run")
     if checkpoint.latest_tag(run_dir / "checkpoints") is None:
         raise ValueError(f"{run_dir} has no complete checkpoint yet: let its run save one first")
-    if not (run_dir / TOKENIZER).is_file():
+    if not (run_dir / RUN_TOKENIZER).is_file():
         raise ValueError(f"{run_dir} has no tokenizer/spm.model: it is not a complete mmadapt run")
     return checkpoint.read_json(run_dir / RUN_FILE, "run file")
 

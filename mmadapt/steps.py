@@ -44,7 +44,7 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.models import get_family
 from mmadapt.models.layers import derive_seed
 from mmadapt.plugin import plugin_records
-from mmadapt.run import (RunSpec, checkpoint_tag, load_checkpoint, load_weights, read_run, run_model, run_progress,
+from mmadapt.run import (RUN_TOKENIZER, RunSpec, checkpoint_tag, load_checkpoint, load_weights, read_run, run_model, run_progress,
                          start_run)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import get_task
@@ -126,7 +126,7 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
         else:
             raise ValueError(f"{primary} was imported (mmadapt import-hf), so it has no pretraining data: pass "
                              "source-language text with --corpus or --data_path")
-    run = _text_run(dataclasses.replace(run, tokenizer=primary / "tokenizer" / "spm.model"))
+    run = _text_run(dataclasses.replace(run, tokenizer=primary / RUN_TOKENIZER))
     identity = {"recipe": "minipost",
                 "frozen_from": {"run_dir": str(primary), "tag": tag, **dataclasses.asdict(step.mini)}}
     with start_run(run, model, step.train, identity, TextData()) as started:

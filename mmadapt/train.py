@@ -34,8 +34,7 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.models import get_family
 from mmadapt.models.layers import Padding, masked_positions
 from mmadapt.models.pipe import set_host_batches, take_head_losses
-from mmadapt.run import TOKENIZER as RUN_TOKENIZER
-from mmadapt.run import RunSpec, Started
+from mmadapt.run import RUN_TOKENIZER, RunSpec, Started
 
 
 @dataclasses.dataclass(frozen=True)

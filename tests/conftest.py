@@ -19,6 +19,17 @@ MINIPOST = str(REPO / "launch" / "build_minipost.py")
 VOCAB = 1000
 # Dropout off so that different parallel layouts must agree to rounding error.
 NO_DROPOUT = ["--hidden_dropout", "0", "--attention_dropout", "0"]
+# The parallel layouts checked against one process, each (ranks, flags), for a global batch of 16
+# blocks in micro-batches of 8: the reference runs 2 micro-batches with accumulation, ZeRO-2 two
+# data-parallel ranks of one.
+LAYOUTS = {
+    "tp2": (2, ["--tensor_model_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
+    "pp2": (2, ["--pipeline_model_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
+    "zero2_dp2": (2, ["--ds_config", "ds_configs/zero2.json", "--gradient_accumulation_steps", "1"]),
+    # Both model-parallel kinds at once: MINIJOINT's carried activation crosses a TP x PP grid.
+    "tp2_pp2": (4, ["--tensor_model_parallel_size", "2", "--pipeline_model_parallel_size", "2",
+                    "--gradient_accumulation_steps", "2"]),
+}
 
 
 def _bible(lang: str, tmp_path_factory) -> Path:

@@ -7,29 +7,33 @@ import pytest
 import torch
 
 from conftest import PRETRAIN, REPO, child_env, metrics
-from mmadapt.demo import RECIPES, SOURCE_MODELS, DemoConfig
+from mmadapt.config import FAMILY_PRESETS, ModelConfig
+from mmadapt.demo import RECIPES, SOURCE_MODELS, Demo, DemoConfig, source_models
+from mmadapt.models import get_family
 from mmadapt.run import load_weights, read_run
 
 SHIPPED_VOCAB = 2000
 
 
+@pytest.mark.parametrize("family", sorted(FAMILY_PRESETS))
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_shipped_model_is_a_complete_step1_run(recipe):
-    from mmadapt.config import ModelConfig
-    from mmadapt.models.roberta.model import RobertaMLM
-
-    blob = torch.load(SOURCE_MODELS / f"{recipe}.pt", map_location="cpu", weights_only=False)
+def test_shipped_model_is_a_complete_step1_run(recipe, family):
+    shipped = source_models(family)
+    blob = torch.load(shipped / f"{recipe}.pt", map_location="cpu", weights_only=False)
     run = blob["run"]
     assert run["recipe"] == recipe and run["step"] == "pretrain"
     assert run["train"]["train_iters"] == DemoConfig().pretrain_iters
-    RobertaMLM(ModelConfig(**run["model"])).load_state_dict(blob["state"], strict=True)
-    log = [json.loads(l) for l in (SOURCE_MODELS / f"{recipe}.metrics.jsonl").read_text().splitlines()]
+    cfg = ModelConfig(**run["model"])
+    assert cfg.family == family
+    get_family(cfg).build_lm(cfg).load_state_dict(blob["state"], strict=True)
+    log = [json.loads(l) for l in (shipped / f"{recipe}.metrics.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == run["train"]["train_iters"]
     assert log[-1]["loss"] < log[0]["loss"] - 1.0  # it learned well beyond its first updates
 
 
 @pytest.mark.slow
-def test_the_demos_step1_reproduces_the_shipped_log(tmp_path):
+@pytest.mark.parametrize("family", sorted(FAMILY_PRESETS))
+def test_the_demos_step1_reproduces_the_shipped_log(family, tmp_path):
     """bl_small's first 50 updates, run by launch/pretrain.py with the demo's Step-1 settings on
     the English Bible encoded with the shipped tokenizer, give the shipped log's loss."""
     import subprocess
@@ -38,24 +42,23 @@ def test_the_demos_step1_reproduces_the_shipped_log(tmp_path):
     from mmadapt import steps
     from mmadapt.config import PreprocessConfig
 
-    from mmadapt.demo import Demo
-
+    shipped = source_models(family)
     data = tmp_path / "en"
-    steps.preprocess("bible:en", data, SHIPPED_VOCAB, PreprocessConfig(workers=1), tokenizer=SOURCE_MODELS / "spm.model")
-    cfg = DemoConfig()
+    steps.preprocess("bible:en", data, SHIPPED_VOCAB, PreprocessConfig(workers=1), tokenizer=shipped / "spm.model")
+    cfg = DemoConfig(family=family)
     model, _ = Demo(cfg, tmp_path / "demo").source_settings("bl_small")
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, PRETRAIN, "--recipe", "bl_small", "--preset", "tiny", "--data_path", str(data),
-                           "--output_dir", str(out), "--vocab_size", str(SHIPPED_VOCAB),
+    proc = subprocess.run([sys.executable, PRETRAIN, "--recipe", "bl_small", "--preset", FAMILY_PRESETS[family],
+                           "--data_path", str(data), "--output_dir", str(out), "--vocab_size", str(SHIPPED_VOCAB),
                            "--init_method_std", str(model.init_method_std), "--seq_length", str(cfg.seq_length),
                            "--train_micro_batch_size_per_gpu", str(cfg.pretrain_batch), "--lr", str(cfg.pretrain_lr),
                            "--train_iters", str(cfg.pretrain_iters), "--save_interval", str(cfg.pretrain_iters),
                            "--log_interval", "50", "--exit_interval", "50"],
                           cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    shipped = [json.loads(l) for l in (SOURCE_MODELS / "bl_small.metrics.jsonl").read_text().splitlines()]
-    assert metrics(out)[0]["step"] == shipped[0]["step"] == 50
-    assert metrics(out)[0]["loss"] == pytest.approx(shipped[0]["loss"], abs=0.01)
+    log = [json.loads(l) for l in (shipped / "bl_small.metrics.jsonl").read_text().splitlines()]
+    assert metrics(out)[0]["step"] == log[0]["step"] == 50
+    assert metrics(out)[0]["loss"] == pytest.approx(log[0]["loss"], abs=0.01)
 
 
 def test_installed_model_is_accepted_by_later_steps(tmp_path):
@@ -85,6 +88,5 @@ def test_another_step1_seed_needs_from_scratch_and_is_refused_before_anything_is
     assert err[-1] == ("error: the shipped bl_base model was pretrained with seed 1234, this demo asks for 2: pass "
                        "--from_scratch to pretrain with these settings")
     assert not (tmp_path / "d").exists()
-    from mmadapt.demo import Demo
     Demo(DemoConfig(pretrain_seed=2), tmp_path / "d", from_scratch=True).check_sources()  # nothing to check
     Demo(DemoConfig(), tmp_path / "d").check_sources()  # the default is the shipped models' setting

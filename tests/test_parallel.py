@@ -12,20 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import NO_DROPOUT, base_args, metrics, run_pretrain
+from conftest import LAYOUTS, NO_DROPOUT, base_args, metrics, run_pretrain
 from mmadapt.checkpoint import load_full_state_dict
+from mmadapt.config import ModelConfig
+from mmadapt.models.roberta import ROBERTA
 
 pytestmark = pytest.mark.slow
 
 STEPS = 3
-LAYOUTS = {
-    "tp2": (2, ["--tensor_model_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
-    "pp2": (2, ["--pipeline_model_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
-    "zero2_dp2": (2, ["--ds_config", "ds_configs/zero2.json", "--gradient_accumulation_steps", "1"]),
-    # Both model-parallel kinds at once: MINIJOINT's carried activation crosses a TP x PP grid.
-    "tp2_pp2": (4, ["--tensor_model_parallel_size", "2", "--pipeline_model_parallel_size", "2",
-                    "--gradient_accumulation_steps", "2"]),
-}
 
 
 def _args(corpus, tokenizer, out, *extra):
@@ -63,14 +57,14 @@ def test_two_rank_layout_matches_single_process(layout, reference, corpus, token
         torch.testing.assert_close(mine[name], ref_w, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name} differs")
     if layout in ("pp2", "tp2_pp2"):
         # The second head's layer (4) sits on stage 0; both heads run on stage 1 (pipeline.py).
-        parts = json.loads((tmp_path / "run.json").read_text())["pipeline_parts"]
-        layer4_index = 1 + 4  # list index of transformer layer 4
-        assert parts[0] <= layer4_index < parts[1]
-        assert parts[1] <= 2 + 12 + 1 < parts[2]  # PipeMLMHeads on the last stage
-        # The tied embedding's two copies (layer 0 on stage 0, layer 14 on stage 1) stayed equal.
+        run = json.loads((tmp_path / "run.json").read_text())
+        parts, layers = run["pipeline_parts"], ROBERTA.pipeline_layer_prefixes(ModelConfig(**run["model"]))
+        assert parts[0] <= layers.index("layers.3.") < parts[1]  # transformer layer 4
+        assert parts[1] <= layers.index("heads.") < parts[2]  # PipeMLMHeads on the last stage
+        # The tied embedding's two copies (on stage 0, and the last stage's) stayed equal.
         tag = tmp_path / "checkpoints" / "step00000003"
         first = torch.load(tag / "layer_00-model_00-model_states.pt")["word_embeddings.weight"]
-        last = torch.load(tag / "layer_14-model_00-model_states.pt")["word_embeddings.weight"]
+        last = torch.load(tag / f"layer_{layers.index(None):02d}-model_00-model_states.pt")["word_embeddings.weight"]
         torch.testing.assert_close(first, last, rtol=0, atol=0)
 
 

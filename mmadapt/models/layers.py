@@ -185,3 +185,38 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, jagged: 
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def run_layers(layers: nn.ModuleList, x: torch.Tensor, wanted: tuple[int, ...], *args) -> list[torch.Tensor]:
+    """x [b, s, h] through every layer (each called with `args` after x) -> the output [b, s, h]
+    of each layer whose 1-based `layer_number` is in `wanted`, in order."""
+    out = []
+    for layer in layers:
+        x = layer(x, *args)
+        if layer.layer_number in wanted:
+            out.append(x)
+    return out
+
+
+def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index: torch.Tensor,
+                targets: torch.Tensor, output_weight: torch.Tensor, loss_weights: tuple[float, ...] | None):
+    """Every head's loss over the scored positions, and the model's loss from them.
+
+    hiddens: one [b, s, h] per head; masked_index [m]: the scored positions as flat indices into
+    b * s (`masked_positions`), targets [m]; each head maps its rows [m, h] and the output weight
+    [Vp, h] to logits [m, Vp]. Only the m scored rows reach a head: the rows are gathered by
+    index, not by a boolean mask, so m comes from the host (a boolean gather on the device would
+    make the host wait for the device to count m). Cross-entropy in fp32, vocab-parallel at TP > 1.
+    -> (the mean of the heads' losses, or their weighted mean with loss_weights (normalised);
+    each head's loss [num heads], detached)."""
+    losses = []
+    for head, h in zip(heads, hiddens):
+        logits = head(h.reshape(-1, h.shape[-1]).index_select(0, masked_index), output_weight).float()  # [m, Vp]
+        if head.tp == 1:
+            losses.append(F.cross_entropy(logits, targets))
+        else:
+            losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits, targets).mean())
+    per_head = torch.stack(losses)
+    if loss_weights is None:
+        return per_head.mean(), per_head.detach()
+    return (per_head * per_head.new_tensor(loss_weights)).sum(), per_head.detach()

@@ -30,12 +30,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import (Linear, Padding, WordEmbedding, column_linear, derive_seed, masked_positions,
-                                   normal_init, row_linear, to_tp_region)
+from mmadapt.models.layers import (Linear, Padding, WordEmbedding, column_linear, derive_seed, head_losses,
+                                   masked_positions, normal_init, row_linear, run_layers, to_tp_region)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
 
@@ -198,18 +197,7 @@ class LMHeads(nn.Module):
         Returns (loss, per_head): the mean (or weighted mean) of the heads' losses, and each
         head's loss, detached.
         """
-        losses = []
-        for head, h in zip(self.heads, hiddens):
-            logits = head(h.reshape(-1, h.shape[-1]).index_select(0, masked_index), output_weight)  # [m, Vp]
-            if self.tp == 1:
-                losses.append(F.cross_entropy(logits.float(), targets))
-            else:
-                losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean())
-        per_head = torch.stack(losses)
-        if self.loss_weights is None:
-            return per_head.mean(), per_head.detach()
-        weights = torch.tensor(self.loss_weights, dtype=per_head.dtype, device=per_head.device)
-        return (per_head * weights).sum(), per_head.detach()
+        return head_losses(self.heads, hiddens, masked_index, targets, output_weight, self.loss_weights)
 
 
 def output_layer(config: ModelConfig, seed: int = 1234) -> nn.Module:
@@ -236,13 +224,8 @@ class LlamaDecoder(nn.Module):
         ascending), before any final norm. padding is accepted so that every family is called
         alike, and unused: causal attention needs no padding mask (DecoderLayer.attention)."""
         x = self.embedding_dropout(self.word_embeddings(input_ids))
-        rope = rotary_table(input_ids.shape[1], self.config.head_dim, self.config.rotary_base, x)
-        out = []
-        for layer in self.layers:
-            x = layer(x, rope)
-            if layer.layer_number in layers:
-                out.append(x)
-        return out
+        return run_layers(self.layers, x, layers, rotary_table(input_ids.shape[1], self.config.head_dim,
+                                                               self.config.rotary_base, x))
 
 
 class LlamaLM(LlamaDecoder):

@@ -25,13 +25,13 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Jagged, Padding, WordEmbedding, attention_mask, column_linear, derive_seed,
-                                   masked_positions, normal_init, row_linear, to_tp_region, varlen_attention)
+                                   head_losses, masked_positions, normal_init, row_linear, run_layers, to_tp_region,
+                                   varlen_attention)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
 
@@ -160,18 +160,7 @@ class MLMHeads(nn.Module):
         Returns (loss, per_head): the mean (or weighted mean) of the heads' losses, and each head's
         loss, detached.
         """
-        losses = []
-        for head, h in zip(self.heads, hiddens):
-            logits = head(h.reshape(-1, h.shape[-1]).index_select(0, masked_index), word_weight)  # [m, Vp]
-            if self.tp == 1:
-                losses.append(F.cross_entropy(logits.float(), targets))
-            else:
-                losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits.float(), targets).mean())
-        per_head = torch.stack(losses)
-        if self.loss_weights is None:
-            return per_head.mean(), per_head.detach()
-        weights = torch.tensor(self.loss_weights, dtype=per_head.dtype, device=per_head.device)
-        return (per_head * weights).sum(), per_head.detach()
+        return head_losses(self.heads, hiddens, masked_index, targets, word_weight, self.loss_weights)
 
 
 class RobertaEncoder(nn.Module):
@@ -189,13 +178,7 @@ class RobertaEncoder(nn.Module):
         """input_ids [b, s] -> the output [b, s, h] of each layer in `layers` (1-based, ascending).
         padding: input_ids' Padding, counted on the host (None: ask the device)."""
         mask = attention_mask(input_ids, padding, self.config.attention_impl)
-        x = self.embeddings(self.word_embeddings(input_ids))
-        out = []
-        for layer in self.layers:
-            x = layer(x, mask)
-            if layer.layer_number in layers:
-                out.append(x)
-        return out
+        return run_layers(self.layers, self.embeddings(self.word_embeddings(input_ids)), layers, mask)
 
 
 class RobertaMLM(RobertaEncoder):
