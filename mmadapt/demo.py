@@ -268,7 +268,7 @@ class Demo:
                 steps.finetune(run=RunSpec(output_dir=out, resume=(out / "checkpoints").is_dir()),
                                step=steps.Finetune(task="bible-genre", primary=pre[primary], cfg=ft_cfg,
                                                    eval_file="bible"))
-        self.say("Step 4: the plug-in MLM metric, zero-shot bible-genre and parallel-verse retrieval for every "
+        self.say(f"Step 4: the plug-in {'MLM' if self.cfg.family == 'roberta' else 'LM'} metric, zero-shot bible-genre and parallel-verse retrieval for every "
                  "Step-2 checkpoint")
         return self.evaluate(pre, finetuned, data)
 

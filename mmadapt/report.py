@@ -174,9 +174,10 @@ def ceiling_of(system: str) -> str:
 
 
 def plugin_markdown(records: list[dict]) -> str:
-    """The plug-in MLM metric (plugin.py) with its references, per language: the unigram
-    reference loss, and per system the overlap-initialised start and the last checkpoint's loss
-    and contextual gain (unigram - loss, nats per masked piece), and its share of the ceiling's
+    """The plug-in metric (plugin.py: masked pieces for an encoder, next pieces for a decoder)
+    with its references, per language: the unigram reference loss, and per system the
+    overlap-initialised start and the last checkpoint's loss and contextual gain (unigram - loss,
+    nats per scored piece), and its share of the ceiling's
     gain (`<recipe>:full`, the same source's full model) where one was run."""
     rows = [r for r in records if r["task"] in PLUGIN_TASKS.values()]
     out = []
@@ -185,8 +186,10 @@ def plugin_markdown(records: list[dict]) -> str:
         last = {}
         for r in sorted(mine, key=lambda r: r["flops"]):
             last[r["system"]] = r
-        out += [f"## plug-in MLM, {lang}: held-out loss through the primary model (unigram reference "
-                f"{mine[0]['unigram_loss']:.3f} nats on {mine[0]['masked_pieces']} masked pieces)", "",
+        name, pieces = ("plug-in MLM", "masked pieces") if mine[0]["task"] == PLUGIN_TASKS["mlm"] else \
+            ("plug-in LM", "next pieces")
+        out += [f"## {name}, {lang}: held-out loss through the primary model (unigram reference "
+                f"{mine[0]['unigram_loss']:.3f} nats on {mine[0]['masked_pieces']} {pieces})", "",
                 "| system | Step-2 EFLOPs | start loss | final loss | contextual gain | share of ceiling |",
                 "|---|---|---|---|---|---|"]
         for system in sorted(last, key=lambda s: (s != "bl_base", s)):
