@@ -73,6 +73,7 @@ def main(argv=None) -> None:
     ap.add_argument("--micro_batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=10, help="timed updates (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed updates first")
+    ap.add_argument("--fusion", default="none", help="mmadapt's ModelConfig.fusion: none (eager) or compile")
     args = ap.parse_args(argv)
     import transformers
 
@@ -83,7 +84,7 @@ def main(argv=None) -> None:
     batches, dev = blocks(b, s, 4), device()
     rows = []
     for system, layers in SYSTEMS.items():
-        cfg = LLAMA.one_head(SHAPE, layers)
+        cfg = LLAMA.one_head(dataclasses.replace(SHAPE, fusion=args.fusion), layers)
         engine, _, _ = lm_engine(cfg, train, ds, LMJob(step="adapt", trainable=LLAMA.vocab_params(cfg)))
         t, _ = median_time(engine_update(engine, batches, 1), args.warmup, args.repeats)
         del engine
@@ -113,7 +114,7 @@ def main(argv=None) -> None:
     minijoint = next(r for r in rows if r["system"] == "minijoint")
     md = [f"# Step 2 of a 12-layer decoder: mmadapt vs transformers {transformers.__version__} LlamaForCausalLM "
           f"({dev}, h={SHAPE.hidden_size}, {SHAPE.num_attention_heads} heads / {SHAPE.query_groups} groups, "
-          f"V={SHAPE.vocab_size}, s={s}, batch {b}, fp32, body frozen)", "",
+          f"V={SHAPE.vocab_size}, s={s}, batch {b}, fp32, body frozen, mmadapt fusion {args.fusion})", "",
           table([*rows, hf_row], [("system", "system"), ("layers", "layers"), ("ms_per_update", "ms/update"),
                                   ("tokens_per_s", "tokens/s"), ("gflop", "GFLOP/update (exact)"),
                                   ("time_ratio_vs_bl_base", "time ratio vs BL_BASE"),
@@ -124,7 +125,7 @@ def main(argv=None) -> None:
           f"{'met' if minijoint['time_over_flop_ratio'] >= 0.9 else 'NOT met'})",
           f"- mmadapt BL_BASE does {speedup:.2f}x the tokens/s of transformers on the same frozen-body job (target "
           f">= 1.3x: {'met' if speedup >= 1.3 else 'NOT met'})"]
-    paths = write_results("vs_hf_decoder", {"shape": dataclasses.asdict(SHAPE), "seq_length": s, "micro_batch": b,
+    paths = write_results("vs_hf_decoder" + ("" if args.fusion == "none" else f"_{args.fusion}"), {"fusion": args.fusion, "shape": dataclasses.asdict(SHAPE), "seq_length": s, "micro_batch": b,
                                             "transformers": transformers.__version__, "rows": [*rows, hf_row],
                                             "speedup_bl_base_vs_transformers": speedup}, "\n".join(md))
     print("\n".join(md))
