@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from mmadapt.config import Parser
+from mmadapt.faults import EXIT_USER
 
 PORT_BASE, PORT_SPAN = 20_000, 20_000  # rendezvous ports 20000-39999, one per job id
 
@@ -174,3 +175,15 @@ def main(argv=None) -> int:
     write_hostfile(job, hostfile)
     print(f"[mmadapt slurm-env] node {job.node_rank}/{len(job.hosts)}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     os.execvp(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    # The SLURM templates run this on every node before DeepSpeed's launcher: `python -m
+    # mmadapt.slurm` imports only the standard library and config, where `-m mmadapt.cli` would
+    # import torch, DeepSpeed and megatron-core first (seconds per node, for a few string
+    # operations). Its failures look like the CLI's (cli.user_errors): one `error:` line, exit 2.
+    try:
+        sys.exit(main())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER)
