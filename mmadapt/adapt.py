@@ -27,14 +27,19 @@ import json
 import os
 from pathlib import Path
 
+import sentencepiece as spm
 import torch
+from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt import checkpoint
-from mmadapt.config import SYSTEMS, ModelConfig
+from mmadapt.config import EMBEDDING_INITS, SYSTEMS, ModelConfig
 from mmadapt.family import WORD
 from mmadapt.models import get_family
 from mmadapt.run import RUN_TOKENIZER, load_weights
+from mmadapt.tokenizer import WORD_BOUNDARY
+from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
+from mmadapt.tokens import UNK_ID
 
 ARTIFACT_FILE = "embeddings.pt"
 
@@ -99,15 +104,78 @@ def overlap_init(src_pieces: list[str], src: dict[str, torch.Tensor], trg_pieces
     return out, len(trg_rows)
 
 
+def source_split(src_tokenizer: Path):
+    """piece -> the source tokenizer's ids for that piece's surface form, as FVT splits a new
+    piece (Gee et al. 2022): '▁' read as the space it stands for, and nothing added to the text, so
+    a word-initial piece '▁foo' splits as ' foo' does inside a text and a word-internal 'oo' as
+    'oo' does (a SentencePiece source gets a copy of its model without the dummy prefix and with
+    spaces kept; a byte-level BPE source's pre-tokenizer adds no prefix space already). The
+    unknown piece is dropped from a split: its row says nothing about the piece."""
+    tok = load_tokenizer(src_tokenizer)
+    if isinstance(tok, spm.SentencePieceProcessor):
+        proto = sp_model.ModelProto()
+        proto.ParseFromString(Path(src_tokenizer).read_bytes())
+        proto.normalizer_spec.add_dummy_prefix = False
+        proto.normalizer_spec.remove_extra_whitespaces = False
+        tok = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+
+    def split(piece: str) -> list[int]:
+        return [i for i in tok.encode(piece.replace(WORD_BOUNDARY, " ")) if i != UNK_ID]
+    return split
+
+
+def subword_mean_init(split, src_pieces: list[str], src: dict[str, torch.Tensor], trg_pieces: list[str], std: float,
+                      seed: int) -> tuple[dict[str, torch.Tensor], int, int]:
+    """overlap_init, then every target piece that is not shared and that the source tokenizer
+    splits (`split`, source_split) gets the mean of the source rows of its split, in every
+    vocabulary-indexed tensor (the bias likewise); a piece with an empty split keeps its N(0, std)
+    row. -> (name -> [V_trg, ...], shared pieces, pieces given a mean)."""
+    out, shared = overlap_init(src_pieces, src, trg_pieces, std, seed)
+    src_index = {p: i for i, p in enumerate(src_pieces)}
+    composed = 0
+    for i, piece in enumerate(trg_pieces):
+        if piece in src_index:
+            continue
+        ids = split(piece)
+        if not ids:
+            continue
+        composed += 1
+        for name, t in src.items():
+            out[name][i] = t[ids].float().mean(0)
+    return out, shared, composed
+
+
+def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_tokenizer: Path, std: float,
+              seed: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """The target rows of the vocabulary-indexed tensors `src` by TrainConfig.embedding_init:
+    overlap (the paper: shared pieces copied, the rest N(0, std)), subword_mean (FVT:
+    subword_mean_init) or normal (every row drawn, nothing copied: the baseline that shows what
+    the copies are worth). -> (name -> [V_trg, ...], how many rows started which way:
+    shared_pieces, subword_mean_pieces, random_pieces)."""
+    src_pieces, trg_pieces = tokenizer_pieces(src_tokenizer), tokenizer_pieces(trg_tokenizer)
+    composed = 0
+    if how == "normal":
+        out, shared = overlap_init([], src, trg_pieces, std, seed)
+    elif how == "subword_mean":
+        out, shared, composed = subword_mean_init(source_split(src_tokenizer), src_pieces, src, trg_pieces, std, seed)
+    elif how == "overlap":
+        out, shared = overlap_init(src_pieces, src, trg_pieces, std, seed)
+    else:
+        raise ValueError(f"unknown embedding_init {how!r}; choose one of {', '.join(EMBEDDING_INITS)}")
+    return out, {"shared_pieces": shared, "subword_mean_pieces": composed,
+                 "random_pieces": len(trg_pieces) - shared - composed}
+
+
 def step2_start(system: str, source: Path, tag: str, target_tokenizer: Path, std: float, seed: int,
-                mini_layers: int | None = None) -> tuple[ModelConfig, dict, int]:
-    """Step 2's starting weights: the system's model from the source run with overlap-initialised
-    rows of every vocabulary-indexed parameter. -> (model config, full state dict, shared pieces)."""
+                mini_layers: int | None = None, embedding_init: str = "overlap"
+                ) -> tuple[ModelConfig, dict, dict[str, int]]:
+    """Step 2's starting weights: the system's model from the source run with the new
+    vocabulary's rows of every vocabulary-indexed parameter (init_rows). -> (model config, full
+    state dict, how many rows started which way)."""
     cfg, body = adapt_body(system, *load_weights(source, tag), mini_layers)
     vocab = {name: body[name] for name in get_family(cfg).vocab_params(cfg)}
-    new, shared = overlap_init(tokenizer_pieces(Path(source) / RUN_TOKENIZER), vocab,
-                               tokenizer_pieces(target_tokenizer), std, seed)
-    return cfg, {**body, **new}, shared
+    new, counts = init_rows(embedding_init, Path(source) / RUN_TOKENIZER, vocab, target_tokenizer, std, seed)
+    return cfg, {**body, **new}, counts
 
 
 # --- the artifact ----------------------------------------------------------------------------------------
@@ -141,5 +209,6 @@ def artifact_state(art: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return {name: art[key] for key, name in get_family(cfg).artifact_keys().items() if key in art}
 
 
-__all__ = ["WORD", "adapt_body", "body_config", "system_label", "overlap_init", "step2_start", "write_artifact",
+__all__ = ["WORD", "adapt_body", "body_config", "system_label", "overlap_init", "source_split", "subword_mean_init",
+           "init_rows", "step2_start", "write_artifact",
            "read_artifact", "artifact_state"]

@@ -22,6 +22,9 @@ def _f(default, help: str, **kw):
 
 # ModelConfig.fusion's values (mmadapt/fusion.py applies them).
 FUSIONS = ("none", "compile")
+# Step 2's start of the new vocabulary's rows (adapt.init_rows): the paper's overlap copy, FVT's
+# subword mean, or every row drawn.
+EMBEDDING_INITS = ("overlap", "subword_mean", "normal")
 
 
 @dataclass
@@ -251,6 +254,10 @@ class TrainConfig(LoopConfig):
     train_output_bias: bool = _f(True, "Step 2: train the output bias with the embeddings (it is indexed by the "
                                  "target vocabulary's pieces); false: the paper's setting, embeddings only, the bias "
                                  "frozen at its overlap initialisation (source bias for shared pieces, 0 otherwise)")
+    embedding_init: str = _f("overlap", "Step 2: how the new vocabulary's rows start: overlap (the paper: a piece "
+                             "also in the source vocabulary gets its source row, the others N(0, init_method_std)), "
+                             "subword_mean (FVT: shared pieces copied, every other piece the mean of the source rows "
+                             "of its split under the source tokenizer) or normal (every row drawn, nothing copied)")
 
     def warmup_iters(self, total: int) -> int:
         return self.lr_warmup_iters
@@ -265,6 +272,8 @@ class TrainConfig(LoopConfig):
             raise ValueError("train_iters and eval_iters must be >= 1 (eval_interval >= 0)")
         if not 0 < self.mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.embedding_init not in EMBEDDING_INITS:
+            raise ValueError(f"embedding_init must be one of {', '.join(EMBEDDING_INITS)}, got {self.embedding_init!r}")
         if self.lr is None:
             raise ValueError("lr must be set for pretraining, Step 1b and Step 2")
         self._validate_loop()

@@ -268,8 +268,9 @@ class Demo:
                 steps.finetune(run=RunSpec(output_dir=out, resume=(out / "checkpoints").is_dir()),
                                step=steps.Finetune(task="bible-genre", primary=pre[primary], cfg=ft_cfg,
                                                    eval_file="bible"))
-        self.say(f"Step 4: the plug-in {'MLM' if self.cfg.family == 'roberta' else 'LM'} metric, zero-shot bible-genre and parallel-verse retrieval for every "
-                 "Step-2 checkpoint")
+        metric = "MLM" if self.cfg.family == "roberta" else "LM"
+        self.say(f"Step 4: the plug-in {metric} metric, zero-shot bible-genre and parallel-verse retrieval for "
+                 "every Step-2 checkpoint")
         return self.evaluate(pre, finetuned, data)
 
     def adapt(self, system: str, source: Path, lang: str, run_dir: Path, data_path: Path) -> None:

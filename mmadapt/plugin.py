@@ -131,14 +131,14 @@ def _swap(model: torch.nn.Module, emb: dict) -> dict:
 
 
 def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
-    """The overlap-initialised embeddings and bias the adapt run started from (recomputed: the
-    same seeded draw as adapt_embeddings')."""
+    """The embeddings and bias the adapt run started from (recomputed: the same seeded draw and
+    the same TrainConfig.embedding_init as adapt_embeddings'; runs recorded before it: overlap)."""
     run = json.loads((adapt_run / "run.json").read_text())
     src = run["frozen_from"]
     cfg, init, _ = step2_start(run["system"], Path(src["run_dir"]), src["tag"], tokenizer,
                                run["model"]["init_method_std"], derive_seed(run["train"]["seed"],
                                                                              f"embeddings.{run['lang']}"),
-                               run.get("mini_layers"))
+                               run.get("mini_layers"), run["train"].get("embedding_init", "overlap"))
     return {key: init[name] for key, name in get_family(cfg).artifact_keys().items() if name in init}
 
 

@@ -69,6 +69,8 @@ def _text_run(run: RunSpec) -> RunSpec:
 def _step2_only(train: TrainConfig, step: str) -> None:
     if not train.train_output_bias:
         raise ValueError(f"train_output_bias is a Step-2 setting; {step} trains its own parameters: drop the flag")
+    if train.embedding_init != "overlap":
+        raise ValueError(f"embedding_init is a Step-2 setting; {step} starts no new vocabulary: drop the flag")
 
 
 # --- Step 1 -----------------------------------------------------------------------------------------
@@ -196,11 +198,14 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     identity = {"recipe": system, "system": system, "lang": lang, "frozen_from": frozen_from, **depth}
     with start_run(run, model, train, identity, TextData()) as started:
         tokenizer = started.data / TOKENIZER
-        _, init, shared = step2_start(system, source, tag, tokenizer, model.init_method_std,
-                                      derive_seed(train.seed, f"embeddings.{lang}"), depth.get("mini_layers"))
+        _, init, rows = step2_start(system, source, tag, tokenizer, model.init_method_std,
+                                    derive_seed(train.seed, f"embeddings.{lang}"), depth.get("mini_layers"),
+                                    train.embedding_init)
         if parallel.is_rank0():
-            print(f"new {lang} embeddings: {shared} of {model.vocab_size} pieces copied from the source vocabulary, "
-                  f"{model.vocab_size - shared} drawn from N(0, {model.init_method_std})")
+            mean = f", {rows['subword_mean_pieces']} the mean of their source split" \
+                if train.embedding_init == "subword_mean" else ""
+            print(f"new {lang} embeddings ({train.embedding_init}): {rows['shared_pieces']} of {model.vocab_size} "
+                  f"pieces copied from the source vocabulary{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
         family = get_family(model)
         trainable = family.vocab_params(model, train.train_output_bias)
         seq_flops = {p: family.step_flops("adapt", model, train.seq_length, train.mask_prob, paper=p)
@@ -209,7 +214,8 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         artifact = {"system": system, "lang": lang, "source": str(source), "source_tag": tag,
                     "body_layers": model.num_layers, **depth, "hidden_size": model.hidden_size,
                     "vocab_size": model.vocab_size, "train_output_bias": train.train_output_bias,
-                    "shared_pieces": shared, "global_batch": global_batch, "seq_length": train.seq_length}
+                    "embedding_init": train.embedding_init, **rows, "global_batch": global_batch,
+                    "seq_length": train.seq_length}
         if system == "minipost":  # the mini-model's N and K (its source's Step 1b)
             mini = MiniModelConfig(src["frozen_from"]["mini_layers"], src["frozen_from"]["new_layers"])
             artifact.update(mini_layers=mini.one_depth("build_minipost"), new_layers=mini.new_layers)
@@ -226,7 +232,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             write_artifact(run.output_dir / "embeddings" / ckpt_tag, tensors, tokenizer, meta)
 
         return train_lm(started, run, model, train, LMJob(step="adapt", trainable=trainable), init,
-                        after_save=save_artifact, record={"shared_pieces": shared, "target_vocab_size": model.vocab_size})
+                        after_save=save_artifact, record={**rows, "target_vocab_size": model.vocab_size})
 
 
 # --- Step 3 -----------------------------------------------------------------------------------------

@@ -59,6 +59,69 @@ def test_overlap_init_copies_exactly_the_shared_pieces():
     assert not torch.equal(other[WORD][5], w[5])
 
 
+def test_subword_mean_init_is_the_mean_of_the_split_rows():
+    """FVT by hand: a new piece's row (and bias) is the mean of its split's source rows; a shared
+    piece keeps its copy; a piece the source cannot split keeps overlap_init's random row."""
+    src = ["<pad>", "<unk>", "<s>", "</s>", "<mask>", "▁a", "b", "▁ab"]
+    trg = ["<pad>", "<unk>", "<s>", "</s>", "<mask>", "▁ab", "▁abb", "zz"]
+    src_w = torch.arange(len(src) * 3, dtype=torch.float32).view(len(src), 3) ** 1.5
+    src_b = torch.arange(len(src), dtype=torch.float32) * 10.0
+    splits = {"▁abb": [7, 6], "zz": []}
+    new, shared, composed = A.subword_mean_init(splits.__getitem__, src, {WORD: src_w, BIAS: src_b}, trg, 0.02, 3)
+    assert (shared, composed) == (6, 1)
+    assert torch.equal(new[WORD][5], src_w[7]) and new[BIAS][5] == src_b[7]
+    assert torch.allclose(new[WORD][6], torch.stack([src_w[7], src_w[6]]).mean(0)) and new[BIAS][6] == 65.0
+    overlap, _ = A.overlap_init(src, {WORD: src_w, BIAS: src_b}, trg, 0.02, 3)
+    assert torch.equal(new[WORD][7], overlap[WORD][7]) and new[BIAS][7] == 0
+
+
+def test_source_split_reads_the_boundary_marker_as_a_space(tokenizer):
+    """A word-initial piece splits as the word does inside a text ('▁' first), a word-internal
+    one with no '▁' added: the source pieces join back to the piece itself."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    split = A.source_split(tokenizer)
+    for piece in ("▁Gottesdienst", "▁Jerusalem", "schaft", "ungen", "tt"):
+        ids = split(piece)
+        assert ids and "".join(sp.id_to_piece(i) for i in ids) == piece, (piece, [sp.id_to_piece(i) for i in ids])
+    assert split("▁Gottesdienst")[0] != split("Gottesdienst")[0]
+
+
+def test_step2_start_by_embedding_init(primary_run, tokenizer, de_tokenizer):
+    """The three starts of a real German vocabulary over a real English model: subword_mean is
+    overlap's copies plus, for the other pieces, the mean of their English split's rows; normal
+    copies nothing; an unknown name is refused."""
+    from mmadapt.tokenizer import pieces
+
+    _, src_state = A.adapt_body("bl_base", *load_weights(primary_run))  # the primary head's bias
+    seed = 5
+    starts = {how: A.step2_start("bl_base", primary_run, None, de_tokenizer, 0.02, seed, embedding_init=how)
+              for how in ("overlap", "subword_mean", "normal")}
+    (_, overlap, rows), (_, mean, mean_rows), (_, normal, normal_rows) = starts.values()
+    src_pieces, trg = pieces(tokenizer), pieces(de_tokenizer)
+    shared = [i for i, p in enumerate(trg) if p in set(src_pieces)]
+    assert torch.equal(mean[WORD][shared], overlap[WORD][shared])
+    split = A.source_split(tokenizer)
+    new = [i for i, p in enumerate(trg) if p not in set(src_pieces)]
+    checked = 0
+    for i in new:
+        ids = split(trg[i])
+        if ids:
+            assert torch.allclose(mean[WORD][i], src_state[WORD][ids].mean(0)), trg[i]
+            assert torch.allclose(mean[BIAS][i], src_state[BIAS][ids].mean(0))
+            checked += 1
+    assert checked > len(new) // 2 and mean_rows == {"shared_pieces": len(shared), "subword_mean_pieces": checked,
+                                                     "random_pieces": len(new) - checked}
+    assert rows == {"shared_pieces": len(shared), "subword_mean_pieces": 0, "random_pieces": len(new)}
+    assert normal_rows == {"shared_pieces": 0, "subword_mean_pieces": 0, "random_pieces": len(trg)}
+    same = src_pieces.index(trg[shared[-1]])
+    assert not torch.equal(normal[WORD][shared[-1]], src_state[WORD][same])
+    assert torch.equal(normal[WORD][new], overlap[WORD][new])  # the same seeded draw
+    with pytest.raises(ValueError, match="unknown embedding_init 'fvt'"):
+        A.step2_start("bl_base", primary_run, None, de_tokenizer, 0.02, seed, embedding_init="fvt")
+
+
 def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data):
     cfg, state = load_weights(primary_run)
     assert cfg.head_layers == (4, 12)

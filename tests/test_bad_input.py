@@ -103,6 +103,9 @@ CASES = [
     ("data-path-not-prepared", lambda c: ["pretrain", "--data_path", c.dir("prepared"), "--output_dir", str(c.out)],
      "prepared"),
     # --- pretrain: configuration
+    ("embedding-init-in-pretrain", lambda c: c.pretrain("--embedding_init", "subword_mean"),
+     "embedding_init is a Step-2 setting"),
+    ("embedding-init-unknown", lambda c: c.adapt("--embedding_init", "fvt"), "embedding_init must be one of overlap"),
     ("ds-config-list", lambda c: c.pretrain("--ds_config", c.file("ds.json", "[1, 2]")), "holds a JSON list"),
     ("ds-config-not-json", lambda c: c.pretrain("--ds_config", c.file("ds.json", "{stage: 1")), "is not valid JSON"),
     ("ds-config-zero3", lambda c: c.pretrain("--ds_config", c.file("ds.json", ZERO3)), "uses ZeRO stage 3"),
