@@ -6,6 +6,8 @@ embeddings (tied to the output projection) and output bias. For MINIJOINT and MI
 embeddings were trained over the mini-model and are scored through a full model they never saw;
 that they work there is the paper's claim.
 
+Every scored position's input is <mask> (heldout_batches: the positions pretraining's masking
+selects, none left visible), so the loss is what the model predicts from the context alone.
 A loss alone does not say whether the model uses context: the output bias alone can learn the
 target pieces' frequencies. So every artifact is scored beside references on the same masked
 positions:
@@ -17,7 +19,7 @@ ceiling is an artifact trained over the full primary model of the same source ru
 MINIJOINT: `adapt --system bl_base --source <minijoint run>`), recorded as system
 `<recipe>:full` (adapt.system_label).
 
-Masking is deterministic (the dataset's validation split, masked with a fixed seed), so the
+Masking is deterministic (the dataset's validation split, selected with a fixed seed), so the
 curves of one language are comparable across systems. The model is built once, on the
 device in Step 4's precision (evaluate.eval_dtype), and each artifact is swapped into it in
 place; the held-out batches go to the device once per language. Needs no process group.
@@ -43,6 +45,7 @@ from mmadapt.models.layers import Padding, derive_seed, masked_positions
 from mmadapt.parallel import device
 from mmadapt.report import PLUGIN_TASKS
 from mmadapt.run import load_weights
+from mmadapt.tokens import MASK_ID
 
 METRIC = "contextual_gain"
 UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
@@ -67,15 +70,23 @@ def unigram_logprobs(data_path: Path, vocab_size: int) -> torch.Tensor:
 def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: int, batch_size: int,
                     seed: int = 0, objective: str = "mlm") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first `blocks` blocks of the dataset's validation split in a seeded order, scored by
-    the family's objective (MLM: masked with a fixed seed): the same positions for every
-    artifact of this tokenizer."""
+    the family's objective: the same positions for every artifact of this tokenizer.
+
+    MLM: the positions pretraining's masking selects (a fixed seed), every one of them replaced by
+    <mask>, not BERT's 80/10/10: on the 10% of positions where the training rule keeps the true
+    piece in the input, the model can copy it from there, and scored that way about half of the
+    "contextual gain" was copying (tests/test_plugin.py: a model that predicts its input piece
+    beats the unigram reference under 80/10/10, and cannot here)."""
     held_out = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=batch_size)
     data = OBJECTIVES[objective](data_path, held_out, vocab_size, split=VALID)
     n = min(blocks, len(data)) // batch_size
     if n == 0:
         raise ValueError(f"{data_path}'s validation split holds {len(data)} blocks of {seq_length}, fewer than one "
                          f"batch of {batch_size}: prepare it with a larger --valid_fraction")
-    return [data.micro_batch(k, 0) for k in range(n)]
+    batches = [data.micro_batch(k, 0) for k in range(n)]
+    if objective == "mlm":
+        batches = [(ids.masked_fill(labels.ge(0), MASK_ID), labels) for ids, labels in batches]
+    return batches
 
 
 def plugin_model(cfg: ModelConfig, state: dict) -> torch.nn.Module:

@@ -60,6 +60,40 @@ def test_unigram_reference_by_hand(english):
     assert int(torch.cat([l[l.ge(0)] for _, l in batches]).min()) >= 5
 
 
+def _copying_loss(batches: list, logp: torch.Tensor, keep: float = 0.2) -> float:
+    """Loss per scored piece of a model that predicts its input piece: probability `keep` on the
+    piece at that position of the input, the rest spread by the unigram distribution."""
+    total, count = 0.0, 0
+    for ids, labels in batches:
+        scored = labels.ge(0)
+        target, seen = labels[scored], ids[scored]
+        p = (1 - keep) * logp[target].exp() + keep * seen.eq(target).float()
+        total += float(-p.log().sum())
+        count += len(target)
+    return total / count
+
+
+def test_every_scored_piece_is_hidden(english):
+    """Each position the metric scores has <mask> as its input, at the positions pretraining's
+    masking selects; so a model that copies its input piece gains nothing over the unigram
+    reference. Scored under BERT's 80/10/10 (the pieces left visible), the same copying model
+    would beat the reference: the test can tell the two apart."""
+    from mmadapt.config import TrainConfig
+    from mmadapt.data import OBJECTIVES, VALID
+    from mmadapt.tokens import MASK_ID
+
+    batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
+    logp = P.unigram_logprobs(english, VOCAB)
+    assert all(bool(ids[labels.ge(0)].eq(MASK_ID).all()) for ids, labels in batches)
+    train_rule = OBJECTIVES["mlm"](english, TrainConfig(seq_length=32, seed=0, train_micro_batch_size_per_gpu=16),
+                                   VOCAB, split=VALID)
+    visible = [train_rule.micro_batch(k, 0) for k in range(len(batches))]
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(batches, visible))  # the same positions, the same targets
+    unigram = P.unigram_loss(logp, batches)
+    assert _copying_loss(batches, logp) > unigram
+    assert _copying_loss(visible, logp) < unigram - 0.1
+
+
 def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, tmp_path):
     """An 'artifact' holding the primary's own English embeddings: its gain is unigram - the
     model's loss, its start is the overlap init (every piece shared: the same embeddings)."""
