@@ -325,7 +325,8 @@ def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str
     records = out["records"]
     (root / "results.json").write_text(json.dumps(records, indent=1) + "\n")
     plugin = ("plug-in MLM: the held-out target text's masked-LM loss through each primary model with the Step-2 "
-              "embeddings swapped in; contextual gain = unigram reference - loss (nats per masked piece)"
+              "embeddings swapped in, every scored piece hidden as <mask>; contextual gain = unigram reference - "
+              "loss (nats per masked piece)"
               if cfg.family == "roberta" else
               "plug-in LM: the held-out target text's next-token loss through each primary model with the Step-2 "
               "embeddings swapped in; contextual gain = unigram reference - loss (nats per piece)")
