@@ -46,6 +46,7 @@ from mmadapt.config import (FAMILY_PRESETS, PRESETS, RECIPES, SYSTEMS, FinetuneC
 from mmadapt.corpora import BIBLE_VERSIONS, GENRES, bible_db_path, parallel_verses
 from mmadapt.data import read_manifest
 from mmadapt.evaluate import evaluate_artifacts, retrieval_records
+from mmadapt.models import FAMILIES
 from mmadapt.finetune import is_finished
 from mmadapt.plugin import plugin_records
 from mmadapt.report import plot_curves, plugin_markdown, report_markdown
@@ -268,7 +269,7 @@ class Demo:
                 steps.finetune(run=RunSpec(output_dir=out, resume=(out / "checkpoints").is_dir()),
                                step=steps.Finetune(task="bible-genre", primary=pre[primary], cfg=ft_cfg,
                                                    eval_file="bible"))
-        metric = "MLM" if self.cfg.family == "roberta" else "LM"
+        metric = "MLM" if FAMILIES[self.cfg.family].objective == "mlm" else "LM"
         self.say(f"Step 4: the plug-in {metric} metric, zero-shot bible-genre and parallel-verse retrieval for "
                  "every Step-2 checkpoint")
         return self.evaluate(pre, finetuned, data)
@@ -327,7 +328,7 @@ def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str
     plugin = ("plug-in MLM: the held-out target text's masked-LM loss through each primary model with the Step-2 "
               "embeddings swapped in, every scored piece hidden as <mask>; contextual gain = unigram reference - "
               "loss (nats per masked piece)"
-              if cfg.family == "roberta" else
+              if FAMILIES[cfg.family].objective == "mlm" else
               "plug-in LM: the held-out target text's next-token loss through each primary model with the Step-2 "
               "embeddings swapped in; contextual gain = unigram reference - loss (nats per piece)")
     md = [f"# mmadapt demo: {FAMILY_PRESETS[cfg.family]} preset, English -> {', '.join(cfg.langs)} "
