@@ -40,4 +40,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        # as cli.run_process does: without it gloo's threads can outlive the interpreter and abort
+        # a rank that finished ("terminate called without an active exception", exit -6)
+        parallel.shutdown()
