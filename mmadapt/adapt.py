@@ -35,11 +35,13 @@ from mmadapt import checkpoint
 from mmadapt.config import EMBEDDING_INITS, SYSTEMS, ModelConfig
 from mmadapt.family import WORD
 from mmadapt.models import get_family
+from mmadapt.models.layers import new_rows_name
 from mmadapt.run import RUN_TOKENIZER, load_weights
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.tokens import UNK_ID
+from mmadapt.vocab import check_expansion
 
 ARTIFACT_FILE = "embeddings.pt"
 
@@ -145,14 +147,15 @@ def subword_mean_init(split, src_pieces: list[str], src: dict[str, torch.Tensor]
     return out, shared, composed
 
 
-def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_tokenizer: Path, std: float,
+def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_pieces: list[str], std: float,
               seed: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """The target rows of the vocabulary-indexed tensors `src` by TrainConfig.embedding_init:
-    overlap (the paper: shared pieces copied, the rest N(0, std)), subword_mean (FVT:
-    subword_mean_init) or normal (every row drawn, nothing copied: the baseline that shows what
-    the copies are worth). -> (name -> [V_trg, ...], how many rows started which way:
-    shared_pieces, subword_mean_pieces, random_pieces)."""
-    src_pieces, trg_pieces = tokenizer_pieces(src_tokenizer), tokenizer_pieces(trg_tokenizer)
+    """The rows of the pieces `trg_pieces` (surface forms, tokenizer.pieces) in the
+    vocabulary-indexed tensors `src` by TrainConfig.embedding_init: overlap (the paper: shared
+    pieces copied, the rest N(0, std)), subword_mean (FVT: subword_mean_init) or normal (every
+    row drawn, nothing copied: the baseline that shows what the copies are worth). -> (name ->
+    [len(trg_pieces), ...], how many rows started which way: shared_pieces, subword_mean_pieces,
+    random_pieces)."""
+    src_pieces = tokenizer_pieces(src_tokenizer)
     composed = 0
     if how == "normal":
         out, shared = overlap_init([], src, trg_pieces, std, seed)
@@ -167,15 +170,29 @@ def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_t
 
 
 def step2_start(system: str, source: Path, tag: str, target_tokenizer: Path, std: float, seed: int,
-                mini_layers: int | None = None, embedding_init: str = "overlap"
+                mini_layers: int | None = None, embedding_init: str = "overlap", vocab_mode: str = "replace"
                 ) -> tuple[ModelConfig, dict, dict[str, int]]:
     """Step 2's starting weights: the system's model from the source run with the new
-    vocabulary's rows of every vocabulary-indexed parameter (init_rows). -> (model config, full
-    state dict, how many rows started which way)."""
+    vocabulary's rows of every vocabulary-indexed parameter (init_rows). vocab_mode "replace":
+    the rows of every piece of `target_tokenizer`; "expand" (`target_tokenizer` is then the merged
+    one, vocab.py): the source's rows kept under their names and the rows of the appended pieces
+    under `new_rows_name`s. -> (model config, full state dict, how many rows started which way)."""
     cfg, body = adapt_body(system, *load_weights(source, tag), mini_layers)
     vocab = {name: body[name] for name in get_family(cfg).vocab_params(cfg)}
-    new, counts = init_rows(embedding_init, Path(source) / RUN_TOKENIZER, vocab, target_tokenizer, std, seed)
-    return cfg, {**body, **new}, counts
+    src_tokenizer, trg_pieces = Path(source) / RUN_TOKENIZER, tokenizer_pieces(target_tokenizer)
+    if vocab_mode == "replace":
+        new, counts = init_rows(embedding_init, src_tokenizer, vocab, trg_pieces, std, seed)
+        return cfg, {**body, **new}, counts
+    source_size = check_expansion(src_tokenizer, target_tokenizer)
+    new, counts = init_rows(embedding_init, src_tokenizer, vocab, trg_pieces[source_size:], std, seed)
+    return cfg, {**body, **{new_rows_name(name): rows for name, rows in new.items()}}, counts
+
+
+def step2_trainable(cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
+    """The parameters Step 2 trains: the vocabulary-indexed ones (ModelFamily.vocab_params), or,
+    for an expanded vocabulary (cfg.frozen_vocab_size), only their new rows."""
+    names = get_family(cfg).vocab_params(cfg, train_output_bias)
+    return tuple(map(new_rows_name, names)) if cfg.frozen_vocab_size else names
 
 
 # --- the artifact ----------------------------------------------------------------------------------------
@@ -204,11 +221,25 @@ def read_artifact(path: str | os.PathLike) -> tuple[dict, Path, dict]:
     return art, path / "spm.model", checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
 
 
-def artifact_state(art: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """An artifact's tensors under the family's parameter names (those it holds)."""
-    return {name: art[key] for key, name in get_family(cfg).artifact_keys().items() if key in art}
+def artifact_state(art: dict, cfg: ModelConfig, meta: dict | None = None,
+                   own: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """An artifact's tensors under the family's parameter names (those it holds). An expanded
+    vocabulary's artifact (meta["vocab_mode"] "expand") put into a model whose own tensors are
+    `own` (the primary model's, of the source vocabulary) keeps the model's own source rows and
+    appends the artifact's new rows: the word embedding's source rows are the same either way
+    (frozen in Step 2, and the primary's in every system), while a MINIJOINT encoder's output
+    bias would otherwise bring its secondary head's source rows into the primary head."""
+    out = {name: art[key] for key, name in get_family(cfg).artifact_keys().items() if key in art}
+    if meta is None or meta.get("vocab_mode", "replace") != "expand":
+        return out
+    size = meta["source_vocab_size"]
+    for name, t in out.items():
+        if own[name].shape[0] != size:
+            raise ValueError(f"the artifact expands a {size}-piece vocabulary, the model's {name} has "
+                             f"{own[name].shape[0]} rows: it was trained for another model")
+        out[name] = torch.cat([own[name].to(t.device, t.dtype), t[size:]])
+    return out
 
 
 __all__ = ["WORD", "adapt_body", "body_config", "system_label", "overlap_init", "source_split", "subword_mean_init",
-           "init_rows", "step2_start", "write_artifact",
-           "read_artifact", "artifact_state"]
+           "init_rows", "step2_start", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]

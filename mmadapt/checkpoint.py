@@ -97,10 +97,11 @@ def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]
     os.replace(tmp, dest)
 
 
-def atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, data: str | bytes) -> None:
+    """`path` holds `data` (text or bytes) whole, or what it held before: never half."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

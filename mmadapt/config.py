@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 
-def _f(default, help: str, **kw):
-    return field(default=default, metadata={"help": help}, **kw)
+def _f(default, help: str, flag: bool = True, **kw):
+    """A config field with its help text; flag=False: set by the steps, never a command-line flag."""
+    return field(default=default, metadata={"help": help, "flag": flag}, **kw)
 
 
 # ModelConfig.fusion's values (mmadapt/fusion.py applies them).
@@ -25,6 +26,9 @@ FUSIONS = ("none", "compile")
 # Step 2's start of the new vocabulary's rows (adapt.init_rows): the paper's overlap copy, FVT's
 # subword mean, or every row drawn.
 EMBEDDING_INITS = ("overlap", "subword_mean", "normal")
+# Step 2's vocabulary (adapt.py): the target's own (the paper), or the source's with the target's
+# missing pieces appended (vocab.py), only those trained.
+VOCAB_MODES = ("replace", "expand")
 
 
 @dataclass
@@ -67,6 +71,10 @@ class ModelConfig:
                                                    "encoder's is always tied")
     tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (megatron-core layers)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages (DeepSpeed PipelineModule)")
+    frozen_vocab_size: int = _f(0, "Step 2 with an expanded vocabulary (--vocab_mode expand; set by adapt, not by "
+                                "hand): the first frozen_vocab_size rows of every vocabulary-indexed weight are the "
+                                "source's, a frozen parameter apart from the new rows after them, which alone train "
+                                "(0: each such weight is one parameter)", flag=False)
 
     def __post_init__(self):
         self.head_layers = tuple(int(x) for x in self.head_layers or ())
@@ -106,6 +114,9 @@ class ModelConfig:
         if self.vocab_size % tp:
             raise ValueError(f"vocab_size {self.vocab_size} is not divisible by "
                              f"tensor_model_parallel_size {tp}: choose a vocab size that is a multiple of it")
+        if not 0 <= self.frozen_vocab_size < self.vocab_size:
+            raise ValueError(f"frozen_vocab_size {self.frozen_vocab_size} must be in 0..vocab_size - 1 "
+                             f"({self.vocab_size - 1}): the source's rows, with at least one new row after them")
         bad = [l for l in self.heads_after if not 1 <= l <= self.num_layers]
         if bad:
             raise ValueError(f"head layer {bad[0]} is outside 1..num_layers={self.num_layers}")
@@ -258,6 +269,9 @@ class TrainConfig(LoopConfig):
                              "also in the source vocabulary gets its source row, the others N(0, init_method_std)), "
                              "subword_mean (FVT: shared pieces copied, every other piece the mean of the source rows "
                              "of its split under the source tokenizer) or normal (every row drawn, nothing copied)")
+    vocab_mode: str = _f("replace", "Step 2: replace (the paper: the target vocabulary replaces the source's) or "
+                         "expand (the source vocabulary keeps its ids and rows, frozen; the target's pieces that it "
+                         "lacks are appended and only their rows train; the source language keeps working)")
 
     def warmup_iters(self, total: int) -> int:
         return self.lr_warmup_iters
@@ -274,6 +288,8 @@ class TrainConfig(LoopConfig):
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
         if self.embedding_init not in EMBEDDING_INITS:
             raise ValueError(f"embedding_init must be one of {', '.join(EMBEDDING_INITS)}, got {self.embedding_init!r}")
+        if self.vocab_mode not in VOCAB_MODES:
+            raise ValueError(f"vocab_mode must be one of {', '.join(VOCAB_MODES)}, got {self.vocab_mode!r}")
         if self.lr is None:
             raise ValueError("lr must be set for pretraining, Step 1b and Step 2")
         self._validate_loop()
@@ -506,7 +522,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
     group = parser.add_argument_group(cls.__name__)
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if only is not None and f.name not in only:
+        if (only is not None and f.name not in only) or not f.metadata.get("flag", True):
             continue
         kind = hints[f.name]
         text = f.metadata["help"]  # a help that says its own default (a None field's) keeps it

@@ -96,7 +96,10 @@ def trainable_by_names(names: tuple[str, ...] | None) -> Callable[[str], bool]:
 
 
 def _shard(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor-parallel slice of the full weight `full` of parameter `p`."""
+    """This rank's tensor-parallel slice of the full weight `full` of parameter `p` (a block of an
+    expanded vocabulary knows its rows: models.layers.split_vocab)."""
+    if hasattr(p, "vocab_rows"):
+        return full[slice(*p.vocab_rows)]
     tp = parallel.tp_world()
     if getattr(p, "tensor_model_parallel", False) and tp > 1:
         return full.chunk(tp, dim=p.partition_dim)[parallel.tp_rank()]
@@ -148,7 +151,8 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
     if init_state is not None:
         load_full_weights(module, names, init_state, trainable)
     for n, p in module.named_parameters():
-        p.requires_grad_(trainable(names[n]))
+        # numel: a rank whose slice of an expanded vocabulary holds no new rows has nothing to train
+        p.requires_grad_(trainable(names[n]) and p.numel() > 0)
     dims = {names[n]: p.partition_dim for n, p in module.named_parameters()
             if getattr(p, "tensor_model_parallel", False) and names[n] is not None}
     # Rank 0 writes the client state but holds only its own stage: merge every stage's dims.

@@ -41,7 +41,7 @@ from mmadapt.evaluate import (artifact_dirs, artifact_embeddings, artifact_prima
                               record_base, swapped, to_device)
 from mmadapt.family import WORD
 from mmadapt.models import get_family
-from mmadapt.models.layers import Padding, derive_seed, masked_positions
+from mmadapt.models.layers import Padding, derive_seed, masked_positions, new_rows_name
 from mmadapt.parallel import device
 from mmadapt.report import PLUGIN_TASKS
 from mmadapt.run import load_weights
@@ -129,15 +129,16 @@ def unigram_loss(logp: torch.Tensor, batches: list) -> float:
     return float(-logp[labels].mean())
 
 
-def _swap(model: torch.nn.Module, emb: dict) -> dict:
+def _swap(model: torch.nn.Module, emb: dict, meta: dict) -> dict:
     """Step 4's swap (embeddings, checked for the model's width) plus the head's other
     vocabulary-indexed parameters (the encoder's output bias), as `evaluate.swapped` takes them:
-    in the model's dtype, on its device."""
+    in the model's dtype, on its device. An expanded vocabulary's keep the model's own source
+    rows (adapt.artifact_state)."""
     out = {WORD: artifact_embeddings(emb, model.get_parameter(WORD))}
-    for name, t in artifact_state(emb, model.config).items():
-        if name != WORD:
-            own = model.get_parameter(name)
-            out[name] = t.to(own.device, own.dtype)
+    names = get_family(model.config).artifact_keys().values()
+    own = {name: model.get_parameter(name) for name in names if name in dict(model.named_parameters())}
+    for name, t in artifact_state(emb, model.config, meta, own).items():
+        out[name] = t.to(own[name].device, own[name].dtype)
     return out
 
 
@@ -146,11 +147,14 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     the same TrainConfig.embedding_init as adapt_embeddings'; runs recorded before it: overlap)."""
     run = json.loads((adapt_run / "run.json").read_text())
     src = run["frozen_from"]
+    train = run["train"]
     cfg, init, _ = step2_start(run["system"], Path(src["run_dir"]), src["tag"], tokenizer,
-                               run["model"]["init_method_std"], derive_seed(run["train"]["seed"],
-                                                                             f"embeddings.{run['lang']}"),
-                               run.get("mini_layers"), run["train"].get("embedding_init", "overlap"))
-    return {key: init[name] for key, name in get_family(cfg).artifact_keys().items() if name in init}
+                               run["model"]["init_method_std"], derive_seed(train["seed"], f"embeddings.{run['lang']}"),
+                               run.get("mini_layers"), train.get("embedding_init", "overlap"),
+                               train.get("vocab_mode", "replace"))
+    expanded = run["model"].get("frozen_vocab_size", 0)
+    return {key: torch.cat([init[name], init[new_rows_name(name)]]) if expanded else init[name]
+            for key, name in get_family(cfg).artifact_keys().items() if name in init}
 
 
 def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[str, Path], seq_length: int,
@@ -182,9 +186,9 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
         batches, unigram = refs[lang]["batches"], refs[lang]["unigram"]
         run = path.parent.parent
         if run not in starts:
-            with swapped(model, _swap(model, _start_embeddings(run, tok))):
+            with swapped(model, _swap(model, _start_embeddings(run, tok), meta)):
                 starts[run] = masked_loss(model, refs[lang]["on_device"])
-        with swapped(model, _swap(model, emb)):
+        with swapped(model, _swap(model, emb, meta)):
             loss = masked_loss(model, refs[lang]["on_device"])
         records.append({**record_base(meta, PLUGIN_TASKS[get_family(cfg).objective]), "metric": METRIC, "score": unigram - loss, "chance": 0.0, "loss": loss,
                         "unigram_loss": unigram, "start_loss": starts[run], "start_gain": unigram - starts[run],

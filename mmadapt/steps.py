@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import parallel
-from mmadapt.adapt import body_config, read_artifact, step2_start, write_artifact
+from mmadapt.adapt import body_config, read_artifact, step2_start, step2_trainable, write_artifact
 from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
                             TrainConfig)
 from mmadapt.corpora import resolve_corpus
@@ -42,14 +42,15 @@ from mmadapt.finetune import TaskData, is_finished, primary_state
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.models import get_family
-from mmadapt.models.layers import derive_seed
+from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.plugin import plugin_records
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, checkpoint_tag, load_checkpoint, load_weights, read_run, run_model, run_progress,
                          start_run)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import get_task
 from mmadapt.tokenizer import load as load_tokenizer
-from mmadapt.train import LMJob, TextData, client_state, task_step, train_lm
+from mmadapt.train import ExpandedText, LMJob, TextData, client_state, task_step, train_lm
+from mmadapt.vocab import Expansion, check_expansion, expand
 
 
 # --- data --------------------------------------------------------------------------------------------
@@ -71,6 +72,8 @@ def _step2_only(train: TrainConfig, step: str) -> None:
         raise ValueError(f"train_output_bias is a Step-2 setting; {step} trains its own parameters: drop the flag")
     if train.embedding_init != "overlap":
         raise ValueError(f"embedding_init is a Step-2 setting; {step} starts no new vocabulary: drop the flag")
+    if train.vocab_mode != "replace":
+        raise ValueError(f"vocab_mode is a Step-2 setting; {step} keeps its source's vocabulary: drop the flag")
 
 
 # --- Step 1 -----------------------------------------------------------------------------------------
@@ -170,6 +173,26 @@ def _target_vocab_size(run: RunSpec, body: ModelConfig, vocab_size: int | None) 
     return body.vocab_size
 
 
+def _expanded_vocabulary(run: RunSpec, source: Path, vocab_size: int | None) -> tuple[int, int, Expansion | None]:
+    """--vocab_mode expand: (the merged vocabulary's size, the source's, and the merged tokenizer
+    to build when the run prepares a raw corpus itself; None: the prepared dataset's is it)."""
+    if vocab_size is not None:
+        raise ValueError("--vocab_mode expand: the vocabulary is the source's with the target's new pieces "
+                         "appended, its size follows from the tokenizers: drop --vocab_size")
+    source_tokenizer = source / RUN_TOKENIZER
+    if run.data_path is not None:
+        read_manifest(run.data_path)  # a prepared dataset, or one line saying it is not
+        size = check_expansion(source_tokenizer, run.data_path / TOKENIZER)
+        return read_manifest(run.data_path)["vocab_size"], size, None
+    if run.tokenizer is None:
+        raise ValueError("--vocab_mode expand needs the target vocabulary: pass --tokenizer (a target "
+                         "SentencePiece model, e.g. one mmadapt preprocess trained) with --corpus, or --data_path "
+                         "prepared with mmadapt preprocess --expand_from <source run>")
+    load_tokenizer(run.tokenizer)
+    expansion = expand(source_tokenizer, run.tokenizer)
+    return expansion.size, expansion.source_size, expansion
+
+
 def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     """Step 2. Writes an artifact (embeddings.pt, spm.model, meta.json) under
     <output_dir>/embeddings/<tag> at every checkpoint: what Step 4 swaps in."""
@@ -189,32 +212,36 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     body = body_config(system, src_cfg, step.mini_layers)
     if run.data_path is None and run.corpus is None:
         run = dataclasses.replace(run, corpus=f"bible:{lang}")
-    model = dataclasses.replace(run.layout.apply(body), vocab_size=_target_vocab_size(run, body, step.vocab_size))
+    data, expanded = TextData(), {}
+    if train.vocab_mode == "expand":
+        vocab_size, source_size, expansion = _expanded_vocabulary(run, source, step.vocab_size)
+        model = dataclasses.replace(run.layout.apply(body), vocab_size=vocab_size, frozen_vocab_size=source_size)
+        data = data if expansion is None else ExpandedText(expansion)
+        expanded = {"vocab_mode": "expand", "source_vocab_size": source_size}
+    else:
+        model = dataclasses.replace(run.layout.apply(body), vocab_size=_target_vocab_size(run, body, step.vocab_size))
     run = _text_run(run)
     frozen_from = {"run_dir": str(source), "tag": tag, "system": system}
     # Which mini-model (MINIJOINT): its depth, and every depth the source offers (artifact labels).
     depth = {"mini_layers": body.num_layers, "mini_depths": list(src_cfg.heads_after[:-1])} \
         if system == "minijoint" else {}
     identity = {"recipe": system, "system": system, "lang": lang, "frozen_from": frozen_from, **depth}
-    with start_run(run, model, train, identity, TextData()) as started:
+    with start_run(run, model, train, identity, data) as started:
         tokenizer = started.data / TOKENIZER
         _, init, rows = step2_start(system, source, tag, tokenizer, model.init_method_std,
                                     derive_seed(train.seed, f"embeddings.{lang}"), depth.get("mini_layers"),
-                                    train.embedding_init)
+                                    train.embedding_init, train.vocab_mode)
         if parallel.is_rank0():
-            mean = f", {rows['subword_mean_pieces']} the mean of their source split" \
-                if train.embedding_init == "subword_mean" else ""
-            print(f"new {lang} embeddings ({train.embedding_init}): {rows['shared_pieces']} of {model.vocab_size} "
-                  f"pieces copied from the source vocabulary{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
+            _say_start(lang, train.embedding_init, model, rows)
         family = get_family(model)
-        trainable = family.vocab_params(model, train.train_output_bias)
+        trainable = step2_trainable(model, train.train_output_bias)
         seq_flops = {p: family.step_flops("adapt", model, train.seq_length, train.mask_prob, paper=p)
                      for p in (False, True)}
         global_batch = train.global_batch(parallel.dp_world())
         artifact = {"system": system, "lang": lang, "source": str(source), "source_tag": tag,
                     "body_layers": model.num_layers, **depth, "hidden_size": model.hidden_size,
                     "vocab_size": model.vocab_size, "train_output_bias": train.train_output_bias,
-                    "embedding_init": train.embedding_init, **rows, "global_batch": global_batch,
+                    "embedding_init": train.embedding_init, **expanded, **rows, "global_batch": global_batch,
                     "seq_length": train.seq_length}
         if system == "minipost":  # the mini-model's N and K (its source's Step 1b)
             mini = MiniModelConfig(src["frozen_from"]["mini_layers"], src["frozen_from"]["new_layers"])
@@ -225,14 +252,39 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             flops = seq_flops[False] * global_batch * update
             meta = {**artifact, "step": update, "tokens": global_batch * train.seq_length * update, "flops": flops,
                     "flops_paper": seq_flops[True] * global_batch * update, "v100_days": device_days(flops)}
-            # A frozen parameter (the bias, train_output_bias false) is not in the checkpoint: it is
-            # still its start.
-            tensors = {key: (sd[name] if name in trainable else init[name]).float()
-                       for key, name in family.artifact_keys().items() if name in init}
-            write_artifact(run.output_dir / "embeddings" / ckpt_tag, tensors, tokenizer, meta)
+            write_artifact(run.output_dir / "embeddings" / ckpt_tag, _artifact_tensors(family, model, init, sd,
+                                                                                        trainable), tokenizer, meta)
 
         return train_lm(started, run, model, train, LMJob(step="adapt", trainable=trainable), init,
-                        after_save=save_artifact, record={**rows, "target_vocab_size": model.vocab_size})
+                        after_save=save_artifact, record={**rows, **expanded, "target_vocab_size": model.vocab_size})
+
+
+def _say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, int]) -> None:
+    mean = f", {rows['subword_mean_pieces']} the mean of their source split" if how == "subword_mean" else ""
+    if model.frozen_vocab_size:
+        new = model.vocab_size - model.frozen_vocab_size
+        print(f"{lang}: {new} new pieces after the source's {model.frozen_vocab_size} (frozen; only the new rows "
+              f"train), {how}{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
+        return
+    print(f"new {lang} embeddings ({how}): {rows['shared_pieces']} of {model.vocab_size} pieces copied from the "
+          f"source vocabulary{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
+
+
+def _artifact_tensors(family, model: ModelConfig, init: dict, sd: dict, trainable: tuple[str, ...]) -> dict:
+    """An artifact's tensors (adapt.write_artifact) from the checkpoint `sd` (the trained
+    parameters' fp32 master weights) and the start `init` (a frozen parameter, such as the bias
+    with train_output_bias false, is not in the checkpoint: it is still its start). An expanded
+    vocabulary's are whole: the source rows (frozen, as they started) then the new rows."""
+    def value(name: str) -> torch.Tensor:
+        return (sd[name] if name in trainable else init[name]).float()
+
+    out = {}
+    for key, name in family.artifact_keys().items():
+        if name not in init:
+            continue
+        out[key] = torch.cat([init[name].float(), value(new_rows_name(name))]) if model.frozen_vocab_size \
+            else value(name)
+    return out
 
 
 # --- Step 3 -----------------------------------------------------------------------------------------

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+import torch.distributed as dist
 
-from mmadapt import parallel
+from mmadapt import checkpoint, parallel
 from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfig, to_dict
 from mmadapt.data import (MANIFEST, OBJECTIVES, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, block_index,
                           block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
@@ -35,6 +38,7 @@ from mmadapt.models import get_family
 from mmadapt.models.layers import Padding, masked_positions
 from mmadapt.models.pipe import set_host_batches, take_head_losses
 from mmadapt.run import RUN_TOKENIZER, RunSpec, Started
+from mmadapt.vocab import Expansion
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +115,37 @@ class TextData:
         if indexed:
             wait_for(blocks, f"the block index {blocks}")
         return data_path
+
+
+class ExpandedText(TextData):
+    """Step 2 --vocab_mode expand on a raw corpus: RunSpec.tokenizer (the target's SentencePiece
+    model) merged into the source's (`expansion`, vocab.expand) and the corpus encoded with the
+    merged tokenizer, which the run keeps as <output_dir>/tokenizer/merged.model."""
+
+    def __init__(self, expansion: Expansion):
+        self.expansion = expansion
+
+    def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig) -> dict:
+        # run.tokenizer is the target's, read by vocab.expand already; the data are checked as a raw corpus
+        return super().check(dataclasses.replace(run, tokenizer=None), model, train)
+
+    def check_resume(self, run: RunSpec) -> None:
+        own = run.output_dir / RUN_TOKENIZER
+        super().check_resume(dataclasses.replace(run, tokenizer=None))
+        if own.is_file() and own.read_bytes() != self.expansion.model:
+            raise ValueError(f"--resume with another target tokenizer: {run.tokenizer} merged into the source's is "
+                             f"not the run's {own}")
+
+    def prepare(self, run: RunSpec, model: ModelConfig, train: TrainConfig) -> Path:
+        merged = run.output_dir / MERGED_TOKENIZER
+        if parallel.is_rank0():
+            merged.parent.mkdir(parents=True, exist_ok=True)
+            checkpoint.atomic_write(merged, self.expansion.model)
+        wait_for(merged, f"the merged tokenizer {merged}")
+        return super().prepare(dataclasses.replace(run, tokenizer=merged), model, train)
+
+
+MERGED_TOKENIZER = Path("tokenizer") / "merged.model"
 
 
 def lm_batches(data_path: Path, model: ModelConfig, train: TrainConfig, split: str = TEXT):
@@ -268,6 +303,32 @@ def task_step(engine, enc: Encoded, order: EpochOrder, cfg: LoopConfig, position
     return loss_sum
 
 
+def source_rows(module: torch.nn.Module, names: dict[str, str | None]) -> list[dict]:
+    """This rank's source rows of an expanded vocabulary (models.layers.split_vocab: the frozen
+    block of each vocabulary-indexed weight), each {name, rows: [lo, hi], sha256 of its bytes as
+    the module holds them}: what shows, in any layout, that no update moved one."""
+    out = []
+    for n, p in module.named_parameters():
+        if getattr(p, "vocab_part", None) == "source" and names.get(n) and p.numel():
+            data = p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+            out.append({"name": names[n], "rows": list(p.vocab_rows), "dtype": str(p.dtype).removeprefix("torch."),
+                        "sha256": hashlib.sha256(data).hexdigest()})
+    return out
+
+
+def _check_source_rows(engine, names: dict, before: list[dict]) -> list[dict]:
+    """Every rank's source rows (`source_rows`), checked unchanged since `before` (this rank's
+    at the start) and gathered: the record's `source_rows`, one entry per block (a data-parallel
+    replica or a pipeline stage's tied copy that differed would add its own)."""
+    after = source_rows(engine.module, names)
+    if after != before:  # cannot happen: no optimizer holds them; a bug if it does
+        raise AssertionError(f"an update moved frozen source rows of the expanded vocabulary: {before} -> {after}")
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, after)
+    unique = {json.dumps(r, sort_keys=True) for rows in every for r in rows}
+    return sorted((json.loads(r) for r in unique), key=lambda r: (r["name"], r["rows"]))
+
+
 def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: TrainConfig, job: LMJob = LMJob(),
              init_state: dict | None = None, after_save: Callable[[int, str], None] | None = None,
              record: dict | None = None) -> list[dict]:
@@ -303,8 +364,14 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
                        exclude_frozen=job.trainable is not None, loss_names=tuple(str(l) for l in model_cfg.heads_after),
                        loss_weights=model_cfg.loss_weights, perf=perf, after_save=after_save, evaluate=evaluate,
                        eval_interval=train.eval_interval)
+    before = source_rows(engine.module, names) if model_cfg.frozen_vocab_size else None
     try:
-        return train_loop(engine, lambda step: lm_step(engine, prefetch(step), heads), loop_job, train,
+        rows = train_loop(engine, lambda step: lm_step(engine, prefetch(step), heads), loop_job, train,
                           train.train_iters, run.output_dir, run.resume)
     finally:
         prefetch.close()
+    if before is not None:
+        checked = _check_source_rows(engine, names, before)
+        if parallel.is_rank0():
+            started.record.finish(source_rows=checked)
+    return rows

@@ -24,7 +24,7 @@ from megatron.core import ModelParallelConfig, tensor_parallel
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.parallel import seeded
+from mmadapt.parallel import seeded, tp_rank
 from mmadapt.tokens import PAD_ID
 
 
@@ -89,13 +89,17 @@ def to_tp_region(x: torch.Tensor, tp: int) -> torch.Tensor:
 
 
 class WordEmbedding(nn.Module):
-    """Vocab-parallel token embedding [V, h], also the output projection of every MLM head."""
+    """Vocab-parallel token embedding [V, h], also the output projection of every MLM head (and of
+    a decoder whose output projection is tied). An expanded vocabulary (frozen_vocab_size > 0)
+    holds its rows as two parameters (SplitVocabEmbedding)."""
 
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__()
         init = normal_init(config.init_method_std)
         with seeded(derive_seed(seed, "word_embeddings")):
-            if config.tensor_model_parallel_size == 1:
+            if config.frozen_vocab_size:
+                self.word_embeddings = SplitVocabEmbedding(config, init)
+            elif config.tensor_model_parallel_size == 1:
                 self.word_embeddings = init_like_megatron(
                     nn.Embedding(config.vocab_size, config.hidden_size, device="meta"), init)
             else:
@@ -103,11 +107,134 @@ class WordEmbedding(nn.Module):
                     config.vocab_size, config.hidden_size, init_method=init, config=mp_config(config))
 
     @property
-    def weight(self) -> nn.Parameter:  # [Vp, h]
-        return self.word_embeddings.weight
+    def weight(self) -> nn.Parameter:  # [Vp, h]; an expanded vocabulary's is `rows`
+        return _one_block(self.word_embeddings)
+
+    @property
+    def rows(self) -> tuple[nn.Parameter, ...]:
+        """This rank's rows of the embedding as consecutive blocks (`vocab_linear` projects with
+        them): ([Vp, h],), or, for an expanded vocabulary, its source rows and its new rows."""
+        return vocab_rows(self.word_embeddings)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
         return self.word_embeddings(input_ids)
+
+
+# --- an expanded vocabulary (Step 2 --vocab_mode expand, mmadapt/vocab.py) -------------------------------
+# The source's F = frozen_vocab_size rows of every vocabulary-indexed weight keep their ids; the
+# target's new pieces are rows F..V-1. Those are held as two parameters, `<name>` (the source's
+# rows, frozen) and `new_<name>` (the new rows, trained), so the optimizer holds the new rows and
+# nothing else: no gradient mask over a whole matrix, which AdamW's weight decay (or any
+# optimizer's state) could still move. At TP > 1 each rank holds megatron's even slice
+# [r * Vp, (r + 1) * Vp) of the V rows, which may fall in the source rows, in the new rows or
+# across both: its share of each part (possibly none) is a parameter of its own.
+
+def new_rows_name(name: str) -> str:
+    """The parameter that holds the new rows of the vocabulary-indexed parameter `name` in an
+    expanded vocabulary: `heads.heads.0.bias` -> `heads.heads.0.new_bias`."""
+    module, _, attr = name.rpartition(".")
+    return f"{module}.new_{attr}" if module else f"new_{attr}"
+
+
+def vocab_range(config: ModelConfig) -> tuple[int, int]:
+    """This tensor-parallel rank's rows [start, stop) of the vocabulary (megatron's even split)."""
+    per = config.vocab_size // config.tensor_model_parallel_size
+    rank = tp_rank() if config.tensor_model_parallel_size > 1 else 0
+    return rank * per, (rank + 1) * per
+
+
+def split_vocab(full: torch.Tensor, config: ModelConfig) -> tuple[nn.Parameter, nn.Parameter]:
+    """This rank's rows of `full` [V, ...] as (its source rows, its new rows): each a parameter
+    tagged with `vocab_rows`, its rows [lo, hi) in its own part's full tensor (the source's
+    [F, ...], the new rows' [V - F, ...]; engine.load_full_weights slices by it), and, at TP > 1,
+    as megatron tags a vocab-parallel weight (partition dim 0: checkpoints concatenate the ranks'
+    slices in rank order, and gradient norms count each rank's rows once); `vocab_part` says
+    which part it is."""
+    start, stop = vocab_range(config)
+    f = config.frozen_vocab_size
+    parts = []
+    for part, lo, hi, offset in (("source", min(start, f), min(stop, f), 0), ("new", max(start, f), max(stop, f), f)):
+        p = nn.Parameter(full[lo:hi].clone())
+        p.vocab_rows, p.vocab_part = (lo - offset, hi - offset), part
+        if config.tensor_model_parallel_size > 1:
+            tensor_parallel.set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
+        parts.append(p)
+    return parts[0], parts[1]
+
+
+class SplitVocabRows(nn.Module):
+    """A vocabulary-indexed weight [V, h] of an expanded vocabulary: `weight` (this rank's source
+    rows) and `new_weight` (its new rows), drawn as one full matrix by `init` (the same full
+    weights as the unsplit layer's in every layout) and then split. The decoder's untied output
+    projection, and the storage of SplitVocabEmbedding."""
+
+    def __init__(self, config: ModelConfig, init):
+        super().__init__()
+        full = torch.empty(config.vocab_size, config.hidden_size)
+        init(full)
+        self.weight, self.new_weight = split_vocab(full, config)
+        self.tp = config.tensor_model_parallel_size
+        self.start = vocab_range(config)[0]
+
+    @property
+    def rows(self) -> tuple[nn.Parameter, nn.Parameter]:
+        return self.weight, self.new_weight
+
+
+class SplitVocabEmbedding(SplitVocabRows):
+    """The word embedding of an expanded vocabulary, looked up as megatron's VocabParallelEmbedding
+    does (ids outside this rank's rows give zeros, the ranks' outputs are summed), one lookup per
+    part: the backward writes only into the parameter that holds the row."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [b, s] -> [b, s, h]
+        out = None
+        for part, base in ((self.weight, self.start), (self.new_weight, self.start + self.weight.shape[0])):
+            if part.shape[0] == 0:
+                continue
+            local = input_ids - base
+            outside = (local < 0) | (local >= part.shape[0])
+            rows = F.embedding(local.clamp(0, part.shape[0] - 1), part).masked_fill(outside[..., None], 0.0)
+            out = rows if out is None else out + rows
+        return out if self.tp == 1 else tensor_parallel.reduce_from_tensor_model_parallel_region(out)
+
+
+def _one_block(module: nn.Module) -> nn.Parameter:
+    if isinstance(module, SplitVocabRows):
+        raise TypeError("an expanded vocabulary's weight is two parameters: use its `rows` (layers.vocab_rows)")
+    return module.weight
+
+
+def vocab_rows(module: nn.Module) -> tuple[nn.Parameter, ...]:
+    """The row blocks of a vocabulary-indexed linear or embedding layer: (weight,) or, split,
+    (source rows, new rows)."""
+    return module.rows if isinstance(module, SplitVocabRows) else (module.weight,)
+
+
+def vocab_blocks(config: ModelConfig) -> int:
+    """How many row blocks a vocabulary-indexed weight has (`vocab_rows`): 2 when expanded."""
+    return 2 if config.frozen_vocab_size else 1
+
+
+def trained_vocab_attrs(config: ModelConfig, module: str) -> list[str]:
+    """The attributes under `module` of a vocabulary-indexed weight's blocks that can train on this
+    rank (a pipeline's tied weight: DeepSpeed all-reduces their gradients between its copies):
+    the whole weight, or the new rows, when this rank holds any."""
+    if not config.frozen_vocab_size:
+        return [f"{module}.weight"]
+    start, stop = vocab_range(config)
+    return [f"{module}.new_weight"] if stop > config.frozen_vocab_size else []
+
+
+def vocab_linear(x: torch.Tensor, weights: torch.Tensor | tuple[torch.Tensor, ...],
+                 biases: torch.Tensor | tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """logits [m, Vp] = x [m, h] W^T (+ b), W [Vp, h] (and b [Vp]) one tensor or its rows as
+    consecutive blocks (`vocab_rows`). One block: F.linear. Several (an expanded vocabulary): one
+    product per block, concatenated, so autograd computes the weight gradient of the new rows
+    only (the source rows' would be 2 m h F FLOPs spent on a matrix that does not train)."""
+    weights = (weights,) if isinstance(weights, torch.Tensor) else weights
+    biases = (biases,) if isinstance(biases, torch.Tensor) else biases or (None,) * len(weights)
+    out = [F.linear(x, w, b) for w, b in zip(weights, biases) if len(weights) == 1 or w.shape[0]]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
 
 
 def masked_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,19 +326,20 @@ def run_layers(layers: nn.ModuleList, x: torch.Tensor, wanted: tuple[int, ...], 
 
 
 def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index: torch.Tensor,
-                targets: torch.Tensor, output_weight: torch.Tensor, loss_weights: tuple[float, ...] | None):
+                targets: torch.Tensor, output_rows: tuple[torch.Tensor, ...],
+                loss_weights: tuple[float, ...] | None):
     """Every head's loss over the scored positions, and the model's loss from them.
 
     hiddens: one [b, s, h] per head; masked_index [m]: the scored positions as flat indices into
-    b * s (`masked_positions`), targets [m]; each head maps its rows [m, h] and the output weight
-    [Vp, h] to logits [m, Vp]. Only the m scored rows reach a head: the rows are gathered by
+    b * s (`masked_positions`), targets [m]; each head maps its rows [m, h] and the output
+    projection's row blocks (`vocab_rows`: [Vp, h] in all) to logits [m, Vp]. Only the m scored rows reach a head: the rows are gathered by
     index, not by a boolean mask, so m comes from the host (a boolean gather on the device would
     make the host wait for the device to count m). Cross-entropy in fp32, vocab-parallel at TP > 1.
     -> (the mean of the heads' losses, or their weighted mean with loss_weights (normalised);
     each head's loss [num heads], detached)."""
     losses = []
     for head, h in zip(heads, hiddens):
-        logits = head(h.reshape(-1, h.shape[-1]).index_select(0, masked_index), output_weight).float()  # [m, Vp]
+        logits = head(h.reshape(-1, h.shape[-1]).index_select(0, masked_index), output_rows).float()  # [m, Vp]
         if head.tp == 1:
             losses.append(F.cross_entropy(logits, targets))
         else:

@@ -37,6 +37,10 @@ products for its inputs' gradients. So:
       input_layernorm's output, which needs a gradient for that norm's weight (model.py's
       DecoderLayer), unlike the post-LN encoder's, whose QKV input gradient is skipped.
 
+An expanded vocabulary (Step 2 --vocab_mode expand, cfg.frozen_vocab_size = F) projects onto all
+V pieces and passes the input gradient through all of them, but computes the weight gradient of
+the V - F new rows only (models/layers.vocab_linear): Step 2's third head term is 2sh(V - F).
+
 The paper has no decoder; `paper=True` gives these steps in its conventions (Appendix A.1, as
 models/roberta/flops.py does for the encoder): a frozen layer's backward counted as one forward
 (Step 2: 2 l layer + 3 head, the analogue of A3) and the lowest trainable layer of Step 1b as
@@ -65,9 +69,10 @@ def layer_flops(cfg: ModelConfig, s: int) -> int:
     return layer_linear_flops(cfg, s) + layer_attn_flops(cfg, s)
 
 
-def head_flops(cfg: ModelConfig, s: int) -> int:
-    """Forward FLOPs of one LM head: the output projection of all s positions."""
-    return 2 * s * cfg.hidden_size * cfg.vocab_size
+def head_flops(cfg: ModelConfig, s: int, rows: int | None = None) -> int:
+    """Forward FLOPs of one LM head: the output projection of all s positions onto `rows` pieces
+    (default: all V)."""
+    return 2 * s * cfg.hidden_size * (cfg.vocab_size if rows is None else rows)
 
 
 def forward_flops(cfg: ModelConfig, s: int) -> int:
@@ -85,10 +90,12 @@ def adapt_flops(cfg: ModelConfig, s: int, paper: bool = False) -> int:
     the final norm are frozen but pass gradients down to the embedding."""
     if len(cfg.heads_after) != 1:
         raise ValueError("Step 2 trains over one LM head: pass the mini-model's config")
+    # the projection's forward and input gradient, and the weight gradient of its trained rows
+    head = 2 * head_flops(cfg, s) + head_flops(cfg, s, cfg.vocab_size - cfg.frozen_vocab_size)
     if paper:
-        return 2 * cfg.num_layers * layer_flops(cfg, s) + 3 * head_flops(cfg, s)
+        return 2 * cfg.num_layers * layer_flops(cfg, s) + head
     body = cfg.num_layers * (2 * layer_linear_flops(cfg, s) + 3 * layer_attn_flops(cfg, s))
-    return body + 3 * head_flops(cfg, s)
+    return body + head
 
 
 def minipost_flops(cfg: ModelConfig, s: int, trainable_layers: int, paper: bool = False) -> int:

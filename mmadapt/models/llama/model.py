@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import (Linear, Padding, WordEmbedding, column_linear, derive_seed, head_losses,
-                                   masked_positions, normal_init, row_linear, run_layers, to_tp_region)
+from mmadapt.models.layers import (Linear, Padding, SplitVocabRows, WordEmbedding, column_linear, derive_seed,
+                                   head_losses, masked_positions, normal_init, row_linear, run_layers, to_tp_region,
+                                   vocab_linear, vocab_rows)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
 
@@ -170,9 +171,10 @@ class LMHead(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
         self.tp = config.tensor_model_parallel_size
 
-    def forward(self, x: torch.Tensor, output_weight: torch.Tensor) -> torch.Tensor:
-        """x [m, h], the hidden states of the scored positions only -> logits [m, Vp]."""
-        return F.linear(to_tp_region(self.norm(x), self.tp), output_weight)
+    def forward(self, x: torch.Tensor, output_rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [m, h], the hidden states of the scored positions only; output_rows: the output
+        projection's row blocks (layers.vocab_rows) -> logits [m, Vp]."""
+        return vocab_linear(to_tp_region(self.norm(x), self.tp), output_rows)
 
 
 class LMHeads(nn.Module):
@@ -186,10 +188,10 @@ class LMHeads(nn.Module):
         self.heads = nn.ModuleList(LMHead(config) for _ in config.heads_after)
 
     def forward(self, hiddens: list[torch.Tensor], masked_index: torch.Tensor, targets: torch.Tensor,
-                output_weight: torch.Tensor):
+                output_rows: tuple[torch.Tensor, ...]):
         """hiddens: one [b, s, h] per head, in heads_after order; masked_index [m]: the scored
         positions as flat indices into b * s, targets [m]: their next tokens (`masked_positions`);
-        output_weight [Vp, h].
+        output_rows: the output projection [Vp, h] as row blocks (layers.vocab_rows).
 
         Only the m scored rows are normed and projected. They are gathered by index, not by a
         boolean mask, so that m comes from the host: a boolean gather on the device would make
@@ -197,15 +199,18 @@ class LMHeads(nn.Module):
         Returns (loss, per_head): the mean (or weighted mean) of the heads' losses, and each
         head's loss, detached.
         """
-        return head_losses(self.heads, hiddens, masked_index, targets, output_weight, self.loss_weights)
+        return head_losses(self.heads, hiddens, masked_index, targets, output_rows, self.loss_weights)
 
 
 def output_layer(config: ModelConfig, seed: int = 1234) -> nn.Module:
     """The untied output projection, weight [Vp, h]: its own seeded draw. Only its weight is
-    used (LMHead projects with it), so that every head shares one matmul path, tied or not."""
+    used (LMHead projects with its row blocks), so that every head shares one matmul path, tied or
+    not. An expanded vocabulary's holds its source rows and new rows apart (layers.SplitVocabRows)."""
+    init = normal_init(config.init_method_std)
     with seeded(derive_seed(seed, "output_layer")):
-        return column_linear(config, config.hidden_size, config.vocab_size, normal_init(config.init_method_std),
-                             bias=False)
+        if config.frozen_vocab_size:
+            return SplitVocabRows(config, init)
+        return column_linear(config, config.hidden_size, config.vocab_size, init, bias=False)
 
 
 class LlamaDecoder(nn.Module):
@@ -238,10 +243,16 @@ class LlamaLM(LlamaDecoder):
             self.output_layer = output_layer(config, seed)
 
     @property
-    def output_weight(self) -> nn.Parameter:  # [Vp, h]
+    def output_weight(self) -> nn.Parameter:  # [Vp, h]; an expanded vocabulary's is `output_rows`
+        (weight,) = self.output_rows
+        return weight
+
+    @property
+    def output_rows(self) -> tuple[nn.Parameter, ...]:
+        """The output projection [Vp, h] as row blocks (layers.vocab_rows)."""
         if self.config.share_embeddings_and_output_weights:
-            return self.word_embeddings.weight
-        return self.output_layer.weight
+            return self.word_embeddings.rows
+        return vocab_rows(self.output_layer)
 
     def hidden_states(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> the output [b, s, h] of each layer in heads_after (each head
@@ -256,7 +267,7 @@ class LlamaLM(LlamaDecoder):
         masked_index [m] and targets [m] (`masked_positions`) -> (loss, per_head [num heads])."""
         if masked_index is None:
             masked_index, targets = masked_positions(labels)
-        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.output_weight)
+        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.output_rows)
 
 
 # --- task head (Step 3 fine-tuning, Step 4 zero-shot evaluation) ---------------------------------------

@@ -10,6 +10,7 @@ Layer list (partitioned so that each stage gets an equal share of decoder layers
     1..l   PipeDecoderLayer
     l + 1  tied:   PipeWordEmbedding, tied key "word" (last stage): appends its weight to the tuple
            untied: PipeOutputLayer: appends output_layer's weight to the tuple
+           (an expanded vocabulary's weight: its two row blocks, the source rows and the new rows)
     l + 2  PipeLMHeads          returns the loss
 
 Activation tuple between layers (and between stages):
@@ -34,7 +35,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import WordEmbedding
+from mmadapt.models.layers import WordEmbedding, trained_vocab_attrs, vocab_blocks, vocab_rows
 from mmadapt.models.llama.model import DecoderLayer, LMHeads, output_layer, rotary_table, validated
 from mmadapt.models.pipe import ScoredQueue
 
@@ -56,7 +57,7 @@ class PipeWordEmbedding(WordEmbedding):
         if len(inputs) == 2:
             input_ids, labels = inputs
             return self.embedding_dropout(super().forward(input_ids)), input_ids, labels
-        return (*inputs, self.weight)
+        return (*inputs, *self.rows)
 
 
 class PipeOutputLayer(nn.Module):
@@ -67,7 +68,7 @@ class PipeOutputLayer(nn.Module):
         self.output_layer = output_layer(config, seed)
 
     def forward(self, inputs):
-        return (*inputs, self.output_layer.weight)
+        return (*inputs, *vocab_rows(self.output_layer))
 
 
 class PipeDecoderLayer(DecoderLayer):
@@ -92,11 +93,13 @@ class PipeLMHeads(ScoredQueue, LMHeads):
     def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.init_queue()
+        self.blocks = vocab_blocks(config)
 
     def forward(self, inputs):
-        hidden, _input_ids, labels, *carried, output_weight = inputs
+        hidden, _input_ids, labels, *rest = inputs
+        carried, output_rows = rest[:-self.blocks], tuple(rest[-self.blocks:])
         masked_index, targets = self.next_scored(labels)
-        loss, per_head = super().forward([*carried, hidden], masked_index, targets, output_weight)
+        loss, per_head = super().forward([*carried, hidden], masked_index, targets, output_rows)
         self.record(per_head)
         return loss
 
@@ -108,7 +111,7 @@ def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> Pipe
                                              num_mp=config.tensor_model_parallel_size,
                                              num_dp=data_parallel_size)
     if config.share_embeddings_and_output_weights:
-        tie = dict(tied_weight_attr=["word_embeddings.weight"])
+        tie = dict(tied_weight_attr=trained_vocab_attrs(config, "word_embeddings"))
         first = last = TiedLayerSpec("word", PipeWordEmbedding, config, seed, **tie)
     else:
         first, last = LayerSpec(PipeWordEmbedding, config, seed), LayerSpec(PipeOutputLayer, config, seed)

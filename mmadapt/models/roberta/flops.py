@@ -22,6 +22,11 @@ Hence the paper's A3 (Step 2) undercounts by l * 4s^2h per sequence; the exact S
 against the paper's 48 U B s l h^2 (1 + s/(6h) + p/(12l) + pV/(8hl)). Both are kept: `paper=True`
 reproduces the paper's tables, the default is what the model in model.py executes (checked
 against torch's FlopCounterMode in tests/test_flops.py and benchmarks/flops_validation.py).
+
+An expanded vocabulary (Step 2 --vocab_mode expand, cfg.frozen_vocab_size = F) projects onto all
+V pieces and passes the input gradient through all of them, but computes the weight gradient of
+the V - F new rows only (models/layers.vocab_linear): the projection's third product shrinks
+from 2pshV to 2psh(V - F).
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ def head_dense_flops(cfg: ModelConfig, s: int, p: float) -> float:
     return p * 2 * s * cfg.hidden_size ** 2
 
 
-def head_proj_flops(cfg: ModelConfig, s: int, p: float) -> float:
-    return p * 2 * s * cfg.hidden_size * cfg.vocab_size
+def head_proj_flops(cfg: ModelConfig, s: int, p: float, rows: int | None = None) -> float:
+    """The tied projection onto `rows` pieces (default: all V)."""
+    return p * 2 * s * cfg.hidden_size * (cfg.vocab_size if rows is None else rows)
 
 
 def head_flops(cfg: ModelConfig, s: int, p: float) -> float:
@@ -76,7 +82,10 @@ def adapt_flops(cfg: ModelConfig, s: int, p: float, paper: bool = False) -> floa
     attn_bwd = 1 if paper else 2
     lin, attn = layer_linear_flops(cfg, s), layer_attn_flops(cfg, s)
     body = cfg.num_layers * (2 * lin + (1 + attn_bwd) * attn)  # forward + input gradients
-    head = 2 * head_dense_flops(cfg, s, p) + 3 * head_proj_flops(cfg, s, p)  # + projection wgrad
+    # forward and input gradient of the dense layer and the projection, and the projection's
+    # weight gradient (its trained rows)
+    trained = cfg.vocab_size - cfg.frozen_vocab_size
+    head = 2 * head_dense_flops(cfg, s, p) + 2 * head_proj_flops(cfg, s, p) + head_proj_flops(cfg, s, p, trained)
     return body + head
 
 

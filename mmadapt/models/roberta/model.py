@@ -30,8 +30,8 @@ from torch import nn
 
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Jagged, Padding, WordEmbedding, attention_mask, column_linear, derive_seed,
-                                   head_losses, masked_positions, normal_init, row_linear, run_layers, to_tp_region,
-                                   varlen_attention)
+                                   head_losses, masked_positions, normal_init, row_linear, run_layers, split_vocab,
+                                   to_tp_region, varlen_attention, vocab_linear)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
 
@@ -126,14 +126,22 @@ class MLMHead(nn.Module):
             nn.init.zeros_(self.dense.bias)
         self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.tp = config.tensor_model_parallel_size
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size // self.tp))  # [Vp], this rank's slice of the vocabulary
-        if self.tp > 1:
-            set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
+        if config.frozen_vocab_size:  # an expanded vocabulary: source rows and new rows apart (layers.py)
+            self.bias, self.new_bias = split_vocab(torch.zeros(config.vocab_size), config)
+        else:
+            self.bias = nn.Parameter(torch.zeros(config.vocab_size // self.tp))  # [Vp], this rank's slice of the vocabulary
+            if self.tp > 1:
+                set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
 
-    def forward(self, x: torch.Tensor, word_weight: torch.Tensor) -> torch.Tensor:
-        """x [m, h] hidden states of the masked positions only -> logits [m, Vp]."""
+    @property
+    def bias_rows(self) -> tuple[nn.Parameter, ...]:
+        return (self.bias, self.new_bias) if hasattr(self, "new_bias") else (self.bias,)
+
+    def forward(self, x: torch.Tensor, word_rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [m, h] hidden states of the masked positions only; word_rows: the tied projection's
+        row blocks (layers.vocab_rows) -> logits [m, Vp]."""
         x = self.layernorm(F.gelu(self.dense(x)))
-        return F.linear(to_tp_region(x, self.tp), word_weight, self.bias)
+        return vocab_linear(to_tp_region(x, self.tp), word_rows, self.bias_rows)
 
 
 class MLMHeads(nn.Module):
@@ -148,10 +156,10 @@ class MLMHeads(nn.Module):
         self.heads = nn.ModuleList(MLMHead(config, f"heads.{l}", seed) for l in config.heads_after)
 
     def forward(self, hiddens: list[torch.Tensor], masked_index: torch.Tensor, targets: torch.Tensor,
-                word_weight: torch.Tensor):
+                word_rows: tuple[torch.Tensor, ...]):
         """hiddens: one [b, s, h] per head, in head_layers order; masked_index [m]: the masked
         positions as flat indices into b * s; targets [m]: their original tokens (see
-        `masked_positions`).
+        `masked_positions`); word_rows: the word embedding's row blocks (layers.vocab_rows).
 
         Only the m masked positions are projected onto the vocabulary: this is the factor p in the
         FLOP count of the head, and it saves 1/p of the head's cost on shallow models. The rows
@@ -160,7 +168,7 @@ class MLMHeads(nn.Module):
         Returns (loss, per_head): the mean (or weighted mean) of the heads' losses, and each head's
         loss, detached.
         """
-        return head_losses(self.heads, hiddens, masked_index, targets, word_weight, self.loss_weights)
+        return head_losses(self.heads, hiddens, masked_index, targets, word_rows, self.loss_weights)
 
 
 class RobertaEncoder(nn.Module):
@@ -200,8 +208,7 @@ class RobertaMLM(RobertaEncoder):
         targets [m] (`masked_positions`) and padding -> (loss, per_head [num heads])."""
         if masked_index is None:
             masked_index, targets = masked_positions(labels)
-        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets,
-                          self.word_embeddings.weight)
+        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.word_embeddings.rows)
 
 
 # --- task heads (Step 3 fine-tuning, Step 4 zero-shot evaluation) -----------------------------------

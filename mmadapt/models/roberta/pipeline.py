@@ -10,6 +10,7 @@ Layer list (partitioned so that each stage gets an equal share of transformer la
     1   PipeEmbeddingPost
     2.. PipeTransformerLayer x num_layers
     -2  PipeWordEmbedding        tied key "word" (last stage): appends its weight to the tuple
+                                 (an expanded vocabulary's two row blocks: its source and new rows)
     -1  PipeMLMHeads             returns the loss
 
 Activation tuple between layers (and between stages):
@@ -23,7 +24,8 @@ DeepSpeed's pipeline requires unless dynamic shapes are turned on. The cost is o
 activation per micro-batch on each stage boundary after layer N.
 
 DeepSpeed's tie makes the first and last stages hold a copy of the word embedding and
-all-reduce its gradient between them after each backward pass, so the copies stay identical.
+all-reduce its gradient between them after each backward pass, so the copies stay identical (an
+expanded vocabulary's: the new rows' gradient; the source rows never change).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import WordEmbedding, attention_mask
+from mmadapt.models.layers import WordEmbedding, attention_mask, trained_vocab_attrs, vocab_blocks
 from mmadapt.models.pipe import PaddingQueue, ScoredQueue
 from mmadapt.models.roberta.model import EmbeddingPost, MLMHeads, TransformerLayer
 
@@ -64,11 +66,13 @@ class PipeMLMHeads(ScoredQueue, MLMHeads):
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__(config, seed)
         self.init_queue()
+        self.blocks = vocab_blocks(config)
 
     def forward(self, inputs):
-        hidden, _input_ids, labels, *carried, word_weight = inputs
+        hidden, _input_ids, labels, *rest = inputs
+        carried, word_rows = rest[:-self.blocks], tuple(rest[-self.blocks:])
         masked_index, targets = self.next_scored(labels)
-        loss, per_head = super().forward([*carried, hidden], masked_index, targets, word_weight)
+        loss, per_head = super().forward([*carried, hidden], masked_index, targets, word_rows)
         self.record(per_head)
         return loss
 
@@ -77,7 +81,8 @@ class PipeWordEmbedding(WordEmbedding):
     """The tied word embedding, in both of its places.
 
     First stage: (input_ids, labels) -> (embeddings, input_ids, labels). Last stage: appends its
-    weight to the tuple for PipeMLMHeads. Its own `forward` (rather than a TiedLayerSpec
+    weight's row blocks (layers.vocab_rows: one, or an expanded vocabulary's two) to the tuple for
+    PipeMLMHeads. Its own `forward` (rather than a TiedLayerSpec
     forward_fn) makes DeepSpeed save it as a layer: layers given by forward_fn are skipped by
     PipelineModule.save_state_dict.
     """
@@ -86,7 +91,7 @@ class PipeWordEmbedding(WordEmbedding):
         if len(inputs) == 2:
             input_ids, labels = inputs
             return super().forward(input_ids), input_ids, labels
-        return (*inputs, self.weight)
+        return (*inputs, *self.rows)
 
 
 def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> PipelineModule:
@@ -94,7 +99,7 @@ def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> Pipe
     topology = PipeModelDataParallelTopology(num_pp=config.pipeline_model_parallel_size,
                                              num_mp=config.tensor_model_parallel_size,
                                              num_dp=data_parallel_size)
-    tie = dict(tied_weight_attr=["word_embeddings.weight"])
+    tie = dict(tied_weight_attr=trained_vocab_attrs(config, "word_embeddings"))
     layers = [TiedLayerSpec("word", PipeWordEmbedding, config, seed, **tie),
               LayerSpec(PipeEmbeddingPost, config, seed)]
     layers += [LayerSpec(PipeTransformerLayer, config, i, seed) for i in range(1, config.num_layers + 1)]

@@ -1,0 +1,248 @@
+"""Vocabulary expansion (Step 2 --vocab_mode expand), in one process: the merged tokenizer keeps
+every source id, the source rows are a frozen parameter apart from the new rows (so no optimizer,
+weight decay included, can move one), the optimizer holds exactly the new rows, the FLOP count
+is what the model executes, and the artifact plugs into the primary model. The parallel layouts
+are in tests/test_expand_parallel.py (slow)."""
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+import sentencepiece as spm
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, VOCAB
+from mmadapt import steps
+from mmadapt.adapt import artifact_state, read_artifact, source_split, step2_start
+from mmadapt.config import PRESETS, ModelConfig, TrainConfig, apply_recipe
+from mmadapt.corpora import write_bible_corpus
+from mmadapt.family import WORD
+from mmadapt.models import get_family
+from mmadapt.flops import counted_flops
+from mmadapt.models.layers import SplitVocabEmbedding, derive_seed, new_rows_name, normal_init, vocab_linear
+from mmadapt.models.roberta.model import BIAS
+from mmadapt.parallel import init_parallel
+from mmadapt.run import RunSpec, load_weights
+from mmadapt.tokenizer import pieces
+from mmadapt.vocab import EXPAND_MULTIPLE, check_expansion, expand
+
+ZERO0 = REPO / "ds_configs" / "zero0.json"
+ZERO2 = REPO / "ds_configs" / "zero2.json"
+
+
+# --- the merged tokenizer -------------------------------------------------------------------------------
+
+def test_merged_tokenizer_keeps_every_source_id(tokenizer, de_tokenizer, tmp_path):
+    """The source's pieces keep their ids; the German pieces it lacks follow, in the target's
+    order, as many as keep the size a multiple of EXPAND_MULTIPLE; an English sentence that the
+    merged tokenizer encodes with no new piece gets exactly the source's ids (checked on every
+    verse of the held-out English books the demo tests on), and German takes fewer pieces."""
+    e = expand(tokenizer, de_tokenizer)
+    merged = e.write(tmp_path / "merged.model")
+    src, trg, got = pieces(tokenizer), pieces(de_tokenizer), pieces(merged)
+    assert got[:VOCAB] == src and e.source_size == VOCAB == check_expansion(tokenizer, merged)
+    assert got[VOCAB:] == list(e.new) and not set(e.new) & set(src)
+    assert e.size % EXPAND_MULTIPLE == 0 and e.size == len(got)
+    missing = [p for p in trg[5:] if p not in set(src)]  # every ordinary German piece the source lacks
+    assert list(e.new) == missing[:len(e.new)] and len(missing) - len(e.new) < EXPAND_MULTIPLE
+
+    sp_src, sp_merged = (spm.SentencePieceProcessor(model_file=str(p)) for p in (tokenizer, merged))
+    english = write_bible_corpus("en", tmp_path / "en.txt", books=range(40, 44)).read_text().splitlines()
+    english = [line for line in english if line.strip()]
+    unchanged = 0
+    for line in english:
+        ids = sp_merged.encode(line)
+        if max(ids) < VOCAB:
+            assert ids == sp_src.encode(line), line
+            unchanged += 1
+    assert unchanged > len(english) // 2  # new pieces are scored below every source piece
+    german = write_bible_corpus("de", tmp_path / "de.txt", books=range(40, 41)).read_text().splitlines()
+    assert sum(map(len, sp_merged.encode(german))) < 0.8 * sum(map(len, sp_src.encode(german)))
+
+
+def test_a_target_that_adds_no_piece_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="adds no piece") as e:
+        expand(tokenizer, tokenizer)
+    assert "\n" not in str(e.value)
+
+
+def test_a_tokenizer_that_is_not_an_expansion_is_refused(tokenizer, de_tokenizer):
+    with pytest.raises(ValueError, match="not an expansion of the source"):
+        check_expansion(tokenizer, de_tokenizer)
+
+
+# --- the split rows against the whole matrix -----------------------------------------------------------
+
+def test_split_rows_compute_what_the_whole_matrix_does():
+    """Embedding lookup (exactly) and projection (to rounding: a product per block) with the rows
+    held as two parameters equal the one matrix's, and the backward reaches only the new rows'
+    parameter."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=24, hidden_size=8, num_attention_heads=2, frozen_vocab_size=16)
+    emb = SplitVocabEmbedding(cfg, normal_init(1.0))
+    full = torch.cat([emb.weight, emb.new_weight]).detach().requires_grad_(True)
+    emb.weight.requires_grad_(False)
+    ids = torch.tensor([[0, 15, 16, 23, 5], [20, 3, 17, 16, 1]])
+    x = torch.randn(10, 8)
+    bias = torch.randn(24)
+    assert torch.equal(emb(ids), F.embedding(ids, full))
+    got = vocab_linear(x, emb.rows, (bias[:16], bias[16:])) + emb(ids).sum()
+    want = F.linear(x, full, bias) + F.embedding(ids, full).sum()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    assert emb.weight.grad is None
+    torch.testing.assert_close(emb.new_weight.grad, full.grad[16:], rtol=1e-5, atol=1e-5)
+
+
+# --- Step 2 --vocab_mode expand, one process --------------------------------------------------------------
+
+def _train(family: str, iters: int, **changes) -> TrainConfig:
+    preset = "tiny" if family == "roberta" else "llama-tiny"
+    return dataclasses.replace(PRESETS[preset][1], train_iters=iters, save_interval=iters, log_interval=10,
+                               seq_length=32, train_micro_batch_size_per_gpu=4, **changes)
+
+
+@pytest.fixture(scope="module")
+def sources(corpus, tokenizer, tmp_path_factory):
+    """A 4-layer MINIJOINT of each family (secondary head after layer 2), 6 updates: the decoder
+    untied, so that both vocabulary-indexed matrices are expanded."""
+    init_parallel(1, 1)
+    root, out = tmp_path_factory.mktemp("expand_sources"), {}
+    for family, preset, extra in (("roberta", "tiny", {}),
+                                  ("llama", "llama-tiny", {"share_embeddings_and_output_weights": False})):
+        model = apply_recipe(dataclasses.replace(PRESETS[preset][0], vocab_size=VOCAB, num_layers=4,
+                                                 hidden_dropout=0.0, attention_dropout=0.0, **extra), "minijoint", 2)
+        steps.pretrain(run=RunSpec(output_dir=root / family, ds_config=ZERO0, corpus=corpus, tokenizer=tokenizer),
+                       step=steps.Pretrain(model=model, train=_train(family, 6), recipe="minijoint"))
+        out[family] = root / family
+    return out
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_expand_trains_only_the_new_rows(family, sources, de_corpus, de_tokenizer, tmp_path):
+    """50 updates with weight decay 0.1 under ZeRO-2: every source row of every expanded matrix is
+    bit-identical to the source's in the live model (the run records each block's SHA-256), the
+    optimizer state holds exactly the new rows (x h, + the new bias entries), the new rows moved,
+    and the artifact holds the source rows then the new ones."""
+    source = sources[family]
+    out = tmp_path / "adapt"
+    run = RunSpec(output_dir=out, ds_config=ZERO2, corpus=de_corpus, tokenizer=de_tokenizer)
+    steps.adapt_embeddings(run=run, step=steps.AdaptEmbeddings(
+        system="minijoint", source=source, lang="de", train=_train(family, 50, weight_decay=0.1, decay_all=True, vocab_mode="expand")))
+    record = json.loads((out / "run.json").read_text())
+    merged = expand(source / "tokenizer" / "spm.model", de_tokenizer)
+    assert record["vocab_mode"] == "expand" and record["source_vocab_size"] == VOCAB
+    assert record["model"]["vocab_size"] == merged.size and record["model"]["frozen_vocab_size"] == VOCAB
+    assert (out / "tokenizer" / "spm.model").read_bytes() == merged.model
+
+    _, src = load_weights(source)
+    mini = get_family(record["model"]["family"]).extract_minijoint(*load_weights(source), 2)[1]
+    expanded = (WORD, BIAS) if family == "roberta" else (WORD, "output_layer.weight")
+    assert record["trainable"] == [new_rows_name(n) for n in expanded]
+    recorded = {r["name"]: r for r in record["source_rows"]}
+    assert sorted(recorded) == sorted(expanded)
+    for name in expanded:
+        assert recorded[name]["rows"] == [0, VOCAB]
+        assert recorded[name]["sha256"] == _sha(mini[name].float()), f"{name}: a source row moved"
+
+    tag = "step00000050"
+    opt = torch.load(out / "checkpoints" / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    state = opt["optimizer_state_dict"]["base_optimizer_state"]["state"]
+    new = merged.size - VOCAB
+    h = record["model"]["hidden_size"]
+    sizes = sorted(s["exp_avg"].numel() for s in state.values())  # one flat group per parameter group
+    if family == "roberta":  # the matrices' group (the embedding's new rows), the vectors' (the new bias)
+        assert sizes == [new, new * h]
+    else:  # both new row blocks; the vector group holds engine.build_engine's placeholder only
+        assert sizes[-1] == 2 * new * h and len(sizes) == 2 and sizes[0] <= 16
+
+    art, tok, meta = read_artifact(out / "embeddings" / tag)
+    assert meta["vocab_mode"] == "expand" and meta["source_vocab_size"] == VOCAB and tok.read_bytes() == merged.model
+    keys = {"word_embeddings": WORD, "output_bias" if family == "roberta" else "output_layer": expanded[1]}
+    start = step2_start("minijoint", source, None, tok, record["model"]["init_method_std"],
+                        derive_seed(record["train"]["seed"], "embeddings.de"), 2, "overlap", "expand")[1]
+    for key, name in keys.items():
+        assert art[key].shape[0] == merged.size
+        assert torch.equal(art[key][:VOCAB], mini[name].float())
+        assert not torch.equal(art[key][VOCAB:], start[new_rows_name(name)]), f"{key}: the new rows did not train"
+
+
+def test_the_primary_model_keeps_its_own_source_rows(sources, de_corpus, de_tokenizer, tmp_path):
+    """Swapped into the primary model (Step 4, export), an expanded artifact keeps the primary
+    head's own source rows of the output bias (a MINIJOINT's secondary head has its own) and
+    appends the new rows; a model of another vocabulary is refused."""
+    source = sources["roberta"]
+    steps.adapt_embeddings(run=RunSpec(output_dir=tmp_path / "a", ds_config=ZERO0, corpus=de_corpus,
+                                       tokenizer=de_tokenizer),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
+                                                      train=_train("roberta", 2, vocab_mode="expand")))
+    art, _, meta = read_artifact(tmp_path / "a" / "embeddings" / "step00000002")
+    cfg, state = load_weights(source)
+    cfg, primary = get_family(cfg).primary_model(cfg, state)
+    got = artifact_state(art, cfg, meta, primary)
+    assert torch.equal(got[BIAS][:VOCAB], primary[BIAS]) and torch.equal(got[BIAS][VOCAB:], art["output_bias"][VOCAB:])
+    assert not torch.equal(art["output_bias"][:VOCAB], primary[BIAS])  # the secondary head's
+    assert torch.equal(got[WORD], art["word_embeddings"])
+    with pytest.raises(ValueError, match="expands a 1000-piece vocabulary"):
+        artifact_state(art, cfg, meta, {WORD: primary[WORD][:500], BIAS: primary[BIAS][:500]})
+
+
+def test_subword_mean_starts_each_new_row_at_its_split(sources, de_tokenizer, tmp_path):
+    """--embedding_init subword_mean with --vocab_mode expand: each new piece's row (embedding
+    and output projection alike) is the mean of the source rows of its split under the source
+    tokenizer (adapt.source_split, tested in tests/test_adapt.py), computed here row by row."""
+    source = sources["llama"]
+    merged = expand(source / "tokenizer" / "spm.model", de_tokenizer).write(tmp_path / "m.model")
+    _, init, counts = step2_start("minijoint", source, None, merged, 0.05, 7, 2, "subword_mean", "expand")
+    _, src = load_weights(source)
+    split = source_split(source / "tokenizer" / "spm.model")
+    new = pieces(merged)[VOCAB:]
+    composed = 0
+    for i, piece in enumerate(new):
+        ids = split(piece)
+        for name in (WORD, "output_layer.weight"):
+            if ids:
+                torch.testing.assert_close(init[new_rows_name(name)][i], src[name][ids].mean(0))
+        composed += bool(ids)
+    assert counts == {"shared_pieces": 0, "subword_mean_pieces": composed, "random_pieces": len(new) - composed}
+
+
+@pytest.mark.parametrize("family, tied", [("roberta", True), ("llama", True), ("llama", False)])
+def test_expand_flops_are_what_the_model_executes(family, tied):
+    """The exact Step-2 count of an expanded vocabulary (the projection's weight gradient over
+    the new rows only) equals FlopCounterMode on the real model, attention as explicit matmuls;
+    it is the count of the unexpanded vocabulary less 2 m h F (m scored positions)."""
+    preset = PRESETS["tiny" if family == "roberta" else "llama-tiny"][0]
+    cfg = dataclasses.replace(preset, num_layers=2, vocab_size=96, frozen_vocab_size=80, attention_impl="math",
+                              hidden_dropout=0.0, attention_dropout=0.0, share_embeddings_and_output_weights=tied)
+    fam = get_family(cfg)
+    model = fam.build_lm(cfg)
+    trained = set(map(new_rows_name, fam.vocab_params(cfg)))
+    for n, p in model.named_parameters():
+        p.requires_grad_(n in trained)
+    g = torch.Generator().manual_seed(0)
+    b, s = 2, 16
+    ids = torch.randint(5, 96, (b, s), generator=g)
+    if family == "roberta":  # 8 of the 32 positions masked
+        labels = torch.full_like(ids, -100)
+        flat = torch.randperm(b * s, generator=g)[:8]
+        labels.view(-1)[flat] = ids.view(-1)[flat]
+        p = 8 / (b * s)
+    else:  # every position scored
+        labels, p = torch.randint(5, 96, (b, s), generator=g), 1.0
+
+    def update():
+        loss, _ = model(ids, labels)
+        loss.backward()
+
+    counted = counted_flops(update)
+    assert counted == pytest.approx(b * fam.step_flops("adapt", cfg, s, p), rel=1e-9)
+    whole = fam.step_flops("adapt", dataclasses.replace(cfg, frozen_vocab_size=0), s, p)
+    assert counted == pytest.approx(b * whole - 2 * (b * s * p) * cfg.hidden_size * 80, rel=1e-9)
