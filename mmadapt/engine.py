@@ -136,6 +136,18 @@ def _set_fp32_master(engine, names: dict, state: dict) -> None:
             safe_set_full_fp32_param(p, _shard(p, full).to(device=p.device, dtype=torch.float32))
 
 
+PLACEHOLDER = "empty_group_placeholder_"  # build_engine's parameter of a group with nothing to train
+
+
+def with_placeholders(loss: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """`loss` plus 0 x each placeholder of `module` (build_engine): the backward then gives each a
+    zero gradient, so a rank whose only trainable parameters are placeholders (a tensor-parallel
+    rank whose slice of an expanded vocabulary holds no new row) still has gradients for ZeRO to
+    reduce; DeepSpeed's ZeRO-1/2 fails on a rank with none. The loss's value is unchanged."""
+    extra = [p for n, p in module.named_parameters(recurse=False) if n.startswith(PLACEHOLDER)]
+    return loss + 0.0 * sum(p.sum() for p in extra) if extra else loss
+
+
 def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainable: Callable[[str], bool],
                  loop: LoopConfig, lr: float, total: int, ds_config: dict, init_state: dict | None = None):
     """-> (engine, tp_partition_dims of every rank's parameters, in full names).
@@ -169,7 +181,7 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
             # weight decay of a zero is zero, so AdamW leaves it at 0.
             # It belongs to no pipeline layer, so no checkpoint layer file holds it.
             placeholder = torch.nn.Parameter(torch.zeros(1, device=parallel.device()))
-            module.register_parameter(f"empty_group_placeholder_{i}", placeholder)
+            module.register_parameter(f"{PLACEHOLDER}{i}", placeholder)
             group["params"] = [placeholder]
     optimizer = adamw(groups, loop, lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(loop.warmup_iters(total), total))

@@ -28,6 +28,7 @@ from mmadapt import checkpoint
 from mmadapt.adapt import ARTIFACT_FILE, read_artifact, system_label
 from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.data import file_sha256
+from mmadapt.engine import PLACEHOLDER
 from mmadapt.family import WORD
 from mmadapt.features import Encoded, encode_classify, special_mask
 from mmadapt.finetune import is_finished, primary_state
@@ -87,7 +88,7 @@ def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
                          "finetune --resume")
     cfg, primary = primary_state(Path(run["primary"]["run_dir"]), run["primary"]["tag"])
     tag = checkpoint.tag_for(run["updates"])
-    own = {k: v for k, v in load_checkpoint(run_dir, tag).items() if not k.startswith("empty_group_placeholder")}
+    own = {k: v for k, v in load_checkpoint(run_dir, tag).items() if not k.startswith(PLACEHOLDER)}
     cfg = ModelConfig(**{**run["model"], "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
     return Finetuned(cfg, get_task(run["task"]), run["labels"], {WORD: primary[WORD], **own},
                      Path(run["primary"]["run_dir"]) / RUN_TOKENIZER, run)

@@ -31,7 +31,8 @@ from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfi
 from mmadapt.data import (MANIFEST, OBJECTIVES, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, block_index,
                           block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
                           load_tokenizer, micro_batch_range, prepare, read_manifest, wait_for)
-from mmadapt.engine import LoopJob, build_engine, is_pipeline, mean_over_ranks, train_loop, trainable_by_names
+from mmadapt.engine import (LoopJob, build_engine, is_pipeline, mean_over_ranks, train_loop, trainable_by_names,
+                            with_placeholders)
 from mmadapt.features import Encoded
 from mmadapt.fusion import apply_fusion
 from mmadapt.models import get_family
@@ -256,7 +257,7 @@ def lm_step(engine, batches, num_heads: int) -> torch.Tensor:
     for b in map(functools.partial(to_device, dev=dev), batches):
         loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
                                   padding=b.padding)
-        engine.backward(loss)
+        engine.backward(with_placeholders(loss, engine.module))
         engine.step()
         per_head += heads_loss / len(batches)
     return per_head

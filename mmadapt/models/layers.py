@@ -195,7 +195,14 @@ class SplitVocabEmbedding(SplitVocabRows):
             outside = (local < 0) | (local >= part.shape[0])
             rows = F.embedding(local.clamp(0, part.shape[0] - 1), part).masked_fill(outside[..., None], 0.0)
             out = rows if out is None else out + rows
-        return out if self.tp == 1 else tensor_parallel.reduce_from_tensor_model_parallel_region(out)
+        if self.tp == 1:
+            return out
+        if torch.is_grad_enabled() and not out.requires_grad:
+            # This rank holds no row that trains (its slice is all source rows), but the ranks
+            # that do need the body's backward, whose tensor-parallel collectives every rank must
+            # join: start the graph here.
+            out = out.detach().requires_grad_()
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(out)
 
 
 def _one_block(module: nn.Module) -> nn.Parameter:

@@ -1,0 +1,115 @@
+"""Vocabulary expansion (Step 2 --vocab_mode expand) under every parallel layout, for both model
+families, against one process: tensor parallel 2 (the vocabulary split across the ranks: here
+one rank holds only source rows, the other the rest of them and every new row), ZeRO-2 on 2
+data-parallel ranks and pipeline parallel 2 (the tied embedding on the first and last stage).
+
+After 50 updates with weight decay on every parameter: every source row of every expanded matrix
+is bit-identical to the source's in the live model of every rank (the run records the SHA-256 of
+each rank's block), the optimizer state holds exactly the new rows (x h, + the new bias entries)
+split over the data-parallel ranks, and the losses are the single process's (rtol 1e-5)."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ADAPT, LAYOUTS, NO_DROPOUT, VOCAB, metrics, run_pretrain
+from mmadapt.family import WORD
+from mmadapt.models import get_family
+from mmadapt.run import load_weights
+
+pytestmark = pytest.mark.slow
+
+STEPS = 50
+SINGLE = ["--ds_config", "ds_configs/zero0.json", "--gradient_accumulation_steps", "2"]
+FAMILIES = {"roberta": ("tiny", "heads.heads.0.bias", []),
+            "llama": ("llama-tiny", "output_layer.weight", ["--share_embeddings_and_output_weights", "false"])}
+
+
+@pytest.fixture(scope="module")
+def sources(corpus, tokenizer, tmp_path_factory):
+    """A 4-layer MINIJOINT of each family (secondary head after layer 2; the decoder's output
+    projection untied, so that two matrices are expanded), 6 updates."""
+    out = {}
+    for family, (preset, _, extra) in FAMILIES.items():
+        run = tmp_path_factory.mktemp(f"expand_src_{family}")
+        run_pretrain(1, "--preset", preset, "--corpus", str(corpus), "--tokenizer", str(tokenizer), "--vocab_size",
+                     str(VOCAB), "--output_dir", str(run), "--recipe", "minijoint", "--num_layers", "4",
+                     "--mini_layers", "2", "--train_iters", "6", "--save_interval", "6", *NO_DROPOUT, *extra)
+        out[family] = run
+    return out
+
+
+def _expand(source, de_corpus, de_tokenizer, out, nproc, *extra):
+    run_pretrain(nproc, "--system", "minijoint", "--source", str(source), "--lang", "de", "--corpus", str(de_corpus),
+                 "--tokenizer", str(de_tokenizer), "--vocab_mode", "expand", "--output_dir", str(out),
+                 "--train_iters", str(STEPS), "--log_interval", "10", "--save_interval", str(STEPS), "--seq_length", "32",
+                 "--train_micro_batch_size_per_gpu", "8", "--weight_decay", "0.1", "--decay_all", "true", *NO_DROPOUT,
+                 *extra, script=ADAPT)
+    return out
+
+
+@pytest.fixture(scope="module")
+def singles(sources, de_corpus, de_tokenizer, tmp_path_factory):
+    return {family: _expand(source, de_corpus, de_tokenizer, tmp_path_factory.mktemp(f"expand_single_{family}"), 1,
+                            *SINGLE) for family, source in sources.items()}
+
+
+def _optimizer_groups(run) -> list[list[int]]:
+    """The size of each flat parameter group of each rank's optimizer file (ZeRO's fp32 state),
+    leaving out engine.build_engine's one-element placeholders of a group with nothing to train
+    (with ZeRO's alignment padding)."""
+    ckpt = run / "checkpoints" / f"step{STEPS:08d}"
+    out = []
+    for f in sorted(ckpt.glob("*optim_states.pt")):
+        state = torch.load(f, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["state"]
+        out.append(sorted(s["exp_avg"].numel() for s in state.values() if s["exp_avg"].numel() > 16))
+    if not out:  # ZeRO stage 0: torch's optimizer, one state per parameter, in the model file
+        state = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]["state"]
+        out.append(sorted(s["exp_avg"].numel() for s in state.values() if s["exp_avg"].numel() > 16))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["single", *sorted(k for k in LAYOUTS if k != "tp2_pp2")])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_expand_keeps_every_source_row_in_every_layout(family, layout, sources, singles, de_corpus, de_tokenizer,
+                                                       tmp_path):
+    source, (preset, second, _) = sources[family], FAMILIES[family]
+    if layout == "single":
+        run = singles[family]
+    else:
+        nproc, extra = LAYOUTS[layout]
+        run = _expand(source, de_corpus, de_tokenizer, tmp_path / layout, nproc, *extra)
+        np.testing.assert_allclose([r["loss"] for r in metrics(run)], [r["loss"] for r in metrics(singles[family])],
+                                   rtol=1e-5)
+    record = json.loads((run / "run.json").read_text())
+    size, new = record["model"]["vocab_size"], record["model"]["vocab_size"] - VOCAB
+    h = record["model"]["hidden_size"]
+
+    # Every rank's source block, as its live model held it after the last update.
+    mini = get_family(record["model"]["family"]).extract_minijoint(*load_weights(source), 2)[1]
+    blocks = record["source_rows"]
+    assert {b["name"] for b in blocks} == {WORD, second}
+    for name in (WORD, second):
+        mine = sorted((b["rows"], b["sha256"]) for b in blocks if b["name"] == name)
+        # each block once (data-parallel replicas and a pipeline's tied copies agree), together the F rows
+        assert [r for r, _ in mine] == ([[0, size // 2], [size // 2, VOCAB]] if layout == "tp2" else [[0, VOCAB]])
+        for (lo, hi), sha in mine:
+            want = hashlib.sha256(mini[name][lo:hi].float().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            assert sha == want.hexdigest(), f"{layout}: a source row of {name} moved"
+
+    # The optimizer holds the new rows and nothing else, split over the data-parallel ranks.
+    groups = _optimizer_groups(run)
+    bias = [new] if family == "roberta" else []
+    if layout == "zero2_dp2":
+        halves = [new * h // 2] * (1 if family == "roberta" else 2)
+        assert groups == [sorted([new // 2] + [sum(halves)] if bias else [sum(halves)])] * 2, groups
+    elif layout == "tp2":  # rank 0's vocabulary slice holds only source rows: nothing to train there
+        assert sorted(map(sorted, groups)) == [[], sorted(bias + [new * h * (1 if family == "roberta" else 2)])]
+    elif layout == "pp2":  # the tied embedding's copy on each stage; the bias / output layer on the last
+        first, last = ([new * h], sorted(bias + [new * h])) if family == "roberta" else ([new * h], [new * h])
+        assert sorted(groups) == sorted([first, last]), groups
+    else:  # one process, ZeRO 0: torch's AdamW state per parameter
+        assert groups == [sorted(bias + [new * h] * (1 if family == "roberta" else 2))]
