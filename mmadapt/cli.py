@@ -148,6 +148,9 @@ def preprocess_parser() -> argparse.ArgumentParser:
                    "documents; or bible:<lang> for the packaged Bible")
     p.add_argument("--output_dir", required=True, help="the prepared dataset (a directory)")
     p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one on a sample)")
+    p.add_argument("--expand_from", help="a run whose vocabulary Step 2 --vocab_mode expand extends: encode with its "
+                   "tokenizer plus the target's pieces it lacks (the target: --tokenizer, or one of --vocab_size "
+                   "pieces trained on the corpus)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="whose vocab_size to use")
     add_dataclass_args(p, ModelConfig, only=("vocab_size",), defaults=MODEL_PRESETS)
     add_dataclass_args(p, PreprocessConfig)
@@ -159,7 +162,8 @@ def preprocess_main(argv=None) -> int:
     args = preprocess_parser().parse_args(argv)
     vocab = args.vocab_size or MODEL_PRESETS[args.preset].vocab_size
     steps.preprocess(Path(args.corpus), output_dir=Path(args.output_dir), vocab_size=vocab,
-                     cfg=override(PreprocessConfig(), args), tokenizer=_path(args.tokenizer))
+                     cfg=override(PreprocessConfig(), args), tokenizer=_path(args.tokenizer),
+                     expand_from=_path(args.expand_from))
     return 0
 
 

@@ -44,7 +44,7 @@ from mmadapt.models import get_family
 from mmadapt.models.layers import Padding, derive_seed, masked_positions, new_rows_name
 from mmadapt.parallel import device
 from mmadapt.report import PLUGIN_TASKS
-from mmadapt.run import load_weights
+from mmadapt.run import load_weights, read_run
 from mmadapt.tokens import MASK_ID
 
 METRIC = "contextual_gain"
@@ -68,9 +68,9 @@ def unigram_logprobs(data_path: Path, vocab_size: int) -> torch.Tensor:
 
 
 def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: int, batch_size: int,
-                    seed: int = 0, objective: str = "mlm") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `blocks` blocks of the dataset's validation split in a seeded order, scored by
-    the family's objective: the same positions for every artifact of this tokenizer.
+                    seed: int = 0, objective: str = "mlm", split: str = VALID) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `blocks` blocks of the dataset's validation split (or `split`) in a seeded order,
+    scored by the family's objective: the same positions for every artifact of this tokenizer.
 
     MLM: the positions pretraining's masking selects (a fixed seed), every one of them replaced by
     <mask>, not BERT's 80/10/10: on the 10% of positions where the training rule keeps the true
@@ -78,10 +78,10 @@ def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: i
     "contextual gain" was copying (tests/test_plugin.py: a model that predicts its input piece
     beats the unigram reference under 80/10/10, and cannot here)."""
     held_out = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=batch_size)
-    data = OBJECTIVES[objective](data_path, held_out, vocab_size, split=VALID)
+    data = OBJECTIVES[objective](data_path, held_out, vocab_size, split=split)
     n = min(blocks, len(data)) // batch_size
     if n == 0:
-        raise ValueError(f"{data_path}'s validation split holds {len(data)} blocks of {seq_length}, fewer than one "
+        raise ValueError(f"{data_path}'s {'validation split' if split == VALID else 'text'} holds {len(data)} blocks of {seq_length}, fewer than one "
                          f"batch of {batch_size}: prepare it with a larger --valid_fraction")
     batches = [data.micro_batch(k, 0) for k in range(n)]
     if objective == "mlm":
@@ -195,3 +195,29 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                         "masked_pieces": int(sum(int(l.ge(0).sum()) for _, l in batches)),
                         "artifact": str(path)})
     return records
+
+
+def source_language_loss(primary_run: Path, artifact: Path, seq_length: int = 64, blocks: int = 256,
+                         batch_size: int = 32) -> dict | None:
+    """What an expanded vocabulary (Step 2 --vocab_mode expand) does to the source language: the
+    primary model's loss per scored piece on source text (its own objective, as the plug-in
+    metric scores it) before, with its own vocabulary, and after the artifact is swapped in (its
+    source rows kept, the new rows appended: the softmax now spans the new pieces too, so the loss
+    can move with every source row frozen). The text is the primary run's data in its own ids:
+    its validation split, else its training text. None for a run with no data (an import)."""
+    data = read_run(primary_run).get("data_path")
+    if not data:
+        return None
+    split = VALID if read_manifest(data).get("valid") else TEXT
+    cfg, state = primary_head_state(primary_run)
+    model = plugin_model(cfg, state)
+    batches = heldout_batches(Path(data), seq_length, cfg.vocab_size, blocks, batch_size,
+                              objective=get_family(cfg).objective, split=split)
+    on_dev = on_device(batches, device_of(model))
+    before = masked_loss(model, on_dev)
+    emb, _, meta = read_artifact(artifact)
+    with swapped(model, _swap(model, emb, meta)):
+        after = masked_loss(model, on_dev)
+    return {"source_loss_before": before, "source_loss_after": after, "source_text": f"{data} ({split})",
+            "scored_pieces": int(sum(int(l.ge(0).sum()) for _, l in batches))}
+

@@ -24,26 +24,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from mmadapt import parallel
+from mmadapt import checkpoint, parallel
 from mmadapt.adapt import body_config, read_artifact, step2_start, step2_trainable, write_artifact
 from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
                             TrainConfig)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, TOKENIZER, EpochOrder, read_manifest, wait_for
 from mmadapt.data import prepare as prepare_corpus
+from mmadapt.data import train_tokenizer
 from mmadapt.engine import LoopJob, build_engine, train_loop, trainable_by_names
-from mmadapt.evaluate import artifact_dirs, evaluate_artifacts, evaluate_scores, load_finetuned
+from mmadapt.evaluate import artifact_dirs, artifact_primary, evaluate_artifacts, evaluate_scores, load_finetuned
 from mmadapt.finetune import TaskData, is_finished, primary_state
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.models import get_family
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.plugin import plugin_records
+from mmadapt.plugin import plugin_records, source_language_loss
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, checkpoint_tag, load_checkpoint, load_weights, read_run, run_model, run_progress,
                          start_run)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
@@ -56,10 +58,24 @@ from mmadapt.vocab import Expansion, check_expansion, expand
 # --- data --------------------------------------------------------------------------------------------
 
 def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int, cfg: PreprocessConfig = PreprocessConfig(),
-               tokenizer: Path | None = None) -> dict:
+               tokenizer: Path | None = None, expand_from: Path | None = None) -> dict:
     """Prepare `corpus` once (data.prepare): what `--data_path` of every training step reads.
-    A no-op when `output_dir` already holds it. -> the dataset's manifest. Needs no process group."""
-    return prepare_corpus(resolve_corpus(corpus), output_dir, vocab_size, tokenizer=tokenizer, cfg=cfg)
+    A no-op when `output_dir` already holds it. -> the dataset's manifest. Needs no process group.
+
+    expand_from: a run whose vocabulary Step 2 --vocab_mode expand extends (vocab.py): the corpus
+    is encoded with that run's tokenizer plus the target's missing pieces, the target being
+    `tokenizer` or, without it, a `vocab_size`-piece model trained on the corpus."""
+    corpus = resolve_corpus(corpus)
+    if expand_from is None:
+        return prepare_corpus(corpus, output_dir, vocab_size, tokenizer=tokenizer, cfg=cfg)
+    read_run(expand_from)
+    with tempfile.TemporaryDirectory() as tmp:  # nothing lands in output_dir before data.prepare's checks
+        if tokenizer is None:
+            tokenizer = train_tokenizer(corpus, Path(tmp) / "target", vocab_size, seed=cfg.tokenizer_seed,
+                                        max_sentences=cfg.tokenizer_sample_lines)
+        expansion = expand(Path(expand_from) / RUN_TOKENIZER, tokenizer)
+        merged = expansion.write(Path(tmp) / "merged.model")
+        return prepare_corpus(corpus, output_dir, expansion.size, tokenizer=merged, cfg=cfg)
 
 
 def _text_run(run: RunSpec) -> RunSpec:
@@ -255,8 +271,33 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             write_artifact(run.output_dir / "embeddings" / ckpt_tag, _artifact_tensors(family, model, init, sd,
                                                                                         trainable), tokenizer, meta)
 
-        return train_lm(started, run, model, train, LMJob(step="adapt", trainable=trainable), init,
-                        after_save=save_artifact, record={**rows, **expanded, "target_vocab_size": model.vocab_size})
+        metrics = train_lm(started, run, model, train, LMJob(step="adapt", trainable=trainable), init,
+                           after_save=save_artifact, record={**rows, **expanded, "target_vocab_size": model.vocab_size})
+        final = run.output_dir / "embeddings" / checkpoint.tag_for(train.train_iters)
+        if expanded and parallel.is_rank0() and final.is_dir():
+            started.record.finish(expand_report=_expand_report(final, lang, started.data, train.seq_length))
+        return metrics
+
+
+def _expand_report(artifact: Path, lang: str, target_data: Path, seq_length: int) -> dict:
+    """What every expanded-vocabulary run reports (printed, and in run.json): the primary model's
+    source-language loss before and after its new pieces join the softmax (plugin.source_language_loss),
+    and the plug-in target metric of its final artifact when the target data hold a validation split."""
+    primary = artifact_primary(read_artifact(artifact)[2])
+    report = source_language_loss(primary, artifact, seq_length) or {}
+    if report:
+        print(f"source language through the primary model: loss {report['source_loss_before']:.4f} with its own "
+              f"vocabulary, {report['source_loss_after']:.4f} with the new pieces ({report['scored_pieces']} pieces "
+              f"of {report['source_text']})")
+    if read_manifest(target_data).get("valid"):
+        record = plugin_records(primary, [artifact], {lang: target_data}, seq_length)[0]
+        report.update(plugin_gain=record["score"], plugin_loss=record["loss"], unigram_loss=record["unigram_loss"])
+        print(f"{lang} through the primary model (plug-in): contextual gain {record['score']:.3f} nats "
+              f"(loss {record['loss']:.3f}, unigram reference {record['unigram_loss']:.3f})")
+    else:
+        print(f"note: no plug-in {lang} score: the target data hold no validation split (mmadapt preprocess "
+              "--valid_fraction 0.03 --expand_from <source run>, then --data_path)")
+    return report
 
 
 def _say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, int]) -> None:

@@ -7,6 +7,7 @@ are in tests/test_expand_parallel.py (slow)."""
 import dataclasses
 import hashlib
 import json
+import math
 
 import pytest
 import sentencepiece as spm
@@ -246,3 +247,30 @@ def test_expand_flops_are_what_the_model_executes(family, tied):
     assert counted == pytest.approx(b * fam.step_flops("adapt", cfg, s, p), rel=1e-9)
     whole = fam.step_flops("adapt", dataclasses.replace(cfg, frozen_vocab_size=0), s, p)
     assert counted == pytest.approx(b * whole - 2 * (b * s * p) * cfg.hidden_size * 80, rel=1e-9)
+
+
+def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sources, de_corpus, de_tokenizer,
+                                                                                tmp_path):
+    """At its end an expand run scores the primary model on source text before and after its new
+    pieces join the softmax (they can only add probability mass elsewhere: the loss rises; for
+    this 6-update source, whose logits are near uniform, by about log(V / V_source)), and, on
+    target data with a validation split, the plug-in metric of its artifact."""
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.plugin import plugin_records
+
+    source = sources["llama"]
+    data = tmp_path / "de"
+    steps.preprocess(de_corpus, output_dir=data, vocab_size=VOCAB, tokenizer=de_tokenizer,
+                     cfg=PreprocessConfig(workers=1, valid_fraction=0.1), expand_from=source)
+    assert (data / "tokenizer.model").read_bytes() == expand(source / "tokenizer" / "spm.model", de_tokenizer).model
+    out = tmp_path / "a"
+    steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, data_path=data),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
+                                                      train=_train("llama", 4, vocab_mode="expand")))
+    report = json.loads((out / "run.json").read_text())["expand_report"]
+    rise = report["source_loss_after"] - report["source_loss_before"]
+    size = json.loads((out / "run.json").read_text())["model"]["vocab_size"]
+    assert rise > 0 and rise == pytest.approx(math.log(size / VOCAB), abs=0.1)
+    assert report["scored_pieces"] > 1000
+    want = plugin_records(source, [out / "embeddings" / "step00000004"], {"de": data}, 32)[0]
+    assert report["plugin_gain"] == pytest.approx(want["score"]) and report["plugin_loss"] == pytest.approx(want["loss"])
