@@ -60,6 +60,12 @@ class Ctx:
                 "--corpus", corpus or str(self.corpus), "--tokenizer", tokenizer or str(self.tokenizer),
                 "--vocab_size", str(VOCAB), "--output_dir", str(self.out), *extra]
 
+    def expand(self, *extra: str) -> list[str]:
+        """Step 2 --vocab_mode expand over the primary run, without --vocab_size (the vocabulary
+        is the merged one)."""
+        return ["adapt", "--system", "minijoint", "--source", str(self.primary), "--lang", "de", "--vocab_mode",
+                "expand", "--output_dir", str(self.out), *extra]
+
     def finetune(self, *extra: str, primary: str | None = None) -> list[str]:
         return ["finetune", "--task", "bible-genre", "--primary", primary or str(self.primary),
                 "--output_dir", str(self.out), *extra]
@@ -144,6 +150,15 @@ CASES = [
     ("adapt-unknown-system", lambda c: c.adapt()[:2] + ["bl_huge"] + c.adapt()[3:], "invalid choice: 'bl_huge'"),
     ("adapt-source-tag", lambda c: c.adapt("--source_tag", "step00000009"), "has no complete checkpoint step00000009"),
     ("adapt-zero3", lambda c: c.adapt("--ds_config", c.file("ds.json", ZERO3)), "uses ZeRO stage 3"),
+    # --- Step 2 --vocab_mode expand
+    ("vocab-mode-unknown", lambda c: c.adapt("--vocab_mode", "merge"), "vocab_mode must be one of replace, expand"),
+    ("vocab-mode-in-pretrain", lambda c: c.pretrain("--vocab_mode", "expand"), "vocab_mode is a Step-2 setting"),
+    ("expand-with-vocab-size", lambda c: c.adapt("--vocab_mode", "expand"), "drop --vocab_size"),
+    ("expand-without-tokenizer", lambda c: c.expand("--corpus", str(c.corpus)), "needs the target vocabulary"),
+    ("expand-adds-no-piece", lambda c: c.expand("--corpus", str(c.corpus), "--tokenizer", str(c.tokenizer)),
+     "adds no piece to the source's"),
+    ("expand-data-not-an-expansion", lambda c: c.expand("--data_path", str(c.primary / "data")),
+     "is not an expansion of the source's"),
     # --- Step 3
     ("finetune-not-a-run", lambda c: c.finetune(primary=c.dir("nowhere")), "is not an mmadapt run directory"),
     ("finetune-unknown-task", lambda c: c.finetune()[:2] + ["sentiment"] + c.finetune()[3:], "invalid choice"),
