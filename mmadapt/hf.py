@@ -238,7 +238,8 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
         if owner != primary_run.resolve():
             raise ValueError(f"{embeddings} holds embeddings for the primary model {owner}, not {primary_run}")
         # A task model has no output head: only the word embeddings are swapped into it.
-        swap = artifact_state(emb, cfg) if kind is None else {WORD: emb["word_embeddings"]}
+        # (an expanded vocabulary's keep the model's own source rows: adapt.artifact_state)
+        swap = artifact_state(emb, cfg, meta, state) if kind is None else {WORD: emb["word_embeddings"]}
         state = {**state, **{name: t.to(state[name].dtype) for name, t in swap.items()}}
         cfg = ModelConfig(**{**to_dict(cfg), "vocab_size": emb["word_embeddings"].shape[0]})
 

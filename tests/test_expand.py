@@ -274,3 +274,46 @@ def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sou
     assert report["scored_pieces"] > 1000
     want = plugin_records(source, [out / "embeddings" / "step00000004"], {"de": data}, 32)[0]
     assert report["plugin_gain"] == pytest.approx(want["score"]) and report["plugin_loss"] == pytest.approx(want["loss"])
+
+
+def test_an_expanded_encoder_exports_with_its_merged_tokenizer(sources, de_corpus, de_tokenizer, tmp_path):
+    """export-hf of the primary model with an expanded artifact: transformers' tokenizer gives
+    mmadapt's merged ids on every English and German verse of a held-out book, its logits are
+    mmadapt's, and its first 1000 rows are the primary model's own."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    from mmadapt.hf import export_hf
+    from mmadapt.models.roberta.model import RobertaMLM
+    from mmadapt.tokens import BOS_ID, EOS_ID, PAD_ID
+
+    source = sources["roberta"]
+    steps.adapt_embeddings(run=RunSpec(output_dir=tmp_path / "a", ds_config=ZERO0, corpus=de_corpus,
+                                       tokenizer=de_tokenizer),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
+                                                      train=_train("roberta", 2, vocab_mode="expand")))
+    artifact = tmp_path / "a" / "embeddings" / "step00000002"
+    export_hf(tmp_path / "hf", primary=source, embeddings=artifact)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    art, merged, meta = read_artifact(artifact)
+    sp = spm.SentencePieceProcessor(model_file=str(merged))
+    assert len(tok) == sp.get_piece_size() == meta["vocab_size"]
+    verses = [v for lang in ("en", "de") for v in write_bible_corpus(lang, tmp_path / f"{lang}.txt",
+                                                                    books=range(41, 42)).read_text().splitlines()
+              if v.strip()]
+    got = tok(verses)["input_ids"]
+    assert [i for i, (v, ids) in enumerate(zip(verses, got)) if ids != [BOS_ID, *sp.encode(v), EOS_ID]] == []
+
+    cfg, state = load_weights(source)
+    cfg, primary = get_family(cfg).primary_model(cfg, state)
+    swapped = {**primary, **artifact_state(art, cfg, meta, primary)}
+    cfg = dataclasses.replace(cfg, vocab_size=meta["vocab_size"], hidden_dropout=0.0, attention_dropout=0.0)
+    model = RobertaMLM(cfg).eval()
+    model.load_state_dict(swapped)
+    enc = tok(verses[:4] + verses[-4:], padding=True, return_tensors="pt")
+    hf = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        mine = model.heads.heads[0](model.hidden_states(enc.input_ids)[-1], model.word_embeddings.rows)
+        theirs = hf(**enc).logits
+    keep = enc.input_ids.ne(PAD_ID)
+    assert (mine[keep] - theirs[keep]).abs().max().item() <= 1e-5
+    assert torch.equal(hf.roberta.embeddings.word_embeddings.weight[:VOCAB].detach(), primary[WORD])
