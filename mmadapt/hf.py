@@ -224,8 +224,9 @@ def _fast_tokenizer(tok, layout: dict, roles: dict[str, str], model_max_length: 
     tok.post_processor = processors.TemplateProcessing(
         single=pieces(layout["single"]), pair=pieces(layout["pair"]),
         special_tokens=[(roles[r], tok.token_to_id(roles[r])) for r in sorted(used, key=SPECIAL_ROLES.index)])
+    extra = {"model_input_names": layout["model_input_names"]} if "model_input_names" in layout else {}
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model_max_length,
-                                   padding_side=layout.get("padding_side", "right"),
+                                   padding_side=layout.get("padding_side", "right"), **extra,
                                    **{attr: roles[role] for attr, role in layout["tokens"].items()})
 
 
@@ -314,20 +315,21 @@ def export_tokenizer(tokenizer: Path, kind: str | None, cfg: ModelConfig):
 def write_hf(output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None, labels: list[str] | None,
              tokenizer: Path, model_type: str | None = None, embeddings=None) -> dict:
     """Write the family's LM (kind None) or task model full weights `state` with a run's
-    `tokenizer` as a transformers directory of `model_type`'s class for `kind` (None: the
-    model type the family exports its own models as)."""
+    `tokenizer` as a transformers directory of `model_type`'s class for `kind` (the source's
+    model type, None for a model mmadapt pretrained: the family's mapping decides,
+    export_model_type)."""
     import transformers
 
     family = get_family(cfg)
     if family.hf is None:
         raise ValueError(f"the {family.name} family has no Hugging Face mapping yet")
     mapping = family.hf
-    model_type = model_type or mapping.model_type_for(cfg)
+    model_type = mapping.export_model_type(model_type, cfg, own_tokenizer=is_hf(tokenizer))
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
     hf_tok, hf_ids = export_tokenizer(Path(tokenizer), kind, cfg)
     ids = {"pad": hf_tok.pad_token_id, "bos": hf_tok.bos_token_id, "eos": hf_tok.eos_token_id}
-    hf_state = mapping.to_hf(cfg, state, kind, hf_ids, ids)
+    hf_state = mapping.to_hf(cfg, state, kind, hf_ids, ids, model_type)
     hf_cfg = mapping.hf_config(cfg, kind, labels, ids, model_type)
     arch = hf_cfg.architectures[0]
     model = getattr(transformers, arch)(hf_cfg)

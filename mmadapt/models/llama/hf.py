@@ -42,7 +42,7 @@ from mmadapt.tokenizer import SPECIAL_ROLES, never_produced
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 SUPPORTED = ", ".join(ARCHITECTURES)
-MODEL_TYPE = "llama"  # what an mmadapt-pretrained decoder is exported as (with a QKV bias: qwen2)
+MODEL_TYPE = "llama"  # what an mmadapt-pretrained decoder is exported as (export_model_type)
 CLASS_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
 TASK_CLASSES = {None: "ForCausalLM", "classify": "ForSequenceClassification"}
 ROPE_TYPES = ("default", "linear")
@@ -54,10 +54,13 @@ CLAIM_ORDER = ("eos", "bos", "unk", "pad", "mask")
 # starts with </s>, the document separator, as every text does in the blocks it trained on
 # (data.CausalBatches: no <s> there); so </s> is its bos too, as GPT-2's <|endoftext|> is. A
 # classifier's rows are features.py's: <s> a </s>, <s> a </s> </s> b </s>, padded on the right.
+# A decoder takes no token_type_ids.
 PROMPT_LAYOUT = {"single": "{eos} $A", "pair": "{eos} $A {eos} $B", "padding_side": "left",
-                 "tokens": {"bos_token": "eos", "eos_token": "eos", "unk_token": "unk", "pad_token": "pad"}}
+                 "tokens": {"bos_token": "eos", "eos_token": "eos", "unk_token": "unk", "pad_token": "pad"},
+                 "model_input_names": ["input_ids", "attention_mask"]}
 TASK_LAYOUT = {"single": "{bos} $A {eos}", "pair": "{bos} $A {eos} {eos} $B {eos}", "padding_side": "right",
-               "tokens": {"bos_token": "bos", "eos_token": "eos", "unk_token": "unk", "pad_token": "pad"}}
+               "tokens": {"bos_token": "bos", "eos_token": "eos", "unk_token": "unk", "pad_token": "pad"},
+               "model_input_names": ["input_ids", "attention_mask"]}
 
 
 def tokenizer_layout(kind: str | None, imported: bool) -> dict | None:
@@ -68,10 +71,14 @@ def tokenizer_layout(kind: str | None, imported: bool) -> dict | None:
     return TASK_LAYOUT
 
 
-def model_type_for(cfg: ModelConfig) -> str:
-    """The model type an mmadapt-pretrained decoder is exported as: Llama has no QKV-only bias
-    (its attention_bias adds one to o_proj too), Qwen2 is Llama with exactly that bias."""
-    return "qwen2" if cfg.add_qkv_bias else MODEL_TYPE
+def export_model_type(model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
+    """The model type to export as: the source's (None: an mmadapt-pretrained model, "llama"), except
+    a Qwen2 with another tokenizer than its own (a Step-2 vocabulary): transformers' AutoTokenizer
+    rebuilds any tokenizer of a qwen2 directory as Qwen2's byte-level BPE, so that model goes out as
+    Llama with attention_bias (its o_proj bias zero: the same function, `to_hf`)."""
+    if model_type is None or (model_type == "qwen2" and not own_tokenizer):
+        return MODEL_TYPE
+    return model_type
 
 
 # --- config -------------------------------------------------------------------------------------------
@@ -159,8 +166,8 @@ def import_note(cfg: dict, model_dir=None) -> str | None:
     window = sliding_window(c)
     if window is None or window >= c.max_position_embeddings:
         return None
-    return (f"sliding-window attention of {window} tokens: positions capped at {window}, where it equals full "
-            "causal attention (a longer --seq_length is refused)")
+    return (f"capped at its sliding window of {window} tokens, within which its attention is exactly causal "
+            "attention; a longer --seq_length is refused")
 
 
 # --- special ids ----------------------------------------------------------------------------------------
@@ -242,9 +249,11 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict) -> dict:
-    """LlamaLM's one-head (kind None) or LlamaForTask's state dict -> the matching HF class's.
-    hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids)."""
+def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
+          model_type: str) -> dict:
+    """LlamaLM's one-head (kind None) or LlamaForTask's state dict -> the matching HF class's of
+    `model_type`. hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids). A QKV
+    bias in a Llama: its attention_bias, with o_proj's bias zero."""
     ng, r, hd = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups, cfg.head_dim
     rows = (lambda t: t) if hf_ids is None else (lambda t, inv=_inverse(hf_ids): t[inv])
     word = rows(state[WORD].float())
@@ -257,6 +266,8 @@ def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | N
             for n, x in zip("qkv", (q, k, v)):
                 out[f"{a}self_attn.{n}_proj.{t}"] = x.flatten(0, 2)
         out[a + "self_attn.o_proj.weight"] = state[ours + "attn_out.weight"]
+        if cfg.add_qkv_bias and model_type == "llama":
+            out[a + "self_attn.o_proj.bias"] = torch.zeros(cfg.hidden_size)
         out[a + "mlp.gate_proj.weight"] = state[ours + "fc1.weight"][0::2]
         out[a + "mlp.up_proj.weight"] = state[ours + "fc1.weight"][1::2]
         out[a + "mlp.down_proj.weight"] = state[ours + "fc2.weight"]
@@ -277,14 +288,14 @@ def hf_config(cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids:
     attends causally over its max_position_embeddings (an import capped them at the window)."""
     import transformers  # the hf extra
 
-    if cfg.add_qkv_bias != (model_type == "qwen2"):
-        raise ValueError(f"a {model_type} model cannot hold this one: of the three, exactly Qwen2 has a QKV bias "
-                         f"(add_qkv_bias {cfg.add_qkv_bias})")
+    if (model_type == "qwen2") != cfg.add_qkv_bias and model_type != "llama":
+        raise ValueError(f"a {model_type} model {'always has' if model_type == 'qwen2' else 'has no'} QKV bias, and "
+                         f"this one {'has' if cfg.add_qkv_bias else 'has not'}: export it as llama")
     rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.seq_len_interpolation_factor is not None:
         rope = {"rope_type": "linear", "rope_theta": cfg.rotary_base, "factor": cfg.seq_len_interpolation_factor}
     extra = {"sliding_window": None} if model_type == "mistral" else \
-        {"use_sliding_window": False} if model_type == "qwen2" else {}
+        {"use_sliding_window": False} if model_type == "qwen2" else {"attention_bias": cfg.add_qkv_bias}
     if kind == "classify":
         extra.update(id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
                      problem_type="single_label_classification")

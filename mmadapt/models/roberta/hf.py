@@ -52,8 +52,8 @@ def tokenizer_layout(kind: str | None, imported: bool) -> dict | None:
     return None if imported else ENCODER_LAYOUT
 
 
-def model_type_for(cfg: ModelConfig) -> str:
-    return MODEL_TYPE
+def export_model_type(model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
+    return model_type or MODEL_TYPE
 
 
 def import_note(cfg: dict, model_dir=None) -> None:
@@ -152,7 +152,8 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict) -> dict:
+def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
+          model_type: str | None = None) -> dict:
     """RobertaMLM's (kind None) or RobertaForTask's state dict -> the matching HF class's.
     hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids); ids: its pad, bos and
     eos ids (HF counts positions from the pad's)."""
