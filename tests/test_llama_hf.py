@@ -396,7 +396,7 @@ def test_a_tokenizer_without_spare_rows_is_refused(tmp_path, capsys):
     T.LlamaForCausalLM(T.LlamaConfig(vocab_size=300, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      intermediate_size=32, max_position_embeddings=32)).save_pretrained(str(model))
     _check_refused(["import-hf", "--model", str(model), "--output_dir", str(tmp_path / "run")], tmp_path / "run",
-                   "its tokenizer has no pad, mask token and only 0 rows that no text can produce", capsys)
+                   "its tokenizer has no token of its own for pad, mask and only 0 rows that no text can produce", capsys)
 
 
 def test_sliding_window_caps_the_sequence_length(dec_dirs, tmp_path, capsys, corpus):

@@ -197,10 +197,10 @@ def special_ids(tok, cfg: dict, vocab_size: int, model_dir: Path) -> tuple[list[
     spare = [i for i in dict.fromkeys(spare) if i not in ids.values()]
     lacking = [r for r in SPECIAL_ROLES if r not in ids]
     if len(lacking) > len(spare):
-        raise ValueError(f"{model_dir}: its tokenizer has no {', '.join(lacking)} token and only {len(spare)} rows "
-                         "that no text can produce (embedding rows past the tokenizer, unused special tokens, "
-                         "byte pieces of non-UTF-8 bytes) to give them: add special tokens for them to the "
-                         "tokenizer and rows to the model, or import a checkpoint that has them")
+        raise ValueError(f"{model_dir}: its tokenizer has no token of its own for {', '.join(lacking)} and only "
+                         f"{len(spare)} rows that no text can produce (embedding rows past the tokenizer, unused "
+                         "special tokens, byte pieces of non-UTF-8 bytes) to give them: add special tokens for them "
+                         "to the tokenizer and rows to the model, or import a checkpoint that has them")
     ids.update(zip(lacking, spare))
     order = [ids[r] for r in SPECIAL_ROLES]
     record = {r: {"id": ids[r], "token": tok.convert_ids_to_tokens(ids[r]) if ids[r] < size else None,
