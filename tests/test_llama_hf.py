@@ -190,7 +190,8 @@ def test_config_formats_and_sliding_windows(dec_dirs):
 
 
 def test_rope_scaling_is_positions_divided_by_the_factor():
-    """Linear scaling: position p turns as p / factor does, and no scaling is bit-identical to before."""
+    """Linear scaling: position p turns as p / factor does (without it, the tables that
+    test_llama_model.py checks against the definition and against transformers)."""
     from mmadapt.models.llama.model import rotary_table
 
     x = torch.zeros(1)
@@ -199,9 +200,7 @@ def test_rope_scaling_is_positions_divided_by_the_factor():
     angles = (torch.arange(12, dtype=torch.float64)[:, None] / 4.0) * inv
     torch.testing.assert_close(cos, torch.cat([angles, angles], 1).cos().float(), rtol=0, atol=1e-6)
     torch.testing.assert_close(sin, torch.cat([angles, angles], 1).sin().float(), rtol=0, atol=1e-6)
-    plain = rotary_table(12, 8, 1e4, x)
-    assert torch.equal(plain[0], rotary_table(12, 8, 1e4, x, None)[0])
-    assert not torch.equal(plain[0], cos)
+    assert not torch.allclose(rotary_table(12, 8, 1e4, x)[0], cos)
 
 
 def test_byte_pieces_and_word_boundaries_match_by_surface(dec_runs, de_tokenizer):
