@@ -288,6 +288,12 @@ def test_export_of_an_adapted_causal_lm(name, arch, dec_runs, de_tokenizer, tmp_
     prompt = tok("Am Anfang", return_tensors="pt")
     new = hf.generate(**prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, prompt.input_ids.shape[1]:]
     assert len(new) == 5
+    # ... and it imports again: the same model, its roles where mmadapt had them (<s> and <mask> are
+    # the exported tokenizer's special tokens without a role there)
+    import_hf(out, tmp_path / "again")
+    again = load_sp(tmp_path / "again" / "tokenizer" / "spm.model")
+    assert again.hf_ids.tolist() == list(range(len(again.hf_ids)))
+    assert torch.equal(lm_logits(*load_weights(tmp_path / "again"), ids), mine)
 
 
 def task_model(cfg: ModelConfig, state: dict, num_labels: int = 3) -> tuple[LlamaForTask, dict]:
@@ -352,7 +358,6 @@ REFUSED = {
     "llama3_rope": ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 32}}, "rope scaling type 'llama3'"),
-    "attention_bias": ({"attention_bias": True}, "attention_bias is true"),
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias is true"),
     "head_dim": ({"head_dim": 16}, "head_dim 16 is not hidden_size / num_attention_heads = 8"),
     "gelu": ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
@@ -382,6 +387,22 @@ def test_what_cannot_be_exact_is_refused(what, dec_dirs, tmp_path, capsys):
                          tmp_path / "run", want, capsys)
     if what == "gemma":
         assert "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM" in err
+
+
+def test_llama_attention_bias_is_refused_unless_o_proj_has_none(dec_dirs, tmp_path, capsys):
+    """Llama's attention_bias puts a bias on o_proj too: refused when it is not zero (a Qwen2 body
+    that mmadapt exported has a zero one, and imports: test_export_of_an_adapted_causal_lm)."""
+    import transformers as T
+
+    model = tmp_path / "model"
+    shutil.copytree(dec_dirs["llama2"], model)
+    hf = T.LlamaForCausalLM.from_pretrained(str(model))
+    biased = T.LlamaForCausalLM(T.LlamaConfig(**{**hf.config.to_dict(), "attention_bias": True}))
+    biased.load_state_dict(hf.state_dict(), strict=False)
+    perturb_norms_and_biases(biased)
+    biased.save_pretrained(str(model))
+    _check_refused(["import-hf", "--model", str(model), "--output_dir", str(tmp_path / "run")], tmp_path / "run",
+                   "model.layers.0.self_attn.o_proj.bias is not zero (Llama's attention_bias)", capsys)
 
 
 def test_a_tokenizer_without_spare_rows_is_refused(tmp_path, capsys):

@@ -2,7 +2,7 @@
 
 transformers' LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM are the model of
 model.py: pre-norm RMSNorm blocks, rotary positions (non-interleaved), SwiGLU, grouped-query
-attention, a QKV bias in Qwen2 only, a tied or untied output projection. The correspondence
+attention, a QKV bias in Qwen2, a tied or untied output projection. The correspondence
 (HF name -> mmadapt name; layer i, `a` = "model.layers.i."):
     model.embed_tokens                   word_embeddings.word_embeddings  rows permuted so that
                                          the special roles get mmadapt's ids (`special_ids`)
@@ -19,8 +19,9 @@ attention, a QKV bias in Qwen2 only, a tied or untied output projection. The cor
 
 What the family cannot compute exactly is refused (`check_config`): a rope type other than none
 or "linear" (ModelConfig.seq_len_interpolation_factor), a head_dim other than hidden_size /
-num_attention_heads, an activation other than SiLU, Llama's attention_bias (it adds an o_proj
-bias) and mlp_bias. Sliding-window attention (Mistral; Qwen2 with use_sliding_window) equals
+num_attention_heads, an activation other than SiLU, mlp_bias, and (`from_hf`) Llama's
+attention_bias unless its o_proj bias is zero (then it is Qwen2's QKV bias: how mmadapt exports a
+Qwen2 body with another tokenizer). Sliding-window attention (Mistral; Qwen2 with use_sliding_window) equals
 causal attention on sequences no longer than the window, so the import caps
 max_position_embeddings at the window (a longer --seq_length is then refused by validation).
 
@@ -111,6 +112,12 @@ def _rope(c, model_dir) -> dict:
     return {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0), **params}
 
 
+def _qkv_bias(c) -> bool:
+    """Qwen2 has a QKV bias; a Llama with attention_bias has one too, and an o_proj bias that must
+    be zero (as mmadapt's export writes a Qwen2 body: export_model_type), which from_hf checks."""
+    return c.model_type == "qwen2" or (c.model_type == "llama" and bool(getattr(c, "attention_bias", False)))
+
+
 def sliding_window(c) -> int | None:
     """The attention window of config `c`, if any layer uses one (Mistral: sliding_window; Qwen2:
     layers from max_window_layers up when use_sliding_window, as layer_types lists them)."""
@@ -129,9 +136,6 @@ def check_config(cfg: dict, model_dir) -> None:
         ((getattr(c, "head_dim", None) or hd) != hd,
          f"head_dim {getattr(c, 'head_dim', None)} is not hidden_size / num_attention_heads = {hd}; mmadapt's "
          "heads split the hidden size"),
-        (getattr(c, "attention_bias", False) and c.model_type == "llama",
-         "attention_bias is true: Llama then has biases on q, k, v and o_proj; mmadapt's decoder has a QKV bias "
-         "only (as Qwen2)"),
         (getattr(c, "mlp_bias", False), "mlp_bias is true; mmadapt's SwiGLU has no biases"),
         (rope["rope_type"] not in ROPE_TYPES,
          f"rope scaling type {rope['rope_type']!r} is not supported: mmadapt computes rotary positions with no "
@@ -154,7 +158,7 @@ def model_config(cfg: dict, model_dir=None) -> ModelConfig:
         num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads,
         ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size, max_position_embeddings=positions,
         hidden_dropout=0.0, attention_dropout=float(c.attention_dropout or 0.0), layernorm_epsilon=c.rms_norm_eps,
-        init_method_std=c.initializer_range, add_qkv_bias=c.model_type == "qwen2",
+        init_method_std=c.initializer_range, add_qkv_bias=_qkv_bias(c),
         rotary_base=float(rope["rope_theta"]),
         seq_len_interpolation_factor=float(rope["factor"]) if rope["rope_type"] == "linear" else None,
         share_embeddings_and_output_weights=bool(c.tie_word_embeddings)))
@@ -241,6 +245,9 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf
             groups = [q.unflatten(0, (ng, r * hd)), k.unflatten(0, (ng, hd)), v.unflatten(0, (ng, hd))]
             out[f"{ours}qkv.{kind}"] = torch.cat(groups, dim=1).flatten(0, 1)
         out[ours + "attn_out.weight"] = get(a + "self_attn.o_proj.weight")
+        if cfg.add_qkv_bias and hf_cfg["model_type"] == "llama" and get(a + "self_attn.o_proj.bias").any():
+            raise ValueError(f"{a}self_attn.o_proj.bias is not zero (Llama's attention_bias): mmadapt's decoder has "
+                             "a bias on q, k and v only, as Qwen2")
         out[ours + "fc1.weight"] = torch.stack([get(a + "mlp.gate_proj.weight"), get(a + "mlp.up_proj.weight")],
                                                dim=1).flatten(0, 1)
         out[ours + "fc2.weight"] = get(a + "mlp.down_proj.weight")
