@@ -458,31 +458,36 @@ def slurm_env_main(argv=None) -> int:
 @user_errors
 def import_hf_main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="mmadapt import-hf", description="A Hugging Face masked LM of the RoBERTa "
-                                f"family ({SUPPORTED}) as a Step-1 run: what build_minipost --primary, adapt "
-                                "--system bl_base --source and finetune --primary take.")
+                                "family or causal LM of the Llama family (" + SUPPORTED + ") as a Step-1 run: what "
+                                "build_minipost --primary, adapt --system bl_base --source and finetune --primary "
+                                "take.")
     p.add_argument("--model", required=True, help="a local Hugging Face model directory (config.json, "
                    "model.safetensors or pytorch_model.bin, tokenizer files)")
     p.add_argument("--output_dir", required=True, help="the run directory to write (must not exist or be empty)")
     args = p.parse_args(argv)
     run = import_hf(Path(args.model), output_dir=Path(args.output_dir))
     m = run["model"]
+    note = run["imported_from"].get("note")
     print(f"imported {run['imported_from']['architecture']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
-          f"vocabulary {m['vocab_size']}, {m['max_position_embeddings']} positions; run in {args.output_dir}")
+          f"vocabulary {m['vocab_size']}, {m['max_position_embeddings']} positions"
+          + (f" ({note})" if note else "") + f"; run in {args.output_dir}")
     return 0
 
 
 @user_errors
 def export_hf_main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="mmadapt export-hf", description="Write a directory that transformers' "
-                                "AutoModelFor... and AutoTokenizer load: a primary model (masked LM) or a "
+                                "AutoModelFor... and AutoTokenizer load: a primary model (masked or causal LM) or a "
                                 "fine-tuned task model, optionally with a Step-2 artifact swapped in (the "
                                 "target-language model).")
-    p.add_argument("--primary", help="a pretrain (or imported) run: export its primary model as a masked LM")
+    p.add_argument("--primary", help="a pretrain (or imported) run: export its primary model as its family's LM "
+                   "(...ForMaskedLM or ...ForCausalLM)")
     p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
     p.add_argument("--finetuned", help="a fine-tuning run: export its task model (sequence classification, "
                    "token classification or question answering, with its label names)")
     p.add_argument("--embeddings", help="a Step-2 artifact (<adapt run>/embeddings/<tag>): its word embeddings, "
-                   "output bias and tokenizer replace the model's (zero-shot target-language model)")
+                   "output bias or untied output projection, and tokenizer replace the model's (zero-shot "
+                   "target-language model)")
     p.add_argument("--output_dir", required=True, help="the directory to write (must not exist or be empty)")
     args = p.parse_args(argv)
     out = export_hf(Path(args.output_dir), primary=_path(args.primary), finetuned=_path(args.finetuned),

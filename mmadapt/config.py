@@ -66,6 +66,9 @@ class ModelConfig:
                             "and Mistral do not)")
     rotary_base: float = _f(10000.0, "decoder: base of the rotary position embedding's frequencies (Llama-2 10000, "
                             "Llama-3 500000, Qwen2 1000000)")
+    seq_len_interpolation_factor: Optional[float] = _f(
+        None, "decoder: linear rotary scaling (position interpolation, Chen et al. 2023): positions are divided by "
+        "this factor, as transformers' rope_type 'linear' does (default: none)")
     share_embeddings_and_output_weights: bool = _f(True, "decoder: the output projection is the input embedding "
                                                    "(tied); false: an output projection of its own [V, h]. The "
                                                    "encoder's is always tied")
@@ -102,6 +105,9 @@ class ModelConfig:
                              "divides it")
         if not self.rotary_base > 0:
             raise ValueError(f"rotary_base must be > 0, got {self.rotary_base}")
+        factor = self.seq_len_interpolation_factor
+        if factor is not None and not factor > 0:
+            raise ValueError(f"seq_len_interpolation_factor must be > 0 (or unset: no rotary scaling), got {factor}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")

@@ -3,16 +3,19 @@
 `import_hf` reads a local Hugging Face directory (config.json, model.safetensors or
 pytorch_model.bin, tokenizer files) of an architecture some model family maps
 (ModelFamily.hf: models/roberta/hf.py for RobertaForMaskedLM, XLMRobertaForMaskedLM and
-CamembertForMaskedLM) and writes a run directory that every later step takes as a pretrain run
+CamembertForMaskedLM, models/llama/hf.py for LlamaForCausalLM, Qwen2ForCausalLM and
+MistralForCausalLM) and writes a run directory that every later step takes as a pretrain run
 (recipe bl_base): run.json, one complete checkpoint `step00000000` in the family's names, and
 the source tokenizer (mmadapt/tokenizer.py; its original files under tokenizer/hf/).
 
 `export_hf` writes a directory that transformers' AutoModelFor... and AutoTokenizer load with no
-custom code: a primary model (the LM), or a Step-3 model (its task's class), optionally with a
-Step-2 artifact's embeddings and tokenizer swapped in.
+custom code: a primary model (the family's LM: masked or causal), or a Step-3 model (its task's
+class), optionally with a Step-2 artifact's embeddings and tokenizer swapped in.
 
-This module reads and writes directories; each family's mapping translates configs and weights.
-transformers, tokenizers and safetensors are imported here only (the `hf` extra).
+This module reads and writes directories; each family's mapping translates configs, special ids
+and weights, and says how an exported tokenizer lays out a text (`tokenizer_layout`: a
+`tokenizers` template over mmadapt's special roles). transformers, tokenizers and safetensors
+are imported here and in the mappings only (the `hf` extra).
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from mmadapt.evaluate import artifact_primary, load_finetuned
 from mmadapt.family import WORD
 from mmadapt.models import FAMILIES, get_family
 from mmadapt.run import RUN_TOKENIZER, checkpoint_tag, load_weights, read_run
-from mmadapt.tokenizer import HFTokenizer, is_hf
-from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID
+# The encoder's layout is spm_to_hf's default, as it was before families had their own.
+from mmadapt.models.roberta.hf import ENCODER_LAYOUT
+from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "sentencepiece.bpe.model", "vocab.json + merges.txt")
+TOKENIZER_FILES = ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model", "vocab.json + merges.txt")
 
 
 def _mappings() -> dict[str, object]:
@@ -103,7 +107,7 @@ def read_hf_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     model_dir = Path(model_dir)
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "sentencepiece.bpe.model")) and \
+    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model")) and \
             not all((model_dir / f).is_file() for f in ("vocab.json", "merges.txt")):
         raise ValueError(f"{model_dir} has no tokenizer files: expected one of {', '.join(TOKENIZER_FILES)}")
     try:
@@ -137,21 +141,22 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
     if len(tok) > cfg.vocab_size:
         raise ValueError(f"{model_dir}: its tokenizer has {len(tok)} tokens but the model {cfg.vocab_size} "
                          "embedding rows")
-    specials = mapping.special_ids(tok, model_dir)
-    if specials[0] != hf_cfg["pad_token_id"]:
-        raise ValueError(f"{model_dir}: config.json's pad_token_id {hf_cfg['pad_token_id']} is not the "
-                         f"tokenizer's pad id {specials[0]}")
-    hf_ids = mapping.hf_permutation(cfg.vocab_size, specials)
+    specials, record = mapping.special_ids(tok, hf_cfg, cfg.vocab_size, model_dir)
+    hf_ids = hf_permutation(cfg.vocab_size, specials)
     try:
-        state = mapping.from_hf(cfg, hf_state, hf_ids, hf_cfg["pad_token_id"])
+        state = mapping.from_hf(cfg, hf_state, hf_ids, hf_cfg)
     except ValueError as e:
         raise ValueError(f"{model_dir}: {e}") from None
     _check_shapes(cfg, state, model_dir)
 
     arch = hf_cfg["architectures"][0]
+    imported = {"model": str(model_dir), "architecture": arch, "model_type": hf_cfg["model_type"],
+                "special_ids": record}
+    note = mapping.import_note(hf_cfg, model_dir)
+    if note:
+        imported["note"] = note
     run = {"step": "pretrain", "recipe": "bl_base", "model": to_dict(cfg), "corpus": None, "data_path": None,
-           "imported_from": {"model": str(model_dir), "architecture": arch, "model_type": hf_cfg["model_type"],
-                             "special_ids": dict(zip(("pad", "unk", "bos", "eos", "mask"), specials))}}
+           "imported_from": imported}
     with staged_dir(output_dir) as tmp:
         write_weights_only(tmp / "checkpoints", 0, state, to_dict(cfg))
         (tmp / "tokenizer").mkdir()
@@ -160,6 +165,13 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
         tok.save_pretrained(str(tmp / "tokenizer" / "hf"))  # export-hf hands these back
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
     return run
+
+
+def hf_permutation(vocab_size: int, specials: list[int]) -> list[int]:
+    """mmadapt id -> source id: the special roles first (tokens.py's ids), then every other row
+    in the source's order."""
+    taken = set(specials)
+    return specials + [i for i in range(vocab_size) if i not in taken]
 
 
 def _check_shapes(cfg: ModelConfig, state: dict, where: Path) -> None:
@@ -171,14 +183,14 @@ def _check_shapes(cfg: ModelConfig, state: dict, where: Path) -> None:
 
 # --- export ------------------------------------------------------------------------------------------
 
-def spm_to_hf(spm_path: Path, model_max_length: int):
+def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict | None = None):
     """An mmadapt SentencePiece model (unigram, special ids of tokens.py) as a transformers fast
-    tokenizer with the same ids: <s> text </s> for one text, <s> a </s></s> b </s> for a pair,
-    as features.py encodes them."""
+    tokenizer with the same ids, laid out as `layout` says (a family mapping's tokenizer_layout;
+    default the encoder's: <s> text </s> for one text, <s> a </s></s> b </s> for a pair, as
+    features.py encodes them)."""
     from sentencepiece import sentencepiece_model_pb2 as pb
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import Unigram
-    from transformers import PreTrainedTokenizerFast
 
     proto = pb.ModelProto()
     proto.ParseFromString(Path(spm_path).read_bytes())
@@ -195,12 +207,49 @@ def spm_to_hf(spm_path: Path, model_max_length: int):
     # control pieces (<pad>, <s>, </s>) and user-defined ones (<mask>) are whole tokens, never split
     tok.add_special_tokens([AddedToken(p.piece, normalized=False, special=True) for p in proto.pieces
                             if p.type in (3, 4)])
-    s, e = proto.pieces[BOS_ID].piece, proto.pieces[EOS_ID].piece
-    tok.post_processor = processors.TemplateProcessing(single=f"{s} $A {e}", pair=f"{s} $A {e} {e} $B {e}",
-                                                       special_tokens=[(s, BOS_ID), (e, EOS_ID)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=s, eos_token=e, cls_token=s, sep_token=e,
-                                   unk_token=proto.pieces[UNK_ID].piece, pad_token=proto.pieces[PAD_ID].piece,
-                                   mask_token=proto.pieces[MASK_ID].piece, model_max_length=model_max_length)
+    roles = {role: proto.pieces[i].piece for i, role in enumerate(SPECIAL_ROLES)}
+    return _fast_tokenizer(tok, layout or ENCODER_LAYOUT, roles, model_max_length)
+
+
+def _fast_tokenizer(tok, layout: dict, roles: dict[str, str], model_max_length: int):
+    """`tok` (a tokenizers.Tokenizer holding every token of `roles`: mmadapt role -> token) with
+    `layout`'s template, as a transformers fast tokenizer whose bos/eos/unk/pad/... tokens are
+    the layout's roles."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    def pieces(template: str) -> list[str]:  # a list, not one string: a token may hold a space
+        return [roles[p[1:-1]] if p.startswith("{") else p for p in template.split()]
+    used = {p[1:-1] for t in (layout["single"], layout["pair"]) for p in t.split() if p.startswith("{")}
+    tok.post_processor = processors.TemplateProcessing(
+        single=pieces(layout["single"]), pair=pieces(layout["pair"]),
+        special_tokens=[(roles[r], tok.token_to_id(roles[r])) for r in sorted(used, key=SPECIAL_ROLES.index)])
+    extra = {"model_input_names": layout["model_input_names"]} if "model_input_names" in layout else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model_max_length,
+                                   padding_side=layout.get("padding_side", "right"), **extra,
+                                   **{attr: roles[role] for attr, role in layout["tokens"].items()})
+
+
+def retemplated(hf_tok, hf_ids: list[int], layout: dict, model_max_length: int):
+    """An imported tokenizer (`hf_tok`, with the run's `hf_ids`) laid out as `layout` over the
+    source tokens of mmadapt's roles. A role whose row lies past the tokenizer (an embedding row
+    the import borrowed for it) gets a special token `<|mmadapt_ROLE|>` there: the import took
+    those rows in order from the tokenizer's size up, so adding the tokens in that order gives
+    them exactly those ids."""
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_str(hf_tok.backend_tokenizer.to_str())
+    roles = {}
+    for role, h in sorted(zip(SPECIAL_ROLES, hf_ids), key=lambda rh: rh[1]):
+        token = tok.id_to_token(h)
+        if token is None:
+            token = f"<|mmadapt_{role}|>"
+            tok.add_special_tokens([AddedToken(token, normalized=False, special=True)])
+            if tok.token_to_id(token) != h:
+                raise ValueError(f"the tokenizer cannot give the {role} row {h} a token: it would get id "
+                                 f"{tok.token_to_id(token)}")
+        roles[role] = token
+    return _fast_tokenizer(tok, layout, roles, model_max_length)
 
 
 def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None = None,
@@ -211,7 +260,7 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
     artifact `embeddings` swapped in when given (its vocabulary-indexed tensors and tokenizer).
     Every check comes before anything is written. -> a summary {architecture, vocab_size, ...}."""
     if (primary is None) == (finetuned is None):
-        raise ValueError("pass one of --primary (a pretrain run: a masked LM) and --finetuned (a fine-tuning run: "
+        raise ValueError("pass one of --primary (a pretrain run: its LM) and --finetuned (a fine-tuning run: "
                          "its task model)")
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
@@ -248,28 +297,40 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                     imported["model_type"] if imported else None, embeddings)
 
 
+def export_tokenizer(tokenizer: Path, kind: str | None, cfg: ModelConfig):
+    """The transformers tokenizer that gives a run's `tokenizer` ids to the exported model, laid out
+    as the family's mapping says for `kind`, and hf_ids (mmadapt id -> its id; None: the same
+    ids). An imported tokenizer keeps the source's ids (the rows go back to the source's order)."""
+    import transformers
+
+    layout = get_family(cfg).hf.tokenizer_layout(kind, imported=is_hf(tokenizer))
+    if not is_hf(tokenizer):
+        return spm_to_hf(tokenizer, cfg.max_position_embeddings, layout), None
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer.parent / "hf"), local_files_only=True)
+    hf_ids = HFTokenizer.read(tokenizer).hf_ids.tolist()
+    if layout is not None:
+        hf_tok = retemplated(hf_tok, hf_ids, layout, cfg.max_position_embeddings)
+    return hf_tok, hf_ids
+
+
 def write_hf(output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None, labels: list[str] | None,
              tokenizer: Path, model_type: str | None = None, embeddings=None) -> dict:
     """Write the family's LM (kind None) or task model full weights `state` with a run's
-    `tokenizer` as a transformers directory of `model_type`'s class for `kind` (None: the
-    family's own model type)."""
+    `tokenizer` as a transformers directory of `model_type`'s class for `kind` (the source's
+    model type, None for a model mmadapt pretrained: the family's mapping decides,
+    export_model_type)."""
     import transformers
 
     family = get_family(cfg)
     if family.hf is None:
-        raise ValueError(f"the {family.name} family has no Hugging Face mapping yet: export-hf writes encoders only")
+        raise ValueError(f"the {family.name} family has no Hugging Face mapping yet")
     mapping = family.hf
-    model_type = model_type or mapping.MODEL_TYPE
+    model_type = mapping.export_model_type(model_type, cfg, own_tokenizer=is_hf(tokenizer))
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
-    if is_hf(tokenizer):
-        hf_tok = transformers.AutoTokenizer.from_pretrained(str(Path(tokenizer).parent / "hf"), local_files_only=True)
-        hf_ids = HFTokenizer.read(tokenizer).hf_ids.tolist()
-    else:
-        hf_tok, hf_ids = spm_to_hf(tokenizer, cfg.max_position_embeddings), None
-    ids = {role: (hf_ids[i] if hf_ids else i) for role, i in
-           (("pad", PAD_ID), ("bos", BOS_ID), ("eos", EOS_ID))}
-    hf_state = mapping.to_hf(cfg, state, kind, hf_ids, ids["pad"])
+    hf_tok, hf_ids = export_tokenizer(Path(tokenizer), kind, cfg)
+    ids = {"pad": hf_tok.pad_token_id, "bos": hf_tok.bos_token_id, "eos": hf_tok.eos_token_id}
+    hf_state = mapping.to_hf(cfg, state, kind, hf_ids, ids, model_type)
     hf_cfg = mapping.hf_config(cfg, kind, labels, ids, model_type)
     arch = hf_cfg.architectures[0]
     model = getattr(transformers, arch)(hf_cfg)

@@ -1,26 +1,33 @@
 """The tokenizer of a run: mmadapt's own SentencePiece model, or a source model's Hugging Face
-tokenizer (byte-level BPE for RoBERTa, SentencePiece with fairseq's id offset for XLM-R and
-CamemBERT) imported by `mmadapt import-hf`.
+tokenizer (byte-level BPE for RoBERTa, Llama-3 and Qwen2, SentencePiece with fairseq's id offset
+for XLM-R and CamemBERT, SentencePiece BPE with byte fallback for Llama-2 and Mistral) imported
+by `mmadapt import-hf`.
 
 Every step reads a run's tokenizer from `<run>/tokenizer/spm.model` (a prepared dataset's from
 `tokenizer.model`) through `load`, and uses the part of SentencePieceProcessor's interface
 that mmadapt needs. An imported tokenizer is stored at the same place as one JSON document
 (`HF_FORMAT`): the `tokenizers` pipeline of the source model and `hf_ids`, the permutation that
 gives it mmadapt's special ids (tokens.py: <pad> 0, <unk> 1, <s> 2, </s> 3, <mask> 4, then the
-source's other ids in their order). The import permutes the rows of the word embedding and the
-output bias the same way, so the imported model is an ordinary mmadapt model: masking, padding,
+source's other ids in their order). The import permutes the rows of the word embedding and of
+every other tensor indexed by piece (output bias, untied output projection) the same way, so the imported model is an ordinary mmadapt model: masking, padding,
 the task encodings and every step work unchanged.
 
+Decoder tokenizers (Llama's, Qwen2's, Mistral's) lack some of those roles; the import (each
+family's Hugging Face mapping: models/llama/hf.py) then gives the role a row that no text can
+produce, so that `hf_ids` stays a permutation of the source's rows and the model exact.
+
 Pieces are compared across tokenizers (Step 2's overlap initialisation) by their surface form
-(`pieces`): SentencePiece pieces as they are; byte-level BPE pieces decoded to text, with the
-word-boundary marker 'Ġ' (a leading space) written as SentencePiece's '▁', and bytes that are
-not whole UTF-8 characters written as SentencePiece's byte pieces (<0xE4>).
+(`pieces`): SentencePiece pieces as they are, byte-fallback pieces of one ASCII character
+(<0x41>) as that character; byte-level BPE pieces decoded to text, with the word-boundary
+marker 'Ġ' (a leading space) written as SentencePiece's '▁', and bytes that are not whole UTF-8
+characters written as SentencePiece's byte pieces (<0xE4>).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +88,24 @@ def byte_level_surface(piece: str, table: dict[str, int] | None = None) -> str:
     return text.replace(" ", WORD_BOUNDARY)
 
 
+# Bytes that never occur in UTF-8 text (overlong lead bytes and those past U+10FFFF): a token that
+# stands for one of them alone is never produced from text.
+NON_UTF8_BYTES = (0xC0, 0xC1, *range(0xF5, 0x100))
+_BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
+
+
+def never_produced(doc: dict) -> list[str]:
+    """The tokens of NON_UTF8_BYTES in a `tokenizers` pipeline `doc` (its JSON): SentencePiece's
+    byte-fallback pieces (<0xC0>), or a byte-level BPE's single-byte pieces (GPT-2's printable
+    character for the byte); none for a tokenizer with neither."""
+    if _uses_byte_level(doc):
+        char = {b: c for c, b in _byte_decoder().items()}
+        return [char[b] for b in NON_UTF8_BYTES]
+    if (doc.get("model") or {}).get("byte_fallback"):
+        return [f"<0x{b:02X}>" for b in NON_UTF8_BYTES]
+    return []
+
+
 def _uses_byte_level(doc: dict) -> bool:
     pre = doc.get("pre_tokenizer") or {}
     parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
@@ -115,6 +140,7 @@ class HFTokenizer:
         self.to_mmadapt = np.empty(len(self.hf_ids), dtype=np.int64)  # source id -> mmadapt id
         self.to_mmadapt[self.hf_ids] = np.arange(len(self.hf_ids))
         self.byte_level = _uses_byte_level(doc["tokenizer"])
+        self.byte_fallback = bool((doc["tokenizer"].get("model") or {}).get("byte_fallback"))
         self._surface = None
 
     @classmethod
@@ -153,10 +179,22 @@ class HFTokenizer:
                     out.append(SPECIAL_PIECES[m])
                 elif token is None:  # an embedding row that the tokenizer never produces
                     out.append(f"<unused {h}>")
+                elif self.byte_level:
+                    out.append(byte_level_surface(token, table))
                 else:
-                    out.append(byte_level_surface(token, table) if self.byte_level else token)
+                    out.append(self._fallback_surface(token) if self.byte_fallback else token)
             self._surface = out
         return self._surface[i]
+
+    def _fallback_surface(self, token: str) -> str:
+        """A SentencePiece byte-fallback piece of a whole character (<0x41>: 'A') written as that
+        character, as a byte-level BPE's is, unless the vocabulary has the character as a piece of
+        its own (which then keeps the surface: one row per surface form)."""
+        m = _BYTE_PIECE.fullmatch(token)
+        if m is None or int(m.group(1), 16) >= 0x80:
+            return token
+        text = chr(int(m.group(1), 16)).replace(" ", WORD_BOUNDARY)
+        return token if self.tokenizer.token_to_id(text) is not None else text
 
     def piece_to_id(self, piece: str) -> int:
         if piece in SPECIAL_PIECES.values():

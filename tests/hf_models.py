@@ -80,3 +80,163 @@ def make_xlmr(out: Path, seed: int = 1) -> Path:
     torch.manual_seed(seed)
     cfg = XLMRobertaConfig(vocab_size=len(tok), pad_token_id=1, bos_token_id=0, eos_token_id=2, **SHAPE)
     return _save_model(XLMRobertaForMaskedLM(cfg), out, seed)
+
+
+# --- decoders: Llama-2 / Mistral (SentencePiece BPE with byte fallback), Qwen2 / Llama-3 (byte-level BPE)
+
+# 3 layers of h 32, 4 heads of 8 in 2 key/value groups (tensor parallel 2 holds one group each).
+DECODER_SHAPE = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=48, max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.1,
+                     attention_dropout=0.0)
+SP_VOCAB = 600  # SentencePiece BPE: 3 specials, 256 byte pieces, 341 merged pieces
+BPE_VOCAB = 600  # byte-level BPE: 256 byte characters and 344 merges, before the added special tokens
+
+
+def perturb_norms_and_biases(model: torch.nn.Module, seed: int = 0) -> None:
+    """Norm weights start at ones and biases at zeros; an import that dropped one must show."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in sorted(model.named_parameters()):
+            if p.ndim == 1:
+                p.copy_((1.0 if "norm" in n else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
+
+
+def _corpus_file(out: Path, lang: str = "en") -> Path:
+    corpus = out / "corpus.txt"
+    corpus.write_text("\n".join(bible_lines(lang)) + "\n", encoding="utf-8")
+    return corpus
+
+
+def make_sp_tokenizer(out: Path, vocab_size: int = SP_VOCAB, byte_fallback: bool = True, seed: int = 0):
+    """Llama-2's kind: SentencePiece BPE with byte fallback (<unk> 0, <s> 1, </s> 2, no pad), trained
+    on the English Bible and loaded through transformers' LlamaTokenizerFast (which adds <s>)."""
+    import sentencepiece as spm
+    from transformers import LlamaTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = _corpus_file(out)
+    spm.set_random_generator_seed(seed)
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(out / "tokenizer"), vocab_size=vocab_size,
+                                   model_type="bpe", byte_fallback=byte_fallback, unk_id=0, bos_id=1, eos_id=2,
+                                   pad_id=-1, minloglevel=2, num_threads=1)
+    corpus.unlink()
+    (out / "tokenizer.vocab").unlink()
+    tok = LlamaTokenizerFast.from_pretrained(str(out), add_bos_token=True)
+    (out / "tokenizer.model").unlink()  # what a Hub checkpoint ships: tokenizer.json
+    tok.save_pretrained(str(out))
+    return tok
+
+
+def make_byte_level_tokenizer(out: Path, style: str = "qwen2", vocab_size: int = BPE_VOCAB):
+    """A byte-level BPE trained on the English Bible with Qwen2's pre-tokenizer, saved as Qwen2's
+    (style "qwen2": <|endoftext|> is eos and pad, no bos, no unk; two more special tokens) or as
+    Llama-3's (style "llama3": <|begin_of_text|> bos, added by the template, <|end_of_text|> eos,
+    one reserved special token, no pad, no unk)."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    out.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(bible_lines("en"), trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    if style == "qwen2":
+        merges = [tuple(m) for m in json.loads(bpe.to_str())["model"]["merges"]]
+        tok = Qwen2Tokenizer(vocab=bpe.get_vocab(), merges=merges, unk_token=None,
+                             additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    else:
+        bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+        bpe.add_special_tokens([bos, eos, "<|reserved_special_token_0|>"])
+        bpe.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, bpe.token_to_id(bos))])
+        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos, eos_token=eos,
+                                      model_input_names=["input_ids", "attention_mask"])
+    tok.save_pretrained(str(out))
+    return tok
+
+
+def _decoder(arch: str, vocab_size: int, seed: int, **config):
+    import transformers as T
+
+    cls, model = {"llama": (T.LlamaConfig, T.LlamaForCausalLM), "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
+                  "mistral": (T.MistralConfig, T.MistralForCausalLM)}[arch]
+    torch.manual_seed(seed)
+    hf = model(cls(vocab_size=vocab_size, **{**DECODER_SHAPE, **config})).eval()
+    perturb_norms_and_biases(hf, seed)
+    return hf
+
+
+def make_llama2(out: Path, seed: int = 2) -> Path:
+    """LlamaForCausalLM (untied, rope_theta 10,000) + SentencePiece BPE: no spare rows, so pad
+    and mask borrow the byte pieces <0xC0> and <0xC1>."""
+    tok = make_sp_tokenizer(out)
+    _decoder("llama", len(tok), seed, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}).save_pretrained(str(out))
+    return out
+
+
+def make_mistral(out: Path, seed: int = 3) -> Path:
+    """MistralForCausalLM (untied) + SentencePiece BPE, with a sliding window of 32 tokens."""
+    tok = make_sp_tokenizer(out)
+    _decoder("mistral", len(tok), seed, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+             sliding_window=32).save_pretrained(str(out))
+    return out
+
+
+def make_llama3(out: Path, seed: int = 4) -> Path:
+    """LlamaForCausalLM (untied, rope_theta 500,000, linear rope scaling 2) + Llama-3-style byte-level
+    BPE: no spare rows, so pad borrows the reserved special token and unk, mask the single-byte
+    pieces of 0xC0, 0xC1. Its config.json is written in the older format (rope_theta and
+    rope_scaling, as transformers 4 wrote it)."""
+    import json
+
+    tok = make_byte_level_tokenizer(out, "llama3", BPE_VOCAB - 1)  # 602 tokens: an even number of rows
+    _decoder("llama", len(tok), seed, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+             tie_word_embeddings=False).save_pretrained(str(out))
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["rope_parameters"]
+    cfg.update(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def make_qwen2(out: Path, seed: int = 5, train_steps: int = 0) -> Path:
+    """Qwen2ForCausalLM (tied, QKV bias, rope_theta 1e6) + Qwen2-style byte-level BPE, with 5 embedding
+    rows past the tokenizer's 603 (as Qwen2's 151,936 rows hold 151,646 tokens): bos, unk, pad
+    and mask borrow the first four. train_steps > 0: trained that many updates on the English
+    Bible first (next-token loss, verses separated by <|endoftext|>), so its logits are not
+    near-uniform."""
+    tok = make_byte_level_tokenizer(out, "qwen2")
+    hf = _decoder("qwen2", len(tok) + 5, seed, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    if train_steps:
+        train_briefly(hf, tok, train_steps, seed)
+    hf.save_pretrained(str(out))
+    return out
+
+
+def train_briefly(hf, tok, steps: int, seed: int, seq: int = 64, batch: int = 8, lr: float = 1e-2) -> list[float]:
+    """Next-token training of `hf` on Genesis + Exodus (AdamW, random blocks); -> the losses."""
+    ids = [i for line in bible_lines("en") for i in tok(line, add_special_tokens=False).input_ids + [tok.eos_token_id]]
+    stream = torch.tensor(ids)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=0.0)
+    hf.train()
+    losses = []
+    for _ in range(steps):
+        start = torch.randint(0, len(stream) - seq, (batch,), generator=g)
+        block = torch.stack([stream[s:s + seq] for s in start.tolist()])
+        loss = hf(input_ids=block, labels=block).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    hf.eval()
+    return losses

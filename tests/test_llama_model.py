@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from conftest import REPO, run_pretrain
 from mmadapt.models.layers import count_parameters
 from mmadapt.models.llama import LLAMA
+from mmadapt.models.llama.hf import from_hf
 from mmadapt.models.llama.model import DecoderLayer, LlamaForTask, LlamaLM, rotary_table, task_param_name
 from mmadapt.config import LLAMA_TINY as TINY
 from mmadapt.config import QWEN2_0_5B, ModelConfig
@@ -119,28 +120,10 @@ def hf_model(arch: str, cfg: ModelConfig):
 
 
 def state_from_hf(hf, cfg: ModelConfig) -> dict:
-    """transformers' names and layouts -> LlamaLM's: q/k/v fused into rows per key/value group,
-    gate/up interleaved row by row, the final norm to the primary head."""
-    src = hf.state_dict()
-    ng, r, hd = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups, cfg.head_dim
-    out = {"word_embeddings.word_embeddings.weight": src["model.embed_tokens.weight"],
-           "heads.heads.0.norm.weight": src["model.norm.weight"]}
-    if not cfg.share_embeddings_and_output_weights:
-        out["output_layer.weight"] = src["lm_head.weight"]
-    for i in range(cfg.num_layers):
-        a, ours = f"model.layers.{i}.", f"layers.{i}."
-        kinds = ["weight", "bias"] if cfg.add_qkv_bias else ["weight"]
-        for kind in kinds:
-            q, k, v = (src[f"{a}self_attn.{p}_proj.{kind}"] for p in "qkv")
-            per_group = [q.unflatten(0, (ng, r * hd)), k.unflatten(0, (ng, hd)), v.unflatten(0, (ng, hd))]
-            out[ours + "qkv." + kind] = torch.cat(per_group, dim=1).flatten(0, 1)
-        out[ours + "attn_out.weight"] = src[a + "self_attn.o_proj.weight"]
-        out[ours + "fc1.weight"] = torch.stack([src[a + "mlp.gate_proj.weight"], src[a + "mlp.up_proj.weight"]],
-                                               dim=1).flatten(0, 1)
-        out[ours + "fc2.weight"] = src[a + "mlp.down_proj.weight"]
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[f"{ours}{norm}.weight"] = src[f"{a}{norm}.weight"]
-    return out
+    """transformers' names and layouts -> LlamaLM's: the library's mapping (models/llama/hf.py: q/k/v
+    fused into rows per key/value group, gate/up interleaved row by row, the final norm to the
+    primary head), with the rows in the source's order."""
+    return from_hf(cfg, hf.state_dict(), list(range(cfg.vocab_size)), hf.config.to_dict())
 
 
 def primary_logits(model: LlamaLM, ids: torch.Tensor) -> torch.Tensor:

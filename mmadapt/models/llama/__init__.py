@@ -1,6 +1,7 @@
 """The decoder family: a Llama-style causal LM (model.py: RMSNorm, rotary positions, SwiGLU,
 grouped-query attention, an optional QKV bias as Qwen2's, tied or untied output projection), its
-pipeline stages (pipeline.py) and FLOP counts (flops.py), bundled as the `llama` ModelFamily.
+pipeline stages (pipeline.py), FLOP counts (flops.py) and Hugging Face mapping (hf.py: Llama,
+Qwen2 and Mistral checkpoints), bundled as the `llama` ModelFamily.
 
 Its objective is causal: every position of a packed block is scored on the next piece
 (data.CausalBatches), so a mini-model's embeddings are trained by next-token prediction. What
@@ -12,11 +13,9 @@ from __future__ import annotations
 
 from mmadapt.config import LoopConfig, ModelConfig, TrainConfig
 from mmadapt.family import WORD, ModelFamily
-from mmadapt.models.llama import flops
-from mmadapt.models.llama.model import (TASK_KINDS, DecoderLayer, LlamaDecoder, LlamaForTask, LlamaLM, LMHeads,
-                                        task_param_name, validated)
-
-OUTPUT = "output_layer.weight"  # the untied output projection [V, h]
+from mmadapt.models.llama import flops, hf
+from mmadapt.models.llama.model import (OUTPUT, TASK_KINDS, DecoderLayer, LlamaDecoder, LlamaForTask, LlamaLM,
+                                        LMHeads, task_param_name, validated)
 
 
 class LlamaFamily(ModelFamily):
@@ -25,6 +24,7 @@ class LlamaFamily(ModelFamily):
     task_kinds = TASK_KINDS
     compiled_kinds = (DecoderLayer, LMHeads)
     pipeline_ties = {"word": "word_embeddings."}  # the tied word embedding (pipeline.py)
+    hf = hf
 
     def check(self, cfg: ModelConfig) -> None:
         validated(cfg)

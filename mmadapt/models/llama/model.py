@@ -40,6 +40,9 @@ from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
 
 
+OUTPUT = "output_layer.weight"  # the untied output projection [V, h] (LlamaLM.output_layer)
+
+
 def validated(config: ModelConfig) -> ModelConfig:
     """config.validate(), and what the decoder refuses on top of it."""
     config.validate()
@@ -63,8 +66,11 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rotary_table(s: int, head_dim: int, base: float, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [s, hd], for positions 0..s-1, in `like`'s dtype and device.
+def rotary_table(s: int, head_dim: int, base: float, like: torch.Tensor,
+                 interpolation: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [s, hd], for positions 0..s-1, in `like`'s dtype and device; with
+    `interpolation` (ModelConfig.seq_len_interpolation_factor) position p turns as p / factor
+    would.
 
     Built once per forward pass and handed to every layer (not cached on the module): it costs
     O(s * hd), nothing next to one layer's matmuls, and a cache keyed by (s, device, dtype)
@@ -72,9 +78,18 @@ def rotary_table(s: int, head_dim: int, base: float, like: torch.Tensor) -> tupl
     Angles are computed in fp32 whatever the activations' dtype: in bf16, position * frequency
     would lose the position past a few hundred tokens."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=like.device) / head_dim)
+    if interpolation is not None:
+        # transformers' rope_type "linear" divides the frequencies, not the positions (megatron-core
+        # divides the positions): the same angles, and this way rounded as transformers rounds them.
+        inv_freq = inv_freq / interpolation
     freqs = torch.arange(s, dtype=torch.float32, device=like.device)[:, None] * inv_freq  # [s, hd/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [s, hd]: dimension i pairs with i + hd/2
     return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
+def config_rotary_table(config: ModelConfig, s: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_table` for s positions of a model of `config`."""
+    return rotary_table(s, config.head_dim, config.rotary_base, like, config.seq_len_interpolation_factor)
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -229,8 +244,7 @@ class LlamaDecoder(nn.Module):
         ascending), before any final norm. padding is accepted so that every family is called
         alike, and unused: causal attention needs no padding mask (DecoderLayer.attention)."""
         x = self.embedding_dropout(self.word_embeddings(input_ids))
-        return run_layers(self.layers, x, layers, rotary_table(input_ids.shape[1], self.config.head_dim,
-                                                               self.config.rotary_base, x))
+        return run_layers(self.layers, x, layers, config_rotary_table(self.config, input_ids.shape[1], x))
 
 
 class LlamaLM(LlamaDecoder):

@@ -36,7 +36,7 @@ from torch import nn
 
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import WordEmbedding, trained_vocab_attrs, vocab_blocks, vocab_rows
-from mmadapt.models.llama.model import DecoderLayer, LMHeads, output_layer, rotary_table, validated
+from mmadapt.models.llama.model import DecoderLayer, LMHeads, config_rotary_table, output_layer, validated
 from mmadapt.models.pipe import ScoredQueue
 
 
@@ -74,13 +74,13 @@ class PipeOutputLayer(nn.Module):
 class PipeDecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, layer_number: int, seed: int = 1234):
         super().__init__(config, layer_number, seed)
-        self.rotary_base = config.rotary_base
+        self.rope_config = config  # for config_rotary_table
         # Carry this layer's output down the pipe if an intermediate head reads it.
         self.carry = layer_number in config.heads_after and layer_number != config.num_layers
 
     def forward(self, inputs):
         hidden, input_ids, labels, *carried = inputs
-        hidden = super().forward(hidden, rotary_table(hidden.shape[1], self.head_dim, self.rotary_base, hidden))
+        hidden = super().forward(hidden, config_rotary_table(self.rope_config, hidden.shape[1], hidden))
         if self.carry:
             carried.append(hidden)
         return (hidden, input_ids, labels, *carried)

@@ -22,7 +22,8 @@ class RobertaFamily(ModelFamily):
 
     def check(self, cfg: ModelConfig) -> None:
         decoder_only = [(name, getattr(cfg, name)) for name, default in
-                        (("num_query_groups", None), ("add_qkv_bias", False))
+                        (("num_query_groups", None), ("add_qkv_bias", False),
+                         ("seq_len_interpolation_factor", None))
                         if getattr(cfg, name) != default]
         if not cfg.share_embeddings_and_output_weights:
             decoder_only.append(("share_embeddings_and_output_weights", False))

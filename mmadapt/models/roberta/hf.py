@@ -41,6 +41,23 @@ MODEL_TYPE = "roberta"  # what an mmadapt-pretrained encoder is exported as
 CLASS_PREFIX = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert"}
 TASK_CLASSES = {None: "ForMaskedLM", "classify": "ForSequenceClassification", "tag": "ForTokenClassification",
                 "span": "ForQuestionAnswering"}
+# An exported mmadapt SentencePiece model lays every kind out as features.py does (templates in
+# mmadapt's role names, mmadapt/hf.py); an imported tokenizer already does, and is kept.
+ENCODER_LAYOUT = {"single": "{bos} $A {eos}", "pair": "{bos} $A {eos} {eos} $B {eos}",
+                  "tokens": {"bos_token": "bos", "eos_token": "eos", "cls_token": "bos", "sep_token": "eos",
+                             "unk_token": "unk", "pad_token": "pad", "mask_token": "mask"}}
+
+
+def tokenizer_layout(kind: str | None, imported: bool) -> dict | None:
+    return None if imported else ENCODER_LAYOUT
+
+
+def export_model_type(model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
+    return model_type or MODEL_TYPE
+
+
+def import_note(cfg: dict, model_dir=None) -> None:
+    return None  # nothing of an encoder is cut at import
 
 
 def check_config(cfg: dict, model_dir) -> None:
@@ -55,9 +72,11 @@ def check_config(cfg: dict, model_dir) -> None:
                          f"{SUPPORTED} with exact GELU, absolute positions and a tied output projection)")
 
 
-def special_ids(tok, model_dir: Path) -> list[int]:
+def special_ids(tok, cfg: dict, vocab_size: int, model_dir: Path) -> tuple[list[int], dict]:
     """The source ids of mmadapt's special tokens, in mmadapt's order (pad, unk, <s>, </s>, <mask>):
-    the tokens a RoBERTa-family tokenizer puts at a sequence's start (cls) and end (sep)."""
+    the tokens a RoBERTa-family tokenizer puts at a sequence's start (cls) and end (sep); and
+    what run.json records of them (role -> source id). The pad must be config.json's (HF's
+    positions count from it)."""
     roles = {"pad": tok.pad_token_id, "unk": tok.unk_token_id, "<s>": tok.cls_token_id, "</s>": tok.sep_token_id,
              "<mask>": tok.mask_token_id}
     missing = [k for k, v in roles.items() if v is None]
@@ -67,17 +86,13 @@ def special_ids(tok, model_dir: Path) -> list[int]:
     ids = list(roles.values())
     if len(set(ids)) != len(ids):
         raise ValueError(f"{model_dir}: its tokenizer gives two special tokens one id ({roles})")
-    return ids
+    if ids[0] != cfg["pad_token_id"]:
+        raise ValueError(f"{model_dir}: config.json's pad_token_id {cfg['pad_token_id']} is not the "
+                         f"tokenizer's pad id {ids[0]}")
+    return ids, dict(zip(("pad", "unk", "bos", "eos", "mask"), ids))
 
 
-def hf_permutation(vocab_size: int, specials: list[int]) -> list[int]:
-    """mmadapt id -> source id: the special tokens first (tokens.py's ids), then every other row
-    in the source's order."""
-    taken = set(specials)
-    return specials + [i for i in range(vocab_size) if i not in taken]
-
-
-def model_config(cfg: dict) -> ModelConfig:
+def model_config(cfg: dict, model_dir=None) -> ModelConfig:
     offset = cfg["pad_token_id"] + 1
     return ModelConfig(num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
                        num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["intermediate_size"],
@@ -101,8 +116,9 @@ def _base_prefix(state: dict) -> str:
     return key[:-len("embeddings.word_embeddings.weight")]
 
 
-def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], pad_token_id: int) -> dict:
+def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf_cfg: dict) -> dict:
     """A RobertaForMaskedLM-family state dict -> RobertaMLM's (tensor-parallel size 1)."""
+    pad_token_id = hf_cfg["pad_token_id"]
     b = _base_prefix(hf)
     nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
     perm = torch.tensor(hf_ids)
@@ -136,9 +152,12 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], pa
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, pad_token_id: int) -> dict:
+def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
+          model_type: str | None = None) -> dict:
     """RobertaMLM's (kind None) or RobertaForTask's state dict -> the matching HF class's.
-    hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids)."""
+    hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids); ids: its pad, bos and
+    eos ids (HF counts positions from the pad's)."""
+    pad_token_id = ids["pad"]
     nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
     b = "roberta."
     word = state[WORD].float()

@@ -1,0 +1,546 @@
+"""Hugging Face decoders in and out (mmadapt/models/llama/hf.py, mmadapt/hf.py): imported Llama,
+Qwen2 and Mistral checkpoints give transformers' logits, their tokenizers' special roles get
+mmadapt's ids without a row added or lost, exported decoders give mmadapt's ids and logits in
+transformers (...ForCausalLM and ...ForSequenceClassification), what the family cannot compute
+exactly is refused in one line, and (slow) tensor parallel 2 and the whole path import ->
+MINIPOST -> Step 2 (German) -> export -> generate() with transformers' loss = the plug-in loss.
+
+The models are tiny ones made here (tests/hf_models.py; nothing is downloaded): Llama-2 and
+Mistral with a SentencePiece BPE with byte fallback, Llama-3 and Qwen2 with a byte-level BPE, all
+on the English Bible; the Qwen2 one is trained for 200 updates so that its logits are not
+near-uniform. Logits are compared at the positions that are not padding (transformers masks
+padding; mmadapt's causal attention never lets a real token see it)."""
+
+import dataclasses
+import functools
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from conftest import REPO
+from hf_models import (bible_lines, make_llama2, make_llama3, make_mistral, make_qwen2, make_sp_tokenizer,
+                       perturb_norms_and_biases)
+from mmadapt import adapt as A
+from mmadapt.cli import main
+from mmadapt.config import ModelConfig
+from mmadapt.family import WORD
+from mmadapt.features import encode_classify
+from mmadapt.hf import export_hf, import_hf, write_hf
+from mmadapt.models.llama import LLAMA
+from mmadapt.models.llama import hf as llama_hf
+from mmadapt.models.llama.model import OUTPUT, LlamaForTask, LlamaLM
+from mmadapt.readers import PairExample
+from mmadapt.run import load_weights
+from mmadapt.tokenizer import HFTokenizer
+from mmadapt.tokenizer import load as load_sp
+from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID
+
+TOL = 1e-5
+MAKERS = {"llama2": make_llama2, "mistral": make_mistral, "llama3": make_llama3,
+          "qwen2": functools.partial(make_qwen2, train_steps=200)}
+ARCH = {"llama2": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "llama3": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM"}
+SEQ = {"llama2": 64, "mistral": 32, "llama3": 64, "qwen2": 64}  # Mistral's: its sliding window
+TEXTS = bible_lines("en", range(40, 41))[:6] + bible_lines("de", range(40, 41))[:6]  # German: unseen pieces
+
+
+@pytest.fixture(scope="session")
+def dec_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_decoders")
+    return {name: make(root / name) for name, make in MAKERS.items()}
+
+
+@pytest.fixture(scope="session")
+def dec_runs(dec_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("imported_decoders")
+    for name, d in dec_dirs.items():
+        import_hf(d, root / name)
+    return {name: root / name for name in dec_dirs}
+
+
+def hf_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def hf_lm(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").eval()
+
+
+def padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [b, s] and the mask of real tokens [b, s]."""
+    ids = torch.full((len(rows), max(map(len, rows))), pad)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+    real = torch.zeros_like(ids, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        real[i, :len(r)] = True
+    return ids, real
+
+
+def lm_logits(cfg: ModelConfig, state: dict, ids: torch.Tensor) -> torch.Tensor:
+    """LlamaLM's primary-head logits at every position, dropout off: [b, s, V]."""
+    model = LlamaLM(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.heads.heads[-1](model.hidden_states(ids)[-1], model.output_weight)
+
+
+def transformers_logits(model, rows: list[list[int]]) -> torch.Tensor:
+    ids, real = padded(rows, 0)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=real.long()).logits
+
+
+# --- import ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_imported_decoder_gives_transformers_logits(name, dec_dirs, dec_runs):
+    tok, hf = hf_tokenizer(dec_dirs[name]), hf_lm(dec_dirs[name])
+    sp = load_sp(dec_runs[name] / "tokenizer" / "spm.model")
+    rows = [tok(t, truncation=True, max_length=SEQ[name]).input_ids for t in TEXTS]  # the source's template
+    assert max(map(len, rows)) == SEQ[name]  # up to the positions the import keeps (Mistral: its window)
+    # mmadapt's encoding is the source's, its ids a permutation of the source's.
+    for t in TEXTS:
+        assert sp.encode(t) == sp.to_mmadapt[tok(t, add_special_tokens=False).input_ids].tolist()
+    ids, real = padded([sp.to_mmadapt[r].tolist() for r in rows], PAD_ID)
+    ref = transformers_logits(hf, rows)[..., torch.tensor(sp.hf_ids)]  # columns in mmadapt's order
+    diff = (lm_logits(*load_weights(dec_runs[name]), ids)[real] - ref[real]).abs().max().item()
+    print(f"{name}: max abs logit difference {diff:.2e} (logits' max {ref[real].abs().max():.1f})")
+    assert diff <= TOL
+    run = json.loads((dec_runs[name] / "run.json").read_text())
+    assert run["step"] == "pretrain" and run["recipe"] == "bl_base" and run["model"]["family"] == "llama"
+    assert run["imported_from"]["architecture"] == ARCH[name]
+    assert run["model"]["max_position_embeddings"] == SEQ[name]
+
+
+def test_trained_decoder_is_not_near_uniform(dec_dirs):
+    """The briefly trained Qwen2's next-token loss on a book it never saw, against log V (uniform)."""
+    tok, hf = hf_tokenizer(dec_dirs["qwen2"]), hf_lm(dec_dirs["qwen2"])
+    rows = [tok(t, truncation=True, max_length=64).input_ids for t in bible_lines("en", range(3, 4))[:64]]
+    ids, real = padded(rows, 0)
+    labels = ids.masked_fill(~real, -100)
+    with torch.no_grad():
+        loss = hf(input_ids=ids, attention_mask=real.long(), labels=labels).loss.item()
+    print(f"trained qwen2: held-out loss {loss:.2f} nats, uniform {math.log(hf.config.vocab_size):.2f}")
+    assert loss < 0.8 * math.log(hf.config.vocab_size)
+
+
+# What each tokenizer lacks, and where the import found a row for it (models/llama/hf.py special_ids).
+ROLES = {
+    # SentencePiece BPE, 600 pieces = 600 rows: pad and mask take the byte pieces of non-UTF-8 bytes
+    "llama2": {"pad": ("<0xC0>", True), "unk": ("<unk>", False), "bos": ("<s>", False), "eos": ("</s>", False),
+               "mask": ("<0xC1>", True)},
+    # byte-level BPE, 602 tokens = 602 rows: the unused special token, then the bytes 0xC0, 0xC1 alone
+    "llama3": {"pad": ("<|reserved_special_token_0|>", True), "unk": ("À", True), "bos": ("<|begin_of_text|>", False),
+               "eos": ("<|end_of_text|>", False), "mask": ("Á", True)},
+    # 603 tokens, 608 rows: the rows past the tokenizer (its pad is its eos, it has no bos, no unk)
+    "qwen2": {"pad": (None, True), "unk": (None, True), "bos": (None, True), "eos": ("<|endoftext|>", False),
+              "mask": (None, True)},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROLES))
+def test_special_roles_borrow_rows_no_text_produces(name, dec_dirs, dec_runs):
+    tok = hf_tokenizer(dec_dirs[name])
+    record = json.loads((dec_runs[name] / "run.json").read_text())["imported_from"]["special_ids"]
+    assert {r: (v["token"], v["borrowed"]) for r, v in record.items()} == ROLES[name]
+    vocab = tok.get_vocab()
+    for role, v in record.items():
+        assert v["id"] == (vocab[v["token"]] if v["token"] is not None else v["id"])
+    if name == "qwen2":  # the first four rows past the tokenizer, in mmadapt's role order
+        assert [record[r]["id"] for r in ("pad", "unk", "bos", "mask")] == [603, 604, 605, 606]
+    sp = load_sp(dec_runs[name] / "tokenizer" / "spm.model")
+    assert sorted(sp.hf_ids.tolist()) == list(range(len(sp.hf_ids)))  # a permutation: no row added or lost
+    assert sp.hf_ids[:5].tolist() == [record[r]["id"] for r in ("pad", "unk", "bos", "eos", "mask")]
+    assert [sp.id_to_piece(i) for i in range(5)] == ["<pad>", "<unk>", "<s>", "</s>", "<mask>"]
+    # No text produces a role's row: four books of English and German, every id is an ordinary piece.
+    verses = bible_lines("en", range(1, 5)) + bible_lines("de", range(1, 5))
+    assert not {i for ids in sp.encode(verses) for i in ids} & {PAD_ID, UNK_ID, BOS_ID, EOS_ID, MASK_ID}
+
+
+def test_config_formats_and_sliding_windows(dec_dirs):
+    """transformers 5's rope_parameters and the older rope_theta / rope_scaling give one config;
+    a sliding window caps the positions only where a layer uses it."""
+    base = json.loads((dec_dirs["llama2"] / "config.json").read_text())
+    del base["rope_parameters"]
+    old = {**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    new = {**base, "rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0}}
+    assert llama_hf.model_config(old) == llama_hf.model_config(new)
+    cfg = llama_hf.model_config(new)
+    assert (cfg.rotary_base, cfg.seq_len_interpolation_factor, cfg.share_embeddings_and_output_weights) == \
+        (5e5, 4.0, False)
+    assert llama_hf.model_config({**base, "rope_theta": 5e5}).seq_len_interpolation_factor is None
+    mistral = {**base, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "max_position_embeddings": 8192}
+    assert llama_hf.model_config(mistral).max_position_embeddings == 4096  # transformers' default window
+    assert llama_hf.model_config({**mistral, "sliding_window": None}).max_position_embeddings == 8192
+    qwen = {**base, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "sliding_window": 16,
+            "use_sliding_window": True}
+    assert llama_hf.model_config({**qwen, "max_window_layers": 3}).max_position_embeddings == 64  # no layer slides
+    assert llama_hf.model_config({**qwen, "max_window_layers": 1}).max_position_embeddings == 16
+    assert llama_hf.model_config({**qwen, "use_sliding_window": False}).max_position_embeddings == 64
+    with pytest.raises(ValueError, match="seq_len_interpolation_factor must be > 0"):
+        dataclasses.replace(cfg, seq_len_interpolation_factor=0.0).validate()
+
+
+def test_rope_scaling_is_positions_divided_by_the_factor():
+    """Linear scaling: position p turns as p / factor does (without it, the tables that
+    test_llama_model.py checks against the definition and against transformers)."""
+    from mmadapt.models.llama.model import rotary_table
+
+    x = torch.zeros(1)
+    cos, sin = rotary_table(12, 8, 1e4, x, interpolation=4.0)
+    inv = 1.0 / 1e4 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    angles = (torch.arange(12, dtype=torch.float64)[:, None] / 4.0) * inv
+    torch.testing.assert_close(cos, torch.cat([angles, angles], 1).cos().float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, torch.cat([angles, angles], 1).sin().float(), rtol=0, atol=1e-6)
+    assert not torch.allclose(rotary_table(12, 8, 1e4, x)[0], cos)
+
+
+def test_byte_pieces_and_word_boundaries_match_by_surface(dec_runs, de_tokenizer):
+    """Step 2's overlap on both kinds: SentencePiece '▁' and byte-level 'Ġ' are one marker, byte
+    pieces are decoded (a byte that is not a whole character is <0xNN> in both), and a German
+    piece shared with the source starts from the source's row."""
+    trg = A.tokenizer_pieces(de_tokenizer)
+    kinds = {"llama2": "▁in", "qwen2": "▁in"}
+    for name, word in kinds.items():
+        src = A.tokenizer_pieces(dec_runs[name] / "tokenizer" / "spm.model")
+        assert src[:5] == ["<pad>", "<unk>", "<s>", "</s>", "<mask>"]
+        assert "<0xC3>" in src and word in src  # Ã's lead byte alone; 'Ġin' read as '▁in' in qwen2
+        w = torch.randn(len(src), 8)
+        new, shared = A.overlap_init(src, {WORD: w, OUTPUT: -w}, trg, 0.02, 0)
+        both = set(src) & set(trg)
+        assert shared == len([p for p in trg if p in both]) > 20, name
+        i, j = trg.index(word), src.index(word)
+        assert torch.equal(new[WORD][i], w[j]) and torch.equal(new[OUTPUT][i], -w[j])
+        assert torch.equal(new[WORD][EOS_ID], w[EOS_ID])  # </s>: the source's eos row, by its role name
+    sp = HFTokenizer.read(dec_runs["llama2"] / "tokenizer" / "spm.model")
+    surface = A.tokenizer_pieces(dec_runs["llama2"] / "tokenizer" / "spm.model")
+    for b in range(0x20, 0x7F):  # an ASCII byte piece is its character unless the character is a piece
+        m = int(sp.to_mmadapt[sp.tokenizer.token_to_id(f"<0x{b:02X}>")])
+        char = chr(b).replace(" ", "▁")
+        assert surface[m] == (f"<0x{b:02X}>" if sp.tokenizer.token_to_id(char) is not None else char), b
+    assert len(set(surface)) == len(surface)  # one row per surface form
+
+
+# --- export -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_round_trip_gives_the_original_ids_and_logits(name, dec_dirs, dec_runs, tmp_path):
+    summary = export_hf(tmp_path / "out", primary=dec_runs[name])
+    assert summary["architecture"] == ARCH[name]
+    tok, orig = hf_tokenizer(tmp_path / "out"), hf_tokenizer(dec_dirs[name])
+    rows = [tok(t, truncation=True, max_length=SEQ[name]).input_ids for t in TEXTS]
+    assert rows == [orig(t, truncation=True, max_length=SEQ[name]).input_ids for t in TEXTS]
+    got = transformers_logits(hf_lm(tmp_path / "out"), rows)
+    ref = transformers_logits(hf_lm(dec_dirs[name]), rows)
+    real = padded(rows, 0)[1]
+    diff = (got[real] - ref[real]).abs().max().item()
+    print(f"{name} round trip: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+
+
+def de_artifact(run, de_tokenizer, out):
+    """Random German embeddings (and output projection, for an untied model) for the imported `run`:
+    export must carry them exactly."""
+    cfg = load_weights(run)[0]
+    g = torch.Generator().manual_seed(0)
+    v = load_sp(de_tokenizer).get_piece_size()
+    tensors = {"word_embeddings": torch.randn(v, 32, generator=g) * 0.3}
+    if not cfg.share_embeddings_and_output_weights:
+        tensors["output_layer"] = torch.randn(v, 32, generator=g) * 0.3
+    return A.write_artifact(out / "step00000001", tensors, de_tokenizer,
+                            {"source": str(run), "lang": "de", "step": 1, "system": "bl_base"})
+
+
+@pytest.mark.parametrize("name, arch", [("llama2", "LlamaForCausalLM"), ("qwen2", "LlamaForCausalLM")])
+def test_export_of_an_adapted_causal_lm(name, arch, dec_runs, de_tokenizer, tmp_path):
+    """The German LM: </s> text as its prompt (the separator that precedes every text in the
+    blocks it trained on), mmadapt's ids and logits, and generate() runs. A Qwen2 body with
+    another tokenizer goes out as Llama with attention_bias (AutoTokenizer would rebuild any
+    tokenizer of a qwen2 directory as Qwen2's byte-level BPE), its o_proj bias zero."""
+    out, artifact = tmp_path / "out", de_artifact(dec_runs[name], de_tokenizer, tmp_path / "art")
+    assert main(["export-hf", "--primary", str(dec_runs[name]), "--embeddings", str(artifact),
+                 "--output_dir", str(out)]) == 0
+    tok, sp = hf_tokenizer(out), load_sp(de_tokenizer)
+    verses = bible_lines("de", range(40, 44))  # the Gospels
+    assert tok(verses)["input_ids"] == [[EOS_ID, *ids] for ids in sp.encode(verses)]
+    hf = hf_lm(out)
+    assert type(hf).__name__ == arch
+    assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (EOS_ID, EOS_ID, PAD_ID)
+    cfg, state = LLAMA.primary_model(*load_weights(dec_runs[name]))
+    assert hf.config.tie_word_embeddings == cfg.share_embeddings_and_output_weights
+    assert hf.config.attention_bias == cfg.add_qkv_bias
+    rows = [[EOS_ID, *sp.encode(v)][:64] for v in TEXTS[6:]]
+    emb, _, _ = A.read_artifact(artifact)
+    state = {**state, **A.artifact_state(emb, cfg)}
+    ids, real = padded(rows, PAD_ID)
+    mine = lm_logits(dataclasses.replace(cfg, vocab_size=len(emb["word_embeddings"])), state, ids)
+    diff = (mine[real] - transformers_logits(hf, rows)[real]).abs().max().item()
+    print(f"{name}, adapted causal LM: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+    prompt = tok("Am Anfang", return_tensors="pt")
+    new = hf.generate(**prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, prompt.input_ids.shape[1]:]
+    assert len(new) == 5
+    # ... and it imports again: the same model, its roles where mmadapt had them (<s> and <mask> are
+    # the exported tokenizer's special tokens without a role there)
+    import_hf(out, tmp_path / "again")
+    again = load_sp(tmp_path / "again" / "tokenizer" / "spm.model")
+    assert again.hf_ids.tolist() == list(range(len(again.hf_ids)))
+    assert torch.equal(lm_logits(*load_weights(tmp_path / "again"), ids), mine)
+
+
+def task_model(cfg: ModelConfig, state: dict, num_labels: int = 3) -> tuple[LlamaForTask, dict]:
+    """The primary model's body and final norm with a random score head, as Step 3 starts it."""
+    cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
+    model = LlamaForTask(cfg, "classify", num_labels, seed=7).eval()
+    full = {**model.state_dict(), **LLAMA.task_state(cfg, state)}
+    model.load_state_dict(full)
+    return model, full
+
+
+@pytest.mark.parametrize("name, german", [("qwen2", False), ("llama2", False), ("qwen2", True)])
+def test_export_of_a_decoder_classifier(name, german, dec_runs, de_tokenizer, tmp_path):
+    """...ForSequenceClassification whose tokenizer gives mmadapt's task rows (<s> a </s>, padded
+    with mmadapt's pad) and whose config pads with that id: the source's tokenizer with roles that
+    rows past it (qwen2) or byte pieces (llama2) hold, or the German SentencePiece swapped in (a
+    Qwen2 body then goes out as Llama with attention_bias)."""
+    from transformers import AutoModelForSequenceClassification, pipeline
+
+    cfg, state = LLAMA.primary_model(*load_weights(dec_runs[name]))
+    tokenizer = dec_runs[name] / "tokenizer" / "spm.model"
+    if german:
+        g = torch.Generator().manual_seed(1)
+        tokenizer, v = de_tokenizer, load_sp(de_tokenizer).get_piece_size()
+        state, cfg = {**state, WORD: torch.randn(v, 32, generator=g) * 0.3}, dataclasses.replace(cfg, vocab_size=v)
+    model, full = task_model(cfg, state)
+    labels = ["a", "b", "c"]
+    model_type = json.loads((dec_runs[name] / "run.json").read_text())["imported_from"]["model_type"]
+    summary = write_hf(tmp_path / "out", cfg, full, "classify", labels, tokenizer, model_type)
+    arch = "LlamaForCausalLM" if german else ARCH[name]  # a Qwen2 body with another tokenizer: Llama
+    assert summary["architecture"] == arch.replace("CausalLM", "SequenceClassification")
+    sp = load_sp(tokenizer)
+    to_hf = torch.tensor(sp.hf_ids) if not german else torch.arange(cfg.vocab_size)
+    texts = TEXTS[6:] if german else TEXTS
+    enc = encode_classify(sp, [(t, 0) for t in texts], 64)  # Step 3's rows at the model's 64 positions
+    tok = hf_tokenizer(tmp_path / "out")
+    batch = tok(texts, padding=True, truncation=True, return_tensors="pt")  # truncated to model_max_length 64
+    assert torch.equal(batch.input_ids, to_hf[enc.input_ids[:, :batch.input_ids.shape[1]]])
+    pair = tok("Am Anfang", "schuf Gott").input_ids
+    assert pair == to_hf[[BOS_ID, *sp.encode("Am Anfang"), EOS_ID, EOS_ID, *sp.encode("schuf Gott"), EOS_ID]].tolist()
+    enc_pair = encode_classify(sp, [PairExample("Am Anfang", "schuf Gott", 0)], 48)
+    assert pair == to_hf[enc_pair.input_ids[0, :len(pair)]].tolist()
+    hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
+    assert hf.config.pad_token_id == int(to_hf[PAD_ID]) and hf.config.id2label == dict(enumerate(labels))
+    with torch.no_grad():
+        mine = model(enc.input_ids)[1]
+        theirs = hf(**batch).logits
+    diff = (mine - theirs).abs().max().item()
+    print(f"{name}{' + German' if german else ''} classifier: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+    got = pipeline("text-classification", model=str(tmp_path / "out"), tokenizer=str(tmp_path / "out"))(
+        texts, truncation=True)
+    assert [r["label"] for r in got] == [labels[i] for i in mine.argmax(-1).tolist()]
+
+
+# --- what cannot be exact: one line, exit 2, nothing written ----------------------------------------------
+
+REFUSED = {
+    "dynamic_rope": ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic'"),
+    "yarn_rope": ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                       "original_max_position_embeddings": 32}}, "rope scaling type 'yarn'"),
+    "llama3_rope": ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 32}}, "rope scaling type 'llama3'"),
+    "mlp_bias": ({"mlp_bias": True}, "mlp_bias is true"),
+    "head_dim": ({"head_dim": 16}, "head_dim 16 is not hidden_size / num_attention_heads = 8"),
+    "gelu": ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
+    "gemma": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM"),
+}
+
+
+def _check_refused(argv, out, want, capsys):
+    capsys.readouterr()  # what the test itself wrote (transformers' progress bars)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error:") and want in err, err
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}*"))
+    return err
+
+
+@pytest.mark.parametrize("what", sorted(REFUSED))
+def test_what_cannot_be_exact_is_refused(what, dec_dirs, tmp_path, capsys):
+    change, want = REFUSED[what]
+    model = tmp_path / "model"
+    shutil.copytree(dec_dirs["llama2"], model)
+    cfg = json.loads((model / "config.json").read_text())
+    if "rope_scaling" in change:  # the older format
+        del cfg["rope_parameters"]
+    (model / "config.json").write_text(json.dumps({**cfg, **change}))
+    err = _check_refused(["import-hf", "--model", str(model), "--output_dir", str(tmp_path / "run")],
+                         tmp_path / "run", want, capsys)
+    if what == "gemma":
+        assert "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM" in err
+
+
+def test_llama_attention_bias_is_refused_unless_o_proj_has_none(dec_dirs, tmp_path, capsys):
+    """Llama's attention_bias puts a bias on o_proj too: refused when it is not zero (a Qwen2 body
+    that mmadapt exported has a zero one, and imports: test_export_of_an_adapted_causal_lm)."""
+    import transformers as T
+
+    model = tmp_path / "model"
+    shutil.copytree(dec_dirs["llama2"], model)
+    hf = T.LlamaForCausalLM.from_pretrained(str(model))
+    biased = T.LlamaForCausalLM(T.LlamaConfig(**{**hf.config.to_dict(), "attention_bias": True}))
+    biased.load_state_dict(hf.state_dict(), strict=False)
+    perturb_norms_and_biases(biased)
+    biased.save_pretrained(str(model))
+    _check_refused(["import-hf", "--model", str(model), "--output_dir", str(tmp_path / "run")], tmp_path / "run",
+                   "model.layers.0.self_attn.o_proj.bias is not zero (Llama's attention_bias)", capsys)
+
+
+def test_a_tokenizer_without_spare_rows_is_refused(tmp_path, capsys):
+    """SentencePiece BPE without byte fallback, as many rows as tokens: no row for pad and mask."""
+    import transformers as T
+
+    model = tmp_path / "model"
+    tok = make_sp_tokenizer(model, vocab_size=300, byte_fallback=False)
+    assert len(tok) == 300
+    torch.manual_seed(0)
+    T.LlamaForCausalLM(T.LlamaConfig(vocab_size=300, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=32)).save_pretrained(str(model))
+    _check_refused(["import-hf", "--model", str(model), "--output_dir", str(tmp_path / "run")], tmp_path / "run",
+                   "its tokenizer has no token of its own for pad, mask and only 0 rows that no text can produce", capsys)
+
+
+def test_sliding_window_caps_the_sequence_length(dec_dirs, tmp_path, capsys, corpus):
+    """The import says so; a longer --seq_length is refused; and past the window transformers'
+    Mistral computes something else (why the cap is needed)."""
+    run = tmp_path / "run"
+    assert main(["import-hf", "--model", str(dec_dirs["mistral"]), "--output_dir", str(run)]) == 0
+    assert "capped at its sliding window of 32 tokens" in capsys.readouterr().out
+    out = tmp_path / "minipost"
+    _check_refused(["build_minipost", "--primary", str(run), "--corpus", str(corpus), "--seq_length", "48",
+                    "--mini_layers", "2", "--new_layers", "1", "--output_dir", str(out),
+                    "--ds_config", str(REPO / "ds_configs" / "zero0.json")], out,
+                   "seq_length 48 exceeds max_position_embeddings 32", capsys)
+    tok, sp = hf_tokenizer(dec_dirs["mistral"]), load_sp(run / "tokenizer" / "spm.model")
+    row = tok(" ".join(TEXTS[6:]), truncation=True, max_length=48).input_ids
+    assert len(row) == 48
+    ref = transformers_logits(hf_lm(dec_dirs["mistral"]), [row])[0][:, torch.tensor(sp.hf_ids)]
+    mine = lm_logits(dataclasses.replace(load_weights(run)[0], max_position_embeddings=48), load_weights(run)[1],
+                     torch.tensor([sp.to_mmadapt[row].tolist()]))[0]
+    assert (mine[:32] - ref[:32]).abs().max() <= TOL < (mine[32:] - ref[32:]).abs().max()
+
+
+# --- slow: tensor parallel 2, and the whole path ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_imported_decoders_under_tensor_parallel_2(dec_dirs, dec_runs, tmp_path):
+    """Every imported decoder on 2 gloo ranks (vocab-parallel embedding and output projection, one
+    key/value group per rank; tests/hf_tp_worker.py, one launch for all) against transformers."""
+    from conftest import run_pretrain
+
+    args, refs = [], {}
+    for name in sorted(MAKERS):
+        tok, sp = hf_tokenizer(dec_dirs[name]), load_sp(dec_runs[name] / "tokenizer" / "spm.model")
+        rows = [tok(t, truncation=True, max_length=SEQ[name]).input_ids for t in TEXTS]
+        ids, real = padded([sp.to_mmadapt[r].tolist() for r in rows], PAD_ID)
+        torch.save(ids, tmp_path / f"{name}.pt")
+        args += [str(dec_runs[name]), str(tmp_path / f"{name}.pt"), str(tmp_path / f"{name}.logits.pt")]
+        refs[name] = transformers_logits(hf_lm(dec_dirs[name]), rows)[..., torch.tensor(sp.hf_ids)], real
+    run_pretrain(2, *args, script=str(REPO / "tests" / "hf_tp_worker.py"))
+    for name, (ref, real) in refs.items():
+        diff = (torch.load(tmp_path / f"{name}.logits.pt")[real] - ref[real]).abs().max().item()
+        print(f"{name} at tensor parallel 2: max abs logit difference {diff:.2e}")
+        assert diff <= TOL, name
+
+
+def heldout_loss_in_transformers(model, data, vocab_size: int) -> float:
+    """transformers' own next-token loss over exactly the blocks the plug-in metric scores
+    (plugin.heldout_batches, its defaults): each block's input and its last label as one row of
+    s + 1 tokens, so that transformers' shifted labels are the block's s labels."""
+    from mmadapt.plugin import heldout_batches
+
+    total, count = 0.0, 0
+    for ids, labels in heldout_batches(data, 64, vocab_size, 256, 32, 0, "causal"):
+        assert bool(labels.ge(0).all())  # packed blocks: every position scored
+        row = torch.cat([ids, labels[:, -1:]], dim=1)
+        with torch.no_grad():
+            total += model(input_ids=row, labels=row).loss.item() * labels.numel()
+        count += labels.numel()
+    return total / count
+
+
+@pytest.mark.slow
+def test_import_minipost_german_export_generate(dec_dirs, corpus, de_corpus, tmp_path, capsys):
+    """import-hf (the briefly trained Qwen2) -> MINIPOST Step 1b on English in its own tokenizer ->
+    Step 2 over the mini-model with a German SentencePiece from `mmadapt preprocess` -> export-hf
+    of the primary model with the German embeddings: transformers loads it, generate() writes
+    German pieces, its tokenizer gives mmadapt's ids on the whole German Bible, and its loss on
+    the held-out German blocks is the plug-in loss. Then Step 3 on the imported model and the
+    zero-shot German classifier exported: transformers predicts what Step 4 scored."""
+    from transformers import AutoModelForCausalLM, pipeline
+
+    from mmadapt.evaluate import load_finetuned, predict, swap_embeddings
+    from mmadapt.config import FinetuneConfig
+    from mmadapt.parallel import init_parallel
+    from mmadapt.tasks import encode, get_task, read_examples
+
+    init_parallel(1, 1)
+    run, mp, de, ad, out, ft, clf = (tmp_path / d for d in ("run", "minipost", "de", "adapt", "lm", "ft", "clf"))
+    zero0 = str(REPO / "ds_configs" / "zero0.json")
+    sched = ["--seq_length", "64", "--train_micro_batch_size_per_gpu", "8", "--ds_config", zero0]
+    assert main(["import-hf", "--model", str(dec_dirs["qwen2"]), "--output_dir", str(run)]) == 0
+    assert main(["build_minipost", "--primary", str(run), "--corpus", str(corpus), "--output_dir", str(mp),
+                 "--mini_layers", "2", "--new_layers", "1", "--train_iters", "20", "--save_interval", "20",
+                 *sched]) == 0
+    assert main(["preprocess", "--corpus", str(de_corpus), "--output_dir", str(de), "--vocab_size", "1000",
+                 "--valid_fraction", "0.1", "--workers", "1"]) == 0
+    assert main(["adapt", "--system", "minipost", "--source", str(mp), "--lang", "de", "--data_path", str(de),
+                 "--output_dir", str(ad), "--train_iters", "40", "--save_interval", "40", "--lr", "5e-3",
+                 *sched]) == 0
+    artifact = ad / "embeddings" / "step00000040"
+    assert json.loads((artifact / "meta.json").read_text())["shared_pieces"] > 20
+    assert main(["export-hf", "--primary", str(run), "--embeddings", str(artifact), "--output_dir", str(out)]) == 0
+    assert main(["evaluate", "--primary", str(run), "--embeddings", str(artifact), "--plugin_data", str(de),
+                 "--seq_length", "64", "--output", str(tmp_path / "plugin.json")]) == 0
+    record = json.loads((tmp_path / "plugin.json").read_text())[0]
+    capsys.readouterr()
+
+    tok = hf_tokenizer(out)
+    sp = load_sp(de / "tokenizer.model")
+    verses = bible_lines("de", range(1, 67))
+    assert len(verses) > 30_000 and tok(verses)["input_ids"] == [[EOS_ID, *ids] for ids in sp.encode(verses)]
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.attention_bias  # Qwen2's body
+    assert model.config.vocab_size == sp.get_piece_size()
+    loss = heldout_loss_in_transformers(model, de, sp.get_piece_size())
+    print(f"full path: transformers' held-out loss {loss:.6f}, mmadapt's plug-in loss {record['loss']:.6f} "
+          f"(relative difference {abs(loss - record['loss']) / record['loss']:.1e}; unigram "
+          f"{record['unigram_loss']:.3f})")
+    assert abs(loss - record["loss"]) <= 1e-4 * record["loss"]
+    prompt = tok("Und Gott sprach", return_tensors="pt")
+    new = model.generate(**prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, prompt.input_ids.shape[1]:]
+    print("generated:", repr(tok.decode(new)))
+    assert len(new) == 8
+
+    # Step 3 on the imported model (English bible-genre), the German classifier exported
+    assert main(["finetune", "--task", "bible-genre", "--primary", str(run), "--output_dir", str(ft),
+                 "--seq_length", "64", "--epochs", "0.2", "--lr", "1e-3", "--ds_config", zero0]) == 0
+    assert main(["export-hf", "--finetuned", str(ft), "--embeddings", str(artifact), "--output_dir", str(clf)]) == 0
+    examples = read_examples(get_task("bible-genre"), "bible", "de", "test")[::10]
+    finetuned = load_finetuned(ft)
+    emb, _, _ = A.read_artifact(artifact)
+    model = dataclasses.replace(finetuned, state=swap_embeddings(finetuned.state, emb)).model()
+    enc = encode(finetuned.task, sp, examples, finetuned.labels, FinetuneConfig(**finetuned.run["finetune"]))
+    mine = predict(model, enc.input_ids, 4096)
+    got = pipeline("text-classification", model=str(clf), tokenizer=str(clf))([t for t, _ in examples],
+                                                                              truncation=True, batch_size=64)
+    assert [r["label"] for r in got] == [finetuned.labels[i] for i in mine.argmax(-1).tolist()]
