@@ -297,6 +297,18 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                     imported["model_type"] if imported else None, embeddings)
 
 
+def _document_tokenizer(doc: HFTokenizer, model_max_length: int):
+    """A transformers fast tokenizer of an imported tokenizer's `tokenizers` pipeline alone (its
+    post-processor, the source's prompt layout, included), its bos/eos/unk/pad tokens those of
+    mmadapt's roles that are tokens of it (a role on a borrowed row past the tokenizer has none)."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = {f"{role}_token": doc.tokenizer.id_to_token(int(h)) for role, h in zip(SPECIAL_ROLES, doc.hf_ids)
+              if role != "mask"}
+    return PreTrainedTokenizerFast(tokenizer_object=doc.tokenizer, model_max_length=model_max_length,
+                                   **{k: v for k, v in tokens.items() if v is not None})
+
+
 def export_tokenizer(tokenizer: Path, kind: str | None, cfg: ModelConfig):
     """The transformers tokenizer that gives a run's `tokenizer` ids to the exported model, laid out
     as the family's mapping says for `kind`, and hf_ids (mmadapt id -> its id; None: the same
@@ -306,8 +318,11 @@ def export_tokenizer(tokenizer: Path, kind: str | None, cfg: ModelConfig):
     layout = get_family(cfg).hf.tokenizer_layout(kind, imported=is_hf(tokenizer))
     if not is_hf(tokenizer):
         return spm_to_hf(tokenizer, cfg.max_position_embeddings, layout), None
-    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer.parent / "hf"), local_files_only=True)
     hf_ids = HFTokenizer.read(tokenizer).hf_ids.tolist()
+    if (tokenizer.parent / "hf").is_dir():  # the source's own files, saved by import_hf
+        hf_tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer.parent / "hf"), local_files_only=True)
+    else:  # an expanded vocabulary's merged document (vocab.py): its pipeline is the whole tokenizer
+        hf_tok = _document_tokenizer(HFTokenizer.read(tokenizer), cfg.max_position_embeddings)
     if layout is not None:
         hf_tok = retemplated(hf_tok, hf_ids, layout, cfg.max_position_embeddings)
     return hf_tok, hf_ids

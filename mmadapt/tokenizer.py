@@ -219,3 +219,70 @@ class HFTokenizer:
         if out_type is str:
             return enc.tokens
         return self._ids(enc.ids)
+
+
+def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int) -> tuple[bytes, list[str]]:
+    """An imported BPE tokenizer (`source`, HFTokenizer's document) with the pieces `candidates`
+    (surface forms, in order of preference) appended after every row of its model: the merged
+    document and the pieces it adds, in id order (vocab.py's --vocab_mode expand).
+
+    A BPE produces a token only through a merge of two tokens it has, so a candidate is added with
+    the merge of a split of it whose two halves are tokens (the source's, or candidates added
+    before it: shorter ones are tried first); a candidate with no such split is left out. The
+    merges come after every source merge, so a text keeps the source's segmentation unless a new
+    merge applies. As many are kept (the shortest) as make the vocabulary a multiple of `multiple`. Each new
+    token's id follows the model's rows (so ids past the tokenizer that the import borrowed for
+    roles are not reused), and hf_ids gives it the next mmadapt id."""
+    doc = json.loads(Path(source).read_text(encoding="utf-8"))
+    model = doc["tokenizer"]["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"the imported tokenizer {source} is a {model.get('type')} model: --vocab_mode expand "
+                         "merges SentencePiece models and imported BPE tokenizers (byte-level or with byte fallback)")
+    byte_level = _uses_byte_level(doc["tokenizer"])
+    char = {b: c for c, b in _byte_decoder().items()}
+
+    def token_of(piece: str) -> str:
+        """The source vocabulary's spelling of a surface form (the inverse of id_to_piece)."""
+        m = _BYTE_PIECE.fullmatch(piece)
+        raw = bytes([int(m.group(1), 16)]) if m else piece.replace(WORD_BOUNDARY, " ").encode()
+        return "".join(char[b] for b in raw) if byte_level else piece
+
+    from tokenizers import Tokenizer
+
+    pre = Tokenizer.from_str(json.dumps(doc["tokenizer"])).pre_tokenizer
+    order = {p: i for i, p in enumerate(candidates)}
+    vocab, added, merges = dict(model["vocab"]), {}, []
+    for piece in sorted(candidates, key=lambda p: (len(token_of(p)), order[p])):
+        token = token_of(piece)
+        if token in vocab or token in added.values():
+            continue
+        # a byte-level pre-tokenizer cuts text into words before BPE: a token it would cut is never produced
+        if byte_level and pre is not None and [w for w, _ in pre.pre_tokenize_str(
+                bytes(_byte_decoder()[c] for c in token).decode("utf-8", "replace"))] != [token]:
+            continue
+        split = next(((token[:i], token[i:]) for i in range(1, len(token))
+                      if all(half in vocab or half in added.values() for half in (token[:i], token[i:]))), None)
+        if split is not None:
+            added[piece] = token
+            merges.append(split)
+    rows = len(doc["hf_ids"])
+    # tokenizers numbers added tokens after the model's vocabulary (its size, not its largest id):
+    # the model's vocabulary must hold every id below the new ones, so the added tokens go in at
+    # their ids and each row past the tokenizer gets a token no text produces, named as
+    # id_to_piece names such a row
+    for a in doc["tokenizer"].get("added_tokens", []):
+        vocab.setdefault(a["content"], a["id"])
+    taken = set(vocab.values())
+    vocab.update({f"<unused {h}>": h for h in range(rows) if h not in taken})
+    keep = (rows + len(added)) // multiple * multiple - rows
+    new = list(added)[:max(keep, 0)]
+    kept = {added[p] for p in new}
+    # tokens were added shortest first and a token's halves are shorter than it, so cutting the
+    # list (its longest tokens go) never strands a kept token's merge
+    string_merges = bool(model["merges"]) and isinstance(model["merges"][0], str)
+    model["merges"] = list(model["merges"]) + [f"{a} {b}" if string_merges else [a, b]
+                                               for a, b in merges if a + b in kept]
+    model["vocab"] = {**vocab, **{added[p]: rows + j for j, p in enumerate(new)}}
+    doc["hf_ids"] = list(doc["hf_ids"]) + [rows + j for j in range(len(new))]
+    return json.dumps(doc, ensure_ascii=False).encode("utf-8"), new
+

@@ -13,6 +13,8 @@ most useful come first). As many are kept as make the expanded size a multiple o
 matmuls prefer such sizes; at most EXPAND_MULTIPLE - 1 of the rarest pieces are dropped.
 
 The merged tokenizer is of the source's kind:
+    An imported BPE tokenizer (byte-level, or SentencePiece-style with byte fallback): the pieces
+        as tokens after the model's rows, each with a merge after the source's (tokenizer.expand_hf).
     SentencePiece (mmadapt's, unigram or BPE)  the source model with the pieces appended, each
         scored below every source piece: unigram, its target log-probability shifted so that the
         best new piece sits just under the worst source piece (their order kept); BPE, ranked
@@ -32,7 +34,7 @@ from pathlib import Path
 
 from sentencepiece import sentencepiece_model_pb2 as sp_model
 
-from mmadapt.tokenizer import is_hf, pieces
+from mmadapt.tokenizer import expand_hf, is_hf, pieces
 
 EXPAND_MULTIPLE = 8
 
@@ -58,17 +60,19 @@ class Expansion:
         return path
 
 
-def new_pieces(source: list[str], target_pieces: list[str], ordinary: list[bool]) -> list[str]:
-    """The ordinary target pieces (in target order) whose surface form the source lacks, cut to
-    the count that makes len(source) + count a multiple of EXPAND_MULTIPLE."""
-    have = set(source)
-    new, seen = [], set()
+def missing_pieces(source: list[str], target_pieces: list[str], ordinary: list[bool]) -> list[str]:
+    """The ordinary target pieces (in target order) whose surface form the source lacks."""
+    have, new = set(source), []
     for piece, ok in zip(target_pieces, ordinary):
-        if ok and piece not in have and piece not in seen:
+        if ok and piece not in have:
+            have.add(piece)
             new.append(piece)
-            seen.add(piece)
-    keep = (len(source) + len(new)) // EXPAND_MULTIPLE * EXPAND_MULTIPLE - len(source)
-    return new[:max(keep, 0)]
+    return new
+
+
+def _cut(source_size: int, new: list[str]) -> list[str]:
+    """`new`, cut to the count that makes the vocabulary a multiple of EXPAND_MULTIPLE."""
+    return new[:max((source_size + len(new)) // EXPAND_MULTIPLE * EXPAND_MULTIPLE - source_size, 0)]
 
 
 def _proto(path: Path) -> sp_model.ModelProto:
@@ -84,16 +88,18 @@ def expand(source: Path, target: Path) -> Expansion:
         raise ValueError(f"the target tokenizer {target} is an imported Hugging Face tokenizer; expand appends the "
                          "pieces of a SentencePiece model (mmadapt preprocess trains one)")
     trg = _proto(target)
-    ordinary = [p.type == _NORMAL for p in trg.pieces]
     src_pieces = pieces(source)
-    new = new_pieces(src_pieces, [p.piece for p in trg.pieces], ordinary)
+    candidates = missing_pieces(src_pieces, [p.piece for p in trg.pieces], [p.type == _NORMAL for p in trg.pieces])
+    if is_hf(source):
+        model, new = expand_hf(source, candidates, EXPAND_MULTIPLE)
+    else:
+        new = _cut(len(src_pieces), candidates)
     if not new:
         raise ValueError(f"the target tokenizer {target} adds no piece to the source's {len(src_pieces)} (every "
                          f"ordinary piece is there already, or fewer than {EXPAND_MULTIPLE} are new): nothing to "
                          "train with --vocab_mode expand; use a larger target vocabulary, or --vocab_mode replace")
     if is_hf(source):
-        raise ValueError(f"the source tokenizer {source} is an imported Hugging Face tokenizer: --vocab_mode expand "
-                         "merges SentencePiece sources only so far; use --vocab_mode replace")
+        return Expansion(model, len(src_pieces), tuple(new))
     merged = _proto(source)
     score = {p.piece: p.score for p in trg.pieces}
     lowest = min((p.score for p in merged.pieces if p.type == _NORMAL), default=0.0)

@@ -317,3 +317,38 @@ def test_an_expanded_encoder_exports_with_its_merged_tokenizer(sources, de_corpu
     keep = enc.input_ids.ne(PAD_ID)
     assert (mine[keep] - theirs[keep]).abs().max().item() <= 1e-5
     assert torch.equal(hf.roberta.embeddings.word_embeddings.weight[:VOCAB].detach(), primary[WORD])
+
+
+def test_an_expanded_decoder_exports_with_its_merged_tokenizer(sources, de_corpus, de_tokenizer, tmp_path):
+    """export-hf of the untied decoder with an expanded artifact: LlamaForCausalLM whose tokenizer
+    gives </s> and mmadapt's merged ids, whose logits are mmadapt's, and which generates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mmadapt.hf import export_hf
+    from mmadapt.models.llama.model import LlamaLM
+    from mmadapt.tokens import EOS_ID
+
+    source = sources["llama"]
+    steps.adapt_embeddings(run=RunSpec(output_dir=tmp_path / "a", ds_config=ZERO0, corpus=de_corpus,
+                                       tokenizer=de_tokenizer),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
+                                                      train=_train("llama", 2, vocab_mode="expand")))
+    artifact = tmp_path / "a" / "embeddings" / "step00000002"
+    export_hf(tmp_path / "hf", primary=source, embeddings=artifact)
+    art, merged, meta = read_artifact(artifact)
+    sp = spm.SentencePieceProcessor(model_file=str(merged))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    texts = write_bible_corpus("de", tmp_path / "de.txt", books=range(41, 42)).read_text().splitlines()[:8]
+    assert [tok(t)["input_ids"] for t in texts] == [[EOS_ID, *sp.encode(t)] for t in texts]
+    cfg, state = load_weights(source)
+    cfg, primary = get_family(cfg).primary_model(cfg, state)
+    model = LlamaLM(dataclasses.replace(cfg, vocab_size=meta["vocab_size"], hidden_dropout=0.0,
+                                        attention_dropout=0.0)).eval()
+    model.load_state_dict({**primary, **artifact_state(art, cfg, meta, primary)})
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
+    ids = torch.tensor([[EOS_ID, *sp.encode(texts[0])]])
+    with torch.no_grad():
+        mine = model.heads.heads[0](model.hidden_states(ids)[-1][0], model.output_weight)
+        assert (mine - hf(input_ids=ids).logits[0]).abs().max().item() <= 1e-5
+        assert hf.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape[1] == \
+            ids.shape[1] + 3
