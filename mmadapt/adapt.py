@@ -169,15 +169,17 @@ def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_p
                  "random_pieces": len(trg_pieces) - shared - composed}
 
 
-def step2_start(system: str, source: Path, tag: str, target_tokenizer: Path, std: float, seed: int,
-                mini_layers: int | None = None, embedding_init: str = "overlap", vocab_mode: str = "replace"
+def step2_start(system: str, source: Path, tag: str, target_tokenizer: Path, seed: int, mini_layers: int | None = None,
+                embedding_init: str = "overlap", vocab_mode: str = "replace"
                 ) -> tuple[ModelConfig, dict, dict[str, int]]:
     """Step 2's starting weights: the system's model from the source run with the new
     vocabulary's rows of every vocabulary-indexed parameter (init_rows). vocab_mode "replace":
     the rows of every piece of `target_tokenizer`; "expand" (`target_tokenizer` is then the merged
     one, vocab.py): the source's rows kept under their names and the rows of the appended pieces
-    under `new_rows_name`s. -> (model config, full state dict, how many rows started which way)."""
+    under `new_rows_name`s. Random rows are N(0, the source model's init_method_std), drawn from
+    `seed`. -> (model config, full state dict, how many rows started which way)."""
     cfg, body = adapt_body(system, *load_weights(source, tag), mini_layers)
+    std = cfg.init_method_std
     vocab = {name: body[name] for name in get_family(cfg).vocab_params(cfg)}
     src_tokenizer, trg_pieces = Path(source) / RUN_TOKENIZER, tokenizer_pieces(target_tokenizer)
     if vocab_mode == "replace":

@@ -68,7 +68,8 @@ def unigram_logprobs(data_path: Path, vocab_size: int) -> torch.Tensor:
 
 
 def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: int, batch_size: int,
-                    seed: int = 0, objective: str = "mlm", split: str = VALID) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                    seed: int = 0, objective: str = "mlm", split: str = VALID
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first `blocks` blocks of the dataset's validation split (or `split`) in a seeded order,
     scored by the family's objective: the same positions for every artifact of this tokenizer.
 
@@ -149,7 +150,7 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     src = run["frozen_from"]
     train = run["train"]
     cfg, init, _ = step2_start(run["system"], Path(src["run_dir"]), src["tag"], tokenizer,
-                               run["model"]["init_method_std"], derive_seed(train["seed"], f"embeddings.{run['lang']}"),
+                               derive_seed(train["seed"], f"embeddings.{run['lang']}"),
                                run.get("mini_layers"), train.get("embedding_init", "overlap"),
                                train.get("vocab_mode", "replace"))
     expanded = run["model"].get("frozen_vocab_size", 0)

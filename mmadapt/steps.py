@@ -244,9 +244,8 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     identity = {"recipe": system, "system": system, "lang": lang, "frozen_from": frozen_from, **depth}
     with start_run(run, model, train, identity, data) as started:
         tokenizer = started.data / TOKENIZER
-        _, init, rows = step2_start(system, source, tag, tokenizer, model.init_method_std,
-                                    derive_seed(train.seed, f"embeddings.{lang}"), depth.get("mini_layers"),
-                                    train.embedding_init, train.vocab_mode)
+        _, init, rows = step2_start(system, source, tag, tokenizer, derive_seed(train.seed, f"embeddings.{lang}"),
+                                    depth.get("mini_layers"), train.embedding_init, train.vocab_mode)
         if parallel.is_rank0():
             _say_start(lang, train.embedding_init, model, rows)
         family = get_family(model)

@@ -96,7 +96,7 @@ def test_step2_start_by_embedding_init(primary_run, tokenizer, de_tokenizer):
 
     _, src_state = A.adapt_body("bl_base", *load_weights(primary_run))  # the primary head's bias
     seed = 5
-    starts = {how: A.step2_start("bl_base", primary_run, None, de_tokenizer, 0.02, seed, embedding_init=how)
+    starts = {how: A.step2_start("bl_base", primary_run, None, de_tokenizer, seed, embedding_init=how)
               for how in ("overlap", "subword_mean", "normal")}
     (_, overlap, rows), (_, mean, mean_rows), (_, normal, normal_rows) = starts.values()
     src_pieces, trg = pieces(tokenizer), pieces(de_tokenizer)
@@ -119,7 +119,7 @@ def test_step2_start_by_embedding_init(primary_run, tokenizer, de_tokenizer):
     assert not torch.equal(normal[WORD][shared[-1]], src_state[WORD][same])
     assert torch.equal(normal[WORD][new], overlap[WORD][new])  # the same seeded draw
     with pytest.raises(ValueError, match="unknown embedding_init 'fvt'"):
-        A.step2_start("bl_base", primary_run, None, de_tokenizer, 0.02, seed, embedding_init="fvt")
+        A.step2_start("bl_base", primary_run, None, de_tokenizer, seed, embedding_init="fvt")
 
 
 def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data):
@@ -150,7 +150,7 @@ def _step2_engine(primary_run, de_tokenizer, system, ds_config):
     from mmadapt.train import LMJob, lm_engine
 
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8)
-    body_cfg, init, _ = A.step2_start(system, primary_run, None, de_tokenizer, 0.02, derive_seed(1, "de"))
+    body_cfg, init, _ = A.step2_start(system, primary_run, None, de_tokenizer, derive_seed(1, "de"))
     body_cfg = no_dropout(ModelConfig(**{**vars(body_cfg), "vocab_size": VOCAB}))
     ds = load_ds_config(REPO / "ds_configs" / ds_config, train)
     engine, _, _ = lm_engine(body_cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)), init)

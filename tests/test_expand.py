@@ -136,7 +136,8 @@ def test_expand_trains_only_the_new_rows(family, sources, de_corpus, de_tokenize
     out = tmp_path / "adapt"
     run = RunSpec(output_dir=out, ds_config=ZERO2, corpus=de_corpus, tokenizer=de_tokenizer)
     steps.adapt_embeddings(run=run, step=steps.AdaptEmbeddings(
-        system="minijoint", source=source, lang="de", train=_train(family, 50, weight_decay=0.1, decay_all=True, vocab_mode="expand")))
+        system="minijoint", source=source, lang="de",
+        train=_train(family, 50, weight_decay=0.1, decay_all=True, vocab_mode="expand")))
     record = json.loads((out / "run.json").read_text())
     merged = expand(source / "tokenizer" / "spm.model", de_tokenizer)
     assert record["vocab_mode"] == "expand" and record["source_vocab_size"] == VOCAB
@@ -167,8 +168,8 @@ def test_expand_trains_only_the_new_rows(family, sources, de_corpus, de_tokenize
     art, tok, meta = read_artifact(out / "embeddings" / tag)
     assert meta["vocab_mode"] == "expand" and meta["source_vocab_size"] == VOCAB and tok.read_bytes() == merged.model
     keys = {"word_embeddings": WORD, "output_bias" if family == "roberta" else "output_layer": expanded[1]}
-    start = step2_start("minijoint", source, None, tok, record["model"]["init_method_std"],
-                        derive_seed(record["train"]["seed"], "embeddings.de"), 2, "overlap", "expand")[1]
+    start = step2_start("minijoint", source, None, tok, derive_seed(record["train"]["seed"], "embeddings.de"), 2,
+                        "overlap", "expand")[1]
     for key, name in keys.items():
         assert art[key].shape[0] == merged.size
         assert torch.equal(art[key][:VOCAB], mini[name].float())
@@ -201,7 +202,7 @@ def test_subword_mean_starts_each_new_row_at_its_split(sources, de_tokenizer, tm
     tokenizer (adapt.source_split, tested in tests/test_adapt.py), computed here row by row."""
     source = sources["llama"]
     merged = expand(source / "tokenizer" / "spm.model", de_tokenizer).write(tmp_path / "m.model")
-    _, init, counts = step2_start("minijoint", source, None, merged, 0.05, 7, 2, "subword_mean", "expand")
+    _, init, counts = step2_start("minijoint", source, None, merged, 7, 2, "subword_mean", "expand")
     _, src = load_weights(source)
     split = source_split(source / "tokenizer" / "spm.model")
     new = pieces(merged)[VOCAB:]
@@ -273,7 +274,8 @@ def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sou
     assert rise > 0 and rise == pytest.approx(math.log(size / VOCAB), abs=0.1)
     assert report["scored_pieces"] > 1000
     want = plugin_records(source, [out / "embeddings" / "step00000004"], {"de": data}, 32)[0]
-    assert report["plugin_gain"] == pytest.approx(want["score"]) and report["plugin_loss"] == pytest.approx(want["loss"])
+    assert report["plugin_gain"] == pytest.approx(want["score"])
+    assert report["plugin_loss"] == pytest.approx(want["loss"])
 
 
 def test_an_expanded_encoder_exports_with_its_merged_tokenizer(sources, de_corpus, de_tokenizer, tmp_path):

@@ -45,7 +45,8 @@ def sources(corpus, tokenizer, tmp_path_factory):
 def _expand(source, de_corpus, de_tokenizer, out, nproc, *extra):
     run_pretrain(nproc, "--system", "minijoint", "--source", str(source), "--lang", "de", "--corpus", str(de_corpus),
                  "--tokenizer", str(de_tokenizer), "--vocab_mode", "expand", "--output_dir", str(out),
-                 "--train_iters", str(STEPS), "--log_interval", "10", "--save_interval", str(STEPS), "--seq_length", "32",
+                 "--train_iters", str(STEPS), "--log_interval", "10", "--save_interval", str(STEPS),
+                 "--seq_length", "32",
                  "--train_micro_batch_size_per_gpu", "8", "--weight_decay", "0.1", "--decay_all", "true", *NO_DROPOUT,
                  *extra, script=ADAPT)
     return out
@@ -76,7 +77,7 @@ def _optimizer_groups(run) -> list[list[int]]:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_expand_keeps_every_source_row_in_every_layout(family, layout, sources, singles, de_corpus, de_tokenizer,
                                                        tmp_path):
-    source, (preset, second, _) = sources[family], FAMILIES[family]
+    source, (_, second, _) = sources[family], FAMILIES[family]
     if layout == "single":
         run = singles[family]
     else:

@@ -297,7 +297,7 @@ def test_step2_with_the_papers_frozen_output_bias(primary_run, de_corpus, de_tok
                            step=steps.AdaptEmbeddings(system="minijoint", source=primary_run, lang="de", train=train,
                                                       vocab_size=VOCAB))
     tensors, _, meta = A.read_artifact(out / "embeddings" / "step00000002")
-    _, init, _ = A.step2_start("minijoint", primary_run, None, de_tokenizer, 0.02,
+    _, init, _ = A.step2_start("minijoint", primary_run, None, de_tokenizer,
                                derive_seed(train.seed, "embeddings.de"))
     assert torch.equal(tensors["output_bias"], init[BIAS])
     assert not torch.equal(tensors["word_embeddings"], init[WORD])

@@ -129,7 +129,8 @@ class MLMHead(nn.Module):
         if config.frozen_vocab_size:  # an expanded vocabulary: source rows and new rows apart (layers.py)
             self.bias, self.new_bias = split_vocab(torch.zeros(config.vocab_size), config)
         else:
-            self.bias = nn.Parameter(torch.zeros(config.vocab_size // self.tp))  # [Vp], this rank's slice of the vocabulary
+            # [Vp], this rank's slice of the vocabulary
+            self.bias = nn.Parameter(torch.zeros(config.vocab_size // self.tp))
             if self.tp > 1:
                 set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
 
