@@ -354,3 +354,22 @@ def test_an_expanded_decoder_exports_with_its_merged_tokenizer(sources, de_corpu
         assert (mine - hf(input_ids=ids).logits[0]).abs().max().item() <= 1e-5
         assert hf.generate(input_ids=ids, max_new_tokens=3, min_new_tokens=3, do_sample=False).shape[1] == \
             ids.shape[1] + 3
+
+
+@pytest.mark.slow
+def test_the_demos_merged_tokenizer_keeps_the_english_ids_of_the_whole_bible(tmp_path):
+    """The demo's tokenizers: its shipped English one (the source models') merged with a
+    2000-piece German one trained as the demo trains it. On every verse of the English Bible
+    whose merged encoding uses no new piece, the ids are the source tokenizer's."""
+    from mmadapt.data import train_tokenizer
+    from mmadapt.demo import SOURCE_MODELS
+
+    english = SOURCE_MODELS / "spm.model"
+    german = train_tokenizer(write_bible_corpus("de", tmp_path / "de.txt"), tmp_path / "de", 2000)
+    merged = expand(english, german).write(tmp_path / "merged.model")
+    src, got = (spm.SentencePieceProcessor(model_file=str(p)) for p in (english, merged))
+    verses = [v for v in write_bible_corpus("en", tmp_path / "en.txt").read_text().splitlines() if v.strip()]
+    size = src.get_piece_size()
+    kept = [(a, b) for a, b in zip(src.encode(verses), got.encode(verses)) if max(b) < size]
+    assert len(verses) > 30_000 and len(kept) > len(verses) // 2
+    assert [a for a, b in kept if a != b] == []
