@@ -122,6 +122,19 @@ def sources(corpus, tokenizer, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def expanded(sources, de_corpus, de_tokenizer, tmp_path_factory):
+    """Each family's final artifact of a 2-update expand Step 2 over its MINIJOINT mini-model."""
+    out = {}
+    for family, source in sources.items():
+        run = tmp_path_factory.mktemp(f"expand2_{family}")
+        steps.adapt_embeddings(run=RunSpec(output_dir=run, ds_config=ZERO0, corpus=de_corpus, tokenizer=de_tokenizer),
+                               step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
+                                                          train=_train(family, 2, vocab_mode="expand")))
+        out[family] = run / "embeddings" / "step00000002"
+    return out
+
+
 def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -176,16 +189,12 @@ def test_expand_trains_only_the_new_rows(family, sources, de_corpus, de_tokenize
         assert not torch.equal(art[key][VOCAB:], start[new_rows_name(name)]), f"{key}: the new rows did not train"
 
 
-def test_the_primary_model_keeps_its_own_source_rows(sources, de_corpus, de_tokenizer, tmp_path):
+def test_the_primary_model_keeps_its_own_source_rows(sources, expanded):
     """Swapped into the primary model (Step 4, export), an expanded artifact keeps the primary
     head's own source rows of the output bias (a MINIJOINT's secondary head has its own) and
     appends the new rows; a model of another vocabulary is refused."""
     source = sources["roberta"]
-    steps.adapt_embeddings(run=RunSpec(output_dir=tmp_path / "a", ds_config=ZERO0, corpus=de_corpus,
-                                       tokenizer=de_tokenizer),
-                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
-                                                      train=_train("roberta", 2, vocab_mode="expand")))
-    art, _, meta = read_artifact(tmp_path / "a" / "embeddings" / "step00000002")
+    art, _, meta = read_artifact(expanded["roberta"])
     cfg, state = load_weights(source)
     cfg, primary = get_family(cfg).primary_model(cfg, state)
     got = artifact_state(art, cfg, meta, primary)
@@ -278,7 +287,7 @@ def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sou
     assert report["plugin_loss"] == pytest.approx(want["loss"])
 
 
-def test_an_expanded_encoder_exports_with_its_merged_tokenizer(sources, de_corpus, de_tokenizer, tmp_path):
+def test_an_expanded_encoder_exports_with_its_merged_tokenizer(sources, expanded, tmp_path):
     """export-hf of the primary model with an expanded artifact: transformers' tokenizer gives
     mmadapt's merged ids on every English and German verse of a held-out book, its logits are
     mmadapt's, and its first 1000 rows are the primary model's own."""
@@ -288,12 +297,7 @@ def test_an_expanded_encoder_exports_with_its_merged_tokenizer(sources, de_corpu
     from mmadapt.models.roberta.model import RobertaMLM
     from mmadapt.tokens import BOS_ID, EOS_ID, PAD_ID
 
-    source = sources["roberta"]
-    steps.adapt_embeddings(run=RunSpec(output_dir=tmp_path / "a", ds_config=ZERO0, corpus=de_corpus,
-                                       tokenizer=de_tokenizer),
-                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
-                                                      train=_train("roberta", 2, vocab_mode="expand")))
-    artifact = tmp_path / "a" / "embeddings" / "step00000002"
+    source, artifact = sources["roberta"], expanded["roberta"]
     export_hf(tmp_path / "hf", primary=source, embeddings=artifact)
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     art, merged, meta = read_artifact(artifact)
@@ -321,7 +325,7 @@ def test_an_expanded_encoder_exports_with_its_merged_tokenizer(sources, de_corpu
     assert torch.equal(hf.roberta.embeddings.word_embeddings.weight[:VOCAB].detach(), primary[WORD])
 
 
-def test_an_expanded_decoder_exports_with_its_merged_tokenizer(sources, de_corpus, de_tokenizer, tmp_path):
+def test_an_expanded_decoder_exports_with_its_merged_tokenizer(sources, expanded, tmp_path):
     """export-hf of the untied decoder with an expanded artifact: LlamaForCausalLM whose tokenizer
     gives </s> and mmadapt's merged ids, whose logits are mmadapt's, and which generates."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -330,12 +334,7 @@ def test_an_expanded_decoder_exports_with_its_merged_tokenizer(sources, de_corpu
     from mmadapt.models.llama.model import LlamaLM
     from mmadapt.tokens import EOS_ID
 
-    source = sources["llama"]
-    steps.adapt_embeddings(run=RunSpec(output_dir=tmp_path / "a", ds_config=ZERO0, corpus=de_corpus,
-                                       tokenizer=de_tokenizer),
-                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
-                                                      train=_train("llama", 2, vocab_mode="expand")))
-    artifact = tmp_path / "a" / "embeddings" / "step00000002"
+    source, artifact = sources["llama"], expanded["llama"]
     export_hf(tmp_path / "hf", primary=source, embeddings=artifact)
     art, merged, meta = read_artifact(artifact)
     sp = spm.SentencePieceProcessor(model_file=str(merged))
