@@ -298,7 +298,11 @@ class FinetuneConfig(LoopConfig):
     train_micro_batch_size_per_gpu: int = _redefault("train_micro_batch_size_per_gpu", 32)
     lr: Optional[float] = _f(None, "peak learning rate (default: the task's, paper: 1e-5 XNLI/PAWS-X, "
                              "3e-5 MLQA/XQuAD)")
-    seq_length: int = _f(128, "pieces per example (QA: per context window)")
+    seq_length: int = _f(128, "pieces per example (QA: per context window); at most the blocks the primary model "
+                         "was pretrained on (its run.json train.seq_length), unless allow_untrained_positions")
+    allow_untrained_positions: bool = _f(False, "fine-tune (and evaluate) with a seq_length longer than the primary "
+                                         "model's pretraining blocks, with a warning: the position embeddings "
+                                         "past them were never trained")
     epochs: float = _f(3.0, "passes over the training examples (paper: 3)")
     warmup_ratio: float = _f(0.06, "fraction of the updates with linear warm-up, then linear decay to 0")
     doc_stride: Optional[int] = _f(None, "QA: pieces shared by consecutive windows of a context longer than one "
