@@ -43,7 +43,7 @@ from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.models import get_family
 from mmadapt.models.layers import derive_seed
-from mmadapt.plugin import plugin_records
+from mmadapt.plugin import plugin_records, unigram_logprobs
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, checkpoint_tag, load_checkpoint, load_weights, pretrained_blocks,
                          read_run, run_fingerprint, run_model, run_progress, start_run,
                          weights_fingerprint)
@@ -90,7 +90,21 @@ def pretrain(run: RunSpec, step: Pretrain) -> list[dict]:
     run = _text_run(run)
     identity = {"recipe": step.recipe}
     with start_run(run, step.model, step.train, identity, TextData()) as started:
-        return train_lm(started, run, step.model, step.train)
+        return train_lm(started, run, step.model, step.train, init_state=_output_bias_start(step.model, started.data))
+
+
+def _output_bias_start(model: ModelConfig, data_path: Path) -> dict | None:
+    """ModelConfig.output_bias_init unigram: every head's output bias [V] at the log-frequencies
+    of the training text's pieces (the rest of the model keeps its seeded init: the engine
+    starts a trainable parameter the state lacks from the module's own). A model whose output is
+    the unigram distribution from the first update has no plateau to sit on: without it a
+    12 x 64 post-LayerNorm model spends its first updates mapping every input to one vector
+    that yields piece frequencies, and fine-tunes at chance from there (config.py, the tiny
+    preset)."""
+    if model.output_bias_init != "unigram":
+        return None
+    logp = unigram_logprobs(data_path, model.vocab_size)
+    return {name: logp.clone() for name in get_family(model).output_biases(model)}
 
 
 # --- Step 1b ----------------------------------------------------------------------------------------
