@@ -317,10 +317,21 @@ def finetune_main(argv=None) -> int:
                           primary_tag=args.primary_tag)
     out, _ = steps.finetune(run=_run_spec(args), step=step)
     if parallel.is_rank0() and "final_loss" in out:
-        extra = f", {args.source_lang} {out['metric']} {out['source_score']:.1f}" if "source_score" in out else ""
-        print(f"done: {out['task']} on {out['train_examples']} examples, {out['updates']} updates, final loss "
-              f"{out['final_loss']:.3f}{extra}; model in {args.output_dir}")
+        print(finetune_summary(out, args.output_dir))
     return 0
+
+
+def finetune_summary(record: dict, output_dir) -> str:
+    """The line a fine-tuning run ends with, from its record (run.json): its source-language score
+    beside the chance level, and every warning (a run that learned nothing says so here, not
+    only in run.json)."""
+    extra = f", {record['source_lang']} {record['metric']} {record['source_score']:.1f}" \
+        if "source_score" in record else ""
+    chance = record.get("source_chance")
+    extra += f" (chance {chance['chance']:.1f})" if chance else ""
+    warned = f"; WARNING: {'; '.join(record['warnings'])}" if record.get("warnings") else ""
+    return (f"done: {record['task']} on {record['train_examples']} examples, {record['updates']} updates, final loss "
+            f"{record['final_loss']:.3f}{extra}; model in {output_dir}{warned}")
 
 
 def evaluate_parser() -> argparse.ArgumentParser:
@@ -338,11 +349,14 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    "validation split (mmadapt preprocess --valid_fraction), {lang} replaced by each artifact's "
                    "language; the one Step 2 trained on")
     p.add_argument("--primary", help="with --plugin_data: the run whose primary model the embeddings belong to")
-    p.add_argument("--seq_length", type=int, default=64, help="with --plugin_data: tokens per held-out block")
+    p.add_argument("--seq_length", type=int, help="with --plugin_data: tokens per held-out block (default: the "
+                   "blocks the primary model was pretrained on, 64 for an imported one; longer ones need "
+                   "--allow_untrained_positions)")
     p.add_argument("--plugin_blocks", type=int, default=256, help="with --plugin_data: held-out blocks scored")
     p.add_argument("--output", required=True, help="JSON file of records {system, task, lang, step, flops, "
                    "score, ...}; must not exist yet")
     add_dataclass_args(p, FinetuneConfig, only=("eval_batch_tokens",), defaults="each --finetuned run's own")
+    add_dataclass_args(p, FinetuneConfig, only=("allow_untrained_positions",))
     return p
 
 
@@ -354,15 +368,19 @@ def evaluate_main(argv=None) -> int:
             raise ValueError("--plugin_data scores the primary model: pass --primary, not --finetuned/--eval_file")
         records = steps.evaluate_plugin(Path(args.primary), embeddings=args.embeddings, data=args.plugin_data,
                                         output=Path(args.output), seq_length=args.seq_length,
-                                        blocks=args.plugin_blocks)
+                                        blocks=args.plugin_blocks,
+                                        allow_untrained_positions=bool(args.allow_untrained_positions))
     else:
         if not args.finetuned or not args.eval_file:
             raise ValueError("pass --finetuned and --eval_file (a task), or --primary and --plugin_data")
         records = steps.evaluate(args.finetuned, embeddings=args.embeddings, eval_file=args.eval_file,
-                                 output=Path(args.output), eval_batch_tokens=args.eval_batch_tokens)
+                                 output=Path(args.output), eval_batch_tokens=args.eval_batch_tokens,
+                                 allow_untrained_positions=bool(args.allow_untrained_positions))
     for r in records:
+        chance = "" if r.get("chance") is None else f" (chance {r['chance']:.2f})"
+        flag = "  (!) see the fine-tune warnings above" if r.get("finetune_warnings") else ""
         print(f"{r['system']:10s} {r['task']} {r['lang']} step {r['step']:>7d}  {r['flops']:.3g} FLOPs  "
-              f"{r['metric']} {r['score']:.2f}")
+              f"{r['metric']} {r['score']:.2f}{chance}{flag}")
     print(f"{len(records)} records in {args.output}")
     return 0
 

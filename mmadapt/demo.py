@@ -52,10 +52,6 @@ from mmadapt.plugin import plugin_records
 from mmadapt.report import plot_curves, plugin_markdown, report_markdown
 from mmadapt.run import RUN_TOKENIZER, RunSpec, load_checkpoint, recorded_defaults, run_progress
 VOCAB = PRESETS["tiny"][0].vocab_size  # pieces of every demo tokenizer: the tiny preset's V
-# The demo's init std where its family's preset's is not the one the demo trains with (the
-# encoder: RoBERTa's 0.02 at h=768 scaled by sqrt(768/64) for h=64; at 0.02 its top layers
-# collapse to a constant).
-DEMO_INIT_STD = {"roberta": 0.07}
 PRIMARY = {"bl_base": "bl_base", "bl_small": "bl_small", "minijoint": "minijoint", "minipost": "bl_base"}
 
 
@@ -73,9 +69,12 @@ class DemoConfig:
     pretrain_seed: int = _f(1234, "Step-1 seed (init, data order, masking) of every source model; the shipped "
                             "models' is the default, another needs --from_scratch. At this scale it moves zero-shot "
                             "transfer more than the choice of system does (README)")
-    init_method_std: Optional[float] = _f(None, "weight init std (default: 0.07 for roberta, RoBERTa's 0.02 at h=768 "
-                                          "scaled by sqrt(768/64) for the tiny preset's h=64, at 0.02 its top layers "
-                                          "collapse to a constant; llama: the llama-tiny preset's)")
+    init_method_std: Optional[float] = _f(None, "weight init std (default: the family preset's, 0.07 for tiny and "
+                                          "0.05 for llama-tiny: config.py says why)")
+    output_bias_init: str = _f("zeros", "Step 1: how the source models' MLM output biases start (ModelConfig."
+                               "output_bias_init): zeros, the shipped models' setting (they were pretrained before "
+                               "the tiny preset started its biases at the unigram log-frequencies; 2,000 updates "
+                               "of 64 blocks leave the unigram plateau without it), or unigram (with --from_scratch)")
     minipost_iters: int = _f(150, "Step-1b updates of MINIPOST's two new layers")
     adapt_iters: int = _f(1000, "Step-2 updates per system and language: at 200 x 16 blocks the new embeddings "
                           "barely get past piece frequencies (contextual gain 0.10 nats, against 0.35 at 1000 x 32 "
@@ -189,8 +188,8 @@ class Demo:
         """(ModelConfig, TrainConfig) of `recipe`'s Step 1 as the demo runs it."""
         cfg = self.cfg
         model = PRESETS[FAMILY_PRESETS[cfg.family]][0]
-        std = cfg.init_method_std or DEMO_INIT_STD.get(cfg.family, model.init_method_std)
-        model = dataclasses.replace(model, vocab_size=VOCAB, init_method_std=std)
+        model = dataclasses.replace(model, vocab_size=VOCAB, output_bias_init=cfg.output_bias_init,
+                                    init_method_std=cfg.init_method_std or model.init_method_std)
         return (apply_recipe(model, recipe, self.mini.mini_layers),
                 self._train(cfg.pretrain_iters, cfg.pretrain_iters, lr=cfg.pretrain_lr,
                             train_micro_batch_size_per_gpu=cfg.pretrain_batch, seed=cfg.pretrain_seed))

@@ -31,12 +31,12 @@ from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
 from mmadapt.family import WORD
 from mmadapt.features import Encoded, encode_classify, special_mask
-from mmadapt.finetune import is_finished, primary_state
+from mmadapt.finetune import check_positions, is_finished, primary_state
 from mmadapt.models import get_family
 from mmadapt.models.layers import Padding
 from mmadapt.parallel import device
 from mmadapt.run import RUN_FILE, RUN_TOKENIZER, load_checkpoint
-from mmadapt.tasks import Task, encode, get_task, headline, majority_share, read_examples, scores
+from mmadapt.tasks import Task, chance_levels, encode, get_task, headline, read_examples, scores
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokens import PAD_ID
 
@@ -337,6 +337,38 @@ def artifact_primary(meta: dict) -> Path:
     return Path(run["frozen_from"]["run_dir"]) if run.get("step") == "minipost" else src
 
 
+@dataclass(frozen=True)
+class PrimaryRef:
+    """A primary model as a record names it: its run directory and, in records written since
+    fingerprints exist, its weights' fingerprint (run.weights_fingerprint)."""
+    run_dir: Path
+    fingerprint: str | None = None
+
+    def same(self, other: "PrimaryRef") -> bool:
+        """The same model: by content where both records hold a fingerprint (a byte-identical copy
+        of a run is the same model), else (an older record) by the resolved path."""
+        if self.fingerprint and other.fingerprint:
+            return self.fingerprint == other.fingerprint
+        return self.run_dir.resolve() == other.run_dir.resolve()
+
+
+def artifact_primary_ref(meta: dict) -> PrimaryRef:
+    return PrimaryRef(artifact_primary(meta), meta.get("primary_fingerprint"))
+
+
+def finetuned_primary_ref(ft: "Finetuned") -> PrimaryRef:
+    return PrimaryRef(Path(ft.run["primary"]["run_dir"]), ft.run["primary"].get("fingerprint"))
+
+
+def position_warning(ft: "Finetuned", cfg: FinetuneConfig) -> str | None:
+    """Step 3's check_positions for a run at Step 4's seq_length `cfg.seq_length`: refused past
+    the primary model's pretraining blocks unless `cfg` (the run's record or Step 4's flag)
+    allows it, then the warning."""
+    primary = Path(ft.run["primary"]["run_dir"])
+    return check_positions(primary, json.loads((primary / RUN_FILE).read_text()), cfg.seq_length,
+                           cfg.allow_untrained_positions)
+
+
 def recorded_config(ft: Finetuned, **changes) -> FinetuneConfig:
     """The FinetuneConfig of a run's run.json, with `changes`. A field that no longer exists is
     dropped (eval_batch_size: eval_batch_tokens replaced it); a field the record lacks (it
@@ -348,21 +380,32 @@ def recorded_config(ft: Finetuned, **changes) -> FinetuneConfig:
 def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: str,
                        eval_batch_tokens: int | None = None, cfg_override: dict | None = None) -> list[dict]:
     """Zero-shot scores of every artifact, averaged over the fine-tuned runs (seeds). All runs must
-    fine-tune the primary model the embeddings were trained for. eval_batch_tokens None: each
-    run's own (run.json).
+    fine-tune the primary model the embeddings were trained for (PrimaryRef.same: by its
+    weights' fingerprint, or for older records its path). eval_batch_tokens None: each run's
+    own (run.json). cfg_override: FinetuneConfig fields over each run's recorded ones
+    (allow_untrained_positions: accept a run whose seq_length is past its primary's pretraining
+    blocks).
 
-    Each run's model is built once (`Finetuned.model`) and every artifact swapped into it; each
+    Each record carries its language's chance level (tasks.chance_levels) and the warnings of
+    the runs behind it (`finetune_warnings`: a fine-tune at chance, untrained positions). Each
+    run's model is built once (`Finetuned.model`) and every artifact swapped into it; each
     evaluation set is encoded and put on the device once per (tokenizer, language)."""
     paths = artifact_dirs(artifacts)  # the cheap check first
     runs = [load_finetuned(r) for r in finetuned]
-    primaries = {str(Path(r.run["primary"]["run_dir"]).resolve()) for r in runs}
-    tasks = {r.task.name for r in runs}
-    if len(primaries) > 1 or len(tasks) > 1:
+    primary = finetuned_primary_ref(runs[0])
+    if not all(finetuned_primary_ref(r).same(primary) for r in runs) or len({r.task.name for r in runs}) > 1:
         raise ValueError("--finetuned runs must share one primary model and task (one per seed)")
-    primary = primaries.pop()
     changes = {**({} if eval_batch_tokens is None else {"eval_batch_tokens": eval_batch_tokens}),
                **(cfg_override or {})}
     cfgs = [recorded_config(ft, **changes) for ft in runs]
+    warnings = []
+    for r, ft, cfg in zip(finetuned, runs, cfgs):
+        positions = position_warning(ft, cfg)
+        # A warning Step 3 recorded about positions is the same one: keep it once.
+        mine = [w for w in ft.run.get("warnings", []) if w != positions] + ([positions] if positions else [])
+        warnings += [f"{r}: {w}" for w in mine]
+    for w in warnings:
+        print(f"warning: {w}", flush=True)
 
     # The first run's settings read the evaluation files (your own task's columns) and name the
     # headline; every metric is recorded, averaged over the seeds.
@@ -370,15 +413,17 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     records, examples, sets = [], {}, {}
     for path in paths:
         emb, tok, meta = read_artifact(path)
-        if str(artifact_primary(meta).resolve()) != primary:
+        if not artifact_primary_ref(meta).same(primary):
             raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, but the "
-                             f"fine-tuned runs start from {primary}: evaluate them with that model's runs")
+                             f"fine-tuned runs start from {primary.run_dir}"
+                             + (" (their weights differ)" if primary.fingerprint and meta.get("primary_fingerprint")
+                                else "") + ": evaluate them with that model's runs")
         lang = meta["lang"]
         if lang not in examples:
             examples[lang] = read_examples(task, eval_spec, lang, "test", cfgs[0], labels)
         # Every artifact of an adapt run carries a copy of one tokenizer: known by its content.
         tokenizer = file_sha256(tok)
-        seeds = []
+        seeds, keys = [], []
         for ft, cfg in zip(runs, cfgs):
             model = ft.model()
             key = (tokenizer, lang, tuple(ft.labels), cfg.seq_length, cfg.doc_stride, cfg.max_query_length,
@@ -388,11 +433,14 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
             # On the device in the model's dtype after the first seed: one copy for all of them.
             emb = {"word_embeddings": artifact_embeddings(emb, model.get_parameter(WORD))}
             seeds.append(score_set(ft, sets[key], cfg, emb))
-        chance = majority_share(examples[lang]) if task.kind == "classify" and metric == "accuracy" else None
+            keys.append(key)
+        # The chance level of this language's evaluation rows, as the first run encodes them.
+        chance = chance_levels(task, sets[keys[0]].enc, examples[lang], labels, cfgs[0]) or {"chance": None}
         records.append({**record_base(meta, task.name), "metric": metric,
                         "score": sum(s[metric] for s in seeds) / len(seeds),
                         "scores": {k: sum(s[k] for s in seeds) / len(seeds) for k in seeds[0]},
-                        "seed_scores": [s[metric] for s in seeds], "chance": chance, "artifact": str(path)})
+                        "seed_scores": [s[metric] for s in seeds], **chance, "artifact": str(path),
+                        **({"finetune_warnings": warnings} if warnings else {})})
     return records
 
 

@@ -98,6 +98,11 @@ class ModelFamily:
         artifact may hold (embeddings.pt)."""
         return {"word_embeddings": WORD}
 
+    def output_biases(self, cfg: ModelConfig) -> tuple[str, ...]:
+        """The output bias [V] of every LM head of `cfg` (build_lm names): what Step 1 starts at
+        the training text's log-frequencies with ModelConfig.output_bias_init unigram. None here."""
+        return ()
+
     def finetune_trainable(self, cfg: ModelConfig) -> tuple[str, ...]:
         """build_task_model names (or prefixes ending in ".") that Step 3 trains: everything but
         the word embeddings."""

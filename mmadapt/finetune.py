@@ -19,12 +19,15 @@ import math
 import os
 from pathlib import Path
 
+import torch
+
 from mmadapt import checkpoint, parallel
 from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.features import Encoded
 from mmadapt.models import get_family
-from mmadapt.run import RUN_FILE, RUN_TOKENIZER, RunSpec, load_weights, read_run
+from mmadapt.run import RUN_FILE, RUN_TOKENIZER, RunSpec, load_weights, pretrained_blocks, read_run
 from mmadapt.tasks import Task, encode, headline, label_names, read_examples
+from mmadapt.tokens import IGNORE_INDEX
 from mmadapt.tokenizer import load as load_tokenizer
 
 
@@ -68,6 +71,9 @@ class TaskData:
         self.enc: Encoded = encode(self.task, sp, examples, self.labels, cfg)
         self.eval_examples = (read_examples(self.task, self.eval_file, self.source_lang, "test", cfg, self.labels)
                               if self.eval_file else None)
+        # After the data's own checks: a file's mistake is named before the length is.
+        self.positions = check_positions(self.primary, read_run(self.primary), cfg.seq_length,
+                                         cfg.allow_untrained_positions)
         dp = parallel.launched_world_size() // model.tensor_model_parallel_size
         self.updates = max(1, math.ceil(cfg.epochs * len(self.enc) / cfg.global_batch(dp)))
         return {"task": self.task.name, "labels": self.labels, "metric": self.metric, "source_lang": self.source_lang,
@@ -79,3 +85,60 @@ class TaskData:
 
     def prepare(self, run: RunSpec, model: ModelConfig, cfg: FinetuneConfig) -> "TaskData":
         return self
+
+
+# --- what Step 3 refuses or warns about ----------------------------------------------------------------
+
+def check_positions(primary: Path, src: dict, seq_length: int, allow: bool) -> str | None:
+    """A `seq_length` within the blocks the primary model of the Step-1 record `src` was
+    pretrained on: None. Longer: a ValueError naming both numbers, or with `allow` the warning
+    to log (the positions past its blocks were never trained: a RoBERTa's position embeddings
+    there are their random init)."""
+    blocks = pretrained_blocks(src)
+    if blocks is None or seq_length <= blocks:
+        return None
+    what = (f"seq_length {seq_length} is longer than the {blocks}-piece blocks {primary} was pretrained on: "
+            f"positions {blocks + 1}-{seq_length} were never trained")
+    if not allow:
+        raise ValueError(f"--{what}; pass --seq_length {blocks} or less (or --allow_untrained_positions true to "
+                         "use them anyway, with a warning)")
+    return what
+
+
+# z of a two-sided 95% interval: a score inside the chance predictor's interval is noise.
+CHANCE_Z = 1.96
+
+
+def label_counts(task: Task, enc: Encoded, labels: list[str]) -> list[int]:
+    """How often each of `labels` is a training target in `enc` (classify: rows; tag: scored
+    tokens; QA: none)."""
+    if task.kind == "span":
+        return []
+    gold = enc.labels if task.kind == "classify" else enc.labels[enc.labels.ne(IGNORE_INDEX)]
+    return torch.bincount(gold, minlength=len(labels))[:len(labels)].tolist()
+
+
+def at_chance(kind: str, counts: list[int], losses: list[float], accuracy: float | None,
+              chance: dict | None) -> list[str]:
+    """Why a fine-tune looks like it learned nothing (classify and tag; [] when it did, or for QA):
+    its lowest logged training loss is not below the chance loss, the entropy of its training
+    labels `counts` (ln C for C balanced classes: the loss of predicting the label frequencies,
+    which the head's bias learns without reading the input), or its source-language `accuracy`
+    (percent) is not above the binomial 95% interval of the majority predictor's accuracy p on
+    its n scored items (`tasks.chance_levels`: p + 1.96 sqrt(p (1 - p) / n))."""
+    if kind == "span":
+        return []
+    out = []
+    total = sum(counts)
+    chance_loss = -sum(c / total * math.log(c / total) for c in counts if c) if total else 0.0
+    if losses and min(losses) >= chance_loss:
+        out.append(f"the training loss never dropped below the chance loss {chance_loss:.3f} (the entropy of the "
+                   f"training labels; ln {len(counts)} = {math.log(len(counts)):.3f} for balanced classes; lowest "
+                   f"logged {min(losses):.3f})")
+    if accuracy is not None and chance is not None:
+        p, n = chance["majority_accuracy"] / 100, chance["scored_items"]
+        bound = 100 * (p + CHANCE_Z * math.sqrt(p * (1 - p) / n))
+        if accuracy <= bound:
+            out.append(f"the source-language accuracy {accuracy:.1f} is not above chance beyond noise (the "
+                       f"majority label's {100 * p:.1f}, whose 95% interval on {n} items reaches {bound:.1f})")
+    return out

@@ -37,14 +37,14 @@ import torch
 from mmadapt.adapt import artifact_state, read_artifact, step2_start
 from mmadapt.config import ModelConfig, TrainConfig
 from mmadapt.data import OBJECTIVES, TEXT, TOKENIZER, VALID, file_sha256, read_manifest
-from mmadapt.evaluate import (artifact_dirs, artifact_embeddings, artifact_primary, device_of, on_eval_device,
-                              record_base, swapped, to_device)
+from mmadapt.evaluate import (PrimaryRef, artifact_dirs, artifact_embeddings, artifact_primary, artifact_primary_ref,
+                              device_of, on_eval_device, record_base, swapped, to_device)
 from mmadapt.family import WORD
 from mmadapt.models import get_family
 from mmadapt.models.layers import Padding, derive_seed, masked_positions, new_rows_name
 from mmadapt.parallel import device
 from mmadapt.report import PLUGIN_TASKS
-from mmadapt.run import load_weights, read_run
+from mmadapt.run import load_weights, read_run, weights_fingerprint
 from mmadapt.tokens import MASK_ID
 
 METRIC = "contextual_gain"
@@ -54,7 +54,11 @@ UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: 
 def primary_head_state(primary_run: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The primary model with only its primary head (after its last layer), as a one-head
     config (dropout off) and state dict (that head renamed heads.heads.0.*)."""
-    cfg, state = load_weights(primary_run)
+    return primary_head(*load_weights(primary_run))
+
+
+def primary_head(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """`primary_head_state` of a run's full weights."""
     cfg, state = get_family(cfg).primary_model(cfg, state)
     return dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), state
 
@@ -163,16 +167,20 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     """Plug-in records of every artifact of `adapt_runs` (whose embeddings belong to the primary
     model of `primary_run`), scored on the validation split of `data_paths[lang]` (a prepared
     dataset whose tokenizer is the artifacts')."""
-    cfg, state = primary_head_state(primary_run)
+    full_cfg, full = load_weights(primary_run)
+    # Artifacts name their primary model by its weights' fingerprint (older ones by path).
+    primary = PrimaryRef(Path(primary_run), weights_fingerprint(full))
+    cfg, state = primary_head(full_cfg, full)
+    del full
     model = plugin_model(cfg, state)  # once: every artifact (and start) is swapped into it
     refs: dict[str, dict] = {}  # per language: batches (on the host and the device) and the unigram loss
     starts: dict[Path, float] = {}
     records = []
     for path in artifact_dirs(adapt_runs):
         emb, tok, meta = read_artifact(path)
-        if Path(artifact_primary(meta)).resolve() != Path(primary_run).resolve():
+        if not artifact_primary_ref(meta).same(primary):
             raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, not "
-                             f"{primary_run}")
+                             f"{primary_run}" + (" (their weights differ)" if meta.get("primary_fingerprint") else ""))
         lang = meta["lang"]
         if lang not in data_paths:
             raise ValueError(f"no held-out {lang} text: pass a prepared {lang} dataset with a validation split")

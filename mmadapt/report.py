@@ -116,10 +116,33 @@ def near_max_target(baseline_final: float) -> float:
 def mean_speedup(baseline: dict[str, float | None], system: dict[str, float | None]) -> tuple[float | None, int]:
     """Mean over languages of baseline_time / system_time (paper footnote 6: the mean of ratios,
     not the ratio of means). Languages where either never reaches the target are left out;
-    returns (mean or None, number of languages averaged)."""
+    returns (mean or None, number of languages averaged). `speedup_over` also counts the
+    languages a system never reaches: a mean over the others alone flatters it."""
     ratios = [baseline[k] / system[k] for k in baseline
               if baseline.get(k) is not None and system.get(k) is not None and system[k] > 0]
     return (sum(ratios) / len(ratios) if ratios else None), len(ratios)
+
+
+@dataclasses.dataclass
+class Speedup:
+    """A system's speedup over the baseline for one task: `mean` (mean_speedup) over the
+    `reached` languages where both reach the target, and the `never` languages where the
+    baseline reaches it and the system never does (no speedup there: it failed)."""
+    mean: float | None
+    reached: int
+    never: int
+
+    def __str__(self) -> str:
+        parts = [] if self.mean is None else [f"{self.mean:.2f}× ({self.reached} langs)"]
+        parts += [f"never in {self.never} of {self.reached + self.never} langs"] if self.never else []
+        return "; ".join(parts) or "-"
+
+
+def speedup_over(baseline: dict[str, float | None], system: dict[str, float | None]) -> Speedup:
+    """`mean_speedup`, with the languages where only the baseline reaches the target counted."""
+    mean, n = mean_speedup(baseline, system)
+    never = sum(1 for k in baseline if baseline[k] is not None and k in system and system[k] is None)
+    return Speedup(mean, n, never)
 
 
 def retention(system_avg: dict[str, float], baseline_avg: dict[str, float]) -> float:
@@ -165,6 +188,26 @@ def _score_format(task: str) -> str:
 def _chance(records: list[dict], task: str) -> float | None:
     vals = {r["chance"] for r in records if r["task"] == task and r.get("chance") is not None}
     return max(vals) if vals else None
+
+
+def chance_by_lang(records: list[dict], task: str, langs: list[str]) -> dict[str, float] | None:
+    """Each language's chance level of `task` (records' "chance": the majority class or tag of
+    that language's evaluation data, 1/candidates, or 0 for the plug-in metric), or None when
+    a language has none: gains over chance are then not shown."""
+    out = {lang: _chance([r for r in records if r["lang"] == lang], task) for lang in langs}
+    return None if any(v is None for v in out.values()) else out
+
+
+def finetune_warnings(records: list[dict], task: str) -> dict[str, list[str]]:
+    """system -> the warnings of the fine-tuned runs behind its `task` records (evaluate.py's
+    "finetune_warnings": a source-language score within noise of chance, a loss that never
+    dropped below the chance loss, untrained positions)."""
+    out: dict[str, list[str]] = {}
+    for r in records:
+        if r["task"] == task and r.get("finetune_warnings"):
+            mine = out.setdefault(r["system"], [])
+            mine += [w for w in r["finetune_warnings"] if w not in mine]
+    return out
 
 
 def ceiling_of(system: str) -> str:
@@ -229,33 +272,52 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
         f = _score_format(task)
         # Where the records know the chance level, what a system learned is its gain over it: the
         # share of BL_BASE's gain (and of its ceiling's, `<recipe>:full`, where one was run) says
-        # more than the ratio of scores that chance inflates.
-        floor = _chance(records, task)
-        with_ceiling = floor is not None and any(ceiling_of(s) in avg for s in task_systems)
-        extra = [] if floor is None else ["gain over chance", f"share of {baseline}'s gain"]
+        # more than the ratio of scores that chance inflates. Each language's own level (a
+        # majority tag differs between languages), averaged over the languages a system has.
+        floors = chance_by_lang(records, task, langs)
+        gain = {} if floors is None else \
+            {s: sum(v - floors[lang] for v, lang in zip(final[s], langs) if v is not None) / len(got[s])
+             if got[s] else math.nan for s in task_systems}
+        with_ceiling = floors is not None and any(ceiling_of(s) in avg for s in task_systems)
+        extra = [] if floors is None else ["gain over chance", f"share of {baseline}'s gain"]
         extra += ["share of the ceiling's gain"] if with_ceiling else []
-        out += [f"## {task}: score at the last checkpoint", "",
-                f"| system | Step-2 EFLOPs | {device} days | " + " | ".join(langs + ["avg", "retention"] + extra)
+        out += [f"## {task}: score at the last checkpoint", ""]
+        if floors is None:
+            out += ["No chance level in these records: retention is a ratio of raw scores, which a high chance "
+                    "level inflates.", ""]
+        else:
+            levels = sorted(set(floors.values()))
+            out += ["Chance level (the evaluation data's majority class or tag; 0 for the plug-in metric): "
+                    + ", ".join(f"{lang} {format(floors[lang], f)}" for lang in langs) + "."
+                    if len(levels) > 1 else f"Chance level: {format(levels[0], f)}.", ""]
+        out += [f"| system | Step-2 EFLOPs | {device} days | " + " | ".join(langs + ["avg", "retention"] + extra)
                 + " |", "|---" * (len(langs) + 5 + len(extra)) + "|"]
 
         def share(s: str, of: str) -> str:
-            whole = avg[of] - floor if of in avg else math.nan
-            return f"{100 * (avg[s] - floor) / whole:.0f}%" if whole > 0 else "-"
+            whole = gain.get(of, math.nan)
+            return f"{100 * gain[s] / whole:.0f}%" if whole > 0 else "-"
 
+        warned = finetune_warnings(records, task)
         for s in task_systems:
             ret = avg[s] / avg[baseline] if avg[baseline] else math.nan
-            cells = [] if floor is None else [format(avg[s] - floor, "+" + f), share(s, baseline)]
+            cells = [] if floors is None else [format(gain[s], "+" + f), share(s, baseline)]
             cells += [share(s, ceiling_of(s))] if with_ceiling else []
-            out.append(f"| {s} | {cost[s] / 1e18:.3g} | {device_days(cost[s], device):.3g} | " +
+            out.append(f"| {s}{' (!)' if s in warned else ''} | {cost[s] / 1e18:.3g} | "
+                       f"{device_days(cost[s], device):.3g} | " +
                        " | ".join(["-" if v is None else format(v, f) for v in final[s]]
                                   + [format(avg[s], f), f"{100 * ret:.1f}%"] + cells) + " |")
-        if floor is not None and avg[baseline] <= floor + NOISE[task if task in NOISE else "default"]:
+        for s, warnings in warned.items():
+            out += ["", f"(!) {s}: from fine-tuned runs that learned nothing measurable in the source language, so "
+                    f"its zero-shot scores say nothing about its embeddings: " + "; ".join(warnings)]
+        if floors is not None and gain[baseline] <= NOISE[task if task in NOISE else "default"]:
             out += ["", f"## {task}: {device} days to near-maximal performance: not meaningful here ({baseline}'s "
                     f"final average {format(avg[baseline], f)} is within noise of the chance level "
-                    f"{format(floor, f)})", ""]
+                    f"({format(gain[baseline], '+' + f)} over it)", ""]
             continue
+        # "never": the system's curve does not reach the target in that language. The speedup is
+        # the mean over the languages it does reach, and beside it how many it never reaches.
         out += ["", f"## {task}: {device} days to near-maximal performance (95% of {baseline}'s final score)", "",
-                "| system | " + " | ".join(langs) + " | speedup |", "|---" * (len(langs) + 2) + "|"]
+                "| system | " + " | ".join(langs) + " | speedup | never reaches |", "|---" * (len(langs) + 3) + "|"]
         base_times = _estimates(hits, baseline, task, langs)
         for s in task_systems:
             cells = []
@@ -264,9 +326,12 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
                     cells.append("-")
                     continue
                 hit = hits[(s, task, lang)]
-                cells.append("∞" if hit is None else f"{hit.estimate:.3g} ({hit.lower:.3g}–{hit.upper:.3g})")
-            speed, n = mean_speedup(base_times, _estimates(hits, s, task, langs))
-            cells.append("-" if speed is None else f"{speed:.2f}× ({n} langs)")
+                cells.append("never" if hit is None else f"{hit.estimate:.3g} ({hit.lower:.3g}–{hit.upper:.3g})")
+            mine = _estimates(hits, s, task, langs)
+            speed = speedup_over(base_times, mine)
+            missed = [lang for lang in langs if (s, task, lang) in hits and mine[lang] is None]
+            cells += ["-" if speed.mean is None else f"{speed.mean:.2f}× ({speed.reached} langs)",
+                      f"{len(missed)} ({', '.join(missed)})" if missed else "0"]
             out.append(f"| {s} | " + " | ".join(cells) + " |")
         out.append("")
     if len(tasks) > 1:  # the paper's single retention number (footnote 4): the mean of the per-task ones
@@ -333,29 +398,44 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> None:
     plt.close(fig)
 
 
-def speedups(records: list[dict], baseline: str = "bl_base", device: str = "v100-paper") -> dict[tuple[str, str], float]:
-    """(system, task) -> mean per-language speedup over `baseline` to near-maximal performance."""
+def speedup_table(records: list[dict], baseline: str = "bl_base", device: str = "v100-paper"
+                  ) -> dict[tuple[str, str], Speedup]:
+    """(system, task) -> its Speedup over `baseline` to near-maximal performance: the mean over
+    the languages it reaches, and how many it never reaches."""
     hits = near_max_hits(curves(records), baseline, device)
     out = {}
     for system, task in sorted({(k[0], k[1]) for k in hits if k[0] != baseline}):
         langs = sorted({k[2] for k in hits if k[1] == task})
-        mean, _ = mean_speedup(_estimates(hits, baseline, task, langs), _estimates(hits, system, task, langs))
-        if mean is not None:
-            out[(system, task)] = mean
+        out[(system, task)] = speedup_over(_estimates(hits, baseline, task, langs),
+                                           _estimates(hits, system, task, langs))
     return out
 
 
+def speedups(records: list[dict], baseline: str = "bl_base", device: str = "v100-paper") -> dict[tuple[str, str], float]:
+    """(system, task) -> mean per-language speedup over `baseline` to near-maximal performance,
+    over the languages where the system reaches it (speedup_table also counts the others)."""
+    return {k: v.mean for k, v in speedup_table(records, baseline, device).items() if v.mean is not None}
+
+
 def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: str = "v100-paper") -> None:
-    """Figure-1 style: mean per-language speedup over BL_BASE, grouped by task."""
+    """Figure-1 style: mean per-language speedup over BL_BASE, grouped by task; a system that
+    never reaches the target in some languages is marked above its bar ("never k/n")."""
     plt = _pyplot()
-    sp = speedups(records, baseline, device)
+    sp = speedup_table(records, baseline, device)
     tasks = sorted({t for _, t in sp})
     systems = sorted({s for s, _ in sp})
     fig, ax = plt.subplots(figsize=(1.2 + 1.4 * max(1, len(tasks)), 3.0))
     width = 0.8 / max(1, len(systems))
     for i, system in enumerate(systems):
         xs = [j + i * width for j in range(len(tasks))]
-        ax.bar(xs, [sp.get((system, t), 0.0) for t in tasks], width, label=system, color=COLORS.get(system))
+        got = [sp.get((system, t)) for t in tasks]
+        ax.bar(xs, [0.0 if g is None or g.mean is None else g.mean for g in got], width, label=system,
+               color=COLORS.get(system))
+        for x, g in zip(xs, got):
+            if g is not None and g.never:  # the bar is the mean over the other languages only
+                ax.annotate(f"never {g.never}/{g.reached + g.never}", (x, 0.0 if g.mean is None else g.mean),
+                            xytext=(0, 2), textcoords="offset points", ha="center", va="bottom", fontsize=6,
+                            rotation=90, color="darkred")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], tasks)
     ax.set_ylabel(f"speedup over {baseline}")
@@ -365,5 +445,5 @@ def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: s
     plt.close(fig)
 
 
-__all__ = ["DEVICE_TFLOPS", "PAPER", "Hit", "flops_rows", "paper_rows", "time_to_target", "mean_speedup",
-           "retention", "report_markdown", "speedups", "plot_curves", "plot_speedup"]
+__all__ = ["DEVICE_TFLOPS", "PAPER", "Hit", "Speedup", "flops_rows", "paper_rows", "time_to_target", "mean_speedup",
+           "speedup_over", "retention", "report_markdown", "speedups", "speedup_table", "plot_curves", "plot_speedup"]

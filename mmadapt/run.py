@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -246,6 +247,29 @@ def run_progress(run_dir: Path, iters: int) -> str:
 def run_model(run: dict) -> ModelConfig:
     """A record's model config (a run from before model families is a RoBERTa run)."""
     return ModelConfig(**run["model"])
+
+
+def pretrained_blocks(run: dict) -> int | None:
+    """The block length (pieces) a Step-1 record's model was pretrained on; None for an imported
+    model (its record has no schedule: max_position_embeddings is all that is known)."""
+    return run["train"]["seq_length"] if "train" in run else None
+
+
+def weights_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order: a model's
+    identity by its content, the same for a byte-identical copy of its run wherever it lives
+    (Step 4 matches primary models by it, not by their paths)."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def run_fingerprint(run_dir: str | os.PathLike, tag: str | None = None) -> str:
+    """`weights_fingerprint` of a Step-1 or Step-1b run's full weights at `tag` (load_weights)."""
+    return weights_fingerprint(load_weights(run_dir, tag)[1])
 
 
 def checkpoint_tag(run_dir: Path, tag: str | None) -> str:

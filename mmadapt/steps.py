@@ -39,17 +39,19 @@ from mmadapt.data import MANIFEST, TOKENIZER, EpochOrder, read_manifest, wait_fo
 from mmadapt.data import prepare as prepare_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.engine import LoopJob, build_engine, train_loop, trainable_by_names
-from mmadapt.evaluate import artifact_dirs, artifact_primary, evaluate_artifacts, evaluate_scores, load_finetuned
-from mmadapt.finetune import TaskData, is_finished, primary_state
+from mmadapt.evaluate import (artifact_dirs, artifact_primary, device_of, eval_set, evaluate_artifacts, load_finetuned,
+                              score_set)
+from mmadapt.finetune import TaskData, at_chance, check_positions, is_finished, label_counts
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.models import get_family
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.plugin import plugin_records, source_language_loss
-from mmadapt.run import (RUN_TOKENIZER, RunSpec, checkpoint_tag, load_checkpoint, load_weights, read_run, run_model, run_progress,
-                         start_run)
+from mmadapt.plugin import plugin_records, source_language_loss, unigram_logprobs
+from mmadapt.run import (RUN_TOKENIZER, RunSpec, checkpoint_tag, load_checkpoint, load_weights, pretrained_blocks,
+                         read_run, run_fingerprint, run_model, run_progress, start_run,
+                         weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
-from mmadapt.tasks import get_task
+from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.train import ExpandedText, LMJob, TextData, client_state, task_step, train_lm
 from mmadapt.vocab import Expansion, check_expansion, expand
@@ -108,7 +110,21 @@ def pretrain(run: RunSpec, step: Pretrain) -> list[dict]:
     run = _text_run(run)
     identity = {"recipe": step.recipe}
     with start_run(run, step.model, step.train, identity, TextData()) as started:
-        return train_lm(started, run, step.model, step.train)
+        return train_lm(started, run, step.model, step.train, init_state=_output_bias_start(step.model, started.data))
+
+
+def _output_bias_start(model: ModelConfig, data_path: Path) -> dict | None:
+    """ModelConfig.output_bias_init unigram: every head's output bias [V] at the log-frequencies
+    of the training text's pieces (the rest of the model keeps its seeded init: the engine
+    starts a trainable parameter the state lacks from the module's own). A model whose output is
+    the unigram distribution from the first update has no plateau to sit on: without it a
+    12 x 64 post-LayerNorm model spends its first updates mapping every input to one vector
+    that yields piece frequencies, and fine-tunes at chance from there (config.py, the tiny
+    preset)."""
+    if model.output_bias_init != "unigram":
+        return None
+    logp = unigram_logprobs(data_path, model.vocab_size)
+    return {name: logp.clone() for name in get_family(model).output_biases(model)}
 
 
 # --- Step 1b ----------------------------------------------------------------------------------------
@@ -262,11 +278,19 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             mini = MiniModelConfig(src["frozen_from"]["mini_layers"], src["frozen_from"]["new_layers"])
             artifact.update(mini_layers=mini.one_depth("build_minipost"), new_layers=mini.new_layers)
 
+        # The primary model these embeddings plug into (MINIPOST's: the run its mini-model was built
+        # from), known by its weights' fingerprint: Step 4 matches it by content, not by path.
+        primary_ref = src["frozen_from"] if system == "minipost" else {"run_dir": str(source), "tag": tag}
+        fingerprint = {}
+
         def save_artifact(update: int, ckpt_tag: str) -> None:
             sd = load_checkpoint(run.output_dir, ckpt_tag)  # fp32 master weights
             flops = seq_flops[False] * global_batch * update
+            if not fingerprint:  # once per invocation, on global rank 0 (which alone saves artifacts)
+                fingerprint["primary_fingerprint"] = run_fingerprint(primary_ref["run_dir"], primary_ref["tag"])
             meta = {**artifact, "step": update, "tokens": global_batch * train.seq_length * update, "flops": flops,
-                    "flops_paper": seq_flops[True] * global_batch * update, "v100_days": device_days(flops)}
+                    "flops_paper": seq_flops[True] * global_batch * update, "v100_days": device_days(flops),
+                    **fingerprint}
             write_artifact(run.output_dir / "embeddings" / ckpt_tag, _artifact_tensors(family, model, init, sd,
                                                                                         trainable), tokenizer, meta)
 
@@ -368,10 +392,20 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
     lr = cfg.lr or t.lr
     identity = {"step": "finetune", "primary": {"run_dir": str(primary), "tag": tag}, "lr": lr}
     with start_run(run, model_cfg, cfg, identity, data) as started:
-        started.record.write(run.resume)
-        # The model: primary weights, a seeded task head, word embeddings frozen.
+        # The primary model's fingerprint (its weights' content): what Step 4 matches the
+        # artifacts' primary model by, so that a copy of the run is the same model.
+        src_cfg, weights = load_weights(primary, tag)
+        fresh = parallel.is_rank0() and not (run.resume and started.record.exists())
+        started.record.write(run.resume, **({"primary": {**identity["primary"],
+                                                         "fingerprint": weights_fingerprint(weights)}}
+                                            if fresh else {}))
+        if data.positions and parallel.is_rank0():
+            print(f"warning: {data.positions}", flush=True)
+        # The model: primary weights (as primary_state gives them), a seeded task head, word
+        # embeddings frozen.
         parallel.seed_everything(cfg.seed)
-        _, state = primary_state(primary, tag)
+        state = family.task_state(src_cfg, weights)
+        del weights
         module = apply_fusion(family.build_task_model(model_cfg, t.kind, len(data.labels), cfg.seed), model_cfg)
         names = {n: n for n, _ in module.named_parameters()}
         engine, dims = build_engine(module, names, trainable_by_names(family.finetune_trainable(model_cfg)), cfg, lr,
@@ -386,13 +420,26 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
         if is_finished(run.output_dir):
             if parallel.is_rank0():
                 rows = [json.loads(line) for line in (run.output_dir / "metrics.jsonl").read_text().splitlines()]
-                results = {"final_loss": rows[-1]["loss"] if rows else None}
+                losses = [r["loss"] for r in rows if "loss" in r]
+                results = {"final_loss": losses[-1] if losses else None}
+                accuracy = chance = None
                 if data.eval_examples is not None:
                     # The source-language score of exactly the saved (fp32) model, on this rank alone:
                     # a TP=1 model needs no process group, so the others just wait.
-                    scores = evaluate_scores(load_finetuned(run.output_dir), data.eval_examples, cfg)
-                    results.update(source_score=scores[data.metric], source_scores=scores)
-                record = started.record.finish(**results)
+                    ft = load_finetuned(run.output_dir)
+                    evaluated = eval_set(t, load_tokenizer(ft.tokenizer), data.eval_examples, ft.labels, cfg,
+                                         device_of(ft.model()))
+                    scores = score_set(ft, evaluated, cfg)
+                    chance = chance_levels(t, evaluated.enc, data.eval_examples, ft.labels, cfg)
+                    accuracy = scores.get("accuracy")
+                    results.update(source_score=scores[data.metric], source_scores=scores, source_chance=chance)
+                # A run that learned nothing says so in its log, run.json and summary line, and
+                # Step 4 and `report` flag every record made from it.
+                warnings = ([data.positions] if data.positions else []) + \
+                    at_chance(t.kind, label_counts(t, data.enc, data.labels), losses, accuracy, chance)
+                for w in warnings:
+                    print(f"warning: {w}", flush=True)
+                record = started.record.finish(**results, warnings=warnings)
             dist.barrier()
         return record, engine.module
 
@@ -412,25 +459,34 @@ def _refuse_existing(output: Path | None) -> None:
 
 
 def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, output: Path | None = None,
-             eval_batch_tokens: int | None = None) -> list[dict]:
+             eval_batch_tokens: int | None = None, allow_untrained_positions: bool = False) -> list[dict]:
     """Step 4: zero-shot scores of every Step-2 artifact (or every artifact of an adapt run),
     averaged over the fine-tuned runs (seeds) of one primary model. Writes the records to
-    `output` (which must not exist) when given. eval_batch_tokens None: each run's own. Needs no
+    `output` (which must not exist) when given. eval_batch_tokens None: each run's own.
+    allow_untrained_positions: evaluate a run whose seq_length is past its primary model's
+    pretraining blocks (with a warning; else refused, unless Step 3 allowed it). Needs no
     process group."""
     _refuse_existing(output)
     records = evaluate_artifacts([Path(r) for r in finetuned], [Path(e) for e in embeddings], eval_file,
-                                 eval_batch_tokens)
+                                 eval_batch_tokens,
+                                 {"allow_untrained_positions": True} if allow_untrained_positions else None)
     return _write_records(records, output)
 
 
 def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Path | None = None,
-                    seq_length: int = 64, blocks: int = 256) -> list[dict]:
+                    seq_length: int | None = None, blocks: int = 256, allow_untrained_positions: bool = False
+                    ) -> list[dict]:
     """Step 4's plug-in metric (plugin.py): every artifact through `primary`'s primary head,
     scored on the validation split of the dataset `data` ({lang}: each artifact's language)
-    against the unigram reference. Writes the records to `output` (which must not exist) when
-    given. Needs no process group."""
+    against the unigram reference, in blocks of `seq_length` (default: the primary's pretraining
+    blocks, 64 for an imported model; longer ones only with allow_untrained_positions). Writes
+    the records to `output` (which must not exist) when given. Needs no process group."""
     _refuse_existing(output)
-    read_run(primary)
+    src = read_run(primary)
+    seq_length = seq_length or pretrained_blocks(src) or 64
+    positions = check_positions(Path(primary), src, seq_length, allow_untrained_positions)
+    if positions:
+        print(f"warning: {positions}", flush=True)
     langs = {read_artifact(p)[2]["lang"] for p in artifact_dirs([Path(e) for e in embeddings])}
     records = plugin_records(Path(primary), [Path(e) for e in embeddings],
                              {lang: Path(data.replace("{lang}", lang)) for lang in langs}, seq_length, blocks)

@@ -103,7 +103,7 @@ def sweep_markdown(summary: dict, source: str = "") -> str:
            f"| EFLOPs to {pct}% (bounds) |", "|---|---|---|---|---|---|---|---|"]
     for row in summary["rows"]:
         name = "full model" if row["mini_layers"] == CEILING else str(row["mini_layers"])
-        hit = "∞" if row["to_target"] is None else f"{_e(row['to_target'])} ({_e(row['lower'])}–{_e(row['upper'])})"
+        hit = "never" if row["to_target"] is None else f"{_e(row['to_target'])} ({_e(row['lower'])}–{_e(row['upper'])})"
         if not summary["meaningful"]:
             hit = "-"
         share = "-" if math.isnan(row["share"]) else f"{100 * row['share']:.0f}%"

@@ -21,6 +21,7 @@ from mmadapt.corpora import (GENRE_TEST_PER_CLASS, GENRE_TRAIN_PER_CLASS, TESTAM
 from mmadapt.features import Encoded, best_spans, chunk_f1, encode_classify, encode_span, encode_tag, is_bio, macro_f1
 from mmadapt.readers import (NLI_LABELS, PairExample, read_conll2003, read_conllu, read_nli, read_pawsx, read_squad,
                              read_tagged, read_texts, squad_scores)
+from mmadapt.tokens import IGNORE_INDEX
 
 
 def _read_genre(spec: str, lang: str, split: str, cfg: FinetuneConfig):
@@ -186,3 +187,23 @@ def majority_share(examples: list) -> float:
     """Accuracy (percent) of always predicting the most frequent gold label: the chance level."""
     gold = [ex[1] if isinstance(ex, tuple) else ex.label for ex in examples]
     return 100 * max(collections.Counter(map(str, gold)).values()) / len(gold)
+
+
+def chance_levels(task: Task, enc: Encoded, examples: list, labels: list[str], cfg: FinetuneConfig) -> dict | None:
+    """What a model that learned nothing scores on `encode`'s rows of an evaluation set
+    (classify and tag; None for QA, whose answers are spans):
+        chance             the headline metric (`headline`) of always predicting the most frequent
+                           gold label of these rows (a tag task: of its scored tokens), via `scores`
+        majority_accuracy  that predictor's accuracy, the rate `at_chance` tests a score against
+        uniform_accuracy   a uniform guess's expected accuracy, 100 / C for the C labels
+        scored_items       rows (classify) or scored tokens (tag): the binomial n
+    A tag no training example had (index C, scored as wrong) is never the predicted one."""
+    if task.kind == "span":
+        return None
+    gold = enc.labels if task.kind == "classify" else enc.labels[enc.labels.ne(IGNORE_INDEX)]
+    top = int(torch.bincount(gold, minlength=len(labels) + 1)[:len(labels)].argmax())
+    logits = torch.zeros(*enc.labels.shape, len(labels))  # classify [n, C]; tag [n, s, C]
+    logits[..., top] = 1.0
+    majority = scores(task, logits, enc, examples, labels, cfg)
+    return {"chance": majority[headline(task, labels, cfg)], "majority_accuracy": majority["accuracy"],
+            "uniform_accuracy": 100 / len(labels), "scored_items": len(gold)}

@@ -50,7 +50,8 @@ def test_the_demos_step1_reproduces_the_shipped_log(family, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, PRETRAIN, "--recipe", "bl_small", "--preset", FAMILY_PRESETS[family],
                            "--data_path", str(data), "--output_dir", str(out), "--vocab_size", str(SHIPPED_VOCAB),
-                           "--init_method_std", str(model.init_method_std), "--seq_length", str(cfg.seq_length),
+                           "--init_method_std", str(model.init_method_std), "--output_bias_init",
+                           model.output_bias_init, "--seq_length", str(cfg.seq_length),
                            "--train_micro_batch_size_per_gpu", str(cfg.pretrain_batch), "--lr", str(cfg.pretrain_lr),
                            "--train_iters", str(cfg.pretrain_iters), "--save_interval", str(cfg.pretrain_iters),
                            "--log_interval", "50", "--exit_interval", "50"],

@@ -19,7 +19,7 @@ from mmadapt.config import Layout
 from mmadapt.evaluate import evaluate_score, load_finetuned, predict, retrieval_records, swap_embeddings
 from mmadapt.family import WORD
 from mmadapt.parallel import init_parallel
-from mmadapt.run import RunSpec, load_weights
+from mmadapt.run import RunSpec, load_weights, run_fingerprint
 from mmadapt.tasks import encode, read_examples, score
 from mmadapt.tokenizer import load as load_sp
 
@@ -199,16 +199,29 @@ def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, t
     assert "| 100.0% |" in report.stdout.split("| minijoint:full |")[1].splitlines()[0]  # the baseline's own row
     assert "share of minijoint:full's gain" in report.stdout
 
-    # Embeddings trained for another primary model are refused, naming both.
+    # The primary model is known by its weights' fingerprint, recorded by Step 2 and Step 3: a
+    # byte-identical copy of the primary run is the same model, wherever it lives.
+    meta = json.loads((adapt / "embeddings" / "step00000004" / "meta.json").read_text())
+    assert meta["primary_fingerprint"] == run_fingerprint(primary_run) == load_finetuned(out).run["primary"]["fingerprint"]
     other = tmp_path / "other_primary"
     shutil.copytree(primary_run, other)
-    artifact = tmp_path / "foreign"
+    artifact = tmp_path / "moved"
     shutil.copytree(adapt / "embeddings" / "step00000004", artifact)
-    meta = json.loads((artifact / "meta.json").read_text())
     (artifact / "meta.json").write_text(json.dumps({**meta, "source": str(other)}))
-    bad = subprocess.run([*cmd[:5], str(artifact), "--eval_file", "bible", "--output", str(tmp_path / "r2.json")], cwd=REPO,
-                         capture_output=True, text=True, env=child_env(), timeout=300)
-    assert bad.returncode != 0 and "primary model" in bad.stderr and not (tmp_path / "r2.json").exists()
+    moved = subprocess.run([*cmd[:5], str(artifact), "--eval_file", "bible", "--output", str(tmp_path / "r1.json")],
+                           cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=300)
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    assert json.loads((tmp_path / "r1.json").read_text())[0]["score"] == pytest.approx(records[1]["score"])
+    # Embeddings trained for another primary model (another fingerprint; or, for an artifact
+    # written before fingerprints, another path) are refused, naming both.
+    for name, changed in (("foreign", {"primary_fingerprint": "0" * 64}), ("old", {"primary_fingerprint": None})):
+        shutil.copytree(artifact, tmp_path / name)
+        (tmp_path / name / "meta.json").write_text(json.dumps({**meta, "source": str(other), **changed}))
+        bad = subprocess.run([*cmd[:5], str(tmp_path / name), "--eval_file", "bible", "--output",
+                              str(tmp_path / f"{name}.json")], cwd=REPO, capture_output=True, text=True,
+                             env=child_env(), timeout=300)
+        assert bad.returncode == 2 and f"holds embeddings for the primary model {other}" in bad.stderr, bad.stderr
+        assert not (tmp_path / f"{name}.json").exists()
 
 
 def test_step3_stopped_and_resumed_equals_uninterrupted(primary_run, tmp_path):

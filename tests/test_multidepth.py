@@ -351,7 +351,7 @@ def test_sweep_picks_the_cheapest_depth_to_95_percent_of_the_best():
     assert rows[4]["flops_per_update"] == pytest.approx(0.2) and rows[2]["share"] == pytest.approx(0.6)
     assert s["cheapest"] == 4
     md = sweep_markdown(s)
-    assert "| 2 | 1e-19 | 20 | 2e-18 | +0.000 | +0.600 | 60% | ∞ |" in md
+    assert "| 2 | 1e-19 | 20 | 2e-18 | +0.000 | +0.600 | 60% | never |" in md
     assert "**Cheapest depth reaching 95% of the reference: N = 4**" in md
     # A ceiling (the full model) becomes the reference; the start point (compute 0) interpolates.
     s = summarize(_records({**curves, "full": (0.1, [(10.0, 1.2)])}))

@@ -6,6 +6,7 @@ the packaged Bible, and Step-4 records from it that `mmadapt report` reads."""
 import csv
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -13,15 +14,16 @@ import torch
 from conftest import REPO, base_args, run_pretrain
 from mmadapt import adapt as A
 from mmadapt import steps
-from mmadapt.cli import finetune_main, finetune_parser, report_main
+from mmadapt.cli import finetune_main, finetune_parser, finetune_summary, report_main
 from mmadapt.config import FinetuneConfig, Layout, override
 from mmadapt.corpora import bible_verses
 from mmadapt.features import Encoded, is_bio, macro_f1
 from mmadapt.family import WORD
 from mmadapt.parallel import init_parallel
 from mmadapt.readers import TaggedSentence, TextExample
-from mmadapt.run import RunSpec, load_weights
-from mmadapt.tasks import get_task, headline, label_names, read_examples, scores
+from mmadapt.run import RunSpec, load_weights, run_fingerprint
+from mmadapt.finetune import at_chance, label_counts
+from mmadapt.tasks import chance_levels, get_task, headline, label_names, read_examples, scores
 
 NO_DROPOUT = Layout(hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -133,19 +135,68 @@ def test_tagging_scores_chunk_f1_only_for_bio_tags():
         headline(t, ["DET", "NOUN"], FinetuneConfig(metric="chunk_f1"))
 
 
+
+# --- chance levels, and a fine-tune that learned nothing ----------------------------------------------
+
+def test_chance_levels_by_hand():
+    """The majority predictor's score under each metric, on the rows as encoded."""
+    cfg = FinetuneConfig()
+    # Classify: gold a a b c a -> always a: accuracy 3/5; macro-F1 over a, b, c: (2*3 / (2*3 + 2) + 0 + 0) / 3.
+    enc = Encoded(torch.ones(5, 4, dtype=torch.long), torch.tensor([0, 0, 1, 2, 0]))
+    got = chance_levels(get_task("classify"), enc, [], ["a", "b", "c"], cfg)
+    assert got == {"chance": pytest.approx(60.0), "majority_accuracy": pytest.approx(60.0),
+                   "uniform_accuracy": pytest.approx(100 / 3), "scored_items": 5}
+    macro = chance_levels(get_task("classify"), enc, [], ["a", "b", "c"], FinetuneConfig(metric="macro_f1"))
+    assert macro["chance"] == pytest.approx(100 * 0.75 / 3) and macro["majority_accuracy"] == pytest.approx(60.0)
+    # Tag: only the scored tokens (not -100) count; gold B-X O O O <unseen> (id 2) -> always O:
+    # 3 of 5, and no chunk predicted (chunk F1 0).
+    labels = torch.tensor([[-100, 0, 1, 1, -100], [-100, 1, 2, -100, -100]])
+    enc = Encoded(torch.ones(2, 5, dtype=torch.long), labels)
+    tag = chance_levels(get_task("tag"), enc, [], ["B-X", "O"], cfg)
+    assert tag == {"chance": pytest.approx(60.0), "majority_accuracy": pytest.approx(60.0),
+                   "uniform_accuracy": pytest.approx(50.0), "scored_items": 5}
+    assert chance_levels(get_task("tag"), enc, [], ["B-X", "O"], FinetuneConfig(metric="chunk_f1"))["chance"] == 0.0
+    # A tag the model cannot predict (unseen in training) is never the majority prediction: gold
+    # <unseen> x3, B-X, O -> the first seen tag with the top count, B-X: 1 of 5.
+    enc = Encoded(torch.ones(1, 6, dtype=torch.long), torch.tensor([[-100, 2, 2, 2, 0, 1]]))
+    assert chance_levels(get_task("tag"), enc, [], ["B-X", "O"], cfg)["majority_accuracy"] == pytest.approx(20.0)
+    assert chance_levels(get_task("mlqa"), enc, [], [], cfg) is None  # spans: no chance level
+
+
+def test_at_chance_by_hand():
+    """Balanced two classes: the chance loss is ln 2 = 0.6931; labels 3:1, the entropy
+    -(0.75 ln 0.75 + 0.25 ln 0.25) = 0.5623 (what predicting the frequencies costs). Majority 50%
+    on 200 items: 95% interval up to 50 + 1.96 * sqrt(0.25 / 200) * 100 = 56.93."""
+    chance = {"chance": 50.0, "majority_accuracy": 50.0, "uniform_accuracy": 50.0, "scored_items": 200}
+    both = at_chance("classify", [300, 300], [0.71, 0.6932], 55.0, chance)
+    assert [w.split(" (")[0] for w in both] == [
+        "the training loss never dropped below the chance loss 0.693",
+        "the source-language accuracy 55.0 is not above chance beyond noise"]
+    assert "whose 95% interval on 200 items reaches 56.9" in both[1]
+    assert at_chance("classify", [300, 300], [0.71, 0.60], 58.0, chance) == []
+    assert at_chance("classify", [300, 300], [0.71, 0.60], None, None) == []  # no evaluation file: the loss alone
+    # Imbalanced labels: below ln 2 is not enough, below their entropy is.
+    assert "chance loss 0.562" in at_chance("tag", [75, 25], [0.60, 0.57], None, None)[0]
+    assert at_chance("tag", [75, 25], [0.60, 0.55], None, None) == []
+    assert at_chance("span", [], [9.0], 0.0, None) == []
+
+
+def test_label_counts():
+    enc = Encoded(torch.ones(2, 4, dtype=torch.long), torch.tensor([[-100, 1, 1, 2], [-100, 0, -100, -100]]))
+    assert label_counts(get_task("tag"), enc, ["a", "b", "c"]) == [1, 2, 1]
+    enc = Encoded(torch.ones(3, 4, dtype=torch.long), torch.tensor([1, 1, 0]))
+    assert label_counts(get_task("classify"), enc, ["a", "b", "c"]) == [1, 2, 0]
+
 # --- bad input: one line, exit 2, nothing written -------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def fresh_primary(corpus, tokenizer, tmp_path_factory):
-    """A tiny MINIJOINT primary model one update from an init of std 0.07 (the demo's, for h = 64).
-
-    Not the session's `primary_run`: its 150 updates at the preset's std 0.02 put the 12 x 64
-    post-LayerNorm model on the unigram plateau, where its last layer is the same for every input
-    (std across verses ~1e-6, see README "The demo"), and fine-tuning from it stays at chance
-    whatever the label. A fresh model still passes its input up."""
+    """A tiny MINIJOINT primary model one update from the preset's init: the toy tasks were
+    tuned on it, and one update costs a second (the 150 updates of the session's `primary_run`
+    take half a minute: tests/test_tiny_preset.py fine-tunes from a 60-update preset model)."""
     out = tmp_path_factory.mktemp("fresh_primary")
     run_pretrain(1, *base_args(corpus, tokenizer, out, "--recipe", "minijoint", "--train_iters", "1",
-                               "--save_interval", "1", "--init_method_std", "0.07"))
+                               "--save_interval", "1"))
     return out
 
 
@@ -177,9 +228,11 @@ GOOD = "text,label\nWhat a fine day,pos\nA grim day,neg\n"
      "t.jsonl, row 1: 2 tokens but 1 tags: give one tag per token"),
     ("tag", ("t.jsonl", '{"tokens": ["a"], "tags": ["B-X"]}\n'), ("e.jsonl", '{"tokens": ["b"], "tags": ["I-Y"]}\n'),
      [], "e.jsonl has the label 'I-Y', which the model was not trained on (its labels: B-X)"),
+    ("classify", ("t.csv", GOOD), None, ["--seq_length", "128"],
+     "--seq_length 128 is longer than the 64-piece blocks"),
 ], ids=["missing_column", "unseen_eval_label", "empty_text", "empty_second_text", "no_rows", "empty_jsonl",
         "mixed_label_types", "unknown_extension", "no_label", "float_label", "bad_json_line", "pair_column_for_classify",
-        "metric_for_kind", "tags_per_token", "unseen_eval_tag"])
+        "metric_for_kind", "tags_per_token", "unseen_eval_tag", "seq_length_past_pretraining"])
 def test_bad_input_is_one_error_line_and_writes_nothing(fresh_primary, tmp_path, capsys, task, train, evaluation,
                                                          extra, message):
     paths = []
@@ -193,6 +246,43 @@ def test_bad_input_is_one_error_line_and_writes_nothing(fresh_primary, tmp_path,
     assert err.startswith("error: ") and message in err, err
     assert len(err.splitlines()) == 1, err
     assert not out.exists()
+
+
+
+def test_positions_past_the_pretraining_blocks_only_when_allowed(fresh_primary, tmp_path, capsys):
+    """fresh_primary was pretrained on 64-piece blocks. --allow_untrained_positions fine-tunes
+    at 96 with a warning in the log and run.json; Step 4 then evaluates the run (its record
+    allows it) with the warning on every record. A run recorded without the allowance (as runs
+    before the check were) is refused by Step 4 unless its flag is given; the plug-in metric
+    defaults to the primary's block length and refuses a longer one."""
+    init_parallel(1, 1)
+    write(tmp_path / "t.csv", GOOD)
+    out = tmp_path / "long"
+    capsys.readouterr()
+    assert finetune_main(["--task", "classify", "--primary", str(fresh_primary), "--train_file", str(tmp_path / "t.csv"),
+                          "--seq_length", "96", "--allow_untrained_positions", "true", "--output_dir", str(out),
+                          "--ds_config", str(REPO / "ds_configs" / "zero0.json")]) == 0
+    what = f"seq_length 96 is longer than the 64-piece blocks {fresh_primary} was pretrained on: positions 65-96 " \
+           "were never trained"
+    log = capsys.readouterr().out
+    assert f"warning: {what}" in log and what in log.splitlines()[-1]  # the summary line too
+    run = json.loads((out / "run.json").read_text())
+    assert run["warnings"][0] == what and run["finetune"]["allow_untrained_positions"] is True
+
+    english = load_weights(fresh_primary)[1][WORD]
+    art = _artifact(tmp_path / "en", "bl_base", "en", english, fresh_primary / "tokenizer" / "spm.model",
+                    fresh_primary, 1)
+    records = steps.evaluate([out], embeddings=[art], eval_file=str(tmp_path / "t.csv"))
+    assert records[0]["finetune_warnings"][0] == f"{out}: {what}"
+    (out / "run.json").write_text(json.dumps({**run, "finetune": {**run["finetune"], "allow_untrained_positions": False},
+                                              "warnings": []}))
+    with pytest.raises(ValueError, match="--seq_length 96 is longer than the 64-piece blocks .* pass --seq_length 64 "
+                                         "or less"):
+        steps.evaluate([out], embeddings=[art], eval_file=str(tmp_path / "t.csv"))
+    allowed = steps.evaluate([out], embeddings=[art], eval_file=str(tmp_path / "t.csv"), allow_untrained_positions=True)
+    assert allowed[0]["finetune_warnings"] == [f"{out}: {what}"]
+    with pytest.raises(ValueError, match="--seq_length 128 is longer than the 64-piece blocks"):
+        steps.evaluate_plugin(fresh_primary, embeddings=[art], data=str(tmp_path / "none"), seq_length=128)
 
 
 # --- a learnable toy task, Step 3 and Step 4 ---------------------------------------------------------------
@@ -251,6 +341,36 @@ def test_the_toy_task_is_learned(toy_run):
     # Balanced held-out classes, chance 50%; 200 verses put chance + 3 std at about 61%.
     assert acc > 65, run["source_scores"]
     assert f1 > 60, run["source_scores"]  # balanced classes: near accuracy unless one class swallows the other
+    # Learned: no warning in the record or on the summary line, which shows the chance level.
+    assert run["source_chance"] == {"chance": 50.0, "majority_accuracy": 50.0, "uniform_accuracy": 50.0,
+                                    "scored_items": 200}
+    assert run["warnings"] == [] and summary["warnings"] == []
+    line = finetune_summary(run, d / "ft")
+    assert f"en accuracy {acc:.1f} (chance 50.0)" in line and "WARNING" not in line
+
+
+def test_a_fine_tune_on_shuffled_labels_is_flagged_at_chance(toy_run, fresh_primary, capsys):
+    """The toy task's training verses with their labels shuffled (the same held-out file, true
+    labels): nothing to learn, so the run warns in its log, its run.json and its summary line."""
+    d, _ = toy_run
+    rows = list(csv.reader(open(d / "train.csv", encoding="utf-8")))
+    labels = [r[2] for r in rows[1:]]
+    random.Random(1).shuffle(labels)
+    write_csv(d / "shuffled.csv", rows[0], [[*r[:2], lab] for r, lab in zip(rows[1:], labels)])
+    capsys.readouterr()
+    out = d / "ft-shuffled"
+    assert finetune_main(["--task", "classify", "--primary", str(fresh_primary), "--train_file", str(d / "shuffled.csv"),
+                          "--eval_file", str(d / "verses.{lang}.csv"), "--text_column", "verse", "--label_column",
+                          "names_the_lord", "--seq_length", "48", "--train_micro_batch_size_per_gpu", "16",
+                          "--epochs", "1", "--lr", "5e-4", "--log_interval", "1", "--hidden_dropout", "0",
+                          "--attention_dropout", "0", "--ds_config", str(REPO / "ds_configs" / "zero0.json"),
+                          "--output_dir", str(out)]) == 0
+    log = capsys.readouterr().out
+    run = json.loads((out / "run.json").read_text())
+    assert any("not above chance beyond noise" in w for w in run["warnings"]), run["warnings"]
+    done = next(line for line in log.splitlines() if line.startswith("done: "))
+    assert "(chance 50.0); model in" in done and "; WARNING: " in done and run["warnings"][0] in done
+    assert all(f"warning: {w}" in log for w in run["warnings"])
 
 
 def _artifact(path, system, lang, emb, tokenizer, source, step):
@@ -282,6 +402,22 @@ def test_zero_shot_records_go_into_the_report(toy_run, fresh_primary, de_tokeniz
     assert report_main([str(out), "--baseline", "minijoint:full"]) == 0
     assert "## classify: score at the last checkpoint" in capsys.readouterr().out
 
+    # Step 4 knows the primary model by its weights' fingerprint (Step 3 recorded it): English
+    # embeddings whose artifact names a byte-identical copy of the primary run are the same
+    # model's, and score as before; without a fingerprint (older artifacts) the path decides.
+    assert run["primary"]["fingerprint"] == run_fingerprint(fresh_primary)
+    copy = tmp_path / "copy_of_primary"
+    shutil.copytree(fresh_primary, copy)
+    moved = _artifact(tmp_path / "en-copy", "bl_base", "en", english, copy / "tokenizer" / "spm.model", copy, 1)
+    meta = json.loads((moved / "meta.json").read_text())
+    (moved / "meta.json").write_text(json.dumps({**meta, "primary_fingerprint": run_fingerprint(copy)}))
+    again = steps.evaluate([d / "ft"], embeddings=[moved], eval_file=str(d / "verses.{lang}.csv"))
+    assert again[0]["score"] == pytest.approx(run["source_score"])
+    (moved / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=f"holds embeddings for the primary model {copy}, but the fine-tuned runs "
+                                         f"start from {fresh_primary}: evaluate them"):
+        steps.evaluate([d / "ft"], embeddings=[moved], eval_file=str(d / "verses.{lang}.csv"))
+
     # A target file with a class the run never saw is refused by name, and no records are written.
     write_csv(tmp_path / "bad.de.csv", ["verse", "names_the_lord"], [["Im Anfang", "lord"], ["Und Gott", "god"]])
     with pytest.raises(ValueError, match="bad.de.csv has the label 'god', which the model was not trained on"):
@@ -310,3 +446,59 @@ def test_tagging_end_to_end_with_bio_tags(fresh_primary, tmp_path):
     assert summary["labels"] == ["B-LORD", "O"] and summary["updates"] == 4
     assert set(summary["source_scores"]) == {"accuracy", "chunk_f1"}
     assert summary["source_score"] == summary["source_scores"]["accuracy"]
+    # The source-language score of 4 updates is the majority tag's: the run says so.
+    assert summary["source_chance"]["chance"] == summary["source_scores"]["accuracy"]
+    assert any("not above chance beyond noise" in w for w in summary["warnings"]), summary["warnings"]
+
+
+def test_a_tagging_record_carries_its_majority_tag_rate(fresh_primary, de_tokenizer, tmp_path, capsys):
+    """Step 4 on a tagging file per language: each record carries the majority tag's rate of its
+    own language's file (counted here from the file: every word of these 8-word sentences is
+    scored), the uniform rate, and the warnings of the fine-tune behind it (4 updates: at chance);
+    `mmadapt report`'s table for the task has the gain-over-chance columns and marks the system."""
+    init_parallel(1, 1)
+
+    def tagged(lang: str, book: int, lord: tuple) -> list[dict]:
+        rows = []
+        for _, _, _, text in bible_verses(lang, range(book, book + 1)):
+            words = text.split()[:8]
+            rows.append({"tokens": words, "tags": ["B-LORD" if w.strip(",.;:") in lord else "O" for w in words]})
+        return rows[:80]
+
+    write_jsonl(tmp_path / "train.jsonl", tagged("en", 1, ("LORD",)))
+    # The German file tags Mose too: aligned verses would otherwise give both files the same rate.
+    files = {"en": tagged("en", 2, ("LORD",)), "de": tagged("de", 2, ("HERR", "HERRN", "Mose"))}
+    for lang, rows in files.items():
+        write_jsonl(tmp_path / f"tags.{lang}.jsonl", rows)
+    cfg = FinetuneConfig(seq_length=48, train_micro_batch_size_per_gpu=16, epochs=0.5, lr=5e-4, log_interval=1)
+    summary, _ = steps.finetune(run=RunSpec(output_dir=tmp_path / "ft", ds_config=REPO / "ds_configs" / "zero0.json",
+                                            layout=NO_DROPOUT),
+                                step=steps.Finetune(task="tag", primary=fresh_primary, cfg=cfg,
+                                                    train_file=str(tmp_path / "train.jsonl"),
+                                                    eval_file=str(tmp_path / "tags.{lang}.jsonl")))
+    assert summary["updates"] == 3 and summary["warnings"]
+    english = load_weights(fresh_primary)[1][WORD]
+    german = torch.randn(1000, english.shape[1], generator=torch.Generator().manual_seed(0)) * 0.07
+    arts = [_artifact(tmp_path / "en", "bl_base", "en", english, fresh_primary / "tokenizer" / "spm.model",
+                      fresh_primary, 1),
+            _artifact(tmp_path / "de", "bl_base", "de", german, de_tokenizer, fresh_primary, 1)]
+    capsys.readouterr()
+    records = steps.evaluate([tmp_path / "ft"], embeddings=arts, eval_file=str(tmp_path / "tags.{lang}.jsonl"),
+                             output=tmp_path / "records.json")
+    assert "warning: " in capsys.readouterr().out
+    for r in records:
+        tags = [t for row in files[r["lang"]] for t in row["tags"]]
+        majority = 100 * max(tags.count("O"), tags.count("B-LORD")) / len(tags)
+        assert r["metric"] == "accuracy" and r["chance"] == pytest.approx(majority)
+        assert r["majority_accuracy"] == pytest.approx(majority) and r["uniform_accuracy"] == 50.0
+        assert r["scored_items"] == len(tags)
+        assert r["finetune_warnings"] == [f"{tmp_path / 'ft'}: {w}" for w in summary["warnings"]]
+    en, de = sorted(records, key=lambda r: r["lang"], reverse=True)
+    assert en["chance"] != de["chance"]  # each language's own file
+    capsys.readouterr()
+    assert report_main([str(tmp_path / "records.json"), "--baseline", "minijoint:full"]) == 0
+    md = capsys.readouterr().out
+    assert ("| system | Step-2 EFLOPs | v100-paper days | de | en | avg | retention | gain over chance | "
+            "share of minijoint:full's gain |") in md
+    assert f"de {de['chance']:.1f}, en {en['chance']:.1f}." in md
+    assert "| minijoint:full (!) |" in md and "(!) minijoint:full: from fine-tuned runs that learned nothing" in md

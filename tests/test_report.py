@@ -132,3 +132,63 @@ def test_task_table_gives_gains_over_chance_and_the_share_of_the_ceilings():
     assert "ceiling's gain" not in report_markdown(records[:4])
     assert "gain over chance" not in report_markdown([{k: v for k, v in r.items() if k != "chance"}
                                                       for r in records])
+
+
+def test_a_language_never_reached_is_shown_as_never_beside_the_speedup(tmp_path):
+    """MINIJOINT reaches the target in de (3.4 / 1.5 days, as above) and never in fr (target
+    47.5, it ends at 45): its speedup is the mean over de alone, and the table, the speedup
+    summary and the plot say that fr was never reached instead of leaving it out."""
+    day = 2.592e18
+    records = []
+    for lang, (b1, b2, m1, m2) in {"de": (50, 60, 56, 58), "fr": (40, 50, 44, 45)}.items():
+        records += [{"system": "bl_base", "task": "genre", "lang": lang, "step": i, "flops": x * day, "score": y}
+                    for i, (x, y) in enumerate([(2, b1), (4, b2)])]
+        records += [{"system": "minijoint", "task": "genre", "lang": lang, "step": i, "flops": x * day, "score": y}
+                    for i, (x, y) in enumerate([(1, m1), (2, m2)])]
+    md = report_markdown(records)
+    assert "| system | de | fr | speedup | never reaches |" in md
+    assert "| minijoint | 1.5 (1–2) | never | 2.27× (1 langs) | 1 (fr) |" in md
+    assert "| bl_base | 3.4 (2–4) | 3.5 (2–4) | 1.00× (2 langs) | 0 |" in md
+    from mmadapt.report import Speedup, plot_speedup, speedup_table, speedups
+
+    got = speedup_table(records)[("minijoint", "genre")]
+    assert got == Speedup(pytest.approx(3.4 / 1.5), 1, 1)
+    assert str(got) == "2.27× (1 langs); never in 1 of 2 langs"
+    assert speedups(records) == {("minijoint", "genre"): pytest.approx(3.4 / 1.5)}
+    # Never reached anywhere: no mean at all, only the count.
+    nowhere = [r for r in records if not (r["system"] == "minijoint" and r["lang"] == "de")]
+    nowhere += [{**r, "score": 50.0} for r in records if r["system"] == "minijoint" and r["lang"] == "de"]
+    assert str(speedup_table(nowhere)[("minijoint", "genre")]) == "never in 2 of 2 langs"
+    assert "| minijoint | never | never | - | 2 (de, fr) |" in report_markdown(nowhere)
+    plot_speedup(records, tmp_path / "s.png")  # marks the bar "never 1/2"
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_gain_over_chance_uses_each_languages_own_chance_level():
+    """A tagging task whose majority tag differs between languages (de 20, fr 30): each
+    language's gain is over its own level. BL_BASE (40 - 20 + 50 - 30) / 2 = 20; MINIJOINT
+    (30 - 20 + 45 - 30) / 2 = 12.5 -> 62% of BL_BASE's, where one level for both (the higher,
+    30, as the report took before) would give 7.5 / 15 = 50%; the raw retention is 37.5 / 45."""
+    rec = [("bl_base", "de", 40.0, 20.0), ("bl_base", "fr", 50.0, 30.0), ("minijoint", "de", 30.0, 20.0),
+           ("minijoint", "fr", 45.0, 30.0)]
+    records = [{"system": s, "task": "tag", "lang": l, "step": 1, "flops": 1e18, "score": v, "chance": c}
+               for s, l, v, c in rec]
+    md = report_markdown(records)
+    assert "Chance level (the evaluation data's majority class or tag; 0 for the plug-in metric): de 20.0, fr 30.0." \
+        in md
+    assert "| bl_base | 1 | 0.386 | 40.0 | 50.0 | 45.0 | 100.0% | +20.0 | 100% |" in md
+    assert "| minijoint | 1 | 0.386 | 30.0 | 45.0 | 37.5 | 83.3% | +12.5 | 62% |" in md
+    # A language without a chance level: no gain columns, and the table says why.
+    md = report_markdown([{**r, "chance": None} if r["lang"] == "fr" else r for r in records])
+    assert "gain over chance" not in md and "No chance level in these records" in md
+
+
+def test_records_from_a_fine_tune_at_chance_are_flagged():
+    records = [{"system": s, "task": "genre", "lang": "de", "step": 1, "flops": 1e18, "score": v, "chance": 20.0}
+               for s, v in [("bl_base", 40.0), ("minijoint", 21.0)]]
+    records[1]["finetune_warnings"] = ["runs/ft/mj: the source-language accuracy 20.4 is not above chance beyond noise"]
+    md = report_markdown(records)
+    assert "| minijoint (!) | 1 | 0.386 | 21.0 | 21.0 | 52.5% | +1.0 | 5% |" in md
+    assert ("(!) minijoint: from fine-tuned runs that learned nothing measurable in the source language, so its "
+            "zero-shot scores say nothing about its embeddings: runs/ft/mj: the source-language accuracy 20.4") in md
+    assert "| bl_base | 1 |" in md  # its own runs were fine

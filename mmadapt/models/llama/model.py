@@ -49,6 +49,9 @@ def validated(config: ModelConfig) -> ModelConfig:
     if config.attention_impl == "varlen":
         raise ValueError("attention_impl 'varlen' is the encoder's way around padding; for the decoder use sdpa: "
                          "causal attention on right-padded rows needs no mask")
+    if config.output_bias_init != "zeros":
+        raise ValueError(f"output_bias_init {config.output_bias_init} starts an MLM head's output bias; the llama "
+                         "family's LM head has none: drop it")
     return config
 
 

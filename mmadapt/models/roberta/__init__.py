@@ -58,6 +58,9 @@ class RobertaFamily(ModelFamily):
     def artifact_keys(self) -> dict[str, str]:
         return {"word_embeddings": WORD, "output_bias": BIAS}
 
+    def output_biases(self, cfg: ModelConfig) -> tuple[str, ...]:
+        return tuple(f"heads.heads.{i}.bias" for i in range(len(cfg.heads_after)))
+
     def finetune_trainable(self, cfg: ModelConfig) -> tuple[str, ...]:
         # The body (positions and embedding LayerNorm included: they are language-independent)
         # and the task head.
