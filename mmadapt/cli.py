@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import functools
 import json
 import os
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 
-from mmadapt import faults, parallel, steps
+from mmadapt import faults, parallel, predict, steps
 from mmadapt.config import (DEFAULT_DS_CONFIG, FAMILY_PRESETS, LAYOUT_FIELDS, PRESETS, RECIPES, SYSTEMS,
                             FinetuneConfig, Layout, MiniModelConfig, ModelConfig, Parser, PreprocessConfig,
                             TrainConfig, add_dataclass_args, apply_recipe, override)
@@ -363,6 +365,44 @@ def evaluate_main(argv=None) -> int:
     return 0
 
 
+def predict_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="mmadapt predict", description="Look at a run's predictions on your texts, one JSON object per "
+               "input line (mmadapt/predict.py is the Python API behind it). A pretrain, build_minipost or import-hf "
+               "run: the encoder's top pieces at each <mask> of a text, the decoder's top next pieces after it; "
+               "with --embeddings, the run's primary model with a Step-2 artifact swapped in. A fine-tuning run: its "
+               "label and probabilities (classify, pair), a tag per word (tag) or the answer (QA).")
+    p.add_argument("--run", required=True, help="a pretrain, build_minipost, import-hf or finetune run directory")
+    p.add_argument("--embeddings", help="a Step-2 artifact (<adapt run>/embeddings/<tag>) swapped in: the target "
+                   "language's embeddings and tokenizer (zero-shot)")
+    p.add_argument("--input", default="-", help="one input per line (default: stdin): a text (tag: its words "
+                   "separated by spaces), or for pair and QA models two fields separated by a tab (text TAB text_pair; "
+                   "question TAB context); a .jsonl file: one object per line with those keys")
+    p.add_argument("--jsonl", action="store_true", help="the input is JSON Lines whatever its name (stdin included)")
+    p.add_argument("--output", help="write the JSON Lines here (must not exist yet; default: stdout)")
+    p.add_argument("--top_k", type=int, default=5, help="language models: pieces listed per position")
+    p.add_argument("--tag", help="a language model's checkpoint (default: the newest complete one)")
+    p.add_argument("--device", help="cpu or cuda[:i] (default: the GPU if there is one)")
+    return p
+
+
+@user_errors
+def predict_main(argv=None) -> int:
+    args = predict_parser().parse_args(argv)
+    if args.output and Path(args.output).exists():
+        raise ValueError(f"{args.output} already exists: choose a new --output (nothing is overwritten)")
+    if args.top_k < 1:
+        raise ValueError(f"--top_k must be >= 1, got {args.top_k}")
+    kind = predict.kind_of(args.run)
+    inputs = predict.read_inputs(args.input, kind, args.jsonl or None)  # before the weights: bad input is cheap
+    model = predict.load(args.run, args.embeddings, tag=args.tag, device=args.device)
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in predict.predict_rows(model, inputs, args.top_k))
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 # --- compute and results reports ---------------------------------------------------------------------
 
 @user_errors
@@ -453,7 +493,7 @@ def slurm_env_main(argv=None) -> int:
 
 @user_errors
 def import_hf_main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mmadapt import-hf", description="A Hugging Face masked LM of the RoBERTa "
+    p = Parser(prog="mmadapt import-hf", description="A Hugging Face masked LM of the RoBERTa "
                                 f"family ({SUPPORTED}) as a Step-1 run: what build_minipost --primary, adapt "
                                 "--system bl_base --source and finetune --primary take.")
     p.add_argument("--model", required=True, help="a local Hugging Face model directory (config.json, "
@@ -469,7 +509,7 @@ def import_hf_main(argv=None) -> int:
 
 @user_errors
 def export_hf_main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mmadapt export-hf", description="Write a directory that transformers' "
+    p = Parser(prog="mmadapt export-hf", description="Write a directory that transformers' "
                                 "AutoModelFor... and AutoTokenizer load: a primary model (masked LM) or a "
                                 "fine-tuned task model, optionally with a Step-2 artifact swapped in (the "
                                 "target-language model).")
@@ -487,16 +527,75 @@ def export_hf_main(argv=None) -> int:
     return 0
 
 
+# Every command, grouped by the step it serves, with its one-line purpose: the dispatch table of
+# `mmadapt <command>` and what `mmadapt --help` prints.
+COMMAND_GROUPS = (
+    ("Start here", (
+        ("demo", demo_main, "the whole method end to end: Steps 1-4 for BL_BASE, BL_SMALL, MINIJOINT and MINIPOST "
+                            "on the packaged Bibles, a results table and plot (--quick: the short CI setting)"),)),
+    ("Data (once per corpus)", (
+        ("preprocess", preprocess_main, "a SentencePiece vocabulary and the corpus encoded once, for every run "
+                                        "that trains on it (--data_path)"),)),
+    ("Step 1: the source model", (
+        ("pretrain", pretrain_main, "pretrain a source-language model as BL_BASE, BL_SMALL or MINIJOINT"),
+        ("import-hf", import_hf_main, "a Hugging Face model (RoBERTa, XLM-R, ...) as a Step-1 run, instead of "
+                                      "pretraining"))),
+    ("Step 1b: MINIPOST's mini-model", (
+        ("build_minipost", minipost_main, "copy the bottom N layers of a pretrained model and train K new layers on "
+                                          "top"),)),
+    ("Step 2: the new language", (
+        ("adapt", adapt_main, "a new vocabulary's embeddings, trained over the frozen mini-model (or full model)"),
+        ("sweep", sweep_main, "Step 2 over mini-models of several depths: the cheapest depth that transfers"))),
+    ("Step 3: the task", (
+        ("finetune", finetune_main, "fine-tune the primary model on a source-language task, word embeddings "
+                                    "frozen"),)),
+    ("Step 4: zero-shot transfer and results", (
+        ("evaluate", evaluate_main, "swap Step-2 embeddings into fine-tuned models and score them zero-shot (or "
+                                    "the plug-in MLM metric, no task)"),
+        ("predict", predict_main, "look at a run's predictions on your texts: masked pieces, next pieces, labels, "
+                                  "tags or answers, as JSON Lines"),
+        ("report", report_main, "tables of scores, retention, days to near-maximal performance and speedups, "
+                                "and plots, from evaluate's records"))),
+    ("Tools", (
+        ("flops", flops_main, "the training cost (FLOPs, device-days) of every step of every system"),
+        ("export-hf", export_hf_main, "a primary or fine-tuned model, Step-2 embeddings swapped in, as a "
+                                      "Hugging Face directory"),
+        ("slurm-env", slurm_env_main, "SLURM's environment as DeepSpeed's multi-node launch (the sbatch "
+                                      "templates' entry)"))),
+)
+COMMANDS = {name: main for _, group in COMMAND_GROUPS for name, main, _ in group}
+
+
+def top_help() -> str:
+    """`mmadapt --help`: every command with its purpose, grouped by step, and where to start."""
+    width = max(map(len, COMMANDS)) + 2
+    lines = ["usage: mmadapt <command> [flags]    (mmadapt <command> --help: the command's flags)", "",
+             "Extend a pretrained language model to a new language cheaply, by mini-model adaptation",
+             "(Marchisio et al. 2023). New here? Run `mmadapt demo --quick` first: every step on real text,",
+             "in minutes; the README and docs/ say what each step does."]
+    for title, group in COMMAND_GROUPS:
+        lines += ["", f"{title}:"]
+        for name, _, purpose in group:
+            lines += textwrap.wrap(purpose, 100, initial_indent=f"  {name:<{width}}", subsequent_indent=" " * (width + 2))
+    lines += ["", "Every command takes --verbose (or MMADAPT_VERBOSE=1): the libraries' warnings that mmadapt filters;",
+              "MMADAPT_DEBUG=1 adds a traceback to every error."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"preprocess": preprocess_main, "pretrain": pretrain_main, "build_minipost": minipost_main, "adapt": adapt_main,
-                "finetune": finetune_main, "evaluate": evaluate_main, "demo": demo_main, "flops": flops_main,
-                "report": report_main, "slurm-env": slurm_env_main, "sweep": sweep_main}
-    commands.update({"import-hf": import_hf_main, "export-hf": export_hf_main})
-    if not argv or argv[0] not in commands:
-        print(f"usage: mmadapt {{{','.join(commands)}}} ...", file=sys.stderr)
-        return 2
-    return commands[argv[0]](argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        print(top_help())
+        return 0
+    if not argv:
+        print(top_help(), file=sys.stderr)
+        return faults.EXIT_USER
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        print(f"error: unknown command {argv[0]!r}: {hint}mmadapt --help lists the commands", file=sys.stderr)
+        return faults.EXIT_USER
+    return COMMANDS[argv[0]](argv[1:])
 
 
 def run_process(command=main) -> int:

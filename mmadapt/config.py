@@ -490,7 +490,15 @@ def _default_help(f, defaults) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag reported like every other user mistake: one line, exit 2."""
+    """argparse, with a bad flag reported like every other user mistake: one line, exit 2; and
+    every command's --verbose (mmadapt/quiet.py reads it from the process's arguments, before the
+    libraries it quiets are imported)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--verbose", action="store_true", help="show every warning and log line of the "
+                          "libraries mmadapt uses (default: the known ones that say nothing about your run are "
+                          "filtered, mmadapt/quiet.py; MMADAPT_VERBOSE=1 does the same)")
 
     def error(self, message: str):
         print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)

@@ -59,13 +59,15 @@ class Task:
     # Your own data: an evaluation label the training file did not have is an error (the head
     # has no output for it); the paper's tag sets instead score an unseen tag as wrong.
     own: bool = False
+    pairs: bool = False  # classify: its examples are pairs of texts (<s> a </s></s> b </s>)
 
 
 TASKS = {
     # XNLI: MultiNLI train.tsv for English training; xnli.test.tsv (every language, filtered by lang).
-    "xnli": Task("xnli", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_nli(p, lang), NLI_LABELS),
+    "xnli": Task("xnli", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_nli(p, lang), NLI_LABELS,
+                 pairs=True),
     "pawsx": Task("pawsx", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_pawsx(p, lang),
-                  ("different", "paraphrase")),
+                  ("different", "paraphrase"), pairs=True),
     "mlqa": Task("mlqa", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p), ()),
     "xquad": Task("xquad", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p), ()),
     "pos": Task("pos", "tag", "accuracy", 3e-5, lambda p, lang, split, cfg: read_conllu(p)),
@@ -77,7 +79,7 @@ TASKS = {
     # Your own data (CSV, TSV, JSON Lines), labels from the training file. 3e-5: the paper's rate
     # for its smaller training sets (QA, tagging), as for bible-genre.
     "classify": Task("classify", "classify", "accuracy", 3e-5, _read_own("classify"), own=True),
-    "pair": Task("pair", "classify", "accuracy", 3e-5, _read_own("pair"), own=True),
+    "pair": Task("pair", "classify", "accuracy", 3e-5, _read_own("pair"), own=True, pairs=True),
     "tag": Task("tag", "tag", "accuracy", 3e-5, _read_own("tag"), own=True),
 }
 

@@ -170,7 +170,7 @@ CASES = [
                                        str(c.out)], "is not UTF-8"),
     ("preprocess-workers", lambda c: ["preprocess", "--corpus", str(c.corpus), "--output_dir", str(c.out),
                                       "--workers", "0"], "--workers must be >= 1"),
-    ("no-such-command", lambda c: ["pretrian"], "usage: mmadapt"),
+    ("no-such-command", lambda c: ["pretrian"], "unknown command 'pretrian': did you mean pretrain?"),
     # --- the decoder family
     ("decoder-given-mask-prob", lambda c: c.pretrain("--preset", "llama-tiny", "--mask_prob", "0.3"),
      "mask_prob 0.3 is a masked-LM setting; the llama family scores every next piece"),
