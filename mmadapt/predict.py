@@ -107,6 +107,9 @@ def _artifact(path: Path, owners: tuple[Path, ...]) -> tuple[dict, Path]:
     if "source" not in meta:
         raise ValueError(f"{path}/meta.json does not name the run its embeddings were trained over: it is not an "
                          "artifact adapt wrote")
+    if not (Path(meta["source"]) / RUN_FILE).is_file():
+        raise ValueError(f"{path} holds embeddings trained over {meta['source']}, which is no longer an mmadapt run "
+                         "(no run.json)")
     mine = {Path(meta["source"]).resolve(), artifact_primary(meta).resolve()}
     if not mine & {o.resolve() for o in owners}:
         raise ValueError(f"{path} holds embeddings for the model of {meta['source']}, not of "
