@@ -38,8 +38,8 @@ def user_errors(main):
     """What a command's failures look like (faults.py lists the exit statuses): a user's mistake
     (ValueError, DataError included, or an OS error on a path the user gave) is one `error:`
     line and exit 2 (the steps check their inputs before they write anything); a divergence one
-    line and exit 3; a stop on a signal one line and exit 75 (resume it); Ctrl-C during start-up
-    one line and 130. Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1
+    line and exit 3; a stop on a signal one line and exit 75 (resume it); a pause at
+    --exit_interval one line and 76 (resume it); Ctrl-C during start-up one line and 130. Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1
     shows the traceback of every failure."""
     @functools.wraps(main)
     def wrapped(argv=None) -> int:
@@ -62,6 +62,8 @@ def user_errors(main):
             return fail(faults.EXIT_DIVERGED, f"error: diverged: {e}", every_rank=False)
         except faults.Stopped as e:
             return fail(faults.EXIT_STOPPED, str(e), every_rank=False)
+        except faults.Paused as e:
+            return fail(faults.EXIT_PAUSED, str(e), every_rank=False)
         except KeyboardInterrupt:
             return fail(faults.EXIT_INTERRUPTED, "interrupted", every_rank=False)
     return wrapped
@@ -604,7 +606,7 @@ def run_process(command=main) -> int:
     Commands called in-process (tests, the sweep) keep their groups: they are built once per
     process. Commands that never join a job leave torch.distributed alone."""
     code = command()
-    parallel.shutdown(agreed=code in (0, faults.EXIT_DIVERGED, faults.EXIT_STOPPED))
+    parallel.shutdown(agreed=code in (0, faults.EXIT_DIVERGED, faults.EXIT_STOPPED, faults.EXIT_PAUSED))
     return code
 
 

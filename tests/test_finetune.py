@@ -13,6 +13,7 @@ import torch
 
 from conftest import ADAPT, NO_DROPOUT, REPO, adapt_args, child_env, metrics, run_pretrain
 from mmadapt import adapt as A
+from mmadapt import faults
 from mmadapt.config import FinetuneConfig
 from mmadapt import steps
 from mmadapt.config import Layout
@@ -222,8 +223,10 @@ def test_step3_stopped_and_resumed_equals_uninterrupted(primary_run, tmp_path):
 
     full, _ = finetune(tmp_path / "full", cfg)
     assert full["updates"] == 7
-    part, _ = finetune(tmp_path / "part", dataclasses.replace(cfg, exit_interval=3))
-    assert [r["step"] for r in metrics(tmp_path / "part")] == [1, 2, 3] and "final_loss" not in part
+    with pytest.raises(faults.Paused, match="paused at update 3 of 7"):
+        finetune(tmp_path / "part", dataclasses.replace(cfg, exit_interval=3))
+    assert [r["step"] for r in metrics(tmp_path / "part")] == [1, 2, 3]
+    assert "final_loss" not in json.loads((tmp_path / "part" / "run.json").read_text())
     with pytest.raises(ValueError, match="has not finished its 7 updates"):
         load_finetuned(tmp_path / "part")
     with pytest.raises(ValueError, match="pass --resume"):
