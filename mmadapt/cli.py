@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 import sys
 import textwrap
@@ -18,13 +19,15 @@ import traceback
 from pathlib import Path
 
 from mmadapt import faults, parallel, predict, steps
+from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (DEFAULT_DS_CONFIG, FAMILY_PRESETS, LAYOUT_FIELDS, PRESETS, RECIPES, SYSTEMS,
                             FinetuneConfig, Layout, MiniModelConfig, ModelConfig, Parser, PreprocessConfig,
                             TrainConfig, add_dataclass_args, apply_recipe, override)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_hf
-from mmadapt.report import PAPER, flops_rows, format_flops_table, paper_rows, plot_curves, plot_speedup, report_markdown
+from mmadapt.report import (PAPER, choose_baseline, flops_rows, format_flops_table, paper_rows, plot_curves,
+                            plot_speedup, report_markdown)
 from mmadapt.run import RunSpec, read_run, run_model
 from mmadapt.slurm import main as slurm_command
 from mmadapt.sweep import SweepConfig
@@ -57,6 +60,9 @@ def user_errors(main):
         except OSError as e:
             if e.filename is None:
                 raise
+            if isinstance(e, (FileExistsError, NotADirectoryError)) and Path(e.filename).is_file():
+                return fail(faults.EXIT_USER, f"error: {e.filename} is a file where a directory is needed: choose "
+                                              "another path")
             return fail(faults.EXIT_USER, f"error: {e.filename}: {e.strerror or e}")
         except faults.Diverged as e:
             return fail(faults.EXIT_DIVERGED, f"error: diverged: {e}", every_rank=False)
@@ -392,6 +398,8 @@ def predict_main(argv=None) -> int:
     args = predict_parser().parse_args(argv)
     if args.output and Path(args.output).exists():
         raise ValueError(f"{args.output} already exists: choose a new --output (nothing is overwritten)")
+    if args.output:
+        check_output_file(Path(args.output), "--output")
     if args.top_k < 1:
         raise ValueError(f"--top_k must be >= 1, got {args.top_k}")
     kind = predict.kind_of(args.run)
@@ -447,12 +455,18 @@ def report_main(argv=None) -> int:
     p.add_argument("--plots", help="write curves.png (score vs Step-2 compute, as the paper's Figure 3) and "
                    "speedup.png (mean per-language speedup, as Figure 1) into this directory (needs matplotlib)")
     p.add_argument("--device", default="v100-paper", help="device whose days are reported")
-    p.add_argument("--baseline", default="bl_base", help="the system retention, gains and the near-maximal target "
-                   "(95%% of its final score) are measured against, e.g. minijoint:full (a ceiling) when the "
-                   "results hold no BL_BASE runs")
+    p.add_argument("--baseline", help="the system retention, gains and the near-maximal target (95%% of its final "
+                   "score) are measured against (default: bl_base; records without it: the system with the most "
+                   "Step-2 compute, e.g. a ceiling minijoint:full, or the only system)")
     args = p.parse_args(argv)
     if args.output and any(Path(args.output).resolve() == Path(f).resolve() for f in args.results):
         raise ValueError(f"--output {args.output} is one of the results files it reads: choose another file")
+    if args.output:
+        check_output_file(Path(args.output), "--output")
+    if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
+        raise ValueError(f"--plots {args.plots} is a file: name a directory for the plots")
+    if args.plots:
+        check_output_file(Path(args.plots) / "curves.png", "--plots")
     records = []
     for f in args.results:
         try:
@@ -466,15 +480,27 @@ def report_main(argv=None) -> int:
                    if k not in r]
         if missing:
             raise ValueError(f"results file {f}: record {missing[0][1]} lacks {missing[0][0]!r}")
+        bad = [(k, i, r[k]) for i, r in enumerate(data) for k in ("flops", "score")
+               if isinstance(r[k], bool) or not isinstance(r[k], (int, float)) or not math.isfinite(r[k])]
+        if bad:
+            raise ValueError(f"results file {f}: record {bad[0][1]} has {bad[0][0]} {bad[0][2]!r}; scores and FLOPs "
+                             "are finite numbers (re-run mmadapt evaluate for it)")
         records += data
     if not records:
         raise ValueError(f"{args.results[0]} holds no result records")
-    md = report_markdown(records, baseline=args.baseline, device=args.device)
+    baseline = args.baseline
+    if baseline is None:
+        baseline, why = choose_baseline(records)
+        if why:
+            print(f"baseline: {baseline} ({why}; --baseline chooses another)", file=sys.stderr)
+    md = report_markdown(records, baseline=baseline, device=args.device)
     if args.plots:
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
         plot_curves(records, out / "curves.png", device=args.device)
-        plot_speedup(records, out / "speedup.png", baseline=args.baseline, device=args.device)
+        if not plot_speedup(records, out / "speedup.png", baseline=baseline, device=args.device):
+            print(f"note: no speedup.png: no system but {baseline} reaches 95% of {baseline}'s final score, so there "
+                  "is no speedup to plot", file=sys.stderr)
     print(md)
     if args.output:
         Path(args.output).write_text(md + "\n")

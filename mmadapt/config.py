@@ -316,12 +316,13 @@ class FinetuneConfig(LoopConfig):
                                "tasks accuracy or macro_f1, tag tasks accuracy or chunk_f1 (B-/I-/O tags), QA "
                                "squad_f1 or exact_match; every one that applies is computed and recorded "
                                "(default: the task's own, accuracy for classify/pair/tag)")
-    text_column: Optional[str] = _f(None, "classify/pair/tag: the column of the text; tag: its tokens, a JSON "
-                                    "list or space-separated (default: " + _own_default(0) + ")")
-    text_pair_column: Optional[str] = _f(None, "pair: the column of the second text (default: "
+    text_column: Optional[str] = _f(None, "classify/pair/tag: the column of the text, by name, or by 0-based number "
+                                    "in a CSV/TSV file without a header line (then give every column by number); "
+                                    "tag: its tokens, a JSON list or space-separated (default: " + _own_default(0) + ")")
+    text_pair_column: Optional[str] = _f(None, "pair: the column of the second text, a name or a number (default: "
                                          + _own_default(1) + ")")
-    label_column: Optional[str] = _f(None, "classify/pair/tag: the column of the label; tag: one tag per token "
-                                     "(default: " + _own_default(2) + ")")
+    label_column: Optional[str] = _f(None, "classify/pair/tag: the column of the label, a name or a number; tag: one "
+                                     "tag per token (default: " + _own_default(2) + ")")
 
     def warmup_iters(self, total: int) -> int:
         return round(self.warmup_ratio * total)

@@ -368,6 +368,11 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     workers = (os.cpu_count() or 1) if cfg.workers is None else cfg.workers
     if workers < 1:
         raise DataError(f"--workers must be >= 1, got {workers}")
+    if cfg.tokenizer_sample_lines < 1:
+        raise DataError(f"--tokenizer_sample_lines must be >= 1, got {cfg.tokenizer_sample_lines}: it bounds the "
+                        "memory of training the SentencePiece model (the default samples 2,000,000 lines)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"--output_dir {out_dir} is a file, not a directory: choose a directory for the dataset")
     if not 0 <= valid_fraction < 1:
         raise DataError(f"--valid_fraction must be in [0, 1), got {valid_fraction}")
     if tokenizer is not None:

@@ -361,6 +361,8 @@ def main(argv=None) -> int:
                          f"{', '.join(l for l in BIBLE_VERSIONS if l != 'en')}")
     bible_db_path()  # says how to install the data package when it is missing
     root = Path(args.output_dir)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"--output_dir {root} is a file, not a directory: choose a directory for the demo's runs")
     demo = Demo(cfg, root, from_scratch=args.from_scratch)
     demo.check_sources()
     parallel.init_parallel(1, 1)  # the demo's one process: every step runs on one rank

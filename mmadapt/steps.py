@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from mmadapt import parallel
 from mmadapt.adapt import body_config, read_artifact, step2_start, write_artifact
+from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
                             TrainConfig)
 from mmadapt.corpora import resolve_corpus
@@ -317,6 +318,8 @@ def _write_records(records: list[dict], output: Path | None) -> list[dict]:
 def _refuse_existing(output: Path | None) -> None:
     if output is not None and Path(output).exists():
         raise ValueError(f"{output} already exists: choose a new --output (records are never overwritten)")
+    if output is not None:
+        check_output_file(output, "--output")
 
 
 def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, output: Path | None = None,
