@@ -157,9 +157,12 @@ def preprocess_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", required=True, help="UTF-8 text, one sentence per line, blank line between "
                    "documents; or bible:<lang> for the packaged Bible")
     p.add_argument("--output_dir", required=True, help="the prepared dataset (a directory)")
-    p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one on a sample)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="whose vocab_size to use")
-    add_dataclass_args(p, ModelConfig, only=("vocab_size",), defaults=MODEL_PRESETS)
+    p.add_argument("--tokenizer", help="an existing SentencePiece .model, or an imported run's tokenizer/spm.model "
+                   "(default: train one on a sample); its size is the vocabulary size")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="without --tokenizer: whose vocab_size "
+                   "to train")
+    add_dataclass_args(p, ModelConfig, only=("vocab_size",), defaults="--tokenizer's size, else the --preset's: "
+                       + ", ".join(f"{m.vocab_size} ({name})" for name, m in MODEL_PRESETS.items()))
     add_dataclass_args(p, PreprocessConfig)
     return p
 
@@ -167,7 +170,7 @@ def preprocess_parser() -> argparse.ArgumentParser:
 @user_errors
 def preprocess_main(argv=None) -> int:
     args = preprocess_parser().parse_args(argv)
-    vocab = args.vocab_size or MODEL_PRESETS[args.preset].vocab_size
+    vocab = args.vocab_size or (None if args.tokenizer else MODEL_PRESETS[args.preset].vocab_size)
     steps.preprocess(Path(args.corpus), output_dir=Path(args.output_dir), vocab_size=vocab,
                      cfg=override(PreprocessConfig(), args), tokenizer=_path(args.tokenizer))
     return 0

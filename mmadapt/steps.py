@@ -55,10 +55,11 @@ from mmadapt.train import LMJob, TextData, client_state, task_step, train_lm
 
 # --- data --------------------------------------------------------------------------------------------
 
-def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int, cfg: PreprocessConfig = PreprocessConfig(),
+def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg: PreprocessConfig = PreprocessConfig(),
                tokenizer: Path | None = None) -> dict:
     """Prepare `corpus` once (data.prepare): what `--data_path` of every training step reads.
-    A no-op when `output_dir` already holds it. -> the dataset's manifest. Needs no process group."""
+    vocab_size None: `tokenizer`'s. A no-op when `output_dir` already holds it. -> the dataset's
+    manifest. Needs no process group."""
     return prepare_corpus(resolve_corpus(corpus), output_dir, vocab_size, tokenizer=tokenizer, cfg=cfg)
 
 
