@@ -608,7 +608,7 @@ def top_help() -> str:
         lines += ["", f"{title}:"]
         for name, _, purpose in group:
             lines += textwrap.wrap(purpose, 100, initial_indent=f"  {name:<{width}}", subsequent_indent=" " * (width + 2))
-    lines += ["", "Every command takes --verbose (or MMADAPT_VERBOSE=1): the libraries' warnings that mmadapt filters;",
+    lines += ["", "Every command takes --verbose (or MMADAPT_VERBOSE=1): all that the libraries under mmadapt print;",
               "MMADAPT_DEBUG=1 adds a traceback to every error."]
     return "\n".join(lines)
 

@@ -497,9 +497,9 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.add_argument("--verbose", action="store_true", help="show every warning and log line of the "
-                          "libraries mmadapt uses (default: the known ones that say nothing about your run are "
-                          "filtered, mmadapt/quiet.py; MMADAPT_VERBOSE=1 does the same)")
+        self.add_argument("--verbose", action="store_true", help="show all that the libraries under mmadapt print "
+                          "(default: the known notices that say nothing about your run are filtered, "
+                          "mmadapt/quiet.py; MMADAPT_VERBOSE=1 does the same)")
 
     def error(self, message: str):
         print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
