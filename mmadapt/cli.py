@@ -302,9 +302,10 @@ def finetune_parser() -> argparse.ArgumentParser:
     p = Parser(prog="finetune", description="Step 3: fine-tune the primary model of a "
                                 "pretrain run on a source-language task, word embeddings frozen.")
     p.add_argument("--task", choices=sorted(TASKS), required=True, help="xnli/pawsx (pairs), mlqa/xquad "
-                   "(extractive QA), pos (CoNLL-U), ner (CoNLL-2003), bible-genre (the demo's task); your own "
-                   "data in CSV, TSV or JSON Lines: classify (a text), pair (two texts), tag (tokens), columns "
-                   "named by --text_column, --text_pair_column, --label_column")
+                   "(extractive QA), pos (CoNLL-U), ner (CoNLL-2003), bible-genre and bible-testament (a verse's "
+                   "book genre, 5 classes, or testament, 2: the demo's tasks on the packaged Bible); your own data "
+                   "in CSV, TSV or JSON Lines: classify (a text), pair (two texts), tag (tokens), columns named (or "
+                   "numbered, in a file without a header line) by --text_column, --text_pair_column, --label_column")
     p.add_argument("--primary", required=True, help="the pretrain run whose primary model is fine-tuned")
     p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
     p.add_argument("--train_file", help="source-language training data in the task's format "
