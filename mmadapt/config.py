@@ -238,7 +238,7 @@ def _redefault(name: str, value):
 # tests/test_fusion.py; compiled dropout draws its masks differently), not what is trained.
 CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_interval", "eval_iters",
                         "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_tokens", "metric",
-                        "fusion")
+                        "fusion", "plugin_eval_blocks")
 
 
 @dataclass
@@ -258,6 +258,11 @@ class TrainConfig(LoopConfig):
                              "also in the source vocabulary gets its source row, the others N(0, init_method_std)), "
                              "subword_mean (FVT: shared pieces copied, every other piece the mean of the source rows "
                              "of its split under the source tokenizer) or normal (every row drawn, nothing copied)")
+    plugin_eval_blocks: int = _f(0, "Step 2: at each checkpoint, score the new embeddings through the primary model "
+                                 "with the plug-in metric on this many held-out blocks of the target dataset's "
+                                 "validation split (--data_path prepared with --valid_fraction), and log whether "
+                                 "they have passed the unigram reference yet: the first sign of transfer (0 = off; "
+                                 "rank 0 holds the primary model meanwhile)")
 
     def warmup_iters(self, total: int) -> int:
         return self.lr_warmup_iters
@@ -272,6 +277,8 @@ class TrainConfig(LoopConfig):
             raise ValueError("train_iters and eval_iters must be >= 1 (eval_interval >= 0)")
         if not 0 < self.mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.plugin_eval_blocks < 0:
+            raise ValueError(f"plugin_eval_blocks must be >= 0, got {self.plugin_eval_blocks}")
         if self.embedding_init not in EMBEDDING_INITS:
             raise ValueError(f"embedding_init must be one of {', '.join(EMBEDDING_INITS)}, got {self.embedding_init!r}")
         if self.lr is None:

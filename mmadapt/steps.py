@@ -38,13 +38,13 @@ from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, TOKENIZER, EpochOrder, read_manifest, wait_for
 from mmadapt.data import prepare as prepare_corpus
 from mmadapt.engine import LoopJob, build_engine, train_loop, trainable_by_names
-from mmadapt.evaluate import artifact_dirs, evaluate_artifacts, evaluate_scores, load_finetuned
+from mmadapt.evaluate import artifact_dirs, artifact_primary, evaluate_artifacts, evaluate_scores, load_finetuned
 from mmadapt.finetune import TaskData, is_finished, primary_state
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.models import get_family
 from mmadapt.models.layers import derive_seed
-from mmadapt.plugin import plugin_records
+from mmadapt.plugin import PluginProbe, plugin_records, progress_line
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, checkpoint_tag, load_checkpoint, load_weights, read_run, run_model, run_progress,
                          start_run)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
@@ -71,6 +71,8 @@ def _text_run(run: RunSpec) -> RunSpec:
 def _step2_only(train: TrainConfig, step: str) -> None:
     if not train.train_output_bias:
         raise ValueError(f"train_output_bias is a Step-2 setting; {step} trains its own parameters: drop the flag")
+    if train.plugin_eval_blocks:
+        raise ValueError(f"plugin_eval_blocks is a Step-2 setting; {step} learns no new embeddings: drop the flag")
     if train.embedding_init != "overlap":
         raise ValueError(f"embedding_init is a Step-2 setting; {step} starts no new vocabulary: drop the flag")
 
@@ -191,6 +193,9 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     body = body_config(system, src_cfg, step.mini_layers)
     if run.data_path is None and run.corpus is None:
         run = dataclasses.replace(run, corpus=f"bible:{lang}")
+    if train.plugin_eval_blocks and (run.data_path is None or not read_manifest(run.data_path).get("valid")):
+        raise ValueError("--plugin_eval_blocks scores held-out target text: pass --data_path, a dataset prepared with "
+                         "mmadapt preprocess --valid_fraction 0.03 (a raw --corpus has no validation split)")
     model = dataclasses.replace(run.layout.apply(body), vocab_size=_target_vocab_size(run, body, step.vocab_size))
     run = _text_run(run)
     frozen_from = {"run_dir": str(source), "tag": tag, "system": system}
@@ -222,6 +227,11 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             mini = MiniModelConfig(src["frozen_from"]["mini_layers"], src["frozen_from"]["new_layers"])
             artifact.update(mini_layers=mini.one_depth("build_minipost"), new_layers=mini.new_layers)
 
+        # The progress signal: each artifact through the primary model it is for (rank 0, which
+        # alone saves artifacts), against the unigram reference of the held-out text.
+        probe = PluginProbe(artifact_primary({"source": str(source)}), run.data_path, train.seq_length,
+                            train.plugin_eval_blocks) if train.plugin_eval_blocks else None
+
         def save_artifact(update: int, ckpt_tag: str) -> None:
             sd = load_checkpoint(run.output_dir, ckpt_tag)  # fp32 master weights
             flops = seq_flops[False] * global_batch * update
@@ -231,6 +241,10 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             # still its start.
             tensors = {key: (sd[name] if name in trainable else init[name]).float()
                        for key, name in family.artifact_keys().items() if name in init}
+            if probe is not None:
+                scored = probe.score(tensors)
+                meta.update(scored)
+                print(progress_line(update, scored), flush=True)
             write_artifact(run.output_dir / "embeddings" / ckpt_tag, tensors, tokenizer, meta)
 
         return train_lm(started, run, model, train, LMJob(step="adapt", trainable=trainable), init,

@@ -258,6 +258,11 @@ CASES = [
     ("resume-checkpoints-not-a-directory", lambda c: (c.resumed(), (c.out / "checkpoints").rmdir(),
                                                       (c.out / "checkpoints").write_text("x"))[0],
      "checkpoints is not a directory: the run writes its checkpoints there"),
+    # --- Step 2's progress signal needs held-out target text, and is Step 2's alone
+    ("plugin-eval-without-validation-data", lambda c: c.adapt("--plugin_eval_blocks", "64"),
+     "--plugin_eval_blocks scores held-out target text: pass --data_path"),
+    ("plugin-eval-in-pretrain", lambda c: c.pretrain("--plugin_eval_blocks", "64"),
+     "plugin_eval_blocks is a Step-2 setting"),
     # --- the decoder family
     ("decoder-given-mask-prob", lambda c: c.pretrain("--preset", "llama-tiny", "--mask_prob", "0.3"),
      "mask_prob 0.3 is a masked-LM setting; the llama family scores every next piece"),
