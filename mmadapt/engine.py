@@ -245,13 +245,14 @@ def _loss_row(step: int, mean: torch.Tensor, loss_names: tuple[str, ...] | None,
 
 
 def _last_good(ckpt_dir: Path, fix: str) -> str:
-    """What to do after a divergence: resume from the newest complete checkpoint, which is the
-    last good one, or (none was saved) start again."""
+    """What to do after a divergence. The newest complete checkpoint is the last good one, but
+    --resume is exact and refuses a changed --lr, so resuming it would diverge again: the fix is
+    a new run (or, with no checkpoint saved, the same command again)."""
     tag = checkpoint.latest_tag(ckpt_dir)
     if tag is None:
-        return (f"No checkpoint was saved before it, so there is nothing to resume: {fix}, then run again without "
-                "--resume")
-    return f"Checkpoint {tag} in {ckpt_dir} is the last good one: {fix}, then continue from it with --resume"
+        return f"No checkpoint was saved before it: {fix} and run the command again (without --resume)"
+    return (f"Checkpoint {tag} in {ckpt_dir} is the last good one, but --resume would repeat this exactly: {fix} "
+            "in a new --output_dir")
 
 
 def _first_nonfinite(bad_at: torch.Tensor) -> int | None:

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.adapt import artifact_state, read_artifact
+from mmadapt.checkpoint import read_json
 from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.evaluate import (EvalSet, Finetuned, TokenBatches, artifact_embeddings, artifact_primary, device_of,
                               load_finetuned, on_eval_device, recorded_config, set_logits)
@@ -49,7 +50,7 @@ from mmadapt.models import get_family
 from mmadapt.parallel import device as default_device
 from mmadapt.plugin import plugin_model
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
-from mmadapt.run import RUN_FILE, RUN_TOKENIZER, load_weights
+from mmadapt.run import RUN_FILE, RUN_TOKENIZER, load_weights, run_model
 from mmadapt.tasks import Task, get_task
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
@@ -63,10 +64,7 @@ def _run_file(run: Path) -> dict:
     if not (run / RUN_FILE).is_file():
         raise ValueError(f"{run} is not an mmadapt run directory (no run.json): pass the --output_dir of a pretrain, "
                          "build_minipost, import-hf or finetune run")
-    try:
-        return json.loads((run / RUN_FILE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{run / RUN_FILE} cannot be read ({str(e).splitlines()[0]})") from None
+    return read_json(run / RUN_FILE, "run file")
 
 
 def kind_of(run: str | os.PathLike) -> str:
@@ -81,7 +79,7 @@ def kind_of(run: str | os.PathLike) -> str:
     if info.get("step") == "finetune":
         task = get_task(info["task"])
         return "pair" if task.pairs else task.kind
-    return get_family(ModelConfig(**info["model"])).objective
+    return get_family(run_model(info)).objective
 
 
 def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *, tag: str | None = None,
@@ -169,8 +167,11 @@ class LanguageModel:
         return get_family(self.cfg).objective
 
     def pieces(self, text: str) -> list[int]:
-        """The piece ids of `text`; each literal <mask> becomes the mask piece, the text around it
-        encoded in parts (its space then belongs to the masked word, as when a word is masked)."""
+        """The piece ids of `text`; for the encoder each literal <mask> becomes the mask piece, the
+        text around it encoded in parts (its space then belongs to the masked word, as when a word
+        is masked in training)."""
+        if self.objective != "mlm":
+            return self.tokenizer.encode(text)
         parts, ids = text.split(MASK), []
         for i, part in enumerate(parts):
             if i:

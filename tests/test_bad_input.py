@@ -255,6 +255,8 @@ CASES = [
                                                c.file("in.txt", "a <mask>\n"), "--output",
                                                str(Path(c.file("afile", "x")) / "p.jsonl")], "afile is a file"),
     ("demo-output-is-a-file", lambda c: ["demo", "--output_dir", c.file("afile", "x")], "afile is a file"),
+    ("demo-threads-negative", lambda c: ["demo", "--output_dir", str(c.out), "--threads", "-1"],
+     "--threads must be >= 0"),
     ("resume-checkpoints-not-a-directory", lambda c: (c.resumed(), (c.out / "checkpoints").rmdir(),
                                                       (c.out / "checkpoints").write_text("x"))[0],
      "checkpoints is not a directory: the run writes its checkpoints there"),

@@ -166,11 +166,11 @@ def test_divergence_names_the_last_good_checkpoint_or_says_there_is_none(tmp_pat
 
     for d in ("none", "some"):
         (tmp_path / d).mkdir()
-    with pytest.raises(faults.Diverged, match="No checkpoint was saved before it, so there is nothing to resume: "
-                                              "lower --lr, .* then run again without --resume"):
+    with pytest.raises(faults.Diverged, match=r"No checkpoint was saved before it: lower --lr, .* and run the "
+                                              r"command again \(without --resume\)"):
         _loop(tmp_path / "none", FakeEngine(), nan_at(2))
-    with pytest.raises(faults.Diverged, match=r"Checkpoint step00000004 in .*checkpoints is the last good one: lower "
-                                              r"--lr, .* then continue from it with --resume"):
+    with pytest.raises(faults.Diverged, match=r"Checkpoint step00000004 in .*checkpoints is the last good one, but "
+                                              r"--resume would repeat this exactly: lower --lr, .* in a new --output_dir"):
         _loop(tmp_path / "some", FakeEngine(), nan_at(5), save_interval=2)
 
 
