@@ -9,7 +9,8 @@ What is filtered, and why it is noise:
                     neither; megatron's torch fallbacks are the layers mmadapt builds on
     DeepSpeed       its log line "Setting accelerator to CPU": a CPU run is meant to run on the CPU
     torch           FutureWarnings that a torch.distributed function is deprecated: DeepSpeed calls
-                    them, not the user's code
+                    them, not the user's code; "nested tensors ... prototype" (attention_impl varlen
+                    builds its jagged batches with them, as designed)
     matplotlib      "No artists with labels found to put in legend": a plot panel without a curve
     transformers    the progress bars of writing a model's weight shards (export-hf), through
                     huggingface_hub's switch HF_HUB_DISABLE_PROGRESS_BARS (a value you set stays)
@@ -32,6 +33,7 @@ WARNINGS = (
     (FutureWarning, r"`torch\.distributed\.\w+` (is|will be) deprecated"),
     (FutureWarning, r"`torch\.distributed\.\w+` is a private function"),
     (UserWarning, r"No artists with labels found to put in legend"),
+    (UserWarning, r"The PyTorch API of nested tensors is in prototype stage"),
 )
 # Logger name -> the start of each message of it that is dropped.
 LOG_LINES = {"DeepSpeed": ("Setting accelerator to CPU",)}
