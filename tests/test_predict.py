@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import REPO, VOCAB, child_env, masked_batch
-from hf_models import bible_lines, make_roberta, make_xlmr
+from hf_models import bible_lines, make_xlmr
 from mmadapt import evaluate as E
 from mmadapt import predict, steps
 from mmadapt import tasks as T
