@@ -33,6 +33,7 @@ from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt import checkpoint
 from mmadapt.config import EMBEDDING_INITS, SYSTEMS, ModelConfig
+from mmadapt.data import load_tokenizer as load_checked_tokenizer
 from mmadapt.family import WORD
 from mmadapt.models import get_family
 from mmadapt.models.layers import new_rows_name
@@ -220,6 +221,12 @@ def read_artifact(path: str | os.PathLike) -> tuple[dict, Path, dict]:
     art = checkpoint.load_pt(path / ARTIFACT_FILE, "Step-2 artifact file", weights_only=True)
     if not isinstance(art, dict) or "word_embeddings" not in art:
         raise ValueError(f"{path / ARTIFACT_FILE} holds no word_embeddings: it is not a Step-2 artifact")
+    # A piece id past the last row would index outside the embedding (rows past the last id are
+    # harmless: a vocabulary padded for tensor parallelism has them).
+    rows, pieces = art["word_embeddings"].shape[0], load_checked_tokenizer(path / "spm.model").get_piece_size()
+    if rows < pieces:
+        raise ValueError(f"{path}: its embeddings have {rows} rows but its tokenizer spm.model has {pieces} pieces: "
+                         "they do not belong together; use the artifact directory as adapt wrote it")
     return art, path / "spm.model", checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
 
 

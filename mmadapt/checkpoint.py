@@ -62,6 +62,23 @@ def check_output_dir(output_dir: Path) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--output_dir {output_dir} is not writable ({existing} does not let this user write): "
                          "choose another directory")
+    # A resumed run writes its next checkpoint here; torch would report a directory it cannot
+    # write as "Parent directory ... does not exist", after the run had started.
+    ckpt = output_dir / "checkpoints"
+    if ckpt.exists() and not (ckpt.is_dir() and os.access(ckpt, os.W_OK | os.X_OK)):
+        raise ValueError(f"{ckpt} is {'not a directory' if not ckpt.is_dir() else 'not writable by this user'}: the "
+                         "run writes its checkpoints there; fix it, or choose a new --output_dir")
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """A file a command is to write: not a directory, and its directory one that exists or can be
+    created (no file on the way)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory: name a file")
+    existing = next(p for p in path.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path} cannot be written: {existing} is a file, not a directory")
 
 
 def refuse_overwrite(output_dir: Path, resume: bool) -> None:

@@ -8,21 +8,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import functools
 import json
+import math
 import os
 import sys
+import textwrap
 import traceback
 from pathlib import Path
 
-from mmadapt import faults, parallel, steps
+from mmadapt import faults, parallel, predict, steps
+from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (DEFAULT_DS_CONFIG, FAMILY_PRESETS, LAYOUT_FIELDS, PRESETS, RECIPES, SYSTEMS,
                             FinetuneConfig, Layout, MiniModelConfig, ModelConfig, Parser, PreprocessConfig,
                             TrainConfig, add_dataclass_args, apply_recipe, override)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_hf
-from mmadapt.report import PAPER, flops_rows, format_flops_table, paper_rows, plot_curves, plot_speedup, report_markdown
+from mmadapt.report import (PAPER, choose_baseline, flops_rows, format_flops_table, paper_rows, plot_curves,
+                            plot_speedup, report_markdown)
 from mmadapt.run import RunSpec, read_run, run_model
 from mmadapt.slurm import main as slurm_command
 from mmadapt.sweep import SweepConfig
@@ -36,8 +41,8 @@ def user_errors(main):
     """What a command's failures look like (faults.py lists the exit statuses): a user's mistake
     (ValueError, DataError included, or an OS error on a path the user gave) is one `error:`
     line and exit 2 (the steps check their inputs before they write anything); a divergence one
-    line and exit 3; a stop on a signal one line and exit 75 (resume it); Ctrl-C during start-up
-    one line and 130. Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1
+    line and exit 3; a stop on a signal one line and exit 75 (resume it); a pause at
+    --exit_interval one line and 76 (resume it); Ctrl-C during start-up one line and 130. Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1
     shows the traceback of every failure."""
     @functools.wraps(main)
     def wrapped(argv=None) -> int:
@@ -55,11 +60,16 @@ def user_errors(main):
         except OSError as e:
             if e.filename is None:
                 raise
+            if isinstance(e, (FileExistsError, NotADirectoryError)) and Path(e.filename).is_file():
+                return fail(faults.EXIT_USER, f"error: {e.filename} is a file where a directory is needed: choose "
+                                              "another path")
             return fail(faults.EXIT_USER, f"error: {e.filename}: {e.strerror or e}")
         except faults.Diverged as e:
             return fail(faults.EXIT_DIVERGED, f"error: diverged: {e}", every_rank=False)
         except faults.Stopped as e:
             return fail(faults.EXIT_STOPPED, str(e), every_rank=False)
+        except faults.Paused as e:
+            return fail(faults.EXIT_PAUSED, str(e), every_rank=False)
         except KeyboardInterrupt:
             return fail(faults.EXIT_INTERRUPTED, "interrupted", every_rank=False)
     return wrapped
@@ -147,12 +157,15 @@ def preprocess_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", required=True, help="UTF-8 text, one sentence per line, blank line between "
                    "documents; or bible:<lang> for the packaged Bible")
     p.add_argument("--output_dir", required=True, help="the prepared dataset (a directory)")
-    p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one on a sample)")
+    p.add_argument("--tokenizer", help="an existing SentencePiece .model, or an imported run's tokenizer/spm.model "
+                   "(default: train one on a sample); its size is the vocabulary size")
     p.add_argument("--expand_from", help="a run whose vocabulary Step 2 --vocab_mode expand extends: encode with its "
                    "tokenizer plus the target's pieces it lacks (the target: --tokenizer, or one of --vocab_size "
                    "pieces trained on the corpus)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="whose vocab_size to use")
-    add_dataclass_args(p, ModelConfig, only=("vocab_size",), defaults=MODEL_PRESETS)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="without --tokenizer: whose vocab_size "
+                   "to train")
+    add_dataclass_args(p, ModelConfig, only=("vocab_size",), defaults="--tokenizer's size, else the --preset's: "
+                       + ", ".join(f"{m.vocab_size} ({name})" for name, m in MODEL_PRESETS.items()))
     add_dataclass_args(p, PreprocessConfig)
     return p
 
@@ -160,7 +173,7 @@ def preprocess_parser() -> argparse.ArgumentParser:
 @user_errors
 def preprocess_main(argv=None) -> int:
     args = preprocess_parser().parse_args(argv)
-    vocab = args.vocab_size or MODEL_PRESETS[args.preset].vocab_size
+    vocab = args.vocab_size or (None if args.tokenizer else MODEL_PRESETS[args.preset].vocab_size)
     steps.preprocess(Path(args.corpus), output_dir=Path(args.output_dir), vocab_size=vocab,
                      cfg=override(PreprocessConfig(), args), tokenizer=_path(args.tokenizer),
                      expand_from=_path(args.expand_from))
@@ -293,9 +306,10 @@ def finetune_parser() -> argparse.ArgumentParser:
     p = Parser(prog="finetune", description="Step 3: fine-tune the primary model of a "
                                 "pretrain run on a source-language task, word embeddings frozen.")
     p.add_argument("--task", choices=sorted(TASKS), required=True, help="xnli/pawsx (pairs), mlqa/xquad "
-                   "(extractive QA), pos (CoNLL-U), ner (CoNLL-2003), bible-genre (the demo's task); your own "
-                   "data in CSV, TSV or JSON Lines: classify (a text), pair (two texts), tag (tokens), columns "
-                   "named by --text_column, --text_pair_column, --label_column")
+                   "(extractive QA), pos (CoNLL-U), ner (CoNLL-2003), bible-genre and bible-testament (a verse's "
+                   "book genre, 5 classes, or testament, 2: the demo's tasks on the packaged Bible); your own data "
+                   "in CSV, TSV or JSON Lines: classify (a text), pair (two texts), tag (tokens), columns named (or "
+                   "numbered, in a file without a header line) by --text_column, --text_pair_column, --label_column")
     p.add_argument("--primary", required=True, help="the pretrain run whose primary model is fine-tuned")
     p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
     p.add_argument("--train_file", help="source-language training data in the task's format "
@@ -385,6 +399,46 @@ def evaluate_main(argv=None) -> int:
     return 0
 
 
+def predict_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="mmadapt predict", description="Look at a run's predictions on your texts, one JSON object per "
+               "input line (mmadapt/predict.py is the Python API behind it). A pretrain, build_minipost or import-hf "
+               "run: the encoder's top pieces at each <mask> of a text, the decoder's top next pieces after it; "
+               "with --embeddings, the run's primary model with a Step-2 artifact swapped in. A fine-tuning run: its "
+               "label and probabilities (classify, pair), a tag per word (tag) or the answer (QA).")
+    p.add_argument("--run", required=True, help="a pretrain, build_minipost, import-hf or finetune run directory")
+    p.add_argument("--embeddings", help="a Step-2 artifact (<adapt run>/embeddings/<tag>) swapped in: the target "
+                   "language's embeddings and tokenizer (zero-shot)")
+    p.add_argument("--input", default="-", help="one input per line (default: stdin): a text (tag: its words "
+                   "separated by spaces), or for pair and QA models two fields separated by a tab (text TAB text_pair; "
+                   "question TAB context); a .jsonl file: one object per line with those keys")
+    p.add_argument("--jsonl", action="store_true", help="the input is JSON Lines whatever its name (stdin included)")
+    p.add_argument("--output", help="write the JSON Lines here (must not exist yet; default: stdout)")
+    p.add_argument("--top_k", type=int, default=5, help="language models: pieces listed per position")
+    p.add_argument("--tag", help="a language model's checkpoint (default: the newest complete one)")
+    p.add_argument("--device", help="cpu or cuda[:i] (default: the GPU if there is one)")
+    return p
+
+
+@user_errors
+def predict_main(argv=None) -> int:
+    args = predict_parser().parse_args(argv)
+    if args.output and Path(args.output).exists():
+        raise ValueError(f"{args.output} already exists: choose a new --output (nothing is overwritten)")
+    if args.output:
+        check_output_file(Path(args.output), "--output")
+    if args.top_k < 1:
+        raise ValueError(f"--top_k must be >= 1, got {args.top_k}")
+    kind = predict.kind_of(args.run)
+    inputs = predict.read_inputs(args.input, kind, args.jsonl or None)  # before the weights: bad input is cheap
+    model = predict.load(args.run, args.embeddings, tag=args.tag, device=args.device)
+    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in predict.predict_rows(model, inputs, args.top_k))
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
 # --- compute and results reports ---------------------------------------------------------------------
 
 @user_errors
@@ -427,12 +481,18 @@ def report_main(argv=None) -> int:
     p.add_argument("--plots", help="write curves.png (score vs Step-2 compute, as the paper's Figure 3) and "
                    "speedup.png (mean per-language speedup, as Figure 1) into this directory (needs matplotlib)")
     p.add_argument("--device", default="v100-paper", help="device whose days are reported")
-    p.add_argument("--baseline", default="bl_base", help="the system retention, gains and the near-maximal target "
-                   "(95%% of its final score) are measured against, e.g. minijoint:full (a ceiling) when the "
-                   "results hold no BL_BASE runs")
+    p.add_argument("--baseline", help="the system retention, gains and the near-maximal target (95%% of its final "
+                   "score) are measured against (default: bl_base; records without it: the system with the most "
+                   "Step-2 compute, e.g. a ceiling minijoint:full, or the only system)")
     args = p.parse_args(argv)
     if args.output and any(Path(args.output).resolve() == Path(f).resolve() for f in args.results):
         raise ValueError(f"--output {args.output} is one of the results files it reads: choose another file")
+    if args.output:
+        check_output_file(Path(args.output), "--output")
+    if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
+        raise ValueError(f"--plots {args.plots} is a file: name a directory for the plots")
+    if args.plots:
+        check_output_file(Path(args.plots) / "curves.png", "--plots")
     records = []
     for f in args.results:
         try:
@@ -446,15 +506,27 @@ def report_main(argv=None) -> int:
                    if k not in r]
         if missing:
             raise ValueError(f"results file {f}: record {missing[0][1]} lacks {missing[0][0]!r}")
+        bad = [(k, i, r[k]) for i, r in enumerate(data) for k in ("flops", "score")
+               if isinstance(r[k], bool) or not isinstance(r[k], (int, float)) or not math.isfinite(r[k])]
+        if bad:
+            raise ValueError(f"results file {f}: record {bad[0][1]} has {bad[0][0]} {bad[0][2]!r}; scores and FLOPs "
+                             "are finite numbers (re-run mmadapt evaluate for it)")
         records += data
     if not records:
         raise ValueError(f"{args.results[0]} holds no result records")
-    md = report_markdown(records, baseline=args.baseline, device=args.device)
+    baseline = args.baseline
+    if baseline is None:
+        baseline, why = choose_baseline(records)
+        if why:
+            print(f"baseline: {baseline} ({why}; --baseline chooses another)", file=sys.stderr)
+    md = report_markdown(records, baseline=baseline, device=args.device)
     if args.plots:
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
         plot_curves(records, out / "curves.png", device=args.device)
-        plot_speedup(records, out / "speedup.png", baseline=args.baseline, device=args.device)
+        if not plot_speedup(records, out / "speedup.png", baseline=baseline, device=args.device):
+            print(f"note: no speedup.png: no system but {baseline} reaches 95% of {baseline}'s final score, so there "
+                  "is no speedup to plot", file=sys.stderr)
     print(md)
     if args.output:
         Path(args.output).write_text(md + "\n")
@@ -475,10 +547,9 @@ def slurm_env_main(argv=None) -> int:
 
 @user_errors
 def import_hf_main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mmadapt import-hf", description="A Hugging Face masked LM of the RoBERTa "
-                                "family or causal LM of the Llama family (" + SUPPORTED + ") as a Step-1 run: what "
-                                "build_minipost --primary, adapt --system bl_base --source and finetune --primary "
-                                "take.")
+    p = Parser(prog="mmadapt import-hf", description="A Hugging Face masked LM of the RoBERTa family or causal LM "
+               "of the Llama family (" + SUPPORTED + ") as a Step-1 run: what build_minipost --primary, adapt "
+               "--system bl_base --source and finetune --primary take.")
     p.add_argument("--model", required=True, help="a local Hugging Face model directory (config.json, "
                    "model.safetensors or pytorch_model.bin, tokenizer files)")
     p.add_argument("--output_dir", required=True, help="the run directory to write (must not exist or be empty)")
@@ -494,7 +565,7 @@ def import_hf_main(argv=None) -> int:
 
 @user_errors
 def export_hf_main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="mmadapt export-hf", description="Write a directory that transformers' "
+    p = Parser(prog="mmadapt export-hf", description="Write a directory that transformers' "
                                 "AutoModelFor... and AutoTokenizer load: a primary model (masked or causal LM) or a "
                                 "fine-tuned task model, optionally with a Step-2 artifact swapped in (the "
                                 "target-language model).")
@@ -514,16 +585,75 @@ def export_hf_main(argv=None) -> int:
     return 0
 
 
+# Every command, grouped by the step it serves, with its one-line purpose: the dispatch table of
+# `mmadapt <command>` and what `mmadapt --help` prints.
+COMMAND_GROUPS = (
+    ("Start here", (
+        ("demo", demo_main, "the whole method end to end: Steps 1-4 for BL_BASE, BL_SMALL, MINIJOINT and MINIPOST "
+                            "on the packaged Bibles, a results table and plot (--quick: the short CI setting)"),)),
+    ("Data (once per corpus)", (
+        ("preprocess", preprocess_main, "a SentencePiece vocabulary and the corpus encoded once, for every run "
+                                        "that trains on it (--data_path)"),)),
+    ("Step 1: the source model", (
+        ("pretrain", pretrain_main, "pretrain a source-language model as BL_BASE, BL_SMALL or MINIJOINT"),
+        ("import-hf", import_hf_main, "a Hugging Face model (RoBERTa, XLM-R, Llama, Qwen2, Mistral) as a Step-1 "
+                                      "run, instead of pretraining"))),
+    ("Step 1b: MINIPOST's mini-model", (
+        ("build_minipost", minipost_main, "copy the bottom N layers of a pretrained model and train K new layers on "
+                                          "top"),)),
+    ("Step 2: the new language", (
+        ("adapt", adapt_main, "a new vocabulary's embeddings, trained over the frozen mini-model (or full model)"),
+        ("sweep", sweep_main, "Step 2 over mini-models of several depths: the cheapest depth that transfers"))),
+    ("Step 3: the task", (
+        ("finetune", finetune_main, "fine-tune the primary model on a source-language task, word embeddings "
+                                    "frozen"),)),
+    ("Step 4: zero-shot transfer and results", (
+        ("evaluate", evaluate_main, "swap Step-2 embeddings into fine-tuned models and score them zero-shot (or "
+                                    "the plug-in MLM metric, no task)"),
+        ("predict", predict_main, "look at a run's predictions on your texts: masked pieces, next pieces, labels, "
+                                  "tags or answers, as JSON Lines"),
+        ("report", report_main, "tables of scores, retention, days to near-maximal performance and speedups, "
+                                "and plots, from evaluate's records"))),
+    ("Tools", (
+        ("flops", flops_main, "the training cost (FLOPs, device-days) of every step of every system"),
+        ("export-hf", export_hf_main, "a primary or fine-tuned model, Step-2 embeddings swapped in, as a "
+                                      "Hugging Face directory"),
+        ("slurm-env", slurm_env_main, "SLURM's environment as DeepSpeed's multi-node launch (the sbatch "
+                                      "templates' entry)"))),
+)
+COMMANDS = {name: main for _, group in COMMAND_GROUPS for name, main, _ in group}
+
+
+def top_help() -> str:
+    """`mmadapt --help`: every command with its purpose, grouped by step, and where to start."""
+    width = max(map(len, COMMANDS)) + 2
+    lines = ["usage: mmadapt <command> [flags]    (mmadapt <command> --help: the command's flags)", "",
+             "Extend a pretrained language model to a new language cheaply, by mini-model adaptation",
+             "(Marchisio et al. 2023). New here? Run `mmadapt demo --quick` first: every step on real text,",
+             "in minutes; the README and docs/ say what each step does."]
+    for title, group in COMMAND_GROUPS:
+        lines += ["", f"{title}:"]
+        for name, _, purpose in group:
+            lines += textwrap.wrap(purpose, 100, initial_indent=f"  {name:<{width}}", subsequent_indent=" " * (width + 2))
+    lines += ["", "Every command takes --verbose (or MMADAPT_VERBOSE=1): all that the libraries under mmadapt print;",
+              "MMADAPT_DEBUG=1 adds a traceback to every error."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"preprocess": preprocess_main, "pretrain": pretrain_main, "build_minipost": minipost_main, "adapt": adapt_main,
-                "finetune": finetune_main, "evaluate": evaluate_main, "demo": demo_main, "flops": flops_main,
-                "report": report_main, "slurm-env": slurm_env_main, "sweep": sweep_main}
-    commands.update({"import-hf": import_hf_main, "export-hf": export_hf_main})
-    if not argv or argv[0] not in commands:
-        print(f"usage: mmadapt {{{','.join(commands)}}} ...", file=sys.stderr)
-        return 2
-    return commands[argv[0]](argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        print(top_help())
+        return 0
+    if not argv:
+        print(top_help(), file=sys.stderr)
+        return faults.EXIT_USER
+    if argv[0] not in COMMANDS:
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        print(f"error: unknown command {argv[0]!r}: {hint}mmadapt --help lists the commands", file=sys.stderr)
+        return faults.EXIT_USER
+    return COMMANDS[argv[0]](argv[1:])
 
 
 def run_process(command=main) -> int:
@@ -532,7 +662,7 @@ def run_process(command=main) -> int:
     Commands called in-process (tests, the sweep) keep their groups: they are built once per
     process. Commands that never join a job leave torch.distributed alone."""
     code = command()
-    parallel.shutdown(agreed=code in (0, faults.EXIT_DIVERGED, faults.EXIT_STOPPED))
+    parallel.shutdown(agreed=code in (0, faults.EXIT_DIVERGED, faults.EXIT_STOPPED, faults.EXIT_PAUSED))
     return code
 
 

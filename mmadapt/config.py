@@ -264,7 +264,7 @@ def _redefault(name: str, value):
 # tests/test_fusion.py; compiled dropout draws its masks differently), not what is trained.
 CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_interval", "eval_iters",
                         "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_tokens", "metric",
-                        "fusion")
+                        "fusion", "plugin_eval_blocks")
 
 
 @dataclass
@@ -287,6 +287,11 @@ class TrainConfig(LoopConfig):
     vocab_mode: str = _f("replace", "Step 2: replace (the paper: the target vocabulary replaces the source's) or "
                          "expand (the source vocabulary keeps its ids and rows, frozen; the target's pieces that it "
                          "lacks are appended and only their rows train; the source language keeps working)")
+    plugin_eval_blocks: int = _f(0, "Step 2: at each checkpoint, score the new embeddings through the primary model "
+                                 "with the plug-in metric on this many held-out blocks of the target dataset's "
+                                 "validation split (--data_path prepared with --valid_fraction), and log whether "
+                                 "they have passed the unigram reference yet: the first sign of transfer (0 = off; "
+                                 "rank 0 holds the primary model meanwhile)")
 
     def warmup_iters(self, total: int) -> int:
         return self.lr_warmup_iters
@@ -301,6 +306,8 @@ class TrainConfig(LoopConfig):
             raise ValueError("train_iters and eval_iters must be >= 1 (eval_interval >= 0)")
         if not 0 < self.mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        if self.plugin_eval_blocks < 0:
+            raise ValueError(f"plugin_eval_blocks must be >= 0, got {self.plugin_eval_blocks}")
         if self.embedding_init not in EMBEDDING_INITS:
             raise ValueError(f"embedding_init must be one of {', '.join(EMBEDDING_INITS)}, got {self.embedding_init!r}")
         if self.vocab_mode not in VOCAB_MODES:
@@ -351,12 +358,13 @@ class FinetuneConfig(LoopConfig):
                                "tasks accuracy or macro_f1, tag tasks accuracy or chunk_f1 (B-/I-/O tags), QA "
                                "squad_f1 or exact_match; every one that applies is computed and recorded "
                                "(default: the task's own, accuracy for classify/pair/tag)")
-    text_column: Optional[str] = _f(None, "classify/pair/tag: the column of the text; tag: its tokens, a JSON "
-                                    "list or space-separated (default: " + _own_default(0) + ")")
-    text_pair_column: Optional[str] = _f(None, "pair: the column of the second text (default: "
+    text_column: Optional[str] = _f(None, "classify/pair/tag: the column of the text, by name, or by 0-based number "
+                                    "in a CSV/TSV file without a header line (then give every column by number); "
+                                    "tag: its tokens, a JSON list or space-separated (default: " + _own_default(0) + ")")
+    text_pair_column: Optional[str] = _f(None, "pair: the column of the second text, a name or a number (default: "
                                          + _own_default(1) + ")")
-    label_column: Optional[str] = _f(None, "classify/pair/tag: the column of the label; tag: one tag per token "
-                                     "(default: " + _own_default(2) + ")")
+    label_column: Optional[str] = _f(None, "classify/pair/tag: the column of the label, a name or a number; tag: one "
+                                     "tag per token (default: " + _own_default(2) + ")")
 
     def warmup_iters(self, total: int) -> int:
         return round(self.warmup_ratio * total)
@@ -539,7 +547,15 @@ def _default_help(f, defaults) -> str:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag reported like every other user mistake: one line, exit 2."""
+    """argparse, with a bad flag reported like every other user mistake: one line, exit 2; and
+    every command's --verbose (mmadapt/quiet.py reads it from the process's arguments, before the
+    libraries it quiets are imported)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--verbose", action="store_true", help="show all that the libraries under mmadapt print "
+                          "(default: the known notices that say nothing about your run are filtered, "
+                          "mmadapt/quiet.py; MMADAPT_VERBOSE=1 does the same)")
 
     def error(self, message: str):
         print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)

@@ -355,11 +355,12 @@ def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
     return manifest
 
 
-def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int,
+def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int | None,
             tokenizer: str | os.PathLike | None = None, cfg: PreprocessConfig = PreprocessConfig(),
             quiet: bool = False) -> dict:
-    """Prepare `corpus` once: train a SentencePiece model on a seeded sample of at most
-    cfg.tokenizer_sample_lines lines (or copy `tokenizer`), encode with cfg.workers processes
+    """Prepare `corpus` once: train a `vocab_size`-piece SentencePiece model on a seeded sample of at
+    most cfg.tokenizer_sample_lines lines, or copy `tokenizer` (vocab_size None: its size; another
+    size is refused), encode with cfg.workers processes
     (default: the CPU count) into megatron's indexed dataset (cfg.valid_fraction of the documents
     into a validation set beside it), write the manifest last. A no-op (said so) when `out_dir`
     already holds this corpus prepared with this tokenizer and split. -> the manifest."""
@@ -368,10 +369,17 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     workers = (os.cpu_count() or 1) if cfg.workers is None else cfg.workers
     if workers < 1:
         raise DataError(f"--workers must be >= 1, got {workers}")
+    if cfg.tokenizer_sample_lines < 1:
+        raise DataError(f"--tokenizer_sample_lines must be >= 1, got {cfg.tokenizer_sample_lines}: it bounds the "
+                        "memory of training the SentencePiece model (the default samples 2,000,000 lines)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"--output_dir {out_dir} is a file, not a directory: choose a directory for the dataset")
     if not 0 <= valid_fraction < 1:
         raise DataError(f"--valid_fraction must be in [0, 1), got {valid_fraction}")
     if tokenizer is not None:
-        load_tokenizer(tokenizer, vocab_size)
+        vocab_size = load_tokenizer(tokenizer, vocab_size).get_piece_size()
+    elif vocab_size is None:
+        raise DataError("a vocabulary size is needed to train a tokenizer: pass --vocab_size (or --tokenizer)")
     fingerprint = corpus_fingerprint(corpus)
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     if (out_dir / MANIFEST).is_file():

@@ -89,6 +89,10 @@ class DemoConfig:
     heldout_fraction: float = _f(0.03, "chapters of each target Bible held out of Step 2: the plug-in MLM metric's "
                                  "text")
     plugin_blocks: int = _f(512, "held-out blocks scored by the plug-in MLM metric")
+    threads: int = _f(1, "torch intra-op threads on a CPU (torch.set_num_threads; 0: torch's own default, one per core "
+                      "or OMP_NUM_THREADS). 1: the tiny models' matmuls are too small to gain from a second thread, "
+                      "and beside any other busy process two threads wait on each other (benchmarks/results/"
+                      "demo_threads_cpu2_20261124.md)")
 
 
 # The CI setting (README): the same stages and outputs from the shipped source models, one
@@ -354,14 +358,20 @@ def main(argv=None) -> int:
     cfg = override(QUICK if args.quick else DemoConfig(), args)
     if cfg.family not in FAMILY_PRESETS:
         raise ValueError(f"--family {cfg.family}: the demo runs {' or '.join(FAMILY_PRESETS)}")
+    if cfg.threads < 0:
+        raise ValueError(f"--threads must be >= 0 (0: torch's default), got {cfg.threads}")
     bad = [l for l in cfg.langs if l not in BIBLE_VERSIONS or l == "en"]
     if bad:
         raise ValueError(f"--langs {bad[0]} is not a target language of the packaged Bible; choose from "
                          f"{', '.join(l for l in BIBLE_VERSIONS if l != 'en')}")
     bible_db_path()  # says how to install the data package when it is missing
     root = Path(args.output_dir)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"--output_dir {root} is a file, not a directory: choose a directory for the demo's runs")
     demo = Demo(cfg, root, from_scratch=args.from_scratch)
     demo.check_sources()
+    if cfg.threads and parallel.device().type == "cpu":
+        torch.set_num_threads(cfg.threads)
     parallel.init_parallel(1, 1)  # the demo's one process: every step runs on one rank
     root.mkdir(parents=True, exist_ok=True)
     (root / "demo.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))

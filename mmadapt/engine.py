@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from mmadapt import checkpoint, parallel
 from mmadapt.config import LoopConfig
-from mmadapt.faults import STOP_FILE, Diverged, StopRequest, Stopped
+from mmadapt.faults import STOP_FILE, Diverged, Paused, StopRequest, Stopped
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -260,6 +260,17 @@ def _loss_row(step: int, mean: torch.Tensor, loss_names: tuple[str, ...] | None,
     return row, scalars
 
 
+def _last_good(ckpt_dir: Path, fix: str) -> str:
+    """What to do after a divergence. The newest complete checkpoint is the last good one, but
+    --resume is exact and refuses a changed --lr, so resuming it would diverge again: the fix is
+    a new run (or, with no checkpoint saved, the same command again)."""
+    tag = checkpoint.latest_tag(ckpt_dir)
+    if tag is None:
+        return f"No checkpoint was saved before it: {fix} and run the command again (without --resume)"
+    return (f"Checkpoint {tag} in {ckpt_dir} is the last good one, but --resume would repeat this exactly: {fix} "
+            "in a new --output_dir")
+
+
 def _first_nonfinite(bad_at: torch.Tensor) -> int | None:
     """The first update with a non-finite loss on any rank (None: none). Collective."""
     t = bad_at.clone()
@@ -295,8 +306,8 @@ class LoopJob:
 
 def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loop: LoopConfig, total: int,
                run_dir: Path, resume: bool) -> list[dict]:
-    """Run updates until `total` (or the next multiple of loop.exit_interval). Returns the rows
-    logged by this invocation (global rank 0; empty elsewhere).
+    """Run updates until `total`. Returns the rows logged by this invocation (global rank 0; empty
+    elsewhere). At a multiple of loop.exit_interval before `total`: save, then faults.Paused.
 
     step_fn(position) runs one update on the batches at data position `position` (0-based) and
     returns this rank's losses [k], before any reduction over ranks: they are summed on the
@@ -328,8 +339,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
         first = _first_nonfinite(bad_at)
         if first is not None:
             raise Diverged(f"{job.label}: the loss is not finite at update {first} (of {total}); stopped without "
-                           f"saving it. The newest complete checkpoint in {ckpt_dir} is the last good one: "
-                           "lower --lr, raise the warm-up or enable gradient clipping, then resume from it")
+                           f"saving it. {_last_good(ckpt_dir, 'lower --lr, raise the warm-up or enable gradient clipping')}")
 
     def save() -> str:
         check_finite()
@@ -356,8 +366,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     skipped += 1
                     if skipped > loop.max_skipped_steps:
                         raise Diverged(f"{job.label}: {skipped} optimizer steps in a row were skipped (gradient "
-                                       f"overflow) after update {done}; the newest complete checkpoint in {ckpt_dir} "
-                                       "is the last good one: lower --lr or use bf16")
+                                       f"overflow) after update {done}. {_last_good(ckpt_dir, 'lower --lr or use bf16')}")
                 else:
                     skipped = 0
                     loss_sum = local if loss_sum is None else loss_sum + local
@@ -386,8 +395,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     exiting = loop.exit_interval > 0 and done % loop.exit_interval == 0
                     if done % loop.save_interval == 0 or done in loop.extra_save_steps or done == total or exiting:
                         saved = save()
-                    if exiting:
-                        break
+                    if exiting and done < total:
+                        raise Paused(done, total, saved)
                 # Agree on a stop request every update, over gloo on the host (parallel.any_rank).
                 if parallel.any_rank(stop.reason is not None):
                     tag = saved if saved == checkpoint.tag_for(done) and not skipped else save()

@@ -10,7 +10,9 @@ What every family's modules promise (the steps rely on these, not on classes):
   - `build_lm(cfg, seed)`: the plain model with a head after each layer of `cfg.heads_after`;
     `forward(input_ids, labels=None, *, masked_index=None, targets=None, padding=None)` ->
     (loss, per-head losses) over the scored positions (`models.layers.masked_positions`), and
-    `encode(input_ids, layers, padding=None)` -> each listed layer's output [b, s, h].
+    `encode(input_ids, layers, padding=None)` -> each listed layer's output [b, s, h]; and
+    `logits(input_ids, padding=None)` -> every head's logits [b, s, V] at every position (TP = 1;
+    mmadapt/predict.py).
   - parameter names: the word embedding is `word_embeddings.word_embeddings.weight`
     (`WORD`), layer i (0-based) is under `layers.{i}.`, head k under `heads.heads.{k}.`. The
     mini-model surgery below works on those names; a family whose names differ overrides it.

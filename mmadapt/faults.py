@@ -9,6 +9,9 @@ Exit statuses of every mmadapt command:
         newest complete checkpoint is the last good one
     75  stopped by a signal after saving a complete checkpoint at the current update: run the
         same command with --resume (75 is EX_TEMPFAIL, "try again": SLURM templates requeue on it)
+    76  paused by --exit_interval before train_iters, after a complete checkpoint: run the same
+        command with --resume to go on (a scheduler script tells it from 0, a finished run; the
+        SLURM templates requeue on it too)
     130 interrupted during start-up (nothing to save yet)
 """
 
@@ -23,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-EXIT_INTERNAL, EXIT_USER, EXIT_DIVERGED, EXIT_STOPPED, EXIT_INTERRUPTED = 1, 2, 3, 75, 130
+EXIT_INTERNAL, EXIT_USER, EXIT_DIVERGED, EXIT_STOPPED, EXIT_PAUSED, EXIT_INTERRUPTED = 1, 2, 3, 75, 76, 130
 
 
 class Diverged(RuntimeError):
@@ -37,6 +40,15 @@ class Stopped(Exception):
         super().__init__(f"stopped by {reason} at update {step}: checkpoint {tag} is complete; "
                          "run the same command with --resume to continue")
         self.step, self.tag, self.reason = step, tag, reason
+
+
+class Paused(Exception):
+    """--exit_interval ended the run before its last update, after a complete checkpoint."""
+
+    def __init__(self, step: int, total: int, tag: str):
+        super().__init__(f"paused at update {step} of {total} (--exit_interval): checkpoint {tag} is complete; run "
+                         "the same command with --resume to go on")
+        self.step, self.total, self.tag = step, total, tag
 
 
 # --- signals -------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.adapt import artifact_state, read_artifact
-from mmadapt.checkpoint import staged_dir, write_weights_only
+from mmadapt.checkpoint import load_pt, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import artifact_primary, load_finetuned
 from mmadapt.family import WORD
@@ -78,11 +78,17 @@ def read_hf_config(model_dir: Path) -> tuple[dict, object]:
 
 
 def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    """A weight file's tensors; one that is cut short or damaged is one line naming it."""
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            return load_file(str(path))
+        except SafetensorError as e:
+            raise ValueError(f"{path} cannot be read as safetensors ({str(e).splitlines()[0][:120]}): it is "
+                             "truncated or damaged; download it again") from None
+    return load_pt(path, "weight file", weights_only=True)
 
 
 def read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -230,3 +230,39 @@ def source_language_loss(primary_run: Path, artifact: Path, seq_length: int = 64
     return {"source_loss_before": before, "source_loss_after": after, "source_text": f"{data} ({split})",
             "scored_pieces": int(sum(int(l.ge(0).sum()) for _, l in batches))}
 
+class PluginProbe:
+    """The plug-in metric of one artifact at a time, for Step 2's checkpoints
+    (TrainConfig.plugin_eval_blocks): the primary model and the held-out batches are made on the
+    first call and kept; each call swaps the artifact's tensors in and scores them, as
+    plugin_records does (the same blocks, masked positions and unigram reference)."""
+
+    def __init__(self, primary_run: Path, data_path: Path, seq_length: int, blocks: int, batch_size: int = 32):
+        self.primary_run, self.data_path, self.seq_length = Path(primary_run), Path(data_path), seq_length
+        self.blocks, self.batch_size = blocks, min(batch_size, blocks)
+        self.model = self.batches = self.unigram = None
+
+    def score(self, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> dict[str, float]:
+        """tensors: an artifact's ({"word_embeddings": [V, h], ...}), meta: its meta.json (an
+        expanded vocabulary's says so) -> {"plugin_loss", "unigram_loss", "plugin_gain"} (nats per
+        scored piece; the gain is the metric)."""
+        if self.model is None:
+            cfg, state = primary_head_state(self.primary_run)
+            self.model = plugin_model(cfg, state)
+            v = tensors["word_embeddings"].shape[0]
+            batches = heldout_batches(self.data_path, self.seq_length, v, self.blocks, self.batch_size,
+                                      objective=get_family(cfg).objective)
+            self.unigram = unigram_loss(unigram_logprobs(self.data_path, v), batches)
+            self.batches = on_device(batches, device_of(self.model))
+        with swapped(self.model, _swap(self.model, tensors, meta)):
+            loss = masked_loss(self.model, self.batches)
+        return {"plugin_loss": loss, "unigram_loss": self.unigram, "plugin_gain": self.unigram - loss}
+
+
+def progress_line(update: int, scored: dict[str, float]) -> str:
+    """What Step 2's log says of a checkpoint's plug-in score: whether the embeddings have passed
+    the unigram reference, the first sign that they use the model's context."""
+    gain = scored["plugin_gain"]
+    verdict = ("past the unigram reference: the embeddings use the model's context" if gain > 0 else
+               "not past the unigram reference yet: piece frequencies alone still predict better")
+    return (f"plug-in metric at update {update}: contextual gain {gain:+.3f} nats (loss {scored['plugin_loss']:.3f}, "
+            f"unigram reference {scored['unigram_loss']:.3f}); {verdict}")

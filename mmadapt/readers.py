@@ -99,17 +99,43 @@ def read_pawsx(path: str | os.PathLike, lang: str = "") -> list[PairExample]:
 
 
 def read_squad(path: str | os.PathLike) -> list[QAExample]:
-    """SQuAD v1.1-format JSON (SQuAD, MLQA, XQuAD): data -> paragraphs -> context, qas."""
+    """SQuAD v1.1-format JSON (SQuAD, MLQA, XQuAD): data -> paragraphs -> context, qas (id,
+    question, answers: text, answer_start). Anything else is refused, naming where."""
     try:
-        data = json.loads(_check(path).read_text(encoding="utf-8"))["data"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{path} is not SQuAD-format JSON (a 'data' list of articles)") from None
-    out = []
-    for article in data:
-        for para in article["paragraphs"]:
-            for qa in para["qas"]:
+        data = json.loads(_check(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e.msg}, line {e.lineno}): SQuAD-format JSON expected") from None
+    data = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(data, list):
+        raise ValueError(f"{path} is not SQuAD-format JSON: expected {{\"data\": [articles]}}")
+    out, ids = [], set()
+    for a, article in enumerate(data, 1):
+        paragraphs = article.get("paragraphs") if isinstance(article, dict) else None
+        if not isinstance(paragraphs, list):
+            raise ValueError(f"{path}: article {a} has no 'paragraphs' list")
+        for p, para in enumerate(paragraphs, 1):
+            where = f"{path}: article {a}, paragraph {p}"
+            if not isinstance(para, dict) or not isinstance(para.get("context"), str) or \
+                    not isinstance(para.get("qas"), list):
+                raise ValueError(f"{where} needs a 'context' text and a 'qas' list")
+            for q, qa in enumerate(para["qas"], 1):
+                if not isinstance(qa, dict):
+                    raise ValueError(f"{where}, question {q} is not an object")
+                for key in ("id", "question"):
+                    if not isinstance(qa.get(key), str):
+                        raise ValueError(f"{where}, question {q} has no {key!r} text: SQuAD-format questions each "
+                                         "have a unique id and a question")
+                if qa["id"] in ids:
+                    raise ValueError(f"{where}, question {q}: the id {qa['id']!r} is used twice; answers are scored by id")
+                ids.add(qa["id"])
+                answers = qa.get("answers", [])
+                if not isinstance(answers, list) or not all(
+                        isinstance(x, dict) and isinstance(x.get("text"), str) and isinstance(x.get("answer_start"), int)
+                        for x in answers):
+                    raise ValueError(f"{where}, question {qa['id']!r}: 'answers' must be a list of "
+                                     "{\"text\", \"answer_start\"}")
                 out.append(QAExample(qa["id"], para["context"], qa["question"],
-                                     [(a["text"], int(a["answer_start"])) for a in qa.get("answers", [])]))
+                                     [(x["text"], x["answer_start"]) for x in answers]))
     return out
 
 
@@ -177,10 +203,13 @@ class TextExample:
     text_pair: str | None = None
 
 
-def read_table(path: str | os.PathLike) -> tuple[list[str], list[dict]]:
-    """(column names, rows as {column: value}) of a CSV or TSV file with a header line (the
-    same quoting in both: a quoted field may hold the delimiter, quotes doubled, and newlines)
-    or of JSON Lines (one object per line; values keep their JSON types)."""
+def read_table(path: str | os.PathLike, header: bool = True) -> tuple[list[str], list[dict]]:
+    """(column names, rows as {column: value}) of a CSV or TSV file (the same quoting in both: a
+    quoted field may hold the delimiter, quotes doubled, and newlines; a leading BOM is dropped)
+    or of JSON Lines (one object per line; values keep their JSON types). A CSV/TSV file's first
+    line names its columns, each once, and every row has as many fields, so a row cut or shifted
+    by an unquoted delimiter is refused, naming its line. header=False (CSV/TSV only): no header
+    line; the columns are named by their 0-based position, "0", "1", ..."""
     path = Path(path)
     kind = TABLE_FORMATS.get(path.suffix.lower())
     if kind is None:
@@ -189,6 +218,9 @@ def read_table(path: str | os.PathLike) -> tuple[list[str], list[dict]]:
     if not path.is_file():
         raise ValueError(f"{path} does not exist")
     if kind == "jsonl":
+        if not header:
+            raise ValueError(f"{path}: JSON Lines rows name their columns: give --text_column and --label_column as "
+                             "names, not numbers")
         rows = []
         with open(path, encoding="utf-8-sig") as f:
             for n, line in enumerate(f, 1):
@@ -204,18 +236,39 @@ def read_table(path: str | os.PathLike) -> tuple[list[str], list[dict]]:
                 rows.append(row)
         columns = list(dict.fromkeys(k for r in rows for k in r))
     else:
+        delimiter = "," if kind == "csv" else "\t"
         csv.field_size_limit(sys.maxsize)
         with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: spreadsheets write a BOM
-            reader = csv.DictReader(f, delimiter="," if kind == "csv" else "\t")
-            rows = list(reader)
-            columns = list(reader.fieldnames or [])
+            reader = csv.reader(f, delimiter=delimiter)
+            columns = next((r for r in reader if r), []) if header else []
+            first_line = reader.line_num
+            seen = {}
+            for i, name in enumerate(columns):
+                if name in seen:
+                    raise ValueError(f"{path}: the header line names column {name!r} twice (columns {seen[name] + 1} "
+                                     f"and {i + 1}): rename one, so that each column is read once")
+                seen[name] = i
+            records = [(reader.line_num, r) for r in reader if r]  # [] is a blank line
+        width = len(columns) if header else len(records[0][1]) if records else 0
+        where = "the header line" if header else f"line {records[0][0] if records else first_line}"
+        for line, r in records:
+            if len(r) != width:
+                raise ValueError(f"{path}:{line}: {len(r)} field{'s' if len(r) != 1 else ''} where {where} has "
+                                 f"{width}: quote a field that holds a {'comma' if kind == 'csv' else 'tab'} "
+                                 '("like, this"), or fill in the missing one')
+        if not header:
+            columns = [str(i) for i in range(width)]
+        rows = [dict(zip(columns, r)) for _, r in records]
     if not rows:
-        raise ValueError(f"{path} holds no rows" + ("" if kind == "jsonl" else " under its header line"))
+        raise ValueError(f"{path} holds no rows" + ("" if kind == "jsonl" or not header else " under its header line"))
     return columns, rows
 
 
 def _column(path: Path, columns: list[str], name: str, flag: str) -> str:
     if name not in columns:
+        if name.isdigit():
+            raise ValueError(f"{path} has {len(columns)} column{'s' if len(columns) != 1 else ''}, numbered from 0: "
+                             f"--{flag} {name} is past them")
         raise ValueError(f"{path} has no column {name!r} (its columns: {', '.join(map(repr, columns))}): "
                          f"name the right one with --{flag}")
     return name
@@ -240,13 +293,14 @@ def _label(path: Path, n: int, row: dict, column: str) -> str | int:
                      ("" if value is None or value == "" else f" ({value!r} is neither a string nor an integer)"))
 
 
-def read_texts(path: str | os.PathLike, text: str, label: str, text_pair: str | None = None) -> list[TextExample]:
+def read_texts(path: str | os.PathLike, text: str, label: str, text_pair: str | None = None,
+               header: bool = True) -> list[TextExample]:
     """Your own sentence (or sentence-pair, `text_pair` set) classification data: the named
-    columns of a read_table file. Every text must be non-empty, and a file's labels all strings
-    or all integers (JSON 1 and "1" are one class to the run, but a file mixing them is likely a
-    mistake)."""
+    columns of a read_table file (header False: numbered ones). Every text must be non-empty, and
+    a file's labels all strings or all integers (JSON 1 and "1" are one class to the run, but a
+    file mixing them is likely a mistake)."""
     path = Path(path)
-    columns, rows = read_table(path)
+    columns, rows = read_table(path, header)
     for name, flag in ((text, "text_column"), (text_pair, "text_pair_column"), (label, "label_column")):
         if name is not None:
             _column(path, columns, name, flag)
@@ -269,11 +323,11 @@ def _tokens(path: Path, n: int, row: dict, column: str) -> list[str]:
                      f"ones, not {value!r}")
 
 
-def read_tagged(path: str | os.PathLike, tokens: str, tags: str) -> list[TaggedSentence]:
+def read_tagged(path: str | os.PathLike, tokens: str, tags: str, header: bool = True) -> list[TaggedSentence]:
     """Your own tagging data: one sentence per row, its tokens and one tag per token in two
-    columns (JSON Lines: lists; CSV/TSV: space-separated)."""
+    columns (JSON Lines: lists; CSV/TSV: space-separated; header False: numbered columns)."""
     path = Path(path)
-    columns, rows = read_table(path)
+    columns, rows = read_table(path, header)
     _column(path, columns, tokens, "text_column")
     _column(path, columns, tags, "label_column")
     out = []

@@ -246,6 +246,21 @@ def plugin_markdown(records: list[dict]) -> str:
     return "\n".join(out)
 
 
+def choose_baseline(records: list[dict]) -> tuple[str, str | None]:
+    """The system a report measures against when none is named: BL_BASE (the paper's), else the
+    one whose last checkpoints spent the most Step-2 compute (mean over its curves): Step 2 over
+    a full model, as BL_BASE's, or a ceiling `<recipe>:full`. -> (system, why; None for BL_BASE)."""
+    cs = curves(records)
+    if any(k[0] == "bl_base" for k in cs):
+        return "bl_base", None
+    cost = defaultdict(list)
+    for (system, _, _), pts in cs.items():
+        cost[system].append(pts[-1][0])
+    best = max(sorted(cost), key=lambda s: sum(cost[s]) / len(cost[s]))
+    return best, ("the only system in the records" if len(cost) == 1 else
+                  "no bl_base in the records: the system with the most Step-2 compute")
+
+
 def report_markdown(records: list[dict], baseline: str = "bl_base", device: str = "v100-paper") -> str:
     """Table-2-style final scores, and Table-3-style device-days to near-maximal performance
     (estimate and lower-upper bounds) with the mean per-language speedup, per task. A task's
@@ -360,9 +375,12 @@ def _pyplot():
     return plt
 
 
-def plot_curves(records: list[dict], path, device: str = "v100-paper") -> None:
+def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
     """Figure-3 style: score against Step-2 compute (device-days), one panel per task and
-    language, one line per system, with BL_BASE's near-maximal target dashed."""
+    language, one line per system, with BL_BASE's near-maximal target dashed. Writes nothing and
+    returns False when there are no records."""
+    if not records:
+        return False
     plt = _pyplot()
     cs = curves(records)
     panels = sorted({(k[1], k[2]) for k in cs})
@@ -396,6 +414,7 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def speedup_table(records: list[dict], baseline: str = "bl_base", device: str = "v100-paper"
@@ -417,11 +436,15 @@ def speedups(records: list[dict], baseline: str = "bl_base", device: str = "v100
     return {k: v.mean for k, v in speedup_table(records, baseline, device).items() if v.mean is not None}
 
 
-def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: str = "v100-paper") -> None:
+def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: str = "v100-paper") -> bool:
     """Figure-1 style: mean per-language speedup over BL_BASE, grouped by task; a system that
-    never reaches the target in some languages is marked above its bar ("never k/n")."""
-    plt = _pyplot()
+    never reaches the target in some languages is marked above its bar ("never k/n"). Writes
+    nothing and returns False when no system has a speedup (none but the baseline, or none
+    reaches the target)."""
     sp = speedup_table(records, baseline, device)
+    if not any(v.mean is not None for v in sp.values()):
+        return False
+    plt = _pyplot()
     tasks = sorted({t for _, t in sp})
     systems = sorted({s for s, _ in sp})
     fig, ax = plt.subplots(figsize=(1.2 + 1.4 * max(1, len(tasks)), 3.0))
@@ -443,7 +466,9 @@ def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: s
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 __all__ = ["DEVICE_TFLOPS", "PAPER", "Hit", "Speedup", "flops_rows", "paper_rows", "time_to_target", "mean_speedup",
-           "speedup_over", "retention", "report_markdown", "speedups", "speedup_table", "plot_curves", "plot_speedup"]
+           "speedup_over", "retention", "choose_baseline", "report_markdown", "speedups", "speedup_table", "plot_curves",
+           "plot_speedup"]

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
 from mmadapt.adapt import body_config, read_artifact, step2_start, step2_trainable, write_artifact
+from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
                             TrainConfig)
 from mmadapt.corpora import resolve_corpus
@@ -46,7 +47,7 @@ from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.models import get_family
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.plugin import plugin_records, source_language_loss, unigram_logprobs
+from mmadapt.plugin import PluginProbe, plugin_records, progress_line, source_language_loss, unigram_logprobs
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, checkpoint_tag, load_checkpoint, load_weights, pretrained_blocks,
                          read_run, run_fingerprint, run_model, run_progress, start_run,
                          weights_fingerprint)
@@ -59,10 +60,11 @@ from mmadapt.vocab import Expansion, check_expansion, expand
 
 # --- data --------------------------------------------------------------------------------------------
 
-def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int, cfg: PreprocessConfig = PreprocessConfig(),
+def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg: PreprocessConfig = PreprocessConfig(),
                tokenizer: Path | None = None, expand_from: Path | None = None) -> dict:
     """Prepare `corpus` once (data.prepare): what `--data_path` of every training step reads.
-    A no-op when `output_dir` already holds it. -> the dataset's manifest. Needs no process group.
+    vocab_size None: `tokenizer`'s. A no-op when `output_dir` already holds it. -> the dataset's
+    manifest. Needs no process group.
 
     expand_from: a run whose vocabulary Step 2 --vocab_mode expand extends (vocab.py): the corpus
     is encoded with that run's tokenizer plus the target's missing pieces, the target being
@@ -88,6 +90,8 @@ def _text_run(run: RunSpec) -> RunSpec:
 def _step2_only(train: TrainConfig, step: str) -> None:
     if not train.train_output_bias:
         raise ValueError(f"train_output_bias is a Step-2 setting; {step} trains its own parameters: drop the flag")
+    if train.plugin_eval_blocks:
+        raise ValueError(f"plugin_eval_blocks is a Step-2 setting; {step} learns no new embeddings: drop the flag")
     if train.embedding_init != "overlap":
         raise ValueError(f"embedding_init is a Step-2 setting; {step} starts no new vocabulary: drop the flag")
     if train.vocab_mode != "replace":
@@ -244,6 +248,9 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     body = body_config(system, src_cfg, step.mini_layers)
     if run.data_path is None and run.corpus is None:
         run = dataclasses.replace(run, corpus=f"bible:{lang}")
+    if train.plugin_eval_blocks and (run.data_path is None or not read_manifest(run.data_path).get("valid")):
+        raise ValueError("--plugin_eval_blocks scores held-out target text: pass --data_path, a dataset prepared with "
+                         "mmadapt preprocess --valid_fraction 0.03 (a raw --corpus has no validation split)")
     data, expanded = TextData(), {}
     if train.vocab_mode == "expand":
         vocab_size, source_size, expansion = _expanded_vocabulary(run, source, step.vocab_size)
@@ -282,6 +289,10 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         # from), known by its weights' fingerprint: Step 4 matches it by content, not by path.
         primary_ref = src["frozen_from"] if system == "minipost" else {"run_dir": str(source), "tag": tag}
         fingerprint = {}
+        # The progress signal: each artifact through the primary model it is for (rank 0, which
+        # alone saves artifacts), against the unigram reference of the held-out text.
+        probe = PluginProbe(artifact_primary({"source": str(source)}), run.data_path, train.seq_length,
+                            train.plugin_eval_blocks) if train.plugin_eval_blocks else None
 
         def save_artifact(update: int, ckpt_tag: str) -> None:
             sd = load_checkpoint(run.output_dir, ckpt_tag)  # fp32 master weights
@@ -291,8 +302,12 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             meta = {**artifact, "step": update, "tokens": global_batch * train.seq_length * update, "flops": flops,
                     "flops_paper": seq_flops[True] * global_batch * update, "v100_days": device_days(flops),
                     **fingerprint}
-            write_artifact(run.output_dir / "embeddings" / ckpt_tag, _artifact_tensors(family, model, init, sd,
-                                                                                        trainable), tokenizer, meta)
+            tensors = _artifact_tensors(family, model, init, sd, trainable)
+            if probe is not None:
+                scored = probe.score(tensors, meta)
+                meta.update(scored)
+                print(progress_line(update, scored), flush=True)
+            write_artifact(run.output_dir / "embeddings" / ckpt_tag, tensors, tokenizer, meta)
 
         metrics = train_lm(started, run, model, train, LMJob(step="adapt", trainable=trainable), init,
                            after_save=save_artifact, record={**rows, **expanded, "target_vocab_size": model.vocab_size})
@@ -456,6 +471,8 @@ def _write_records(records: list[dict], output: Path | None) -> list[dict]:
 def _refuse_existing(output: Path | None) -> None:
     if output is not None and Path(output).exists():
         raise ValueError(f"{output} already exists: choose a new --output (records are never overwritten)")
+    if output is not None:
+        check_output_file(output, "--output")
 
 
 def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, output: Path | None = None,

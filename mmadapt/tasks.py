@@ -9,8 +9,10 @@ every metric that applies to it (`scores`), in percent.
 
 from __future__ import annotations
 
+import codecs
 import collections
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -37,15 +39,25 @@ def _read_testament(spec: str, lang: str, split: str, cfg: FinetuneConfig):
 
 
 def _read_own(name: str) -> Callable:
-    """Your own task's reader: the columns FinetuneConfig names, else OWN_TASK_COLUMNS[name]."""
+    """Your own task's reader: the columns FinetuneConfig names, else OWN_TASK_COLUMNS[name].
+    Columns given as numbers (--text_column 0 --label_column 1) are positions in a CSV/TSV file
+    without a header line; then every column the task reads is given so."""
     defaults = OWN_TASK_COLUMNS[name]
 
     def read(path: str, lang: str, split: str, cfg: FinetuneConfig):
         if cfg.text_pair_column is not None and defaults[1] is None:
             raise ValueError(f"--text_pair_column is for --task pair, not {name}")
-        text, pair, label = (given or default for given, default in
-                             zip((cfg.text_column, cfg.text_pair_column, cfg.label_column), defaults))
-        return read_tagged(path, text, label) if name == "tag" else read_texts(path, text, label, pair)
+        given = dict(zip(("text_column", "text_pair_column", "label_column"),
+                         (cfg.text_column, cfg.text_pair_column, cfg.label_column)))
+        needed = [flag for flag, default in zip(given, defaults) if default is not None]
+        numbered = [flag for flag in needed if given[flag] is not None and given[flag].isdigit()]
+        if numbered and len(numbered) < len(needed):
+            other = next(flag for flag in needed if flag not in numbered)
+            raise ValueError(f"--{numbered[0]} {given[numbered[0]]} is a column number (a file without a header "
+                             f"line): give --{other} as a number too")
+        text, pair, label = (given[flag] or default for flag, default in zip(given, defaults))
+        header = not numbered
+        return read_tagged(path, text, label, header) if name == "tag" else read_texts(path, text, label, pair, header)
     return read
 
 
@@ -60,13 +72,15 @@ class Task:
     # Your own data: an evaluation label the training file did not have is an error (the head
     # has no output for it); the paper's tag sets instead score an unseen tag as wrong.
     own: bool = False
+    pairs: bool = False  # classify: its examples are pairs of texts (<s> a </s></s> b </s>)
 
 
 TASKS = {
     # XNLI: MultiNLI train.tsv for English training; xnli.test.tsv (every language, filtered by lang).
-    "xnli": Task("xnli", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_nli(p, lang), NLI_LABELS),
+    "xnli": Task("xnli", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_nli(p, lang), NLI_LABELS,
+                 pairs=True),
     "pawsx": Task("pawsx", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_pawsx(p, lang),
-                  ("different", "paraphrase")),
+                  ("different", "paraphrase"), pairs=True),
     "mlqa": Task("mlqa", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p), ()),
     "xquad": Task("xquad", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p), ()),
     "pos": Task("pos", "tag", "accuracy", 3e-5, lambda p, lang, split, cfg: read_conllu(p)),
@@ -78,7 +92,7 @@ TASKS = {
     # Your own data (CSV, TSV, JSON Lines), labels from the training file. 3e-5: the paper's rate
     # for its smaller training sets (QA, tagging), as for bible-genre.
     "classify": Task("classify", "classify", "accuracy", 3e-5, _read_own("classify"), own=True),
-    "pair": Task("pair", "classify", "accuracy", 3e-5, _read_own("pair"), own=True),
+    "pair": Task("pair", "classify", "accuracy", 3e-5, _read_own("pair"), own=True, pairs=True),
     "tag": Task("tag", "tag", "accuracy", 3e-5, _read_own("tag"), own=True),
 }
 
@@ -95,12 +109,26 @@ def read_examples(task: Task, spec: str, lang: str, split: str, cfg: FinetuneCon
     replaced by the language. `cfg` names your own task's columns; `labels` (evaluation data):
     the run's labels, which your own task's file must not go beyond."""
     spec = spec.replace("{lang}", lang)
-    examples = task.read(spec, lang, split, cfg or FinetuneConfig())
+    try:
+        examples = task.read(spec, lang, split, cfg or FinetuneConfig())
+    except UnicodeDecodeError:
+        raise ValueError(f"{spec} is not UTF-8 text{_bad_byte(spec)}: save it as UTF-8") from None
     if not examples:
         raise ValueError(f"{spec} holds no {task.name} examples for language {lang!r}")
     if labels is not None:
         check_labels(task, examples, labels, spec)
     return examples
+
+
+def _bad_byte(path: str) -> str:
+    """' (byte offset N)': where a file stops being UTF-8 (a leading BOM allowed)."""
+    data = Path(path).read_bytes()
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        data[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f" (byte offset {bom + e.start})"
+    return ""
 
 
 def _gold(task: Task, ex) -> list:

@@ -79,12 +79,12 @@ def child_env(**extra: str) -> dict:
 
 
 def run_pretrain(nproc: int, *args: str, env: dict | None = None, timeout: int = 600,
-                 script: str = PRETRAIN) -> subprocess.CompletedProcess:
+                 script: str = PRETRAIN, code: int = 0) -> subprocess.CompletedProcess:
     """Run a launch/ script (default pretrain.py) in fresh processes; fail the test with the log
-    on error."""
+    unless it exits with `code` (76: paused by --exit_interval)."""
     proc = subprocess.run(launch_cmd(nproc, *args, script=script), cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=child_env(**(env or {})))
-    if proc.returncode != 0:
+    if proc.returncode != code:
         pytest.fail(f"{Path(script).name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc
 

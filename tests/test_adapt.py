@@ -327,12 +327,12 @@ def test_step2_over_the_minipost_mini_model(minipost_run, de_corpus, de_tokenize
 def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_tokenizer, tmp_path):
     """Checkpoints without the frozen body still resume exactly (dropout on): the body comes back
     from the source run, the embeddings, optimizer, schedule and RNG from the checkpoint."""
-    def go(out, *extra):
+    def go(out, *extra, code=0):
         run_pretrain(1, *adapt_args("minijoint", primary_run, de_corpus, de_tokenizer, out, "--train_iters", "4",
-                                    "--log_interval", "1", "--save_interval", "2", *extra), script=ADAPT)
+                                    "--log_interval", "1", "--save_interval", "2", *extra), script=ADAPT, code=code)
 
     go(tmp_path / "full")
-    go(tmp_path / "part", "--exit_interval", "2")
+    go(tmp_path / "part", "--exit_interval", "2", code=76)
     assert [r["step"] for r in metrics(tmp_path / "part")] == [1, 2]
     go(tmp_path / "part", "--resume")
     assert [r["loss"] for r in metrics(tmp_path / "part")] == [r["loss"] for r in metrics(tmp_path / "full")]

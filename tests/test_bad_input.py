@@ -87,6 +87,33 @@ class Ctx:
     def records(self, data) -> str:
         return self.file("results.json", json.dumps(data))
 
+    def artifact(self, rows: int) -> str:
+        """A Step-2 artifact of the primary run whose embeddings have `rows` rows, beside the
+        tokenizer's VOCAB pieces."""
+        import shutil
+
+        import torch
+
+        d = self.tmp / "artifact"
+        d.mkdir()
+        torch.save({"word_embeddings": torch.zeros(rows, 64), "output_bias": torch.zeros(rows)}, d / "embeddings.pt")
+        shutil.copyfile(self.tokenizer, d / "spm.model")
+        (d / "meta.json").write_text(json.dumps({"system": "minijoint", "lang": "de", "source": str(self.primary)}))
+        return str(d)
+
+    def hf_dir(self, weights: str, data: bytes) -> str:
+        """A Hugging Face XLM-R directory whose only weight file is `weights`, holding `data`."""
+        d = self.tmp / "hf"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": ["XLMRobertaForMaskedLM"],
+                                                   "model_type": "xlm-roberta", "pad_token_id": 1}))
+        (d / weights).write_bytes(data)
+        return str(d)
+
+    def own_task(self, name: str, text: str, *extra: str, task: str = "classify") -> list[str]:
+        return self.finetune(*extra)[:2] + [task] + self.finetune()[3:] + ["--train_file", self.file(name, text),
+                                                                          *extra]
+
 
 ZERO3 = json.dumps({"zero_optimization": {"stage": 3}})
 NOT_UTF8 = "In the beginning.\n".encode() * 50 + b"caf\xe9 au lait\n"
@@ -185,7 +212,74 @@ CASES = [
                                        str(c.out)], "is not UTF-8"),
     ("preprocess-workers", lambda c: ["preprocess", "--corpus", str(c.corpus), "--output_dir", str(c.out),
                                       "--workers", "0"], "--workers must be >= 1"),
-    ("no-such-command", lambda c: ["pretrian"], "usage: mmadapt"),
+    ("no-such-command", lambda c: ["pretrian"], "unknown command 'pretrian': did you mean pretrain?"),
+    # --- your own task's files (they trained on the wrong data, or ended in a traceback)
+    ("own-csv-duplicate-column", lambda c: c.own_task("t.csv", "text,label,text\nfine,pos,X\ngrim,neg,X\n"),
+     "the header line names column 'text' twice (columns 1 and 3): rename one"),
+    ("own-csv-unquoted-comma", lambda c: c.own_task("t.csv", "text,label\nfine,pos\nI think, that it was good,pos\n"),
+     "t.csv:3: 3 fields where the header line has 2: quote a field that holds a comma"),
+    ("own-tsv-missing-field", lambda c: c.own_task("t.tsv", "text\tlabel\nfine\tpos\ngrim\n"),
+     "t.tsv:3: 1 field where the header line has 2"),
+    ("own-csv-one-column-by-number", lambda c: c.own_task("t.csv", "fine,pos\n", "--text_column", "0"),
+     "--text_column 0 is a column number (a file without a header line): give --label_column as a number too"),
+    ("own-csv-column-number-past-the-end", lambda c: c.own_task("t.csv", "fine,pos\n", "--text_column", "0",
+                                                                  "--label_column", "2"),
+     "t.csv has 2 columns, numbered from 0: --label_column 2 is past them"),
+    ("own-jsonl-column-numbers", lambda c: c.own_task("t.jsonl", '{"text": "a", "label": "b"}\n', "--text_column", "0",
+                                                      "--label_column", "1"), "JSON Lines rows name their columns"),
+    ("own-task-not-utf8", lambda c: c.own_task("t.csv", b"text,label\ncaf\xe9,pos\n"),
+     "t.csv is not UTF-8 text (byte offset 14): save it as UTF-8"),
+    ("squad-without-id", lambda c: c.own_task("q.json", json.dumps({"data": [{"paragraphs": [{
+        "context": "In the beginning.", "qas": [{"question": "When?", "answers": []}]}]}]}), task="xquad"),
+     "article 1, paragraph 1, question 1 has no 'id' text"),
+    ("squad-data-not-a-list", lambda c: c.own_task("q.json", '{"data": 5}', task="xquad"),
+     "is not SQuAD-format JSON: expected {\"data\": [articles]}"),
+    # --- Step 4 and predict: an artifact whose embeddings have fewer rows than its tokenizer's pieces
+    ("embeddings-fewer-rows-than-pieces", lambda c: ["evaluate", "--primary", str(c.primary), "--plugin_data",
+                                                     c.dir("data"), "--embeddings", c.artifact(VOCAB - 100),
+                                                     "--output", str(c.tmp / "r.json")],
+     f"its embeddings have {VOCAB - 100} rows but its tokenizer spm.model has {VOCAB} pieces"),
+    ("predict-embeddings-fewer-rows", lambda c: ["predict", "--run", str(c.primary), "--embeddings",
+                                                 c.artifact(VOCAB - 1), "--input", c.file("in.txt", "a <mask>\n")],
+     f"its embeddings have {VOCAB - 1} rows"),
+    # --- import-hf: weight files cut short or damaged
+    ("import-hf-truncated-safetensors", lambda c: ["import-hf", "--model", c.hf_dir("model.safetensors",
+                                                                                   b"\x10\x00" + b"{" * 40),
+                                                   "--output_dir", str(c.out)],
+     "model.safetensors cannot be read as safetensors"),
+    ("import-hf-corrupt-bin", lambda c: ["import-hf", "--model", c.hf_dir("pytorch_model.bin", b"garbage" * 9),
+                                         "--output_dir", str(c.out)], "pytorch_model.bin cannot be read"),
+    # --- settings that were accepted and meant something else
+    ("preprocess-sample-lines-zero", lambda c: ["preprocess", "--corpus", str(c.corpus), "--output_dir", str(c.out),
+                                                "--tokenizer_sample_lines", "0"],
+     "--tokenizer_sample_lines must be >= 1, got 0"),
+    ("preprocess-tokenizer-and-other-vocab-size", lambda c: ["preprocess", "--corpus", str(c.corpus), "--output_dir",
+                                                             str(c.out), "--tokenizer", str(c.tokenizer),
+                                                             "--vocab_size", "2000"],
+     f"has {VOCAB} pieces but the model's vocab_size is 2000"),
+    ("report-score-nan", lambda c: ["report", c.file("nan.json", json.dumps([{**RECORD, "score": float("nan")}]))],
+     "record 0 has score nan; scores and FLOPs are finite numbers"),
+    # --- output paths that are files, a run directory that cannot take checkpoints
+    ("preprocess-output-is-a-file", lambda c: ["preprocess", "--corpus", str(c.corpus), "--output_dir",
+                                               c.file("afile", "x")], "afile is a file, not a directory"),
+    ("evaluate-output-under-a-file", lambda c: c.evaluate()[:-1] + [str(Path(c.file("afile", "x")) / "r.json")],
+     "afile is a file, not a directory"),
+    ("report-plots-is-a-file", lambda c: ["report", c.records([RECORD]), "--plots", c.file("afile", "x")],
+     "afile is a file: name a directory for the plots"),
+    ("predict-output-under-a-file", lambda c: ["predict", "--run", str(c.primary), "--input",
+                                               c.file("in.txt", "a <mask>\n"), "--output",
+                                               str(Path(c.file("afile", "x")) / "p.jsonl")], "afile is a file"),
+    ("demo-output-is-a-file", lambda c: ["demo", "--output_dir", c.file("afile", "x")], "afile is a file"),
+    ("demo-threads-negative", lambda c: ["demo", "--output_dir", str(c.out), "--threads", "-1"],
+     "--threads must be >= 0"),
+    ("resume-checkpoints-not-a-directory", lambda c: (c.resumed(), (c.out / "checkpoints").rmdir(),
+                                                      (c.out / "checkpoints").write_text("x"))[0],
+     "checkpoints is not a directory: the run writes its checkpoints there"),
+    # --- Step 2's progress signal needs held-out target text, and is Step 2's alone
+    ("plugin-eval-without-validation-data", lambda c: c.adapt("--plugin_eval_blocks", "64"),
+     "--plugin_eval_blocks scores held-out target text: pass --data_path"),
+    ("plugin-eval-in-pretrain", lambda c: c.pretrain("--plugin_eval_blocks", "64"),
+     "plugin_eval_blocks is a Step-2 setting"),
     # --- the decoder family
     ("decoder-given-mask-prob", lambda c: c.pretrain("--preset", "llama-tiny", "--mask_prob", "0.3"),
      "mask_prob 0.3 is a masked-LM setting; the llama family scores every next piece"),

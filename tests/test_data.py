@@ -308,3 +308,22 @@ def test_preprocess_command(corpus, tokenizer, tmp_path, capsys):
     assert preprocess_main(argv) == 0 and "nothing to do" in capsys.readouterr().out
     assert preprocess_main(argv[:-1] + ["0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --workers must be >= 1, got 0"
+
+
+def test_preprocess_takes_the_vocabulary_size_from_its_tokenizer(corpus, tokenizer, tmp_path, capsys):
+    """--tokenizer without --vocab_size: the tokenizer's size (VOCAB here, not the tiny preset's
+    2000); the same dataset as with --vocab_size given; a --vocab_size that disagrees is refused."""
+    import json
+
+    from mmadapt.cli import preprocess_main
+
+    base = ["--corpus", str(corpus), "--tokenizer", str(tokenizer), "--workers", "1"]
+    assert preprocess_main([*base, "--output_dir", str(tmp_path / "implied")]) == 0
+    assert preprocess_main([*base, "--output_dir", str(tmp_path / "given"), "--vocab_size", str(VOCAB)]) == 0
+    implied, given = (json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("implied", "given"))
+    assert implied["vocab_size"] == VOCAB != 2000
+    assert (tmp_path / "implied" / "text.bin").read_bytes() == (tmp_path / "given" / "text.bin").read_bytes()
+    capsys.readouterr()
+    assert preprocess_main([*base, "--output_dir", str(tmp_path / "other"), "--vocab_size", "2000"]) == 2
+    assert f"has {VOCAB} pieces but the model's vocab_size is 2000" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()

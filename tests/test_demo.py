@@ -19,6 +19,13 @@ def _demo(*args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=child_env())
 
 
+def python_api_example() -> str:
+    """The runnable block of docs/python-api.md (it reads the demo's runs under runs/demo)."""
+    text = (REPO / "docs" / "python-api.md").read_text()
+    after = text.split("<!-- tests/test_demo.py runs this block on the demo's output -->", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
 def test_demo_quick_runs_all_steps_for_all_systems(tmp_path):
     out = tmp_path / "demo"
     proc = _demo("--quick", "--output_dir", str(out))
@@ -59,6 +66,12 @@ def test_demo_quick_runs_all_steps_for_all_systems(tmp_path):
     assert "share of the ceiling's gain" in table  # the task tables measure MINIJOINT against its ceiling
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "demo.json").read_text())["langs"] == ["de"]
+
+    # docs/python-api.md's example runs on these runs as written.
+    example = subprocess.run([sys.executable, "-c", python_api_example().replace("runs/demo", str(out))], cwd=REPO,
+                             capture_output=True, text=True, timeout=600, env=child_env())
+    assert example.returncode == 0, example.stderr[-3000:]
+    assert example.stdout.splitlines()[0] == "(4, 12)" and "'label': " in example.stdout
 
 
 def test_demo_refuses_an_unknown_language(tmp_path):

@@ -134,3 +134,15 @@ def test_build_minipost_errors(capsys, primary_run, tmp_path):
     expect_cli_error(capsys, minipost_main, out, base + ["--new_layers", "0"], "new_layers must be >= 1")
     expect_cli_error(capsys, minipost_main, out, ["--primary", str(tmp_path), "--output_dir", str(out)],
                      "is not an mmadapt run directory")
+
+
+def test_resume_into_checkpoints_this_user_cannot_write(capsys, args, tmp_path, monkeypatch):
+    """A --resume whose checkpoints/ the user may not write is refused before the run starts (torch
+    reported it mid-run as "Parent directory ... does not exist"). The tests run as root, whom
+    os.access lets write anywhere, so it answers here as it would for another user."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p).name == "checkpoints" else real(p, mode))
+    expect_error(capsys, out, args("--resume", out=out),
+                 f"{out / 'checkpoints'} is not writable by this user: the run writes its checkpoints there")

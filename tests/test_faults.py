@@ -158,3 +158,31 @@ def test_a_non_finite_loss_is_named_by_its_update(tmp_path):
     with pytest.raises(faults.Diverged, match="the loss is not finite at update 5 "):
         _loop(tmp_path, engine, step, log_interval=3)
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [3]
+
+
+def test_divergence_names_the_last_good_checkpoint_or_says_there_is_none(tmp_path):
+    def nan_at(n):
+        return lambda position: torch.tensor([float("nan") if position == n else 1.0])
+
+    for d in ("none", "some"):
+        (tmp_path / d).mkdir()
+    with pytest.raises(faults.Diverged, match=r"No checkpoint was saved before it: lower --lr, .* and run the "
+                                              r"command again \(without --resume\)"):
+        _loop(tmp_path / "none", FakeEngine(), nan_at(2))
+    with pytest.raises(faults.Diverged, match=r"Checkpoint step00000004 in .*checkpoints is the last good one, but "
+                                              r"--resume would repeat this exactly: lower --lr, .* in a new --output_dir"):
+        _loop(tmp_path / "some", FakeEngine(), nan_at(5), save_interval=2)
+
+
+def test_exit_interval_pauses_with_its_own_exception_and_a_finished_run_does_not(tmp_path):
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    with pytest.raises(faults.Paused) as paused:
+        _loop(tmp_path / "a", FakeEngine(), lambda position: torch.tensor([1.0]), total=10, exit_interval=4)
+    assert (paused.value.step, paused.value.total, paused.value.tag) == (4, 10, "step00000004")
+    assert str(paused.value) == ("paused at update 4 of 10 (--exit_interval): checkpoint step00000004 is complete; "
+                                 "run the same command with --resume to go on")
+    assert (tmp_path / "a" / "checkpoints" / "step00000004" / "COMPLETE").is_file()
+    # The last update falling on a multiple of the interval is a finished run.
+    rows = _loop(tmp_path / "b", FakeEngine(), lambda position: torch.tensor([1.0]), total=8, exit_interval=8)
+    assert rows[-1]["step"] == 8 and faults.EXIT_PAUSED == 76

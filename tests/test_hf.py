@@ -325,7 +325,10 @@ def test_bad_input_is_one_line_and_writes_nothing(hf_dirs, runs, de_tokenizer, t
             assert "RobertaForMaskedLM, XLMRobertaForMaskedLM, CamembertForMaskedLM" in err
         assert not out.exists() and not list(tmp_path.glob(f".run_{what}*"))
     # An artifact trained for a model of another hidden size.
-    bad = A.write_artifact(tmp_path / "art64", {"word_embeddings": torch.zeros(10, 64), "output_bias": torch.zeros(10)},
+    # (as many rows as its tokenizer's pieces: fewer is refused first, for another reason)
+    rows = load(de_tokenizer).get_piece_size()
+    bad = A.write_artifact(tmp_path / "art64", {"word_embeddings": torch.zeros(rows, 64),
+                                                "output_bias": torch.zeros(rows)},
                            de_tokenizer,
                            {"source": str(runs["xlmr"])})
     assert main(["export-hf", "--primary", str(runs["xlmr"]), "--embeddings", str(bad),

@@ -95,6 +95,31 @@ def test_tagging_in_every_format(tmp_path, fmt):
     assert read_examples(get_task("tag"), str(default), "en", "train") == got
 
 
+def test_files_without_a_header_line_take_column_numbers(tmp_path):
+    """--text_column 0 --label_column 1: a CSV/TSV file with no header line (a spreadsheet's BOM
+    ignored), columns counted from 0, other columns left alone; pairs and tags alike."""
+    f = tmp_path / "plain.csv"
+    f.write_bytes("\ufeffGood, really good,pos,1\nplain,neg,2\n".encode("utf-8").replace(b"Good, really good",
+                                                                                         b'"Good, really good"'))
+    cfg = FinetuneConfig(text_column="0", label_column="1")
+    assert read_examples(get_task("classify"), str(f), "en", "train", cfg) == [
+        TextExample("Good, really good", "pos"), TextExample("plain", "neg")]
+    # Column 2 is the label instead: the same file, other columns.
+    assert [ex.label for ex in read_examples(get_task("classify"), str(f), "en", "train",
+                                             FinetuneConfig(text_column="0", label_column="2"))] == ["1", "2"]
+    pairs = write(tmp_path / "pairs.tsv", "yes\tA man sleeps.\tA man rests.\n")
+    cfg = FinetuneConfig(text_column="1", text_pair_column="2", label_column="0")
+    assert read_examples(get_task("pair"), str(pairs), "en", "train", cfg) == [
+        TextExample("A man sleeps.", "yes", "A man rests.")]
+    tags = write(tmp_path / "tags.tsv", "In the beginning\tO O B-TIME\n")
+    assert read_examples(get_task("tag"), str(tags), "en", "train", FinetuneConfig(text_column="0", label_column="1")) \
+        == [TaggedSentence(["In", "the", "beginning"], ["O", "O", "B-TIME"])]
+    # A file with a header line read by number would read the header as a row: names are for those.
+    named = write(tmp_path / "named.csv", "text,label\nfine,pos\n")
+    assert len(read_examples(get_task("classify"), str(named), "en", "train",
+                             FinetuneConfig(text_column="0", label_column="1"))) == 2
+
+
 def test_column_flags_are_finetune_config_fields():
     args = finetune_parser().parse_args(["--task", "pair", "--primary", "p", "--output_dir", "o", "--text_column", "q",
                                          "--text_pair_column", "a", "--label_column", "y", "--metric", "macro_f1"])

@@ -116,3 +116,37 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
     # The overlap init copies every shared piece's row and bias: all pieces are shared here.
     assert rec["start_loss"] == pytest.approx(own, abs=1e-6)
     assert rec["system"] == "minijoint" and rec["artifact"] == str(art) and math.isfinite(rec["score"])
+
+
+def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus, de_tokenizer, tmp_path, capsys):
+    """TrainConfig.plugin_eval_blocks: every artifact carries its plug-in score, the same as
+    plugin_records gives it afterwards on the same held-out blocks, and the log says whether it
+    has passed the unigram reference."""
+    from conftest import REPO
+    from mmadapt import steps
+    from mmadapt.config import PRESETS
+    from mmadapt.parallel import init_parallel
+    from mmadapt.run import RunSpec
+
+    init_parallel(1, 1)
+    german = tmp_path / "de"
+    prepare(de_corpus, german, VOCAB, tokenizer=de_tokenizer, quiet=True,
+            cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    train = dataclasses.replace(PRESETS["tiny"][1], train_iters=4, save_interval=2, log_interval=2, seq_length=32,
+                                plugin_eval_blocks=32)
+    run = tmp_path / "adapt"
+    steps.adapt_embeddings(run=RunSpec(output_dir=run, ds_config=REPO / "ds_configs" / "zero0.json", data_path=german),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=primary_run, lang="de", train=train))
+    logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("plug-in metric at update")]
+    records = P.plugin_records(primary_run, [run], {"de": german}, seq_length=32, blocks=32)
+    assert [r["step"] for r in records] == [2, 4] and len(logged) == 2
+    for r, line in zip(records, logged):
+        meta = json.loads((run / "embeddings" / f"step{r['step']:08d}" / "meta.json").read_text())
+        assert meta["plugin_gain"] == pytest.approx(r["score"], abs=1e-6)
+        assert meta["unigram_loss"] == pytest.approx(r["unigram_loss"], abs=1e-9)
+        assert line == P.progress_line(r["step"], {k: meta[k] for k in ("plugin_gain", "plugin_loss", "unigram_loss")})
+        # Four updates from the overlap start: still below the unigram reference, and it says so.
+        assert r["score"] < 0 and line.endswith("not past the unigram reference yet: piece frequencies alone still "
+                                                "predict better")
+    assert P.progress_line(9, {"plugin_gain": 0.1, "plugin_loss": 5.9, "unigram_loss": 6.0}).endswith(
+        "past the unigram reference: the embeddings use the model's context")

@@ -192,3 +192,53 @@ def test_records_from_a_fine_tune_at_chance_are_flagged():
     assert ("(!) minijoint: from fine-tuned runs that learned nothing measurable in the source language, so its "
             "zero-shot scores say nothing about its embeddings: runs/ft/mj: the source-language accuracy 20.4") in md
     assert "| bl_base | 1 |" in md  # its own runs were fine
+
+
+def _curve(system: str, flops: list[float], scores: list[float], lang: str = "de") -> list[dict]:
+    return [{"system": system, "task": "genre", "lang": lang, "step": i + 1, "flops": x, "score": y}
+            for i, (x, y) in enumerate(zip(flops, scores))]
+
+
+def test_report_without_bl_base_picks_a_baseline_says_which_and_plots_no_empty_speedup(tmp_path, capsys):
+    """The README's MINIPOST walk-through has MINIPOST records only: the report measures it against
+    itself (exit 0, one line naming it); there is no speedup to plot, so no speedup.png."""
+    day = 2.592e18
+    f = tmp_path / "minipost.json"
+    f.write_text(json.dumps(_curve("minipost", [1 * day, 2 * day], [40.0, 50.0])))
+    plots = tmp_path / "plots"
+    assert report_main([str(f), "--plots", str(plots)]) == 0
+    out = capsys.readouterr()
+    assert out.err.strip().splitlines() == [
+        "baseline: minipost (the only system in the records; --baseline chooses another)",
+        "note: no speedup.png: no system but minipost reaches 95% of minipost's final score, so there is no speedup "
+        "to plot"]
+    assert "| minipost | 5.18 | 2 | 50.0 | 50.0 | 100.0% |" in out.out
+    assert sorted(p.name for p in plots.iterdir()) == ["curves.png"]
+    # Several systems, none of them bl_base: the one that spent the most Step-2 compute (the ceiling).
+    f.write_text(json.dumps(_curve("minijoint", [1 * day, 2 * day], [40.0, 50.0])
+                            + _curve("minijoint:full", [3 * day, 6 * day], [45.0, 52.0])))
+    assert report_main([str(f)]) == 0
+    out = capsys.readouterr()
+    assert out.err.strip() == ("baseline: minijoint:full (no bl_base in the records: the system with the most Step-2 "
+                               "compute; --baseline chooses another)")
+    assert "95% of minijoint:full's final score" in out.out
+    # With bl_base in the records, nothing to say; a --baseline the records lack is still an error.
+    f.write_text(json.dumps(_curve("bl_base", [2 * day, 4 * day], [50.0, 60.0]) +
+                            _curve("minijoint", [1 * day, 2 * day], [56.0, 58.0])))
+    assert report_main([str(f), "--plots", str(tmp_path / "p2")]) == 0
+    assert capsys.readouterr().err == ""
+    assert sorted(p.name for p in (tmp_path / "p2").iterdir()) == ["curves.png", "speedup.png"]
+    assert report_main([str(f), "--baseline", "minipost"]) == 2
+    assert "the results hold no minipost runs" in capsys.readouterr().err
+
+
+def test_no_plot_is_written_without_data(tmp_path):
+    from mmadapt.report import plot_curves, plot_speedup
+
+    assert plot_curves([], tmp_path / "c.png") is False
+    # Only the baseline: a speedup needs another system that reaches the target.
+    assert plot_speedup(_curve("bl_base", [1.0, 2.0], [40.0, 50.0]), tmp_path / "s.png") is False
+    # Another system that never reaches 95% of the baseline's final score: no speedup either.
+    never = _curve("bl_base", [1.0, 2.0], [40.0, 50.0]) + _curve("minijoint", [1.0, 2.0], [10.0, 20.0])
+    assert plot_speedup(never, tmp_path / "s.png") is False
+    assert list(tmp_path.iterdir()) == []

@@ -48,7 +48,11 @@ def uninterrupted(corpus, tokenizer, tmp_path_factory):
 
 
 def test_stop_and_resume_matches_uninterrupted(uninterrupted, corpus, tokenizer, tmp_path):
-    run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--exit_interval", "3"))
+    paused = run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--exit_interval", "3"), code=76)
+    assert paused.stderr.strip().splitlines()[-1] == (
+        f"paused at update 3 of {STEPS} (--exit_interval): checkpoint step00000003 is complete; run the same command "
+        "with --resume to go on")
+    assert "done:" not in paused.stdout
     assert [s for s, _, _ in losses(tmp_path)] == [1, 2, 3]
     run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--resume"))
     assert losses(tmp_path) == uninterrupted  # exact: same data, masks, dropout and optimizer state
@@ -185,7 +189,7 @@ def test_damaged_newest_checkpoint_falls_back_and_keep_last_prunes(uninterrupted
 
     ckpt = tmp_path / "checkpoints"
     run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--save_interval", "1", "--keep_last", "2",
-                           "--exit_interval", "4"))
+                           "--exit_interval", "4"), code=76)
     assert complete_tags(ckpt) == ["step00000003", "step00000004"]
     model_file = ckpt / "step00000004" / "mp_rank_00_model_states.pt"
     model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated, as by a full disk

@@ -228,3 +228,18 @@ def test_requeue_helper_passes_a_failure_on(tmp_path):
     script = f"source {REPO}/launch/slurm/requeue.sh\nrun_requeueable {tmp_path} bash -c 'exit 3'\necho rc=$?\n"
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=child_env(SLURM_JOB_ID="1")).stdout
     assert out.strip() == "rc=3"
+
+
+def test_requeue_helper_requeues_a_step_paused_by_exit_interval(tmp_path):
+    """A step that exits 76 (faults.EXIT_PAUSED: saved at --exit_interval before its last update)
+    is requeued with no signal involved; 0 (finished) is not."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" >> {tmp_path}/scontrol.args\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = child_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="77")
+    for code, requeued in ((76, True), (0, False)):
+        script = f"source {REPO}/launch/slurm/requeue.sh\nrun_requeueable {tmp_path} bash -c 'exit {code}'\necho rc=$?\n"
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env).stdout
+        assert out.strip().endswith("rc=0") and ("requeueing job 77" in out) == requeued, out
+    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "77"]

@@ -8,7 +8,8 @@
 # On that SIGTERM the shell creates RUN_DIR/STOP. Every rank on every node watches for it (and
 # for SIGTERM/SIGINT or its launcher's death: mmadapt/faults.py), finishes its update, saves a
 # complete checkpoint and exits 75. The job is then requeued, and --resume continues it from
-# that checkpoint. A step that exits 75 for another reason (a signal sent by hand) is requeued too.
+# that checkpoint. A step that exits 75 for another reason (a signal sent by hand) is requeued too,
+# and so is one that exits 76: paused by --exit_interval before its last update.
 
 run_requeueable() {
     local run_dir=$1
@@ -24,7 +25,7 @@ run_requeueable() {
         wait "$pid" || rc=$?
     done
     trap - TERM
-    if [[ $rc -eq 75 || $stopping -eq 1 ]] && [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    if [[ $rc -eq 75 || $rc -eq 76 || $stopping -eq 1 ]] && [[ -n "${SLURM_JOB_ID:-}" ]]; then
         echo "stopped with a complete checkpoint in $run_dir: requeueing job $SLURM_JOB_ID to resume it"
         scontrol requeue "$SLURM_JOB_ID"
         return 0

@@ -286,6 +286,14 @@ class LlamaLM(LlamaDecoder):
             masked_index, targets = masked_positions(labels)
         return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.output_rows)
 
+    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
+        """input_ids [b, s] -> each head's next-piece logits [b, s, Vp] at every position, in
+        heads_after order, for looking at the model (mmadapt/predict.py); training projects only
+        the scored rows (LMHeads)."""
+        weight = self.output_weight
+        return [head(h.reshape(-1, h.shape[-1]), weight).view(*h.shape[:2], -1)
+                for head, h in zip(self.heads.heads, self.hidden_states(input_ids, padding))]
+
 
 # --- task head (Step 3 fine-tuning, Step 4 zero-shot evaluation) ---------------------------------------
 

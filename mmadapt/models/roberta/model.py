@@ -211,6 +211,14 @@ class RobertaMLM(RobertaEncoder):
             masked_index, targets = masked_positions(labels)
         return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.word_embeddings.rows)
 
+    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
+        """input_ids [b, s] -> each head's logits [b, s, Vp] at every position, in head_layers
+        order: what the loss scores at the masked positions, for looking at the model
+        (mmadapt/predict.py). Training projects only the masked rows (MLMHeads)."""
+        word = self.word_embeddings.weight
+        return [head(h.reshape(-1, h.shape[-1]), word).view(*h.shape[:2], -1)
+                for head, h in zip(self.heads.heads, self.hidden_states(input_ids, padding))]
+
 
 # --- task heads (Step 3 fine-tuning, Step 4 zero-shot evaluation) -----------------------------------
 

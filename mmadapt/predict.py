@@ -1,0 +1,419 @@
+"""Inference from Python: load any run and look at what its model predicts.
+
+    from mmadapt import predict
+    lm = predict.load("runs/minijoint")  # a pretrain (any system), build_minipost or import-hf run
+    lm.logits(["In the beginning God created the heaven."])      # {head layer: [1, s, V]}
+    lm.fill_mask(["In the beginning God created the <mask>."])   # top pieces per <mask>
+    de = predict.load("runs/bl_base", embeddings="runs/adapt/bl_base-de/embeddings/step00001000")
+    clf = predict.load("runs/ft/bl_base-xnli-1", embeddings="runs/adapt/bl_base-de/embeddings/step00001000")
+    clf.predict([("Er schläft.", "Niemand schläft.")])          # [{"label": ..., "probs": {...}}]
+
+What is loaded, by the code the steps use (nothing here is a second copy of it):
+  - a language model (`LanguageModel`): the run's weights (`run.load_weights`: a Step-1b run's
+    frozen part rebuilt from its source run) with every head of the run. With a Step-2 artifact
+    (`embeddings`), the run's primary model (its last layer and primary head,
+    `ModelFamily.primary_model`) with the artifact's vocabulary-indexed tensors and tokenizer: the
+    model the plug-in metric scores (plugin.py).
+  - a fine-tuned model (`TaskModel`): Step 4's rebuild (`evaluate.load_finetuned`) and Step 4's
+    forward (`evaluate.set_logits`: the artifact's word embeddings swapped into the model,
+    token-sized batches), so its predictions are the ones `mmadapt evaluate` scores.
+TP = 1 and no process group; on `parallel.device()` (or `device`) in Step 4's precision
+(`evaluate.eval_dtype`: bf16 on a GPU, fp32 on the CPU). Results come back in fp32 on the CPU.
+
+Texts are laid out as the model saw them in training: the encoder's `<s> text </s>` (a literal
+`<mask>` in the text is the mask piece), the decoder's `</s> text` (a sentence as it follows the
+previous one in its packed training stream); task inputs as features.py encodes them.
+
+Shapes: n texts (or QA windows), s their longest row in pieces, V vocab_size, C task labels,
+k top_k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mmadapt.adapt import artifact_state, read_artifact
+from mmadapt.checkpoint import read_json
+from mmadapt.config import FinetuneConfig, ModelConfig
+from mmadapt.evaluate import (EvalSet, Finetuned, TokenBatches, artifact_embeddings, artifact_primary, device_of,
+                              load_finetuned, on_eval_device, recorded_config, set_logits)
+from mmadapt.family import WORD
+from mmadapt.features import Encoded, best_spans, encode_classify, encode_span, encode_tag
+from mmadapt.models import get_family
+from mmadapt.parallel import device as default_device
+from mmadapt.plugin import plugin_model
+from mmadapt.readers import PairExample, QAExample, TaggedSentence
+from mmadapt.run import RUN_FILE, RUN_TOKENIZER, load_weights, run_model
+from mmadapt.tasks import Task, get_task
+from mmadapt.tokenizer import WORD_BOUNDARY
+from mmadapt.tokenizer import load as load_tokenizer
+from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, PAD_ID
+
+MASK = "<mask>"  # how a text marks a masked position for fill_mask
+BATCH_TOKENS = FinetuneConfig.eval_batch_tokens  # piece ids per forward pass of a language model
+
+
+def _run_file(run: Path) -> dict:
+    if not (run / RUN_FILE).is_file():
+        raise ValueError(f"{run} is not an mmadapt run directory (no run.json): pass the --output_dir of a pretrain, "
+                         "build_minipost, import-hf or finetune run")
+    return read_json(run / RUN_FILE, "run file")
+
+
+def kind_of(run: str | os.PathLike) -> str:
+    """What `load(run)` gives and `predict` reads, from run.json alone (no weights loaded): "mlm"
+    or "causal" (a language model of that objective), or a fine-tuned run's task: "classify",
+    "pair" (a classifier of text pairs), "tag" or "span"."""
+    run = Path(run)
+    info = _run_file(run)
+    if info.get("step") == "adapt":
+        raise ValueError(f"{run} is a Step-2 run: load its source run with its artifact as the embeddings "
+                         f"(e.g. {run / 'embeddings' / '<tag>'})")
+    if info.get("step") == "finetune":
+        task = get_task(info["task"])
+        return "pair" if task.pairs else task.kind
+    return get_family(run_model(info)).objective
+
+
+def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *, tag: str | None = None,
+         device: str | torch.device | None = None) -> "LanguageModel | TaskModel":
+    """A run's model for inference: a `TaskModel` for a fine-tuning run, a `LanguageModel` for
+    any other (pretrain, build_minipost, import-hf), optionally with the Step-2 artifact
+    `embeddings` (<adapt run>/embeddings/<tag>) swapped in. tag: a language model's checkpoint
+    (default: the newest complete one; a fine-tuned model is its final one)."""
+    run = Path(run)
+    kind = kind_of(run)
+    dev = torch.device(device) if device is not None else default_device()
+    if kind in ("mlm", "causal"):
+        return LanguageModel.load(run, None if embeddings is None else Path(embeddings), tag, dev)
+    if tag is not None:
+        raise ValueError(f"{run} is a fine-tuning run: its model is its final checkpoint (drop tag)")
+    return TaskModel.load(run, None if embeddings is None else Path(embeddings), dev)
+
+
+def _artifact(path: Path, owners: tuple[Path, ...]) -> tuple[dict, Path]:
+    """An artifact's tensors and tokenizer, refused unless it belongs to one of `owners` (the
+    model Step 2 trained it over, or the primary model Step 4 swaps it into)."""
+    emb, tokenizer, meta = read_artifact(path)
+    if "source" not in meta:
+        raise ValueError(f"{path}/meta.json does not name the run its embeddings were trained over: it is not an "
+                         "artifact adapt wrote")
+    if not (Path(meta["source"]) / RUN_FILE).is_file():
+        raise ValueError(f"{path} holds embeddings trained over {meta['source']}, which is no longer an mmadapt run "
+                         "(no run.json)")
+    mine = {Path(meta["source"]).resolve(), artifact_primary(meta).resolve()}
+    if not mine & {o.resolve() for o in owners}:
+        raise ValueError(f"{path} holds embeddings for the model of {meta['source']}, not of "
+                         f"{' or '.join(map(str, owners))}: load that run with it")
+    return emb, tokenizer
+
+
+def _surface(tokenizer, i: int) -> dict:
+    """A vocabulary entry as fill_mask and next_piece report it: id, piece, and its text (the
+    word-boundary marker as a space, stripped)."""
+    piece = tokenizer.id_to_piece(i)
+    return {"id": i, "piece": piece, "text": piece.replace(WORD_BOUNDARY, " ").strip()}
+
+
+def _pad(rows: list[list[int]]) -> torch.Tensor:
+    out = torch.full((len(rows), max(map(len, rows), default=1)), PAD_ID, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out
+
+
+# --- language models ------------------------------------------------------------------------------------
+
+@dataclass
+class LanguageModel:
+    """A run's language model, dropout off: every head of the run, or (with an artifact) its
+    primary model with the artifact's vocabulary. `heads`: the layer after which each head sits."""
+    run: Path
+    cfg: ModelConfig
+    model: torch.nn.Module
+    tokenizer: object  # a SentencePieceProcessor or tokenizer.HFTokenizer
+    embeddings: Path | None = None
+
+    @classmethod
+    def load(cls, run: Path, embeddings: Path | None = None, tag: str | None = None,
+             device: torch.device | None = None) -> "LanguageModel":
+        cfg, state = load_weights(run, tag)  # refuses a run without a complete checkpoint or tokenizer
+        tokenizer = run / RUN_TOKENIZER
+        if embeddings is not None:
+            emb, tokenizer = _artifact(embeddings, (run,))
+            cfg, state = get_family(cfg).primary_model(cfg, state)
+            artifact_embeddings(emb, state[WORD])  # refuses embeddings of another width
+            state = {**state, **{name: t.float() for name, t in artifact_state(emb, cfg).items()}}
+        cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0, vocab_size=state[WORD].shape[0])
+        model = plugin_model(cfg, state)
+        if device is not None and device != device_of(model):
+            model = on_eval_device(model, device)
+        return cls(run, cfg, model, load_tokenizer(tokenizer), embeddings)
+
+    @property
+    def heads(self) -> tuple[int, ...]:
+        return self.cfg.heads_after
+
+    @property
+    def objective(self) -> str:
+        """"mlm" (the encoder: fill_mask) or "causal" (the decoder: next_piece)."""
+        return get_family(self.cfg).objective
+
+    def pieces(self, text: str) -> list[int]:
+        """The piece ids of `text`; for the encoder each literal <mask> becomes the mask piece, the
+        text around it encoded in parts (its space then belongs to the masked word, as when a word
+        is masked in training)."""
+        if self.objective != "mlm":
+            return self.tokenizer.encode(text)
+        parts, ids = text.split(MASK), []
+        for i, part in enumerate(parts):
+            if i:
+                ids.append(MASK_ID)
+            part = part.rstrip() if i < len(parts) - 1 else part
+            if part.strip():
+                ids += self.tokenizer.encode(part)
+        return ids
+
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        """Texts -> input_ids [n, s] as the model saw text in training (module docstring), cut
+        to max_position_embeddings and padded with PAD_ID."""
+        if isinstance(texts, str):
+            raise ValueError("pass a list of texts, not one string")
+        n = self.cfg.max_position_embeddings
+        if self.objective == "mlm":
+            rows = [[BOS_ID, *self.pieces(t)[:n - 2], EOS_ID] for t in texts]
+        else:
+            rows = [[EOS_ID, *self.pieces(t)[:n - 1]] for t in texts]
+        return _pad(rows)
+
+    def _per_position(self, texts: list[str], fn) -> tuple[torch.Tensor, torch.Tensor]:
+        """fn(logits of every head [b, s_i, H, V]) -> [b, s_i, ...] over token-sized batches:
+        (input_ids [n, s], the results [n, s, ...], fp32 on the CPU)."""
+        ids = self.encode(texts)
+        batches = TokenBatches.plan(ids, BATCH_TOKENS, device_of(self.model))
+        return ids, batches.run(lambda x, padding: fn(torch.stack(self.model.logits(x, padding), 2)), True)
+
+    def logits(self, texts: list[str]) -> dict[int, torch.Tensor]:
+        """{head layer: logits [n, s, V]} of every position of `encode(texts)` (padding
+        positions: zeros), fp32 on the CPU. The encoder's are masked-LM logits, the decoder's
+        next-piece logits."""
+        _, out = self._per_position(texts, lambda logits: logits)
+        return {layer: out[:, :, k] for k, layer in enumerate(self.heads)}
+
+    def _top(self, texts: list[str], top_k: int, head: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids [n, s], probabilities [n, s, k], ids [n, s, k]) of `head`'s top pieces at
+        every position: only the top k per position leave the device."""
+        k = self.heads.index(self.heads[-1] if head is None else self._head(head))
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+
+        def top(logits: torch.Tensor) -> torch.Tensor:  # [b, s_i, H, V] -> [b, s_i, 2k]
+            p, i = logits[:, :, k].float().softmax(-1).topk(min(top_k, logits.shape[-1]), -1)
+            return torch.cat([p, i.float()], -1)  # ids are exact in fp32 below 2**24
+
+        ids, out = self._per_position(texts, top)
+        return ids, out[..., :out.shape[-1] // 2], out[..., out.shape[-1] // 2:].long()
+
+    def _head(self, head: int) -> int:
+        if head not in self.heads:
+            raise ValueError(f"the model has heads after layers {', '.join(map(str, self.heads))}, not {head}")
+        return head
+
+    def fill_mask(self, texts: list[str], top_k: int = 5, head: int | None = None) -> list[list[list[dict]]]:
+        """The encoder's `top_k` pieces at each <mask> of each text: per text, per <mask> in
+        order, [{"id", "piece", "text", "prob"}], most probable first. head: the layer of the
+        head to read (default: the primary head, after the last layer)."""
+        if self.objective != "mlm":
+            raise ValueError(f"fill_mask is for masked-LM encoders; {self.run} is a {self.cfg.family} decoder: use "
+                             "next_piece")
+        missing = next((i for i, t in enumerate(texts) if MASK not in t), None)
+        if missing is not None:
+            raise ValueError(f"text {missing + 1} has no {MASK}: fill_mask predicts the pieces at {MASK}")
+        ids, probs, top = self._top(texts, top_k, head)
+        return [[[{**_surface(self.tokenizer, int(i)), "prob": float(p)} for p, i in zip(probs[r, s], top[r, s])]
+                 for s in ids[r].eq(MASK_ID).nonzero().squeeze(1).tolist()] for r in range(len(texts))]
+
+    def next_piece(self, texts: list[str], top_k: int = 5, head: int | None = None) -> list[list[dict]]:
+        """The decoder's `top_k` next pieces after each text: [{"id", "piece", "text", "prob"}],
+        most probable first. head: as in fill_mask."""
+        if self.objective != "causal":
+            raise ValueError(f"next_piece is for decoders; {self.run} is a masked-LM encoder: use fill_mask")
+        ids, probs, top = self._top(texts, top_k, head)
+        last = ids.ne(PAD_ID).sum(1) - 1  # [n]: each row's last piece
+        return [[{**_surface(self.tokenizer, int(i)), "prob": float(p)} for p, i in zip(probs[r, last[r]], top[r, last[r]])]
+                for r in range(len(texts))]
+
+
+# --- fine-tuned models -----------------------------------------------------------------------------------
+
+@dataclass
+class TaskModel:
+    """A Step-3 model (its final checkpoint), optionally with a Step-2 artifact's word embeddings
+    and tokenizer swapped in (Step 4). cfg: the run's recorded FinetuneConfig (sequence length, QA
+    windows, batch tokens), as `mmadapt evaluate` reads it."""
+    run: Path
+    finetuned: Finetuned
+    cfg: FinetuneConfig
+    tokenizer: object
+    artifact: dict | None = None  # the artifact's tensors, swapped in for each forward (evaluate.set_logits)
+    embeddings: Path | None = None
+
+    @classmethod
+    def load(cls, run: Path, embeddings: Path | None = None, device: torch.device | None = None) -> "TaskModel":
+        ft = load_finetuned(run)
+        tokenizer, artifact = ft.tokenizer, None
+        if embeddings is not None:
+            artifact, tokenizer = _artifact(embeddings, (Path(ft.run["primary"]["run_dir"]),))
+            artifact_embeddings(artifact, ft.state[WORD])  # refuses embeddings of another width
+        model = ft.model()  # built once, on parallel.device()
+        if device is not None and device != device_of(model):
+            on_eval_device(model, device)  # in place: ft keeps it
+        return cls(run, ft, recorded_config(ft), load_tokenizer(tokenizer), artifact, embeddings)
+
+    @property
+    def task(self) -> Task:
+        return self.finetuned.task
+
+    @property
+    def labels(self) -> list[str]:
+        return self.finetuned.labels
+
+    def examples(self, inputs: list) -> list:
+        """`inputs` as the task's examples, with placeholder gold labels: a text (str) or, for a
+        pair task, (text, text_pair); tag: a text (split at whitespace) or its list of words;
+        span: (question, context)."""
+        if isinstance(inputs, str):
+            raise ValueError("pass a list of inputs, not one string")
+        kind, out = self.task.kind, []
+        for n, x in enumerate(inputs, 1):
+            if kind == "classify" and self.task.pairs:
+                if not (isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, str) for t in x)):
+                    raise ValueError(f"input {n}: the {self.task.name} model classifies pairs of texts: pass "
+                                     "(text, text_pair)")
+                out.append(PairExample(x[0], x[1], 0))
+            elif kind == "classify":
+                if not isinstance(x, str):
+                    raise ValueError(f"input {n}: the {self.task.name} model classifies single texts: pass a string")
+                out.append((x, 0))
+            elif kind == "tag":
+                words = x.split() if isinstance(x, str) else list(x)
+                if not words or not all(isinstance(w, str) and w for w in words):
+                    raise ValueError(f"input {n}: a tagger takes a text or a list of words, not {x!r}")
+                out.append(TaggedSentence(words, [self.labels[0]] * len(words)))
+            else:
+                if not (isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, str) for t in x)):
+                    raise ValueError(f"input {n}: a QA model takes (question, context)")
+                out.append(QAExample(str(n - 1), x[1], x[0]))
+        return out
+
+    def encode(self, examples: list) -> Encoded:
+        """The examples' rows as features.py encodes them for this task (the run's settings)."""
+        cfg, kind = self.cfg, self.task.kind
+        if kind == "classify":
+            return encode_classify(self.tokenizer, examples, cfg.seq_length)
+        if kind == "tag":
+            return encode_tag(self.tokenizer, examples, self.labels, cfg.seq_length)
+        return encode_span(self.tokenizer, examples, cfg.seq_length, cfg.doc_stride, cfg.max_query_length)
+
+    def logits(self, inputs: list) -> tuple[list, Encoded, torch.Tensor]:
+        """(examples, their rows, logits: classify [n, C], tag [n, s, C], span [windows, s, 2]),
+        by Step 4's forward (evaluate.set_logits), fp32 on the CPU."""
+        examples = self.examples(inputs)
+        enc = self.encode(examples)
+        rows = TokenBatches.plan(enc.input_ids, self.cfg.eval_batch_tokens, device_of(self.finetuned.model()))
+        return examples, enc, set_logits(self.finetuned, EvalSet(examples, enc, rows), self.artifact)
+
+    def predict(self, inputs: list) -> list[dict]:
+        """One result per input: classify {"label", "probs": {label: probability}}; tag {"words",
+        "tags"} (a tag per word; None for words past seq_length); span {"answer"} (the context's
+        best span, "" when none fits)."""
+        examples, enc, logits = self.logits(inputs)
+        kind = self.task.kind
+        if kind == "classify":
+            probs = logits.softmax(-1)
+            return [{"label": self.labels[int(p.argmax())], "probs": dict(zip(self.labels, map(float, p)))}
+                    for p in probs]
+        if kind == "tag":
+            out = []
+            for r, ex in enumerate(examples):
+                first = enc.labels[r].ne(IGNORE_INDEX)  # each word's first piece (encode_tag)
+                tags = [self.labels[int(i)] for i in logits[r][first].argmax(-1)]
+                out.append({"words": ex.words, "tags": tags + [None] * (len(ex.words) - len(tags))})
+            return out
+        answers = best_spans(logits, enc, examples, self.cfg.max_answer_length)
+        return [{"answer": answers[ex.id]} for ex in examples]
+
+
+# --- `mmadapt predict`: inputs from a file or stdin, JSON Lines out ----------------------------------
+
+# What one input of each kind is: the JSON Lines keys, and (plain lines) its fields split at a tab.
+INPUT_KEYS = {"mlm": ("text",), "causal": ("text",), "classify": ("text",), "pair": ("text", "text_pair"),
+              "tag": ("text",), "span": ("question", "context")}
+
+
+def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> list[dict]:
+    """The inputs of `mmadapt predict` for a model of `kind` (kind_of): one per non-blank line of
+    `path` ("-": stdin), each {key: value} of INPUT_KEYS[kind]. Plain lines hold the fields
+    separated by a tab (pair: text, text_pair; span: question, context); JSON Lines (a .jsonl or
+    .json file, or jsonl=True) one object per line with those keys (tag: "words", a list, in
+    place of "text")."""
+    keys = INPUT_KEYS[kind]
+    jsonl = Path(path).suffix.lower() in (".jsonl", ".json") if jsonl is None else jsonl
+    where = "stdin" if path == "-" else path
+    try:
+        if path == "-":
+            lines = sys.stdin.read().splitlines()
+        else:
+            lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text (byte offset {e.start})") from None
+    except IsADirectoryError:
+        raise ValueError(f"{where} is a directory: pass a text file (or - for stdin)") from None
+    except FileNotFoundError:
+        raise ValueError(f"{where} does not exist") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if jsonl:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}:{n}: not JSON ({e.msg}); JSON Lines hold one object per line") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}:{n}: a JSON Lines input is an object with {', '.join(keys)}")
+            if kind == "tag" and "words" in row:
+                row = {**row, "text": row["words"]}
+            missing = [k for k in keys if k not in row]
+            if missing:
+                raise ValueError(f"{where}:{n}: the object lacks {missing[0]!r} (a {kind} input has "
+                                 f"{', '.join(map(repr, keys))})")
+            out.append({k: row[k] for k in keys})
+        else:
+            fields = line.split("\t")
+            if len(fields) != len(keys):
+                raise ValueError(f"{where}:{n}: a {kind} input is {' TAB '.join(keys)} on one line; this line has "
+                                 f"{len(fields)} tab-separated field{'s' if len(fields) > 1 else ''}")
+            out.append(dict(zip(keys, fields)))
+    if not out:
+        raise ValueError(f"{where} holds no inputs (one per line)")
+    return out
+
+
+def predict_rows(model: "LanguageModel | TaskModel", inputs: list[dict], top_k: int = 5) -> list[dict]:
+    """Each input with what `model` predicts for it (`mmadapt predict`'s output rows)."""
+    if isinstance(model, LanguageModel):
+        texts = [x["text"] for x in inputs]
+        if model.objective == "mlm":
+            return [{**x, "masks": m} for x, m in zip(inputs, model.fill_mask(texts, top_k))]
+        return [{**x, "next": m} for x, m in zip(inputs, model.next_piece(texts, top_k))]
+    keys = INPUT_KEYS["pair" if model.task.pairs else model.task.kind]
+    values = [x[keys[0]] if len(keys) == 1 else tuple(x[k] for k in keys) for x in inputs]
+    return [{**x, **y} for x, y in zip(inputs, model.predict(values))]

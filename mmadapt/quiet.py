@@ -1,0 +1,73 @@
+"""Quiet by default: the warnings and log lines of the libraries mmadapt sits on that say nothing
+about the user's run, filtered in one place. `install` runs when the `mmadapt` package is
+imported, before any module of it imports those libraries (most of them warn at import time, so
+a filter set later would come too late). `MMADAPT_VERBOSE=1`, or `--verbose` on any command,
+shows everything.
+
+What is filtered, and why it is noise:
+    megatron-core   "Transformer Engine and Apex are not installed" (four at import): mmadapt uses
+                    neither; megatron's torch fallbacks are the layers mmadapt builds on
+    DeepSpeed       its log line "Setting accelerator to CPU": a CPU run is meant to run on the CPU
+    torch           FutureWarnings that a torch.distributed function is deprecated: DeepSpeed calls
+                    them, not the user's code; "nested tensors ... prototype" (attention_impl varlen
+                    builds its jagged batches with them, as designed)
+    matplotlib      "No artists with labels found to put in legend": a plot panel without a curve
+    transformers    the progress bars of writing a model's weight shards (export-hf), through
+                    huggingface_hub's switch HF_HUB_DISABLE_PROGRESS_BARS (a value you set stays)
+Only these exact messages go; every other warning and log line of these libraries still shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+VERBOSE_ENV = "MMADAPT_VERBOSE"
+VERBOSE_FLAG = "--verbose"
+
+# (category, regular expression matching the start of the message), as warnings.filterwarnings takes them.
+WARNINGS = (
+    (UserWarning, r"Transformer Engine and Apex are not installed"),
+    (FutureWarning, r"`torch\.distributed\.\w+` (is|will be) deprecated"),
+    (FutureWarning, r"`torch\.distributed\.\w+` is a private function"),
+    (UserWarning, r"No artists with labels found to put in legend"),
+    (UserWarning, r"The PyTorch API of nested tensors is in prototype stage"),
+)
+# Logger name -> the start of each message of it that is dropped.
+LOG_LINES = {"DeepSpeed": ("Setting accelerator to CPU",)}
+# Environment variables read when a library is imported: transformers' progress bars follow
+# huggingface_hub's switch. A value the user set stays.
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def verbose() -> bool:
+    """Whether to show everything: MMADAPT_VERBOSE=1, or --verbose among this process's arguments
+    (read here because the libraries warn as they are imported, before a command parses its flags)."""
+    return os.environ.get(VERBOSE_ENV) == "1" or VERBOSE_FLAG in sys.argv[1:]
+
+
+class _DropLines(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]):
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.starts)
+
+
+def install() -> bool:
+    """Filter the known noise (module docstring) unless verbose(). Returns whether it did."""
+    if verbose():
+        return False
+    for category, message in WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name, starts in LOG_LINES.items():
+        # The same logger object DeepSpeed configures when it is imported: a filter set now stays.
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLines) for f in logger.filters):
+            logger.addFilter(_DropLines(starts))
+    for key, value in QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    return True

@@ -1,0 +1,72 @@
+"""First contact with the commands: `mmadapt --help` lists every command with its purpose and
+where to start, an unknown command says which it may have meant, and the libraries' known
+warnings stay out of a command's output unless asked for (--verbose, MMADAPT_VERBOSE=1)."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, VOCAB, child_env
+from mmadapt.cli import COMMAND_GROUPS, COMMANDS, main, top_help
+
+
+def _mmadapt(*args: str, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mmadapt.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=child_env(PYTHONPATH=str(REPO), **env))
+
+
+def _warn_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if "warn" in line.lower()]
+
+
+def test_top_level_help_lists_every_command_with_its_purpose(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out == top_help() + "\n"
+    listed = {}
+    for line in out.splitlines():
+        m = re.match(r"  (\S+)\s{2,}(\S.*)", line)
+        if m:
+            listed[m.group(1)] = m.group(2)
+    assert set(listed) == set(COMMANDS)  # every command the dispatcher knows, and nothing else
+    for _, group in COMMAND_GROUPS:
+        for name, _, purpose in group:
+            assert purpose.startswith(listed[name]) and len(purpose) > 30
+    assert "mmadapt demo --quick" in out.split("Start here:")[0]  # where to start comes first
+    assert [t for t, _ in COMMAND_GROUPS][:3] == ["Start here", "Data (once per corpus)", "Step 1: the source model"]
+    # Each command's own help: usage on stdout, exit 0.
+    for name in COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0, name
+        assert capsys.readouterr().out.startswith("usage:"), name
+    assert main([]) == 2 and capsys.readouterr().err == top_help() + "\n"
+    assert main(["pretrian"]) == 2
+    assert capsys.readouterr().err == "error: unknown command 'pretrian': did you mean pretrain? mmadapt --help lists " \
+                                      "the commands\n"
+
+
+def test_help_prints_help_and_nothing_else():
+    quiet = _mmadapt("pretrain", "--help")
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("usage: pretrain")
+    assert _warn_lines(quiet) == []
+    # The filter is what keeps them out: --verbose and MMADAPT_VERBOSE=1 show megatron's four.
+    for proc in (_mmadapt("pretrain", "--help", "--verbose"), _mmadapt("pretrain", "--help", MMADAPT_VERBOSE="1")):
+        assert proc.returncode == 0
+        assert sum("Transformer Engine and Apex are not installed" in l for l in _warn_lines(proc)) == 4, proc.stderr
+
+
+@pytest.mark.slow
+def test_a_short_pretraining_prints_no_warning(corpus, tokenizer, tmp_path):
+    args = ["pretrain", "--preset", "tiny", "--corpus", str(corpus), "--tokenizer", str(tokenizer), "--vocab_size",
+            str(VOCAB), "--train_iters", "2", "--log_interval", "1"]
+    quiet = _mmadapt(*args, "--output_dir", str(tmp_path / "quiet"))
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    assert _warn_lines(quiet) == [], _warn_lines(quiet)
+    assert "done: step 2" in quiet.stdout
+    loud = _mmadapt(*args, "--output_dir", str(tmp_path / "loud"), "--verbose")
+    assert loud.returncode == 0, loud.stderr[-3000:]
+    lines = _warn_lines(loud)
+    assert any("Setting accelerator to CPU" in l for l in lines) and any("Transformer Engine" in l for l in lines)
