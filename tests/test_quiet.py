@@ -48,6 +48,7 @@ def test_top_level_help_lists_every_command_with_its_purpose(capsys):
                                       "the commands\n"
 
 
+@pytest.mark.slow  # a fresh process per command
 def test_help_prints_help_and_nothing_else():
     quiet = _mmadapt("pretrain", "--help")
     assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("usage: pretrain")
