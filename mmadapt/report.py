@@ -375,16 +375,32 @@ def _pyplot():
     return plt
 
 
+# The compute axis of plot_curves: device-days where a run reaches a hundredth of one (the paper's
+# figures), else FLOPs with the largest prefix that keeps them >= 1 (a CPU demo's Step 2 is
+# ~1e-6 V100-days: a matplotlib offset of "1e-6" on days reads as nonsense).
+FLOP_UNITS = (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6))
+
+
+def compute_axis(max_flops: float, device: str = "v100-paper") -> tuple[float, str]:
+    """(FLOPs per unit, axis label) for Step-2 compute up to `max_flops`."""
+    if device_days(max_flops, device) >= 0.01:
+        return max_flops / device_days(max_flops, device), f"Step-2 compute ({device} days)"
+    name, size = next(((n, v) for n, v in FLOP_UNITS if max_flops >= v), FLOP_UNITS[-1])
+    return size, f"Step-2 compute ({name})"
+
+
 def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
-    """Figure-3 style: score against Step-2 compute (device-days), one panel per task and
-    language, one line per system, with BL_BASE's near-maximal target dashed. Writes nothing and
-    returns False when there are no records."""
+    """Figure-3 style: score against Step-2 compute, one panel per task and language, one line per
+    system, BL_BASE's near-maximal target dashed and the chance level (or unigram reference)
+    dotted, one legend for the figure. Writes nothing and returns False when there are no
+    records."""
     if not records:
         return False
     plt = _pyplot()
     cs = curves(records)
     panels = sorted({(k[1], k[2]) for k in cs})
     systems = sorted({k[0] for k in cs})
+    unit, xlabel = compute_axis(max(x for pts in cs.values() for x, _ in pts), device)
     cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False)
@@ -396,22 +412,30 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
             if pts and start:  # the plug-in curves begin at the overlap-initialised embeddings
                 pts = [(0.0, start[0]), *pts]
             if pts:
-                ax.plot([device_days(x, device) for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=system,
+                ax.plot([x / unit for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=system,
                         color=COLORS.get(system))
         if ("bl_base", task, lang) in cs:
-            ax.axhline(near_max_target(cs[("bl_base", task, lang)][-1][1]), color="gray", ls="--", lw=0.8)
+            ax.axhline(near_max_target(cs[("bl_base", task, lang)][-1][1]), color="gray", ls="--", lw=0.8,
+                       label="near-max target (95% of bl_base's final)")
         floor = _chance([r for r in records if r["lang"] == lang], task)
         if floor is not None:
             ax.axhline(floor, color="black", ls=":", lw=0.8,
                        label="unigram reference" if task in PLUGIN_TASKS.values() else "chance")
         ax.set_title(f"{task} · {lang}", fontsize=9)
-        ax.set_xlabel(f"Step-2 {device} days", fontsize=8)
+        ax.set_xlabel(xlabel, fontsize=8)
         ax.set_ylabel("contextual gain (nats)" if task in PLUGIN_TASKS.values() else "score", fontsize=8)
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    max(axes.flat, key=lambda ax: len(ax.get_lines())).legend(fontsize=7)  # the panel with every system
-    fig.tight_layout()
+    handles = {}  # one entry per label, from every panel: systems, target, chance / unigram reference
+    for ax in axes.flat:
+        for line in ax.get_lines():
+            handles.setdefault(line.get_label(), line)
+    labels = [l for l in handles if not l.startswith("_")]
+    ncol = min(len(labels), max(1, round(1.8 * cols)))  # about 2 inches an entry: the figure's width
+    legend_rows = math.ceil(len(labels) / ncol)
+    fig.legend([handles[l] for l in labels], labels, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.16 * legend_rows / (2.8 * rows), 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
@@ -470,5 +494,5 @@ def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: s
 
 
 __all__ = ["DEVICE_TFLOPS", "PAPER", "Hit", "Speedup", "flops_rows", "paper_rows", "time_to_target", "mean_speedup",
-           "speedup_over", "retention", "choose_baseline", "report_markdown", "speedups", "speedup_table", "plot_curves",
-           "plot_speedup"]
+           "speedup_over", "retention", "choose_baseline", "report_markdown", "speedups", "speedup_table",
+           "compute_axis", "plot_curves", "plot_speedup"]

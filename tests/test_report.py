@@ -242,3 +242,14 @@ def test_no_plot_is_written_without_data(tmp_path):
     never = _curve("bl_base", [1.0, 2.0], [40.0, 50.0]) + _curve("minijoint", [1.0, 2.0], [10.0, 20.0])
     assert plot_speedup(never, tmp_path / "s.png") is False
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_compute_axis_reads_in_days_or_flops():
+    """Paper-scale Step 2 in V100-days, as Figure 3; a CPU demo's (~1e-6 days) in FLOPs with a
+    prefix, not in days under a matplotlib offset."""
+    from mmadapt.report import compute_axis
+
+    day = 2.592e18  # one V100-paper day of FLOPs (flops.device_days)
+    assert compute_axis(20 * day) == (pytest.approx(day), "Step-2 compute (v100-paper days)")
+    assert compute_axis(3e12) == (1e12, "Step-2 compute (TFLOP)")
+    assert compute_axis(1e16) == (1e15, "Step-2 compute (PFLOP)")  # 0.004 days
