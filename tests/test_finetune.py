@@ -160,8 +160,11 @@ def test_step3_layout_matches_single_process(layout, step3_single, primary_run, 
     for a, b in zip(ref, got):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
     ft_ref, ft_got = load_finetuned(step3_single), load_finetuned(run)
+    # atol: Adam normalises each gradient, so an element whose gradient is near zero takes the
+    # reduction order's rounding into its update at full size (seen: 1.6e-6 after 7 updates of lr
+    # 1e-3, one element of 16,384); 1e-5 is 1% of one such update
     for k, v in ft_ref.state.items():
-        torch.testing.assert_close(ft_got.state[k], v, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(ft_got.state[k], v, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -270,8 +270,9 @@ def _pretrain(out: Path, corpus, tokenizer, preset: str, **model) -> Path:
     cfg, train = PRESETS[preset]
     cfg = apply_recipe(dataclasses.replace(cfg, vocab_size=VOCAB, **model), "minijoint")
     steps.pretrain(run=RunSpec(output_dir=out, ds_config=ZERO0, corpus=str(corpus), tokenizer=tokenizer),
+                   # blocks as long as any fine-tuning here runs (Step 3 refuses positions never trained)
                    step=steps.Pretrain(model=cfg, train=dataclasses.replace(train, train_iters=1, save_interval=1,
-                                                                           seq_length=32), recipe="minijoint"))
+                                                                           seq_length=128), recipe="minijoint"))
     return out
 
 
