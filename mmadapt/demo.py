@@ -89,9 +89,9 @@ class DemoConfig:
     heldout_fraction: float = _f(0.03, "chapters of each target Bible held out of Step 2: the plug-in MLM metric's "
                                  "text")
     plugin_blocks: int = _f(512, "held-out blocks scored by the plug-in MLM metric")
-    threads: int = _f(1, "torch intra-op threads on a CPU (torch.set_num_threads; 0: torch's own default, one per core "
-                      "or OMP_NUM_THREADS). 1: the tiny models' matmuls are too small to gain from a second thread, "
-                      "and beside any other busy process two threads wait on each other (benchmarks/results/"
+    threads: int = _f(0, "torch intra-op threads on a CPU (torch.set_num_threads; 0: torch's own default, one per core "
+                      "or OMP_NUM_THREADS, the faster on an otherwise idle machine; 1 on a machine that other jobs "
+                      "keep busy, where two threads wait on each other: benchmarks/results/"
                       "demo_threads_cpu2_20261124.md)")
 
 
