@@ -211,10 +211,16 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_rank(corpus, tokenizer, t
     _wait_for(lambda: _rows(out) >= 2, proc, "two logged updates", timeout=600)
     ranks = [psutil.Process(int(p.name)) for p in pids.iterdir()]
     assert len(ranks) == 2
+    launcher = ranks[0].parent()  # deepspeed.launcher.launch, the runner's child
+    assert "deepspeed.launcher.launch" in " ".join(launcher.cmdline())
     proc.send_signal(signal.SIGTERM)  # DeepSpeed's runner dies at once and passes nothing on
-    proc.wait(timeout=60)
+    assert proc.wait(timeout=60) == -signal.SIGTERM
     gone, alive = psutil.wait_procs(ranks, timeout=120)
     assert not alive, f"ranks still running: {[p.pid for p in alive]}"
+    # The orphaned launcher polls its ranks once a second, then waits up to 30 s for their
+    # process trees (deepspeed/launcher/launch.py): it may outlive them by seconds, not forever.
+    gone, alive = psutil.wait_procs([launcher], timeout=45)
+    assert not alive, f"deepspeed.launcher.launch (pid {launcher.pid}) still running 45 s after its ranks"
     from mmadapt.checkpoint import complete_tags
 
     tags = complete_tags(out / "checkpoints")
