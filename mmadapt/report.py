@@ -326,8 +326,8 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
                     f"its zero-shot scores say nothing about its embeddings: " + "; ".join(warnings)]
         if floors is not None and gain[baseline] <= NOISE[task if task in NOISE else "default"]:
             out += ["", f"## {task}: {device} days to near-maximal performance: not meaningful here ({baseline}'s "
-                    f"final average {format(avg[baseline], f)} is within noise of the chance level "
-                    f"({format(gain[baseline], '+' + f)} over it)", ""]
+                    f"final average {format(avg[baseline], f)} is within noise of the chance level: "
+                    f"{format(gain[baseline], '+' + f)} over it)", ""]
             continue
         # "never": the system's curve does not reach the target in that language. The speedup is
         # the mean over the languages it does reach, and beside it how many it never reaches.
