@@ -255,15 +255,21 @@ def pretrained_blocks(run: dict) -> int | None:
     return run["train"]["seq_length"] if "train" in run else None
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes as held in memory (any dtype, on the host): what the digests of its
+    content hash."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def weights_fingerprint(state: dict[str, torch.Tensor]) -> str:
     """sha256 over every tensor's name, dtype, shape and bytes, in name order: a model's
     identity by its content, the same for a byte-identical copy of its run wherever it lives
     (Step 4 matches primary models by it, not by their paths)."""
     digest = hashlib.sha256()
     for name in sorted(state):
-        t = state[name].detach().cpu()
+        t = state[name]
         digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor_bytes(t))
     return digest.hexdigest()
 
 

@@ -217,9 +217,9 @@ def _expanded_vocabulary(run: RunSpec, source: Path, vocab_size: int | None) -> 
                          "appended, its size follows from the tokenizers: drop --vocab_size")
     source_tokenizer = source / RUN_TOKENIZER
     if run.data_path is not None:
-        read_manifest(run.data_path)  # a prepared dataset, or one line saying it is not
+        manifest = read_manifest(run.data_path)  # a prepared dataset, or one line saying it is not
         size = check_expansion(source_tokenizer, run.data_path / TOKENIZER)
-        return read_manifest(run.data_path)["vocab_size"], size, None
+        return manifest["vocab_size"], size, None
     if run.tokenizer is None:
         raise ValueError("--vocab_mode expand needs the target vocabulary: pass --tokenizer (a target "
                          "SentencePiece model, e.g. one mmadapt preprocess trained) with --corpus, or --data_path "

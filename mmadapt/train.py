@@ -38,7 +38,7 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.models import get_family
 from mmadapt.models.layers import Padding, masked_positions
 from mmadapt.models.pipe import set_host_batches, take_head_losses
-from mmadapt.run import RUN_TOKENIZER, RunSpec, Started
+from mmadapt.run import RUN_TOKENIZER, RunSpec, Started, tensor_bytes
 from mmadapt.vocab import Expansion
 
 
@@ -311,9 +311,8 @@ def source_rows(module: torch.nn.Module, names: dict[str, str | None]) -> list[d
     out = []
     for n, p in module.named_parameters():
         if getattr(p, "vocab_part", None) == "source" and names.get(n) and p.numel():
-            data = p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
             out.append({"name": names[n], "rows": list(p.vocab_rows), "dtype": str(p.dtype).removeprefix("torch."),
-                        "sha256": hashlib.sha256(data).hexdigest()})
+                        "sha256": hashlib.sha256(tensor_bytes(p)).hexdigest()})
     return out
 
 
