@@ -13,7 +13,8 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, get_args, get_origin, get_type_hints
+from types import UnionType
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 
 def _f(default, help: str, flag: bool = True, **kw):
@@ -529,6 +530,8 @@ def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int | tuple[int, 
 def _tuple_item(kind):
     """The item type of a tuple-valued field (one or more values on the command line), else None.
     A bare `tuple` holds ints (head_layers, extra_save_steps); `tuple[str, ...]` says its type."""
+    if get_origin(kind) in (Union, UnionType):  # Optional[tuple]: a tuple flag whose unset value means a default
+        kind = next(a for a in get_args(kind) if a is not type(None))
     if kind is tuple:
         return int
     return get_args(kind)[0] if get_origin(kind) is tuple else None

@@ -272,6 +272,8 @@ CASES = [
     ("demo-output-is-a-file", lambda c: ["demo", "--output_dir", c.file("afile", "x")], "afile is a file"),
     ("demo-threads-negative", lambda c: ["demo", "--output_dir", str(c.out), "--threads", "-1"],
      "--threads must be >= 0"),
+    ("demo-eval-batch-zero", lambda c: ["demo", "--output_dir", str(c.out), "--eval_batch_tokens", "0"],
+     "--eval_batch_tokens must be >= 1"),
     ("resume-checkpoints-not-a-directory", lambda c: (c.resumed(), (c.out / "checkpoints").rmdir(),
                                                       (c.out / "checkpoints").write_text("x"))[0],
      "checkpoints is not a directory: the run writes its checkpoints there"),

@@ -91,3 +91,19 @@ def test_another_step1_seed_needs_from_scratch_and_is_refused_before_anything_is
     assert not (tmp_path / "d").exists()
     Demo(DemoConfig(pretrain_seed=2), tmp_path / "d", from_scratch=True).check_sources()  # nothing to check
     Demo(DemoConfig(), tmp_path / "d").check_sources()  # the default is the shipped models' setting
+
+
+def test_family_dependent_settings_resolve_per_family_and_yield_to_the_command_line():
+    """DemoConfig's None fields take their family's default (demo.FAMILY_DEFAULTS) when the demo
+    is built; a value given on the command line is kept for either family."""
+    from mmadapt.config import override
+    from mmadapt.demo import QUICK, parser
+
+    def seeds(*argv, base=DemoConfig()):
+        return Demo(override(base, parser().parse_args(list(argv))), REPO / "unused").cfg.finetune_seeds
+
+    assert seeds() == (1, 2, 3)
+    assert seeds("--family", "llama") == (1, 2)
+    assert seeds("--family", "llama", "--finetune_seeds", "4", "5", "6") == (4, 5, 6)
+    assert seeds("--finetune_seeds", "7") == (7,)
+    assert seeds("--family", "llama", base=QUICK) == (1,)
