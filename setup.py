@@ -6,7 +6,7 @@ setup(
     description="Mini-model adaptation: extend pretrained masked language models to new languages cheaply",
     packages=find_packages(include=["mmadapt", "mmadapt.*"]),
     # the demos' shipped Step-1 models, encoder and decoder (demo_models/README.md)
-    package_data={"mmadapt": ["demo_models/*", "demo_models/llama/*"]},
+    package_data={"mmadapt": ["demo_models/*", "demo_models/*/*"]},
     python_requires=">=3.10",
     # torch: install the build for your machine first (CPU: torch==2.13.0; GPU: the CUDA build).
     install_requires=["torch>=2.1", "deepspeed>=0.14", "megatron-core>=0.9", "sentencepiece>=0.1.99",

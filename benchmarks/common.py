@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO))
 # meaningless numbers never replace measured ones).
 RESULTS = Path(os.environ.get("MMADAPT_BENCH_RESULTS", REPO / "benchmarks" / "results"))
 
-from mmadapt.config import PRESETS, ModelConfig, TrainConfig  # noqa: E402
+from mmadapt.config import ModelConfig, TrainConfig  # noqa: E402
+from mmadapt.models import PRESETS
 from mmadapt.tokens import IGNORE_INDEX, NUM_SPECIAL  # noqa: E402
 
 # Model shapes the benchmarks run at (dropout is turned off by `setup`).

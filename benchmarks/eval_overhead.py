@@ -58,7 +58,7 @@ from mmadapt.data import train_tokenizer
 from mmadapt.models.roberta.model import RobertaForTask, RobertaMLM
 from mmadapt.family import WORD
 
-SHIPPED = REPO / "mmadapt" / "demo_models"
+SHIPPED = REPO / "mmadapt" / "demo_models" / "roberta"
 SEEDS, STEPS, LABELS = (1, 2), (1000, 2000), ["0", "1", "2", "3", "4"]
 PAIRS = len(SEEDS) * len(STEPS)
 OLD_BATCH = 64  # the old eval_batch_size default: examples per forward pass
@@ -145,10 +145,10 @@ def old_path(finetuned: list[Path], artifacts: list[Path], eval_spec: str, devic
             examples[lang] = T.read_examples(task, eval_spec, lang, "test", cfgs[0], labels)
         seeds = []
         for ft, cfg in zip(runs, cfgs):
-            state = F.swap_embeddings(ft.state, emb)
-            model = F.task_model(dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0,
-                                                     vocab_size=state[WORD].shape[0]),
-                                 ft.task, len(labels), ft.run["finetune"]["seed"])
+            state = {**ft.state, WORD: F.artifact_embeddings(emb, ft.state[WORD])}
+            model = ft.family.build_task_model(dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0,
+                                                                   vocab_size=state[WORD].shape[0]),
+                                               ft.task.kind, len(labels), ft.run["finetune"]["seed"])
             model.load_state_dict(state)
             model = model.to(device).eval()
             enc = T.encode(task, load_sp(tok), examples[lang], labels, cfg)

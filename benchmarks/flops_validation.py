@@ -29,6 +29,7 @@ from mmadapt.models.roberta.flops import step_flops
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.parallel import init_parallel
 from mmadapt.engine import load_ds_config
+from mmadapt.models import get_family
 from mmadapt.train import LMJob, lm_engine
 from mmadapt.family import WORD
 from mmadapt.models.roberta.model import BIAS
@@ -66,7 +67,7 @@ def main(argv=None) -> None:
     rows = []
     for system, step, cfg, trainable in cases(base):
         job = LMJob(step=step, trainable=trainable, trainable_layers=2)
-        engine, _, _ = lm_engine(cfg, train, ds, job)
+        engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, job)
         counted = counted_flops(engine_update(engine, [batch], len(cfg.heads_after)))
         exact = b * step_flops(step, cfg, s, p, trainable_layers=2)
         paper = b * step_flops(step, cfg, s, p, paper=True, trainable_layers=2)

@@ -16,7 +16,10 @@
 #   2. One transformer layer, forward + backward, eager against torch.compile, padded and not.
 #   3. Step-4 evaluation: wall time per (artifact, seed) on a 5,010-example set, and the time
 #      spent outside the forward passes.
-#   4. The same Step-2 work in Hugging Face transformers' RobertaForMaskedLM (if installed).
+#   4. The same Step-2 work in Hugging Face transformers' RobertaForMaskedLM, and the decoder's in
+#      LlamaForCausalLM (if installed).
+# The same steps at smoke scale, and each family's bf16 forward against fp32 on the CPU, are the
+# `gpu` tests: python -m pytest -m gpu (tests/test_gpu.py).
 # Each script prints its table and the paths it wrote; a failing one does not stop the others,
 # and the suite exits non-zero if any failed.
 set -uo pipefail
@@ -54,8 +57,9 @@ run layer              python benchmarks/layer_speed.py --dropout "${QUICK[@]}"
 run eval               python benchmarks/eval_overhead.py "${EVAL_ARGS[@]}"
 if python -c "import transformers" 2>/dev/null; then
     run vs-hf          python benchmarks/vs_hf.py "${QUICK[@]}"
+    run vs-hf-decoder  python benchmarks/vs_hf_decoder.py "${QUICK[@]}"
 else
-    echo "transformers is not installed: skipping vs_hf.py (pip install -e '.[hf]')"
+    echo "transformers is not installed: skipping vs_hf.py and vs_hf_decoder.py (pip install -e '.[hf]')"
 fi
 
 echo

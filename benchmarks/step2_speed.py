@@ -30,6 +30,7 @@ from mmadapt.models.roberta.flops import adapt_flops
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.parallel import device
 from mmadapt.engine import load_ds_config
+from mmadapt.models import get_family
 from mmadapt.train import LMJob, lm_engine
 from mmadapt.family import WORD
 from mmadapt.models.roberta.model import BIAS
@@ -51,7 +52,7 @@ def main(argv=None) -> None:
     rows = []
     for system, layers in SYSTEMS.items():
         cfg = ROBERTA.one_head(base, layers)
-        engine, _, _ = lm_engine(cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)))
+        engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)))
         step = engine_update(engine, batches, 1)
         t, times = median_time(step, args.warmup, args.repeats)
         exact, paper = micro * adapt_flops(cfg, s, p), micro * adapt_flops(cfg, s, p, paper=True)

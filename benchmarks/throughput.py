@@ -38,6 +38,7 @@ from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.models.roberta.flops import step_flops
 from mmadapt.parallel import device
 from mmadapt.engine import load_ds_config
+from mmadapt.models import get_family
 from mmadapt.train import LMJob, lm_engine
 
 
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
     for system, step, cfg, trainable in cases(base):
         if args.only and f"{system}:{step}" not in args.only:
             continue
-        engine, _, _ = lm_engine(cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
+        engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
         update = engine_update(engine, batches, len(cfg.heads_after))
         t, times = median_time(update, args.warmup, args.repeats)
         flops = b * step_flops(step, cfg, s, p, trainable_layers=2)

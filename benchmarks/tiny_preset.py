@@ -27,7 +27,8 @@ import torch
 from common import REPO, table, write_results
 
 from mmadapt import parallel, steps
-from mmadapt.config import PRESETS, FinetuneConfig, apply_recipe
+from mmadapt.config import FinetuneConfig, apply_recipe
+from mmadapt.models import PRESETS
 from mmadapt.corpora import testament_examples, write_bible_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.features import encode_classify

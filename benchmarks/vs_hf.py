@@ -33,6 +33,7 @@ from mmadapt.models.roberta import ROBERTA
 from mmadapt.parallel import device
 from mmadapt.tokens import PAD_ID
 from mmadapt.engine import load_ds_config
+from mmadapt.models import get_family
 from mmadapt.train import LMJob, lm_engine
 from mmadapt.family import WORD
 from mmadapt.models.roberta.model import BIAS
@@ -73,7 +74,7 @@ def main(argv=None) -> None:
     for layers in args.layers:
         cfg = ROBERTA.one_head(base, layers)
         flops = b * adapt_flops(cfg, s, p)
-        engine, _, _ = lm_engine(cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)))
+        engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)))
         ours = engine_update(engine, batches, 1)
         t_ours, _ = median_time(ours, args.warmup, args.repeats)
         del engine, ours

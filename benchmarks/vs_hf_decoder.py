@@ -30,6 +30,7 @@ from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.flops import adapt_flops
 from mmadapt.parallel import device, init_parallel
 from mmadapt.tokens import IGNORE_INDEX, NUM_SPECIAL
+from mmadapt.models import get_family
 from mmadapt.train import LMJob, lm_engine
 
 # 12 layers at h = 256 (4 heads, 2 key/value groups, SwiGLU at Llama's 8h/3 rounded to 64), V = 8000.
@@ -85,7 +86,7 @@ def main(argv=None) -> None:
     rows = []
     for system, layers in SYSTEMS.items():
         cfg = LLAMA.one_head(dataclasses.replace(SHAPE, fusion=args.fusion), layers)
-        engine, _, _ = lm_engine(cfg, train, ds, LMJob(step="adapt", trainable=LLAMA.vocab_params(cfg)))
+        engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, LMJob(step="adapt", trainable=LLAMA.vocab_params(cfg)))
         t, _ = median_time(engine_update(engine, batches, 1), args.warmup, args.repeats)
         del engine
         # exact FLOPs of the s - 1 scored positions: the head's share scales with them

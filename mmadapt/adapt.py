@@ -33,11 +33,10 @@ from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt import checkpoint
 from mmadapt.config import EMBEDDING_INITS, SYSTEMS, ModelConfig
-from mmadapt.data import load_tokenizer as load_checked_tokenizer
-from mmadapt.family import WORD
-from mmadapt.models import get_family
+from mmadapt.data import load_checked_tokenizer
+from mmadapt.family import ModelFamily
 from mmadapt.models.layers import new_rows_name
-from mmadapt.run import RUN_TOKENIZER, load_weights
+from mmadapt.run import read_source
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
@@ -47,25 +46,25 @@ from mmadapt.vocab import check_expansion
 ARTIFACT_FILE = "embeddings.pt"
 
 
-def adapt_body(system: str, cfg: ModelConfig, state: dict, mini_layers: int | None = None
-               ) -> tuple[ModelConfig, dict]:
-    """The model Step 2 trains embeddings over, from the weights of the system's source run.
+def body_config(family: ModelFamily, system: str, cfg: ModelConfig, mini_layers: int | None = None) -> ModelConfig:
+    """The config of the model Step 2 trains embeddings over, from the source's config alone.
     mini_layers: minijoint only, which of the source's mini-models (ModelFamily.minijoint_depth)."""
-    family = get_family(cfg)
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
     if system == "minijoint":
-        return family.extract_minijoint(cfg, state, mini_layers)
-    if system in SYSTEMS:
-        if mini_layers is not None:
-            raise ValueError(f"--mini_layers picks one of a MINIJOINT run's mini-models; {system}'s model comes "
-                             "whole from its source run")
-        return family.primary_model(cfg, state)
-    raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
+        return family.minijoint_config(cfg, mini_layers)
+    if mini_layers is not None:
+        raise ValueError(f"--mini_layers picks one of a MINIJOINT run's mini-models; {system}'s model comes whole "
+                         "from its source run")
+    return family.primary_config(cfg)
 
 
-def body_config(system: str, cfg: ModelConfig, mini_layers: int | None = None) -> ModelConfig:
-    """adapt_body's config, from the source's config alone."""
-    family = get_family(cfg)
-    return family.minijoint_config(cfg, mini_layers) if system == "minijoint" else family.primary_config(cfg)
+def body_weights(family: ModelFamily, system: str, cfg: ModelConfig, state: dict, body: ModelConfig) -> dict:
+    """The weights of the model Step 2 trains embeddings over (`body`, body_config's) from
+    `state`, the full weights of the system's source run (whose config is `cfg`)."""
+    if system == "minijoint":
+        return family.extract_minijoint(cfg, state, body.num_layers)[1]
+    return family.primary_model(cfg, state)[1]
 
 
 def system_label(meta: dict) -> str:
@@ -170,31 +169,43 @@ def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_p
                  "random_pieces": len(trg_pieces) - shared - composed}
 
 
-def step2_start(system: str, source: Path, tag: str, target_tokenizer: Path, seed: int, mini_layers: int | None = None,
-                embedding_init: str = "overlap", vocab_mode: str = "replace"
-                ) -> tuple[ModelConfig, dict, dict[str, int]]:
-    """Step 2's starting weights: the system's model from the source run with the new
-    vocabulary's rows of every vocabulary-indexed parameter (init_rows). vocab_mode "replace":
-    the rows of every piece of `target_tokenizer`; "expand" (`target_tokenizer` is then the merged
+def new_vocabulary(family: ModelFamily, body: ModelConfig, state: dict, src_tokenizer: Path, target_tokenizer: Path,
+                   seed: int, embedding_init: str = "overlap", vocab_mode: str = "replace"
+                   ) -> tuple[dict, dict[str, int]]:
+    """Step 2's starting weights: the body's weights `state` (body_weights) with the new
+    vocabulary's rows of every vocabulary-indexed parameter (init_rows). vocab_mode "replace": the
+    rows of every piece of `target_tokenizer`; "expand" (`target_tokenizer` is then the merged
     one, vocab.py): the source's rows kept under their names and the rows of the appended pieces
     under `new_rows_name`s. Random rows are N(0, the source model's init_method_std), drawn from
-    `seed`. -> (model config, full state dict, how many rows started which way)."""
-    cfg, body = adapt_body(system, *load_weights(source, tag), mini_layers)
-    std = cfg.init_method_std
-    vocab = {name: body[name] for name in get_family(cfg).vocab_params(cfg)}
-    src_tokenizer, trg_pieces = Path(source) / RUN_TOKENIZER, tokenizer_pieces(target_tokenizer)
+    `seed`. -> (full state dict, how many rows started which way)."""
+    std = body.init_method_std
+    vocab = {name: state[name] for name in family.vocab_params(body)}
+    trg_pieces = tokenizer_pieces(target_tokenizer)
     if vocab_mode == "replace":
         new, counts = init_rows(embedding_init, src_tokenizer, vocab, trg_pieces, std, seed)
-        return cfg, {**body, **new}, counts
+        return {**state, **new}, counts
     source_size = check_expansion(src_tokenizer, target_tokenizer)
     new, counts = init_rows(embedding_init, src_tokenizer, vocab, trg_pieces[source_size:], std, seed)
-    return cfg, {**body, **{new_rows_name(name): rows for name, rows in new.items()}}, counts
+    return {**state, **{new_rows_name(name): rows for name, rows in new.items()}}, counts
 
 
-def step2_trainable(cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
+def step2_start(system: str, source: Path, tag: str | None, target_tokenizer: Path, seed: int,
+                mini_layers: int | None = None, embedding_init: str = "overlap", vocab_mode: str = "replace"
+                ) -> tuple[ModelConfig, dict, dict[str, int]]:
+    """Step 2's start from the source run `source` (checkpoint `tag`) alone, as adapt_embeddings
+    computes it (body_config, body_weights, new_vocabulary): what the plug-in metric scores as
+    "start". -> (the body's config, full state dict, how many rows started which way)."""
+    src = read_source(source, tag)
+    body = body_config(src.family, system, src.cfg, mini_layers)
+    state = body_weights(src.family, system, src.cfg, src.weights(), body)
+    return body, *new_vocabulary(src.family, body, state, src.tokenizer, target_tokenizer, seed, embedding_init,
+                                 vocab_mode)
+
+
+def step2_trainable(family: ModelFamily, cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
     """The parameters Step 2 trains: the vocabulary-indexed ones (ModelFamily.vocab_params), or,
     for an expanded vocabulary (cfg.frozen_vocab_size), only their new rows."""
-    names = get_family(cfg).vocab_params(cfg, train_output_bias)
+    names = family.vocab_params(cfg, train_output_bias)
     return tuple(map(new_rows_name, names)) if cfg.frozen_vocab_size else names
 
 
@@ -230,7 +241,7 @@ def read_artifact(path: str | os.PathLike) -> tuple[dict, Path, dict]:
     return art, path / "spm.model", checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
 
 
-def artifact_state(art: dict, cfg: ModelConfig, meta: dict | None = None,
+def artifact_state(family: ModelFamily, art: dict, meta: dict | None = None,
                    own: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """An artifact's tensors under the family's parameter names (those it holds). An expanded
     vocabulary's artifact (meta["vocab_mode"] "expand") put into a model whose own tensors are
@@ -238,7 +249,7 @@ def artifact_state(art: dict, cfg: ModelConfig, meta: dict | None = None,
     appends the artifact's new rows: the word embedding's source rows are the same either way
     (frozen in Step 2, and the primary's in every system), while a MINIJOINT encoder's output
     bias would otherwise bring its secondary head's source rows into the primary head."""
-    out = {name: art[key] for key, name in get_family(cfg).artifact_keys().items() if key in art}
+    out = {name: art[key] for key, name in family.artifact_keys().items() if key in art}
     if meta is None or meta.get("vocab_mode", "replace") != "expand":
         return out
     size = meta["source_vocab_size"]
@@ -250,5 +261,5 @@ def artifact_state(art: dict, cfg: ModelConfig, meta: dict | None = None,
     return out
 
 
-__all__ = ["WORD", "adapt_body", "body_config", "system_label", "overlap_init", "source_split", "subword_mean_init",
+__all__ = ["body_config", "body_weights", "new_vocabulary", "system_label", "overlap_init", "source_split", "subword_mean_init",
            "init_rows", "step2_start", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]

@@ -20,21 +20,29 @@ from pathlib import Path
 
 from mmadapt import faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
-from mmadapt.config import (DEFAULT_DS_CONFIG, FAMILY_PRESETS, LAYOUT_FIELDS, PRESETS, RECIPES, SYSTEMS,
-                            FinetuneConfig, Layout, MiniModelConfig, ModelConfig, Parser, PreprocessConfig,
-                            TrainConfig, add_dataclass_args, apply_recipe, override)
+from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, RECIPES, SYSTEMS, FinetuneConfig, Layout, MiniModelConfig,
+                            ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe, override)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_hf
 from mmadapt.report import (PAPER, choose_baseline, flops_rows, format_flops_table, paper_rows, plot_curves,
                             plot_speedup, report_markdown)
-from mmadapt.run import RunSpec, read_run, run_model
+from mmadapt.models import FAMILIES, PRESETS, find_preset, import_plugins
+from mmadapt.run import RunSpec, read_source
 from mmadapt.slurm import main as slurm_command
 from mmadapt.sweep import SweepConfig
 from mmadapt.tasks import TASKS
 
-MODEL_PRESETS = {name: model for name, (model, _) in PRESETS.items()}
-TRAIN_PRESETS = {name: train for name, (_, train) in PRESETS.items()}
+
+
+def model_presets() -> dict[str, ModelConfig]:
+    """Every registered preset's model config (the defaults --help lists)."""
+    return {name: model for name, (model, _) in PRESETS.items()}
+
+
+def train_presets() -> dict[str, TrainConfig]:
+    """Every registered preset's schedule."""
+    return {name: train for name, (_, train) in PRESETS.items()}
 
 
 def user_errors(main):
@@ -54,6 +62,7 @@ def user_errors(main):
             return code
 
         try:
+            import_plugins()  # families defined outside mmadapt (MMADAPT_IMPORT), before any flag is parsed
             return main(argv)
         except ValueError as e:
             return fail(faults.EXIT_USER, f"error: {e}")
@@ -121,16 +130,19 @@ def pretrain_parser() -> argparse.ArgumentParser:
                "the packaged Bible (e.g. bible:en)")
     p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one on the corpus)")
     _run_args(p)
-    add_dataclass_args(p, ModelConfig, defaults=MODEL_PRESETS)
-    add_dataclass_args(p, TrainConfig, defaults=TRAIN_PRESETS)
+    add_dataclass_args(p, ModelConfig, defaults=model_presets())
+    add_dataclass_args(p, TrainConfig, defaults=train_presets())
     add_dataclass_args(p, MiniModelConfig, only=("mini_layers",))
     return p
 
 
 def configs_from_args(args) -> tuple[ModelConfig, TrainConfig]:
-    """Preset, then the shape flags (--num_layers sets the primary depth), then the recipe, then
-    an explicit --head_layers."""
-    model, train = PRESETS[args.preset]
+    """Preset (which picks the model family), then the shape flags (--num_layers sets the primary
+    depth), then the recipe, then an explicit --head_layers."""
+    if args.head_layers is not None and args.mini_layers is not None:
+        raise ValueError("--head_layers places every head itself, --mini_layers places MINIJOINT's secondary heads: "
+                         "pass one of them")
+    _, model, train = find_preset(args.preset)
     model = apply_recipe(override(model, args), args.recipe, override(MiniModelConfig(), args).mini_layers)
     if args.head_layers is not None:
         model = dataclasses.replace(model, head_layers=tuple(args.head_layers))
@@ -165,7 +177,7 @@ def preprocess_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="without --tokenizer: whose vocab_size "
                    "to train")
     add_dataclass_args(p, ModelConfig, only=("vocab_size",), defaults="--tokenizer's size, else the --preset's: "
-                       + ", ".join(f"{m.vocab_size} ({name})" for name, m in MODEL_PRESETS.items()))
+                       + ", ".join(f"{m.vocab_size} ({name})" for name, (m, _) in PRESETS.items()))
     add_dataclass_args(p, PreprocessConfig)
     return p
 
@@ -173,7 +185,7 @@ def preprocess_parser() -> argparse.ArgumentParser:
 @user_errors
 def preprocess_main(argv=None) -> int:
     args = preprocess_parser().parse_args(argv)
-    vocab = args.vocab_size or (None if args.tokenizer else MODEL_PRESETS[args.preset].vocab_size)
+    vocab = args.vocab_size or (None if args.tokenizer else PRESETS[args.preset][0].vocab_size)
     steps.preprocess(Path(args.corpus), output_dir=Path(args.output_dir), vocab_size=vocab,
                      cfg=override(PreprocessConfig(), args), tokenizer=_path(args.tokenizer),
                      expand_from=_path(args.expand_from))
@@ -185,22 +197,22 @@ def preprocess_main(argv=None) -> int:
 def _later_step_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...]) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="training schedule (the model's shape comes from the "
                    "source run; default: its family's small preset, "
-                   + ", ".join(f"{v} for {k}" for k, v in FAMILY_PRESETS.items()) + ")")
+                   + ", ".join(f"{f.small_preset} for {f.name}" for f in FAMILIES.values()) + ")")
     _run_args(p)
     add_dataclass_args(p, ModelConfig, only=model_fields, defaults="the source run's")
-    add_dataclass_args(p, TrainConfig, defaults=TRAIN_PRESETS)
+    add_dataclass_args(p, TrainConfig, defaults=train_presets())
 
 
 def _schedule(args, source: str) -> TrainConfig:
     """The TrainConfig of a step over the run `source`: its --preset's schedule (default: the
     source family's small preset; another family's preset is refused) with the flags over it."""
-    family = run_model(read_run(source)).family
-    preset = args.preset or FAMILY_PRESETS[family]
-    if PRESETS[preset][0].family != family:
-        raise ValueError(f"--preset {preset} is a {PRESETS[preset][0].family} preset, but {source} is a {family} "
-                         f"run: drop --preset, or choose one of "
-                         f"{', '.join(n for n, (m, _) in PRESETS.items() if m.family == family)}")
-    return override(PRESETS[preset][1], args)
+    family = read_source(source).family
+    preset = args.preset or family.small_preset
+    owner, _, train = find_preset(preset)
+    if owner is not family:
+        raise ValueError(f"--preset {preset} is a {owner.name} preset, but {source} is a {family.name} run: drop "
+                         f"--preset, or choose one of {', '.join(family.presets)}")
+    return override(train, args)
 
 
 def minipost_parser() -> argparse.ArgumentParser:
@@ -280,7 +292,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, SweepConfig)
     add_dataclass_args(p, PreprocessConfig, only=("valid_fraction", "workers"))
     add_dataclass_args(p, ModelConfig, only=LAYOUT_FIELDS, defaults="the source run's")
-    add_dataclass_args(p, TrainConfig, defaults=TRAIN_PRESETS)
+    add_dataclass_args(p, TrainConfig, defaults=train_presets())
     return p
 
 
@@ -461,13 +473,12 @@ def flops_main(argv=None) -> int:
     if args.paper:
         rows = paper_rows()
     else:
-        model, train = PRESETS[args.preset]
-        model, train = override(model, args), override(train, args)
-        model.validate()
+        family, model, train = find_preset(args.preset)
+        model, train = family.validate(override(model, args)), override(train, args)
         mini = override(MiniModelConfig(), args)
         batch = args.global_batch or (PAPER["global_batch"] if args.preset == "roberta-base" else
                                       train.global_batch(1))
-        rows = flops_rows(model, train, batch, mini, args.device)
+        rows = flops_rows(family, model, train, batch, mini, args.device)
     print(json.dumps(rows, indent=1) if args.json or args.paper else format_flops_table(rows))
     return 0
 

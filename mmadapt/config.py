@@ -22,6 +22,18 @@ def _f(default, help: str, flag: bool = True, **kw):
     return field(default=default, metadata={"help": help, "flag": flag}, **kw)
 
 
+DECODER = (("llama",), ("is a decoder setting", " does not use it"))
+
+
+def _owned(default, help: str, owners: tuple[tuple[str, ...], tuple[str, str]]):
+    """A ModelConfig field that only some model families use: (their names, (what the field is,
+    what the refusal says of a family that does not use it)). ModelFamily.check_fields refuses the
+    field set to anything but its default for any other family (or a family that claims it,
+    ModelFamily.config_fields)."""
+    families, unused = owners
+    return field(default=default, metadata={"help": help, "flag": True, "families": families, "unused": unused})
+
+
 # ModelConfig.fusion's values (mmadapt/fusion.py applies them).
 FUSIONS = ("none", "compile")
 # ModelConfig.output_bias_init's values (steps.pretrain applies them).
@@ -37,7 +49,8 @@ VOCAB_MODES = ("replace", "expand")
 @dataclass
 class ModelConfig:
     family: str = _f("roberta", "model family (mmadapt/models/): roberta (post-LayerNorm encoder, masked LM) or "
-                     "llama (pre-norm decoder: RMSNorm, rotary positions, SwiGLU, grouped-query attention; causal LM)")
+                     "llama (pre-norm decoder: RMSNorm, rotary positions, SwiGLU, grouped-query attention; causal LM); "
+                     "set by the preset (each preset belongs to one family), not a flag", flag=False)
     num_layers: int = _f(12, "number of transformer layers")
     hidden_size: int = _f(768, "hidden size h")
     num_attention_heads: int = _f(12, "attention heads per layer")
@@ -48,10 +61,11 @@ class ModelConfig:
     attention_dropout: float = _f(0.1, "dropout on attention probabilities")
     layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon")
     init_method_std: float = _f(0.02, "std of the normal init of every weight matrix and embedding")
-    output_bias_init: str = _f("zeros", "Step 1: how every MLM head's output bias [V] starts: zeros, or unigram "
-                               "(the log-frequency of each piece in the training text, add-one smoothed: what a "
-                               "model that ignores its input predicts, so its layers need not learn to; the "
-                               "encoder only, a decoder's head has no bias)")
+    output_bias_init: str = _owned("zeros", "Step 1: how every MLM head's output bias [V] starts: zeros, or unigram "
+                                   "(the log-frequency of each piece in the training text, add-one smoothed: what a "
+                                   "model that ignores its input predicts, so its layers need not learn to; the "
+                                   "encoder only, a decoder's head has no bias)",
+                                   (("roberta",), ("starts an MLM head's output bias", "'s LM head has none")))
     head_layers: tuple = _f(
         (), "layers after which an MLM head sits, ascending; must end with num_layers "
         "(the primary head). Empty: one head, after the last layer")
@@ -66,19 +80,22 @@ class ModelConfig:
     fusion: str = _f(
         "none", "'none' (eager: the CPU default and the reference in tests) or 'compile' (torch.compile of "
         "each transformer layer and of the MLM heads, in place: parameter names and checkpoints unchanged)")
-    num_query_groups: Optional[int] = _f(None, "decoder: key/value head groups of grouped-query attention, dividing "
-                                         "num_attention_heads and tensor_model_parallel_size (default: one per "
-                                         "attention head, i.e. multi-head attention)")
-    add_qkv_bias: bool = _f(False, "decoder: a bias on the query, key and value projections (Qwen2 has one; Llama "
-                            "and Mistral do not)")
-    rotary_base: float = _f(10000.0, "decoder: base of the rotary position embedding's frequencies (Llama-2 10000, "
-                            "Llama-3 500000, Qwen2 1000000)")
-    seq_len_interpolation_factor: Optional[float] = _f(
+    num_query_groups: Optional[int] = _owned(None, "decoder: key/value head groups of grouped-query attention, "
+                                             "dividing num_attention_heads and tensor_model_parallel_size (default: "
+                                             "one per attention head, i.e. multi-head attention)", DECODER)
+    kv_channels: Optional[int] = _owned(None, "decoder: channels per attention head, megatron's kv_channels (Gemma-7B: "
+                                        "256 at hidden_size 3072 and 16 heads) (default: hidden_size // "
+                                        "num_attention_heads)", DECODER)
+    add_qkv_bias: bool = _owned(False, "decoder: a bias on the query, key and value projections (Qwen2 has one; Llama "
+                                "and Mistral do not)", DECODER)
+    rotary_base: float = _owned(10000.0, "decoder: base of the rotary position embedding's frequencies (Llama-2 "
+                                "10000, Llama-3 500000, Qwen2 1000000)", DECODER)
+    seq_len_interpolation_factor: Optional[float] = _owned(
         None, "decoder: linear rotary scaling (position interpolation, Chen et al. 2023): positions are divided by "
-        "this factor, as transformers' rope_type 'linear' does (default: none)")
-    share_embeddings_and_output_weights: bool = _f(True, "decoder: the output projection is the input embedding "
-                                                   "(tied); false: an output projection of its own [V, h]. The "
-                                                   "encoder's is always tied")
+        "this factor, as transformers' rope_type 'linear' does (default: none)", DECODER)
+    share_embeddings_and_output_weights: bool = _owned(True, "decoder: the output projection is the input embedding "
+                                                       "(tied); false: an output projection of its own [V, h]. The "
+                                                       "encoder's is always tied", DECODER)
     tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (megatron-core layers)")
     pipeline_model_parallel_size: int = _f(1, "pipeline stages (DeepSpeed PipelineModule)")
     frozen_vocab_size: int = _f(0, "Step 2 with an expanded vocabulary (--vocab_mode expand; set by adapt, not by "
@@ -118,18 +135,13 @@ class ModelConfig:
         factor = self.seq_len_interpolation_factor
         if factor is not None and not factor > 0:
             raise ValueError(f"seq_len_interpolation_factor must be > 0 (or unset: no rotary scaling), got {factor}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is not None and self.kv_channels < 1:
+            raise ValueError(f"kv_channels must be >= 1 (or unset: hidden_size // num_attention_heads), got "
+                             f"{self.kv_channels}")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
-        if self.num_attention_heads % tp:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
-                             f"tensor_model_parallel_size {tp}: pick a tensor-parallel size that divides it")
-        if self.ffn_hidden_size % tp:
-            raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by "
-                             f"tensor_model_parallel_size {tp}")
-        if self.vocab_size % tp:
-            raise ValueError(f"vocab_size {self.vocab_size} is not divisible by "
-                             f"tensor_model_parallel_size {tp}: choose a vocab size that is a multiple of it")
+        self._validate_tensor_parallel()
         if not 0 <= self.frozen_vocab_size < self.vocab_size:
             raise ValueError(f"frozen_vocab_size {self.frozen_vocab_size} must be in 0..vocab_size - 1 "
                              f"({self.vocab_size - 1}): the source's rows, with at least one new row after them")
@@ -155,9 +167,23 @@ class ModelConfig:
             raise ValueError(f"fusion must be one of {', '.join(map(repr, FUSIONS))}, got {self.fusion!r}")
         return self
 
+    def _validate_tensor_parallel(self) -> None:
+        """Every tensor-parallel rank holds whole heads, an equal share of the FFN and of the vocabulary."""
+        tp = self.tensor_model_parallel_size
+        if self.num_attention_heads % tp:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                             f"tensor_model_parallel_size {tp}: pick a tensor-parallel size that divides it")
+        if self.ffn_hidden_size % tp:
+            raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by "
+                             f"tensor_model_parallel_size {tp}")
+        if self.vocab_size % tp:
+            raise ValueError(f"vocab_size {self.vocab_size} is not divisible by "
+                             f"tensor_model_parallel_size {tp}: choose a vocab size that is a multiple of it")
+
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Channels per attention head: kv_channels, or its default hidden_size // num_attention_heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def query_groups(self) -> int:
@@ -382,79 +408,6 @@ class FinetuneConfig(LoopConfig):
             raise ValueError(f"lr must be > 0, got {self.lr}")
         self._validate_loop()
         return self
-
-
-# --- presets --------------------------------------------------------------------------------
-# A preset names a model size and the schedule that goes with it.
-
-# Decoder (family llama) shapes.
-# LLAMA_TINY, 682,560 parameters: 12 x 46,208 per layer (QKV 64 x (4 + 2 x 2) x 16, out 64 x 64,
-# gate/up 2 x 176 x 64, down 176 x 64, two norms) + the tied embedding 2000 x 64 + the final norm.
-# ffn 176 = 8h/3 rounded up to a multiple of 16, Llama's ratio.
-# init_method_std 0.05, not the 0.02 of h >= 768 models: at h = 64, 0.02 scales each projection's
-# output to 0.02 * sqrt(64) = 0.16 of its normed input, and SwiGLU multiplies two such factors, so
-# the feed-forward starts near zero and each factor's gradient is scaled by the other's smallness.
-# Measured (2026-11-23, TINY's 200-update schedule on Genesis + Exodus, two seeds), validation loss:
-# 4.63 with 0.02, 4.40 with 0.05, 4.42-4.45 with 0.08 (small_init's sqrt(2 / 5h)), 4.55 with 1/sqrt(h).
-LLAMA_TINY = ModelConfig(family="llama", num_layers=12, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                   ffn_hidden_size=176, vocab_size=2000, max_position_embeddings=128, hidden_dropout=0.0,
-                   attention_dropout=0.0, init_method_std=0.05, share_embeddings_and_output_weights=True,
-                   rotary_base=10000.0)
-
-# Shaped as Qwen2-0.5B (its config.json): 494,032,768 parameters, as transformers'
-# Qwen2ForCausalLM of that config counts them: 24 x 14,912,384 per layer (QKV 896 x (14 + 2 x 2)
-# x 64 with its bias, out 896^2, gate/up 2 x 4864 x 896, down 4864 x 896, two norms) + the tied
-# embedding 151,936 x 896 + the final norm.
-QWEN2_0_5B = ModelConfig(family="llama", num_layers=24, hidden_size=896, num_attention_heads=14, num_query_groups=2,
-                         ffn_hidden_size=4864, vocab_size=151_936, max_position_embeddings=32_768,
-                         hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-6, init_method_std=0.02,
-                         add_qkv_bias=True, rotary_base=1_000_000.0, share_embeddings_and_output_weights=True)
-
-PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {
-    # RoBERTa-base with a 50k SentencePiece vocabulary and the paper's schedule (§3):
-    # 125k updates of 2048 x 512 tokens, lr 7e-4, 10k warm-up. Global batch 2048 =
-    # micro 32 x 64 data-parallel GPUs (x accumulation 2 on 32); set the two batch fields for your
-    # cluster. 32 sequences of 512 keep a GPU's matmuls large and cut the host work per update
-    # to a quarter of micro 8 x accumulation 4.
-    "roberta-base": (ModelConfig(), TrainConfig(train_micro_batch_size_per_gpu=32,
-                                                gradient_accumulation_steps=1)),
-    # Trains visibly in minutes on 2 CPU cores; drives the tests, CI and the demo.
-    # output_bias_init unigram: a 12 x 64 post-LayerNorm MLM sits on the unigram plateau for its
-    # first hundreds of updates at batch 16, and reaches it by mapping every input to one vector
-    # that predicts piece frequencies (its bias, moving lr per update, cannot get there in time):
-    # In 9 of 10 runs (std 0.02-0.1, lr 2e-3) 60 updates left the top layer's output at the
-    # classifier's position almost the same for every verse (std across verses 2e-5-1.3e-3,
-    # against 0.14 at init) and bible-testament fine-tuned at 50.0-50.2%; clipping changed
-    # nothing, a lower lr or longer warm-up gave 50-69% by seed (at 2.5e-4 the loss barely
-    # moves). Starting the bias at the training text's log-frequencies leaves the layers nothing
-    # to flatten: 60 updates reach loss 5.44-5.56 (5.98-6.03 on the plateau), spread 0.045-0.20,
-    # fine-tuned 61-65% (3 seeds x std 0.02 and 0.07); at 200 updates the spread is 0.17 (zeros:
-    # 1.8e-3). init_method_std 0.07, RoBERTa's 0.02 at h = 768 scaled by sqrt(768/64), the demo's
-    # since 2026-11-23: at init the classifier's position varies 13x more than at 0.02.
-    # Measured 2026-11-24: benchmarks/results/tiny_preset_cpu2_20261124.md.
-    "tiny": (ModelConfig(num_layers=12, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
-                         vocab_size=2000, max_position_embeddings=128, init_method_std=0.07,
-                         output_bias_init="unigram"),
-             TrainConfig(seq_length=64, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=1,
-                         train_iters=200, lr=2e-3, lr_warmup_iters=20, log_interval=10,
-                         save_interval=100)),
-    # The decoder at the tiny preset's size and schedule: tests, CI and the decoder demo.
-    "llama-tiny": (LLAMA_TINY, TrainConfig(seq_length=64, train_micro_batch_size_per_gpu=16,
-                                           gradient_accumulation_steps=1, train_iters=200, lr=2e-3,
-                                           lr_warmup_iters=20, log_interval=10, save_interval=100)),
-    # A real decoder size: Qwen2-0.5B's shape, 2048-token blocks, a 1M-token global batch (micro 8
-    # x 64 data-parallel GPUs), lr 3e-4 with 2,000 warm-up updates (set the batch fields for your
-    # cluster; a Hugging Face Qwen2 checkpoint comes in through import-hf instead).
-    "qwen2-0.5b": (QWEN2_0_5B, TrainConfig(seq_length=2048, train_micro_batch_size_per_gpu=8,
-                                           gradient_accumulation_steps=1, train_iters=100_000, lr=3e-4,
-                                           lr_warmup_iters=2000, weight_decay=0.1, adam_beta2=0.95,
-                                           adam_eps=1e-8, gradient_clipping=1.0)),
-}
-
-
-# The small preset of each model family: the schedule later steps run by default over a source
-# run of that family, and the demo's model.
-FAMILY_PRESETS = {"roberta": "tiny", "llama": "llama-tiny"}
 
 
 # ModelConfig fields that Steps 1b, 2 and 3 may set; the architecture itself is the source run's.

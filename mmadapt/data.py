@@ -18,7 +18,7 @@ A prepared dataset (`prepare`, the `mmadapt preprocess` command) is a directory:
 Encoding runs in `workers` processes over byte ranges aligned to document boundaries; shards
 are concatenated in corpus order, so the dataset is byte-identical for any number of workers.
 
-Masked-LM blocks (the encoder's objective, MLMBatches) follow RoBERTa's FULL-SENTENCES packing
+Masked-LM blocks (the encoder's objective, MLMBatches; objectives.py) follow RoBERTa's FULL-SENTENCES packing
 (fairseq's `--sample-break-mode complete`): each block is `<s>` followed by consecutive whole
 sequences (sentences with their `</s>`, document separators) up to seq_length tokens, crossing
 document boundaries; a sentence longer than a block is split. A block is therefore one
@@ -136,7 +136,7 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
     return Path(f"{model_prefix}.model")
 
 
-def load_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
+def load_checked_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
     """Load a SentencePiece model (or an imported tokenizer: mmadapt/tokenizer.py); check its
     special ids and (if given) its vocabulary size."""
     path = Path(path)
@@ -377,7 +377,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     if not 0 <= valid_fraction < 1:
         raise DataError(f"--valid_fraction must be in [0, 1), got {valid_fraction}")
     if tokenizer is not None:
-        vocab_size = load_tokenizer(tokenizer, vocab_size).get_piece_size()
+        vocab_size = load_checked_tokenizer(tokenizer, vocab_size).get_piece_size()
     elif vocab_size is None:
         raise DataError("a vocabulary size is needed to train a tokenizer: pass --vocab_size (or --tokenizer)")
     fingerprint = corpus_fingerprint(corpus)
@@ -402,7 +402,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         train_tokenizer(corpus, tok.with_suffix(""), vocab_size, seed=seed, max_sentences=cfg.tokenizer_sample_lines)
         tok.with_suffix(".vocab").unlink(missing_ok=True)
     t_tok = time.perf_counter() - t0
-    sp = load_tokenizer(tok, vocab_size)
+    sp = load_checked_tokenizer(tok, vocab_size)
     dtype = np.dtype(np.uint16 if sp.get_piece_size() <= 65_535 else np.int32).name
     # More ranges than workers so that uneven documents still balance; any split gives the same bytes.
     size = fingerprint["size"]
@@ -578,7 +578,7 @@ def micro_batch_range(step: int, micro_step: int, loop: LoopConfig, dp_rank: int
     return range(first, first + micro)
 
 
-class TokenBatches:
+class BlockBatches:
     """Micro-batches of blocks of a prepared dataset's token stream, a pure function of (seed,
     step, micro step, dp rank): what every language-model objective shares. A subclass says how
     many blocks there are (`__len__`) and what block g's (input_ids, labels) are (`sample`).
@@ -632,7 +632,7 @@ class TokenBatches:
         return [self.micro_batch(step, j) for j in range(self.gas)]
 
 
-class MLMBatches(TokenBatches):
+class MLMBatches(BlockBatches):
     """Masked blocks (the encoder's objective): FULL-SENTENCES blocks (`block_index`), `<s>` first,
     masked with an RNG seeded by (seed, g): RoBERTa's dynamic masking."""
     indexed = True
@@ -649,7 +649,7 @@ class MLMBatches(TokenBatches):
         return mask_tokens(block, np.random.default_rng([self.seed, 1, g]), self.vocab_size, self.mask_prob)
 
 
-class CausalBatches(TokenBatches):
+class CausalBatches(BlockBatches):
     """Packed blocks for next-token prediction (the decoder's objective): the token stream cut
     into consecutive chunks of seq_length + 1 tokens (sentences with their `</s>`, documents
     separated by a lone `</s>`, so blocks cross documents as GPT-style packing does); block g's
@@ -665,6 +665,3 @@ class CausalBatches(TokenBatches):
         chunk = self.tokens[start:start + self.seq_length + 1].astype(np.int64)
         return chunk[:-1], chunk[1:]
 
-
-# The batches of each model family's objective (ModelFamily.objective).
-OBJECTIVES = {"mlm": MLMBatches, "causal": CausalBatches}

@@ -40,18 +40,18 @@ import torch
 
 from mmadapt import parallel, steps
 from mmadapt.checkpoint import staged_dir, write_weights_only
-from mmadapt.config import (FAMILY_PRESETS, PRESETS, RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig,
-                            Parser, PreprocessConfig, TrainConfig, _f, add_dataclass_args, apply_recipe, override,
-                            to_dict)
+from mmadapt.config import (RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, Parser, PreprocessConfig, TrainConfig,
+                            _f, add_dataclass_args, apply_recipe, override, to_dict)
 from mmadapt.corpora import BIBLE_VERSIONS, GENRES, bible_db_path, parallel_verses
 from mmadapt.data import read_manifest
 from mmadapt.evaluate import evaluate_artifacts, retrieval_records
-from mmadapt.models import FAMILIES
+from mmadapt.family import ModelFamily
+from mmadapt.models import get_family
 from mmadapt.finetune import is_finished
 from mmadapt.plugin import plugin_records
 from mmadapt.report import plot_curves, plugin_markdown, report_markdown
 from mmadapt.run import RUN_TOKENIZER, RunSpec, load_checkpoint, recorded_defaults, run_progress
-VOCAB = PRESETS["tiny"][0].vocab_size  # pieces of every demo tokenizer: the tiny preset's V
+VOCAB = 2000  # pieces of every demo tokenizer: the small presets' V (the shipped models' vocabulary)
 PRIMARY = {"bl_base": "bl_base", "bl_small": "bl_small", "minijoint": "minijoint", "minipost": "bl_base"}
 
 
@@ -106,10 +106,13 @@ class DemoConfig:
 QUICK = DemoConfig(langs=("de",), minipost_iters=50, adapt_iters=150, adapt_save_interval=50, finetune_epochs=0.2,
                    finetune_seeds=(1,), retrieval_pairs=200, plugin_blocks=256)
 
-# Step 1 as the demo runs it, done once and shipped (mmadapt/demo_models/README.md): 3 x 2,000
-# updates take about 30 minutes on 2 CPU cores, more than the rest of the demo. `--from_scratch`
-# pretrains instead; the shipped runs' settings are checked against the demo's.
+# Step 1 as the demo runs it, done once and shipped (mmadapt/demo_models/README.md), one folder
+# per model family: 3 x 2,000 updates take about 30 minutes on 2 CPU cores, more than the rest
+# of the demo. `--from_scratch` pretrains instead; the shipped runs' settings are checked against
+# the demo's.
 SOURCE_MODELS = Path(__file__).resolve().parent / "demo_models"
+# The families the demo runs: those with shipped source models.
+DEMO_FAMILIES = tuple(sorted(d.name for d in SOURCE_MODELS.iterdir() if (d / "spm.model").is_file()))
 
 
 # The settings whose default depends on the model family (a None field of DemoConfig).
@@ -123,8 +126,8 @@ def for_family(cfg: DemoConfig) -> DemoConfig:
 
 
 def source_models(family: str) -> Path:
-    """Where the shipped Step-1 models of `family` are (the encoder's at the top)."""
-    return SOURCE_MODELS if family == "roberta" else SOURCE_MODELS / family
+    """Where the shipped Step-1 models of the family named `family` are."""
+    return SOURCE_MODELS / family
 
 
 def parser() -> argparse.ArgumentParser:
@@ -158,8 +161,7 @@ def check_shipped(recipe: str, model: dict, train: dict) -> dict:
     """The shipped Step-1 model of `recipe` ({"state", "run"}) of model["family"], if it was
     pretrained with exactly `model` and `train` (the settings --from_scratch would use); else a
     ValueError naming the first setting that differs."""
-    blob = torch.load(source_models(ModelConfig(**model).family) / f"{recipe}.pt", map_location="cpu",
-                      weights_only=False)
+    blob = torch.load(source_models(model["family"]) / f"{recipe}.pt", map_location="cpu", weights_only=False)
     defaults = recorded_defaults()  # a field newer than the shipped record ran at its default
     for name, mine, shipped in (("model", model, blob["run"]["model"]), ("train", train, blob["run"]["train"])):
         mine = json.loads(json.dumps(mine))
@@ -174,7 +176,7 @@ def check_shipped(recipe: str, model: dict, train: dict) -> dict:
 def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dict, train: dict) -> None:
     """The shipped Step-1 model of `recipe` as an mmadapt run directory (a weights-only checkpoint
     at its last update), if it was pretrained with exactly `model` and `train` (check_shipped)."""
-    blob, shipped = check_shipped(recipe, model, train), source_models(ModelConfig(**model).family)
+    blob, shipped = check_shipped(recipe, model, train), source_models(model["family"])
     with staged_dir(run_dir) as tmp:
         write_weights_only(tmp / "checkpoints", blob["run"]["train"]["train_iters"], blob["state"],
                            blob["run"]["model"])
@@ -191,6 +193,7 @@ class Demo:
                  from_scratch: bool = False):
         cfg = for_family(cfg)
         self.cfg, self.root, self.mini, self.from_scratch = cfg, root, mini, from_scratch
+        self.family: ModelFamily = get_family(cfg.family)
         self.stage, self.t0 = 0, time.perf_counter()
         # data preparation, 3 pretraining runs, Step 1b, Step 2 per system and language (and the
         # ceiling: full-model Step 2 over MINIJOINT's source), 3 fine-tunings, Step 4
@@ -202,13 +205,13 @@ class Demo:
 
     def _train(self, iters: int, save_interval: int, **changes) -> TrainConfig:
         """The family preset's schedule with the demo's settings."""
-        return dataclasses.replace(PRESETS[FAMILY_PRESETS[self.cfg.family]][1], seq_length=self.cfg.seq_length,
+        return dataclasses.replace(self.family.presets[self.family.small_preset][1], seq_length=self.cfg.seq_length,
                                    train_iters=iters, save_interval=save_interval, log_interval=50, **changes)
 
     def source_settings(self, recipe: str) -> tuple:
         """(ModelConfig, TrainConfig) of `recipe`'s Step 1 as the demo runs it."""
         cfg = self.cfg
-        model = PRESETS[FAMILY_PRESETS[cfg.family]][0]
+        model = self.family.presets[self.family.small_preset][0]
         model = dataclasses.replace(model, vocab_size=VOCAB, output_bias_init=cfg.output_bias_init,
                                     init_method_std=cfg.init_method_std or model.init_method_std)
         return (apply_recipe(model, recipe, self.mini.mini_layers),
@@ -289,8 +292,7 @@ class Demo:
                 steps.finetune(run=RunSpec(output_dir=out, resume=(out / "checkpoints").is_dir()),
                                step=steps.Finetune(task="bible-genre", primary=pre[primary], cfg=ft_cfg,
                                                    eval_file="bible"))
-        metric = "MLM" if FAMILIES[self.cfg.family].objective == "mlm" else "LM"
-        self.say(f"Step 4: the plug-in {metric} metric, zero-shot bible-genre and parallel-verse retrieval for "
+        self.say(f"Step 4: the plug-in {self.family.objective.label} metric, zero-shot bible-genre and parallel-verse retrieval for "
                  "every Step-2 checkpoint")
         return self.evaluate(pre, finetuned, data)
 
@@ -342,16 +344,20 @@ def _seed_spread(records: list[dict]) -> str:
             f"(median {sorted(spread)[len(spread) // 2]:.1f}) across systems and languages.")
 
 
-def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str:
+# What the demo's results say of the plug-in metric, per objective (masked: the scored pieces are
+# hidden as <mask>).
+PLUGIN_TEXT = {True: "plug-in MLM: the held-out target text's masked-LM loss through each primary model with the "
+                     "Step-2 embeddings swapped in, every scored piece hidden as <mask>; contextual gain = unigram "
+                     "reference - loss (nats per masked piece)",
+               False: "plug-in LM: the held-out target text's next-token loss through each primary model with the "
+                      "Step-2 embeddings swapped in; contextual gain = unigram reference - loss (nats per piece)"}
+
+
+def write_results(root: Path, cfg: DemoConfig, family: ModelFamily, out: dict, seconds: float) -> str:
     records = out["records"]
     (root / "results.json").write_text(json.dumps(records, indent=1) + "\n")
-    plugin = ("plug-in MLM: the held-out target text's masked-LM loss through each primary model with the Step-2 "
-              "embeddings swapped in, every scored piece hidden as <mask>; contextual gain = unigram reference - "
-              "loss (nats per masked piece)"
-              if FAMILIES[cfg.family].objective == "mlm" else
-              "plug-in LM: the held-out target text's next-token loss through each primary model with the Step-2 "
-              "embeddings swapped in; contextual gain = unigram reference - loss (nats per piece)")
-    md = [f"# mmadapt demo: {FAMILY_PRESETS[cfg.family]} preset, English -> {', '.join(cfg.langs)} "
+    plugin = PLUGIN_TEXT[family.objective.masked]
+    md = [f"# mmadapt demo: {family.small_preset} preset, English -> {', '.join(cfg.langs)} "
           f"({seconds / 60:.1f} min)",
           "",
           "Scores in percent. bible-genre: accuracy of the zero-shot genre (5 balanced classes, majority "
@@ -373,8 +379,9 @@ def write_results(root: Path, cfg: DemoConfig, out: dict, seconds: float) -> str
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     cfg = override(QUICK if args.quick else DemoConfig(), args)
-    if cfg.family not in FAMILY_PRESETS:
-        raise ValueError(f"--family {cfg.family}: the demo runs {' or '.join(FAMILY_PRESETS)}")
+    if cfg.family not in DEMO_FAMILIES:
+        raise ValueError(f"--family {cfg.family}: the demo runs {' or '.join(DEMO_FAMILIES)} (the families whose "
+                         "source models it ships)")
     if cfg.threads < 0:
         raise ValueError(f"--threads must be >= 0 (0: torch's default), got {cfg.threads}")
     if cfg.eval_batch_tokens < 1:
@@ -397,7 +404,7 @@ def main(argv=None) -> int:
     (root / "demo.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
     t0 = time.perf_counter()
     out = demo.run()
-    text = write_results(root, cfg, out, time.perf_counter() - t0)
+    text = write_results(root, cfg, demo.family, out, time.perf_counter() - t0)
     print("\n" + text)
     print(f"\nresults: {root / 'results.md'}, {root / 'results.json'}, {root / 'curves.png'}")
     return 0

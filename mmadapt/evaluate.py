@@ -2,14 +2,14 @@
 (`evaluate_artifacts`); parallel-sentence retrieval through the primary model
 (`retrieval_records`); and what the plug-in metric (plugin.py) shares with them.
 
-A Step-3 run is rebuilt (`load_finetuned`) and its model built once per run (seed), on the
-device in Step 4's precision (`eval_dtype`). Its word embeddings
-(`word_embeddings.word_embeddings.weight`) are replaced by a Step-2 artifact's in place
-(`swapped`, which puts its own back afterwards) and the tokenizer by the artifact's, and a
-target-language evaluation set is scored. Nothing else changes: the source-language model is
-exactly Step 3's. An evaluation set is encoded once per tokenizer and run in token-sized
-batches of rows of similar length (`TokenBatches`), each trimmed to its longest row: the
-padding a fixed-length batch would carry is never computed. Needs no process group.
+A Step-3 run is rebuilt (`load_finetuned`, with its model family) and its model built once per
+run (seed), on the device in Step 4's precision (`eval_dtype`). Its word embeddings (the family's
+`word` parameter) are replaced by a Step-2 artifact's in place (`swapped`, which puts its own back
+afterwards) and the tokenizer by the artifact's, and a target-language evaluation set is scored.
+Nothing else changes: the source-language model is exactly Step 3's. An evaluation set is encoded
+once per tokenizer, laid out by the family's framing, and run in token-sized batches of rows of
+similar length (`EvalBatches`), each trimmed to its longest row: the padding a fixed-length batch
+would carry is never computed. Needs no process group.
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ from mmadapt.adapt import ARTIFACT_FILE, read_artifact, system_label
 from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
-from mmadapt.family import WORD
-from mmadapt.features import Encoded, encode_classify, special_mask
+from mmadapt.family import ModelFamily
+from mmadapt.features import Encoded, Framing, encode_classify, special_mask
 from mmadapt.finetune import check_positions, is_finished, primary_state
-from mmadapt.models import get_family
 from mmadapt.models.layers import Padding
 from mmadapt.parallel import device
-from mmadapt.run import RUN_FILE, RUN_TOKENIZER, load_checkpoint
+from mmadapt.run import RUN_FILE, load_checkpoint, read_source
 from mmadapt.tasks import Task, chance_levels, encode, get_task, headline, read_examples, scores
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokens import PAD_ID
@@ -45,7 +44,8 @@ from mmadapt.tokens import PAD_ID
 
 @dataclass
 class Finetuned:
-    """A Step-3 model, rebuilt: config, task, label names, full weights, tokenizer, run.json."""
+    """A Step-3 model, rebuilt: its family, config, task, label names, full weights, tokenizer, run.json."""
+    family: ModelFamily
     cfg: ModelConfig
     task: Task
     labels: list[str]
@@ -64,9 +64,8 @@ class Finetuned:
         if self._model is None:
             # vocab_size: the embeddings' own (a swapped state may hold a vocabulary of another size)
             cfg = dataclasses.replace(self.cfg, hidden_dropout=0.0, attention_dropout=0.0,
-                                      vocab_size=self.state[WORD].shape[0])
-            model = get_family(cfg).build_task_model(cfg, self.task.kind, len(self.labels),
-                                                     self.run["finetune"]["seed"])
+                                      vocab_size=self.state[self.family.word].shape[0])
+            model = self.family.build_task_model(cfg, self.task.kind, len(self.labels), self.run["finetune"]["seed"])
             model.load_state_dict(self.state, strict=True)
             self._model = on_eval_device(model, device())
         return self._model
@@ -86,12 +85,14 @@ def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
     if not is_finished(run_dir):
         raise ValueError(f"{run_dir} has not finished its {run['updates']} updates: continue it with "
                          "finetune --resume")
-    cfg, primary = primary_state(Path(run["primary"]["run_dir"]), run["primary"]["tag"])
+    source = read_source(run["primary"]["run_dir"], run["primary"]["tag"])
+    word = source.family.word
+    _, primary = primary_state(source)
     tag = checkpoint.tag_for(run["updates"])
     own = {k: v for k, v in load_checkpoint(run_dir, tag).items() if not k.startswith(PLACEHOLDER)}
     cfg = ModelConfig(**{**run["model"], "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
-    return Finetuned(cfg, get_task(run["task"]), run["labels"], {WORD: primary[WORD], **own},
-                     Path(run["primary"]["run_dir"]) / RUN_TOKENIZER, run)
+    return Finetuned(source.family, cfg, get_task(run["task"]), run["labels"], {word: primary[word], **own},
+                     source.tokenizer, run)
 
 
 # --- Step 4: the model on the device, artifacts swapped in place, token-sized batches ---------------
@@ -113,7 +114,7 @@ def device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> device: on a GPU from pinned memory without blocking the host (the copy is queued
     on the stream, before the forward passes that read it); on the CPU, `t` itself."""
     if device.type != "cuda":
@@ -129,12 +130,6 @@ def artifact_embeddings(artifact: dict, like: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"the embeddings have hidden size {new.shape[1]}, the model {like.shape[1]}: "
                          "they were trained for another model")
     return new.to(like.device, like.dtype)
-
-
-def swap_embeddings(state: dict, artifact: dict) -> dict:
-    """Step 4 on a state dict (export, a model built from it): the same weights with the target
-    language's word embeddings [V_trg, h]."""
-    return {**state, WORD: artifact_embeddings(artifact, state[WORD])}
 
 
 @contextlib.contextmanager
@@ -172,7 +167,7 @@ PAD_LOGIT = {"span": float("-inf"), "tag": 0.0}
 
 
 @dataclass
-class TokenBatches:
+class EvalBatches:
     """The rows of input_ids [n, s] grouped for evaluation: sorted by length, longest first, each
     batch trimmed to its longest row and holding at most `batch_tokens` ids (rows x that length;
     at least one row). The batches are views of one block copied to the device once, so an
@@ -181,38 +176,49 @@ class TokenBatches:
     Trimming changes no result: padding is never attended to (a masked key, or causal attention
     on right-padded rows), so a row's
     outputs at its own positions do not depend on the padding after it. Each batch's Padding is
-    counted here, on the host, so that no forward pass waits for the device to count it."""
+    counted here, on the host, so that no forward pass waits for the device to count it. Rows
+    with token types (a family whose framing has them, features.Encoded) keep them beside their
+    ids, trimmed and copied the same way."""
     ids: list[torch.Tensor]  # per batch [b_i, s_i], on the device
     rows: list[torch.Tensor]  # per batch [b_i]: each row's index in input_ids, on the device
     padding: list  # per batch, its model.Padding
     n: int
     seq_length: int
+    token_types: list[torch.Tensor] | None = None  # per batch [b_i, s_i], on the device; None: none
 
     @classmethod
-    def plan(cls, input_ids: torch.Tensor, batch_tokens: int, device: torch.device) -> "TokenBatches":
+    def plan(cls, input_ids: torch.Tensor, batch_tokens: int, device: torch.device,
+             token_types: torch.Tensor | None = None) -> "EvalBatches":
         lengths = row_lengths(input_ids)
         order = torch.sort(lengths, descending=True, stable=True).indices  # [n]
-        groups, trimmed, start = [], [], 0  # groups: (rows, length) per batch
+        groups, trimmed, types, start = [], [], [], 0  # groups: (rows, length) per batch
         while start < len(order):
             longest = max(int(lengths[order[start]]), 1)
             rows = order[start:start + max(1, batch_tokens // longest)]
             groups.append((len(rows), longest))
             trimmed.append(input_ids[rows, :longest].reshape(-1))
+            if token_types is not None:
+                types.append(token_types[rows, :longest].reshape(-1))
             start += len(rows)
-        block = to_device(torch.cat([*trimmed, order]), device)  # one copy: the ids, then the order
-        parts = block.split([b * s for b, s in groups] + [len(order)])
+        # One copy: the ids, then the order, then the token types.
+        block = host_to_device(torch.cat([*trimmed, order, *types]), device)
+        sizes = [b * s for b, s in groups]
+        parts = block.split(sizes + [len(order)] + (sizes if types else []))
         ids = [p.view(b, s) for p, (b, s) in zip(parts, groups)]
+        typed = [p.view(b, s) for p, (b, s) in zip(parts[len(groups) + 1:], groups)] if types else None
         padding = [Padding.of(t.view(b, s)) for t, (b, s) in zip(trimmed, groups)]  # host tensors: no wait
-        return cls(ids, list(parts[-1].split([b for b, _ in groups])), padding, len(input_ids), input_ids.shape[1])
+        return cls(ids, list(parts[len(groups)].split([b for b, _ in groups])), padding, len(input_ids),
+                   input_ids.shape[1], typed)
 
     @torch.no_grad()
     def run(self, fn, per_position: bool, fill: float = 0.0) -> torch.Tensor:
-        """fn(ids [b, s_i], its Padding) -> [b, ...], or per position [b, s_i, ...], over every
-        batch -> fp32 on the CPU in input_ids' row order: [n, ...], or [n, s, ...] with `fill`
-        past each row's batch."""
+        """fn(ids [b, s_i], its Padding[, token_types=[b, s_i]]) -> [b, ...], or per position
+        [b, s_i, ...], over every batch -> fp32 on the CPU in input_ids' row order: [n, ...], or
+        [n, s, ...] with `fill` past each row's batch. token_types only where the rows have them."""
         out = None
-        for ids, rows, padding in zip(self.ids, self.rows, self.padding):
-            y = fn(ids, padding).float()
+        types = self.token_types or [None] * len(self.ids)
+        for ids, rows, padding, t in zip(self.ids, self.rows, self.padding, types):
+            y = (fn(ids, padding) if t is None else fn(ids, padding, token_types=t)).float()
             if out is None:
                 shape = (self.n, self.seq_length, *y.shape[2:]) if per_position else (self.n, *y.shape[1:])
                 out = torch.full(shape, fill, dtype=torch.float32, device=y.device)
@@ -225,14 +231,8 @@ class TokenBatches:
 
     def logits(self, model: torch.nn.Module) -> torch.Tensor:
         """A task model's logits, as for the full rows: [n, C] (classify) or [n, s, C]."""
-        return self.run(lambda ids, padding: model(ids, padding=padding)[1], model.kind != "classify",
-                        PAD_LOGIT.get(model.kind, 0.0))
-
-
-def predict(model: torch.nn.Module, input_ids: torch.Tensor, batch_tokens: int) -> torch.Tensor:
-    """A task model's logits of the rows of input_ids [n, s], run on the model's device in
-    token-sized batches (`TokenBatches`): [n, C], or [n, s, C] for tag and span; fp32, on the CPU."""
-    return TokenBatches.plan(input_ids, batch_tokens, device_of(model)).logits(model)
+        return self.run(lambda ids, padding, **types: model(ids, padding=padding, **types)[1],
+                        model.kind != "classify", PAD_LOGIT.get(model.kind, 0.0))
 
 
 @dataclass
@@ -241,20 +241,21 @@ class EvalSet:
     device: made once per (tokenizer, language), scored by every seed and artifact that share them."""
     examples: list
     enc: Encoded
-    batches: TokenBatches
+    batches: EvalBatches
 
 
-def eval_set(task: Task, sp, examples: list, labels: list[str], cfg: FinetuneConfig,
-             device: torch.device) -> EvalSet:
-    enc = encode(task, sp, examples, labels, cfg)
-    return EvalSet(examples, enc, TokenBatches.plan(enc.input_ids, cfg.eval_batch_tokens, device))
+def eval_set(task: Task, sp, examples: list, labels: list[str], cfg: FinetuneConfig, device: torch.device,
+             framing: Framing = Framing()) -> EvalSet:
+    """`examples` encoded with the tokenizer `sp` as the model family lays them out (`framing`)."""
+    enc = encode(task, sp, examples, labels, cfg, framing)
+    return EvalSet(examples, enc, EvalBatches.plan(enc.input_ids, cfg.eval_batch_tokens, device, enc.token_types))
 
 
 def set_logits(ft: Finetuned, data: EvalSet, artifact: dict | None = None) -> torch.Tensor:
-    """The logits of `data`'s rows (`TokenBatches.logits`) with Step 3's model, or with
+    """The logits of `data`'s rows (`EvalBatches.logits`) with Step 3's model, or with
     `artifact`'s word embeddings swapped into it (Step 4); the model is left as it was."""
-    model = ft.model()
-    swap = {} if artifact is None else {WORD: artifact_embeddings(artifact, model.get_parameter(WORD))}
+    model, word = ft.model(), ft.family.word
+    swap = {} if artifact is None else {word: artifact_embeddings(artifact, model.get_parameter(word))}
     with swapped(model, swap):
         return data.batches.logits(model)
 
@@ -262,20 +263,6 @@ def set_logits(ft: Finetuned, data: EvalSet, artifact: dict | None = None) -> to
 def score_set(ft: Finetuned, data: EvalSet, cfg: FinetuneConfig, artifact: dict | None = None) -> dict[str, float]:
     """Every metric of `data` (`scores`) from `set_logits`."""
     return scores(ft.task, set_logits(ft, data, artifact), data.enc, data.examples, ft.labels, cfg)
-
-
-def evaluate_scores(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
-                    tokenizer: Path | None = None) -> dict[str, float]:
-    """Every metric of `examples` (`scores`) with Step 3's model, or with it after swapping in
-    `artifact`'s word embeddings and `tokenizer` (Step 4)."""
-    data = eval_set(ft.task, load_tokenizer(tokenizer or ft.tokenizer), examples, ft.labels, cfg, device_of(ft.model()))
-    return score_set(ft, data, cfg, artifact)
-
-
-def evaluate_score(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact: dict | None = None,
-                   tokenizer: Path | None = None) -> float:
-    """`evaluate_scores`' headline metric."""
-    return evaluate_scores(ft, examples, cfg, artifact, tokenizer)[headline(ft.task, ft.labels, cfg)]
 
 
 # --- parallel-sentence retrieval (no fine-tuning) --------------------------------------------------
@@ -291,7 +278,7 @@ def sentence_vectors(model, sp, texts: list[str], seq_length: int, layer: int,
         keep = special_mask(ids)[..., None].float()
         return (h * keep).sum(1) / keep.sum(1).clamp(min=1)
 
-    vectors = TokenBatches.plan(enc.input_ids, batch_tokens, device_of(model)).run(pool, per_position=False)
+    vectors = EvalBatches.plan(enc.input_ids, batch_tokens, device_of(model)).run(pool, per_position=False)
     return torch.nn.functional.normalize(vectors, dim=-1)
 
 
@@ -429,9 +416,10 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
             key = (tokenizer, lang, tuple(ft.labels), cfg.seq_length, cfg.doc_stride, cfg.max_query_length,
                    cfg.eval_batch_tokens)  # what the encoding and the batches depend on
             if key not in sets:
-                sets[key] = eval_set(task, load_tokenizer(tok), examples[lang], ft.labels, cfg, device_of(model))
+                sets[key] = eval_set(task, load_tokenizer(tok), examples[lang], ft.labels, cfg, device_of(model),
+                                     ft.family.framing)
             # On the device in the model's dtype after the first seed: one copy for all of them.
-            emb = {"word_embeddings": artifact_embeddings(emb, model.get_parameter(WORD))}
+            emb = {"word_embeddings": artifact_embeddings(emb, model.get_parameter(ft.family.word))}
             seeds.append(score_set(ft, sets[key], cfg, emb))
             keys.append(key)
         # The chance level of this language's evaluation rows, as the first run encodes them.
@@ -450,19 +438,21 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     source sentences with the source embeddings against target sentences with each artifact's
     embeddings. `layer`: whose outputs are pooled (default: the middle layer, ceil(L / 2),
     whose representations are the least tied to the MLM objective)."""
-    cfg, state = primary_state(primary_run, None)
+    source = read_source(primary_run)
+    family, word = source.family, source.family.word
+    cfg, state = primary_state(source)
     cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0)
     layer = layer or math.ceil(cfg.num_layers / 2)
-    model = get_family(cfg).build_body(cfg)
+    model = family.build_body(cfg)
     model.load_state_dict({k: state[k] for k in model.state_dict()})  # the body of the task model's start
     model = on_eval_device(model, device())  # built once; each artifact is swapped into it
-    src_sp, src_vectors, records = load_tokenizer(primary_run / RUN_TOKENIZER), {}, []
+    src_sp, src_vectors, records = load_tokenizer(source.tokenizer), {}, []
     for path in artifact_dirs(adapt_runs):
         emb, tok, meta = read_artifact(path)
         lang = meta["lang"]
         if lang not in src_vectors:
             src_vectors[lang] = sentence_vectors(model, src_sp, [a for a, _ in pairs[lang]], seq_length, layer)
-        with swapped(model, {WORD: artifact_embeddings(emb, model.get_parameter(WORD))}):
+        with swapped(model, {word: artifact_embeddings(emb, model.get_parameter(word))}):
             trg = sentence_vectors(model, load_tokenizer(tok), [b for _, b in pairs[lang]], seq_length, layer)
         records.append({**record_base(meta, "retrieval"), "metric": "accuracy", "chance": 100 / len(pairs[lang]),
                         "score": retrieval_accuracy(src_vectors[lang], trg), "artifact": str(path)})

@@ -1,24 +1,35 @@
-"""The model-family seam: everything the steps need to know about an architecture, in one object.
+"""The model-family seam: everything architecture-specific, in one object per architecture.
 
-As torchtitan's `TrainSpec`, a family bundles its model, its parallel forms, its objective, its
-FLOP counts and its Hugging Face mapping, and is registered by name (mmadapt/models/__init__.py);
-a run records it as `ModelConfig.family` (a run.json without the field is a RoBERTa run). The
-steps, the engine, checkpoints and the CLI name no model class: they ask the family of the
-run's config. Adding an architecture means writing one subclass under mmadapt/models/<name>/.
+As torchtitan's `TrainSpec`, a family bundles what the steps need to know about one
+architecture, and is registered by name (mmadapt/models/__init__.py; a family defined outside
+mmadapt registers itself when its module is imported: MMADAPT_IMPORT names such modules):
+  - its model and parallel forms (`build_lm`, `build_task_model`, `build_body`, `build_pipeline`)
+    and its parameter names (`word`, `layers_prefix`, `heads_prefix`), on which the mini-model
+    surgery below works;
+  - its objective (objectives.py: the batches, the plug-in metric's held-out text, how a text is
+    laid out for the language model, how records name it);
+  - its presets (named ModelConfig + TrainConfig pairs, in its own folder) and its small preset,
+    the schedule later steps run over its runs by default and the demo's;
+  - its text framing for tasks (`framing`: features.Framing, the pair layout and token types);
+  - the tokenizer kinds it accepts (`tokenizer_kinds`);
+  - the ModelConfig fields it uses beyond those every family uses (each field's metadata names
+    its families; `check_fields` refuses a field set for a family that does not use it);
+  - its FLOP counts and its Hugging Face mapping (`hf`, an `HFMapping`).
+A run records its family as `ModelConfig.family` (a run.json without the field is a RoBERTa
+run); `run.start_run` and `run.read_source` look it up once, and everything after takes it from
+there. Adding an architecture means writing one folder under mmadapt/models/<name>/.
 
-What every family's modules promise (the steps rely on these, not on classes):
+What a family's modules promise (the steps rely on these, not on classes):
   - `build_lm(cfg, seed)`: the plain model with a head after each layer of `cfg.heads_after`;
     `forward(input_ids, labels=None, *, masked_index=None, targets=None, padding=None)` ->
     (loss, per-head losses) over the scored positions (`models.layers.masked_positions`), and
     `encode(input_ids, layers, padding=None)` -> each listed layer's output [b, s, h]; and
     `logits(input_ids, padding=None)` -> every head's logits [b, s, V] at every position (TP = 1;
-    mmadapt/predict.py).
-  - parameter names: the word embedding is `word_embeddings.word_embeddings.weight`
-    (`WORD`), layer i (0-based) is under `layers.{i}.`, head k under `heads.heads.{k}.`. The
-    mini-model surgery below works on those names; a family whose names differ overrides it.
+    mmadapt/predict.py); `config`, the ModelConfig it was built from.
   - `build_task_model(cfg, kind, num_labels, seed)`: the body with a task head (Step 3);
-    `forward(input_ids, labels=None, padding=None)` -> (loss or None, logits); its body's
-    parameter names are `build_lm`'s.
+    `forward(input_ids, labels=None, padding=None[, token_types=None])` -> (loss or None,
+    logits), token_types [b, s] passed only by a family whose framing has them; `kind`; its
+    body's parameter names are `build_lm`'s.
   - `build_pipeline(cfg, seed, data_parallel_size)`: this rank's DeepSpeed PipelineModule
     stage, whose layers are listed by `pipeline_layer_prefixes`; host-side bookkeeping as
     models/pipe.py describes.
@@ -31,28 +42,123 @@ and the weight functions apply them.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
-from mmadapt.config import LoopConfig, ModelConfig
+from mmadapt.config import LoopConfig, ModelConfig, TrainConfig
+from mmadapt.features import Framing
+from mmadapt.objectives import Objective
 
-WORD = "word_embeddings.word_embeddings.weight"  # every family's input embedding [V, h]
+WORD = "word_embeddings.word_embeddings.weight"  # the shipped families' input embedding [V, h]
+
+
+class HFMapping:
+    """A family's correspondence with Hugging Face checkpoints (as torchtitan's
+    `StateDictAdapter`): mmadapt/hf.py reads and writes the directories, the mapping translates
+    configs, special ids and weights. `architectures`: HF architecture -> its model_type, the
+    classes `import-hf` accepts for this family. Every method refuses what the family cannot
+    express exactly with a ValueError of one line."""
+
+    architectures: dict[str, str] = {}
+
+    def check_config(self, cfg: dict, model_dir: Path) -> None:
+        """Refuse a config.json the family cannot compute exactly."""
+        raise NotImplementedError
+
+    def model_config(self, cfg: dict) -> ModelConfig:
+        """config.json -> the ModelConfig that holds it."""
+        raise NotImplementedError
+
+    def special_ids(self, tok, cfg: dict, vocab_size: int, model_dir: Path) -> tuple[list[int], dict]:
+        """The source ids of mmadapt's special roles (tokens.py's order: pad, unk, <s>, </s>, <mask>),
+        and what run.json records of them (role -> source id)."""
+        raise NotImplementedError
+
+    def from_hf(self, cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf_cfg: dict) -> dict:
+        """A Hugging Face state dict -> the family's `build_lm` state dict (TP 1), rows of every
+        vocabulary-indexed tensor in mmadapt's ids (`hf_ids`: mmadapt id -> source id)."""
+        raise NotImplementedError
+
+    def to_hf(self, cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
+              model_type: str) -> dict:
+        """The family's LM (kind None) or task model state dict -> the Hugging Face class's;
+        hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids); ids: its pad, bos
+        and eos ids."""
+        raise NotImplementedError
+
+    def hf_config(self, cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids: dict[str, int],
+                  model_type: str):
+        """The transformers config of `model_type`'s class for `kind` that holds `cfg`."""
+        raise NotImplementedError
+
+    def tokenizer_layout(self, kind: str | None, imported: bool) -> dict | None:
+        """How an exported tokenizer lays out a text of `kind` (a `tokenizers` template over
+        mmadapt's special roles, mmadapt/hf.py); None: an imported tokenizer goes out as it is."""
+        raise NotImplementedError
+
+    def export_model_type(self, model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
+        """The model type to export as (`model_type`: the imported source's, None for a model
+        mmadapt pretrained)."""
+        raise NotImplementedError
+
+    def import_note(self, hf_cfg: dict, model_dir: Path) -> str | None:
+        """What `import-hf` says it changed or capped (None: nothing)."""
+        return None
 
 
 class ModelFamily:
     """One architecture. Subclasses set the class attributes and implement the builders."""
 
     name: str
-    objective: str  # "mlm" (masked pieces are scored) or "causal" (every next piece is)
-    task_kinds: tuple[str, ...]  # what build_task_model builds (model.TASK_KINDS for the encoder)
+    objective: Objective  # objectives.MLM or objectives.CAUSAL (or a family's own)
+    task_kinds: tuple[str, ...]  # what build_task_model builds
+    presets: dict[str, tuple[ModelConfig, TrainConfig]] = {}  # name -> (model, schedule), unique across families
+    small_preset: str  # a key of `presets`: the default schedule of later steps over this family's runs
+    framing: Framing = Framing()  # task inputs (Steps 3-4): features.py's layouts in this family's form
+    # The run tokenizers this family's models take (tokenizer.kind): mmadapt's SentencePiece
+    # unigram models, and the kinds of Hugging Face tokenizer its import maps.
+    tokenizer_kinds: tuple[str, ...] = ("sentencepiece",)
+    # ModelConfig fields this family uses although their metadata does not list it (a family
+    # defined outside mmadapt that uses, say, output_bias_init); see check_fields.
+    config_fields: tuple[str, ...] = ()
     compiled_kinds: tuple[type, ...] = ()  # module classes fusion "compile" compiles, each instance in place
     pipeline_ties: dict[str, str] = {}  # tied pipeline module key -> its build_lm name prefix
-    hf = None  # the Hugging Face mapping (a module with ARCHITECTURES, ...), or None
+    hf: HFMapping | None = None  # the Hugging Face mapping, or None
+    # Parameter names of build_lm's modules: the input embedding [V, h], layer i's (0-based)
+    # prefix `layers_prefix + "i."`, head k's `heads_prefix + "k."`.
+    word: str = WORD
+    layers_prefix: str = "layers."
+    heads_prefix: str = "heads.heads."
 
     # --- configs -------------------------------------------------------------------------------------
+    def validate(self, cfg: ModelConfig) -> ModelConfig:
+        """Every check of a model config of this family, in one line each: ModelConfig's own,
+        the fields this family does not use (`check_fields`), then the family's (`check`)."""
+        cfg.validate()
+        self.check_fields(cfg)
+        self.check(cfg)
+        return cfg
+
+    def uses(self, field: dataclasses.Field) -> bool:
+        """Whether this family reads the ModelConfig field: its metadata `families` (None: every one)
+        names this family or one it derives from (a subclass builds on its base's modules), or the
+        family claims it (`config_fields`)."""
+        families = field.metadata.get("families")
+        lineage = {getattr(c, "name", None) for c in type(self).__mro__}
+        return families is None or bool(lineage & set(families)) or field.name in self.config_fields
+
+    def check_fields(self, cfg: ModelConfig) -> None:
+        """Refuse a field that this family does not use, set to anything but its default: it would
+        be recorded in run.json and change nothing (or mislead a reader into thinking it did)."""
+        for f in dataclasses.fields(ModelConfig):
+            value = getattr(cfg, f.name)
+            if not self.uses(f) and value != f.default:
+                what, tail = f.metadata["unused"]
+                raise ValueError(f"{f.name} {value} {what}; the {self.name} family{tail}: drop it")
+
     def check(self, cfg: ModelConfig) -> None:
-        """Refuse, with one line, what this family cannot build (ModelConfig.validate has checked
-        the rest)."""
+        """Refuse, with one line, what this family cannot build beyond check_fields."""
 
     def check_loop(self, loop: LoopConfig) -> None:
         """Refuse, with one line, a training setting that means nothing for this family's objective."""
@@ -69,7 +175,8 @@ class ModelFamily:
         raise NotImplementedError
 
     def build_pipeline(self, cfg: ModelConfig, seed: int, data_parallel_size: int):
-        raise NotImplementedError
+        raise ValueError(f"the {self.name} family has no pipeline form: use --pipeline_model_parallel_size 1 with data "
+                         "or tensor parallelism")
 
     def pipeline_layer_prefixes(self, cfg: ModelConfig) -> list[str | None]:
         """For each layer of the pipeline (its index in the PipelineModule's list), the
@@ -93,12 +200,12 @@ class ModelFamily:
     def vocab_params(self, cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
         """The parameters indexed by vocabulary piece that Step 2 trains (the word embedding
         first): what a new vocabulary replaces and an artifact holds."""
-        return (WORD,)
+        return (self.word,)
 
     def artifact_keys(self) -> dict[str, str]:
         """Artifact file key -> parameter name, for every vocabulary-indexed parameter an
-        artifact may hold (embeddings.pt)."""
-        return {"word_embeddings": WORD}
+        artifact may hold (embeddings.pt; "word_embeddings" is every family's input embedding)."""
+        return {"word_embeddings": self.word}
 
     def output_biases(self, cfg: ModelConfig) -> tuple[str, ...]:
         """The output bias [V] of every LM head of `cfg` (build_lm names): what Step 1 starts at
@@ -113,7 +220,7 @@ class ModelFamily:
     def task_state(self, cfg: ModelConfig, state: dict) -> dict:
         """The part of a `build_lm` state dict that `build_task_model` starts from, in its names
         (the task head itself is new): by default the body, every head dropped."""
-        return {k: v for k, v in state.items() if not k.startswith("heads.")}
+        return {k: v for k, v in state.items() if not k.startswith(self.heads_prefix)}
 
     # --- mini-models (paper section 2) -----------------------------------------------------------------
     def one_head(self, cfg: ModelConfig, num_layers: int) -> ModelConfig:
@@ -154,18 +261,19 @@ class ModelFamily:
             raise ValueError(f"new_layers must be >= 1, got {new_layers}")
         return self.one_head(cfg, mini_layers + new_layers)
 
-    @staticmethod
-    def keep_head(state: dict, head_index: int) -> dict:
+    def keep_head(self, state: dict, head_index: int) -> dict:
         """Keep head `head_index` as head 0 and drop the other heads."""
-        out = {k: v for k, v in state.items() if not k.startswith("heads.heads.")}
-        prefix = f"heads.heads.{head_index}."
-        out.update({"heads.heads.0." + k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        heads = self.heads_prefix
+        out = {k: v for k, v in state.items() if not k.startswith(heads)}
+        prefix = f"{heads}{head_index}."
+        out.update({f"{heads}0." + k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         return out
 
-    @staticmethod
-    def keep_layers(state: dict, n: int) -> dict:
+    def keep_layers(self, state: dict, n: int) -> dict:
         """Drop every layer from index n (0-based) up."""
-        return {k: v for k, v in state.items() if not k.startswith("layers.") or int(k.split(".")[1]) < n}
+        layers = self.layers_prefix
+        return {k: v for k, v in state.items()
+                if not k.startswith(layers) or int(k[len(layers):].split(".", 1)[0]) < n}
 
     def primary_model(self, cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dict]:
         """The full model with only its primary (last-layer) head."""
@@ -185,10 +293,9 @@ class ModelFamily:
         mini = self.minipost_config(cfg, mini_layers, new_layers)
         return mini, self.keep_layers(self.primary_model(cfg, state)[1], mini_layers)
 
-    @staticmethod
-    def minipost_trainable(mini_layers: int, new_layers: int) -> tuple[str, ...]:
+    def minipost_trainable(self, mini_layers: int, new_layers: int) -> tuple[str, ...]:
         """Name prefixes of the parameters Step 1b trains (0-based layer indices N..N+K-1)."""
-        return tuple(f"layers.{i}." for i in range(mini_layers, mini_layers + new_layers))
+        return tuple(f"{self.layers_prefix}{i}." for i in range(mini_layers, mini_layers + new_layers))
 
     # --- FLOPs ----------------------------------------------------------------------------------------
     def step_flops(self, step: str, cfg: ModelConfig, s: int, p: float, paper: bool = False,

@@ -1,10 +1,15 @@
 """Task examples -> fixed-length piece-id tensors (Steps 3 and 4), and model outputs -> answers.
 
-Layouts follow RoBERTa (ids from mmadapt/tokens.py, padding with PAD_ID to seq_length):
+Layouts are a model family's `Framing` (ids from mmadapt/tokens.py, padding with PAD_ID to
+seq_length); the default is RoBERTa's, which the shipped families use:
     classify, one text    <s> a </s>
     classify, a pair      <s> a </s> </s> b </s>          (longest side truncated first)
     tag                   <s> w1 w2 ... </s>              a word's label sits on its first piece
     span (extractive QA)  <s> question </s> </s> context window </s>
+BERT's framing has one separator between the two texts of a pair (`[CLS] a [SEP] b [SEP]`, in
+mmadapt's ids `<s> a </s> b </s>`) and marks the second segment (b, or the context) and its
+closing separator with token type 1 (`Encoded.token_types`); a framing without token types
+leaves them None, and the model is never given any.
 A QA context longer than a window is split into windows that overlap by `doc_stride` pieces
 (as in BERT's SQuAD code); the answer is predicted per window and the best span over all
 windows of a question wins. Piece offsets come from SentencePiece (byte offsets into the
@@ -23,19 +28,44 @@ from mmadapt.readers import PairExample, QAExample, TaggedSentence
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, NUM_SPECIAL, PAD_ID
 
 
+@dataclasses.dataclass(frozen=True)
+class Framing:
+    """How a model family lays a task's texts out (module docstring): `separators` </s> pieces
+    between the two texts of a pair, and whether the second segment's pieces carry token type 1."""
+    separators: int = 2  # RoBERTa: <s> a </s> </s> b </s>; BERT: 1
+    token_types: bool = False
+
+    def pair(self, a: list[int], b: list[int]) -> tuple[list[int], list[int]]:
+        """<s> a </s> (</s>) b </s> -> (ids, token types: 0 up to a's closing separators, 1 after)."""
+        first = [BOS_ID, *a, *[EOS_ID] * self.separators]
+        second = [*b, EOS_ID]
+        return first + second, [0] * len(first) + [1] * len(second)
+
+    @property
+    def pair_specials(self) -> int:
+        """Special pieces in a pair's row: <s>, the separators and the closing </s>."""
+        return 2 + self.separators
+
+
 @dataclasses.dataclass
 class Encoded:
     input_ids: torch.Tensor  # [n, s] int64
     labels: torch.Tensor  # classify [n]; tag [n, s] (-100 where no label); span [n, 2] (start, end)
     example: np.ndarray | None = None  # span: [n] index of the example each window comes from
     offsets: np.ndarray | None = None  # span: [n, s, 2] character span in the context, -1 outside it
+    token_types: torch.Tensor | None = None  # [n, s] int64, 1 on a pair's second segment; None: no token types
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
+    def rows(self, index) -> dict[str, torch.Tensor]:
+        """The model inputs of rows `index` beyond input_ids: {"token_types": [k, s]} where this
+        encoding has them, else nothing (a family without token types is never given any)."""
+        return {} if self.token_types is None else {"token_types": self.token_types[index]}
 
-def _pad(rows: list[list[int]], seq_length: int) -> torch.Tensor:
-    out = torch.full((len(rows), seq_length), PAD_ID, dtype=torch.long)
+
+def _pad(rows: list[list[int]], seq_length: int, fill: int = PAD_ID) -> torch.Tensor:
+    out = torch.full((len(rows), seq_length), fill, dtype=torch.long)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
     return out
@@ -46,26 +76,37 @@ def _check_seq(seq_length: int, need: int) -> None:
         raise ValueError(f"seq_length {seq_length} is too short for this task (need at least {need})")
 
 
-def encode_classify(sp, examples: list[PairExample] | list[tuple[str, int]], seq_length: int) -> Encoded:
+def _types(rows: list[list[int]], seq_length: int, framing: Framing) -> torch.Tensor | None:
+    """Token-type rows padded with 0, or None for a framing without token types."""
+    return _pad(rows, seq_length, fill=0) if framing.token_types else None
+
+
+def encode_classify(sp, examples: list[PairExample] | list[tuple[str, int]], seq_length: int,
+                    framing: Framing = Framing()) -> Encoded:
     """Single texts as (text, label) pairs, or PairExamples (sentence1, sentence2, label)."""
     _check_seq(seq_length, 8)
-    rows, labels = [], []
+    rows, types, labels = [], [], []
     for ex in examples:
         if isinstance(ex, PairExample):
             a, b = sp.encode(ex.sentence1), sp.encode(ex.sentence2)
-            budget = seq_length - 4
+            budget = seq_length - framing.pair_specials
             while len(a) + len(b) > budget:  # longest first, as in BERT/RoBERTa
                 (a if len(a) >= len(b) else b).pop()
-            rows.append([BOS_ID, *a, EOS_ID, EOS_ID, *b, EOS_ID])
+            ids, t = framing.pair(a, b)
+            rows.append(ids)
+            types.append(t)
             labels.append(ex.label)
         else:
             text, label = ex
             rows.append([BOS_ID, *sp.encode(text)[:seq_length - 2], EOS_ID])
+            types.append([])
             labels.append(label)
-    return Encoded(_pad(rows, seq_length), torch.tensor(labels, dtype=torch.long))
+    return Encoded(_pad(rows, seq_length), torch.tensor(labels, dtype=torch.long),
+                   token_types=_types(types, seq_length, framing))
 
 
-def encode_tag(sp, sentences: list[TaggedSentence], label_names: list[str], seq_length: int) -> Encoded:
+def encode_tag(sp, sentences: list[TaggedSentence], label_names: list[str], seq_length: int,
+               framing: Framing = Framing()) -> Encoded:
     """One row per sentence, truncated to seq_length (words cut off are not scored). A gold tag
     missing from `label_names` (not seen in training) gets the id len(label_names), which no
     prediction can equal."""
@@ -85,7 +126,7 @@ def encode_tag(sp, sentences: list[TaggedSentence], label_names: list[str], seq_
     out = torch.full((len(rows), seq_length), IGNORE_INDEX, dtype=torch.long)
     for i, r in enumerate(label_rows):
         out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return Encoded(_pad(rows, seq_length), out)
+    return Encoded(_pad(rows, seq_length), out, token_types=_types([[]] * len(rows), seq_length, framing))
 
 
 def piece_offsets(sp, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -116,16 +157,17 @@ DOC_STRIDE = 128  # SQuAD practice (with 384-piece windows)
 
 
 def encode_span(sp, examples: list[QAExample], seq_length: int, doc_stride: int | None,
-                max_query_length: int) -> Encoded:
+                max_query_length: int, framing: Framing = Framing()) -> Encoded:
     """Windows over each context; labels are the first answer's first and last piece in the
     window, or (0, 0) (the <s> position) when the window does not hold the whole answer.
-    doc_stride None: min(DOC_STRIDE, half the window)."""
+    doc_stride None: min(DOC_STRIDE, half the window). The question is the pair's first text, the
+    window its second (framing)."""
     _check_seq(seq_length, max_query_length + 8)
-    rows, labels, example, offsets = [], [], [], []
+    rows, types, labels, example, offsets = [], [], [], [], []
     for n, ex in enumerate(examples):
         q = sp.encode(ex.question)[:max_query_length]
         ctx_ids, spans = piece_offsets(sp, ex.context)
-        window = seq_length - len(q) - 4
+        window = seq_length - len(q) - framing.pair_specials
         stride = min(DOC_STRIDE, window // 2) if doc_stride is None else doc_stride
         if stride >= window and len(ctx_ids) > window:  # only a context split into windows needs a stride
             raise ValueError(f"doc_stride {stride} must be smaller than the context window "
@@ -140,22 +182,24 @@ def encode_span(sp, examples: list[QAExample], seq_length: int, doc_stride: int 
         first = 0
         while True:
             last = min(first + window, len(ctx_ids))
-            ids = [BOS_ID, *q, EOS_ID, EOS_ID, *ctx_ids[first:last], EOS_ID]
+            ids, t = framing.pair(q, ctx_ids[first:last])
             off = np.full((seq_length, 2), -1, dtype=np.int64)
-            base = len(q) + 3
+            base = len(q) + 1 + framing.separators
             off[base:base + last - first] = spans[first:last]
             if a_start is not None and first <= a_start and a_end < last:
                 labels.append((base + a_start - first, base + a_end - first))
             else:
                 labels.append((0, 0))
             rows.append(ids)
+            types.append(t)
             example.append(n)
             offsets.append(off)
             if last == len(ctx_ids):
                 break
             first += window - stride
     return Encoded(_pad(rows, seq_length), torch.tensor(labels, dtype=torch.long).reshape(-1, 2),
-                   np.asarray(example, dtype=np.int64), np.stack(offsets) if offsets else np.zeros((0, seq_length, 2)))
+                   np.asarray(example, dtype=np.int64), np.stack(offsets) if offsets else np.zeros((0, seq_length, 2)),
+                   _types(types, seq_length, framing))
 
 
 def best_spans(logits: torch.Tensor, enc: Encoded, examples: list[QAExample], max_answer_length: int,

@@ -23,23 +23,27 @@ import torch
 
 from mmadapt import checkpoint, parallel
 from mmadapt.config import FinetuneConfig, ModelConfig
+from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded
-from mmadapt.models import get_family
-from mmadapt.run import RUN_FILE, RUN_TOKENIZER, RunSpec, load_weights, pretrained_blocks, read_run
+from mmadapt.run import RUN_FILE, RunSpec, Source, pretrained_blocks
 from mmadapt.tasks import Task, encode, headline, label_names, read_examples
 from mmadapt.tokens import IGNORE_INDEX
 from mmadapt.tokenizer import load as load_tokenizer
 
 
-def primary_state(run_dir: Path, tag: str | None) -> tuple[ModelConfig, dict]:
+def check_primary(source: Source) -> None:
+    """Step 3 fine-tunes the primary model of a pretrain (or imported) run, nothing else."""
+    if source.record.get("step") != "pretrain":
+        raise ValueError(f"{source.path} is a {source.record.get('step')} run: fine-tune the primary model of a "
+                         "pretrain run")
+
+
+def primary_state(source: Source, weights: dict | None = None) -> tuple[ModelConfig, dict]:
     """The primary model of a Step-1 run as its task model starts from it (ModelFamily.task_state:
-    its full depth, without heads)."""
-    run = read_run(run_dir)
-    if run.get("step") != "pretrain":
-        raise ValueError(f"{run_dir} is a {run.get('step')} run: fine-tune the primary model of a pretrain run")
-    cfg, state = load_weights(run_dir, tag)
-    task_state = get_family(cfg).task_state(cfg, state)
-    return dataclasses.replace(cfg, head_layers=(), head_weights=()), task_state
+    its full depth, without heads). weights: the run's full weights, if loaded already."""
+    check_primary(source)
+    task_state = source.family.task_state(source.cfg, source.weights() if weights is None else weights)
+    return dataclasses.replace(source.cfg, head_layers=(), head_weights=()), task_state
 
 
 def is_finished(run_dir: str | os.PathLike) -> bool:
@@ -52,39 +56,56 @@ def is_finished(run_dir: str | os.PathLike) -> bool:
             checkpoint.latest_tag(Path(run_dir) / "checkpoints") == checkpoint.tag_for(run["updates"]))
 
 
+@dataclasses.dataclass(frozen=True)
+class TaskPlan:
+    """What Step 3 trains on and records, worked out before anything is written (TaskData.check):
+    the task's label names and headline metric, the training examples encoded as the family lays
+    them out, the optional evaluation examples, the warning about untrained positions (None: none),
+    and the number of updates."""
+    labels: list[str]
+    metric: str
+    enc: Encoded
+    eval_examples: list | None
+    positions: str | None
+    updates: int
+    global_batch: int
+
+
 @dataclasses.dataclass
 class TaskData:
     """Step 3's data (run.DataPlan): the task's training examples in the source language,
-    encoded with the primary run's tokenizer, and the optional evaluation examples (their
-    source-language score goes into run.json)."""
+    encoded with the primary run's tokenizer as its family lays them out, and the optional
+    evaluation examples (their source-language score goes into run.json). `check` works out the
+    `TaskPlan`, which `prepare` hands the step (started.data)."""
     task: Task
-    primary: Path
+    primary: Source
     train_file: str
     eval_file: str | None = None
     source_lang: str = "en"
+    plan: TaskPlan | None = dataclasses.field(default=None, init=False)
 
-    def check(self, run: RunSpec, model: ModelConfig, cfg: FinetuneConfig) -> dict:
+    def check(self, run: RunSpec, model: ModelConfig, cfg: FinetuneConfig, family: ModelFamily) -> dict:
         examples = read_examples(self.task, self.train_file, self.source_lang, "train", cfg)
-        self.labels = label_names(self.task, examples)
-        self.metric = headline(self.task, self.labels, cfg)
-        sp = load_tokenizer(self.primary / RUN_TOKENIZER)
-        self.enc: Encoded = encode(self.task, sp, examples, self.labels, cfg)
-        self.eval_examples = (read_examples(self.task, self.eval_file, self.source_lang, "test", cfg, self.labels)
-                              if self.eval_file else None)
+        labels = label_names(self.task, examples)
+        enc = encode(self.task, load_tokenizer(self.primary.tokenizer), examples, labels, cfg, family.framing)
+        eval_examples = (read_examples(self.task, self.eval_file, self.source_lang, "test", cfg, labels)
+                         if self.eval_file else None)
         # After the data's own checks: a file's mistake is named before the length is.
-        self.positions = check_positions(self.primary, read_run(self.primary), cfg.seq_length,
-                                         cfg.allow_untrained_positions)
-        dp = parallel.launched_world_size() // model.tensor_model_parallel_size
-        self.updates = max(1, math.ceil(cfg.epochs * len(self.enc) / cfg.global_batch(dp)))
-        return {"task": self.task.name, "labels": self.labels, "metric": self.metric, "source_lang": self.source_lang,
-                "train_file": self.train_file, "train_examples": len(examples), "train_rows": len(self.enc),
-                "updates": self.updates, "global_batch": cfg.global_batch(dp)}
+        positions = check_positions(self.primary.path, self.primary.record, cfg.seq_length,
+                                    cfg.allow_untrained_positions)
+        global_batch = cfg.global_batch(parallel.launched_world_size() // model.tensor_model_parallel_size)
+        updates = max(1, math.ceil(cfg.epochs * len(enc) / global_batch))
+        self.plan = TaskPlan(labels, headline(self.task, labels, cfg), enc, eval_examples, positions, updates,
+                             global_batch)
+        return {"task": self.task.name, "labels": labels, "metric": self.plan.metric, "source_lang": self.source_lang,
+                "train_file": self.train_file, "train_examples": len(examples), "train_rows": len(enc),
+                "updates": updates, "global_batch": global_batch}
 
     def check_resume(self, run: RunSpec) -> None:
         """Everything a --resume must match is in the record."""
 
-    def prepare(self, run: RunSpec, model: ModelConfig, cfg: FinetuneConfig) -> "TaskData":
-        return self
+    def prepare(self, run: RunSpec, model: ModelConfig, cfg: FinetuneConfig, family: ModelFamily) -> TaskPlan:
+        return self.plan
 
 
 # --- what Step 3 refuses or warns about ----------------------------------------------------------------

@@ -54,7 +54,6 @@ import torch
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models import get_family
 
 # Each compiled function keeps one graph per combination of what its guards check: grad mode
 # (training or no_grad evaluation), padding or none (no attention mask), which of its inputs and
@@ -75,9 +74,9 @@ def _check_cpp_compiler() -> None:
                          "(or set CXX), or use --fusion none") from None
 
 
-def apply_fusion(model: nn.Module, config: ModelConfig) -> nn.Module:
+def apply_fusion(model: nn.Module, config: ModelConfig, kinds: tuple[type, ...]) -> nn.Module:
     """Apply `config.fusion` to `model` in place (a family's LM, task model or pipeline stage)
-    and return it: each instance of the family's `compiled_kinds` is compiled. Call it before the
+    and return it: each instance of `kinds` (the family's `compiled_kinds`) is compiled. Call it before the
     model is wrapped by DeepSpeed: the engine then calls the compiled modules like any others."""
     if config.fusion == "none":
         return model
@@ -92,7 +91,6 @@ def apply_fusion(model: nn.Module, config: ModelConfig) -> nn.Module:
         # AOTAutograd's donated buffers (saved activations reused as gradient storage) allow a
         # compiled backward to run once only.
         torch._functorch.config.donated_buffer = False
-    kinds = get_family(config).compiled_kinds
     for module in model.modules():
         if isinstance(module, kinds):
             module.compile()

@@ -30,21 +30,20 @@ from mmadapt.adapt import artifact_state, read_artifact
 from mmadapt.checkpoint import load_pt, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import artifact_primary, load_finetuned
-from mmadapt.family import WORD
-from mmadapt.models import FAMILIES, get_family
-from mmadapt.run import RUN_TOKENIZER, checkpoint_tag, load_weights, read_run
-# The encoder's layout is spm_to_hf's default, as it was before families had their own.
-from mmadapt.models.roberta.hf import ENCODER_LAYOUT
+from mmadapt.family import HFMapping, ModelFamily
+from mmadapt.models import FAMILIES
+from mmadapt.run import RUN_TOKENIZER, read_source
 from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf
+from mmadapt.tokenizer import kind as tokenizer_kind
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model", "vocab.json + merges.txt")
 
 
-def _mappings() -> dict[str, object]:
+def _mappings() -> dict[str, ModelFamily]:
     """Hugging Face architecture -> the family that maps it."""
-    return {arch: family for family in FAMILIES.values() if family.hf is not None for arch in family.hf.ARCHITECTURES}
+    return {arch: family for family in FAMILIES.values() if family.hf is not None for arch in family.hf.architectures}
 
 
 def supported() -> str:
@@ -70,7 +69,7 @@ def read_hf_config(model_dir: Path) -> tuple[dict, object]:
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
     family = _mappings().get(arch)
-    if family is None or cfg.get("model_type") != family.hf.ARCHITECTURES[arch]:
+    if family is None or cfg.get("model_type") != family.hf.architectures[arch]:
         raise ValueError(f"{model_dir} holds a {arch or 'model without architectures'} (model_type "
                          f"{cfg.get('model_type')}); import-hf supports {supported()}")
     family.hf.check_config(cfg, model_dir)
@@ -143,6 +142,7 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
     _fresh_output(output_dir)
     hf_state = read_hf_weights(model_dir)
     tok = read_hf_tokenizer(model_dir)
+    _check_tokenizer_kind(family, tok, model_dir)
     cfg = mapping.model_config(hf_cfg)
     if len(tok) > cfg.vocab_size:
         raise ValueError(f"{model_dir}: its tokenizer has {len(tok)} tokens but the model {cfg.vocab_size} "
@@ -153,7 +153,7 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
         state = mapping.from_hf(cfg, hf_state, hf_ids, hf_cfg)
     except ValueError as e:
         raise ValueError(f"{model_dir}: {e}") from None
-    _check_shapes(cfg, state, model_dir)
+    _check_shapes(family, cfg, state, model_dir)
 
     arch = hf_cfg["architectures"][0]
     imported = {"model": str(model_dir), "architecture": arch, "model_type": hf_cfg["model_type"],
@@ -180,8 +180,16 @@ def hf_permutation(vocab_size: int, specials: list[int]) -> list[int]:
     return specials + [i for i in range(vocab_size) if i not in taken]
 
 
-def _check_shapes(cfg: ModelConfig, state: dict, where: Path) -> None:
-    for n, shape in get_family(cfg).param_names(cfg).items():
+def _check_tokenizer_kind(family: ModelFamily, tok, where: Path) -> None:
+    """A tokenizer whose kind (tokenizer.kind: its `tokenizers` model) the family takes."""
+    kind = tokenizer_kind(tok.backend_tokenizer.to_str())
+    if kind not in family.tokenizer_kinds:
+        raise ValueError(f"{where}: its tokenizer is a {kind} tokenizer; the {family.name} family takes "
+                         f"{', '.join(family.tokenizer_kinds)} tokenizers")
+
+
+def _check_shapes(family: ModelFamily, cfg: ModelConfig, state: dict, where: Path) -> None:
+    for n, shape in family.param_names(cfg).items():
         if n not in state or tuple(state[n].shape) != shape:
             got = tuple(state[n].shape) if n in state else "nothing"
             raise ValueError(f"{where}: mmadapt's {n} needs shape {shape}, the weights give {got}")
@@ -189,11 +197,11 @@ def _check_shapes(cfg: ModelConfig, state: dict, where: Path) -> None:
 
 # --- export ------------------------------------------------------------------------------------------
 
-def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict | None = None):
+def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
     """An mmadapt SentencePiece model (unigram, special ids of tokens.py) as a transformers fast
-    tokenizer with the same ids, laid out as `layout` says (a family mapping's tokenizer_layout;
-    default the encoder's: <s> text </s> for one text, <s> a </s></s> b </s> for a pair, as
-    features.py encodes them)."""
+    tokenizer with the same ids, laid out as `layout` says (a family mapping's tokenizer_layout:
+    the encoder's is <s> text </s> for one text, <s> a </s></s> b </s> for a pair, as features.py
+    encodes them)."""
     from sentencepiece import sentencepiece_model_pb2 as pb
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import Unigram
@@ -214,7 +222,7 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict | None = None)
     tok.add_special_tokens([AddedToken(p.piece, normalized=False, special=True) for p in proto.pieces
                             if p.type in (3, 4)])
     roles = {role: proto.pieces[i].piece for i, role in enumerate(SPECIAL_ROLES)}
-    return _fast_tokenizer(tok, layout or ENCODER_LAYOUT, roles, model_max_length)
+    return _fast_tokenizer(tok, layout, roles, model_max_length)
 
 
 def _fast_tokenizer(tok, layout: dict, roles: dict[str, str], model_max_length: int):
@@ -273,17 +281,16 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
     labels = None
     if finetuned is not None:
         ft = load_finetuned(finetuned)
-        cfg, state, kind, labels, tokenizer = ft.cfg, ft.state, ft.task.kind, ft.labels, ft.tokenizer
+        family, cfg, state, kind, labels, tokenizer = ft.family, ft.cfg, ft.state, ft.task.kind, ft.labels, ft.tokenizer
         primary_run = Path(ft.run["primary"]["run_dir"])
     else:
-        primary_run = Path(primary).resolve()
-        run = read_run(primary_run)
-        if run.get("step") == "adapt":
+        source = read_source(primary, primary_tag)
+        primary_run, family = source.path, source.family
+        if source.record.get("step") == "adapt":
             raise ValueError(f"{primary_run} is a Step-2 run: export its artifact with --embeddings and "
                              "the primary model with --primary")
-        cfg, state = load_weights(primary_run, checkpoint_tag(primary_run, primary_tag))
-        cfg, state = get_family(cfg).primary_model(cfg, state)
-        kind, tokenizer = None, primary_run / RUN_TOKENIZER
+        cfg, state = family.primary_model(source.cfg, source.weights())
+        kind, tokenizer = None, source.tokenizer
     if embeddings is not None:
         emb, tokenizer, meta = read_artifact(embeddings)
         if emb["word_embeddings"].shape[1] != cfg.hidden_size:
@@ -294,12 +301,12 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
             raise ValueError(f"{embeddings} holds embeddings for the primary model {owner}, not {primary_run}")
         # A task model has no output head: only the word embeddings are swapped into it.
         # (an expanded vocabulary's keep the model's own source rows: adapt.artifact_state)
-        swap = artifact_state(emb, cfg, meta, state) if kind is None else {WORD: emb["word_embeddings"]}
+        swap = artifact_state(family, emb, meta, state) if kind is None else {family.word: emb["word_embeddings"]}
         state = {**state, **{name: t.to(state[name].dtype) for name, t in swap.items()}}
         cfg = ModelConfig(**{**to_dict(cfg), "vocab_size": emb["word_embeddings"].shape[0]})
 
     imported = json.loads((primary_run / "run.json").read_text()).get("imported_from")
-    return write_hf(output_dir, cfg, state, kind, labels, Path(tokenizer),
+    return write_hf(family, output_dir, cfg, state, kind, labels, Path(tokenizer),
                     imported["model_type"] if imported else None, embeddings)
 
 
@@ -315,13 +322,13 @@ def _document_tokenizer(doc: HFTokenizer, model_max_length: int):
                                    **{k: v for k, v in tokens.items() if v is not None})
 
 
-def export_tokenizer(tokenizer: Path, kind: str | None, cfg: ModelConfig):
+def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg: ModelConfig):
     """The transformers tokenizer that gives a run's `tokenizer` ids to the exported model, laid out
     as the family's mapping says for `kind`, and hf_ids (mmadapt id -> its id; None: the same
     ids). An imported tokenizer keeps the source's ids (the rows go back to the source's order)."""
     import transformers
 
-    layout = get_family(cfg).hf.tokenizer_layout(kind, imported=is_hf(tokenizer))
+    layout = mapping.tokenizer_layout(kind, imported=is_hf(tokenizer))
     if not is_hf(tokenizer):
         return spm_to_hf(tokenizer, cfg.max_position_embeddings, layout), None
     hf_ids = HFTokenizer.read(tokenizer).hf_ids.tolist()
@@ -334,22 +341,21 @@ def export_tokenizer(tokenizer: Path, kind: str | None, cfg: ModelConfig):
     return hf_tok, hf_ids
 
 
-def write_hf(output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None, labels: list[str] | None,
-             tokenizer: Path, model_type: str | None = None, embeddings=None) -> dict:
+def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None,
+             labels: list[str] | None, tokenizer: Path, model_type: str | None = None, embeddings=None) -> dict:
     """Write the family's LM (kind None) or task model full weights `state` with a run's
     `tokenizer` as a transformers directory of `model_type`'s class for `kind` (the source's
     model type, None for a model mmadapt pretrained: the family's mapping decides,
     export_model_type)."""
     import transformers
 
-    family = get_family(cfg)
     if family.hf is None:
         raise ValueError(f"the {family.name} family has no Hugging Face mapping yet")
     mapping = family.hf
     model_type = mapping.export_model_type(model_type, cfg, own_tokenizer=is_hf(tokenizer))
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
-    hf_tok, hf_ids = export_tokenizer(Path(tokenizer), kind, cfg)
+    hf_tok, hf_ids = export_tokenizer(mapping, Path(tokenizer), kind, cfg)
     ids = {"pad": hf_tok.pad_token_id, "bos": hf_tok.bos_token_id, "eos": hf_tok.eos_token_id}
     hf_state = mapping.to_hf(cfg, state, kind, hf_ids, ids, model_type)
     hf_cfg = mapping.hf_config(cfg, kind, labels, ids, model_type)

@@ -1,13 +1,15 @@
 """Step 4 without a task: do the new embeddings plug into the primary model?
 
-The plug-in MLM metric is the masked-LM loss of held-out target-language text through the
+The plug-in metric is the loss of held-out target-language text, scored by the model family's
+objective (objectives.py: masked pieces for the encoder, next pieces for the decoder), through the
 **primary** model's primary head (its last layer) with a Step-2 artifact swapped in: word
 embeddings (tied to the output projection) and output bias. For MINIJOINT and MINIPOST the
 embeddings were trained over the mini-model and are scored through a full model they never saw;
 that they work there is the paper's claim.
 
-Every scored position's input is <mask> (heldout_batches: the positions pretraining's masking
-selects, none left visible), so the loss is what the model predicts from the context alone.
+For the encoder every scored position's input is <mask> (heldout_batches: the positions
+pretraining's masking selects, none left visible, Objective.heldout), so the loss is what the
+model predicts from the context alone.
 A loss alone does not say whether the model uses context: the output bias alone can learn the
 target pieces' frequencies. So every artifact is scored beside references on the same masked
 positions:
@@ -36,16 +38,14 @@ import torch
 
 from mmadapt.adapt import artifact_state, read_artifact, step2_start
 from mmadapt.config import ModelConfig, TrainConfig
-from mmadapt.data import OBJECTIVES, TEXT, TOKENIZER, VALID, file_sha256, read_manifest
+from mmadapt.data import TEXT, TOKENIZER, VALID, file_sha256, read_manifest
 from mmadapt.evaluate import (PrimaryRef, artifact_dirs, artifact_embeddings, artifact_primary, artifact_primary_ref,
-                              device_of, on_eval_device, record_base, swapped, to_device)
-from mmadapt.family import WORD
-from mmadapt.models import get_family
+                              device_of, host_to_device, on_eval_device, record_base, swapped)
+from mmadapt.family import ModelFamily
 from mmadapt.models.layers import Padding, derive_seed, masked_positions, new_rows_name
+from mmadapt.objectives import MLM, Objective
 from mmadapt.parallel import device
-from mmadapt.report import PLUGIN_TASKS
-from mmadapt.run import load_weights, read_run, weights_fingerprint
-from mmadapt.tokens import MASK_ID
+from mmadapt.run import read_source, weights_fingerprint
 
 METRIC = "contextual_gain"
 UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
@@ -53,13 +53,15 @@ UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: 
 
 def primary_head_state(primary_run: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """The primary model with only its primary head (after its last layer), as a one-head
-    config (dropout off) and state dict (that head renamed heads.heads.0.*)."""
-    return primary_head(*load_weights(primary_run))
+    config (dropout off) and state dict (that head renamed head 0)."""
+    source = read_source(primary_run)
+    return primary_head(source.family, source.cfg, source.weights())
 
 
-def primary_head(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def primary_head(family: ModelFamily, cfg: ModelConfig, state: dict[str, torch.Tensor]
+                 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """`primary_head_state` of a run's full weights."""
-    cfg, state = get_family(cfg).primary_model(cfg, state)
+    cfg, state = family.primary_model(cfg, state)
     return dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), state
 
 
@@ -72,32 +74,27 @@ def unigram_logprobs(data_path: Path, vocab_size: int) -> torch.Tensor:
 
 
 def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: int, batch_size: int,
-                    seed: int = 0, objective: str = "mlm", split: str = VALID
+                    seed: int = 0, objective: Objective = MLM, split: str = VALID
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first `blocks` blocks of the dataset's validation split (or `split`) in a seeded order,
     scored by the family's objective: the same positions for every artifact of this tokenizer.
 
     MLM: the positions pretraining's masking selects (a fixed seed), every one of them replaced by
-    <mask>, not BERT's 80/10/10: on the 10% of positions where the training rule keeps the true
-    piece in the input, the model can copy it from there, and scored that way about half of the
-    "contextual gain" was copying (tests/test_plugin.py: a model that predicts its input piece
-    beats the unigram reference under 80/10/10, and cannot here)."""
+    <mask> (Objective.heldout says why: tests/test_plugin.py shows a model that predicts its
+    input piece beating the unigram reference under BERT's 80/10/10, and unable to here)."""
     held_out = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=batch_size)
-    data = OBJECTIVES[objective](data_path, held_out, vocab_size, split=split)
+    data = objective.batches(data_path, held_out, vocab_size, split=split)
     n = min(blocks, len(data)) // batch_size
     if n == 0:
         raise ValueError(f"{data_path}'s {'validation split' if split == VALID else 'text'} holds {len(data)} blocks of {seq_length}, fewer than one "
                          f"batch of {batch_size}: prepare it with a larger --valid_fraction")
-    batches = [data.micro_batch(k, 0) for k in range(n)]
-    if objective == "mlm":
-        batches = [(ids.masked_fill(labels.ge(0), MASK_ID), labels) for ids, labels in batches]
-    return batches
+    return [objective.heldout(*data.micro_batch(k, 0)) for k in range(n)]
 
 
-def plugin_model(cfg: ModelConfig, state: dict) -> torch.nn.Module:
+def plugin_model(family: ModelFamily, cfg: ModelConfig, state: dict) -> torch.nn.Module:
     """The family's one-head LM with `state` (vocab from its rows), on the device for evaluation."""
-    cfg = dataclasses.replace(cfg, vocab_size=state[WORD].shape[0])
-    model = get_family(cfg).build_lm(cfg)
+    cfg = dataclasses.replace(cfg, vocab_size=state[family.word].shape[0])
+    model = family.build_lm(cfg)
     model.load_state_dict(state)
     return on_eval_device(model, device())
 
@@ -106,8 +103,8 @@ def on_device(batches: list, device: torch.device) -> list:
     """Held-out (ids [b, s], labels [b, s]) batches as (ids, Padding, masked_index [m],
     targets [m]) on `device`: the padding and masked positions counted on the host, where that
     costs no wait for the device."""
-    return [(to_device(ids, device), Padding.of(ids), *(to_device(t, device) for t in masked_positions(labels)))
-            for ids, labels in batches]
+    return [(host_to_device(ids, device), Padding.of(ids),
+             *(host_to_device(t, device) for t in masked_positions(labels))) for ids, labels in batches]
 
 
 @torch.no_grad()
@@ -123,26 +120,20 @@ def masked_loss(model: torch.nn.Module, batches: list) -> float:
     return float(total) / count
 
 
-def mlm_loss(cfg: ModelConfig, state: dict, batches: list) -> float:
-    """Mean loss per masked piece of a one-head LM with `state` (vocab from its rows)."""
-    model = plugin_model(cfg, state)
-    return masked_loss(model, on_device(batches, device_of(model)))
-
-
 def unigram_loss(logp: torch.Tensor, batches: list) -> float:
     labels = torch.cat([l[l.ge(0)] for _, l in batches])
     return float(-logp[labels].mean())
 
 
-def _swap(model: torch.nn.Module, emb: dict, meta: dict) -> dict:
+def _swap(family: ModelFamily, model: torch.nn.Module, emb: dict, meta: dict) -> dict:
     """Step 4's swap (embeddings, checked for the model's width) plus the head's other
     vocabulary-indexed parameters (the encoder's output bias), as `evaluate.swapped` takes them:
     in the model's dtype, on its device. An expanded vocabulary's keep the model's own source
     rows (adapt.artifact_state)."""
-    out = {WORD: artifact_embeddings(emb, model.get_parameter(WORD))}
-    names = get_family(model.config).artifact_keys().values()
+    out = {family.word: artifact_embeddings(emb, model.get_parameter(family.word))}
+    names = family.artifact_keys().values()
     own = {name: model.get_parameter(name) for name in names if name in dict(model.named_parameters())}
-    for name, t in artifact_state(emb, model.config, meta, own).items():
+    for name, t in artifact_state(family, emb, meta, own).items():
         out[name] = t.to(own[name].device, own[name].dtype)
     return out
 
@@ -153,13 +144,13 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     run = json.loads((adapt_run / "run.json").read_text())
     src = run["frozen_from"]
     train = run["train"]
-    cfg, init, _ = step2_start(run["system"], Path(src["run_dir"]), src["tag"], tokenizer,
-                               derive_seed(train["seed"], f"embeddings.{run['lang']}"),
-                               run.get("mini_layers"), train.get("embedding_init", "overlap"),
-                               train.get("vocab_mode", "replace"))
+    source = read_source(src["run_dir"], src["tag"])
+    _, init, _ = step2_start(run["system"], source.path, source.tag, tokenizer,
+                             derive_seed(train["seed"], f"embeddings.{run['lang']}"), run.get("mini_layers"),
+                             train.get("embedding_init", "overlap"), train.get("vocab_mode", "replace"))
     expanded = run["model"].get("frozen_vocab_size", 0)
     return {key: torch.cat([init[name], init[new_rows_name(name)]]) if expanded else init[name]
-            for key, name in get_family(cfg).artifact_keys().items() if name in init}
+            for key, name in source.family.artifact_keys().items() if name in init}
 
 
 def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[str, Path], seq_length: int,
@@ -167,12 +158,13 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     """Plug-in records of every artifact of `adapt_runs` (whose embeddings belong to the primary
     model of `primary_run`), scored on the validation split of `data_paths[lang]` (a prepared
     dataset whose tokenizer is the artifacts')."""
-    full_cfg, full = load_weights(primary_run)
+    source = read_source(primary_run)
+    family, full = source.family, source.weights()
     # Artifacts name their primary model by its weights' fingerprint (older ones by path).
     primary = PrimaryRef(Path(primary_run), weights_fingerprint(full))
-    cfg, state = primary_head(full_cfg, full)
+    cfg, state = primary_head(family, source.cfg, full)
     del full
-    model = plugin_model(cfg, state)  # once: every artifact (and start) is swapped into it
+    model = plugin_model(family, cfg, state)  # once: every artifact (and start) is swapped into it
     refs: dict[str, dict] = {}  # per language: batches (on the host and the device) and the unigram loss
     starts: dict[Path, float] = {}
     records = []
@@ -189,17 +181,18 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
             raise ValueError(f"{path} uses another tokenizer than {data}: score it on the dataset Step 2 trained on")
         v = emb["word_embeddings"].shape[0]
         if lang not in refs:
-            batches = heldout_batches(data, seq_length, v, blocks, batch_size, seed, get_family(cfg).objective)
+            batches = heldout_batches(data, seq_length, v, blocks, batch_size, seed, family.objective)
             refs[lang] = {"batches": batches, "unigram": unigram_loss(unigram_logprobs(data, v), batches),
                           "on_device": on_device(batches, device_of(model))}
         batches, unigram = refs[lang]["batches"], refs[lang]["unigram"]
         run = path.parent.parent
         if run not in starts:
-            with swapped(model, _swap(model, _start_embeddings(run, tok), meta)):
+            with swapped(model, _swap(family, model, _start_embeddings(run, tok), meta)):
                 starts[run] = masked_loss(model, refs[lang]["on_device"])
-        with swapped(model, _swap(model, emb, meta)):
+        with swapped(model, _swap(family, model, emb, meta)):
             loss = masked_loss(model, refs[lang]["on_device"])
-        records.append({**record_base(meta, PLUGIN_TASKS[get_family(cfg).objective]), "metric": METRIC, "score": unigram - loss, "chance": 0.0, "loss": loss,
+        records.append({**record_base(meta, family.objective.plugin_task), "metric": METRIC, "score": unigram - loss,
+                        "chance": 0.0, "loss": loss,
                         "unigram_loss": unigram, "start_loss": starts[run], "start_gain": unigram - starts[run],
                         "masked_pieces": int(sum(int(l.ge(0).sum()) for _, l in batches)),
                         "artifact": str(path)})
@@ -214,18 +207,20 @@ def source_language_loss(primary_run: Path, artifact: Path, seq_length: int = 64
     source rows kept, the new rows appended: the softmax now spans the new pieces too, so the loss
     can move with every source row frozen). The text is the primary run's data in its own ids:
     its validation split, else its training text. None for a run with no data (an import)."""
-    data = read_run(primary_run).get("data_path")
+    source = read_source(primary_run)
+    data = source.record.get("data_path")
     if not data:
         return None
     split = VALID if read_manifest(data).get("valid") else TEXT
-    cfg, state = primary_head_state(primary_run)
-    model = plugin_model(cfg, state)
+    family = source.family
+    cfg, state = primary_head(family, source.cfg, source.weights())
+    model = plugin_model(family, cfg, state)
     batches = heldout_batches(Path(data), seq_length, cfg.vocab_size, blocks, batch_size,
-                              objective=get_family(cfg).objective, split=split)
+                              objective=family.objective, split=split)
     on_dev = on_device(batches, device_of(model))
     before = masked_loss(model, on_dev)
     emb, _, meta = read_artifact(artifact)
-    with swapped(model, _swap(model, emb, meta)):
+    with swapped(model, _swap(family, model, emb, meta)):
         after = masked_loss(model, on_dev)
     return {"source_loss_before": before, "source_loss_after": after, "source_text": f"{data} ({split})",
             "scored_pieces": int(sum(int(l.ge(0).sum()) for _, l in batches))}
@@ -246,14 +241,16 @@ class PluginProbe:
         expanded vocabulary's says so) -> {"plugin_loss", "unigram_loss", "plugin_gain"} (nats per
         scored piece; the gain is the metric)."""
         if self.model is None:
-            cfg, state = primary_head_state(self.primary_run)
-            self.model = plugin_model(cfg, state)
+            source = read_source(self.primary_run)
+            self.family = source.family
+            cfg, state = primary_head(self.family, source.cfg, source.weights())
+            self.model = plugin_model(self.family, cfg, state)
             v = tensors["word_embeddings"].shape[0]
             batches = heldout_batches(self.data_path, self.seq_length, v, self.blocks, self.batch_size,
-                                      objective=get_family(cfg).objective)
+                                      objective=self.family.objective)
             self.unigram = unigram_loss(unigram_logprobs(self.data_path, v), batches)
             self.batches = on_device(batches, device_of(self.model))
-        with swapped(self.model, _swap(self.model, tensors, meta)):
+        with swapped(self.model, _swap(self.family, self.model, tensors, meta)):
             loss = masked_loss(self.model, self.batches)
         return {"plugin_loss": loss, "unigram_loss": self.unigram, "plugin_gain": self.unigram - loss}
 

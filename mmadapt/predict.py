@@ -20,9 +20,10 @@ What is loaded, by the code the steps use (nothing here is a second copy of it):
 TP = 1 and no process group; on `parallel.device()` (or `device`) in Step 4's precision
 (`evaluate.eval_dtype`: bf16 on a GPU, fp32 on the CPU). Results come back in fp32 on the CPU.
 
-Texts are laid out as the model saw them in training: the encoder's `<s> text </s>` (a literal
-`<mask>` in the text is the mask piece), the decoder's `</s> text` (a sentence as it follows the
-previous one in its packed training stream); task inputs as features.py encodes them.
+Texts are laid out as the model saw them in training (its family's objective, Objective.lm_row):
+the encoder's `<s> text </s>` (a literal `<mask>` in the text is the mask piece), the decoder's
+`</s> text` (a sentence as it follows the previous one in its packed training stream); task
+inputs as features.py encodes them in the family's framing.
 
 Shapes: n texts (or QA windows), s their longest row in pieces, V vocab_size, C task labels,
 k top_k.
@@ -42,19 +43,19 @@ import torch
 from mmadapt.adapt import artifact_state, read_artifact
 from mmadapt.checkpoint import read_json
 from mmadapt.config import FinetuneConfig, ModelConfig
-from mmadapt.evaluate import (EvalSet, Finetuned, TokenBatches, artifact_embeddings, artifact_primary, device_of,
+from mmadapt.evaluate import (EvalBatches, EvalSet, Finetuned, artifact_embeddings, artifact_primary, device_of,
                               load_finetuned, on_eval_device, recorded_config, set_logits)
-from mmadapt.family import WORD
+from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, best_spans, encode_classify, encode_span, encode_tag
-from mmadapt.models import get_family
+from mmadapt.objectives import OBJECTIVES, Objective
 from mmadapt.parallel import device as default_device
 from mmadapt.plugin import plugin_model
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
-from mmadapt.run import RUN_FILE, RUN_TOKENIZER, load_weights, run_model
+from mmadapt.run import RUN_FILE, read_source, run_family
 from mmadapt.tasks import Task, get_task
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
-from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, PAD_ID
+from mmadapt.tokens import IGNORE_INDEX, MASK_ID, PAD_ID
 
 MASK = "<mask>"  # how a text marks a masked position for fill_mask
 BATCH_TOKENS = FinetuneConfig.eval_batch_tokens  # piece ids per forward pass of a language model
@@ -79,7 +80,7 @@ def kind_of(run: str | os.PathLike) -> str:
     if info.get("step") == "finetune":
         task = get_task(info["task"])
         return "pair" if task.pairs else task.kind
-    return get_family(run_model(info)).objective
+    return run_family(info).objective.name
 
 
 def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *, tag: str | None = None,
@@ -91,7 +92,7 @@ def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *,
     run = Path(run)
     kind = kind_of(run)
     dev = torch.device(device) if device is not None else default_device()
-    if kind in ("mlm", "causal"):
+    if kind in OBJECTIVES:  # a language model
         return LanguageModel.load(run, None if embeddings is None else Path(embeddings), tag, dev)
     if tag is not None:
         raise ValueError(f"{run} is a fine-tuning run: its model is its final checkpoint (drop tag)")
@@ -136,6 +137,7 @@ class LanguageModel:
     """A run's language model, dropout off: every head of the run, or (with an artifact) its
     primary model with the artifact's vocabulary. `heads`: the layer after which each head sits."""
     run: Path
+    family: ModelFamily
     cfg: ModelConfig
     model: torch.nn.Module
     tokenizer: object  # a SentencePieceProcessor or tokenizer.HFTokenizer
@@ -144,33 +146,34 @@ class LanguageModel:
     @classmethod
     def load(cls, run: Path, embeddings: Path | None = None, tag: str | None = None,
              device: torch.device | None = None) -> "LanguageModel":
-        cfg, state = load_weights(run, tag)  # refuses a run without a complete checkpoint or tokenizer
-        tokenizer = run / RUN_TOKENIZER
+        source = read_source(run, tag)  # refuses a run without a complete checkpoint or tokenizer
+        family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
             emb, tokenizer = _artifact(embeddings, (run,))
-            cfg, state = get_family(cfg).primary_model(cfg, state)
-            artifact_embeddings(emb, state[WORD])  # refuses embeddings of another width
-            state = {**state, **{name: t.float() for name, t in artifact_state(emb, cfg).items()}}
-        cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0, vocab_size=state[WORD].shape[0])
-        model = plugin_model(cfg, state)
+            cfg, state = family.primary_model(cfg, state)
+            artifact_embeddings(emb, state[family.word])  # refuses embeddings of another width
+            state = {**state, **{name: t.float() for name, t in artifact_state(family, emb).items()}}
+        cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
+                                  vocab_size=state[family.word].shape[0])
+        model = plugin_model(family, cfg, state)
         if device is not None and device != device_of(model):
             model = on_eval_device(model, device)
-        return cls(run, cfg, model, load_tokenizer(tokenizer), embeddings)
+        return cls(run, family, cfg, model, load_tokenizer(tokenizer), embeddings)
 
     @property
     def heads(self) -> tuple[int, ...]:
         return self.cfg.heads_after
 
     @property
-    def objective(self) -> str:
-        """"mlm" (the encoder: fill_mask) or "causal" (the decoder: next_piece)."""
-        return get_family(self.cfg).objective
+    def objective(self) -> Objective:
+        """The family's objective: masked (the encoder: fill_mask) or not (the decoder: next_piece)."""
+        return self.family.objective
 
     def pieces(self, text: str) -> list[int]:
         """The piece ids of `text`; for the encoder each literal <mask> becomes the mask piece, the
         text around it encoded in parts (its space then belongs to the masked word, as when a word
         is masked in training)."""
-        if self.objective != "mlm":
+        if not self.objective.masked:
             return self.tokenizer.encode(text)
         parts, ids = text.split(MASK), []
         for i, part in enumerate(parts):
@@ -187,17 +190,13 @@ class LanguageModel:
         if isinstance(texts, str):
             raise ValueError("pass a list of texts, not one string")
         n = self.cfg.max_position_embeddings
-        if self.objective == "mlm":
-            rows = [[BOS_ID, *self.pieces(t)[:n - 2], EOS_ID] for t in texts]
-        else:
-            rows = [[EOS_ID, *self.pieces(t)[:n - 1]] for t in texts]
-        return _pad(rows)
+        return _pad([self.objective.lm_row(self.pieces(t), n) for t in texts])
 
     def _per_position(self, texts: list[str], fn) -> tuple[torch.Tensor, torch.Tensor]:
         """fn(logits of every head [b, s_i, H, V]) -> [b, s_i, ...] over token-sized batches:
         (input_ids [n, s], the results [n, s, ...], fp32 on the CPU)."""
         ids = self.encode(texts)
-        batches = TokenBatches.plan(ids, BATCH_TOKENS, device_of(self.model))
+        batches = EvalBatches.plan(ids, BATCH_TOKENS, device_of(self.model))
         return ids, batches.run(lambda x, padding: fn(torch.stack(self.model.logits(x, padding), 2)), True)
 
     def logits(self, texts: list[str]) -> dict[int, torch.Tensor]:
@@ -230,7 +229,7 @@ class LanguageModel:
         """The encoder's `top_k` pieces at each <mask> of each text: per text, per <mask> in
         order, [{"id", "piece", "text", "prob"}], most probable first. head: the layer of the
         head to read (default: the primary head, after the last layer)."""
-        if self.objective != "mlm":
+        if not self.objective.masked:
             raise ValueError(f"fill_mask is for masked-LM encoders; {self.run} is a {self.cfg.family} decoder: use "
                              "next_piece")
         missing = next((i for i, t in enumerate(texts) if MASK not in t), None)
@@ -243,7 +242,7 @@ class LanguageModel:
     def next_piece(self, texts: list[str], top_k: int = 5, head: int | None = None) -> list[list[dict]]:
         """The decoder's `top_k` next pieces after each text: [{"id", "piece", "text", "prob"}],
         most probable first. head: as in fill_mask."""
-        if self.objective != "causal":
+        if self.objective.masked:
             raise ValueError(f"next_piece is for decoders; {self.run} is a masked-LM encoder: use fill_mask")
         ids, probs, top = self._top(texts, top_k, head)
         last = ids.ne(PAD_ID).sum(1) - 1  # [n]: each row's last piece
@@ -271,7 +270,7 @@ class TaskModel:
         tokenizer, artifact = ft.tokenizer, None
         if embeddings is not None:
             artifact, tokenizer = _artifact(embeddings, (Path(ft.run["primary"]["run_dir"]),))
-            artifact_embeddings(artifact, ft.state[WORD])  # refuses embeddings of another width
+            artifact_embeddings(artifact, ft.state[ft.family.word])  # refuses embeddings of another width
         model = ft.model()  # built once, on parallel.device()
         if device is not None and device != device_of(model):
             on_eval_device(model, device)  # in place: ft keeps it
@@ -315,19 +314,20 @@ class TaskModel:
 
     def encode(self, examples: list) -> Encoded:
         """The examples' rows as features.py encodes them for this task (the run's settings)."""
-        cfg, kind = self.cfg, self.task.kind
+        cfg, kind, framing = self.cfg, self.task.kind, self.finetuned.family.framing
         if kind == "classify":
-            return encode_classify(self.tokenizer, examples, cfg.seq_length)
+            return encode_classify(self.tokenizer, examples, cfg.seq_length, framing)
         if kind == "tag":
-            return encode_tag(self.tokenizer, examples, self.labels, cfg.seq_length)
-        return encode_span(self.tokenizer, examples, cfg.seq_length, cfg.doc_stride, cfg.max_query_length)
+            return encode_tag(self.tokenizer, examples, self.labels, cfg.seq_length, framing)
+        return encode_span(self.tokenizer, examples, cfg.seq_length, cfg.doc_stride, cfg.max_query_length, framing)
 
     def logits(self, inputs: list) -> tuple[list, Encoded, torch.Tensor]:
         """(examples, their rows, logits: classify [n, C], tag [n, s, C], span [windows, s, 2]),
         by Step 4's forward (evaluate.set_logits), fp32 on the CPU."""
         examples = self.examples(inputs)
         enc = self.encode(examples)
-        rows = TokenBatches.plan(enc.input_ids, self.cfg.eval_batch_tokens, device_of(self.finetuned.model()))
+        rows = EvalBatches.plan(enc.input_ids, self.cfg.eval_batch_tokens, device_of(self.finetuned.model()),
+                                enc.token_types)
         return examples, enc, set_logits(self.finetuned, EvalSet(examples, enc, rows), self.artifact)
 
     def predict(self, inputs: list) -> list[dict]:
@@ -353,18 +353,22 @@ class TaskModel:
 
 # --- `mmadapt predict`: inputs from a file or stdin, JSON Lines out ----------------------------------
 
-# What one input of each kind is: the JSON Lines keys, and (plain lines) its fields split at a tab.
-INPUT_KEYS = {"mlm": ("text",), "causal": ("text",), "classify": ("text",), "pair": ("text", "text_pair"),
-              "tag": ("text",), "span": ("question", "context")}
+# What one input of each task kind is: the JSON Lines keys, and (plain lines) its fields split at a tab.
+TASK_INPUT_KEYS = {"classify": ("text",), "pair": ("text", "text_pair"), "tag": ("text",), "span": ("question", "context")}
+
+
+def input_keys(kind: str) -> tuple[str, ...]:
+    """The fields of one input for a model of `kind` (kind_of): a language model's is a text."""
+    return ("text",) if kind in OBJECTIVES else TASK_INPUT_KEYS[kind]
 
 
 def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> list[dict]:
     """The inputs of `mmadapt predict` for a model of `kind` (kind_of): one per non-blank line of
-    `path` ("-": stdin), each {key: value} of INPUT_KEYS[kind]. Plain lines hold the fields
+    `path` ("-": stdin), each {key: value} of `input_keys(kind)`. Plain lines hold the fields
     separated by a tab (pair: text, text_pair; span: question, context); JSON Lines (a .jsonl or
     .json file, or jsonl=True) one object per line with those keys (tag: "words", a list, in
     place of "text")."""
-    keys = INPUT_KEYS[kind]
+    keys = input_keys(kind)
     jsonl = Path(path).suffix.lower() in (".jsonl", ".json") if jsonl is None else jsonl
     where = "stdin" if path == "-" else path
     try:
@@ -411,9 +415,9 @@ def predict_rows(model: "LanguageModel | TaskModel", inputs: list[dict], top_k: 
     """Each input with what `model` predicts for it (`mmadapt predict`'s output rows)."""
     if isinstance(model, LanguageModel):
         texts = [x["text"] for x in inputs]
-        if model.objective == "mlm":
+        if model.objective.masked:
             return [{**x, "masks": m} for x, m in zip(inputs, model.fill_mask(texts, top_k))]
         return [{**x, "next": m} for x, m in zip(inputs, model.next_piece(texts, top_k))]
-    keys = INPUT_KEYS["pair" if model.task.pairs else model.task.kind]
+    keys = input_keys("pair" if model.task.pairs else model.task.kind)
     values = [x[keys[0]] if len(keys) == 1 else tuple(x[k] for k in keys) for x in inputs]
     return [{**x, **y} for x, y in zip(inputs, model.predict(values))]

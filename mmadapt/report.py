@@ -11,22 +11,27 @@ import dataclasses
 import math
 from collections import defaultdict
 
-from mmadapt.config import PRESETS, MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
+from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
+from mmadapt.family import ModelFamily
 from mmadapt.flops import DEVICE_TFLOPS, device_days, total_flops
-from mmadapt.models import get_family
+from mmadapt.models import find_preset
+from mmadapt.objectives import plugin_objective
 
 # Paper section 3: 125k updates of 2048 sequences of 512 tokens, V = 50k, p = 0.15.
 PAPER = {"updates": 125_000, "global_batch": 2048, "seq_length": 512, "mask_prob": 0.15}
 NEAR_MAX = 0.95  # section 4.2: target = 95% of BL_BASE's final score for the language and task
-# The plug-in metric's task name in records, per objective (ModelFamily.objective): masked
-# pieces (the encoder) or next pieces (the decoder), both scored as contextual gain in nats.
-PLUGIN_TASKS = {"mlm": "plugin-mlm", "causal": "plugin-lm"}
+
+
+def is_plugin(task: str) -> bool:
+    """A record of the plug-in metric (objectives.py: masked pieces for the encoder, next pieces
+    for the decoder, both scored as contextual gain in nats), not of a task."""
+    return plugin_objective(task) is not None
 
 
 # --- compute --------------------------------------------------------------------------------
 
-def flops_rows(model: ModelConfig, train: TrainConfig, global_batch: int, mini: MiniModelConfig = MiniModelConfig(),
-               device: str = "v100-paper") -> list[dict]:
+def flops_rows(family: ModelFamily, model: ModelConfig, train: TrainConfig, global_batch: int,
+               mini: MiniModelConfig = MiniModelConfig(), device: str = "v100-paper") -> list[dict]:
     """Cost of every step of every system for a primary model `model` (its num_layers = l),
     trained train.train_iters updates of `global_batch` blocks of train.seq_length.
 
@@ -35,7 +40,7 @@ def flops_rows(model: ModelConfig, train: TrainConfig, global_batch: int, mini: 
     Several depths N (mini_layers 2 4 6): one MINIJOINT pretraining with a head after each, and
     the systems whose mini-model has depth N once per depth, named `<system>@N`.
     """
-    family, s, p, l = get_family(model), train.seq_length, train.mask_prob, model.num_layers
+    s, p, l = train.seq_length, train.mask_prob, model.num_layers
     depths, k = mini.mini_layers, mini.new_layers
     base = family.one_head(model, l)
 
@@ -67,7 +72,8 @@ def flops_rows(model: ModelConfig, train: TrainConfig, global_batch: int, mini: 
 def paper_rows() -> list[dict]:
     """`flops_rows` at the paper's settings (RoBERTa-base shape, V = 50,000)."""
     train = TrainConfig(train_iters=PAPER["updates"], seq_length=PAPER["seq_length"], mask_prob=PAPER["mask_prob"])
-    return flops_rows(PRESETS["roberta-base"][0], train, PAPER["global_batch"])
+    family, model, _ = find_preset("roberta-base")
+    return flops_rows(family, model, train, PAPER["global_batch"])
 
 
 def format_flops_table(rows: list[dict]) -> str:
@@ -178,11 +184,15 @@ def _estimates(hits: dict, system: str, task: str, langs: list[str]) -> dict[str
 
 # How far above its chance level (records' "chance": majority class, 1/candidates, or 0 for the
 # plug-in metric's contextual gain) BL_BASE must end for "95% of its final score" to mean anything.
-NOISE = {**{task: 0.05 for task in PLUGIN_TASKS.values()}, "default": 5.0}
+PLUGIN_NOISE, TASK_NOISE = 0.05, 5.0  # nats, percent
+
+
+def _noise(task: str) -> float:
+    return PLUGIN_NOISE if is_plugin(task) else TASK_NOISE
 
 
 def _score_format(task: str) -> str:
-    return ".3f" if task in PLUGIN_TASKS.values() else ".1f"  # nats vs percent
+    return ".3f" if is_plugin(task) else ".1f"  # nats vs percent
 
 
 def _chance(records: list[dict], task: str) -> float | None:
@@ -222,15 +232,15 @@ def plugin_markdown(records: list[dict]) -> str:
     overlap-initialised start and the last checkpoint's loss and contextual gain (unigram - loss,
     nats per scored piece), and its share of the ceiling's
     gain (`<recipe>:full`, the same source's full model) where one was run."""
-    rows = [r for r in records if r["task"] in PLUGIN_TASKS.values()]
+    rows = [r for r in records if is_plugin(r["task"])]
     out = []
     for lang in sorted({r["lang"] for r in rows}):
         mine = [r for r in rows if r["lang"] == lang]
         last = {}
         for r in sorted(mine, key=lambda r: r["flops"]):
             last[r["system"]] = r
-        name, pieces = ("plug-in MLM", "masked pieces") if mine[0]["task"] == PLUGIN_TASKS["mlm"] else \
-            ("plug-in LM", "next pieces")
+        objective = plugin_objective(mine[0]["task"])
+        name, pieces = f"plug-in {objective.label}", objective.scored
         out += [f"## {name}, {lang}: held-out loss through the primary model (unigram reference "
                 f"{mine[0]['unigram_loss']:.3f} nats on {mine[0]['masked_pieces']} {pieces})", "",
                 "| system | Step-2 EFLOPs | start loss | final loss | contextual gain | share of ceiling |",
@@ -324,7 +334,7 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
         for s, warnings in warned.items():
             out += ["", f"(!) {s}: from fine-tuned runs that learned nothing measurable in the source language, so "
                     f"its zero-shot scores say nothing about its embeddings: " + "; ".join(warnings)]
-        if floors is not None and gain[baseline] <= NOISE[task if task in NOISE else "default"]:
+        if floors is not None and gain[baseline] <= _noise(task):
             out += ["", f"## {task}: {device} days to near-maximal performance: not meaningful here ({baseline}'s "
                     f"final average {format(avg[baseline], f)} is within noise of the chance level: "
                     f"{format(gain[baseline], '+' + f)} over it)", ""]
@@ -420,10 +430,10 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
         floor = _chance([r for r in records if r["lang"] == lang], task)
         if floor is not None:
             ax.axhline(floor, color="black", ls=":", lw=0.8,
-                       label="unigram reference" if task in PLUGIN_TASKS.values() else "chance")
+                       label="unigram reference" if is_plugin(task) else "chance")
         ax.set_title(f"{task} · {lang}", fontsize=9)
         ax.set_xlabel(xlabel, fontsize=8)
-        ax.set_ylabel("contextual gain (nats)" if task in PLUGIN_TASKS.values() else "score", fontsize=8)
+        ax.set_ylabel("contextual gain (nats)" if is_plugin(task) else "score", fontsize=8)
         ax.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")

@@ -1,6 +1,9 @@
 """A run directory: how a step describes it (`RunSpec`), how every training step starts one
 (`start_run`), what it records (`RunRecord`, run.json), and how later steps read a finished one
-(`read_run`, `checkpoint_tag`, `load_weights`).
+(`read_source`, `read_run`, `checkpoint_tag`, `load_weights`).
+
+This is where a run's model family is looked up (models.get_family), once per run a process
+starts or reads: `Started.family`, `Source.family`; everything after takes it from there.
 
 Layout of a run directory:
     run.json        the record: what the run is (compared on --resume) and what it produced
@@ -34,6 +37,7 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, FinetuneConfig, Layout, LoopConfig,
                             MiniModelConfig, ModelConfig, TrainConfig, to_dict)
 from mmadapt.engine import load_ds_config
+from mmadapt.family import ModelFamily
 from mmadapt.faults import RunLock
 from mmadapt.models import get_family
 
@@ -74,13 +78,14 @@ class DataPlan(Protocol):
     `check_resume` compares what the record cannot (a changed corpus, another tokenizer);
     `prepare` (global rank 0 holds the run lock; no process group exists yet) returns what the
     step trains on. Preparation runs before the process groups so that no rank waits in a
-    collective whose timeout would kill a job that prepares for longer."""
+    collective whose timeout would kill a job that prepares for longer. `family`: the run's
+    model family (its objective's blocks, its text framing, the tokenizers it takes)."""
 
-    def check(self, run: RunSpec, model: ModelConfig, loop: LoopConfig) -> dict: ...
+    def check(self, run: RunSpec, model: ModelConfig, loop: LoopConfig, family: ModelFamily) -> dict: ...
 
     def check_resume(self, run: RunSpec) -> None: ...
 
-    def prepare(self, run: RunSpec, model: ModelConfig, loop: LoopConfig) -> Any: ...
+    def prepare(self, run: RunSpec, model: ModelConfig, loop: LoopConfig, family: ModelFamily) -> Any: ...
 
 
 # --- the record ---------------------------------------------------------------------------------------
@@ -157,10 +162,12 @@ class RunRecord:
 
 @dataclasses.dataclass
 class Started:
-    """What start_run hands the step: DeepSpeed's config, the prepared data, the record."""
+    """What start_run hands the step: DeepSpeed's config, the prepared data, the record, and the
+    run's model family."""
     ds_config: dict
     data: Any
     record: RunRecord
+    family: ModelFamily
 
 
 @contextlib.contextmanager
@@ -169,9 +176,8 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     """The start of every training step (module docstring). `model` is the model as this run
     lays it out; identity: the record's step-specific fields (step, recipe, where the weights
     come from). Global rank 0 holds the run lock until the step returns."""
-    model.validate()
     family = get_family(model)
-    family.check(model)
+    family.validate(model)
     loop.validate(model)
     family.check_loop(loop)
     ds = load_ds_config(run.ds_config, loop)
@@ -187,7 +193,7 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
         # TP ranks and asserts that no other tensor of the tuple needs a gradient; the carried
         # output of an intermediate head's layer does (pipeline.py), so send whole tensors.
         ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
-    fields = data.check(run, model, loop)
+    fields = data.check(run, model, loop, family)
     checkpoint.refuse_overwrite(run.output_dir, run.resume)
     record = RunRecord(run.output_dir, {"model": to_dict(model), CONFIG_KEYS[type(loop)]: to_dict(loop), **fields,
                                         "ds_config": ds, **identity})
@@ -195,9 +201,9 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
         record.check_resume()
         data.check_resume(run)
     with run_lock(run.output_dir):
-        prepared = data.prepare(run, model, loop)
+        prepared = data.prepare(run, model, loop, family)
         parallel.init_parallel(tp, pp)
-        yield Started(ds, prepared, record)
+        yield Started(ds, prepared, record, family)
 
 
 @contextlib.contextmanager
@@ -247,6 +253,39 @@ def run_progress(run_dir: Path, iters: int) -> str:
 def run_model(run: dict) -> ModelConfig:
     """A record's model config (a run from before model families is a RoBERTa run)."""
     return ModelConfig(**run["model"])
+
+
+def run_family(run: dict) -> ModelFamily:
+    """The model family of a record (run.json), known by name (models.get_family)."""
+    return get_family(run_model(run))
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A finished Step-1 (or 1b, or imported) run that a later step reads: its directory, record,
+    checkpoint tag, model config on one device, and model family. `weights()` loads its full
+    weights (load_weights)."""
+    path: Path
+    record: dict
+    tag: str
+    cfg: ModelConfig
+    family: ModelFamily
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return load_weights(self.path, self.tag)[1]
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.path / RUN_TOKENIZER
+
+
+def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
+    """The run `run_dir` at checkpoint `tag` (default: its newest complete one), checked to be a
+    complete run (read_run, checkpoint_tag); its weights are not loaded yet."""
+    path = Path(run_dir).resolve()
+    record = read_run(path)
+    cfg = dataclasses.replace(run_model(record), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    return Source(path, record, checkpoint_tag(path, tag), cfg, get_family(cfg))
 
 
 def pretrained_blocks(run: dict) -> int | None:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.adapt import body_config, read_artifact, step2_start, step2_trainable, write_artifact
+from mmadapt.adapt import body_config, body_weights, new_vocabulary, read_artifact, step2_trainable, write_artifact
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
                             TrainConfig)
@@ -42,15 +42,15 @@ from mmadapt.data import train_tokenizer
 from mmadapt.engine import LoopJob, build_engine, train_loop, trainable_by_names
 from mmadapt.evaluate import (artifact_dirs, artifact_primary, device_of, eval_set, evaluate_artifacts, load_finetuned,
                               score_set)
-from mmadapt.finetune import TaskData, at_chance, check_positions, is_finished, label_counts
+from mmadapt.family import ModelFamily
+from mmadapt.finetune import (TaskData, TaskPlan, at_chance, check_positions, check_primary, is_finished, label_counts,
+                              primary_state)
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
-from mmadapt.models import get_family
 from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.plugin import PluginProbe, plugin_records, progress_line, source_language_loss, unigram_logprobs
-from mmadapt.run import (RUN_TOKENIZER, RunSpec, checkpoint_tag, load_checkpoint, load_weights, pretrained_blocks,
-                         read_run, run_fingerprint, run_model, run_progress, start_run,
-                         weights_fingerprint)
+from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, load_checkpoint, pretrained_blocks, read_run,
+                         read_source, run_fingerprint, run_progress, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -114,10 +114,11 @@ def pretrain(run: RunSpec, step: Pretrain) -> list[dict]:
     run = _text_run(run)
     identity = {"recipe": step.recipe}
     with start_run(run, step.model, step.train, identity, TextData()) as started:
-        return train_lm(started, run, step.model, step.train, init_state=_output_bias_start(step.model, started.data))
+        init = _output_bias_start(started.family, step.model, started.data)
+        return train_lm(started, run, step.model, step.train, init_state=init)
 
 
-def _output_bias_start(model: ModelConfig, data_path: Path) -> dict | None:
+def _output_bias_start(family: ModelFamily, model: ModelConfig, data_path: Path) -> dict | None:
     """ModelConfig.output_bias_init unigram: every head's output bias [V] at the log-frequencies
     of the training text's pieces (the rest of the model keeps its seeded init: the engine
     starts a trainable parameter the state lacks from the module's own). A model whose output is
@@ -128,7 +129,7 @@ def _output_bias_start(model: ModelConfig, data_path: Path) -> dict | None:
     if model.output_bias_init != "unigram":
         return None
     logp = unigram_logprobs(data_path, model.vocab_size)
-    return {name: logp.clone() for name in get_family(model).output_biases(model)}
+    return {name: logp.clone() for name in family.output_biases(model)}
 
 
 # --- Step 1b ----------------------------------------------------------------------------------------
@@ -149,11 +150,9 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
     K new layers on top, only those trained on source-language text."""
     n, k = step.mini.one_depth("build_minipost"), step.mini.new_layers
     _step2_only(step.train, "build_minipost")
-    primary = Path(step.primary).resolve()
-    src = read_run(primary)
-    tag = checkpoint_tag(primary, step.primary_tag)
-    family = get_family(run_model(src))
-    model = run.layout.apply(family.minipost_config(run_model(src), n, k))
+    source = read_source(step.primary, step.primary_tag)
+    primary, src, tag, family = source.path, source.record, source.tag, source.family
+    model = run.layout.apply(family.minipost_config(source.cfg, n, k))
     if model.pipeline_model_parallel_size > 1:
         # Stage 0 would hold only frozen modules, and DeepSpeed's pipeline backward needs a
         # gradient on every stage. The mini-model is a fraction of the primary: it fits one device.
@@ -171,7 +170,7 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
     identity = {"recipe": "minipost",
                 "frozen_from": {"run_dir": str(primary), "tag": tag, **dataclasses.asdict(step.mini)}}
     with start_run(run, model, step.train, identity, TextData()) as started:
-        _, init = family.minipost_start(*load_weights(primary, tag), n, k)
+        _, init = family.minipost_start(source.cfg, source.weights(), n, k)
         job = LMJob(step="minipost", trainable=family.minipost_trainable(n, k), trainable_layers=k)
         return train_lm(started, run, model, step.train, job, init)
 
@@ -232,89 +231,146 @@ def _expanded_vocabulary(run: RunSpec, source: Path, vocab_size: int | None) -> 
 def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     """Step 2. Writes an artifact (embeddings.pt, spm.model, meta.json) under
     <output_dir>/embeddings/<tag> at every checkpoint: what Step 4 swaps in."""
-    system, lang, train = step.system, step.lang, step.train
-    if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}; choose one of {', '.join(SYSTEMS)}")
-    source = Path(step.source).resolve()
-    src = read_run(source)
-    if src.get("recipe") not in SOURCE_RECIPES[system]:
-        raise ValueError(f"--system {system} adapts a run with recipe {' or '.join(SOURCE_RECIPES[system])}, "
-                         f"but {source} has recipe {src.get('recipe')}")
-    tag = checkpoint_tag(source, step.source_tag)
-    src_cfg = run_model(src)
-    if system != "minijoint" and step.mini_layers is not None:
-        raise ValueError(f"--mini_layers picks one of a MINIJOINT run's mini-models; {system}'s model comes "
-                         "whole from its source run")
-    body = body_config(system, src_cfg, step.mini_layers)
-    if run.data_path is None and run.corpus is None:
-        run = dataclasses.replace(run, corpus=f"bible:{lang}")
-    if train.plugin_eval_blocks and (run.data_path is None or not read_manifest(run.data_path).get("valid")):
-        raise ValueError("--plugin_eval_blocks scores held-out target text: pass --data_path, a dataset prepared with "
-                         "mmadapt preprocess --valid_fraction 0.03 (a raw --corpus has no validation split)")
-    data, expanded = TextData(), {}
-    if train.vocab_mode == "expand":
-        vocab_size, source_size, expansion = _expanded_vocabulary(run, source, step.vocab_size)
-        model = dataclasses.replace(run.layout.apply(body), vocab_size=vocab_size, frozen_vocab_size=source_size)
-        data = data if expansion is None else ExpandedText(expansion)
-        expanded = {"vocab_mode": "expand", "source_vocab_size": source_size}
-    else:
-        model = dataclasses.replace(run.layout.apply(body), vocab_size=_target_vocab_size(run, body, step.vocab_size))
-    run = _text_run(run)
-    frozen_from = {"run_dir": str(source), "tag": tag, "system": system}
+    source, body = _step2_source(step)
+    run = _step2_data(run, step)
+    model, data, expanded = _step2_model(run, step, source, body)
+    run, train, system = _text_run(run), step.train, step.system
+    frozen_from = {"run_dir": str(source.path), "tag": source.tag, "system": system}
     # Which mini-model (MINIJOINT): its depth, and every depth the source offers (artifact labels).
-    depth = {"mini_layers": body.num_layers, "mini_depths": list(src_cfg.heads_after[:-1])} \
+    depth = {"mini_layers": body.num_layers, "mini_depths": list(source.cfg.heads_after[:-1])} \
         if system == "minijoint" else {}
-    identity = {"recipe": system, "system": system, "lang": lang, "frozen_from": frozen_from, **depth}
+    identity = {"recipe": system, "system": system, "lang": step.lang, "frozen_from": frozen_from, **depth}
     with start_run(run, model, train, identity, data) as started:
         tokenizer = started.data / TOKENIZER
-        _, init, rows = step2_start(system, source, tag, tokenizer, derive_seed(train.seed, f"embeddings.{lang}"),
-                                    depth.get("mini_layers"), train.embedding_init, train.vocab_mode)
+        state = body_weights(source.family, system, source.cfg, source.weights(), body)
+        init, rows = new_vocabulary(source.family, body, state, source.tokenizer, tokenizer,
+                                    derive_seed(train.seed, f"embeddings.{step.lang}"), train.embedding_init,
+                                    train.vocab_mode)
+        del state
         if parallel.is_rank0():
-            _say_start(lang, train.embedding_init, model, rows)
-        family = get_family(model)
-        trainable = step2_trainable(model, train.train_output_bias)
-        seq_flops = {p: family.step_flops("adapt", model, train.seq_length, train.mask_prob, paper=p)
-                     for p in (False, True)}
-        global_batch = train.global_batch(parallel.dp_world())
-        artifact = {"system": system, "lang": lang, "source": str(source), "source_tag": tag,
-                    "body_layers": model.num_layers, **depth, "hidden_size": model.hidden_size,
-                    "vocab_size": model.vocab_size, "train_output_bias": train.train_output_bias,
-                    "embedding_init": train.embedding_init, **expanded, **rows, "global_batch": global_batch,
-                    "seq_length": train.seq_length}
-        if system == "minipost":  # the mini-model's N and K (its source's Step 1b)
-            mini = MiniModelConfig(src["frozen_from"]["mini_layers"], src["frozen_from"]["new_layers"])
-            artifact.update(mini_layers=mini.one_depth("build_minipost"), new_layers=mini.new_layers)
-
-        # The primary model these embeddings plug into (MINIPOST's: the run its mini-model was built
-        # from), known by its weights' fingerprint: Step 4 matches it by content, not by path.
-        primary_ref = src["frozen_from"] if system == "minipost" else {"run_dir": str(source), "tag": tag}
-        fingerprint = {}
-        # The progress signal: each artifact through the primary model it is for (rank 0, which
-        # alone saves artifacts), against the unigram reference of the held-out text.
-        probe = PluginProbe(artifact_primary({"source": str(source)}), run.data_path, train.seq_length,
-                            train.plugin_eval_blocks) if train.plugin_eval_blocks else None
-
-        def save_artifact(update: int, ckpt_tag: str) -> None:
-            sd = load_checkpoint(run.output_dir, ckpt_tag)  # fp32 master weights
-            flops = seq_flops[False] * global_batch * update
-            if not fingerprint:  # once per invocation, on global rank 0 (which alone saves artifacts)
-                fingerprint["primary_fingerprint"] = run_fingerprint(primary_ref["run_dir"], primary_ref["tag"])
-            meta = {**artifact, "step": update, "tokens": global_batch * train.seq_length * update, "flops": flops,
-                    "flops_paper": seq_flops[True] * global_batch * update, "v100_days": device_days(flops),
-                    **fingerprint}
-            tensors = _artifact_tensors(family, model, init, sd, trainable)
-            if probe is not None:
-                scored = probe.score(tensors, meta)
-                meta.update(scored)
-                print(progress_line(update, scored), flush=True)
-            write_artifact(run.output_dir / "embeddings" / ckpt_tag, tensors, tokenizer, meta)
-
-        metrics = train_lm(started, run, model, train, LMJob(step="adapt", trainable=trainable), init,
-                           after_save=save_artifact, record={**rows, **expanded, "target_vocab_size": model.vocab_size})
+            _say_start(step.lang, train.embedding_init, model, rows)
+        writer = ArtifactWriter.of(run, step, source, model, init, tokenizer,
+                                   {**depth, **expanded, **rows})
+        metrics = train_lm(started, run, model, train, LMJob(step="adapt", trainable=writer.trainable), init,
+                           after_save=writer, record={**rows, **expanded, "target_vocab_size": model.vocab_size})
         final = run.output_dir / "embeddings" / checkpoint.tag_for(train.train_iters)
         if expanded and parallel.is_rank0() and final.is_dir():
-            started.record.finish(expand_report=_expand_report(final, lang, started.data, train.seq_length))
+            started.record.finish(expand_report=_expand_report(final, step.lang, started.data, train.seq_length))
         return metrics
+
+
+def _step2_source(step: AdaptEmbeddings) -> tuple[Source, ModelConfig]:
+    """The source run of `step` and the config of the model its system trains over (checked
+    once: the system, the source's recipe, the mini-model's depth)."""
+    if step.system not in SYSTEMS:
+        raise ValueError(f"unknown system {step.system!r}; choose one of {', '.join(SYSTEMS)}")
+    source = read_source(step.source, step.source_tag)
+    recipe = source.record.get("recipe")
+    if recipe not in SOURCE_RECIPES[step.system]:
+        raise ValueError(f"--system {step.system} adapts a run with recipe {' or '.join(SOURCE_RECIPES[step.system])}, "
+                         f"but {source.path} has recipe {recipe}")
+    return source, body_config(source.family, step.system, source.cfg, step.mini_layers)
+
+
+def _step2_data(run: RunSpec, step: AdaptEmbeddings) -> RunSpec:
+    """The run with its default target text (the packaged Bible), checked for the plug-in probe."""
+    if run.data_path is None and run.corpus is None:
+        run = dataclasses.replace(run, corpus=f"bible:{step.lang}")
+    if step.train.plugin_eval_blocks and (run.data_path is None or not read_manifest(run.data_path).get("valid")):
+        raise ValueError("--plugin_eval_blocks scores held-out target text: pass --data_path, a dataset prepared with "
+                         "mmadapt preprocess --valid_fraction 0.03 (a raw --corpus has no validation split)")
+    return run
+
+
+def _step2_model(run: RunSpec, step: AdaptEmbeddings, source: Source, body: ModelConfig
+                 ) -> tuple[ModelConfig, TextData, dict]:
+    """The model Step 2 runs (the body, laid out as the run says, with the new vocabulary's
+    size), its data plan, and the record's expansion fields ({} in replace mode)."""
+    if step.train.vocab_mode != "expand":
+        vocab_size = _target_vocab_size(run, body, step.vocab_size)
+        return dataclasses.replace(run.layout.apply(body), vocab_size=vocab_size), TextData(), {}
+    vocab_size, source_size, expansion = _expanded_vocabulary(run, source.path, step.vocab_size)
+    model = dataclasses.replace(run.layout.apply(body), vocab_size=vocab_size, frozen_vocab_size=source_size)
+    data = TextData() if expansion is None else ExpandedText(expansion)
+    return model, data, {"vocab_mode": "expand", "source_vocab_size": source_size}
+
+
+@dataclasses.dataclass
+class ArtifactWriter:
+    """Step 2's `after_save`: at each checkpoint, the artifact Step 4 swaps in (adapt.write_artifact)
+    under <output_dir>/embeddings/<tag>, with its meta.json (what, for how much compute, for which
+    primary model) and, with TrainConfig.plugin_eval_blocks, its plug-in score (global rank 0,
+    which alone saves artifacts)."""
+    run_dir: Path
+    family: ModelFamily
+    model: ModelConfig
+    init: dict  # the start: the frozen parameters an artifact takes from it (the bias with train_output_bias false)
+    trainable: tuple[str, ...]
+    tokenizer: Path
+    meta: dict  # every artifact's meta.json fields
+    seq_flops: dict[bool, float]  # per sequence, exact (False) and the paper's (True)
+    primary: dict  # {"run_dir", "tag"} of the primary model the embeddings plug into
+    probe: PluginProbe | None
+    fingerprint: dict = dataclasses.field(default_factory=dict)  # the primary's, once per invocation
+
+    @classmethod
+    def of(cls, run: RunSpec, step: AdaptEmbeddings, source: Source, model: ModelConfig, init: dict,
+           tokenizer: Path, extra: dict) -> "ArtifactWriter":
+        train, family = step.train, source.family
+        meta = {"system": step.system, "lang": step.lang, "source": str(source.path), "source_tag": source.tag,
+                "body_layers": model.num_layers, **extra, "hidden_size": model.hidden_size,
+                "vocab_size": model.vocab_size, "train_output_bias": train.train_output_bias,
+                "embedding_init": train.embedding_init, "global_batch": train.global_batch(parallel.dp_world()),
+                "seq_length": train.seq_length}
+        if step.system == "minipost":  # the mini-model's N and K (its source's Step 1b)
+            mini = MiniModelConfig(source.record["frozen_from"]["mini_layers"],
+                                   source.record["frozen_from"]["new_layers"])
+            meta.update(mini_layers=mini.one_depth("build_minipost"), new_layers=mini.new_layers)
+        # The primary model these embeddings plug into (MINIPOST's: the run its mini-model was
+        # built from), known by its weights' fingerprint: Step 4 matches it by content, not by path.
+        primary = source.record["frozen_from"] if step.system == "minipost" else \
+            {"run_dir": str(source.path), "tag": source.tag}
+        # The progress signal: each artifact through the primary model it is for, against the
+        # unigram reference of the held-out text.
+        probe = PluginProbe(artifact_primary({"source": str(source.path)}), run.data_path, train.seq_length,
+                            train.plugin_eval_blocks) if train.plugin_eval_blocks else None
+        seq_flops = {p: family.step_flops("adapt", model, train.seq_length, train.mask_prob, paper=p)
+                     for p in (False, True)}
+        return cls(run.output_dir, family, model, init, step2_trainable(family, model, train.train_output_bias),
+                   tokenizer, meta, seq_flops, primary, probe)
+
+    def __call__(self, update: int, ckpt_tag: str) -> None:
+        sd = load_checkpoint(self.run_dir, ckpt_tag)  # fp32 master weights
+        batch = self.meta["global_batch"]
+        flops = self.seq_flops[False] * batch * update
+        if not self.fingerprint:
+            self.fingerprint["primary_fingerprint"] = run_fingerprint(self.primary["run_dir"], self.primary["tag"])
+        meta = {**self.meta, "step": update, "tokens": batch * self.meta["seq_length"] * update, "flops": flops,
+                "flops_paper": self.seq_flops[True] * batch * update, "v100_days": device_days(flops),
+                **self.fingerprint}
+        tensors = self.tensors(sd)
+        if self.probe is not None:
+            scored = self.probe.score(tensors, meta)
+            meta.update(scored)
+            print(progress_line(update, scored), flush=True)
+        write_artifact(self.run_dir / "embeddings" / ckpt_tag, tensors, self.tokenizer, meta)
+
+    def tensors(self, sd: dict) -> dict:
+        """An artifact's tensors (adapt.write_artifact) from the checkpoint `sd` (the trained
+        parameters' fp32 master weights) and the start (a frozen parameter, such as the bias
+        with train_output_bias false, is not in the checkpoint: it is still its start). An
+        expanded vocabulary's are whole: the source rows (frozen, as they started) then the new
+        rows."""
+        def value(name: str) -> torch.Tensor:
+            return (sd[name] if name in self.trainable else self.init[name]).float()
+
+        out = {}
+        for key, name in self.family.artifact_keys().items():
+            if name not in self.init:
+                continue
+            out[key] = torch.cat([self.init[name].float(), value(new_rows_name(name))]) \
+                if self.model.frozen_vocab_size else value(name)
+        return out
 
 
 def _expand_report(artifact: Path, lang: str, target_data: Path, seq_length: int) -> dict:
@@ -349,23 +405,6 @@ def _say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, int]) ->
           f"source vocabulary{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
 
 
-def _artifact_tensors(family, model: ModelConfig, init: dict, sd: dict, trainable: tuple[str, ...]) -> dict:
-    """An artifact's tensors (adapt.write_artifact) from the checkpoint `sd` (the trained
-    parameters' fp32 master weights) and the start `init` (a frozen parameter, such as the bias
-    with train_output_bias false, is not in the checkpoint: it is still its start). An expanded
-    vocabulary's are whole: the source rows (frozen, as they started) then the new rows."""
-    def value(name: str) -> torch.Tensor:
-        return (sd[name] if name in trainable else init[name]).float()
-
-    out = {}
-    for key, name in family.artifact_keys().items():
-        if name not in init:
-            continue
-        out[key] = torch.cat([init[name].float(), value(new_rows_name(name))]) if model.frozen_vocab_size \
-            else value(name)
-    return out
-
-
 # --- Step 3 -----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -387,76 +426,92 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
     through the DeepSpeed engine (data parallel, ZeRO, megatron tensor parallel), with periodic
     checkpoints and exact --resume. Returns the run record (with `source_score` when an
     eval_file is given) and the trained module (this rank's tensor-parallel shard)."""
-    cfg, t = step.cfg, get_task(step.task)
-    train_file = step.train_file or ("bible" if t.name.startswith("bible-") else None)
-    if train_file is None:
-        raise ValueError(f"--train_file is required for {t.name} (see mmadapt/readers.py for the data)")
-    primary = Path(step.primary).resolve()
-    src = read_run(primary)
-    if src.get("step") != "pretrain":
-        raise ValueError(f"{primary} is a {src.get('step')} run: fine-tune the primary model of a pretrain run")
-    tag = checkpoint_tag(primary, step.primary_tag)
-    model_cfg = run.layout.apply(dataclasses.replace(run_model(src), head_layers=(), head_weights=()))
-    family = get_family(model_cfg)
-    if t.kind not in family.task_kinds:
-        raise ValueError(f"{t.name} is a {t.kind} task; the {family.name} family fine-tunes {', '.join(family.task_kinds)}")
-    if model_cfg.pipeline_model_parallel_size > 1:
-        raise ValueError("fine-tuning does not use pipeline parallelism (a model replica fits one device): "
-                         "use --pipeline_model_parallel_size 1 with data or tensor parallelism")
-    data = TaskData(t, primary, train_file, step.eval_file, step.source_lang)
-    lr = cfg.lr or t.lr
-    identity = {"step": "finetune", "primary": {"run_dir": str(primary), "tag": tag}, "lr": lr}
+    cfg, task = step.cfg, get_task(step.task)
+    source, model_cfg, train_file = _finetune_source(run, step, task)
+    lr = cfg.lr or task.lr
+    identity = {"step": "finetune", "primary": {"run_dir": str(source.path), "tag": source.tag}, "lr": lr}
+    data = TaskData(task, source, train_file, step.eval_file, step.source_lang)
     with start_run(run, model_cfg, cfg, identity, data) as started:
+        plan: TaskPlan = started.data
+        weights = source.weights()
         # The primary model's fingerprint (its weights' content): what Step 4 matches the
         # artifacts' primary model by, so that a copy of the run is the same model.
-        src_cfg, weights = load_weights(primary, tag)
         fresh = parallel.is_rank0() and not (run.resume and started.record.exists())
         started.record.write(run.resume, **({"primary": {**identity["primary"],
                                                          "fingerprint": weights_fingerprint(weights)}}
                                             if fresh else {}))
-        if data.positions and parallel.is_rank0():
-            print(f"warning: {data.positions}", flush=True)
-        # The model: primary weights (as primary_state gives them), a seeded task head, word
-        # embeddings frozen.
-        parallel.seed_everything(cfg.seed)
-        state = family.task_state(src_cfg, weights)
+        if plan.positions and parallel.is_rank0():
+            print(f"warning: {plan.positions}", flush=True)
+        engine, job = _finetune_engine(started, model_cfg, cfg, task, lr, primary_state(source, weights)[1])
         del weights
-        module = apply_fusion(family.build_task_model(model_cfg, t.kind, len(data.labels), cfg.seed), model_cfg)
-        names = {n: n for n, _ in module.named_parameters()}
-        engine, dims = build_engine(module, names, trainable_by_names(family.finetune_trainable(model_cfg)), cfg, lr,
-                                    data.updates, started.ds_config, state)
-        del state
-        order, global_batch = EpochOrder(len(data.enc), cfg.seed), cfg.global_batch(parallel.dp_world())
-        job = LoopJob(label=f"finetune {t.name}", names=names, client_state=client_state(model_cfg, dims),
-                      exclude_frozen=True, perf=lambda seconds: {"examples_per_s": global_batch / seconds})
-        train_loop(engine, lambda position: task_step(engine, data.enc, order, cfg, position), job, cfg,
-                   data.updates, run.output_dir, run.resume)
+        order = EpochOrder(len(plan.enc), cfg.seed)
+        train_loop(engine, lambda position: task_step(engine, plan.enc, order, cfg, position), job, cfg,
+                   plan.updates, run.output_dir, run.resume)
         record = started.record.identity
         if is_finished(run.output_dir):
             if parallel.is_rank0():
-                rows = [json.loads(line) for line in (run.output_dir / "metrics.jsonl").read_text().splitlines()]
-                losses = [r["loss"] for r in rows if "loss" in r]
-                results = {"final_loss": losses[-1] if losses else None}
-                accuracy = chance = None
-                if data.eval_examples is not None:
-                    # The source-language score of exactly the saved (fp32) model, on this rank alone:
-                    # a TP=1 model needs no process group, so the others just wait.
-                    ft = load_finetuned(run.output_dir)
-                    evaluated = eval_set(t, load_tokenizer(ft.tokenizer), data.eval_examples, ft.labels, cfg,
-                                         device_of(ft.model()))
-                    scores = score_set(ft, evaluated, cfg)
-                    chance = chance_levels(t, evaluated.enc, data.eval_examples, ft.labels, cfg)
-                    accuracy = scores.get("accuracy")
-                    results.update(source_score=scores[data.metric], source_scores=scores, source_chance=chance)
-                # A run that learned nothing says so in its log, run.json and summary line, and
-                # Step 4 and `report` flag every record made from it.
-                warnings = ([data.positions] if data.positions else []) + \
-                    at_chance(t.kind, label_counts(t, data.enc, data.labels), losses, accuracy, chance)
-                for w in warnings:
-                    print(f"warning: {w}", flush=True)
-                record = started.record.finish(**results, warnings=warnings)
+                record = started.record.finish(**_finetune_results(run.output_dir, task, plan, cfg))
             dist.barrier()
         return record, engine.module
+
+
+def _finetune_source(run: RunSpec, step: Finetune, task) -> tuple[Source, ModelConfig, str]:
+    """Step 3's checks before anything is written: the primary run, the model as this run lays it
+    out (its heads dropped), the training file."""
+    train_file = step.train_file or ("bible" if task.name.startswith("bible-") else None)
+    if train_file is None:
+        raise ValueError(f"--train_file is required for {task.name} (see mmadapt/readers.py for the data)")
+    source = read_source(step.primary, step.primary_tag)
+    check_primary(source)
+    model_cfg = run.layout.apply(dataclasses.replace(source.cfg, head_layers=(), head_weights=()))
+    family = source.family
+    if task.kind not in family.task_kinds:
+        raise ValueError(f"{task.name} is a {task.kind} task; the {family.name} family fine-tunes "
+                         f"{', '.join(family.task_kinds)}")
+    if model_cfg.pipeline_model_parallel_size > 1:
+        raise ValueError("fine-tuning does not use pipeline parallelism (a model replica fits one device): "
+                         "use --pipeline_model_parallel_size 1 with data or tensor parallelism")
+    return source, model_cfg, train_file
+
+
+def _finetune_engine(started: Started, model_cfg: ModelConfig, cfg: FinetuneConfig, task, lr: float, state: dict):
+    """The task model (the primary weights `state`, a seeded task head, word embeddings frozen) in
+    DeepSpeed's engine, and the loop's job. -> (engine, LoopJob)."""
+    family, plan = started.family, started.data
+    parallel.seed_everything(cfg.seed)
+    module = apply_fusion(family.build_task_model(model_cfg, task.kind, len(plan.labels), cfg.seed), model_cfg,
+                          family.compiled_kinds)
+    names = {n: n for n, _ in module.named_parameters()}
+    engine, dims = build_engine(module, names, trainable_by_names(family.finetune_trainable(model_cfg)), cfg, lr,
+                                plan.updates, started.ds_config, state)
+    global_batch = cfg.global_batch(parallel.dp_world())
+    job = LoopJob(label=f"finetune {task.name}", names=names, client_state=client_state(family, model_cfg, dims),
+                  exclude_frozen=True, perf=lambda seconds: {"examples_per_s": global_batch / seconds})
+    return engine, job
+
+
+def _finetune_results(run_dir: Path, task, plan: TaskPlan, cfg: FinetuneConfig) -> dict:
+    """What a finished fine-tune adds to its record (global rank 0): its final loss, its
+    source-language score on the eval file (exactly the saved fp32 model, on this rank alone: a
+    TP=1 model needs no process group) and every warning (a run that learned nothing says so in
+    its log, run.json and summary line, and Step 4 and `report` flag every record made from it)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    results = {"final_loss": losses[-1] if losses else None}
+    accuracy = chance = None
+    if plan.eval_examples is not None:
+        ft = load_finetuned(run_dir)
+        evaluated = eval_set(task, load_tokenizer(ft.tokenizer), plan.eval_examples, ft.labels, cfg,
+                             device_of(ft.model()), ft.family.framing)
+        scores = score_set(ft, evaluated, cfg)
+        chance = chance_levels(task, evaluated.enc, plan.eval_examples, ft.labels, cfg)
+        accuracy = scores.get("accuracy")
+        results.update(source_score=scores[plan.metric], source_scores=scores, source_chance=chance)
+    warnings = ([plan.positions] if plan.positions else []) + \
+        at_chance(task.kind, label_counts(task, plan.enc, plan.labels), losses, accuracy, chance)
+    for w in warnings:
+        print(f"warning: {w}", flush=True)
+    return {**results, "warnings": warnings}
 
 
 # --- Step 4 -----------------------------------------------------------------------------------------
@@ -557,15 +612,14 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     A depth already trained is kept, an interrupted one resumed: run it again after a stop, or
     with more depths. Returns the summary (sweep.summarize) on global rank 0, None elsewhere."""
     cfg = step.cfg.validate()
-    source, out = Path(step.source).resolve(), run.output_dir
-    src = read_run(source)
-    if src.get("recipe") != "minijoint":
+    src = read_source(step.source, step.source_tag)
+    source, out, src_cfg = src.path, run.output_dir, src.cfg
+    if src.record.get("recipe") != "minijoint":
         raise ValueError(f"the sweep compares the mini-models of a MINIJOINT run; {source} has recipe "
-                         f"{src.get('recipe')}")
-    src_cfg = run_model(src)
+                         f"{src.record.get('recipe')}")
     depths = tuple(step.mini_layers or src_cfg.heads_after[:-1])
     for n in depths:
-        get_family(src_cfg).minijoint_depth(src_cfg, n)
+        src.family.minijoint_depth(src_cfg, n)
     if list(depths) != sorted(set(depths)):
         raise ValueError(f"--mini_layers {' '.join(map(str, depths))} must be ascending without repeats")
     data_path = _sweep_data(run, step, src_cfg)

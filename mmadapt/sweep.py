@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from mmadapt.config import _f
-from mmadapt.report import NEAR_MAX, NOISE, _pyplot, time_to_target
+from mmadapt.report import NEAR_MAX, PLUGIN_NOISE, _pyplot, time_to_target
 
 CEILING = "full"  # the key of the full-model row
 
@@ -73,7 +73,7 @@ def summarize(records: list[dict], near_max: float = NEAR_MAX) -> dict:
         (best["final_gain"], f"the best depth (N = {best['mini_layers']})")
     target = near_max * reference
     # Near the unigram reference (gain 0) a fraction of the reference is noise, not a level.
-    meaningful = reference > NOISE["plugin-mlm"]
+    meaningful = reference > PLUGIN_NOISE
     for row in rows:
         row["share"] = row["final_gain"] / reference if reference > 0 else math.nan
         hit = time_to_target(row["points"], target) if meaningful else None
@@ -112,7 +112,7 @@ def sweep_markdown(summary: dict, source: str = "") -> str:
     out.append("")
     if not summary["meaningful"]:
         out.append(f"No cheapest depth: the reference gain {summary['reference']:.3f} is within noise "
-                   f"({NOISE['plugin-mlm']} nats) of the unigram reference, so {pct}% of it means nothing; "
+                   f"({PLUGIN_NOISE} nats) of the unigram reference, so {pct}% of it means nothing; "
                    "train longer.")
     elif summary["cheapest"] is None:
         out.append(f"No depth reached {pct}% of the reference within its Step-2 budget.")

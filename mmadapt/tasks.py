@@ -20,7 +20,8 @@ import torch
 from mmadapt.config import OWN_TASK_COLUMNS, FinetuneConfig
 from mmadapt.corpora import (GENRE_TEST_PER_CLASS, GENRE_TRAIN_PER_CLASS, TESTAMENT_TEST_PER_CLASS,
                              TESTAMENT_TRAIN_PER_CLASS, genre_examples, testament_examples)
-from mmadapt.features import Encoded, best_spans, chunk_f1, encode_classify, encode_span, encode_tag, is_bio, macro_f1
+from mmadapt.features import (Encoded, Framing, best_spans, chunk_f1, encode_classify, encode_span, encode_tag, is_bio,
+                              macro_f1)
 from mmadapt.readers import (NLI_LABELS, PairExample, read_conll2003, read_conllu, read_nli, read_pawsx, read_squad,
                              read_tagged, read_texts, squad_scores)
 from mmadapt.tokens import IGNORE_INDEX
@@ -153,18 +154,20 @@ def check_labels(task: Task, examples: list, labels: list[str], where: str = "th
                              f"{', '.join(labels)})")
 
 
-def encode(task: Task, sp, examples: list, labels: list[str], cfg: FinetuneConfig) -> Encoded:
+def encode(task: Task, sp, examples: list, labels: list[str], cfg: FinetuneConfig,
+           framing: Framing = Framing()) -> Encoded:
+    """The task's examples as the rows its model reads, laid out by the model family's `framing`."""
     if task.kind == "classify":
         if task.own:  # file labels -> class ids of the run's label list
             check_labels(task, examples, labels)
             index = {name: i for i, name in enumerate(labels)}
             examples = [(ex.text, index[str(ex.label)]) if ex.text_pair is None else
                         PairExample(ex.text, ex.text_pair, index[str(ex.label)]) for ex in examples]
-        return encode_classify(sp, examples, cfg.seq_length)
+        return encode_classify(sp, examples, cfg.seq_length, framing)
     if task.kind == "tag":
         check_labels(task, examples, labels)
-        return encode_tag(sp, examples, labels, cfg.seq_length)
-    return encode_span(sp, examples, cfg.seq_length, cfg.doc_stride, cfg.max_query_length)
+        return encode_tag(sp, examples, labels, cfg.seq_length, framing)
+    return encode_span(sp, examples, cfg.seq_length, cfg.doc_stride, cfg.max_query_length, framing)
 
 
 def metric_names(task: Task, labels: list[str]) -> tuple[str, ...]:

@@ -56,6 +56,21 @@ def load(path: str | os.PathLike):
     return spm.SentencePieceProcessor(model_file=str(path))
 
 
+def kind(tokenizer: str | os.PathLike) -> str:
+    """What kind of tokenizer a run's tokenizer file (or a `tokenizers` pipeline's JSON text) is:
+    "sentencepiece" (a SentencePiece model, as mmadapt trains them), else the `tokenizers` model of
+    an imported one, in lower case: "bpe" (byte-level BPE; SentencePiece BPE with byte fallback),
+    "unigram" (XLM-R's SentencePiece, converted), "wordpiece" (BERT's). ModelFamily.tokenizer_kinds
+    lists those a family takes."""
+    if isinstance(tokenizer, str) and tokenizer.lstrip().startswith("{"):
+        doc = json.loads(tokenizer)
+    elif not is_hf(tokenizer):
+        return "sentencepiece"
+    else:
+        doc = json.loads(Path(tokenizer).read_text(encoding="utf-8"))["tokenizer"]
+    return str((doc.get("model") or {}).get("type", "unknown")).lower()
+
+
 def pieces(path: str | os.PathLike) -> list[str]:
     """The surface form of every id of a tokenizer (module docstring), for matching across tokenizers."""
     sp = load(path)
@@ -227,45 +242,19 @@ def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int) -
     document and the pieces it adds, in id order (vocab.py's --vocab_mode expand).
 
     A BPE produces a token only through a merge of two tokens it has, so a candidate is added with
-    the merge of a split of it whose two halves are tokens (the source's, or candidates added
-    before it: shorter ones are tried first); a candidate with no such split is left out. The
-    merges come after every source merge, so a text keeps the source's segmentation unless a new
-    merge applies. As many are kept (the shortest) as make the vocabulary a multiple of `multiple`. Each new
-    token's id follows the model's rows (so ids past the tokenizer that the import borrowed for
-    roles are not reused), and hf_ids gives it the next mmadapt id."""
+    the merge of a split of it whose two halves are tokens (`_bpe_additions`); a candidate with no
+    such split is left out. The merges come after every source merge, so a text keeps the
+    source's segmentation unless a new merge applies. As many are kept (the shortest) as make the
+    vocabulary a multiple of `multiple`. Each new token's id follows the model's rows (so ids past
+    the tokenizer that the import borrowed for roles are not reused), and hf_ids gives it the next
+    mmadapt id."""
     doc = json.loads(Path(source).read_text(encoding="utf-8"))
     model = doc["tokenizer"]["model"]
     if model.get("type") != "BPE":
         raise ValueError(f"the imported tokenizer {source} is a {model.get('type')} model: --vocab_mode expand "
                          "merges SentencePiece models and imported BPE tokenizers (byte-level or with byte fallback)")
-    byte_level = _uses_byte_level(doc["tokenizer"])
-    char = {b: c for c, b in _byte_decoder().items()}
-
-    def token_of(piece: str) -> str:
-        """The source vocabulary's spelling of a surface form (the inverse of id_to_piece)."""
-        m = _BYTE_PIECE.fullmatch(piece)
-        raw = bytes([int(m.group(1), 16)]) if m else piece.replace(WORD_BOUNDARY, " ").encode()
-        return "".join(char[b] for b in raw) if byte_level else piece
-
-    from tokenizers import Tokenizer
-
-    pre = Tokenizer.from_str(json.dumps(doc["tokenizer"])).pre_tokenizer
-    order = {p: i for i, p in enumerate(candidates)}
-    vocab, added, merges = dict(model["vocab"]), {}, []
-    for piece in sorted(candidates, key=lambda p: (len(token_of(p)), order[p])):
-        token = token_of(piece)
-        if token in vocab or token in added.values():
-            continue
-        # a byte-level pre-tokenizer cuts text into words before BPE: a token it would cut is never produced
-        if byte_level and pre is not None and [w for w, _ in pre.pre_tokenize_str(
-                bytes(_byte_decoder()[c] for c in token).decode("utf-8", "replace"))] != [token]:
-            continue
-        split = next(((token[:i], token[i:]) for i in range(1, len(token))
-                      if all(half in vocab or half in added.values() for half in (token[:i], token[i:]))), None)
-        if split is not None:
-            added[piece] = token
-            merges.append(split)
-    rows = len(doc["hf_ids"])
+    added, merges = _bpe_additions(doc["tokenizer"], candidates)
+    vocab, rows = dict(model["vocab"]), len(doc["hf_ids"])
     # tokenizers numbers added tokens after the model's vocabulary (its size, not its largest id):
     # the model's vocabulary must hold every id below the new ones, so the added tokens go in at
     # their ids and each row past the tokenizer gets a token no text produces, named as
@@ -285,4 +274,39 @@ def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int) -
     model["vocab"] = {**vocab, **{added[p]: rows + j for j, p in enumerate(new)}}
     doc["hf_ids"] = list(doc["hf_ids"]) + [rows + j for j in range(len(new))]
     return json.dumps(doc, ensure_ascii=False).encode("utf-8"), new
+
+
+def _bpe_additions(pipeline: dict, candidates: list[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
+    """The candidates (surface forms) a BPE `pipeline` (its `tokenizers` JSON) can be given, shortest
+    first: {piece: its token} and the merges that produce them. A candidate is added with the merge
+    of a split of it whose two halves are tokens (the source's, or candidates added before it); a
+    token that the pipeline's byte-level pre-tokenizer would cut is never produced and left out."""
+    from tokenizers import Tokenizer
+
+    byte_level = _uses_byte_level(pipeline)
+    char = {b: c for c, b in _byte_decoder().items()}
+
+    def token_of(piece: str) -> str:
+        """The source vocabulary's spelling of a surface form (the inverse of id_to_piece)."""
+        m = _BYTE_PIECE.fullmatch(piece)
+        raw = bytes([int(m.group(1), 16)]) if m else piece.replace(WORD_BOUNDARY, " ").encode()
+        return "".join(char[b] for b in raw) if byte_level else piece
+
+    pre = Tokenizer.from_str(json.dumps(pipeline)).pre_tokenizer
+    order = {p: i for i, p in enumerate(candidates)}
+    vocab, added, merges = pipeline["model"]["vocab"], {}, []
+    for piece in sorted(candidates, key=lambda p: (len(token_of(p)), order[p])):
+        token = token_of(piece)
+        if token in vocab or token in added.values():
+            continue
+        # a byte-level pre-tokenizer cuts text into words before BPE: a token it would cut is never produced
+        if byte_level and pre is not None and [w for w, _ in pre.pre_tokenize_str(
+                bytes(_byte_decoder()[c] for c in token).decode("utf-8", "replace"))] != [token]:
+            continue
+        split = next(((token[:i], token[i:]) for i in range(1, len(token))
+                      if all(half in vocab or half in added.values() for half in (token[:i], token[i:]))), None)
+        if split is not None:
+            added[piece] = token
+            merges.append(split)
+    return added, merges
 

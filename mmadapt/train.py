@@ -28,17 +28,18 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
 from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfig, to_dict
-from mmadapt.data import (MANIFEST, OBJECTIVES, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, block_index,
+from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, block_index,
                           block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
-                          load_tokenizer, micro_batch_range, prepare, read_manifest, wait_for)
+                          load_checked_tokenizer, micro_batch_range, prepare, read_manifest, wait_for)
 from mmadapt.engine import (LoopJob, build_engine, is_pipeline, mean_over_ranks, train_loop, trainable_by_names,
                             with_placeholders)
 from mmadapt.features import Encoded
+from mmadapt.family import ModelFamily
 from mmadapt.fusion import apply_fusion
-from mmadapt.models import get_family
 from mmadapt.models.layers import Padding, masked_positions
 from mmadapt.models.pipe import set_host_batches, take_head_losses
 from mmadapt.run import RUN_TOKENIZER, RunSpec, Started, tensor_bytes
+from mmadapt.tokenizer import kind as tokenizer_kind
 from mmadapt.vocab import Expansion
 
 
@@ -53,11 +54,19 @@ class LMJob:
 
 # --- data ----------------------------------------------------------------------------------------------
 
+def check_tokenizer_kind(family: ModelFamily, tokenizer: Path) -> None:
+    """A run's tokenizer of a kind its family takes (ModelFamily.tokenizer_kinds), or one line."""
+    found = tokenizer_kind(tokenizer)
+    if found not in family.tokenizer_kinds:
+        raise ValueError(f"{tokenizer} is a {found} tokenizer; the {family.name} family takes "
+                         f"{', '.join(family.tokenizer_kinds)} tokenizers")
+
+
 class TextData:
     """The data of an LM step (run.DataPlan): a dataset prepared by `mmadapt preprocess`
     (RunSpec.data_path), or a raw corpus prepared into <output_dir>/data by the run itself."""
 
-    def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig) -> dict:
+    def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> dict:
         if run.data_path is not None:
             manifest = check_prepared(run.data_path, model.vocab_size, run.tokenizer)
             if train.eval_interval and not manifest.get("valid"):
@@ -74,7 +83,8 @@ class TextData:
                              f"`mmadapt preprocess --corpus {corpus} --output_dir {prepared} --vocab_size "
                              f"{model.vocab_size}{tok}`, then pass --data_path {prepared}")
         if run.tokenizer is not None:
-            load_tokenizer(run.tokenizer, model.vocab_size)
+            load_checked_tokenizer(run.tokenizer, model.vocab_size)
+            check_tokenizer_kind(family, run.tokenizer)
         if train.eval_interval:
             raise ValueError("--eval_interval needs validation data: prepare the corpus with mmadapt preprocess "
                              "--valid_fraction 0.01 and pass --data_path")
@@ -90,7 +100,7 @@ class TextData:
         if run.tokenizer is not None and own.is_file() and file_sha256(run.tokenizer) != file_sha256(own):
             raise ValueError(f"--resume with another tokenizer: {run.tokenizer} is not the run's {own}")
 
-    def prepare(self, run: RunSpec, model: ModelConfig, train: TrainConfig) -> Path:
+    def prepare(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> Path:
         """-> the prepared dataset, with the block index for train.seq_length, and the run's copy
         of its tokenizer (what later steps read). Global rank 0 prepares a raw corpus into
         <output_dir>/data (once; `mmadapt preprocess` does the same for large corpora, ahead of
@@ -103,7 +113,7 @@ class TextData:
                 prepare(run.corpus, data_path, model.vocab_size, tokenizer=run.tokenizer,
                         cfg=PreprocessConfig(tokenizer_seed=train.seed))
             wait_for(data_path / MANIFEST, f"the corpus in {data_path}")
-        indexed = OBJECTIVES[get_family(model).objective].indexed
+        indexed = family.objective.batches.indexed
         blocks = block_index_path(data_path, train.seq_length)
         if rank0:
             if indexed:
@@ -126,9 +136,9 @@ class ExpandedText(TextData):
     def __init__(self, expansion: Expansion):
         self.expansion = expansion
 
-    def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig) -> dict:
+    def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> dict:
         # run.tokenizer is the target's, read by vocab.expand already; the data are checked as a raw corpus
-        return super().check(dataclasses.replace(run, tokenizer=None), model, train)
+        return super().check(dataclasses.replace(run, tokenizer=None), model, train, family)
 
     def check_resume(self, run: RunSpec) -> None:
         own = run.output_dir / RUN_TOKENIZER
@@ -137,30 +147,29 @@ class ExpandedText(TextData):
             raise ValueError(f"--resume with another target tokenizer: {run.tokenizer} merged into the source's is "
                              f"not the run's {own}")
 
-    def prepare(self, run: RunSpec, model: ModelConfig, train: TrainConfig) -> Path:
+    def prepare(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> Path:
         merged = run.output_dir / MERGED_TOKENIZER
         if parallel.is_rank0():
             merged.parent.mkdir(parents=True, exist_ok=True)
             checkpoint.atomic_write(merged, self.expansion.model)
         wait_for(merged, f"the merged tokenizer {merged}")
-        return super().prepare(dataclasses.replace(run, tokenizer=merged), model, train)
+        return super().prepare(dataclasses.replace(run, tokenizer=merged), model, train, family)
 
 
 MERGED_TOKENIZER = Path("tokenizer") / "merged.model"
 
 
-def lm_batches(data_path: Path, model: ModelConfig, train: TrainConfig, split: str = TEXT):
-    """This data-parallel rank's batches of the family's objective (data.OBJECTIVES: masked
+def lm_batches(family: ModelFamily, data_path: Path, model: ModelConfig, train: TrainConfig, split: str = TEXT):
+    """This data-parallel rank's batches of the family's objective (objectives.py: masked
     blocks, or packed next-token blocks), a pure function of (seed, update)."""
-    batches = OBJECTIVES[get_family(model).objective]
+    batches = family.objective.batches
     return batches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split)
 
 
 # --- the model and its engine -------------------------------------------------------------------------
 
-def build_lm(model_cfg: ModelConfig, seed: int) -> tuple[torch.nn.Module, dict[str, str | None]]:
+def build_lm(family: ModelFamily, model_cfg: ModelConfig, seed: int) -> tuple[torch.nn.Module, dict[str, str | None]]:
     """This rank's model (or pipeline stage) and its parameter names -> the family's model names."""
-    family = get_family(model_cfg)
     if model_cfg.pipeline_model_parallel_size > 1:
         module = family.build_pipeline(model_cfg, seed, parallel.dp_world())
         return module, {n: family.pipeline_param_name(n, model_cfg) for n, _ in module.named_parameters()}
@@ -168,22 +177,22 @@ def build_lm(model_cfg: ModelConfig, seed: int) -> tuple[torch.nn.Module, dict[s
     return module, {n: n for n, _ in module.named_parameters()}
 
 
-def lm_engine(model_cfg: ModelConfig, train: TrainConfig, ds_config: dict, job: LMJob = LMJob(),
+def lm_engine(family: ModelFamily, model_cfg: ModelConfig, train: TrainConfig, ds_config: dict, job: LMJob = LMJob(),
               init_state: dict | None = None):
     """-> (engine, names, tp_partition_dims). parallel.init_parallel must have run."""
-    module, names = build_lm(model_cfg, train.seed)
-    apply_fusion(module, model_cfg)
+    module, names = build_lm(family, model_cfg, train.seed)
+    apply_fusion(module, model_cfg, family.compiled_kinds)
     engine, dims = build_engine(module, names, trainable_by_names(job.trainable), train, train.lr,
                                 train.train_iters, ds_config, init_state)
     return engine, names, dims
 
 
-def client_state(model_cfg: ModelConfig, dims: dict) -> dict:
+def client_state(family: ModelFamily, model_cfg: ModelConfig, dims: dict) -> dict:
     """What every checkpoint of this model holds besides weights: the tensor-parallel partition
     dims and, for a pipeline, each layer's name prefix (checkpoint.load_full_state_dict)."""
     state = {"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}
     if model_cfg.pipeline_model_parallel_size > 1:
-        state["pipeline_layers"] = get_family(model_cfg).pipeline_layer_prefixes(model_cfg)
+        state["pipeline_layers"] = family.pipeline_layer_prefixes(model_cfg)
     return state
 
 
@@ -207,7 +216,7 @@ def host_batch(input_ids: torch.Tensor, labels: torch.Tensor, pin: bool = False)
 _TENSORS = ("input_ids", "labels", "masked_index", "targets")
 
 
-def to_device(batch: HostBatch, dev: torch.device) -> HostBatch:
+def batch_to_device(batch: HostBatch, dev: torch.device) -> HostBatch:
     """Asynchronous when the host copy is pinned (`host_batch(..., pin=True)`): the step queues on."""
     return batch._replace(**{k: getattr(batch, k).to(dev, non_blocking=True) for k in _TENSORS})
 
@@ -240,7 +249,7 @@ def _prepared(batches: list) -> list[HostBatch]:
 def _pipe_batches(engine, batches: list[HostBatch], dev) -> iter:
     """Micro-batches as DeepSpeed's pipeline takes them, ((inputs...), labels), after handing
     this stage what the host knows about them (pipeline.set_host_batches)."""
-    on_dev = [to_device(b, dev) for b in batches]
+    on_dev = [batch_to_device(b, dev) for b in batches]
     set_host_batches(engine.module, [b.padding for b in batches], [(b.masked_index, b.targets) for b in on_dev])
     return iter([((b.input_ids, b.labels), b.labels) for b in on_dev])
 
@@ -254,7 +263,7 @@ def lm_step(engine, batches, num_heads: int) -> torch.Tensor:
         engine.train_batch(_pipe_batches(engine, batches, dev))
         return take_head_losses(engine.module, num_heads, engine.device)
     per_head = torch.zeros(num_heads, device=dev)
-    for b in map(functools.partial(to_device, dev=dev), batches):
+    for b in map(functools.partial(batch_to_device, dev=dev), batches):
         loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
                                   padding=b.padding)
         engine.backward(with_placeholders(loss, engine.module))
@@ -275,7 +284,7 @@ def lm_eval(engine, batches, num_heads: int) -> torch.Tensor:
             engine.eval_batch(_pipe_batches(engine, batches, dev), num_micro_batches=len(batches))
             return take_head_losses(engine.module, num_heads, engine.device)
         per_head = torch.zeros(num_heads, device=dev)
-        for b in map(functools.partial(to_device, dev=dev), batches):
+        for b in map(functools.partial(batch_to_device, dev=dev), batches):
             per_head += engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
                                padding=b.padding)[1] / len(batches)
         return per_head
@@ -296,8 +305,9 @@ def task_step(engine, enc: Encoded, order: EpochOrder, cfg: LoopConfig, position
     for j in range(cfg.gradient_accumulation_steps):
         idx = [order(g) for g in micro_batch_range(position, j, cfg, parallel.dp_rank(), parallel.dp_world())]
         ids = enc.input_ids[idx]  # padding counted here, on the host: no device sync per micro-batch
+        extra = {k: t.to(engine.device, non_blocking=True) for k, t in enc.rows(idx).items()}  # token types, if any
         loss, _ = engine(ids.to(engine.device, non_blocking=True), enc.labels[idx].to(engine.device, non_blocking=True),
-                         padding=Padding.of(ids))
+                         padding=Padding.of(ids), **extra)
         engine.backward(loss)
         engine.step()
         loss_sum += loss.detach() / cfg.gradient_accumulation_steps
@@ -336,15 +346,16 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
     `init_state` (full weights; None: the seeded init). Writes the run record, with `record`'s
     fields. Returns the metrics of this invocation (global rank 0; empty on other ranks)."""
     parallel.seed_everything(train.seed)
-    engine, names, dims = lm_engine(model_cfg, train, started.ds_config, job, init_state)
+    family = started.family
+    engine, names, dims = lm_engine(family, model_cfg, train, started.ds_config, job, init_state)
     data_dir = started.data
     extra = {"step": job.step, **(record or {}), "corpus": read_manifest(data_dir)["corpus"],
              "trainable": list(job.trainable) if job.trainable is not None else None}
     if model_cfg.pipeline_model_parallel_size > 1:  # which stage owns what (the family's pipeline.py)
         extra["pipeline_parts"] = [int(x) for x in engine.module.parts]
     started.record.write(run.resume, **extra)
-    batches = lm_batches(data_dir, model_cfg, train)
-    update_flops = batches.global_batch * get_family(model_cfg).step_flops(
+    batches = lm_batches(family, data_dir, model_cfg, train)
+    update_flops = batches.global_batch * family.step_flops(
         job.step, model_cfg, train.seq_length, train.mask_prob, trainable_layers=job.trainable_layers)
     tokens = batches.global_batch * train.seq_length
     devices = parallel.launched_world_size()
@@ -356,11 +367,11 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
     heads, pin = len(model_cfg.heads_after), engine.device.type == "cuda"
     evaluate = None
     if train.eval_interval:
-        valid = lm_batches(data_dir, model_cfg, dataclasses.replace(train, gradient_accumulation_steps=1), VALID)
+        valid = lm_batches(family, data_dir, model_cfg, dataclasses.replace(train, gradient_accumulation_steps=1), VALID)
         valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
         evaluate = functools.partial(lm_eval, engine, valid_batches, heads)
     prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin) for ids, lab in batches.step_batches(position)])
-    loop_job = LoopJob(label=job.step, names=names, client_state=client_state(model_cfg, dims),
+    loop_job = LoopJob(label=job.step, names=names, client_state=client_state(family, model_cfg, dims),
                        exclude_frozen=job.trainable is not None, loss_names=tuple(str(l) for l in model_cfg.heads_after),
                        loss_weights=model_cfg.loss_weights, perf=perf, after_save=after_save, evaluate=evaluate,
                        eval_interval=train.eval_interval)

@@ -45,6 +45,18 @@ def _tokenizer(corpus: Path, tmp_path_factory) -> Path:
     return train_tokenizer(corpus, tmp_path_factory.mktemp(f"tok_{corpus.stem}") / "spm", VOCAB)
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests are skipped where torch sees no CUDA device (STYLE.md: never the other way round)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (python -m pytest -m gpu on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
     return _bible("en", tmp_path_factory)

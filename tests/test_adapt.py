@@ -10,7 +10,8 @@ import torch
 
 from conftest import ADAPT, MINIPOST, NO_DROPOUT, REPO, VOCAB, adapt_args, metrics, mlm_batches, run_pretrain
 from mmadapt import adapt as A
-from mmadapt.config import ModelConfig, PRESETS, PreprocessConfig
+from mmadapt.config import ModelConfig, PreprocessConfig
+from mmadapt.models import PRESETS
 from mmadapt.data import prepare
 from mmadapt.models.roberta.model import RobertaMLM
 from mmadapt.parallel import init_parallel
@@ -94,7 +95,8 @@ def test_step2_start_by_embedding_init(primary_run, tokenizer, de_tokenizer):
     copies nothing; an unknown name is refused."""
     from mmadapt.tokenizer import pieces
 
-    _, src_state = A.adapt_body("bl_base", *load_weights(primary_run))  # the primary head's bias
+    src_cfg, full = load_weights(primary_run)
+    src_state = A.body_weights(ROBERTA, "bl_base", src_cfg, full, A.body_config(ROBERTA, "bl_base", src_cfg))  # the primary head's bias
     seed = 5
     starts = {how: A.step2_start("bl_base", primary_run, None, de_tokenizer, seed, embedding_init=how)
               for how in ("overlap", "subword_mean", "normal")}
@@ -153,7 +155,7 @@ def _step2_engine(primary_run, de_tokenizer, system, ds_config):
     body_cfg, init, _ = A.step2_start(system, primary_run, None, de_tokenizer, derive_seed(1, "de"))
     body_cfg = no_dropout(ModelConfig(**{**vars(body_cfg), "vocab_size": VOCAB}))
     ds = load_ds_config(REPO / "ds_configs" / ds_config, train)
-    engine, _, _ = lm_engine(body_cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)), init)
+    engine, _, _ = lm_engine(ROBERTA, body_cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)), init)
     return engine, body_cfg, train, init
 
 
@@ -302,7 +304,7 @@ def test_minipost_new_layers_learn(primary_run, de_data):
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8, lr=1e-3, lr_warmup_iters=1)
     ds = load_ds_config(REPO / "ds_configs" / "zero1.json", train)
     job = LMJob(step="minipost", trainable=ROBERTA.minipost_trainable(N, K), trainable_layers=K)
-    engine, _, _ = lm_engine(cfg, train, ds, job, init)
+    engine, _, _ = lm_engine(ROBERTA, cfg, train, ds, job, init)
     batches = mlm_batches(primary_run / "data", 64, VOCAB, 3, 8, 1).step_batches(0)
     losses = [train_step(engine, batches, 1).item() for _ in range(40)]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.05, losses

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from mmadapt.config import PRESETS
+from mmadapt.models import PRESETS
 from mmadapt.models.roberta.model import Jagged, Padding, RobertaForTask, RobertaMLM, attention_mask
 from mmadapt.parallel import seed_everything
 from mmadapt.tokens import IGNORE_INDEX, PAD_ID

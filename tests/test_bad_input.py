@@ -296,6 +296,15 @@ CASES = [
      "num_query_groups 2 is a decoder setting"),
     ("encoder-source-decoder-step", lambda c: c.adapt("--preset", "llama-tiny"),
      "--preset llama-tiny is a llama preset, but"),
+    # --- the model family: its preset picks it, its fields are its own
+    ("family-is-the-presets", lambda c: c.pretrain("--family", "llama"), "unrecognized arguments: --family llama"),
+    ("encoder-given-kv-channels", lambda c: c.pretrain("--kv_channels", "32"),
+     "kv_channels 32 is a decoder setting; the roberta family does not use it: drop it"),
+    ("decoder-kv-channels-zero", lambda c: c.pretrain("--preset", "llama-tiny", "--kv_channels", "0"),
+     "kv_channels must be >= 1"),
+    ("head-layers-and-mini-layers", lambda c: c.pretrain("--head_layers", "4", "12", "--mini_layers", "4"),
+     "--head_layers places every head itself, --mini_layers places MINIJOINT's secondary heads: pass one of them"),
+    ("unknown-preset-flops", lambda c: ["flops", "--preset", "huge"], "invalid choice: 'huge'"),
 ]
 
 

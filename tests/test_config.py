@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from mmadapt.cli import configs_from_args, pretrain_parser
-from mmadapt.config import PRESETS, TrainConfig, apply_recipe
+from mmadapt.config import TrainConfig, apply_recipe
+from mmadapt.models import PRESETS
 from mmadapt.engine import load_ds_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,6 +12,7 @@ from mmadapt import data as D
 from mmadapt.config import PreprocessConfig
 from mmadapt.data import mask_tokens, pack_blocks, prepare
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL
+from mmadapt.models.roberta import ROBERTA
 
 VOCAB = 1000
 
@@ -84,7 +85,7 @@ def test_blocks_cross_documents_with_fairseqs_separators(tokenizer, tmp_path):
 
 
 def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpus, tokenizer, capsys, tmp_path):
-    from mmadapt.config import PRESETS
+    from mmadapt.models import PRESETS
     from mmadapt.run import RunSpec
     from mmadapt.train import TextData
 
@@ -97,7 +98,7 @@ def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpu
     model = PRESETS["tiny"][0]
     train = PRESETS["tiny"][1]
     for run in ("a", "b"):
-        data = TextData().prepare(RunSpec(output_dir=tmp_path / run, data_path=d), model, train)
+        data = TextData().prepare(RunSpec(output_dir=tmp_path / run, data_path=d), model, train, ROBERTA)
         assert data == d and (tmp_path / run / "tokenizer" / "spm.model").read_bytes() == \
             (d / "tokenizer.model").read_bytes()
     assert {f: (d / f).stat().st_mtime_ns for f in stamp} == stamp
@@ -142,14 +143,14 @@ def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
 
 def test_a_large_raw_corpus_is_sent_to_preprocess(corpus, tokenizer, tmp_path, monkeypatch):
     from mmadapt import train as T
-    from mmadapt.config import PRESETS
+    from mmadapt.models import PRESETS
     from mmadapt.run import RunSpec
 
     monkeypatch.setattr(T, "RAW_CORPUS_LIMIT_BYTES", 1000)
     run = RunSpec(output_dir=tmp_path / "run", corpus=corpus, tokenizer=tokenizer)
     model = PRESETS["tiny"][0].__class__(**{**vars(PRESETS["tiny"][0]), "vocab_size": VOCAB})
     with pytest.raises(ValueError, match=f"`mmadapt preprocess --corpus {corpus} --output_dir "):
-        T.TextData().check(run, model, PRESETS["tiny"][1])
+        T.TextData().check(run, model, PRESETS["tiny"][1], ROBERTA)
     assert not (tmp_path / "run").exists()
 
 
@@ -271,7 +272,8 @@ def test_validation_loss_every_eval_interval_leaves_training_unchanged(prepared,
     import dataclasses
 
     from conftest import REPO
-    from mmadapt.config import PRESETS, apply_recipe
+    from mmadapt.config import apply_recipe
+    from mmadapt.models import PRESETS
     from mmadapt import steps
     from mmadapt.parallel import init_parallel
     from mmadapt.run import RunSpec

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from conftest import PRETRAIN, REPO, child_env, metrics
-from mmadapt.config import FAMILY_PRESETS, ModelConfig
-from mmadapt.demo import RECIPES, SOURCE_MODELS, Demo, DemoConfig, source_models
+from mmadapt.config import ModelConfig
+from mmadapt.demo import DEMO_FAMILIES, RECIPES, Demo, DemoConfig, source_models
 from mmadapt.models import get_family
 from mmadapt.run import load_weights, read_run
 
 SHIPPED_VOCAB = 2000
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_PRESETS))
+@pytest.mark.parametrize("family", DEMO_FAMILIES)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_shipped_model_is_a_complete_step1_run(recipe, family):
     shipped = source_models(family)
@@ -32,7 +32,7 @@ def test_shipped_model_is_a_complete_step1_run(recipe, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(FAMILY_PRESETS))
+@pytest.mark.parametrize("family", DEMO_FAMILIES)
 def test_the_demos_step1_reproduces_the_shipped_log(family, tmp_path):
     """bl_small's first 50 updates, run by launch/pretrain.py with the demo's Step-1 settings on
     the English Bible encoded with the shipped tokenizer, give the shipped log's loss."""
@@ -48,7 +48,7 @@ def test_the_demos_step1_reproduces_the_shipped_log(family, tmp_path):
     cfg = DemoConfig(family=family)
     model, _ = Demo(cfg, tmp_path / "demo").source_settings("bl_small")
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, PRETRAIN, "--recipe", "bl_small", "--preset", FAMILY_PRESETS[family],
+    proc = subprocess.run([sys.executable, PRETRAIN, "--recipe", "bl_small", "--preset", get_family(family).small_preset,
                            "--data_path", str(data), "--output_dir", str(out), "--vocab_size", str(SHIPPED_VOCAB),
                            "--init_method_std", str(model.init_method_std), "--output_bias_init",
                            model.output_bias_init, "--seq_length", str(cfg.seq_length),
@@ -68,8 +68,8 @@ def test_installed_model_is_accepted_by_later_steps(tmp_path):
     from mmadapt.demo import install_source_model
 
     data = tmp_path / "en"
-    steps.preprocess("bible:en", data, SHIPPED_VOCAB, PreprocessConfig(workers=1), tokenizer=SOURCE_MODELS / "spm.model")
-    blob = torch.load(SOURCE_MODELS / "minijoint.pt", map_location="cpu", weights_only=False)
+    steps.preprocess("bible:en", data, SHIPPED_VOCAB, PreprocessConfig(workers=1), tokenizer=source_models("roberta") / "spm.model")
+    blob = torch.load(source_models("roberta") / "minijoint.pt", map_location="cpu", weights_only=False)
     run_dir = tmp_path / "minijoint"
     install_source_model("minijoint", run_dir, data, blob["run"]["model"], blob["run"]["train"])
     run = read_run(run_dir)

@@ -84,7 +84,8 @@ def test_output_dir_with_another_runs_checkpoints(capsys, args, tmp_path):
 def test_resume_with_a_different_model(capsys, args, tmp_path):
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
-    from mmadapt.config import PRESETS, apply_recipe, to_dict
+    from mmadapt.config import apply_recipe, to_dict
+    from mmadapt.models import PRESETS
 
     (out / "run.json").write_text(json.dumps({"model": to_dict(apply_recipe(PRESETS["tiny"][0], "bl_base"))}))
     expect_error(capsys, out, args("--resume", out=out), "--resume of a changed run: model.vocab_size is 1000 here but 2000")

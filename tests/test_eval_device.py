@@ -15,12 +15,14 @@ from mmadapt import evaluate as F
 from mmadapt import tasks as T
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.tokenizer import load as load_sp
-from mmadapt.config import PRESETS, FinetuneConfig
+from mmadapt.config import FinetuneConfig
+from mmadapt.models import PRESETS
 from mmadapt.corpora import bible_verses
 from mmadapt.readers import QAExample, TaggedSentence
 from mmadapt.tokens import PAD_ID
 from mmadapt.family import WORD
 from mmadapt.run import load_weights
+from evaluation import evaluate_scores, swap_embeddings
 
 # The tiny preset at the test tokenizers' vocabulary, its weights drawn 10x wider than the init:
 # logits spread over several units, so that 1e-5 is a tight tolerance.
@@ -33,7 +35,7 @@ GENRES = list(T.get_task("bible-genre").labels)
 def old_logits(ft: F.Finetuned, artifact: dict | None, input_ids: torch.Tensor, batch_size: int = 16):
     """The straightforward path: a model rebuilt from the swapped state dict, fp32 on the CPU,
     full-length rows in batches of `batch_size` examples."""
-    state = ft.state if artifact is None else F.swap_embeddings(ft.state, artifact)
+    state = ft.state if artifact is None else swap_embeddings(ft.state, artifact)
     cfg = dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0, vocab_size=state[WORD].shape[0])
     model = ROBERTA.build_task_model(cfg, ft.task.kind, len(ft.labels), ft.run["finetune"]["seed"])
     model.load_state_dict(state)
@@ -131,14 +133,14 @@ def test_the_swap_leaves_the_runs_own_model_as_it_was(tokenizer, de_tokenizer):
     model = ft.model()
     own = model.get_parameter(WORD)
     en_set = F.eval_set(ft.task, load_sp(tokenizer), en, GENRES, CFG, torch.device("cpu"))
-    before, scores_before = F.set_logits(ft, en_set), F.evaluate_scores(ft, en, CFG)
+    before, scores_before = F.set_logits(ft, en_set), evaluate_scores(ft, en, CFG)
     artifact = wide_artifact(1200, 1)
-    F.evaluate_scores(ft, de, CFG, artifact, de_tokenizer)
+    evaluate_scores(ft, de, CFG, artifact, de_tokenizer)
     assert not torch.equal(F.set_logits(ft, en_set, artifact), before)
     # Built once; its own embedding Parameter back in place, never written.
     assert ft.model() is model and model.get_parameter(WORD) is own
     assert torch.equal(own, ft.state[WORD]) and own.shape == (VOCAB, MODEL.hidden_size)
-    assert torch.equal(F.set_logits(ft, en_set), before) and F.evaluate_scores(ft, en, CFG) == scores_before
+    assert torch.equal(F.set_logits(ft, en_set), before) and evaluate_scores(ft, en, CFG) == scores_before
     # Also after an error inside the swap, and embeddings of another width are refused by the
     # check swap_embeddings uses.
     with pytest.raises(RuntimeError, match="inside"):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from conftest import REPO, VOCAB
 from mmadapt import steps
 from mmadapt.adapt import artifact_state, read_artifact, source_split, step2_start
-from mmadapt.config import PRESETS, ModelConfig, TrainConfig, apply_recipe
+from mmadapt.config import ModelConfig, TrainConfig, apply_recipe
+from mmadapt.models import PRESETS
 from mmadapt.corpora import write_bible_corpus
 from mmadapt.family import WORD
 from mmadapt.models import get_family
@@ -197,12 +198,12 @@ def test_the_primary_model_keeps_its_own_source_rows(sources, expanded):
     art, _, meta = read_artifact(expanded["roberta"])
     cfg, state = load_weights(source)
     cfg, primary = get_family(cfg).primary_model(cfg, state)
-    got = artifact_state(art, cfg, meta, primary)
+    got = artifact_state(get_family(cfg), art, meta, primary)
     assert torch.equal(got[BIAS][:VOCAB], primary[BIAS]) and torch.equal(got[BIAS][VOCAB:], art["output_bias"][VOCAB:])
     assert not torch.equal(art["output_bias"][:VOCAB], primary[BIAS])  # the secondary head's
     assert torch.equal(got[WORD], art["word_embeddings"])
     with pytest.raises(ValueError, match="expands a 1000-piece vocabulary"):
-        artifact_state(art, cfg, meta, {WORD: primary[WORD][:500], BIAS: primary[BIAS][:500]})
+        artifact_state(get_family(cfg), art, meta, {WORD: primary[WORD][:500], BIAS: primary[BIAS][:500]})
 
 
 def test_subword_mean_starts_each_new_row_at_its_split(sources, de_tokenizer, tmp_path):
@@ -311,7 +312,7 @@ def test_an_expanded_encoder_exports_with_its_merged_tokenizer(sources, expanded
 
     cfg, state = load_weights(source)
     cfg, primary = get_family(cfg).primary_model(cfg, state)
-    swapped = {**primary, **artifact_state(art, cfg, meta, primary)}
+    swapped = {**primary, **artifact_state(get_family(cfg), art, meta, primary)}
     cfg = dataclasses.replace(cfg, vocab_size=meta["vocab_size"], hidden_dropout=0.0, attention_dropout=0.0)
     model = RobertaMLM(cfg).eval()
     model.load_state_dict(swapped)
@@ -345,7 +346,7 @@ def test_an_expanded_decoder_exports_with_its_merged_tokenizer(sources, expanded
     cfg, primary = get_family(cfg).primary_model(cfg, state)
     model = LlamaLM(dataclasses.replace(cfg, vocab_size=meta["vocab_size"], hidden_dropout=0.0,
                                         attention_dropout=0.0)).eval()
-    model.load_state_dict({**primary, **artifact_state(art, cfg, meta, primary)})
+    model.load_state_dict({**primary, **artifact_state(get_family(cfg), art, meta, primary)})
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager").eval()
     ids = torch.tensor([[EOS_ID, *sp.encode(texts[0])]])
     with torch.no_grad():
@@ -361,9 +362,9 @@ def test_the_demos_merged_tokenizer_keeps_the_english_ids_of_the_whole_bible(tmp
     2000-piece German one trained as the demo trains it. On every verse of the English Bible
     whose merged encoding uses no new piece, the ids are the source tokenizer's."""
     from mmadapt.data import train_tokenizer
-    from mmadapt.demo import SOURCE_MODELS
+    from mmadapt.demo import source_models
 
-    english = SOURCE_MODELS / "spm.model"
+    english = source_models("roberta") / "spm.model"
     german = train_tokenizer(write_bible_corpus("de", tmp_path / "de.txt"), tmp_path / "de", 2000)
     merged = expand(english, german).write(tmp_path / "merged.model")
     src, got = (spm.SentencePieceProcessor(model_file=str(p)) for p in (english, merged))

@@ -13,7 +13,7 @@ from conftest import REPO
 from hf_models import bible_lines, make_llama2, make_qwen2
 from mmadapt import steps
 from mmadapt.adapt import artifact_state, read_artifact
-from mmadapt.config import PRESETS
+from mmadapt.models import PRESETS
 from mmadapt.hf import export_hf, import_hf
 from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.model import LlamaLM
@@ -21,6 +21,7 @@ from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, load_weights
 from mmadapt.tokenizer import load, pieces
 from mmadapt.vocab import EXPAND_MULTIPLE, expand
+from mmadapt.models import get_family
 
 MAKERS = {"qwen2": make_qwen2, "llama2": make_llama2}
 
@@ -64,7 +65,7 @@ def test_an_imported_bpe_decoder_expands_and_exports(name, de_corpus, de_tokeniz
                                                                                for t in texts]
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
     cfg, state = LLAMA.primary_model(*load_weights(run))
-    state = {**state, **artifact_state(art, cfg, meta, state)}
+    state = {**state, **artifact_state(get_family(cfg), art, meta, state)}
     model = LlamaLM(dataclasses.replace(cfg, vocab_size=e.size, hidden_dropout=0.0, attention_dropout=0.0)).eval()
     model.load_state_dict(state)
     for text in texts:

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from conftest import REPO, VOCAB
 from mmadapt import steps
-from mmadapt.config import PRESETS, MiniModelConfig, PreprocessConfig, apply_recipe
-from mmadapt.models import FAMILIES, register_family
+from mmadapt.config import MiniModelConfig, PreprocessConfig, apply_recipe
+from mmadapt.models import FAMILIES, PRESETS, register_family
 from mmadapt.models.roberta import RobertaFamily
 from mmadapt.models.roberta.model import RobertaMLM, TransformerLayer
 from mmadapt.parallel import init_parallel
@@ -42,6 +42,9 @@ class PreLNRobertaMLM(RobertaMLM):
 class PreLNFamily(RobertaFamily):
     name = "toy-preln"
     compiled_kinds = (PreLNLayer,)
+    # A family's presets are its own, named uniquely across families.
+    presets = {"toy-preln-tiny": (dataclasses.replace(PRESETS["tiny"][0], family="toy-preln"), PRESETS["tiny"][1])}
+    small_preset = "toy-preln-tiny"
 
     def __init__(self):
         self.built = 0  # LMs built through the seam (training, evaluation, shape checks)
@@ -56,6 +59,8 @@ def toy():
     family = register_family(PreLNFamily())
     yield family
     del FAMILIES[family.name]
+    for name in family.presets:
+        del PRESETS[name]
 
 
 def _train(iters, **changes):

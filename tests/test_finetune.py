@@ -17,7 +17,8 @@ from mmadapt import faults
 from mmadapt.config import FinetuneConfig
 from mmadapt import steps
 from mmadapt.config import Layout
-from mmadapt.evaluate import evaluate_score, load_finetuned, predict, retrieval_records, swap_embeddings
+from evaluation import evaluate_score, predict, swap_embeddings
+from mmadapt.evaluate import load_finetuned, retrieval_records
 from mmadapt.family import WORD
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, load_weights, run_fingerprint

@@ -4,7 +4,8 @@ against torch's FlopCounterMode on the real model, for every system and step."""
 import pytest
 import torch
 
-from mmadapt.config import PRESETS, ModelConfig, apply_recipe
+from mmadapt.config import ModelConfig, apply_recipe
+from mmadapt.models import PRESETS
 from mmadapt.flops import counted_flops, device_days, total_flops
 from mmadapt.models.roberta.flops import adapt_flops, forward_flops, layer_flops, minipost_flops, pretrain_flops
 from mmadapt.models.roberta import ROBERTA

@@ -19,11 +19,13 @@ import pytest
 import torch
 
 from conftest import NO_DROPOUT, base_args, masked_batch, metrics, run_pretrain
-from mmadapt.config import PRESETS, ModelConfig, TrainConfig, to_dict
+from mmadapt.config import ModelConfig, TrainConfig, to_dict
+from mmadapt.models import PRESETS
 from mmadapt.engine import trainable_by_names
 from mmadapt.fusion import apply_fusion, is_fused
 from mmadapt.models.roberta.model import MLMHeads, RobertaForTask, RobertaMLM, TransformerLayer
 from mmadapt.tokens import IGNORE_INDEX, PAD_ID
+from mmadapt.models.roberta import ROBERTA
 
 # Two layers keep compile time down; heads after both: MINIJOINT's shape with N = 1.
 TWO_HEADS = dataclasses.replace(PRESETS["tiny"][0], num_layers=2, head_layers=(1, 2), hidden_dropout=0.0,
@@ -77,8 +79,8 @@ def test_a_resume_may_switch_fusion_and_old_records_resume(tmp_path):
 
 def test_compile_marks_layers_and_heads_in_place():
     eager = RobertaMLM(TWO_HEADS, seed=1)
-    assert apply_fusion(eager, TWO_HEADS) is eager and not is_fused(eager)  # "none": untouched
-    fused = apply_fusion(RobertaMLM(TWO_HEADS, seed=1), _compiled(TWO_HEADS))
+    assert apply_fusion(eager, TWO_HEADS, ROBERTA.compiled_kinds) is eager and not is_fused(eager)  # "none": untouched
+    fused = apply_fusion(RobertaMLM(TWO_HEADS, seed=1), _compiled(TWO_HEADS), ROBERTA.compiled_kinds)
     compiled = {type(m) for m in fused.modules() if getattr(m, "_compiled_call_impl", None) is not None}
     assert compiled == {TransformerLayer, MLMHeads}
     assert sum(getattr(m, "_compiled_call_impl", None) is not None for m in fused.modules()) == 2 + 1
@@ -86,7 +88,7 @@ def test_compile_marks_layers_and_heads_in_place():
     assert list(fused.state_dict()) == list(eager.state_dict())
     for (name, a), b in zip(eager.state_dict().items(), fused.state_dict().values()):
         assert torch.equal(a, b), name
-    task = apply_fusion(RobertaForTask(_compiled(TWO_HEADS), "classify", 3, seed=1), _compiled(TWO_HEADS))
+    task = apply_fusion(RobertaForTask(_compiled(TWO_HEADS), "classify", 3, seed=1), _compiled(TWO_HEADS), ROBERTA.compiled_kinds)
     assert {type(m) for m in task.modules() if getattr(m, "_compiled_call_impl", None) is not None} == \
         {TransformerLayer}
 
@@ -140,7 +142,7 @@ def _compare(eager, fused, batches, trainable_names: set[str]) -> list[int]:
 
 
 def _check_pair(build, cfg: ModelConfig, trainable, batches) -> list[int]:
-    eager, fused = build(cfg), apply_fusion(build(_compiled(cfg)), _compiled(cfg))
+    eager, fused = build(cfg), apply_fusion(build(_compiled(cfg)), _compiled(cfg), ROBERTA.compiled_kinds)
     assert is_fused(fused)
     for m in (eager, fused):
         _freeze(m, trainable)
@@ -221,7 +223,7 @@ def test_pipeline_stage_modules_compiled_equal_eager_without_recompiling(impl):
     def stage(c: ModelConfig) -> torch.nn.ModuleList:
         return torch.nn.ModuleList([PipeTransformerLayer(c, 1, 1), PipeTransformerLayer(c, 2, 1), PipeMLMHeads(c, 1)])
 
-    eager, fused = stage(cfg), apply_fusion(stage(_compiled(cfg)), _compiled(cfg))
+    eager, fused = stage(cfg), apply_fusion(stage(_compiled(cfg)), _compiled(cfg), ROBERTA.compiled_kinds)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(4, 32, cfg.hidden_size, generator=g)
     word = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02
@@ -266,7 +268,7 @@ def test_compiled_dropout_trains_and_is_deterministic_per_seed():
 
     def train(seed: int) -> list[float]:
         seed_everything(seed)
-        model = apply_fusion(RobertaMLM(cfg, seed=1), cfg)
+        model = apply_fusion(RobertaMLM(cfg, seed=1), cfg, ROBERTA.compiled_kinds)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         for _ in range(4):

@@ -10,7 +10,8 @@ import torch
 
 from conftest import REPO, VOCAB, child_env
 from mmadapt import checkpoint, steps
-from mmadapt.config import PRESETS, apply_recipe
+from mmadapt.config import apply_recipe
+from mmadapt.models import PRESETS
 from mmadapt.family import WORD
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.models.roberta.model import BIAS
@@ -63,7 +64,7 @@ def test_a_step_starts_from_exact_fp32_weights_under_bf16(bf16_run):
     cfg, init = ROBERTA.extract_minijoint(cfg, state)
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=4)
     ds = load_ds_config(REPO / "ds_configs" / "zero1_bf16.json", train)
-    engine, _, _ = lm_engine(cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)), init)
+    engine, _, _ = lm_engine(ROBERTA, cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)), init)
     params = dict(engine.module.named_parameters())
     for name in (WORD, BIAS):
         assert params[name].dtype == torch.bfloat16
@@ -73,7 +74,8 @@ def test_a_step_starts_from_exact_fp32_weights_under_bf16(bf16_run):
 # A TP=1 MINIJOINT forward and backward; leaves `result` = (loss, a gradient's sum).
 FORWARD_BACKWARD = """
 import dataclasses, torch
-from mmadapt.config import PRESETS, apply_recipe
+from mmadapt.config import apply_recipe
+from mmadapt.models import PRESETS
 from mmadapt.models.roberta.model import RobertaMLM
 cfg = dataclasses.replace(apply_recipe(PRESETS["tiny"][0], "minijoint"), hidden_dropout=0.0, attention_dropout=0.0)
 model = RobertaMLM(cfg, seed=11)

@@ -10,10 +10,12 @@ import torch
 
 from conftest import REPO
 from mmadapt import features as F
-from mmadapt.config import PRESETS, FinetuneConfig, ModelConfig
+from mmadapt.config import FinetuneConfig, ModelConfig
+from mmadapt.models import PRESETS
 from mmadapt import steps
 from mmadapt.config import Layout
-from mmadapt.evaluate import evaluate_score, load_finetuned, predict
+from evaluation import evaluate_score, predict
+from mmadapt.evaluate import load_finetuned
 from mmadapt.family import WORD
 from mmadapt.run import RunSpec
 from mmadapt.tasks import encode, get_task, score

@@ -21,7 +21,8 @@ from mmadapt.cli import main
 from mmadapt.config import FinetuneConfig, TrainConfig
 from mmadapt import steps
 from mmadapt.config import Layout
-from mmadapt.evaluate import load_finetuned, predict, swap_embeddings
+from evaluation import predict, swap_embeddings
+from mmadapt.evaluate import load_finetuned
 from mmadapt.family import WORD
 from mmadapt.run import RunSpec
 from mmadapt.tasks import encode, get_task, read_examples
@@ -208,7 +209,7 @@ def test_export_of_an_adapted_masked_lm(runs, artifact, de_tokenizer, tmp_path):
 def test_exported_sentencepiece_gives_mmadapt_ids_on_the_whole_german_bible(de_tokenizer):
     from mmadapt.hf import spm_to_hf
 
-    tok, sp = spm_to_hf(de_tokenizer, SEQ), load_sp(de_tokenizer)
+    tok, sp = spm_to_hf(de_tokenizer, SEQ, ROBERTA.hf.tokenizer_layout(None, imported=False)), load_sp(de_tokenizer)
     verses = bible_lines("de", range(1, 67))  # all 66 books
     got = tok(verses)["input_ids"]
     differ = [v for v, ids in zip(verses, got) if ids != [BOS_ID, *sp.encode(v), EOS_ID]]
@@ -227,7 +228,7 @@ def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_
     full = {**model.state_dict(), **{k: v for k, v in swap_embeddings(state, emb).items() if not k.startswith("heads.")}}
     model.load_state_dict(full)
     labels = ["B-X", "I-X", "O"] if kind == "tag" else None
-    write_hf(tmp_path / "out", cfg, full, kind, labels, de_tokenizer, "xlm-roberta")
+    write_hf(ROBERTA, tmp_path / "out", cfg, full, kind, labels, de_tokenizer, "xlm-roberta")
     enc = hf_batch(AutoTokenizer.from_pretrained(str(tmp_path / "out")), TEXTS["de"])
     with torch.no_grad():
         mine = model(encode_texts(load_sp(de_tokenizer), TEXTS["de"]))[1]
@@ -355,7 +356,8 @@ def test_core_does_not_import_the_hf_libraries():
 
 def test_export_of_a_model_mmadapt_pretrained(corpus, tokenizer, tmp_path):
     """(c): a MINIJOINT primary model (two heads; the last one is exported) with its SentencePiece."""
-    from mmadapt.config import PRESETS, apply_recipe
+    from mmadapt.config import apply_recipe
+    from mmadapt.models import PRESETS
 
     init_parallel(1, 1)
     vocab = load_sp(tokenizer).get_piece_size()

@@ -15,14 +15,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mmadapt.config import PRESETS
+from mmadapt.models import PRESETS
 from mmadapt.engine import load_ds_config
 from mmadapt.models.roberta.model import Padding, RobertaMLM, attention_mask
 from mmadapt.parallel import init_parallel
 from mmadapt.models.pipe import set_host_batches
 from mmadapt.models.roberta.pipeline import PipeMLMHeads, PipeTransformerLayer
 from mmadapt.tokens import IGNORE_INDEX, PAD_ID
-from mmadapt.train import host_batch, lm_engine, to_device
+from mmadapt.train import batch_to_device, host_batch, lm_engine
+from mmadapt.models import get_family
 
 REPO = Path(__file__).resolve().parents[1]
 # The ATen ops whose result the host reads (each one a device synchronisation on a GPU).
@@ -56,7 +57,7 @@ def zero2_engine(fusion: str = "none"):
     init_parallel(1, 1)
     model, train = PRESETS["tiny"]
     model = dataclasses.replace(model, head_layers=(4, 12), fusion=fusion)
-    eng, _, _ = lm_engine(model, train, load_ds_config(REPO / "ds_configs" / "zero2.json", train))
+    eng, _, _ = lm_engine(get_family(model), model, train, load_ds_config(REPO / "ds_configs" / "zero2.json", train))
     return eng
 
 
@@ -67,7 +68,7 @@ def engine():
 
 def micro_batch(engine, batch):
     """Forward and backward of one micro-batch, as train.lm_step runs it."""
-    b = to_device(batch, engine.device)
+    b = batch_to_device(batch, engine.device)
     loss, _ = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets, padding=b.padding)
     engine.backward(loss)
     return loss

@@ -12,8 +12,9 @@ from mmadapt.flops import counted_flops
 from mmadapt.models.llama.flops import (adapt_flops, forward_flops, head_flops, layer_attn_flops, layer_flops,
                                         layer_linear_flops, minipost_flops, pretrain_flops)
 from mmadapt.models.llama.model import DecoderLayer, LlamaLM, rotary_table
-from mmadapt.config import LLAMA_TINY as TINY
-from mmadapt.config import QWEN2_0_5B, ModelConfig
+from mmadapt.models.llama.presets import LLAMA_TINY as TINY
+from mmadapt.config import ModelConfig
+from mmadapt.models.llama.presets import QWEN2_0_5B
 
 B, S = 2, 24
 

@@ -37,6 +37,7 @@ from mmadapt.run import load_weights
 from mmadapt.tokenizer import HFTokenizer
 from mmadapt.tokenizer import load as load_sp
 from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID
+from mmadapt.objectives import CAUSAL
 
 TOL = 1e-5
 MAKERS = {"llama2": make_llama2, "mistral": make_mistral, "llama3": make_llama3,
@@ -279,7 +280,7 @@ def test_export_of_an_adapted_causal_lm(name, arch, dec_runs, de_tokenizer, tmp_
     assert hf.config.attention_bias == cfg.add_qkv_bias
     rows = [[EOS_ID, *sp.encode(v)][:64] for v in TEXTS[6:]]
     emb, _, _ = A.read_artifact(artifact)
-    state = {**state, **A.artifact_state(emb, cfg)}
+    state = {**state, **A.artifact_state(LLAMA, emb)}
     ids, real = padded(rows, PAD_ID)
     mine = lm_logits(dataclasses.replace(cfg, vocab_size=len(emb["word_embeddings"])), state, ids)
     diff = (mine[real] - transformers_logits(hf, rows)[real]).abs().max().item()
@@ -322,7 +323,7 @@ def test_export_of_a_decoder_classifier(name, german, dec_runs, de_tokenizer, tm
     model, full = task_model(cfg, state)
     labels = ["a", "b", "c"]
     model_type = json.loads((dec_runs[name] / "run.json").read_text())["imported_from"]["model_type"]
-    summary = write_hf(tmp_path / "out", cfg, full, "classify", labels, tokenizer, model_type)
+    summary = write_hf(LLAMA, tmp_path / "out", cfg, full, "classify", labels, tokenizer, model_type)
     arch = "LlamaForCausalLM" if german else ARCH[name]  # a Qwen2 body with another tokenizer: Llama
     assert summary["architecture"] == arch.replace("CausalLM", "SequenceClassification")
     sp = load_sp(tokenizer)
@@ -469,7 +470,7 @@ def heldout_loss_in_transformers(model, data, vocab_size: int) -> float:
     from mmadapt.plugin import heldout_batches
 
     total, count = 0.0, 0
-    for ids, labels in heldout_batches(data, 64, vocab_size, 256, 32, 0, "causal"):
+    for ids, labels in heldout_batches(data, 64, vocab_size, 256, 32, 0, CAUSAL):
         assert bool(labels.ge(0).all())  # packed blocks: every position scored
         row = torch.cat([ids, labels[:, -1:]], dim=1)
         with torch.no_grad():
@@ -488,7 +489,8 @@ def test_import_minipost_german_export_generate(dec_dirs, corpus, de_corpus, tmp
     zero-shot German classifier exported: transformers predicts what Step 4 scored."""
     from transformers import AutoModelForCausalLM, pipeline
 
-    from mmadapt.evaluate import load_finetuned, predict, swap_embeddings
+    from evaluation import predict, swap_embeddings
+    from mmadapt.evaluate import load_finetuned
     from mmadapt.config import FinetuneConfig
     from mmadapt.parallel import init_parallel
     from mmadapt.tasks import encode, get_task, read_examples

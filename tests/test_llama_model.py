@@ -15,8 +15,9 @@ from mmadapt.models.layers import count_parameters
 from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.hf import from_hf
 from mmadapt.models.llama.model import DecoderLayer, LlamaForTask, LlamaLM, rotary_table, task_param_name
-from mmadapt.config import LLAMA_TINY as TINY
-from mmadapt.config import QWEN2_0_5B, ModelConfig
+from mmadapt.models.llama.presets import LLAMA_TINY as TINY
+from mmadapt.config import ModelConfig
+from mmadapt.models.llama.presets import QWEN2_0_5B
 from mmadapt.tokens import IGNORE_INDEX, PAD_ID
 
 V = 128

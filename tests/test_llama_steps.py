@@ -11,7 +11,8 @@ import torch
 from conftest import REPO, VOCAB
 from mmadapt import steps
 from mmadapt.adapt import read_artifact
-from mmadapt.config import PRESETS, FinetuneConfig, Layout, MiniModelConfig, PreprocessConfig, TrainConfig, apply_recipe
+from mmadapt.config import FinetuneConfig, Layout, MiniModelConfig, PreprocessConfig, TrainConfig, apply_recipe
+from mmadapt.models import PRESETS
 from mmadapt.data import CausalBatches, read_manifest
 from mmadapt.family import WORD
 from mmadapt.models.llama import LLAMA

@@ -5,7 +5,8 @@ import torch
 
 from conftest import heads_by_hand, masked_batch
 
-from mmadapt.config import PRESETS, ModelConfig, apply_recipe
+from mmadapt.config import ModelConfig, apply_recipe
+from mmadapt.models import PRESETS
 from mmadapt.parallel import init_parallel
 from mmadapt.tokens import IGNORE_INDEX
 

@@ -16,7 +16,8 @@ import torch
 from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, heads_by_hand, masked_batch, metrics,
                       mlm_batches, run_pretrain)
 from mmadapt import adapt as A
-from mmadapt.config import PRESETS, MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
+from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
+from mmadapt.models import PRESETS
 from mmadapt.models.roberta.model import RobertaMLM
 from mmadapt.parallel import init_parallel
 from mmadapt.family import WORD
@@ -152,7 +153,7 @@ def test_the_depth_is_checked_against_the_source_heads():
     with pytest.raises(ValueError, match="no secondary head after layer 6; its mini-models sit after layers 2, 4"):
         ROBERTA.minijoint_depth(cfg, 6)
     with pytest.raises(ValueError, match="--mini_layers picks one of a MINIJOINT run's mini-models"):
-        A.adapt_body("bl_base", cfg, {}, 4)
+        A.body_config(ROBERTA, "bl_base", cfg, 4)
     with pytest.raises(ValueError, match="has a secondary head before its last layer"):
         ROBERTA.minijoint_depth(apply_recipe(tiny(), "bl_base"))
 
@@ -255,7 +256,7 @@ def test_flops_rows_per_depth():
 
     base = PRESETS["roberta-base"][0]
     train = TrainConfig(train_iters=125_000, seq_length=512, mask_prob=0.15)
-    rows = {(r["system"], r["step"]): r for r in flops_rows(base, train, 2048, MiniModelConfig((2, 4, 6)))}
+    rows = {(r["system"], r["step"]): r for r in flops_rows(ROBERTA, base, train, 2048, MiniModelConfig((2, 4, 6)))}
     per_depth = {f"{s}@{n}" for s in ("minijoint", "minipost", "bl_small") for n in (2, 4, 6)}
     assert {s for s, step in rows if step == "adapt"} == {"bl_base", *per_depth}
     for n in (2, 4, 6):

@@ -17,6 +17,8 @@ from mmadapt.data import prepare
 from mmadapt.family import WORD
 from mmadapt.models.roberta.model import BIAS
 from mmadapt.run import load_weights
+from evaluation import plugin_loss
+from mmadapt.models.roberta import ROBERTA
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def test_primary_head_loss_is_the_models_own(primary_run, english):
     one_head, head_state = P.primary_head_state(primary_run)
     assert one_head.heads_after == (12,)
     assert torch.equal(head_state[BIAS], state["heads.heads.1.bias"])
-    assert P.mlm_loss(one_head, head_state, batches) == pytest.approx(expected, abs=1e-5)
+    assert plugin_loss(ROBERTA, one_head, head_state, batches) == pytest.approx(expected, abs=1e-5)
 
 
 def test_unigram_reference_by_hand(english):
@@ -109,7 +111,7 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
     [rec] = P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=64, batch_size=16)
     batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
     one, head = P.primary_head_state(primary_run)
-    own = P.mlm_loss(one, {**head, BIAS: state["heads.heads.0.bias"]}, batches)
+    own = plugin_loss(ROBERTA, one, {**head, BIAS: state["heads.heads.0.bias"]}, batches)
     assert rec["loss"] == pytest.approx(own, abs=1e-6)
     assert rec["score"] == pytest.approx(rec["unigram_loss"] - own)
     assert rec["unigram_loss"] == pytest.approx(P.unigram_loss(P.unigram_logprobs(english, VOCAB), batches))
@@ -124,7 +126,7 @@ def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus,
     has passed the unigram reference."""
     from conftest import REPO
     from mmadapt import steps
-    from mmadapt.config import PRESETS
+    from mmadapt.models import PRESETS
     from mmadapt.parallel import init_parallel
     from mmadapt.run import RunSpec
 

@@ -22,7 +22,9 @@ from mmadapt import evaluate as E
 from mmadapt import predict, steps
 from mmadapt import tasks as T
 from mmadapt.cli import main
-from mmadapt.config import LLAMA_TINY, PRESETS, FinetuneConfig, Layout, apply_recipe
+from mmadapt.config import FinetuneConfig, Layout, apply_recipe
+from mmadapt.models.llama.presets import LLAMA_TINY
+from mmadapt.models import PRESETS
 from mmadapt.corpora import bible_verses
 from mmadapt.features import best_spans
 from mmadapt.hf import import_hf
@@ -30,10 +32,12 @@ from mmadapt.models import get_family
 from mmadapt.parallel import init_parallel
 from mmadapt.readers import QAExample, TaggedSentence, squad_scores
 from mmadapt.adapt import artifact_state, read_artifact
-from mmadapt.plugin import mlm_loss, primary_head_state
+from evaluation import plugin_loss
+from mmadapt.plugin import primary_head_state
 from mmadapt.run import RunSpec
 from mmadapt.tokenizer import load as load_sp
 from mmadapt.tokens import IGNORE_INDEX, MASK_ID, PAD_ID
+from mmadapt.models.roberta import ROBERTA
 
 ZERO0 = REPO / "ds_configs" / "zero0.json"
 NO_DROPOUT = Layout(hidden_dropout=0.0, attention_dropout=0.0)
@@ -376,7 +380,7 @@ def test_language_model_with_an_artifact_is_the_plugin_metrics_model(zero_shot, 
     masked = ids.masked_fill(labels.ge(0), MASK_ID)
     cfg, state = primary_head_state(primary_run)
     emb, _, _ = read_artifact(artifact)
-    want = mlm_loss(cfg, {**state, **artifact_state(emb, cfg)}, [(masked, labels)])
+    want = plugin_loss(ROBERTA, cfg, {**state, **artifact_state(ROBERTA, emb)}, [(masked, labels)])
     with torch.no_grad():
         got = lm.model.logits(masked)[0]
     assert F.cross_entropy(got[labels.ge(0)], labels[labels.ge(0)]).item() == pytest.approx(want, abs=1e-5)

@@ -13,7 +13,8 @@ import torch
 from conftest import REPO, VOCAB, base_args, run_pretrain
 from mmadapt import steps
 from mmadapt.cli import pretrain_main
-from mmadapt.config import PRESETS, FinetuneConfig, apply_recipe
+from mmadapt.config import FinetuneConfig, apply_recipe
+from mmadapt.models import PRESETS
 from mmadapt.data import MANIFEST, TEXT
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, load_weights

@@ -2,21 +2,53 @@
 
     roberta   post-LayerNorm encoder, masked LM (the paper's models; mmadapt/models/roberta/)
     llama     pre-norm decoder (Llama, Qwen2, Mistral), causal LM (mmadapt/models/llama/)
+
+A family defined outside mmadapt registers itself (`register_family`) when its module is
+imported; the environment variable MMADAPT_IMPORT names such modules (comma-separated, importable
+from sys.path; `module:function` calls a function that registers them), as torchtitan's
+`--experimental.custom_import` does. Every command imports them before it parses its flags
+(cli.user_errors), and `get_family` does before it calls a name unknown, so that a run of that
+family can be started, read and continued by every command, the Python API and DeepSpeed's
+ranks, which inherit the environment.
+
+Each family brings its presets (a model size and its schedule, `ModelFamily.presets`); preset
+names are unique across families, so a preset names its family too (`find_preset`).
 """
 
 from __future__ import annotations
 
-from mmadapt.config import ModelConfig
+import importlib
+import os
+
+from mmadapt.config import ModelConfig, TrainConfig
 from mmadapt.family import ModelFamily
 from mmadapt.models.llama import LLAMA
 from mmadapt.models.roberta import ROBERTA
 
-FAMILIES: dict[str, ModelFamily] = {ROBERTA.name: ROBERTA, LLAMA.name: LLAMA}
+FAMILIES: dict[str, ModelFamily] = {}
+# Every registered family's presets: name -> (model config, schedule).
+PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {}
+IMPORT_VARIABLE = "MMADAPT_IMPORT"
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
-    """Make `family` buildable by name (a run.json whose model config names it)."""
+    """Make `family` buildable by name (a run.json whose model config names it) and its presets
+    choosable. Refused (ValueError) when a preset name is taken by another family, when its small
+    preset is not one of its presets, or when a preset's config names another family."""
+    taken = {name: f.name for f in FAMILIES.values() if f.name != family.name for name in f.presets}
+    clash = next((n for n in family.presets if n in taken), None)
+    if clash is not None:
+        raise ValueError(f"the {family.name} family's preset {clash!r} is the {taken[clash]} family's already: "
+                         "preset names are unique across families")
+    if getattr(family, "small_preset", None) not in family.presets:
+        raise ValueError(f"the {family.name} family's small_preset {getattr(family, 'small_preset', None)!r} is not "
+                         f"one of its presets ({', '.join(family.presets) or 'none'}): later steps run it by default")
+    alien = next((n for n, (m, _) in family.presets.items() if m.family != family.name), None)
+    if alien is not None:
+        raise ValueError(f"the {family.name} family's preset {alien!r} has ModelConfig.family "
+                         f"{family.presets[alien][0].family!r}")
     FAMILIES[family.name] = family
+    PRESETS.update(family.presets)
     return family
 
 
@@ -24,5 +56,43 @@ def get_family(name_or_config: str | ModelConfig) -> ModelFamily:
     """The family of a name or of a model config (ValueError naming the known ones)."""
     name = name_or_config.family if isinstance(name_or_config, ModelConfig) else name_or_config
     if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}; mmadapt has {', '.join(sorted(FAMILIES))}")
+        import_plugins()
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; mmadapt has {', '.join(sorted(FAMILIES))} (a family defined "
+                         f"outside mmadapt is registered by importing its module: {IMPORT_VARIABLE}=<module>)")
     return FAMILIES[name]
+
+
+def find_preset(name: str) -> tuple[ModelFamily, ModelConfig, TrainConfig]:
+    """-> (its family, model config, schedule) of the preset `name` (ValueError naming the known ones)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
+    model, train = PRESETS[name]
+    return FAMILIES[model.family], model, train
+
+
+def import_plugins(spec: str | None = None) -> None:
+    """Import the modules named by MMADAPT_IMPORT (or `spec`), comma-separated: `module`, which
+    registers its families when imported, or `module:function`, whose function (called with no
+    arguments) registers them. One that cannot be imported is one line naming it."""
+    for item in filter(None, (m.strip() for m in (os.environ.get(IMPORT_VARIABLE, "") if spec is None
+                                                   else spec).split(","))):
+        if item in _IMPORTED:
+            continue
+        module, _, function = item.partition(":")
+        try:
+            loaded = importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"{IMPORT_VARIABLE}: cannot import {module} ({e}): put its directory on PYTHONPATH, "
+                             "or fix the module name") from None
+        if function:
+            if not callable(getattr(loaded, function, None)):
+                raise ValueError(f"{IMPORT_VARIABLE}: {module} has no function {function} to register its families")
+            getattr(loaded, function)()
+        _IMPORTED.add(item)
+
+
+_IMPORTED: set[str] = set()  # what import_plugins has imported in this process
+
+register_family(ROBERTA)
+register_family(LLAMA)

@@ -247,7 +247,7 @@ def vocab_linear(x: torch.Tensor, weights: torch.Tensor | tuple[torch.Tensor, ..
 def masked_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """labels [b, s] (-100: not scored) -> (masked_index [m], targets [m]): the flat indices into
     b * s of the scored positions (MLM: the masked ones; causal LM: those with a next token), in row-major order, and their targets. Call it on the host
-    copy of a batch (train.to_device does): on a device tensor, `nonzero` waits for the device."""
+    copy of a batch (train.batch_to_device does): on a device tensor, `nonzero` waits for the device."""
     flat = labels.reshape(-1)
     masked_index = flat.ge(0).nonzero().squeeze(1)
     return masked_index, flat.index_select(0, masked_index)

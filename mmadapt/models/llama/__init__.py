@@ -1,7 +1,7 @@
 """The decoder family: a Llama-style causal LM (model.py: RMSNorm, rotary positions, SwiGLU,
 grouped-query attention, an optional QKV bias as Qwen2's, tied or untied output projection), its
-pipeline stages (pipeline.py), FLOP counts (flops.py) and Hugging Face mapping (hf.py: Llama,
-Qwen2 and Mistral checkpoints), bundled as the `llama` ModelFamily.
+pipeline stages (pipeline.py), FLOP counts (flops.py), presets (presets.py) and Hugging Face
+mapping (hf.py: Llama, Qwen2 and Mistral checkpoints), bundled as the `llama` ModelFamily.
 
 Its objective is causal: every position of a packed block is scored on the next piece
 (data.CausalBatches), so a mini-model's embeddings are trained by next-token prediction. What
@@ -14,17 +14,24 @@ from __future__ import annotations
 from mmadapt.config import LoopConfig, ModelConfig, TrainConfig
 from mmadapt.family import WORD, ModelFamily
 from mmadapt.models.llama import flops, hf
+from mmadapt.models.llama.presets import PRESETS, SMALL
 from mmadapt.models.llama.model import (OUTPUT, TASK_KINDS, DecoderLayer, LlamaDecoder, LlamaForTask, LlamaLM,
                                         LMHeads, task_param_name, validated)
+from mmadapt.objectives import CAUSAL
 
 
 class LlamaFamily(ModelFamily):
     name = "llama"
-    objective = "causal"
+    objective = CAUSAL
     task_kinds = TASK_KINDS
+    presets = PRESETS
+    small_preset = SMALL
+    # mmadapt's SentencePiece models; imported Llama-2/Mistral (SentencePiece BPE with byte
+    # fallback) and Llama-3/Qwen2 (byte-level BPE) tokenizers.
+    tokenizer_kinds = ("sentencepiece", "bpe")
     compiled_kinds = (DecoderLayer, LMHeads)
     pipeline_ties = {"word": "word_embeddings."}  # the tied word embedding (pipeline.py)
-    hf = hf
+    hf = hf.MAPPING
 
     def check(self, cfg: ModelConfig) -> None:
         validated(cfg)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.config import ModelConfig
-from mmadapt.family import WORD
+from mmadapt.family import WORD, HFMapping
 from mmadapt.models.llama.model import OUTPUT, validated
 from mmadapt.tokenizer import SPECIAL_ROLES, never_produced
 
@@ -314,3 +314,20 @@ def hf_config(cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids:
         attention_dropout=cfg.attention_dropout, tie_word_embeddings=cfg.share_embeddings_and_output_weights,
         pad_token_id=ids["pad"], bos_token_id=ids["bos"], eos_token_id=ids["eos"],
         architectures=[CLASS_PREFIX[model_type] + TASK_CLASSES[kind]], **extra)
+
+
+class LlamaMapping(HFMapping):
+    """The decoder's correspondence (module docstring), as family.HFMapping declares it."""
+    architectures = ARCHITECTURES
+    check_config = staticmethod(check_config)
+    model_config = staticmethod(model_config)
+    special_ids = staticmethod(special_ids)
+    from_hf = staticmethod(from_hf)
+    to_hf = staticmethod(to_hf)
+    hf_config = staticmethod(hf_config)
+    tokenizer_layout = staticmethod(tokenizer_layout)
+    export_model_type = staticmethod(export_model_type)
+    import_note = staticmethod(import_note)
+
+
+MAPPING = LlamaMapping()

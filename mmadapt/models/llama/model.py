@@ -44,14 +44,11 @@ OUTPUT = "output_layer.weight"  # the untied output projection [V, h] (LlamaLM.o
 
 
 def validated(config: ModelConfig) -> ModelConfig:
-    """config.validate(), and what the decoder refuses on top of it."""
+    """config.validate(), and what the decoder refuses on top of it (LlamaFamily.check)."""
     config.validate()
     if config.attention_impl == "varlen":
         raise ValueError("attention_impl 'varlen' is the encoder's way around padding; for the decoder use sdpa: "
                          "causal attention on right-padded rows needs no mask")
-    if config.output_bias_init != "zeros":
-        raise ValueError(f"output_bias_init {config.output_bias_init} starts an MLM head's output bias; the llama "
-                         "family's LM head has none: drop it")
     return config
 
 

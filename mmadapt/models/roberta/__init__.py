@@ -1,36 +1,32 @@
 """The encoder family: RoBERTa (model.py), its pipeline stages (pipeline.py), FLOP counts
-(flops.py) and Hugging Face mapping (hf.py), bundled as the `roberta` ModelFamily."""
+(flops.py), presets (presets.py) and Hugging Face mapping (hf.py), bundled as the `roberta`
+ModelFamily."""
 
 from __future__ import annotations
 
 from mmadapt.config import ModelConfig
 from mmadapt.family import WORD, ModelFamily
 from mmadapt.models.roberta import flops, hf
+from mmadapt.models.roberta.presets import PRESETS, SMALL
 from mmadapt.models.roberta.model import (BIAS, TASK_KINDS, MLMHeads, RobertaEncoder, RobertaForTask, RobertaMLM,
                                           TransformerLayer)
+from mmadapt.objectives import MLM
 
 
 class RobertaFamily(ModelFamily):
     name = "roberta"
-    objective = "mlm"
+    objective = MLM
     task_kinds = TASK_KINDS
+    presets = PRESETS
+    small_preset = SMALL
+    # mmadapt's SentencePiece models; imported RoBERTa (byte-level BPE) and XLM-R/CamemBERT
+    # (SentencePiece unigram, as a `tokenizers` Unigram) tokenizers.
+    tokenizer_kinds = ("sentencepiece", "bpe", "unigram")
     # Each TransformerLayer and MLMHeads compiled in place (fusion.py; pipeline stage classes are
     # subclasses of these). Not each MLMHead: MLMHeads' graph holds them.
     compiled_kinds = (TransformerLayer, MLMHeads)
     pipeline_ties = {"word": "word_embeddings."}  # the tied word embedding (pipeline.py)
-    hf = hf
-
-    def check(self, cfg: ModelConfig) -> None:
-        decoder_only = [(name, getattr(cfg, name)) for name, default in
-                        (("num_query_groups", None), ("add_qkv_bias", False),
-                         ("seq_len_interpolation_factor", None))
-                        if getattr(cfg, name) != default]
-        if not cfg.share_embeddings_and_output_weights:
-            decoder_only.append(("share_embeddings_and_output_weights", False))
-        if decoder_only:
-            name, value = decoder_only[0]
-            raise ValueError(f"{name} {value} is a decoder setting; the roberta family has a tied output projection "
-                             "and multi-head attention with biases: drop it, or use a llama preset")
+    hf = hf.MAPPING
 
     def build_lm(self, cfg: ModelConfig, seed: int = 1234) -> RobertaMLM:
         return RobertaMLM(cfg, seed=seed)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.config import ModelConfig
-from mmadapt.family import WORD
+from mmadapt.family import WORD, HFMapping
 from mmadapt.models.roberta.model import BIAS
 ARCHITECTURES = {"RobertaForMaskedLM": "roberta", "XLMRobertaForMaskedLM": "xlm-roberta",
                  "CamembertForMaskedLM": "camembert"}
@@ -216,3 +216,20 @@ def hf_config(cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids:
         initializer_range=cfg.init_method_std, layer_norm_eps=cfg.layernorm_epsilon,
         pad_token_id=ids["pad"], bos_token_id=ids["bos"], eos_token_id=ids["eos"],
         architectures=[CLASS_PREFIX[model_type] + TASK_CLASSES[kind]], tie_word_embeddings=True, **extra)
+
+
+class RobertaMapping(HFMapping):
+    """The encoder's correspondence (module docstring), as family.HFMapping declares it."""
+    architectures = ARCHITECTURES
+    check_config = staticmethod(check_config)
+    model_config = staticmethod(model_config)
+    special_ids = staticmethod(special_ids)
+    from_hf = staticmethod(from_hf)
+    to_hf = staticmethod(to_hf)
+    hf_config = staticmethod(hf_config)
+    tokenizer_layout = staticmethod(tokenizer_layout)
+    export_model_type = staticmethod(export_model_type)
+    import_note = staticmethod(import_note)
+
+
+MAPPING = RobertaMapping()

@@ -1,0 +1,116 @@
+"""What the model-family seam refuses and owns, in one process: config fields with owners, presets
+that name their family, the registry's checks, MMADAPT_IMPORT, and megatron's kv_channels in the
+decoder (a head width other than hidden_size / heads, against transformers' Llama)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from mmadapt.cli import main
+from mmadapt.config import ModelConfig, TrainConfig
+from mmadapt.family import ModelFamily
+from mmadapt.models import FAMILIES, PRESETS, find_preset, get_family, import_plugins, register_family
+from mmadapt.models.llama import LLAMA
+from mmadapt.models.roberta import ROBERTA, RobertaFamily
+from mmadapt.objectives import MLM
+
+
+def test_a_field_of_another_family_is_refused_in_one_line():
+    tiny = PRESETS["tiny"][0]
+    with pytest.raises(ValueError, match="^kv_channels 32 is a decoder setting; the roberta family does not use it: "
+                                         "drop it$"):
+        ROBERTA.validate(dataclasses.replace(tiny, kv_channels=32))
+    with pytest.raises(ValueError, match="share_embeddings_and_output_weights False is a decoder setting"):
+        ROBERTA.validate(dataclasses.replace(tiny, share_embeddings_and_output_weights=False))
+    llama = PRESETS["llama-tiny"][0]
+    with pytest.raises(ValueError, match="^output_bias_init unigram starts an MLM head's output bias; the llama "
+                                         "family's LM head has none: drop it$"):
+        LLAMA.validate(dataclasses.replace(llama, output_bias_init="unigram"))
+    # Its own family's fields, and the defaults of the others', pass.
+    assert LLAMA.validate(dataclasses.replace(llama, kv_channels=32, rotary_base=5e5)).kv_channels == 32
+    assert ROBERTA.validate(tiny) is tiny
+
+
+def test_a_derived_family_uses_its_bases_fields_and_a_new_one_claims_them():
+    class Derived(RobertaFamily):
+        name = "derived"
+
+    class Claims(ModelFamily):
+        name = "claims"
+        config_fields = ("output_bias_init",)
+
+    unigram = dataclasses.replace(PRESETS["tiny"][0], output_bias_init="unigram")
+    Derived().check_fields(unigram)
+    Claims().check_fields(unigram)
+    with pytest.raises(ValueError, match="rotary_base 5.0 is a decoder setting; the claims family does not use it"):
+        Claims().check_fields(dataclasses.replace(unigram, rotary_base=5.0))
+
+
+def test_each_preset_belongs_to_one_family_and_names_it():
+    for name, (model, _) in PRESETS.items():
+        family, found, _ = find_preset(name)
+        assert found is model and family.name == model.family and name in family.presets
+        family.validate(model)
+    assert {f.small_preset for f in FAMILIES.values()} >= {"tiny", "llama-tiny"}
+    with pytest.raises(ValueError, match="unknown preset 'huge'; choose one of"):
+        find_preset("huge")
+
+
+class _Toy(ModelFamily):
+    name = "registry-toy"
+    objective = MLM
+    presets = {"registry-toy-tiny": (ModelConfig(family="registry-toy"), TrainConfig())}
+    small_preset = "registry-toy-tiny"
+
+
+def test_the_registry_refuses_what_would_make_a_preset_ambiguous():
+    clash = type("Clash", (_Toy,), {"presets": {"tiny": PRESETS["tiny"]}, "small_preset": "tiny"})
+    with pytest.raises(ValueError, match="preset 'tiny' is the roberta family's already"):
+        register_family(clash())
+    with pytest.raises(ValueError, match="small_preset 'nope' is not one of its presets"):
+        register_family(type("NoSmall", (_Toy,), {"small_preset": "nope"})())
+    alien = {"registry-toy-tiny": (ModelConfig(family="llama"), TrainConfig())}
+    with pytest.raises(ValueError, match="preset 'registry-toy-tiny' has ModelConfig.family 'llama'"):
+        register_family(type("Alien", (_Toy,), {"presets": alien})())
+    assert "registry-toy" not in FAMILIES and "registry-toy-tiny" not in PRESETS
+    try:
+        assert get_family(register_family(_Toy()).name).small_preset == "registry-toy-tiny"
+        assert find_preset("registry-toy-tiny")[0].name == "registry-toy"
+    finally:
+        del FAMILIES["registry-toy"], PRESETS["registry-toy-tiny"]
+
+
+def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys):
+    monkeypatch.setenv("MMADAPT_IMPORT", "no_such_family_module")
+    assert main(["flops", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: MMADAPT_IMPORT: cannot import no_such_family_module") and len(err.splitlines()) == 1
+    with pytest.raises(ValueError, match="has no function nothing to register its families"):
+        import_plugins("mmadapt.objectives:nothing")
+    monkeypatch.delenv("MMADAPT_IMPORT")
+    with pytest.raises(ValueError, match="unknown model family 'nowhere'.*MMADAPT_IMPORT=<module>"):
+        get_family("nowhere")
+
+
+def test_kv_channels_is_the_decoders_head_width_as_transformers_head_dim():
+    """A decoder whose heads are 32 wide at hidden size 64 and 4 heads (transformers' head_dim, as
+    Gemma's 256 at 3072 and 16): the same logits as LlamaForCausalLM on the same weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from mmadapt.models.llama.hf import from_hf
+
+    cfg = dataclasses.replace(PRESETS["llama-tiny"][0], num_layers=2, kv_channels=32, vocab_size=96)
+    LLAMA.validate(cfg)
+    hf_cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+                         rms_norm_eps=cfg.layernorm_epsilon, tie_word_embeddings=True, attention_bias=False)
+    torch.manual_seed(0)
+    theirs = LlamaForCausalLM(hf_cfg).eval()
+    assert theirs.model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
+    mine = LLAMA.build_lm(cfg).eval()
+    mine.load_state_dict(from_hf(cfg, theirs.state_dict(), list(range(96)), hf_cfg.to_dict()))
+    assert mine.layers[0].qkv.weight.shape == ((4 + 2 * 2) * 32, 64)
+    ids = torch.randint(5, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(mine.logits(ids)[0], theirs(ids).logits, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,85 @@
+"""What needs a GPU, as tests that the first machine with one runs in one command:
+
+    python -m pytest -m gpu
+
+Every test here but the last is marked `gpu` and skipped where torch sees no CUDA device
+(conftest.py), never the other way round: each family's bf16 forward on CUDA against its fp32
+forward on the CPU from the same weights, and each step of benchmarks/gpu_suite.sh at smoke scale
+(a few updates, results into a temporary directory). The last test, which runs everywhere, keeps
+that list of steps and the suite's in step."""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, child_env, masked_batch
+from mmadapt.models import find_preset
+from mmadapt.tokens import IGNORE_INDEX
+
+# Each `run NAME CMD...` of benchmarks/gpu_suite.sh, with the suite's arguments at smoke scale.
+SMOKE = ("--repeats", "2", "--warmup", "1")
+CASES = ("--only", "bl_base:pretrain", "minijoint:adapt")
+SUITE = {
+    "throughput-eager": ["benchmarks/throughput.py", "--real", "--dropout", *CASES, *SMOKE],
+    "throughput-varlen": ["benchmarks/throughput.py", "--real", "--dropout", "--attention_impl", "varlen", *CASES,
+                          *SMOKE],
+    "throughput-compile": ["benchmarks/throughput.py", "--real", "--dropout", "--attention_impl", "varlen",
+                           "--fusion", "compile", *CASES, *SMOKE],
+    "layer": ["benchmarks/layer_speed.py", "--dropout", *SMOKE],
+    "eval": ["benchmarks/eval_overhead.py", "--examples", "200"],
+    "vs-hf": ["benchmarks/vs_hf.py", *SMOKE],
+    "vs-hf-decoder": ["benchmarks/vs_hf_decoder.py", *SMOKE],
+}
+
+
+def _labels(family, ids: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """The scored positions of the family's objective: the masked ones, or every next piece."""
+    if family.objective.masked:
+        return masked
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:, :-1] = ids[:, 1:]
+    return labels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_bf16_on_cuda_matches_fp32_on_the_cpu(preset):
+    """The same seeded weights, two heads (MINIJOINT's shape): every head's loss within 2% and
+    every logit within 3% of the largest, bf16 on the GPU against fp32 on the CPU (bf16 keeps 8
+    bits of mantissa: each of the few layers adds about 0.4% relative error)."""
+    family, model, _ = find_preset(preset)
+    cfg = dataclasses.replace(model, num_layers=4, head_layers=(2, 4), hidden_dropout=0.0, attention_dropout=0.0)
+    cpu = family.build_lm(cfg, seed=1).eval()
+    gpu = family.build_lm(cfg, seed=1).to("cuda", torch.bfloat16).eval()
+    ids, masked = masked_batch(cfg.vocab_size, b=4, s=64)
+    labels = _labels(family, ids, masked)
+    with torch.no_grad():
+        _, want = cpu(ids, labels)
+        _, got = gpu(ids.cuda(), labels.cuda())
+        torch.testing.assert_close(got.float().cpu(), want, rtol=0.02, atol=0.0)
+        for w, g in zip(cpu.logits(ids), gpu.logits(ids.cuda())):
+            err = (g.float().cpu() - w).abs().max() / w.abs().max()
+            assert err < 0.03, f"{preset}: bf16 logits differ by {err:.3f} of the largest"
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SUITE))
+def test_gpu_suite_step_runs(name, tmp_path):
+    proc = subprocess.run([sys.executable, *SUITE[name]], cwd=REPO, capture_output=True, text=True, timeout=1800,
+                          env=child_env(MMADAPT_BENCH_RESULTS=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert any(tmp_path.iterdir()), "the step wrote no results file"
+
+
+def test_the_smoke_list_is_the_suites():
+    """Every `run NAME` of benchmarks/gpu_suite.sh has its smoke test above, and no other."""
+    suite = (REPO / "benchmarks" / "gpu_suite.sh").read_text()
+    assert set(re.findall(r"^\s*run\s+([\w-]+)\s", suite, re.M)) == set(SUITE)
+    assert all((REPO / args[0]).is_file() for args in SUITE.values())
+    assert os.path.basename(SUITE["eval"][0]) in suite
