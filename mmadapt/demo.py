@@ -40,8 +40,8 @@ import torch
 
 from mmadapt import parallel, steps
 from mmadapt.checkpoint import staged_dir, write_weights_only
-from mmadapt.config import (RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, Parser, PreprocessConfig, TrainConfig,
-                            _f, add_dataclass_args, apply_recipe, override, to_dict)
+from mmadapt.config import (RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig, Parser, PreprocessConfig,
+                            TrainConfig, _f, add_dataclass_args, apply_recipe, override, to_dict)
 from mmadapt.corpora import BIBLE_VERSIONS, GENRES, bible_db_path, parallel_verses
 from mmadapt.data import read_manifest
 from mmadapt.evaluate import evaluate_artifacts, retrieval_records
@@ -161,7 +161,7 @@ def check_shipped(recipe: str, model: dict, train: dict) -> dict:
     """The shipped Step-1 model of `recipe` ({"state", "run"}) of model["family"], if it was
     pretrained with exactly `model` and `train` (the settings --from_scratch would use); else a
     ValueError naming the first setting that differs."""
-    blob = torch.load(source_models(model["family"]) / f"{recipe}.pt", map_location="cpu", weights_only=False)
+    blob = torch.load(source_models(ModelConfig(**model).family) / f"{recipe}.pt", map_location="cpu", weights_only=False)
     defaults = recorded_defaults()  # a field newer than the shipped record ran at its default
     for name, mine, shipped in (("model", model, blob["run"]["model"]), ("train", train, blob["run"]["train"])):
         mine = json.loads(json.dumps(mine))
@@ -176,7 +176,7 @@ def check_shipped(recipe: str, model: dict, train: dict) -> dict:
 def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dict, train: dict) -> None:
     """The shipped Step-1 model of `recipe` as an mmadapt run directory (a weights-only checkpoint
     at its last update), if it was pretrained with exactly `model` and `train` (check_shipped)."""
-    blob, shipped = check_shipped(recipe, model, train), source_models(model["family"])
+    blob, shipped = check_shipped(recipe, model, train), source_models(ModelConfig(**model).family)
     with staged_dir(run_dir) as tmp:
         write_weights_only(tmp / "checkpoints", blob["run"]["train"]["train_iters"], blob["state"],
                            blob["run"]["model"])

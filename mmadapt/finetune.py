@@ -87,6 +87,7 @@ class TaskData:
     def check(self, run: RunSpec, model: ModelConfig, cfg: FinetuneConfig, family: ModelFamily) -> dict:
         examples = read_examples(self.task, self.train_file, self.source_lang, "train", cfg)
         labels = label_names(self.task, examples)
+        metric = headline(self.task, labels, cfg)
         enc = encode(self.task, load_tokenizer(self.primary.tokenizer), examples, labels, cfg, family.framing)
         eval_examples = (read_examples(self.task, self.eval_file, self.source_lang, "test", cfg, labels)
                          if self.eval_file else None)
@@ -95,8 +96,7 @@ class TaskData:
                                     cfg.allow_untrained_positions)
         global_batch = cfg.global_batch(parallel.launched_world_size() // model.tensor_model_parallel_size)
         updates = max(1, math.ceil(cfg.epochs * len(enc) / global_batch))
-        self.plan = TaskPlan(labels, headline(self.task, labels, cfg), enc, eval_examples, positions, updates,
-                             global_batch)
+        self.plan = TaskPlan(labels, metric, enc, eval_examples, positions, updates, global_batch)
         return {"task": self.task.name, "labels": labels, "metric": self.plan.metric, "source_lang": self.source_lang,
                 "train_file": self.train_file, "train_examples": len(examples), "train_rows": len(enc),
                 "updates": updates, "global_batch": global_batch}

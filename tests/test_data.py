@@ -50,7 +50,7 @@ def test_any_number_of_workers_gives_the_same_bytes(prepared, corpus):
 def test_dataset_is_megatrons_indexed_dataset_in_fairseqs_layout(prepared, corpus, tokenizer):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    sp = D.load_tokenizer(tokenizer)
+    sp = D.load_checked_tokenizer(tokenizer)
     ds = IndexedDataset(str(prepared[1][1] / "text"))
     lines = corpus.read_text().splitlines()
     docs = [[]]
@@ -75,7 +75,7 @@ def test_blocks_cross_documents_with_fairseqs_separators(tokenizer, tmp_path):
     corpus = tmp_path / "two_docs.txt"
     corpus.write_text("In the beginning.\nAnd the earth.\n\nLight was good.\n", encoding="utf-8")
     prepare(corpus, tmp_path / "d", VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
-    sp = D.load_tokenizer(tokenizer)
+    sp = D.load_checked_tokenizer(tokenizer)
     b = mlm_batches(tmp_path / "d", 64, VOCAB, 0, 1)
     assert len(b) == 1
     offset, length = b.blocks[0]

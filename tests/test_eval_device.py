@@ -47,7 +47,7 @@ def old_logits(ft: F.Finetuned, artifact: dict | None, input_ids: torch.Tensor, 
 def synthetic(task: str, labels: list[str], seed: int, tokenizer, attention_impl: str = "sdpa") -> F.Finetuned:
     """A Finetuned with seeded, untrained weights: all the comparison of paths needs."""
     t, cfg = T.get_task(task), dataclasses.replace(MODEL, attention_impl=attention_impl)
-    return F.Finetuned(cfg, t, labels, ROBERTA.build_task_model(cfg, t.kind, len(labels), seed).state_dict(), tokenizer,
+    return F.Finetuned(ROBERTA, cfg, t, labels, ROBERTA.build_task_model(cfg, t.kind, len(labels), seed).state_dict(), tokenizer,
                        {"finetune": {"seed": seed}})
 
 

@@ -94,7 +94,7 @@ def test_swap_changes_only_the_embeddings_and_the_tokenizer(step3, de_tokenizer,
     de = read_examples(ft.task, "bible", "de", "test")[:60]
     cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_tokens": 2048})
     enc = encode(ft.task, load_sp(de_tokenizer), de, ft.labels, cfg)
-    model = type(ft)(ft.cfg, ft.task, ft.labels, swapped, ft.tokenizer, ft.run).model()
+    model = type(ft)(ft.family, ft.cfg, ft.task, ft.labels, swapped, ft.tokenizer, ft.run).model()
     expected = score(ft.task, predict(model, enc.input_ids, 2048), enc, de, ft.labels, cfg)
     assert evaluate_score(ft, de, cfg, emb, tok) == expected
     # Embeddings of another model's width are refused.

@@ -81,13 +81,14 @@ def test_every_scored_piece_is_hidden(english):
     reference. Scored under BERT's 80/10/10 (the pieces left visible), the same copying model
     would beat the reference: the test can tell the two apart."""
     from mmadapt.config import TrainConfig
-    from mmadapt.data import OBJECTIVES, VALID
+    from mmadapt.data import VALID
+    from mmadapt.objectives import MLM
     from mmadapt.tokens import MASK_ID
 
     batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
     logp = P.unigram_logprobs(english, VOCAB)
     assert all(bool(ids[labels.ge(0)].eq(MASK_ID).all()) for ids, labels in batches)
-    train_rule = OBJECTIVES["mlm"](english, TrainConfig(seq_length=32, seed=0, train_micro_batch_size_per_gpu=16),
+    train_rule = MLM.batches(english, TrainConfig(seq_length=32, seed=0, train_micro_batch_size_per_gpu=16),
                                    VOCAB, split=VALID)
     visible = [train_rule.micro_batch(k, 0) for k in range(len(batches))]
     assert all(torch.equal(a[1], b[1]) for a, b in zip(batches, visible))  # the same positions, the same targets

@@ -144,7 +144,7 @@ CFG = FinetuneConfig(seq_length=64, doc_stride=16, max_query_length=16, eval_bat
 def _task_model(task: str, labels: list[str], tokenizer) -> predict.TaskModel:
     t = T.get_task(task)
     state = get_family(MODEL).build_task_model(MODEL, t.kind, max(1, len(labels)), seed=5).state_dict()
-    ft = E.Finetuned(MODEL, t, labels, state, tokenizer, {"finetune": {"seed": 5}})
+    ft = E.Finetuned(ROBERTA, MODEL, t, labels, state, tokenizer, {"finetune": {"seed": 5}})
     return predict.TaskModel(Path("synthetic"), ft, CFG, load_sp(tokenizer))
 
 

@@ -26,9 +26,9 @@ class LlamaFamily(ModelFamily):
     task_kinds = TASK_KINDS
     presets = PRESETS
     small_preset = SMALL
-    # mmadapt's SentencePiece models; imported Llama-2/Mistral (SentencePiece BPE with byte
-    # fallback) and Llama-3/Qwen2 (byte-level BPE) tokenizers.
-    tokenizer_kinds = ("sentencepiece", "bpe")
+    # mmadapt's SentencePiece models (and their exported form, a `tokenizers` Unigram); imported
+    # Llama-2/Mistral (SentencePiece BPE with byte fallback) and Llama-3/Qwen2 (byte-level BPE).
+    tokenizer_kinds = ("sentencepiece", "unigram", "bpe")
     compiled_kinds = (DecoderLayer, LMHeads)
     pipeline_ties = {"word": "word_embeddings."}  # the tied word embedding (pipeline.py)
     hf = hf.MAPPING
