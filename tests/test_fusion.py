@@ -161,8 +161,8 @@ def test_minijoint_compiled_equals_eager_and_does_not_recompile_per_batch():
     # The heads see [m, h]: the second batch recompiles them with m symbolic, the first padded
     # one (the third) adds the masked-attention graphs; later batches, padded or not, reuse them.
     assert graphs[2] == graphs[3] == graphs[4] == graphs[5], graphs
-    eager, fused = RobertaMLM(TWO_HEADS, seed=1).eval(), apply_fusion(RobertaMLM(TWO_HEADS, seed=1),
-                                                                        _compiled(TWO_HEADS)).eval()
+    eager, fused = RobertaMLM(TWO_HEADS, seed=1).eval(), apply_fusion(
+        RobertaMLM(TWO_HEADS, seed=1), _compiled(TWO_HEADS), ROBERTA.compiled_kinds).eval()
     with torch.no_grad(), torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         for ids, labels in _batches(TWO_HEADS.vocab_size, 3):
             le, he = eager(ids, labels)
