@@ -234,6 +234,11 @@ class Demo:
                     ).validate(model)
         FinetuneConfig(seq_length=cfg.seq_length, epochs=cfg.finetune_epochs, lr=cfg.finetune_lr,
                        eval_batch_tokens=cfg.eval_batch_tokens).validate(model)
+        for lang in cfg.langs:  # retrieval's chance level is 1 / retrieval_pairs: all of them must exist
+            held = len(parallel_verses("en", lang, cfg.retrieval_pairs))
+            if held < cfg.retrieval_pairs:
+                raise ValueError(f"--retrieval_pairs {cfg.retrieval_pairs}: the held-out books hold {held} {lang} verses "
+                                 f"parallel to English: choose at most {held}")
 
     def check_sources(self) -> None:
         """Before any side effect: the shipped source models fit this demo's Step-1 settings

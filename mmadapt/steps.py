@@ -50,7 +50,7 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.plugin import PluginProbe, plugin_records, progress_line, source_language_loss, unigram_logprobs
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, load_checkpoint, pretrained_blocks, read_run,
-                         read_source, run_fingerprint, run_progress, start_run, weights_fingerprint)
+                         read_source, require_kind, run_fingerprint, run_progress, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -558,6 +558,7 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
     seq_length, blocks = whole_arg(seq_length, "seq_length", 8, optional=True), whole_arg(blocks, "blocks", 1)
     _refuse_existing(output)
     src = read_run(primary)
+    require_kind(primary, src, "pretrain", "minipost")
     seq_length = seq_length or pretrained_blocks(src) or 64
     positions = check_positions(Path(primary), src, seq_length, allow_untrained_positions)
     if positions:
