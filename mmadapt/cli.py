@@ -21,7 +21,8 @@ from pathlib import Path
 from mmadapt import faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, RECIPES, SYSTEMS, FinetuneConfig, Layout, MiniModelConfig,
-                            ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe, override)
+                            ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe, override,
+                            whole_number)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_hf
@@ -249,8 +250,8 @@ def adapt_parser() -> argparse.ArgumentParser:
     _data_args(p, "target-language corpus (default: bible:<lang>, the packaged Bible)")
     p.add_argument("--tokenizer", help="with --corpus: an existing target-language SentencePiece .model "
                    "(default: train one with --vocab_size pieces on the corpus)")
-    p.add_argument("--vocab_size", type=int, help="target vocabulary size V (default: the --data_path's or "
-                   "--tokenizer's size, else the source model's)")
+    p.add_argument("--vocab_size", type=whole_number(8), help="target vocabulary size V (default: the --data_path's "
+                   "or --tokenizer's size, else the source model's)")
     _later_step_args(p, LAYOUT_FIELDS)
     add_dataclass_args(p, MiniModelConfig, only=("mini_layers",),
                        defaults="--system minijoint: the source run's secondary head, when it has only one")
@@ -280,8 +281,8 @@ def sweep_parser() -> argparse.ArgumentParser:
     p.add_argument("--lang", required=True, help="target language code")
     _data_args(p, "target-language corpus (bible:<lang>: the packaged Bible) with --valid_fraction held out for "
                "the metric")
-    p.add_argument("--vocab_size", type=int, help="with --corpus: the target vocabulary size V (default: the "
-                   "source model's)")
+    p.add_argument("--vocab_size", type=whole_number(8), help="with --corpus: the target vocabulary size V (default: "
+                   "the source model's)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="Step-2 training schedule (the model's shape comes from "
                    "the source run; default: its family's small preset)")
     p.add_argument("--output_dir", required=True, help="one Step-2 run per depth (<output_dir>/<N>), the "
@@ -375,10 +376,11 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    "validation split (mmadapt preprocess --valid_fraction), {lang} replaced by each artifact's "
                    "language; the one Step 2 trained on")
     p.add_argument("--primary", help="with --plugin_data: the run whose primary model the embeddings belong to")
-    p.add_argument("--seq_length", type=int, help="with --plugin_data: tokens per held-out block (default: the "
-                   "blocks the primary model was pretrained on, 64 for an imported one; longer ones need "
+    p.add_argument("--seq_length", type=whole_number(8), help="with --plugin_data: tokens per held-out block "
+                   "(default: the blocks the primary model was pretrained on, 64 for an imported one; longer ones need "
                    "--allow_untrained_positions)")
-    p.add_argument("--plugin_blocks", type=int, default=256, help="with --plugin_data: held-out blocks scored")
+    p.add_argument("--plugin_blocks", type=whole_number(1), default=256, help="with --plugin_data: held-out blocks "
+                   "scored")
     p.add_argument("--output", required=True, help="JSON file of records {system, task, lang, step, flops, "
                    "score, ...}; must not exist yet")
     add_dataclass_args(p, FinetuneConfig, only=("eval_batch_tokens",), defaults="each --finetuned run's own")
@@ -425,7 +427,7 @@ def predict_parser() -> argparse.ArgumentParser:
                    "question TAB context); a .jsonl file: one object per line with those keys")
     p.add_argument("--jsonl", action="store_true", help="the input is JSON Lines whatever its name (stdin included)")
     p.add_argument("--output", help="write the JSON Lines here (must not exist yet; default: stdout)")
-    p.add_argument("--top_k", type=int, default=5, help="language models: pieces listed per position")
+    p.add_argument("--top_k", type=whole_number(1), default=5, help="language models: pieces listed per position")
     p.add_argument("--tag", help="a language model's checkpoint (default: the newest complete one)")
     p.add_argument("--device", help="cpu or cuda[:i] (default: the GPU if there is one)")
     return p
@@ -438,12 +440,11 @@ def predict_main(argv=None) -> int:
         raise ValueError(f"{args.output} already exists: choose a new --output (nothing is overwritten)")
     if args.output:
         check_output_file(Path(args.output), "--output")
-    if args.top_k < 1:
-        raise ValueError(f"--top_k must be >= 1, got {args.top_k}")
     kind = predict.kind_of(args.run)
     inputs = predict.read_inputs(args.input, kind, args.jsonl or None)  # before the weights: bad input is cheap
     model = predict.load(args.run, args.embeddings, tag=args.tag, device=args.device)
-    text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in predict.predict_rows(model, inputs, args.top_k))
+    rows = predict.predict_rows(model, inputs, args.top_k)  # refuses NaN or infinite outputs
+    text = "".join(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows)
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
     else:
@@ -461,7 +462,7 @@ def flops_main(argv=None) -> int:
                    "s=512, V=50,000, p=0.15), printed as JSON")
     p.add_argument("--json", action="store_true", help="JSON rows instead of a table")
     p.add_argument("--preset", choices=sorted(PRESETS), default="roberta-base", help="model shape and schedule")
-    p.add_argument("--global_batch", type=int, help="sequences per update B (default: the paper's 2048 for "
+    p.add_argument("--global_batch", type=whole_number(1), help="sequences per update B (default: the paper's 2048 for "
                    "roberta-base, else micro-batch x accumulation of the preset on one rank)")
     p.add_argument("--device", choices=sorted(DEVICE_TFLOPS), default="v100-paper",
                    help="throughput for the device-days of the exact count")
@@ -475,6 +476,7 @@ def flops_main(argv=None) -> int:
     else:
         family, model, train = find_preset(args.preset)
         model, train = family.validate(override(model, args)), override(train, args)
+        train.validate(model)
         mini = override(MiniModelConfig(), args)
         batch = args.global_batch or (PAPER["global_batch"] if args.preset == "roberta-base" else
                                       train.global_batch(1))

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,23 +20,157 @@ from types import UnionType
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 
-def _f(default, help: str, flag: bool = True, **kw):
-    """A config field with its help text; flag=False: set by the steps, never a command-line flag."""
-    return field(default=default, metadata={"help": help, "flag": flag}, **kw)
+def _f(default, help: str, flag: bool = True, *, ge=None, gt=None, le=None, lt=None,
+       choices: tuple[str, ...] | None = None, **kw):
+    """A config field with its help text and, for a number, its valid range (ge/gt/le/lt: >=, >,
+    <=, <; each item of a tuple field) or, for a string, its `choices`: checked once, when the
+    config is made (`check_declared`). flag=False: set by the steps, never a command-line flag."""
+    return field(default=default, metadata={"help": help, "flag": flag, **_limits(ge, gt, le, lt, choices)}, **kw)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A number's valid range: lo/hi, each inclusive or not (None: unbounded on that side)."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def holds(self, value) -> bool:
+        lo = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
+        hi = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+        return lo and hi
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.lo is None:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+def _limits(ge, gt, le, lt, choices) -> dict:
+    """A field's declared limits as metadata: "bounds" (Bounds), "choices"."""
+    out = {}
+    if (ge, gt, le, lt) != (None,) * 4:
+        out["bounds"] = Bounds(ge if gt is None else gt, le if lt is None else lt, gt is not None, lt is not None)
+    if choices is not None:
+        out["choices"] = tuple(choices)
+    return out
+
+
+def field_name(cls, name: str) -> str:
+    """How a refusal names field `name` of `cls`: the flag the user typed (--name) for a config
+    field that is a flag, else Class.name (a step's argument, a field the steps set)."""
+    f = cls.__dataclass_fields__[name]
+    return f"--{name}" if f.metadata.get("flag", False) else f"{cls.__name__}.{name}"
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    return get_type_hints(cls)
+
+
+def check_declared(obj) -> None:
+    """Refuse, in one line naming the field (`field_name`) and what it takes, the first field of
+    the dataclass instance `obj` whose value is not of its declared type (a Path field takes a
+    str or path and becomes a Path; a tuple field a tuple or list), not a finite number where a
+    number is declared, outside its declared range (`_f`'s ge/gt/le/lt, each item of a tuple),
+    not one of its choices, or an empty list where one is needed (a tuple field with a non-empty
+    default). Every config and step dataclass runs it when made (__post_init__): the command
+    line, the Python API, `mmadapt demo` and `mmadapt flops` check the same way, before any work."""
+    cls = type(obj)
+    for f in dataclasses.fields(obj):
+        value = _checked_value(obj, f, _hints(cls)[f.name], field_name(cls, f.name))
+        if value is not getattr(obj, f.name):
+            object.__setattr__(obj, f.name, value)  # frozen dataclasses too
+
+
+def _checked_value(obj, f, kind, name: str):
+    """The value of field f of obj, checked (check_declared); a path-like one as a Path."""
+    value = getattr(obj, f.name)
+    args = get_args(kind)
+    if get_origin(kind) in (Union, UnionType) and type(None) in args:
+        if value is None:
+            return None
+        kind = next(a for a in args if a is not type(None)) if len(args) == 2 else kind
+    item = _tuple_item(kind)
+    if item is not None:
+        if not isinstance(value, (tuple, list)):
+            raise ValueError(f"{name} takes a list of values, got {value!r}")
+        if not value and (f.default is None or isinstance(f.default, tuple) and f.default):
+            raise ValueError(f"{name} needs at least one value")
+        for v in value:
+            _check_one(v, item, f, name)
+        return value
+    return _check_one(value, kind, f, name)
+
+
+def _check_one(value, kind, f, name: str):
+    if kind is Path:
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise ValueError(f"{name} takes a path, got {value!r}")
+        return Path(value)
+    if kind in (int, float, bool, str) and (isinstance(value, bool) != (kind is bool)
+                                            or not isinstance(value, (int, float) if kind is float else kind)):
+        what = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}[kind]
+        raise ValueError(f"{name} takes {what}, got {value!r}")
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind) and not isinstance(value, kind):
+        raise ValueError(f"{name} takes a {kind.__name__}, got {type(value).__name__}")
+    if kind is float and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    bounds, choices = f.metadata.get("bounds"), f.metadata.get("choices")
+    if bounds is not None and not bounds.holds(value):
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def path_args(value, name: str) -> list[Path]:
+    """A Python API argument of one or more paths (a list, or one path), checked as check_declared
+    checks a field: refused in one line naming the argument unless each is a non-empty path."""
+    items = [value] if isinstance(value, (str, os.PathLike)) else value
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ValueError(f"{name} takes a non-empty list of paths, got {value!r}")
+    bad = next((v for v in items if not isinstance(v, (str, os.PathLike)) or not str(v)), None)
+    if bad is not None:
+        raise ValueError(f"{name} takes paths, got {bad!r}")
+    return [Path(v) for v in items]
+
+
+def whole_arg(value, name: str, lo: int, optional: bool = False) -> int | None:
+    """A Python API argument that is a whole number >= lo (or None where `optional`)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be a whole number >= {lo}, got {value!r}")
+    return value
+
+
+class Checked:
+    """A dataclass whose fields are checked when it is made (check_declared)."""
+
+    def __post_init__(self):
+        check_declared(self)
 
 
 DECODER = (("llama",), ("is a decoder setting", " does not use it"))
 
 
-def _owned(default, help: str, owners: tuple[tuple[str, ...], tuple[str, str]]):
+def _owned(default, help: str, owners: tuple[tuple[str, ...], tuple[str, str]], *, ge=None, gt=None,
+           choices: tuple[str, ...] | None = None):
     """A ModelConfig field that only some model families use: (their names, (what the field is,
     what the refusal says of a family that does not use it)). ModelFamily.check_fields refuses the
     field set to anything but its default for any other family (or a family that claims it,
     ModelFamily.config_fields)."""
     families, unused = owners
-    return field(default=default, metadata={"help": help, "flag": True, "families": families, "unused": unused})
+    return field(default=default, metadata={"help": help, "flag": True, "families": families, "unused": unused,
+                                            **_limits(ge, gt, None, None, choices)})
 
 
+# ModelConfig.attention_impl's values (mmadapt/models/layers.py).
+ATTENTION_IMPLS = ("sdpa", "varlen", "math")
 # ModelConfig.fusion's values (mmadapt/fusion.py applies them).
 FUSIONS = ("none", "compile")
 # ModelConfig.output_bias_init's values (steps.pretrain applies them).
@@ -47,63 +184,66 @@ VOCAB_MODES = ("replace", "expand")
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Checked):
     family: str = _f("roberta", "model family (mmadapt/models/): roberta (post-LayerNorm encoder, masked LM) or "
                      "llama (pre-norm decoder: RMSNorm, rotary positions, SwiGLU, grouped-query attention; causal LM); "
                      "set by the preset (each preset belongs to one family), not a flag", flag=False)
-    num_layers: int = _f(12, "number of transformer layers")
-    hidden_size: int = _f(768, "hidden size h")
-    num_attention_heads: int = _f(12, "attention heads per layer")
-    ffn_hidden_size: int = _f(3072, "feed-forward inner size")
-    vocab_size: int = _f(50_000, "SentencePiece vocabulary size V (special tokens included)")
-    max_position_embeddings: int = _f(512, "learned positions; upper bound on seq_length")
-    hidden_dropout: float = _f(0.1, "dropout on embeddings and on each residual branch")
-    attention_dropout: float = _f(0.1, "dropout on attention probabilities")
-    layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon")
-    init_method_std: float = _f(0.02, "std of the normal init of every weight matrix and embedding")
+    num_layers: int = _f(12, "number of transformer layers", ge=1)
+    hidden_size: int = _f(768, "hidden size h", ge=1)
+    num_attention_heads: int = _f(12, "attention heads per layer", ge=1)
+    ffn_hidden_size: int = _f(3072, "feed-forward inner size", ge=1)
+    vocab_size: int = _f(50_000, "SentencePiece vocabulary size V (special tokens included)", ge=1)
+    max_position_embeddings: int = _f(512, "learned positions; upper bound on seq_length", ge=1)
+    hidden_dropout: float = _f(0.1, "dropout on embeddings and on each residual branch", ge=0, lt=1)
+    attention_dropout: float = _f(0.1, "dropout on attention probabilities", ge=0, lt=1)
+    layernorm_epsilon: float = _f(1e-5, "LayerNorm epsilon", ge=0)
+    init_method_std: float = _f(0.02, "std of the normal init of every weight matrix and embedding", ge=0)
     output_bias_init: str = _owned("zeros", "Step 1: how every MLM head's output bias [V] starts: zeros, or unigram "
                                    "(the log-frequency of each piece in the training text, add-one smoothed: what a "
                                    "model that ignores its input predicts, so its layers need not learn to; the "
                                    "encoder only, a decoder's head has no bias)",
-                                   (("roberta",), ("starts an MLM head's output bias", "'s LM head has none")))
+                                   (("roberta",), ("starts an MLM head's output bias", "'s LM head has none")),
+                                   choices=OUTPUT_BIAS_INITS)
     head_layers: tuple = _f(
         (), "layers after which an MLM head sits, ascending; must end with num_layers "
-        "(the primary head). Empty: one head, after the last layer")
+        "(the primary head). Empty: one head, after the last layer", ge=1)
     head_weights: tuple[float, ...] = _f(
         (), "one weight per MLM head, in head_layers order: the loss is sum(w_i * loss_i) / sum(w_i). Empty: "
-        "the mean of the heads' losses (the paper's MINIJOINT: its two heads weighted equally)")
+        "the mean of the heads' losses (the paper's MINIJOINT: its two heads weighted equally)", ge=0)
     attention_impl: str = _f(
         "sdpa", "'sdpa' (fused scaled_dot_product_attention; a padded batch passes a mask, so on a GPU "
         "it gets the memory-efficient kernel, not flash), 'varlen' (padded batches as jagged tensors "
         "of their real tokens: flash's variable-length kernel on a GPU, nothing spent on padding) or "
-        "'math' (explicit matmuls, which torch's FLOP counter sees)")
+        "'math' (explicit matmuls, which torch's FLOP counter sees)", choices=ATTENTION_IMPLS)
     fusion: str = _f(
         "none", "'none' (eager: the CPU default and the reference in tests) or 'compile' (torch.compile of "
-        "each transformer layer and of the MLM heads, in place: parameter names and checkpoints unchanged)")
+        "each transformer layer and of the MLM heads, in place: parameter names and checkpoints unchanged)",
+        choices=FUSIONS)
     num_query_groups: Optional[int] = _owned(None, "decoder: key/value head groups of grouped-query attention, "
                                              "dividing num_attention_heads and tensor_model_parallel_size (default: "
-                                             "one per attention head, i.e. multi-head attention)", DECODER)
+                                             "one per attention head, i.e. multi-head attention)", DECODER, ge=1)
     kv_channels: Optional[int] = _owned(None, "decoder: channels per attention head, megatron's kv_channels (Gemma-7B: "
                                         "256 at hidden_size 3072 and 16 heads) (default: hidden_size // "
-                                        "num_attention_heads)", DECODER)
+                                        "num_attention_heads)", DECODER, ge=1)
     add_qkv_bias: bool = _owned(False, "decoder: a bias on the query, key and value projections (Qwen2 has one; Llama "
                                 "and Mistral do not)", DECODER)
     rotary_base: float = _owned(10000.0, "decoder: base of the rotary position embedding's frequencies (Llama-2 "
-                                "10000, Llama-3 500000, Qwen2 1000000)", DECODER)
+                                "10000, Llama-3 500000, Qwen2 1000000)", DECODER, gt=0)
     seq_len_interpolation_factor: Optional[float] = _owned(
         None, "decoder: linear rotary scaling (position interpolation, Chen et al. 2023): positions are divided by "
-        "this factor, as transformers' rope_type 'linear' does (default: none)", DECODER)
+        "this factor, as transformers' rope_type 'linear' does (default: none)", DECODER, gt=0)
     share_embeddings_and_output_weights: bool = _owned(True, "decoder: the output projection is the input embedding "
                                                        "(tied); false: an output projection of its own [V, h]. The "
                                                        "encoder's is always tied", DECODER)
-    tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (megatron-core layers)")
-    pipeline_model_parallel_size: int = _f(1, "pipeline stages (DeepSpeed PipelineModule)")
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (megatron-core layers)", ge=1)
+    pipeline_model_parallel_size: int = _f(1, "pipeline stages (DeepSpeed PipelineModule)", ge=1)
     frozen_vocab_size: int = _f(0, "Step 2 with an expanded vocabulary (--vocab_mode expand; set by adapt, not by "
                                 "hand): the first frozen_vocab_size rows of every vocabulary-indexed weight are the "
                                 "source's, a frozen parameter apart from the new rows after them, which alone train "
-                                "(0: each such weight is one parameter)", flag=False)
+                                "(0: each such weight is one parameter)", flag=False, ge=0)
 
     def __post_init__(self):
+        check_declared(self)
         self.head_layers = tuple(int(x) for x in self.head_layers or ())
         self.head_weights = tuple(float(x) for x in self.head_weights or ())
 
@@ -115,37 +255,22 @@ class ModelConfig:
     def validate(self) -> "ModelConfig":
         """Raise ValueError naming the first invalid combination."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if min(self.num_layers, self.hidden_size, self.num_attention_heads, self.ffn_hidden_size,
-               self.vocab_size, tp, pp) < 1:
-            raise ValueError("num_layers, hidden_size, num_attention_heads, ffn_hidden_size, "
-                             "vocab_size and the parallel sizes must all be >= 1")
         groups = self.num_query_groups
-        if groups is not None and (groups < 1 or self.num_attention_heads % groups):
+        if groups is not None and self.num_attention_heads % groups:
             raise ValueError(f"num_query_groups {groups} does not divide num_attention_heads "
                              f"{self.num_attention_heads}: each key/value group serves a whole number of heads")
         if groups is not None and groups % tp:
             raise ValueError(f"num_query_groups {groups} is not divisible by tensor_model_parallel_size {tp}: each "
                              "tensor-parallel rank holds whole key/value groups; pick a tensor-parallel size that "
                              "divides it")
-        if self.output_bias_init not in OUTPUT_BIAS_INITS:
-            raise ValueError(f"output_bias_init must be one of {', '.join(OUTPUT_BIAS_INITS)}, got "
-                             f"{self.output_bias_init!r}")
-        if not self.rotary_base > 0:
-            raise ValueError(f"rotary_base must be > 0, got {self.rotary_base}")
-        factor = self.seq_len_interpolation_factor
-        if factor is not None and not factor > 0:
-            raise ValueError(f"seq_len_interpolation_factor must be > 0 (or unset: no rotary scaling), got {factor}")
-        if self.kv_channels is not None and self.kv_channels < 1:
-            raise ValueError(f"kv_channels must be >= 1 (or unset: hidden_size // num_attention_heads), got "
-                             f"{self.kv_channels}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
         self._validate_tensor_parallel()
-        if not 0 <= self.frozen_vocab_size < self.vocab_size:
+        if self.frozen_vocab_size >= self.vocab_size:
             raise ValueError(f"frozen_vocab_size {self.frozen_vocab_size} must be in 0..vocab_size - 1 "
                              f"({self.vocab_size - 1}): the source's rows, with at least one new row after them")
-        bad = [l for l in self.heads_after if not 1 <= l <= self.num_layers]
+        bad = [l for l in self.heads_after if l > self.num_layers]
         if bad:
             raise ValueError(f"head layer {bad[0]} is outside 1..num_layers={self.num_layers}")
         if list(self.heads_after) != sorted(set(self.heads_after)):
@@ -156,15 +281,11 @@ class ModelConfig:
         if self.head_weights and len(self.head_weights) != len(self.heads_after):
             raise ValueError(f"head_weights {self.head_weights} has {len(self.head_weights)} entries for "
                              f"{len(self.heads_after)} heads (after layers {self.heads_after}): give one per head")
-        if self.head_weights and (min(self.head_weights) < 0 or sum(self.head_weights) <= 0):
-            raise ValueError(f"head_weights {self.head_weights} must be >= 0 with a positive sum")
+        if self.head_weights and sum(self.head_weights) <= 0:
+            raise ValueError(f"head_weights {self.head_weights} must have a positive sum")
         if pp > self.num_layers:
             raise ValueError(f"pipeline_model_parallel_size {pp} exceeds num_layers {self.num_layers}: "
                              "a stage must own at least one layer")
-        if self.attention_impl not in ("sdpa", "varlen", "math"):
-            raise ValueError(f"attention_impl must be 'sdpa', 'varlen' or 'math', got {self.attention_impl!r}")
-        if self.fusion not in FUSIONS:
-            raise ValueError(f"fusion must be one of {', '.join(map(repr, FUSIONS))}, got {self.fusion!r}")
         return self
 
     def _validate_tensor_parallel(self) -> None:
@@ -199,20 +320,19 @@ class ModelConfig:
 
 
 @dataclass
-class MiniModelConfig:
+class MiniModelConfig(Checked):
     """The mini-model's shape (paper section 2): its depth N, and MINIPOST's new layers K."""
     mini_layers: tuple = _f((4,), "N: depth of the mini-model (BL_SMALL has N layers; MINIJOINT's second head "
                             "sits after layer N; MINIPOST copies the bottom N layers). MINIJOINT takes several "
                             "(2 4 6: a secondary head after each, mini-models of each depth from one "
-                            "pretraining); Step 2 picks one of its source run's")
-    new_layers: int = _f(2, "K: MINIPOST's new layers, trained on top of the copied N (Step 1b)")
+                            "pretraining); Step 2 picks one of its source run's", ge=1)
+    new_layers: int = _f(2, "K: MINIPOST's new layers, trained on top of the copied N (Step 1b)", ge=1)
 
     def __post_init__(self):
         # Always a tuple; one int is read as one depth (run.json files of one-depth runs hold an int).
         depths = self.mini_layers
-        self.mini_layers = tuple(int(x) for x in depths) if isinstance(depths, (tuple, list)) else (int(depths),)
-        if not self.mini_layers:
-            raise ValueError("mini_layers needs at least one depth")
+        self.mini_layers = tuple(depths) if isinstance(depths, (tuple, list)) else (depths,)
+        check_declared(self)
 
     def one_depth(self, what: str) -> int:
         """The one depth N of a step that builds one mini-model (ValueError naming `what` otherwise)."""
@@ -223,46 +343,46 @@ class MiniModelConfig:
 
 
 @dataclass
-class PreprocessConfig:
+class PreprocessConfig(Checked):
     """`mmadapt preprocess`: how a corpus is prepared once for every run that trains on it."""
     workers: Optional[int] = _f(None, "encoding processes, each over its own byte range of the corpus "
-                                "(default: the CPU count); the result is the same for any number")
+                                "(default: the CPU count); the result is the same for any number", ge=1)
     tokenizer_sample_lines: int = _f(2_000_000, "lines sampled (seeded reservoir) to train the SentencePiece "
-                                     "model: bounds its memory whatever the corpus size")
+                                     "model: bounds its memory whatever the corpus size", ge=1)
     tokenizer_seed: int = _f(1234, "seed of that sample and of SentencePiece's training (and of the "
-                             "validation split)")
+                             "validation split)", ge=0)
     valid_fraction: float = _f(0.0, "fraction of the documents held out as validation data (chosen by a seeded "
-                               "hash of each document, so the same for any number of workers)")
+                               "hash of each document, so the same for any number of workers)", ge=0, lt=1)
 
 
 @dataclass
-class LoopConfig:
+class LoopConfig(Checked):
     """What every step that trains shares (Steps 1, 1b, 2 and 3): the seed, the batch, AdamW and
     its schedule's peak, clipping, and the loop's intervals and fault settings. engine.train_loop
     and engine.build_engine take it whole. TrainConfig and FinetuneConfig add their own fields
     and change some defaults (`_default`)."""
-    seed: int = _f(1234, "seed of initialisation, data order, masking and dropout")
+    seed: int = _f(1234, "seed of initialisation, data order, masking and dropout", ge=0)
     train_micro_batch_size_per_gpu: int = _f(8, "blocks (fine-tuning: examples) per micro-batch per "
-                                             "data-parallel rank")
-    gradient_accumulation_steps: int = _f(1, "micro-batches per update")
-    lr: Optional[float] = _f(7e-4, "peak learning rate")
-    weight_decay: float = _f(0.01, "AdamW weight decay (on weight matrices only, unless decay_all)")
+                                             "data-parallel rank", ge=1)
+    gradient_accumulation_steps: int = _f(1, "micro-batches per update", ge=1)
+    lr: Optional[float] = _f(7e-4, "peak learning rate", gt=0)
+    weight_decay: float = _f(0.01, "AdamW weight decay (on weight matrices only, unless decay_all)", ge=0)
     decay_all: bool = _f(False, "weight decay on every trained parameter, biases and LayerNorm included, as "
                          "fairseq does (so the paper: true); false: on weight matrices only, as BERT and Megatron")
-    adam_beta1: float = _f(0.9, "Adam beta1")
-    adam_beta2: float = _f(0.98, "Adam beta2")
-    adam_eps: float = _f(1e-6, "Adam epsilon")
-    gradient_clipping: float = _f(0.0, "global gradient-norm clip (0 = off, as in RoBERTa)")
-    log_interval: int = _f(10, "updates between TensorBoard/console logs")
-    save_interval: int = _f(1000, "updates between checkpoints (and one at the end)")
+    adam_beta1: float = _f(0.9, "Adam beta1", ge=0, lt=1)
+    adam_beta2: float = _f(0.98, "Adam beta2", ge=0, lt=1)
+    adam_eps: float = _f(1e-6, "Adam epsilon", gt=0)
+    gradient_clipping: float = _f(0.0, "global gradient-norm clip (0 = off, as in RoBERTa)", ge=0)
+    log_interval: int = _f(10, "updates between TensorBoard/console logs", ge=1)
+    save_interval: int = _f(1000, "updates between checkpoints (and one at the end)", ge=1)
     extra_save_steps: tuple = _f((), "more update counts to checkpoint at (Step 2: the paper adds "
-                                 "1000 2000 3000 4000 to every 5000 for fast-adapting languages)")
+                                 "1000 2000 3000 4000 to every 5000 for fast-adapting languages)", ge=1)
     exit_interval: int = _f(0, "save and exit once the update count is a multiple of this (0 = off); "
-                            "for jobs that must end before a scheduler's time limit")
+                            "for jobs that must end before a scheduler's time limit", ge=0)
     keep_last: int = _f(0, "keep only the newest keep_last complete checkpoints (0 = keep all); Step-2 "
-                        "embedding artifacts are never deleted")
+                        "embedding artifacts are never deleted", ge=0)
     max_skipped_steps: int = _f(50, "stop as diverged after this many optimizer steps in a row are skipped "
-                                "(fp16 gradient overflow)")
+                                "(fp16 gradient overflow)", ge=0)
 
     def global_batch(self, data_parallel_size: int) -> int:
         """Blocks (or examples) per update over every data-parallel rank."""
@@ -271,13 +391,6 @@ class LoopConfig:
     def warmup_iters(self, total: int) -> int:
         """Updates of linear warm-up before the linear decay to 0 at `total`."""
         raise NotImplementedError
-
-    def _validate_loop(self) -> None:
-        if min(self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps, self.log_interval,
-               self.save_interval) < 1 or self.exit_interval < 0:
-            raise ValueError("batch sizes, log_interval and save_interval must be >= 1 and exit_interval >= 0")
-        if self.keep_last < 0 or self.max_skipped_steps < 0:
-            raise ValueError("keep_last and max_skipped_steps must be >= 0")
 
 
 def _redefault(name: str, value):
@@ -297,28 +410,30 @@ CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_
 @dataclass
 class TrainConfig(LoopConfig):
     """Steps 1, 1b and 2: language-model training on prepared blocks of text."""
-    seq_length: int = _f(512, "tokens per block s (<= max_position_embeddings)")
-    train_iters: int = _f(125_000, "number of updates U")
-    lr_warmup_iters: int = _f(10_000, "linear warm-up updates, then linear decay to 0 at train_iters")
-    mask_prob: float = _f(0.15, "fraction p of tokens selected for MLM")
+    seq_length: int = _f(512, "tokens per block s (<= max_position_embeddings)", ge=8)
+    train_iters: int = _f(125_000, "number of updates U", ge=1)
+    lr_warmup_iters: int = _f(10_000, "linear warm-up updates, then linear decay to 0 at train_iters", ge=0)
+    mask_prob: float = _f(0.15, "fraction p of tokens selected for MLM", gt=0, lt=1)
     eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
-                            "prepared with --valid_fraction)")
-    eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time")
+                            "prepared with --valid_fraction)", ge=0)
+    eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time", ge=1)
     train_output_bias: bool = _f(True, "Step 2: train the output bias with the embeddings (it is indexed by the "
                                  "target vocabulary's pieces); false: the paper's setting, embeddings only, the bias "
                                  "frozen at its overlap initialisation (source bias for shared pieces, 0 otherwise)")
     embedding_init: str = _f("overlap", "Step 2: how the new vocabulary's rows start: overlap (the paper: a piece "
                              "also in the source vocabulary gets its source row, the others N(0, init_method_std)), "
                              "subword_mean (FVT: shared pieces copied, every other piece the mean of the source rows "
-                             "of its split under the source tokenizer) or normal (every row drawn, nothing copied)")
+                             "of its split under the source tokenizer) or normal (every row drawn, nothing copied)",
+                             choices=EMBEDDING_INITS)
     vocab_mode: str = _f("replace", "Step 2: replace (the paper: the target vocabulary replaces the source's) or "
                          "expand (the source vocabulary keeps its ids and rows, frozen; the target's pieces that it "
-                         "lacks are appended and only their rows train; the source language keeps working)")
+                         "lacks are appended and only their rows train; the source language keeps working)",
+                         choices=VOCAB_MODES)
     plugin_eval_blocks: int = _f(0, "Step 2: at each checkpoint, score the new embeddings through the primary model "
                                  "with the plug-in metric on this many held-out blocks of the target dataset's "
                                  "validation split (--data_path prepared with --valid_fraction), and log whether "
                                  "they have passed the unigram reference yet: the first sign of transfer (0 = off; "
-                                 "rank 0 holds the primary model meanwhile)")
+                                 "rank 0 holds the primary model meanwhile)", ge=0)
 
     def warmup_iters(self, total: int) -> int:
         return self.lr_warmup_iters
@@ -327,21 +442,8 @@ class TrainConfig(LoopConfig):
         if self.seq_length > model.max_position_embeddings:
             raise ValueError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
                              f"{model.max_position_embeddings}")
-        if self.seq_length < 8:
-            raise ValueError(f"seq_length {self.seq_length} is too short (need >= 8)")
-        if min(self.train_iters, self.eval_iters) < 1 or self.eval_interval < 0:
-            raise ValueError("train_iters and eval_iters must be >= 1 (eval_interval >= 0)")
-        if not 0 < self.mask_prob < 1:
-            raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
-        if self.plugin_eval_blocks < 0:
-            raise ValueError(f"plugin_eval_blocks must be >= 0, got {self.plugin_eval_blocks}")
-        if self.embedding_init not in EMBEDDING_INITS:
-            raise ValueError(f"embedding_init must be one of {', '.join(EMBEDDING_INITS)}, got {self.embedding_init!r}")
-        if self.vocab_mode not in VOCAB_MODES:
-            raise ValueError(f"vocab_mode must be one of {', '.join(VOCAB_MODES)}, got {self.vocab_mode!r}")
         if self.lr is None:
             raise ValueError("lr must be set for pretraining, Step 1b and Step 2")
-        self._validate_loop()
         return self
 
 
@@ -362,25 +464,25 @@ class FinetuneConfig(LoopConfig):
     seed: int = _redefault("seed", 1)  # the paper averages 5 fine-tuning seeds
     train_micro_batch_size_per_gpu: int = _redefault("train_micro_batch_size_per_gpu", 32)
     lr: Optional[float] = _f(None, "peak learning rate (default: the task's, paper: 1e-5 XNLI/PAWS-X, "
-                             "3e-5 MLQA/XQuAD)")
+                             "3e-5 MLQA/XQuAD)", gt=0)
     seq_length: int = _f(128, "pieces per example (QA: per context window); at most the blocks the primary model "
-                         "was pretrained on (its run.json train.seq_length), unless allow_untrained_positions")
+                         "was pretrained on (its run.json train.seq_length), unless allow_untrained_positions", ge=8)
     allow_untrained_positions: bool = _f(False, "fine-tune (and evaluate) with a seq_length longer than the primary "
                                          "model's pretraining blocks, with a warning: the position embeddings "
                                          "past them were never trained")
-    epochs: float = _f(3.0, "passes over the training examples (paper: 3)")
-    warmup_ratio: float = _f(0.06, "fraction of the updates with linear warm-up, then linear decay to 0")
+    epochs: float = _f(3.0, "passes over the training examples (paper: 3)", gt=0)
+    warmup_ratio: float = _f(0.06, "fraction of the updates with linear warm-up, then linear decay to 0", ge=0, lt=1)
     doc_stride: Optional[int] = _f(None, "QA: pieces shared by consecutive windows of a context longer than one "
                                    "window (default: 128, as in SQuAD practice at seq_length 384, or half the "
-                                   "window where that is shorter)")
-    max_query_length: int = _f(64, "QA: question pieces kept")
-    max_answer_length: int = _f(30, "QA: longest answer predicted, in pieces")
+                                   "window where that is shorter)", ge=1)
+    max_query_length: int = _f(64, "QA: question pieces kept", ge=1)
+    max_answer_length: int = _f(30, "QA: longest answer predicted, in pieces", ge=1)
     # 16384: on a GPU, enough rows to fill it (128 rows of 128 pieces; roberta-base's bf16
     # activations for them take a few hundred MiB of an H100's 80 GiB, and larger batches gain
     # little once every SM is busy); on a CPU, batch size barely changes throughput.
     eval_batch_tokens: int = _f(16384, "evaluation: piece ids per forward pass, counted as rows x the batch's longest "
                                 "row (rows are sorted by length, padding past the longest is never computed; at "
-                                "least one row per pass)")
+                                "least one row per pass)", ge=1)
     metric: Optional[str] = _f(None, "the headline score (run.json's source_score, Step 4's score): classify "
                                "tasks accuracy or macro_f1, tag tasks accuracy or chunk_f1 (B-/I-/O tags), QA "
                                "squad_f1 or exact_match; every one that applies is computed and recorded "
@@ -400,13 +502,6 @@ class FinetuneConfig(LoopConfig):
         if self.seq_length > model.max_position_embeddings:
             raise ValueError(f"seq_length {self.seq_length} exceeds the model's max_position_embeddings "
                              f"{model.max_position_embeddings}")
-        if self.eval_batch_tokens < 1 or self.epochs <= 0:
-            raise ValueError("eval_batch_tokens must be >= 1 and epochs > 0")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.lr is not None and self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        self._validate_loop()
         return self
 
 
@@ -531,7 +626,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
             continue
         kind = hints[f.name]
         text = f.metadata["help"]  # a help that says its own default (a None field's) keeps it
-        text = text if "(default:" in text else f"{text} ({_default_help(f, defaults)})"
+        text = (text if "(default:" in text else f"{text} ({_default_help(f, defaults)})") + _limits_help(f)
         kw: dict[str, Any] = dict(default=None, help=text.replace("%", "%%"))  # argparse %-formats help
         if _tuple_item(kind) is not None:
             kw.update(type=_tuple_item(kind), nargs="+")
@@ -539,6 +634,26 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
             base = next((a for a in get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
             kw.update(type=_bool if base is bool else base if base in (int, float) else str)
         group.add_argument(f"--{f.name}", **kw)
+
+
+def whole_number(lo: int):
+    """An argparse type for a flag that is not a config field: a whole number >= lo, its range
+    declared where the flag is (argparse refuses another in one line naming the flag)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+    return parse
+
+
+def _limits_help(f) -> str:
+    """A field's declared range or choices, as --help shows them."""
+    bounds, choices = f.metadata.get("bounds"), f.metadata.get("choices")
+    return f" [{bounds}]" if bounds else f" [one of {', '.join(choices)}]" if choices else ""
 
 
 def _bool(text: str) -> bool:

@@ -366,16 +366,9 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     already holds this corpus prepared with this tokenizer and split. -> the manifest."""
     corpus, out_dir = check_corpus(corpus), Path(out_dir)
     valid_fraction, seed = cfg.valid_fraction, cfg.tokenizer_seed
-    workers = (os.cpu_count() or 1) if cfg.workers is None else cfg.workers
-    if workers < 1:
-        raise DataError(f"--workers must be >= 1, got {workers}")
-    if cfg.tokenizer_sample_lines < 1:
-        raise DataError(f"--tokenizer_sample_lines must be >= 1, got {cfg.tokenizer_sample_lines}: it bounds the "
-                        "memory of training the SentencePiece model (the default samples 2,000,000 lines)")
+    workers = (os.cpu_count() or 1) if cfg.workers is None else cfg.workers  # cfg's ranges: config.check_declared
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--output_dir {out_dir} is a file, not a directory: choose a directory for the dataset")
-    if not 0 <= valid_fraction < 1:
-        raise DataError(f"--valid_fraction must be in [0, 1), got {valid_fraction}")
     if tokenizer is not None:
         vocab_size = load_checked_tokenizer(tokenizer, vocab_size).get_piece_size()
     elif vocab_size is None:

@@ -40,8 +40,9 @@ import torch
 
 from mmadapt import parallel, steps
 from mmadapt.checkpoint import staged_dir, write_weights_only
-from mmadapt.config import (RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig, Parser, PreprocessConfig,
-                            TrainConfig, _f, add_dataclass_args, apply_recipe, override, to_dict)
+from mmadapt.config import (OUTPUT_BIAS_INITS, RECIPES, SYSTEMS, Checked, FinetuneConfig, MiniModelConfig, ModelConfig,
+                            Parser, PreprocessConfig, TrainConfig, _f, add_dataclass_args, apply_recipe, override,
+                            to_dict)
 from mmadapt.corpora import BIBLE_VERSIONS, GENRES, bible_db_path, parallel_verses
 from mmadapt.data import read_manifest
 from mmadapt.evaluate import evaluate_artifacts, retrieval_records
@@ -56,49 +57,51 @@ PRIMARY = {"bl_base": "bl_base", "bl_small": "bl_small", "minijoint": "minijoint
 
 
 @dataclass
-class DemoConfig:
+class DemoConfig(Checked):
     family: str = _f("roberta", "model family of every source model: roberta (the paper's encoder, tiny preset) or "
                      "llama (a decoder, llama-tiny preset)")
     langs: tuple[str, ...] = _f(("de", "fr", "es"), "target languages (codes of mmadapt.corpora.BIBLE_VERSIONS)")
-    seq_length: int = _f(32, "tokens per block in every step (Bible verses are about 30 pieces long)")
+    seq_length: int = _f(32, "tokens per block in every step (Bible verses are about 30 pieces long)", ge=8)
     pretrain_iters: int = _f(2000, "Step-1 updates of each source model (the shipped models' setting: at 400 the "
-                             "German embeddings' contextual gain through BL_BASE is 0.35 nats, at 2000 0.62)")
+                             "German embeddings' contextual gain through BL_BASE is 0.35 nats, at 2000 0.62)", ge=1)
     pretrain_batch: int = _f(64, "Step-1 blocks per update: a 12 x 64 post-LN model leaves the unigram "
-                             "plateau within a few hundred updates at 64, not at the preset's 16")
-    pretrain_lr: float = _f(1e-3, "Step-1 peak learning rate")
+                             "plateau within a few hundred updates at 64, not at the preset's 16", ge=1)
+    pretrain_lr: float = _f(1e-3, "Step-1 peak learning rate", gt=0)
     pretrain_seed: int = _f(1234, "Step-1 seed (init, data order, masking) of every source model; the shipped "
                             "models' is the default, another needs --from_scratch. At this scale it moves zero-shot "
-                            "transfer more than the choice of system does (README)")
+                            "transfer more than the choice of system does (README)", ge=0)
     init_method_std: Optional[float] = _f(None, "weight init std (default: the family preset's, 0.07 for tiny and "
-                                          "0.05 for llama-tiny: config.py says why)")
+                                          "0.05 for llama-tiny: config.py says why)", gt=0)
     output_bias_init: str = _f("zeros", "Step 1: how the source models' MLM output biases start (ModelConfig."
                                "output_bias_init): zeros, the shipped models' setting (they were pretrained before "
                                "the tiny preset started its biases at the unigram log-frequencies; 2,000 updates "
-                               "of 64 blocks leave the unigram plateau without it), or unigram (with --from_scratch)")
-    minipost_iters: int = _f(150, "Step-1b updates of MINIPOST's two new layers")
+                               "of 64 blocks leave the unigram plateau without it), or unigram (with --from_scratch)",
+                               choices=OUTPUT_BIAS_INITS)
+    minipost_iters: int = _f(150, "Step-1b updates of MINIPOST's two new layers", ge=1)
     adapt_iters: int = _f(1000, "Step-2 updates per system and language: at 200 x 16 blocks the new embeddings "
                           "barely get past piece frequencies (contextual gain 0.10 nats, against 0.35 at 1000 x 32 "
-                          "from the same source models)")
-    adapt_batch: int = _f(32, "Step-2 blocks per update")
-    adapt_save_interval: int = _f(200, "Step-2 checkpoint (and evaluation) interval: the points of each curve")
-    finetune_epochs: float = _f(3.0, "Step-3 epochs over the 5000 English training verses")
-    finetune_lr: float = _f(5e-4, "Step-3 peak learning rate (the paper's 1e-5..3e-5 suit 125M-parameter models)")
+                          "from the same source models)", ge=1)
+    adapt_batch: int = _f(32, "Step-2 blocks per update", ge=1)
+    adapt_save_interval: int = _f(200, "Step-2 checkpoint (and evaluation) interval: the points of each curve", ge=1)
+    finetune_epochs: float = _f(3.0, "Step-3 epochs over the 5000 English training verses", gt=0)
+    finetune_lr: float = _f(5e-4, "Step-3 peak learning rate (the paper's 1e-5..3e-5 suit 125M-parameter models)",
+                            gt=0)
     finetune_seeds: Optional[tuple] = _f(None, "Step-3 seeds per primary model: zero-shot scores are their mean, "
                                          "the table notes their spread (the paper averages 5) (default: 1 2 3 for "
                                          "the encoder; 1 2 for the decoder, whose Step 2 scores every position "
                                          "and so costs more: a third seed would take its demo past 25 minutes on "
-                                         "2 CPU cores)")
+                                         "2 CPU cores)", ge=0)
     eval_batch_tokens: int = _f(2048, "Steps 3-4 evaluation: piece ids per forward pass (FinetuneConfig."
                                 "eval_batch_tokens, whose 16384 suits a GPU): on a CPU, batches of 2048 stay in "
-                                "cache and score the demo's sets about 25% faster, with the same scores")
-    retrieval_pairs: int = _f(500, "parallel verses for retrieval accuracy (chance: 1/this)")
+                                "cache and score the demo's sets about 25% faster, with the same scores", ge=1)
+    retrieval_pairs: int = _f(500, "parallel verses for retrieval accuracy (chance: 1/this)", ge=2)
     heldout_fraction: float = _f(0.03, "chapters of each target Bible held out of Step 2: the plug-in MLM metric's "
-                                 "text")
-    plugin_blocks: int = _f(512, "held-out blocks scored by the plug-in MLM metric")
+                                 "text", gt=0, lt=1)
+    plugin_blocks: int = _f(512, "held-out blocks scored by the plug-in MLM metric", ge=1)
     threads: int = _f(0, "torch intra-op threads on a CPU (torch.set_num_threads; 0: torch's own default, one per core "
                       "or OMP_NUM_THREADS, the faster on an otherwise idle machine; 1 on a machine that other jobs "
                       "keep busy, where two threads wait on each other: benchmarks/results/"
-                      "demo_threads_cpu2_20261124.md)")
+                      "demo_threads_cpu2_20261124.md)", ge=0)
 
 
 # The CI setting (README): the same stages and outputs from the shipped source models, one
@@ -217,6 +220,26 @@ class Demo:
         return (apply_recipe(model, recipe, self.mini.mini_layers),
                 self._train(cfg.pretrain_iters, cfg.pretrain_iters, lr=cfg.pretrain_lr,
                             train_micro_batch_size_per_gpu=cfg.pretrain_batch, seed=cfg.pretrain_seed))
+
+    def check_settings(self) -> None:
+        """Before any side effect: every step's configs as the demo will make them, checked as the
+        steps check them (DemoConfig's own ranges were checked when it was made)."""
+        cfg = self.cfg
+        for recipe in RECIPES:
+            model, train = self.source_settings(recipe)
+            train.validate(self.family.validate(model))
+        model = self.source_settings("bl_base")[0]  # MINIPOST's source, every step's model size
+        self.family.minipost_config(model, self.mini.one_depth("build_minipost"), self.mini.new_layers)
+        self._train(cfg.minipost_iters, cfg.minipost_iters).validate(model)
+        self._train(cfg.adapt_iters, cfg.adapt_save_interval, train_micro_batch_size_per_gpu=cfg.adapt_batch
+                    ).validate(model)
+        FinetuneConfig(seq_length=cfg.seq_length, epochs=cfg.finetune_epochs, lr=cfg.finetune_lr,
+                       eval_batch_tokens=cfg.eval_batch_tokens).validate(model)
+        for lang in cfg.langs:  # retrieval's chance level is 1 / retrieval_pairs: all of them must exist
+            held = len(parallel_verses("en", lang, cfg.retrieval_pairs))
+            if held < cfg.retrieval_pairs:
+                raise ValueError(f"--retrieval_pairs {cfg.retrieval_pairs}: the held-out books hold {held} {lang} verses "
+                                 f"parallel to English: choose at most {held}")
 
     def check_sources(self) -> None:
         """Before any side effect: the shipped source models fit this demo's Step-1 settings
@@ -382,10 +405,6 @@ def main(argv=None) -> int:
     if cfg.family not in DEMO_FAMILIES:
         raise ValueError(f"--family {cfg.family}: the demo runs {' or '.join(DEMO_FAMILIES)} (the families whose "
                          "source models it ships)")
-    if cfg.threads < 0:
-        raise ValueError(f"--threads must be >= 0 (0: torch's default), got {cfg.threads}")
-    if cfg.eval_batch_tokens < 1:
-        raise ValueError(f"--eval_batch_tokens must be >= 1 (piece ids per forward pass), got {cfg.eval_batch_tokens}")
     bad = [l for l in cfg.langs if l not in BIBLE_VERSIONS or l == "en"]
     if bad:
         raise ValueError(f"--langs {bad[0]} is not a target language of the packaged Bible; choose from "
@@ -396,6 +415,7 @@ def main(argv=None) -> int:
         raise ValueError(f"--output_dir {root} is a file, not a directory: choose a directory for the demo's runs")
     demo = Demo(cfg, root, from_scratch=args.from_scratch)
     cfg = demo.cfg  # with the family's defaults
+    demo.check_settings()
     demo.check_sources()
     if cfg.threads and parallel.device().type == "cpu":
         torch.set_num_threads(cfg.threads)

@@ -34,7 +34,7 @@ from mmadapt.features import Encoded, Framing, encode_classify, special_mask
 from mmadapt.finetune import check_positions, is_finished, primary_state
 from mmadapt.models.layers import Padding
 from mmadapt.parallel import device
-from mmadapt.run import RUN_FILE, load_checkpoint, read_source
+from mmadapt.run import RUN_FILE, load_checkpoint, read_source, require_kind
 from mmadapt.tasks import Task, chance_levels, encode, get_task, headline, read_examples, scores
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokens import PAD_ID
@@ -80,8 +80,7 @@ def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
         raise ValueError(f"{run_dir} is not a fine-tuning run (no run.json): pass the --output_dir of "
                          "launch/finetune.py")
     run = json.loads(run_file.read_text())
-    if run.get("step") != "finetune":
-        raise ValueError(f"{run_dir} is a {run.get('step')} run, not a fine-tuning run")
+    require_kind(run_dir, run, "finetune")
     if not is_finished(run_dir):
         raise ValueError(f"{run_dir} has not finished its {run['updates']} updates: continue it with "
                          "finetune --resume")

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +52,13 @@ from mmadapt.features import Framing
 from mmadapt.objectives import Objective
 
 WORD = "word_embeddings.word_embeddings.weight"  # the shipped families' input embedding [V, h]
+
+
+class Implied(NamedTuple):
+    """A tensor config.json implies (HFMapping.implied): each dimension as (size, the config.json
+    field(s) that set it, with their values), and what makes the tensor present at all."""
+    dims: tuple[tuple[int, str], ...]
+    by: str = ""
 
 
 class HFMapping:
@@ -104,6 +112,32 @@ class HFMapping:
 
     def import_note(self, hf_cfg: dict, model_dir: Path) -> str | None:
         """What `import-hf` says it changed or capped (None: nothing)."""
+        return None
+
+    # --- what the import checks (mmadapt/hf.py: import_hf's checkpoint validator) ---------------------
+    # config.json fields that must be whole numbers >= 1 where present (checked before check_config).
+    positive_fields: tuple[str, ...] = ()
+    # Tensors a checkpoint may hold that transformers ignores when it loads the architecture
+    # (regular expressions, re.search): the import ignores them too. Every other tensor of the
+    # files that from_hf does not read is refused.
+    ignored: tuple[str, ...] = ()
+
+    def as_loaded(self, cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_cfg: dict) -> tuple[ModelConfig, str | None]:
+        """The config of the model transformers builds from these files, where the files decide
+        what config.json alone does not (a tie flag beside an output projection of its own), and
+        what import-hf says of the difference (None: none)."""
+        return cfg, None
+
+    def implied(self, cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_cfg: dict) -> dict[str, "Implied"]:
+        """Every tensor config.json implies (`cfg`: as_loaded's; `hf`: the files' tensors, for
+        their names' prefix): HF name -> its shape and the fields that set it, so that a missing
+        tensor or a shape that disagrees is refused naming the field. {}: undeclared (from_hf's
+        reads and the shapes of its result are still checked)."""
+        return {}
+
+    def unused_note(self, name: str, cfg: ModelConfig, hf_cfg: dict) -> str | None:
+        """Why the files hold tensor `name` that the config does not describe, naming the config
+        field that disagrees (a layer past num_hidden_layers); None: nothing to add."""
         return None
 
 

@@ -25,7 +25,7 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded
-from mmadapt.run import RUN_FILE, RunSpec, Source, pretrained_blocks
+from mmadapt.run import RUN_FILE, RunSpec, Source, pretrained_blocks, require_kind
 from mmadapt.tasks import Task, encode, headline, label_names, read_examples
 from mmadapt.tokens import IGNORE_INDEX
 from mmadapt.tokenizer import load as load_tokenizer
@@ -33,9 +33,7 @@ from mmadapt.tokenizer import load as load_tokenizer
 
 def check_primary(source: Source) -> None:
     """Step 3 fine-tunes the primary model of a pretrain (or imported) run, nothing else."""
-    if source.record.get("step") != "pretrain":
-        raise ValueError(f"{source.path} is a {source.record.get('step')} run: fine-tune the primary model of a "
-                         "pretrain run")
+    require_kind(source.path, source.record, "pretrain")
 
 
 def primary_state(source: Source, weights: dict | None = None) -> tuple[ModelConfig, dict]:

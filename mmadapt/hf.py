@@ -20,8 +20,11 @@ are imported here and in the mappings only (the `hf` extra).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -30,7 +33,7 @@ from mmadapt.adapt import artifact_state, read_artifact
 from mmadapt.checkpoint import load_pt, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import artifact_primary, load_finetuned
-from mmadapt.family import HFMapping, ModelFamily
+from mmadapt.family import HFMapping, Implied, ModelFamily
 from mmadapt.models import FAMILIES
 from mmadapt.run import RUN_TOKENIZER, read_source
 from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf
@@ -72,8 +75,40 @@ def read_hf_config(model_dir: Path) -> tuple[dict, object]:
     if family is None or cfg.get("model_type") != family.hf.architectures[arch]:
         raise ValueError(f"{model_dir} holds a {arch or 'model without architectures'} (model_type "
                          f"{cfg.get('model_type')}); import-hf supports {supported()}")
+    _check_config_values(cfg, family.hf, model_dir)
     family.hf.check_config(cfg, model_dir)
     return cfg, family
+
+
+# config.json's special-token ids: each must name a row of the vocabulary.
+SPECIAL_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def _check_config_values(cfg: dict, mapping: HFMapping, model_dir: Path) -> None:
+    """config.json values that cannot describe a working model, refused naming the field: the
+    mapping's sizes (whole numbers >= 1) and special-token ids outside the vocabulary."""
+    for k in mapping.positive_fields:
+        v = cfg.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{model_dir}: config.json's {k} is {v!r}; it must be a whole number >= 1 (the "
+                             "config is damaged: fix it, or download the checkpoint again)")
+    vocab = cfg.get("vocab_size")
+    for k in SPECIAL_ID_FIELDS:
+        for i in cfg.get(k) if isinstance(cfg.get(k), list) else [cfg.get(k)]:
+            if i is not None and (isinstance(i, bool) or not isinstance(i, int) or i < 0
+                                  or isinstance(vocab, int) and i >= vocab):
+                raise ValueError(f"{model_dir}: config.json's {k} {i!r} is not a token id of its vocabulary "
+                                 f"(0..{vocab - 1 if isinstance(vocab, int) else 'vocab_size - 1'}): fix config.json")
+
+
+def check_finite(state: dict[str, torch.Tensor], where: Path) -> None:
+    """Refuse a checkpoint with a NaN or infinite weight, naming the first (in name order)."""
+    for name in sorted(state):
+        t = state[name]
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            bad, kind = int((~torch.isfinite(t)).sum()), "NaN" if bool(t.isnan().any()) else "infinite"
+            raise ValueError(f"{where}: its weight {name} holds {bad} {kind} value{'s' if bad > 1 else ''} (of "
+                             f"{t.numel()}): the checkpoint is damaged; download it again")
 
 
 def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
@@ -135,30 +170,31 @@ def _fresh_output(output_dir: Path) -> None:
 
 def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> dict:
     """Write a Step-1 run directory from a Hugging Face model (module docstring). Every check
-    comes before anything is written. -> the run's run.json."""
+    comes before anything is written (`imported_state`, `check_parity`). -> the run's run.json."""
     model_dir, output_dir = Path(model_dir).resolve(), Path(output_dir)
     hf_cfg, family = read_hf_config(model_dir)
     mapping = family.hf
     _fresh_output(output_dir)
     hf_state = read_hf_weights(model_dir)
+    check_finite(hf_state, model_dir)
     tok = read_hf_tokenizer(model_dir)
     _check_tokenizer_kind(family, tok, model_dir)
-    cfg = mapping.model_config(hf_cfg)
+    try:
+        cfg = mapping.model_config(hf_cfg)
+    except ValueError as e:
+        raise ValueError(f"{model_dir}: config.json describes a model mmadapt cannot build ({e})") from None
     if len(tok) > cfg.vocab_size:
         raise ValueError(f"{model_dir}: its tokenizer has {len(tok)} tokens but the model {cfg.vocab_size} "
                          "embedding rows")
     specials, record = mapping.special_ids(tok, hf_cfg, cfg.vocab_size, model_dir)
     hf_ids = hf_permutation(cfg.vocab_size, specials)
-    try:
-        state = mapping.from_hf(cfg, hf_state, hf_ids, hf_cfg)
-    except ValueError as e:
-        raise ValueError(f"{model_dir}: {e}") from None
-    _check_shapes(family, cfg, state, model_dir)
+    cfg, state, loaded = imported_state(family, cfg, hf_state, hf_ids, hf_cfg, model_dir)
+    check_parity(family, cfg, state, tok, hf_ids, model_dir)
 
     arch = hf_cfg["architectures"][0]
     imported = {"model": str(model_dir), "architecture": arch, "model_type": hf_cfg["model_type"],
                 "special_ids": record}
-    note = mapping.import_note(hf_cfg, model_dir)
+    note = "; ".join(n for n in (loaded, mapping.import_note(hf_cfg, model_dir)) if n)
     if note:
         imported["note"] = note
     run = {"step": "pretrain", "recipe": "bl_base", "model": to_dict(cfg), "corpus": None, "data_path": None,
@@ -186,6 +222,129 @@ def _check_tokenizer_kind(family: ModelFamily, tok, where: Path) -> None:
     if kind not in family.tokenizer_kinds:
         raise ValueError(f"{where}: its tokenizer is a {kind} tokenizer; the {family.name} family takes "
                          f"{', '.join(family.tokenizer_kinds)} tokenizers")
+
+
+class ReadTracker(dict):
+    """A state dict that records which of its tensors were read (by [] or get): what a mapping's
+    from_hf consumed, so that a tensor it left out is refused rather than dropped."""
+
+    def __init__(self, state: dict):
+        super().__init__(state)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str):
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default=None):
+        if name in self:
+            self.read.add(name)
+        return super().get(name, default)
+
+
+def imported_state(family: ModelFamily, cfg: ModelConfig, hf_state: dict, hf_ids: list[int], hf_cfg: dict,
+                   where: Path) -> tuple[ModelConfig, dict, str | None]:
+    """The checkpoint validator, around the family's mapping: the config of the model
+    transformers builds from these files (`as_loaded`), every tensor it implies present with
+    its shape (`implied`, naming the config field that disagrees), the mapping's weights, every
+    tensor of the files consumed by it or one transformers ignores too (`ignored`), and the
+    result in the family's names and shapes. -> (config, state, what the import says of it)."""
+    mapping = family.hf
+    tracked = ReadTracker(hf_state)
+    cfg, loaded = mapping.as_loaded(cfg, tracked, hf_cfg)
+    _check_implied(mapping.implied(cfg, hf_state, hf_cfg), hf_state, where)
+    try:
+        state = mapping.from_hf(cfg, tracked, hf_ids, hf_cfg)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    except (RuntimeError, IndexError) as e:  # a shape the mapping did not expect (an undeclared `implied`)
+        raise ValueError(f"{where}: its weights do not have the shapes config.json implies "
+                         f"({(str(e).splitlines() or [''])[0][:200]})") from None
+    unread = sorted(n for n in hf_state if n not in tracked.read and not any(re.search(p, n) for p in mapping.ignored))
+    if unread:
+        more = f" (and {len(unread) - 1} more tensor{'s' if len(unread) > 2 else ''})" if len(unread) > 1 else ""
+        why = mapping.unused_note(unread[0], cfg, hf_cfg) or (
+            "transformers would leave it out with a warning; import-hf imports a checkpoint whole or not at all")
+        raise ValueError(f"{where}: its weights hold {unread[0]}{more}, which the model config.json describes has "
+                         f"no place for: {why}")
+    _check_shapes(family, cfg, state, where)
+    return cfg, state, loaded
+
+
+def _check_implied(implied: dict[str, Implied], hf_state: dict, where: Path) -> None:
+    for name, (dims, by) in implied.items():
+        want = tuple(n for n, _ in dims)
+        if name not in hf_state:
+            raise ValueError(f"{where}: the weights lack {name}, which config.json implies"
+                             + (f" ({by})" if by else ""))
+        got = tuple(hf_state[name].shape)
+        if got != want:
+            bad = [(d, why) for d, ((n, why), g) in enumerate(zip(dims, got), 1) if n != g] \
+                if len(got) == len(want) else list(enumerate((why for _, why in dims), 1))
+            raise ValueError(f"{where}: {name} has shape {got}, but config.json implies {want} ("
+                             + "; ".join(f"dimension {d}: {why}" for d, why in bad) + "): the config is not this "
+                             "checkpoint's; fix it, or download the checkpoint again")
+
+
+# The text the parity check (check_parity) runs through both models.
+PARITY_TEXT = "In the beginning God created the heaven and the earth."
+
+
+def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids: list[int], where: Path) -> None:
+    """The imported model's first layer, with its head, against the model transformers loads
+    from the same files with one layer (`num_hidden_layers` 1: so "imported" means "the same
+    model"), on PARITY_TEXT, in fp32 on the CPU: a few milliseconds of a tiny model, of a large
+    one its embeddings and one layer. Refused in one line where they differ."""
+    import transformers
+
+    hf_cfg = json.loads((where / "config.json").read_text())
+    cls = getattr(transformers, hf_cfg["architectures"][0], None)
+    if cls is None:  # a family's own architecture that transformers does not define
+        return
+    one = {"num_hidden_layers": 1}
+    if isinstance(hf_cfg.get("layer_types"), list):
+        one["layer_types"] = hf_cfg["layer_types"][:1]
+    ids = tok(PARITY_TEXT).input_ids[:cfg.max_position_embeddings]
+    with _quiet_transformers():
+        try:
+            ref_model = cls.from_pretrained(str(where), local_files_only=True, dtype=torch.float32, **one).eval()
+        except Exception as e:  # transformers raises many kinds here; the user needs one line
+            raise ValueError(f"{where}: transformers cannot load it ({type(e).__name__}: "
+                             f"{(str(e).splitlines() or [''])[0][:200]})") from None
+        with torch.no_grad():
+            ref = ref_model(input_ids=torch.tensor([ids])).logits[0].float()[:, torch.tensor(hf_ids)]
+    inverse = torch.empty(len(hf_ids), dtype=torch.long)
+    inverse[torch.tensor(hf_ids)] = torch.arange(len(hf_ids))
+    one_layer = dataclasses.replace(family.one_head(cfg, 1), hidden_dropout=0.0, attention_dropout=0.0)
+    model = family.build_lm(one_layer)
+    model.load_state_dict(family.keep_layers(state, 1))
+    with torch.no_grad():
+        got = model.eval().logits(inverse[torch.tensor([ids])])[0][0, :, :len(hf_ids)].float()
+    diff, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+    if not diff <= PARITY_TOL * max(1.0, scale):
+        raise ValueError(f"{where}: the imported model is not the one transformers loads from these files (its first "
+                         f"layer's logits differ by up to {diff:.3g} on a short text, of logits up to {scale:.3g}): "
+                         "mmadapt cannot compute this checkpoint exactly")
+
+
+# Relative tolerance of check_parity: fp32 on the CPU, the same weights, other kernels.
+PARITY_TOL = 1e-4
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' load report (the later layers' tensors it leaves out) and progress bars off."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _check_shapes(family: ModelFamily, cfg: ModelConfig, state: dict, where: Path) -> None:

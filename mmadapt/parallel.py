@@ -41,6 +41,25 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def named_device(name: str | torch.device) -> torch.device:
+    """A device the user named (--device), refused in one line if it is not one or this machine
+    does not have it: torch would fail only when the model is moved there."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {name!r} is not a device: use cpu or cuda[:i]") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {name}: this machine has no CUDA device that torch can use: use --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"--device {name}: this machine has {count} CUDA device{'s' if count > 1 else ''} "
+                             f"(cuda:0{f'..cuda:{count - 1}' if count > 1 else ''})")
+    elif dev.type != "cpu":
+        raise ValueError(f"--device {name}: mmadapt runs on cpu or cuda[:i]")
+    return dev
+
+
 def init_distributed() -> None:
     """Join the job that the launcher (deepspeed, torchrun, srun) describes in the environment;
     a plain `python` run becomes a world of one."""

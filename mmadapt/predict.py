@@ -42,13 +42,14 @@ import torch
 
 from mmadapt.adapt import artifact_state, read_artifact
 from mmadapt.checkpoint import read_json
-from mmadapt.config import FinetuneConfig, ModelConfig
-from mmadapt.evaluate import (EvalBatches, EvalSet, Finetuned, artifact_embeddings, artifact_primary, device_of,
-                              load_finetuned, on_eval_device, recorded_config, set_logits)
+from mmadapt.config import FinetuneConfig, ModelConfig, path_args
+from mmadapt.evaluate import (PAD_LOGIT, EvalBatches, EvalSet, Finetuned, artifact_embeddings, artifact_primary,
+                              device_of, load_finetuned, on_eval_device, recorded_config, set_logits)
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, best_spans, encode_classify, encode_span, encode_tag
 from mmadapt.objectives import OBJECTIVES, Objective
 from mmadapt.parallel import device as default_device
+from mmadapt.parallel import named_device
 from mmadapt.plugin import plugin_model
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
 from mmadapt.run import RUN_FILE, read_source, run_family
@@ -89,9 +90,9 @@ def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *,
     any other (pretrain, build_minipost, import-hf), optionally with the Step-2 artifact
     `embeddings` (<adapt run>/embeddings/<tag>) swapped in. tag: a language model's checkpoint
     (default: the newest complete one; a fine-tuned model is its final one)."""
-    run = Path(run)
+    run = path_args(run, "run")[0]
     kind = kind_of(run)
-    dev = torch.device(device) if device is not None else default_device()
+    dev = named_device(device) if device is not None else default_device()
     if kind in OBJECTIVES:  # a language model
         return LanguageModel.load(run, None if embeddings is None else Path(embeddings), tag, dev)
     if tag is not None:
@@ -121,6 +122,28 @@ def _surface(tokenizer, i: int) -> dict:
     word-boundary marker as a space, stripped)."""
     piece = tokenizer.id_to_piece(i)
     return {"id": i, "piece": piece, "text": piece.replace(WORD_BOUNDARY, " ").strip()}
+
+
+def _texts(texts) -> list[str]:
+    """A list of texts as the Python API takes them, refused in one line otherwise."""
+    if isinstance(texts, str):
+        raise ValueError("pass a list of texts, not one string")
+    if not isinstance(texts, (list, tuple)) or not texts:
+        raise ValueError(f"pass a non-empty list of texts, not {texts!r}")
+    bad = next((i for i, t in enumerate(texts, 1) if not isinstance(t, str)), None)
+    if bad is not None:
+        raise ValueError(f"text {bad} is a {type(texts[bad - 1]).__name__}, not a string")
+    return list(texts)
+
+
+def refuse_non_finite(run: Path, out: torch.Tensor, what: str, padding: float = 0.0) -> None:
+    """Refuse a model's outputs [n, ...] that hold NaN or inf (padding positions, filled with
+    `padding`, aside), naming the run and the first input, before anything is written."""
+    bad = ~torch.isfinite(out) & (out != padding)
+    if bad.any():
+        first = int(bad.reshape(len(out), -1).any(1).nonzero()[0]) + 1
+        raise ValueError(f"the model of {run} gives NaN or infinite outputs for {what} {first}: its weights are "
+                         "damaged or diverged (nothing is written)")
 
 
 def _pad(rows: list[list[int]]) -> torch.Tensor:
@@ -185,19 +208,29 @@ class LanguageModel:
         return ids
 
     def encode(self, texts: list[str]) -> torch.Tensor:
-        """Texts -> input_ids [n, s] as the model saw text in training (module docstring), cut
-        to max_position_embeddings and padded with PAD_ID."""
-        if isinstance(texts, str):
-            raise ValueError("pass a list of texts, not one string")
-        n = self.cfg.max_position_embeddings
-        return _pad([self.objective.lm_row(self.pieces(t), n) for t in texts])
+        """Texts -> input_ids [n, s] as the model saw text in training (module docstring), padded
+        with PAD_ID. A text longer than the model's positions is refused: nothing is cut (a
+        decoder's next pieces would be those of the text's start, an encoder's <mask> past the
+        positions would get no prediction)."""
+        n, rows = self.cfg.max_position_embeddings, []
+        for i, text in enumerate(_texts(texts), 1):
+            pieces = self.pieces(text)
+            row = self.objective.lm_row(pieces, len(pieces) + n)  # uncut: the text and its layout's pieces
+            if len(row) > n:
+                raise ValueError(f"text {i} is {len(pieces)} pieces long; the model of {self.run} reads at most "
+                                 f"{n - (len(row) - len(pieces))} ({n} positions, {len(row) - len(pieces)} of them its "
+                                 "layout's): shorten or split it (predict does not cut a text)")
+            rows.append(row)
+        return _pad(rows)
 
     def _per_position(self, texts: list[str], fn) -> tuple[torch.Tensor, torch.Tensor]:
         """fn(logits of every head [b, s_i, H, V]) -> [b, s_i, ...] over token-sized batches:
-        (input_ids [n, s], the results [n, s, ...], fp32 on the CPU)."""
+        (input_ids [n, s], the results [n, s, ...], fp32 on the CPU; refused if not finite)."""
         ids = self.encode(texts)
         batches = EvalBatches.plan(ids, BATCH_TOKENS, device_of(self.model))
-        return ids, batches.run(lambda x, padding: fn(torch.stack(self.model.logits(x, padding), 2)), True)
+        out = batches.run(lambda x, padding: fn(torch.stack(self.model.logits(x, padding), 2)), True)
+        refuse_non_finite(self.run, out, "text")
+        return ids, out
 
     def logits(self, texts: list[str]) -> dict[int, torch.Tensor]:
         """{head layer: logits [n, s, V]} of every position of `encode(texts)` (padding
@@ -210,8 +243,8 @@ class LanguageModel:
         """(input_ids [n, s], probabilities [n, s, k], ids [n, s, k]) of `head`'s top pieces at
         every position: only the top k per position leave the device."""
         k = self.heads.index(self.heads[-1] if head is None else self._head(head))
-        if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a whole number >= 1, got {top_k!r}")
 
         def top(logits: torch.Tensor) -> torch.Tensor:  # [b, s_i, H, V] -> [b, s_i, 2k]
             p, i = logits[:, :, k].float().softmax(-1).topk(min(top_k, logits.shape[-1]), -1)
@@ -232,7 +265,7 @@ class LanguageModel:
         if not self.objective.masked:
             raise ValueError(f"fill_mask is for masked-LM encoders; {self.run} is a {self.cfg.family} decoder: use "
                              "next_piece")
-        missing = next((i for i, t in enumerate(texts) if MASK not in t), None)
+        missing = next((i for i, t in enumerate(_texts(texts)) if MASK not in t), None)
         if missing is not None:
             raise ValueError(f"text {missing + 1} has no {MASK}: fill_mask predicts the pieces at {MASK}")
         ids, probs, top = self._top(texts, top_k, head)
@@ -290,6 +323,8 @@ class TaskModel:
         span: (question, context)."""
         if isinstance(inputs, str):
             raise ValueError("pass a list of inputs, not one string")
+        if not isinstance(inputs, (list, tuple)) or not inputs:
+            raise ValueError(f"pass a non-empty list of inputs, not {inputs!r}")
         kind, out = self.task.kind, []
         for n, x in enumerate(inputs, 1):
             if kind == "classify" and self.task.pairs:
@@ -316,10 +351,24 @@ class TaskModel:
         """The examples' rows as features.py encodes them for this task (the run's settings)."""
         cfg, kind, framing = self.cfg, self.task.kind, self.finetuned.family.framing
         if kind == "classify":
+            self._say_cut(examples)
             return encode_classify(self.tokenizer, examples, cfg.seq_length, framing)
         if kind == "tag":
             return encode_tag(self.tokenizer, examples, self.labels, cfg.seq_length, framing)
         return encode_span(self.tokenizer, examples, cfg.seq_length, cfg.doc_stride, cfg.max_query_length, framing)
+
+    def _say_cut(self, examples: list) -> None:
+        """A classifier reads the first seq_length pieces of an input (of a pair, the longer text
+        cut first), as fine-tuning and `mmadapt evaluate` read it: said on stderr for each input
+        that is cut (a tagger's output says it, a None tag per word past them; QA reads a long
+        context in windows)."""
+        n, encode, pair = self.cfg.seq_length, self.tokenizer.encode, self.finetuned.family.framing.pair_specials
+        for i, ex in enumerate(examples, 1):
+            pieces = (len(encode(ex.sentence1)) + len(encode(ex.sentence2)) + pair
+                      if isinstance(ex, PairExample) else len(encode(ex[0])) + 2)
+            if pieces > n:
+                print(f"note: input {i} is {pieces} pieces long with its layout; the {self.task.name} model reads its "
+                      f"first {n} (the run's seq_length, as fine-tuning and evaluate read it)", file=sys.stderr)
 
     def logits(self, inputs: list) -> tuple[list, Encoded, torch.Tensor]:
         """(examples, their rows, logits: classify [n, C], tag [n, s, C], span [windows, s, 2]),
@@ -328,7 +377,10 @@ class TaskModel:
         enc = self.encode(examples)
         rows = EvalBatches.plan(enc.input_ids, self.cfg.eval_batch_tokens, device_of(self.finetuned.model()),
                                 enc.token_types)
-        return examples, enc, set_logits(self.finetuned, EvalSet(examples, enc, rows), self.artifact)
+        logits = set_logits(self.finetuned, EvalSet(examples, enc, rows), self.artifact)
+        refuse_non_finite(self.run, logits, "window" if self.task.kind == "span" else "input",
+                          PAD_LOGIT.get(self.task.kind, 0.0))
+        return examples, enc, logits
 
     def predict(self, inputs: list) -> list[dict]:
         """One result per input: classify {"label", "probs": {label: probability}}; tag {"words",

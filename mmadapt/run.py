@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
 from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, FinetuneConfig, Layout, LoopConfig,
-                            MiniModelConfig, ModelConfig, TrainConfig, to_dict)
+                            MiniModelConfig, ModelConfig, TrainConfig, check_declared, to_dict)
 from mmadapt.engine import load_ds_config
 from mmadapt.family import ModelFamily
 from mmadapt.faults import RunLock
@@ -63,6 +63,7 @@ class RunSpec:
     layout: Layout = Layout()
 
     def __post_init__(self):
+        check_declared(self)
         self.output_dir, self.ds_config = Path(self.output_dir), Path(self.ds_config)
         self.data_path = None if self.data_path is None else Path(self.data_path)
         self.tokenizer = None if self.tokenizer is None else Path(self.tokenizer)
@@ -255,6 +256,22 @@ def run_model(run: dict) -> ModelConfig:
     return ModelConfig(**run["model"])
 
 
+# Each kind of run (run.json "step"), as a refusal names what it got and what it needs.
+RUN_KINDS = {"pretrain": "a pretrain or import-hf run (Step 1)", "minipost": "a build_minipost run (Step 1b)",
+             "adapt": "an adapt run (Step 2: its products are the artifacts under its embeddings/)",
+             "finetune": "a finetune run (Step 3: a task model)"}
+
+
+def require_kind(path: Path, run: dict, *kinds: str) -> None:
+    """Refuse, in one line naming what it got and what it needs, a run (its record `run`) of
+    another kind than `kinds` (RUN_KINDS; a record without "step" is a pretrain run's, from
+    before steps were named)."""
+    kind = run.get("step", "pretrain")
+    if kind not in kinds:
+        raise ValueError(f"{path} is {RUN_KINDS.get(kind, f'a {kind} run')}; this needs "
+                         + " or ".join(RUN_KINDS[k] for k in kinds))
+
+
 def run_family(run: dict) -> ModelFamily:
     """The model family of a record (run.json), known by name (models.get_family)."""
     return get_family(run_model(run))
@@ -284,6 +301,7 @@ def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
     complete run (read_run, checkpoint_tag); its weights are not loaded yet."""
     path = Path(run_dir).resolve()
     record = read_run(path)
+    require_kind(Path(run_dir), record, "pretrain", "minipost")
     cfg = dataclasses.replace(run_model(record), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     return Source(path, record, checkpoint_tag(path, tag), cfg, get_family(cfg))
 
@@ -345,8 +363,7 @@ def load_weights(run_dir: str | os.PathLike, tag: str | None = None) -> tuple[Mo
     """
     run_dir = Path(run_dir)
     run = read_run(run_dir)
-    if run.get("step") == "adapt":
-        raise ValueError(f"{run_dir} is a Step-2 run: its product is under {run_dir / 'embeddings'}")
+    require_kind(run_dir, run, "pretrain", "minipost")
     cfg = dataclasses.replace(run_model(run), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     own = load_checkpoint(run_dir, tag or checkpoint.latest_tag(run_dir / "checkpoints"))
     ref = run.get("frozen_from")

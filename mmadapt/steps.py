@@ -33,8 +33,8 @@ import torch.distributed as dist
 from mmadapt import checkpoint, parallel
 from mmadapt.adapt import body_config, body_weights, new_vocabulary, read_artifact, step2_trainable, write_artifact
 from mmadapt.checkpoint import check_output_file
-from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
-                            TrainConfig)
+from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, Checked, FinetuneConfig, MiniModelConfig, ModelConfig,
+                            PreprocessConfig, TrainConfig, path_args, whole_arg)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, TOKENIZER, EpochOrder, read_manifest, wait_for
 from mmadapt.data import prepare as prepare_corpus
@@ -50,7 +50,7 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.plugin import PluginProbe, plugin_records, progress_line, source_language_loss, unigram_logprobs
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, load_checkpoint, pretrained_blocks, read_run,
-                         read_source, run_fingerprint, run_progress, start_run, weights_fingerprint)
+                         read_source, require_kind, run_fingerprint, run_progress, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -101,7 +101,7 @@ def _step2_only(train: TrainConfig, step: str) -> None:
 # --- Step 1 -----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class Pretrain:
+class Pretrain(Checked):
     """Step 1. model: already shaped by its recipe (config.apply_recipe)."""
     model: ModelConfig
     train: TrainConfig
@@ -135,7 +135,7 @@ def _output_bias_start(family: ModelFamily, model: ModelConfig, data_path: Path)
 # --- Step 1b ----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class BuildMinipost:
+class BuildMinipost(Checked):
     """Step 1b (MINIPOST) from the pretrain run `primary` (its checkpoint `primary_tag`, default:
     the newest complete one). Default data: the primary run's prepared dataset, encoded once for
     every source-language step."""
@@ -178,7 +178,7 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
 # --- Step 2 -----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class AdaptEmbeddings:
+class AdaptEmbeddings(Checked):
     """Step 2: new `lang` embeddings over the frozen model of `system`, from the source run
     `source` (its checkpoint `source_tag`, default: the newest complete one).
 
@@ -408,7 +408,7 @@ def _say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, int]) ->
 # --- Step 3 -----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class Finetune:
+class Finetune(Checked):
     """Step 3: the primary model of the pretrain run `primary` (checkpoint `primary_tag`) on
     `task`, trained on `train_file` (bible tasks: "bible", the default) in `source_lang`;
     eval_file: optional source-language evaluation data, scored at the end into run.json."""
@@ -538,9 +538,10 @@ def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, outp
     allow_untrained_positions: evaluate a run whose seq_length is past its primary model's
     pretraining blocks (with a warning; else refused, unless Step 3 allowed it). Needs no
     process group."""
+    finetuned, embeddings = path_args(finetuned, "finetuned"), path_args(embeddings, "embeddings")
+    eval_batch_tokens = whole_arg(eval_batch_tokens, "eval_batch_tokens", 1, optional=True)
     _refuse_existing(output)
-    records = evaluate_artifacts([Path(r) for r in finetuned], [Path(e) for e in embeddings], eval_file,
-                                 eval_batch_tokens,
+    records = evaluate_artifacts(finetuned, embeddings, eval_file, eval_batch_tokens,
                                  {"allow_untrained_positions": True} if allow_untrained_positions else None)
     return _write_records(records, output)
 
@@ -553,8 +554,11 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
     against the unigram reference, in blocks of `seq_length` (default: the primary's pretraining
     blocks, 64 for an imported model; longer ones only with allow_untrained_positions). Writes
     the records to `output` (which must not exist) when given. Needs no process group."""
+    primary, embeddings = path_args(primary, "primary")[0], path_args(embeddings, "embeddings")
+    seq_length, blocks = whole_arg(seq_length, "seq_length", 8, optional=True), whole_arg(blocks, "blocks", 1)
     _refuse_existing(output)
     src = read_run(primary)
+    require_kind(primary, src, "pretrain", "minipost")
     seq_length = seq_length or pretrained_blocks(src) or 64
     positions = check_positions(Path(primary), src, seq_length, allow_untrained_positions)
     if positions:
@@ -568,7 +572,7 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
 # --- beyond the paper: the depth sweep ------------------------------------------------------------
 
 @dataclasses.dataclass
-class Sweep:
+class Sweep(Checked):
     """Step 2 over each mini-model of the MINIJOINT run `source` (`mini_layers`, default: every
     secondary head) on `lang`, every checkpoint scored with the plug-in metric on the validation
     split of the target data. The target data: RunSpec.data_path (a prepared dataset with a
@@ -611,7 +615,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     sweep.md (table, cheapest depth) and sweep.png (needs matplotlib) into the output directory.
     A depth already trained is kept, an interrupted one resumed: run it again after a stop, or
     with more depths. Returns the summary (sweep.summarize) on global rank 0, None elsewhere."""
-    cfg = step.cfg.validate()
+    cfg = step.cfg  # its ranges were checked when it was made (config.check_declared)
     src = read_source(step.source, step.source_tag)
     source, out, src_cfg = src.path, run.output_dir, src.cfg
     if src.record.get("recipe") != "minijoint":

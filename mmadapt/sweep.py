@@ -22,27 +22,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mmadapt.config import _f
+from mmadapt.config import Checked, _f
 from mmadapt.report import NEAR_MAX, PLUGIN_NOISE, _pyplot, time_to_target
 
 CEILING = "full"  # the key of the full-model row
 
 
 @dataclass
-class SweepConfig:
+class SweepConfig(Checked):
     """`mmadapt sweep`: what is trained besides the mini-models, and how they are scored."""
     ceiling: bool = _f(False, "also train embeddings over the full primary model (Step 2 as bl_base over the same "
                        "run, the most expensive): the reference for near-maximal performance instead of the best depth")
     near_max: float = _f(NEAR_MAX, "near-maximal performance: this fraction of the reference's final gain (paper "
-                         "section 4.2: 95%)")
-    plugin_blocks: int = _f(256, "held-out blocks of the target validation split scored at every checkpoint")
-
-    def validate(self) -> "SweepConfig":
-        if not 0 < self.near_max <= 1:
-            raise ValueError(f"near_max must be in (0, 1], got {self.near_max}")
-        if self.plugin_blocks < 1:
-            raise ValueError(f"plugin_blocks must be >= 1, got {self.plugin_blocks}")
-        return self
+                         "section 4.2: 95%)", gt=0, le=1)
+    plugin_blocks: int = _f(256, "held-out blocks of the target validation split scored at every checkpoint", ge=1)
 
 
 def _curve(rows: list[dict]) -> dict:

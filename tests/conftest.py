@@ -121,6 +121,18 @@ def primary_run(corpus, tokenizer, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory) -> dict[str, Path]:
+    """One tiny Hugging Face decoder of each kind the import checks meet, saved once (a few
+    seconds; tests/hf_models.py): a Llama-2 (untied output projection) and a Qwen2 (tied, QKV
+    bias, spare embedding rows). Damaged copies of them (hf_models.damaged_copy) are the import
+    checks' bad inputs."""
+    from hf_models import make_llama2, make_qwen2
+
+    root = tmp_path_factory.mktemp("tiny_hf")
+    return {"llama": make_llama2(root / "llama"), "qwen2": make_qwen2(root / "qwen2")}
+
+
+@pytest.fixture(scope="session")
 def de_corpus(tmp_path_factory) -> Path:
     return _bible("de", tmp_path_factory)
 

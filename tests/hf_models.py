@@ -240,3 +240,25 @@ def train_briefly(hf, tok, steps: int, seed: int, seq: int = 64, batch: int = 8,
         losses.append(loss.item())
     hf.eval()
     return losses
+
+
+def damaged_copy(src: Path, out: Path, config: dict | None = None, edit=None) -> Path:
+    """A copy of the Hugging Face directory `src` with config.json's fields updated (`config`; a
+    None value deletes the field) and its model.safetensors passed through `edit` (a function of
+    the state dict that changes it in place): each of the import checks' bad inputs is one cheap
+    file edit of one tiny model made once."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    if config:
+        cfg = json.loads((out / "config.json").read_text())
+        cfg.update(config)
+        (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}, indent=2))
+    if edit is not None:
+        state = load_file(str(out / "model.safetensors"))
+        edit(state)
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

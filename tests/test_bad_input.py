@@ -17,9 +17,10 @@ from mmadapt.cli import main
 
 
 class Ctx:
-    def __init__(self, tmp: Path, corpus: Path, tokenizer: Path, primary: Path):
+    def __init__(self, tmp: Path, corpus: Path, tokenizer: Path, primary: Path, request=None):
         self.tmp, self.corpus, self.tokenizer, self.primary = tmp, corpus, tokenizer, primary
         self.out = tmp / "run"
+        self.request = request  # for the fixtures only some rows need (tiny_hf), made when first asked for
 
     def file(self, name: str, data: bytes | str) -> str:
         p = self.tmp / name
@@ -110,6 +111,47 @@ class Ctx:
         (d / weights).write_bytes(data)
         return str(d)
 
+    def import_damaged(self, arch: str, config: dict | None = None, edit=None) -> list[str]:
+        """import-hf of a copy of the tiny `arch` model (conftest.tiny_hf) with config.json's fields
+        updated and its weights edited (hf_models.damaged_copy)."""
+        from hf_models import damaged_copy
+
+        src = self.request.getfixturevalue("tiny_hf")[arch]
+        return ["import-hf", "--model", str(damaged_copy(src, self.tmp / "hf", config, edit)), "--output_dir",
+                str(self.out)]
+
+    def kind_copy(self, step: str, **record) -> str:
+        """A copy of the primary run whose run.json says it is a run of another kind (`step`)."""
+        import shutil
+
+        d = self.tmp / f"{step}_run"
+        shutil.copytree(self.primary, d)
+        run = json.loads((d / "run.json").read_text())
+        (d / "run.json").write_text(json.dumps({**run, "step": step, **record}))
+        return str(d)
+
+    def nan_copy(self) -> str:
+        """A copy of the primary run whose weights are all NaN, as a diverged run's would be."""
+        import shutil
+
+        import torch
+
+        d = self.tmp / "nan_run"
+        shutil.copytree(self.primary, d)
+        for f in (d / "checkpoints").glob("step*/mp_rank_00_model_states.pt"):
+            blob = torch.load(f, map_location="cpu", weights_only=False)
+            for t in blob["module"].values():
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+            torch.save(blob, f)
+            complete = json.loads((f.parent / "COMPLETE").read_text())
+            complete["files"] = {p.name: p.stat().st_size for p in f.parent.iterdir() if p.name != "COMPLETE"}
+            (f.parent / "COMPLETE").write_text(json.dumps(complete))
+        return str(d)
+
+    def predict(self, text: str, *extra: str, run: str | None = None) -> list[str]:
+        return ["predict", "--run", run or str(self.primary), "--input", self.file("in.txt", text + "\n"), *extra]
+
     def own_task(self, name: str, text: str, *extra: str, task: str = "classify") -> list[str]:
         return self.finetune(*extra)[:2] + [task] + self.finetune()[3:] + ["--train_file", self.file(name, text),
                                                                           *extra]
@@ -149,9 +191,9 @@ CASES = [
     ("flag-wrong-type", lambda c: c.pretrain("--train_iters", "many"), "invalid int value: 'many'"),
     ("unknown-recipe", lambda c: c.pretrain("--recipe", "bl_huge"), "invalid choice: 'bl_huge'"),
     ("mask-prob", lambda c: c.pretrain("--mask_prob", "1.5"), "mask_prob must be in (0, 1)"),
-    ("seq-length-short", lambda c: c.pretrain("--seq_length", "4"), "seq_length 4 is too short"),
+    ("seq-length-short", lambda c: c.pretrain("--seq_length", "4"), "--seq_length must be >= 8, got 4"),
     ("train-iters-zero", lambda c: c.pretrain("--train_iters", "0"), "must be >= 1"),
-    ("keep-last-negative", lambda c: c.pretrain("--keep_last", "-1"), "keep_last and max_skipped_steps must be >= 0"),
+    ("keep-last-negative", lambda c: c.pretrain("--keep_last", "-1"), "--keep_last must be >= 0, got -1"),
     ("mini-layers-too-deep", lambda c: c.pretrain("--mini_layers", "12"), "mini_layers 12 must be in 1..11"),
     ("tp-not-dividing-heads", lambda c: c.pretrain("--tensor_model_parallel_size", "3"), "is not divisible"),
     # --- pretrain: the run directory
@@ -305,6 +347,108 @@ CASES = [
     ("head-layers-and-mini-layers", lambda c: c.pretrain("--head_layers", "4", "12", "--mini_layers", "4"),
      "--head_layers places every head itself, --mini_layers places MINIJOINT's secondary heads: pass one of them"),
     ("unknown-preset-flops", lambda c: ["flops", "--preset", "huge"], "invalid choice: 'huge'"),
+    # --- import-hf: damaged copies of a tiny Llama and Qwen2 (issue 41); each loads differently from what
+    # config.json says, or not at all, in transformers
+    ("import-hf-fewer-layers-in-config", lambda c: c.import_damaged("llama", {"num_hidden_layers": 2}),
+     "its weights hold model.layers.2.input_layernorm.weight (and 8 more tensors), which the model config.json "
+     "describes has no place for: config.json's num_hidden_layers is 2, but the weights hold layer 2"),
+    ("import-hf-more-layers-in-config", lambda c: c.import_damaged("llama", {"num_hidden_layers": 4}),
+     "the weights lack model.layers.3.self_attn.q_proj.weight, which config.json implies (num_hidden_layers 4)"),
+    ("import-hf-nan-weight", lambda c: c.import_damaged("llama", edit=lambda s: s["model.layers.1.mlp.up_proj.weight"]
+                                                      .__setitem__((3, 4), float("nan"))),
+     "its weight model.layers.1.mlp.up_proj.weight holds 1 NaN value (of 1536): the checkpoint is damaged"),
+    ("import-hf-hidden-size-disagrees", lambda c: c.import_damaged("qwen2", {"hidden_size": 16}),
+     "model.embed_tokens.weight has shape (608, 32), but config.json implies (608, 16) (dimension 2: hidden_size 16)"),
+    ("import-hf-kv-heads-disagree", lambda c: c.import_damaged("llama", {"num_key_value_heads": 4}),
+     "model.layers.0.self_attn.k_proj.weight has shape (16, 32), but config.json implies (32, 32) (dimension 1: "
+     "num_key_value_heads 4 x head dim 8)"),
+    ("import-hf-vocab-size-disagrees", lambda c: c.import_damaged("qwen2", {"vocab_size": 700}),
+     "model.embed_tokens.weight has shape (608, 32), but config.json implies (700, 32) (dimension 1: vocab_size 700)"),
+    ("import-hf-ffn-size-disagrees", lambda c: c.import_damaged("llama", {"intermediate_size": 64}),
+     "model.layers.0.mlp.gate_proj.weight has shape (48, 32), but config.json implies (64, 32) (dimension 1: "
+     "intermediate_size 64)"),
+    ("import-hf-zero-heads", lambda c: c.import_damaged("llama", {"num_attention_heads": 0}),
+     "config.json's num_attention_heads is 0; it must be a whole number >= 1"),
+    ("import-hf-heads-not-dividing-hidden", lambda c: c.import_damaged("llama", {"num_attention_heads": 5}),
+     "The hidden size (32) is not a multiple of the number of attention heads (5)"),
+    ("import-hf-layers-not-a-number", lambda c: c.import_damaged("llama", {"num_hidden_layers": "3"}),
+     "config.json's num_hidden_layers is '3'; it must be a whole number >= 1"),
+    ("import-hf-negative-positions", lambda c: c.import_damaged("qwen2", {"max_position_embeddings": -1}),
+     "config.json's max_position_embeddings is -1; it must be a whole number >= 1"),
+    ("import-hf-eos-outside-vocab", lambda c: c.import_damaged("qwen2", {"eos_token_id": 5000}),
+     "config.json's eos_token_id 5000 is not a token id of its vocabulary (0..607)"),
+    ("import-hf-rope-theta-zero", lambda c: c.import_damaged("qwen2", {"rope_parameters": {"rope_type": "default",
+                                                                                            "rope_theta": 0.0}}),
+     "config.json's rope_theta is 0.0; it must be > 0: it cannot describe a working model"),
+    ("import-hf-norm-eps-negative", lambda c: c.import_damaged("llama", {"rms_norm_eps": -1.0}),
+     "config.json's rms_norm_eps is -1.0; it must be >= 0"),
+    ("import-hf-tensor-nobody-reads", lambda c: c.import_damaged("llama", edit=lambda s: s.__setitem__(
+        "model.layers.0.mlp.extra.weight", s["model.norm.weight"].clone())),
+     "its weights hold model.layers.0.mlp.extra.weight, which the model config.json describes has no place for: "
+     "transformers would leave it out with a warning"),
+    ("import-hf-untied-flag-without-head", lambda c: c.import_damaged("qwen2", {"tie_word_embeddings": False}),
+     "the weights lack lm_head.weight, which config.json implies (tie_word_embeddings false"),
+    # --- predict never cuts a text, never writes NaN, runs on a device that is there
+    ("predict-text-longer-than-positions", lambda c: c.predict("In the beginning <mask> created the heaven. " * 40),
+     "reads at most 126 (128 positions, 2 of them its layout's): shorten or split it (predict does not cut a text)"),
+    ("predict-mask-past-positions", lambda c: c.predict("and the earth " * 80 + "was without <mask>."),
+     "reads at most 126 (128 positions, 2 of them its layout's)"),
+    ("predict-nan-outputs", lambda c: c.predict("In the beginning <mask> created the heaven.", run=c.nan_copy()),
+     "gives NaN or infinite outputs for text 1: its weights are damaged or diverged"),
+    ("predict-device-not-there", lambda c: c.predict("a <mask>", "--device", "cuda:7"),
+     "--device cuda:7: this machine has"),
+    ("predict-device-not-a-device", lambda c: c.predict("a <mask>", "--device", "gpu0"),
+     "--device 'gpu0' is not a device: use cpu or cuda[:i]"),
+    # --- every bound declared once, checked before any work, naming the flag typed (issue 41)
+    ("flops-global-batch-zero", lambda c: ["flops", "--global_batch", "0"],
+     "argument --global_batch: must be >= 1, got 0"),
+    ("flops-global-batch-negative", lambda c: ["flops", "--global_batch", "-8"],
+     "argument --global_batch: must be >= 1, got -8"),
+    ("flops-train-iters-negative", lambda c: ["flops", "--train_iters", "-1"], "--train_iters must be >= 1, got -1"),
+    ("flops-mask-prob-zero", lambda c: ["flops", "--mask_prob", "0"], "--mask_prob must be in (0, 1), got 0.0"),
+    ("flops-new-layers-zero", lambda c: ["flops", "--new_layers", "0"], "--new_layers must be >= 1, got 0"),
+    ("flops-seq-past-positions", lambda c: ["flops", "--seq_length", "1024"],
+     "seq_length 1024 exceeds max_position_embeddings 512"),
+    ("demo-seq-past-positions", lambda c: ["demo", "--output_dir", str(c.out), "--seq_length", "1000"],
+     "seq_length 1000 exceeds max_position_embeddings 128"),
+    ("demo-heldout-fraction-one", lambda c: ["demo", "--output_dir", str(c.out), "--heldout_fraction", "1"],
+     "--heldout_fraction must be in (0, 1), got 1.0"),
+    ("demo-adapt-iters-zero", lambda c: ["demo", "--output_dir", str(c.out), "--adapt_iters", "0"],
+     "--adapt_iters must be >= 1, got 0"),
+    ("demo-lr-nan", lambda c: ["demo", "--output_dir", str(c.out), "--finetune_lr", "nan"],
+     "--finetune_lr must be a finite number, got nan"),
+    ("demo-retrieval-pairs-past-the-verses", lambda c: ["demo", "--output_dir", str(c.out), "--quick",
+                                                        "--retrieval_pairs", "100000"],
+     "--retrieval_pairs 100000: the held-out books hold 6577 de verses parallel to English: choose at most 6577"),
+    ("evaluate-plugin-primary-is-a-finetune-run", lambda c: ["evaluate", "--primary", c.kind_copy("finetune"),
+                                                             "--plugin_data", c.dir("d"), "--embeddings",
+                                                             c.artifact(VOCAB), "--output", str(c.tmp / "r.json")],
+     "finetune_run is a finetune run (Step 3: a task model); this needs a pretrain or import-hf run (Step 1)"),
+    ("demo-output-bias-init-unknown", lambda c: ["demo", "--output_dir", str(c.out), "--output_bias_init", "ones"],
+     "--output_bias_init must be one of zeros, unigram, got 'ones'"),
+    ("adam-beta-one", lambda c: c.pretrain("--adam_beta2", "1"), "--adam_beta2 must be in [0, 1), got 1.0"),
+    ("finetune-dropout-over-one", lambda c: c.finetune("--hidden_dropout", "1.5"),
+     "--hidden_dropout must be in [0, 1), got 1.5"),
+    ("preprocess-valid-fraction-one", lambda c: ["preprocess", "--corpus", str(c.corpus), "--output_dir", str(c.out),
+                                                 "--valid_fraction", "1"],
+     "--valid_fraction must be in [0, 1), got 1.0"),
+    ("sweep-near-max-over-one", lambda c: ["sweep", "--source", str(c.primary), "--lang", "de", "--output_dir",
+                                           str(c.out), "--near_max", "1.5"], "--near_max must be in (0, 1], got 1.5"),
+    ("evaluate-plugin-blocks-zero", lambda c: ["evaluate", "--primary", str(c.primary), "--plugin_data", c.dir("d"),
+                                               "--embeddings", c.dir("e"), "--output", str(c.tmp / "r.json"),
+                                               "--plugin_blocks", "0"],
+     "argument --plugin_blocks: must be >= 1, got 0"),
+    # --- a run of the wrong kind: what it got and what it needs, in one line (issue 41)
+    ("minipost-primary-is-a-finetune-run", lambda c: c.minipost(primary=c.kind_copy("finetune", task="bible-genre")),
+     "is a finetune run (Step 3: a task model); this needs a pretrain or import-hf run (Step 1) or a build_minipost "
+     "run (Step 1b)"),
+    ("adapt-source-is-an-adapt-run", lambda c: c.adapt()[:4] + [c.kind_copy("adapt")] + c.adapt()[5:],
+     "is an adapt run (Step 2: its products are the artifacts under its embeddings/); this needs a pretrain"),
+    ("finetune-primary-is-a-minipost-run", lambda c: c.finetune(primary=c.kind_copy("minipost")),
+     "is a build_minipost run (Step 1b); this needs a pretrain or import-hf run (Step 1)"),
+    ("export-finetuned-is-a-pretrain-run", lambda c: ["export-hf", "--finetuned", str(c.primary), "--output_dir",
+                                                      str(c.out)],
+     "is a pretrain or import-hf run (Step 1); this needs a finetune run (Step 3: a task model)"),
 ]
 
 
@@ -318,8 +462,8 @@ def test_the_table_is_long_enough():
 
 
 @pytest.mark.parametrize("build, message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_input(build, message, tmp_path, corpus, tokenizer, primary_run, capsys):
-    ctx = Ctx(tmp_path, corpus, tokenizer, primary_run)
+def test_bad_input(build, message, tmp_path, corpus, tokenizer, primary_run, capsys, request):
+    ctx = Ctx(tmp_path, corpus, tokenizer, primary_run, request)
     argv = build(ctx)
     before = snapshot(tmp_path, primary_run)
     try:

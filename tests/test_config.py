@@ -66,3 +66,73 @@ def test_num_layers_flag_sets_the_primary_depth_before_the_recipe():
     small = cfg("--recipe", "bl_small", "--num_layers", "24", "--mini_layers", "3")
     assert (small.num_layers, small.head_layers) == (3, (3,))
     assert cfg("--recipe", "minijoint", "--head_layers", "2", "12").head_layers == (2, 12)
+
+
+# --- every field's bounds, declared once (issue 41) --------------------------------------------------
+
+def _configs():
+    from mmadapt.config import FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig
+    from mmadapt.demo import DemoConfig
+    from mmadapt.sweep import SweepConfig
+
+    return (ModelConfig, TrainConfig, FinetuneConfig, MiniModelConfig, PreprocessConfig, SweepConfig, DemoConfig)
+
+
+def test_every_numeric_field_declares_its_range():
+    """A number (or a tuple of numbers) without a declared range would pass any value to the step."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from mmadapt.config import _tuple_item
+
+    for cls in _configs():
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = _tuple_item(hints[f.name]) or next((a for a in getattr(hints[f.name], "__args__", ())
+                                                       if a is not type(None)), hints[f.name])
+            if kind in (int, float):
+                assert "bounds" in f.metadata, f"{cls.__name__}.{f.name}"
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: TrainConfig(train_iters=0), "--train_iters must be >= 1, got 0"),
+    (lambda: TrainConfig(mask_prob=1.0), "--mask_prob must be in (0, 1), got 1.0"),
+    (lambda: TrainConfig(lr=float("inf")), "--lr must be a finite number, got inf"),
+    (lambda: TrainConfig(train_iters=5.0), "--train_iters takes a whole number, got 5.0"),
+    (lambda: TrainConfig(seed=True), "--seed takes a whole number, got True"),
+    (lambda: TrainConfig(extra_save_steps=(100, 0)), "--extra_save_steps must be >= 1, got 0"),
+    (lambda: TrainConfig(embedding_init="fvt"), "--embedding_init must be one of overlap, subword_mean, normal"),
+    (lambda: __import__("dataclasses").replace(TrainConfig(), gradient_accumulation_steps=0),
+     "--gradient_accumulation_steps must be >= 1, got 0"),
+    (lambda: PRESETS["tiny"][0].__class__(head_weights=(1.0, -1.0), head_layers=(4, 12)),
+     "--head_weights must be >= 0, got -1.0"),
+    (lambda: __import__("mmadapt.config").config.MiniModelConfig(()), "--mini_layers needs at least one value"),
+    (lambda: __import__("mmadapt.config").config.MiniModelConfig(new_layers="2"),
+     "--new_layers takes a whole number, got '2'"),
+    (lambda: __import__("mmadapt.steps").steps.Pretrain(model={}, train=TrainConfig()),
+     "Pretrain.model takes a ModelConfig, got dict"),
+    (lambda: __import__("mmadapt.steps").steps.Finetune(task="bible-genre", primary=None),
+     "Finetune.primary takes a path, got None"),
+    (lambda: __import__("mmadapt.run").run.RunSpec(output_dir=""), "RunSpec.output_dir takes a path, got ''"),
+    (lambda: __import__("mmadapt.steps").steps.evaluate([], embeddings=["e"], eval_file="bible"),
+     "finetuned takes a non-empty list of paths, got []"),
+    (lambda: __import__("mmadapt.steps").steps.evaluate_plugin("p", embeddings=["e"], data="d", blocks=0),
+     "blocks must be a whole number >= 1, got 0"),
+], ids=["range", "open-range", "finite", "int-not-float", "int-not-bool", "tuple-items", "choices", "replace",
+        "model-tuple-items", "empty-list", "type", "step-config-type", "step-path", "run-spec-path",
+        "evaluate-empty-list", "evaluate-plugin-blocks"])
+def test_the_python_api_is_refused_as_the_command_line_is(make, message):
+    with pytest.raises(ValueError) as e:
+        make()
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_help_shows_each_flags_range():
+    text = " ".join(pretrain_parser().format_help().split())  # argparse wraps lines
+    assert "[>= 1]" in text and "[in (0, 1)]" in text and "[one of sdpa, varlen, math]" in text
+
+
+def test_a_path_given_as_text_becomes_a_path():
+    from mmadapt import steps
+
+    assert steps.Finetune(task="bible-genre", primary="runs/x").primary == Path("runs/x")

@@ -41,7 +41,7 @@ def _compiled(cfg: ModelConfig) -> ModelConfig:
 def test_fusion_is_validated_in_one_line():
     assert TWO_HEADS.fusion == "none"  # eager is the default
     _compiled(TWO_HEADS).validate()
-    with pytest.raises(ValueError, match=r"^fusion must be one of 'none', 'compile', got 'inductor'$"):
+    with pytest.raises(ValueError, match=r"^--fusion must be one of none, compile, got 'inductor'$"):
         dataclasses.replace(TWO_HEADS, fusion="inductor").validate()
 
 

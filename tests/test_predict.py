@@ -239,7 +239,7 @@ def test_read_inputs_lines_tabs_and_json_lines(tmp_path):
     (lambda t, run: ["--run", str(t)], "is not an mmadapt run directory (no run.json)"),
     (lambda t, run: ["--run", str(run), "--input", str(t / "none.txt")], "none.txt does not exist"),
     (lambda t, run: ["--run", str(run), "--output", str(t / "old.jsonl")], "old.jsonl already exists"),
-    (lambda t, run: ["--run", str(run), "--input", str(t / "in.txt"), "--top_k", "0"], "--top_k must be >= 1"),
+    (lambda t, run: ["--run", str(run), "--input", str(t / "in.txt"), "--top_k", "0"], "--top_k: must be >= 1, got 0"),
     (lambda t, run: ["--run", str(run), "--input", str(t / "in.txt"), "--embeddings", str(t)],
      "is not a Step-2 embedding artifact"),
 ])

@@ -31,13 +31,15 @@ weights. transformers is imported where its config classes are needed (the `hf` 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import torch
 
 from mmadapt.config import ModelConfig
-from mmadapt.family import WORD, HFMapping
+from mmadapt.family import WORD, HFMapping, Implied
 from mmadapt.models.llama.model import OUTPUT, validated
 from mmadapt.tokenizer import SPECIAL_ROLES, never_produced
 
@@ -95,7 +97,7 @@ def transformers_config(cfg: dict, model_dir):
         return transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
     except Exception as e:  # strict dataclass validation raises several kinds; the user needs one line
         raise ValueError(f"{model_dir}: transformers rejects its config.json ({type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0]})") from None
+                         f"{' '.join(line.strip() for line in str(e).splitlines())[:300]})") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
 
@@ -131,6 +133,21 @@ def check_config(cfg: dict, model_dir) -> None:
     c = transformers_config(cfg, model_dir)
     hd = c.hidden_size // c.num_attention_heads
     rope = _rope(c, model_dir)
+    window = sliding_window(c)
+    impossible = [
+        (c.hidden_size % c.num_attention_heads,
+         f"hidden_size {c.hidden_size} is not divisible by num_attention_heads {c.num_attention_heads}"),
+        (c.num_attention_heads % c.num_key_value_heads,
+         f"num_key_value_heads {c.num_key_value_heads} does not divide num_attention_heads {c.num_attention_heads}"),
+        (not rope["rope_theta"] > 0, f"rope_theta is {rope['rope_theta']}; it must be > 0"),
+        (rope["rope_type"] == "linear" and not rope.get("factor", 0) > 0,
+         f"the linear rope scaling factor is {rope.get('factor')}; it must be > 0"),
+        (not c.rms_norm_eps >= 0, f"rms_norm_eps is {c.rms_norm_eps}; it must be >= 0"),
+        (window is not None and window < 1, f"sliding_window is {window}; it must be >= 1"),
+    ]
+    for bad, why in impossible:
+        if bad:
+            raise ValueError(f"{model_dir}: config.json's {why}: it cannot describe a working model")
     refused = [
         (c.hidden_act != "silu", f"hidden_act is {c.hidden_act!r}; mmadapt's SwiGLU uses 'silu'"),
         ((getattr(c, "head_dim", None) or hd) != hd,
@@ -224,9 +241,10 @@ def _inverse(hf_ids: list[int]) -> torch.Tensor:
 
 
 def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf_cfg: dict) -> dict:
-    """A ...ForCausalLM state dict -> LlamaLM's (tensor-parallel size 1). Tensors the model does
-    not use (an old checkpoint's rotary inv_freq buffers) are left out, as transformers ignores
-    them; a tied checkpoint's lm_head.weight is the embedding, as transformers ties it."""
+    """A ...ForCausalLM state dict -> LlamaLM's (tensor-parallel size 1), `cfg` as_loaded's. Tensors
+    the model does not use (an old checkpoint's rotary inv_freq buffers) are left out, as
+    transformers ignores them (MAPPING.ignored); a tied checkpoint's lm_head.weight, equal to the
+    embedding (as_loaded), is the embedding, as transformers ties it."""
     ng, r, hd = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups, cfg.head_dim
     perm = torch.tensor(hf_ids)
 
@@ -254,6 +272,50 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf
         for norm in _NORMS:
             out[f"{ours}{norm}.weight"] = get(f"{a}{norm}.weight")
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def as_loaded(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_cfg: dict) -> tuple[ModelConfig, str | None]:
+    """transformers 5 ties lm_head.weight to the embedding under tie_word_embeddings true, unless
+    the files hold an lm_head.weight that differs from it: then it loads the model untied (with a
+    warning), and so does the import, saying so."""
+    if not cfg.share_embeddings_and_output_weights or "lm_head.weight" not in hf:
+        return cfg, None
+    head, word = hf["lm_head.weight"], hf.get("model.embed_tokens.weight")
+    if word is not None and head.shape == word.shape and torch.equal(head, word):
+        return cfg, None
+    return (dataclasses.replace(cfg, share_embeddings_and_output_weights=False),
+            "untied: config.json's tie_word_embeddings is true, but the files hold an lm_head.weight of its own, "
+            "which transformers loads as the output projection")
+
+
+def implied(cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:
+    """Every tensor of a ...ForCausalLM config (as_loaded's): its shape from config.json's fields."""
+    h, v, f, hd = cfg.hidden_size, cfg.vocab_size, cfg.ffn_hidden_size, cfg.head_dim
+    H, V, F = (h, f"hidden_size {h}"), (v, f"vocab_size {v}"), (f, f"intermediate_size {f}")
+    Q = (cfg.num_attention_heads * hd, f"num_attention_heads {cfg.num_attention_heads} x head dim {hd}")
+    KV = (cfg.query_groups * hd, f"num_key_value_heads {cfg.query_groups} x head dim {hd}")
+    out = {"model.embed_tokens.weight": Implied((V, H)), "model.norm.weight": Implied((H,))}
+    if not cfg.share_embeddings_and_output_weights:
+        out["lm_head.weight"] = Implied((V, H), "tie_word_embeddings false: an output projection of its own")
+    layer = {"self_attn.q_proj.weight": (Q, H), "self_attn.k_proj.weight": (KV, H), "self_attn.v_proj.weight": (KV, H),
+             "self_attn.o_proj.weight": (H, Q), "mlp.gate_proj.weight": (F, H), "mlp.up_proj.weight": (F, H),
+             "mlp.down_proj.weight": (H, F), **{f"{n}.weight": (H,) for n in _NORMS}}
+    if cfg.add_qkv_bias:
+        layer.update({"self_attn.q_proj.bias": (Q,), "self_attn.k_proj.bias": (KV,), "self_attn.v_proj.bias": (KV,)})
+        if hf_cfg["model_type"] == "llama":
+            layer["self_attn.o_proj.bias"] = (H,)
+    for i in range(cfg.num_layers):
+        out.update({f"model.layers.{i}.{k}": Implied(d, f"num_hidden_layers {cfg.num_layers}")
+                    for k, d in layer.items()})
+    return out
+
+
+def unused_note(name: str, cfg: ModelConfig, hf_cfg: dict) -> str | None:
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    if layer and int(layer.group(1)) >= cfg.num_layers:
+        return (f"config.json's num_hidden_layers is {cfg.num_layers}, but the weights hold layer {layer.group(1)} "
+                "(0-based): set num_hidden_layers to the number of layers the weights hold")
+    return None
 
 
 def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
@@ -328,6 +390,12 @@ class LlamaMapping(HFMapping):
     tokenizer_layout = staticmethod(tokenizer_layout)
     export_model_type = staticmethod(export_model_type)
     import_note = staticmethod(import_note)
+    positive_fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "max_position_embeddings", "head_dim")
+    ignored = (r"\.rotary_emb\.inv_freq$",)  # old checkpoints' rotary buffers: transformers recomputes them
+    as_loaded = staticmethod(as_loaded)
+    implied = staticmethod(implied)
+    unused_note = staticmethod(unused_note)
 
 
 MAPPING = LlamaMapping()

@@ -27,12 +27,13 @@ mmadapt/hf.py reads and writes the directories; this module maps configs and wei
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 from mmadapt.config import ModelConfig
-from mmadapt.family import WORD, HFMapping
+from mmadapt.family import WORD, HFMapping, Implied
 from mmadapt.models.roberta.model import BIAS
 ARCHITECTURES = {"RobertaForMaskedLM": "roberta", "XLMRobertaForMaskedLM": "xlm-roberta",
                  "CamembertForMaskedLM": "camembert"}
@@ -62,6 +63,19 @@ def import_note(cfg: dict, model_dir=None) -> None:
 
 def check_config(cfg: dict, model_dir) -> None:
     """config.json of one of ARCHITECTURES, checked for everything the encoder cannot express."""
+    if not isinstance(cfg.get("pad_token_id"), int):
+        raise ValueError(f"{model_dir}: config.json has no pad_token_id: a RoBERTa-family model counts its positions "
+                         "from it")
+    impossible = [
+        (cfg.get("hidden_size", 768) % cfg.get("num_attention_heads", 12),
+         f"hidden_size {cfg.get('hidden_size', 768)} is not divisible by num_attention_heads "
+         f"{cfg.get('num_attention_heads', 12)}"),
+        (cfg.get("max_position_embeddings", 512) <= cfg["pad_token_id"] + 1,
+         f"max_position_embeddings {cfg.get('max_position_embeddings', 512)} leaves no position after the "
+         f"{cfg['pad_token_id'] + 1} rows a RoBERTa-family model skips (pad_token_id + 1)")]
+    for bad, why in impossible:
+        if bad:
+            raise ValueError(f"{model_dir}: config.json's {why}: it cannot describe a working model")
     unsupported = [(k, cfg.get(k, d), want) for k, d, want in (
         ("hidden_act", "gelu", "gelu"), ("position_embedding_type", "absolute", "absolute"),
         ("is_decoder", False, False), ("tie_word_embeddings", True, True))
@@ -129,9 +143,9 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf
         return hf[name].float()
 
     word = get(b + "embeddings.word_embeddings.weight")
-    if "lm_head.decoder.weight" in hf and not torch.equal(hf["lm_head.decoder.weight"].float(), word):
-        raise ValueError("lm_head.decoder.weight differs from the word embeddings: mmadapt's output projection is "
-                         "tied, this model's is not")
+    if "lm_head.decoder.weight" in hf and not torch.equal(get("lm_head.decoder.weight"), word):
+        raise ValueError("lm_head.decoder.weight differs from the word embeddings: transformers loads this model "
+                         "untied, and mmadapt's output projection is always tied")
     offset = pad_token_id + 1
     pos = get(b + "embeddings.position_embeddings.weight")[offset:offset + cfg.max_position_embeddings]
     out = {WORD: word[perm], "embeddings.position_embeddings.weight": pos + get(b + "embeddings.token_type_embeddings.weight")[0],
@@ -148,8 +162,46 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf
     for kind in ("weight", "bias"):
         out[f"heads.heads.0.dense.{kind}"] = get(f"lm_head.dense.{kind}")
         out[f"heads.heads.0.layernorm.{kind}"] = get(f"lm_head.layer_norm.{kind}")
-    out[BIAS] = get("lm_head.bias")[perm]
+    bias = get("lm_head.bias")
+    if "lm_head.decoder.bias" in hf:  # what transformers' head adds: lm_head.bias itself, unless they differ
+        bias = get("lm_head.decoder.bias")
+    out[BIAS] = bias[perm]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def implied(cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:
+    """Every tensor of a ...ForMaskedLM config: its shape from config.json's fields."""
+    b = _base_prefix(hf)
+    h, v, f, n = cfg.hidden_size, cfg.vocab_size, cfg.ffn_hidden_size, hf_cfg["max_position_embeddings"]
+    H, V, F, P = (h, f"hidden_size {h}"), (v, f"vocab_size {v}"), (f, f"intermediate_size {f}"), \
+        (n, f"max_position_embeddings {n}")
+    out = {b + "embeddings.word_embeddings.weight": (V, H), b + "embeddings.position_embeddings.weight": (P, H),
+           b + "embeddings.LayerNorm.weight": (H,), b + "embeddings.LayerNorm.bias": (H,),
+           "lm_head.dense.weight": (H, H), "lm_head.dense.bias": (H,), "lm_head.layer_norm.weight": (H,),
+           "lm_head.layer_norm.bias": (H,), "lm_head.bias": (V,)}
+    if "type_vocab_size" in hf_cfg:
+        out[b + "embeddings.token_type_embeddings.weight"] = ((hf_cfg["type_vocab_size"], "type_vocab_size "
+                                                              f"{hf_cfg['type_vocab_size']}"), H)
+    out = {k: Implied(d) for k, d in out.items()}
+    layer = {"attention.output.dense.weight": (H, H), "intermediate.dense.weight": (F, H),
+             "intermediate.dense.bias": (F,), "output.dense.weight": (H, F),
+             **{f"attention.self.{q}.weight": (H, H) for q in ("query", "key", "value")},
+             **{f"{m}.bias": (H,) for m in ("attention.self.query", "attention.self.key", "attention.self.value",
+                                             "attention.output.dense", "output.dense")},
+             **{f"{m}.{t}": (H,) for m in ("attention.output.LayerNorm", "output.LayerNorm")
+                for t in ("weight", "bias")}}
+    for i in range(cfg.num_layers):
+        out.update({f"{b}encoder.layer.{i}.{k}": Implied(d, f"num_hidden_layers {cfg.num_layers}")
+                    for k, d in layer.items()})
+    return out
+
+
+def unused_note(name: str, cfg: ModelConfig, hf_cfg: dict) -> str | None:
+    layer = re.search(r"encoder\.layer\.(\d+)\.", name)
+    if layer and int(layer.group(1)) >= cfg.num_layers:
+        return (f"config.json's num_hidden_layers is {cfg.num_layers}, but the weights hold layer {layer.group(1)} "
+                "(0-based): set num_hidden_layers to the number of layers the weights hold")
+    return None
 
 
 def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
@@ -230,6 +282,12 @@ class RobertaMapping(HFMapping):
     tokenizer_layout = staticmethod(tokenizer_layout)
     export_model_type = staticmethod(export_model_type)
     import_note = staticmethod(import_note)
+    positive_fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "max_position_embeddings", "type_vocab_size")
+    # what transformers leaves out of a ...ForMaskedLM: an old checkpoint's position-id buffer, a pooler
+    ignored = (r"(^|\.)embeddings\.position_ids$", r"(^|\.)pooler\.")
+    implied = staticmethod(implied)
+    unused_note = staticmethod(unused_note)
 
 
 MAPPING = RobertaMapping()
