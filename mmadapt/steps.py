@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.adapt import body_config, read_artifact, step2_start, step2_trainable, write_artifact
+from mmadapt.adapt import ARTIFACT_FILE, body_config, read_artifact, step2_start, step2_trainable, write_artifact
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
                             TrainConfig)
@@ -294,8 +294,8 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         probe = PluginProbe(artifact_primary({"source": str(source)}), run.data_path, train.seq_length,
                             train.plugin_eval_blocks) if train.plugin_eval_blocks else None
 
-        def save_artifact(update: int, ckpt_tag: str) -> None:
-            sd = load_checkpoint(run.output_dir, ckpt_tag)  # fp32 master weights
+        def save_artifact(update: int, ckpt_tag: str, sd: dict | None = None) -> None:
+            sd = load_checkpoint(run.output_dir, ckpt_tag) if sd is None else sd  # fp32 master weights
             flops = seq_flops[False] * global_batch * update
             if not fingerprint:  # once per invocation, on global rank 0 (which alone saves artifacts)
                 fingerprint["primary_fingerprint"] = run_fingerprint(primary_ref["run_dir"], primary_ref["tag"])
@@ -309,12 +309,23 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
                 print(progress_line(update, scored), flush=True)
             write_artifact(run.output_dir / "embeddings" / ckpt_tag, tensors, tokenizer, meta)
 
+        _save_start(run.output_dir, save_artifact, init)
         metrics = train_lm(started, run, model, train, LMJob(step="adapt", trainable=trainable), init,
                            after_save=save_artifact, record={**rows, **expanded, "target_vocab_size": model.vocab_size})
         final = run.output_dir / "embeddings" / checkpoint.tag_for(train.train_iters)
         if expanded and parallel.is_rank0() and final.is_dir():
             started.record.finish(expand_report=_expand_report(final, lang, started.data, train.seq_length))
         return metrics
+
+
+def _save_start(output_dir: Path, save_artifact, init: dict) -> None:
+    """Step 2's start as the artifact of update 0 (the new rows as initialised, before any
+    update; `save_artifact` with the start `init` as its state): what Step 4 and the plug-in
+    metric score as "init only", beside the trained embeddings. Global rank 0 (which alone saves
+    artifacts), once: a --resume keeps the one it finds."""
+    tag = checkpoint.tag_for(0)
+    if parallel.is_rank0() and not (output_dir / "embeddings" / tag / ARTIFACT_FILE).is_file():
+        save_artifact(0, tag, init)
 
 
 def _expand_report(artifact: Path, lang: str, target_data: Path, seq_length: int) -> dict:
