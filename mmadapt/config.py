@@ -384,6 +384,16 @@ class FinetuneConfig(LoopConfig):
         return self
 
 
+
+@dataclass
+class EvaluateConfig:
+    """Step 4 (`mmadapt evaluate` with a task): what is scored beside the Step-2 artifacts."""
+    no_adaptation_baseline: bool = _f(True, "also score the fine-tuned runs on each language's evaluation file with "
+                                      "their own (source) tokenizer and embeddings, no adaptation: what every adapted "
+                                      "score is measured against (one more evaluation pass per language and seed; "
+                                      "recorded as system no_adaptation)")
+
+
 # --- presets --------------------------------------------------------------------------------
 # A preset names a model size and the schedule that goes with it.
 

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from mmadapt import checkpoint, parallel
 from mmadapt.adapt import ARTIFACT_FILE, body_config, read_artifact, step2_start, step2_trainable, write_artifact
 from mmadapt.checkpoint import check_output_file
-from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
-                            TrainConfig)
+from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig,
+                            PreprocessConfig, TrainConfig)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, TOKENIZER, EpochOrder, read_manifest, wait_for
 from mmadapt.data import prepare as prepare_corpus
@@ -487,17 +487,20 @@ def _refuse_existing(output: Path | None) -> None:
 
 
 def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, output: Path | None = None,
-             eval_batch_tokens: int | None = None, allow_untrained_positions: bool = False) -> list[dict]:
-    """Step 4: zero-shot scores of every Step-2 artifact (or every artifact of an adapt run),
-    averaged over the fine-tuned runs (seeds) of one primary model. Writes the records to
-    `output` (which must not exist) when given. eval_batch_tokens None: each run's own.
-    allow_untrained_positions: evaluate a run whose seq_length is past its primary model's
-    pretraining blocks (with a warning; else refused, unless Step 3 allowed it). Needs no
-    process group."""
+             eval_batch_tokens: int | None = None, allow_untrained_positions: bool = False,
+             cfg: EvaluateConfig = EvaluateConfig()) -> list[dict]:
+    """Step 4: zero-shot scores of every Step-2 artifact (or every artifact of an adapt run: its
+    start, update 0, and every checkpoint), averaged over the fine-tuned runs (seeds) of one
+    primary model, and (cfg.no_adaptation_baseline) per language the same runs with no
+    adaptation. Writes the records to `output` (which must not exist) when given.
+    eval_batch_tokens None: each run's own. allow_untrained_positions: evaluate a run whose
+    seq_length is past its primary model's pretraining blocks (with a warning; else refused,
+    unless Step 3 allowed it). Needs no process group."""
     _refuse_existing(output)
     records = evaluate_artifacts([Path(r) for r in finetuned], [Path(e) for e in embeddings], eval_file,
                                  eval_batch_tokens,
-                                 {"allow_untrained_positions": True} if allow_untrained_positions else None)
+                                 {"allow_untrained_positions": True} if allow_untrained_positions else None,
+                                 cfg.no_adaptation_baseline)
     return _write_records(records, output)
 
 
