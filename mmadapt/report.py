@@ -341,17 +341,18 @@ def adaptation_markdown(records: list[dict], task: str) -> str:
     def cell(v: float | None, sign: str = "") -> str:
         return "-" if v is None else format(v, sign + f)
 
-    none = "No adaptation: the fine-tuned model with its own (source) tokenizer and embeddings on the target text, " \
-        "no Step 2; ↓: the last checkpoint is not above it. " if any(r["none"] is not None for r in rows) else \
-        "No adaptation: not in these records (evaluate --no_adaptation_baseline true scores it). "
+    with_none = any(r["none"] is not None for r in rows)  # a task's records, not the plug-in metric's or retrieval's
     out = [f"## {task}: what adaptation bought", "",
-           none + "Update 0: the new embeddings as Step 2 initialised them, before any update.", "",
-           "| lang | system | no adaptation | update 0 | last checkpoint | last − no adaptation |",
-           "|---|---|---|---|---|---|"]
+           ("No adaptation: the fine-tuned model with its own (source) tokenizer and embeddings on the target text, "
+            "no Step 2; ↓: the last checkpoint is not above it. " if with_none else "")
+           + "Update 0: the new embeddings as Step 2 initialised them, before any update.", "",
+           "| lang | system | " + ("no adaptation | " if with_none else "") + "update 0 | last checkpoint |"
+           + (" last − no adaptation |" if with_none else ""), "|---" * (6 if with_none else 4) + "|"]
     for r in rows:
-        gain = None if r["none"] is None else r["last"] - r["none"]
-        out.append(f"| {r['lang']} | {r['system']} | {cell(r['none'])} | {cell(r['start'])} | {cell(r['last'])}"
-                   f"{' ↓' if r['paid'] is False else ''} | {cell(gain, '+')} |")
+        cells = [r["lang"], r["system"]] + ([cell(r["none"])] if with_none else []) + \
+            [cell(r["start"]), cell(r["last"]) + (" ↓" if r["paid"] is False else "")]
+        cells += [cell(None if r["none"] is None else r["last"] - r["none"], "+")] if with_none else []
+        out.append("| " + " | ".join(cells) + " |")
     langs = dict.fromkeys(r["lang"] for r in rows)
     lines = [verdict(lang, [r for r in rows if r["lang"] == lang], f) for lang in langs]
     out += [""] + [f"- {line}" for line in lines if line] + [""]

@@ -294,7 +294,7 @@ def test_adapted_scores_beside_no_adaptation_and_the_start_with_a_mark_and_a_ver
     for row in ("| de | bl_base | 30.0 | 22.0 | 36.0 | +6.0 |", "| de | bl_small | 40.0 | 24.0 | 35.0 ↓ | -5.0 |",
                 "| fr | bl_base | 25.0 | 21.0 | 34.0 | +9.0 |", "| fr | bl_small | 25.0 | 20.0 | 31.0 | +6.0 |"):
         assert row in md, row
-    assert "| de | bl_small | - | 24.0 | 35.0 | - |" in plain  # no no-adaptation records: the start alone
+    assert "| de | bl_small | 24.0 | 35.0 |" in plain and "no adaptation" not in plain  # the start alone
     assert ("- de: adaptation did not pay for bl_small (35.0 at its last checkpoint, 40.0 with no adaptation); "
             "it paid for bl_base (+6.0).") in md
     assert "- fr: adaptation paid for every system (bl_base +9.0, bl_small +6.0 over no adaptation)." in md
