@@ -237,10 +237,12 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         finetuned, adapt, spec = build_runs(Path(tmp), args.examples, args.shape)
         cfg = FinetuneConfig()
-        new = lambda: F.evaluate_artifacts(finetuned, [adapt], spec)  # noqa: E731
+        # The artifacts alone, as the old path scores them (no no-adaptation pass).
+        new = lambda: F.evaluate_artifacts(finetuned, [adapt], spec, no_adaptation=False)  # noqa: E731
         old = lambda: old_path(finetuned, [adapt], spec, args.old_device)  # noqa: E731
         # Warm-up on 1 example in 50: first imports, allocator, tokenizer and kernel set-up.
-        measure(lambda: F.evaluate_artifacts(finetuned, [adapt], spec.replace("genre.", "warmup.")))
+        measure(lambda: F.evaluate_artifacts(finetuned, [adapt], spec.replace("genre.", "warmup."),
+                                             no_adaptation=False))
         runs = {"old": [], "new": []}
         for _ in range(args.repeats):  # interleaved, so both see the same load on the shared cores
             runs["old"].append(measure(old))

@@ -5,7 +5,8 @@
     python launch/adapt.py ...               # one process, same flags
 
 The embeddings (and output bias) are saved under <output_dir>/embeddings/<tag>/ at every
-checkpoint (--save_interval, --extra_save_steps) for Step 4 to swap into the primary model.
+checkpoint (--save_interval, --extra_save_steps), and as initialised before the first update
+(step00000000), for Step 4 to swap into the primary model.
 """
 
 import os

@@ -20,14 +20,14 @@ from pathlib import Path
 
 from mmadapt import faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
-from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, RECIPES, SYSTEMS, FinetuneConfig, Layout, MiniModelConfig,
-                            ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe, override,
-                            whole_number)
+from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, RECIPES, SYSTEMS, EvaluateConfig, FinetuneConfig, Layout,
+                            MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args,
+                            apply_recipe, override, whole_number)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_hf
-from mmadapt.report import (PAPER, choose_baseline, flops_rows, format_flops_table, paper_rows, plot_curves,
-                            plot_speedup, report_markdown)
+from mmadapt.report import (NO_ADAPTATION, PAPER, adaptation_markdown, choose_baseline, flops_rows,
+                            format_flops_table, paper_rows, plot_curves, plot_speedup, report_markdown)
 from mmadapt.models import FAMILIES, PRESETS, find_preset, import_plugins
 from mmadapt.run import RunSpec, read_source
 from mmadapt.slurm import main as slurm_command
@@ -385,6 +385,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    "score, ...}; must not exist yet")
     add_dataclass_args(p, FinetuneConfig, only=("eval_batch_tokens",), defaults="each --finetuned run's own")
     add_dataclass_args(p, FinetuneConfig, only=("allow_untrained_positions",))
+    add_dataclass_args(p, EvaluateConfig)
     return p
 
 
@@ -394,6 +395,9 @@ def evaluate_main(argv=None) -> int:
     if args.plugin_data:
         if not args.primary or args.finetuned or args.eval_file:
             raise ValueError("--plugin_data scores the primary model: pass --primary, not --finetuned/--eval_file")
+        if args.no_adaptation_baseline is not None:
+            raise ValueError("--no_adaptation_baseline scores fine-tuned runs on a task (--finetuned, --eval_file); "
+                             "--plugin_data scores each run's start (update 0) instead: drop the flag")
         records = steps.evaluate_plugin(Path(args.primary), embeddings=args.embeddings, data=args.plugin_data,
                                         output=Path(args.output), seq_length=args.seq_length,
                                         blocks=args.plugin_blocks,
@@ -403,12 +407,17 @@ def evaluate_main(argv=None) -> int:
             raise ValueError("pass --finetuned and --eval_file (a task), or --primary and --plugin_data")
         records = steps.evaluate(args.finetuned, embeddings=args.embeddings, eval_file=args.eval_file,
                                  output=Path(args.output), eval_batch_tokens=args.eval_batch_tokens,
-                                 allow_untrained_positions=bool(args.allow_untrained_positions))
+                                 allow_untrained_positions=bool(args.allow_untrained_positions),
+                                 cfg=override(EvaluateConfig(), args))
     for r in records:
         chance = "" if r.get("chance") is None else f" (chance {r['chance']:.2f})"
         flag = "  (!) see the fine-tune warnings above" if r.get("finetune_warnings") else ""
-        print(f"{r['system']:10s} {r['task']} {r['lang']} step {r['step']:>7d}  {r['flops']:.3g} FLOPs  "
+        when = "no adaptation" if r["system"] == NO_ADAPTATION else f"step {r['step']:>7d}"
+        print(f"{r['system']:10s} {r['task']} {r['lang']} {when}  {r['flops']:.3g} FLOPs  "
               f"{r['metric']} {r['score']:.2f}{chance}{flag}")
+    for task in dict.fromkeys(r["task"] for r in records):
+        bought = adaptation_markdown(records, task)
+        print("\n" + bought if bought else "", end="")
     print(f"{len(records)} records in {args.output}")
     return 0
 

@@ -505,6 +505,15 @@ class FinetuneConfig(LoopConfig):
         return self
 
 
+@dataclass
+class EvaluateConfig(Checked):
+    """Step 4 (`mmadapt evaluate` with a task): what is scored beside the Step-2 artifacts."""
+    no_adaptation_baseline: bool = _f(True, "also score the fine-tuned runs on each language's evaluation file with "
+                                      "their own (source) tokenizer and embeddings, no adaptation: what every adapted "
+                                      "score is measured against (one more evaluation pass per language and seed; "
+                                      "recorded as system no_adaptation)")
+
+
 # ModelConfig fields that Steps 1b, 2 and 3 may set; the architecture itself is the source run's.
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "hidden_dropout",
                  "attention_dropout", "attention_impl", "fusion")

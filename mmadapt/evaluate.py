@@ -1,6 +1,7 @@
 """Step 4: swap a target language's embeddings into a fine-tuned model and evaluate zero-shot
-(`evaluate_artifacts`); parallel-sentence retrieval through the primary model
-(`retrieval_records`); and what the plug-in metric (plugin.py) shares with them.
+(`evaluate_artifacts`), beside the same model with no adaptation (`no_adaptation_record`: its
+own tokenizer and embeddings on the target text); parallel-sentence retrieval through the
+primary model (`retrieval_records`); and what the plug-in metric (plugin.py) shares with them.
 
 A Step-3 run is rebuilt (`load_finetuned`, with its model family) and its model built once per
 run (seed), on the device in Step 4's precision (`eval_dtype`). Its word embeddings (the family's
@@ -26,7 +27,7 @@ import torch
 
 from mmadapt import checkpoint
 from mmadapt.adapt import ARTIFACT_FILE, read_artifact, system_label
-from mmadapt.config import FinetuneConfig, ModelConfig
+from mmadapt.config import EvaluateConfig, FinetuneConfig, ModelConfig
 from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
 from mmadapt.family import ModelFamily
@@ -34,6 +35,7 @@ from mmadapt.features import Encoded, Framing, encode_classify, special_mask
 from mmadapt.finetune import check_positions, is_finished, primary_state
 from mmadapt.models.layers import Padding
 from mmadapt.parallel import device
+from mmadapt.report import NO_ADAPTATION
 from mmadapt.run import RUN_FILE, load_checkpoint, read_source, require_kind
 from mmadapt.tasks import Task, chance_levels, encode, get_task, headline, read_examples, scores
 from mmadapt.tokenizer import load as load_tokenizer
@@ -363,14 +365,65 @@ def recorded_config(ft: Finetuned, **changes) -> FinetuneConfig:
     return FinetuneConfig(**{**{k: v for k, v in ft.run["finetune"].items() if k in names}, **changes})
 
 
+@dataclass
+class Scoring:
+    """What every record of one `evaluate_artifacts` call shares: the fine-tuned runs (seeds) and
+    their configs, each language's evaluation examples (read once) and each evaluation set
+    (encoded and put on the device once per tokenizer, language and encoding settings)."""
+    runs: list[Finetuned]
+    cfgs: list[FinetuneConfig]
+    eval_spec: str
+    examples: dict = dataclasses.field(default_factory=dict)
+    sets: dict = dataclasses.field(default_factory=dict)
+
+    def fields(self, lang: str, tokenizer: Path, artifact: dict | None) -> dict:
+        """The scores of a record: every metric of `lang`'s examples encoded with `tokenizer`,
+        averaged over the seeds, with `artifact`'s word embeddings swapped into each run's model
+        (None: its own), and the language's chance level as the first run encodes its rows."""
+        task, labels, cfg0 = self.runs[0].task, self.runs[0].labels, self.cfgs[0]
+        if lang not in self.examples:
+            self.examples[lang] = read_examples(task, self.eval_spec, lang, "test", cfg0, labels)
+        # Every artifact of an adapt run carries a copy of one tokenizer: known by its content.
+        known, seeds, first = file_sha256(tokenizer), [], None
+        for ft, cfg in zip(self.runs, self.cfgs):
+            model = ft.model()
+            key = (known, lang, tuple(ft.labels), cfg.seq_length, cfg.doc_stride, cfg.max_query_length,
+                   cfg.eval_batch_tokens)  # what the encoding and the batches depend on
+            if key not in self.sets:
+                self.sets[key] = eval_set(task, load_tokenizer(tokenizer), self.examples[lang], ft.labels, cfg,
+                                          device_of(model), ft.family.framing)
+            if artifact is not None:  # on the device in the model's dtype after the first seed: one copy for all
+                artifact = {"word_embeddings": artifact_embeddings(artifact, model.get_parameter(ft.family.word))}
+            seeds.append(score_set(ft, self.sets[key], cfg, artifact))
+            first = first or self.sets[key]
+        metric = headline(task, labels, cfg0)
+        chance = chance_levels(task, first.enc, self.examples[lang], labels, cfg0) or {"chance": None}
+        return {"metric": metric, "score": sum(s[metric] for s in seeds) / len(seeds),
+                "scores": {k: sum(s[k] for s in seeds) / len(seeds) for k in seeds[0]},
+                "seed_scores": [s[metric] for s in seeds], **chance}
+
+
+def no_adaptation_record(scoring: Scoring, lang: str, systems: list[str]) -> dict:
+    """The fine-tuned runs on `lang`'s evaluation file with no adaptation: their own (source)
+    tokenizer and word embeddings, exactly Step 3's model (`evaluate_scores` with no artifact).
+    What the adapted scores of `systems` (evaluated with these runs) are measured against; no
+    Step-2 compute. One evaluation pass per seed."""
+    ft = scoring.runs[0]
+    return {"system": NO_ADAPTATION, "task": ft.task.name, "lang": lang, "flops": 0.0, "flops_paper": 0.0,
+            "v100_days": 0.0, "tokens": 0, **scoring.fields(lang, ft.tokenizer, None), "of": systems,
+            "tokenizer": str(ft.tokenizer), "primary": ft.run["primary"]["run_dir"]}
+
+
 def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: str,
-                       eval_batch_tokens: int | None = None, cfg_override: dict | None = None) -> list[dict]:
+                       eval_batch_tokens: int | None = None, cfg_override: dict | None = None,
+                       no_adaptation: bool = EvaluateConfig.no_adaptation_baseline) -> list[dict]:
     """Zero-shot scores of every artifact, averaged over the fine-tuned runs (seeds). All runs must
     fine-tune the primary model the embeddings were trained for (PrimaryRef.same: by its
     weights' fingerprint, or for older records its path). eval_batch_tokens None: each run's
     own (run.json). cfg_override: FinetuneConfig fields over each run's recorded ones
     (allow_untrained_positions: accept a run whose seq_length is past its primary's pretraining
-    blocks).
+    blocks). no_adaptation: after the artifacts' records, one per language of the runs with
+    their own tokenizer and embeddings (`no_adaptation_record`).
 
     Each record carries its language's chance level (tasks.chance_levels) and the warnings of
     the runs behind it (`finetune_warnings`: a fine-tune at chance, untrained positions). Each
@@ -392,11 +445,11 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
         warnings += [f"{r}: {w}" for w in mine]
     for w in warnings:
         print(f"warning: {w}", flush=True)
+    warned = {"finetune_warnings": warnings} if warnings else {}
 
     # The first run's settings read the evaluation files (your own task's columns) and name the
     # headline; every metric is recorded, averaged over the seeds.
-    task, labels, metric = runs[0].task, runs[0].labels, headline(runs[0].task, runs[0].labels, cfgs[0])
-    records, examples, sets = [], {}, {}
+    scoring, records = Scoring(runs, cfgs, eval_spec), []
     for path in paths:
         emb, tok, meta = read_artifact(path)
         if not artifact_primary_ref(meta).same(primary):
@@ -404,30 +457,12 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
                              f"fine-tuned runs start from {primary.run_dir}"
                              + (" (their weights differ)" if primary.fingerprint and meta.get("primary_fingerprint")
                                 else "") + ": evaluate them with that model's runs")
-        lang = meta["lang"]
-        if lang not in examples:
-            examples[lang] = read_examples(task, eval_spec, lang, "test", cfgs[0], labels)
-        # Every artifact of an adapt run carries a copy of one tokenizer: known by its content.
-        tokenizer = file_sha256(tok)
-        seeds, keys = [], []
-        for ft, cfg in zip(runs, cfgs):
-            model = ft.model()
-            key = (tokenizer, lang, tuple(ft.labels), cfg.seq_length, cfg.doc_stride, cfg.max_query_length,
-                   cfg.eval_batch_tokens)  # what the encoding and the batches depend on
-            if key not in sets:
-                sets[key] = eval_set(task, load_tokenizer(tok), examples[lang], ft.labels, cfg, device_of(model),
-                                     ft.family.framing)
-            # On the device in the model's dtype after the first seed: one copy for all of them.
-            emb = {"word_embeddings": artifact_embeddings(emb, model.get_parameter(ft.family.word))}
-            seeds.append(score_set(ft, sets[key], cfg, emb))
-            keys.append(key)
-        # The chance level of this language's evaluation rows, as the first run encodes them.
-        chance = chance_levels(task, sets[keys[0]].enc, examples[lang], labels, cfgs[0]) or {"chance": None}
-        records.append({**record_base(meta, task.name), "metric": metric,
-                        "score": sum(s[metric] for s in seeds) / len(seeds),
-                        "scores": {k: sum(s[k] for s in seeds) / len(seeds) for k in seeds[0]},
-                        "seed_scores": [s[metric] for s in seeds], **chance, "artifact": str(path),
-                        **({"finetune_warnings": warnings} if warnings else {})})
+        records.append({**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb),
+                        "artifact": str(path), **warned})
+    if no_adaptation:
+        langs = list(dict.fromkeys(r["lang"] for r in records))
+        records += [{**no_adaptation_record(scoring, lang, sorted({r["system"] for r in records if r["lang"] == lang})),
+                     **warned} for lang in langs]
     return records
 
 

@@ -15,7 +15,8 @@ target pieces' frequencies. So every artifact is scored beside references on the
 positions:
     unigram     the loss of the unigram distribution of the target pieces (counted on the Step-2
                 training text, add-one smoothed): what the output bias alone can reach
-    start       the overlap-initialised embeddings Step 2 started from
+    start       the embeddings Step 2 started from (its artifact of update 0, as initialised by
+                TrainConfig.embedding_init), which is also scored as a point of its own
 and the headline is the **contextual gain**, unigram - loss (nats per masked piece). The
 ceiling is an artifact trained over the full primary model of the same source run (for
 MINIJOINT: `adapt --system bl_base --source <minijoint run>`), recorded as system
@@ -36,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmadapt.adapt import artifact_state, read_artifact, step2_start
+from mmadapt.adapt import ARTIFACT_FILE, artifact_state, read_artifact, step2_start
+from mmadapt.checkpoint import tag_for
 from mmadapt.config import ModelConfig, TrainConfig
 from mmadapt.data import TEXT, TOKENIZER, VALID, file_sha256, read_manifest
 from mmadapt.evaluate import (PrimaryRef, artifact_dirs, artifact_embeddings, artifact_primary, artifact_primary_ref,
@@ -139,8 +141,13 @@ def _swap(family: ModelFamily, model: torch.nn.Module, emb: dict, meta: dict) ->
 
 
 def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
-    """The embeddings and bias the adapt run started from (recomputed: the same seeded draw and
-    the same TrainConfig.embedding_init as adapt_embeddings'; runs recorded before it: overlap)."""
+    """The embeddings and bias the adapt run started from: its artifact of update 0 where Step 2
+    saved one (steps.ArtifactWriter.save_start); for a run recorded before that, recomputed (the
+    same seeded draw and the same TrainConfig.embedding_init as adapt_embeddings'; runs recorded
+    before it: overlap)."""
+    start = adapt_run / "embeddings" / tag_for(0)
+    if (start / ARTIFACT_FILE).is_file():
+        return read_artifact(start)[0]
     run = json.loads((adapt_run / "run.json").read_text())
     src = run["frozen_from"]
     train = run["train"]

@@ -2,7 +2,12 @@
 
 Evaluation results, as Step 4 writes them and `mmadapt report` reads them, are JSON lists of
 records: {"system", "task", "lang", "step", "flops", "score"}: one per evaluated Step-2
-checkpoint, `flops` being the Step-2 compute spent up to that checkpoint.
+checkpoint, `flops` being the Step-2 compute spent up to that checkpoint. Step 2's start (its
+artifact of update 0, the new embeddings as initialised) is the point at 0 FLOPs of a curve;
+the time to near-maximal performance counts trained checkpoints only. A record of system
+`no_adaptation` (NO_ADAPTATION) is the fine-tuned model on the target text with its own
+tokenizer and embeddings: no curve, but what the systems it names (its "of") are measured
+against (`adaptation_markdown`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from mmadapt.objectives import plugin_objective
 # Paper section 3: 125k updates of 2048 sequences of 512 tokens, V = 50k, p = 0.15.
 PAPER = {"updates": 125_000, "global_batch": 2048, "seq_length": 512, "mask_prob": 0.15}
 NEAR_MAX = 0.95  # section 4.2: target = 95% of BL_BASE's final score for the language and task
+# The system of the records of fine-tuned runs scored with no adaptation (evaluate.no_adaptation_record).
+NO_ADAPTATION = "no_adaptation"
 
 
 def is_plugin(task: str) -> bool:
@@ -158,22 +165,45 @@ def retention(system_avg: dict[str, float], baseline_avg: dict[str, float]) -> f
 
 # --- evaluation results -> tables -------------------------------------------------------------------
 
+def adapted(records: list[dict]) -> list[dict]:
+    """The records of Step-2 artifacts: all but the no-adaptation ones."""
+    return [r for r in records if r["system"] != NO_ADAPTATION]
+
+
 def curves(records: list[dict]) -> dict[tuple[str, str, str], list[tuple[float, float]]]:
-    """(system, task, lang) -> [(flops, score)] sorted by compute."""
+    """(system, task, lang) -> [(flops, score)] sorted by compute, from the records of Step-2
+    artifacts (the start, update 0, at 0 FLOPs)."""
     out = defaultdict(list)
-    for r in records:
+    for r in adapted(records):
         out[(r["system"], r["task"], r["lang"])].append((float(r["flops"]), float(r["score"])))
     return {k: sorted(v) for k, v in out.items()}
 
 
 def near_max_hits(cs: dict, baseline: str = "bl_base", device: str = "v100-paper") -> dict[tuple, Hit | None]:
     """(system, task, lang) -> when its curve first reaches 95% of `baseline`'s final score for
-    that task and language, in device-days (None: never). Curves without a baseline are left out."""
+    that task and language, in device-days (None: never). Curves without a baseline, or without a
+    trained checkpoint, are left out. The start (update 0, 0 FLOPs) is not a checkpoint here: the
+    first checkpoint's compute bounds the time from above (paper A.4), and a start that already
+    reaches the target is said apart (`_at_target_from_the_start`)."""
     out = {}
     for (system, task, lang), pts in cs.items():
-        if (baseline, task, lang) in cs:
-            out[(system, task, lang)] = time_to_target([(device_days(x, device), y) for x, y in pts],
-                                                       near_max_target(cs[(baseline, task, lang)][-1][1]))
+        trained = [(device_days(x, device), y) for x, y in pts if x > 0]
+        if (baseline, task, lang) in cs and trained:
+            out[(system, task, lang)] = time_to_target(trained, near_max_target(cs[(baseline, task, lang)][-1][1]))
+    return out
+
+
+def _at_target_from_the_start(cs: dict, baseline: str, task: str, systems: list[str], langs: list[str],
+                              f: str) -> list[str]:
+    """'system in lang (score)' for each curve whose start (update 0) already reaches 95% of
+    `baseline`'s final score: its time to the target is 0, whatever the table's checkpoints say."""
+    out = []
+    for s in systems:
+        for lang in langs:
+            pts = cs.get((s, task, lang))
+            if pts and pts[0][0] == 0 and (baseline, task, lang) in cs and \
+                    pts[0][1] >= near_max_target(cs[(baseline, task, lang)][-1][1]):
+                out.append(f"{s} in {lang} ({format(pts[0][1], f)})")
     return out
 
 
@@ -256,6 +286,89 @@ def plugin_markdown(records: list[dict]) -> str:
     return "\n".join(out)
 
 
+# --- what adaptation bought: no adaptation, the start (update 0), the last checkpoint ----------------
+
+def no_adaptation_score(records: list[dict], system: str, task: str, lang: str) -> float | None:
+    """The no-adaptation score that `system`'s `task` scores in `lang` are measured against: that
+    of the fine-tuned runs they were evaluated with (a no-adaptation record names their systems in
+    "of"; one without it stands for every system). None: the records hold none."""
+    for r in records:
+        if r["system"] == NO_ADAPTATION and r["task"] == task and r["lang"] == lang and system in r.get("of", [system]):
+            return float(r["score"])
+    return None
+
+
+def paid(last: float, none: float | None) -> bool | None:
+    """Whether adaptation paid: the last checkpoint above no adaptation (None: no such score)."""
+    return None if none is None else last > none
+
+
+def adaptation_rows(records: list[dict], task: str) -> list[dict]:
+    """Per language and system of `task`: {lang, system, none (no adaptation), start (update 0),
+    last (the last checkpoint's score), paid}; none and start None where the records lack them."""
+    rows = []
+    for (system, t, lang), pts in sorted(curves(records).items(), key=lambda kv: (kv[0][2], kv[0][0])):
+        if t == task:
+            none = no_adaptation_score(records, system, task, lang)
+            rows.append({"lang": lang, "system": system, "none": none, "start": pts[0][1] if pts[0][0] == 0 else None,
+                         "last": pts[-1][1], "paid": paid(pts[-1][1], none)})
+    return rows
+
+
+def verdict(lang: str, rows: list[dict], f: str) -> str | None:
+    """One line: did adaptation pay in `lang` (rows: adaptation_rows of one language), system by
+    system; None without a no-adaptation score."""
+    known = [r for r in rows if r["paid"] is not None]
+    if not known:
+        return None
+    gains = {r["system"]: format(r["last"] - r["none"], "+" + f) for r in known}
+    yes, no = [r for r in known if r["paid"]], [r for r in known if not r["paid"]]
+    if not no:
+        return f"{lang}: adaptation paid for every system (" + ", ".join(f"{s} {g}" for s, g in gains.items()) + \
+            " over no adaptation)."
+    line = f"{lang}: adaptation did not pay for " + ", ".join(
+        f"{r['system']} ({format(r['last'], f)} at its last checkpoint, {format(r['none'], f)} with no adaptation)"
+        for r in no)
+    return line + ("; it paid for " + ", ".join(f"{r['system']} ({gains[r['system']]})" for r in yes) if yes else "") \
+        + "."
+
+
+def _mark(records: list[dict], system: str, task: str, lang: str, last: float) -> str:
+    """' ↓' where `system`'s last score in `lang` is not above its no-adaptation score."""
+    return " ↓" if paid(last, no_adaptation_score(records, system, task, lang)) is False else ""
+
+
+def adaptation_markdown(records: list[dict], task: str) -> str:
+    """`task`'s scores beside what they are measured against, per language and system: the
+    fine-tuned model with no adaptation, the new embeddings at their start (update 0) and at the
+    last checkpoint; a last score not above no adaptation marked ↓; then one line per language
+    saying whether adaptation paid. Empty when the records hold neither reference."""
+    rows = adaptation_rows(records, task)
+    if all(r["none"] is None and r["start"] is None for r in rows):
+        return ""
+    f = _score_format(task)
+
+    def cell(v: float | None, sign: str = "") -> str:
+        return "-" if v is None else format(v, sign + f)
+
+    with_none = any(r["none"] is not None for r in rows)  # a task's records, not the plug-in metric's or retrieval's
+    out = [f"## {task}: what adaptation bought", "",
+           ("No adaptation: the fine-tuned model with its own (source) tokenizer and embeddings on the target text, "
+            "no Step 2; ↓: the last checkpoint is not above it. " if with_none else "")
+           + "Update 0: the new embeddings as Step 2 initialised them, before any update.", "",
+           "| lang | system | " + ("no adaptation | " if with_none else "") + "update 0 | last checkpoint |"
+           + (" last − no adaptation |" if with_none else ""), "|---" * (6 if with_none else 4) + "|"]
+    for r in rows:
+        cells = [r["lang"], r["system"]] + ([cell(r["none"])] if with_none else []) + \
+            [cell(r["start"]), cell(r["last"]) + (" ↓" if r["paid"] is False else "")]
+        cells += [cell(None if r["none"] is None else r["last"] - r["none"], "+")] if with_none else []
+        out.append("| " + " | ".join(cells) + " |")
+    langs = dict.fromkeys(r["lang"] for r in rows)
+    lines = [verdict(lang, [r for r in rows if r["lang"] == lang], f) for lang in langs]
+    out += [""] + [f"- {line}" for line in lines if line] + [""]
+    return "\n".join(out)
+
+
 def choose_baseline(records: list[dict]) -> tuple[str, str | None]:
     """The system a report measures against when none is named: BL_BASE (the paper's), else the
     one whose last checkpoints spent the most Step-2 compute (mean over its curves): Step 2 over
@@ -275,7 +388,10 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
     """Table-2-style final scores, and Table-3-style device-days to near-maximal performance
     (estimate and lower-upper bounds) with the mean per-language speedup, per task. A task's
     retention column is a system's average over languages / BL_BASE's; with several tasks, the
-    paper's retention (footnote 4: the mean of those ratios over tasks) follows."""
+    paper's retention (footnote 4: the mean of those ratios over tasks) follows. Where the
+    records hold no-adaptation scores or starts (update 0), each task's scores are shown beside
+    them (`adaptation_markdown`), and a last score not above no adaptation is marked ↓."""
+    everything, records = records, adapted(records)
     cs = curves(records)
     systems = sorted({k[0] for k in cs}, key=lambda s: (s != baseline, s))
     tasks = sorted({k[1] for k in cs})
@@ -329,11 +445,18 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
             cells += [share(s, ceiling_of(s))] if with_ceiling else []
             out.append(f"| {s}{' (!)' if s in warned else ''} | {cost[s] / 1e18:.3g} | "
                        f"{device_days(cost[s], device):.3g} | " +
-                       " | ".join(["-" if v is None else format(v, f) for v in final[s]]
+                       " | ".join(["-" if v is None else format(v, f) + _mark(everything, s, task, lang, v)
+                                   for v, lang in zip(final[s], langs)]
                                   + [format(avg[s], f), f"{100 * ret:.1f}%"] + cells) + " |")
+        if any(_mark(everything, s, task, lang, v) for s in task_systems for v, lang in zip(final[s], langs)
+               if v is not None):
+            out += ["", "↓: not above the same fine-tuned model with no adaptation in that language (what adaptation "
+                    "bought, below)."]
         for s, warnings in warned.items():
             out += ["", f"(!) {s}: from fine-tuned runs that learned nothing measurable in the source language, so "
                     f"its zero-shot scores say nothing about its embeddings: " + "; ".join(warnings)]
+        bought = adaptation_markdown(everything, task)
+        out += ["", bought.rstrip("\n")] if bought else []
         if floors is not None and gain[baseline] <= _noise(task):
             out += ["", f"## {task}: {device} days to near-maximal performance: not meaningful here ({baseline}'s "
                     f"final average {format(avg[baseline], f)} is within noise of the chance level: "
@@ -358,6 +481,9 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
             cells += ["-" if speed.mean is None else f"{speed.mean:.2f}× ({speed.reached} langs)",
                       f"{len(missed)} ({', '.join(missed)})" if missed else "0"]
             out.append(f"| {s} | " + " | ".join(cells) + " |")
+        early = _at_target_from_the_start(cs, baseline, task, task_systems, langs, f)
+        out += ["", "Already at the target before any Step-2 update (the start, update 0, which the table does not "
+                "count as a checkpoint): " + "; ".join(early) + "."] if early else []
         out.append("")
     if len(tasks) > 1:  # the paper's single retention number (footnote 4): the mean of the per-task ones
         out += [f"## retention against {baseline}, mean over tasks ({', '.join(tasks)})", "",
@@ -401,8 +527,9 @@ def compute_axis(max_flops: float, device: str = "v100-paper") -> tuple[float, s
 
 def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
     """Figure-3 style: score against Step-2 compute, one panel per task and language, one line per
-    system, BL_BASE's near-maximal target dashed and the chance level (or unigram reference)
-    dotted, one legend for the figure. Writes nothing and returns False when there are no
+    system from its start (update 0) at 0 FLOPs, BL_BASE's near-maximal target dashed, the chance
+    level (or unigram reference) dotted and each fine-tuned model with no adaptation dash-dotted,
+    one legend for the figure. Writes nothing and returns False when there are no
     records."""
     if not records:
         return False
@@ -419,11 +546,16 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
             pts = cs.get((system, task, lang))
             start = [r["start_gain"] for r in records if r["task"] == task and r["lang"] == lang
                      and r["system"] == system and "start_gain" in r]
-            if pts and start:  # the plug-in curves begin at the overlap-initialised embeddings
+            if pts and start and pts[0][0] > 0:  # a run recorded without its update-0 artifact: its start
                 pts = [(0.0, start[0]), *pts]
             if pts:
                 ax.plot([x / unit for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=system,
                         color=COLORS.get(system))
+        for r in records:  # each fine-tuned model with no adaptation, in the colour of its first system
+            if r["system"] == NO_ADAPTATION and r["task"] == task and r["lang"] == lang:
+                of = r.get("of") or []
+                ax.axhline(r["score"], color=COLORS.get(of[0], "gray") if of else "gray", ls="-.", lw=1.0,
+                           label=f"no adaptation ({', '.join(of)}'s fine-tuned model)" if of else "no adaptation")
         if ("bl_base", task, lang) in cs:
             ax.axhline(near_max_target(cs[("bl_base", task, lang)][-1][1]), color="gray", ls="--", lw=0.8,
                        label="near-max target (95% of bl_base's final)")
@@ -503,6 +635,6 @@ def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: s
     return True
 
 
-__all__ = ["DEVICE_TFLOPS", "PAPER", "Hit", "Speedup", "flops_rows", "paper_rows", "time_to_target", "mean_speedup",
-           "speedup_over", "retention", "choose_baseline", "report_markdown", "speedups", "speedup_table",
-           "compute_axis", "plot_curves", "plot_speedup"]
+__all__ = ["DEVICE_TFLOPS", "NO_ADAPTATION", "PAPER", "Hit", "Speedup", "adapted", "adaptation_markdown", "flops_rows",
+           "paper_rows", "time_to_target", "mean_speedup", "speedup_over", "retention", "choose_baseline",
+           "report_markdown", "speedups", "speedup_table", "compute_axis", "plot_curves", "plot_speedup"]

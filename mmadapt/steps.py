@@ -31,10 +31,11 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.adapt import body_config, body_weights, new_vocabulary, read_artifact, step2_trainable, write_artifact
+from mmadapt.adapt import (ARTIFACT_FILE, body_config, body_weights, new_vocabulary, read_artifact, step2_trainable,
+                           write_artifact)
 from mmadapt.checkpoint import check_output_file
-from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, Checked, FinetuneConfig, MiniModelConfig, ModelConfig,
-                            PreprocessConfig, TrainConfig, path_args, whole_arg)
+from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, Checked, EvaluateConfig, FinetuneConfig, MiniModelConfig,
+                            ModelConfig, PreprocessConfig, TrainConfig, path_args, whole_arg)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, TOKENIZER, EpochOrder, read_manifest, wait_for
 from mmadapt.data import prepare as prepare_corpus
@@ -251,6 +252,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             _say_start(step.lang, train.embedding_init, model, rows)
         writer = ArtifactWriter.of(run, step, source, model, init, tokenizer,
                                    {**depth, **expanded, **rows})
+        writer.save_start()
         metrics = train_lm(started, run, model, train, LMJob(step="adapt", trainable=writer.trainable), init,
                            after_save=writer, record={**rows, **expanded, "target_vocab_size": model.vocab_size})
         final = run.output_dir / "embeddings" / checkpoint.tag_for(train.train_iters)
@@ -339,8 +341,8 @@ class ArtifactWriter:
         return cls(run.output_dir, family, model, init, step2_trainable(family, model, train.train_output_bias),
                    tokenizer, meta, seq_flops, primary, probe)
 
-    def __call__(self, update: int, ckpt_tag: str) -> None:
-        sd = load_checkpoint(self.run_dir, ckpt_tag)  # fp32 master weights
+    def __call__(self, update: int, ckpt_tag: str, sd: dict | None = None) -> None:
+        sd = load_checkpoint(self.run_dir, ckpt_tag) if sd is None else sd  # fp32 master weights
         batch = self.meta["global_batch"]
         flops = self.seq_flops[False] * batch * update
         if not self.fingerprint:
@@ -354,6 +356,15 @@ class ArtifactWriter:
             meta.update(scored)
             print(progress_line(update, scored), flush=True)
         write_artifact(self.run_dir / "embeddings" / ckpt_tag, tensors, self.tokenizer, meta)
+
+    def save_start(self) -> None:
+        """Step 2's start as the artifact of update 0 (the new rows as initialised, before any
+        update: the start `init` as its state), what Step 4 and the plug-in metric score as "init
+        only" beside the trained embeddings. Global rank 0 (which alone saves artifacts), once: a
+        --resume keeps the one it finds."""
+        tag = checkpoint.tag_for(0)
+        if parallel.is_rank0() and not (self.run_dir / "embeddings" / tag / ARTIFACT_FILE).is_file():
+            self(0, tag, self.init)
 
     def tensors(self, sd: dict) -> dict:
         """An artifact's tensors (adapt.write_artifact) from the checkpoint `sd` (the trained
@@ -531,18 +542,21 @@ def _refuse_existing(output: Path | None) -> None:
 
 
 def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, output: Path | None = None,
-             eval_batch_tokens: int | None = None, allow_untrained_positions: bool = False) -> list[dict]:
-    """Step 4: zero-shot scores of every Step-2 artifact (or every artifact of an adapt run),
-    averaged over the fine-tuned runs (seeds) of one primary model. Writes the records to
-    `output` (which must not exist) when given. eval_batch_tokens None: each run's own.
-    allow_untrained_positions: evaluate a run whose seq_length is past its primary model's
-    pretraining blocks (with a warning; else refused, unless Step 3 allowed it). Needs no
-    process group."""
+             eval_batch_tokens: int | None = None, allow_untrained_positions: bool = False,
+             cfg: EvaluateConfig = EvaluateConfig()) -> list[dict]:
+    """Step 4: zero-shot scores of every Step-2 artifact (or every artifact of an adapt run: its
+    start, update 0, and every checkpoint), averaged over the fine-tuned runs (seeds) of one
+    primary model, and (cfg.no_adaptation_baseline) per language the same runs with no
+    adaptation. Writes the records to `output` (which must not exist) when given.
+    eval_batch_tokens None: each run's own. allow_untrained_positions: evaluate a run whose
+    seq_length is past its primary model's pretraining blocks (with a warning; else refused,
+    unless Step 3 allowed it). Needs no process group."""
     finetuned, embeddings = path_args(finetuned, "finetuned"), path_args(embeddings, "embeddings")
     eval_batch_tokens = whole_arg(eval_batch_tokens, "eval_batch_tokens", 1, optional=True)
     _refuse_existing(output)
     records = evaluate_artifacts(finetuned, embeddings, eval_file, eval_batch_tokens,
-                                 {"allow_untrained_positions": True} if allow_untrained_positions else None)
+                                 {"allow_untrained_positions": True} if allow_untrained_positions else None,
+                                 cfg.no_adaptation_baseline)
     return _write_records(records, output)
 
 

@@ -39,7 +39,9 @@ class SweepConfig(Checked):
 
 
 def _curve(rows: list[dict]) -> dict:
-    rows = sorted(rows, key=lambda r: r["flops"])
+    # The start is the curve's point at compute 0: from the records' start_gain, whether or not
+    # the run saved its update-0 artifact (whose own record, step 0, would repeat it).
+    rows = sorted((r for r in rows if r["step"] > 0), key=lambda r: r["flops"])
     last = rows[-1]
     return {"system": last["system"], "updates": last["step"], "flops_per_update": last["flops"] / last["step"],
             "final_flops": last["flops"], "start_gain": last["start_gain"], "final_gain": last["score"],

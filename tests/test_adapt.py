@@ -4,6 +4,7 @@ tensor/pipeline/data-parallel Step-2 runs equal a single process."""
 import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from mmadapt.models import PRESETS
 from mmadapt.data import prepare
 from mmadapt.models.roberta.model import RobertaMLM
 from mmadapt.parallel import init_parallel
+from mmadapt.plugin import _start_embeddings
 from mmadapt.family import WORD
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.models.roberta.model import BIAS
@@ -223,6 +225,10 @@ def test_step2_layout_matches_single_process(layout, step2_single, primary_run, 
     assert got_t["word_embeddings"].shape == (VOCAB, 64)
     assert tok.read_bytes() == de_tokenizer.read_bytes()
     assert meta["flops"] == ref_meta["flops"] and meta["global_batch"] == 16 and meta["mini_layers"] == 4
+    # The start (update 0), written by global rank 0 from the full initial state: the same in every layout.
+    start, ref_start = (A.read_artifact(r / "embeddings" / "step00000000") for r in (run, step2_single))
+    assert all(torch.equal(start[0][k], ref_start[0][k]) for k in ("word_embeddings", "output_bias"))
+    assert (start[2]["step"], start[2]["flops"], start[2]["tokens"]) == (0, 0.0, 0)
     ckpt = run / "checkpoints" / f"step{STEPS:08d}"
     if layout == "zero2_dp2":
         # Checkpoints hold only what Step 2 trains; the optimizer state is split across the 2 ranks.
@@ -336,7 +342,19 @@ def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_
     go(tmp_path / "full")
     go(tmp_path / "part", "--exit_interval", "2", code=76)
     assert [r["step"] for r in metrics(tmp_path / "part")] == [1, 2]
+    start = tmp_path / "part" / "embeddings" / "step00000000"
+    written = {f: (start / f).stat() for f in ("embeddings.pt", "meta.json")}
     go(tmp_path / "part", "--resume")
     assert [r["loss"] for r in metrics(tmp_path / "part")] == [r["loss"] for r in metrics(tmp_path / "full")]
     a, b = (A.read_artifact(tmp_path / d / "embeddings" / "step00000004")[0] for d in ("full", "part"))
     assert torch.equal(a["word_embeddings"], b["word_embeddings"])
+    # The start artifact (update 0) is Step 2's initial rows, as the plug-in metric recomputes them
+    # for runs recorded without it; the resume kept the one the first invocation wrote.
+    assert all((start / f).stat().st_ino == st.st_ino and (start / f).stat().st_mtime_ns == st.st_mtime_ns
+               for f, st in written.items())
+    saved = A.read_artifact(start)[0]
+    shutil.rmtree(start)
+    recomputed = _start_embeddings(tmp_path / "part", tmp_path / "part" / "embeddings" / "step00000004" / "spm.model")
+    assert sorted(saved) == sorted(recomputed) == ["output_bias", "word_embeddings"]
+    assert all(torch.equal(saved[k], recomputed[k]) for k in saved)
+    assert not torch.equal(saved["word_embeddings"], b["word_embeddings"])

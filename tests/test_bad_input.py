@@ -241,6 +241,11 @@ CASES = [
     # --- Step 4
     ("evaluate-output-exists", lambda c: c.evaluate()[:-1] + [c.file("old.json", "[]")], "already exists"),
     ("evaluate-not-an-artifact", lambda c: c.evaluate(), "neither a Step-2 artifact nor an adapt run"),
+    ("evaluate-no-adaptation-with-plugin", lambda c: ["evaluate", "--primary", str(c.primary), "--plugin_data",
+                                                      c.dir("data"), "--embeddings", c.dir("emb"),
+                                                      "--no_adaptation_baseline", "false", "--output",
+                                                      str(c.tmp / "r.json")],
+     "--no_adaptation_baseline scores fine-tuned runs on a task"),
     ("source-checkpoint-truncated", lambda c: c.minipost(primary=c.damaged_copy()), "cannot be read"),
     # --- report
     ("report-output-is-input", lambda c: ["report", c.records([RECORD]), "--output", str(c.tmp / "results.json")],

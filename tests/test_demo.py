@@ -35,14 +35,21 @@ def test_demo_quick_runs_all_steps_for_all_systems(tmp_path):
     records = json.loads((out / "results.json").read_text())
     for task in ("bible-genre", "retrieval"):
         # MINIJOINT's ceiling (Step 2 over its full model) is scored on the tasks too, named apart.
-        assert {r["system"] for r in records if r["task"] == task} == {*SYSTEMS, "minijoint:full"}, task
+        assert {r["system"] for r in records if r["task"] == task and r["system"] != "no_adaptation"} == \
+            {*SYSTEMS, "minijoint:full"}, task
         for system in SYSTEMS:
             curve = sorted((r["step"], r["flops"], r["score"]) for r in records
                            if r["task"] == task and r["system"] == system)
-            assert [s for s, _, _ in curve] == [50, 100, 150], (task, system)
-            assert all(0 <= score <= 100 for _, _, score in curve)
+            # From the start (update 0: the new embeddings as initialised, no compute) to the last checkpoint.
+            assert [s for s, _, _ in curve] == [0, 50, 100, 150], (task, system)
+            assert all(0 <= score <= 100 for _, _, score in curve) and curve[0][1] == 0.0
             # The same Step-2 work per update: compute grows linearly along the curve.
-            assert curve[2][1] == pytest.approx(3 * curve[0][1])
+            assert curve[3][1] == pytest.approx(3 * curve[1][1])
+    # Each primary model's fine-tuned runs with no adaptation (their English tokenizer and
+    # embeddings on the German test verses), beside the systems they evaluate.
+    none = {tuple(r["of"]): r for r in records if r["system"] == "no_adaptation"}
+    assert set(none) == {("bl_base", "minipost"), ("bl_small",), ("minijoint", "minijoint:full")}
+    assert all(r["task"] == "bible-genre" and r["lang"] == "de" and 0 <= r["score"] <= 100 for r in none.values())
     # The plug-in MLM metric: every system's artifacts (and the ceiling, MINIJOINT's full model)
     # through their primary model, on the same masked held-out pieces, against the unigram
     # reference of those pieces; BL_BASE's new embeddings must use its context (gain > 0).
@@ -64,6 +71,14 @@ def test_demo_quick_runs_all_steps_for_all_systems(tmp_path):
         assert f"| {system} |" in table
     assert "majority" in table and "retrieval" in table and "unigram reference" in table
     assert "share of the ceiling's gain" in table  # the task tables measure MINIJOINT against its ceiling
+    # Both references beside every system's last score, and whether adaptation paid in German.
+    assert "## bible-genre: what adaptation bought" in table and "- de: adaptation " in table
+    last = {r["system"]: r["score"] for r in records if r["task"] == "bible-genre" and r.get("step") == 150}
+    start = {r["system"]: r["score"] for r in records if r["task"] == "bible-genre" and r.get("step") == 0}
+    for of, r in none.items():
+        for system in of:
+            assert (f"| de | {system} | {r['score']:.1f} | {start[system]:.1f} | {last[system]:.1f}"
+                    f"{' ↓' if last[system] <= r['score'] else ''} | {last[system] - r['score']:+.1f} |") in table
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "demo.json").read_text())["langs"] == ["de"]
 

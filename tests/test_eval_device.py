@@ -126,6 +126,24 @@ def test_token_batches_give_the_straightforward_paths_logits(kind, impl, de_toke
     assert (changed if kind == "classify" else changed[real]).abs().max() > 0.1  # the swap took effect
 
 
+@pytest.mark.parametrize("kind", sorted(CASES))
+def test_no_adaptation_is_the_runs_own_model_on_the_target_text(kind, tokenizer):
+    """The no-adaptation record of every task kind: the scores of Step 4's path with no artifact
+    (evaluate_scores, the run's own tokenizer), no Step-2 compute, the systems it stands beside."""
+    task, labels, examples = CASES[kind]()
+    ft = synthetic(task, labels, 1, tokenizer)
+    ft.run["primary"] = {"run_dir": "runs/primary"}
+    scoring = F.Scoring([ft], [CFG], "unused")
+    scoring.examples["de"] = examples  # as read from the evaluation file
+    record = F.no_adaptation_record(scoring, "de", ["bl_base", "minipost"])
+    assert record["scores"] == evaluate_scores(ft, examples, CFG)
+    assert record["score"] == record["scores"][T.headline(ft.task, labels, CFG)] and record["seed_scores"] == \
+        [record["score"]]
+    assert (record["system"], record["task"], record["lang"], record["flops"], record["of"], record["tokenizer"]) == (
+        "no_adaptation", task, "de", 0.0, ["bl_base", "minipost"], str(tokenizer))
+    assert "step" not in record and (record["chance"] is None) == (kind == "span")
+
+
 def test_the_swap_leaves_the_runs_own_model_as_it_was(tokenizer, de_tokenizer):
     ft = synthetic("bible-genre", GENRES, 2, tokenizer)
     en = [(t, i % len(GENRES)) for i, t in enumerate(verses(60, "en"))]
@@ -199,12 +217,14 @@ def adapt_run(primary_run, de_tokenizer, tmp_path_factory):
 @pytest.mark.slow  # Step 4 over whole evaluation sets, several artifacts and seeds
 def test_records_equal_the_straightforward_paths(seeds, adapt_run):
     records = F.evaluate_artifacts(seeds, [adapt_run], "bible", eval_batch_tokens=700)
-    assert [(r["step"], r["metric"]) for r in records] == [(2, "accuracy"), (4, "accuracy")]
+    assert [(r.get("step"), r["metric"]) for r in records] == [(2, "accuracy"), (4, "accuracy"), (None, "accuracy")]
     runs = [F.load_finetuned(r) for r in seeds]
     examples = T.read_examples(runs[0].task, "bible", "de", "test")
-    for rec, vocab in zip(records, (1000, 1200)):
-        emb, tok, _ = A.read_artifact(rec["artifact"])
-        assert emb["word_embeddings"].shape == (vocab, 64)
+    # The last record: no adaptation, each run's own English tokenizer and embeddings on the German file.
+    assert records[2]["system"] == "no_adaptation" and records[2]["of"] == ["bl_base"]
+    for rec, vocab in zip(records, (1000, 1200, None)):
+        emb, tok = (None, runs[0].tokenizer) if vocab is None else A.read_artifact(rec["artifact"])[:2]
+        assert vocab is None or emb["word_embeddings"].shape == (vocab, 64)
         per_seed = []
         for ft in runs:
             cfg = F.recorded_config(ft)
@@ -235,8 +255,8 @@ def test_each_evaluation_set_is_encoded_once_per_tokenizer(seeds, adapt_run, pri
     monkeypatch.setattr(F, "encode", counted(F, "encode"))
     monkeypatch.setattr(ROBERTA, "build_task_model", counted(ROBERTA, "build_task_model"))
     records = F.evaluate_artifacts(seeds, [adapt_run, other, adapt_run], "bible")
-    assert [r["step"] for r in records] == [2, 4, 6, 2, 4]
-    assert calls == {"encode": 2, "build_task_model": 2}
+    assert [r.get("step") for r in records] == [2, 4, 6, 2, 4, None]
+    assert calls == {"encode": 3, "build_task_model": 2}  # and once with the runs' own tokenizer: no adaptation
     assert records[3]["scores"] == records[0]["scores"]  # the same artifact again, the same model state
 
 
@@ -253,5 +273,5 @@ def test_a_run_recorded_with_eval_batch_size_still_evaluates(seeds, adapt_run, t
     del run["finetune"]["eval_batch_tokens"]
     (old / "run.json").write_text(json.dumps(run))
     assert F.recorded_config(F.load_finetuned(old)) == F.recorded_config(F.load_finetuned(seeds[0]))
-    [a, _], [b, _] = (F.evaluate_artifacts([r], [adapt_run], "bible") for r in (old, seeds[0]))
+    [a, _, _], [b, _, _] = (F.evaluate_artifacts([r], [adapt_run], "bible") for r in (old, seeds[0]))
     assert a["scores"] == b["scores"]

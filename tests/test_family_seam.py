@@ -113,7 +113,8 @@ def test_a_family_defined_outside_mmadapt_runs_every_step(toy, corpus, tokenizer
                                                                    tmp_path / "adapt-minipost"],
                                     data=str(german), seq_length=32, blocks=32)
     assert toy.built > before
-    assert [r["system"] for r in records] == ["minijoint", "minipost"]
+    assert [(r["system"], r["step"]) for r in records] == [("minijoint", 0), ("minijoint", 2), ("minipost", 0),
+                                                            ("minipost", 2)]  # each run's start and checkpoint
     for r in records:
         assert r["task"] == "plugin-mlm" and r["score"] == pytest.approx(r["unigram_loss"] - r["loss"])
         assert 0 < r["loss"] < 20 and r["masked_pieces"] > 0

@@ -17,8 +17,8 @@ from mmadapt import faults
 from mmadapt.config import FinetuneConfig
 from mmadapt import steps
 from mmadapt.config import Layout
-from evaluation import evaluate_score, predict, swap_embeddings
-from mmadapt.evaluate import load_finetuned, retrieval_records
+from evaluation import evaluate_score, evaluate_scores, predict, swap_embeddings
+from mmadapt.evaluate import load_finetuned, recorded_config, retrieval_records
 from mmadapt.family import WORD
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, load_weights, run_fingerprint
@@ -182,12 +182,38 @@ def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(records_file.read_text())
     # Full-model Step 2 over the MINIJOINT primary is its ceiling, named apart from a BL_BASE run.
-    assert [(r["system"], r["lang"], r["step"], r["task"]) for r in records] == [
-        ("minijoint", "de", 2, "bible-genre"), ("minijoint", "de", 4, "bible-genre"),
-        ("minijoint:full", "de", 2, "bible-genre"), ("minijoint:full", "de", 4, "bible-genre")]
-    assert records[0]["flops"] * 2 == pytest.approx(records[1]["flops"])
-    assert records[0]["flops"] < records[2]["flops"]  # 4 layers against 12
+    # Each adapt run's curve starts at its update-0 artifact (the embeddings as initialised), and
+    # the fine-tuned run is scored once more with no adaptation.
+    assert [(r["system"], r["lang"], r.get("step"), r["task"]) for r in records] == [
+        ("minijoint", "de", 0, "bible-genre"), ("minijoint", "de", 2, "bible-genre"),
+        ("minijoint", "de", 4, "bible-genre"), ("minijoint:full", "de", 0, "bible-genre"),
+        ("minijoint:full", "de", 2, "bible-genre"), ("minijoint:full", "de", 4, "bible-genre"),
+        ("no_adaptation", "de", None, "bible-genre")]
+    assert records[0]["flops"] == records[3]["flops"] == 0.0
+    assert records[1]["flops"] * 2 == pytest.approx(records[2]["flops"])
+    assert records[1]["flops"] < records[4]["flops"]  # 4 layers against 12
     assert all(0 <= r["score"] <= 100 and r["metric"] == "accuracy" for r in records)
+    # No adaptation: exactly the fine-tuned run on the German file with its own English tokenizer
+    # and embeddings, through Step 4's path with no artifact; no Step-2 compute.
+    ft = load_finetuned(out)
+    none = records[-1]
+    assert none["scores"] == evaluate_scores(ft, read_examples(ft.task, "bible", "de", "test"), recorded_config(ft))
+    assert (none["flops"], none["of"], none["tokenizer"]) == (0.0, ["minijoint", "minijoint:full"], str(ft.tokenizer))
+    # Update 0: the same score as its artifact evaluated on its own (and no no-adaptation row then).
+    start = tmp_path / "start.json"
+    alone = subprocess.run([*cmd[:5], str(adapt / "embeddings" / "step00000000"), "--eval_file", "bible",
+                            "--no_adaptation_baseline", "false", "--output", str(start)], cwd=REPO,
+                           capture_output=True, text=True, env=child_env(), timeout=300)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    [explicit] = json.loads(start.read_text())
+    assert explicit["scores"] == records[0]["scores"] and explicit["step"] == 0
+    # Printed: every record, then no adaptation and update 0 beside the last checkpoint, per language.
+    lines = proc.stdout.splitlines()
+    assert sum(" bible-genre de step " in line for line in lines) == 6
+    assert any(line.startswith("no_adaptation bible-genre de no adaptation") for line in lines)
+    assert f"| de | minijoint | {none['score']:.1f} | {records[0]['score']:.1f} | {records[2]['score']:.1f}" \
+        in proc.stdout
+    assert "## bible-genre: what adaptation bought" in proc.stdout and "- de: adaptation " in proc.stdout
     # The same command again must not overwrite the records.
     before = records_file.read_bytes()
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=300)
@@ -217,7 +243,7 @@ def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, t
     moved = subprocess.run([*cmd[:5], str(artifact), "--eval_file", "bible", "--output", str(tmp_path / "r1.json")],
                            cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=300)
     assert moved.returncode == 0, moved.stderr[-3000:]
-    assert json.loads((tmp_path / "r1.json").read_text())[0]["score"] == pytest.approx(records[1]["score"])
+    assert json.loads((tmp_path / "r1.json").read_text())[0]["score"] == pytest.approx(records[2]["score"])
     # Embeddings trained for another primary model (another fingerprint; or, for an artifact
     # written before fingerprints, another path) are refused, naming both.
     for name, changed in (("foreign", {"primary_fingerprint": "0" * 64}), ("old", {"primary_fingerprint": None})):

@@ -14,10 +14,13 @@ from mmadapt.adapt import read_artifact
 from mmadapt.config import FinetuneConfig, Layout, MiniModelConfig, PreprocessConfig, TrainConfig, apply_recipe
 from mmadapt.models import PRESETS
 from mmadapt.data import CausalBatches, read_manifest
+from evaluation import evaluate_scores
+from mmadapt.evaluate import load_finetuned, recorded_config
 from mmadapt.family import WORD
 from mmadapt.models.llama import LLAMA
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, load_weights, read_run
+from mmadapt.tasks import read_examples
 from mmadapt.tokens import IGNORE_INDEX
 
 ZERO0 = REPO / "ds_configs" / "zero0.json"
@@ -82,7 +85,10 @@ def test_decoder_plugin_metric_scores_next_pieces(decoder_runs, german):
     records = steps.evaluate_plugin(decoder_runs / "mj", embeddings=[decoder_runs / "minijoint-de",
                                                                       decoder_runs / "minipost-de"],
                                     data=str(german), seq_length=32, blocks=32)
-    assert [r["system"] for r in records] == ["minijoint", "minipost"]
+    # Each run's start (update 0, the loss every record's start_loss is) and its last checkpoint.
+    assert [(r["system"], r["step"]) for r in records] == [("minijoint", 0), ("minijoint", 4), ("minipost", 0),
+                                                            ("minipost", 4)]
+    assert records[1]["start_loss"] == records[0]["loss"] and records[3]["start_loss"] == records[2]["loss"]
     for r in records:
         assert r["task"] == "plugin-lm" and r["score"] == pytest.approx(r["unigram_loss"] - r["loss"])
         assert r["masked_pieces"] == 32 * 32  # every position of 32 blocks of 32
@@ -104,6 +110,12 @@ def test_decoder_finetune_and_zero_shot(decoder_runs, tmp_path):
     assert summary["updates"] == 7 and 0 <= summary["source_score"] <= 100
     records = steps.evaluate([tmp_path / "ft"], embeddings=[decoder_runs / "minijoint-de"], eval_file="bible")
     assert records[0]["task"] == "bible-genre" and records[0]["lang"] == "de" and 0 <= records[0]["score"] <= 100
+    # The curve starts at the update-0 artifact; the decoder with its own tokenizer and embeddings
+    # on the German file (no adaptation) is Step 4's path with no artifact.
+    assert [r.get("step") for r in records] == [0, 4, None] and records[0]["flops"] == 0.0
+    ft = load_finetuned(tmp_path / "ft")
+    assert records[-1]["system"] == "no_adaptation" and records[-1]["scores"] == evaluate_scores(
+        ft, read_examples(ft.task, "bible", "de", "test"), recorded_config(ft))
 
 
 def test_decoder_options_the_encoder_refuses(decoder_runs, tmp_path):

@@ -351,6 +351,9 @@ def test_sweep_picks_the_cheapest_depth_to_95_percent_of_the_best():
     assert rows[6]["to_target"] == pytest.approx(3.0 + (0.95 - 0.8) / 0.2 * 3.0)  # 5.25
     assert rows[4]["flops_per_update"] == pytest.approx(0.2) and rows[2]["share"] == pytest.approx(0.6)
     assert s["cheapest"] == 4
+    # A run that saved its start (update 0, compute 0) has a record of it: the same summary.
+    starts = [{**r, "step": 0, "flops": 0.0, "score": r["start_gain"]} for r in _records(curves) if r["step"] == 10]
+    assert summarize(starts + _records(curves)) == s
     md = sweep_markdown(s)
     assert "| 2 | 1e-19 | 20 | 2e-18 | +0.000 | +0.600 | 60% | never |" in md
     assert "**Cheapest depth reaching 95% of the reference: N = 4**" in md
@@ -452,7 +455,9 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path):
     records, summary = result["records"], result["summary"]
     assert {r["system"] for r in records} == {"minijoint@2", "minijoint@4", "minijoint:full"}
     by = {(str(r["mini_layers"]), r["step"]): r for r in records}
-    assert set(by) == {(d, s) for d in ("2", "4", "full") for s in (3, 6)}
+    assert set(by) == {(d, s) for d in ("2", "4", "full") for s in (0, 3, 6)}
+    # Each run's start (update 0) is scored too: the start of its curve.
+    assert all(by[(d, 0)]["score"] == pytest.approx(by[(d, 6)]["start_gain"]) for d in ("2", "4", "full"))
     # Step-2 compute grows with depth; each run over its own depth's mini-model.
     assert by[("2", 6)]["flops"] < by[("4", 6)]["flops"] < by[("full", 6)]["flops"]
     for n in DEPTHS:

@@ -417,13 +417,18 @@ def test_zero_shot_records_go_into_the_report(toy_run, fresh_primary, de_tokeniz
     out = tmp_path / "records.json"
     records = steps.evaluate([d / "ft"], embeddings=arts, eval_file=str(d / "verses.{lang}.csv"), output=out)
     assert json.loads(out.read_text()) == json.loads(json.dumps(records))
-    en, de = records
+    en, de, none_en, none_de = records
+    # No adaptation, per language: the run's own tokenizer and embeddings, which in English are
+    # exactly what the English artifact swaps in.
+    assert [(r["system"], r["lang"], r["of"]) for r in (none_en, none_de)] == [
+        ("no_adaptation", "en", ["minijoint:full"]), ("no_adaptation", "de", ["minijoint:full"])]
+    assert none_en["scores"] == en["scores"] and none_de["scores"] != de["scores"]
     assert (en["task"], en["lang"], de["lang"], en["metric"]) == ("classify", "en", "de", "accuracy")
     assert en["score"] == pytest.approx(run["source_score"]) and en["scores"] == pytest.approx(run["source_scores"])
     assert set(de["scores"]) == {"accuracy", "macro_f1"} and de["score"] == de["scores"]["accuracy"]
     assert 0 <= de["scores"]["macro_f1"] <= 100
     # Full-model embeddings over the MINIJOINT primary are its ceiling: the report is measured against it.
-    assert {r["system"] for r in records} == {"minijoint:full"}
+    assert {r["system"] for r in records[:2]} == {"minijoint:full"}
     assert report_main([str(out), "--baseline", "minijoint:full"]) == 0
     assert "## classify: score at the last checkpoint" in capsys.readouterr().out
 
@@ -518,8 +523,9 @@ def test_a_tagging_record_carries_its_majority_tag_rate(fresh_primary, de_tokeni
         assert r["majority_accuracy"] == pytest.approx(majority) and r["uniform_accuracy"] == 50.0
         assert r["scored_items"] == len(tags)
         assert r["finetune_warnings"] == [f"{tmp_path / 'ft'}: {w}" for w in summary["warnings"]]
-    en, de = sorted(records, key=lambda r: r["lang"], reverse=True)
+    en, de, none_en, _ = records
     assert en["chance"] != de["chance"]  # each language's own file
+    assert none_en["system"] == "no_adaptation" and none_en["scores"] == en["scores"]  # the same model, as above
     capsys.readouterr()
     assert report_main([str(tmp_path / "records.json"), "--baseline", "minijoint:full"]) == 0
     md = capsys.readouterr().out

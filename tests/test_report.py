@@ -253,3 +253,77 @@ def test_the_compute_axis_reads_in_days_or_flops():
     assert compute_axis(20 * day) == (pytest.approx(day), "Step-2 compute (v100-paper days)")
     assert compute_axis(3e12) == (1e12, "Step-2 compute (TFLOP)")
     assert compute_axis(1e16) == (1e15, "Step-2 compute (PFLOP)")  # 0.004 days
+
+
+# --- what adaptation bought: no adaptation and the start (update 0) beside every score --------------------
+
+def _bought_records() -> list[dict]:
+    """bible-genre in de and fr for two primary models' fine-tuned runs: bl_base's (its no-adaptation
+    score 30 in de, 25 in fr) and bl_small's (40 in de, 25 in fr). Each system's curve starts at
+    update 0 (0 FLOPs) and ends at its last checkpoint: in de, bl_small ends at 35, below its 40 with
+    no adaptation."""
+    day = 2.592e18
+    curves = {("bl_base", "de"): (22.0, 28.0, 36.0), ("bl_base", "fr"): (21.0, 30.0, 34.0),
+              ("bl_small", "de"): (24.0, 30.0, 35.0), ("bl_small", "fr"): (20.0, 26.0, 31.0)}
+    records = [{"system": s, "task": "genre", "lang": lang, "step": step, "flops": step / 100 * day, "score": y,
+                "chance": 20.0}
+               for (s, lang), ys in curves.items() for step, y in zip((0, 100, 200), ys)]
+    records += [{"system": "no_adaptation", "task": "genre", "lang": lang, "flops": 0.0, "score": y, "chance": 20.0,
+                 "of": [primary]}
+                for primary, lang, y in (("bl_base", "de", 30.0), ("bl_base", "fr", 25.0), ("bl_small", "de", 40.0),
+                                         ("bl_small", "fr", 25.0))]
+    return records
+
+
+def test_adapted_scores_beside_no_adaptation_and_the_start_with_a_mark_and_a_verdict(tmp_path, capsys):
+    """The adapted embeddings of bl_small in de are worse than its fine-tuned model with no
+    adaptation: the table marks the cell, the section shows no adaptation / update 0 / last for
+    every system and language, and one line per language says whether adaptation paid. The
+    existing tables' numbers are those of the same records without the no-adaptation rows."""
+    records = _bought_records()
+    md = report_markdown(records)
+    plain = report_markdown([r for r in records if r["system"] != "no_adaptation"])
+    # Final scores (36, 34 / 35, 31), averages, costs and gains are unchanged; only bl_small's de cell is marked.
+    assert "| bl_base | 5.18 | 2 | 36.0 | 34.0 | 35.0 | 100.0% | +15.0 | 100% |" in md and \
+        "| bl_base | 5.18 | 2 | 36.0 | 34.0 | 35.0 | 100.0% | +15.0 | 100% |" in plain
+    assert "| bl_small | 5.18 | 2 | 35.0 ↓ | 31.0 | 33.0 | 94.3% | +13.0 | 87% |" in md
+    assert "| bl_small | 5.18 | 2 | 35.0 | 31.0 | 33.0 | 94.3% | +13.0 | 87% |" in plain
+    assert "↓: not above the same fine-tuned model with no adaptation" in md and "↓" not in plain
+    assert md.count("| no_adaptation") == 0  # not a system of the tables: it is shown beside them
+    assert "## genre: what adaptation bought" in md and "## genre: what adaptation bought" in plain
+    for row in ("| de | bl_base | 30.0 | 22.0 | 36.0 | +6.0 |", "| de | bl_small | 40.0 | 24.0 | 35.0 ↓ | -5.0 |",
+                "| fr | bl_base | 25.0 | 21.0 | 34.0 | +9.0 |", "| fr | bl_small | 25.0 | 20.0 | 31.0 | +6.0 |"):
+        assert row in md, row
+    assert "| de | bl_small | 24.0 | 35.0 |" in plain and "no adaptation" not in plain  # the start alone
+    assert ("- de: adaptation did not pay for bl_small (35.0 at its last checkpoint, 40.0 with no adaptation); "
+            "it paid for bl_base (+6.0).") in md
+    assert "- fr: adaptation paid for every system (bl_base +9.0, bl_small +6.0 over no adaptation)." in md
+    assert "adaptation paid" not in plain
+    # Time to near-maximal performance counts trained checkpoints, as without the start: target 34.2
+    # in de, bl_base from 28 at 1 day to 36 at 2 days -> 1 + 6.2 / 8 = 1.775 days; fr: 32.3, from 30
+    # to 34 -> 1.575 (the start, 22 and 21 at 0 days, would pull both earlier).
+    assert "| bl_base | 1.77 (1–2) | 1.57 (1–2) | 1.00× (2 langs) | 0 |" in md
+    assert md.split("days to near-maximal")[1] == plain.split("days to near-maximal")[1]
+    # `mmadapt report` prints the same, and the plot draws the no-adaptation lines.
+    f = tmp_path / "records.json"
+    f.write_text(json.dumps(records))
+    assert report_main([str(f), "--plots", str(tmp_path / "plots")]) == 0
+    assert capsys.readouterr().out.strip() == md.strip()
+    assert (tmp_path / "plots" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_start_already_at_the_target_is_said_apart_and_not_counted_as_a_checkpoint():
+    """bl_small's start (update 0) in de already scores above 95% of bl_base's final: the near-
+    maximal table still times its trained checkpoints (the first reaching at 1 day, lower bound 0),
+    and a line says it was there before any update, instead of a time of 0 that the speedup
+    would silently drop."""
+    records = [r for r in _bought_records() if r["system"] != "no_adaptation"]
+    for r in records:
+        if (r["system"], r["lang"], r["step"]) == ("bl_small", "de", 0):
+            r["score"] = 35.0
+        if (r["system"], r["lang"], r["step"]) == ("bl_small", "de", 100):
+            r["score"] = 34.5
+    md = report_markdown(records)
+    assert "| bl_small | 1 (0–1) | never | 1.77× (1 langs) | 1 (fr) |" in md  # 1.775 / 1
+    assert ("Already at the target before any Step-2 update (the start, update 0, which the table does not count "
+            "as a checkpoint): bl_small in de (35.0).") in md
