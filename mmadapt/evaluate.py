@@ -430,6 +430,27 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     run's model is built once (`Finetuned.model`) and every artifact swapped into it; each
     evaluation set is encoded and put on the device once per (tokenizer, language)."""
     paths = artifact_dirs(artifacts)  # the cheap check first
+    runs, cfgs, primary, warnings = _finetuned_runs(finetuned, eval_batch_tokens, cfg_override)
+    warned = {"finetune_warnings": warnings} if warnings else {}
+    # The first run's settings read the evaluation files (your own task's columns) and name the
+    # headline; every metric is recorded, averaged over the seeds.
+    scoring, records = Scoring(runs, cfgs, eval_spec), []
+    for path in paths:
+        emb, tok, meta = _artifact_of(path, primary)
+        records.append({**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb),
+                        "artifact": str(path), **warned})
+    if no_adaptation:
+        langs = list(dict.fromkeys(r["lang"] for r in records))
+        records += [{**no_adaptation_record(scoring, lang, sorted({r["system"] for r in records if r["lang"] == lang})),
+                     **warned} for lang in langs]
+    return records
+
+
+def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,
+                    cfg_override: dict | None) -> tuple[list[Finetuned], list[FinetuneConfig], PrimaryRef, list[str]]:
+    """`evaluate_artifacts`' fine-tuned runs (seeds), rebuilt; their configs with Step 4's changes;
+    the primary model they share (one primary model and task, else refused); and their warnings
+    (each run's own and its position warning, once), printed."""
     runs = [load_finetuned(r) for r in finetuned]
     primary = finetuned_primary_ref(runs[0])
     if not all(finetuned_primary_ref(r).same(primary) for r in runs) or len({r.task.name for r in runs}) > 1:
@@ -445,25 +466,19 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
         warnings += [f"{r}: {w}" for w in mine]
     for w in warnings:
         print(f"warning: {w}", flush=True)
-    warned = {"finetune_warnings": warnings} if warnings else {}
+    return runs, cfgs, primary, warnings
 
-    # The first run's settings read the evaluation files (your own task's columns) and name the
-    # headline; every metric is recorded, averaged over the seeds.
-    scoring, records = Scoring(runs, cfgs, eval_spec), []
-    for path in paths:
-        emb, tok, meta = read_artifact(path)
-        if not artifact_primary_ref(meta).same(primary):
-            raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, but the "
-                             f"fine-tuned runs start from {primary.run_dir}"
-                             + (" (their weights differ)" if primary.fingerprint and meta.get("primary_fingerprint")
-                                else "") + ": evaluate them with that model's runs")
-        records.append({**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb),
-                        "artifact": str(path), **warned})
-    if no_adaptation:
-        langs = list(dict.fromkeys(r["lang"] for r in records))
-        records += [{**no_adaptation_record(scoring, lang, sorted({r["system"] for r in records if r["lang"] == lang})),
-                     **warned} for lang in langs]
-    return records
+
+def _artifact_of(path: Path, primary: PrimaryRef) -> tuple[dict, Path, dict]:
+    """The artifact at `path` (read_artifact), refused by name when its embeddings were trained
+    for another primary model than `primary`."""
+    emb, tok, meta = read_artifact(path)
+    if not artifact_primary_ref(meta).same(primary):
+        raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, but the "
+                         f"fine-tuned runs start from {primary.run_dir}"
+                         + (" (their weights differ)" if primary.fingerprint and meta.get("primary_fingerprint")
+                            else "") + ": evaluate them with that model's runs")
+    return emb, tok, meta
 
 
 def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str, list[tuple[str, str]]],
