@@ -401,90 +401,12 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
     hits = near_max_hits(cs, baseline, device)
     out, task_avg = [], {}
     for task in tasks:
-        langs = sorted({k[2] for k in cs if k[1] == task})
-        task_systems = [s for s in systems if any((s, task, lang) in cs for lang in langs)]
-        final = {s: [cs[(s, task, lang)][-1][1] if (s, task, lang) in cs else None for lang in langs]
-                 for s in task_systems}
-        got = {s: [v for v in vals if v is not None] for s, vals in final.items()}
-        avg = task_avg[task] = {s: sum(v) / len(v) if v else math.nan for s, v in got.items()}
-        # Train cost as in Table 2: the Step-2 compute at the last checkpoint, mean over languages.
-        cost = {s: [cs[(s, task, lang)][-1][0] for lang in langs if (s, task, lang) in cs] for s in task_systems}
-        cost = {s: sum(v) / len(v) for s, v in cost.items()}
-        f = _score_format(task)
-        # Where the records know the chance level, what a system learned is its gain over it: the
-        # share of BL_BASE's gain (and of its ceiling's, `<recipe>:full`, where one was run) says
-        # more than the ratio of scores that chance inflates. Each language's own level (a
-        # majority tag differs between languages), averaged over the languages a system has.
-        floors = chance_by_lang(records, task, langs)
-        gain = {} if floors is None else \
-            {s: sum(v - floors[lang] for v, lang in zip(final[s], langs) if v is not None) / len(got[s])
-             if got[s] else math.nan for s in task_systems}
-        with_ceiling = floors is not None and any(ceiling_of(s) in avg for s in task_systems)
-        extra = [] if floors is None else ["gain over chance", f"share of {baseline}'s gain"]
-        extra += ["share of the ceiling's gain"] if with_ceiling else []
-        out += [f"## {task}: score at the last checkpoint", ""]
-        if floors is None:
-            out += ["No chance level in these records: retention is a ratio of raw scores, which a high chance "
-                    "level inflates.", ""]
-        else:
-            levels = sorted(set(floors.values()))
-            out += ["Chance level (the evaluation data's majority class or tag; 0 for the plug-in metric): "
-                    + ", ".join(f"{lang} {format(floors[lang], f)}" for lang in langs) + "."
-                    if len(levels) > 1 else f"Chance level: {format(levels[0], f)}.", ""]
-        out += [f"| system | Step-2 EFLOPs | {device} days | " + " | ".join(langs + ["avg", "retention"] + extra)
-                + " |", "|---" * (len(langs) + 5 + len(extra)) + "|"]
-
-        def share(s: str, of: str) -> str:
-            whole = gain.get(of, math.nan)
-            return f"{100 * gain[s] / whole:.0f}%" if whole > 0 else "-"
-
-        warned = finetune_warnings(records, task)
-        for s in task_systems:
-            ret = avg[s] / avg[baseline] if avg[baseline] else math.nan
-            cells = [] if floors is None else [format(gain[s], "+" + f), share(s, baseline)]
-            cells += [share(s, ceiling_of(s))] if with_ceiling else []
-            out.append(f"| {s}{' (!)' if s in warned else ''} | {cost[s] / 1e18:.3g} | "
-                       f"{device_days(cost[s], device):.3g} | " +
-                       " | ".join(["-" if v is None else format(v, f) + _mark(everything, s, task, lang, v)
-                                   for v, lang in zip(final[s], langs)]
-                                  + [format(avg[s], f), f"{100 * ret:.1f}%"] + cells) + " |")
-        if any(_mark(everything, s, task, lang, v) for s in task_systems for v, lang in zip(final[s], langs)
-               if v is not None):
-            out += ["", "↓: not above the same fine-tuned model with no adaptation in that language (what adaptation "
-                    "bought, below)."]
-        for s, warnings in warned.items():
-            out += ["", f"(!) {s}: from fine-tuned runs that learned nothing measurable in the source language, so "
-                    f"its zero-shot scores say nothing about its embeddings: " + "; ".join(warnings)]
+        t = TaskScores.of(records, cs, task, systems)
+        task_avg[task] = t.avg
+        out += _final_table(t, everything, baseline, device)
         bought = adaptation_markdown(everything, task)
         out += ["", bought.rstrip("\n")] if bought else []
-        if floors is not None and gain[baseline] <= _noise(task):
-            out += ["", f"## {task}: {device} days to near-maximal performance: not meaningful here ({baseline}'s "
-                    f"final average {format(avg[baseline], f)} is within noise of the chance level: "
-                    f"{format(gain[baseline], '+' + f)} over it)", ""]
-            continue
-        # "never": the system's curve does not reach the target in that language. The speedup is
-        # the mean over the languages it does reach, and beside it how many it never reaches.
-        out += ["", f"## {task}: {device} days to near-maximal performance (95% of {baseline}'s final score)", "",
-                "| system | " + " | ".join(langs) + " | speedup | never reaches |", "|---" * (len(langs) + 3) + "|"]
-        base_times = _estimates(hits, baseline, task, langs)
-        for s in task_systems:
-            cells = []
-            for lang in langs:
-                if (s, task, lang) not in hits:
-                    cells.append("-")
-                    continue
-                hit = hits[(s, task, lang)]
-                cells.append("never" if hit is None else f"{hit.estimate:.3g} ({hit.lower:.3g}–{hit.upper:.3g})")
-            mine = _estimates(hits, s, task, langs)
-            speed = speedup_over(base_times, mine)
-            missed = [lang for lang in langs if (s, task, lang) in hits and mine[lang] is None]
-            cells += ["-" if speed.mean is None else f"{speed.mean:.2f}× ({speed.reached} langs)",
-                      f"{len(missed)} ({', '.join(missed)})" if missed else "0"]
-            out.append(f"| {s} | " + " | ".join(cells) + " |")
-        early = _at_target_from_the_start(cs, baseline, task, task_systems, langs, f)
-        out += ["", "Already at the target before any Step-2 update (the start, update 0, which the table does not "
-                "count as a checkpoint): " + "; ".join(early) + "."] if early else []
-        out.append("")
+        out += _near_max_section(t, cs, hits, baseline, device)
     if len(tasks) > 1:  # the paper's single retention number (footnote 4): the mean of the per-task ones
         out += [f"## retention against {baseline}, mean over tasks ({', '.join(tasks)})", "",
                 "| system | retention |", "|---|---|"]
@@ -493,6 +415,124 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
             out.append(f"| {s} | {100 * ret:.1f}% |")
         out.append("")
     return "\n".join(out)
+
+
+@dataclasses.dataclass
+class TaskScores:
+    """One task's numbers behind `report_markdown`'s tables: its languages and systems, each
+    system's last score per language (None: not run there), their average, its Step-2 cost (the
+    compute at the last checkpoint, mean over languages, as in Table 2), the chance level per
+    language (None: the records hold none) and each system's average gain over it."""
+    task: str
+    langs: list[str]
+    systems: list[str]
+    final: dict[str, list[float | None]]
+    avg: dict[str, float]
+    cost: dict[str, float]
+    floors: dict[str, float] | None
+    gain: dict[str, float]
+    warned: dict[str, list[str]]
+
+    @classmethod
+    def of(cls, records: list[dict], cs: dict, task: str, systems: list[str]) -> "TaskScores":
+        langs = sorted({k[2] for k in cs if k[1] == task})
+        task_systems = [s for s in systems if any((s, task, lang) in cs for lang in langs)]
+        final = {s: [cs[(s, task, lang)][-1][1] if (s, task, lang) in cs else None for lang in langs]
+                 for s in task_systems}
+        got = {s: [v for v in vals if v is not None] for s, vals in final.items()}
+        avg = {s: sum(v) / len(v) if v else math.nan for s, v in got.items()}
+        cost = {s: [cs[(s, task, lang)][-1][0] for lang in langs if (s, task, lang) in cs] for s in task_systems}
+        # Where the records know the chance level, what a system learned is its gain over it: the
+        # share of BL_BASE's gain (and of its ceiling's, `<recipe>:full`, where one was run) says
+        # more than the ratio of scores that chance inflates. Each language's own level (a
+        # majority tag differs between languages), averaged over the languages a system has.
+        floors = chance_by_lang(records, task, langs)
+        gain = {} if floors is None else \
+            {s: sum(v - floors[lang] for v, lang in zip(final[s], langs) if v is not None) / len(got[s])
+             if got[s] else math.nan for s in task_systems}
+        return cls(task, langs, task_systems, final, avg, {s: sum(v) / len(v) for s, v in cost.items()}, floors,
+                   gain, finetune_warnings(records, task))
+
+
+def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: str) -> list[str]:
+    """Table 2 for one task: each system's last score per language (↓ where not above no
+    adaptation, from `everything`, the records with the no-adaptation ones), average,
+    retention and, with a chance level, the gain over it and its share of the baseline's (and
+    the ceiling's); then the notes under it."""
+    f, floors, gain = _score_format(t.task), t.floors, t.gain
+    with_ceiling = floors is not None and any(ceiling_of(s) in t.avg for s in t.systems)
+    extra = [] if floors is None else ["gain over chance", f"share of {baseline}'s gain"]
+    extra += ["share of the ceiling's gain"] if with_ceiling else []
+    out = [f"## {t.task}: score at the last checkpoint", ""]
+    if floors is None:
+        out += ["No chance level in these records: retention is a ratio of raw scores, which a high chance "
+                "level inflates.", ""]
+    else:
+        levels = sorted(set(floors.values()))
+        out += ["Chance level (the evaluation data's majority class or tag; 0 for the plug-in metric): "
+                + ", ".join(f"{lang} {format(floors[lang], f)}" for lang in t.langs) + "."
+                if len(levels) > 1 else f"Chance level: {format(levels[0], f)}.", ""]
+    out += [f"| system | Step-2 EFLOPs | {device} days | " + " | ".join(t.langs + ["avg", "retention"] + extra)
+            + " |", "|---" * (len(t.langs) + 5 + len(extra)) + "|"]
+
+    def share(s: str, of: str) -> str:
+        whole = gain.get(of, math.nan)
+        return f"{100 * gain[s] / whole:.0f}%" if whole > 0 else "-"
+
+    marks = {s: [_mark(everything, s, t.task, lang, v) if v is not None else "" for v, lang in zip(t.final[s], t.langs)]
+             for s in t.systems}
+    for s in t.systems:
+        ret = t.avg[s] / t.avg[baseline] if t.avg[baseline] else math.nan
+        cells = [] if floors is None else [format(gain[s], "+" + f), share(s, baseline)]
+        cells += [share(s, ceiling_of(s))] if with_ceiling else []
+        out.append(f"| {s}{' (!)' if s in t.warned else ''} | {t.cost[s] / 1e18:.3g} | "
+                   f"{device_days(t.cost[s], device):.3g} | " +
+                   " | ".join(["-" if v is None else format(v, f) + m for v, m in zip(t.final[s], marks[s])]
+                              + [format(t.avg[s], f), f"{100 * ret:.1f}%"] + cells) + " |")
+    if any(any(m) for m in marks.values()):
+        out += ["", "↓: not above the same fine-tuned model with no adaptation in that language (what adaptation "
+                "bought, below)."]
+    for s, warnings in t.warned.items():
+        out += ["", f"(!) {s}: from fine-tuned runs that learned nothing measurable in the source language, so "
+                f"its zero-shot scores say nothing about its embeddings: " + "; ".join(warnings)]
+    return out
+
+
+def _near_max_section(t: TaskScores, cs: dict, hits: dict, baseline: str, device: str) -> list[str]:
+    """Table 3 for one task: each system's device-days to near-maximal performance per language,
+    its mean speedup over `baseline` and the languages it never reaches; or one line saying why
+    that is not meaningful (the baseline's gain within noise of the chance level)."""
+    f, task, langs = _score_format(t.task), t.task, t.langs
+    if t.floors is not None and t.gain[baseline] <= _noise(task):
+        return ["", f"## {task}: {device} days to near-maximal performance: not meaningful here ({baseline}'s "
+                f"final average {format(t.avg[baseline], f)} is within noise of the chance level: "
+                f"{format(t.gain[baseline], '+' + f)} over it)", ""]
+    # "never": the system's curve does not reach the target in that language. The speedup is
+    # the mean over the languages it does reach, and beside it how many it never reaches.
+    out = ["", f"## {task}: {device} days to near-maximal performance (95% of {baseline}'s final score)", "",
+           "| system | " + " | ".join(langs) + " | speedup | never reaches |", "|---" * (len(langs) + 3) + "|"]
+    base_times = _estimates(hits, baseline, task, langs)
+    for s in t.systems:
+        cells = [_hit_cell(hits, (s, task, lang)) for lang in langs]
+        mine = _estimates(hits, s, task, langs)
+        speed = speedup_over(base_times, mine)
+        missed = [lang for lang in langs if (s, task, lang) in hits and mine[lang] is None]
+        cells += ["-" if speed.mean is None else f"{speed.mean:.2f}× ({speed.reached} langs)",
+                  f"{len(missed)} ({', '.join(missed)})" if missed else "0"]
+        out.append(f"| {s} | " + " | ".join(cells) + " |")
+    early = _at_target_from_the_start(cs, baseline, task, t.systems, langs, f)
+    out += ["", "Already at the target before any Step-2 update (the start, update 0, which the table does not "
+            "count as a checkpoint): " + "; ".join(early) + "."] if early else []
+    return out + [""]
+
+
+def _hit_cell(hits: dict, key: tuple) -> str:
+    """A cell of the near-maximal table: '-' (no such curve, or no baseline for it), 'never', or
+    the estimate in device-days with its bounds."""
+    if key not in hits:
+        return "-"
+    hit = hits[key]
+    return "never" if hit is None else f"{hit.estimate:.3g} ({hit.lower:.3g}–{hit.upper:.3g})"
 
 
 # --- plots (matplotlib, an optional dependency: pip install -e ".[plot]") ------------------------------
