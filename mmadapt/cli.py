@@ -26,6 +26,7 @@ from mmadapt.config import (DEFAULT_DS_CONFIG, FAMILY_PRESETS, LAYOUT_FIELDS, PR
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_hf
+from mmadapt.models import get_family
 from mmadapt.report import (PAPER, choose_baseline, flops_rows, format_flops_table, paper_rows, plot_curves,
                             plot_speedup, report_markdown)
 from mmadapt.run import RunSpec, read_run, run_model
@@ -455,7 +456,7 @@ def flops_main(argv=None) -> int:
                    help="throughput for the device-days of the exact count")
     add_dataclass_args(p, ModelConfig, only=("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                                              "vocab_size"))
-    add_dataclass_args(p, TrainConfig, only=("seq_length", "train_iters", "mask_prob"))
+    add_dataclass_args(p, TrainConfig, only=("seq_length", "train_iters", "mask_prob", "score_fraction"))
     add_dataclass_args(p, MiniModelConfig)
     args = p.parse_args(argv)
     if args.paper:
@@ -464,6 +465,8 @@ def flops_main(argv=None) -> int:
         model, train = PRESETS[args.preset]
         model, train = override(model, args), override(train, args)
         model.validate()
+        train.validate(model)
+        get_family(model).check_loop(train)
         mini = override(MiniModelConfig(), args)
         batch = args.global_batch or (PAPER["global_batch"] if args.preset == "roberta-base" else
                                       train.global_batch(1))

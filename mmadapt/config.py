@@ -275,6 +275,10 @@ class TrainConfig(LoopConfig):
     train_iters: int = _f(125_000, "number of updates U")
     lr_warmup_iters: int = _f(10_000, "linear warm-up updates, then linear decay to 0 at train_iters")
     mask_prob: float = _f(0.15, "fraction p of tokens selected for MLM")
+    score_fraction: float = _f(1.0, "causal LM (the decoder): fraction p of each block's positions scored, drawn per "
+                               "block on the host (exactly round(p * seq_length) of them, at least 1; the others get "
+                               "no label), so the output projection runs on those rows only; 1: every position "
+                               "(the encoder refuses it: its masked LM scores mask_prob)")
     eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
                             "prepared with --valid_fraction)")
     eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time")
@@ -307,6 +311,8 @@ class TrainConfig(LoopConfig):
             raise ValueError("train_iters and eval_iters must be >= 1 (eval_interval >= 0)")
         if not 0 < self.mask_prob < 1:
             raise ValueError(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        if not 0 < self.score_fraction <= 1:
+            raise ValueError(f"score_fraction must be in (0, 1], got {self.score_fraction}")
         if self.plugin_eval_blocks < 0:
             raise ValueError(f"plugin_eval_blocks must be >= 0, got {self.plugin_eval_blocks}")
         if self.embedding_init not in EMBEDDING_INITS:
@@ -317,6 +323,14 @@ class TrainConfig(LoopConfig):
             raise ValueError("lr must be set for pretraining, Step 1b and Step 2")
         self._validate_loop()
         return self
+
+
+def scored_positions(seq_length: int, score_fraction: float) -> int:
+    """Positions of a block of seq_length that a causal LM scores at TrainConfig.score_fraction p:
+    round(p * seq_length), at least 1. A fixed count per block, not a Bernoulli(p) draw per
+    position: every micro-batch projects the same number of rows (static shapes), and the FLOP
+    count is exact, not an expectation."""
+    return min(seq_length, max(1, int(score_fraction * seq_length + 0.5)))
 
 
 # Your own tasks (`--task classify|pair|tag`, CSV, TSV or JSON Lines): the columns read where

@@ -82,7 +82,9 @@ def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: i
     piece in the input, the model can copy it from there, and scored that way about half of the
     "contextual gain" was copying (tests/test_plugin.py: a model that predicts its input piece
     beats the unigram reference under 80/10/10, and cannot here)."""
-    held_out = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=batch_size)
+    # Causal: every position (score_fraction 1), whatever Step 2 scored: the metric measures the artifact.
+    held_out = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=batch_size,
+                           score_fraction=1.0)
     data = OBJECTIVES[objective](data_path, held_out, vocab_size, split=split)
     n = min(blocks, len(data)) // batch_size
     if n == 0:

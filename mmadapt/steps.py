@@ -273,7 +273,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             _say_start(lang, train.embedding_init, model, rows)
         family = get_family(model)
         trainable = step2_trainable(model, train.train_output_bias)
-        seq_flops = {p: family.step_flops("adapt", model, train.seq_length, train.mask_prob, paper=p)
+        seq_flops = {p: family.step_flops("adapt", model, train.seq_length, family.scored_fraction(train), paper=p)
                      for p in (False, True)}
         global_batch = train.global_batch(parallel.dp_world())
         artifact = {"system": system, "lang": lang, "source": str(source), "source_tag": tag,
@@ -281,6 +281,8 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
                     "vocab_size": model.vocab_size, "train_output_bias": train.train_output_bias,
                     "embedding_init": train.embedding_init, **expanded, **rows, "global_batch": global_batch,
                     "seq_length": train.seq_length}
+        if train.score_fraction != 1:  # scored a sample of the positions: its records say so (adapt.system_label)
+            artifact["score_fraction"] = train.score_fraction
         if system == "minipost":  # the mini-model's N and K (its source's Step 1b)
             mini = MiniModelConfig(src["frozen_from"]["mini_layers"], src["frozen_from"]["new_layers"])
             artifact.update(mini_layers=mini.one_depth("build_minipost"), new_layers=mini.new_layers)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from mmadapt.config import ModelConfig
+from mmadapt.config import LoopConfig, ModelConfig, TrainConfig
 from mmadapt.family import WORD, ModelFamily
 from mmadapt.models.roberta import flops, hf
 from mmadapt.models.roberta.model import (BIAS, TASK_KINDS, MLMHeads, RobertaEncoder, RobertaForTask, RobertaMLM,
@@ -31,6 +31,14 @@ class RobertaFamily(ModelFamily):
             name, value = decoder_only[0]
             raise ValueError(f"{name} {value} is a decoder setting; the roberta family has a tied output projection "
                              "and multi-head attention with biases: drop it, or use a llama preset")
+
+    def check_loop(self, loop: LoopConfig) -> None:
+        if isinstance(loop, TrainConfig) and loop.score_fraction != TrainConfig.score_fraction:
+            raise ValueError(f"score_fraction {loop.score_fraction} is a causal-LM setting; the roberta family scores "
+                             "its masked pieces (--mask_prob): drop --score_fraction")
+
+    def scored_fraction(self, train: TrainConfig) -> float:
+        return train.mask_prob
 
     def build_lm(self, cfg: ModelConfig, seed: int = 1234) -> RobertaMLM:
         return RobertaMLM(cfg, seed=seed)
