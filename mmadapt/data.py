@@ -32,9 +32,9 @@ data-parallel rank r, row i of update t is
 and sample g is block perm_e(g mod n) of epoch e = g // n (a seeded permutation computed per
 index, never materialised), for MLM masked with an RNG seeded by (seed, g) (RoBERTa's dynamic
 masking: a block seen again gets a new mask), and for a causal LM that scores a fraction of its
-positions (TrainConfig.score_fraction < 1) those drawn likewise. Resuming therefore needs only the update step, and a
-data-parallel run sees exactly the micro-batches of a single-process run with gradient
-accumulation over the same global batch.
+positions (TrainConfig.score_fraction < 1) those drawn likewise. Resuming therefore needs only
+the update step, and a data-parallel run sees exactly the micro-batches of a single-process run
+with gradient accumulation over the same global batch.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ Qwen2 and Mistral checkpoints), bundled as the `llama` ModelFamily.
 
 Its objective is causal: every position of a packed block is scored on the next piece, or a
 seeded subset of them (TrainConfig.score_fraction; data.CausalBatches), so a mini-model's
-embeddings are trained by next-token prediction. What
-Step 2 trains is the word embedding, and the output projection too when it is untied: both are
-indexed by piece. Step 3 puts a classifier on the last real token (LlamaForTask).
+embeddings are trained by next-token prediction. What Step 2 trains is the word embedding, and
+the output projection too when it is untied: both are indexed by piece. Step 3 puts a classifier
+on the last real token (LlamaForTask).
 """
 
 from __future__ import annotations
