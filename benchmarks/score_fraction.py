@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from common import REPO, hardware, table, write_results  # noqa: F401  (REPO: puts mmadapt on the path)
+from common import hardware, table, write_results  # common puts mmadapt on the path
 
 import torch
 
@@ -89,9 +89,19 @@ def reached(rec: dict, target: float) -> dict:
             "updates_to_target": None if hit is None else hit.estimate / per_update}
 
 
+def gain_at(rec: dict, flops: float) -> float:
+    """The curve's gain at `flops` (linear between checkpoints, from its start at 0 FLOPs)."""
+    pts = [(0.0, rec["start_gain"])] + [(f, g) for _, f, g in rec["curve"]]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= flops <= x1:
+            return y0 + (y1 - y0) * (flops - x0) / (x1 - x0)
+    raise ValueError(f"{flops} FLOPs lie outside the curve")
+
+
 def grid_rows(runs: dict) -> list[dict]:
     """One row per run: its final gain, compute, time and when it reaches 90% of its p = 1 twin's
-    final gain (FLOPs, as a share of that twin's whole run and of the twin's own time to it)."""
+    final gain (FLOPs, as a share of that twin's whole run and of the twin's own time to it); and
+    its final gain less the twin's after the same FLOPs (the twin then mid-schedule)."""
     rows = []
     for (system, lang, seed, p), rec in runs.items():
         twin = runs[(system, lang, seed, 1.0)]
@@ -105,6 +115,7 @@ def grid_rows(runs: dict) -> list[dict]:
                      "step2_eflops": total / 1e18, "target": target, **mine,
                      "to_target_share_of_p1_run": None if f is None else f / twin_total,
                      "to_target_vs_p1": None if f is None else f / theirs["flops_to_target"],
+                     "gain_vs_p1_at_same_flops": rec["curve"][-1][2] - gain_at(twin, total),
                      "wall_s": rec["wall_s"], "update_ms": rec["update_ms"], "curve": rec["curve"]})
     return rows
 
@@ -127,23 +138,32 @@ def summary(rows: list[dict]) -> list[dict]:
                         "eflops_to_90": None if mean("flops_to_target") is None else mean("flops_to_target") / 1e18,
                         "updates_to_90": mean("updates_to_target"),
                         "to_90_share_of_p1_run": mean("to_target_share_of_p1_run"),
-                        "to_90_vs_p1": mean("to_target_vs_p1"), "never": never, "wall_s": mean("wall_s"),
+                        "to_90_vs_p1": mean("to_target_vs_p1"), "never": never,
+                        "vs_p1_at_same_flops": mean("gain_vs_p1_at_same_flops"),
+                        "vs_p1_at_same_flops_max": max(r["gain_vs_p1_at_same_flops"] for r in mine),
+                        "wall_s": mean("wall_s"),
                         "update_ms": mean("update_ms")})
     return out
 
 
-def qwen_rows() -> list[dict]:
+def qwen_rows(summ: list[dict]) -> list[dict]:
     """Step 2 per update at Qwen2-0.5B's shape (24 layers, V 151,936, s 2048; MINIJOINT over 4
-    layers): exact FLOPs at each p, and BL_BASE's full-scoring run over each."""
+    layers): exact FLOPs at each p, BL_BASE's full-scoring run over each, and MINIJOINT's FLOPs to
+    90% of its p = 1 gain over those at p = 1 if it needed the updates measured here (an
+    extrapolation: blocks of 2048 pieces, not 32)."""
     model, train = PRESETS["qwen2-0.5b"]
     family, s = get_family(model), train.seq_length
     base = family.step_flops("adapt", family.one_head(model, model.num_layers), s, 1.0)
+    updates = {r["p"]: r["updates_to_90"] for r in summ if r["system"] == "minijoint"}
+    mini_p1 = family.step_flops("adapt", family.one_head(model, 4), s, 1.0)
     out = []
     for p in FRACTIONS:
         mini = family.step_flops("adapt", family.one_head(model, 4), s, p)
         full = family.step_flops("adapt", family.one_head(model, model.num_layers), s, p)
         out.append({"p": p, "minijoint_gflops_per_seq": mini / 1e9, "bl_base_gflops_per_seq": full / 1e9,
-                    "bl_base_p1_over_minijoint": base / mini})
+                    "bl_base_p1_over_minijoint": base / mini,
+                    "minijoint_to_90_vs_p1": None if updates[p] is None else
+                    updates[p] * mini / (updates[1.0] * mini_p1)})
     return out
 
 
@@ -155,24 +175,32 @@ def markdown(settings: dict, rows: list[dict], summ: list[dict], qwen: list[dict
           f"{', '.join(map(str, settings['seeds']))}). Contextual gain: the plug-in next-token metric over every "
           f"position of {settings['plugin_blocks']} held-out blocks (nats per piece). FLOPs: the exact Step-2 count "
           "(the head's terms over the scored rows only). Target: 90% of the final gain of the p = 1 run of the same "
-          "system, language and seed; FLOPs to it interpolated between checkpoints (report.time_to_target).", "",
+          "system, language and seed; FLOPs to it interpolated between checkpoints (report.time_to_target). "
+          "Gain - p=1's at same FLOPs: the run's final gain less its p = 1 twin's gain after the same Step-2 FLOPs "
+          "(interpolated; the twin then earlier in its schedule, its learning rate not yet decayed). Wall s: the "
+          "whole run (start-up and checkpoints included); ms / update: the median over its logging intervals.", "",
           "## Per system and p (mean over languages and seeds)", "",
           table(summ, [("system", "system"), ("p", "p"), ("runs", "runs"), ("final_gain", "final gain"),
                        ("gain_range", "range"), ("share_of_p1_gain", "share of p=1 gain"),
                        ("step2_eflops", "Step-2 EFLOPs"), ("eflops_to_90", "EFLOPs to 90%"),
                        ("updates_to_90", "updates to 90%"), ("to_90_share_of_p1_run", "to 90% / p=1 run's FLOPs"),
-                       ("to_90_vs_p1", "to 90% / p=1's own"), ("never", "never"), ("wall_s", "wall s"),
+                       ("to_90_vs_p1", "to 90% / p=1's own"), ("never", "never"),
+                       ("vs_p1_at_same_flops", "gain - p=1's at same FLOPs"),
+                       ("vs_p1_at_same_flops_max", "(its max)"), ("wall_s", "wall s"),
                        ("update_ms", "ms / update")]), "",
           "## At Qwen2-0.5B's shape (exact per-sequence FLOPs per Step-2 update, s = 2048)", "",
           table(qwen, [("p", "p"), ("minijoint_gflops_per_seq", "MINIJOINT GFLOPs"),
                        ("bl_base_gflops_per_seq", "BL_BASE GFLOPs at p"),
-                       ("bl_base_p1_over_minijoint", "BL_BASE p=1 / MINIJOINT at p")]), "",
+                       ("bl_base_p1_over_minijoint", "BL_BASE p=1 / MINIJOINT at p"),
+                       ("minijoint_to_90_vs_p1", "MINIJOINT FLOPs to 90% / p=1's (updates as measured)")]), "",
           "## Every run", "",
           table(rows, [("system", "system"), ("lang", "lang"), ("seed", "seed"), ("p", "p"),
                        ("start_gain", "start gain"), ("final_gain", "final gain"),
                        ("share_of_p1_gain", "share of p=1"), ("step2_eflops", "Step-2 EFLOPs"),
                        ("updates_to_target", "updates to 90%"), ("to_target_share_of_p1_run", "to 90% / p=1 run"),
-                       ("to_target_vs_p1", "to 90% / p=1's own"), ("wall_s", "wall s"), ("update_ms", "ms / update")])]
+                       ("to_target_vs_p1", "to 90% / p=1's own"),
+                       ("gain_vs_p1_at_same_flops", "gain - p=1's at same FLOPs"), ("wall_s", "wall s"),
+                       ("update_ms", "ms / update")])]
     return "\n".join(md) + "\n"
 
 
@@ -209,7 +237,8 @@ def main() -> None:
     runs = {key: run_record(root / "adapt" / run_name(*key), sources[key[0]], key[1], data[key[1]], cfg)
             for key in grid}
     rows = grid_rows(runs)
-    summ, qwen = summary(rows), qwen_rows()
+    summ = summary(rows)
+    qwen = qwen_rows(summ)
     settings = {"iters": args.iters, "save_interval": args.save_interval, "batch": cfg.adapt_batch,
                 "seq_length": cfg.seq_length, "langs": list(LANGS), "seeds": list(SEEDS),
                 "plugin_blocks": cfg.plugin_blocks, "threads": args.threads, "fractions": list(FRACTIONS)}
