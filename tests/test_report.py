@@ -253,3 +253,26 @@ def test_the_compute_axis_reads_in_days_or_flops():
     assert compute_axis(20 * day) == (pytest.approx(day), "Step-2 compute (v100-paper days)")
     assert compute_axis(3e12) == (1e12, "Step-2 compute (TFLOP)")
     assert compute_axis(1e16) == (1e15, "Step-2 compute (PFLOP)")  # 0.004 days
+
+
+def test_a_scored_fraction_keeps_its_curves_apart_and_meets_its_own_ceiling():
+    """Records of a decoder's Step 2 at score_fraction p are labelled `<system> p=<p>` (adapt.
+    system_label), so the report shows p and never merges them with full scoring's curves; each
+    label's ceiling is the one scored at the same p."""
+    from mmadapt.adapt import system_label
+    from mmadapt.report import ceiling_of, plugin_markdown
+
+    assert system_label({"system": "minijoint", "score_fraction": 0.25}) == "minijoint p=0.25"
+    assert system_label({"system": "minijoint"}) == "minijoint"
+    assert [ceiling_of(s) for s in ("minijoint", "minijoint@4 p=0.5", "minijoint p=0.25")] == \
+        ["minijoint:full", "minijoint:full p=0.5", "minijoint:full p=0.25"]
+    base = {"task": "plugin-lm", "lang": "de", "step": 10, "unigram_loss": 5.0, "masked_pieces": 64,
+            "start_loss": 6.0}
+    records = [{**base, "system": s, "flops": f, "score": g, "loss": 5.0 - g}
+               for s, f, g in (("minijoint", 4e18, 1.0), ("minijoint p=0.25", 2e18, 0.9),
+                               ("minijoint:full", 8e18, 1.25), ("minijoint:full p=0.25", 6e18, 1.2))]
+    rows = {line.split(" | ")[0][2:]: line for line in plugin_markdown(records).splitlines() if line.startswith("| m")}
+    assert rows["minijoint"].endswith("| 80% at 50% of its compute |")
+    assert rows["minijoint p=0.25"].endswith("| 75% at 33% of its compute |")
+    out = report_markdown(records, baseline="minijoint:full")
+    assert "| minijoint p=0.25 | 2 |" in out and "| minijoint | 4 |" in out
