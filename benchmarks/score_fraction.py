@@ -30,9 +30,9 @@ from common import hardware, table, write_results  # common puts mmadapt on the 
 import torch
 
 from mmadapt import steps
-from mmadapt.config import PRESETS, to_dict
+from mmadapt.config import to_dict
 from mmadapt.demo import Demo, DemoConfig, install_source_model
-from mmadapt.models import get_family
+from mmadapt.models import find_preset
 from mmadapt.parallel import init_parallel
 from mmadapt.plugin import plugin_records
 from mmadapt.report import time_to_target
@@ -151,8 +151,8 @@ def qwen_rows(summ: list[dict]) -> list[dict]:
     layers): exact FLOPs at each p, BL_BASE's full-scoring run over each, and MINIJOINT's FLOPs to
     90% of its p = 1 gain over those at p = 1 if it needed the updates measured here (an
     extrapolation: blocks of 2048 pieces, not 32)."""
-    model, train = PRESETS["qwen2-0.5b"]
-    family, s = get_family(model), train.seq_length
+    family, model, train = find_preset("qwen2-0.5b")
+    s = train.seq_length
     base = family.step_flops("adapt", family.one_head(model, model.num_layers), s, 1.0)
     updates = {r["p"]: r["updates_to_90"] for r in summ if r["system"] == "minijoint"}
     mini_p1 = family.step_flops("adapt", family.one_head(model, 4), s, 1.0)
