@@ -199,8 +199,8 @@ class ModelFamily:
 
     def scored_fraction(self, train: TrainConfig) -> float:
         """The fraction p of a block's positions that reach an LM head under `train`: the p of
-        `step_flops` (the encoder's mask_prob, the decoder's score_fraction)."""
-        raise NotImplementedError
+        `step_flops`: its objective's (Objective.scored_fraction)."""
+        return self.objective.scored_fraction(train)
 
     # --- modules -------------------------------------------------------------------------------------
     def build_lm(self, cfg: ModelConfig, seed: int = 1234) -> torch.nn.Module:

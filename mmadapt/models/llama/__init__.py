@@ -42,9 +42,6 @@ class LlamaFamily(ModelFamily):
             raise ValueError(f"mask_prob {loop.mask_prob} is a masked-LM setting; the llama family scores next pieces "
                              "(a fraction of them: --score_fraction): drop --mask_prob")
 
-    def scored_fraction(self, train: TrainConfig) -> float:
-        return train.score_fraction
-
     def build_lm(self, cfg: ModelConfig, seed: int = 1234) -> LlamaLM:
         return LlamaLM(cfg, seed=seed)
 

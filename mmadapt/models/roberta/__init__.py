@@ -33,9 +33,6 @@ class RobertaFamily(ModelFamily):
             raise ValueError(f"score_fraction {loop.score_fraction} is a causal-LM setting; the roberta family scores "
                              "its masked pieces (--mask_prob): drop --score_fraction")
 
-    def scored_fraction(self, train: TrainConfig) -> float:
-        return train.mask_prob
-
     def build_lm(self, cfg: ModelConfig, seed: int = 1234) -> RobertaMLM:
         return RobertaMLM(cfg, seed=seed)
 
