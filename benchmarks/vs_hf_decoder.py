@@ -102,6 +102,37 @@ def hf_model(cfg: ModelConfig, lr: float):
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
 
+def markdown(rows: list[dict], hf_row: dict, args, dev: str, version: str, speedup: float,
+             ratio: float | None) -> list[str]:
+    """The results file's lines: the table, the two targets and, at p < 1, the equal-quality line."""
+    s, b, p = args.seq_length, args.micro_batch, args.score_fraction
+    base, minijoint = rows[0], next(r for r in rows if r["system"] == "minijoint")
+    md = [f"# Step 2 of a 12-layer decoder: mmadapt vs transformers {version} LlamaForCausalLM "
+          f"({dev}, h={SHAPE.hidden_size}, {SHAPE.num_attention_heads} heads / {SHAPE.query_groups} groups, "
+          f"V={SHAPE.vocab_size}, s={s}, batch {b}, fp32, body frozen, mmadapt fusion {args.fusion}, mmadapt "
+          f"score_fraction {p:g})", "",
+          table([*rows, hf_row], [("system", "system"), ("p", "p"), ("layers", "layers"),
+                                  ("ms_per_update", "ms/update"),
+                                  ("tokens_per_s", "tokens/s"), ("gflop", "GFLOP/update (exact)"),
+                                  ("time_ratio_vs_bl_base", "time ratio vs BL_BASE"),
+                                  ("flop_ratio_vs_bl_base", "FLOP ratio vs BL_BASE"),
+                                  ("time_over_flop_ratio", "time ratio / FLOP ratio")]), "",
+          f"- BL_BASE / MINIJOINT time ratio {minijoint['time_ratio_vs_bl_base']:.2f}x against an exact FLOP ratio of "
+          f"{minijoint['flop_ratio_vs_bl_base']:.2f}x: {minijoint['time_over_flop_ratio']:.2f} of it (target >= 0.9: "
+          f"{'met' if minijoint['time_over_flop_ratio'] >= 0.9 else 'NOT met'})",
+          f"- mmadapt BL_BASE does {speedup:.2f}x the tokens/s of transformers on the same frozen-body job"
+          + (f" scoring {p:g} of the positions where transformers scores all" if p != 1 else "")
+          + f" (target >= 1.3x: {'met' if speedup >= 1.3 else 'NOT met'})"]
+    # transformers' job is BL_BASE's at p = 1: at equal quality, mmadapt's BL_BASE at p needs `ratio`
+    # times the updates (score_fraction results) at its own time per update
+    if p != 1:
+        md.append("- no equal-quality figure for this p in the score_fraction results" if ratio is None else
+                  f"- at equal plug-in quality (90% of BL_BASE's p = 1 gain, which BL_BASE at p = {p:g} reaches in "
+                  f"{ratio:.2f}x the updates: score_fraction_cpu2_20261125) mmadapt's BL_BASE takes "
+                  f"{ratio * base['ms_per_update'] / hf_row['ms_per_update']:.2f}x transformers' full-scoring time")
+    return md
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq_length", type=int, default=128)
@@ -149,32 +180,11 @@ def main(argv=None) -> None:
               "ms_per_update": 1e3 * t_hf, "tokens_per_s": b * s / t_hf,
               "gflop": b * scored_flops(LLAMA.one_head(SHAPE, SHAPE.num_layers), s, s - 1) / 1e9}
     speedup = base["tokens_per_s"] / hf_row["tokens_per_s"]
-    minijoint = next(r for r in rows if r["system"] == "minijoint")
-    md = [f"# Step 2 of a 12-layer decoder: mmadapt vs transformers {transformers.__version__} LlamaForCausalLM "
-          f"({dev}, h={SHAPE.hidden_size}, {SHAPE.num_attention_heads} heads / {SHAPE.query_groups} groups, "
-          f"V={SHAPE.vocab_size}, s={s}, batch {b}, fp32, body frozen, mmadapt fusion {args.fusion}, mmadapt "
-          f"score_fraction {p:g})", "",
-          table([*rows, hf_row], [("system", "system"), ("p", "p"), ("layers", "layers"),
-                                  ("ms_per_update", "ms/update"),
-                                  ("tokens_per_s", "tokens/s"), ("gflop", "GFLOP/update (exact)"),
-                                  ("time_ratio_vs_bl_base", "time ratio vs BL_BASE"),
-                                  ("flop_ratio_vs_bl_base", "FLOP ratio vs BL_BASE"),
-                                  ("time_over_flop_ratio", "time ratio / FLOP ratio")]), "",
-          f"- BL_BASE / MINIJOINT time ratio {minijoint['time_ratio_vs_bl_base']:.2f}x against an exact FLOP ratio of "
-          f"{minijoint['flop_ratio_vs_bl_base']:.2f}x: {minijoint['time_over_flop_ratio']:.2f} of it (target >= 0.9: "
-          f"{'met' if minijoint['time_over_flop_ratio'] >= 0.9 else 'NOT met'})",
-          f"- mmadapt BL_BASE does {speedup:.2f}x the tokens/s of transformers on the same frozen-body job"
-          + (f" scoring {p:g} of the positions where transformers scores all" if p != 1 else "")
-          + f" (target >= 1.3x: {'met' if speedup >= 1.3 else 'NOT met'})"]
-    # transformers' job is BL_BASE's at p = 1: at equal quality, mmadapt's BL_BASE at p needs `ratio`
-    # times the updates (score_fraction results) at its own time per update
     ratio = equal_quality_updates("bl_base", p)
-    if p != 1:
-        md.append("- no equal-quality figure for this p in the score_fraction results" if ratio is None else
-                  f"- at equal plug-in quality (90% of BL_BASE's p = 1 gain, which BL_BASE at p = {p:g} reaches in "
-                  f"{ratio:.2f}x the updates: score_fraction_cpu2_20261125) mmadapt's BL_BASE takes "
-                  f"{ratio * base['ms_per_update'] / hf_row['ms_per_update']:.2f}x transformers' full-scoring time")
-    name = "vs_hf_decoder" + ("" if args.fusion == "none" else f"_{args.fusion}") + ("" if p == 1 else f"_p{p:g}")
+    md = markdown(rows, hf_row, args, f"{dev}", transformers.__version__, speedup, ratio)
+    # p's dot would end the file's stem (write_results' with_suffix): 0.5 -> _p0_5
+    name = "vs_hf_decoder" + ("" if args.fusion == "none" else f"_{args.fusion}") + \
+        ("" if p == 1 else "_p" + f"{p:g}".replace(".", "_"))
     paths = write_results(name, {"fusion": args.fusion, "score_fraction": p, "shape": dataclasses.asdict(SHAPE),
                                  "seq_length": s, "micro_batch": b, "transformers": transformers.__version__,
                                  "rows": [*rows, hf_row], "speedup_bl_base_vs_transformers": speedup,
