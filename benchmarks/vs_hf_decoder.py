@@ -13,6 +13,13 @@ random blocks and scores the same s - 1 next pieces per row (transformers shifts
 inside; mmadapt's blocks carry them shifted, the last position unscored). fp32, dropout off,
 median of --repeats updates after warm-up; time ratios beside the exact FLOP ratios
 (models/llama/flops.py).
+
+--score_fraction p (default: TrainConfig's, the default of `mmadapt adapt`): mmadapt's systems
+score round(p (s - 1)) of each row's s - 1 next pieces, drawn as data.CausalBatches draws them,
+so its output layer runs on those rows only; transformers scores all of them. Its line on equal
+quality reads benchmarks/results/score_fraction_cpu2_20261125.json: the Step-2 updates MINIJOINT
+needs at p to reach 90% of its p = 1 gain, over those it needs at p = 1 (measured on llama-tiny in
+the demo's setting, applied here to the time per update).
 """
 
 from __future__ import annotations
@@ -20,11 +27,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 
+import numpy as np
 import torch
-from common import REPO, engine_update, median_time, table, write_results
+from common import REPO, RESULTS, engine_update, median_time, table, write_results
 
-from mmadapt.config import ModelConfig, TrainConfig
+from mmadapt.config import ModelConfig, TrainConfig, scored_positions
+from mmadapt.data import score_subset
 from mmadapt.engine import load_ds_config
 from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.flops import adapt_flops
@@ -40,17 +50,41 @@ SHAPE = ModelConfig(family="llama", num_layers=12, hidden_size=256, num_attentio
 SYSTEMS = {"bl_base": 12, "minipost": 6, "minijoint": 4}  # the model Step 2 trains over
 
 
-def blocks(micro: int, s: int, n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def blocks(micro: int, s: int, n: int, seed: int = 0, p: float = 1.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """n random rows of s + 1 ordinary pieces -> (input_ids [micro, s], next pieces [micro, s]),
-    the last position unscored: the s - 1 targets transformers' shift scores."""
-    g = torch.Generator().manual_seed(seed)
+    the last position unscored: the s - 1 targets transformers' shift scores; p < 1: a seeded
+    round(p (s - 1)) of them."""
+    g, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(NUM_SPECIAL, SHAPE.vocab_size, (micro, s + 1), generator=g)
         labels = ids[:, 1:].clone()
         labels[:, -1] = IGNORE_INDEX
+        if p < 1:
+            m = scored_positions(s - 1, p)
+            labels[:, :-1] = torch.from_numpy(np.stack([score_subset(r, rng, m) for r in labels[:, :-1].numpy()]))
         out.append((ids[:, :s], labels))
     return out
+
+
+def equal_quality_updates(system: str, p: float) -> float | None:
+    """`system`'s Step-2 updates to 90% of its p = 1 gain at p, over those at p = 1 (means over the
+    languages and seeds of the score_fraction results file; None where it has no such row)."""
+    path = RESULTS / "score_fraction_cpu2_20261125.json"
+    if p == 1:
+        return 1.0
+    if not path.is_file():
+        return None
+    rows = {r["p"]: r for r in json.loads(path.read_text())["summary"] if r["system"] == system}
+    if p not in rows or rows[p]["updates_to_90"] is None or rows[1.0]["updates_to_90"] is None:
+        return None
+    return rows[p]["updates_to_90"] / rows[1.0]["updates_to_90"]
+
+
+def scored_flops(cfg: ModelConfig, s: int, scored: int) -> int:
+    """Exact Step-2 FLOPs of one row of s positions of which `scored` reach the (tied) head: the
+    head's three products scale with the scored rows."""
+    return adapt_flops(cfg, s) - 3 * 2 * cfg.hidden_size * cfg.vocab_size * (s - scored)
 
 
 def hf_model(cfg: ModelConfig, lr: float):
@@ -68,6 +102,37 @@ def hf_model(cfg: ModelConfig, lr: float):
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
 
+def markdown(rows: list[dict], hf_row: dict, args, dev: str, version: str, speedup: float,
+             ratio: float | None) -> list[str]:
+    """The results file's lines: the table, the two targets and, at p < 1, the equal-quality line."""
+    s, b, p = args.seq_length, args.micro_batch, args.score_fraction
+    base, minijoint = rows[0], next(r for r in rows if r["system"] == "minijoint")
+    md = [f"# Step 2 of a 12-layer decoder: mmadapt vs transformers {version} LlamaForCausalLM "
+          f"({dev}, h={SHAPE.hidden_size}, {SHAPE.num_attention_heads} heads / {SHAPE.query_groups} groups, "
+          f"V={SHAPE.vocab_size}, s={s}, batch {b}, fp32, body frozen, mmadapt fusion {args.fusion}, mmadapt "
+          f"score_fraction {p:g})", "",
+          table([*rows, hf_row], [("system", "system"), ("p", "p"), ("layers", "layers"),
+                                  ("ms_per_update", "ms/update"),
+                                  ("tokens_per_s", "tokens/s"), ("gflop", "GFLOP/update (exact)"),
+                                  ("time_ratio_vs_bl_base", "time ratio vs BL_BASE"),
+                                  ("flop_ratio_vs_bl_base", "FLOP ratio vs BL_BASE"),
+                                  ("time_over_flop_ratio", "time ratio / FLOP ratio")]), "",
+          f"- BL_BASE / MINIJOINT time ratio {minijoint['time_ratio_vs_bl_base']:.2f}x against an exact FLOP ratio of "
+          f"{minijoint['flop_ratio_vs_bl_base']:.2f}x: {minijoint['time_over_flop_ratio']:.2f} of it (target >= 0.9: "
+          f"{'met' if minijoint['time_over_flop_ratio'] >= 0.9 else 'NOT met'})",
+          f"- mmadapt BL_BASE does {speedup:.2f}x the tokens/s of transformers on the same frozen-body job"
+          + (f" scoring {p:g} of the positions where transformers scores all" if p != 1 else "")
+          + f" (target >= 1.3x: {'met' if speedup >= 1.3 else 'NOT met'})"]
+    # transformers' job is BL_BASE's at p = 1: at equal quality, mmadapt's BL_BASE at p needs `ratio`
+    # times the updates (score_fraction results) at its own time per update
+    if p != 1:
+        md.append("- no equal-quality figure for this p in the score_fraction results" if ratio is None else
+                  f"- at equal plug-in quality (90% of BL_BASE's p = 1 gain, which BL_BASE at p = {p:g} reaches in "
+                  f"{ratio:.2f}x the updates: score_fraction_cpu2_20261125) mmadapt's BL_BASE takes "
+                  f"{ratio * base['ms_per_update'] / hf_row['ms_per_update']:.2f}x transformers' full-scoring time")
+    return md
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq_length", type=int, default=128)
@@ -75,24 +140,26 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=10, help="timed updates (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed updates first")
     ap.add_argument("--fusion", default="none", help="mmadapt's ModelConfig.fusion: none (eager) or compile")
+    ap.add_argument("--score_fraction", type=float, default=TrainConfig.score_fraction,
+                    help="mmadapt's TrainConfig.score_fraction p (default: its default); transformers scores every "
+                    "position")
     args = ap.parse_args(argv)
     import transformers
 
     init_parallel(1, 1)
-    s, b = args.seq_length, args.micro_batch
+    s, b, p = args.seq_length, args.micro_batch, args.score_fraction
     train = TrainConfig(seq_length=s, train_micro_batch_size_per_gpu=b, train_iters=10**6, lr=1e-4, lr_warmup_iters=1)
     ds = load_ds_config(REPO / "ds_configs" / "zero1.json", train)
     batches, dev = blocks(b, s, 4), device()
+    mine = batches if p == 1 else blocks(b, s, 4, p=p)
     rows = []
     for system, layers in SYSTEMS.items():
         cfg = LLAMA.one_head(dataclasses.replace(SHAPE, fusion=args.fusion), layers)
         engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, LMJob(step="adapt", trainable=LLAMA.vocab_params(cfg)))
-        t, _ = median_time(engine_update(engine, batches, 1), args.warmup, args.repeats)
+        t, _ = median_time(engine_update(engine, mine, 1), args.warmup, args.repeats)
         del engine
-        # exact FLOPs of the s - 1 scored positions: the head's share scales with them
-        flops = b * (adapt_flops(cfg, s) - 3 * 2 * cfg.hidden_size * cfg.vocab_size)
-        rows.append({"system": system, "layers": layers, "ms_per_update": 1e3 * t, "tokens_per_s": b * s / t,
-                     "gflop": flops / 1e9})
+        rows.append({"system": system, "p": p, "layers": layers, "ms_per_update": 1e3 * t, "tokens_per_s": b * s / t,
+                     "gflop": b * scored_flops(cfg, s, int(mine[0][1][0].ge(0).sum())) / 1e9})
     model, opt = hf_model(SHAPE, train.lr)
     cycle = itertools.cycle(batches)
 
@@ -109,26 +176,19 @@ def main(argv=None) -> None:
         r["time_ratio_vs_bl_base"] = base["ms_per_update"] / r["ms_per_update"]
         r["flop_ratio_vs_bl_base"] = base["gflop"] / r["gflop"]
         r["time_over_flop_ratio"] = r["time_ratio_vs_bl_base"] / r["flop_ratio_vs_bl_base"]
-    hf_row = {"system": "transformers (full model)", "layers": SHAPE.num_layers, "ms_per_update": 1e3 * t_hf,
-              "tokens_per_s": b * s / t_hf, "gflop": base["gflop"]}
+    hf_row = {"system": "transformers (full model)", "p": 1.0, "layers": SHAPE.num_layers,
+              "ms_per_update": 1e3 * t_hf, "tokens_per_s": b * s / t_hf,
+              "gflop": b * scored_flops(LLAMA.one_head(SHAPE, SHAPE.num_layers), s, s - 1) / 1e9}
     speedup = base["tokens_per_s"] / hf_row["tokens_per_s"]
-    minijoint = next(r for r in rows if r["system"] == "minijoint")
-    md = [f"# Step 2 of a 12-layer decoder: mmadapt vs transformers {transformers.__version__} LlamaForCausalLM "
-          f"({dev}, h={SHAPE.hidden_size}, {SHAPE.num_attention_heads} heads / {SHAPE.query_groups} groups, "
-          f"V={SHAPE.vocab_size}, s={s}, batch {b}, fp32, body frozen, mmadapt fusion {args.fusion})", "",
-          table([*rows, hf_row], [("system", "system"), ("layers", "layers"), ("ms_per_update", "ms/update"),
-                                  ("tokens_per_s", "tokens/s"), ("gflop", "GFLOP/update (exact)"),
-                                  ("time_ratio_vs_bl_base", "time ratio vs BL_BASE"),
-                                  ("flop_ratio_vs_bl_base", "FLOP ratio vs BL_BASE"),
-                                  ("time_over_flop_ratio", "time ratio / FLOP ratio")]), "",
-          f"- BL_BASE / MINIJOINT time ratio {minijoint['time_ratio_vs_bl_base']:.2f}x against an exact FLOP ratio of "
-          f"{minijoint['flop_ratio_vs_bl_base']:.2f}x: {minijoint['time_over_flop_ratio']:.2f} of it (target >= 0.9: "
-          f"{'met' if minijoint['time_over_flop_ratio'] >= 0.9 else 'NOT met'})",
-          f"- mmadapt BL_BASE does {speedup:.2f}x the tokens/s of transformers on the same frozen-body job (target "
-          f">= 1.3x: {'met' if speedup >= 1.3 else 'NOT met'})"]
-    paths = write_results("vs_hf_decoder" + ("" if args.fusion == "none" else f"_{args.fusion}"), {"fusion": args.fusion, "shape": dataclasses.asdict(SHAPE), "seq_length": s, "micro_batch": b,
-                                            "transformers": transformers.__version__, "rows": [*rows, hf_row],
-                                            "speedup_bl_base_vs_transformers": speedup}, "\n".join(md))
+    ratio = equal_quality_updates("bl_base", p)
+    md = markdown(rows, hf_row, args, f"{dev}", transformers.__version__, speedup, ratio)
+    # p's dot would end the file's stem (write_results' with_suffix): 0.5 -> _p0_5
+    name = "vs_hf_decoder" + ("" if args.fusion == "none" else f"_{args.fusion}") + \
+        ("" if p == 1 else "_p" + f"{p:g}".replace(".", "_"))
+    paths = write_results(name, {"fusion": args.fusion, "score_fraction": p, "shape": dataclasses.asdict(SHAPE),
+                                 "seq_length": s, "micro_batch": b, "transformers": transformers.__version__,
+                                 "rows": [*rows, hf_row], "speedup_bl_base_vs_transformers": speedup,
+                                 "equal_quality_update_ratio": ratio}, "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")
 

@@ -72,7 +72,16 @@ def system_label(meta: dict) -> str:
     `<recipe>:full` for a ceiling, full-model Step 2 over a source pretrained as another system
     (bl_base over a MINIJOINT run: `minijoint:full`, the embeddings the mini-model's are
     measured against); `minijoint@N` when its MINIJOINT source has several mini-models (meta
-    `mini_depths`), so that curves of different depths stay apart; otherwise the system itself."""
+    `mini_depths`), so that curves of different depths stay apart; otherwise the system itself.
+    A decoder's Step 2 that scored a fraction p < 1 of the positions (meta `score_fraction`) adds
+    ` p=<p>` (SCORED_LABEL), so that its curves stay apart from full scoring's."""
+    return _system_name(meta) + (f"{SCORED_LABEL}{meta['score_fraction']:g}" if "score_fraction" in meta else "")
+
+
+SCORED_LABEL = " p="  # system_label's mark of a Step 2 that scored a fraction of the positions
+
+
+def _system_name(meta: dict) -> str:
     if meta["system"] == "bl_base" and "source" in meta:
         recipe = json.loads((Path(meta["source"]) / "run.json").read_text()).get("recipe")
         if recipe not in (None, "bl_base"):  # None: an imported Hugging Face model

@@ -477,7 +477,7 @@ def flops_main(argv=None) -> int:
                    help="throughput for the device-days of the exact count")
     add_dataclass_args(p, ModelConfig, only=("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                                              "vocab_size"))
-    add_dataclass_args(p, TrainConfig, only=("seq_length", "train_iters", "mask_prob"))
+    add_dataclass_args(p, TrainConfig, only=("seq_length", "train_iters", "mask_prob", "score_fraction"))
     add_dataclass_args(p, MiniModelConfig)
     args = p.parse_args(argv)
     if args.paper:
@@ -486,6 +486,7 @@ def flops_main(argv=None) -> int:
         family, model, train = find_preset(args.preset)
         model, train = family.validate(override(model, args)), override(train, args)
         train.validate(model)
+        family.check_loop(train)
         mini = override(MiniModelConfig(), args)
         batch = args.global_batch or (PAPER["global_batch"] if args.preset == "roberta-base" else
                                       train.global_batch(1))

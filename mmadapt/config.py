@@ -414,6 +414,10 @@ class TrainConfig(LoopConfig):
     train_iters: int = _f(125_000, "number of updates U", ge=1)
     lr_warmup_iters: int = _f(10_000, "linear warm-up updates, then linear decay to 0 at train_iters", ge=0)
     mask_prob: float = _f(0.15, "fraction p of tokens selected for MLM", gt=0, lt=1)
+    score_fraction: float = _f(1.0, "causal LM (the decoder): fraction p of each block's positions scored, drawn per "
+                               "block on the host (exactly round(p * seq_length) of them, at least 1; the others get "
+                               "no label), so the output projection runs on those rows only; 1: every position "
+                               "(the encoder refuses it: its masked LM scores mask_prob)", gt=0, le=1)
     eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
                             "prepared with --valid_fraction)", ge=0)
     eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time", ge=1)
@@ -445,6 +449,14 @@ class TrainConfig(LoopConfig):
         if self.lr is None:
             raise ValueError("lr must be set for pretraining, Step 1b and Step 2")
         return self
+
+
+def scored_positions(seq_length: int, score_fraction: float) -> int:
+    """Positions of a block of seq_length that a causal LM scores at TrainConfig.score_fraction p:
+    round(p * seq_length), at least 1. A fixed count per block, not a Bernoulli(p) draw per
+    position: every micro-batch projects the same number of rows (static shapes), and the FLOP
+    count is exact, not an expectation."""
+    return min(seq_length, max(1, int(score_fraction * seq_length + 0.5)))
 
 
 # Your own tasks (`--task classify|pair|tag`, CSV, TSV or JSON Lines): the columns read where

@@ -31,9 +31,10 @@ data-parallel rank r, row i of update t is
     g = t * global_batch + (j * dp_world + r) * micro_batch + i
 and sample g is block perm_e(g mod n) of epoch e = g // n (a seeded permutation computed per
 index, never materialised), for MLM masked with an RNG seeded by (seed, g) (RoBERTa's dynamic
-masking: a block seen again gets a new mask). Resuming therefore needs only the update step, and a
-data-parallel run sees exactly the micro-batches of a single-process run with gradient
-accumulation over the same global batch.
+masking: a block seen again gets a new mask), and for a causal LM that scores a fraction of its
+positions (TrainConfig.score_fraction < 1) those drawn likewise. Resuming therefore needs only
+the update step, and a data-parallel run sees exactly the micro-batches of a single-process run
+with gradient accumulation over the same global batch.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import numpy as np
 import torch
 
 from mmadapt import __version__
-from mmadapt.config import LoopConfig, PreprocessConfig, TrainConfig
+from mmadapt.config import LoopConfig, PreprocessConfig, TrainConfig, scored_positions
 from mmadapt.tokenizer import load
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID
 
@@ -648,7 +649,12 @@ class CausalBatches(BlockBatches):
     separated by a lone `</s>`, so blocks cross documents as GPT-style packing does); block g's
     input is its chunk's first seq_length tokens and its labels the last seq_length: every
     position is scored on its next piece. No padding, no masking, no block index: chunk k starts
-    at token k * seq_length."""
+    at token k * seq_length.
+
+    With TrainConfig.score_fraction p < 1, block g scores `config.scored_positions` of its
+    positions, drawn (`score_subset`) by an RNG seeded by (seed, g) as MLMBatches' masking is: a
+    block seen again gets a new subset, and the batches stay a pure function of (seed, update).
+    The input is never changed; p = 1 draws nothing."""
 
     def __len__(self) -> int:
         return max(0, (len(self.tokens) - 1) // self.seq_length)
@@ -656,5 +662,17 @@ class CausalBatches(BlockBatches):
     def sample(self, g: int):
         start = self.order(g) * self.seq_length
         chunk = self.tokens[start:start + self.seq_length + 1].astype(np.int64)
-        return chunk[:-1], chunk[1:]
+        if self.train.score_fraction == 1:
+            return chunk[:-1], chunk[1:]
+        scored = scored_positions(self.seq_length, self.train.score_fraction)
+        return chunk[:-1], score_subset(chunk[1:], np.random.default_rng([self.seed, 2, g]), scored)
+
+
+def score_subset(labels: np.ndarray, rng: np.random.Generator, scored: int) -> np.ndarray:
+    """labels [s] -> a copy with IGNORE_INDEX everywhere but `scored` positions drawn uniformly
+    without replacement."""
+    out = np.full_like(labels, IGNORE_INDEX)
+    keep = rng.choice(len(labels), scored, replace=False)
+    out[keep] = labels[keep]
+    return out
 

@@ -197,6 +197,11 @@ class ModelFamily:
     def check_loop(self, loop: LoopConfig) -> None:
         """Refuse, with one line, a training setting that means nothing for this family's objective."""
 
+    def scored_fraction(self, train: TrainConfig) -> float:
+        """The fraction p of a block's positions that reach an LM head under `train`: the p of
+        `step_flops`: its objective's (Objective.scored_fraction)."""
+        return self.objective.scored_fraction(train)
+
     # --- modules -------------------------------------------------------------------------------------
     def build_lm(self, cfg: ModelConfig, seed: int = 1234) -> torch.nn.Module:
         raise NotImplementedError

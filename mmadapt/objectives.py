@@ -20,6 +20,7 @@ import dataclasses
 
 import torch
 
+from mmadapt.config import TrainConfig
 from mmadapt.data import BlockBatches, CausalBatches, MLMBatches
 from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID
 
@@ -40,6 +41,12 @@ class Objective:
         there, and scored that way about half of the "contextual gain" was copying
         (tests/test_plugin.py). Causal: as they are (a piece is scored from the pieces before it)."""
         return (input_ids.masked_fill(labels.ge(0), MASK_ID), labels) if self.masked else (input_ids, labels)
+
+    def scored_fraction(self, train: TrainConfig) -> float:
+        """The fraction p of a block's positions that reach an LM head under `train` (the p of
+        ModelFamily.step_flops): masked, the pieces selected (mask_prob); causal, the positions
+        scored (score_fraction, 1 by default)."""
+        return train.mask_prob if self.masked else train.score_fraction
 
     def lm_row(self, pieces: list[int], positions: int) -> list[int]:
         """One text's pieces as a language model of this objective reads them, at most `positions`

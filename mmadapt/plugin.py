@@ -84,7 +84,9 @@ def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: i
     MLM: the positions pretraining's masking selects (a fixed seed), every one of them replaced by
     <mask> (Objective.heldout says why: tests/test_plugin.py shows a model that predicts its
     input piece beating the unigram reference under BERT's 80/10/10, and unable to here)."""
-    held_out = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=batch_size)
+    # Causal: every position (score_fraction 1), whatever Step 2 scored: the metric measures the artifact.
+    held_out = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=batch_size,
+                           score_fraction=1.0)
     data = objective.batches(data_path, held_out, vocab_size, split=split)
     n = min(blocks, len(data)) // batch_size
     if n == 0:

@@ -16,6 +16,7 @@ import dataclasses
 import math
 from collections import defaultdict
 
+from mmadapt.adapt import SCORED_LABEL
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
 from mmadapt.family import ModelFamily
 from mmadapt.flops import DEVICE_TFLOPS, device_days, total_flops
@@ -42,12 +43,14 @@ def flops_rows(family: ModelFamily, model: ModelConfig, train: TrainConfig, glob
     """Cost of every step of every system for a primary model `model` (its num_layers = l),
     trained train.train_iters updates of `global_batch` blocks of train.seq_length.
 
-    Rows: system, step, num_layers, eflops_paper, eflops_exact, v100_days (paper count at the
-    paper's 30 TFLOP/s, as its tables), device, days_exact (exact count at `device`'s rate).
+    Rows: system, step, num_layers, p (the fraction of each block's positions that reach an LM
+    head: the encoder's mask_prob, the decoder's score_fraction), eflops_paper, eflops_exact,
+    v100_days (paper count at the paper's 30 TFLOP/s, as its tables), device, days_exact (exact
+    count at `device`'s rate).
     Several depths N (mini_layers 2 4 6): one MINIJOINT pretraining with a head after each, and
     the systems whose mini-model has depth N once per depth, named `<system>@N`.
     """
-    s, p, l = train.seq_length, train.mask_prob, model.num_layers
+    s, p, l = train.seq_length, family.scored_fraction(train), model.num_layers
     depths, k = mini.mini_layers, mini.new_layers
     base = family.one_head(model, l)
 
@@ -70,7 +73,7 @@ def flops_rows(family: ModelFamily, model: ModelConfig, train: TrainConfig, glob
     for system, step, layers, f in steps:
         paper = total_flops(f(True), global_batch, train.train_iters)
         exact = total_flops(f(False), global_batch, train.train_iters)
-        rows.append({"system": system, "step": step, "num_layers": layers, "eflops_paper": paper / 1e18,
+        rows.append({"system": system, "step": step, "num_layers": layers, "p": p, "eflops_paper": paper / 1e18,
                      "eflops_exact": exact / 1e18, "v100_days": device_days(paper), "device": device,
                      "days_exact": device_days(exact, device)})
     return rows
@@ -252,8 +255,11 @@ def finetune_warnings(records: list[dict], task: str) -> dict[str, list[str]]:
 
 def ceiling_of(system: str) -> str:
     """The record name of `system`'s ceiling: Step 2 over the full model of its source
-    (adapt.system_label), one per recipe, so `minijoint@4` and `minijoint` share `minijoint:full`."""
-    return f"{system.split('@')[0]}:full"
+    (adapt.system_label), one per recipe, so `minijoint@4` and `minijoint` share `minijoint:full`;
+    a decoder's scored at a fraction p (`minijoint p=0.25`) is measured against the ceiling scored
+    at that p (`minijoint:full p=0.25`)."""
+    name, mark, p = system.partition(SCORED_LABEL)
+    return f"{name.split('@')[0]}:full{mark}{p}"
 
 
 def plugin_markdown(records: list[dict]) -> str:

@@ -324,6 +324,8 @@ class ArtifactWriter:
                 "vocab_size": model.vocab_size, "train_output_bias": train.train_output_bias,
                 "embedding_init": train.embedding_init, "global_batch": train.global_batch(parallel.dp_world()),
                 "seq_length": train.seq_length}
+        if train.score_fraction != 1:  # scored a sample of the positions: its records say so (adapt.system_label)
+            meta["score_fraction"] = train.score_fraction
         if step.system == "minipost":  # the mini-model's N and K (its source's Step 1b)
             mini = MiniModelConfig(source.record["frozen_from"]["mini_layers"],
                                    source.record["frozen_from"]["new_layers"])
@@ -336,7 +338,7 @@ class ArtifactWriter:
         # unigram reference of the held-out text.
         probe = PluginProbe(artifact_primary({"source": str(source.path)}), run.data_path, train.seq_length,
                             train.plugin_eval_blocks) if train.plugin_eval_blocks else None
-        seq_flops = {p: family.step_flops("adapt", model, train.seq_length, train.mask_prob, paper=p)
+        seq_flops = {p: family.step_flops("adapt", model, train.seq_length, family.scored_fraction(train), paper=p)
                      for p in (False, True)}
         return cls(run.output_dir, family, model, init, step2_trainable(family, model, train.train_output_bias),
                    tokenizer, meta, seq_flops, primary, probe)

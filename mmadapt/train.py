@@ -356,7 +356,7 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
     started.record.write(run.resume, **extra)
     batches = lm_batches(family, data_dir, model_cfg, train)
     update_flops = batches.global_batch * family.step_flops(
-        job.step, model_cfg, train.seq_length, train.mask_prob, trainable_layers=job.trainable_layers)
+        job.step, model_cfg, train.seq_length, family.scored_fraction(train), trainable_layers=job.trainable_layers)
     tokens = batches.global_batch * train.seq_length
     devices = parallel.launched_world_size()
 
@@ -367,7 +367,9 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
     heads, pin = len(model_cfg.heads_after), engine.device.type == "cuda"
     evaluate = None
     if train.eval_interval:
-        valid = lm_batches(family, data_dir, model_cfg, dataclasses.replace(train, gradient_accumulation_steps=1), VALID)
+        # every position of the held-out blocks (score_fraction 1): the loss measures the model, not a sample
+        valid = lm_batches(family, data_dir, model_cfg, dataclasses.replace(train, gradient_accumulation_steps=1,
+                                                                            score_fraction=1.0), VALID)
         valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
         evaluate = functools.partial(lm_eval, engine, valid_batches, heads)
     prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin) for ids, lab in batches.step_batches(position)])

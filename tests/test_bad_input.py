@@ -331,7 +331,7 @@ CASES = [
      "plugin_eval_blocks is a Step-2 setting"),
     # --- the decoder family
     ("decoder-given-mask-prob", lambda c: c.pretrain("--preset", "llama-tiny", "--mask_prob", "0.3"),
-     "mask_prob 0.3 is a masked-LM setting; the llama family scores every next piece"),
+     "mask_prob 0.3 is a masked-LM setting; the llama family scores next pieces"),
     ("decoder-groups-not-dividing-heads", lambda c: c.pretrain("--preset", "llama-tiny", "--num_query_groups", "3"),
      "num_query_groups 3 does not divide num_attention_heads 4"),
     ("decoder-groups-not-dividing-tp", lambda c: c.pretrain("--preset", "llama-tiny",
@@ -454,6 +454,13 @@ CASES = [
     ("export-finetuned-is-a-pretrain-run", lambda c: ["export-hf", "--finetuned", str(c.primary), "--output_dir",
                                                       str(c.out)],
      "is a pretrain or import-hf run (Step 1); this needs a finetune run (Step 3: a task model)"),
+    # --- scoring a fraction of the positions: the decoder's, in (0, 1]
+    ("encoder-given-score-fraction", lambda c: c.pretrain("--score_fraction", "0.5"),
+     "score_fraction 0.5 is a causal-LM setting; the roberta family scores its masked pieces"),
+    ("encoder-flops-given-score-fraction", lambda c: ["flops", "--score_fraction", "0.5"],
+     "score_fraction 0.5 is a causal-LM setting"),
+    ("decoder-score-fraction-zero", lambda c: c.pretrain("--preset", "llama-tiny", "--score_fraction", "0"),
+     "--score_fraction must be in (0, 1], got 0.0"),
 ]
 
 

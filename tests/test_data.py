@@ -6,10 +6,11 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import mlm_batches
 from mmadapt import data as D
-from mmadapt.config import PreprocessConfig
+from mmadapt.config import PreprocessConfig, TrainConfig
 from mmadapt.data import mask_tokens, pack_blocks, prepare
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL
 from mmadapt.models.roberta import ROBERTA
@@ -195,6 +196,48 @@ def test_epochs_reshuffle_and_remask(encoded):
     # The same block seen in two epochs gets different masks (dynamic masking).
     g2 = n + [data.order(n + g) for g in range(n)].index(data.order(0))
     assert not np.array_equal(data.sample(0)[1], data.sample(g2)[1])
+
+
+def causal(data_path, p: float, seed: int = 5, micro: int = 4, gas: int = 1, dp_rank: int = 0, dp_world: int = 1):
+    train = TrainConfig(seq_length=32, seed=seed, train_micro_batch_size_per_gpu=micro,
+                        gradient_accumulation_steps=gas, score_fraction=p)
+    return D.CausalBatches(data_path, train, VOCAB, dp_rank, dp_world)
+
+
+def _scored(labels) -> list[list[int]]:
+    return [np.flatnonzero(row.numpy() != IGNORE_INDEX).tolist() for row in labels]
+
+
+def test_causal_blocks_score_a_seeded_fraction_of_their_positions(encoded):
+    """p < 1: the same inputs, exactly round(p s) positions of each block keep their next piece,
+    drawn from (seed, g) alone: any micro-batch split or data-parallel rank sees block g's own
+    positions, so a resumed run draws them again; a block seen again (next epoch) or another seed
+    gets another subset. p = 1 is the stream shifted by one, as before (no draw)."""
+    full, part = causal(encoded, 1.0), causal(encoded, 0.25)
+    stream = np.memmap(encoded / "text.bin", dtype=D.read_manifest(encoded)["dtype"], mode="r")
+    for step in (0, 3):
+        (ids, labels), = full.step_batches(step)
+        (ids_p, labels_p), = part.step_batches(step)
+        for row, g in enumerate(range(4 * step, 4 * step + 4)):
+            start = full.order(g) * 32
+            assert labels[row].tolist() == stream[start + 1:start + 33].tolist()
+        assert torch.equal(ids_p, ids)
+        kept = labels_p != IGNORE_INDEX
+        assert kept.sum(1).tolist() == [8] * 4 and torch.equal(labels_p[kept], labels[kept])
+    # (seed, g) alone: two ranks of micro-batches of 2, accumulating 2, see the same rows
+    split = [causal(encoded, 0.25, micro=2, gas=2, dp_rank=r, dp_world=2) for r in range(2)]
+    whole = causal(encoded, 0.25, micro=8)
+    for step in (0, 3):
+        rows = torch.cat([torch.cat([lab for _, lab in split[r].step_batches(step)]) for r in range(2)])
+        order = [0, 1, 4, 5, 2, 3, 6, 7]  # rank r's micro-batch j holds rows (2j + r) * 2 and the next
+        assert torch.equal(rows, whole.step_batches(step)[0][1][order])
+    n = len(part)
+    g2 = n + [part.order(n + g) for g in range(n)].index(part.order(0))  # block 0's next appearance
+    assert torch.equal(torch.as_tensor(part.sample(g2)[0]), torch.as_tensor(part.sample(0)[0]))
+    assert _scored([torch.as_tensor(part.sample(g2)[1])]) != _scored([torch.as_tensor(part.sample(0)[1])])
+    other = causal(encoded, 0.25, seed=6)
+    assert [_scored([torch.as_tensor(other.sample(g)[1])]) for g in range(4)] != \
+        [_scored([torch.as_tensor(part.sample(g)[1])]) for g in range(4)]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 17, 1024, 5000])

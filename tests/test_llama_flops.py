@@ -1,14 +1,19 @@
 """The decoder's FLOP counts (mmadapt/models/llama/flops.py): every function against torch's
 FlopCounterMode on the real model (attention_impl "math": the counter sees CPU SDPA as 0), with
 the requires_grad pattern of each step, tied and untied, with and without grouped-query
-attention; and the closed forms of the docstring."""
+attention, every position scored or a fraction p of them; and the closed forms of the docstring."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
+from mmadapt.config import scored_positions
+from mmadapt.data import score_subset
 from mmadapt.flops import counted_flops
+from mmadapt.models.layers import new_rows_name
+from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.flops import (adapt_flops, forward_flops, head_flops, layer_attn_flops, layer_flops,
                                         layer_linear_flops, minipost_flops, pretrain_flops)
 from mmadapt.models.llama.model import DecoderLayer, LlamaLM, rotary_table
@@ -109,3 +114,61 @@ def test_bad_step_shapes_are_refused():
         adapt_flops(tiny(head_layers=(1, 4)), S)
     with pytest.raises(ValueError, match="trainable_layers 5 must be in 1..num_layers=4"):
         minipost_flops(tiny(), S, 5)
+
+
+# --- a sampled fraction p of the positions scored (TrainConfig.score_fraction) ---------------------------
+
+def scored_batch(cfg, p: float):
+    """ids [B, S] and labels with exactly scored_positions(S, p) positions of each row scored, drawn as
+    data.CausalBatches draws them."""
+    ids, targets = lm_batch(cfg)
+    rng = np.random.default_rng(0)
+    labels = np.stack([score_subset(row, rng, scored_positions(S, p)) for row in targets.numpy()])
+    return ids, torch.from_numpy(labels)
+
+
+def expanded(cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(cfg, frozen_vocab_size=cfg.vocab_size - 40)
+
+
+# p = 0.3 scores round(7.2) = 7 of 24 positions: the count is the drawn one, not p * s
+@pytest.mark.parametrize("shape, p", [("gqa-tied", 0.3), ("gqa-untied-bias", 0.25), ("tied-expand", 0.25),
+                                      ("untied-expand", 0.3)])
+def test_step2_count_at_a_score_fraction_equals_exact(shape, p):
+    """Both Step-2 vocabulary modes: replace (every row trains) and expand (the new rows only)."""
+    untied = {"share_embeddings_and_output_weights": False}
+    cfg = {"tied-expand": lambda: expanded(tiny()), "untied-expand": lambda: expanded(tiny(**untied))}.get(
+        shape, lambda: tiny(**SHAPES[shape]))()
+    model = LlamaLM(cfg)
+    trained = set(map(new_rows_name, LLAMA.vocab_params(cfg))) if cfg.frozen_vocab_size else set(
+        LLAMA.vocab_params(cfg))
+    for n, w in model.named_parameters():
+        w.requires_grad_(n in trained)
+    ids, labels = scored_batch(cfg, p)
+    assert int(labels.ge(0).sum()) == B * scored_positions(S, p) < B * S
+    counted = count_update(model, ids, labels)
+    assert counted == B * adapt_flops(cfg, S, p=p) == B * LLAMA.step_flops("adapt", cfg, S, p)
+    # only the head's terms shrink, by the unscored rows' share
+    m = scored_positions(S, p)
+    assert adapt_flops(cfg, S) - adapt_flops(cfg, S, p=p) == 3 * (S - m) * (head_flops(cfg, S) // S) - (
+        0 if not cfg.frozen_vocab_size else (S - m) * 2 * cfg.hidden_size * cfg.frozen_vocab_size)
+
+
+def test_pretrain_and_minipost_counts_at_a_score_fraction_equal_exact(p=0.3):
+    cfg = tiny(head_layers=(1, 4))
+    ids, labels = scored_batch(cfg, p)
+    assert count_update(LlamaLM(cfg), ids, labels) == B * pretrain_flops(cfg, S, p)
+    model = LlamaLM(cfg)
+    train_only(model, ("layers.2.", "layers.3."))
+    assert count_update(model, ids, labels) == B * minipost_flops(cfg, S, 2, p=p) == B * LLAMA.step_flops(
+        "minipost", cfg, S, p, trainable_layers=2)
+
+
+def test_scored_positions_and_the_closed_form_with_p():
+    assert [scored_positions(32, p) for p in (1.0, 0.5, 0.25, 0.125, 0.01)] == [32, 16, 8, 4, 1]
+    assert scored_positions(24, 0.3) == 7 and scored_positions(20, 0.125) == 3  # 2.5 rounds up
+    s, h, l, V, p = 512, 96, 6, 1000, 0.25
+    mha = ModelConfig(family="llama", num_layers=l, hidden_size=h, num_attention_heads=4, ffn_hidden_size=8 * h // 3,
+                      vocab_size=V)
+    assert adapt_flops(mha, s, p=p) == pytest.approx(48 * s * l * h * h * (1 + s / (4 * h) + p * V / (8 * h * l)))
+    assert pretrain_flops(mha, s, p) == pytest.approx(72 * s * l * h * h * (1 + s / (6 * h) + p * V / (12 * h * l)))

@@ -1,6 +1,7 @@
 """The decoder family under every parallel layout against one process: tensor parallel 2,
 pipeline parallel 2 and ZeRO-2 on 2 gloo ranks, and TP 2 x PP 2 on 4, for MINIJOINT pretraining
-(tied and untied output projection) and for Step 2 over its mini-model.
+(tied and untied output projection) and for Step 2 over its mini-model, every position scored and
+(TP 2, PP 2) a quarter of them.
 
 As tests/test_parallel.py does for the encoder: the same seed and global batch of 16 blocks (one
 process: 2 micro-batches of 8 with gradient accumulation; ZeRO-2: 2 data-parallel ranks of 8),
@@ -119,3 +120,36 @@ def test_decoder_step2_layout_matches_single_process(layout, reference, step2_si
             # one-element placeholder (no vector trains here).
             sizes = sorted(s["exp_avg"].numel() for s in state.values())
             assert sizes[-1] == VOCAB * 64 * len(trained) // 2 and sum(sizes[:-1]) <= 16, sizes
+
+
+# --- Step 2 scoring a quarter of the positions (TrainConfig.score_fraction) ------------------------------
+
+SCORED = ["--score_fraction", "0.25"]
+
+
+@pytest.fixture(scope="module")
+def step2_scored_single(reference, de_corpus, de_tokenizer, tmp_path_factory):
+    tied, source = reference
+    out = tmp_path_factory.mktemp(f"llama_step2_scored_{tied}")
+    return _step2(source, de_corpus, de_tokenizer, out, 1, *SINGLE, *SCORED)
+
+
+# TP 2: the scored rows through the vocabulary-parallel projection and cross-entropy; PP 2: the
+# last stage's scored positions from the host's queue (models/pipe.py).
+@pytest.mark.parametrize("reference, layout", [pytest.param(True, "tp2", id="tied-tp2"),
+                                               pytest.param(True, "pp2", id="tied-pp2")], indirect=["reference"])
+def test_decoder_step2_scoring_a_fraction_matches_single_process(layout, reference, step2_scored_single, de_corpus,
+                                                                 de_tokenizer, tmp_path):
+    """Each rank draws block g's scored positions from (seed, g) alone, so every layout scores the
+    same positions as one process and the losses and embeddings agree."""
+    _, source = reference
+    nproc, extra = LAYOUTS[layout]
+    run = _step2(source, de_corpus, de_tokenizer, tmp_path / layout, nproc, *extra, *SCORED)
+    ref, got = metrics(step2_scored_single), metrics(run)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+    tag = f"step{STEPS:08d}"
+    want, _, want_meta = A.read_artifact(step2_scored_single / "embeddings" / tag)
+    mine, _, meta = A.read_artifact(run / "embeddings" / tag)
+    assert meta["score_fraction"] == want_meta["score_fraction"] == 0.25 and meta["flops"] == want_meta["flops"]
+    torch.testing.assert_close(mine["word_embeddings"], want["word_embeddings"], rtol=1e-5, atol=1e-6)

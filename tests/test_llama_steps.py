@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO, VOCAB
+from conftest import REPO, VOCAB, metrics
 from mmadapt import steps
 from mmadapt.adapt import read_artifact
 from mmadapt.config import FinetuneConfig, Layout, MiniModelConfig, PreprocessConfig, TrainConfig, apply_recipe
@@ -19,7 +19,8 @@ from mmadapt.evaluate import load_finetuned, recorded_config
 from mmadapt.family import WORD
 from mmadapt.models.llama import LLAMA
 from mmadapt.parallel import init_parallel
-from mmadapt.run import RunSpec, load_weights, read_run
+from mmadapt.models.llama.flops import adapt_flops
+from mmadapt.run import RunSpec, load_weights, read_run, run_model
 from mmadapt.tasks import read_examples
 from mmadapt.tokens import IGNORE_INDEX
 
@@ -92,6 +93,56 @@ def test_decoder_plugin_metric_scores_next_pieces(decoder_runs, german):
     for r in records:
         assert r["task"] == "plugin-lm" and r["score"] == pytest.approx(r["unigram_loss"] - r["loss"])
         assert r["masked_pieces"] == 32 * 32  # every position of 32 blocks of 32
+
+
+def _every_position(self, g):
+    """CausalBatches.sample as it was before TrainConfig.score_fraction (b6a0d5d): every position."""
+    start = self.order(g) * self.seq_length
+    chunk = self.tokens[start:start + self.seq_length + 1].astype(np.int64)
+    return chunk[:-1], chunk[1:]
+
+
+def _step2(decoder_runs, german, out, **changes):
+    """decoder_runs' minijoint-de (p = 1) again into `out`, with `changes` -> (losses, artifact)."""
+    steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, data_path=german),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=decoder_runs / "mj", lang="de",
+                                                      train=_train(4, **changes)))
+    return _result(out)
+
+
+def _result(out):
+    return [(r["step"], r["loss"]) for r in metrics(out)], read_artifact(out / "embeddings" / "step00000004")
+
+
+def test_step2_at_score_fraction_1_is_the_code_before_it(decoder_runs, german, tmp_path, monkeypatch):
+    """p = 1, the default, trains bit for bit as scoring every position did: the same Step 2 run
+    on the batches of the sampler before score_fraction existed gives the same losses and embeddings."""
+    new = _result(decoder_runs / "minijoint-de")
+    monkeypatch.setattr(CausalBatches, "sample", _every_position)
+    old = _step2(decoder_runs, german, tmp_path / "before")
+    assert [s for s, _ in new[0]] == [1, 2, 3, 4] and new[0] == old[0]
+    assert torch.equal(new[1][0]["word_embeddings"], old[1][0]["word_embeddings"])
+    assert new[1][2]["flops"] == old[1][2]["flops"] and "score_fraction" not in new[1][2]
+
+
+def test_step2_scoring_a_fraction_of_the_positions(decoder_runs, german, tmp_path):
+    """p = 0.25: a quarter of the FLOPs of the output layer (the record and the artifact count
+    the scored rows), other losses and embeddings, and the plug-in metric still over every
+    position, its records named apart (`minijoint p=0.25`)."""
+    full, (emb, _, meta) = _result(decoder_runs / "minijoint-de")
+    part, (emb_p, _, meta_p) = _step2(decoder_runs, german, tmp_path / "p025", score_fraction=0.25)
+    mini = run_model(read_run(tmp_path / "p025"))
+    assert meta_p["score_fraction"] == 0.25 and meta_p["flops"] == 4 * 4 * adapt_flops(mini, 32, p=0.25)
+    assert meta["flops"] == 4 * 4 * adapt_flops(mini, 32)
+    head = 3 * 2 * 4 * 4 * 24 * mini.hidden_size * mini.vocab_size  # the 24 unscored rows of each block
+    assert meta["flops"] - meta_p["flops"] == head
+    assert [l for _, l in part] != [l for _, l in full] and not torch.equal(emb_p["word_embeddings"],
+                                                                         emb["word_embeddings"])
+    runs = [tmp_path / "p025", decoder_runs / "minijoint-de"]
+    records = steps.evaluate_plugin(decoder_runs / "mj", embeddings=runs, data=str(german), seq_length=32, blocks=32)
+    assert [r["system"] for r in records] == ["minijoint p=0.25", "minijoint"]
+    assert [r["masked_pieces"] for r in records] == [32 * 32] * 2 and records[0]["unigram_loss"] == \
+        records[1]["unigram_loss"]
 
 
 def test_decoder_finetune_and_zero_shot(decoder_runs, tmp_path):

@@ -327,3 +327,26 @@ def test_a_start_already_at_the_target_is_said_apart_and_not_counted_as_a_checkp
     assert "| bl_small | 1 (0–1) | never | 1.77× (1 langs) | 1 (fr) |" in md  # 1.775 / 1
     assert ("Already at the target before any Step-2 update (the start, update 0, which the table does not count "
             "as a checkpoint): bl_small in de (35.0).") in md
+
+
+def test_a_scored_fraction_keeps_its_curves_apart_and_meets_its_own_ceiling():
+    """Records of a decoder's Step 2 at score_fraction p are labelled `<system> p=<p>` (adapt.
+    system_label), so the report shows p and never merges them with full scoring's curves; each
+    label's ceiling is the one scored at the same p."""
+    from mmadapt.adapt import system_label
+    from mmadapt.report import ceiling_of, plugin_markdown
+
+    assert system_label({"system": "minijoint", "score_fraction": 0.25}) == "minijoint p=0.25"
+    assert system_label({"system": "minijoint"}) == "minijoint"
+    assert [ceiling_of(s) for s in ("minijoint", "minijoint@4 p=0.5", "minijoint p=0.25")] == \
+        ["minijoint:full", "minijoint:full p=0.5", "minijoint:full p=0.25"]
+    base = {"task": "plugin-lm", "lang": "de", "step": 10, "unigram_loss": 5.0, "masked_pieces": 64,
+            "start_loss": 6.0}
+    records = [{**base, "system": s, "flops": f, "score": g, "loss": 5.0 - g}
+               for s, f, g in (("minijoint", 4e18, 1.0), ("minijoint p=0.25", 2e18, 0.9),
+                               ("minijoint:full", 8e18, 1.25), ("minijoint:full p=0.25", 6e18, 1.2))]
+    rows = {line.split(" | ")[0][2:]: line for line in plugin_markdown(records).splitlines() if line.startswith("| m")}
+    assert rows["minijoint"].endswith("| 80% at 50% of its compute |")
+    assert rows["minijoint p=0.25"].endswith("| 75% at 33% of its compute |")
+    out = report_markdown(records, baseline="minijoint:full")
+    assert "| minijoint p=0.25 | 2 |" in out and "| minijoint | 4 |" in out

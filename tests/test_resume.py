@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import PRETRAIN, REPO, base_args, child_env, launch_cmd, metrics, run_pretrain
+from conftest import PRETRAIN, REPO, VOCAB, base_args, child_env, launch_cmd, metrics, run_pretrain
 
 pytestmark = pytest.mark.slow
 
@@ -74,6 +74,27 @@ def test_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_one(un
     run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--resume", "--save_interval", "1"))
     assert losses(tmp_path) == uninterrupted
     assert (ckpt / "step00000003" / "COMPLETE").is_file()
+
+
+def test_decoder_scoring_a_fraction_resumes_exactly_after_a_sigkill(corpus, tokenizer, tmp_path):
+    """A 2-layer decoder scoring a quarter of each block's positions (--score_fraction 0.25), killed
+    while saving update 3: its resume draws the same positions (a function of the seed and the
+    sample index alone, tests/test_data.py) and ends with the uninterrupted run's losses."""
+    def args(out, *extra):
+        return ["--preset", "llama-tiny", "--num_layers", "2", "--corpus", str(corpus), "--tokenizer", str(tokenizer),
+                "--vocab_size", str(VOCAB), "--output_dir", str(out), "--train_iters", "6", "--log_interval", "1",
+                "--train_micro_batch_size_per_gpu", "4", "--seq_length", "32", "--score_fraction", "0.25", *extra]
+
+    run_pretrain(1, *args(tmp_path / "full"))
+    script = tmp_path / "pretrain_killed_in_save.py"
+    script.write_text(KILL_IN_SAVE.format(script=PRETRAIN))
+    proc = subprocess.run(launch_cmd(1, *args(tmp_path / "run", "--save_interval", "1"), script=str(script)),
+                          cwd=REPO, capture_output=True, text=True,
+                          env=child_env(KILL_BEFORE_COMPLETE="step00000003", PYTHONPATH=str(REPO)))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    run_pretrain(1, *args(tmp_path / "run", "--resume", "--save_interval", "1"))
+    assert [s for s, _, _ in losses(tmp_path / "full")] == list(range(1, 7))
+    assert losses(tmp_path / "run") == losses(tmp_path / "full")
 
 
 def test_sigkill_at_a_random_moment(uninterrupted, corpus, tokenizer, tmp_path):

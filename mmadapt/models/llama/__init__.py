@@ -3,10 +3,11 @@ grouped-query attention, an optional QKV bias as Qwen2's, tied or untied output 
 pipeline stages (pipeline.py), FLOP counts (flops.py), presets (presets.py) and Hugging Face
 mapping (hf.py: Llama, Qwen2 and Mistral checkpoints), bundled as the `llama` ModelFamily.
 
-Its objective is causal: every position of a packed block is scored on the next piece
-(data.CausalBatches), so a mini-model's embeddings are trained by next-token prediction. What
-Step 2 trains is the word embedding, and the output projection too when it is untied: both are
-indexed by piece. Step 3 puts a classifier on the last real token (LlamaForTask).
+Its objective is causal: every position of a packed block is scored on the next piece, or a
+seeded subset of them (TrainConfig.score_fraction; data.CausalBatches), so a mini-model's
+embeddings are trained by next-token prediction. What Step 2 trains is the word embedding, and
+the output projection too when it is untied: both are indexed by piece. Step 3 puts a classifier
+on the last real token (LlamaForTask).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ class LlamaFamily(ModelFamily):
 
     def check_loop(self, loop: LoopConfig) -> None:
         if isinstance(loop, TrainConfig) and loop.mask_prob != TrainConfig.mask_prob:
-            raise ValueError(f"mask_prob {loop.mask_prob} is a masked-LM setting; the llama family scores every next "
-                             "piece: drop --mask_prob")
+            raise ValueError(f"mask_prob {loop.mask_prob} is a masked-LM setting; the llama family scores next pieces "
+                             "(a fraction of them: --score_fraction): drop --mask_prob")
 
     def build_lm(self, cfg: ModelConfig, seed: int = 1234) -> LlamaLM:
         return LlamaLM(cfg, seed=seed)
@@ -80,7 +81,7 @@ class LlamaFamily(ModelFamily):
 
     def step_flops(self, step: str, cfg: ModelConfig, s: int, p: float, paper: bool = False,
                    trainable_layers: int = 0) -> float:
-        return flops.step_flops(step, cfg, s, paper, trainable_layers)
+        return flops.step_flops(step, cfg, s, paper, trainable_layers, p)
 
 
 LLAMA = LlamaFamily()

@@ -4,7 +4,7 @@ ModelFamily."""
 
 from __future__ import annotations
 
-from mmadapt.config import ModelConfig
+from mmadapt.config import LoopConfig, ModelConfig, TrainConfig
 from mmadapt.family import WORD, ModelFamily
 from mmadapt.models.roberta import flops, hf
 from mmadapt.models.roberta.presets import PRESETS, SMALL
@@ -27,6 +27,11 @@ class RobertaFamily(ModelFamily):
     compiled_kinds = (TransformerLayer, MLMHeads)
     pipeline_ties = {"word": "word_embeddings."}  # the tied word embedding (pipeline.py)
     hf = hf.MAPPING
+
+    def check_loop(self, loop: LoopConfig) -> None:
+        if isinstance(loop, TrainConfig) and loop.score_fraction != TrainConfig.score_fraction:
+            raise ValueError(f"score_fraction {loop.score_fraction} is a causal-LM setting; the roberta family scores "
+                             "its masked pieces (--mask_prob): drop --score_fraction")
 
     def build_lm(self, cfg: ModelConfig, seed: int = 1234) -> RobertaMLM:
         return RobertaMLM(cfg, seed=seed)
