@@ -108,8 +108,8 @@ def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpu
 
 def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
     _, d = prepared[1]
-    with pytest.raises(D.DataError, match="--workers must be >= 1"):
-        prepare(corpus, tmp_path / "x", VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=0))
+    with pytest.raises(ValueError, match="--workers must be >= 1, got 0"):  # declared range, checked when made
+        PreprocessConfig(workers=0)
     # Another corpus into a finished dataset: refused, nothing overwritten.
     other = tmp_path / "other.txt"
     other.write_text("Another text.\n", encoding="utf-8")
