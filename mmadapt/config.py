@@ -243,9 +243,12 @@ class ModelConfig(Checked):
                                 "(0: each such weight is one parameter)", flag=False, ge=0)
 
     def __post_init__(self):
+        # None is "none given" (the Python API's spelling of the CLI's absent flag), as ()
+        self.head_layers = tuple(self.head_layers or ())
+        self.head_weights = tuple(self.head_weights or ())
         check_declared(self)
-        self.head_layers = tuple(int(x) for x in self.head_layers or ())
-        self.head_weights = tuple(float(x) for x in self.head_weights or ())
+        self.head_layers = tuple(int(x) for x in self.head_layers)
+        self.head_weights = tuple(float(x) for x in self.head_weights)
 
     @property
     def heads_after(self) -> tuple[int, ...]:

@@ -422,7 +422,10 @@ def test_zero_shot_records_go_into_the_report(toy_run, fresh_primary, de_tokeniz
     # exactly what the English artifact swaps in.
     assert [(r["system"], r["lang"], r["of"]) for r in (none_en, none_de)] == [
         ("no_adaptation", "en", ["minijoint:full"]), ("no_adaptation", "de", ["minijoint:full"])]
-    assert none_en["scores"] == en["scores"] and none_de["scores"] != de["scores"]
+    # (German: the English tokenizer on German text; test_eval_device checks it against Step 4's
+    # path with no artifact. Its scores need not differ from the untrained German embeddings':
+    # both can sit at the majority class.)
+    assert none_en["scores"] == en["scores"]
     assert (en["task"], en["lang"], de["lang"], en["metric"]) == ("classify", "en", "de", "accuracy")
     assert en["score"] == pytest.approx(run["source_score"]) and en["scores"] == pytest.approx(run["source_scores"])
     assert set(de["scores"]) == {"accuracy", "macro_f1"} and de["score"] == de["scores"]["accuracy"]
@@ -519,6 +522,11 @@ def test_a_tagging_record_carries_its_majority_tag_rate(fresh_primary, de_tokeni
     for r in records:
         tags = [t for row in files[r["lang"]] for t in row["tags"]]
         majority = 100 * max(tags.count("O"), tags.count("B-LORD")) / len(tags)
+        if (r["system"], r["lang"]) == ("no_adaptation", "de"):
+            # The English tokenizer cuts German words into more pieces: at seq_length 48 it reads fewer
+            # of them, and its rates are over those it scores.
+            assert r["scored_items"] < len(tags) and r["metric"] == "accuracy"
+            continue
         assert r["metric"] == "accuracy" and r["chance"] == pytest.approx(majority)
         assert r["majority_accuracy"] == pytest.approx(majority) and r["uniform_accuracy"] == 50.0
         assert r["scored_items"] == len(tags)
