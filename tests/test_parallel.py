@@ -71,7 +71,7 @@ def test_two_rank_layout_matches_single_process(layout, reference, corpus, token
 def test_weights_changed_from_initialisation(reference, corpus, tokenizer, tmp_path):
     """Guards the comparison above against comparing two untrained models."""
     run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--ds_config", "ds_configs/zero0.json",
-                           "--gradient_accumulation_steps", "2", "--train_iters", "1", "--lr", "0"))
+                           "--gradient_accumulation_steps", "2", "--train_iters", "1", "--lr", "1e-30"))  # lr > 0: ~init
     untrained = load_full_state_dict(tmp_path / "checkpoints")
     trained = load_full_state_dict(reference / "checkpoints")
     for name in ("word_embeddings.word_embeddings.weight", "layers.0.qkv.weight", "heads.heads.0.dense.weight"):
