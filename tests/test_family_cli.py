@@ -193,7 +193,9 @@ def test_a_family_defined_in_a_test_file_runs_every_step_through_the_command_lin
     mmadapt("evaluate", "--finetuned", str(tmp_path / "ft"), "--embeddings", str(tmp_path / "adapt-minijoint"),
             str(tmp_path / "adapt-minipost"), "--eval_file", "bible", "--output", str(scores))
     records = json.loads(scores.read_text())
-    assert [r["system"] for r in records] == ["minijoint", "minipost"]
+    # Each Step-2 run's start (update 0) and last artifact, then the fine-tuned run with no adaptation.
+    assert [(r["system"], r.get("step")) for r in records] == [("minijoint", 0), ("minijoint", 2), ("minipost", 0),
+                                                               ("minipost", 2), ("no_adaptation", None)]
     assert all(r["task"] == "bible-genre" and 0 <= r["score"] <= 100 for r in records)
 
     # The plug-in metric through the toy's primary model.
