@@ -5,6 +5,7 @@ from the swapped state dict for every artifact and seed, full-length rows in bat
 number of examples): the same logits for every task kind, the same records. CPU, fp32."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,8 +241,9 @@ def test_records_equal_the_straightforward_paths(seeds, adapt_run):
 @pytest.mark.slow  # Step 4 over whole evaluation sets, several artifacts and seeds
 def test_each_evaluation_set_is_encoded_once_per_tokenizer(seeds, adapt_run, primary_run, tokenizer, tmp_path,
                                                            monkeypatch):
-    """2 seeds x 5 artifacts: 4 of the German tokenizer (copies of one file), 1 of another ->
-    two encodings of the evaluation set, and each seed's model built once."""
+    """2 seeds x 5 artifacts: 4 of the German tokenizer (copies of one file), 1 of the primary's
+    own (English) tokenizer, then the no-adaptation record, which reads with that same English
+    tokenizer -> two encodings of the evaluation set, and each seed's model built once."""
     other = _adapt_run(tmp_path / "other", primary_run, tokenizer, {6: 1000})
     calls = {"encode": 0, "build_task_model": 0}
 
@@ -257,7 +259,9 @@ def test_each_evaluation_set_is_encoded_once_per_tokenizer(seeds, adapt_run, pri
     monkeypatch.setattr(ROBERTA, "build_task_model", counted(ROBERTA, "build_task_model"))
     records = F.evaluate_artifacts(seeds, [adapt_run, other, adapt_run], "bible")
     assert [r.get("step") for r in records] == [2, 4, 6, 2, 4, None]
-    assert calls == {"encode": 3, "build_task_model": 2}  # and once with the runs' own tokenizer: no adaptation
+    # No adaptation reads with the runs' own tokenizer: the content `other` carries, encoded already.
+    assert F.file_sha256(Path(records[-1]["tokenizer"])) == F.file_sha256(A.read_artifact(records[2]["artifact"])[1])
+    assert calls == {"encode": 2, "build_task_model": 2}
     assert records[3]["scores"] == records[0]["scores"]  # the same artifact again, the same model state
 
 
