@@ -1,16 +1,21 @@
-"""The same new-language embedding job for a 12-layer decoder, timed side by side: transformers'
-LlamaForCausalLM with every body weight frozen, mmadapt over the full model (BL_BASE) and over
-the mini-models (MINIJOINT: its bottom 4 layers; MINIPOST: 4 + 2).
+"""The same new-language embedding job for a decoder, timed side by side: transformers'
+LlamaForCausalLM (Qwen2ForCausalLM for a shape with QKV biases) with every body weight frozen,
+mmadapt over the full model (BL_BASE) and over the mini-models (MINIJOINT: its bottom third of
+the layers, 4 of 12; MINIPOST: those + 2).
 
     pip install transformers                  # optional: only this benchmark needs it
-    python benchmarks/vs_hf_decoder.py        # CPU: h=256, 12 layers, ~3 min on 2 cores
+    python benchmarks/vs_hf_decoder.py        # CPU: h=256, 12 layers, fp32, ~3 min on 2 cores
+    python benchmarks/vs_hf_decoder.py --shape qwen2-0.5b --seq_length 2048 --micro_batch 4 \
+        --ds_config ds_configs/zero1_bf16.json  # GPU: Qwen2-0.5B's shape in bf16 (the GPU default)
 
 The job: next-token prediction over a frozen body with only the word embedding trainable (tied
 to the output projection). transformers' model has the same shape and the same frozen parameters,
-AdamW over the embedding and a plain PyTorch loop, as a user of `transformers` would write it;
-mmadapt runs its DeepSpeed engine (ZeRO-1) as `launch/adapt.py` does. Every system gets the same
+AdamW over the embedding and a plain PyTorch loop, as a user of `transformers` would write it
+(in bf16: fp32 weights under torch.autocast, as Trainer's bf16=True runs); mmadapt runs its
+DeepSpeed engine (ZeRO-1; bf16 with fp32 master weights under zero1_bf16.json) as
+`launch/adapt.py` does. Every system gets the same
 random blocks and scores the same s - 1 next pieces per row (transformers shifts its labels
-inside; mmadapt's blocks carry them shifted, the last position unscored). fp32, dropout off,
+inside; mmadapt's blocks carry them shifted, the last position unscored). Dropout off,
 median of --repeats updates after warm-up; time ratios beside the exact FLOP ratios
 (models/llama/flops.py).
 
@@ -36,6 +41,7 @@ from common import REPO, RESULTS, engine_update, median_time, table, write_resul
 from mmadapt.config import ModelConfig, TrainConfig, scored_positions
 from mmadapt.data import score_subset
 from mmadapt.engine import load_ds_config
+from mmadapt.models import find_preset
 from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.flops import adapt_flops
 from mmadapt.parallel import device, init_parallel
@@ -47,17 +53,25 @@ from mmadapt.train import LMJob, lm_engine
 SHAPE = ModelConfig(family="llama", num_layers=12, hidden_size=256, num_attention_heads=4, num_query_groups=2,
                     ffn_hidden_size=704, vocab_size=8000, max_position_embeddings=256, hidden_dropout=0.0,
                     attention_dropout=0.0)
-SYSTEMS = {"bl_base": 12, "minipost": 6, "minijoint": 4}  # the model Step 2 trains over
+SHAPES = {"cpu": SHAPE, "qwen2-0.5b": find_preset("qwen2-0.5b")[1]}
 
 
-def blocks(micro: int, s: int, n: int, seed: int = 0, p: float = 1.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def systems(cfg: ModelConfig) -> dict[str, int]:
+    """The depth each system's Step 2 trains over: the full model, the paper's mini-model (the
+    bottom third of the layers: 4 of 12) and MINIPOST's (those + 2 new layers)."""
+    mini = cfg.num_layers // 3
+    return {"bl_base": cfg.num_layers, "minipost": mini + 2, "minijoint": mini}
+
+
+def blocks(shape: ModelConfig, micro: int, s: int, n: int, seed: int = 0,
+           p: float = 1.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """n random rows of s + 1 ordinary pieces -> (input_ids [micro, s], next pieces [micro, s]),
     the last position unscored: the s - 1 targets transformers' shift scores; p < 1: a seeded
     round(p (s - 1)) of them."""
     g, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(NUM_SPECIAL, SHAPE.vocab_size, (micro, s + 1), generator=g)
+        ids = torch.randint(NUM_SPECIAL, shape.vocab_size, (micro, s + 1), generator=g)
         labels = ids[:, 1:].clone()
         labels[:, -1] = IGNORE_INDEX
         if p < 1:
@@ -88,32 +102,36 @@ def scored_flops(cfg: ModelConfig, s: int, scored: int) -> int:
 
 
 def hf_model(cfg: ModelConfig, lr: float):
-    """LlamaForCausalLM shaped like `cfg`, everything frozen but the (tied) embedding."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """LlamaForCausalLM shaped like `cfg` (Qwen2ForCausalLM where `cfg` has QKV biases, as Qwen2
+    has), everything frozen but the (tied) embedding."""
+    import transformers
 
-    hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-                         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups,
-                         intermediate_size=cfg.ffn_hidden_size, max_position_embeddings=cfg.max_position_embeddings,
-                         rms_norm_eps=cfg.layernorm_epsilon, rope_theta=cfg.rotary_base, tie_word_embeddings=True,
-                         attention_dropout=0.0, use_cache=False)
-    model = LlamaForCausalLM(hf_cfg).to(device()).train()
+    name = "Qwen2" if cfg.add_qkv_bias else "Llama"
+    hf_cfg = getattr(transformers, f"{name}Config")(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups,
+        intermediate_size=cfg.ffn_hidden_size, max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.layernorm_epsilon, rope_theta=cfg.rotary_base, tie_word_embeddings=True,
+        attention_dropout=0.0, use_cache=False)
+    model = getattr(transformers, f"{name}ForCausalLM")(hf_cfg).to(device()).train()
     for n, p in model.named_parameters():
         p.requires_grad_(n == "model.embed_tokens.weight")
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
 
-def markdown(rows: list[dict], hf_row: dict, args, dev: str, version: str, speedup: float,
-             ratio: float | None) -> list[str]:
+def markdown(rows: list[dict], hf_row: dict, args, dev: str, peer: str, speedup: float,
+             ratio: float | None, shape: ModelConfig, bf16: bool) -> list[str]:
     """The results file's lines: the table, the two targets and, at p < 1, the equal-quality line."""
     s, b, p = args.seq_length, args.micro_batch, args.score_fraction
     base, minijoint = rows[0], next(r for r in rows if r["system"] == "minijoint")
-    md = [f"# Step 2 of a 12-layer decoder: mmadapt vs transformers {version} LlamaForCausalLM "
-          f"({dev}, h={SHAPE.hidden_size}, {SHAPE.num_attention_heads} heads / {SHAPE.query_groups} groups, "
-          f"V={SHAPE.vocab_size}, s={s}, batch {b}, fp32, body frozen, mmadapt fusion {args.fusion}, mmadapt "
-          f"score_fraction {p:g})", "",
+    md = [f"# Step 2 of a {shape.num_layers}-layer decoder ({args.shape}): mmadapt vs transformers {peer} "
+          f"({dev}, h={shape.hidden_size}, {shape.num_attention_heads} heads / {shape.query_groups} groups, "
+          f"V={shape.vocab_size}, s={s}, batch {b}, {'bf16' if bf16 else 'fp32'}, body frozen, mmadapt fusion "
+          f"{args.fusion}, mmadapt score_fraction {p:g})", "",
           table([*rows, hf_row], [("system", "system"), ("p", "p"), ("layers", "layers"),
                                   ("ms_per_update", "ms/update"),
                                   ("tokens_per_s", "tokens/s"), ("gflop", "GFLOP/update (exact)"),
+                                  ("achieved_tflops", "achieved TFLOP/s"), ("peak_memory_gib", "peak GiB"),
                                   ("time_ratio_vs_bl_base", "time ratio vs BL_BASE"),
                                   ("flop_ratio_vs_bl_base", "FLOP ratio vs BL_BASE"),
                                   ("time_over_flop_ratio", "time ratio / FLOP ratio")]), "",
@@ -135,8 +153,12 @@ def markdown(rows: list[dict], hf_row: dict, args, dev: str, version: str, speed
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq_length", type=int, default=128)
-    ap.add_argument("--micro_batch", type=int, default=16)
+    gpu = torch.cuda.is_available()
+    ap.add_argument("--shape", choices=SHAPES, default="qwen2-0.5b" if gpu else "cpu")
+    ap.add_argument("--seq_length", type=int, default=2048 if gpu else 128)
+    ap.add_argument("--micro_batch", type=int, default=4 if gpu else 16)
+    ap.add_argument("--ds_config", default="ds_configs/" + ("zero1_bf16.json" if gpu else "zero1.json"),
+                    help="mmadapt's DeepSpeed config; bf16 in it runs transformers under bf16 autocast too")
     ap.add_argument("--repeats", type=int, default=10, help="timed updates (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed updates first")
     ap.add_argument("--fusion", default="none", help="mmadapt's ModelConfig.fusion: none (eager) or compile")
@@ -149,23 +171,30 @@ def main(argv=None) -> None:
     init_parallel(1, 1)
     s, b, p = args.seq_length, args.micro_batch, args.score_fraction
     train = TrainConfig(seq_length=s, train_micro_batch_size_per_gpu=b, train_iters=10**6, lr=1e-4, lr_warmup_iters=1)
-    ds = load_ds_config(REPO / "ds_configs" / "zero1.json", train)
-    batches, dev = blocks(b, s, 4), device()
-    mine = batches if p == 1 else blocks(b, s, 4, p=p)
+    ds = load_ds_config(REPO / args.ds_config, train)
+    bf16 = bool(ds.get("bf16", {}).get("enabled"))
+    shape = SHAPES[args.shape]
+    batches, dev = blocks(shape, b, s, 4), device()
+    mine = batches if p == 1 else blocks(shape, b, s, 4, p=p)
     rows = []
-    for system, layers in SYSTEMS.items():
-        cfg = LLAMA.one_head(dataclasses.replace(SHAPE, fusion=args.fusion), layers)
+    for system, layers in systems(shape).items():
+        cfg = LLAMA.one_head(dataclasses.replace(shape, fusion=args.fusion), layers)
         engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, LMJob(step="adapt", trainable=LLAMA.vocab_params(cfg)))
         t, _ = median_time(engine_update(engine, mine, 1), args.warmup, args.repeats)
         del engine
+        flops = b * scored_flops(cfg, s, int(mine[0][1][0].ge(0).sum()))
         rows.append({"system": system, "p": p, "layers": layers, "ms_per_update": 1e3 * t, "tokens_per_s": b * s / t,
-                     "gflop": b * scored_flops(cfg, s, int(mine[0][1][0].ge(0).sum())) / 1e9})
-    model, opt = hf_model(SHAPE, train.lr)
+                     "gflop": flops / 1e9, "achieved_tflops": flops / t / 1e12})
+        if torch.cuda.is_available():
+            rows[-1]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+    model, opt = hf_model(shape, train.lr)
     cycle = itertools.cycle(batches)
 
     def peer():
         ids, _ = next(cycle)
-        loss = model(input_ids=ids.to(dev), labels=ids.to(dev)).loss  # shifted inside: s - 1 targets
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=ids.to(dev), labels=ids.to(dev)).loss  # shifted inside: s - 1 targets
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -176,17 +205,23 @@ def main(argv=None) -> None:
         r["time_ratio_vs_bl_base"] = base["ms_per_update"] / r["ms_per_update"]
         r["flop_ratio_vs_bl_base"] = base["gflop"] / r["gflop"]
         r["time_over_flop_ratio"] = r["time_ratio_vs_bl_base"] / r["flop_ratio_vs_bl_base"]
-    hf_row = {"system": "transformers (full model)", "p": 1.0, "layers": SHAPE.num_layers,
-              "ms_per_update": 1e3 * t_hf, "tokens_per_s": b * s / t_hf,
-              "gflop": b * scored_flops(LLAMA.one_head(SHAPE, SHAPE.num_layers), s, s - 1) / 1e9}
+    hf_flops = b * scored_flops(LLAMA.one_head(shape, shape.num_layers), s, s - 1)
+    hf_row = {"system": "transformers (full model)", "p": 1.0, "layers": shape.num_layers,
+              "ms_per_update": 1e3 * t_hf, "tokens_per_s": b * s / t_hf, "gflop": hf_flops / 1e9,
+              "achieved_tflops": hf_flops / t_hf / 1e12}
+    if torch.cuda.is_available():
+        hf_row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     speedup = base["tokens_per_s"] / hf_row["tokens_per_s"]
     ratio = equal_quality_updates("bl_base", p)
-    md = markdown(rows, hf_row, args, f"{dev}", transformers.__version__, speedup, ratio)
+    md = markdown(rows, hf_row, args, f"{dev}", f"{transformers.__version__} {type(model).__name__}", speedup, ratio,
+                  shape, bf16)
     # p's dot would end the file's stem (write_results' with_suffix): 0.5 -> _p0_5
-    name = "vs_hf_decoder" + ("" if args.fusion == "none" else f"_{args.fusion}") + \
+    name = "vs_hf_decoder" + ("" if args.shape == "cpu" else "_" + args.shape.replace(".", "_")) + \
+        ("" if args.fusion == "none" else f"_{args.fusion}") + \
         ("" if p == 1 else "_p" + f"{p:g}".replace(".", "_"))
-    paths = write_results(name, {"fusion": args.fusion, "score_fraction": p, "shape": dataclasses.asdict(SHAPE),
-                                 "seq_length": s, "micro_batch": b, "transformers": transformers.__version__,
+    paths = write_results(name, {"fusion": args.fusion, "score_fraction": p, "shape": dataclasses.asdict(shape),
+                                 "seq_length": s, "micro_batch": b, "ds_config": args.ds_config, "bf16": bf16,
+                                 "transformers": transformers.__version__,
                                  "rows": [*rows, hf_row], "speedup_bl_base_vs_transformers": speedup,
                                  "equal_quality_update_ratio": ratio}, "\n".join(md))
     print("\n".join(md))

