@@ -37,11 +37,11 @@ SHAPES = {
 }
 
 
-def add_run_args(ap: argparse.ArgumentParser, cpu_micro_batch: int) -> None:
-    """--shape, --seq_length, --micro_batch, --repeats, --warmup, --real, --dropout; GPU
-    defaults: roberta-base, 512 tokens, 32 sequences."""
+def add_run_args(ap: argparse.ArgumentParser, cpu_micro_batch: int, shapes: dict = SHAPES) -> None:
+    """--shape (one of `shapes`), --seq_length, --micro_batch, --repeats, --warmup, --real,
+    --dropout; GPU defaults: roberta-base, 512 tokens, 32 sequences."""
     gpu = torch.cuda.is_available()
-    ap.add_argument("--shape", choices=SHAPES, default="roberta-base" if gpu else "cpu")
+    ap.add_argument("--shape", choices=shapes, default="roberta-base" if gpu else "cpu")
     ap.add_argument("--seq_length", type=int, default=512 if gpu else 128)
     ap.add_argument("--micro_batch", type=int, default=32 if gpu else cpu_micro_batch)
     ap.add_argument("--repeats", type=int, default=10, help="timed updates (the median is reported)")
@@ -51,12 +51,12 @@ def add_run_args(ap: argparse.ArgumentParser, cpu_micro_batch: int) -> None:
     ap.add_argument("--dropout", action="store_true", help="keep the model's dropout (default: off)")
 
 
-def setup(args) -> tuple[ModelConfig, TrainConfig]:
+def setup(args, shapes: dict = SHAPES) -> tuple[ModelConfig, TrainConfig]:
     """The model shape (without dropout unless --dropout) and a schedule at its peak lr, in a
     gloo/nccl world of one."""
     from mmadapt.parallel import init_parallel
 
-    base = SHAPES[args.shape]
+    base = shapes[args.shape]
     if not getattr(args, "dropout", False):
         base = dataclasses.replace(base, hidden_dropout=0.0, attention_dropout=0.0)
     train = TrainConfig(seq_length=args.seq_length, train_micro_batch_size_per_gpu=args.micro_batch,
@@ -75,6 +75,17 @@ def masked_batches(cfg: ModelConfig, micro: int, s: int, p: float, n: int, seed:
         pick = torch.rand(micro, s, generator=g) < p
         labels[pick] = ids[pick]
         out.append((ids, labels))
+    return out
+
+
+def causal_batches(cfg: ModelConfig, micro: int, s: int, n: int, seed: int = 0):
+    """n random micro-batches (ids [micro, s], next pieces [micro, s]) of ordinary tokens, every
+    position scored: a decoder's training blocks."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(NUM_SPECIAL, cfg.vocab_size, (micro, s + 1), generator=g)
+        out.append((ids[:, :s], ids[:, 1:].clone()))
     return out
 
 

@@ -82,7 +82,9 @@ def primary_model(shape: str) -> tuple[dict, dict]:
         blob = torch.load(SHIPPED / "bl_base.pt", map_location="cpu", weights_only=False)
         return blob["run"], blob["state"]
     cfg = dataclasses.replace(SHAPES[shape], head_layers=(SHAPES[shape].num_layers,))
-    return ({"step": "pretrain", "recipe": "bl_base", "model": to_dict(cfg), "train": {"train_iters": 1}},
+    # A Step-1 record names its block length (Step 4's position check reads it): Step 3's default.
+    train = {"train_iters": 1, "seq_length": FinetuneConfig.seq_length}
+    return ({"step": "pretrain", "recipe": "bl_base", "model": to_dict(cfg), "train": train},
             RobertaMLM(cfg).state_dict())
 
 

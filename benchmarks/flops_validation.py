@@ -26,28 +26,29 @@ from common import (
 from mmadapt.config import TrainConfig, apply_recipe
 from mmadapt.flops import counted_flops
 from mmadapt.models.roberta.flops import step_flops
-from mmadapt.models.roberta import ROBERTA
 from mmadapt.parallel import init_parallel
 from mmadapt.engine import load_ds_config
 from mmadapt.models import get_family
 from mmadapt.train import LMJob, lm_engine
-from mmadapt.family import WORD
-from mmadapt.models.roberta.model import BIAS
 
 TOLERANCE = 1e-3
 
 
-def cases(base, mini_layers=4, new_layers=2):
-    depth = mini_layers + new_layers
+def cases(base, mini_layers=None, new_layers=2):
+    """(system, step, model config, trainable names) of every system's Step 1, 1b and 2 update in
+    `base`'s family; mini_layers N: the paper's third of the depth (4 of 12) unless given."""
+    family = get_family(base)
+    n = mini_layers or base.num_layers // 3
+    depth = n + new_layers
     return [
         ("bl_base", "pretrain", apply_recipe(base, "bl_base"), None),
-        ("bl_small", "pretrain", apply_recipe(base, "bl_small", mini_layers), None),
-        ("minijoint", "pretrain", apply_recipe(base, "minijoint", mini_layers), None),
-        ("minipost", "minipost", ROBERTA.one_head(base, depth), ROBERTA.minipost_trainable(mini_layers, new_layers)),
-        ("bl_base", "adapt", ROBERTA.one_head(base, base.num_layers), (WORD, BIAS)),
-        ("minipost", "adapt", ROBERTA.one_head(base, depth), (WORD, BIAS)),
-        ("minijoint", "adapt", ROBERTA.one_head(base, mini_layers), (WORD, BIAS)),
-        ("bl_small", "adapt", ROBERTA.one_head(base, mini_layers), (WORD, BIAS)),
+        ("bl_small", "pretrain", apply_recipe(base, "bl_small", n), None),
+        ("minijoint", "pretrain", apply_recipe(base, "minijoint", n), None),
+        ("minipost", "minipost", family.one_head(base, depth), family.minipost_trainable(n, new_layers)),
+        ("bl_base", "adapt", family.one_head(base, base.num_layers), family.vocab_params(base)),
+        ("minipost", "adapt", family.one_head(base, depth), family.vocab_params(base)),
+        ("minijoint", "adapt", family.one_head(base, n), family.vocab_params(base)),
+        ("bl_small", "adapt", family.one_head(base, n), family.vocab_params(base)),
     ]
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU suite's most telling steps in one bounded call (about 9 minutes), for a machine held
+# The GPU suite's most telling steps in one bounded call (3 minutes on one H200, 2026-11-26;
+# at most 8.5 by its time limits), for a machine held
 # for minutes: each step under its own time limit, the most important first, so that a cut-off
 # run still leaves the first results. The whole suite is benchmarks/gpu_suite.sh.
 #

@@ -21,7 +21,6 @@ from flops_validation import cases
 
 from mmadapt.engine import load_ds_config
 from mmadapt.models import get_family
-from mmadapt.models.roberta.flops import step_flops
 from mmadapt.train import LMJob, lm_engine
 
 # Kernel (or CPU operator) names -> group; the first match wins.
@@ -81,7 +80,7 @@ def main(argv=None) -> None:
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:args.top]
     top_rows = [{"kernel": name[:90], "group": group_of(name), "ms_per_update": us / n / 1e3, "share": us / total}
                 for name, us in top]
-    flops = b * step_flops(step, cfg, s, p, trainable_layers=2)
+    flops = b * get_family(cfg).step_flops(step, cfg, s, p, trainable_layers=2)
     busy_ms = total / n / 1e3
     md = [f"# One update of {system} {step}, profiled ({'cuda' if gpu else 'cpu'}, h={base.hidden_size}, s={s}, "
           f"batch {b}, attention {args.attention_impl}, fusion {args.fusion}, {args.ds_config.split('/')[-1]})", "",

@@ -4,6 +4,8 @@ run and against the analytic FLOP ratios.
     python benchmarks/throughput.py               # CPU: h=256, ~3 min on 2 cores
     python benchmarks/throughput.py --real --dropout     # real padded blocks, dropout on (as training)
     python benchmarks/throughput.py --shape roberta-base --ds_config ds_configs/zero2_bf16.json   # GPU
+    python benchmarks/throughput.py --shape qwen2-0.5b --seq_length 2048 --micro_batch 4 \
+        --only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt minipost:adapt   # the decoder
 
 For each system and step (as in flops_validation.py) the median time of --repeats updates after
 warm-up is taken; achieved FLOP/s uses the exact count (mmadapt/flops.py, checked against
@@ -17,11 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 
 import torch
 from common import (
     REPO,
+    SHAPES,
     add_run_args,
+    causal_batches,
     engine_update,
     mask_fraction,
     masked_batches,
@@ -35,10 +40,9 @@ from common import (
 from flops_validation import cases
 
 from mmadapt.flops import DEVICE_TFLOPS
-from mmadapt.models.roberta.flops import step_flops
 from mmadapt.parallel import device
 from mmadapt.engine import load_ds_config
-from mmadapt.models import get_family
+from mmadapt.models import find_preset, get_family
 from mmadapt.train import LMJob, lm_engine
 
 
@@ -50,10 +54,15 @@ def matmul_peak(dtype: torch.dtype, n: int, repeats: int = 10) -> float:
     return 2 * n ** 3 / t
 
 
+# The encoder shapes and a decoder's (its random blocks score every next piece; MINIJOINT's
+# mini-model is the bottom third of its 24 layers).
+THROUGHPUT_SHAPES = {**SHAPES, "qwen2-0.5b": find_preset("qwen2-0.5b")[1]}
+
+
 def main(argv=None) -> None:
     gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_run_args(ap, cpu_micro_batch=16)
+    add_run_args(ap, cpu_micro_batch=16, shapes=THROUGHPUT_SHAPES)
     ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero2_bf16.json" if gpu else "zero1.json")))
     ap.add_argument("--attention_impl", default="sdpa", choices=("sdpa", "varlen", "math"),
                     help="ModelConfig.attention_impl of every model")
@@ -62,30 +71,38 @@ def main(argv=None) -> None:
                     "minijoint:adapt); default: all seven")
     ap.add_argument("--vendor", choices=sorted(DEVICE_TFLOPS), default="h100", help="GPU vendor peak to compare with")
     args = ap.parse_args(argv)
-    base, train = setup(args)
+    base, train = setup(args, THROUGHPUT_SHAPES)
+    family = get_family(base)
+    if args.real and not family.objective.masked:
+        ap.error(f"--real reads the encoders' masked blocks; the {args.shape} decoder runs on random blocks: drop --real")
     base = dataclasses.replace(base, attention_impl=args.attention_impl, fusion=args.fusion)
     s, b = args.seq_length, args.micro_batch
     ds = load_ds_config(REPO / args.ds_config, train)
     dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float16 if ds.get("fp16", {}).get(
         "enabled") else torch.float32
     peak = matmul_peak(dtype, 8192 if gpu else 2048)
-    batches = (real_batches if args.real else masked_batches)(base, b, s, train.mask_prob, 4)
+    batches = (causal_batches(base, b, s, 4) if not family.objective.masked else
+               (real_batches if args.real else masked_batches)(base, b, s, train.mask_prob, 4))
     p, pad = mask_fraction(batches), padding_fraction(batches)
     rows = []
     for system, step, cfg, trainable in cases(base):
         if args.only and f"{system}:{step}" not in args.only:
             continue
-        engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
+        engine, _, _ = lm_engine(family, cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
         update = engine_update(engine, batches, len(cfg.heads_after))
         t, times = median_time(update, args.warmup, args.repeats)
-        flops = b * step_flops(step, cfg, s, p, trainable_layers=2)
+        flops = b * family.step_flops(step, cfg, s, p, trainable_layers=2)
         row = {"system": system, "step": step, "layers": cfg.num_layers, "ms_per_update": 1e3 * t,
                "tokens_per_s": b * s / t, "achieved_tflops": flops / t / 1e12, "utilisation": flops / t / peak,
                "exact_gflop": flops / 1e9, "times_s": times}
         if gpu:
             row["vendor_utilisation"] = flops / t / (DEVICE_TFLOPS[args.vendor] * 1e12)
+        if gpu:
+            row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
         rows.append(row)
         del engine, update
+        gc.collect()  # the next case's model must not share the device with this one's
     by = {(r["system"], r["step"]): r for r in rows}
     pairs = [(("bl_base", "adapt"), ("minijoint", "adapt")), (("bl_base", "adapt"), ("minipost", "adapt")),
              (("minijoint", "pretrain"), ("bl_base", "pretrain")), (("bl_base", "pretrain"), ("bl_small", "pretrain"))]
@@ -105,7 +122,7 @@ def main(argv=None) -> None:
     cols = [("system", "system"), ("step", "step"), ("layers", "layers"), ("ms_per_update", "ms/update"),
             ("tokens_per_s", "tokens/s"), ("achieved_tflops", "achieved TFLOP/s"), ("utilisation", "of matmul peak")]
     if gpu:
-        cols.append(("vendor_utilisation", f"of {args.vendor} bf16 peak"))
+        cols += [("vendor_utilisation", f"of {args.vendor} bf16 peak"), ("peak_memory_gib", "peak GiB")]
     data = (f"real Bible blocks, {pad:.1%} padding" if args.real else "random ids, no padding") + \
         f", dropout {'on' if args.dropout else 'off'}, attention {args.attention_impl}, fusion {args.fusion}"
     md = [f"# Training throughput ({device()}, {str(dtype).split('.')[-1]}, h={base.hidden_size}, V={base.vocab_size}, "
@@ -116,7 +133,8 @@ def main(argv=None) -> None:
           f"{'met' if targets['step2_ratio_target_met'] else 'NOT met'})",
           f"- lowest utilisation of a Step-1/Step-2 update: {min_util:.1%} of the measured matmul peak (target >= 70%: "
           f"{'met' if targets['utilisation_target_met'] else 'NOT met'})"]
-    name = "throughput" + ("_real" if args.real else "") + ("_dropout" if args.dropout else "") + \
+    name = "throughput" + ("" if args.shape in SHAPES else "_" + args.shape.replace(".", "_")) + \
+        ("_real" if args.real else "") + ("_dropout" if args.dropout else "") + \
         ("" if args.attention_impl == "sdpa" else f"_{args.attention_impl}") + \
         ("" if args.fusion == "none" else f"_{args.fusion}")
     paths = write_results(name, {"shape": {"hidden_size": base.hidden_size, "vocab_size": base.vocab_size,
