@@ -37,6 +37,12 @@ SHAPES = {
 }
 
 
+def paper_mini_layers(cfg: ModelConfig) -> int:
+    """The mini-model's depth N the benchmarks use: the paper's bottom third of the layers (4 of
+    12; 8 of Qwen2-0.5B's 24)."""
+    return cfg.num_layers // 3
+
+
 def add_run_args(ap: argparse.ArgumentParser, cpu_micro_batch: int, shapes: dict = SHAPES) -> None:
     """--shape (one of `shapes`), --seq_length, --micro_batch, --repeats, --warmup, --real,
     --dropout; GPU defaults: roberta-base, 512 tokens, 32 sequences."""

@@ -19,6 +19,7 @@ from common import (
     engine_update,
     mask_fraction,
     masked_batches,
+    paper_mini_layers,
     table,
     write_results,
 )
@@ -38,7 +39,7 @@ def cases(base, mini_layers=None, new_layers=2):
     """(system, step, model config, trainable names) of every system's Step 1, 1b and 2 update in
     `base`'s family; mini_layers N: the paper's third of the depth (4 of 12) unless given."""
     family = get_family(base)
-    n = mini_layers or base.num_layers // 3
+    n = mini_layers or paper_mini_layers(base)
     depth = n + new_layers
     return [
         ("bl_base", "pretrain", apply_recipe(base, "bl_base"), None),

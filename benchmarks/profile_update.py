@@ -15,8 +15,8 @@ import dataclasses
 import re
 
 import torch
-from common import (REPO, add_run_args, engine_update, masked_batches, median_time, real_batches, setup, sync, table,
-                    write_results)
+from common import (REPO, add_run_args, engine_update, mask_fraction, masked_batches, median_time, real_batches, setup,
+                    sync, table, write_results)
 from flops_validation import cases
 
 from mmadapt.engine import load_ds_config
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     s, b = args.seq_length, args.micro_batch
     ds = load_ds_config(REPO / args.ds_config, train)
     batches = (real_batches if args.real else masked_batches)(base, b, s, train.mask_prob, 4)
-    p = sum(int(lab.ge(0).sum()) for _, lab in batches) / sum(lab.numel() for _, lab in batches)
+    p = mask_fraction(batches)
     system, step, cfg, trainable = next(c for c in cases(base) if f"{c[0]}:{c[1]}" == args.only)
     engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
     update = engine_update(engine, batches, len(cfg.heads_after))

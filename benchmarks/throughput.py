@@ -97,7 +97,6 @@ def main(argv=None) -> None:
                "exact_gflop": flops / 1e9, "times_s": times}
         if gpu:
             row["vendor_utilisation"] = flops / t / (DEVICE_TFLOPS[args.vendor] * 1e12)
-        if gpu:
             row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             torch.cuda.reset_peak_memory_stats()
         rows.append(row)

@@ -36,7 +36,7 @@ import json
 
 import numpy as np
 import torch
-from common import REPO, RESULTS, engine_update, median_time, table, write_results
+from common import REPO, RESULTS, engine_update, median_time, paper_mini_layers, table, write_results
 
 from mmadapt.config import ModelConfig, TrainConfig, scored_positions
 from mmadapt.data import score_subset
@@ -59,7 +59,7 @@ SHAPES = {"cpu": SHAPE, "qwen2-0.5b": find_preset("qwen2-0.5b")[1]}
 def systems(cfg: ModelConfig) -> dict[str, int]:
     """The depth each system's Step 2 trains over: the full model, the paper's mini-model (the
     bottom third of the layers: 4 of 12) and MINIPOST's (those + 2 new layers)."""
-    mini = cfg.num_layers // 3
+    mini = paper_mini_layers(cfg)
     return {"bl_base": cfg.num_layers, "minipost": mini + 2, "minijoint": mini}
 
 
