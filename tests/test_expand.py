@@ -288,6 +288,31 @@ def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sou
     assert report["plugin_loss"] == pytest.approx(want["loss"])
 
 
+def test_decoder_expand_scores_a_fraction_of_the_positions(sources, de_corpus, de_tokenizer, tmp_path):
+    """--vocab_mode expand with score_fraction 0.25 (issue 40's both vocabulary modes): the
+    artifact counts the scored rows' FLOPs at the expanded vocabulary, and the source rows of both
+    expanded matrices stay bit-identical to the source's."""
+    from mmadapt.models.llama.flops import adapt_flops
+    from mmadapt.run import read_run, run_model
+
+    source, out = sources["llama"], tmp_path / "p025"
+    steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, corpus=de_corpus, tokenizer=de_tokenizer),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
+                                                      train=_train("llama", 2, vocab_mode="expand",
+                                                                   score_fraction=0.25)))
+    record = read_run(out)
+    mini_cfg = run_model(record)
+    assert record["vocab_mode"] == "expand" and mini_cfg.vocab_size > VOCAB
+    art, _, meta = read_artifact(out / "embeddings" / "step00000002")
+    assert meta["score_fraction"] == 0.25 and meta["vocab_mode"] == "expand"
+    assert meta["flops"] == 2 * 4 * adapt_flops(mini_cfg, 32, p=0.25)  # 2 updates of 4 blocks of 32
+    assert {r["name"] for r in record["source_rows"]} == {WORD, "output_layer.weight"}
+    mini = get_family("llama").extract_minijoint(*load_weights(source), 2)[1]
+    for r in record["source_rows"]:
+        assert r["rows"] == [0, VOCAB] and r["sha256"] == _sha(mini[r["name"]].float()), r["name"]
+    assert torch.equal(art["word_embeddings"][:VOCAB], mini[WORD])
+
+
 def test_an_expanded_encoder_exports_with_its_merged_tokenizer(sources, expanded, tmp_path):
     """export-hf of the primary model with an expanded artifact: transformers' tokenizer gives
     mmadapt's merged ids on every English and German verse of a held-out book, its logits are
