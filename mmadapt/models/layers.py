@@ -300,6 +300,12 @@ def attention_mask(input_ids: torch.Tensor, padding: Padding | None, impl: str =
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
 
 
+# Never traced by torch.compile (--fusion compile): the jagged tensors are a tensor subclass, and
+# AOTAutograd's compiled backward over them failed on CUDA (torch 2.11: "expected
+# len(meta.attrs) == len(runtime_subclass_keys), got 3 != 4", benchmarks/results/
+# gpu_summary_h200_20261126.md). Nothing is lost: SDPA is one fused kernel either way, and the
+# packing around it is two index copies; the layer's other work is still compiled.
+@torch.compiler.disable
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, jagged: Jagged, p: float) -> torch.Tensor:
     """q, k, v [b, np, s, hd] -> context [b, np, s, hd] computed over the real tokens only, as
     jagged (nested) tensors: on a GPU, SDPA runs them through its variable-length flash kernel
