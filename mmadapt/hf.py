@@ -153,11 +153,12 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
         state = mapping.from_hf(cfg, hf_state, hf_ids, hf_cfg)
     except ValueError as e:
         raise ValueError(f"{model_dir}: {e}") from None
-    _check_shapes(family, cfg, state, model_dir)
+    headless = mapping.is_headless(hf_cfg)
+    _check_shapes(family, cfg, state, model_dir, headless)
 
     arch = hf_cfg["architectures"][0]
     imported = {"model": str(model_dir), "architecture": arch, "model_type": hf_cfg["model_type"],
-                "special_ids": record}
+                "special_ids": record, **({"headless": True} if headless else {})}
     note = mapping.import_note(hf_cfg, model_dir)
     if note:
         imported["note"] = note
@@ -188,8 +189,11 @@ def _check_tokenizer_kind(family: ModelFamily, tok, where: Path) -> None:
                          f"{', '.join(family.tokenizer_kinds)} tokenizers")
 
 
-def _check_shapes(family: ModelFamily, cfg: ModelConfig, state: dict, where: Path) -> None:
+def _check_shapes(family: ModelFamily, cfg: ModelConfig, state: dict, where: Path, headless: bool = False) -> None:
+    """Every parameter of the family's LM in `state` with its shape (a headless body: all but the heads)."""
     for n, shape in family.param_names(cfg).items():
+        if headless and n.startswith(family.heads_prefix):
+            continue
         if n not in state or tuple(state[n].shape) != shape:
             got = tuple(state[n].shape) if n in state else "nothing"
             raise ValueError(f"{where}: mmadapt's {n} needs shape {shape}, the weights give {got}")
