@@ -32,8 +32,8 @@ from mmadapt.tokenizer import load as load_tokenizer
 
 
 def check_primary(source: Source) -> None:
-    """Step 3 fine-tunes the primary model of a pretrain (or imported) run, nothing else."""
-    if source.record.get("step") != "pretrain":
+    """Step 3 fine-tunes the primary model of a pretrain (or imported, or head-fitted) run, nothing else."""
+    if source.record.get("step") not in ("pretrain", "fit_head"):
         raise ValueError(f"{source.path} is a {source.record.get('step')} run: fine-tune the primary model of a "
                          "pretrain run")
 
