@@ -340,16 +340,20 @@ def as_sentence_transformer(model_dir: Path, out: Path, subfolder: str = "") -> 
     return out
 
 
-def make_headless_xlmr(out: Path, seed: int = 7) -> Path:
-    """XLMRobertaModel (a body with its pooler) + SentencePiece, as make_xlmr's."""
-    from transformers import XLMRobertaConfig, XLMRobertaModel
+def make_headless_xlmr(out: Path, seed: int = 7, train_steps: int = 0) -> Path:
+    """XLMRobertaModel (a body with its pooler) + SentencePiece, as make_xlmr's; train_steps > 0:
+    the masked LM trained that many updates on the English Bible first (its body kept)."""
+    from transformers import AutoTokenizer, XLMRobertaForMaskedLM, XLMRobertaModel
 
     make_xlmr(out, seed)
-    cfg = XLMRobertaConfig.from_pretrained(str(out))
-    cfg.architectures = ["XLMRobertaModel"]
-    torch.manual_seed(seed)
-    body = XLMRobertaModel(cfg)
-    _perturb(body, seed)
+    mlm = XLMRobertaForMaskedLM.from_pretrained(str(out))
+    if train_steps:
+        train_mlm_briefly(mlm, AutoTokenizer.from_pretrained(str(out)), train_steps, seed)
+    mlm.config.architectures = ["XLMRobertaModel"]
+    body = XLMRobertaModel(mlm.config)
+    _perturb(body.pooler, seed)
+    body.load_state_dict({**body.state_dict(), **{k[len("roberta."):]: v for k, v in mlm.state_dict().items()
+                                                 if k.startswith("roberta.")}})
     (out / "model.safetensors").unlink()
     body.save_pretrained(str(out))
     return out
