@@ -223,9 +223,13 @@ def make_qwen2(out: Path, seed: int = 5, train_steps: int = 0) -> Path:
     return out
 
 
-def train_briefly(hf, tok, steps: int, seed: int, seq: int = 64, batch: int = 8, lr: float = 1e-2) -> list[float]:
-    """Next-token training of `hf` on Genesis + Exodus (AdamW, random blocks); -> the losses."""
-    ids = [i for line in bible_lines("en") for i in tok(line, add_special_tokens=False).input_ids + [tok.eos_token_id]]
+def train_briefly(hf, tok, steps: int, seed: int, seq: int = 64, batch: int = 8, lr: float = 1e-2,
+                  mask_prob: float = 0.0) -> list[float]:
+    """Next-token training of `hf` on Genesis + Exodus (AdamW, random blocks), or with mask_prob > 0
+    masked-LM training (that fraction of the pieces masked, verses separated by the sep token); ->
+    the losses."""
+    sep = tok.sep_token_id if mask_prob else tok.eos_token_id
+    ids = [i for line in bible_lines("en") for i in tok(line, add_special_tokens=False).input_ids + [sep]]
     stream = torch.tensor(ids)
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=0.0)
@@ -234,7 +238,11 @@ def train_briefly(hf, tok, steps: int, seed: int, seq: int = 64, batch: int = 8,
     for _ in range(steps):
         start = torch.randint(0, len(stream) - seq, (batch,), generator=g)
         block = torch.stack([stream[s:s + seq] for s in start.tolist()])
-        loss = hf(input_ids=block, labels=block).loss
+        labels, inputs = block, block
+        if mask_prob:
+            chosen = torch.rand(block.shape, generator=g) < mask_prob
+            labels, inputs = block.masked_fill(~chosen, -100), block.masked_fill(chosen, tok.mask_token_id)
+        loss = hf(input_ids=inputs, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -270,29 +278,6 @@ def make_wordpiece(out: Path, lowercase: bool = False, vocab_size: int = WORDPIE
     return tok
 
 
-def train_mlm_briefly(hf, tok, steps: int, seed: int, seq: int = 64, batch: int = 8, lr: float = 3e-3) -> list[float]:
-    """Masked-LM training of a BertForMaskedLM on Genesis + Exodus (15% of pieces masked, AdamW);
-    -> the losses."""
-    ids = [i for line in bible_lines("en") for i in tok(line, add_special_tokens=False).input_ids + [tok.sep_token_id]]
-    stream = torch.tensor(ids)
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=0.0)
-    hf.train()
-    losses = []
-    for _ in range(steps):
-        start = torch.randint(0, len(stream) - seq, (batch,), generator=g)
-        block = torch.stack([stream[s:s + seq] for s in start.tolist()])
-        chosen = torch.rand(block.shape, generator=g) < 0.15
-        labels = torch.where(chosen, block, torch.full_like(block, -100))
-        loss = hf(input_ids=block.masked_fill(chosen, tok.mask_token_id), labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    hf.eval()
-    return losses
-
-
 def make_bert(out: Path, seed: int = 6, lowercase: bool = False, train_steps: int = 0, headless: bool = False) -> Path:
     """BertForMaskedLM (or, headless, BertModel with its pooler) + a WordPiece trained on the
     English Bible; every weight perturbed, or (train_steps > 0) trained that many masked-LM updates
@@ -305,7 +290,7 @@ def make_bert(out: Path, seed: int = 6, lowercase: bool = False, train_steps: in
     hf = BertForMaskedLM(cfg)
     _perturb(hf, seed)
     if train_steps:
-        train_mlm_briefly(hf, tok, train_steps, seed)
+        train_briefly(hf, tok, train_steps, seed, lr=3e-3, mask_prob=0.15)
     if headless:
         from transformers import BertModel
 
@@ -348,7 +333,7 @@ def make_headless_xlmr(out: Path, seed: int = 7, train_steps: int = 0) -> Path:
     make_xlmr(out, seed)
     mlm = XLMRobertaForMaskedLM.from_pretrained(str(out))
     if train_steps:
-        train_mlm_briefly(mlm, AutoTokenizer.from_pretrained(str(out)), train_steps, seed)
+        train_briefly(mlm, AutoTokenizer.from_pretrained(str(out)), train_steps, seed, lr=3e-3, mask_prob=0.15)
     mlm.config.architectures = ["XLMRobertaModel"]
     body = XLMRobertaModel(mlm.config)
     _perturb(body.pooler, seed)
