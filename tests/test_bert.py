@@ -423,3 +423,40 @@ def test_headless_sentence_encoder_end_to_end(kind, headless, headless_xlmr, cor
     diff = (got - mine).abs().max().item()
     print(f"{kind}: exported sentence-transformers vs mmadapt's German sentence vectors, max abs difference {diff:.2e}")
     assert got.shape == (8, cfg.hidden_size) and diff <= TOL
+
+
+# --- parallel layouts against one process (slow): tensor, pipeline and ZeRO as RoBERTa's ----------
+
+def _pretrain_args(corpus, tokenizer, out, *extra):
+    from conftest import NO_DROPOUT, base_args
+
+    return base_args(corpus, tokenizer, out, "--preset", "bert-tiny", "--recipe", "minijoint", "--train_iters", "3",
+                     "--log_interval", "1", "--train_micro_batch_size_per_gpu", "8", *NO_DROPOUT, *extra)
+
+
+@pytest.fixture(scope="module")
+def bert_single(corpus, tokenizer, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bert_single")
+    run_pretrain(1, *_pretrain_args(corpus, tokenizer, out, "--ds_config", "ds_configs/zero0.json",
+                                    "--gradient_accumulation_steps", "2"))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "zero2_dp2"])
+def test_bert_layout_matches_single_process(layout, bert_single, corpus, tokenizer, tmp_path):
+    """BERT pretraining (MINIJOINT: a head after layer 4 and 12) at TP 2, PP 2 (BERT's embeddings
+    in the pipeline's layer 1) and ZeRO-2 over 2 gloo ranks: the losses and weights of one process."""
+    from conftest import LAYOUTS, metrics
+
+    from mmadapt.checkpoint import load_full_state_dict
+
+    nproc, extra = LAYOUTS[layout]
+    run_pretrain(nproc, *_pretrain_args(corpus, tokenizer, tmp_path, *extra))
+    ref, got = metrics(bert_single), metrics(tmp_path)
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in got]), torch.tensor([r["loss"] for r in ref]),
+                               rtol=1e-5, atol=0)
+    mine, single = load_full_state_dict(tmp_path / "checkpoints"), load_full_state_dict(bert_single / "checkpoints")
+    assert sorted(mine) == sorted(single) and "embeddings.token_type_embeddings.weight" in mine
+    for name, w in single.items():
+        torch.testing.assert_close(mine[name], w, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name} differs")
