@@ -42,7 +42,8 @@ TOKEN_TYPES = (1, 2)  # a type vocabulary mmadapt computes: segment 0, and the p
 # (mmadapt/hf.py); an imported BERT tokenizer already does, and is kept.
 BERT_LAYOUT = {"single": "{bos} $A {eos}", "pair": "{bos} $A {eos} $B:1 {eos}:1",
                "tokens": {"cls_token": "bos", "sep_token": "eos", "unk_token": "unk", "pad_token": "pad",
-                          "mask_token": "mask"}}
+                          "mask_token": "mask"},
+               "model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}  # the types reach the model
 
 
 def check_config(cfg: dict, model_dir) -> None:
