@@ -69,6 +69,13 @@ class HFMapping:
     express exactly with a ValueError of one line."""
 
     architectures: dict[str, str] = {}
+    # Those of `architectures` that are bodies without an LM head (BertModel, XLMRobertaModel, ...):
+    # imported headless (run.json `imported_from.headless`) until `mmadapt fit-head` gives them one.
+    headless: tuple[str, ...] = ()
+
+    def is_headless(self, cfg: dict) -> bool:
+        """Whether config.json `cfg` is of a body class (`headless`)."""
+        return (cfg.get("architectures") or [None])[0] in self.headless
 
     def check_config(self, cfg: dict, model_dir: Path) -> None:
         """Refuse a config.json the family cannot compute exactly."""
@@ -90,7 +97,8 @@ class HFMapping:
 
     def to_hf(self, cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
               model_type: str) -> dict:
-        """The family's LM (kind None) or task model state dict -> the Hugging Face class's;
+        """The family's LM (kind None), its body alone (kind "body", an encoder's headless class,
+        for sentence-transformers) or task model state dict -> the Hugging Face class's;
         hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids); ids: its pad, bos
         and eos ids."""
         raise NotImplementedError

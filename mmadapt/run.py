@@ -295,6 +295,22 @@ class Source:
     def tokenizer(self) -> Path:
         return self.path / RUN_TOKENIZER
 
+    @property
+    def headless(self) -> bool:
+        """An imported body without an LM head (run.json `imported_from.headless`: a BertModel,
+        RobertaModel or XLMRobertaModel, as sentence-transformers ships them)."""
+        return bool((self.record.get("imported_from") or {}).get("headless"))
+
+
+def require_head(source: Source, what: str) -> None:
+    """Refuse, in one line naming the command that fixes it, a headless run given to a step that
+    needs its LM head (`what`: the step)."""
+    if source.headless:
+        arch = source.record["imported_from"].get("architecture", "body")
+        raise ValueError(f"{source.path} is a headless encoder (a {arch} imported without an MLM head), and {what} "
+                         f"needs one: fit it first with `mmadapt fit-head --primary {source.path} --corpus "
+                         "<source-language text> --output_dir <new run>` and pass that run")
+
 
 def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
     """The run `run_dir` at checkpoint `tag` (default: its newest complete one), checked to be a
@@ -359,7 +375,8 @@ def load_weights(run_dir: str | os.PathLike, tag: str | None = None) -> tuple[Mo
     its config on one device.
 
     A Step-1b checkpoint holds only the layers it trained; its frozen part is rebuilt from the
-    run it references (run.json `frozen_from`), exactly as Step 1b started from it.
+    run it references (run.json `frozen_from`), exactly as Step 1b started from it. A head fit's
+    (`frozen_from.head_fit`) holds its head; the body is the headless run's.
     """
     run_dir = Path(run_dir)
     run = read_run(run_dir)
@@ -369,6 +386,8 @@ def load_weights(run_dir: str | os.PathLike, tag: str | None = None) -> tuple[Mo
     ref = run.get("frozen_from")
     if ref is None:
         return cfg, own
+    if ref.get("head_fit"):  # mmadapt fit-head: a new head over the frozen body of the run it references
+        return cfg, {**load_weights(ref["run_dir"], ref["tag"])[1], **own}
     family = get_family(cfg)
     src_cfg, src_state = load_weights(ref["run_dir"], ref["tag"])
     mini = MiniModelConfig(ref["mini_layers"], ref["new_layers"])
