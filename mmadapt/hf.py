@@ -372,7 +372,8 @@ def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids
     """The imported model's first layer, with its head, against the model transformers loads
     from the same files with one layer (`num_hidden_layers` 1: so "imported" means "the same
     model"), on PARITY_TEXT, in fp32 on the CPU: a few milliseconds of a tiny model, of a large
-    one its embeddings and one layer. Refused in one line where they differ."""
+    one its embeddings and one layer. A body without a head (HFMapping.headless) is compared by
+    its hidden states and pooler output. Refused in one line where they differ."""
     import transformers
 
     hf_cfg = json.loads((where / "config.json").read_text())
@@ -383,6 +384,7 @@ def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids
     if isinstance(hf_cfg.get("layer_types"), list):
         one["layer_types"] = hf_cfg["layer_types"][:1]
     ids = tok(PARITY_TEXT).input_ids[:cfg.max_position_embeddings]
+    headless = family.hf.is_headless(hf_cfg)
     with _quiet_transformers():
         try:
             ref_model = cls.from_pretrained(str(where), local_files_only=True, dtype=torch.float32, **one).eval()
@@ -390,19 +392,36 @@ def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids
             raise ValueError(f"{where}: transformers cannot load it ({type(e).__name__}: "
                              f"{(str(e).splitlines() or [''])[0][:200]})") from None
         with torch.no_grad():
-            ref = ref_model(input_ids=torch.tensor([ids])).logits[0].float()[:, torch.tensor(hf_ids)]
+            out = ref_model(input_ids=torch.tensor([ids]))
     inverse = torch.empty(len(hf_ids), dtype=torch.long)
     inverse[torch.tensor(hf_ids)] = torch.arange(len(hf_ids))
     one_layer = dataclasses.replace(family.one_head(cfg, 1), hidden_dropout=0.0, attention_dropout=0.0)
-    model = family.build_lm(one_layer)
-    model.load_state_dict(family.keep_layers(state, 1))
     with torch.no_grad():
-        got = model.eval().logits(inverse[torch.tensor([ids])])[0][0, :, :len(hf_ids)].float()
-    diff, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+        if headless:
+            got, ref = _body_outputs(family, one_layer, state, inverse[torch.tensor([ids])]), \
+                [out.last_hidden_state[0].float()] + ([out.pooler_output[0].float()] if cfg.add_pooling_layer else [])
+        else:
+            model = family.build_lm(one_layer)
+            model.load_state_dict(family.keep_layers(state, 1))
+            got = [model.eval().logits(inverse[torch.tensor([ids])])[0][0, :, :len(hf_ids)].float()]
+            ref = [out.logits[0].float()[:, torch.tensor(hf_ids)]]
+    diff = max((g - r).abs().max().item() for g, r in zip(got, ref))
+    scale = max(r.abs().max().item() for r in ref)
     if not diff <= PARITY_TOL * max(1.0, scale):
+        what = "hidden states" if headless else "logits"
         raise ValueError(f"{where}: the imported model is not the one transformers loads from these files (its first "
-                         f"layer's logits differ by up to {diff:.3g} on a short text, of logits up to {scale:.3g}): "
+                         f"layer's {what} differ by up to {diff:.3g} on a short text, of {what} up to {scale:.3g}): "
                          "mmadapt cannot compute this checkpoint exactly")
+
+
+def _body_outputs(family: ModelFamily, cfg: ModelConfig, state: dict, ids: torch.Tensor) -> list[torch.Tensor]:
+    """A headless import's one-layer body on `ids` [1, s] (mmadapt's ids): its hidden states
+    [s, h], and its pooler's output [h] where it has one. The LM is built for its body and
+    pooler; its head keeps its fresh weights and is not read."""
+    model = family.build_lm(cfg)
+    model.load_state_dict({**model.state_dict(), **family.keep_layers(state, 1)})
+    hidden = model.eval().encode(ids, (1,))[0]
+    return [hidden[0].float()] + ([model.pooler(hidden)[0].float()] if cfg.add_pooling_layer else [])
 
 
 # Relative tolerance of check_parity: fp32 on the CPU, the same weights, other kernels.

@@ -19,7 +19,9 @@ correspondence is exact (HF name -> mmadapt name; `b` = "bert.", "" for BertMode
     qa_outputs                            out  (question answering: start, end)
 The mapping reads only what the class holds: a BertForMaskedLM file that also carries the
 pre-training checkpoint's pooler and next-sentence head (`bert.pooler.*`, `cls.seq_relationship.*`,
-as mBERT's does) leaves those unread, as transformers' BertForMaskedLM does. A BertModel is
+as mBERT's does) leaves those unread, as transformers' BertForMaskedLM does (its load report lists
+them as unexpected; the model it builds has no place for them): `ignored` declares them, and the
+import's validator (mmadapt/hf.py) refuses any other tensor the mapping does not read. A BertModel is
 imported headless (run.json `imported_from.headless`) until `mmadapt fit-head` trains a head.
 """
 
@@ -28,9 +30,10 @@ from __future__ import annotations
 import torch
 
 from mmadapt.config import ModelConfig
-from mmadapt.family import WORD, HFMapping
+from mmadapt.family import WORD, HFMapping, Implied
 from mmadapt.models.roberta import hf as roberta_hf
-from mmadapt.models.roberta.hf import encoder_config, getter, inverse_rows, layers_from_hf, layers_to_hf
+from mmadapt.models.roberta.hf import (body_implied, encoder_config, getter, head_implied, headless_note,
+                                       inverse_rows, layers_from_hf, layers_to_hf)
 from mmadapt.models.roberta.model import BIAS
 
 ARCHITECTURES = {"BertForMaskedLM": "bert", "BertModel": "bert"}
@@ -47,8 +50,8 @@ BERT_LAYOUT = {"single": "{bos} $A {eos}", "pair": "{bos} $A {eos} $B:1 {eos}:1"
 
 
 def check_config(cfg: dict, model_dir) -> None:
-    """RoBERTa's checks (exact GELU, absolute positions, an encoder, a tied output), then the types."""
-    roberta_hf.check_config(cfg, model_dir)
+    """An encoder's checks (exact GELU, absolute positions, an encoder, a tied output), then the types."""
+    roberta_hf.check_encoder_config(cfg, model_dir)
     types = cfg.get("type_vocab_size", 2)
     if types not in TOKEN_TYPES:
         raise ValueError(f"{model_dir}: type_vocab_size is {types}; mmadapt's BERT has 1 or 2 token types (a pair's "
@@ -70,7 +73,7 @@ def model_config(cfg: dict, model_dir=None) -> ModelConfig:
 def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf_cfg: dict) -> dict:
     """A BertForMaskedLM (or BertModel: no head) state dict -> BertMLM's (tensor-parallel size 1)."""
     headless = MAPPING.is_headless(hf_cfg)
-    b, get, perm = "" if headless else "bert.", getter(hf), torch.tensor(hf_ids)
+    b, get, perm = roberta_hf._base_prefix(hf), getter(hf), torch.tensor(hf_ids)
     word = get(b + "embeddings.word_embeddings.weight")
     if "cls.predictions.decoder.weight" in hf and not torch.equal(get("cls.predictions.decoder.weight"), word):
         raise ValueError("cls.predictions.decoder.weight differs from the word embeddings: mmadapt's output "
@@ -90,6 +93,22 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf
             out[f"heads.heads.0.layernorm.{t}"] = get(f"cls.predictions.transform.LayerNorm.{t}")
         out[BIAS] = bias[perm]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def implied(cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:
+    """Every tensor of a BertForMaskedLM config (of a BertModel: no head, a pooler): its shape
+    from config.json's fields (positions from 0: max_position_embeddings rows)."""
+    out = body_implied(cfg, roberta_hf._base_prefix(hf), hf_cfg.get("max_position_embeddings", 512), hf_cfg)
+    if not MAPPING.is_headless(hf_cfg):
+        out.update(head_implied(cfg, {"dense": "cls.predictions.transform.dense",
+                                      "layernorm": "cls.predictions.transform.LayerNorm", "bias": "cls.predictions.bias"}))
+    return out
+
+
+def unused_note(name: str, cfg: ModelConfig, hf_cfg: dict) -> str | None:
+    if name.startswith("cls.predictions.") and MAPPING.is_headless(hf_cfg):
+        return headless_note(hf_cfg, "BertForMaskedLM")
+    return roberta_hf.unused_note(name, cfg, hf_cfg)
 
 
 def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
@@ -141,6 +160,12 @@ class BertMapping(HFMapping):
     hf_config = staticmethod(hf_config)
     tokenizer_layout = staticmethod(tokenizer_layout)
     import_note = staticmethod(roberta_hf.import_note)
+    positive_fields = roberta_hf.RobertaMapping.positive_fields
+    # what transformers' BertForMaskedLM leaves out of a pre-training checkpoint (module docstring),
+    # and an old checkpoint's position-id buffer; BertModel reads its pooler
+    ignored = (r"(^|\.)embeddings\.position_ids$", r"(^|\.)pooler\.", r"^cls\.seq_relationship\.")
+    implied = staticmethod(implied)
+    unused_note = staticmethod(unused_note)
 
     def export_model_type(self, model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
         return MODEL_TYPE
