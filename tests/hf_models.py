@@ -301,9 +301,9 @@ def make_wordpiece(out: Path, lowercase: bool = False, vocab_size: int = WORDPIE
 
 
 def make_bert(out: Path, seed: int = 6, lowercase: bool = False, train_steps: int = 0, headless: bool = False) -> Path:
-    """BertForMaskedLM (or, headless, BertModel with its pooler) + a WordPiece trained on the
-    English Bible; every weight perturbed, or (train_steps > 0) trained that many masked-LM updates
-    first, so that its logits are not near-uniform."""
+    """BertForMaskedLM (or, headless, BertModel with its pooler: bert_body) + a WordPiece trained on
+    the English Bible; every weight perturbed, or (train_steps > 0) trained that many masked-LM
+    updates first, so that its logits are not near-uniform."""
     from transformers import BertConfig, BertForMaskedLM
 
     tok = make_wordpiece(out, lowercase)
@@ -313,15 +313,27 @@ def make_bert(out: Path, seed: int = 6, lowercase: bool = False, train_steps: in
     _perturb(hf, seed)
     if train_steps:
         train_briefly(hf, tok, train_steps, seed, lr=3e-3, mask_prob=0.15)
-    if headless:
-        from transformers import BertModel
-
-        body = BertModel(cfg)  # its pooler, as a sentence-transformers checkpoint's
-        body.load_state_dict({**body.state_dict(), **{k[len("bert."):]: v for k, v in hf.state_dict().items()
-                                                     if k.startswith("bert.")}})
-        _perturb(body.pooler, seed)
-        hf = body
     hf.save_pretrained(str(out))
+    return bert_body(out, out, seed) if headless else out
+
+
+def bert_body(src: Path, out: Path, seed: int = 6) -> Path:
+    """The BertForMaskedLM of `src` as a BertModel (its body, and a pooler as a sentence-transformers
+    checkpoint has, perturbed) with its tokenizer, in `out` (may be `src`: replaced)."""
+    import shutil
+
+    from transformers import BertForMaskedLM, BertModel
+
+    hf = BertForMaskedLM.from_pretrained(str(src))
+    if out != src:
+        shutil.copytree(src, out)
+    hf.config.architectures = ["BertModel"]
+    body = BertModel(hf.config)
+    body.load_state_dict({**body.state_dict(), **{k[len("bert."):]: v for k, v in hf.state_dict().items()
+                                                 if k.startswith("bert.")}})
+    _perturb(body.pooler, seed)
+    (out / "model.safetensors").unlink()
+    body.save_pretrained(str(out))
     return out
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import REPO, run_pretrain
-from hf_models import as_sentence_transformer, bible_lines, make_bert, make_headless_xlmr
+from hf_models import as_sentence_transformer, bert_body, bible_lines, make_bert, make_headless_xlmr
 from mmadapt import adapt as A
 from mmadapt.cli import main
 from mmadapt.family import WORD
@@ -90,8 +90,9 @@ def test_imported_bert_gives_transformers_logits(name, hf_dirs, runs):
     assert diff <= TOL
     run = json.loads((runs[name] / "run.json").read_text())
     assert run["model"]["family"] == "bert" and run["model"]["max_position_embeddings"] == SEQ
-    if name == "trained":  # its predictions are not near-uniform: the comparison sees the weights at work
-        assert ref.softmax(-1).amax(-1).mean() > 0.2
+    if name == "trained":  # its predictions are far from uniform (150 updates reach about the unigram
+        # distribution: its likeliest piece ~40x the uniform 1/V): the comparison sees trained weights at work
+        assert ref.softmax(-1).amax(-1).mean() > 20 / ref.shape[-1]
 
 
 def test_uncased_tokenizer_normalises_as_bert(runs):
@@ -106,7 +107,7 @@ def test_uncased_tokenizer_normalises_as_bert(runs):
 def headless(hf_dirs, tmp_path_factory):
     """The trained BERT's body as a sentence-transformers BertModel (its pooler included), imported."""
     root = tmp_path_factory.mktemp("headless")
-    body = make_bert(root / "hf", train_steps=TRAIN_STEPS, headless=True)
+    body = bert_body(hf_dirs["trained"], root / "hf")
     st = as_sentence_transformer(body, root / "st")
     import_any(st, root / "run")
     return {"hf": body, "st": st, "run": root / "run"}
@@ -209,8 +210,9 @@ def test_export_of_a_bert_mmadapt_pretrained(corpus, tokenizer, tmp_path):
     steps.pretrain(run=RunSpec(output_dir=run, corpus=corpus, ds_config=REPO / "ds_configs" / "zero0.json",
                                tokenizer=tokenizer), step=steps.Pretrain(model=model, train=train, recipe="bl_base"))
     assert export_hf(tmp_path / "out", primary=run)["architecture"] == "BertForMaskedLM"
-    enc = AutoTokenizer.from_pretrained(str(tmp_path / "out"))(TEXTS, padding=True, return_tensors="pt")
-    ids = rows(load(tokenizer), TEXTS)
+    enc = AutoTokenizer.from_pretrained(str(tmp_path / "out"))(TEXTS, padding=True, truncation=True, max_length=SEQ,
+                                                               return_tensors="pt")
+    ids = rows(load(tokenizer), TEXTS)  # cut as rows cuts: [CLS], the first SEQ - 2 pieces, [SEP]
     assert torch.equal(enc.input_ids, ids)
     with torch.no_grad():
         theirs = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out")).eval()(**enc).logits
