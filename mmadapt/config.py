@@ -237,7 +237,7 @@ class ModelConfig(Checked):
                                                        "encoder's is always tied", DECODER)
     type_vocab_size: int = _owned(2, "BERT: token types (segment embeddings): 2, the second segment of a pair marked 1 "
                                   "(features.Framing), or 1 (every position type 0); blocks of Steps 1, 1b and 2 are "
-                                  "all type 0", (("bert",), ("sets BERT's token types", " has none")))
+                                  "all type 0", (("bert",), ("sets BERT's token types", " has none")), ge=1)
     add_pooling_layer: bool = _owned(False, "encoder: the language model carries a pooler (dense + tanh on the first "
                                      "position) as transformers' BertModel and RobertaModel do; an imported body keeps "
                                      "its trained pooler, which BERT's sequence classifier starts from (no LM loss "
