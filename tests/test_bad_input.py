@@ -183,6 +183,19 @@ class Ctx:
         import_hf(Path(self.bert_dir()), self.tmp / "headless")
         return str(self.tmp / "headless")
 
+    def body_with_a_head(self) -> list[str]:
+        """import-hf of a BertModel directory whose weights also hold an MLM head (cls.predictions.*)."""
+        import torch
+        from hf_models import damaged_copy
+
+        def add_head(state):
+            h, v = state["embeddings.word_embeddings.weight"].shape[::-1]
+            state.update({"cls.predictions.bias": torch.zeros(v), "cls.predictions.transform.dense.weight":
+                          torch.zeros(h, h)})
+
+        d = damaged_copy(Path(self.bert_dir()), self.tmp / "bert_with_head", None, add_head)
+        return ["import-hf", "--model", str(d), "--output_dir", str(self.out)]
+
     def sentence_transformers_dir(self, modules: list[dict]) -> str:
         d = Path(self.bert_dir())
         (d / "modules.json").write_text(json.dumps(modules))
@@ -501,6 +514,10 @@ CASES = [
     ("headless-to-minipost", lambda c: c.minipost(primary=c.headless_run()), "and build_minipost needs one"),
     ("fit-head-has-a-head", lambda c: ["fit-head", "--primary", str(c.primary), "--corpus", str(c.corpus),
                                        "--output_dir", str(c.out)], "has its MLM head already"),
+    ("bert-body-holding-an-mlm-head", lambda c: c.body_with_a_head(),
+     "its weights hold cls.predictions.bias (and 1 more tensor), which the model config.json describes has no place "
+     "for: config.json names a BertModel, a body without an MLM head, but the weights hold one: set architectures "
+     "to [\"BertForMaskedLM\"]"),
     ("sentence-transformers-module", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
         [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
          {"idx": 1, "name": "1", "path": "1_CNN", "type": "sentence_transformers.models.CNN"}]),

@@ -95,6 +95,26 @@ def test_imported_bert_gives_transformers_logits(name, hf_dirs, runs):
         assert ref.softmax(-1).amax(-1).mean() > 20 / ref.shape[-1]
 
 
+def pretraining_checkpoint(state):
+    """What mBERT's BertForMaskedLM files hold beside the masked LM: the pre-training checkpoint's
+    pooler and next-sentence head, and an older transformers' position-id buffer."""
+    h = state["bert.embeddings.word_embeddings.weight"].shape[1]
+    g = torch.Generator().manual_seed(0)
+    state.update({"bert.pooler.dense.weight": torch.randn(h, h, generator=g), "bert.pooler.dense.bias": torch.zeros(h),
+                  "cls.seq_relationship.weight": torch.randn(2, h, generator=g),
+                  "cls.seq_relationship.bias": torch.zeros(2), "bert.embeddings.position_ids": torch.arange(SEQ)[None]})
+
+
+def test_a_pretraining_checkpoint_imports_as_transformers_loads_it(hf_dirs, runs, tmp_path):
+    """BertForMaskedLM files with a pooler, a next-sentence head and position ids (as mBERT's): the
+    validator leaves out what transformers' BertForMaskedLM leaves out, and the import is the plain one."""
+    from hf_models import damaged_copy
+
+    import_hf(damaged_copy(hf_dirs["cased"], tmp_path / "hf", None, pretraining_checkpoint), tmp_path / "run")
+    mine, plain = load_weights(tmp_path / "run")[1], load_weights(runs["cased"])[1]
+    assert sorted(mine) == sorted(plain) and all(torch.equal(mine[k], plain[k]) for k in plain)
+
+
 def test_uncased_tokenizer_normalises_as_bert(runs):
     """The imported uncased WordPiece lowercases and strips accents wherever mmadapt encodes text."""
     sp = load(runs["uncased"] / "tokenizer" / "spm.model")
