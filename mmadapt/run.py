@@ -262,11 +262,16 @@ RUN_KINDS = {"pretrain": "a pretrain or import-hf run (Step 1)", "minipost": "a 
              "finetune": "a finetune run (Step 3: a task model)"}
 
 
+# A head fit (steps.fit_head) writes a Step-1 run that every later step takes as a pretrain run's.
+KIND_OF_STEP = {"fit_head": "pretrain"}
+
+
 def require_kind(path: Path, run: dict, *kinds: str) -> None:
     """Refuse, in one line naming what it got and what it needs, a run (its record `run`) of
     another kind than `kinds` (RUN_KINDS; a record without "step" is a pretrain run's, from
-    before steps were named)."""
+    before steps were named; KIND_OF_STEP: steps whose runs are of another step's kind)."""
     kind = run.get("step", "pretrain")
+    kind = KIND_OF_STEP.get(kind, kind)
     if kind not in kinds:
         raise ValueError(f"{path} is {RUN_KINDS.get(kind, f'a {kind} run')}; this needs "
                          + " or ".join(RUN_KINDS[k] for k in kinds))
