@@ -254,6 +254,12 @@ class ModelFamily:
         the training text's log-frequencies with ModelConfig.output_bias_init unigram. None here."""
         return ()
 
+    def head_scales(self, cfg: ModelConfig) -> tuple[str, ...]:
+        """The last scale [h] of every LM head before its output projection (build_lm names): at
+        zero, a head's logits are its output bias alone (mmadapt fit-head starts a fresh head
+        there: at the unigram reference, which it leaves only by reading the body). None here."""
+        return ()
+
     def finetune_trainable(self, cfg: ModelConfig) -> tuple[str, ...]:
         """build_task_model names (or prefixes ending in ".") that Step 3 trains: everything but
         the word embeddings."""

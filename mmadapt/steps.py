@@ -200,8 +200,8 @@ UNIGRAM_BLOCKS = 64  # blocks of the training text the head fit's unigram refere
 def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
     """Train only the head's parameters (dense, LayerNorm, output bias: the projection is the
     frozen word embedding) over the frozen body, its output bias started at the text's unigram
-    log-frequencies (the head then starts at the unigram reference, and goes below it only by
-    reading the body). The run it writes is a Step-1 run (recipe bl_base) that every later step
+    log-frequencies and its last scale at zero (ModelFamily.head_scales: the head then starts at
+    the unigram reference, and goes below it only by reading the body). The run it writes is a Step-1 run (recipe bl_base) that every later step
     takes; its checkpoints hold the head, the body is the headless run's (`frozen_from`)."""
     _step2_only(step.train, "fit-head")
     source = read_source(step.primary, step.primary_tag)
@@ -223,7 +223,8 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
         logp = unigram_logprobs(started.data, model.vocab_size)
         unigram = unigram_loss(logp, heldout_batches(started.data, step.train.seq_length, model.vocab_size,
                                                      UNIGRAM_BLOCKS, 1, step.train.seed, family.objective, TEXT))
-        init = {**source.weights(), **{name: logp.clone() for name in family.output_biases(model)}}
+        init = {**source.weights(), **{name: logp.clone() for name in family.output_biases(model)},
+                **{name: torch.zeros(model.hidden_size) for name in family.head_scales(model)}}
         job = LMJob(step="fit_head", trainable=(family.heads_prefix,))
         rows = train_lm(started, run, model, step.train, job, init, record={"unigram_loss": unigram})
         if parallel.is_rank0():
