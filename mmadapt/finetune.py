@@ -32,7 +32,8 @@ from mmadapt.tokenizer import load as load_tokenizer
 
 
 def check_primary(source: Source) -> None:
-    """Step 3 fine-tunes the primary model of a pretrain (or imported) run, nothing else."""
+    """Step 3 fine-tunes the primary model of a pretrain (or imported, or head-fitted: run.KIND_OF_STEP)
+    run, nothing else."""
     require_kind(source.path, source.record, "pretrain")
 
 

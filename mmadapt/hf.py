@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -35,7 +36,7 @@ from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import artifact_primary, load_finetuned
 from mmadapt.family import HFMapping, Implied, ModelFamily
 from mmadapt.models import FAMILIES
-from mmadapt.run import RUN_TOKENIZER, read_source
+from mmadapt.run import RUN_TOKENIZER, read_source, require_head
 from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf
 from mmadapt.tokenizer import kind as tokenizer_kind
 
@@ -190,10 +191,11 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
     hf_ids = hf_permutation(cfg.vocab_size, specials)
     cfg, state, loaded = imported_state(family, cfg, hf_state, hf_ids, hf_cfg, model_dir)
     check_parity(family, cfg, state, tok, hf_ids, model_dir)
+    headless = mapping.is_headless(hf_cfg)
 
     arch = hf_cfg["architectures"][0]
     imported = {"model": str(model_dir), "architecture": arch, "model_type": hf_cfg["model_type"],
-                "special_ids": record}
+                "special_ids": record, **({"headless": True} if headless else {})}
     note = "; ".join(n for n in (loaded, mapping.import_note(hf_cfg, model_dir)) if n)
     if note:
         imported["note"] = note
@@ -207,6 +209,82 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
         tok.save_pretrained(str(tmp / "tokenizer" / "hf"))  # export-hf hands these back
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
     return run
+
+
+# --- sentence-transformers directories ----------------------------------------------------------------
+# modules.json lists the modules: the transformer (its files at the top, or in its folder), then
+# modules over its token states that mmadapt carries unchanged (pooling, a dense projection,
+# normalisation: they read no vocabulary). A run keeps them in SENTENCE_TRANSFORMERS; export-hf
+# writes them back around the new body and tokenizer.
+SENTENCE_TRANSFORMERS = "sentence_transformers"
+ST_CARRIED = ("Pooling", "Dense", "Normalize")
+ST_FILES = ("modules.json", "config_sentence_transformers.json")  # the directory's own, beside the modules
+ST_TRANSFORMER_FILES = ("sentence_bert_config.json",)  # the transformer module's own (max_seq_length, ...)
+
+
+def read_sentence_transformers(st_dir: Path) -> tuple[Path, list[dict]]:
+    """A sentence-transformers directory -> (its transformer's directory, modules.json's entries),
+    refused in one line unless it is a transformer followed by modules mmadapt carries."""
+    try:
+        modules = json.loads((st_dir / "modules.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{st_dir / 'modules.json'} is not JSON ({e.msg})") from None
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules] if isinstance(modules, list) else []
+    if not kinds or kinds[0] != "Transformer" or any(k not in ST_CARRIED for k in kinds[1:]):
+        raise ValueError(f"{st_dir}: its modules.json lists {', '.join(kinds) or 'no modules'}; import-hf takes a "
+                         f"sentence-transformers model of a Transformer followed by {', '.join(ST_CARRIED)} modules")
+    return st_dir / modules[0].get("path", ""), modules
+
+
+def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> dict:
+    """`mmadapt import-hf`: a sentence-transformers directory (modules.json) or a transformers one."""
+    model_dir = Path(model_dir).resolve()
+    if (model_dir / "modules.json").is_file():
+        return import_sentence_transformers(model_dir, Path(output_dir))
+    return import_hf(model_dir, output_dir)
+
+
+def import_sentence_transformers(st_dir: Path, output_dir: Path) -> dict:
+    """import_hf of the directory's transformer, with its other modules kept in the run
+    (SENTENCE_TRANSFORMERS) and named in run.json (`imported_from.sentence_transformers`). Every
+    check comes before anything is written. -> the run's run.json."""
+    transformer, modules = read_sentence_transformers(st_dir)
+    hf_cfg, family = read_hf_config(transformer)
+    if not family.hf.is_headless(hf_cfg):
+        raise ValueError(f"{st_dir}: its transformer is a {hf_cfg['architectures'][0]}; import-hf takes a "
+                         f"sentence-transformers model whose transformer is a body ({', '.join(family.hf.headless)})")
+    _fresh_output(output_dir)
+    with staged_dir(output_dir) as tmp:
+        run = import_hf(transformer, tmp)
+        kept = tmp / SENTENCE_TRANSFORMERS
+        kept.mkdir()
+        for m in modules[1:]:
+            shutil.copytree(st_dir / m["path"], kept / m["path"])
+        for f in [st_dir / n for n in ST_FILES] + [transformer / n for n in ST_TRANSFORMER_FILES]:
+            if f.is_file():
+                shutil.copyfile(f, kept / f.name)
+        run["imported_from"]["sentence_transformers"] = {"model": str(st_dir),
+                                                         "modules": [m.get("type") for m in modules]}
+        (tmp / "run.json").write_text(json.dumps(run, indent=2))
+    return run
+
+
+def write_sentence_transformers(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict,
+                                tokenizer: Path, model_type: str | None, modules: Path) -> Path:
+    """A sentence-transformers directory that `SentenceTransformer(output_dir)` loads: the family's
+    body class (kind "body": BertModel, XLMRobertaModel, ...) with `state`'s weights and the
+    run's `tokenizer`, its files at the top, and the source's other modules (`modules`, a run's
+    SENTENCE_TRANSFORMERS) around it as they were."""
+    write_hf(family, output_dir, cfg, state, "body", None, tokenizer, model_type)
+    entries = json.loads((modules / "modules.json").read_text())
+    entries[0]["path"] = ""
+    for m in entries[1:]:
+        shutil.copytree(modules / m["path"], output_dir / m["path"])
+    for name in ST_FILES[1:] + ST_TRANSFORMER_FILES:
+        if (modules / name).is_file():
+            shutil.copyfile(modules / name, output_dir / name)
+    (output_dir / "modules.json").write_text(json.dumps(entries, indent=2))
+    return output_dir
 
 
 def hf_permutation(vocab_size: int, specials: list[int]) -> list[int]:
@@ -267,7 +345,7 @@ def imported_state(family: ModelFamily, cfg: ModelConfig, hf_state: dict, hf_ids
             "transformers would leave it out with a warning; import-hf imports a checkpoint whole or not at all")
         raise ValueError(f"{where}: its weights hold {unread[0]}{more}, which the model config.json describes has "
                          f"no place for: {why}")
-    _check_shapes(family, cfg, state, where)
+    _check_shapes(family, cfg, state, where, mapping.is_headless(hf_cfg))
     return cfg, state, loaded
 
 
@@ -294,7 +372,8 @@ def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids
     """The imported model's first layer, with its head, against the model transformers loads
     from the same files with one layer (`num_hidden_layers` 1: so "imported" means "the same
     model"), on PARITY_TEXT, in fp32 on the CPU: a few milliseconds of a tiny model, of a large
-    one its embeddings and one layer. Refused in one line where they differ."""
+    one its embeddings and one layer. A body without a head (HFMapping.headless) is compared by
+    its hidden states and pooler output. Refused in one line where they differ."""
     import transformers
 
     hf_cfg = json.loads((where / "config.json").read_text())
@@ -305,6 +384,7 @@ def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids
     if isinstance(hf_cfg.get("layer_types"), list):
         one["layer_types"] = hf_cfg["layer_types"][:1]
     ids = tok(PARITY_TEXT).input_ids[:cfg.max_position_embeddings]
+    headless = family.hf.is_headless(hf_cfg)
     with _quiet_transformers():
         try:
             ref_model = cls.from_pretrained(str(where), local_files_only=True, dtype=torch.float32, **one).eval()
@@ -312,19 +392,36 @@ def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids
             raise ValueError(f"{where}: transformers cannot load it ({type(e).__name__}: "
                              f"{(str(e).splitlines() or [''])[0][:200]})") from None
         with torch.no_grad():
-            ref = ref_model(input_ids=torch.tensor([ids])).logits[0].float()[:, torch.tensor(hf_ids)]
+            out = ref_model(input_ids=torch.tensor([ids]))
     inverse = torch.empty(len(hf_ids), dtype=torch.long)
     inverse[torch.tensor(hf_ids)] = torch.arange(len(hf_ids))
     one_layer = dataclasses.replace(family.one_head(cfg, 1), hidden_dropout=0.0, attention_dropout=0.0)
-    model = family.build_lm(one_layer)
-    model.load_state_dict(family.keep_layers(state, 1))
     with torch.no_grad():
-        got = model.eval().logits(inverse[torch.tensor([ids])])[0][0, :, :len(hf_ids)].float()
-    diff, scale = (got - ref).abs().max().item(), ref.abs().max().item()
+        if headless:
+            got, ref = _body_outputs(family, one_layer, state, inverse[torch.tensor([ids])]), \
+                [out.last_hidden_state[0].float()] + ([out.pooler_output[0].float()] if cfg.add_pooling_layer else [])
+        else:
+            model = family.build_lm(one_layer)
+            model.load_state_dict(family.keep_layers(state, 1))
+            got = [model.eval().logits(inverse[torch.tensor([ids])])[0][0, :, :len(hf_ids)].float()]
+            ref = [out.logits[0].float()[:, torch.tensor(hf_ids)]]
+    diff = max((g - r).abs().max().item() for g, r in zip(got, ref))
+    scale = max(r.abs().max().item() for r in ref)
     if not diff <= PARITY_TOL * max(1.0, scale):
+        what = "hidden states" if headless else "logits"
         raise ValueError(f"{where}: the imported model is not the one transformers loads from these files (its first "
-                         f"layer's logits differ by up to {diff:.3g} on a short text, of logits up to {scale:.3g}): "
+                         f"layer's {what} differ by up to {diff:.3g} on a short text, of {what} up to {scale:.3g}): "
                          "mmadapt cannot compute this checkpoint exactly")
+
+
+def _body_outputs(family: ModelFamily, cfg: ModelConfig, state: dict, ids: torch.Tensor) -> list[torch.Tensor]:
+    """A headless import's one-layer body on `ids` [1, s] (mmadapt's ids): its hidden states
+    [s, h], and its pooler's output [h] where it has one. The LM is built for its body and
+    pooler; its head keeps its fresh weights and is not read."""
+    model = family.build_lm(cfg)
+    model.load_state_dict({**model.state_dict(), **family.keep_layers(state, 1)})
+    hidden = model.eval().encode(ids, (1,))[0]
+    return [hidden[0].float()] + ([model.pooler(hidden)[0].float()] if cfg.add_pooling_layer else [])
 
 
 # Relative tolerance of check_parity: fp32 on the CPU, the same weights, other kernels.
@@ -347,8 +444,11 @@ def _quiet_transformers():
             hf_logging.enable_progress_bar()
 
 
-def _check_shapes(family: ModelFamily, cfg: ModelConfig, state: dict, where: Path) -> None:
+def _check_shapes(family: ModelFamily, cfg: ModelConfig, state: dict, where: Path, headless: bool = False) -> None:
+    """Every parameter of the family's LM in `state` with its shape (a headless body: all but the heads)."""
     for n, shape in family.param_names(cfg).items():
+        if headless and n.startswith(family.heads_prefix):
+            continue
         if n not in state or tuple(state[n].shape) != shape:
             got = tuple(state[n].shape) if n in state else "nothing"
             raise ValueError(f"{where}: mmadapt's {n} needs shape {shape}, the weights give {got}")
@@ -392,8 +492,9 @@ def _fast_tokenizer(tok, layout: dict, roles: dict[str, str], model_max_length: 
     from transformers import PreTrainedTokenizerFast
 
     def pieces(template: str) -> list[str]:  # a list, not one string: a token may hold a space
-        return [roles[p[1:-1]] if p.startswith("{") else p for p in template.split()]
-    used = {p[1:-1] for t in (layout["single"], layout["pair"]) for p in t.split() if p.startswith("{")}
+        # "{eos}:1": the role's token with type id 1 (BERT's second segment)
+        return [roles[p[1:p.index("}")]] + p[p.index("}") + 1:] if p.startswith("{") else p for p in template.split()]
+    used = {p[1:p.index("}")] for t in (layout["single"], layout["pair"]) for p in t.split() if p.startswith("{")}
     tok.post_processor = processors.TemplateProcessing(
         single=pieces(layout["single"]), pair=pieces(layout["pair"]),
         special_tokens=[(roles[r], tok.token_to_id(roles[r])) for r in sorted(used, key=SPECIAL_ROLES.index)])
@@ -448,6 +549,7 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
         if source.record.get("step") == "adapt":
             raise ValueError(f"{primary_run} is a Step-2 run: export its artifact with --embeddings and "
                              "the primary model with --primary")
+        require_head(source, "export-hf --primary")
         cfg, state = family.primary_model(source.cfg, source.weights())
         kind, tokenizer = None, source.tokenizer
     if embeddings is not None:
@@ -465,8 +567,13 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
         cfg = ModelConfig(**{**to_dict(cfg), "vocab_size": emb["word_embeddings"].shape[0]})
 
     imported = json.loads((primary_run / "run.json").read_text()).get("imported_from")
-    return write_hf(family, output_dir, cfg, state, kind, labels, Path(tokenizer),
-                    imported["model_type"] if imported else None, embeddings)
+    model_type = imported["model_type"] if imported else None
+    summary = write_hf(family, output_dir, cfg, state, kind, labels, Path(tokenizer), model_type, embeddings)
+    if kind is None and (primary_run / SENTENCE_TRANSFORMERS).is_dir():  # a sentence-transformers source
+        summary["sentence_transformers"] = str(write_sentence_transformers(
+            family, output_dir / SENTENCE_TRANSFORMERS, cfg, state, Path(tokenizer), model_type,
+            primary_run / SENTENCE_TRANSFORMERS))
+    return summary
 
 
 def _document_tokenizer(doc: HFTokenizer, model_max_length: int):

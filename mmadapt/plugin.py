@@ -47,7 +47,7 @@ from mmadapt.family import ModelFamily
 from mmadapt.models.layers import Padding, derive_seed, masked_positions, new_rows_name
 from mmadapt.objectives import MLM, Objective
 from mmadapt.parallel import device
-from mmadapt.run import read_source, weights_fingerprint
+from mmadapt.run import read_source, require_head, weights_fingerprint
 
 METRIC = "contextual_gain"
 UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
@@ -57,6 +57,7 @@ def primary_head_state(primary_run: Path) -> tuple[ModelConfig, dict[str, torch.
     """The primary model with only its primary head (after its last layer), as a one-head
     config (dropout off) and state dict (that head renamed head 0)."""
     source = read_source(primary_run)
+    require_head(source, "the plug-in metric")
     return primary_head(source.family, source.cfg, source.weights())
 
 

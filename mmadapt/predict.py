@@ -52,7 +52,7 @@ from mmadapt.parallel import device as default_device
 from mmadapt.parallel import named_device
 from mmadapt.plugin import plugin_model
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
-from mmadapt.run import RUN_FILE, read_source, run_family
+from mmadapt.run import RUN_FILE, read_source, require_head, run_family
 from mmadapt.tasks import Task, get_task
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
@@ -170,6 +170,7 @@ class LanguageModel:
     def load(cls, run: Path, embeddings: Path | None = None, tag: str | None = None,
              device: torch.device | None = None) -> "LanguageModel":
         source = read_source(run, tag)  # refuses a run without a complete checkpoint or tokenizer
+        require_head(source, "a language model's predictions")
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
             emb, tokenizer = _artifact(embeddings, (run,))

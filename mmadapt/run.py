@@ -262,11 +262,16 @@ RUN_KINDS = {"pretrain": "a pretrain or import-hf run (Step 1)", "minipost": "a 
              "finetune": "a finetune run (Step 3: a task model)"}
 
 
+# A head fit (steps.fit_head) writes a Step-1 run that every later step takes as a pretrain run's.
+KIND_OF_STEP = {"fit_head": "pretrain"}
+
+
 def require_kind(path: Path, run: dict, *kinds: str) -> None:
     """Refuse, in one line naming what it got and what it needs, a run (its record `run`) of
     another kind than `kinds` (RUN_KINDS; a record without "step" is a pretrain run's, from
-    before steps were named)."""
+    before steps were named; KIND_OF_STEP: steps whose runs are of another step's kind)."""
     kind = run.get("step", "pretrain")
+    kind = KIND_OF_STEP.get(kind, kind)
     if kind not in kinds:
         raise ValueError(f"{path} is {RUN_KINDS.get(kind, f'a {kind} run')}; this needs "
                          + " or ".join(RUN_KINDS[k] for k in kinds))
@@ -294,6 +299,22 @@ class Source:
     @property
     def tokenizer(self) -> Path:
         return self.path / RUN_TOKENIZER
+
+    @property
+    def headless(self) -> bool:
+        """An imported body without an LM head (run.json `imported_from.headless`: a BertModel,
+        RobertaModel or XLMRobertaModel, as sentence-transformers ships them)."""
+        return bool((self.record.get("imported_from") or {}).get("headless"))
+
+
+def require_head(source: Source, what: str) -> None:
+    """Refuse, in one line naming the command that fixes it, a headless run given to a step that
+    needs its LM head (`what`: the step)."""
+    if source.headless:
+        arch = source.record["imported_from"].get("architecture", "body")
+        raise ValueError(f"{source.path} is a headless encoder (a {arch} imported without an MLM head), and {what} "
+                         f"needs one: fit it first with `mmadapt fit-head --primary {source.path} --corpus "
+                         "<source-language text> --output_dir <new run>` and pass that run")
 
 
 def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
@@ -359,7 +380,8 @@ def load_weights(run_dir: str | os.PathLike, tag: str | None = None) -> tuple[Mo
     its config on one device.
 
     A Step-1b checkpoint holds only the layers it trained; its frozen part is rebuilt from the
-    run it references (run.json `frozen_from`), exactly as Step 1b started from it.
+    run it references (run.json `frozen_from`), exactly as Step 1b started from it. A head fit's
+    (`frozen_from.head_fit`) holds its head; the body is the headless run's.
     """
     run_dir = Path(run_dir)
     run = read_run(run_dir)
@@ -369,6 +391,8 @@ def load_weights(run_dir: str | os.PathLike, tag: str | None = None) -> tuple[Mo
     ref = run.get("frozen_from")
     if ref is None:
         return cfg, own
+    if ref.get("head_fit"):  # mmadapt fit-head: a new head over the frozen body of the run it references
+        return cfg, {**load_weights(ref["run_dir"], ref["tag"])[1], **own}
     family = get_family(cfg)
     src_cfg, src_state = load_weights(ref["run_dir"], ref["tag"])
     mini = MiniModelConfig(ref["mini_layers"], ref["new_layers"])

@@ -2,6 +2,8 @@
 
     preprocess        prepare a corpus once (tokenizer + encoded text) for every run that trains on it
     pretrain          Step 1: BL_BASE, BL_SMALL or MINIJOINT from a seeded init
+    fit_head          a headless encoder (an imported BertModel, XLMRobertaModel, ...): a new MLM head over
+                      its frozen body, so that every later step takes it (a Step-1 cost)
     build_minipost    Step 1b: bottom N layers of a pretrained model + K new layers, only those trained
     adapt_embeddings  Step 2: new-language embeddings over a frozen model (the mini-model or the full one)
     sweep             Step 2 over each mini-model of a multi-depth MINIJOINT run, scored by the plug-in
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -37,7 +40,7 @@ from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, Checked, EvaluateConfig, FinetuneConfig, MiniModelConfig,
                             ModelConfig, PreprocessConfig, TrainConfig, path_args, whole_arg)
 from mmadapt.corpora import resolve_corpus
-from mmadapt.data import MANIFEST, TOKENIZER, EpochOrder, read_manifest, wait_for
+from mmadapt.data import MANIFEST, TEXT, TOKENIZER, EpochOrder, read_manifest, wait_for
 from mmadapt.data import prepare as prepare_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.engine import LoopJob, build_engine, train_loop, trainable_by_names
@@ -49,9 +52,11 @@ from mmadapt.finetune import (TaskData, TaskPlan, at_chance, check_positions, ch
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.plugin import PluginProbe, plugin_records, progress_line, source_language_loss, unigram_logprobs
+from mmadapt.plugin import (PluginProbe, heldout_batches, plugin_records, progress_line, source_language_loss,
+                            unigram_logprobs, unigram_loss)
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, load_checkpoint, pretrained_blocks, read_run,
-                         read_source, require_kind, run_fingerprint, run_progress, start_run, weights_fingerprint)
+                         read_source, require_head, require_kind, run_fingerprint, run_progress, start_run,
+                         weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -152,6 +157,7 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
     n, k = step.mini.one_depth("build_minipost"), step.mini.new_layers
     _step2_only(step.train, "build_minipost")
     source = read_source(step.primary, step.primary_tag)
+    require_head(source, "build_minipost")
     primary, src, tag, family = source.path, source.record, source.tag, source.family
     model = run.layout.apply(family.minipost_config(source.cfg, n, k))
     if model.pipeline_model_parallel_size > 1:
@@ -174,6 +180,78 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
         _, init = family.minipost_start(source.cfg, source.weights(), n, k)
         job = LMJob(step="minipost", trainable=family.minipost_trainable(n, k), trainable_layers=k)
         return train_lm(started, run, model, step.train, job, init)
+
+
+# --- a headless encoder's MLM head (a Step-1 cost) ----------------------------------------------------
+
+@dataclasses.dataclass
+class FitHead:
+    """A fresh MLM head over the frozen body of the headless run `primary` (an imported BertModel,
+    RobertaModel or XLMRobertaModel: sentence-transformers' checkpoints), trained on
+    source-language text (RunSpec.corpus or data_path) in the run's own tokenizer."""
+    primary: Path
+    train: TrainConfig
+    primary_tag: str | None = None
+
+
+HEAD_FIT_DIRS = ("tokenizer/hf", "sentence_transformers")  # what a head-fitted run keeps of its source's files
+UNIGRAM_BLOCKS = 64  # blocks of the training text the head fit's unigram reference is scored on
+
+
+def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
+    """Train only the head's parameters (dense, LayerNorm, output bias: the projection is the
+    frozen word embedding) over the frozen body, its output bias started at the text's unigram
+    log-frequencies and its last scale at zero (ModelFamily.head_scales: the head then starts at
+    the unigram reference, and goes below it only by reading the body). The run it writes is a Step-1 run (recipe bl_base) that every later step
+    takes; its checkpoints hold the head, the body is the headless run's (`frozen_from`)."""
+    _step2_only(step.train, "fit-head")
+    source = read_source(step.primary, step.primary_tag)
+    if not source.headless:
+        raise ValueError(f"{source.path} has its MLM head already: fit-head trains one for a headless run (import-hf of "
+                         "a BertModel, RobertaModel or XLMRobertaModel, or of a sentence-transformers directory)")
+    family, model = source.family, run.layout.apply(source.cfg)
+    if model.pipeline_model_parallel_size > 1:
+        raise ValueError("fit-head does not use pipeline parallelism (only the head trains): use "
+                         "--pipeline_model_parallel_size 1 with data or tensor parallelism")
+    if run.data_path is None and run.corpus is None:
+        raise ValueError(f"{source.path} was imported, so it has no pretraining data: pass source-language text with "
+                         "--corpus or --data_path")
+    run = _text_run(dataclasses.replace(run, tokenizer=source.tokenizer))
+    imported = {k: v for k, v in source.record["imported_from"].items() if k != "headless"}
+    identity = {"recipe": "bl_base", "imported_from": imported,
+                "frozen_from": {"run_dir": str(source.path), "tag": source.tag, "head_fit": True}}
+    with start_run(run, model, step.train, identity, TextData()) as started:
+        logp = unigram_logprobs(started.data, model.vocab_size)
+        unigram = unigram_loss(logp, heldout_batches(started.data, step.train.seq_length, model.vocab_size,
+                                                     UNIGRAM_BLOCKS, 1, step.train.seed, family.objective, TEXT))
+        init = {**source.weights(), **{name: logp.clone() for name in family.output_biases(model)},
+                **{name: torch.zeros(model.hidden_size) for name in family.head_scales(model)}}
+        job = LMJob(step="fit_head", trainable=(family.heads_prefix,))
+        rows = train_lm(started, run, model, step.train, job, init, record={"unigram_loss": unigram})
+        if parallel.is_rank0():
+            started.record.finish(**_head_fit_report(run, source.path, rows, unigram, family.step_flops(
+                "fit_head", model, step.train.seq_length, step.train.mask_prob), step.train))
+        return rows
+
+
+def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], unigram: float, seq_flops: float,
+                     train: TrainConfig) -> dict:
+    """Global rank 0, after the head fit: the source's tokenizer files and sentence-transformers
+    modules copied beside the new head (export-hf hands them back), the final loss against the
+    unigram reference (printed), and the fit's cost, a Step-1 cost."""
+    for sub in HEAD_FIT_DIRS:
+        if (source / sub).is_dir() and not (run.output_dir / sub).exists():
+            shutil.copytree(source / sub, run.output_dir / sub)
+    losses = [r["loss"] for r in rows if "loss" in r]
+    flops = seq_flops * train.global_batch(parallel.dp_world()) * train.train_iters
+    report = {"flops": flops, "v100_days": device_days(flops)}
+    if losses:
+        below = losses[-1] < unigram
+        print(f"head fit: loss {losses[0]:.3f} -> {losses[-1]:.3f}, unigram reference {unigram:.3f}: "
+              + ("below it (the head reads the body's context)" if below else "not below it yet: train longer"),
+              flush=True)
+        report.update(final_loss=losses[-1], below_unigram=below)
+    return report
 
 
 # --- Step 2 -----------------------------------------------------------------------------------------
@@ -267,6 +345,7 @@ def _step2_source(step: AdaptEmbeddings) -> tuple[Source, ModelConfig]:
     if step.system not in SYSTEMS:
         raise ValueError(f"unknown system {step.system!r}; choose one of {', '.join(SYSTEMS)}")
     source = read_source(step.source, step.source_tag)
+    require_head(source, "Step 2")
     recipe = source.record.get("recipe")
     if recipe not in SOURCE_RECIPES[step.system]:
         raise ValueError(f"--system {step.system} adapts a run with recipe {' or '.join(SOURCE_RECIPES[step.system])}, "

@@ -127,6 +127,21 @@ def _uses_byte_level(doc: dict) -> bool:
     return any(p and p.get("type") == "ByteLevel" for p in parts)
 
 
+def is_punctuation(ch: str) -> bool:
+    """BERT's punctuation (its basic tokenizer's): ASCII symbols and Unicode category P*."""
+    import unicodedata
+
+    cp = ord(ch)
+    return 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126 or \
+        unicodedata.category(ch).startswith("P")
+
+
+def source_form(tokenizer: str | os.PathLike):
+    """piece -> its form in the source tokenizer `tokenizer` (HFTokenizer.source_form; the
+    identity for a SentencePiece model): how Step 2 matches target pieces with source rows."""
+    return load(tokenizer).source_form if is_hf(tokenizer) else (lambda piece: piece)
+
+
 class _Piece:
     __slots__ = ("id", "begin", "end", "piece")
 
@@ -156,6 +171,9 @@ class HFTokenizer:
         self.to_mmadapt[self.hf_ids] = np.arange(len(self.hf_ids))
         self.byte_level = _uses_byte_level(doc["tokenizer"])
         self.byte_fallback = bool((doc["tokenizer"].get("model") or {}).get("byte_fallback"))
+        model = doc["tokenizer"].get("model") or {}
+        # WordPiece (BERT): word-initial tokens bare, continuations behind a prefix ("##")
+        self.continuation = model.get("continuing_subword_prefix", "##") if model.get("type") == "WordPiece" else None
         self._surface = None
 
     @classmethod
@@ -196,10 +214,69 @@ class HFTokenizer:
                     out.append(f"<unused {h}>")
                 elif self.byte_level:
                     out.append(byte_level_surface(token, table))
+                elif self.continuation is not None:
+                    out.append(self._wordpiece_surface(token))
                 else:
                     out.append(self._fallback_surface(token) if self.byte_fallback else token)
             self._surface = out
         return self._surface[i]
+
+    def _wordpiece_surface(self, token: str) -> str:
+        """A WordPiece token as SentencePiece writes the same text: a continuation `##oo` as `oo`, a
+        word-initial `foo` as `▁foo`, except a punctuation character, which BERT's pre-tokenizer
+        always makes a word of its own although it follows a word with no space (`God,`: SentencePiece's
+        `▁God` `,`): written bare, unless the vocabulary has it as a continuation too (one row per
+        surface form)."""
+        prefix = self.continuation
+        if token.startswith(prefix) and len(token) > len(prefix):
+            return token[len(prefix):]
+        if len(token) == 1 and is_punctuation(token) and self.tokenizer.token_to_id(prefix + token) is None:
+            return token
+        return WORD_BOUNDARY + token
+
+    def source_form(self, piece: str) -> str:
+        """A surface form (another tokenizer's piece) as this tokenizer's normaliser writes its
+        text: an uncased WordPiece lowercases and strips accents (`▁Gott` -> `▁gott`), so that a
+        target piece is matched with the source row its text reaches; as it is for every other
+        tokenizer, and where normalising would split it (BERT's spaces around CJK characters)."""
+        normalizer = self.tokenizer.normalizer
+        if self.continuation is None or normalizer is None:
+            return piece
+        start = WORD_BOUNDARY if piece.startswith(WORD_BOUNDARY) else ""
+        text = normalizer.normalize_str(piece[len(start):])
+        return start + text if text and not any(c.isspace() for c in text) else piece
+
+    def split_surface(self, piece: str) -> list[int]:
+        """The ids this tokenizer gives the text of a surface form `piece` where it stands in a text
+        (adapt.source_split): '▁' a word start, a bare piece the inside of a word, so a WordPiece
+        continues it with `##` pieces; nothing added around it. Pieces of an unknown word are left out."""
+        if self.continuation is None:
+            return [i for i in self.encode(piece.replace(WORD_BOUNDARY, " ")) if i != UNK_ID]
+        inside = not piece.startswith(WORD_BOUNDARY)
+        text = piece.lstrip(WORD_BOUNDARY)
+        if self.tokenizer.normalizer is not None:
+            text = self.tokenizer.normalizer.normalize_str(text)
+        words = [w for w, _ in self.tokenizer.pre_tokenizer.pre_tokenize_str(text)] if self.tokenizer.pre_tokenizer \
+            else text.split()
+        ids = []
+        for n, word in enumerate(words):
+            ids += self._wordpiece(word, continued=inside and n == 0)
+        return self._ids(ids)
+
+    def _wordpiece(self, word: str, continued: bool) -> list[int]:
+        """WordPiece's greedy longest-match-first split of one pre-tokenized word into source ids;
+        continued: the word goes on a word (its first piece is a continuation too). [] where it is
+        unknown (a piece of it matches nothing: WordPiece gives the whole word [UNK])."""
+        vocab, prefix, out, start = self.tokenizer.get_vocab(), self.continuation, [], 0
+        while start < len(word):
+            end = len(word)
+            while end > start and (prefix if start or continued else "") + word[start:end] not in vocab:
+                end -= 1
+            if end == start:
+                return []
+            out.append(vocab[(prefix if start or continued else "") + word[start:end]])
+            start = end
+        return out
 
     def _fallback_surface(self, token: str) -> str:
         """A SentencePiece byte-fallback piece of a whole character (<0x41>: 'A') written as that
@@ -250,10 +327,14 @@ def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int) -
     mmadapt id."""
     doc = json.loads(Path(source).read_text(encoding="utf-8"))
     model = doc["tokenizer"]["model"]
-    if model.get("type") != "BPE":
+    if model.get("type") not in ("BPE", "WordPiece"):
         raise ValueError(f"the imported tokenizer {source} is a {model.get('type')} model: --vocab_mode expand "
-                         "merges SentencePiece models and imported BPE tokenizers (byte-level or with byte fallback)")
-    added, merges = _bpe_additions(doc["tokenizer"], candidates)
+                         "merges SentencePiece models and imported BPE (byte-level or with byte fallback) and "
+                         "WordPiece tokenizers")
+    if model["type"] == "BPE":
+        added, merges = _bpe_additions(doc["tokenizer"], candidates)
+    else:
+        added, merges = _wordpiece_additions(HFTokenizer(doc), candidates), []
     vocab, rows = dict(model["vocab"]), len(doc["hf_ids"])
     # tokenizers numbers added tokens after the model's vocabulary (its size, not its largest id):
     # the model's vocabulary must hold every id below the new ones, so the added tokens go in at
@@ -268,12 +349,31 @@ def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int) -
     kept = {added[p] for p in new}
     # tokens were added shortest first and a token's halves are shorter than it, so cutting the
     # list (its longest tokens go) never strands a kept token's merge
-    string_merges = bool(model["merges"]) and isinstance(model["merges"][0], str)
-    model["merges"] = list(model["merges"]) + [f"{a} {b}" if string_merges else [a, b]
-                                               for a, b in merges if a + b in kept]
+    if merges:
+        string_merges = bool(model["merges"]) and isinstance(model["merges"][0], str)
+        model["merges"] = list(model["merges"]) + [f"{a} {b}" if string_merges else [a, b]
+                                                   for a, b in merges if a + b in kept]
     model["vocab"] = {**vocab, **{added[p]: rows + j for j, p in enumerate(new)}}
     doc["hf_ids"] = list(doc["hf_ids"]) + [rows + j for j in range(len(new))]
     return json.dumps(doc, ensure_ascii=False).encode("utf-8"), new
+
+
+def _wordpiece_additions(tok: HFTokenizer, candidates: list[str]) -> dict[str, str]:
+    """The candidates (surface forms, in the source's normal form) a WordPiece `tok` can be given,
+    in their order (the target's: the most useful first): {piece: its token}. WordPiece has no merges: a token is produced wherever it is
+    the longest match, so each is appended as it is (`▁foo` as the word-initial `foo`, `oo` as the
+    continuation `##oo`); a piece that the pre-tokenizer would cut (a continuation holding
+    punctuation, which BERT always makes a word of its own) is never produced and left out."""
+    vocab, pre, added = tok.tokenizer.get_vocab(), tok.tokenizer.pre_tokenizer, {}
+    for piece in candidates:
+        text = piece[len(WORD_BOUNDARY):] if piece.startswith(WORD_BOUNDARY) else piece
+        token = text if piece.startswith(WORD_BOUNDARY) else tok.continuation + text
+        words = [w for w, _ in pre.pre_tokenize_str(text)] if pre is not None else text.split()
+        if token in vocab or token in added.values() or words != [text] or \
+                (token != text and any(map(is_punctuation, text))):
+            continue
+        added[piece] = token
+    return added
 
 
 def _bpe_additions(pipeline: dict, candidates: list[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:

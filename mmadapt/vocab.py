@@ -15,6 +15,9 @@ matmuls prefer such sizes; at most EXPAND_MULTIPLE - 1 of the rarest pieces are 
 The merged tokenizer is of the source's kind:
     An imported BPE tokenizer (byte-level, or SentencePiece-style with byte fallback): the pieces
         as tokens after the model's rows, each with a merge after the source's (tokenizer.expand_hf).
+    An imported WordPiece (BERT): the pieces as tokens after the model's rows (`▁foo` as `foo`,
+        `oo` as `##oo`; an uncased source's in lower case); WordPiece has no merges, so a new
+        piece is used wherever it is the longest match, in source text too.
     SentencePiece (mmadapt's, unigram or BPE)  the source model with the pieces appended, each
         scored below every source piece: unigram, its target log-probability shifted so that the
         best new piece sits just under the worst source piece (their order kept); BPE, ranked
@@ -34,7 +37,7 @@ from pathlib import Path
 
 from sentencepiece import sentencepiece_model_pb2 as sp_model
 
-from mmadapt.tokenizer import expand_hf, is_hf, pieces
+from mmadapt.tokenizer import expand_hf, is_hf, pieces, source_form
 
 EXPAND_MULTIPLE = 8
 
@@ -89,7 +92,8 @@ def expand(source: Path, target: Path) -> Expansion:
                          "pieces of a SentencePiece model (mmadapt preprocess trains one)")
     trg = _proto(target)
     src_pieces = pieces(source)
-    candidates = missing_pieces(src_pieces, [p.piece for p in trg.pieces], [p.type == _NORMAL for p in trg.pieces])
+    form = source_form(source)  # an uncased WordPiece source's lower case: what its normaliser can produce
+    candidates = missing_pieces(src_pieces, [form(p.piece) for p in trg.pieces], [p.type == _NORMAL for p in trg.pieces])
     if is_hf(source):
         model, new = expand_hf(source, candidates, EXPAND_MULTIPLE)
     else:

@@ -5,6 +5,7 @@ Every weight, LayerNorm and bias is perturbed, so an import that dropped or swap
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -222,9 +223,13 @@ def make_qwen2(out: Path, seed: int = 5, train_steps: int = 0) -> Path:
     return out
 
 
-def train_briefly(hf, tok, steps: int, seed: int, seq: int = 64, batch: int = 8, lr: float = 1e-2) -> list[float]:
-    """Next-token training of `hf` on Genesis + Exodus (AdamW, random blocks); -> the losses."""
-    ids = [i for line in bible_lines("en") for i in tok(line, add_special_tokens=False).input_ids + [tok.eos_token_id]]
+def train_briefly(hf, tok, steps: int, seed: int, seq: int = 64, batch: int = 8, lr: float = 1e-2,
+                  mask_prob: float = 0.0) -> list[float]:
+    """Next-token training of `hf` on Genesis + Exodus (AdamW, random blocks), or with mask_prob > 0
+    masked-LM training (that fraction of the pieces masked, verses separated by the sep token); ->
+    the losses."""
+    sep = tok.sep_token_id if mask_prob else tok.eos_token_id
+    ids = [i for line in bible_lines("en") for i in tok(line, add_special_tokens=False).input_ids + [sep]]
     stream = torch.tensor(ids)
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=0.0)
@@ -233,7 +238,11 @@ def train_briefly(hf, tok, steps: int, seed: int, seq: int = 64, batch: int = 8,
     for _ in range(steps):
         start = torch.randint(0, len(stream) - seq, (batch,), generator=g)
         block = torch.stack([stream[s:s + seq] for s in start.tolist()])
-        loss = hf(input_ids=block, labels=block).loss
+        labels, inputs = block, block
+        if mask_prob:
+            chosen = torch.rand(block.shape, generator=g) < mask_prob
+            labels, inputs = block.masked_fill(~chosen, -100), block.masked_fill(chosen, tok.mask_token_id)
+        loss = hf(input_ids=inputs, labels=labels).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -261,4 +270,109 @@ def damaged_copy(src: Path, out: Path, config: dict | None = None, edit=None) ->
         state = load_file(str(out / "model.safetensors"))
         edit(state)
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+# --- BERT: WordPiece tokenizers, token types, bodies as sentence-transformers ships them
+
+# 4 layers of h 32; 64 positions from 0 (BERT has no padding offset); two token types.
+BERT_SHAPE = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=64,
+                  max_position_embeddings=64, type_vocab_size=2, layer_norm_eps=1e-12, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+WORDPIECE_VOCAB = 800
+
+
+def make_wordpiece(out: Path, lowercase: bool = False, vocab_size: int = WORDPIECE_VOCAB):
+    """BERT's WordPiece ([PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4), trained on the English Bible
+    with tokenizers' BertWordPieceTokenizer (cased or uncased: lowercase and strip accents), saved
+    as vocab.txt and loaded as BertTokenizerFast (tokenizer.json)."""
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    wp = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=lowercase)
+    wp.train_from_iterator(bible_lines("en"), vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                           special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    wp.save_model(str(out))
+    tok = BertTokenizerFast.from_pretrained(str(out), do_lower_case=lowercase, strip_accents=lowercase or None)
+    (out / "vocab.txt").unlink()
+    tok.save_pretrained(str(out))
+    return tok
+
+
+def make_bert(out: Path, seed: int = 6, lowercase: bool = False, train_steps: int = 0, headless: bool = False) -> Path:
+    """BertForMaskedLM (or, headless, BertModel with its pooler: bert_body) + a WordPiece trained on
+    the English Bible; every weight perturbed, or (train_steps > 0) trained that many masked-LM
+    updates first, so that its logits are not near-uniform."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    tok = make_wordpiece(out, lowercase)
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=len(tok) + len(tok) % 2, pad_token_id=tok.pad_token_id, **BERT_SHAPE)
+    hf = BertForMaskedLM(cfg)
+    _perturb(hf, seed)
+    if train_steps:
+        train_briefly(hf, tok, train_steps, seed, lr=3e-3, mask_prob=0.15)
+    hf.save_pretrained(str(out))
+    return bert_body(out, out, seed) if headless else out
+
+
+def bert_body(src: Path, out: Path, seed: int = 6) -> Path:
+    """The BertForMaskedLM of `src` as a BertModel (its body, and a pooler as a sentence-transformers
+    checkpoint has, perturbed) with its tokenizer, in `out` (may be `src`: replaced)."""
+    import shutil
+
+    from transformers import BertForMaskedLM, BertModel
+
+    hf = BertForMaskedLM.from_pretrained(str(src))
+    if out != src:
+        shutil.copytree(src, out)
+    hf.config.architectures = ["BertModel"]
+    body = BertModel(hf.config)
+    body.load_state_dict({**body.state_dict(), **{k[len("bert."):]: v for k, v in hf.state_dict().items()
+                                                 if k.startswith("bert.")}})
+    _perturb(body.pooler, seed)
+    (out / "model.safetensors").unlink()
+    body.save_pretrained(str(out))
+    return out
+
+
+def as_sentence_transformer(model_dir: Path, out: Path, subfolder: str = "") -> Path:
+    """`model_dir` (a body and its tokenizer) saved as a sentence-transformers directory, mean
+    pooling, normalised (the transformer's files at the top, or in `subfolder`)."""
+    import shutil
+
+    from sentence_transformers import SentenceTransformer, models
+
+    body = models.Transformer(str(model_dir), max_seq_length=64)
+    st = SentenceTransformer(modules=[body, models.Pooling(body.get_word_embedding_dimension(), "mean"),
+                                      models.Normalize()], device="cpu")
+    st.save(str(out))
+    if subfolder:  # as some checkpoints lay it out: the transformer under 0_Transformer/
+        (out / subfolder).mkdir()
+        modules = json.loads((out / "modules.json").read_text())
+        for f in [p for p in out.iterdir() if p.is_file() and p.name not in ("modules.json", "README.md",
+                                                                             "config_sentence_transformers.json")]:
+            shutil.move(str(f), out / subfolder / f.name)
+        modules[0]["path"] = subfolder
+        (out / "modules.json").write_text(json.dumps(modules, indent=2))
+    return out
+
+
+def make_headless_xlmr(out: Path, seed: int = 7, train_steps: int = 0) -> Path:
+    """XLMRobertaModel (a body with its pooler) + SentencePiece, as make_xlmr's; train_steps > 0:
+    the masked LM trained that many updates on the English Bible first (its body kept)."""
+    from transformers import AutoTokenizer, XLMRobertaForMaskedLM, XLMRobertaModel
+
+    make_xlmr(out, seed)
+    mlm = XLMRobertaForMaskedLM.from_pretrained(str(out))
+    if train_steps:
+        train_briefly(mlm, AutoTokenizer.from_pretrained(str(out)), train_steps, seed, lr=3e-3, mask_prob=0.15)
+    mlm.config.architectures = ["XLMRobertaModel"]
+    body = XLMRobertaModel(mlm.config)
+    _perturb(body.pooler, seed)
+    body.load_state_dict({**body.state_dict(), **{k[len("roberta."):]: v for k, v in mlm.state_dict().items()
+                                                 if k.startswith("roberta.")}})
+    (out / "model.safetensors").unlink()
+    body.save_pretrained(str(out))
     return out

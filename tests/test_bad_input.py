@@ -152,6 +152,55 @@ class Ctx:
     def predict(self, text: str, *extra: str, run: str | None = None) -> list[str]:
         return ["predict", "--run", run or str(self.primary), "--input", self.file("in.txt", text + "\n"), *extra]
 
+    def bert_dir(self, tokenizer: str = "wordpiece", **config) -> str:
+        """A tiny Hugging Face BERT directory (tests/hf_models.py's shapes, one layer): a BertModel
+        with `config` over BERT_SHAPE and a WordPiece tokenizer, or (tokenizer "bpe") a byte-level BPE."""
+        from hf_models import BERT_SHAPE, make_wordpiece
+        from transformers import BertConfig, BertModel
+
+        d = self.tmp / "bert"
+        if tokenizer == "bpe":
+            from tokenizers import ByteLevelBPETokenizer
+            from transformers import RobertaTokenizerFast
+
+            bpe = ByteLevelBPETokenizer()
+            bpe.train_from_iterator(["In the beginning God created the heaven and the earth."] * 20, vocab_size=300,
+                                    special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"], show_progress=False)
+            d.mkdir()
+            tok = RobertaTokenizerFast(tokenizer_object=bpe._tokenizer)
+            tok.save_pretrained(str(d))
+        else:
+            tok = make_wordpiece(d, vocab_size=300)
+        cfg = BertConfig(**{**BERT_SHAPE, "num_hidden_layers": 1, "vocab_size": len(tok),
+                            "pad_token_id": tok.pad_token_id, **config})
+        BertModel(cfg).save_pretrained(str(d))
+        return str(d)
+
+    def headless_run(self) -> str:
+        """A headless BERT run: a BertModel imported (no MLM head)."""
+        from mmadapt.hf import import_hf
+
+        import_hf(Path(self.bert_dir()), self.tmp / "headless")
+        return str(self.tmp / "headless")
+
+    def body_with_a_head(self) -> list[str]:
+        """import-hf of a BertModel directory whose weights also hold an MLM head (cls.predictions.*)."""
+        import torch
+        from hf_models import damaged_copy
+
+        def add_head(state):
+            h, v = state["embeddings.word_embeddings.weight"].shape[::-1]
+            state.update({"cls.predictions.bias": torch.zeros(v), "cls.predictions.transform.dense.weight":
+                          torch.zeros(h, h)})
+
+        d = damaged_copy(Path(self.bert_dir()), self.tmp / "bert_with_head", None, add_head)
+        return ["import-hf", "--model", str(d), "--output_dir", str(self.out)]
+
+    def sentence_transformers_dir(self, modules: list[dict]) -> str:
+        d = Path(self.bert_dir())
+        (d / "modules.json").write_text(json.dumps(modules))
+        return str(d)
+
     def own_task(self, name: str, text: str, *extra: str, task: str = "classify") -> list[str]:
         return self.finetune(*extra)[:2] + [task] + self.finetune()[3:] + ["--train_file", self.file(name, text),
                                                                           *extra]
@@ -461,6 +510,30 @@ CASES = [
      "score_fraction 0.5 is a causal-LM setting"),
     ("decoder-score-fraction-zero", lambda c: c.pretrain("--preset", "llama-tiny", "--score_fraction", "0"),
      "--score_fraction must be in (0, 1], got 0.0"),
+    # --- BERT and headless encoders (issue 37)
+    ("bert-three-token-types", lambda c: ["import-hf", "--model", c.bert_dir(type_vocab_size=3), "--output_dir",
+                                          str(c.out)], "type_vocab_size is 3; mmadapt's BERT has 1 or 2 token types"),
+    ("bert-tokenizer-kind", lambda c: ["import-hf", "--model", c.bert_dir("bpe"), "--output_dir", str(c.out)],
+     "its tokenizer is a bpe tokenizer; the bert family takes sentencepiece, wordpiece tokenizers"),
+    ("bert-preset-token-types", lambda c: c.pretrain("--preset", "bert-tiny", "--type_vocab_size", "4"),
+     "type_vocab_size 4: BERT has 1 or 2 token types"),
+    ("encoder-given-token-types", lambda c: c.pretrain("--type_vocab_size", "1"),
+     "type_vocab_size 1 sets BERT's token types; the roberta family has none: drop it"),
+    ("headless-to-step2", lambda c: ["adapt", "--system", "bl_base", "--source", c.headless_run(), "--lang", "de",
+                                     "--output_dir", str(c.out)],
+     "is a headless encoder (a BertModel imported without an MLM head), and Step 2 needs one: fit it first with "
+     "`mmadapt fit-head --primary"),
+    ("headless-to-minipost", lambda c: c.minipost(primary=c.headless_run()), "and build_minipost needs one"),
+    ("fit-head-has-a-head", lambda c: ["fit-head", "--primary", str(c.primary), "--corpus", str(c.corpus),
+                                       "--output_dir", str(c.out)], "has its MLM head already"),
+    ("bert-body-holding-an-mlm-head", lambda c: c.body_with_a_head(),
+     "its weights hold cls.predictions.bias (and 1 more tensor), which the model config.json describes has no place "
+     "for: config.json names a BertModel, a body without an MLM head, but the weights hold one: set architectures "
+     "to [\"BertForMaskedLM\"]"),
+    ("sentence-transformers-module", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
+        [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+         {"idx": 1, "name": "1", "path": "1_CNN", "type": "sentence_transformers.models.CNN"}]),
+        "--output_dir", str(c.out)], "lists Transformer, CNN; import-hf takes a sentence-transformers model"),
 ]
 
 

@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from transformers import (AutoModelForMaskedLM, AutoModelForQuestionAnswering, AutoModelForSequenceClassification,
-                          AutoModelForTokenClassification, AutoTokenizer, BertConfig, GPT2Config)
+                          AutoModelForTokenClassification, AutoTokenizer, ElectraConfig, GPT2Config)
 
 from conftest import REPO
 from hf_models import bible_lines, make_roberta, make_xlmr
@@ -299,8 +299,8 @@ def _broken_dirs(tmp_path, hf_dirs):
 
     out = {"empty": tmp_path / "empty"}
     out["empty"].mkdir()
-    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-               architectures=["BertForMaskedLM"]).save_pretrained(str(tmp_path / "bert"))
+    ElectraConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                  architectures=["ElectraForMaskedLM"]).save_pretrained(str(tmp_path / "bert"))
     GPT2Config(n_embd=32, n_layer=1, n_head=2, architectures=["GPT2LMHeadModel"]).save_pretrained(str(tmp_path / "gpt2"))
     out.update(bert=tmp_path / "bert", gpt2=tmp_path / "gpt2")
     for what, drop in (("no_weights", ("model.safetensors",)),
@@ -312,7 +312,7 @@ def _broken_dirs(tmp_path, hf_dirs):
     return out
 
 
-EXPECT = {"empty": "no config.json", "bert": "BertForMaskedLM", "gpt2": "GPT2LMHeadModel",
+EXPECT = {"empty": "no config.json", "bert": "ElectraForMaskedLM", "gpt2": "GPT2LMHeadModel",
           "no_weights": "no weights", "no_tokenizer": "no tokenizer files"}
 
 

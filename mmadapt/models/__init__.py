@@ -2,6 +2,7 @@
 
     roberta   post-LayerNorm encoder, masked LM (the paper's models; mmadapt/models/roberta/)
     llama     pre-norm decoder (Llama, Qwen2, Mistral), causal LM (mmadapt/models/llama/)
+    bert      RoBERTa's encoder with token types and BERT's framing (mBERT, MiniLM, LaBSE) (mmadapt/models/bert/)
 
 A family defined outside mmadapt registers itself (`register_family`) when its module is
 imported; the environment variable MMADAPT_IMPORT names such modules (comma-separated, importable
@@ -22,6 +23,7 @@ import os
 
 from mmadapt.config import ModelConfig, TrainConfig
 from mmadapt.family import ModelFamily
+from mmadapt.models.bert import BERT
 from mmadapt.models.llama import LLAMA
 from mmadapt.models.roberta import ROBERTA
 
@@ -96,3 +98,4 @@ _IMPORTED: set[str] = set()  # what import_plugins has imported in this process
 
 register_family(ROBERTA)
 register_family(LLAMA)
+register_family(BERT)

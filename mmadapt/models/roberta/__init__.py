@@ -62,6 +62,9 @@ class RobertaFamily(ModelFamily):
     def output_biases(self, cfg: ModelConfig) -> tuple[str, ...]:
         return tuple(f"heads.heads.{i}.bias" for i in range(len(cfg.heads_after)))
 
+    def head_scales(self, cfg: ModelConfig) -> tuple[str, ...]:
+        return tuple(f"heads.heads.{i}.layernorm.weight" for i in range(len(cfg.heads_after)))
+
     def finetune_trainable(self, cfg: ModelConfig) -> tuple[str, ...]:
         # The body (positions and embedding LayerNorm included: they are language-independent)
         # and the task head.

@@ -109,6 +109,14 @@ def minipost_flops(cfg: ModelConfig, s: int, p: float, trainable_layers: int, pa
     return fwd + head_bwd + lt * 2 * layer_flops(cfg, s) - qkv_dgrad
 
 
+def fit_head_flops(cfg: ModelConfig, s: int, p: float) -> float:
+    """mmadapt fit-head: a new MLM head over a frozen body (and frozen tied embedding). The body
+    runs forward only (nothing below the head trains); the head forward, then the projection's
+    input gradient and the dense layer's weight gradient (its input, the body's output, needs
+    none, nor does the frozen projection a weight gradient): forward + one more head."""
+    return forward_flops(cfg, s, p) + len(cfg.heads_after) * head_flops(cfg, s, p)
+
+
 def step_flops(step: str, cfg: ModelConfig, s: int, p: float, paper: bool = False,
                trainable_layers: int = 0) -> float:
     """Per-sequence FLOPs of one update of `step` (one of STEPS)."""
@@ -118,4 +126,6 @@ def step_flops(step: str, cfg: ModelConfig, s: int, p: float, paper: bool = Fals
         return adapt_flops(cfg, s, p, paper)
     if step == "minipost":
         return minipost_flops(cfg, s, p, trainable_layers, paper)
+    if step == "fit_head":  # not in the paper: the exact count either way
+        return fit_head_flops(cfg, s, p)
     raise ValueError(f"unknown step {step!r}; choose one of {', '.join(STEPS)}")

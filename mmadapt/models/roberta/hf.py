@@ -10,6 +10,7 @@ correspondence is exact (HF name -> mmadapt name, `b` = "roberta."):
     b.embeddings.token_type_embeddings    added into every position row (one type; HF's tokenizers
                                           for these models give no token_type_ids)
     b.embeddings.LayerNorm                embeddings.layernorm
+    b.pooler.dense                        pooler.dense    (a body: RobertaModel, XLMRobertaModel)
     b.encoder.layer.i.attention.self.{query,key,value}  layers.i.qkv, per head [nh, 3, hd] rows
     b.encoder.layer.i.attention.output.dense / LayerNorm   layers.i.attn_out / attn_layernorm
     b.encoder.layer.i.intermediate.dense / output.dense    layers.i.fc1 / fc2
@@ -19,6 +20,9 @@ correspondence is exact (HF name -> mmadapt name, `b` = "roberta."):
     classifier.dense / out_proj           dense / out   (sequence classification)
     classifier                            out           (token classification)
     qa_outputs                            out           (question answering: start, end)
+RobertaModel and XLMRobertaModel (sentence-transformers' bodies) have no MLM head: they import
+as headless runs (run.json `imported_from.headless`), with their pooler, until `mmadapt fit-head`
+trains a head over them; export kind "body" writes such a class back (sentence-transformers).
 Only padding positions are computed differently (HF gives them position padding_idx, mmadapt
 its running position): no other position attends to them, so no other output changes.
 
@@ -36,12 +40,15 @@ from mmadapt.config import ModelConfig
 from mmadapt.family import WORD, HFMapping, Implied
 from mmadapt.models.roberta.model import BIAS
 ARCHITECTURES = {"RobertaForMaskedLM": "roberta", "XLMRobertaForMaskedLM": "xlm-roberta",
-                 "CamembertForMaskedLM": "camembert"}
+                 "CamembertForMaskedLM": "camembert", "RobertaModel": "roberta", "XLMRobertaModel": "xlm-roberta"}
+# Bodies without an MLM head (sentence-transformers' checkpoints): imported headless, with their
+# pooler (transformers builds these classes with one); `mmadapt fit-head` gives them a head.
+HEADLESS = ("RobertaModel", "XLMRobertaModel")
 SUPPORTED = ", ".join(ARCHITECTURES)
 MODEL_TYPE = "roberta"  # what an mmadapt-pretrained encoder is exported as
 CLASS_PREFIX = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert"}
 TASK_CLASSES = {None: "ForMaskedLM", "classify": "ForSequenceClassification", "tag": "ForTokenClassification",
-                "span": "ForQuestionAnswering"}
+                "span": "ForQuestionAnswering", "body": "Model"}  # body: the encoder alone (sentence-transformers)
 # An exported mmadapt SentencePiece model lays every kind out as features.py does (templates in
 # mmadapt's role names, mmadapt/hf.py); an imported tokenizer already does, and is kept.
 ENCODER_LAYOUT = {"single": "{bos} $A {eos}", "pair": "{bos} $A {eos} {eos} $B {eos}",
@@ -63,19 +70,22 @@ def import_note(cfg: dict, model_dir=None) -> None:
 
 def check_config(cfg: dict, model_dir) -> None:
     """config.json of one of ARCHITECTURES, checked for everything the encoder cannot express."""
+    check_encoder_config(cfg, model_dir)
+    if cfg.get("max_position_embeddings", 512) <= cfg["pad_token_id"] + 1:
+        raise ValueError(f"{model_dir}: config.json's max_position_embeddings {cfg.get('max_position_embeddings', 512)} "
+                         f"leaves no position after the {cfg['pad_token_id'] + 1} rows a RoBERTa-family model skips "
+                         "(pad_token_id + 1): it cannot describe a working model")
+
+
+def check_encoder_config(cfg: dict, model_dir) -> None:
+    """What a post-LN encoder's config.json (RoBERTa's, BERT's) must say for mmadapt to compute it exactly."""
     if not isinstance(cfg.get("pad_token_id"), int):
-        raise ValueError(f"{model_dir}: config.json has no pad_token_id: a RoBERTa-family model counts its positions "
-                         "from it")
-    impossible = [
-        (cfg.get("hidden_size", 768) % cfg.get("num_attention_heads", 12),
-         f"hidden_size {cfg.get('hidden_size', 768)} is not divisible by num_attention_heads "
-         f"{cfg.get('num_attention_heads', 12)}"),
-        (cfg.get("max_position_embeddings", 512) <= cfg["pad_token_id"] + 1,
-         f"max_position_embeddings {cfg.get('max_position_embeddings', 512)} leaves no position after the "
-         f"{cfg['pad_token_id'] + 1} rows a RoBERTa-family model skips (pad_token_id + 1)")]
-    for bad, why in impossible:
-        if bad:
-            raise ValueError(f"{model_dir}: config.json's {why}: it cannot describe a working model")
+        raise ValueError(f"{model_dir}: config.json has no pad_token_id: an encoder's special tokens and (RoBERTa) "
+                         "positions are counted from it")
+    if cfg.get("hidden_size", 768) % cfg.get("num_attention_heads", 12):
+        raise ValueError(f"{model_dir}: config.json's hidden_size {cfg.get('hidden_size', 768)} is not divisible by "
+                         f"num_attention_heads {cfg.get('num_attention_heads', 12)}: it cannot describe a working "
+                         "model")
     unsupported = [(k, cfg.get(k, d), want) for k, d, want in (
         ("hidden_act", "gelu", "gelu"), ("position_embedding_type", "absolute", "absolute"),
         ("is_decoder", False, False), ("tie_word_embeddings", True, True))
@@ -95,8 +105,8 @@ def special_ids(tok, cfg: dict, vocab_size: int, model_dir: Path) -> tuple[list[
              "<mask>": tok.mask_token_id}
     missing = [k for k, v in roles.items() if v is None]
     if missing:
-        raise ValueError(f"{model_dir}: its tokenizer has no {missing[0]} token; a RoBERTa-family tokenizer "
-                         "has <pad>, <unk>, <s>, </s> and <mask>")
+        raise ValueError(f"{model_dir}: its tokenizer has no {missing[0]} token; an encoder's tokenizer has a pad, "
+                         "unk, cls (<s>, [CLS]), sep (</s>, [SEP]) and mask token")
     ids = list(roles.values())
     if len(set(ids)) != len(ids):
         raise ValueError(f"{model_dir}: its tokenizer gives two special tokens one id ({roles})")
@@ -114,7 +124,13 @@ def model_config(cfg: dict, model_dir=None) -> ModelConfig:
                        hidden_dropout=cfg.get("hidden_dropout_prob", 0.1),
                        attention_dropout=cfg.get("attention_probs_dropout_prob", 0.1),
                        layernorm_epsilon=cfg.get("layer_norm_eps", 1e-5),
-                       init_method_std=cfg.get("initializer_range", 0.02)).validate()
+                       init_method_std=cfg.get("initializer_range", 0.02),
+                       add_pooling_layer=is_headless(cfg)).validate()
+
+
+def is_headless(cfg: dict) -> bool:
+    """A config.json of a body class (no MLM head; a pooler)."""
+    return (cfg.get("architectures") or [None])[0] in HEADLESS
 
 
 # --- the weight correspondence (module docstring) ----------------------------------------------------
@@ -130,27 +146,20 @@ def _base_prefix(state: dict) -> str:
     return key[:-len("embeddings.word_embeddings.weight")]
 
 
-def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf_cfg: dict) -> dict:
-    """A RobertaForMaskedLM-family state dict -> RobertaMLM's (tensor-parallel size 1)."""
-    pad_token_id = hf_cfg["pad_token_id"]
-    b = _base_prefix(hf)
-    nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
-    perm = torch.tensor(hf_ids)
-
-    def get(name):
+def getter(hf: dict[str, torch.Tensor]):
+    """name -> the fp32 tensor of a Hugging Face state dict, or one line naming what it lacks."""
+    def get(name: str) -> torch.Tensor:
         if name not in hf:
             raise ValueError(f"the weights lack {name}")
         return hf[name].float()
+    return get
 
-    word = get(b + "embeddings.word_embeddings.weight")
-    if "lm_head.decoder.weight" in hf and not torch.equal(get("lm_head.decoder.weight"), word):
-        raise ValueError("lm_head.decoder.weight differs from the word embeddings: transformers loads this model "
-                         "untied, and mmadapt's output projection is always tied")
-    offset = pad_token_id + 1
-    pos = get(b + "embeddings.position_embeddings.weight")[offset:offset + cfg.max_position_embeddings]
-    out = {WORD: word[perm], "embeddings.position_embeddings.weight": pos + get(b + "embeddings.token_type_embeddings.weight")[0],
-           "embeddings.layernorm.weight": get(b + "embeddings.LayerNorm.weight"),
-           "embeddings.layernorm.bias": get(b + "embeddings.LayerNorm.bias")}
+
+def layers_from_hf(cfg: ModelConfig, get, b: str) -> dict:
+    """The transformer layers (and the pooler, ModelConfig.add_pooling_layer) under base prefix
+    `b` -> mmadapt's names: q, k, v interleaved per head into the fused QKV."""
+    nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    out = {}
     for i in range(cfg.num_layers):
         p = f"{b}encoder.layer.{i}."
         for kind in ("weight", "bias"):
@@ -159,6 +168,57 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf
                 [t.reshape(nh, hd, *t.shape[1:]) for t in (q, k, v)], dim=1).reshape(3 * h, *q.shape[1:])
             for src, dst in _LAYER.items():
                 out[f"layers.{i}.{dst}.{kind}"] = get(f"{p}{src}.{kind}")
+    if cfg.add_pooling_layer:
+        out.update({f"pooler.dense.{t}": get(f"{b}pooler.dense.{t}") for t in ("weight", "bias")})
+    return out
+
+
+def layers_to_hf(cfg: ModelConfig, state: dict, b: str, pooler: bool) -> dict:
+    """layers_from_hf's inverse; pooler: write the model's (a class that has one)."""
+    nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+    out = {}
+    for i in range(cfg.num_layers):
+        p = f"{b}encoder.layer.{i}."
+        for t in ("weight", "bias"):
+            qkv = state[f"layers.{i}.qkv.{t}"]
+            q, k, v = qkv.reshape(nh, 3, hd, *qkv.shape[1:]).unbind(1)
+            for n, x in zip(("query", "key", "value"), (q, k, v)):
+                out[f"{p}attention.self.{n}.{t}"] = x.reshape(h, *qkv.shape[1:])
+            for src, dst in _LAYER.items():
+                out[f"{p}{src}.{t}"] = state[f"layers.{i}.{dst}.{t}"]
+    if pooler:
+        out.update({f"{b}pooler.dense.{t}": state[f"pooler.dense.{t}"] for t in ("weight", "bias")})
+    return out
+
+
+def inverse_rows(hf_ids: list[int] | None, t: torch.Tensor) -> torch.Tensor:
+    """A vocabulary-indexed tensor in mmadapt's ids -> in the exported tokenizer's (`hf_ids`:
+    mmadapt id -> its id; None: the same)."""
+    if hf_ids is None:
+        return t
+    inverse = torch.empty(len(hf_ids), dtype=torch.long)
+    inverse[torch.tensor(hf_ids)] = torch.arange(len(hf_ids))
+    return t[inverse]
+
+
+def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf_cfg: dict) -> dict:
+    """A RobertaForMaskedLM-family state dict (or a body's: no head) -> RobertaMLM's (tensor-parallel size 1)."""
+    pad_token_id = hf_cfg["pad_token_id"]
+    b = _base_prefix(hf)
+    perm = torch.tensor(hf_ids)
+    get = getter(hf)
+    word = get(b + "embeddings.word_embeddings.weight")
+    if "lm_head.decoder.weight" in hf and not torch.equal(get("lm_head.decoder.weight"), word):
+        raise ValueError("lm_head.decoder.weight differs from the word embeddings: transformers loads this model "
+                         "untied, and mmadapt's output projection is always tied")
+    offset = pad_token_id + 1
+    pos = get(b + "embeddings.position_embeddings.weight")[offset:offset + cfg.max_position_embeddings]
+    out = {WORD: word[perm], "embeddings.position_embeddings.weight": pos + get(b + "embeddings.token_type_embeddings.weight")[0],
+           "embeddings.layernorm.weight": get(b + "embeddings.LayerNorm.weight"),
+           "embeddings.layernorm.bias": get(b + "embeddings.LayerNorm.bias"),
+           **layers_from_hf(cfg, get, b)}
+    if is_headless(hf_cfg):
+        return {k: v.contiguous() for k, v in out.items()}
     for kind in ("weight", "bias"):
         out[f"heads.heads.0.dense.{kind}"] = get(f"lm_head.dense.{kind}")
         out[f"heads.heads.0.layernorm.{kind}"] = get(f"lm_head.layer_norm.{kind}")
@@ -169,19 +229,20 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def implied(cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:
-    """Every tensor of a ...ForMaskedLM config: its shape from config.json's fields."""
-    b = _base_prefix(hf)
-    h, v, f, n = cfg.hidden_size, cfg.vocab_size, cfg.ffn_hidden_size, hf_cfg["max_position_embeddings"]
+def body_implied(cfg: ModelConfig, b: str, positions: int, hf_cfg: dict) -> dict[str, Implied]:
+    """Every tensor of an encoder body (RoBERTa's, BERT's) under base prefix `b`, its pooler
+    where the class has one (ModelConfig.add_pooling_layer): its shape from config.json's fields
+    (`positions`: its max_position_embeddings)."""
+    h, v, f = cfg.hidden_size, cfg.vocab_size, cfg.ffn_hidden_size
     H, V, F, P = (h, f"hidden_size {h}"), (v, f"vocab_size {v}"), (f, f"intermediate_size {f}"), \
-        (n, f"max_position_embeddings {n}")
+        (positions, f"max_position_embeddings {positions}")
     out = {b + "embeddings.word_embeddings.weight": (V, H), b + "embeddings.position_embeddings.weight": (P, H),
-           b + "embeddings.LayerNorm.weight": (H,), b + "embeddings.LayerNorm.bias": (H,),
-           "lm_head.dense.weight": (H, H), "lm_head.dense.bias": (H,), "lm_head.layer_norm.weight": (H,),
-           "lm_head.layer_norm.bias": (H,), "lm_head.bias": (V,)}
+           b + "embeddings.LayerNorm.weight": (H,), b + "embeddings.LayerNorm.bias": (H,)}
     if "type_vocab_size" in hf_cfg:
         out[b + "embeddings.token_type_embeddings.weight"] = ((hf_cfg["type_vocab_size"], "type_vocab_size "
                                                               f"{hf_cfg['type_vocab_size']}"), H)
+    if cfg.add_pooling_layer:
+        out.update({b + "pooler.dense.weight": (H, H), b + "pooler.dense.bias": (H,)})
     out = {k: Implied(d) for k, d in out.items()}
     layer = {"attention.output.dense.weight": (H, H), "intermediate.dense.weight": (F, H),
              "intermediate.dense.bias": (F,), "output.dense.weight": (H, F),
@@ -196,42 +257,57 @@ def implied(cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:
     return out
 
 
+def head_implied(cfg: ModelConfig, names: dict[str, str]) -> dict[str, Implied]:
+    """The MLM head's tensors (`names`: dense, layernorm, bias -> the class's names)."""
+    H, V = (cfg.hidden_size, f"hidden_size {cfg.hidden_size}"), (cfg.vocab_size, f"vocab_size {cfg.vocab_size}")
+    return {**{f"{names['dense']}.{t}": Implied((H, H) if t == "weight" else (H,)) for t in ("weight", "bias")},
+            **{f"{names['layernorm']}.{t}": Implied((H,)) for t in ("weight", "bias")},
+            names["bias"]: Implied((V,))}
+
+
+def implied(cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:
+    """Every tensor of a ...ForMaskedLM config (of a body class: no head, a pooler): its shape
+    from config.json's fields."""
+    out = body_implied(cfg, _base_prefix(hf), hf_cfg["max_position_embeddings"], hf_cfg)
+    if not is_headless(hf_cfg):
+        out.update(head_implied(cfg, {"dense": "lm_head.dense", "layernorm": "lm_head.layer_norm",
+                                      "bias": "lm_head.bias"}))
+    return out
+
+
 def unused_note(name: str, cfg: ModelConfig, hf_cfg: dict) -> str | None:
     layer = re.search(r"encoder\.layer\.(\d+)\.", name)
     if layer and int(layer.group(1)) >= cfg.num_layers:
         return (f"config.json's num_hidden_layers is {cfg.num_layers}, but the weights hold layer {layer.group(1)} "
                 "(0-based): set num_hidden_layers to the number of layers the weights hold")
+    if name.startswith("lm_head.") and is_headless(hf_cfg):
+        return headless_note(hf_cfg, "XLMRobertaForMaskedLM" if hf_cfg["model_type"] == "xlm-roberta"
+                             else "RobertaForMaskedLM")
     return None
+
+
+def headless_note(hf_cfg: dict, with_head: str) -> str:
+    """Why a body class's files that hold an MLM head are refused, and the fix."""
+    return (f"config.json names a {hf_cfg['architectures'][0]}, a body without an MLM head, but the weights hold one: "
+            f"set architectures to [\"{with_head}\"] in config.json to import it with its head")
 
 
 def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
           model_type: str | None = None) -> dict:
-    """RobertaMLM's (kind None) or RobertaForTask's state dict -> the matching HF class's.
-    hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids); ids: its pad, bos and
-    eos ids (HF counts positions from the pad's)."""
-    pad_token_id = ids["pad"]
-    nh, hd, h = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
-    b = "roberta."
-    word = state[WORD].float()
-    if hf_ids is not None:
-        inverse = torch.empty(len(hf_ids), dtype=torch.long)
-        inverse[torch.tensor(hf_ids)] = torch.arange(len(hf_ids))
-        word = word[inverse]
+    """RobertaMLM's (kind None; "body": the encoder alone, with its pooler if it has one) or
+    RobertaForTask's state dict -> the matching HF class's. hf_ids: mmadapt id -> the exported
+    tokenizer's id (None: the same ids); ids: its pad, bos and eos ids (HF counts positions from
+    the pad's)."""
+    pad_token_id, h = ids["pad"], cfg.hidden_size
+    b = "" if kind == "body" else "roberta."
+    word = inverse_rows(hf_ids, state[WORD].float())
     pos = state["embeddings.position_embeddings.weight"].float()
     out = {b + "embeddings.word_embeddings.weight": word,
            b + "embeddings.position_embeddings.weight": torch.cat([pos.new_zeros(pad_token_id + 1, h), pos]),
            b + "embeddings.token_type_embeddings.weight": pos.new_zeros(1, h),
            b + "embeddings.LayerNorm.weight": state["embeddings.layernorm.weight"],
-           b + "embeddings.LayerNorm.bias": state["embeddings.layernorm.bias"]}
-    for i in range(cfg.num_layers):
-        p = f"{b}encoder.layer.{i}."
-        for t in ("weight", "bias"):
-            qkv = state[f"layers.{i}.qkv.{t}"]
-            q, k, v = qkv.reshape(nh, 3, hd, *qkv.shape[1:]).unbind(1)
-            for n, x in zip(("query", "key", "value"), (q, k, v)):
-                out[f"{p}attention.self.{n}.{t}"] = x.reshape(h, *qkv.shape[1:])
-            for src, dst in _LAYER.items():
-                out[f"{p}{src}.{t}"] = state[f"layers.{i}.{dst}.{t}"]
+           b + "embeddings.LayerNorm.bias": state["embeddings.layernorm.bias"],
+           **layers_to_hf(cfg, state, b, pooler=kind == "body" and cfg.add_pooling_layer)}
     for t in ("weight", "bias"):
         if kind is None:
             out[f"lm_head.dense.{t}"] = state[f"heads.heads.0.dense.{t}"]
@@ -239,11 +315,10 @@ def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | N
         elif kind == "classify":
             out[f"classifier.dense.{t}"] = state[f"dense.{t}"]
             out[f"classifier.out_proj.{t}"] = state[f"out.{t}"]
-        else:
+        elif kind != "body":
             out[f"{'classifier' if kind == 'tag' else 'qa_outputs'}.{t}"] = state[f"out.{t}"]
     if kind is None:
-        bias = state[BIAS].float()
-        out["lm_head.bias"] = bias if hf_ids is None else bias[inverse]
+        out["lm_head.bias"] = inverse_rows(hf_ids, state[BIAS].float())
         out["lm_head.decoder.weight"], out["lm_head.decoder.bias"] = word, out["lm_head.bias"]
     return {k: v.float().contiguous() for k, v in out.items()}
 
@@ -251,6 +326,15 @@ def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | N
 def hf_config(cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids: dict[str, int], model_type: str):
     """The transformers config of `model_type`'s class for `kind` (None: the masked LM) that
     holds `cfg`; ids: the exported tokenizer's pad, bos and eos ids."""
+    return encoder_config(cfg, kind, labels, ids, model_type, CLASS_PREFIX[model_type],
+                          max_position_embeddings=cfg.max_position_embeddings + ids["pad"] + 1, type_vocab_size=1)
+
+
+def encoder_config(cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids: dict[str, int],
+                   model_type: str, class_prefix: str, **shape):
+    """A post-LN encoder's transformers config (RoBERTa's and BERT's) of the class
+    `class_prefix` + TASK_CLASSES[kind]; `shape`: what the family counts its own way (positions,
+    token types)."""
     import transformers
 
     extra = {}
@@ -264,15 +348,15 @@ def hf_config(cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids:
         model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads, intermediate_size=cfg.ffn_hidden_size, hidden_act="gelu",
         hidden_dropout_prob=cfg.hidden_dropout, attention_probs_dropout_prob=cfg.attention_dropout,
-        max_position_embeddings=cfg.max_position_embeddings + ids["pad"] + 1, type_vocab_size=1,
         initializer_range=cfg.init_method_std, layer_norm_eps=cfg.layernorm_epsilon,
         pad_token_id=ids["pad"], bos_token_id=ids["bos"], eos_token_id=ids["eos"],
-        architectures=[CLASS_PREFIX[model_type] + TASK_CLASSES[kind]], tie_word_embeddings=True, **extra)
+        architectures=[class_prefix + TASK_CLASSES[kind]], tie_word_embeddings=True, **shape, **extra)
 
 
 class RobertaMapping(HFMapping):
     """The encoder's correspondence (module docstring), as family.HFMapping declares it."""
     architectures = ARCHITECTURES
+    headless = HEADLESS
     check_config = staticmethod(check_config)
     model_config = staticmethod(model_config)
     special_ids = staticmethod(special_ids)
@@ -284,7 +368,8 @@ class RobertaMapping(HFMapping):
     import_note = staticmethod(import_note)
     positive_fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                        "max_position_embeddings", "type_vocab_size")
-    # what transformers leaves out of a ...ForMaskedLM: an old checkpoint's position-id buffer, a pooler
+    # what transformers leaves out: an old checkpoint's position-id buffer (always), a pooler (a
+    # ...ForMaskedLM has none; a body class reads its own)
     ignored = (r"(^|\.)embeddings\.position_ids$", r"(^|\.)pooler\.")
     implied = staticmethod(implied)
     unused_note = staticmethod(unused_note)

@@ -172,14 +172,31 @@ class MLMHeads(nn.Module):
         return head_losses(self.heads, hiddens, masked_index, targets, word_rows, self.loss_weights)
 
 
+class Pooler(nn.Module):
+    """transformers' pooler: dense -> tanh on the first position's state [b, h] (BERT's
+    next-sentence and sequence-classification input; an imported body carries its own)."""
+
+    def __init__(self, config: ModelConfig, seed: int = 1234):
+        super().__init__()
+        h = config.hidden_size
+        with seeded(derive_seed(seed, "pooler")):
+            self.dense = nn.Linear(h, h)
+            nn.init.normal_(self.dense.weight, std=config.init_method_std)
+            nn.init.zeros_(self.dense.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, h]
+        return torch.tanh(self.dense(x[:, 0]))
+
+
 class RobertaEncoder(nn.Module):
     """Embeddings and transformer layers: the body that every step shares (no output head)."""
+    embedding_post = EmbeddingPost  # what follows the word embedding (BERT's adds token types)
 
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__()
         self.config = config.validate()
         self.word_embeddings = WordEmbedding(config, seed)
-        self.embeddings = EmbeddingPost(config, seed)
+        self.embeddings = self.embedding_post(config, seed)
         self.layers = nn.ModuleList(TransformerLayer(config, i, seed) for i in range(1, config.num_layers + 1))
 
     def encode(self, input_ids: torch.Tensor, layers: tuple[int, ...],
@@ -196,6 +213,8 @@ class RobertaMLM(RobertaEncoder):
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__(config, seed)
         self.heads = MLMHeads(config, seed)
+        if config.add_pooling_layer:  # carried for import and export; the MLM loss never reads it
+            self.pooler = Pooler(config, seed)
 
     def hidden_states(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> the output [b, s, h] of each layer in head_layers."""
@@ -257,7 +276,10 @@ class RobertaForTask(RobertaEncoder):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> torch.Tensor:
-        x = self.encode(input_ids, (self.config.num_layers,), padding)[0]  # [b, s, h]
+        return self.head(self.encode(input_ids, (self.config.num_layers,), padding)[0], input_ids)
+
+    def head(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """The last layer's output x [b, s, h] -> the kind's logits."""
         if self.kind == "classify":
             return self.out(self.dropout(torch.tanh(self.dense(self.dropout(x[:, 0])))))  # [b, C]
         if self.kind == "tag":
@@ -267,7 +289,10 @@ class RobertaForTask(RobertaEncoder):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, padding: Padding | None = None):
         """-> (loss or None, logits). The span loss is the mean of the start and end losses.
         padding: as in RobertaEncoder.encode."""
-        logits = self.logits(input_ids, padding)
+        return self.task_loss(self.logits(input_ids, padding), labels)
+
+    def task_loss(self, logits: torch.Tensor, labels: torch.Tensor | None):
+        """-> (the kind's loss, or None without labels; logits)."""
         if labels is None:
             return None, logits
         if self.kind == "span":

@@ -94,14 +94,16 @@ class PipeWordEmbedding(WordEmbedding):
         return (*inputs, *self.rows)
 
 
-def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> PipelineModule:
-    """Build this rank's stage of the model. Topology matches parallel.init_parallel's groups."""
+def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int,
+                embedding: type = PipeEmbeddingPost) -> PipelineModule:
+    """Build this rank's stage of the model. Topology matches parallel.init_parallel's groups.
+    embedding: layer 1's class (BERT's adds token types: models/bert/pipeline.py)."""
     topology = PipeModelDataParallelTopology(num_pp=config.pipeline_model_parallel_size,
                                              num_mp=config.tensor_model_parallel_size,
                                              num_dp=data_parallel_size)
     tie = dict(tied_weight_attr=trained_vocab_attrs(config, "word_embeddings"))
     layers = [TiedLayerSpec("word", PipeWordEmbedding, config, seed, **tie),
-              LayerSpec(PipeEmbeddingPost, config, seed)]
+              LayerSpec(embedding, config, seed)]
     layers += [LayerSpec(PipeTransformerLayer, config, i, seed) for i in range(1, config.num_layers + 1)]
     layers += [TiedLayerSpec("word", PipeWordEmbedding, config, seed, **tie),
                LayerSpec(PipeMLMHeads, config, seed)]
