@@ -417,8 +417,11 @@ def test_headless_sentence_encoder_end_to_end(kind, headless, headless_xlmr, cor
                  "--train_iters", str(HEAD_UPDATES), "--save_interval", str(HEAD_UPDATES), "--lr", "1e-2",
                  *E2E_SCHEDULE]) == 0
     record = json.loads((head / "run.json").read_text())
-    print(f"{kind} head fit: final loss {record['final_loss']:.3f}, unigram reference {record['unigram_loss']:.3f}")
-    assert record["below_unigram"] == (record["final_loss"] < record["unigram_loss"])
+    print(f"{kind} head fit: {record['heldout_loss']:.4f} on the text's blocks, unigram reference "
+          f"{record['unigram_loss']:.4f}")
+    # The head starts at the unigram reference (output bias at the log-frequencies, last scale 0)
+    # and goes below it only by reading the body's context.
+    assert record["below_unigram"] and record["heldout_loss"] < record["unigram_loss"]
     assert record["step"] == "fit_head" and record["trainable"] == ["heads.heads."] and record["flops"] > 0
     assert main(["build_minipost", "--primary", str(head), "--output_dir", str(mp), "--mini_layers", "2",
                  "--new_layers", "1", "--train_iters", "4", "--save_interval", "4", *E2E_SCHEDULE]) == 0
@@ -445,10 +448,6 @@ def test_headless_sentence_encoder_end_to_end(kind, headless, headless_xlmr, cor
     diff = (got - mine).abs().max().item()
     print(f"{kind}: exported sentence-transformers vs mmadapt's German sentence vectors, max abs difference {diff:.2e}")
     assert got.shape == (8, cfg.hidden_size) and diff <= TOL
-    if not record["below_unigram"]:  # KNOWN GAP (issue 37's acceptance): reported, not passed
-        pytest.xfail(f"{kind}: the head fit's final loss {record['final_loss']:.3f} is not below the unigram reference "
-                     f"{record['unigram_loss']:.3f}: the fixture's body (150 masked-LM updates) is at about the unigram "
-                     "level, and the last 5 updates' mean moves by ~0.1 between intervals")
 
 
 # --- parallel layouts against one process (slow): tensor, pipeline and ZeRO as RoBERTa's ----------
