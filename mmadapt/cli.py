@@ -195,6 +195,16 @@ def preprocess_main(argv=None) -> int:
 
 # --- Step 1b and Step 2: the model comes from an earlier run, only its layout may change ----------------
 
+def _primary_tag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
+
+
+def _primary_args(p: argparse.ArgumentParser, primary_help: str) -> None:
+    """--primary (required) and --primary_tag, for the steps that start from one run."""
+    p.add_argument("--primary", required=True, help=primary_help)
+    _primary_tag(p)
+
+
 def _later_step_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...]) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="training schedule (the model's shape comes from the "
                    "source run; default: its family's small preset, "
@@ -220,8 +230,7 @@ def minipost_parser() -> argparse.ArgumentParser:
     p = Parser(prog="build_minipost", description="Step 1b (MINIPOST): copy the bottom "
                                 "N layers, embeddings and MLM head of a pretrained model, insert K new "
                                 "layers and train only those with source-language MLM.")
-    p.add_argument("--primary", required=True, help="the pretrain run directory of the primary model")
-    p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
+    _primary_args(p, "the pretrain run directory of the primary model")
     _data_args(p, "source-language corpus (default: the primary run's prepared data)")
     _later_step_args(p, LAYOUT_FIELDS)
     add_dataclass_args(p, MiniModelConfig)
@@ -242,8 +251,7 @@ def fit_head_parser() -> argparse.ArgumentParser:
     p = Parser(prog="fit-head", description="A headless encoder (import-hf of a BertModel, RobertaModel or "
                "XLMRobertaModel, or of a sentence-transformers directory) gets a new MLM head, trained over its frozen "
                "body on source-language text (only the head's parameters train): the run every later step takes.")
-    p.add_argument("--primary", required=True, help="the headless run (mmadapt import-hf's --output_dir)")
-    p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
+    _primary_args(p, "the headless run (mmadapt import-hf's --output_dir)")
     _data_args(p, "source-language corpus, encoded with the run's own tokenizer")
     _later_step_args(p, LAYOUT_FIELDS)
     return p
@@ -343,8 +351,7 @@ def finetune_parser() -> argparse.ArgumentParser:
                    "book genre, 5 classes, or testament, 2: the demo's tasks on the packaged Bible); your own data "
                    "in CSV, TSV or JSON Lines: classify (a text), pair (two texts), tag (tokens), columns named (or "
                    "numbered, in a file without a header line) by --text_column, --text_pair_column, --label_column")
-    p.add_argument("--primary", required=True, help="the pretrain run whose primary model is fine-tuned")
-    p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
+    _primary_args(p, "the pretrain run whose primary model is fine-tuned")
     p.add_argument("--train_file", help="source-language training data in the task's format "
                    "(bible-genre: 'bible', the default)")
     p.add_argument("--eval_file", help="optional source-language evaluation data: its score is printed and "
@@ -618,7 +625,7 @@ def export_hf_main(argv=None) -> int:
                                 "target-language model).")
     p.add_argument("--primary", help="a pretrain (or imported) run: export its primary model as its family's LM "
                    "(...ForMaskedLM or ...ForCausalLM)")
-    p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
+    _primary_tag(p)
     p.add_argument("--finetuned", help="a fine-tuning run: export its task model (sequence classification, "
                    "token classification or question answering, with its label names)")
     p.add_argument("--embeddings", help="a Step-2 artifact (<adapt run>/embeddings/<tag>): its word embeddings, "

@@ -376,3 +376,24 @@ def make_headless_xlmr(out: Path, seed: int = 7, train_steps: int = 0) -> Path:
     (out / "model.safetensors").unlink()
     body.save_pretrained(str(out))
     return out
+
+
+def framed_rows(sp, texts: list[str], seq: int) -> torch.Tensor:
+    """<s> text </s> ([CLS] text [SEP] for BERT), each text cut to its first seq - 2 pieces, padded:
+    as features.encode_classify lays a text out. sp: an mmadapt tokenizer (tokenizer.load)."""
+    from mmadapt.tokens import BOS_ID, EOS_ID, PAD_ID
+
+    rows = [[BOS_ID, *sp.encode(t)[:seq - 2], EOS_ID] for t in texts]
+    ids = torch.full((len(rows), max(map(len, rows))), PAD_ID)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+    return ids
+
+
+def import_all(hf_dirs: dict[str, Path], root: Path) -> dict[str, Path]:
+    """mmadapt import-hf of each saved model: {name: its run directory under root}."""
+    from mmadapt.hf import import_hf
+
+    for name, d in hf_dirs.items():
+        import_hf(d, root / name)
+    return {name: root / name for name in hf_dirs}

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from conftest import REPO, run_pretrain
-from hf_models import as_sentence_transformer, bert_body, bible_lines, make_bert, make_headless_xlmr
+from hf_models import (as_sentence_transformer, bert_body, bible_lines, framed_rows, import_all, make_bert,
+                       make_headless_xlmr)
 from mmadapt import adapt as A
 from mmadapt.cli import main
 from mmadapt.family import WORD
@@ -44,19 +45,12 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(hf_dirs, tmp_path_factory):
-    root = tmp_path_factory.mktemp("imported")
-    for name, d in hf_dirs.items():
-        import_hf(d, root / name)
-    return {name: root / name for name in hf_dirs}
+    return import_all(hf_dirs, tmp_path_factory.mktemp("imported"))
 
 
 def rows(sp, texts: list[str]) -> torch.Tensor:
-    """<s> text </s> ([CLS] text [SEP]), padded: as BERT's tokenizer and features.py lay a text out."""
-    ids = [[BOS_ID, *sp.encode(t)[:SEQ - 2], EOS_ID] for t in texts]
-    out = torch.full((len(ids), max(map(len, ids))), PAD_ID)
-    for i, r in enumerate(ids):
-        out[i, :len(r)] = torch.tensor(r)
-    return out
+    """[CLS] text [SEP], padded: as BERT's tokenizer and features.py lay a text out."""
+    return framed_rows(sp, texts, SEQ)
 
 
 def no_dropout(cfg):

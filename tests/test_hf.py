@@ -15,7 +15,7 @@ from transformers import (AutoModelForMaskedLM, AutoModelForQuestionAnswering, A
                           AutoModelForTokenClassification, AutoTokenizer, ElectraConfig, GPT2Config)
 
 from conftest import REPO
-from hf_models import bible_lines, make_roberta, make_xlmr
+from hf_models import bible_lines, framed_rows, import_all, make_roberta, make_xlmr
 from mmadapt import adapt as A
 from mmadapt.cli import main
 from mmadapt.config import FinetuneConfig, TrainConfig
@@ -27,7 +27,7 @@ from mmadapt.family import WORD
 from mmadapt.run import RunSpec
 from mmadapt.tasks import encode, get_task, read_examples
 from mmadapt.tokenizer import load as load_sp
-from mmadapt.hf import export_hf, import_hf, write_hf
+from mmadapt.hf import export_hf, write_hf
 from mmadapt.models.roberta.model import RobertaForTask, RobertaMLM
 from mmadapt.parallel import init_parallel
 from mmadapt.tokenizer import HFTokenizer, load
@@ -49,19 +49,11 @@ def hf_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(hf_dirs, tmp_path_factory):
-    root = tmp_path_factory.mktemp("imported")
-    for name, d in hf_dirs.items():
-        import_hf(d, root / name)
-    return {name: root / name for name in hf_dirs}
+    return import_all(hf_dirs, tmp_path_factory.mktemp("imported"))
 
 
 def encode_texts(sp, texts: list[str]) -> torch.Tensor:
-    """<s> text </s>, truncated to SEQ and padded: as features.encode_classify lays a text out."""
-    rows = [[BOS_ID, *sp.encode(t)[:SEQ - 2], EOS_ID] for t in texts]
-    ids = torch.full((len(rows), max(map(len, rows))), PAD_ID)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-    return ids
+    return framed_rows(sp, texts, SEQ)
 
 
 def mlm_logits(cfg, state, ids: torch.Tensor) -> torch.Tensor:
