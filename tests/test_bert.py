@@ -185,7 +185,9 @@ def test_pair_task_token_types_and_logits_equal_bert_for_sequence_classification
     model.load_state_dict({**model.state_dict(), **BERT.task_state(cfg, state)})
     with torch.no_grad():
         mine = model(enc.input_ids, token_types=enc.token_types)[1]
-        typeless = model(enc.input_ids)[1]  # every position type 0: what the types change
+        # what the types change: the body's output (the classifier's logits, a fresh random head
+        # over a tanh pooler, move by only ~1e-3, too close to the tolerance to say)
+        typed, typeless = (model.encode(enc.input_ids, (cfg.num_layers,), None, t)[0] for t in (enc.token_types, None))
     write_hf(BERT, tmp_path / "clf", cfg, model.state_dict(), "classify", ["a", "b", "c"],
              runs["trained"] / "tokenizer" / "spm.model", "bert")
     hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "clf")).eval()
@@ -193,8 +195,9 @@ def test_pair_task_token_types_and_logits_equal_bert_for_sequence_classification
     with torch.no_grad():
         theirs = hf(**ref).logits
     diff = (mine - theirs).abs().max().item()
-    print(f"pair classifier: max abs logit difference {diff:.2e}")
-    assert diff <= TOL and (typeless - theirs).abs().max().item() > 100 * TOL
+    print(f"pair classifier: max abs logit difference {diff:.2e}; token types move the body's output by "
+          f"{(typed - typeless).abs().max().item():.2e}")
+    assert diff <= TOL and (typed - typeless).abs().max().item() > 1e3 * TOL
 
 
 def test_exported_sentencepiece_lays_a_pair_out_as_bert(de_tokenizer):
