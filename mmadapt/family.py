@@ -61,6 +61,20 @@ class Implied(NamedTuple):
     by: str = ""
 
 
+def inverse_permutation(hf_ids: list[int]) -> torch.Tensor:
+    """hf_ids (mmadapt id -> the Hugging Face tokenizer's id, a permutation) -> its inverse [V]:
+    the Hugging Face id -> mmadapt's."""
+    inverse = torch.empty(len(hf_ids), dtype=torch.long)
+    inverse[torch.tensor(hf_ids)] = torch.arange(len(hf_ids))
+    return inverse
+
+
+def inverse_rows(hf_ids: list[int] | None, t: torch.Tensor) -> torch.Tensor:
+    """A vocabulary-indexed tensor in mmadapt's ids -> in the exported tokenizer's (`hf_ids`:
+    mmadapt id -> its id; None: the same)."""
+    return t if hf_ids is None else t[inverse_permutation(hf_ids)]
+
+
 class HFMapping:
     """A family's correspondence with Hugging Face checkpoints (as torchtitan's
     `StateDictAdapter`): mmadapt/hf.py reads and writes the directories, the mapping translates

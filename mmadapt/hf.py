@@ -34,7 +34,7 @@ from mmadapt.adapt import artifact_state, read_artifact
 from mmadapt.checkpoint import load_pt, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import artifact_primary, load_finetuned
-from mmadapt.family import HFMapping, Implied, ModelFamily
+from mmadapt.family import HFMapping, Implied, ModelFamily, inverse_permutation
 from mmadapt.models import FAMILIES
 from mmadapt.run import RUN_TOKENIZER, read_source, require_head
 from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf
@@ -393,8 +393,7 @@ def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids
                              f"{(str(e).splitlines() or [''])[0][:200]})") from None
         with torch.no_grad():
             out = ref_model(input_ids=torch.tensor([ids]))
-    inverse = torch.empty(len(hf_ids), dtype=torch.long)
-    inverse[torch.tensor(hf_ids)] = torch.arange(len(hf_ids))
+    inverse = inverse_permutation(hf_ids)
     one_layer = dataclasses.replace(family.one_head(cfg, 1), hidden_dropout=0.0, attention_dropout=0.0)
     with torch.no_grad():
         if headless:

@@ -256,12 +256,17 @@ class HFTokenizer:
         text = piece.lstrip(WORD_BOUNDARY)
         if self.tokenizer.normalizer is not None:
             text = self.tokenizer.normalizer.normalize_str(text)
-        words = [w for w, _ in self.tokenizer.pre_tokenizer.pre_tokenize_str(text)] if self.tokenizer.pre_tokenizer \
-            else text.split()
+        words = self.words(text)
         ids = []
         for n, word in enumerate(words):
             ids += self._wordpiece(word, continued=inside and n == 0)
         return self._ids(ids)
+
+    def words(self, text: str) -> list[str]:
+        """`text` cut into words as this tokenizer's pre-tokenizer cuts it (BERT's: at spaces and
+        around every punctuation character)."""
+        pre = self.tokenizer.pre_tokenizer
+        return [w for w, _ in pre.pre_tokenize_str(text)] if pre is not None else text.split()
 
     def _wordpiece(self, word: str, continued: bool) -> list[int]:
         """WordPiece's greedy longest-match-first split of one pre-tokenized word into source ids;
@@ -364,12 +369,11 @@ def _wordpiece_additions(tok: HFTokenizer, candidates: list[str]) -> dict[str, s
     the longest match, so each is appended as it is (`▁foo` as the word-initial `foo`, `oo` as the
     continuation `##oo`); a piece that the pre-tokenizer would cut (a continuation holding
     punctuation, which BERT always makes a word of its own) is never produced and left out."""
-    vocab, pre, added = tok.tokenizer.get_vocab(), tok.tokenizer.pre_tokenizer, {}
+    vocab, added = tok.tokenizer.get_vocab(), {}
     for piece in candidates:
         text = piece[len(WORD_BOUNDARY):] if piece.startswith(WORD_BOUNDARY) else piece
         token = text if piece.startswith(WORD_BOUNDARY) else tok.continuation + text
-        words = [w for w, _ in pre.pre_tokenize_str(text)] if pre is not None else text.split()
-        if token in vocab or token in added.values() or words != [text] or \
+        if token in vocab or token in added.values() or tok.words(text) != [text] or \
                 (token != text and any(map(is_punctuation, text))):
             continue
         added[piece] = token

@@ -30,10 +30,10 @@ from __future__ import annotations
 import torch
 
 from mmadapt.config import ModelConfig
-from mmadapt.family import WORD, HFMapping, Implied
+from mmadapt.family import WORD, HFMapping, Implied, inverse_rows
 from mmadapt.models.roberta import hf as roberta_hf
 from mmadapt.models.roberta.hf import (body_implied, encoder_config, getter, head_implied, headless_note,
-                                       inverse_rows, layers_from_hf, layers_to_hf)
+                                       layers_from_hf, layers_to_hf)
 from mmadapt.models.roberta.model import BIAS
 
 ARCHITECTURES = {"BertForMaskedLM": "bert", "BertModel": "bert"}

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.config import ModelConfig
-from mmadapt.family import WORD, HFMapping, Implied
+from mmadapt.family import WORD, HFMapping, Implied, inverse_permutation
 from mmadapt.models.llama.model import OUTPUT, validated
 from mmadapt.tokenizer import SPECIAL_ROLES, never_produced
 
@@ -234,12 +234,6 @@ def special_ids(tok, cfg: dict, vocab_size: int, model_dir: Path) -> tuple[list[
 _NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def _inverse(hf_ids: list[int]) -> torch.Tensor:
-    inverse = torch.empty(len(hf_ids), dtype=torch.long)
-    inverse[torch.tensor(hf_ids)] = torch.arange(len(hf_ids))
-    return inverse
-
-
 def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf_cfg: dict) -> dict:
     """A ...ForCausalLM state dict -> LlamaLM's (tensor-parallel size 1), `cfg` as_loaded's. Tensors
     the model does not use (an old checkpoint's rotary inv_freq buffers) are left out, as
@@ -324,7 +318,8 @@ def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | N
     `model_type`. hf_ids: mmadapt id -> the exported tokenizer's id (None: the same ids). A QKV
     bias in a Llama: its attention_bias, with o_proj's bias zero."""
     ng, r, hd = cfg.query_groups, cfg.num_attention_heads // cfg.query_groups, cfg.head_dim
-    rows = (lambda t: t) if hf_ids is None else (lambda t, inv=_inverse(hf_ids): t[inv])
+    inverse = None if hf_ids is None else inverse_permutation(hf_ids)
+    rows = (lambda t: t) if inverse is None else (lambda t: t[inverse])
     word = rows(state[WORD].float())
     out = {"model.embed_tokens.weight": word}
     for i in range(cfg.num_layers):

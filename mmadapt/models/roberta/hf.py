@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.config import ModelConfig
-from mmadapt.family import WORD, HFMapping, Implied
+from mmadapt.family import WORD, HFMapping, Implied, inverse_rows
 from mmadapt.models.roberta.model import BIAS
 ARCHITECTURES = {"RobertaForMaskedLM": "roberta", "XLMRobertaForMaskedLM": "xlm-roberta",
                  "CamembertForMaskedLM": "camembert", "RobertaModel": "roberta", "XLMRobertaModel": "xlm-roberta"}
@@ -125,12 +125,7 @@ def model_config(cfg: dict, model_dir=None) -> ModelConfig:
                        attention_dropout=cfg.get("attention_probs_dropout_prob", 0.1),
                        layernorm_epsilon=cfg.get("layer_norm_eps", 1e-5),
                        init_method_std=cfg.get("initializer_range", 0.02),
-                       add_pooling_layer=is_headless(cfg)).validate()
-
-
-def is_headless(cfg: dict) -> bool:
-    """A config.json of a body class (no MLM head; a pooler)."""
-    return (cfg.get("architectures") or [None])[0] in HEADLESS
+                       add_pooling_layer=MAPPING.is_headless(cfg)).validate()
 
 
 # --- the weight correspondence (module docstring) ----------------------------------------------------
@@ -191,16 +186,6 @@ def layers_to_hf(cfg: ModelConfig, state: dict, b: str, pooler: bool) -> dict:
     return out
 
 
-def inverse_rows(hf_ids: list[int] | None, t: torch.Tensor) -> torch.Tensor:
-    """A vocabulary-indexed tensor in mmadapt's ids -> in the exported tokenizer's (`hf_ids`:
-    mmadapt id -> its id; None: the same)."""
-    if hf_ids is None:
-        return t
-    inverse = torch.empty(len(hf_ids), dtype=torch.long)
-    inverse[torch.tensor(hf_ids)] = torch.arange(len(hf_ids))
-    return t[inverse]
-
-
 def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf_cfg: dict) -> dict:
     """A RobertaForMaskedLM-family state dict (or a body's: no head) -> RobertaMLM's (tensor-parallel size 1)."""
     pad_token_id = hf_cfg["pad_token_id"]
@@ -217,7 +202,7 @@ def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf
            "embeddings.layernorm.weight": get(b + "embeddings.LayerNorm.weight"),
            "embeddings.layernorm.bias": get(b + "embeddings.LayerNorm.bias"),
            **layers_from_hf(cfg, get, b)}
-    if is_headless(hf_cfg):
+    if MAPPING.is_headless(hf_cfg):
         return {k: v.contiguous() for k, v in out.items()}
     for kind in ("weight", "bias"):
         out[f"heads.heads.0.dense.{kind}"] = get(f"lm_head.dense.{kind}")
@@ -269,7 +254,7 @@ def implied(cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:
     """Every tensor of a ...ForMaskedLM config (of a body class: no head, a pooler): its shape
     from config.json's fields."""
     out = body_implied(cfg, _base_prefix(hf), hf_cfg["max_position_embeddings"], hf_cfg)
-    if not is_headless(hf_cfg):
+    if not MAPPING.is_headless(hf_cfg):
         out.update(head_implied(cfg, {"dense": "lm_head.dense", "layernorm": "lm_head.layer_norm",
                                       "bias": "lm_head.bias"}))
     return out
@@ -280,7 +265,7 @@ def unused_note(name: str, cfg: ModelConfig, hf_cfg: dict) -> str | None:
     if layer and int(layer.group(1)) >= cfg.num_layers:
         return (f"config.json's num_hidden_layers is {cfg.num_layers}, but the weights hold layer {layer.group(1)} "
                 "(0-based): set num_hidden_layers to the number of layers the weights hold")
-    if name.startswith("lm_head.") and is_headless(hf_cfg):
+    if name.startswith("lm_head.") and MAPPING.is_headless(hf_cfg):
         return headless_note(hf_cfg, "XLMRobertaForMaskedLM" if hf_cfg["model_type"] == "xlm-roberta"
                              else "RobertaForMaskedLM")
     return None
