@@ -53,8 +53,7 @@ from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.plugin import (PluginProbe, heldout_batches, masked_loss, on_device, plugin_model, plugin_records,
-                            primary_head, progress_line, source_language_loss,
-                            unigram_logprobs, unigram_loss)
+                            primary_head_state, progress_line, source_language_loss, unigram_logprobs, unigram_loss)
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, load_checkpoint, pretrained_blocks, read_run,
                          read_source, require_head, require_kind, run_fingerprint, run_progress, start_run,
                          weights_fingerprint)
@@ -203,8 +202,9 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
     """Train only the head's parameters (dense, LayerNorm, output bias: the projection is the
     frozen word embedding) over the frozen body, its output bias started at the text's unigram
     log-frequencies and its last scale at zero (ModelFamily.head_scales: the head then starts at
-    the unigram reference, and goes below it only by reading the body). The run it writes is a Step-1 run (recipe bl_base) that every later step
-    takes; its checkpoints hold the head, the body is the headless run's (`frozen_from`)."""
+    the unigram reference, and goes below it only by reading the body). The run it writes is a
+    Step-1 run (recipe bl_base) that every later step takes; its checkpoints hold the head, the
+    body is the headless run's (`frozen_from`)."""
     _step2_only(step.train, "fit-head")
     source = read_source(step.primary, step.primary_tag)
     if not source.headless:
@@ -231,22 +231,22 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
         job = LMJob(step="fit_head", trainable=(family.heads_prefix,))
         rows = train_lm(started, run, model, step.train, job, init, record={"unigram_loss": unigram})
         if parallel.is_rank0():
-            fitted = read_source(run.output_dir)  # the head just saved, over the headless run's body
-            head = plugin_model(family, *primary_head(family, fitted.cfg, fitted.weights()))
-            fit = {"unigram": unigram, "loss": masked_loss(head, on_device(blocks, device_of(head)))}
-            started.record.finish(**_head_fit_report(run, source.path, rows, fit, family.step_flops(
+            head = plugin_model(family, *primary_head_state(run.output_dir))  # as every later step reads it
+            heldout = masked_loss(head, on_device(blocks, device_of(head)))
+            started.record.finish(**_head_fit_report(run, source.path, rows, heldout, unigram, family.step_flops(
                 "fit_head", model, step.train.seq_length, step.train.mask_prob), step.train))
         return rows
 
 
-def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], fit: dict[str, float], seq_flops: float,
-                     train: TrainConfig) -> dict:
+def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], heldout: float, unigram: float,
+                     seq_flops: float, train: TrainConfig) -> dict:
     """Global rank 0, after the head fit: the source's tokenizer files and sentence-transformers
     modules copied beside the new head (export-hf hands them back), the fitted head's loss against
     the unigram reference (printed), and the fit's cost, a Step-1 cost.
 
-    fit: {"unigram", "loss"}, both on the same UNIGRAM_BLOCKS blocks of the text, every selected
-    position hidden as <mask> (the plug-in metric's scoring). The verdict reads them, not the last
+    heldout (the fitted head's loss) and unigram (the reference's, already in run.json) are on the
+    same UNIGRAM_BLOCKS blocks of the text, every selected position hidden as <mask> (the plug-in
+    metric's scoring). The verdict reads them, not the last
     logged training loss: that is a mean over a few small batches under 80/10/10 masking, which
     moves by ~0.1 nats between log intervals and so cannot say which side of the reference the
     head is."""
@@ -256,12 +256,12 @@ def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], fit: dict[str
     losses = [r["loss"] for r in rows if "loss" in r]
     flops = seq_flops * train.global_batch(parallel.dp_world()) * train.train_iters
     report = {"flops": flops, "v100_days": device_days(flops)}
-    below = fit["loss"] < fit["unigram"]
+    below = heldout < unigram
     trained = f"training loss {losses[0]:.3f} -> {losses[-1]:.3f}; " if losses else ""
-    print(f"head fit: {trained}on {UNIGRAM_BLOCKS} blocks of the text "
-          f"{fit['loss']:.3f} against the unigram reference {fit['unigram']:.3f}: "
-          + ("below it (the head reads the body's context)" if below else "not below it yet: train longer"), flush=True)
-    report.update(final_loss=losses[-1] if losses else None, heldout_loss=fit["loss"], unigram_loss=fit["unigram"], below_unigram=below)
+    print(f"head fit: {trained}on {UNIGRAM_BLOCKS} blocks of the text {heldout:.3f} against the unigram reference "
+          f"{unigram:.3f}: " + ("below it (the head reads the body's context)" if below else
+                                "not below it yet: train longer"), flush=True)
+    report.update(final_loss=losses[-1] if losses else None, heldout_loss=heldout, below_unigram=below)
     return report
 
 
