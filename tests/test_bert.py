@@ -24,6 +24,7 @@ from mmadapt.models import get_family
 from mmadapt.models.bert import BERT
 from mmadapt.models.bert.model import BertEncoder, BertForTask, BertMLM
 from mmadapt.models.roberta.model import BIAS
+from mmadapt.predict import TaskModel
 from mmadapt.readers import PairExample
 from mmadapt.run import load_weights
 from mmadapt.tokenizer import HFTokenizer, load
@@ -432,7 +433,21 @@ def test_headless_sentence_encoder_end_to_end(kind, headless, headless_xlmr, cor
                  "--output", str(tmp_path / "step4.json")]) == 0
     assert json.loads((tmp_path / "step4.json").read_text())[0]["lang"] == "de"
     assert main(["export-hf", "--primary", str(head), "--embeddings", str(artifact), "--output_dir", str(out)]) == 0
+    # the fine-tuned classifier with the German embeddings: transformers' class, mmadapt's logits
+    assert main(["export-hf", "--finetuned", str(ft), "--embeddings", str(artifact), "--output_dir",
+                 str(tmp_path / "clf")]) == 0
     capsys.readouterr()
+    texts = bible_lines("de", range(2, 3))[:6]
+    _, _, mine = TaskModel.load(ft, artifact).logits(texts)
+    clf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "clf")).eval()
+    assert type(clf).__name__ == ("BertForSequenceClassification" if kind == "bert" else
+                                  "XLMRobertaForSequenceClassification")
+    with torch.no_grad():
+        theirs = clf(**AutoTokenizer.from_pretrained(str(tmp_path / "clf"))(
+            texts, padding=True, truncation=True, max_length=SEQ, return_tensors="pt")).logits
+    print(f"{kind}: exported zero-shot classifier vs mmadapt's logits, max abs difference "
+          f"{(theirs - mine).abs().max().item():.2e}")
+    assert (theirs - mine).abs().max().item() <= TOL
 
     german = bible_lines("de", range(1, 2))[:8]
     model = SentenceTransformer(str(out / "sentence_transformers"), device="cpu", local_files_only=True)
