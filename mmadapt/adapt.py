@@ -24,6 +24,7 @@ embeddings alone, the bias frozen at its overlap initialisation.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -32,9 +33,9 @@ import torch
 from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt import checkpoint
-from mmadapt.config import EMBEDDING_INITS, SYSTEMS, ModelConfig
+from mmadapt.config import EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, SYSTEMS, ModelConfig
 from mmadapt.data import load_tokenizer as load_checked_tokenizer
-from mmadapt.family import WORD
+from mmadapt.family import WORD, OutputPath
 from mmadapt.models import get_family
 from mmadapt.models.layers import new_rows_name
 from mmadapt.run import RUN_TOKENIZER, load_weights
@@ -170,24 +171,107 @@ def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_p
                  "random_pieces": len(trg_pieces) - shared - composed}
 
 
+# --- an expanded vocabulary's output side (TrainConfig.expand_output_start) ---------------------------
+# The new pieces join the softmax of a model that stays the source's: at any position they can only
+# take probability mass from the source pieces, and the source-language loss there rises by
+# exactly -log(1 - their share), which is also the KL from the source model's distribution to the
+# expanded one. Hewitt ("Initializing new word embeddings for pretrained language models"): a new
+# output row at the mean mu of the n source rows scores exp(mu . y + mean(b)) <= Z / n (Jensen;
+# Z the source pieces' sum of exp(logit)). A row mu + d scores at most exp(excess(d)) times that,
+# excess(d) = max over the head's normed output y of d . y (`logit_excess`), and a bias b_new
+# scales it by exp(b_new - mean(b)). So k new pieces together add at most
+#     Z / n * sum_i exp(excess(d_i) + b_new_i - mean(b))
+# to the softmax's sum (`mass_bound`), whatever the text. The bounded start
+# (`bounded_start`) chooses what it can of each row:
+#   encoder (tied word embedding and an output bias): the row is also the input embedding, so it
+#       stays --embedding_init's; each new bias entry is mean(b) - excess(d_i) + log(n eps / ((1 -
+#       eps) k)), which caps the new pieces' share at eps = 1 - exp(-NEW_MASS_NATS): the loss and
+#       the KL rise by at most NEW_MASS_NATS at any position, at update 0;
+#   decoder with an output projection of its own (no bias): its new rows at mu (d = 0), the input
+#       rows --embedding_init's: a rise of at most log(1 + k / n);
+#   decoder with a tied projection (no bias): nothing but the row itself holds the mass back, so
+#       the new rows start at mu on both sides (--embedding_init gives way): log(1 + k / n) again.
+# The decoders' bound is Hewitt's, loose where k is near n; what the mean row actually takes is
+# measured (run.json's expand_report, tests/test_expand.py).
+NEW_MASS_NATS = 0.01
+
+
+def logit_excess(d: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """d [k, h] -> [k]: max over y = w * x_hat + beta, ||x_hat|| <= sqrt(h) (the head's LayerNorm or
+    RMSNorm output, whatever its input) of d . y, by Cauchy-Schwarz sqrt(h) ||d * w|| + d . beta:
+    how far above the mean row's logit a row mean + d can score anywhere."""
+    d, w = d.float(), norm_weight.float()
+    excess = d.shape[1] ** 0.5 * (d * w).norm(dim=1)
+    return excess if norm_bias is None else excess + d @ norm_bias.float()
+
+
+def mass_bound(excess: torch.Tensor, n: int) -> float:
+    """The most, in nats, that k new pieces whose logits exceed the mean source row's by at most
+    `excess` [k] (bias included) can raise the loss of a source piece, at any position: log(1 +
+    sum_i exp(excess_i) / n) (the comment above)."""
+    return float(torch.logsumexp(torch.cat([excess.double(), excess.new_zeros(1).double() + math.log(n)]), 0)
+                 - math.log(n))
+
+
+def _excess(path: OutputPath, head: dict, rows: dict) -> torch.Tensor:
+    """[k]: the bound on each new piece's logit above the mean source row's, bias included, in
+    the one-head model `head` (full state, source vocabulary) with the new rows `rows`."""
+    d = rows[path.matrix].float() - head[path.matrix].float().mean(0)
+    excess = logit_excess(d, head[path.norm_weight], head[path.norm_bias] if path.norm_bias else None)
+    if path.bias is not None and path.bias in rows:
+        excess = excess + rows[path.bias].float() - head[path.bias].float().mean()
+    return excess
+
+
+def bounded_start(path: OutputPath, heads: list[dict], new: dict[str, torch.Tensor]
+                  ) -> tuple[dict[str, torch.Tensor], float]:
+    """The new rows `new` (name -> [k, ...], an --embedding_init start) with their output side
+    started so that the new pieces take a bounded share of the mass (the comment above), in each
+    one-head model of `heads` (full states of the source vocabulary that will score them: Step
+    2's body and the primary model, whose heads differ for MINIJOINT) -> (rows, the bound in nats,
+    the largest over `heads`)."""
+    out, n = dict(new), heads[0][path.matrix].shape[0]
+    k = out[path.matrix].shape[0]
+    if path.matrix != WORD or path.bias is None:
+        out[path.matrix] = heads[0][path.matrix].float().mean(0).expand(k, -1).clone()
+    if path.bias is not None and path.bias in out:
+        eps = -math.expm1(-NEW_MASS_NATS)
+        rows = {**out, path.bias: torch.zeros(k)}  # -_excess: mean(b) - excess(d_i) of each head
+        out[path.bias] = torch.stack([-_excess(path, h, rows) for h in heads]).min(0).values \
+            + math.log(n * eps / ((1 - eps) * k))
+    return out, max(mass_bound(_excess(path, h, out), n) for h in heads)
+
+
 def step2_start(system: str, source: Path, tag: str, target_tokenizer: Path, seed: int, mini_layers: int | None = None,
-                embedding_init: str = "overlap", vocab_mode: str = "replace"
+                embedding_init: str = "overlap", vocab_mode: str = "replace", output_start: str = "embedding_init"
                 ) -> tuple[ModelConfig, dict, dict[str, int]]:
     """Step 2's starting weights: the system's model from the source run with the new
     vocabulary's rows of every vocabulary-indexed parameter (init_rows). vocab_mode "replace":
     the rows of every piece of `target_tokenizer`; "expand" (`target_tokenizer` is then the merged
     one, vocab.py): the source's rows kept under their names and the rows of the appended pieces
-    under `new_rows_name`s. Random rows are N(0, the source model's init_method_std), drawn from
-    `seed`. -> (model config, full state dict, how many rows started which way)."""
-    cfg, body = adapt_body(system, *load_weights(source, tag), mini_layers)
-    std = cfg.init_method_std
-    vocab = {name: body[name] for name in get_family(cfg).vocab_params(cfg)}
+    under `new_rows_name`s, their output side by `output_start` (TrainConfig.expand_output_start:
+    "bounded", bounded_start, or "embedding_init", as the input side). Random rows are N(0, the
+    source model's init_method_std), drawn from `seed`. -> (model config, full state dict, how
+    many rows started which way; expand: and `new_mass_bound`, the bound in nats on what the new
+    pieces can add to a source piece's loss at update 0)."""
+    full_cfg, full = load_weights(source, tag)
+    cfg, body = adapt_body(system, full_cfg, full, mini_layers)
+    std, family = cfg.init_method_std, get_family(cfg)
+    vocab = {name: body[name] for name in family.vocab_params(cfg)}
     src_tokenizer, trg_pieces = Path(source) / RUN_TOKENIZER, tokenizer_pieces(target_tokenizer)
     if vocab_mode == "replace":
         new, counts = init_rows(embedding_init, src_tokenizer, vocab, trg_pieces, std, seed)
         return cfg, {**body, **new}, counts
+    if output_start not in EXPAND_OUTPUT_STARTS:
+        raise ValueError(f"unknown expand_output_start {output_start!r}; choose one of {', '.join(EXPAND_OUTPUT_STARTS)}")
     source_size = check_expansion(src_tokenizer, target_tokenizer)
     new, counts = init_rows(embedding_init, src_tokenizer, vocab, trg_pieces[source_size:], std, seed)
+    path, heads = family.output_path(cfg), [body, family.primary_model(full_cfg, full)[1]]
+    if output_start == "bounded":
+        new, bound = bounded_start(path, heads, new)
+    else:
+        bound = max(mass_bound(_excess(path, h, new), source_size) for h in heads)
+    counts["new_mass_bound"] = bound
     return cfg, {**body, **{new_rows_name(name): rows for name, rows in new.items()}}, counts
 
 
@@ -251,4 +335,4 @@ def artifact_state(art: dict, cfg: ModelConfig, meta: dict | None = None,
 
 
 __all__ = ["WORD", "adapt_body", "body_config", "system_label", "overlap_init", "source_split", "subword_mean_init",
-           "init_rows", "step2_start", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]
+           "init_rows", "NEW_MASS_NATS", "logit_excess", "mass_bound", "bounded_start", "step2_start", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]

@@ -31,12 +31,24 @@ and the weight functions apply them.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
 from mmadapt.config import LoopConfig, ModelConfig
 
 WORD = "word_embeddings.word_embeddings.weight"  # every family's input embedding [V, h]
+
+
+class OutputPath(NamedTuple):
+    """How a one-head model (Step 2's body, a primary model) scores the vocabulary, in build_lm's
+    parameter names: logits = y W^T (+ b) with y = w * x_hat (+ beta), the head's last norm
+    (LayerNorm or RMSNorm: ||x_hat|| <= sqrt(h)). What adapt.bounded_start needs to bound the
+    probability mass that new pieces take."""
+    matrix: str  # W [V, h]: the word embedding when tied, else the output projection
+    bias: str | None  # b [V]
+    norm_weight: str  # w [h]
+    norm_bias: str | None  # beta [h]
 
 
 class ModelFamily:
@@ -99,6 +111,10 @@ class ModelFamily:
         """Artifact file key -> parameter name, for every vocabulary-indexed parameter an
         artifact may hold (embeddings.pt)."""
         return {"word_embeddings": WORD}
+
+    def output_path(self, cfg: ModelConfig) -> OutputPath:
+        """The output path of a one-head model of `cfg` (OutputPath)."""
+        raise NotImplementedError
 
     def output_biases(self, cfg: ModelConfig) -> tuple[str, ...]:
         """The output bias [V] of every LM head of `cfg` (build_lm names): what Step 1 starts at

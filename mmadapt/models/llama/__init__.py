@@ -12,7 +12,7 @@ indexed by piece. Step 3 puts a classifier on the last real token (LlamaForTask)
 from __future__ import annotations
 
 from mmadapt.config import LoopConfig, ModelConfig, TrainConfig
-from mmadapt.family import WORD, ModelFamily
+from mmadapt.family import WORD, ModelFamily, OutputPath
 from mmadapt.models.llama import flops, hf
 from mmadapt.models.llama.model import (OUTPUT, TASK_KINDS, DecoderLayer, LlamaDecoder, LlamaForTask, LlamaLM,
                                         LMHeads, task_param_name, validated)
@@ -60,6 +60,10 @@ class LlamaFamily(ModelFamily):
 
     def artifact_keys(self) -> dict[str, str]:
         return {"word_embeddings": WORD, "output_layer": OUTPUT}
+
+    def output_path(self, cfg: ModelConfig) -> OutputPath:
+        return OutputPath(WORD if cfg.share_embeddings_and_output_weights else OUTPUT, None, "heads.heads.0.norm.weight",
+                          None)
 
     def finetune_trainable(self, cfg: ModelConfig) -> tuple[str, ...]:
         return ("layers.", "norm.", "score.")
