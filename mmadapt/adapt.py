@@ -24,6 +24,7 @@ embeddings alone, the bias frozen at its overlap initialisation.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -32,9 +33,9 @@ import torch
 from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt import checkpoint
-from mmadapt.config import EMBEDDING_INITS, SYSTEMS, ModelConfig
+from mmadapt.config import EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, SYSTEMS, ModelConfig
 from mmadapt.data import load_checked_tokenizer
-from mmadapt.family import ModelFamily
+from mmadapt.family import WORD, ModelFamily, OutputPath
 from mmadapt.models.layers import new_rows_name
 from mmadapt.run import read_source
 from mmadapt.tokenizer import WORD_BOUNDARY
@@ -204,17 +205,114 @@ def new_vocabulary(family: ModelFamily, body: ModelConfig, state: dict, src_toke
     return {**state, **{new_rows_name(name): rows for name, rows in new.items()}}, counts
 
 
+# --- an expanded vocabulary's output side (TrainConfig.expand_output_start) ---------------------------
+# The new pieces join the softmax of a model that stays the source's: at any position they can only
+# take probability mass from the source pieces, and the source-language loss there rises by
+# exactly -log(1 - their share), which is also the KL from the source model's distribution to the
+# expanded one. Hewitt ("Initializing new word embeddings for pretrained language models"): a new
+# output row at the mean mu of the n source rows scores exp(mu . y + mean(b)) <= Z / n (Jensen;
+# Z the source pieces' sum of exp(logit)). A row mu + d scores at most exp(excess(d)) times that,
+# excess(d) = max over the head's normed output y of d . y (`logit_excess`), and a bias b_new
+# scales it by exp(b_new - mean(b)). So k new pieces together add at most
+#     Z / n * sum_i exp(excess(d_i) + b_new_i - mean(b))
+# to the softmax's sum (`mass_bound`), whatever the text. The bounded start
+# (`bounded_start`) chooses what it can of each row:
+#   encoder (tied word embedding and an output bias): the row is also the input embedding, so it
+#       stays --embedding_init's; each new bias entry is mean(b) - excess(d_i) + log(n eps / ((1 -
+#       eps) k)), which caps the new pieces' share at eps = 1 - exp(-NEW_MASS_NATS): the loss and
+#       the KL rise by at most NEW_MASS_NATS at any position, at update 0;
+#   decoder with an output projection of its own (no bias): its new rows at mu (d = 0), the input
+#       rows --embedding_init's: a rise of at most log(1 + k / n);
+#   decoder with a tied projection (no bias): nothing but the row itself holds the mass back, so
+#       the new rows start at mu on both sides (--embedding_init gives way): log(1 + k / n) again.
+# The decoders' bound is Hewitt's, loose where k is near n; what the mean row actually takes is
+# measured (run.json's expand_report, tests/test_expand.py).
+NEW_MASS_NATS = 0.01
+
+
+def logit_excess(d: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """d [k, h] -> [k]: max over y = w * x_hat + beta, ||x_hat|| <= sqrt(h) (the head's LayerNorm or
+    RMSNorm output, whatever its input) of d . y, by Cauchy-Schwarz sqrt(h) ||d * w|| + d . beta:
+    how far above the mean row's logit a row mean + d can score anywhere."""
+    d, w = d.float(), norm_weight.float()
+    excess = d.shape[1] ** 0.5 * (d * w).norm(dim=1)
+    return excess if norm_bias is None else excess + d @ norm_bias.float()
+
+
+def mass_bound(excess: torch.Tensor, n: int) -> float:
+    """The most, in nats, that k new pieces whose logits exceed the mean source row's by at most
+    `excess` [k] (bias included) can raise the loss of a source piece, at any position: log(1 +
+    sum_i exp(excess_i) / n) (the comment above)."""
+    return float(torch.logsumexp(torch.cat([excess.double(), excess.new_zeros(1).double() + math.log(n)]), 0)
+                 - math.log(n))
+
+
+def _excess(path: OutputPath, head: dict, rows: dict) -> torch.Tensor:
+    """[k]: the bound on each new piece's logit above the mean source row's, bias included, in
+    the one-head model `head` (full state, source vocabulary) with the new rows `rows`."""
+    d = rows[path.matrix].float() - head[path.matrix].float().mean(0)
+    excess = logit_excess(d, head[path.norm_weight], head[path.norm_bias] if path.norm_bias else None)
+    if path.bias is not None and path.bias in rows:
+        excess = excess + rows[path.bias].float() - head[path.bias].float().mean()
+    return excess
+
+
+def bounded_start(path: OutputPath, heads: list[dict], new: dict[str, torch.Tensor], word: str = WORD
+                  ) -> tuple[dict[str, torch.Tensor], float]:
+    """The new rows `new` (name -> [k, ...], an --embedding_init start) with their output side
+    started so that the new pieces take a bounded share of the mass (the comment above), in each
+    one-head model of `heads` (full states of the source vocabulary that will score them: Step
+    2's body and the primary model, whose heads differ for MINIJOINT; `word`: the family's input
+    embedding, the output matrix too where it is tied) -> (rows, the bound in nats, the largest
+    over `heads`)."""
+    out, n = dict(new), heads[0][path.matrix].shape[0]
+    k = out[path.matrix].shape[0]
+    if path.matrix != word or path.bias is None:
+        out[path.matrix] = heads[0][path.matrix].float().mean(0).expand(k, -1).clone()
+    if path.bias is not None and path.bias in out:
+        eps = -math.expm1(-NEW_MASS_NATS)
+        rows = {**out, path.bias: torch.zeros(k)}  # -_excess: mean(b) - excess(d_i) of each head
+        out[path.bias] = torch.stack([-_excess(path, h, rows) for h in heads]).min(0).values \
+            + math.log(n * eps / ((1 - eps) * k))
+    return out, max(mass_bound(_excess(path, h, out), n) for h in heads)
+
+
+def expand_output_start(family: ModelFamily, body: ModelConfig, state: dict, primary: dict,
+                        output_start: str = "embedding_init") -> tuple[dict, float]:
+    """An expanded vocabulary's start (new_vocabulary's `state`, the new rows under
+    `new_rows_name`s as --embedding_init starts them) with their output side started by
+    `output_start` (TrainConfig.expand_output_start: "bounded", bounded_start; "embedding_init":
+    as the input side), scored through the body's head and the primary model's (`primary`: its
+    one-head full state, family.primary_model's) -> (the state, `new_mass_bound`: the bound in
+    nats on what the new pieces can add to a source piece's loss at update 0)."""
+    if output_start not in EXPAND_OUTPUT_STARTS:
+        raise ValueError(f"unknown expand_output_start {output_start!r}; choose one of {', '.join(EXPAND_OUTPUT_STARTS)}")
+    path, heads = family.output_path(body), [state, primary]
+    new = {name: state[new_rows_name(name)] for name in family.vocab_params(body) if new_rows_name(name) in state}
+    if output_start == "bounded":
+        new, bound = bounded_start(path, heads, new, family.word)
+    else:
+        bound = max(mass_bound(_excess(path, h, new), state[path.matrix].shape[0]) for h in heads)
+    return {**state, **{new_rows_name(name): rows for name, rows in new.items()}}, bound
+
+
 def step2_start(system: str, source: Path, tag: str | None, target_tokenizer: Path, seed: int,
-                mini_layers: int | None = None, embedding_init: str = "overlap", vocab_mode: str = "replace"
-                ) -> tuple[ModelConfig, dict, dict[str, int]]:
+                mini_layers: int | None = None, embedding_init: str = "overlap", vocab_mode: str = "replace",
+                output_start: str = "embedding_init") -> tuple[ModelConfig, dict, dict[str, int]]:
     """Step 2's start from the source run `source` (checkpoint `tag`) alone, as adapt_embeddings
-    computes it (body_config, body_weights, new_vocabulary): what the plug-in metric scores as
-    "start". -> (the body's config, full state dict, how many rows started which way)."""
+    computes it (body_config, body_weights, new_vocabulary; expand: expand_output_start with
+    `output_start`): what the plug-in metric scores as "start" for a run without an artifact of
+    update 0. -> (the body's config, full state dict, how many rows started which way; expand:
+    and `new_mass_bound`)."""
     src = read_source(source, tag)
-    body = body_config(src.family, system, src.cfg, mini_layers)
-    state = body_weights(src.family, system, src.cfg, src.weights(), body)
-    return body, *new_vocabulary(src.family, body, state, src.tokenizer, target_tokenizer, seed, embedding_init,
-                                 vocab_mode)
+    body, weights = body_config(src.family, system, src.cfg, mini_layers), src.weights()
+    state = body_weights(src.family, system, src.cfg, weights, body)
+    init, counts = new_vocabulary(src.family, body, state, src.tokenizer, target_tokenizer, seed, embedding_init,
+                                  vocab_mode)
+    if vocab_mode == "expand":
+        primary = src.family.primary_model(src.cfg, weights)[1]
+        init, counts["new_mass_bound"] = expand_output_start(src.family, body, init, primary, output_start)
+    return body, init, counts
 
 
 def step2_trainable(family: ModelFamily, cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
@@ -276,5 +374,6 @@ def artifact_state(family: ModelFamily, art: dict, meta: dict | None = None,
     return out
 
 
-__all__ = ["body_config", "body_weights", "new_vocabulary", "system_label", "overlap_init", "source_split", "subword_mean_init",
-           "init_rows", "step2_start", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]
+__all__ = ["body_config", "body_weights", "new_vocabulary", "system_label", "overlap_init", "source_split",
+           "subword_mean_init", "init_rows", "NEW_MASS_NATS", "logit_excess", "mass_bound", "bounded_start",
+           "expand_output_start", "step2_start", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]

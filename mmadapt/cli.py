@@ -116,8 +116,11 @@ def _done(rows: list[dict], what: str) -> None:
     if rows:
         first, last = rows[0], rows[-1]
         heads = ", ".join(f"L{k}: {v:.3f}" for k, v in last.get("head_losses", {}).items())
+        texts = ", ".join(f"{k.removesuffix('_loss')} {v:.3f}" for k, v in last.items()
+                          if k in ("source_loss", "target_loss") and v is not None)  # Step 2's replay
         print(f"done: step {last['step']}, loss {first['loss']:.3f} -> {last['loss']:.3f}"
-              + (f" (heads {heads})" if len(last.get("head_losses", {})) > 1 else "") + f"; {what}")
+              + (f" (heads {heads})" if len(last.get("head_losses", {})) > 1 else "")
+              + (f" ({texts})" if texts else "") + f"; {what}")
 
 
 # --- Step 1 --------------------------------------------------------------------------------------------

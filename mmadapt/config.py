@@ -181,6 +181,9 @@ EMBEDDING_INITS = ("overlap", "subword_mean", "normal")
 # Step 2's vocabulary (adapt.py): the target's own (the paper), or the source's with the target's
 # missing pieces appended (vocab.py), only those trained.
 VOCAB_MODES = ("replace", "expand")
+# How an expanded vocabulary's new rows start on the output side (adapt.bounded_start): bounded
+# (their share of the probability mass capped at update 0) or as --embedding_init starts them.
+EXPAND_OUTPUT_STARTS = ("bounded", "embedding_init")
 
 
 @dataclass
@@ -443,6 +446,23 @@ class TrainConfig(LoopConfig):
                          "expand (the source vocabulary keeps its ids and rows, frozen; the target's pieces that it "
                          "lacks are appended and only their rows train; the source language keeps working)",
                          choices=VOCAB_MODES)
+    expand_output_start: str = _f(
+        "bounded", "Step 2 with --vocab_mode expand: how the new pieces start on the output side. bounded: so that "
+        "together they take a bounded share of the source model's probability mass at update 0 (the encoder's new "
+        "output-bias entries set from a bound on each row's logit: the source-language loss and the KL rise by at "
+        "most 0.01 nats; a decoder's new output rows at the mean of the source's, Hewitt's start: tied, its new "
+        "embedding rows too); embedding_init: as --embedding_init starts the input side (bias 0 for a drawn row), "
+        "which lets them take mass from the source language. adapt.py's comment derives the bounds",
+        choices=EXPAND_OUTPUT_STARTS)
+    replay_data: Optional[str] = _f(None, "Step 2: a dataset prepared by mmadapt preprocess from source-language "
+                                    "text in the run's vocabulary, mixed into every batch (--replay_fraction): with "
+                                    "--vocab_mode expand, prepared with the source run's tokenizer (its ids are the "
+                                    "merged vocabulary's first ones), e.g. the source run's own --data_path; with "
+                                    "replace, with the target tokenizer (mmadapt preprocess --tokenizer)")
+    replay_fraction: float = _f(0.0, "Step 2: the fraction of every update's blocks taken from --replay_data "
+                                "(rounded to whole blocks of the global batch; 0 = no replay; below 1: some target "
+                                "text in every batch): the source language keeps a say in the new rows, its loss and "
+                                "the target text's logged apart (source_loss, target_loss)", ge=0, lt=1)
     plugin_eval_blocks: int = _f(0, "Step 2: at each checkpoint, score the new embeddings through the primary model "
                                  "with the plug-in metric on this many held-out blocks of the target dataset's "
                                  "validation split (--data_path prepared with --valid_fraction), and log whether "
@@ -456,6 +476,9 @@ class TrainConfig(LoopConfig):
         if self.seq_length > model.max_position_embeddings:
             raise ValueError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
                              f"{model.max_position_embeddings}")
+        if (self.replay_fraction > 0) != (self.replay_data is not None):
+            raise ValueError("--replay_fraction and --replay_data go together: pass both (source-language text mixed "
+                             "into Step 2) or neither")
         if self.lr is None:
             raise ValueError("lr must be set for pretraining, Step 1b and Step 2")
         return self

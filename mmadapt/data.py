@@ -35,6 +35,13 @@ masking: a block seen again gets a new mask), and for a causal LM that scores a 
 positions (TrainConfig.score_fraction < 1) those drawn likewise. Resuming therefore needs only
 the update step, and a data-parallel run sees exactly the micro-batches of a single-process run
 with gradient accumulation over the same global batch.
+
+Step 2's source-language replay (ReplayBatches) keeps both properties: R of the B blocks of every
+update come from a second dataset, spread evenly over the update's micro-batches (micro-batch q of
+the M = gradient_accumulation_steps * dp_world, q = j * dp_world + r, takes R_q = floor((q + 1) R /
+M) - floor(q R / M) of them, as its first rows), and each dataset is read by its own global sample
+index, t * R + ... for the replay text and t * (B - R) + ... for the target text, each in its
+own seeded order: a pure function of (seed, update, micro-batch, row) again.
 """
 
 from __future__ import annotations
@@ -624,6 +631,46 @@ class BlockBatches:
     def step_batches(self, step: int):
         """The gradient_accumulation_steps micro-batches of this rank for one update."""
         return [self.micro_batch(step, j) for j in range(self.gas)]
+
+
+class ReplayBatches:
+    """Micro-batches of which `replay_blocks` of each update's `global_batch` blocks are the
+    `replay` dataset's (Step 2's source-language replay; the module docstring says which), the
+    rest `target`'s: two batch objects of one objective over the same TrainConfig, the replay
+    one seeded apart. A micro-batch is (input_ids, labels, replay rows): its replay blocks come
+    first, so their scored positions are the first ones (layers.head_losses logs them apart)."""
+
+    def __init__(self, target: BlockBatches, replay: BlockBatches, replay_blocks: int):
+        self.target, self.replay, self.replay_blocks = target, replay, replay_blocks
+        self.global_batch, self.gas = target.global_batch, target.gas
+        self.micro_batch_size, self.seq_length = target.micro_batch_size, target.seq_length
+        self.dp_rank, self.dp_world = target.dp_rank, target.dp_world
+
+    def _first(self, q: int) -> int:
+        """Replay blocks of the micro-batches before micro-batch q of an update."""
+        return q * self.replay_blocks // (self.gas * self.dp_world)
+
+    def micro_batch(self, step: int, micro_step: int):
+        """-> (input_ids, labels) as BlockBatches.micro_batch's, and the number of replay rows."""
+        q, r = micro_step * self.dp_world + self.dp_rank, self.replay_blocks
+        first, rows = self._first(q), self._first(q + 1) - self._first(q)
+        ids = np.full((self.micro_batch_size, self.seq_length), PAD_ID, np.int64)
+        labels = np.full((self.micro_batch_size, self.seq_length), IGNORE_INDEX, np.int64)
+        for i in range(self.micro_batch_size):
+            if i < rows:
+                x, y = self.replay.sample(step * r + first + i)
+            else:
+                x, y = self.target.sample(step * (self.global_batch - r) + q * self.micro_batch_size - first + i - rows)
+            ids[i, :len(x)], labels[i, :len(y)] = x, y
+        return torch.from_numpy(ids), torch.from_numpy(labels), rows
+
+    def step_batches(self, step: int):
+        return [self.micro_batch(step, j) for j in range(self.gas)]
+
+
+def replay_blocks(fraction: float, global_batch: int) -> int:
+    """The replay blocks of each update: `fraction` of the global batch, rounded."""
+    return round(fraction * global_batch)
 
 
 class MLMBatches(BlockBatches):

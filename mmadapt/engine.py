@@ -246,17 +246,27 @@ class MetricsLog:
 
 
 def _loss_row(step: int, mean: torch.Tensor, loss_names: tuple[str, ...] | None, prefix: str = "",
-              loss_weights: tuple[float, ...] | None = None) -> tuple[dict, dict]:
+              loss_weights: tuple[float, ...] | None = None, split_names: tuple[str, str] | None = None
+              ) -> tuple[dict, dict]:
     """A metrics row {step, <prefix>loss[, <prefix>head_losses]} and its TensorBoard scalars
     (under loss/ for training, valid/ for validation) from the per-head means [k]; the loss is
-    their mean, or their weighted mean with `loss_weights` (normalised, as the model's)."""
+    their mean, or their weighted mean with `loss_weights` (normalised, as the model's).
+    split_names: `mean` ends with two texts' (loss sum, count) pairs (layers.split_sums), logged
+    as <name>_loss, the loss per scored piece of each (None where the logged updates held none)."""
     group = "valid" if prefix else "loss"
+    if split_names is not None:
+        mean, sums = mean[:-4], mean[-4:].tolist()
+        split = {f"{name}_loss": sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else None
+                 for i, name in enumerate(split_names)}
     total = mean.mean() if loss_weights is None else (mean * mean.new_tensor(loss_weights)).sum()
     row = {"step": step, f"{prefix}loss": total.item()}
     scalars = {f"{group}/{'loss' if prefix else 'total'}": row[f"{prefix}loss"]}
     if loss_names is not None:
         row[f"{prefix}head_losses"] = dict(zip(loss_names, mean.tolist()))
         scalars.update({f"{group}/head_layer{k}": v for k, v in row[f"{prefix}head_losses"].items()})
+    if split_names is not None:
+        row.update(split)
+        scalars.update({f"{group}/{k.removesuffix('_loss')}": v for k, v in split.items() if v is not None})
     return row, scalars
 
 
@@ -291,7 +301,9 @@ class LoopJob:
     (ModelConfig.loss_weights; None: their mean). perf(seconds per update) -> throughput fields
     of a log row. after_save(step, tag): global rank 0, after each complete checkpoint.
     evaluate() -> this rank's validation losses [k] (as step_fn's), every `eval_interval`
-    updates: logged as `valid_loss` (and `valid_head_losses`) rows."""
+    updates: logged as `valid_loss` (and `valid_head_losses`) rows. split_losses: step_fn's losses
+    end with two texts' (loss sum, count) pairs (layers.split_sums), logged as <name>_loss
+    (Step 2's replay: ("source", "target"))."""
     label: str
     names: dict
     client_state: dict
@@ -302,6 +314,7 @@ class LoopJob:
     after_save: Callable[[int, str], None] | None = None
     evaluate: Callable[[], torch.Tensor] | None = None
     eval_interval: int = 0
+    split_losses: tuple[str, str] | None = None
 
 
 def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loop: LoopConfig, total: int,
@@ -374,16 +387,18 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     if done % loop.log_interval == 0 or done == total:
                         dt = (time.perf_counter() - t_last) / since
                         row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, job.loss_names,
-                                                 loss_weights=job.loss_weights)
+                                                 loss_weights=job.loss_weights, split_names=job.split_losses)
                         check_finite()
                         row["lr"] = engine.get_lr()[0]
                         row.update(job.perf(dt) if job.perf is not None else {})
                         scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
-                                                             if k not in ("step", "loss", "head_losses", "lr")}})
+                                                             if k not in ("step", "loss", "head_losses", "lr")
+                                                             and not k.endswith("_loss")}})
                         if rank0:
                             rows.append(row)
                             log.write(row, scalars)
-                            bar.set_postfix(loss=f"{row['loss']:.3f}")
+                            bar.set_postfix({"loss": f"{row['loss']:.3f}", **{
+                                k: f"{v:.3f}" for k, v in row.items() if k.endswith("_loss") and v is not None}})
                         loss_sum, since, t_last = None, 0, time.perf_counter()
                     if job.evaluate is not None and job.eval_interval and done % job.eval_interval == 0:
                         row, scalars = _loss_row(done, mean_over_ranks(job.evaluate(), is_pipe), job.loss_names,

@@ -22,7 +22,10 @@ there. Adding an architecture means writing one folder under mmadapt/models/<nam
 What a family's modules promise (the steps rely on these, not on classes):
   - `build_lm(cfg, seed)`: the plain model with a head after each layer of `cfg.heads_after`;
     `forward(input_ids, labels=None, *, masked_index=None, targets=None, padding=None)` ->
-    (loss, per-head losses) over the scored positions (`models.layers.masked_positions`), and
+    (loss, per-head losses) over the scored positions (`models.layers.masked_positions`), and,
+    for Step 2's source-language replay (--replay_fraction, passed only then), `split=` the
+    number of scored positions of the replay rows (two texts' losses logged after the heads':
+    `models.layers.head_losses`); and
     `encode(input_ids, layers, padding=None)` -> each listed layer's output [b, s, h]; and
     `logits(input_ids, padding=None)` -> every head's logits [b, s, V] at every position (TP = 1;
     mmadapt/predict.py); `config`, the ModelConfig it was built from.
@@ -163,6 +166,17 @@ class HFMapping:
         return None
 
 
+class OutputPath(NamedTuple):
+    """How a one-head model (Step 2's body, a primary model) scores the vocabulary, in build_lm's
+    parameter names: logits = y W^T (+ b) with y = w * x_hat (+ beta), the head's last norm
+    (LayerNorm or RMSNorm: ||x_hat|| <= sqrt(h)). What adapt.bounded_start needs to bound the
+    probability mass that new pieces take."""
+    matrix: str  # W [V, h]: the word embedding when tied, else the output projection
+    bias: str | None  # b [V]
+    norm_weight: str  # w [h]
+    norm_bias: str | None  # beta [h]
+
+
 class ModelFamily:
     """One architecture. Subclasses set the class attributes and implement the builders."""
 
@@ -267,6 +281,10 @@ class ModelFamily:
         """Artifact file key -> parameter name, for every vocabulary-indexed parameter an
         artifact may hold (embeddings.pt; "word_embeddings" is every family's input embedding)."""
         return {"word_embeddings": self.word}
+
+    def output_path(self, cfg: ModelConfig) -> OutputPath:
+        """The output path of a one-head model of `cfg` (OutputPath)."""
+        raise NotImplementedError
 
     def output_biases(self, cfg: ModelConfig) -> tuple[str, ...]:
         """The output bias [V] of every LM head of `cfg` (build_lm names): what Step 1 starts at

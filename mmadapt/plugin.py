@@ -148,8 +148,8 @@ def _swap(family: ModelFamily, model: torch.nn.Module, emb: dict, meta: dict) ->
 def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     """The embeddings and bias the adapt run started from: its artifact of update 0 where Step 2
     saved one (steps.ArtifactWriter.save_start); for a run recorded before that, recomputed (the
-    same seeded draw and the same TrainConfig.embedding_init as adapt_embeddings'; runs recorded
-    before it: overlap)."""
+    same seeded draw, TrainConfig.embedding_init and expand_output_start as adapt_embeddings';
+    runs recorded before those fields: overlap, and the output side as the input side)."""
     start = adapt_run / "embeddings" / tag_for(0)
     if (start / ARTIFACT_FILE).is_file():
         return read_artifact(start)[0]
@@ -159,7 +159,8 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     source = read_source(src["run_dir"], src["tag"])
     _, init, _ = step2_start(run["system"], source.path, source.tag, tokenizer,
                              derive_seed(train["seed"], f"embeddings.{run['lang']}"), run.get("mini_layers"),
-                             train.get("embedding_init", "overlap"), train.get("vocab_mode", "replace"))
+                             train.get("embedding_init", "overlap"), train.get("vocab_mode", "replace"),
+                             train.get("expand_output_start", "embedding_init"))
     expanded = run["model"].get("frozen_vocab_size", 0)
     return {key: torch.cat([init[name], init[new_rows_name(name)]]) if expanded else init[name]
             for key, name in source.family.artifact_keys().items() if name in init}
@@ -211,31 +212,64 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     return records
 
 
-def source_language_loss(primary_run: Path, artifact: Path, seq_length: int = 64, blocks: int = 256,
-                         batch_size: int = 32) -> dict | None:
-    """What an expanded vocabulary (Step 2 --vocab_mode expand) does to the source language: the
-    primary model's loss per scored piece on source text (its own objective, as the plug-in
-    metric scores it) before, with its own vocabulary, and after the artifact is swapped in (its
-    source rows kept, the new rows appended: the softmax now spans the new pieces too, so the loss
-    can move with every source row frozen). The text is the primary run's data in its own ids:
-    its validation split, else its training text. None for a run with no data (an import)."""
-    source = read_source(primary_run)
-    data = source.record.get("data_path")
+def source_text(primary_run: Path, data: Path | None = None) -> tuple[Path, str] | None:
+    """The source-language text an expanded vocabulary is scored on: `data` (a prepared dataset in
+    the primary run's ids, e.g. Step 2's replay data) or else the primary run's own data, each
+    its validation split when it has one, else its training text -> (dataset, split); None for a
+    run with no data (an import) and no `data`."""
+    data = data or read_source(primary_run).record.get("data_path")
     if not data:
         return None
-    split = VALID if read_manifest(data).get("valid") else TEXT
-    family = source.family
-    cfg, state = primary_head(family, source.cfg, source.weights())
-    model = plugin_model(family, cfg, state)
-    batches = heldout_batches(Path(data), seq_length, cfg.vocab_size, blocks, batch_size,
-                              objective=family.objective, split=split)
-    on_dev = on_device(batches, device_of(model))
-    before = masked_loss(model, on_dev)
-    emb, _, meta = read_artifact(artifact)
-    with swapped(model, _swap(family, model, emb, meta)):
-        after = masked_loss(model, on_dev)
-    return {"source_loss_before": before, "source_loss_after": after, "source_text": f"{data} ({split})",
-            "scored_pieces": int(sum(int(l.ge(0).sum()) for _, l in batches))}
+    return Path(data), VALID if read_manifest(data).get("valid") else TEXT
+
+
+class SourceProbe:
+    """What an expanded vocabulary (Step 2 --vocab_mode expand) does to the source language, on
+    held-out source text (`source_text`) through the primary model, by its own objective (as the
+    plug-in metric scores the target): its loss per scored piece with its own vocabulary
+    (`before`), and, with an artifact's tensors swapped in (its source rows kept, the new rows
+    appended: the softmax now spans the new pieces, so the loss moves with every source row
+    frozen), the loss and the KL from the primary model's own distribution to the expanded one,
+    averaged over the scored positions. The input is source ids only and the source rows are the
+    model's own, so the expanded logits' first V_source columns are the source model's logits:
+    its distribution is their softmax. The KL at a position is then -log(1 - the new pieces'
+    share), which is also by how much the loss rises there: the two agree to rounding."""
+
+    def __init__(self, primary_run: Path, text: tuple[Path, str], seq_length: int = 64, blocks: int = 256,
+                 batch_size: int = 32):
+        source = read_source(primary_run)
+        require_head(source, "the expand report")
+        self.family = source.family
+        cfg, state = primary_head(self.family, source.cfg, source.weights())
+        self.model, self.data = plugin_model(self.family, cfg, state), f"{text[0]} ({text[1]})"
+        batches = heldout_batches(text[0], seq_length, cfg.vocab_size, blocks, batch_size,
+                                  objective=self.family.objective, split=text[1])
+        self.scored = int(sum(int(l.ge(0).sum()) for _, l in batches))
+        self.batches = on_device(batches, device_of(self.model))
+        self.before = masked_loss(self.model, self.batches)
+        self.source_size = cfg.vocab_size
+
+    @torch.no_grad()
+    def _logits(self) -> list[torch.Tensor]:
+        """The primary head's logits [m, V] at each batch's scored positions."""
+        out = []
+        for ids, padding, masked_index, _ in self.batches:
+            logits = self.model.logits(ids, padding)[0]  # [b, s, V]
+            out.append(logits.reshape(-1, logits.shape[-1]).index_select(0, masked_index))
+        return out
+
+    def score(self, tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, float]:
+        """tensors: an expanded artifact's ({"word_embeddings": [V', h], ...}), meta: its meta.json
+        -> {"source_loss", "source_kl"} (nats per scored piece)."""
+        loss = kl = 0.0
+        with swapped(self.model, _swap(self.family, self.model, tensors, meta)):
+            for logits, (*_, targets) in zip(self._logits(), self.batches):
+                lq = torch.log_softmax(logits.float(), -1)[:, :self.source_size]  # [m, V_source]
+                lp = torch.log_softmax(logits[:, :self.source_size].float(), -1)
+                loss += float(-lq.gather(1, targets[:, None]).sum())
+                kl += float((lp.exp() * (lp - lq)).sum())
+        return {"source_loss": loss / self.scored, "source_kl": kl / self.scored}
+
 
 class PluginProbe:
     """The plug-in metric of one artifact at a time, for Step 2's checkpoints

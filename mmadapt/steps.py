@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.adapt import (ARTIFACT_FILE, body_config, body_weights, new_vocabulary, read_artifact, step2_trainable,
-                           write_artifact)
+from mmadapt.adapt import (ARTIFACT_FILE, body_config, body_weights, expand_output_start, new_vocabulary, read_artifact,
+                           step2_trainable, write_artifact)
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, Checked, EvaluateConfig, FinetuneConfig, MiniModelConfig,
                             ModelConfig, PreprocessConfig, TrainConfig, path_args, whole_arg)
 from mmadapt.corpora import resolve_corpus
-from mmadapt.data import MANIFEST, TEXT, TOKENIZER, EpochOrder, read_manifest, wait_for
+from mmadapt.data import MANIFEST, TEXT, TOKENIZER, EpochOrder, read_manifest, replay_blocks, wait_for
 from mmadapt.data import prepare as prepare_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.engine import LoopJob, build_engine, train_loop, trainable_by_names
@@ -52,15 +52,18 @@ from mmadapt.finetune import (TaskData, TaskPlan, at_chance, check_positions, ch
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.plugin import (PluginProbe, heldout_batches, masked_loss, on_device, plugin_model, plugin_records,
-                            primary_head_state, progress_line, source_language_loss, unigram_logprobs, unigram_loss)
+from mmadapt.plugin import (PluginProbe, SourceProbe, heldout_batches, masked_loss, on_device, plugin_model,
+                            plugin_records, primary_head_state, progress_line, source_text, unigram_logprobs,
+                            unigram_loss)
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, load_checkpoint, pretrained_blocks, read_run,
                          read_source, require_head, require_kind, run_fingerprint, run_progress, start_run,
                          weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
-from mmadapt.train import ExpandedText, LMJob, TextData, client_state, task_step, train_lm
+from mmadapt.tokenizer import pieces as tokenizer_pieces
+from mmadapt.train import (MERGED_TOKENIZER, ExpandedText, LMJob, Replay, TextData, WithReplay, client_state, task_step,
+                           train_lm)
 from mmadapt.vocab import Expansion, check_expansion, expand
 
 
@@ -102,6 +105,11 @@ def _step2_only(train: TrainConfig, step: str) -> None:
         raise ValueError(f"embedding_init is a Step-2 setting; {step} starts no new vocabulary: drop the flag")
     if train.vocab_mode != "replace":
         raise ValueError(f"vocab_mode is a Step-2 setting; {step} keeps its source's vocabulary: drop the flag")
+    if train.expand_output_start != TrainConfig.expand_output_start:
+        raise ValueError(f"expand_output_start is a Step-2 setting; {step} starts no new vocabulary: drop the flag")
+    if train.replay_fraction or train.replay_data is not None:
+        raise ValueError(f"replay_data and replay_fraction are Step-2 settings; {step} trains on its own text only: "
+                         "drop the flags")
 
 
 # --- Step 1 -----------------------------------------------------------------------------------------
@@ -298,24 +306,72 @@ def _target_vocab_size(run: RunSpec, body: ModelConfig, vocab_size: int | None) 
     return body.vocab_size
 
 
-def _expanded_vocabulary(run: RunSpec, source: Path, vocab_size: int | None) -> tuple[int, int, Expansion | None]:
+def _expanded_vocabulary(run: RunSpec, source: Source, vocab_size: int | None, seed: int
+                         ) -> tuple[int, int, Expansion | None]:
     """--vocab_mode expand: (the merged vocabulary's size, the source's, and the merged tokenizer
-    to build when the run prepares a raw corpus itself; None: the prepared dataset's is it)."""
-    if vocab_size is not None:
+    to build when the run prepares a raw corpus itself; None: the prepared dataset's is it). A
+    raw corpus without --tokenizer: the target tokenizer is trained on it as replace mode trains
+    one (`target_tokenizer`), `vocab_size` pieces (default: the source model's)."""
+    if vocab_size is not None and (run.data_path is not None or run.tokenizer is not None):
         raise ValueError("--vocab_mode expand: the vocabulary is the source's with the target's new pieces "
                          "appended, its size follows from the tokenizers: drop --vocab_size")
-    source_tokenizer = source / RUN_TOKENIZER
+    source_tokenizer = source.tokenizer
     if run.data_path is not None:
         manifest = read_manifest(run.data_path)  # a prepared dataset, or one line saying it is not
         size = check_expansion(source_tokenizer, run.data_path / TOKENIZER)
         return manifest["vocab_size"], size, None
-    if run.tokenizer is None:
-        raise ValueError("--vocab_mode expand needs the target vocabulary: pass --tokenizer (a target "
-                         "SentencePiece model, e.g. one mmadapt preprocess trained) with --corpus, or --data_path "
-                         "prepared with mmadapt preprocess --expand_from <source run>")
-    load_tokenizer(run.tokenizer)
-    expansion = expand(source_tokenizer, run.tokenizer)
+    if run.tokenizer is not None:
+        load_tokenizer(run.tokenizer)
+        expansion = expand(source_tokenizer, run.tokenizer)
+    else:
+        expansion = _trained_expansion(run, source_tokenizer, vocab_size or source.cfg.vocab_size, seed)
     return expansion.size, expansion.source_size, expansion
+
+
+def _trained_expansion(run: RunSpec, source_tokenizer: Path, vocab_size: int, seed: int) -> Expansion:
+    """The source tokenizer merged with a `vocab_size`-piece target tokenizer trained on the raw
+    corpus (data.train_tokenizer, seeded: every rank trains the same one), in a temporary
+    directory. A --resume reads the merged tokenizer the run kept instead of training again."""
+    kept = run.output_dir / MERGED_TOKENIZER
+    if run.resume and kept.is_file():
+        size = check_expansion(source_tokenizer, kept)
+        return Expansion(kept.read_bytes(), size, tuple(tokenizer_pieces(kept)[size:]))
+    with tempfile.TemporaryDirectory() as tmp:
+        target = train_tokenizer(resolve_corpus(run.corpus), Path(tmp) / "target", vocab_size, seed=seed,
+                                 max_sentences=PreprocessConfig().tokenizer_sample_lines)
+        return expand(source_tokenizer, target)
+
+
+def _with_replay(data, run: RunSpec, train: TrainConfig, source_tokenizer: Path) -> tuple:
+    """The run's DataPlan with Step 2's source-language replay (train.replay_fraction > 0) and the
+    LMJob's Replay; else (data, None). The replay text must be in the run's vocabulary: expand,
+    the source run's tokenizer (its ids are the merged vocabulary's first ones: the source's own
+    segmentation, what the source model was trained on and its loss is measured on); replace, the
+    target tokenizer (the new embeddings learn the source text's pieces too)."""
+    if not train.replay_fraction or train.replay_data is None:  # half of the pair: TrainConfig.validate says so
+        return data, None
+    if train.vocab_mode == "expand":
+        tokenizer = source_tokenizer
+    elif run.data_path is not None or run.tokenizer is not None:
+        tokenizer = run.data_path / TOKENIZER if run.data_path is not None else run.tokenizer
+    else:
+        raise ValueError("--replay_data with --vocab_mode replace is source text in the target vocabulary, which this "
+                         "run would only train: prepare the target data first (mmadapt preprocess) and pass "
+                         "--data_path, or pass --tokenizer")
+    replay = Replay(Path(train.replay_data), train.replay_fraction)
+    return WithReplay(data, replay, tokenizer), replay
+
+
+def _check_output_start(family: ModelFamily, train: TrainConfig, body: ModelConfig) -> None:
+    """Refuse --embedding_init subword_mean where the bounded start would overwrite it (a tied
+    decoder's new rows are its output rows)."""
+    if train.vocab_mode != "expand" or train.expand_output_start != "bounded" or train.embedding_init != "subword_mean":
+        return
+    path = family.output_path(body)
+    if path.bias is None and path.matrix == family.word:
+        raise ValueError("--embedding_init subword_mean with a tied decoder: its new rows are its output rows too, "
+                         "which --expand_output_start bounded starts at the source rows' mean; pass "
+                         "--expand_output_start embedding_init to start them at their splits' means instead")
 
 
 def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
@@ -324,6 +380,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     source, body = _step2_source(step)
     run = _step2_data(run, step)
     model, data, expanded = _step2_model(run, step, source, body)
+    data, replay = _with_replay(data, run, step.train, source.tokenizer)
     run, train, system = _text_run(run), step.train, step.system
     frozen_from = {"run_dir": str(source.path), "tag": source.tag, "system": system}
     # Which mini-model (MINIJOINT): its depth, and every depth the source offers (artifact labels).
@@ -332,22 +389,36 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     identity = {"recipe": system, "system": system, "lang": step.lang, "frozen_from": frozen_from, **depth}
     with start_run(run, model, train, identity, data) as started:
         tokenizer = started.data / TOKENIZER
-        state = body_weights(source.family, system, source.cfg, source.weights(), body)
-        init, rows = new_vocabulary(source.family, body, state, source.tokenizer, tokenizer,
-                                    derive_seed(train.seed, f"embeddings.{step.lang}"), train.embedding_init,
-                                    train.vocab_mode)
-        del state
+        init, rows = _step2_start(source, step, body, tokenizer)
         if parallel.is_rank0():
             _say_start(step.lang, train.embedding_init, model, rows)
         writer = ArtifactWriter.of(run, step, source, model, init, tokenizer,
                                    {**depth, **expanded, **rows})
         writer.save_start()
-        metrics = train_lm(started, run, model, train, LMJob(step="adapt", trainable=writer.trainable), init,
-                           after_save=writer, record={**rows, **expanded, "target_vocab_size": model.vocab_size})
+        job = LMJob(step="adapt", trainable=writer.trainable, replay=replay)
+        metrics = train_lm(started, run, model, train, job, init, after_save=writer,
+                           record={**rows, **expanded, "target_vocab_size": model.vocab_size})
         final = run.output_dir / "embeddings" / checkpoint.tag_for(train.train_iters)
         if expanded and parallel.is_rank0() and final.is_dir():
-            started.record.finish(expand_report=_expand_report(final, step.lang, started.data, train.seq_length))
+            started.record.finish(expand_report=_expand_report(final, writer.tensors(writer.init), step.lang,
+                                                               started.data, train.seq_length, replay))
         return metrics
+
+
+def _step2_start(source: Source, step: AdaptEmbeddings, body: ModelConfig, tokenizer: Path) -> tuple[dict, dict]:
+    """Step 2's start over the source's weights (adapt.body_weights, new_vocabulary; expand: and
+    the new rows' output side, adapt.expand_output_start) and how its rows started (expand: and
+    `new_mass_bound`)."""
+    train, family = step.train, source.family
+    weights = source.weights()
+    state = body_weights(family, step.system, source.cfg, weights, body)
+    init, rows = new_vocabulary(family, body, state, source.tokenizer, tokenizer,
+                                derive_seed(train.seed, f"embeddings.{step.lang}"), train.embedding_init,
+                                train.vocab_mode)
+    if train.vocab_mode == "expand":
+        primary = family.primary_model(source.cfg, weights)[1]
+        init, rows["new_mass_bound"] = expand_output_start(family, body, init, primary, train.expand_output_start)
+    return init, rows
 
 
 def _step2_source(step: AdaptEmbeddings) -> tuple[Source, ModelConfig]:
@@ -381,10 +452,12 @@ def _step2_model(run: RunSpec, step: AdaptEmbeddings, source: Source, body: Mode
     if step.train.vocab_mode != "expand":
         vocab_size = _target_vocab_size(run, body, step.vocab_size)
         return dataclasses.replace(run.layout.apply(body), vocab_size=vocab_size), TextData(), {}
-    vocab_size, source_size, expansion = _expanded_vocabulary(run, source.path, step.vocab_size)
+    _check_output_start(source.family, step.train, body)
+    vocab_size, source_size, expansion = _expanded_vocabulary(run, source, step.vocab_size, step.train.seed)
     model = dataclasses.replace(run.layout.apply(body), vocab_size=vocab_size, frozen_vocab_size=source_size)
     data = TextData() if expansion is None else ExpandedText(expansion)
-    return model, data, {"vocab_mode": "expand", "source_vocab_size": source_size}
+    return model, data, {"vocab_mode": "expand", "source_vocab_size": source_size,
+                         "expand_output_start": step.train.expand_output_start}
 
 
 @dataclasses.dataclass
@@ -416,6 +489,9 @@ class ArtifactWriter:
                 "seq_length": train.seq_length}
         if train.score_fraction != 1:  # scored a sample of the positions: its records say so (adapt.system_label)
             meta["score_fraction"] = train.score_fraction
+        if train.replay_fraction:  # ordinary blocks of seq_length: counted in `tokens` and the FLOPs like the rest
+            meta.update(replay_fraction=train.replay_fraction,
+                        replay_blocks=replay_blocks(train.replay_fraction, meta["global_batch"]))
         if step.system == "minipost":  # the mini-model's N and K (its source's Step 1b)
             mini = MiniModelConfig(source.record["frozen_from"]["mini_layers"],
                                    source.record["frozen_from"]["new_layers"])
@@ -440,6 +516,8 @@ class ArtifactWriter:
         if not self.fingerprint:
             self.fingerprint["primary_fingerprint"] = run_fingerprint(self.primary["run_dir"], self.primary["tag"])
         meta = {**self.meta, "step": update, "tokens": batch * self.meta["seq_length"] * update, "flops": flops,
+                **({"replay_tokens": self.meta["replay_blocks"] * self.meta["seq_length"] * update}
+                   if "replay_blocks" in self.meta else {}),
                 "flops_paper": self.seq_flops[True] * batch * update, "v100_days": device_days(flops),
                 **self.fingerprint}
         tensors = self.tensors(sd)
@@ -476,21 +554,35 @@ class ArtifactWriter:
         return out
 
 
-def _expand_report(artifact: Path, lang: str, target_data: Path, seq_length: int) -> dict:
-    """What every expanded-vocabulary run reports (printed, and in run.json): the primary model's
-    source-language loss before and after its new pieces join the softmax (plugin.source_language_loss),
-    and the plug-in target metric of its final artifact when the target data hold a validation split."""
-    primary = artifact_primary(read_artifact(artifact)[2])
-    report = source_language_loss(primary, artifact, seq_length) or {}
-    if report:
-        print(f"source language through the primary model: loss {report['source_loss_before']:.4f} with its own "
-              f"vocabulary, {report['source_loss_after']:.4f} with the new pieces ({report['scored_pieces']} pieces "
-              f"of {report['source_text']})")
+def _expand_report(artifact: Path, start: dict, lang: str, target_data: Path, seq_length: int,
+                   replay: Replay | None) -> dict:
+    """What every expanded-vocabulary run reports (printed, and in run.json): on held-out source
+    text through the primary model (plugin.SourceProbe; the replay data's validation split when
+    the run has one, else the source run's data), its loss with its own vocabulary, and the loss
+    and the KL from its own distribution with the new pieces in its softmax, at update 0 (the
+    start `start`, artifact tensors) and at the end (the final `artifact`); beside them the
+    plug-in target metric at both, when the target data hold a validation split."""
+    meta = read_artifact(artifact)[2]
+    primary = artifact_primary(meta)
+    text = source_text(primary, replay.data if replay is not None and read_manifest(replay.data).get("valid")
+                       else None)
+    report = {}
+    if text is not None:
+        probe = SourceProbe(primary, text, seq_length)
+        first, last = probe.score(start, meta), probe.score(read_artifact(artifact)[0], meta)
+        report = {"source_loss_before": probe.before, "source_loss_start": first["source_loss"],
+                  "source_kl_start": first["source_kl"], "source_loss_after": last["source_loss"],
+                  "source_kl_after": last["source_kl"], "source_text": probe.data, "scored_pieces": probe.scored}
+        print(f"source language through the primary model ({probe.scored} pieces of {probe.data}): loss "
+              f"{probe.before:.4f} with its own vocabulary; with the new pieces {first['source_loss']:.4f} at update 0 "
+              f"(KL {first['source_kl']:.4f}), {last['source_loss']:.4f} at the end (KL {last['source_kl']:.4f})")
     if read_manifest(target_data).get("valid"):
         record = plugin_records(primary, [artifact], {lang: target_data}, seq_length)[0]
-        report.update(plugin_gain=record["score"], plugin_loss=record["loss"], unigram_loss=record["unigram_loss"])
-        print(f"{lang} through the primary model (plug-in): contextual gain {record['score']:.3f} nats "
-              f"(loss {record['loss']:.3f}, unigram reference {record['unigram_loss']:.3f})")
+        report.update(plugin_gain=record["score"], plugin_loss=record["loss"], unigram_loss=record["unigram_loss"],
+                      plugin_gain_start=record["start_gain"])
+        print(f"{lang} through the primary model (plug-in): contextual gain {record['start_gain']:.3f} nats at update "
+              f"0, {record['score']:.3f} at the end (loss {record['loss']:.3f}, unigram reference "
+              f"{record['unigram_loss']:.3f})")
     else:
         print(f"note: no plug-in {lang} score: the target data hold no validation split (mmadapt preprocess "
               "--valid_fraction 0.03 --expand_from <source run>, then --data_path)")

@@ -28,19 +28,27 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
 from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfig, to_dict
-from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, block_index,
-                          block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
-                          load_checked_tokenizer, micro_batch_range, prepare, read_manifest, wait_for)
+from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, ReplayBatches,
+                          block_index, block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
+                          load_checked_tokenizer, micro_batch_range, prepare, read_manifest, replay_blocks, wait_for)
 from mmadapt.engine import (LoopJob, build_engine, is_pipeline, mean_over_ranks, train_loop, trainable_by_names,
                             with_placeholders)
 from mmadapt.features import Encoded
 from mmadapt.family import ModelFamily
 from mmadapt.fusion import apply_fusion
-from mmadapt.models.layers import Padding, masked_positions
+from mmadapt.models.layers import Padding, derive_seed, masked_positions
 from mmadapt.models.pipe import set_host_batches, take_head_losses
 from mmadapt.run import RUN_TOKENIZER, RunSpec, Started, tensor_bytes
 from mmadapt.tokenizer import kind as tokenizer_kind
 from mmadapt.vocab import Expansion
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """Step 2's source-language replay: `fraction` of every update's blocks from the prepared
+    dataset `data` (source text in the run's vocabulary: steps.adapt_embeddings checks it)."""
+    data: Path
+    fraction: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +58,7 @@ class LMJob:
     # The family's parameter names, or name prefixes ending in ".", that are trained (None: all).
     trainable: tuple[str, ...] | None = None
     trainable_layers: int = 0  # Step 1b: l_t, for its FLOP count
+    replay: Replay | None = None  # Step 2: source text in every batch, its loss logged apart
 
 
 # --- data ----------------------------------------------------------------------------------------------
@@ -159,6 +168,50 @@ class ExpandedText(TextData):
 MERGED_TOKENIZER = Path("tokenizer") / "merged.model"
 
 
+class WithReplay:
+    """A DataPlan (TextData, ExpandedText) and Step 2's replay text: the plan's checks and data,
+    and the replay dataset's block index (global rank 0 builds it, the others wait), recorded as
+    run.json's `replay_data`."""
+
+    def __init__(self, plan, replay: Replay, tokenizer: Path):
+        """tokenizer: the one the replay text must be encoded with (steps.adapt_embeddings says which)."""
+        self.plan, self.replay, self.tokenizer = plan, replay, tokenizer
+
+    def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> dict:
+        fields = self.plan.check(run, model, train, family)
+        data = self.replay.data
+        read_manifest(data)  # a prepared dataset, or one line saying it is not
+        if file_sha256(data / TOKENIZER) != file_sha256(self.tokenizer):
+            raise ValueError(f"--replay_data {data} was not encoded with {self.tokenizer}, the tokenizer whose ids the "
+                             "replay text needs here: prepare it with mmadapt preprocess --tokenizer "
+                             f"{self.tokenizer} into a new --output_dir")
+        dp = parallel.launched_world_size() // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size)
+        if replay_blocks(self.replay.fraction, train.global_batch(dp)) < 1:
+            raise ValueError(f"--replay_fraction {self.replay.fraction} of a global batch of {train.global_batch(dp)} "
+                             "blocks rounds to no block: raise it, or the batch")
+        return {**fields, "replay_data": str(data.resolve())}
+
+    def check_resume(self, run: RunSpec) -> None:
+        self.plan.check_resume(run)
+
+    def prepare(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> Path:
+        data_path = self.plan.prepare(run, model, train, family)
+        if family.objective.batches.indexed:
+            if parallel.is_rank0():
+                block_index(self.replay.data, train.seq_length)
+            blocks = block_index_path(self.replay.data, train.seq_length)
+            wait_for(blocks, f"the block index {blocks}")
+        return data_path
+
+
+def replay_batches(family: ModelFamily, target, replay: Replay, model: ModelConfig, train: TrainConfig
+                   ) -> ReplayBatches:
+    """`target` (lm_batches') with `replay.fraction` of every update's blocks from the replay
+    text, read in an order and masked with a seed of their own."""
+    other = lm_batches(family, replay.data, model, dataclasses.replace(train, seed=derive_seed(train.seed, "replay")))
+    return ReplayBatches(target, other, replay_blocks(replay.fraction, target.global_batch))
+
+
 def lm_batches(family: ModelFamily, data_path: Path, model: ModelConfig, train: TrainConfig, split: str = TEXT):
     """This data-parallel rank's batches of the family's objective (objectives.py: masked
     blocks, or packed next-token blocks), a pure function of (seed, update)."""
@@ -205,11 +258,16 @@ class HostBatch(NamedTuple):
     masked_index: torch.Tensor  # [m] flat indices into b * s of the scored positions
     targets: torch.Tensor  # [m]
     padding: Padding
+    split: int | None = None  # replay (data.ReplayBatches): the scored positions of its first rows, source text
 
 
-def host_batch(input_ids: torch.Tensor, labels: torch.Tensor, pin: bool = False) -> HostBatch:
-    """pin: page-locked copies, which the device reads asynchronously (non_blocking copies)."""
-    b = HostBatch(input_ids, labels, *masked_positions(labels), Padding.of(input_ids))
+def host_batch(input_ids: torch.Tensor, labels: torch.Tensor, pin: bool = False,
+               replay_rows: int | None = None) -> HostBatch:
+    """pin: page-locked copies, which the device reads asynchronously (non_blocking copies).
+    replay_rows: how many of the first rows are source-language replay (their losses are
+    logged apart, layers.head_losses)."""
+    split = None if replay_rows is None else int(labels[:replay_rows].ge(0).sum())
+    b = HostBatch(input_ids, labels, *masked_positions(labels), Padding.of(input_ids), split)
     return b._replace(**{k: getattr(b, k).pin_memory() for k in _TENSORS}) if pin else b
 
 
@@ -250,13 +308,15 @@ def _pipe_batches(engine, batches: list[HostBatch], dev) -> iter:
     """Micro-batches as DeepSpeed's pipeline takes them, ((inputs...), labels), after handing
     this stage what the host knows about them (pipeline.set_host_batches)."""
     on_dev = [batch_to_device(b, dev) for b in batches]
-    set_host_batches(engine.module, [b.padding for b in batches], [(b.masked_index, b.targets) for b in on_dev])
+    set_host_batches(engine.module, [b.padding for b in batches],
+                     [(b.masked_index, b.targets, b.split) for b in on_dev])
     return iter([((b.input_ids, b.labels), b.labels) for b in on_dev])
 
 
 def lm_step(engine, batches, num_heads: int) -> torch.Tensor:
     """One update over this rank's micro-batches. Returns this rank's loss of each head, the mean
-    over its micro-batches (pipeline: zeros except on the last stage), not reduced over ranks."""
+    over its micro-batches (pipeline: zeros except on the last stage), not reduced over ranks.
+    num_heads: how many losses the model logs (+ 4 with replay: layers.head_losses)."""
     dev = engine.device
     batches = _prepared(batches)
     if is_pipeline(engine):
@@ -264,8 +324,9 @@ def lm_step(engine, batches, num_heads: int) -> torch.Tensor:
         return take_head_losses(engine.module, num_heads, engine.device)
     per_head = torch.zeros(num_heads, device=dev)
     for b in map(functools.partial(batch_to_device, dev=dev), batches):
+        split = {} if b.split is None else {"split": b.split}  # only with replay: a family's forward may not take it
         loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
-                                  padding=b.padding)
+                                  padding=b.padding, **split)
         engine.backward(with_placeholders(loss, engine.module))
         engine.step()
         per_head += heads_loss / len(batches)
@@ -355,6 +416,8 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         extra["pipeline_parts"] = [int(x) for x in engine.module.parts]
     started.record.write(run.resume, **extra)
     batches = lm_batches(family, data_dir, model_cfg, train)
+    if job.replay is not None:  # ordinary blocks of the same length: the FLOPs per block stay
+        batches = replay_batches(family, batches, job.replay, model_cfg, train)
     update_flops = batches.global_batch * family.step_flops(
         job.step, model_cfg, train.seq_length, family.scored_fraction(train), trainable_layers=job.trainable_layers)
     tokens = batches.global_batch * train.seq_length
@@ -365,6 +428,7 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
                 "flops_per_s_per_device": update_flops / seconds / devices}
 
     heads, pin = len(model_cfg.heads_after), engine.device.type == "cuda"
+    logged = heads + (4 if job.replay is not None else 0)  # the replay's two texts: layers.split_sums
     evaluate = None
     if train.eval_interval:
         # every position of the held-out blocks (score_fraction 1): the loss measures the model, not a sample
@@ -372,14 +436,16 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
                                                                             score_fraction=1.0), VALID)
         valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
         evaluate = functools.partial(lm_eval, engine, valid_batches, heads)
-    prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin) for ids, lab in batches.step_batches(position)])
+    prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin, *rows)
+                                            for ids, lab, *rows in batches.step_batches(position)])
     loop_job = LoopJob(label=job.step, names=names, client_state=client_state(family, model_cfg, dims),
                        exclude_frozen=job.trainable is not None, loss_names=tuple(str(l) for l in model_cfg.heads_after),
                        loss_weights=model_cfg.loss_weights, perf=perf, after_save=after_save, evaluate=evaluate,
-                       eval_interval=train.eval_interval)
+                       eval_interval=train.eval_interval,
+                       split_losses=("source", "target") if job.replay is not None else None)
     before = source_rows(engine.module, names) if model_cfg.frozen_vocab_size else None
     try:
-        rows = train_loop(engine, lambda step: lm_step(engine, prefetch(step), heads), loop_job, train,
+        rows = train_loop(engine, lambda step: lm_step(engine, prefetch(step), logged), loop_job, train,
                           train.train_iters, run.output_dir, run.resume)
     finally:
         prefetch.close()

@@ -67,6 +67,15 @@ class Ctx:
         return ["adapt", "--system", "minijoint", "--source", str(self.primary), "--lang", "de", "--vocab_mode",
                 "expand", "--output_dir", str(self.out), *extra]
 
+    def other_dataset(self) -> str:
+        """A prepared dataset (the primary run's manifest) whose tokenizer is another one."""
+        out = self.tmp / "other"
+        out.mkdir()
+        for name in ("manifest.json", "text.bin", "text.idx"):
+            (out / name).write_bytes((self.primary / "data" / name).read_bytes())
+        (out / "tokenizer.model").write_bytes(b"another tokenizer")
+        return str(out)
+
     def finetune(self, *extra: str, primary: str | None = None) -> list[str]:
         return ["finetune", "--task", "bible-genre", "--primary", primary or str(self.primary),
                 "--output_dir", str(self.out), *extra]
@@ -272,7 +281,27 @@ CASES = [
     ("vocab-mode-unknown", lambda c: c.adapt("--vocab_mode", "merge"), "vocab_mode must be one of replace, expand"),
     ("vocab-mode-in-pretrain", lambda c: c.pretrain("--vocab_mode", "expand"), "vocab_mode is a Step-2 setting"),
     ("expand-with-vocab-size", lambda c: c.adapt("--vocab_mode", "expand"), "drop --vocab_size"),
-    ("expand-without-tokenizer", lambda c: c.expand("--corpus", str(c.corpus)), "needs the target vocabulary"),
+    ("expand-vocab-size-with-tokenizer", lambda c: c.expand("--corpus", str(c.corpus), "--tokenizer", str(c.tokenizer),
+                                                            "--vocab_size", "900"), "drop --vocab_size"),
+    ("expand-output-start-unknown", lambda c: c.adapt("--expand_output_start", "zero"),
+     "expand_output_start must be one of bounded, embedding_init"),
+    ("expand-output-start-in-pretrain", lambda c: c.pretrain("--expand_output_start", "embedding_init"),
+     "expand_output_start is a Step-2 setting"),
+    # --- Step 2 source-language replay
+    ("replay-fraction-without-data", lambda c: c.adapt("--replay_fraction", "0.25"), "go together"),
+    ("replay-fraction-one", lambda c: c.adapt("--replay_fraction", "1", "--replay_data", str(c.primary / "data")),
+     "replay_fraction must be in [0, 1)"),
+    ("replay-in-pretrain", lambda c: c.pretrain("--replay_fraction", "0.1", "--replay_data", str(c.primary / "data")),
+     "replay_data and replay_fraction are Step-2 settings"),
+    ("replay-not-a-dataset", lambda c: c.adapt("--replay_fraction", "0.25", "--replay_data", c.dir("nothing")),
+     "holds no finished dataset"),
+    ("replay-other-tokenizer", lambda c: c.adapt("--replay_fraction", "0.25", "--replay_data", c.other_dataset()),
+     "was not encoded with"),
+    ("replay-rounds-to-no-block", lambda c: c.adapt("--replay_fraction", "0.01", "--replay_data",
+                                                    str(c.primary / "data")), "rounds to no block"),
+    ("replay-replace-without-target-tokenizer",
+     lambda c: [a for a in c.adapt("--replay_fraction", "0.25", "--replay_data", str(c.primary / "data"))
+                if a != str(c.tokenizer) and a != "--tokenizer"], "which this run would only train"),
     ("expand-adds-no-piece", lambda c: c.expand("--corpus", str(c.corpus), "--tokenizer", str(c.tokenizer)),
      "adds no piece to the source's"),
     ("expand-data-not-an-expansion", lambda c: c.expand("--data_path", str(c.primary / "data")),

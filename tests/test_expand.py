@@ -223,6 +223,7 @@ def test_subword_mean_starts_each_new_row_at_its_split(sources, de_tokenizer, tm
             if ids:
                 torch.testing.assert_close(init[new_rows_name(name)][i], src[name][ids].mean(0))
         composed += bool(ids)
+    assert counts.pop("new_mass_bound") > 0
     assert counts == {"shared_pieces": 0, "subword_mean_pieces": composed, "random_pieces": len(new) - composed}
 
 
@@ -262,10 +263,12 @@ def test_expand_flops_are_what_the_model_executes(family, tied):
 
 def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sources, de_corpus, de_tokenizer,
                                                                                 tmp_path):
-    """At its end an expand run scores the primary model on source text before and after its new
-    pieces join the softmax (they can only add probability mass elsewhere: the loss rises; for
-    this 6-update source, whose logits are near uniform, by about log(V / V_source)), and, on
-    target data with a validation split, the plug-in metric of its artifact."""
+    """At its end an expand run scores the primary model on source text with its own vocabulary,
+    and with its new pieces in the softmax at update 0 and at the end: the loss (it can only rise:
+    they take probability mass from the source pieces; at update 0 by at most the start's stated
+    bound, for this untied decoder Hewitt's log(1 + k / n), which its near-uniform logits come
+    close to) and the KL from the source model's distribution (the rise, to rounding); and, on
+    target data with a validation split, the plug-in metric of its artifact at both."""
     from mmadapt.config import PreprocessConfig
     from mmadapt.plugin import plugin_records
 
@@ -278,13 +281,17 @@ def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sou
     steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, data_path=data),
                            step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
                                                       train=_train("llama", 4, vocab_mode="expand")))
-    report = json.loads((out / "run.json").read_text())["expand_report"]
-    rise = report["source_loss_after"] - report["source_loss_before"]
-    size = json.loads((out / "run.json").read_text())["model"]["vocab_size"]
-    assert rise > 0 and rise == pytest.approx(math.log(size / VOCAB), abs=0.1)
+    record = json.loads((out / "run.json").read_text())
+    report, size = record["expand_report"], record["model"]["vocab_size"]
+    assert record["new_mass_bound"] == pytest.approx(math.log(size / VOCAB))
+    for when in ("start", "after"):
+        rise = report[f"source_loss_{when}"] - report["source_loss_before"]
+        assert 0 < rise and report[f"source_kl_{when}"] == pytest.approx(rise, abs=1e-4)
+    assert report["source_loss_start"] - report["source_loss_before"] <= record["new_mass_bound"]
     assert report["scored_pieces"] > 1000
     want = plugin_records(source, [out / "embeddings" / "step00000004"], {"de": data}, 32)[0]
     assert report["plugin_gain"] == pytest.approx(want["score"])
+    assert report["plugin_gain_start"] == pytest.approx(want["start_gain"])
     assert report["plugin_loss"] == pytest.approx(want["loss"])
 
 
@@ -398,3 +405,221 @@ def test_the_demos_merged_tokenizer_keeps_the_english_ids_of_the_whole_bible(tmp
     kept = [(a, b) for a, b in zip(src.encode(verses), got.encode(verses)) if max(b) < size]
     assert len(verses) > 30_000 and len(kept) > len(verses) // 2
     assert [a for a, b in kept if a != b] == []
+
+
+# --- the bounded start (TrainConfig.expand_output_start, adapt.bounded_start) ------------------------
+
+def test_the_bounded_start_caps_the_new_pieces_share_wherever_the_model_looks():
+    """An encoder's output path (tied rows, a bias, a LayerNorm's affine): with the bounded start,
+    the new pieces' share of the softmax stays under 1 - exp(-NEW_MASS_NATS) at every normed
+    output y = w * x_hat + beta with ||x_hat|| = sqrt(h): random ones, and for each new row the
+    one that maximises its own logit (where the bound is tight for that row). A decoder's untied
+    projection gets the mean source row, and its stated bound is log(1 + k / n)."""
+    from mmadapt.adapt import NEW_MASS_NATS, bounded_start, logit_excess, mass_bound
+    from mmadapt.family import OutputPath
+
+    g = torch.Generator().manual_seed(0)
+    n, k, h = 50, 30, 16
+    src = {WORD: torch.randn(n, h, generator=g), "b": torch.randn(n, generator=g),
+           "w": 1 + torch.rand(h, generator=g), "beta": 0.3 * torch.randn(h, generator=g)}
+    other = {**src, "b": src["b"] - 1.0, "w": src["w"] * 0.5}  # a second head (MINIJOINT: body and primary)
+    path = OutputPath(WORD, "b", "w", "beta")
+    new, bound = bounded_start(path, [src, other], {WORD: torch.randn(k, h, generator=g), "b": torch.zeros(k)})
+    assert bound == pytest.approx(NEW_MASS_NATS, rel=1e-6)
+    d = new[WORD] - src[WORD].mean(0)
+    for head in (src, other):
+        x = torch.randn(2000, h, generator=g)
+        worst = d * head["w"] / (d * head["w"]).norm(dim=1, keepdim=True)  # x_hat aligned with each row's d * w
+        x = torch.cat([x, worst])
+        x = h ** 0.5 * x / x.norm(dim=1, keepdim=True)
+        y = head["w"] * x + head["beta"]
+        logits = torch.cat([y @ src[WORD].T + head["b"], y @ new[WORD].T + new["b"]], 1)
+        share = torch.softmax(logits.double(), 1)[:, n:].sum(1)
+        assert share.max() <= -math.expm1(-NEW_MASS_NATS) + 1e-9
+    # Without beta, the excess is what x_hat = sqrt(h) (d * w) / ||d * w|| reaches: the bound is tight.
+    reached = (h ** 0.5 * (d * src["w"]) / (d * src["w"]).norm(dim=1, keepdim=True) * src["w"] * d).sum(1)
+    torch.testing.assert_close(logit_excess(d, src["w"]), reached)
+    assert mass_bound(torch.zeros(k), n) == pytest.approx(math.log(1 + k / n))
+
+    untied = OutputPath("out", None, "w", None)
+    heads = [{"out": src[WORD], "w": src["w"]}]
+    new, bound = bounded_start(untied, heads, {WORD: torch.randn(k, h, generator=g), "out": torch.randn(k, h, generator=g)})
+    assert torch.equal(new["out"], src[WORD].mean(0).expand(k, -1)) and bound == pytest.approx(math.log(1 + k / n))
+
+
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_at_update_0_the_bounded_start_keeps_the_source_language(family, sources, de_tokenizer, corpus, tokenizer,
+                                                                  tmp_path):
+    """The primary model's source-language loss on held-out source text, and its KL from the
+    source model's distribution, with the new pieces in its softmax at update 0: the encoder's
+    rise is at most NEW_MASS_NATS (0.01), the decoder's (no bias: its untied projection's new rows at
+    the source mean) at most its stated bound, log(1 + k / n), and under the old start's; the KL
+    equals the rise."""
+    from mmadapt.adapt import NEW_MASS_NATS
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.plugin import SourceProbe
+
+    source = sources[family]
+    text = tmp_path / "en"
+    steps.preprocess(corpus, output_dir=text, vocab_size=VOCAB, tokenizer=tokenizer,
+                     cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    merged = expand(source / "tokenizer" / "spm.model", de_tokenizer).write(tmp_path / "m.model")
+    probe = SourceProbe(source, (text, "valid"), 32)
+    meta = {"vocab_mode": "expand", "source_vocab_size": VOCAB}
+    rise = {}
+    for start in ("bounded", "embedding_init"):
+        cfg, init, counts = step2_start("minijoint", source, None, merged, 7, 2, "overlap", "expand", start)
+        names = get_family(cfg).artifact_keys()
+        tensors = {key: torch.cat([init[name], init[new_rows_name(name)]]) for key, name in names.items() if name in init}
+        scored = probe.score(tensors, meta)
+        rise[start] = scored["source_loss"] - probe.before
+        assert scored["source_kl"] == pytest.approx(rise[start], abs=1e-4)
+        assert rise[start] <= counts["new_mass_bound"] + 1e-4
+    k = len(pieces(merged)) - VOCAB
+    if family == "roberta":
+        assert 0 <= rise["bounded"] <= NEW_MASS_NATS
+    else:
+        assert rise["bounded"] <= math.log(1 + k / VOCAB) + 1e-4
+    assert rise["bounded"] < rise["embedding_init"]
+
+
+def test_a_tied_decoder_cannot_start_its_rows_at_their_splits_under_the_bounded_start():
+    """Its new rows are its output rows too: the bounded start puts them at the source mean, so
+    --embedding_init subword_mean is refused with it (and runs with the output side as the input)."""
+    body = dataclasses.replace(PRESETS["llama-tiny"][0], share_embeddings_and_output_weights=True)
+    train = TrainConfig(vocab_mode="expand", embedding_init="subword_mean")
+    llama = get_family("llama")
+    with pytest.raises(ValueError, match="--expand_output_start embedding_init"):
+        steps._check_output_start(llama, train, body)
+    steps._check_output_start(llama, dataclasses.replace(train, expand_output_start="embedding_init"), body)
+    steps._check_output_start(llama, train, dataclasses.replace(body, share_embeddings_and_output_weights=False))
+
+
+# --- source-language replay (TrainConfig.replay_data, replay_fraction) ------------------------------------
+
+def test_split_losses_are_each_texts_loss_per_scored_piece():
+    """layers.head_losses with a split: the loss is the unsplit one, and the logged (sum, count)
+    pairs are the cross-entropy sums of the first `split` scored positions and of the rest."""
+    from mmadapt.models.layers import head_losses
+
+    class Head(torch.nn.Module):
+        tp = 1
+
+        def forward(self, x, rows):
+            return vocab_linear(x, rows)
+
+    g = torch.Generator().manual_seed(0)
+    heads = torch.nn.ModuleList([Head(), Head()])
+    hiddens = [torch.randn(2, 5, 4, generator=g) for _ in heads]
+    rows = (torch.randn(11, 4, generator=g),)
+    index, targets = torch.tensor([0, 3, 4, 6, 9]), torch.tensor([1, 2, 3, 4, 5])
+    plain, per_head = head_losses(heads, hiddens, index, targets, rows, (0.25, 0.75))
+    loss, logged = head_losses(heads, hiddens, index, targets, rows, (0.25, 0.75), split=2)
+    torch.testing.assert_close(loss, plain)
+    torch.testing.assert_close(logged[:2], per_head)
+    ce = torch.stack([F.cross_entropy(vocab_linear(h.reshape(-1, 4)[index], rows), targets, reduction="none")
+                      for h in hiddens])  # [heads, m]
+    mixed = 0.25 * ce[0] + 0.75 * ce[1]
+    torch.testing.assert_close(logged[2:], torch.stack([mixed[:2].sum(), torch.tensor(2.0), mixed[2:].sum(),
+                                                        torch.tensor(3.0)]))
+
+
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_replay_batches_are_a_pure_function_of_the_update(family, corpus, tokenizer, tmp_path):
+    """R = round(f B) of every update's B blocks come from the replay text, spread over the
+    micro-batches as their first rows: each text's blocks are its own global samples t R .. and
+    t (B - R) .. in order, two data-parallel ranks see exactly the micro-batches of one process
+    accumulating over both, and f = 0 gives the plain batches."""
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.data import ReplayBatches, replay_blocks
+
+    data = tmp_path / "en"
+    steps.preprocess(corpus, output_dir=data, vocab_size=VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=1))
+    batches = get_family(family).objective.batches
+
+    def make(gas, rank, world, fraction):
+        train = TrainConfig(seq_length=32, train_micro_batch_size_per_gpu=5, gradient_accumulation_steps=gas)
+        target = batches(data, train, VOCAB, rank, world)
+        replay = batches(data, dataclasses.replace(train, seed=99), VOCAB, rank, world)
+        return ReplayBatches(target, replay, replay_blocks(fraction, target.global_batch)), target, replay
+
+    one, target, replay = make(2, 0, 1, 0.25)
+    assert one.replay_blocks == 2  # round(0.25 * 10) (banker's rounding of 2.5)
+    for step in (0, 3):
+        got = one.step_batches(step)
+        assert [rows for *_, rows in got] == [1, 1]
+        ids = torch.cat([b[0] for b in got])
+        want = [replay.sample(step * 2 + i)[0] for i in range(2)]
+        want_t = [target.sample(step * 8 + i)[0] for i in range(8)]
+        assert torch.equal(ids[0, :len(want[0])], torch.as_tensor(want[0]))
+        assert torch.equal(ids[5, :len(want[1])], torch.as_tensor(want[1]))
+        assert torch.equal(ids[1, :len(want_t[0])], torch.as_tensor(want_t[0]))
+        assert torch.equal(ids[9, :len(want_t[7])], torch.as_tensor(want_t[7]))
+        ranks = [make(1, r, 2, 0.25)[0].step_batches(step)[0] for r in range(2)]
+        for mine, theirs in zip(got, ranks):
+            assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1]) and mine[2] == theirs[2]
+    none, target, _ = make(2, 0, 1, 0.0)
+    for (ids, labels, rows), (ids0, labels0) in zip(none.step_batches(1), target.step_batches(1)):
+        assert rows == 0 and torch.equal(ids, ids0) and torch.equal(labels, labels0)
+
+
+def test_an_expand_run_with_replay_logs_both_languages(sources, de_corpus, de_tokenizer, corpus, tokenizer, tmp_path):
+    """--replay_fraction 0.25 over source text in the source's ids: the log holds the source- and
+    target-language losses apart (the total between them), the artifacts count the replay blocks in
+    their tokens and FLOPs (blocks of the same length: the FLOPs per block stay), the report scores
+    the source language on the replay text's held-out part at update 0 and at the end; a replay
+    dataset of another tokenizer is refused before anything is written."""
+    from mmadapt.config import PreprocessConfig
+
+    source, text = sources["roberta"], tmp_path / "en"
+    steps.preprocess(corpus, output_dir=text, vocab_size=VOCAB, tokenizer=tokenizer,
+                     cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    out = tmp_path / "a"
+    train = dataclasses.replace(_train("roberta", 4, vocab_mode="expand", replay_data=str(text), replay_fraction=0.25),
+                                log_interval=1)
+    steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, corpus=de_corpus, tokenizer=de_tokenizer),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de", train=train))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    for r in rows:
+        assert min(r["source_loss"], r["target_loss"]) <= r["loss"] <= max(r["source_loss"], r["target_loss"])
+    record = json.loads((out / "run.json").read_text())
+    assert record["replay_data"] == str(text.resolve())
+    meta = read_artifact(out / "embeddings" / "step00000004")[2]
+    assert meta["replay_blocks"] == 1 and meta["replay_tokens"] == 4 * 32 and meta["tokens"] == 4 * 4 * 32
+    fam = get_family("roberta")
+    model = ModelConfig(**record["model"])
+    assert meta["flops"] == fam.step_flops("adapt", model, 32, fam.scored_fraction(train)) * 4 * 4
+    report = record["expand_report"]
+    assert report["source_text"] == f"{text} (valid)"
+    assert report["source_loss_start"] - report["source_loss_before"] <= 0.01
+    assert report["source_kl_after"] == pytest.approx(report["source_loss_after"] - report["source_loss_before"],
+                                                      abs=1e-4)
+
+    other = tmp_path / "de-data"
+    steps.preprocess(de_corpus, output_dir=other, vocab_size=VOCAB, tokenizer=de_tokenizer,
+                     cfg=PreprocessConfig(workers=1))
+    refused = tmp_path / "b"
+    with pytest.raises(ValueError, match="was not encoded with") as e:
+        steps.adapt_embeddings(run=RunSpec(output_dir=refused, ds_config=ZERO0, corpus=de_corpus,
+                                           tokenizer=de_tokenizer),
+                               step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
+                                                          train=dataclasses.replace(train, replay_data=str(other))))
+    assert "\n" not in str(e.value) and not refused.exists()
+
+
+def test_expand_from_a_raw_corpus_trains_the_target_tokenizer(sources, de_corpus, tmp_path):
+    """`adapt --vocab_mode expand --corpus de.txt` without --tokenizer: a --vocab_size-piece German
+    tokenizer trained on the corpus as replace mode trains one (data.train_tokenizer, the run's
+    seed), merged into the source's."""
+    from mmadapt.data import train_tokenizer
+
+    source, out = sources["llama"], tmp_path / "a"
+    train = _train("llama", 2, vocab_mode="expand")
+    steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, corpus=de_corpus),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de", train=train,
+                                                      vocab_size=600))
+    target = train_tokenizer(de_corpus, tmp_path / "t" / "de", 600, seed=train.seed)
+    merged = expand(source / "tokenizer" / "spm.model", target)
+    assert (out / "tokenizer" / "spm.model").read_bytes() == merged.model
+    assert json.loads((out / "run.json").read_text())["model"]["vocab_size"] == merged.size

@@ -6,7 +6,9 @@ data-parallel ranks and pipeline parallel 2 (the tied embedding on the first and
 After 50 updates with weight decay on every parameter: every source row of every expanded matrix
 is bit-identical to the source's in the live model of every rank (the run records the SHA-256 of
 each rank's block), the optimizer state holds exactly the new rows (x h, + the new bias entries)
-split over the data-parallel ranks, and the losses are the single process's (rtol 1e-5)."""
+split over the data-parallel ranks, and the losses are the single process's (rtol 1e-5). The
+same with a quarter of every batch from English text (--replay_fraction 0.25, 20 updates: the
+source language's loss and the target's, logged apart, are the single process's too)."""
 
 import hashlib
 import json
@@ -23,6 +25,7 @@ from mmadapt.run import load_weights
 pytestmark = pytest.mark.slow
 
 STEPS = 50
+REPLAY_STEPS = 20  # the replay runs check the same things in fewer updates: the suite stays short
 SINGLE = ["--ds_config", "ds_configs/zero0.json", "--gradient_accumulation_steps", "2"]
 FAMILIES = {"roberta": ("tiny", "heads.heads.0.bias", []),
             "llama": ("llama-tiny", "output_layer.weight", ["--share_embeddings_and_output_weights", "false"])}
@@ -42,10 +45,29 @@ def sources(corpus, tokenizer, tmp_path_factory):
     return out
 
 
-def _expand(source, de_corpus, de_tokenizer, out, nproc, *extra):
+@pytest.fixture(scope="module")
+def replay_text(corpus, tokenizer, tmp_path_factory):
+    """The English corpus in the sources' ids: the replay text."""
+    from mmadapt import steps
+    from mmadapt.config import PreprocessConfig
+
+    out = tmp_path_factory.mktemp("replay") / "en"
+    steps.preprocess(corpus, output_dir=out, vocab_size=VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=1))
+    return out
+
+
+def _replay(replay_text, replay: bool) -> list[str]:
+    return ["--replay_fraction", "0.25", "--replay_data", str(replay_text)] if replay else []
+
+
+def _steps(replay: bool) -> int:
+    return REPLAY_STEPS if replay else STEPS
+
+
+def _expand(source, de_corpus, de_tokenizer, out, nproc, *extra, steps=STEPS):
     run_pretrain(nproc, "--system", "minijoint", "--source", str(source), "--lang", "de", "--corpus", str(de_corpus),
                  "--tokenizer", str(de_tokenizer), "--vocab_mode", "expand", "--output_dir", str(out),
-                 "--train_iters", str(STEPS), "--log_interval", "10", "--save_interval", str(STEPS),
+                 "--train_iters", str(steps), "--log_interval", "10", "--save_interval", str(steps),
                  "--seq_length", "32",
                  "--train_micro_batch_size_per_gpu", "8", "--weight_decay", "0.1", "--decay_all", "true", *NO_DROPOUT,
                  *extra, script=ADAPT)
@@ -53,16 +75,24 @@ def _expand(source, de_corpus, de_tokenizer, out, nproc, *extra):
 
 
 @pytest.fixture(scope="module")
-def singles(sources, de_corpus, de_tokenizer, tmp_path_factory):
-    return {family: _expand(source, de_corpus, de_tokenizer, tmp_path_factory.mktemp(f"expand_single_{family}"), 1,
-                            *SINGLE) for family, source in sources.items()}
+def singles(sources, de_corpus, de_tokenizer, replay_text, tmp_path_factory):
+    """Each family's single-process run, without and with replay (built when first asked for)."""
+    made = {}
+
+    def single(family: str, replay: bool):
+        if (family, replay) not in made:
+            made[family, replay] = _expand(sources[family], de_corpus, de_tokenizer,
+                                           tmp_path_factory.mktemp(f"expand_single_{family}"), 1, *SINGLE,
+                                           *_replay(replay_text, replay), steps=_steps(replay))
+        return made[family, replay]
+    return single
 
 
-def _optimizer_groups(run) -> list[list[int]]:
+def _optimizer_groups(run, steps: int = STEPS) -> list[list[int]]:
     """The size of each flat parameter group of each rank's optimizer file (ZeRO's fp32 state),
     leaving out engine.build_engine's one-element placeholders of a group with nothing to train
     (with ZeRO's alignment padding)."""
-    ckpt = run / "checkpoints" / f"step{STEPS:08d}"
+    ckpt = run / "checkpoints" / f"step{steps:08d}"
     out = []
     for f in sorted(ckpt.glob("*optim_states.pt")):
         state = torch.load(f, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["state"]
@@ -73,18 +103,21 @@ def _optimizer_groups(run) -> list[list[int]]:
     return out
 
 
+@pytest.mark.parametrize("replay", [False, True], ids=["", "replay"])
 @pytest.mark.parametrize("layout", ["single", *sorted(k for k in LAYOUTS if k != "tp2_pp2")])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_expand_keeps_every_source_row_in_every_layout(family, layout, sources, singles, de_corpus, de_tokenizer,
-                                                       tmp_path):
+def test_expand_keeps_every_source_row_in_every_layout(family, layout, replay, sources, singles, replay_text,
+                                                       de_corpus, de_tokenizer, tmp_path):
     source, (_, second, _) = sources[family], FAMILIES[family]
     if layout == "single":
-        run = singles[family]
+        run = singles(family, replay)
     else:
         nproc, extra = LAYOUTS[layout]
-        run = _expand(source, de_corpus, de_tokenizer, tmp_path / layout, nproc, *extra)
-        np.testing.assert_allclose([r["loss"] for r in metrics(run)], [r["loss"] for r in metrics(singles[family])],
-                                   rtol=1e-5)
+        run = _expand(source, de_corpus, de_tokenizer, tmp_path / layout, nproc, *extra,
+                      *_replay(replay_text, replay), steps=_steps(replay))
+        for key in ("loss", "source_loss", "target_loss") if replay else ("loss",):
+            np.testing.assert_allclose([r[key] for r in metrics(run)],
+                                       [r[key] for r in metrics(singles(family, replay))], rtol=1e-5)
     record = json.loads((run / "run.json").read_text())
     size, new = record["model"]["vocab_size"], record["model"]["vocab_size"] - VOCAB
     h = record["model"]["hidden_size"]
@@ -102,7 +135,7 @@ def test_expand_keeps_every_source_row_in_every_layout(family, layout, sources, 
             assert sha == want.hexdigest(), f"{layout}: a source row of {name} moved"
 
     # The optimizer holds the new rows and nothing else, split over the data-parallel ranks.
-    groups = _optimizer_groups(run)
+    groups = _optimizer_groups(run, _steps(replay))
     bias = [new] if family == "roberta" else []
     if layout == "zero2_dp2":
         halves = [new * h // 2] * (1 if family == "roberta" else 2)

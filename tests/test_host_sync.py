@@ -120,7 +120,7 @@ def test_pipeline_stages_take_the_host_flags():
     layer, heads = PipeTransformerLayer(cfg, 1), PipeMLMHeads(cfg)
     stage = torch.nn.ModuleList([layer, heads])
     batches = [host_batch(*padded_batch(cfg, seed=k)) for k in range(2)]
-    set_host_batches(stage, [b.padding for b in batches], [(b.masked_index, b.targets) for b in batches])
+    set_host_batches(stage, [b.padding for b in batches], [(b.masked_index, b.targets, b.split) for b in batches])
     assert list(layer.pending) == [b.padding for b in batches] and len(heads.pending) == 2
     word = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
     hiddens = [torch.randn(*b.input_ids.shape, cfg.hidden_size) for b in batches]

@@ -340,7 +340,7 @@ def run_layers(layers: nn.ModuleList, x: torch.Tensor, wanted: tuple[int, ...], 
 
 def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index: torch.Tensor,
                 targets: torch.Tensor, output_rows: tuple[torch.Tensor, ...],
-                loss_weights: tuple[float, ...] | None):
+                loss_weights: tuple[float, ...] | None, split: int | None = None):
     """Every head's loss over the scored positions, and the model's loss from them.
 
     hiddens: one [b, s, h] per head; masked_index [m]: the scored positions as flat indices into
@@ -348,16 +348,36 @@ def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index:
     projection's row blocks (`vocab_rows`: [Vp, h] in all) to logits [m, Vp]. Only the m scored rows reach a head: the rows are gathered by
     index, not by a boolean mask, so m comes from the host (a boolean gather on the device would
     make the host wait for the device to count m). Cross-entropy in fp32, vocab-parallel at TP > 1.
+    split (Step 2's source-language replay, train.py): the scored positions [0, split) and
+    [split, m) are two texts whose losses are logged apart (a host count: the replay rows come
+    first in a micro-batch, and masked_index is row-major).
     -> (the mean of the heads' losses, or their weighted mean with loss_weights (normalised);
-    each head's loss [num heads], detached)."""
-    losses = []
+    each head's loss [num heads], detached; with `split`, followed by `split_sums`' four entries)."""
+    losses, sums = [], []
     for head, h in zip(heads, hiddens):
         logits = head(h.reshape(-1, h.shape[-1]).index_select(0, masked_index), output_rows).float()  # [m, Vp]
-        if head.tp == 1:
+        if split is not None:
+            per_piece = F.cross_entropy(logits, targets, reduction="none") if head.tp == 1 else \
+                tensor_parallel.vocab_parallel_cross_entropy(logits, targets)  # [m]
+            losses.append(per_piece.mean())
+            sums.append(torch.stack([per_piece[:split].sum(), per_piece[split:].sum()]))
+        elif head.tp == 1:
             losses.append(F.cross_entropy(logits, targets))
         else:
             losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits, targets).mean())
     per_head = torch.stack(losses)
-    if loss_weights is None:
-        return per_head.mean(), per_head.detach()
-    return (per_head * per_head.new_tensor(loss_weights)).sum(), per_head.detach()
+    weights = per_head.new_tensor(loss_weights) if loss_weights is not None else None
+    loss = per_head.mean() if weights is None else (per_head * weights).sum()
+    if split is None:
+        return loss, per_head.detach()
+    return loss, torch.cat([per_head.detach(), split_sums(torch.stack(sums).detach(), weights, split, len(targets))])
+
+
+def split_sums(sums: torch.Tensor, weights: torch.Tensor | None, split: int, m: int) -> torch.Tensor:
+    """sums [num heads, 2] (each head's summed loss over the scored positions [0, split) and
+    [split, m)) -> [4]: (loss sum, count) of the first part, then of the second, the heads weighted as
+    the loss weighs them. Sums and counts, not means: a micro-batch may hold no position of one
+    part, and added over micro-batches and ranks their ratio is the loss per scored piece."""
+    w = sums.new_full((sums.shape[0],), 1.0 / sums.shape[0]) if weights is None else weights
+    total = (sums * w[:, None]).sum(0)
+    return torch.stack([total[0], sums.new_tensor(float(split)), total[1], sums.new_tensor(float(m - split))])

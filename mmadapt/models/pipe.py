@@ -31,16 +31,17 @@ class PaddingQueue:
 
 
 class ScoredQueue:
-    """Mixin of the last stage's heads: (masked_index, targets) on the device of each
-    micro-batch to come, in order, and each micro-batch's per-head losses [num heads]."""
+    """Mixin of the last stage's heads: (masked_index, targets, split) of each micro-batch to
+    come, in order (the tensors on the device; split: layers.head_losses', or None), and each
+    micro-batch's logged losses [num heads (+ 4 with a split)]."""
 
     def init_queue(self) -> None:
         self.pending: collections.deque = collections.deque()
         self.head_losses: list[torch.Tensor] = []
 
     @torch.compiler.disable
-    def next_scored(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pending.popleft() if self.pending else masked_positions(labels)
+    def next_scored(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        return self.pending.popleft() if self.pending else (*masked_positions(labels), None)
 
     @torch.compiler.disable
     def record(self, per_head: torch.Tensor) -> None:
@@ -48,7 +49,7 @@ class ScoredQueue:
 
 
 def set_host_batches(pipe: torch.nn.Module, padding: list[Padding],
-                     masked: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                     masked: list[tuple[torch.Tensor, torch.Tensor, int | None]]) -> None:
     """Hand this rank's stage what the host knows about the micro-batches of the next
     train_batch / eval_batch, in their order."""
     for m in pipe.modules():
@@ -58,8 +59,9 @@ def set_host_batches(pipe: torch.nn.Module, padding: list[Padding],
 
 
 def take_head_losses(pipe: torch.nn.Module, num_heads: int, device: torch.device) -> torch.Tensor:
-    """Each head's loss over the micro-batches just run, on the last stage (which holds the
-    heads); zeros on the other stages."""
+    """Each head's loss over the micro-batches just run (num_heads: how many losses each
+    micro-batch logs, layers.head_losses), on the last stage (which holds the heads); zeros on
+    the other stages."""
     heads = next((m for m in pipe.modules() if isinstance(m, ScoredQueue)), None)
     per_head = torch.zeros(num_heads, device=device)
     if heads is not None and heads.head_losses:

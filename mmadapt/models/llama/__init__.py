@@ -13,7 +13,7 @@ on the last real token (LlamaForTask).
 from __future__ import annotations
 
 from mmadapt.config import LoopConfig, ModelConfig, TrainConfig
-from mmadapt.family import WORD, ModelFamily
+from mmadapt.family import WORD, ModelFamily, OutputPath
 from mmadapt.models.llama import flops, hf
 from mmadapt.models.llama.presets import PRESETS, SMALL
 from mmadapt.models.llama.model import (OUTPUT, TASK_KINDS, DecoderLayer, LlamaDecoder, LlamaForTask, LlamaLM,
@@ -68,6 +68,10 @@ class LlamaFamily(ModelFamily):
 
     def artifact_keys(self) -> dict[str, str]:
         return {"word_embeddings": WORD, "output_layer": OUTPUT}
+
+    def output_path(self, cfg: ModelConfig) -> OutputPath:
+        return OutputPath(WORD if cfg.share_embeddings_and_output_weights else OUTPUT, None, "heads.heads.0.norm.weight",
+                          None)
 
     def finetune_trainable(self, cfg: ModelConfig) -> tuple[str, ...]:
         return ("layers.", "norm.", "score.")

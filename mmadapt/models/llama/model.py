@@ -217,7 +217,7 @@ class LMHeads(nn.Module):
         self.heads = nn.ModuleList(LMHead(config) for _ in config.heads_after)
 
     def forward(self, hiddens: list[torch.Tensor], masked_index: torch.Tensor, targets: torch.Tensor,
-                output_rows: tuple[torch.Tensor, ...]):
+                output_rows: tuple[torch.Tensor, ...], split: int | None = None):
         """hiddens: one [b, s, h] per head, in heads_after order; masked_index [m]: the scored
         positions as flat indices into b * s, targets [m]: their next tokens (`masked_positions`);
         output_rows: the output projection [Vp, h] as row blocks (layers.vocab_rows).
@@ -226,9 +226,9 @@ class LMHeads(nn.Module):
         boolean mask, so that m comes from the host: a boolean gather on the device would make
         the host wait for the device to count m.
         Returns (loss, per_head): the mean (or weighted mean) of the heads' losses, and each
-        head's loss, detached.
+        head's loss, detached (with `split`, two texts' losses after them: layers.head_losses).
         """
-        return head_losses(self.heads, hiddens, masked_index, targets, output_rows, self.loss_weights)
+        return head_losses(self.heads, hiddens, masked_index, targets, output_rows, self.loss_weights, split)
 
 
 def output_layer(config: ModelConfig, seed: int = 1234) -> nn.Module:
@@ -289,13 +289,14 @@ class LlamaLM(LlamaDecoder):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 masked_index: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                padding: Padding | None = None):
+                padding: Padding | None = None, split: int | None = None):
         """input_ids [b, s] and either labels [b, s] (the next token at each position; -100: not
         scored) or, prepared on the host so that the step never waits for the device,
-        masked_index [m] and targets [m] (`masked_positions`) -> (loss, per_head [num heads])."""
+        masked_index [m] and targets [m] (`masked_positions`) -> (loss, per_head [num heads]; with
+        `split`, two texts' losses after them: layers.head_losses)."""
         if masked_index is None:
             masked_index, targets = masked_positions(labels)
-        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.output_rows)
+        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.output_rows, split)
 
     def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> each head's next-piece logits [b, s, Vp] at every position, in

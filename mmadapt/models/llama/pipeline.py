@@ -98,8 +98,8 @@ class PipeLMHeads(ScoredQueue, LMHeads):
     def forward(self, inputs):
         hidden, _input_ids, labels, *rest = inputs
         carried, output_rows = rest[:-self.blocks], tuple(rest[-self.blocks:])
-        masked_index, targets = self.next_scored(labels)
-        loss, per_head = super().forward([*carried, hidden], masked_index, targets, output_rows)
+        masked_index, targets, split = self.next_scored(labels)
+        loss, per_head = super().forward([*carried, hidden], masked_index, targets, output_rows, split)
         self.record(per_head)
         return loss
 

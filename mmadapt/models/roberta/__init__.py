@@ -5,7 +5,7 @@ ModelFamily."""
 from __future__ import annotations
 
 from mmadapt.config import LoopConfig, ModelConfig, TrainConfig
-from mmadapt.family import WORD, ModelFamily
+from mmadapt.family import WORD, ModelFamily, OutputPath
 from mmadapt.models.roberta import flops, hf
 from mmadapt.models.roberta.presets import PRESETS, SMALL
 from mmadapt.models.roberta.model import (BIAS, TASK_KINDS, MLMHeads, RobertaEncoder, RobertaForTask, RobertaMLM,
@@ -58,6 +58,9 @@ class RobertaFamily(ModelFamily):
 
     def artifact_keys(self) -> dict[str, str]:
         return {"word_embeddings": WORD, "output_bias": BIAS}
+
+    def output_path(self, cfg: ModelConfig) -> OutputPath:
+        return OutputPath(WORD, BIAS, "heads.heads.0.layernorm.weight", "heads.heads.0.layernorm.bias")
 
     def output_biases(self, cfg: ModelConfig) -> tuple[str, ...]:
         return tuple(f"heads.heads.{i}.bias" for i in range(len(cfg.heads_after)))

@@ -157,7 +157,7 @@ class MLMHeads(nn.Module):
         self.heads = nn.ModuleList(MLMHead(config, f"heads.{l}", seed) for l in config.heads_after)
 
     def forward(self, hiddens: list[torch.Tensor], masked_index: torch.Tensor, targets: torch.Tensor,
-                word_rows: tuple[torch.Tensor, ...]):
+                word_rows: tuple[torch.Tensor, ...], split: int | None = None):
         """hiddens: one [b, s, h] per head, in head_layers order; masked_index [m]: the masked
         positions as flat indices into b * s; targets [m]: their original tokens (see
         `masked_positions`); word_rows: the word embedding's row blocks (layers.vocab_rows).
@@ -167,9 +167,9 @@ class MLMHeads(nn.Module):
         are gathered by index, not by a boolean mask, so the m comes from the host: a boolean
         gather on the device would make the host wait for the device to count m.
         Returns (loss, per_head): the mean (or weighted mean) of the heads' losses, and each head's
-        loss, detached.
+        loss, detached (with `split`, two texts' losses after them: layers.head_losses).
         """
-        return head_losses(self.heads, hiddens, masked_index, targets, word_rows, self.loss_weights)
+        return head_losses(self.heads, hiddens, masked_index, targets, word_rows, self.loss_weights, split)
 
 
 class Pooler(nn.Module):
@@ -222,13 +222,15 @@ class RobertaMLM(RobertaEncoder):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 masked_index: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                padding: Padding | None = None):
+                padding: Padding | None = None, split: int | None = None):
         """input_ids [b, s] and either labels [b, s] (-100: not masked) or, prepared on the host so
         that the step never waits for the device (train.host_batch), masked_index [m] and
-        targets [m] (`masked_positions`) and padding -> (loss, per_head [num heads])."""
+        targets [m] (`masked_positions`) and padding -> (loss, per_head [num heads]; with
+        `split`, two texts' losses after them: layers.head_losses)."""
         if masked_index is None:
             masked_index, targets = masked_positions(labels)
-        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.word_embeddings.rows)
+        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.word_embeddings.rows,
+                          split)
 
     def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> each head's logits [b, s, Vp] at every position, in head_layers

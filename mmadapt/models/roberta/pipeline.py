@@ -71,8 +71,8 @@ class PipeMLMHeads(ScoredQueue, MLMHeads):
     def forward(self, inputs):
         hidden, _input_ids, labels, *rest = inputs
         carried, word_rows = rest[:-self.blocks], tuple(rest[-self.blocks:])
-        masked_index, targets = self.next_scored(labels)
-        loss, per_head = super().forward([*carried, hidden], masked_index, targets, word_rows)
+        masked_index, targets, split = self.next_scored(labels)
+        loss, per_head = super().forward([*carried, hidden], masked_index, targets, word_rows, split)
         self.record(per_head)
         return loss
 

@@ -1,0 +1,168 @@
+"""What --vocab_mode expand costs the source language and gains in the target, in the demo's setting:
+the primary model's English loss change (against the source model's own, on held-out English
+verses) and the German plug-in contextual gain after 0, 50, 200 and 1000 Step-2 updates, for the
+new rows' output start (--expand_output_start bounded, or embedding_init: the output side as the
+input side, the start before 2026-11-25) and source-language replay (--replay_fraction 0, 0.1,
+0.25 of every batch from the English Bible); and replace mode's gain (the paper's setting) for
+comparison. Both families (the demo's encoder and decoder), MINIJOINT (over its mini-model) and
+BL_BASE (over the full model), German, one Step-2 seed.
+
+    python benchmarks/expand_replay.py [--output_dir runs/expand_replay] [--iters 1000]
+        [--families roberta llama] [--systems minijoint bl_base] [--threads 1]
+
+Starts from the demo's shipped Step-1 models (mmadapt/demo_models) with the demo's Step-2 settings
+(mmadapt.demo.DemoConfig); the 0/50/200 points are checkpoints of the one run of each cell. Cells
+run in the order of the table (the likely defaults first); every run is kept in --output_dir and
+resumed or skipped when run again, and the results file is rewritten after each cell, so an
+interrupted sweep still reports what it finished. English: 3% of the English Bible's documents
+held out of the replay text (the same tokenizer), scored through each primary model
+(plugin.SourceProbe); German: the demo's held-out chapters. Writes
+benchmarks/results/expand_replay_<hardware>_<date>.{json,md}. Losses, not times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from common import hardware, table, write_results  # (importing common puts mmadapt on the path)
+
+from mmadapt import steps
+from mmadapt.adapt import read_artifact
+from mmadapt.config import PreprocessConfig, to_dict
+from mmadapt.data import TOKENIZER
+from mmadapt.demo import VOCAB, Demo, DemoConfig, install_source_model, source_models
+from mmadapt.parallel import init_parallel
+from mmadapt.plugin import SourceProbe, _start_embeddings, plugin_records, source_text
+from mmadapt.run import RunSpec, run_progress
+
+LANG = "de"
+# (vocab_mode, expand_output_start, replay_fraction), in the order they run.
+CELLS = [("expand", "bounded", 0.1), ("expand", "bounded", 0.25), ("expand", "bounded", 0.0),
+         ("expand", "embedding_init", 0.0), ("replace", None, 0.0), ("expand", "embedding_init", 0.1),
+         ("expand", "embedding_init", 0.25)]
+
+
+def setup(family: str, root: Path) -> dict:
+    """The demo's data for `family` (en, de), its shipped MINIJOINT and BL_BASE, the expanded German
+    data and the English replay text (3% held out)."""
+    cfg = DemoConfig(family=family, langs=(LANG,))
+    demo = Demo(cfg, root)
+    data = demo.prepare()
+    sources = {}
+    for recipe in ("minijoint", "bl_base"):
+        sources[recipe] = root / "pretrain" / recipe
+        if not sources[recipe].exists():
+            install_source_model(recipe, sources[recipe], data["en"], *map(to_dict, demo.source_settings(recipe)))
+    expanded, replay = root / "data" / f"{LANG}-expanded", root / "data" / "en-replay"
+    steps.preprocess(f"bible:{LANG}", output_dir=expanded, vocab_size=VOCAB, tokenizer=data[LANG] / TOKENIZER,
+                     cfg=PreprocessConfig(workers=1, valid_fraction=cfg.heldout_fraction),
+                     expand_from=sources["minijoint"])
+    steps.preprocess("bible:en", output_dir=replay, vocab_size=VOCAB, tokenizer=source_models(family) / "spm.model",
+                     cfg=PreprocessConfig(workers=1, valid_fraction=0.03))
+    return {"demo": demo, "cfg": cfg, "sources": sources, "de": data[LANG], "expanded": expanded, "replay": replay}
+
+
+def run_cell(s: dict, system: str, cell: tuple, run_dir: Path, iters: int, points: list[int]) -> None:
+    mode, start, fraction = cell
+    cfg = s["cfg"]
+    train = dataclasses.replace(s["demo"]._train(iters, iters, train_micro_batch_size_per_gpu=cfg.adapt_batch),
+                                extra_save_steps=tuple(points), vocab_mode=mode,
+                                expand_output_start=start or "bounded", replay_fraction=fraction,
+                                replay_data=str(s["replay"]) if fraction else None)
+    state = run_progress(run_dir, iters)
+    if state != "done":
+        steps.adapt_embeddings(run=RunSpec(output_dir=run_dir, data_path=s["expanded"] if mode == "expand" else s["de"],
+                                           resume=state == "resume"),
+                               step=steps.AdaptEmbeddings(system=system, source=s["sources"][system], lang=LANG,
+                                                          train=train))
+
+
+def score_cell(s: dict, system: str, cell: tuple, run_dir: Path, points: list[int], probe: SourceProbe,
+               blocks: int) -> tuple[dict, list]:
+    """The row of a finished cell: German gain and (expand) English loss change at every point."""
+    mode, start, fraction = cell
+    arts = [run_dir / "embeddings" / f"step{p:08d}" for p in points]
+    data = s["expanded"] if mode == "expand" else s["de"]
+    recs = plugin_records(s["sources"][system], arts, {LANG: data}, s["cfg"].seq_length, blocks)
+    row = {"system": system, "vocab": mode, "start": start or "", "replay": fraction,
+           "gain_0": recs[0]["start_gain"], **{f"gain_{r['step']}": r["score"] for r in recs}}
+    if mode == "expand":
+        meta = read_artifact(arts[0])[2]
+        tensors = [_start_embeddings(run_dir, arts[0] / "spm.model"), *(read_artifact(a)[0] for a in arts)]
+        for p, t in zip([0, *points], tensors):
+            scored = probe.score(t, meta)
+            row[f"en_{p}"] = scored["source_loss"] - probe.before
+            row[f"kl_{p}"] = scored["source_kl"]
+        row["bound_0"] = json.loads((run_dir / "run.json").read_text()).get("new_mass_bound")
+    return row, recs
+
+
+def markdown(results: dict, iters: int, points: list[int]) -> str:
+    cols = [("system", "system"), ("vocab", "vocab"), ("start", "output start"), ("replay", "replay"),
+            *((f"en_{p}", f"en Δ@{p}") for p in [0, *points]), ("bound_0", "bound @0"),
+            *((f"gain_{p}", f"gain @{p}") for p in [0, *points])]
+    out = [f"# Vocabulary expansion: the source language against the target ({hardware()})\n",
+           f"German Step 2 in the demo's setting ({iters} updates of 32 x 32 tokens from the shipped Step-1 models, "
+           "seed 1234, one run per cell). `en Δ@p`: the primary model's English loss (nats per scored piece, its own "
+           "objective, on 3% of the English Bible's documents held out of the replay text) with the new pieces in "
+           "its softmax after p updates, minus the source model's own (the KL from the source model's distribution "
+           "is the same to rounding: in the json). `bound @0`: what the start guarantees for that difference at "
+           "update 0 (adapt.py). `gain @p`: the German plug-in contextual gain (unigram reference - loss through the "
+           "primary model); replace and expand each score their own segmentation against their own unigram "
+           "reference.\n"]
+    for family, rows in results.items():
+        out.append(f"## {family}\n\nSource model's English loss: "
+                   + ", ".join(f"{k} {v:.4f}" for k, v in rows["before"].items()) + "\n\n"
+                   + table(rows["rows"], cols) + "\n")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--output_dir", default="runs/expand_replay")
+    ap.add_argument("--iters", type=int, default=DemoConfig.adapt_iters, help="Step-2 updates (the demo's)")
+    ap.add_argument("--families", nargs="+", default=["roberta", "llama"])
+    ap.add_argument("--systems", nargs="+", default=["minijoint", "bl_base"])
+    ap.add_argument("--blocks", type=int, default=256, help="held-out blocks scored per language")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--name", default="expand_replay", help="results file name (several sweeps side by side)")
+    ap.add_argument("--report_only", action="store_true", help="train nothing: report the cells already done")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    init_parallel(1, 1)
+    root, points = Path(args.output_dir), sorted({p for p in (50, 200) if p < args.iters} | {args.iters})
+    results, records = {}, []
+    for family in args.families:
+        s = setup(family, root / family)
+        results[family] = {"before": {}, "rows": []}
+        for system in args.systems:
+            probe = SourceProbe(s["sources"][system], source_text(s["sources"][system], s["replay"]),
+                                s["cfg"].seq_length, args.blocks)
+            results[family]["before"][system] = probe.before
+            for cell in CELLS:
+                mode, start, fraction = cell
+                run_dir = root / family / "adapt" / f"{system}-{mode}-{start or 'overlap'}-r{fraction}"
+                if args.report_only and run_progress(run_dir, args.iters) != "done":
+                    continue
+                run_cell(s, system, cell, run_dir, args.iters, points)
+                cached = run_dir / "benchmark_row.json"  # each finished cell is scored once
+                if not cached.is_file():
+                    cached.write_text(json.dumps(score_cell(s, system, cell, run_dir, points, probe, args.blocks)))
+                row, recs = json.loads(cached.read_text())
+                results[family]["rows"].append(row)
+                records += recs
+                print(json.dumps(row), flush=True)
+                paths = write_results(args.name, {"settings": {"iters": args.iters, "points": points,
+                                                                     "lang": LANG, "blocks": args.blocks},
+                                                        "results": results, "records": records},
+                                      markdown(results, args.iters, points))
+    print(*paths)
+
+
+if __name__ == "__main__":
+    main()
