@@ -623,3 +623,47 @@ def test_expand_from_a_raw_corpus_trains_the_target_tokenizer(sources, de_corpus
     merged = expand(source / "tokenizer" / "spm.model", target)
     assert (out / "tokenizer" / "spm.model").read_bytes() == merged.model
     assert json.loads((out / "run.json").read_text())["model"]["vocab_size"] == merged.size
+
+
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_the_start_recomputed_for_an_older_run_is_the_saved_update_0(family, sources, expanded, tmp_path):
+    """plugin._start_embeddings reads a run's artifact of update 0; for a run without one (recorded
+    before ArtifactWriter.save_start) it recomputes the start with the run's recorded
+    expand_output_start, which gives the saved tensors bit for bit. A run recorded before that
+    field started its output side as its input side (embedding_init): the encoder's new bias
+    entries then differ from the bounded start's, the untied decoder's new output rows too."""
+    from mmadapt.plugin import _start_embeddings
+
+    run = expanded[family].parent.parent
+    saved = read_artifact(run / "embeddings" / "step00000000")[0]
+    record = json.loads((run / "run.json").read_text())
+    assert record["train"]["expand_output_start"] == "bounded" and record["expand_output_start"] == "bounded"
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "run.json").write_text(json.dumps(record))  # no artifact of update 0: recomputed
+    tokenizer = expanded[family] / "spm.model"
+    again = _start_embeddings(old, tokenizer)
+    assert saved.keys() == again.keys()
+    for key in saved:
+        assert torch.equal(saved[key], again[key]), key
+    del record["train"]["expand_output_start"]
+    (old / "run.json").write_text(json.dumps(record))
+    before = _start_embeddings(old, tokenizer)
+    moved = "output_bias" if family == "roberta" else "output_layer"
+    assert torch.equal(before["word_embeddings"], saved["word_embeddings"])
+    assert not torch.equal(before[moved][VOCAB:], saved[moved][VOCAB:])
+
+
+@pytest.mark.parametrize("family", ["roberta", "llama", "bert"])
+def test_every_shipped_family_names_its_output_path(family):
+    """ModelFamily.output_path names parameters of the family's one-head model (BERT's MLM head is
+    RoBERTa's: it inherits roberta's path); a decoder's matrix follows its tie."""
+    fam = get_family(family)
+    for cfg, _ in fam.presets.values():
+        ties = (True, False) if family == "llama" else (cfg.share_embeddings_and_output_weights,)
+        for tie in ties:
+            one = fam.primary_config(dataclasses.replace(cfg, share_embeddings_and_output_weights=tie))
+            names = fam.param_names(one)
+            path = fam.output_path(one)
+            assert all(n in names for n in path if n is not None), path
+            assert (path.matrix == fam.word) == (tie or path.bias is not None)
