@@ -225,9 +225,16 @@ def new_vocabulary(family: ModelFamily, body: ModelConfig, state: dict, src_toke
 #       rows --embedding_init's: a rise of at most log(1 + k / n);
 #   decoder with a tied projection (no bias): nothing but the row itself holds the mass back, so
 #       the new rows start at mu on both sides (--embedding_init gives way): log(1 + k / n) again.
-# The decoders' bound is Hewitt's, loose where k is near n; what the mean row actually takes is
-# measured (run.json's expand_report, tests/test_expand.py).
+# The decoders' bound is Hewitt's, loose where k is near n (0.055 nats measured at k / n = 0.9, the
+# demo's decoder, 2026-11-25). With no bias, no row bounds the share at every position (a row
+# that scores low for every y would have to be -infinity), but it can be low where the source text
+# puts y. The mean rise over source positions is convex in the row: `output_shift` walks down it
+# from mu until it is CALIBRATED_NATS, half the encoder's bound, on source text (the source run's or
+# the replay data's training split; held-out text measures it after, run.json's expand_report);
+# plugin.off_source_start applies it (run.json records how far the row moved, the rise it leaves
+# on that text, and the worst-case bound, now loose).
 NEW_MASS_NATS = 0.01
+CALIBRATED_NATS = NEW_MASS_NATS / 2
 
 
 def logit_excess(d: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -275,6 +282,61 @@ def bounded_start(path: OutputPath, heads: list[dict], new: dict[str, torch.Tens
         out[path.bias] = torch.stack([-_excess(path, h, rows) for h in heads]).min(0).values \
             + math.log(n * eps / ((1 - eps) * k))
     return out, max(mass_bound(_excess(path, h, out), n) for h in heads)
+
+
+def output_shift(y: torch.Tensor, lse: torch.Tensor, row: torch.Tensor, k: int, target: float = CALIBRATED_NATS
+                 ) -> tuple[torch.Tensor, float]:
+    """A decoder's bounded start, moved off the source text (the comment above): y [m, h] the
+    head's normed outputs at m source positions, lse [m] the source logits' logsumexp there, row
+    [h] the k new rows' start (the source rows' mean) -> (the new row [h], the mean rise in nats
+    it leaves there). The nearest row to `row` whose mean rise, mean_i log(1 + k exp(y_i . r -
+    lse_i)) (convex in r), is at most `target`: the minimiser of rise(r) + lam/2 ||r - row||^2
+    (L-BFGS), lam found by bisection (log scale) as the largest that gets there; a row that moves
+    no further than it must stays close to where the source puts the text (a far row scores
+    unseen contexts high). Where no lam gets there, the lowest rise found."""
+    y, base, mu = y.double(), lse.double() - math.log(k), row.detach().double()
+
+    def rise(r: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.softplus(y @ r - base).mean()
+
+    def nearest(lam: float, start: torch.Tensor) -> tuple[torch.Tensor, float]:
+        r = start.clone().requires_grad_(True)
+        opt = torch.optim.LBFGS([r], lr=1, max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-15,
+                                line_search_fn="strong_wolfe")
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = rise(r) + lam / 2 * (r - mu).square().sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        with torch.no_grad():
+            return r.detach(), float(rise(r))
+
+    with torch.no_grad():
+        if float(rise(mu)) <= target:
+            return mu.float(), float(rise(mu))
+    lo, hi = -12.0, 6.0  # log10 lam: the far end reaches (nearly) the unconstrained minimum
+    best = nearest(10 ** lo, mu)
+    if best[1] > target:
+        return best[0].float(), best[1]
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        r, got = nearest(10 ** mid, best[0])
+        if got <= target:
+            lo, best = mid, (r, got)
+        else:
+            hi = mid
+    return best[0].float(), best[1]
+
+
+def bounded_over(path: OutputPath, heads: list[dict], state: dict) -> float:
+    """The worst-case bound (mass_bound) on what the new rows of `state` (under new_rows_name)
+    add to a source piece's loss, the largest over the one-head models `heads` (full states)."""
+    new = {name: state[new_rows_name(name)] for name in (path.matrix, path.bias)
+           if name is not None and new_rows_name(name) in state}
+    return max(mass_bound(_excess(path, h, new), h[path.matrix].shape[0]) for h in heads)
 
 
 def expand_output_start(family: ModelFamily, body: ModelConfig, state: dict, primary: dict,
@@ -375,5 +437,5 @@ def artifact_state(family: ModelFamily, art: dict, meta: dict | None = None,
 
 
 __all__ = ["body_config", "body_weights", "new_vocabulary", "system_label", "overlap_init", "source_split",
-           "subword_mean_init", "init_rows", "NEW_MASS_NATS", "logit_excess", "mass_bound", "bounded_start",
+           "subword_mean_init", "init_rows", "NEW_MASS_NATS", "CALIBRATED_NATS", "output_shift", "bounded_over", "logit_excess", "mass_bound", "bounded_start",
            "expand_output_start", "step2_start", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]

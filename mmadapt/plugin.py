@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmadapt.adapt import ARTIFACT_FILE, artifact_state, read_artifact, step2_start
+from mmadapt.adapt import ARTIFACT_FILE, artifact_state, bounded_over, output_shift, read_artifact, step2_start
 from mmadapt.checkpoint import tag_for
 from mmadapt.config import ModelConfig, TrainConfig
 from mmadapt.data import TEXT, TOKENIZER, VALID, file_sha256, read_manifest
@@ -46,8 +46,8 @@ from mmadapt.evaluate import (PrimaryRef, artifact_dirs, artifact_embeddings, ar
 from mmadapt.family import ModelFamily
 from mmadapt.models.layers import Padding, derive_seed, masked_positions, new_rows_name
 from mmadapt.objectives import MLM, Objective
-from mmadapt.parallel import device
-from mmadapt.run import read_source, require_head, weights_fingerprint
+from mmadapt.parallel import device, is_rank0
+from mmadapt.run import Source, read_source, require_head, weights_fingerprint
 
 METRIC = "contextual_gain"
 UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
@@ -157,10 +157,14 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     src = run["frozen_from"]
     train = run["train"]
     source = read_source(src["run_dir"], src["tag"])
-    _, init, _ = step2_start(run["system"], source.path, source.tag, tokenizer,
-                             derive_seed(train["seed"], f"embeddings.{run['lang']}"), run.get("mini_layers"),
-                             train.get("embedding_init", "overlap"), train.get("vocab_mode", "replace"),
-                             train.get("expand_output_start", "embedding_init"))
+    body, init, _ = step2_start(run["system"], source.path, source.tag, tokenizer,
+                                derive_seed(train["seed"], f"embeddings.{run['lang']}"), run.get("mini_layers"),
+                                train.get("embedding_init", "overlap"), train.get("vocab_mode", "replace"),
+                                train.get("expand_output_start", "embedding_init"))
+    if "output_shift" in run:  # a decoder's bounded start, moved off the source text (off_source_start)
+        primary = source.family.primary_model(source.cfg, source.weights())[1]
+        data = train.get("replay_data") or source.record.get("data_path")
+        init, _ = off_source_start(source, data, train["seq_length"], body, init, primary)
     expanded = run["model"].get("frozen_vocab_size", 0)
     return {key: torch.cat([init[name], init[new_rows_name(name)]]) if expanded else init[name]
             for key, name in source.family.artifact_keys().items() if name in init}
@@ -247,7 +251,23 @@ class SourceProbe:
         self.scored = int(sum(int(l.ge(0).sum()) for _, l in batches))
         self.batches = on_device(batches, device_of(self.model))
         self.before = masked_loss(self.model, self.batches)
-        self.source_size = cfg.vocab_size
+        self.source_size, self.cfg = cfg.vocab_size, cfg
+
+    @torch.no_grad()
+    def head_outputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The primary head's normed output y [m, h] at the scored positions (what its vocabulary
+        projection reads: a forward hook on the norm the family's OutputPath names) and the source
+        logits' logsumexp [m] there."""
+        norm = self.model.get_submodule(self.family.output_path(self.cfg).norm_weight.rsplit(".", 1)[0])
+        seen: list[torch.Tensor] = []
+        hook = norm.register_forward_hook(lambda module, args, out: seen.append(out))
+        try:
+            logits = self._logits()
+        finally:
+            hook.remove()
+        ys = [y.reshape(-1, y.shape[-1]).index_select(0, masked_index)
+              for y, (_, _, masked_index, _) in zip(seen, self.batches, strict=True)]
+        return torch.cat(ys).float(), torch.cat([torch.logsumexp(l.float(), -1) for l in logits])
 
     @torch.no_grad()
     def _logits(self) -> list[torch.Tensor]:
@@ -269,6 +289,29 @@ class SourceProbe:
                 loss += float(-lq.gather(1, targets[:, None]).sum())
                 kl += float((lp.exp() * (lp - lq)).sum())
         return {"source_loss": loss / self.scored, "source_kl": kl / self.scored}
+
+
+def off_source_start(source: Source, data: str | Path | None, seq_length: int, body: ModelConfig, init: dict,
+                     primary: dict) -> tuple[dict, dict]:
+    """A decoder's bounded start (`init`, Step 2's over `body`; `primary`: the primary model's
+    one-head state) moved off the source text (adapt.output_shift), measured through the primary
+    model on the training split of `data` (Step 2's replay data, else the source run's) -> (the
+    start, what run.json records: `output_shift` how far the row moved (its norm), and
+    `new_mass_calibrated` the rise it leaves there, `new_mass_bound` the worst case again). Without data (an import and no --replay_data)
+    the mean row stays (Hewitt's start), said in one line."""
+    if data is None:
+        if is_rank0():
+            print("the new rows start at the source rows' mean: the source run holds no text to move them off "
+                  "(pass --replay_data, source text in its ids, to measure it)")
+        return init, {}
+    probe = SourceProbe(artifact_primary({"source": str(source.path)}), (Path(data), TEXT), seq_length)
+    path = source.family.output_path(body)
+    name = new_rows_name(path.matrix)
+    row, rise = output_shift(*probe.head_outputs(), init[name][0], init[name].shape[0])
+    moved = float((row - init[name][0]).norm())
+    init = {**init, name: row.expand_as(init[name]).clone()}
+    return init, {"output_shift": moved, "new_mass_calibrated": rise,
+                  "new_mass_bound": bounded_over(path, [init, primary], init)}
 
 
 class PluginProbe:

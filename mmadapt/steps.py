@@ -52,7 +52,7 @@ from mmadapt.finetune import (TaskData, TaskPlan, at_chance, check_positions, ch
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.plugin import (PluginProbe, SourceProbe, heldout_batches, masked_loss, on_device, plugin_model,
+from mmadapt.plugin import (PluginProbe, SourceProbe, heldout_batches, off_source_start, masked_loss, on_device, plugin_model,
                             plugin_records, primary_head_state, progress_line, source_text, unigram_logprobs,
                             unigram_loss)
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, load_checkpoint, pretrained_blocks, read_run,
@@ -418,6 +418,10 @@ def _step2_start(source: Source, step: AdaptEmbeddings, body: ModelConfig, token
     if train.vocab_mode == "expand":
         primary = family.primary_model(source.cfg, weights)[1]
         init, rows["new_mass_bound"] = expand_output_start(family, body, init, primary, train.expand_output_start)
+        if train.expand_output_start == "bounded" and family.output_path(body).bias is None:
+            data = train.replay_data or source.record.get("data_path")
+            init, shift = off_source_start(source, data, train.seq_length, body, init, primary)
+            rows.update(shift)
     return init, rows
 
 
