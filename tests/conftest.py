@@ -17,6 +17,7 @@ PRETRAIN = str(REPO / "launch" / "pretrain.py")
 ADAPT = str(REPO / "launch" / "adapt.py")
 MINIPOST = str(REPO / "launch" / "build_minipost.py")
 VOCAB = 1000
+PRIMARY_ITERS = 50  # primary_run's updates
 # Dropout off so that different parallel layouts must agree to rounding error.
 NO_DROPOUT = ["--hidden_dropout", "0", "--attention_dropout", "0"]
 # The parallel layouts checked against one process, each (ranks, flags), for a global batch of 16
@@ -32,17 +33,55 @@ LAYOUTS = {
 }
 
 
+def shared(tmp_path_factory, name: str, build) -> Path:
+    """<the session's shared temp dir>/<name>, built once by `build(path)` (which returns the
+    path the fixture gives) for every pytest-xdist worker of the session (`-n 2`: the others
+    wait on a file lock and reuse it), as pytest-xdist's docs recommend for session fixtures;
+    without xdist, once per session as any session fixture. For what no test writes to."""
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the workers' common parent
+    path, done = root / "shared" / name, root / "shared" / f"{name}.done"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(root / "shared" / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            done.write_text(str(build(path)))
+    return Path(done.read_text())
+
+
 def _bible(lang: str, tmp_path_factory) -> Path:
     """Genesis + Exodus of the packaged Bible in `lang`."""
     from mmadapt.corpora import write_bible_corpus
 
-    return write_bible_corpus(lang, tmp_path_factory.mktemp(f"corpus_{lang}") / f"{lang}.txt", books=range(1, 3))
+    def build(d: Path) -> Path:
+        d.mkdir()
+        return write_bible_corpus(lang, d / f"{lang}.txt", books=range(1, 3))
+    return shared(tmp_path_factory, f"corpus_{lang}", build)
 
 
 def _tokenizer(corpus: Path, tmp_path_factory) -> Path:
     from mmadapt.data import train_tokenizer
 
-    return train_tokenizer(corpus, tmp_path_factory.mktemp(f"tok_{corpus.stem}") / "spm", VOCAB)
+    def build(d: Path) -> Path:
+        d.mkdir()
+        return train_tokenizer(corpus, d / "spm", VOCAB)
+    return shared(tmp_path_factory, f"tok_{corpus.stem}", build)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`-n N`), each worker's torch and the processes it starts get a share of
+    the cores (OMP_NUM_THREADS): N workers of one default-sized thread pool each would oversubscribe
+    a small machine's cores, which slows every worker several-fold."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,6 +140,15 @@ def run_pretrain(nproc: int, *args: str, env: dict | None = None, timeout: int =
     return proc
 
 
+def pretrain_here(*args: str) -> None:
+    """`mmadapt pretrain` with these arguments in this process (one rank): what run_pretrain(1,
+    ...) does, without a fresh interpreter's imports (seconds per run), for the session's shared
+    runs, which test what they produce, not the launch."""
+    from mmadapt.cli import pretrain_main
+
+    assert pretrain_main(list(args)) == 0
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -112,12 +160,15 @@ def base_args(corpus: Path, tokenizer: Path, out: Path, *extra: str) -> list[str
 
 @pytest.fixture(scope="session")
 def primary_run(corpus, tokenizer, tmp_path_factory) -> Path:
-    """A MINIJOINT primary model (heads after layers 4 and 12) pretrained for 150 updates: the
-    source of the mini-model and Step-2 tests (bl_base adapts its primary head)."""
-    out = tmp_path_factory.mktemp("primary")
-    run_pretrain(1, *base_args(corpus, tokenizer, out, "--recipe", "minijoint", "--train_iters", "150",
-                               "--save_interval", "150", "--log_interval", "50"))
-    return out
+    """A MINIJOINT primary model (heads after layers 4 and 12) pretrained for PRIMARY_ITERS
+    updates: the source of the mini-model and Step-2 tests (bl_base adapts its primary head)."""
+    # Read-only for every test (shared by the xdist workers; the bad-input rows check that nothing
+    # in it changes): a test that needs to write beside it copies it.
+    def build(out: Path) -> Path:
+        pretrain_here(*base_args(corpus, tokenizer, out, "--recipe", "minijoint", "--train_iters", str(PRIMARY_ITERS),
+                                 "--save_interval", str(PRIMARY_ITERS), "--log_interval", "10"))
+        return out
+    return shared(tmp_path_factory, "primary", build)
 
 
 @pytest.fixture(scope="session")

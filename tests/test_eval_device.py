@@ -35,9 +35,11 @@ GENRES = list(T.get_task("bible-genre").labels)
 
 def old_logits(ft: F.Finetuned, artifact: dict | None, input_ids: torch.Tensor, batch_size: int = 16):
     """The straightforward path: a model rebuilt from the swapped state dict, fp32 on the CPU,
-    full-length rows in batches of `batch_size` examples."""
+    full-length rows in batches of `batch_size` examples, SDPA with a padding mask whatever
+    attention_impl `ft` evaluates with."""
     state = ft.state if artifact is None else swap_embeddings(ft.state, artifact)
-    cfg = dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0, vocab_size=state[WORD].shape[0])
+    cfg = dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0, vocab_size=state[WORD].shape[0],
+                              attention_impl="sdpa")
     model = ROBERTA.build_task_model(cfg, ft.task.kind, len(ft.labels), ft.run["finetune"]["seed"])
     model.load_state_dict(state)
     model.eval()

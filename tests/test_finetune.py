@@ -256,6 +256,7 @@ def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, t
         assert not (tmp_path / f"{name}.json").exists()
 
 
+@pytest.mark.slow  # end to end: three Step-3 runs, one stopped and resumed
 def test_step3_stopped_and_resumed_equals_uninterrupted(primary_run, tmp_path):
     """Dropout on: the head init, data order, dropout and optimizer state all come back."""
     cfg = dataclasses.replace(SHORT, epochs=0.02, save_interval=2)  # 7 updates of 16 examples

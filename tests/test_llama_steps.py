@@ -147,6 +147,7 @@ def test_step2_scoring_a_fraction_of_the_positions(decoder_runs, german, tmp_pat
         len({r["unigram_loss"] for r in records}) == 1
 
 
+@pytest.mark.slow  # end to end: Step 3, then Step 4 on the whole German test split
 def test_decoder_finetune_and_zero_shot(decoder_runs, tmp_path):
     cfg = FinetuneConfig(seq_length=32, train_micro_batch_size_per_gpu=16, epochs=0.02, log_interval=1, lr=1e-3)
     summary, module = steps.finetune(

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import REPO, base_args, run_pretrain
+from conftest import REPO, base_args, pretrain_here
 from mmadapt import adapt as A
 from mmadapt import steps
 from mmadapt.cli import finetune_main, finetune_parser, finetune_summary, report_main
@@ -217,11 +217,11 @@ def test_label_counts():
 @pytest.fixture(scope="module")
 def fresh_primary(corpus, tokenizer, tmp_path_factory):
     """A tiny MINIJOINT primary model one update from the preset's init: the toy tasks were
-    tuned on it, and one update costs a second (the 150 updates of the session's `primary_run`
-    take half a minute: tests/test_tiny_preset.py fine-tunes from a 60-update preset model)."""
+    tuned on it, and one update costs a second (the updates of the session's `primary_run`
+    take longer: tests/test_tiny_preset.py fine-tunes from a 60-update preset model)."""
     out = tmp_path_factory.mktemp("fresh_primary")
-    run_pretrain(1, *base_args(corpus, tokenizer, out, "--recipe", "minijoint", "--train_iters", "1",
-                               "--save_interval", "1"))
+    pretrain_here(*base_args(corpus, tokenizer, out, "--recipe", "minijoint", "--train_iters", "1",
+                             "--save_interval", "1"))
     return out
 
 
@@ -355,6 +355,7 @@ def toy_run(fresh_primary, tmp_path_factory):
     return d, summary
 
 
+@pytest.mark.slow  # end to end: the toy task's Step 3 (113 updates) and what it records
 def test_the_toy_task_is_learned(toy_run):
     d, summary = toy_run
     run = json.loads((d / "ft" / "run.json").read_text())
@@ -374,6 +375,7 @@ def test_the_toy_task_is_learned(toy_run):
     assert f"en accuracy {acc:.1f} (chance 50.0)" in line and "WARNING" not in line
 
 
+@pytest.mark.slow  # end to end: the toy task's Step 3 (113 updates) and what it records
 def test_a_fine_tune_on_shuffled_labels_is_flagged_at_chance(toy_run, fresh_primary, capsys):
     """The toy task's training verses with their labels shuffled (the same held-out file, true
     labels): nothing to learn, so the run warns in its log, its run.json and its summary line."""
@@ -404,6 +406,7 @@ def _artifact(path, system, lang, emb, tokenizer, source, step):
     return A.write_artifact(path, {"word_embeddings": emb, "output_bias": torch.zeros(len(emb))}, tokenizer, meta)
 
 
+@pytest.mark.slow  # end to end: the toy task's Step 3 (113 updates) and what it records
 def test_zero_shot_records_go_into_the_report(toy_run, fresh_primary, de_tokenizer, tmp_path, capsys):
     d, _ = toy_run
     run = json.loads((d / "ft" / "run.json").read_text())

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import VOCAB
+from conftest import PRIMARY_ITERS, VOCAB
 from mmadapt import adapt as A
 from mmadapt import plugin as P
+from mmadapt.checkpoint import tag_for
 from mmadapt.config import PreprocessConfig
 from mmadapt.data import prepare
 from mmadapt.family import WORD
@@ -103,12 +104,12 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
     cfg, state = load_weights(primary_run)
     run = tmp_path / "adapt"
     meta = {"system": "minijoint", "lang": "en", "step": 5, "flops": 1.0, "flops_paper": 1.0, "v100_days": 0.0,
-            "tokens": 1, "source": str(primary_run), "source_tag": "step00000150"}
+            "tokens": 1, "source": str(primary_run), "source_tag": tag_for(PRIMARY_ITERS)}
     art = A.write_artifact(run / "embeddings" / "step00000005",
                            {"word_embeddings": state[WORD], "output_bias": state["heads.heads.0.bias"]}, tokenizer, meta)
     (run / "run.json").write_text(json.dumps({"system": "minijoint", "lang": "en", "model": {"init_method_std": 0.02},
                                               "train": {"seed": 1}, "frozen_from": {"run_dir": str(primary_run),
-                                                                                    "tag": "step00000150"}}))
+                                                                                    "tag": tag_for(PRIMARY_ITERS)}}))
     [rec] = P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=64, batch_size=16)
     batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
     one, head = P.primary_head_state(primary_run)
