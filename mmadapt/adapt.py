@@ -321,7 +321,7 @@ def output_shift(y: torch.Tensor, lse: torch.Tensor, row: torch.Tensor, k: int, 
     best = nearest(10 ** lo, mu)
     if best[1] > target:
         return best[0].float(), best[1]
-    for _ in range(40):
+    while hi - lo > 0.05:  # log10 lam to 5%: ~9 solves
         mid = (lo + hi) / 2
         r, got = nearest(10 ** mid, best[0])
         if got <= target:

@@ -450,8 +450,9 @@ class TrainConfig(LoopConfig):
         "bounded", "Step 2 with --vocab_mode expand: how the new pieces start on the output side. bounded: so that "
         "together they take a bounded share of the source model's probability mass at update 0 (the encoder's new "
         "output-bias entries set from a bound on each row's logit: the source-language loss and the KL rise by at "
-        "most 0.01 nats; a decoder's new output rows at the mean of the source's, Hewitt's start: tied, its new "
-        "embedding rows too); embedding_init: as --embedding_init starts the input side (bias 0 for a drawn row), "
+        "most 0.01 nats; a decoder's new output rows (tied: its new embedding rows too) at the source rows' mean, "
+        "moved off the source text until they take 0.005 nats of it, measured on --replay_data or the source run's "
+        "data); embedding_init: as --embedding_init starts the input side (bias 0 for a drawn row), "
         "which lets them take mass from the source language. adapt.py's comment derives the bounds",
         choices=EXPAND_OUTPUT_STARTS)
     replay_data: Optional[str] = _f(None, "Step 2: a dataset prepared by mmadapt preprocess from source-language "

@@ -163,7 +163,7 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
                                 train.get("expand_output_start", "embedding_init"))
     if "output_shift" in run:  # a decoder's bounded start, moved off the source text (off_source_start)
         primary = source.family.primary_model(source.cfg, source.weights())[1]
-        data = train.get("replay_data") or source.record.get("data_path")
+        data = run.get("replay_data") or source.record.get("data_path")  # run.json's: resolved
         init, _ = off_source_start(source, data, train["seq_length"], body, init, primary)
     expanded = run["model"].get("frozen_vocab_size", 0)
     return {key: torch.cat([init[name], init[new_rows_name(name)]]) if expanded else init[name]
@@ -240,8 +240,9 @@ class SourceProbe:
     share), which is also by how much the loss rises there: the two agree to rounding."""
 
     def __init__(self, primary_run: Path, text: tuple[Path, str], seq_length: int = 64, blocks: int = 256,
-                 batch_size: int = 32):
-        source = read_source(primary_run)
+                 batch_size: int = 32, tag: str | None = None):
+        """tag: the primary run's checkpoint (None: its newest)."""
+        source = read_source(primary_run, tag)
         require_head(source, "the expand report")
         self.family = source.family
         cfg, state = primary_head(self.family, source.cfg, source.weights())
@@ -297,21 +298,39 @@ def off_source_start(source: Source, data: str | Path | None, seq_length: int, b
     one-head state) moved off the source text (adapt.output_shift), measured through the primary
     model on the training split of `data` (Step 2's replay data, else the source run's) -> (the
     start, what run.json records: `output_shift` how far the row moved (its norm), and
-    `new_mass_calibrated` the rise it leaves there, `new_mass_bound` the worst case again). Without data (an import and no --replay_data)
-    the mean row stays (Hewitt's start), said in one line."""
+    `new_mass_calibrated` the rise it leaves there, `new_mass_bound` the worst case again).
+    Without data (an import and no --replay_data) the mean row stays (Hewitt's start), said in one
+    line. The primary model is the one `init` was built from (source's checkpoint; MINIPOST: the
+    run and checkpoint its mini-model came from); the row is fitted on the CPU in float64 and, in
+    a launched job, global rank 0's is every rank's, so that every rank starts from the same row."""
     if data is None:
         if is_rank0():
             print("the new rows start at the source rows' mean: the source run holds no text to move them off "
                   "(pass --replay_data, source text in its ids, to measure it)")
         return init, {}
-    probe = SourceProbe(artifact_primary({"source": str(source.path)}), (Path(data), TEXT), seq_length)
+    ref = source.record["frozen_from"] if source.record.get("step") == "minipost" else \
+        {"run_dir": str(source.path), "tag": source.tag}
+    probe = SourceProbe(Path(ref["run_dir"]), (Path(data), TEXT), seq_length, tag=ref["tag"])
     path = source.family.output_path(body)
     name = new_rows_name(path.matrix)
-    row, rise = output_shift(*probe.head_outputs(), init[name][0], init[name].shape[0])
-    moved = float((row - init[name][0]).norm())
-    init = {**init, name: row.expand_as(init[name]).clone()}
+    mean = init[name][0].float().cpu()
+    y, lse = (t.cpu() for t in probe.head_outputs())
+    row, rise = output_shift(y, lse, mean, init[name].shape[0])
+    row, rise = _from_rank0(row, rise)
+    moved = float((row - mean).norm())
+    init = {**init, name: row.to(init[name].device, init[name].dtype).expand_as(init[name]).clone()}
     return init, {"output_shift": moved, "new_mass_calibrated": rise,
                   "new_mass_bound": bounded_over(path, [init, primary], init)}
+
+
+def _from_rank0(row: torch.Tensor, rise: float) -> tuple[torch.Tensor, float]:
+    """Global rank 0's (row [h], rise) on every rank of a launched job (as it is without one)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return row, rise
+    both = torch.cat([row.float(), torch.tensor([rise])]).to(device())
+    torch.distributed.broadcast(both, src=0)
+    both = both.cpu()
+    return both[:-1], float(both[-1])
 
 
 class PluginProbe:

@@ -400,8 +400,9 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
                            record={**rows, **expanded, "target_vocab_size": model.vocab_size})
         final = run.output_dir / "embeddings" / checkpoint.tag_for(train.train_iters)
         if expanded and parallel.is_rank0() and final.is_dir():
-            started.record.finish(expand_report=_expand_report(final, writer.tensors(writer.init), step.lang,
-                                                               started.data, train.seq_length, replay))
+            start = read_artifact(run.output_dir / "embeddings" / checkpoint.tag_for(0))[0]  # kept by a --resume
+            started.record.finish(expand_report=_expand_report(final, start, step.lang, started.data,
+                                                               train.seq_length, replay))
         return metrics
 
 

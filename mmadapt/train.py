@@ -186,9 +186,11 @@ class WithReplay:
                              "replay text needs here: prepare it with mmadapt preprocess --tokenizer "
                              f"{self.tokenizer} into a new --output_dir")
         dp = parallel.launched_world_size() // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size)
-        if replay_blocks(self.replay.fraction, train.global_batch(dp)) < 1:
-            raise ValueError(f"--replay_fraction {self.replay.fraction} of a global batch of {train.global_batch(dp)} "
-                             "blocks rounds to no block: raise it, or the batch")
+        blocks, batch = replay_blocks(self.replay.fraction, train.global_batch(dp)), train.global_batch(dp)
+        if not 1 <= blocks < batch:
+            raise ValueError(f"--replay_fraction {self.replay.fraction} of a global batch of {batch} blocks rounds to "
+                             f"{'no block' if blocks < 1 else 'every block, leaving no target text'}: "
+                             f"{'raise' if blocks < 1 else 'lower'} it, or raise the batch")
         return {**fields, "replay_data": str(data.resolve())}
 
     def check_resume(self, run: RunSpec) -> None:

@@ -299,6 +299,8 @@ CASES = [
      "was not encoded with"),
     ("replay-rounds-to-no-block", lambda c: c.adapt("--replay_fraction", "0.01", "--replay_data",
                                                     str(c.primary / "data")), "rounds to no block"),
+    ("replay-fills-the-batch", lambda c: c.adapt("--replay_fraction", "0.99", "--replay_data",
+                                                 str(c.primary / "data")), "leaving no target text"),
     ("replay-replace-without-target-tokenizer",
      lambda c: [a for a in c.adapt("--replay_fraction", "0.25", "--replay_data", str(c.primary / "data"))
                 if a != str(c.tokenizer) and a != "--tokenizer"], "which this run would only train"),
