@@ -293,7 +293,7 @@ class SourceProbe:
 
 
 def off_source_start(source: Source, data: str | Path | None, seq_length: int, body: ModelConfig, init: dict,
-                     primary: dict) -> tuple[dict, dict]:
+                     primary: dict, every_rank: bool = False) -> tuple[dict, dict]:
     """A decoder's bounded start (`init`, Step 2's over `body`; `primary`: the primary model's
     one-head state) moved off the source text (adapt.output_shift), measured through the primary
     model on the training split of `data` (Step 2's replay data, else the source run's) -> (the
@@ -301,8 +301,9 @@ def off_source_start(source: Source, data: str | Path | None, seq_length: int, b
     `new_mass_calibrated` the rise it leaves there, `new_mass_bound` the worst case again).
     Without data (an import and no --replay_data) the mean row stays (Hewitt's start), said in one
     line. The primary model is the one `init` was built from (source's checkpoint; MINIPOST: the
-    run and checkpoint its mini-model came from); the row is fitted on the CPU in float64 and, in
-    a launched job, global rank 0's is every rank's, so that every rank starts from the same row."""
+    run and checkpoint its mini-model came from); the row is fitted on the CPU in float64 and, where
+    every rank of a launched job calls this (`every_rank`: Step 2's start), global rank 0's is
+    every rank's, so that every rank starts from the same row."""
     if data is None:
         if is_rank0():
             print("the new rows start at the source rows' mean: the source run holds no text to move them off "
@@ -316,7 +317,8 @@ def off_source_start(source: Source, data: str | Path | None, seq_length: int, b
     mean = init[name][0].float().cpu()
     y, lse = (t.cpu() for t in probe.head_outputs())
     row, rise = output_shift(y, lse, mean, init[name].shape[0])
-    row, rise = _from_rank0(row, rise)
+    if every_rank:
+        row, rise = _from_rank0(row, rise)
     moved = float((row - mean).norm())
     init = {**init, name: row.to(init[name].device, init[name].dtype).expand_as(init[name]).clone()}
     return init, {"output_shift": moved, "new_mass_calibrated": rise,

@@ -421,7 +421,7 @@ def _step2_start(source: Source, step: AdaptEmbeddings, body: ModelConfig, token
         init, rows["new_mass_bound"] = expand_output_start(family, body, init, primary, train.expand_output_start)
         if train.expand_output_start == "bounded" and family.output_path(body).bias is None:
             data = train.replay_data or source.record.get("data_path")
-            init, shift = off_source_start(source, data, train.seq_length, body, init, primary)
+            init, shift = off_source_start(source, data, train.seq_length, body, init, primary, every_rank=True)
             rows.update(shift)
     return init, rows
 
