@@ -37,7 +37,7 @@ from mmadapt.config import EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, SYSTEMS, Model
 from mmadapt.data import load_checked_tokenizer
 from mmadapt.family import WORD, ModelFamily, OutputPath
 from mmadapt.models.layers import new_rows_name
-from mmadapt.run import read_source
+from mmadapt.run import Source, read_source
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
@@ -232,7 +232,11 @@ def new_vocabulary(family: ModelFamily, body: ModelConfig, state: dict, src_toke
 # from mu until it is CALIBRATED_NATS, half the encoder's bound, on source text (the source run's or
 # the replay data's training split; held-out text measures it after, run.json's expand_report);
 # plugin.off_source_start applies it (run.json records how far the row moved, the rise it leaves
-# on that text, and the worst-case bound, now loose).
+# on that text, and the worst-case bound, now loose). The encoder's worst case is far from what
+# the source text sees (its new bias entries ~12 nats under the source mean on the demo's encoder,
+# 5e-6 nats of rise on source text: the target pays for the slack), so it is calibrated the same
+# way: `bias_shift` raises every new entry by one c until the mean rise on source text is
+# CALIBRATED_NATS (run.json's `bias_shift`; the worst case rises by c with it).
 NEW_MASS_NATS = 0.01
 CALIBRATED_NATS = NEW_MASS_NATS / 2
 
@@ -331,6 +335,30 @@ def output_shift(y: torch.Tensor, lse: torch.Tensor, row: torch.Tensor, k: int, 
     return best[0].float(), best[1]
 
 
+def bias_shift(y: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor,
+               target: float = CALIBRATED_NATS) -> tuple[float, float]:
+    """An encoder's bounded start, raised toward the source text (the comment above): y [m, h] the
+    head's normed outputs at m source positions, lse [m] the source logits' logsumexp there, rows
+    [k, h] and bias [k] the new pieces' output rows and (bounded_start's) bias entries -> (c >= 0,
+    the mean rise in nats it leaves there): the largest c to add to every new entry with mean_i
+    log(1 + sum_j exp(y_i . rows_j + bias_j + c - lse_i)) <= target. The rise grows with c, so
+    bisection finds it (to 1e-6 nats of c); where c = 0 is already over, c = 0."""
+    excess = torch.logsumexp(y.double() @ rows.double().T + bias.double(), 1) - lse.double()  # [m]
+
+    def rise(c: float) -> float:
+        return float(torch.nn.functional.softplus(excess + c).mean())
+
+    if rise(0.0) > target:
+        return 0.0, rise(0.0)
+    lo, hi = 0.0, 1.0
+    while rise(hi) <= target:  # the rise grows without bound in c: this ends
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1e-6:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rise(mid) <= target else (lo, mid)
+    return lo, rise(lo)
+
+
 def bounded_over(path: OutputPath, heads: list[dict], state: dict) -> float:
     """The worst-case bound (mass_bound) on what the new rows of `state` (under new_rows_name)
     add to a source piece's loss, the largest over the one-head models `heads` (full states)."""
@@ -343,30 +371,32 @@ def expand_output_start(family: ModelFamily, body: ModelConfig, state: dict, pri
                         output_start: str = "embedding_init") -> tuple[dict, float]:
     """An expanded vocabulary's start (new_vocabulary's `state`, the new rows under
     `new_rows_name`s as --embedding_init starts them) with their output side started by
-    `output_start` (TrainConfig.expand_output_start: "bounded", bounded_start; "embedding_init":
-    as the input side), scored through the body's head and the primary model's (`primary`: its
+    `output_start` (TrainConfig.expand_output_start: "bounded" and "worst_case", bounded_start,
+    which Step 2 then calibrates for "bounded" (plugin.off_source_start); "embedding_init": as the
+    input side), scored through the body's head and the primary model's (`primary`: its
     one-head full state, family.primary_model's) -> (the state, `new_mass_bound`: the bound in
     nats on what the new pieces can add to a source piece's loss at update 0)."""
     if output_start not in EXPAND_OUTPUT_STARTS:
         raise ValueError(f"unknown expand_output_start {output_start!r}; choose one of {', '.join(EXPAND_OUTPUT_STARTS)}")
     path, heads = family.output_path(body), [state, primary]
     new = {name: state[new_rows_name(name)] for name in family.vocab_params(body) if new_rows_name(name) in state}
-    if output_start == "bounded":
+    if output_start in ("bounded", "worst_case"):
         new, bound = bounded_start(path, heads, new, family.word)
     else:
         bound = max(mass_bound(_excess(path, h, new), state[path.matrix].shape[0]) for h in heads)
     return {**state, **{new_rows_name(name): rows for name, rows in new.items()}}, bound
 
 
-def step2_start(system: str, source: Path, tag: str | None, target_tokenizer: Path, seed: int,
+def step2_start(system: str, source: Path | Source, tag: str | None, target_tokenizer: Path, seed: int,
                 mini_layers: int | None = None, embedding_init: str = "overlap", vocab_mode: str = "replace",
                 output_start: str = "embedding_init") -> tuple[ModelConfig, dict, dict[str, int]]:
     """Step 2's start from the source run `source` (checkpoint `tag`) alone, as adapt_embeddings
     computes it (body_config, body_weights, new_vocabulary; expand: expand_output_start with
     `output_start`): what the plug-in metric scores as "start" for a run without an artifact of
-    update 0. -> (the body's config, full state dict, how many rows started which way; expand:
-    and `new_mass_bound`)."""
-    src = read_source(source, tag)
+    update 0; adapt_embeddings' own start (`source` the run it read, `tag` unused), which then
+    moves a bounded start off the source text (plugin.off_source_start). -> (the body's config,
+    full state dict, how many rows started which way; expand: and `new_mass_bound`)."""
+    src = source if isinstance(source, Source) else read_source(source, tag)
     body, weights = body_config(src.family, system, src.cfg, mini_layers), src.weights()
     state = body_weights(src.family, system, src.cfg, weights, body)
     init, counts = new_vocabulary(src.family, body, state, src.tokenizer, target_tokenizer, seed, embedding_init,
@@ -437,5 +467,5 @@ def artifact_state(family: ModelFamily, art: dict, meta: dict | None = None,
 
 
 __all__ = ["body_config", "body_weights", "new_vocabulary", "system_label", "overlap_init", "source_split",
-           "subword_mean_init", "init_rows", "NEW_MASS_NATS", "CALIBRATED_NATS", "output_shift", "bounded_over", "logit_excess", "mass_bound", "bounded_start",
+           "subword_mean_init", "init_rows", "NEW_MASS_NATS", "CALIBRATED_NATS", "output_shift", "bias_shift", "bounded_over", "logit_excess", "mass_bound", "bounded_start",
            "expand_output_start", "step2_start", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]

@@ -183,7 +183,7 @@ EMBEDDING_INITS = ("overlap", "subword_mean", "normal")
 VOCAB_MODES = ("replace", "expand")
 # How an expanded vocabulary's new rows start on the output side (adapt.bounded_start): bounded
 # (their share of the probability mass capped at update 0) or as --embedding_init starts them.
-EXPAND_OUTPUT_STARTS = ("bounded", "embedding_init")
+EXPAND_OUTPUT_STARTS = ("bounded", "worst_case", "embedding_init")
 
 
 @dataclass
@@ -447,13 +447,15 @@ class TrainConfig(LoopConfig):
                          "lacks are appended and only their rows train; the source language keeps working)",
                          choices=VOCAB_MODES)
     expand_output_start: str = _f(
-        "bounded", "Step 2 with --vocab_mode expand: how the new pieces start on the output side. bounded: so that "
-        "together they take a bounded share of the source model's probability mass at update 0 (the encoder's new "
-        "output-bias entries set from a bound on each row's logit: the source-language loss and the KL rise by at "
-        "most 0.01 nats; a decoder's new output rows (tied: its new embedding rows too) at the source rows' mean, "
-        "moved off the source text until they take 0.005 nats of it, measured on --replay_data or the source run's "
-        "data); embedding_init: as --embedding_init starts the input side (bias 0 for a drawn row), "
-        "which lets them take mass from the source language. adapt.py's comment derives the bounds",
+        "bounded", "Step 2 with --vocab_mode expand: how the new pieces start on the output side. worst_case: so "
+        "that together they take a bounded share of the source model's probability mass at every position at "
+        "update 0 (the encoder's new output-bias entries set from a bound on each row's logit: the source-language "
+        "loss and the KL rise by at most 0.01 nats anywhere; a decoder's new output rows (tied: its new embedding "
+        "rows too) at the source rows' mean, Hewitt's start: at most log(1 + new / source pieces)); bounded: "
+        "worst_case calibrated on source text (--replay_data, else the source run's data) until the new pieces "
+        "take 0.005 nats of it (the encoder's new bias entries raised, the decoder's row moved off it), which "
+        "leaves the target more room; embedding_init: as --embedding_init starts the input side (bias 0 for a "
+        "drawn row), which lets them take mass from the source language. adapt.py's comment derives the bounds",
         choices=EXPAND_OUTPUT_STARTS)
     replay_data: Optional[str] = _f(None, "Step 2: a dataset prepared by mmadapt preprocess from source-language "
                                     "text in the run's vocabulary, mixed into every batch (--replay_fraction): with "

@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmadapt.adapt import ARTIFACT_FILE, artifact_state, bounded_over, output_shift, read_artifact, step2_start
+from mmadapt.adapt import (ARTIFACT_FILE, artifact_state, bias_shift, bounded_over, output_shift, read_artifact,
+                           step2_start)
 from mmadapt.checkpoint import tag_for
 from mmadapt.config import ModelConfig, TrainConfig
 from mmadapt.data import TEXT, TOKENIZER, VALID, file_sha256, read_manifest
@@ -157,14 +158,12 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     src = run["frozen_from"]
     train = run["train"]
     source = read_source(src["run_dir"], src["tag"])
-    body, init, _ = step2_start(run["system"], source.path, source.tag, tokenizer,
+    body, init, _ = step2_start(run["system"], source, None, tokenizer,
                                 derive_seed(train["seed"], f"embeddings.{run['lang']}"), run.get("mini_layers"),
                                 train.get("embedding_init", "overlap"), train.get("vocab_mode", "replace"),
                                 train.get("expand_output_start", "embedding_init"))
-    if "output_shift" in run:  # a decoder's bounded start, moved off the source text (off_source_start)
-        primary = source.family.primary_model(source.cfg, source.weights())[1]
-        data = run.get("replay_data") or source.record.get("data_path")  # run.json's: resolved
-        init, _ = off_source_start(source, data, train["seq_length"], body, init, primary)
+    if "output_shift" in run or "bias_shift" in run:  # a bounded start calibrated on source text
+        init, _ = off_source_start(source, run.get("replay_data"), train["seq_length"], body, init)
     expanded = run["model"].get("frozen_vocab_size", 0)
     return {key: torch.cat([init[name], init[new_rows_name(name)]]) if expanded else init[name]
             for key, name in source.family.artifact_keys().items() if name in init}
@@ -292,47 +291,61 @@ class SourceProbe:
         return {"source_loss": loss / self.scored, "source_kl": kl / self.scored}
 
 
-def off_source_start(source: Source, data: str | Path | None, seq_length: int, body: ModelConfig, init: dict,
-                     primary: dict, every_rank: bool = False) -> tuple[dict, dict]:
-    """A decoder's bounded start (`init`, Step 2's over `body`; `primary`: the primary model's
-    one-head state) moved off the source text (adapt.output_shift), measured through the primary
-    model on the training split of `data` (Step 2's replay data, else the source run's) -> (the
-    start, what run.json records: `output_shift` how far the row moved (its norm), and
-    `new_mass_calibrated` the rise it leaves there, `new_mass_bound` the worst case again).
-    Without data (an import and no --replay_data) the mean row stays (Hewitt's start), said in one
-    line. The primary model is the one `init` was built from (source's checkpoint; MINIPOST: the
-    run and checkpoint its mini-model came from); the row is fitted on the CPU in float64 and, where
-    every rank of a launched job calls this (`every_rank`: Step 2's start), global rank 0's is
-    every rank's, so that every rank starts from the same row."""
+def off_source_start(source: Source, replay_data: str | Path | None, seq_length: int, body: ModelConfig,
+                     init: dict, every_rank: bool = False) -> tuple[dict, dict]:
+    """A bounded start (`init`: Step 2's over `body`, adapt.step2_start's) calibrated on the
+    source text, measured through the primary model on the training split of `replay_data` (Step
+    2's --replay_data) or else the source run's data: a decoder's new row moved off it
+    (adapt.output_shift), an encoder's new output-bias entries raised toward it (adapt.bias_shift)
+    -> (the start, what run.json records: `output_shift` how far the row moved (its norm) or
+    `bias_shift` by how much the entries rose, `new_mass_calibrated` the rise left on that text,
+    `new_mass_bound` the worst case again). Without text (an import and no --replay_data) the start
+    stays the worst-case one (the encoder's bound, the decoder's mean row), said in one line.
+
+    The primary model is the one `init` was built from (source's checkpoint; MINIPOST: the run and
+    checkpoint its mini-model came from). Where every rank of a launched job calls this
+    (`every_rank`: Step 2's start), every rank runs the probe (its layers are the tensor-parallel
+    ones: a tensor-parallel group runs them together) and global rank 0's result is every rank's,
+    so that every rank starts from the same rows; the fit itself runs on the CPU in float64."""
+    data = replay_data or source.record.get("data_path")
+    path = source.family.output_path(body)
     if data is None:
         if is_rank0():
-            print("the new rows start at the source rows' mean: the source run holds no text to move them off "
-                  "(pass --replay_data, source text in its ids, to measure it)")
+            kept = "the worst-case bound" if path.bias is not None else "the source rows' mean"
+            print(f"the new pieces' output start stays at {kept}: the source run holds no text to calibrate it on "
+                  "(pass --replay_data, source text in its ids)")
         return init, {}
     ref = source.record["frozen_from"] if source.record.get("step") == "minipost" else \
         {"run_dir": str(source.path), "tag": source.tag}
     probe = SourceProbe(Path(ref["run_dir"]), (Path(data), TEXT), seq_length, tag=ref["tag"])
-    path = source.family.output_path(body)
-    name = new_rows_name(path.matrix)
-    mean = init[name][0].float().cpu()
+    primary = source.family.primary_model(source.cfg, source.weights())[1]
     y, lse = (t.cpu() for t in probe.head_outputs())
-    row, rise = output_shift(y, lse, mean, init[name].shape[0])
-    if every_rank:
-        row, rise = _from_rank0(row, rise)
-    moved = float((row - mean).norm())
-    init = {**init, name: row.to(init[name].device, init[name].dtype).expand_as(init[name]).clone()}
-    return init, {"output_shift": moved, "new_mass_calibrated": rise,
-                  "new_mass_bound": bounded_over(path, [init, primary], init)}
+    matrix = new_rows_name(path.matrix)
+    if path.bias is None:
+        mean = init[matrix][0].float().cpu()
+        row, rise = output_shift(y, lse, mean, init[matrix].shape[0])
+        if every_rank:
+            *row, rise = _from_rank0([*row.tolist(), rise])
+            row = torch.tensor(row)
+        init = {**init, matrix: row.to(init[matrix].device, init[matrix].dtype).expand_as(init[matrix]).clone()}
+        shift = {"output_shift": float((row - mean).norm())}
+    else:
+        bias = new_rows_name(path.bias)
+        c, rise = bias_shift(y, lse, init[matrix].float().cpu(), init[bias].float().cpu())
+        if every_rank:
+            c, rise = _from_rank0([c, rise])
+        init = {**init, bias: init[bias] + c}
+        shift = {"bias_shift": c}
+    return init, {**shift, "new_mass_calibrated": rise, "new_mass_bound": bounded_over(path, [init, primary], init)}
 
 
-def _from_rank0(row: torch.Tensor, rise: float) -> tuple[torch.Tensor, float]:
-    """Global rank 0's (row [h], rise) on every rank of a launched job (as it is without one)."""
+def _from_rank0(values: list[float]) -> list[float]:
+    """Global rank 0's `values` on every rank of a launched job (as they are without one)."""
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return row, rise
-    both = torch.cat([row.float(), torch.tensor([rise])]).to(device())
+        return values
+    both = torch.tensor(values, dtype=torch.float64).to(device())
     torch.distributed.broadcast(both, src=0)
-    both = both.cpu()
-    return both[:-1], float(both[-1])
+    return both.cpu().tolist()
 
 
 class PluginProbe:

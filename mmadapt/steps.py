@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.adapt import (ARTIFACT_FILE, body_config, body_weights, expand_output_start, new_vocabulary, read_artifact,
-                           step2_trainable, write_artifact)
+from mmadapt.adapt import ARTIFACT_FILE, body_config, read_artifact, step2_start, step2_trainable, write_artifact
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, Checked, EvaluateConfig, FinetuneConfig, MiniModelConfig,
                             ModelConfig, PreprocessConfig, TrainConfig, path_args, whole_arg)
@@ -365,12 +364,13 @@ def _with_replay(data, run: RunSpec, train: TrainConfig, source_tokenizer: Path)
 def _check_output_start(family: ModelFamily, train: TrainConfig, body: ModelConfig) -> None:
     """Refuse --embedding_init subword_mean where the bounded start would overwrite it (a tied
     decoder's new rows are its output rows)."""
-    if train.vocab_mode != "expand" or train.expand_output_start != "bounded" or train.embedding_init != "subword_mean":
+    if train.vocab_mode != "expand" or train.expand_output_start == "embedding_init" \
+            or train.embedding_init != "subword_mean":
         return
     path = family.output_path(body)
     if path.bias is None and path.matrix == family.word:
         raise ValueError("--embedding_init subword_mean with a tied decoder: its new rows are its output rows too, "
-                         "which --expand_output_start bounded starts at the source rows' mean; pass "
+                         f"which --expand_output_start {train.expand_output_start} starts at the source rows' mean; pass "
                          "--expand_output_start embedding_init to start them at their splits' means instead")
 
 
@@ -389,7 +389,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     identity = {"recipe": system, "system": system, "lang": step.lang, "frozen_from": frozen_from, **depth}
     with start_run(run, model, train, identity, data) as started:
         tokenizer = started.data / TOKENIZER
-        init, rows = _step2_start(source, step, body, tokenizer)
+        init, rows = _step2_start(source, step, tokenizer)
         if parallel.is_rank0():
             _say_start(step.lang, train.embedding_init, model, rows)
         writer = ArtifactWriter.of(run, step, source, model, init, tokenizer,
@@ -406,23 +406,16 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         return metrics
 
 
-def _step2_start(source: Source, step: AdaptEmbeddings, body: ModelConfig, tokenizer: Path) -> tuple[dict, dict]:
-    """Step 2's start over the source's weights (adapt.body_weights, new_vocabulary; expand: and
-    the new rows' output side, adapt.expand_output_start) and how its rows started (expand: and
-    `new_mass_bound`)."""
-    train, family = step.train, source.family
-    weights = source.weights()
-    state = body_weights(family, step.system, source.cfg, weights, body)
-    init, rows = new_vocabulary(family, body, state, source.tokenizer, tokenizer,
-                                derive_seed(train.seed, f"embeddings.{step.lang}"), train.embedding_init,
-                                train.vocab_mode)
-    if train.vocab_mode == "expand":
-        primary = family.primary_model(source.cfg, weights)[1]
-        init, rows["new_mass_bound"] = expand_output_start(family, body, init, primary, train.expand_output_start)
-        if train.expand_output_start == "bounded" and family.output_path(body).bias is None:
-            data = train.replay_data or source.record.get("data_path")
-            init, shift = off_source_start(source, data, train.seq_length, body, init, primary, every_rank=True)
-            rows.update(shift)
+def _step2_start(source: Source, step: AdaptEmbeddings, tokenizer: Path) -> tuple[dict, dict]:
+    """Step 2's start over the source's weights (adapt.step2_start; expand with the bounded
+    start: calibrated on source text, plugin.off_source_start) and how its rows started (expand:
+    and `new_mass_bound`, and the calibration's record)."""
+    train = step.train
+    body, init, rows = step2_start(step.system, source, None, tokenizer, derive_seed(train.seed, f"embeddings.{step.lang}"),
+                                   step.mini_layers, train.embedding_init, train.vocab_mode, train.expand_output_start)
+    if train.vocab_mode == "expand" and train.expand_output_start == "bounded":
+        init, shift = off_source_start(source, train.replay_data, train.seq_length, body, init, every_rank=True)
+        rows.update(shift)
     return init, rows
 
 

@@ -284,7 +284,7 @@ CASES = [
     ("expand-vocab-size-with-tokenizer", lambda c: c.expand("--corpus", str(c.corpus), "--tokenizer", str(c.tokenizer),
                                                             "--vocab_size", "900"), "drop --vocab_size"),
     ("expand-output-start-unknown", lambda c: c.adapt("--expand_output_start", "zero"),
-     "expand_output_start must be one of bounded, embedding_init"),
+     "expand_output_start must be one of bounded, worst_case, embedding_init"),
     ("expand-output-start-in-pretrain", lambda c: c.pretrain("--expand_output_start", "embedding_init"),
      "expand_output_start is a Step-2 setting"),
     # --- Step 2 source-language replay
