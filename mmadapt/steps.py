@@ -61,8 +61,8 @@ from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_mar
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
-from mmadapt.train import (MERGED_TOKENIZER, ExpandedText, LMJob, Replay, TextData, WithReplay, client_state, task_step,
-                           train_lm)
+from mmadapt.train import (MERGED_TOKENIZER, ExpandedText, LMJob, Replay, TextData, WithReplay, check_replay, client_state,
+                           task_step, train_lm)
 from mmadapt.vocab import Expansion, check_expansion, expand
 
 
@@ -341,14 +341,17 @@ def _trained_expansion(run: RunSpec, source_tokenizer: Path, vocab_size: int, se
         return expand(source_tokenizer, target)
 
 
-def _with_replay(data, run: RunSpec, train: TrainConfig, source_tokenizer: Path) -> tuple:
-    """The run's DataPlan with Step 2's source-language replay (train.replay_fraction > 0) and the
-    LMJob's Replay; else (data, None). The replay text must be in the run's vocabulary: expand,
+def _replay(run: RunSpec, train: TrainConfig, source_tokenizer: Path, layout: ModelConfig
+            ) -> tuple[Replay, Path] | None:
+    """Step 2's source-language replay (train.replay_fraction > 0) and the tokenizer its text must
+    be encoded with, checked (train.check_replay) before any work, a target tokenizer trained
+    from a raw corpus included; else None. The replay text must be in the run's vocabulary: expand,
     the source run's tokenizer (its ids are the merged vocabulary's first ones: the source's own
     segmentation, what the source model was trained on and its loss is measured on); replace, the
-    target tokenizer (the new embeddings learn the source text's pieces too)."""
+    target tokenizer (the new embeddings learn the source text's pieces too). layout: the run's
+    model config (its parallel sizes)."""
     if not train.replay_fraction or train.replay_data is None:  # half of the pair: TrainConfig.validate says so
-        return data, None
+        return None
     if train.vocab_mode == "expand":
         tokenizer = source_tokenizer
     elif run.data_path is not None or run.tokenizer is not None:
@@ -358,7 +361,8 @@ def _with_replay(data, run: RunSpec, train: TrainConfig, source_tokenizer: Path)
                          "run would only train: prepare the target data first (mmadapt preprocess) and pass "
                          "--data_path, or pass --tokenizer")
     replay = Replay(Path(train.replay_data), train.replay_fraction)
-    return WithReplay(data, replay, tokenizer), replay
+    check_replay(replay, tokenizer, layout, train)
+    return replay, tokenizer
 
 
 def _check_output_start(family: ModelFamily, train: TrainConfig, body: ModelConfig) -> None:
@@ -379,8 +383,10 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     <output_dir>/embeddings/<tag> at every checkpoint: what Step 4 swaps in."""
     source, body = _step2_source(step)
     run = _step2_data(run, step)
+    replay = _replay(run, step.train, source.tokenizer, run.layout.apply(body))
     model, data, expanded = _step2_model(run, step, source, body)
-    data, replay = _with_replay(data, run, step.train, source.tokenizer)
+    if replay is not None:
+        data, replay = WithReplay(data, *replay), replay[0]
     run, train, system = _text_run(run), step.train, step.system
     frozen_from = {"run_dir": str(source.path), "tag": source.tag, "system": system}
     # Which mini-model (MINIJOINT): its depth, and every depth the source offers (artifact labels).

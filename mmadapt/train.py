@@ -168,6 +168,24 @@ class ExpandedText(TextData):
 MERGED_TOKENIZER = Path("tokenizer") / "merged.model"
 
 
+def check_replay(replay: Replay, tokenizer: Path, model: ModelConfig, train: TrainConfig) -> None:
+    """Refuse, in one line, replay text that is not a prepared dataset, not encoded with
+    `tokenizer` (the one its ids need: steps.adapt_embeddings says which), or a --replay_fraction
+    that rounds to no block or every block of the global batch (`model`: the run's layout)."""
+    data = replay.data
+    read_manifest(data)  # a prepared dataset, or one line saying it is not
+    if file_sha256(data / TOKENIZER) != file_sha256(tokenizer):
+        raise ValueError(f"--replay_data {data} was not encoded with {tokenizer}, the tokenizer whose ids the "
+                         "replay text needs here: prepare it with mmadapt preprocess --tokenizer "
+                         f"{tokenizer} into a new --output_dir")
+    dp = parallel.launched_world_size() // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size)
+    blocks, batch = replay_blocks(replay.fraction, train.global_batch(dp)), train.global_batch(dp)
+    if not 1 <= blocks < batch:
+        raise ValueError(f"--replay_fraction {replay.fraction} of a global batch of {batch} blocks rounds to "
+                         f"{'no block' if blocks < 1 else 'every block, leaving no target text'}: "
+                         f"{'raise' if blocks < 1 else 'lower'} it, or raise the batch")
+
+
 class WithReplay:
     """A DataPlan (TextData, ExpandedText) and Step 2's replay text: the plan's checks and data,
     and the replay dataset's block index (global rank 0 builds it, the others wait), recorded as
@@ -179,19 +197,8 @@ class WithReplay:
 
     def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> dict:
         fields = self.plan.check(run, model, train, family)
-        data = self.replay.data
-        read_manifest(data)  # a prepared dataset, or one line saying it is not
-        if file_sha256(data / TOKENIZER) != file_sha256(self.tokenizer):
-            raise ValueError(f"--replay_data {data} was not encoded with {self.tokenizer}, the tokenizer whose ids the "
-                             "replay text needs here: prepare it with mmadapt preprocess --tokenizer "
-                             f"{self.tokenizer} into a new --output_dir")
-        dp = parallel.launched_world_size() // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size)
-        blocks, batch = replay_blocks(self.replay.fraction, train.global_batch(dp)), train.global_batch(dp)
-        if not 1 <= blocks < batch:
-            raise ValueError(f"--replay_fraction {self.replay.fraction} of a global batch of {batch} blocks rounds to "
-                             f"{'no block' if blocks < 1 else 'every block, leaving no target text'}: "
-                             f"{'raise' if blocks < 1 else 'lower'} it, or raise the batch")
-        return {**fields, "replay_data": str(data.resolve())}
+        check_replay(self.replay, self.tokenizer, model, train)
+        return {**fields, "replay_data": str(self.replay.data.resolve())}
 
     def check_resume(self, run: RunSpec) -> None:
         self.plan.check_resume(run)

@@ -609,12 +609,14 @@ def test_replay_batches_are_a_pure_function_of_the_update(family, corpus, tokeni
         assert rows == 0 and torch.equal(ids, ids0) and torch.equal(labels, labels0)
 
 
-def test_an_expand_run_with_replay_logs_both_languages(sources, de_corpus, de_tokenizer, corpus, tokenizer, tmp_path):
+def test_an_expand_run_with_replay_logs_both_languages(sources, de_corpus, de_tokenizer, corpus, tokenizer, tmp_path,
+                                                       monkeypatch):
     """--replay_fraction 0.25 over source text in the source's ids: the log holds the source- and
     target-language losses apart (the total between them), the artifacts count the replay blocks in
     their tokens and FLOPs (blocks of the same length: the FLOPs per block stay), the report scores
     the source language on the replay text's held-out part at update 0 and at the end; a replay
-    dataset of another tokenizer is refused before anything is written."""
+    dataset of another tokenizer is refused before anything is written, or trained (a raw corpus's
+    target tokenizer)."""
     from mmadapt.config import PreprocessConfig
 
     source, text = sources["roberta"], tmp_path / "en"
@@ -652,6 +654,13 @@ def test_an_expand_run_with_replay_logs_both_languages(sources, de_corpus, de_to
                                step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
                                                           train=dataclasses.replace(train, replay_data=str(other))))
     assert "\n" not in str(e.value) and not refused.exists()
+    # From a raw corpus (no --tokenizer): refused before the target tokenizer is trained.
+    monkeypatch.setattr(steps, "train_tokenizer", lambda *a, **k: pytest.fail("trained a tokenizer first"))
+    with pytest.raises(ValueError, match="was not encoded with"):
+        steps.adapt_embeddings(run=RunSpec(output_dir=refused, ds_config=ZERO0, corpus=de_corpus),
+                               step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
+                                                          train=dataclasses.replace(train, replay_data=str(other))))
+    assert not refused.exists()
 
 
 def test_expand_from_a_raw_corpus_trains_the_target_tokenizer(sources, de_corpus, tmp_path):
