@@ -33,7 +33,7 @@ import torch
 from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt import checkpoint
-from mmadapt.config import EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, SYSTEMS, ModelConfig
+from mmadapt.config import EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, SYSTEMS, ModelConfig, TrainConfig
 from mmadapt.data import load_checked_tokenizer
 from mmadapt.family import WORD, ModelFamily, OutputPath
 from mmadapt.models.layers import new_rows_name
@@ -219,8 +219,8 @@ def new_vocabulary(family: ModelFamily, body: ModelConfig, state: dict, src_toke
 # (`bounded_start`) chooses what it can of each row:
 #   encoder (tied word embedding and an output bias): the row is also the input embedding, so it
 #       stays --embedding_init's; each new bias entry is mean(b) - excess(d_i) + log(n eps / ((1 -
-#       eps) k)), which caps the new pieces' share at eps = 1 - exp(-NEW_MASS_NATS): the loss and
-#       the KL rise by at most NEW_MASS_NATS at any position, at update 0;
+#       eps) k)), which caps the new pieces' share at eps = 1 - exp(-nats): the loss and the KL
+#       rise by at most nats (TrainConfig.expand_source_nats) at any position, at update 0;
 #   decoder with an output projection of its own (no bias): its new rows at mu (d = 0), the input
 #       rows --embedding_init's: a rise of at most log(1 + k / n);
 #   decoder with a tied projection (no bias): nothing but the row itself holds the mass back, so
@@ -229,16 +229,14 @@ def new_vocabulary(family: ModelFamily, body: ModelConfig, state: dict, src_toke
 # demo's decoder, 2026-11-25). With no bias, no row bounds the share at every position (a row
 # that scores low for every y would have to be -infinity), but it can be low where the source text
 # puts y. The mean rise over source positions is convex in the row: `output_shift` walks down it
-# from mu until it is CALIBRATED_NATS, half the encoder's bound, on source text (the source run's or
+# from mu until it is nats / 2, half the encoder's bound, on source text (the source run's or
 # the replay data's training split; held-out text measures it after, run.json's expand_report);
 # plugin.off_source_start applies it (run.json records how far the row moved, the rise it leaves
 # on that text, and the worst-case bound, now loose). The encoder's worst case is far from what
 # the source text sees (its new bias entries ~12 nats under the source mean on the demo's encoder,
 # 5e-6 nats of rise on source text: the target pays for the slack), so it is calibrated the same
-# way: `bias_shift` raises every new entry by one c until the mean rise on source text is
-# CALIBRATED_NATS (run.json's `bias_shift`; the worst case rises by c with it).
-NEW_MASS_NATS = 0.01
-CALIBRATED_NATS = NEW_MASS_NATS / 2
+# way: `bias_shift` raises every new entry by one c until the mean rise on source text is nats / 2
+# (run.json's `bias_shift`; the worst case rises by c with it).
 
 
 def logit_excess(d: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,27 +266,27 @@ def _excess(path: OutputPath, head: dict, rows: dict) -> torch.Tensor:
     return excess
 
 
-def bounded_start(path: OutputPath, heads: list[dict], new: dict[str, torch.Tensor], word: str = WORD
+def bounded_start(path: OutputPath, heads: list[dict], new: dict[str, torch.Tensor], nats: float, word: str = WORD
                   ) -> tuple[dict[str, torch.Tensor], float]:
     """The new rows `new` (name -> [k, ...], an --embedding_init start) with their output side
     started so that the new pieces take a bounded share of the mass (the comment above), in each
     one-head model of `heads` (full states of the source vocabulary that will score them: Step
     2's body and the primary model, whose heads differ for MINIJOINT; `word`: the family's input
-    embedding, the output matrix too where it is tied) -> (rows, the bound in nats, the largest
-    over `heads`)."""
+    embedding, the output matrix too where it is tied; `nats`: the encoder's bound,
+    TrainConfig.expand_source_nats) -> (rows, the bound in nats, the largest over `heads`)."""
     out, n = dict(new), heads[0][path.matrix].shape[0]
     k = out[path.matrix].shape[0]
     if path.matrix != word or path.bias is None:
         out[path.matrix] = heads[0][path.matrix].float().mean(0).expand(k, -1).clone()
     if path.bias is not None and path.bias in out:
-        eps = -math.expm1(-NEW_MASS_NATS)
+        eps = -math.expm1(-nats)
         rows = {**out, path.bias: torch.zeros(k)}  # -_excess: mean(b) - excess(d_i) of each head
         out[path.bias] = torch.stack([-_excess(path, h, rows) for h in heads]).min(0).values \
             + math.log(n * eps / ((1 - eps) * k))
     return out, max(mass_bound(_excess(path, h, out), n) for h in heads)
 
 
-def output_shift(y: torch.Tensor, lse: torch.Tensor, row: torch.Tensor, k: int, target: float = CALIBRATED_NATS
+def output_shift(y: torch.Tensor, lse: torch.Tensor, row: torch.Tensor, k: int, target: float
                  ) -> tuple[torch.Tensor, float]:
     """A decoder's bounded start, moved off the source text (the comment above): y [m, h] the
     head's normed outputs at m source positions, lse [m] the source logits' logsumexp there, row
@@ -336,7 +334,7 @@ def output_shift(y: torch.Tensor, lse: torch.Tensor, row: torch.Tensor, k: int, 
 
 
 def bias_shift(y: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor,
-               target: float = CALIBRATED_NATS) -> tuple[float, float]:
+               target: float) -> tuple[float, float]:
     """An encoder's bounded start, raised toward the source text (the comment above): y [m, h] the
     head's normed outputs at m source positions, lse [m] the source logits' logsumexp there, rows
     [k, h] and bias [k] the new pieces' output rows and (bounded_start's) bias entries -> (c >= 0,
@@ -368,7 +366,8 @@ def bounded_over(path: OutputPath, heads: list[dict], state: dict) -> float:
 
 
 def expand_output_start(family: ModelFamily, body: ModelConfig, state: dict, primary: dict,
-                        output_start: str = "embedding_init") -> tuple[dict, float]:
+                        output_start: str = "embedding_init", nats: float = TrainConfig.expand_source_nats
+                        ) -> tuple[dict, float]:
     """An expanded vocabulary's start (new_vocabulary's `state`, the new rows under
     `new_rows_name`s as --embedding_init starts them) with their output side started by
     `output_start` (TrainConfig.expand_output_start: "bounded" and "worst_case", bounded_start,
@@ -381,7 +380,7 @@ def expand_output_start(family: ModelFamily, body: ModelConfig, state: dict, pri
     path, heads = family.output_path(body), [state, primary]
     new = {name: state[new_rows_name(name)] for name in family.vocab_params(body) if new_rows_name(name) in state}
     if output_start in ("bounded", "worst_case"):
-        new, bound = bounded_start(path, heads, new, family.word)
+        new, bound = bounded_start(path, heads, new, nats, family.word)
     else:
         bound = max(mass_bound(_excess(path, h, new), state[path.matrix].shape[0]) for h in heads)
     return {**state, **{new_rows_name(name): rows for name, rows in new.items()}}, bound
@@ -389,10 +388,11 @@ def expand_output_start(family: ModelFamily, body: ModelConfig, state: dict, pri
 
 def step2_start(system: str, source: Path | Source, tag: str | None, target_tokenizer: Path, seed: int,
                 mini_layers: int | None = None, embedding_init: str = "overlap", vocab_mode: str = "replace",
-                output_start: str = "embedding_init") -> tuple[ModelConfig, dict, dict[str, int]]:
+                output_start: str = "embedding_init", nats: float = TrainConfig.expand_source_nats
+                ) -> tuple[ModelConfig, dict, dict[str, int]]:
     """Step 2's start from the source run `source` (checkpoint `tag`) alone, as adapt_embeddings
     computes it (body_config, body_weights, new_vocabulary; expand: expand_output_start with
-    `output_start`): what the plug-in metric scores as "start" for a run without an artifact of
+    `output_start` and `nats`): what the plug-in metric scores as "start" for a run without an artifact of
     update 0; adapt_embeddings' own start (`source` the run it read, `tag` unused), which then
     moves a bounded start off the source text (plugin.off_source_start). -> (the body's config,
     full state dict, how many rows started which way; expand: and `new_mass_bound`)."""
@@ -403,7 +403,7 @@ def step2_start(system: str, source: Path | Source, tag: str | None, target_toke
                                   vocab_mode)
     if vocab_mode == "expand":
         primary = src.family.primary_model(src.cfg, weights)[1]
-        init, counts["new_mass_bound"] = expand_output_start(src.family, body, init, primary, output_start)
+        init, counts["new_mass_bound"] = expand_output_start(src.family, body, init, primary, output_start, nats)
     return body, init, counts
 
 
@@ -467,5 +467,5 @@ def artifact_state(family: ModelFamily, art: dict, meta: dict | None = None,
 
 
 __all__ = ["body_config", "body_weights", "new_vocabulary", "system_label", "overlap_init", "source_split",
-           "subword_mean_init", "init_rows", "NEW_MASS_NATS", "CALIBRATED_NATS", "output_shift", "bias_shift", "bounded_over", "logit_excess", "mass_bound", "bounded_start",
+           "subword_mean_init", "init_rows", "output_shift", "bias_shift", "bounded_over", "logit_excess", "mass_bound", "bounded_start",
            "expand_output_start", "step2_start", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]

@@ -450,13 +450,19 @@ class TrainConfig(LoopConfig):
         "bounded", "Step 2 with --vocab_mode expand: how the new pieces start on the output side. worst_case: so "
         "that together they take a bounded share of the source model's probability mass at every position at "
         "update 0 (the encoder's new output-bias entries set from a bound on each row's logit: the source-language "
-        "loss and the KL rise by at most 0.01 nats anywhere; a decoder's new output rows (tied: its new embedding "
+        "loss and the KL rise by at most --expand_source_nats anywhere; a decoder's new output rows (tied: its new embedding "
         "rows too) at the source rows' mean, Hewitt's start: at most log(1 + new / source pieces)); bounded: "
         "worst_case calibrated on source text (--replay_data, else the source run's data) until the new pieces "
-        "take 0.005 nats of it (the encoder's new bias entries raised, the decoder's row moved off it), which "
+        "take half of --expand_source_nats (the encoder's new bias entries raised, the decoder's row moved off "
+        "it), which "
         "leaves the target more room; embedding_init: as --embedding_init starts the input side (bias 0 for a "
         "drawn row), which lets them take mass from the source language. adapt.py's comment derives the bounds",
         choices=EXPAND_OUTPUT_STARTS)
+    expand_source_nats: float = _f(0.01, "Step 2 with --vocab_mode expand: how much of the source language the new "
+                                   "pieces may take at update 0, in nats of its loss (the KL from the source model's "
+                                   "distribution is the same): --expand_output_start worst_case holds it at every "
+                                   "position, bounded calibrates to half of it on source text (so that held-out "
+                                   "text stays under it)", gt=0)
     replay_data: Optional[str] = _f(None, "Step 2: a dataset prepared by mmadapt preprocess from source-language "
                                     "text in the run's vocabulary, mixed into every batch (--replay_fraction): with "
                                     "--vocab_mode expand, prepared with the source run's tokenizer (its ids are the "

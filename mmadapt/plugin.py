@@ -158,12 +158,13 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     src = run["frozen_from"]
     train = run["train"]
     source = read_source(src["run_dir"], src["tag"])
+    nats = train.get("expand_source_nats", TrainConfig.expand_source_nats)
     body, init, _ = step2_start(run["system"], source, None, tokenizer,
                                 derive_seed(train["seed"], f"embeddings.{run['lang']}"), run.get("mini_layers"),
                                 train.get("embedding_init", "overlap"), train.get("vocab_mode", "replace"),
-                                train.get("expand_output_start", "embedding_init"))
+                                train.get("expand_output_start", "embedding_init"), nats)
     if "output_shift" in run or "bias_shift" in run:  # a bounded start calibrated on source text
-        init, _ = off_source_start(source, run.get("replay_data"), train["seq_length"], body, init)
+        init, _ = off_source_start(source, run.get("replay_data"), train["seq_length"], body, init, nats)
     expanded = run["model"].get("frozen_vocab_size", 0)
     return {key: torch.cat([init[name], init[new_rows_name(name)]]) if expanded else init[name]
             for key, name in source.family.artifact_keys().items() if name in init}
@@ -292,12 +293,12 @@ class SourceProbe:
 
 
 def off_source_start(source: Source, replay_data: str | Path | None, seq_length: int, body: ModelConfig,
-                     init: dict, every_rank: bool = False) -> tuple[dict, dict]:
+                     init: dict, nats: float, every_rank: bool = False) -> tuple[dict, dict]:
     """A bounded start (`init`: Step 2's over `body`, adapt.step2_start's) calibrated on the
     source text, measured through the primary model on the training split of `replay_data` (Step
     2's --replay_data) or else the source run's data: a decoder's new row moved off it
-    (adapt.output_shift), an encoder's new output-bias entries raised toward it (adapt.bias_shift)
-    -> (the start, what run.json records: `output_shift` how far the row moved (its norm) or
+    (adapt.output_shift), an encoder's new output-bias entries raised toward it (adapt.bias_shift),
+    until the new pieces take nats / 2 of it (TrainConfig.expand_source_nats) -> (the start, what run.json records: `output_shift` how far the row moved (its norm) or
     `bias_shift` by how much the entries rose, `new_mass_calibrated` the rise left on that text,
     `new_mass_bound` the worst case again). Without text (an import and no --replay_data) the start
     stays the worst-case one (the encoder's bound, the decoder's mean row), said in one line.
@@ -323,7 +324,7 @@ def off_source_start(source: Source, replay_data: str | Path | None, seq_length:
     matrix = new_rows_name(path.matrix)
     if path.bias is None:
         mean = init[matrix][0].float().cpu()
-        row, rise = output_shift(y, lse, mean, init[matrix].shape[0])
+        row, rise = output_shift(y, lse, mean, init[matrix].shape[0], nats / 2)
         if every_rank:
             *row, rise = _from_rank0([*row.tolist(), rise])
             row = torch.tensor(row)
@@ -331,7 +332,7 @@ def off_source_start(source: Source, replay_data: str | Path | None, seq_length:
         shift = {"output_shift": float((row - mean).norm())}
     else:
         bias = new_rows_name(path.bias)
-        c, rise = bias_shift(y, lse, init[matrix].float().cpu(), init[bias].float().cpu())
+        c, rise = bias_shift(y, lse, init[matrix].float().cpu(), init[bias].float().cpu(), nats / 2)
         if every_rank:
             c, rise = _from_rank0([c, rise])
         init = {**init, bias: init[bias] + c}

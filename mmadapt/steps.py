@@ -106,6 +106,8 @@ def _step2_only(train: TrainConfig, step: str) -> None:
         raise ValueError(f"vocab_mode is a Step-2 setting; {step} keeps its source's vocabulary: drop the flag")
     if train.expand_output_start != TrainConfig.expand_output_start:
         raise ValueError(f"expand_output_start is a Step-2 setting; {step} starts no new vocabulary: drop the flag")
+    if train.expand_source_nats != TrainConfig.expand_source_nats:
+        raise ValueError(f"expand_source_nats is a Step-2 setting; {step} starts no new vocabulary: drop the flag")
     if train.replay_fraction or train.replay_data is not None:
         raise ValueError(f"replay_data and replay_fraction are Step-2 settings; {step} trains on its own text only: "
                          "drop the flags")
@@ -418,9 +420,11 @@ def _step2_start(source: Source, step: AdaptEmbeddings, tokenizer: Path) -> tupl
     and `new_mass_bound`, and the calibration's record)."""
     train = step.train
     body, init, rows = step2_start(step.system, source, None, tokenizer, derive_seed(train.seed, f"embeddings.{step.lang}"),
-                                   step.mini_layers, train.embedding_init, train.vocab_mode, train.expand_output_start)
+                                   step.mini_layers, train.embedding_init, train.vocab_mode, train.expand_output_start,
+                                   train.expand_source_nats)
     if train.vocab_mode == "expand" and train.expand_output_start == "bounded":
-        init, shift = off_source_start(source, train.replay_data, train.seq_length, body, init, every_rank=True)
+        init, shift = off_source_start(source, train.replay_data, train.seq_length, body, init,
+                                       train.expand_source_nats, every_rank=True)
         rows.update(shift)
     return init, rows
 

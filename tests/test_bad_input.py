@@ -287,6 +287,9 @@ CASES = [
      "expand_output_start must be one of bounded, worst_case, embedding_init"),
     ("expand-output-start-in-pretrain", lambda c: c.pretrain("--expand_output_start", "embedding_init"),
      "expand_output_start is a Step-2 setting"),
+    ("expand-source-nats-zero", lambda c: c.adapt("--expand_source_nats", "0"), "expand_source_nats must be > 0"),
+    ("expand-source-nats-in-pretrain", lambda c: c.pretrain("--expand_source_nats", "0.02"),
+     "expand_source_nats is a Step-2 setting"),
     # --- Step 2 source-language replay
     ("replay-fraction-without-data", lambda c: c.adapt("--replay_fraction", "0.25"), "go together"),
     ("replay-fraction-one", lambda c: c.adapt("--replay_fraction", "1", "--replay_data", str(c.primary / "data")),
