@@ -181,8 +181,13 @@ EMBEDDING_INITS = ("overlap", "subword_mean", "normal")
 # Step 2's vocabulary (adapt.py): the target's own (the paper), or the source's with the target's
 # missing pieces appended (vocab.py), only those trained.
 VOCAB_MODES = ("replace", "expand")
+# Step 2's share of source-language replay where --replay_data is given (TrainConfig.replay_fraction):
+# the least of 0.1, 0.25, 0.5 that kept the demo's English within 0.03 nats of the source model's
+# after 1000 expand updates for both families and systems (benchmarks/results/expand_replay_cpu2_20261126).
+REPLAY_FRACTION = 0.5
 # How an expanded vocabulary's new rows start on the output side (adapt.bounded_start): bounded
-# (their share of the probability mass capped at update 0) or as --embedding_init starts them.
+# (their share of the source text's probability mass calibrated at update 0: plugin.off_source_start),
+# worst_case (capped at every position) or as --embedding_init starts them.
 EXPAND_OUTPUT_STARTS = ("bounded", "worst_case", "embedding_init")
 
 
@@ -468,15 +473,22 @@ class TrainConfig(LoopConfig):
                                     "--vocab_mode expand, prepared with the source run's tokenizer (its ids are the "
                                     "merged vocabulary's first ones), e.g. the source run's own --data_path; with "
                                     "replace, with the target tokenizer (mmadapt preprocess --tokenizer)")
-    replay_fraction: float = _f(0.0, "Step 2: the fraction of every update's blocks taken from --replay_data "
-                                "(rounded to whole blocks of the global batch; 0 = no replay; below 1: some target "
-                                "text in every batch): the source language keeps a say in the new rows, its loss and "
-                                "the target text's logged apart (source_loss, target_loss)", ge=0, lt=1)
+    replay_fraction: Optional[float] = _f(
+        None, "Step 2: the fraction of every update's blocks taken from --replay_data (rounded to whole blocks of "
+        f"the global batch; below 1: some target text in every batch; default {REPLAY_FRACTION} with --replay_data, "
+        "the least that kept the demo's English within 0.03 nats of the source model's after 1000 expand updates; "
+        "0, and the default without --replay_data: no replay): the source language keeps a say in the new rows, its "
+        "loss and the target text's logged apart (source_loss, target_loss)", ge=0, lt=1)
     plugin_eval_blocks: int = _f(0, "Step 2: at each checkpoint, score the new embeddings through the primary model "
                                  "with the plug-in metric on this many held-out blocks of the target dataset's "
                                  "validation split (--data_path prepared with --valid_fraction), and log whether "
                                  "they have passed the unigram reference yet: the first sign of transfer (0 = off; "
                                  "rank 0 holds the primary model meanwhile)", ge=0)
+
+    def __post_init__(self):
+        if self.replay_fraction is None:  # unset: the measured default where there is text to replay
+            self.replay_fraction = REPLAY_FRACTION if self.replay_data is not None else 0.0
+        super().__post_init__()
 
     def warmup_iters(self, total: int) -> int:
         return self.lr_warmup_iters
@@ -486,8 +498,9 @@ class TrainConfig(LoopConfig):
             raise ValueError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
                              f"{model.max_position_embeddings}")
         if (self.replay_fraction > 0) != (self.replay_data is not None):
-            raise ValueError("--replay_fraction and --replay_data go together: pass both (source-language text mixed "
-                             "into Step 2) or neither")
+            raise ValueError("--replay_fraction needs --replay_data (source-language text mixed into Step 2), and "
+                             "--replay_data a --replay_fraction above 0: pass --replay_data (its default fraction is "
+                             f"{REPLAY_FRACTION}), or neither")
         if self.lr is None:
             raise ValueError("lr must be set for pretraining, Step 1b and Step 2")
         return self

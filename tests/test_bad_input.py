@@ -291,7 +291,7 @@ CASES = [
     ("expand-source-nats-in-pretrain", lambda c: c.pretrain("--expand_source_nats", "0.02"),
      "expand_source_nats is a Step-2 setting"),
     # --- Step 2 source-language replay
-    ("replay-fraction-without-data", lambda c: c.adapt("--replay_fraction", "0.25"), "go together"),
+    ("replay-fraction-without-data", lambda c: c.adapt("--replay_fraction", "0.25"), "--replay_fraction needs --replay_data"),
     ("replay-fraction-one", lambda c: c.adapt("--replay_fraction", "1", "--replay_data", str(c.primary / "data")),
      "replay_fraction must be in [0, 1)"),
     ("replay-in-pretrain", lambda c: c.pretrain("--replay_fraction", "0.1", "--replay_data", str(c.primary / "data")),

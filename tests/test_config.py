@@ -136,3 +136,21 @@ def test_a_path_given_as_text_becomes_a_path():
     from mmadapt import steps
 
     assert steps.Finetune(task="bible-genre", primary="runs/x").primary == Path("runs/x")
+
+
+def test_replay_data_alone_takes_the_measured_default_fraction():
+    """--replay_data without --replay_fraction replays REPLAY_FRACTION of every batch (the value
+    chosen from the expand sweep); without --replay_data there is no replay; a fraction of 0 with
+    replay data, or one without it, is refused in one line when the config is validated."""
+    from mmadapt.config import REPLAY_FRACTION
+
+    model = PRESETS["tiny"][0]
+    assert REPLAY_FRACTION == 0.5
+    assert TrainConfig(replay_data="data/en").replay_fraction == REPLAY_FRACTION
+    assert TrainConfig(replay_data="data/en", replay_fraction=0.1).replay_fraction == 0.1
+    assert TrainConfig().replay_fraction == 0.0
+    for bad in (TrainConfig(seq_length=64, replay_data="data/en", replay_fraction=0.0),
+                TrainConfig(seq_length=64, replay_fraction=0.25)):
+        with pytest.raises(ValueError, match="--replay_fraction needs --replay_data") as e:
+            bad.validate(model)
+        assert "\n" not in str(e.value)
