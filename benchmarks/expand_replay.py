@@ -123,7 +123,7 @@ def summary(results: dict, iters: int) -> list[dict]:
                                 "within": "yes" if en <= BAR else "no", "gain": r[f"gain_{iters}"],
                                 "replace": "" if replace is None else replace,
                                 "gap": "" if replace is None else r[f"gain_{iters}"] - replace})
-    return out
+    return sorted(out, key=lambda r: (list(results).index(r["family"]), r["system"] != "minijoint", r["replay"]))
 
 
 def markdown(results: dict, iters: int, points: list[int]) -> str:
