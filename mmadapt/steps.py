@@ -597,12 +597,18 @@ def _expand_report(artifact: Path, start: dict, lang: str, target_data: Path, se
     return report
 
 
-def _say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, int]) -> None:
+def _say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, float]) -> None:
     mean = f", {rows['subword_mean_pieces']} the mean of their source split" if how == "subword_mean" else ""
     if model.frozen_vocab_size:
         new = model.vocab_size - model.frozen_vocab_size
         print(f"{lang}: {new} new pieces after the source's {model.frozen_vocab_size} (frozen; only the new rows "
               f"train), {how}{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
+        if "new_mass_calibrated" in rows:
+            print(f"  their output side, calibrated on source text: they take {rows['new_mass_calibrated']:.4f} nats of "
+                  f"its loss (the worst case at any position: {rows['new_mass_bound']:.3g})")
+        else:
+            print(f"  their output side: they take at most {rows['new_mass_bound']:.3g} nats of the source language's "
+                  "loss at any position")
         return
     print(f"new {lang} embeddings ({how}): {rows['shared_pieces']} of {model.vocab_size} pieces copied from the "
           f"source vocabulary{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
