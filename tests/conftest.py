@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -48,6 +49,10 @@ def shared(tmp_path_factory, name: str, build) -> Path:
     with open(root / "shared" / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.is_file():
+            if path.is_dir():  # a build that failed or was interrupted earlier in this session: start over
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
             done.write_text(str(build(path)))
     return Path(done.read_text())
 
