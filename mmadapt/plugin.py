@@ -298,9 +298,10 @@ def off_source_start(source: Source, replay_data: str | Path | None, seq_length:
     source text, measured through the primary model on the training split of `replay_data` (Step
     2's --replay_data) or else the source run's data: a decoder's new row moved off it
     (adapt.output_shift), an encoder's new output-bias entries raised toward it (adapt.bias_shift),
-    until the new pieces take nats / 2 of it (TrainConfig.expand_source_nats) -> (the start, what run.json records: `output_shift` how far the row moved (its norm) or
-    `bias_shift` by how much the entries rose, `new_mass_calibrated` the rise left on that text,
-    `new_mass_bound` the worst case again). Without text (an import and no --replay_data) the start
+    until the new pieces take nats / 2 of it (TrainConfig.expand_source_nats) -> (the start, what
+    run.json records: `output_shift` how far the row moved (its norm) or `bias_shift` by how much
+    the entries rose, `new_mass_calibrated` the rise left on that text, `new_mass_bound` the worst
+    case again). Without text (an import and no --replay_data) the start
     stays the worst-case one (the encoder's bound, the decoder's mean row), said in one line.
 
     The primary model is the one `init` was built from (source's checkpoint; MINIPOST: the run and
