@@ -390,21 +390,34 @@ def step2_start(system: str, source: Path | Source, tag: str | None, target_toke
                 mini_layers: int | None = None, embedding_init: str = "overlap", vocab_mode: str = "replace",
                 output_start: str = "embedding_init", nats: float = TrainConfig.expand_source_nats
                 ) -> tuple[ModelConfig, dict, dict[str, int]]:
+    """step2_start_with_primary without the primary model's state."""
+    return step2_start_with_primary(system, source, tag, target_tokenizer, seed, mini_layers, embedding_init,
+                                    vocab_mode, output_start, nats)[:3]
+
+
+def step2_start_with_primary(system: str, source: Path | Source, tag: str | None, target_tokenizer: Path, seed: int,
+                             mini_layers: int | None = None, embedding_init: str = "overlap",
+                             vocab_mode: str = "replace", output_start: str = "embedding_init",
+                             nats: float = TrainConfig.expand_source_nats
+                             ) -> tuple[ModelConfig, dict, dict[str, int], dict | None]:
     """Step 2's start from the source run `source` (checkpoint `tag`) alone, as adapt_embeddings
     computes it (body_config, body_weights, new_vocabulary; expand: expand_output_start with
     `output_start` and `nats`): what the plug-in metric scores as "start" for a run without an artifact of
     update 0; adapt_embeddings' own start (`source` the run it read, `tag` unused), which then
     moves a bounded start off the source text (plugin.off_source_start). -> (the body's config,
-    full state dict, how many rows started which way; expand: and `new_mass_bound`)."""
+    full state dict, how many rows started which way; expand: and `new_mass_bound`; expand: the
+    primary model's one-head full state, which the calibration bounds through, else None: the
+    source's weights are read once)."""
     src = source if isinstance(source, Source) else read_source(source, tag)
     body, weights = body_config(src.family, system, src.cfg, mini_layers), src.weights()
     state = body_weights(src.family, system, src.cfg, weights, body)
     init, counts = new_vocabulary(src.family, body, state, src.tokenizer, target_tokenizer, seed, embedding_init,
                                   vocab_mode)
+    primary = None
     if vocab_mode == "expand":
         primary = src.family.primary_model(src.cfg, weights)[1]
         init, counts["new_mass_bound"] = expand_output_start(src.family, body, init, primary, output_start, nats)
-    return body, init, counts
+    return body, init, counts, primary
 
 
 def step2_trainable(family: ModelFamily, cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
@@ -468,4 +481,4 @@ def artifact_state(family: ModelFamily, art: dict, meta: dict | None = None,
 
 __all__ = ["body_config", "body_weights", "new_vocabulary", "system_label", "overlap_init", "source_split",
            "subword_mean_init", "init_rows", "output_shift", "bias_shift", "bounded_over", "logit_excess", "mass_bound", "bounded_start",
-           "expand_output_start", "step2_start", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]
+           "expand_output_start", "step2_start", "step2_start_with_primary", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from mmadapt.adapt import (ARTIFACT_FILE, artifact_state, bias_shift, bounded_over, output_shift, read_artifact,
-                           step2_start)
+                           step2_start_with_primary)
 from mmadapt.checkpoint import tag_for
 from mmadapt.config import ModelConfig, TrainConfig
 from mmadapt.data import TEXT, TOKENIZER, VALID, file_sha256, read_manifest
@@ -159,12 +159,12 @@ def _start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     train = run["train"]
     source = read_source(src["run_dir"], src["tag"])
     nats = train.get("expand_source_nats", TrainConfig.expand_source_nats)
-    body, init, _ = step2_start(run["system"], source, None, tokenizer,
+    body, init, _, primary = step2_start_with_primary(run["system"], source, None, tokenizer,
                                 derive_seed(train["seed"], f"embeddings.{run['lang']}"), run.get("mini_layers"),
                                 train.get("embedding_init", "overlap"), train.get("vocab_mode", "replace"),
                                 train.get("expand_output_start", "embedding_init"), nats)
     if "output_shift" in run or "bias_shift" in run:  # a bounded start calibrated on source text
-        init, _ = off_source_start(source, run.get("replay_data"), train["seq_length"], body, init, nats)
+        init, _ = off_source_start(source, run.get("replay_data"), train["seq_length"], body, init, primary, nats)
     expanded = run["model"].get("frozen_vocab_size", 0)
     return {key: torch.cat([init[name], init[new_rows_name(name)]]) if expanded else init[name]
             for key, name in source.family.artifact_keys().items() if name in init}
@@ -293,8 +293,9 @@ class SourceProbe:
 
 
 def off_source_start(source: Source, replay_data: str | Path | None, seq_length: int, body: ModelConfig,
-                     init: dict, nats: float, every_rank: bool = False) -> tuple[dict, dict]:
-    """A bounded start (`init`: Step 2's over `body`, adapt.step2_start's) calibrated on the
+                     init: dict, primary: dict, nats: float, every_rank: bool = False) -> tuple[dict, dict]:
+    """A bounded start (`init`: Step 2's over `body`, and `primary` the primary model's one-head
+    state: adapt.step2_start_with_primary's) calibrated on the
     source text, measured through the primary model on the training split of `replay_data` (Step
     2's --replay_data) or else the source run's data: a decoder's new row moved off it
     (adapt.output_shift), an encoder's new output-bias entries raised toward it (adapt.bias_shift),
@@ -320,7 +321,6 @@ def off_source_start(source: Source, replay_data: str | Path | None, seq_length:
     ref = source.record["frozen_from"] if source.record.get("step") == "minipost" else \
         {"run_dir": str(source.path), "tag": source.tag}
     probe = SourceProbe(Path(ref["run_dir"]), (Path(data), TEXT), seq_length, tag=ref["tag"])
-    primary = source.family.primary_model(source.cfg, source.weights())[1]
     y, lse = (t.cpu() for t in probe.head_outputs())
     matrix = new_rows_name(path.matrix)
     if path.bias is None:

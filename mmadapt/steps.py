@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.adapt import ARTIFACT_FILE, body_config, read_artifact, step2_start, step2_trainable, write_artifact
+from mmadapt.adapt import (ARTIFACT_FILE, body_config, read_artifact, step2_start_with_primary, step2_trainable,
+                           write_artifact)
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (SOURCE_RECIPES, SYSTEMS, Checked, EvaluateConfig, FinetuneConfig, MiniModelConfig,
                             ModelConfig, PreprocessConfig, TrainConfig, path_args, whole_arg)
@@ -343,10 +344,9 @@ def _trained_expansion(run: RunSpec, source_tokenizer: Path, vocab_size: int, se
         return expand(source_tokenizer, target)
 
 
-def _replay(run: RunSpec, train: TrainConfig, source_tokenizer: Path, layout: ModelConfig
-            ) -> tuple[Replay, Path] | None:
-    """Step 2's source-language replay (train.replay_fraction > 0) and the tokenizer its text must
-    be encoded with, checked (train.check_replay) before any work, a target tokenizer trained
+def _replay(run: RunSpec, train: TrainConfig, source_tokenizer: Path, layout: ModelConfig) -> Replay | None:
+    """Step 2's source-language replay (train.replay_fraction > 0), its text checked to be encoded
+    with the tokenizer its ids need (train.check_replay) before any work, a target tokenizer trained
     from a raw corpus included; else None. The replay text must be in the run's vocabulary: expand,
     the source run's tokenizer (its ids are the merged vocabulary's first ones: the source's own
     segmentation, what the source model was trained on and its loss is measured on); replace, the
@@ -364,7 +364,7 @@ def _replay(run: RunSpec, train: TrainConfig, source_tokenizer: Path, layout: Mo
                          "--data_path, or pass --tokenizer")
     replay = Replay(Path(train.replay_data), train.replay_fraction)
     check_replay(replay, tokenizer, layout, train)
-    return replay, tokenizer
+    return replay
 
 
 def _check_output_start(family: ModelFamily, train: TrainConfig, body: ModelConfig) -> None:
@@ -388,7 +388,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     replay = _replay(run, step.train, source.tokenizer, run.layout.apply(body))
     model, data, expanded = _step2_model(run, step, source, body)
     if replay is not None:
-        data, replay = WithReplay(data, *replay), replay[0]
+        data = WithReplay(data, replay)
     run, train, system = _text_run(run), step.train, step.system
     frozen_from = {"run_dir": str(source.path), "tag": source.tag, "system": system}
     # Which mini-model (MINIJOINT): its depth, and every depth the source offers (artifact labels).
@@ -419,11 +419,11 @@ def _step2_start(source: Source, step: AdaptEmbeddings, tokenizer: Path) -> tupl
     start: calibrated on source text, plugin.off_source_start) and how its rows started (expand:
     and `new_mass_bound`, and the calibration's record)."""
     train = step.train
-    body, init, rows = step2_start(step.system, source, None, tokenizer, derive_seed(train.seed, f"embeddings.{step.lang}"),
-                                   step.mini_layers, train.embedding_init, train.vocab_mode, train.expand_output_start,
-                                   train.expand_source_nats)
+    body, init, rows, primary = step2_start_with_primary(
+        step.system, source, None, tokenizer, derive_seed(train.seed, f"embeddings.{step.lang}"), step.mini_layers,
+        train.embedding_init, train.vocab_mode, train.expand_output_start, train.expand_source_nats)
     if train.vocab_mode == "expand" and train.expand_output_start == "bounded":
-        init, shift = off_source_start(source, train.replay_data, train.seq_length, body, init,
+        init, shift = off_source_start(source, train.replay_data, train.seq_length, body, init, primary,
                                        train.expand_source_nats, every_rank=True)
         rows.update(shift)
     return init, rows

@@ -187,18 +187,16 @@ def check_replay(replay: Replay, tokenizer: Path, model: ModelConfig, train: Tra
 
 
 class WithReplay:
-    """A DataPlan (TextData, ExpandedText) and Step 2's replay text: the plan's checks and data,
-    and the replay dataset's block index (global rank 0 builds it, the others wait), recorded as
-    run.json's `replay_data`."""
+    """A DataPlan (TextData, ExpandedText) and Step 2's replay text, already checked
+    (check_replay, before any work: steps.adapt_embeddings): the plan's checks and data, and the
+    replay dataset's block index (global rank 0 builds it, the others wait), recorded as run.json's
+    `replay_data`."""
 
-    def __init__(self, plan, replay: Replay, tokenizer: Path):
-        """tokenizer: the one the replay text must be encoded with (steps.adapt_embeddings says which)."""
-        self.plan, self.replay, self.tokenizer = plan, replay, tokenizer
+    def __init__(self, plan, replay: Replay):
+        self.plan, self.replay = plan, replay
 
     def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> dict:
-        fields = self.plan.check(run, model, train, family)
-        check_replay(self.replay, self.tokenizer, model, train)
-        return {**fields, "replay_data": str(self.replay.data.resolve())}
+        return {**self.plan.check(run, model, train, family), "replay_data": str(self.replay.data.resolve())}
 
     def check_resume(self, run: RunSpec) -> None:
         self.plan.check_resume(run)

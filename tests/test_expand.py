@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from conftest import REPO, VOCAB
 from mmadapt import steps
-from mmadapt.adapt import artifact_state, read_artifact, source_split, step2_start
+from mmadapt.adapt import artifact_state, read_artifact, source_split, step2_start, step2_start_with_primary
 from mmadapt.config import ModelConfig, TrainConfig, apply_recipe
 from mmadapt.models import PRESETS
 from mmadapt.corpora import write_bible_corpus
@@ -510,10 +510,10 @@ def test_at_update_0_the_bounded_start_keeps_the_source_language(family, sources
     rise = {}
     src = read_source(source)
     for start in ("worst", "bounded", "embedding_init"):
-        cfg, init, counts = step2_start("minijoint", src, None, merged, 7, 2, "overlap", "expand",
-                                        "bounded" if start == "worst" else start)
+        cfg, init, counts, primary = step2_start_with_primary("minijoint", src, None, merged, 7, 2, "overlap", "expand",
+                                                              "bounded" if start == "worst" else start)
         if start == "bounded":
-            init, shift = off_source_start(src, text, 32, cfg, init, NEW_MASS_NATS)
+            init, shift = off_source_start(src, text, 32, cfg, init, primary, NEW_MASS_NATS)
             moved = shift["bias_shift" if family == "roberta" else "output_shift"]
             assert moved > 0 and shift["new_mass_calibrated"] <= NEW_MASS_NATS / 2 + 1e-9
             assert shift["new_mass_bound"] > counts["new_mass_bound"]  # the worst case is looser now
