@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from common import REPO, SHAPES, hardware, sync, table, write_results
 
-from mmadapt import adapt as A
+from mmadapt import artifact as A
 from mmadapt import evaluate as F
 from mmadapt import tasks as T
 from mmadapt.tokenizer import load as load_sp
@@ -200,7 +200,7 @@ def timed(timers: Timers):
         patches.append((F, name, timers.wrap(name, getattr(F, name))))
     # The task model is the family's to build (ModelFamily.build_task_model): timed on its instance.
     patches.append((ROBERTA, "build_task_model", timers.wrap("build_task_model", ROBERTA.build_task_model)))
-    patches.append((A, "read_artifact", timers.wrap("read_artifact", A.read_artifact)))
+    patches.append((F, "read_artifact", timers.wrap("read_artifact", F.read_artifact)))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     try:
         for obj, name, fn in patches:

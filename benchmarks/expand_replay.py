@@ -17,7 +17,7 @@ every run is kept in --output_dir and
 resumed or skipped when run again, and the results file is rewritten after each cell, so an
 interrupted sweep still reports what it finished. English: 3% of the English Bible's documents
 held out of the replay text (the same tokenizer), scored through each primary model
-(plugin.SourceProbe); German: the demo's held-out chapters. Writes
+(expand.SourceProbe); German: the demo's held-out chapters. Writes
 benchmarks/results/expand_replay_<hardware>_<date>.{json,md}. Losses, not times.
 """
 
@@ -32,12 +32,14 @@ import torch
 from common import hardware, table, write_results  # (importing common puts mmadapt on the path)
 
 from mmadapt import steps
-from mmadapt.adapt import read_artifact
+from mmadapt.artifact import read_artifact
 from mmadapt.config import PreprocessConfig, to_dict
 from mmadapt.data import TOKENIZER
 from mmadapt.demo import VOCAB, Demo, DemoConfig, install_source_model, source_models
 from mmadapt.parallel import init_parallel
-from mmadapt.plugin import SourceProbe, _start_embeddings, plugin_records, source_text
+from mmadapt.expand import SourceProbe, source_text
+from mmadapt.heldout import Primary, Scorer
+from mmadapt.plugin import plugin_records, start_embeddings
 from mmadapt.run import RunSpec, run_progress
 
 LANG = "de"
@@ -98,7 +100,7 @@ def score_cell(s: dict, system: str, cell: tuple, run_dir: Path, points: list[in
            "gain_0": recs[0]["start_gain"], **{f"gain_{r['step']}": r["score"] for r in recs}}
     if mode == "expand":
         meta = read_artifact(arts[0])[2]
-        tensors = [_start_embeddings(run_dir, arts[0] / "spm.model"), *(read_artifact(a)[0] for a in arts)]
+        tensors = [start_embeddings(run_dir, arts[0] / "spm.model"), *(read_artifact(a)[0] for a in arts)]
         for p, t in zip([0, *points], tensors):
             scored = probe.score(t, meta)
             row[f"en_{p}"] = scored["source_loss"] - probe.before
@@ -181,9 +183,9 @@ def main() -> None:
             s = setups[family]
             for system in args.systems:
                 if (family, system) not in probes:
-                    probes[family, system] = SourceProbe(s["sources"][system],
-                                                         source_text(s["sources"][system], s["replay"]),
-                                                         s["cfg"].seq_length, args.blocks)
+                    primary = Primary.read(s["sources"][system])
+                    text = source_text(primary, s["replay"], s["cfg"].seq_length)
+                    probes[family, system] = SourceProbe(Scorer(primary), dataclasses.replace(text, blocks=args.blocks))
                 probe = probes[family, system]
                 for cell in tier:
                     mode, start, fraction = cell

@@ -1,10 +1,21 @@
-"""New-language embeddings (Step 2): the model each system trains over, the overlap start of the
-new vocabulary's rows, and the artifact Step 4 swaps in.
+"""Step 2: a new language's embeddings over a frozen model, as one straight path.
 
-Everything here works on full ("single-device") state dicts in the family's parameter names
-(family.py); train.py shards them onto whatever tensor/pipeline layout a run uses.
+    adapt_embeddings(run, AdaptEmbeddings)
+      Step2Plan.of      every check a user can get wrong, before any side effect: the source run
+                        and the body its system trains over (body_config), the target text and
+                        vocabulary (replace: the target's; expand: the source's with the target's
+                        new pieces, expand.py), the replay text, the run's data plan
+      run.start_run     the run lock, the data prepared, the process groups
+      Step2Start.build  the start, built once per run and rank: the source's weights read once,
+                        the body's state with the new vocabulary's rows (new_vocabulary), the
+                        primary model the embeddings plug into (one head, its fingerprint), an
+                        expanded vocabulary's output start and its calibration (expand.py)
+      ArtifactWriter    the artifact of update 0 and of every checkpoint (artifact.py), each
+                        scored through the primary model where asked (heldout.PluginProbe)
+      train.train_lm    the updates
+      expand_report     what an expanded vocabulary did to the source language (expand.py)
 
-The model each system trains its new embeddings over in Step 2 (paper section 2):
+The model each system trains its new embeddings over (paper section 2):
     bl_base    the full primary model (its last head)
     bl_small   the N-layer model of Step 1 with recipe bl_small
     minijoint  the bottom N layers of a MINIJOINT primary model + its secondary head (after layer N);
@@ -19,34 +30,200 @@ projection [V, h]. The encoder's bias is trained because the source model's belo
 source vocabulary and means nothing for most target pieces; it adds V elements to the h*V of the
 embedding and no matmul FLOPs. TrainConfig.train_output_bias=False is the paper's setting: the
 embeddings alone, the bias frozen at its overlap initialisation.
+
+Everything here works on full ("single-device") state dicts in the family's parameter names
+(family.py); train.py shards them onto whatever tensor/pipeline layout a run uses.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
+import dataclasses
 from pathlib import Path
+from typing import ClassVar
 
 import sentencepiece as spm
 import torch
 from sentencepiece import sentencepiece_model_pb2 as sp_model
 
-from mmadapt import checkpoint
-from mmadapt.config import EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, SYSTEMS, ModelConfig, TrainConfig
-from mmadapt.data import load_checked_tokenizer
-from mmadapt.family import WORD, ModelFamily, OutputPath
-from mmadapt.models.layers import new_rows_name
-from mmadapt.run import Source, read_source
+from mmadapt import checkpoint, parallel
+from mmadapt.artifact import read_artifact, write_artifact, ARTIFACT_FILE
+from mmadapt.config import (EMBEDDING_INITS, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig, StepSpec,
+                            TrainConfig)
+from mmadapt.data import TEXT, TOKENIZER, check_prepared, replay_blocks
+from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, merged_vocabulary,
+                            output_start, replay_text, source_text)
+from mmadapt.family import ModelFamily
+from mmadapt.flops import device_days
+from mmadapt.heldout import PluginProbe, Primary, Scorer, Text
+from mmadapt.models.layers import derive_seed, new_rows_name
+from mmadapt.run import RunSpec, Source, load_checkpoint, read_source, require_head, start_run
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.tokenizer import source_form
 from mmadapt.tokens import UNK_ID
-from mmadapt.vocab import check_expansion
+from mmadapt.train import ExpandedText, LMJob, TextData, WithReplay, train_lm
 
-ARTIFACT_FILE = "embeddings.pt"
 
+@dataclasses.dataclass
+class AdaptEmbeddings(StepSpec):
+    """Step 2: new `lang` embeddings over the frozen model of `system`, from the source run
+    `source` (its checkpoint `source_tag`, default: the newest complete one).
+
+    Data: RunSpec.data_path, the target language's prepared dataset (mmadapt preprocess; its
+    tokenizer is the target vocabulary); else RunSpec.corpus (default: the packaged Bible,
+    bible:<lang>) with RunSpec.tokenizer, an existing target SentencePiece model (default: one
+    trained on the corpus). vocab_size: the target vocabulary (default: the dataset's or
+    tokenizer's size, else the source model's). mini_layers (minijoint): the depth N of the
+    source's mini-model to train over, one of its secondary heads (default: its only one; a run
+    with several needs it, ModelFamily.minijoint_depth)."""
+    name: ClassVar[str] = "adapt"
+    system: str
+    source: Path
+    lang: str
+    train: TrainConfig
+    vocab_size: int | None = None
+    source_tag: str | None = None
+    mini_layers: int | None = None
+
+    @classmethod
+    def recorded(cls, run: dict) -> "AdaptEmbeddings":
+        """The step an adapt run's record (run.json) describes, as its start was computed then: a
+        field the record lacks takes the value runs had before it existed (expand_output_start:
+        the output side as the input side; a bounded start recorded with no calibration is the
+        worst case), and the replay text is the record's resolved path."""
+        train, names = run["train"], {f.name for f in dataclasses.fields(TrainConfig)}
+        how = train.get("expand_output_start", "embedding_init")
+        if how == "bounded" and not ("output_shift" in run or "bias_shift" in run):
+            how = "worst_case"
+        recorded = {**{k: v for k, v in train.items() if k in names}, "expand_output_start": how,
+                    "replay_data": run.get("replay_data")}
+        src = run["frozen_from"]
+        return cls(system=run["system"], source=Path(src["run_dir"]), lang=run["lang"], train=TrainConfig(**recorded),
+                   source_tag=src["tag"], mini_layers=run.get("mini_layers"))
+
+
+def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
+    """Step 2 (module docstring). Writes an artifact (embeddings.pt, spm.model, meta.json) under
+    <output_dir>/embeddings/<tag> at update 0 and at every checkpoint: what Step 4 swaps in.
+    Returns the metrics rows of this invocation (global rank 0; empty elsewhere)."""
+    plan = Step2Plan.of(run, step)
+    with start_run(plan.run, plan.model, step.train, plan.identity, plan.data) as started:
+        tokenizer = started.data / TOKENIZER
+        start = Step2Start.build(plan.source, plan.body, step, tokenizer)
+        if parallel.is_rank0():
+            say_start(step.lang, step.train.embedding_init, plan.model, start.rows)
+        writer = ArtifactWriter.of(plan, start, tokenizer)
+        writer.save_start()
+        job = LMJob(step="adapt", trainable=writer.trainable, replay=plan.replay)
+        metrics = train_lm(started, plan.run, plan.model, step.train, job, start.init, after_save=writer,
+                           record={**start.rows, **plan.expanded, "target_vocab_size": plan.model.vocab_size})
+        final = plan.run.output_dir / "embeddings" / checkpoint.tag_for(step.train.train_iters)
+        if plan.expanded and parallel.is_rank0() and final.is_dir():
+            started.record.finish(expand_report=start.report(plan, final, started.data))
+        return metrics
+
+
+# --- before any side effect ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Step2Plan:
+    """Step 2 as checked before any side effect (`of`): the run (its default target text and its
+    raw corpus resolved), the step, its source run, the body its system trains over (on one
+    device), the model the run trains (the body as the run lays it out, with the new vocabulary's
+    size; expand: and its frozen source rows), the data plan (start_run's), the replay text, the
+    prepared target dataset's manifest (read once; None for a raw corpus), and what the record
+    adds (`identity`, and an expanded vocabulary's fields)."""
+    run: RunSpec
+    step: AdaptEmbeddings
+    source: Source
+    body: ModelConfig
+    model: ModelConfig
+    data: object
+    replay: Replay | None
+    manifest: dict | None
+    expanded: dict
+    depth: dict
+
+    @classmethod
+    def of(cls, run: RunSpec, step: AdaptEmbeddings) -> "Step2Plan":
+        source, body = _source(step)
+        if run.data_path is None and run.corpus is None:
+            run = dataclasses.replace(run, corpus=f"bible:{step.lang}")
+        manifest = check_prepared(run.data_path) if run.data_path is not None else None
+        if step.train.plugin_eval_blocks and not (manifest or {}).get("valid"):
+            raise ValueError("--plugin_eval_blocks scores held-out target text: pass --data_path, a dataset prepared "
+                             "with mmadapt preprocess --valid_fraction 0.03 (a raw --corpus has no validation split)")
+        expand = step.train.vocab_mode == "expand"
+        target = run.data_path / TOKENIZER if run.data_path is not None else run.tokenizer
+        replay = replay_text(step.train, source.tokenizer if expand else target, run.layout.apply(body))
+        model, data, expanded = _vocabulary(run, step, source, body, manifest)
+        # Which mini-model (MINIJOINT): its depth, and every depth the source offers (artifact labels).
+        depth = ({"mini_layers": body.num_layers, "mini_depths": list(source.cfg.heads_after[:-1])}
+                 if step.system == "minijoint" else {})
+        return cls(run.with_corpus_resolved(), step, source, body, model,
+                   data if replay is None else WithReplay(data, replay), replay, manifest, expanded, depth)
+
+    @property
+    def identity(self) -> dict:
+        """What run.json records of the run's identity (compared on --resume)."""
+        step = self.step
+        return {"recipe": step.system, "system": step.system, "lang": step.lang,
+                "frozen_from": {"run_dir": str(self.source.path), "tag": self.source.tag, "system": step.system},
+                **self.depth}
+
+
+def _source(step: AdaptEmbeddings) -> tuple[Source, ModelConfig]:
+    """The source run of `step` and the config of the model its system trains over (checked
+    once: the system, the source's recipe, the mini-model's depth)."""
+    if step.system not in SYSTEMS:
+        raise ValueError(f"unknown system {step.system!r}; choose one of {', '.join(SYSTEMS)}")
+    source = read_source(step.source, step.source_tag)
+    require_head(source, "Step 2")
+    recipe = source.record.get("recipe")
+    if recipe not in SOURCE_RECIPES[step.system]:
+        raise ValueError(f"--system {step.system} adapts a run with recipe {' or '.join(SOURCE_RECIPES[step.system])}, "
+                         f"but {source.path} has recipe {recipe}")
+    return source, body_config(source.family, step.system, source.cfg, step.mini_layers)
+
+
+def _vocabulary(run: RunSpec, step: AdaptEmbeddings, source: Source, body: ModelConfig, manifest: dict | None
+                ) -> tuple[ModelConfig, object, dict]:
+    """The model Step 2 runs (the body, laid out as the run says, with the new vocabulary's
+    size), its data plan, and the record's expansion fields ({} in replace mode)."""
+    layout, train = run.layout.apply(body), step.train
+    if train.vocab_mode != "expand":
+        if step.vocab_size is not None:
+            size = step.vocab_size
+        elif manifest is not None:
+            size = manifest["vocab_size"]
+        elif run.tokenizer is not None and run.tokenizer.is_file():
+            size = load_tokenizer(run.tokenizer).get_piece_size()
+        else:
+            size = body.vocab_size
+        return dataclasses.replace(layout, vocab_size=size), TextData(manifest), {}
+    _check_output_start(source.family, train, body)
+    size, source_size, expansion = merged_vocabulary(run, source, step.vocab_size, train.seed, manifest)
+    model = dataclasses.replace(layout, vocab_size=size, frozen_vocab_size=source_size)
+    data = TextData(manifest) if expansion is None else ExpandedText(expansion)
+    return model, data, {"vocab_mode": "expand", "source_vocab_size": source_size,
+                         "expand_output_start": train.expand_output_start}
+
+
+def _check_output_start(family: ModelFamily, train: TrainConfig, body: ModelConfig) -> None:
+    """Refuse --embedding_init subword_mean where the bounded start would overwrite it (a tied
+    decoder's new rows are its output rows)."""
+    if (train.vocab_mode != "expand" or train.expand_output_start == "embedding_init"
+            or train.embedding_init != "subword_mean"):
+        return
+    path = family.output_path(body)
+    if path.bias is None and path.matrix == family.word:
+        raise ValueError("--embedding_init subword_mean with a tied decoder: its new rows are its output rows too, "
+                         f"which --expand_output_start {train.expand_output_start} starts at the source rows' mean; pass "
+                         "--expand_output_start embedding_init to start them at their splits' means instead")
+
+
+# --- the body and the new vocabulary's rows ----------------------------------------------------------------
 
 def body_config(family: ModelFamily, system: str, cfg: ModelConfig, mini_layers: int | None = None) -> ModelConfig:
     """The config of the model Step 2 trains embeddings over, from the source's config alone.
@@ -67,30 +244,6 @@ def body_weights(family: ModelFamily, system: str, cfg: ModelConfig, state: dict
     if system == "minijoint":
         return family.extract_minijoint(cfg, state, body.num_layers)[1]
     return family.primary_model(cfg, state)[1]
-
-
-def system_label(meta: dict) -> str:
-    """How an artifact's records name its system, in every Step-4 table and plot:
-    `<recipe>:full` for a ceiling, full-model Step 2 over a source pretrained as another system
-    (bl_base over a MINIJOINT run: `minijoint:full`, the embeddings the mini-model's are
-    measured against); `minijoint@N` when its MINIJOINT source has several mini-models (meta
-    `mini_depths`), so that curves of different depths stay apart; otherwise the system itself.
-    A decoder's Step 2 that scored a fraction p < 1 of the positions (meta `score_fraction`) adds
-    ` p=<p>` (SCORED_LABEL), so that its curves stay apart from full scoring's."""
-    return _system_name(meta) + (f"{SCORED_LABEL}{meta['score_fraction']:g}" if "score_fraction" in meta else "")
-
-
-SCORED_LABEL = " p="  # system_label's mark of a Step 2 that scored a fraction of the positions
-
-
-def _system_name(meta: dict) -> str:
-    if meta["system"] == "bl_base" and "source" in meta:
-        recipe = json.loads((Path(meta["source"]) / "run.json").read_text()).get("recipe")
-        if recipe not in (None, "bl_base"):  # None: an imported Hugging Face model
-            return f"{recipe}:full"
-    if meta["system"] == "minijoint" and len(meta.get("mini_depths") or ()) > 1:
-        return f"minijoint@{meta['mini_layers']}"
-    return meta["system"]
 
 
 # --- the new vocabulary's starting rows ---------------------------------------------------------------
@@ -191,7 +344,7 @@ def new_vocabulary(family: ModelFamily, body: ModelConfig, state: dict, src_toke
     """Step 2's starting weights: the body's weights `state` (body_weights) with the new
     vocabulary's rows of every vocabulary-indexed parameter (init_rows). vocab_mode "replace": the
     rows of every piece of `target_tokenizer`; "expand" (`target_tokenizer` is then the merged
-    one, vocab.py): the source's rows kept under their names and the rows of the appended pieces
+    one, expand.py): the source's rows kept under their names and the rows of the appended pieces
     under `new_rows_name`s. Random rows are N(0, the source model's init_method_std), drawn from
     `seed`. -> (full state dict, how many rows started which way)."""
     std = body.init_method_std
@@ -205,221 +358,6 @@ def new_vocabulary(family: ModelFamily, body: ModelConfig, state: dict, src_toke
     return {**state, **{new_rows_name(name): rows for name, rows in new.items()}}, counts
 
 
-# --- an expanded vocabulary's output side (TrainConfig.expand_output_start) ---------------------------
-# The new pieces join the softmax of a model that stays the source's: at any position they can only
-# take probability mass from the source pieces, and the source-language loss there rises by
-# exactly -log(1 - their share), which is also the KL from the source model's distribution to the
-# expanded one. Hewitt ("Initializing new word embeddings for pretrained language models"): a new
-# output row at the mean mu of the n source rows scores exp(mu . y + mean(b)) <= Z / n (Jensen;
-# Z the source pieces' sum of exp(logit)). A row mu + d scores at most exp(excess(d)) times that,
-# excess(d) = max over the head's normed output y of d . y (`logit_excess`), and a bias b_new
-# scales it by exp(b_new - mean(b)). So k new pieces together add at most
-#     Z / n * sum_i exp(excess(d_i) + b_new_i - mean(b))
-# to the softmax's sum (`mass_bound`), whatever the text. The bounded start
-# (`bounded_start`) chooses what it can of each row:
-#   encoder (tied word embedding and an output bias): the row is also the input embedding, so it
-#       stays --embedding_init's; each new bias entry is mean(b) - excess(d_i) + log(n eps / ((1 -
-#       eps) k)), which caps the new pieces' share at eps = 1 - exp(-nats): the loss and the KL
-#       rise by at most nats (TrainConfig.expand_source_nats) at any position, at update 0;
-#   decoder with an output projection of its own (no bias): its new rows at mu (d = 0), the input
-#       rows --embedding_init's: a rise of at most log(1 + k / n);
-#   decoder with a tied projection (no bias): nothing but the row itself holds the mass back, so
-#       the new rows start at mu on both sides (--embedding_init gives way): log(1 + k / n) again.
-# The decoders' bound is Hewitt's, loose where k is near n (0.055 nats measured at k / n = 0.9, the
-# demo's decoder, 2026-11-25). With no bias, no row bounds the share at every position (a row
-# that scores low for every y would have to be -infinity), but it can be low where the source text
-# puts y. The mean rise over source positions is convex in the row: `output_shift` walks down it
-# from mu until it is nats / 2, half the encoder's bound, on source text (the source run's or
-# the replay data's training split; held-out text measures it after, run.json's expand_report);
-# plugin.off_source_start applies it (run.json records how far the row moved, the rise it leaves
-# on that text, and the worst-case bound, now loose). The encoder's worst case is far from what
-# the source text sees (its new bias entries ~12 nats under the source mean on the demo's encoder,
-# 5e-6 nats of rise on source text: the target pays for the slack), so it is calibrated the same
-# way: `bias_shift` raises every new entry by one c until the mean rise on source text is nats / 2
-# (run.json's `bias_shift`; the worst case rises by c with it).
-
-
-def logit_excess(d: torch.Tensor, norm_weight: torch.Tensor, norm_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """d [k, h] -> [k]: max over y = w * x_hat + beta, ||x_hat|| <= sqrt(h) (the head's LayerNorm or
-    RMSNorm output, whatever its input) of d . y, by Cauchy-Schwarz sqrt(h) ||d * w|| + d . beta:
-    how far above the mean row's logit a row mean + d can score anywhere."""
-    d, w = d.float(), norm_weight.float()
-    excess = d.shape[1] ** 0.5 * (d * w).norm(dim=1)
-    return excess if norm_bias is None else excess + d @ norm_bias.float()
-
-
-def mass_bound(excess: torch.Tensor, n: int) -> float:
-    """The most, in nats, that k new pieces whose logits exceed the mean source row's by at most
-    `excess` [k] (bias included) can raise the loss of a source piece, at any position: log(1 +
-    sum_i exp(excess_i) / n) (the comment above)."""
-    return float(torch.logsumexp(torch.cat([excess.double(), excess.new_zeros(1).double() + math.log(n)]), 0)
-                 - math.log(n))
-
-
-def _excess(path: OutputPath, head: dict, rows: dict) -> torch.Tensor:
-    """[k]: the bound on each new piece's logit above the mean source row's, bias included, in
-    the one-head model `head` (full state, source vocabulary) with the new rows `rows`."""
-    d = rows[path.matrix].float() - head[path.matrix].float().mean(0)
-    excess = logit_excess(d, head[path.norm_weight], head[path.norm_bias] if path.norm_bias else None)
-    if path.bias is not None and path.bias in rows:
-        excess = excess + rows[path.bias].float() - head[path.bias].float().mean()
-    return excess
-
-
-def bounded_start(path: OutputPath, heads: list[dict], new: dict[str, torch.Tensor], nats: float, word: str = WORD
-                  ) -> tuple[dict[str, torch.Tensor], float]:
-    """The new rows `new` (name -> [k, ...], an --embedding_init start) with their output side
-    started so that the new pieces take a bounded share of the mass (the comment above), in each
-    one-head model of `heads` (full states of the source vocabulary that will score them: Step
-    2's body and the primary model, whose heads differ for MINIJOINT; `word`: the family's input
-    embedding, the output matrix too where it is tied; `nats`: the encoder's bound,
-    TrainConfig.expand_source_nats) -> (rows, the bound in nats, the largest over `heads`)."""
-    out, n = dict(new), heads[0][path.matrix].shape[0]
-    k = out[path.matrix].shape[0]
-    if path.matrix != word or path.bias is None:
-        out[path.matrix] = heads[0][path.matrix].float().mean(0).expand(k, -1).clone()
-    if path.bias is not None and path.bias in out:
-        eps = -math.expm1(-nats)
-        rows = {**out, path.bias: torch.zeros(k)}  # -_excess: mean(b) - excess(d_i) of each head
-        out[path.bias] = torch.stack([-_excess(path, h, rows) for h in heads]).min(0).values \
-            + math.log(n * eps / ((1 - eps) * k))
-    return out, max(mass_bound(_excess(path, h, out), n) for h in heads)
-
-
-def output_shift(y: torch.Tensor, lse: torch.Tensor, row: torch.Tensor, k: int, target: float
-                 ) -> tuple[torch.Tensor, float]:
-    """A decoder's bounded start, moved off the source text (the comment above): y [m, h] the
-    head's normed outputs at m source positions, lse [m] the source logits' logsumexp there, row
-    [h] the k new rows' start (the source rows' mean) -> (the new row [h], the mean rise in nats
-    it leaves there). The nearest row to `row` whose mean rise, mean_i log(1 + k exp(y_i . r -
-    lse_i)) (convex in r), is at most `target`: the minimiser of rise(r) + lam/2 ||r - row||^2
-    (L-BFGS), lam found by bisection (log scale) as the largest that gets there; a row that moves
-    no further than it must stays close to where the source puts the text (a far row scores
-    unseen contexts high). Where no lam gets there, the lowest rise found."""
-    y, base, mu = y.double(), lse.double() - math.log(k), row.detach().double()
-
-    def rise(r: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.softplus(y @ r - base).mean()
-
-    def nearest(lam: float, start: torch.Tensor) -> tuple[torch.Tensor, float]:
-        r = start.clone().requires_grad_(True)
-        opt = torch.optim.LBFGS([r], lr=1, max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-15,
-                                line_search_fn="strong_wolfe")
-
-        def closure() -> torch.Tensor:
-            opt.zero_grad()
-            loss = rise(r) + lam / 2 * (r - mu).square().sum()
-            loss.backward()
-            return loss
-
-        opt.step(closure)
-        with torch.no_grad():
-            return r.detach(), float(rise(r))
-
-    with torch.no_grad():
-        if float(rise(mu)) <= target:
-            return mu.float(), float(rise(mu))
-    lo, hi = -12.0, 6.0  # log10 lam: the far end reaches (nearly) the unconstrained minimum
-    best = nearest(10 ** lo, mu)
-    if best[1] > target:
-        return best[0].float(), best[1]
-    while hi - lo > 0.05:  # log10 lam to 5%: ~9 solves
-        mid = (lo + hi) / 2
-        r, got = nearest(10 ** mid, best[0])
-        if got <= target:
-            lo, best = mid, (r, got)
-        else:
-            hi = mid
-    return best[0].float(), best[1]
-
-
-def bias_shift(y: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor, bias: torch.Tensor,
-               target: float) -> tuple[float, float]:
-    """An encoder's bounded start, raised toward the source text (the comment above): y [m, h] the
-    head's normed outputs at m source positions, lse [m] the source logits' logsumexp there, rows
-    [k, h] and bias [k] the new pieces' output rows and (bounded_start's) bias entries -> (c >= 0,
-    the mean rise in nats it leaves there): the largest c to add to every new entry with mean_i
-    log(1 + sum_j exp(y_i . rows_j + bias_j + c - lse_i)) <= target. The rise grows with c, so
-    bisection finds it (to 1e-6 nats of c); where c = 0 is already over, c = 0."""
-    excess = torch.logsumexp(y.double() @ rows.double().T + bias.double(), 1) - lse.double()  # [m]
-
-    def rise(c: float) -> float:
-        return float(torch.nn.functional.softplus(excess + c).mean())
-
-    if rise(0.0) > target:
-        return 0.0, rise(0.0)
-    lo, hi = 0.0, 1.0
-    while rise(hi) <= target:  # the rise grows without bound in c: this ends
-        lo, hi = hi, 2 * hi
-    while hi - lo > 1e-6:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if rise(mid) <= target else (lo, mid)
-    return lo, rise(lo)
-
-
-def bounded_over(path: OutputPath, heads: list[dict], state: dict) -> float:
-    """The worst-case bound (mass_bound) on what the new rows of `state` (under new_rows_name)
-    add to a source piece's loss, the largest over the one-head models `heads` (full states)."""
-    new = {name: state[new_rows_name(name)] for name in (path.matrix, path.bias)
-           if name is not None and new_rows_name(name) in state}
-    return max(mass_bound(_excess(path, h, new), h[path.matrix].shape[0]) for h in heads)
-
-
-def expand_output_start(family: ModelFamily, body: ModelConfig, state: dict, primary: dict,
-                        output_start: str = "embedding_init", nats: float = TrainConfig.expand_source_nats
-                        ) -> tuple[dict, float]:
-    """An expanded vocabulary's start (new_vocabulary's `state`, the new rows under
-    `new_rows_name`s as --embedding_init starts them) with their output side started by
-    `output_start` (TrainConfig.expand_output_start: "bounded" and "worst_case", bounded_start,
-    which Step 2 then calibrates for "bounded" (plugin.off_source_start); "embedding_init": as the
-    input side), scored through the body's head and the primary model's (`primary`: its
-    one-head full state, family.primary_model's) -> (the state, `new_mass_bound`: the bound in
-    nats on what the new pieces can add to a source piece's loss at update 0)."""
-    if output_start not in EXPAND_OUTPUT_STARTS:
-        raise ValueError(f"unknown expand_output_start {output_start!r}; choose one of {', '.join(EXPAND_OUTPUT_STARTS)}")
-    path, heads = family.output_path(body), [state, primary]
-    new = {name: state[new_rows_name(name)] for name in family.vocab_params(body) if new_rows_name(name) in state}
-    if output_start in ("bounded", "worst_case"):
-        new, bound = bounded_start(path, heads, new, nats, family.word)
-    else:
-        bound = max(mass_bound(_excess(path, h, new), state[path.matrix].shape[0]) for h in heads)
-    return {**state, **{new_rows_name(name): rows for name, rows in new.items()}}, bound
-
-
-def step2_start(system: str, source: Path | Source, tag: str | None, target_tokenizer: Path, seed: int,
-                mini_layers: int | None = None, embedding_init: str = "overlap", vocab_mode: str = "replace",
-                output_start: str = "embedding_init", nats: float = TrainConfig.expand_source_nats
-                ) -> tuple[ModelConfig, dict, dict[str, int]]:
-    """step2_start_with_primary without the primary model's state."""
-    return step2_start_with_primary(system, source, tag, target_tokenizer, seed, mini_layers, embedding_init,
-                                    vocab_mode, output_start, nats)[:3]
-
-
-def step2_start_with_primary(system: str, source: Path | Source, tag: str | None, target_tokenizer: Path, seed: int,
-                             mini_layers: int | None = None, embedding_init: str = "overlap",
-                             vocab_mode: str = "replace", output_start: str = "embedding_init",
-                             nats: float = TrainConfig.expand_source_nats
-                             ) -> tuple[ModelConfig, dict, dict[str, int], dict | None]:
-    """Step 2's start from the source run `source` (checkpoint `tag`) alone, as adapt_embeddings
-    computes it (body_config, body_weights, new_vocabulary; expand: expand_output_start with
-    `output_start` and `nats`): what the plug-in metric scores as "start" for a run without an artifact of
-    update 0; adapt_embeddings' own start (`source` the run it read, `tag` unused), which then
-    moves a bounded start off the source text (plugin.off_source_start). -> (the body's config,
-    full state dict, how many rows started which way; expand: and `new_mass_bound`; expand: the
-    primary model's one-head full state, which the calibration bounds through, else None: the
-    source's weights are read once)."""
-    src = source if isinstance(source, Source) else read_source(source, tag)
-    body, weights = body_config(src.family, system, src.cfg, mini_layers), src.weights()
-    state = body_weights(src.family, system, src.cfg, weights, body)
-    init, counts = new_vocabulary(src.family, body, state, src.tokenizer, target_tokenizer, seed, embedding_init,
-                                  vocab_mode)
-    primary = None
-    if vocab_mode == "expand":
-        primary = src.family.primary_model(src.cfg, weights)[1]
-        init, counts["new_mass_bound"] = expand_output_start(src.family, body, init, primary, output_start, nats)
-    return body, init, counts, primary
-
-
 def step2_trainable(family: ModelFamily, cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
     """The parameters Step 2 trains: the vocabulary-indexed ones (ModelFamily.vocab_params), or,
     for an expanded vocabulary (cfg.frozen_vocab_size), only their new rows."""
@@ -427,58 +365,214 @@ def step2_trainable(family: ModelFamily, cfg: ModelConfig, train_output_bias: bo
     return tuple(map(new_rows_name, names)) if cfg.frozen_vocab_size else names
 
 
-# --- the artifact ----------------------------------------------------------------------------------------
+# --- the start, built once ---------------------------------------------------------------------------------
 
-def write_artifact(out_dir: Path, tensors: dict[str, torch.Tensor], tokenizer: Path, meta: dict) -> Path:
-    """The Step-2 product that Step 4 swaps into the primary model: embeddings.pt (the
-    vocabulary-indexed tensors under ModelFamily.artifact_keys' keys: "word_embeddings" [V, h],
-    the encoder's "output_bias" [V]), the target tokenizer, and meta.json. Published whole
-    (checkpoint.staged_dir): a reader never sees half an artifact."""
-    with checkpoint.staged_dir(out_dir, replace=True) as tmp:
-        torch.save({k: v.contiguous() for k, v in tensors.items()}, tmp / ARTIFACT_FILE)
-        (tmp / "spm.model").write_bytes(Path(tokenizer).read_bytes())
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    return out_dir
+@dataclasses.dataclass
+class Step2Start:
+    """Step 2's start, built once per run and rank (`build`) and handed to training, the probes,
+    the artifacts and the expand report: the body's config and full state with the new
+    vocabulary's rows (`init`), how they started (`rows`: run.json's counts; expand: the bound on
+    what the new pieces take of the source language, and the calibration's record), and the
+    primary model the embeddings plug into (`primary`: one head; its fingerprint on global rank
+    0, which alone writes artifacts). The model that scores through the primary (`scorer`) is
+    built where first needed and kept while something will use it again."""
+    body: ModelConfig
+    init: dict[str, torch.Tensor]
+    rows: dict
+    primary: Primary
+    expanded: bool
+    family: ModelFamily
+    _scorer: Scorer | None = dataclasses.field(default=None, repr=False)
+
+    @classmethod
+    def build(cls, source: Source, body: ModelConfig, step: AdaptEmbeddings, tokenizer: Path) -> "Step2Start":
+        """The start of `step` over `body` (its system's, from the source run `source`), the new
+        vocabulary `tokenizer`'s (replace: the target's; expand: the merged one): the source's
+        checkpoint read once (MINIPOST: and the one its mini-model came from, the primary)."""
+        train, family = step.train, source.family
+        read: dict = {}  # every checkpoint this start reads, read once
+        weights = source.weights(read)
+        ref = source.record["frozen_from"] if step.system == "minipost" else None
+        primary_run = source if ref is None else read_source(ref["run_dir"], ref["tag"])
+        primary = Primary.of(primary_run, primary_run.weights(read), fingerprint=parallel.is_rank0())
+        state = body_weights(family, step.system, source.cfg, weights, body)
+        del weights, read
+        init, rows = new_vocabulary(family, body, state, source.tokenizer, tokenizer,
+                                    derive_seed(train.seed, f"embeddings.{step.lang}"), train.embedding_init,
+                                    train.vocab_mode)
+        start = cls(body, init, rows, primary, train.vocab_mode == "expand", family)
+        if start.expanded:
+            start.bound_new_outputs(train, source.record.get("data_path"))
+        if not (train.plugin_eval_blocks and parallel.is_rank0()):
+            start._scorer = None  # only global rank 0's checkpoint probe scores again before the end
+        return start
+
+    def bound_new_outputs(self, train: TrainConfig, source_data: str | None) -> None:
+        """An expanded vocabulary's output side (expand.output_start), calibrated on source text
+        where the start is `bounded` (expand.calibrate: the replay text's training split, else the
+        source run's data `source_data`, through the primary model)."""
+        nats = train.expand_source_nats
+        self.init, self.rows["new_mass_bound"] = output_start(self.family, self.body, self.init, self.primary.state,
+                                                              train.expand_output_start, nats)
+        if train.expand_output_start != "bounded":
+            return
+        data = train.replay_data or source_data
+        if data is None:
+            if parallel.is_rank0():
+                bias = self.family.output_path(self.body).bias
+                kept = "the worst-case bound" if bias is not None else "the source rows' mean"
+                print(f"the new pieces' output start stays at {kept}: the source run holds no text to calibrate it "
+                      "on (pass --replay_data, source text in its ids)")
+            return
+        text = Text(Path(data), train.seq_length, split=TEXT)
+        self.init, shift = calibrate(self.body, self.init, self.scorer(), text, nats, every_rank=True)
+        self.rows.update(shift)
+
+    def scorer(self) -> Scorer:
+        """The primary model on the evaluation device (heldout.Scorer), built on the first call."""
+        if self._scorer is None:
+            self._scorer = Scorer(self.primary)
+        return self._scorer
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The start as an artifact's tensors (artifact.py: an expanded vocabulary's whole, the
+        source rows then the new rows)."""
+        keys = self.family.artifact_keys().items()
+        if self.expanded:
+            return {key: torch.cat([self.init[name], self.init[new_rows_name(name)]])
+                    for key, name in keys if name in self.init}
+        return {key: self.init[name] for key, name in keys if name in self.init}
+
+    def report(self, plan: Step2Plan, final: Path, data: Path) -> dict:
+        """Global rank 0, after an expanded vocabulary's last update: expand.expand_report on the
+        artifacts of update 0 (kept by a --resume) and of the end `final`, the source text the
+        replay data's validation split where it has one (else the primary run's data), the target
+        text the validation split of the run's prepared data `data` where it has one."""
+        seq_length, replay = plan.step.train.seq_length, plan.replay
+        art, _, meta = read_artifact(final)
+        start = read_artifact(final.parent / checkpoint.tag_for(0))[0]
+        source = source_text(self.primary, replay.data if replay is not None and replay.valid else None, seq_length)
+        target = Text(data, seq_length) if (plan.manifest or {}).get("valid") else None
+        return expand_report(self.scorer(), (art, meta), start, plan.step.lang, target, source)
 
 
-def read_artifact(path: str | os.PathLike) -> tuple[dict, Path, dict]:
-    """-> ({"word_embeddings": [V, h], ...}, tokenizer path, meta)."""
-    path = Path(path)
-    if not (path / ARTIFACT_FILE).is_file():
-        raise ValueError(f"{path} is not a Step-2 embedding artifact (no embeddings.pt): pass a "
-                         "directory under <adapt run>/embeddings/")
-    art = checkpoint.load_pt(path / ARTIFACT_FILE, "Step-2 artifact file", weights_only=True)
-    if not isinstance(art, dict) or "word_embeddings" not in art:
-        raise ValueError(f"{path / ARTIFACT_FILE} holds no word_embeddings: it is not a Step-2 artifact")
-    # A piece id past the last row would index outside the embedding (rows past the last id are
-    # harmless: a vocabulary padded for tensor parallelism has them).
-    rows, pieces = art["word_embeddings"].shape[0], load_checked_tokenizer(path / "spm.model").get_piece_size()
-    if rows < pieces:
-        raise ValueError(f"{path}: its embeddings have {rows} rows but its tokenizer spm.model has {pieces} pieces: "
-                         "they do not belong together; use the artifact directory as adapt wrote it")
-    return art, path / "spm.model", checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
+def say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, float]) -> None:
+    """What Step 2 prints of its start (`model`: the run's, with the new vocabulary's size):
+    where the rows came from, and an expanded vocabulary's output side."""
+    mean = f", {rows['subword_mean_pieces']} the mean of their source split" if how == "subword_mean" else ""
+    if model.frozen_vocab_size:
+        new = model.vocab_size - model.frozen_vocab_size
+        print(f"{lang}: {new} new pieces after the source's {model.frozen_vocab_size} (frozen; only the new rows "
+              f"train), {how}{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
+        if "new_mass_calibrated" in rows:
+            print(f"  their output side, calibrated on source text: they take {rows['new_mass_calibrated']:.4f} nats of "
+                  f"its loss (the worst case at any position: {rows['new_mass_bound']:.3g})")
+        else:
+            print(f"  their output side: they take at most {rows['new_mass_bound']:.3g} nats of the source language's "
+                  "loss at any position")
+        return
+    print(f"new {lang} embeddings ({how}): {rows['shared_pieces']} of {model.vocab_size} pieces copied from the "
+          f"source vocabulary{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
 
 
-def artifact_state(family: ModelFamily, art: dict, meta: dict | None = None,
-                   own: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """An artifact's tensors under the family's parameter names (those it holds). An expanded
-    vocabulary's artifact (meta["vocab_mode"] "expand") put into a model whose own tensors are
-    `own` (the primary model's, of the source vocabulary) keeps the model's own source rows and
-    appends the artifact's new rows: the word embedding's source rows are the same either way
-    (frozen in Step 2, and the primary's in every system), while a MINIJOINT encoder's output
-    bias would otherwise bring its secondary head's source rows into the primary head."""
-    out = {name: art[key] for key, name in family.artifact_keys().items() if key in art}
-    if meta is None or meta.get("vocab_mode", "replace") != "expand":
+# --- the artifacts -----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class ArtifactWriter:
+    """Step 2's `after_save`: at each checkpoint, the artifact Step 4 swaps in (artifact.write_artifact)
+    under <output_dir>/embeddings/<tag>, with its meta.json (what, for how much compute, for which
+    primary model) and, with TrainConfig.plugin_eval_blocks, its plug-in score (global rank 0,
+    which alone saves artifacts)."""
+    run_dir: Path
+    family: ModelFamily
+    model: ModelConfig
+    init: dict  # the start: the frozen parameters an artifact takes from it (the bias with train_output_bias false)
+    trainable: tuple[str, ...]
+    tokenizer: Path
+    meta: dict  # every artifact's meta.json fields
+    seq_flops: dict[bool, float]  # per sequence, exact (False) and the paper's (True)
+    probe: PluginProbe | None
+    fingerprint: dict  # {"primary_fingerprint": the primary model's} (run.weights_fingerprint)
+
+    @classmethod
+    def of(cls, plan: Step2Plan, start: Step2Start, tokenizer: Path) -> "ArtifactWriter":
+        step, source, model = plan.step, plan.source, plan.model
+        train, family = step.train, source.family
+        meta = {"system": step.system, "lang": step.lang, "source": str(source.path), "source_tag": source.tag,
+                "body_layers": model.num_layers, **plan.depth, **plan.expanded, **start.rows,
+                "hidden_size": model.hidden_size, "vocab_size": model.vocab_size,
+                "train_output_bias": train.train_output_bias, "embedding_init": train.embedding_init,
+                "global_batch": train.global_batch(parallel.dp_world()), "seq_length": train.seq_length}
+        if train.score_fraction != 1:  # scored a sample of the positions: its records say so (artifact.system_label)
+            meta["score_fraction"] = train.score_fraction
+        if train.replay_fraction:  # ordinary blocks of seq_length: counted in `tokens` and the FLOPs like the rest
+            meta.update(replay_fraction=train.replay_fraction,
+                        replay_blocks=replay_blocks(train.replay_fraction, meta["global_batch"]))
+        if step.system == "minipost":  # the mini-model's N and K (its source's Step 1b)
+            mini = MiniModelConfig(source.record["frozen_from"]["mini_layers"],
+                                   source.record["frozen_from"]["new_layers"])
+            meta.update(mini_layers=mini.one_depth("build_minipost"), new_layers=mini.new_layers)
+        # The progress signal: each artifact through the primary model it is for, against the
+        # unigram reference of the held-out text.
+        probe = (PluginProbe(start.scorer, Text(plan.run.data_path, train.seq_length, train.plugin_eval_blocks))
+                 if train.plugin_eval_blocks else None)
+        seq_flops = {p: family.step_flops("adapt", model, train.seq_length, family.scored_fraction(train), paper=p)
+                     for p in (False, True)}
+        # The primary model these embeddings plug into (MINIPOST's: the run its mini-model was
+        # built from), known by its weights' fingerprint: Step 4 matches it by content, not by path.
+        fingerprint = {"primary_fingerprint": start.primary.fingerprint}
+        trainable = step2_trainable(family, model, train.train_output_bias)
+        return cls(plan.run.output_dir, family, model, start.init, trainable, tokenizer, meta, seq_flops, probe,
+                   fingerprint)
+
+    def __call__(self, update: int, ckpt_tag: str, sd: dict | None = None) -> None:
+        sd = load_checkpoint(self.run_dir, ckpt_tag) if sd is None else sd  # fp32 master weights
+        batch = self.meta["global_batch"]
+        flops = self.seq_flops[False] * batch * update
+        meta = {**self.meta, "step": update, "tokens": batch * self.meta["seq_length"] * update, "flops": flops,
+                **({"replay_tokens": self.meta["replay_blocks"] * self.meta["seq_length"] * update}
+                   if "replay_blocks" in self.meta else {}),
+                "flops_paper": self.seq_flops[True] * batch * update, "v100_days": device_days(flops),
+                **self.fingerprint}
+        tensors = self.tensors(sd)
+        if self.probe is not None:
+            scored = self.probe.score(tensors, meta)
+            meta.update(scored)
+            print(progress_line(update, scored), flush=True)
+        write_artifact(self.run_dir / "embeddings" / ckpt_tag, tensors, self.tokenizer, meta)
+
+    def save_start(self) -> None:
+        """Step 2's start as the artifact of update 0 (the new rows as initialised, before any
+        update: the start `init` as its state), what Step 4 and the plug-in metric score as "init
+        only" beside the trained embeddings. Global rank 0 (which alone saves artifacts), once: a
+        --resume keeps the one it finds."""
+        tag = checkpoint.tag_for(0)
+        if parallel.is_rank0() and not (self.run_dir / "embeddings" / tag / ARTIFACT_FILE).is_file():
+            self(0, tag, self.init)
+
+    def tensors(self, sd: dict) -> dict:
+        """An artifact's tensors (artifact.write_artifact) from the checkpoint `sd` (the trained
+        parameters' fp32 master weights) and the start (a frozen parameter, such as the bias
+        with train_output_bias false, is not in the checkpoint: it is still its start). An
+        expanded vocabulary's are whole: the source rows (frozen, as they started) then the new
+        rows."""
+        def value(name: str) -> torch.Tensor:
+            return (sd[name] if name in self.trainable else self.init[name]).float()
+
+        out = {}
+        for key, name in self.family.artifact_keys().items():
+            if name not in self.init:
+                continue
+            out[key] = (torch.cat([self.init[name].float(), value(new_rows_name(name))])
+                        if self.model.frozen_vocab_size else value(name))
         return out
-    size = meta["source_vocab_size"]
-    for name, t in out.items():
-        if own[name].shape[0] != size:
-            raise ValueError(f"the artifact expands a {size}-piece vocabulary, the model's {name} has "
-                             f"{own[name].shape[0]} rows: it was trained for another model")
-        out[name] = torch.cat([own[name].to(t.device, t.dtype), t[size:]])
-    return out
 
 
-__all__ = ["body_config", "body_weights", "new_vocabulary", "system_label", "overlap_init", "source_split",
-           "subword_mean_init", "init_rows", "output_shift", "bias_shift", "bounded_over", "logit_excess", "mass_bound", "bounded_start",
-           "expand_output_start", "step2_start", "step2_start_with_primary", "step2_trainable", "write_artifact", "read_artifact", "artifact_state"]
+def progress_line(update: int, scored: dict[str, float]) -> str:
+    """What Step 2's log says of a checkpoint's plug-in score: whether the embeddings have passed
+    the unigram reference, the first sign that they use the model's context."""
+    gain = scored["plugin_gain"]
+    verdict = ("past the unigram reference: the embeddings use the model's context" if gain > 0 else
+               "not past the unigram reference yet: piece frequencies alone still predict better")
+    return (f"plug-in metric at update {update}: contextual gain {gain:+.3f} nats (loss {scored['plugin_loss']:.3f}, "
+            f"unigram reference {scored['unigram_loss']:.3f}); {verdict}")

@@ -135,7 +135,7 @@ def pretrain_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="an existing SentencePiece .model (default: train one on the corpus)")
     _run_args(p)
     add_dataclass_args(p, ModelConfig, defaults=model_presets())
-    add_dataclass_args(p, TrainConfig, defaults=train_presets())
+    add_dataclass_args(p, TrainConfig, defaults=train_presets(), step=steps.Pretrain.name)
     add_dataclass_args(p, MiniModelConfig, only=("mini_layers",))
     return p
 
@@ -208,13 +208,14 @@ def _primary_args(p: argparse.ArgumentParser, primary_help: str) -> None:
     _primary_tag(p)
 
 
-def _later_step_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...]) -> None:
+def _later_step_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...], step: str) -> None:
+    """A step over an earlier run: its schedule (--preset), run flags, layout and `step`'s TrainConfig flags."""
     p.add_argument("--preset", choices=sorted(PRESETS), help="training schedule (the model's shape comes from the "
                    "source run; default: its family's small preset, "
                    + ", ".join(f"{f.small_preset} for {f.name}" for f in FAMILIES.values()) + ")")
     _run_args(p)
     add_dataclass_args(p, ModelConfig, only=model_fields, defaults="the source run's")
-    add_dataclass_args(p, TrainConfig, defaults=train_presets())
+    add_dataclass_args(p, TrainConfig, defaults=train_presets(), step=step)
 
 
 def _schedule(args, source: str) -> TrainConfig:
@@ -235,7 +236,7 @@ def minipost_parser() -> argparse.ArgumentParser:
                                 "layers and train only those with source-language MLM.")
     _primary_args(p, "the pretrain run directory of the primary model")
     _data_args(p, "source-language corpus (default: the primary run's prepared data)")
-    _later_step_args(p, LAYOUT_FIELDS)
+    _later_step_args(p, LAYOUT_FIELDS, steps.BuildMinipost.name)
     add_dataclass_args(p, MiniModelConfig)
     return p
 
@@ -256,7 +257,7 @@ def fit_head_parser() -> argparse.ArgumentParser:
                "body on source-language text (only the head's parameters train): the run every later step takes.")
     _primary_args(p, "the headless run (mmadapt import-hf's --output_dir)")
     _data_args(p, "source-language corpus, encoded with the run's own tokenizer")
-    _later_step_args(p, LAYOUT_FIELDS)
+    _later_step_args(p, LAYOUT_FIELDS, steps.FitHead.name)
     return p
 
 
@@ -283,7 +284,7 @@ def adapt_parser() -> argparse.ArgumentParser:
                    "(default: train one with --vocab_size pieces on the corpus)")
     p.add_argument("--vocab_size", type=whole_number(8), help="target vocabulary size V (default: the --data_path's "
                    "or --tokenizer's size, else the source model's)")
-    _later_step_args(p, LAYOUT_FIELDS)
+    _later_step_args(p, LAYOUT_FIELDS, steps.AdaptEmbeddings.name)
     add_dataclass_args(p, MiniModelConfig, only=("mini_layers",),
                        defaults="--system minijoint: the source run's secondary head, when it has only one")
     return p
@@ -324,7 +325,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     add_dataclass_args(p, SweepConfig)
     add_dataclass_args(p, PreprocessConfig, only=("valid_fraction", "workers"))
     add_dataclass_args(p, ModelConfig, only=LAYOUT_FIELDS, defaults="the source run's")
-    add_dataclass_args(p, TrainConfig, defaults=train_presets())
+    add_dataclass_args(p, TrainConfig, defaults=train_presets(), step=steps.Sweep.name)
     return p
 
 
@@ -382,8 +383,8 @@ def finetune_summary(record: dict, output_dir) -> str:
     """The line a fine-tuning run ends with, from its record (run.json): its source-language score
     beside the chance level, and every warning (a run that learned nothing says so here, not
     only in run.json)."""
-    extra = f", {record['source_lang']} {record['metric']} {record['source_score']:.1f}" \
-        if "source_score" in record else ""
+    extra = (f", {record['source_lang']} {record['metric']} {record['source_score']:.1f}"
+        if "source_score" in record else "")
     chance = record.get("source_chance")
     extra += f" (chance {chance['chance']:.1f})" if chance else ""
     warned = f"; WARNING: {'; '.join(record['warnings'])}" if record.get("warnings") else ""

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import UnionType
-from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, NamedTuple, Optional, Union, get_args, get_origin, get_type_hints
 
 
 def _f(default, help: str, flag: bool = True, *, ge=None, gt=None, le=None, lt=None,
@@ -26,6 +26,26 @@ def _f(default, help: str, flag: bool = True, *, ge=None, gt=None, le=None, lt=N
     <=, <; each item of a tuple field) or, for a string, its `choices`: checked once, when the
     config is made (`check_declared`). flag=False: set by the steps, never a command-line flag."""
     return field(default=default, metadata={"help": help, "flag": flag, **_limits(ge, gt, le, lt, choices)}, **kw)
+
+
+def _owned_by(owner: "Owner", default, help: str, **limits):
+    """`_f` for a field of a config several steps share that only `owner`'s steps use: the others
+    neither offer it as a flag (add_dataclass_args) nor accept it (LoopConfig.check_step)."""
+    declared = _f(default, help, **limits)
+    return field(default=default, metadata={**declared.metadata, "owner": owner})
+
+
+class Owner(NamedTuple):
+    """The steps that alone use a field (`_f`'s owner): `name` as a refusal says it, `steps` the
+    names of the steps (StepSpec.name: their commands)."""
+    name: str
+    steps: tuple[str, ...]
+
+
+# Step 2's own settings in TrainConfig, the schedule Steps 1, 1b, 2 and fit-head share: Step 2 and
+# the depth sweep (which runs Step 2) take them; pretrain, build_minipost and fit-head neither
+# offer them as flags nor accept them (LoopConfig.check_step).
+STEP2 = Owner("Step-2", ("adapt", "sweep"))
 
 
 @dataclass(frozen=True)
@@ -155,6 +175,26 @@ class Checked:
         check_declared(self)
 
 
+class StepSpec(Checked):
+    """A step's typed interface (steps.Pretrain, adapt.AdaptEmbeddings, ...; `name`: the command
+    that runs it): its fields checked when it is made, and every loop config it holds checked to
+    set no field that another step owns (LoopConfig.check_step)."""
+    name: ClassVar[str] = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, LoopConfig):
+                value.check_step(self.name)
+
+
+@functools.lru_cache(maxsize=None)
+def _defaults(cls):
+    """An instance of the config class `cls` with every field at its default."""
+    return cls()
+
+
 DECODER = (("llama",), ("is a decoder setting", " does not use it"))
 
 
@@ -179,14 +219,14 @@ OUTPUT_BIAS_INITS = ("zeros", "unigram")
 # subword mean, or every row drawn.
 EMBEDDING_INITS = ("overlap", "subword_mean", "normal")
 # Step 2's vocabulary (adapt.py): the target's own (the paper), or the source's with the target's
-# missing pieces appended (vocab.py), only those trained.
+# missing pieces appended (expand.py), only those trained.
 VOCAB_MODES = ("replace", "expand")
 # Step 2's share of source-language replay where --replay_data is given (TrainConfig.replay_fraction):
 # the least of 0.1, 0.25, 0.5 that kept the demo's English within 0.03 nats of the source model's
 # after 1000 expand updates for both families and systems (benchmarks/results/expand_replay_cpu2_20261126).
 REPLAY_FRACTION = 0.5
-# How an expanded vocabulary's new rows start on the output side (adapt.bounded_start): bounded
-# (their share of the source text's probability mass calibrated at update 0: plugin.off_source_start),
+# How an expanded vocabulary's new rows start on the output side (expand.bounded_start): bounded
+# (their share of the source text's probability mass calibrated at update 0: expand.calibrate),
 # worst_case (capped at every position) or as --embedding_init starts them.
 EXPAND_OUTPUT_STARTS = ("bounded", "worst_case", "embedding_init")
 
@@ -402,6 +442,16 @@ class LoopConfig(Checked):
     max_skipped_steps: int = _f(50, "stop as diverged after this many optimizer steps in a row are skipped "
                                 "(fp16 gradient overflow)", ge=0)
 
+    def check_step(self, step: str) -> None:
+        """Refuse, in one line, a field another step owns (`_f`'s owner: a Step-2 setting, say)
+        set to anything but its default in a config of the step `step` (its command does not
+        offer the flag; this is the Python API's check)."""
+        defaults = _defaults(type(self))
+        for f in dataclasses.fields(self):
+            owner = f.metadata.get("owner")
+            if owner is not None and step not in owner.steps and getattr(self, f.name) != getattr(defaults, f.name):
+                raise ValueError(f"{f.name} is a {owner.name} setting, which {step} does not use: drop it")
+
     def global_batch(self, data_parallel_size: int) -> int:
         """Blocks (or examples) per update over every data-parallel rank."""
         return self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * data_parallel_size
@@ -439,51 +489,52 @@ class TrainConfig(LoopConfig):
     eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
                             "prepared with --valid_fraction)", ge=0)
     eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time", ge=1)
-    train_output_bias: bool = _f(True, "Step 2: train the output bias with the embeddings (it is indexed by the "
-                                 "target vocabulary's pieces); false: the paper's setting, embeddings only, the bias "
-                                 "frozen at its overlap initialisation (source bias for shared pieces, 0 otherwise)")
-    embedding_init: str = _f("overlap", "Step 2: how the new vocabulary's rows start: overlap (the paper: a piece "
-                             "also in the source vocabulary gets its source row, the others N(0, init_method_std)), "
-                             "subword_mean (FVT: shared pieces copied, every other piece the mean of the source rows "
-                             "of its split under the source tokenizer) or normal (every row drawn, nothing copied)",
-                             choices=EMBEDDING_INITS)
-    vocab_mode: str = _f("replace", "Step 2: replace (the paper: the target vocabulary replaces the source's) or "
-                         "expand (the source vocabulary keeps its ids and rows, frozen; the target's pieces that it "
-                         "lacks are appended and only their rows train; the source language keeps working)",
-                         choices=VOCAB_MODES)
-    expand_output_start: str = _f(
-        "bounded", "Step 2 with --vocab_mode expand: how the new pieces start on the output side. worst_case: so "
-        "that together they take a bounded share of the source model's probability mass at every position at "
+    # --- Step 2's own (STEP2: adapt and sweep offer and take them, no other step does) ---
+    train_output_bias: bool = _owned_by(
+        STEP2, True, "Step 2: train the output bias with the embeddings (it is indexed by the target vocabulary's "
+        "pieces); false: the paper's setting, embeddings only, the bias frozen at its overlap initialisation (source "
+        "bias for shared pieces, 0 otherwise)")
+    embedding_init: str = _owned_by(
+        STEP2, "overlap", "Step 2: how the new vocabulary's rows start: overlap (the paper: a piece also in the source "
+        "vocabulary gets its source row, the others N(0, init_method_std)), subword_mean (FVT: shared pieces copied, "
+        "every other piece the mean of the source rows of its split under the source tokenizer) or normal (every row "
+        "drawn, nothing copied)", choices=EMBEDDING_INITS)
+    vocab_mode: str = _owned_by(
+        STEP2, "replace", "Step 2: replace (the paper: the target vocabulary replaces the source's) or expand (the "
+        "source vocabulary keeps its ids and rows, frozen; the target's pieces that it lacks are appended and only "
+        "their rows train; the source language keeps working)", choices=VOCAB_MODES)
+    expand_output_start: str = _owned_by(
+        STEP2, "bounded", "Step 2 with --vocab_mode expand: how the new pieces start on the output side. worst_case: "
+        "so that together they take a bounded share of the source model's probability mass at every position at "
         "update 0 (the encoder's new output-bias entries set from a bound on each row's logit: the source-language "
-        "loss and the KL rise by at most --expand_source_nats anywhere; a decoder's new output rows (tied: its new embedding "
-        "rows too) at the source rows' mean, Hewitt's start: at most log(1 + new / source pieces)); bounded: "
+        "loss and the KL rise by at most --expand_source_nats anywhere; a decoder's new output rows (tied: its new "
+        "embedding rows too) at the source rows' mean, Hewitt's start: at most log(1 + new / source pieces)); bounded: "
         "worst_case calibrated on source text (--replay_data, else the source run's data) until the new pieces "
         "take half of --expand_source_nats (the encoder's new bias entries raised, the decoder's row moved off "
-        "it), which "
-        "leaves the target more room; embedding_init: as --embedding_init starts the input side (bias 0 for a "
-        "drawn row), which lets them take mass from the source language. adapt.py's comment derives the bounds",
+        "it), which leaves the target more room; embedding_init: as --embedding_init starts the input side (bias 0 "
+        "for a drawn row), which lets them take mass from the source language. expand.py's comment derives the bounds",
         choices=EXPAND_OUTPUT_STARTS)
-    expand_source_nats: float = _f(0.01, "Step 2 with --vocab_mode expand: how much of the source language the new "
-                                   "pieces may take at update 0, in nats of its loss (the KL from the source model's "
-                                   "distribution is the same): --expand_output_start worst_case holds it at every "
-                                   "position, bounded calibrates to half of it on source text (so that held-out "
-                                   "text stays under it)", gt=0)
-    replay_data: Optional[str] = _f(None, "Step 2: a dataset prepared by mmadapt preprocess from source-language "
-                                    "text in the run's vocabulary, mixed into every batch (--replay_fraction): with "
-                                    "--vocab_mode expand, prepared with the source run's tokenizer (its ids are the "
-                                    "merged vocabulary's first ones), e.g. the source run's own --data_path; with "
-                                    "replace, with the target tokenizer (mmadapt preprocess --tokenizer)")
-    replay_fraction: Optional[float] = _f(
-        None, "Step 2: the fraction of every update's blocks taken from --replay_data (rounded to whole blocks of "
-        f"the global batch; below 1: some target text in every batch; default {REPLAY_FRACTION} with --replay_data, "
+    expand_source_nats: float = _owned_by(
+        STEP2, 0.01, "Step 2 with --vocab_mode expand: how much of the source language the new pieces may take at "
+        "update 0, in nats of its loss (the KL from the source model's distribution is the same): "
+        "--expand_output_start worst_case holds it at every position, bounded calibrates to half of it on source "
+        "text (so that held-out text stays under it)", gt=0)
+    replay_data: Optional[str] = _owned_by(
+        STEP2, None, "Step 2: a dataset prepared by mmadapt preprocess from source-language text in the run's "
+        "vocabulary, mixed into every batch (--replay_fraction): with --vocab_mode expand, prepared with the source "
+        "run's tokenizer (its ids are the merged vocabulary's first ones), e.g. the source run's own --data_path; with "
+        "replace, with the target tokenizer (mmadapt preprocess --tokenizer)")
+    replay_fraction: Optional[float] = _owned_by(
+        STEP2, None, "Step 2: the fraction of every update's blocks taken from --replay_data (rounded to whole blocks "
+        f"of the global batch; below 1: some target text in every batch; default {REPLAY_FRACTION} with --replay_data, "
         "the least that kept the demo's English within 0.03 nats of the source model's after 1000 expand updates; "
         "0, and the default without --replay_data: no replay): the source language keeps a say in the new rows, its "
         "loss and the target text's logged apart (source_loss, target_loss)", ge=0, lt=1)
-    plugin_eval_blocks: int = _f(0, "Step 2: at each checkpoint, score the new embeddings through the primary model "
-                                 "with the plug-in metric on this many held-out blocks of the target dataset's "
-                                 "validation split (--data_path prepared with --valid_fraction), and log whether "
-                                 "they have passed the unigram reference yet: the first sign of transfer (0 = off; "
-                                 "rank 0 holds the primary model meanwhile)", ge=0)
+    plugin_eval_blocks: int = _owned_by(
+        STEP2, 0, "Step 2: at each checkpoint, score the new embeddings through the primary model with the plug-in "
+        "metric on this many held-out blocks of the target dataset's validation split (--data_path prepared with "
+        "--valid_fraction), and log whether they have passed the unigram reference yet: the first sign of transfer "
+        "(0 = off; rank 0 holds the primary model meanwhile)", ge=0)
 
     def __post_init__(self):
         if self.replay_fraction is None:  # unset: the measured default where there is text to replay
@@ -690,15 +741,18 @@ class Parser(argparse.ArgumentParser):
 
 
 def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ...] | None = None,
-                       defaults: dict[str, Any] | str | None = None) -> None:
-    """Add one `--name` flag per field of `cls` (or per field named in `only`); unset flags stay
-    None (the preset, or the run being adapted, decides). `defaults` says in --help what an unset
-    flag becomes: {preset name: instance} (each preset's value), a sentence, or None (the field's
-    default)."""
+                       defaults: dict[str, Any] | str | None = None, step: str | None = None) -> None:
+    """Add one `--name` flag per field of `cls` (or per field named in `only`; with `step`, not
+    the fields another step owns, `_f`'s owner); unset flags stay None (the preset, or the run
+    being adapted, decides). `defaults` says in --help what an unset flag becomes: {preset name:
+    instance} (each preset's value), a sentence, or None (the field's default)."""
     group = parser.add_argument_group(cls.__name__)
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if (only is not None and f.name not in only) or not f.metadata.get("flag", True):
+            continue
+        owner = f.metadata.get("owner")
+        if step is not None and owner is not None and step not in owner.steps:
             continue
         kind = hints[f.name]
         text = f.metadata["help"]  # a help that says its own default (a None field's) keeps it

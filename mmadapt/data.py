@@ -332,8 +332,8 @@ def read_manifest(data_path: str | os.PathLike) -> dict:
     """The manifest of a finished prepared dataset (DataError if there is none)."""
     data_path = Path(data_path)
     if not (data_path / MANIFEST).is_file():
-        what = "does not exist" if not data_path.exists() else "holds no finished dataset (no manifest.json: " \
-            "its preparation did not finish)"
+        what = ("does not exist" if not data_path.exists() else "holds no finished dataset (no manifest.json: "
+            "its preparation did not finish)")
         raise DataError(f"prepared dataset {data_path} {what}: run `mmadapt preprocess --corpus <text> "
                         f"--output_dir {data_path}`")
     manifest = json.loads((data_path / MANIFEST).read_text())
@@ -344,17 +344,18 @@ def read_manifest(data_path: str | os.PathLike) -> dict:
 
 
 def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
-                   tokenizer: str | os.PathLike | None = None) -> dict:
+                   tokenizer: str | os.PathLike | None = None, manifest: dict | None = None) -> dict:
     """Refuse a prepared dataset that does not fit the run: its corpus changed since it was
-    prepared, its tokenizer is not `tokenizer`, or its vocabulary is not the model's."""
+    prepared, its tokenizer is not `tokenizer`, or its vocabulary is not the model's. -> its
+    manifest (`manifest`: read already)."""
     data_path = Path(data_path)
-    manifest = read_manifest(data_path)
+    manifest = manifest or read_manifest(data_path)
     corpus = Path(manifest["corpus"])
     if corpus.is_file() and corpus_fingerprint(corpus) != manifest["corpus_fingerprint"]:
         raise DataError(f"corpus {corpus} changed since {data_path} was prepared from it: prepare it again "
                         "(mmadapt preprocess) into a new --output_dir")
-    if tokenizer is not None and Path(tokenizer).is_file() and \
-            file_sha256(tokenizer) != manifest["tokenizer_sha256"]:
+    if (tokenizer is not None and Path(tokenizer).is_file() and
+            file_sha256(tokenizer) != manifest["tokenizer_sha256"]):
         raise DataError(f"{data_path} was encoded with another tokenizer than {tokenizer}: drop --tokenizer "
                         f"(the dataset's is {data_path / TOKENIZER}) or prepare the corpus with it")
     if vocab_size is not None and manifest["vocab_size"] != vocab_size:
@@ -596,8 +597,8 @@ class BlockBatches:
                             "(or set --eval_interval 0)")
         self.split = split
         self.tokens = np.memmap(self.data_path / (split + ".bin"), dtype=manifest["dtype"], mode="r")
-        self.seq_length, self.vocab_size, self.seed, self.mask_prob = train.seq_length, vocab_size, train.seed, \
-            train.mask_prob
+        self.seq_length, self.vocab_size, self.seed, self.mask_prob = (train.seq_length, vocab_size, train.seed,
+            train.mask_prob)
         self.train = train
         self.micro_batch_size, self.gas = train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps
         self.dp_rank, self.dp_world = dp_rank, dp_world

@@ -1,11 +1,11 @@
 """Step 4: swap a target language's embeddings into a fine-tuned model and evaluate zero-shot
 (`evaluate_artifacts`), beside the same model with no adaptation (`no_adaptation_record`: its
 own tokenizer and embeddings on the target text); parallel-sentence retrieval through the
-primary model (`retrieval_records`); and what the plug-in metric (plugin.py) shares with them.
+primary model (`retrieval_records`).
 
 A Step-3 run is rebuilt (`load_finetuned`, with its model family) and its model built once per
-run (seed), on the device in Step 4's precision (`eval_dtype`). Its word embeddings (the family's
-`word` parameter) are replaced by a Step-2 artifact's in place (`swapped`, which puts its own back
+run (seed), on the device in Step 4's precision (devices.eval_dtype). Its word embeddings (the
+family's `word` parameter) are replaced by a Step-2 artifact's in place (devices.swapped, which puts its own back
 afterwards) and the tokenizer by the artifact's, and a target-language evaluation set is scored.
 Nothing else changes: the source-language model is exactly Step 3's. An evaluation set is encoded
 once per tokenizer, laid out by the family's framing, and run in token-sized batches of rows of
@@ -15,7 +15,6 @@ would carry is never computed. Needs no process group.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -26,7 +25,8 @@ from pathlib import Path
 import torch
 
 from mmadapt import checkpoint
-from mmadapt.adapt import ARTIFACT_FILE, read_artifact, system_label
+from mmadapt.artifact import (NO_ADAPTATION, PrimaryRef, artifact_dirs, artifact_embeddings, artifact_primary,
+                              artifact_primary_ref, read_artifact, record_base)
 from mmadapt.config import EvaluateConfig, FinetuneConfig, ModelConfig
 from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
@@ -34,8 +34,8 @@ from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, Framing, encode_classify, special_mask
 from mmadapt.finetune import check_positions, is_finished, primary_state
 from mmadapt.models.layers import Padding
+from mmadapt.devices import device_of, host_to_device, on_eval_device, swapped
 from mmadapt.parallel import device
-from mmadapt.report import NO_ADAPTATION
 from mmadapt.run import RUN_FILE, load_checkpoint, read_source, require_kind
 from mmadapt.tasks import Task, chance_levels, encode, get_task, headline, read_examples, scores
 from mmadapt.tokenizer import load as load_tokenizer
@@ -60,7 +60,7 @@ class Finetuned:
 
     def model(self) -> torch.nn.Module:
         """The evaluation model (dropout off, TP=1: plain torch layers, no process group) with
-        these weights, on `parallel.device()` in `eval_dtype`: built on the first call and kept.
+        these weights, on `parallel.device()` in `devices.eval_dtype`: built on the first call and kept.
         Step 4 swaps artifacts into it (`swapped`, which puts these weights back afterwards), so
         it is for evaluation only."""
         if self._model is None:
@@ -97,63 +97,6 @@ def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
 
 
 # --- Step 4: the model on the device, artifacts swapped in place, token-sized batches ---------------
-
-def eval_dtype(device: torch.device) -> torch.dtype:
-    """Step 4's precision: bf16 on a GPU, the precision mmadapt's GPU configs
-    (ds_configs/*_bf16.json) train in, so the forward passes the model learned from, at half the
-    memory traffic of fp32; fp32 on the CPU, the reference that the tests compare against (and
-    CPUs without bf16 units emulate it slowly)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
-def on_eval_device(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """`model` moved to `device` in `eval_dtype`, in eval mode, with no parameter needing a gradient."""
-    return model.to(device, eval_dtype(device)).eval().requires_grad_(False)
-
-
-def device_of(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device: on a GPU from pinned memory without blocking the host (the copy is queued
-    on the stream, before the forward passes that read it); on the CPU, `t` itself."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def artifact_embeddings(artifact: dict, like: torch.Tensor) -> torch.Tensor:
-    """An artifact's word embeddings [V_trg, h] for a model whose own are `like` [V, h]: checked
-    for the model's width (V_trg may differ from V), in `like`'s dtype, on its device."""
-    new = artifact["word_embeddings"]
-    if new.shape[1] != like.shape[1]:
-        raise ValueError(f"the embeddings have hidden size {new.shape[1]}, the model {like.shape[1]}: "
-                         "they were trained for another model")
-    return new.to(like.device, like.dtype)
-
-
-@contextlib.contextmanager
-def swapped(model: torch.nn.Module, tensors: dict[str, torch.Tensor]):
-    """`model` with its named parameters replaced by `tensors`, its own put back on exit.
-
-    The Parameter objects are replaced, not copied into: a first dimension of another size (the
-    target vocabulary) needs no rebuilt model, and the model's own weights are never written.
-    `tensors` are on the model's device in its dtype already (`artifact_embeddings`)."""
-    own = []
-    try:
-        for name, t in tensors.items():
-            module, _, attr = name.rpartition(".")
-            owner = model.get_submodule(module)
-            old = getattr(owner, attr)
-            assert t.device == old.device and t.dtype == old.dtype, (name, t.device, t.dtype)
-            own.append((owner, attr, old))
-            setattr(owner, attr, torch.nn.Parameter(t, requires_grad=False))
-        yield model
-    finally:
-        for owner, attr, old in own:
-            setattr(owner, attr, old)
-
 
 def row_lengths(input_ids: torch.Tensor) -> torch.Tensor:
     """[n, s] -> [n]: each row's length, up to and including its last piece that is not padding."""
@@ -292,57 +235,6 @@ def retrieval_accuracy(src_vectors: torch.Tensor, trg_vectors: torch.Tensor) -> 
 
 
 # --- Step 4 over series of Step-2 artifacts ------------------------------------------------------------
-
-def record_base(meta: dict, task: str) -> dict:
-    """The fields every Step-4 record of an artifact starts with: which system and language, at
-    which Step-2 update, for how much Step-2 compute."""
-    return {"system": system_label(meta), "task": task, "lang": meta["lang"], "step": meta["step"],
-            "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
-            "tokens": meta["tokens"]}
-
-
-def artifact_dirs(paths: list[Path]) -> list[Path]:
-    """Artifact directories, an adapt run's expanded to all its artifacts in step order."""
-    out = []
-    for p in paths:
-        if (p / ARTIFACT_FILE).is_file():
-            out.append(p)
-        elif (p / "embeddings").is_dir():
-            found = sorted(d for d in (p / "embeddings").iterdir() if (d / ARTIFACT_FILE).is_file())
-            if not found:
-                raise ValueError(f"{p} holds no Step-2 embeddings yet: let its adapt run save a checkpoint")
-            out += found
-        else:
-            raise ValueError(f"{p} is neither a Step-2 artifact nor an adapt run directory")
-    return out
-
-
-def artifact_primary(meta: dict) -> Path:
-    """The primary model that an artifact's embeddings belong to: the Step-2 source run, or for
-    MINIPOST the run its mini-model was built from."""
-    src = Path(meta["source"])
-    run = json.loads((src / RUN_FILE).read_text())
-    return Path(run["frozen_from"]["run_dir"]) if run.get("step") == "minipost" else src
-
-
-@dataclass(frozen=True)
-class PrimaryRef:
-    """A primary model as a record names it: its run directory and, in records written since
-    fingerprints exist, its weights' fingerprint (run.weights_fingerprint)."""
-    run_dir: Path
-    fingerprint: str | None = None
-
-    def same(self, other: "PrimaryRef") -> bool:
-        """The same model: by content where both records hold a fingerprint (a byte-identical copy
-        of a run is the same model), else (an older record) by the resolved path."""
-        if self.fingerprint and other.fingerprint:
-            return self.fingerprint == other.fingerprint
-        return self.run_dir.resolve() == other.run_dir.resolve()
-
-
-def artifact_primary_ref(meta: dict) -> PrimaryRef:
-    return PrimaryRef(artifact_primary(meta), meta.get("primary_fingerprint"))
-
 
 def finetuned_primary_ref(ft: "Finetuned") -> PrimaryRef:
     return PrimaryRef(Path(ft.run["primary"]["run_dir"]), ft.run["primary"].get("fingerprint"))

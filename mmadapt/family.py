@@ -169,7 +169,7 @@ class HFMapping:
 class OutputPath(NamedTuple):
     """How a one-head model (Step 2's body, a primary model) scores the vocabulary, in build_lm's
     parameter names: logits = y W^T (+ b) with y = w * x_hat (+ beta), the head's last norm
-    (LayerNorm or RMSNorm: ||x_hat|| <= sqrt(h)). What adapt.bounded_start needs to bound the
+    (LayerNorm or RMSNorm: ||x_hat|| <= sqrt(h)). What expand.bounded_start needs to bound the
     probability mass that new pieces take."""
     matrix: str  # W [V, h]: the word embedding when tied, else the output projection
     bias: str | None  # b [V]

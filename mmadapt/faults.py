@@ -173,8 +173,8 @@ class RunLock:
                     holder = json.loads(self.path.read_text())
                 except (OSError, ValueError):
                     holder = {}
-                if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) \
-                        and not _alive(holder["pid"]):
+                if (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
+                        and not _alive(holder["pid"])):
                     print(f"taking over {self.path}: its holder (pid {holder['pid']}) is no longer running",
                           file=sys.stderr)
                     self.path.unlink(missing_ok=True)

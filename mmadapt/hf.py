@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from mmadapt.adapt import artifact_state, read_artifact
+from mmadapt.artifact import artifact_primary, artifact_state, read_artifact
 from mmadapt.checkpoint import load_pt, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
-from mmadapt.evaluate import artifact_primary, load_finetuned
+from mmadapt.evaluate import load_finetuned
 from mmadapt.family import HFMapping, Implied, ModelFamily, inverse_permutation
 from mmadapt.models import FAMILIES
 from mmadapt.run import RUN_TOKENIZER, read_source, require_head
@@ -148,8 +148,8 @@ def read_hf_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     model_dir = Path(model_dir)
-    if not any((model_dir / f).is_file() for f in ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model")) and \
-            not all((model_dir / f).is_file() for f in ("vocab.json", "merges.txt")):
+    if (not any((model_dir / f).is_file() for f in ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model")) and
+            not all((model_dir / f).is_file() for f in ("vocab.json", "merges.txt"))):
         raise ValueError(f"{model_dir} has no tokenizer files: expected one of {', '.join(TOKENIZER_FILES)}")
     try:
         tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -357,8 +357,8 @@ def _check_implied(implied: dict[str, Implied], hf_state: dict, where: Path) -> 
                              + (f" ({by})" if by else ""))
         got = tuple(hf_state[name].shape)
         if got != want:
-            bad = [(d, why) for d, ((n, why), g) in enumerate(zip(dims, got), 1) if n != g] \
-                if len(got) == len(want) else list(enumerate((why for _, why in dims), 1))
+            bad = ([(d, why) for d, ((n, why), g) in enumerate(zip(dims, got), 1) if n != g]
+                if len(got) == len(want) else list(enumerate((why for _, why in dims), 1)))
             raise ValueError(f"{where}: {name} has shape {got}, but config.json implies {want} ("
                              + "; ".join(f"dimension {d}: {why}" for d, why in bad) + "): the config is not this "
                              "checkpoint's; fix it, or download the checkpoint again")
@@ -397,8 +397,8 @@ def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids
     one_layer = dataclasses.replace(family.one_head(cfg, 1), hidden_dropout=0.0, attention_dropout=0.0)
     with torch.no_grad():
         if headless:
-            got, ref = _body_outputs(family, one_layer, state, inverse[torch.tensor([ids])]), \
-                [out.last_hidden_state[0].float()] + ([out.pooler_output[0].float()] if cfg.add_pooling_layer else [])
+            got, ref = (_body_outputs(family, one_layer, state, inverse[torch.tensor([ids])]),
+                [out.last_hidden_state[0].float()] + ([out.pooler_output[0].float()] if cfg.add_pooling_layer else []))
         else:
             model = family.build_lm(one_layer)
             model.load_state_dict(family.keep_layers(state, 1))
@@ -560,14 +560,15 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
         if owner != primary_run.resolve():
             raise ValueError(f"{embeddings} holds embeddings for the primary model {owner}, not {primary_run}")
         # A task model has no output head: only the word embeddings are swapped into it.
-        # (an expanded vocabulary's keep the model's own source rows: adapt.artifact_state)
+        # (an expanded vocabulary's keep the model's own source rows: artifact.artifact_state)
         swap = artifact_state(family, emb, meta, state) if kind is None else {family.word: emb["word_embeddings"]}
         state = {**state, **{name: t.to(state[name].dtype) for name, t in swap.items()}}
         cfg = ModelConfig(**{**to_dict(cfg), "vocab_size": emb["word_embeddings"].shape[0]})
 
     imported = json.loads((primary_run / "run.json").read_text()).get("imported_from")
     model_type = imported["model_type"] if imported else None
-    summary = write_hf(family, output_dir, cfg, state, kind, labels, Path(tokenizer), model_type, embeddings)
+    summary = {**write_hf(family, output_dir, cfg, state, kind, labels, Path(tokenizer), model_type),
+               "embeddings": str(embeddings) if embeddings else None}
     if kind is None and (primary_run / SENTENCE_TRANSFORMERS).is_dir():  # a sentence-transformers source
         summary["sentence_transformers"] = str(write_sentence_transformers(
             family, output_dir / SENTENCE_TRANSFORMERS, cfg, state, Path(tokenizer), model_type,
@@ -599,7 +600,7 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
     hf_ids = HFTokenizer.read(tokenizer).hf_ids.tolist()
     if (tokenizer.parent / "hf").is_dir():  # the source's own files, saved by import_hf
         hf_tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer.parent / "hf"), local_files_only=True)
-    else:  # an expanded vocabulary's merged document (vocab.py): its pipeline is the whole tokenizer
+    else:  # an expanded vocabulary's merged document (expand.py): its pipeline is the whole tokenizer
         hf_tok = _document_tokenizer(HFTokenizer.read(tokenizer), cfg.max_position_embeddings)
     if layout is not None:
         hf_tok = retemplated(hf_tok, hf_ids, layout, cfg.max_position_embeddings)
@@ -607,7 +608,7 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
 
 
 def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None,
-             labels: list[str] | None, tokenizer: Path, model_type: str | None = None, embeddings=None) -> dict:
+             labels: list[str] | None, tokenizer: Path, model_type: str | None = None) -> dict:
     """Write the family's LM (kind None) or task model full weights `state` with a run's
     `tokenizer` as a transformers directory of `model_type`'s class for `kind` (the source's
     model type, None for a model mmadapt pretrained: the family's mapping decides,
@@ -630,5 +631,4 @@ def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dic
     with staged_dir(output_dir) as tmp:
         model.save_pretrained(str(tmp))
         hf_tok.save_pretrained(str(tmp))
-    return {"architecture": arch, "vocab_size": cfg.vocab_size, "labels": labels, "output_dir": str(output_dir),
-            "embeddings": str(embeddings) if embeddings else None}
+    return {"architecture": arch, "vocab_size": cfg.vocab_size, "labels": labels, "output_dir": str(output_dir)}

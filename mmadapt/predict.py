@@ -18,7 +18,7 @@ What is loaded, by the code the steps use (nothing here is a second copy of it):
     forward (`evaluate.set_logits`: the artifact's word embeddings swapped into the model,
     token-sized batches), so its predictions are the ones `mmadapt evaluate` scores.
 TP = 1 and no process group; on `parallel.device()` (or `device`) in Step 4's precision
-(`evaluate.eval_dtype`: bf16 on a GPU, fp32 on the CPU). Results come back in fp32 on the CPU.
+(`devices.eval_dtype`: bf16 on a GPU, fp32 on the CPU). Results come back in fp32 on the CPU.
 
 Texts are laid out as the model saw them in training (its family's objective, Objective.lm_row):
 the encoder's `<s> text </s>` (a literal `<mask>` in the text is the mask piece), the decoder's
@@ -40,17 +40,17 @@ from pathlib import Path
 
 import torch
 
-from mmadapt.adapt import artifact_state, read_artifact
+from mmadapt.artifact import artifact_embeddings, artifact_primary, artifact_state, read_artifact
 from mmadapt.checkpoint import read_json
 from mmadapt.config import FinetuneConfig, ModelConfig, path_args
-from mmadapt.evaluate import (PAD_LOGIT, EvalBatches, EvalSet, Finetuned, artifact_embeddings, artifact_primary,
-                              device_of, load_finetuned, on_eval_device, recorded_config, set_logits)
+from mmadapt.devices import device_of, on_eval_device
+from mmadapt.evaluate import PAD_LOGIT, EvalBatches, EvalSet, Finetuned, load_finetuned, recorded_config, set_logits
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, best_spans, encode_classify, encode_span, encode_tag
 from mmadapt.objectives import OBJECTIVES, Objective
 from mmadapt.parallel import device as default_device
 from mmadapt.parallel import named_device
-from mmadapt.plugin import plugin_model
+from mmadapt.heldout import scoring_model
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
 from mmadapt.run import RUN_FILE, read_source, require_head, run_family
 from mmadapt.tasks import Task, get_task
@@ -179,7 +179,7 @@ class LanguageModel:
             state = {**state, **{name: t.float() for name, t in artifact_state(family, emb).items()}}
         cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
                                   vocab_size=state[family.word].shape[0])
-        model = plugin_model(family, cfg, state)
+        model = scoring_model(family, cfg, state)
         if device is not None and device != device_of(model):
             model = on_eval_device(model, device)
         return cls(run, family, cfg, model, load_tokenizer(tokenizer), embeddings)

@@ -115,8 +115,8 @@ def read_squad(path: str | os.PathLike) -> list[QAExample]:
             raise ValueError(f"{path}: article {a} has no 'paragraphs' list")
         for p, para in enumerate(paragraphs, 1):
             where = f"{path}: article {a}, paragraph {p}"
-            if not isinstance(para, dict) or not isinstance(para.get("context"), str) or \
-                    not isinstance(para.get("qas"), list):
+            if (not isinstance(para, dict) or not isinstance(para.get("context"), str) or
+                    not isinstance(para.get("qas"), list)):
                 raise ValueError(f"{where} needs a 'context' text and a 'qas' list")
             for q, qa in enumerate(para["qas"], 1):
                 if not isinstance(qa, dict):

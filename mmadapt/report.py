@@ -16,7 +16,7 @@ import dataclasses
 import math
 from collections import defaultdict
 
-from mmadapt.adapt import SCORED_LABEL
+from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
 from mmadapt.family import ModelFamily
 from mmadapt.flops import DEVICE_TFLOPS, device_days, total_flops
@@ -26,8 +26,6 @@ from mmadapt.objectives import plugin_objective
 # Paper section 3: 125k updates of 2048 sequences of 512 tokens, V = 50k, p = 0.15.
 PAPER = {"updates": 125_000, "global_batch": 2048, "seq_length": 512, "mask_prob": 0.15}
 NEAR_MAX = 0.95  # section 4.2: target = 95% of BL_BASE's final score for the language and task
-# The system of the records of fine-tuned runs scored with no adaptation (evaluate.no_adaptation_record).
-NO_ADAPTATION = "no_adaptation"
 
 
 def is_plugin(task: str) -> bool:
@@ -204,8 +202,8 @@ def _at_target_from_the_start(cs: dict, baseline: str, task: str, systems: list[
     for s in systems:
         for lang in langs:
             pts = cs.get((s, task, lang))
-            if pts and pts[0][0] == 0 and (baseline, task, lang) in cs and \
-                    pts[0][1] >= near_max_target(cs[(baseline, task, lang)][-1][1]):
+            if (pts and pts[0][0] == 0 and (baseline, task, lang) in cs and
+                    pts[0][1] >= near_max_target(cs[(baseline, task, lang)][-1][1])):
                 out.append(f"{s} in {lang} ({format(pts[0][1], f)})")
     return out
 
@@ -255,7 +253,7 @@ def finetune_warnings(records: list[dict], task: str) -> dict[str, list[str]]:
 
 def ceiling_of(system: str) -> str:
     """The record name of `system`'s ceiling: Step 2 over the full model of its source
-    (adapt.system_label), one per recipe, so `minijoint@4` and `minijoint` share `minijoint:full`;
+    (artifact.system_label), one per recipe, so `minijoint@4` and `minijoint` share `minijoint:full`;
     a decoder's scored at a fraction p (`minijoint p=0.25`) is measured against the ceiling scored
     at that p (`minijoint:full p=0.25`)."""
     name, mark, p = system.partition(SCORED_LABEL)
@@ -284,8 +282,8 @@ def plugin_markdown(records: list[dict]) -> str:
         for system in sorted(last, key=lambda s: (s != "bl_base", s)):
             r = last[system]
             ceiling = last.get(ceiling_of(system))
-            share = f"{100 * r['score'] / ceiling['score']:.0f}% at {100 * r['flops'] / ceiling['flops']:.0f}% of its " \
-                    "compute" if ceiling and ceiling["score"] > 0 else "-"
+            share = (f"{100 * r['score'] / ceiling['score']:.0f}% at {100 * r['flops'] / ceiling['flops']:.0f}% of its "
+                    "compute" if ceiling and ceiling["score"] > 0 else "-")
             out.append(f"| {system} | {r['flops'] / 1e18:.3g} | {r['start_loss']:.3f} | {r['loss']:.3f} | "
                        f"{r['score']:+.3f} | {share} |")
         out.append("")
@@ -330,13 +328,13 @@ def verdict(lang: str, rows: list[dict], f: str) -> str | None:
     gains = {r["system"]: format(r["last"] - r["none"], "+" + f) for r in known}
     yes, no = [r for r in known if r["paid"]], [r for r in known if not r["paid"]]
     if not no:
-        return f"{lang}: adaptation paid for every system (" + ", ".join(f"{s} {g}" for s, g in gains.items()) + \
-            " over no adaptation)."
+        return (f"{lang}: adaptation paid for every system (" + ", ".join(f"{s} {g}" for s, g in gains.items()) +
+            " over no adaptation).")
     line = f"{lang}: adaptation did not pay for " + ", ".join(
         f"{r['system']} ({format(r['last'], f)} at its last checkpoint, {format(r['none'], f)} with no adaptation)"
         for r in no)
-    return line + ("; it paid for " + ", ".join(f"{r['system']} ({gains[r['system']]})" for r in yes) if yes else "") \
-        + "."
+    return (line + ("; it paid for " + ", ".join(f"{r['system']} ({gains[r['system']]})" for r in yes) if yes else "")
+        + ".")
 
 
 def _mark(records: list[dict], system: str, task: str, lang: str, last: float) -> str:
@@ -365,8 +363,8 @@ def adaptation_markdown(records: list[dict], task: str) -> str:
            "| lang | system | " + ("no adaptation | " if with_none else "") + "update 0 | last checkpoint |"
            + (" last − no adaptation |" if with_none else ""), "|---" * (6 if with_none else 4) + "|"]
     for r in rows:
-        cells = [r["lang"], r["system"]] + ([cell(r["none"])] if with_none else []) + \
-            [cell(r["start"]), cell(r["last"]) + (" ↓" if r["paid"] is False else "")]
+        cells = ([r["lang"], r["system"]] + ([cell(r["none"])] if with_none else []) +
+            [cell(r["start"]), cell(r["last"]) + (" ↓" if r["paid"] is False else "")])
         cells += [cell(None if r["none"] is None else r["last"] - r["none"], "+")] if with_none else []
         out.append("| " + " | ".join(cells) + " |")
     langs = dict.fromkeys(r["lang"] for r in rows)
@@ -453,9 +451,9 @@ class TaskScores:
         # more than the ratio of scores that chance inflates. Each language's own level (a
         # majority tag differs between languages), averaged over the languages a system has.
         floors = chance_by_lang(records, task, langs)
-        gain = {} if floors is None else \
-            {s: sum(v - floors[lang] for v, lang in zip(final[s], langs) if v is not None) / len(got[s])
-             if got[s] else math.nan for s in task_systems}
+        gain = ({} if floors is None else
+                {s: sum(v - floors[lang] for v, lang in zip(final[s], langs) if v is not None) / len(got[s])
+                 if got[s] else math.nan for s in task_systems})
         return cls(task, langs, task_systems, final, avg, {s: sum(v) / len(v) for s, v in cost.items()}, floors,
                    gain, finetune_warnings(records, task))
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from mmadapt import checkpoint, parallel
 from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, FinetuneConfig, Layout, LoopConfig,
                             MiniModelConfig, ModelConfig, TrainConfig, check_declared, to_dict)
+from mmadapt.corpora import resolve_corpus
 from mmadapt.engine import load_ds_config
 from mmadapt.family import ModelFamily
 from mmadapt.faults import RunLock
@@ -71,6 +72,10 @@ class RunSpec:
     @property
     def checkpoints(self) -> Path:
         return self.output_dir / "checkpoints"
+
+    def with_corpus_resolved(self) -> "RunSpec":
+        """The run with its raw corpus resolved (bible:<lang> -> the packaged Bible, written once)."""
+        return self if self.corpus is None else dataclasses.replace(self, corpus=resolve_corpus(self.corpus))
 
 
 class DataPlan(Protocol):
@@ -293,8 +298,9 @@ class Source:
     cfg: ModelConfig
     family: ModelFamily
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return load_weights(self.path, self.tag)[1]
+    def weights(self, read: dict | None = None) -> dict[str, torch.Tensor]:
+        """Its full weights (load_weights; `read`: the checkpoints read already, load_weights')."""
+        return load_weights(self.path, self.tag, read)[1]
 
     @property
     def tokenizer(self) -> Path:
@@ -375,30 +381,49 @@ def load_checkpoint(run_dir: Path, tag: str | None = None) -> dict[str, torch.Te
     return checkpoint.load_full_state_dict(Path(run_dir) / "checkpoints", tag, layer_prefixes=prefixes)
 
 
-def load_weights(run_dir: str | os.PathLike, tag: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(run_dir: str | os.PathLike, tag: str | None = None, read: dict | None = None
+                 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Full weights of a Step-1 or Step-1b run (newest complete checkpoint unless `tag`), with
     its config on one device.
 
     A Step-1b checkpoint holds only the layers it trained; its frozen part is rebuilt from the
     run it references (run.json `frozen_from`), exactly as Step 1b started from it. A head fit's
     (`frozen_from.head_fit`) holds its head; the body is the headless run's.
+
+    read: {(run directory, tag): (config, weights)} of the runs read already, filled as they are
+    read (the referenced runs too): a caller that needs a run and the run it references reads
+    each checkpoint once. The weights are shared, not copied: do not change them in place.
     """
     run_dir = Path(run_dir)
     run = read_run(run_dir)
     require_kind(run_dir, run, "pretrain", "minipost")
+    tag = tag or checkpoint.latest_tag(run_dir / "checkpoints")
+    key = (str(run_dir.resolve()), tag)
+    if read is not None and key in read:
+        return read[key]
     cfg = dataclasses.replace(run_model(run), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    own = load_checkpoint(run_dir, tag or checkpoint.latest_tag(run_dir / "checkpoints"))
+    own = load_checkpoint(run_dir, tag)
     ref = run.get("frozen_from")
     if ref is None:
-        return cfg, own
-    if ref.get("head_fit"):  # mmadapt fit-head: a new head over the frozen body of the run it references
-        return cfg, {**load_weights(ref["run_dir"], ref["tag"])[1], **own}
+        loaded = cfg, own
+    elif ref.get("head_fit"):  # mmadapt fit-head: a new head over the frozen body of the run it references
+        loaded = cfg, {**load_weights(ref["run_dir"], ref["tag"], read)[1], **own}
+    else:
+        loaded = cfg, _minipost_weights(run_dir, cfg, ref, own, read)
+    if read is not None:
+        read[key] = loaded
+    return loaded
+
+
+def _minipost_weights(run_dir: Path, cfg: ModelConfig, ref: dict, own: dict, read: dict | None) -> dict:
+    """A Step-1b run's full weights: its checkpoint `own` (the layers it trained) over the frozen
+    part rebuilt from the run it references (`ref`: run.json's frozen_from)."""
     family = get_family(cfg)
-    src_cfg, src_state = load_weights(ref["run_dir"], ref["tag"])
+    src_cfg, src_state = load_weights(ref["run_dir"], ref["tag"], read)
     mini = MiniModelConfig(ref["mini_layers"], ref["new_layers"])
     _, frozen = family.minipost_start(src_cfg, src_state, mini.one_depth("build_minipost"), mini.new_layers)
     state = {**frozen, **own}
     missing = sorted(set(family.param_names(cfg)) - set(state))
     if missing:
         raise ValueError(f"{run_dir}: the checkpoint lacks {missing[0]}; it was not written by build_minipost")
-    return cfg, state
+    return state

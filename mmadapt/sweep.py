@@ -64,8 +64,8 @@ def summarize(records: list[dict], near_max: float = NEAR_MAX) -> dict:
         raise ValueError("the records hold no mini-model depth (only the full-model ceiling)")
     ceiling = next((row for row in rows if row["mini_layers"] == CEILING), None)
     best = max(depths, key=lambda row: row["final_gain"])
-    reference, source = (ceiling["final_gain"], "the full model") if ceiling else \
-        (best["final_gain"], f"the best depth (N = {best['mini_layers']})")
+    reference, source = ((ceiling["final_gain"], "the full model") if ceiling else
+        (best["final_gain"], f"the best depth (N = {best['mini_layers']})"))
     target = near_max * reference
     # Near the unigram reference (gain 0) a fraction of the reference is noise, not a level.
     meaningful = reference > PLUGIN_NOISE

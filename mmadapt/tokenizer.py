@@ -132,8 +132,8 @@ def is_punctuation(ch: str) -> bool:
     import unicodedata
 
     cp = ord(ch)
-    return 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126 or \
-        unicodedata.category(ch).startswith("P")
+    return (33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126 or
+        unicodedata.category(ch).startswith("P"))
 
 
 def source_form(tokenizer: str | os.PathLike):
@@ -321,7 +321,7 @@ class HFTokenizer:
 def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int) -> tuple[bytes, list[str]]:
     """An imported BPE tokenizer (`source`, HFTokenizer's document) with the pieces `candidates`
     (surface forms, in order of preference) appended after every row of its model: the merged
-    document and the pieces it adds, in id order (vocab.py's --vocab_mode expand).
+    document and the pieces it adds, in id order (expand.py's --vocab_mode expand).
 
     A BPE produces a token only through a merge of two tokens it has, so a candidate is added with
     the merge of a split of it whose two halves are tokens (`_bpe_additions`); a candidate with no
@@ -373,8 +373,8 @@ def _wordpiece_additions(tok: HFTokenizer, candidates: list[str]) -> dict[str, s
     for piece in candidates:
         text = piece[len(WORD_BOUNDARY):] if piece.startswith(WORD_BOUNDARY) else piece
         token = text if piece.startswith(WORD_BOUNDARY) else tok.continuation + text
-        if token in vocab or token in added.values() or tok.words(text) != [text] or \
-                (token != text and any(map(is_punctuation, text))):
+        if (token in vocab or token in added.values() or tok.words(text) != [text] or
+                (token != text and any(map(is_punctuation, text)))):
             continue
         added[piece] = token
     return added

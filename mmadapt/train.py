@@ -40,15 +40,7 @@ from mmadapt.models.layers import Padding, derive_seed, masked_positions
 from mmadapt.models.pipe import set_host_batches, take_head_losses
 from mmadapt.run import RUN_TOKENIZER, RunSpec, Started, tensor_bytes
 from mmadapt.tokenizer import kind as tokenizer_kind
-from mmadapt.vocab import Expansion
-
-
-@dataclasses.dataclass(frozen=True)
-class Replay:
-    """Step 2's source-language replay: `fraction` of every update's blocks from the prepared
-    dataset `data` (source text in the run's vocabulary: steps.adapt_embeddings checks it)."""
-    data: Path
-    fraction: float
+from mmadapt.expand import MERGED_TOKENIZER, Expansion, Replay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +65,15 @@ def check_tokenizer_kind(family: ModelFamily, tokenizer: Path) -> None:
 
 class TextData:
     """The data of an LM step (run.DataPlan): a dataset prepared by `mmadapt preprocess`
-    (RunSpec.data_path), or a raw corpus prepared into <output_dir>/data by the run itself."""
+    (RunSpec.data_path; `manifest`: its manifest where the step read it already), or a raw corpus
+    prepared into <output_dir>/data by the run itself."""
+
+    def __init__(self, manifest: dict | None = None):
+        self.manifest = manifest
 
     def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> dict:
         if run.data_path is not None:
-            manifest = check_prepared(run.data_path, model.vocab_size, run.tokenizer)
+            manifest = check_prepared(run.data_path, model.vocab_size, run.tokenizer, self.manifest)
             if train.eval_interval and not manifest.get("valid"):
                 raise ValueError(f"--eval_interval needs validation data: {run.data_path} was prepared without it "
                                  "(mmadapt preprocess --valid_fraction 0.01 ... into a new --output_dir)")
@@ -101,8 +97,8 @@ class TextData:
 
     def check_resume(self, run: RunSpec) -> None:
         manifest = run.output_dir / "data" / MANIFEST
-        if run.data_path is None and manifest.is_file() and \
-                corpus_fingerprint(run.corpus) != read_manifest(manifest.parent)["corpus_fingerprint"]:
+        if (run.data_path is None and manifest.is_file()
+                and corpus_fingerprint(run.corpus) != read_manifest(manifest.parent)["corpus_fingerprint"]):
             raise ValueError(f"--resume: corpus {run.corpus} changed since this run encoded it into "
                              f"{manifest.parent}; resume with the original text, or start a new --output_dir")
         own = run.output_dir / RUN_TOKENIZER
@@ -143,6 +139,7 @@ class ExpandedText(TextData):
     merged tokenizer, which the run keeps as <output_dir>/tokenizer/merged.model."""
 
     def __init__(self, expansion: Expansion):
+        super().__init__()
         self.expansion = expansion
 
     def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> dict:
@@ -165,30 +162,9 @@ class ExpandedText(TextData):
         return super().prepare(dataclasses.replace(run, tokenizer=merged), model, train, family)
 
 
-MERGED_TOKENIZER = Path("tokenizer") / "merged.model"
-
-
-def check_replay(replay: Replay, tokenizer: Path, model: ModelConfig, train: TrainConfig) -> None:
-    """Refuse, in one line, replay text that is not a prepared dataset, not encoded with
-    `tokenizer` (the one its ids need: steps.adapt_embeddings says which), or a --replay_fraction
-    that rounds to no block or every block of the global batch (`model`: the run's layout)."""
-    data = replay.data
-    read_manifest(data)  # a prepared dataset, or one line saying it is not
-    if file_sha256(data / TOKENIZER) != file_sha256(tokenizer):
-        raise ValueError(f"--replay_data {data} was not encoded with {tokenizer}, the tokenizer whose ids the "
-                         "replay text needs here: prepare it with mmadapt preprocess --tokenizer "
-                         f"{tokenizer} into a new --output_dir")
-    dp = parallel.launched_world_size() // (model.tensor_model_parallel_size * model.pipeline_model_parallel_size)
-    blocks, batch = replay_blocks(replay.fraction, train.global_batch(dp)), train.global_batch(dp)
-    if not 1 <= blocks < batch:
-        raise ValueError(f"--replay_fraction {replay.fraction} of a global batch of {batch} blocks rounds to "
-                         f"{'no block' if blocks < 1 else 'every block, leaving no target text'}: "
-                         f"{'raise' if blocks < 1 else 'lower'} it, or raise the batch")
-
-
 class WithReplay:
     """A DataPlan (TextData, ExpandedText) and Step 2's replay text, already checked
-    (check_replay, before any work: steps.adapt_embeddings): the plan's checks and data, and the
+    (expand.replay_text, before any work): the plan's checks and data, and the
     replay dataset's block index (global rank 0 builds it, the others wait), recorded as run.json's
     `replay_data`."""
 

@@ -1,6 +1,7 @@
-"""Step-4 shortcuts that only the tests use: a task model's logits of whole rows, one set's scores
-with an artifact swapped in, a state dict with an artifact's embeddings, and the plug-in loss of a
-state dict. Each is a composition of the library's own functions (evaluate.py, plugin.py)."""
+"""Shortcuts that only the tests use: a task model's logits of whole rows, one set's scores with an
+artifact swapped in, a state dict with an artifact's embeddings, the plug-in loss of a state dict,
+and Step 2's start over a run. Each is a composition of the library's own functions (evaluate.py,
+heldout.py, adapt.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ from pathlib import Path
 
 import torch
 
-from mmadapt.config import FinetuneConfig, ModelConfig
-from mmadapt.evaluate import EvalBatches, Finetuned, artifact_embeddings, device_of, eval_set, score_set
+from mmadapt.adapt import AdaptEmbeddings, Step2Start, body_config
+from mmadapt.artifact import artifact_embeddings
+from mmadapt.config import FinetuneConfig, ModelConfig, TrainConfig
+from mmadapt.devices import device_of
+from mmadapt.evaluate import EvalBatches, Finetuned, eval_set, score_set
 from mmadapt.family import WORD, ModelFamily
-from mmadapt.plugin import masked_loss, on_device, plugin_model
+from mmadapt.heldout import masked_loss, on_device, scoring_model
+from mmadapt.run import read_source
 from mmadapt.tasks import headline
 from mmadapt.tokenizer import load as load_tokenizer
 
@@ -45,5 +50,15 @@ def swap_embeddings(state: dict, artifact: dict, word: str = WORD) -> dict:
 def plugin_loss(family: ModelFamily, cfg: ModelConfig, state: dict, batches: list) -> float:
     """Mean loss per scored piece of a one-head LM with `state` (vocab from its rows) on held-out
     (ids, labels) batches, as the plug-in metric scores them."""
-    model = plugin_model(family, cfg, state)
+    model = scoring_model(family, cfg, state)
     return masked_loss(model, on_device(batches, device_of(model)))
+
+
+def step2_start(system: str, source: Path, tokenizer: Path, mini_layers: int | None = None, lang: str = "de",
+                **train) -> Step2Start:
+    """Step 2's start (adapt.Step2Start.build) of `system` over the run `source`, the new
+    vocabulary `tokenizer`'s, with the TrainConfig fields `train` (its rows drawn from their seed)."""
+    src = read_source(source)
+    step = AdaptEmbeddings(system=system, source=Path(source), lang=lang, train=TrainConfig(**train),
+                           mini_layers=mini_layers)
+    return Step2Start.build(src, body_config(src.family, system, src.cfg, mini_layers), step, tokenizer)

@@ -11,12 +11,14 @@ import torch
 
 from conftest import ADAPT, MINIPOST, NO_DROPOUT, REPO, VOCAB, adapt_args, metrics, mlm_batches, run_pretrain
 from mmadapt import adapt as A
+from mmadapt.artifact import read_artifact
 from mmadapt.config import ModelConfig, PreprocessConfig
 from mmadapt.models import PRESETS
 from mmadapt.data import prepare
 from mmadapt.models.roberta.model import RobertaMLM
 from mmadapt.parallel import init_parallel
-from mmadapt.plugin import _start_embeddings
+from mmadapt.plugin import start_embeddings
+from evaluation import step2_start
 from mmadapt.family import WORD
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.models.roberta.model import BIAS
@@ -99,10 +101,9 @@ def test_step2_start_by_embedding_init(primary_run, tokenizer, de_tokenizer):
 
     src_cfg, full = load_weights(primary_run)
     src_state = A.body_weights(ROBERTA, "bl_base", src_cfg, full, A.body_config(ROBERTA, "bl_base", src_cfg))  # the primary head's bias
-    seed = 5
-    starts = {how: A.step2_start("bl_base", primary_run, None, de_tokenizer, seed, embedding_init=how)
+    starts = {how: step2_start("bl_base", primary_run, de_tokenizer, seed=5, embedding_init=how)
               for how in ("overlap", "subword_mean", "normal")}
-    (_, overlap, rows), (_, mean, mean_rows), (_, normal, normal_rows) = starts.values()
+    (overlap, rows), (mean, mean_rows), (normal, normal_rows) = ((s.init, s.rows) for s in starts.values())
     src_pieces, trg = pieces(tokenizer), pieces(de_tokenizer)
     shared = [i for i, p in enumerate(trg) if p in set(src_pieces)]
     assert torch.equal(mean[WORD][shared], overlap[WORD][shared])
@@ -122,8 +123,10 @@ def test_step2_start_by_embedding_init(primary_run, tokenizer, de_tokenizer):
     same = src_pieces.index(trg[shared[-1]])
     assert not torch.equal(normal[WORD][shared[-1]], src_state[WORD][same])
     assert torch.equal(normal[WORD][new], overlap[WORD][new])  # the same seeded draw
+    with pytest.raises(ValueError, match="--embedding_init must be one of overlap, subword_mean, normal, got 'fvt'"):
+        step2_start("bl_base", primary_run, de_tokenizer, seed=5, embedding_init="fvt")
     with pytest.raises(ValueError, match="unknown embedding_init 'fvt'"):
-        A.step2_start("bl_base", primary_run, None, de_tokenizer, seed, embedding_init="fvt")
+        A.init_rows("fvt", tokenizer, {WORD: src_state[WORD]}, trg, 0.02, 5)
 
 
 def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data):
@@ -150,11 +153,11 @@ def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data
 
 def _step2_engine(primary_run, de_tokenizer, system, ds_config):
     from mmadapt.engine import load_ds_config
-    from mmadapt.models.roberta.model import derive_seed
     from mmadapt.train import LMJob, lm_engine
 
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8)
-    body_cfg, init, _ = A.step2_start(system, primary_run, None, de_tokenizer, derive_seed(1, "de"))
+    start = step2_start(system, primary_run, de_tokenizer, seed=1)
+    body_cfg, init = start.body, start.init
     body_cfg = no_dropout(ModelConfig(**{**vars(body_cfg), "vocab_size": VOCAB}))
     ds = load_ds_config(REPO / "ds_configs" / ds_config, train)
     engine, _, _ = lm_engine(ROBERTA, body_cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)), init)
@@ -207,7 +210,7 @@ def step2_single(primary_run, de_corpus, de_tokenizer, tmp_path_factory):
 
 
 def _artifact(run):
-    tensors, tok, meta = A.read_artifact(run / "embeddings" / f"step{STEPS:08d}")
+    tensors, tok, meta = read_artifact(run / "embeddings" / f"step{STEPS:08d}")
     return tensors, tok, meta
 
 
@@ -226,7 +229,7 @@ def test_step2_layout_matches_single_process(layout, step2_single, primary_run, 
     assert tok.read_bytes() == de_tokenizer.read_bytes()
     assert meta["flops"] == ref_meta["flops"] and meta["global_batch"] == 16 and meta["mini_layers"] == 4
     # The start (update 0), written by global rank 0 from the full initial state: the same in every layout.
-    start, ref_start = (A.read_artifact(r / "embeddings" / "step00000000") for r in (run, step2_single))
+    start, ref_start = (read_artifact(r / "embeddings" / "step00000000") for r in (run, step2_single))
     assert all(torch.equal(start[0][k], ref_start[0][k]) for k in ("word_embeddings", "output_bias"))
     assert (start[2]["step"], start[2]["flops"], start[2]["tokens"]) == (0, 0.0, 0)
     ckpt = run / "checkpoints" / f"step{STEPS:08d}"
@@ -324,7 +327,7 @@ def test_step2_over_the_minipost_mini_model(minipost_run, de_corpus, de_tokenize
     run = tmp_path / "adapt"
     run_pretrain(1, *adapt_args("minipost", minipost_run, de_corpus, de_tokenizer, run, "--train_iters", "2",
                                 "--save_interval", "1", "--log_interval", "1"), script=ADAPT)
-    tensors, _, meta = A.read_artifact(run / "embeddings" / "step00000002")
+    tensors, _, meta = read_artifact(run / "embeddings" / "step00000002")
     # The depth it was trained over, and the mini-model's N and K.
     assert (meta["body_layers"], meta["mini_layers"], meta["new_layers"]) == (N + K, N, K)
     assert tensors["word_embeddings"].shape == (VOCAB, 64)
@@ -346,15 +349,15 @@ def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_
     written = {f: (start / f).stat() for f in ("embeddings.pt", "meta.json")}
     go(tmp_path / "part", "--resume")
     assert [r["loss"] for r in metrics(tmp_path / "part")] == [r["loss"] for r in metrics(tmp_path / "full")]
-    a, b = (A.read_artifact(tmp_path / d / "embeddings" / "step00000004")[0] for d in ("full", "part"))
+    a, b = (read_artifact(tmp_path / d / "embeddings" / "step00000004")[0] for d in ("full", "part"))
     assert torch.equal(a["word_embeddings"], b["word_embeddings"])
     # The start artifact (update 0) is Step 2's initial rows, as the plug-in metric recomputes them
     # for runs recorded without it; the resume kept the one the first invocation wrote.
     assert all((start / f).stat().st_ino == st.st_ino and (start / f).stat().st_mtime_ns == st.st_mtime_ns
                for f, st in written.items())
-    saved = A.read_artifact(start)[0]
+    saved = read_artifact(start)[0]
     shutil.rmtree(start)
-    recomputed = _start_embeddings(tmp_path / "part", tmp_path / "part" / "embeddings" / "step00000004" / "spm.model")
+    recomputed = start_embeddings(tmp_path / "part", tmp_path / "part" / "embeddings" / "step00000004" / "spm.model")
     assert sorted(saved) == sorted(recomputed) == ["output_bias", "word_embeddings"]
     assert all(torch.equal(saved[k], recomputed[k]) for k in saved)
     assert not torch.equal(saved["word_embeddings"], b["word_embeddings"])

@@ -16,6 +16,8 @@ from conftest import REPO, run_pretrain
 from hf_models import (as_sentence_transformer, bert_body, bible_lines, framed_rows, import_all, make_bert,
                        make_headless_xlmr)
 from mmadapt import adapt as A
+from mmadapt.artifact import read_artifact
+from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.cli import main
 from mmadapt.family import WORD
 from mmadapt.features import encode_classify
@@ -247,17 +249,17 @@ def test_wordpiece_surface_forms(runs):
     assert piece["the"] == "▁the" and piece[","] == "," and piece["."] == "."
     continuation = next(t for t in raw.get_vocab() if t.startswith("##") and len(t) > 3)
     assert piece[continuation] == continuation[2:]
-    surfaces = A.tokenizer_pieces(runs["cased"] / "tokenizer" / "spm.model")
+    surfaces = tokenizer_pieces(runs["cased"] / "tokenizer" / "spm.model")
     assert len(set(surfaces)) == len(surfaces)  # one row per surface form
 
 
 def test_overlap_with_a_wordpiece_source(runs, de_tokenizer):
     """German SentencePiece pieces start from the English WordPiece rows of the same text: `▁in` from
     `in`, `,` from `,`; an uncased source matches `▁Israel` with `israel`."""
-    trg = A.tokenizer_pieces(de_tokenizer)
+    trg = tokenizer_pieces(de_tokenizer)
     for name in ("cased", "uncased"):
         src_tok = runs[name] / "tokenizer" / "spm.model"
-        src = A.tokenizer_pieces(src_tok)
+        src = tokenizer_pieces(src_tok)
         w = torch.randn(len(src), 8)
         new, counts = A.init_rows("overlap", src_tok, {WORD: w}, trg, 0.02, 0)
         for t, s in (("▁in", "▁in"), (",", ","), ("▁Israel", "▁israel" if name == "uncased" else "▁Israel")):
@@ -288,7 +290,7 @@ def test_subword_mean_splits_with_wordpiece_continuations(runs, hf_dirs):
 def test_wordpiece_vocabulary_expands(name, runs, de_tokenizer, tmp_path):
     """--vocab_mode expand: the German pieces a WordPiece lacks, appended as tokens (`##` for
     word-internal ones; an uncased source's in lower case); the source's ids keep their pieces."""
-    from mmadapt.vocab import check_expansion, expand
+    from mmadapt.expand import check_expansion, expand
 
     src_tok = runs[name] / "tokenizer" / "spm.model"
     expansion = expand(src_tok, de_tokenizer)
@@ -453,7 +455,7 @@ def test_headless_sentence_encoder_end_to_end(kind, headless, headless_xlmr, cor
     model = SentenceTransformer(str(out / "sentence_transformers"), device="cpu", local_files_only=True)
     got = torch.from_numpy(model.encode(german))
     cfg, state = load_weights(head)
-    emb, tokenizer, _ = A.read_artifact(artifact)
+    emb, tokenizer, _ = read_artifact(artifact)
     state = {**state, WORD: emb["word_embeddings"]}
     cfg = dataclasses.replace(cfg, vocab_size=emb["word_embeddings"].shape[0])
     mine = sentence_vectors(get_family(cfg), cfg, state, rows(load(tokenizer), german))

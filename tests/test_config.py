@@ -138,6 +138,35 @@ def test_a_path_given_as_text_becomes_a_path():
     assert steps.Finetune(task="bible-genre", primary="runs/x").primary == Path("runs/x")
 
 
+def test_each_step_owns_its_settings():
+    """TrainConfig's Step-2 fields (config.STEP2) are offered as flags by adapt and sweep alone, and
+    a config of another step that sets one is refused in one line naming it (the Python API's
+    check, StepSpec); left at their defaults they are no step's business."""
+    import dataclasses as dc
+
+    from mmadapt import cli, steps
+    from mmadapt.config import STEP2
+
+    owned = [f.name for f in dc.fields(TrainConfig) if f.metadata.get("owner") is STEP2]
+    assert set(owned) == {"train_output_bias", "embedding_init", "vocab_mode", "expand_output_start",
+                          "expand_source_nats", "replay_data", "replay_fraction", "plugin_eval_blocks"}
+    for parser, offered in ((cli.pretrain_parser(), False), (cli.minipost_parser(), False),
+                            (cli.fit_head_parser(), False), (cli.adapt_parser(), True), (cli.sweep_parser(), True)):
+        flags = {a.dest for a in parser._actions}
+        assert all((name in flags) == offered for name in owned), parser.prog
+    model = PRESETS["tiny"][0]
+    steps.Pretrain(model=model, train=TrainConfig())
+    for name, value in (("embedding_init", "normal"), ("replay_data", "data/en"), ("plugin_eval_blocks", 8),
+                        ("train_output_bias", False)):
+        train = dc.replace(TrainConfig(), **{name: value})
+        for make in (lambda: steps.Pretrain(model=model, train=train),
+                     lambda: steps.FitHead(primary=Path("runs/x"), train=train),
+                     lambda: steps.BuildMinipost(primary=Path("runs/x"), train=train)):
+            with pytest.raises(ValueError, match=f"^{name} is a Step-2 setting, which [a-z_-]+ does not use: drop it$"):
+                make()
+        steps.AdaptEmbeddings(system="bl_base", source=Path("runs/x"), lang="de", train=train)
+
+
 def test_replay_data_alone_takes_the_measured_default_fraction():
     """--replay_data without --replay_fraction replays REPLAY_FRACTION of every batch (the value
     chosen from the expand sweep); without --replay_data there is no replay; a fraction of 0 with

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from conftest import REPO, VOCAB
-from mmadapt import adapt as A
+from mmadapt.artifact import read_artifact, write_artifact
 from mmadapt import evaluate as F
+from mmadapt.devices import swapped
 from mmadapt import tasks as T
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.tokenizer import load as load_sp
@@ -165,7 +166,7 @@ def test_the_swap_leaves_the_runs_own_model_as_it_was(tokenizer, de_tokenizer):
     # Also after an error inside the swap, and embeddings of another width are refused by the
     # check swap_embeddings uses.
     with pytest.raises(RuntimeError, match="inside"):
-        with F.swapped(model, {WORD: artifact["word_embeddings"]}):
+        with swapped(model, {WORD: artifact["word_embeddings"]}):
             assert model.get_parameter(WORD).shape == (1200, MODEL.hidden_size)
             raise RuntimeError("inside")
     assert model.get_parameter(WORD) is own
@@ -205,7 +206,7 @@ def _adapt_run(run, primary_run, tokenizer, vocab_sizes: dict[int, int]):
         rows = torch.cat([primary, torch.randn(vocab - len(primary), primary.shape[1], generator=g) * 0.02])
         meta = {"system": "bl_base", "lang": "de", "step": step, "flops": float(step), "flops_paper": float(step),
                 "v100_days": 0.0, "tokens": step, "source": str(primary_run)}
-        A.write_artifact(run / "embeddings" / f"step{step:08d}",
+        write_artifact(run / "embeddings" / f"step{step:08d}",
                          {"word_embeddings": rows + 0.05 * torch.randn(rows.shape, generator=g),
                           "output_bias": torch.zeros(vocab)}, tokenizer, meta)
     return run
@@ -227,7 +228,7 @@ def test_records_equal_the_straightforward_paths(seeds, adapt_run):
     # (bl_base's artifacts over a MINIJOINT primary are its ceiling, labelled minijoint:full: adapt.system_label)
     assert records[2]["system"] == "no_adaptation" and records[2]["of"] == [records[0]["system"]] == ["minijoint:full"]
     for rec, vocab in zip(records, (1000, 1200, None)):
-        emb, tok = (None, runs[0].tokenizer) if vocab is None else A.read_artifact(rec["artifact"])[:2]
+        emb, tok = (None, runs[0].tokenizer) if vocab is None else read_artifact(rec["artifact"])[:2]
         assert vocab is None or emb["word_embeddings"].shape == (vocab, 64)
         per_seed = []
         for ft in runs:
@@ -262,7 +263,7 @@ def test_each_evaluation_set_is_encoded_once_per_tokenizer(seeds, adapt_run, pri
     records = F.evaluate_artifacts(seeds, [adapt_run, other, adapt_run], "bible")
     assert [r.get("step") for r in records] == [2, 4, 6, 2, 4, None]
     # No adaptation reads with the runs' own tokenizer: the content `other` carries, encoded already.
-    assert F.file_sha256(Path(records[-1]["tokenizer"])) == F.file_sha256(A.read_artifact(records[2]["artifact"])[1])
+    assert F.file_sha256(Path(records[-1]["tokenizer"])) == F.file_sha256(read_artifact(records[2]["artifact"])[1])
     assert calls == {"encode": 2, "build_task_model": 2}
     assert records[3]["scores"] == records[0]["scores"]  # the same artifact again, the same model state
 

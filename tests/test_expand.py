@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import sentencepiece as spm
@@ -16,19 +17,21 @@ import torch.nn.functional as F
 
 from conftest import REPO, VOCAB
 from mmadapt import steps
-from mmadapt.adapt import artifact_state, read_artifact, source_split, step2_start, step2_start_with_primary
+from mmadapt.adapt import _check_output_start, source_split
+from mmadapt.artifact import artifact_state, read_artifact
 from mmadapt.config import ModelConfig, TrainConfig, apply_recipe
 from mmadapt.models import PRESETS
 from mmadapt.corpora import write_bible_corpus
 from mmadapt.family import WORD
 from mmadapt.models import get_family
 from mmadapt.flops import counted_flops
-from mmadapt.models.layers import SplitVocabEmbedding, derive_seed, new_rows_name, normal_init, vocab_linear
+from mmadapt.models.layers import SplitVocabEmbedding, new_rows_name, normal_init, vocab_linear
 from mmadapt.models.roberta.model import BIAS
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, load_weights
 from mmadapt.tokenizer import pieces
-from mmadapt.vocab import EXPAND_MULTIPLE, check_expansion, expand
+from mmadapt.expand import EXPAND_MULTIPLE, check_expansion, expand
+from evaluation import step2_start
 
 ZERO0 = REPO / "ds_configs" / "zero0.json"
 ZERO2 = REPO / "ds_configs" / "zero2.json"
@@ -142,6 +145,32 @@ def expanded(sources, de_corpus, de_tokenizer, tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_step2_reads_its_source_checkpoint_once(family, sources, de_corpus, de_tokenizer, tmp_path, monkeypatch):
+    """One expand Step 2 with every reader of the source's weights at work (the start, its
+    calibration on the source run's text, the plug-in probe at every checkpoint, the primary's
+    fingerprint, the expand report) reads the source checkpoint once (adapt.Step2Start builds
+    the start once and hands it on)."""
+    from mmadapt import checkpoint
+    from mmadapt.config import PreprocessConfig
+
+    source = sources[family]
+    data = tmp_path / "de"
+    steps.preprocess(de_corpus, output_dir=data, vocab_size=None, tokenizer=de_tokenizer, expand_from=source,
+                     cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    reads, load = [], checkpoint.load_full_state_dict
+    monkeypatch.setattr(checkpoint, "load_full_state_dict",
+                        lambda ckpt_dir, *a, **k: reads.append(Path(ckpt_dir).resolve()) or load(ckpt_dir, *a, **k))
+    out = tmp_path / "adapt"
+    steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, data_path=data),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de", train=_train(
+                               family, 2, extra_save_steps=(1,), vocab_mode="expand", plugin_eval_blocks=8)))
+    record = json.loads((out / "run.json").read_text())
+    assert "new_mass_calibrated" in record and "plugin_gain" in record["expand_report"]
+    assert all("plugin_gain" in read_artifact(a)[2] for a in sorted((out / "embeddings").iterdir()))
+    assert reads.count((source / "checkpoints").resolve()) == 1, reads
+
+
 def _sha(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
@@ -188,8 +217,8 @@ def test_expand_trains_only_the_new_rows(family, sources, de_corpus, de_tokenize
     art, tok, meta = read_artifact(out / "embeddings" / tag)
     assert meta["vocab_mode"] == "expand" and meta["source_vocab_size"] == VOCAB and tok.read_bytes() == merged.model
     keys = {"word_embeddings": WORD, "output_bias" if family == "roberta" else "output_layer": expanded[1]}
-    start = step2_start("minijoint", source, None, tok, derive_seed(record["train"]["seed"], "embeddings.de"), 2,
-                        "overlap", "expand")[1]
+    start = step2_start("minijoint", source, tok, 2, seed=record["train"]["seed"], vocab_mode="expand",
+                        expand_output_start="embedding_init").init
     for key, name in keys.items():
         assert art[key].shape[0] == merged.size
         assert torch.equal(art[key][:VOCAB], mini[name].float())
@@ -218,7 +247,9 @@ def test_subword_mean_starts_each_new_row_at_its_split(sources, de_tokenizer, tm
     tokenizer (adapt.source_split, tested in tests/test_adapt.py), computed here row by row."""
     source = sources["llama"]
     merged = expand(source / "tokenizer" / "spm.model", de_tokenizer).write(tmp_path / "m.model")
-    _, init, counts = step2_start("minijoint", source, None, merged, 7, 2, "subword_mean", "expand")
+    start = step2_start("minijoint", source, merged, 2, seed=7, embedding_init="subword_mean", vocab_mode="expand",
+                        expand_output_start="embedding_init")
+    init, counts = start.init, start.rows
     _, src = load_weights(source)
     split = source_split(source / "tokenizer" / "spm.model")
     new = pieces(merged)[VOCAB:]
@@ -427,7 +458,7 @@ def test_the_bounded_start_caps_the_new_pieces_share_wherever_the_model_looks():
     output y = w * x_hat + beta with ||x_hat|| = sqrt(h): random ones, and for each new row the
     one that maximises its own logit (where the bound is tight for that row). A decoder's untied
     projection gets the mean source row, and its stated bound is log(1 + k / n)."""
-    from mmadapt.adapt import bounded_start, logit_excess, mass_bound
+    from mmadapt.expand import bounded_start, logit_excess, mass_bound
 
     NEW_MASS_NATS = 0.02
     from mmadapt.family import OutputPath
@@ -464,10 +495,10 @@ def test_the_bounded_start_caps_the_new_pieces_share_wherever_the_model_looks():
 
 
 def test_the_bias_shift_is_the_largest_that_leaves_the_target_rise():
-    """adapt.bias_shift: the common offset c of the new bias entries whose mean rise
+    """expand.bias_shift: the common offset c of the new bias entries whose mean rise
     log(1 + sum_j exp(y_i . r_j + b_j + c - lse_i)), computed here term by term, is the target,
     and a slightly larger c overshoots it; a start already over the target is left (c = 0)."""
-    from mmadapt.adapt import bias_shift
+    from mmadapt.expand import bias_shift
 
     g = torch.Generator().manual_seed(3)
     m, k, h = 40, 7, 5
@@ -490,40 +521,38 @@ def test_at_update_0_the_bounded_start_keeps_the_source_language(family, sources
     """The primary model's source-language loss on held-out source text, and its KL from the
     source model's distribution, with the new pieces in its softmax at update 0: at most
     TrainConfig.expand_source_nats (0.01) for both families, with the bounded start calibrated on the source text's
-    training split (plugin.off_source_start) and scored on its valid split. The worst-case start
+    training split (expand.calibrate, here the replay text's) and scored on its valid split. The worst-case start
     it calibrates (the encoder's bias bound: a tiny rise; the decoder's mean row, Hewitt's: a
     larger one) stays under its bound, the encoder's calibrated start rises more than its worst
     case (its entries moved up toward the text) and the decoder's less than its mean row; every
     bounded start rises less than the old start. The KL equals the rise."""
     NEW_MASS_NATS = TrainConfig.expand_source_nats
     from mmadapt.config import PreprocessConfig
-    from mmadapt.plugin import SourceProbe, off_source_start
-    from mmadapt.run import read_source
+    from mmadapt.expand import SourceProbe
+    from mmadapt.heldout import Primary, Scorer, Text
 
     source = sources[family]
     text = tmp_path / "en"
     steps.preprocess(corpus, output_dir=text, vocab_size=VOCAB, tokenizer=tokenizer,
                      cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
     merged = expand(source / "tokenizer" / "spm.model", de_tokenizer).write(tmp_path / "m.model")
-    probe = SourceProbe(source, (text, "valid"), 32)
+    probe = SourceProbe(Scorer(Primary.read(source)), Text(text, 32, split="valid"))
     meta = {"vocab_mode": "expand", "source_vocab_size": VOCAB}
-    rise = {}
-    src = read_source(source)
-    for start in ("worst", "bounded", "embedding_init"):
-        cfg, init, counts, primary = step2_start_with_primary("minijoint", src, None, merged, 7, 2, "overlap", "expand",
-                                                              "bounded" if start == "worst" else start)
+    rise, bounds = {}, {}
+    for start in ("worst_case", "bounded", "embedding_init"):
+        built = step2_start("minijoint", source, merged, 2, seed=7, vocab_mode="expand", expand_output_start=start,
+                            replay_data=str(text), seq_length=32)
+        counts = built.rows
         if start == "bounded":
-            init, shift = off_source_start(src, text, 32, cfg, init, primary, NEW_MASS_NATS)
-            moved = shift["bias_shift" if family == "roberta" else "output_shift"]
-            assert moved > 0 and shift["new_mass_calibrated"] <= NEW_MASS_NATS / 2 + 1e-9
-            assert shift["new_mass_bound"] > counts["new_mass_bound"]  # the worst case is looser now
-            counts.update(shift)
-        names = get_family(cfg).artifact_keys()
-        tensors = {key: torch.cat([init[name], init[new_rows_name(name)]]) for key, name in names.items() if name in init}
-        scored = probe.score(tensors, meta)
+            moved = counts["bias_shift" if family == "roberta" else "output_shift"]
+            assert moved > 0 and counts["new_mass_calibrated"] <= NEW_MASS_NATS / 2 + 1e-9
+            assert counts["new_mass_bound"] > bounds["worst_case"]  # the worst case is looser now
+        bounds[start] = counts["new_mass_bound"]
+        scored = probe.score(built.tensors(), meta)
         rise[start] = scored["source_loss"] - probe.before
         assert scored["source_kl"] == pytest.approx(rise[start], abs=1e-4)
         assert rise[start] <= counts["new_mass_bound"] + 1e-4
+    rise["worst"] = rise["worst_case"]
     k = len(pieces(merged)) - VOCAB
     assert 0 <= rise["bounded"] <= NEW_MASS_NATS
     if family == "roberta":  # the worst case leaves nearly nothing on the text; calibrated, more
@@ -540,9 +569,9 @@ def test_a_tied_decoder_cannot_start_its_rows_at_their_splits_under_the_bounded_
     train = TrainConfig(vocab_mode="expand", embedding_init="subword_mean")
     llama = get_family("llama")
     with pytest.raises(ValueError, match="--expand_output_start embedding_init"):
-        steps._check_output_start(llama, train, body)
-    steps._check_output_start(llama, dataclasses.replace(train, expand_output_start="embedding_init"), body)
-    steps._check_output_start(llama, train, dataclasses.replace(body, share_embeddings_and_output_weights=False))
+        _check_output_start(llama, train, body)
+    _check_output_start(llama, dataclasses.replace(train, expand_output_start="embedding_init"), body)
+    _check_output_start(llama, train, dataclasses.replace(body, share_embeddings_and_output_weights=False))
 
 
 # --- source-language replay (TrainConfig.replay_data, replay_fraction) ------------------------------------
@@ -686,12 +715,12 @@ def test_expand_from_a_raw_corpus_trains_the_target_tokenizer(sources, de_corpus
 
 @pytest.mark.parametrize("family", ["roberta", "llama"])
 def test_the_start_recomputed_for_an_older_run_is_the_saved_update_0(family, sources, expanded, tmp_path):
-    """plugin._start_embeddings reads a run's artifact of update 0; for a run without one (recorded
+    """plugin.start_embeddings reads a run's artifact of update 0; for a run without one (recorded
     before ArtifactWriter.save_start) it recomputes the start with the run's recorded
     expand_output_start, which gives the saved tensors bit for bit. A run recorded before that
     field started its output side as its input side (embedding_init): the encoder's new bias
     entries then differ from the bounded start's, the untied decoder's new output rows too."""
-    from mmadapt.plugin import _start_embeddings
+    from mmadapt.plugin import start_embeddings
 
     run = expanded[family].parent.parent
     saved = read_artifact(run / "embeddings" / "step00000000")[0]
@@ -701,13 +730,13 @@ def test_the_start_recomputed_for_an_older_run_is_the_saved_update_0(family, sou
     old.mkdir()
     (old / "run.json").write_text(json.dumps(record))  # no artifact of update 0: recomputed
     tokenizer = expanded[family] / "spm.model"
-    again = _start_embeddings(old, tokenizer)
+    again = start_embeddings(old, tokenizer)
     assert saved.keys() == again.keys()
     for key in saved:
         assert torch.equal(saved[key], again[key]), key
     del record["train"]["expand_output_start"]
     (old / "run.json").write_text(json.dumps(record))
-    before = _start_embeddings(old, tokenizer)
+    before = start_embeddings(old, tokenizer)
     moved = "output_bias" if family == "roberta" else "output_layer"
     assert torch.equal(before["word_embeddings"], saved["word_embeddings"])
     assert not torch.equal(before[moved][VOCAB:], saved[moved][VOCAB:])

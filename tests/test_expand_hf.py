@@ -12,7 +12,7 @@ import torch
 from conftest import REPO
 from hf_models import bible_lines, make_llama2, make_qwen2
 from mmadapt import steps
-from mmadapt.adapt import artifact_state, read_artifact
+from mmadapt.artifact import artifact_state, read_artifact
 from mmadapt.models import PRESETS
 from mmadapt.hf import export_hf, import_hf
 from mmadapt.models.llama import LLAMA
@@ -20,7 +20,7 @@ from mmadapt.models.llama.model import LlamaLM
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, load_weights
 from mmadapt.tokenizer import load, pieces
-from mmadapt.vocab import EXPAND_MULTIPLE, expand
+from mmadapt.expand import EXPAND_MULTIPLE, expand
 from mmadapt.models import get_family
 
 MAKERS = {"qwen2": make_qwen2, "llama2": make_llama2}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ADAPT, NO_DROPOUT, REPO, adapt_args, child_env, metrics, run_pretrain
-from mmadapt import adapt as A
+from mmadapt.artifact import read_artifact, write_artifact
 from mmadapt import faults
 from mmadapt.config import FinetuneConfig
 from mmadapt import steps
@@ -77,7 +77,7 @@ def test_the_model_rebuilt_from_disk_is_exactly_step3s(step3):
 
 def _artifact(tmp_path, de_tokenizer, hidden=64, vocab=1000, source="x"):
     g = torch.Generator().manual_seed(0)
-    return A.write_artifact(tmp_path / "artifact", {"word_embeddings": torch.randn(vocab, hidden, generator=g) * 0.02,
+    return write_artifact(tmp_path / "artifact", {"word_embeddings": torch.randn(vocab, hidden, generator=g) * 0.02,
                                                     "output_bias": torch.zeros(vocab)}, de_tokenizer,
                             {"lang": "de", "source": source})
 
@@ -85,7 +85,7 @@ def _artifact(tmp_path, de_tokenizer, hidden=64, vocab=1000, source="x"):
 def test_swap_changes_only_the_embeddings_and_the_tokenizer(step3, de_tokenizer, tmp_path):
     out, *_ = step3
     ft = load_finetuned(out)
-    emb, tok, _ = A.read_artifact(_artifact(tmp_path, de_tokenizer))
+    emb, tok, _ = read_artifact(_artifact(tmp_path, de_tokenizer))
     swapped = swap_embeddings(ft.state, emb)
     assert set(swapped) == set(ft.state)
     assert torch.equal(swapped[WORD], emb["word_embeddings"])
@@ -98,7 +98,7 @@ def test_swap_changes_only_the_embeddings_and_the_tokenizer(step3, de_tokenizer,
     expected = score(ft.task, predict(model, enc.input_ids, 2048), enc, de, ft.labels, cfg)
     assert evaluate_score(ft, de, cfg, emb, tok) == expected
     # Embeddings of another model's width are refused.
-    wrong, _, _ = A.read_artifact(_artifact(tmp_path / "w", de_tokenizer, hidden=32))
+    wrong, _, _ = read_artifact(_artifact(tmp_path / "w", de_tokenizer, hidden=32))
     with pytest.raises(ValueError, match="hidden size 32"):
         swap_embeddings(ft.state, wrong)
 
@@ -110,11 +110,11 @@ def test_step4_takes_the_artifacts_vocabulary_size(step3, primary_run, de_tokeni
     ft = load_finetuned(out)
     meta = {"system": "bl_base", "lang": "de", "step": 1, "flops": 1.0, "flops_paper": 1.0, "v100_days": 0.0,
             "tokens": 1, "source": str(primary_run)}
-    same = A.write_artifact(tmp_path / "v1000", _rows(1000), de_tokenizer, meta)
-    more = A.write_artifact(tmp_path / "v1200", _rows(1200), de_tokenizer, meta)
+    same = write_artifact(tmp_path / "v1000", _rows(1000), de_tokenizer, meta)
+    more = write_artifact(tmp_path / "v1200", _rows(1200), de_tokenizer, meta)
     de = read_examples(ft.task, "bible", "de", "test")[:40]
     cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_tokens": 1280})
-    scores = [evaluate_score(ft, de, cfg, A.read_artifact(p)[0], de_tokenizer) for p in (same, more)]
+    scores = [evaluate_score(ft, de, cfg, read_artifact(p)[0], de_tokenizer) for p in (same, more)]
     assert scores[0] == scores[1]
     pairs = {"de": [("In the beginning God created the heaven.", "Im Anfang schuf Gott Himmel und Erde.")] * 4}
     rec = [retrieval_records(primary_run, [p], pairs)[0]["score"] for p in (same, more)]

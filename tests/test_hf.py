@@ -17,6 +17,8 @@ from transformers import (AutoModelForMaskedLM, AutoModelForQuestionAnswering, A
 from conftest import REPO
 from hf_models import bible_lines, framed_rows, import_all, make_roberta, make_xlmr
 from mmadapt import adapt as A
+from mmadapt.artifact import read_artifact, write_artifact
+from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.cli import main
 from mmadapt.config import FinetuneConfig, TrainConfig
 from mmadapt import steps
@@ -99,12 +101,12 @@ def test_imported_model_gives_transformers_logits(name, hf_dirs, runs):
 
 def test_byte_level_pieces_match_sentencepiece_pieces_by_surface(runs, de_tokenizer):
     """Step 2's overlap: BPE's 'Ġ' is SentencePiece's '▁', byte pieces decode to their text."""
-    bpe = A.tokenizer_pieces(runs["roberta"] / "tokenizer" / "spm.model")
+    bpe = tokenizer_pieces(runs["roberta"] / "tokenizer" / "spm.model")
     raw = HFTokenizer.read(runs["roberta"] / "tokenizer" / "spm.model")
     gthe = raw.tokenizer.token_to_id("Ġthe")
     assert bpe[int(raw.to_mmadapt[gthe])] == "▁the"
     assert bpe[:5] == ["<pad>", "<unk>", "<s>", "</s>", "<mask>"]
-    trg = A.tokenizer_pieces(de_tokenizer)
+    trg = tokenizer_pieces(de_tokenizer)
     w = torch.randn(len(bpe), 8)
     b = torch.randn(len(bpe))
     new, shared = A.overlap_init(bpe, {WORD: w, BIAS: b}, trg, 0.02, 0)
@@ -161,7 +163,7 @@ def artifact(runs, de_tokenizer, tmp_path_factory):
     """German embeddings for the imported XLM-R (random: export must carry them exactly)."""
     g = torch.Generator().manual_seed(0)
     v = load_sp(de_tokenizer).get_piece_size()
-    return A.write_artifact(tmp_path_factory.mktemp("art") / "step00000001",
+    return write_artifact(tmp_path_factory.mktemp("art") / "step00000001",
                             {"word_embeddings": torch.randn(v, 32, generator=g) * 0.1,
                              "output_bias": torch.randn(v, generator=g) * 0.1}, de_tokenizer,
                             {"source": str(runs["xlmr"]), "lang": "de", "step": 1, "system": "bl_base"})
@@ -187,7 +189,7 @@ def test_export_of_an_adapted_masked_lm(runs, artifact, de_tokenizer, tmp_path):
     ids = encode_texts(load_sp(de_tokenizer), TEXTS["de"])
     assert torch.equal(enc.input_ids, ids)
     cfg, state = ROBERTA.primary_model(*load_weights(runs["xlmr"]))
-    emb, _, _ = A.read_artifact(artifact)
+    emb, _, _ = read_artifact(artifact)
     state = {**swap_embeddings(state, emb), BIAS: emb["output_bias"]}
     mine = mlm_logits(dataclasses.replace(cfg, vocab_size=len(emb["output_bias"])), state, ids)
     with torch.no_grad():
@@ -214,7 +216,7 @@ def test_exported_sentencepiece_gives_mmadapt_ids_on_the_whole_german_bible(de_t
 def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_path):
     """The body of the imported model, a random task head, the German embeddings."""
     cfg, state = ROBERTA.primary_model(*load_weights(runs["xlmr"]))
-    emb, _, _ = A.read_artifact(artifact)
+    emb, _, _ = read_artifact(artifact)
     cfg = dataclasses.replace(cfg, vocab_size=len(emb["output_bias"]), hidden_dropout=0.0, attention_dropout=0.0)
     model = RobertaForTask(cfg, kind, 3, seed=7).eval()
     full = {**model.state_dict(), **{k: v for k, v in swap_embeddings(state, emb).items() if not k.startswith("heads.")}}
@@ -257,7 +259,7 @@ def classifier(runs, tmp_path_factory):
 def step4_predictions(ft_dir, artifact, examples):
     """mmadapt's Step-4 logits: the fine-tuned model with the artifact swapped in."""
     ft = load_finetuned(ft_dir)
-    emb, tok, _ = A.read_artifact(artifact)
+    emb, tok, _ = read_artifact(artifact)
     model = dataclasses.replace(ft, state=swap_embeddings(ft.state, emb)).model()
     enc = encode(ft.task, load_sp(tok), examples, ft.labels, FinetuneConfig(**ft.run["finetune"]))
     return predict(model, enc.input_ids, 4096), enc, ft.labels
@@ -320,7 +322,7 @@ def test_bad_input_is_one_line_and_writes_nothing(hf_dirs, runs, de_tokenizer, t
     # An artifact trained for a model of another hidden size.
     # (as many rows as its tokenizer's pieces: fewer is refused first, for another reason)
     rows = load(de_tokenizer).get_piece_size()
-    bad = A.write_artifact(tmp_path / "art64", {"word_embeddings": torch.zeros(rows, 64),
+    bad = write_artifact(tmp_path / "art64", {"word_embeddings": torch.zeros(rows, 64),
                                                 "output_bias": torch.zeros(rows)},
                            de_tokenizer,
                            {"source": str(runs["xlmr"])})

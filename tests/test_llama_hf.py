@@ -24,6 +24,8 @@ from conftest import REPO
 from hf_models import (bible_lines, make_llama2, make_llama3, make_mistral, make_qwen2, make_sp_tokenizer,
                        perturb_norms_and_biases)
 from mmadapt import adapt as A
+from mmadapt.artifact import artifact_state, read_artifact, write_artifact
+from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.cli import main
 from mmadapt.config import ModelConfig
 from mmadapt.family import WORD
@@ -208,10 +210,10 @@ def test_byte_pieces_and_word_boundaries_match_by_surface(dec_runs, de_tokenizer
     """Step 2's overlap on both kinds: SentencePiece '▁' and byte-level 'Ġ' are one marker, byte
     pieces are decoded (a byte that is not a whole character is <0xNN> in both), and a German
     piece shared with the source starts from the source's row."""
-    trg = A.tokenizer_pieces(de_tokenizer)
+    trg = tokenizer_pieces(de_tokenizer)
     kinds = {"llama2": "▁in", "qwen2": "▁in"}
     for name, word in kinds.items():
-        src = A.tokenizer_pieces(dec_runs[name] / "tokenizer" / "spm.model")
+        src = tokenizer_pieces(dec_runs[name] / "tokenizer" / "spm.model")
         assert src[:5] == ["<pad>", "<unk>", "<s>", "</s>", "<mask>"]
         assert "<0xC3>" in src and word in src  # Ã's lead byte alone; 'Ġin' read as '▁in' in qwen2
         w = torch.randn(len(src), 8)
@@ -222,7 +224,7 @@ def test_byte_pieces_and_word_boundaries_match_by_surface(dec_runs, de_tokenizer
         assert torch.equal(new[WORD][i], w[j]) and torch.equal(new[OUTPUT][i], -w[j])
         assert torch.equal(new[WORD][EOS_ID], w[EOS_ID])  # </s>: the source's eos row, by its role name
     sp = HFTokenizer.read(dec_runs["llama2"] / "tokenizer" / "spm.model")
-    surface = A.tokenizer_pieces(dec_runs["llama2"] / "tokenizer" / "spm.model")
+    surface = tokenizer_pieces(dec_runs["llama2"] / "tokenizer" / "spm.model")
     for b in range(0x20, 0x7F):  # an ASCII byte piece is its character unless the character is a piece
         m = int(sp.to_mmadapt[sp.tokenizer.token_to_id(f"<0x{b:02X}>")])
         char = chr(b).replace(" ", "▁")
@@ -256,7 +258,7 @@ def de_artifact(run, de_tokenizer, out):
     tensors = {"word_embeddings": torch.randn(v, 32, generator=g) * 0.3}
     if not cfg.share_embeddings_and_output_weights:
         tensors["output_layer"] = torch.randn(v, 32, generator=g) * 0.3
-    return A.write_artifact(out / "step00000001", tensors, de_tokenizer,
+    return write_artifact(out / "step00000001", tensors, de_tokenizer,
                             {"source": str(run), "lang": "de", "step": 1, "system": "bl_base"})
 
 
@@ -279,8 +281,8 @@ def test_export_of_an_adapted_causal_lm(name, arch, dec_runs, de_tokenizer, tmp_
     assert hf.config.tie_word_embeddings == cfg.share_embeddings_and_output_weights
     assert hf.config.attention_bias == cfg.add_qkv_bias
     rows = [[EOS_ID, *sp.encode(v)][:64] for v in TEXTS[6:]]
-    emb, _, _ = A.read_artifact(artifact)
-    state = {**state, **A.artifact_state(LLAMA, emb)}
+    emb, _, _ = read_artifact(artifact)
+    state = {**state, **artifact_state(LLAMA, emb)}
     ids, real = padded(rows, PAD_ID)
     mine = lm_logits(dataclasses.replace(cfg, vocab_size=len(emb["word_embeddings"])), state, ids)
     diff = (mine[real] - transformers_logits(hf, rows)[real]).abs().max().item()
@@ -465,9 +467,9 @@ def test_imported_decoders_under_tensor_parallel_2(dec_dirs, dec_runs, tmp_path)
 
 def heldout_loss_in_transformers(model, data, vocab_size: int) -> float:
     """transformers' own next-token loss over exactly the blocks the plug-in metric scores
-    (plugin.heldout_batches, its defaults): each block's input and its last label as one row of
+    (heldout.heldout_batches, its defaults): each block's input and its last label as one row of
     s + 1 tokens, so that transformers' shifted labels are the block's s labels."""
-    from mmadapt.plugin import heldout_batches
+    from mmadapt.heldout import heldout_batches
 
     total, count = 0.0, 0
     for ids, labels in heldout_batches(data, 64, vocab_size, 256, 32, 0, CAUSAL):
@@ -539,7 +541,7 @@ def test_import_minipost_german_export_generate(dec_dirs, corpus, de_corpus, tmp
     assert main(["export-hf", "--finetuned", str(ft), "--embeddings", str(artifact), "--output_dir", str(clf)]) == 0
     examples = read_examples(get_task("bible-genre"), "bible", "de", "test")[::10]
     finetuned = load_finetuned(ft)
-    emb, _, _ = A.read_artifact(artifact)
+    emb, _, _ = read_artifact(artifact)
     model = dataclasses.replace(finetuned, state=swap_embeddings(finetuned.state, emb)).model()
     enc = encode(finetuned.task, sp, examples, finetuned.labels, FinetuneConfig(**finetuned.run["finetune"]))
     mine = predict(model, enc.input_ids, 4096)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ADAPT, LAYOUTS, VOCAB, adapt_args, metrics, run_pretrain
-from mmadapt import adapt as A
+from mmadapt.artifact import read_artifact
 from mmadapt.checkpoint import load_full_state_dict
 from mmadapt.family import WORD
 
@@ -100,8 +100,8 @@ def test_decoder_step2_layout_matches_single_process(layout, reference, step2_si
     assert [r["step"] for r in got] == [1, 2, 3]
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
     tag = f"step{STEPS:08d}"
-    want, _, _ = A.read_artifact(step2_single / "embeddings" / tag)
-    mine, _, meta = A.read_artifact(run / "embeddings" / tag)
+    want, _, _ = read_artifact(step2_single / "embeddings" / tag)
+    mine, _, meta = read_artifact(run / "embeddings" / tag)
     assert sorted(mine) == sorted(want) == (["word_embeddings"] if tied else ["output_layer", "word_embeddings"])
     for k in want:
         torch.testing.assert_close(mine[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -149,7 +149,7 @@ def test_decoder_step2_scoring_a_fraction_matches_single_process(layout, referen
     assert [r["step"] for r in got] == [1, 2, 3]
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
     tag = f"step{STEPS:08d}"
-    want, _, want_meta = A.read_artifact(step2_scored_single / "embeddings" / tag)
-    mine, _, meta = A.read_artifact(run / "embeddings" / tag)
+    want, _, want_meta = read_artifact(step2_scored_single / "embeddings" / tag)
+    mine, _, meta = read_artifact(run / "embeddings" / tag)
     assert meta["score_fraction"] == want_meta["score_fraction"] == 0.25 and meta["flops"] == want_meta["flops"]
     torch.testing.assert_close(mine["word_embeddings"], want["word_embeddings"], rtol=1e-5, atol=1e-6)

@@ -10,7 +10,7 @@ import torch
 
 from conftest import REPO, VOCAB, metrics
 from mmadapt import steps
-from mmadapt.adapt import read_artifact
+from mmadapt.artifact import read_artifact
 from mmadapt.config import FinetuneConfig, Layout, MiniModelConfig, PreprocessConfig, TrainConfig, apply_recipe
 from mmadapt.models import PRESETS
 from mmadapt.data import CausalBatches, read_manifest

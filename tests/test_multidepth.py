@@ -16,6 +16,8 @@ import torch
 from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, heads_by_hand, masked_batch, metrics,
                       mlm_batches, run_pretrain)
 from mmadapt import adapt as A
+from evaluation import step2_start
+from mmadapt.artifact import read_artifact, system_label
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
 from mmadapt.models import PRESETS
 from mmadapt.models.roberta.model import RobertaMLM
@@ -160,10 +162,10 @@ def test_the_depth_is_checked_against_the_source_heads():
 
 def test_records_name_the_depth_only_when_the_source_has_several():
     meta = {"system": "minijoint", "mini_layers": 4, "mini_depths": [2, 4]}
-    assert A.system_label(meta) == "minijoint@4"
-    assert A.system_label({**meta, "mini_depths": [4]}) == "minijoint"
-    assert A.system_label({"system": "minijoint", "mini_layers": 4}) == "minijoint"  # artifacts written before
-    assert A.system_label({"system": "bl_base", "mini_layers": 12}) == "bl_base"
+    assert system_label(meta) == "minijoint@4"
+    assert system_label({**meta, "mini_depths": [4]}) == "minijoint"
+    assert system_label({"system": "minijoint", "mini_layers": 4}) == "minijoint"  # artifacts written before
+    assert system_label({"system": "bl_base", "mini_layers": 12}) == "bl_base"
 
 
 def test_full_model_step2_over_another_recipe_is_named_as_that_recipes_ceiling(tmp_path):
@@ -175,8 +177,8 @@ def test_full_model_step2_over_another_recipe_is_named_as_that_recipes_ceiling(t
         src = tmp_path / str(recipe)
         src.mkdir()
         (src / "run.json").write_text(json.dumps({} if recipe is None else {"recipe": recipe}))
-        assert A.system_label({"system": "bl_base", "mini_layers": 12, "source": str(src)}) == label
-    assert A.system_label({"system": "minijoint", "mini_layers": 4, "source": str(tmp_path / "minijoint")}) \
+        assert system_label({"system": "bl_base", "mini_layers": 12, "source": str(src)}) == label
+    assert system_label({"system": "minijoint", "mini_layers": 4, "source": str(tmp_path / "minijoint")}) \
         == "minijoint"
 
 
@@ -288,7 +290,6 @@ def test_step2_with_the_papers_frozen_output_bias(primary_run, de_corpus, de_tok
     """train_output_bias false: only the embedding trains and is checkpointed; the artifact's
     bias is exactly the overlap initialisation, its embedding is not."""
     from mmadapt import steps
-    from mmadapt.models.roberta.model import derive_seed
     from mmadapt.run import RunSpec
 
     train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,
@@ -297,9 +298,8 @@ def test_step2_with_the_papers_frozen_output_bias(primary_run, de_corpus, de_tok
     steps.adapt_embeddings(run=RunSpec(output_dir=out, corpus=de_corpus, tokenizer=de_tokenizer),
                            step=steps.AdaptEmbeddings(system="minijoint", source=primary_run, lang="de", train=train,
                                                       vocab_size=VOCAB))
-    tensors, _, meta = A.read_artifact(out / "embeddings" / "step00000002")
-    _, init, _ = A.step2_start("minijoint", primary_run, None, de_tokenizer,
-                               derive_seed(train.seed, "embeddings.de"))
+    tensors, _, meta = read_artifact(out / "embeddings" / "step00000002")
+    init = step2_start("minijoint", primary_run, de_tokenizer, seed=train.seed, train_output_bias=False).init
     assert torch.equal(tensors["output_bias"], init[BIAS])
     assert not torch.equal(tensors["word_embeddings"], init[WORD])
     module = torch.load(out / "checkpoints" / "step00000002" / "mp_rank_00_model_states.pt",
@@ -489,6 +489,6 @@ def test_step2_cli_over_a_chosen_depth(three_head_run, de_corpus, de_tokenizer, 
     run = tmp_path / "at2"
     run_pretrain(1, *adapt_args("minijoint", three_head_run, de_corpus, de_tokenizer, run, "--mini_layers", "2",
                                 "--train_iters", "2", "--save_interval", "2", "--log_interval", "1"), script=ADAPT)
-    tensors, _, meta = A.read_artifact(run / "embeddings" / "step00000002")
-    assert meta["mini_layers"] == 2 and A.system_label(meta) == "minijoint@2"
+    tensors, _, meta = read_artifact(run / "embeddings" / "step00000002")
+    assert meta["mini_layers"] == 2 and system_label(meta) == "minijoint@2"
     assert tensors["word_embeddings"].shape == (VOCAB, 64)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import REPO, base_args, pretrain_here
-from mmadapt import adapt as A
+from mmadapt.artifact import write_artifact
 from mmadapt import steps
 from mmadapt.cli import finetune_main, finetune_parser, finetune_summary, report_main
 from mmadapt.config import FinetuneConfig, Layout, override
@@ -403,7 +403,7 @@ def test_a_fine_tune_on_shuffled_labels_is_flagged_at_chance(toy_run, fresh_prim
 def _artifact(path, system, lang, emb, tokenizer, source, step):
     meta = {"system": system, "lang": lang, "step": step, "source": str(source), "flops": 1e12 * step,
             "flops_paper": 1e12 * step, "v100_days": 1e-6 * step, "tokens": 1000 * step}
-    return A.write_artifact(path, {"word_embeddings": emb, "output_bias": torch.zeros(len(emb))}, tokenizer, meta)
+    return write_artifact(path, {"word_embeddings": emb, "output_bias": torch.zeros(len(emb))}, tokenizer, meta)
 
 
 @pytest.mark.slow  # end to end: the toy task's Step 3 (113 updates) and what it records

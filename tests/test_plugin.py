@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from conftest import PRIMARY_ITERS, VOCAB
-from mmadapt import adapt as A
+from mmadapt.artifact import write_artifact
+from mmadapt import heldout as H
 from mmadapt import plugin as P
+from mmadapt.adapt import progress_line
 from mmadapt.checkpoint import tag_for
 from mmadapt.config import PreprocessConfig
 from mmadapt.data import prepare
@@ -35,7 +37,7 @@ def test_primary_head_loss_is_the_models_own(primary_run, english):
     MINIJOINT model's primary-head loss (its second head, after layer 12), token-weighted."""
     from mmadapt.models.roberta.model import RobertaMLM
 
-    batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
+    batches = H.heldout_batches(english, 32, VOCAB, 64, 16)
     assert len(batches) == 4
     cfg, state = load_weights(primary_run)
     assert cfg.heads_after == (4, 12)
@@ -44,21 +46,21 @@ def test_primary_head_loss_is_the_models_own(primary_run, english):
     with torch.no_grad():
         per_batch = [(float(model(ids, lab)[1][1]), int(lab.ge(0).sum())) for ids, lab in batches]
     expected = sum(l * n for l, n in per_batch) / sum(n for _, n in per_batch)
-    one_head, head_state = P.primary_head_state(primary_run)
+    one_head, head_state = H.primary_head_state(primary_run)
     assert one_head.heads_after == (12,)
     assert torch.equal(head_state[BIAS], state["heads.heads.1.bias"])
     assert plugin_loss(ROBERTA, one_head, head_state, batches) == pytest.approx(expected, abs=1e-5)
 
 
 def test_unigram_reference_by_hand(english):
-    batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
+    batches = H.heldout_batches(english, 32, VOCAB, 64, 16)
     tokens = np.fromfile(english / "text.bin", dtype=json.loads((english / "manifest.json").read_text())["dtype"])
     counts = np.bincount(tokens.astype(np.int64), minlength=VOCAB) + 1.0
     labels = torch.cat([l[l.ge(0)] for _, l in batches]).numpy()
     expected = -np.mean(np.log(counts[labels] / counts.sum()))
-    assert P.unigram_loss(P.unigram_logprobs(english, VOCAB), batches) == pytest.approx(expected, rel=1e-6)
+    assert H.unigram_loss(H.unigram_logprobs(english, VOCAB), batches) == pytest.approx(expected, rel=1e-6)
     # The same masked positions every time (a fixed seed), none of them special pieces.
-    again = P.heldout_batches(english, 32, VOCAB, 64, 16)
+    again = H.heldout_batches(english, 32, VOCAB, 64, 16)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(batches, again))
     assert int(torch.cat([l[l.ge(0)] for _, l in batches]).min()) >= 5
 
@@ -86,14 +88,14 @@ def test_every_scored_piece_is_hidden(english):
     from mmadapt.objectives import MLM
     from mmadapt.tokens import MASK_ID
 
-    batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
-    logp = P.unigram_logprobs(english, VOCAB)
+    batches = H.heldout_batches(english, 32, VOCAB, 64, 16)
+    logp = H.unigram_logprobs(english, VOCAB)
     assert all(bool(ids[labels.ge(0)].eq(MASK_ID).all()) for ids, labels in batches)
     train_rule = MLM.batches(english, TrainConfig(seq_length=32, seed=0, train_micro_batch_size_per_gpu=16),
                                    VOCAB, split=VALID)
     visible = [train_rule.micro_batch(k, 0) for k in range(len(batches))]
     assert all(torch.equal(a[1], b[1]) for a, b in zip(batches, visible))  # the same positions, the same targets
-    unigram = P.unigram_loss(logp, batches)
+    unigram = H.unigram_loss(logp, batches)
     assert _copying_loss(batches, logp) > unigram
     assert _copying_loss(visible, logp) < unigram - 0.1
 
@@ -105,18 +107,18 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
     run = tmp_path / "adapt"
     meta = {"system": "minijoint", "lang": "en", "step": 5, "flops": 1.0, "flops_paper": 1.0, "v100_days": 0.0,
             "tokens": 1, "source": str(primary_run), "source_tag": tag_for(PRIMARY_ITERS)}
-    art = A.write_artifact(run / "embeddings" / "step00000005",
+    art = write_artifact(run / "embeddings" / "step00000005",
                            {"word_embeddings": state[WORD], "output_bias": state["heads.heads.0.bias"]}, tokenizer, meta)
     (run / "run.json").write_text(json.dumps({"system": "minijoint", "lang": "en", "model": {"init_method_std": 0.02},
                                               "train": {"seed": 1}, "frozen_from": {"run_dir": str(primary_run),
                                                                                     "tag": tag_for(PRIMARY_ITERS)}}))
     [rec] = P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=64, batch_size=16)
-    batches = P.heldout_batches(english, 32, VOCAB, 64, 16)
-    one, head = P.primary_head_state(primary_run)
+    batches = H.heldout_batches(english, 32, VOCAB, 64, 16)
+    one, head = H.primary_head_state(primary_run)
     own = plugin_loss(ROBERTA, one, {**head, BIAS: state["heads.heads.0.bias"]}, batches)
     assert rec["loss"] == pytest.approx(own, abs=1e-6)
     assert rec["score"] == pytest.approx(rec["unigram_loss"] - own)
-    assert rec["unigram_loss"] == pytest.approx(P.unigram_loss(P.unigram_logprobs(english, VOCAB), batches))
+    assert rec["unigram_loss"] == pytest.approx(H.unigram_loss(H.unigram_logprobs(english, VOCAB), batches))
     # The overlap init copies every shared piece's row and bias: all pieces are shared here.
     assert rec["start_loss"] == pytest.approx(own, abs=1e-6)
     assert rec["system"] == "minijoint" and rec["artifact"] == str(art) and math.isfinite(rec["score"])
@@ -150,9 +152,9 @@ def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus,
         meta = json.loads((run / "embeddings" / f"step{r['step']:08d}" / "meta.json").read_text())
         assert meta["plugin_gain"] == pytest.approx(r["score"], abs=1e-6)
         assert meta["unigram_loss"] == pytest.approx(r["unigram_loss"], abs=1e-9)
-        assert line == P.progress_line(r["step"], {k: meta[k] for k in ("plugin_gain", "plugin_loss", "unigram_loss")})
+        assert line == progress_line(r["step"], {k: meta[k] for k in ("plugin_gain", "plugin_loss", "unigram_loss")})
         # Up to four updates from the overlap start: still below the unigram reference, and it says so.
         assert r["score"] < 0 and line.endswith("not past the unigram reference yet: piece frequencies alone still "
                                                 "predict better")
-    assert P.progress_line(9, {"plugin_gain": 0.1, "plugin_loss": 5.9, "unigram_loss": 6.0}).endswith(
+    assert progress_line(9, {"plugin_gain": 0.1, "plugin_loss": 5.9, "unigram_loss": 6.0}).endswith(
         "past the unigram reference: the embeddings use the model's context")

@@ -31,9 +31,9 @@ from mmadapt.hf import import_hf
 from mmadapt.models import get_family
 from mmadapt.parallel import init_parallel
 from mmadapt.readers import QAExample, TaggedSentence, squad_scores
-from mmadapt.adapt import artifact_state, read_artifact
+from mmadapt.artifact import artifact_state, read_artifact
 from evaluation import plugin_loss
-from mmadapt.plugin import primary_head_state
+from mmadapt.heldout import primary_head_state
 from mmadapt.run import RunSpec
 from mmadapt.tokenizer import load as load_sp
 from mmadapt.tokens import IGNORE_INDEX, MASK_ID, PAD_ID

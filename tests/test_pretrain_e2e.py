@@ -6,7 +6,7 @@ import subprocess
 import pytest
 
 from conftest import REPO, child_env, launch_cmd, metrics
-from mmadapt.plugin import unigram_logprobs
+from mmadapt.heldout import unigram_logprobs
 
 pytestmark = pytest.mark.slow
 

@@ -333,7 +333,7 @@ def test_a_scored_fraction_keeps_its_curves_apart_and_meets_its_own_ceiling():
     """Records of a decoder's Step 2 at score_fraction p are labelled `<system> p=<p>` (adapt.
     system_label), so the report shows p and never merges them with full scoring's curves; each
     label's ceiling is the one scored at the same p."""
-    from mmadapt.adapt import system_label
+    from mmadapt.artifact import system_label
     from mmadapt.report import ceiling_of, plugin_markdown
 
     assert system_label({"system": "minijoint", "score_fraction": 0.25}) == "minijoint p=0.25"

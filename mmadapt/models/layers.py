@@ -120,7 +120,7 @@ class WordEmbedding(nn.Module):
         return self.word_embeddings(input_ids)
 
 
-# --- an expanded vocabulary (Step 2 --vocab_mode expand, mmadapt/vocab.py) -------------------------------
+# --- an expanded vocabulary (Step 2 --vocab_mode expand, mmadapt/expand.py) -------------------------------
 # The source's F = frozen_vocab_size rows of every vocabulary-indexed weight keep their ids; the
 # target's new pieces are rows F..V-1. Those are held as two parameters, `<name>` (the source's
 # rows, frozen) and `new_<name>` (the new rows, trained), so the optimizer holds the new rows and
@@ -357,8 +357,8 @@ def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index:
     for head, h in zip(heads, hiddens):
         logits = head(h.reshape(-1, h.shape[-1]).index_select(0, masked_index), output_rows).float()  # [m, Vp]
         if split is not None:
-            per_piece = F.cross_entropy(logits, targets, reduction="none") if head.tp == 1 else \
-                tensor_parallel.vocab_parallel_cross_entropy(logits, targets)  # [m]
+            per_piece = (F.cross_entropy(logits, targets, reduction="none") if head.tp == 1 else
+                tensor_parallel.vocab_parallel_cross_entropy(logits, targets))  # [m]
             losses.append(per_piece.mean())
             sums.append(torch.stack([per_piece[:split].sum(), per_piece[split:].sum()]))
         elif head.tp == 1:

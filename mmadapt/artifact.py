@@ -1,0 +1,179 @@
+"""The Step-2 artifact: what Step 4 swaps into the primary model, written at every Step-2
+checkpoint, read by every later command, and how its records are labelled.
+
+Layout of <adapt run>/embeddings/<tag>/:
+    embeddings.pt   the vocabulary-indexed tensors under ModelFamily.artifact_keys' keys:
+                    "word_embeddings" [V, h] and, where the family has one, "output_bias" [V]
+                    (an expanded vocabulary's whole: the source rows, then the new rows)
+    spm.model       the target (or merged) tokenizer
+    meta.json       what, for how much Step-2 compute, for which primary model (its run and its
+                    weights' fingerprint: Step 4 matches it by content, not by path)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mmadapt import checkpoint
+from mmadapt.data import load_checked_tokenizer
+from mmadapt.family import ModelFamily
+from mmadapt.run import RUN_FILE
+
+ARTIFACT_FILE = "embeddings.pt"
+# The system of the records of fine-tuned runs scored with no adaptation (evaluate.no_adaptation_record).
+NO_ADAPTATION = "no_adaptation"
+SCORED_LABEL = " p="  # system_label's mark of a Step 2 that scored a fraction of the positions
+
+
+def write_artifact(out_dir: Path, tensors: dict[str, torch.Tensor], tokenizer: Path, meta: dict) -> Path:
+    """embeddings.pt, the tokenizer and meta.json (module docstring), published whole
+    (checkpoint.staged_dir): a reader never sees half an artifact."""
+    with checkpoint.staged_dir(out_dir, replace=True) as tmp:
+        torch.save({k: v.contiguous() for k, v in tensors.items()}, tmp / ARTIFACT_FILE)
+        (tmp / "spm.model").write_bytes(Path(tokenizer).read_bytes())
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    return out_dir
+
+
+def read_artifact(path: str | os.PathLike) -> tuple[dict, Path, dict]:
+    """-> ({"word_embeddings": [V, h], ...}, tokenizer path, meta)."""
+    path = Path(path)
+    if not (path / ARTIFACT_FILE).is_file():
+        raise ValueError(f"{path} is not a Step-2 embedding artifact (no embeddings.pt): pass a "
+                         "directory under <adapt run>/embeddings/")
+    art = checkpoint.load_pt(path / ARTIFACT_FILE, "Step-2 artifact file", weights_only=True)
+    if not isinstance(art, dict) or "word_embeddings" not in art:
+        raise ValueError(f"{path / ARTIFACT_FILE} holds no word_embeddings: it is not a Step-2 artifact")
+    # A piece id past the last row would index outside the embedding (rows past the last id are
+    # harmless: a vocabulary padded for tensor parallelism has them).
+    rows, pieces = art["word_embeddings"].shape[0], load_checked_tokenizer(path / "spm.model").get_piece_size()
+    if rows < pieces:
+        raise ValueError(f"{path}: its embeddings have {rows} rows but its tokenizer spm.model has {pieces} pieces: "
+                         "they do not belong together; use the artifact directory as adapt wrote it")
+    return art, path / "spm.model", checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
+
+
+def artifact_dirs(paths: list[Path]) -> list[Path]:
+    """Artifact directories, an adapt run's expanded to all its artifacts in step order."""
+    out = []
+    for p in paths:
+        if (p / ARTIFACT_FILE).is_file():
+            out.append(p)
+        elif (p / "embeddings").is_dir():
+            found = sorted(d for d in (p / "embeddings").iterdir() if (d / ARTIFACT_FILE).is_file())
+            if not found:
+                raise ValueError(f"{p} holds no Step-2 embeddings yet: let its adapt run save a checkpoint")
+            out += found
+        else:
+            raise ValueError(f"{p} is neither a Step-2 artifact nor an adapt run directory")
+    return out
+
+
+# --- an artifact in a model ----------------------------------------------------------------------------
+
+def artifact_state(family: ModelFamily, art: dict, meta: dict | None = None,
+                   own: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """An artifact's tensors under the family's parameter names (those it holds). An expanded
+    vocabulary's artifact (meta["vocab_mode"] "expand") put into a model whose own tensors are
+    `own` (the primary model's, of the source vocabulary) keeps the model's own source rows and
+    appends the artifact's new rows: the word embedding's source rows are the same either way
+    (frozen in Step 2, and the primary's in every system), while a MINIJOINT encoder's output
+    bias would otherwise bring its secondary head's source rows into the primary head."""
+    out = {name: art[key] for key, name in family.artifact_keys().items() if key in art}
+    if meta is None or meta.get("vocab_mode", "replace") != "expand":
+        return out
+    size = meta["source_vocab_size"]
+    for name, t in out.items():
+        if own[name].shape[0] != size:
+            raise ValueError(f"the artifact expands a {size}-piece vocabulary, the model's {name} has "
+                             f"{own[name].shape[0]} rows: it was trained for another model")
+        out[name] = torch.cat([own[name].to(t.device, t.dtype), t[size:]])
+    return out
+
+
+def artifact_embeddings(artifact: dict, like: torch.Tensor) -> torch.Tensor:
+    """An artifact's word embeddings [V_trg, h] for a model whose own are `like` [V, h]: checked
+    for the model's width (V_trg may differ from V), in `like`'s dtype, on its device."""
+    new = artifact["word_embeddings"]
+    if new.shape[1] != like.shape[1]:
+        raise ValueError(f"the embeddings have hidden size {new.shape[1]}, the model {like.shape[1]}: "
+                         "they were trained for another model")
+    return new.to(like.device, like.dtype)
+
+
+def swap_tensors(family: ModelFamily, model: torch.nn.Module, art: dict, meta: dict | None) -> dict:
+    """What Step 4's swap puts into `model` (devices.swapped takes it): the artifact's embeddings,
+    checked for the model's width, and the head's other vocabulary-indexed parameters (the
+    encoder's output bias), in the model's dtype, on its device. An expanded vocabulary's keep
+    the model's own source rows (artifact_state)."""
+    out = {family.word: artifact_embeddings(art, model.get_parameter(family.word))}
+    params = dict(model.named_parameters())
+    own = {name: params[name] for name in family.artifact_keys().values() if name in params}
+    for name, t in artifact_state(family, art, meta, own).items():
+        out[name] = t.to(own[name].device, own[name].dtype)
+    return out
+
+
+# --- the primary model an artifact belongs to ------------------------------------------------------------
+
+def artifact_primary(meta: dict) -> Path:
+    """The primary model that an artifact's embeddings belong to: the Step-2 source run, or for
+    MINIPOST the run its mini-model was built from."""
+    src = Path(meta["source"])
+    run = json.loads((src / RUN_FILE).read_text())
+    return Path(run["frozen_from"]["run_dir"]) if run.get("step") == "minipost" else src
+
+
+@dataclass(frozen=True)
+class PrimaryRef:
+    """A primary model as a record names it: its run directory and, in records written since
+    fingerprints exist, its weights' fingerprint (run.weights_fingerprint)."""
+    run_dir: Path
+    fingerprint: str | None = None
+
+    def same(self, other: "PrimaryRef") -> bool:
+        """The same model: by content where both records hold a fingerprint (a byte-identical copy
+        of a run is the same model), else (an older record) by the resolved path."""
+        if self.fingerprint and other.fingerprint:
+            return self.fingerprint == other.fingerprint
+        return self.run_dir.resolve() == other.run_dir.resolve()
+
+
+def artifact_primary_ref(meta: dict) -> PrimaryRef:
+    return PrimaryRef(artifact_primary(meta), meta.get("primary_fingerprint"))
+
+
+# --- how records name an artifact -----------------------------------------------------------------------
+
+def system_label(meta: dict) -> str:
+    """How an artifact's records name its system, in every Step-4 table and plot:
+    `<recipe>:full` for a ceiling, full-model Step 2 over a source pretrained as another system
+    (bl_base over a MINIJOINT run: `minijoint:full`, the embeddings the mini-model's are
+    measured against); `minijoint@N` when its MINIJOINT source has several mini-models (meta
+    `mini_depths`), so that curves of different depths stay apart; otherwise the system itself.
+    A decoder's Step 2 that scored a fraction p < 1 of the positions (meta `score_fraction`) adds
+    ` p=<p>` (SCORED_LABEL), so that its curves stay apart from full scoring's."""
+    return _system_name(meta) + (f"{SCORED_LABEL}{meta['score_fraction']:g}" if "score_fraction" in meta else "")
+
+
+def _system_name(meta: dict) -> str:
+    if meta["system"] == "bl_base" and "source" in meta:
+        recipe = json.loads((Path(meta["source"]) / RUN_FILE).read_text()).get("recipe")
+        if recipe not in (None, "bl_base"):  # None: an imported Hugging Face model
+            return f"{recipe}:full"
+    if meta["system"] == "minijoint" and len(meta.get("mini_depths") or ()) > 1:
+        return f"minijoint@{meta['mini_layers']}"
+    return meta["system"]
+
+
+def record_base(meta: dict, task: str) -> dict:
+    """The fields every Step-4 record of an artifact starts with: which system and language, at
+    which Step-2 update, for how much Step-2 compute."""
+    return {"system": system_label(meta), "task": task, "lang": meta["lang"], "step": meta["step"],
+            "flops": meta["flops"], "flops_paper": meta["flops_paper"], "v100_days": meta["v100_days"],
+            "tokens": meta["tokens"]}

@@ -1,0 +1,214 @@
+"""Held-out scoring that Steps 1 (fit-head), 2 and 4 share: a primary model with its primary
+head alone on the evaluation device, the held-out blocks of a prepared dataset scored by the
+family's objective, the unigram reference, and artifacts swapped into that model.
+
+For the encoder every scored position's input is <mask> (`heldout_batches`: the positions
+pretraining's masking selects, none left visible, Objective.heldout), so the loss is what the
+model predicts from the context alone; for the decoder every next piece is scored. The unigram
+reference is the loss of the pieces' frequencies (counted on the dataset's training text,
+add-one smoothed): what an output bias alone can reach. Masking is seeded, so every artifact of
+one tokenizer is scored on the same positions. Needs no process group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from mmadapt.artifact import swap_tensors
+from mmadapt.config import ModelConfig, TrainConfig
+from mmadapt.data import TEXT, VALID, read_manifest
+from mmadapt.devices import device_of, host_to_device, on_eval_device, swapped
+from mmadapt.family import ModelFamily
+from mmadapt.models.layers import Padding, masked_positions
+from mmadapt.objectives import MLM, Objective
+from mmadapt.parallel import device
+from mmadapt.run import Source, read_source, require_head, weights_fingerprint
+
+UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
+
+
+# --- the primary model, its primary head alone -----------------------------------------------------------
+
+def primary_head(family: ModelFamily, cfg: ModelConfig, state: dict[str, torch.Tensor]
+                 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A run's full weights -> the model with only its primary head (after its last layer), as a
+    one-head config (dropout off) and state dict (that head renamed head 0)."""
+    cfg, state = family.primary_model(cfg, state)
+    return dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), state
+
+
+def primary_head_state(primary_run: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """`primary_head` of the run `primary_run` (its newest checkpoint)."""
+    source = read_source(primary_run)
+    require_head(source, "the plug-in metric")
+    return primary_head(source.family, source.cfg, source.weights())
+
+
+@dataclasses.dataclass
+class Primary:
+    """The primary model an artifact plugs into, read once: its run (`ref`: run_dir and tag; its
+    record), its family, its one-head config and state (`primary_head`), and its full weights'
+    fingerprint (run.weights_fingerprint; None where it was not asked for)."""
+    ref: dict
+    record: dict
+    family: ModelFamily
+    cfg: ModelConfig
+    state: dict[str, torch.Tensor]
+    fingerprint: str | None = None
+
+    @classmethod
+    def of(cls, source: Source, weights: dict[str, torch.Tensor], fingerprint: bool = True) -> "Primary":
+        """The primary model of the run `source` from its full `weights` (already read)."""
+        cfg, state = primary_head(source.family, source.cfg, weights)
+        return cls({"run_dir": str(source.path), "tag": source.tag}, source.record, source.family, cfg, state,
+                   weights_fingerprint(weights) if fingerprint else None)
+
+    @classmethod
+    def read(cls, run_dir: Path, tag: str | None = None, what: str = "the plug-in metric") -> "Primary":
+        """The run `run_dir`'s primary model at `tag` (default: its newest checkpoint); `what`
+        names the step in the refusal of a headless run."""
+        source = read_source(run_dir, tag)
+        require_head(source, what)
+        return cls.of(source, source.weights())
+
+
+def scoring_model(family: ModelFamily, cfg: ModelConfig, state: dict) -> torch.nn.Module:
+    """The family's one-head LM with `state` (vocab from its rows), on the device for evaluation."""
+    cfg = dataclasses.replace(cfg, vocab_size=state[family.word].shape[0])
+    model = family.build_lm(cfg)
+    model.load_state_dict(state)
+    return on_eval_device(model, device())
+
+
+# --- held-out text ----------------------------------------------------------------------------------------
+
+def unigram_logprobs(data_path: Path, vocab_size: int) -> torch.Tensor:
+    """log p(piece) [V] of the pieces of the dataset's training text, add-one smoothed."""
+    manifest = read_manifest(data_path)
+    tokens = np.memmap(Path(data_path) / f"{TEXT}.bin", dtype=manifest["dtype"], mode="r")[:UNIGRAM_MAX_TOKENS]
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size] + 1.0
+    return torch.from_numpy(np.log(counts / counts.sum())).float()
+
+
+def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: int, batch_size: int,
+                    seed: int = 0, objective: Objective = MLM, split: str = VALID
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `blocks` blocks of the dataset's validation split (or `split`) in a seeded order,
+    scored by the family's objective: the same positions for every artifact of this tokenizer.
+
+    MLM: the positions pretraining's masking selects (a fixed seed), every one of them replaced by
+    <mask> (Objective.heldout says why: tests/test_plugin.py shows a model that predicts its
+    input piece beating the unigram reference under BERT's 80/10/10, and unable to here)."""
+    # Causal: every position (score_fraction 1), whatever Step 2 scored: the metric measures the artifact.
+    held_out = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=batch_size,
+                           score_fraction=1.0)
+    data = objective.batches(data_path, held_out, vocab_size, split=split)
+    n = min(blocks, len(data)) // batch_size
+    if n == 0:
+        raise ValueError(f"{data_path}'s {'validation split' if split == VALID else 'text'} holds {len(data)} blocks "
+                         f"of {seq_length}, fewer than one batch of {batch_size}: prepare it with a larger "
+                         "--valid_fraction")
+    return [objective.heldout(*data.micro_batch(k, 0)) for k in range(n)]
+
+
+def on_device(batches: list, device: torch.device) -> list:
+    """Held-out (ids [b, s], labels [b, s]) batches as (ids, Padding, masked_index [m],
+    targets [m]) on `device`: the padding and masked positions counted on the host, where that
+    costs no wait for the device."""
+    return [(host_to_device(ids, device), Padding.of(ids),
+             *(host_to_device(t, device) for t in masked_positions(labels))) for ids, labels in batches]
+
+
+@torch.no_grad()
+def masked_loss(model: torch.nn.Module, batches: list) -> float:
+    """Mean loss per masked piece of a one-head LM over `on_device` batches (the model's
+    own forward: its loss is the batch's mean over its m masked pieces). Summed on the device and
+    read once at the end: no host-device synchronisation per batch."""
+    total, count = 0.0, 0
+    for ids, padding, masked_index, targets in batches:
+        if not len(targets):  # a short block with no position selected: its mean loss is NaN (0 / 0)
+            continue
+        loss, _ = model(ids, masked_index=masked_index, targets=targets, padding=padding)
+        total = total + loss * len(targets)
+        count += len(targets)
+    return float(total) / count
+
+
+def unigram_loss(logp: torch.Tensor, batches: list) -> float:
+    labels = torch.cat([l[l.ge(0)] for _, l in batches])
+    return float(-logp[labels].mean())
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """Held-out blocks of one dataset in one vocabulary, as every artifact of it is scored: the
+    batches (on the host and on the scoring model's device), the unigram reference's loss on
+    them, and how many pieces they score."""
+    batches: list
+    on_device: list
+    unigram: float | None
+    scored: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Text:
+    """Which held-out text to score: a prepared dataset, its split, and how it is cut into blocks."""
+    data: Path
+    seq_length: int
+    blocks: int = 256
+    batch_size: int = 32
+    seed: int = 0
+    split: str = VALID
+
+
+class Scorer:
+    """The plug-in metric through one primary model (`Primary`), built once on the evaluation
+    device: held-out text (`heldout`) and artifacts swapped into the model in place (`loss`)."""
+
+    def __init__(self, primary: Primary):
+        self.primary, self.family = primary, primary.family
+        self.model = scoring_model(primary.family, primary.cfg, primary.state)
+
+    def heldout(self, text: Text, vocab_size: int, unigram: bool = True) -> HeldOut:
+        """`text`'s held-out blocks in a `vocab_size`-piece vocabulary (the artifacts' that score
+        it), on the model's device, with the unigram reference's loss (unigram: where asked)."""
+        batches = heldout_batches(text.data, text.seq_length, vocab_size, text.blocks, text.batch_size, text.seed,
+                                  self.family.objective, text.split)
+        return HeldOut(batches, on_device(batches, device_of(self.model)),
+                       unigram_loss(unigram_logprobs(text.data, vocab_size), batches) if unigram else None,
+                       int(sum(int(l.ge(0).sum()) for _, l in batches)))
+
+    def loss(self, held: HeldOut, art: dict | None = None, meta: dict | None = None) -> float:
+        """The loss per scored piece of `held` with the artifact's tensors `art` swapped in (its
+        meta.json `meta` says whether they expand the vocabulary); None: the model's own."""
+        if art is None:
+            return masked_loss(self.model, held.on_device)
+        with swapped(self.model, swap_tensors(self.family, self.model, art, meta)):
+            return masked_loss(self.model, held.on_device)
+
+
+class PluginProbe:
+    """The plug-in metric of one artifact at a time, for Step 2's checkpoints
+    (TrainConfig.plugin_eval_blocks): the scoring model (`scorer()`, called once) and the
+    held-out set are made on the first call and kept; each call swaps the artifact's tensors in
+    and scores them, as Step 4's plugin records do (the same blocks, masked positions and unigram
+    reference)."""
+
+    def __init__(self, scorer: Callable[[], Scorer], text: Text):
+        self.make, self.text = scorer, dataclasses.replace(text, batch_size=min(text.batch_size, text.blocks))
+        self.scorer = self.held = None
+
+    def score(self, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> dict[str, float]:
+        """tensors: an artifact's ({"word_embeddings": [V, h], ...}), meta: its meta.json (an
+        expanded vocabulary's says so) -> {"plugin_loss", "unigram_loss", "plugin_gain"} (nats per
+        scored piece; the gain is the metric)."""
+        if self.scorer is None:
+            self.scorer = self.make()
+            self.held = self.scorer.heldout(self.text, tensors["word_embeddings"].shape[0])
+        loss = self.scorer.loss(self.held, tensors, meta)
+        return {"plugin_loss": loss, "unigram_loss": self.held.unigram, "plugin_gain": self.held.unigram - loss}
