@@ -45,6 +45,7 @@ and the weight functions apply them.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -160,9 +161,16 @@ class HFMapping:
         reads and the shapes of its result are still checked)."""
         return {}
 
+    # The layer index in a checkpoint's tensor names (a regular expression, its group 1), for unused_note.
+    layer_name: str | None = None
+
     def unused_note(self, name: str, cfg: ModelConfig, hf_cfg: dict) -> str | None:
         """Why the files hold tensor `name` that the config does not describe, naming the config
         field that disagrees (a layer past num_hidden_layers); None: nothing to add."""
+        layer = re.search(self.layer_name, name) if self.layer_name else None
+        if layer and int(layer.group(1)) >= cfg.num_layers:
+            return (f"config.json's num_hidden_layers is {cfg.num_layers}, but the weights hold layer {layer.group(1)} "
+                    "(0-based): set num_hidden_layers to the number of layers the weights hold")
         return None
 
 

@@ -98,7 +98,7 @@ def test_kv_channels_is_the_decoders_head_width_as_transformers_head_dim():
     Gemma's 256 at 3072 and 16): the same logits as LlamaForCausalLM on the same weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from mmadapt.models.llama.hf import from_hf
+    from mmadapt.models.llama.hf import MAPPING
 
     cfg = dataclasses.replace(PRESETS["llama-tiny"][0], num_layers=2, kv_channels=32, vocab_size=96)
     LLAMA.validate(cfg)
@@ -109,7 +109,7 @@ def test_kv_channels_is_the_decoders_head_width_as_transformers_head_dim():
     theirs = LlamaForCausalLM(hf_cfg).eval()
     assert theirs.model.layers[0].self_attn.q_proj.weight.shape == (4 * 32, 64)
     mine = LLAMA.build_lm(cfg).eval()
-    mine.load_state_dict(from_hf(cfg, theirs.state_dict(), list(range(96)), hf_cfg.to_dict()))
+    mine.load_state_dict(MAPPING.from_hf(cfg, theirs.state_dict(), list(range(96)), hf_cfg.to_dict()))
     assert mine.layers[0].qkv.weight.shape == ((4 + 2 * 2) * 32, 64)
     ids = torch.randint(5, 96, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -80,11 +80,11 @@ def test_the_parity_check_refuses_a_mapping_that_is_not_exact(tiny_hf, tmp_path,
     first layer's output against transformers' does not."""
     exact = LlamaMapping.from_hf
 
-    def off(cfg, hf, hf_ids, hf_cfg):
-        state = exact(cfg, hf, hf_ids, hf_cfg)
+    def off(self, cfg, hf, hf_ids, hf_cfg):
+        state = exact(self, cfg, hf, hf_ids, hf_cfg)
         return {**state, "layers.0.fc2.weight": state["layers.0.fc2.weight"] * 1.01}
 
-    monkeypatch.setattr(LlamaMapping, "from_hf", staticmethod(off))
+    monkeypatch.setattr(LlamaMapping, "from_hf", off)
     with pytest.raises(ValueError, match=r"is not the one transformers loads from these files \(its first layer's "
                                          r"logits differ by up to"):
         import_hf(tiny_hf["llama"], tmp_path / "run")

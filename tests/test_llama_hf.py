@@ -175,19 +175,19 @@ def test_config_formats_and_sliding_windows(dec_dirs):
     del base["rope_parameters"]
     old = {**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 4.0}}
     new = {**base, "rope_parameters": {"rope_type": "linear", "rope_theta": 5e5, "factor": 4.0}}
-    assert llama_hf.model_config(old) == llama_hf.model_config(new)
-    cfg = llama_hf.model_config(new)
+    assert llama_hf.MAPPING.model_config(old) == llama_hf.MAPPING.model_config(new)
+    cfg = llama_hf.MAPPING.model_config(new)
     assert (cfg.rotary_base, cfg.seq_len_interpolation_factor, cfg.share_embeddings_and_output_weights) == \
         (5e5, 4.0, False)
-    assert llama_hf.model_config({**base, "rope_theta": 5e5}).seq_len_interpolation_factor is None
+    assert llama_hf.MAPPING.model_config({**base, "rope_theta": 5e5}).seq_len_interpolation_factor is None
     mistral = {**base, "model_type": "mistral", "architectures": ["MistralForCausalLM"], "max_position_embeddings": 8192}
-    assert llama_hf.model_config(mistral).max_position_embeddings == 4096  # transformers' default window
-    assert llama_hf.model_config({**mistral, "sliding_window": None}).max_position_embeddings == 8192
+    assert llama_hf.MAPPING.model_config(mistral).max_position_embeddings == 4096  # transformers' default window
+    assert llama_hf.MAPPING.model_config({**mistral, "sliding_window": None}).max_position_embeddings == 8192
     qwen = {**base, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "sliding_window": 16,
             "use_sliding_window": True}
-    assert llama_hf.model_config({**qwen, "max_window_layers": 3}).max_position_embeddings == 64  # no layer slides
-    assert llama_hf.model_config({**qwen, "max_window_layers": 1}).max_position_embeddings == 16
-    assert llama_hf.model_config({**qwen, "use_sliding_window": False}).max_position_embeddings == 64
+    assert llama_hf.MAPPING.model_config({**qwen, "max_window_layers": 3}).max_position_embeddings == 64  # no layer slides
+    assert llama_hf.MAPPING.model_config({**qwen, "max_window_layers": 1}).max_position_embeddings == 16
+    assert llama_hf.MAPPING.model_config({**qwen, "use_sliding_window": False}).max_position_embeddings == 64
     with pytest.raises(ValueError, match="seq_len_interpolation_factor must be > 0"):
         dataclasses.replace(cfg, seq_len_interpolation_factor=0.0).validate()
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import REPO, run_pretrain
 from mmadapt.models.layers import count_parameters
 from mmadapt.models.llama import LLAMA
-from mmadapt.models.llama.hf import from_hf
+from mmadapt.models.llama.hf import MAPPING
 from mmadapt.models.llama.model import DecoderLayer, LlamaForTask, LlamaLM, rotary_table, task_param_name
 from mmadapt.models.llama.presets import LLAMA_TINY as TINY
 from mmadapt.config import ModelConfig
@@ -124,7 +124,7 @@ def state_from_hf(hf, cfg: ModelConfig) -> dict:
     """transformers' names and layouts -> LlamaLM's: the library's mapping (models/llama/hf.py: q/k/v
     fused into rows per key/value group, gate/up interleaved row by row, the final norm to the
     primary head), with the rows in the source's order."""
-    return from_hf(cfg, hf.state_dict(), list(range(cfg.vocab_size)), hf.config.to_dict())
+    return MAPPING.from_hf(cfg, hf.state_dict(), list(range(cfg.vocab_size)), hf.config.to_dict())
 
 
 def primary_logits(model: LlamaLM, ids: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,6 @@ mmadapt/hf.py reads and writes the directories; this module maps configs and wei
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -56,27 +55,6 @@ ENCODER_LAYOUT = {"single": "{bos} $A {eos}", "pair": "{bos} $A {eos} {eos} $B {
                              "unk_token": "unk", "pad_token": "pad", "mask_token": "mask"}}
 
 
-def tokenizer_layout(kind: str | None, imported: bool) -> dict | None:
-    return None if imported else ENCODER_LAYOUT
-
-
-def export_model_type(model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
-    return model_type or MODEL_TYPE
-
-
-def import_note(cfg: dict, model_dir=None) -> None:
-    return None  # nothing of an encoder is cut at import
-
-
-def check_config(cfg: dict, model_dir) -> None:
-    """config.json of one of ARCHITECTURES, checked for everything the encoder cannot express."""
-    check_encoder_config(cfg, model_dir)
-    if cfg.get("max_position_embeddings", 512) <= cfg["pad_token_id"] + 1:
-        raise ValueError(f"{model_dir}: config.json's max_position_embeddings {cfg.get('max_position_embeddings', 512)} "
-                         f"leaves no position after the {cfg['pad_token_id'] + 1} rows a RoBERTa-family model skips "
-                         "(pad_token_id + 1): it cannot describe a working model")
-
-
 def check_encoder_config(cfg: dict, model_dir) -> None:
     """What a post-LN encoder's config.json (RoBERTa's, BERT's) must say for mmadapt to compute it exactly."""
     if not isinstance(cfg.get("pad_token_id"), int):
@@ -94,38 +72,6 @@ def check_encoder_config(cfg: dict, model_dir) -> None:
         k, got, want = unsupported[0]
         raise ValueError(f"{model_dir}: {k} is {got!r}; mmadapt's RoBERTa has {want!r} (import-hf supports "
                          f"{SUPPORTED} with exact GELU, absolute positions and a tied output projection)")
-
-
-def special_ids(tok, cfg: dict, vocab_size: int, model_dir: Path) -> tuple[list[int], dict]:
-    """The source ids of mmadapt's special tokens, in mmadapt's order (pad, unk, <s>, </s>, <mask>):
-    the tokens a RoBERTa-family tokenizer puts at a sequence's start (cls) and end (sep); and
-    what run.json records of them (role -> source id). The pad must be config.json's (HF's
-    positions count from it)."""
-    roles = {"pad": tok.pad_token_id, "unk": tok.unk_token_id, "<s>": tok.cls_token_id, "</s>": tok.sep_token_id,
-             "<mask>": tok.mask_token_id}
-    missing = [k for k, v in roles.items() if v is None]
-    if missing:
-        raise ValueError(f"{model_dir}: its tokenizer has no {missing[0]} token; an encoder's tokenizer has a pad, "
-                         "unk, cls (<s>, [CLS]), sep (</s>, [SEP]) and mask token")
-    ids = list(roles.values())
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{model_dir}: its tokenizer gives two special tokens one id ({roles})")
-    if ids[0] != cfg["pad_token_id"]:
-        raise ValueError(f"{model_dir}: config.json's pad_token_id {cfg['pad_token_id']} is not the "
-                         f"tokenizer's pad id {ids[0]}")
-    return ids, dict(zip(("pad", "unk", "bos", "eos", "mask"), ids))
-
-
-def model_config(cfg: dict, model_dir=None) -> ModelConfig:
-    offset = cfg["pad_token_id"] + 1
-    return ModelConfig(num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
-                       num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["intermediate_size"],
-                       vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"] - offset,
-                       hidden_dropout=cfg.get("hidden_dropout_prob", 0.1),
-                       attention_dropout=cfg.get("attention_probs_dropout_prob", 0.1),
-                       layernorm_epsilon=cfg.get("layer_norm_eps", 1e-5),
-                       init_method_std=cfg.get("initializer_range", 0.02),
-                       add_pooling_layer=MAPPING.is_headless(cfg)).validate()
 
 
 # --- the weight correspondence (module docstring) ----------------------------------------------------
@@ -186,41 +132,13 @@ def layers_to_hf(cfg: ModelConfig, state: dict, b: str, pooler: bool) -> dict:
     return out
 
 
-def from_hf(cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf_cfg: dict) -> dict:
-    """A RobertaForMaskedLM-family state dict (or a body's: no head) -> RobertaMLM's (tensor-parallel size 1)."""
-    pad_token_id = hf_cfg["pad_token_id"]
-    b = _base_prefix(hf)
-    perm = torch.tensor(hf_ids)
-    get = getter(hf)
-    word = get(b + "embeddings.word_embeddings.weight")
-    if "lm_head.decoder.weight" in hf and not torch.equal(get("lm_head.decoder.weight"), word):
-        raise ValueError("lm_head.decoder.weight differs from the word embeddings: transformers loads this model "
-                         "untied, and mmadapt's output projection is always tied")
-    offset = pad_token_id + 1
-    pos = get(b + "embeddings.position_embeddings.weight")[offset:offset + cfg.max_position_embeddings]
-    out = {WORD: word[perm], "embeddings.position_embeddings.weight": pos + get(b + "embeddings.token_type_embeddings.weight")[0],
-           "embeddings.layernorm.weight": get(b + "embeddings.LayerNorm.weight"),
-           "embeddings.layernorm.bias": get(b + "embeddings.LayerNorm.bias"),
-           **layers_from_hf(cfg, get, b)}
-    if MAPPING.is_headless(hf_cfg):
-        return {k: v.contiguous() for k, v in out.items()}
-    for kind in ("weight", "bias"):
-        out[f"heads.heads.0.dense.{kind}"] = get(f"lm_head.dense.{kind}")
-        out[f"heads.heads.0.layernorm.{kind}"] = get(f"lm_head.layer_norm.{kind}")
-    bias = get("lm_head.bias")
-    if "lm_head.decoder.bias" in hf:  # what transformers' head adds: lm_head.bias itself, unless they differ
-        bias = get("lm_head.decoder.bias")
-    out[BIAS] = bias[perm]
-    return {k: v.contiguous() for k, v in out.items()}
-
-
 def body_implied(cfg: ModelConfig, b: str, positions: int, hf_cfg: dict) -> dict[str, Implied]:
     """Every tensor of an encoder body (RoBERTa's, BERT's) under base prefix `b`, its pooler
     where the class has one (ModelConfig.add_pooling_layer): its shape from config.json's fields
     (`positions`: its max_position_embeddings)."""
     h, v, f = cfg.hidden_size, cfg.vocab_size, cfg.ffn_hidden_size
-    H, V, F, P = (h, f"hidden_size {h}"), (v, f"vocab_size {v}"), (f, f"intermediate_size {f}"), \
-        (positions, f"max_position_embeddings {positions}")
+    H, V, F, P = ((h, f"hidden_size {h}"), (v, f"vocab_size {v}"), (f, f"intermediate_size {f}"),
+        (positions, f"max_position_embeddings {positions}"))
     out = {b + "embeddings.word_embeddings.weight": (V, H), b + "embeddings.position_embeddings.weight": (P, H),
            b + "embeddings.LayerNorm.weight": (H,), b + "embeddings.LayerNorm.bias": (H,)}
     if "type_vocab_size" in hf_cfg:
@@ -250,69 +168,10 @@ def head_implied(cfg: ModelConfig, names: dict[str, str]) -> dict[str, Implied]:
             names["bias"]: Implied((V,))}
 
 
-def implied(cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:
-    """Every tensor of a ...ForMaskedLM config (of a body class: no head, a pooler): its shape
-    from config.json's fields."""
-    out = body_implied(cfg, _base_prefix(hf), hf_cfg["max_position_embeddings"], hf_cfg)
-    if not MAPPING.is_headless(hf_cfg):
-        out.update(head_implied(cfg, {"dense": "lm_head.dense", "layernorm": "lm_head.layer_norm",
-                                      "bias": "lm_head.bias"}))
-    return out
-
-
-def unused_note(name: str, cfg: ModelConfig, hf_cfg: dict) -> str | None:
-    layer = re.search(r"encoder\.layer\.(\d+)\.", name)
-    if layer and int(layer.group(1)) >= cfg.num_layers:
-        return (f"config.json's num_hidden_layers is {cfg.num_layers}, but the weights hold layer {layer.group(1)} "
-                "(0-based): set num_hidden_layers to the number of layers the weights hold")
-    if name.startswith("lm_head.") and MAPPING.is_headless(hf_cfg):
-        return headless_note(hf_cfg, "XLMRobertaForMaskedLM" if hf_cfg["model_type"] == "xlm-roberta"
-                             else "RobertaForMaskedLM")
-    return None
-
-
 def headless_note(hf_cfg: dict, with_head: str) -> str:
     """Why a body class's files that hold an MLM head are refused, and the fix."""
     return (f"config.json names a {hf_cfg['architectures'][0]}, a body without an MLM head, but the weights hold one: "
             f"set architectures to [\"{with_head}\"] in config.json to import it with its head")
-
-
-def to_hf(cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
-          model_type: str | None = None) -> dict:
-    """RobertaMLM's (kind None; "body": the encoder alone, with its pooler if it has one) or
-    RobertaForTask's state dict -> the matching HF class's. hf_ids: mmadapt id -> the exported
-    tokenizer's id (None: the same ids); ids: its pad, bos and eos ids (HF counts positions from
-    the pad's)."""
-    pad_token_id, h = ids["pad"], cfg.hidden_size
-    b = "" if kind == "body" else "roberta."
-    word = inverse_rows(hf_ids, state[WORD].float())
-    pos = state["embeddings.position_embeddings.weight"].float()
-    out = {b + "embeddings.word_embeddings.weight": word,
-           b + "embeddings.position_embeddings.weight": torch.cat([pos.new_zeros(pad_token_id + 1, h), pos]),
-           b + "embeddings.token_type_embeddings.weight": pos.new_zeros(1, h),
-           b + "embeddings.LayerNorm.weight": state["embeddings.layernorm.weight"],
-           b + "embeddings.LayerNorm.bias": state["embeddings.layernorm.bias"],
-           **layers_to_hf(cfg, state, b, pooler=kind == "body" and cfg.add_pooling_layer)}
-    for t in ("weight", "bias"):
-        if kind is None:
-            out[f"lm_head.dense.{t}"] = state[f"heads.heads.0.dense.{t}"]
-            out[f"lm_head.layer_norm.{t}"] = state[f"heads.heads.0.layernorm.{t}"]
-        elif kind == "classify":
-            out[f"classifier.dense.{t}"] = state[f"dense.{t}"]
-            out[f"classifier.out_proj.{t}"] = state[f"out.{t}"]
-        elif kind != "body":
-            out[f"{'classifier' if kind == 'tag' else 'qa_outputs'}.{t}"] = state[f"out.{t}"]
-    if kind is None:
-        out["lm_head.bias"] = inverse_rows(hf_ids, state[BIAS].float())
-        out["lm_head.decoder.weight"], out["lm_head.decoder.bias"] = word, out["lm_head.bias"]
-    return {k: v.float().contiguous() for k, v in out.items()}
-
-
-def hf_config(cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids: dict[str, int], model_type: str):
-    """The transformers config of `model_type`'s class for `kind` (None: the masked LM) that
-    holds `cfg`; ids: the exported tokenizer's pad, bos and eos ids."""
-    return encoder_config(cfg, kind, labels, ids, model_type, CLASS_PREFIX[model_type],
-                          max_position_embeddings=cfg.max_position_embeddings + ids["pad"] + 1, type_vocab_size=1)
 
 
 def encoder_config(cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids: dict[str, int],
@@ -342,22 +201,140 @@ class RobertaMapping(HFMapping):
     """The encoder's correspondence (module docstring), as family.HFMapping declares it."""
     architectures = ARCHITECTURES
     headless = HEADLESS
-    check_config = staticmethod(check_config)
-    model_config = staticmethod(model_config)
-    special_ids = staticmethod(special_ids)
-    from_hf = staticmethod(from_hf)
-    to_hf = staticmethod(to_hf)
-    hf_config = staticmethod(hf_config)
-    tokenizer_layout = staticmethod(tokenizer_layout)
-    export_model_type = staticmethod(export_model_type)
-    import_note = staticmethod(import_note)
     positive_fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                        "max_position_embeddings", "type_vocab_size")
     # what transformers leaves out: an old checkpoint's position-id buffer (always), a pooler (a
     # ...ForMaskedLM has none; a body class reads its own)
     ignored = (r"(^|\.)embeddings\.position_ids$", r"(^|\.)pooler\.")
-    implied = staticmethod(implied)
-    unused_note = staticmethod(unused_note)
+    layer_name = r"encoder\.layer\.(\d+)\."
+
+    def check_config(self, cfg: dict, model_dir) -> None:
+        """config.json of one of ARCHITECTURES, checked for everything the encoder cannot express."""
+        check_encoder_config(cfg, model_dir)
+        if cfg.get("max_position_embeddings", 512) <= cfg["pad_token_id"] + 1:
+            raise ValueError(f"{model_dir}: config.json's max_position_embeddings {cfg.get('max_position_embeddings', 512)} "
+                             f"leaves no position after the {cfg['pad_token_id'] + 1} rows a RoBERTa-family model skips "
+                             "(pad_token_id + 1): it cannot describe a working model")
+
+    def model_config(self, cfg: dict, model_dir=None) -> ModelConfig:
+        offset = cfg["pad_token_id"] + 1
+        return ModelConfig(num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+                           num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["intermediate_size"],
+                           vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"] - offset,
+                           hidden_dropout=cfg.get("hidden_dropout_prob", 0.1),
+                           attention_dropout=cfg.get("attention_probs_dropout_prob", 0.1),
+                           layernorm_epsilon=cfg.get("layer_norm_eps", 1e-5),
+                           init_method_std=cfg.get("initializer_range", 0.02),
+                           add_pooling_layer=self.is_headless(cfg)).validate()
+
+    def special_ids(self, tok, cfg: dict, vocab_size: int, model_dir: Path) -> tuple[list[int], dict]:
+        """The source ids of mmadapt's special tokens, in mmadapt's order (pad, unk, <s>, </s>, <mask>):
+        the tokens a RoBERTa-family tokenizer puts at a sequence's start (cls) and end (sep); and
+        what run.json records of them (role -> source id). The pad must be config.json's (HF's
+        positions count from it)."""
+        roles = {"pad": tok.pad_token_id, "unk": tok.unk_token_id, "<s>": tok.cls_token_id, "</s>": tok.sep_token_id,
+                 "<mask>": tok.mask_token_id}
+        missing = [k for k, v in roles.items() if v is None]
+        if missing:
+            raise ValueError(f"{model_dir}: its tokenizer has no {missing[0]} token; an encoder's tokenizer has a pad, "
+                             "unk, cls (<s>, [CLS]), sep (</s>, [SEP]) and mask token")
+        ids = list(roles.values())
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{model_dir}: its tokenizer gives two special tokens one id ({roles})")
+        if ids[0] != cfg["pad_token_id"]:
+            raise ValueError(f"{model_dir}: config.json's pad_token_id {cfg['pad_token_id']} is not the "
+                             f"tokenizer's pad id {ids[0]}")
+        return ids, dict(zip(("pad", "unk", "bos", "eos", "mask"), ids))
+
+    def from_hf(self, cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_ids: list[int], hf_cfg: dict) -> dict:
+        """A RobertaForMaskedLM-family state dict (or a body's: no head) -> RobertaMLM's (tensor-parallel size 1)."""
+        pad_token_id = hf_cfg["pad_token_id"]
+        b = _base_prefix(hf)
+        perm = torch.tensor(hf_ids)
+        get = getter(hf)
+        word = get(b + "embeddings.word_embeddings.weight")
+        if "lm_head.decoder.weight" in hf and not torch.equal(get("lm_head.decoder.weight"), word):
+            raise ValueError("lm_head.decoder.weight differs from the word embeddings: transformers loads this model "
+                             "untied, and mmadapt's output projection is always tied")
+        offset = pad_token_id + 1
+        pos = get(b + "embeddings.position_embeddings.weight")[offset:offset + cfg.max_position_embeddings]
+        out = {WORD: word[perm], "embeddings.position_embeddings.weight": pos + get(b + "embeddings.token_type_embeddings.weight")[0],
+               "embeddings.layernorm.weight": get(b + "embeddings.LayerNorm.weight"),
+               "embeddings.layernorm.bias": get(b + "embeddings.LayerNorm.bias"),
+               **layers_from_hf(cfg, get, b)}
+        if self.is_headless(hf_cfg):
+            return {k: v.contiguous() for k, v in out.items()}
+        for kind in ("weight", "bias"):
+            out[f"heads.heads.0.dense.{kind}"] = get(f"lm_head.dense.{kind}")
+            out[f"heads.heads.0.layernorm.{kind}"] = get(f"lm_head.layer_norm.{kind}")
+        bias = get("lm_head.bias")
+        if "lm_head.decoder.bias" in hf:  # what transformers' head adds: lm_head.bias itself, unless they differ
+            bias = get("lm_head.decoder.bias")
+        out[BIAS] = bias[perm]
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def to_hf(self, cfg: ModelConfig, state: dict, kind: str | None, hf_ids: list[int] | None, ids: dict,
+              model_type: str | None = None) -> dict:
+        """RobertaMLM's (kind None; "body": the encoder alone, with its pooler if it has one) or
+        RobertaForTask's state dict -> the matching HF class's. hf_ids: mmadapt id -> the exported
+        tokenizer's id (None: the same ids); ids: its pad, bos and eos ids (HF counts positions from
+        the pad's)."""
+        pad_token_id, h = ids["pad"], cfg.hidden_size
+        b = "" if kind == "body" else "roberta."
+        word = inverse_rows(hf_ids, state[WORD].float())
+        pos = state["embeddings.position_embeddings.weight"].float()
+        out = {b + "embeddings.word_embeddings.weight": word,
+               b + "embeddings.position_embeddings.weight": torch.cat([pos.new_zeros(pad_token_id + 1, h), pos]),
+               b + "embeddings.token_type_embeddings.weight": pos.new_zeros(1, h),
+               b + "embeddings.LayerNorm.weight": state["embeddings.layernorm.weight"],
+               b + "embeddings.LayerNorm.bias": state["embeddings.layernorm.bias"],
+               **layers_to_hf(cfg, state, b, pooler=kind == "body" and cfg.add_pooling_layer)}
+        for t in ("weight", "bias"):
+            if kind is None:
+                out[f"lm_head.dense.{t}"] = state[f"heads.heads.0.dense.{t}"]
+                out[f"lm_head.layer_norm.{t}"] = state[f"heads.heads.0.layernorm.{t}"]
+            elif kind == "classify":
+                out[f"classifier.dense.{t}"] = state[f"dense.{t}"]
+                out[f"classifier.out_proj.{t}"] = state[f"out.{t}"]
+            elif kind != "body":
+                out[f"{'classifier' if kind == 'tag' else 'qa_outputs'}.{t}"] = state[f"out.{t}"]
+        if kind is None:
+            out["lm_head.bias"] = inverse_rows(hf_ids, state[BIAS].float())
+            out["lm_head.decoder.weight"], out["lm_head.decoder.bias"] = word, out["lm_head.bias"]
+        return {k: v.float().contiguous() for k, v in out.items()}
+
+    def hf_config(self, cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids: dict[str, int], model_type: str):
+        """The transformers config of `model_type`'s class for `kind` (None: the masked LM) that
+        holds `cfg`; ids: the exported tokenizer's pad, bos and eos ids."""
+        return encoder_config(cfg, kind, labels, ids, model_type, CLASS_PREFIX[model_type],
+                              max_position_embeddings=cfg.max_position_embeddings + ids["pad"] + 1, type_vocab_size=1)
+
+    def tokenizer_layout(self, kind: str | None, imported: bool) -> dict | None:
+        return None if imported else ENCODER_LAYOUT
+
+    def export_model_type(self, model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
+        return model_type or MODEL_TYPE
+
+    def import_note(self, cfg: dict, model_dir=None) -> None:
+        return None  # nothing of an encoder is cut at import
+
+    def implied(self, cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:
+        """Every tensor of a ...ForMaskedLM config (of a body class: no head, a pooler): its shape
+        from config.json's fields."""
+        out = body_implied(cfg, _base_prefix(hf), hf_cfg["max_position_embeddings"], hf_cfg)
+        if not self.is_headless(hf_cfg):
+            out.update(head_implied(cfg, {"dense": "lm_head.dense", "layernorm": "lm_head.layer_norm",
+                                          "bias": "lm_head.bias"}))
+        return out
+
+    def unused_note(self, name: str, cfg: ModelConfig, hf_cfg: dict) -> str | None:
+        note = super().unused_note(name, cfg, hf_cfg)
+        if note is not None:
+            return note
+        if name.startswith("lm_head.") and self.is_headless(hf_cfg):
+            return headless_note(hf_cfg, "XLMRobertaForMaskedLM" if hf_cfg["model_type"] == "xlm-roberta"
+                                 else "RobertaForMaskedLM")
+        return None
 
 
 MAPPING = RobertaMapping()
