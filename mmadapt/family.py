@@ -91,9 +91,29 @@ class HFMapping:
     # imported headless (run.json `imported_from.headless`) until `mmadapt fit-head` gives them one.
     headless: tuple[str, ...] = ()
 
+    # Where the LM head's tensors are (name prefixes): a checkpoint without them is a body's.
+    head_prefixes: tuple[str, ...] = ()
+    # config.json fields the mapping reads that transformers' config class gives a default where a
+    # file leaves them out (hf.read_hf_config fills them from that class, as transformers does).
+    defaulted: tuple[str, ...] = ()
+
     def is_headless(self, cfg: dict) -> bool:
         """Whether config.json `cfg` is of a body class (`headless`)."""
         return (cfg.get("architectures") or [None])[0] in self.headless
+
+    def architecture(self, model_type: str, names: list[str]) -> str | None:
+        """The class of a config.json of `model_type` that names none (transformers' Auto classes
+        go by model_type), from its weights' tensor names: a body (`headless`) where they hold no
+        LM head (`head_prefixes`), else the class with the head."""
+        archs = [a for a, t in self.architectures.items() if t == model_type]
+        bodies = [a for a in archs if a in self.headless]
+        if bodies and not any(n.startswith(self.head_prefixes) for n in names):
+            return bodies[0]
+        return next((a for a in archs if a not in self.headless), None)
+
+    def model_kwargs(self, cfg: ModelConfig, kind: str | None) -> dict:
+        """What the exported class's constructor takes beside its config (a body without a pooler)."""
+        return {}
 
     def check_config(self, cfg: dict, model_dir: Path) -> None:
         """Refuse a config.json the family cannot compute exactly."""
@@ -300,9 +320,8 @@ class ModelFamily:
         return ()
 
     def head_scales(self, cfg: ModelConfig) -> tuple[str, ...]:
-        """The last scale [h] of every LM head before its output projection (build_lm names): at
-        zero, a head's logits are its output bias alone (mmadapt fit-head starts a fresh head
-        there: at the unigram reference, which it leaves only by reading the body). None here."""
+        """The last scale [h] of every LM head before its output projection (build_lm names): what
+        mmadapt fit-head starts from the source's word embedding (steps.head_scale). None here."""
         return ()
 
     def finetune_trainable(self, cfg: ModelConfig) -> tuple[str, ...]:

@@ -42,7 +42,8 @@ from mmadapt.tokenizer import kind as tokenizer_kind
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model", "vocab.json + merges.txt")
+TOKENIZER_FILES = ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model", "vocab.json + merges.txt",
+                   "vocab.txt")
 
 
 def _mappings() -> dict[str, ModelFamily]:
@@ -71,14 +72,57 @@ def read_hf_config(model_dir: Path) -> tuple[dict, object]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{model_dir / 'config.json'} is not JSON ({e.msg})") from None
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else None
+    arch = archs[0] if archs else _architecture_of(cfg, model_dir)
     family = _mappings().get(arch)
     if family is None or cfg.get("model_type") != family.hf.architectures[arch]:
         raise ValueError(f"{model_dir} holds a {arch or 'model without architectures'} (model_type "
                          f"{cfg.get('model_type')}); import-hf supports {supported()}")
+    cfg = {**_defaults(cfg["model_type"], family.hf.defaulted), **cfg,
+           "architectures": [arch]}  # the class, named or read off the weights
     _check_config_values(cfg, family.hf, model_dir)
     family.hf.check_config(cfg, model_dir)
     return cfg, family
+
+
+def _defaults(model_type: str, fields: tuple[str, ...]) -> dict:
+    """`fields`' defaults in transformers' config class of `model_type` (what it loads where
+    config.json leaves them out)."""
+    if not fields:
+        return {}
+    import transformers
+
+    made = transformers.CONFIG_MAPPING[model_type]()
+    return {f: getattr(made, f) for f in fields}
+
+
+def _architecture_of(cfg: dict, model_dir: Path) -> str | None:
+    """The class of a config.json without `architectures` (transformers' Auto classes go by
+    model_type): of the classes of that model type some family maps, the one its weights are of
+    (HFMapping.architecture: a body where they hold no LM head). None: no family maps it."""
+    for family in FAMILIES.values():
+        if family.hf is not None and cfg.get("model_type") in family.hf.architectures.values():
+            return family.hf.architecture(cfg["model_type"], weight_names(model_dir))
+    return None
+
+
+def weight_names(model_dir: Path) -> list[str]:
+    """The names of the tensors a Hugging Face directory's weights hold: from safetensors headers
+    or an index where there is one (nothing is loaded), else the whole pickle."""
+    found = next((f for f in WEIGHT_FILES if (model_dir / f).is_file()), None)
+    if found is None:
+        raise ValueError(f"{model_dir} has no weights: expected one of {', '.join(WEIGHT_FILES)}")
+    if found.endswith(".index.json"):
+        return list(json.loads((model_dir / found).read_text())["weight_map"])
+    if found.endswith(".safetensors"):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(model_dir / found), "pt") as f:
+                return list(f.keys())
+        except SafetensorError as e:
+            raise ValueError(f"{model_dir / found} cannot be read as safetensors ({str(e).splitlines()[0][:120]}): "
+                             "it is truncated or damaged; download it again") from None
+    return list(_load_weight_file(model_dir / found))
 
 
 # config.json's special-token ids: each must name a row of the vocabulary.
@@ -148,7 +192,8 @@ def read_hf_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     model_dir = Path(model_dir)
-    if (not any((model_dir / f).is_file() for f in ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model")) and
+    one = ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model", "vocab.txt")
+    if (not any((model_dir / f).is_file() for f in one) and
             not all((model_dir / f).is_file() for f in ("vocab.json", "merges.txt"))):
         raise ValueError(f"{model_dir} has no tokenizer files: expected one of {', '.join(TOKENIZER_FILES)}")
     try:
@@ -158,6 +203,14 @@ def read_hf_tokenizer(model_dir: Path):
                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
     if getattr(tok, "backend_tokenizer", None) is None:
         raise ValueError(f"{model_dir}: its tokenizer ({type(tok).__name__}) has no fast (tokenizers) form")
+    vocab = model_dir / "vocab.txt"
+    if not (model_dir / "tokenizer.json").is_file() and vocab.is_file():
+        # A WordPiece built from vocab.txt: transformers has been seen to build one of a few pieces
+        # and no error; the file's lines are its size.
+        lines = len(vocab.read_text(encoding="utf-8").splitlines())
+        if len(tok) != lines:
+            raise ValueError(f"{model_dir}: transformers built a tokenizer of {len(tok)} tokens from its vocab.txt of "
+                             f"{lines} lines; save the tokenizer with tokenizer.json (tokenizer.save_pretrained)")
     return tok
 
 
@@ -190,13 +243,16 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
     specials, record = mapping.special_ids(tok, hf_cfg, cfg.vocab_size, model_dir)
     hf_ids = hf_permutation(cfg.vocab_size, specials)
     cfg, state, loaded = imported_state(family, cfg, hf_state, hf_ids, hf_cfg, model_dir)
-    check_parity(family, cfg, state, tok, hf_ids, model_dir)
+    check_parity(family, cfg, state, tok, hf_ids, model_dir, hf_cfg)
     headless = mapping.is_headless(hf_cfg)
-
     arch = hf_cfg["architectures"][0]
     imported = {"model": str(model_dir), "architecture": arch, "model_type": hf_cfg["model_type"],
                 "special_ids": record, **({"headless": True} if headless else {})}
-    note = "; ".join(n for n in (loaded, mapping.import_note(hf_cfg, model_dir)) if n)
+    named = json.loads((model_dir / "config.json").read_text()).get("architectures")
+    read_off = None if named else (f"config.json names no architecture: read as {arch} (model_type "
+                                   f"{hf_cfg['model_type']}, as transformers' Auto classes read it; its weights "
+                                   f"{'hold no' if headless else 'hold an'} LM head)")
+    note = "; ".join(n for n in (read_off, loaded, mapping.import_note(hf_cfg, model_dir)) if n)
     if note:
         imported["note"] = note
     run = {"step": "pretrain", "recipe": "bl_base", "model": to_dict(cfg), "corpus": None, "data_path": None,
@@ -218,6 +274,9 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
 # writes them back around the new body and tokenizer.
 SENTENCE_TRANSFORMERS = "sentence_transformers"
 ST_CARRIED = ("Pooling", "Dense", "Normalize")
+# Modules that hold no file: sentence-transformers builds them without their folder, and the Hub
+# ships them so (all-MiniLM-L6-v2's modules.json names a 2_Normalize that is not there).
+ST_FILELESS = ("Normalize",)
 ST_FILES = ("modules.json", "config_sentence_transformers.json")  # the directory's own, beside the modules
 ST_TRANSFORMER_FILES = ("sentence_bert_config.json",)  # the transformer module's own (max_seq_length, ...)
 
@@ -233,6 +292,10 @@ def read_sentence_transformers(st_dir: Path) -> tuple[Path, list[dict]]:
     if not kinds or kinds[0] != "Transformer" or any(k not in ST_CARRIED for k in kinds[1:]):
         raise ValueError(f"{st_dir}: its modules.json lists {', '.join(kinds) or 'no modules'}; import-hf takes a "
                          f"sentence-transformers model of a Transformer followed by {', '.join(ST_CARRIED)} modules")
+    for m, kind in zip(modules[1:], kinds[1:]):
+        if not (st_dir / m.get("path", "")).is_dir() and kind not in ST_FILELESS:
+            raise ValueError(f"{st_dir}: its modules.json lists a {kind} module in {m.get('path')}/, which does not "
+                             "exist: copy the whole sentence-transformers directory")
     return st_dir / modules[0].get("path", ""), modules
 
 
@@ -258,13 +321,13 @@ def import_sentence_transformers(st_dir: Path, output_dir: Path) -> dict:
         run = import_hf(transformer, tmp)
         kept = tmp / SENTENCE_TRANSFORMERS
         kept.mkdir()
-        for m in modules[1:]:
-            shutil.copytree(st_dir / m["path"], kept / m["path"])
+        _copy_modules(st_dir, kept, modules)
         for f in [st_dir / n for n in ST_FILES] + [transformer / n for n in ST_TRANSFORMER_FILES]:
             if f.is_file():
                 shutil.copyfile(f, kept / f.name)
         run["imported_from"]["sentence_transformers"] = {"model": str(st_dir),
-                                                         "modules": [m.get("type") for m in modules]}
+                                                         "modules": [m.get("type") for m in modules],
+                                                         **sentence_settings(transformer)}
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
     return run
 
@@ -278,13 +341,34 @@ def write_sentence_transformers(family: ModelFamily, output_dir: Path, cfg: Mode
     write_hf(family, output_dir, cfg, state, "body", None, tokenizer, model_type)
     entries = json.loads((modules / "modules.json").read_text())
     entries[0]["path"] = ""
-    for m in entries[1:]:
-        shutil.copytree(modules / m["path"], output_dir / m["path"])
+    _copy_modules(modules, output_dir, entries)
     for name in ST_FILES[1:] + ST_TRANSFORMER_FILES:
         if (modules / name).is_file():
             shutil.copyfile(modules / name, output_dir / name)
     (output_dir / "modules.json").write_text(json.dumps(entries, indent=2))
     return output_dir
+
+
+def _copy_modules(src: Path, dst: Path, modules: list[dict]) -> None:
+    """The modules after the transformer, each folder as it is (a fileless one, ST_FILELESS,
+    may have none: it stays without)."""
+    for m in modules[1:]:
+        if (src / m["path"]).is_dir():
+            shutil.copytree(src / m["path"], dst / m["path"])
+
+
+def sentence_settings(transformer: Path) -> dict:
+    """What the transformer module's sentence_bert_config.json says of how it reads a text:
+    `max_seq_length` (pieces kept, the rest cut) and `do_lower_case` (lower-cased before the
+    tokenizer), as sentence-transformers applies them."""
+    path = transformer / "sentence_bert_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e.msg})") from None
+    return {k: found[k] for k in ("max_seq_length", "do_lower_case") if k in found}
 
 
 def hf_permutation(vocab_size: int, specials: list[int]) -> list[int]:
@@ -368,7 +452,8 @@ def _check_implied(implied: dict[str, Implied], hf_state: dict, where: Path) -> 
 PARITY_TEXT = "In the beginning God created the heaven and the earth."
 
 
-def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids: list[int], where: Path) -> None:
+def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids: list[int], where: Path,
+                 hf_cfg: dict) -> None:
     """The imported model's first layer, with its head, against the model transformers loads
     from the same files with one layer (`num_hidden_layers` 1: so "imported" means "the same
     model"), on PARITY_TEXT, in fp32 on the CPU: a few milliseconds of a tiny model, of a large
@@ -376,7 +461,6 @@ def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids
     its hidden states and pooler output. Refused in one line where they differ."""
     import transformers
 
-    hf_cfg = json.loads((where / "config.json").read_text())
     cls = getattr(transformers, hf_cfg["architectures"][0], None)
     if cls is None:  # a family's own architecture that transformers does not define
         return
@@ -626,7 +710,7 @@ def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dic
     hf_state = mapping.to_hf(cfg, state, kind, hf_ids, ids, model_type)
     hf_cfg = mapping.hf_config(cfg, kind, labels, ids, model_type)
     arch = hf_cfg.architectures[0]
-    model = getattr(transformers, arch)(hf_cfg)
+    model = getattr(transformers, arch)(hf_cfg, **mapping.model_kwargs(cfg, kind))
     model.load_state_dict(hf_state, strict=True)
     with staged_dir(output_dir) as tmp:
         model.save_pretrained(str(tmp))

@@ -51,12 +51,13 @@ from mmadapt.objectives import OBJECTIVES, Objective
 from mmadapt.parallel import device as default_device
 from mmadapt.parallel import named_device
 from mmadapt.heldout import scoring_model
+from mmadapt.hf import SENTENCE_TRANSFORMERS
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
 from mmadapt.run import RUN_FILE, read_source, require_head, run_family
 from mmadapt.tasks import Task, get_task
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
-from mmadapt.tokens import IGNORE_INDEX, MASK_ID, PAD_ID
+from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, PAD_ID
 
 MASK = "<mask>"  # how a text marks a masked position for fill_mask
 BATCH_TOKENS = FinetuneConfig.eval_batch_tokens  # piece ids per forward pass of a language model
@@ -282,6 +283,92 @@ class LanguageModel:
         last = ids.ne(PAD_ID).sum(1) - 1  # [n]: each row's last piece
         return [[{**_surface(self.tokenizer, int(i)), "prob": float(p)} for p, i in zip(probs[r, last[r]], top[r, last[r]])]
                 for r in range(len(texts))]
+
+
+# --- sentence encoders ----------------------------------------------------------------------------------
+
+ST_POOLING = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens")  # sentence-transformers' order
+
+
+@dataclass
+class SentenceEncoder:
+    """The sentence vectors of a run imported from a sentence-transformers directory (or a head fit
+    over one): its body's last layer (heads are not read), pooled as its Pooling module says and
+    normalised where it lists a Normalize module, texts read as sentence-transformers reads them
+    (lower-cased where its do_lower_case says so, `<s> text </s>` cut to its max_seq_length
+    pieces); with a Step-2 artifact, the artifact's word embeddings and tokenizer: what the
+    exported sentence-transformers directory encodes (hf.write_sentence_transformers)."""
+    run: Path
+    family: ModelFamily
+    cfg: ModelConfig
+    body: torch.nn.Module
+    tokenizer: object
+    pooling: tuple[str, ...]
+    normalize: bool
+    lower_case: bool
+    max_length: int
+
+    @classmethod
+    def load(cls, run: str | os.PathLike, embeddings: str | os.PathLike | None = None,
+             device: torch.device | None = None) -> "SentenceEncoder":
+        run = path_args(run, "run")[0]
+        source = read_source(run)
+        settings = (source.record.get("imported_from") or {}).get("sentence_transformers")
+        modules = source.path / SENTENCE_TRANSFORMERS
+        if settings is None or not (modules / "modules.json").is_file():
+            raise ValueError(f"{run} was not imported from a sentence-transformers directory: its sentence vectors "
+                             "are not defined (import-hf a directory with modules.json)")
+        entries = json.loads((modules / "modules.json").read_text())
+        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in entries]
+        if "Dense" in kinds:
+            raise ValueError(f"{run}: its sentence-transformers model has a Dense module, which mmadapt carries into "
+                             "exports but does not compute: encode with the exported directory")
+        pooling = _pooling(modules, entries, kinds)
+        family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
+        if embeddings is not None:
+            emb, tokenizer = _artifact(Path(embeddings), (run,))
+            state = {**state, family.word: artifact_embeddings(emb, state[family.word]).float()}
+        cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
+                                  vocab_size=state[family.word].shape[0])
+        body = family.build_body(cfg)
+        body.load_state_dict({k: v for k, v in state.items() if k in body.state_dict()})
+        body = on_eval_device(body, device or default_device())
+        length = min(settings.get("max_seq_length") or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        return cls(run, family, cfg, body, load_tokenizer(tokenizer), pooling, "Normalize" in kinds,
+                   bool(settings.get("do_lower_case")), length)
+
+    def rows(self, texts: list[str]) -> torch.Tensor:
+        """Texts -> input_ids [n, s]: <s> text </s>, the text cut to max_length - 2 pieces, padded."""
+        texts = [t.lower() for t in texts] if self.lower_case else texts
+        return _pad([[BOS_ID, *self.tokenizer.encode(t)[:self.max_length - 2], EOS_ID] for t in texts])
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        """[n, d] sentence vectors, fp32 on the CPU (d: hidden size times the pooling modes)."""
+        ids = self.rows(_texts(texts))
+        batches = EvalBatches.plan(ids, BATCH_TOKENS, device_of(self.body))
+        out = batches.run(lambda x, padding: self.body.encode(x, (self.cfg.num_layers,), padding)[0], True)
+        keep = ids.ne(PAD_ID)[..., None].float()  # [n, s, 1]
+        x = out.float() * keep
+        parts = {"cls_token": x[:, 0], "max_tokens": out.float().masked_fill(keep == 0, -1e9).amax(1),
+                 "mean_tokens": x.sum(1) / keep.sum(1), "mean_sqrt_len_tokens": x.sum(1) / keep.sum(1).sqrt()}
+        vectors = torch.cat([parts[m] for m in self.pooling], -1)
+        return torch.nn.functional.normalize(vectors, dim=-1) if self.normalize else vectors
+
+
+def _pooling(modules: Path, entries: list[dict], kinds: list[str]) -> tuple[str, ...]:
+    """The pooling modes of a sentence-transformers model's Pooling module (its config.json), in
+    sentence-transformers' order; the CLS token where it has none."""
+    if "Pooling" not in kinds:
+        return ("cls_token",)
+    entry = entries[kinds.index("Pooling")]
+    cfg = read_json(modules / entry["path"] / "config.json", "Pooling module config")
+    on = {k.removeprefix("pooling_mode_") for k, v in cfg.items() if k.startswith("pooling_mode_") and v}
+    unknown = sorted(on - set(ST_POOLING))
+    if unknown:
+        raise ValueError(f"{modules / entry['path']}: pooling mode {unknown[0]} is not one mmadapt computes "
+                         f"({', '.join(ST_POOLING)})")
+    return tuple(m for m in ST_POOLING if m in on)
 
 
 # --- fine-tuned models -----------------------------------------------------------------------------------

@@ -334,9 +334,12 @@ def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
 
 
 def pretrained_blocks(run: dict) -> int | None:
-    """The block length (pieces) a Step-1 record's model was pretrained on; None for an imported
-    model (its record has no schedule: max_position_embeddings is all that is known)."""
-    return run["train"]["seq_length"] if "train" in run else None
+    """The block length (pieces) a Step-1 record's model was pretrained on; None for a model whose
+    body was imported, a head fit over one included (its source trained its positions, up to its
+    max_position_embeddings: all that is known; the head fit's own blocks trained no position)."""
+    if run.get("imported_from") is not None or "train" not in run:
+        return None
+    return run["train"]["seq_length"]
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

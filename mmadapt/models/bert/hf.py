@@ -57,6 +57,7 @@ class BertMapping(RobertaMapping):
     # what transformers' BertForMaskedLM leaves out of a pre-training checkpoint (module docstring),
     # and an old checkpoint's position-id buffer; BertModel reads its pooler
     ignored = (r"(^|\.)embeddings\.position_ids$", r"(^|\.)pooler\.", r"^cls\.seq_relationship\.")
+    head_prefixes = ("cls.predictions.",)
 
     def export_model_type(self, model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
         return MODEL_TYPE

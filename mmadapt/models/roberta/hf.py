@@ -31,6 +31,7 @@ mmadapt/hf.py reads and writes the directories; this module maps configs and wei
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -207,6 +208,19 @@ class RobertaMapping(HFMapping):
     # ...ForMaskedLM has none; a body class reads its own)
     ignored = (r"(^|\.)embeddings\.position_ids$", r"(^|\.)pooler\.")
     layer_name = r"encoder\.layer\.(\d+)\."
+    head_prefixes = ("lm_head.",)
+    defaulted = ("pad_token_id",)
+
+    def as_loaded(self, cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_cfg: dict) -> tuple[ModelConfig, str | None]:
+        """A body saved without its pooler's weights (transformers and sentence-transformers load it
+        with a fresh pooler, which mean pooling never reads) is imported without one."""
+        if cfg.add_pooling_layer and not any(n.endswith("pooler.dense.weight") for n in hf):
+            return (dataclasses.replace(cfg, add_pooling_layer=False),
+                    "its weights hold no pooler: imported without one (export-hf writes the body without one too)")
+        return cfg, None
+
+    def model_kwargs(self, cfg: ModelConfig, kind: str | None) -> dict:
+        return {"add_pooling_layer": cfg.add_pooling_layer} if kind == "body" else {}
 
     def check_config(self, cfg: dict, model_dir) -> None:
         """config.json of one of ARCHITECTURES, checked for everything the encoder cannot express."""
