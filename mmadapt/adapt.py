@@ -38,6 +38,7 @@ Everything here works on full ("single-device") state dicts in the family's para
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import ClassVar
 
@@ -46,6 +47,7 @@ import torch
 from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt import checkpoint, parallel
+from mmadapt.parallel import from_rank0
 from mmadapt.artifact import read_artifact, write_artifact, ARTIFACT_FILE
 from mmadapt.config import (EMBEDDING_INITS, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig, StepSpec,
                             TrainConfig)
@@ -54,7 +56,7 @@ from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, m
                             output_start, replay_text, source_text)
 from mmadapt.family import ModelFamily
 from mmadapt.flops import device_days
-from mmadapt.heldout import PluginProbe, Primary, Scorer, Text
+from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import RunSpec, Source, load_checkpoint, read_source, require_head, start_run
 from mmadapt.tokenizer import WORD_BOUNDARY
@@ -110,7 +112,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     plan = Step2Plan.of(run, step)
     with start_run(plan.run, plan.model, step.train, plan.identity, plan.data) as started:
         tokenizer = started.data / TOKENIZER
-        start = Step2Start.build(plan.source, plan.body, step, tokenizer)
+        start = Step2Start.build(plan.source, plan.body, step, tokenizer, started.data)
         if parallel.is_rank0():
             say_start(step.lang, step.train.embedding_init, plan.model, start.rows)
         writer = ArtifactWriter.of(plan, start, tokenizer)
@@ -248,13 +250,14 @@ def body_weights(family: ModelFamily, system: str, cfg: ModelConfig, state: dict
 
 # --- the new vocabulary's starting rows ---------------------------------------------------------------
 
-def overlap_init(src_pieces: list[str], src: dict[str, torch.Tensor], trg_pieces: list[str], std: float,
-                 seed: int) -> tuple[dict[str, torch.Tensor], int]:
+def overlap_init(src_pieces: list[str], src: dict[str, torch.Tensor], trg_pieces: list[str],
+                 std: float | dict[str, float], seed: int) -> tuple[dict[str, torch.Tensor], int]:
     """Target rows of each vocabulary-indexed tensor of `src` (name -> [V_src, ...], the word
     embedding first), after the paper's footnote 1 (Pfeiffer et al. 2021): a piece that is also in
     the source vocabulary (special tokens included) gets the source row; every other row is
-    N(0, std) in a matrix and 0 in a vector (a bias). Returns (name -> [V_trg, ...], number of
-    shared pieces). The random rows depend only on `seed`, drawn matrix by matrix in `src`'s order."""
+    N(0, std) in a matrix (std: one for all, or each matrix's by name) and 0 in a vector (a bias;
+    Step2Start fits it to the target text). Returns (name -> [V_trg, ...], number of shared
+    pieces). The random rows depend only on `seed`, drawn matrix by matrix in `src`'s order."""
     src_index = {p: i for i, p in enumerate(src_pieces)}
     gen = torch.Generator().manual_seed(seed)
     trg_rows = [i for i, p in enumerate(trg_pieces) if p in src_index]
@@ -262,7 +265,8 @@ def overlap_init(src_pieces: list[str], src: dict[str, torch.Tensor], trg_pieces
     out = {}
     for name, t in src.items():
         if t.ndim == 2:
-            new = torch.randn(len(trg_pieces), t.shape[1], generator=gen, dtype=torch.float32) * std
+            new = torch.randn(len(trg_pieces), t.shape[1], generator=gen, dtype=torch.float32) * (
+                std[name] if isinstance(std, dict) else std)
         else:
             new = torch.zeros(len(trg_pieces), dtype=torch.float32)
         new[trg_rows] = t[src_rows].float()
@@ -293,8 +297,8 @@ def source_split(src_tokenizer: Path):
     return split
 
 
-def subword_mean_init(split, src_pieces: list[str], src: dict[str, torch.Tensor], trg_pieces: list[str], std: float,
-                      seed: int) -> tuple[dict[str, torch.Tensor], int, int]:
+def subword_mean_init(split, src_pieces: list[str], src: dict[str, torch.Tensor], trg_pieces: list[str],
+                      std: float | dict[str, float], seed: int) -> tuple[dict[str, torch.Tensor], int, int]:
     """overlap_init, then every target piece that is not shared and that the source tokenizer
     splits (`split`, source_split) gets the mean of the source rows of its split, in every
     vocabulary-indexed tensor (the bias likewise); a piece with an empty split keeps its N(0, std)
@@ -314,8 +318,8 @@ def subword_mean_init(split, src_pieces: list[str], src: dict[str, torch.Tensor]
     return out, shared, composed
 
 
-def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_pieces: list[str], std: float,
-              seed: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_pieces: list[str],
+              std: float | dict[str, float], seed: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
     """The rows of the pieces `trg_pieces` (surface forms, tokenizer.pieces) in the
     vocabulary-indexed tensors `src` by TrainConfig.embedding_init: overlap (the paper: shared
     pieces copied, the rest N(0, std)), subword_mean (FVT: subword_mean_init) or normal (every
@@ -339,23 +343,27 @@ def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_p
 
 
 def new_vocabulary(family: ModelFamily, body: ModelConfig, state: dict, src_tokenizer: Path, target_tokenizer: Path,
-                   seed: int, embedding_init: str = "overlap", vocab_mode: str = "replace"
+                   seed: int, embedding_init: str = "overlap", vocab_mode: str = "replace", row_std: str = "source"
                    ) -> tuple[dict, dict[str, int]]:
     """Step 2's starting weights: the body's weights `state` (body_weights) with the new
     vocabulary's rows of every vocabulary-indexed parameter (init_rows). vocab_mode "replace": the
     rows of every piece of `target_tokenizer`; "expand" (`target_tokenizer` is then the merged
     one, expand.py): the source's rows kept under their names and the rows of the appended pieces
-    under `new_rows_name`s. Random rows are N(0, the source model's init_method_std), drawn from
-    `seed`. -> (full state dict, how many rows started which way)."""
-    std = body.init_method_std
+    under `new_rows_name`s. Random rows are drawn from `seed`, N(0, row_std): "source", each
+    matrix's own standard deviation in the source (StartRule: the scale its rows were trained
+    to); "config", the model's init_method_std (runs before 2026-11-27). -> (full state dict,
+    how many rows started which way)."""
     vocab = {name: state[name] for name in family.vocab_params(body)}
+    std = ({name: float(t.float().std()) for name, t in vocab.items() if t.ndim == 2} if row_std == "source"
+           else body.init_method_std)
     trg_pieces = tokenizer_pieces(target_tokenizer)
+    scale = {"row_std": std[family.word] if isinstance(std, dict) else std}  # the word rows' (say_start prints it)
     if vocab_mode == "replace":
         new, counts = init_rows(embedding_init, src_tokenizer, vocab, trg_pieces, std, seed)
-        return {**state, **new}, counts
+        return {**state, **new}, {**counts, **scale}
     source_size = check_expansion(src_tokenizer, target_tokenizer)
     new, counts = init_rows(embedding_init, src_tokenizer, vocab, trg_pieces[source_size:], std, seed)
-    return {**state, **{new_rows_name(name): rows for name, rows in new.items()}}, counts
+    return {**state, **{new_rows_name(name): rows for name, rows in new.items()}}, {**counts, **scale}
 
 
 def step2_trainable(family: ModelFamily, cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
@@ -366,6 +374,49 @@ def step2_trainable(family: ModelFamily, cfg: ModelConfig, train_output_bias: bo
 
 
 # --- the start, built once ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StartRule:
+    """How Step 2 starts the new vocabulary's rows, derived from the source and the target text
+    (run.json records it as `start_rule`; docs/mini-models.md says why):
+        row_std  "source": a drawn row at its matrix's own standard deviation in the source (the
+                 scale the body reads its input at; an imported checkpoint's word embeddings have
+                 std 0.056 where its config's initializer_range says 0.02); "config": the
+                 model's init_method_std (runs recorded before 2026-11-27)
+        bias     "fitted": replace mode, the output bias fitted on the target text so that the
+                 start's mean prediction there is the target text's unigram distribution (its
+                 loss starts at the unigram reference, whatever the source's bias: an imported
+                 head's sits at English log-frequencies, 13 nats under the 0 a new piece got);
+                 expand mode, the bound on the new pieces' share divided among them by the target
+                 text's frequencies; "copied": shared pieces' entries copied, the rest 0 (before)."""
+    row_std: str = "source"
+    bias: str = "fitted"
+
+    @classmethod
+    def recorded(cls, run: dict) -> "StartRule":
+        """The rule an adapt run's record says it started by (a record without one: the old rule)."""
+        return cls(**run["start_rule"]) if "start_rule" in run else cls(row_std="config", bias="copied")
+
+
+FIT_POSITIONS = 2048  # scored positions of target text the output bias is fitted on (its V-vector's estimate)
+
+
+def fit_bias(logits: list[torch.Tensor], bias: torch.Tensor, logp: torch.Tensor, iters: int = 100,
+             tol: float = 1e-3) -> torch.Tensor:
+    """The output bias b [V] with which the mean over positions i of softmax(c_i + b) is exp(logp),
+    the target unigram distribution (c: `logits` [m_b, V] at the scored positions, computed with
+    `bias`, less it): iterative proportional fitting, b += logp - log mean_i softmax(c_i + b),
+    until every piece's gap is under `tol` nats (or `iters`), on the logits' device in fp32."""
+    c = torch.cat(logits).float()
+    b = bias.to(c.device, torch.float32)
+    c, target = c - b, logp.to(c.device, torch.float32)
+    for _ in range(iters):
+        gap = target - torch.softmax(c + b, -1).mean(0).log()
+        b = b + gap
+        if float(gap.abs().max()) < tol:
+            break
+    return b.cpu()
+
 
 @dataclasses.dataclass
 class Step2Start:
@@ -385,10 +436,13 @@ class Step2Start:
     _scorer: Scorer | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
-    def build(cls, source: Source, body: ModelConfig, step: AdaptEmbeddings, tokenizer: Path) -> "Step2Start":
-        """The start of `step` over `body` (its system's, from the source run `source`), the new
-        vocabulary `tokenizer`'s (replace: the target's; expand: the merged one): the source's
-        checkpoint read once (MINIPOST: and the one its mini-model came from, the primary)."""
+    def build(cls, source: Source, body: ModelConfig, step: AdaptEmbeddings, tokenizer: Path,
+              data: Path | None, rule: StartRule = StartRule()) -> "Step2Start":
+        """The start of `step` over `body` (its system's, from the source run `source`) for the new
+        vocabulary `tokenizer` (replace: the target's; expand: the merged one), by `rule`, which
+        reads the training text of the prepared target data `data` (None: a rule that reads none,
+        a run's recompute from before the rule): the source's checkpoint read once (MINIPOST: and
+        the one its mini-model came from, the primary)."""
         train, family = step.train, source.family
         read: dict = {}  # every checkpoint this start reads, read once
         weights = source.weights(read)
@@ -399,21 +453,45 @@ class Step2Start:
         del weights, read
         init, rows = new_vocabulary(family, body, state, source.tokenizer, tokenizer,
                                     derive_seed(train.seed, f"embeddings.{step.lang}"), train.embedding_init,
-                                    train.vocab_mode)
-        start = cls(body, init, rows, primary, train.vocab_mode == "expand", family)
+                                    train.vocab_mode, rule.row_std)
+        start = cls(body, init, {**rows, "start_rule": dataclasses.asdict(rule)}, primary,
+                    train.vocab_mode == "expand", family)
+        logp = unigram_logprobs(data, load_tokenizer(tokenizer).get_piece_size()) if rule.bias == "fitted" else None
         if start.expanded:
-            start.bound_new_outputs(train, source.record.get("data_path"))
+            start.bound_new_outputs(train, source.record.get("data_path"), logp)
+        elif logp is not None and family.output_path(body).bias is not None:
+            start.fit_output_bias(data, train, logp)
         if not (train.plugin_eval_blocks and parallel.is_rank0()):
             start._scorer = None  # only global rank 0's checkpoint probe scores again before the end
         return start
 
-    def bound_new_outputs(self, train: TrainConfig, source_data: str | None) -> None:
-        """An expanded vocabulary's output side (expand.output_start), calibrated on source text
+    def fit_output_bias(self, data: Path, train: TrainConfig, logp: torch.Tensor) -> None:
+        """Replace mode (StartRule.bias "fitted"): the output bias fitted (fit_bias) through the
+        primary model on FIT_POSITIONS scored positions of the target data's training text to its
+        unigram log-frequencies `logp`, then shifted to the source bias's mean (the softmax is
+        blind to the shift; weight decay is not). Every rank runs the probe, global rank 0's fit is
+        every rank's."""
+        name = self.family.output_path(self.body).bias
+        scored = train.seq_length * (TrainConfig.mask_prob if self.family.objective.masked else 1.0)
+        blocks = max(1, math.ceil(FIT_POSITIONS / scored))
+        scorer = self.scorer()
+        held = scorer.heldout(Text(data, train.seq_length, blocks, min(32, blocks), split=TEXT), len(logp),
+                              unigram=False)
+        art = self.tensors()
+        fitted = fit_bias(scorer.logits(held, art), art["output_bias"], logp)
+        source_mean = float(self.primary.state[name].float().mean())
+        self.init = {**self.init, name: from_rank0(fitted - fitted.mean() + source_mean)}
+        self.rows["bias_fitted_positions"] = held.scored
+
+    def bound_new_outputs(self, train: TrainConfig, source_data: str | None, logp: torch.Tensor | None) -> None:
+        """An expanded vocabulary's output side (expand.output_start; the bound shared among the new
+        pieces by the target text's frequencies `logp` where given), calibrated on source text
         where the start is `bounded` (expand.calibrate: the replay text's training split, else the
         source run's data `source_data`, through the primary model)."""
-        nats = train.expand_source_nats
+        nats, new = train.expand_source_nats, self.init[new_rows_name(self.family.word)].shape[0]
+        prior = None if logp is None else torch.log_softmax(logp[len(logp) - new:], 0)  # the new pieces' ids: the last
         self.init, self.rows["new_mass_bound"] = output_start(self.family, self.body, self.init, self.primary.state,
-                                                              train.expand_output_start, nats)
+                                                              train.expand_output_start, nats, prior)
         if train.expand_output_start != "bounded":
             return
         data = train.replay_data or source_data
@@ -460,10 +538,11 @@ def say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, float]) -
     """What Step 2 prints of its start (`model`: the run's, with the new vocabulary's size):
     where the rows came from, and an expanded vocabulary's output side."""
     mean = f", {rows['subword_mean_pieces']} the mean of their source split" if how == "subword_mean" else ""
+    std = rows.get("row_std", model.init_method_std)
     if model.frozen_vocab_size:
         new = model.vocab_size - model.frozen_vocab_size
         print(f"{lang}: {new} new pieces after the source's {model.frozen_vocab_size} (frozen; only the new rows "
-              f"train), {how}{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
+              f"train), {how}{mean}, {rows['random_pieces']} drawn from N(0, {std:.3g})")
         if "new_mass_calibrated" in rows:
             print(f"  their output side, calibrated on source text: they take {rows['new_mass_calibrated']:.4f} nats of "
                   f"its loss (the worst case at any position: {rows['new_mass_bound']:.3g})")
@@ -471,8 +550,10 @@ def say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, float]) -
             print(f"  their output side: they take at most {rows['new_mass_bound']:.3g} nats of the source language's "
                   "loss at any position")
         return
+    fitted = (f"; output bias fitted to the target text's unigram distribution ({rows['bias_fitted_positions']} "
+              "positions)" if "bias_fitted_positions" in rows else "")
     print(f"new {lang} embeddings ({how}): {rows['shared_pieces']} of {model.vocab_size} pieces copied from the "
-          f"source vocabulary{mean}, {rows['random_pieces']} drawn from N(0, {model.init_method_std})")
+          f"source vocabulary{mean}, {rows['random_pieces']} drawn from N(0, {std:.3g}){fitted}")
 
 
 # --- the artifacts -----------------------------------------------------------------------------------------

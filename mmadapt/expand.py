@@ -49,15 +49,13 @@ from pathlib import Path
 import torch
 from sentencepiece import sentencepiece_model_pb2 as sp_model
 
-from mmadapt.artifact import swap_tensors
 from mmadapt.config import EXPAND_OUTPUT_STARTS, ModelConfig, PreprocessConfig, TrainConfig
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import TEXT, TOKENIZER, VALID, file_sha256, read_manifest, replay_blocks, train_tokenizer
-from mmadapt.devices import swapped
 from mmadapt.family import WORD, ModelFamily, OutputPath
 from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.models.layers import new_rows_name
-from mmadapt.parallel import device, is_rank0, launched_world_size
+from mmadapt.parallel import from_rank0, is_rank0, launched_world_size
 from mmadapt.run import RunSpec, Source
 from mmadapt.tokenizer import expand_hf, is_hf, pieces, source_form
 from mmadapt.tokenizer import load as load_tokenizer
@@ -245,14 +243,17 @@ def _excess(path: OutputPath, head: dict, rows: dict) -> torch.Tensor:
     return excess
 
 
-def bounded_start(path: OutputPath, heads: list[dict], new: dict[str, torch.Tensor], nats: float, word: str = WORD
-                  ) -> tuple[dict[str, torch.Tensor], float]:
+def bounded_start(path: OutputPath, heads: list[dict], new: dict[str, torch.Tensor], nats: float, word: str = WORD,
+                  prior: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], float]:
     """The new rows `new` (name -> [k, ...], an --embedding_init start) with their output side
     started so that the new pieces take a bounded share of the mass (the comment above), in each
     one-head model of `heads` (full states of the source vocabulary that will score them: Step
     2's body and the primary model, whose heads differ for MINIJOINT; `word`: the family's input
     embedding, the output matrix too where it is tied; `nats`: the encoder's bound,
-    TrainConfig.expand_source_nats) -> (rows, the bound in nats, the largest over `heads`)."""
+    TrainConfig.expand_source_nats) -> (rows, the bound in nats, the largest over `heads`).
+    prior: log q [k] (sum of q 1), how the bias entries share the bound among the new pieces
+    (the target text's frequencies: a frequent piece gets more of it, the bound is the same);
+    None: equally (q = 1 / k)."""
     out, n = dict(new), heads[0][path.matrix].shape[0]
     k = out[path.matrix].shape[0]
     if path.matrix != word or path.bias is None:
@@ -260,8 +261,9 @@ def bounded_start(path: OutputPath, heads: list[dict], new: dict[str, torch.Tens
     if path.bias is not None and path.bias in out:
         eps = -math.expm1(-nats)
         rows = {**out, path.bias: torch.zeros(k)}  # -_excess: mean(b) - excess(d_i) of each head
-        out[path.bias] = (torch.stack([-_excess(path, h, rows) for h in heads]).min(0).values
-                          + math.log(n * eps / ((1 - eps) * k)))
+        under = torch.stack([-_excess(path, h, rows) for h in heads]).min(0).values
+        out[path.bias] = (under + math.log(n * eps / ((1 - eps) * k)) if prior is None
+                          else under + math.log(n * eps / (1 - eps)) + prior.float())
     return out, max(mass_bound(_excess(path, h, out), n) for h in heads)
 
 
@@ -345,20 +347,22 @@ def bounded_over(path: OutputPath, heads: list[dict], state: dict) -> float:
 
 
 def output_start(family: ModelFamily, body: ModelConfig, state: dict, primary: dict,
-                 how: str = "embedding_init", nats: float = TrainConfig.expand_source_nats) -> tuple[dict, float]:
+                 how: str = "embedding_init", nats: float = TrainConfig.expand_source_nats,
+                 prior: torch.Tensor | None = None) -> tuple[dict, float]:
     """An expanded vocabulary's start (new_vocabulary's `state`, the new rows under
     `new_rows_name`s as --embedding_init starts them) with their output side started by
     `how` (TrainConfig.expand_output_start: "bounded" and "worst_case", bounded_start,
     which Step 2 then calibrates for "bounded" (`calibrate`); "embedding_init": as the
     input side), scored through the body's head and the primary model's (`primary`: its
     one-head full state, family.primary_model's) -> (the state, `new_mass_bound`: the bound in
-    nats on what the new pieces can add to a source piece's loss at update 0)."""
+    nats on what the new pieces can add to a source piece's loss at update 0). prior:
+    bounded_start's (how the bound is shared among the new pieces)."""
     if how not in EXPAND_OUTPUT_STARTS:
         raise ValueError(f"unknown expand_output_start {how!r}; choose one of {', '.join(EXPAND_OUTPUT_STARTS)}")
     path, heads = family.output_path(body), [state, primary]
     new = {name: state[new_rows_name(name)] for name in family.vocab_params(body) if new_rows_name(name) in state}
     if how in ("bounded", "worst_case"):
-        new, bound = bounded_start(path, heads, new, nats, family.word)
+        new, bound = bounded_start(path, heads, new, nats, family.word, prior)
     else:
         bound = max(mass_bound(_excess(path, h, new), state[path.matrix].shape[0]) for h in heads)
     return {**state, **{new_rows_name(name): rows for name, rows in new.items()}}, bound
@@ -399,33 +403,22 @@ class SourceProbe:
         seen: list[torch.Tensor] = []
         hook = norm.register_forward_hook(lambda module, args, out: seen.append(out))
         try:
-            logits = self._logits()
+            logits = self.scorer.logits(self.held)
         finally:
             hook.remove()
         ys = [y.reshape(-1, y.shape[-1]).index_select(0, masked_index)
               for y, (_, _, masked_index, _) in zip(seen, self.batches, strict=True)]
         return torch.cat(ys).float(), torch.cat([torch.logsumexp(l.float(), -1) for l in logits])
 
-    @torch.no_grad()
-    def _logits(self) -> list[torch.Tensor]:
-        """The primary head's logits [m, V] at each batch's scored positions."""
-        out = []
-        for ids, padding, masked_index, _ in self.batches:
-            logits = self.scorer.model.logits(ids, padding)[0]  # [b, s, V]
-            out.append(logits.reshape(-1, logits.shape[-1]).index_select(0, masked_index))
-        return out
-
     def score(self, tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, float]:
         """tensors: an expanded artifact's ({"word_embeddings": [V', h], ...}), meta: its meta.json
         -> {"source_loss", "source_kl"} (nats per scored piece)."""
         loss = kl = 0.0
-        model = self.scorer.model
-        with swapped(model, swap_tensors(self.family, model, tensors, meta)):
-            for logits, (*_, targets) in zip(self._logits(), self.batches):
-                lq = torch.log_softmax(logits.float(), -1)[:, :self.source_size]  # [m, V_source]
-                lp = torch.log_softmax(logits[:, :self.source_size].float(), -1)
-                loss += float(-lq.gather(1, targets[:, None]).sum())
-                kl += float((lp.exp() * (lp - lq)).sum())
+        for logits, (*_, targets) in zip(self.scorer.logits(self.held, tensors, meta), self.batches):
+            lq = torch.log_softmax(logits.float(), -1)[:, :self.source_size]  # [m, V_source]
+            lp = torch.log_softmax(logits[:, :self.source_size].float(), -1)
+            loss += float(-lq.gather(1, targets[:, None]).sum())
+            kl += float((lp.exp() * (lp - lq)).sum())
         return {"source_loss": loss / self.scored, "source_kl": kl / self.scored}
 
 
@@ -470,7 +463,7 @@ def calibrate(body: ModelConfig, init: dict, scorer: Scorer, text: Text | None, 
         mean = init[matrix][0].float().cpu()
         row, rise = output_shift(y, lse, mean, init[matrix].shape[0], nats / 2)
         if every_rank:
-            *row, rise = _from_rank0([*row.tolist(), rise])
+            *row, rise = from_rank0(torch.tensor([*row.tolist(), rise], dtype=torch.float64)).tolist()
             row = torch.tensor(row)
         init = {**init, matrix: row.to(init[matrix].device, init[matrix].dtype).expand_as(init[matrix]).clone()}
         shift = {"output_shift": float((row - mean).norm())}
@@ -478,20 +471,11 @@ def calibrate(body: ModelConfig, init: dict, scorer: Scorer, text: Text | None, 
         bias = new_rows_name(path.bias)
         c, rise = bias_shift(y, lse, init[matrix].float().cpu(), init[bias].float().cpu(), nats / 2)
         if every_rank:
-            c, rise = _from_rank0([c, rise])
+            c, rise = from_rank0(torch.tensor([c, rise], dtype=torch.float64)).tolist()
         init = {**init, bias: init[bias] + c}
         shift = {"bias_shift": c}
     bound = bounded_over(path, [init, scorer.primary.state], init)
     return init, {**shift, "new_mass_calibrated": rise, "new_mass_bound": bound}
-
-
-def _from_rank0(values: list[float]) -> list[float]:
-    """Global rank 0's `values` on every rank of a launched job (as they are without one)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return values
-    both = torch.tensor(values, dtype=torch.float64).to(device())
-    torch.distributed.broadcast(both, src=0)
-    return both.cpu().tolist()
 
 
 def expand_report(scorer: Scorer, final: tuple[dict, dict], start: dict, lang: str, target: Text | None,

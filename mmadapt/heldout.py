@@ -183,6 +183,22 @@ class Scorer:
                        unigram_loss(unigram_logprobs(text.data, vocab_size), batches) if unigram else None,
                        int(sum(int(l.ge(0).sum()) for _, l in batches)))
 
+    @torch.no_grad()
+    def logits(self, held: HeldOut, art: dict | None = None, meta: dict | None = None) -> list[torch.Tensor]:
+        """The primary head's logits [m_b, V] at each batch's scored positions, with the artifact's
+        tensors `art` swapped in (None: the model's own)."""
+        if art is None:
+            return self._logits(held)
+        with swapped(self.model, swap_tensors(self.family, self.model, art, meta)):
+            return self._logits(held)
+
+    def _logits(self, held: HeldOut) -> list[torch.Tensor]:
+        out = []
+        for ids, padding, masked_index, _ in held.on_device:
+            logits = self.model.logits(ids, padding)[0]  # [b, s, V]
+            out.append(logits.reshape(-1, logits.shape[-1]).index_select(0, masked_index))
+        return out
+
     def loss(self, held: HeldOut, art: dict | None = None, meta: dict | None = None) -> float:
         """The loss per scored piece of `held` with the artifact's tensors `art` swapped in (its
         meta.json `meta` says whether they expand the vocabulary); None: the model's own."""

@@ -35,6 +35,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def from_rank0(t: torch.Tensor) -> torch.Tensor:
+    """Global rank 0's tensor `t` (on the host) on every rank of a launched job, on the host (as
+    it is without one): a value every rank computes, made the same everywhere."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    out = t.to(device())
+    dist.broadcast(out, src=0)
+    return out.cpu()
+
+
 def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mmadapt.adapt import AdaptEmbeddings, Step2Start, body_config
+from mmadapt.adapt import AdaptEmbeddings, StartRule, Step2Start, body_config
 from mmadapt.artifact import (ARTIFACT_FILE, PrimaryRef, artifact_dirs, artifact_primary, artifact_primary_ref,
                               read_artifact, record_base)
 from mmadapt.checkpoint import tag_for
@@ -44,14 +44,17 @@ METRIC = "contextual_gain"
 def start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     """The embeddings and bias the adapt run started from: its artifact of update 0 where Step 2
     saved one (adapt.ArtifactWriter.save_start); for a run recorded before that, recomputed
-    (adapt.Step2Start.build, as the run's record describes its step: AdaptEmbeddings.recorded)."""
+    (adapt.Step2Start.build, as the run's record describes its step and start rule, over its
+    data: AdaptEmbeddings.recorded, StartRule.recorded) for its vocabulary `tokenizer`."""
     start = adapt_run / "embeddings" / tag_for(0)
     if (start / ARTIFACT_FILE).is_file():
         return read_artifact(start)[0]
-    step = AdaptEmbeddings.recorded(json.loads((adapt_run / "run.json").read_text()))
+    run = json.loads((adapt_run / "run.json").read_text())
+    step = AdaptEmbeddings.recorded(run)
     source = read_source(step.source, step.source_tag)
     body = body_config(source.family, step.system, source.cfg, step.mini_layers)
-    return Step2Start.build(source, body, step, tokenizer).tensors()
+    data = Path(run["data_path"]) if run.get("data_path") else None
+    return Step2Start.build(source, body, step, tokenizer, data, StartRule.recorded(run)).tensors()
 
 
 def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[str, Path], seq_length: int,

@@ -54,11 +54,13 @@ def plugin_loss(family: ModelFamily, cfg: ModelConfig, state: dict, batches: lis
     return masked_loss(model, on_device(batches, device_of(model)))
 
 
-def step2_start(system: str, source: Path, tokenizer: Path, mini_layers: int | None = None, lang: str = "de",
+def step2_start(system: str, source: Path, data: Path, mini_layers: int | None = None, lang: str = "de",
                 **train) -> Step2Start:
-    """Step 2's start (adapt.Step2Start.build) of `system` over the run `source`, the new
-    vocabulary `tokenizer`'s, with the TrainConfig fields `train` (its rows drawn from their seed)."""
+    """Step 2's start (adapt.Step2Start.build) of `system` over the run `source` for the prepared
+    target dataset `data` (its tokenizer the new vocabulary), with the TrainConfig fields `train`
+    (its rows drawn from their seed)."""
     src = read_source(source)
     step = AdaptEmbeddings(system=system, source=Path(source), lang=lang, train=TrainConfig(**train),
                            mini_layers=mini_layers)
-    return Step2Start.build(src, body_config(src.family, system, src.cfg, mini_layers), step, tokenizer)
+    return Step2Start.build(src, body_config(src.family, system, src.cfg, mini_layers), step,
+                            Path(data) / "tokenizer.model", Path(data))

@@ -93,17 +93,20 @@ def test_source_split_reads_the_boundary_marker_as_a_space(tokenizer):
     assert split("▁Gottesdienst")[0] != split("Gottesdienst")[0]
 
 
-def test_step2_start_by_embedding_init(primary_run, tokenizer, de_tokenizer):
-    """The three starts of a real German vocabulary over a real English model: subword_mean is
-    overlap's copies plus, for the other pieces, the mean of their English split's rows; normal
-    copies nothing; an unknown name is refused."""
+def test_step2_start_by_embedding_init(primary_run, tokenizer, de_tokenizer, de_data):
+    """The three starts of a real German vocabulary's rows over a real English model
+    (adapt.new_vocabulary): subword_mean is overlap's copies plus, for the other pieces, the mean
+    of their English split's rows; normal copies nothing; an unknown name is refused; a drawn row
+    is at its matrix's own scale in the source (StartRule.row_std)."""
     from mmadapt.tokenizer import pieces
 
     src_cfg, full = load_weights(primary_run)
-    src_state = A.body_weights(ROBERTA, "bl_base", src_cfg, full, A.body_config(ROBERTA, "bl_base", src_cfg))  # the primary head's bias
-    starts = {how: step2_start("bl_base", primary_run, de_tokenizer, seed=5, embedding_init=how)
+    src_state = A.body_weights(ROBERTA, "bl_base", src_cfg, full, A.body_config(ROBERTA, "bl_base", src_cfg))
+    body = A.body_config(ROBERTA, "bl_base", src_cfg)
+    starts = {how: A.new_vocabulary(ROBERTA, body, src_state, tokenizer, de_tokenizer, 5, how)
               for how in ("overlap", "subword_mean", "normal")}
-    (overlap, rows), (mean, mean_rows), (normal, normal_rows) = ((s.init, s.rows) for s in starts.values())
+    (overlap, rows), (mean, mean_rows), (normal, normal_rows) = starts.values()
+    assert [r.pop("row_std") for r in (rows, mean_rows, normal_rows)] == [pytest.approx(src_state[WORD].std().item())] * 3
     src_pieces, trg = pieces(tokenizer), pieces(de_tokenizer)
     shared = [i for i, p in enumerate(trg) if p in set(src_pieces)]
     assert torch.equal(mean[WORD][shared], overlap[WORD][shared])
@@ -123,10 +126,37 @@ def test_step2_start_by_embedding_init(primary_run, tokenizer, de_tokenizer):
     same = src_pieces.index(trg[shared[-1]])
     assert not torch.equal(normal[WORD][shared[-1]], src_state[WORD][same])
     assert torch.equal(normal[WORD][new], overlap[WORD][new])  # the same seeded draw
+    assert overlap[WORD][new].std().item() == pytest.approx(src_state[WORD].std().item(), rel=0.05)
     with pytest.raises(ValueError, match="--embedding_init must be one of overlap, subword_mean, normal, got 'fvt'"):
-        step2_start("bl_base", primary_run, de_tokenizer, seed=5, embedding_init="fvt")
+        step2_start("bl_base", primary_run, de_data, seed=5, embedding_init="fvt")
     with pytest.raises(ValueError, match="unknown embedding_init 'fvt'"):
         A.init_rows("fvt", tokenizer, {WORD: src_state[WORD]}, trg, 0.02, 5)
+
+
+def test_the_start_bias_is_fitted_to_the_target_text(primary_run, de_corpus, de_tokenizer, tmp_path):
+    """StartRule: the new vocabulary's output bias is fitted on the target text's training split
+    so that the start predicts its unigram distribution there. On held-out German through the
+    primary model, the start's loss is within 0.05 nats of the unigram reference, and below the
+    old rule's (shared pieces' bias copied from English, the rest 0), which is further from it."""
+    from mmadapt.adapt import StartRule, Step2Start
+    from mmadapt.heldout import Primary, Scorer, Text
+
+    data = tmp_path / "de"
+    prepare(de_corpus, data, VOCAB, tokenizer=de_tokenizer, quiet=True,
+            cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    step = A.AdaptEmbeddings(system="bl_base", source=primary_run, lang="de", train=dataclasses.replace(
+        PRESETS["tiny"][1], seq_length=32))
+    src = A.read_source(primary_run)
+    body = A.body_config(src.family, "bl_base", src.cfg)
+    fitted = Step2Start.build(src, body, step, data / "tokenizer.model", data)
+    old = Step2Start.build(src, body, step, data / "tokenizer.model", None, StartRule(row_std="config", bias="copied"))
+    assert fitted.rows["start_rule"] == {"row_std": "source", "bias": "fitted"}
+    assert fitted.rows["bias_fitted_positions"] >= 1000
+    scorer = Scorer(Primary.read(primary_run))
+    held = scorer.heldout(Text(data, 32), VOCAB)
+    start, before = scorer.loss(held, fitted.tensors()), scorer.loss(held, old.tensors())
+    print(f"German start loss: fitted bias {start:.3f}, the old rule {before:.3f}, unigram {held.unigram:.3f}")
+    assert abs(start - held.unigram) <= 0.05 and before - held.unigram > 0.1
 
 
 def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data):
@@ -156,8 +186,10 @@ def _step2_engine(primary_run, de_tokenizer, system, ds_config):
     from mmadapt.train import LMJob, lm_engine
 
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=8)
-    start = step2_start(system, primary_run, de_tokenizer, seed=1)
-    body_cfg, init = start.body, start.init
+    src_cfg, full = load_weights(primary_run)
+    body_cfg = A.body_config(ROBERTA, system, src_cfg)
+    init, _ = A.new_vocabulary(ROBERTA, body_cfg, A.body_weights(ROBERTA, system, src_cfg, full, body_cfg),
+                               primary_run / "tokenizer" / "spm.model", de_tokenizer, 1)
     body_cfg = no_dropout(ModelConfig(**{**vars(body_cfg), "vocab_size": VOCAB}))
     ds = load_ds_config(REPO / "ds_configs" / ds_config, train)
     engine, _, _ = lm_engine(ROBERTA, body_cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)), init)

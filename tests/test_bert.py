@@ -419,8 +419,8 @@ def test_headless_sentence_encoder_end_to_end(kind, headless, headless_xlmr, cor
     record = json.loads((head / "run.json").read_text())
     print(f"{kind} head fit: {record['heldout_loss']:.4f} on the text's blocks, unigram reference "
           f"{record['unigram_loss']:.4f}")
-    # The head starts at the unigram reference (output bias at the log-frequencies, last scale 0)
-    # and goes below it only by reading the body's context.
+    # The head starts about the unigram reference (output bias at the log-frequencies, its random
+    # logits spread by 1 nat: steps.head_scale) and goes below it by reading the body's context.
     assert record["below_unigram"] and record["heldout_loss"] < record["unigram_loss"]
     assert record["step"] == "fit_head" and record["trainable"] == ["heads.heads."] and record["flops"] > 0
     assert main(["build_minipost", "--primary", str(head), "--output_dir", str(mp), "--mini_layers", "2",

@@ -146,18 +146,14 @@ def expanded(sources, de_corpus, de_tokenizer, tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", ["roberta", "llama"])
-def test_step2_reads_its_source_checkpoint_once(family, sources, de_corpus, de_tokenizer, tmp_path, monkeypatch):
+def test_step2_reads_its_source_checkpoint_once(family, sources, expanded_data, tmp_path, monkeypatch):
     """One expand Step 2 with every reader of the source's weights at work (the start, its
     calibration on the source run's text, the plug-in probe at every checkpoint, the primary's
     fingerprint, the expand report) reads the source checkpoint once (adapt.Step2Start builds
     the start once and hands it on)."""
     from mmadapt import checkpoint
-    from mmadapt.config import PreprocessConfig
 
-    source = sources[family]
-    data = tmp_path / "de"
-    steps.preprocess(de_corpus, output_dir=data, vocab_size=None, tokenizer=de_tokenizer, expand_from=source,
-                     cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    source, data = sources[family], expanded_data[family]
     reads, load = [], checkpoint.load_full_state_dict
     monkeypatch.setattr(checkpoint, "load_full_state_dict",
                         lambda ckpt_dir, *a, **k: reads.append(Path(ckpt_dir).resolve()) or load(ckpt_dir, *a, **k))
@@ -169,6 +165,20 @@ def test_step2_reads_its_source_checkpoint_once(family, sources, de_corpus, de_t
     assert "new_mass_calibrated" in record and "plugin_gain" in record["expand_report"]
     assert all("plugin_gain" in read_artifact(a)[2] for a in sorted((out / "embeddings").iterdir()))
     assert reads.count((source / "checkpoints").resolve()) == 1, reads
+
+
+@pytest.fixture(scope="module")
+def expanded_data(sources, de_corpus, de_tokenizer, tmp_path_factory):
+    """Each family's German data prepared in its merged vocabulary (the source's tokenizer + the
+    German pieces it lacks), 10% held out."""
+    from mmadapt.config import PreprocessConfig
+
+    out = {}
+    for family, source in sources.items():
+        out[family] = tmp_path_factory.mktemp(f"de_expanded_{family}")
+        steps.preprocess(de_corpus, output_dir=out[family], vocab_size=None, tokenizer=de_tokenizer,
+                         expand_from=source, cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    return out
 
 
 def _sha(t: torch.Tensor) -> str:
@@ -217,7 +227,7 @@ def test_expand_trains_only_the_new_rows(family, sources, de_corpus, de_tokenize
     art, tok, meta = read_artifact(out / "embeddings" / tag)
     assert meta["vocab_mode"] == "expand" and meta["source_vocab_size"] == VOCAB and tok.read_bytes() == merged.model
     keys = {"word_embeddings": WORD, "output_bias" if family == "roberta" else "output_layer": expanded[1]}
-    start = step2_start("minijoint", source, tok, 2, seed=record["train"]["seed"], vocab_mode="expand",
+    start = step2_start("minijoint", source, out / "data", 2, seed=record["train"]["seed"], vocab_mode="expand",
                         expand_output_start="embedding_init").init
     for key, name in keys.items():
         assert art[key].shape[0] == merged.size
@@ -241,13 +251,13 @@ def test_the_primary_model_keeps_its_own_source_rows(sources, expanded):
         artifact_state(get_family(cfg), art, meta, {WORD: primary[WORD][:500], BIAS: primary[BIAS][:500]})
 
 
-def test_subword_mean_starts_each_new_row_at_its_split(sources, de_tokenizer, tmp_path):
+def test_subword_mean_starts_each_new_row_at_its_split(sources, expanded_data):
     """--embedding_init subword_mean with --vocab_mode expand: each new piece's row (embedding
     and output projection alike) is the mean of the source rows of its split under the source
     tokenizer (adapt.source_split, tested in tests/test_adapt.py), computed here row by row."""
-    source = sources["llama"]
-    merged = expand(source / "tokenizer" / "spm.model", de_tokenizer).write(tmp_path / "m.model")
-    start = step2_start("minijoint", source, merged, 2, seed=7, embedding_init="subword_mean", vocab_mode="expand",
+    source, data = sources["llama"], expanded_data["llama"]
+    merged = data / "tokenizer.model"
+    start = step2_start("minijoint", source, data, 2, seed=7, embedding_init="subword_mean", vocab_mode="expand",
                         expand_output_start="embedding_init")
     init, counts = start.init, start.rows
     _, src = load_weights(source)
@@ -260,7 +270,8 @@ def test_subword_mean_starts_each_new_row_at_its_split(sources, de_tokenizer, tm
             if ids:
                 torch.testing.assert_close(init[new_rows_name(name)][i], src[name][ids].mean(0))
         composed += bool(ids)
-    assert counts.pop("new_mass_bound") > 0
+    assert counts.pop("new_mass_bound") > 0 and counts.pop("start_rule") == {"row_std": "source", "bias": "fitted"}
+    assert counts.pop("row_std") == pytest.approx(src[WORD].std().item())
     assert counts == {"shared_pieces": 0, "subword_mean_pieces": composed, "random_pieces": len(new) - composed}
 
 
@@ -516,7 +527,7 @@ def test_the_bias_shift_is_the_largest_that_leaves_the_target_rise():
 
 
 @pytest.mark.parametrize("family", ["roberta", "llama"])
-def test_at_update_0_the_bounded_start_keeps_the_source_language(family, sources, de_tokenizer, corpus, tokenizer,
+def test_at_update_0_the_bounded_start_keeps_the_source_language(family, sources, expanded_data, corpus, tokenizer,
                                                                   tmp_path):
     """The primary model's source-language loss on held-out source text, and its KL from the
     source model's distribution, with the new pieces in its softmax at update 0: at most
@@ -535,13 +546,13 @@ def test_at_update_0_the_bounded_start_keeps_the_source_language(family, sources
     text = tmp_path / "en"
     steps.preprocess(corpus, output_dir=text, vocab_size=VOCAB, tokenizer=tokenizer,
                      cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
-    merged = expand(source / "tokenizer" / "spm.model", de_tokenizer).write(tmp_path / "m.model")
+    merged = expanded_data[family] / "tokenizer.model"
     probe = SourceProbe(Scorer(Primary.read(source)), Text(text, 32, split="valid"))
     meta = {"vocab_mode": "expand", "source_vocab_size": VOCAB}
     rise, bounds = {}, {}
     for start in ("worst_case", "bounded", "embedding_init"):
-        built = step2_start("minijoint", source, merged, 2, seed=7, vocab_mode="expand", expand_output_start=start,
-                            replay_data=str(text), seq_length=32)
+        built = step2_start("minijoint", source, expanded_data[family], 2, seed=7, vocab_mode="expand",
+                            expand_output_start=start, replay_data=str(text), seq_length=32)
         counts = built.rows
         if start == "bounded":
             moved = counts["bias_shift" if family == "roberta" else "output_shift"]
@@ -717,9 +728,10 @@ def test_expand_from_a_raw_corpus_trains_the_target_tokenizer(sources, de_corpus
 def test_the_start_recomputed_for_an_older_run_is_the_saved_update_0(family, sources, expanded, tmp_path):
     """plugin.start_embeddings reads a run's artifact of update 0; for a run without one (recorded
     before ArtifactWriter.save_start) it recomputes the start with the run's recorded
-    expand_output_start, which gives the saved tensors bit for bit. A run recorded before that
-    field started its output side as its input side (embedding_init): the encoder's new bias
-    entries then differ from the bounded start's, the untied decoder's new output rows too."""
+    expand_output_start and start_rule, which gives the saved tensors bit for bit. A run recorded
+    before that field started its output side as its input side (embedding_init): the encoder's
+    new bias entries then differ from the bounded start's, the untied decoder's new output rows
+    too; one recorded before the start rule drew its new rows at init_method_std."""
     from mmadapt.plugin import start_embeddings
 
     run = expanded[family].parent.parent
@@ -740,6 +752,13 @@ def test_the_start_recomputed_for_an_older_run_is_the_saved_update_0(family, sou
     moved = "output_bias" if family == "roberta" else "output_layer"
     assert torch.equal(before["word_embeddings"], saved["word_embeddings"])
     assert not torch.equal(before[moved][VOCAB:], saved[moved][VOCAB:])
+    # recorded before the start rule (adapt.StartRule): new rows drawn at init_method_std, no prior
+    del record["start_rule"]
+    (old / "run.json").write_text(json.dumps(record))
+    oldest = start_embeddings(old, tokenizer)["word_embeddings"][VOCAB:]
+    std = json.loads((run / "run.json").read_text())["model"]["init_method_std"]
+    assert oldest.std().item() == pytest.approx(std, rel=0.05)
+    assert not torch.equal(oldest, saved["word_embeddings"][VOCAB:])
 
 
 @pytest.mark.parametrize("family", ["roberta", "llama", "bert"])

@@ -288,7 +288,7 @@ def test_weight_decay_on_every_parameter_or_matrices_only():
 
 def test_step2_with_the_papers_frozen_output_bias(primary_run, de_corpus, de_tokenizer, tmp_path):
     """train_output_bias false: only the embedding trains and is checkpointed; the artifact's
-    bias is exactly the overlap initialisation, its embedding is not."""
+    bias is exactly the start's (adapt.Step2Start: fitted to the target text), its embedding is not."""
     from mmadapt import steps
     from mmadapt.run import RunSpec
 
@@ -299,7 +299,8 @@ def test_step2_with_the_papers_frozen_output_bias(primary_run, de_corpus, de_tok
                            step=steps.AdaptEmbeddings(system="minijoint", source=primary_run, lang="de", train=train,
                                                       vocab_size=VOCAB))
     tensors, _, meta = read_artifact(out / "embeddings" / "step00000002")
-    init = step2_start("minijoint", primary_run, de_tokenizer, seed=train.seed, train_output_bias=False).init
+    init = step2_start("minijoint", primary_run, out / "data", seed=train.seed, seq_length=train.seq_length,
+                       train_output_bias=False).init
     assert torch.equal(tensors["output_bias"], init[BIAS])
     assert not torch.equal(tensors["word_embeddings"], init[WORD])
     module = torch.load(out / "checkpoints" / "step00000002" / "mp_rank_00_model_states.pt",
