@@ -473,6 +473,9 @@ def _redefault(name: str, value):
 CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_interval", "eval_iters",
                         "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_tokens", "metric",
                         "fusion", "plugin_eval_blocks")
+# Values of a field that a --resume reads as the same: runs recorded before 2026-11-27 hold
+# replay_fraction 0.0 where no replay text was given, runs since then leave it unset.
+SAME_ON_RESUME = {"replay_fraction": (None, 0.0)}
 
 
 @dataclass
@@ -537,8 +540,11 @@ class TrainConfig(LoopConfig):
         "(0 = off; rank 0 holds the primary model meanwhile)", ge=0)
 
     def __post_init__(self):
-        if self.replay_fraction is None:  # unset: the measured default where there is text to replay
-            self.replay_fraction = REPLAY_FRACTION if self.replay_data is not None else 0.0
+        # Unset: the measured default where there is text to replay, and unset (no replay) where there
+        # is none, so that a config made without replay text (a preset) takes the default when
+        # replay text is set on it later (dataclasses.replace, a flag over a preset).
+        if self.replay_fraction is None and self.replay_data is not None:
+            self.replay_fraction = REPLAY_FRACTION
         super().__post_init__()
 
     def warmup_iters(self, total: int) -> int:
@@ -548,7 +554,7 @@ class TrainConfig(LoopConfig):
         if self.seq_length > model.max_position_embeddings:
             raise ValueError(f"seq_length {self.seq_length} exceeds max_position_embeddings "
                              f"{model.max_position_embeddings}")
-        if (self.replay_fraction > 0) != (self.replay_data is not None):
+        if ((self.replay_fraction or 0) > 0) != (self.replay_data is not None):
             raise ValueError("--replay_fraction needs --replay_data (source-language text mixed into Step 2), and "
                              "--replay_data a --replay_fraction above 0: pass --replay_data (its default fraction is "
                              f"{REPLAY_FRACTION}), or neither")

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, FinetuneConfig, Layout, LoopConfig,
+from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, SAME_ON_RESUME, FinetuneConfig, Layout, LoopConfig,
                             MiniModelConfig, ModelConfig, TrainConfig, check_declared, to_dict)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.engine import load_ds_config
@@ -121,7 +121,10 @@ def check_same_run(run_file: Path, expected: dict) -> None:
     mine = _flat(json.loads(json.dumps(expected)))  # tuples as lists, as run.json holds them
     defaults = None
     for key, value in mine.items():
-        if key.rsplit(".", 1)[-1] in CHANGEABLE_ON_RESUME or saved.get(key) == value:
+        leaf = key.rsplit(".", 1)[-1]
+        if leaf in CHANGEABLE_ON_RESUME or saved.get(key) == value:
+            continue
+        if key in saved and value in SAME_ON_RESUME.get(leaf, ()) and saved[key] in SAME_ON_RESUME[leaf]:
             continue
         if key not in saved:
             defaults = defaults or recorded_defaults()

@@ -1,11 +1,12 @@
 """Presets, recipes, CLI overrides and the shipped DeepSpeed configs."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from mmadapt.cli import configs_from_args, pretrain_parser
-from mmadapt.config import TrainConfig, apply_recipe
+from mmadapt.config import TrainConfig, apply_recipe, override
 from mmadapt.models import PRESETS
 from mmadapt.engine import load_ds_config
 
@@ -177,9 +178,36 @@ def test_replay_data_alone_takes_the_measured_default_fraction():
     assert REPLAY_FRACTION == 0.5
     assert TrainConfig(replay_data="data/en").replay_fraction == REPLAY_FRACTION
     assert TrainConfig(replay_data="data/en", replay_fraction=0.1).replay_fraction == 0.1
-    assert TrainConfig().replay_fraction == 0.0
+    assert not TrainConfig().replay_fraction  # unset: no replay
+    # a preset's schedule (made without replay text) takes the default when replay text is set on
+    # it, as `adapt --replay_data` (the example in its --help) sets it over --preset's schedule
+    preset = PRESETS["tiny"][1]
+    assert dataclasses.replace(preset, replay_data="data/en").replay_fraction == REPLAY_FRACTION
+    from mmadapt import cli
+
+    args = cli.adapt_parser().parse_args(["--system", "bl_base", "--source", "runs/x", "--lang", "de",
+                                         "--output_dir", "out", "--replay_data", "data/en"])
+    assert override(preset, args).replay_fraction == REPLAY_FRACTION
     for bad in (TrainConfig(seq_length=64, replay_data="data/en", replay_fraction=0.0),
                 TrainConfig(seq_length=64, replay_fraction=0.25)):
         with pytest.raises(ValueError, match="--replay_fraction needs --replay_data") as e:
             bad.validate(model)
         assert "\n" not in str(e.value)
+
+
+def test_a_run_recorded_with_replay_fraction_0_resumes(tmp_path):
+    """Runs recorded before an unset replay_fraction stayed unset hold 0.0 where they had no replay
+    text: a --resume of one reads it as the same (run.SAME_ON_RESUME); a recorded fraction that
+    replayed is a changed run."""
+    import json
+
+    from mmadapt.run import check_same_run
+
+    record = tmp_path / "run.json"
+    for saved, ok in ((0.0, True), (None, True), (0.5, False)):
+        record.write_text(json.dumps({"train": {"replay_fraction": saved, "seed": 1}}))
+        if ok:
+            check_same_run(record, {"train": {"replay_fraction": None, "seed": 1}})
+        else:
+            with pytest.raises(ValueError, match="train.replay_fraction is None here but 0.5"):
+                check_same_run(record, {"train": {"replay_fraction": None, "seed": 1}})
