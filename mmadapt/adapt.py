@@ -459,7 +459,7 @@ class Step2Start:
         logp = unigram_logprobs(data, load_tokenizer(tokenizer).get_piece_size()) if rule.bias == "fitted" else None
         if start.expanded:
             start.bound_new_outputs(train, source.record.get("data_path"), logp)
-        elif logp is not None and family.output_path(body).bias is not None:
+        elif logp is not None and family.artifact_keys().get("output_bias") in start.init:
             start.fit_output_bias(data, train, logp)
         if not (train.plugin_eval_blocks and parallel.is_rank0()):
             start._scorer = None  # only global rank 0's checkpoint probe scores again before the end
@@ -471,7 +471,7 @@ class Step2Start:
         unigram log-frequencies `logp`, then shifted to the source bias's mean (the softmax is
         blind to the shift; weight decay is not). Every rank runs the probe, global rank 0's fit is
         every rank's."""
-        name = self.family.output_path(self.body).bias
+        name = self.family.artifact_keys()["output_bias"]
         scored = train.seq_length * (TrainConfig.mask_prob if self.family.objective.masked else 1.0)
         blocks = max(1, math.ceil(FIT_POSITIONS / scored))
         scorer = self.scorer()
