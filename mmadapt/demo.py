@@ -345,6 +345,8 @@ class Demo:
             # embeddings trained over its own full model, apart from how its primary model
             # compares with BL_BASE's.
             runs += ceiling
+            print(f"  {primary}'s primary model: the plug-in metric, zero-shot bible-genre and retrieval of "
+                  f"{len(runs)} Step-2 runs' checkpoints", flush=True)
             records += plugin_records(pre[primary], adapt_runs=runs,
                                       data_paths={lang: data[lang] for lang in self.cfg.langs},
                                       seq_length=self.cfg.seq_length, blocks=self.cfg.plugin_blocks)

@@ -8,6 +8,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from tqdm import tqdm
+
+
+def progress(items: list, label: str):
+    """`items` with a progress bar on stderr (`label`: what is done to each): every scoring pass
+    over Step-2 artifacts shows that it moves, however long the list."""
+    return tqdm(items, desc=label, unit="artifact", mininterval=2.0, leave=False)
 
 
 def eval_dtype(device: torch.device) -> torch.dtype:

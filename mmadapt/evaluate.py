@@ -34,7 +34,7 @@ from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, Framing, encode_classify, special_mask
 from mmadapt.finetune import check_positions, is_finished, primary_state
 from mmadapt.models.layers import Padding
-from mmadapt.devices import device_of, host_to_device, on_eval_device, swapped
+from mmadapt.devices import device_of, host_to_device, on_eval_device, progress, swapped
 from mmadapt.parallel import device
 from mmadapt.run import RUN_FILE, load_checkpoint, read_source, require_kind
 from mmadapt.tasks import Task, chance_levels, encode, get_task, headline, read_examples, scores
@@ -327,7 +327,7 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     # The first run's settings read the evaluation files (your own task's columns) and name the
     # headline; every metric is recorded, averaged over the seeds.
     scoring, records = Scoring(runs, cfgs, eval_spec), []
-    for path in paths:
+    for path in progress(paths, f"zero-shot {runs[0].task.name}"):
         emb, tok, meta = _artifact_of(path, primary)
         records.append({**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb),
                         "artifact": str(path), **warned})
@@ -388,7 +388,7 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     model.load_state_dict({k: state[k] for k in model.state_dict()})  # the body of the task model's start
     model = on_eval_device(model, device())  # built once; each artifact is swapped into it
     src_sp, src_vectors, records = load_tokenizer(source.tokenizer), {}, []
-    for path in artifact_dirs(adapt_runs):
+    for path in progress(artifact_dirs(adapt_runs), "retrieval"):
         emb, tok, meta = read_artifact(path)
         lang = meta["lang"]
         if lang not in src_vectors:

@@ -35,6 +35,7 @@ from mmadapt.artifact import (ARTIFACT_FILE, PrimaryRef, artifact_dirs, artifact
                               read_artifact, record_base)
 from mmadapt.checkpoint import tag_for
 from mmadapt.data import TOKENIZER, file_sha256
+from mmadapt.devices import progress
 from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.run import read_source
 
@@ -69,7 +70,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     held = {}  # per language: the held-out set
     starts: dict[Path, float] = {}
     records = []
-    for path in artifact_dirs(adapt_runs):
+    for path in progress(artifact_dirs(adapt_runs), "plug-in metric"):
         emb, tok, meta = read_artifact(path)
         if not artifact_primary_ref(meta).same(ref):
             raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, not "
