@@ -20,9 +20,9 @@ from pathlib import Path
 
 from mmadapt import faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
-from mmadapt.config import (DEFAULT_DS_CONFIG, LAYOUT_FIELDS, RECIPES, SYSTEMS, EvaluateConfig, FinetuneConfig, Layout,
-                            MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args,
-                            apply_recipe, override, whole_number)
+from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, LAYOUT_FIELDS, RECIPES, SYSTEMS, EvaluateConfig,
+                            FinetuneConfig, Layout, MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig,
+                            add_dataclass_args, apply_recipe, override, whole_number)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_any
@@ -643,12 +643,52 @@ def export_hf_main(argv=None) -> int:
     return 0
 
 
+@user_errors
+def extend_main(argv=None) -> int:
+    from mmadapt.extend import SYSTEMS, Extend, extend
+
+    d = Extend.__dataclass_fields__
+    p = Parser(prog="mmadapt extend", description="One command from a Hugging Face directory to the extended model: "
+               "import-hf, fit-head where the model is headless, Step 1b (the mini-model), Step 2 on your target "
+               "corpus, export-hf (a transformers directory, and a sentence-transformers one for a sentence encoder). "
+               "Every run stays in --output_dir; run it again to continue an interrupted extension (a finished one "
+               "trains nothing and prints its result again).")
+    p.add_argument("--model", required=True, help="a local Hugging Face or sentence-transformers model directory")
+    p.add_argument("--lang", required=True, help="the target language's code (recorded with the embeddings)")
+    p.add_argument("--corpus", required=True, help="target-language text, one sentence per line, blank line between "
+                   "documents; or bible:<lang>, the packaged Bible")
+    p.add_argument("--output_dir", required=True, help="new or empty, or an extension to continue")
+    p.add_argument("--vocab_mode", choices=("replace", "expand"), default="replace", help="replace: a new target "
+                   "vocabulary; expand: the source's with the target's pieces appended (default: replace)")
+    p.add_argument("--embedding_init", choices=EMBEDDING_INITS, default=d["embedding_init"].default,
+                   help="how the new rows start (adapt --embedding_init; default: %(default)s, FVT's split means)")
+    p.add_argument("--vocab_size", type=whole_number(8), default=d["vocab_size"].default,
+                   help="the target vocabulary's pieces (default: %(default)s)")
+    p.add_argument("--system", choices=SYSTEMS, default="minipost", help="Step 2 over MINIPOST's mini-model (cheap, "
+                   "the default) or the full model (bl_base)")
+    p.add_argument("--source_corpus", default=d["source_corpus"].default, help="source-language text for the head fit "
+                   "and Step 1b (default: %(default)s)")
+    for name, what in (("seq_length", "pieces per block in every stage"),
+                       ("batch", "blocks per update in every stage (train_micro_batch_size_per_gpu)"),
+                       ("head_iters", "fit-head's updates"), ("minipost_iters", "Step 1b's updates"),
+                       ("adapt_iters", "Step 2's updates")):
+        p.add_argument(f"--{name}", type=whole_number(8 if name == "seq_length" else 1), default=d[name].default,
+                       help=what + " (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d["lr"].default, help="every stage's peak learning rate (default: "
+                   "%(default)s)")
+    args = p.parse_args(argv)
+    extend(Extend(**{k: getattr(args, k) for k in d}))
+    return 0
+
+
 # Every command, grouped by the step it serves, with its one-line purpose: the dispatch table of
 # `mmadapt <command>` and what `mmadapt --help` prints.
 COMMAND_GROUPS = (
     ("Start here", (
         ("demo", demo_main, "the whole method end to end: Steps 1-4 for BL_BASE, BL_SMALL, MINIJOINT and MINIPOST "
-                            "on the packaged Bibles, a results table and plot (--quick: the short CI setting)"),)),
+                            "on the packaged Bibles, a results table and plot (--quick: the short CI setting)"),
+        ("extend", extend_main, "extend a Hugging Face model to a new language in one command: import, head fit, "
+                                "mini-model, Step 2, export"))),
     ("Data (once per corpus)", (
         ("preprocess", preprocess_main, "a SentencePiece vocabulary and the corpus encoded once, for every run "
                                         "that trains on it (--data_path)"),)),

@@ -1,0 +1,201 @@
+"""`mmadapt extend`: one command from a Hugging Face directory to the extended model in its own
+format: import, fit-head where the source is headless, the mini-model, Step 2 on the user's
+target corpus, export. Every stage is the library function of the command a user would run
+(mmadapt.steps, hf.py), each run in its own directory under the output directory:
+
+    <output_dir>/extend.json   what this extension is (its arguments): a later call must match it
+                 import/       import-hf's run
+                 head/         fit-head's run (a headless encoder: a sentence-transformers body)
+                 minipost/     Step 1b (--system minipost, the default: an imported model has no
+                               MINIJOINT head)
+                 data/         the target corpus prepared (its vocabulary, 3% held out)
+                 adapt/        Step 2 over the mini-model (or the full model: --system bl_base)
+                 export/       the extended model: a transformers directory (and, for a
+                               sentence encoder, export/sentence_transformers/)
+
+A stage that finished is kept; one that was interrupted resumes from its checkpoint; a repeated
+call trains nothing and prints the same result. The source-language text of the head fit and of
+Step 1b is --source_corpus (default: the packaged English Bible).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from mmadapt import checkpoint, parallel, steps
+from mmadapt.artifact import artifact_dirs, read_artifact
+from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig
+from mmadapt.data import MANIFEST
+from mmadapt.heldout import Primary, Scorer, Text
+from mmadapt.hf import export_hf, import_any
+from mmadapt.run import RunSpec, read_source, run_progress
+
+RECORD = "extend.json"
+SYSTEMS = ("minipost", "bl_base")  # what an imported model offers: no MINIJOINT head, no BL_SMALL run
+
+
+@dataclasses.dataclass
+class Extend:
+    """The extension of `model` (a Hugging Face or sentence-transformers directory) to `lang` on
+    `corpus` (a text file or bible:<lang>), into `output_dir`. The schedules are the steps' own
+    (TrainConfig fields), sized for a CPU by default."""
+    model: Path
+    lang: str
+    corpus: str
+    output_dir: Path
+    vocab_mode: str = "replace"
+    # FVT's start (the mean of each new piece's split under the source tokenizer): over
+    # all-MiniLM-L6-v2, German, 600 updates, 0.41 nats under the target unigram reference against
+    # overlap's 0.21 (benchmarks/results/real_weights_cpu2_20261127.md)
+    embedding_init: str = "subword_mean"
+    vocab_size: int = 16_000
+    system: str = "minipost"
+    source_corpus: str = "bible:en"
+    seq_length: int = 64
+    batch: int = 32
+    lr: float = 1e-3
+    head_iters: int = 200
+    minipost_iters: int = 500
+    adapt_iters: int = 600
+
+    def __post_init__(self):
+        self.model, self.output_dir = Path(self.model).resolve(), Path(self.output_dir)
+        if self.system not in SYSTEMS:
+            raise ValueError(f"--system {self.system}: extend adapts an imported model over {' or '.join(SYSTEMS)}")
+
+    def run_dir(self, stage: str) -> Path:
+        return self.output_dir / stage
+
+    def schedule(self, iters: int, **changes) -> TrainConfig:
+        return TrainConfig(seq_length=self.seq_length, train_iters=iters, save_interval=iters, lr=self.lr,
+                           train_micro_batch_size_per_gpu=self.batch, lr_warmup_iters=iters // 10,
+                           log_interval=max(1, iters // 10), **changes)
+
+
+def claim(ext: Extend) -> None:
+    """The output directory is this extension's: new or empty (its record is written), or holding
+    the record of the same extension (continued). Anything else is refused in one line, nothing
+    written."""
+    out, mine = ext.output_dir, json.loads(json.dumps(dataclasses.asdict(ext), default=str))
+    record = out / RECORD
+    if record.is_file():
+        theirs = checkpoint.read_json(record, "extend record")
+        changed = sorted(k for k in mine if theirs.get(k) != mine[k])
+        if changed:
+            raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {changed[0]} "
+                             f"{theirs.get(changed[0])!r}, not {mine[changed[0]]!r}: continue it with the same "
+                             "arguments, or choose a new --output_dir")
+        return
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} already exists and is not an extend directory (no {RECORD}): choose a new "
+                         "--output_dir (nothing is overwritten)")
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint.atomic_write(record, json.dumps(mine, indent=2))
+
+
+def extend(ext: Extend) -> dict:
+    """The extension (module docstring). -> its summary: the plug-in loss of the new embeddings at
+    the start and at the end beside the target unigram reference, and the export's directories."""
+    claim(ext)
+    say = _stage_printer()
+    imported = ext.run_dir("import")
+    if not (imported / "run.json").is_file():
+        say(f"import {ext.model}")
+        import_any(ext.model, imported)
+    source = imported
+    if read_source(imported).headless:
+        source = ext.run_dir("head")
+        say("fit an MLM head over the imported body on the source-language text")
+        _train(source, ext.head_iters, lambda run: steps.fit_head(run=run, step=steps.FitHead(
+            primary=imported, train=ext.schedule(ext.head_iters))), corpus=ext.source_corpus)
+    over = source
+    if ext.system == "minipost":
+        over = ext.run_dir("minipost")
+        say("Step 1b: the mini-model (the bottom layers + 2 new ones, trained on the source-language text)")
+        layers = read_source(source).cfg.num_layers
+        mini = MiniModelConfig(max(1, layers // 3), 2)
+        _train(over, ext.minipost_iters, lambda run: steps.build_minipost(run=run, step=steps.BuildMinipost(
+            primary=source, train=ext.schedule(ext.minipost_iters), mini=mini)), corpus=ext.source_corpus)
+    data = ext.run_dir("data")
+    if not (data / MANIFEST).is_file():
+        say(f"prepare the {ext.lang} corpus ({ext.vocab_mode} vocabulary)")
+        prep = PreprocessConfig(workers=1, valid_fraction=0.03)
+        steps.preprocess(ext.corpus, output_dir=data, vocab_size=ext.vocab_size, cfg=prep,
+                         expand_from=source if ext.vocab_mode == "expand" else None)
+    adapt = ext.run_dir("adapt")
+    say(f"Step 2: the {ext.lang} embeddings over {'the mini-model' if over != source else 'the full model'}")
+    train = ext.schedule(ext.adapt_iters, vocab_mode=ext.vocab_mode, embedding_init=ext.embedding_init,
+                         plugin_eval_blocks=256)
+    _train(adapt, ext.adapt_iters, lambda run: steps.adapt_embeddings(run=run, step=steps.AdaptEmbeddings(
+        system=ext.system, source=over, lang=ext.lang, train=train)), data_path=data)
+    final = artifact_dirs([adapt])[-1]
+    export = ext.run_dir("export")
+    if not (export / "config.json").is_file():
+        say("export the extended model")
+        if export.exists():  # an export cut short: written again whole
+            import shutil
+
+            shutil.rmtree(export)
+        export_hf(export, primary=source, embeddings=final)
+    summary = _summary(ext, source, adapt, data, export)
+    return summary
+
+
+def _train(run_dir: Path, iters: int, step, corpus: str | None = None, data_path: Path | None = None) -> None:
+    """A training stage into run_dir: kept if done, resumed if interrupted, else run."""
+    state = run_progress(run_dir, iters)
+    if state == "done":
+        if parallel.is_rank0():
+            print(f"  done already: {run_dir} (kept)", flush=True)
+        return
+    step(RunSpec(output_dir=run_dir, corpus=corpus, data_path=data_path, resume=state == "resume"))
+
+
+def _stage_printer():
+    counter = iter(range(1, 100))
+
+    def say(what: str) -> None:
+        if parallel.is_rank0():
+            print(f"\n[extend {next(counter)}] {what}", flush=True)
+    return say
+
+
+def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -> dict:
+    """The plug-in loss (held-out target text, through the primary model) of the new embeddings at
+    update 0 and at the end, the target unigram reference, and no adaptation: the source model
+    with its own tokenizer and embeddings on the same held-out text (per piece of its own
+    tokenizer, which cuts the text differently). Read from the artifacts and computed again the
+    same way, so a repeated call prints the same."""
+    arts = artifact_dirs([adapt])
+    first, last = (read_artifact(a)[2] for a in (arts[0], arts[-1]))
+    primary = Primary.read(source)
+    scorer = Scorer(primary)
+    own = scorer.heldout(Text(_own_text(ext, source, data), ext.seq_length), primary.cfg.vocab_size)
+    none = scorer.loss(own)
+    summary = {"lang": ext.lang, "start_loss": first["plugin_loss"], "final_loss": last["plugin_loss"],
+               "unigram_loss": last["unigram_loss"], "no_adaptation_loss": none,
+               "no_adaptation_unigram_loss": own.unigram, "step": last["step"], "flops": last["flops"],
+               "export": str(export)}
+    if (export / "sentence_transformers").is_dir():
+        summary["sentence_transformers"] = str(export / "sentence_transformers")
+    print(f"{ext.lang} through the primary model (plug-in loss, held-out text): {summary['start_loss']:.3f} at the "
+          f"start, {summary['final_loss']:.3f} after {last['step']} updates, unigram reference "
+          f"{summary['unigram_loss']:.3f} ({summary['unigram_loss'] - summary['final_loss']:+.3f} past it); no "
+          f"adaptation (the source's own tokenizer, per piece of it) {none:.3f} against its unigram reference "
+          f"{own.unigram:.3f}. Extended model: {export}", flush=True)
+    return summary
+
+
+def _own_text(ext: Extend, source: Path, data: Path) -> Path:
+    """The target corpus prepared in the source's own tokenizer, its held-out split the same
+    documents as the adapted data's (the same seeded split): what no adaptation is scored on."""
+    out = ext.output_dir / "data-source-tokenizer"
+    if not (out / MANIFEST).is_file():
+        steps.preprocess(ext.corpus, output_dir=out, vocab_size=None, tokenizer=read_source(source).tokenizer,
+                         cfg=PreprocessConfig(workers=1, valid_fraction=0.03))
+    return out
+
+
+__all__ = ["Extend", "extend"]
