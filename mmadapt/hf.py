@@ -247,7 +247,8 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
     headless = mapping.is_headless(hf_cfg)
     arch = hf_cfg["architectures"][0]
     imported = {"model": str(model_dir), "architecture": arch, "model_type": hf_cfg["model_type"],
-                "special_ids": record, **({"headless": True} if headless else {})}
+                "special_ids": record, "text_layout": text_layout(tok, hf_ids),
+                **({"headless": True} if headless else {})}
     named = json.loads((model_dir / "config.json").read_text()).get("architectures")
     read_off = None if named else (f"config.json names no architecture: read as {arch} (model_type "
                                    f"{hf_cfg['model_type']}, as transformers' Auto classes read it; its weights "
@@ -369,6 +370,19 @@ def sentence_settings(transformer: Path) -> dict:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not JSON ({e.msg})") from None
     return {k: found[k] for k in ("max_seq_length", "do_lower_case") if k in found}
+
+
+def text_layout(tok, hf_ids: list[int]) -> dict[str, list[int]]:
+    """What the source tokenizer puts around a text (transformers' `tok(text)` against the text's
+    own pieces), in mmadapt's ids: Llama's and Mistral's `<s>` before it, nothing for Qwen2, BERT's
+    [CLS] and [SEP] around it. A language model reads a text laid out so (predict, run_text_layout)."""
+    bare = tok("a", add_special_tokens=False).input_ids
+    full = tok("a").input_ids
+    at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+    if at is None:  # a template that changes the text's own pieces: nothing recorded, mmadapt's layout kept
+        return {}
+    mine = inverse_permutation(hf_ids)
+    return {"prefix": [int(mine[i]) for i in full[:at]], "suffix": [int(mine[i]) for i in full[at + len(bare):]]}
 
 
 def hf_permutation(vocab_size: int, specials: list[int]) -> list[int]:

@@ -48,14 +48,17 @@ class Objective:
         scored (score_fraction, 1 by default)."""
         return train.mask_prob if self.masked else train.score_fraction
 
-    def lm_row(self, pieces: list[int], positions: int) -> list[int]:
+    def lm_row(self, pieces: list[int], positions: int, prefix: list[int] | None = None) -> list[int]:
         """One text's pieces as a language model of this objective reads them, at most `positions`
         long: masked, `<s> text </s>` (a block of the encoder's training starts with <s>, its
         sentences end with </s>); causal, `</s> text` (a sentence as it follows the previous one in
-        the decoder's packed stream, where no <s> occurs)."""
+        the decoder's packed stream, where no <s> occurs), or `prefix` then the text where the model
+        was trained by another (an imported decoder: what its tokenizer puts before a text,
+        run.run_text_layout: Llama's `<s>`, nothing for Qwen2)."""
         if self.masked:
             return [BOS_ID, *pieces[:positions - 2], EOS_ID]
-        return [EOS_ID, *pieces[:positions - 1]]
+        prefix = [EOS_ID] if prefix is None else prefix
+        return [*prefix, *pieces[:positions - len(prefix)]]
 
 
 MLM = Objective("mlm", MLMBatches, masked=True, plugin_task="plugin-mlm", label="MLM", scored="masked pieces")

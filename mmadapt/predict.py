@@ -22,8 +22,10 @@ TP = 1 and no process group; on `parallel.device()` (or `device`) in Step 4's pr
 
 Texts are laid out as the model saw them in training (its family's objective, Objective.lm_row):
 the encoder's `<s> text </s>` (a literal `<mask>` in the text is the mask piece), the decoder's
-`</s> text` (a sentence as it follows the previous one in its packed training stream); task
-inputs as features.py encodes them in the family's framing.
+`</s> text` (a sentence as it follows the previous one in its packed training stream), or an
+imported decoder's as its own tokenizer lays a text out (run.run_text_layout: Llama's and
+Mistral's `<s> text`, Qwen2's bare text), so its next-piece logits are transformers' on the
+same raw text; task inputs as features.py encodes them in the family's framing.
 
 Shapes: n texts (or QA windows), s their longest row in pieces, V vocab_size, C task labels,
 k top_k.
@@ -53,7 +55,7 @@ from mmadapt.parallel import named_device
 from mmadapt.heldout import scoring_model
 from mmadapt.hf import SENTENCE_TRANSFORMERS
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
-from mmadapt.run import RUN_FILE, read_source, require_head, run_family
+from mmadapt.run import RUN_FILE, read_source, require_head, run_family, run_text_layout
 from mmadapt.tasks import Task, get_task
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
@@ -166,6 +168,7 @@ class LanguageModel:
     model: torch.nn.Module
     tokenizer: object  # a SentencePieceProcessor or tokenizer.HFTokenizer
     embeddings: Path | None = None
+    prefix: list[int] | None = None  # what the source model reads before a text (run.run_text_layout); None: its objective's
 
     @classmethod
     def load(cls, run: Path, embeddings: Path | None = None, tag: str | None = None,
@@ -183,7 +186,8 @@ class LanguageModel:
         model = scoring_model(family, cfg, state)
         if device is not None and device != device_of(model):
             model = on_eval_device(model, device)
-        return cls(run, family, cfg, model, load_tokenizer(tokenizer), embeddings)
+        prefix = run_text_layout(source.record).get("prefix")
+        return cls(run, family, cfg, model, load_tokenizer(tokenizer), embeddings, prefix)
 
     @property
     def heads(self) -> tuple[int, ...]:
@@ -217,7 +221,7 @@ class LanguageModel:
         n, rows = self.cfg.max_position_embeddings, []
         for i, text in enumerate(_texts(texts), 1):
             pieces = self.pieces(text)
-            row = self.objective.lm_row(pieces, len(pieces) + n)  # uncut: the text and its layout's pieces
+            row = self.objective.lm_row(pieces, len(pieces) + n, self.prefix)  # uncut: the text and its layout's pieces
             if len(row) > n:
                 raise ValueError(f"text {i} is {len(pieces)} pieces long; the model of {self.run} reads at most "
                                  f"{n - (len(row) - len(pieces))} ({n} positions, {len(row) - len(pieces)} of them its "

@@ -336,6 +336,19 @@ def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
     return Source(path, record, checkpoint_tag(path, tag), cfg, get_family(cfg))
 
 
+def run_text_layout(run: dict) -> dict[str, list[int]]:
+    """How the model of a run (its record) reads a text: an imported model's tokenizer's layout
+    (hf.text_layout: the ids before and after a text), through the runs it was made from (a head
+    fit, MINIPOST's frozen_from); {} for a model mmadapt trained (its objective's own layout)."""
+    imported = run.get("imported_from")
+    if imported is not None:
+        return imported.get("text_layout") or {}
+    ref = run.get("frozen_from")
+    if ref is not None and (Path(ref["run_dir"]) / RUN_FILE).is_file():
+        return run_text_layout(checkpoint.read_json(Path(ref["run_dir"]) / RUN_FILE, "run file"))
+    return {}
+
+
 def pretrained_blocks(run: dict) -> int | None:
     """The block length (pieces) a Step-1 record's model was pretrained on; None for a model whose
     body was imported, a head fit over one included (its source trained its positions, up to its

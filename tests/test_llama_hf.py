@@ -123,6 +123,28 @@ def test_imported_decoder_gives_transformers_logits(name, dec_dirs, dec_runs):
     assert run["model"]["max_position_embeddings"] == SEQ[name]
 
 
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_predict_reads_raw_text_as_transformers_does(name, dec_dirs, dec_runs):
+    """mmadapt predict on raw text lays it out as the source's own tokenizer does (hf.text_layout:
+    Llama-2's, Llama-3's and Mistral's <s> before it, nothing for Qwen2): its next-piece logits at
+    every position are transformers' tokenizer + model's on the same text, within 1e-4."""
+    from mmadapt import predict
+
+    tok, hf = hf_tokenizer(dec_dirs[name]), hf_lm(dec_dirs[name])
+    texts = ["In the beginning God created the heaven and the earth.", "Am Anfang schuf Gott Himmel und Erde."]
+    lm = predict.load(dec_runs[name])
+    mine = lm.logits(texts)[lm.heads[-1]]  # [n, s, V]
+    layout = json.loads((dec_runs[name] / "run.json").read_text())["imported_from"]["text_layout"]
+    assert layout["prefix"] == ([] if name == "qwen2" else [BOS_ID])
+    for i, text in enumerate(texts):
+        ids = tok(text).input_ids
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([ids])).logits[0][:, torch.tensor(lm.tokenizer.hf_ids)]
+        diff = (mine[i, :len(ids)] - ref).abs().max().item()
+        print(f"{name}: predict against transformers on raw text, max abs logit difference {diff:.2e}")
+        assert diff <= 1e-4
+
+
 def test_trained_decoder_is_not_near_uniform(dec_dirs):
     """The briefly trained Qwen2's next-token loss on a book it never saw, against log V (uniform)."""
     tok, hf = hf_tokenizer(dec_dirs["qwen2"]), hf_lm(dec_dirs["qwen2"])
