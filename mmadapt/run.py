@@ -376,6 +376,25 @@ def weights_fingerprint(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+SAMPLED_ELEMENTS = 1024  # of each tensor, evenly spaced, in sampled_fingerprint
+
+
+def sampled_fingerprint(state: dict[str, torch.Tensor]) -> str:
+    """A model's identity by a sample of its content, cheap at any size: sha256 over every
+    tensor's name, dtype and shape and SAMPLED_ELEMENTS evenly spaced elements of it (a smaller
+    tensor whole). Another checkpoint of the same shape differs in it (training moves every
+    element of a tensor it trains); a run built on another records it (frozen_from.fingerprint)
+    and load_weights compares it at every load."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().reshape(-1)
+        digest.update(f"{name}|{t.dtype}|{tuple(state[name].shape)}|".encode())
+        if t.numel() > SAMPLED_ELEMENTS:
+            t = t[torch.linspace(0, t.numel() - 1, SAMPLED_ELEMENTS).long()]
+        digest.update(tensor_bytes(t))
+    return digest.hexdigest()
+
+
 def run_fingerprint(run_dir: str | os.PathLike, tag: str | None = None) -> str:
     """`weights_fingerprint` of a Step-1 or Step-1b run's full weights at `tag` (load_weights)."""
     return weights_fingerprint(load_weights(run_dir, tag)[1])
@@ -426,7 +445,7 @@ def load_weights(run_dir: str | os.PathLike, tag: str | None = None, read: dict 
     if ref is None:
         loaded = cfg, own
     elif ref.get("head_fit"):  # mmadapt fit-head: a new head over the frozen body of the run it references
-        loaded = cfg, {**load_weights(ref["run_dir"], ref["tag"], read)[1], **own}
+        loaded = cfg, {**_built_on(run_dir, ref, read)[1], **own}
     else:
         loaded = cfg, _minipost_weights(run_dir, cfg, ref, own, read)
     if read is not None:
@@ -434,11 +453,26 @@ def load_weights(run_dir: str | os.PathLike, tag: str | None = None, read: dict 
     return loaded
 
 
+def _built_on(run_dir: Path, ref: dict, read: dict | None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The full weights of the run `run_dir` was built on (`ref`: its frozen_from), checked to be the
+    ones it was built on where it recorded their fingerprint (sampled_fingerprint): a run that
+    keeps only what it trained is refused over another body in one line, and over none."""
+    if not (Path(ref["run_dir"]) / RUN_FILE).is_file():
+        raise ValueError(f"{run_dir} was built on {ref['run_dir']} (checkpoint {ref['tag']}), which is gone: it keeps "
+                         "only what it trained; restore that run where it was, or build this one again")
+    cfg, state = load_weights(ref["run_dir"], ref["tag"], read)
+    if ref.get("fingerprint") and sampled_fingerprint(state) != ref["fingerprint"]:
+        raise ValueError(f"{run_dir} was built on {ref['run_dir']} (checkpoint {ref['tag']}), whose weights have changed "
+                         "since: it keeps only what it trained and would run over another model; restore the run it "
+                         "was built on, or build this one again")
+    return cfg, state
+
+
 def _minipost_weights(run_dir: Path, cfg: ModelConfig, ref: dict, own: dict, read: dict | None) -> dict:
     """A Step-1b run's full weights: its checkpoint `own` (the layers it trained) over the frozen
     part rebuilt from the run it references (`ref`: run.json's frozen_from)."""
     family = get_family(cfg)
-    src_cfg, src_state = load_weights(ref["run_dir"], ref["tag"], read)
+    src_cfg, src_state = _built_on(run_dir, ref, read)
     mini = MiniModelConfig(ref["mini_layers"], ref["new_layers"])
     _, frozen = family.minipost_start(src_cfg, src_state, mini.one_depth("build_minipost"), mini.new_layers)
     state = {**frozen, **own}

@@ -58,7 +58,7 @@ from mmadapt.heldout import (heldout_batches, masked_loss, on_device, primary_he
                              unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, pretrained_blocks, read_run, read_source,
-                         require_head, require_kind, run_progress, start_run, weights_fingerprint)
+                         require_head, require_kind, run_progress, sampled_fingerprint, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -162,10 +162,12 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
             raise ValueError(f"{primary} was imported (mmadapt import-hf), so it has no pretraining data: pass "
                              "source-language text with --corpus or --data_path")
     run = dataclasses.replace(run, tokenizer=primary / RUN_TOKENIZER).with_corpus_resolved()
+    weights = source.weights()
     identity = {"recipe": "minipost",
-                "frozen_from": {"run_dir": str(primary), "tag": tag, **dataclasses.asdict(step.mini)}}
+                "frozen_from": {"run_dir": str(primary), "tag": tag, **dataclasses.asdict(step.mini),
+                                "fingerprint": sampled_fingerprint(weights)}}
     with start_run(run, model, step.train, identity, TextData()) as started:
-        _, init = family.minipost_start(source.cfg, source.weights(), n, k)
+        _, init = family.minipost_start(source.cfg, weights, n, k)
         job = LMJob(step="minipost", trainable=family.minipost_trainable(n, k), trainable_layers=k)
         return train_lm(started, run, model, step.train, job, init)
 
@@ -208,14 +210,16 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
                          "--corpus or --data_path")
     run = dataclasses.replace(run, tokenizer=source.tokenizer).with_corpus_resolved()
     imported = {k: v for k, v in source.record["imported_from"].items() if k != "headless"}
+    weights = source.weights()
+    # the body's content, which every load of this run checks (run.load_weights): the run keeps the head only
     identity = {"recipe": "bl_base", "imported_from": imported,
-                "frozen_from": {"run_dir": str(source.path), "tag": source.tag, "head_fit": True}}
+                "frozen_from": {"run_dir": str(source.path), "tag": source.tag, "head_fit": True,
+                                "fingerprint": sampled_fingerprint(weights)}}
     with start_run(run, model, step.train, identity, TextData()) as started:
         logp = unigram_logprobs(started.data, model.vocab_size)
         blocks = heldout_batches(started.data, step.train.seq_length, model.vocab_size, UNIGRAM_BLOCKS, 1,
                                  step.train.seed, family.objective, TEXT)
         unigram = unigram_loss(logp, blocks)
-        weights = source.weights()
         scale = head_scale(weights[family.word])
         init = {**weights, **{name: logp.clone() for name in family.output_biases(model)},
                 **{name: torch.full((model.hidden_size,), scale) for name in family.head_scales(model)}}

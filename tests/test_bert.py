@@ -7,6 +7,7 @@ XLMRobertaModel go through every step and back (slow tier). Nothing is downloade
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -499,3 +500,38 @@ def test_bert_layout_matches_single_process(layout, bert_single, corpus, tokeniz
     assert sorted(mine) == sorted(single) and "embeddings.token_type_embeddings.weight" in mine
     for name, w in single.items():
         torch.testing.assert_close(mine[name], w, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name} differs")
+
+
+def test_a_head_fit_is_bound_to_its_body_by_content(headless, corpus, tmp_path, capsys):
+    """A head fit keeps only its head and reads its body from the headless run at every load: a
+    body replaced by another of the same shape is refused in one line naming both runs (the
+    fingerprint of its content it recorded, run.sampled_fingerprint), and so is a body that is
+    gone; the original body loads."""
+    from mmadapt.checkpoint import write_weights_only
+    from mmadapt.cli import main as cli
+    from mmadapt.parallel import init_parallel
+    from mmadapt.run import read_run
+
+    init_parallel(1, 1)
+    body = tmp_path / "body"
+    shutil.copytree(headless["run"], body)
+    head = tmp_path / "head"
+    assert cli(["fit-head", "--primary", str(body), "--corpus", str(corpus), "--output_dir", str(head),
+                "--train_iters", "2", "--save_interval", "2", *E2E_SCHEDULE]) == 0
+    assert json.loads((head / "run.json").read_text())["frozen_from"]["fingerprint"]
+    load_weights(head)
+    cfg, state = load_weights(body)
+    other = {k: v + 0.01 for k, v in state.items()}
+    shutil.rmtree(body / "checkpoints")
+    write_weights_only(body / "checkpoints", 0, other, json.loads((body / "run.json").read_text())["model"])
+    read_run(body)
+    capsys.readouterr()
+    text = tmp_path / "in.txt"
+    text.write_text("In the <mask> God created the heaven.\n")
+    assert cli(["predict", "--run", str(head), "--input", str(text)]) == 2
+    err = capsys.readouterr().err
+    assert f"{head} was built on {body.resolve()}" in err and "whose weights have changed since" in err
+    assert err.count("\n") == 1
+    shutil.rmtree(body)
+    assert cli(["predict", "--run", str(head), "--input", str(text)]) == 2
+    assert "which is gone" in capsys.readouterr().err
