@@ -146,9 +146,10 @@ class HFMapping:
         """The transformers config of `model_type`'s class for `kind` that holds `cfg`."""
         raise NotImplementedError
 
-    def tokenizer_layout(self, kind: str | None, imported: bool) -> dict | None:
-        """How an exported tokenizer lays out a text of `kind` (a `tokenizers` template over
-        mmadapt's special roles, mmadapt/hf.py); None: an imported tokenizer goes out as it is."""
+    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig) -> dict | None:
+        """How an exported tokenizer lays out a text of `kind` for the model `cfg` (a `tokenizers`
+        template over mmadapt's special roles, mmadapt/hf.py); None: an imported tokenizer goes out
+        as it is."""
         raise NotImplementedError
 
     def export_model_type(self, model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:

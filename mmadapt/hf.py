@@ -692,7 +692,7 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
     ids). An imported tokenizer keeps the source's ids (the rows go back to the source's order)."""
     import transformers
 
-    layout = mapping.tokenizer_layout(kind, imported=is_hf(tokenizer))
+    layout = mapping.tokenizer_layout(kind, is_hf(tokenizer), cfg)
     if not is_hf(tokenizer):
         return spm_to_hf(tokenizer, cfg.max_position_embeddings, layout), None
     hf_ids = HFTokenizer.read(tokenizer).hf_ids.tolist()

@@ -20,7 +20,7 @@ from mmadapt import adapt as A
 from mmadapt.artifact import read_artifact, write_artifact
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.cli import main
-from mmadapt.config import FinetuneConfig, TrainConfig
+from mmadapt.config import FinetuneConfig, ModelConfig, TrainConfig
 from mmadapt import steps
 from mmadapt.config import Layout
 from evaluation import predict, swap_embeddings
@@ -203,7 +203,7 @@ def test_export_of_an_adapted_masked_lm(runs, artifact, de_tokenizer, tmp_path):
 def test_exported_sentencepiece_gives_mmadapt_ids_on_the_whole_german_bible(de_tokenizer):
     from mmadapt.hf import spm_to_hf
 
-    tok, sp = spm_to_hf(de_tokenizer, SEQ, ROBERTA.hf.tokenizer_layout(None, imported=False)), load_sp(de_tokenizer)
+    tok, sp = spm_to_hf(de_tokenizer, SEQ, ROBERTA.hf.tokenizer_layout(None, False, ModelConfig())), load_sp(de_tokenizer)
     verses = bible_lines("de", range(1, 67))  # all 66 books
     got = tok(verses)["input_ids"]
     differ = [v for v, ids in zip(verses, got) if ids != [BOS_ID, *sp.encode(v), EOS_ID]]

@@ -47,6 +47,7 @@ BERT_LAYOUT = {"single": "{bos} $A {eos}", "pair": "{bos} $A {eos} $B:1 {eos}:1"
                "tokens": {"cls_token": "bos", "sep_token": "eos", "unk_token": "unk", "pad_token": "pad",
                           "mask_token": "mask"},
                "model_input_names": ["input_ids", "token_type_ids", "attention_mask"]}  # the types reach the model
+ONE_TYPE_LAYOUT = {**BERT_LAYOUT, "pair": "{bos} $A {eos} $B {eos}"}  # a model with one type row: type 0 throughout
 
 
 class BertMapping(RobertaMapping):
@@ -136,7 +137,12 @@ class BertMapping(RobertaMapping):
         return encoder_config(cfg, kind, labels, ids, MODEL_TYPE, "Bert", max_position_embeddings=cfg.max_position_embeddings,
                               type_vocab_size=cfg.type_vocab_size)
 
-    def tokenizer_layout(self, kind: str | None, imported: bool) -> dict | None:
+    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig) -> dict | None:
+        # A model with one token type reads a pair's second segment as type 0 (BertEmbeddings):
+        # its tokenizer, imported or not, must give type 0 there, or transformers indexes a row
+        # the model lacks.
+        if cfg.type_vocab_size == 1:
+            return ONE_TYPE_LAYOUT
         return None if imported else BERT_LAYOUT
 
     def implied(self, cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:

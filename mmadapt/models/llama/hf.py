@@ -302,7 +302,7 @@ class LlamaMapping(HFMapping):
             pad_token_id=ids["pad"], bos_token_id=ids["bos"], eos_token_id=ids["eos"],
             architectures=[CLASS_PREFIX[model_type] + TASK_CLASSES[kind]], **extra)
 
-    def tokenizer_layout(self, kind: str | None, imported: bool) -> dict | None:
+    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig) -> dict | None:
         """The exported tokenizer's layout for `kind` (None: the causal LM); None: an imported
         tokenizer exported as it is (the source's own prompt layout, so that a round trip is exact)."""
         if kind is None:
