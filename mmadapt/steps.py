@@ -187,6 +187,10 @@ class FitHead(StepSpec):
 
 HEAD_FIT_DIRS = ("tokenizer/hf", "sentence_transformers")  # what a head-fitted run keeps of its source's files
 UNIGRAM_BLOCKS = 64  # blocks of the training text the head fit's unigram reference is scored on
+# The least text the head fit's verdict is drawn from: distinct blocks (a short text's blocks
+# repeat) and the masked pieces they score. A 3-line corpus gives one block and a few pieces, on
+# which a head and the unigram reference differ by noise (0.002 nats) either way.
+VERDICT_BLOCKS, VERDICT_PIECES = 16, 200
 
 
 def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
@@ -217,8 +221,8 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
                                 "fingerprint": sampled_fingerprint(weights)}}
     with start_run(run, model, step.train, identity, TextData()) as started:
         logp = unigram_logprobs(started.data, model.vocab_size)
-        blocks = heldout_batches(started.data, step.train.seq_length, model.vocab_size, UNIGRAM_BLOCKS, 1,
-                                 step.train.seed, family.objective, TEXT)
+        blocks = distinct_blocks(heldout_batches(started.data, step.train.seq_length, model.vocab_size,
+                                                 UNIGRAM_BLOCKS, 1, step.train.seed, family.objective, TEXT))
         unigram = unigram_loss(logp, blocks)
         scale = head_scale(weights[family.word])
         init = {**weights, **{name: logp.clone() for name in family.output_biases(model)},
@@ -229,9 +233,23 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
         if parallel.is_rank0():
             head = scoring_model(family, *primary_head_state(run.output_dir))  # as every later step reads it
             heldout = masked_loss(head, on_device(blocks, device_of(head)))
-            started.record.finish(**_head_fit_report(run, source.path, rows, heldout, unigram, family.step_flops(
-                "fit_head", model, step.train.seq_length, step.train.mask_prob), step.train))
+            text = (len(blocks), sum(int(l.ge(0).sum()) for _, l in blocks))
+            started.record.finish(**_head_fit_report(run, source.path, rows, (heldout, unigram, text),
+                                                     family.step_flops("fit_head", model, step.train.seq_length,
+                                                                       step.train.mask_prob), step.train))
         return rows
+
+
+def distinct_blocks(batches: list) -> list:
+    """Held-out batches of one block each (ids [1, s], labels [1, s]) with every block whose text
+    repeats an earlier one's dropped (the text: the labels at masked positions, the ids elsewhere)."""
+    seen, out = set(), []
+    for ids, labels in batches:
+        key = torch.where(labels.ge(0), labels, ids).numpy().tobytes()
+        if key not in seen:
+            seen.add(key)
+            out.append((ids, labels))
+    return out
 
 
 def head_scale(word: torch.Tensor) -> float:
@@ -244,15 +262,17 @@ def head_scale(word: torch.Tensor) -> float:
     return float(1.0 / (word.shape[1] ** 0.5 * word.float().std()))
 
 
-def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], heldout: float, unigram: float,
-                     seq_flops: float, train: TrainConfig) -> dict:
+def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], scores: tuple, seq_flops: float,
+                     train: TrainConfig) -> dict:
     """Global rank 0, after the head fit: the source's tokenizer files and sentence-transformers
     modules copied beside the new head (export-hf hands them back), the fitted head's loss against
     the unigram reference (printed), and the fit's cost, a Step-1 cost.
 
-    heldout (the fitted head's loss) and unigram (the reference's, already in run.json) are on the
-    same UNIGRAM_BLOCKS blocks of the text, every selected position hidden as <mask> (the plug-in
-    metric's scoring). The verdict reads them, not the last
+    scores: (heldout, unigram, (blocks, pieces)): the fitted head's loss and the reference's
+    (already in run.json) on the same distinct blocks of the text (at most UNIGRAM_BLOCKS), every
+    selected position hidden as <mask> (the plug-in metric's scoring), and how many blocks and
+    masked pieces that is. The verdict reads them (none under VERDICT_BLOCKS or VERDICT_PIECES:
+    below_unigram None, "cannot judge"), not the last
     logged training loss: that is a mean over a few small batches under 80/10/10 masking, which
     moves by ~0.1 nats between log intervals and so cannot say which side of the reference the
     head is."""
@@ -262,11 +282,17 @@ def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], heldout: floa
     losses = [r["loss"] for r in rows if "loss" in r]
     flops = seq_flops * train.global_batch(parallel.dp_world()) * train.train_iters
     report = {"flops": flops, "v100_days": device_days(flops)}
-    below = heldout < unigram
+    heldout, unigram, (blocks, pieces) = scores
+    enough = blocks >= VERDICT_BLOCKS and pieces >= VERDICT_PIECES
+    below = (heldout < unigram) if enough else None
     trained = f"training loss {losses[0]:.3f} -> {losses[-1]:.3f}; " if losses else ""
-    print(f"head fit: {trained}on {UNIGRAM_BLOCKS} blocks of the text {heldout:.3f} against the unigram reference "
-          f"{unigram:.3f}: " + ("below it (the head reads the body's context)" if below else
-                                "not below it yet: train longer"), flush=True)
+    if not enough:
+        verdict = (f"too little text to judge (at least {VERDICT_BLOCKS} distinct blocks and {VERDICT_PIECES} masked "
+                   "pieces needed): fit it on a larger --corpus to know")
+    else:
+        verdict = "below it (the head reads the body's context)" if below else "not below it yet: train longer"
+    print(f"head fit: {trained}on {blocks} distinct blocks of the text ({pieces} masked pieces) {heldout:.3f} against "
+          f"the unigram reference {unigram:.3f}: {verdict}", flush=True)
     report.update(final_loss=losses[-1] if losses else None, heldout_loss=heldout, below_unigram=below)
     return report
 

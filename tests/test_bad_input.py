@@ -185,6 +185,12 @@ class Ctx:
         BertModel(cfg).save_pretrained(str(d))
         return str(d)
 
+    def russian(self) -> str:
+        """Russian text (Genesis): a script the tests' English tokenizers do not cover."""
+        from mmadapt.corpora import write_bible_corpus
+
+        return str(write_bible_corpus("ru", self.tmp / "ru.txt", books=range(1, 2)))
+
     def headless_run(self) -> str:
         """A headless BERT run: a BertModel imported (no MLM head)."""
         from mmadapt.hf import import_hf
@@ -558,6 +564,12 @@ CASES = [
      "is a headless encoder (a BertModel imported without an MLM head), and Step 2 needs one: fit it first with "
      "`mmadapt fit-head --primary"),
     ("headless-to-minipost", lambda c: c.minipost(primary=c.headless_run()), "and build_minipost needs one"),
+    ("preprocess-text-the-tokenizer-cannot-read", lambda c: ["preprocess", "--corpus", c.russian(), "--tokenizer",
+                                                             str(c.tokenizer), "--output_dir", str(c.out)],
+     "of the pieces of"),
+    ("fit-head-text-the-tokenizer-cannot-read", lambda c: ["fit-head", "--primary", c.headless_run(), "--corpus",
+                                                           c.russian(), "--output_dir", str(c.out)],
+     "are unknown to the tokenizer"),
     ("fit-head-has-a-head", lambda c: ["fit-head", "--primary", str(c.primary), "--corpus", str(c.corpus),
                                        "--output_dir", str(c.out)], "has its MLM head already"),
     ("bert-body-holding-an-mlm-head", lambda c: c.body_with_a_head(),

@@ -20,6 +20,7 @@ from mmadapt import adapt as A
 from mmadapt.artifact import read_artifact
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.cli import main
+from mmadapt.config import ModelConfig
 from mmadapt.family import WORD
 from mmadapt.features import encode_classify
 from mmadapt.hf import export_hf, import_any, import_hf, spm_to_hf, write_hf
@@ -204,9 +205,38 @@ def test_pair_task_token_types_and_logits_equal_bert_for_sequence_classification
     assert diff <= TOL and (typed - typeless).abs().max().item() > 1e3 * TOL
 
 
+def test_a_pair_classifier_over_a_one_type_bert_exports_to_what_transformers_runs(runs, de_tokenizer, tmp_path):
+    """A BERT with one token-type row reads a pair's second segment as type 0; its export, with the
+    imported WordPiece or an mmadapt SentencePiece, gives type 0 there too (transformers raised
+    IndexError on every pair when the tokenizer gave type 1), and transformers' logits on the
+    exported tokenizer's pairs equal mmadapt's."""
+    cfg, state = load_weights(runs["trained"])
+    cfg = dataclasses.replace(cfg, type_vocab_size=1)
+    state = {**state, "embeddings.token_type_embeddings.weight": state["embeddings.token_type_embeddings.weight"][:1]}
+    model = BertForTask(no_dropout(cfg), "classify", 3, seed=5).eval()
+    model.load_state_dict({**model.state_dict(), **BERT.task_state(cfg, state)})
+    tokenizer = runs["trained"] / "tokenizer" / "spm.model"
+    write_hf(BERT, tmp_path / "clf", cfg, model.state_dict(), "classify", ["a", "b", "c"], tokenizer, "bert")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "clf"))
+    short = [" ".join(t.split()[:9]) for t in TEXTS]
+    pairs = [PairExample(a, b, 0) for a, b in zip(short[:5], short[5:])]
+    ref = tok([p.sentence1 for p in pairs], [p.sentence2 for p in pairs], padding="max_length", max_length=SEQ,
+              truncation="longest_first", return_tensors="pt")
+    enc = encode_classify(load(tokenizer), pairs, SEQ, BERT.framing)
+    assert torch.equal(torch.tensor(load(tokenizer).hf_ids)[enc.input_ids], ref.input_ids)
+    assert int(ref.token_type_ids.max()) == 0
+    hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "clf")).eval()
+    with torch.no_grad():
+        diff = (model(enc.input_ids, token_types=enc.token_types)[1] - hf(**ref).logits).abs().max().item()
+    assert diff <= TOL, diff
+    own = spm_to_hf(de_tokenizer, SEQ, BERT.hf.tokenizer_layout("classify", False, cfg))
+    assert set(own("Am Anfang", "schuf Gott").token_type_ids) == {0}
+
+
 def test_exported_sentencepiece_lays_a_pair_out_as_bert(de_tokenizer):
     """A Step-2 vocabulary goes out with BERT's template: its pair's second segment type 1."""
-    tok, sp = spm_to_hf(de_tokenizer, SEQ, BERT.hf.tokenizer_layout(None, imported=False)), load(de_tokenizer)
+    tok, sp = spm_to_hf(de_tokenizer, SEQ, BERT.hf.tokenizer_layout(None, False, ModelConfig(type_vocab_size=2))), \
+        load(de_tokenizer)
     a, b = sp.encode("Am Anfang"), sp.encode("schuf Gott")
     got = tok("Am Anfang", "schuf Gott")
     assert got.input_ids == BERT.framing.pair(a, b)[0] == [BOS_ID, *a, EOS_ID, *b, EOS_ID]
@@ -396,6 +426,20 @@ def sentence_vectors(family, cfg, state, ids: torch.Tensor) -> torch.Tensor:
         x = body.encode(ids, (cfg.num_layers,))[0]
     keep = ids.ne(PAD_ID)[..., None].float()
     return torch.nn.functional.normalize((x * keep).sum(1) / keep.sum(1), dim=-1)
+
+
+def test_a_head_fit_on_too_little_text_says_it_cannot_judge(headless, tmp_path, capsys):
+    """Three verses, 64 times over: every block of the text is the same one, too few distinct
+    blocks and masked pieces to set a head against the unigram reference, which the head fit
+    says (below_unigram None) instead of a verdict drawn from copies of one block."""
+    text = "In the beginning God created the heaven and the earth.\nAnd the earth was without form.\nAnd God said.\n\n"
+    corpus = tmp_path / "three.txt"
+    corpus.write_text(text * 64)
+    assert main(["fit-head", "--primary", str(headless["run"]), "--corpus", str(corpus), "--output_dir",
+                 str(tmp_path / "head"), "--train_iters", "2", "--save_interval", "2", *E2E_SCHEDULE]) == 0
+    record = json.loads((tmp_path / "head" / "run.json").read_text())
+    out = capsys.readouterr().out
+    assert record["below_unigram"] is None and "too little text to judge" in out, out
 
 
 @pytest.mark.slow

@@ -255,6 +255,24 @@ def test_manifest_names_what_the_dataset_was_made_from(prepared):
     assert set(manifest) >= {"corpus", "corpus_fingerprint", "tokenizer_sha256", "vocab_size", "mmadapt_version"}
 
 
+def test_the_manifest_counts_the_pieces_the_tokenizer_cannot_read(prepared, corpus, tokenizer, tmp_path, capsys):
+    """manifest["unknown"] is the <unk> count of every sentence, counted here by hand; a text with
+    a few percent of <unk> is prepared with a warning, one mostly <unk> refused (test_bad_input)."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer))
+    lines = [l.strip() for l in corpus.read_text().splitlines() if l.strip()]
+    by_hand = sum(ids.count(sp.unk_id()) for ids in sp.encode(lines))
+    assert prepared[1][0]["unknown"] == prepared[2][0]["unknown"] == by_hand > 0
+    assert by_hand / sum(map(len, sp.encode(lines))) < D.UNKNOWN_WARN
+    assert D.check_coverage(corpus, tokenizer, [[1, 1, 102, 1]]) == 0.01  # 1 of 100 pieces: quiet
+    assert capsys.readouterr().err == ""
+    assert D.check_coverage(corpus, tokenizer, [[1, 1, 102, 5]]) == 0.05
+    assert "warning: 5.0% of the pieces" in capsys.readouterr().err
+    with pytest.raises(D.DataError, match="26% of the pieces"):
+        D.check_coverage(corpus, tokenizer, [[1, 1, 52, 13]])
+
+
 @pytest.mark.slow
 def test_two_ranks_outlive_a_preparation_longer_than_the_collective_timeout(tmp_path):
     """Rank 0 trains an 8000-piece tokenizer on three Bibles and encodes them (far longer than the
