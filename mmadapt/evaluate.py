@@ -31,7 +31,7 @@ from mmadapt.config import EvaluateConfig, FinetuneConfig, ModelConfig
 from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
 from mmadapt.family import ModelFamily
-from mmadapt.features import Encoded, Framing, encode_classify, special_mask
+from mmadapt.features import Encoded, Framing, encode_classify, special_mask, unknown_share
 from mmadapt.finetune import check_positions, is_finished, primary_state
 from mmadapt.models.layers import Padding
 from mmadapt.devices import device_of, host_to_device, on_eval_device, progress, swapped
@@ -271,7 +271,8 @@ class Scoring:
     def fields(self, lang: str, tokenizer: Path, artifact: dict | None) -> dict:
         """The scores of a record: every metric of `lang`'s examples encoded with `tokenizer`,
         averaged over the seeds, with `artifact`'s word embeddings swapped into each run's model
-        (None: its own), and the language's chance level as the first run encodes its rows."""
+        (None: its own), the language's chance level as the first run encodes its rows, and the
+        share of the text's pieces that `tokenizer` reads as <unk> (report.verdict names it)."""
         task, labels, cfg0 = self.runs[0].task, self.runs[0].labels, self.cfgs[0]
         if lang not in self.examples:
             self.examples[lang] = read_examples(task, self.eval_spec, lang, "test", cfg0, labels)
@@ -292,7 +293,8 @@ class Scoring:
         chance = chance_levels(task, first.enc, self.examples[lang], labels, cfg0) or {"chance": None}
         return {"metric": metric, "score": sum(s[metric] for s in seeds) / len(seeds),
                 "scores": {k: sum(s[k] for s in seeds) / len(seeds) for k in seeds[0]},
-                "seed_scores": [s[metric] for s in seeds], **chance}
+                "seed_scores": [s[metric] for s in seeds], "unknown_share": unknown_share(first.enc.input_ids),
+                **chance}
 
 
 def no_adaptation_record(scoring: Scoring, lang: str, systems: list[str]) -> dict:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
-from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, NUM_SPECIAL, PAD_ID
+from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, NUM_SPECIAL, PAD_ID, UNK_ID
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,3 +269,11 @@ def special_mask(input_ids: torch.Tensor) -> torch.Tensor:
     """[b, s] True at ordinary pieces (not padding, <s>, </s>, ...): the positions pooled for
     sentence vectors."""
     return input_ids.ge(NUM_SPECIAL)
+
+
+def unknown_share(input_ids: torch.Tensor) -> float:
+    """The share of the text's pieces in rows [b, s] that the tokenizer read as <unk> (the text's
+    pieces: every position but padding and the layout's <s>/</s>)."""
+    unknown = int(input_ids.eq(UNK_ID).sum())
+    pieces = unknown + int(special_mask(input_ids).sum())
+    return unknown / pieces if pieces else 0.0

@@ -18,6 +18,7 @@ from collections import defaultdict
 
 from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
+from mmadapt.data import UNKNOWN_REFUSE
 from mmadapt.family import ModelFamily
 from mmadapt.flops import DEVICE_TFLOPS, device_days, total_flops
 from mmadapt.models import find_preset
@@ -309,22 +310,33 @@ def paid(last: float, none: float | None) -> bool | None:
 
 def adaptation_rows(records: list[dict], task: str) -> list[dict]:
     """Per language and system of `task`: {lang, system, none (no adaptation), start (update 0),
-    last (the last checkpoint's score), paid}; none and start None where the records lack them."""
+    last (the last checkpoint's score), paid, unknown (the largest share of the text's pieces its
+    tokenizers read as <unk>)}; none and start None where the records lack them."""
     rows = []
     for (system, t, lang), pts in sorted(curves(records).items(), key=lambda kv: (kv[0][2], kv[0][0])):
         if t == task:
             none = no_adaptation_score(records, system, task, lang)
+            unknown = max(float(r.get("unknown_share", 0.0)) for r in adapted(records)
+                          if (r["system"], r["task"], r["lang"]) == (system, t, lang))
             rows.append({"lang": lang, "system": system, "none": none, "start": pts[0][1] if pts[0][0] == 0 else None,
-                         "last": pts[-1][1], "paid": paid(pts[-1][1], none)})
+                         "last": pts[-1][1], "paid": paid(pts[-1][1], none), "unknown": unknown})
     return rows
 
 
 def verdict(lang: str, rows: list[dict], f: str) -> str | None:
     """One line: did adaptation pay in `lang` (rows: adaptation_rows of one language), system by
-    system; None without a no-adaptation score."""
+    system, and which systems' tokenizers cannot read the text (data.UNKNOWN_REFUSE: their scores
+    say nothing of the adaptation); None without a no-adaptation score."""
     known = [r for r in rows if r["paid"] is not None]
     if not known:
         return None
+    unread = [r for r in known if r.get("unknown", 0.0) > UNKNOWN_REFUSE]
+    note = "".join(f" {r['system']}'s tokenizer reads {r['unknown']:.0%} of the {lang} text's pieces as <unk>: the "
+                   "file is not text it covers, and the score says nothing of the adaptation." for r in unread)
+    return _paid_line(lang, known, f) + note
+
+
+def _paid_line(lang: str, known: list[dict], f: str) -> str:
     gains = {r["system"]: format(r["last"] - r["none"], "+" + f) for r in known}
     yes, no = [r for r in known if r["paid"]], [r for r in known if not r["paid"]]
     if not no:

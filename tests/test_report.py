@@ -312,6 +312,22 @@ def test_adapted_scores_beside_no_adaptation_and_the_start_with_a_mark_and_a_ver
     assert (tmp_path / "plots" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_verdict_names_a_text_the_adapted_tokenizer_cannot_read():
+    """bl_small's German tokenizer read 60% of the de file's pieces as <unk> at one checkpoint
+    (evaluate's unknown_share): the de line says so after its verdict; bl_base's 1% and every fr
+    record leave their lines as they were."""
+    records = _bought_records()
+    for r in records:
+        if r["system"] != "no_adaptation":
+            r["unknown_share"] = 0.6 if (r["system"], r["lang"], r["step"]) == ("bl_small", "de", 100) else 0.01
+    md = report_markdown(records)
+    assert ("- de: adaptation did not pay for bl_small (35.0 at its last checkpoint, 40.0 with no adaptation); "
+            "it paid for bl_base (+6.0). bl_small's tokenizer reads 60% of the de text's pieces as <unk>: the file "
+            "is not text it covers, and the score says nothing of the adaptation.") in md
+    assert "- fr: adaptation paid for every system (bl_base +9.0, bl_small +6.0 over no adaptation)." in md
+    assert md.count("<unk>") == 1
+
+
 def test_a_start_already_at_the_target_is_said_apart_and_not_counted_as_a_checkpoint():
     """bl_small's start (update 0) in de already scores above 95% of bl_base's final: the near-
     maximal table still times its trained checkpoints (the first reaching at 1 day, lower bound 0),
