@@ -81,12 +81,25 @@ def check_output_file(path: Path, flag: str) -> None:
         raise ValueError(f"{flag} {path} cannot be written: {existing} is a file, not a directory")
 
 
+# What a training run writes in its directory before its run.json: a directory holding anything
+# else and no run.json is somebody's other files, not a run that stopped early.
+RUN_ENTRIES = ("checkpoints", "data", "tokenizer", "tensorboard", "metrics.jsonl", "embeddings", "run.lock")
+
+
 def refuse_overwrite(output_dir: Path, resume: bool) -> None:
-    """A run directory with another run's checkpoints is continued (--resume) or left alone."""
+    """A run directory with another run's checkpoints is continued (--resume) or left alone; a
+    directory of other files is not written into (as import-hf and export-hf refuse it)."""
     check_output_dir(output_dir)
-    if has_checkpoints(Path(output_dir) / "checkpoints") and not resume:
+    output_dir = Path(output_dir)
+    if has_checkpoints(output_dir / "checkpoints") and not resume:
         raise ValueError(f"{output_dir} already holds checkpoints of another run: pass --resume to continue it, "
                          "or choose a new --output_dir")
+    if output_dir.is_dir() and not (output_dir / "run.json").exists():
+        other = sorted(p.name for p in output_dir.iterdir() if p.name not in RUN_ENTRIES)
+        if other:
+            raise ValueError(f"--output_dir {output_dir} holds other files ({', '.join(other[:3])}"
+                             f"{', ...' if len(other) > 3 else ''}) and no mmadapt run: choose a new or empty directory "
+                             "(nothing is overwritten)")
 
 
 def latest_tag(ckpt_dir: str | os.PathLike) -> str | None:

@@ -475,6 +475,7 @@ CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_
                         "fusion", "plugin_eval_blocks")
 # Values of a field that a --resume reads as the same: runs recorded before 2026-11-27 hold
 # replay_fraction 0.0 where no replay text was given, runs since then leave it unset.
+EXPAND_ONLY = ("expand_output_start", "expand_source_nats")  # TrainConfig fields only --vocab_mode expand reads
 SAME_ON_RESUME = {"replay_fraction": (None, 0.0)}
 
 
@@ -560,6 +561,12 @@ class TrainConfig(LoopConfig):
                              f"{REPLAY_FRACTION}), or neither")
         if self.lr is None:
             raise ValueError("lr must be set for pretraining, Step 1b and Step 2")
+        if self.vocab_mode != "expand":
+            defaults = _defaults(type(self))
+            for name in EXPAND_ONLY:
+                if getattr(self, name) != getattr(defaults, name):
+                    raise ValueError(f"--{name} sets how an expanded vocabulary starts, and this run replaces the "
+                                     "vocabulary: drop it, or pass --vocab_mode expand")
         return self
 
 

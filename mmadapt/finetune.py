@@ -86,6 +86,9 @@ class TaskData:
     def check(self, run: RunSpec, model: ModelConfig, cfg: FinetuneConfig, family: ModelFamily) -> dict:
         examples = read_examples(self.task, self.train_file, self.source_lang, "train", cfg)
         labels = label_names(self.task, examples)
+        if len(labels) < 2:
+            raise ValueError(f"{self.train_file} has one label ({labels[0] if labels else 'none'}) in every example: a "
+                             "task model learns from at least two classes")
         metric = headline(self.task, labels, cfg)
         enc = encode(self.task, load_tokenizer(self.primary.tokenizer), examples, labels, cfg, family.framing)
         eval_examples = (read_examples(self.task, self.eval_file, self.source_lang, "test", cfg, labels)

@@ -301,16 +301,38 @@ def read_texts(path: str | os.PathLike, text: str, label: str, text_pair: str | 
     file mixing them is likely a mistake)."""
     path = Path(path)
     columns, rows = read_table(path, header)
-    for name, flag in ((text, "text_column"), (text_pair, "text_pair_column"), (label, "label_column")):
+    flags = {"text_column": text, "text_pair_column": text_pair, "label_column": label}
+    for flag, name in flags.items():
         if name is not None:
             _column(path, columns, name, flag)
+    named = [(flag, name) for flag, name in flags.items() if name is not None]
+    for i, (flag, name) in enumerate(named):
+        other = next((f for f, n in named[:i] if n == name), None)
+        if other is not None:
+            raise ValueError(f"{path}: --{other} and --{flag} both name column {name!r}: each reads its own column")
     out = [TextExample(_text(path, n, r, text), _label(path, n, r, label),
                        None if text_pair is None else _text(path, n, r, text_pair)) for n, r in enumerate(rows, 1)]
     kinds = {type(ex.label): ex.label for ex in out}
     if len(kinds) > 1:
         raise ValueError(f"{path}: the labels mix integers and strings (e.g. {kinds[int]!r} and {kinds[str]!r}): "
                          "write every label the same way")
+    _one_spelling(path, {ex.label for ex in out if isinstance(ex.label, str)})
     return out
+
+
+def _one_spelling(path: Path, labels: set[str]) -> None:
+    """Refuse one number written two ways as labels ("0" and "0.0", "1" and "01"): two classes to
+    the run, one to whoever wrote the file."""
+    by_value = {}
+    for label in sorted(labels):
+        try:
+            value = float(label)
+        except ValueError:
+            continue
+        if value in by_value:
+            raise ValueError(f"{path}: the labels {by_value[value]!r} and {label!r} are one number written two ways, "
+                             "which would be two classes: write each class one way")
+        by_value[value] = label
 
 
 def _tokens(path: Path, n: int, row: dict, column: str) -> list[str]:

@@ -185,6 +185,12 @@ class Ctx:
         BertModel(cfg).save_pretrained(str(d))
         return str(d)
 
+    def other_files(self) -> str:
+        """A directory that holds a user's file and no run."""
+        self.dir("mine")
+        self.file("mine/notes.txt", "my notes")
+        return str(self.tmp / "mine")
+
     def russian(self) -> str:
         """Russian text (Genesis): a script the tests' English tokenizers do not cover."""
         from mmadapt.corpora import write_bible_corpus
@@ -363,6 +369,20 @@ CASES = [
      "t.csv has 2 columns, numbered from 0: --label_column 2 is past them"),
     ("own-jsonl-column-numbers", lambda c: c.own_task("t.jsonl", '{"text": "a", "label": "b"}\n', "--text_column", "0",
                                                       "--label_column", "1"), "JSON Lines rows name their columns"),
+    ("adapt-expand-flag-in-replace-mode", lambda c: c.adapt("--expand_output_start", "worst_case"),
+     "--expand_output_start sets how an expanded vocabulary starts, and this run replaces the vocabulary: drop it"),
+    ("adapt-into-a-directory-of-other-files", lambda c: c.adapt("--output_dir", c.other_files()),
+     "holds other files (notes.txt) and no mmadapt run: choose a new or empty directory"),
+    ("fit-head-into-a-directory-of-other-files", lambda c: ["fit-head", "--primary", c.headless_run(), "--corpus",
+                                                            str(c.corpus), "--output_dir", c.other_files()],
+     "holds other files (notes.txt) and no mmadapt run"),
+    ("own-pair-one-column-twice", lambda c: c.own_task("t.csv", "a,label\nfine,pos\ngrim,neg\n", "--text_column", "a",
+                                                       "--text_pair_column", "a", task="pair"),
+     "--text_column and --text_pair_column both name column 'a': each reads its own column"),
+    ("own-labels-one-number-two-ways", lambda c: c.own_task("t.csv", "text,label\nfine,0\ngrim,0.0\nbad,1\n"),
+     "the labels '0' and '0.0' are one number written two ways"),
+    ("own-task-one-class", lambda c: c.own_task("t.csv", "text,label\nfine,pos\ngrim,pos\n"),
+     "has one label (pos) in every example: a task model learns from at least two classes"),
     ("own-task-not-utf8", lambda c: c.own_task("t.csv", b"text,label\ncaf\xe9,pos\n"),
      "t.csv is not UTF-8 text (byte offset 14): save it as UTF-8"),
     ("squad-without-id", lambda c: c.own_task("q.json", json.dumps({"data": [{"paragraphs": [{
