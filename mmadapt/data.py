@@ -332,6 +332,10 @@ def _merge(prefixes: list[str], out_prefix: str, dtype) -> None:
 def read_manifest(data_path: str | os.PathLike) -> dict:
     """The manifest of a finished prepared dataset (DataError if there is none)."""
     data_path = Path(data_path)
+    if data_path.is_file():
+        raise DataError(f"{data_path} is a file, not a dataset prepared by mmadapt preprocess: prepare it first "
+                        f"(mmadapt preprocess --corpus {data_path} --output_dir <a new directory>, with the "
+                        "tokenizer the run reads) and pass that directory")
     if not (data_path / MANIFEST).is_file():
         what = ("does not exist" if not data_path.exists() else "holds no finished dataset (no manifest.json: "
             "its preparation did not finish)")
@@ -357,8 +361,9 @@ def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
                         "(mmadapt preprocess) into a new --output_dir")
     if (tokenizer is not None and Path(tokenizer).is_file() and
             file_sha256(tokenizer) != manifest["tokenizer_sha256"]):
-        raise DataError(f"{data_path} was encoded with another tokenizer than {tokenizer}: drop --tokenizer "
-                        f"(the dataset's is {data_path / TOKENIZER}) or prepare the corpus with it")
+        raise DataError(f"{data_path} was encoded with another tokenizer ({data_path / TOKENIZER}) than the run's "
+                        f"{tokenizer}: pass a dataset prepared with the run's (mmadapt preprocess --tokenizer "
+                        f"{tokenizer}), or, where you chose the run's with --tokenizer, drop it")
     if vocab_size is not None and manifest["vocab_size"] != vocab_size:
         raise DataError(f"{data_path} was encoded with a {manifest['vocab_size']}-piece tokenizer but the "
                         f"model's vocab_size is {vocab_size}: pass --vocab_size {manifest['vocab_size']}")

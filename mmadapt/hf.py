@@ -143,7 +143,8 @@ def _check_config_values(cfg: dict, mapping: HFMapping, model_dir: Path) -> None
             if i is not None and (isinstance(i, bool) or not isinstance(i, int) or i < 0
                                   or isinstance(vocab, int) and i >= vocab):
                 raise ValueError(f"{model_dir}: config.json's {k} {i!r} is not a token id of its vocabulary "
-                                 f"(0..{vocab - 1 if isinstance(vocab, int) else 'vocab_size - 1'}): fix config.json")
+                                 f"(0..{vocab - 1 if isinstance(vocab, int) else 'vocab_size - 1'}, vocab_size "
+                                 f"{vocab}): fix config.json (the id, or a vocab_size that disagrees with the weights)")
 
 
 def check_finite(state: dict[str, torch.Tensor], where: Path) -> None:

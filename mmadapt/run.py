@@ -245,9 +245,14 @@ def read_run(run_dir: str | os.PathLike) -> dict:
                          "--output_dir of a pretrain or build_minipost run")
     if checkpoint.latest_tag(run_dir / "checkpoints") is None:
         raise ValueError(f"{run_dir} has no complete checkpoint yet: let its run save one first")
+    record = checkpoint.read_json(run_dir / RUN_FILE, "run file")
     if not (run_dir / RUN_TOKENIZER).is_file():
+        kind = KIND_OF_STEP.get(record.get("step", "pretrain"), record.get("step", "pretrain"))
+        if kind in RUN_KINDS and kind not in ("pretrain", "minipost"):  # complete, and of a kind with no tokenizer
+            raise ValueError(f"{run_dir} is {RUN_KINDS[kind]}, which reads the tokenizer of the run it was trained "
+                             "from: pass a pretrain, import-hf, fit-head or build_minipost run")
         raise ValueError(f"{run_dir} has no tokenizer/spm.model: it is not a complete mmadapt run")
-    return checkpoint.read_json(run_dir / RUN_FILE, "run file")
+    return record
 
 
 def run_progress(run_dir: Path, iters: int) -> str:

@@ -129,6 +129,14 @@ class Ctx:
         return ["import-hf", "--model", str(damaged_copy(src, self.tmp / "hf", config, edit)), "--output_dir",
                 str(self.out)]
 
+    def kind_copy_without_tokenizer(self, step: str) -> str:
+        """kind_copy of a run kind that keeps no tokenizer of its own (a fine-tuning run)."""
+        import shutil
+
+        d = Path(self.kind_copy(step))
+        shutil.rmtree(d / "tokenizer")
+        return str(d)
+
     def kind_copy(self, step: str, **record) -> str:
         """A copy of the primary run whose run.json says it is a run of another kind (`step`)."""
         import shutil
@@ -310,6 +318,10 @@ CASES = [
      "unrecognized arguments: --replay_fraction 0.1 --replay_data"),
     ("replay-not-a-dataset", lambda c: c.adapt("--replay_fraction", "0.25", "--replay_data", c.dir("nothing")),
      "holds no finished dataset"),
+    ("replay-raw-text", lambda c: c.adapt("--replay_fraction", "0.25", "--replay_data", str(c.corpus)),
+     "is a file, not a dataset prepared by mmadapt preprocess: prepare it first"),
+    ("adapt-from-a-finetune-run", lambda c: c.adapt()[:4] + [c.kind_copy_without_tokenizer("finetune")] + c.adapt()[5:],
+     "is a finetune run (Step 3: a task model), which reads the tokenizer of the run it was trained from"),
     ("replay-other-tokenizer", lambda c: c.adapt("--replay_fraction", "0.25", "--replay_data", c.other_dataset()),
      "was not encoded with"),
     ("replay-rounds-to-no-block", lambda c: c.adapt("--replay_fraction", "0.01", "--replay_data",

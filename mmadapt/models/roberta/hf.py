@@ -71,8 +71,9 @@ def check_encoder_config(cfg: dict, model_dir) -> None:
         if cfg.get(k, d) != want]
     if unsupported:
         k, got, want = unsupported[0]
-        raise ValueError(f"{model_dir}: {k} is {got!r}; mmadapt's RoBERTa has {want!r} (import-hf supports "
-                         f"{SUPPORTED} with exact GELU, absolute positions and a tied output projection)")
+        raise ValueError(f"{model_dir}: {k} is {got!r}; mmadapt's {cfg.get('model_type', 'encoder')} has {want!r} "
+                         f"(import-hf supports {SUPPORTED} with exact GELU, absolute positions and a tied output "
+                         "projection)")
 
 
 # --- the weight correspondence (module docstring) ----------------------------------------------------
