@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +42,13 @@ def write_artifact(out_dir: Path, tensors: dict[str, torch.Tensor], tokenizer: P
 
 
 def read_artifact(path: str | os.PathLike) -> tuple[dict, Path, dict]:
-    """-> ({"word_embeddings": [V, h], ...}, tokenizer path, meta)."""
+    """An artifact directory, or an adapt run directory: its last artifact (said on stderr), as
+    `evaluate --embeddings` takes a run for all of them. -> ({"word_embeddings": [V, h], ...},
+    tokenizer path, meta)."""
     path = Path(path)
+    if not (path / ARTIFACT_FILE).is_file() and (path / "embeddings").is_dir():
+        path = artifact_dirs([path])[-1]
+        print(f"note: {path.parent.parent} is an adapt run: its last artifact, {path}, is used", file=sys.stderr)
     if not (path / ARTIFACT_FILE).is_file():
         raise ValueError(f"{path} is not a Step-2 embedding artifact (no embeddings.pt): pass a "
                          "directory under <adapt run>/embeddings/")

@@ -479,7 +479,10 @@ def test_headless_sentence_encoder_end_to_end(kind, headless, headless_xlmr, cor
     assert main(["evaluate", "--finetuned", str(ft), "--embeddings", str(artifact), "--eval_file", "bible",
                  "--output", str(tmp_path / "step4.json")]) == 0
     assert json.loads((tmp_path / "step4.json").read_text())[0]["lang"] == "de"
-    assert main(["export-hf", "--primary", str(head), "--embeddings", str(artifact), "--output_dir", str(out)]) == 0
+    capsys.readouterr()
+    # the adapt run itself, as evaluate takes it: its last artifact (step 4), said so
+    assert main(["export-hf", "--primary", str(head), "--embeddings", str(ad), "--output_dir", str(out)]) == 0
+    assert f"its last artifact, {artifact}, is used" in capsys.readouterr().err
     # the fine-tuned classifier with the German embeddings: transformers' class, mmadapt's logits
     assert main(["export-hf", "--finetuned", str(ft), "--embeddings", str(artifact), "--output_dir",
                  str(tmp_path / "clf")]) == 0
