@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -333,11 +334,25 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
         emb, tok, meta = _artifact_of(path, primary)
         records.append({**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb),
                         "artifact": str(path), **warned})
+    apart_runs(records)
     if no_adaptation:
         langs = list(dict.fromkeys(r["lang"] for r in records))
         records += [{**no_adaptation_record(scoring, lang, sorted({r["system"] for r in records if r["lang"] == lang})),
                      **warned} for lang in langs]
     return records
+
+
+def apart_runs(records: list[dict]) -> None:
+    """Where two adapt runs give records of one system and language (two starts, two seeds), each
+    run's records name it after the system, `bl_base [run-dir-name]`, so that every table and plot
+    keeps one curve per run: one curve would mix one run's update 0 with the other's last
+    checkpoint. In place; the `artifact` field says whose a record is."""
+    runs = defaultdict(set)
+    for r in records:
+        runs[(r["system"], r["lang"])].add(Path(r["artifact"]).parent.parent)
+    for r in records:
+        if len(runs[(r["system"], r["lang"])]) > 1:
+            r["system"] = f"{r['system']} [{Path(r['artifact']).parent.parent.name}]"
 
 
 def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from mmadapt.cli import flops_main, report_main
-from mmadapt.report import Hit, mean_speedup, paper_rows, report_markdown, retention, time_to_target
+from mmadapt.report import (Hit, adaptation_rows, mean_speedup, paper_rows, report_markdown, retention,
+                            time_to_target)
 
 
 def test_paper_rows_reproduce_the_paper(capsys):
@@ -310,6 +311,24 @@ def test_adapted_scores_beside_no_adaptation_and_the_start_with_a_mark_and_a_ver
     assert report_main([str(f), "--plots", str(tmp_path / "plots")]) == 0
     assert capsys.readouterr().out.strip() == md.strip()
     assert (tmp_path / "plots" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_two_runs_of_one_system_and_language_stay_two_rows():
+    """Two bl_base Step-2 runs in de (two starts), each with update 0 and a last checkpoint, and a
+    minijoint run: evaluate's apart_runs names the bl_base records after their runs, so the
+    table shows each run's own start and last score; the minijoint run keeps its name."""
+    from mmadapt.evaluate import apart_runs
+
+    def rec(system, run, step, score):
+        return {"system": system, "task": "genre", "lang": "de", "step": step, "flops": step * 1e15, "score": score,
+                "chance": 20.0, "artifact": f"/runs/{run}/embeddings/step{step:08d}"}
+    records = [rec("bl_base", "overlap", 0, 21.0), rec("bl_base", "overlap", 100, 31.0),
+               rec("bl_base", "fvt", 0, 27.0), rec("bl_base", "fvt", 100, 35.0), rec("minijoint", "mj", 0, 22.0),
+               rec("minijoint", "mj", 100, 33.0)]
+    apart_runs(records)
+    assert [r["system"] for r in records] == ["bl_base [overlap]"] * 2 + ["bl_base [fvt]"] * 2 + ["minijoint"] * 2
+    rows = {r["system"]: (r["start"], r["last"]) for r in adaptation_rows(records, "genre")}
+    assert rows == {"bl_base [overlap]": (21.0, 31.0), "bl_base [fvt]": (27.0, 35.0), "minijoint": (22.0, 33.0)}
 
 
 def test_the_verdict_names_a_text_the_adapted_tokenizer_cannot_read():
