@@ -58,7 +58,8 @@ from mmadapt.family import ModelFamily
 from mmadapt.flops import device_days
 from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.run import RunSpec, Source, load_checkpoint, read_source, require_head, start_run
+from mmadapt.run import (RunSpec, Source, check_same_source, load_checkpoint, read_source, require_head,
+                         sampled_fingerprint, start_run)
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
@@ -113,13 +114,15 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     with start_run(plan.run, plan.model, step.train, plan.identity, plan.data) as started:
         tokenizer = started.data / TOKENIZER
         start = Step2Start.build(plan.source, plan.body, step, tokenizer, started.data)
+        check_same_source(plan.run, "source_fingerprint", start.source_fingerprint, plan.source.path)
         if parallel.is_rank0():
             say_start(step.lang, step.train.embedding_init, plan.model, start.rows)
         writer = ArtifactWriter.of(plan, start, tokenizer)
         writer.save_start()
         job = LMJob(step="adapt", trainable=writer.trainable, replay=plan.replay)
         metrics = train_lm(started, plan.run, plan.model, step.train, job, start.init, after_save=writer,
-                           record={**start.rows, **plan.expanded, "target_vocab_size": plan.model.vocab_size})
+                           record={**start.rows, **plan.expanded, "target_vocab_size": plan.model.vocab_size,
+                                   "source_fingerprint": start.source_fingerprint})
         final = plan.run.output_dir / "embeddings" / checkpoint.tag_for(step.train.train_iters)
         if plan.expanded and parallel.is_rank0() and final.is_dir():
             started.record.finish(expand_report=start.report(plan, final, started.data))
@@ -433,6 +436,7 @@ class Step2Start:
     primary: Primary
     expanded: bool
     family: ModelFamily
+    source_fingerprint: str = ""  # run.sampled_fingerprint of the source's weights
     _scorer: Scorer | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
@@ -446,6 +450,7 @@ class Step2Start:
         train, family = step.train, source.family
         read: dict = {}  # every checkpoint this start reads, read once
         weights = source.weights(read)
+        fingerprint = sampled_fingerprint(weights)  # what a --resume checks the source against
         ref = source.record["frozen_from"] if step.system == "minipost" else None
         primary_run = source if ref is None else read_source(ref["run_dir"], ref["tag"])
         primary = Primary.of(primary_run, primary_run.weights(read), fingerprint=parallel.is_rank0())
@@ -455,7 +460,7 @@ class Step2Start:
                                     derive_seed(train.seed, f"embeddings.{step.lang}"), train.embedding_init,
                                     train.vocab_mode, rule.row_std)
         start = cls(body, init, {**rows, "start_rule": dataclasses.asdict(rule)}, primary,
-                    train.vocab_mode == "expand", family)
+                    train.vocab_mode == "expand", family, fingerprint)
         logp = unigram_logprobs(data, load_tokenizer(tokenizer).get_piece_size()) if rule.bias == "fitted" else None
         if start.expanded:
             start.bound_new_outputs(train, source.record.get("data_path"), logp)

@@ -400,6 +400,23 @@ def sampled_fingerprint(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def check_same_source(run: "RunSpec", key: str, now: str, source: Path) -> None:
+    """A --resume over a source whose weights changed since the run started (its record's `key`,
+    a fingerprint, against `now`) is refused before anything trains: the rest of the run would
+    train over other weights than its first checkpoints, and its artifacts name two models. Every
+    rank computes `now` from the weights it read, so every rank refuses alike."""
+    path = Path(run.output_dir) / RUN_FILE
+    if not (run.resume and path.is_file()):
+        return
+    recorded = checkpoint.read_json(path, "run file")
+    for part in key.split("."):
+        recorded = recorded.get(part) if isinstance(recorded, dict) else None
+    if recorded is not None and recorded != now:
+        raise ValueError(f"{source} changed since {run.output_dir} started over it (its weights differ from those "
+                         "the run recorded): resuming would train the rest over other weights; restore that "
+                         "checkpoint, or start a new run in a new --output_dir")
+
+
 def run_fingerprint(run_dir: str | os.PathLike, tag: str | None = None) -> str:
     """`weights_fingerprint` of a Step-1 or Step-1b run's full weights at `tag` (load_weights)."""
     return weights_fingerprint(load_weights(run_dir, tag)[1])

@@ -57,8 +57,9 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.heldout import (heldout_batches, masked_loss, on_device, primary_head_state, scoring_model,
                              unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
-from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, pretrained_blocks, read_run, read_source,
-                         require_head, require_kind, run_progress, sampled_fingerprint, start_run, weights_fingerprint)
+from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_same_source, pretrained_blocks, read_run,
+                         read_source, require_head, require_kind, run_progress, sampled_fingerprint, start_run,
+                         weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -328,10 +329,12 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
         plan: TaskPlan = started.data
         weights = source.weights()
         # The primary model's fingerprint (its weights' content): what Step 4 matches the
-        # artifacts' primary model by, so that a copy of the run is the same model.
+        # artifacts' primary model by, so that a copy of the run is the same model; a --resume
+        # over a primary changed since is refused.
+        fingerprint = weights_fingerprint(weights)
+        check_same_source(run, "primary.fingerprint", fingerprint, source.path)
         fresh = parallel.is_rank0() and not (run.resume and started.record.exists())
-        started.record.write(run.resume, **({"primary": {**identity["primary"],
-                                                         "fingerprint": weights_fingerprint(weights)}}
+        started.record.write(run.resume, **({"primary": {**identity["primary"], "fingerprint": fingerprint}}
                                             if fresh else {}))
         if plan.positions and parallel.is_rank0():
             print(f"warning: {plan.positions}", flush=True)

@@ -582,3 +582,42 @@ def test_a_head_fit_is_bound_to_its_body_by_content(headless, corpus, tmp_path, 
     shutil.rmtree(body)
     assert cli(["predict", "--run", str(head), "--input", str(text)]) == 2
     assert "which is gone" in capsys.readouterr().err
+
+
+def test_a_resume_over_a_changed_source_is_refused(runs, de_corpus, de_tokenizer, tmp_path, capsys):
+    """Step 2 and Step 3 record their source's weights (Step 2 its sampled fingerprint, Step 3
+    the primary's full one); a --resume after the source was replaced by other weights of the
+    same shape under the same path is refused in one line before anything trains, the run left
+    as it was; over the source as it was, it resumes."""
+    from mmadapt.checkpoint import write_weights_only
+    from mmadapt.cli import main as cli
+    from mmadapt.parallel import init_parallel
+
+    init_parallel(1, 1)
+    source = tmp_path / "source"
+    shutil.copytree(runs["trained"], source)
+    adapt = ["adapt", "--system", "bl_base", "--source", str(source), "--lang", "de", "--corpus", str(de_corpus),
+             "--tokenizer", str(de_tokenizer), "--output_dir", str(tmp_path / "adapt"), "--train_iters", "2",
+             "--save_interval", "1", "--lr", "5e-3", *E2E_SCHEDULE]
+    finetune = ["finetune", "--task", "bible-genre", "--primary", str(source), "--output_dir", str(tmp_path / "ft"),
+                "--seq_length", str(SEQ), "--epochs", "0.02", "--save_interval", "1",
+                "--ds_config", str(REPO / "ds_configs" / "zero0.json")]
+    assert cli([*adapt, "--exit_interval", "1"]) == 76 and cli([*finetune, "--exit_interval", "1"]) == 76
+    assert json.loads((tmp_path / "adapt" / "run.json").read_text())["source_fingerprint"]
+    cfg, state = load_weights(source)
+    kept = tmp_path / "kept"
+    shutil.move(source / "checkpoints", kept)
+    write_weights_only(source / "checkpoints", 0, {k: v + 0.01 for k, v in state.items()},
+                       json.loads((source / "run.json").read_text())["model"])
+    capsys.readouterr()
+    def content(d) -> list:
+        return sorted((str(p.relative_to(d)), p.read_bytes() if p.is_file() else None) for p in d.rglob("*"))
+    for name, argv in (("adapt", adapt), ("ft", finetune)):
+        before = content(tmp_path / name)
+        assert cli([*argv, "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert f"{source.resolve()} changed since {tmp_path / name} started over it" in err and err.count("\n") == 1
+        assert content(tmp_path / name) == before
+    shutil.rmtree(source / "checkpoints")
+    shutil.move(kept, source / "checkpoints")
+    assert cli([*adapt, "--resume"]) == 0 and cli([*finetune, "--resume"]) == 0
