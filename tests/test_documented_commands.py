@@ -1,0 +1,134 @@
+"""Every command the README and docs/ show is one mmadapt accepts as written: each is read out of
+the Markdown code blocks (continuation lines joined), given to its command's own parser, and a
+training command's flags are laid over the schedule it would start from and checked as its step
+checks them before any work (TrainConfig.check_step and validate): a default that never reaches
+the command line, or a flag a command no longer has, fails here, naming the file and the command.
+
+What this does not do is run them: their inputs (runs/..., data/cc100/...) are the user's. The
+commands whose parser lives in their main (flops, report, import-hf, export-hf, extend) are run
+as written in an empty directory, where they compute (flops) or refuse a missing input in one
+line; neither may be an argument error."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from mmadapt import cli, steps
+from mmadapt.config import FinetuneConfig, ModelConfig, override
+from mmadapt.models import find_preset
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+# The command each launch script or mmadapt subcommand runs: its parser and the step whose flags it checks.
+PARSED = {"pretrain": (cli.pretrain_parser, steps.Pretrain.name), "preprocess": (cli.preprocess_parser, None),
+          "build_minipost": (cli.minipost_parser, steps.BuildMinipost.name),
+          "fit-head": (cli.fit_head_parser, steps.FitHead.name), "adapt": (cli.adapt_parser, steps.AdaptEmbeddings.name),
+          "sweep": (cli.sweep_parser, steps.AdaptEmbeddings.name), "finetune": (cli.finetune_parser, None),
+          "evaluate": (cli.evaluate_parser, None), "predict": (cli.predict_parser, None)}
+RUN = ("flops", "report", "import-hf", "export-hf", "extend")
+# argparse's own refusals: a flag or value the command does not take
+ARGUMENT_ERRORS = ("unrecognized arguments", "invalid choice", "expected one argument", "arguments are required",
+                   "invalid ", "not allowed with")
+
+
+def documented_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, command, arguments) of every mmadapt command in a ```bash block of the docs."""
+    out = []
+    for doc in DOCS:
+        text = doc.read_text(encoding="utf-8")
+        for block in re.findall(r"```(?:bash|sh|shell)?\n(.*?)```", text, flags=re.S):
+            for n, line in enumerate(re.sub(r"\\\n\s*", " ", block).splitlines()):
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                try:
+                    words = shlex.split(line, comments=True)
+                except ValueError:
+                    continue
+                command = _command(words)
+                if command is not None:
+                    out.append((f"{doc.relative_to(REPO)}: {line[:90]}", *command))
+    return out
+
+
+def _command(words: list[str]) -> tuple[str, list[str]] | None:
+    """mmadapt CMD args..., or (deepspeed|python) ... launch/CMD.py args... -> (CMD, args)."""
+    if len(words) >= 2 and words[0] == "mmadapt" and not words[1].startswith("-"):
+        return words[1], words[2:]
+    script = next((i for i, w in enumerate(words) if w.startswith("launch/") and w.endswith(".py")), None)
+    if script is not None and words[0] in ("deepspeed", "python", "python3", "torchrun"):
+        name = Path(words[script]).stem
+        return {"build_minipost": "build_minipost"}.get(name, name), words[script + 1:]
+    return None
+
+
+def placeholder(args: list[str]) -> bool:
+    """A command shown with its arguments elided or to be filled in: `...`, <a path>, $VARIABLE."""
+    return any(a == "..." or a.endswith("...") or "<" in a or "$" in a for a in args)
+
+
+COMMANDS = documented_commands()
+
+
+def test_the_docs_show_commands_of_every_step():
+    shown = {c for _, c, args in COMMANDS if not placeholder(args)}
+    assert len(COMMANDS) >= 40 and {"pretrain", "preprocess", "adapt", "finetune", "evaluate", "extend"} <= shown
+
+
+def _schedule(args, step: str):
+    """The TrainConfig a later step starts from (cli._schedule without its source run: the
+    --preset's schedule, else the encoder's small preset) with the command's flags over it."""
+    _, _, train = find_preset(args.preset or "tiny")
+    return override(train, args)
+
+
+@pytest.mark.parametrize("where, command, args", [c for c in COMMANDS if c[1] in PARSED and not placeholder(c[2])],
+                         ids=lambda x: x if isinstance(x, str) and ":" in x else "")
+def test_a_documented_command_parses_and_its_settings_hold(where, command, args):
+    make, step = PARSED[command]
+    try:
+        ns = make().parse_args(args)
+    except SystemExit as e:
+        pytest.fail(f"{where}: the {command} parser refuses it (exit {e.code})")
+    if command == "pretrain":
+        model, train = cli.configs_from_args(ns)
+        train.check_step(step)
+        train.validate(model)
+    elif step is not None:
+        train = _schedule(ns, step)
+        train.check_step(step)
+        train.validate(ModelConfig(max_position_embeddings=max(train.seq_length, 512)))
+    elif command == "finetune":
+        override(FinetuneConfig(), ns)
+
+
+@pytest.mark.parametrize("where, command, args", [c for c in COMMANDS if c[1] in RUN and not placeholder(c[2])],
+                         ids=lambda x: x if isinstance(x, str) and ":" in x else "")
+def test_a_documented_command_is_no_argument_error(where, command, args, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # its inputs are not here: it computes or refuses one, and writes nowhere else
+    try:
+        code = cli.main([command, *args])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code in (0, 2) and not any(e in err for e in ARGUMENT_ERRORS), f"{where}: {err}"
+    assert "Traceback" not in err
+
+
+def test_a_default_that_never_reaches_the_command_line_fails_here():
+    """The check itself: d974fb8's presets held replay_fraction 0.0, so `--replay_data` alone (its
+    documented default fraction 0.5) was refused; laid over such a schedule, the documented
+    form fails the check above as it failed users."""
+    ns = cli.adapt_parser().parse_args(["--system", "bl_base", "--source", "runs/bl_base", "--lang", "de",
+                                        "--replay_data", "data/en", "--output_dir", "runs/x"])
+    _, _, train = find_preset("tiny")
+    old = dataclasses.replace(train, replay_fraction=0.0)  # the preset as it was
+    with pytest.raises(ValueError, match="--replay_fraction needs --replay_data"):
+        override(old, ns).validate(ModelConfig())
+    override(train, ns).validate(ModelConfig())  # today's preset leaves it unset: the default reaches it
