@@ -763,6 +763,41 @@ class CausalBatches(BlockBatches):
         return chunk[:-1], score_subset(chunk[1:], np.random.default_rng([self.seed, 2, g]), scored)
 
 
+class SentenceRows(BlockBatches):
+    """One sentence of the dataset per row, laid out as an imported decoder's own tokenizer lays
+    out a text: `prefix` (run.run_text_layout: Llama's and Mistral's <s>, nothing for Qwen2) then
+    the sentence's pieces (its </s> left out, as the tokenizer leaves it), cut to seq_length,
+    padded; every next piece scored (position i's label is the row's piece i + 1). Its rows are
+    what transformers' tokenizer gives for the sentence's line (tests/test_llama_hf.py), where
+    CausalBatches' packed blocks are mmadapt's stream, `</s>` between sentences. The plug-in
+    metric's held-out rows of an imported decoder."""
+
+    def __init__(self, data_path: str | os.PathLike, train: TrainConfig, vocab_size: int, prefix: list[int],
+                 split: str = VALID):
+        self.prefix = [int(i) for i in prefix]
+        super().__init__(data_path, train, vocab_size, split=split)
+
+    def _block_index(self) -> np.ndarray:
+        """[n, 2] (token offset, pieces) of every sentence (not the lone </s> that ends a document)."""
+        from megatron.core.datasets.indexed_dataset import _IndexReader
+
+        index = _IndexReader(str(self.data_path / (self.split + ".idx")), multimodal=False)
+        lengths = np.array(index.sequence_lengths, dtype=np.int64)  # copied while the index's memory map is open
+        del index
+        offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        keep = lengths > 1  # a sentence's pieces and its </s>
+        return np.stack([offsets[keep], lengths[keep] - 1], axis=1)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def sample(self, g: int):
+        offset, pieces = self.blocks[self.order(g)]
+        row = np.concatenate([np.array(self.prefix, np.int64),
+                              self.tokens[offset:offset + pieces].astype(np.int64)])[:self.seq_length]
+        return row, np.concatenate([row[1:], [IGNORE_INDEX]])
+
+
 def score_subset(labels: np.ndarray, rng: np.random.Generator, scored: int) -> np.ndarray:
     """labels [s] -> a copy with IGNORE_INDEX everywhere but `scored` positions drawn uniformly
     without replacement."""

@@ -21,13 +21,13 @@ import torch
 
 from mmadapt.artifact import swap_tensors
 from mmadapt.config import ModelConfig, TrainConfig
-from mmadapt.data import TEXT, VALID, read_manifest
+from mmadapt.data import TEXT, VALID, SentenceRows, read_manifest
 from mmadapt.devices import device_of, host_to_device, on_eval_device, swapped
 from mmadapt.family import ModelFamily
 from mmadapt.models.layers import Padding, masked_positions
 from mmadapt.objectives import MLM, Objective
 from mmadapt.parallel import device
-from mmadapt.run import Source, read_source, require_head, weights_fingerprint
+from mmadapt.run import Source, read_source, require_head, run_text_layout, weights_fingerprint
 
 UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
 
@@ -95,24 +95,30 @@ def unigram_logprobs(data_path: Path, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(np.log(counts / counts.sum())).float()
 
 
-def heldout_batches(data_path: Path, seq_length: int, vocab_size: int, blocks: int, batch_size: int,
-                    seed: int = 0, objective: Objective = MLM, split: str = VALID
+def heldout_batches(text: "Text", vocab_size: int, objective: Objective = MLM, prefix: list[int] | None = None
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `blocks` blocks of the dataset's validation split (or `split`) in a seeded order,
-    scored by the family's objective: the same positions for every artifact of this tokenizer.
+    """The first `text.blocks` blocks of the dataset's `text.split` in a seeded order, scored by
+    the family's objective: the same positions for every artifact of this tokenizer.
 
     MLM: the positions pretraining's masking selects (a fixed seed), every one of them replaced by
     <mask> (Objective.heldout says why: tests/test_plugin.py shows a model that predicts its
-    input piece beating the unigram reference under BERT's 80/10/10, and unable to here)."""
+    input piece beating the unigram reference under BERT's 80/10/10, and unable to here).
+    Causal: packed blocks of mmadapt's stream; an imported decoder's (`prefix`: the ids its own
+    tokenizer puts before a text, run.run_text_layout) one sentence per row laid out as that
+    tokenizer lays it out (data.SentenceRows), so that the metric's inputs are the ones the model
+    was trained to read."""
     # Causal: every position (score_fraction 1), whatever Step 2 scored: the metric measures the artifact.
-    held_out = TrainConfig(seq_length=seq_length, seed=seed, train_micro_batch_size_per_gpu=batch_size,
+    held_out = TrainConfig(seq_length=text.seq_length, seed=text.seed, train_micro_batch_size_per_gpu=text.batch_size,
                            score_fraction=1.0)
-    data = objective.batches(data_path, held_out, vocab_size, split=split)
-    n = min(blocks, len(data)) // batch_size
+    if prefix is not None and not objective.masked:
+        data = SentenceRows(text.data, held_out, vocab_size, prefix, split=text.split)
+    else:
+        data = objective.batches(text.data, held_out, vocab_size, split=text.split)
+    n = min(text.blocks, len(data)) // text.batch_size
     if n == 0:
-        raise ValueError(f"{data_path}'s {'validation split' if split == VALID else 'text'} holds {len(data)} blocks "
-                         f"of {seq_length}, fewer than one batch of {batch_size}: prepare it with a larger "
-                         "--valid_fraction")
+        raise ValueError(f"{text.data}'s {'validation split' if text.split == VALID else 'text'} holds {len(data)} "
+                         f"blocks of {text.seq_length}, fewer than one batch of {text.batch_size}: prepare it with a "
+                         "larger --valid_fraction")
     return [objective.heldout(*data.micro_batch(k, 0)) for k in range(n)]
 
 
@@ -177,8 +183,8 @@ class Scorer:
     def heldout(self, text: Text, vocab_size: int, unigram: bool = True) -> HeldOut:
         """`text`'s held-out blocks in a `vocab_size`-piece vocabulary (the artifacts' that score
         it), on the model's device, with the unigram reference's loss (unigram: where asked)."""
-        batches = heldout_batches(text.data, text.seq_length, vocab_size, text.blocks, text.batch_size, text.seed,
-                                  self.family.objective, text.split)
+        batches = heldout_batches(text, vocab_size, self.family.objective,
+                                  run_text_layout(self.primary.record).get("prefix"))
         return HeldOut(batches, on_device(batches, device_of(self.model)),
                        unigram_loss(unigram_logprobs(text.data, vocab_size), batches) if unigram else None,
                        int(sum(int(l.ge(0).sum()) for _, l in batches)))

@@ -54,7 +54,7 @@ from mmadapt.finetune import (TaskData, TaskPlan, at_chance, check_positions, ch
                               primary_state)
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
-from mmadapt.heldout import (heldout_batches, masked_loss, on_device, primary_head_state, scoring_model,
+from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, scoring_model,
                              unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_same_source, pretrained_blocks, read_run,
@@ -222,8 +222,8 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
                                 "fingerprint": sampled_fingerprint(weights)}}
     with start_run(run, model, step.train, identity, TextData()) as started:
         logp = unigram_logprobs(started.data, model.vocab_size)
-        blocks = distinct_blocks(heldout_batches(started.data, step.train.seq_length, model.vocab_size,
-                                                 UNIGRAM_BLOCKS, 1, step.train.seed, family.objective, TEXT))
+        blocks = distinct_blocks(heldout_batches(Text(started.data, step.train.seq_length, UNIGRAM_BLOCKS, 1,
+                                                      step.train.seed, TEXT), model.vocab_size, family.objective))
         unigram = unigram_loss(logp, blocks)
         scale = head_scale(weights[family.word])
         init = {**weights, **{name: logp.clone() for name in family.output_biases(model)},

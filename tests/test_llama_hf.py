@@ -145,6 +145,44 @@ def test_predict_reads_raw_text_as_transformers_does(name, dec_dirs, dec_runs):
         assert diff <= 1e-4
 
 
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_the_plugin_metric_reads_held_out_text_as_transformers_does(name, dec_dirs, dec_runs, corpus, tmp_path):
+    """An imported decoder's plug-in metric scores held-out sentences laid out as its own tokenizer
+    lays out a line (data.SentenceRows: Llama-2's, Llama-3's and Mistral's <s> first, nothing for
+    Qwen2), where mmadapt's packed stream puts </s> between sentences: every input row is
+    transformers' tokenizer's ids for a line of the text, and the metric's loss is transformers'
+    next-token loss on those rows within 1e-4 (relative)."""
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.data import prepare
+    from mmadapt.heldout import Primary, Scorer, Text
+
+    run, tok = dec_runs[name], hf_tokenizer(dec_dirs[name])
+    sp = load_sp(run / "tokenizer" / "spm.model")
+    data = tmp_path / "en"
+    prepare(corpus, data, None, tokenizer=run / "tokenizer" / "spm.model", quiet=True,
+            cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    scorer = Scorer(Primary.read(run))
+    held = scorer.heldout(Text(data, SEQ[name], blocks=64, batch_size=16), sp.get_piece_size())
+    lines = {tuple(sp.to_mmadapt[tok(l).input_ids].tolist()[:SEQ[name]])
+             for l in corpus.read_text().splitlines() if l.strip()}
+    rows = [tuple(r[r.ne(PAD_ID)].tolist()) for ids, _ in held.batches for r in ids]
+    assert len(rows) == 64 and all(r in lines for r in rows)
+    assert all(r[0] == BOS_ID for r in rows) == (name != "qwen2")
+    hf = hf_lm(dec_dirs[name])
+    to_hf = torch.tensor(sp.hf_ids)
+    total, count = 0.0, 0
+    for ids, labels in held.batches:
+        scored = labels.ge(0)
+        real = ids.ne(PAD_ID)
+        with torch.no_grad():
+            logits = hf(input_ids=to_hf[ids], attention_mask=real.long()).logits.float()[..., to_hf]
+        total += torch.nn.functional.cross_entropy(logits[scored], labels[scored], reduction="sum").item()
+        count += int(scored.sum())
+    loss = scorer.loss(held)
+    print(f"{name}: plug-in loss {loss:.6f}, transformers' on the same rows {total / count:.6f}")
+    assert count == held.scored and abs(loss - total / count) <= 1e-4 * loss
+
+
 def test_trained_decoder_is_not_near_uniform(dec_dirs):
     """The briefly trained Qwen2's next-token loss on a book it never saw, against log V (uniform)."""
     tok, hf = hf_tokenizer(dec_dirs["qwen2"]), hf_lm(dec_dirs["qwen2"])
@@ -487,19 +525,20 @@ def test_imported_decoders_under_tensor_parallel_2(dec_dirs, dec_runs, tmp_path)
         assert diff <= TOL, name
 
 
-def heldout_loss_in_transformers(model, data, vocab_size: int) -> float:
-    """transformers' own next-token loss over exactly the blocks the plug-in metric scores
-    (heldout.heldout_batches, its defaults): each block's input and its last label as one row of
-    s + 1 tokens, so that transformers' shifted labels are the block's s labels."""
-    from mmadapt.heldout import heldout_batches
+def heldout_loss_in_transformers(model, data, vocab_size: int, prefix: list[int] | None = None) -> float:
+    """transformers' own next-token loss over exactly the rows the plug-in metric scores
+    (heldout.heldout_batches with the imported run's `prefix`, its defaults): each row's scored
+    positions, padding masked out of attention."""
+    from mmadapt.heldout import Text, heldout_batches
 
     total, count = 0.0, 0
-    for ids, labels in heldout_batches(data, 64, vocab_size, 256, 32, 0, CAUSAL):
-        assert bool(labels.ge(0).all())  # packed blocks: every position scored
-        row = torch.cat([ids, labels[:, -1:]], dim=1)
+    for ids, labels in heldout_batches(Text(data, 64, 256, 32, 0), vocab_size, CAUSAL, prefix):
+        scored = labels.ge(0)
+        real = torch.arange(ids.shape[1])[None, :] < ids.ne(PAD_ID).sum(1, keepdim=True)  # right-padded rows
         with torch.no_grad():
-            total += model(input_ids=row, labels=row).loss.item() * labels.numel()
-        count += labels.numel()
+            logits = model(input_ids=ids, attention_mask=real.long()).logits.float()
+        total += torch.nn.functional.cross_entropy(logits[scored], labels[scored], reduction="sum").item()
+        count += int(scored.sum())
     return total / count
 
 
@@ -547,7 +586,8 @@ def test_import_minipost_german_export_generate(dec_dirs, corpus, de_corpus, tmp
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.attention_bias  # Qwen2's body
     assert model.config.vocab_size == sp.get_piece_size()
-    loss = heldout_loss_in_transformers(model, de, sp.get_piece_size())
+    layout = json.loads((run / "run.json").read_text())["imported_from"]["text_layout"]
+    loss = heldout_loss_in_transformers(model, de, sp.get_piece_size(), layout["prefix"])
     print(f"full path: transformers' held-out loss {loss:.6f}, mmadapt's plug-in loss {record['loss']:.6f} "
           f"(relative difference {abs(loss - record['loss']) / record['loss']:.1e}; unigram "
           f"{record['unigram_loss']:.3f})")

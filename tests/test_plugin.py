@@ -37,7 +37,7 @@ def test_primary_head_loss_is_the_models_own(primary_run, english):
     MINIJOINT model's primary-head loss (its second head, after layer 12), token-weighted."""
     from mmadapt.models.roberta.model import RobertaMLM
 
-    batches = H.heldout_batches(english, 32, VOCAB, 64, 16)
+    batches = H.heldout_batches(H.Text(english, 32, 64, 16), VOCAB)
     assert len(batches) == 4
     cfg, state = load_weights(primary_run)
     assert cfg.heads_after == (4, 12)
@@ -53,14 +53,14 @@ def test_primary_head_loss_is_the_models_own(primary_run, english):
 
 
 def test_unigram_reference_by_hand(english):
-    batches = H.heldout_batches(english, 32, VOCAB, 64, 16)
+    batches = H.heldout_batches(H.Text(english, 32, 64, 16), VOCAB)
     tokens = np.fromfile(english / "text.bin", dtype=json.loads((english / "manifest.json").read_text())["dtype"])
     counts = np.bincount(tokens.astype(np.int64), minlength=VOCAB) + 1.0
     labels = torch.cat([l[l.ge(0)] for _, l in batches]).numpy()
     expected = -np.mean(np.log(counts[labels] / counts.sum()))
     assert H.unigram_loss(H.unigram_logprobs(english, VOCAB), batches) == pytest.approx(expected, rel=1e-6)
     # The same masked positions every time (a fixed seed), none of them special pieces.
-    again = H.heldout_batches(english, 32, VOCAB, 64, 16)
+    again = H.heldout_batches(H.Text(english, 32, 64, 16), VOCAB)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(batches, again))
     assert int(torch.cat([l[l.ge(0)] for _, l in batches]).min()) >= 5
 
@@ -88,7 +88,7 @@ def test_every_scored_piece_is_hidden(english):
     from mmadapt.objectives import MLM
     from mmadapt.tokens import MASK_ID
 
-    batches = H.heldout_batches(english, 32, VOCAB, 64, 16)
+    batches = H.heldout_batches(H.Text(english, 32, 64, 16), VOCAB)
     logp = H.unigram_logprobs(english, VOCAB)
     assert all(bool(ids[labels.ge(0)].eq(MASK_ID).all()) for ids, labels in batches)
     train_rule = MLM.batches(english, TrainConfig(seq_length=32, seed=0, train_micro_batch_size_per_gpu=16),
@@ -113,7 +113,7 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
                                               "train": {"seed": 1}, "frozen_from": {"run_dir": str(primary_run),
                                                                                     "tag": tag_for(PRIMARY_ITERS)}}))
     [rec] = P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=64, batch_size=16)
-    batches = H.heldout_batches(english, 32, VOCAB, 64, 16)
+    batches = H.heldout_batches(H.Text(english, 32, 64, 16), VOCAB)
     one, head = H.primary_head_state(primary_run)
     own = plugin_loss(ROBERTA, one, {**head, BIAS: state["heads.heads.0.bias"]}, batches)
     assert rec["loss"] == pytest.approx(own, abs=1e-6)
