@@ -346,16 +346,18 @@ def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_p
 
 
 def new_vocabulary(family: ModelFamily, body: ModelConfig, state: dict, src_tokenizer: Path, target_tokenizer: Path,
-                   seed: int, embedding_init: str = "overlap", vocab_mode: str = "replace", row_std: str = "source"
+                   seed: int, train: TrainConfig = TrainConfig(), row_std: str = "source"
                    ) -> tuple[dict, dict[str, int]]:
     """Step 2's starting weights: the body's weights `state` (body_weights) with the new
-    vocabulary's rows of every vocabulary-indexed parameter (init_rows). vocab_mode "replace": the
+    vocabulary's rows of every vocabulary-indexed parameter (init_rows), started as `train`'s
+    embedding_init and vocab_mode say. vocab_mode "replace": the
     rows of every piece of `target_tokenizer`; "expand" (`target_tokenizer` is then the merged
     one, expand.py): the source's rows kept under their names and the rows of the appended pieces
     under `new_rows_name`s. Random rows are drawn from `seed`, N(0, row_std): "source", each
     matrix's own standard deviation in the source (StartRule: the scale its rows were trained
     to); "config", the model's init_method_std (runs before 2026-11-27). -> (full state dict,
     how many rows started which way)."""
+    embedding_init, vocab_mode = train.embedding_init, train.vocab_mode
     vocab = {name: state[name] for name in family.vocab_params(body)}
     std = ({name: float(t.float().std()) for name, t in vocab.items() if t.ndim == 2} if row_std == "source"
            else body.init_method_std)
@@ -457,8 +459,7 @@ class Step2Start:
         state = body_weights(family, step.system, source.cfg, weights, body)
         del weights, read
         init, rows = new_vocabulary(family, body, state, source.tokenizer, tokenizer,
-                                    derive_seed(train.seed, f"embeddings.{step.lang}"), train.embedding_init,
-                                    train.vocab_mode, rule.row_std)
+                                    derive_seed(train.seed, f"embeddings.{step.lang}"), train, rule.row_std)
         start = cls(body, init, {**rows, "start_rule": dataclasses.asdict(rule)}, primary,
                     train.vocab_mode == "expand", family, fingerprint)
         logp = unigram_logprobs(data, load_tokenizer(tokenizer).get_piece_size()) if rule.bias == "fitted" else None

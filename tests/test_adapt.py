@@ -12,7 +12,7 @@ import torch
 from conftest import ADAPT, MINIPOST, NO_DROPOUT, REPO, VOCAB, adapt_args, metrics, mlm_batches, run_pretrain
 from mmadapt import adapt as A
 from mmadapt.artifact import read_artifact
-from mmadapt.config import ModelConfig, PreprocessConfig
+from mmadapt.config import ModelConfig, PreprocessConfig, TrainConfig
 from mmadapt.models import PRESETS
 from mmadapt.data import prepare
 from mmadapt.models.roberta.model import RobertaMLM
@@ -103,7 +103,7 @@ def test_step2_start_by_embedding_init(primary_run, tokenizer, de_tokenizer, de_
     src_cfg, full = load_weights(primary_run)
     src_state = A.body_weights(ROBERTA, "bl_base", src_cfg, full, A.body_config(ROBERTA, "bl_base", src_cfg))
     body = A.body_config(ROBERTA, "bl_base", src_cfg)
-    starts = {how: A.new_vocabulary(ROBERTA, body, src_state, tokenizer, de_tokenizer, 5, how)
+    starts = {how: A.new_vocabulary(ROBERTA, body, src_state, tokenizer, de_tokenizer, 5, TrainConfig(embedding_init=how))
               for how in ("overlap", "subword_mean", "normal")}
     (overlap, rows), (mean, mean_rows), (normal, normal_rows) = starts.values()
     assert [r.pop("row_std") for r in (rows, mean_rows, normal_rows)] == [pytest.approx(src_state[WORD].std().item())] * 3
