@@ -401,6 +401,12 @@ def check_coverage(corpus: Path, tokenizer: Path, counts: list[list[int]]) -> fl
     return share
 
 
+def _dataset_entry(name: str) -> bool:
+    """A file a preparation (finished or stopped) writes in its directory."""
+    return (name in (TOKENIZER, MANIFEST, *(s + e for s in (TEXT, VALID) for e in (".bin", ".idx")))
+            or name.startswith(".") or (name.endswith(".npy") and "blocks_s" in name))
+
+
 def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int | None,
             tokenizer: str | os.PathLike | None = None, cfg: PreprocessConfig = PreprocessConfig(),
             quiet: bool = False) -> dict:
@@ -415,6 +421,12 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     workers = (os.cpu_count() or 1) if cfg.workers is None else cfg.workers  # cfg's ranges: config.check_declared
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--output_dir {out_dir} is a file, not a directory: choose a directory for the dataset")
+    if out_dir.is_dir() and not (out_dir / MANIFEST).is_file():
+        other = sorted(p.name for p in out_dir.iterdir() if not _dataset_entry(p.name))
+        if other:
+            raise DataError(f"--output_dir {out_dir} holds other files ({', '.join(other[:3])}"
+                            f"{', ...' if len(other) > 3 else ''}) and no prepared dataset: choose a new or empty "
+                            "directory (nothing is overwritten)")
     if tokenizer is not None:
         vocab_size = load_checked_tokenizer(tokenizer, vocab_size).get_piece_size()
     elif vocab_size is None:
