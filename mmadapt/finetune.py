@@ -86,7 +86,7 @@ class TaskData:
     def check(self, run: RunSpec, model: ModelConfig, cfg: FinetuneConfig, family: ModelFamily) -> dict:
         examples = read_examples(self.task, self.train_file, self.source_lang, "train", cfg)
         labels = label_names(self.task, examples)
-        if len(labels) < 2:
+        if self.task.kind == "classify" and len(labels) < 2:
             raise ValueError(f"{self.train_file} has one label ({labels[0] if labels else 'none'}) in every example: a "
                              "task model learns from at least two classes")
         metric = headline(self.task, labels, cfg)

@@ -505,7 +505,8 @@ CASES = [
     ("import-hf-negative-positions", lambda c: c.import_damaged("qwen2", {"max_position_embeddings": -1}),
      "config.json's max_position_embeddings is -1; it must be a whole number >= 1"),
     ("import-hf-eos-outside-vocab", lambda c: c.import_damaged("qwen2", {"eos_token_id": 5000}),
-     "config.json's eos_token_id 5000 is not a token id of its vocabulary (0..607)"),
+     "config.json's eos_token_id 5000 is not a token id of its vocabulary (0..607, vocab_size 608): fix config.json (the "
+     "id, or a vocab_size that disagrees with the weights)"),
     ("import-hf-rope-theta-zero", lambda c: c.import_damaged("qwen2", {"rope_parameters": {"rope_type": "default",
                                                                                             "rope_theta": 0.0}}),
      "config.json's rope_theta is 0.0; it must be > 0: it cannot describe a working model"),
