@@ -135,6 +135,18 @@ def artifact_primary(meta: dict) -> Path:
     return Path(run["frozen_from"]["run_dir"]) if run.get("step") == "minipost" else src
 
 
+def check_primary_unchanged(path: Path, meta: dict, now: str | None) -> None:
+    """Refuse an artifact (at `path`, its meta.json `meta`) swapped into its primary model whose
+    weights changed since Step 2 recorded them (`now`: the fingerprint they have now, as
+    run.weights_fingerprint computes it, or a fine-tuning run's record of it; None, or a record
+    without one: not checked)."""
+    recorded = meta.get("primary_fingerprint")
+    if recorded and now and recorded != now:
+        raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)} as its weights were "
+                         "when Step 2 ran, and they have changed since (other weights under the same path): restore "
+                         "that checkpoint, or train Step 2 again over the model as it is")
+
+
 @dataclass(frozen=True)
 class PrimaryRef:
     """A primary model as a record names it: its run directory and, in records written since

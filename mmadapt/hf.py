@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 
-from mmadapt.artifact import artifact_primary, artifact_state, read_artifact
+from mmadapt.artifact import artifact_primary, artifact_state, check_primary_unchanged, read_artifact
 from mmadapt.checkpoint import load_pt, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import load_finetuned
 from mmadapt.family import HFMapping, Implied, ModelFamily, inverse_permutation
 from mmadapt.models import FAMILIES
-from mmadapt.run import RUN_TOKENIZER, read_source, require_head
+from mmadapt.run import RUN_TOKENIZER, read_source, require_head, weights_fingerprint
 from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf
 from mmadapt.tokenizer import kind as tokenizer_kind
 
@@ -648,7 +648,8 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
             raise ValueError(f"{primary_run} is a Step-2 run: export its artifact with --embeddings and "
                              "the primary model with --primary")
         require_head(source, "export-hf --primary")
-        cfg, state = family.primary_model(source.cfg, source.weights())
+        weights = source.weights()
+        cfg, state = family.primary_model(source.cfg, weights)
         kind, tokenizer = None, source.tokenizer
     if embeddings is not None:
         emb, tokenizer, meta = read_artifact(embeddings)
@@ -658,6 +659,10 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
         owner = artifact_primary(meta).resolve()
         if owner != primary_run.resolve():
             raise ValueError(f"{embeddings} holds embeddings for the primary model {owner}, not {primary_run}")
+        if finetuned is not None:  # the primary's weights as Step 3 recorded them
+            check_primary_unchanged(Path(embeddings), meta, ft.run["primary"].get("fingerprint"))
+        elif meta.get("primary_fingerprint"):
+            check_primary_unchanged(Path(embeddings), meta, weights_fingerprint(weights))
         # A task model has no output head: only the word embeddings are swapped into it.
         # (an expanded vocabulary's keep the model's own source rows: artifact.artifact_state)
         swap = artifact_state(family, emb, meta, state) if kind is None else {family.word: emb["word_embeddings"]}

@@ -39,10 +39,12 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from mmadapt.artifact import artifact_embeddings, artifact_primary, artifact_state, read_artifact
+from mmadapt.artifact import (artifact_embeddings, artifact_primary, artifact_state, check_primary_unchanged,
+                              read_artifact)
 from mmadapt.checkpoint import read_json
 from mmadapt.config import FinetuneConfig, ModelConfig, path_args
 from mmadapt.devices import device_of, on_eval_device
@@ -55,7 +57,7 @@ from mmadapt.parallel import named_device
 from mmadapt.heldout import scoring_model
 from mmadapt.hf import SENTENCE_TRANSFORMERS
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
-from mmadapt.run import RUN_FILE, read_source, require_head, run_family, run_text_layout
+from mmadapt.run import RUN_FILE, read_source, require_head, run_family, run_text_layout, weights_fingerprint
 from mmadapt.tasks import Task, get_task
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
@@ -103,9 +105,12 @@ def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *,
     return TaskModel.load(run, None if embeddings is None else Path(embeddings), dev)
 
 
-def _artifact(path: Path, owners: tuple[Path, ...]) -> tuple[dict, Path]:
+def _artifact(path: Path, owners: tuple[Path, ...], primary_now: Callable[[], str | None] = lambda: None
+              ) -> tuple[dict, Path]:
     """An artifact's tensors and tokenizer, refused unless it belongs to one of `owners` (the
-    model Step 2 trained it over, or the primary model Step 4 swaps it into)."""
+    model Step 2 trained it over, or the primary model Step 4 swaps it into), and, swapped into
+    its primary model, unless that model's weights changed since (`primary_now`: their
+    fingerprint now, computed only where the artifact recorded one)."""
     emb, tokenizer, meta = read_artifact(path)
     if "source" not in meta:
         raise ValueError(f"{path}/meta.json does not name the run its embeddings were trained over: it is not an "
@@ -117,6 +122,8 @@ def _artifact(path: Path, owners: tuple[Path, ...]) -> tuple[dict, Path]:
     if not mine & {o.resolve() for o in owners}:
         raise ValueError(f"{path} holds embeddings for the model of {meta['source']}, not of "
                          f"{' or '.join(map(str, owners))}: load that run with it")
+    if meta.get("primary_fingerprint") and artifact_primary(meta).resolve() in {o.resolve() for o in owners}:
+        check_primary_unchanged(path, meta, primary_now())
     return emb, tokenizer
 
 
@@ -177,7 +184,8 @@ class LanguageModel:
         require_head(source, "a language model's predictions")
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
-            emb, tokenizer = _artifact(embeddings, (run,))
+            weights = state
+            emb, tokenizer = _artifact(embeddings, (run,), lambda: weights_fingerprint(weights))
             cfg, state = family.primary_model(cfg, state)
             artifact_embeddings(emb, state[family.word])  # refuses embeddings of another width
             state = {**state, **{name: t.float() for name, t in artifact_state(family, emb).items()}}
@@ -330,7 +338,8 @@ class SentenceEncoder:
         pooling = _pooling(modules, entries, kinds)
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
-            emb, tokenizer = _artifact(Path(embeddings), (run,))
+            weights = state
+            emb, tokenizer = _artifact(Path(embeddings), (run,), lambda: weights_fingerprint(weights))
             state = {**state, family.word: artifact_embeddings(emb, state[family.word]).float()}
         cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
                                   vocab_size=state[family.word].shape[0])
@@ -394,7 +403,8 @@ class TaskModel:
         ft = load_finetuned(run)
         tokenizer, artifact = ft.tokenizer, None
         if embeddings is not None:
-            artifact, tokenizer = _artifact(embeddings, (Path(ft.run["primary"]["run_dir"]),))
+            artifact, tokenizer = _artifact(embeddings, (Path(ft.run["primary"]["run_dir"]),),
+                                            lambda: ft.run["primary"].get("fingerprint"))
             artifact_embeddings(artifact, ft.state[ft.family.word])  # refuses embeddings of another width
         model = ft.model()  # built once, on parallel.device()
         if device is not None and device != device_of(model):

@@ -588,7 +588,8 @@ def test_a_resume_over_a_changed_source_is_refused(runs, de_corpus, de_tokenizer
     """Step 2 and Step 3 record their source's weights (Step 2 its sampled fingerprint, Step 3
     the primary's full one); a --resume after the source was replaced by other weights of the
     same shape under the same path is refused in one line before anything trains, the run left
-    as it was; over the source as it was, it resumes."""
+    as it was, and so are predict and export-hf of a Step-2 artifact swapped into the changed
+    primary (its meta's primary_fingerprint); over the source as it was, all of them work."""
     from mmadapt.checkpoint import write_weights_only
     from mmadapt.cli import main as cli
     from mmadapt.parallel import init_parallel
@@ -618,6 +619,17 @@ def test_a_resume_over_a_changed_source_is_refused(runs, de_corpus, de_tokenizer
         err = capsys.readouterr().err
         assert f"{source.resolve()} changed since {tmp_path / name} started over it" in err and err.count("\n") == 1
         assert content(tmp_path / name) == before
+    # the Step-2 artifact swapped into its changed primary: refused by predict and export-hf alike
+    artifact = str(tmp_path / "adapt" / "embeddings" / "step00000001")
+    text = tmp_path / "in.txt"
+    text.write_text("Am Anfang <mask> Gott Himmel und Erde.\n")
+    for argv in (["predict", "--run", str(source), "--embeddings", artifact, "--input", str(text)],
+                 ["export-hf", "--primary", str(source), "--embeddings", artifact, "--output_dir", str(tmp_path / "x")]):
+        assert cli(argv) == 2
+        err = capsys.readouterr().err
+        assert "and they have changed since (other weights under the same path)" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()
     shutil.rmtree(source / "checkpoints")
     shutil.move(kept, source / "checkpoints")
     assert cli([*adapt, "--resume"]) == 0 and cli([*finetune, "--resume"]) == 0
+    assert cli(["predict", "--run", str(source), "--embeddings", artifact, "--input", str(text)]) == 0
