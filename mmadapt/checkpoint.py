@@ -94,12 +94,18 @@ def refuse_overwrite(output_dir: Path, resume: bool) -> None:
     if has_checkpoints(output_dir / "checkpoints") and not resume:
         raise ValueError(f"{output_dir} already holds checkpoints of another run: pass --resume to continue it, "
                          "or choose a new --output_dir")
-    if output_dir.is_dir() and not (output_dir / "run.json").exists():
-        other = sorted(p.name for p in output_dir.iterdir() if p.name not in RUN_ENTRIES)
-        if other:
-            raise ValueError(f"--output_dir {output_dir} holds other files ({', '.join(other[:3])}"
-                             f"{', ...' if len(other) > 3 else ''}) and no mmadapt run: choose a new or empty directory "
-                             "(nothing is overwritten)")
+    if not (output_dir / "run.json").exists():
+        refuse_other_files(output_dir, lambda name: name in RUN_ENTRIES, "mmadapt run")
+
+
+def refuse_other_files(output_dir: Path, own: Callable[[str], bool], what: str) -> None:
+    """Refuse to write `what` (a run, a prepared dataset) into a directory that holds files whose
+    names are not `own` (what such a writer puts there, finished or stopped): somebody's other files."""
+    other = sorted(p.name for p in output_dir.iterdir() if not own(p.name)) if output_dir.is_dir() else []
+    if other:
+        raise ValueError(f"--output_dir {output_dir} holds other files ({', '.join(other[:3])}"
+                         f"{', ...' if len(other) > 3 else ''}) and no {what}: choose a new or empty directory "
+                         "(nothing is overwritten)")
 
 
 def latest_tag(ckpt_dir: str | os.PathLike) -> str | None:

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 
 from mmadapt import __version__
+from mmadapt.checkpoint import refuse_other_files
 from mmadapt.config import LoopConfig, PreprocessConfig, TrainConfig, scored_positions
 from mmadapt.tokenizer import load
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID, UNK_ID
@@ -379,17 +380,13 @@ def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
 UNKNOWN_WARN, UNKNOWN_REFUSE = 0.02, 0.25
 
 
-def unknown_share(unknown: int, pieces: int) -> float:
-    return unknown / pieces if pieces else 0.0
-
-
 def check_coverage(corpus: Path, tokenizer: Path, counts: list[list[int]]) -> float:
     """Refuse a text whose tokenizer reads more than UNKNOWN_REFUSE of its pieces as <unk>; say so
     above UNKNOWN_WARN (on stderr, quiet or not). counts: per shard (sentences, documents, tokens,
     unknown), tokens holding one </s> per sentence and per document end. -> the share."""
     unknown = sum(c[3] for c in counts)
     pieces = sum(c[2] - c[0] - c[1] for c in counts)
-    share = unknown_share(unknown, pieces)
+    share = unknown / pieces if pieces else 0.0
     if share > UNKNOWN_REFUSE:
         raise DataError(f"{share:.0%} of the pieces of {corpus} are unknown to the tokenizer {tokenizer} ({unknown:,} "
                         f"<unk> of {pieces:,}): it does not cover this text's script; pass text in a language it was "
@@ -421,12 +418,8 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     workers = (os.cpu_count() or 1) if cfg.workers is None else cfg.workers  # cfg's ranges: config.check_declared
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--output_dir {out_dir} is a file, not a directory: choose a directory for the dataset")
-    if out_dir.is_dir() and not (out_dir / MANIFEST).is_file():
-        other = sorted(p.name for p in out_dir.iterdir() if not _dataset_entry(p.name))
-        if other:
-            raise DataError(f"--output_dir {out_dir} holds other files ({', '.join(other[:3])}"
-                            f"{', ...' if len(other) > 3 else ''}) and no prepared dataset: choose a new or empty "
-                            "directory (nothing is overwritten)")
+    if not (out_dir / MANIFEST).is_file():
+        refuse_other_files(out_dir, _dataset_entry, "prepared dataset")
     if tokenizer is not None:
         vocab_size = load_checked_tokenizer(tokenizer, vocab_size).get_piece_size()
     elif vocab_size is None:

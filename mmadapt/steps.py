@@ -331,11 +331,13 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
         # The primary model's fingerprint (its weights' content): what Step 4 matches the
         # artifacts' primary model by, so that a copy of the run is the same model; a --resume
         # over a primary changed since is refused.
-        fingerprint = weights_fingerprint(weights)
-        check_same_source(run, "primary.fingerprint", fingerprint, source.path)
-        fresh = parallel.is_rank0() and not (run.resume and started.record.exists())
-        started.record.write(run.resume, **({"primary": {**identity["primary"], "fingerprint": fingerprint}}
-                                            if fresh else {}))
+        # (A full hash of every weight: computed where it is recorded, and on every rank of a resume.)
+        resumed = run.resume and started.record.exists()
+        if resumed:
+            check_same_source(run, "primary.fingerprint", weights_fingerprint(weights), source.path)
+        started.record.write(run.resume, **({"primary": {**identity["primary"],
+                                                         "fingerprint": weights_fingerprint(weights)}}
+                                            if parallel.is_rank0() and not resumed else {}))
         if plan.positions and parallel.is_rank0():
             print(f"warning: {plan.positions}", flush=True)
         engine, job = _finetune_engine(started, model_cfg, cfg, task, lr, primary_state(source, weights)[1])
