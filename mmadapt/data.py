@@ -494,7 +494,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     manifest = {"format": FORMAT, "corpus": str(corpus.resolve()), "corpus_fingerprint": fingerprint,
                 "tokenizer_sha256": file_sha256(tok), "vocab_size": sp.get_piece_size(), "dtype": dtype,
                 "sentences": sentences, "documents": documents, "tokens": tokens, "unknown": unknown,
-                "valid_fraction": valid_fraction,
+                "valid_fraction": valid_fraction, "valid_seed": seed,
                 "valid": dict(zip(("sentences", "documents", "tokens"), valid_counts)) if valid_fraction > 0 else None,
                 "mmadapt_version": __version__}
     tmp = out_dir / f".{MANIFEST}.tmp{os.getpid()}"

@@ -205,6 +205,16 @@ class Scorer:
             out.append(logits.reshape(-1, logits.shape[-1]).index_select(0, masked_index))
         return out
 
+    def summed(self, on_device: list, art: dict | None = None, meta: dict | None = None) -> float:
+        """The summed loss (nats) of `on_device` batches (bpb.summed_nats) with the artifact's tensors
+        `art` swapped in (None: the model's own)."""
+        from mmadapt.bpb import summed_nats
+
+        if art is None:
+            return summed_nats(self.model, on_device)
+        with swapped(self.model, swap_tensors(self.family, self.model, art, meta)):
+            return summed_nats(self.model, on_device)
+
     def loss(self, held: HeldOut, art: dict | None = None, meta: dict | None = None) -> float:
         """The loss per scored piece of `held` with the artifact's tensors `art` swapped in (its
         meta.json `meta` says whether they expand the vocabulary); None: the model's own."""

@@ -31,10 +31,11 @@ import json
 from pathlib import Path
 
 from mmadapt.adapt import AdaptEmbeddings, StartRule, Step2Start, body_config
+from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.artifact import (ARTIFACT_FILE, PrimaryRef, artifact_dirs, artifact_primary, artifact_primary_ref,
                               read_artifact, record_base)
 from mmadapt.checkpoint import tag_for
-from mmadapt.data import TOKENIZER, file_sha256
+from mmadapt.data import TOKENIZER, file_sha256, read_manifest
 from mmadapt.devices import progress
 from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.run import read_source
@@ -58,17 +59,28 @@ def start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     return Step2Start.build(source, body, step, tokenizer, data, StartRule.recorded(run)).tensors()
 
 
+def source_text_data(adapt_run: Path, primary: Primary) -> Path | None:
+    """The source-language text an expanded vocabulary's bits per byte are measured on: the adapt
+    run's replay data, else the primary run's own data (expand.source_text's choice); None for
+    neither (an imported primary and no --replay_data)."""
+    run = json.loads((adapt_run / "run.json").read_text())
+    data = (run.get("train") or {}).get("replay_data") or primary.record.get("data_path")
+    return Path(data) if data else None
+
+
 def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[str, Path], seq_length: int,
-                   blocks: int = 256, batch_size: int = 32, seed: int = 0) -> list[dict]:
+                   blocks: int = 256, batch_size: int = 32, seed: int = 0, bpb_bytes: int = BPB_BYTES) -> list[dict]:
     """Plug-in records of every artifact of `adapt_runs` (whose embeddings belong to the primary
     model of `primary_run`), scored on the validation split of `data_paths[lang]` (a prepared
-    dataset whose tokenizer is the artifacts')."""
+    dataset whose tokenizer is the artifacts'), and in bits per byte on the first `bpb_bytes`
+    of its raw held-out text (module docstring)."""
     primary = Primary.read(primary_run)
     # Artifacts name their primary model by its weights' fingerprint (older ones by path).
     ref = PrimaryRef(Path(primary_run), primary.fingerprint)
     scorer = Scorer(primary)  # once: every artifact (and start) is swapped into its model
+    per_byte = ByteScorer(scorer, seq_length, bpb_bytes)
     held = {}  # per language: the held-out set
-    starts: dict[Path, float] = {}
+    starts: dict[Path, tuple[float, float]] = {}
     records = []
     for path in progress(artifact_dirs(adapt_runs), "plug-in metric"):
         emb, tok, meta = read_artifact(path)
@@ -84,13 +96,31 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
         if lang not in held:
             held[lang] = scorer.heldout(Text(data, seq_length, blocks, batch_size, seed),
                                         emb["word_embeddings"].shape[0])
-        text = held[lang]
+        text, raw = held[lang], per_byte.text(data)
         run = path.parent.parent
         if run not in starts:
-            starts[run] = scorer.loss(text, start_embeddings(run, tok), meta)
+            start = start_embeddings(run, tok)
+            starts[run] = scorer.loss(text, start, meta), per_byte.score(raw, tok, start, meta)["bpb"]
         loss = scorer.loss(text, emb, meta)
+        bits = per_byte.score(raw, tok, emb, meta)
         records.append({**record_base(meta, scorer.family.objective.plugin_task), "metric": METRIC,
                         "score": text.unigram - loss, "chance": 0.0, "loss": loss, "unigram_loss": text.unigram,
-                        "start_loss": starts[run], "start_gain": text.unigram - starts[run],
-                        "masked_pieces": text.scored, "artifact": str(path)})
+                        "start_loss": starts[run][0], "start_gain": text.unigram - starts[run][0],
+                        "masked_pieces": text.scored, "artifact": str(path),
+                        "bpb": bits["bpb"], "start_bpb": starts[run][1],
+                        "none_bpb": per_byte.none(raw), "bpb_bytes": raw.bytes,
+                        **_source_bits(per_byte, run, primary, tok, emb, meta)})
     return records
+
+
+def _source_bits(per_byte: ByteScorer, run: Path, primary: Primary, tok: Path, emb: dict, meta: dict) -> dict:
+    """An expanded vocabulary's bits per byte on held-out source text beside the primary model's
+    own ({} for a replaced one, and where no source text with a validation split is at hand)."""
+    if meta.get("vocab_mode") != "expand":
+        return {}
+    data = source_text_data(run, primary)
+    if data is None or not (read_manifest(data).get("valid")):
+        return {}
+    raw = per_byte.text(data)
+    return {"source_bpb": per_byte.score(raw, tok, emb, meta)["bpb"],
+            "source_none_bpb": per_byte.none(raw), "source_bpb_text": str(data)}

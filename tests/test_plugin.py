@@ -122,6 +122,11 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
     # The overlap init copies every shared piece's row and bias: all pieces are shared here.
     assert rec["start_loss"] == pytest.approx(own, abs=1e-6)
     assert rec["system"] == "minijoint" and rec["artifact"] == str(art) and math.isfinite(rec["score"])
+    # In bits per byte: near no adaptation (the model's own tokenizer and embeddings; only the
+    # bias is head 0's here: test_bpb.py has the exact identity); on English text the primary
+    # predicts better than a uniform model of its bytes (8 bits).
+    assert abs(rec["bpb"] - rec["none_bpb"]) < 0.01 and rec["start_bpb"] == pytest.approx(rec["bpb"])
+    assert 0 < rec["bpb"] < 8 and rec["bpb_bytes"] > 0.9 * 8192 and "source_bpb" not in rec
 
 
 def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus, de_tokenizer, tmp_path, capsys):

@@ -1,0 +1,357 @@
+"""Bits per byte of raw held-out text: one scale for every tokenizer.
+
+A loss per piece cannot be set beside a loss per piece of another tokenizer: each cuts the same
+text into a different number of pieces. Measured per UTF-8 byte of the same raw text, the source
+model with its own vocabulary (no adaptation), a replaced vocabulary of any size and an expanded
+one are on one scale (docs/bits-per-byte.md):
+
+    decoder   the next-piece loss of the text's pieces, summed, / its bytes / ln 2 (lm-eval's
+              bits_per_byte): each text read after the model's own start (run.run_text_layout's
+              prefix; `</s>` for a model mmadapt trained, whose stream puts one before every
+              sentence), every piece of it scored, nothing after it.
+    encoder   PLL-word-l2r (Kauf & Ivanova, 2023), summed, / bytes / ln 2: piece j of a word is
+              scored with itself and every later piece of its word masked, every other word
+              visible, so that the pieces of one word are scored as a left-to-right chain over
+              the word and the sum is a log-probability of the word's text. Masking one piece at
+              a time (Salazar et al.'s PLL, `whole_word=False`) lets the word's other pieces give
+              it away, and flatters a finer tokenizer; tests/test_bpb.py checks both on a
+              language whose exact conditionals are known.
+
+A word is a run of non-whitespace characters of the raw text (not a tokenizer's notion of one),
+so that every tokenizer groups the same pieces together; a piece belongs to the word its first
+non-space character falls in (a lone '▁' to the word after it).
+
+The text: the first `BPB_BYTES` bytes of sentences of a prepared dataset's validation documents,
+read back from its corpus (the manifest's split rule) and checked against the validation split's
+pieces. Lines longer than a model's positions are cut at spaces into segments every tokenizer
+can lay out in `max_pieces` (a piece covers at least one byte; SentencePiece's leading '▁' none),
+and each segment is scored on its own; the bytes are the segments'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmadapt.data import MANIFEST, TOKENIZER, VALID, DataError, corpus_fingerprint, read_manifest
+from mmadapt.features import piece_offsets
+from mmadapt.run import run_text_layout
+from mmadapt.tokens import EOS_ID, MASK_ID, PAD_ID, UNK_ID
+
+BPB_BYTES = 8192  # held-out bytes scored per language: the same text for every row of one language
+BATCH_TOKENS = 16_384  # positions per scoring batch (padding included)
+IGNORE = -100
+
+
+# --- the raw text ---------------------------------------------------------------------------------------
+
+def heldout_lines(data_path: str | Path, max_bytes: int = BPB_BYTES) -> list[list[str]]:
+    """The sentences of the first validation documents of the prepared dataset `data_path`, as
+    read from its corpus (data.prepare's split: is_validation_document with the manifest's
+    fraction and seed), until they hold `max_bytes` bytes -> one list of lines per document.
+    Refused where the dataset has no validation split or its corpus is gone or changed, and where
+    the lines do not give the validation split's first pieces (a split made another way)."""
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.data import is_validation_document
+    from mmadapt.tokenizer import load
+
+    data_path = Path(data_path)
+    manifest = read_manifest(data_path)
+    fraction = manifest.get("valid_fraction") or 0.0
+    if not fraction or not manifest.get("valid"):
+        raise DataError(f"{data_path} has no validation split: bits per byte score held-out text; prepare it with "
+                        "--valid_fraction (e.g. 0.01)")
+    corpus = Path(manifest["corpus"])
+    if not corpus.is_file():
+        raise DataError(f"{data_path}'s corpus {corpus} is gone: bits per byte read its held-out sentences from it; "
+                        "put it back or prepare the text again")
+    if corpus_fingerprint(corpus) != manifest["corpus_fingerprint"]:
+        raise DataError(f"corpus {corpus} changed since {data_path} was prepared from it: prepare it again")
+    seed = manifest.get("valid_seed", PreprocessConfig.tokenizer_seed)
+    docs, doc, total, held = [], None, 0, None
+    with open(corpus, encoding="utf-8") as f:
+        for raw in f:
+            line = raw.strip()
+            if not line:
+                if doc:
+                    docs.append(doc)
+                doc, held = None, None
+                if total >= max_bytes:
+                    break
+                continue
+            if held is None:
+                held = is_validation_document(line, fraction, seed)
+                doc = [] if held else None
+            if held and total < max_bytes:
+                doc.append(line)
+                total += len(line.encode("utf-8"))
+    if doc:
+        docs.append(doc)
+    _check_against_split(data_path, manifest, docs, load(data_path / TOKENIZER))
+    return docs
+
+
+def _check_against_split(data_path: Path, manifest: dict, docs: list[list[str]], sp) -> None:
+    """The pieces of `docs` laid out as prepare lays them out (each line's pieces and </s>, a lone
+    </s> after each document but the last read, whose end may lie beyond) are the validation
+    split's first pieces."""
+    lines = [line for doc in docs for line in doc]
+    ids = sp.encode(lines)
+    stream, k = [], 0
+    for n, doc in enumerate(docs):
+        for _ in doc:
+            stream += list(ids[k]) + [EOS_ID]
+            k += 1
+        if n < len(docs) - 1:
+            stream.append(EOS_ID)
+    split = np.memmap(data_path / f"{VALID}.bin", dtype=manifest["dtype"], mode="r")[:len(stream)]
+    if len(stream) == 0 or not np.array_equal(np.asarray(split, dtype=np.int64), np.asarray(stream, dtype=np.int64)):
+        raise DataError(f"the held-out sentences read from {manifest['corpus']} are not those of {data_path}'s "
+                        f"validation split (its {MANIFEST} lacks the seed it was split with): prepare the text again")
+
+
+def segments(lines: list[str], max_bytes: int) -> list[str]:
+    """`lines` cut at spaces into segments of at most `max_bytes` UTF-8 bytes each (a longer word
+    cut between characters): what a model with a bounded number of positions can read whole."""
+    out = []
+    for line in lines:
+        cur = ""
+        for word in line.split():
+            while len(word.encode("utf-8")) > max_bytes:  # a word longer than a segment: cut between characters
+                if cur:
+                    out.append(cur)
+                    cur = ""
+                n = max_bytes
+                while len(word[:n].encode("utf-8")) > max_bytes:
+                    n -= 1
+                out.append(word[:n])
+                word = word[n:]
+            joined = f"{cur} {word}" if cur else word
+            if len(joined.encode("utf-8")) <= max_bytes:
+                cur = joined
+            else:
+                out.append(cur)
+                cur = word
+        if cur:
+            out.append(cur)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RawText:
+    """Held-out raw text of one language, as every row of it is scored: its segments and its
+    bytes (the denominator)."""
+    segments: tuple[str, ...]
+    source: str  # the prepared dataset it was read from
+
+    @property
+    def bytes(self) -> int:
+        return sum(len(s.encode("utf-8")) for s in self.segments)
+
+    @classmethod
+    def read(cls, data_path: str | Path, max_pieces: int, max_bytes: int = BPB_BYTES) -> "RawText":
+        """The validation text of `data_path` (heldout_lines) in segments that any tokenizer lays
+        out in `max_pieces` pieces (a piece covers at least one byte, but for one leading '▁')."""
+        if max_pieces < 2:
+            raise ValueError(f"{max_pieces} positions leave no room for a text: score with a longer --seq_length")
+        lines = [line for doc in heldout_lines(data_path, max_bytes) for line in doc]
+        return cls(tuple(segments(lines, max_pieces - 1)), str(data_path))
+
+
+# --- how a model reads a text ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The ids a model reads around a text (prefix, suffix)."""
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+
+    @classmethod
+    def of(cls, record: dict, masked: bool) -> "Layout":
+        """An imported model's tokenizer's layout (run.run_text_layout); a model mmadapt trained
+        reads what its stream puts around a sentence: a decoder, the `</s>` of the sentence
+        before (which also gives an imported decoder with no prefix, Qwen2's, something to
+        predict the first piece from, as lm-eval's end-of-text token does); an encoder, `</s>`
+        after it."""
+        layout = run_text_layout(record)
+        prefix, suffix = tuple(layout.get("prefix") or ()), tuple(layout.get("suffix") or ())
+        if masked:
+            return cls(prefix, suffix if layout else (EOS_ID,))
+        return cls(prefix or (EOS_ID,), ())
+
+    @property
+    def extra(self) -> int:
+        return len(self.prefix) + len(self.suffix)
+
+
+def word_index(text: str, spans: list[tuple[int, int]]) -> list[int]:
+    """The word (a run of non-whitespace characters of `text`, counted from 0) of each piece,
+    by its character span [begin, end) (leading whitespace excluded: features.piece_offsets); a
+    piece with no character of its own goes to the word at or after its position."""
+    word_of_char, w, inside = np.zeros(len(text) + 1, dtype=np.int64), -1, False
+    for i, ch in enumerate(text):
+        if not ch.isspace() and not inside:
+            w += 1
+        inside = not ch.isspace()
+        word_of_char[i] = w + (0 if inside else 1)  # a space: the next word
+    word_of_char[len(text)] = w + 1
+    return [int(word_of_char[min(b, len(text))]) for b, _ in spans]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """One tokenizer's reading of a RawText: the model's input rows and their scored positions
+    (labels, IGNORE elsewhere), how many pieces the text has and how many are <unk>."""
+    rows: list[tuple[list[int], list[int]]]
+    pieces: int
+    unknown: int
+
+
+def causal_rows(sp, text: RawText, layout: Layout, max_pieces: int) -> Rows:
+    """Each segment once: layout.prefix, its pieces; every piece scored (from the position before it)."""
+    rows, pieces, unknown = [], 0, 0
+    for ids in sp.encode(list(text.segments)):
+        _fits(len(ids), layout, max_pieces)
+        row = list(layout.prefix) + list(ids)
+        labels = [IGNORE] * len(row)
+        labels[len(layout.prefix) - 1:len(row) - 1] = ids
+        rows.append((row, labels))
+        pieces += len(ids)
+        unknown += sum(i == UNK_ID for i in ids)
+    return Rows(rows, pieces, unknown)
+
+
+def masked_rows(sp, text: RawText, layout: Layout, max_pieces: int, whole_word: bool = True) -> Rows:
+    """One row per piece: the segment laid out, the piece masked with (whole_word) every later
+    piece of its word (PLL-word-l2r) or alone (PLL), the piece scored at its position."""
+    rows, pieces, unknown = [], 0, 0
+    for seg in text.segments:
+        ids, spans = piece_offsets(sp, seg)
+        _fits(len(ids), layout, max_pieces)
+        words = word_index(seg, spans)
+        row = list(layout.prefix) + list(ids) + list(layout.suffix)
+        at = len(layout.prefix)
+        for j, piece in enumerate(ids):
+            end = j + 1
+            while whole_word and end < len(ids) and words[end] == words[j]:
+                end += 1
+            masked, labels = list(row), [IGNORE] * len(row)
+            masked[at + j:at + end] = [MASK_ID] * (end - j)
+            labels[at + j] = piece
+            rows.append((masked, labels))
+        pieces += len(ids)
+        unknown += sum(i == UNK_ID for i in ids)
+    return Rows(rows, pieces, unknown)
+
+
+def _fits(n: int, layout: Layout, max_pieces: int) -> None:
+    if n + layout.extra > max_pieces:  # RawText.read's segments make this impossible for a tokenizer of pieces
+        raise ValueError(f"a held-out segment took {n} pieces, more than the {max_pieces - layout.extra} positions "
+                         "left for it: its tokenizer gives pieces of no byte (score with a longer --seq_length)")
+
+
+def batches(rows: Rows, batch_tokens: int = BATCH_TOKENS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The rows padded into (ids [b, s], labels [b, s]) batches of at most `batch_tokens`
+    positions, rows of one length together."""
+    order = sorted(range(len(rows.rows)), key=lambda i: len(rows.rows[i][0]))
+    out, cur = [], []
+
+    def flush():
+        s = max(len(rows.rows[i][0]) for i in cur)
+        ids = torch.full((len(cur), s), PAD_ID, dtype=torch.long)
+        labels = torch.full((len(cur), s), IGNORE, dtype=torch.long)
+        for r, i in enumerate(cur):
+            row, lab = rows.rows[i]
+            ids[r, :len(row)] = torch.tensor(row)
+            labels[r, :len(lab)] = torch.tensor(lab)
+        out.append((ids, labels))
+
+    for i in order:
+        if cur and (len(cur) + 1) * len(rows.rows[i][0]) > batch_tokens:
+            flush()
+            cur = []
+        cur.append(i)
+    if cur:
+        flush()
+    return out
+
+
+@torch.no_grad()
+def summed_nats(model: torch.nn.Module, device_batches: list) -> float:
+    """The summed loss (nats) of a one-head LM over heldout.on_device batches (the model's own
+    forward, mean over each batch's scored pieces, times their number); summed on the device."""
+    total = 0.0
+    for ids, padding, masked_index, targets in device_batches:
+        if len(targets):
+            loss, _ = model(ids, masked_index=masked_index, targets=targets, padding=padding)
+            total = total + loss.float() * len(targets)
+    return float(total)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    """One tokenizer's rows of a RawText, ready to score: batches on the model's device."""
+    on_device: list
+    pieces: int
+    unknown: int
+    bytes: int
+
+    def bpb(self, nats: float) -> float:
+        return nats / self.bytes / math.log(2)
+
+
+def prepare(sp, text: RawText, layout: Layout, masked: bool, max_pieces: int, device: torch.device) -> Scored:
+    """`text` read by the tokenizer `sp` as a model of `layout` reads it, on `device`."""
+    from mmadapt.heldout import on_device
+
+    rows = (masked_rows if masked else causal_rows)(sp, text, layout, max_pieces)
+    return Scored(on_device(batches(rows), device), rows.pieces, rows.unknown, text.bytes)
+
+
+class ByteScorer:
+    """Bits per byte through one primary model (a heldout.Scorer, built once): a RawText per
+    language (`text`), each tokenizer's reading of it prepared once, artifacts swapped in."""
+
+    def __init__(self, scorer, seq_length: int, max_bytes: int = BPB_BYTES):
+        from mmadapt.run import RUN_TOKENIZER
+
+        self.scorer, self.seq_length, self.max_bytes = scorer, seq_length, max_bytes
+        self.masked = scorer.family.objective.masked
+        self.layout = Layout.of(scorer.primary.record, self.masked)
+        self.own_tokenizer = Path(scorer.primary.ref["run_dir"]) / RUN_TOKENIZER
+        self._texts: dict[str, RawText] = {}
+        self._read: dict[tuple, Scored] = {}
+        self._none: dict[str, float] = {}
+
+    def text(self, data: str | Path) -> RawText:
+        key = str(Path(data).resolve())
+        if key not in self._texts:
+            self._texts[key] = RawText.read(data, self.seq_length - self.layout.extra, self.max_bytes)
+        return self._texts[key]
+
+    def score(self, text: RawText, tokenizer: str | Path, art: dict | None = None, meta: dict | None = None
+              ) -> dict[str, float]:
+        """`text` read by `tokenizer` through the primary model with the artifact's tensors `art`
+        swapped in (None: its own) -> {"bpb", "pieces", "unknown_share"}."""
+        from mmadapt.data import file_sha256
+        from mmadapt.devices import device_of
+        from mmadapt.tokenizer import load
+
+        key = (text.source, text.segments[:1], len(text.segments), file_sha256(tokenizer))
+        if key not in self._read:
+            self._read[key] = prepare(load(tokenizer), text, self.layout, self.masked, self.seq_length,
+                                      device_of(self.scorer.model))
+        scored = self._read[key]
+        nats = self.scorer.summed(scored.on_device, art, meta)
+        return {"bpb": scored.bpb(nats), "pieces": scored.pieces, "unknown_share": scored.unknown / max(scored.pieces, 1)}
+
+    def none(self, text: RawText) -> float:
+        """No adaptation: `text` in bits per byte through the primary model with its own
+        tokenizer and embeddings (scored once per text)."""
+        if text.source not in self._none:
+            self._none[text.source] = self.score(text, self.own_tokenizer)["bpb"]
+        return self._none[text.source]

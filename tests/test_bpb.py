@@ -1,0 +1,266 @@
+"""Bits per byte (bpb.py): the decoder's score against a hand computation, the encoder's
+PLL-word-l2r unchanged under a vocabulary that reads the text the same way, and fair between a
+coarse and a fine tokenizer on a language whose exact conditionals are known (where PLL is not);
+the held-out text read back from the corpus, refused where it cannot be."""
+
+import dataclasses
+import itertools
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import VOCAB
+from mmadapt import bpb as B
+from mmadapt.config import ModelConfig, PreprocessConfig
+from mmadapt.data import DataError, is_validation_document, prepare
+from mmadapt.heldout import on_device
+from mmadapt.models.llama import LLAMA
+from mmadapt.models.llama.presets import LLAMA_TINY
+from mmadapt.models.roberta import ROBERTA
+from mmadapt.models.roberta.presets import PRESETS as ROBERTA_PRESETS
+from mmadapt.tokens import EOS_ID, MASK_ID
+
+
+class _Piece:
+    def __init__(self, id, begin, end):
+        self.id, self.begin, self.end = id, begin, end
+
+
+class _Proto:
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+
+class Words:
+    """A tokenizer of a fixed lexicon: each word of a text (split at spaces) into its listed
+    pieces, with byte offsets (what bpb reads of SentencePiece's interface)."""
+
+    def __init__(self, split: dict[str, list[tuple[str, int]]]):
+        self.split = split
+
+    def encode(self, text, out_type=int, return_type=None):
+        if isinstance(text, list):
+            return [[p.id for p in self.encode(t, return_type="proto").pieces] for t in text]
+        pieces, pos = [], 0
+        for n, word in enumerate(text.split(" ")):
+            pos += 1 if n else 0  # the space before it: a '▁' piece's span would start there
+            start = pos
+            for surface, i in self.split[word]:
+                pieces.append(_Piece(i, start - (1 if n and start == pos else 0), start + len(surface.encode())))
+                start += len(surface.encode())
+            pos = start
+        return _Proto(pieces)
+
+
+def two_char_pieces(words: list[str], first_id: int = 5, offset: int = 0) -> Words:
+    """Every word in pieces of two characters; piece ids from `first_id` in order of first use,
+    shifted by `offset`."""
+    ids, split = {}, {}
+    for w in words:
+        split[w] = [(w[i:i + 2], first_id + offset + ids.setdefault(w[i:i + 2], len(ids)))
+                    for i in range(0, len(w), 2)]
+    return Words(split)
+
+
+TEXT = ["alpha bravo charlie", "delta echo foxtrot golf", "bravo alpha echo", "hotel india delta alpha"]
+
+
+def test_segments_cut_at_spaces_within_the_byte_budget():
+    assert B.segments(["ab cd ef", "ghijklmn"], 5) == ["ab cd", "ef", "ghijk", "lmn"]
+    assert B.segments(["été ab"], 6) == ["été", "ab"]  # 'é' is two bytes
+    assert B.segments(["été ab"], 4) == ["ét", "é", "ab"]  # a word of 5 bytes cut between characters
+    assert all(len(s.encode()) <= 4 for s in B.segments(["ééé aé"], 4))
+
+
+def test_decoder_bits_per_byte_by_hand():
+    """Sum over every piece of -log p(piece | the pieces before it, after </s>), / bytes / ln 2."""
+    words = sorted({w for line in TEXT for w in line.split()})
+    sp = two_char_pieces(words)
+    cfg = dataclasses.replace(LLAMA_TINY, num_layers=2, hidden_size=32, ffn_hidden_size=48, vocab_size=64,
+                              hidden_dropout=0.0, attention_dropout=0.0)
+    model = LLAMA.build_lm(cfg).eval()
+    text = B.RawText(tuple(TEXT), "test")
+    layout = B.Layout((EOS_ID,), ())
+    scored = B.prepare(sp, text, layout, False, 64, torch.device("cpu"))
+    got = scored.bpb(B.summed_nats(model, scored.on_device))
+    nats = 0.0
+    with torch.no_grad():
+        for line in TEXT:
+            ids = torch.tensor([[EOS_ID] + sp.encode([line])[0]])
+            logp = torch.log_softmax(model.logits(ids)[0][0].float(), -1)  # [s, V]
+            nats -= float(logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]].sum())
+    assert scored.pieces == sum(len(x) for x in sp.encode(TEXT))
+    assert text.bytes == sum(len(line.encode()) for line in TEXT)
+    assert got == pytest.approx(nats / text.bytes / math.log(2), rel=1e-5)
+
+
+def _encoder(vocab: int, seed: int = 0) -> torch.nn.Module:
+    cfg = dataclasses.replace(ROBERTA_PRESETS["tiny"][0], num_layers=2, head_layers=(2,), vocab_size=vocab,
+                              max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
+    return ROBERTA.build_lm(cfg, seed=seed).eval()
+
+
+def _encoder_bpb(model, sp, text, whole_word=True) -> float:
+    rows = B.masked_rows(sp, text, B.Layout((), (EOS_ID,)), 60, whole_word=whole_word)
+    return B.summed_nats(model, on_device(B.batches(rows), torch.device("cpu"))) / text.bytes / math.log(2)
+
+
+def test_encoder_score_is_the_pll_word_l2r_by_hand():
+    """Each piece scored with itself and the rest of its word masked, every other word visible."""
+    words = sorted({w for line in TEXT for w in line.split()})
+    sp = two_char_pieces(words)
+    model = _encoder(64)
+    text = B.RawText(tuple(TEXT[:2]), "test")
+    nats = 0.0
+    with torch.no_grad():
+        for line in text.segments:
+            spans = []  # (first piece, end) of each word
+            ids = []
+            for w in line.split():
+                spans.append((len(ids), len(ids) + len(sp.split[w])))
+                ids += [i for _, i in sp.split[w]]
+            for a, b in spans:
+                for j in range(a, b):
+                    row = ids[:j] + [MASK_ID] * (b - j) + ids[b:] + [EOS_ID]
+                    logp = torch.log_softmax(model.logits(torch.tensor([row]))[0][0, j].float(), -1)
+                    nats -= float(logp[ids[j]])
+    assert _encoder_bpb(model, sp, text) == pytest.approx(nats / text.bytes / math.log(2), rel=1e-5)
+
+
+def test_encoder_score_is_unchanged_by_a_larger_vocabulary_that_splits_every_word_the_same():
+    """The same model in a vocabulary of 40 more pieces, which the text never uses and the model
+    gives no probability, with the ids of every piece moved: the same pieces, the same score."""
+    words = sorted({w for line in TEXT for w in line.split()})
+    sp, bigger = two_char_pieces(words), two_char_pieces(words, offset=40)
+    small, large = _encoder(64), _encoder(104)
+    state = small.state_dict()
+    big = {k: v.clone() for k, v in large.state_dict().items()}
+    for k, v in state.items():
+        if v.shape[:1] == (64,) and big[k].shape[:1] == (104,):  # rows indexed by piece
+            fill = -1e4 if v.ndim == 1 else 0.0  # the extra pieces: never predicted
+            big[k] = torch.full_like(big[k], fill)
+            big[k][:5], big[k][45:] = v[:5], v[5:]
+        else:
+            big[k] = v
+    large.load_state_dict(big)
+    text = B.RawText(tuple(TEXT), "test")
+    assert _encoder_bpb(large, bigger, text) == pytest.approx(_encoder_bpb(small, sp, text), rel=1e-5)
+
+
+# --- fair between tokenizers: a language whose exact conditionals are known ---------------------------
+
+PREFIXES, SUFFIXES = ["ka", "lo", "mi", "nu"], [a + b for a in "bcdf" for b in "aeiu"]
+LEXICON = [PREFIXES[i % 4] + SUFFIXES[i] for i in range(16)]  # 16 words; its suffix gives a word away
+
+
+class Oracle(torch.nn.Module):
+    """The exact masked-LM of a text of words drawn independently and uniformly from `LEXICON`,
+    each word `width` pieces (`words`: the lexicon's piece ids): a masked piece's distribution is
+    that of the lexicon words agreeing with the visible pieces of its own word (other words say
+    nothing). Rows: the words' pieces then </s>."""
+
+    def __init__(self, words: list[tuple[int, ...]]):
+        super().__init__()
+        self.words, self.width = words, len(words[0])
+
+    def forward(self, ids, labels=None, *, masked_index, targets, padding=None):
+        b, s = ids.shape
+        nats = 0.0
+        for flat, target in zip(masked_index.tolist(), targets.tolist()):
+            row, pos = divmod(flat, s)
+            first = pos - pos % self.width
+            seen = {k: int(ids[row, first + k]) for k in range(self.width) if int(ids[row, first + k]) != MASK_ID}
+            agree = [w for w in self.words if all(w[k] == v for k, v in seen.items())]
+            nats -= math.log(sum(w[pos - first] == target for w in agree) / len(agree))
+        return torch.tensor(nats / len(targets)), None
+
+
+def test_word_l2r_is_fair_between_a_coarse_and_a_fine_tokenizer_where_pll_is_not():
+    """Coarse: one piece a word. Fine: two, its prefix (shared by 4 words) then its suffix (its
+    own). With each tokenizer's exact model both are equally good: 4 bits a word. PLL-word-l2r
+    gives both exactly that; PLL (one piece masked at a time) lets the visible suffix give the
+    prefix away and scores the fine tokenizer 2 bits a word: it flatters finer tokenizations."""
+    coarse = Words({w: [(w, 5 + i)] for i, w in enumerate(LEXICON)})
+    fine = Words({w: [(w[:2], 5 + i % 4), (w[2:], 9 + i)] for i, w in enumerate(LEXICON)})
+    rng = random.Random(0)
+    text = B.RawText(tuple(" ".join(rng.choice(LEXICON) for _ in range(6)) for _ in range(20)), "synthetic")
+    n_words = 6 * 20
+    exact = n_words * 4 / text.bytes
+    coarse_model = Oracle([(5 + i,) for i in range(16)])
+    fine_model = Oracle([(5 + i % 4, 9 + i) for i in range(16)])
+    assert _encoder_bpb(coarse_model, coarse, text) == pytest.approx(exact, rel=1e-6)
+    assert _encoder_bpb(fine_model, fine, text) == pytest.approx(exact, rel=1e-6)
+    assert _encoder_bpb(fine_model, fine, text, whole_word=False) == pytest.approx(exact / 2, rel=1e-6)
+    assert _encoder_bpb(coarse_model, coarse, text, whole_word=False) == pytest.approx(exact, rel=1e-6)
+
+
+def test_a_lone_word_boundary_piece_belongs_to_the_word_after_it():
+    #                 spans: '▁' of no character at 0, 'ab' [0, 2); '▁' [3, 3), 'cd' [3, 5)
+    assert B.word_index("ab cd", [(0, 0), (0, 2), (3, 3), (3, 5)]) == [0, 0, 1, 1]
+    assert B.word_index(" ab", [(1, 3)]) == [0]
+
+
+# --- the held-out text ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def english(corpus, tokenizer, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bpb_en") / "en"
+    prepare(corpus, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    return d
+
+
+def test_heldout_lines_are_the_validation_documents(english, corpus):
+    docs = B.heldout_lines(english, 4000)
+    manifest = json.loads((english / "manifest.json").read_text())
+    assert manifest["valid_seed"] == PreprocessConfig.tokenizer_seed
+    assert sum(len(line.encode()) for d in docs for line in d) >= 4000
+    # By hand: the corpus's documents (blank-line separated) whose first line the split holds out.
+    held = [d for d in (b.strip().splitlines() for b in corpus.read_text().split("\n\n")) if d
+            and is_validation_document(d[0].strip(), 0.1, manifest["valid_seed"])]
+    assert docs[0] == [line.strip() for line in held[0]][:len(docs[0])]
+    assert [line for d in docs for line in d] == [line.strip() for d in held for line in d][:sum(map(len, docs))]
+
+
+def test_heldout_lines_refuse_a_split_they_cannot_read_back(english, tmp_path):
+    """A manifest whose seed is not the one the split was made with: the lines read back are not
+    the split's, refused in one line (not scored as if they were)."""
+    import shutil
+
+    bad = tmp_path / "en"
+    shutil.copytree(english, bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "valid_seed": manifest["valid_seed"] + 1}))
+    with pytest.raises(DataError, match="not those of .* validation split"):
+        B.heldout_lines(bad, 2000)
+    (bad / "manifest.json").write_text(json.dumps({**manifest, "valid_fraction": 0.0, "valid": None}))
+    with pytest.raises(DataError, match="has no validation split: .* --valid_fraction"):
+        B.heldout_lines(bad, 2000)
+
+
+def test_the_primarys_own_rows_as_an_artifact_are_no_adaptation(primary_run, english, tokenizer, tmp_path):
+    """plugin_records through the primary: an 'artifact' of its own embeddings and primary-head
+    bias with its own tokenizer scores exactly what no adaptation scores, at update 0 and after."""
+    from mmadapt import plugin as P
+    from mmadapt.artifact import write_artifact
+    from mmadapt.checkpoint import tag_for
+    from mmadapt.family import WORD
+    from mmadapt.run import load_weights
+    from conftest import PRIMARY_ITERS
+
+    cfg, state = load_weights(primary_run)
+    run = tmp_path / "adapt"
+    meta = {"system": "bl_base", "lang": "en", "step": 0, "flops": 0.0, "flops_paper": 0.0, "v100_days": 0.0,
+            "tokens": 0, "source": str(primary_run), "source_tag": tag_for(PRIMARY_ITERS)}
+    own = {"word_embeddings": state[WORD], "output_bias": state["heads.heads.1.bias"]}
+    for step in (0, 3):
+        write_artifact(run / "embeddings" / tag_for(step), own, tokenizer, {**meta, "step": step})
+    (run / "run.json").write_text(json.dumps({"system": "bl_base", "lang": "en", "train": {"seed": 1}}))
+    records = P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=16, batch_size=16, bpb_bytes=2000)
+    assert [r["step"] for r in records] == [0, 3]
+    for r in records:
+        assert r["bpb"] == pytest.approx(r["none_bpb"], rel=1e-6) and r["start_bpb"] == pytest.approx(r["bpb"])
+        assert 0.9 * 2000 < r["bpb_bytes"] < 2000 + 1000  # the lines read, less the spaces where they are cut
