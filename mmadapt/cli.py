@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mmadapt import faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
+from mmadapt.bpb import BPB_BYTES
 from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, LAYOUT_FIELDS, RECIPES, SYSTEMS, EvaluateConfig,
                             FinetuneConfig, Layout, MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig,
                             add_dataclass_args, apply_recipe, override, whole_number)
@@ -27,7 +28,7 @@ from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_any
 from mmadapt.report import (NO_ADAPTATION, PAPER, adaptation_markdown, choose_baseline, flops_rows,
-                            format_flops_table, paper_rows, plot_curves, plot_speedup, report_markdown)
+                            bpb_markdown, format_flops_table, paper_rows, plot_curves, plot_speedup, report_markdown)
 from mmadapt.models import FAMILIES, PRESETS, find_preset, import_plugins
 from mmadapt.run import RunSpec, read_source
 from mmadapt.slurm import main as slurm_command
@@ -412,6 +413,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    "--allow_untrained_positions)")
     p.add_argument("--plugin_blocks", type=whole_number(1), default=256, help="with --plugin_data: held-out blocks "
                    "scored")
+    p.add_argument("--bpb_bytes", type=whole_number(256), default=BPB_BYTES, help="with --plugin_data: bytes of raw "
+                   "held-out text scored in bits per byte (the scale every tokenizer shares: docs/bits-per-byte.md)")
     p.add_argument("--output", required=True, help="JSON file of records {system, task, lang, step, flops, "
                    "score, ...}; must not exist yet")
     add_dataclass_args(p, FinetuneConfig, only=("eval_batch_tokens",), defaults="each --finetuned run's own")
@@ -431,7 +434,7 @@ def evaluate_main(argv=None) -> int:
                              "--plugin_data scores each run's start (update 0) instead: drop the flag")
         records = steps.evaluate_plugin(Path(args.primary), embeddings=args.embeddings, data=args.plugin_data,
                                         output=Path(args.output), seq_length=args.seq_length,
-                                        blocks=args.plugin_blocks,
+                                        blocks=args.plugin_blocks, bpb_bytes=args.bpb_bytes,
                                         allow_untrained_positions=bool(args.allow_untrained_positions))
     else:
         if not args.finetuned or not args.eval_file:
@@ -444,11 +447,14 @@ def evaluate_main(argv=None) -> int:
         chance = "" if r.get("chance") is None else f" (chance {r['chance']:.2f})"
         flag = "  (!) see the fine-tune warnings above" if r.get("finetune_warnings") else ""
         when = "no adaptation" if r["system"] == NO_ADAPTATION else f"step {r['step']:>7d}"
+        bits = f"  {r['bpb']:.3f} bits per byte (no adaptation {r['none_bpb']:.3f})" if "bpb" in r else ""
         print(f"{r['system']:10s} {r['task']} {r['lang']} {when}  {r['flops']:.3g} FLOPs  "
-              f"{r['metric']} {r['score']:.2f}{chance}{flag}")
+              f"{r['metric']} {r['score']:.2f}{chance}{bits}{flag}")
     for task in dict.fromkeys(r["task"] for r in records):
         bought = adaptation_markdown(records, task)
         print("\n" + bought if bought else "", end="")
+        per_byte = bpb_markdown([r for r in records if r["task"] == task])
+        print("\n" + per_byte if per_byte else "", end="")
     print(f"{len(records)} records in {args.output}")
     return 0
 
@@ -676,6 +682,9 @@ def extend_main(argv=None) -> int:
                        help=what + " (default: %(default)s)")
     p.add_argument("--lr", type=float, default=d["lr"].default, help="every stage's peak learning rate (default: "
                    "%(default)s)")
+    p.add_argument("--bpb_bytes", type=whole_number(256), default=d["bpb_bytes"].default, help="held-out target bytes "
+                   "the result is scored on in bits per byte, against the source model with no adaptation (default: "
+                   "%(default)s; not part of the extension: a later call may change it)")
     args = p.parse_args(argv)
     extend(Extend(**{k: getattr(args, k) for k in d}))
     return 0

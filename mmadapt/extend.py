@@ -26,13 +26,15 @@ from pathlib import Path
 
 from mmadapt import checkpoint, parallel, steps
 from mmadapt.artifact import artifact_dirs, read_artifact
+from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig
 from mmadapt.data import MANIFEST
-from mmadapt.heldout import Primary, Scorer, Text
+from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import export_hf, import_any
 from mmadapt.run import RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
+REPORT_ONLY = ("bpb_bytes",)  # Extend fields that size the summary, not the extension: a later call may change them
 SYSTEMS = ("minipost", "bl_base")  # what an imported model offers: no MINIJOINT head, no BL_SMALL run
 
 
@@ -59,6 +61,7 @@ class Extend:
     head_iters: int = 200
     minipost_iters: int = 500
     adapt_iters: int = 600
+    bpb_bytes: int = BPB_BYTES  # held-out target bytes the summary scores in bits per byte: not the extension's identity
 
     def __post_init__(self):
         self.model, self.output_dir = Path(self.model).resolve(), Path(self.output_dir)
@@ -82,7 +85,7 @@ def claim(ext: Extend) -> None:
     record = out / RECORD
     if record.is_file():
         theirs = checkpoint.read_json(record, "extend record")
-        changed = sorted(k for k in mine if theirs.get(k) != mine[k])
+        changed = sorted(k for k in mine if k not in REPORT_ONLY and theirs.get(k) != mine[k])
         if changed:
             raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {changed[0]} "
                              f"{theirs.get(changed[0])!r}, not {mine[changed[0]]!r}: continue it with the same "
@@ -164,38 +167,33 @@ def _stage_printer():
 
 def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -> dict:
     """The plug-in loss (held-out target text, through the primary model) of the new embeddings at
-    update 0 and at the end, the target unigram reference, and no adaptation: the source model
-    with its own tokenizer and embeddings on the same held-out text (per piece of its own
-    tokenizer, which cuts the text differently). Read from the artifacts and computed again the
-    same way, so a repeated call prints the same."""
+    update 0 and at the end against the target unigram reference, and the same text in bits per
+    byte (bpb.py: one scale for every tokenizer) at update 0, at the end and with no adaptation
+    (the source model with its own tokenizer and embeddings). Read from the artifacts and
+    computed again the same way, so a repeated call prints the same."""
     arts = artifact_dirs([adapt])
-    first, last = (read_artifact(a)[2] for a in (arts[0], arts[-1]))
-    primary = Primary.read(source)
-    scorer = Scorer(primary)
-    own = scorer.heldout(Text(_own_text(ext, source, data), ext.seq_length), primary.cfg.vocab_size)
-    none = scorer.loss(own)
+    (start_emb, start_tok, first), (emb, tok, last) = read_artifact(arts[0]), read_artifact(arts[-1])
+    per_byte = ByteScorer(Scorer(Primary.read(source)), ext.seq_length, ext.bpb_bytes)
+    raw = per_byte.text(data)
     summary = {"lang": ext.lang, "start_loss": first["plugin_loss"], "final_loss": last["plugin_loss"],
-               "unigram_loss": last["unigram_loss"], "no_adaptation_loss": none,
-               "no_adaptation_unigram_loss": own.unigram, "step": last["step"], "flops": last["flops"],
-               "export": str(export)}
+               "unigram_loss": last["unigram_loss"], "step": last["step"], "flops": last["flops"],
+               "start_bpb": per_byte.score(raw, start_tok, start_emb, first)["bpb"],
+               "final_bpb": per_byte.score(raw, tok, emb, last)["bpb"], "no_adaptation_bpb": per_byte.none(raw),
+               "bpb_bytes": raw.bytes, "export": str(export)}
     if (export / "sentence_transformers").is_dir():
         summary["sentence_transformers"] = str(export / "sentence_transformers")
+    gain = summary["no_adaptation_bpb"] - summary["final_bpb"]
     print(f"{ext.lang} through the primary model (plug-in loss, held-out text): {summary['start_loss']:.3f} at the "
           f"start, {summary['final_loss']:.3f} after {last['step']} updates, unigram reference "
-          f"{summary['unigram_loss']:.3f} ({summary['unigram_loss'] - summary['final_loss']:+.3f} past it); no "
-          f"adaptation (the source's own tokenizer, per piece of it) {none:.3f} against its unigram reference "
-          f"{own.unigram:.3f}. Extended model: {export}", flush=True)
+          f"{summary['unigram_loss']:.3f} ({summary['unigram_loss'] - summary['final_loss']:+.3f} past it).\n"
+          f"In bits per byte of the same {raw.bytes:,} held-out bytes (every tokenizer on one scale): "
+          f"{summary['start_bpb']:.3f} at the start, {summary['final_bpb']:.3f} at the end, "
+          f"{summary['no_adaptation_bpb']:.3f} with no adaptation (the source's own tokenizer and embeddings): "
+          + (f"the extended model reads {ext.lang} better by {gain:.3f} bits per byte." if gain > 0 else
+             f"the extended model does not read {ext.lang} better than the source model yet ({-gain:.3f} bits per byte "
+             "behind): train Step 2 longer (--adapt_iters).")
+          + f" Extended model: {export}", flush=True)
     return summary
-
-
-def _own_text(ext: Extend, source: Path, data: Path) -> Path:
-    """The target corpus prepared in the source's own tokenizer, its held-out split the same
-    documents as the adapted data's (the same seeded split): what no adaptation is scored on."""
-    out = ext.output_dir / "data-source-tokenizer"
-    if not (out / MANIFEST).is_file():
-        steps.preprocess(ext.corpus, output_dir=out, vocab_size=None, tokenizer=read_source(source).tokenizer,
-                         cfg=PreprocessConfig(workers=1, valid_fraction=0.03))
-    return out
 
 
 __all__ = ["Extend", "extend"]

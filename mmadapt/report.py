@@ -291,6 +291,73 @@ def plugin_markdown(records: list[dict]) -> str:
     return "\n".join(out)
 
 
+# --- one scale for every tokenizer: bits per byte of the raw held-out text (bpb.py) ------------------
+
+def bpb_rows(records: list[dict]) -> list[dict]:
+    """Per language and system of the plug-in records that carry bits per byte: {lang, system,
+    none (no adaptation), start (update 0), last, flops (the last checkpoint's Step-2 compute),
+    first_below (the compute of the first checkpoint below no adaptation; None: none is),
+    source_none, source_last (an expanded vocabulary's source text; None elsewhere), bytes}."""
+    rows = []
+    mine = [r for r in records if is_plugin(r["task"]) and r.get("bpb") is not None]
+    for lang in sorted({r["lang"] for r in mine}):
+        for system in sorted({r["system"] for r in mine if r["lang"] == lang}, key=lambda s: (s != "bl_base", s)):
+            pts = sorted((r for r in mine if (r["lang"], r["system"]) == (lang, system)),
+                         key=lambda r: (r["flops"], r["step"]))
+            last = pts[-1]
+            below = [r["flops"] for r in pts if r["bpb"] < r["none_bpb"]]
+            rows.append({"lang": lang, "system": system, "none": last["none_bpb"], "start": last["start_bpb"],
+                         "last": last["bpb"], "flops": float(last["flops"]), "first_below": below[0] if below else None,
+                         "source_none": last.get("source_none_bpb"), "source_last": last.get("source_bpb"),
+                         "bytes": last["bpb_bytes"]})
+    return rows
+
+
+def bpb_verdict(lang: str, rows: list[dict]) -> str:
+    """One line: in `lang`, which systems' adapted models read the held-out text better than no
+    adaptation, by how many bits per byte, and from what Step-2 compute on."""
+    out = []
+    for r in rows:
+        d = r["none"] - r["last"]
+        if d > 0:
+            first = (f", first below it at {r['first_below'] / 1e18:.3g} EFLOPs" if r["first_below"] is not None and
+                     r["first_below"] < r["flops"] else "")
+            out.append(f"{r['system']} beats no adaptation by {d:.3f} bits per byte ({r['last']:.3f} against "
+                       f"{r['none']:.3f}) at {r['flops'] / 1e18:.3g} EFLOPs of Step 2{first}")
+        else:
+            out.append(f"{r['system']} does not beat no adaptation ({r['last']:.3f} bits per byte against "
+                       f"{r['none']:.3f}) after {r['flops'] / 1e18:.3g} EFLOPs of Step 2")
+    return f"{lang}: " + "; ".join(out) + "."
+
+
+def bpb_markdown(records: list[dict]) -> str:
+    """The plug-in records in bits per byte of the same held-out text, per language: no
+    adaptation (the primary model with its own tokenizer and embeddings), each system's update 0
+    and last checkpoint, what it bought, an expanded vocabulary's cost on source text; then the
+    verdict line of each language. Empty when no record carries bits per byte."""
+    rows = bpb_rows(records)
+    if not rows:
+        return ""
+    source = any(r["source_last"] is not None for r in rows)
+    out = ["## bits per byte of held-out text: adapted against no adaptation", "",
+           "One scale for every tokenizer (lower is better; docs/bits-per-byte.md): the same raw held-out text "
+           "through the primary model. No adaptation: its own tokenizer and embeddings. Update 0: the new "
+           "embeddings as Step 2 initialised them." + (" Source text: held-out source-language text with the "
+           "expanded vocabulary, against the model's own (what the new language cost the source)." if source else ""),
+           "", "| lang | system | Step-2 EFLOPs | no adaptation | update 0 | last checkpoint | last − no adaptation |"
+           + (" source text: own → expanded |" if source else ""), "|---" * (8 if source else 7) + "|"]
+    for r in rows:
+        cells = [r["lang"], r["system"], f"{r['flops'] / 1e18:.3g}", f"{r['none']:.3f}", f"{r['start']:.3f}",
+                 f"{r['last']:.3f}", f"{r['last'] - r['none']:+.3f}"]
+        if source:
+            cells.append("-" if r["source_last"] is None else f"{r['source_none']:.4f} → {r['source_last']:.4f}")
+        out.append("| " + " | ".join(cells) + " |")
+    langs = dict.fromkeys(r["lang"] for r in rows)
+    out += [""] + [f"- {bpb_verdict(lang, [r for r in rows if r['lang'] == lang])} "
+                   f"({next(r['bytes'] for r in rows if r['lang'] == lang):,} bytes)" for lang in langs] + [""]
+    return "\n".join(out)
+
+
 # --- what adaptation bought: no adaptation, the start (update 0), the last checkpoint ----------------
 
 def no_adaptation_score(records: list[dict], system: str, task: str, lang: str) -> float | None:
@@ -422,6 +489,8 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
         out += _final_table(t, everything, baseline, device)
         bought = adaptation_markdown(everything, task)
         out += ["", bought.rstrip("\n")] if bought else []
+        per_byte = bpb_markdown([r for r in everything if r["task"] == task])
+        out += ["", per_byte.rstrip("\n")] if per_byte else []
         out += _near_max_section(t, cs, hits, baseline, device)
     if len(tasks) > 1:  # the paper's single retention number (footnote 4): the mean of the per-task ones
         out += [f"## retention against {baseline}, mean over tasks ({', '.join(tasks)})", "",
@@ -581,6 +650,23 @@ def compute_axis(max_flops: float, device: str = "v100-paper") -> tuple[float, s
     return size, f"Step-2 compute ({name})"
 
 
+def _bpb_panel(ax, records: list[dict], systems: list[str], unit: float) -> None:
+    """One language's plug-in records in bits per byte against Step-2 compute: a line per system
+    from its start (update 0) at 0 FLOPs, no adaptation dash-dotted."""
+    for system in systems:
+        mine = sorted((r for r in records if r["system"] == system and r.get("bpb") is not None),
+                      key=lambda r: (r["flops"], r["step"]))
+        if not mine:
+            continue
+        pts = [(float(r["flops"]), r["bpb"]) for r in mine]
+        if pts[0][0] > 0:
+            pts = [(0.0, mine[0]["start_bpb"]), *pts]
+        ax.plot([x / unit for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=system,
+                color=COLORS.get(system))
+    ax.axhline(next(r["none_bpb"] for r in records if r.get("bpb") is not None), color="black", ls="-.", lw=1.0,
+               label="no adaptation (own tokenizer and embeddings)")
+
+
 def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
     """Figure-3 style: score against Step-2 compute, one panel per task and language, one line per
     system from its start (update 0) at 0 FLOPs, BL_BASE's near-maximal target dashed, the chance
@@ -591,13 +677,22 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
         return False
     plt = _pyplot()
     cs = curves(records)
-    panels = sorted({(k[1], k[2]) for k in cs})
+    panels = [(task, lang, "score") for task, lang in sorted({(k[1], k[2]) for k in cs})]
+    panels += [(task, lang, "bpb") for task, lang in sorted({(r["task"], r["lang"]) for r in records
+                                                             if is_plugin(r["task"]) and r.get("bpb") is not None})]
     systems = sorted({k[0] for k in cs})
     unit, xlabel = compute_axis(max(x for pts in cs.values() for x, _ in pts), device)
     cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False)
-    for ax, (task, lang) in zip(axes.flat, panels):
+    for ax, (task, lang, kind) in zip(axes.flat, panels):
+        if kind == "bpb":
+            _bpb_panel(ax, [r for r in records if r["task"] == task and r["lang"] == lang], systems, unit)
+            ax.set_title(f"{task} · {lang} · bits per byte", fontsize=9)
+            ax.set_xlabel(xlabel, fontsize=8)
+            ax.set_ylabel("bits per byte (lower is better)", fontsize=8)
+            ax.tick_params(labelsize=7)
+            continue
         for system in systems:
             pts = cs.get((system, task, lang))
             start = [r["start_gain"] for r in records if r["task"] == task and r["lang"] == lang

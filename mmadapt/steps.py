@@ -38,6 +38,7 @@ import torch.distributed as dist
 from mmadapt import parallel
 from mmadapt.adapt import AdaptEmbeddings, adapt_embeddings
 from mmadapt.artifact import artifact_dirs, read_artifact
+from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig, StepSpec,
                             TrainConfig, path_args, whole_arg)
@@ -448,12 +449,13 @@ def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, outp
 
 
 def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Path | None = None,
-                    seq_length: int | None = None, blocks: int = 256, allow_untrained_positions: bool = False
-                    ) -> list[dict]:
+                    seq_length: int | None = None, blocks: int = 256, allow_untrained_positions: bool = False,
+                    bpb_bytes: int = BPB_BYTES) -> list[dict]:
     """Step 4's plug-in metric (plugin.py): every artifact through `primary`'s primary head,
     scored on the validation split of the dataset `data` ({lang}: each artifact's language)
     against the unigram reference, in blocks of `seq_length` (default: the primary's pretraining
-    blocks, 64 for an imported model; longer ones only with allow_untrained_positions). Writes
+    blocks, 64 for an imported model; longer ones only with allow_untrained_positions), and in
+    bits per byte of the first `bpb_bytes` of its raw held-out text (bpb.py). Writes
     the records to `output` (which must not exist) when given. Needs no process group."""
     primary, embeddings = path_args(primary, "primary")[0], path_args(embeddings, "embeddings")
     seq_length, blocks = whole_arg(seq_length, "seq_length", 8, optional=True), whole_arg(blocks, "blocks", 1)
@@ -466,7 +468,8 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
         print(f"warning: {positions}", flush=True)
     langs = {read_artifact(p)[2]["lang"] for p in artifact_dirs([Path(e) for e in embeddings])}
     records = plugin_records(Path(primary), [Path(e) for e in embeddings],
-                             {lang: Path(data.replace("{lang}", lang)) for lang in langs}, seq_length, blocks)
+                             {lang: Path(data.replace("{lang}", lang)) for lang in langs}, seq_length, blocks,
+                             bpb_bytes=whole_arg(bpb_bytes, "bpb_bytes", 256))
     return _write_records(records, output)
 
 

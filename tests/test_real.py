@@ -289,7 +289,7 @@ def test_extend_goes_from_the_directory_to_the_extended_model_in_one_command(shi
     out = root / "extend"
     argv = ["extend", "--model", str(shipped), "--lang", "de", "--corpus", "bible:de", "--output_dir", str(out),
             "--vocab_size", "2000", "--head_iters", "4", "--minipost_iters", "4", "--adapt_iters", "4",
-            "--batch", "4"]
+            "--batch", "4", "--bpb_bytes", "1024"]
     run_ok(*argv)
     first = capsys.readouterr().out
     assert {"import", "head", "minipost", "data", "adapt", "export"} <= {p.name for p in out.iterdir()}
@@ -302,7 +302,10 @@ def test_extend_goes_from_the_directory_to_the_extended_model_in_one_command(shi
     assert sorted(str(p) for p in out.rglob("checkpoints/*")) == checkpoints
     result = [line for line in first.splitlines() if "through the primary model (plug-in loss" in line]
     assert result and result == [line for line in again.splitlines() if "through the primary model (plug-in" in line]
-    assert main([*argv[:-2], "--batch", "8"]) == 2
+    bits = [line for line in first.splitlines() if line.startswith("In bits per byte of the same")]
+    assert bits and bits == [line for line in again.splitlines() if line.startswith("In bits per byte of the same")]
+    assert "with no adaptation (the source's own tokenizer and embeddings)" in bits[0]
+    assert main([*argv[:-4], "--batch", "8"]) == 2
     assert "choose a new --output_dir" in capsys.readouterr().err
     other = root / "not-an-extension"
     other.mkdir()

@@ -385,3 +385,36 @@ def test_a_scored_fraction_keeps_its_curves_apart_and_meets_its_own_ceiling():
     assert rows["minijoint p=0.25"].endswith("| 75% at 33% of its compute |")
     out = report_markdown(records, baseline="minijoint:full")
     assert "| minijoint p=0.25 | 2 |" in out and "| minijoint | 4 |" in out
+
+
+def _bpb_records():
+    """Plug-in records with bits per byte, by hand: in de, bl_base passes no adaptation (2.7) at
+    its second checkpoint; minipost never does; an expanded run carries its source-text cost."""
+    base = {"task": "plugin-mlm", "lang": "de", "unigram_loss": 5.0, "masked_pieces": 64, "start_loss": 6.0,
+            "start_gain": -1.0, "none_bpb": 2.7, "bpb_bytes": 8100}
+    out = []
+    for system, pts, extra in (("bl_base", [(0, 0.0, 3.0), (10, 2e18, 2.6), (20, 4e18, 2.4)], {}),
+                               ("minipost", [(0, 0.0, 3.1), (20, 1e17, 2.9)], {}),
+                               ("expand", [(0, 0.0, 3.2), (20, 3e18, 2.65)],
+                                {"source_bpb": 1.2050, "source_none_bpb": 1.2000})):
+        for step, flops, bpb in pts:
+            out.append({**base, **extra, "system": system, "step": step, "flops": flops, "score": 3.0 - bpb,
+                        "loss": 2.0 + bpb, "bpb": bpb, "start_bpb": pts[0][2]})
+    return out
+
+
+def test_bits_per_byte_table_and_verdict_by_hand(tmp_path):
+    from mmadapt.report import bpb_markdown, plot_curves
+
+    md = bpb_markdown(_bpb_records())
+    assert "| de | bl_base | 4 | 2.700 | 3.000 | 2.400 | -0.300 | - |" in md
+    assert "| de | minipost | 0.1 | 2.700 | 3.100 | 2.900 | +0.200 | - |" in md
+    assert "| de | expand | 3 | 2.700 | 3.200 | 2.650 | -0.050 | 1.2000 → 1.2050 |" in md
+    assert ("- de: bl_base beats no adaptation by 0.300 bits per byte (2.400 against 2.700) at 4 EFLOPs of Step 2, "
+            "first below it at 2 EFLOPs; expand beats no adaptation by 0.050 bits per byte (2.650 against 2.700) at "
+            "3 EFLOPs of Step 2; minipost does not beat no adaptation (2.900 bits per byte against 2.700) after 0.1 "
+            "EFLOPs of Step 2. (8,100 bytes)") in md
+    assert bpb_markdown([{k: v for k, v in r.items() if "bpb" not in k} for r in _bpb_records()]) == ""
+    # In the report, and a panel of its own in the plot.
+    assert "## bits per byte of held-out text" in report_markdown(_bpb_records())
+    assert plot_curves(_bpb_records(), tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 0
