@@ -183,6 +183,40 @@ def test_the_plugin_metric_reads_held_out_text_as_transformers_does(name, dec_di
     assert count == held.scored and abs(loss - total / count) <= 1e-4 * loss
 
 
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_bits_per_byte_of_raw_text_are_transformers_next_token_loss(name, dec_dirs, dec_runs, corpus, tmp_path):
+    """bpb.ByteScorer through an imported decoder, with its own tokenizer (no adaptation): each
+    held-out segment as transformers' tokenizer lays out its text (Qwen2, which puts nothing
+    before a text, after its end-of-text token, as lm-eval does), every piece of the text scored:
+    the sum of transformers' next-token losses / the segments' UTF-8 bytes / ln 2, within 1e-4."""
+    from mmadapt.bpb import ByteScorer
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.data import prepare
+    from mmadapt.heldout import Primary, Scorer
+
+    run, tok = dec_runs[name], hf_tokenizer(dec_dirs[name])
+    data = tmp_path / "en"
+    prepare(corpus, data, None, tokenizer=run / "tokenizer" / "spm.model", quiet=True,
+            cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    per_byte = ByteScorer(Scorer(Primary.read(run)), SEQ[name], max_bytes=1500)
+    text = per_byte.text(data)
+    got = per_byte.none(text)
+    hf = hf_lm(dec_dirs[name])
+    nats = 0.0
+    for seg in text.segments:
+        ids = tok(seg).input_ids
+        bare = tok(seg, add_special_tokens=False).input_ids
+        start = [] if len(ids) > len(bare) else [tok.eos_token_id]  # Qwen2: nothing before a text
+        ids = start + ids
+        n = len(bare)
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits.float()[0], -1)
+        nats -= float(logp[torch.arange(len(ids) - n - 1, len(ids) - 1), torch.tensor(ids[-n:])].sum())
+    expected = nats / text.bytes / math.log(2)
+    print(f"{name}: {got:.6f} bits per byte, transformers' {expected:.6f} ({text.bytes} bytes)")
+    assert abs(got - expected) <= 1e-4 * expected
+
+
 def test_trained_decoder_is_not_near_uniform(dec_dirs):
     """The briefly trained Qwen2's next-token loss on a book it never saw, against log V (uniform)."""
     tok, hf = hf_tokenizer(dec_dirs["qwen2"]), hf_lm(dec_dirs["qwen2"])
