@@ -17,6 +17,11 @@ one are on one scale (docs/bits-per-byte.md):
               it away, and flatters a finer tokenizer; tests/test_bpb.py checks both on a
               language whose exact conditionals are known.
 
+A piece the tokenizer cannot read (<unk>) stands for bytes the model gives no probability to:
+each byte under it is charged 8 bits (a uniform code over byte values) on top of the <unk>
+piece's own loss, so that a tokenizer cannot score well by reading a text as <unk> (English
+pieces on Russian text are nearly all <unk>, which a model predicts easily).
+
 A word is a run of non-whitespace characters of the raw text (not a tokenizer's notion of one),
 so that every tokenizer groups the same pieces together; a piece belongs to the word its first
 non-space character falls in (a lone '▁' to the word after it).
@@ -209,26 +214,34 @@ class Rows:
     rows: list[tuple[list[int], list[int]]]
     pieces: int
     unknown: int
+    unknown_bytes: int  # the UTF-8 bytes the <unk> pieces stand for
+
+
+def unknown_bytes(seg: str, ids: list[int], spans: list[tuple[int, int]]) -> int:
+    """The UTF-8 bytes of `seg` that its <unk> pieces stand for (their character spans)."""
+    return sum(len(seg[b:e].encode("utf-8")) for i, (b, e) in zip(ids, spans) if i == UNK_ID)
 
 
 def causal_rows(sp, text: RawText, layout: Layout, max_pieces: int) -> Rows:
     """Each segment once: layout.prefix, its pieces; every piece scored (from the position before it)."""
-    rows, pieces, unknown = [], 0, 0
-    for ids in sp.encode(list(text.segments)):
+    rows, pieces, unknown, unk_bytes = [], 0, 0, 0
+    for seg, ids in zip(text.segments, sp.encode(list(text.segments))):
         _fits(len(ids), layout, max_pieces)
         row = list(layout.prefix) + list(ids)
         labels = [IGNORE] * len(row)
         labels[len(layout.prefix) - 1:len(row) - 1] = ids
         rows.append((row, labels))
         pieces += len(ids)
-        unknown += sum(i == UNK_ID for i in ids)
-    return Rows(rows, pieces, unknown)
+        if UNK_ID in ids:
+            unknown += sum(i == UNK_ID for i in ids)
+            unk_bytes += unknown_bytes(seg, *piece_offsets(sp, seg))
+    return Rows(rows, pieces, unknown, unk_bytes)
 
 
 def masked_rows(sp, text: RawText, layout: Layout, max_pieces: int, whole_word: bool = True) -> Rows:
     """One row per piece: the segment laid out, the piece masked with (whole_word) every later
     piece of its word (PLL-word-l2r) or alone (PLL), the piece scored at its position."""
-    rows, pieces, unknown = [], 0, 0
+    rows, pieces, unknown, unk_bytes = [], 0, 0, 0
     for seg in text.segments:
         ids, spans = piece_offsets(sp, seg)
         _fits(len(ids), layout, max_pieces)
@@ -245,7 +258,8 @@ def masked_rows(sp, text: RawText, layout: Layout, max_pieces: int, whole_word: 
             rows.append((masked, labels))
         pieces += len(ids)
         unknown += sum(i == UNK_ID for i in ids)
-    return Rows(rows, pieces, unknown)
+        unk_bytes += unknown_bytes(seg, ids, spans)
+    return Rows(rows, pieces, unknown, unk_bytes)
 
 
 def _fits(n: int, layout: Layout, max_pieces: int) -> None:
@@ -298,10 +312,12 @@ class Scored:
     on_device: list
     pieces: int
     unknown: int
+    unknown_bytes: int
     bytes: int
 
     def bpb(self, nats: float) -> float:
-        return nats / self.bytes / math.log(2)
+        """The summed loss `nats` of the pieces, and 8 bits for each byte under an <unk>, per byte."""
+        return (nats / math.log(2) + 8 * self.unknown_bytes) / self.bytes
 
 
 def prepare(sp, text: RawText, layout: Layout, masked: bool, max_pieces: int, device: torch.device) -> Scored:
@@ -309,7 +325,7 @@ def prepare(sp, text: RawText, layout: Layout, masked: bool, max_pieces: int, de
     from mmadapt.heldout import on_device
 
     rows = (masked_rows if masked else causal_rows)(sp, text, layout, max_pieces)
-    return Scored(on_device(batches(rows), device), rows.pieces, rows.unknown, text.bytes)
+    return Scored(on_device(batches(rows), device), rows.pieces, rows.unknown, rows.unknown_bytes, text.bytes)
 
 
 class ByteScorer:
@@ -347,7 +363,8 @@ class ByteScorer:
                                       device_of(self.scorer.model))
         scored = self._read[key]
         nats = self.scorer.summed(scored.on_device, art, meta)
-        return {"bpb": scored.bpb(nats), "pieces": scored.pieces, "unknown_share": scored.unknown / max(scored.pieces, 1)}
+        return {"bpb": scored.bpb(nats), "pieces": scored.pieces, "unknown_share": scored.unknown / max(scored.pieces, 1),
+                "unknown_bytes": scored.unknown_bytes}
 
     def none(self, text: RawText) -> float:
         """No adaptation: `text` in bits per byte through the primary model with its own

@@ -98,6 +98,24 @@ def test_decoder_bits_per_byte_by_hand():
     assert got == pytest.approx(nats / text.bytes / math.log(2), rel=1e-5)
 
 
+def test_a_tokenizer_cannot_score_well_by_reading_text_as_unknown():
+    """Each byte under an <unk> piece is charged 8 bits on top of the piece's own loss: by hand,
+    for a decoder and an encoder whose tokenizer reads 'golf' and 'india' as <unk>."""
+    from mmadapt.tokens import UNK_ID
+
+    words = sorted({w for line in TEXT for w in line.split()})
+    sp = two_char_pieces(words)
+    blind = Words({**sp.split, "golf": [("golf", UNK_ID)], "india": [("india", UNK_ID)]})
+    text = B.RawText(tuple(TEXT), "test")
+    for masked in (False, True):
+        layout = B.Layout((), (EOS_ID,)) if masked else B.Layout((EOS_ID,), ())
+        seen, unseen = (B.prepare(t, text, layout, masked, 64, torch.device("cpu")) for t in (sp, blind))
+        assert (seen.unknown, seen.unknown_bytes) == (0, 0)
+        assert (unseen.unknown, unseen.unknown_bytes) == (2, len("golf") + len("india"))
+        assert unseen.bpb(5.0) == pytest.approx((5.0 / math.log(2) + 8 * 9) / text.bytes)
+        assert seen.bpb(5.0) == pytest.approx(5.0 / math.log(2) / text.bytes)
+
+
 def _encoder(vocab: int, seed: int = 0) -> torch.nn.Module:
     cfg = dataclasses.replace(ROBERTA_PRESETS["tiny"][0], num_layers=2, head_layers=(2,), vocab_size=vocab,
                               max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
