@@ -28,9 +28,10 @@ non-space character falls in (a lone '▁' to the word after it).
 
 The text: the first `BPB_BYTES` bytes of sentences of a prepared dataset's validation documents,
 read back from its corpus (the manifest's split rule) and checked against the validation split's
-pieces. Lines longer than a model's positions are cut at spaces into segments every tokenizer
-can lay out in `max_pieces` (a piece covers at least one byte; SentencePiece's leading '▁' none),
-and each segment is scored on its own; the bytes are the segments'.
+pieces. Each line is scored on its own. A line longer than the model's positions is read in
+disjoint windows of its pieces, cut before a word where one fits (as lm-eval reads a long
+document in windows of the model's length): a tokenizer that needs fewer pieces for the text
+gives each piece more context, an advantage that is its own.
 """
 
 from __future__ import annotations
@@ -119,52 +120,21 @@ def _check_against_split(data_path: Path, manifest: dict, docs: list[list[str]],
                         f"validation split (its {MANIFEST} lacks the seed it was split with): prepare the text again")
 
 
-def segments(lines: list[str], max_bytes: int) -> list[str]:
-    """`lines` cut at spaces into segments of at most `max_bytes` UTF-8 bytes each (a longer word
-    cut between characters): what a model with a bounded number of positions can read whole."""
-    out = []
-    for line in lines:
-        cur = ""
-        for word in line.split():
-            while len(word.encode("utf-8")) > max_bytes:  # a word longer than a segment: cut between characters
-                if cur:
-                    out.append(cur)
-                    cur = ""
-                n = max_bytes
-                while len(word[:n].encode("utf-8")) > max_bytes:
-                    n -= 1
-                out.append(word[:n])
-                word = word[n:]
-            joined = f"{cur} {word}" if cur else word
-            if len(joined.encode("utf-8")) <= max_bytes:
-                cur = joined
-            else:
-                out.append(cur)
-                cur = word
-        if cur:
-            out.append(cur)
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class RawText:
-    """Held-out raw text of one language, as every row of it is scored: its segments and its
+    """Held-out raw text of one language, as every row of it is scored: its lines and their
     bytes (the denominator)."""
-    segments: tuple[str, ...]
+    lines: tuple[str, ...]
     source: str  # the prepared dataset it was read from
 
     @property
     def bytes(self) -> int:
-        return sum(len(s.encode("utf-8")) for s in self.segments)
+        return sum(len(s.encode("utf-8")) for s in self.lines)
 
     @classmethod
-    def read(cls, data_path: str | Path, max_pieces: int, max_bytes: int = BPB_BYTES) -> "RawText":
-        """The validation text of `data_path` (heldout_lines) in segments that any tokenizer lays
-        out in `max_pieces` pieces (a piece covers at least one byte, but for one leading '▁')."""
-        if max_pieces < 2:
-            raise ValueError(f"{max_pieces} positions leave no room for a text: score with a longer --seq_length")
-        lines = [line for doc in heldout_lines(data_path, max_bytes) for line in doc]
-        return cls(tuple(segments(lines, max_pieces - 1)), str(data_path))
+    def read(cls, data_path: str | Path, max_bytes: int = BPB_BYTES) -> "RawText":
+        """The validation text of `data_path` (heldout_lines), its first `max_bytes` bytes of lines."""
+        return cls(tuple(line for doc in heldout_lines(data_path, max_bytes) for line in doc), str(data_path))
 
 
 # --- how a model reads a text ---------------------------------------------------------------------------
@@ -217,55 +187,71 @@ class Rows:
     unknown_bytes: int  # the UTF-8 bytes the <unk> pieces stand for
 
 
-def unknown_bytes(seg: str, ids: list[int], spans: list[tuple[int, int]]) -> int:
-    """The UTF-8 bytes of `seg` that its <unk> pieces stand for (their character spans)."""
-    return sum(len(seg[b:e].encode("utf-8")) for i, (b, e) in zip(ids, spans) if i == UNK_ID)
+def windows(words: list[int], room: int) -> list[tuple[int, int]]:
+    """A line's pieces (`words`: each one's word, word_index) in disjoint windows [start, end) of at
+    most `room` pieces, each cut before a word where the window holds its start (inside a word
+    longer than a window, at the window's end)."""
+    if room < 1:
+        raise ValueError("the model's positions leave no room for a text: score with a longer --seq_length")
+    out, start, n = [], 0, len(words)
+    while start < n:
+        end = min(start + room, n)
+        if end < n:  # cut before the last word that starts inside the window, if any
+            cut = end
+            while cut > start and words[cut] == words[cut - 1]:
+                cut -= 1
+            end = cut if cut > start else end
+        out.append((start, end))
+        start = end
+    return out
 
 
-def causal_rows(sp, text: RawText, layout: Layout, max_pieces: int) -> Rows:
-    """Each segment once: layout.prefix, its pieces; every piece scored (from the position before it)."""
+def _read(sp, line: str) -> tuple[list[int], list[int], int]:
+    """A line's piece ids, each piece's word (word_index) and the bytes its <unk> pieces stand for."""
+    ids, spans = piece_offsets(sp, line)
+    unk = sum(len(line[b:e].encode("utf-8")) for i, (b, e) in zip(ids, spans) if i == UNK_ID)
+    return ids, word_index(line, spans), unk
+
+
+def causal_rows(sp, text: RawText, layout: Layout, positions: int) -> Rows:
+    """Each window of each line once: layout.prefix, its pieces; every piece scored (from the
+    position before it)."""
     rows, pieces, unknown, unk_bytes = [], 0, 0, 0
-    for seg, ids in zip(text.segments, sp.encode(list(text.segments))):
-        _fits(len(ids), layout, max_pieces)
-        row = list(layout.prefix) + list(ids)
-        labels = [IGNORE] * len(row)
-        labels[len(layout.prefix) - 1:len(row) - 1] = ids
-        rows.append((row, labels))
-        pieces += len(ids)
-        if UNK_ID in ids:
-            unknown += sum(i == UNK_ID for i in ids)
-            unk_bytes += unknown_bytes(seg, *piece_offsets(sp, seg))
-    return Rows(rows, pieces, unknown, unk_bytes)
-
-
-def masked_rows(sp, text: RawText, layout: Layout, max_pieces: int, whole_word: bool = True) -> Rows:
-    """One row per piece: the segment laid out, the piece masked with (whole_word) every later
-    piece of its word (PLL-word-l2r) or alone (PLL), the piece scored at its position."""
-    rows, pieces, unknown, unk_bytes = [], 0, 0, 0
-    for seg in text.segments:
-        ids, spans = piece_offsets(sp, seg)
-        _fits(len(ids), layout, max_pieces)
-        words = word_index(seg, spans)
-        row = list(layout.prefix) + list(ids) + list(layout.suffix)
-        at = len(layout.prefix)
-        for j, piece in enumerate(ids):
-            end = j + 1
-            while whole_word and end < len(ids) and words[end] == words[j]:
-                end += 1
-            masked, labels = list(row), [IGNORE] * len(row)
-            masked[at + j:at + end] = [MASK_ID] * (end - j)
-            labels[at + j] = piece
-            rows.append((masked, labels))
+    for line in text.lines:
+        ids, words, unk = _read(sp, line)
+        for a, b in windows(words, positions - layout.extra):
+            row = list(layout.prefix) + ids[a:b]
+            labels = [IGNORE] * len(row)
+            labels[len(layout.prefix) - 1:len(row) - 1] = ids[a:b]
+            rows.append((row, labels))
         pieces += len(ids)
         unknown += sum(i == UNK_ID for i in ids)
-        unk_bytes += unknown_bytes(seg, ids, spans)
+        unk_bytes += unk
     return Rows(rows, pieces, unknown, unk_bytes)
 
 
-def _fits(n: int, layout: Layout, max_pieces: int) -> None:
-    if n + layout.extra > max_pieces:  # RawText.read's segments make this impossible for a tokenizer of pieces
-        raise ValueError(f"a held-out segment took {n} pieces, more than the {max_pieces - layout.extra} positions "
-                         "left for it: its tokenizer gives pieces of no byte (score with a longer --seq_length)")
+def masked_rows(sp, text: RawText, layout: Layout, positions: int, whole_word: bool = True) -> Rows:
+    """One row per piece: its window laid out, the piece masked with (whole_word) every later
+    piece of its word in the window (PLL-word-l2r) or alone (PLL), the piece scored at its
+    position."""
+    rows, pieces, unknown, unk_bytes = [], 0, 0, 0
+    for line in text.lines:
+        ids, words, unk = _read(sp, line)
+        for a, b in windows(words, positions - layout.extra):
+            row = list(layout.prefix) + ids[a:b] + list(layout.suffix)
+            at = len(layout.prefix) - a
+            for j in range(a, b):
+                end = j + 1
+                while whole_word and end < b and words[end] == words[j]:
+                    end += 1
+                masked, labels = list(row), [IGNORE] * len(row)
+                masked[at + j:at + end] = [MASK_ID] * (end - j)
+                labels[at + j] = ids[j]
+                rows.append((masked, labels))
+        pieces += len(ids)
+        unknown += sum(i == UNK_ID for i in ids)
+        unk_bytes += unk
+    return Rows(rows, pieces, unknown, unk_bytes)
 
 
 def batches(rows: Rows, batch_tokens: int = BATCH_TOKENS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -320,11 +306,12 @@ class Scored:
         return (nats / math.log(2) + 8 * self.unknown_bytes) / self.bytes
 
 
-def prepare(sp, text: RawText, layout: Layout, masked: bool, max_pieces: int, device: torch.device) -> Scored:
-    """`text` read by the tokenizer `sp` as a model of `layout` reads it, on `device`."""
+def prepare(sp, text: RawText, layout: Layout, masked: bool, positions: int, device: torch.device) -> Scored:
+    """`text` read by the tokenizer `sp` as a model of `layout` with `positions` positions reads
+    it, on `device`."""
     from mmadapt.heldout import on_device
 
-    rows = (masked_rows if masked else causal_rows)(sp, text, layout, max_pieces)
+    rows = (masked_rows if masked else causal_rows)(sp, text, layout, positions)
     return Scored(on_device(batches(rows), device), rows.pieces, rows.unknown, rows.unknown_bytes, text.bytes)
 
 
@@ -346,7 +333,7 @@ class ByteScorer:
     def text(self, data: str | Path) -> RawText:
         key = str(Path(data).resolve())
         if key not in self._texts:
-            self._texts[key] = RawText.read(data, self.seq_length - self.layout.extra, self.max_bytes)
+            self._texts[key] = RawText.read(data, self.max_bytes)
         return self._texts[key]
 
     def score(self, text: RawText, tokenizer: str | Path, art: dict | None = None, meta: dict | None = None
@@ -357,7 +344,7 @@ class ByteScorer:
         from mmadapt.devices import device_of
         from mmadapt.tokenizer import load
 
-        key = (text.source, text.segments[:1], len(text.segments), file_sha256(tokenizer))
+        key = (text.source, text.lines[:1], len(text.lines), file_sha256(tokenizer))
         if key not in self._read:
             self._read[key] = prepare(load(tokenizer), text, self.layout, self.masked, self.seq_length,
                                       device_of(self.scorer.model))

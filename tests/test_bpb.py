@@ -69,11 +69,10 @@ def two_char_pieces(words: list[str], first_id: int = 5, offset: int = 0) -> Wor
 TEXT = ["alpha bravo charlie", "delta echo foxtrot golf", "bravo alpha echo", "hotel india delta alpha"]
 
 
-def test_segments_cut_at_spaces_within_the_byte_budget():
-    assert B.segments(["ab cd ef", "ghijklmn"], 5) == ["ab cd", "ef", "ghijk", "lmn"]
-    assert B.segments(["été ab"], 6) == ["été", "ab"]  # 'é' is two bytes
-    assert B.segments(["été ab"], 4) == ["ét", "é", "ab"]  # a word of 5 bytes cut between characters
-    assert all(len(s.encode()) <= 4 for s in B.segments(["ééé aé"], 4))
+def test_a_long_line_is_read_in_windows_cut_before_a_word():
+    assert B.windows([0, 0, 1, 1, 1, 2, 3, 3], 4) == [(0, 2), (2, 6), (6, 8)]
+    assert B.windows([0, 0, 0, 0, 0, 1], 2) == [(0, 2), (2, 4), (4, 6)]  # a word longer than a window
+    assert B.windows([0, 1, 2], 8) == [(0, 3)]
 
 
 def test_decoder_bits_per_byte_by_hand():
@@ -96,6 +95,19 @@ def test_decoder_bits_per_byte_by_hand():
     assert scored.pieces == sum(len(x) for x in sp.encode(TEXT))
     assert text.bytes == sum(len(line.encode()) for line in TEXT)
     assert got == pytest.approx(nats / text.bytes / math.log(2), rel=1e-5)
+    # With 6 positions, </s> and 5 pieces: 'delta echo foxtrot golf' (de lt a | ec ho | fo xt ro t |
+    # go lf) is read in three windows, each cut before a word: de lt a ec ho | fo xt ro t | go lf.
+    line = TEXT[1]
+    short = B.prepare(sp, B.RawText((line,), "test"), layout, False, 6, torch.device("cpu"))
+    ids = sp.encode([line])[0]
+    nats = 0.0
+    with torch.no_grad():
+        for a, b in ((0, 5), (5, 9), (9, 11)):
+            row = torch.tensor([[EOS_ID] + ids[a:b]])
+            logp = torch.log_softmax(model.logits(row)[0][0].float(), -1)
+            nats -= float(logp[torch.arange(b - a), row[0, 1:]].sum())
+    assert short.bpb(B.summed_nats(model, short.on_device)) == pytest.approx(
+        nats / len(line.encode()) / math.log(2), rel=1e-5)
 
 
 def test_a_tokenizer_cannot_score_well_by_reading_text_as_unknown():
@@ -135,7 +147,7 @@ def test_encoder_score_is_the_pll_word_l2r_by_hand():
     text = B.RawText(tuple(TEXT[:2]), "test")
     nats = 0.0
     with torch.no_grad():
-        for line in text.segments:
+        for line in text.lines:
             spans = []  # (first piece, end) of each word
             ids = []
             for w in line.split():

@@ -61,6 +61,11 @@ def test_demo_quick_runs_all_steps_for_all_systems(tmp_path):
         assert r["chance"] == 0.0
     final = {r["system"]: r["score"] for r in plug if r["step"] == 150}
     assert final["bl_base"] > 0, final
+    # The same records in bits per byte of the raw held-out verses (bpb.py), beside no adaptation:
+    # one text for every system, one no-adaptation score per primary model (MINIPOST's is BL_BASE's).
+    assert all(0 < r[k] < 16 for r in plug for k in ("bpb", "start_bpb", "none_bpb"))
+    assert len({r["bpb_bytes"] for r in plug}) == 1
+    assert len({r["none_bpb"] for r in plug if r["system"] in ("bl_base", "minipost")}) == 1
     flops = {r["system"]: r["flops"] for r in records if r.get("step") == 150 and r["task"] == "retrieval"}
     # Step 2 over the mini-models costs less than over the 12-layer model (4 and 6 of 12 layers).
     assert flops["minijoint"] < flops["minipost"] < flops["bl_base"]
@@ -73,6 +78,12 @@ def test_demo_quick_runs_all_steps_for_all_systems(tmp_path):
     assert "share of the ceiling's gain" in table  # the task tables measure MINIJOINT against its ceiling
     # Both references beside every system's last score, and whether adaptation paid in German.
     assert "## bible-genre: what adaptation bought" in table and "- de: adaptation " in table
+    assert "## bits per byte of held-out text: adapted against no adaptation" in table
+    last_bits = {r["system"]: r for r in plug if r["step"] == 150}
+    r = last_bits["bl_base"]
+    assert (f"| de | bl_base | {r['flops'] / 1e18:.3g} | {r['none_bpb']:.3f} | {r['start_bpb']:.3f} | {r['bpb']:.3f} | "
+            f"{r['bpb'] - r['none_bpb']:+.3f} |") in table
+    assert any(line.startswith("- de: bl_base ") and "no adaptation" in line for line in table.splitlines())
     last = {r["system"]: r["score"] for r in records if r["task"] == "bible-genre" and r.get("step") == 150}
     start = {r["system"]: r["score"] for r in records if r["task"] == "bible-genre" and r.get("step") == 0}
     for of, r in none.items():

@@ -186,10 +186,11 @@ def test_the_plugin_metric_reads_held_out_text_as_transformers_does(name, dec_di
 @pytest.mark.parametrize("name", sorted(MAKERS))
 def test_bits_per_byte_of_raw_text_are_transformers_next_token_loss(name, dec_dirs, dec_runs, corpus, tmp_path):
     """bpb.ByteScorer through an imported decoder, with its own tokenizer (no adaptation): each
-    held-out segment as transformers' tokenizer lays out its text (Qwen2, which puts nothing
-    before a text, after its end-of-text token, as lm-eval does), every piece of the text scored:
-    the sum of transformers' next-token losses / the segments' UTF-8 bytes / ln 2, within 1e-4."""
-    from mmadapt.bpb import ByteScorer
+    held-out line (each window of a line longer than the model) as transformers' tokenizer lays out
+    a text (Qwen2, which puts nothing before a text, after its end-of-text token, as lm-eval does),
+    every piece of the text scored: the sum of transformers' next-token losses / the lines' UTF-8
+    bytes / ln 2, within 1e-4."""
+    from mmadapt.bpb import ByteScorer, windows, word_index
     from mmadapt.config import PreprocessConfig
     from mmadapt.data import prepare
     from mmadapt.heldout import Primary, Scorer
@@ -202,18 +203,22 @@ def test_bits_per_byte_of_raw_text_are_transformers_next_token_loss(name, dec_di
     text = per_byte.text(data)
     got = per_byte.none(text)
     hf = hf_lm(dec_dirs[name])
-    nats = 0.0
-    for seg in text.segments:
-        ids = tok(seg).input_ids
-        bare = tok(seg, add_special_tokens=False).input_ids
-        start = [] if len(ids) > len(bare) else [tok.eos_token_id]  # Qwen2: nothing before a text
-        ids = start + ids
-        n = len(bare)
-        with torch.no_grad():
-            logp = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits.float()[0], -1)
-        nats -= float(logp[torch.arange(len(ids) - n - 1, len(ids) - 1), torch.tensor(ids[-n:])].sum())
+    nats, windowed = 0.0, 0
+    for line in text.lines:
+        bare = tok(line, add_special_tokens=False, return_offsets_mapping=True)
+        prefix = tok(line).input_ids[:len(tok(line).input_ids) - len(bare.input_ids)] or [tok.eos_token_id]
+        spans = [(b + len(line[b:e]) - len(line[b:e].lstrip()), e) for b, e in bare.offset_mapping]
+        cuts = windows(word_index(line, spans), SEQ[name] - len(prefix))  # a line longer than the model: its windows
+        windowed += len(cuts) > 1
+        for a, b in cuts:
+            ids = prefix + bare.input_ids[a:b]
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits.float()[0], -1)
+            n = b - a
+            nats -= float(logp[torch.arange(len(ids) - n - 1, len(ids) - 1), torch.tensor(ids[-n:])].sum())
     expected = nats / text.bytes / math.log(2)
-    print(f"{name}: {got:.6f} bits per byte, transformers' {expected:.6f} ({text.bytes} bytes)")
+    print(f"{name}: {got:.6f} bits per byte, transformers' {expected:.6f} ({text.bytes} bytes, {windowed} of "
+          f"{len(text.lines)} lines in windows)")
     assert abs(got - expected) <= 1e-4 * expected
 
 
