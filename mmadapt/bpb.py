@@ -206,52 +206,47 @@ def windows(words: list[int], room: int) -> list[tuple[int, int]]:
     return out
 
 
-def _read(sp, line: str) -> tuple[list[int], list[int], int]:
-    """A line's piece ids, each piece's word (word_index) and the bytes its <unk> pieces stand for."""
-    ids, spans = piece_offsets(sp, line)
-    unk = sum(len(line[b:e].encode("utf-8")) for i, (b, e) in zip(ids, spans) if i == UNK_ID)
-    return ids, word_index(line, spans), unk
+def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Rows:
+    """Rows of every window of every line of `text` (`window_rows(ids, words, a, b)`: those of the
+    window [a, b) of a line's pieces `ids`, each piece's word `words`), and the counts of Rows."""
+    rows, pieces, unknown, unk_bytes = [], 0, 0, 0
+    for line in text.lines:
+        ids, spans = piece_offsets(sp, line)
+        words = word_index(line, spans)
+        for a, b in windows(words, positions - layout.extra):
+            rows += window_rows(ids, words, a, b)
+        pieces += len(ids)
+        unknown += sum(i == UNK_ID for i in ids)
+        unk_bytes += sum(len(line[b:e].encode("utf-8")) for i, (b, e) in zip(ids, spans) if i == UNK_ID)
+    return Rows(rows, pieces, unknown, unk_bytes)
 
 
 def causal_rows(sp, text: RawText, layout: Layout, positions: int) -> Rows:
-    """Each window of each line once: layout.prefix, its pieces; every piece scored (from the
-    position before it)."""
-    rows, pieces, unknown, unk_bytes = [], 0, 0, 0
-    for line in text.lines:
-        ids, words, unk = _read(sp, line)
-        for a, b in windows(words, positions - layout.extra):
-            row = list(layout.prefix) + ids[a:b]
-            labels = [IGNORE] * len(row)
-            labels[len(layout.prefix) - 1:len(row) - 1] = ids[a:b]
-            rows.append((row, labels))
-        pieces += len(ids)
-        unknown += sum(i == UNK_ID for i in ids)
-        unk_bytes += unk
-    return Rows(rows, pieces, unknown, unk_bytes)
+    """One row per window: layout.prefix, its pieces; every piece scored (from the position before it)."""
+    def window(ids, words, a, b):
+        row = list(layout.prefix) + ids[a:b]
+        labels = [IGNORE] * len(row)
+        labels[len(layout.prefix) - 1:len(row) - 1] = ids[a:b]
+        return [(row, labels)]
+    return _rows(sp, text, layout, positions, window)
 
 
 def masked_rows(sp, text: RawText, layout: Layout, positions: int, whole_word: bool = True) -> Rows:
     """One row per piece: its window laid out, the piece masked with (whole_word) every later
     piece of its word in the window (PLL-word-l2r) or alone (PLL), the piece scored at its
     position."""
-    rows, pieces, unknown, unk_bytes = [], 0, 0, 0
-    for line in text.lines:
-        ids, words, unk = _read(sp, line)
-        for a, b in windows(words, positions - layout.extra):
-            row = list(layout.prefix) + ids[a:b] + list(layout.suffix)
-            at = len(layout.prefix) - a
-            for j in range(a, b):
-                end = j + 1
-                while whole_word and end < b and words[end] == words[j]:
-                    end += 1
-                masked, labels = list(row), [IGNORE] * len(row)
-                masked[at + j:at + end] = [MASK_ID] * (end - j)
-                labels[at + j] = ids[j]
-                rows.append((masked, labels))
-        pieces += len(ids)
-        unknown += sum(i == UNK_ID for i in ids)
-        unk_bytes += unk
-    return Rows(rows, pieces, unknown, unk_bytes)
+    def window(ids, words, a, b):
+        row, at, out = list(layout.prefix) + ids[a:b] + list(layout.suffix), len(layout.prefix) - a, []
+        for j in range(a, b):
+            end = j + 1
+            while whole_word and end < b and words[end] == words[j]:
+                end += 1
+            masked, labels = list(row), [IGNORE] * len(row)
+            masked[at + j:at + end] = [MASK_ID] * (end - j)
+            labels[at + j] = ids[j]
+            out.append((masked, labels))
+        return out
+    return _rows(sp, text, layout, positions, window)
 
 
 def batches(rows: Rows, batch_tokens: int = BATCH_TOKENS) -> list[tuple[torch.Tensor, torch.Tensor]]:
