@@ -111,6 +111,19 @@ def tokenizer(corpus, tmp_path_factory) -> Path:
     return _tokenizer(corpus, tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def english(corpus, tokenizer, tmp_path_factory) -> Path:
+    """The English corpus prepared with the primary run's tokenizer and a 10% validation split
+    (the plug-in metric's and bits per byte's held-out text). Read-only."""
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.data import prepare
+
+    def build(d: Path) -> Path:
+        prepare(corpus, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+        return d
+    return shared(tmp_path_factory, "english-heldout", build)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -15,8 +15,8 @@ import torch
 
 from conftest import VOCAB
 from mmadapt import bpb as B
-from mmadapt.config import ModelConfig, PreprocessConfig
-from mmadapt.data import DataError, is_validation_document, prepare
+from mmadapt.config import PreprocessConfig
+from mmadapt.data import DataError, is_validation_document
 from mmadapt.heldout import on_device
 from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.presets import LLAMA_TINY
@@ -235,13 +235,6 @@ def test_a_lone_word_boundary_piece_belongs_to_the_word_after_it():
 
 
 # --- the held-out text ------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def english(corpus, tokenizer, tmp_path_factory):
-    d = tmp_path_factory.mktemp("bpb_en") / "en"
-    prepare(corpus, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
-    return d
-
 
 def test_heldout_lines_are_the_validation_documents(english, corpus):
     docs = B.heldout_lines(english, 4000)

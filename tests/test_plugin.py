@@ -24,14 +24,6 @@ from evaluation import plugin_loss
 from mmadapt.models.roberta import ROBERTA
 
 
-@pytest.fixture(scope="module")
-def english(corpus, tokenizer, tmp_path_factory):
-    """The English corpus prepared with the primary run's tokenizer and a validation split."""
-    d = tmp_path_factory.mktemp("plugin_en") / "en"
-    prepare(corpus, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
-    return d
-
-
 def test_primary_head_loss_is_the_models_own(primary_run, english):
     """With the primary's own embeddings and bias 'swapped in', the metric is the 12-layer
     MINIJOINT model's primary-head loss (its second head, after layer 12), token-weighted."""
