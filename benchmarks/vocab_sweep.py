@@ -22,7 +22,6 @@ Finished runs are kept (--output_dir), so an interrupted sweep continues.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 from common import table, write_results  # (importing common puts mmadapt on the path)
@@ -68,7 +67,14 @@ def main() -> None:
     ap.add_argument("--family", choices=("roberta", "llama"), default="roberta")
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--save", type=int, default=200)
+    ap.add_argument("--rewrite", type=Path, help="only write the results' markdown again from this results JSON")
     args = ap.parse_args()
+    if args.rewrite:
+        import json
+
+        write_results(f"vocab_sweep_{args.family}", {"rows": json.loads(args.rewrite.read_text())["rows"]},
+                      markdown(json.loads(args.rewrite.read_text())["rows"], args))
+        return
     init_parallel(1, 1)
     root = args.output_dir
     demo = Demo(DemoConfig(family=args.family, langs=LANGS), root)
@@ -133,19 +139,19 @@ def markdown(rows: list[dict], args) -> str:
         for r in mine:
             r["gain"] = r["none_bpb"] - r["last_bpb"]
             r["cell"] = f"{r['mode']} {r['target_vocab']}"
-            r["pflops"] = r["flops"] / 1e15
+            r["tflops"] = r["flops"] / 1e12
             if r.get("source_bpb") is not None:
                 r["source"] = f"{r['source_none_bpb']:.4f} → {r['source_bpb']:.4f}"
         out += [f"## {lang} (no adaptation {mine[0]['none_bpb']:.3f} bits per byte, {mine[0]['bpb_bytes']:,} bytes)",
                 "", table(mine, [("cell", "vocabulary"), ("vocab_size", "rows"), ("updates", "updates"),
-                                 ("pflops", "Step-2 PFLOPs"), ("start_bpb", "update 0"), ("last_bpb", "last"),
+                                 ("tflops", "Step-2 TFLOPs"), ("start_bpb", "update 0"), ("last_bpb", "last"),
                                  ("bpb_at_budget", "at equal compute"), ("gain", "no adaptation − last"),
                                  ("plugin_gain", "contextual gain (nats/piece)"),
                                  ("source", "English: own → expanded")]), ""]
         ranked = sorted((r for r in mine if r.get("bpb_at_budget") is not None), key=lambda r: r["bpb_at_budget"])
         if len(ranked) > 1:
             best, second = ranked[0], ranked[1]
-            out += [f"At equal Step-2 compute ({ranked[0]['budget_flops'] / 1e15:.3g} PFLOPs) {best['cell']} wins in "
+            out += [f"At equal Step-2 compute ({ranked[0]['budget_flops'] / 1e12:.3g} TFLOPs) {best['cell']} wins in "
                     f"{lang}: {best['bpb_at_budget']:.3f} bits per byte, {second['bpb_at_budget'] - best['bpb_at_budget']:.3f} "
                     f"below the next ({second['cell']}, {second['bpb_at_budget']:.3f}) and "
                     f"{mine[0]['none_bpb'] - best['bpb_at_budget']:.3f} below no adaptation.", ""]
