@@ -626,11 +626,13 @@ def retemplated(hf_tok, hf_ids: list[int], layout: dict, model_max_length: int):
 
 def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None = None,
               finetuned: str | os.PathLike | None = None, embeddings: str | os.PathLike | None = None,
-              primary_tag: str | None = None) -> dict:
+              primary_tag: str | None = None, graft: bool = False) -> dict:
     """Write a transformers directory: the primary model of `primary` (a pretrain or imported
     run; the family's LM) or the Step-3 model of `finetuned` (its task's class), with the Step-2
     artifact `embeddings` swapped in when given (its vocabulary-indexed tensors and tokenizer).
-    Every check comes before anything is written. -> a summary {architecture, vocab_size, ...}."""
+    graft: `embeddings` were trained over a base model of which `primary` is a fine-tuned
+    sibling (graft.py: checked, and the distance reported). Every check comes before anything is
+    written. -> a summary {architecture, vocab_size, ...}."""
     if (primary is None) == (finetuned is None):
         raise ValueError("pass one of --primary (a pretrain run: its LM) and --finetuned (a fine-tuning run: "
                          "its task model)")
@@ -657,9 +659,20 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
             raise ValueError(f"{embeddings} holds embeddings of hidden size {emb['word_embeddings'].shape[1]}, the "
                              f"model {cfg.hidden_size}: they were trained for another model")
         owner = artifact_primary(meta).resolve()
-        if owner != primary_run.resolve():
-            raise ValueError(f"{embeddings} holds embeddings for the primary model {owner}, not {primary_run}")
-        if finetuned is not None:  # the primary's weights as Step 3 recorded them
+        grafted = owner != primary_run.resolve()
+        if grafted and not (graft and finetuned is None):
+            raise ValueError(f"{embeddings} holds embeddings for the primary model {owner}, not {primary_run}" + (
+                "" if finetuned is not None else ": if it is a model fine-tuned from that one (the same architecture "
+                "and vocabulary), pass --graft"))
+        if graft and not grafted:
+            raise ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {embeddings} "
+                             f"were trained over {primary_run} itself: drop --graft")
+        if grafted:
+            from mmadapt.graft import check_siblings
+
+            for line in check_siblings(read_source(owner), source, meta).lines():
+                print(line)
+        elif finetuned is not None:  # the primary's weights as Step 3 recorded them
             check_primary_unchanged(Path(embeddings), meta, ft.run["primary"].get("fingerprint"))
         elif meta.get("primary_fingerprint"):
             check_primary_unchanged(Path(embeddings), meta, weights_fingerprint(weights))

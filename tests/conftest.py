@@ -124,6 +124,42 @@ def english(corpus, tokenizer, tmp_path_factory) -> Path:
     return shared(tmp_path_factory, "english-heldout", build)
 
 
+@pytest.fixture(scope="session")
+def graft_runs(de_corpus, de_tokenizer, tmp_path_factory) -> dict[str, Path]:
+    """What grafting needs (graft.py), for a tied (Qwen2) and an untied (Llama-2) tiny decoder:
+    the base and a fine-tuned sibling (hf_models.make_sibling: its body trained on prompt/answer
+    verses) imported, `<name>-base` and `<name>-sibling`; German Step-2 artifacts over the base,
+    `<name>-expand` and `<name>-replace` (2 updates each); and `llama2-sibling-output`, a sibling
+    whose untied output projection was trained too. Read-only."""
+    def build(root: Path) -> Path:
+        import dataclasses
+
+        from hf_models import make_llama2, make_qwen2, make_sibling
+        from mmadapt import steps
+        from mmadapt.hf import import_hf
+        from mmadapt.models import PRESETS
+        from mmadapt.parallel import init_parallel
+        from mmadapt.run import RunSpec
+
+        init_parallel(1, 1)
+        for name, make in (("qwen2", make_qwen2), ("llama2", make_llama2)):
+            base = make(root / "hf" / f"{name}-base")
+            import_hf(base, root / f"{name}-base")
+            import_hf(make_sibling(base, root / "hf" / f"{name}-sibling"), root / f"{name}-sibling")
+            for mode in ("expand", "replace"):
+                train = dataclasses.replace(PRESETS["llama-tiny"][1], train_iters=2, save_interval=2, log_interval=1,
+                                            seq_length=32, train_micro_batch_size_per_gpu=4, vocab_mode=mode)
+                steps.adapt_embeddings(run=RunSpec(output_dir=root / f"{name}-{mode}", corpus=de_corpus,
+                                                   tokenizer=de_tokenizer, ds_config=REPO / "ds_configs" / "zero0.json"),
+                                       step=steps.AdaptEmbeddings(system="bl_base", source=root / f"{name}-base",
+                                                                  lang="de", train=train))
+        moved = make_sibling(root / "hf" / "llama2-base", root / "hf" / "llama2-sibling-output", train_output=True)
+        import_hf(moved, root / "llama2-sibling-output")
+        return root
+    root = shared(tmp_path_factory, "graft", build)
+    return {p.name: p for p in root.iterdir() if p.is_dir() and p.name != "hf"}
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -397,3 +397,32 @@ def import_all(hf_dirs: dict[str, Path], root: Path) -> dict[str, Path]:
     for name, d in hf_dirs.items():
         import_hf(d, root / name)
     return {name: root / name for name in hf_dirs}
+
+
+def make_sibling(base: Path, out: Path, steps: int = 10, seed: int = 7, train_output: bool = False) -> Path:
+    """A fine-tuned sibling of the Hugging Face decoder `base` (an instruct model's stand-in): its
+    body trained `steps` updates on a prompt/answer framing of English verses (the prompt names a
+    verse, the answer is its text), the input embeddings frozen, the untied output projection
+    too unless `train_output`; saved with the base's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    hf = AutoModelForCausalLM.from_pretrained(str(base))
+    for name, p in hf.named_parameters():
+        p.requires_grad = not ("embed_tokens" in name or ("lm_head" in name and not train_output))
+    lines = bible_lines("en", range(1, 2))
+    texts = [f"Q: Say verse {i + 1} of Genesis.\nA: {line}" for i, line in enumerate(lines)]
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.0)
+    hf.train()
+    for _ in range(steps):
+        pick = torch.randint(0, len(texts), (8,), generator=g).tolist()
+        ids = [torch.tensor([tok(texts[i], truncation=True, max_length=64).input_ids]) for i in pick]
+        loss = sum(hf(input_ids=x, labels=x).loss for x in ids) / len(ids)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    hf.eval()
+    hf.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out

@@ -205,6 +205,14 @@ class Ctx:
 
         return str(write_bible_corpus("ru", self.tmp / "ru.txt", books=range(1, 2)))
 
+    def graft(self, primary: str, artifact: str, *extra: str) -> list[str]:
+        """export-hf of the last artifact of the graft_runs run `artifact` into the run `primary`."""
+        runs = self.request.getfixturevalue("graft_runs")
+        self.request.getfixturevalue("capsys").readouterr()  # what building them printed, the first time
+        art = sorted((runs[artifact] / "embeddings").iterdir())[-1]
+        return ["export-hf", "--primary", str(runs[primary]), "--embeddings", str(art), *extra, "--output_dir",
+                str(self.out)]
+
     def headless_run(self) -> str:
         """A headless BERT run: a BertModel imported (no MLM head)."""
         from mmadapt.hf import import_hf
@@ -612,6 +620,14 @@ CASES = [
      "its weights hold cls.predictions.bias (and 1 more tensor), which the model config.json describes has no place "
      "for: config.json names a BertModel, a body without an MLM head, but the weights hold one: set architectures "
      "to [\"BertForMaskedLM\"]"),
+    # --- grafting Step-2 embeddings into a fine-tuned sibling (issue 54)
+    ("graft-into-another-architecture", lambda c: c.graft("qwen2-sibling", "llama2-expand", "--graft"),
+     "is not a sibling of"),
+    ("graft-expand-into-moved-output-rows", lambda c: c.graft("llama2-sibling-output", "llama2-expand", "--graft"),
+     "its untied output rows (output_layer.weight) moved from the base's"),
+    ("graft-without-the-flag", lambda c: c.graft("llama2-sibling", "llama2-replace"),
+     "if it is a model fine-tuned from that one (the same architecture and vocabulary), pass --graft"),
+    ("graft-into-the-base-itself", lambda c: c.graft("llama2-base", "llama2-replace", "--graft"), "drop --graft"),
     ("sentence-transformers-module", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
         [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
          {"idx": 1, "name": "1", "path": "1_CNN", "type": "sentence_transformers.models.CNN"}]),

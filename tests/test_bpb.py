@@ -4,16 +4,13 @@ coarse and a fine tokenizer on a language whose exact conditionals are known (wh
 the held-out text read back from the corpus, refused where it cannot be."""
 
 import dataclasses
-import itertools
 import json
 import math
 import random
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import VOCAB
 from mmadapt import bpb as B
 from mmadapt.config import PreprocessConfig
 from mmadapt.data import DataError, is_validation_document

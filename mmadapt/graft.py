@@ -1,0 +1,92 @@
+"""Graft Step-2 embeddings trained over a base model into its fine-tuned siblings.
+
+People serve a fine-tuned model (an instruct or chat model, a model trained further on their own
+text), not the base it came from, and cannot afford Step 2 for every sibling. Franken-Adapter
+(Jiang et al., 2025) trains new embeddings on the frozen base and grafts them into the base's
+instruction-tuned sibling. mmadapt trains them over the base's mini-model, and `export-hf
+--primary <sibling> --embeddings <artifact of the base> --graft` puts them into the sibling.
+
+A sibling shares the base's architecture (every tensor's name and shape) and its source
+vocabulary (the same pieces in the same order); `check_siblings` refuses anything else in one
+line. It also reports how far the sibling's body moved from the base, layer by layer, as
+||sibling - base|| / ||base|| over each layer's tensors: the farther the body moved, the less the
+embeddings' fit to the base says about their fit to the sibling.
+
+What the sibling keeps:
+- expand: its own source rows, bit for bit (artifact.artifact_state takes the model's own rows;
+  only the new pieces' rows come from the artifact). The new pieces' output rows of an untied
+  output projection were started and trained beside the base's frozen source output rows, so a
+  sibling whose untied output rows moved is refused.
+- replace: the artifact's tensors, the target vocabulary's rows of the input embedding and of
+  the output side (tied rows, the encoder's output bias, an untied projection), as for the base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+
+from mmadapt.run import Source, read_source
+from mmadapt.tokenizer import pieces
+
+
+@dataclasses.dataclass(frozen=True)
+class SiblingCheck:
+    """How far a sibling's weights are from its base's: per group of tensors (`layers.<i>`, the
+    embeddings, the rest by their first name), ||sibling - base|| / ||base||."""
+    base: Path
+    sibling: Path
+    distance: dict[str, float]
+
+    def lines(self) -> list[str]:
+        """What export-hf prints of the check."""
+        moved = [k for k, d in self.distance.items() if d > 0]
+        out = [f"graft: {self.sibling} is a sibling of {self.base} (the same architecture and source vocabulary); "
+               f"{len(moved)} of {len(self.distance)} tensor groups moved from the base, relative distance "
+               "||sibling - base|| / ||base||:"]
+        out += [f"  {name:24s} {d:.4f}" for name, d in self.distance.items()]
+        return out
+
+
+def _group(name: str) -> str:
+    m = re.match(r"(.*?layers\.\d+)\.", name)
+    return m.group(1) if m else name.split(".")[0]
+
+
+def check_siblings(base: Source, sibling: Source, meta: dict) -> SiblingCheck:
+    """Refuse, in one line, a `sibling` that is not one of `base` (another family, tensor name or
+    shape, another source vocabulary; for an expanded artifact (`meta`), untied output rows
+    that moved), else -> the per-group distances."""
+    what = f"{sibling.path} is not a sibling of {base.path}, the model the embeddings were trained over"
+    if sibling.family.name != base.family.name:
+        raise ValueError(f"{what}: it is a {sibling.family.name} model, the base a {base.family.name} one")
+    mine, theirs = base.weights(), sibling.weights()
+    for name in sorted(set(mine) | set(theirs)):
+        if name not in mine or name not in theirs or mine[name].shape != theirs[name].shape:
+            shape = lambda s: "absent" if name not in s else "x".join(map(str, s[name].shape))  # noqa: E731
+            raise ValueError(f"{what}: its {name} is {shape(theirs)}, the base's {shape(mine)} (another "
+                             "architecture); graft only into a model fine-tuned from the base")
+    if pieces(sibling.tokenizer) != pieces(base.tokenizer):
+        raise ValueError(f"{what}: its tokenizer has another vocabulary (a source vocabulary other than the base's); "
+                         "run Step 2 over it instead")
+    output = base.family.output_path(base.cfg).matrix
+    if meta.get("vocab_mode") == "expand" and output != base.family.word and not torch.equal(mine[output],
+                                                                                               theirs[output]):
+        raise ValueError(f"{what} for an expanded vocabulary: its untied output rows ({output}) moved from the base's, "
+                         "beside which the new pieces' output rows were trained; graft a --vocab_mode replace artifact "
+                         "or run Step 2 over the sibling")
+    sums: dict[str, list[float]] = {}
+    for name, t in mine.items():
+        d = sums.setdefault(_group(name), [0.0, 0.0])
+        d[0] += float((theirs[name].double() - t.double()).pow(2).sum())
+        d[1] += float(t.double().pow(2).sum())
+    return SiblingCheck(base.path, sibling.path,
+                        {k: (a / b) ** 0.5 if b > 0 else float(a > 0) for k, (a, b) in sums.items()})
+
+
+def sibling_check(base_run: str | Path, sibling_run: str | Path, meta: dict) -> SiblingCheck:
+    """check_siblings of two run directories."""
+    return check_siblings(read_source(base_run), read_source(sibling_run), meta)
