@@ -415,6 +415,9 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    "scored")
     p.add_argument("--bpb_bytes", type=whole_number(256), default=BPB_BYTES, help="with --plugin_data: bytes of raw "
                    "held-out text scored in bits per byte (the scale every tokenizer shares: docs/bits-per-byte.md)")
+    p.add_argument("--graft", action="store_true", help="with --plugin_data: the embeddings were trained over a base "
+                   "model and --primary is a model fine-tuned from it: score them grafted into it (export-hf --graft's "
+                   "check first)")
     p.add_argument("--output", required=True, help="JSON file of records {system, task, lang, step, flops, "
                    "score, ...}; must not exist yet")
     add_dataclass_args(p, FinetuneConfig, only=("eval_batch_tokens",), defaults="each --finetuned run's own")
@@ -434,9 +437,12 @@ def evaluate_main(argv=None) -> int:
                              "--plugin_data scores each run's start (update 0) instead: drop the flag")
         records = steps.evaluate_plugin(Path(args.primary), embeddings=args.embeddings, data=args.plugin_data,
                                         output=Path(args.output), seq_length=args.seq_length,
-                                        blocks=args.plugin_blocks, bpb_bytes=args.bpb_bytes,
+                                        blocks=args.plugin_blocks, bpb_bytes=args.bpb_bytes, graft=args.graft,
                                         allow_untrained_positions=bool(args.allow_untrained_positions))
     else:
+        if args.graft:
+            raise ValueError("--graft scores embeddings grafted into a sibling's primary model: pass --primary and "
+                             "--plugin_data with it")
         if not args.finetuned or not args.eval_file:
             raise ValueError("pass --finetuned and --eval_file (a task), or --primary and --plugin_data")
         records = steps.evaluate(args.finetuned, embeddings=args.embeddings, eval_file=args.eval_file,

@@ -34,6 +34,7 @@ from mmadapt.adapt import AdaptEmbeddings, StartRule, Step2Start, body_config
 from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.artifact import (ARTIFACT_FILE, PrimaryRef, artifact_dirs, artifact_primary, artifact_primary_ref,
                               read_artifact, record_base)
+from mmadapt import checkpoint
 from mmadapt.checkpoint import tag_for
 from mmadapt.data import TOKENIZER, file_sha256, read_manifest
 from mmadapt.devices import progress
@@ -69,32 +70,49 @@ def source_text_data(adapt_run: Path, primary: Primary) -> Path | None:
 
 
 def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[str, Path], seq_length: int,
-                   blocks: int = 256, batch_size: int = 32, seed: int = 0, bpb_bytes: int = BPB_BYTES) -> list[dict]:
+                   blocks: int = 256, batch_size: int = 32, seed: int = 0, bpb_bytes: int = BPB_BYTES,
+                   graft: bool = False) -> list[dict]:
     """Plug-in records of every artifact of `adapt_runs` (whose embeddings belong to the primary
     model of `primary_run`), scored on the validation split of `data_paths[lang]` (a prepared
     dataset whose tokenizer is the artifacts'), and in bits per byte on the first `bpb_bytes`
-    of its raw held-out text (module docstring)."""
+    of its raw held-out text (module docstring). graft: the artifacts were trained over a base
+    model of which `primary_run` is a fine-tuned sibling (graft.check_siblings, once per base)."""
     primary = Primary.read(primary_run)
+    siblings: set[Path] = set()
     # Artifacts name their primary model by its weights' fingerprint (older ones by path).
     ref = PrimaryRef(Path(primary_run), primary.fingerprint)
     scorer = Scorer(primary)  # once: every artifact (and start) is swapped into its model
     per_byte = ByteScorer(scorer, seq_length, bpb_bytes)
     held = {}  # per language: the held-out set
     starts: dict[Path, tuple[float, float]] = {}
-    records = []
-    for path in progress(artifact_dirs(adapt_runs), "plug-in metric"):
-        emb, tok, meta = read_artifact(path)
+    paths = artifact_dirs(adapt_runs)
+    for path in paths:  # every refusal before any scoring (and before the progress bar)
+        meta = checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
         if not artifact_primary_ref(meta).same(ref):
-            raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, not "
-                             f"{primary_run}" + (" (their weights differ)" if meta.get("primary_fingerprint") else ""))
+            base = artifact_primary(meta).resolve()
+            if not graft or base == Path(primary_run).resolve():
+                raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, not "
+                                 f"{primary_run}" + (" (their weights differ)" if meta.get("primary_fingerprint") else
+                                                     "") + ("" if graft else ": if it is a model fine-tuned from that "
+                                                            "one, score the graft with --graft"))
+            if base not in siblings:
+                from mmadapt.graft import check_siblings
+
+                print("\n".join(check_siblings(read_source(base), read_source(primary_run), meta).lines()), flush=True)
+                siblings.add(base)
         lang = meta["lang"]
         if lang not in data_paths:
             raise ValueError(f"no held-out {lang} text: pass a prepared {lang} dataset with a validation split")
+        if file_sha256(Path(data_paths[lang]) / TOKENIZER) != file_sha256(path / "spm.model"):
+            raise ValueError(f"{path} uses another tokenizer than {data_paths[lang]}: score it on the dataset Step 2 "
+                             "trained on")
+    records = []
+    for path in progress(paths, "plug-in metric"):
+        emb, tok, meta = read_artifact(path)
+        lang = meta["lang"]
         data = Path(data_paths[lang])
-        if file_sha256(data / TOKENIZER) != file_sha256(tok):
-            raise ValueError(f"{path} uses another tokenizer than {data}: score it on the dataset Step 2 trained on")
         if lang not in held:
-            held[lang] = scorer.heldout(Text(data, seq_length, blocks, batch_size, seed),
+            held[lang] = scorer.heldout(Text(data, seq_length, blocks, min(batch_size, blocks), seed),
                                         emb["word_embeddings"].shape[0])
         text, raw = held[lang], per_byte.text(data)
         run = path.parent.parent

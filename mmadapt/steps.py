@@ -450,12 +450,13 @@ def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, outp
 
 def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Path | None = None,
                     seq_length: int | None = None, blocks: int = 256, allow_untrained_positions: bool = False,
-                    bpb_bytes: int = BPB_BYTES) -> list[dict]:
+                    bpb_bytes: int = BPB_BYTES, graft: bool = False) -> list[dict]:
     """Step 4's plug-in metric (plugin.py): every artifact through `primary`'s primary head,
     scored on the validation split of the dataset `data` ({lang}: each artifact's language)
     against the unigram reference, in blocks of `seq_length` (default: the primary's pretraining
     blocks, 64 for an imported model; longer ones only with allow_untrained_positions), and in
-    bits per byte of the first `bpb_bytes` of its raw held-out text (bpb.py). Writes
+    bits per byte of the first `bpb_bytes` of its raw held-out text (bpb.py); graft: the
+    embeddings were trained over a base of which `primary` is a fine-tuned sibling (graft.py). Writes
     the records to `output` (which must not exist) when given. Needs no process group."""
     primary, embeddings = path_args(primary, "primary")[0], path_args(embeddings, "embeddings")
     seq_length, blocks = whole_arg(seq_length, "seq_length", 8, optional=True), whole_arg(blocks, "blocks", 1)
@@ -469,7 +470,7 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
     langs = {read_artifact(p)[2]["lang"] for p in artifact_dirs([Path(e) for e in embeddings])}
     records = plugin_records(Path(primary), [Path(e) for e in embeddings],
                              {lang: Path(data.replace("{lang}", lang)) for lang in langs}, seq_length, blocks,
-                             bpb_bytes=whole_arg(bpb_bytes, "bpb_bytes", 256))
+                             bpb_bytes=whole_arg(bpb_bytes, "bpb_bytes", 256), graft=graft)
     return _write_records(records, output)
 
 

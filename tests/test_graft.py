@@ -74,3 +74,38 @@ def test_a_graft_exports_what_mmadapt_computes_and_expand_keeps_the_siblings_row
                            sib.get_output_embeddings().weight.detach()[:rows])
         assert torch.equal(own["word_embeddings.word_embeddings.weight"], state["word_embeddings.word_embeddings.weight"][
             :own["word_embeddings.word_embeddings.weight"].shape[0]])
+
+
+def test_evaluate_scores_the_graft_in_bits_per_byte_beside_the_siblings_own(graft_runs, de_corpus, de_tokenizer,
+                                                                             tmp_path, capsys):
+    """`evaluate --plugin_data --graft`: the base's German artifacts through the sibling, with no
+    adaptation the sibling's own tokenizer and embeddings (not the base's); without --graft,
+    refused in one line naming it."""
+    import json
+
+    from mmadapt.bpb import ByteScorer
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.data import prepare
+    from mmadapt.heldout import Primary, Scorer
+
+    data = tmp_path / "de"
+    prepare(de_corpus, data, None, tokenizer=de_tokenizer, quiet=True, cfg=PreprocessConfig(workers=1,
+                                                                                            valid_fraction=0.1))
+    sibling, runs = graft_runs["llama2-sibling"], str(graft_runs["llama2-replace"])
+    argv = ["evaluate", "--primary", str(sibling), "--embeddings", runs, "--plugin_data", str(data),
+            "--seq_length", "32", "--plugin_blocks", "16", "--bpb_bytes", "1024"]
+    assert main([*argv, "--output", str(tmp_path / "no.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "score the graft with --graft" in err
+    assert not (tmp_path / "no.json").exists()
+    assert main([*argv, "--graft", "--output", str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert f"graft: {sibling} is a sibling of" in out and "## bits per byte of held-out text" in out
+    records = json.loads((tmp_path / "r.json").read_text())
+    assert [r["step"] for r in records] == [0, 2]
+    per_byte = {name: ByteScorer(Scorer(Primary.read(graft_runs[name])), 32, 1024) for name in
+                ("llama2-sibling", "llama2-base")}
+    none = {name: s.none(s.text(data)) for name, s in per_byte.items()}
+    assert all(r["none_bpb"] == pytest.approx(none["llama2-sibling"], rel=1e-6) for r in records)
+    assert abs(none["llama2-sibling"] - none["llama2-base"]) > 1e-3  # the sibling's own, not the base's
+    assert all(0 < r["bpb"] < 16 for r in records)
