@@ -1,0 +1,171 @@
+"""Graft German embeddings trained over a base decoder's mini-model into its fine-tuned sibling,
+against the sibling with no adaptation and against Step 2 over the sibling itself at full depth
+(the costly route the graft replaces), in bits per byte of the same held-out German verses.
+
+    base      the demo's shipped llama-tiny BL_BASE (pretrained on the English Bible), exported
+              to transformers and imported back: a Hugging Face model as a user holds one
+    sibling   the base fine-tuned with transformers on a prompt/answer framing of English verses
+              ("Q: Say verse N of Genesis.\\nA: <verse>"), its input embeddings and output
+              projection frozen: an instruct model's stand-in
+    graft     Step 1b (MINIPOST) over the base, Step 2 over its mini-model (--iters updates of
+              32 x 32), the artifacts scored through the sibling (`evaluate --graft`)
+    full      Step 2 over the sibling's full model (BL_BASE), the same updates
+    modes     replace (a 2,000-piece German vocabulary). Expand is not run here: the base, exported
+              and imported back, holds a SentencePiece Unigram tokenizer, which --vocab_mode expand
+              does not merge for an imported model (BPE and WordPiece ones it does: Qwen2, Llama);
+              tests/test_graft.py checks expand's graft on tiny Qwen2 and Llama-2 pairs
+
+Finished runs are kept (--output_dir).
+
+    python benchmarks/graft.py --output_dir /tmp/graft
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from common import table, write_results  # (importing common puts mmadapt on the path)
+
+import torch
+
+from mmadapt import steps
+from mmadapt.config import MiniModelConfig, PreprocessConfig
+from mmadapt.demo import Demo, DemoConfig, install_source_model, source_models, to_dict
+from mmadapt.hf import export_hf, import_hf
+from mmadapt.parallel import init_parallel
+from mmadapt.plugin import plugin_records
+from mmadapt.run import RunSpec, run_progress
+
+HELD_OUT, VOCAB, LANG = 0.03, 2000, "de"
+MODES = ("replace",)  # module docstring: why not expand
+
+
+def make_sibling(base: Path, out: Path, steps_: int, seed: int = 7) -> None:
+    """The base fine-tuned on prompt/answer verses, embeddings and output projection frozen."""
+    import sqlite3
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mmadapt.corpora import bible_db_path
+
+    tok, hf = AutoTokenizer.from_pretrained(str(base)), AutoModelForCausalLM.from_pretrained(str(base))
+    for name, p in hf.named_parameters():
+        p.requires_grad = not ("embed_tokens" in name or "lm_head" in name)
+    with sqlite3.connect(bible_db_path()) as db:
+        verses = [r[0] for r in db.execute("select vText from bible where bbName = 'k' and bNumber = 1 "
+                                           "order by cNumber, vNumber")]
+    texts = [f"Q: Say verse {i + 1} of Genesis.\nA: {v}" for i, v in enumerate(verses)]
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
+    hf.train()
+    for _ in range(steps_):
+        pick = torch.randint(0, len(texts), (16,), generator=g).tolist()
+        ids = [torch.tensor([tok(texts[i], truncation=True, max_length=64).input_ids]) for i in pick]
+        loss = sum(hf(input_ids=x, labels=x).loss for x in ids) / len(ids)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    hf.eval()
+    hf.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--output_dir", type=Path, required=True)
+    ap.add_argument("--iters", type=int, default=1000)
+    ap.add_argument("--save", type=int, default=250)
+    ap.add_argument("--sibling_steps", type=int, default=200)
+    ap.add_argument("--minipost_iters", type=int, default=150)
+    args = ap.parse_args()
+    init_parallel(1, 1)
+    root = args.output_dir
+    demo = Demo(DemoConfig(family="llama", langs=(LANG,)), root)
+    shipped = root / "data" / "en-shipped"
+    steps.preprocess("bible:en", output_dir=shipped, vocab_size=None, tokenizer=source_models("llama") / "spm.model",
+                     cfg=PreprocessConfig(workers=1))
+    native = root / "pretrain" / "bl_base"
+    if not native.exists():
+        model, train = demo.source_settings("bl_base")
+        install_source_model("bl_base", native, shipped, to_dict(model), to_dict(train))
+    hf_base, hf_sibling = root / "hf" / "base", root / "hf" / "sibling"
+    if not (hf_base / "config.json").is_file():
+        export_hf(hf_base, primary=native)
+    if not (hf_sibling / "config.json").is_file():
+        make_sibling(hf_base, hf_sibling, args.sibling_steps)
+    base, sibling = root / "base", root / "sibling"
+    for hf, run in ((hf_base, base), (hf_sibling, sibling)):
+        if not (run / "run.json").is_file():
+            import_hf(hf, run)
+    english = root / "data" / "en"  # in the imported base's ids, with held-out verses (English bits per byte)
+    steps.preprocess("bible:en", output_dir=english, vocab_size=None, tokenizer=base / "tokenizer" / "spm.model",
+                     cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT))
+    minipost = root / "minipost"
+    if run_progress(minipost, args.minipost_iters) != "done":
+        steps.build_minipost(run=RunSpec(output_dir=minipost, data_path=english),
+                             step=steps.BuildMinipost(primary=base, mini=MiniModelConfig(),
+                                                      train=demo._train(args.minipost_iters, args.minipost_iters)))
+    rows = []
+    for mode in MODES:
+        runs, data = {}, {}
+        for route, system, source in (("graft", "minipost", minipost), ("full", "bl_base", sibling)):
+            # The same German text and split for both routes; expand's merged vocabulary is made from
+            # the tokenizer of the run Step 2 trains over (the base's, or the sibling's same pieces).
+            data[route] = root / "data" / (f"{LANG}-{mode}" + ("" if mode == "replace" else f"-{route}"))
+            steps.preprocess(f"bible:{LANG}", output_dir=data[route], vocab_size=VOCAB,
+                             cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT),
+                             expand_from=(base if route == "graft" else sibling) if mode == "expand" else None)
+            run = runs[route] = root / "adapt" / f"{route}-{mode}"
+            state = run_progress(run, args.iters)
+            if state != "done":
+                train = demo._train(args.iters, args.save, train_micro_batch_size_per_gpu=demo.cfg.adapt_batch,
+                                    vocab_mode=mode, replay_data=str(english) if mode == "expand" else None)
+                steps.adapt_embeddings(run=RunSpec(output_dir=run, data_path=data[route], resume=state == "resume"),
+                                       step=steps.AdaptEmbeddings(system=system, source=source, lang=LANG, train=train))
+        for route, primary, graft in (("graft", sibling, True), ("full", sibling, False),
+                                      ("base (reference)", base, False)):
+            trained = "full" if route == "full" else "graft"
+            recs = plugin_records(primary, [runs[trained]], {LANG: data[trained]}, seq_length=demo.cfg.seq_length,
+                                  blocks=256, graft=graft)
+            last = recs[-1]
+            rows.append({"mode": mode, "route": route, "through": primary.name, "flops": last["flops"],
+                         "updates": last["step"], "none_bpb": last["none_bpb"], "start_bpb": last["start_bpb"],
+                         "bpb": last["bpb"], "source_none_bpb": last.get("source_none_bpb"),
+                         "source_bpb": last.get("source_bpb"), "bpb_bytes": last["bpb_bytes"],
+                         "curve": [(r["step"], r["flops"], r["bpb"]) for r in recs]})
+            write_results("graft", {"rows": rows, "sibling_steps": args.sibling_steps}, markdown(rows, args))
+
+
+def markdown(rows: list[dict], args) -> str:
+    out = ["# Grafting German embeddings into a fine-tuned sibling: llama-tiny demo model", "",
+           f"`python benchmarks/graft.py --output_dir <dir> --iters {args.iters} --sibling_steps {args.sibling_steps}`; "
+           "2 CPU cores. Bits per byte of the same held-out German verses (the first 8,192 bytes of the 3% held-out "
+           "documents); lower is better. No adaptation: the model scored with its own (English) tokenizer and "
+           "embeddings. graft: Step 2 over the base's MINIPOST mini-model, scored through the sibling; full: Step 2 "
+           "over the sibling's whole model; base (reference): the graft's artifacts through the base itself.", ""]
+    shown = []
+    for r in rows:
+        s = dict(r)
+        s["tflops"] = r["flops"] / 1e12
+        s["gain"] = r["none_bpb"] - r["bpb"]
+        if r.get("source_bpb") is not None:
+            s["english"] = f"{r['source_none_bpb']:.4f} → {r['source_bpb']:.4f}"
+        shown.append(s)
+    out += [table(shown, [("mode", "mode"), ("route", "route"), ("through", "scored through"),
+                          ("updates", "updates"), ("tflops", "Step-2 TFLOPs"), ("none_bpb", "no adaptation"),
+                          ("start_bpb", "update 0"), ("bpb", "last"), ("gain", "no adaptation − last"),
+                          ("english", "English: own → grafted")]), ""]
+    for mode in MODES:
+        g = next((r for r in rows if r["mode"] == mode and r["route"] == "graft"), None)
+        f = next((r for r in rows if r["mode"] == mode and r["route"] == "full"), None)
+        if g and f:
+            out.append(f"- {mode}: the graft reads German at {g['bpb']:.3f} bits per byte through the sibling, "
+                       f"{g['none_bpb'] - g['bpb']:.3f} below the sibling with no adaptation and "
+                       f"{g['bpb'] - f['bpb']:+.3f} from Step 2 over the sibling itself, at "
+                       f"{100 * g['flops'] / f['flops']:.0f}% of its Step-2 FLOPs.")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()
