@@ -42,7 +42,7 @@ MODES = ("replace",)  # module docstring: why not expand
 
 
 def make_sibling(base: Path, out: Path, steps_: int, seed: int = 7) -> None:
-    """The base fine-tuned on prompt/answer verses, embeddings and output projection frozen."""
+    """The base fine-tuned on prompt/answer verses (`steps_` updates of 8), embeddings and output projection frozen."""
     import sqlite3
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -60,7 +60,7 @@ def make_sibling(base: Path, out: Path, steps_: int, seed: int = 7) -> None:
     opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
     hf.train()
     for _ in range(steps_):
-        pick = torch.randint(0, len(texts), (16,), generator=g).tolist()
+        pick = torch.randint(0, len(texts), (8,), generator=g).tolist()
         ids = [torch.tensor([tok(texts[i], truncation=True, max_length=64).input_ids]) for i in pick]
         loss = sum(hf(input_ids=x, labels=x).loss for x in ids) / len(ids)
         opt.zero_grad()
@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--output_dir", type=Path, required=True)
     ap.add_argument("--iters", type=int, default=1000)
     ap.add_argument("--save", type=int, default=250)
-    ap.add_argument("--sibling_steps", type=int, default=200)
+    ap.add_argument("--sibling_steps", type=int, default=100)
     ap.add_argument("--minipost_iters", type=int, default=150)
     args = ap.parse_args()
     init_parallel(1, 1)
