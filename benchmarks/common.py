@@ -185,3 +185,13 @@ def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     sep = "|" + "|".join("---" for _ in columns) + "|"
     body = ["| " + " | ".join(fmt(r.get(k, "")) for k, _ in columns) + " |" for r in rows]
     return "\n".join([head, sep, *body])
+
+
+def bits_at(points: list[tuple[float, float]], flops: float) -> float:
+    """A curve's value (bits per byte) at Step-2 compute `flops`, linear between the
+    checkpoints (flops, value) around it."""
+    pts = sorted(points)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= flops <= x1:
+            return y0 + (y1 - y0) * (flops - x0) / (x1 - x0) if x1 > x0 else y1
+    raise ValueError(f"{flops} outside the curve")

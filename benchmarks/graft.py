@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import table, write_results  # (importing common puts mmadapt on the path)
+from common import bits_at, table, write_results  # (importing common puts mmadapt on the path)
 
 import torch
 
 from mmadapt import steps
 from mmadapt.config import MiniModelConfig, PreprocessConfig
+from mmadapt.graft import sibling_check
 from mmadapt.demo import Demo, DemoConfig, install_source_model, source_models, to_dict
 from mmadapt.hf import export_hf, import_hf
 from mmadapt.parallel import init_parallel
@@ -106,6 +107,7 @@ def main() -> None:
         steps.build_minipost(run=RunSpec(output_dir=minipost, data_path=english),
                              step=steps.BuildMinipost(primary=base, mini=MiniModelConfig(),
                                                       train=demo._train(args.minipost_iters, args.minipost_iters)))
+    distance = sibling_check(base, sibling, {}).distance
     rows = []
     for mode in MODES:
         runs, data = {}, {}
@@ -134,16 +136,21 @@ def main() -> None:
                          "bpb": last["bpb"], "source_none_bpb": last.get("source_none_bpb"),
                          "source_bpb": last.get("source_bpb"), "bpb_bytes": last["bpb_bytes"],
                          "curve": [(r["step"], r["flops"], r["bpb"]) for r in recs]})
-            write_results("graft", {"rows": rows, "sibling_steps": args.sibling_steps}, markdown(rows, args))
+            write_results("graft", {"rows": rows, "sibling_steps": args.sibling_steps, "sibling_distance": distance},
+                          markdown(rows, args, distance))
 
 
-def markdown(rows: list[dict], args) -> str:
+def markdown(rows: list[dict], args, distance: dict[str, float]) -> str:
     out = ["# Grafting German embeddings into a fine-tuned sibling: llama-tiny demo model", "",
            f"`python benchmarks/graft.py --output_dir <dir> --iters {args.iters} --sibling_steps {args.sibling_steps}`; "
            "2 CPU cores. Bits per byte of the same held-out German verses (the first 8,192 bytes of the 3% held-out "
            "documents); lower is better. No adaptation: the model scored with its own (English) tokenizer and "
            "embeddings. graft: Step 2 over the base's MINIPOST mini-model, scored through the sibling; full: Step 2 "
-           "over the sibling's whole model; base (reference): the graft's artifacts through the base itself.", ""]
+           "over the sibling's whole model; base (reference): the graft's artifacts through the base itself.", "",
+           "The sibling (export-hf --graft's check, ||sibling - base|| / ||base||): each layer moved "
+           f"{min(v for k, v in distance.items() if 'layers.' in k):.3f}-"
+           f"{max(v for k, v in distance.items() if 'layers.' in k):.3f}, the input embeddings "
+           f"{distance.get('word_embeddings', 0.0):.3f}.", ""]
     shown = []
     for r in rows:
         s = dict(r)
@@ -154,16 +161,19 @@ def markdown(rows: list[dict], args) -> str:
         shown.append(s)
     out += [table(shown, [("mode", "mode"), ("route", "route"), ("through", "scored through"),
                           ("updates", "updates"), ("tflops", "Step-2 TFLOPs"), ("none_bpb", "no adaptation"),
-                          ("start_bpb", "update 0"), ("bpb", "last"), ("gain", "no adaptation − last"),
-                          ("english", "English: own → grafted")]), ""]
+                          ("start_bpb", "update 0"), ("bpb", "last"), ("gain", "no adaptation − last")]
+                    + ([("english", "English: own → grafted")] if any("english" in s for s in shown) else [])), ""]
     for mode in MODES:
         g = next((r for r in rows if r["mode"] == mode and r["route"] == "graft"), None)
         f = next((r for r in rows if r["mode"] == mode and r["route"] == "full"), None)
         if g and f:
+            same = bits_at([(x, y) for _, x, y in f["curve"]], g["flops"])
             out.append(f"- {mode}: the graft reads German at {g['bpb']:.3f} bits per byte through the sibling, "
                        f"{g['none_bpb'] - g['bpb']:.3f} below the sibling with no adaptation and "
                        f"{g['bpb'] - f['bpb']:+.3f} from Step 2 over the sibling itself, at "
-                       f"{100 * g['flops'] / f['flops']:.0f}% of its Step-2 FLOPs.")
+                       f"{100 * g['flops'] / f['flops']:.0f}% of its Step-2 FLOPs; at the graft's compute "
+                       f"({g['flops'] / 1e12:.3g} TFLOPs) Step 2 over the sibling was at {same:.3f} "
+                       f"({g['bpb'] - same:+.3f}).")
     return "\n".join(out) + "\n"
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import table, write_results  # (importing common puts mmadapt on the path)
+from common import bits_at, table, write_results  # (importing common puts mmadapt on the path)
 
 from mmadapt import steps
 from mmadapt.config import PreprocessConfig
@@ -50,15 +50,6 @@ def prepare(root: Path, demo: Demo, source: Path, lang: str, mode: str, v: int) 
     steps.preprocess(f"bible:{lang}", output_dir=out, vocab_size=v, cfg=PreprocessConfig(workers=1,
                      valid_fraction=HELD_OUT), expand_from=source if mode == "expand" else None)
     return out
-
-
-def bits_at(records: list[dict], flops: float) -> float:
-    """bits per byte at Step-2 compute `flops`, linear between the checkpoints around it."""
-    pts = sorted((r["flops"], r["bpb"]) for r in records)
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x0 <= flops <= x1:
-            return y0 + (y1 - y0) * (flops - x0) / (x1 - x0) if x1 > x0 else y1
-    raise ValueError(f"{flops} outside the curve")
 
 
 def main() -> None:
@@ -109,7 +100,8 @@ def main() -> None:
         budget = min(r["flops"] for r in mine)
         for r in mine:
             r["budget_flops"] = budget
-            r["bpb_at_budget"] = bits_at(records[(lang, r["mode"], r["target_vocab"])], budget)
+            r["bpb_at_budget"] = bits_at([(x["flops"], x["bpb"]) for x in records[(lang, r["mode"], r["target_vocab"])]],
+                                         budget)
     write_results(f"vocab_sweep_{args.family}", {"rows": rows}, markdown(rows, args))
 
 
