@@ -23,11 +23,13 @@ Finished runs are kept (--output_dir).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from common import bits_at, table, write_results  # (importing common puts mmadapt on the path)
+from common import REPO, bits_at, table, write_results  # (importing common puts mmadapt on the path)
 
-import torch
+sys.path.insert(0, str(REPO / "tests"))
+from hf_models import make_sibling  # noqa: E402  the tests' sibling maker: one fine-tune for both
 
 from mmadapt import steps
 from mmadapt.config import MiniModelConfig, PreprocessConfig
@@ -40,36 +42,6 @@ from mmadapt.run import RunSpec, run_progress
 
 HELD_OUT, VOCAB, LANG = 0.03, 2000, "de"
 MODES = ("replace",)  # module docstring: why not expand
-
-
-def make_sibling(base: Path, out: Path, steps_: int, seed: int = 7) -> None:
-    """The base fine-tuned on prompt/answer verses (`steps_` updates of 8), embeddings and output projection frozen."""
-    import sqlite3
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mmadapt.corpora import bible_db_path
-
-    tok, hf = AutoTokenizer.from_pretrained(str(base)), AutoModelForCausalLM.from_pretrained(str(base))
-    for name, p in hf.named_parameters():
-        p.requires_grad = not ("embed_tokens" in name or "lm_head" in name)
-    with sqlite3.connect(bible_db_path()) as db:
-        verses = [r[0] for r in db.execute("select vText from bible where bbName = 'k' and bNumber = 1 "
-                                           "order by cNumber, vNumber")]
-    texts = [f"Q: Say verse {i + 1} of Genesis.\nA: {v}" for i, v in enumerate(verses)]
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.0)
-    hf.train()
-    for _ in range(steps_):
-        pick = torch.randint(0, len(texts), (8,), generator=g).tolist()
-        ids = [torch.tensor([tok(texts[i], truncation=True, max_length=64).input_ids]) for i in pick]
-        loss = sum(hf(input_ids=x, labels=x).loss for x in ids) / len(ids)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    hf.eval()
-    hf.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
 
 
 def main() -> None:
@@ -94,7 +66,7 @@ def main() -> None:
     if not (hf_base / "config.json").is_file():
         export_hf(hf_base, primary=native)
     if not (hf_sibling / "config.json").is_file():
-        make_sibling(hf_base, hf_sibling, args.sibling_steps)
+        make_sibling(hf_base, hf_sibling, steps=args.sibling_steps, lr=1e-3)
     base, sibling = root / "base", root / "sibling"
     for hf, run in ((hf_base, base), (hf_sibling, sibling)):
         if not (run / "run.json").is_file():

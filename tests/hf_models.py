@@ -399,11 +399,13 @@ def import_all(hf_dirs: dict[str, Path], root: Path) -> dict[str, Path]:
     return {name: root / name for name in hf_dirs}
 
 
-def make_sibling(base: Path, out: Path, steps: int = 10, seed: int = 7, train_output: bool = False) -> Path:
+def make_sibling(base: Path, out: Path, steps: int = 10, seed: int = 7, train_output: bool = False,
+                 lr: float = 3e-3) -> Path:
     """A fine-tuned sibling of the Hugging Face decoder `base` (an instruct model's stand-in): its
-    body trained `steps` updates on a prompt/answer framing of English verses (the prompt names a
-    verse, the answer is its text), the input embeddings frozen, the untied output projection
-    too unless `train_output`; saved with the base's tokenizer."""
+    body trained `steps` updates of 8 at `lr` on a prompt/answer framing of English verses (the
+    prompt names a verse of Genesis, the answer is its text), the input embeddings frozen, the
+    untied output projection too unless `train_output`; saved with the base's tokenizer. Also
+    benchmarks/graft.py's sibling."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(base))
@@ -413,7 +415,7 @@ def make_sibling(base: Path, out: Path, steps: int = 10, seed: int = 7, train_ou
     lines = bible_lines("en", range(1, 2))
     texts = [f"Q: Say verse {i + 1} of Genesis.\nA: {line}" for i, line in enumerate(lines)]
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     hf.train()
     for _ in range(steps):
         pick = torch.randint(0, len(texts), (8,), generator=g).tolist()
