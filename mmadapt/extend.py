@@ -12,6 +12,8 @@ target corpus, export. Every stage is the library function of the command a user
                  adapt/        Step 2 over the mini-model (or the full model: --system bl_base)
                  export/       the extended model: a transformers directory (and, for a
                                sentence encoder, export/sentence_transformers/)
+                 sibling/      with --into: import-hf's run of a model fine-tuned from --model
+                 export-into/  the embeddings grafted into it (export-hf --graft, graft.py)
 
 A stage that finished is kept; one that was interrupted resumes from its checkpoint; a repeated
 call trains nothing and prints the same result. The source-language text of the head fit and of
@@ -23,18 +25,20 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Optional
 
 from mmadapt import checkpoint, parallel, steps
 from mmadapt.artifact import artifact_dirs, read_artifact
 from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig
 from mmadapt.data import MANIFEST
+from mmadapt.graft import check_siblings
 from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import export_hf, import_any
 from mmadapt.run import RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
-REPORT_ONLY = ("bpb_bytes",)  # Extend fields that size the summary, not the extension: a later call may change them
+REPORT_ONLY = ("bpb_bytes", "into")  # Extend fields that size the summary, not the extension: a later call may change them
 SYSTEMS = ("minipost", "bl_base")  # what an imported model offers: no MINIJOINT head, no BL_SMALL run
 
 
@@ -62,9 +66,11 @@ class Extend:
     minipost_iters: int = 500
     adapt_iters: int = 600
     bpb_bytes: int = BPB_BYTES  # held-out target bytes the summary scores in bits per byte: not the extension's identity
+    into: Optional[Path] = None  # a fine-tuned sibling of `model` (a Hugging Face directory) to graft the embeddings into
 
     def __post_init__(self):
         self.model, self.output_dir = Path(self.model).resolve(), Path(self.output_dir)
+        self.into = None if self.into is None else Path(self.into).resolve()
         if self.system not in SYSTEMS:
             raise ValueError(f"--system {self.system}: extend adapts an imported model over {' or '.join(SYSTEMS)}")
 
@@ -107,6 +113,16 @@ def extend(ext: Extend) -> dict:
     if not (imported / "run.json").is_file():
         say(f"import {ext.model}")
         import_any(ext.model, imported)
+    sibling = None
+    if ext.into is not None:  # checked before anything trains (graft.check_siblings)
+        if read_source(imported).headless:
+            raise ValueError(f"--into grafts the embeddings into a language model; {ext.model} is a headless encoder, "
+                             "whose extension gets an MLM head its sibling lacks: drop --into")
+        sibling = ext.run_dir("sibling")
+        if not (sibling / "run.json").is_file():
+            say(f"import the sibling {ext.into}")
+            import_any(ext.into, sibling)
+        check_siblings(read_source(imported), read_source(sibling), {"vocab_mode": ext.vocab_mode})
     source = imported
     if read_source(imported).headless:
         source = ext.run_dir("head")
@@ -143,7 +159,28 @@ def extend(ext: Extend) -> dict:
             shutil.rmtree(export)
         export_hf(export, primary=source, embeddings=final)
     summary = _summary(ext, source, adapt, data, export)
+    if sibling is not None:
+        summary.update(_graft(ext, sibling, final, data))
     return summary
+
+
+def _graft(ext: Extend, sibling: Path, final: Path, data: Path) -> dict:
+    """The embeddings grafted into the sibling (export-hf --graft) and scored through it in bits
+    per byte beside the sibling with no adaptation."""
+    out = ext.run_dir("export-into")
+    if not (out / "config.json").is_file():
+        if out.exists():  # an export cut short: written again whole
+            import shutil
+
+            shutil.rmtree(out)
+        export_hf(out, primary=sibling, embeddings=final, graft=True)
+    per_byte = ByteScorer(Scorer(Primary.read(sibling)), ext.seq_length, ext.bpb_bytes)
+    raw = per_byte.text(data)
+    emb, tok, meta = read_artifact(final)
+    bits, none = per_byte.score(raw, tok, emb, meta)["bpb"], per_byte.none(raw)
+    print(f"Grafted into {ext.into}: {ext.lang} at {bits:.3f} bits per byte through it, {none:.3f} with no adaptation "
+          f"(its own tokenizer and embeddings). Grafted model: {out}", flush=True)
+    return {"graft": str(out), "graft_bpb": bits, "graft_no_adaptation_bpb": none}
 
 
 def _train(run_dir: Path, iters: int, step, corpus: str | None = None, data_path: Path | None = None) -> None:

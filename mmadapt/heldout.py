@@ -115,9 +115,12 @@ def heldout_batches(text: "Text", vocab_size: int, objective: Objective = MLM, p
     else:
         data = objective.batches(text.data, held_out, vocab_size, split=text.split)
     n = min(text.blocks, len(data)) // text.batch_size
+    if n == 0 and len(data):  # fewer blocks than a batch (a small held-out split): one batch of them all
+        return heldout_batches(dataclasses.replace(text, batch_size=min(len(data), text.blocks)), vocab_size,
+                               objective, prefix)
     if n == 0:
-        raise ValueError(f"{text.data}'s {'validation split' if text.split == VALID else 'text'} holds {len(data)} "
-                         f"blocks of {text.seq_length}, fewer than one batch of {text.batch_size}: prepare it with a "
+        raise ValueError(f"{text.data}'s {'validation split' if text.split == VALID else 'text'} holds no block "
+                         f"of {text.seq_length}: prepare it with a "
                          "larger --valid_fraction")
     return [objective.heldout(*data.micro_batch(k, 0)) for k in range(n)]
 

@@ -109,3 +109,23 @@ def test_evaluate_scores_the_graft_in_bits_per_byte_beside_the_siblings_own(graf
     assert all(r["none_bpb"] == pytest.approx(none["llama2-sibling"], rel=1e-6) for r in records)
     assert abs(none["llama2-sibling"] - none["llama2-base"]) > 1e-3  # the sibling's own, not the base's
     assert all(0 < r["bpb"] < 16 for r in records)
+
+
+def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpus, tmp_path, capsys):
+    """`mmadapt extend --into`: the extension of the tiny Qwen2 base (schedules of 2 updates) also
+    grafted into its sibling, scored through it beside its own no adaptation; a model that is
+    not a sibling is refused in one line before anything trains."""
+    hf = graft_runs["qwen2-base"].parent / "hf"
+    argv = ["extend", "--model", str(hf / "qwen2-base"), "--lang", "de", "--corpus", str(de_corpus),
+            "--source_corpus", str(corpus), "--vocab_size", "500", "--minipost_iters", "2", "--adapt_iters", "2",
+            "--batch", "4", "--seq_length", "32", "--bpb_bytes", "512"]
+    bad = tmp_path / "bad"
+    assert main([*argv, "--output_dir", str(bad), "--into", str(hf / "llama2-sibling")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a sibling of" in err, err
+    assert not (bad / "minipost").exists() and not (bad / "adapt").exists()
+    out = tmp_path / "ext"
+    assert main([*argv, "--output_dir", str(out), "--into", str(hf / "qwen2-sibling")]) == 0
+    said = capsys.readouterr().out
+    assert "is a sibling of" in said and f"Grafted into {hf / 'qwen2-sibling'}: de at " in said
+    assert (out / "export-into" / "config.json").is_file() and (out / "export" / "config.json").is_file()
