@@ -28,7 +28,7 @@ from common import bits_at, table, write_results  # (importing common puts mmada
 
 from mmadapt import steps
 from mmadapt.config import PreprocessConfig
-from mmadapt.demo import Demo, DemoConfig, install_source_model, to_dict
+from mmadapt.demo import Demo, DemoConfig, install_source_model, source_models, to_dict
 from mmadapt.parallel import init_parallel
 from mmadapt.plugin import plugin_records
 from mmadapt.run import RunSpec, run_progress
@@ -45,7 +45,7 @@ def cells() -> list[tuple[str, str, int]]:
             for mode, sizes in (("replace", REPLACE), ("expand", EXPAND)) for v in sizes]
 
 
-def prepare(root: Path, demo: Demo, source: Path, lang: str, mode: str, v: int) -> Path:
+def prepare(root: Path, source: Path, lang: str, mode: str, v: int) -> Path:
     out = root / "data" / f"{lang}-{mode}-{v}"
     steps.preprocess(f"bible:{lang}", output_dir=out, vocab_size=v, cfg=PreprocessConfig(workers=1,
                      valid_fraction=HELD_OUT), expand_from=source if mode == "expand" else None)
@@ -70,7 +70,7 @@ def main() -> None:
     root = args.output_dir
     demo = Demo(DemoConfig(family=args.family, langs=LANGS), root)
     english = root / "data" / "en"
-    steps.preprocess("bible:en", output_dir=english, vocab_size=None, tokenizer=demo_tokenizer(args.family),
+    steps.preprocess("bible:en", output_dir=english, vocab_size=None, tokenizer=source_models(args.family) / "spm.model",
                      cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT))
     source = root / "pretrain" / SYSTEM
     if not source.exists():
@@ -78,7 +78,7 @@ def main() -> None:
         install_source_model(SYSTEM, source, english, to_dict(model), to_dict(train))
     rows, records = [], {}
     for lang, mode, v in cells():
-        data = prepare(root, demo, source, lang, mode, v)
+        data = prepare(root, source, lang, mode, v)
         run = root / "adapt" / f"{lang}-{mode}-{v}"
         state = run_progress(run, args.iters)
         if state != "done":
@@ -103,12 +103,6 @@ def main() -> None:
             r["bpb_at_budget"] = bits_at([(x["flops"], x["bpb"]) for x in records[(lang, r["mode"], r["target_vocab"])]],
                                          budget)
     write_results(f"vocab_sweep_{args.family}", {"rows": rows}, markdown(rows, args))
-
-
-def demo_tokenizer(family: str) -> Path:
-    from mmadapt.demo import source_models
-
-    return source_models(family) / "spm.model"
 
 
 def _rows(run: Path) -> int:

@@ -275,18 +275,6 @@ def batches(rows: Rows, batch_tokens: int = BATCH_TOKENS) -> list[tuple[torch.Te
     return out
 
 
-@torch.no_grad()
-def summed_nats(model: torch.nn.Module, device_batches: list) -> float:
-    """The summed loss (nats) of a one-head LM over heldout.on_device batches (the model's own
-    forward, mean over each batch's scored pieces, times their number); summed on the device."""
-    total = 0.0
-    for ids, padding, masked_index, targets in device_batches:
-        if len(targets):
-            loss, _ = model(ids, masked_index=masked_index, targets=targets, padding=padding)
-            total = total + loss.float() * len(targets)
-    return float(total)
-
-
 @dataclasses.dataclass(frozen=True)
 class Scored:
     """One tokenizer's rows of a RawText, ready to score: batches on the model's device."""
@@ -323,7 +311,7 @@ class ByteScorer:
         self.own_tokenizer = Path(scorer.primary.ref["run_dir"]) / RUN_TOKENIZER
         self._texts: dict[str, RawText] = {}
         self._read: dict[tuple, Scored] = {}
-        self._none: dict[str, float] = {}
+        self._none: dict[RawText, float] = {}
 
     def text(self, data: str | Path) -> RawText:
         key = str(Path(data).resolve())
@@ -339,7 +327,7 @@ class ByteScorer:
         from mmadapt.devices import device_of
         from mmadapt.tokenizer import load
 
-        key = (text.source, text.lines[:1], len(text.lines), file_sha256(tokenizer))
+        key = (text, file_sha256(tokenizer))
         if key not in self._read:
             self._read[key] = prepare(load(tokenizer), text, self.layout, self.masked, self.seq_length,
                                       device_of(self.scorer.model))
@@ -351,6 +339,6 @@ class ByteScorer:
     def none(self, text: RawText) -> float:
         """No adaptation: `text` in bits per byte through the primary model with its own
         tokenizer and embeddings (scored once per text)."""
-        if text.source not in self._none:
-            self._none[text.source] = self.score(text, self.own_tokenizer)["bpb"]
-        return self._none[text.source]
+        if text not in self._none:
+            self._none[text] = self.score(text, self.own_tokenizer)["bpb"]
+        return self._none[text]

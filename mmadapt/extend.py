@@ -153,11 +153,7 @@ def extend(ext: Extend) -> dict:
     export = ext.run_dir("export")
     if not (export / "config.json").is_file():
         say("export the extended model")
-        if export.exists():  # an export cut short: written again whole
-            import shutil
-
-            shutil.rmtree(export)
-        export_hf(export, primary=source, embeddings=final)
+        _export(export, primary=source, embeddings=final)
     summary = _summary(ext, source, adapt, data, export)
     if sibling is not None:
         summary.update(_graft(ext, sibling, final, data))
@@ -169,11 +165,7 @@ def _graft(ext: Extend, sibling: Path, final: Path, data: Path) -> dict:
     per byte beside the sibling with no adaptation."""
     out = ext.run_dir("export-into")
     if not (out / "config.json").is_file():
-        if out.exists():  # an export cut short: written again whole
-            import shutil
-
-            shutil.rmtree(out)
-        export_hf(out, primary=sibling, embeddings=final, graft=True)
+        _export(out, primary=sibling, embeddings=final, graft=True)
     per_byte = ByteScorer(Scorer(Primary.read(sibling)), ext.seq_length, ext.bpb_bytes)
     raw = per_byte.text(data)
     emb, tok, meta = read_artifact(final)
@@ -181,6 +173,15 @@ def _graft(ext: Extend, sibling: Path, final: Path, data: Path) -> dict:
     print(f"Grafted into {ext.into}: {ext.lang} at {bits:.3f} bits per byte through it, {none:.3f} with no adaptation "
           f"(its own tokenizer and embeddings). Grafted model: {out}", flush=True)
     return {"graft": str(out), "graft_bpb": bits, "graft_no_adaptation_bpb": none}
+
+
+def _export(out: Path, **kw) -> None:
+    """export_hf into `out` (its keyword arguments `kw`); an export cut short there is written again whole."""
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    export_hf(out, **kw)
 
 
 def _train(run_dir: Path, iters: int, step, corpus: str | None = None, data_path: Path | None = None) -> None:

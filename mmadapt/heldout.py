@@ -12,6 +12,7 @@ one tokenizer is scored on the same positions. Needs no process group.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Callable
@@ -134,18 +135,23 @@ def on_device(batches: list, device: torch.device) -> list:
 
 
 @torch.no_grad()
-def masked_loss(model: torch.nn.Module, batches: list) -> float:
-    """Mean loss per masked piece of a one-head LM over `on_device` batches (the model's
-    own forward: its loss is the batch's mean over its m masked pieces). Summed on the device and
-    read once at the end: no host-device synchronisation per batch."""
-    total, count = 0.0, 0
+def summed_nats(model: torch.nn.Module, batches: list) -> float:
+    """The summed loss (nats) of a one-head LM over `on_device` batches (the model's own forward:
+    its loss is the batch's mean over its m scored pieces, times m). Summed on the device and read
+    once at the end: no host-device synchronisation per batch."""
+    total = 0.0
     for ids, padding, masked_index, targets in batches:
         if not len(targets):  # a short block with no position selected: its mean loss is NaN (0 / 0)
             continue
         loss, _ = model(ids, masked_index=masked_index, targets=targets, padding=padding)
         total = total + loss * len(targets)
-        count += len(targets)
-    return float(total) / count
+    return float(total)
+
+
+def masked_loss(model: torch.nn.Module, batches: list) -> float:
+    """Mean loss per masked piece of a one-head LM over `on_device` batches (summed_nats / their
+    scored pieces)."""
+    return summed_nats(model, batches) / sum(len(targets) for *_, targets in batches)
 
 
 def unigram_loss(logp: torch.Tensor, batches: list) -> float:
@@ -192,13 +198,18 @@ class Scorer:
                        unigram_loss(unigram_logprobs(text.data, vocab_size), batches) if unigram else None,
                        int(sum(int(l.ge(0).sum()) for _, l in batches)))
 
+    def _swapped(self, art: dict | None, meta: dict | None):
+        """The artifact's tensors `art` swapped into the model for a `with` block (its meta.json
+        `meta` says whether they expand the vocabulary); None: the model's own."""
+        if art is None:
+            return contextlib.nullcontext()
+        return swapped(self.model, swap_tensors(self.family, self.model, art, meta))
+
     @torch.no_grad()
     def logits(self, held: HeldOut, art: dict | None = None, meta: dict | None = None) -> list[torch.Tensor]:
         """The primary head's logits [m_b, V] at each batch's scored positions, with the artifact's
         tensors `art` swapped in (None: the model's own)."""
-        if art is None:
-            return self._logits(held)
-        with swapped(self.model, swap_tensors(self.family, self.model, art, meta)):
+        with self._swapped(art, meta):
             return self._logits(held)
 
     def _logits(self, held: HeldOut) -> list[torch.Tensor]:
@@ -209,21 +220,15 @@ class Scorer:
         return out
 
     def summed(self, on_device: list, art: dict | None = None, meta: dict | None = None) -> float:
-        """The summed loss (nats) of `on_device` batches (bpb.summed_nats) with the artifact's tensors
+        """The summed loss (nats) of `on_device` batches (summed_nats) with the artifact's tensors
         `art` swapped in (None: the model's own)."""
-        from mmadapt.bpb import summed_nats
-
-        if art is None:
-            return summed_nats(self.model, on_device)
-        with swapped(self.model, swap_tensors(self.family, self.model, art, meta)):
+        with self._swapped(art, meta):
             return summed_nats(self.model, on_device)
 
     def loss(self, held: HeldOut, art: dict | None = None, meta: dict | None = None) -> float:
         """The loss per scored piece of `held` with the artifact's tensors `art` swapped in (its
         meta.json `meta` says whether they expand the vocabulary); None: the model's own."""
-        if art is None:
-            return masked_loss(self.model, held.on_device)
-        with swapped(self.model, swap_tensors(self.family, self.model, art, meta)):
+        with self._swapped(art, meta):
             return masked_loss(self.model, held.on_device)
 
 

@@ -30,11 +30,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mmadapt import checkpoint
 from mmadapt.adapt import AdaptEmbeddings, StartRule, Step2Start, body_config
-from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.artifact import (ARTIFACT_FILE, PrimaryRef, artifact_dirs, artifact_primary, artifact_primary_ref,
                               read_artifact, record_base)
-from mmadapt import checkpoint
+from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.checkpoint import tag_for
 from mmadapt.data import TOKENIZER, file_sha256, read_manifest
 from mmadapt.devices import progress

@@ -14,6 +14,7 @@ import torch
 from mmadapt import bpb as B
 from mmadapt.config import PreprocessConfig
 from mmadapt.data import DataError, is_validation_document
+from mmadapt import heldout as H
 from mmadapt.heldout import on_device
 from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.presets import LLAMA_TINY
@@ -82,7 +83,7 @@ def test_decoder_bits_per_byte_by_hand():
     text = B.RawText(tuple(TEXT), "test")
     layout = B.Layout((EOS_ID,), ())
     scored = B.prepare(sp, text, layout, False, 64, torch.device("cpu"))
-    got = scored.bpb(B.summed_nats(model, scored.on_device))
+    got = scored.bpb(H.summed_nats(model, scored.on_device))
     nats = 0.0
     with torch.no_grad():
         for line in TEXT:
@@ -103,7 +104,7 @@ def test_decoder_bits_per_byte_by_hand():
             row = torch.tensor([[EOS_ID] + ids[a:b]])
             logp = torch.log_softmax(model.logits(row)[0][0].float(), -1)
             nats -= float(logp[torch.arange(b - a), row[0, 1:]].sum())
-    assert short.bpb(B.summed_nats(model, short.on_device)) == pytest.approx(
+    assert short.bpb(H.summed_nats(model, short.on_device)) == pytest.approx(
         nats / len(line.encode()) / math.log(2), rel=1e-5)
 
 
@@ -133,7 +134,7 @@ def _encoder(vocab: int, seed: int = 0) -> torch.nn.Module:
 
 def _encoder_bpb(model, sp, text, whole_word=True) -> float:
     rows = B.masked_rows(sp, text, B.Layout((), (EOS_ID,)), 60, whole_word=whole_word)
-    return B.summed_nats(model, on_device(B.batches(rows), torch.device("cpu"))) / text.bytes / math.log(2)
+    return H.summed_nats(model, on_device(B.batches(rows), torch.device("cpu"))) / text.bytes / math.log(2)
 
 
 def test_encoder_score_is_the_pll_word_l2r_by_hand():
