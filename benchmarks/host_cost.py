@@ -1,0 +1,260 @@
+"""The host-side cost of one training update, per step and system, measured on any machine.
+
+    python benchmarks/host_cost.py                          # this checkout, both shapes
+    python benchmarks/host_cost.py --repo /tmp/old-checkout --tag d974fb8 --json_only
+
+For each Step-1, Step-1b and Step-2 update of every system (benchmarks/flops_validation.cases),
+at the *structure* of roberta-base and of Qwen2-0.5B (their depth, heads, query groups, biases,
+tied or untied output, clipping) under the GPU's default ZeRO settings (ds_configs/zero2*.json),
+one update through mmadapt's own `train_step` is counted three ways:
+
+- **operators launched**: every ATen operator the update dispatches (a TorchDispatchMode sees the
+  forward, the backward and DeepSpeed's work alike), split into the forward, backward, optimizer
+  step (DeepSpeed's `engine.step`) and the rest (the loss reduced over replicas), and counted
+  without the views and metadata ops that launch nothing. On a GPU each of the others is (at
+  least) one kernel launch: the host pays ~5-10 us to issue one, and the device runs it
+  asynchronously only while the host keeps ahead.
+- **Python calls**: function calls the update makes into DeepSpeed (and, of them, the gradient
+  hooks fired: ZeRO's `grad_handling_hook`, one per trainable tensor) and into mmadapt.
+- **host time**: the update's wall time at the same structure with every width shrunk
+  (`--width`: 8 channels per head, vocabulary 1,000, 32 tokens x 2 sequences), where the math is
+  a few MFLOPs: what is left is the time the host needs to issue the update, whatever the device.
+
+Why these predict the GPU's idle and element-wise time: the count and order of the operators do
+not depend on the widths (a launch is a launch; `--check_widths` counts at two widths and they
+agree), and a GPU step can never take less wall time than the host needs to issue it. At
+roberta-base's real widths an update is ~1.5 TFLOP of matmuls (~3 ms at 500 TFLOP/s of bf16)
+against the host time measured here; every element-wise operator besides is one more pass over
+an activation in device memory. Fewer operators per update is the one change that cuts both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import importlib
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+# Operators that launch nothing on a device: views (is_view) and these.
+NO_LAUNCH = {"detach", "alias", "empty", "empty_strided", "lift_fresh", "_unsafe_view", "set_", "resize_",
+             "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
+PHASES = ("forward", "backward", "step", "other")
+
+
+def shapes(PRESETS, find_preset, width: int, vocab: int):
+    """name -> (the preset's model with every width shrunk, its schedule): the same layers, heads,
+    query groups, biases and output tying, `width` channels per head."""
+    out = {}
+    for name, (model, train) in (("roberta-base", PRESETS["roberta-base"]), ("qwen2-0.5b", find_preset("qwen2-0.5b")[1:])):
+        h = width * model.num_attention_heads
+        out[name] = (dataclasses.replace(model, hidden_size=h, ffn_hidden_size=4 * h, vocab_size=vocab,
+                                         max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                                         kv_channels=None), train)
+    return out
+
+
+class Counter:
+    """ATen operators by phase (a TorchDispatchMode) and Python calls by package (sys.setprofile)."""
+
+    def __init__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+        self.phase = "other"
+        self.ops = collections.Counter()
+        self.launches = collections.Counter()
+        self.names = collections.Counter()
+        self.py = collections.Counter()
+
+        class Spy(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                counter.ops[counter.phase] += 1
+                name = func.__name__.split(".")[0]
+                if not (func.is_view or name in NO_LAUNCH):
+                    counter.launches[counter.phase] += 1
+                    counter.names[name] += 1
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Spy()
+        self.torch = torch
+
+    def profile(self, frame, event, arg):
+        if event != "call":
+            return
+        f = frame.f_code.co_filename
+        if "/deepspeed/" in f:
+            self.py["deepspeed"] += 1
+            if frame.f_code.co_name == "grad_handling_hook":
+                self.py["grad_hooks"] += 1
+        elif "/mmadapt/" in f:
+            self.py["mmadapt"] += 1
+        self.py["all"] += 1
+
+
+def phased(engine, counter):
+    """Wrap the engine's forward, backward and step so that the counter knows the phase."""
+    def wrap(name, fn):
+        def inner(*a, **k):
+            counter.phase = name
+            try:
+                return fn(*a, **k)
+            finally:
+                counter.phase = "other"
+        return inner
+    engine.forward = wrap("forward", engine.forward)
+    engine.backward = wrap("backward", engine.backward)
+    engine.step = wrap("step", engine.step)
+
+
+def measure(args) -> list[dict]:
+    import torch
+
+    sys.path.insert(0, str(Path(args.repo).resolve()))
+    for m in [m for m in sys.modules if m == "mmadapt" or m.startswith("mmadapt.")]:
+        del sys.modules[m]
+    from mmadapt.config import TrainConfig
+    from mmadapt import engine as engine_module
+    from mmadapt.engine import load_ds_config
+    from mmadapt.models import PRESETS, find_preset, get_family
+    from mmadapt.parallel import init_parallel
+    from mmadapt.train import LMJob, lm_engine, train_step, host_batch
+
+    sys.path.insert(0, str(HERE))
+    from common import causal_batches, masked_batches
+    from flops_validation import cases
+
+    init_parallel(1, 1)
+    gpu = torch.cuda.is_available()
+    ds_name = args.ds_config or ("zero2_bf16.json" if gpu else "zero2.json")
+    s, b = args.seq_length, args.micro_batch
+    rows = []
+    for shape, (base, preset_train) in shapes(PRESETS, find_preset, args.width, args.vocab).items():
+        if args.shapes and shape not in args.shapes:
+            continue
+        family = get_family(base)
+        base = dataclasses.replace(base, fusion=args.fusion)
+        train = TrainConfig(seq_length=s, train_micro_batch_size_per_gpu=b, train_iters=10**6, lr=1e-4,
+                            lr_warmup_iters=1, gradient_clipping=preset_train.gradient_clipping,
+                            adam_beta2=preset_train.adam_beta2)
+        ds = load_ds_config(Path(args.repo) / "ds_configs" / ds_name, train)
+        # What a run does with the JSON at one data-parallel replica (start_run), where the
+        # checkout has that step (before 2026-11-27 the JSON went to DeepSpeed as it was).
+        ds = getattr(engine_module, "for_replicas", lambda ds, dp: ds)(ds, 1)
+        batches = (masked_batches(base, b, s, train.mask_prob, 4) if family.objective.masked
+                   else causal_batches(base, b, s, 4))
+        for system, step, cfg, trainable in cases(base):
+            engine, _, _ = lm_engine(family, cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
+            hb = [host_batch(ids, labels, gpu) for ids, labels in batches]
+            heads = len(cfg.heads_after)
+            k = iter(range(10**9))
+
+            def update():
+                train_step(engine, [hb[next(k) % len(hb)]], heads)
+            for _ in range(args.warmup):
+                update()
+            counter = Counter()
+            phased(engine, counter)
+            with counter.mode:
+                update()
+            sys.setprofile(counter.profile)
+            try:
+                update()
+            finally:
+                sys.setprofile(None)
+            times = []
+            for _ in range(args.repeats):
+                if gpu:
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                update()
+                if gpu:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t)
+            row = {"shape": shape, "system": system, "step": step, "layers": cfg.num_layers,
+                   "trainable_tensors": sum(p.requires_grad for p in engine.module.parameters()),
+                   "ops": sum(counter.ops.values()), "launches": sum(counter.launches.values()),
+                   **{f"launches_{p}": counter.launches[p] for p in PHASES},
+                   "py_deepspeed": counter.py["deepspeed"], "grad_hooks": counter.py["grad_hooks"],
+                   "py_mmadapt": counter.py["mmadapt"], "py_all": counter.py["all"],
+                   "host_ms": 1e3 * statistics.median(times), "host_ms_min": 1e3 * min(times),
+                   "host_ms_max": 1e3 * max(times), "top_ops": counter.names.most_common(12)}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "top_ops"}), flush=True)
+            del engine
+    return rows
+
+
+def git_rev(repo: Path) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return "unknown"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repo", default=str(HERE.parent), help="the checkout whose mmadapt is measured (default: this one)")
+    ap.add_argument("--tag", help="a name for this checkout in the results (default: its git revision)")
+    ap.add_argument("--against", metavar="JSON", help="a --json_only output of another checkout, set beside this one")
+    ap.add_argument("--json_only", metavar="PATH", help="write the rows as JSON to PATH, no results file")
+    ap.add_argument("--shapes", nargs="+", choices=("roberta-base", "qwen2-0.5b"))
+    ap.add_argument("--fusion", default="none", choices=("none", "compile"))
+    ap.add_argument("--ds_config", help="one of ds_configs/ (default: zero2_bf16.json on a GPU, zero2.json on a CPU)")
+    ap.add_argument("--width", type=int, default=8, help="channels per attention head")
+    ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--seq_length", type=int, default=32)
+    ap.add_argument("--micro_batch", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args(argv)
+    tag = args.tag or git_rev(Path(args.repo))
+    rows = measure(args)
+    for r in rows:
+        r["checkout"] = tag
+    if args.json_only:
+        Path(args.json_only).write_text(json.dumps(rows, indent=1))
+        return
+    sys.path.insert(0, str(HERE))
+    from common import table, write_results
+    before = json.loads(Path(args.against).read_text()) if args.against else []
+    old = {(r["shape"], r["system"], r["step"]): r for r in before}
+    for r in rows:
+        o = old.get((r["shape"], r["system"], r["step"]))
+        if o:
+            r["launches_over_before"] = r["launches"] / o["launches"]
+            r["host_ms_over_before"] = r["host_ms"] / o["host_ms"]
+    cols = [("shape", "shape"), ("system", "system"), ("step", "step"), ("layers", "layers"),
+            ("trainable_tensors", "trained tensors"), ("launches", "launches"), ("launches_forward", "fwd"),
+            ("launches_backward", "bwd"), ("launches_step", "opt step"), ("launches_other", "other"),
+            ("grad_hooks", "grad hooks"), ("py_deepspeed", "DeepSpeed calls"), ("host_ms", "host ms (median)")]
+    if old:
+        cols += [("launches_over_before", "launches / before"), ("host_ms_over_before", "host ms / before")]
+    settings = {"fusion": args.fusion, "ds_config": args.ds_config or "zero2.json / zero2_bf16.json",
+                "width_per_head": args.width, "vocab": args.vocab, "seq_length": args.seq_length,
+                "micro_batch": args.micro_batch, "repeats": args.repeats, "python": platform.python_version()}
+    md = [f"# Host-side cost of one training update ({tag}, fusion {args.fusion})", "",
+          f"Settings: {json.dumps(settings)}. `python benchmarks/host_cost.py` (its docstring says what is "
+          "counted and why). Launches: ATen operators that are not views or metadata, per update.", "",
+          table(rows, cols)]
+    if before:
+        md += ["", f"Before: {before[0]['checkout']} (`--against`), measured by the same script in the same session.", "",
+               table(before, [c for c in cols if c[0] in {k for k in before[0]}])]
+    name = "host_cost" + ("" if args.fusion == "none" else f"_{args.fusion}")
+    paths = write_results(name, {"settings": settings, "checkout": tag, "rows": rows, "before": before}, "\n".join(md))
+    print("\n".join(md))
+    print(f"\nwritten: {paths[0]}, {paths[1]}")
+
+
+if __name__ == "__main__":
+    main()
