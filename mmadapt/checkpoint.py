@@ -113,6 +113,18 @@ def latest_tag(ckpt_dir: str | os.PathLike) -> str | None:
     return tags[-1] if tags else None
 
 
+def written_by(ckpt_dir: str | os.PathLike) -> str | None:
+    """The class of the optimizer whose state the newest complete checkpoint holds (None: no
+    checkpoint; "" for one written before mmadapt recorded it, always under the JSON's ZeRO stage)."""
+    tag = latest_tag(ckpt_dir)
+    if tag is None:
+        return None
+    try:
+        return json.loads((Path(ckpt_dir) / tag / "COMPLETE").read_text()).get("ds_optimizer", "")
+    except (ValueError, AttributeError):
+        return ""
+
+
 @contextlib.contextmanager
 def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     """A fresh temporary directory beside `dest` that becomes `dest` once the body has filled it,
@@ -237,7 +249,9 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
     torch.save(rng_state(), ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
     dist.barrier()
     if is_rank0():
-        atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step, "files": _files(ckpt_dir / tag)}))
+        # ds_optimizer: which optimizer's state the tag holds (engine.for_replicas resumes under it)
+        atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step, "files": _files(ckpt_dir / tag),
+                                                               "ds_optimizer": type(engine.optimizer).__name__}))
         atomic_write(ckpt_dir / "latest", tag)
         prune(ckpt_dir, keep_last)
     dist.barrier()

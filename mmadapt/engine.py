@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from mmadapt import checkpoint, parallel
+from mmadapt import checkpoint, parallel, quiet
 from mmadapt.config import LoopConfig
 from mmadapt.faults import STOP_FILE, Diverged, Paused, StopRequest, Stopped
 
@@ -50,7 +50,7 @@ def load_ds_config(path: Path, cfg) -> dict:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
     if not isinstance(ds, dict):
         raise ValueError(f"DeepSpeed config {path} holds a JSON {type(ds).__name__}, not an object: see ds_configs/")
-    stage = ds.get("zero_optimization", {}).get("stage", 0) if isinstance(ds.get("zero_optimization"), dict) else 0
+    stage = zero_stage(ds)
     if stage not in (0, 1, 2):
         raise ValueError(f"DeepSpeed config {path} uses ZeRO stage {stage}: mmadapt's later steps read checkpoints "
                          "of stages 0-2 only (a model replica fits one device here); use ds_configs/zero1.json or "
@@ -64,6 +64,43 @@ def load_ds_config(path: Path, cfg) -> dict:
               gradient_clipping=cfg.gradient_clipping)
     ds.setdefault("steps_per_print", 2**31 - 1)  # mmadapt logs; DeepSpeed's own prints are noise
     return ds
+
+
+def zero_stage(ds: dict) -> int:
+    zero = ds.get("zero_optimization")
+    return zero.get("stage", 0) if isinstance(zero, dict) else 0
+
+
+def for_replicas(ds: dict, dp: int, ckpt_dir: Path | None = None) -> dict:
+    """The DeepSpeed config a run of `dp` data-parallel replicas trains under.
+
+    ZeRO stages 1 and 2 partition the optimizer state (and the gradients) over the replicas; with
+    one replica they partition nothing, and still cost every update a gradient hook per trained
+    tensor, copies into their buckets and flat partitions, and thousands of Python calls
+    (benchmarks/host_cost.py: at roberta-base's structure ZeRO-1 takes a Step-1 update from 563
+    operator launches to 1,072 and DeepSpeed's Python calls from 383 to 7,637). So one replica
+    trains without them, in the same precision and with the same fp32 master weights:
+      - fp32: stage 0, torch's fused AdamW on the module's own parameters;
+      - bf16: DeepSpeed's BF16_Optimizer (what DeepSpeed runs for bf16 at stage 1 with fp32
+        gradient accumulation): flat fp32 master weights and gradients, no hooks;
+      - fp16 keeps the JSON's stage: DeepSpeed's fp16 optimizer without ZeRO keeps no fp32
+        master that mmadapt can read or set (engine._set_fp32_master, checkpoint.py).
+    The run's record keeps the JSON as given (what the user chose, and what --resume compares).
+    ckpt_dir: a resumed run's checkpoints: one written under ZeRO resumes under ZeRO."""
+    stage = zero_stage(ds)
+    if dp != 1 or stage == 0 or ds.get("fp16", {}).get("enabled"):
+        return ds
+    bf16 = bool(ds.get("bf16", {}).get("enabled"))
+    written = checkpoint.written_by(ckpt_dir) if ckpt_dir is not None else None
+    if written is not None and written != ("BF16_Optimizer" if bf16 else "AdamW"):
+        return ds
+    out = dict(ds)
+    if bf16:
+        out["zero_optimization"] = {"stage": 1}
+        out["data_types"] = {**ds.get("data_types", {}), "grad_accum_dtype": "fp32"}
+    else:
+        out["zero_optimization"] = {"stage": 0}
+    return out
 
 
 def param_groups(module: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
@@ -190,8 +227,9 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
             group["params"] = [placeholder]
     optimizer = adamw(groups, loop, lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(loop.warmup_iters(total), total))
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config, mpu=None if is_pipe else parallel.DeepSpeedMPU())
+    with quiet.deepspeed_prints():
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config, mpu=None if is_pipe else parallel.DeepSpeedMPU())
     if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
         _set_fp32_master(engine, names, init_state)
     return engine, dims

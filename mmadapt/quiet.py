@@ -19,6 +19,7 @@ Only these exact messages go; every other warning and log line of these librarie
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -71,3 +72,14 @@ def install() -> bool:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
     return True
+
+
+@contextlib.contextmanager
+def deepspeed_prints():
+    """Drop what DeepSpeed print()s (not logs) meanwhile, unless verbose(): its BF16_Optimizer
+    prints the memory in use six times while it builds, whatever the log level."""
+    if verbose():
+        yield
+        return
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        yield

@@ -37,7 +37,7 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, SAME_ON_RESUME, FinetuneConfig, Layout, LoopConfig,
                             MiniModelConfig, ModelConfig, TrainConfig, check_declared, to_dict)
 from mmadapt.corpora import resolve_corpus
-from mmadapt.engine import load_ds_config
+from mmadapt.engine import for_replicas, load_ds_config, zero_stage
 from mmadapt.family import ModelFamily
 from mmadapt.faults import RunLock
 from mmadapt.models import get_family
@@ -191,7 +191,7 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     family.check_loop(loop)
     ds = load_ds_config(run.ds_config, loop)
     tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds)
     if pp > 1 and stage > 1:
         raise ValueError(f"ZeRO stage {stage} does not combine with DeepSpeed pipeline parallelism: "
                          "use ds_configs/zero1.json with --pipeline_model_parallel_size > 1")
@@ -212,7 +212,9 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     with run_lock(run.output_dir):
         prepared = data.prepare(run, model, loop, family)
         parallel.init_parallel(tp, pp)
-        yield Started(ds, prepared, record, family)
+        dp = parallel.launched_world_size() // (tp * pp)
+        yield Started(for_replicas(ds, dp, run.output_dir / "checkpoints" if run.resume else None), prepared,
+                      record, family)
 
 
 @contextlib.contextmanager

@@ -35,14 +35,26 @@ def bf16_run(corpus, tokenizer, tmp_path_factory):
 
 
 def test_bf16_run_hands_on_its_fp32_master_weights(bf16_run):
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    """One replica under bf16 trains with DeepSpeed's BF16_Optimizer (engine.for_replicas): the
+    weights handed on are its fp32 master copy as DeepSpeed itself reads it back from the
+    checkpoint (safe_get_full_fp32_param of an engine that resumed it)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from mmadapt.engine import for_replicas, load_ds_config
+    from mmadapt.train import LMJob, lm_engine
 
     tag = checkpoint.latest_tag(bf16_run / "checkpoints")
+    assert checkpoint.written_by(bf16_run / "checkpoints") == "BF16_Optimizer"
     handed = checkpoint.load_full_state_dict(bf16_run / "checkpoints", tag)
     module = torch.load(bf16_run / "checkpoints" / tag / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     assert module["layers.0.qkv.weight"].dtype == torch.bfloat16  # what DeepSpeed's module file holds
-    # DeepSpeed's own reader of the ZeRO partitions is the reference.
-    master = get_fp32_state_dict_from_zero_checkpoint(str(bf16_run / "checkpoints"), tag=tag)
+    cfg, _ = load_weights(bf16_run)
+    train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=4)
+    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero1_bf16.json", train), 1, bf16_run / "checkpoints")
+    engine, names, _ = lm_engine(ROBERTA, cfg, train, ds, LMJob())
+    assert type(engine.optimizer).__name__ == "BF16_Optimizer"
+    checkpoint.load(engine, bf16_run / "checkpoints", tag)
+    master = {names[n]: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters() if names[n]}
     assert set(handed) == set(master)
     for name, value in master.items():
         assert handed[name].dtype == torch.float32, name
@@ -52,19 +64,24 @@ def test_bf16_run_hands_on_its_fp32_master_weights(bf16_run):
     assert (w != w.bfloat16().float()).float().mean() > 0.9
 
 
-def test_a_step_starts_from_exact_fp32_weights_under_bf16(bf16_run):
+@pytest.mark.parametrize("replicas", [1, None])
+def test_a_step_starts_from_exact_fp32_weights_under_bf16(bf16_run, replicas):
     """DeepSpeed builds its master copy from the module after casting it to bf16; the engine puts
-    the given starting weights back, so Step 2 trains from Step 1's fp32 weights."""
+    the given starting weights back, so Step 2 trains from Step 1's fp32 weights: under
+    BF16_Optimizer (one replica, engine.for_replicas) and under ZeRO (the JSON as given)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from mmadapt.engine import load_ds_config
+    from mmadapt.engine import for_replicas, load_ds_config
     from mmadapt.train import LMJob, lm_engine
 
     cfg, state = load_weights(bf16_run)
     cfg, init = ROBERTA.extract_minijoint(cfg, state)
     train = dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=4)
     ds = load_ds_config(REPO / "ds_configs" / "zero1_bf16.json", train)
+    if replicas:
+        ds = for_replicas(ds, replicas)
     engine, _, _ = lm_engine(ROBERTA, cfg, train, ds, LMJob(step="adapt", trainable=(WORD, BIAS)), init)
+    assert type(engine.optimizer).__name__ == ("BF16_Optimizer" if replicas else "DeepSpeedZeroOptimizer")
     params = dict(engine.module.named_parameters())
     for name in (WORD, BIAS):
         assert params[name].dtype == torch.bfloat16

@@ -1,0 +1,122 @@
+"""One data-parallel replica trains without ZeRO (engine.for_replicas) and with torch's fused
+AdamW (engine.adamw): the same updates as ZeRO and as torch's reference AdamW loop, and a
+checkpoint resumes under the optimizer that wrote it."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import REPO
+from mmadapt import checkpoint
+from mmadapt.config import LoopConfig
+from mmadapt.engine import adamw, for_replicas, load_ds_config
+from mmadapt.models import PRESETS, get_family
+from mmadapt.parallel import init_parallel
+from mmadapt.tokens import IGNORE_INDEX
+from mmadapt.train import LMJob, host_batch, lm_engine, train_step
+
+MODEL = dataclasses.replace(PRESETS["tiny"][0], num_layers=2, vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def train_config(clip: float):
+    return dataclasses.replace(PRESETS["tiny"][1], train_micro_batch_size_per_gpu=4, seq_length=32, lr=1e-3,
+                               lr_warmup_iters=1, train_iters=100, gradient_clipping=clip)
+
+
+def batches(n: int = 3):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(5, MODEL.vocab_size, (4, 32), generator=g)
+        labels = torch.where(torch.rand(4, 32, generator=g) < 0.15, ids, torch.full_like(ids, IGNORE_INDEX))
+        out.append(host_batch(ids, labels))
+    return out
+
+
+def run(ds: dict, train, updates: int = 3):
+    """(losses, final weights, optimizer class) of `updates` updates of MODEL under `ds`."""
+    init_parallel(1, 1)
+    torch.manual_seed(0)
+    engine, names, _ = lm_engine(get_family(MODEL), MODEL, train, ds)
+    losses = [train_step(engine, [b], 1).item() for b in batches(updates)]
+    weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return losses, weights, type(engine.optimizer).__name__, engine
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_one_replica_without_zero_takes_zeros_updates(clip):
+    """ZeRO-2 as the JSON says it, and the stage-0 run one replica gets instead: the same losses
+    and weights after three updates, bit for bit (with clipping the gradient norm is summed in
+    another order: weights to 1e-6, 1.3e-7 measured)."""
+    train = train_config(clip)
+    ds = load_ds_config(REPO / "ds_configs" / "zero2.json", train)
+    zl, zw, zopt, _ = run(ds, train)
+    ol, ow, oopt, _ = run(for_replicas(ds, 1), train)
+    assert (zopt, oopt) == ("DeepSpeedZeroOptimizer", "AdamW")
+    tol = {} if clip == 0 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(torch.tensor(ol), torch.tensor(zl), **(tol or {"rtol": 0, "atol": 0}))
+    for n in zw:
+        torch.testing.assert_close(ow[n], zw[n], **(tol or {"rtol": 0, "atol": 0}), msg=n)
+    assert not torch.equal(ow["layers.0.qkv.weight"], run(ds, train, updates=0)[1]["layers.0.qkv.weight"])
+
+
+def test_fused_adamw_takes_torchs_reference_steps():
+    """engine.adamw (fused) against torch's single-tensor loop, five steps, two groups."""
+    torch.manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 11)]
+    a = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    loop = LoopConfig(weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-6)
+    fused = adamw([{"params": a[::2], "weight_decay": 0.1}, {"params": a[1:2], "weight_decay": 0.0}], loop, 1e-2)
+    ref = torch.optim.AdamW([{"params": b[::2], "weight_decay": 0.1}, {"params": b[1:2], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.98), eps=1e-6, foreach=False)
+    assert fused.defaults["fused"]
+    for _ in range(5):
+        g = [torch.randn(s) for s in shapes]
+        for ps, opt in ((a, fused), (b, ref)):
+            for p, gi in zip(ps, g):
+                p.grad = gi.clone()
+            opt.step()
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_what_for_replicas_changes():
+    ds2 = {"zero_optimization": {"stage": 2, "overlap_comm": True}, "zero_allow_untested_optimizer": True,
+           "gradient_clipping": 1.0}
+    assert for_replicas(ds2, 2) == ds2  # ZeRO partitions over two replicas: kept
+    assert for_replicas(ds2, 1) == {**ds2, "zero_optimization": {"stage": 0}}
+    bf16 = {**ds2, "bf16": {"enabled": True}}
+    assert for_replicas(bf16, 1) == {**bf16, "zero_optimization": {"stage": 1},
+                                     "data_types": {"grad_accum_dtype": "fp32"}}
+    fp16 = {**ds2, "fp16": {"enabled": True}}
+    assert for_replicas(fp16, 1) == fp16  # no fp32 master mmadapt can reach without ZeRO
+    assert for_replicas({"zero_optimization": {"stage": 0}}, 1) == {"zero_optimization": {"stage": 0}}
+
+
+def test_a_checkpoint_resumes_under_the_optimizer_that_wrote_it(tmp_path):
+    """A checkpoint written under ZeRO (before one replica ran without it, or with ZeRO asked
+    for) resumes under ZeRO, and exactly; one written without it resumes without it."""
+    train = train_config(0.0)
+    ds = load_ds_config(REPO / "ds_configs" / "zero2.json", train)
+    ref, _, _, _ = run(ds, train, updates=3)
+    for given, optimizer in ((ds, "DeepSpeedZeroOptimizer"), (for_replicas(ds, 1), "AdamW")):
+        ckpt = tmp_path / optimizer / "checkpoints"
+        losses, _, _, engine = run(given, train, updates=2)
+        names = {n: n for n, _ in engine.module.named_parameters()}
+        checkpoint.save(engine, ckpt, 2, {}, names)
+        assert checkpoint.written_by(ckpt) == optimizer
+        resumed = for_replicas(ds, 1, ckpt)
+        assert resumed == given
+        init_parallel(1, 1)
+        engine, _, _ = lm_engine(get_family(MODEL), MODEL, train, resumed)
+        checkpoint.load(engine, ckpt, checkpoint.latest_tag(ckpt))
+        assert train_step(engine, [batches(3)[2]], 1).item() == pytest.approx(ref[2], rel=1e-6)
+    # A tag from before the optimizer was recorded was written under the JSON's ZeRO stage.
+    complete = ckpt / checkpoint.latest_tag(ckpt) / "COMPLETE"
+    record = json.loads(complete.read_text())
+    record.pop("ds_optimizer")
+    complete.write_text(json.dumps(record))
+    assert checkpoint.written_by(ckpt) == "" and for_replicas(ds, 1, ckpt) == ds
