@@ -230,6 +230,13 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
     with quiet.deepspeed_prints():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config, mpu=None if is_pipe else parallel.DeepSpeedMPU())
+    if parallel.dp_world() == 1 and not is_pipe and engine.zero_optimization_stage() == 0:
+        # One replica has no gradient to average, but DeepSpeed's engine still runs its
+        # all-reduce over the data-parallel group of one at every boundary: every gradient copied
+        # into a flat buffer and back (a copy per trained tensor; 153 launches of a roberta-base
+        # Step-1 update, benchmarks/host_cost.py). ZeRO's optimizers and the pipeline engine
+        # reduce through this switch or on their own: they keep it.
+        engine.enable_backward_allreduce = False
     if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
         _set_fp32_master(engine, names, init_state)
     return engine, dims

@@ -52,9 +52,11 @@ def test_one_replica_without_zero_takes_zeros_updates(clip):
     another order: weights to 1e-6, 1.3e-7 measured)."""
     train = train_config(clip)
     ds = load_ds_config(REPO / "ds_configs" / "zero2.json", train)
-    zl, zw, zopt, _ = run(ds, train)
-    ol, ow, oopt, _ = run(for_replicas(ds, 1), train)
+    zl, zw, zopt, zero = run(ds, train)
+    ol, ow, oopt, one = run(for_replicas(ds, 1), train)
     assert (zopt, oopt) == ("DeepSpeedZeroOptimizer", "AdamW")
+    # No all-reduce over a group of one (ZeRO reduces through it: kept there).
+    assert (zero.enable_backward_allreduce, one.enable_backward_allreduce) == (True, False)
     tol = {} if clip == 0 else {"rtol": 1e-5, "atol": 1e-6}
     torch.testing.assert_close(torch.tensor(ol), torch.tensor(zl), **(tol or {"rtol": 0, "atol": 0}))
     for n in zw:
