@@ -5,8 +5,8 @@
 
 For each Step-1, Step-1b and Step-2 update of every system (benchmarks/flops_validation.cases),
 at the *structure* of roberta-base and of Qwen2-0.5B (their depth, heads, query groups, biases,
-tied or untied output, clipping) under the GPU's default ZeRO settings (ds_configs/zero2*.json),
-one update through mmadapt's own `train_step` is counted three ways:
+tied or untied output, clipping), under a ds_configs/ JSON as a run of one replica applies it
+(engine.for_replicas), one eager update through mmadapt's own `train_step` is counted three ways:
 
 - **operators launched**: every ATen operator the update dispatches (a TorchDispatchMode sees the
   forward, the backward and DeepSpeed's work alike), split into the forward, backward, optimizer
@@ -19,6 +19,10 @@ one update through mmadapt's own `train_step` is counted three ways:
 - **host time**: the update's wall time at the same structure with every width shrunk
   (`--width`: 8 channels per head, vocabulary 1,000, 32 tokens x 2 sequences), where the math is
   a few MFLOPs: what is left is the time the host needs to issue the update, whatever the device.
+
+Eager only: counted with --fusion compile, the figures equalled eager ones (the compiled regions do
+not run under the counting mode), so compile is not counted here (tests/test_host_sync.py counts it
+with the profiler).
 
 Why these predict the GPU's idle and element-wise time: the count and order of the operators do
 not depend on the widths (a launch is a launch; `--check_widths` counts at two widths and they
@@ -135,18 +139,16 @@ def measure(args) -> list[dict]:
 
     init_parallel(1, 1)
     gpu = torch.cuda.is_available()
-    ds_name = args.ds_config or ("zero2_bf16.json" if gpu else "zero2.json")
     s, b = args.seq_length, args.micro_batch
     rows = []
     for shape, (base, preset_train) in shapes(PRESETS, find_preset, args.width, args.vocab).items():
         if args.shapes and shape not in args.shapes:
             continue
         family = get_family(base)
-        base = dataclasses.replace(base, fusion=args.fusion)
         train = TrainConfig(seq_length=s, train_micro_batch_size_per_gpu=b, train_iters=10**6, lr=1e-4,
                             lr_warmup_iters=1, gradient_clipping=preset_train.gradient_clipping,
                             adam_beta2=preset_train.adam_beta2)
-        ds = load_ds_config(Path(args.repo) / "ds_configs" / ds_name, train)
+        ds = load_ds_config(Path(args.repo) / "ds_configs" / ds_name(args), train)
         # What a run does with the JSON at one data-parallel replica (start_run), where the
         # checkout has that step (before 2026-11-27 the JSON went to DeepSpeed as it was).
         ds = getattr(engine_module, "for_replicas", lambda ds, dp: ds)(ds, 1)
@@ -194,6 +196,32 @@ def measure(args) -> list[dict]:
     return rows
 
 
+def ds_name(args) -> str:
+    import torch
+
+    return args.ds_config or ("zero2_bf16.json" if torch.cuda.is_available() else "zero1.json")
+
+
+def depth_fit(rows: list[dict]) -> list[dict]:
+    """Per shape, launches (by phase) and host ms of the Step-2 rows as a + b x layers."""
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        step2 = [r for r in rows if r["shape"] == shape and r["step"] == "adapt"]
+        if len({r["layers"] for r in step2}) < 2:
+            continue
+        x = [r["layers"] for r in step2]
+        mini = min(step2, key=lambda r: r["layers"])
+        for key, what in [("launches", "launches")] + [(f"launches_{p}", f"launches, {p}") for p in PHASES] + \
+                [("host_ms", "host ms")]:
+            y = [r[key] for r in step2]
+            mx, my = statistics.fmean(x), statistics.fmean(y)
+            b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y)) / sum((xi - mx) ** 2 for xi in x)
+            a = my - b * mx
+            out.append({"shape": shape, "what": what, "per_layer": b, "at_no_depth": a,
+                        "share_at_mini": a / mini[key] if mini[key] else float("nan")})
+    return out
+
+
 def git_rev(repo: Path) -> str:
     try:
         return subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -209,8 +237,8 @@ def main(argv=None) -> None:
     ap.add_argument("--against", metavar="JSON", help="a --json_only output of another checkout, set beside this one")
     ap.add_argument("--json_only", metavar="PATH", help="write the rows as JSON to PATH, no results file")
     ap.add_argument("--shapes", nargs="+", choices=("roberta-base", "qwen2-0.5b"))
-    ap.add_argument("--fusion", default="none", choices=("none", "compile"))
-    ap.add_argument("--ds_config", help="one of ds_configs/ (default: zero2_bf16.json on a GPU, zero2.json on a CPU)")
+    ap.add_argument("--ds_config", help="one of ds_configs/ (default: zero2_bf16.json on a GPU, as gpu_suite.sh "
+                    "runs; zero1.json, the commands' default, on a CPU)")
     ap.add_argument("--width", type=int, default=8, help="channels per attention head")
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--seq_length", type=int, default=32)
@@ -226,7 +254,7 @@ def main(argv=None) -> None:
         Path(args.json_only).write_text(json.dumps(rows, indent=1))
         return
     sys.path.insert(0, str(HERE))
-    from common import table, write_results
+    from common import hardware, table, write_results
     before = json.loads(Path(args.against).read_text()) if args.against else []
     old = {(r["shape"], r["system"], r["step"]): r for r in before}
     for r in rows:
@@ -240,17 +268,39 @@ def main(argv=None) -> None:
             ("grad_hooks", "grad hooks"), ("py_deepspeed", "DeepSpeed calls"), ("host_ms", "host ms (median)")]
     if old:
         cols += [("launches_over_before", "launches / before"), ("host_ms_over_before", "host ms / before")]
-    settings = {"fusion": args.fusion, "ds_config": args.ds_config or "zero2.json / zero2_bf16.json",
-                "width_per_head": args.width, "vocab": args.vocab, "seq_length": args.seq_length,
-                "micro_batch": args.micro_batch, "repeats": args.repeats, "python": platform.python_version()}
-    md = [f"# Host-side cost of one training update ({tag}, fusion {args.fusion})", "",
-          f"Settings: {json.dumps(settings)}. `python benchmarks/host_cost.py` (its docstring says what is "
-          "counted and why). Launches: ATen operators that are not views or metadata, per update.", "",
-          table(rows, cols)]
+    settings = {"ds_config": ds_name(args), "width_per_head": args.width, "vocab": args.vocab,
+                "seq_length": args.seq_length, "micro_batch": args.micro_batch, "repeats": args.repeats,
+                "python": platform.python_version()}
+    md = [f"# Host-side cost of one training update ({tag}, {ds_name(args)}, eager)", "",
+          f"Settings: `{json.dumps(settings)}`. `python benchmarks/host_cost.py` (its docstring says what is "
+          "counted and why). Launches: ATen operators that are not views or metadata, per update; host ms: "
+          f"median of {args.repeats} updates at the shrunk widths (min-max in the JSON).", "",
+          table(rows, cols), ""]
+    if "bf16" in ds_name(args) and "cpu" in hardware():
+        md += ["On a CPU, bf16 matmuls and element-wise kernels are far slower than fp32 ones: here host "
+               "ms includes that math and is no measure of the host's own cost; the launch counts hold.", ""]
+    md += ["## The depth-independent part of a Step-2 update", "",
+          "A least-squares line through the Step-2 rows of each shape (the same update at 4, 6 and all "
+          "layers): what one more frozen layer costs, and what the update costs at no depth at all "
+          "(embedding gather and its gradient's scatter, the head and loss, the optimizer step, the "
+          "loss reduction).", "", table(depth_fit(rows), [("shape", "shape"), ("what", "per update"),
+                                                         ("per_layer", "per layer"), ("at_no_depth", "at no depth"),
+                                                         ("share_at_mini", "share of the 4-layer mini-model's")])]
+    if old:
+        md += ["", "## Against the checkout before", ""]
+        for shape in dict.fromkeys(r["shape"] for r in rows):
+            for step, label in (("pretrain", "Step 1"), ("adapt", "Step 2")):
+                got = [r for r in rows if r["shape"] == shape and r["step"] == step and "launches_over_before" in r]
+                if got:
+                    worst_l = max(r["launches_over_before"] for r in got)
+                    worst_t = max(r["host_ms_over_before"] for r in got)
+                    md.append(f"- {shape}, {label}: launches at most {worst_l:.2f} of before, host time at most "
+                              f"{worst_t:.2f} (half or less: launches {'met' if worst_l <= 0.5 else 'NOT met'}, "
+                              f"host time {'met' if worst_t <= 0.5 else 'NOT met'})")
     if before:
         md += ["", f"Before: {before[0]['checkout']} (`--against`), measured by the same script in the same session.", "",
-               table(before, [c for c in cols if c[0] in {k for k in before[0]}])]
-    name = "host_cost" + ("" if args.fusion == "none" else f"_{args.fusion}")
+               table(before, [c for c in cols if c[0] in before[0]])]
+    name = f"host_cost_{ds_name(args).removesuffix('.json')}"
     paths = write_results(name, {"settings": settings, "checkout": tag, "rows": rows, "before": before}, "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")
