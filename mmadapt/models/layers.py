@@ -338,6 +338,68 @@ def run_layers(layers: nn.ModuleList, x: torch.Tensor, wanted: tuple[int, ...], 
     return out
 
 
+# The most fp32 logits (rows x Vp entries) a head materialises at once: above it the projection and
+# cross-entropy run chunk by chunk (linear_cross_entropy). 2^28 entries are 1 GiB of fp32 logits,
+# and as much again for their gradient: Qwen2-0.5B's 151,936 pieces at 4 x 2,048 scored rows
+# would take 5 GiB each unchunked; below it (every model trained on a CPU here) nothing changes.
+LOGITS_BUDGET = 2**28
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of cross_entropy(x W^T + b, targets), W [Vp, h] as row blocks, one chunk of
+    rows at a time. The loss is a scalar that the model only ever scales (a mean, the heads'
+    weights), so d loss / d logits = softmax - onehot is known in the forward: each chunk's
+    gradients for x, W and b are computed there and its logits freed, and the backward scales
+    them. The same FLOPs as the unchunked path (Liger-Kernel's fused linear cross-entropy does
+    the same on a GPU), with logits of `chunk` rows alive instead of all m."""
+
+    @staticmethod
+    def forward(ctx, x, targets, chunk: int, n: int, *rows_and_biases):
+        weights, biases = rows_and_biases[:n], rows_and_biases[n:]
+        gx = torch.zeros_like(x) if x.requires_grad else None
+        gw = [torch.zeros_like(w, dtype=torch.float32) if w.requires_grad else None for w in weights]
+        gb = [torch.zeros_like(b, dtype=torch.float32) if b is not None and b.requires_grad else None
+              for b in biases]
+        sizes = [w.shape[0] for w in weights]
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for lo in range(0, x.shape[0], chunk):
+            xc, tc = x[lo:lo + chunk], targets[lo:lo + chunk]
+            logits = vocab_linear(xc, weights, biases if biases else None).float()  # [c, Vp]
+            lse = logits.logsumexp(-1)  # [c]
+            total += (lse - logits.gather(1, tc[:, None]).squeeze(1)).sum()
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            g[torch.arange(len(tc), device=g.device), tc] -= 1.0
+            g = g.to(x.dtype)
+            for i, part in enumerate(g.split(sizes, dim=1)):
+                if gx is not None:
+                    gx[lo:lo + chunk].addmm_(part, weights[i])
+                if gw[i] is not None:
+                    gw[i].add_((part.t() @ xc).float())
+                if gb and gb[i] is not None:
+                    gb[i].add_(part.float().sum(0))
+        ctx.n, ctx.has = n, [t is not None for t in (gx, *gw, *gb)]
+        ctx.dtypes = [w.dtype for w in weights] + [b.dtype for b in biases if b is not None]
+        ctx.save_for_backward(*[t for t in (gx, *gw, *gb) if t is not None])
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = iter(ctx.saved_tensors)
+        grads = [next(saved) * grad if has else None for has in ctx.has]
+        gx, rest = grads[0], grads[1:]
+        rest = [g.to(dt) if g is not None else None for g, dt in zip(rest, ctx.dtypes + [None] * len(rest))]
+        return (gx, None, None, None, *rest)
+
+
+@torch.compiler.disable  # a loop over a data-dependent number of chunks: eager, between compiled graphs
+def linear_cross_entropy(x: torch.Tensor, rows: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...] | None,
+                         targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """sum over the m rows of x [m, h] of cross_entropy(x W^T + b, targets [m]) without the [m, Vp]
+    logits (_LinearCrossEntropy): W [Vp, h] as row blocks (`vocab_rows`), b [Vp] likewise or None."""
+    biases = tuple(biases) if biases is not None else ()
+    return _LinearCrossEntropy.apply(x, targets, chunk, len(rows), *rows, *biases)
+
+
 def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index: torch.Tensor,
                 targets: torch.Tensor, output_rows: tuple[torch.Tensor, ...],
                 loss_weights: tuple[float, ...] | None, split: int | None = None):
@@ -354,8 +416,15 @@ def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index:
     -> (the mean of the heads' losses, or their weighted mean with loss_weights (normalised);
     each head's loss [num heads], detached; with `split`, followed by `split_sums`' four entries)."""
     losses, sums = [], []
+    vocab = sum(w.shape[0] for w in output_rows)
     for head, h in zip(heads, hiddens):
-        logits = head(h.reshape(-1, h.shape[-1]).index_select(0, masked_index), output_rows).float()  # [m, Vp]
+        rows = h.reshape(-1, h.shape[-1]).index_select(0, masked_index)  # [m, h]
+        if split is None and head.tp == 1 and len(targets) * vocab > LOGITS_BUDGET:
+            # Too many logits to hold at once: the projection and loss chunk by chunk (same loss).
+            losses.append(linear_cross_entropy(head.features(rows), output_rows, head.bias_rows, targets,
+                                               max(1, LOGITS_BUDGET // vocab)) / len(targets))
+            continue
+        logits = head(rows, output_rows).float()  # [m, Vp]
         if split is not None:
             per_piece = (F.cross_entropy(logits, targets, reduction="none") if head.tp == 1 else
                 tensor_parallel.vocab_parallel_cross_entropy(logits, targets))  # [m]

@@ -200,10 +200,16 @@ class LMHead(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
         self.tp = config.tensor_model_parallel_size
 
+    bias_rows = None  # the output projection has no bias
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, h] -> what the output projection reads [m, h]: the final RMSNorm."""
+        return self.norm(x)
+
     def forward(self, x: torch.Tensor, output_rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [m, h], the hidden states of the scored positions only; output_rows: the output
         projection's row blocks (layers.vocab_rows) -> logits [m, Vp]."""
-        return vocab_linear(to_tp_region(self.norm(x), self.tp), output_rows)
+        return vocab_linear(to_tp_region(self.features(x), self.tp), output_rows)
 
 
 class LMHeads(nn.Module):

@@ -138,11 +138,14 @@ class MLMHead(nn.Module):
     def bias_rows(self) -> tuple[nn.Parameter, ...]:
         return (self.bias, self.new_bias) if hasattr(self, "new_bias") else (self.bias,)
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m, h] -> what the tied projection reads [m, h]: dense -> GELU -> LayerNorm."""
+        return self.layernorm(F.gelu(self.dense(x)))
+
     def forward(self, x: torch.Tensor, word_rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [m, h] hidden states of the masked positions only; word_rows: the tied projection's
         row blocks (layers.vocab_rows) -> logits [m, Vp]."""
-        x = self.layernorm(F.gelu(self.dense(x)))
-        return vocab_linear(to_tp_region(x, self.tp), word_rows, self.bias_rows)
+        return vocab_linear(to_tp_region(self.features(x), self.tp), word_rows, self.bias_rows)
 
 
 class MLMHeads(nn.Module):
