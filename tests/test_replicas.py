@@ -122,3 +122,30 @@ def test_a_checkpoint_resumes_under_the_optimizer_that_wrote_it(tmp_path):
     record.pop("ds_optimizer")
     complete.write_text(json.dumps(record))
     assert checkpoint.written_by(ckpt) == "" and for_replicas(ds, 1, ckpt) == ds
+
+
+def test_foreach_clipping_clips_as_deepspeed_does():
+    """A stage-0 fp32 engine clips with engine.foreach_clip; DeepSpeed's own clip_grad_norm_ (what
+    its clip_fp32_gradients calls) gives the same norms and, after three clipped updates, the same
+    weights (1e-6: the norms are summed in another order)."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    train = train_config(1.0)
+    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero1.json", train), 1)
+    norms, weights = {}, {}
+    for mine in (True, False):
+        init_parallel(1, 1)
+        torch.manual_seed(0)
+        engine, _, _ = lm_engine(get_family(MODEL), MODEL, train, ds)
+        assert "clip_fp32_gradients" in vars(engine)  # the override is installed
+        seen = norms.setdefault(mine, [])
+        clip = (engine.clip_fp32_gradients if mine else
+                lambda e=engine: clip_grad_norm_(parameters=e.module.parameters(), max_norm=1.0, mpu=e.mpu))
+        engine.clip_fp32_gradients = lambda clip=clip, seen=seen: seen.append(float(clip()))
+        for b in batches(3):
+            train_step(engine, [b], 1)
+        weights[mine] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    assert len(norms[True]) == 3 and min(norms[True]) > 1.0  # every update clipped
+    assert norms[True] == pytest.approx(norms[False], rel=1e-6)
+    for n in weights[False]:
+        torch.testing.assert_close(weights[True][n], weights[False][n], rtol=1e-5, atol=1e-6, msg=n)
