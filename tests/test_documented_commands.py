@@ -4,6 +4,8 @@ training command's flags are laid over the schedule it would start from and chec
 checks them before any work (TrainConfig.check_step and validate): a default that never reaches
 the command line, or a flag a command no longer has, fails here, naming the file and the command.
 
+Every subcommand's `--help` is read the same way for example command lines (none holds one today).
+
 What this does not do is run them: their inputs (runs/..., data/cc100/...) are the user's. The
 commands whose parser lives in their main (flops, report, import-hf, export-hf, extend) are run
 as written in an empty directory, where they compute (flops) or refuse a missing input in one
@@ -57,6 +59,42 @@ def documented_commands() -> list[tuple[str, str, list[str]]]:
     return out
 
 
+def help_text(command: str) -> str:
+    """What `mmadapt <command> --help` prints."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            cli.main([command, "--help"])
+        except SystemExit:
+            pass
+    return out.getvalue()
+
+
+def example_commands(text: str, where: str) -> list[tuple[str, str, list[str]]]:
+    """(where, command, arguments) of every example command line in a help text: a line that
+    starts with `mmadapt <command>` or `$ mmadapt <command>` (argparse's own usage line aside)."""
+    out = []
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        line = line.strip().removeprefix("$ ")
+        if not line.startswith("mmadapt ") or line.startswith("usage:"):
+            continue
+        try:
+            command = _command(shlex.split(line, comments=True))
+        except ValueError:
+            continue
+        if command is not None and command[0] in cli.COMMANDS:
+            out.append((f"{where}: {line[:90]}", *command))
+    return out
+
+
+def help_commands() -> list[tuple[str, str, list[str]]]:
+    """The example commands of every subcommand's --help (checked as the docs' are)."""
+    return [c for name in cli.COMMANDS for c in example_commands(help_text(name), f"mmadapt {name} --help")]
+
+
 def _command(words: list[str]) -> tuple[str, list[str]] | None:
     """mmadapt CMD args..., or (deepspeed|python) ... launch/CMD.py args... -> (CMD, args)."""
     if len(words) >= 2 and words[0] == "mmadapt" and not words[1].startswith("-"):
@@ -73,12 +111,24 @@ def placeholder(args: list[str]) -> bool:
     return any(a == "..." or a.endswith("...") or "<" in a or "$" in a for a in args)
 
 
-COMMANDS = documented_commands()
+COMMANDS = documented_commands() + help_commands()
 
 
 def test_the_docs_show_commands_of_every_step():
     shown = {c for _, c, args in COMMANDS if not placeholder(args)}
     assert len(COMMANDS) >= 40 and {"pretrain", "preprocess", "adapt", "finetune", "evaluate", "extend"} <= shown
+
+
+def test_every_help_text_is_read_for_examples():
+    """Every subcommand's --help is read (none holds a complete example today: their examples are
+    in the docs), and an example line in one, continued or not, is found for the checks below;
+    prose that names a command, argparse's usage line and unknown commands are not examples."""
+    for name in cli.COMMANDS:  # (the parsers that launch/*.py share are named without "mmadapt")
+        assert help_text(name).startswith((f"usage: mmadapt {name} ", f"usage: {name} ")), name
+    text = ("Step 2 (after mmadapt preprocess).\n\nexample:\n  mmadapt adapt --system bl_base --source runs/x \\\n"
+            "      --lang de\n  $ mmadapt flops --paper\n  mmadapt frobnicate --x 1\nusage: mmadapt adapt -h\n")
+    assert [c[1:] for c in example_commands(text, "help")] == [
+        ("adapt", ["--system", "bl_base", "--source", "runs/x", "--lang", "de"]), ("flops", ["--paper"])]
 
 
 def _schedule(args, step: str):
