@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from mmadapt.run import Source, read_source
+from mmadapt.run import Source, read_source, weights_fingerprint
 from mmadapt.tokenizer import pieces
 
 
@@ -56,14 +56,22 @@ def _group(name: str) -> str:
     return m.group(1) if m else name.split(".")[0]
 
 
-def check_siblings(base: Source, sibling: Source, meta: dict) -> SiblingCheck:
+def check_siblings(base: Source, sibling: Source, meta: dict,
+                   sibling_weights: dict[str, torch.Tensor] | None = None) -> SiblingCheck:
     """Refuse, in one line, a `sibling` that is not one of `base` (another family, tensor name or
     shape, another source vocabulary; for an expanded artifact (`meta`), untied output rows
-    that moved), else -> the per-group distances."""
+    that moved), or a `base` whose weights changed since the artifact's Step 2 recorded them
+    (its primary_fingerprint), else -> the per-group distances. sibling_weights: the sibling's
+    full weights where the caller read them already."""
     what = f"{sibling.path} is not a sibling of {base.path}, the model the embeddings were trained over"
     if sibling.family.name != base.family.name:
         raise ValueError(f"{what}: it is a {sibling.family.name} model, the base a {base.family.name} one")
-    mine, theirs = base.weights(), sibling.weights()
+    mine, theirs = base.weights(), sibling_weights if sibling_weights is not None else sibling.weights()
+    recorded = meta.get("primary_fingerprint")
+    if recorded and weights_fingerprint(mine) != recorded:
+        raise ValueError(f"the embeddings were trained over {base.path} as its weights were when Step 2 ran, and they "
+                         "have changed since (other weights under the same path): restore that model, or train "
+                         "Step 2 again over it as it is")
     for name in sorted(set(mine) | set(theirs)):
         if name not in mine or name not in theirs or mine[name].shape != theirs[name].shape:
             shape = lambda s: "absent" if name not in s else "x".join(map(str, s[name].shape))  # noqa: E731

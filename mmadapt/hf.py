@@ -670,7 +670,7 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
         if grafted:
             from mmadapt.graft import check_siblings
 
-            for line in check_siblings(read_source(owner), source, meta).lines():
+            for line in check_siblings(read_source(owner), source, meta, weights).lines():
                 print(line)
         elif finetuned is not None:  # the primary's weights as Step 3 recorded them
             check_primary_unchanged(Path(embeddings), meta, ft.run["primary"].get("fingerprint"))
