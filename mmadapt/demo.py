@@ -22,23 +22,30 @@ embeddings at update 0) and curves.png (score against Step-2 compute from update
 shaped, no adaptation as a horizontal line) into --output_dir.
 
 Every stage is a call of the library function behind the command a user runs (mmadapt.steps:
-pretrain, build_minipost, adapt_embeddings, finetune), in this process, one rank, with configs
-built from the family's preset by `dataclasses.replace`. A stage that finished is kept and skipped
-when the demo is run again; one that was interrupted resumes from its last checkpoint.
+pretrain, build_minipost, adapt_embeddings, finetune), one rank, with configs built from the
+family's preset by `dataclasses.replace`: in this process, except that on a CPU the Step-2 and
+Step-3 runs train two at a time, each in a worker process of its own (--workers; its output in
+<output_dir>/logs/). A stage that finished is kept and skipped when the demo is run again; one
+that was interrupted resumes from its last checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
-import time
+import multiprocessing
+import os
 import shutil
+import time
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Optional
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from mmadapt import parallel, steps
 from mmadapt.checkpoint import staged_dir, write_weights_only
@@ -56,6 +63,8 @@ from mmadapt.report import adapted, plot_curves, plugin_markdown, report_markdow
 from mmadapt.run import RUN_TOKENIZER, RunSpec, load_checkpoint, recorded_defaults, run_progress
 VOCAB = 2000  # pieces of every demo tokenizer: the small presets' V (the shipped models' vocabulary)
 PRIMARY = {"bl_base": "bl_base", "bl_small": "bl_small", "minijoint": "minijoint", "minipost": "bl_base"}
+# How long each system's Step 2 (and its primary's Step 3) trains, relative: its layers.
+STEP2_COST = {"bl_base": 12, "bl_small": 4, "minijoint": 4, "minipost": 6}
 
 
 @dataclass
@@ -100,6 +109,11 @@ class DemoConfig(Checked):
     heldout_fraction: float = _f(0.03, "chapters of each target Bible held out of Step 2: the plug-in MLM metric's "
                                  "text", gt=0, lt=1)
     plugin_blocks: int = _f(512, "held-out blocks scored by the plug-in MLM metric", ge=1)
+    workers: int = _f(0, "Step-2 and Step-3 runs trained at once on a CPU, each in a process of its own with the "
+                      "cores shared out (0: 2 where the CPU has 2 cores or more, else 1; 1: one at a time in this "
+                      "process). On 2 cores two runs at one thread each make 1.4x the updates per second of one at "
+                      "two (benchmarks/results/demo_full_cpu2_20261127.md); a run's result does not depend on which "
+                      "process trains it, only on its thread count, which moves a loss in its 7th digit", ge=0)
     threads: int = _f(0, "torch intra-op threads on a CPU (torch.set_num_threads; 0: torch's own default, one per core "
                       "or OMP_NUM_THREADS, the faster on an otherwise idle machine; 1 on a machine that other jobs "
                       "keep busy, where two threads wait on each other: benchmarks/results/"
@@ -193,6 +207,43 @@ def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dic
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
 
 
+@dataclass(frozen=True)
+class Job:
+    """One Step-2 or Step-3 run of the demo, or Step 4 of one primary model: `Demo.<method>(*args)`,
+    announced as `label`; `cost` orders the jobs longest first when several run at once."""
+    label: str
+    method: str
+    args: tuple
+    cost: int
+    log: str
+
+
+def _worker_init(threads: int) -> None:
+    """A demo worker: a world of one of its own (not the parent's rendezvous), `threads` threads."""
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    torch.set_num_threads(threads)
+
+
+def _run_job(demo: "Demo", job: Job) -> tuple[float, object]:
+    """Run `job` in a worker, its output into job.log. -> (its seconds, what it returned)."""
+    t0 = time.perf_counter()
+    Path(job.log).parent.mkdir(parents=True, exist_ok=True)
+    with open(job.log, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        parallel.init_parallel(1, 1)
+        value = getattr(demo, job.method)(*job.args)
+    return time.perf_counter() - t0, value
+
+
+def workers_for(cfg: "DemoConfig") -> tuple[int, int]:
+    """(processes, torch threads each) that train the demo's Step-2 and Step-3 runs."""
+    if parallel.device().type != "cpu":
+        return 1, 0
+    cores = os.cpu_count() or 1
+    n = cfg.workers or (2 if cores >= 2 else 1)
+    return n, cfg.threads or max(1, cores // n)
+
+
 class Demo:
     def __init__(self, cfg: DemoConfig, root: Path, mini: MiniModelConfig = MiniModelConfig(),
                  from_scratch: bool = False):
@@ -201,8 +252,8 @@ class Demo:
         self.family: ModelFamily = get_family(cfg.family)
         self.stage, self.t0 = 0, time.perf_counter()
         # data preparation, 3 pretraining runs, Step 1b, Step 2 per system and language (and the
-        # ceiling: full-model Step 2 over MINIJOINT's source), 3 fine-tunings, Step 4
-        self.total = 1 + 3 + 1 + len(cfg.langs) * (len(SYSTEMS) + 1) + 3 + 1
+        # ceiling: full-model Step 2 over MINIJOINT's source), 3 primaries' fine-tunings per seed, Step 4
+        self.total = 1 + 3 + 1 + len(cfg.langs) * (len(SYSTEMS) + 1) + 3 * len(cfg.finetune_seeds) + 1
 
     def say(self, what: str) -> None:
         self.stage += 1
@@ -293,30 +344,29 @@ class Demo:
                                                           train=self._train(cfg.minipost_iters, cfg.minipost_iters)))
         source = {"bl_base": pre["bl_base"], "bl_small": pre["bl_small"], "minijoint": pre["minijoint"],
                   "minipost": minipost}
+        jobs = []
         for lang in cfg.langs:
             for system in SYSTEMS:
-                self.say(f"Step 2: {lang} embeddings for {system}")
-                run_dir = root / "adapt" / f"{system}-{lang}"
-                self.adapt(system, source[system], lang, run_dir, data[lang])
+                jobs.append(Job(f"Step 2: {lang} embeddings for {system}", "adapt",
+                                (system, source[system], lang, root / "adapt" / f"{system}-{lang}", data[lang]),
+                                STEP2_COST[system], str(root / "logs" / f"adapt-{system}-{lang}.log")))
             # MINIJOINT's ceiling: embeddings trained over its full primary model, what its
             # mini-model's embeddings are measured against (plug-in metric and tasks).
-            self.say(f"Step 2: {lang} embeddings over minijoint's full primary model (its ceiling)")
-            self.adapt("bl_base", pre["minijoint"], lang, root / "adapt" / f"minijoint-full-{lang}", data[lang])
-        finetuned = {}
+            jobs.append(Job(f"Step 2: {lang} embeddings over minijoint's full primary model (its ceiling)", "adapt",
+                            ("bl_base", pre["minijoint"], lang, root / "adapt" / f"minijoint-full-{lang}", data[lang]),
+                            STEP2_COST["bl_base"], str(root / "logs" / f"adapt-minijoint-full-{lang}.log")))
+        self.run_jobs(jobs)
+        finetuned, jobs = {}, []
         for primary in ("bl_base", "bl_small", "minijoint"):
-            self.say(f"Step 3: fine-tune {primary}'s primary model on English bible-genre (embeddings frozen), "
-                     f"seeds {', '.join(map(str, cfg.finetune_seeds))}")
             finetuned[primary] = []
             for seed in cfg.finetune_seeds:
-                out = root / "finetune" / (primary if seed == cfg.finetune_seeds[0] else f"{primary}-seed{seed}")
-                finetuned[primary].append(out)
-                if is_finished(out):
-                    continue
-                ft_cfg = dataclasses.replace(FinetuneConfig(), seq_length=cfg.seq_length, epochs=cfg.finetune_epochs,
-                                             lr=cfg.finetune_lr, seed=seed, eval_batch_tokens=cfg.eval_batch_tokens)
-                steps.finetune(run=RunSpec(output_dir=out, resume=(out / "checkpoints").is_dir()),
-                               step=steps.Finetune(task="bible-genre", primary=pre[primary], cfg=ft_cfg,
-                                                   eval_file="bible"))
+                name = primary if seed == cfg.finetune_seeds[0] else f"{primary}-seed{seed}"
+                finetuned[primary].append(root / "finetune" / name)
+                jobs.append(Job(f"Step 3: fine-tune {primary}'s primary model on English bible-genre (embeddings "
+                                f"frozen), seed {seed}", "finetune", (pre[primary], seed, root / "finetune" / name),
+                                STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"],  # its depth
+                                str(root / "logs" / f"finetune-{name}.log")))
+        self.run_jobs(jobs)
         self.say(f"Step 4: the plug-in {self.family.objective.label} metric, zero-shot bible-genre and parallel-verse retrieval for "
                  "every Step-2 checkpoint")
         return self.evaluate(pre, finetuned, data)
@@ -331,30 +381,74 @@ class Demo:
             steps.adapt_embeddings(run=RunSpec(output_dir=run_dir, data_path=data_path, resume=state == "resume"),
                                    step=steps.AdaptEmbeddings(system=system, source=source, lang=lang, train=train))
 
+    def finetune(self, primary_run: Path, seed: int, out: Path) -> None:
+        """Step 3 of the primary model of `primary_run` with `seed` into `out` (kept if done)."""
+        if is_finished(out):
+            return
+        cfg = self.cfg
+        ft_cfg = dataclasses.replace(FinetuneConfig(), seq_length=cfg.seq_length, epochs=cfg.finetune_epochs,
+                                     lr=cfg.finetune_lr, seed=seed, eval_batch_tokens=cfg.eval_batch_tokens)
+        steps.finetune(run=RunSpec(output_dir=out, resume=(out / "checkpoints").is_dir()),
+                       step=steps.Finetune(task="bible-genre", primary=primary_run, cfg=ft_cfg, eval_file="bible"))
+
+    def run_jobs(self, jobs: list[Job], stages: bool = True) -> dict:
+        """Each job: in this process one after the other, or (workers_for) in worker processes
+        several at a time, longest first, each announced as it finishes (a stage of the demo's
+        count, or with stages=False a line of the current stage). -> {label: what it returned}."""
+        say = self.say if stages else lambda line: print(line, flush=True)
+        n, threads = workers_for(self.cfg)
+        out = {}
+        if n == 1:
+            for job in jobs:
+                say(job.label)
+                out[job.label] = getattr(self, job.method)(*job.args)
+            return out
+        print(f"\n{len(jobs)} runs, {n} at a time, each in a process of its own at {threads} torch thread"
+              f"{'s' if threads > 1 else ''} (their output: {self.root / 'logs'})", flush=True)
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(n, mp_context=context, initializer=_worker_init, initargs=(threads,)) as pool, \
+                tqdm(total=len(jobs), desc="runs", unit="run", mininterval=1.0, leave=False) as bar:
+            running = {pool.submit(_run_job, self, job): job for job in sorted(jobs, key=lambda j: -j.cost)}
+            pending = set(running)
+            while pending:
+                finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                bar.refresh()  # the elapsed time moves while the runs train
+                for done in finished:
+                    seconds, out[running[done].label] = done.result()  # a run's error stops the demo here
+                    bar.update()
+                    say(f"{running[done].label}: done in {seconds:.0f} s")
+        return out
+
     def evaluate(self, pre: dict, finetuned: dict, data: dict) -> dict:
-        records = []
-        pairs = {lang: parallel_verses("en", lang, self.cfg.retrieval_pairs) for lang in self.cfg.langs}
         # One pass per primary model (MINIPOST's embeddings belong to BL_BASE's): its test sets,
         # weights and source-side retrieval vectors are loaded once for all its systems.
+        jobs = []
         for primary in finetuned:
             runs = [self.root / "adapt" / f"{system}-{lang}"
                     for system in SYSTEMS if PRIMARY[system] == primary for lang in self.cfg.langs]
-            ceiling = [self.root / "adapt" / f"minijoint-full-{lang}" for lang in self.cfg.langs
-                       if primary == "minijoint"]
             # The ceiling is scored on the tasks too: MINIJOINT's mini-model embeddings against
             # embeddings trained over its own full model, apart from how its primary model
             # compares with BL_BASE's.
-            runs += ceiling
-            print(f"  {primary}'s primary model: the plug-in metric, zero-shot bible-genre and retrieval of "
-                  f"{len(runs)} Step-2 runs' checkpoints", flush=True)
-            records += plugin_records(pre[primary], adapt_runs=runs,
-                                      data_paths={lang: data[lang] for lang in self.cfg.langs},
-                                      seq_length=self.cfg.seq_length, blocks=self.cfg.plugin_blocks)
-            records += evaluate_artifacts(finetuned[primary], artifacts=runs, eval_spec="bible")
-            records += retrieval_records(pre[primary], adapt_runs=runs, pairs=pairs, seq_length=self.cfg.seq_length)
+            runs += [self.root / "adapt" / f"minijoint-full-{lang}" for lang in self.cfg.langs if primary == "minijoint"]
+            jobs.append(Job(f"  {primary}'s primary model: the plug-in metric, zero-shot bible-genre and retrieval of "
+                            f"{len(runs)} Step-2 runs' checkpoints", "evaluate_primary",
+                            (pre[primary], finetuned[primary], runs, data), len(runs) * len(finetuned[primary]),
+                            str(self.root / "logs" / f"evaluate-{primary}.log")))
+        out = self.run_jobs(jobs, stages=False)
+        records = [r for job in jobs for r in out[job.label]]  # in the primaries' order, however they ran
         source = {p: sum(json.loads((r / "run.json").read_text()).get("source_score") or 0 for r in runs) / len(runs)
                   for p, runs in finetuned.items()}
         return {"records": records, "source_scores": source}
+
+    def evaluate_primary(self, primary_run: Path, finetuned: list[Path], runs: list[Path], data: dict) -> list[dict]:
+        """Step 4's records of the Step-2 `runs` over one primary model (`primary_run`, fine-tuned
+        into `finetuned`): the plug-in metric, zero-shot bible-genre and retrieval."""
+        cfg = self.cfg
+        pairs = {lang: parallel_verses("en", lang, cfg.retrieval_pairs) for lang in cfg.langs}
+        return [*plugin_records(primary_run, adapt_runs=runs, data_paths={lang: data[lang] for lang in cfg.langs},
+                                seq_length=cfg.seq_length, blocks=cfg.plugin_blocks),
+                *evaluate_artifacts(finetuned, artifacts=runs, eval_spec="bible"),
+                *retrieval_records(primary_run, adapt_runs=runs, pairs=pairs, seq_length=cfg.seq_length)]
 
 
 def _seed_spread(records: list[dict]) -> str:
