@@ -209,8 +209,8 @@ def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dic
 
 @dataclass(frozen=True)
 class Job:
-    """One Step-2 or Step-3 run of the demo, or Step 4 of one primary model: `Demo.<method>(*args)`,
-    announced as `label`; `cost` orders the jobs longest first when several run at once."""
+    """One Step-2 or Step-3 run of the demo: `Demo.<method>(*args)`, announced as `label`; `cost`
+    orders the runs longest first when several train at once."""
     label: str
     method: str
     args: tuple
@@ -225,14 +225,14 @@ def _worker_init(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _run_job(demo: "Demo", job: Job) -> tuple[float, object]:
-    """Run `job` in a worker, its output into job.log. -> (its seconds, what it returned)."""
+def _run_job(demo: "Demo", job: Job) -> float:
+    """Run `job` in a worker, its output into job.log. -> its seconds."""
     t0 = time.perf_counter()
     Path(job.log).parent.mkdir(parents=True, exist_ok=True)
     with open(job.log, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         parallel.init_parallel(1, 1)
-        value = getattr(demo, job.method)(*job.args)
-    return time.perf_counter() - t0, value
+        getattr(demo, job.method)(*job.args)
+    return time.perf_counter() - t0
 
 
 def workers_for(cfg: "DemoConfig") -> tuple[int, int]:
@@ -391,18 +391,15 @@ class Demo:
         steps.finetune(run=RunSpec(output_dir=out, resume=(out / "checkpoints").is_dir()),
                        step=steps.Finetune(task="bible-genre", primary=primary_run, cfg=ft_cfg, eval_file="bible"))
 
-    def run_jobs(self, jobs: list[Job], stages: bool = True) -> dict:
-        """Each job: in this process one after the other, or (workers_for) in worker processes
-        several at a time, longest first, each announced as it finishes (a stage of the demo's
-        count, or with stages=False a line of the current stage). -> {label: what it returned}."""
-        say = self.say if stages else lambda line: print(line, flush=True)
+    def run_jobs(self, jobs: list[Job]) -> None:
+        """Each job, one stage each: in this process one after the other, or (workers_for) in
+        worker processes several at a time, longest first, each announced as it finishes."""
         n, threads = workers_for(self.cfg)
-        out = {}
         if n == 1:
             for job in jobs:
-                say(job.label)
-                out[job.label] = getattr(self, job.method)(*job.args)
-            return out
+                self.say(job.label)
+                getattr(self, job.method)(*job.args)
+            return
         print(f"\n{len(jobs)} runs, {n} at a time, each in a process of its own at {threads} torch thread"
               f"{'s' if threads > 1 else ''} (their output: {self.root / 'logs'})", flush=True)
         context = multiprocessing.get_context("spawn")
@@ -414,15 +411,17 @@ class Demo:
                 finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
                 bar.refresh()  # the elapsed time moves while the runs train
                 for done in finished:
-                    seconds, out[running[done].label] = done.result()  # a run's error stops the demo here
+                    seconds = done.result()  # a run's error stops the demo here, as it would in this process
                     bar.update()
-                    say(f"{running[done].label}: done in {seconds:.0f} s")
-        return out
+                    self.say(f"{running[done].label}: done in {seconds:.0f} s")
 
     def evaluate(self, pre: dict, finetuned: dict, data: dict) -> dict:
         # One pass per primary model (MINIPOST's embeddings belong to BL_BASE's): its test sets,
-        # weights and source-side retrieval vectors are loaded once for all its systems.
-        jobs = []
+        # weights and source-side retrieval vectors are loaded once for all its systems. In this
+        # process, at its threads: two at a time at one thread each took as long on 2 cores
+        # (forward passes over large batches use both threads well, benchmarks/results/
+        # demo_full_cpu2_20261127.md), and here its progress bars show.
+        records = []
         for primary in finetuned:
             runs = [self.root / "adapt" / f"{system}-{lang}"
                     for system in SYSTEMS if PRIMARY[system] == primary for lang in self.cfg.langs]
@@ -430,12 +429,9 @@ class Demo:
             # embeddings trained over its own full model, apart from how its primary model
             # compares with BL_BASE's.
             runs += [self.root / "adapt" / f"minijoint-full-{lang}" for lang in self.cfg.langs if primary == "minijoint"]
-            jobs.append(Job(f"  {primary}'s primary model: the plug-in metric, zero-shot bible-genre and retrieval of "
-                            f"{len(runs)} Step-2 runs' checkpoints", "evaluate_primary",
-                            (pre[primary], finetuned[primary], runs, data), len(runs) * len(finetuned[primary]),
-                            str(self.root / "logs" / f"evaluate-{primary}.log")))
-        out = self.run_jobs(jobs, stages=False)
-        records = [r for job in jobs for r in out[job.label]]  # in the primaries' order, however they ran
+            print(f"  {primary}'s primary model: the plug-in metric, zero-shot bible-genre and retrieval of "
+                  f"{len(runs)} Step-2 runs' checkpoints", flush=True)
+            records += self.evaluate_primary(pre[primary], finetuned[primary], runs, data)
         source = {p: sum(json.loads((r / "run.json").read_text()).get("source_score") or 0 for r in runs) / len(runs)
                   for p, runs in finetuned.items()}
         return {"records": records, "source_scores": source}
