@@ -59,7 +59,7 @@ from mmadapt.flops import device_days
 from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import (RunSpec, Source, check_same_source, load_checkpoint, read_source, require_head,
-                         sampled_fingerprint, start_run)
+                         run_text_layout, sampled_fingerprint, start_run)
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
@@ -119,7 +119,8 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             say_start(step.lang, step.train.embedding_init, plan.model, start.rows)
         writer = ArtifactWriter.of(plan, start, tokenizer)
         writer.save_start()
-        job = LMJob(step="adapt", trainable=writer.trainable, replay=plan.replay)
+        job = LMJob(step="adapt", trainable=writer.trainable, replay=plan.replay,
+                    text_layout=run_text_layout(plan.source.record))
         metrics = train_lm(started, plan.run, plan.model, step.train, job, start.init, after_save=writer,
                            record={**start.rows, **plan.expanded, "target_vocab_size": plan.model.vocab_size,
                                    "source_fingerprint": start.source_fingerprint})

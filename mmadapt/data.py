@@ -648,7 +648,7 @@ class BlockBatches:
             raise DataError(f"{self.data_path} holds no validation data: prepare it with --valid_fraction > 0 "
                             "(or set --eval_interval 0)")
         self.split = split
-        self.tokens = np.memmap(self.data_path / (split + ".bin"), dtype=manifest["dtype"], mode="r")
+        self.tokens = self._stream(np.memmap(self.data_path / (split + ".bin"), dtype=manifest["dtype"], mode="r"))
         self.seq_length, self.vocab_size, self.seed, self.mask_prob = (train.seq_length, vocab_size, train.seed,
             train.mask_prob)
         self.train = train
@@ -660,6 +660,19 @@ class BlockBatches:
             raise DataError(f"{self.data_path} holds no blocks of {self.seq_length}: the corpus produced too few "
                             "tokens")
         self.order = EpochOrder(len(self), train.seed)
+
+    def _stream(self, tokens: np.ndarray) -> np.ndarray:
+        """The token stream the blocks are cut from: the split's own, memory-mapped."""
+        return tokens
+
+    def _sequence_lengths(self) -> np.ndarray:
+        """The length of every sequence of the split (a sentence with its </s>, or a lone </s>)."""
+        from megatron.core.datasets.indexed_dataset import _IndexReader
+
+        index = _IndexReader(str(self.data_path / (self.split + ".idx")), multimodal=False)
+        lengths = np.array(index.sequence_lengths, dtype=np.int64)  # copied while the index's memory map is open
+        del index
+        return lengths
 
     def _block_index(self) -> np.ndarray | None:
         """[n, 2] (token offset, length) of each block, when blocks are not evenly spaced."""
@@ -784,11 +797,7 @@ class SentenceRows(BlockBatches):
 
     def _block_index(self) -> np.ndarray:
         """[n, 2] (token offset, pieces) of every sentence (not the lone </s> that ends a document)."""
-        from megatron.core.datasets.indexed_dataset import _IndexReader
-
-        index = _IndexReader(str(self.data_path / (self.split + ".idx")), multimodal=False)
-        lengths = np.array(index.sequence_lengths, dtype=np.int64)  # copied while the index's memory map is open
-        del index
+        lengths = self._sequence_lengths()
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         keep = lengths > 1  # a sentence's pieces and its </s>
         return np.stack([offsets[keep], lengths[keep] - 1], axis=1)
@@ -801,6 +810,44 @@ class SentenceRows(BlockBatches):
         row = np.concatenate([np.array(self.prefix, np.int64),
                               self.tokens[offset:offset + pieces].astype(np.int64)])[:self.seq_length]
         return row, np.concatenate([row[1:], [IGNORE_INDEX]])
+
+
+class LayoutBatches(CausalBatches):
+    """CausalBatches over the stream as an imported decoder's own tokenizer lays out text
+    (run.run_text_layout: `layout`'s prefix and suffix ids): each document is the prefix, its
+    sentences' pieces one after the other (their </s> left out: the source never saw one inside
+    a text), then the suffix; where the layout puts nothing around a text (Qwen2), the
+    end-of-text token (mmadapt's </s>, that tokenizer's eos) closes each document, as it
+    separates documents there. So Llama's and Mistral's documents each start with <s>, and no
+    </s> stands between sentences. The stream is built in memory at start-up (a pass over the
+    split's tokens); blocks are cut from it as CausalBatches cuts them."""
+
+    def __init__(self, data_path: str | os.PathLike, train: TrainConfig, vocab_size: int, dp_rank: int = 0,
+                 dp_world: int = 1, split: str = TEXT, layout: dict | None = None):
+        self.layout = layout or {}
+        super().__init__(data_path, train, vocab_size, dp_rank, dp_world, split)
+
+    def _stream(self, tokens: np.ndarray) -> np.ndarray:
+        prefix = np.array(self.layout.get("prefix", []), np.int64)
+        suffix = np.array(self.layout.get("suffix", []), np.int64)
+        if not len(prefix) and not len(suffix):
+            suffix = np.array([EOS_ID], np.int64)
+        lengths = self._sequence_lengths()
+        ends = np.cumsum(lengths)
+        parts, doc_open = [], False
+        for end, n in zip(ends.tolist(), lengths.tolist()):
+            if n == 1:  # a lone </s>: the document ends
+                if doc_open:
+                    parts.append(suffix)
+                doc_open = False
+                continue
+            if not doc_open:
+                parts.append(prefix)
+                doc_open = True
+            parts.append(np.asarray(tokens[end - n:end - 1], np.int64))  # the sentence without its </s>
+        if doc_open:
+            parts.append(suffix)
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
 def score_subset(labels: np.ndarray, rng: np.random.Generator, scored: int) -> np.ndarray:

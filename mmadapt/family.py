@@ -146,10 +146,12 @@ class HFMapping:
         """The transformers config of `model_type`'s class for `kind` that holds `cfg`."""
         raise NotImplementedError
 
-    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig) -> dict | None:
+    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig,
+                         text_layout: dict | None = None) -> dict | None:
         """How an exported tokenizer lays out a text of `kind` for the model `cfg` (a `tokenizers`
         template over mmadapt's special roles, mmadapt/hf.py); None: an imported tokenizer goes out
-        as it is."""
+        as it is. text_layout: an imported source's (run.run_text_layout), which its Step-2
+        vocabularies trained with."""
         raise NotImplementedError
 
     def export_model_type(self, model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:

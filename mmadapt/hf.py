@@ -684,7 +684,8 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
 
     imported = json.loads((primary_run / "run.json").read_text()).get("imported_from")
     model_type = imported["model_type"] if imported else None
-    summary = {**write_hf(family, output_dir, cfg, state, kind, labels, Path(tokenizer), model_type),
+    text_layout = (imported or {}).get("text_layout")
+    summary = {**write_hf(family, output_dir, cfg, state, kind, labels, Path(tokenizer), model_type, text_layout),
                "embeddings": str(embeddings) if embeddings else None}
     if kind is None and (primary_run / SENTENCE_TRANSFORMERS).is_dir():  # a sentence-transformers source
         summary["sentence_transformers"] = str(write_sentence_transformers(
@@ -705,13 +706,15 @@ def _document_tokenizer(doc: HFTokenizer, model_max_length: int):
                                    **{k: v for k, v in tokens.items() if v is not None})
 
 
-def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg: ModelConfig):
+def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg: ModelConfig,
+                     text_layout: dict | None = None):
     """The transformers tokenizer that gives a run's `tokenizer` ids to the exported model, laid out
-    as the family's mapping says for `kind`, and hf_ids (mmadapt id -> its id; None: the same
-    ids). An imported tokenizer keeps the source's ids (the rows go back to the source's order)."""
+    as the family's mapping says for `kind` (and an imported source's `text_layout`), and hf_ids
+    (mmadapt id -> its id; None: the same ids). An imported tokenizer keeps the source's ids (the
+    rows go back to the source's order)."""
     import transformers
 
-    layout = mapping.tokenizer_layout(kind, is_hf(tokenizer), cfg)
+    layout = mapping.tokenizer_layout(kind, is_hf(tokenizer), cfg, text_layout)
     if not is_hf(tokenizer):
         return spm_to_hf(tokenizer, cfg.max_position_embeddings, layout), None
     hf_ids = HFTokenizer.read(tokenizer).hf_ids.tolist()
@@ -725,7 +728,8 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
 
 
 def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None,
-             labels: list[str] | None, tokenizer: Path, model_type: str | None = None) -> dict:
+             labels: list[str] | None, tokenizer: Path, model_type: str | None = None,
+             text_layout: dict | None = None) -> dict:
     """Write the family's LM (kind None) or task model full weights `state` with a run's
     `tokenizer` as a transformers directory of `model_type`'s class for `kind` (the source's
     model type, None for a model mmadapt pretrained: the family's mapping decides,
@@ -738,7 +742,7 @@ def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dic
     model_type = mapping.export_model_type(model_type, cfg, own_tokenizer=is_hf(tokenizer))
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
-    hf_tok, hf_ids = export_tokenizer(mapping, Path(tokenizer), kind, cfg)
+    hf_tok, hf_ids = export_tokenizer(mapping, Path(tokenizer), kind, cfg, text_layout)
     ids = {"pad": hf_tok.pad_token_id, "bos": hf_tok.bos_token_id, "eos": hf_tok.eos_token_id}
     hf_state = mapping.to_hf(cfg, state, kind, hf_ids, ids, model_type)
     hf_cfg = mapping.hf_config(cfg, kind, labels, ids, model_type)

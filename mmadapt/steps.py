@@ -59,8 +59,8 @@ from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, prim
                              unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_same_source, pretrained_blocks, read_run,
-                         read_source, require_head, require_kind, run_progress, sampled_fingerprint, start_run,
-                         weights_fingerprint)
+                         read_source, require_head, require_kind, run_progress, run_text_layout, sampled_fingerprint,
+                         start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -170,7 +170,8 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
                                 "fingerprint": sampled_fingerprint(weights)}}
     with start_run(run, model, step.train, identity, TextData()) as started:
         _, init = family.minipost_start(source.cfg, weights, n, k)
-        job = LMJob(step="minipost", trainable=family.minipost_trainable(n, k), trainable_layers=k)
+        job = LMJob(step="minipost", trainable=family.minipost_trainable(n, k), trainable_layers=k,
+                    text_layout=run_text_layout(src))
         return train_lm(started, run, model, step.train, job, init)
 
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
 from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfig, to_dict
-from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, ReplayBatches,
+from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, LayoutBatches,
+                          ReplayBatches,
                           block_index, block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
                           load_checked_tokenizer, micro_batch_range, prepare, read_manifest, replay_blocks, wait_for)
 from mmadapt.engine import (LoopJob, build_engine, is_pipeline, mean_over_ranks, train_loop, trainable_by_names,
@@ -51,6 +52,9 @@ class LMJob:
     trainable: tuple[str, ...] | None = None
     trainable_layers: int = 0  # Step 1b: l_t, for its FLOP count
     replay: Replay | None = None  # Step 2: source text in every batch, its loss logged apart
+    # An imported decoder's text layout (run.run_text_layout): its packed blocks laid out as its
+    # own tokenizer lays out text (data.LayoutBatches). None or {}: mmadapt's stream.
+    text_layout: dict | None = None
 
 
 # --- data ----------------------------------------------------------------------------------------------
@@ -187,17 +191,23 @@ class WithReplay:
         return data_path
 
 
-def replay_batches(family: ModelFamily, target, replay: Replay, model: ModelConfig, train: TrainConfig
-                   ) -> ReplayBatches:
+def replay_batches(family: ModelFamily, target, replay: Replay, model: ModelConfig, train: TrainConfig,
+                   layout: dict | None = None) -> ReplayBatches:
     """`target` (lm_batches') with `replay.fraction` of every update's blocks from the replay
-    text, read in an order and masked with a seed of their own."""
-    other = lm_batches(family, replay.data, model, dataclasses.replace(train, seed=derive_seed(train.seed, "replay")))
+    text, read in an order and masked with a seed of their own (and laid out as `layout`)."""
+    other = lm_batches(family, replay.data, model, dataclasses.replace(train, seed=derive_seed(train.seed, "replay")),
+                       layout=layout)
     return ReplayBatches(target, other, replay_blocks(replay.fraction, target.global_batch))
 
 
-def lm_batches(family: ModelFamily, data_path: Path, model: ModelConfig, train: TrainConfig, split: str = TEXT):
+def lm_batches(family: ModelFamily, data_path: Path, model: ModelConfig, train: TrainConfig, split: str = TEXT,
+               layout: dict | None = None):
     """This data-parallel rank's batches of the family's objective (objectives.py: masked
-    blocks, or packed next-token blocks), a pure function of (seed, update)."""
+    blocks, or packed next-token blocks), a pure function of (seed, update). layout: an
+    imported decoder's (LMJob.text_layout): its packed blocks as its tokenizer lays out text."""
+    if layout and not family.objective.masked:
+        return LayoutBatches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split,
+                             layout)
     batches = family.objective.batches
     return batches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split)
 
@@ -397,10 +407,12 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
              "trainable": list(job.trainable) if job.trainable is not None else None}
     if model_cfg.pipeline_model_parallel_size > 1:  # which stage owns what (the family's pipeline.py)
         extra["pipeline_parts"] = [int(x) for x in engine.module.parts]
+    if job.text_layout and not family.objective.masked:  # an imported decoder's layout of its packed blocks
+        extra["text_layout"] = job.text_layout
     started.record.write(run.resume, **extra)
-    batches = lm_batches(family, data_dir, model_cfg, train)
+    batches = lm_batches(family, data_dir, model_cfg, train, layout=job.text_layout)
     if job.replay is not None:  # ordinary blocks of the same length: the FLOPs per block stay
-        batches = replay_batches(family, batches, job.replay, model_cfg, train)
+        batches = replay_batches(family, batches, job.replay, model_cfg, train, job.text_layout)
     update_flops = batches.global_batch * family.step_flops(
         job.step, model_cfg, train.seq_length, family.scored_fraction(train), trainable_layers=job.trainable_layers)
     tokens = batches.global_batch * train.seq_length
@@ -416,7 +428,7 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
     if train.eval_interval:
         # every position of the held-out blocks (score_fraction 1): the loss measures the model, not a sample
         valid = lm_batches(family, data_dir, model_cfg, dataclasses.replace(train, gradient_accumulation_steps=1,
-                                                                            score_fraction=1.0), VALID)
+                                                                            score_fraction=1.0), VALID, job.text_layout)
         valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
         evaluate = functools.partial(lm_eval, engine, valid_batches, heads)
     prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin, *rows)

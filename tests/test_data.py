@@ -85,6 +85,33 @@ def test_blocks_cross_documents_with_fairseqs_separators(tokenizer, tmp_path):
     assert block == [BOS_ID, *a, EOS_ID, *c, EOS_ID, EOS_ID, *e, EOS_ID, EOS_ID]
 
 
+@pytest.mark.parametrize("layout, want", [
+    ({"prefix": [BOS_ID], "suffix": []}, "llama"),  # Llama's and Mistral's <s> before a text
+    ({"prefix": [], "suffix": []}, "qwen2"),  # nothing around a text: its end-of-text between documents
+])
+def test_an_imported_decoders_blocks_follow_its_tokenizers_layout(tokenizer, tmp_path, layout, want):
+    """data.LayoutBatches: each document laid out as the source's tokenizer lays out a text, its
+    sentences' pieces one after the other, no </s> inside; the blocks are consecutive chunks of
+    that stream, as CausalBatches cuts mmadapt's."""
+    corpus = tmp_path / "two_docs.txt"
+    corpus.write_text("In the beginning.\nAnd the earth.\n\nLight was good.\n", encoding="utf-8")
+    prepare(corpus, tmp_path / "d", VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
+    sp = D.load_checked_tokenizer(tokenizer)
+    a, c, e = (sp.encode(t) for t in ("In the beginning.", "And the earth.", "Light was good."))
+    stream = {"llama": [BOS_ID, *a, *c, BOS_ID, *e], "qwen2": [*a, *c, EOS_ID, *e, EOS_ID]}[want]
+    train = TrainConfig(seq_length=8, train_micro_batch_size_per_gpu=1)
+    b = D.LayoutBatches(tmp_path / "d", train, VOCAB, layout=layout)
+    assert b.tokens.tolist() == stream
+    assert len(b) == (len(stream) - 1) // 8 >= 1
+    for g in range(len(b)):
+        x, y = b.sample(g)
+        k = b.order(g) * 8
+        assert x.tolist() == stream[k:k + 8] and y.tolist() == stream[k + 1:k + 9]
+    # mmadapt's own stream, for comparison: </s> after every sentence and between documents
+    assert D.CausalBatches(tmp_path / "d", train, VOCAB).tokens.tolist() == [*a, EOS_ID, *c, EOS_ID, EOS_ID, *e,
+                                                                             EOS_ID, EOS_ID]
+
+
 def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpus, tokenizer, capsys, tmp_path):
     from mmadapt.models import PRESETS
     from mmadapt.run import RunSpec

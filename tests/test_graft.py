@@ -160,3 +160,36 @@ def test_a_graft_over_a_base_changed_since_step2_is_refused(graft_runs, tmp_path
         shutil.rmtree(base / "checkpoints")
         shutil.move(kept, base / "checkpoints")
     assert main(argv) == 0 and (tmp_path / "out" / "config.json").is_file()
+
+
+def test_step2_over_an_imported_decoder_packs_its_blocks_as_its_tokenizer_lays_out_text(graft_runs):
+    """Step 2 over an imported decoder trains on blocks laid out as the source's tokenizer lays
+    out a text (data.LayoutBatches), recorded in its run.json: Llama-2's <s> before each
+    document, nothing for Qwen2 (its end-of-text between documents)."""
+    import json
+
+    from mmadapt.tokens import BOS_ID
+
+    for name, prefix in (("llama2", [BOS_ID]), ("qwen2", [])):
+        for mode in ("replace", "expand"):
+            record = json.loads((graft_runs[f"{name}-{mode}"] / "run.json").read_text())
+            assert record["text_layout"] == {"prefix": prefix, "suffix": []}, (name, mode)
+
+
+@pytest.mark.parametrize("name, first", [("llama2", "bos"), ("qwen2", "eos")])
+def test_an_exported_step2_vocabulary_prompts_as_its_blocks_started(name, first, graft_runs, tmp_path):
+    """export-hf of an imported decoder with its German Step-2 vocabulary: the tokenizer starts a
+    text as Step 2's blocks started a document (Llama-2: its <s>, the bos; Qwen2: the end-of-text
+    that closed the document before, </s>, as GPT-2's <|endoftext|>)."""
+    from transformers import AutoTokenizer
+
+    from mmadapt.tokens import BOS_ID, EOS_ID
+
+    artifact = _artifact(graft_runs, name, "replace")
+    out = tmp_path / "out"
+    assert main(["export-hf", "--primary", str(graft_runs[f"{name}-base"]), "--embeddings", str(artifact),
+                 "--output_dir", str(out)]) == 0
+    tok, sp = AutoTokenizer.from_pretrained(str(out)), load(read_artifact(artifact)[1])
+    text = "Im Anfang schuf Gott Himmel und Erde."
+    start = {"bos": BOS_ID, "eos": EOS_ID}[first]
+    assert tok(text).input_ids == [start, *sp.encode(text)] and tok.bos_token_id == start

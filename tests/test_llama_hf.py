@@ -361,25 +361,28 @@ def de_artifact(run, de_tokenizer, out):
                             {"source": str(run), "lang": "de", "step": 1, "system": "bl_base"})
 
 
-@pytest.mark.parametrize("name, arch", [("llama2", "LlamaForCausalLM"), ("qwen2", "LlamaForCausalLM")])
-def test_export_of_an_adapted_causal_lm(name, arch, dec_runs, de_tokenizer, tmp_path):
-    """The German LM: </s> text as its prompt (the separator that precedes every text in the
-    blocks it trained on), mmadapt's ids and logits, and generate() runs. A Qwen2 body with
-    another tokenizer goes out as Llama with attention_bias (AutoTokenizer would rebuild any
-    tokenizer of a qwen2 directory as Qwen2's byte-level BPE), its o_proj bias zero."""
+@pytest.mark.parametrize("name, arch, start", [("llama2", "LlamaForCausalLM", BOS_ID),
+                                               ("qwen2", "LlamaForCausalLM", EOS_ID)])
+def test_export_of_an_adapted_causal_lm(name, arch, start, dec_runs, de_tokenizer, tmp_path):
+    """The German LM: its prompt starts as a document starts in the blocks Step 2 trains on over
+    the import (data.LayoutBatches): Llama-2's <s> text; </s> text for Qwen2, whose tokenizer puts
+    nothing before a text and whose end-of-text closes each document. mmadapt's ids and logits,
+    and generate() runs. A Qwen2 body with another tokenizer goes out as Llama with
+    attention_bias (AutoTokenizer would rebuild any tokenizer of a qwen2 directory as Qwen2's
+    byte-level BPE), its o_proj bias zero."""
     out, artifact = tmp_path / "out", de_artifact(dec_runs[name], de_tokenizer, tmp_path / "art")
     assert main(["export-hf", "--primary", str(dec_runs[name]), "--embeddings", str(artifact),
                  "--output_dir", str(out)]) == 0
     tok, sp = hf_tokenizer(out), load_sp(de_tokenizer)
     verses = bible_lines("de", range(40, 44))  # the Gospels
-    assert tok(verses)["input_ids"] == [[EOS_ID, *ids] for ids in sp.encode(verses)]
+    assert tok(verses)["input_ids"] == [[start, *ids] for ids in sp.encode(verses)]
     hf = hf_lm(out)
     assert type(hf).__name__ == arch
-    assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (EOS_ID, EOS_ID, PAD_ID)
+    assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (start, EOS_ID, PAD_ID)
     cfg, state = LLAMA.primary_model(*load_weights(dec_runs[name]))
     assert hf.config.tie_word_embeddings == cfg.share_embeddings_and_output_weights
     assert hf.config.attention_bias == cfg.add_qkv_bias
-    rows = [[EOS_ID, *sp.encode(v)][:64] for v in TEXTS[6:]]
+    rows = [[start, *sp.encode(v)][:64] for v in TEXTS[6:]]
     emb, _, _ = read_artifact(artifact)
     state = {**state, **artifact_state(LLAMA, emb)}
     ids, real = padded(rows, PAD_ID)

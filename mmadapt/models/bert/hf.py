@@ -137,7 +137,8 @@ class BertMapping(RobertaMapping):
         return encoder_config(cfg, kind, labels, ids, MODEL_TYPE, "Bert", max_position_embeddings=cfg.max_position_embeddings,
                               type_vocab_size=cfg.type_vocab_size)
 
-    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig) -> dict | None:
+    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig,
+                         text_layout: dict | None = None) -> dict | None:
         # A model with one token type reads a pair's second segment as type 0 (BertEmbeddings):
         # its tokenizer, imported or not, must give type 0 there, or transformers indexes a row
         # the model lacks.

@@ -54,7 +54,8 @@ CLAIM_ORDER = ("eos", "bos", "unk", "pad", "mask")
 
 # Exported tokenizers (mmadapt/hf.py): templates in mmadapt's role names. A causal LM's prompt
 # starts with </s>, the document separator, as every text does in the blocks it trained on
-# (data.CausalBatches: no <s> there); so </s> is its bos too, as GPT-2's <|endoftext|> is. A
+# (data.CausalBatches: no <s> there); so </s> is its bos too, as GPT-2's <|endoftext|> is (an
+# imported Llama's or Mistral's Step-2 vocabulary starts with <s> instead: tokenizer_layout). A
 # classifier's rows are features.py's: <s> a </s>, <s> a </s> </s> b </s>, padded on the right.
 # A decoder takes no token_type_ids.
 PROMPT_LAYOUT = {"single": "{eos} $A", "pair": "{eos} $A {eos} $B", "padding_side": "left",
@@ -302,12 +303,23 @@ class LlamaMapping(HFMapping):
             pad_token_id=ids["pad"], bos_token_id=ids["bos"], eos_token_id=ids["eos"],
             architectures=[CLASS_PREFIX[model_type] + TASK_CLASSES[kind]], **extra)
 
-    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig) -> dict | None:
+    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig,
+                         text_layout: dict | None = None) -> dict | None:
         """The exported tokenizer's layout for `kind` (None: the causal LM); None: an imported
-        tokenizer exported as it is (the source's own prompt layout, so that a round trip is exact)."""
-        if kind is None:
-            return None if imported else PROMPT_LAYOUT
-        return TASK_LAYOUT
+        tokenizer exported as it is (the source's own prompt layout, so that a round trip is exact).
+        A Step-2 vocabulary of an imported decoder whose tokenizer puts ids before a text
+        (`text_layout`'s prefix: Llama's and Mistral's <s>) trained on documents that start so
+        (data.LayoutBatches): its prompt starts so too, and that role is its bos."""
+        if kind is not None:
+            return TASK_LAYOUT
+        if imported:
+            return None
+        prefix = (text_layout or {}).get("prefix")
+        if not prefix:
+            return PROMPT_LAYOUT
+        roles = " ".join("{%s}" % SPECIAL_ROLES[i] for i in prefix)
+        return {**PROMPT_LAYOUT, "single": f"{roles} $A", "pair": f"{roles} $A {roles} $B",
+                "tokens": {**PROMPT_LAYOUT["tokens"], "bos_token": SPECIAL_ROLES[prefix[0]]}}
 
     def export_model_type(self, model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
         """The model type to export as: the source's (None: an mmadapt-pretrained model, "llama"), except

@@ -324,7 +324,8 @@ class RobertaMapping(HFMapping):
         return encoder_config(cfg, kind, labels, ids, model_type, CLASS_PREFIX[model_type],
                               max_position_embeddings=cfg.max_position_embeddings + ids["pad"] + 1, type_vocab_size=1)
 
-    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig) -> dict | None:
+    def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig,
+                         text_layout: dict | None = None) -> dict | None:
         return None if imported else ENCODER_LAYOUT
 
     def export_model_type(self, model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
