@@ -29,7 +29,7 @@ from common import (
 from mmadapt.models.roberta.flops import adapt_flops
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.parallel import device
-from mmadapt.engine import load_ds_config
+from mmadapt.engine import for_replicas, load_ds_config
 from mmadapt.models import get_family
 from mmadapt.train import LMJob, lm_engine
 from mmadapt.family import WORD
@@ -46,7 +46,8 @@ def main(argv=None) -> None:
     gpu = torch.cuda.is_available()
     base, train = setup(args)
     s, micro = args.seq_length, args.micro_batch
-    ds = load_ds_config(REPO / args.ds_config, train)  # an absolute path replaces REPO
+    # an absolute path replaces REPO; applied to one replica as a run applies it (engine.for_replicas)
+    ds = for_replicas(load_ds_config(REPO / args.ds_config, train), 1)
     batches = masked_batches(base, micro, s, train.mask_prob, 4)
     p = mask_fraction(batches)
     rows = []
