@@ -113,6 +113,12 @@ def latest_tag(ckpt_dir: str | os.PathLike) -> str | None:
     return tags[-1] if tags else None
 
 
+def optimizer_name(engine) -> str:
+    """The class name of the engine's optimizer ("" for an engine without one)."""
+    optimizer = getattr(engine, "optimizer", None)
+    return type(optimizer).__name__ if optimizer is not None else ""
+
+
 def written_by(ckpt_dir: str | os.PathLike) -> str | None:
     """The class of the optimizer whose state the newest complete checkpoint holds (None: no
     checkpoint; "" for one written before mmadapt recorded it, always under the JSON's ZeRO stage)."""
@@ -251,7 +257,7 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
     if is_rank0():
         # ds_optimizer: which optimizer's state the tag holds (engine.for_replicas resumes under it)
         atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step, "files": _files(ckpt_dir / tag),
-                                                               "ds_optimizer": type(engine.optimizer).__name__}))
+                                                               "ds_optimizer": optimizer_name(engine)}))
         atomic_write(ckpt_dir / "latest", tag)
         prune(ckpt_dir, keep_last)
     dist.barrier()

@@ -89,17 +89,19 @@ def singles(sources, de_corpus, de_tokenizer, replay_text, tmp_path_factory):
 
 
 def _optimizer_groups(run, steps: int = STEPS) -> list[list[int]]:
-    """The size of each flat parameter group of each rank's optimizer file (ZeRO's fp32 state),
-    leaving out engine.build_engine's one-element placeholders of a group with nothing to train
-    (with ZeRO's alignment padding)."""
+    """The size of each flat parameter group of each rank's optimizer file (ZeRO's fp32 state), or
+    of each parameter's state without ZeRO, leaving out engine.build_engine's one-element
+    placeholders of a group with nothing to train (with ZeRO's alignment padding)."""
     ckpt = run / "checkpoints" / f"step{steps:08d}"
     out = []
     for f in sorted(ckpt.glob("*optim_states.pt")):
         state = torch.load(f, weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]["state"]
         out.append(sorted(s["exp_avg"].numel() for s in state.values() if s["exp_avg"].numel() > 16))
-    if not out:  # ZeRO stage 0: torch's optimizer, one state per parameter, in the model file
-        state = torch.load(ckpt / "mp_rank_00_model_states.pt", weights_only=False)["optimizer"]["state"]
-        out.append(sorted(s["exp_avg"].numel() for s in state.values() if s["exp_avg"].numel() > 16))
+    if not out:  # no ZeRO (one data-parallel replica, engine.for_replicas): torch's optimizer, one
+        # state per parameter, in each model-parallel rank's model states file
+        for f in sorted(ckpt.glob("mp_rank_*_model_states.pt")):
+            state = torch.load(f, weights_only=False)["optimizer"]["state"]
+            out.append(sorted(s["exp_avg"].numel() for s in state.values() if s["exp_avg"].numel() > 16))
     return out
 
 
@@ -141,7 +143,8 @@ def test_expand_keeps_every_source_row_in_every_layout(family, layout, replay, s
         halves = [new * h // 2] * (1 if family == "roberta" else 2)
         assert groups == [sorted([new // 2] + [sum(halves)] if bias else [sum(halves)])] * 2, groups
     elif layout == "tp2":  # rank 0's vocabulary slice holds only source rows: nothing to train there
-        assert sorted(map(sorted, groups)) == [[], sorted(bias + [new * h * (1 if family == "roberta" else 2)])]
+        # (one replica: no ZeRO, a state per parameter)
+        assert sorted(map(sorted, groups)) == [[], sorted(bias + [new * h] * (1 if family == "roberta" else 2))]
     elif layout == "pp2":  # the tied embedding's copy on each stage; the bias / output layer on the last
         first, last = ([new * h], sorted(bias + [new * h])) if family == "roberta" else ([new * h], [new * h])
         assert sorted(groups) == sorted([first, last]), groups
