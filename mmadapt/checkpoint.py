@@ -120,15 +120,13 @@ def optimizer_name(engine) -> str:
 
 
 def written_by(ckpt_dir: str | os.PathLike) -> str | None:
-    """The class of the optimizer whose state the newest complete checkpoint holds (None: no
-    checkpoint; "" for one written before mmadapt recorded it, always under the JSON's ZeRO stage)."""
-    tag = latest_tag(ckpt_dir)
+    """The class of the optimizer whose state the checkpoint `resume` would load holds (the newest
+    complete one that is intact; None: none; "" for one written before mmadapt recorded it,
+    always under the JSON's ZeRO stage)."""
+    tag = next((t for t in reversed(complete_tags(ckpt_dir)) if damaged(Path(ckpt_dir) / t) is None), None)
     if tag is None:
         return None
-    try:
-        return json.loads((Path(ckpt_dir) / tag / "COMPLETE").read_text()).get("ds_optimizer", "")
-    except (ValueError, AttributeError):
-        return ""
+    return json.loads((Path(ckpt_dir) / tag / "COMPLETE").read_text()).get("ds_optimizer", "")
 
 
 @contextlib.contextmanager

@@ -212,9 +212,8 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     with run_lock(run.output_dir):
         prepared = data.prepare(run, model, loop, family)
         parallel.init_parallel(tp, pp)
-        dp = parallel.launched_world_size() // (tp * pp)
-        yield Started(for_replicas(ds, dp, run.output_dir / "checkpoints" if run.resume else None), prepared,
-                      record, family)
+        yield Started(for_replicas(ds, parallel.dp_world(), run.output_dir / "checkpoints" if run.resume else None),
+                      prepared, record, family)
 
 
 @contextlib.contextmanager
