@@ -21,7 +21,7 @@ from pathlib import Path
 from mmadapt import faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
 from mmadapt.bpb import BPB_BYTES
-from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, LAYOUT_FIELDS, RECIPES, SYSTEMS, EvaluateConfig,
+from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, INVOKED_AS, LAYOUT_FIELDS, RECIPES, SYSTEMS, EvaluateConfig,
                             FinetuneConfig, Layout, MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig,
                             add_dataclass_args, apply_recipe, override, whole_number)
 from mmadapt.demo import main as demo_command
@@ -775,7 +775,11 @@ def main(argv=None) -> int:
         hint = f"did you mean {close[0]}? " if close else ""
         print(f"error: unknown command {argv[0]!r}: {hint}mmadapt --help lists the commands", file=sys.stderr)
         return faults.EXIT_USER
-    return COMMANDS[argv[0]](argv[1:])
+    invoked = INVOKED_AS.set("mmadapt")
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    finally:
+        INVOKED_AS.reset(invoked)
 
 
 def run_process(command=main) -> int:
@@ -783,7 +787,11 @@ def run_process(command=main) -> int:
     tear its process groups down before the interpreter does (parallel.shutdown says why).
     Commands called in-process (tests, the sweep) keep their groups: they are built once per
     process. Commands that never join a job leave torch.distributed alone."""
-    code = command()
+    invoked = INVOKED_AS.set("launch" if command is not main else INVOKED_AS.get())
+    try:
+        code = command()
+    finally:
+        INVOKED_AS.reset(invoked)
     parallel.shutdown(agreed=code in (0, faults.EXIT_DIVERGED, faults.EXIT_STOPPED, faults.EXIT_PAUSED))
     return code
 

@@ -9,6 +9,7 @@ into CLI flags, so a flag overrides a field by its own name.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import functools
 import math
@@ -737,12 +738,27 @@ def _default_help(f, defaults) -> str:
     return f"default: {f.default}"
 
 
+# How the user started the command whose flags a Parser reads, so that its usage and error lines
+# name it as typed: "mmadapt" (the `mmadapt` command's dispatch, cli.main), "launch" (a launch/
+# script, cli.run_process) or "" (called in-process: the parser's own name).
+INVOKED_AS: contextvars.ContextVar[str] = contextvars.ContextVar("INVOKED_AS", default="")
+
+
+def shown_prog(name: str) -> str:
+    """A command's name as the user typed it (INVOKED_AS): `mmadapt adapt`, `launch/adapt.py`."""
+    base = name.removeprefix("mmadapt ")
+    how = INVOKED_AS.get()
+    return f"mmadapt {base}" if how == "mmadapt" else f"launch/{base}.py" if how == "launch" else name
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a bad flag reported like every other user mistake: one line, exit 2; and
     every command's --verbose (mmadapt/quiet.py reads it from the process's arguments, before the
-    libraries it quiets are imported)."""
+    libraries it quiets are imported). `prog` is shown as the user started the command."""
 
     def __init__(self, *args, **kwargs):
+        if kwargs.get("prog"):
+            kwargs["prog"] = shown_prog(kwargs["prog"])
         super().__init__(*args, **kwargs)
         self.add_argument("--verbose", action="store_true", help="show all that the libraries under mmadapt print "
                           "(default: the known notices that say nothing about your run are filtered, "

@@ -48,10 +48,30 @@ def test_top_level_help_lists_every_command_with_its_purpose(capsys):
                                       "the commands\n"
 
 
+def test_a_command_is_named_as_it_was_started(capsys, monkeypatch):
+    """The parsers launch/*.py shares with `mmadapt <command>` name the command as typed in their
+    usage and error lines: `mmadapt pretrain` from the mmadapt command, `launch/pretrain.py` from
+    the script, not `pretrain` for both."""
+    from mmadapt.cli import pretrain_main, run_process
+
+    with pytest.raises(SystemExit) as e:
+        main(["pretrain", "--output_dir", "x", "--bogus"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: mmadapt pretrain: unrecognized arguments: --bogus")
+    monkeypatch.setattr(sys, "argv", ["launch/pretrain.py", "--output_dir", "x", "--bogus"])
+    with pytest.raises(SystemExit) as e:
+        run_process(pretrain_main)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: launch/pretrain.py: unrecognized arguments: --bogus")
+    with pytest.raises(SystemExit):  # and in-process callers keep the parser's own name
+        pretrain_main(["--output_dir", "x", "--bogus"])
+    assert capsys.readouterr().err.startswith("error: pretrain: ")
+
+
 @pytest.mark.slow  # a fresh process per command
 def test_help_prints_help_and_nothing_else():
     quiet = _mmadapt("pretrain", "--help")
-    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("usage: pretrain")
+    assert quiet.returncode == 0 and quiet.stderr == "" and quiet.stdout.startswith("usage: mmadapt pretrain ")
     assert _warn_lines(quiet) == []
     # The filter is what keeps them out: --verbose and MMADAPT_VERBOSE=1 show megatron's four.
     for proc in (_mmadapt("pretrain", "--help", "--verbose"), _mmadapt("pretrain", "--help", MMADAPT_VERBOSE="1")):
