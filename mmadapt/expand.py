@@ -119,7 +119,7 @@ def expand(source: Path, target: Path) -> Expansion:
     form = source_form(source)  # an uncased WordPiece source's lower case: what its normaliser can produce
     candidates = missing_pieces(src_pieces, [form(p.piece) for p in trg.pieces], [p.type == _NORMAL for p in trg.pieces])
     if is_hf(source):
-        model, new = expand_hf(source, candidates, EXPAND_MULTIPLE)
+        model, new = expand_hf(source, candidates, EXPAND_MULTIPLE, {form(p.piece): p.score for p in trg.pieces})
     else:
         new = _cut(len(src_pieces), candidates)
     if not new:

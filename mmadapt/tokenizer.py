@@ -325,10 +325,19 @@ class HFTokenizer:
         return self._ids(enc.ids)
 
 
-def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int) -> tuple[bytes, list[str]]:
-    """An imported BPE tokenizer (`source`, HFTokenizer's document) with the pieces `candidates`
-    (surface forms, in order of preference) appended after every row of its model: the merged
-    document and the pieces it adds, in id order (expand.py's --vocab_mode expand).
+def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int,
+              scores: dict[str, float] | None = None) -> tuple[bytes, list[str]]:
+    """An imported BPE, WordPiece or Unigram tokenizer (`source`, HFTokenizer's document) with the
+    pieces `candidates` (surface forms, in order of preference; `scores`: their log-probabilities
+    in the target's unigram model, which a Unigram source needs) appended after every row of its
+    model: the merged document and the pieces it adds, in id order (expand.py's --vocab_mode
+    expand).
+
+    A Unigram (XLM-R's SentencePiece, converted; a SentencePiece model exported by mmadapt) gets
+    each candidate as a piece of its target score shifted so that the best sits just under the
+    source's worst piece, as expand.expand does to a SentencePiece unigram model: Viterbi then
+    takes a new piece only where it replaces several source pieces, and a text whose best
+    segmentation uses none keeps the source's ids exactly (the source's scores are unchanged).
 
     A BPE produces a token only through a merge of two tokens it has, so a candidate is added with
     the merge of a split of it whose two halves are tokens (`_bpe_additions`); a candidate with no
@@ -339,10 +348,12 @@ def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int) -
     mmadapt id."""
     doc = json.loads(Path(source).read_text(encoding="utf-8"))
     model = doc["tokenizer"]["model"]
-    if model.get("type") not in ("BPE", "WordPiece"):
+    if model.get("type") not in ("BPE", "WordPiece", "Unigram"):
         raise ValueError(f"the imported tokenizer {source} is a {model.get('type')} model: --vocab_mode expand "
-                         "merges SentencePiece models and imported BPE (byte-level or with byte fallback) and "
-                         "WordPiece tokenizers")
+                         "merges SentencePiece models and imported BPE (byte-level or with byte fallback), "
+                         "WordPiece and Unigram tokenizers")
+    if model["type"] == "Unigram":
+        return _expand_unigram(doc, candidates, multiple, scores)
     if model["type"] == "BPE":
         added, merges = _bpe_additions(doc["tokenizer"], candidates)
     else:
@@ -368,6 +379,33 @@ def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int) -
     model["vocab"] = {**vocab, **{added[p]: rows + j for j, p in enumerate(new)}}
     doc["hf_ids"] = list(doc["hf_ids"]) + [rows + j for j in range(len(new))]
     return json.dumps(doc, ensure_ascii=False).encode("utf-8"), new
+
+
+def _expand_unigram(doc: dict, candidates: list[str], multiple: int, scores: dict[str, float] | None
+                    ) -> tuple[bytes, list[str]]:
+    """expand_hf for a Unigram model (its docstring). Its vocabulary is a list whose index is the
+    id: rows of the model past the tokenizer (borrowed for roles) get pieces no text produces
+    (a space inside a piece: the Metaspace pre-tokenizer never leaves one), so that the new
+    pieces take the ids after every row."""
+    if scores is None:
+        raise ValueError("a Unigram tokenizer is expanded with the target pieces' scores: pass them")
+    model, rows = doc["tokenizer"]["model"], len(doc["hf_ids"])
+    vocab = [list(v) for v in model["vocab"]]
+    have = {piece for piece, _ in vocab} | {a["content"] for a in doc["tokenizer"].get("added_tokens", [])}
+    # a piece with a word boundary inside it is never produced (the pre-tokenizer splits there)
+    added = [p for p in candidates if p not in have and WORD_BOUNDARY not in p[1:]]
+    added = added[:max((rows + len(added)) // multiple * multiple - rows, 0)]
+    if len(vocab) > rows:  # the new pieces' ids must follow the model's rows
+        raise ValueError(f"the imported tokenizer holds {len(vocab)} pieces for {rows} rows of its model: it "
+                         "cannot be expanded")
+    lowest = min(score for _, score in vocab)
+    shift = lowest - 1 - max((scores[p] for p in added), default=0.0)
+    new = [[p, scores[p] + shift] for p in added]
+    filler = min([lowest] + [score for _, score in new]) - 1e3  # never produced; scored below everything anyway
+    vocab += [[f"<unused {h}>", filler] for h in range(len(vocab), rows)] + new
+    model["vocab"] = vocab
+    doc["hf_ids"] = list(doc["hf_ids"]) + [rows + j for j in range(len(added))]
+    return json.dumps(doc, ensure_ascii=False).encode("utf-8"), added
 
 
 def _wordpiece_additions(tok: HFTokenizer, candidates: list[str]) -> dict[str, str]:

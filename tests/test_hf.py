@@ -200,6 +200,59 @@ def test_export_of_an_adapted_masked_lm(runs, artifact, de_tokenizer, tmp_path):
     assert diff <= TOL
 
 
+def test_an_imported_unigram_tokenizer_expands_and_exports(runs, de_corpus, de_tokenizer, tmp_path):
+    """--vocab_mode expand over XLM-R's SentencePiece (a Unigram tokenizer once imported): the German
+    pieces it lacks appended, scored under its worst piece; every source piece keeps its id and an
+    English text that takes no new piece its exact segmentation; German gets shorter; Step 2
+    trains the new rows, and the export gives transformers' tokenizer mmadapt's ids and its model
+    mmadapt's logits, the source rows the source's."""
+    from mmadapt.artifact import artifact_state
+    from mmadapt.expand import EXPAND_MULTIPLE, expand
+    from mmadapt.models import PRESETS, get_family
+
+    init_parallel(1, 1)
+    source = runs["xlmr"] / "tokenizer" / "spm.model"
+    e = expand(source, de_tokenizer)
+    merged = e.write(tmp_path / "merged.json")
+    src, got = load(source), load(merged)
+    v = src.get_piece_size()
+    assert tokenizer_pieces(merged)[:v] == tokenizer_pieces(source) and tokenizer_pieces(merged)[v:] == list(e.new)
+    assert e.size % EXPAND_MULTIPLE == 0 and len(e.new) > 50 and not set(e.new) & set(tokenizer_pieces(source))
+    english, german = bible_lines("en", range(40, 42)), bible_lines("de", range(40, 42))
+    unchanged = [line for line in english if max(got.encode(line)) < v]
+    assert len(unchanged) > len(english) // 2
+    assert all(got.encode(line) == src.encode(line) for line in unchanged)
+    assert sum(map(len, got.encode(german))) < 0.9 * sum(map(len, src.encode(german)))
+
+    train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1, seq_length=32,
+                                train_micro_batch_size_per_gpu=4, vocab_mode="expand")
+    steps.adapt_embeddings(run=RunSpec(output_dir=tmp_path / "a", ds_config=REPO / "ds_configs" / "zero0.json",
+                                       corpus=de_corpus, tokenizer=de_tokenizer),
+                           step=steps.AdaptEmbeddings(system="bl_base", source=runs["xlmr"], lang="de", train=train))
+    artifact = tmp_path / "a" / "embeddings" / "step00000002"
+    art, tok_file, meta = read_artifact(artifact)
+    assert tok_file.read_bytes() == e.model and art["word_embeddings"].shape[0] == e.size
+
+    export_hf(tmp_path / "out", primary=runs["xlmr"], embeddings=artifact)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    hf_ids = got.hf_ids  # mmadapt id -> the exported (source) id
+    texts = english[:3] + german[:3]
+    assert [tok(t, add_special_tokens=False)["input_ids"] for t in texts] == [hf_ids[got.encode(t)].tolist()
+                                                                               for t in texts]
+    cfg, state = ROBERTA.primary_model(*load_weights(runs["xlmr"]))
+    state = {**state, **artifact_state(get_family(cfg), art, meta, state)}
+    assert torch.equal(state[WORD][:v], load_weights(runs["xlmr"])[1][WORD][:v])  # the source rows, bit for bit
+    cfg = dataclasses.replace(cfg, vocab_size=e.size)
+    hf = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out")).eval()
+    for text in texts:
+        ids = torch.tensor([[BOS_ID, *got.encode(text), EOS_ID]])
+        assert tok(text)["input_ids"] == hf_ids[ids[0].numpy()].tolist()
+        mine = mlm_logits(cfg, state, ids)[0]
+        with torch.no_grad():
+            theirs = hf(input_ids=torch.from_numpy(hf_ids[ids[0].numpy()])[None]).logits[0][:, hf_ids]
+        assert (mine - theirs).abs().max().item() <= TOL
+
+
 def test_exported_sentencepiece_gives_mmadapt_ids_on_the_whole_german_bible(de_tokenizer):
     from mmadapt.hf import spm_to_hf
 
