@@ -10,10 +10,10 @@ against the sibling with no adaptation and against Step 2 over the sibling itsel
     graft     Step 1b (MINIPOST) over the base, Step 2 over its mini-model (--iters updates of
               32 x 32), the artifacts scored through the sibling (`evaluate --graft`)
     full      Step 2 over the sibling's full model (BL_BASE), the same updates
-    modes     replace (a 2,000-piece German vocabulary). Expand is not run here: the base, exported
-              and imported back, holds a SentencePiece Unigram tokenizer, which --vocab_mode expand
-              does not merge for an imported model (BPE and WordPiece ones it does: Qwen2, Llama);
-              tests/test_graft.py checks expand's graft on tiny Qwen2 and Llama-2 pairs
+    modes     replace (a 2,000-piece German vocabulary) and expand (the base's vocabulary with the
+              German pieces it lacks appended; English replay at the default 0.5): the sibling's
+              own rows are kept, and its English bits per byte are scored with the graft and
+              without it
 
 Finished runs are kept (--output_dir).
 
@@ -41,7 +41,7 @@ from mmadapt.plugin import plugin_records
 from mmadapt.run import RunSpec, run_progress
 
 HELD_OUT, VOCAB, LANG = 0.03, 2000, "de"
-MODES = ("replace",)  # module docstring: why not expand
+MODES = ("replace", "expand")
 
 
 def main() -> None:
@@ -90,11 +90,17 @@ def main() -> None:
             steps.preprocess(f"bible:{LANG}", output_dir=data[route], vocab_size=VOCAB,
                              cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT),
                              expand_from=(base if route == "graft" else sibling) if mode == "expand" else None)
+            # expand's replay text, in the ids of the run Step 2 trains over (the same pieces, its own file)
+            replay = english if route == "graft" else root / "data" / "en-sibling"
+            if mode == "expand" and route == "full":
+                steps.preprocess("bible:en", output_dir=replay, vocab_size=None,
+                                 tokenizer=sibling / "tokenizer" / "spm.model",
+                                 cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT))
             run = runs[route] = root / "adapt" / f"{route}-{mode}"
             state = run_progress(run, args.iters)
             if state != "done":
                 train = demo._train(args.iters, args.save, train_micro_batch_size_per_gpu=demo.cfg.adapt_batch,
-                                    vocab_mode=mode, replay_data=str(english) if mode == "expand" else None)
+                                    vocab_mode=mode, replay_data=str(replay) if mode == "expand" else None)
                 steps.adapt_embeddings(run=RunSpec(output_dir=run, data_path=data[route], resume=state == "resume"),
                                        step=steps.AdaptEmbeddings(system=system, source=source, lang=LANG, train=train))
         for route, primary, graft in (("graft", sibling, True), ("full", sibling, False),
