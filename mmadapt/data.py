@@ -828,26 +828,34 @@ class LayoutBatches(CausalBatches):
         super().__init__(data_path, train, vocab_size, dp_rank, dp_world, split)
 
     def _stream(self, tokens: np.ndarray) -> np.ndarray:
+        """The laid-out stream, in the dataset's dtype (the prefix and suffix ids are pieces of its
+        vocabulary), built with whole-array operations: one pass over the split's tokens, no Python
+        loop over its sentences (a CC-100 split holds billions of tokens and ~10^8 sentences)."""
         prefix = np.array(self.layout.get("prefix", []), np.int64)
         suffix = np.array(self.layout.get("suffix", []), np.int64)
         if not len(prefix) and not len(suffix):
             suffix = np.array([EOS_ID], np.int64)
         lengths = self._sequence_lengths()
+        dtype = tokens.dtype if np.issubdtype(tokens.dtype, np.integer) else np.int64
+        text = lengths > 1  # a sentence (its pieces and its </s>); a lone </s> ends a document
+        if not text.any():
+            return np.zeros(0, dtype)
         ends = np.cumsum(lengths)
-        parts, doc_open = [], False
-        for end, n in zip(ends.tolist(), lengths.tolist()):
-            if n == 1:  # a lone </s>: the document ends
-                if doc_open:
-                    parts.append(suffix)
-                doc_open = False
-                continue
-            if not doc_open:
-                parts.append(prefix)
-                doc_open = True
-            parts.append(np.asarray(tokens[end - n:end - 1], np.int64))  # the sentence without its </s>
-        if doc_open:
-            parts.append(suffix)
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        before = np.concatenate([[False], text[:-1]])  # the segment before is a sentence
+        after = np.concatenate([text[1:], [False]])  # the segment after is a sentence
+        opens, closes = text & ~before, text & ~after  # a document's first and last sentence
+        n = np.where(text, lengths - 1, 0)  # each segment's pieces kept (a sentence's, without its </s>)
+        size = opens * len(prefix) + n + closes * len(suffix)  # each segment's share of the stream
+        at = np.cumsum(size) - size  # where each segment's share starts
+        out = np.empty(int(size.sum()), dtype)
+        keep = np.ones(len(tokens), bool)
+        keep[ends - 1] = False  # every </s>: sentences' and documents' ends
+        body = at + opens * len(prefix)  # where each segment's pieces go
+        out[np.repeat(body - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))] = tokens[:int(ends[-1])][keep[:int(ends[-1])]]
+        for ids, starts in ((prefix, at[opens]), (suffix, (body + n)[closes])):
+            if len(ids):
+                out[(starts[:, None] + np.arange(len(ids))).ravel()] = np.tile(ids.astype(dtype), len(starts))
+        return out
 
 
 def score_subset(labels: np.ndarray, rng: np.random.Generator, scored: int) -> np.ndarray:
