@@ -15,8 +15,9 @@ embeddings' fit to the base says about their fit to the sibling.
 What the sibling keeps:
 - expand: its own source rows, bit for bit (artifact.artifact_state takes the model's own rows;
   only the new pieces' rows come from the artifact). The new pieces' output rows of an untied
-  output projection were started and trained beside the base's frozen source output rows, so a
-  sibling whose untied output rows moved is refused.
+  output projection, and their output bias (an encoder's), were started and trained beside the
+  base's frozen source entries, so a sibling whose untied output rows or output bias moved is
+  refused.
 - replace: the artifact's tensors, the target vocabulary's rows of the input embedding and of
   the output side (tied rows, the encoder's output bias, an untied projection), as for the base.
 """
@@ -59,8 +60,8 @@ def _group(name: str) -> str:
 def check_siblings(base: Source, sibling: Source, meta: dict,
                    sibling_weights: dict[str, torch.Tensor] | None = None) -> SiblingCheck:
     """Refuse, in one line, a `sibling` that is not one of `base` (another family, tensor name or
-    shape, another source vocabulary; for an expanded artifact (`meta`), untied output rows
-    that moved), or a `base` whose weights changed since the artifact's Step 2 recorded them
+    shape, another source vocabulary; for an expanded artifact (`meta`), untied output rows or
+    an output bias that moved), or a `base` whose weights changed since the artifact's Step 2 recorded them
     (its primary_fingerprint), else -> the per-group distances. sibling_weights: the sibling's
     full weights where the caller read them already."""
     what = f"{sibling.path} is not a sibling of {base.path}, the model the embeddings were trained over"
@@ -80,12 +81,17 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
     if pieces(sibling.tokenizer) != pieces(base.tokenizer):
         raise ValueError(f"{what}: its tokenizer has another vocabulary (a source vocabulary other than the base's); "
                          "run Step 2 over it instead")
-    output = base.family.output_path(base.cfg).matrix
-    if meta.get("vocab_mode") == "expand" and output != base.family.word and not torch.equal(mine[output],
-                                                                                               theirs[output]):
-        raise ValueError(f"{what} for an expanded vocabulary: its untied output rows ({output}) moved from the base's, "
-                         "beside which the new pieces' output rows were trained; graft a --vocab_mode replace artifact "
-                         "or run Step 2 over the sibling")
+    output = base.family.output_path(base.cfg)
+    if meta.get("vocab_mode") == "expand":
+        # The new pieces' output side was started and trained in one softmax beside the base's
+        # frozen source entries: a sibling that moved its own scores the new pieces off that scale.
+        moved = [(name, what_) for name, what_ in ((output.matrix, "untied output rows"), (output.bias, "output bias"))
+                 if name is not None and name != base.family.word and not torch.equal(mine[name], theirs[name])]
+        if moved:
+            name, what_ = moved[0]
+            raise ValueError(f"{what} for an expanded vocabulary: its {what_} ({name}) moved from the base's, beside "
+                             "which the new pieces' output side was trained; graft a --vocab_mode replace artifact "
+                             "or run Step 2 over the sibling")
     sums: dict[str, list[float]] = {}
     for name, t in mine.items():
         d = sums.setdefault(_group(name), [0.0, 0.0])

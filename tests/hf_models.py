@@ -428,3 +428,38 @@ def make_sibling(base: Path, out: Path, steps: int = 10, seed: int = 7, train_ou
     hf.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
+
+
+def make_mlm_sibling(base: Path, out: Path, steps: int = 10, seed: int = 8, train_bias: bool = False,
+                     lr: float = 3e-3) -> Path:
+    """A fine-tuned sibling of the Hugging Face masked LM `base` (a domain-adapted encoder's
+    stand-in): its body and its MLM head's dense layer and LayerNorm trained `steps` updates of 8
+    English verses, 15% of their pieces masked; the word embeddings (the tied output rows) frozen,
+    the output bias too unless `train_bias`; saved with the base's tokenizer."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(base))
+    hf = AutoModelForMaskedLM.from_pretrained(str(base))
+    bias = {id(hf.get_output_embeddings().bias)}
+    for name, p in hf.named_parameters():
+        p.requires_grad = "word_embeddings" not in name and (train_bias or id(p) not in bias)
+    lines = bible_lines("en", range(1, 2))
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    hf.train()
+    for _ in range(steps):
+        pick = torch.randint(0, len(lines), (8,), generator=g).tolist()
+        batch = tok([lines[i] for i in pick], truncation=True, max_length=48, padding=True, return_tensors="pt")
+        ids = batch.input_ids.clone()
+        chosen = (torch.rand(ids.shape, generator=g) < 0.15) & batch.attention_mask.bool()
+        chosen &= ~torch.isin(ids, torch.tensor(tok.all_special_ids))
+        labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+        ids[chosen] = tok.mask_token_id
+        loss = hf(input_ids=ids, attention_mask=batch.attention_mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    hf.eval()
+    hf.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out

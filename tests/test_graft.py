@@ -193,3 +193,97 @@ def test_an_exported_step2_vocabulary_prompts_as_its_blocks_started(name, first,
     text = "Im Anfang schuf Gott Himmel und Erde."
     start = {"bos": BOS_ID, "eos": EOS_ID}[first]
     assert tok(text).input_ids == [start, *sp.encode(text)] and tok.bos_token_id == start
+
+
+# --- an encoder base and its masked-LM sibling -----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def encoder_pair(de_corpus, de_tokenizer, tmp_path_factory):
+    """A tiny RoBERTa base (byte-level BPE) and two masked-LM siblings fine-tuned from it with
+    transformers (hf_models.make_mlm_sibling: `sibling` with the output bias frozen,
+    `sibling-bias` with it trained), imported; German Step-2 artifacts over the base (2 updates),
+    `expand` and `replace`."""
+    from conftest import REPO
+    from hf_models import make_mlm_sibling, make_roberta
+    from mmadapt import steps
+    from mmadapt.hf import import_hf
+    from mmadapt.models import PRESETS
+    from mmadapt.parallel import init_parallel
+    from mmadapt.run import RunSpec
+
+    init_parallel(1, 1)
+    root = tmp_path_factory.mktemp("encoder_graft")
+    base = make_roberta(root / "hf" / "base")
+    runs = {"base": root / "base", "hf": root / "hf"}
+    import_hf(base, runs["base"])
+    for name, train_bias in (("sibling", False), ("sibling-bias", True)):
+        runs[name] = root / name
+        import_hf(make_mlm_sibling(base, root / "hf" / name, train_bias=train_bias), runs[name])
+    for mode in ("expand", "replace"):
+        train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,
+                                    seq_length=32, train_micro_batch_size_per_gpu=4, vocab_mode=mode)
+        runs[mode] = root / mode
+        steps.adapt_embeddings(run=RunSpec(output_dir=runs[mode], corpus=de_corpus, tokenizer=de_tokenizer,
+                                           ds_config=REPO / "ds_configs" / "zero0.json"),
+                               step=steps.AdaptEmbeddings(system="bl_base", source=runs["base"], lang="de",
+                                                          train=train))
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["expand", "replace"])
+def test_an_encoders_graft_exports_what_mmadapt_computes(mode, encoder_pair, tmp_path, capsys):
+    """The graft into a masked-LM sibling: transformers' logits of the exported directory are
+    mmadapt's (the sibling's body and head, the artifact's rows); expand keeps the sibling's own
+    source rows and output bias bit for bit."""
+    from transformers import AutoModelForMaskedLM
+
+    from mmadapt.models.roberta import ROBERTA
+    from mmadapt.models.roberta.model import BIAS, RobertaMLM
+    from mmadapt.tokens import BOS_ID, EOS_ID
+
+    artifact = sorted((encoder_pair[mode] / "embeddings").iterdir())[-1]
+    sibling, out = encoder_pair["sibling"], tmp_path / "out"
+    assert main(["export-hf", "--primary", str(sibling), "--embeddings", str(artifact), "--graft",
+                 "--output_dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"graft: {sibling} is a sibling of {encoder_pair['base']}" in said and "layers.0" in said
+    art, tok, meta = read_artifact(artifact)
+    cfg, own = ROBERTA.primary_model(*load_weights(sibling))
+    state = {**own, **artifact_state(ROBERTA, art, meta, own)}
+    vocab = art["word_embeddings"].shape[0]
+    model = RobertaMLM(dataclasses.replace(cfg, vocab_size=vocab, hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    model.load_state_dict(state)
+    hf = AutoModelForMaskedLM.from_pretrained(str(out)).eval()
+    sp = load(tok)
+    to_hf = torch.as_tensor(getattr(sp, "hf_ids", range(vocab)))  # mmadapt id -> the exported id
+    for text in ("Im Anfang schuf Gott Himmel und Erde.", "In the beginning God created the heaven."):
+        ids = torch.tensor([[BOS_ID, *sp.encode(text), EOS_ID]])  # <s> text </s>, mmadapt's ids
+        with torch.no_grad():
+            mine = model.heads.heads[-1](model.hidden_states(ids)[-1], model.word_embeddings.weight)[0]
+            theirs = hf(input_ids=to_hf[ids[0]][None]).logits[0][:, to_hf]
+        assert (mine - theirs).abs().max().item() <= 1e-5
+    if mode == "expand":
+        rows = own[ROBERTA.word].shape[0]
+        assert torch.equal(state[ROBERTA.word][:rows], own[ROBERTA.word]) and torch.equal(state[BIAS][:rows], own[BIAS])
+        sib = AutoModelForMaskedLM.from_pretrained(str(encoder_pair["hf"] / "sibling"))
+        hf_rows = sib.get_input_embeddings().weight.shape[0]
+        assert torch.equal(hf.get_input_embeddings().weight.detach()[:hf_rows], sib.get_input_embeddings().weight.detach())
+        assert torch.equal(hf.get_output_embeddings().bias.detach()[:hf_rows], sib.get_output_embeddings().bias.detach())
+
+
+def test_an_expand_graft_into_a_sibling_whose_output_bias_moved_is_refused(encoder_pair, tmp_path, capsys):
+    """The new pieces' output bias was trained beside the base's source entries: a sibling that
+    trained its own is refused for an expanded artifact in one line, nothing written; a replaced
+    vocabulary brings its whole bias and is grafted."""
+    sibling = encoder_pair["sibling-bias"]
+    for mode, code in (("expand", 2), ("replace", 0)):
+        artifact = sorted((encoder_pair[mode] / "embeddings").iterdir())[-1]
+        out = tmp_path / mode
+        assert main(["export-hf", "--primary", str(sibling), "--embeddings", str(artifact), "--graft",
+                     "--output_dir", str(out)]) == code
+        if code:
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and "output bias" in err and "moved from the base's" in err, err
+            assert not out.exists()
+        else:
+            assert (out / "config.json").is_file()
