@@ -71,6 +71,14 @@ def install() -> bool:
             logger.addFilter(_DropLines(starts))
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+    # huggingface_hub and transformers read that switch when they are imported: ones imported
+    # before mmadapt (a script or a notebook that imported transformers first) are switched
+    # directly, unless the user set the variable otherwise.
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == QUIET_ENV["HF_HUB_DISABLE_PROGRESS_BARS"]:
+        for name, switch in (("huggingface_hub.utils", "disable_progress_bars"),
+                             ("transformers.utils.logging", "disable_progress_bar")):
+            if name in sys.modules:
+                getattr(sys.modules[name], switch)()
     return True
 
 

@@ -91,3 +91,21 @@ def test_a_short_pretraining_prints_no_warning(corpus, tokenizer, tmp_path):
     assert loud.returncode == 0, loud.stderr[-3000:]
     lines = _warn_lines(loud)
     assert any("Setting accelerator to CPU" in l for l in lines) and any("Transformer Engine" in l for l in lines)
+
+
+@pytest.mark.slow  # a fresh process: what was imported before mmadapt
+def test_progress_bars_stay_off_when_transformers_was_imported_first():
+    """quiet.py switches transformers' and huggingface_hub's progress bars off through an
+    environment variable they read when imported; a process that imported transformers before
+    mmadapt (a notebook) gets them switched off directly, and an import-hf's quiet block puts
+    back what it found, not bars on."""
+    code = ("import transformers.utils.logging as tl, huggingface_hub.utils as hu\n"
+            "import mmadapt.hf as h\n"
+            "print(tl.is_progress_bar_enabled(), hu.are_progress_bars_disabled())\n"
+            "with h._quiet_transformers():\n    pass\n"
+            "print(tl.is_progress_bar_enabled(), hu.are_progress_bars_disabled())\n")
+    env = child_env(PYTHONPATH=str(REPO))
+    env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)  # as a fresh shell has it (this process set it)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "False", "True"]
