@@ -415,9 +415,9 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    "scored")
     p.add_argument("--bpb_bytes", type=whole_number(256), default=BPB_BYTES, help="with --plugin_data: bytes of raw "
                    "held-out text scored in bits per byte (the scale every tokenizer shares: docs/bits-per-byte.md)")
-    p.add_argument("--graft", action="store_true", help="with --plugin_data: the embeddings were trained over a base "
-                   "model and --primary is a model fine-tuned from it: score them grafted into it (export-hf --graft's "
-                   "check first)")
+    p.add_argument("--graft", action="store_true", help="the embeddings were trained over a base model and --primary "
+                   "(with --plugin_data) or the --finetuned runs' model (an imported classifier) was fine-tuned from it: "
+                   "score them grafted into it (export-hf --graft's check first)")
     p.add_argument("--output", required=True, help="JSON file of records {system, task, lang, step, flops, "
                    "score, ...}; must not exist yet")
     add_dataclass_args(p, FinetuneConfig, only=("eval_batch_tokens",), defaults="each --finetuned run's own")
@@ -440,15 +440,12 @@ def evaluate_main(argv=None) -> int:
                                         blocks=args.plugin_blocks, bpb_bytes=args.bpb_bytes, graft=args.graft,
                                         allow_untrained_positions=bool(args.allow_untrained_positions))
     else:
-        if args.graft:
-            raise ValueError("--graft scores embeddings grafted into a sibling's primary model: pass --primary and "
-                             "--plugin_data with it")
         if not args.finetuned or not args.eval_file:
             raise ValueError("pass --finetuned and --eval_file (a task), or --primary and --plugin_data")
         records = steps.evaluate(args.finetuned, embeddings=args.embeddings, eval_file=args.eval_file,
                                  output=Path(args.output), eval_batch_tokens=args.eval_batch_tokens,
                                  allow_untrained_positions=bool(args.allow_untrained_positions),
-                                 cfg=override(EvaluateConfig(), args))
+                                 cfg=override(EvaluateConfig(), args), graft=args.graft)
     for r in records:
         chance = "" if r.get("chance") is None else f" (chance {r['chance']:.2f})"
         flag = "  (!) see the fine-tune warnings above" if r.get("finetune_warnings") else ""
@@ -621,9 +618,18 @@ def import_hf_main(argv=None) -> int:
                    "model.safetensors or pytorch_model.bin, tokenizer files), or a sentence-transformers directory "
                    "(modules.json, the transformer's files at the top or in its module's folder)")
     p.add_argument("--output_dir", required=True, help="the run directory to write (must not exist or be empty)")
+    p.add_argument("--task", choices=[n for n, t in TASKS.items() if t.kind == "classify"],
+                   help="a sequence classifier (BertForSequenceClassification, RobertaForSequenceClassification, ...): "
+                   "the task whose labels it predicts; it is imported as a fine-tuning (Step-3) run, which evaluate and "
+                   "export-hf --finetuned take (--graft: Step-2 embeddings of the base it was fine-tuned from)")
     args = p.parse_args(argv)
-    run = import_any(Path(args.model), output_dir=Path(args.output_dir))
+    run = import_any(Path(args.model), output_dir=Path(args.output_dir), task=args.task)
     m = run["model"]
+    if run["step"] == "finetune":
+        print(f"imported {run['imported_from']['architecture']} as a {run['task']} fine-tuning run: {m['num_layers']} "
+              f"layers, hidden {m['hidden_size']}, vocabulary {m['vocab_size']}, labels {', '.join(run['labels'])}; "
+              f"run in {args.output_dir} (its encoder in {args.output_dir}/body)")
+        return 0
     note = run["imported_from"].get("note")
     if run["imported_from"].get("headless"):
         note = (f"{note}; " if note else "") + f"headless: fit an MLM head with mmadapt fit-head --primary {args.output_dir}"

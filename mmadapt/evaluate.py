@@ -311,7 +311,7 @@ def no_adaptation_record(scoring: Scoring, lang: str, systems: list[str]) -> dic
 
 def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: str,
                        eval_batch_tokens: int | None = None, cfg_override: dict | None = None,
-                       no_adaptation: bool = EvaluateConfig.no_adaptation_baseline) -> list[dict]:
+                       no_adaptation: bool = EvaluateConfig.no_adaptation_baseline, graft: bool = False) -> list[dict]:
     """Zero-shot scores of every artifact, averaged over the fine-tuned runs (seeds). All runs must
     fine-tune the primary model the embeddings were trained for (PrimaryRef.same: by its
     weights' fingerprint, or for older records its path). eval_batch_tokens None: each run's
@@ -323,15 +323,24 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     Each record carries its language's chance level (tasks.chance_levels) and the warnings of
     the runs behind it (`finetune_warnings`: a fine-tune at chance, untrained positions). Each
     run's model is built once (`Finetuned.model`) and every artifact swapped into it; each
-    evaluation set is encoded and put on the device once per (tokenizer, language)."""
+    evaluation set is encoded and put on the device once per (tokenizer, language).
+
+    graft: the artifacts were trained over a base encoder and the runs fine-tune a sibling of it
+    (an imported classifier, whose own word embeddings moved): checked (graft.check_siblings over
+    the bodies) and printed before anything is scored."""
     paths = artifact_dirs(artifacts)  # the cheap check first
     runs, cfgs, primary, warnings = _finetuned_runs(finetuned, eval_batch_tokens, cfg_override)
+    if graft:
+        graft_check(paths, primary)
+    else:  # every artifact's primary model before any is scored (its meta.json alone)
+        for path in paths:
+            _check_artifact_primary(path, checkpoint.read_json(path / "meta.json", "Step-2 artifact file"), primary)
     warned = {"finetune_warnings": warnings} if warnings else {}
     # The first run's settings read the evaluation files (your own task's columns) and name the
     # headline; every metric is recorded, averaged over the seeds.
     scoring, records = Scoring(runs, cfgs, eval_spec), []
     for path in progress(paths, f"zero-shot {runs[0].task.name}"):
-        emb, tok, meta = _artifact_of(path, primary)
+        emb, tok, meta = read_artifact(path) if graft else _artifact_of(path, primary)
         records.append({**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb),
                         "artifact": str(path), **warned})
     apart_runs(records)
@@ -378,16 +387,39 @@ def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,
     return runs, cfgs, primary, warnings
 
 
+def graft_check(paths: list[Path], primary: PrimaryRef) -> None:
+    """evaluate --graft: every artifact trained over a base of which `primary` (the fine-tuned
+    runs' encoder) is a sibling, each base checked once and its distances printed."""
+    from mmadapt.graft import check_siblings
+
+    sibling, checked = None, set()
+    for path in paths:
+        meta = read_artifact(path)[2]
+        if artifact_primary_ref(meta).same(primary):
+            raise ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {path} was "
+                             f"trained over {primary.run_dir} itself: drop --graft")
+        base = artifact_primary(meta).resolve()
+        if base not in checked:
+            sibling = sibling or read_source(primary.run_dir)
+            print("\n".join(check_siblings(read_source(base), sibling, meta, body_only=True).lines()), flush=True)
+            checked.add(base)
+
+
 def _artifact_of(path: Path, primary: PrimaryRef) -> tuple[dict, Path, dict]:
     """The artifact at `path` (read_artifact), refused by name when its embeddings were trained
     for another primary model than `primary`."""
     emb, tok, meta = read_artifact(path)
+    _check_artifact_primary(path, meta, primary)
+    return emb, tok, meta
+
+
+def _check_artifact_primary(path: Path, meta: dict, primary: PrimaryRef) -> None:
     if not artifact_primary_ref(meta).same(primary):
         raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, but the "
                          f"fine-tuned runs start from {primary.run_dir}"
                          + (" (their weights differ)" if primary.fingerprint and meta.get("primary_fingerprint")
-                            else "") + ": evaluate them with that model's runs")
-    return emb, tok, meta
+                            else "") + ": evaluate them with that model's runs (or, if these runs fine-tune a model "
+                         "fine-tuned from it, an imported classifier, pass --graft)")
 
 
 def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str, list[tuple[str, str]]],

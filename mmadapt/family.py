@@ -146,6 +146,13 @@ class HFMapping:
         """The transformers config of `model_type`'s class for `kind` that holds `cfg`."""
         raise NotImplementedError
 
+    def task_head_names(self, kind: str) -> dict[str, str]:
+        """{the task model's head tensor: the Hugging Face task class's name for it} (kind
+        "classify": the sequence classifier's), for every tensor the task model holds beyond
+        the body; what to_hf writes them as and an imported task model reads them from. {}:
+        the family has no task class to import."""
+        return {}
+
     def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig,
                          text_layout: dict | None = None) -> dict | None:
         """How an exported tokenizer lays out a text of `kind` for the model `cfg` (a `tokenizers`

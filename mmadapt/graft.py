@@ -58,12 +58,14 @@ def _group(name: str) -> str:
 
 
 def check_siblings(base: Source, sibling: Source, meta: dict,
-                   sibling_weights: dict[str, torch.Tensor] | None = None) -> SiblingCheck:
+                   sibling_weights: dict[str, torch.Tensor] | None = None, body_only: bool = False) -> SiblingCheck:
     """Refuse, in one line, a `sibling` that is not one of `base` (another family, tensor name or
     shape, another source vocabulary; for an expanded artifact (`meta`), untied output rows or
     an output bias that moved), or a `base` whose weights changed since the artifact's Step 2 recorded them
     (its primary_fingerprint), else -> the per-group distances. sibling_weights: the sibling's
-    full weights where the caller read them already."""
+    full weights where the caller read them already. body_only: the sibling is a task model's
+    encoder (an imported classifier, hf_classifier.py), which takes the artifact's word embeddings
+    alone: only the bodies (ModelFamily.task_state) are compared, no output side."""
     what = f"{sibling.path} is not a sibling of {base.path}, the model the embeddings were trained over"
     if sibling.family.name != base.family.name:
         raise ValueError(f"{what}: it is a {sibling.family.name} model, the base a {base.family.name} one")
@@ -73,6 +75,10 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
         raise ValueError(f"the embeddings were trained over {base.path} as its weights were when Step 2 ran, and they "
                          "have changed since (other weights under the same path): restore that model, or train "
                          "Step 2 again over it as it is")
+    if body_only:  # the encoders alone: a task head's tensors (BERT's pooler) are the sibling's own
+        head = set(base.family.hf.task_head_names("classify")) if base.family.hf is not None else set()
+        mine, theirs = ({k: v for k, v in base.family.task_state(src.cfg, w).items() if k not in head}
+                        for src, w in ((base, mine), (sibling, theirs)))
     for name in sorted(set(mine) | set(theirs)):
         if name not in mine or name not in theirs or mine[name].shape != theirs[name].shape:
             shape = lambda s: "absent" if name not in s else "x".join(map(str, s[name].shape))  # noqa: E731
@@ -82,7 +88,7 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
         raise ValueError(f"{what}: its tokenizer has another vocabulary (a source vocabulary other than the base's); "
                          "run Step 2 over it instead")
     output = base.family.output_path(base.cfg)
-    if meta.get("vocab_mode") == "expand":
+    if meta.get("vocab_mode") == "expand" and not body_only:
         # The new pieces' output side was started and trained in one softmax beside the base's
         # frozen source entries: a sibling that moved its own scores the new pieces off that scale.
         moved = [(name, what_) for name, what_ in ((output.matrix, "untied output rows"), (output.bias, "output bias"))

@@ -301,9 +301,16 @@ def read_sentence_transformers(st_dir: Path) -> tuple[Path, list[dict]]:
     return st_dir / modules[0].get("path", ""), modules
 
 
-def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> dict:
-    """`mmadapt import-hf`: a sentence-transformers directory (modules.json) or a transformers one."""
+def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task: str | None = None) -> dict:
+    """`mmadapt import-hf`: a sentence-transformers directory (modules.json), a sequence
+    classifier (hf_classifier.py: a Step-3 run for `task`) or a transformers model."""
+    from mmadapt.hf_classifier import import_classifier, is_classifier
+
     model_dir = Path(model_dir).resolve()
+    if is_classifier(model_dir):
+        return import_classifier(model_dir, output_dir, task)
+    if task is not None:
+        raise ValueError(f"--task names what a sequence classifier predicts; {model_dir} is not one: drop --task")
     if (model_dir / "modules.json").is_file():
         return import_sentence_transformers(model_dir, Path(output_dir))
     return import_hf(model_dir, output_dir)
@@ -528,10 +535,15 @@ PARITY_TOL = 1e-4
 
 @contextlib.contextmanager
 def _quiet_transformers():
-    """transformers' load report (the later layers' tensors it leaves out) and progress bars off."""
+    """transformers' load report (the later layers' tensors it leaves out) and progress bars off,
+    then both as they were: transformers' own switch and huggingface_hub's, which transformers'
+    enable_progress_bar also turns on (the hub's, off by mmadapt/quiet.py's environment variable,
+    stays off)."""
+    from huggingface_hub import utils as hub_utils
     from transformers.utils import logging as hf_logging
 
     verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hub_off = hub_utils.are_progress_bars_disabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
@@ -540,6 +552,8 @@ def _quiet_transformers():
         hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+        if hub_off or not bars:
+            hub_utils.disable_progress_bars()
 
 
 def _check_shapes(family: ModelFamily, cfg: ModelConfig, state: dict, where: Path, headless: bool = False) -> None:
@@ -660,17 +674,19 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                              f"model {cfg.hidden_size}: they were trained for another model")
         owner = artifact_primary(meta).resolve()
         grafted = owner != primary_run.resolve()
-        if grafted and not (graft and finetuned is None):
-            raise ValueError(f"{embeddings} holds embeddings for the primary model {owner}, not {primary_run}" + (
-                "" if finetuned is not None else ": if it is a model fine-tuned from that one (the same architecture "
-                "and vocabulary), pass --graft"))
+        if grafted and not graft:
+            raise ValueError(f"{embeddings} holds embeddings for the primary model {owner}, not {primary_run}: if it is "
+                             "a model fine-tuned from that one (the same architecture and vocabulary; an imported "
+                             "classifier), pass --graft")
         if graft and not grafted:
             raise ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {embeddings} "
                              f"were trained over {primary_run} itself: drop --graft")
         if grafted:
             from mmadapt.graft import check_siblings
 
-            for line in check_siblings(read_source(owner), source, meta, weights).lines():
+            sibling = source if finetuned is None else read_source(primary_run)
+            for line in check_siblings(read_source(owner), sibling, meta, weights if finetuned is None else None,
+                                       body_only=finetuned is not None).lines():
                 print(line)
         elif finetuned is not None:  # the primary's weights as Step 3 recorded them
             check_primary_unchanged(Path(embeddings), meta, ft.run["primary"].get("fingerprint"))

@@ -432,20 +432,21 @@ def _refuse_existing(output: Path | None) -> None:
 
 def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, output: Path | None = None,
              eval_batch_tokens: int | None = None, allow_untrained_positions: bool = False,
-             cfg: EvaluateConfig = EvaluateConfig()) -> list[dict]:
+             cfg: EvaluateConfig = EvaluateConfig(), graft: bool = False) -> list[dict]:
     """Step 4: zero-shot scores of every Step-2 artifact (or every artifact of an adapt run: its
     start, update 0, and every checkpoint), averaged over the fine-tuned runs (seeds) of one
     primary model, and (cfg.no_adaptation_baseline) per language the same runs with no
     adaptation. Writes the records to `output` (which must not exist) when given.
     eval_batch_tokens None: each run's own. allow_untrained_positions: evaluate a run whose
     seq_length is past its primary model's pretraining blocks (with a warning; else refused,
-    unless Step 3 allowed it). Needs no process group."""
+    unless Step 3 allowed it). graft: the runs fine-tune a sibling of the model the embeddings
+    were trained over (evaluate.graft_check). Needs no process group."""
     finetuned, embeddings = path_args(finetuned, "finetuned"), path_args(embeddings, "embeddings")
     eval_batch_tokens = whole_arg(eval_batch_tokens, "eval_batch_tokens", 1, optional=True)
     _refuse_existing(output)
     records = evaluate_artifacts(finetuned, embeddings, eval_file, eval_batch_tokens,
                                  {"allow_untrained_positions": True} if allow_untrained_positions else None,
-                                 cfg.no_adaptation_baseline)
+                                 cfg.no_adaptation_baseline, graft)
     return _write_records(records, output)
 
 

@@ -463,3 +463,23 @@ def make_mlm_sibling(base: Path, out: Path, steps: int = 10, seed: int = 8, trai
     hf.save_pretrained(str(out))
     tok.save_pretrained(str(out))
     return out
+
+
+GENRES = ("law_history", "poetry_wisdom", "prophets", "gospels_acts", "letters")  # bible-genre's labels
+
+
+def make_classifier(base: Path, out: Path, seed: int = 9, labels: tuple[str, ...] = GENRES) -> Path:
+    """A sequence classifier fine-tuned from the Hugging Face masked LM `base` as transformers users
+    fine-tune one, every weight trained (a task model's stand-in): AutoModelForSequenceClassification
+    of `base` with `labels` (id2label in a shuffled order, so that an import that assumed the
+    task's order shows), every weight perturbed; saved with the base's tokenizer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    order = [labels[i] for i in torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed)).tolist()]
+    hf = AutoModelForSequenceClassification.from_pretrained(str(base), num_labels=len(order),
+                                                            id2label=dict(enumerate(order)),
+                                                            label2id={name: i for i, name in enumerate(order)})
+    _perturb(hf, seed)
+    hf.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(out))
+    return out

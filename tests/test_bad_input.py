@@ -626,7 +626,8 @@ CASES = [
     ("graft-expand-into-moved-output-rows", lambda c: c.graft("llama2-sibling-output", "llama2-expand", "--graft"),
      "its untied output rows (output_layer.weight) moved from the base's"),
     ("graft-without-the-flag", lambda c: c.graft("llama2-sibling", "llama2-replace"),
-     "if it is a model fine-tuned from that one (the same architecture and vocabulary), pass --graft"),
+     "if it is a model fine-tuned from that one (the same architecture and vocabulary; an imported classifier), "
+     "pass --graft"),
     ("graft-into-the-base-itself", lambda c: c.graft("llama2-base", "llama2-replace", "--graft"), "drop --graft"),
     ("sentence-transformers-module", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
         [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},

@@ -287,3 +287,147 @@ def test_an_expand_graft_into_a_sibling_whose_output_bias_moved_is_refused(encod
             assert not out.exists()
         else:
             assert (out / "config.json").is_file()
+
+
+# --- a task model fine-tuned from an encoder base with transformers (hf_classifier.py) ---------------
+
+@pytest.fixture(scope="module")
+def classifiers(de_corpus, de_tokenizer, tmp_path_factory):
+    """For a RoBERTa (byte-level BPE) and a BERT (WordPiece) base, imported: a German Step-2
+    artifact over the base (replace, 2 updates), and a sequence classifier fine-tuned from the
+    base with transformers (hf_models.make_classifier), its Hugging Face directory, `<name>-clf`."""
+    from conftest import REPO
+    from hf_models import make_bert, make_classifier, make_roberta
+    from mmadapt import steps
+    from mmadapt.hf import import_hf
+    from mmadapt.models import PRESETS
+    from mmadapt.parallel import init_parallel
+    from mmadapt.run import RunSpec
+
+    init_parallel(1, 1)
+    root, runs = tmp_path_factory.mktemp("classifiers"), {}
+    for name, make in (("roberta", make_roberta), ("bert", make_bert)):
+        base = make(root / "hf" / name)
+        runs[name] = root / name
+        import_hf(base, runs[name])
+        runs[f"{name}-clf"] = make_classifier(base, root / "hf" / f"{name}-clf")
+        train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,
+                                    seq_length=32, train_micro_batch_size_per_gpu=4)
+        runs[f"{name}-de"] = root / f"{name}-de"
+        steps.adapt_embeddings(run=RunSpec(output_dir=runs[f"{name}-de"], corpus=de_corpus, tokenizer=de_tokenizer,
+                                           ds_config=REPO / "ds_configs" / "zero0.json"),
+                               step=steps.AdaptEmbeddings(system="bl_base", source=runs[name], lang="de", train=train))
+    return runs
+
+
+TEXTS = ("In the beginning God created the heaven and the earth.", "Im Anfang schuf Gott Himmel und Erde.")
+
+
+def _mine(run, texts, art=None, tok=None):
+    """The imported run's classifier logits [C] per text (its own tokenizer, or the artifact's
+    `tok` with its word embeddings `art` swapped in), in its labels' order."""
+    from mmadapt.evaluate import load_finetuned
+
+    ft = load_finetuned(run)
+    if art is not None:
+        ft.state = {**ft.state, ft.family.word: art["word_embeddings"]}
+        ft.cfg = dataclasses.replace(ft.cfg, vocab_size=art["word_embeddings"].shape[0])
+    model = ft.family.build_task_model(dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0),
+                                       "classify", len(ft.labels)).eval()
+    model.load_state_dict(ft.state)
+    sp = load(tok or ft.tokenizer)
+    out = []
+    for text in texts:
+        from mmadapt.tokens import BOS_ID, EOS_ID
+
+        with torch.no_grad():
+            out.append(model(torch.tensor([[BOS_ID, *sp.encode(text), EOS_ID]]))[1][0])
+    return ft, out
+
+
+@pytest.mark.parametrize("name", ["roberta", "bert"])
+def test_an_imported_classifier_gives_transformers_logits(name, classifiers, tmp_path, capsys):
+    """import-hf --task of a sequence classifier: a Step-3 run whose labels are the classifier's
+    outputs in its own order, and whose model gives transformers' logits on English and German."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    hf_dir, run = classifiers[f"{name}-clf"], tmp_path / "clf"
+    assert main(["import-hf", "--model", str(hf_dir), "--task", "bible-genre", "--output_dir", str(run)]) == 0
+    assert "as a bible-genre fine-tuning run" in capsys.readouterr().out
+    hf = AutoModelForSequenceClassification.from_pretrained(str(hf_dir)).eval()
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    ft, mine = _mine(run, TEXTS)
+    assert ft.labels == [hf.config.id2label[i] for i in range(len(ft.labels))] != sorted(ft.labels)
+    for text, logits in zip(TEXTS, mine):
+        with torch.no_grad():
+            theirs = hf(**tok(text, return_tensors="pt")).logits[0]
+        assert (logits - theirs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["roberta", "bert"])
+def test_a_graft_into_an_imported_classifier_scores_and_exports(name, classifiers, tmp_path, capsys):
+    """Step-2 embeddings trained over the base, grafted into the classifier fine-tuned from it:
+    evaluate --graft prints the sibling check over the encoders and scores German zero-shot
+    beside no adaptation (without --graft, refused in one line, nothing written); export-hf
+    --finetuned --graft writes a classifier whose German logits are mmadapt's."""
+    import json
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    run = tmp_path / "clf"
+    assert main(["import-hf", "--model", str(classifiers[f"{name}-clf"]), "--task", "bible-genre",
+                 "--output_dir", str(run)]) == 0
+    adapt = classifiers[f"{name}-de"]
+    argv = ["evaluate", "--finetuned", str(run), "--embeddings", str(adapt), "--eval_file", "bible"]
+    capsys.readouterr()
+    assert main([*argv, "--output", str(tmp_path / "no.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pass --graft" in err and not (tmp_path / "no.json").exists()
+    assert main([*argv, "--graft", "--output", str(tmp_path / "r.json")]) == 0
+    said = capsys.readouterr().out
+    assert f"graft: {run / 'body'} is a sibling of {classifiers[name]}" in said and "word_embeddings" in said
+    records = json.loads((tmp_path / "r.json").read_text())
+    assert [r["system"] for r in records] == ["bl_base", "bl_base", "no_adaptation"]
+    assert all(r["lang"] == "de" and 0 <= r["score"] <= 100 for r in records)
+
+    artifact = sorted((adapt / "embeddings").iterdir())[-1]
+    out = tmp_path / "out"
+    assert main(["export-hf", "--finetuned", str(run), "--embeddings", str(artifact), "--output_dir", str(out)]) == 2
+    assert "pass --graft" in capsys.readouterr().err and not out.exists()
+    assert main(["export-hf", "--finetuned", str(run), "--embeddings", str(artifact), "--graft",
+                 "--output_dir", str(out)]) == 0
+    art, tok, _ = read_artifact(artifact)
+    _, mine = _mine(run, TEXTS, art, tok)
+    hf = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    hf_tok = AutoTokenizer.from_pretrained(str(out))
+    for text, logits in zip(TEXTS, mine):
+        with torch.no_grad():
+            theirs = hf(**hf_tok(text, return_tensors="pt")).logits[0]
+        assert (logits - theirs).abs().max().item() <= 1e-5
+
+
+def test_an_imported_classifier_is_refused_in_one_line_where_it_cannot_be(classifiers, tmp_path, capsys):
+    """No --task; a task whose labels are not the classifier's; --task for a model that is not a
+    classifier; a graft into the classifier of another base: one line each, nothing written."""
+    clf = classifiers["roberta-clf"]
+    cases = [
+        (["import-hf", "--model", str(clf)], "pass --task"),
+        (["import-hf", "--model", str(clf), "--task", "bible-testament"], "are not bible-testament's"),
+        (["import-hf", "--model", str(classifiers["roberta"].parent / "hf" / "roberta"), "--task", "bible-genre"],
+         "drop --task"),
+    ]
+    for i, (argv, said) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        assert main([*argv, "--output_dir", str(out)]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and said in err, err
+        assert not out.exists()
+    run = tmp_path / "bert-clf"
+    assert main(["import-hf", "--model", str(classifiers["bert-clf"]), "--task", "bible-genre",
+                 "--output_dir", str(run)]) == 0
+    capsys.readouterr()
+    out = tmp_path / "cross.json"
+    assert main(["evaluate", "--finetuned", str(run), "--embeddings", str(classifiers["roberta-de"]), "--eval_file",
+                 "bible", "--graft", "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a sibling of" in err and not out.exists()

@@ -127,10 +127,19 @@ class BertMapping(RobertaMapping):
                 out[f"cls.predictions.transform.LayerNorm.{t}"] = state[f"heads.heads.0.layernorm.{t}"]
             out.update({"cls.predictions.bias": bias, "cls.predictions.decoder.weight": word,
                         "cls.predictions.decoder.bias": bias})
+        elif kind == "classify":  # the pooler went out with the layers (layers_to_hf)
+            out.update({hf: state[name] for name, hf in self.task_head_names(kind).items() if name.startswith("out.")})
         elif kind != "body":
             name = "qa_outputs" if kind == "span" else "classifier"
             out.update({f"{name}.{t}": state[f"out.{t}"] for t in ("weight", "bias")})
         return {k: v.float().contiguous() for k, v in out.items()}
+
+    def task_head_names(self, kind: str) -> dict[str, str]:
+        """BertForSequenceClassification's head: the pooler (dense -> tanh over [CLS]) -> classifier."""
+        if kind != "classify":
+            return {}
+        return {f"{mine}.{t}": f"{theirs}.{t}" for mine, theirs in (("pooler.dense", "bert.pooler.dense"),
+                                                                     ("out", "classifier")) for t in ("weight", "bias")}
 
     def hf_config(self, cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids: dict[str, int], model_type: str):
         """transformers' BertConfig of the Bert class for `kind` (None: BertForMaskedLM; "body": BertModel)."""

@@ -309,14 +309,20 @@ class RobertaMapping(HFMapping):
                 out[f"lm_head.dense.{t}"] = state[f"heads.heads.0.dense.{t}"]
                 out[f"lm_head.layer_norm.{t}"] = state[f"heads.heads.0.layernorm.{t}"]
             elif kind == "classify":
-                out[f"classifier.dense.{t}"] = state[f"dense.{t}"]
-                out[f"classifier.out_proj.{t}"] = state[f"out.{t}"]
+                out.update({hf: state[name] for name, hf in self.task_head_names(kind).items() if name.endswith(t)})
             elif kind != "body":
                 out[f"{'classifier' if kind == 'tag' else 'qa_outputs'}.{t}"] = state[f"out.{t}"]
         if kind is None:
             out["lm_head.bias"] = inverse_rows(hf_ids, state[BIAS].float())
             out["lm_head.decoder.weight"], out["lm_head.decoder.bias"] = word, out["lm_head.bias"]
         return {k: v.float().contiguous() for k, v in out.items()}
+
+    def task_head_names(self, kind: str) -> dict[str, str]:
+        """RobertaForSequenceClassification's head: dense -> tanh -> out_proj over <s>."""
+        if kind != "classify":
+            return {}
+        return {f"{mine}.{t}": f"classifier.{theirs}.{t}" for mine, theirs in (("dense", "dense"), ("out", "out_proj"))
+                for t in ("weight", "bias")}
 
     def hf_config(self, cfg: ModelConfig, kind: str | None, labels: list[str] | None, ids: dict[str, int], model_type: str):
         """The transformers config of `model_type`'s class for `kind` (None: the masked LM) that

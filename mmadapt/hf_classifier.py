@@ -1,0 +1,149 @@
+"""A Hugging Face sequence classifier (BertForSequenceClassification, RobertaForSequenceClassification,
+XLMRobertaForSequenceClassification, ...) fine-tuned outside mmadapt, as a Step-3 run.
+
+People serve task models fine-tuned from a base encoder with transformers, every weight trained.
+`mmadapt import-hf --model <classifier> --task <task>` writes one as the fine-tuning run Step 4
+reads (evaluate --finetuned, export-hf --finetuned, predict):
+
+    <output_dir>/run.json        step "finetune": the task, its labels in the classifier's
+                                 output order (config.json id2label), the model, `imported_from`
+    <output_dir>/checkpoints/    the task model's weights but the word embeddings (as Step 3 keeps
+                                 them: its embeddings are its primary model's)
+    <output_dir>/body/           the classifier's encoder (its base model) imported as a headless
+                                 Step-1 run (import_hf): the run's primary model, with its own,
+                                 fine-tuned word embeddings and tokenizer
+
+Its word embeddings moved in fine-tuning, so Step-2 embeddings trained over the base encoder it
+came from are grafted into it (`--graft`, graft.check_siblings: the body is the sibling) rather
+than swapped in as Step 4 swaps them into a run of mmadapt's Step 3. The import is checked before
+anything is written: mmadapt's task model gives the classifier's logits on text read by its own
+tokenizer (IMPORT_TOL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mmadapt.checkpoint import staged_dir, write_weights_only
+from mmadapt.config import FinetuneConfig, to_dict
+from mmadapt.run import read_source, weights_fingerprint
+from mmadapt.tasks import TASKS, get_task
+
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+BODY = "body"  # the classifier's encoder, imported as the run's primary model
+IMPORT_TOL = 1e-4  # fp32 logits of mmadapt's task model against the classifier's, on the check's texts
+CHECK_TEXTS = ("In the beginning God created the heaven and the earth.", "Jesus wept.")
+
+
+def is_classifier(model_dir: Path) -> bool:
+    """Whether config.json names a sequence classifier."""
+    try:
+        archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    except (OSError, json.JSONDecodeError):
+        return False
+    return bool(archs) and archs[0].endswith(CLASSIFIER_SUFFIX)
+
+
+def classifier_labels(hf_cfg: dict, model_dir: Path, task_name: str) -> list[str]:
+    """The classifier's labels in its output order (id2label), checked against `task_name`'s."""
+    task = get_task(task_name)
+    if task.kind != "classify":
+        names = ", ".join(n for n, t in TASKS.items() if t.kind == "classify")
+        raise ValueError(f"{model_dir} is a sequence classifier: --task must be a classification task ({names}), "
+                         f"not {task_name} ({task.kind})")
+    id2label = hf_cfg.get("id2label") or {}
+    n = len(id2label) or int(hf_cfg.get("num_labels", 2))
+    labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"{model_dir}: config.json's id2label names one label twice ({labels}): name each output "
+                         "once")
+    if task.labels is not None and sorted(labels) != sorted(task.labels):
+        raise ValueError(f"{model_dir}: its labels ({', '.join(labels)}) are not {task.name}'s "
+                         f"({', '.join(task.labels)}): pass the task they belong to (--task classify or pair for "
+                         "your own data; config.json's id2label names them)")
+    return labels
+
+
+def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task_name: str | None) -> dict:
+    """Write a Step-3 run directory (module docstring) from the sequence classifier in
+    `model_dir`, for the task `task_name`. -> its run.json."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from mmadapt.finetune import primary_state
+    from mmadapt.hf import _fresh_output, import_hf, read_hf_config
+
+    model_dir, output_dir = Path(model_dir).resolve(), Path(output_dir)
+    hf_cfg = json.loads((model_dir / "config.json").read_text())
+    arch = hf_cfg["architectures"][0]
+    if task_name is None:
+        raise ValueError(f"{model_dir} holds a {arch}: pass --task, the task whose labels it predicts (bible-genre, "
+                         "xnli, pawsx, or classify / pair for your own data)")
+    labels = classifier_labels(hf_cfg, model_dir, task_name)
+    _fresh_output(output_dir)
+    with tempfile.TemporaryDirectory() as t:
+        body_dir = Path(t) / BODY
+        hf = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+        hf.base_model.save_pretrained(str(body_dir))  # the encoder alone: a class import_hf takes
+        AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(body_dir))
+        read_hf_config(body_dir)  # a body of a family mmadapt maps, else one line naming the class
+        with staged_dir(output_dir) as tmp:
+            body_run = import_hf(body_dir, tmp / BODY)
+            body_run["imported_from"].update(model=str(model_dir), note=f"the encoder of the {arch} in {model_dir}")
+            (tmp / BODY / "run.json").write_text(json.dumps(body_run, indent=2))
+            source = read_source(tmp / BODY)
+            cfg, body_state = primary_state(source)
+            family = source.family
+            names = family.hf.task_head_names("classify")
+            hf_state = hf.state_dict()
+            missing = [theirs for theirs in names.values() if theirs not in hf_state]
+            if not names or missing:
+                raise ValueError(f"{model_dir}: mmadapt reads no {arch} head" + (
+                    f" (its weights lack {', '.join(missing)})" if missing else ""))
+            model = family.build_task_model(cfg, "classify", len(labels))
+            state = {**model.state_dict(), **body_state,
+                     **{mine: hf_state[theirs].float() for mine, theirs in names.items()}}
+            model.load_state_dict(state, strict=True)
+            _check_logits(hf, dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), family, state,
+                          source, len(labels), model_dir)
+            word = family.word
+            tag = write_weights_only(tmp / "checkpoints", 0, {k: v for k, v in state.items() if k != word},
+                                     to_dict(cfg))
+            ft = dataclasses.replace(FinetuneConfig(), seq_length=min(FinetuneConfig().seq_length,
+                                                                      cfg.max_position_embeddings))
+            run = {"step": "finetune", "model": to_dict(cfg), "finetune": to_dict(ft), "task": task_name,
+                   "labels": labels, "metric": get_task(task_name).metric, "updates": 0, "global_batch": 0,
+                   "primary": {"run_dir": str(output_dir.resolve() / BODY), "tag": source.tag,
+                               "fingerprint": weights_fingerprint(source.weights())},
+                   "imported_from": {"model": str(model_dir), "architecture": arch,
+                                     "model_type": hf_cfg.get("model_type")},
+                   "warnings": []}
+            (tmp / "run.json").write_text(json.dumps(run, indent=2))
+    return run
+
+
+def _check_logits(hf, cfg, family, state: dict, source, num_labels: int, model_dir: Path) -> None:
+    """mmadapt's task model against the classifier on CHECK_TEXTS, as its own tokenizer frames
+    them (their ids mapped to mmadapt's), within IMPORT_TOL; else refused before anything stays."""
+    from transformers import AutoTokenizer
+
+    from mmadapt.tokenizer import HFTokenizer
+
+    model = family.build_task_model(cfg, "classify", num_labels).eval()
+    model.load_state_dict(state, strict=True)
+    to_mmadapt = torch.as_tensor(HFTokenizer.read(source.tokenizer).to_mmadapt)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    for text in CHECK_TEXTS:
+        ids = tok(text, return_tensors="pt").input_ids
+        with torch.no_grad():
+            theirs = hf(input_ids=ids).logits.float()
+            mine = model(to_mmadapt[ids])[1].float()
+        diff = (mine - theirs).abs().max().item()
+        if diff > IMPORT_TOL:
+            raise ValueError(f"{model_dir}: mmadapt's model of this {hf.config.architectures[0]} gives other logits "
+                             f"than transformers' (up to {diff:.2g} apart on {text!r}): it is not imported")
