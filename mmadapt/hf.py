@@ -309,7 +309,7 @@ def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task
     model_dir = Path(model_dir).resolve()
     if is_classifier(model_dir):
         return import_classifier(model_dir, output_dir, task)
-    if task is not None:
+    if task is not None and (model_dir / "config.json").is_file():
         raise ValueError(f"--task names what a sequence classifier predicts; {model_dir} is not one: drop --task")
     if (model_dir / "modules.json").is_file():
         return import_sentence_transformers(model_dir, Path(output_dir))
