@@ -195,3 +195,26 @@ def bits_at(points: list[tuple[float, float]], flops: float) -> float:
         if x0 <= flops <= x1:
             return y0 + (y1 - y0) * (flops - x0) / (x1 - x0) if x1 > x0 else y1
     raise ValueError(f"{flops} outside the curve")
+
+
+def demo_hf_base(root: Path, family: str, lang: str):
+    """The demo's shipped BL_BASE of `family` as a user holds a Hugging Face model: installed under
+    `root`/pretrain/bl_base from the shipped weights, exported to `root`/hf/base (kept when there).
+    -> (the Demo of `lang`, the exported directory)."""
+    from mmadapt import steps
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.demo import Demo, DemoConfig, install_source_model, source_models, to_dict
+    from mmadapt.hf import export_hf
+
+    demo = Demo(DemoConfig(family=family, langs=(lang,)), root)
+    shipped = root / "data" / "en-shipped"
+    steps.preprocess("bible:en", output_dir=shipped, vocab_size=None, tokenizer=source_models(family) / "spm.model",
+                     cfg=PreprocessConfig(workers=1))
+    native = root / "pretrain" / "bl_base"
+    if not native.exists():
+        model, train = demo.source_settings("bl_base")
+        install_source_model("bl_base", native, shipped, to_dict(model), to_dict(train))
+    hf_base = root / "hf" / "base"
+    if not (hf_base / "config.json").is_file():
+        export_hf(hf_base, primary=native)
+    return demo, hf_base

@@ -26,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from common import REPO, bits_at, table, write_results  # (importing common puts mmadapt on the path)
+from common import REPO, bits_at, demo_hf_base, table, write_results  # (importing common puts mmadapt on the path)
 
 sys.path.insert(0, str(REPO / "tests"))
 from hf_models import make_sibling  # noqa: E402  the tests' sibling maker: one fine-tune for both
@@ -34,8 +34,7 @@ from hf_models import make_sibling  # noqa: E402  the tests' sibling maker: one 
 from mmadapt import steps
 from mmadapt.config import MiniModelConfig, PreprocessConfig
 from mmadapt.graft import sibling_check
-from mmadapt.demo import Demo, DemoConfig, install_source_model, source_models, to_dict
-from mmadapt.hf import export_hf, import_hf
+from mmadapt.hf import import_hf
 from mmadapt.parallel import init_parallel
 from mmadapt.plugin import plugin_records
 from mmadapt.run import RunSpec, run_progress
@@ -54,17 +53,8 @@ def main() -> None:
     args = ap.parse_args()
     init_parallel(1, 1)
     root = args.output_dir
-    demo = Demo(DemoConfig(family="llama", langs=(LANG,)), root)
-    shipped = root / "data" / "en-shipped"
-    steps.preprocess("bible:en", output_dir=shipped, vocab_size=None, tokenizer=source_models("llama") / "spm.model",
-                     cfg=PreprocessConfig(workers=1))
-    native = root / "pretrain" / "bl_base"
-    if not native.exists():
-        model, train = demo.source_settings("bl_base")
-        install_source_model("bl_base", native, shipped, to_dict(model), to_dict(train))
-    hf_base, hf_sibling = root / "hf" / "base", root / "hf" / "sibling"
-    if not (hf_base / "config.json").is_file():
-        export_hf(hf_base, primary=native)
+    demo, hf_base = demo_hf_base(root, "llama", LANG)
+    hf_sibling = root / "hf" / "sibling"
     if not (hf_sibling / "config.json").is_file():
         make_sibling(hf_base, hf_sibling, steps=args.sibling_steps, lr=1e-3)
     base, sibling = root / "base", root / "sibling"

@@ -26,15 +26,14 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from common import table, write_results  # (importing common puts mmadapt on the path)
+from common import demo_hf_base, table, write_results  # (importing common puts mmadapt on the path)
 
 from mmadapt import steps
 from mmadapt.config import FinetuneConfig, MiniModelConfig, PreprocessConfig
-from mmadapt.demo import Demo, DemoConfig, install_source_model, source_models, to_dict
 from mmadapt.evaluate import evaluate_artifacts
 from mmadapt.finetune import is_finished
 from mmadapt.graft import check_siblings
-from mmadapt.hf import export_hf, import_any, import_hf
+from mmadapt.hf import import_any, import_hf
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, read_source, run_progress
 from mmadapt.tasks import get_task, read_examples
@@ -83,18 +82,8 @@ def main() -> None:
     args = ap.parse_args()
     init_parallel(1, 1)
     root = args.output_dir
-    demo = Demo(DemoConfig(family="roberta", langs=(LANG,)), root)
-    cfg = demo.cfg
-    shipped = root / "data" / "en-shipped"
-    steps.preprocess("bible:en", output_dir=shipped, vocab_size=None, tokenizer=source_models("roberta") / "spm.model",
-                     cfg=PreprocessConfig(workers=1))
-    native = root / "pretrain" / "bl_base"
-    if not native.exists():
-        model, train = demo.source_settings("bl_base")
-        install_source_model("bl_base", native, shipped, to_dict(model), to_dict(train))
-    hf_base, hf_sibling = root / "hf" / "base", root / "hf" / "classifier"
-    if not (hf_base / "config.json").is_file():
-        export_hf(hf_base, primary=native)
+    demo, hf_base = demo_hf_base(root, "roberta", LANG)
+    cfg, hf_sibling = demo.cfg, root / "hf" / "classifier"
     if not (hf_sibling / "config.json").is_file():
         fine_tune_classifier(hf_base, hf_sibling, args.sibling_epochs, args.sibling_lr, 32, 1)
     base, sibling = root / "base", root / "classifier"

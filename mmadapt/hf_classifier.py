@@ -112,7 +112,7 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
             _check_logits(hf, dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), family, state,
                           source, len(labels), model_dir)
             word = family.word
-            tag = write_weights_only(tmp / "checkpoints", 0, {k: v for k, v in state.items() if k != word},
+            write_weights_only(tmp / "checkpoints", 0, {k: v for k, v in state.items() if k != word},
                                      to_dict(cfg))
             ft = dataclasses.replace(FinetuneConfig(), seq_length=min(FinetuneConfig().seq_length,
                                                                       cfg.max_position_embeddings))

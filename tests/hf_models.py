@@ -414,15 +414,24 @@ def make_sibling(base: Path, out: Path, steps: int = 10, seed: int = 7, train_ou
         p.requires_grad = not ("embed_tokens" in name or ("lm_head" in name and not train_output))
     lines = bible_lines("en", range(1, 2))
     texts = [f"Q: Say verse {i + 1} of Genesis.\nA: {line}" for i, line in enumerate(lines)]
+
+    def loss(g: torch.Generator) -> torch.Tensor:
+        pick = torch.randint(0, len(texts), (8,), generator=g).tolist()
+        ids = [torch.tensor([tok(texts[i], truncation=True, max_length=64).input_ids]) for i in pick]
+        return sum(hf(input_ids=x, labels=x).loss for x in ids) / len(ids)
+    return _fine_tune(hf, tok, out, loss, steps, lr, seed)
+
+
+def _fine_tune(hf, tok, out: Path, loss, steps: int, lr: float, seed: int) -> Path:
+    """`steps` AdamW updates (no weight decay) of `hf`'s trainable parameters on `loss`(generator),
+    then `hf` and `tok` saved to `out`: the siblings' fine-tune."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     hf.train()
     for _ in range(steps):
-        pick = torch.randint(0, len(texts), (8,), generator=g).tolist()
-        ids = [torch.tensor([tok(texts[i], truncation=True, max_length=64).input_ids]) for i in pick]
-        loss = sum(hf(input_ids=x, labels=x).loss for x in ids) / len(ids)
+        value = loss(g)
         opt.zero_grad()
-        loss.backward()
+        value.backward()
         opt.step()
     hf.eval()
     hf.save_pretrained(str(out))
@@ -444,10 +453,8 @@ def make_mlm_sibling(base: Path, out: Path, steps: int = 10, seed: int = 8, trai
     for name, p in hf.named_parameters():
         p.requires_grad = "word_embeddings" not in name and (train_bias or id(p) not in bias)
     lines = bible_lines("en", range(1, 2))
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    hf.train()
-    for _ in range(steps):
+
+    def loss(g: torch.Generator) -> torch.Tensor:
         pick = torch.randint(0, len(lines), (8,), generator=g).tolist()
         batch = tok([lines[i] for i in pick], truncation=True, max_length=48, padding=True, return_tensors="pt")
         ids = batch.input_ids.clone()
@@ -455,14 +462,8 @@ def make_mlm_sibling(base: Path, out: Path, steps: int = 10, seed: int = 8, trai
         chosen &= ~torch.isin(ids, torch.tensor(tok.all_special_ids))
         labels = torch.where(chosen, ids, torch.full_like(ids, -100))
         ids[chosen] = tok.mask_token_id
-        loss = hf(input_ids=ids, attention_mask=batch.attention_mask, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    hf.eval()
-    hf.save_pretrained(str(out))
-    tok.save_pretrained(str(out))
-    return out
+        return hf(input_ids=ids, attention_mask=batch.attention_mask, labels=labels).loss
+    return _fine_tune(hf, tok, out, loss, steps, lr, seed)
 
 
 GENRES = ("law_history", "poetry_wisdom", "prophets", "gospels_acts", "letters")  # bible-genre's labels
