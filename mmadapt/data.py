@@ -837,6 +837,8 @@ class LayoutBatches(CausalBatches):
             suffix = np.array([EOS_ID], np.int64)
         lengths = self._sequence_lengths()
         dtype = tokens.dtype if np.issubdtype(tokens.dtype, np.integer) else np.int64
+        if max([*prefix.tolist(), *suffix.tolist(), 0]) > np.iinfo(dtype).max:  # an id the dataset's dtype cannot hold
+            dtype = np.int64
         text = lengths > 1  # a sentence (its pieces and its </s>); a lone </s> ends a document
         if not text.any():
             return np.zeros(0, dtype)

@@ -27,7 +27,7 @@ import torch
 
 from mmadapt import checkpoint
 from mmadapt.artifact import (NO_ADAPTATION, PrimaryRef, artifact_dirs, artifact_embeddings, artifact_primary,
-                              artifact_primary_ref, read_artifact, record_base)
+                              artifact_primary_ref, artifact_state, read_artifact, record_base)
 from mmadapt.config import EvaluateConfig, FinetuneConfig, ModelConfig
 from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
@@ -269,7 +269,7 @@ class Scoring:
     examples: dict = dataclasses.field(default_factory=dict)
     sets: dict = dataclasses.field(default_factory=dict)
 
-    def fields(self, lang: str, tokenizer: Path, artifact: dict | None) -> dict:
+    def fields(self, lang: str, tokenizer: Path, artifact: dict | None, meta: dict | None = None) -> dict:
         """The scores of a record: every metric of `lang`'s examples encoded with `tokenizer`,
         averaged over the seeds, with `artifact`'s word embeddings swapped into each run's model
         (None: its own), the language's chance level as the first run encodes its rows, and the
@@ -287,7 +287,12 @@ class Scoring:
                 self.sets[key] = eval_set(task, load_tokenizer(tokenizer), self.examples[lang], ft.labels, cfg,
                                           device_of(model), ft.family.framing)
             if artifact is not None:  # on the device in the model's dtype after the first seed: one copy for all
-                artifact = {"word_embeddings": artifact_embeddings(artifact, model.get_parameter(ft.family.word))}
+                own = model.get_parameter(ft.family.word)
+                # An expanded vocabulary keeps the model's own source rows (artifact_state): the
+                # primary's in a Step-3 run of mmadapt, a grafted classifier's own fine-tuned ones.
+                rows = artifact_state(ft.family, {"word_embeddings": artifact_embeddings(artifact, own)}, meta,
+                                      {ft.family.word: own.detach()})
+                artifact = {"word_embeddings": rows[ft.family.word]}
             seeds.append(score_set(ft, self.sets[key], cfg, artifact))
             first = first or self.sets[key]
         metric = headline(task, labels, cfg0)
@@ -341,7 +346,7 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     scoring, records = Scoring(runs, cfgs, eval_spec), []
     for path in progress(paths, f"zero-shot {runs[0].task.name}"):
         emb, tok, meta = read_artifact(path) if graft else _artifact_of(path, primary)
-        records.append({**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb),
+        records.append({**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb, meta),
                         "artifact": str(path), **warned})
     apart_runs(records)
     if no_adaptation:
@@ -394,7 +399,7 @@ def graft_check(paths: list[Path], primary: PrimaryRef) -> None:
 
     sibling, checked = None, set()
     for path in paths:
-        meta = read_artifact(path)[2]
+        meta = checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
         if artifact_primary_ref(meta).same(primary):
             raise ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {path} was "
                              f"trained over {primary.run_dir} itself: drop --graft")

@@ -551,9 +551,11 @@ def _quiet_transformers():
     finally:
         hf_logging.set_verbosity(verbosity)
         if bars:
-            hf_logging.enable_progress_bar()
-        if hub_off or not bars:
+            hf_logging.enable_progress_bar()  # (turns the hub's on too)
+        if hub_off:
             hub_utils.disable_progress_bars()
+        else:
+            hub_utils.enable_progress_bars()
 
 
 def _check_shapes(family: ModelFamily, cfg: ModelConfig, state: dict, where: Path, headless: bool = False) -> None:
@@ -694,7 +696,7 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
             check_primary_unchanged(Path(embeddings), meta, weights_fingerprint(weights))
         # A task model has no output head: only the word embeddings are swapped into it.
         # (an expanded vocabulary's keep the model's own source rows: artifact.artifact_state)
-        swap = artifact_state(family, emb, meta, state) if kind is None else {family.word: emb["word_embeddings"]}
+        swap = artifact_state(family, emb if kind is None else {"word_embeddings": emb["word_embeddings"]}, meta, state)
         state = {**state, **{name: t.to(state[name].dtype) for name, t in swap.items()}}
         cfg = ModelConfig(**{**to_dict(cfg), "vocab_size": emb["word_embeddings"].shape[0]})
 

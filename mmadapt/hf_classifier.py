@@ -32,6 +32,7 @@ import torch
 
 from mmadapt.checkpoint import staged_dir, write_weights_only
 from mmadapt.config import FinetuneConfig, to_dict
+from mmadapt.models import FAMILIES
 from mmadapt.run import read_source, weights_fingerprint
 from mmadapt.tasks import TASKS, get_task
 
@@ -81,6 +82,17 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
     model_dir, output_dir = Path(model_dir).resolve(), Path(output_dir)
     hf_cfg = json.loads((model_dir / "config.json").read_text())
     arch = hf_cfg["architectures"][0]
+    family = next((f for f in FAMILIES.values() if f.hf is not None and f.hf.task_head_names("classify")
+                   and hf_cfg.get("model_type") in f.hf.architectures.values()), None)
+    if family is None:
+        raise ValueError(f"{model_dir} holds a {arch} (model_type {hf_cfg.get('model_type')}); import-hf --task takes "
+                         "BertForSequenceClassification, RobertaForSequenceClassification and "
+                         "XLMRobertaForSequenceClassification")
+    if int(hf_cfg.get("num_labels", len(hf_cfg.get("id2label") or {}) or 2)) < 2 or \
+            hf_cfg.get("problem_type") not in (None, "single_label_classification"):
+        raise ValueError(f"{model_dir} is a {hf_cfg.get('problem_type') or 'one-output'} model, not a classifier of "
+                         "one label per text (problem_type single_label_classification, 2 labels or more): mmadapt's "
+                         "tasks score one label per text")
     if task_name is None:
         raise ValueError(f"{model_dir} holds a {arch}: pass --task, the task whose labels it predicts (bible-genre, "
                          "xnli, pawsx, or classify / pair for your own data)")
@@ -88,29 +100,31 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
     _fresh_output(output_dir)
     with tempfile.TemporaryDirectory() as t:
         body_dir = Path(t) / BODY
-        hf = AutoModelForSequenceClassification.from_pretrained(str(model_dir)).eval()
+        # fp32, as import_hf's parity check loads a model: a bf16 checkpoint compares in fp32
+        hf = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                                local_files_only=True).eval()
         hf.base_model.save_pretrained(str(body_dir))  # the encoder alone: a class import_hf takes
-        AutoTokenizer.from_pretrained(str(model_dir)).save_pretrained(str(body_dir))
+        AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True).save_pretrained(str(body_dir))
         read_hf_config(body_dir)  # a body of a family mmadapt maps, else one line naming the class
         with staged_dir(output_dir) as tmp:
             body_run = import_hf(body_dir, tmp / BODY)
-            body_run["imported_from"].update(model=str(model_dir), note=f"the encoder of the {arch} in {model_dir}")
+            note = "; ".join(n for n in (f"the encoder of the {arch} in {model_dir}",
+                                         body_run["imported_from"].get("note")) if n)
+            body_run["imported_from"].update(model=str(model_dir), note=note)
             (tmp / BODY / "run.json").write_text(json.dumps(body_run, indent=2))
             source = read_source(tmp / BODY)
             cfg, body_state = primary_state(source)
-            family = source.family
             names = family.hf.task_head_names("classify")
             hf_state = hf.state_dict()
             missing = [theirs for theirs in names.values() if theirs not in hf_state]
-            if not names or missing:
-                raise ValueError(f"{model_dir}: mmadapt reads no {arch} head" + (
-                    f" (its weights lack {', '.join(missing)})" if missing else ""))
+            if missing:
+                raise ValueError(f"{model_dir}: its weights lack {', '.join(missing)}, which a {arch} holds")
             model = family.build_task_model(cfg, "classify", len(labels))
             state = {**model.state_dict(), **body_state,
                      **{mine: hf_state[theirs].float() for mine, theirs in names.items()}}
             model.load_state_dict(state, strict=True)
             _check_logits(hf, dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), family, state,
-                          source, len(labels), model_dir)
+                          source, len(labels), model_dir, arch)
             word = family.word
             write_weights_only(tmp / "checkpoints", 0, {k: v for k, v in state.items() if k != word},
                                      to_dict(cfg))
@@ -127,7 +141,7 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
     return run
 
 
-def _check_logits(hf, cfg, family, state: dict, source, num_labels: int, model_dir: Path) -> None:
+def _check_logits(hf, cfg, family, state: dict, source, num_labels: int, model_dir: Path, arch: str) -> None:
     """mmadapt's task model against the classifier on CHECK_TEXTS, as its own tokenizer frames
     them (their ids mapped to mmadapt's), within IMPORT_TOL; else refused before anything stays."""
     from transformers import AutoTokenizer
@@ -137,7 +151,7 @@ def _check_logits(hf, cfg, family, state: dict, source, num_labels: int, model_d
     model = family.build_task_model(cfg, "classify", num_labels).eval()
     model.load_state_dict(state, strict=True)
     to_mmadapt = torch.as_tensor(HFTokenizer.read(source.tokenizer).to_mmadapt)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     for text in CHECK_TEXTS:
         ids = tok(text, return_tensors="pt").input_ids
         with torch.no_grad():
@@ -145,5 +159,5 @@ def _check_logits(hf, cfg, family, state: dict, source, num_labels: int, model_d
             mine = model(to_mmadapt[ids])[1].float()
         diff = (mine - theirs).abs().max().item()
         if diff > IMPORT_TOL:
-            raise ValueError(f"{model_dir}: mmadapt's model of this {hf.config.architectures[0]} gives other logits "
+            raise ValueError(f"{model_dir}: mmadapt's model of this {arch} gives other logits "
                              f"than transformers' (up to {diff:.2g} apart on {text!r}): it is not imported")

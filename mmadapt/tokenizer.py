@@ -40,6 +40,9 @@ HF_FORMAT = "mmadapt-hf-tokenizer"
 SPECIAL_PIECES = {PAD_ID: "<pad>", UNK_ID: "<unk>", BOS_ID: "<s>", EOS_ID: "</s>", MASK_ID: "<mask>"}
 SPECIAL_ROLES = ("pad", "unk", "bos", "eos", "mask")  # the same ids, by role
 WORD_BOUNDARY = "▁"
+# How a row past an imported tokenizer's pieces is named ("<unused 123>": a space inside, which no
+# pre-tokenized word holds, so no text produces it)
+UNUSED_PIECE = "<unused "
 
 
 def is_hf(path: str | os.PathLike) -> bool:
@@ -212,7 +215,7 @@ class HFTokenizer:
                 if m in SPECIAL_PIECES:
                     out.append(SPECIAL_PIECES[m])
                 elif token is None:  # an embedding row that the tokenizer never produces
-                    out.append(f"<unused {h}>")
+                    out.append(f"{UNUSED_PIECE}{h}>")
                 elif self.byte_level:
                     out.append(byte_level_surface(token, table))
                 elif self.continuation is not None:
@@ -366,7 +369,7 @@ def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int,
     for a in doc["tokenizer"].get("added_tokens", []):
         vocab.setdefault(a["content"], a["id"])
     taken = set(vocab.values())
-    vocab.update({f"<unused {h}>": h for h in range(rows) if h not in taken})
+    vocab.update({f"{UNUSED_PIECE}{h}>": h for h in range(rows) if h not in taken})
     keep = (rows + len(added)) // multiple * multiple - rows
     new = list(added)[:max(keep, 0)]
     kept = {added[p] for p in new}
@@ -395,14 +398,19 @@ def _expand_unigram(doc: dict, candidates: list[str], multiple: int, scores: dic
     # a piece with a word boundary inside it is never produced (the pre-tokenizer splits there)
     added = [p for p in candidates if p not in have and WORD_BOUNDARY not in p[1:]]
     added = added[:max((rows + len(added)) // multiple * multiple - rows, 0)]
-    if len(vocab) > rows:  # the new pieces' ids must follow the model's rows
-        raise ValueError(f"the imported tokenizer holds {len(vocab)} pieces for {rows} rows of its model: it "
-                         "cannot be expanded")
-    lowest = min(score for _, score in vocab)
+    # the new pieces' ids must follow the model's rows, and no added token may sit past the
+    # vocabulary list (tokenizers would number it after the new pieces, moving its id)
+    past = [a["content"] for a in doc["tokenizer"].get("added_tokens", []) if a["id"] >= len(vocab)]
+    if len(vocab) > rows or past:
+        raise ValueError(f"the imported tokenizer holds {len(vocab)} pieces for {rows} rows of its model"
+                         + (f" and the added tokens {', '.join(past)} past them" if past else "")
+                         + ": it cannot be expanded")
+    # an earlier expansion's filler rows (below) do not count: they are never produced
+    lowest = min(score for piece, score in vocab if not piece.startswith(UNUSED_PIECE))
     shift = lowest - 1 - max((scores[p] for p in added), default=0.0)
     new = [[p, scores[p] + shift] for p in added]
     filler = min([lowest] + [score for _, score in new]) - 1e3  # never produced; scored below everything anyway
-    vocab += [[f"<unused {h}>", filler] for h in range(len(vocab), rows)] + new
+    vocab += [[f"{UNUSED_PIECE}{h}>", filler] for h in range(len(vocab), rows)] + new
     model["vocab"] = vocab
     doc["hf_ids"] = list(doc["hf_ids"]) + [rows + j for j in range(len(added))]
     return json.dumps(doc, ensure_ascii=False).encode("utf-8"), added

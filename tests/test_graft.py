@@ -311,27 +311,33 @@ def classifiers(de_corpus, de_tokenizer, tmp_path_factory):
         runs[name] = root / name
         import_hf(base, runs[name])
         runs[f"{name}-clf"] = make_classifier(base, root / "hf" / f"{name}-clf")
-        train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,
-                                    seq_length=32, train_micro_batch_size_per_gpu=4)
-        runs[f"{name}-de"] = root / f"{name}-de"
-        steps.adapt_embeddings(run=RunSpec(output_dir=runs[f"{name}-de"], corpus=de_corpus, tokenizer=de_tokenizer,
-                                           ds_config=REPO / "ds_configs" / "zero0.json"),
-                               step=steps.AdaptEmbeddings(system="bl_base", source=runs[name], lang="de", train=train))
+        for mode, suffix in (("replace", ""), ("expand", "-expand")):
+            train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, save_interval=2, log_interval=1,
+                                        seq_length=32, train_micro_batch_size_per_gpu=4, vocab_mode=mode)
+            runs[f"{name}-de{suffix}"] = root / f"{name}-de{suffix}"
+            steps.adapt_embeddings(run=RunSpec(output_dir=runs[f"{name}-de{suffix}"], corpus=de_corpus,
+                                               tokenizer=de_tokenizer, ds_config=REPO / "ds_configs" / "zero0.json"),
+                                   step=steps.AdaptEmbeddings(system="bl_base", source=runs[name], lang="de",
+                                                              train=train))
     return runs
 
 
 TEXTS = ("In the beginning God created the heaven and the earth.", "Im Anfang schuf Gott Himmel und Erde.")
 
 
-def _mine(run, texts, art=None, tok=None):
+def _mine(run, texts, art=None, tok=None, meta=None):
     """The imported run's classifier logits [C] per text (its own tokenizer, or the artifact's
-    `tok` with its word embeddings `art` swapped in), in its labels' order."""
+    `tok` with its word embeddings `art` swapped in: an expanded one's (`meta`) after the run's
+    own source rows), in its labels' order."""
     from mmadapt.evaluate import load_finetuned
 
     ft = load_finetuned(run)
     if art is not None:
-        ft.state = {**ft.state, ft.family.word: art["word_embeddings"]}
-        ft.cfg = dataclasses.replace(ft.cfg, vocab_size=art["word_embeddings"].shape[0])
+        rows = art["word_embeddings"]
+        if (meta or {}).get("vocab_mode") == "expand":
+            rows = torch.cat([ft.state[ft.family.word], rows[meta["source_vocab_size"]:]])
+        ft.state = {**ft.state, ft.family.word: rows}
+        ft.cfg = dataclasses.replace(ft.cfg, vocab_size=rows.shape[0])
     model = ft.family.build_task_model(dataclasses.replace(ft.cfg, hidden_dropout=0.0, attention_dropout=0.0),
                                        "classify", len(ft.labels)).eval()
     model.load_state_dict(ft.state)
@@ -406,15 +412,28 @@ def test_a_graft_into_an_imported_classifier_scores_and_exports(name, classifier
         assert (logits - theirs).abs().max().item() <= 1e-5
 
 
+def _regression(base, tmp_path):
+    """A one-output (regression) head on `base`: a cross-encoder's shape."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path / "regression"
+    AutoModelForSequenceClassification.from_pretrained(str(base), num_labels=1).save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(out))
+    return out
+
+
 def test_an_imported_classifier_is_refused_in_one_line_where_it_cannot_be(classifiers, tmp_path, capsys):
     """No --task; a task whose labels are not the classifier's; --task for a model that is not a
-    classifier; a graft into the classifier of another base: one line each, nothing written."""
+    classifier; a one-output (regression) head; a graft into the classifier of another base: one
+    line each, nothing written."""
     clf = classifiers["roberta-clf"]
     cases = [
         (["import-hf", "--model", str(clf)], "pass --task"),
         (["import-hf", "--model", str(clf), "--task", "bible-testament"], "are not bible-testament's"),
         (["import-hf", "--model", str(classifiers["roberta"].parent / "hf" / "roberta"), "--task", "bible-genre"],
          "drop --task"),
+        (["import-hf", "--model", str(_regression(classifiers["roberta"].parent / "hf" / "roberta", tmp_path)),
+          "--task", "classify"], "not a classifier of one label per text"),
     ]
     for i, (argv, said) in enumerate(cases):
         out = tmp_path / f"out{i}"
@@ -431,3 +450,45 @@ def test_an_imported_classifier_is_refused_in_one_line_where_it_cannot_be(classi
                  "bible", "--graft", "--output", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not a sibling of" in err and not out.exists()
+
+
+@pytest.mark.parametrize("name", ["roberta", "bert"])
+def test_an_expanded_graft_keeps_the_classifiers_own_rows(name, classifiers, tmp_path, capsys):
+    """An expanded vocabulary grafted into an imported classifier: its own (fine-tuned) source rows
+    stay, bit for bit, and only the new pieces' rows come from the artifact, in evaluate and in
+    the export, whose German logits are mmadapt's."""
+    import json
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    run = tmp_path / "clf"
+    assert main(["import-hf", "--model", str(classifiers[f"{name}-clf"]), "--task", "bible-genre",
+                 "--output_dir", str(run)]) == 0
+    adapt = classifiers[f"{name}-de-expand"]
+    assert main(["evaluate", "--finetuned", str(run), "--embeddings", str(adapt), "--eval_file", "bible", "--graft",
+                 "--output", str(tmp_path / "r.json")]) == 0
+    assert [r["system"] for r in json.loads((tmp_path / "r.json").read_text())] == ["bl_base"] * 2 + ["no_adaptation"]
+    artifact, out = sorted((adapt / "embeddings").iterdir())[-1], tmp_path / "out"
+    assert main(["export-hf", "--finetuned", str(run), "--embeddings", str(artifact), "--graft",
+                 "--output_dir", str(out)]) == 0
+    art, tok, meta = read_artifact(artifact)
+    _, mine = _mine(run, TEXTS, art, tok, meta)
+    hf = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    own = AutoModelForSequenceClassification.from_pretrained(str(classifiers[f"{name}-clf"])).eval()
+    rows = own.get_input_embeddings().weight.shape[0]
+    assert torch.equal(hf.get_input_embeddings().weight.detach()[:rows], own.get_input_embeddings().weight.detach())
+    hf_tok = AutoTokenizer.from_pretrained(str(out))
+    for text, logits in zip(TEXTS, mine):
+        with torch.no_grad():
+            theirs = hf(**hf_tok(text, return_tensors="pt")).logits[0]
+        assert (logits - theirs).abs().max().item() <= 1e-5
+
+
+def test_a_half_precision_classifier_imports(classifiers, tmp_path):
+    """A classifier saved in bf16 (as many are shared) imports: its logits are compared in fp32."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    src, half = classifiers["roberta-clf"], tmp_path / "bf16"
+    AutoModelForSequenceClassification.from_pretrained(str(src)).to(torch.bfloat16).save_pretrained(str(half))
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(half))
+    assert main(["import-hf", "--model", str(half), "--task", "bible-genre", "--output_dir", str(tmp_path / "r")]) == 0
