@@ -843,6 +843,7 @@ class LayoutBatches(CausalBatches):
         if not text.any():
             return np.zeros(0, dtype)
         ends = np.cumsum(lengths)
+        end = int(ends[-1])  # tokens past the last sequence are not read
         before = np.concatenate([[False], text[:-1]])  # the segment before is a sentence
         after = np.concatenate([text[1:], [False]])  # the segment after is a sentence
         opens, closes = text & ~before, text & ~after  # a document's first and last sentence
@@ -850,10 +851,10 @@ class LayoutBatches(CausalBatches):
         size = opens * len(prefix) + n + closes * len(suffix)  # each segment's share of the stream
         at = np.cumsum(size) - size  # where each segment's share starts
         out = np.empty(int(size.sum()), dtype)
-        keep = np.ones(len(tokens), bool)
+        keep = np.ones(end, bool)
         keep[ends - 1] = False  # every </s>: sentences' and documents' ends
         body = at + opens * len(prefix)  # where each segment's pieces go
-        out[np.repeat(body - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))] = tokens[:int(ends[-1])][keep[:int(ends[-1])]]
+        out[np.repeat(body - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))] = tokens[:end][keep]
         for ids, starts in ((prefix, at[opens]), (suffix, (body + n)[closes])):
             if len(ids):
                 out[(starts[:, None] + np.arange(len(ids))).ravel()] = np.tile(ids.astype(dtype), len(starts))

@@ -345,7 +345,7 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     # headline; every metric is recorded, averaged over the seeds.
     scoring, records = Scoring(runs, cfgs, eval_spec), []
     for path in progress(paths, f"zero-shot {runs[0].task.name}"):
-        emb, tok, meta = read_artifact(path) if graft else _artifact_of(path, primary)
+        emb, tok, meta = read_artifact(path)  # its primary model checked above
         records.append({**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb, meta),
                         "artifact": str(path), **warned})
     apart_runs(records)
@@ -410,15 +410,9 @@ def graft_check(paths: list[Path], primary: PrimaryRef) -> None:
             checked.add(base)
 
 
-def _artifact_of(path: Path, primary: PrimaryRef) -> tuple[dict, Path, dict]:
-    """The artifact at `path` (read_artifact), refused by name when its embeddings were trained
-    for another primary model than `primary`."""
-    emb, tok, meta = read_artifact(path)
-    _check_artifact_primary(path, meta, primary)
-    return emb, tok, meta
-
-
 def _check_artifact_primary(path: Path, meta: dict, primary: PrimaryRef) -> None:
+    """Refuse, by name, the artifact at `path` (its meta.json `meta`) when its embeddings were
+    trained for another primary model than `primary`."""
     if not artifact_primary_ref(meta).same(primary):
         raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, but the "
                          f"fine-tuned runs start from {primary.run_dir}"

@@ -57,7 +57,7 @@ from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.models.layers import new_rows_name
 from mmadapt.parallel import from_rank0, is_rank0, launched_world_size
 from mmadapt.run import RunSpec, Source
-from mmadapt.tokenizer import expand_hf, is_hf, pieces, source_form
+from mmadapt.tokenizer import cut_to_multiple, expand_hf, is_hf, pieces, source_form
 from mmadapt.tokenizer import load as load_tokenizer
 
 
@@ -97,11 +97,6 @@ def missing_pieces(source: list[str], target_pieces: list[str], ordinary: list[b
     return new
 
 
-def _cut(source_size: int, new: list[str]) -> list[str]:
-    """`new`, cut to the count that makes the vocabulary a multiple of EXPAND_MULTIPLE."""
-    return new[:max((source_size + len(new)) // EXPAND_MULTIPLE * EXPAND_MULTIPLE - source_size, 0)]
-
-
 def _proto(path: Path) -> sp_model.ModelProto:
     proto = sp_model.ModelProto()
     proto.ParseFromString(Path(path).read_bytes())
@@ -121,7 +116,7 @@ def expand(source: Path, target: Path) -> Expansion:
     if is_hf(source):
         model, new = expand_hf(source, candidates, EXPAND_MULTIPLE, {form(p.piece): p.score for p in trg.pieces})
     else:
-        new = _cut(len(src_pieces), candidates)
+        new = cut_to_multiple(len(src_pieces), candidates, EXPAND_MULTIPLE)
     if not new:
         raise ValueError(f"the target tokenizer {target} adds no piece to the source's {len(src_pieces)} (every "
                          f"ordinary piece is there already, or fewer than {EXPAND_MULTIPLE} are new): nothing to "

@@ -35,6 +35,7 @@ from mmadapt.config import FinetuneConfig, to_dict
 from mmadapt.models import FAMILIES
 from mmadapt.run import read_source, weights_fingerprint
 from mmadapt.tasks import TASKS, get_task
+from mmadapt.tokenizer import HFTokenizer
 
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 BODY = "body"  # the classifier's encoder, imported as the run's primary model
@@ -51,6 +52,11 @@ def is_classifier(model_dir: Path) -> bool:
     return bool(archs) and archs[0].endswith(CLASSIFIER_SUFFIX)
 
 
+def _num_labels(hf_cfg: dict) -> int:
+    """The classifier's outputs: its id2label's size (config.json holds that, not num_labels)."""
+    return len(hf_cfg.get("id2label") or {}) or int(hf_cfg.get("num_labels", 2))
+
+
 def classifier_labels(hf_cfg: dict, model_dir: Path, task_name: str) -> list[str]:
     """The classifier's labels in its output order (id2label), checked against `task_name`'s."""
     task = get_task(task_name)
@@ -59,8 +65,7 @@ def classifier_labels(hf_cfg: dict, model_dir: Path, task_name: str) -> list[str
         raise ValueError(f"{model_dir} is a sequence classifier: --task must be a classification task ({names}), "
                          f"not {task_name} ({task.kind})")
     id2label = hf_cfg.get("id2label") or {}
-    n = len(id2label) or int(hf_cfg.get("num_labels", 2))
-    labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n)]
+    labels = [str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(_num_labels(hf_cfg))]
     if len(set(labels)) != len(labels):
         raise ValueError(f"{model_dir}: config.json's id2label names one label twice ({labels}): name each output "
                          "once")
@@ -77,7 +82,7 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from mmadapt.finetune import primary_state
-    from mmadapt.hf import _fresh_output, import_hf, read_hf_config
+    from mmadapt.hf import _fresh_output, import_hf
 
     model_dir, output_dir = Path(model_dir).resolve(), Path(output_dir)
     hf_cfg = json.loads((model_dir / "config.json").read_text())
@@ -88,8 +93,7 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
         raise ValueError(f"{model_dir} holds a {arch} (model_type {hf_cfg.get('model_type')}); import-hf --task takes "
                          "BertForSequenceClassification, RobertaForSequenceClassification and "
                          "XLMRobertaForSequenceClassification")
-    if int(hf_cfg.get("num_labels", len(hf_cfg.get("id2label") or {}) or 2)) < 2 or \
-            hf_cfg.get("problem_type") not in (None, "single_label_classification"):
+    if _num_labels(hf_cfg) < 2 or hf_cfg.get("problem_type") not in (None, "single_label_classification"):
         raise ValueError(f"{model_dir} is a {hf_cfg.get('problem_type') or 'one-output'} model, not a classifier of "
                          "one label per text (problem_type single_label_classification, 2 labels or more): mmadapt's "
                          "tasks score one label per text")
@@ -104,8 +108,8 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
         hf = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32,
                                                                 local_files_only=True).eval()
         hf.base_model.save_pretrained(str(body_dir))  # the encoder alone: a class import_hf takes
-        AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True).save_pretrained(str(body_dir))
-        read_hf_config(body_dir)  # a body of a family mmadapt maps, else one line naming the class
+        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        tok.save_pretrained(str(body_dir))
         with staged_dir(output_dir) as tmp:
             body_run = import_hf(body_dir, tmp / BODY)
             note = "; ".join(n for n in (f"the encoder of the {arch} in {model_dir}",
@@ -119,17 +123,16 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
             missing = [theirs for theirs in names.values() if theirs not in hf_state]
             if missing:
                 raise ValueError(f"{model_dir}: its weights lack {', '.join(missing)}, which a {arch} holds")
-            model = family.build_task_model(cfg, "classify", len(labels))
-            state = {**model.state_dict(), **body_state,
-                     **{mine: hf_state[theirs].float() for mine, theirs in names.items()}}
+            # every tensor of the task model from the encoder or the head (strict: none left at its init)
+            state = {**body_state, **{mine: hf_state[theirs].float() for mine, theirs in names.items()}}
+            model = family.build_task_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0),
+                                            "classify", len(labels)).eval()
             model.load_state_dict(state, strict=True)
-            _check_logits(hf, dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0), family, state,
-                          source, len(labels), model_dir, arch)
-            word = family.word
-            write_weights_only(tmp / "checkpoints", 0, {k: v for k, v in state.items() if k != word},
-                                     to_dict(cfg))
-            ft = dataclasses.replace(FinetuneConfig(), seq_length=min(FinetuneConfig().seq_length,
-                                                                      cfg.max_position_embeddings))
+            _check_logits(hf, model, tok, HFTokenizer.read(source.tokenizer).to_mmadapt, model_dir, arch)
+            write_weights_only(tmp / "checkpoints", 0, {k: v for k, v in state.items() if k != family.word},
+                               to_dict(cfg))
+            defaults = FinetuneConfig()
+            ft = dataclasses.replace(defaults, seq_length=min(defaults.seq_length, cfg.max_position_embeddings))
             run = {"step": "finetune", "model": to_dict(cfg), "finetune": to_dict(ft), "task": task_name,
                    "labels": labels, "metric": get_task(task_name).metric, "updates": 0, "global_batch": 0,
                    "primary": {"run_dir": str(output_dir.resolve() / BODY), "tag": source.tag,
@@ -141,17 +144,11 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
     return run
 
 
-def _check_logits(hf, cfg, family, state: dict, source, num_labels: int, model_dir: Path, arch: str) -> None:
-    """mmadapt's task model against the classifier on CHECK_TEXTS, as its own tokenizer frames
-    them (their ids mapped to mmadapt's), within IMPORT_TOL; else refused before anything stays."""
-    from transformers import AutoTokenizer
-
-    from mmadapt.tokenizer import HFTokenizer
-
-    model = family.build_task_model(cfg, "classify", num_labels).eval()
-    model.load_state_dict(state, strict=True)
-    to_mmadapt = torch.as_tensor(HFTokenizer.read(source.tokenizer).to_mmadapt)
-    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+def _check_logits(hf, model, tok, to_mmadapt, model_dir: Path, arch: str) -> None:
+    """mmadapt's task model `model` against the classifier `hf` on CHECK_TEXTS, as its own
+    tokenizer `tok` frames them (their ids mapped to mmadapt's: `to_mmadapt`), within
+    IMPORT_TOL; else refused before anything stays."""
+    to_mmadapt = torch.as_tensor(to_mmadapt)
     for text in CHECK_TEXTS:
         ids = tok(text, return_tensors="pt").input_ids
         with torch.no_grad():

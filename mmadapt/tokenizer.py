@@ -328,6 +328,12 @@ class HFTokenizer:
         return self._ids(enc.ids)
 
 
+def cut_to_multiple(rows: int, new: list, multiple: int) -> list:
+    """`new`, cut (its last items dropped, fewer than `multiple`) to the count that makes
+    rows + len(new) a multiple of `multiple`: a tensor-parallel vocabulary splits evenly."""
+    return new[:max((rows + len(new)) // multiple * multiple - rows, 0)]
+
+
 def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int,
               scores: dict[str, float] | None = None) -> tuple[bytes, list[str]]:
     """An imported BPE, WordPiece or Unigram tokenizer (`source`, HFTokenizer's document) with the
@@ -370,8 +376,7 @@ def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int,
         vocab.setdefault(a["content"], a["id"])
     taken = set(vocab.values())
     vocab.update({f"{UNUSED_PIECE}{h}>": h for h in range(rows) if h not in taken})
-    keep = (rows + len(added)) // multiple * multiple - rows
-    new = list(added)[:max(keep, 0)]
+    new = cut_to_multiple(rows, list(added), multiple)
     kept = {added[p] for p in new}
     # tokens were added shortest first and a token's halves are shorter than it, so cutting the
     # list (its longest tokens go) never strands a kept token's merge
@@ -397,7 +402,7 @@ def _expand_unigram(doc: dict, candidates: list[str], multiple: int, scores: dic
     have = {piece for piece, _ in vocab} | {a["content"] for a in doc["tokenizer"].get("added_tokens", [])}
     # a piece with a word boundary inside it is never produced (the pre-tokenizer splits there)
     added = [p for p in candidates if p not in have and WORD_BOUNDARY not in p[1:]]
-    added = added[:max((rows + len(added)) // multiple * multiple - rows, 0)]
+    added = cut_to_multiple(rows, added, multiple)
     # the new pieces' ids must follow the model's rows, and no added token may sit past the
     # vocabulary list (tokenizers would number it after the new pieces, moving its id)
     past = [a["content"] for a in doc["tokenizer"].get("added_tokens", []) if a["id"] >= len(vocab)]

@@ -351,23 +351,32 @@ def _mine(run, texts, art=None, tok=None, meta=None):
     return ft, out
 
 
-@pytest.mark.parametrize("name", ["roberta", "bert"])
-def test_an_imported_classifier_gives_transformers_logits(name, classifiers, tmp_path, capsys):
-    """import-hf --task of a sequence classifier: a Step-3 run whose labels are the classifier's
-    outputs in its own order, and whose model gives transformers' logits on English and German."""
+def _assert_transformers_logits(hf_dir, mine) -> None:
+    """transformers' classifier in `hf_dir`, with its own tokenizer, gives the logits `mine` [C]
+    on each of TEXTS within 1e-5."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    hf_dir, run = classifiers[f"{name}-clf"], tmp_path / "clf"
-    assert main(["import-hf", "--model", str(hf_dir), "--task", "bible-genre", "--output_dir", str(run)]) == 0
-    assert "as a bible-genre fine-tuning run" in capsys.readouterr().out
     hf = AutoModelForSequenceClassification.from_pretrained(str(hf_dir)).eval()
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
-    ft, mine = _mine(run, TEXTS)
-    assert ft.labels == [hf.config.id2label[i] for i in range(len(ft.labels))] != sorted(ft.labels)
     for text, logits in zip(TEXTS, mine):
         with torch.no_grad():
             theirs = hf(**tok(text, return_tensors="pt")).logits[0]
         assert (logits - theirs).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["roberta", "bert"])
+def test_an_imported_classifier_gives_transformers_logits(name, classifiers, tmp_path, capsys):
+    """import-hf --task of a sequence classifier: a Step-3 run whose labels are the classifier's
+    outputs in its own order, and whose model gives transformers' logits on English and German."""
+    from transformers import AutoConfig
+
+    hf_dir, run = classifiers[f"{name}-clf"], tmp_path / "clf"
+    assert main(["import-hf", "--model", str(hf_dir), "--task", "bible-genre", "--output_dir", str(run)]) == 0
+    assert "as a bible-genre fine-tuning run" in capsys.readouterr().out
+    id2label = AutoConfig.from_pretrained(str(hf_dir)).id2label
+    ft, mine = _mine(run, TEXTS)
+    assert ft.labels == [id2label[i] for i in range(len(ft.labels))] != sorted(ft.labels)
+    _assert_transformers_logits(hf_dir, mine)
 
 
 @pytest.mark.parametrize("name", ["roberta", "bert"])
@@ -377,8 +386,6 @@ def test_a_graft_into_an_imported_classifier_scores_and_exports(name, classifier
     beside no adaptation (without --graft, refused in one line, nothing written); export-hf
     --finetuned --graft writes a classifier whose German logits are mmadapt's."""
     import json
-
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     run = tmp_path / "clf"
     assert main(["import-hf", "--model", str(classifiers[f"{name}-clf"]), "--task", "bible-genre",
@@ -404,12 +411,7 @@ def test_a_graft_into_an_imported_classifier_scores_and_exports(name, classifier
                  "--output_dir", str(out)]) == 0
     art, tok, _ = read_artifact(artifact)
     _, mine = _mine(run, TEXTS, art, tok)
-    hf = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
-    hf_tok = AutoTokenizer.from_pretrained(str(out))
-    for text, logits in zip(TEXTS, mine):
-        with torch.no_grad():
-            theirs = hf(**hf_tok(text, return_tensors="pt")).logits[0]
-        assert (logits - theirs).abs().max().item() <= 1e-5
+    _assert_transformers_logits(out, mine)
 
 
 def _regression(base, tmp_path):
@@ -459,7 +461,7 @@ def test_an_expanded_graft_keeps_the_classifiers_own_rows(name, classifiers, tmp
     the export, whose German logits are mmadapt's."""
     import json
 
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
     run = tmp_path / "clf"
     assert main(["import-hf", "--model", str(classifiers[f"{name}-clf"]), "--task", "bible-genre",
@@ -477,11 +479,7 @@ def test_an_expanded_graft_keeps_the_classifiers_own_rows(name, classifiers, tmp
     own = AutoModelForSequenceClassification.from_pretrained(str(classifiers[f"{name}-clf"])).eval()
     rows = own.get_input_embeddings().weight.shape[0]
     assert torch.equal(hf.get_input_embeddings().weight.detach()[:rows], own.get_input_embeddings().weight.detach())
-    hf_tok = AutoTokenizer.from_pretrained(str(out))
-    for text, logits in zip(TEXTS, mine):
-        with torch.no_grad():
-            theirs = hf(**hf_tok(text, return_tensors="pt")).logits[0]
-        assert (logits - theirs).abs().max().item() <= 1e-5
+    _assert_transformers_logits(out, mine)
 
 
 def test_a_half_precision_classifier_imports(classifiers, tmp_path):

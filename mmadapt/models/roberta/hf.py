@@ -308,10 +308,9 @@ class RobertaMapping(HFMapping):
             if kind is None:
                 out[f"lm_head.dense.{t}"] = state[f"heads.heads.0.dense.{t}"]
                 out[f"lm_head.layer_norm.{t}"] = state[f"heads.heads.0.layernorm.{t}"]
-            elif kind == "classify":
-                out.update({hf: state[name] for name, hf in self.task_head_names(kind).items() if name.endswith(t)})
-            elif kind != "body":
+            elif kind not in ("body", "classify"):
                 out[f"{'classifier' if kind == 'tag' else 'qa_outputs'}.{t}"] = state[f"out.{t}"]
+        out.update({hf: state[name] for name, hf in self.task_head_names(kind).items()})  # classify's head
         if kind is None:
             out["lm_head.bias"] = inverse_rows(hf_ids, state[BIAS].float())
             out["lm_head.decoder.weight"], out["lm_head.decoder.bias"] = word, out["lm_head.bias"]
