@@ -506,7 +506,7 @@ def predict_main(argv=None) -> int:
 @user_errors
 def flops_main(argv=None) -> int:
     p = Parser(prog="mmadapt flops", description="Training cost of every step of every "
-                                "system (paper Appendix A.1: A1, A3, A4) and the exact counts.")
+                                "system (paper Appendix A.1: A1, A3, A4) and the exact counts.", tiny=False)
     p.add_argument("--paper", action="store_true", help="the paper's settings (RoBERTa-base, U=125,000, B=2048, "
                    "s=512, V=50,000, p=0.15), printed as JSON")
     p.add_argument("--json", action="store_true", help="JSON rows instead of a table")

