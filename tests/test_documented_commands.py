@@ -13,6 +13,7 @@ line; neither may be an argument error."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import os
@@ -261,6 +262,12 @@ def workspace(root: Path) -> dict[str, str]:
             f.write("language\tgold_label\tsentence1\tsentence2\n")
             f.writelines(f"{lang}\t{rng.choice(labels)}\t{v[i]}\t{v[i + 1]}\n" for lang, v in verses.items()
                          for i in range(60))
+    (root / "de.txt").write_text((root / "cc100" / "de.txt").read_text(encoding="utf-8"), encoding="utf-8")
+    for name, lang in (("reviews.csv", "en"), ("reviews.de.csv", "de")):  # docs/finetuning.md's own task
+        with open(root / name, "w", encoding="utf-8", newline="") as f:
+            rows = csv.writer(f)
+            rows.writerow(["text", "label"])
+            rows.writerows([v, "pos" if i % 2 else "neg"] for i, v in enumerate(verses[lang][:80]))
     with zipfile.ZipFile(shipped_zip()) as z:  # the model the README's extend example downloaded
         z.extractall(root / "models" / "all-MiniLM-L6-v2")
     (root / "bin" / "mmadapt").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m mmadapt.cli "$@"\n')
@@ -280,22 +287,67 @@ def run_blocks(doc: str, text: str, root: Path, env: dict[str, str]) -> list[str
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=root, env=env, capture_output=True,
                               text=True, timeout=900)
         if proc.returncode != 0:
-            tail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-3:]
-            failed.append(f"{doc}:{line}: exit {proc.returncode}: {' | '.join(tail)}")
+            said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+            said = [l for l in said if l.startswith("error:")] or said[-3:]  # the one line, else the end
+            failed.append(f"{doc}:{line}: exit {proc.returncode}: {' | '.join(said)}")
             break  # the blocks after it build on it
     return failed
 
 
+# The docs that continue the README: each runs in a copy of the README's finished workspace, less
+# what its own commands write (they make it again), so that it reads the README's data and runs.
+# Every other document is all NOT_RUN blocks (its reason beside each) or has no bash block.
+RUN_DOCS = ("docs/pretraining.md", "docs/mini-models.md", "docs/decoders.md", "docs/finetuning.md",
+            "docs/flops-and-benchmarks.md", "docs/huggingface.md")
+
+
+def outputs(block: str) -> list[str]:
+    """The paths a block's commands write (--output_dir, --output), a loop's variable as a wildcard."""
+    loop_vars = re.findall(r"for (\w+) in ", block)
+    joined = re.sub(r"\\\n\s*", " ", block)
+    found = re.findall(r"--output(?:_dir)? (\S+)", joined)
+    return [re.sub(r"\$\{?(" + "|".join(loop_vars) + r")\}?", "*", f) if loop_vars else f for f in found]
+
+
+@pytest.fixture(scope="module")
+def readme(tmp_path_factory) -> tuple[Path, dict[str, str], list[str]]:
+    """The README's blocks run in a fresh workspace -> (it, its environment, the blocks that failed)."""
+    root = tmp_path_factory.mktemp("readme")
+    env = workspace(root)
+    return root, env, run_blocks("README.md", (REPO / "README.md").read_text(encoding="utf-8"), root, env)
+
+
 @pytest.mark.slow
-def test_the_readme_runs_as_written(tmp_path):
+def test_the_readme_runs_as_written(readme):
     """Every bash block of the README (its two set-up lines aside), as written, in order: data,
     Steps 1, 1b, 2, 3 with three seeds, 4 and the report, and `mmadapt extend` on the real
     checkpoint; each leaves what the next one reads and what the README says it writes."""
-    env = workspace(tmp_path)
-    assert run_blocks("README.md", (REPO / "README.md").read_text(encoding="utf-8"), tmp_path, env) == []
-    records = json.loads((tmp_path / "results" / "minijoint-xnli-de.json").read_text())
-    assert {r["lang"] for r in records} == {"de"} and (tmp_path / "report.md").is_file()
-    assert (tmp_path / "runs" / "minilm-de" / "export" / "config.json").is_file()
+    root, _, failed = readme
+    assert failed == []
+    records = json.loads((root / "results" / "minijoint-xnli-de.json").read_text())
+    assert {r["lang"] for r in records} == {"de"} and (root / "report.md").is_file()
+    assert {p.name for p in (root / "runs" / "ft").iterdir()} == {f"minijoint-xnli-{s}" for s in (1, 2, 3)}
+    assert (root / "runs" / "minilm-de" / "export" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", RUN_DOCS)
+def test_a_doc_runs_as_written(doc, readme, tmp_path):
+    import shutil
+
+    source, env, failed = readme
+    assert failed == [], "the README's own blocks fail (test_the_readme_runs_as_written)"
+    root = tmp_path / "ws"
+    shutil.copytree(source, root, symlinks=True, ignore=shutil.ignore_patterns("all-MiniLM-L6-v2"))
+    (root / "models" / "all-MiniLM-L6-v2").symlink_to(source / "models" / "all-MiniLM-L6-v2")
+    env = {**env, "PATH": env["PATH"].replace(str(source), str(root))}
+    text = (REPO / doc).read_text(encoding="utf-8")
+    for _, block in runnable_blocks(text):
+        for pattern in outputs(block):
+            for path in root.glob(pattern):
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    assert runnable_blocks(text), f"{doc} runs nothing: take it out of RUN_DOCS"
+    assert run_blocks(doc, text, root, env) == []
 
 
 def test_a_broken_example_fails_the_run(tmp_path):
