@@ -471,6 +471,9 @@ def predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", required=True, help="a pretrain, build_minipost, import-hf or finetune run directory")
     p.add_argument("--embeddings", help="a Step-2 artifact (<adapt run>/embeddings/<tag>) swapped in: the target "
                    "language's embeddings and tokenizer (zero-shot)")
+    p.add_argument("--graft", action="store_true", help="with --embeddings trained over a base model: --run is a model "
+                   "fine-tuned from it (an imported instruct or chat sibling, an imported classifier); checked as "
+                   "export-hf --graft checks it, the distances on stderr (docs/huggingface.md)")
     p.add_argument("--input", default="-", help="one input per line (default: stdin): a text (tag: its words "
                    "separated by spaces), or for pair and QA models two fields separated by a tab (text TAB text_pair; "
                    "question TAB context); a .jsonl file: one object per line with those keys")
@@ -491,7 +494,7 @@ def predict_main(argv=None) -> int:
         check_output_file(Path(args.output), "--output")
     kind = predict.kind_of(args.run)
     inputs = predict.read_inputs(args.input, kind, args.jsonl or None)  # before the weights: bad input is cheap
-    model = predict.load(args.run, args.embeddings, tag=args.tag, device=args.device)
+    model = predict.load(args.run, args.embeddings, tag=args.tag, device=args.device, graft=args.graft)
     rows = predict.predict_rows(model, inputs, args.top_k)  # refuses NaN or infinite outputs
     text = "".join(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows)
     if args.output:

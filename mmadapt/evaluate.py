@@ -34,6 +34,7 @@ from mmadapt.engine import PLACEHOLDER
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, Framing, encode_classify, special_mask, unknown_share
 from mmadapt.finetune import check_positions, is_finished, primary_state
+from mmadapt.graft import check_siblings, grafted
 from mmadapt.models.layers import Padding
 from mmadapt.devices import device_of, host_to_device, on_eval_device, progress, swapped
 from mmadapt.parallel import device
@@ -332,7 +333,8 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
 
     graft: the artifacts were trained over a base encoder and the runs fine-tune a sibling of it
     (an imported classifier, whose own word embeddings moved): checked (graft.check_siblings over
-    the bodies) and printed before anything is scored."""
+    the bodies) and printed before anything is scored; its records are named as grafts
+    (graft.grafted: the first fine-tuned run is the sibling's name)."""
     paths = artifact_dirs(artifacts)  # the cheap check first
     runs, cfgs, primary, warnings = _finetuned_runs(finetuned, eval_batch_tokens, cfg_override)
     if graft:
@@ -346,8 +348,9 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     scoring, records = Scoring(runs, cfgs, eval_spec), []
     for path in progress(paths, f"zero-shot {runs[0].task.name}"):
         emb, tok, meta = read_artifact(path)  # its primary model checked above
-        records.append({**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb, meta),
-                        "artifact": str(path), **warned})
+        record = {**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb, meta),
+                  "artifact": str(path), **warned}
+        records.append(grafted(record, finetuned[0]) if graft else record)
     apart_runs(records)
     if no_adaptation:
         langs = list(dict.fromkeys(r["lang"] for r in records))
@@ -395,8 +398,6 @@ def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,
 def graft_check(paths: list[Path], primary: PrimaryRef) -> None:
     """evaluate --graft: every artifact trained over a base of which `primary` (the fine-tuned
     runs' encoder) is a sibling, each base checked once and its distances printed."""
-    from mmadapt.graft import check_siblings
-
     sibling, checked = None, set()
     for path in paths:
         meta = checkpoint.read_json(path / "meta.json", "Step-2 artifact file")

@@ -110,3 +110,11 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
 def sibling_check(base_run: str | Path, sibling_run: str | Path, meta: dict) -> SiblingCheck:
     """check_siblings of two run directories."""
     return check_siblings(read_source(base_run), read_source(sibling_run), meta)
+
+
+def grafted(record: dict, sibling: str | Path) -> dict:
+    """A Step-4 record of embeddings trained over a base and scored grafted into `sibling` (the
+    run fine-tuned from the base): `grafted_into` says where, and its system is named apart from
+    the same system over the base itself, so that `mmadapt report` given both keeps two curves
+    (it draws one per system name) and no baseline lookup takes the graft for the base's own."""
+    return {**record, "system": f"{record['system']} [graft into {Path(sibling).name}]", "grafted_into": str(sibling)}

@@ -38,6 +38,7 @@ from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.checkpoint import tag_for
 from mmadapt.data import TOKENIZER, file_sha256, read_manifest
 from mmadapt.devices import progress
+from mmadapt.graft import check_siblings, grafted
 from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.run import read_source
 
@@ -96,8 +97,6 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                                                      "") + ("" if graft else ": if it is a model fine-tuned from that "
                                                             "one, score the graft with --graft"))
             if base not in siblings:
-                from mmadapt.graft import check_siblings
-
                 print("\n".join(check_siblings(read_source(base), read_source(primary_run), meta).lines()), flush=True)
                 siblings.add(base)
         lang = meta["lang"]
@@ -121,13 +120,14 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
             starts[run] = scorer.loss(text, start, meta), per_byte.score(raw, tok, start, meta)["bpb"]
         loss = scorer.loss(text, emb, meta)
         bits = per_byte.score(raw, tok, emb, meta)
-        records.append({**record_base(meta, scorer.family.objective.plugin_task), "metric": METRIC,
-                        "score": text.unigram - loss, "chance": 0.0, "loss": loss, "unigram_loss": text.unigram,
-                        "start_loss": starts[run][0], "start_gain": text.unigram - starts[run][0],
-                        "masked_pieces": text.scored, "artifact": str(path),
-                        "bpb": bits["bpb"], "start_bpb": starts[run][1],
-                        "none_bpb": per_byte.none(raw), "bpb_bytes": raw.bytes,
-                        **_source_bits(per_byte, run, primary, tok, emb, meta)})
+        record = {**record_base(meta, scorer.family.objective.plugin_task), "metric": METRIC,
+                  "score": text.unigram - loss, "chance": 0.0, "loss": loss, "unigram_loss": text.unigram,
+                  "start_loss": starts[run][0], "start_gain": text.unigram - starts[run][0],
+                  "masked_pieces": text.scored, "artifact": str(path),
+                  "bpb": bits["bpb"], "start_bpb": starts[run][1],
+                  "none_bpb": per_byte.none(raw), "bpb_bytes": raw.bytes,
+                  **_source_bits(per_byte, run, primary, tok, emb, meta)}
+        records.append(record if artifact_primary_ref(meta).same(ref) else grafted(record, primary_run))
     return records
 
 

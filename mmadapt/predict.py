@@ -51,13 +51,15 @@ from mmadapt.devices import device_of, on_eval_device
 from mmadapt.evaluate import PAD_LOGIT, EvalBatches, EvalSet, Finetuned, load_finetuned, recorded_config, set_logits
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, best_spans, encode_classify, encode_span, encode_tag
+from mmadapt.graft import check_siblings
 from mmadapt.objectives import OBJECTIVES, Objective
 from mmadapt.parallel import device as default_device
 from mmadapt.parallel import named_device
 from mmadapt.heldout import scoring_model
 from mmadapt.hf import SENTENCE_TRANSFORMERS
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
-from mmadapt.run import RUN_FILE, read_source, require_head, run_family, run_text_layout, weights_fingerprint
+from mmadapt.run import (RUN_FILE, Source, read_source, require_head, run_family, run_text_layout,
+                         weights_fingerprint)
 from mmadapt.tasks import Task, get_task
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
@@ -90,27 +92,34 @@ def kind_of(run: str | os.PathLike) -> str:
 
 
 def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *, tag: str | None = None,
-         device: str | torch.device | None = None) -> "LanguageModel | TaskModel":
+         device: str | torch.device | None = None, graft: bool = False) -> "LanguageModel | TaskModel":
     """A run's model for inference: a `TaskModel` for a fine-tuning run, a `LanguageModel` for
     any other (pretrain, build_minipost, import-hf), optionally with the Step-2 artifact
     `embeddings` (<adapt run>/embeddings/<tag>) swapped in. tag: a language model's checkpoint
-    (default: the newest complete one; a fine-tuned model is its final one)."""
+    (default: the newest complete one; a fine-tuned model is its final one). graft: the
+    embeddings were trained over a base of which the run (a fine-tuning run: its primary model)
+    is a fine-tuned sibling (graft.py, as export-hf --graft: checked, the distances printed to
+    stderr; an expanded vocabulary keeps the sibling's own source rows)."""
     run = path_args(run, "run")[0]
     kind = kind_of(run)
     dev = named_device(device) if device is not None else default_device()
+    if graft and embeddings is None:
+        raise ValueError("--graft puts Step-2 embeddings into a sibling: pass --embeddings too")
     if kind in OBJECTIVES:  # a language model
-        return LanguageModel.load(run, None if embeddings is None else Path(embeddings), tag, dev)
+        return LanguageModel.load(run, None if embeddings is None else Path(embeddings), tag, dev, graft)
     if tag is not None:
         raise ValueError(f"{run} is a fine-tuning run: its model is its final checkpoint (drop tag)")
-    return TaskModel.load(run, None if embeddings is None else Path(embeddings), dev)
+    return TaskModel.load(run, None if embeddings is None else Path(embeddings), dev, graft)
 
 
-def _artifact(path: Path, owners: tuple[Path, ...], primary_now: Callable[[], str | None] = lambda: None
-              ) -> tuple[dict, Path]:
-    """An artifact's tensors and tokenizer, refused unless it belongs to one of `owners` (the
-    model Step 2 trained it over, or the primary model Step 4 swaps it into), and, swapped into
-    its primary model, unless that model's weights changed since (`primary_now`: their
-    fingerprint now, computed only where the artifact recorded one)."""
+def _artifact(path: Path, owners: tuple[Path, ...], primary_now: Callable[[], str | None] = lambda: None,
+              graft: Callable[[dict], None] | None = None) -> tuple[dict, Path, dict]:
+    """An artifact's tensors, tokenizer and meta.json, refused unless it belongs to one of
+    `owners` (the model Step 2 trained it over, or the primary model Step 4 swaps it into), and,
+    swapped into its primary model, unless that model's weights changed since (`primary_now`:
+    their fingerprint now, computed only where the artifact recorded one). graft: the artifact
+    belongs to a base of which the owner is a sibling instead, checked by graft(meta) (one
+    that belongs to the owner itself is refused: drop --graft)."""
     emb, tokenizer, meta = read_artifact(path)
     if "source" not in meta:
         raise ValueError(f"{path}/meta.json does not name the run its embeddings were trained over: it is not an "
@@ -119,12 +128,29 @@ def _artifact(path: Path, owners: tuple[Path, ...], primary_now: Callable[[], st
         raise ValueError(f"{path} holds embeddings trained over {meta['source']}, which is no longer an mmadapt run "
                          "(no run.json)")
     mine = {Path(meta["source"]).resolve(), artifact_primary(meta).resolve()}
+    if graft is not None:
+        if mine & {o.resolve() for o in owners}:
+            raise ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {path} "
+                             f"was trained over {' or '.join(map(str, owners))} itself: drop --graft")
+        graft(meta)
+        return emb, tokenizer, meta
     if not mine & {o.resolve() for o in owners}:
         raise ValueError(f"{path} holds embeddings for the model of {meta['source']}, not of "
-                         f"{' or '.join(map(str, owners))}: load that run with it")
+                         f"{' or '.join(map(str, owners))}: load that run with it (or, into a model fine-tuned "
+                         "from that one, pass --graft)")
     if meta.get("primary_fingerprint") and artifact_primary(meta).resolve() in {o.resolve() for o in owners}:
         check_primary_unchanged(path, meta, primary_now())
-    return emb, tokenizer
+    return emb, tokenizer, meta
+
+
+def _sibling_check(sibling: Source, weights: dict | None = None, body_only: bool = False) -> Callable[[dict], None]:
+    """predict --graft's check of an artifact's base against `sibling` (graft.check_siblings), its
+    lines on stderr (stdout holds the predictions)."""
+    def check(meta: dict) -> None:
+        lines = check_siblings(read_source(artifact_primary(meta)), sibling, meta, weights,
+                               body_only=body_only).lines()
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    return check
 
 
 def _surface(tokenizer, i: int) -> dict:
@@ -179,16 +205,19 @@ class LanguageModel:
 
     @classmethod
     def load(cls, run: Path, embeddings: Path | None = None, tag: str | None = None,
-             device: torch.device | None = None) -> "LanguageModel":
+             device: torch.device | None = None, graft: bool = False) -> "LanguageModel":
         source = read_source(run, tag)  # refuses a run without a complete checkpoint or tokenizer
         require_head(source, "a language model's predictions")
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
             weights = state
-            emb, tokenizer = _artifact(embeddings, (run,), lambda: weights_fingerprint(weights))
+            emb, tokenizer, meta = _artifact(embeddings, (run,), lambda: weights_fingerprint(weights),
+                                             _sibling_check(source, weights) if graft else None)
             cfg, state = family.primary_model(cfg, state)
             artifact_embeddings(emb, state[family.word])  # refuses embeddings of another width
-            state = {**state, **{name: t.float() for name, t in artifact_state(family, emb).items()}}
+            # a graft of an expanded vocabulary keeps the sibling's own source rows (artifact_state)
+            swap = artifact_state(family, emb, meta if graft else None, state)
+            state = {**state, **{name: t.float() for name, t in swap.items()}}
         cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
                                   vocab_size=state[family.word].shape[0])
         model = scoring_model(family, cfg, state)
@@ -339,7 +368,7 @@ class SentenceEncoder:
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
             weights = state
-            emb, tokenizer = _artifact(Path(embeddings), (run,), lambda: weights_fingerprint(weights))
+            emb, tokenizer, _ = _artifact(Path(embeddings), (run,), lambda: weights_fingerprint(weights))
             state = {**state, family.word: artifact_embeddings(emb, state[family.word]).float()}
         cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
                                   vocab_size=state[family.word].shape[0])
@@ -399,13 +428,17 @@ class TaskModel:
     embeddings: Path | None = None
 
     @classmethod
-    def load(cls, run: Path, embeddings: Path | None = None, device: torch.device | None = None) -> "TaskModel":
+    def load(cls, run: Path, embeddings: Path | None = None, device: torch.device | None = None,
+             graft: bool = False) -> "TaskModel":
         ft = load_finetuned(run)
-        tokenizer, artifact = ft.tokenizer, None
+        tokenizer, artifact, primary = ft.tokenizer, None, Path(ft.run["primary"]["run_dir"])
         if embeddings is not None:
-            artifact, tokenizer = _artifact(embeddings, (Path(ft.run["primary"]["run_dir"]),),
-                                            lambda: ft.run["primary"].get("fingerprint"))
+            artifact, tokenizer, meta = _artifact(embeddings, (primary,), lambda: ft.run["primary"].get("fingerprint"),
+                                                  _sibling_check(read_source(primary), body_only=True) if graft else None)
             artifact_embeddings(artifact, ft.state[ft.family.word])  # refuses embeddings of another width
+            if graft:  # only the word embeddings go into a task model; expand keeps its own source rows
+                word = artifact_state(ft.family, {"word_embeddings": artifact["word_embeddings"]}, meta, ft.state)
+                artifact = {"word_embeddings": word[ft.family.word]}
         model = ft.model()  # built once, on parallel.device()
         if device is not None and device != device_of(model):
             on_eval_device(model, device)  # in place: ft keeps it

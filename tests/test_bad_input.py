@@ -213,6 +213,15 @@ class Ctx:
         return ["export-hf", "--primary", str(runs[primary]), "--embeddings", str(art), *extra, "--output_dir",
                 str(self.out)]
 
+    def predict_graft(self, run: str, artifact: str | None, *extra: str) -> list[str]:
+        """predict over the graft_runs run `run`, with the last artifact of the run `artifact`."""
+        runs = self.request.getfixturevalue("graft_runs")
+        self.request.getfixturevalue("capsys").readouterr()
+        (self.tmp / "in.txt").write_text("Im Anfang schuf Gott\n")
+        art = [] if artifact is None else ["--embeddings", str(sorted((runs[artifact] / "embeddings").iterdir())[-1])]
+        return ["predict", "--run", str(runs[run]), *art, *extra, "--input", str(self.tmp / "in.txt"), "--output",
+                str(self.tmp / "out.jsonl")]
+
     def headless_run(self) -> str:
         """A headless BERT run: a BertModel imported (no MLM head)."""
         from mmadapt.hf import import_hf
@@ -629,6 +638,14 @@ CASES = [
      "if it is a model fine-tuned from that one (the same architecture and vocabulary; an imported classifier), "
      "pass --graft"),
     ("graft-into-the-base-itself", lambda c: c.graft("llama2-base", "llama2-replace", "--graft"), "drop --graft"),
+    ("predict-graft-without-embeddings", lambda c: c.predict_graft("llama2-sibling", None, "--graft"),
+     "--graft puts Step-2 embeddings into a sibling: pass --embeddings too"),
+    ("predict-graft-into-another-architecture", lambda c: c.predict_graft("qwen2-sibling", "llama2-expand", "--graft"),
+     "is not a sibling of"),
+    ("predict-graft-without-the-flag", lambda c: c.predict_graft("llama2-sibling", "llama2-replace"),
+     "(or, into a model fine-tuned from that one, pass --graft)"),
+    ("predict-graft-into-the-base-itself", lambda c: c.predict_graft("llama2-base", "llama2-replace", "--graft"),
+     "drop --graft"),
     ("sentence-transformers-module", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
         [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
          {"idx": 1, "name": "1", "path": "1_CNN", "type": "sentence_transformers.models.CNN"}]),

@@ -3,10 +3,12 @@
 mmadapt's logits, expand keeping the sibling's own source rows bit for bit, and the refusals."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
 
+from mmadapt import predict
 from mmadapt.artifact import artifact_state, read_artifact
 from mmadapt.cli import main
 from mmadapt.graft import check_siblings
@@ -65,6 +67,14 @@ def test_a_graft_exports_what_mmadapt_computes_and_expand_keeps_the_siblings_row
             mine = model.heads.heads[0](model.hidden_states(ids)[-1][0], model.output_weight)
             theirs = hf(input_ids=to_hf[ids[0]][None]).logits[0][:, to_hf]
         assert (mine - theirs).abs().max().item() <= 1e-5
+    # predict --graft: the same graft for inference, its next-piece logits transformers' on its own input ids
+    grafted = predict.load(sibling, artifact, graft=True, device="cpu")
+    text = "Im Anfang schuf Gott Himmel und Erde."
+    ids = grafted.encode([text])[0]
+    with torch.no_grad():
+        theirs = hf(input_ids=to_hf[ids][None]).logits[0][:, to_hf]
+    assert (grafted.logits([text])[grafted.heads[0]][0] - theirs).abs().max().item() <= 1e-5
+    assert f"graft: {sibling} is a sibling of" in capsys.readouterr().err
     if mode == "expand":  # the sibling's own source rows, bit for bit, in its own (exported) order
         rows = len(load(read_source(sibling).tokenizer).hf_ids)
         exported = hf.get_input_embeddings().weight.detach()
@@ -103,6 +113,17 @@ def test_evaluate_scores_the_graft_in_bits_per_byte_beside_the_siblings_own(graf
     assert f"graft: {sibling} is a sibling of" in out and "## bits per byte of held-out text" in out
     records = json.loads((tmp_path / "r.json").read_text())
     assert [r["step"] for r in records] == [0, 2]
+    system = json.loads((Path(runs) / "run.json").read_text())["system"]
+    assert {(r["system"], r["grafted_into"]) for r in records} == {(f"{system} [graft into {sibling.name}]",
+                                                                    str(sibling))}
+    # the same embeddings through the base itself, reported beside the graft: two curves, not one
+    assert main(["evaluate", "--primary", str(graft_runs["llama2-base"]), *argv[3:], "--output",
+                 str(tmp_path / "base.json")]) == 0
+    assert "grafted_into" not in json.loads((tmp_path / "base.json").read_text())[0]
+    assert main(["report", str(tmp_path / "r.json"), str(tmp_path / "base.json"), "--output",
+                 str(tmp_path / "report.md")]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert f"| {system} [graft into {sibling.name}] |" in report and f"| {system} |" in report
     per_byte = {name: ByteScorer(Scorer(Primary.read(graft_runs[name])), 32, 1024) for name in
                 ("llama2-sibling", "llama2-base")}
     none = {name: s.none(s.text(data)) for name, s in per_byte.items()}
@@ -400,7 +421,8 @@ def test_a_graft_into_an_imported_classifier_scores_and_exports(name, classifier
     said = capsys.readouterr().out
     assert f"graft: {run / 'body'} is a sibling of {classifiers[name]}" in said and "word_embeddings" in said
     records = json.loads((tmp_path / "r.json").read_text())
-    assert [r["system"] for r in records] == ["bl_base", "bl_base", "no_adaptation"]
+    assert [r["system"] for r in records] == ["bl_base [graft into clf]"] * 2 + ["no_adaptation"]  # not the base's
+    assert [r.get("grafted_into") for r in records] == [str(run)] * 2 + [None]
     assert all(r["lang"] == "de" and 0 <= r["score"] <= 100 for r in records)
 
     artifact = sorted((adapt / "embeddings").iterdir())[-1]
@@ -412,6 +434,8 @@ def test_a_graft_into_an_imported_classifier_scores_and_exports(name, classifier
     art, tok, _ = read_artifact(artifact)
     _, mine = _mine(run, TEXTS, art, tok)
     _assert_transformers_logits(out, mine)
+    grafted = predict.load(run, artifact, graft=True, device="cpu")  # predict --graft: the same classifier
+    _assert_transformers_logits(out, grafted.logits(list(TEXTS))[2])
 
 
 def _regression(base, tmp_path):
@@ -469,7 +493,8 @@ def test_an_expanded_graft_keeps_the_classifiers_own_rows(name, classifiers, tmp
     adapt = classifiers[f"{name}-de-expand"]
     assert main(["evaluate", "--finetuned", str(run), "--embeddings", str(adapt), "--eval_file", "bible", "--graft",
                  "--output", str(tmp_path / "r.json")]) == 0
-    assert [r["system"] for r in json.loads((tmp_path / "r.json").read_text())] == ["bl_base"] * 2 + ["no_adaptation"]
+    assert [r["system"] for r in json.loads((tmp_path / "r.json").read_text())] == (["bl_base [graft into clf]"] * 2
+                                                                                   + ["no_adaptation"])
     artifact, out = sorted((adapt / "embeddings").iterdir())[-1], tmp_path / "out"
     assert main(["export-hf", "--finetuned", str(run), "--embeddings", str(artifact), "--graft",
                  "--output_dir", str(out)]) == 0
@@ -480,6 +505,8 @@ def test_an_expanded_graft_keeps_the_classifiers_own_rows(name, classifiers, tmp
     rows = own.get_input_embeddings().weight.shape[0]
     assert torch.equal(hf.get_input_embeddings().weight.detach()[:rows], own.get_input_embeddings().weight.detach())
     _assert_transformers_logits(out, mine)
+    # predict --graft: the classifier's own source rows there too, so transformers' logits again
+    _assert_transformers_logits(out, predict.load(run, artifact, graft=True, device="cpu").logits(list(TEXTS))[2])
 
 
 def test_a_half_precision_classifier_imports(classifiers, tmp_path):
