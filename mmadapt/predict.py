@@ -433,8 +433,9 @@ class TaskModel:
         ft = load_finetuned(run)
         tokenizer, artifact, primary = ft.tokenizer, None, Path(ft.run["primary"]["run_dir"])
         if embeddings is not None:
+            check = _sibling_check(read_source(primary), body_only=True) if graft else None
             artifact, tokenizer, meta = _artifact(embeddings, (primary,), lambda: ft.run["primary"].get("fingerprint"),
-                                                  _sibling_check(read_source(primary), body_only=True) if graft else None)
+                                                  check)
             artifact_embeddings(artifact, ft.state[ft.family.word])  # refuses embeddings of another width
             if graft:  # only the word embeddings go into a task model; expand keeps its own source rows
                 word = artifact_state(ft.family, {"word_embeddings": artifact["word_embeddings"]}, meta, ft.state)
