@@ -756,7 +756,8 @@ def shown_prog(name: str) -> str:
 # test_documented_commands.py runs them so) and a user can try one before the real run. Once the
 # flags are read (Parser.parse_args), a preset becomes its family's small one (roberta-base ->
 # tiny, qwen2-0.5b -> llama-tiny) and the sizes in TINY_FLAGS given on the command line are capped
-# (a vocabulary at the small presets' 2000 pieces, so that a prepared dataset still fits its model);
+# (a vocabulary trained here at the small presets' 2000 pieces, so that a prepared dataset still
+# fits its model; an existing tokenizer's is kept);
 # `override` then caps the sizes in TINY_CAPS of every config it builds, whether a flag or the
 # preset set them. Nothing else changes: paths, systems, recipes, data formats, and an imported
 # model's own shape.
@@ -764,7 +765,7 @@ TINY_ENV = "MMADAPT_TINY"
 TINY_CAPS = {"train_iters": 8, "lr_warmup_iters": 2, "log_interval": 4, "seq_length": 64,
              "train_micro_batch_size_per_gpu": 4, "epochs": 1.0, "eval_iters": 2, "plugin_eval_blocks": 8,  # steps
              "workers": 2, "tokenizer_sample_lines": 50_000, "plugin_blocks": 8}  # PreprocessConfig, SweepConfig
-TINY_FLAGS = {"vocab_size": 2000, "plugin_blocks": 8,  # preprocess, adapt, sweep; evaluate
+TINY_FLAGS = {"vocab_size": 2000, "plugin_blocks": 8, "seq_length": 64,  # preprocess, adapt, sweep; evaluate
               "head_iters": 8, "minipost_iters": 8, "adapt_iters": 8, "batch": 4, "bpb_bytes": 4096}  # extend
 
 
@@ -776,6 +777,8 @@ def tiny_sizes(args: argparse.Namespace) -> argparse.Namespace:
     if getattr(args, "preset", None) is not None:
         args.preset = find_preset(args.preset)[0].small_preset
     for name, cap in TINY_FLAGS.items():
+        if name == "vocab_size" and getattr(args, "tokenizer", None):
+            continue  # an existing tokenizer's vocabulary (a model's embedding rows) is no size to shrink
         if getattr(args, name, None) is not None:
             setattr(args, name, min(getattr(args, name), cap))
     args._tiny_sizes = True

@@ -63,8 +63,9 @@ def make_roberta(out: Path, seed: int = 0) -> Path:
     return _save_model(RobertaForMaskedLM(cfg), out, seed)
 
 
-def make_xlmr(out: Path, seed: int = 1) -> Path:
-    """XLMRobertaForMaskedLM + SentencePiece (ids: <s> 0, <pad> 1, </s> 2, <unk> 3, pieces + 1, <mask> last)."""
+def make_xlmr(out: Path, seed: int = 1, layers: int | None = None) -> Path:
+    """XLMRobertaForMaskedLM + SentencePiece (ids: <s> 0, <pad> 1, </s> 2, <unk> 3, pieces + 1, <mask> last).
+    layers: its depth instead of SHAPE's (a stand-in deep enough for MINIPOST's default mini-model)."""
     import sentencepiece as spm
     from transformers import XLMRobertaConfig, XLMRobertaForMaskedLM, XLMRobertaTokenizer
 
@@ -79,7 +80,8 @@ def make_xlmr(out: Path, seed: int = 1) -> Path:
     tok = XLMRobertaTokenizer.from_pretrained(str(out))
     tok.save_pretrained(str(out))
     torch.manual_seed(seed)
-    cfg = XLMRobertaConfig(vocab_size=len(tok), pad_token_id=1, bos_token_id=0, eos_token_id=2, **SHAPE)
+    cfg = XLMRobertaConfig(vocab_size=len(tok), pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                           **{**SHAPE, "num_hidden_layers": layers or SHAPE["num_hidden_layers"]})
     return _save_model(XLMRobertaForMaskedLM(cfg), out, seed)
 
 
@@ -208,14 +210,17 @@ def make_llama3(out: Path, seed: int = 4) -> Path:
     return out
 
 
-def make_qwen2(out: Path, seed: int = 5, train_steps: int = 0) -> Path:
+def make_qwen2(out: Path, seed: int = 5, train_steps: int = 0, rows: int | None = None, layers: int | None = None
+               ) -> Path:
     """Qwen2ForCausalLM (tied, QKV bias, rope_theta 1e6) + Qwen2-style byte-level BPE, with 5 embedding
     rows past the tokenizer's 603 (as Qwen2's 151,936 rows hold 151,646 tokens): bos, unk, pad
     and mask borrow the first four. train_steps > 0: trained that many updates on the English
     Bible first (next-token loss, verses separated by <|endoftext|>), so its logits are not
-    near-uniform."""
+    near-uniform. rows, layers: the embedding rows and depth instead (a stand-in for Qwen2-0.5B's
+    documented commands: its 151,936 rows, deep enough for MINIPOST's default mini-model)."""
     tok = make_byte_level_tokenizer(out, "qwen2")
-    hf = _decoder("qwen2", len(tok) + 5, seed, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+    hf = _decoder("qwen2", rows or len(tok) + 5, seed, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+                  num_hidden_layers=layers or DECODER_SHAPE["num_hidden_layers"],
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})
     if train_steps:
         train_briefly(hf, tok, train_steps, seed)
@@ -300,7 +305,8 @@ def make_wordpiece(out: Path, lowercase: bool = False, vocab_size: int = WORDPIE
     return tok
 
 
-def make_bert(out: Path, seed: int = 6, lowercase: bool = False, train_steps: int = 0, headless: bool = False) -> Path:
+def make_bert(out: Path, seed: int = 6, lowercase: bool = False, train_steps: int = 0, headless: bool = False,
+              layers: int | None = None) -> Path:
     """BertForMaskedLM (or, headless, BertModel with its pooler: bert_body) + a WordPiece trained on
     the English Bible; every weight perturbed, or (train_steps > 0) trained that many masked-LM
     updates first, so that its logits are not near-uniform."""
@@ -308,7 +314,8 @@ def make_bert(out: Path, seed: int = 6, lowercase: bool = False, train_steps: in
 
     tok = make_wordpiece(out, lowercase)
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(tok) + len(tok) % 2, pad_token_id=tok.pad_token_id, **BERT_SHAPE)
+    cfg = BertConfig(vocab_size=len(tok) + len(tok) % 2, pad_token_id=tok.pad_token_id,
+                     **{**BERT_SHAPE, "num_hidden_layers": layers or BERT_SHAPE["num_hidden_layers"]})
     hf = BertForMaskedLM(cfg)
     _perturb(hf, seed)
     if train_steps:

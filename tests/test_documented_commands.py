@@ -227,6 +227,32 @@ exec "{python}" "$@"
 """
 
 
+HF_SHIM = """#!/bin/sh
+# `hf download REPO --local-dir DIR` where nothing can be downloaded: the stand-in the test made for REPO
+[ "$1" = download ] || { echo "hf (test shim): only download" >&2; exit 2; }
+hub="$(dirname "$0")/../hub"; repo=$2; dir=""; shift 2
+while [ $# -gt 0 ]; do case "$1" in --local-dir) dir=$2; shift 2;; *) shift;; esac; done
+[ -d "$hub/$repo" ] || { echo "hf (test shim): no stand-in for $repo" >&2; exit 2; }
+mkdir -p "$dir" && cp -r "$hub/$repo/." "$dir"
+"""
+
+
+def stand_ins(hub: Path) -> None:
+    """What `hf download` gives docs/huggingface.md's commands here: tiny models of each repository's
+    architecture and tokenizer kind, made with transformers (tests/hf_models.py), 6 layers deep
+    (MINIPOST's default mini-model takes 4), Qwen2-0.5B's 151,936 embedding rows included (its
+    preprocess line names them), and its Instruct sibling fine-tuned from it."""
+    import hf_models
+
+    if hub.is_dir():
+        return
+    qwen2 = hf_models.make_qwen2(hub / "Qwen/Qwen2-0.5B", train_steps=20, rows=151_936, layers=6)
+    hf_models.make_sibling(qwen2, hub / "Qwen/Qwen2-0.5B-Instruct", steps=5)
+    hf_models.make_xlmr(hub / "FacebookAI/xlm-roberta-base", layers=6)
+    body = hf_models.make_bert(hub / "bert-body", headless=True, layers=6)
+    hf_models.as_sentence_transformer(body, hub / "sentence-transformers/paraphrase-multilingual-MiniLM-L12-v2")
+
+
 def runnable_blocks(text: str) -> list[tuple[int, str]]:
     """(line number, text) of every ```bash block of a Markdown document that NOT_RUN does not mark."""
     out, lines = [], text.splitlines()
@@ -249,11 +275,13 @@ def workspace(root: Path) -> dict[str, str]:
         (root / name).symlink_to(REPO / name)
     for lang in ("en", "de"):
         write_bible_corpus(lang, root / "cc100" / f"{lang}.txt", books=range(40, 46))  # the Gospels and Acts
+        (root / "data" / "cc100").mkdir(parents=True, exist_ok=True)  # where docs/huggingface.md keeps it
+        (root / "data" / "cc100" / f"{lang}.txt").symlink_to(Path("..", "..", "cc100", f"{lang}.txt"))
     labels = ("entailment", "neutral", "contradiction")
     verses = {lang: [t for *_, t in bible_verses(lang, range(40, 41))] for lang in ("en", "de")}
     rng = random.Random(0)
-    (root / "data" / "MNLI").mkdir(parents=True)
-    (root / "data" / "XNLI-1.0").mkdir(parents=True)
+    (root / "data" / "MNLI").mkdir()
+    (root / "data" / "XNLI-1.0").mkdir()
     with open(root / "data" / "MNLI" / "train.tsv", "w", encoding="utf-8") as f:
         f.write("index\tsentence1\tsentence2\tgold_label\n")
         f.writelines(f"{i}\t{verses['en'][i]}\t{verses['en'][i + 1]}\t{rng.choice(labels)}\n" for i in range(120))
@@ -272,6 +300,7 @@ def workspace(root: Path) -> dict[str, str]:
         z.extractall(root / "models" / "all-MiniLM-L6-v2")
     (root / "bin" / "mmadapt").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m mmadapt.cli "$@"\n')
     (root / "bin" / "deepspeed").write_text(DEEPSPEED_SHIM.replace("{python}", sys.executable))
+    (root / "bin" / "hf").write_text(HF_SHIM)  # its stand-ins in <root>/hub (stand_ins)
     (root / "bin" / "python").symlink_to(sys.executable)
     for shim in (root / "bin").iterdir():
         shim.chmod(0o755)
@@ -342,6 +371,8 @@ def test_a_doc_runs_as_written(doc, readme, tmp_path):
     (root / "models" / "all-MiniLM-L6-v2").symlink_to(source / "models" / "all-MiniLM-L6-v2")
     env = {**env, "PATH": env["PATH"].replace(str(source), str(root))}
     text = (REPO / doc).read_text(encoding="utf-8")
+    if "hf download" in text:
+        stand_ins(root / "hub")
     for _, block in runnable_blocks(text):
         for pattern in outputs(block):
             for path in root.glob(pattern):
