@@ -1,20 +1,21 @@
-"""Why an expanded vocabulary's Step 2 cannot start near the target unigram model on a real
+"""Why an expanded vocabulary's Step 2 starts far above the target unigram model on a real
 encoder: the German (Russian) loss through the primary model split by what each held-out
 position's target is, a source piece (its output row and bias frozen: the source language's
 guarantee) or a new piece, at update 0 and after Step 2.
 
 At a position whose target is a source piece the loss is at least the cross-entropy over the
 source logits alone (the new pieces can only take mass away): the frozen English output side,
-reading the German context, sets it, whatever the new rows are. At a position whose target is a
-new piece the loss is at least the new pieces' own unigram cost among themselves (-log q(piece |
-new)). Even routing every position's mass to the right side perfectly (a start that knows each
-target's kind) leaves
+reading the German context, sets it, whatever the new pieces' output rows and bias are (their
+input rows change the context it reads). A start that predicts a new piece by its frequency
+among the new pieces (-log q(piece | new), what a start derived from the text's statistics
+knows) and routes every position's mass to the right kind leaves
 
     floor = (1 - s) * CE_source + s * U_new,      s the share of new-piece targets,
 
-and a start that cannot tell the kinds apart pays -log(1 - s) and -log s on top. The target's
-unigram model pays neither floor: it fits the source pieces' German frequencies, which expand
-freezes at English's. Reads the finished runs of benchmarks/real_weights.py (its --output_dir).
+and one that cannot tell the kinds apart pays -log(1 - s) and -log s on top. Only a start that
+predicted the new pieces from their context, better than their frequencies, would go below it.
+The target's unigram model pays no such cost at source-piece targets: it fits the source pieces'
+German frequencies, which expand freezes at English's. Reads the finished runs of benchmarks/real_weights.py (its --output_dir).
 
     python benchmarks/expand_floor.py --output_dir /tmp/real_weights
 """
@@ -85,9 +86,10 @@ def markdown(rows: list[dict]) -> str:
            "output bias calibrated so that English rises by 0.005 nats), scored on held-out target verses through "
            "the head-fitted primary model, split by each position's target: a source piece (its row and output "
            "bias frozen at English's) or a new piece. `CE over source logits`: the loss at source-piece targets "
-           "if the new pieces took no mass there, which no choice of the new rows lowers at update 0. "
-           "`floor, routed`: (1 - s) CE_source + s U_new, the least loss of any new-piece output start that "
-           "knew each position's target kind; `floor, unrouted`: the least of one that cannot tell them apart. "
+           "if the new pieces took no mass there, which no choice of the new output rows lowers at update 0. "
+           "`floor, routed`: (1 - s) CE_source + s U_new, the loss of a start that knew each position's "
+           "target kind and predicted the new pieces by their frequencies among themselves; `floor, unrouted`: "
+           "the same start unable to tell the kinds apart. "
            "Written by `python benchmarks/expand_floor.py`.", ""]
     out.append(table(rows, [("system", "system"), ("lang", "lang"), ("when", "when"), ("loss", "loss"),
                             ("unigram", "target unigram"), ("new_target_share", "new-piece targets"),

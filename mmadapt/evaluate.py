@@ -35,6 +35,7 @@ from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, Framing, encode_classify, special_mask, unknown_share
 from mmadapt.finetune import check_positions, is_finished, primary_state
 from mmadapt.graft import check_siblings, grafted
+from mmadapt.hf_classifier import BODY
 from mmadapt.models.layers import Padding
 from mmadapt.devices import device_of, host_to_device, on_eval_device, progress, swapped
 from mmadapt.parallel import device
@@ -333,8 +334,8 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
 
     graft: the artifacts were trained over a base encoder and the runs fine-tune a sibling of it
     (an imported classifier, whose own word embeddings moved): checked (graft.check_siblings over
-    the bodies) and printed before anything is scored; its records are named as grafts
-    (graft.grafted: the first fine-tuned run is the sibling's name)."""
+    the bodies) and printed before anything is scored; its records are named as grafts into the
+    runs' primary model (graft.grafted; an imported classifier: its run)."""
     paths = artifact_dirs(artifacts)  # the cheap check first
     runs, cfgs, primary, warnings = _finetuned_runs(finetuned, eval_batch_tokens, cfg_override)
     if graft:
@@ -346,11 +347,16 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     # The first run's settings read the evaluation files (your own task's columns) and name the
     # headline; every metric is recorded, averaged over the seeds.
     scoring, records = Scoring(runs, cfgs, eval_spec), []
+    # The sibling a graft goes into: the runs' primary model; an imported classifier's is its own
+    # encoder, inside the classifier's run (hf_classifier.BODY), which names it instead.
+    sibling = Path(primary.run_dir)
+    if sibling.name == BODY and sibling.resolve().parent == Path(finetuned[0]).resolve():
+        sibling = Path(finetuned[0])
     for path in progress(paths, f"zero-shot {runs[0].task.name}"):
         emb, tok, meta = read_artifact(path)  # its primary model checked above
         record = {**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb, meta),
                   "artifact": str(path), **warned}
-        records.append(grafted(record, finetuned[0]) if graft else record)
+        records.append(grafted(record, sibling) if graft else record)
     apart_runs(records)
     if no_adaptation:
         langs = list(dict.fromkeys(r["lang"] for r in records))

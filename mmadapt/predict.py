@@ -113,13 +113,14 @@ def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *,
 
 
 def _artifact(path: Path, owners: tuple[Path, ...], primary_now: Callable[[], str | None] = lambda: None,
-              graft: Callable[[dict], None] | None = None) -> tuple[dict, Path, dict]:
+              graft: Callable[[dict], None] | None = None, graftable: bool = True) -> tuple[dict, Path, dict]:
     """An artifact's tensors, tokenizer and meta.json, refused unless it belongs to one of
     `owners` (the model Step 2 trained it over, or the primary model Step 4 swaps it into), and,
     swapped into its primary model, unless that model's weights changed since (`primary_now`:
     their fingerprint now, computed only where the artifact recorded one). graft: the artifact
     belongs to a base of which the owner is a sibling instead, checked by graft(meta) (one
-    that belongs to the owner itself is refused: drop --graft)."""
+    that belongs to the owner itself is refused: drop --graft); graftable: whether the refusal of
+    another model's artifact may suggest a graft (not for a sentence encoder)."""
     emb, tokenizer, meta = read_artifact(path)
     if "source" not in meta:
         raise ValueError(f"{path}/meta.json does not name the run its embeddings were trained over: it is not an "
@@ -136,8 +137,8 @@ def _artifact(path: Path, owners: tuple[Path, ...], primary_now: Callable[[], st
         return emb, tokenizer, meta
     if not mine & {o.resolve() for o in owners}:
         raise ValueError(f"{path} holds embeddings for the model of {meta['source']}, not of "
-                         f"{' or '.join(map(str, owners))}: load that run with it (or, into a model fine-tuned "
-                         "from that one, pass --graft)")
+                         f"{' or '.join(map(str, owners))}: load that run with it" + (
+                             " (or, into a model fine-tuned from that one, pass --graft)" if graftable else ""))
     if meta.get("primary_fingerprint") and artifact_primary(meta).resolve() in {o.resolve() for o in owners}:
         check_primary_unchanged(path, meta, primary_now())
     return emb, tokenizer, meta
@@ -368,7 +369,8 @@ class SentenceEncoder:
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
             weights = state
-            emb, tokenizer, _ = _artifact(Path(embeddings), (run,), lambda: weights_fingerprint(weights))
+            emb, tokenizer, _ = _artifact(Path(embeddings), (run,), lambda: weights_fingerprint(weights),
+                                          graftable=False)
             state = {**state, family.word: artifact_embeddings(emb, state[family.word]).float()}
         cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
                                   vocab_size=state[family.word].shape[0])

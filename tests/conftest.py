@@ -80,7 +80,8 @@ def _tokenizer(corpus: Path, tmp_path_factory) -> Path:
 def pytest_configure(config):
     """Under pytest-xdist (`-n N`), each worker's torch and the processes it starts get a share of
     the cores (OMP_NUM_THREADS): N workers of one default-sized thread pool each would oversubscribe
-    a small machine's cores, which slows every worker several-fold."""
+    a small machine's cores, which slows every worker several-fold. transformers' log handler is
+    made before any test captures stderr (below)."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         import torch
@@ -88,6 +89,15 @@ def pytest_configure(config):
         threads = max(1, (os.cpu_count() or 1) // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+    # transformers' log handler writes to the sys.stderr of the moment transformers is first
+    # imported; first imported inside a test that captures stderr (capsys), it writes later to that
+    # closed capture, and a later test's warning becomes a "Logging error" traceback on its stderr
+    # (test_bad_input then test_graft in one worker did). Made here, it holds the session's stderr.
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:  # the `hf` extra is optional
+        return
+    transformers_logging.get_logger("transformers")
 
 
 def pytest_collection_modifyitems(config, items):

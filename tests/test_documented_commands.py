@@ -6,10 +6,11 @@ the command line, or a flag a command no longer has, fails here, naming the file
 
 Every subcommand's `--help` is read the same way for example command lines (none holds one today).
 
-What this does not do is run them: their inputs (runs/..., data/cc100/...) are the user's. The
-commands whose parser lives in their main (flops, report, import-hf, export-hf, extend) are run
-as written in an empty directory, where they compute (flops) or refuse a missing input in one
-line; neither may be an argument error."""
+The commands whose parser lives in their main (flops, report, import-hf, export-hf, extend) are
+also run as written in an empty directory, where they compute (flops) or refuse a missing input in
+one line; neither may be an argument error. Then every block runs, with bash, at MMADAPT_TINY=1's
+sizes (the section at the end): the README first, in a directory holding what a user brings, and
+each document that continues it in a copy of that directory."""
 
 from __future__ import annotations
 
@@ -301,7 +302,7 @@ def workspace(root: Path) -> dict[str, str]:
     (root / "bin" / "mmadapt").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m mmadapt.cli "$@"\n')
     (root / "bin" / "deepspeed").write_text(DEEPSPEED_SHIM.replace("{python}", sys.executable))
     (root / "bin" / "hf").write_text(HF_SHIM)  # its stand-ins in <root>/hub (stand_ins)
-    (root / "bin" / "python").symlink_to(sys.executable)
+    (root / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # a venv's, too
     for shim in (root / "bin").iterdir():
         shim.chmod(0o755)
     return child_env(PATH=f"{root / 'bin'}{os.pathsep}{os.environ['PATH']}", MMADAPT_TINY="1",
@@ -313,12 +314,13 @@ def run_blocks(doc: str, text: str, root: Path, env: dict[str, str]) -> list[str
     """Run `text`'s blocks in order in `root` -> one line per block that failed (where, exit, last error)."""
     failed = []
     for line, block in runnable_blocks(text):
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=root, env=env, capture_output=True,
+        proc = subprocess.run(["bash", "-xeuo", "pipefail", "-c", block], cwd=root, env=env, capture_output=True,
                               text=True, timeout=900)
         if proc.returncode != 0:
             said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-            said = [l for l in said if l.startswith("error:")] or said[-3:]  # the one line, else the end
-            failed.append(f"{doc}:{line}: exit {proc.returncode}: {' | '.join(said)}")
+            ran = [l.lstrip("+ ") for l in said if l.startswith("+")]  # bash -x: each command as it ran
+            said = [l for l in said if l.startswith("error:")] or [l for l in said if not l.startswith("+")][-3:]
+            failed.append(f"{doc}:{line}: exit {proc.returncode}: {ran[-1][:160] if ran else ''}: {' | '.join(said)}")
             break  # the blocks after it build on it
     return failed
 
@@ -331,11 +333,12 @@ RUN_DOCS = ("docs/pretraining.md", "docs/mini-models.md", "docs/decoders.md", "d
 
 
 def outputs(block: str) -> list[str]:
-    """The paths a block's commands write (--output_dir, --output), a loop's variable as a wildcard."""
+    """The paths a block's commands write (--output_dir, --output), a loop's variable as a wildcard;
+    comment lines aside."""
     loop_vars = re.findall(r"for (\w+) in ", block)
-    joined = re.sub(r"\\\n\s*", " ", block)
-    found = re.findall(r"--output(?:_dir)? (\S+)", joined)
-    return [re.sub(r"\$\{?(" + "|".join(loop_vars) + r")\}?", "*", f) if loop_vars else f for f in found]
+    lines = [l for l in re.sub(r"\\\n\s*", " ", block).splitlines() if not l.lstrip().startswith("#")]
+    found = re.findall(r"--output(?:_dir)?[ =](\S+)", "\n".join(lines))
+    return [re.sub(r"\$\{?(" + "|".join(loop_vars) + r")\b\}?", "*", f) if loop_vars else f for f in found]
 
 
 @pytest.fixture(scope="module")
@@ -344,6 +347,17 @@ def readme(tmp_path_factory) -> tuple[Path, dict[str, str], list[str]]:
     root = tmp_path_factory.mktemp("readme")
     env = workspace(root)
     return root, env, run_blocks("README.md", (REPO / "README.md").read_text(encoding="utf-8"), root, env)
+
+
+def test_every_other_document_runs_nothing_unmarked():
+    """A document outside RUN_DOCS (and the README) has no bash block left without a NOT_RUN mark:
+    a new one there would never run."""
+    for doc in DOCS:
+        name = str(doc.relative_to(REPO))
+        if name != "README.md" and name not in RUN_DOCS:
+            assert runnable_blocks(doc.read_text(encoding="utf-8")) == [], f"{name}: add it to RUN_DOCS or mark it"
+    assert outputs("for s in 1 2; do\n  x --output_dir runs/$s-$seed --output=r/$s.json\ndone\n# y --output z\n") == [
+        "runs/*-$seed", "r/*.json"]
 
 
 @pytest.mark.slow
@@ -393,5 +407,6 @@ def test_a_broken_example_fails_the_run(tmp_path):
            "```bash\ntouch after\n```\n")
     assert [line for line, _ in runnable_blocks(doc)] == [3, 12, 16]
     failed = run_blocks("doc.md", doc, tmp_path, env)
-    assert len(failed) == 1 and failed[0].startswith("doc.md:12: exit 2: ") and "--frobnicate" in failed[0], failed
+    assert len(failed) == 1 and failed[0].startswith("doc.md:12: exit 2: mmadapt adapt --system bl_base"), failed
+    assert failed[0].endswith("unrecognized arguments: --frobnicate 1 (see --help)"), failed
     assert (tmp_path / "data" / "en" / "manifest.json").is_file() and not (tmp_path / "after").exists()
