@@ -15,7 +15,8 @@ knows) and routes every position's mass to the right kind leaves
 and one that cannot tell the kinds apart pays -log(1 - s) and -log s on top. Only a start that
 predicted the new pieces from their context, better than their frequencies, would go below it.
 The target's unigram model pays no such cost at source-piece targets: it fits the source pieces'
-German frequencies, which expand freezes at English's. Reads the finished runs of benchmarks/real_weights.py (its --output_dir).
+German frequencies, which expand freezes at English's. Reads the finished runs of
+benchmarks/real_weights.py (its --output_dir).
 
     python benchmarks/expand_floor.py --output_dir /tmp/real_weights
 """
