@@ -34,7 +34,7 @@ from mmadapt.engine import PLACEHOLDER
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, Framing, encode_classify, special_mask, unknown_share
 from mmadapt.finetune import check_positions, is_finished, primary_state
-from mmadapt.graft import check_siblings, grafted
+from mmadapt.graft import check_siblings, grafted, not_a_graft
 from mmadapt.hf_classifier import BODY
 from mmadapt.models.layers import Padding
 from mmadapt.devices import device_of, host_to_device, on_eval_device, progress, swapped
@@ -408,8 +408,7 @@ def graft_check(paths: list[Path], primary: PrimaryRef) -> None:
     for path in paths:
         meta = checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
         if artifact_primary_ref(meta).same(primary):
-            raise ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {path} was "
-                             f"trained over {primary.run_dir} itself: drop --graft")
+            raise not_a_graft(path, primary.run_dir)
         base = artifact_primary(meta).resolve()
         if base not in checked:
             sibling = sibling or read_source(primary.run_dir)

@@ -112,6 +112,13 @@ def sibling_check(base_run: str | Path, sibling_run: str | Path, meta: dict) -> 
     return check_siblings(read_source(base_run), read_source(sibling_run), meta)
 
 
+def not_a_graft(artifact: str | Path, model: str | Path) -> ValueError:
+    """The one refusal of --graft (export-hf, evaluate, predict) for an artifact trained over
+    `model` itself: nothing to graft."""
+    return ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {artifact} was "
+                      f"trained over {model} itself: drop --graft")
+
+
 def grafted(record: dict, sibling: str | Path) -> dict:
     """A Step-4 record of embeddings trained over a base and scored grafted into `sibling` (the
     run fine-tuned from the base): `grafted_into` says where, and its system is named apart from

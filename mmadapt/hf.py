@@ -34,6 +34,7 @@ from mmadapt.artifact import artifact_primary, artifact_state, check_primary_unc
 from mmadapt.checkpoint import load_pt, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import load_finetuned
+from mmadapt.graft import check_siblings, not_a_graft
 from mmadapt.family import HFMapping, Implied, ModelFamily, inverse_permutation
 from mmadapt.models import FAMILIES
 from mmadapt.run import RUN_TOKENIZER, read_source, require_head, weights_fingerprint
@@ -681,11 +682,8 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                              "a model fine-tuned from that one (the same architecture and vocabulary; an imported "
                              "classifier), pass --graft")
         if graft and not grafted:
-            raise ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {embeddings} "
-                             f"were trained over {primary_run} itself: drop --graft")
+            raise not_a_graft(embeddings, primary_run)
         if grafted:
-            from mmadapt.graft import check_siblings
-
             sibling = source if finetuned is None else read_source(primary_run)
             for line in check_siblings(read_source(owner), sibling, meta, weights if finetuned is None else None,
                                        body_only=finetuned is not None).lines():

@@ -51,7 +51,7 @@ from mmadapt.devices import device_of, on_eval_device
 from mmadapt.evaluate import PAD_LOGIT, EvalBatches, EvalSet, Finetuned, load_finetuned, recorded_config, set_logits
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, best_spans, encode_classify, encode_span, encode_tag
-from mmadapt.graft import check_siblings
+from mmadapt.graft import check_siblings, not_a_graft
 from mmadapt.objectives import OBJECTIVES, Objective
 from mmadapt.parallel import device as default_device
 from mmadapt.parallel import named_device
@@ -131,8 +131,7 @@ def _artifact(path: Path, owners: tuple[Path, ...], primary_now: Callable[[], st
     mine = {Path(meta["source"]).resolve(), artifact_primary(meta).resolve()}
     if graft is not None:
         if mine & {o.resolve() for o in owners}:
-            raise ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {path} "
-                             f"was trained over {' or '.join(map(str, owners))} itself: drop --graft")
+            raise not_a_graft(path, " or ".join(map(str, owners)))
         graft(meta)
         return emb, tokenizer, meta
     if not mine & {o.resolve() for o in owners}:
