@@ -48,7 +48,7 @@ from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt import checkpoint, parallel
 from mmadapt.parallel import from_rank0
-from mmadapt.artifact import read_artifact, write_artifact, ARTIFACT_FILE
+from mmadapt.artifact import ARTIFACT_FILE, SAMPLED_KEY, read_artifact, write_artifact
 from mmadapt.config import (EMBEDDING_INITS, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig, StepSpec,
                             TrainConfig)
 from mmadapt.data import TEXT, TOKENIZER, check_prepared, replay_blocks
@@ -114,7 +114,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     with start_run(plan.run, plan.model, step.train, plan.identity, plan.data) as started:
         tokenizer = started.data / TOKENIZER
         start = Step2Start.build(plan.source, plan.body, step, tokenizer, started.data)
-        check_same_source(plan.run, "source_fingerprint", start.source_fingerprint, plan.source.path)
+        check_same_source(plan.run, {"source_fingerprint": lambda: start.source_fingerprint}, plan.source.path)
         if parallel.is_rank0():
             say_start(step.lang, step.train.embedding_init, plan.model, start.rows)
         writer = ArtifactWriter.of(plan, start, tokenizer)
@@ -580,7 +580,7 @@ class ArtifactWriter:
     meta: dict  # every artifact's meta.json fields
     seq_flops: dict[bool, float]  # per sequence, exact (False) and the paper's (True)
     probe: PluginProbe | None
-    fingerprint: dict  # {"primary_fingerprint": the primary model's} (run.weights_fingerprint)
+    fingerprint: dict  # the primary model's: {"primary_fingerprint": full, SAMPLED_KEY: sampled} (heldout.Primary)
 
     @classmethod
     def of(cls, plan: Step2Plan, start: Step2Start, tokenizer: Path) -> "ArtifactWriter":
@@ -607,8 +607,9 @@ class ArtifactWriter:
         seq_flops = {p: family.step_flops("adapt", model, train.seq_length, family.scored_fraction(train), paper=p)
                      for p in (False, True)}
         # The primary model these embeddings plug into (MINIPOST's: the run its mini-model was
-        # built from), known by its weights' fingerprint: Step 4 matches it by content, not by path.
-        fingerprint = {"primary_fingerprint": start.primary.fingerprint}
+        # built from), known by its weights' fingerprint: Step 4 matches it by content, not by path;
+        # every later load checks the weights by the sampled one (artifact.primary_changed).
+        fingerprint = {"primary_fingerprint": start.primary.fingerprint, SAMPLED_KEY: start.primary.sampled}
         trainable = step2_trainable(family, model, train.train_output_bias)
         return cls(plan.run.output_dir, family, model, start.init, trainable, tokenizer, meta, seq_flops, probe,
                    fingerprint)

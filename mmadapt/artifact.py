@@ -7,7 +7,8 @@ Layout of <adapt run>/embeddings/<tag>/:
                     (an expanded vocabulary's whole: the source rows, then the new rows)
     spm.model       the target (or merged) tokenizer
     meta.json       what, for how much Step-2 compute, for which primary model (its run and its
-                    weights' fingerprint: Step 4 matches it by content, not by path)
+                    weights' fingerprints: Step 4 matches it by content, not by path, through the
+                    full one; every load checks the primary's weights through the sampled one)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from mmadapt import checkpoint
 from mmadapt.data import load_checked_tokenizer
 from mmadapt.family import ModelFamily
-from mmadapt.run import RUN_FILE
+from mmadapt.run import RUN_FILE, sampled_fingerprint, weights_fingerprint
 
 ARTIFACT_FILE = "embeddings.pt"
 # The system of the records of fine-tuned runs scored with no adaptation (evaluate.no_adaptation_record).
@@ -135,16 +136,32 @@ def artifact_primary(meta: dict) -> Path:
     return Path(run["frozen_from"]["run_dir"]) if run.get("step") == "minipost" else src
 
 
-def check_primary_unchanged(path: Path, meta: dict, now: str | None) -> None:
+def primary_changed(meta: dict, weights: dict[str, torch.Tensor]) -> bool:
+    """Whether the primary model's `weights`, read now, differ from those Step 2 recorded in an
+    artifact's `meta`: by their sampled fingerprint where it recorded one (run.sampled_fingerprint:
+    the same cost at any size, which makes this check cheap enough for every load of the largest
+    checkpoints), else (an artifact written before it) the full one; False where it recorded none."""
+    if meta.get(SAMPLED_KEY):
+        return sampled_fingerprint(weights) != meta[SAMPLED_KEY]
+    return bool(meta.get("primary_fingerprint")) and weights_fingerprint(weights) != meta["primary_fingerprint"]
+
+
+def check_primary_unchanged(path: Path, meta: dict, now: str | None = None,
+                            weights: dict[str, torch.Tensor] | None = None) -> None:
     """Refuse an artifact (at `path`, its meta.json `meta`) swapped into its primary model whose
-    weights changed since Step 2 recorded them (`now`: the fingerprint they have now, as
-    run.weights_fingerprint computes it, or a fine-tuning run's record of it; None, or a record
-    without one: not checked)."""
+    weights changed since Step 2 recorded them: against a record of them (`now`: a fine-tuning
+    run's record of the full fingerprint; None, or an artifact without one: not checked), or
+    against the `weights` read now (primary_changed)."""
     recorded = meta.get("primary_fingerprint")
-    if recorded and now and recorded != now:
+    if (primary_changed(meta, weights) if weights is not None else bool(recorded and now and recorded != now)):
         raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)} as its weights were "
                          "when Step 2 ran, and they have changed since (other weights under the same path): restore "
                          "that checkpoint, or train Step 2 again over the model as it is")
+
+
+# meta.json's sampled fingerprint of the primary's weights (run.sampled_fingerprint), beside the
+# full one (primary_fingerprint, which records compare): what a load checks the weights by.
+SAMPLED_KEY = "primary_sampled_fingerprint"
 
 
 @dataclass(frozen=True)

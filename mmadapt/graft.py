@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from mmadapt.run import Source, read_source, weights_fingerprint
+from mmadapt.artifact import primary_changed
+from mmadapt.run import Source, read_source
 from mmadapt.tokenizer import pieces
 
 
@@ -62,7 +63,7 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
     """Refuse, in one line, a `sibling` that is not one of `base` (another family, tensor name or
     shape, another source vocabulary; for an expanded artifact (`meta`), untied output rows or
     an output bias that moved), or a `base` whose weights changed since the artifact's Step 2 recorded them
-    (its primary_fingerprint), else -> the per-group distances. sibling_weights: the sibling's
+    (its fingerprints: artifact.primary_changed), else -> the per-group distances. sibling_weights: the sibling's
     full weights where the caller read them already. body_only: the sibling is a task model's
     encoder (an imported classifier, hf_classifier.py), which takes the artifact's word embeddings
     alone: only the bodies (ModelFamily.task_state) are compared, no output side."""
@@ -70,8 +71,7 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
     if sibling.family.name != base.family.name:
         raise ValueError(f"{what}: it is a {sibling.family.name} model, the base a {base.family.name} one")
     mine, theirs = base.weights(), sibling_weights if sibling_weights is not None else sibling.weights()
-    recorded = meta.get("primary_fingerprint")
-    if recorded and weights_fingerprint(mine) != recorded:
+    if primary_changed(meta, mine):
         raise ValueError(f"the embeddings were trained over {base.path} as its weights were when Step 2 ran, and they "
                          "have changed since (other weights under the same path): restore that model, or train "
                          "Step 2 again over it as it is")

@@ -28,7 +28,8 @@ from mmadapt.family import ModelFamily
 from mmadapt.models.layers import Padding, masked_positions
 from mmadapt.objectives import MLM, Objective
 from mmadapt.parallel import device
-from mmadapt.run import Source, read_source, require_head, run_text_layout, weights_fingerprint
+from mmadapt.run import (Source, read_source, require_head, run_text_layout, sampled_fingerprint,
+                         weights_fingerprint)
 
 UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
 
@@ -54,20 +55,22 @@ def primary_head_state(primary_run: Path) -> tuple[ModelConfig, dict[str, torch.
 class Primary:
     """The primary model an artifact plugs into, read once: its run (`ref`: run_dir and tag; its
     record), its family, its one-head config and state (`primary_head`), and its full weights'
-    fingerprint (run.weights_fingerprint; None where it was not asked for)."""
+    fingerprints (run.weights_fingerprint, what records compare, and run.sampled_fingerprint, what
+    a load checks the weights by; None where they were not asked for)."""
     ref: dict
     record: dict
     family: ModelFamily
     cfg: ModelConfig
     state: dict[str, torch.Tensor]
     fingerprint: str | None = None
+    sampled: str | None = None
 
     @classmethod
     def of(cls, source: Source, weights: dict[str, torch.Tensor], fingerprint: bool = True) -> "Primary":
         """The primary model of the run `source` from its full `weights` (already read)."""
         cfg, state = primary_head(source.family, source.cfg, weights)
         return cls({"run_dir": str(source.path), "tag": source.tag}, source.record, source.family, cfg, state,
-                   weights_fingerprint(weights) if fingerprint else None)
+                   *((weights_fingerprint(weights), sampled_fingerprint(weights)) if fingerprint else (None, None)))
 
     @classmethod
     def read(cls, run_dir: Path, tag: str | None = None, what: str = "the plug-in metric") -> "Primary":

@@ -37,7 +37,7 @@ from mmadapt.evaluate import load_finetuned
 from mmadapt.graft import check_siblings, not_a_graft
 from mmadapt.family import HFMapping, Implied, ModelFamily, inverse_permutation
 from mmadapt.models import FAMILIES
-from mmadapt.run import RUN_TOKENIZER, read_source, require_head, weights_fingerprint
+from mmadapt.run import RUN_TOKENIZER, read_source, require_head
 from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf
 from mmadapt.tokenizer import kind as tokenizer_kind
 
@@ -690,8 +690,8 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                 print(line)
         elif finetuned is not None:  # the primary's weights as Step 3 recorded them
             check_primary_unchanged(Path(embeddings), meta, ft.run["primary"].get("fingerprint"))
-        elif meta.get("primary_fingerprint"):
-            check_primary_unchanged(Path(embeddings), meta, weights_fingerprint(weights))
+        else:
+            check_primary_unchanged(Path(embeddings), meta, weights=weights)
         # A task model has no output head: only the word embeddings are swapped into it.
         # (an expanded vocabulary's keep the model's own source rows: artifact.artifact_state)
         swap = artifact_state(family, emb if kind is None else {"word_embeddings": emb["word_embeddings"]}, meta, state)

@@ -33,7 +33,7 @@ import torch
 from mmadapt.checkpoint import staged_dir, write_weights_only
 from mmadapt.config import FinetuneConfig, to_dict
 from mmadapt.models import FAMILIES
-from mmadapt.run import read_source, weights_fingerprint
+from mmadapt.run import read_source, sampled_fingerprint, weights_fingerprint
 from mmadapt.tasks import TASKS, get_task
 from mmadapt.tokenizer import HFTokenizer
 
@@ -117,7 +117,8 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
             body_run["imported_from"].update(model=str(model_dir), note=note)
             (tmp / BODY / "run.json").write_text(json.dumps(body_run, indent=2))
             source = read_source(tmp / BODY)
-            cfg, body_state = primary_state(source)
+            weights = source.weights()
+            cfg, body_state = primary_state(source, weights)
             names = family.hf.task_head_names("classify")
             hf_state = hf.state_dict()
             missing = [theirs for theirs in names.values() if theirs not in hf_state]
@@ -136,7 +137,8 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
             run = {"step": "finetune", "model": to_dict(cfg), "finetune": to_dict(ft), "task": task_name,
                    "labels": labels, "metric": get_task(task_name).metric, "updates": 0, "global_batch": 0,
                    "primary": {"run_dir": str(output_dir.resolve() / BODY), "tag": source.tag,
-                               "fingerprint": weights_fingerprint(source.weights())},
+                               "fingerprint": weights_fingerprint(weights),
+                               "sampled_fingerprint": sampled_fingerprint(weights)},
                    "imported_from": {"model": str(model_dir), "architecture": arch,
                                      "model_type": hf_cfg.get("model_type")},
                    "warnings": []}

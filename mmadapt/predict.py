@@ -58,8 +58,7 @@ from mmadapt.parallel import named_device
 from mmadapt.heldout import scoring_model
 from mmadapt.hf import SENTENCE_TRANSFORMERS
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
-from mmadapt.run import (RUN_FILE, Source, read_source, require_head, run_family, run_text_layout,
-                         weights_fingerprint)
+from mmadapt.run import RUN_FILE, Source, read_source, require_head, run_family, run_text_layout
 from mmadapt.tasks import Task, get_task
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
@@ -112,12 +111,13 @@ def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *,
     return TaskModel.load(run, None if embeddings is None else Path(embeddings), dev, graft)
 
 
-def _artifact(path: Path, owners: tuple[Path, ...], primary_now: Callable[[], str | None] = lambda: None,
+def _artifact(path: Path, owners: tuple[Path, ...], primary: dict[str, torch.Tensor] | str | None = None,
               graft: Callable[[dict], None] | None = None, graftable: bool = True) -> tuple[dict, Path, dict]:
     """An artifact's tensors, tokenizer and meta.json, refused unless it belongs to one of
     `owners` (the model Step 2 trained it over, or the primary model Step 4 swaps it into), and,
-    swapped into its primary model, unless that model's weights changed since (`primary_now`:
-    their fingerprint now, computed only where the artifact recorded one). graft: the artifact
+    swapped into its primary model, unless that model's weights changed since (`primary`: its
+    weights as read now, or a fine-tuning run's record of their fingerprint;
+    artifact.check_primary_unchanged). graft: the artifact
     belongs to a base of which the owner is a sibling instead, checked by graft(meta) (one
     that belongs to the owner itself is refused: drop --graft); graftable: whether the refusal of
     another model's artifact may suggest a graft (not for a sentence encoder)."""
@@ -139,7 +139,7 @@ def _artifact(path: Path, owners: tuple[Path, ...], primary_now: Callable[[], st
                          f"{' or '.join(map(str, owners))}: load that run with it" + (
                              " (or, into a model fine-tuned from that one, pass --graft)" if graftable else ""))
     if meta.get("primary_fingerprint") and artifact_primary(meta).resolve() in {o.resolve() for o in owners}:
-        check_primary_unchanged(path, meta, primary_now())
+        check_primary_unchanged(path, meta, *((primary, None) if isinstance(primary, str) else (None, primary)))
     return emb, tokenizer, meta
 
 
@@ -211,7 +211,7 @@ class LanguageModel:
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
             weights = state
-            emb, tokenizer, meta = _artifact(embeddings, (run,), lambda: weights_fingerprint(weights),
+            emb, tokenizer, meta = _artifact(embeddings, (run,), weights,
                                              _sibling_check(source, weights) if graft else None)
             cfg, state = family.primary_model(cfg, state)
             artifact_embeddings(emb, state[family.word])  # refuses embeddings of another width
@@ -368,7 +368,7 @@ class SentenceEncoder:
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
             weights = state
-            emb, tokenizer, _ = _artifact(Path(embeddings), (run,), lambda: weights_fingerprint(weights),
+            emb, tokenizer, _ = _artifact(Path(embeddings), (run,), weights,
                                           graftable=False)
             state = {**state, family.word: artifact_embeddings(emb, state[family.word]).float()}
         cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
@@ -435,7 +435,7 @@ class TaskModel:
         tokenizer, artifact, primary = ft.tokenizer, None, Path(ft.run["primary"]["run_dir"])
         if embeddings is not None:
             check = _sibling_check(read_source(primary), body_only=True) if graft else None
-            artifact, tokenizer, meta = _artifact(embeddings, (primary,), lambda: ft.run["primary"].get("fingerprint"),
+            artifact, tokenizer, meta = _artifact(embeddings, (primary,), ft.run["primary"].get("fingerprint"),
                                                   check)
             artifact_embeddings(artifact, ft.state[ft.family.word])  # refuses embeddings of another width
             if graft:  # only the word embeddings go into a task model; expand keeps its own source rows

@@ -28,7 +28,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -401,21 +401,29 @@ def sampled_fingerprint(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def check_same_source(run: "RunSpec", key: str, now: str, source: Path) -> None:
-    """A --resume over a source whose weights changed since the run started (its record's `key`,
-    a fingerprint, against `now`) is refused before anything trains: the rest of the run would
-    train over other weights than its first checkpoints, and its artifacts name two models. Every
-    rank computes `now` from the weights it read, so every rank refuses alike."""
+def check_same_source(run: "RunSpec", checks: dict[str, Callable[[], str]], source: Path) -> None:
+    """A --resume over a source whose weights changed since the run started is refused before
+    anything trains: the rest of the run would train over other weights than its first
+    checkpoints, and its artifacts name two models. `checks`: a key of the run's record (a
+    fingerprint; dotted for a nested one) -> how to compute it from the weights read now, in
+    order of preference: the first key the record holds is compared (a run recorded before a
+    cheaper fingerprint existed holds only the older one). Every rank computes it from the
+    weights it read, so every rank refuses alike."""
     path = Path(run.output_dir) / RUN_FILE
     if not (run.resume and path.is_file()):
         return
-    recorded = checkpoint.read_json(path, "run file")
-    for part in key.split("."):
-        recorded = recorded.get(part) if isinstance(recorded, dict) else None
-    if recorded is not None and recorded != now:
-        raise ValueError(f"{source} changed since {run.output_dir} started over it (its weights differ from those "
-                         "the run recorded): resuming would train the rest over other weights; restore that "
-                         "checkpoint, or start a new run in a new --output_dir")
+    record = checkpoint.read_json(path, "run file")
+    for key, now in checks.items():
+        recorded = record
+        for part in key.split("."):
+            recorded = recorded.get(part) if isinstance(recorded, dict) else None
+        if recorded is None:
+            continue
+        if recorded != now():
+            raise ValueError(f"{source} changed since {run.output_dir} started over it (its weights differ from those "
+                             "the run recorded): resuming would train the rest over other weights; restore that "
+                             "checkpoint, or start a new run in a new --output_dir")
+        return
 
 
 def run_fingerprint(run_dir: str | os.PathLike, tag: str | None = None) -> str:

@@ -333,12 +333,15 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
         # The primary model's fingerprint (its weights' content): what Step 4 matches the
         # artifacts' primary model by, so that a copy of the run is the same model; a --resume
         # over a primary changed since is refused.
-        # (A full hash of every weight: computed where it is recorded, and on every rank of a resume.)
+        # (The full hash of every weight, which records compare, computed only where it is
+        # recorded; a resume checks the sampled one, the same cost at any size, on every rank.)
         resumed = run.resume and started.record.exists()
         if resumed:
-            check_same_source(run, "primary.fingerprint", weights_fingerprint(weights), source.path)
+            check_same_source(run, {"primary.sampled_fingerprint": lambda: sampled_fingerprint(weights),
+                                    "primary.fingerprint": lambda: weights_fingerprint(weights)}, source.path)
         started.record.write(run.resume, **({"primary": {**identity["primary"],
-                                                         "fingerprint": weights_fingerprint(weights)}}
+                                                         "fingerprint": weights_fingerprint(weights),
+                                                         "sampled_fingerprint": sampled_fingerprint(weights)}}
                                             if parallel.is_rank0() and not resumed else {}))
         if plan.positions and parallel.is_rank0():
             print(f"warning: {plan.positions}", flush=True)

@@ -584,12 +584,13 @@ def test_a_head_fit_is_bound_to_its_body_by_content(headless, corpus, tmp_path, 
     assert "which is gone" in capsys.readouterr().err
 
 
-def test_a_resume_over_a_changed_source_is_refused(runs, de_corpus, de_tokenizer, tmp_path, capsys):
+def test_a_resume_over_a_changed_source_is_refused(runs, de_corpus, de_tokenizer, tmp_path, capsys, monkeypatch):
     """Step 2 and Step 3 record their source's weights (Step 2 its sampled fingerprint, Step 3
     the primary's full one); a --resume after the source was replaced by other weights of the
     same shape under the same path is refused in one line before anything trains, the run left
     as it was, and so are predict and export-hf of a Step-2 artifact swapped into the changed
-    primary (its meta's primary_fingerprint); over the source as it was, all of them work."""
+    primary (its meta's fingerprints); over the source as it was, all of them work, and the
+    load hashes a sample of the primary's weights, not all of them."""
     from mmadapt.checkpoint import write_weights_only
     from mmadapt.cli import main as cli
     from mmadapt.parallel import init_parallel
@@ -632,4 +633,10 @@ def test_a_resume_over_a_changed_source_is_refused(runs, de_corpus, de_tokenizer
     shutil.rmtree(source / "checkpoints")
     shutil.move(kept, source / "checkpoints")
     assert cli([*adapt, "--resume"]) == 0 and cli([*finetune, "--resume"]) == 0
+    # a load checks the primary by its sampled fingerprint: no full hash of its weights
+    import mmadapt.artifact as artifact_module
+
+    def full_hash(_):
+        raise AssertionError("a load hashed every weight")
+    monkeypatch.setattr(artifact_module, "weights_fingerprint", full_hash)
     assert cli(["predict", "--run", str(source), "--embeddings", artifact, "--input", str(text)]) == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ADAPT, NO_DROPOUT, REPO, adapt_args, child_env, metrics, run_pretrain
-from mmadapt.artifact import read_artifact, write_artifact
+from mmadapt.artifact import SAMPLED_KEY, read_artifact, write_artifact
 from mmadapt import faults
 from mmadapt.config import FinetuneConfig
 from mmadapt import steps
@@ -21,7 +21,7 @@ from evaluation import evaluate_score, evaluate_scores, predict, swap_embeddings
 from mmadapt.evaluate import load_finetuned, recorded_config, retrieval_records
 from mmadapt.family import WORD
 from mmadapt.parallel import init_parallel
-from mmadapt.run import RunSpec, load_weights, run_fingerprint
+from mmadapt.run import RunSpec, load_weights, run_fingerprint, sampled_fingerprint
 from mmadapt.tasks import encode, read_examples, score
 from mmadapt.tokenizer import load as load_sp
 
@@ -235,6 +235,8 @@ def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, t
     # byte-identical copy of the primary run is the same model, wherever it lives.
     meta = json.loads((adapt / "embeddings" / "step00000004" / "meta.json").read_text())
     assert meta["primary_fingerprint"] == run_fingerprint(primary_run) == load_finetuned(out).run["primary"]["fingerprint"]
+    assert (meta[SAMPLED_KEY] == sampled_fingerprint(load_weights(primary_run)[1])
+            == load_finetuned(out).run["primary"]["sampled_fingerprint"])
     other = tmp_path / "other_primary"
     shutil.copytree(primary_run, other)
     artifact = tmp_path / "moved"

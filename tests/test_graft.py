@@ -153,30 +153,39 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
 
 
 def test_a_graft_over_a_base_changed_since_step2_is_refused(graft_runs, tmp_path, capsys):
-    """The artifact records its base's weights (primary_fingerprint): other weights of the same
-    shapes under the base's path, and export-hf --graft and the sibling check refuse in one line,
-    nothing written; with the base restored, the graft exports."""
+    """The artifact records its base's weights (primary_fingerprint, and the sampled one a load
+    checks): other weights of the same shapes under the base's path, and export-hf --graft and
+    the sibling check refuse in one line, nothing written, for an artifact written before the
+    sampled fingerprint too (by the full one); with the base restored, the graft exports."""
     import json
     import shutil
 
     from mmadapt.checkpoint import write_weights_only
 
+    from mmadapt.artifact import SAMPLED_KEY
+
     base, sibling = graft_runs["qwen2-base"], graft_runs["qwen2-sibling"]
     artifact = _artifact(graft_runs, "qwen2", "replace")
-    assert read_artifact(artifact)[2]["primary_fingerprint"]
+    meta = read_artifact(artifact)[2]
+    assert meta["primary_fingerprint"] and meta[SAMPLED_KEY]
+    # an artifact written before the sampled fingerprint: checked by the full one
+    older = tmp_path / "older"
+    shutil.copytree(artifact, older)
+    (older / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != SAMPLED_KEY}))
     _, state = load_weights(base)
     kept = tmp_path / "kept"
     shutil.move(base / "checkpoints", kept)
     try:
         write_weights_only(base / "checkpoints", 0, {k: v + 0.01 for k, v in state.items()},
                            json.loads((base / "run.json").read_text())["model"])
-        argv = ["export-hf", "--primary", str(sibling), "--embeddings", str(artifact), "--graft",
-                "--output_dir", str(tmp_path / "out")]
-        capsys.readouterr()
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert "have changed since" in err and str(base) in err and err.count("\n") == 1
-        assert not (tmp_path / "out").exists()
+        for embeddings in (artifact, older):
+            argv = ["export-hf", "--primary", str(sibling), "--embeddings", str(embeddings), "--graft",
+                    "--output_dir", str(tmp_path / "out")]
+            capsys.readouterr()
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            assert "have changed since" in err and str(base) in err and err.count("\n") == 1
+            assert not (tmp_path / "out").exists()
     finally:
         shutil.rmtree(base / "checkpoints")
         shutil.move(kept, base / "checkpoints")
