@@ -479,7 +479,7 @@ def predict_parser() -> argparse.ArgumentParser:
                    "question TAB context); a .jsonl file: one object per line with those keys")
     p.add_argument("--jsonl", action="store_true", help="the input is JSON Lines whatever its name (stdin included)")
     p.add_argument("--output", help="write the JSON Lines here (must not exist yet; default: stdout)")
-    p.add_argument("--top_k", type=whole_number(1), default=5, help="language models: pieces listed per position")
+    p.add_argument("--top_k", type=whole_number(1), help="language models: pieces listed per position (default 5)")
     p.add_argument("--tag", help="a language model's checkpoint (default: the newest complete one)")
     p.add_argument("--device", help="cpu or cuda[:i] (default: the GPU if there is one)")
     return p
@@ -493,9 +493,12 @@ def predict_main(argv=None) -> int:
     if args.output:
         check_output_file(Path(args.output), "--output")
     kind = predict.kind_of(args.run)
+    if args.top_k is not None and kind not in ("mlm", "causal"):
+        raise ValueError(f"--top_k lists a language model's pieces; {args.run} is a fine-tuned {kind} model, whose "
+                         "rows give every label (or tag, or the answer): drop --top_k")
     inputs = predict.read_inputs(args.input, kind, args.jsonl or None)  # before the weights: bad input is cheap
     model = predict.load(args.run, args.embeddings, tag=args.tag, device=args.device, graft=args.graft)
-    rows = predict.predict_rows(model, inputs, args.top_k)  # refuses NaN or infinite outputs
+    rows = predict.predict_rows(model, inputs, args.top_k or 5)  # refuses NaN or infinite outputs
     text = "".join(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows)
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")

@@ -39,7 +39,7 @@ from mmadapt.hf_classifier import BODY
 from mmadapt.models.layers import Padding
 from mmadapt.devices import device_of, host_to_device, on_eval_device, progress, swapped
 from mmadapt.parallel import device
-from mmadapt.run import RUN_FILE, load_checkpoint, read_source, require_kind
+from mmadapt.run import RUN_FILE, load_checkpoint, read_source, require_kind, run_model
 from mmadapt.tasks import Task, chance_levels, encode, get_task, headline, read_examples, scores
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokens import PAD_ID
@@ -84,7 +84,7 @@ def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
     if not run_file.is_file():
         raise ValueError(f"{run_dir} is not a fine-tuning run (no run.json): pass the --output_dir of "
                          "launch/finetune.py")
-    run = json.loads(run_file.read_text())
+    run = checkpoint.read_json(run_file, "run file")
     require_kind(run_dir, run, "finetune")
     if not is_finished(run_dir):
         raise ValueError(f"{run_dir} has not finished its {run['updates']} updates: continue it with "
@@ -94,7 +94,7 @@ def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
     _, primary = primary_state(source)
     tag = checkpoint.tag_for(run["updates"])
     own = {k: v for k, v in load_checkpoint(run_dir, tag).items() if not k.startswith(PLACEHOLDER)}
-    cfg = ModelConfig(**{**run["model"], "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
+    cfg = dataclasses.replace(run_model(run, run_dir), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     return Finetuned(source.family, cfg, get_task(run["task"]), run["labels"], {word: primary[word], **own},
                      source.tokenizer, run)
 

@@ -44,13 +44,28 @@ class SiblingCheck:
     distance: dict[str, float]
 
     def lines(self) -> list[str]:
-        """What export-hf prints of the check."""
+        """What export-hf prints of the check: the distances, and a warning where a layer moved
+        farther than a fine-tune moves one (FAR)."""
         moved = [k for k, d in self.distance.items() if d > 0]
         out = [f"graft: {self.sibling} is a sibling of {self.base} (the same architecture and source vocabulary); "
                f"{len(moved)} of {len(self.distance)} tensor groups moved from the base, relative distance "
                "||sibling - base|| / ||base||:"]
         out += [f"  {name:24s} {d:.4f}" for name, d in self.distance.items()]
+        layers = {k: d for k, d in self.distance.items() if k.rsplit(".", 1)[-1].isdigit()}
+        if layers and max(layers.values()) > FAR:
+            name = max(layers, key=layers.get)
+            out.append(f"warning: its {name} moved {layers[name]:.2f} of its norm from the base's, farther than a "
+                       f"fine-tune moves a layer (> {FAR}): it may be another model of the same shape, over which "
+                       "embeddings trained on the base do not hold; score the graft (evaluate --graft) before "
+                       "serving it")
         return out
+
+
+# A layer of a fine-tuned sibling moves a few percent of its norm from the base: 0.03-0.12 in
+# every sibling fine-tuned here (benchmarks/results/graft_*: 3 epochs of every weight, or 100
+# updates), less for a large model's instruction tuning. Two models initialised apart are ~0.5
+# (LayerNorm gains and biases shared) to ~1.4 (random matrices of one scale) apart.
+FAR = 0.3
 
 
 def _group(name: str) -> str:
@@ -117,6 +132,11 @@ def not_a_graft(artifact: str | Path, model: str | Path) -> ValueError:
     `model` itself: nothing to graft."""
     return ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {artifact} was "
                       f"trained over {model} itself: drop --graft")
+
+
+def nothing_to_graft() -> ValueError:
+    """The one refusal of --graft (export-hf, predict) given no embeddings to put in."""
+    return ValueError("--graft puts Step-2 embeddings into a sibling: pass --embeddings too")
 
 
 def grafted(record: dict, sibling: str | Path) -> dict:

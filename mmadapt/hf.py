@@ -34,7 +34,7 @@ from mmadapt.artifact import artifact_primary, artifact_state, check_primary_unc
 from mmadapt.checkpoint import load_pt, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import load_finetuned
-from mmadapt.graft import check_siblings, not_a_graft
+from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft
 from mmadapt.family import HFMapping, Implied, ModelFamily, inverse_permutation
 from mmadapt.models import FAMILIES
 from mmadapt.run import RUN_TOKENIZER, read_source, require_head
@@ -61,6 +61,18 @@ SUPPORTED = supported()
 
 # --- reading a Hugging Face directory ----------------------------------------------------------------
 
+def config_json(model_dir: Path) -> dict:
+    """A model directory's config.json, refused in one line unless it is a JSON object."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{Path(model_dir) / 'config.json'} is not JSON ({e.msg})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{Path(model_dir) / 'config.json'} holds a JSON {type(cfg).__name__}, not an object: it is "
+                         "not a Hugging Face config (save_pretrained writes one)")
+    return cfg
+
+
 def read_hf_config(model_dir: Path) -> tuple[dict, object]:
     """config.json of a supported model and the family that maps it, checked for everything the
     family cannot express."""
@@ -68,11 +80,11 @@ def read_hf_config(model_dir: Path) -> tuple[dict, object]:
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"{model_dir} is not a Hugging Face model directory (no config.json); import-hf reads a "
                          f"local directory of {supported()}")
-    try:
-        cfg = json.loads((model_dir / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{model_dir / 'config.json'} is not JSON ({e.msg})") from None
+    cfg = config_json(model_dir)
     archs = cfg.get("architectures") or []
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ValueError(f"{model_dir / 'config.json'}: its architectures is {json.dumps(archs)}, not a list of class "
+                         "names (as save_pretrained writes it): fix it, or leave it out (model_type then decides)")
     arch = archs[0] if archs else _architecture_of(cfg, model_dir)
     family = _mappings().get(arch)
     if family is None or cfg.get("model_type") != family.hf.architectures[arch]:
@@ -251,7 +263,7 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
     imported = {"model": str(model_dir), "architecture": arch, "model_type": hf_cfg["model_type"],
                 "special_ids": record, "text_layout": text_layout(tok, hf_ids),
                 **({"headless": True} if headless else {})}
-    named = json.loads((model_dir / "config.json").read_text()).get("architectures")
+    named = config_json(model_dir).get("architectures")
     read_off = None if named else (f"config.json names no architecture: read as {arch} (model_type "
                                    f"{hf_cfg['model_type']}, as transformers' Auto classes read it; its weights "
                                    f"{'hold no' if headless else 'hold an'} LM head)")
@@ -653,6 +665,8 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
     if (primary is None) == (finetuned is None):
         raise ValueError("pass one of --primary (a pretrain run: its LM) and --finetuned (a fine-tuning run: "
                          "its task model)")
+    if graft and embeddings is None:
+        raise nothing_to_graft()
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
     labels = None

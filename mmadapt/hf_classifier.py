@@ -47,9 +47,9 @@ def is_classifier(model_dir: Path) -> bool:
     """Whether config.json names a sequence classifier."""
     try:
         archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError, AttributeError):  # hf.read_hf_config refuses what is no config
         return False
-    return bool(archs) and archs[0].endswith(CLASSIFIER_SUFFIX)
+    return isinstance(archs, list) and bool(archs) and str(archs[0]).endswith(CLASSIFIER_SUFFIX)
 
 
 def _num_labels(hf_cfg: dict) -> int:
@@ -82,10 +82,10 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from mmadapt.finetune import primary_state
-    from mmadapt.hf import _fresh_output, import_hf
+    from mmadapt.hf import _fresh_output, config_json, import_hf
 
     model_dir, output_dir = Path(model_dir).resolve(), Path(output_dir)
-    hf_cfg = json.loads((model_dir / "config.json").read_text())
+    hf_cfg = config_json(model_dir)
     arch = hf_cfg["architectures"][0]
     family = next((f for f in FAMILIES.values() if f.hf is not None and f.hf.task_head_names("classify")
                    and hf_cfg.get("model_type") in f.hf.architectures.values()), None)

@@ -38,7 +38,7 @@ from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.checkpoint import tag_for
 from mmadapt.data import TOKENIZER, file_sha256, read_manifest
 from mmadapt.devices import progress
-from mmadapt.graft import check_siblings, grafted
+from mmadapt.graft import check_siblings, grafted, not_a_graft
 from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.run import read_source
 
@@ -89,6 +89,8 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     paths = artifact_dirs(adapt_runs)
     for path in paths:  # every refusal before any scoring (and before the progress bar)
         meta = checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
+        if graft and artifact_primary_ref(meta).same(ref):
+            raise not_a_graft(path, primary_run)
         if not artifact_primary_ref(meta).same(ref):
             base = artifact_primary(meta).resolve()
             if not graft or base == Path(primary_run).resolve():
@@ -102,6 +104,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
         lang = meta["lang"]
         if lang not in data_paths:
             raise ValueError(f"no held-out {lang} text: pass a prepared {lang} dataset with a validation split")
+        read_manifest(data_paths[lang])  # a prepared dataset, or refused naming what it is
         if file_sha256(Path(data_paths[lang]) / TOKENIZER) != file_sha256(path / "spm.model"):
             raise ValueError(f"{path} uses another tokenizer than {data_paths[lang]}: score it on the dataset Step 2 "
                              "trained on")

@@ -51,7 +51,7 @@ from mmadapt.devices import device_of, on_eval_device
 from mmadapt.evaluate import PAD_LOGIT, EvalBatches, EvalSet, Finetuned, load_finetuned, recorded_config, set_logits
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, best_spans, encode_classify, encode_span, encode_tag
-from mmadapt.graft import check_siblings, not_a_graft
+from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft
 from mmadapt.objectives import OBJECTIVES, Objective
 from mmadapt.parallel import device as default_device
 from mmadapt.parallel import named_device
@@ -103,7 +103,7 @@ def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *,
     kind = kind_of(run)
     dev = named_device(device) if device is not None else default_device()
     if graft and embeddings is None:
-        raise ValueError("--graft puts Step-2 embeddings into a sibling: pass --embeddings too")
+        raise nothing_to_graft()
     if kind in OBJECTIVES:  # a language model
         return LanguageModel.load(run, None if embeddings is None else Path(embeddings), tag, dev, graft)
     if tag is not None:

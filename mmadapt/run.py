@@ -265,9 +265,19 @@ def run_progress(run_dir: Path, iters: int) -> str:
     return "resume" if checkpoint.has_checkpoints(ckpt) else "new"
 
 
-def run_model(run: dict) -> ModelConfig:
-    """A record's model config (a run from before model families is a RoBERTa run)."""
-    return ModelConfig(**run["model"])
+def run_model(run: dict, run_dir: Path | None = None) -> ModelConfig:
+    """A record's model config (a run from before model families is a RoBERTa run), refused in
+    one line naming `run_dir` where run.json holds none that this mmadapt reads."""
+    model = run.get("model")
+    unknown = sorted(set(model) - {f.name for f in dataclasses.fields(ModelConfig)}) if isinstance(model, dict) else []
+    try:
+        if isinstance(model, dict) and not unknown:
+            return ModelConfig(**model)
+        why = "no model config" if not isinstance(model, dict) else f"unknown model fields ({', '.join(unknown)})"
+    except TypeError as e:  # a required field left out
+        why = f"an incomplete model config ({str(e).split(': ', 1)[-1]})"
+    raise ValueError(f"{run_dir or 'the run'}/{RUN_FILE} holds {why}: it was not written by this mmadapt, or was "
+                     "edited; run that step again into a new --output_dir")
 
 
 # Each kind of run (run.json "step"), as a refusal names what it got and what it needs.
@@ -338,7 +348,7 @@ def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
     path = Path(run_dir).resolve()
     record = read_run(path)
     require_kind(Path(run_dir), record, "pretrain", "minipost")
-    cfg = dataclasses.replace(run_model(record), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    cfg = dataclasses.replace(run_model(record, path), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     return Source(path, record, checkpoint_tag(path, tag), cfg, get_family(cfg))
 
 
@@ -470,7 +480,7 @@ def load_weights(run_dir: str | os.PathLike, tag: str | None = None, read: dict 
     key = (str(run_dir.resolve()), tag)
     if read is not None and key in read:
         return read[key]
-    cfg = dataclasses.replace(run_model(run), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    cfg = dataclasses.replace(run_model(run, run_dir), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     own = load_checkpoint(run_dir, tag)
     ref = run.get("frozen_from")
     if ref is None:

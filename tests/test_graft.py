@@ -39,6 +39,18 @@ def test_the_sibling_check_measures_each_layer_by_hand(graft_runs):
         assert check.lines()[0].startswith(f"graft: {sibling.path} is a sibling of {base.path}")
 
 
+def test_the_sibling_check_warns_of_a_layer_that_moved_farther_than_a_fine_tune_moves_one():
+    """A layer past graft.FAR (0.3 of its norm) gets one warning line naming it, the farthest; the
+    distances of the siblings fine-tuned here (0.03-0.12), and the embeddings however far, get none."""
+    from mmadapt.graft import FAR, SiblingCheck
+
+    near = SiblingCheck(Path("b"), Path("s"), {"word_embeddings": 0.92, "layers.0": 0.12, "layers.1": FAR})
+    assert not any(line.startswith("warning") for line in near.lines())
+    far = SiblingCheck(Path("b"), Path("s"), {"word_embeddings": 0.0, "layers.0": 0.31, "layers.1": 0.49})
+    warnings = [line for line in far.lines() if line.startswith("warning")]
+    assert len(warnings) == 1 and "its layers.1 moved 0.49 of its norm" in warnings[0]
+
+
 @pytest.mark.parametrize("name, mode", [("qwen2", "expand"), ("llama2", "expand"), ("llama2", "replace")])
 def test_a_graft_exports_what_mmadapt_computes_and_expand_keeps_the_siblings_rows(name, mode, graft_runs, tmp_path,
                                                                                     capsys):
