@@ -556,12 +556,22 @@ def report_main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.output and any(Path(args.output).resolve() == Path(f).resolve() for f in args.results):
         raise ValueError(f"--output {args.output} is one of the results files it reads: choose another file")
+    twice = next((f for i, f in enumerate(args.results)
+                  if any(Path(f).resolve() == Path(g).resolve() for g in args.results[:i])), None)
+    if twice is not None:
+        raise ValueError(f"results file {twice} is given twice: its records would count twice; name it once")
+    if args.output and Path(args.output).is_file():
+        raise ValueError(f"{args.output} already exists: choose a new --output (nothing is overwritten)")
     if args.output:
         check_output_file(Path(args.output), "--output")
     if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
         raise ValueError(f"--plots {args.plots} is a file: name a directory for the plots")
     if args.plots:
         check_output_file(Path(args.plots) / "curves.png", "--plots")
+        made = [name for name in ("curves.png", "speedup.png") if (Path(args.plots) / name).exists()]
+        if made:
+            raise ValueError(f"--plots {args.plots} holds {' and '.join(made)} already: choose a new directory "
+                             "(nothing is overwritten)")
     records = []
     for f in args.results:
         try:
@@ -576,10 +586,16 @@ def report_main(argv=None) -> int:
         if missing:
             raise ValueError(f"results file {f}: record {missing[0][1]} lacks {missing[0][0]!r}")
         bad = [(k, i, r[k]) for i, r in enumerate(data) for k in ("flops", "score")
-               if isinstance(r[k], bool) or not isinstance(r[k], (int, float)) or not math.isfinite(r[k])]
+               if isinstance(r[k], bool) or not isinstance(r[k], (int, float)) or not math.isfinite(r[k])
+               or (k == "flops" and r[k] < 0)]
         if bad:
-            raise ValueError(f"results file {f}: record {bad[0][1]} has {bad[0][0]} {bad[0][2]!r}; scores and FLOPs "
-                             "are finite numbers (re-run mmadapt evaluate for it)")
+            raise ValueError(f"results file {f}: record {bad[0][1]} has {bad[0][0]} {bad[0][2]!r}; scores are finite "
+                             "numbers and FLOPs finite and >= 0 (re-run mmadapt evaluate for it)")
+        steps_ = [(i, r["step"]) for i, r in enumerate(data) if r.get("step") is not None
+                  and (isinstance(r["step"], bool) or not isinstance(r["step"], int) or r["step"] < 0)]
+        if steps_:
+            raise ValueError(f"results file {f}: record {steps_[0][0]} has step {steps_[0][1]!r}; a step is a Step-2 "
+                             "update, a whole number >= 0 (re-run mmadapt evaluate for it)")
         records += data
     if not records:
         raise ValueError(f"{args.results[0]} holds no result records")

@@ -804,7 +804,12 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
-        return tiny_sizes(parsed) if self.tiny and os.environ.get(TINY_ENV) == "1" else parsed
+        tiny = os.environ.get(TINY_ENV, "")
+        if tiny not in ("", "0", "1"):  # a value read as "off" would run the real sizes unannounced
+            print(f"error: {TINY_ENV} is {tiny!r}: set it to 1 for the tiny sizes, or to 0 (or unset it) for the "
+                  "sizes as given", file=sys.stderr)
+            sys.exit(2)
+        return tiny_sizes(parsed) if self.tiny and tiny == "1" else parsed
 
     def error(self, message: str):
         print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)

@@ -446,7 +446,7 @@ CASES = [
                                                              "--vocab_size", "2000"],
      f"has {VOCAB} pieces but the model's vocab_size is 2000"),
     ("report-score-nan", lambda c: ["report", c.file("nan.json", json.dumps([{**RECORD, "score": float("nan")}]))],
-     "record 0 has score nan; scores and FLOPs are finite numbers"),
+     "record 0 has score nan; scores are finite numbers"),
     # --- output paths that are files, a run directory that cannot take checkpoints
     ("preprocess-output-is-a-file", lambda c: ["preprocess", "--corpus", str(c.corpus), "--output_dir",
                                                c.file("afile", "x")], "afile is a file, not a directory"),
@@ -668,6 +668,18 @@ CASES = [
     ("evaluate-plugin-graft-into-the-base-itself", lambda c: ["evaluate", "--primary", str(c.primary), "--plugin_data",
                                                               c.dir("d"), "--embeddings", c.artifact(VOCAB), "--graft",
                                                               "--output", str(c.tmp / "r.json")], "drop --graft"),
+    ("report-output-exists", lambda c: ["report", c.records([RECORD]), "--output", c.file("report.md", "mine")],
+     "report.md already exists: choose a new --output (nothing is overwritten)"),
+    ("report-plots-exist", lambda c: ["report", c.records([RECORD]), "--plots", c.dir("plots") and str(
+        Path(c.file("plots/curves.png", "mine")).parent)], "holds curves.png already: choose a new directory"),
+    ("report-one-file-twice", lambda c: ["report", c.records([RECORD]), str(c.tmp / "results.json")],
+     "results.json is given twice: its records would count twice"),
+    ("report-flops-negative", lambda c: ["report", c.records([{**RECORD, "flops": -1.0}])],
+     "record 0 has flops -1.0; scores are finite numbers and FLOPs finite and >= 0"),
+    ("report-step-negative", lambda c: ["report", c.records([{**RECORD, "step": -3}])],
+     "record 0 has step -3; a step is a Step-2 update, a whole number >= 0"),
+    ("tiny-switch-not-one", lambda c: c.request.getfixturevalue("monkeypatch").setenv("MMADAPT_TINY", "yes")
+     or c.pretrain(), "MMADAPT_TINY is 'yes': set it to 1 for the tiny sizes, or to 0"),
     ("sentence-transformers-module", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
         [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
          {"idx": 1, "name": "1", "path": "1_CNN", "type": "sentence_transformers.models.CNN"}]),
