@@ -23,7 +23,7 @@ from mmadapt.checkpoint import check_output_file
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, INVOKED_AS, LAYOUT_FIELDS, RECIPES, SYSTEMS, EvaluateConfig,
                             FinetuneConfig, Layout, MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig,
-                            add_dataclass_args, apply_recipe, override, whole_number)
+                            add_dataclass_args, apply_recipe, lang_code, override, whole_number)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_any
@@ -279,7 +279,7 @@ def adapt_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", required=True, help="the run to adapt: a pretrain run (bl_base, bl_small, "
                    "minijoint) or a build_minipost run (minipost)")
     p.add_argument("--source_tag", help="its checkpoint to use (default: the newest complete one)")
-    p.add_argument("--lang", required=True, help="target language code, recorded with the embeddings")
+    p.add_argument("--lang", required=True, type=lang_code, help="target language code, recorded with the embeddings")
     _data_args(p, "target-language corpus (default: bible:<lang>, the packaged Bible)")
     p.add_argument("--tokenizer", help="with --corpus: an existing target-language SentencePiece .model "
                    "(default: train one with --vocab_size pieces on the corpus)")
@@ -311,7 +311,7 @@ def sweep_parser() -> argparse.ArgumentParser:
                "trained in --output_dir are kept, interrupted ones resumed.")
     p.add_argument("--source", required=True, help="the MINIJOINT pretrain run")
     p.add_argument("--source_tag", help="its checkpoint to use (default: the newest complete one)")
-    p.add_argument("--lang", required=True, help="target language code")
+    p.add_argument("--lang", required=True, type=lang_code, help="target language code")
     _data_args(p, "target-language corpus (bible:<lang>: the packaged Bible) with --valid_fraction held out for "
                "the metric")
     p.add_argument("--vocab_size", type=whole_number(8), help="with --corpus: the target vocabulary size V (default: "
@@ -698,7 +698,8 @@ def extend_main(argv=None) -> int:
                "Every run stays in --output_dir; run it again to continue an interrupted extension (a finished one "
                "trains nothing and prints its result again).")
     p.add_argument("--model", required=True, help="a local Hugging Face or sentence-transformers model directory")
-    p.add_argument("--lang", required=True, help="the target language's code (recorded with the embeddings)")
+    p.add_argument("--lang", required=True, type=lang_code, help="the target language's code (recorded with the "
+                   "embeddings)")
     p.add_argument("--corpus", required=True, help="target-language text, one sentence per line, blank line between "
                    "documents; or bible:<lang>, the packaged Bible")
     p.add_argument("--output_dir", required=True, help="new or empty, or an extension to continue")

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -840,6 +841,26 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, only: tuple[str, ..
             base = next((a for a in get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
             kw.update(type=_bool if base is bool else base if base in (int, float) else str)
         group.add_argument(f"--{f.name}", **kw)
+
+
+LANG_CODE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
+
+
+def check_lang(lang: str) -> str:
+    """A target language's code: what Step 2 records with its embeddings, and what `{lang}` in
+    evaluate's --eval_file and --plugin_data becomes in a path (so no '/', no blank)."""
+    if not isinstance(lang, str) or not LANG_CODE.fullmatch(lang):
+        raise ValueError(f"--lang {lang!r} is no language code: letters, digits, '-' and '_' (de, pt-BR, zh_Hant)")
+    return lang
+
+
+def lang_code(text: str) -> str:
+    """check_lang as an argparse type (refused in one line naming the flag)."""
+    try:
+        return check_lang(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no language code: letters, digits, '-' and '_' (de, pt-BR, "
+                                         "zh_Hant)") from None
 
 
 def whole_number(lo: int):

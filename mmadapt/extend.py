@@ -30,8 +30,9 @@ from typing import Optional
 from mmadapt import checkpoint, parallel, steps
 from mmadapt.artifact import artifact_dirs, read_artifact
 from mmadapt.bpb import BPB_BYTES, ByteScorer
-from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig
-from mmadapt.data import MANIFEST
+from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig, check_lang
+from mmadapt.corpora import resolve_corpus
+from mmadapt.data import MANIFEST, check_corpus
 from mmadapt.graft import check_siblings
 from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import export_hf, import_any
@@ -69,10 +70,22 @@ class Extend:
     into: Optional[Path] = None  # a fine-tuned sibling of `model` (a Hugging Face directory) to graft the embeddings into
 
     def __post_init__(self):
+        """Every argument checked here, before anything is written: a mistake found by a stage
+        would come after the stages before it had trained and left their runs."""
         self.model, self.output_dir = Path(self.model).resolve(), Path(self.output_dir)
         self.into = None if self.into is None else Path(self.into).resolve()
         if self.system not in SYSTEMS:
             raise ValueError(f"--system {self.system}: extend adapts an imported model over {' or '.join(SYSTEMS)}")
+        check_lang(self.lang)
+        for iters in (self.head_iters, self.minipost_iters):
+            self.schedule(iters)  # each stage's TrainConfig checks its fields as it is made
+        self.step2_schedule()
+        for corpus in (self.corpus, self.source_corpus):
+            check_corpus(resolve_corpus(corpus))
+        for flag, d in (("--model", self.model), ("--into", self.into)):
+            if d is not None and not ((d / "config.json").is_file() or (d / "modules.json").is_file()):
+                raise ValueError(f"{flag} {d} is not a Hugging Face or sentence-transformers model directory (no "
+                                 "config.json or modules.json): pass the directory save_pretrained wrote")
 
     def run_dir(self, stage: str) -> Path:
         return self.output_dir / stage
@@ -82,11 +95,15 @@ class Extend:
                            train_micro_batch_size_per_gpu=self.batch, lr_warmup_iters=iters // 10,
                            log_interval=max(1, iters // 10), **changes)
 
+    def step2_schedule(self) -> TrainConfig:
+        return self.schedule(self.adapt_iters, vocab_mode=self.vocab_mode, embedding_init=self.embedding_init,
+                             plugin_eval_blocks=256)
 
-def claim(ext: Extend) -> None:
-    """The output directory is this extension's: new or empty (its record is written), or holding
-    the record of the same extension (continued). Anything else is refused in one line, nothing
-    written."""
+
+def claim(ext: Extend) -> bool:
+    """The output directory is this extension's: new or empty (its record is written: -> True), or
+    holding the record of the same extension (continued: -> False). Anything else is refused in
+    one line, nothing written."""
     out, mine = ext.output_dir, json.loads(json.dumps(dataclasses.asdict(ext), default=str))
     record = out / RECORD
     if record.is_file():
@@ -96,23 +113,32 @@ def claim(ext: Extend) -> None:
             raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {changed[0]} "
                              f"{theirs.get(changed[0])!r}, not {mine[changed[0]]!r}: continue it with the same "
                              "arguments, or choose a new --output_dir")
-        return
+        return False
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} already exists and is not an extend directory (no {RECORD}): choose a new "
                          "--output_dir (nothing is overwritten)")
     out.mkdir(parents=True, exist_ok=True)
     checkpoint.atomic_write(record, json.dumps(mine, indent=2))
+    return True
 
 
 def extend(ext: Extend) -> dict:
     """The extension (module docstring). -> its summary: the plug-in loss of the new embeddings at
     the start and at the end beside the target unigram reference, and the export's directories."""
-    claim(ext)
+    existed = ext.output_dir.exists()
+    fresh = claim(ext)
     say = _stage_printer()
     imported = ext.run_dir("import")
     if not (imported / "run.json").is_file():
         say(f"import {ext.model}")
-        import_any(ext.model, imported)
+        try:
+            import_any(ext.model, imported)  # writes nothing unless the import succeeds
+        except ValueError:
+            if fresh:  # a model import-hf refuses: the extension it began is no extension, so nothing is left
+                (ext.output_dir / RECORD).unlink()
+                if not existed and not any(ext.output_dir.iterdir()):
+                    ext.output_dir.rmdir()
+            raise
     sibling = None
     if ext.into is not None:  # checked before anything trains (graft.check_siblings)
         if read_source(imported).headless:
@@ -145,8 +171,7 @@ def extend(ext: Extend) -> dict:
                          expand_from=source if ext.vocab_mode == "expand" else None)
     adapt = ext.run_dir("adapt")
     say(f"Step 2: the {ext.lang} embeddings over {'the mini-model' if over != source else 'the full model'}")
-    train = ext.schedule(ext.adapt_iters, vocab_mode=ext.vocab_mode, embedding_init=ext.embedding_init,
-                         plugin_eval_blocks=256)
+    train = ext.step2_schedule()
     _train(adapt, ext.adapt_iters, lambda run: steps.adapt_embeddings(run=run, step=steps.AdaptEmbeddings(
         system=ext.system, source=over, lang=ext.lang, train=train)), data_path=data)
     final = artifact_dirs([adapt])[-1]

@@ -242,6 +242,16 @@ class Ctx:
         d = damaged_copy(Path(self.bert_dir()), self.tmp / "bert_with_head", None, add_head)
         return ["import-hf", "--model", str(d), "--output_dir", str(self.out)]
 
+    def extend(self, *extra: str) -> list[str]:
+        """mmadapt extend of a directory whose checks pass (config.json), German from the packaged
+        Bible, into the run directory; `extra` after, so that a flag given there wins."""
+        model = self.tmp / "hf_model"
+        if not model.is_dir():
+            model.mkdir()
+            (model / "config.json").write_text("{}")
+        return ["extend", "--model", str(model), "--lang", "de", "--corpus", "bible:de", "--output_dir", str(self.out),
+                *extra]
+
     def sentence_transformers_dir(self, modules: list[dict]) -> str:
         d = Path(self.bert_dir())
         (d / "modules.json").write_text(json.dumps(modules))
@@ -680,6 +690,18 @@ CASES = [
      "record 0 has step -3; a step is a Step-2 update, a whole number >= 0"),
     ("tiny-switch-not-one", lambda c: c.request.getfixturevalue("monkeypatch").setenv("MMADAPT_TINY", "yes")
      or c.pretrain(), "MMADAPT_TINY is 'yes': set it to 1 for the tiny sizes, or to 0"),
+    ("extend-corpus-empty", lambda c: c.extend("--corpus", c.file("empty.txt", "\n \n")),
+     "empty.txt is empty: it needs at least one non-blank line"),
+    ("extend-source-corpus-missing", lambda c: c.extend("--source_corpus", str(c.tmp / "none.txt")),
+     "none.txt does not exist"),
+    ("extend-lr-nan", lambda c: c.extend("--lr", "nan"), "lr must be a finite number, got nan"),
+    ("extend-lang-with-a-slash", lambda c: c.extend("--lang", "de/x"), "argument --lang: 'de/x' is no language code"),
+    ("adapt-lang-blank", lambda c: c.adapt("--lang", ""), "argument --lang: '' is no language code"),
+    ("extend-model-not-a-model", lambda c: c.extend("--model", c.dir("mine")),
+     "is not a Hugging Face or sentence-transformers model directory (no config.json or modules.json)"),
+    ("extend-model-import-refuses", lambda c: c.extend("--model", str(Path(c.file("gpt/config.json", json.dumps(
+        {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})) if c.dir("gpt") else "").parent)),
+     "holds a GPT2LMHeadModel (model_type gpt2); import-hf supports"),
     ("sentence-transformers-module", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
         [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
          {"idx": 1, "name": "1", "path": "1_CNN", "type": "sentence_transformers.models.CNN"}]),
