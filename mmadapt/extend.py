@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -82,6 +83,9 @@ class Extend:
         self.step2_schedule()
         for corpus in (self.corpus, self.source_corpus):
             check_corpus(resolve_corpus(corpus))
+        if self.into == self.model:
+            raise ValueError(f"--into {self.into} is --model itself: its extension is <output_dir>/export; drop --into "
+                             "(it takes a model fine-tuned from --model)")
         for flag, d in (("--model", self.model), ("--into", self.into)):
             if d is not None and not ((d / "config.json").is_file() or (d / "modules.json").is_file()):
                 raise ValueError(f"{flag} {d} is not a Hugging Face or sentence-transformers model directory (no "
@@ -128,27 +132,16 @@ def extend(ext: Extend) -> dict:
     existed = ext.output_dir.exists()
     fresh = claim(ext)
     say = _stage_printer()
-    imported = ext.run_dir("import")
-    if not (imported / "run.json").is_file():
-        say(f"import {ext.model}")
-        try:
-            import_any(ext.model, imported)  # writes nothing unless the import succeeds
-        except ValueError:
-            if fresh:  # a model import-hf refuses: the extension it began is no extension, so nothing is left
-                (ext.output_dir / RECORD).unlink()
-                if not existed and not any(ext.output_dir.iterdir()):
-                    ext.output_dir.rmdir()
-            raise
-    sibling = None
-    if ext.into is not None:  # checked before anything trains (graft.check_siblings)
-        if read_source(imported).headless:
-            raise ValueError(f"--into grafts the embeddings into a language model; {ext.model} is a headless encoder, "
-                             "whose extension gets an MLM head its sibling lacks: drop --into")
-        sibling = ext.run_dir("sibling")
-        if not (sibling / "run.json").is_file():
-            say(f"import the sibling {ext.into}")
-            import_any(ext.into, sibling)
-        check_siblings(read_source(imported), read_source(sibling), {"vocab_mode": ext.vocab_mode})
+    try:
+        imported, sibling = _imported(ext, say)
+    except ValueError:
+        if fresh:  # refused before anything trained: the extension it began is none, so nothing is left
+            for stage in ("import", "sibling"):
+                shutil.rmtree(ext.run_dir(stage), ignore_errors=True)
+            (ext.output_dir / RECORD).unlink()
+            if not existed and not any(ext.output_dir.iterdir()):
+                ext.output_dir.rmdir()
+        raise
     source = imported
     if read_source(imported).headless:
         source = ext.run_dir("head")
@@ -185,6 +178,30 @@ def extend(ext: Extend) -> dict:
     return summary
 
 
+def _imported(ext: Extend, say) -> tuple[Path, Path | None]:
+    """The imports (the model, and the sibling of --into, checked to be one: graft.check_siblings)
+    and every stage's schedule checked against the imported model (its positions), before
+    anything trains. -> (the import's run, the sibling's run or None)."""
+    imported = ext.run_dir("import")
+    if not (imported / "run.json").is_file():
+        say(f"import {ext.model}")
+        import_any(ext.model, imported)  # writes nothing unless the import succeeds
+    model = read_source(imported)
+    for train in (ext.schedule(ext.head_iters), ext.schedule(ext.minipost_iters), ext.step2_schedule()):
+        train.validate(model.cfg)
+    if ext.into is None:
+        return imported, None
+    if model.headless:
+        raise ValueError(f"--into grafts the embeddings into a language model; {ext.model} is a headless encoder, "
+                         "whose extension gets an MLM head its sibling lacks: drop --into")
+    sibling = ext.run_dir("sibling")
+    if not (sibling / "run.json").is_file():
+        say(f"import the sibling {ext.into}")
+        import_any(ext.into, sibling)
+    check_siblings(model, read_source(sibling), {"vocab_mode": ext.vocab_mode})
+    return imported, sibling
+
+
 def _graft(ext: Extend, sibling: Path, final: Path, data: Path) -> dict:
     """The embeddings grafted into the sibling (export-hf --graft) and scored through it in bits
     per byte beside the sibling with no adaptation."""
@@ -203,8 +220,6 @@ def _graft(ext: Extend, sibling: Path, final: Path, data: Path) -> dict:
 def _export(out: Path, **kw) -> None:
     """export_hf into `out` (its keyword arguments `kw`); an export cut short there is written again whole."""
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     export_hf(out, **kw)
 

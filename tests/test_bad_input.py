@@ -702,6 +702,11 @@ CASES = [
     ("extend-model-import-refuses", lambda c: c.extend("--model", str(Path(c.file("gpt/config.json", json.dumps(
         {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})) if c.dir("gpt") else "").parent)),
      "holds a GPT2LMHeadModel (model_type gpt2); import-hf supports"),
+    ("extend-into-the-model-itself", lambda c: c.extend("--into", str(c.tmp / "hf_model")),
+     "is --model itself: its extension is <output_dir>/export; drop --into"),
+    ("extend-seq-length-past-the-models-positions", lambda c: c.extend(
+        "--model", str(c.request.getfixturevalue("tiny_hf")["qwen2"]), "--seq_length", "100000"),
+     "seq_length 100000 exceeds max_position_embeddings"),
     ("sentence-transformers-module", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
         [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
          {"idx": 1, "name": "1", "path": "1_CNN", "type": "sentence_transformers.models.CNN"}]),
