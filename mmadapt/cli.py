@@ -105,7 +105,10 @@ def _path(value) -> Path | None:
 
 
 def _run_spec(args) -> RunSpec:
-    """The run description a command's flags give (those it has)."""
+    """The run description a command's flags give (those it has); --corpus and --data_path are
+    two ways to give one text, refused together."""
+    if getattr(args, "corpus", None) is not None and getattr(args, "data_path", None) is not None:
+        raise ValueError("pass one of --data_path (a prepared dataset) and --corpus (raw text)")
     return RunSpec(output_dir=Path(args.output_dir), ds_config=Path(args.ds_config),
                    data_path=_path(getattr(args, "data_path", None)), corpus=getattr(args, "corpus", None),
                    tokenizer=_path(getattr(args, "tokenizer", None)), resume=getattr(args, "resume", False),

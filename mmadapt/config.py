@@ -787,6 +787,29 @@ def tiny_sizes(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+# The flags that name a directory a command reads (a model, a run, an artifact, a dataset): what
+# it writes (--output_dir) never goes inside one, whose owner (a save_pretrained directory, a run
+# that checks its own entries, an artifact) did not make room for it.
+INPUT_DIRS = ("model", "into", "primary", "source", "finetuned", "embeddings", "data_path", "replay_data", "run")
+
+
+def _output_inside_an_input(args: argparse.Namespace) -> str | None:
+    """The refusal of an --output_dir strictly inside a directory the command reads, or None.
+    (The same directory is refused by each command as one that exists already.)"""
+    out = getattr(args, "output_dir", None)
+    if not isinstance(out, (str, os.PathLike)):
+        return None
+    out_path = Path(out).resolve()
+    for name in INPUT_DIRS:
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, (list, tuple)) else [values]:
+            if isinstance(value, (str, os.PathLike)) and Path(value).is_dir() and \
+                    Path(value).resolve() in out_path.parents:
+                return (f"--output_dir {out} is inside --{name} {value}: write it elsewhere (what a command reads is "
+                        "left as it is)")
+    return None
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a bad flag reported like every other user mistake: one line, exit 2; and
     every command's --verbose (mmadapt/quiet.py reads it from the process's arguments, before the
@@ -805,6 +828,10 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
+        inside = _output_inside_an_input(parsed)
+        if inside:
+            print(f"error: {inside}", file=sys.stderr)
+            sys.exit(2)
         tiny = os.environ.get(TINY_ENV, "")
         if tiny not in ("", "0", "1"):  # a value read as "off" would run the real sizes unannounced
             print(f"error: {TINY_ENV} is {tiny!r}: set it to 1 for the tiny sizes, or to 0 (or unset it) for the "

@@ -51,6 +51,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import sys
 import time
@@ -138,6 +139,11 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
                 raise DataError(f"corpus {corpus}: SentencePiece skips lines longer than {SP_MAX_SENTENCE_BYTES} "
                                 f"bytes and {long_lines} of its lines are, leaving nothing to train on: split the "
                                 "text into one sentence per line") from None
+        most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(e))
+        if most:  # a small text holds fewer distinct pieces than were asked for
+            raise DataError(f"corpus {corpus} is too small for a {vocab_size}-piece vocabulary: SentencePiece finds "
+                            f"at most {most.group(1)} pieces in it; pass --vocab_size {most.group(1)} or less, or more "
+                            "text") from None
         raise DataError(f"SentencePiece could not train a {vocab_size}-piece vocabulary on {corpus}: "
                         f"{str(e).splitlines()[0]}") from None
     for ext in (".model", ".vocab"):
@@ -438,8 +444,23 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         return old
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
     tok = out_dir / TOKENIZER
+    try:
+        return _prepare_into(out_dir, tok, corpus, fingerprint, tokenizer, vocab_size, valid_fraction, seed, workers,
+                             cfg, say)
+    except DataError:  # refused: what this call wrote goes (a directory it made, the tokenizer it put there)
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        else:
+            tok.unlink(missing_ok=True)
+        raise
+
+
+def _prepare_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, tokenizer: Path | None,
+                  vocab_size: int | None, valid_fraction: float, seed: int, workers: int, cfg, say) -> dict:
+    """`prepare`'s work once its checks passed, into `out_dir` (which it made or found empty of
+    a dataset): the tokenizer at `tok`, the encoded text, the manifest. -> the manifest."""
+    t0 = time.perf_counter()
     if tokenizer is not None:
         shutil.copyfile(tokenizer, tok)
     else:
@@ -474,12 +495,6 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         _merge([j[4] for j in jobs], str(out_dir / TEXT), dtype)
         if valid_fraction > 0:
             _merge([j[4] + ".valid" for j in jobs], str(out_dir / VALID), dtype)
-    except DataError:  # refused: what this call wrote goes (a directory it made, the tokenizer it put there)
-        if created:
-            shutil.rmtree(out_dir, ignore_errors=True)
-        else:
-            tok.unlink(missing_ok=True)
-        raise
     finally:  # a failed preparation leaves no shards behind (and no manifest: not a dataset)
         gc.unfreeze()
         shutil.rmtree(shard_dir, ignore_errors=True)

@@ -303,7 +303,12 @@ def read_sentence_transformers(st_dir: Path) -> tuple[Path, list[dict]]:
         modules = json.loads((st_dir / "modules.json").read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{st_dir / 'modules.json'} is not JSON ({e.msg})") from None
-    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules] if isinstance(modules, list) else []
+    if isinstance(modules, list):
+        bad = next((i for i, m in enumerate(modules) if not isinstance(m, dict) or not isinstance(m.get("type"), str)), None)
+        if bad is not None:
+            raise ValueError(f"{st_dir / 'modules.json'}: its entry {bad} names no module type (an object with "
+                             "\"type\" and \"path\", as sentence-transformers writes it): copy the directory as it was saved")
+    kinds = [m["type"].rsplit(".", 1)[-1] for m in modules] if isinstance(modules, list) else []
     if not kinds or kinds[0] != "Transformer" or any(k not in ST_CARRIED for k in kinds[1:]):
         raise ValueError(f"{st_dir}: its modules.json lists {', '.join(kinds) or 'no modules'}; import-hf takes a "
                          f"sentence-transformers model of a Transformer followed by {', '.join(ST_CARRIED)} modules")

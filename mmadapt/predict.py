@@ -107,7 +107,7 @@ def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *,
     if kind in OBJECTIVES:  # a language model
         return LanguageModel.load(run, None if embeddings is None else Path(embeddings), tag, dev, graft)
     if tag is not None:
-        raise ValueError(f"{run} is a fine-tuning run: its model is its final checkpoint (drop tag)")
+        raise ValueError(f"{run} is a fine-tuning run: its model is its final checkpoint (drop --tag)")
     return TaskModel.load(run, None if embeddings is None else Path(embeddings), dev, graft)
 
 

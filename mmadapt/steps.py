@@ -84,7 +84,7 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
     corpus = resolve_corpus(corpus)
     if expand_from is None:
         return prepare_corpus(corpus, output_dir, vocab_size, tokenizer=tokenizer, cfg=cfg)
-    read_run(expand_from)
+    require_kind(Path(expand_from), read_run(expand_from), "pretrain", "minipost")  # its vocabulary is its source's
     with tempfile.TemporaryDirectory() as tmp:  # nothing lands in output_dir before data.prepare's checks
         if tokenizer is None:
             tokenizer = train_tokenizer(corpus, Path(tmp) / "target", vocab_size, seed=cfg.tokenizer_seed,

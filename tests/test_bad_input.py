@@ -707,6 +707,27 @@ CASES = [
     ("extend-seq-length-past-the-models-positions", lambda c: c.extend(
         "--model", str(c.request.getfixturevalue("tiny_hf")["qwen2"]), "--seq_length", "100000"),
      "seq_length 100000 exceeds max_position_embeddings"),
+    ("preprocess-corpus-too-small-for-the-vocabulary", lambda c: ["preprocess", "--corpus", c.file(
+        "one.txt", "In the beginning God created the heaven and the earth.\n"), "--vocab_size", "300", "--output_dir",
+        str(c.out)], "one.txt is too small for a 300-piece vocabulary: SentencePiece finds at most"),
+    ("preprocess-expand-from-an-adapt-run", lambda c: ["preprocess", "--corpus", str(c.corpus), "--expand_from",
+                                                       c.kind_copy("adapt"), "--output_dir", str(c.out)],
+     "is an adapt run (Step 2: its products are the artifacts under its embeddings/); this needs a pretrain"),
+    ("fit-head-corpus-and-data-path", lambda c: ["fit-head", "--primary", c.headless_run(), "--corpus", str(c.corpus),
+                                                 "--data_path", c.dir("prepared"), "--output_dir", str(c.out)],
+     "pass one of --data_path (a prepared dataset) and --corpus (raw text)"),
+    ("predict-tag-of-a-fine-tuning-run", lambda c: c.predict("fine", "--tag", "step00000001",
+                                                             run=c.kind_copy("finetune", task="bible-genre")),
+     "its model is its final checkpoint (drop --tag)"),
+    ("sentence-transformers-module-without-a-type", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
+        [{"idx": 0}]), "--output_dir", str(c.out)], "modules.json: its entry 0 names no module type"),
+    ("import-hf-output-inside-the-model", lambda c: ["import-hf", "--model", (d := c.bert_dir()), "--output_dir",
+                                                     str(Path(d) / "run")], "/run is inside --model "),
+    ("export-hf-output-inside-the-primary", lambda c: ["export-hf", "--primary", str(c.primary), "--output_dir",
+                                                       str(c.primary / "export")],
+     "/export is inside --primary "),
+    ("adapt-output-inside-the-source", lambda c: c.adapt("--output_dir", str(c.primary / "de")),
+     "/de is inside --source "),
     ("sentence-transformers-module", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
         [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
          {"idx": 1, "name": "1", "path": "1_CNN", "type": "sentence_transformers.models.CNN"}]),
