@@ -126,8 +126,23 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
     spm.set_random_generator_seed(seed)
     tmp = model_prefix.with_name(model_prefix.name + f".tmp{os.getpid()}")
     try:
+        _train_sentencepiece(corpus, tmp, vocab_size, max_sentences)
+    except BaseException:  # stopped (Ctrl-C) or refused: no half-trained model is left beside the output
+        for ext in (".model", ".vocab"):
+            Path(f"{tmp}{ext}").unlink(missing_ok=True)
+        raise
+    for ext in (".model", ".vocab"):
+        os.replace(f"{tmp}{ext}", f"{model_prefix}{ext}")
+    return Path(f"{model_prefix}.model")
+
+
+def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_sentences: int) -> None:
+    """SentencePiece's trainer into `prefix`.model/.vocab, its failures as one-line DataErrors."""
+    import sentencepiece as spm
+
+    try:
         spm.SentencePieceTrainer.train(
-            input=str(corpus), model_prefix=str(tmp), vocab_size=vocab_size, model_type="unigram",
+            input=str(corpus), model_prefix=str(prefix), vocab_size=vocab_size, model_type="unigram",
             character_coverage=0.9995, pad_id=PAD_ID, unk_id=1, bos_id=BOS_ID, eos_id=EOS_ID,
             user_defined_symbols=["<mask>"], input_sentence_size=max_sentences,
             shuffle_input_sentence=True, num_threads=os.cpu_count() or 1, minloglevel=2)
@@ -146,9 +161,6 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
                             "text") from None
         raise DataError(f"SentencePiece could not train a {vocab_size}-piece vocabulary on {corpus}: "
                         f"{str(e).splitlines()[0]}") from None
-    for ext in (".model", ".vocab"):
-        os.replace(f"{tmp}{ext}", f"{model_prefix}{ext}")
-    return Path(f"{model_prefix}.model")
 
 
 def load_checked_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
@@ -405,9 +417,11 @@ def check_coverage(corpus: Path, tokenizer: Path, counts: list[list[int]]) -> fl
 
 
 def _dataset_entry(name: str) -> bool:
-    """A file a preparation (finished or stopped) writes in its directory."""
+    """A file a preparation (finished or stopped) writes in its directory (a tokenizer killed while
+    training leaves train_tokenizer's tokenizer.tmp<pid>.model and .vocab)."""
     return (name in (TOKENIZER, MANIFEST, *(s + e for s in (TEXT, VALID) for e in (".bin", ".idx")))
-            or name.startswith(".") or (name.endswith(".npy") and "blocks_s" in name))
+            or name.startswith(".") or (name.endswith(".npy") and "blocks_s" in name)
+            or re.fullmatch(re.escape(Path(TOKENIZER).stem) + r"\.tmp\d+\.(model|vocab)", name) is not None)
 
 
 def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int | None,

@@ -3,6 +3,7 @@ fairseq's separators, masking, sharding and the epoch order."""
 
 import filecmp
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -453,3 +454,25 @@ def test_preprocess_takes_the_vocabulary_size_from_its_tokenizer(corpus, tokeniz
     assert preprocess_main([*base, "--output_dir", str(tmp_path / "other"), "--vocab_size", "2000"]) == 2
     assert f"has {VOCAB} pieces but the model's vocab_size is 2000" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+
+
+def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(corpus, tmp_path, monkeypatch):
+    """Ctrl-C while SentencePiece trains removes its half-written tokenizer.tmp<pid> files; a
+    preparation killed there (nothing runs to remove them) leaves them, and the same command run
+    again prepares the directory instead of refusing it as somebody else's files."""
+    out = tmp_path / "prep"
+    out.mkdir()
+
+    def stopped(corpus, prefix, vocab_size, max_sentences):
+        for ext in (".model", ".vocab"):
+            Path(f"{prefix}{ext}").write_bytes(b"half")
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(D, "_train_sentencepiece", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            D.train_tokenizer(corpus, out / "tokenizer", 300)
+    assert list(out.iterdir()) == []
+    for ext in (".model", ".vocab"):  # what a kill -9 there leaves
+        (out / f"tokenizer.tmp4242{ext}").write_bytes(b"half")
+    manifest = prepare(corpus, out, 300, cfg=PreprocessConfig(workers=1))
+    assert manifest["vocab_size"] == 300 and (out / D.MANIFEST).is_file()
