@@ -50,7 +50,7 @@ from mmadapt import checkpoint, parallel
 from mmadapt.parallel import from_rank0
 from mmadapt.artifact import ARTIFACT_FILE, SAMPLED_KEY, read_artifact, write_artifact
 from mmadapt.config import (EMBEDDING_INITS, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig, StepSpec,
-                            TrainConfig)
+                            TrainConfig, check_lang)
 from mmadapt.data import TEXT, TOKENIZER, check_prepared, replay_blocks
 from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, merged_vocabulary,
                             output_start, replay_text, source_text)
@@ -88,6 +88,10 @@ class AdaptEmbeddings(StepSpec):
     vocab_size: int | None = None
     source_tag: str | None = None
     mini_layers: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_lang(self.lang)  # recorded with the embeddings, and a path in evaluate's {lang}
 
     @classmethod
     def recorded(cls, run: dict) -> "AdaptEmbeddings":

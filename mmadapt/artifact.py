@@ -27,6 +27,9 @@ from mmadapt.family import ModelFamily
 from mmadapt.run import RUN_FILE, sampled_fingerprint, weights_fingerprint
 
 ARTIFACT_FILE = "embeddings.pt"
+# meta.json's sampled fingerprint of the primary's weights (run.sampled_fingerprint), beside the
+# full one (primary_fingerprint, which records compare): what a load checks the weights by.
+SAMPLED_KEY = "primary_sampled_fingerprint"
 # The system of the records of fine-tuned runs scored with no adaptation (evaluate.no_adaptation_record).
 NO_ADAPTATION = "no_adaptation"
 SCORED_LABEL = " p="  # system_label's mark of a Step 2 that scored a fraction of the positions
@@ -146,22 +149,20 @@ def primary_changed(meta: dict, weights: dict[str, torch.Tensor]) -> bool:
     return bool(meta.get("primary_fingerprint")) and weights_fingerprint(weights) != meta["primary_fingerprint"]
 
 
-def check_primary_unchanged(path: Path, meta: dict, now: str | None = None,
+def check_primary_unchanged(path: Path, meta: dict, *, recorded: str | None = None,
                             weights: dict[str, torch.Tensor] | None = None) -> None:
     """Refuse an artifact (at `path`, its meta.json `meta`) swapped into its primary model whose
-    weights changed since Step 2 recorded them: against a record of them (`now`: a fine-tuning
-    run's record of the full fingerprint; None, or an artifact without one: not checked), or
+    weights changed since Step 2 recorded them: against another record of them (`recorded`: a
+    fine-tuning run's of the full fingerprint; None, or an artifact without one: not checked), or
     against the `weights` read now (primary_changed)."""
-    recorded = meta.get("primary_fingerprint")
-    if (primary_changed(meta, weights) if weights is not None else bool(recorded and now and recorded != now)):
+    if weights is not None:
+        changed = primary_changed(meta, weights)
+    else:
+        changed = bool(recorded and meta.get("primary_fingerprint") and recorded != meta["primary_fingerprint"])
+    if changed:
         raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)} as its weights were "
                          "when Step 2 ran, and they have changed since (other weights under the same path): restore "
                          "that checkpoint, or train Step 2 again over the model as it is")
-
-
-# meta.json's sampled fingerprint of the primary's weights (run.sampled_fingerprint), beside the
-# full one (primary_fingerprint, which records compare): what a load checks the weights by.
-SAMPLED_KEY = "primary_sampled_fingerprint"
 
 
 @dataclass(frozen=True)

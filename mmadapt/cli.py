@@ -11,7 +11,6 @@ import dataclasses
 import difflib
 import functools
 import json
-import math
 import os
 import sys
 import textwrap
@@ -27,7 +26,7 @@ from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, INVOKED_AS, LAYO
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_any
-from mmadapt.report import (NO_ADAPTATION, PAPER, adaptation_markdown, choose_baseline, flops_rows,
+from mmadapt.report import (NO_ADAPTATION, PAPER, adaptation_markdown, choose_baseline, flops_rows, read_results,
                             bpb_markdown, format_flops_table, paper_rows, plot_curves, plot_speedup, report_markdown)
 from mmadapt.models import FAMILIES, PRESETS, find_preset, import_plugins
 from mmadapt.run import RunSpec, read_source
@@ -104,10 +103,12 @@ def _path(value) -> Path | None:
     return Path(value) if value else None
 
 
-def _run_spec(args) -> RunSpec:
+def _run_spec(args, text_needed: bool = False) -> RunSpec:
     """The run description a command's flags give (those it has); --corpus and --data_path are
-    two ways to give one text, refused together."""
-    if getattr(args, "corpus", None) is not None and getattr(args, "data_path", None) is not None:
+    two ways to give one text, refused together (and, where the command has no default text:
+    text_needed, refused when neither is given)."""
+    given = [getattr(args, name, None) is not None for name in ("corpus", "data_path")]
+    if all(given) or (text_needed and not any(given)):
         raise ValueError("pass one of --data_path (a prepared dataset) and --corpus (raw text)")
     return RunSpec(output_dir=Path(args.output_dir), ds_config=Path(args.ds_config),
                    data_path=_path(getattr(args, "data_path", None)), corpus=getattr(args, "corpus", None),
@@ -161,9 +162,8 @@ def configs_from_args(args) -> tuple[ModelConfig, TrainConfig]:
 def pretrain_main(argv=None) -> int:
     args = pretrain_parser().parse_args(argv)
     model, train = configs_from_args(args)
-    if (args.corpus is None) == (args.data_path is None):
-        raise ValueError("pass one of --data_path (a prepared dataset) and --corpus (raw text)")
-    rows = steps.pretrain(run=_run_spec(args), step=steps.Pretrain(model=model, train=train, recipe=args.recipe))
+    run = _run_spec(args, text_needed=True)
+    rows = steps.pretrain(run=run, step=steps.Pretrain(model=model, train=train, recipe=args.recipe))
     _done(rows, f"{args.recipe} in {args.output_dir}")
     return 0
 
@@ -482,7 +482,8 @@ def predict_parser() -> argparse.ArgumentParser:
                    "question TAB context); a .jsonl file: one object per line with those keys")
     p.add_argument("--jsonl", action="store_true", help="the input is JSON Lines whatever its name (stdin included)")
     p.add_argument("--output", help="write the JSON Lines here (must not exist yet; default: stdout)")
-    p.add_argument("--top_k", type=whole_number(1), help="language models: pieces listed per position (default 5)")
+    p.add_argument("--top_k", type=whole_number(1),
+                   help=f"language models: pieces listed per position (default: {predict.TOP_K})")
     p.add_argument("--tag", help="a language model's checkpoint (default: the newest complete one)")
     p.add_argument("--device", help="cpu or cuda[:i] (default: the GPU if there is one)")
     return p
@@ -496,12 +497,10 @@ def predict_main(argv=None) -> int:
     if args.output:
         check_output_file(Path(args.output), "--output")
     kind = predict.kind_of(args.run)
-    if args.top_k is not None and kind not in ("mlm", "causal"):
-        raise ValueError(f"--top_k lists a language model's pieces; {args.run} is a fine-tuned {kind} model, whose "
-                         "rows give every label (or tag, or the answer): drop --top_k")
+    predict.check_top_k(args.run, kind, args.top_k)
     inputs = predict.read_inputs(args.input, kind, args.jsonl or None)  # before the weights: bad input is cheap
     model = predict.load(args.run, args.embeddings, tag=args.tag, device=args.device, graft=args.graft)
-    rows = predict.predict_rows(model, inputs, args.top_k or 5)  # refuses NaN or infinite outputs
+    rows = predict.predict_rows(model, inputs, args.top_k)  # refuses NaN or infinite outputs
     text = "".join(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows)
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
@@ -559,10 +558,6 @@ def report_main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.output and any(Path(args.output).resolve() == Path(f).resolve() for f in args.results):
         raise ValueError(f"--output {args.output} is one of the results files it reads: choose another file")
-    twice = next((f for i, f in enumerate(args.results)
-                  if any(Path(f).resolve() == Path(g).resolve() for g in args.results[:i])), None)
-    if twice is not None:
-        raise ValueError(f"results file {twice} is given twice: its records would count twice; name it once")
     if args.output and Path(args.output).is_file():
         raise ValueError(f"{args.output} already exists: choose a new --output (nothing is overwritten)")
     if args.output:
@@ -575,33 +570,7 @@ def report_main(argv=None) -> int:
         if made:
             raise ValueError(f"--plots {args.plots} holds {' and '.join(made)} already: choose a new directory "
                              "(nothing is overwritten)")
-    records = []
-    for f in args.results:
-        try:
-            data = json.loads(Path(f).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read results file {f}: {str(e).splitlines()[0]}") from None
-        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-            raise ValueError(f"results file {f} is not a JSON list of records (as `mmadapt evaluate --output` "
-                             "writes)")
-        missing = [(k, i) for i, r in enumerate(data) for k in ("system", "task", "lang", "flops", "score")
-                   if k not in r]
-        if missing:
-            raise ValueError(f"results file {f}: record {missing[0][1]} lacks {missing[0][0]!r}")
-        bad = [(k, i, r[k]) for i, r in enumerate(data) for k in ("flops", "score")
-               if isinstance(r[k], bool) or not isinstance(r[k], (int, float)) or not math.isfinite(r[k])
-               or (k == "flops" and r[k] < 0)]
-        if bad:
-            raise ValueError(f"results file {f}: record {bad[0][1]} has {bad[0][0]} {bad[0][2]!r}; scores are finite "
-                             "numbers and FLOPs finite and >= 0 (re-run mmadapt evaluate for it)")
-        steps_ = [(i, r["step"]) for i, r in enumerate(data) if r.get("step") is not None
-                  and (isinstance(r["step"], bool) or not isinstance(r["step"], int) or r["step"] < 0)]
-        if steps_:
-            raise ValueError(f"results file {f}: record {steps_[0][0]} has step {steps_[0][1]!r}; a step is a Step-2 "
-                             "update, a whole number >= 0 (re-run mmadapt evaluate for it)")
-        records += data
-    if not records:
-        raise ValueError(f"{args.results[0]} holds no result records")
+    records = read_results(args.results)
     baseline = args.baseline
     if baseline is None:
         baseline, why = choose_baseline(records)

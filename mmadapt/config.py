@@ -830,14 +830,12 @@ class Parser(argparse.ArgumentParser):
         parsed = super().parse_args(args, namespace)
         inside = _output_inside_an_input(parsed)
         if inside:
-            print(f"error: {inside}", file=sys.stderr)
-            sys.exit(2)
-        tiny = os.environ.get(TINY_ENV, "")
+            self.error(inside)
+        tiny = os.environ.get(TINY_ENV, "") if self.tiny else ""
         if tiny not in ("", "0", "1"):  # a value read as "off" would run the real sizes unannounced
-            print(f"error: {TINY_ENV} is {tiny!r}: set it to 1 for the tiny sizes, or to 0 (or unset it) for the "
-                  "sizes as given", file=sys.stderr)
-            sys.exit(2)
-        return tiny_sizes(parsed) if self.tiny and tiny == "1" else parsed
+            self.error(f"{TINY_ENV} is {tiny!r}: set it to 1 for the tiny sizes, or to 0 (or unset it) for the sizes "
+                       "as given")
+        return tiny_sizes(parsed) if tiny == "1" else parsed
 
     def error(self, message: str):
         print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
@@ -885,9 +883,8 @@ def lang_code(text: str) -> str:
     """check_lang as an argparse type (refused in one line naming the flag)."""
     try:
         return check_lang(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is no language code: letters, digits, '-' and '_' (de, pt-BR, "
-                                         "zh_Hant)") from None
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--lang ")) from None
 
 
 def whole_number(lo: int):

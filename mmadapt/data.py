@@ -459,9 +459,26 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     created = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = out_dir / TOKENIZER
+    # what a preparation killed while its tokenizer trained left (train_tokenizer's files, its pid's)
+    for stale in out_dir.glob(f"{tok.stem}.tmp*"):
+        if _dataset_entry(stale.name):
+            stale.unlink()
+    t0 = time.perf_counter()
     try:
-        return _prepare_into(out_dir, tok, corpus, fingerprint, tokenizer, vocab_size, valid_fraction, seed, workers,
-                             cfg, say)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tok)
+        else:
+            say(f"training a {vocab_size}-piece SentencePiece model on up to {cfg.tokenizer_sample_lines:,} sampled "
+                "lines")
+            train_tokenizer(corpus, tok.with_suffix(""), vocab_size, seed=seed, max_sentences=cfg.tokenizer_sample_lines)
+            tok.with_suffix(".vocab").unlink(missing_ok=True)
+    except DataError:  # refused before this call put a tokenizer there: only a directory it made goes
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    try:
+        return _encode_into(out_dir, tok, corpus, fingerprint, vocab_size, cfg, workers, say,
+                            time.perf_counter() - t0)
     except DataError:  # refused: what this call wrote goes (a directory it made, the tokenizer it put there)
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -470,18 +487,11 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         raise
 
 
-def _prepare_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, tokenizer: Path | None,
-                  vocab_size: int | None, valid_fraction: float, seed: int, workers: int, cfg, say) -> dict:
-    """`prepare`'s work once its checks passed, into `out_dir` (which it made or found empty of
-    a dataset): the tokenizer at `tok`, the encoded text, the manifest. -> the manifest."""
-    t0 = time.perf_counter()
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, tok)
-    else:
-        say(f"training a {vocab_size}-piece SentencePiece model on up to {cfg.tokenizer_sample_lines:,} sampled lines")
-        train_tokenizer(corpus, tok.with_suffix(""), vocab_size, seed=seed, max_sentences=cfg.tokenizer_sample_lines)
-        tok.with_suffix(".vocab").unlink(missing_ok=True)
-    t_tok = time.perf_counter() - t0
+def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, vocab_size: int | None,
+                 cfg: PreprocessConfig, workers: int, say, t_tok: float) -> dict:
+    """`prepare`'s encoding, once its tokenizer is at `tok` in `out_dir` (`t_tok`: the seconds it
+    took): the text and its validation split encoded, the manifest written last. -> the manifest."""
+    valid_fraction, seed = cfg.valid_fraction, cfg.tokenizer_seed
     sp = load_checked_tokenizer(tok, vocab_size)
     dtype = np.dtype(np.uint16 if sp.get_piece_size() <= 65_535 else np.int32).name
     # More ranges than workers so that uneven documents still balance; any split gives the same bytes.

@@ -134,8 +134,8 @@ def extend(ext: Extend) -> dict:
     say = _stage_printer()
     try:
         imported, sibling = _imported(ext, say)
-    except ValueError:
-        if fresh:  # refused before anything trained: the extension it began is none, so nothing is left
+    except BaseException:
+        if fresh:  # refused or stopped before anything trained: the extension it began is none, so nothing is left
             for stage in ("import", "sibling"):
                 shutil.rmtree(ext.run_dir(stage), ignore_errors=True)
             (ext.output_dir / RECORD).unlink()
@@ -198,7 +198,9 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None]:
     if not (sibling / "run.json").is_file():
         say(f"import the sibling {ext.into}")
         import_any(ext.into, sibling)
-    check_siblings(model, read_source(sibling), {"vocab_mode": ext.vocab_mode})
+    check = check_siblings(model, read_source(sibling), {"vocab_mode": ext.vocab_mode})
+    if parallel.is_rank0():  # the distances, and a sibling that moved too far, said before anything trains
+        print("\n".join(check.lines()), flush=True)
     return imported, sibling
 
 

@@ -35,6 +35,13 @@ from mmadapt.run import Source, read_source
 from mmadapt.tokenizer import pieces
 
 
+# A layer of a fine-tuned sibling moves a few percent of its norm from the base: 0.03-0.12 in
+# every sibling fine-tuned here (benchmarks/results/graft_*: 3 epochs of every weight, or 100
+# updates), less for a large model's instruction tuning. Two models initialised apart are ~0.5
+# (LayerNorm gains and biases shared) to ~1.4 (random matrices of one scale) apart.
+FAR = 0.3
+
+
 @dataclasses.dataclass(frozen=True)
 class SiblingCheck:
     """How far a sibling's weights are from its base's: per group of tensors (`layers.<i>`, the
@@ -60,12 +67,6 @@ class SiblingCheck:
                        "serving it")
         return out
 
-
-# A layer of a fine-tuned sibling moves a few percent of its norm from the base: 0.03-0.12 in
-# every sibling fine-tuned here (benchmarks/results/graft_*: 3 epochs of every weight, or 100
-# updates), less for a large model's instruction tuning. Two models initialised apart are ~0.5
-# (LayerNorm gains and biases shared) to ~1.4 (random matrices of one scale) apart.
-FAR = 0.3
 
 
 def _group(name: str) -> str:

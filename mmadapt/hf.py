@@ -304,10 +304,12 @@ def read_sentence_transformers(st_dir: Path) -> tuple[Path, list[dict]]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{st_dir / 'modules.json'} is not JSON ({e.msg})") from None
     if isinstance(modules, list):
-        bad = next((i for i, m in enumerate(modules) if not isinstance(m, dict) or not isinstance(m.get("type"), str)), None)
+        bad = next((i for i, m in enumerate(modules)
+                    if not isinstance(m, dict) or not isinstance(m.get("type"), str)), None)
         if bad is not None:
             raise ValueError(f"{st_dir / 'modules.json'}: its entry {bad} names no module type (an object with "
-                             "\"type\" and \"path\", as sentence-transformers writes it): copy the directory as it was saved")
+                             "\"type\" and \"path\", as sentence-transformers writes it): copy the directory as "
+                             "it was saved")
     kinds = [m["type"].rsplit(".", 1)[-1] for m in modules] if isinstance(modules, list) else []
     if not kinds or kinds[0] != "Transformer" or any(k not in ST_CARRIED for k in kinds[1:]):
         raise ValueError(f"{st_dir}: its modules.json lists {', '.join(kinds) or 'no modules'}; import-hf takes a "
@@ -708,7 +710,7 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                                        body_only=finetuned is not None).lines():
                 print(line)
         elif finetuned is not None:  # the primary's weights as Step 3 recorded them
-            check_primary_unchanged(Path(embeddings), meta, ft.run["primary"].get("fingerprint"))
+            check_primary_unchanged(Path(embeddings), meta, recorded=ft.run["primary"].get("fingerprint"))
         else:
             check_primary_unchanged(Path(embeddings), meta, weights=weights)
         # A task model has no output head: only the word embeddings are swapped into it.

@@ -45,9 +45,11 @@ CHECK_TEXTS = ("In the beginning God created the heaven and the earth.", "Jesus 
 
 def is_classifier(model_dir: Path) -> bool:
     """Whether config.json names a sequence classifier."""
+    from mmadapt.hf import config_json
+
     try:
-        archs = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
-    except (OSError, json.JSONDecodeError, AttributeError):  # hf.read_hf_config refuses what is no config
+        archs = config_json(model_dir).get("architectures") or []
+    except (OSError, ValueError):  # no config, or none that is a JSON object: hf.read_hf_config refuses it
         return False
     return isinstance(archs, list) and bool(archs) and str(archs[0]).endswith(CLASSIFIER_SUFFIX)
 

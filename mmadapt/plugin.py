@@ -87,6 +87,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     held = {}  # per language: the held-out set
     starts: dict[Path, tuple[float, float]] = {}
     paths = artifact_dirs(adapt_runs)
+    prepared: set[str] = set()  # the languages whose dataset was checked to be one
     for path in paths:  # every refusal before any scoring (and before the progress bar)
         meta = checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
         if graft and artifact_primary_ref(meta).same(ref):
@@ -104,7 +105,9 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
         lang = meta["lang"]
         if lang not in data_paths:
             raise ValueError(f"no held-out {lang} text: pass a prepared {lang} dataset with a validation split")
-        read_manifest(data_paths[lang])  # a prepared dataset, or refused naming what it is
+        if lang not in prepared:  # a prepared dataset, or refused naming what it is
+            read_manifest(data_paths[lang])
+            prepared.add(lang)
         if file_sha256(Path(data_paths[lang]) / TOKENIZER) != file_sha256(path / "spm.model"):
             raise ValueError(f"{path} uses another tokenizer than {data_paths[lang]}: score it on the dataset Step 2 "
                              "trained on")

@@ -75,6 +75,9 @@ def _run_file(run: Path) -> dict:
     return read_json(run / RUN_FILE, "run file")
 
 
+TOP_K = 5  # pieces listed per position where the caller names no number
+
+
 def kind_of(run: str | os.PathLike) -> str:
     """What `load(run)` gives and `predict` reads, from run.json alone (no weights loaded): "mlm"
     or "causal" (a language model of that objective), or a fine-tuned run's task: "classify",
@@ -87,7 +90,7 @@ def kind_of(run: str | os.PathLike) -> str:
     if info.get("step") == "finetune":
         task = get_task(info["task"])
         return "pair" if task.pairs else task.kind
-    return run_family(info).objective.name
+    return run_family(info, run).objective.name
 
 
 def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *, tag: str | None = None,
@@ -111,12 +114,13 @@ def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *,
     return TaskModel.load(run, None if embeddings is None else Path(embeddings), dev, graft)
 
 
-def _artifact(path: Path, owners: tuple[Path, ...], primary: dict[str, torch.Tensor] | str | None = None,
-              graft: Callable[[dict], None] | None = None, graftable: bool = True) -> tuple[dict, Path, dict]:
+def _artifact(path: Path, owners: tuple[Path, ...], *, weights: dict[str, torch.Tensor] | None = None,
+              recorded: str | None = None, graft: Callable[[dict], None] | None = None,
+              graftable: bool = True) -> tuple[dict, Path, dict]:
     """An artifact's tensors, tokenizer and meta.json, refused unless it belongs to one of
     `owners` (the model Step 2 trained it over, or the primary model Step 4 swaps it into), and,
-    swapped into its primary model, unless that model's weights changed since (`primary`: its
-    weights as read now, or a fine-tuning run's record of their fingerprint;
+    swapped into its primary model, unless that model's weights changed since (its `weights` as
+    read now, or a fine-tuning run's `recorded` fingerprint of them;
     artifact.check_primary_unchanged). graft: the artifact
     belongs to a base of which the owner is a sibling instead, checked by graft(meta) (one
     that belongs to the owner itself is refused: drop --graft); graftable: whether the refusal of
@@ -139,7 +143,7 @@ def _artifact(path: Path, owners: tuple[Path, ...], primary: dict[str, torch.Ten
                          f"{' or '.join(map(str, owners))}: load that run with it" + (
                              " (or, into a model fine-tuned from that one, pass --graft)" if graftable else ""))
     if meta.get("primary_fingerprint") and artifact_primary(meta).resolve() in {o.resolve() for o in owners}:
-        check_primary_unchanged(path, meta, *((primary, None) if isinstance(primary, str) else (None, primary)))
+        check_primary_unchanged(path, meta, recorded=recorded, weights=weights)
     return emb, tokenizer, meta
 
 
@@ -211,8 +215,8 @@ class LanguageModel:
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
             weights = state
-            emb, tokenizer, meta = _artifact(embeddings, (run,), weights,
-                                             _sibling_check(source, weights) if graft else None)
+            emb, tokenizer, meta = _artifact(embeddings, (run,), weights=weights,
+                                             graft=_sibling_check(source, weights) if graft else None)
             cfg, state = family.primary_model(cfg, state)
             artifact_embeddings(emb, state[family.word])  # refuses embeddings of another width
             # a graft of an expanded vocabulary keeps the sibling's own source rows (artifact_state)
@@ -301,7 +305,7 @@ class LanguageModel:
             raise ValueError(f"the model has heads after layers {', '.join(map(str, self.heads))}, not {head}")
         return head
 
-    def fill_mask(self, texts: list[str], top_k: int = 5, head: int | None = None) -> list[list[list[dict]]]:
+    def fill_mask(self, texts: list[str], top_k: int = TOP_K, head: int | None = None) -> list[list[list[dict]]]:
         """The encoder's `top_k` pieces at each <mask> of each text: per text, per <mask> in
         order, [{"id", "piece", "text", "prob"}], most probable first. head: the layer of the
         head to read (default: the primary head, after the last layer)."""
@@ -315,7 +319,7 @@ class LanguageModel:
         return [[[{**_surface(self.tokenizer, int(i)), "prob": float(p)} for p, i in zip(probs[r, s], top[r, s])]
                  for s in ids[r].eq(MASK_ID).nonzero().squeeze(1).tolist()] for r in range(len(texts))]
 
-    def next_piece(self, texts: list[str], top_k: int = 5, head: int | None = None) -> list[list[dict]]:
+    def next_piece(self, texts: list[str], top_k: int = TOP_K, head: int | None = None) -> list[list[dict]]:
         """The decoder's `top_k` next pieces after each text: [{"id", "piece", "text", "prob"}],
         most probable first. head: as in fill_mask."""
         if self.objective.masked:
@@ -368,8 +372,7 @@ class SentenceEncoder:
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer
         if embeddings is not None:
             weights = state
-            emb, tokenizer, _ = _artifact(Path(embeddings), (run,), weights,
-                                          graftable=False)
+            emb, tokenizer, _ = _artifact(Path(embeddings), (run,), weights=weights, graftable=False)
             state = {**state, family.word: artifact_embeddings(emb, state[family.word]).float()}
         cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
                                   vocab_size=state[family.word].shape[0])
@@ -435,8 +438,8 @@ class TaskModel:
         tokenizer, artifact, primary = ft.tokenizer, None, Path(ft.run["primary"]["run_dir"])
         if embeddings is not None:
             check = _sibling_check(read_source(primary), body_only=True) if graft else None
-            artifact, tokenizer, meta = _artifact(embeddings, (primary,), ft.run["primary"].get("fingerprint"),
-                                                  check)
+            artifact, tokenizer, meta = _artifact(embeddings, (primary,), recorded=ft.run["primary"].get("fingerprint"),
+                                                  graft=check)
             artifact_embeddings(artifact, ft.state[ft.family.word])  # refuses embeddings of another width
             if graft:  # only the word embeddings go into a task model; expand keeps its own source rows
                 word = artifact_state(ft.family, {"word_embeddings": artifact["word_embeddings"]}, meta, ft.state)
@@ -600,13 +603,23 @@ def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> list[dict]:
     return out
 
 
-def predict_rows(model: "LanguageModel | TaskModel", inputs: list[dict], top_k: int = 5) -> list[dict]:
-    """Each input with what `model` predicts for it (`mmadapt predict`'s output rows)."""
+def check_top_k(run: str | os.PathLike, kind: str, top_k: int | None) -> None:
+    """A number of pieces to list (`top_k`, None: TOP_K) is a language model's option: refused in
+    one line for a fine-tuned run (`kind`, kind_of's), whose rows give every label, tag or answer."""
+    if top_k is not None and kind not in OBJECTIVES:
+        raise ValueError(f"--top_k lists a language model's pieces; {run} is a fine-tuned {kind} model, whose rows give "
+                         "every label (or tag, or the answer): drop --top_k")
+
+
+def predict_rows(model: "LanguageModel | TaskModel", inputs: list[dict], top_k: int | None = None) -> list[dict]:
+    """Each input with what `model` predicts for it (`mmadapt predict`'s output rows; `top_k`: a
+    language model's pieces per position, None: TOP_K)."""
     if isinstance(model, LanguageModel):
-        texts = [x["text"] for x in inputs]
+        texts, top_k = [x["text"] for x in inputs], TOP_K if top_k is None else top_k
         if model.objective.masked:
             return [{**x, "masks": m} for x, m in zip(inputs, model.fill_mask(texts, top_k))]
         return [{**x, "next": m} for x, m in zip(inputs, model.next_piece(texts, top_k))]
+    check_top_k(model.run, "pair" if model.task.pairs else model.task.kind, top_k)
     keys = input_keys("pair" if model.task.pairs else model.task.kind)
     values = [x[keys[0]] if len(keys) == 1 else tuple(x[k] for k in keys) for x in inputs]
     return [{**x, **y} for x, y in zip(inputs, model.predict(values))]

@@ -13,8 +13,10 @@ against (`adaptation_markdown`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections import defaultdict
+from pathlib import Path
 
 from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
@@ -27,6 +29,45 @@ from mmadapt.objectives import plugin_objective
 # Paper section 3: 125k updates of 2048 sequences of 512 tokens, V = 50k, p = 0.15.
 PAPER = {"updates": 125_000, "global_batch": 2048, "seq_length": 512, "mask_prob": 0.15}
 NEAR_MAX = 0.95  # section 4.2: target = 95% of BL_BASE's final score for the language and task
+
+
+def read_results(files: list[str]) -> list[dict]:
+    """The records of Step 4's results `files` (JSON lists, as `mmadapt evaluate --output` writes
+    them), each refused in one line unless it names a file once and holds whole records: a
+    system, task and language, a finite score, finite FLOPs >= 0 and a step (where given) a
+    whole number >= 0."""
+    twice = next((f for i, f in enumerate(files) if any(Path(f).resolve() == Path(g).resolve() for g in files[:i])),
+                 None)
+    if twice is not None:
+        raise ValueError(f"results file {twice} is given twice: its records would count twice; name it once")
+    records = []
+    for f in files:
+        try:
+            data = json.loads(Path(f).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read results file {f}: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+            raise ValueError(f"results file {f} is not a JSON list of records (as `mmadapt evaluate --output` "
+                             "writes)")
+        missing = [(k, i) for i, r in enumerate(data) for k in ("system", "task", "lang", "flops", "score")
+                   if k not in r]
+        if missing:
+            raise ValueError(f"results file {f}: record {missing[0][1]} lacks {missing[0][0]!r}")
+        bad = [(k, i, r[k]) for i, r in enumerate(data) for k in ("flops", "score")
+               if isinstance(r[k], bool) or not isinstance(r[k], (int, float)) or not math.isfinite(r[k])
+               or (k == "flops" and r[k] < 0)]
+        if bad:
+            raise ValueError(f"results file {f}: record {bad[0][1]} has {bad[0][0]} {bad[0][2]!r}; scores are finite "
+                             "numbers and FLOPs finite and >= 0 (re-run mmadapt evaluate for it)")
+        step = next(((i, r["step"]) for i, r in enumerate(data) if r.get("step") is not None
+                     and (isinstance(r["step"], bool) or not isinstance(r["step"], int) or r["step"] < 0)), None)
+        if step is not None:
+            raise ValueError(f"results file {f}: record {step[0]} has step {step[1]!r}; a step is a Step-2 update, a "
+                             "whole number >= 0 (re-run mmadapt evaluate for it)")
+        records += data
+    if not records:
+        raise ValueError(f"{files[0]} holds no result records")
+    return records
 
 
 def is_plugin(task: str) -> bool:

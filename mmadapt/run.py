@@ -269,13 +269,16 @@ def run_model(run: dict, run_dir: Path | None = None) -> ModelConfig:
     """A record's model config (a run from before model families is a RoBERTa run), refused in
     one line naming `run_dir` where run.json holds none that this mmadapt reads."""
     model = run.get("model")
-    unknown = sorted(set(model) - {f.name for f in dataclasses.fields(ModelConfig)}) if isinstance(model, dict) else []
-    try:
-        if isinstance(model, dict) and not unknown:
-            return ModelConfig(**model)
-        why = "no model config" if not isinstance(model, dict) else f"unknown model fields ({', '.join(unknown)})"
-    except TypeError as e:  # a required field left out
-        why = f"an incomplete model config ({str(e).split(': ', 1)[-1]})"
+    fields = dataclasses.fields(ModelConfig)
+    if not isinstance(model, dict):
+        why = "no model config"
+    elif unknown := sorted(set(model) - {f.name for f in fields}):
+        why = f"unknown model fields ({', '.join(unknown)})"
+    elif missing := [f.name for f in fields if f.name not in model and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING]:
+        why = f"an incomplete model config (no {', '.join(missing)})"
+    else:
+        return ModelConfig(**model)
     raise ValueError(f"{run_dir or 'the run'}/{RUN_FILE} holds {why}: it was not written by this mmadapt, or was "
                      "edited; run that step again into a new --output_dir")
 
@@ -301,9 +304,9 @@ def require_kind(path: Path, run: dict, *kinds: str) -> None:
                          + " or ".join(RUN_KINDS[k] for k in kinds))
 
 
-def run_family(run: dict) -> ModelFamily:
-    """The model family of a record (run.json), known by name (models.get_family)."""
-    return get_family(run_model(run))
+def run_family(run: dict, run_dir: Path | None = None) -> ModelFamily:
+    """The model family of a record (run.json of `run_dir`), known by name (models.get_family)."""
+    return get_family(run_model(run, run_dir))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ from mmadapt.artifact import artifact_dirs, read_artifact
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig, StepSpec,
-                            TrainConfig, path_args, whole_arg)
+                            TrainConfig, check_lang, path_args, whole_arg)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, TEXT, EpochOrder, read_manifest, wait_for
 from mmadapt.data import prepare as prepare_corpus
@@ -497,6 +497,10 @@ class Sweep(StepSpec):
     source_tag: str | None = None
     prep: PreprocessConfig = dataclasses.field(default_factory=PreprocessConfig)
     vocab_size: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_lang(self.lang)
 
 
 def _sweep_data(run: RunSpec, step: Sweep, src_cfg: ModelConfig) -> Path:

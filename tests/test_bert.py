@@ -620,6 +620,13 @@ def test_a_resume_over_a_changed_source_is_refused(runs, de_corpus, de_tokenizer
         err = capsys.readouterr().err
         assert f"{source.resolve()} changed since {tmp_path / name} started over it" in err and err.count("\n") == 1
         assert content(tmp_path / name) == before
+    # a Step-3 run recorded before the sampled fingerprint: its resume is checked by the full one
+    record = json.loads((tmp_path / "ft" / "run.json").read_text())
+    assert record["primary"].pop("sampled_fingerprint")
+    (tmp_path / "ft" / "run.json").write_text(json.dumps(record, indent=2))
+    before = content(tmp_path / "ft")
+    assert cli([*finetune, "--resume"]) == 2
+    assert "changed since" in capsys.readouterr().err and content(tmp_path / "ft") == before
     # the Step-2 artifact swapped into its changed primary: refused by predict and export-hf alike
     artifact = str(tmp_path / "adapt" / "embeddings" / "step00000001")
     text = tmp_path / "in.txt"

@@ -475,4 +475,17 @@ def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(c
     for ext in (".model", ".vocab"):  # what a kill -9 there leaves
         (out / f"tokenizer.tmp4242{ext}").write_bytes(b"half")
     manifest = prepare(corpus, out, 300, cfg=PreprocessConfig(workers=1))
-    assert manifest["vocab_size"] == 300 and (out / D.MANIFEST).is_file()
+    assert manifest["vocab_size"] == 300 and (out / D.MANIFEST).is_file() and not list(out.glob("tokenizer.tmp*"))
+
+
+def test_a_refused_preparation_keeps_the_tokenizer_it_did_not_write(tmp_path):
+    """A corpus too small for its vocabulary, prepared into a directory that holds a stopped
+    preparation's tokenizer.model: refused in one line, and that tokenizer is left as it was."""
+    out = tmp_path / "prep"
+    out.mkdir()
+    (out / "tokenizer.model").write_bytes(b"the one there before")
+    small = tmp_path / "one.txt"
+    small.write_text("In the beginning God created the heaven and the earth.\n")
+    with pytest.raises(D.DataError, match="is too small for a 300-piece vocabulary"):
+        prepare(small, out, 300, cfg=PreprocessConfig(workers=1))
+    assert (out / "tokenizer.model").read_bytes() == b"the one there before"

@@ -333,11 +333,11 @@ RUN_DOCS = ("docs/pretraining.md", "docs/mini-models.md", "docs/decoders.md", "d
 
 
 def outputs(block: str) -> list[str]:
-    """The paths a block's commands write (--output_dir, --output), a loop's variable as a wildcard;
-    comment lines aside."""
+    """The paths a block's commands write (--output_dir, --output, report's --plots), a loop's
+    variable as a wildcard; comment lines aside."""
     loop_vars = re.findall(r"for (\w+) in ", block)
     lines = [l for l in re.sub(r"\\\n\s*", " ", block).splitlines() if not l.lstrip().startswith("#")]
-    found = re.findall(r"--output(?:_dir)?[ =](\S+)", "\n".join(lines))
+    found = re.findall(r"--(?:output(?:_dir)?|plots)[ =](\S+)", "\n".join(lines))
     return [re.sub(r"\$\{?(" + "|".join(loop_vars) + r")\b\}?", "*", f) if loop_vars else f for f in found]
 
 
@@ -356,8 +356,8 @@ def test_every_other_document_runs_nothing_unmarked():
         name = str(doc.relative_to(REPO))
         if name != "README.md" and name not in RUN_DOCS:
             assert runnable_blocks(doc.read_text(encoding="utf-8")) == [], f"{name}: add it to RUN_DOCS or mark it"
-    assert outputs("for s in 1 2; do\n  x --output_dir runs/$s-$seed --output=r/$s.json\ndone\n# y --output z\n") == [
-        "runs/*-$seed", "r/*.json"]
+    assert outputs("for s in 1 2; do\n  x --output_dir runs/$s-$seed --output=r/$s.json\ndone\n# y --output z\n"
+                   "mmadapt report r/*.json --plots plots/\n") == ["runs/*-$seed", "r/*.json", "plots/"]
 
 
 @pytest.mark.slow
