@@ -133,7 +133,8 @@ def test_build_minipost_errors(capsys, primary_run, tmp_path):
     base = ["--primary", str(primary_run), "--output_dir", str(out)]
     expect_cli_error(capsys, minipost_main, out, base + ["--mini_layers", "12"], "mini_layers 12 must be in 1..11")
     expect_cli_error(capsys, minipost_main, out, base + ["--new_layers", "0"], "new_layers must be >= 1")
-    expect_cli_error(capsys, minipost_main, out, ["--primary", str(tmp_path), "--output_dir", str(out)],
+    (tmp_path / "not_a_run").mkdir()
+    expect_cli_error(capsys, minipost_main, out, ["--primary", str(tmp_path / "not_a_run"), "--output_dir", str(out)],
                      "is not an mmadapt run directory")
 
 
