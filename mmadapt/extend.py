@@ -4,6 +4,7 @@ target corpus, export. Every stage is the library function of the command a user
 (mmadapt.steps, hf.py), each run in its own directory under the output directory:
 
     <output_dir>/extend.json   what this extension is (its arguments): a later call must match it
+                 summary.json  the summary printed at the end (a repeated call prints it again)
                  import/       import-hf's run
                  head/         fit-head's run (a headless encoder: a sentence-transformers body)
                  minipost/     Step 1b (--system minipost, the default: an imported model has no
@@ -40,6 +41,7 @@ from mmadapt.hf import export_hf, import_any
 from mmadapt.run import RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
+SUMMARY = "summary.json"  # the summary a finished extension printed (_summary)
 REPORT_ONLY = ("bpb_bytes", "into")  # Extend fields that size the summary, not the extension: a later call may change them
 SYSTEMS = ("minipost", "bl_base")  # what an imported model offers: no MINIJOINT head, no BL_SMALL run
 
@@ -249,9 +251,17 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
     """The plug-in loss (held-out target text, through the primary model) of the new embeddings at
     update 0 and at the end against the target unigram reference, and the same text in bits per
     byte (bpb.py: one scale for every tokenizer) at update 0, at the end and with no adaptation
-    (the source model with its own tokenizer and embeddings). Read from the artifacts and
-    computed again the same way, so a repeated call prints the same."""
+    (the source model with its own tokenizer and embeddings). Computed once and kept in
+    <output_dir>/summary.json with what it was computed from: a repeated call prints it again
+    (scoring every held-out piece three times costs more than the rest of a small extension);
+    another --bpb_bytes computes it anew."""
     arts = artifact_dirs([adapt])
+    kept, key = ext.output_dir / SUMMARY, {"artifact": str(arts[-1]), "bpb_bytes": ext.bpb_bytes}
+    if kept.is_file():
+        old = checkpoint.read_json(kept, "extend summary")
+        if old.get("key") == key:
+            print(old["text"], flush=True)
+            return old["summary"]
     (start_emb, start_tok, first), (emb, tok, last) = read_artifact(arts[0]), read_artifact(arts[-1])
     per_byte = ByteScorer(Scorer(Primary.read(source)), ext.seq_length, ext.bpb_bytes)
     raw = per_byte.text(data)
@@ -263,7 +273,7 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
     if (export / "sentence_transformers").is_dir():
         summary["sentence_transformers"] = str(export / "sentence_transformers")
     gain = summary["no_adaptation_bpb"] - summary["final_bpb"]
-    print(f"{ext.lang} through the primary model (plug-in loss, held-out text): {summary['start_loss']:.3f} at the "
+    text = (f"{ext.lang} through the primary model (plug-in loss, held-out text): {summary['start_loss']:.3f} at the "
           f"start, {summary['final_loss']:.3f} after {last['step']} updates, unigram reference "
           f"{summary['unigram_loss']:.3f} ({summary['unigram_loss'] - summary['final_loss']:+.3f} past it).\n"
           f"In bits per byte of the same {raw.bytes:,} held-out bytes (every tokenizer on one scale): "
@@ -272,7 +282,10 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
           + (f"the extended model reads {ext.lang} better by {gain:.3f} bits per byte." if gain > 0 else
              f"the extended model does not read {ext.lang} better than the source model yet ({-gain:.3f} bits per byte "
              "behind): train Step 2 longer (--adapt_iters).")
-          + f" Extended model: {export}", flush=True)
+          + f" Extended model: {export}")
+    print(text, flush=True)
+    if parallel.is_rank0():
+        checkpoint.atomic_write(kept, json.dumps({"key": key, "summary": summary, "text": text}, indent=2))
     return summary
 
 

@@ -295,6 +295,10 @@ def test_extend_goes_from_the_directory_to_the_extended_model_in_one_command(shi
     bits = [line for line in first.splitlines() if line.startswith("In bits per byte of the same")]
     assert bits and bits == [line for line in again.splitlines() if line.startswith("In bits per byte of the same")]
     assert "with no adaptation (the source's own tokenizer and embeddings)" in bits[0]
+    assert json.loads((out / "summary.json").read_text())["summary"]["bpb_bytes"] < 1024 + 1000  # what was printed, kept
+    run_ok(*argv[:-1], "512")  # --bpb_bytes sizes the summary only: scored again on fewer bytes, nothing trained
+    fewer = [line for line in capsys.readouterr().out.splitlines() if line.startswith("In bits per byte of the same")]
+    assert fewer and fewer != bits and sorted(str(p) for p in out.rglob("checkpoints/*")) == checkpoints
     assert main([*argv[:-4], "--batch", "8"]) == 2
     assert "choose a new --output_dir" in capsys.readouterr().err
     other = root / "not-an-extension"
