@@ -24,6 +24,7 @@ Step 1b is --source_corpus (default: the packaged English Bible).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -256,7 +257,11 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
     (scoring every held-out piece three times costs more than the rest of a small extension);
     another --bpb_bytes computes it anew."""
     arts = artifact_dirs([adapt])
-    kept, key = ext.output_dir / SUMMARY, {"artifact": str(arts[-1]), "bpb_bytes": ext.bpb_bytes}
+    # what the summary is computed from: the artifacts as they are now (a Step 2 deleted and run
+    # again writes them anew) and the bytes scored
+    key = {"artifacts": [hashlib.sha256((a / "meta.json").read_bytes()).hexdigest() for a in (arts[0], arts[-1])],
+           "artifact": str(arts[-1]), "bpb_bytes": ext.bpb_bytes}
+    kept = ext.output_dir / SUMMARY
     if kept.is_file():
         old = checkpoint.read_json(kept, "extend summary")
         if old.get("key") == key:

@@ -299,6 +299,10 @@ def test_extend_goes_from_the_directory_to_the_extended_model_in_one_command(shi
     run_ok(*argv[:-1], "512")  # --bpb_bytes sizes the summary only: scored again on fewer bytes, nothing trained
     fewer = [line for line in capsys.readouterr().out.splitlines() if line.startswith("In bits per byte of the same")]
     assert fewer and fewer != bits and sorted(str(p) for p in out.rglob("checkpoints/*")) == checkpoints
+    last = sorted((out / "adapt" / "embeddings").iterdir())[-1] / "meta.json"  # Step 2 written anew: not the kept summary
+    last.write_text(json.dumps({**json.loads(last.read_text()), "plugin_loss": 9.875}))
+    run_ok(*argv[:-1], "512")
+    assert "9.875 after 4 updates" in capsys.readouterr().out
     assert main([*argv[:-4], "--batch", "8"]) == 2
     assert "choose a new --output_dir" in capsys.readouterr().err
     other = root / "not-an-extension"
