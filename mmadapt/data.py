@@ -230,6 +230,7 @@ class _Shard:
     """One worker's output: megatron's builder plus the pending sentences of its range."""
 
     def __init__(self, prefix: str, dtype: str, sp):
+        import mmadapt.mcore  # noqa: F401  (megatron-core's package, imported as mcore.py says)
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
         self.builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.dtype(dtype).type)
@@ -318,6 +319,7 @@ class _IndexWriter:
     builds one Python int per sentence: a billion for CC-100's English)."""
 
     def __new__(cls, idx_path: str, dtype):
+        import mmadapt.mcore  # noqa: F401  (megatron-core's package, imported as mcore.py says)
         from megatron.core.datasets.indexed_dataset import DType, _IndexWriter as MegatronWriter
 
         class Writer(MegatronWriter):
@@ -332,6 +334,7 @@ class _IndexWriter:
 
 def _merge(prefixes: list[str], out_prefix: str, dtype) -> None:
     """Concatenate shard datasets in order into `out_prefix` (megatron's format)."""
+    import mmadapt.mcore  # noqa: F401  (megatron-core's package, imported as mcore.py says)
     from megatron.core.datasets.indexed_dataset import _IndexReader
 
     lengths, doc_ends, total = [], [np.zeros(1, np.int64)], 0
@@ -581,7 +584,8 @@ def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT
     data_path = Path(data_path)
     path = block_index_path(data_path, seq_length, split)
     if not path.is_file():
-        from megatron.core.datasets.indexed_dataset import _IndexReader  # imports all of megatron.core: ~4 s
+        import mmadapt.mcore  # noqa: F401  (megatron-core's package, imported as mcore.py says)
+        from megatron.core.datasets.indexed_dataset import _IndexReader  # imports all of megatron.core
 
         index = _IndexReader(str(data_path / (split + ".idx")), multimodal=False)
         blocks = pack_blocks(index.sequence_lengths, seq_length)
@@ -706,6 +710,7 @@ class BlockBatches:
 
     def _sequence_lengths(self) -> np.ndarray:
         """The length of every sequence of the split (a sentence with its </s>, or a lone </s>)."""
+        import mmadapt.mcore  # noqa: F401  (megatron-core's package, imported as mcore.py says)
         from megatron.core.datasets.indexed_dataset import _IndexReader
 
         index = _IndexReader(str(self.data_path / (self.split + ".idx")), multimodal=False)

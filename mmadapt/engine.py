@@ -34,6 +34,7 @@ from tqdm import tqdm
 from mmadapt import checkpoint, parallel, quiet
 from mmadapt.config import LoopConfig
 from mmadapt.faults import STOP_FILE, Diverged, Paused, StopRequest, Stopped
+from mmadapt.mcore import compile_on_first_call
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -257,7 +258,9 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
             group["params"] = [placeholder]
     optimizer = adamw(groups, loop, lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(loop.warmup_iters(total), total))
-    with quiet.deepspeed_prints():
+    # compile_on_first_call: initialize imports DeepSpeed's Muon optimizer (to tell it apart),
+    # whose kernels are wrapped in torch.compile at import: TorchInductor's import, deferred as in mcore.py.
+    with quiet.deepspeed_prints(), compile_on_first_call():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config, mpu=None if is_pipe else parallel.DeepSpeedMPU())
     if parallel.dp_world() == 1 and not is_pipe and engine.zero_optimization_stage() == 0:

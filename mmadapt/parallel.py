@@ -17,9 +17,9 @@ import socket
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 
 from mmadapt.faults import clear_stale_extension_lock
+from mmadapt.mcore import parallel_state
 
 # How long a collective (and the rendezvous) may wait before the job fails. Set explicitly, not
 # left to the backend's default: no mmadapt step waits on data preparation in a collective

@@ -20,10 +20,10 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from megatron.core import ModelParallelConfig, tensor_parallel
 from torch import nn
 
 from mmadapt.config import ModelConfig
+from mmadapt.mcore import ModelParallelConfig, tensor_parallel
 from mmadapt.parallel import seeded, tp_rank
 from mmadapt.tokens import PAD_ID
 
