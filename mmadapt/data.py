@@ -511,6 +511,8 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
     # The objects that exist now (torch, megatron: a large heap) leave the garbage collector's
     # sight while the encoder allocates millions of small lists: rescanning them cost a third of
     # the encoding time. Frozen before forking, so workers do not copy the heap to freeze it.
+    # A command's process froze its imports already (cli.run_process): that freeze outlives this one.
+    frozen_before = gc.get_freeze_count() > 0
     gc.freeze()
     try:
         if workers == 1 or len(jobs) == 1:
@@ -523,7 +525,8 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
         if valid_fraction > 0:
             _merge([j[4] + ".valid" for j in jobs], str(out_dir / VALID), dtype)
     finally:  # a failed preparation leaves no shards behind (and no manifest: not a dataset)
-        gc.unfreeze()
+        if not frozen_before:
+            gc.unfreeze()
         shutil.rmtree(shard_dir, ignore_errors=True)
     valid_counts = [int(sum(c[1][k] for c in counts)) for k in range(3)]
     unknown = int(sum(c[0][3] + c[1][3] for c in counts))

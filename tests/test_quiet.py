@@ -109,3 +109,28 @@ def test_progress_bars_stay_off_when_transformers_was_imported_first():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True", "False", "True"]
+
+
+def test_a_process_command_runs_with_its_imports_out_of_the_collectors_sight(corpus, tokenizer, tmp_path):
+    """run_process freezes what the imports made (gc.freeze), so DeepSpeed's forced collections at
+    start-up scan only the command's own objects; a preprocess inside the command keeps it so."""
+    import gc
+
+    from mmadapt.cli import run_process
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.data import prepare
+
+    seen = []
+
+    def command() -> int:
+        seen.append(gc.get_freeze_count())
+        prepare(corpus, tmp_path / "d", VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
+        seen.append(gc.get_freeze_count())
+        return 0
+
+    assert gc.get_freeze_count() == 0
+    try:
+        assert run_process(command) == 0
+    finally:
+        gc.unfreeze()
+    assert seen[0] > 100_000 and seen[1] > 100_000, seen  # torch's, DeepSpeed's, megatron-core's objects; 0: unfrozen
