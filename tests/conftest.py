@@ -100,6 +100,15 @@ def pytest_configure(config):
     transformers_logging.get_logger("transformers")
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, DeepSpeed, megatron-core, transformers: millions of objects
+    that live as long as the worker) leaves the collector's sight, as a command's process does
+    (cli.run_process): every engine a test builds in-process runs DeepSpeed's forced collections."""
+    import gc
+
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests are skipped where torch sees no CUDA device (STYLE.md: never the other way round)."""
     import torch
