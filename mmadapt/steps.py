@@ -26,6 +26,7 @@ model class: the run's model family (models/) builds everything.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import tempfile
@@ -35,7 +36,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from mmadapt import parallel
+from mmadapt import checkpoint, parallel
 from mmadapt.adapt import AdaptEmbeddings, adapt_embeddings
 from mmadapt.artifact import artifact_dirs, read_artifact
 from mmadapt.bpb import BPB_BYTES
@@ -524,6 +525,30 @@ def _sweep_data(run: RunSpec, step: Sweep, src_cfg: ModelConfig) -> Path:
     return data_path
 
 
+def _sweep_records(source: Path, runs: dict, step: Sweep, data_path: Path, kept: Path) -> tuple[list[dict], dict]:
+    """Every checkpoint of the sweep's runs scored (plugin_records), each record with its
+    `mini_layers` -> (the records, what they were scored from). A sweep.json written from the same
+    source, data, checkpoints (their meta.json as they are now) and sizes gives its records again:
+    a finished sweep run again scores nothing (scoring every checkpoint costs more than a small
+    sweep's training); another depth, a resumed run or another --plugin_blocks / --bpb_bytes
+    scores anew."""
+    cfg = step.cfg
+    arts = artifact_dirs(list(runs.values()))
+    key = {"source": str(source.resolve()), "data": str(Path(data_path).resolve()),
+           "artifacts": [hashlib.sha256((a / "meta.json").read_bytes()).hexdigest() for a in arts],
+           "plugin_blocks": cfg.plugin_blocks, "bpb_bytes": cfg.bpb_bytes, "seq_length": step.train.seq_length}
+    if kept.is_file():
+        old = checkpoint.read_json(kept, "sweep results")
+        if old.get("key") == key:
+            return old["records"], key
+    which = {str(run_dir.resolve()): n for n, run_dir in runs.items()}
+    records = plugin_records(source, list(runs.values()), {step.lang: data_path}, step.train.seq_length,
+                             cfg.plugin_blocks, bpb_bytes=cfg.bpb_bytes)
+    for r in records:
+        r["mini_layers"] = which[str(Path(r["artifact"]).resolve().parent.parent)]
+    return records, key
+
+
 def sweep(run: RunSpec, step: Sweep) -> dict | None:
     """Step 2 over each depth into <output_dir>/<N>/ (and, with cfg.ceiling, over the full
     primary model into <output_dir>/full/). Writes sweep.json (the records and the summary),
@@ -561,14 +586,10 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     if dist.is_initialized() and not parallel.is_rank0():
         dist.barrier()  # rank 0 scores (the metric needs no process group)
         return None
-    which = {str(run_dir.resolve()): n for n, run_dir in runs.items()}
-    records = plugin_records(source, list(runs.values()), {step.lang: data_path}, step.train.seq_length,
-                             cfg.plugin_blocks)
-    for r in records:
-        r["mini_layers"] = which[str(Path(r["artifact"]).resolve().parent.parent)]
+    records, key = _sweep_records(source, runs, step, data_path, out / "sweep.json")
     summary = summarize(records, cfg.near_max)
-    (out / "sweep.json").write_text(json.dumps({"source": str(source), "records": records, "summary": summary},
-                                               indent=1) + "\n")
+    (out / "sweep.json").write_text(json.dumps({"source": str(source), "records": records, "summary": summary,
+                                                "key": key}, indent=1) + "\n")
     (out / "sweep.md").write_text(sweep_markdown(summary, str(source)) + "\n")
     try:
         plot_sweep(summary, out / "sweep.png")

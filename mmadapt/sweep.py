@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mmadapt.bpb import BPB_BYTES
 from mmadapt.config import Checked, _f
 from mmadapt.report import NEAR_MAX, PLUGIN_NOISE, _pyplot, time_to_target
 
@@ -36,6 +37,9 @@ class SweepConfig(Checked):
     near_max: float = _f(NEAR_MAX, "near-maximal performance: this fraction of the reference's final gain (paper "
                          "section 4.2: 95%)", gt=0, le=1)
     plugin_blocks: int = _f(256, "held-out blocks of the target validation split scored at every checkpoint", ge=1)
+    bpb_bytes: int = _f(BPB_BYTES, "held-out target bytes scored in bits per byte at every checkpoint (the records' "
+                        "bpb: the scale every tokenizer shares, docs/bits-per-byte.md; the summary reads the gains)",
+                        ge=256)
 
 
 def _curve(rows: list[dict]) -> dict:

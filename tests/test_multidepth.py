@@ -449,7 +449,7 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path):
     out = tmp_path / "sweep"
     args = ["--source", str(three_head_run), "--lang", "de", "--corpus", str(de_corpus), "--valid_fraction", "0.1",
             "--output_dir", str(out), "--train_iters", "6", "--save_interval", "3", "--log_interval", "3",
-            "--train_micro_batch_size_per_gpu", "8", "--plugin_blocks", "64", "--ceiling", "true"]
+            "--train_micro_batch_size_per_gpu", "8", "--plugin_blocks", "64", "--ceiling", "true", "--bpb_bytes", "256"]
     proc = run_pretrain(1, *args, script=SWEEP)
     assert "cheapest depth reaching 95% of" in proc.stdout
     result = json.loads((out / "sweep.json").read_text())
@@ -472,12 +472,20 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path):
     assert "## Depth sweep, de" in md and "| 2 |" in md and "| 4 |" in md and "| full model |" in md
     png = (out / "sweep.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    # Run again: every depth is finished, nothing is retrained, the same records come back.
+    assert {r["bpb_bytes"] for r in records} == {records[0]["bpb_bytes"]} and 256 <= records[0]["bpb_bytes"] < 512
+    # Run again: every depth is finished, nothing is retrained or scored again, the same records come back.
     before = (out / "2" / "metrics.jsonl").read_text()
-    run_pretrain(1, *args, script=SWEEP)
+    again = run_pretrain(1, *args, script=SWEEP)
+    assert "plug-in metric" not in again.stdout + again.stderr  # its progress line: nothing was scored
     assert (out / "2" / "metrics.jsonl").read_text() == before
     again = json.loads((out / "sweep.json").read_text())["records"]
-    assert [r["score"] for r in again] == [r["score"] for r in records]
+    assert again == records
+    # Other sizes score the same checkpoints again, still training nothing.
+    wider = run_pretrain(1, *args[:-1], "512", script=SWEEP)
+    assert "plug-in metric" in wider.stdout + wider.stderr and (out / "2" / "metrics.jsonl").read_text() == before
+    rescored = json.loads((out / "sweep.json").read_text())["records"]
+    assert [r["score"] for r in rescored] == [r["score"] for r in records]  # the plug-in metric: the same blocks
+    assert all(r["bpb_bytes"] > records[0]["bpb_bytes"] for r in rescored)
 
 
 @pytest.mark.slow
