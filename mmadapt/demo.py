@@ -48,6 +48,7 @@ import torch
 from tqdm import tqdm
 
 from mmadapt import parallel, steps
+from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import staged_dir, write_weights_only
 from mmadapt.config import (OUTPUT_BIAS_INITS, RECIPES, SYSTEMS, Checked, FinetuneConfig, MiniModelConfig, ModelConfig,
                             Parser, PreprocessConfig, TrainConfig, _f, add_dataclass_args, apply_recipe, override,
@@ -109,6 +110,8 @@ class DemoConfig(Checked):
     heldout_fraction: float = _f(0.03, "chapters of each target Bible held out of Step 2: the plug-in MLM metric's "
                                  "text", gt=0, lt=1)
     plugin_blocks: int = _f(512, "held-out blocks scored by the plug-in MLM metric", ge=1)
+    bpb_bytes: int = _f(BPB_BYTES, "held-out target bytes scored in bits per byte at every checkpoint (bpb.py: the "
+                        "scale every tokenizer shares; a masked LM scores each piece in a pass of its own)", ge=256)
     workers: int = _f(0, "Step-2 and Step-3 runs trained at once on a CPU, each in a process of its own with the "
                       "cores shared out (0: 2 where the CPU has 2 cores or more, else 1; 1: one at a time in this "
                       "process). On 2 cores two runs at one thread each make 1.4x the updates per second of one at "
@@ -123,7 +126,7 @@ class DemoConfig(Checked):
 # The CI setting (README): the same stages and outputs from the shipped source models, one
 # language, far fewer updates.
 QUICK = DemoConfig(langs=("de",), minipost_iters=50, adapt_iters=150, adapt_save_interval=50, finetune_epochs=0.2,
-                   finetune_seeds=(1,), retrieval_pairs=200, plugin_blocks=256)
+                   finetune_seeds=(1,), retrieval_pairs=200, plugin_blocks=256, bpb_bytes=1024)
 
 # Step 1 as the demo runs it, done once and shipped (mmadapt/demo_models/README.md), one folder
 # per model family: 3 x 2,000 updates take about 30 minutes on 2 CPU cores, more than the rest
@@ -442,7 +445,7 @@ class Demo:
         cfg = self.cfg
         pairs = {lang: parallel_verses("en", lang, cfg.retrieval_pairs) for lang in cfg.langs}
         return [*plugin_records(primary_run, adapt_runs=runs, data_paths={lang: data[lang] for lang in cfg.langs},
-                                seq_length=cfg.seq_length, blocks=cfg.plugin_blocks),
+                                seq_length=cfg.seq_length, blocks=cfg.plugin_blocks, bpb_bytes=cfg.bpb_bytes),
                 *evaluate_artifacts(finetuned, artifacts=runs, eval_spec="bible"),
                 *retrieval_records(primary_run, adapt_runs=runs, pairs=pairs, seq_length=cfg.seq_length)]
 
