@@ -230,10 +230,9 @@ class _Shard:
     """One worker's output: megatron's builder plus the pending sentences of its range."""
 
     def __init__(self, prefix: str, dtype: str, sp):
-        import mmadapt.mcore  # noqa: F401  (megatron-core's package, imported as mcore.py says)
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+        from mmadapt.mcore import indexed_dataset
 
-        self.builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.dtype(dtype).type)
+        self.builder = indexed_dataset.IndexedDatasetBuilder(prefix + ".bin", dtype=np.dtype(dtype).type)
         self.prefix, self.dtype, self.sp = prefix, dtype, sp
         self.items: list[str | None] = []  # a sentence, or None: the current document ends here
         self.counts = [0, 0, 0, 0]  # sentences, documents, tokens, unknown pieces (<unk>)
@@ -319,14 +318,13 @@ class _IndexWriter:
     builds one Python int per sentence: a billion for CC-100's English)."""
 
     def __new__(cls, idx_path: str, dtype):
-        import mmadapt.mcore  # noqa: F401  (megatron-core's package, imported as mcore.py says)
-        from megatron.core.datasets.indexed_dataset import DType, _IndexWriter as MegatronWriter
+        from mmadapt.mcore import indexed_dataset
 
-        class Writer(MegatronWriter):
+        class Writer(indexed_dataset._IndexWriter):
             def _sequence_pointers(self, sequence_lengths):
                 lengths = np.asarray(sequence_lengths, dtype=np.int64)
                 pointers = np.zeros(len(lengths), dtype=np.int64)
-                np.cumsum(lengths[:-1] * DType.size(self.dtype), out=pointers[1:])
+                np.cumsum(lengths[:-1] * indexed_dataset.DType.size(self.dtype), out=pointers[1:])
                 return pointers
 
         return Writer(idx_path, dtype)
@@ -334,13 +332,12 @@ class _IndexWriter:
 
 def _merge(prefixes: list[str], out_prefix: str, dtype) -> None:
     """Concatenate shard datasets in order into `out_prefix` (megatron's format)."""
-    import mmadapt.mcore  # noqa: F401  (megatron-core's package, imported as mcore.py says)
-    from megatron.core.datasets.indexed_dataset import _IndexReader
+    from mmadapt.mcore import indexed_dataset
 
     lengths, doc_ends, total = [], [np.zeros(1, np.int64)], 0
     with open(out_prefix + ".bin", "wb") as out:
         for prefix in prefixes:
-            index = _IndexReader(prefix + ".idx", multimodal=False)
+            index = indexed_dataset._IndexReader(prefix + ".idx", multimodal=False)
             lengths.append(np.array(index.sequence_lengths, dtype=np.int32))
             doc_ends.append(np.array(index.document_indices[1:], dtype=np.int64) + total)
             total += len(index)
@@ -587,10 +584,9 @@ def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT
     data_path = Path(data_path)
     path = block_index_path(data_path, seq_length, split)
     if not path.is_file():
-        import mmadapt.mcore  # noqa: F401  (megatron-core's package, imported as mcore.py says)
-        from megatron.core.datasets.indexed_dataset import _IndexReader  # imports all of megatron.core
+        from mmadapt.mcore import indexed_dataset  # imports all of megatron.core
 
-        index = _IndexReader(str(data_path / (split + ".idx")), multimodal=False)
+        index = indexed_dataset._IndexReader(str(data_path / (split + ".idx")), multimodal=False)
         blocks = pack_blocks(index.sequence_lengths, seq_length)
         del index
         tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
@@ -713,10 +709,9 @@ class BlockBatches:
 
     def _sequence_lengths(self) -> np.ndarray:
         """The length of every sequence of the split (a sentence with its </s>, or a lone </s>)."""
-        import mmadapt.mcore  # noqa: F401  (megatron-core's package, imported as mcore.py says)
-        from megatron.core.datasets.indexed_dataset import _IndexReader
+        from mmadapt.mcore import indexed_dataset
 
-        index = _IndexReader(str(self.data_path / (self.split + ".idx")), multimodal=False)
+        index = indexed_dataset._IndexReader(str(self.data_path / (self.split + ".idx")), multimodal=False)
         lengths = np.array(index.sequence_lengths, dtype=np.int64)  # copied while the index's memory map is open
         del index
         return lengths

@@ -1,6 +1,5 @@
 """megatron-core, imported here once for every module of mmadapt that uses it (parallel.py,
-models/layers.py, data.py's indexed datasets): `from mmadapt.mcore import ...`, or `import
-mmadapt.mcore` before a `from megatron.core... import` inside a function.
+models/layers.py, data.py's indexed datasets, inside its functions): `from mmadapt.mcore import ...`.
 
 Why not `import megatron.core` where it is used: the package's import wraps its fused element-wise
 functions (bias-GELU, bias-SwiGLU, ...) in `torch.compile` as it defines them (megatron/core/jit.py:
@@ -31,7 +30,7 @@ def compile_on_first_call():
     def deferred(fn=None, **options):
         if fn is None:  # @torch.compile(**options)
             return lambda f: deferred(f, **options)
-        if not callable(fn) or isinstance(fn, torch.nn.Module) or not hasattr(fn, "__code__"):
+        if not hasattr(fn, "__code__"):  # a module, or anything but a function or method
             return compile_now(fn, **options)
         compiled = None
 
@@ -55,5 +54,6 @@ with compile_on_first_call():
     import megatron.core  # noqa: F401  (the package: everything its __init__ imports, jit.py included)
 
 from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.datasets import indexed_dataset  # noqa: E402  (milliseconds once the package is in)
 
-__all__ = ["ModelParallelConfig", "compile_on_first_call", "parallel_state", "tensor_parallel"]
+__all__ = ["ModelParallelConfig", "compile_on_first_call", "indexed_dataset", "parallel_state", "tensor_parallel"]
