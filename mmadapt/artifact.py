@@ -13,6 +13,7 @@ Layout of <adapt run>/embeddings/<tag>/:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -85,6 +86,12 @@ def artifact_dirs(paths: list[Path]) -> list[Path]:
 
 
 # --- an artifact in a model ----------------------------------------------------------------------------
+
+def meta_digests(dirs: list[Path]) -> list[str]:
+    """The sha256 of each artifact's meta.json as it is now: part of what a kept result was
+    computed from (an artifact written anew under the same path has another)."""
+    return [hashlib.sha256((Path(d) / "meta.json").read_bytes()).hexdigest() for d in dirs]
+
 
 def artifact_state(family: ModelFamily, art: dict, meta: dict | None = None,
                    own: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

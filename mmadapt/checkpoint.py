@@ -203,6 +203,16 @@ def read_json(path: str | os.PathLike, what: str = "file") -> dict:
     return data
 
 
+def kept_result(path: Path, key: dict, what: str) -> dict | None:
+    """The JSON object kept at `path` (read_json's refusals) when its "key" entry equals `key`
+    (what it was computed from), else None: a result computed once and given again by a repeated
+    command (extend's summary, the sweep's records), computed anew when its inputs changed."""
+    if not path.is_file():
+        return None
+    kept = read_json(path, what)
+    return kept if kept.get("key") == key else None
+
+
 def _files(tag_dir: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir()) if p.is_file() and p.name != "COMPLETE"}
 

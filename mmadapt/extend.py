@@ -24,14 +24,13 @@ Step 1b is --source_corpus (default: the packaged English Bible).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 from pathlib import Path
 from typing import Optional
 
 from mmadapt import checkpoint, parallel, steps
-from mmadapt.artifact import artifact_dirs, read_artifact
+from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig, check_lang
 from mmadapt.corpora import resolve_corpus
@@ -259,14 +258,11 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
     arts = artifact_dirs([adapt])
     # what the summary is computed from: the artifacts as they are now (a Step 2 deleted and run
     # again writes them anew) and the bytes scored
-    key = {"artifacts": [hashlib.sha256((a / "meta.json").read_bytes()).hexdigest() for a in (arts[0], arts[-1])],
-           "artifact": str(arts[-1]), "bpb_bytes": ext.bpb_bytes}
+    key = {"artifacts": meta_digests([arts[0], arts[-1]]), "artifact": str(arts[-1]), "bpb_bytes": ext.bpb_bytes}
     kept = ext.output_dir / SUMMARY
-    if kept.is_file():
-        old = checkpoint.read_json(kept, "extend summary")
-        if old.get("key") == key:
-            print(old["text"], flush=True)
-            return old["summary"]
+    if (old := checkpoint.kept_result(kept, key, "extend summary")) is not None:
+        print(old["text"], flush=True)
+        return old["summary"]
     (start_emb, start_tok, first), (emb, tok, last) = read_artifact(arts[0]), read_artifact(arts[-1])
     per_byte = ByteScorer(Scorer(Primary.read(source)), ext.seq_length, ext.bpb_bytes)
     raw = per_byte.text(data)

@@ -26,7 +26,6 @@ model class: the run's model family (models/) builds everything.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 import tempfile
@@ -38,7 +37,7 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
 from mmadapt.adapt import AdaptEmbeddings, adapt_embeddings
-from mmadapt.artifact import artifact_dirs, read_artifact
+from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig, StepSpec,
@@ -535,12 +534,10 @@ def _sweep_records(source: Path, runs: dict, step: Sweep, data_path: Path, kept:
     cfg = step.cfg
     arts = artifact_dirs(list(runs.values()))
     key = {"source": str(source.resolve()), "data": str(Path(data_path).resolve()),
-           "artifacts": [hashlib.sha256((a / "meta.json").read_bytes()).hexdigest() for a in arts],
-           "plugin_blocks": cfg.plugin_blocks, "bpb_bytes": cfg.bpb_bytes, "seq_length": step.train.seq_length}
-    if kept.is_file():
-        old = checkpoint.read_json(kept, "sweep results")
-        if old.get("key") == key:
-            return old["records"], key
+           "artifacts": meta_digests(arts), "plugin_blocks": cfg.plugin_blocks, "bpb_bytes": cfg.bpb_bytes,
+           "seq_length": step.train.seq_length}
+    if (old := checkpoint.kept_result(kept, key, "sweep results")) is not None:
+        return old["records"], key
     which = {str(run_dir.resolve()): n for n, run_dir in runs.items()}
     records = plugin_records(source, list(runs.values()), {step.lang: data_path}, step.train.seq_length,
                              cfg.plugin_blocks, bpb_bytes=cfg.bpb_bytes)
