@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 def test_minijoint_tiny_two_ranks_learns_english(tmp_path):
     out = tmp_path / "minijoint"
-    cmd = launch_cmd(2, "--recipe", "minijoint", "--preset", "tiny", "--corpus", "bible:en", "--output_dir", str(out))
+    cmd = launch_cmd(2, "--recipe", "minijoint", "--preset", "tiny", "--corpus", "bible:en", "--output_dir", str(out),
+                     launcher="deepspeed")  # the users' launcher, end to end
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1200,
                           env=child_env(MMADAPT_CACHE=str(tmp_path / "cache")))
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -226,7 +226,7 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_rank(corpus, tokenizer, t
     out, pids = tmp_path / "run", tmp_path / "pids"
     pids.mkdir()
     proc = subprocess.Popen(launch_cmd(2, *_args(corpus, tokenizer, out, "--train_iters", "200"),
-                                       script=_slow_script(tmp_path)), cwd=REPO,
+                                       script=_slow_script(tmp_path), launcher="deepspeed"), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=child_env(STEP_SLEEP="0.3", MARK_PIDS=str(pids), PYTHONPATH=str(REPO)))
     _wait_for(lambda: _rows(out) >= 2, proc, "two logged updates", timeout=600)
