@@ -11,7 +11,8 @@
                         primary model the embeddings plug into (one head, its fingerprint), an
                         expanded vocabulary's output start and its calibration (expand.py)
       ArtifactWriter    the artifact of update 0 and of every checkpoint (artifact.py), each
-                        scored through the primary model where asked (heldout.PluginProbe)
+                        scored through the primary model where asked (heldout.PluginProbe); over
+                        a mini-model, its output bias refitted through the primary (BiasRefit)
       train.train_lm    the updates
       expand_report     what an expanded vocabulary did to the source language (expand.py)
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import sentencepiece as spm
 import torch
@@ -121,7 +122,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         check_same_source(plan.run, {"source_fingerprint": lambda: start.source_fingerprint}, plan.source.path)
         if parallel.is_rank0():
             say_start(step.lang, step.train.embedding_init, plan.model, start.rows)
-        writer = ArtifactWriter.of(plan, start, tokenizer)
+        writer = ArtifactWriter.of(plan, start, tokenizer, started.data)
         writer.save_start()
         job = LMJob(step="adapt", trainable=writer.trainable, replay=plan.replay,
                     text_layout=run_text_layout(plan.source.record))
@@ -411,6 +412,14 @@ class StartRule:
 FIT_POSITIONS = 2048  # scored positions of target text the output bias is fitted on (its V-vector's estimate)
 
 
+def bias_fit_text(data: Path, train: TrainConfig, family: ModelFamily) -> Text:
+    """The blocks of the target data's training text (not the held-out part the plug-in metric
+    scores) whose FIT_POSITIONS scored positions an output bias is fitted on."""
+    scored = train.seq_length * (TrainConfig.mask_prob if family.objective.masked else 1.0)
+    blocks = max(1, math.ceil(FIT_POSITIONS / scored))
+    return Text(data, train.seq_length, blocks, min(32, blocks), split=TEXT)
+
+
 def fit_bias(logits: list[torch.Tensor], bias: torch.Tensor, logp: torch.Tensor, iters: int = 100,
              tol: float = 1e-3) -> torch.Tensor:
     """The output bias b [V] with which the mean over positions i of softmax(c_i + b) is exp(logp),
@@ -444,6 +453,7 @@ class Step2Start:
     expanded: bool
     family: ModelFamily
     source_fingerprint: str = ""  # run.sampled_fingerprint of the source's weights
+    logp: torch.Tensor | None = dataclasses.field(default=None, repr=False)  # [V] the fitted bias's target
     _scorer: Scorer | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
@@ -483,16 +493,14 @@ class Step2Start:
         blind to the shift; weight decay is not). Every rank runs the probe, global rank 0's fit is
         every rank's."""
         name = self.family.artifact_keys()["output_bias"]
-        scored = train.seq_length * (TrainConfig.mask_prob if self.family.objective.masked else 1.0)
-        blocks = max(1, math.ceil(FIT_POSITIONS / scored))
         scorer = self.scorer()
-        held = scorer.heldout(Text(data, train.seq_length, blocks, min(32, blocks), split=TEXT), len(logp),
-                              unigram=False)
+        held = scorer.heldout(bias_fit_text(data, train, self.family), len(logp), unigram=False)
         art = self.tensors()
         fitted = fit_bias(scorer.logits(held, art), art["output_bias"], logp)
         source_mean = float(self.primary.state[name].float().mean())
         self.init = {**self.init, name: from_rank0(fitted - fitted.mean() + source_mean)}
         self.rows["bias_fitted_positions"] = held.scored
+        self.logp = logp
 
     def bound_new_outputs(self, train: TrainConfig, source_data: str | None, logp: torch.Tensor | None) -> None:
         """An expanded vocabulary's output side (expand.output_start; the bound shared among the new
@@ -569,6 +577,36 @@ def say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, float]) -
 
 # --- the artifacts -----------------------------------------------------------------------------------------
 
+MINI_SYSTEMS = ("minijoint", "minipost")  # Step 2 over a mini-model, for a deeper primary model
+
+
+@dataclasses.dataclass
+class BiasRefit:
+    """An artifact's output bias refitted through the primary model (TrainConfig.refit_output_bias):
+    fit_bias on the logits of the blocks that fitted the start (bias_fit_text), with the
+    artifact's embeddings, to the target unigram distribution `logp`, shifted to the trained
+    bias's mean. Step 2 over a mini-model trains the bias against the mini-model's logits; the
+    primary's differ in scale and offset piece by piece, and the bias is the part of the
+    artifact that only calibrates (on all-MiniLM-L6-v2, MINIPOST's German: 0.23 nats through the
+    primary, benchmarks/results/minipost_transfer_*). Global rank 0, forward passes only."""
+    scorer: Callable[[], Scorer]
+    text: Text
+    logp: torch.Tensor  # [V]
+    _held: object = dataclasses.field(default=None, repr=False)
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """tensors: an artifact's -> (its refitted output bias [V], what meta.json records of it)."""
+        scorer = self.scorer()
+        if self._held is None:
+            self._held = scorer.heldout(self.text, len(self.logp), unigram=False)
+        trained = tensors["output_bias"].float()
+        # tol: to fp32's rounding (about 5 iterations), so that two layouts' nearly equal
+        # trained tensors give nearly equal biases rather than stopping an iteration apart
+        fitted = fit_bias(scorer.logits(self._held, tensors), trained, self.logp, tol=1e-5)
+        return fitted - fitted.mean() + trained.mean(), {
+            "bias_refit": {"through": "primary", "positions": self._held.scored,
+                           "tokens": self.text.blocks * self.text.seq_length}}
+
 @dataclasses.dataclass
 class ArtifactWriter:
     """Step 2's `after_save`: at each checkpoint, the artifact Step 4 swaps in (artifact.write_artifact)
@@ -585,9 +623,12 @@ class ArtifactWriter:
     seq_flops: dict[bool, float]  # per sequence, exact (False) and the paper's (True)
     probe: PluginProbe | None
     fingerprint: dict  # the primary model's: {"primary_fingerprint": full, SAMPLED_KEY: sampled} (heldout.Primary)
+    refit: BiasRefit | None = None
 
     @classmethod
-    def of(cls, plan: Step2Plan, start: Step2Start, tokenizer: Path) -> "ArtifactWriter":
+    def of(cls, plan: Step2Plan, start: Step2Start, tokenizer: Path, data: Path) -> "ArtifactWriter":
+        """The writer of `plan`'s artifacts from `start`, for the new vocabulary `tokenizer` and
+        the prepared target data `data` (a raw corpus's, prepared by start_run)."""
         step, source, model = plan.step, plan.source, plan.model
         train, family = step.train, source.family
         meta = {"system": step.system, "lang": step.lang, "source": str(source.path), "source_tag": source.tag,
@@ -615,8 +656,14 @@ class ArtifactWriter:
         # every later load checks the weights by the sampled one (artifact.primary_changed).
         fingerprint = {"primary_fingerprint": start.primary.fingerprint, SAMPLED_KEY: start.primary.sampled}
         trainable = step2_trainable(family, model, train.train_output_bias)
+        refit = None
+        if (train.refit_output_bias and train.train_output_bias and step.system in MINI_SYSTEMS
+                and not start.expanded and start.logp is not None
+                and family.artifact_keys().get("output_bias") in trainable):
+            refit = BiasRefit(start.scorer, bias_fit_text(data, train, family), start.logp)
+            meta["refit_output_bias"] = True
         return cls(plan.run.output_dir, family, model, start.init, trainable, tokenizer, meta, seq_flops, probe,
-                   fingerprint)
+                   fingerprint, refit)
 
     def __call__(self, update: int, ckpt_tag: str, sd: dict | None = None) -> None:
         sd = load_checkpoint(self.run_dir, ckpt_tag) if sd is None else sd  # fp32 master weights
@@ -628,6 +675,9 @@ class ArtifactWriter:
                 "flops_paper": self.seq_flops[True] * batch * update, "v100_days": device_days(flops),
                 **self.fingerprint}
         tensors = self.tensors(sd)
+        if self.refit is not None and update > 0:  # update 0's bias is the start's, fitted through the primary
+            tensors["output_bias"], record = self.refit(tensors)
+            meta.update(record)
         if self.probe is not None:
             scored = self.probe.score(tensors, meta)
             meta.update(scored)

@@ -500,6 +500,12 @@ class TrainConfig(LoopConfig):
         STEP2, True, "Step 2: train the output bias with the embeddings (it is indexed by the target vocabulary's "
         "pieces); false: the paper's setting, embeddings only, the bias frozen at its overlap initialisation (source "
         "bias for shared pieces, 0 otherwise)")
+    refit_output_bias: bool = _owned_by(
+        STEP2, True, "Step 2 over a mini-model (minijoint, minipost), replace mode, the bias trained: each "
+        "artifact's output bias refitted through the primary model to the target text's unigram distribution, as "
+        "the start's is (forward passes over the ~2,048 scored positions of target training text that fit the "
+        "start): the bias trained over the mini-model is calibrated to the mini-model's logits, not those of the "
+        "primary the artifact plugs into; false: the trained bias as it is")
     embedding_init: str = _owned_by(
         STEP2, "overlap", "Step 2: how the new vocabulary's rows start: overlap (the paper: a piece also in the source "
         "vocabulary gets its source row, the others N(0, init_method_std)), subword_mean (FVT: shared pieces copied, "
