@@ -1,13 +1,14 @@
-"""Step 2's output-bias refit (TrainConfig.refit_output_bias, adapt.BiasRefit) on finished replace
-runs: each run's last artifact through its primary model, with the bias as trained over the
-mini-model and refitted through the primary (what a run with the refit writes at that
-checkpoint: the same blocks of target training text, the same fit), on the held-out text the
-plug-in metric scores, against its unigram reference.
+"""Step 2's calibration to the primary model (TrainConfig.primary_calibration, adapt.PrimaryCalibration)
+on finished replace runs: each run's last artifact through its primary model, as trained over the
+mini-model, with its bias refitted through the primary ("bias") and with the rows' scale fitted
+too ("scale"), as a run with that setting writes it at that checkpoint (the same blocks of target
+training text, the same fit), on the held-out text the plug-in metric scores, against its unigram
+reference.
 
     python benchmarks/bias_refit.py --primary <head-fitted run> --runs <adapt run> ... [--name NAME]
 
-An adapt run trained before the refit existed holds the trained bias in its artifacts; one trained
-with it holds the refitted bias, which this reports as both (the refit of a refitted bias is itself).
+The runs must hold their artifacts as trained (`--primary_calibration none`, or trained before it
+existed).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from common import table, write_results  # (importing common puts mmadapt on the path)
 
-from mmadapt.adapt import BiasRefit, bias_fit_text
+from mmadapt.adapt import PrimaryCalibration, bias_fit_text
 from mmadapt.artifact import artifact_dirs, read_artifact
 from mmadapt.config import TrainConfig
 from mmadapt.data import TOKENIZER
@@ -37,11 +38,18 @@ def measure(scorer: Scorer, run: Path) -> dict:
     art, _, meta = read_artifact(artifact_dirs([run])[-1])
     held = scorer.heldout(Text(data, train.seq_length, train.plugin_eval_blocks or 256), vocab)
     family = read_source(Path(record["frozen_from"]["run_dir"])).family
-    refit, info = BiasRefit(lambda: scorer, bias_fit_text(data, train, family), unigram_logprobs(data, vocab))(art)
-    own, fitted = scorer.loss(held, art, meta), scorer.loss(held, {**art, "output_bias": refit}, meta)
-    return {"run": run.name, "system": meta["system"], "lang": meta["lang"], "update": meta["step"],
-            "unigram": held.unigram, "trained": own, "below_trained": held.unigram - own, "refit": fitted,
-            "below_refit": held.unigram - fitted, "positions": info["bias_refit"]["positions"]}
+    assert "primary_calibration" not in meta, f"{run}'s artifacts are calibrated already"
+    text, logp = bias_fit_text(data, train, family), unigram_logprobs(data, vocab)
+    row = {"run": run.name, "system": meta["system"], "lang": meta["lang"], "update": meta["step"],
+           "unigram": held.unigram, "trained": scorer.loss(held, art, meta)}
+    for how in ("bias", "scale"):
+        out, info = PrimaryCalibration(lambda: scorer, text, logp, scale=how == "scale")(art)
+        row[how] = scorer.loss(held, out, meta)
+        row.update(positions=info["primary_calibration"]["positions"],
+                   **({"factor": info["primary_calibration"]["scale"]} if how == "scale" else {}))
+    for k in ("trained", "bias", "scale"):
+        row[f"below_{k}"] = held.unigram - row[k]
+    return row
 
 
 def main() -> None:
@@ -56,12 +64,14 @@ def main() -> None:
     rows = [measure(scorer, run) for run in args.runs]
     md = ["# Step 2's output bias refitted through the primary model (cpu, 2 cores)", "",
           "Each run's last artifact through the primary model, on the held-out verses the plug-in metric scores "
-          "(nats per masked piece; `below` = unigram reference - loss, issue 50's bar 0.3): the output bias as "
-          "trained over the mini-model, and refitted through the primary (adapt.BiasRefit, what "
-          "`--refit_output_bias true` writes). Written by `python benchmarks/bias_refit.py`. " + args.note, "",
+          "(nats per masked piece; `below` = unigram reference - loss, issue 50's bar 0.3): as trained over the "
+          "mini-model (`--primary_calibration none`), with the output bias refitted through the primary (`bias`, "
+          "the default) and with the rows' scale fitted there too (`scale`: the factor found), as "
+          "adapt.PrimaryCalibration writes them. Written by `python benchmarks/bias_refit.py`. " + args.note, "",
           table(rows, [("system", "system"), ("lang", "lang"), ("update", "update"), ("unigram", "unigram"),
-                       ("trained", "trained bias"), ("below_trained", "below"), ("refit", "refitted bias"),
-                       ("below_refit", "below, refitted"), ("positions", "fit positions")])]
+                       ("trained", "none"), ("below_trained", "below"), ("bias", "bias"), ("below_bias", "below"),
+                       ("scale", "scale"), ("below_scale", "below"), ("factor", "factor"),
+                       ("positions", "fit positions")])]
     write_results(args.name, {"rows": rows, "primary": str(args.primary)}, "\n".join(md))
     print(json.dumps(rows, indent=1))
 

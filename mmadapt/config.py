@@ -477,6 +477,7 @@ CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_
                         "fusion", "plugin_eval_blocks")
 # Values of a field that a --resume reads as the same: runs recorded before 2026-11-27 hold
 # replay_fraction 0.0 where no replay text was given, runs since then leave it unset.
+PRIMARY_CALIBRATIONS = ("none", "bias", "scale")  # TrainConfig.primary_calibration
 EXPAND_ONLY = ("expand_output_start", "expand_source_nats")  # TrainConfig fields only --vocab_mode expand reads
 SAME_ON_RESUME = {"replay_fraction": (None, 0.0)}
 
@@ -500,12 +501,14 @@ class TrainConfig(LoopConfig):
         STEP2, True, "Step 2: train the output bias with the embeddings (it is indexed by the target vocabulary's "
         "pieces); false: the paper's setting, embeddings only, the bias frozen at its overlap initialisation (source "
         "bias for shared pieces, 0 otherwise)")
-    refit_output_bias: bool = _owned_by(
-        STEP2, True, "Step 2 over a mini-model (minijoint, minipost), replace mode, the bias trained: each "
-        "artifact's output bias refitted through the primary model to the target text's unigram distribution, as "
-        "the start's is (forward passes over the ~2,048 scored positions of target training text that fit the "
-        "start): the bias trained over the mini-model is calibrated to the mini-model's logits, not those of the "
-        "primary the artifact plugs into; false: the trained bias as it is")
+    primary_calibration: str = _owned_by(
+        STEP2, "bias", "Step 2 over a mini-model (minijoint, minipost), replace mode, the bias trained: what each "
+        "artifact is fitted to through the primary model it plugs into, on the ~2,048 scored positions of target "
+        "training text that fit the start (forward passes only): bias (its output bias refitted to the target "
+        "text's unigram distribution, as the start's is: the bias trained over the mini-model is calibrated to the "
+        "mini-model's logits), scale (also one scale of the new rows, input and tied output, the one with the "
+        "least loss there; its effect on tasks is unmeasured) or none (as trained)",
+        choices=PRIMARY_CALIBRATIONS)
     embedding_init: str = _owned_by(
         STEP2, "overlap", "Step 2: how the new vocabulary's rows start: overlap (the paper: a piece also in the source "
         "vocabulary gets its source row, the others N(0, init_method_std)), subword_mean (FVT: shared pieces copied, "

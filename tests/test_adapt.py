@@ -263,7 +263,8 @@ def test_a_mini_models_artifact_has_its_bias_refitted_through_the_primary(step2_
     logp = unigram_logprobs(data, VOCAB)
     scorer = Scorer(Primary.read(primary_run))
     held = scorer.heldout(bias_fit_text(data, train, ROBERTA), VOCAB, unigram=False)
-    assert meta["refit_output_bias"] and meta["bias_refit"]["positions"] == held.scored >= 1000
+    assert meta["primary_calibration"]["positions"] == held.scored >= 1000
+    assert "scale" not in meta["primary_calibration"]  # the default calibrates the bias only
 
     def gap(bias):  # nats: the largest |log mean softmax - log unigram| over the pieces
         logits = torch.cat(scorer.logits(held, {"word_embeddings": tensors["word_embeddings"], "output_bias": bias}))
@@ -277,7 +278,35 @@ def test_a_mini_models_artifact_has_its_bias_refitted_through_the_primary(step2_
     assert float(tensors["output_bias"].mean()) == pytest.approx(float(own.mean()), abs=1e-5)
     # The start (update 0) keeps the bias fitted then, through the same primary model.
     start, _, start_meta = read_artifact(step2_single / "embeddings" / "step00000000")
-    assert "bias_refit" not in start_meta
+    assert "primary_calibration" not in start_meta
+
+
+def test_the_scale_calibration_finds_the_least_loss_factor(monkeypatch):
+    """primary_calibration "scale": the artifact's rows times the factor in SCALES with the least
+    fit-text loss (here a loss with its minimum at 1.7, as a function of the rows' scale), found
+    to within 1% by the search, and the bias the fit gives at that factor."""
+    from mmadapt.adapt import PrimaryCalibration
+
+    rows = torch.randn(12, 4)
+    seen = []
+
+    def fit(self, scorer, tensors, targets):
+        a = float(tensors["word_embeddings"][0, 0] / rows[0, 0])
+        seen.append(a)
+        return torch.full((12,), a), (math.log(a) - math.log(1.7)) ** 2 + 3.0
+
+    monkeypatch.setattr(PrimaryCalibration, "_fit", fit)
+    calibrate = PrimaryCalibration(lambda: None, None, torch.zeros(12), scale=True)
+    calibrate._held = type("Held", (), {"on_device": [(None, None, None, torch.zeros(3, dtype=torch.long))],
+                                        "scored": 3})()
+    calibrate.text = type("T", (), {"blocks": 1, "seq_length": 8})()
+    out, record = calibrate({"word_embeddings": rows, "output_bias": torch.zeros(12)})
+    factor = record["primary_calibration"]["scale"]
+    assert factor == pytest.approx(1.7, rel=0.01) and len(seen) == PrimaryCalibration.STEPS + 3
+    assert all(0.5 <= a <= 3.0 for a in seen)
+    assert torch.allclose(out["word_embeddings"], rows * factor) and torch.allclose(out["output_bias"],
+                                                                                   torch.full((12,), factor))
+    assert record["primary_calibration"]["fit_loss"] == pytest.approx(3.0, abs=1e-4)
 
 
 @pytest.mark.slow
