@@ -386,7 +386,9 @@ def test_the_collective_timeout_is_the_one_set(tmp_path):
 
     script = tmp_path / "slow_rank0.py"
     script.write_text(SLOW_RANK0)
-    proc = subprocess.run(launch_cmd(2, script=str(script)), cwd=REPO, capture_output=True, text=True, timeout=300,
+    # DeepSpeed's launcher passes the rank's error text on (torchrun's agent reports its own)
+    proc = subprocess.run(launch_cmd(2, script=str(script), launcher="deepspeed"), cwd=REPO, capture_output=True,
+                          text=True, timeout=300,
                           env=child_env(MMADAPT_DIST_TIMEOUT_S="4", PYTHONPATH=str(REPO)))
     assert proc.returncode != 0 and "Timed out waiting 4000ms" in proc.stdout + proc.stderr
 
