@@ -152,7 +152,8 @@ def test_each_step_owns_its_settings():
 
     owned = [f.name for f in dc.fields(TrainConfig) if f.metadata.get("owner") is STEP2]
     assert set(owned) == {"train_output_bias", "embedding_init", "vocab_mode", "expand_output_start",
-                          "expand_source_nats", "replay_data", "replay_fraction", "plugin_eval_blocks"}
+                          "expand_source_nats", "replay_data", "replay_fraction", "plugin_eval_blocks",
+                          "primary_calibration"}
     for parser, offered in ((cli.pretrain_parser(), False), (cli.minipost_parser(), False),
                             (cli.fit_head_parser(), False), (cli.adapt_parser(), True), (cli.sweep_parser(), True)):
         flags = {a.dest for a in parser._actions}
@@ -160,7 +161,7 @@ def test_each_step_owns_its_settings():
     model = PRESETS["tiny"][0]
     steps.Pretrain(model=model, train=TrainConfig())
     for name, value in (("embedding_init", "normal"), ("replay_data", "data/en"), ("plugin_eval_blocks", 8),
-                        ("train_output_bias", False)):
+                        ("train_output_bias", False), ("primary_calibration", "scale")):
         train = dc.replace(TrainConfig(), **{name: value})
         for make in (lambda: steps.Pretrain(model=model, train=train),
                      lambda: steps.FitHead(primary=Path("runs/x"), train=train),
