@@ -14,15 +14,13 @@ existed).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 
 from common import table, write_results  # (importing common puts mmadapt on the path)
 
-from mmadapt.adapt import PrimaryCalibration, bias_fit_text
+from mmadapt.adapt import AdaptEmbeddings, PrimaryCalibration, bias_fit_text
 from mmadapt.artifact import artifact_dirs, read_artifact
-from mmadapt.config import TrainConfig
 from mmadapt.data import TOKENIZER
 from mmadapt.heldout import Primary, Scorer, Text, unigram_logprobs
 from mmadapt.parallel import init_parallel
@@ -32,8 +30,7 @@ from mmadapt.tokenizer import load as load_tokenizer
 
 def measure(scorer: Scorer, run: Path) -> dict:
     record = json.loads((run / "run.json").read_text())
-    data, train = Path(record["data_path"]), TrainConfig(**{k: v for k, v in record["train"].items()
-                                                            if k in {f.name for f in dataclasses.fields(TrainConfig)}})
+    data, train = Path(record["data_path"]), AdaptEmbeddings.recorded(record).train
     vocab = load_tokenizer(data / TOKENIZER).get_piece_size()
     art, _, meta = read_artifact(artifact_dirs([run])[-1])
     held = scorer.heldout(Text(data, train.seq_length, train.plugin_eval_blocks or 256), vocab)

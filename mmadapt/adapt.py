@@ -410,6 +410,7 @@ class StartRule:
 
 
 FIT_POSITIONS = 2048  # scored positions of target text the output bias is fitted on (its V-vector's estimate)
+MINI_SYSTEMS = ("minijoint", "minipost")  # Step 2 over a mini-model, for a deeper primary model
 
 
 def bias_fit_text(data: Path, train: TrainConfig, family: ModelFamily) -> Text:
@@ -482,9 +483,17 @@ class Step2Start:
             start.bound_new_outputs(train, source.record.get("data_path"), logp)
         elif logp is not None and family.artifact_keys().get("output_bias") in start.init:
             start.fit_output_bias(data, train, logp)
-        if not (train.plugin_eval_blocks and parallel.is_rank0()):
-            start._scorer = None  # only global rank 0's checkpoint probe scores again before the end
+        if not (parallel.is_rank0() and (train.plugin_eval_blocks or start.calibrates(step))):
+            # only global rank 0's checkpoint probe and calibration score again before the end
+            start._scorer = None
         return start
+
+    def calibrates(self, step: AdaptEmbeddings) -> bool:
+        """Whether `step`'s artifacts are fitted to the primary model (PrimaryCalibration): Step 2
+        over a mini-model, replace mode, the output bias fitted at the start and trained."""
+        train = step.train
+        return (train.primary_calibration != "none" and train.train_output_bias and step.system in MINI_SYSTEMS
+                and not self.expanded and self.logp is not None)
 
     def fit_output_bias(self, data: Path, train: TrainConfig, logp: torch.Tensor) -> None:
         """Replace mode (StartRule.bias "fitted"): the output bias fitted (fit_bias) through the
@@ -576,9 +585,6 @@ def say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, float]) -
 
 
 # --- the artifacts -----------------------------------------------------------------------------------------
-
-MINI_SYSTEMS = ("minijoint", "minipost")  # Step 2 over a mini-model, for a deeper primary model
-
 
 @dataclasses.dataclass
 class PrimaryCalibration:
@@ -696,12 +702,9 @@ class ArtifactWriter:
         # every later load checks the weights by the sampled one (artifact.primary_changed).
         fingerprint = {"primary_fingerprint": start.primary.fingerprint, SAMPLED_KEY: start.primary.sampled}
         trainable = step2_trainable(family, model, train.train_output_bias)
-        calibration = None
-        if (train.primary_calibration != "none" and train.train_output_bias and step.system in MINI_SYSTEMS
-                and not start.expanded and start.logp is not None
-                and family.artifact_keys().get("output_bias") in trainable):
-            calibration = PrimaryCalibration(start.scorer, bias_fit_text(data, train, family), start.logp,
-                                             scale=train.primary_calibration == "scale")
+        calibration = (PrimaryCalibration(start.scorer, bias_fit_text(data, train, family), start.logp,
+                                          scale=train.primary_calibration == "scale")
+                       if start.calibrates(step) else None)
         return cls(plan.run.output_dir, family, model, start.init, trainable, tokenizer, meta, seq_flops, probe,
                    fingerprint, calibration)
 

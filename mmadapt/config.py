@@ -220,6 +220,7 @@ OUTPUT_BIAS_INITS = ("zeros", "unigram")
 # Step 2's start of the new vocabulary's rows (adapt.init_rows): the paper's overlap copy, FVT's
 # subword mean, or every row drawn.
 EMBEDDING_INITS = ("overlap", "subword_mean", "normal")
+PRIMARY_CALIBRATIONS = ("none", "bias", "scale")  # TrainConfig.primary_calibration
 # Step 2's vocabulary (adapt.py): the target's own (the paper), or the source's with the target's
 # missing pieces appended (expand.py), only those trained.
 VOCAB_MODES = ("replace", "expand")
@@ -475,10 +476,9 @@ def _redefault(name: str, value):
 CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_interval", "eval_iters",
                         "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_tokens", "metric",
                         "fusion", "plugin_eval_blocks")
+EXPAND_ONLY = ("expand_output_start", "expand_source_nats")  # TrainConfig fields only --vocab_mode expand reads
 # Values of a field that a --resume reads as the same: runs recorded before 2026-11-27 hold
 # replay_fraction 0.0 where no replay text was given, runs since then leave it unset.
-PRIMARY_CALIBRATIONS = ("none", "bias", "scale")  # TrainConfig.primary_calibration
-EXPAND_ONLY = ("expand_output_start", "expand_source_nats")  # TrainConfig fields only --vocab_mode expand reads
 SAME_ON_RESUME = {"replay_fraction": (None, 0.0)}
 
 
