@@ -192,7 +192,8 @@ def launch_cmd(nproc: int, *args: str, script: str = PRETRAIN, launcher: str = "
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT): it starts in 4 s where `deepspeed --num_gpus 2`
     takes 11-14 s on 2 cores (its runner and launch.py each import DeepSpeed before a rank
     starts), which dozens of launches pay. `launcher="deepspeed"` is the users' command, which
-    test_pretrain_e2e and test_slurm keep running."""
+    test_pretrain_e2e, test_resume's SIGTERM test and test_data's collective-timeout test keep
+    running (and test_slurm, through mmadapt slurm-env)."""
     if nproc == 1:
         return [sys.executable, script, *args]
     if launcher == "deepspeed":

@@ -259,7 +259,7 @@ def test_a_mini_models_artifact_has_its_bias_refitted_through_the_primary(step2_
     trained = load_checkpoint(step2_single, f"step{STEPS:08d}")
     assert torch.equal(tensors["word_embeddings"], trained[WORD].float())
     data = step2_single / "data"
-    train = TrainConfig(**json.loads((step2_single / "run.json").read_text())["train"])
+    train = A.AdaptEmbeddings.recorded(json.loads((step2_single / "run.json").read_text())).train
     logp = unigram_logprobs(data, VOCAB)
     scorer = Scorer(Primary.read(primary_run))
     held = scorer.heldout(bias_fit_text(data, train, ROBERTA), VOCAB, unigram=False)
