@@ -20,9 +20,15 @@ tied or untied output, clipping), under a ds_configs/ JSON as a run of one repli
   (`--width`: 8 channels per head, vocabulary 1,000, 32 tokens x 2 sequences), where the math is
   a few MFLOPs: what is left is the time the host needs to issue the update, whatever the device.
 
-Eager only: counted with --fusion compile, the figures equalled eager ones (the compiled regions do
-not run under the counting mode), so compile is not counted here (tests/test_host_sync.py counts it
-with the profiler).
+- **launches, profiled**: the same update under torch.profiler, counted so that a compiled update
+  (`--fusion compile`) counts too: a TorchDispatchMode switches the compiled regions off, so it
+  can only count eager updates. Counted: every outermost ATen call (one no other ATen call made)
+  whose own work or whose callees' is not all views and metadata, and every kernel TorchInductor
+  generated (`*_fused_*`; its CPU kernels are named in the trace by
+  torch._inductor.config.cpp.enable_kernel_profile). An eager `aten::linear` is one launch here
+  (its addmm) as in the dispatch count; the two counts of an eager update are set side by side in
+  the table. On a CPU Inductor fuses into C++ loops what a GPU fuses into Triton kernels, by the
+  same scheduler: the count is the CPU's, a guide to a GPU's, not a measure of it.
 
 Why these predict the GPU's idle and element-wise time: the count and order of the operators do
 not depend on the widths (a launch is a launch; `--check_widths` counts at two widths and they
@@ -120,6 +126,59 @@ def phased(engine, counter):
     engine.step = wrap("step", engine.step)
 
 
+def view_like(name: str) -> bool:
+    """An ATen operator that launches nothing: a view (every overload's schema aliases its input)
+    or metadata (NO_LAUNCH)."""
+    import torch
+
+    op = name.removeprefix("aten::")
+    if op in NO_LAUNCH:
+        return True
+    packet = getattr(torch.ops.aten, op, None)
+    overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+    return bool(overloads) and all(o.is_view for o in overloads)
+
+
+def profiled_launches(engine, update) -> collections.Counter:
+    """Launches by phase of one update under torch.profiler (the docstring's "launches, profiled"),
+    and by operator."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def wrap(name, fn):
+        def inner(*a, **k):
+            with record_function(f"phase::{name}"):
+                return fn(*a, **k)
+        return inner
+    saved = engine.forward, engine.backward, engine.step
+    engine.forward, engine.backward, engine.step = (wrap(n, f) for n, f in zip(PHASES, saved))
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            update()
+    finally:
+        engine.forward, engine.backward, engine.step = saved
+    events = prof.events()
+    spans = [(e.time_range.start, e.time_range.end, e.name.removeprefix("phase::"))
+             for e in events if e.name.startswith("phase::")]
+    is_aten = lambda e: e.name.startswith("aten::")
+
+    def outermost(e):
+        p = e.cpu_parent
+        while p is not None and not is_aten(p):
+            p = p.cpu_parent
+        return p is None
+
+    def does_work(e):
+        return not view_like(e.name) or any(does_work(c) for c in e.cpu_children if is_aten(c))
+
+    out, names = collections.Counter(), collections.Counter()
+    for e in events:
+        if (is_aten(e) and outermost(e) and does_work(e)) or "_fused_" in e.name:
+            t = e.time_range.start
+            out[next((name for a, b, name in spans if a <= t <= b), "other")] += 1
+            names["inductor kernel" if "_fused_" in e.name else e.name] += 1
+    return out, names
+
+
 def measure(args) -> list[dict]:
     import torch
 
@@ -139,6 +198,10 @@ def measure(args) -> list[dict]:
 
     init_parallel(1, 1)
     gpu = torch.cuda.is_available()
+    if args.fusion == "compile":  # name Inductor's CPU kernels in the profiler's trace (before the first compile)
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.enable_kernel_profile = True
     s, b = args.seq_length, args.micro_batch
     rows = []
     for shape, (base, preset_train) in shapes(PRESETS, find_preset, args.width, args.vocab).items():
@@ -155,6 +218,10 @@ def measure(args) -> list[dict]:
         batches = (masked_batches(base, b, s, train.mask_prob, 4) if family.objective.masked
                    else causal_batches(base, b, s, 4))
         for system, step, cfg, trainable in cases(base):
+            if args.cases and f"{system}-{step}" not in args.cases:
+                continue
+            if args.fusion != "none":  # (a checkout from before fusion existed is measured eager)
+                cfg = dataclasses.replace(cfg, fusion=args.fusion)
             engine, _, _ = lm_engine(family, cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
             hb = [host_batch(ids, labels, gpu) for ids, labels in batches]
             heads = len(cfg.heads_after)
@@ -164,10 +231,12 @@ def measure(args) -> list[dict]:
                 train_step(engine, [hb[next(k) % len(hb)]], heads)
             for _ in range(args.warmup):
                 update()
+            profiled, profiled_names = profiled_launches(engine, update)
             counter = Counter()
-            phased(engine, counter)
-            with counter.mode:
-                update()
+            if args.fusion == "none":  # compiled regions do not run under a TorchDispatchMode
+                phased(engine, counter)
+                with counter.mode:
+                    update()
             sys.setprofile(counter.profile)
             try:
                 update()
@@ -184,14 +253,17 @@ def measure(args) -> list[dict]:
                 times.append(time.perf_counter() - t)
             row = {"shape": shape, "system": system, "step": step, "layers": cfg.num_layers,
                    "trainable_tensors": sum(p.requires_grad for p in engine.module.parameters()),
-                   "ops": sum(counter.ops.values()), "launches": sum(counter.launches.values()),
-                   **{f"launches_{p}": counter.launches[p] for p in PHASES},
+                   "fusion": args.fusion,
+                   "profiled": sum(profiled.values()), **{f"profiled_{p}": profiled[p] for p in PHASES},
+                   **({"ops": sum(counter.ops.values()), "launches": sum(counter.launches.values()),
+                       **{f"launches_{p}": counter.launches[p] for p in PHASES}} if args.fusion == "none" else {}),
                    "py_deepspeed": counter.py["deepspeed"], "grad_hooks": counter.py["grad_hooks"],
                    "py_mmadapt": counter.py["mmadapt"], "py_all": counter.py["all"],
                    "host_ms": 1e3 * statistics.median(times), "host_ms_min": 1e3 * min(times),
-                   "host_ms_max": 1e3 * max(times), "top_ops": counter.names.most_common(12)}
+                   "host_ms_max": 1e3 * max(times), "top_ops": counter.names.most_common(12),
+                   "top_profiled": profiled_names.most_common(16)}
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "top_ops"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if not k.startswith("top_")}), flush=True)
             del engine
     return rows
 
@@ -211,8 +283,9 @@ def depth_fit(rows: list[dict]) -> list[dict]:
             continue
         x = [r["layers"] for r in step2]
         mini = min(step2, key=lambda r: r["layers"])
-        for key, what in [("launches", "launches")] + [(f"launches_{p}", f"launches, {p}") for p in PHASES] + \
-                [("host_ms", "host ms")]:
+        keys = [(k, k) for k in ("launches", "profiled")] + [(f"{k}_{p}", f"{k}, {p}") for k in ("launches", "profiled")
+                                                              for p in PHASES] + [("host_ms", "host ms")]
+        for key, what in [(k, w) for k, w in keys if k in mini]:
             y = [r[key] for r in step2]
             mx, my = statistics.fmean(x), statistics.fmean(y)
             b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y)) / sum((xi - mx) ** 2 for xi in x)
@@ -237,8 +310,12 @@ def main(argv=None) -> None:
     ap.add_argument("--against", metavar="JSON", help="a --json_only output of another checkout, set beside this one")
     ap.add_argument("--json_only", metavar="PATH", help="write the rows as JSON to PATH, no results file")
     ap.add_argument("--shapes", nargs="+", choices=("roberta-base", "qwen2-0.5b"))
+    ap.add_argument("--cases", nargs="+", metavar="SYSTEM-STEP", help="only these updates (bl_base-adapt, "
+                    "minipost-minipost, ...; default: every one of flops_validation.cases)")
     ap.add_argument("--ds_config", help="one of ds_configs/ (default: zero2_bf16.json on a GPU, as gpu_suite.sh "
                     "runs; zero1.json, the commands' default, on a CPU)")
+    ap.add_argument("--fusion", choices=("none", "compile"), default="none",
+                    help="ModelConfig.fusion of every measured model (compile: counted by the profiler only)")
     ap.add_argument("--width", type=int, default=8, help="channels per attention head")
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--seq_length", type=int, default=32)
@@ -259,21 +336,27 @@ def main(argv=None) -> None:
     old = {(r["shape"], r["system"], r["step"]): r for r in before}
     for r in rows:
         o = old.get((r["shape"], r["system"], r["step"]))
-        if o:
-            r["launches_over_before"] = r["launches"] / o["launches"]
+        if o and "profiled" in o:
+            r["profiled_over_before"] = r["profiled"] / o["profiled"]
             r["host_ms_over_before"] = r["host_ms"] / o["host_ms"]
+    dispatch = [("launches", "launches"), ("launches_forward", "fwd"), ("launches_backward", "bwd"),
+                ("launches_step", "opt step"), ("launches_other", "other")]
     cols = [("shape", "shape"), ("system", "system"), ("step", "step"), ("layers", "layers"),
-            ("trainable_tensors", "trained tensors"), ("launches", "launches"), ("launches_forward", "fwd"),
-            ("launches_backward", "bwd"), ("launches_step", "opt step"), ("launches_other", "other"),
+            ("trainable_tensors", "trained tensors")] + dispatch * (args.fusion == "none") + [
+            ("profiled", "launches, profiled"), ("profiled_forward", "fwd"), ("profiled_backward", "bwd"),
+            ("profiled_step", "opt step"), ("profiled_other", "other"),
             ("grad_hooks", "grad hooks"), ("py_deepspeed", "DeepSpeed calls"), ("host_ms", "host ms (median)")]
     if old:
-        cols += [("launches_over_before", "launches / before"), ("host_ms_over_before", "host ms / before")]
-    settings = {"ds_config": ds_name(args), "width_per_head": args.width, "vocab": args.vocab,
+        cols += [("profiled_over_before", "profiled / before"), ("host_ms_over_before", "host ms / before")]
+    settings = {"ds_config": ds_name(args), "fusion": args.fusion, "width_per_head": args.width, "vocab": args.vocab,
                 "seq_length": args.seq_length, "micro_batch": args.micro_batch, "repeats": args.repeats,
                 "python": platform.python_version()}
-    md = [f"# Host-side cost of one training update ({tag}, {ds_name(args)}, eager)", "",
+    mode = "eager" if args.fusion == "none" else f"--fusion {args.fusion}"
+    md = [f"# Host-side cost of one training update ({tag}, {ds_name(args)}, {mode})", "",
           f"Settings: `{json.dumps(settings)}`. `python benchmarks/host_cost.py` (its docstring says what is "
-          "counted and why). Launches: ATen operators that are not views or metadata, per update; host ms: "
+          "counted and why). Launches: ATen operators that are not views or metadata, per update, as a "
+          "TorchDispatchMode sees them (eager only); launches, profiled: the same under torch.profiler, with "
+          "TorchInductor's kernels (eager and compiled); host ms: "
           f"median of {args.repeats} updates at the shrunk widths (min-max in the JSON).", "",
           table(rows, cols), ""]
     if "bf16" in ds_name(args) and "cpu" in hardware():
@@ -290,9 +373,9 @@ def main(argv=None) -> None:
         md += ["", "## Against the checkout before", ""]
         for shape in dict.fromkeys(r["shape"] for r in rows):
             for step, label in (("pretrain", "Step 1"), ("adapt", "Step 2")):
-                got = [r for r in rows if r["shape"] == shape and r["step"] == step and "launches_over_before" in r]
+                got = [r for r in rows if r["shape"] == shape and r["step"] == step and "profiled_over_before" in r]
                 if got:
-                    worst_l = max(r["launches_over_before"] for r in got)
+                    worst_l = max(r["profiled_over_before"] for r in got)
                     worst_t = max(r["host_ms_over_before"] for r in got)
                     md.append(f"- {shape}, {label}: launches at most {worst_l:.2f} of before, host time at most "
                               f"{worst_t:.2f} (half or less: launches {'met' if worst_l <= 0.5 else 'NOT met'}, "
@@ -300,7 +383,7 @@ def main(argv=None) -> None:
     if before:
         md += ["", f"Before: {before[0]['checkout']} (`--against`), measured by the same script in the same session.", "",
                table(before, [c for c in cols if c[0] in before[0]])]
-    name = f"host_cost_{ds_name(args).removesuffix('.json')}"
+    name = f"host_cost_{ds_name(args).removesuffix('.json')}" + ("_compile" if args.fusion == "compile" else "")
     paths = write_results(name, {"settings": settings, "checkout": tag, "rows": rows, "before": before}, "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")

@@ -173,3 +173,50 @@ def count_host_ops(events) -> int:
             p = p.cpu_parent
         return p is None
     return sum(1 for e in events if e.name.startswith(("aten::", "c10d::")) and outermost(e))
+
+
+def test_the_host_cost_benchmark_counts_launches_by_phase():
+    """benchmarks/host_cost.py's profiled count (the one that also sees compiled updates), on an
+    update whose launches are known: the forward is a linear (one addmm; its weight's transpose
+    and the input's view launch nothing), a transpose made contiguous (one copy) and a GELU; the
+    backward the loss's sum, its seed gradient (ones_like), GELU's gradient, the linear's two
+    matmuls and its bias's sum (the first backward stores the gradients: no accumulation); the
+    step one in-place add and a kernel Inductor would have generated (its name in the trace,
+    `*_fused_*`), which counts as one launch."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("host_cost", REPO / "benchmarks" / "host_cost.py")
+    host_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_cost)
+    assert host_cost.view_like("aten::transpose") and host_cost.view_like("aten::view")
+    assert host_cost.view_like("aten::detach") and not host_cost.view_like("aten::addmm")
+    assert not host_cost.view_like("aten::copy_")
+
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4, requires_grad=True)
+
+    class Update:  # the three methods host_cost wraps on a DeepSpeed engine
+        def forward(self, x):
+            return torch.nn.functional.gelu(lin(x.view(2, 4)).t().contiguous())
+
+        def backward(self, y):
+            y.sum().backward()
+
+        def step(self):
+            with torch.no_grad():
+                lin.weight.add_(1.0)
+            with torch.profiler.record_function("graph_0_cpp_fused_add_0"):
+                pass
+
+    engine = Update()
+
+    def update():
+        engine.backward(engine.forward(x))
+        engine.step()
+
+    by_phase, names = host_cost.profiled_launches(engine, update)
+    assert by_phase["forward"] == 3, names  # linear, contiguous (its clone), gelu
+    assert names == {"aten::linear": 1, "aten::contiguous": 1, "aten::gelu": 1, "aten::sum": 2, "aten::ones_like": 1,
+                     "aten::gelu_backward": 1, "aten::mm": 2, "aten::add_": 1, "inductor kernel": 1}, names
+    assert by_phase == {"forward": 3, "backward": 6, "step": 2}, by_phase
+    assert engine.forward.__func__ is Update.forward  # the wrapping is undone
