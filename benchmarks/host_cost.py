@@ -23,7 +23,8 @@ tied or untied output, clipping), under a ds_configs/ JSON as a run of one repli
 - **launches, profiled**: the same update under torch.profiler, counted so that a compiled update
   (`--fusion compile`) counts too: a TorchDispatchMode switches the compiled regions off, so it
   can only count eager updates. Counted: every outermost ATen call (one no other ATen call made)
-  whose own work or whose callees' is not all views and metadata, and every kernel TorchInductor
+  that is a kernel other than a view or metadata or calls one (aten::linear counts, as its addmm;
+  aten::dropout at p = 0, which calls nothing, does not), and every kernel TorchInductor
   generated (`*_fused_*`; its CPU kernels are named in the trace by
   torch._inductor.config.cpp.enable_kernel_profile). An eager `aten::linear` is one launch here
   (its addmm) as in the dispatch count; the two counts of an eager update are set side by side in
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import importlib
 import json
 import platform
@@ -126,6 +128,7 @@ def phased(engine, counter):
     engine.step = wrap("step", engine.step)
 
 
+@functools.cache
 def view_like(name: str) -> bool:
     """An ATen operator that launches nothing: a view (every overload's schema aliases its input)
     or metadata (NO_LAUNCH)."""
@@ -137,6 +140,25 @@ def view_like(name: str) -> bool:
     packet = getattr(torch.ops.aten, op, None)
     overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
     return bool(overloads) and all(o.is_view for o in overloads)
+
+
+@functools.cache
+def composite(name: str) -> bool:
+    """An ATen operator whose work is all in the operators it calls (every functional overload has a
+    CompositeImplicitAutograd kernel: aten::linear, aten::dropout, which at p = 0 calls nothing)."""
+    import torch
+
+    packet = getattr(torch.ops.aten, name.removeprefix("aten::"), None)
+    if packet is None:
+        return False
+    key, found = torch._C.DispatchKey.CompositeImplicitAutograd, []
+    for o in packet.overloads():
+        if not o.endswith("out"):
+            try:
+                found.append(getattr(packet, o).has_kernel_for_dispatch_key(key))
+            except RuntimeError:  # an overload the dispatcher does not hold (TorchScript's list ops)
+                pass
+    return bool(found) and all(found)
 
 
 def profiled_launches(engine, update) -> collections.Counter:
@@ -167,8 +189,9 @@ def profiled_launches(engine, update) -> collections.Counter:
             p = p.cpu_parent
         return p is None
 
-    def does_work(e):
-        return not view_like(e.name) or any(does_work(c) for c in e.cpu_children if is_aten(c))
+    def does_work(e):  # itself a kernel that is not a view, or calling one
+        return ((not view_like(e.name) and not composite(e.name))
+                or any(does_work(c) for c in e.cpu_children if is_aten(c)))
 
     out, names = collections.Counter(), collections.Counter()
     for e in events:
