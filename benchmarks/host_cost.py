@@ -344,6 +344,7 @@ def main(argv=None) -> None:
     ap.add_argument("--seq_length", type=int, default=32)
     ap.add_argument("--micro_batch", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--note", default="", help="a paragraph for the results file (how the figures were taken)")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
     tag = args.tag or git_rev(Path(args.repo))
@@ -381,7 +382,7 @@ def main(argv=None) -> None:
           "TorchDispatchMode sees them (eager only); launches, profiled: the same under torch.profiler, with "
           "TorchInductor's kernels (eager and compiled); host ms: "
           f"median of {args.repeats} updates at the shrunk widths (min-max in the JSON).", "",
-          table(rows, cols), ""]
+          table(rows, cols), ""] + ([args.note, ""] if args.note else [])
     if "bf16" in ds_name(args) and "cpu" in hardware():
         md += ["On a CPU, bf16 matmuls and element-wise kernels are far slower than fp32 ones: here host "
                "ms includes that math and is no measure of the host's own cost; the launch counts hold.", ""]
