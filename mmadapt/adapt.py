@@ -413,6 +413,14 @@ FIT_POSITIONS = 2048  # scored positions of target text the output bias is fitte
 MINI_SYSTEMS = ("minijoint", "minipost")  # Step 2 over a mini-model, for a deeper primary model
 
 
+def calibrated(step: AdaptEmbeddings, expanded: bool) -> bool:
+    """Whether `step`'s artifacts are fitted to the primary model (PrimaryCalibration): Step 2
+    over a mini-model, replace mode (`expanded` false), the output bias trained."""
+    train = step.train
+    return (train.primary_calibration != "none" and train.train_output_bias and step.system in MINI_SYSTEMS
+            and not expanded)
+
+
 def bias_fit_text(data: Path, train: TrainConfig, family: ModelFamily) -> Text:
     """The blocks of the target data's training text (not the held-out part the plug-in metric
     scores) whose FIT_POSITIONS scored positions an output bias is fitted on."""
@@ -482,34 +490,41 @@ class Step2Start:
         if start.expanded:
             start.bound_new_outputs(train, source.record.get("data_path"), logp)
         elif logp is not None and family.artifact_keys().get("output_bias") in start.init:
-            start.fit_output_bias(data, train, logp)
+            # Where every artifact is calibrated to the primary, the start's bias serves training
+            # alone: fitted through the model Step 2 trains (the mini-model), not the primary.
+            start.fit_output_bias(data, train, logp, over_trained=calibrated(step, start.expanded))
         if not (parallel.is_rank0() and (train.plugin_eval_blocks or start.calibrates(step))):
             # only global rank 0's checkpoint probe and calibration score again before the end
             start._scorer = None
         return start
 
     def calibrates(self, step: AdaptEmbeddings) -> bool:
-        """Whether `step`'s artifacts are fitted to the primary model (PrimaryCalibration): Step 2
-        over a mini-model, replace mode, the output bias fitted at the start and trained."""
-        train = step.train
-        return (train.primary_calibration != "none" and train.train_output_bias and step.system in MINI_SYSTEMS
-                and not self.expanded and self.logp is not None)
+        """Whether `step`'s artifacts are fitted to the primary model (PrimaryCalibration, every
+        artifact's): `calibrated`, with the output bias fitted at the start."""
+        return calibrated(step, self.expanded) and self.logp is not None
 
-    def fit_output_bias(self, data: Path, train: TrainConfig, logp: torch.Tensor) -> None:
+    def fit_output_bias(self, data: Path, train: TrainConfig, logp: torch.Tensor, over_trained: bool = False) -> None:
         """Replace mode (StartRule.bias "fitted"): the output bias fitted (fit_bias) through the
-        primary model on FIT_POSITIONS scored positions of the target data's training text to its
-        unigram log-frequencies `logp`, then shifted to the source bias's mean (the softmax is
-        blind to the shift; weight decay is not). Every rank runs the probe, global rank 0's fit is
-        every rank's."""
+        primary model (over_trained: through the model Step 2 trains, the body as it starts) on
+        FIT_POSITIONS scored positions of the target data's training text to its unigram
+        log-frequencies `logp`, then shifted to the source bias's mean (the softmax is blind to
+        the shift; weight decay is not). Every rank runs the probe, global rank 0's fit is every
+        rank's."""
         name = self.family.artifact_keys()["output_bias"]
-        scorer = self.scorer()
+        scorer = self.trained_scorer() if over_trained else self.scorer()
         held = scorer.heldout(bias_fit_text(data, train, self.family), len(logp), unigram=False)
         art = self.tensors()
         fitted = fit_bias(scorer.logits(held, art), art["output_bias"], logp)
         source_mean = float(self.primary.state[name].float().mean())
         self.init = {**self.init, name: from_rank0(fitted - fitted.mean() + source_mean)}
-        self.rows["bias_fitted_positions"] = held.scored
+        self.rows.update(bias_fitted_positions=held.scored, bias_fitted_through="trained" if over_trained else "primary")
         self.logp = logp
+
+    def trained_scorer(self) -> Scorer:
+        """The model Step 2 trains (`body`, as it starts: `init`), dropout off, as a heldout.Scorer
+        of the primary's text layout; built for the call, not kept."""
+        cfg = dataclasses.replace(self.body, hidden_dropout=0.0, attention_dropout=0.0)
+        return Scorer(dataclasses.replace(self.primary, cfg=cfg, state=self.init, fingerprint=None, sampled=None))
 
     def bound_new_outputs(self, train: TrainConfig, source_data: str | None, logp: torch.Tensor | None) -> None:
         """An expanded vocabulary's output side (expand.output_start; the bound shared among the new
@@ -596,8 +611,9 @@ class PrimaryCalibration:
     over a mini-model trains the bias against the mini-model's logits, and the rows at the scale
     the mini-model's new layers read best; the primary's differ (on all-MiniLM-L6-v2, MINIPOST's
     German through the primary: 0.045 nats below the unigram reference as trained, 0.28 with the
-    bias refitted, 0.35 with the scale too: benchmarks/results/minipost_bias_refit_*). Global
-    rank 0, which alone writes artifacts."""
+    bias refitted, 0.35 with the scale too: benchmarks/results/minipost_bias_refit_*). Every
+    artifact of such a run, update 0's too (its start's bias was fitted through the mini-model).
+    Global rank 0, which alone writes artifacts."""
     scorer: Callable[[], Scorer]
     text: Text
     logp: torch.Tensor  # [V]
@@ -718,7 +734,7 @@ class ArtifactWriter:
                 "flops_paper": self.seq_flops[True] * batch * update, "v100_days": device_days(flops),
                 **self.fingerprint}
         tensors = self.tensors(sd)
-        if self.calibration is not None and update > 0:  # update 0's bias is the start's, fitted through the primary
+        if self.calibration is not None:  # update 0's too: the start's bias was fitted through the mini-model
             tensors, record = self.calibration(tensors)
             meta.update(record)
         if self.probe is not None:

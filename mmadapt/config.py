@@ -508,7 +508,8 @@ class TrainConfig(LoopConfig):
         "text's unigram distribution, as the start's is: the bias trained over the mini-model is calibrated to the "
         "mini-model's logits), scale (also one scale of the new rows, input and tied output, the one with the "
         "least loss there: better through the primary's MLM head, not on a task, docs/mini-models.md) or none (as "
-        "trained)",
+        "trained). Calibrated, every artifact is (update 0's too), and the start's bias is fitted through the "
+        "mini-model Step 2 trains",
         choices=PRIMARY_CALIBRATIONS)
     embedding_init: str = _owned_by(
         STEP2, "overlap", "Step 2: how the new vocabulary's rows start: overlap (the paper: a piece also in the source "

@@ -266,8 +266,8 @@ def test_a_mini_models_artifact_has_its_bias_refitted_through_the_primary(step2_
     assert meta["primary_calibration"]["positions"] == held.scored >= 1000
     assert "scale" not in meta["primary_calibration"]  # the default calibrates the bias only
 
-    def gap(bias):  # nats: the largest |log mean softmax - log unigram| over the pieces
-        logits = torch.cat(scorer.logits(held, {"word_embeddings": tensors["word_embeddings"], "output_bias": bias}))
+    def gap(bias, rows=tensors["word_embeddings"]):  # nats: the largest |log mean softmax - log unigram| over pieces
+        logits = torch.cat(scorer.logits(held, {"word_embeddings": rows, "output_bias": bias}))
         return float((torch.softmax(logits.float(), -1).mean(0).log() - logp).abs().max())
 
     own = trained[BIAS].float()
@@ -276,9 +276,25 @@ def test_a_mini_models_artifact_has_its_bias_refitted_through_the_primary(step2_
           f"nats (the trained bias: {own_gap:.2g})")
     assert refit_gap < 1e-4 and own_gap > 10 * refit_gap  # seen after 3 updates: the trained bias 0.0076 off
     assert float(tensors["output_bias"].mean()) == pytest.approx(float(own.mean()), abs=1e-5)
-    # The start (update 0) keeps the bias fitted then, through the same primary model.
+    # The start: training's bias was fitted through the model it trains (the 4-layer mini-model),
+    # and the artifact of update 0, like every other, is that start calibrated to the primary.
     start, _, start_meta = read_artifact(step2_single / "embeddings" / "step00000000")
-    assert "primary_calibration" not in start_meta
+    assert start_meta["bias_fitted_through"] == "trained" and start_meta["primary_calibration"]["positions"]
+    assert gap(start["output_bias"], start["word_embeddings"]) < 1e-4
+    built = step2_start("minijoint", primary_run, data, **dataclasses.asdict(train))
+    assert torch.equal(built.init[WORD].float(), start["word_embeddings"])
+    over_mini = built.trained_scorer()
+    mini_held = over_mini.heldout(bias_fit_text(data, train, ROBERTA), VOCAB, unigram=False)
+
+    def mini_gap(bias):
+        logits = torch.cat(over_mini.logits(mini_held, {"word_embeddings": start["word_embeddings"],
+                                                        "output_bias": bias}))
+        return float((torch.softmax(logits.float(), -1).mean(0).log() - logp).abs().max())
+    bias = built.init[BIAS].float()
+    print(f"the start's bias through the mini-model {mini_gap(bias):.2g} nats off the unigram distribution, through "
+          f"the primary {gap(bias, start['word_embeddings']):.2g}; the update-0 artifact's through the primary "
+          f"{gap(start['output_bias'], start['word_embeddings']):.2g}")
+    assert mini_gap(bias) < 1e-3 < gap(bias, start["word_embeddings"])
 
 
 def test_the_scale_calibration_finds_the_least_loss_factor(monkeypatch):
