@@ -18,6 +18,8 @@ an interrupted benchmark continues (--output_dir); the results file is written f
 finished.
 
     python benchmarks/real_weights.py --output_dir /tmp/real_weights
+    python benchmarks/real_weights.py --output_dir /tmp/rw --langs de --expand_langs --no-overlap --no_tasks
+        # issue 50's German bar alone: BL_BASE and MINIPOST, replace, FVT rows (~45 min on 2 cores)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import dataclasses
 import importlib.metadata
 import json
+import sys
 import zipfile
 from pathlib import Path
 
@@ -41,7 +44,7 @@ from mmadapt.finetune import is_finished
 from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.hf import import_any
 from mmadapt.parallel import init_parallel
-from mmadapt.run import RunSpec, read_source, run_progress
+from mmadapt.run import RunSpec, load_checkpoint, read_source, run_progress
 
 SEQ, BATCH, LR = 64, 32, 1e-3
 HEAD_ITERS, MINIPOST_ITERS, ADAPT_ITERS = 200, 500, 600
@@ -113,12 +116,22 @@ def cell(root: Path, src: dict, system: str, mode: str, lang: str, init: str) ->
     scorer = Scorer(Primary.read(src["bl_base"]))
     held = scorer.heldout(Text(target, SEQ), metas[-1]["vocab_size"])
     meta = {"vocab_mode": mode, "source_vocab_size": SOURCE_VOCAB}
-    mini = None
-    if system == "minipost":  # the same embeddings through the mini-model they were trained over
-        art, _, last = read_artifact(artifact_dirs([run_dir])[-1])
+    mini = start_mini = trained_mini = None
+    if system == "minipost":  # the same embeddings through the mini-model they were trained over: Step 2's own loss
         over_mini = Scorer(Primary.read(src["minipost"]))
-        mini = over_mini.loss(over_mini.heldout(Text(target, SEQ), last["vocab_size"], unigram=False), art, last)
+        held_mini = over_mini.heldout(Text(target, SEQ), metas[-1]["vocab_size"], unigram=False)
+        art, _, last = read_artifact(artifact_dirs([run_dir])[-1])
+        mini = over_mini.loss(held_mini, art, last)
+        sd = load_checkpoint(run_dir, f"step{ADAPT_ITERS:08d}")  # the same update as trained: Step 2's own end
+        trained_mini = over_mini.loss(held_mini, {k: sd[n].float() for k, n in source.family.artifact_keys().items()
+                                                  if n in sd}, last)
+        # Step 2's own start (its bias fitted through the mini-model where the artifacts are
+        # calibrated; the artifact of update 0 is then calibrated to the primary)
+        begun = Step2Start.build(source, body_config(source.family, system, source.cfg), step, target / TOKENIZER,
+                                 target)
+        start_mini = over_mini.loss(held_mini, begun.tensors(), meta)
     return {"system": system, "mode": mode, "lang": lang, "init": init, "run": str(run_dir), "through_mini": mini,
+            "start_through_mini": start_mini, "trained_through_mini": trained_mini,
             "start": metas[0]["plugin_loss"], "old_rule_start": scorer.loss(held, old.tensors(), meta),
             "unigram": metas[-1]["unigram_loss"], "final": metas[-1]["plugin_loss"],
             "below_unigram": metas[-1]["plugin_gain"], "flops": metas[-1]["flops"],
@@ -138,7 +151,7 @@ def zero_shot(root: Path, head: Path, rows: list[dict]) -> dict:
     return {"source_score": source, "records": records}
 
 
-def markdown(rows: list[dict], scores: dict | None) -> str:
+def markdown(rows: list[dict], scores: dict | None, command: str = "") -> str:
     out = ["# all-MiniLM-L6-v2 through the four steps (cpu, 2 cores)", "",
            "sentence-transformers' all-MiniLM-L6-v2 (6 x 384 BertModel, 30,522-piece uncased WordPiece, no MLM "
            "head), imported as it ships; its MLM head fitted on the English Bible (200 updates of 32 x 64, lr "
@@ -146,17 +159,27 @@ def markdown(rows: list[dict], scores: dict | None) -> str:
            "32 x 64, lr 1e-3 (20 warm-up), 16,000-piece target vocabularies trained on the target Bible (expand: "
            "the source's WordPiece + the target pieces it lacks). Plug-in loss: nats per masked piece of "
            "held-out verses (3% of the documents) through the head-fitted primary model, every scored position "
-           "hidden. `old rule start`: the same run's start under the rule before 2026-11-27 (new rows at the "
-           "config's 0.02, the output bias copied for shared pieces and 0 for the rest). Written by "
-           "`python benchmarks/real_weights.py` from the finished runs.", ""]
+           "hidden; a mini-model's artifacts after update 0 with their output bias refitted through the primary "
+           "(`--primary_calibration bias`, the default). `start, through the mini-model`: Step 2's own start (its output bias "
+           "fitted through the mini-model, as a calibrated run's is) on the held-out verses through the mini-model "
+           "it trains; `after 600 as trained`: the checkpoint's embeddings and bias there (Step 2's own end); "
+           "`after 600, through the mini-model`: the last artifact, as written (its bias fitted to the "
+           "primary), through the same mini-model. `old rule start`: the same run's "
+           "start under the rule before 2026-11-27 (new rows at the config's 0.02, the output bias copied for "
+           "shared pieces and 0 for the rest). Written by `python benchmarks/real_weights.py` from the finished "
+           f"runs{' (' + command + ')' if command else ''}.", ""]
     for r in rows:
         r["past"] = r["below_unigram"]
         r["exaflops"] = r["flops"] / 1e18
         r["mini"] = "" if r.get("through_mini") is None else r["through_mini"]
+        r["mini_start"] = "" if r.get("start_through_mini") is None else r["start_through_mini"]
+        r["mini_trained"] = "" if r.get("trained_through_mini") is None else r["trained_through_mini"]
     out.append(table(rows, [("system", "system"), ("mode", "vocabulary"), ("lang", "lang"), ("init", "rows"),
                             ("old_rule_start", "old rule start"), ("start", "start"), ("final", "after 600"),
-                            ("unigram", "unigram"), ("past", "below unigram"), ("mini", "after 600, through the "
-                                                                                        "mini-model"),
+                            ("unigram", "unigram"), ("past", "below unigram"),
+                            ("mini_start", "start, through the mini-model"),
+                            ("mini_trained", "after 600 as trained, through the mini-model"),
+                            ("mini", "after 600, through the mini-model"),
                             ("exaflops", "Step-2 EFLOPs")]))
     if scores:
         out += ["", f"Step 3: English bible-genre accuracy {scores['source_score']:.1f}. Step 4, zero-shot on the "
@@ -178,18 +201,22 @@ def main() -> None:
     ap.add_argument("--no_tasks", action="store_true", help="Steps 1-2 only (no fine-tuning, no zero-shot)")
     ap.add_argument("--expand_langs", nargs="*", default=list(LANGS), choices=LANGS,
                     help="the languages of the expand cells (each ~25 min per system on 2 cores)")
+    ap.add_argument("--langs", nargs="+", default=list(LANGS), choices=LANGS, help="the languages of the replace cells")
+    ap.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                    help="German BL_BASE with the paper's overlap start beside FVT's")
     args = ap.parse_args()
+    command = "python benchmarks/real_weights.py " + " ".join(sys.argv[1:]).replace(str(args.output_dir), "DIR")
     init_parallel(1, 1)
     src = sources(args.output_dir)
-    plan = [(s, "replace", lang, "subword_mean") for lang in LANGS for s in ("bl_base", "minipost")]
-    plan += [("bl_base", "replace", "de", "overlap")]  # the paper's start beside FVT's
+    plan = [(s, "replace", lang, "subword_mean") for lang in args.langs for s in ("bl_base", "minipost")]
+    plan += [("bl_base", "replace", "de", "overlap")] * args.overlap  # the paper's start beside FVT's
     plan += [(s, "expand", lang, "subword_mean") for lang in args.expand_langs for s in ("bl_base", "minipost")]
     rows = []
     for system, mode, lang, init in plan:
         rows.append(cell(args.output_dir, src, system, mode, lang, init))
-        write_results("real_weights", {"rows": rows}, markdown(rows, None))  # what has finished, as it goes
+        write_results("real_weights", {"rows": rows}, markdown(rows, None, command))  # what has finished, as it goes
     scores = None if args.no_tasks else zero_shot(args.output_dir, src["bl_base"], rows)
-    write_results("real_weights", {"rows": rows, "zero_shot": scores}, markdown(rows, scores))
+    write_results("real_weights", {"rows": rows, "zero_shot": scores}, markdown(rows, scores, command))
 
 
 if __name__ == "__main__":
