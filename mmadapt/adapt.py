@@ -503,6 +503,18 @@ class Step2Start:
         artifact's): `calibrated`, with the output bias fitted at the start."""
         return calibrated(step, self.expanded) and self.logp is not None
 
+    def calibration(self, step: AdaptEmbeddings, data: Path) -> "PrimaryCalibration | None":
+        """What fits `step`'s artifacts to the primary model, on the prepared target data `data`'s
+        text that fitted the start; None where they are written as trained."""
+        train = step.train
+        return (PrimaryCalibration(self.scorer, bias_fit_text(data, train, self.family), self.logp,
+                                   scale=train.primary_calibration == "scale") if self.calibrates(step) else None)
+
+    def artifact(self, step: AdaptEmbeddings, data: Path) -> dict[str, torch.Tensor]:
+        """The start as Step 2 writes it, its artifact of update 0 (calibrated where `step`'s are)."""
+        tensors, calibration = self.tensors(), self.calibration(step, data)
+        return tensors if calibration is None else calibration(tensors)[0]
+
     def fit_output_bias(self, data: Path, train: TrainConfig, logp: torch.Tensor, over_trained: bool = False) -> None:
         """Replace mode (StartRule.bias "fitted"): the output bias fitted (fit_bias) through the
         primary model (over_trained: through the model Step 2 trains, the body as it starts) on
@@ -718,11 +730,8 @@ class ArtifactWriter:
         # every later load checks the weights by the sampled one (artifact.primary_changed).
         fingerprint = {"primary_fingerprint": start.primary.fingerprint, SAMPLED_KEY: start.primary.sampled}
         trainable = step2_trainable(family, model, train.train_output_bias)
-        calibration = (PrimaryCalibration(start.scorer, bias_fit_text(data, train, family), start.logp,
-                                          scale=train.primary_calibration == "scale")
-                       if start.calibrates(step) else None)
         return cls(plan.run.output_dir, family, model, start.init, trainable, tokenizer, meta, seq_flops, probe,
-                   fingerprint, calibration)
+                   fingerprint, start.calibration(step, data))
 
     def __call__(self, update: int, ckpt_tag: str, sd: dict | None = None) -> None:
         sd = load_checkpoint(self.run_dir, ckpt_tag) if sd is None else sd  # fp32 master weights

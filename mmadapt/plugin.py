@@ -49,7 +49,8 @@ def start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     """The embeddings and bias the adapt run started from: its artifact of update 0 where Step 2
     saved one (adapt.ArtifactWriter.save_start); for a run recorded before that, recomputed
     (adapt.Step2Start.build, as the run's record describes its step and start rule, over its
-    data: AdaptEmbeddings.recorded, StartRule.recorded) for its vocabulary `tokenizer`."""
+    data: AdaptEmbeddings.recorded, StartRule.recorded; calibrated to the primary as the run's
+    artifacts are, Step2Start.artifact) for its vocabulary `tokenizer`."""
     start = adapt_run / "embeddings" / tag_for(0)
     if (start / ARTIFACT_FILE).is_file():
         return read_artifact(start)[0]
@@ -58,7 +59,8 @@ def start_embeddings(adapt_run: Path, tokenizer: Path) -> dict:
     source = read_source(step.source, step.source_tag)
     body = body_config(source.family, step.system, source.cfg, step.mini_layers)
     data = Path(run["data_path"]) if run.get("data_path") else None
-    return Step2Start.build(source, body, step, tokenizer, data, StartRule.recorded(run)).tensors()
+    start = Step2Start.build(source, body, step, tokenizer, data, StartRule.recorded(run))
+    return start.tensors() if data is None else start.artifact(step, data)
 
 
 def source_text_data(adapt_run: Path, primary: Primary) -> Path | None:
