@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -113,19 +114,33 @@ class Counter:
         self.py["all"] += 1
 
 
-def phased(engine, counter):
-    """Wrap the engine's forward, backward and step so that the counter knows the phase."""
+@contextlib.contextmanager
+def phased(engine, in_phase):
+    """The engine's forward, backward and step (PHASES' first three), each run inside
+    `in_phase(name)` (a context manager) while the block lasts."""
     def wrap(name, fn):
         def inner(*a, **k):
-            counter.phase = name
-            try:
+            with in_phase(name):
                 return fn(*a, **k)
-            finally:
-                counter.phase = "other"
         return inner
-    engine.forward = wrap("forward", engine.forward)
-    engine.backward = wrap("backward", engine.backward)
-    engine.step = wrap("step", engine.step)
+    saved = engine.forward, engine.backward, engine.step
+    engine.forward, engine.backward, engine.step = (wrap(n, f) for n, f in zip(PHASES, saved))
+    try:
+        yield
+    finally:
+        engine.forward, engine.backward, engine.step = saved
+
+
+def counting(counter):
+    """phased's `in_phase` that tells the counter the phase."""
+    @contextlib.contextmanager
+    def in_phase(name):
+        counter.phase = name
+        try:
+            yield
+        finally:
+            counter.phase = "other"
+    return in_phase
 
 
 @functools.cache
@@ -166,18 +181,9 @@ def profiled_launches(engine, update) -> collections.Counter:
     and by operator."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    def wrap(name, fn):
-        def inner(*a, **k):
-            with record_function(f"phase::{name}"):
-                return fn(*a, **k)
-        return inner
-    saved = engine.forward, engine.backward, engine.step
-    engine.forward, engine.backward, engine.step = (wrap(n, f) for n, f in zip(PHASES, saved))
-    try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            update()
-    finally:
-        engine.forward, engine.backward, engine.step = saved
+    with phased(engine, lambda name: record_function(f"phase::{name}")), \
+            profile(activities=[ProfilerActivity.CPU]) as prof:
+        update()
     events = prof.events()
     spans = [(e.time_range.start, e.time_range.end, e.name.removeprefix("phase::"))
              for e in events if e.name.startswith("phase::")]
@@ -257,8 +263,7 @@ def measure(args) -> list[dict]:
             profiled, profiled_names = profiled_launches(engine, update)
             counter = Counter()
             if args.fusion == "none":  # compiled regions do not run under a TorchDispatchMode
-                phased(engine, counter)
-                with counter.mode:
+                with phased(engine, counting(counter)), counter.mode:
                     update()
             sys.setprofile(counter.profile)
             try:
