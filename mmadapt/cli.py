@@ -694,6 +694,9 @@ def extend_main(argv=None) -> int:
                        help=what + " (default: %(default)s)")
     p.add_argument("--lr", type=float, default=d["lr"].default, help="every stage's peak learning rate (default: "
                    "%(default)s)")
+    p.add_argument("--plugin_eval_blocks", type=whole_number(1), default=d["plugin_eval_blocks"].default,
+                   help="held-out target blocks each Step-2 checkpoint is scored on through the primary model (adapt "
+                   "--plugin_eval_blocks; default: %(default)s)")
     p.add_argument("--into", help="a model fine-tuned from --model (an instruct or chat sibling: the same architecture "
                    "and vocabulary): the new embeddings are grafted into it too (export-hf --graft), into "
                    "<output_dir>/export-into (docs/huggingface.md)")

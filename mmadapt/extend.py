@@ -69,6 +69,9 @@ class Extend:
     head_iters: int = 200
     minipost_iters: int = 500
     adapt_iters: int = 600
+    # held-out target blocks each Step-2 checkpoint is scored on through the primary model (adapt
+    # --plugin_eval_blocks): the progress line and the summary's plug-in loss
+    plugin_eval_blocks: int = 256
     bpb_bytes: int = BPB_BYTES  # held-out target bytes the summary scores in bits per byte: not the extension's identity
     into: Optional[Path] = None  # a fine-tuned sibling of `model` (a Hugging Face directory) to graft the embeddings into
 
@@ -103,7 +106,7 @@ class Extend:
 
     def step2_schedule(self) -> TrainConfig:
         return self.schedule(self.adapt_iters, vocab_mode=self.vocab_mode, embedding_init=self.embedding_init,
-                             plugin_eval_blocks=256)
+                             plugin_eval_blocks=self.plugin_eval_blocks)
 
 
 def claim(ext: Extend) -> bool:
@@ -114,10 +117,13 @@ def claim(ext: Extend) -> bool:
     record = out / RECORD
     if record.is_file():
         theirs = checkpoint.read_json(record, "extend record")
-        changed = sorted(k for k in mine if k not in REPORT_ONLY and theirs.get(k) != mine[k])
+        # a field the record predates was its default then
+        defaults = {f.name: f.default for f in dataclasses.fields(ext)}
+        changed = sorted(k for k in mine if k not in REPORT_ONLY and theirs.get(k, defaults[k]) != mine[k])
         if changed:
-            raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {changed[0]} "
-                             f"{theirs.get(changed[0])!r}, not {mine[changed[0]]!r}: continue it with the same "
+            name = changed[0]
+            raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {name} "
+                             f"{theirs.get(name, defaults[name])!r}, not {mine[name]!r}: continue it with the same "
                              "arguments, or choose a new --output_dir")
         return False
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

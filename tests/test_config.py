@@ -247,3 +247,25 @@ def test_mmadapt_tiny_shrinks_sizes_and_nothing_else(monkeypatch):
             cli.main(["flops", "--preset", "roberta-base", "--json"])
         printed.append(out.getvalue())
     assert printed[0] == printed[1] and '"v100_days": 8.1' in printed[0]  # roberta-base's, not tiny's
+
+
+def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(tmp_path):
+    """extend.json holds an extension's arguments; one written before a field existed (e.g.
+    plugin_eval_blocks) ran at that field's default: the same call continues it, another value of
+    the field is a different extension and is refused in one line, nothing written."""
+    import json
+
+    from mmadapt.extend import Extend, claim
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    ext = Extend(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "ext")
+    assert claim(ext) is True
+    record = json.loads((ext.output_dir / "extend.json").read_text())
+    del record["plugin_eval_blocks"]
+    (ext.output_dir / "extend.json").write_text(json.dumps(record))
+    assert claim(ext) is False
+    with pytest.raises(ValueError, match="with plugin_eval_blocks 256, not 8: continue it with the same arguments"):
+        claim(dataclasses.replace(ext, plugin_eval_blocks=8))
+    assert sorted(p.name for p in ext.output_dir.iterdir()) == ["extend.json"]

@@ -151,7 +151,7 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     hf = graft_runs["qwen2-base"].parent / "hf"
     argv = ["extend", "--model", str(hf / "qwen2-base"), "--lang", "de", "--corpus", str(de_corpus),
             "--source_corpus", str(corpus), "--vocab_size", "500", "--minipost_iters", "2", "--adapt_iters", "2",
-            "--batch", "4", "--seq_length", "32", "--bpb_bytes", "512"]
+            "--batch", "4", "--seq_length", "32", "--plugin_eval_blocks", "8", "--bpb_bytes", "512"]
     bad = tmp_path / "bad"
     assert main([*argv, "--output_dir", str(bad), "--into", str(hf / "llama2-sibling")]) == 2
     err = capsys.readouterr().err.strip()
