@@ -1,7 +1,7 @@
 """The decoder family under every parallel layout against one process: tensor parallel 2,
 pipeline parallel 2 and ZeRO-2 on 2 gloo ranks, and TP 2 x PP 2 on 4, for MINIJOINT pretraining
-(tied and untied output projection) and for Step 2 over its mini-model, every position scored and
-(TP 2, PP 2) a quarter of them.
+(tied and untied output projection) and for Step 2 over its mini-model, every position scored
+(TP 2 x PP 2, ZeRO-2) or a quarter of them (TP 2, PP 2).
 
 As tests/test_parallel.py does for the encoder: the same seed and global batch of 16 blocks (one
 process: 2 micro-batches of 8 with gradient accumulation; ZeRO-2: 2 data-parallel ranks of 8),
@@ -87,21 +87,42 @@ def step2_single(reference, de_corpus, de_tokenizer, tmp_path_factory):
     return _step2(source, de_corpus, de_tokenizer, tmp_path_factory.mktemp(f"llama_step2_{tied}"), 1, *SINGLE)
 
 
+# Step 2 scoring a quarter of the positions (TrainConfig.score_fraction) on TP 2 (the scored rows
+# through the vocabulary-parallel projection and cross-entropy) and PP 2 (the last stage's scored
+# positions from the host's queue, models/pipe.py): each rank draws block g's scored positions from
+# (seed, g) alone, so every layout scores the same positions as one process. Every position is
+# scored on TP 2 x PP 2 (both paths at once) and ZeRO-2.
+SCORED = ["--score_fraction", "0.25"]
+SCORED_LAYOUTS = ("tp2", "pp2")
+
+
+@pytest.fixture(scope="module")
+def step2_scored_single(reference, de_corpus, de_tokenizer, tmp_path_factory):
+    tied, source = reference
+    out = tmp_path_factory.mktemp(f"llama_step2_scored_{tied}")
+    return _step2(source, de_corpus, de_tokenizer, out, 1, *SINGLE, *SCORED)
+
+
 # untied: the optimizer state of both matrices is the point
 @pytest.mark.parametrize("reference, layout", _cases(("zero2_dp2",)), indirect=["reference"])
-def test_decoder_step2_layout_matches_single_process(layout, reference, step2_single, de_corpus, de_tokenizer,
-                                                     tmp_path):
+def test_decoder_step2_layout_matches_single_process(layout, reference, de_corpus, de_tokenizer, tmp_path, request):
     """Only the vocabulary-indexed matrices train (tied: the embedding; untied: and the output
-    projection), and the ZeRO-2 optimizer state holds exactly them, split over the 2 ranks."""
+    projection), the losses and embeddings are the single process's (TP 2 and PP 2 scoring a
+    quarter of the positions, as it does), and the ZeRO-2 optimizer state holds exactly the
+    matrices, split over the 2 ranks."""
     tied, source = reference
     nproc, extra = LAYOUTS[layout]
-    run = _step2(source, de_corpus, de_tokenizer, tmp_path / layout, nproc, *extra)
-    ref, got = metrics(step2_single), metrics(run)
+    scored = layout in SCORED_LAYOUTS
+    single = request.getfixturevalue("step2_scored_single" if scored else "step2_single")
+    run = _step2(source, de_corpus, de_tokenizer, tmp_path / layout, nproc, *extra, *(SCORED if scored else ()))
+    ref, got = metrics(single), metrics(run)
     assert [r["step"] for r in got] == [1, 2, 3]
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
     tag = f"step{STEPS:08d}"
-    want, _, _ = read_artifact(step2_single / "embeddings" / tag)
+    want, _, want_meta = read_artifact(single / "embeddings" / tag)
     mine, _, meta = read_artifact(run / "embeddings" / tag)
+    assert meta.get("score_fraction") == want_meta.get("score_fraction") == (0.25 if scored else None)
+    assert meta["flops"] == want_meta["flops"]
     assert sorted(mine) == sorted(want) == (["word_embeddings"] if tied else ["output_layer", "word_embeddings"])
     for k in want:
         torch.testing.assert_close(mine[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
@@ -120,36 +141,3 @@ def test_decoder_step2_layout_matches_single_process(layout, reference, step2_si
             # one-element placeholder (no vector trains here).
             sizes = sorted(s["exp_avg"].numel() for s in state.values())
             assert sizes[-1] == VOCAB * 64 * len(trained) // 2 and sum(sizes[:-1]) <= 16, sizes
-
-
-# --- Step 2 scoring a quarter of the positions (TrainConfig.score_fraction) ------------------------------
-
-SCORED = ["--score_fraction", "0.25"]
-
-
-@pytest.fixture(scope="module")
-def step2_scored_single(reference, de_corpus, de_tokenizer, tmp_path_factory):
-    tied, source = reference
-    out = tmp_path_factory.mktemp(f"llama_step2_scored_{tied}")
-    return _step2(source, de_corpus, de_tokenizer, out, 1, *SINGLE, *SCORED)
-
-
-# TP 2: the scored rows through the vocabulary-parallel projection and cross-entropy; PP 2: the
-# last stage's scored positions from the host's queue (models/pipe.py).
-@pytest.mark.parametrize("reference, layout", [pytest.param(True, "tp2", id="tied-tp2"),
-                                               pytest.param(True, "pp2", id="tied-pp2")], indirect=["reference"])
-def test_decoder_step2_scoring_a_fraction_matches_single_process(layout, reference, step2_scored_single, de_corpus,
-                                                                 de_tokenizer, tmp_path):
-    """Each rank draws block g's scored positions from (seed, g) alone, so every layout scores the
-    same positions as one process and the losses and embeddings agree."""
-    _, source = reference
-    nproc, extra = LAYOUTS[layout]
-    run = _step2(source, de_corpus, de_tokenizer, tmp_path / layout, nproc, *extra, *SCORED)
-    ref, got = metrics(step2_scored_single), metrics(run)
-    assert [r["step"] for r in got] == [1, 2, 3]
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
-    tag = f"step{STEPS:08d}"
-    want, _, want_meta = read_artifact(step2_scored_single / "embeddings" / tag)
-    mine, _, meta = read_artifact(run / "embeddings" / tag)
-    assert meta["score_fraction"] == want_meta["score_fraction"] == 0.25 and meta["flops"] == want_meta["flops"]
-    torch.testing.assert_close(mine["word_embeddings"], want["word_embeddings"], rtol=1e-5, atol=1e-6)
