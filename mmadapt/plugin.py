@@ -147,6 +147,19 @@ def _source_bits(per_byte: ByteScorer, run: Path, primary: Primary, tok: Path, e
     data = source_text_data(run, primary)
     if data is None or not (read_manifest(data).get("valid")):
         return {}
+    return source_bits(per_byte, data, tok, emb, meta)
+
+
+def source_bits(per_byte: ByteScorer, data: Path, tok: Path, emb: dict, meta: dict) -> dict:
+    """The source-language text of the prepared dataset `data` (its validation split) in bits
+    per byte through the primary model: with its own tokenizer and embeddings
+    (`source_none_bpb`), with the expanded artifact (`emb`, its merged tokenizer `tok`:
+    `source_bpb`), and with the artifact read by the source's own tokenizer
+    (`source_own_tokenizer_bpb`). The last parts the source language's cost in two: its source
+    rows are the model's own (expand keeps them bit for bit), so it moves from `source_none_bpb`
+    only by the probability the new pieces' output rows take in the softmax; the rest, to
+    `source_bpb`, is where the merged tokenizer cuts source text with a new piece."""
     raw = per_byte.text(data)
     return {"source_bpb": per_byte.score(raw, tok, emb, meta)["bpb"],
+            "source_own_tokenizer_bpb": per_byte.score(raw, per_byte.own_tokenizer, emb, meta)["bpb"],
             "source_none_bpb": per_byte.none(raw), "source_bpb_text": str(data)}

@@ -312,7 +312,7 @@ def test_expand_flops_are_what_the_model_executes(family, tied):
 
 
 def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sources, de_corpus, de_tokenizer,
-                                                                                tmp_path):
+                                                                                english, tmp_path):
     """At its end an expand run scores the primary model on source text with its own vocabulary,
     and with its new pieces in the softmax at update 0 and at the end: the loss (it can only rise:
     they take probability mass from the source pieces; at update 0 by at most the start's
@@ -320,7 +320,9 @@ def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sou
     text (the text it is scored on here: the source has no validation split), by what the move
     left there, half of expand_source_nats) and the KL from the source model's distribution (the rise, to
     rounding); and, on target data with a validation split, the plug-in metric of its artifact
-    at both."""
+    at both. In bits per byte of held-out English (plugin.source_bits), read by the source's own
+    tokenizer through the expanded model, the text moves only by the new rows' share of the
+    softmax: at update 0 up, and by no more per piece than the start's bound."""
     CALIBRATED_NATS = TrainConfig.expand_source_nats / 2
     from mmadapt.config import PreprocessConfig
     from mmadapt.plugin import plugin_records
@@ -349,6 +351,21 @@ def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sou
     assert report["plugin_gain"] == pytest.approx(want["score"])
     assert report["plugin_gain_start"] == pytest.approx(want["start_gain"])
     assert report["plugin_loss"] == pytest.approx(want["loss"])
+
+    from mmadapt.bpb import ByteScorer
+    from mmadapt.heldout import Primary, Scorer
+    from mmadapt.plugin import source_bits
+
+    per_byte = ByteScorer(Scorer(Primary.read(source)), 32, 2048)
+    raw = per_byte.text(english)
+    emb, tok, meta = read_artifact(out / "embeddings" / "step00000000")
+    bits = source_bits(per_byte, english, tok, emb, meta)
+    own = per_byte.score(raw, per_byte.own_tokenizer)  # the source model as it is: no artifact
+    assert bits["source_none_bpb"] == pytest.approx(own["bpb"], rel=1e-9)
+    rise = (bits["source_own_tokenizer_bpb"] - own["bpb"]) * raw.bytes * math.log(2) / own["pieces"]  # nats per piece
+    assert 0 < rise <= record["new_mass_bound"]
+    merged = per_byte.score(raw, tok, emb, meta)
+    assert bits["source_bpb"] == merged["bpb"]
 
 
 def test_decoder_expand_scores_a_fraction_of_the_positions(sources, de_corpus, de_tokenizer, tmp_path):
