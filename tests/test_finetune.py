@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ADAPT, NO_DROPOUT, REPO, adapt_args, child_env, metrics, run_pretrain
+from conftest import NO_DROPOUT, REPO, adapt_args, child_env, metrics, run_pretrain
 from mmadapt.artifact import SAMPLED_KEY, read_artifact, write_artifact
 from mmadapt import faults
 from mmadapt.config import FinetuneConfig
@@ -169,16 +169,22 @@ def test_step3_layout_matches_single_process(layout, step3_single, primary_run, 
 
 
 @pytest.mark.slow
-def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, tmp_path):
+def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, tmp_path, capsys):
+    """Step 4 as a user launches it (launch/evaluate.py, a process of its own) over two Step-2
+    runs; the rest in this process (`mmadapt ...` through cli.main: each command's own process
+    would spend its seconds importing)."""
+    from mmadapt.cli import main
+
     out, *_ = step3
     adapt, baseline = tmp_path / "adapt", tmp_path / "adapt_bl_base"
     for system, run in (("minijoint", adapt), ("bl_base", baseline)):
-        run_pretrain(1, *adapt_args(system, primary_run, de_corpus, de_tokenizer, run, "--train_iters", "4",
-                                    "--save_interval", "2", "--log_interval", "2"), script=ADAPT)
+        assert main(["adapt", *adapt_args(system, primary_run, de_corpus, de_tokenizer, run, "--train_iters", "4",
+                                          "--save_interval", "2", "--log_interval", "2")]) == 0
     records_file = tmp_path / "records.json"
-    cmd = [sys.executable, EVALUATE, "--finetuned", str(out), "--embeddings", str(adapt), str(baseline),
-           "--eval_file", "bible", "--output", str(records_file)]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=300)
+    args = ["--finetuned", str(out), "--embeddings", str(adapt), str(baseline), "--eval_file", "bible", "--output",
+            str(records_file)]
+    proc = subprocess.run([sys.executable, EVALUATE, *args], cwd=REPO, capture_output=True, text=True,
+                          env=child_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = json.loads(records_file.read_text())
     # Full-model Step 2 over the MINIJOINT primary is its ceiling, named apart from a BL_BASE run.
@@ -201,10 +207,9 @@ def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, t
     assert (none["flops"], none["of"], none["tokenizer"]) == (0.0, ["minijoint", "minijoint:full"], str(ft.tokenizer))
     # Update 0: the same score as its artifact evaluated on its own (and no no-adaptation row then).
     start = tmp_path / "start.json"
-    alone = subprocess.run([*cmd[:5], str(adapt / "embeddings" / "step00000000"), "--eval_file", "bible",
-                            "--no_adaptation_baseline", "false", "--output", str(start)], cwd=REPO,
-                           capture_output=True, text=True, env=child_env(), timeout=300)
-    assert alone.returncode == 0, alone.stderr[-3000:]
+    capsys.readouterr()
+    assert main(["evaluate", "--finetuned", str(out), "--embeddings", str(adapt / "embeddings" / "step00000000"),
+                 "--eval_file", "bible", "--no_adaptation_baseline", "false", "--output", str(start)]) == 0
     [explicit] = json.loads(start.read_text())
     assert explicit["scores"] == records[0]["scores"] and explicit["step"] == 0
     # Printed: every record, then no adaptation and update 0 beside the last checkpoint, per language.
@@ -216,20 +221,19 @@ def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, t
     assert "## bible-genre: what adaptation bought" in proc.stdout and "- de: adaptation " in proc.stdout
     # The same command again must not overwrite the records.
     before = records_file.read_bytes()
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=300)
-    assert again.returncode != 0 and "already exists" in again.stderr and records_file.read_bytes() == before
-    report = [sys.executable, "-m", "mmadapt.cli", "report", str(records_file)]
-    no_base = subprocess.run(report, cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=120)
+    capsys.readouterr()
+    assert main(["evaluate", *args]) != 0
+    assert "already exists" in capsys.readouterr().err and records_file.read_bytes() == before
     # No BL_BASE: the report measures against the system with the most Step-2 compute, and says so.
-    assert no_base.returncode == 0 and no_base.stderr.strip().splitlines() == [
+    assert main(["report", str(records_file)]) == 0
+    assert capsys.readouterr().err.strip().splitlines() == [
         "baseline: minijoint:full (no bl_base in the records: the system with the most Step-2 compute; --baseline "
         "chooses another)"]
-    report = subprocess.run([*report, "--baseline", "minijoint:full"], cwd=REPO, capture_output=True, text=True,
-                            env=child_env(), timeout=120)
-    assert report.returncode == 0, report.stderr[-2000:]
-    assert "| minijoint |" in report.stdout and "| minijoint:full |" in report.stdout
-    assert "| 100.0% |" in report.stdout.split("| minijoint:full |")[1].splitlines()[0]  # the baseline's own row
-    assert "share of minijoint:full's gain" in report.stdout
+    assert main(["report", str(records_file), "--baseline", "minijoint:full"]) == 0
+    report = capsys.readouterr().out
+    assert "| minijoint |" in report and "| minijoint:full |" in report
+    assert "| 100.0% |" in report.split("| minijoint:full |")[1].splitlines()[0]  # the baseline's own row
+    assert "share of minijoint:full's gain" in report
 
     # The primary model is known by its weights' fingerprint, recorded by Step 2 and Step 3: a
     # byte-identical copy of the primary run is the same model, wherever it lives.
@@ -242,19 +246,18 @@ def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, t
     artifact = tmp_path / "moved"
     shutil.copytree(adapt / "embeddings" / "step00000004", artifact)
     (artifact / "meta.json").write_text(json.dumps({**meta, "source": str(other)}))
-    moved = subprocess.run([*cmd[:5], str(artifact), "--eval_file", "bible", "--output", str(tmp_path / "r1.json")],
-                           cwd=REPO, capture_output=True, text=True, env=child_env(), timeout=300)
-    assert moved.returncode == 0, moved.stderr[-3000:]
+    evaluate = ["evaluate", "--finetuned", str(out), "--eval_file", "bible", "--embeddings"]
+    assert main([*evaluate, str(artifact), "--output", str(tmp_path / "r1.json")]) == 0
     assert json.loads((tmp_path / "r1.json").read_text())[0]["score"] == pytest.approx(records[2]["score"])
     # Embeddings trained for another primary model (another fingerprint; or, for an artifact
     # written before fingerprints, another path) are refused, naming both.
     for name, changed in (("foreign", {"primary_fingerprint": "0" * 64}), ("old", {"primary_fingerprint": None})):
         shutil.copytree(artifact, tmp_path / name)
         (tmp_path / name / "meta.json").write_text(json.dumps({**meta, "source": str(other), **changed}))
-        bad = subprocess.run([*cmd[:5], str(tmp_path / name), "--eval_file", "bible", "--output",
-                              str(tmp_path / f"{name}.json")], cwd=REPO, capture_output=True, text=True,
-                             env=child_env(), timeout=300)
-        assert bad.returncode == 2 and f"holds embeddings for the primary model {other}" in bad.stderr, bad.stderr
+        capsys.readouterr()
+        assert main([*evaluate, str(tmp_path / name), "--output", str(tmp_path / f"{name}.json")]) == 2
+        err = capsys.readouterr().err
+        assert f"holds embeddings for the primary model {other}" in err, err
         assert not (tmp_path / f"{name}.json").exists()
 
 
