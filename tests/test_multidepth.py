@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, heads_by_hand, masked_batch, metrics,
-                      mlm_batches, run_pretrain)
+from conftest import (NO_DROPOUT, REPO, VOCAB, adapt_args, base_args, heads_by_hand, masked_batch, metrics,
+                      mlm_batches, pretrain_here, run_pretrain)
 from mmadapt import adapt as A
 from evaluation import step2_start
 from mmadapt.artifact import read_artifact, system_label
@@ -420,8 +420,8 @@ def test_three_head_loss_under_parallelism_matches_one_process(layout, three_hea
 def three_head_run(corpus, tokenizer, tmp_path_factory):
     """A 3-head MINIJOINT model (heads after 2, 4, 12) pretrained long enough to predict."""
     out = tmp_path_factory.mktemp("three_heads")
-    run_pretrain(1, *base_args(corpus, tokenizer, out, "--recipe", "minijoint", "--mini_layers", *map(str, DEPTHS),
-                               "--train_iters", "150", "--save_interval", "150", "--log_interval", "50"))
+    pretrain_here(*base_args(corpus, tokenizer, out, "--recipe", "minijoint", "--mini_layers", *map(str, DEPTHS),
+                             "--train_iters", "150", "--save_interval", "150", "--log_interval", "50"))
     return out
 
 
@@ -445,7 +445,11 @@ def test_extracted_mini_models_of_a_trained_run_give_their_heads_losses(three_he
 
 
 @pytest.mark.slow
-def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path):
+def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
+    """launch/sweep.py as a user launches it; then, in this process (cli.main: no fresh
+    interpreter's imports), the same sweep again and on other sizes."""
+    from mmadapt.cli import main
+
     out = tmp_path / "sweep"
     args = ["--source", str(three_head_run), "--lang", "de", "--corpus", str(de_corpus), "--valid_fraction", "0.1",
             "--output_dir", str(out), "--train_iters", "6", "--save_interval", "3", "--log_interval", "3",
@@ -475,14 +479,18 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path):
     assert {r["bpb_bytes"] for r in records} == {records[0]["bpb_bytes"]} and 256 <= records[0]["bpb_bytes"] < 512
     # Run again: every depth is finished, nothing is retrained or scored again, the same records come back.
     before = (out / "2" / "metrics.jsonl").read_text()
-    again = run_pretrain(1, *args, script=SWEEP)
-    assert "plug-in metric" not in again.stdout + again.stderr  # its progress line: nothing was scored
+    capsys.readouterr()
+    assert main(["sweep", *args]) == 0
+    said = capsys.readouterr()
+    assert "cheapest depth reaching 95% of" in said.out
+    assert "plug-in metric" not in said.out + said.err  # its progress line: nothing was scored
     assert (out / "2" / "metrics.jsonl").read_text() == before
     again = json.loads((out / "sweep.json").read_text())["records"]
     assert again == records
     # Other sizes score the same checkpoints again, still training nothing.
-    wider = run_pretrain(1, *args[:-1], "512", script=SWEEP)
-    assert "plug-in metric" in wider.stdout + wider.stderr and (out / "2" / "metrics.jsonl").read_text() == before
+    assert main(["sweep", *args[:-1], "512"]) == 0
+    said = capsys.readouterr()
+    assert "plug-in metric" in said.out + said.err and (out / "2" / "metrics.jsonl").read_text() == before
     rescored = json.loads((out / "sweep.json").read_text())["records"]
     assert [r["score"] for r in rescored] == [r["score"] for r in records]  # the plug-in metric: the same blocks
     assert all(r["bpb_bytes"] > records[0]["bpb_bytes"] for r in rescored)
@@ -496,8 +504,8 @@ def test_step2_cli_over_a_chosen_depth(three_head_run, de_corpus, de_tokenizer, 
     assert main(["adapt", *adapt_args("minijoint", three_head_run, de_corpus, de_tokenizer, tmp_path / "none")]) == 2
     assert "mini-models after layers 2, 4: choose one with --mini_layers" in capsys.readouterr().err
     run = tmp_path / "at2"
-    run_pretrain(1, *adapt_args("minijoint", three_head_run, de_corpus, de_tokenizer, run, "--mini_layers", "2",
-                                "--train_iters", "2", "--save_interval", "2", "--log_interval", "1"), script=ADAPT)
+    assert main(["adapt", *adapt_args("minijoint", three_head_run, de_corpus, de_tokenizer, run, "--mini_layers", "2",
+                                      "--train_iters", "2", "--save_interval", "2", "--log_interval", "1")]) == 0
     tensors, _, meta = read_artifact(run / "embeddings" / "step00000002")
     assert meta["mini_layers"] == 2 and system_label(meta) == "minijoint@2"
     assert tensors["word_embeddings"].shape == (VOCAB, 64)
