@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ADAPT, MINIPOST, NO_DROPOUT, REPO, VOCAB, adapt_args, metrics, mlm_batches, run_pretrain
+from conftest import ADAPT, NO_DROPOUT, REPO, VOCAB, adapt_args, metrics, mlm_batches, run_pretrain
 from mmadapt import adapt as A
 from mmadapt.artifact import read_artifact
 from mmadapt.config import ModelConfig, PreprocessConfig, TrainConfig
@@ -384,9 +384,11 @@ N, K = 4, 2  # the paper's MINIPOST: bottom 4 layers + 2 new ones
 
 @pytest.fixture(scope="module")
 def minipost_run(primary_run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("minipost")
-    run_pretrain(1, "--primary", str(primary_run), "--output_dir", str(out), "--train_iters", "20",
-                 "--save_interval", "20", "--log_interval", "10", script=MINIPOST)
+    from mmadapt.cli import main
+
+    out = tmp_path_factory.mktemp("minipost")  # in this process: a fresh interpreter's imports cost seconds
+    assert main(["build_minipost", "--primary", str(primary_run), "--output_dir", str(out), "--train_iters", "20",
+                 "--save_interval", "20", "--log_interval", "10"]) == 0
     return out
 
 
@@ -435,9 +437,11 @@ def test_minipost_new_layers_learn(primary_run, de_data):
 
 @pytest.mark.slow
 def test_step2_over_the_minipost_mini_model(minipost_run, de_corpus, de_tokenizer, tmp_path):
+    from mmadapt.cli import main
+
     run = tmp_path / "adapt"
-    run_pretrain(1, *adapt_args("minipost", minipost_run, de_corpus, de_tokenizer, run, "--train_iters", "2",
-                                "--save_interval", "1", "--log_interval", "1"), script=ADAPT)
+    assert main(["adapt", *adapt_args("minipost", minipost_run, de_corpus, de_tokenizer, run, "--train_iters", "2",
+                                      "--save_interval", "1", "--log_interval", "1")]) == 0
     tensors, _, meta = read_artifact(run / "embeddings" / "step00000002")
     # The depth it was trained over, and the mini-model's N and K.
     assert (meta["body_layers"], meta["mini_layers"], meta["new_layers"]) == (N + K, N, K)
