@@ -113,17 +113,21 @@ def claim(ext: Extend) -> bool:
     """The output directory is this extension's: new or empty (its record is written: -> True), or
     holding the record of the same extension (continued: -> False). Anything else is refused in
     one line, nothing written."""
-    out, mine = ext.output_dir, json.loads(json.dumps(dataclasses.asdict(ext), default=str))
+    def as_recorded(fields: dict) -> dict:  # as extend.json holds them (paths as text)
+        return json.loads(json.dumps(fields, default=str))
+
+    out, mine = ext.output_dir, as_recorded(dataclasses.asdict(ext))
     record = out / RECORD
     if record.is_file():
         theirs = checkpoint.read_json(record, "extend record")
-        # a field the record predates was its default then
-        defaults = {f.name: f.default for f in dataclasses.fields(ext)}
-        changed = sorted(k for k in mine if k not in REPORT_ONLY and theirs.get(k, defaults[k]) != mine[k])
+        # a field the record predates was its default then, compared as recorded
+        defaults = as_recorded({f.name: f.default for f in dataclasses.fields(ext)
+                                if f.default is not dataclasses.MISSING})
+        changed = sorted(k for k in mine if k not in REPORT_ONLY and theirs.get(k, defaults.get(k)) != mine[k])
         if changed:
             name = changed[0]
             raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {name} "
-                             f"{theirs.get(name, defaults[name])!r}, not {mine[name]!r}: continue it with the same "
+                             f"{theirs.get(name, defaults.get(name))!r}, not {mine[name]!r}: continue it with the same "
                              "arguments, or choose a new --output_dir")
         return False
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

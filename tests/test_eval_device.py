@@ -234,7 +234,7 @@ def adapt_run(primary_run, de_tokenizer, tmp_path_factory):
     return _adapt_run(tmp_path_factory.mktemp("adapt"), primary_run, de_tokenizer, {2: 1000, 4: 1200})
 
 
-@pytest.mark.slow  # Step 4 over whole evaluation sets, several artifacts and seeds
+@pytest.mark.slow  # Step 4 over evaluation sets, several artifacts and seeds
 def test_records_equal_the_straightforward_paths(seeds, adapt_run):
     records = F.evaluate_artifacts(seeds, [adapt_run], "bible", eval_batch_tokens=700)
     assert [(r.get("step"), r["metric"]) for r in records] == [(2, "accuracy"), (4, "accuracy"), (None, "accuracy")]
@@ -257,7 +257,7 @@ def test_records_equal_the_straightforward_paths(seeds, adapt_run):
                                               abs=1e-9)
 
 
-@pytest.mark.slow  # Step 4 over whole evaluation sets, several artifacts and seeds
+@pytest.mark.slow  # Step 4 over evaluation sets, several artifacts and seeds
 def test_each_evaluation_set_is_encoded_once_per_tokenizer(seeds, adapt_run, primary_run, tokenizer, tmp_path,
                                                            monkeypatch):
     """2 seeds x 5 artifacts: 4 of the German tokenizer (copies of one file), 1 of the primary's
@@ -284,7 +284,7 @@ def test_each_evaluation_set_is_encoded_once_per_tokenizer(seeds, adapt_run, pri
     assert records[3]["scores"] == records[0]["scores"]  # the same artifact again, the same model state
 
 
-@pytest.mark.slow  # Step 4 over whole evaluation sets, several artifacts and seeds
+@pytest.mark.slow  # Step 4 over evaluation sets, several artifacts and seeds
 def test_a_run_recorded_with_eval_batch_size_still_evaluates(seeds, adapt_run, tmp_path):
     """run.json written before eval_batch_tokens replaced eval_batch_size: the field it lacks
     takes its default, the one that no longer exists is dropped."""
