@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mmadapt import parallel, steps
+from mmadapt import faults, parallel, steps
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import staged_dir, write_weights_only
 from mmadapt.config import (OUTPUT_BIAS_INITS, RECIPES, SYSTEMS, Checked, FinetuneConfig, MiniModelConfig, ModelConfig,
@@ -221,11 +221,14 @@ class Job:
     log: str
 
 
-def _worker_init(threads: int) -> None:
-    """A demo worker: a world of one of its own (not the parent's rendezvous), `threads` threads."""
+def _worker_init(threads: int, parent: int) -> None:
+    """A demo worker: a world of one of its own (not the parent's rendezvous), `threads` threads,
+    stopped when the demo's process (`parent`) exits (faults.stop_with_parent): a demo killed
+    alone, or dead, leaves no run training."""
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     torch.set_num_threads(threads)
+    faults.stop_with_parent(parent)
 
 
 def _run_job(demo: "Demo", job: Job) -> float:
@@ -406,7 +409,8 @@ class Demo:
         print(f"\n{len(jobs)} runs, {n} at a time, each in a process of its own at {threads} torch thread"
               f"{'s' if threads > 1 else ''} (their output: {self.root / 'logs'})", flush=True)
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(n, mp_context=context, initializer=_worker_init, initargs=(threads,)) as pool, \
+        with ProcessPoolExecutor(n, mp_context=context, initializer=_worker_init,
+                                 initargs=(threads, os.getpid())) as pool, \
                 tqdm(total=len(jobs), desc="runs", unit="run", mininterval=1.0, leave=False) as bar:
             running = {pool.submit(_run_job, self, job): job for job in sorted(jobs, key=lambda j: -j.cost)}
             pending = set(running)

@@ -82,6 +82,22 @@ def _gone(proc) -> bool:
         return True
 
 
+def stop_with_parent(parent: int) -> None:
+    """Have this process sent SIGTERM when its parent (pid `parent`) exits, however it exits
+    (SIGKILL too), so that a worker process stops as a launched rank does when its launcher
+    goes (StopRequest: inside a training loop, a checkpoint at the current update; outside one,
+    at once) instead of training on for no one. Linux (prctl PR_SET_PDEATHSIG); elsewhere
+    nothing is set."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != parent:  # it exited before the signal was set
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 STOP_FILE = "STOP"
 
 

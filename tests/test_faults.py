@@ -186,3 +186,57 @@ def test_exit_interval_pauses_with_its_own_exception_and_a_finished_run_does_not
     # The last update falling on a multiple of the interval is a finished run.
     rows = _loop(tmp_path / "b", FakeEngine(), lambda position: torch.tensor([1.0]), total=8, exit_interval=8)
     assert rows[-1]["step"] == 8 and faults.EXIT_PAUSED == 76
+
+
+_ORPHAN_SCRIPT = '''
+import multiprocessing, os, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from mmadapt import demo, faults
+
+class Sleeper:
+    """A demo job that trains nothing: it waits, as a training loop does, for a stop request."""
+    def nap(self, path):
+        with faults.StopRequest() as stop:
+            open(path, "w").write(str(os.getpid()))
+            while stop.reason is None:
+                time.sleep(0.05)
+        open(path + ".stopped", "w").write(stop.reason)
+
+if __name__ == "__main__":
+    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=demo._worker_init,
+                               initargs=(1, os.getpid()))
+    pool.submit(demo._run_job, Sleeper(), demo.Job("nap", "nap", (sys.argv[1],), 1, sys.argv[1] + ".log"))
+    time.sleep(600)
+'''
+
+
+def test_a_demo_worker_stops_and_exits_when_the_demo_is_killed(tmp_path):
+    """`mmadapt demo` trains its runs in worker processes: killed alone (SIGKILL: nothing of it
+    runs after), it leaves no worker training for no one. The worker's run gets SIGTERM as from
+    a launcher (a graceful stop: StopRequest says so), and the worker then exits."""
+    import psutil
+
+    script, mark = tmp_path / "orphan.py", tmp_path / "worker"
+    script.write_text(_ORPHAN_SCRIPT)
+    demo = subprocess.Popen([sys.executable, str(script), str(mark)], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        deadline = time.monotonic() + 120
+        while not (mark.is_file() and mark.read_text()) and time.monotonic() < deadline:
+            assert demo.poll() is None, "the stand-in demo exited before its worker started"
+            time.sleep(0.1)
+        worker = psutil.Process(int(mark.read_text()))
+        demo.kill()
+        demo.wait()
+        deadline = time.monotonic() + 30
+        while not faults._gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert faults._gone(worker), "the worker outlived the demo by 30 s"
+        assert (tmp_path / "worker.stopped").read_text() == "SIGTERM"
+    finally:  # nothing left running, whatever failed
+        demo.kill()
+        if mark.is_file() and mark.read_text():
+            try:
+                psutil.Process(int(mark.read_text())).kill()
+            except psutil.Error:
+                pass
