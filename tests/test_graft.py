@@ -96,6 +96,20 @@ def test_a_graft_exports_what_mmadapt_computes_and_expand_keeps_the_siblings_row
                            sib.get_output_embeddings().weight.detach()[:rows])
         assert torch.equal(own["word_embeddings.word_embeddings.weight"], state["word_embeddings.word_embeddings.weight"][
             :own["word_embeddings.word_embeddings.weight"].shape[0]])
+        # English in the sibling's own ids: the graft's logits over the sibling's rows are the
+        # sibling's, so its English predictions with the new pieces left out are the sibling's,
+        # and its loss at each position rises by exactly -log(1 - the new pieces' share) there
+        ids = to_hf[torch.tensor([load(read_source(sibling).tokenizer).encode("In the beginning God created the "
+                                                                                "heaven and the earth.")])]
+        with torch.no_grad():
+            graft_logits, own_logits = hf(input_ids=ids).logits[0], sib(input_ids=ids).logits[0]
+        assert (graft_logits[:, :rows] - own_logits).abs().max().item() <= 1e-5
+        share = torch.softmax(graft_logits.double(), -1)[:, rows:].sum(-1)
+        next_ids = ids[0, 1:]
+        rise = (torch.log_softmax(own_logits.double(), -1) - torch.log_softmax(graft_logits.double(), -1)[:, :rows]
+                )[:-1].gather(1, next_ids[:, None])[:, 0]
+        assert (share > 0).all()
+        torch.testing.assert_close(rise, -torch.log1p(-share[:-1]), rtol=0, atol=1e-6)
 
 
 def test_evaluate_scores_the_graft_in_bits_per_byte_beside_the_siblings_own(graft_runs, de_corpus, de_tokenizer,
