@@ -1,0 +1,159 @@
+"""What it would cost German to keep English where it was: the expanded graft of
+benchmarks/graft.py, its two parts of English's move taken away after training, one at a time.
+
+An expanded vocabulary moves the source language by two things only (plugin.source_bits): the
+new pieces' share of the softmax, and the merged tokenizer cutting source words with a new piece.
+Neither can be 0 at no cost to the target:
+
+    share   at a source position the loss rises by exactly -log(1 - s), s the new pieces' share
+            there, and s = 0 only for new rows that score -infinity: pieces never predicted.
+            After Step 2 the only free parameters of a tied decoder without an output bias are
+            the new rows themselves (input and output side at once). Here they are moved by one
+            shared vector, the nearest (least norm) that brings the mean rise on the English
+            replay text's training split down to a fraction of what Step 2 left (expand.output_shift,
+            the bounded start's own calibration, applied to the trained rows), and German and
+            English are scored again.
+    cuts    the merged tokenizer reads English as the source's does when none of its new pieces
+            wins a segmentation of English (a unigram model keeps the source's ids where the best
+            path uses no new piece: expand.py). The pieces that do win on the English corpus are
+            counted, with their share of German's pieces: what dropping them (and retraining)
+            would take from German's vocabulary.
+
+Reads the finished runs of `python benchmarks/graft.py --output_dir DIR --modes expand` (run it
+first); scores through the sibling, the last artifact of the graft route.
+
+    python benchmarks/graft_english.py --output_dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+import torch
+
+from common import table, write_results  # (importing common puts mmadapt on the path)
+
+from mmadapt.artifact import artifact_dirs, read_artifact
+from mmadapt.bpb import BPB_BYTES, ByteScorer
+from mmadapt.data import TEXT, read_manifest
+from mmadapt.expand import SourceProbe, output_shift
+from mmadapt.heldout import Primary, Scorer, Text
+from mmadapt.parallel import init_parallel
+from mmadapt.tokenizer import load
+
+SEQ_LENGTH, LANG = 32, "de"  # graft.py's (the demo's llama-tiny)
+
+
+def shifted(emb: dict, rows: slice, delta: torch.Tensor) -> dict:
+    """The artifact's tensors with every new row moved by `delta` [h] (tied: in and out)."""
+    w = emb["word_embeddings"].clone()
+    w[rows] += delta.to(w.dtype)
+    return {**emb, "word_embeddings": w}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--output_dir", type=Path, required=True, help="graft.py's --output_dir, its expand runs finished")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25, 0.1],
+                    help="the share's rise left, as a fraction of what Step 2 left on the English training text")
+    args = ap.parse_args()
+    init_parallel(1, 1)
+    root = args.output_dir
+    art = artifact_dirs([root / "adapt" / "graft-expand"])[-1]
+    english, german = root / "data" / "en", root / "data" / f"{LANG}-expand-graft"
+    emb, tok, meta = read_artifact(art)
+    scorer = Scorer(Primary.read(root / "sibling"))
+    per_byte = ByteScorer(scorer, SEQ_LENGTH, BPB_BYTES)
+    raw_de, raw_en = per_byte.text(german), per_byte.text(english)
+    n = meta["source_vocab_size"]
+    new = slice(n, emb["word_embeddings"].shape[0])
+
+    def scores(e: dict) -> dict:
+        return {"german_bpb": per_byte.score(raw_de, tok, e, meta)["bpb"],
+                "english_bpb": per_byte.score(raw_en, tok, e, meta)["bpb"],
+                "english_own_tokenizer_bpb": per_byte.score(raw_en, per_byte.own_tokenizer, e, meta)["bpb"]}
+
+    # The share: the head's normed outputs at the English training text's scored positions.
+    y, lse = (t.cpu().double() for t in SourceProbe(scorer, Text(english, SEQ_LENGTH, split=TEXT)).head_outputs())
+    a = torch.logsumexp(y @ emb["word_embeddings"][new].double().T, 1)  # [m]: the new rows' logsumexp
+    trained = float(torch.nn.functional.softplus(a - lse).mean())  # mean log(1 + share / (1 - share))
+    none = per_byte.none(raw_en)
+    rows = [{"rows": "as Step 2 left them", "fraction": 1.0, "rise_nats": trained, "shift_norm": 0.0, **scores(emb)}]
+    row_norm = float(emb["word_embeddings"][new].float().norm(dim=1).mean())
+    for f in args.fractions:
+        # With the new rows' logsumexp a_i folded into the base, moving every row by delta is
+        # output_shift's one row moved from 0: rise_i = log(1 + exp(a_i + y_i . delta - lse_i)).
+        delta, rise = output_shift(y, lse - a, torch.zeros(y.shape[1]), 1, f * trained)
+        rows.append({"rows": f"moved to {f:g} of its rise", "fraction": f, "rise_nats": rise,
+                     "shift_norm": float(delta.norm()), **scores(shifted(emb, new, delta))})
+    for r in rows:
+        r["german_cost"] = r["german_bpb"] - rows[0]["german_bpb"]
+        r["english_move"] = r["english_bpb"] - none
+        r["english_share_part"] = r["english_own_tokenizer_bpb"] - none
+
+    # The cuts: the merged tokenizer's new pieces on the English corpus, and German's use of them.
+    merged = load(tok)
+    corpus = {lang: Path(read_manifest(d)["corpus"]).read_text(encoding="utf-8").splitlines()
+              for lang, d in (("en", english), (LANG, german))}
+    cutting, lines_cut = collections.Counter(), 0
+    for line in corpus["en"]:
+        used = [i for i in merged.encode(line) if i >= n]
+        lines_cut += bool(used)
+        cutting.update(used)
+    de_pieces = de_new = de_cutting = 0
+    for line in corpus[LANG]:
+        ids = merged.encode(line)
+        de_pieces += len(ids)
+        de_new += sum(i >= n for i in ids)
+        de_cutting += sum(i in cutting for i in ids)
+    cuts = {"new_pieces": new.stop - n, "cutting_pieces": len(cutting), "english_lines": len(corpus["en"]),
+            "english_lines_cut": lines_cut, "english_uses": sum(cutting.values()),
+            "most_used": [(merged.id_to_piece(i), c) for i, c in cutting.most_common(12)],
+            "german_pieces": de_pieces, "german_new_piece_uses": de_new, "german_uses_of_cutting": de_cutting}
+    write_results("graft_english", {"artifact": str(art), "english_none_bpb": none, "row_norm": row_norm,
+                                    "shift": rows, "cuts": cuts}, markdown(rows, cuts, none, row_norm, art))
+
+
+def markdown(rows: list[dict], cuts: dict, none: float, row_norm: float, art: Path) -> str:
+    base = rows[0]
+    shown = [{**r, **{k: f"{r[k]:.4f}" for k in ("german_bpb", "english_bpb", "english_own_tokenizer_bpb")},
+              **{k: f"{r[k]:+.4f}" for k in ("german_cost", "english_move")}} for r in rows]
+    out = ["# What keeping English where it was would cost German: the expanded graft, llama-tiny", "",
+           "`python benchmarks/graft_english.py --output_dir <graft.py's>`, after `python benchmarks/graft.py "
+           "--modes expand` (its runs as in graft_cpu2_20261129); 2 CPU cores. Through the sibling, the graft "
+           f"route's last artifact ({art.name}). Bits per byte of the same held-out text as graft.py: German "
+           f"(lower is better), English (the sibling with its own vocabulary: {none:.4f}).", "",
+           "## The new pieces' share of English's softmax", "",
+           "The new rows (tied: input and output side) moved by one shared vector, the least that brings the mean "
+           "rise of English's loss on the replay text's training split to a fraction of what Step 2 left "
+           f"(expand.output_shift; the rows' mean norm is {row_norm:.3f}). `English, own tokenizer`: the share's "
+           "part alone.", "",
+           table(shown, [("rows", "new rows"), ("rise_nats", "rise on English training text (nats/piece)"),
+                        ("shift_norm", "shift norm"), ("german_bpb", "German bpb"), ("german_cost", "German cost"),
+                        ("english_bpb", "English bpb"), ("english_move", "English move from the sibling's"),
+                        ("english_own_tokenizer_bpb", "English, own tokenizer")]), ""]
+    half = next((r for r in rows[1:] if r["fraction"] == 0.5), None)
+    if half:
+        out.append(f"- Halving the share's rise takes English from {base['english_bpb']:.4f} to "
+                   f"{half['english_bpb']:.4f} bits per byte ({half['english_bpb'] - base['english_bpb']:+.4f}) "
+                   f"and German from {base['german_bpb']:.4f} to {half['german_bpb']:.4f} "
+                   f"({half['german_cost']:+.4f}): {abs(half['german_cost'] / (half['english_bpb'] - base['english_bpb'])):.0f} "
+                   "bits of German per bit of English.")
+    out += ["", "## The merged tokenizer's cuts", "",
+            f"Of the {cuts['new_pieces']} new pieces, {cuts['cutting_pieces']} win a segmentation somewhere in the "
+            f"English corpus ({cuts['english_lines_cut']:,} of {cuts['english_lines']:,} lines, "
+            f"{cuts['english_uses']:,} uses; most: "
+            + ", ".join(f"`{p}` {c}" for p, c in cuts["most_used"]) + "). "
+            f"In German they are {cuts['german_uses_of_cutting']:,} of the {cuts['german_new_piece_uses']:,} uses of "
+            f"new pieces ({100 * cuts['german_uses_of_cutting'] / cuts['german_new_piece_uses']:.0f}%) and "
+            f"{100 * cuts['german_uses_of_cutting'] / cuts['german_pieces']:.1f}% of the German corpus's "
+            f"{cuts['german_pieces']:,} pieces: a merged tokenizer that reads English as the source's does would "
+            "go without them."]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()
