@@ -221,23 +221,47 @@ class Job:
     log: str
 
 
+_DEMO: int | None = None  # in a worker: the demo's process id
+
+
 def _worker_init(threads: int, parent: int) -> None:
     """A demo worker: a world of one of its own (not the parent's rendezvous), `threads` threads,
-    stopped when the demo's process (`parent`) exits (faults.stop_with_parent): a demo killed
-    alone, or dead, leaves no run training."""
+    stopped when the demo's process (`parent`) exits (faults.stop_with_parent; _run_job): a demo
+    killed alone, or dead, leaves no run training."""
+    global _DEMO
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     torch.set_num_threads(threads)
+    _DEMO = parent
     faults.stop_with_parent(parent)
+
+
+def _exit_if_orphaned(wait: float = 0.0) -> None:
+    """Exit a worker whose demo is gone, waiting up to `wait` seconds for one that is going: the
+    pool has already handed the worker its next queued jobs, which it would train for no one,
+    with no signal left to stop them (the kernel sends one, as the demo's thread that started
+    the worker exits: before the demo is gone)."""
+    deadline = time.monotonic() + wait
+    while _DEMO is not None:
+        if os.getppid() != _DEMO:
+            os._exit(faults.EXIT_STOPPED)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
 
 
 def _run_job(demo: "Demo", job: Job) -> float:
     """Run `job` in a worker, its output into job.log. -> its seconds."""
+    _exit_if_orphaned()
     t0 = time.perf_counter()
     Path(job.log).parent.mkdir(parents=True, exist_ok=True)
-    with open(job.log, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        parallel.init_parallel(1, 1)
-        getattr(demo, job.method)(*job.args)
+    try:
+        with open(job.log, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            parallel.init_parallel(1, 1)
+            getattr(demo, job.method)(*job.args)
+    except faults.Stopped:  # by a signal, which the demo's exit sends (a checkpoint is saved)
+        _exit_if_orphaned(wait=5.0)
+        raise  # stopped otherwise: the demo stops on it, as on any run's error
     return time.perf_counter() - t0
 
 

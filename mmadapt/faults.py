@@ -17,6 +17,7 @@ Exit statuses of every mmadapt command:
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -87,13 +88,14 @@ def stop_with_parent(parent: int) -> None:
     (SIGKILL too), so that a worker process stops as a launched rank does when its launcher
     goes (StopRequest: inside a training loop, a checkpoint at the current update; outside one,
     at once) instead of training on for no one. Linux (prctl PR_SET_PDEATHSIG); elsewhere
-    nothing is set."""
+    nothing is set. The kernel's "parent" is the thread that started this process: start
+    workers from a thread that lives as long as the parent (a pool's submit from the main
+    thread, spawn context; a forkserver would be the parent instead)."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != parent:  # it exited before the signal was set
         os.kill(os.getpid(), signal.SIGTERM)
 

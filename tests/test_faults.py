@@ -194,18 +194,21 @@ from concurrent.futures import ProcessPoolExecutor
 from mmadapt import demo, faults
 
 class Sleeper:
-    """A demo job that trains nothing: it waits, as a training loop does, for a stop request."""
+    """A demo job that trains nothing: it waits, as a training loop does, for a stop request,
+    and stops as one does (faults.Stopped)."""
     def nap(self, path):
         with faults.StopRequest() as stop:
             open(path, "w").write(str(os.getpid()))
             while stop.reason is None:
                 time.sleep(0.05)
         open(path + ".stopped", "w").write(stop.reason)
+        raise faults.Stopped(0, "step00000000", stop.reason)
 
 if __name__ == "__main__":
     pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=demo._worker_init,
                                initargs=(1, os.getpid()))
-    pool.submit(demo._run_job, Sleeper(), demo.Job("nap", "nap", (sys.argv[1],), 1, sys.argv[1] + ".log"))
+    for path in (sys.argv[1], sys.argv[1] + "-next"):  # the second waits in the pool's queue
+        pool.submit(demo._run_job, Sleeper(), demo.Job("nap", "nap", (path,), 1, path + ".log"))
     time.sleep(600)
 '''
 
@@ -213,7 +216,8 @@ if __name__ == "__main__":
 def test_a_demo_worker_stops_and_exits_when_the_demo_is_killed(tmp_path):
     """`mmadapt demo` trains its runs in worker processes: killed alone (SIGKILL: nothing of it
     runs after), it leaves no worker training for no one. The worker's run gets SIGTERM as from
-    a launcher (a graceful stop: StopRequest says so), and the worker then exits."""
+    a launcher (a graceful stop: StopRequest says so), and the worker then exits, not taking the
+    next job the pool had queued for it."""
     import psutil
 
     script, mark = tmp_path / "orphan.py", tmp_path / "worker"
@@ -233,6 +237,7 @@ def test_a_demo_worker_stops_and_exits_when_the_demo_is_killed(tmp_path):
             time.sleep(0.1)
         assert faults._gone(worker), "the worker outlived the demo by 30 s"
         assert (tmp_path / "worker.stopped").read_text() == "SIGTERM"
+        assert not (tmp_path / "worker-next").exists(), "the orphaned worker started the next queued job"
     finally:  # nothing left running, whatever failed
         demo.kill()
         if mark.is_file() and mark.read_text():
