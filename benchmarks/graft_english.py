@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 from pathlib import Path
 
 import torch
@@ -42,15 +41,16 @@ from mmadapt.data import TEXT, read_manifest
 from mmadapt.expand import SourceProbe, output_shift
 from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.parallel import init_parallel
+from mmadapt.plugin import source_bits
 from mmadapt.tokenizer import load
 
 SEQ_LENGTH, LANG = 32, "de"  # graft.py's (the demo's llama-tiny)
 
 
-def shifted(emb: dict, rows: slice, delta: torch.Tensor) -> dict:
+def shifted(emb: dict, new: slice, delta: torch.Tensor) -> dict:
     """The artifact's tensors with every new row moved by `delta` [h] (tied: in and out)."""
     w = emb["word_embeddings"].clone()
-    w[rows] += delta.to(w.dtype)
+    w[new] += delta.to(w.dtype)
     return {**emb, "word_embeddings": w}
 
 
@@ -63,41 +63,41 @@ def main() -> None:
     init_parallel(1, 1)
     root = args.output_dir
     art = artifact_dirs([root / "adapt" / "graft-expand"])[-1]
-    english, german = root / "data" / "en", root / "data" / f"{LANG}-expand-graft"
+    english_data, german = root / "data" / "en", root / "data" / f"{LANG}-expand-graft"
     emb, tok, meta = read_artifact(art)
     scorer = Scorer(Primary.read(root / "sibling"))
     per_byte = ByteScorer(scorer, SEQ_LENGTH, BPB_BYTES)
-    raw_de, raw_en = per_byte.text(german), per_byte.text(english)
+    raw_de = per_byte.text(german)
     n = meta["source_vocab_size"]
     new = slice(n, emb["word_embeddings"].shape[0])
 
     def scores(e: dict) -> dict:
-        return {"german_bpb": per_byte.score(raw_de, tok, e, meta)["bpb"],
-                "english_bpb": per_byte.score(raw_en, tok, e, meta)["bpb"],
-                "english_own_tokenizer_bpb": per_byte.score(raw_en, per_byte.own_tokenizer, e, meta)["bpb"]}
+        english = source_bits(per_byte, english_data, tok, e, meta)
+        return {"german_bpb": per_byte.score(raw_de, tok, e, meta)["bpb"], "english_bpb": english["source_bpb"],
+                "english_own_tokenizer_bpb": english["source_own_tokenizer_bpb"]}
 
     # The share: the head's normed outputs at the English training text's scored positions.
-    y, lse = (t.cpu().double() for t in SourceProbe(scorer, Text(english, SEQ_LENGTH, split=TEXT)).head_outputs())
+    y, lse = (t.cpu().double() for t in SourceProbe(scorer, Text(english_data, SEQ_LENGTH, split=TEXT)).head_outputs())
     a = torch.logsumexp(y @ emb["word_embeddings"][new].double().T, 1)  # [m]: the new rows' logsumexp
     trained = float(torch.nn.functional.softplus(a - lse).mean())  # mean log(1 + share / (1 - share))
-    none = per_byte.none(raw_en)
-    rows = [{"rows": "as Step 2 left them", "fraction": 1.0, "rise_nats": trained, "shift_norm": 0.0, **scores(emb)}]
+    english_none = per_byte.none(per_byte.text(english_data))  # the sibling with its own vocabulary
+    results = [{"rows": "as Step 2 left them", "fraction": 1.0, "rise_nats": trained, "shift_norm": 0.0, **scores(emb)}]
     row_norm = float(emb["word_embeddings"][new].float().norm(dim=1).mean())
     for f in args.fractions:
         # With the new rows' logsumexp a_i folded into the base, moving every row by delta is
         # output_shift's one row moved from 0: rise_i = log(1 + exp(a_i + y_i . delta - lse_i)).
         delta, rise = output_shift(y, lse - a, torch.zeros(y.shape[1]), 1, f * trained)
-        rows.append({"rows": f"moved to {f:g} of its rise", "fraction": f, "rise_nats": rise,
+        results.append({"rows": f"moved to {f:g} of its rise", "fraction": f, "rise_nats": rise,
                      "shift_norm": float(delta.norm()), **scores(shifted(emb, new, delta))})
-    for r in rows:
-        r["german_cost"] = r["german_bpb"] - rows[0]["german_bpb"]
-        r["english_move"] = r["english_bpb"] - none
-        r["english_share_part"] = r["english_own_tokenizer_bpb"] - none
+    for r in results:
+        r["german_cost"] = r["german_bpb"] - results[0]["german_bpb"]
+        r["english_move"] = r["english_bpb"] - english_none
+        r["english_share_part"] = r["english_own_tokenizer_bpb"] - english_none
 
     # The cuts: the merged tokenizer's new pieces on the English corpus, and German's use of them.
     merged = load(tok)
     corpus = {lang: Path(read_manifest(d)["corpus"]).read_text(encoding="utf-8").splitlines()
-              for lang, d in (("en", english), (LANG, german))}
+              for lang, d in (("en", english_data), (LANG, german))}
     cutting, lines_cut = collections.Counter(), 0
     for line in corpus["en"]:
         used = [i for i in merged.encode(line) if i >= n]
@@ -113,19 +113,19 @@ def main() -> None:
             "english_lines_cut": lines_cut, "english_uses": sum(cutting.values()),
             "most_used": [(merged.id_to_piece(i), c) for i, c in cutting.most_common(12)],
             "german_pieces": de_pieces, "german_new_piece_uses": de_new, "german_uses_of_cutting": de_cutting}
-    write_results("graft_english", {"artifact": str(art), "english_none_bpb": none, "row_norm": row_norm,
-                                    "shift": rows, "cuts": cuts}, markdown(rows, cuts, none, row_norm, art))
+    write_results("graft_english", {"artifact": str(art), "english_none_bpb": english_none, "row_norm": row_norm,
+                                    "shift": results, "cuts": cuts}, markdown(results, cuts, english_none, row_norm, art))
 
 
-def markdown(rows: list[dict], cuts: dict, none: float, row_norm: float, art: Path) -> str:
-    base = rows[0]
+def markdown(results: list[dict], cuts: dict, english_none: float, row_norm: float, art: Path) -> str:
+    base = results[0]
     shown = [{**r, **{k: f"{r[k]:.4f}" for k in ("german_bpb", "english_bpb", "english_own_tokenizer_bpb")},
-              **{k: f"{r[k]:+.4f}" for k in ("german_cost", "english_move")}} for r in rows]
+              **{k: f"{r[k]:+.4f}" for k in ("german_cost", "english_move")}} for r in results]
     out = ["# What keeping English where it was would cost German: the expanded graft, llama-tiny", "",
            "`python benchmarks/graft_english.py --output_dir <graft.py's>`, after `python benchmarks/graft.py "
            "--modes expand` (its runs as in graft_cpu2_20261129); 2 CPU cores. Through the sibling, the graft "
            f"route's last artifact ({art.name}). Bits per byte of the same held-out text as graft.py: German "
-           f"(lower is better), English (the sibling with its own vocabulary: {none:.4f}).", "",
+           f"(lower is better), English (the sibling with its own vocabulary: {english_none:.4f}).", "",
            "## The new pieces' share of English's softmax", "",
            "The new rows (tied: input and output side) moved by one shared vector, the least that brings the mean "
            "rise of English's loss on the replay text's training split to a fraction of what Step 2 left "
@@ -135,7 +135,7 @@ def markdown(rows: list[dict], cuts: dict, none: float, row_norm: float, art: Pa
                         ("shift_norm", "shift norm"), ("german_bpb", "German bpb"), ("german_cost", "German cost"),
                         ("english_bpb", "English bpb"), ("english_move", "English move from the sibling's"),
                         ("english_own_tokenizer_bpb", "English, own tokenizer")]), ""]
-    half = next((r for r in rows[1:] if r["fraction"] == 0.5), None)
+    half = next((r for r in results[1:] if r["fraction"] == 0.5), None)
     if half:
         out.append(f"- Halving the share's rise takes English from {base['english_bpb']:.4f} to "
                    f"{half['english_bpb']:.4f} bits per byte ({half['english_bpb'] - base['english_bpb']:+.4f}) "
