@@ -16,8 +16,10 @@ Neither can be 0 at no cost to the target:
     cuts    the merged tokenizer reads English as the source's does when none of its new pieces
             wins a segmentation of English (a unigram model keeps the source's ids where the best
             path uses no new piece: expand.py). The pieces that do win on the English corpus are
-            counted, with their share of German's pieces: what dropping them (and retraining)
-            would take from German's vocabulary.
+            counted, with their share of German's pieces, and dropped (scored under every piece,
+            their rows kept) until no other wins in their place; both languages are then read by
+            that tokenizer through the same trained rows. No Step 2 without them is run: German's
+            cost is before its rows could adapt to the coarser segmentation.
 
 Reads the finished runs of `python benchmarks/graft.py --output_dir DIR --modes expand` (run it
 first); scores through the sibling, the last artifact of the graft route.
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -94,27 +98,62 @@ def main() -> None:
         r["english_move"] = r["english_bpb"] - english_none
         r["english_share_part"] = r["english_own_tokenizer_bpb"] - english_none
 
-    # The cuts: the merged tokenizer's new pieces on the English corpus, and German's use of them.
-    merged = load(tok)
+    # The cuts: the merged tokenizer's new pieces that win on the English corpus, dropped until none
+    # does (without one, another may win), German's use of them, and both languages read by the
+    # tokenizer without them through the same rows (no Step 2 without them was run).
     corpus = {lang: Path(read_manifest(d)["corpus"]).read_text(encoding="utf-8").splitlines()
               for lang, d in (("en", english_data), (LANG, german))}
-    cutting, lines_cut = collections.Counter(), 0
-    for line in corpus["en"]:
-        used = [i for i in merged.encode(line) if i >= n]
-        lines_cut += bool(used)
-        cutting.update(used)
-    de_pieces = de_new = de_cutting = 0
+    work = Path(tempfile.mkdtemp())
+    reader, dropped, first, rounds = tok, set(), None, 0
+    while True:
+        cutting, lines_cut = collections.Counter(), 0
+        merged = load(reader)
+        for line in corpus["en"]:
+            used = [i for i in merged.encode(line) if i >= n]
+            lines_cut += bool(used)
+            cutting.update(used)
+        first = first or (cutting, lines_cut, merged)
+        if not set(cutting) - dropped:  # what is left is read where nothing else can be (the source's <unk>)
+            break
+        dropped |= set(cutting)
+        rounds += 1
+        reader = never_producing(tok, dropped, work / f"without-{rounds}.json")
+    left = cutting
+    cutting, lines_cut, merged = first
+    de_pieces = de_new = de_dropped = 0
     for line in corpus[LANG]:
         ids = merged.encode(line)
         de_pieces += len(ids)
         de_new += sum(i >= n for i in ids)
-        de_cutting += sum(i in cutting for i in ids)
+        de_dropped += sum(i in dropped for i in ids)
+    english = source_bits(per_byte, english_data, reader, emb, meta)
     cuts = {"new_pieces": new.stop - n, "cutting_pieces": len(cutting), "english_lines": len(corpus["en"]),
             "english_lines_cut": lines_cut, "english_uses": sum(cutting.values()),
             "most_used": [(merged.id_to_piece(i), c) for i, c in cutting.most_common(12)],
-            "german_pieces": de_pieces, "german_new_piece_uses": de_new, "german_uses_of_cutting": de_cutting}
+            "dropped_pieces": len(dropped), "rounds": rounds,
+            "left": [(merged.id_to_piece(i), c) for i, c in left.most_common()],
+            "german_pieces": de_pieces, "german_new_piece_uses": de_new, "german_uses_of_dropped": de_dropped,
+            "without": {"german_bpb": per_byte.score(raw_de, reader, emb, meta)["bpb"],
+                        "english_bpb": english["source_bpb"],
+                        "english_own_tokenizer_bpb": english["source_own_tokenizer_bpb"]}}
     write_results("graft_english", {"artifact": str(art), "english_none_bpb": english_none, "row_norm": row_norm,
                                     "shift": results, "cuts": cuts}, markdown(results, cuts, english_none, row_norm, art))
+
+
+def never_producing(tokenizer: Path, ids: set[int], out: Path) -> Path:
+    """A copy of the merged tokenizer `tokenizer` (an imported Unigram's document, as graft.py's
+    base has) that never produces the pieces `ids` (mmadapt ids) where any other segmentation
+    exists: their scores put under every piece's, as the expansion's filler rows are
+    (tokenizer._expand_unigram). Every id keeps its row."""
+    doc = json.loads(Path(tokenizer).read_text(encoding="utf-8"))
+    model = doc["tokenizer"]["model"]
+    if model.get("type") != "Unigram":
+        raise ValueError(f"{tokenizer} is not an imported Unigram tokenizer: graft.py's base has one")
+    floor = min(score for _, score in model["vocab"]) - 1e3
+    for i in ids:
+        model["vocab"][doc["hf_ids"][i]][1] = floor
+    out.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    return out
 
 
 def markdown(results: list[dict], cuts: dict, english_none: float, row_norm: float, art: Path) -> str:
@@ -142,16 +181,29 @@ def markdown(results: list[dict], cuts: dict, english_none: float, row_norm: flo
                    f"and German from {base['german_bpb']:.4f} to {half['german_bpb']:.4f} "
                    f"({half['german_cost']:+.4f}): {abs(half['german_cost'] / (half['english_bpb'] - base['english_bpb'])):.0f} "
                    "bits of German per bit of English.")
+    w = cuts["without"]
     out += ["", "## The merged tokenizer's cuts", "",
             f"Of the {cuts['new_pieces']} new pieces, {cuts['cutting_pieces']} win a segmentation somewhere in the "
             f"English corpus ({cuts['english_lines_cut']:,} of {cuts['english_lines']:,} lines, "
             f"{cuts['english_uses']:,} uses; most: "
             + ", ".join(f"`{p}` {c}" for p, c in cuts["most_used"]) + "). "
-            f"In German they are {cuts['german_uses_of_cutting']:,} of the {cuts['german_new_piece_uses']:,} uses of "
-            f"new pieces ({100 * cuts['german_uses_of_cutting'] / cuts['german_new_piece_uses']:.0f}%) and "
-            f"{100 * cuts['german_uses_of_cutting'] / cuts['german_pieces']:.1f}% of the German corpus's "
-            f"{cuts['german_pieces']:,} pieces: a merged tokenizer that reads English as the source's does would "
-            "go without them."]
+            f"Dropped until no other wins (others can win in their place: {cuts['rounds']} "
+            f"round{'s' if cuts['rounds'] != 1 else ''}), "
+            f"{cuts['dropped_pieces']} pieces go; "
+            + (", ".join(f"`{p}`" for p, _ in cuts["left"]) + " are still read in English, only where the source reads an "
+               "<unk> (charged 8 bits a byte). " if cuts["left"] else "")
+            + f"In German those {cuts['dropped_pieces']} are {cuts['german_uses_of_dropped']:,} of the "
+            f"{cuts['german_new_piece_uses']:,} uses of new pieces "
+            f"({100 * cuts['german_uses_of_dropped'] / cuts['german_new_piece_uses']:.0f}%) and "
+            f"{100 * cuts['german_uses_of_dropped'] / cuts['german_pieces']:.1f}% of the German corpus's "
+            f"{cuts['german_pieces']:,} pieces.", "",
+            "Both languages read by the merged tokenizer without them (their scores put under every piece's, their "
+            "rows kept), through the same trained rows: no Step 2 without them was run, so German's cost here is "
+            "before its rows could adapt to the coarser segmentation.", "",
+            "| tokenizer | German bpb | English bpb | English, own tokenizer |", "|---|---|---|---|",
+            f"| merged | {base['german_bpb']:.4f} | {base['english_bpb']:.4f} | {base['english_own_tokenizer_bpb']:.4f} |",
+            f"| merged without the {cuts['dropped_pieces']} | {w['german_bpb']:.4f} ({w['german_bpb'] - base['german_bpb']:+.4f}) "
+            f"| {w['english_bpb']:.4f} | {w['english_own_tokenizer_bpb']:.4f} |"]
     return "\n".join(out) + "\n"
 
 
