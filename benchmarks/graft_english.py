@@ -75,9 +75,10 @@ def main() -> None:
     n = meta["source_vocab_size"]
     new = slice(n, emb["word_embeddings"].shape[0])
 
-    def scores(e: dict) -> dict:
-        english = source_bits(per_byte, english_data, tok, e, meta)
-        return {"german_bpb": per_byte.score(raw_de, tok, e, meta)["bpb"], "english_bpb": english["source_bpb"],
+    def scores(e: dict, reader: Path = tok) -> dict:
+        """German and English in bits per byte with the tensors `e`, text read by `reader`."""
+        english = source_bits(per_byte, english_data, reader, e, meta)
+        return {"german_bpb": per_byte.score(raw_de, reader, e, meta)["bpb"], "english_bpb": english["source_bpb"],
                 "english_own_tokenizer_bpb": english["source_own_tokenizer_bpb"]}
 
     # The share: the head's normed outputs at the English training text's scored positions.
@@ -103,39 +104,36 @@ def main() -> None:
     # tokenizer without them through the same rows (no Step 2 without them was run).
     corpus = {lang: Path(read_manifest(d)["corpus"]).read_text(encoding="utf-8").splitlines()
               for lang, d in (("en", english_data), (LANG, german))}
-    work = Path(tempfile.mkdtemp())
-    reader, dropped, first, rounds = tok, set(), None, 0
-    while True:
-        cutting, lines_cut = collections.Counter(), 0
-        merged = load(reader)
-        for line in corpus["en"]:
-            used = [i for i in merged.encode(line) if i >= n]
-            lines_cut += bool(used)
-            cutting.update(used)
-        first = first or (cutting, lines_cut, merged)
-        if not set(cutting) - dropped:  # what is left is read where nothing else can be (the source's <unk>)
-            break
-        dropped |= set(cutting)
-        rounds += 1
-        reader = never_producing(tok, dropped, work / f"without-{rounds}.json")
-    left = cutting
-    cutting, lines_cut, merged = first
-    de_pieces = de_new = de_dropped = 0
-    for line in corpus[LANG]:
-        ids = merged.encode(line)
-        de_pieces += len(ids)
-        de_new += sum(i >= n for i in ids)
-        de_dropped += sum(i in dropped for i in ids)
-    english = source_bits(per_byte, english_data, reader, emb, meta)
-    cuts = {"new_pieces": new.stop - n, "cutting_pieces": len(cutting), "english_lines": len(corpus["en"]),
-            "english_lines_cut": lines_cut, "english_uses": sum(cutting.values()),
-            "most_used": [(merged.id_to_piece(i), c) for i, c in cutting.most_common(12)],
-            "dropped_pieces": len(dropped), "rounds": rounds,
-            "left": [(merged.id_to_piece(i), c) for i, c in left.most_common()],
-            "german_pieces": de_pieces, "german_new_piece_uses": de_new, "german_uses_of_dropped": de_dropped,
-            "without": {"german_bpb": per_byte.score(raw_de, reader, emb, meta)["bpb"],
-                        "english_bpb": english["source_bpb"],
-                        "english_own_tokenizer_bpb": english["source_own_tokenizer_bpb"]}}
+    with tempfile.TemporaryDirectory() as work:  # the tokenizers without the cutting pieces
+        reader, dropped, first, rounds = tok, set(), None, 0
+        while True:
+            cutting, lines_cut = collections.Counter(), 0
+            merged = load(reader)
+            for line in corpus["en"]:
+                used = [i for i in merged.encode(line) if i >= n]
+                lines_cut += bool(used)
+                cutting.update(used)
+            first = first or (cutting, lines_cut, merged)
+            if not set(cutting) - dropped:  # what is left is read where nothing else can be (the source's <unk>)
+                break
+            dropped |= set(cutting)
+            rounds += 1
+            reader = never_producing(tok, dropped, Path(work) / f"without-{rounds}.json")
+        left = cutting
+        cutting, lines_cut, merged = first
+        de_pieces = de_new = de_dropped = 0
+        for line in corpus[LANG]:
+            ids = merged.encode(line)
+            de_pieces += len(ids)
+            de_new += sum(i >= n for i in ids)
+            de_dropped += sum(i in dropped for i in ids)
+        cuts = {"new_pieces": new.stop - n, "cutting_pieces": len(cutting), "english_lines": len(corpus["en"]),
+                "english_lines_cut": lines_cut, "english_uses": sum(cutting.values()),
+                "most_used": [(merged.id_to_piece(i), c) for i, c in cutting.most_common(12)],
+                "dropped_pieces": len(dropped), "rounds": rounds,
+                "left": [(merged.id_to_piece(i), c) for i, c in left.most_common()],
+                "german_pieces": de_pieces, "german_new_piece_uses": de_new, "german_uses_of_dropped": de_dropped,
+                "without": scores(emb, reader)}
     write_results("graft_english", {"artifact": str(art), "english_none_bpb": english_none, "row_norm": row_norm,
                                     "shift": results, "cuts": cuts}, markdown(results, cuts, english_none, row_norm, art))
 
