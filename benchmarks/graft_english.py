@@ -18,11 +18,14 @@ Neither can be 0 at no cost to the target:
             path uses no new piece: expand.py). The pieces that do win on the English corpus are
             counted, with their share of German's pieces, and dropped (scored under every piece,
             their rows kept) until no other wins in their place; both languages are then read by
-            that tokenizer through the same trained rows. No Step 2 without them is run: German's
-            cost is before its rows could adapt to the coarser segmentation.
+            that tokenizer, first through the same trained rows (before German's rows could adapt
+            to the coarser segmentation), then through the rows of a Step 2 run again as the
+            graft's was (its recorded settings, the same German documents held out) on German
+            prepared with that tokenizer: the cost of the cuts once German has trained without them.
 
 Reads the finished runs of `python benchmarks/graft.py --output_dir DIR --modes expand` (run it
-first); scores through the sibling, the last artifact of the graft route.
+first); scores through the sibling, the last artifact of the graft route. The Step 2 without the
+cutting pieces lands in DIR/adapt/graft-expand-uncut (kept, and resumed, as graft.py's runs are).
 
     python benchmarks/graft_english.py --output_dir DIR
 """
@@ -39,13 +42,17 @@ import torch
 
 from common import table, write_results  # (importing common puts mmadapt on the path)
 
+from mmadapt import checkpoint, steps
+from mmadapt.adapt import AdaptEmbeddings
 from mmadapt.artifact import artifact_dirs, read_artifact
 from mmadapt.bpb import BPB_BYTES, ByteScorer
+from mmadapt.config import PreprocessConfig
 from mmadapt.data import TEXT, read_manifest
 from mmadapt.expand import SourceProbe, output_shift
 from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.parallel import init_parallel
 from mmadapt.plugin import source_bits
+from mmadapt.run import RunSpec, run_progress
 from mmadapt.tokenizer import load
 
 SEQ_LENGTH, LANG = 32, "de"  # graft.py's (the demo's llama-tiny)
@@ -134,8 +141,39 @@ def main() -> None:
                 "left": [(merged.id_to_piece(i), c) for i, c in left.most_common()],
                 "german_pieces": de_pieces, "german_new_piece_uses": de_new, "german_uses_of_dropped": de_dropped,
                 "without": scores(emb, reader)}
+        retrained = retrain_without(root, reader)
+        uncut = read_manifest(root / "data" / f"{LANG}-expand-graft-uncut")
+        cuts["retrained"] = {"artifact": str(retrained), **scores(read_artifact(retrained)[0], reader),
+                             "german_tokens": (read_manifest(german)["tokens"], uncut["tokens"]),
+                             "german_unknown": (read_manifest(german)["unknown"], uncut["unknown"])}
     write_results("graft_english", {"artifact": str(art), "english_none_bpb": english_none, "row_norm": row_norm,
                                     "shift": results, "cuts": cuts}, markdown(results, cuts, english_none, row_norm, art))
+
+
+def retrain_without(root: Path, reader: Path) -> Path:
+    """The graft's Step 2 run again (its recorded step: system, source, settings, replay text) on
+    the German corpus read by `reader`, the merged tokenizer without the cutting pieces
+    (`never_producing`: the same ids, so the same rows start as the graft's did), held out as the
+    graft's German was. -> its last artifact."""
+    graft_run = root / "adapt" / "graft-expand"
+    step = AdaptEmbeddings.recorded(checkpoint.read_json(graft_run / "run.json", "run file"))
+    german = root / "data" / f"{LANG}-expand-graft"
+    data = root / "data" / f"{LANG}-expand-graft-uncut"
+    graft = read_manifest(german)
+    steps.preprocess(f"bible:{LANG}", output_dir=data, vocab_size=None, tokenizer=reader,
+                     cfg=PreprocessConfig(workers=1, valid_fraction=graft["valid_fraction"],
+                                          tokenizer_seed=graft["valid_seed"]))
+    # German is scored on the graft's held-out text: the run must not have trained on it. The split
+    # is by document, drawn from the corpus and seed alone: the same documents, the same counts.
+    mine = read_manifest(data)
+    same = ("corpus_fingerprint", "valid_fraction", "valid_seed", "documents", "sentences")
+    if any(mine[k] != graft[k] for k in same) or mine["valid"]["documents"] != graft["valid"]["documents"]:
+        raise SystemExit(f"{data} holds out other documents than {german}: its scores would not compare")
+    run = root / "adapt" / "graft-expand-uncut"
+    state = run_progress(run, step.train.train_iters)
+    if state != "done":
+        steps.adapt_embeddings(run=RunSpec(output_dir=run, data_path=data, resume=state == "resume"), step=step)
+    return artifact_dirs([run])[-1]
 
 
 def never_producing(tokenizer: Path, ids: set[int], out: Path) -> Path:
@@ -179,7 +217,7 @@ def markdown(results: list[dict], cuts: dict, english_none: float, row_norm: flo
                    f"and German from {base['german_bpb']:.4f} to {half['german_bpb']:.4f} "
                    f"({half['german_cost']:+.4f}): {abs(half['german_cost'] / (half['english_bpb'] - base['english_bpb'])):.0f} "
                    "bits of German per bit of English.")
-    w = cuts["without"]
+    w, r = cuts["without"], cuts["retrained"]
     out += ["", "## The merged tokenizer's cuts", "",
             f"Of the {cuts['new_pieces']} new pieces, {cuts['cutting_pieces']} win a segmentation somewhere in the "
             f"English corpus ({cuts['english_lines_cut']:,} of {cuts['english_lines']:,} lines, "
@@ -196,12 +234,24 @@ def markdown(results: list[dict], cuts: dict, english_none: float, row_norm: flo
             f"{100 * cuts['german_uses_of_dropped'] / cuts['german_pieces']:.1f}% of the German corpus's "
             f"{cuts['german_pieces']:,} pieces.", "",
             "Both languages read by the merged tokenizer without them (their scores put under every piece's, their "
-            "rows kept), through the same trained rows: no Step 2 without them was run, so German's cost here is "
-            "before its rows could adapt to the coarser segmentation.", "",
+            "rows kept): first through the same trained rows, before German's rows could adapt to the coarser "
+            "segmentation; then through the rows of a Step 2 run again as the graft's was (its recorded settings "
+            "and replay text, the same German documents held out) on German prepared with that tokenizer "
+            f"({Path(r['artifact']).parent.parent.name}, {Path(r['artifact']).name}).", "",
             "| tokenizer | German bpb | English bpb | English, own tokenizer |", "|---|---|---|---|",
             f"| merged | {base['german_bpb']:.4f} | {base['english_bpb']:.4f} | {base['english_own_tokenizer_bpb']:.4f} |",
             f"| merged without the {cuts['dropped_pieces']} | {w['german_bpb']:.4f} ({w['german_bpb'] - base['german_bpb']:+.4f}) "
-            f"| {w['english_bpb']:.4f} | {w['english_own_tokenizer_bpb']:.4f} |"]
+            f"| {w['english_bpb']:.4f} | {w['english_own_tokenizer_bpb']:.4f} |",
+            f"| merged without the {cuts['dropped_pieces']}, Step 2 again with it | {r['german_bpb']:.4f} "
+            f"({r['german_bpb'] - base['german_bpb']:+.4f}) | {r['english_bpb']:.4f} | "
+            f"{r['english_own_tokenizer_bpb']:.4f} |", "",
+            f"- Trained without the cutting pieces, German costs {r['german_bpb'] - base['german_bpb']:+.4f} bits per "
+            f"byte over the graft's {base['german_bpb']:.4f}, and English moves {r['english_bpb'] - english_none:+.4f} "
+            f"from the sibling's {english_none:.4f} (with them: {base['english_bpb'] - english_none:+.4f}). "
+            f"Without them German's training text is {r['german_tokens'][1]:,} pieces against "
+            f"{r['german_tokens'][0]:,} ({r['german_tokens'][1] / r['german_tokens'][0] - 1:+.1%}), with "
+            f"{r['german_unknown'][1]:,} <unk> against {r['german_unknown'][0]:,}: no byte goes unread, but the "
+            "words those pieces read whole (`▁und` among them) take more pieces, each one more prediction."]
     return "\n".join(out) + "\n"
 
 
