@@ -49,13 +49,25 @@ from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.config import PreprocessConfig
 from mmadapt.data import TEXT, read_manifest
 from mmadapt.expand import SourceProbe, output_shift
-from mmadapt.heldout import Primary, Scorer, Text
+from mmadapt.heldout import HeldOut, Primary, Scorer, Text
 from mmadapt.parallel import init_parallel
 from mmadapt.plugin import source_bits
 from mmadapt.run import RunSpec, run_progress
 from mmadapt.tokenizer import load
 
 SEQ_LENGTH, LANG = 32, "de"  # graft.py's (the demo's llama-tiny)
+
+
+def suppressed_bpb(per_byte: ByteScorer, raw, emb: dict, meta: dict, n: int) -> float:
+    """`raw` read by the sibling's own tokenizer through the grafted model with the new pieces
+    suppressed (their logits -inf, as `generate(suppress_tokens=...)` sets them): each target's
+    log-probability under the softmax over the sibling's own `n` rows, in bits per byte."""
+    reading = per_byte.reading(raw, per_byte.own_tokenizer)
+    logits = per_byte.scorer.logits(HeldOut(None, reading.on_device, None, reading.pieces), emb, meta)
+    nats = 0.0
+    for rows, (*_, targets) in zip(logits, reading.on_device):  # rows [m, V]: the scored positions
+        nats += float(-torch.log_softmax(rows[:, :n].double(), -1).gather(1, targets[:, None]).sum())
+    return reading.bpb(nats)
 
 
 def shifted(emb: dict, new: slice, delta: torch.Tensor) -> dict:
@@ -93,6 +105,7 @@ def main() -> None:
     a = torch.logsumexp(y @ emb["word_embeddings"][new].double().T, 1)  # [m]: the new rows' logsumexp
     trained = float(torch.nn.functional.softplus(a - lse).mean())  # mean log(1 + share / (1 - share))
     english_none = per_byte.none(per_byte.text(english_data))  # the sibling with its own vocabulary
+    suppressed = suppressed_bpb(per_byte, per_byte.text(english_data), emb, meta, n)
     results = [{"rows": "as Step 2 left them", "fraction": 1.0, "rise_nats": trained, "shift_norm": 0.0, **scores(emb)}]
     row_norm = float(emb["word_embeddings"][new].float().norm(dim=1).mean())
     for f in args.fractions:
@@ -147,7 +160,8 @@ def main() -> None:
                              "german_tokens": (read_manifest(german)["tokens"], uncut["tokens"]),
                              "german_unknown": (read_manifest(german)["unknown"], uncut["unknown"])}
     write_results("graft_english", {"artifact": str(art), "english_none_bpb": english_none, "row_norm": row_norm,
-                                    "shift": results, "cuts": cuts}, markdown(results, cuts, english_none, row_norm, art))
+                                    "english_suppressed_bpb": suppressed, "shift": results, "cuts": cuts},
+                  markdown(results, cuts, english_none, suppressed, row_norm, art))
 
 
 def retrain_without(root: Path, reader: Path) -> Path:
@@ -192,7 +206,8 @@ def never_producing(tokenizer: Path, ids: set[int], out: Path) -> Path:
     return out
 
 
-def markdown(results: list[dict], cuts: dict, english_none: float, row_norm: float, art: Path) -> str:
+def markdown(results: list[dict], cuts: dict, english_none: float, suppressed: float, row_norm: float,
+             art: Path) -> str:
     base = results[0]
     shown = [{**r, **{k: f"{r[k]:.4f}" for k in ("german_bpb", "english_bpb", "english_own_tokenizer_bpb")},
               **{k: f"{r[k]:+.4f}" for k in ("german_cost", "english_move")}} for r in results]
@@ -217,6 +232,10 @@ def markdown(results: list[dict], cuts: dict, english_none: float, row_norm: flo
                    f"and German from {base['german_bpb']:.4f} to {half['german_bpb']:.4f} "
                    f"({half['german_cost']:+.4f}): {abs(half['german_cost'] / (half['english_bpb'] - base['english_bpb'])):.0f} "
                    "bits of German per bit of English.")
+    out += [f"- With the new pieces suppressed (their logits -inf, as `generate(suppress_tokens=...)` sets them), "
+            f"English read by the sibling's own tokenizer through the graft is {suppressed:.4f} bits per byte, the "
+            f"sibling's own {english_none:.4f} ({suppressed - english_none:+.1e}): the graft's logits over the "
+            "sibling's rows are the sibling's (tests/test_graft.py)."]
     w, r = cuts["without"], cuts["retrained"]
     out += ["", "## The merged tokenizer's cuts", "",
             f"Of the {cuts['new_pieces']} new pieces, {cuts['cutting_pieces']} win a segmentation somewhere in the "

@@ -319,10 +319,8 @@ class ByteScorer:
             self._texts[key] = RawText.read(data, self.max_bytes)
         return self._texts[key]
 
-    def score(self, text: RawText, tokenizer: str | Path, art: dict | None = None, meta: dict | None = None
-              ) -> dict[str, float]:
-        """`text` read by `tokenizer` through the primary model with the artifact's tensors `art`
-        swapped in (None: its own) -> {"bpb", "pieces", "unknown_share"}."""
+    def reading(self, text: RawText, tokenizer: str | Path) -> Scored:
+        """`text` as `tokenizer` reads it, ready to score (prepared once per text and tokenizer)."""
         from mmadapt.data import file_sha256
         from mmadapt.devices import device_of
         from mmadapt.tokenizer import load
@@ -331,7 +329,13 @@ class ByteScorer:
         if key not in self._read:
             self._read[key] = prepare(load(tokenizer), text, self.layout, self.masked, self.seq_length,
                                       device_of(self.scorer.model))
-        scored = self._read[key]
+        return self._read[key]
+
+    def score(self, text: RawText, tokenizer: str | Path, art: dict | None = None, meta: dict | None = None
+              ) -> dict[str, float]:
+        """`text` read by `tokenizer` through the primary model with the artifact's tensors `art`
+        swapped in (None: its own) -> {"bpb", "pieces", "unknown_share"}."""
+        scored = self.reading(text, tokenizer)
         nats = self.scorer.summed(scored.on_device, art, meta)
         return {"bpb": scored.bpb(nats), "pieces": scored.pieces, "unknown_share": scored.unknown / max(scored.pieces, 1),
                 "unknown_bytes": scored.unknown_bytes}
