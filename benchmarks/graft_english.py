@@ -167,8 +167,8 @@ def main() -> None:
 def retrain_without(root: Path, reader: Path) -> Path:
     """The graft's Step 2 run again (its recorded step: system, source, settings, replay text) on
     the German corpus read by `reader`, the merged tokenizer without the cutting pieces
-    (`never_producing`: the same ids, so the same rows start as the graft's did), held out as the
-    graft's German was. -> its last artifact."""
+    (`never_producing`: the same ids, so every row the graft trained is there, the dropped ones
+    read only where nothing else can be), held out as the graft's German was. -> its last artifact."""
     graft_run = root / "adapt" / "graft-expand"
     step = AdaptEmbeddings.recorded(checkpoint.read_json(graft_run / "run.json", "run file"))
     german = root / "data" / f"{LANG}-expand-graft"
