@@ -374,7 +374,7 @@ class Demo:
                                                           train=self._train(cfg.minipost_iters, cfg.minipost_iters)))
         source = {"bl_base": pre["bl_base"], "bl_small": pre["bl_small"], "minijoint": pre["minijoint"],
                   "minipost": minipost}
-        jobs = []
+        jobs = []  # Step 2's
         for lang in cfg.langs:
             for system in SYSTEMS:
                 jobs.append(Job(f"Step 2: {lang} embeddings for {system}", "adapt",
@@ -385,18 +385,20 @@ class Demo:
             jobs.append(Job(f"Step 2: {lang} embeddings over minijoint's full primary model (its ceiling)", "adapt",
                             ("bl_base", pre["minijoint"], lang, root / "adapt" / f"minijoint-full-{lang}", data[lang]),
                             STEP2_COST["bl_base"], str(root / "logs" / f"adapt-minijoint-full-{lang}.log")))
-        self.run_jobs(jobs)
-        finetuned, jobs = {}, []
+        finetuned, finetunes = {}, []  # Step 3's
         for primary in ("bl_base", "bl_small", "minijoint"):
             finetuned[primary] = []
             for seed in cfg.finetune_seeds:
                 name = primary if seed == cfg.finetune_seeds[0] else f"{primary}-seed{seed}"
                 finetuned[primary].append(root / "finetune" / name)
-                jobs.append(Job(f"Step 3: fine-tune {primary}'s primary model on English bible-genre (embeddings "
-                                f"frozen), seed {seed}", "finetune", (pre[primary], seed, root / "finetune" / name),
-                                STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"],  # its depth
-                                str(root / "logs" / f"finetune-{name}.log")))
-        self.run_jobs(jobs)
+                finetunes.append(Job(f"Step 3: fine-tune {primary}'s primary model on English bible-genre "
+                                     f"(embeddings frozen), seed {seed}", "finetune",
+                                     (pre[primary], seed, root / "finetune" / name),
+                                     STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"],  # its depth
+                                     str(root / "logs" / f"finetune-{name}.log")))
+        # Step 3 reads only Step 1's models: its runs follow Step 2's in one queue, so the first
+        # starts in Step 2's tail, where a worker would otherwise wait for the other's last run.
+        self.run_jobs(jobs, finetunes)
         self.say(f"Step 4: the plug-in {self.family.objective.label} metric, zero-shot bible-genre and parallel-verse retrieval for "
                  "every Step-2 checkpoint")
         return self.evaluate(pre, finetuned, data)
@@ -421,22 +423,27 @@ class Demo:
         steps.finetune(run=RunSpec(output_dir=out, resume=(out / "checkpoints").is_dir()),
                        step=steps.Finetune(task="bible-genre", primary=primary_run, cfg=ft_cfg, eval_file="bible"))
 
-    def run_jobs(self, jobs: list[Job]) -> None:
-        """Each job, one stage each: in this process one after the other, or (workers_for) in
-        worker processes several at a time, longest first, each announced as it finishes."""
+    def run_jobs(self, *groups: list[Job]) -> None:
+        """Each job of the independent `groups`, one stage each: in this process one after the
+        other, group by group, or (workers_for) in worker processes several at a time from one
+        queue, the groups in order and each group longest first (costs compare within a group:
+        a Step-3 update is not a Step-2 one), each announced as it finishes."""
+        jobs = [job for group in groups for job in group]
         n, threads = workers_for(self.cfg)
         if n == 1:
             for job in jobs:
                 self.say(job.label)
                 getattr(self, job.method)(*job.args)
             return
-        print(f"\n{len(jobs)} runs, {n} at a time, each in a process of its own at {threads} torch thread"
-              f"{'s' if threads > 1 else ''} (their output: {self.root / 'logs'})", flush=True)
+        queue = [job for group in groups for job in sorted(group, key=lambda j: -j.cost)]
+        print(f"\n{len(jobs)} runs ({' then '.join(str(len(g)) for g in groups)}), {n} at a time, each in a process "
+              f"of its own at {threads} torch thread{'s' if threads > 1 else ''} (their output: {self.root / 'logs'})",
+              flush=True)
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(n, mp_context=context, initializer=_worker_init,
                                  initargs=(threads, os.getpid())) as pool, \
                 tqdm(total=len(jobs), desc="runs", unit="run", mininterval=1.0, leave=False) as bar:
-            running = {pool.submit(_run_job, self, job): job for job in sorted(jobs, key=lambda j: -j.cost)}
+            running = {pool.submit(_run_job, self, job): job for job in queue}
             pending = set(running)
             while pending:
                 finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
