@@ -32,8 +32,11 @@ sys.path.insert(0, str(REPO / "tests"))
 from hf_models import make_sibling  # noqa: E402  the tests' sibling maker: one fine-tune for both
 
 from mmadapt import steps
+from mmadapt.artifact import read_artifact
+from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.config import MiniModelConfig, PreprocessConfig
 from mmadapt.graft import sibling_check
+from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import import_hf
 from mmadapt.parallel import init_parallel
 from mmadapt.plugin import plugin_records
@@ -105,9 +108,22 @@ def main() -> None:
                          "bpb": last["bpb"], "source_none_bpb": last.get("source_none_bpb"),
                          "source_bpb": last.get("source_bpb"),
                          "source_own_tokenizer_bpb": last.get("source_own_tokenizer_bpb"), "bpb_bytes": last["bpb_bytes"],
+                         "source_suppressed_bpb": suppressed(primary, last, demo.cfg.seq_length),
                          "curve": [(r["step"], r["flops"], r["bpb"]) for r in recs]})
             write_results("graft", {"rows": rows, "sibling_steps": args.sibling_steps, "sibling_distance": distance},
                           markdown(rows, args, distance))
+
+
+def suppressed(primary: Path, record: dict, seq_length: int) -> float | None:
+    """An expanded record's English (its source text) read by `primary`'s own tokenizer through
+    `primary` with the artifact swapped in and the new pieces suppressed (the softmax over the
+    source rows alone, as generate(suppress_tokens=...) gives it); None for a replaced vocabulary."""
+    if record.get("source_bpb_text") is None:
+        return None
+    emb, _, meta = read_artifact(Path(record["artifact"]))
+    per_byte = ByteScorer(Scorer(Primary.read(primary)), seq_length, BPB_BYTES)  # plugin_records' text
+    return per_byte.within(per_byte.text(record["source_bpb_text"]), per_byte.own_tokenizer,
+                           meta["source_vocab_size"], emb, meta)
 
 
 def markdown(rows: list[dict], args, distance: dict[str, float]) -> str:
@@ -121,7 +137,8 @@ def markdown(rows: list[dict], args, distance: dict[str, float]) -> str:
            "English (expand): held-out English verses through the model with its own vocabulary, then with the "
            "expanded one (the merged tokenizer), then with the expanded rows read by the model's own tokenizer: its "
            "source rows are kept bit for bit, so that last moves only by the new rows' share of the softmax, and the "
-           "rest of the move is the merged tokenizer cutting English with new pieces.", "",
+           "rest of the move is the merged tokenizer cutting English with new pieces; and read so with the new "
+           "pieces suppressed (the softmax over the model's own rows), where it does not move.", "",
            "The sibling (export-hf --graft's check, ||sibling - base|| / ||base||): each layer moved "
            f"{min(v for k, v in distance.items() if 'layers.' in k):.3f}-"
            f"{max(v for k, v in distance.items() if 'layers.' in k):.3f}, the input embeddings "
@@ -134,11 +151,13 @@ def markdown(rows: list[dict], args, distance: dict[str, float]) -> str:
         if r.get("source_bpb") is not None:
             s["english"] = f"{r['source_none_bpb']:.4f} → {r['source_bpb']:.4f}"
             s["english_own"] = f"{r['source_own_tokenizer_bpb']:.4f}"
+            s["english_suppressed"] = f"{r['source_suppressed_bpb']:.4f}"
         shown.append(s)
     out += [table(shown, [("mode", "mode"), ("route", "route"), ("through", "scored through"),
                           ("updates", "updates"), ("tflops", "Step-2 TFLOPs"), ("none_bpb", "no adaptation"),
                           ("start_bpb", "update 0"), ("bpb", "last"), ("gain", "no adaptation − last")]
-                    + ([("english", "English: own → grafted"), ("english_own", "grafted, read by the own tokenizer")]
+                    + ([("english", "English: own → grafted"), ("english_own", "grafted, read by the own tokenizer"),
+                        ("english_suppressed", "and the new pieces suppressed")]
                        if any("english" in s for s in shown) else [])), ""]
     for mode in MODES:
         g = next((r for r in rows if r["mode"] == mode and r["route"] == "graft"), None)
@@ -158,7 +177,9 @@ def markdown(rows: list[dict], args, distance: dict[str, float]) -> str:
             out.append(f"- English through {r['through']} ({r['route']}, expand): {r['source_none_bpb']:.4f} → "
                        f"{r['source_bpb']:.4f} bits per byte ({100 * (r['source_bpb'] / r['source_none_bpb'] - 1):+.2f}%):"
                        f" {share:+.4f} from the new rows' share of the softmax, {cut:+.4f} from the merged tokenizer's "
-                       "cuts.")
+                       f"cuts. With the new pieces suppressed (generate(suppress_tokens=...)) and read by the model's "
+                       f"own tokenizer: {r['source_suppressed_bpb']:.4f} "
+                       f"({r['source_suppressed_bpb'] - r['source_none_bpb']:+.1e}), its own distribution.")
     return "\n".join(out) + "\n"
 
 

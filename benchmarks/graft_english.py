@@ -49,25 +49,13 @@ from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.config import PreprocessConfig
 from mmadapt.data import TEXT, read_manifest
 from mmadapt.expand import SourceProbe, output_shift
-from mmadapt.heldout import HeldOut, Primary, Scorer, Text
+from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.parallel import init_parallel
 from mmadapt.plugin import source_bits
 from mmadapt.run import RunSpec, run_progress
 from mmadapt.tokenizer import load
 
 SEQ_LENGTH, LANG = 32, "de"  # graft.py's (the demo's llama-tiny)
-
-
-def suppressed_bpb(per_byte: ByteScorer, raw, emb: dict, meta: dict, n: int) -> float:
-    """`raw` read by the sibling's own tokenizer through the grafted model with the new pieces
-    suppressed (their logits -inf, as `generate(suppress_tokens=...)` sets them): each target's
-    log-probability under the softmax over the sibling's own `n` rows, in bits per byte."""
-    reading = per_byte.reading(raw, per_byte.own_tokenizer)
-    logits = per_byte.scorer.logits(HeldOut(None, reading.on_device, None, reading.pieces), emb, meta)
-    nats = 0.0
-    for rows, (*_, targets) in zip(logits, reading.on_device):  # rows [m, V]: the scored positions
-        nats += float(-torch.log_softmax(rows[:, :n].double(), -1).gather(1, targets[:, None]).sum())
-    return reading.bpb(nats)
 
 
 def shifted(emb: dict, new: slice, delta: torch.Tensor) -> dict:
@@ -105,7 +93,8 @@ def main() -> None:
     a = torch.logsumexp(y @ emb["word_embeddings"][new].double().T, 1)  # [m]: the new rows' logsumexp
     trained = float(torch.nn.functional.softplus(a - lse).mean())  # mean log(1 + share / (1 - share))
     english_none = per_byte.none(per_byte.text(english_data))  # the sibling with its own vocabulary
-    suppressed = suppressed_bpb(per_byte, per_byte.text(english_data), emb, meta, n)
+    # generate(suppress_tokens=<the new ids>) on English: the softmax over the sibling's own rows
+    suppressed = per_byte.within(per_byte.text(english_data), per_byte.own_tokenizer, n, emb, meta)
     results = [{"rows": "as Step 2 left them", "fraction": 1.0, "rise_nats": trained, "shift_norm": 0.0, **scores(emb)}]
     row_norm = float(emb["word_embeddings"][new].float().norm(dim=1).mean())
     for f in args.fractions:

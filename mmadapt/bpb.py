@@ -340,6 +340,26 @@ class ByteScorer:
         return {"bpb": scored.bpb(nats), "pieces": scored.pieces, "unknown_share": scored.unknown / max(scored.pieces, 1),
                 "unknown_bytes": scored.unknown_bytes}
 
+    def within(self, text: RawText, tokenizer: str | Path, rows: int, art: dict | None = None,
+               meta: dict | None = None) -> float:
+        """`text` read by `tokenizer` in bits per byte with every target scored under the softmax
+        over the first `rows` rows alone: the others suppressed (logits -inf), as transformers'
+        `generate(suppress_tokens=...)` does. An expanded artifact with `rows` its source vocabulary
+        and the source's own tokenizer: the source model's own distribution (expand keeps those
+        rows bit for bit), what a user gets who suppresses the new pieces in source text."""
+        import torch
+
+        from mmadapt.heldout import HeldOut
+
+        scored = self.reading(text, tokenizer)
+        logits = self.scorer.logits(HeldOut(None, scored.on_device, None, scored.pieces), art, meta)
+        nats = 0.0
+        for scores, (*_, targets) in zip(logits, scored.on_device):  # scores [m, V] at the m scored positions
+            if len(targets) and int(targets.max()) >= rows:
+                raise ValueError(f"{tokenizer} reads {text} with pieces past the first {rows} rows: nothing scores them")
+            nats += float(-torch.log_softmax(scores[:, :rows].double(), -1).gather(1, targets[:, None]).sum())
+        return scored.bpb(nats)
+
     def none(self, text: RawText) -> float:
         """No adaptation: `text` in bits per byte through the primary model with its own
         tokenizer and embeddings (scored once per text)."""

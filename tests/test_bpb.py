@@ -285,3 +285,29 @@ def test_the_primarys_own_rows_as_an_artifact_are_no_adaptation(primary_run, eng
     for r in records:
         assert r["bpb"] == pytest.approx(r["none_bpb"], rel=1e-6) and r["start_bpb"] == pytest.approx(r["bpb"])
         assert 0.9 * 2000 < r["bpb_bytes"] < 2000 + 1000  # the lines read, less the spaces where they are cut
+
+
+def test_within_the_source_rows_an_expanded_artifact_reads_source_text_as_no_adaptation(primary_run, english,
+                                                                                          tokenizer):
+    """ByteScorer.within: over every row it is the model's own score; an expanded artifact (the
+    model's own rows and 16 new ones, given the source's largest output bias so that they take a
+    share of the softmax) raises the source text's bits per byte, and within the source rows (the
+    new pieces suppressed) gives back exactly the model's own; a reading past the rows is refused."""
+    from mmadapt.family import WORD
+    from mmadapt.heldout import Primary, Scorer
+    from mmadapt.run import load_weights
+
+    _, state = load_weights(primary_run)
+    own, bias = state[WORD].float(), state["heads.heads.1.bias"].float()
+    rows = own.shape[0]
+    per_byte = B.ByteScorer(Scorer(Primary.read(primary_run)), 32, 2000)
+    raw = per_byte.text(english)
+    none = per_byte.none(raw)
+    assert per_byte.within(raw, tokenizer, rows) == pytest.approx(none, rel=1e-6)
+    new = torch.randn(16, own.shape[1], generator=torch.Generator().manual_seed(0)) * own.std()
+    art = {"word_embeddings": torch.cat([own, new]), "output_bias": torch.cat([bias, bias.max().expand(16)])}
+    meta = {"vocab_mode": "expand", "source_vocab_size": rows}
+    assert per_byte.score(raw, tokenizer, art, meta)["bpb"] > none + 1e-3
+    assert per_byte.within(raw, tokenizer, rows, art, meta) == pytest.approx(none, rel=1e-6)
+    with pytest.raises(ValueError, match="past the first 10 rows"):
+        per_byte.within(raw, tokenizer, 10)
