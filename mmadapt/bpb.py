@@ -356,7 +356,8 @@ class ByteScorer:
         nats = 0.0
         for scores, (*_, targets) in zip(logits, scored.on_device):  # scores [m, V] at the m scored positions
             if len(targets) and int(targets.max()) >= rows:
-                raise ValueError(f"{tokenizer} reads {text} with pieces past the first {rows} rows: nothing scores them")
+                raise ValueError(f"{tokenizer} reads the held-out text of {text.source} with pieces past the first "
+                                 f"{rows} rows: pass the tokenizer of those rows")
             nats += float(-torch.log_softmax(scores[:, :rows].double(), -1).gather(1, targets[:, None]).sum())
         return scored.bpb(nats)
 
