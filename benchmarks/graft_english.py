@@ -110,7 +110,7 @@ def main() -> None:
 
     # The cuts: the merged tokenizer's new pieces that win on the English corpus, dropped until none
     # does (without one, another may win), German's use of them, and both languages read by the
-    # tokenizer without them through the same rows (no Step 2 without them was run).
+    # tokenizer without them, through the same rows and through a Step 2 run again without them.
     corpus = {lang: Path(read_manifest(d)["corpus"]).read_text(encoding="utf-8").splitlines()
               for lang, d in (("en", english_data), (LANG, german))}
     with tempfile.TemporaryDirectory() as work:  # the tokenizers without the cutting pieces
@@ -143,25 +143,24 @@ def main() -> None:
                 "left": [(merged.id_to_piece(i), c) for i, c in left.most_common()],
                 "german_pieces": de_pieces, "german_new_piece_uses": de_new, "german_uses_of_dropped": de_dropped,
                 "without": scores(emb, reader)}
-        retrained = retrain_without(root, reader)
-        uncut = read_manifest(root / "data" / f"{LANG}-expand-graft-uncut")
+        retrained, with_cuts, without_cuts = retrain_without(root, german, reader)
         cuts["retrained"] = {"artifact": str(retrained), **scores(read_artifact(retrained)[0], reader),
-                             "german_tokens": (read_manifest(german)["tokens"], uncut["tokens"]),
-                             "german_unknown": (read_manifest(german)["unknown"], uncut["unknown"])}
+                             "german_tokens": (with_cuts["tokens"], without_cuts["tokens"]),
+                             "german_unknown": (with_cuts["unknown"], without_cuts["unknown"])}
     write_results("graft_english", {"artifact": str(art), "english_none_bpb": english_none, "row_norm": row_norm,
                                     "english_suppressed_bpb": suppressed, "shift": results, "cuts": cuts},
                   markdown(results, cuts, english_none, suppressed, row_norm, art))
 
 
-def retrain_without(root: Path, reader: Path) -> Path:
+def retrain_without(root: Path, german: Path, reader: Path) -> tuple[Path, dict, dict]:
     """The graft's Step 2 run again (its recorded step: system, source, settings, replay text) on
     the German corpus read by `reader`, the merged tokenizer without the cutting pieces
     (`never_producing`: the same ids, so every row the graft trained is there, the dropped ones
-    read only where nothing else can be), held out as the graft's German was. -> its last artifact."""
+    read only where nothing else can be), held out as the graft's German (the prepared dataset
+    `german`) was. -> its last artifact, and the manifests of `german` and of its German."""
     graft_run = root / "adapt" / "graft-expand"
     step = AdaptEmbeddings.recorded(checkpoint.read_json(graft_run / "run.json", "run file"))
-    german = root / "data" / f"{LANG}-expand-graft"
-    data = root / "data" / f"{LANG}-expand-graft-uncut"
+    data = german.with_name(f"{german.name}-uncut")
     graft = read_manifest(german)
     steps.preprocess(f"bible:{LANG}", output_dir=data, vocab_size=None, tokenizer=reader,
                      cfg=PreprocessConfig(workers=1, valid_fraction=graft["valid_fraction"],
@@ -176,7 +175,7 @@ def retrain_without(root: Path, reader: Path) -> Path:
     state = run_progress(run, step.train.train_iters)
     if state != "done":
         steps.adapt_embeddings(run=RunSpec(output_dir=run, data_path=data, resume=state == "resume"), step=step)
-    return artifact_dirs([run])[-1]
+    return artifact_dirs([run])[-1], graft, mine
 
 
 def never_producing(tokenizer: Path, ids: set[int], out: Path) -> Path:
