@@ -42,7 +42,7 @@ from mmadapt.run import read_source
 
 def split(scorer, held, art: dict, meta: dict, logq: torch.Tensor) -> dict:
     """The plug-in loss of the artifact `art` on `held`, split by target kind, and the floors."""
-    logits = torch.cat(scorer.logits(held, art, meta)).double()
+    logits = torch.cat(scorer.logits(held.on_device, art, meta)).double()
     targets = torch.cat([t for *_, t in held.on_device]).to(logits.device)
     new = targets >= SOURCE_VOCAB
     s = float(new.double().mean())

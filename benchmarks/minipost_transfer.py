@@ -83,7 +83,7 @@ def measure(root: Path, run: Path, lang: str, primary: Scorer, mini: Path | None
                              unigram=False)
     art, _, meta = read_artifact(artifact_dirs([run])[-1])
     own = primary.loss(held, art, meta)
-    bias = fit_bias(primary.logits(fit_on, art), art["output_bias"], logp)
+    bias = fit_bias(primary.logits(fit_on.on_device, art), art["output_bias"], logp)
     refit = primary.loss(held, {**art, "output_bias": bias - bias.mean() + art["output_bias"].float().mean()}, meta)
     through_mini = None
     if mini is not None:

@@ -526,7 +526,7 @@ class Step2Start:
         scorer = self.trained_scorer() if over_trained else self.scorer()
         held = scorer.heldout(bias_fit_text(data, train, self.family), len(logp), unigram=False)
         art = self.tensors()
-        fitted = fit_bias(scorer.logits(held, art), art["output_bias"], logp)
+        fitted = fit_bias(scorer.logits(held.on_device, art), art["output_bias"], logp)
         source_mean = float(self.primary.state[name].float().mean())
         self.init = {**self.init, name: from_rank0(fitted - fitted.mean() + source_mean)}
         self.rows.update(bias_fitted_positions=held.scored, bias_fitted_through="trained" if over_trained else "primary")
@@ -639,7 +639,7 @@ class PrimaryCalibration:
              ) -> tuple[torch.Tensor, float]:
         """(the refitted bias [V], the loss per piece of the fit text with it) for `tensors`."""
         trained = tensors["output_bias"].float()
-        logits = torch.cat(scorer.logits(self._held, tensors)).float()  # [m, V], with `trained`
+        logits = torch.cat(scorer.logits(self._held.on_device, tensors)).float()  # [m, V], with `trained`
         # tol: to fp32's rounding (about 5 iterations), so that two layouts' nearly equal
         # trained tensors give nearly equal biases rather than stopping an iteration apart
         fitted = fit_bias([logits], trained, self.logp, tol=1e-5)

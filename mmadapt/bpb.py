@@ -349,10 +349,8 @@ class ByteScorer:
         rows bit for bit), what a user gets who suppresses the new pieces in source text."""
         import torch
 
-        from mmadapt.heldout import HeldOut
-
         scored = self.reading(text, tokenizer)
-        logits = self.scorer.logits(HeldOut(None, scored.on_device, None, scored.pieces), art, meta)
+        logits = self.scorer.logits(scored.on_device, art, meta)
         nats = 0.0
         for scores, (*_, targets) in zip(logits, scored.on_device):  # scores [m, V] at the m scored positions
             if len(targets) and int(targets.max()) >= rows:

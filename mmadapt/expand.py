@@ -398,7 +398,7 @@ class SourceProbe:
         seen: list[torch.Tensor] = []
         hook = norm.register_forward_hook(lambda module, args, out: seen.append(out))
         try:
-            logits = self.scorer.logits(self.held)
+            logits = self.scorer.logits(self.batches)
         finally:
             hook.remove()
         ys = [y.reshape(-1, y.shape[-1]).index_select(0, masked_index)
@@ -409,7 +409,7 @@ class SourceProbe:
         """tensors: an expanded artifact's ({"word_embeddings": [V', h], ...}), meta: its meta.json
         -> {"source_loss", "source_kl"} (nats per scored piece)."""
         loss = kl = 0.0
-        for logits, (*_, targets) in zip(self.scorer.logits(self.held, tensors, meta), self.batches):
+        for logits, (*_, targets) in zip(self.scorer.logits(self.batches, tensors, meta), self.batches):
             lq = torch.log_softmax(logits.float(), -1)[:, :self.source_size]  # [m, V_source]
             lp = torch.log_softmax(logits[:, :self.source_size].float(), -1)
             loss += float(-lq.gather(1, targets[:, None]).sum())

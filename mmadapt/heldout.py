@@ -209,15 +209,16 @@ class Scorer:
         return swapped(self.model, swap_tensors(self.family, self.model, art, meta))
 
     @torch.no_grad()
-    def logits(self, held: HeldOut, art: dict | None = None, meta: dict | None = None) -> list[torch.Tensor]:
-        """The primary head's logits [m_b, V] at each batch's scored positions, with the artifact's
-        tensors `art` swapped in (None: the model's own)."""
+    def logits(self, on_device: list, art: dict | None = None, meta: dict | None = None) -> list[torch.Tensor]:
+        """The primary head's logits [m_b, V] at the scored positions of each of the `on_device`
+        batches (a HeldOut's, a bpb reading's), with the artifact's tensors `art` swapped in (None:
+        the model's own)."""
         with self._swapped(art, meta):
-            return self._logits(held)
+            return self._logits(on_device)
 
-    def _logits(self, held: HeldOut) -> list[torch.Tensor]:
+    def _logits(self, on_device: list) -> list[torch.Tensor]:
         out = []
-        for ids, padding, masked_index, _ in held.on_device:
+        for ids, padding, masked_index, _ in on_device:
             logits = self.model.logits(ids, padding)[0]  # [b, s, V]
             out.append(logits.reshape(-1, logits.shape[-1]).index_select(0, masked_index))
         return out

@@ -267,7 +267,7 @@ def test_a_mini_models_artifact_has_its_bias_refitted_through_the_primary(step2_
     assert "scale" not in meta["primary_calibration"]  # the default calibrates the bias only
 
     def gap(bias, rows=tensors["word_embeddings"]):  # nats: the largest |log mean softmax - log unigram| over pieces
-        logits = torch.cat(scorer.logits(held, {"word_embeddings": rows, "output_bias": bias}))
+        logits = torch.cat(scorer.logits(held.on_device, {"word_embeddings": rows, "output_bias": bias}))
         return float((torch.softmax(logits.float(), -1).mean(0).log() - logp).abs().max())
 
     own = trained[BIAS].float()
@@ -287,7 +287,7 @@ def test_a_mini_models_artifact_has_its_bias_refitted_through_the_primary(step2_
     mini_held = over_mini.heldout(bias_fit_text(data, train, ROBERTA), VOCAB, unigram=False)
 
     def mini_gap(bias):
-        logits = torch.cat(over_mini.logits(mini_held, {"word_embeddings": start["word_embeddings"],
+        logits = torch.cat(over_mini.logits(mini_held.on_device, {"word_embeddings": start["word_embeddings"],
                                                         "output_bias": bias}))
         return float((torch.softmax(logits.float(), -1).mean(0).log() - logp).abs().max())
     bias = built.init[BIAS].float()
