@@ -318,7 +318,8 @@ def no_adaptation_record(scoring: Scoring, lang: str, systems: list[str]) -> dic
 
 def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: str,
                        eval_batch_tokens: int | None = None, cfg_override: dict | None = None,
-                       no_adaptation: bool = EvaluateConfig.no_adaptation_baseline, graft: bool = False) -> list[dict]:
+                       no_adaptation: bool = EvaluateConfig.no_adaptation_baseline, graft: bool = False,
+                       lang: str | None = None) -> list[dict]:
     """Zero-shot scores of every artifact, averaged over the fine-tuned runs (seeds). All runs must
     fine-tune the primary model the embeddings were trained for (PrimaryRef.same: by its
     weights' fingerprint, or for older records its path). eval_batch_tokens None: each run's
@@ -335,7 +336,12 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     graft: the artifacts were trained over a base encoder and the runs fine-tune a sibling of it
     (an imported classifier, whose own word embeddings moved): checked (graft.check_siblings over
     the bodies) and printed before anything is scored; its records are named as grafts into the
-    runs' primary model (graft.grafted; an imported classifier: its run)."""
+    runs' primary model (graft.grafted; an imported classifier: its run).
+
+    lang: every artifact scored on this language's evaluation file, read by the artifact's
+    tokenizer, instead of on its own language's (meta["lang"]): an expanded vocabulary on the
+    source language, beside the no-adaptation record of that language, is what the expansion (or
+    a graft of it) costs the source language's task."""
     paths = artifact_dirs(artifacts)  # the cheap check first
     runs, cfgs, primary, warnings = _finetuned_runs(finetuned, eval_batch_tokens, cfg_override)
     if graft:
@@ -354,7 +360,8 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
         sibling = Path(finetuned[0])
     for path in progress(paths, f"zero-shot {runs[0].task.name}"):
         emb, tok, meta = read_artifact(path)  # its primary model checked above
-        record = {**record_base(meta, runs[0].task.name), **scoring.fields(meta["lang"], tok, emb, meta),
+        scored = lang or meta["lang"]
+        record = {**record_base(meta, runs[0].task.name), "lang": scored, **scoring.fields(scored, tok, emb, meta),
                   "artifact": str(path), **warned}
         records.append(grafted(record, sibling) if graft else record)
     apart_runs(records)

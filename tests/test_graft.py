@@ -545,6 +545,35 @@ def test_an_expanded_graft_keeps_the_classifiers_own_rows(name, classifiers, tmp
     _assert_transformers_logits(out, predict.load(run, artifact, graft=True, device="cpu").logits(list(TEXTS))[2])
 
 
+def test_an_expanded_graft_is_scored_on_the_source_language(classifiers, tmp_path, monkeypatch):
+    """evaluate_artifacts(lang="en"): an expanded (German) artifact grafted into a classifier is
+    scored on the English test file read by the artifact's merged tokenizer (what the graft costs
+    the source task), beside the classifier's own English score; each is the accuracy of
+    predict's forward with (without) the same graft. (This random classifier predicts one genre
+    for every verse, so the read each score is drawn from is checked too.)"""
+    from mmadapt import evaluate
+    from mmadapt.tasks import get_task, read_examples
+
+    run = tmp_path / "clf"
+    assert main(["import-hf", "--model", str(classifiers["roberta-clf"]), "--task", "bible-genre",
+                 "--output_dir", str(run)]) == 0
+    artifact = sorted((classifiers["roberta-de-expand"] / "embeddings").iterdir())[-1]
+    reads, fields = [], evaluate.Scoring.fields
+    monkeypatch.setattr(evaluate.Scoring, "fields", lambda self, lang, tok, art, meta=None: (
+        reads.append((lang, Path(tok).resolve(), art is not None)) or fields(self, lang, tok, art, meta)))
+    grafted, none = evaluate.evaluate_artifacts([run], [artifact], "bible", graft=True, lang="en")
+    ft = evaluate.load_finetuned(run)
+    assert reads == [("en", Path(read_artifact(artifact)[1]).resolve(), True), ("en", Path(ft.tokenizer).resolve(),
+                                                                                  False)]
+    assert (grafted["lang"], none["lang"], none["system"]) == ("en", "en", "no_adaptation")
+    examples = read_examples(get_task("bible-genre"), "bible", "en", "test", labels=ft.labels)
+    gold = torch.tensor([label for _, label in examples])
+    for record, embeddings in ((grafted, artifact), (none, None)):
+        logits = predict.load(run, embeddings, graft=embeddings is not None, device="cpu").logits(
+            [text for text, _ in examples])[2]
+        assert record["score"] == pytest.approx(100 * logits.argmax(-1).eq(gold).double().mean().item(), abs=1e-4)
+
+
 def test_a_half_precision_classifier_imports(classifiers, tmp_path):
     """A classifier saved in bf16 (as many are shared) imports: its logits are compared in fp32."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
