@@ -188,7 +188,7 @@ def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 
 def bits_at(points: list[tuple[float, float]], flops: float) -> float:
-    """A curve's value (bits per byte) at Step-2 compute `flops`, linear between the
+    """A curve's value (bits per byte, or a score) at Step-2 compute `flops`, linear between the
     checkpoints (flops, value) around it."""
     pts = sorted(points)
     for (x0, y0), (x1, y1) in zip(pts, pts[1:]):

@@ -1,7 +1,8 @@
 """Graft German embeddings trained over a base encoder into a classifier fine-tuned from it outside
 mmadapt (every weight trained, as transformers users fine-tune one), scored zero-shot on German
-bible-genre, beside the classifier with no adaptation and beside the paper's Step 3 (mmadapt's
-fine-tune of the base, its embeddings frozen) with the same embeddings.
+bible-genre, beside the classifier with no adaptation, beside Step 2 over the classifier's own
+encoder at full depth (the costly route the graft replaces), and beside the paper's Step 3
+(mmadapt's fine-tune of the base, its embeddings frozen) with the same embeddings.
 
     base        the demo's shipped RoBERTa BL_BASE (pretrained on the English Bible), exported to
                 transformers and imported back: a Hugging Face model as a user holds one
@@ -10,9 +11,15 @@ fine-tune of the base, its embeddings frozen) with the same embeddings.
                 imported with `import-hf --task bible-genre`
     graft       Step 1b (MINIPOST) over the base, Step 2 over its mini-model (the demo's 1,000
                 updates of 32 x 32); `evaluate --finetuned <sibling> --graft`
-    full        Step 2 over the base's whole model (BL_BASE), the same updates, grafted alike
-    paper       the same two artifact series through mmadapt's Step 3 of the base (the demo's
-                fine-tune, word embeddings frozen): Step 4 as the paper runs it
+    sibling     (route) an MLM head fitted over the classifier's encoder (`mmadapt fit-head`,
+                --head_iters), Step 2 over that whole encoder (BL_BASE), the same updates
+    base        (route) Step 2 over the base's whole model (BL_BASE), the same updates
+    modes       replace (a 2,000-piece German vocabulary: every route) and expand (the base's
+                vocabulary with the German pieces it lacks appended, English replay at the default
+                0.5: graft and sibling), with the classifier's English bible-genre score with the
+                graft and without it
+    paper       the artifacts trained over the base through mmadapt's Step 3 of the base (the
+                demo's fine-tune, word embeddings frozen): Step 4 as the paper runs it
 
 Finished runs are kept (--output_dir).
 
@@ -23,23 +30,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
-from common import demo_hf_base, table, write_results  # (importing common puts mmadapt on the path)
+from common import bits_at, demo_hf_base, table, write_results  # (importing common puts mmadapt on the path)
 
 from mmadapt import steps
 from mmadapt.config import FinetuneConfig, MiniModelConfig, PreprocessConfig
 from mmadapt.evaluate import evaluate_artifacts
+from mmadapt.extend import Extend
 from mmadapt.finetune import is_finished
 from mmadapt.graft import check_siblings
 from mmadapt.hf import import_any, import_hf
+from mmadapt.hf_classifier import BODY
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, read_source, run_progress
 from mmadapt.tasks import get_task, read_examples
 
 LANG, VOCAB, HELD_OUT = "de", 2000, 0.03
 TASK = "bible-genre"
+MODES = ("replace", "expand")
+ROUTES = {"replace": ("graft", "sibling", "base"), "expand": ("graft", "sibling")}  # Step 2's runs per mode
+CLASSIFIER, PAPER = "classifier (transformers, every weight)", "Step 3 (mmadapt, embeddings frozen)"
 
 
 def fine_tune_classifier(base: Path, out: Path, epochs: float, lr: float, batch: int, seed: int) -> Path:
@@ -79,6 +92,9 @@ def main() -> None:
     ap.add_argument("--output_dir", type=Path, required=True)
     ap.add_argument("--sibling_epochs", type=float, default=3.0)
     ap.add_argument("--sibling_lr", type=float, default=1e-4)
+    ap.add_argument("--head_iters", type=int, default=Extend.head_iters,
+                    help="fit-head's updates over the classifier's encoder (the full route over the sibling)")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the vocabulary modes to run")
     args = ap.parse_args()
     init_parallel(1, 1)
     root = args.output_dir
@@ -94,64 +110,122 @@ def main() -> None:
     english = root / "data" / "en"  # in the imported base's ids
     steps.preprocess("bible:en", output_dir=english, vocab_size=None, tokenizer=base / "tokenizer" / "spm.model",
                      cfg=PreprocessConfig(workers=1))
-    german = root / "data" / LANG
-    steps.preprocess(f"bible:{LANG}", output_dir=german, vocab_size=VOCAB,
-                     cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT))
     minipost = root / "minipost"
     if run_progress(minipost, cfg.minipost_iters) != "done":
         steps.build_minipost(run=RunSpec(output_dir=minipost, data_path=english),
                              step=steps.BuildMinipost(primary=base, mini=MiniModelConfig(),
                                                       train=demo._train(cfg.minipost_iters, cfg.minipost_iters)))
+    # The full route over the sibling: a classifier's encoder has no MLM head, so one is fitted over
+    # it (mmadapt fit-head, on English in its own tokenizer's ids) and Step 2 runs over the whole
+    # encoder with that head, as extend does for a headless model.
+    english_sibling, head = root / "data" / "en-classifier", root / "classifier-head"
+    steps.preprocess("bible:en", output_dir=english_sibling, vocab_size=None,
+                     tokenizer=sibling / BODY / "tokenizer" / "spm.model", cfg=PreprocessConfig(workers=1))
+    if run_progress(head, args.head_iters) != "done":
+        steps.fit_head(run=RunSpec(output_dir=head, data_path=english_sibling),
+                       step=steps.FitHead(primary=sibling / BODY, train=demo._train(args.head_iters, args.head_iters)))
+    routes = {"graft": ("minipost", minipost, english), "sibling": ("bl_base", head, english_sibling),
+              "base": ("bl_base", base, english)}
     runs = {}
-    for route, system, source in (("graft", "minipost", minipost), ("full", "bl_base", base)):
-        run = runs[route] = root / "adapt" / route
-        state = run_progress(run, cfg.adapt_iters)
-        if state != "done":
-            train = demo._train(cfg.adapt_iters, cfg.adapt_save_interval, train_micro_batch_size_per_gpu=cfg.adapt_batch)
-            steps.adapt_embeddings(run=RunSpec(output_dir=run, data_path=german, resume=state == "resume"),
-                                   step=steps.AdaptEmbeddings(system=system, source=source, lang=LANG, train=train))
+    for mode in args.modes:
+        # replace: one German vocabulary for every route; expand: the German pieces appended to the
+        # vocabulary of the run Step 2 trains over (the base's, or the classifier's same pieces)
+        for route in ROUTES[mode]:
+            system, source, replay = routes[route]
+            data = root / "data" / (LANG if mode == "replace" else f"{LANG}-expand-{route}")
+            steps.preprocess(f"bible:{LANG}", output_dir=data, vocab_size=VOCAB,
+                             cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT),
+                             expand_from=source if mode == "expand" else None)
+            run = runs[mode, route] = root / "adapt" / (route if mode == "replace" else f"{route}-{mode}")
+            state = run_progress(run, cfg.adapt_iters)
+            if state != "done":
+                train = demo._train(cfg.adapt_iters, cfg.adapt_save_interval, train_micro_batch_size_per_gpu=cfg.adapt_batch,
+                                    vocab_mode=mode, replay_data=str(replay) if mode == "expand" else None)
+                steps.adapt_embeddings(run=RunSpec(output_dir=run, data_path=data, resume=state == "resume"),
+                                       step=steps.AdaptEmbeddings(system=system, source=source, lang=LANG, train=train))
     paper = root / "finetune"
     if not is_finished(paper):
         ft = dataclasses.replace(FinetuneConfig(), seq_length=cfg.seq_length, epochs=cfg.finetune_epochs,
                                  lr=cfg.finetune_lr, seed=1)
         steps.finetune(run=RunSpec(output_dir=paper, resume=(paper / "checkpoints").is_dir()),
                        step=steps.Finetune(task=TASK, primary=base, cfg=ft, eval_file="bible"))
-    distance = check_siblings(read_source(base), read_source(sibling / "body"), {}, body_only=True).distance
-    rows, records = [], {}
-    for through, graft in (("classifier (transformers, every weight)", True), ("Step 3 (mmadapt, embeddings frozen)",
-                                                                              False)):
-        run = sibling if graft else paper
-        records[through] = evaluate_artifacts([run], [runs["graft"], runs["full"]], "bible", graft=graft)
+    distance = check_siblings(read_source(base), read_source(sibling / BODY), {}, body_only=True).distance
+    one_off = {"graft": minipost_flops(minipost, demo._train(cfg.minipost_iters, cfg.minipost_iters)),
+               "sibling": float(json.loads((head / "run.json").read_text())["flops"]), "base": 0.0}
+    rows, records, english_rows = [], {}, []
+    for through, run in ((CLASSIFIER, sibling), (PAPER, paper)):
+        # the paper's Step 3 fine-tunes the base: only the artifacts trained over the base go into it
+        mine = {key: path for key, path in runs.items() if run == sibling or key[1] != "sibling"}
+        records[through] = evaluate_artifacts([run], list(mine.values()), "bible", graft=run == sibling)
         none = next(r for r in records[through] if r["system"] == "no_adaptation")
-        for route in ("graft", "full"):
-            mine = [r for r in records[through] if r.get("artifact", "").startswith(str(runs[route]))]
-            last = max(mine, key=lambda r: r["step"])
-            rows.append({"through": through, "route": route, "flops": last["flops"], "updates": last["step"],
-                         "none": none["score"], "start": min(mine, key=lambda r: r["step"])["score"],
-                         "last": last["score"], "chance": last.get("chance"),
-                         "curve": [(r["step"], r["flops"], r["score"]) for r in sorted(mine, key=lambda r: r["step"])]})
-    write_results("graft_classifier", {"rows": rows, "records": records, "sibling_distance": distance,
-                                       "sibling_epochs": args.sibling_epochs, "sibling_lr": args.sibling_lr},
-                  markdown(rows, distance, args))
+        for (mode, route), path in mine.items():
+            curve = sorted((r for r in records[through] if r.get("artifact", "").startswith(f"{path}/")),
+                           key=lambda r: r["step"])
+            rows.append({"through": through, "mode": mode, "route": route, "flops": curve[-1]["flops"],
+                         "one_off": one_off[route], "updates": curve[-1]["step"], "none": none["score"],
+                         "start": curve[0]["score"], "last": curve[-1]["score"], "chance": curve[-1].get("chance"),
+                         "curve": [(r["step"], r["flops"], r["score"]) for r in curve]})
+            if mode == "expand" and run == sibling:  # the classifier's English task with the graft and without
+                grafted, own = evaluate_artifacts([sibling], [Path(curve[-1]["artifact"])], "bible", graft=True, lang="en")
+                english_rows.append({"route": route, "own": own["score"], "grafted": grafted["score"],
+                                     "artifact": curve[-1]["artifact"]})
+    write_results("graft_classifier", {"rows": rows, "english": english_rows, "records": records,
+                                       "sibling_distance": distance, "sibling_epochs": args.sibling_epochs,
+                                       "sibling_lr": args.sibling_lr, "head_iters": args.head_iters},
+                  markdown(rows, english_rows, distance, args))
 
 
-def markdown(rows: list[dict], distance: dict[str, float], args) -> str:
+def minipost_flops(run: Path, train) -> float:
+    """Step 1b's training FLOPs (its run.json does not record them, as fit-head's does): its
+    updates' cost (flops.STEPS "minipost": the new layers trained over the frozen bottom)."""
+    source = read_source(run)
+    per_sequence = source.family.step_flops("minipost", source.cfg, train.seq_length,
+                                            source.family.scored_fraction(train),
+                                            trainable_layers=MiniModelConfig().new_layers)
+    return per_sequence * train.global_batch(1) * train.train_iters
+
+
+def markdown(rows: list[dict], english: list[dict], distance: dict[str, float], args) -> str:
     layers = [v for k, v in distance.items() if "layers." in k]
     out = ["# Grafting German embeddings into a classifier fine-tuned outside mmadapt: the demo's RoBERTa", "",
            f"`python benchmarks/graft_classifier.py --output_dir <dir>` (sibling: {args.sibling_epochs:g} epochs at lr "
-           f"{args.sibling_lr:g}, every weight); 2 CPU cores. German bible-genre accuracy (%) zero-shot on the "
-           "held-out books' verses. graft: Step 2 over the base's MINIPOST mini-model; full: Step 2 over the "
-           "base's whole model (BL_BASE). Through the classifier fine-tuned with transformers (`import-hf --task`, "
-           "`evaluate --graft`), and through mmadapt's Step 3 of the same base (word embeddings frozen: the "
-           "paper's Step 4). No adaptation: each with its own English tokenizer and embeddings.", "",
+           f"{args.sibling_lr:g}, every weight; fit-head: {args.head_iters} updates); 2 CPU cores. German bible-genre "
+           "accuracy (%) zero-shot on the held-out books' verses. Routes: graft, Step 2 over the base's MINIPOST "
+           "mini-model; sibling, Step 2 over the classifier's whole encoder with an MLM head fitted over it "
+           "(`mmadapt fit-head`: the costly route the graft replaces); base, Step 2 over the base's whole model "
+           "(BL_BASE). replace: a 2,000-piece German vocabulary; expand: the German pieces the vocabulary lacks "
+           "appended (English replay at the default 0.5), the classifier's own source rows kept. Scored through the "
+           "classifier fine-tuned with transformers (`import-hf --task`, `evaluate --graft`), and through mmadapt's "
+           "Step 3 of the same base (word embeddings frozen: the paper's Step 4) for the artifacts trained over the "
+           "base. No adaptation: each with its own English tokenizer and embeddings. One-off: the route's Step-1 "
+           "cost before Step 2 (Step 1b's two layers; fit-head's head).", "",
            f"The classifier's encoder against the base (the sibling check, ||sibling - base|| / ||base||): layers "
            f"{min(layers):.3f}-{max(layers):.3f}, word embeddings {distance.get('word_embeddings', 0.0):.3f}.", ""]
     for r in rows:
-        r["tflops"] = r["flops"] / 1e12
+        r["tflops"], r["one_off_tflops"] = r["flops"] / 1e12, r["one_off"] / 1e12
         r["gain"] = r["last"] - r["none"]
-    out.append(table(rows, [("through", "scored through"), ("route", "route"), ("updates", "updates"),
-                            ("tflops", "Step-2 TFLOPs"), ("none", "no adaptation"), ("start", "update 0"),
-                            ("last", "last"), ("gain", "last − no adaptation"), ("chance", "chance")]))
+    out.append(table(rows, [("through", "scored through"), ("mode", "mode"), ("route", "route"),
+                            ("updates", "updates"), ("tflops", "Step-2 TFLOPs"), ("one_off_tflops", "one-off TFLOPs"),
+                            ("none", "no adaptation"), ("start", "update 0"), ("last", "last"),
+                            ("gain", "last − no adaptation"), ("chance", "chance")]))
+    out.append("")
+    for mode in MODES:
+        g = next((r for r in rows if (r["through"], r["mode"], r["route"]) == (CLASSIFIER, mode, "graft")), None)
+        f = next((r for r in rows if (r["through"], r["mode"], r["route"]) == (CLASSIFIER, mode, "sibling")), None)
+        if g and f:
+            same = bits_at([(x, y) for _, x, y in f["curve"]], g["flops"])
+            out.append(f"- {mode}: the graft reads German bible-genre at {g['last']:.2f}% through the classifier, "
+                       f"{g['last'] - g['none']:+.2f} points from the classifier with no adaptation and "
+                       f"{g['last'] - f['last']:+.2f} from Step 2 over the classifier's own encoder, at "
+                       f"{100 * g['flops'] / f['flops']:.0f}% of its Step-2 FLOPs (with each route's one-off "
+                       f"cost: {100 * (g['flops'] + g['one_off']) / (f['flops'] + f['one_off']):.0f}%); at the "
+                       f"graft's Step-2 compute the route over the classifier was at {same:.2f}%.")
+    for e in english:
+        out.append(f"- English bible-genre through the classifier (expand, {e['route']}): {e['own']:.2f}% with its own "
+                   f"tokenizer and embeddings, {e['grafted']:.2f}% with the graft read by the merged tokenizer "
+                   f"({e['grafted'] - e['own']:+.2f} points). Read by the classifier's own tokenizer the graft "
+                   "changes nothing: those pieces' rows are the classifier's own, bit for bit, and a classifier "
+                   "has no softmax over the vocabulary.")
     return "\n".join(out) + "\n"
 
 
