@@ -222,10 +222,10 @@ def markdown(rows: list[dict], english: list[dict], distance: dict[str, float], 
                        f"graft's Step-2 compute the route over the classifier was at {same:.2f}%.")
     for e in english:
         out.append(f"- English bible-genre through the classifier (expand, {e['route']}): {e['own']:.2f}% with its own "
-                   f"tokenizer and embeddings, {e['grafted']:.2f}% with the graft read by the merged tokenizer "
-                   f"({e['grafted'] - e['own']:+.2f} points). Read by the classifier's own tokenizer the graft "
-                   "changes nothing: those pieces' rows are the classifier's own, bit for bit, and a classifier "
-                   "has no softmax over the vocabulary.")
+                   f"tokenizer and embeddings, {e['grafted']:.2f}% with the expanded embeddings read by the merged "
+                   f"tokenizer ({e['grafted'] - e['own']:+.2f} points). Read by the classifier's own tokenizer they "
+                   "change nothing: those pieces' rows are the classifier's own, bit for bit, and a classifier has "
+                   "no softmax over the vocabulary.")
     return "\n".join(out) + "\n"
 
 
