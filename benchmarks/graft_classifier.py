@@ -16,8 +16,8 @@ encoder at full depth (the costly route the graft replaces), and beside the pape
     base        (route) Step 2 over the base's whole model (BL_BASE), the same updates
     modes       replace (a 2,000-piece German vocabulary: every route) and expand (the base's
                 vocabulary with the German pieces it lacks appended, English replay at the default
-                0.5: graft and sibling), with the classifier's English bible-genre score with the
-                graft and without it
+                0.5: graft and sibling; the graft again at each --expand_nats), with the
+                classifier's English bible-genre score with the new embeddings and without them
     paper       the artifacts trained over the base through mmadapt's Step 3 of the base (the
                 demo's fine-tune, word embeddings frozen): Step 4 as the paper runs it
 
@@ -33,6 +33,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from common import bits_at, demo_hf_base, table, write_results  # (importing common puts mmadapt on the path)
 
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--head_iters", type=int, default=Extend.head_iters,
                     help="fit-head's updates over the classifier's encoder (the full route over the sibling)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the vocabulary modes to run")
+    ap.add_argument("--expand_nats", nargs="*", type=float, default=[0.1, 1.0],
+                    help="the graft's expand Step 2 again at each of these --expand_source_nats (its default first)")
     args = ap.parse_args()
     init_parallel(1, 1)
     root = args.output_dir
@@ -136,13 +139,20 @@ def main() -> None:
             steps.preprocess(f"bible:{LANG}", output_dir=data, vocab_size=VOCAB,
                              cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT),
                              expand_from=source if mode == "expand" else None)
-            run = runs[mode, route] = root / "adapt" / (route if mode == "replace" else f"{route}-{mode}")
-            state = run_progress(run, cfg.adapt_iters)
-            if state != "done":
-                train = demo._train(cfg.adapt_iters, cfg.adapt_save_interval, train_micro_batch_size_per_gpu=cfg.adapt_batch,
-                                    vocab_mode=mode, replay_data=str(replay) if mode == "expand" else None)
-                steps.adapt_embeddings(run=RunSpec(output_dir=run, data_path=data, resume=state == "resume"),
-                                       step=steps.AdaptEmbeddings(system=system, source=source, lang=LANG, train=train))
+            # expand's graft again where the new pieces may take more of English at update 0
+            nats = [None] + (args.expand_nats if (mode, route) == ("expand", "graft") else [])
+            for n in nats:
+                name = route if mode == "replace" else f"{route}-{mode}" + ("" if n is None else f"-nats{n:g}")
+                run = runs[mode, route if n is None else f"{route} (nats {n:g})"] = root / "adapt" / name
+                state = run_progress(run, cfg.adapt_iters)
+                if state != "done":
+                    train = demo._train(cfg.adapt_iters, cfg.adapt_save_interval,
+                                        train_micro_batch_size_per_gpu=cfg.adapt_batch, vocab_mode=mode,
+                                        replay_data=str(replay) if mode == "expand" else None,
+                                        **({} if n is None else {"expand_source_nats": n}))
+                    steps.adapt_embeddings(run=RunSpec(output_dir=run, data_path=data, resume=state == "resume"),
+                                           step=steps.AdaptEmbeddings(system=system, source=source, lang=LANG,
+                                                                      train=train))
     paper = root / "finetune"
     if not is_finished(paper):
         ft = dataclasses.replace(FinetuneConfig(), seq_length=cfg.seq_length, epochs=cfg.finetune_epochs,
@@ -152,27 +162,31 @@ def main() -> None:
     distance = check_siblings(read_source(base), read_source(sibling / BODY), {}, body_only=True).distance
     one_off = {"graft": minipost_flops(minipost, demo._train(cfg.minipost_iters, cfg.minipost_iters)),
                "sibling": float(json.loads((head / "run.json").read_text())["flops"]), "base": 0.0}
+    segmentation = {route: source_share(root / "data" / f"{LANG}-expand-{route}", read_source(source).cfg.vocab_size)
+                    for route, (_, source, _) in routes.items() if "expand" in args.modes and route in ROUTES["expand"]}
     rows, records, english_rows = [], {}, []
     for through, run in ((CLASSIFIER, sibling), (PAPER, paper)):
         # the paper's Step 3 fine-tunes the base: only the artifacts trained over the base go into it
-        mine = {key: path for key, path in runs.items() if run == sibling or key[1] != "sibling"}
+        mine = {key: path for key, path in runs.items() if run == sibling or key[1] in ("graft", "base")}
         records[through] = evaluate_artifacts([run], list(mine.values()), "bible", graft=run == sibling)
         none = next(r for r in records[through] if r["system"] == "no_adaptation")
         for (mode, route), path in mine.items():
             curve = sorted((r for r in records[through] if r.get("artifact", "").startswith(f"{path}/")),
                            key=lambda r: r["step"])
             rows.append({"through": through, "mode": mode, "route": route, "flops": curve[-1]["flops"],
-                         "one_off": one_off[route], "updates": curve[-1]["step"], "none": none["score"],
+                         "one_off": one_off[route.split()[0]], "updates": curve[-1]["step"], "none": none["score"],
                          "start": curve[0]["score"], "last": curve[-1]["score"], "chance": curve[-1].get("chance"),
                          "curve": [(r["step"], r["flops"], r["score"]) for r in curve]})
             if mode == "expand" and run == sibling:  # the classifier's English task with the graft and without
                 grafted, own = evaluate_artifacts([sibling], [Path(curve[-1]["artifact"])], "bible", graft=True, lang="en")
                 english_rows.append({"route": route, "own": own["score"], "grafted": grafted["score"],
-                                     "artifact": curve[-1]["artifact"]})
+                                     "artifact": curve[-1]["artifact"],
+                                     "expand_report": json.loads((path / "run.json").read_text()).get("expand_report")})
     write_results("graft_classifier", {"rows": rows, "english": english_rows, "records": records,
                                        "sibling_distance": distance, "sibling_epochs": args.sibling_epochs,
-                                       "sibling_lr": args.sibling_lr, "head_iters": args.head_iters},
-                  markdown(rows, english_rows, distance, args))
+                                       "sibling_lr": args.sibling_lr, "head_iters": args.head_iters,
+                                       "expand_nats": args.expand_nats, "segmentation": segmentation},
+                  markdown(rows, english_rows, distance, segmentation, args))
 
 
 def minipost_flops(run: Path, train) -> float:
@@ -185,7 +199,16 @@ def minipost_flops(run: Path, train) -> float:
     return per_sequence * train.global_batch(1) * train.train_iters
 
 
-def markdown(rows: list[dict], english: list[dict], distance: dict[str, float], args) -> str:
+def source_share(data: Path, source_rows: int) -> dict:
+    """How an expanded vocabulary's tokenizer reads the target text (`data`, prepared with it):
+    its pieces, and the share of them that are the source's own rows (id < source_rows, frozen in
+    Step 2) rather than new ones."""
+    manifest = json.loads((data / "manifest.json").read_text())
+    ids = np.fromfile(data / "text.bin", dtype=np.dtype(manifest["dtype"]))
+    return {"pieces": int(ids.size), "source_share": float((ids < source_rows).mean())}
+
+
+def markdown(rows: list[dict], english: list[dict], distance: dict[str, float], segmentation: dict, args) -> str:
     layers = [v for k, v in distance.items() if "layers." in k]
     out = ["# Grafting German embeddings into a classifier fine-tuned outside mmadapt: the demo's RoBERTa", "",
            f"`python benchmarks/graft_classifier.py --output_dir <dir>` (sibling: {args.sibling_epochs:g} epochs at lr "
@@ -194,7 +217,9 @@ def markdown(rows: list[dict], english: list[dict], distance: dict[str, float], 
            "mini-model; sibling, Step 2 over the classifier's whole encoder with an MLM head fitted over it "
            "(`mmadapt fit-head`: the costly route the graft replaces); base, Step 2 over the base's whole model "
            "(BL_BASE). replace: a 2,000-piece German vocabulary; expand: the German pieces the vocabulary lacks "
-           "appended (English replay at the default 0.5), the classifier's own source rows kept. Scored through the "
+           "appended (English replay at the default 0.5), the classifier's own source rows kept; graft (nats x): "
+           "the same with --expand_source_nats x (default 0.01: how much of English the new pieces may take at "
+           "update 0). Scored through the "
            "classifier fine-tuned with transformers (`import-hf --task`, `evaluate --graft`), and through mmadapt's "
            "Step 3 of the same base (word embeddings frozen: the paper's Step 4) for the artifacts trained over the "
            "base. No adaptation: each with its own English tokenizer and embeddings. One-off: the route's Step-1 "
@@ -220,12 +245,21 @@ def markdown(rows: list[dict], english: list[dict], distance: dict[str, float], 
                        f"{100 * g['flops'] / f['flops']:.0f}% of its Step-2 FLOPs (with each route's one-off "
                        f"cost: {100 * (g['flops'] + g['one_off']) / (f['flops'] + f['one_off']):.0f}%); at the "
                        f"graft's Step-2 compute the route over the classifier was at {same:.2f}%.")
+    for seg in [dict(t) for t in dict.fromkeys(tuple(v.items()) for v in segmentation.values())]:
+        routes = ", ".join(route for route, v in segmentation.items() if v == seg)
+        out.append(f"- expand ({routes}): the merged tokenizer reads the German training text in {seg['pieces']:,} pieces, "
+                   f"{100 * seg['source_share']:.0f}% of them the source's own (frozen) rows: a new piece is taken "
+                   "only where it replaces several source pieces (tokenizer.expand_hf), so German words are mostly "
+                   "read as English fragments.")
     for e in english:
+        start = (e.get("expand_report") or {}).get("plugin_gain_start")
         out.append(f"- English bible-genre through the classifier (expand, {e['route']}): {e['own']:.2f}% with its own "
                    f"tokenizer and embeddings, {e['grafted']:.2f}% with the expanded embeddings read by the merged "
                    f"tokenizer ({e['grafted'] - e['own']:+.2f} points). Read by the classifier's own tokenizer they "
                    "change nothing: those pieces' rows are the classifier's own, bit for bit, and a classifier has "
-                   "no softmax over the vocabulary.")
+                   "no softmax over the vocabulary."
+                   + (f" Step 2's German plug-in gain over a unigram model at update 0: {start:+.2f} nats."
+                      if start is not None else ""))
     return "\n".join(out) + "\n"
 
 
