@@ -39,6 +39,7 @@ from common import bits_at, demo_hf_base, table, write_results  # (importing com
 
 from mmadapt import steps
 from mmadapt.config import FinetuneConfig, MiniModelConfig, PreprocessConfig
+from mmadapt.data import TOKENIZER
 from mmadapt.evaluate import evaluate_artifacts
 from mmadapt.extend import Extend
 from mmadapt.finetune import is_finished
@@ -96,6 +97,8 @@ def main() -> None:
     ap.add_argument("--head_iters", type=int, default=Extend.head_iters,
                     help="fit-head's updates over the classifier's encoder (the full route over the sibling)")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the vocabulary modes to run")
+    ap.add_argument("--expand_target_scores", action=argparse.BooleanOptionalAction, default=True,
+                    help="the graft's expand Step 2 again with its new pieces at the target tokenizer's own scores")
     ap.add_argument("--expand_nats", nargs="*", type=float, default=[0.1, 1.0],
                     help="the graft's expand Step 2 again at each of these --expand_source_nats (its default first)")
     args = ap.parse_args()
@@ -139,18 +142,24 @@ def main() -> None:
             steps.preprocess(f"bible:{LANG}", output_dir=data, vocab_size=VOCAB,
                              cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT),
                              expand_from=source if mode == "expand" else None)
-            # expand's graft again where the new pieces may take more of English at update 0
-            nats = [None] + (args.expand_nats if (mode, route) == ("expand", "graft") else [])
-            for n in nats:
-                name = route if mode == "replace" else f"{route}-{mode}" + ("" if n is None else f"-nats{n:g}")
-                run = runs[mode, route if n is None else f"{route} (nats {n:g})"] = root / "adapt" / name
+            # (name suffix, row label, TrainConfig changes, data): expand's graft again where the new
+            # pieces may take more of English at update 0, and where its tokenizer reads German in
+            # the new pieces at the target's own scores (each ablates one suspect of its shortfall)
+            variants = [("", route, {}, data)]
+            if (mode, route) == ("expand", "graft"):
+                variants += [(f"-nats{n:g}", f"{route} (nats {n:g})", {"expand_source_nats": n}, data)
+                             for n in args.expand_nats]
+                if args.expand_target_scores:
+                    variants.append(("-target-scores", f"{route} (target scores)", {},
+                                     target_scored(root, data, read_source(source).cfg.vocab_size)))
+            for suffix, label, changes, text in variants:
+                run = runs[mode, label] = root / "adapt" / (route if mode == "replace" else f"{route}-{mode}{suffix}")
                 state = run_progress(run, cfg.adapt_iters)
                 if state != "done":
                     train = demo._train(cfg.adapt_iters, cfg.adapt_save_interval,
                                         train_micro_batch_size_per_gpu=cfg.adapt_batch, vocab_mode=mode,
-                                        replay_data=str(replay) if mode == "expand" else None,
-                                        **({} if n is None else {"expand_source_nats": n}))
-                    steps.adapt_embeddings(run=RunSpec(output_dir=run, data_path=data, resume=state == "resume"),
+                                        replay_data=str(replay) if mode == "expand" else None, **changes)
+                    steps.adapt_embeddings(run=RunSpec(output_dir=run, data_path=text, resume=state == "resume"),
                                            step=steps.AdaptEmbeddings(system=system, source=source, lang=LANG,
                                                                       train=train))
     paper = root / "finetune"
@@ -164,6 +173,9 @@ def main() -> None:
                "sibling": float(json.loads((head / "run.json").read_text())["flops"]), "base": 0.0}
     segmentation = {route: source_share(root / "data" / f"{LANG}-expand-{route}", read_source(source).cfg.vocab_size)
                     for route, (_, source, _) in routes.items() if "expand" in args.modes and route in ROUTES["expand"]}
+    if ("expand", "graft (target scores)") in runs:
+        segmentation["graft (target scores)"] = source_share(root / "data" / f"{LANG}-expand-target-scores",
+                                                             read_source(minipost).cfg.vocab_size)
     rows, records, english_rows = [], {}, []
     for through, run in ((CLASSIFIER, sibling), (PAPER, paper)):
         # the paper's Step 3 fine-tunes the base: only the artifacts trained over the base go into it
@@ -199,6 +211,39 @@ def minipost_flops(run: Path, train) -> float:
     return per_sequence * train.global_batch(1) * train.train_iters
 
 
+def target_scored(root: Path, merged: Path, rows: int) -> Path:
+    """German prepared with `merged`'s tokenizer (an expansion of an imported Unigram tokenizer,
+    its first `rows` pieces the source's) changed only in the new pieces' scores: the target
+    tokenizer's own log-probabilities (that of the replace data, root/data/LANG, trained on the
+    same text) instead of those shifted under every source piece (tokenizer.expand_hf), so that
+    Viterbi takes a new piece wherever the target's model would. -> the prepared data."""
+    doc = json.loads((merged / TOKENIZER).read_text(encoding="utf-8"))
+    if doc["tokenizer"]["model"].get("type") != "Unigram":
+        raise ValueError(f"{merged / TOKENIZER} is not a Unigram tokenizer: its new pieces hold no score to change")
+    target = root / "data" / LANG  # prepared here already where replace ran (a no-op then)
+    steps.preprocess(f"bible:{LANG}", output_dir=target, vocab_size=VOCAB,
+                     cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT))
+    score = {p.piece: p.score for p in sentencepiece_pieces(target / TOKENIZER)}
+    for entry in doc["tokenizer"]["model"]["vocab"][rows:]:
+        entry[1] = score[entry[0]]
+    out = root / "tokenizers" / "de-expand-target-scores.model"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+    data = root / "data" / f"{LANG}-expand-target-scores"
+    steps.preprocess(f"bible:{LANG}", output_dir=data, vocab_size=None, tokenizer=out,
+                     cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT))
+    return data
+
+
+def sentencepiece_pieces(model: Path) -> list:
+    """A SentencePiece model's pieces (each with .piece and .score)."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model.read_bytes())
+    return list(proto.pieces)
+
+
 def source_share(data: Path, source_rows: int) -> dict:
     """How an expanded vocabulary's tokenizer reads the target text (`data`, prepared with it):
     its pieces, and the share of them that are the source's own rows (id < source_rows, frozen in
@@ -219,7 +264,8 @@ def markdown(rows: list[dict], english: list[dict], distance: dict[str, float], 
            "(BL_BASE). replace: a 2,000-piece German vocabulary; expand: the German pieces the vocabulary lacks "
            "appended (English replay at the default 0.5), the classifier's own source rows kept; graft (nats x): "
            "the same with --expand_source_nats x (default 0.01: how much of English the new pieces may take at "
-           "update 0). Scored through the "
+           "update 0); graft (target scores): the same with the merged tokenizer's new pieces at the target "
+           "tokenizer's own scores, not shifted under every source piece. Scored through the "
            "classifier fine-tuned with transformers (`import-hf --task`, `evaluate --graft`), and through mmadapt's "
            "Step 3 of the same base (word embeddings frozen: the paper's Step 4) for the artifacts trained over the "
            "base. No adaptation: each with its own English tokenizer and embeddings. One-off: the route's Step-1 "
@@ -247,10 +293,10 @@ def markdown(rows: list[dict], english: list[dict], distance: dict[str, float], 
                        f"graft's Step-2 compute the route over the classifier was at {same:.2f}%.")
     for seg in [dict(t) for t in dict.fromkeys(tuple(v.items()) for v in segmentation.values())]:
         routes = ", ".join(route for route, v in segmentation.items() if v == seg)
-        out.append(f"- expand ({routes}): the merged tokenizer reads the German training text in {seg['pieces']:,} pieces, "
-                   f"{100 * seg['source_share']:.0f}% of them the source's own (frozen) rows: a new piece is taken "
-                   "only where it replaces several source pieces (tokenizer.expand_hf), so German words are mostly "
-                   "read as English fragments.")
+        how = ("with its new pieces at the target's own scores" if "target scores" in routes else
+               "(a new piece is taken only where it replaces several source pieces, tokenizer.expand_hf)")
+        out.append(f"- expand ({routes}): the merged tokenizer {how} reads the German training text in "
+                   f"{seg['pieces']:,} pieces, {100 * seg['source_share']:.0f}% of them the source's own (frozen) rows.")
     for e in english:
         start = (e.get("expand_report") or {}).get("plugin_gain_start")
         out.append(f"- English bible-genre through the classifier (expand, {e['route']}): {e['own']:.2f}% with its own "
