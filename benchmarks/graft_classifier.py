@@ -39,7 +39,8 @@ from common import bits_at, demo_hf_base, table, write_results  # (importing com
 
 from mmadapt import steps
 from mmadapt.config import FinetuneConfig, MiniModelConfig, PreprocessConfig
-from mmadapt.data import TOKENIZER
+from mmadapt.checkpoint import read_json
+from mmadapt.data import TEXT, TOKENIZER, read_manifest
 from mmadapt.evaluate import evaluate_artifacts
 from mmadapt.extend import Extend
 from mmadapt.finetune import is_finished
@@ -49,6 +50,8 @@ from mmadapt.hf_classifier import BODY
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, read_source, run_progress
 from mmadapt.tasks import get_task, read_examples
+from mmadapt.tokenizer import kind
+from mmadapt.tokenizer import load as load_tokenizer
 
 LANG, VOCAB, HELD_OUT = "de", 2000, 0.03
 TASK = "bible-genre"
@@ -132,7 +135,7 @@ def main() -> None:
                        step=steps.FitHead(primary=sibling / BODY, train=demo._train(args.head_iters, args.head_iters)))
     routes = {"graft": ("minipost", minipost, english), "sibling": ("bl_base", head, english_sibling),
               "base": ("bl_base", base, english)}
-    runs = {}
+    runs, shares = {}, {}  # (mode, row label) -> (route, run); expand's German data -> (first row label, source_share)
     for mode in args.modes:
         # replace: one German vocabulary for every route; expand: the German pieces appended to the
         # vocabulary of the run Step 2 trains over (the base's, or the classifier's same pieces)
@@ -145,15 +148,18 @@ def main() -> None:
             # (name suffix, row label, TrainConfig changes, data): expand's graft again where the new
             # pieces may take more of English at update 0, and where its tokenizer reads German in
             # the new pieces at the target's own scores (each ablates one suspect of its shortfall)
-            variants = [("", route, {}, data)]
+            variants, source_rows = [("", route, {}, data)], read_source(source).cfg.vocab_size
             if (mode, route) == ("expand", "graft"):
                 variants += [(f"-nats{n:g}", f"{route} (nats {n:g})", {"expand_source_nats": n}, data)
                              for n in args.expand_nats]
                 if args.expand_target_scores:
                     variants.append(("-target-scores", f"{route} (target scores)", {},
-                                     target_scored(root, data, read_source(source).cfg.vocab_size)))
+                                     target_scored(root, data, source_rows)))
             for suffix, label, changes, text in variants:
-                run = runs[mode, label] = root / "adapt" / (route if mode == "replace" else f"{route}-{mode}{suffix}")
+                run = root / "adapt" / (route if mode == "replace" else f"{route}-{mode}{suffix}")
+                runs[mode, label] = route, run
+                if mode == "expand" and text not in shares:
+                    shares[text] = label, source_share(text, source_rows)
                 state = run_progress(run, cfg.adapt_iters)
                 if state != "done":
                     train = demo._train(cfg.adapt_iters, cfg.adapt_save_interval,
@@ -170,30 +176,32 @@ def main() -> None:
                        step=steps.Finetune(task=TASK, primary=base, cfg=ft, eval_file="bible"))
     distance = check_siblings(read_source(base), read_source(sibling / BODY), {}, body_only=True).distance
     one_off = {"graft": minipost_flops(minipost, demo._train(cfg.minipost_iters, cfg.minipost_iters)),
-               "sibling": float(json.loads((head / "run.json").read_text())["flops"]), "base": 0.0}
-    segmentation = {route: source_share(root / "data" / f"{LANG}-expand-{route}", read_source(source).cfg.vocab_size)
-                    for route, (_, source, _) in routes.items() if "expand" in args.modes and route in ROUTES["expand"]}
-    if ("expand", "graft (target scores)") in runs:
-        segmentation["graft (target scores)"] = source_share(root / "data" / f"{LANG}-expand-target-scores",
-                                                             read_source(minipost).cfg.vocab_size)
-    rows, records, english_rows = [], {}, []
+               "sibling": float(read_json(head / "run.json", "run file")["flops"]), "base": 0.0}
+    segmentation = dict(shares.values())
+    rows, records, expanded = [], {}, {}
     for through, run in ((CLASSIFIER, sibling), (PAPER, paper)):
-        # the paper's Step 3 fine-tunes the base: only the artifacts trained over the base go into it
-        mine = {key: path for key, path in runs.items() if run == sibling or key[1] in ("graft", "base")}
+        # the paper's Step 3 fine-tunes the base: only the artifacts trained over the base (not the
+        # ablations) go into it
+        mine = {key: path for key, (route, path) in runs.items()
+                if run == sibling or (key[1] == route and route != "sibling")}
         records[through] = evaluate_artifacts([run], list(mine.values()), "bible", graft=run == sibling)
         none = next(r for r in records[through] if r["system"] == "no_adaptation")
-        for (mode, route), path in mine.items():
+        for (mode, label), path in mine.items():
             curve = sorted((r for r in records[through] if r.get("artifact", "").startswith(f"{path}/")),
                            key=lambda r: r["step"])
-            rows.append({"through": through, "mode": mode, "route": route, "flops": curve[-1]["flops"],
-                         "one_off": one_off[route.split()[0]], "updates": curve[-1]["step"], "none": none["score"],
+            rows.append({"through": through, "mode": mode, "route": label, "flops": curve[-1]["flops"],
+                         "one_off": one_off[runs[mode, label][0]], "updates": curve[-1]["step"], "none": none["score"],
                          "start": curve[0]["score"], "last": curve[-1]["score"], "chance": curve[-1].get("chance"),
                          "curve": [(r["step"], r["flops"], r["score"]) for r in curve]})
-            if mode == "expand" and run == sibling:  # the classifier's English task with the graft and without
-                grafted, own = evaluate_artifacts([sibling], [Path(curve[-1]["artifact"])], "bible", graft=True, lang="en")
-                english_rows.append({"route": route, "own": own["score"], "grafted": grafted["score"],
-                                     "artifact": curve[-1]["artifact"],
-                                     "expand_report": json.loads((path / "run.json").read_text()).get("expand_report")})
+            if mode == "expand" and run == sibling:
+                expanded[label] = path, Path(curve[-1]["artifact"])
+    # the classifier's English task with each expanded vocabulary's last embeddings and without
+    # them: one scoring pass (the model built once, each tokenizer's English encoded once)
+    english = evaluate_artifacts([sibling], [art for _, art in expanded.values()], "bible", graft=True, lang="en")
+    own = next(r for r in english if r["system"] == "no_adaptation")
+    english_rows = [{"route": label, "own": own["score"], "grafted": record["score"], "artifact": str(art),
+                     "expand_report": read_json(path / "run.json", "run file").get("expand_report")}
+                    for (label, (path, art)), record in zip(expanded.items(), english)]
     write_results("graft_classifier", {"rows": rows, "english": english_rows, "records": records,
                                        "sibling_distance": distance, "sibling_epochs": args.sibling_epochs,
                                        "sibling_lr": args.sibling_lr, "head_iters": args.head_iters,
@@ -217,13 +225,14 @@ def target_scored(root: Path, merged: Path, rows: int) -> Path:
     tokenizer's own log-probabilities (that of the replace data, root/data/LANG, trained on the
     same text) instead of those shifted under every source piece (tokenizer.expand_hf), so that
     Viterbi takes a new piece wherever the target's model would. -> the prepared data."""
-    doc = json.loads((merged / TOKENIZER).read_text(encoding="utf-8"))
-    if doc["tokenizer"]["model"].get("type") != "Unigram":
+    if kind(merged / TOKENIZER) != "unigram":
         raise ValueError(f"{merged / TOKENIZER} is not a Unigram tokenizer: its new pieces hold no score to change")
+    doc = json.loads((merged / TOKENIZER).read_text(encoding="utf-8"))
     target = root / "data" / LANG  # prepared here already where replace ran (a no-op then)
     steps.preprocess(f"bible:{LANG}", output_dir=target, vocab_size=VOCAB,
                      cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT))
-    score = {p.piece: p.score for p in sentencepiece_pieces(target / TOKENIZER)}
+    sp = load_tokenizer(target / TOKENIZER)
+    score = {sp.id_to_piece(i): sp.get_score(i) for i in range(sp.get_piece_size())}
     for entry in doc["tokenizer"]["model"]["vocab"][rows:]:
         entry[1] = score[entry[0]]
     out = root / "tokenizers" / "de-expand-target-scores.model"
@@ -235,21 +244,11 @@ def target_scored(root: Path, merged: Path, rows: int) -> Path:
     return data
 
 
-def sentencepiece_pieces(model: Path) -> list:
-    """A SentencePiece model's pieces (each with .piece and .score)."""
-    from sentencepiece import sentencepiece_model_pb2
-
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(model.read_bytes())
-    return list(proto.pieces)
-
-
 def source_share(data: Path, source_rows: int) -> dict:
     """How an expanded vocabulary's tokenizer reads the target text (`data`, prepared with it):
     its pieces, and the share of them that are the source's own rows (id < source_rows, frozen in
     Step 2) rather than new ones."""
-    manifest = json.loads((data / "manifest.json").read_text())
-    ids = np.fromfile(data / "text.bin", dtype=np.dtype(manifest["dtype"]))
+    ids = np.fromfile(data / f"{TEXT}.bin", dtype=np.dtype(read_manifest(data)["dtype"]))
     return {"pieces": int(ids.size), "source_share": float((ids < source_rows).mean())}
 
 
