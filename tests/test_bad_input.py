@@ -206,12 +206,30 @@ class Ctx:
         return str(write_bible_corpus("ru", self.tmp / "ru.txt", books=range(1, 2)))
 
     def graft(self, primary: str, artifact: str, *extra: str) -> list[str]:
-        """export-hf of the last artifact of the graft_runs run `artifact` into the run `primary`."""
+        """export-hf of the last artifact of the graft_runs run `artifact` into the run `primary` (a
+        graft_runs name, or a run's path)."""
         runs = self.request.getfixturevalue("graft_runs")
         self.request.getfixturevalue("capsys").readouterr()  # what building them printed, the first time
         art = sorted((runs[artifact] / "embeddings").iterdir())[-1]
-        return ["export-hf", "--primary", str(runs[primary]), "--embeddings", str(art), *extra, "--output_dir",
-                str(self.out)]
+        return ["export-hf", "--primary", str(runs.get(primary, primary)), "--embeddings", str(art), *extra,
+                "--output_dir", str(self.out)]
+
+    def sibling_of_another_vocabulary(self) -> str:
+        """graft_runs' Llama-2 sibling copied with two of its tokenizer's pieces swapped: the same
+        weights and shapes, another source vocabulary."""
+        import json
+        import shutil
+
+        src = self.request.getfixturevalue("graft_runs")["llama2-sibling"]
+        run = self.tmp / "other-vocabulary"
+        shutil.copytree(src, run)
+        tok = run / "tokenizer" / "spm.model"
+        doc = json.loads(tok.read_text(encoding="utf-8"))
+        vocab = doc["tokenizer"]["model"]["vocab"]
+        a, b = sorted(vocab, key=vocab.get)[-2:]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        tok.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
+        return str(run)
 
     def predict_graft(self, run: str, artifact: str | None, *extra: str) -> list[str]:
         """predict over the graft_runs run `run`, with the last artifact of the run `artifact`."""
@@ -650,6 +668,8 @@ CASES = [
     # --- grafting Step-2 embeddings into a fine-tuned sibling (issue 54)
     ("graft-into-another-architecture", lambda c: c.graft("qwen2-sibling", "llama2-expand", "--graft"),
      "is not a sibling of"),
+    ("graft-into-another-vocabulary", lambda c: c.graft(c.sibling_of_another_vocabulary(), "llama2-expand", "--graft"),
+     "its tokenizer has another vocabulary (a source vocabulary other than the base's); run Step 2 over it instead"),
     ("graft-expand-into-moved-output-rows", lambda c: c.graft("llama2-sibling-output", "llama2-expand", "--graft"),
      "its untied output rows (output_layer.weight) moved from the base's"),
     ("graft-without-the-flag", lambda c: c.graft("llama2-sibling", "llama2-replace"),
