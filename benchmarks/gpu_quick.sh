@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU suite's most telling steps in one bounded call (3 minutes on one H200, 2026-11-26;
-# at most 8.5 by its time limits), for a machine held
-# for minutes: each step under its own time limit, the most important first, so that a cut-off
-# run still leaves the first results. The whole suite is benchmarks/gpu_suite.sh.
+# The GPU suite's most telling steps in one bounded call, for a machine held for minutes: each
+# step under its own time limit, the most important first, so that a cut-off run still leaves the
+# first results: throughput eager and compiled (every step and system, roberta-base), the decoder
+# against transformers, one update profiled per Step-1/Step-2 system, the host cost against
+# d974fb8 (when its tree is in ./.devcache/d974fb8: git archive d974fb8 mmadapt ds_configs), a
+# larger micro-batch, then the rest. The whole suite is benchmarks/gpu_suite.sh.
+#   SMOKE=1 bash benchmarks/gpu_quick.sh /tmp/x     # every step at CPU scale, one or two updates
 #
 #   bash benchmarks/gpu_quick.sh [RESULTS_DIR]      # results files there (default benchmarks/results)
 #
@@ -12,7 +15,8 @@
 # machine with the registry, for the GPU machine's Python (3.12 here):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-#       megatron-core==0.16.1 pydantic pydantic-core hjson annotated-types typing-inspection
+#       megatron-core==0.16.1 pydantic pydantic-core hjson annotated-types typing-inspection \
+#       typing-extensions
 #   pip wheel --no-deps -w .whl deepspeed==0.19.8          # pure Python (no ops built ahead)
 #   (sqlite3: CREATE the bible table, INSERT ... SELECT ... WHERE bbName IN ('k', 's'))
 # The script installs them into /tmp/site when it finds them.
@@ -20,14 +24,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export MMADAPT_BENCH_RESULTS=${1:-${MMADAPT_BENCH_RESULTS:-benchmarks/results}}
 export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
+if [ -d .whl ] && [ -z "${SMOKE:-}" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl || exit 2
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-[ -d .devcache/site ] && export PYTHONPATH=$PWD/.devcache/site:$PYTHONPATH
+[ -d .devcache/site ] && export PYTHONPATH=$PWD/.devcache/site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit,driver_version --format=csv || exit 2
+if [ -z "${SMOKE:-}" ]; then
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit,driver_version --format=csv || exit 2
+fi
 python3 -c "import torch, deepspeed, megatron.core, transformers; print('torch', torch.__version__, 'deepspeed',
 deepspeed.__version__, 'transformers', transformers.__version__)" || exit 2
 
@@ -40,15 +46,31 @@ step() {  # step NAME SECONDS CMD...: run CMD under a time limit, keep going on 
 }
 
 CASES=(--only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt minipost:adapt)
-QUICK=(--repeats 5 --warmup 2)
-step gpu-tests        60 python3 -m pytest -q -p no:cacheprovider -m gpu -k bf16 tests/test_gpu.py
-step throughput-eager 120 python3 benchmarks/throughput.py --real --dropout "${QUICK[@]}"
-step vs-hf-decoder    120 python3 benchmarks/vs_hf_decoder.py "${QUICK[@]}"
-step vs-hf            60 python3 benchmarks/vs_hf.py "${QUICK[@]}"
-step throughput-varlen 60 python3 benchmarks/throughput.py --real --dropout --attention_impl varlen "${CASES[@]}" \
-                          "${QUICK[@]}"
-step throughput-compile 90 python3 benchmarks/throughput.py --real --dropout --attention_impl varlen --fusion compile \
-                           --only bl_base:adapt minijoint:adapt "${QUICK[@]}"
+if [ -n "${SMOKE:-}" ]; then
+    QUICK=(--repeats 1 --warmup 1); PROF=(--repeats 1 --warmup 1); HOST=(--cases bl_base-adapt --repeats 2)
+else
+    QUICK=(--repeats 5 --warmup 2); PROF=(--repeats 5 --warmup 2); HOST=()
+fi
+step throughput-eager  90 python3 benchmarks/throughput.py --real --dropout "${QUICK[@]}"
+step throughput-compile 150 python3 benchmarks/throughput.py --real --dropout --fusion compile "${CASES[@]}" "${QUICK[@]}"
+step vs-hf-decoder     90 python3 benchmarks/vs_hf_decoder.py "${QUICK[@]}"
+for c in bl_base:pretrain bl_base:adapt minijoint:adapt; do
+    step "profile-$c"  45 python3 benchmarks/profile_update.py --real --dropout --only "$c" "${PROF[@]}"
+done
+if [ -d .devcache/d974fb8 ]; then
+    step host-cost-d974fb8 90 python3 benchmarks/host_cost.py --repo .devcache/d974fb8 --tag d974fb8 \
+                              --shapes roberta-base --json_only /tmp/host_cost_d974fb8.json "${HOST[@]}"
+    step host-cost     90 python3 benchmarks/host_cost.py --shapes roberta-base --against /tmp/host_cost_d974fb8.json \
+                          "${HOST[@]}"
+fi
+step vs-hf             60 python3 benchmarks/vs_hf.py "${QUICK[@]}"
+step throughput-mb64   60 python3 benchmarks/throughput.py --real --dropout --micro_batch 64 \
+                          --only bl_base:pretrain bl_base:adapt minijoint:adapt "${QUICK[@]}"
+step vs-hf-decoder-compile 120 python3 benchmarks/vs_hf_decoder.py --fusion compile "${QUICK[@]}"
+step profile-compile   60 python3 benchmarks/profile_update.py --real --dropout --fusion compile \
+                          --only bl_base:pretrain "${PROF[@]}"
+step profile-minipost  45 python3 benchmarks/profile_update.py --real --dropout --only minipost:adapt "${PROF[@]}"
+[ -z "${SMOKE:-}" ] && step gpu-tests 60 python3 -m pytest -q -p no:cacheprovider -m gpu -k bf16 tests/test_gpu.py
 echo
 [ ${#failed[@]} -gt 0 ] && { echo "failed: ${failed[*]}"; exit 1; }
 echo "all written to $MMADAPT_BENCH_RESULTS/"

@@ -95,7 +95,10 @@ def main(argv=None) -> None:
           table(group_rows, [("group", "group"), ("ms_per_update", "ms/update"), ("share", "share")]), "",
           table(top_rows, [("kernel", "kernel"), ("group", "group"), ("ms_per_update", "ms/update"),
                            ("share", "share")])]
-    paths = write_results(f"profile_{system}_{step}", {"case": args.only, "seq_length": s, "micro_batch": b,
+    # eager SDPA keeps the plain name (the 2026-11-26 files); another setting is named in the file's
+    name = f"profile_{system}_{step}" + ("" if args.attention_impl == "sdpa" else f"_{args.attention_impl}") + \
+        ("" if args.fusion == "none" else f"_{args.fusion}")
+    paths = write_results(name, {"case": args.only, "seq_length": s, "micro_batch": b,
                                                        "attention_impl": args.attention_impl, "fusion": args.fusion,
                                                        "ds_config": args.ds_config, "busy_ms_per_update": busy_ms,
                                                        "wall_ms_per_update": 1e3 * wall,

@@ -135,7 +135,8 @@ def main(argv=None) -> None:
     name = "throughput" + ("" if args.shape in SHAPES else "_" + args.shape.replace(".", "_")) + \
         ("_real" if args.real else "") + ("_dropout" if args.dropout else "") + \
         ("" if args.attention_impl == "sdpa" else f"_{args.attention_impl}") + \
-        ("" if args.fusion == "none" else f"_{args.fusion}")
+        ("" if args.fusion == "none" else f"_{args.fusion}") + \
+        ("" if b == ap.get_default("micro_batch") else f"_mb{b}")  # a micro-batch sweep keeps each file
     paths = write_results(name, {"shape": {"hidden_size": base.hidden_size, "vocab_size": base.vocab_size,
                                            "seq_length": s, "micro_batch": b, "dtype": str(dtype)},
                                  "data": {"real": args.real, "padding_fraction": pad, "mask_fraction": p,
