@@ -209,6 +209,44 @@ def foreach_clip(engine) -> torch.Tensor:
     return total
 
 
+def flat_bf16_grads(optimizer, is_pipe: bool) -> bool:
+    """DeepSpeed's BF16_Optimizer (one replica under bf16, for_replicas) reading its own flat fp32
+    gradient buffers, where it reads them tensor by tensor. Its step takes the gradient norm as one
+    norm per trained tensor and clips with one multiply per tensor, and its backward hook adds each
+    bf16 gradient into its fp32 slot as a cast then an add: three launches per tensor (~460 of a
+    roberta-base Step-1 update's ~900 on a GPU, benchmarks/host_cost.py), each with its Python. Here
+    the norm and the clip run over each group's flat buffer (the tensors' slots back to back, so the
+    same sum of squares, in another order) and the add casts as it reads (the same values, bit for
+    bit). Only where the per-tensor reading selects nothing: one tensor-parallel rank, no pipeline
+    (whose tied copies the norm skips), no MoE or Muon groups. Returns whether it applied."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    if (not isinstance(optimizer, BF16_Optimizer) or is_pipe or parallel.tp_world() > 1 or optimizer.has_moe_layers
+            or getattr(optimizer, "_uses_muon", False) or optimizer.autoep_folding_tp_group is not None
+            or not hasattr(optimizer, "fp32_groups_actual_gradients_flat")):
+        return False
+    flats = optimizer.fp32_groups_actual_gradients_flat  # without the alignment padding
+
+    def grads_for_norm(for_clipping: bool = False):
+        # a tensor with no gradient this update holds zeros in its slot (clear_hp_grads): it adds nothing
+        return list(flats) if for_clipping else (list(flats), {})
+
+    @torch.no_grad()
+    def update_hp_grad(lp, group_idx: int, param_idx: int, clear_lp_grads: bool) -> None:
+        if lp.grad is None:
+            return
+        hp = optimizer.fp32_groups_gradients[group_idx][param_idx]
+        hp.add_(lp.grad.view(hp.shape))  # bf16 read as fp32 inside the add: exact, as .to(fp32) then add
+        lp._hp_grad = hp
+        optimizer.fp32_groups_has_gradients[group_idx][param_idx] = True
+        if clear_lp_grads:
+            lp.grad.zero_()
+
+    optimizer.get_grads_for_norm = grads_for_norm
+    optimizer._update_hp_grad = update_hp_grad
+    return True
+
+
 PLACEHOLDER = "empty_group_placeholder_"  # build_engine's parameter of a group with nothing to train
 
 
@@ -274,6 +312,7 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
             engine.bfloat16_enabled() or engine.fp16_enabled()):
         # DeepSpeed clips fp32 gradients without ZeRO tensor by tensor (foreach_clip says why)
         engine.clip_fp32_gradients = functools.partial(foreach_clip, engine)
+    flat_bf16_grads(engine.optimizer, is_pipe)
     if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
         _set_fp32_master(engine, names, init_state)
     return engine, dims

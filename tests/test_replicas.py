@@ -149,3 +149,35 @@ def test_foreach_clipping_clips_as_deepspeed_does():
     assert norms[True] == pytest.approx(norms[False], rel=1e-6)
     for n in weights[False]:
         torch.testing.assert_close(weights[True][n], weights[False][n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_bf16_flat_gradients_take_deepspeeds_updates(clip, monkeypatch):
+    """One replica under bf16 (DeepSpeed's BF16_Optimizer) reading its flat fp32 gradient buffers
+    (engine.flat_bf16_grads) against DeepSpeed's own tensor-by-tensor reading: the same losses and
+    weights after three updates, bit for bit without clipping (the fused cast-and-add is exact);
+    with clipping the norm is summed in another order (weights to 1e-5 relative; the gradient
+    norm itself to 1e-6)."""
+    import mmadapt.engine as engine_mod
+
+    train = train_config(clip)
+    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1)
+    fl, fw, fopt, flat = run(ds, train)
+    applied = []
+    real = engine_mod.flat_bf16_grads
+    monkeypatch.setattr(engine_mod, "flat_bf16_grads", lambda opt, pipe: applied.append(real) and False)
+    dl, dw, dopt, own = run(ds, train)
+    assert (fopt, dopt) == ("BF16_Optimizer", "BF16_Optimizer") and applied
+    assert flat.optimizer.get_grads_for_norm.__qualname__.startswith("flat_bf16_grads")
+    assert not hasattr(own.optimizer.get_grads_for_norm, "__qualname__") or \
+        not own.optimizer.get_grads_for_norm.__qualname__.startswith("flat_bf16_grads")
+    exact = {"rtol": 0, "atol": 0}
+    # the fp32 master weights; the module's bf16 copies may round a last bit apart where they differ
+    masters = [torch.cat(o.optimizer.fp32_groups_flat_partition) for o in (flat, own)]
+    torch.testing.assert_close(*masters, **(exact if clip == 0 else {"rtol": 1e-5, "atol": 1e-7}))
+    torch.testing.assert_close(torch.tensor(fl), torch.tensor(dl), **(exact if clip == 0 else {"rtol": 1e-3, "atol": 0}))
+    for n in fw:
+        torch.testing.assert_close(fw[n], dw[n], **(exact if clip == 0 else {"rtol": 2**-7, "atol": 1e-6}), msg=n)
+    norms = [torch.as_tensor(o.get_global_grad_norm()).float() for o in (flat, own)]
+    torch.testing.assert_close(*norms, rtol=1e-6, atol=0)
+    assert not torch.equal(fw["layers.0.qkv.weight"], run(ds, train, updates=0)[1]["layers.0.qkv.weight"])
