@@ -38,6 +38,40 @@ def group_of(name: str) -> str:
     return next((g for g, pat in GROUPS if re.search(pat, low)), "element-wise, norms, dropout, reductions")
 
 
+# CUDA runtime calls in which the host waits for the device: each one drains the queue, so the
+# host work after it runs with the device idle until the next kernel is issued.
+WAITS = re.compile(r"^cu(da)?(StreamSynchronize|DeviceSynchronize|EventSynchronize|Memcpy)$")
+LAUNCHES = re.compile(r"^cu(da)?LaunchKernel|^cuLaunchKernelEx|^cudaLaunchKernelExC|^cudaGraphLaunch")
+
+
+def host_side(prof, n: int) -> tuple[dict, list[str]]:
+    """The host's side of the profiled updates on a GPU: CUDA runtime calls that wait for the
+    device (count and host time per update), kernel launches issued, and the operators with the
+    most host time of their own (self CPU time: their Python-free C++ dispatch, not their kernels)."""
+    cpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    waits: dict[str, list[float]] = {}
+    launches = 0
+    own: dict[str, float] = {}
+    for e in cpu:
+        if WAITS.match(e.name):
+            w = waits.setdefault(e.name, [0, 0.0])
+            w[0] += 1
+            w[1] += e.cpu_time_total
+        elif LAUNCHES.match(e.name):
+            launches += 1
+        elif not e.name.startswith("cuda") and not getattr(e, "is_user_annotation", False):
+            own[e.name] = own.get(e.name, 0.0) + e.self_cpu_time_total
+    rows = [{"call": k, "per_update": c / n, "host_ms_per_update": us / n / 1e3} for k, (c, us) in
+            sorted(waits.items(), key=lambda kv: -kv[1][1])]
+    top = [{"op": k[:90], "host_ms_per_update": us / n / 1e3} for k, us in
+           sorted(own.items(), key=lambda kv: -kv[1])[:10]]
+    md = ["", f"Host side: {launches / n:.0f} kernel launches per update; CUDA calls that wait for the device:", "",
+          table(rows, [("call", "call"), ("per_update", "per update"), ("host_ms_per_update", "host ms/update")])
+          if rows else "(none)", "", "Operators with the most host time of their own (self CPU, per update):", "",
+          table(top, [("op", "operator"), ("host_ms_per_update", "host ms/update")])]
+    return {"kernel_launches_per_update": launches / n, "waits": rows, "top_own_host": top}, md
+
+
 def main(argv=None) -> None:
     gpu = torch.cuda.is_available()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -85,6 +119,7 @@ def main(argv=None) -> None:
                 for name, us in top]
     flops = b * get_family(cfg).step_flops(step, cfg, s, p, trainable_layers=2)
     busy_ms = total / n / 1e3
+    host, host_md = host_side(prof, n) if gpu else ({}, [])
     md = [f"# One update of {system} {step}, profiled ({'cuda' if gpu else 'cpu'}, h={base.hidden_size}, s={s}, "
           f"batch {b}, attention {args.attention_impl}, fusion {args.fusion}, {args.ds_config.split('/')[-1]})", "",
           f"- {'device' if gpu else 'CPU operator'} time per update (kernels summed): {busy_ms:.2f} ms; exact FLOPs "
@@ -94,7 +129,7 @@ def main(argv=None) -> None:
           if gpu else f"- wall time per update (median of {n}, unprofiled): {1e3 * wall:.2f} ms", "",
           table(group_rows, [("group", "group"), ("ms_per_update", "ms/update"), ("share", "share")]), "",
           table(top_rows, [("kernel", "kernel"), ("group", "group"), ("ms_per_update", "ms/update"),
-                           ("share", "share")])]
+                           ("share", "share")])] + host_md
     # eager SDPA keeps the plain name (the 2026-11-26 files); another setting is named in the file's
     name = f"profile_{system}_{step}" + ("" if args.attention_impl == "sdpa" else f"_{args.attention_impl}") + \
         ("" if args.fusion == "none" else f"_{args.fusion}")
@@ -102,7 +137,8 @@ def main(argv=None) -> None:
                                                        "attention_impl": args.attention_impl, "fusion": args.fusion,
                                                        "ds_config": args.ds_config, "busy_ms_per_update": busy_ms,
                                                        "wall_ms_per_update": 1e3 * wall,
-                                                       "exact_flops": flops, "groups": group_rows, "top": top_rows},
+                                                       "exact_flops": flops, "groups": group_rows, "top": top_rows,
+                                                       "host": host},
                           "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")
