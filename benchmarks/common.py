@@ -71,6 +71,23 @@ def setup(args, shapes: dict = SHAPES) -> tuple[ModelConfig, TrainConfig]:
     return base, train
 
 
+def run_ds_config(path, train: TrainConfig, as_given: bool = False) -> dict:
+    """The DeepSpeed config a run of one replica trains under (engine.for_replicas: no ZeRO
+    partitioning of nothing, DeepSpeed's BF16_Optimizer under bf16), as `mmadapt` applies it;
+    `as_given`: the JSON itself, ZeRO and all, as each rank of a data-parallel run applies it
+    (and as every benchmark measured one GPU before 2026-11-29)."""
+    from mmadapt.engine import for_replicas, load_ds_config
+
+    ds = load_ds_config(path, train)
+    return ds if as_given else for_replicas(ds, 1)
+
+
+def add_zero_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--zero_as_given", action="store_true", help="train under the DeepSpeed JSON as given (its ZeRO "
+                    "stage at one replica, as a data-parallel rank runs it) instead of what a one-replica run "
+                    "applies (engine.for_replicas)")
+
+
 def masked_batches(cfg: ModelConfig, micro: int, s: int, p: float, n: int, seed: int = 0):
     """n random micro-batches (ids, labels) of ordinary tokens with a fraction p selected."""
     g = torch.Generator().manual_seed(seed)

@@ -15,11 +15,11 @@ import dataclasses
 import re
 
 import torch
-from common import (REPO, add_run_args, engine_update, mask_fraction, masked_batches, median_time, real_batches, setup,
-                    sync, table, write_results)
+from common import (REPO, add_run_args, add_zero_arg, engine_update, mask_fraction, masked_batches, median_time,
+                    real_batches, run_ds_config, setup, sync, table, write_results)
 from flops_validation import cases
 
-from mmadapt.engine import load_ds_config
+from mmadapt.engine import zero_stage
 from mmadapt.models import get_family
 from mmadapt.train import LMJob, lm_engine
 
@@ -77,6 +77,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_args(ap, cpu_micro_batch=16)
     ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero2_bf16.json" if gpu else "zero1.json")))
+    add_zero_arg(ap)
     ap.add_argument("--attention_impl", default="sdpa", choices=("sdpa", "varlen", "math"))
     ap.add_argument("--fusion", default="none", choices=("none", "compile"))
     ap.add_argument("--only", default="bl_base:pretrain", metavar="SYSTEM:STEP", help="the case to profile")
@@ -85,7 +86,7 @@ def main(argv=None) -> None:
     base, train = setup(args)
     base = dataclasses.replace(base, attention_impl=args.attention_impl, fusion=args.fusion)
     s, b = args.seq_length, args.micro_batch
-    ds = load_ds_config(REPO / args.ds_config, train)
+    ds = run_ds_config(REPO / args.ds_config, train, args.zero_as_given)
     batches = (real_batches if args.real else masked_batches)(base, b, s, train.mask_prob, 4)
     p = mask_fraction(batches)
     system, step, cfg, trainable = next(c for c in cases(base) if f"{c[0]}:{c[1]}" == args.only)
@@ -121,7 +122,9 @@ def main(argv=None) -> None:
     busy_ms = total / n / 1e3
     host, host_md = host_side(prof, n) if gpu else ({}, [])
     md = [f"# One update of {system} {step}, profiled ({'cuda' if gpu else 'cpu'}, h={base.hidden_size}, s={s}, "
-          f"batch {b}, attention {args.attention_impl}, fusion {args.fusion}, {args.ds_config.split('/')[-1]})", "",
+          f"batch {b}, attention {args.attention_impl}, fusion {args.fusion}, {args.ds_config.split('/')[-1]} "
+          f"{'as given' if args.zero_as_given else 'at one replica as a run applies it'}: "
+          f"ZeRO stage {zero_stage(ds)})", "",
           f"- {'device' if gpu else 'CPU operator'} time per update (kernels summed): {busy_ms:.2f} ms; exact FLOPs "
           f"{flops / 1e9:.1f} GFLOP, so {flops / (busy_ms / 1e3) / 1e12:.1f} TFLOP/s over the busy time",
           f"- wall time per update (median of {n}, unprofiled): {1e3 * wall:.2f} ms, {flops / wall / 1e12:.1f} TFLOP/s; "
@@ -132,10 +135,12 @@ def main(argv=None) -> None:
                            ("share", "share")])] + host_md
     # eager SDPA keeps the plain name (the 2026-11-26 files); another setting is named in the file's
     name = f"profile_{system}_{step}" + ("" if args.attention_impl == "sdpa" else f"_{args.attention_impl}") + \
-        ("" if args.fusion == "none" else f"_{args.fusion}")
+        ("" if args.fusion == "none" else f"_{args.fusion}") + ("_zero_as_given" if args.zero_as_given else "")
     paths = write_results(name, {"case": args.only, "seq_length": s, "micro_batch": b,
                                                        "attention_impl": args.attention_impl, "fusion": args.fusion,
-                                                       "ds_config": args.ds_config, "busy_ms_per_update": busy_ms,
+                                                       "ds_config": args.ds_config, "zero_stage": zero_stage(ds),
+                                                       "zero_as_given": args.zero_as_given,
+                                                       "busy_ms_per_update": busy_ms,
                                                        "wall_ms_per_update": 1e3 * wall,
                                                        "exact_flops": flops, "groups": group_rows, "top": top_rows,
                                                        "host": host},

@@ -26,6 +26,7 @@ from common import (
     REPO,
     SHAPES,
     add_run_args,
+    add_zero_arg,
     causal_batches,
     engine_update,
     mask_fraction,
@@ -33,15 +34,16 @@ from common import (
     median_time,
     padding_fraction,
     real_batches,
+    run_ds_config,
     setup,
     table,
     write_results,
 )
 from flops_validation import cases
 
+from mmadapt.engine import zero_stage
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.parallel import device
-from mmadapt.engine import load_ds_config
 from mmadapt.models import find_preset, get_family
 from mmadapt.train import LMJob, lm_engine
 
@@ -64,6 +66,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_args(ap, cpu_micro_batch=16, shapes=THROUGHPUT_SHAPES)
     ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero2_bf16.json" if gpu else "zero1.json")))
+    add_zero_arg(ap)
     ap.add_argument("--attention_impl", default="sdpa", choices=("sdpa", "varlen", "math"),
                     help="ModelConfig.attention_impl of every model")
     ap.add_argument("--fusion", default="none", choices=("none", "compile"), help="ModelConfig.fusion of every model")
@@ -77,7 +80,7 @@ def main(argv=None) -> None:
         ap.error(f"--real reads the encoders' masked blocks; the {args.shape} decoder runs on random blocks: drop --real")
     base = dataclasses.replace(base, attention_impl=args.attention_impl, fusion=args.fusion)
     s, b = args.seq_length, args.micro_batch
-    ds = load_ds_config(REPO / args.ds_config, train)
+    ds = run_ds_config(REPO / args.ds_config, train, args.zero_as_given)
     dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float16 if ds.get("fp16", {}).get(
         "enabled") else torch.float32
     peak = matmul_peak(dtype, 8192 if gpu else 2048)
@@ -122,8 +125,10 @@ def main(argv=None) -> None:
             ("tokens_per_s", "tokens/s"), ("achieved_tflops", "achieved TFLOP/s"), ("utilisation", "of matmul peak")]
     if gpu:
         cols += [("vendor_utilisation", f"of {args.vendor} bf16 peak"), ("peak_memory_gib", "peak GiB")]
-    data = (f"real Bible blocks, {pad:.1%} padding" if args.real else "random ids, no padding") + \
-        f", dropout {'on' if args.dropout else 'off'}, attention {args.attention_impl}, fusion {args.fusion}"
+    data = (f"real Bible blocks, {pad:.1%} padding" if args.real else "random ids, no padding") + (
+        f", dropout {'on' if args.dropout else 'off'}, attention {args.attention_impl}, fusion {args.fusion}, "
+        f"ZeRO stage {zero_stage(ds)}"
+        f"{' (the JSON as given)' if args.zero_as_given else ' (one replica, as a run applies it)'}")
     md = [f"# Training throughput ({device()}, {str(dtype).split('.')[-1]}, h={base.hidden_size}, V={base.vocab_size}, "
           f"s={s}, batch {b}, {data}; matmul peak measured here: {peak / 1e12:.4g} TFLOP/s)", "", table(rows, cols), "",
           table(ratios, [("pair", "pair"), ("measured_time_ratio", "measured time ratio"),
@@ -136,12 +141,14 @@ def main(argv=None) -> None:
         ("_real" if args.real else "") + ("_dropout" if args.dropout else "") + \
         ("" if args.attention_impl == "sdpa" else f"_{args.attention_impl}") + \
         ("" if args.fusion == "none" else f"_{args.fusion}") + \
-        ("" if b == ap.get_default("micro_batch") else f"_mb{b}")  # a micro-batch sweep keeps each file
+        ("" if b == ap.get_default("micro_batch") else f"_mb{b}") + \
+        ("_zero_as_given" if args.zero_as_given else "")  # a micro-batch sweep keeps each file
     paths = write_results(name, {"shape": {"hidden_size": base.hidden_size, "vocab_size": base.vocab_size,
                                            "seq_length": s, "micro_batch": b, "dtype": str(dtype)},
                                  "data": {"real": args.real, "padding_fraction": pad, "mask_fraction": p,
                                           "dropout": args.dropout}, "ds_config": args.ds_config,
                                  "attention_impl": args.attention_impl, "fusion": args.fusion,
+                                 "zero_stage": zero_stage(ds), "zero_as_given": args.zero_as_given,
                                  "matmul_peak_flops": peak, "rows": rows, "ratios": ratios,
                                  "targets": targets}, "\n".join(md))
     print("\n".join(md))

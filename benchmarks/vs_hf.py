@@ -23,6 +23,7 @@ from common import (
     mask_fraction,
     masked_batches,
     median_time,
+    run_ds_config,
     setup,
     table,
     write_results,
@@ -32,7 +33,6 @@ from mmadapt.models.roberta.flops import adapt_flops
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.parallel import device
 from mmadapt.tokens import PAD_ID
-from mmadapt.engine import load_ds_config
 from mmadapt.models import get_family
 from mmadapt.train import LMJob, lm_engine
 from mmadapt.family import WORD
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
 
     base, train = setup(args)
     s, b = args.seq_length, args.micro_batch
-    ds = load_ds_config(REPO / "ds_configs" / ("zero1_bf16.json" if gpu else "zero1.json"), train)
+    ds = run_ds_config(REPO / "ds_configs" / ("zero1_bf16.json" if gpu else "zero1.json"), train)
     batches = masked_batches(base, b, s, train.mask_prob, 4)
     dev = device()
     p = mask_fraction(batches)

@@ -36,11 +36,11 @@ import json
 
 import numpy as np
 import torch
-from common import REPO, RESULTS, engine_update, median_time, paper_mini_layers, table, write_results
+from common import (REPO, RESULTS, add_zero_arg, engine_update, median_time, paper_mini_layers, run_ds_config, table,
+                    write_results)
 
 from mmadapt.config import ModelConfig, TrainConfig, scored_positions
 from mmadapt.data import score_subset
-from mmadapt.engine import load_ds_config
 from mmadapt.models import find_preset
 from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.flops import adapt_flops
@@ -159,6 +159,7 @@ def main(argv=None) -> None:
     ap.add_argument("--micro_batch", type=int, default=4 if gpu else 16)
     ap.add_argument("--ds_config", default="ds_configs/" + ("zero1_bf16.json" if gpu else "zero1.json"),
                     help="mmadapt's DeepSpeed config; bf16 in it runs transformers under bf16 autocast too")
+    add_zero_arg(ap)
     ap.add_argument("--repeats", type=int, default=10, help="timed updates (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed updates first")
     ap.add_argument("--fusion", default="none", help="mmadapt's ModelConfig.fusion: none (eager) or compile")
@@ -171,7 +172,7 @@ def main(argv=None) -> None:
     init_parallel(1, 1)
     s, b, p = args.seq_length, args.micro_batch, args.score_fraction
     train = TrainConfig(seq_length=s, train_micro_batch_size_per_gpu=b, train_iters=10**6, lr=1e-4, lr_warmup_iters=1)
-    ds = load_ds_config(REPO / args.ds_config, train)
+    ds = run_ds_config(REPO / args.ds_config, train, args.zero_as_given)
     bf16 = bool(ds.get("bf16", {}).get("enabled"))
     shape = SHAPES[args.shape]
     batches, dev = blocks(shape, b, s, 4), device()
@@ -218,7 +219,7 @@ def main(argv=None) -> None:
     # p's dot would end the file's stem (write_results' with_suffix): 0.5 -> _p0_5
     name = "vs_hf_decoder" + ("" if args.shape == "cpu" else "_" + args.shape.replace(".", "_")) + \
         ("" if args.fusion == "none" else f"_{args.fusion}") + \
-        ("" if p == 1 else "_p" + f"{p:g}".replace(".", "_"))
+        ("" if p == 1 else "_p" + f"{p:g}".replace(".", "_")) + ("_zero_as_given" if args.zero_as_given else "")
     paths = write_results(name, {"fusion": args.fusion, "score_fraction": p, "shape": dataclasses.asdict(shape),
                                  "seq_length": s, "micro_batch": b, "ds_config": args.ds_config, "bf16": bf16,
                                  "transformers": transformers.__version__,
