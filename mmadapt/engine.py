@@ -209,6 +209,16 @@ def foreach_clip(engine) -> torch.Tensor:
     return total
 
 
+def without_timer_syncs(ds: dict) -> dict:
+    """`ds` with DeepSpeed's throughput timer off unless the JSON configures it ("timers"). On by
+    default, it synchronizes the device at every forward's start and every step's end (from the
+    third update on) to time samples per second that mmadapt neither prints nor logs (it times
+    its own updates, host-side, at log_interval): two drains of the device's queue per update, after
+    each of which the host's next work runs with the device idle. Applied where the engine is
+    built, not where the config is read, so run.json keeps the JSON as the user gave it."""
+    return ds if "timers" in ds else {**ds, "timers": {"throughput": {"enabled": False}}}
+
+
 def flat_bf16_grads(optimizer, is_pipe: bool) -> bool:
     """DeepSpeed's BF16_Optimizer (one replica under bf16, for_replicas) reading its own flat fp32
     gradient buffers, where it reads them tensor by tensor. Its step takes the gradient norm as one
@@ -300,7 +310,8 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
     # whose kernels are wrapped in torch.compile at import: TorchInductor's import, deferred as in mcore.py.
     with quiet.deepspeed_prints(), compile_on_first_call():
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=ds_config, mpu=None if is_pipe else parallel.DeepSpeedMPU())
+                                               config=without_timer_syncs(ds_config),
+                                               mpu=None if is_pipe else parallel.DeepSpeedMPU())
     if parallel.dp_world() == 1 and not is_pipe and engine.zero_optimization_stage() == 0:
         # One replica has no gradient to average, but DeepSpeed's engine still runs its
         # all-reduce over the data-parallel group of one at every boundary: every gradient copied

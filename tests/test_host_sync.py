@@ -220,3 +220,26 @@ def test_the_host_cost_benchmark_counts_launches_by_phase():
                      "aten::gelu_backward": 1, "aten::mm": 2, "aten::add_": 1, "inductor kernel": 1}, names
     assert by_phase == {"forward": 3, "backward": 6, "step": 2}, by_phase
     assert engine.forward.__func__ is Update.forward  # the wrapping is undone
+
+
+@pytest.mark.parametrize("timers", [None, {"throughput": {"enabled": True}}])
+def test_updates_never_synchronize_the_device(timers, monkeypatch):
+    """Five updates through train_step call the accelerator's synchronize (a full device drain on a
+    GPU; DeepSpeed's throughput timer makes two per update by default) not once; a JSON that
+    configures DeepSpeed's timers itself gets them, syncs and all."""
+    from deepspeed.accelerator import get_accelerator
+
+    from mmadapt.engine import for_replicas
+    from mmadapt.train import train_step
+
+    init_parallel(1, 1)
+    model, train = PRESETS["tiny"]
+    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2.json", train), 1)
+    if timers is not None:
+        ds["timers"] = timers
+    eng, _, _ = lm_engine(get_family(model), model, train, ds)
+    syncs = []
+    monkeypatch.setattr(get_accelerator(), "synchronize", lambda *a, **k: syncs.append(1))
+    for seed in range(5):
+        train_step(eng, [host_batch(*padded_batch(model, b=4, s=32, real=30, seed=seed))], 1)
+    assert len(syncs) == (0 if timers is None else 2 * (5 - 2)), len(syncs)  # two per update from the third
