@@ -214,7 +214,7 @@ def _owned(default, help: str, owners: tuple[tuple[str, ...], tuple[str, str]], 
 # ModelConfig.attention_impl's values (mmadapt/models/layers.py).
 ATTENTION_IMPLS = ("sdpa", "varlen", "math")
 # ModelConfig.fusion's values (mmadapt/fusion.py applies them).
-FUSIONS = ("none", "compile")
+FUSIONS = ("auto", "none", "compile")
 # ModelConfig.output_bias_init's values (steps.pretrain applies them).
 OUTPUT_BIAS_INITS = ("zeros", "unigram")
 # Step 2's start of the new vocabulary's rows (adapt.init_rows): the paper's overlap copy, FVT's
@@ -267,9 +267,9 @@ class ModelConfig(Checked):
         "of their real tokens: flash's variable-length kernel on a GPU, nothing spent on padding) or "
         "'math' (explicit matmuls, which torch's FLOP counter sees)", choices=ATTENTION_IMPLS)
     fusion: str = _f(
-        "none", "'none' (eager: the CPU default and the reference in tests) or 'compile' (torch.compile of "
-        "each transformer layer and of the MLM heads, in place: parameter names and checkpoints unchanged)",
-        choices=FUSIONS)
+        "auto", "'auto' ('compile' where the model trains on a CUDA device, 'none' elsewhere), 'none' (eager: the "
+        "reference in tests) or 'compile' (torch.compile of each transformer layer and of the MLM heads, in place: "
+        "parameter names and checkpoints unchanged; its first update compiles, tens of seconds)", choices=FUSIONS)
     num_query_groups: Optional[int] = _owned(None, "decoder: key/value head groups of grouped-query attention, "
                                              "dividing num_attention_heads and tensor_model_parallel_size (default: "
                                              "one per attention head, i.e. multi-head attention)", DECODER, ge=1)

@@ -39,10 +39,21 @@ def _compiled(cfg: ModelConfig) -> ModelConfig:
 # --- config, CLI, resume (no compilation) ---------------------------------------------------------------
 
 def test_fusion_is_validated_in_one_line():
-    assert TWO_HEADS.fusion == "none"  # eager is the default
+    assert TWO_HEADS.fusion == "auto"  # compiled on a CUDA device, eager elsewhere (fusion.resolved)
     _compiled(TWO_HEADS).validate()
-    with pytest.raises(ValueError, match=r"^--fusion must be one of none, compile, got 'inductor'$"):
+    with pytest.raises(ValueError, match=r"^--fusion must be one of auto, none, compile, got 'inductor'$"):
         dataclasses.replace(TWO_HEADS, fusion="inductor").validate()
+
+
+def test_auto_compiles_on_a_cuda_device_only(monkeypatch):
+    import mmadapt.fusion as fusion
+
+    assert [fusion.resolved(f) for f in ("auto", "none", "compile")] == ["none", "none", "compile"]  # this CPU
+    model = RobertaMLM(TWO_HEADS, seed=1)
+    assert apply_fusion(model, TWO_HEADS, ROBERTA.compiled_kinds) is model and not is_fused(model)
+    monkeypatch.setattr(fusion.parallel, "device", lambda: torch.device("cuda", 0))
+    assert [fusion.resolved(f) for f in ("auto", "none", "compile")] == ["compile", "none", "compile"]
+    assert is_fused(apply_fusion(RobertaMLM(TWO_HEADS, seed=1), TWO_HEADS, ROBERTA.compiled_kinds))
 
 
 def test_fusion_is_a_flag_of_every_training_command():
@@ -50,7 +61,7 @@ def test_fusion_is_a_flag_of_every_training_command():
 
     args = pretrain_parser().parse_args(["--corpus", "x", "--output_dir", "y", "--fusion", "compile"])
     assert configs_from_args(args)[0].fusion == "compile"
-    assert configs_from_args(pretrain_parser().parse_args(["--corpus", "x", "--output_dir", "y"]))[0].fusion == "none"
+    assert configs_from_args(pretrain_parser().parse_args(["--corpus", "x", "--output_dir", "y"]))[0].fusion == "auto"
     # Later steps take it as a layout setting (config.LAYOUT_FIELDS), over the source run's.
     for parser, required in ((minipost_parser, ["--primary", "p"]), (adapt_parser, ["--system", "bl_base",
                              "--source", "s", "--lang", "de"]), (finetune_parser, ["--task", "xnli", "--primary", "p"])):
@@ -65,11 +76,11 @@ def test_a_resume_may_switch_fusion_and_old_records_resume(tmp_path):
 
     from mmadapt.run import check_same_run, recorded_defaults
 
-    assert recorded_defaults()["model.fusion"] == "none"
+    assert recorded_defaults()["model.fusion"] == "auto"
     model, train = to_dict(TWO_HEADS), to_dict(TrainConfig())
     old = {"model": {k: v for k, v in model.items() if k != "fusion"}, "train": train}
     (tmp_path / "run.json").write_text(json.dumps(old))
-    for fusion in ("none", "compile"):
+    for fusion in ("auto", "none", "compile"):
         check_same_run(tmp_path / "run.json", {"model": {**model, "fusion": fusion}, "train": train})
     (tmp_path / "run.json").write_text(json.dumps({"model": {**model, "fusion": "compile"}, "train": train}))
     check_same_run(tmp_path / "run.json", {"model": {**model, "fusion": "none"}, "train": train})
