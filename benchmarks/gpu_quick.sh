@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU suite's most telling steps in one bounded call, for a machine held for minutes: each
 # step under its own time limit, the most important first, so that a cut-off run still leaves the
-# first results: throughput eager and compiled (every step and system, roberta-base), the decoder
-# against transformers, one update profiled per Step-1/Step-2 system, the host cost against
-# d974fb8 (when its tree is in ./.devcache/d974fb8: git archive d974fb8 mmadapt ds_configs), a
+# first results: throughput eager (as a run of one replica trains, then under the JSON's ZeRO as
+# given, the path every GPU figure before 2026-11-29 took) and compiled (every step and system,
+# roberta-base), the decoder against transformers, one update profiled per Step-1/Step-2 system,
+# the host cost against d974fb8 (when its tree is in ./.devcache/d974fb8: git archive d974fb8 mmadapt ds_configs), a
 # larger micro-batch, then the rest. The whole suite is benchmarks/gpu_suite.sh.
 #   SMOKE=1 bash benchmarks/gpu_quick.sh /tmp/x     # every step at CPU scale, one or two updates
 #
@@ -52,6 +53,8 @@ else
     QUICK=(--repeats 5 --warmup 2); PROF=(--repeats 5 --warmup 2); HOST=()
 fi
 step throughput-eager  90 python3 benchmarks/throughput.py --real --dropout "${QUICK[@]}"
+step throughput-zero-as-given 90 python3 benchmarks/throughput.py --real --dropout --zero_as_given \
+                          --only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt "${QUICK[@]}"
 step throughput-compile 150 python3 benchmarks/throughput.py --real --dropout --fusion compile "${CASES[@]}" "${QUICK[@]}"
 step vs-hf-decoder     90 python3 benchmarks/vs_hf_decoder.py "${QUICK[@]}"
 for c in bl_base:pretrain bl_base:adapt minijoint:adapt; do

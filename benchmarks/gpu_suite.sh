@@ -9,7 +9,8 @@
 #
 # What it measures (roberta-base, bf16, s=512, micro-batch 32 on a GPU):
 #   1. Step 1 (BL_BASE, BL_SMALL, MINIJOINT), Step 1b (MINIPOST) and Step 2 (BL_BASE, MINIJOINT,
-#      MINIPOST) on real packed Bible blocks with their padding and dropout on, under ZeRO-2:
+#      MINIPOST) on real packed Bible blocks with their padding and dropout on, under zero2_bf16.json
+#      as a run of one replica applies it (engine.for_replicas: DeepSpeed's BF16_Optimizer, no ZeRO):
 #      time per update, tokens/s, achieved TFLOP/s (exact FLOP count) against the measured matmul
 #      peak and the vendor's bf16 peak; eager with a padding mask (all seven cases), eager with
 #      --attention_impl varlen, then varlen with --fusion compile (the five cases above).
