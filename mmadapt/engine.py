@@ -222,9 +222,10 @@ def without_timer_syncs(ds: dict) -> dict:
 def flat_bf16_grads(optimizer, is_pipe: bool) -> bool:
     """DeepSpeed's BF16_Optimizer (one replica under bf16, for_replicas) reading its own flat fp32
     gradient buffers, where it reads them tensor by tensor. Its step takes the gradient norm as one
-    norm per trained tensor and clips with one multiply per tensor, and its backward hook adds each
-    bf16 gradient into its fp32 slot as a cast then an add: three launches per tensor (~460 of a
-    roberta-base Step-1 update's ~900 on a GPU, benchmarks/host_cost.py), each with its Python. Here
+    norm per trained tensor (and, when it clips, one multiply per tensor), and its backward hook adds
+    each bf16 gradient into its fp32 slot as a cast then an add: two launches per tensor, three when
+    clipping (a roberta-base Step-1 update on the H200: 902 -> 598, benchmarks/results/
+    host_cost_zero2_bf16_flatgrads_h200_20261129.md), each with its Python. Here
     the norm and the clip run over each group's flat buffer (the tensors' slots back to back, so the
     same sum of squares, in another order) and the add casts as it reads (the same values, bit for
     bit). Only where the per-tensor reading selects nothing: one tensor-parallel rank, no pipeline

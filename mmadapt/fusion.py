@@ -80,8 +80,9 @@ def resolved(fusion: str) -> str:
     """ModelConfig.fusion as applied: 'auto' is 'compile' where models train on a CUDA device and
     'none' elsewhere. On an H200 (benchmarks/results/gpu_summary_h200_20261129.md) compiling cut
     the full-depth updates by 12-20% (roberta-base Steps 1 and 2, Qwen2-0.5B's Step 2) and the
-    mini-models' by 7-14%; off a GPU the eager model is kept: it is what the tests compare
-    against, and Inductor's C++ kernels were not measured to pay there."""
+    mini-models' by 7-14%. Off a GPU the eager model is kept: it is what the tests compare
+    against, and on a CPU compiling was slower at the tiny size
+    (benchmarks/results/benchmark_summary_cpu2_20261123.md)."""
     if fusion != "auto":
         return fusion
     return "compile" if parallel.device().type == "cuda" else "none"
