@@ -7,18 +7,12 @@
 #   bash benchmarks/gpu_compare.sh BEFORE RESULTS_DIR      # RESULTS_DIR/{before,after}/
 #   SMOKE=1 bash benchmarks/gpu_compare.sh BEFORE /tmp/x   # the same steps on a CPU, an update or two each
 #
-# Wheels and the cut Bible database as benchmarks/gpu_quick.sh says.
+# Wheels and the cut Bible database as benchmarks/gpu_quick.sh says (gpu_env.sh installs them).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 before=$(realpath "$1"); out=$(realpath -m "$2"); mkdir -p "$out/before" "$out/after"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ] && [ -z "${SMOKE:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 2
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-[ -d .devcache/site ] && export PYTHONPATH=$PWD/.devcache/site${PYTHONPATH:+:$PYTHONPATH}
-[ -n "${SMOKE:-}" ] || nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || exit 2
+# shellcheck source=benchmarks/gpu_env.sh
+. benchmarks/gpu_env.sh
 R=10; [ -n "${SMOKE:-}" ] && R=1
 failed=()
 step() {  # step NAME SECONDS DIR CMD...: run CMD in DIR under a time limit, keep going on failure
@@ -28,7 +22,7 @@ step() {  # step NAME SECONDS DIR CMD...: run CMD in DIR under a time limit, kee
         echo "=== $1: done in $((SECONDS - t0)) s"
     else echo "=== $1: FAILED or cut at $2 s"; failed+=("$1"); fi
 }
-CASES=(--only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt --repeats $R --warmup 3)
+CASES=(--only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt --repeats "$R" --warmup 3)
 for side in before after; do
     dir=$before; [ "$side" = after ] && dir=$PWD
     MMADAPT_BENCH_RESULTS=$out/$side step "throughput-$side" 60 "$dir" python3 benchmarks/throughput.py --real --dropout "${CASES[@]}"

@@ -20,21 +20,13 @@
 #       typing-extensions
 #   pip wheel --no-deps -w .whl deepspeed==0.19.8          # pure Python (no ops built ahead)
 #   (sqlite3: CREATE the bible table, INSERT ... SELECT ... WHERE bbName IN ('k', 's'))
-# The script installs them into /tmp/site when it finds them.
+# gpu_env.sh installs them into /tmp/site when it finds them.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 export MMADAPT_BENCH_RESULTS=${1:-${MMADAPT_BENCH_RESULTS:-benchmarks/results}}
-export PYTHONUNBUFFERED=1
-if [ -d .whl ] && [ -z "${SMOKE:-}" ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 2
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-[ -d .devcache/site ] && export PYTHONPATH=$PWD/.devcache/site${PYTHONPATH:+:$PYTHONPATH}
+# shellcheck source=benchmarks/gpu_env.sh
+. benchmarks/gpu_env.sh
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-if [ -z "${SMOKE:-}" ]; then
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit,driver_version --format=csv || exit 2
-fi
 python3 -c "import torch, deepspeed, megatron.core, transformers; print('torch', torch.__version__, 'deepspeed',
 deepspeed.__version__, 'transformers', transformers.__version__)" || exit 2
 
