@@ -142,7 +142,7 @@ def main(argv=None) -> None:
         ("" if args.attention_impl == "sdpa" else f"_{args.attention_impl}") + \
         ("" if args.fusion == "none" else f"_{args.fusion}") + \
         ("" if b == ap.get_default("micro_batch") else f"_mb{b}") + \
-        ("_zero_as_given" if args.zero_as_given else "")  # a micro-batch sweep keeps each file
+        ("_zero_as_given" if args.zero_as_given else "")  # a micro-batch or ZeRO sweep keeps each file
     paths = write_results(name, {"shape": {"hidden_size": base.hidden_size, "vocab_size": base.vocab_size,
                                            "seq_length": s, "micro_batch": b, "dtype": str(dtype)},
                                  "data": {"real": args.real, "padding_fraction": pad, "mask_fraction": p,

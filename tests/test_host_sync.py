@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmadapt.models import PRESETS
-from mmadapt.engine import load_ds_config
+from mmadapt.engine import for_replicas, load_ds_config
 from mmadapt.models.roberta.model import Padding, RobertaMLM, attention_mask
 from mmadapt.parallel import init_parallel
 from mmadapt.models.pipe import set_host_batches
@@ -229,7 +229,6 @@ def test_updates_never_synchronize_the_device(timers, monkeypatch):
     configures DeepSpeed's timers itself gets them, syncs and all."""
     from deepspeed.accelerator import get_accelerator
 
-    from mmadapt.engine import for_replicas
     from mmadapt.train import train_step
 
     init_parallel(1, 1)
