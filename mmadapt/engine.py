@@ -258,6 +258,62 @@ def flat_bf16_grads(optimizer, is_pipe: bool) -> bool:
     return True
 
 
+FOUND_INF = "mmadapt_found_inf"  # sync_free_bf16_step's device flag, on DeepSpeed's optimizer
+
+
+def sync_free_bf16_step(optimizer) -> bool:
+    """DeepSpeed's BF16_Optimizer.step (where flat_bf16_grads applied) without its reads of the
+    device: it asks `bool(norm is not finite)` to skip the step and, when clipping, `if coef < 1`
+    to clip, and each read waits for the whole backward to finish. The host can then queue nothing
+    ahead: the optimizer's launches and the next forward's start on an idle device, which is most
+    of the depth-independent part of a mini-model's Step-2 update. Here both stay on the device,
+    as torch's GradScaler keeps its own: the clip multiplies by min(coef, 1) (by exactly 1.0 where
+    DeepSpeed would not multiply: the same bits), and a non-finite norm reaches torch's fused
+    AdamW as `found_inf`, which then leaves weights, moments and step counts as they were (DeepSpeed
+    skips the step). The host learns of it at the loop's next read of the device: the flag is kept
+    under FOUND_INF and train_loop treats it as a non-finite loss (a divergence under bf16, whose
+    range is fp32's; a skipped step is an fp16 loss-scaling event). The norm is each group's flat
+    buffer's (torch._foreach_norm, one launch) combined as DeepSpeed combines its tensors' norms.
+    Only with torch's fused Adam(W) inside (engine.adamw on a CUDA or CPU device) and fp32
+    gradient accumulation (engine.for_replicas). Returns whether it applied."""
+    inner = optimizer.optimizer
+    if (not isinstance(inner, torch.optim.Adam) or not all(g.get("fused") for g in inner.param_groups)
+            or optimizer.grad_acc_dtype is not torch.float32):
+        return False
+    flats = optimizer.fp32_groups_actual_gradients_flat
+
+    @torch.no_grad()
+    def step(closure=None):
+        if closure is not None:
+            raise NotImplementedError(f"{type(optimizer).__name__} does not support closure.")
+        optimizer.overflow = False  # known on the device only (FOUND_INF)
+        norm = torch.stack(torch._foreach_norm(flats)).pow(2).sum().pow(0.5)
+        found_inf = torch.isfinite(norm).logical_not().float()
+        optimizer._global_grad_norm = norm
+        setattr(optimizer, FOUND_INF, found_inf)
+        if optimizer.clip_grad > 0.0:
+            torch._foreach_mul_(flats, torch.clamp(optimizer.clip_grad / (norm + 1e-6), max=1.0))
+        for param, grad in zip(optimizer.fp32_groups_flat_partition, optimizer.fp32_groups_gradient_flat_partition):
+            param.grad = grad
+        inner.found_inf = found_inf  # read by torch's Adam.step (as GradScaler sets it)
+        try:
+            inner.step()
+        finally:
+            del inner.found_inf
+        optimizer._lazy_init_hp_params_optimizer_state()
+        optimizer.update_lp_params()
+        optimizer.clear_hp_grads()
+
+    optimizer.step = step
+    return True
+
+
+def found_inf(engine) -> torch.Tensor | None:
+    """The last optimizer step's device flag (sync_free_bf16_step): 1.0 where its gradient norm
+    was not finite and the step left everything as it was; None where the step is DeepSpeed's own,
+    which tells the host at once (engine.was_step_applied)."""
+    return getattr(getattr(engine, "optimizer", None), FOUND_INF, None)
+
 PLACEHOLDER = "empty_group_placeholder_"  # build_engine's parameter of a group with nothing to train
 
 
@@ -324,7 +380,8 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
             engine.bfloat16_enabled() or engine.fp16_enabled()):
         # DeepSpeed clips fp32 gradients without ZeRO tensor by tensor (foreach_clip says why)
         engine.clip_fp32_gradients = functools.partial(foreach_clip, engine)
-    flat_bf16_grads(engine.optimizer, is_pipe)
+    if flat_bf16_grads(engine.optimizer, is_pipe):
+        sync_free_bf16_step(engine.optimizer)
     if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
         _set_fp32_master(engine, names, init_state)
     return engine, dims
@@ -489,8 +546,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     def check_finite() -> None:
         first = _first_nonfinite(bad_at)
         if first is not None:
-            raise Diverged(f"{job.label}: the loss is not finite at update {first} (of {total}); stopped without "
-                           f"saving it. {_last_good(ckpt_dir, 'lower --lr, raise the warm-up or enable gradient clipping')}")
+            fix = "lower --lr, raise the warm-up or enable gradient clipping"
+            raise Diverged(f"{job.label}: the loss (or its gradient) is not finite at update {first} (of {total}); "
+                           f"stopped without saving it. {_last_good(ckpt_dir, fix)}")
 
     def save() -> str:
         check_finite()
@@ -510,8 +568,10 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                 local = step_fn(position).detach()
                 position += 1
                 # Device-side bookkeeping only: the first update whose loss is not finite.
-                bad_at = torch.where(torch.isfinite(local).all() | (bad_at != _FINITE), bad_at,
-                                     torch.full_like(bad_at, done + 1))
+                finite, skipped_here = torch.isfinite(local).all(), found_inf(engine)
+                if skipped_here is not None:  # a non-finite gradient norm, known on the device only
+                    finite = finite & skipped_here.eq(0)
+                bad_at = torch.where(finite | (bad_at != _FINITE), bad_at, torch.full_like(bad_at, done + 1))
                 if not engine.was_step_applied():  # a Python flag: DeepSpeed's overflow check already synced
                     check_finite()  # DeepSpeed also skips the steps of a non-finite loss: name that first
                     skipped += 1

@@ -15,7 +15,7 @@ from mmadapt.engine import adamw, for_replicas, load_ds_config
 from mmadapt.models import PRESETS, get_family
 from mmadapt.parallel import init_parallel
 from mmadapt.tokens import IGNORE_INDEX
-from mmadapt.train import LMJob, host_batch, lm_engine, train_step
+from mmadapt.train import LMJob, host_batch, lm_engine, lm_step, train_step
 
 MODEL = dataclasses.replace(PRESETS["tiny"][0], num_layers=2, vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
 
@@ -169,6 +169,8 @@ def test_bf16_flat_gradients_take_deepspeeds_updates(clip, monkeypatch):
     assert (fopt, dopt) == ("BF16_Optimizer", "BF16_Optimizer") and skipped == [own.optimizer]
     assert flat.optimizer.get_grads_for_norm.__qualname__.startswith("flat_bf16_grads")
     assert own.optimizer.get_grads_for_norm.__qualname__ == "BF16_Optimizer.get_grads_for_norm"
+    assert flat.optimizer.step.__qualname__.startswith("sync_free_bf16_step")  # built_engine applies both
+    assert own.optimizer.step.__qualname__ == "BF16_Optimizer.step"
     exact = {"rtol": 0, "atol": 0}
     # the fp32 master weights; the module's bf16 copies may round a last bit apart where they differ
     masters = [torch.cat(o.optimizer.fp32_groups_flat_partition) for o in (flat, own)]
@@ -179,3 +181,69 @@ def test_bf16_flat_gradients_take_deepspeeds_updates(clip, monkeypatch):
     norms = [torch.as_tensor(o.get_global_grad_norm()).float() for o in (flat, own)]
     torch.testing.assert_close(*norms, rtol=1e-6, atol=0)
     assert not torch.equal(fw["layers.0.qkv.weight"], run(ds, train, updates=0)[1]["layers.0.qkv.weight"])
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_non_finite_gradient_skips_the_bf16_step_on_the_device(clip, tmp_path, monkeypatch):
+    """An infinite gradient (a finite loss) in the second of three updates under bf16 at one
+    replica. DeepSpeed's own step sees it on the host and skips: weights, fp32 masters, Adam's
+    moments and step counts as after the first update. engine.sync_free_bf16_step leaves the same
+    state, bit for bit, without reading the device: the flag (engine.found_inf) says so, and
+    train_loop stops there as diverged, naming the update, with nothing saved."""
+    import mmadapt.engine as engine_mod
+    from mmadapt.config import TrainConfig
+    from mmadapt.engine import LoopJob, found_inf, train_loop
+    from mmadapt.faults import Diverged
+
+    train = train_config(clip)
+    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1)
+
+    def two_updates():
+        """(engine, its state before any update, after update 1, after update 2 whose gradient is
+        infinite)"""
+        init_parallel(1, 1)
+        torch.manual_seed(0)
+        engine, _, _ = lm_engine(get_family(MODEL), MODEL, train, ds)
+        opt, poison = engine.optimizer, [False]
+        engine.module.layers[0].fc1.weight.register_hook(lambda g: g * float("inf") if poison[0] else g)
+
+        def state():
+            return {"masters": torch.cat(opt.fp32_groups_flat_partition).clone(),
+                    "weights": [p.detach().clone() for p in engine.module.parameters()],
+                    "moments": [t.clone() for s in opt.optimizer.state.values() for t in s.values()]}
+        states = [state()]
+        for k, b in enumerate(batches(2)):
+            poison[0] = k == 1
+            assert torch.isfinite(train_step(engine, [b], 1)).all()
+            states.append(state())
+        return engine, states
+
+    mine, got = two_updates()
+    assert mine.optimizer.step.__qualname__.startswith("sync_free_bf16_step")
+    assert found_inf(mine).item() == 1.0 and mine.was_step_applied()  # the host was not told
+    monkeypatch.setattr(engine_mod, "sync_free_bf16_step", lambda opt: False)
+    own, ref = two_updates()
+    assert found_inf(own) is None and not own.was_step_applied()  # DeepSpeed asked the device
+    for states in (got, ref):
+        assert not torch.equal(states[1]["masters"], states[0]["masters"])  # the first update trained
+        assert len(states[1]["moments"]) == 3 * len(mine.optimizer.optimizer.param_groups)  # step, m, v
+        torch.testing.assert_close(states[2], states[1], rtol=0, atol=0)  # the second changed nothing
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+    # train_loop: the flag is a divergence at the update it belongs to, and nothing is saved.
+    monkeypatch.undo()
+    init_parallel(1, 1)
+    torch.manual_seed(0)
+    engine, _, _ = lm_engine(get_family(MODEL), MODEL, train, ds)
+    engine.module.layers[0].fc1.weight.register_hook(lambda g: g * float("inf") if len(seen) == 2 else g)
+    seen = []
+
+    def step_fn(position):
+        seen.append(position)
+        return lm_step(engine, [batches(3)[position]], 1)
+
+    job = LoopJob(label="adapt", names={}, client_state={}, exclude_frozen=False)
+    loop = TrainConfig(log_interval=1, save_interval=10**6)
+    with pytest.raises(Diverged, match=r"adapt: the loss \(or its gradient\) is not finite at update 2 \(of 3\)"):
+        train_loop(engine, step_fn, job, loop, 3, run_dir=tmp_path, resume=False)
+    assert seen == [0, 1] and not (tmp_path / "checkpoints").exists()

@@ -178,7 +178,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(corpus, token
                           cwd=REPO, capture_output=True, text=True, env=child_env())
     assert proc.returncode == 3, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: diverged: pretrain: the loss is not finite at update "), last
+    assert last.startswith("error: diverged: pretrain: the loss (or its gradient) is not finite at update "), last
     bad = int(last.split("at update ")[1].split(" ")[0])
     ckpt = tmp_path / "checkpoints"
     assert latest_tag(ckpt) == f"step{bad - 1:08d}"  # nothing at or after the bad update is marked complete
