@@ -11,7 +11,9 @@ tied or untied output, clipping), under a ds_configs/ JSON as a run of one repli
 - **operators launched**: every ATen operator the update dispatches (a TorchDispatchMode sees the
   forward, the backward and DeepSpeed's work alike), split into the forward, backward, optimizer
   step (DeepSpeed's `engine.step`) and the rest (the loss reduced over replicas), and counted
-  without the views and metadata ops that launch nothing. On a GPU each of the others is (at
+  without the views and metadata ops that launch nothing. Of them, the **device reads**: ops
+  whose result the host reads (`.item()`, `bool(tensor)`, `nonzero`), each a wait for every
+  queued kernel on a GPU, after which the host's next launches find the device idle. On a GPU each of the others is (at
   least) one kernel launch: the host pays ~5-10 us to issue one, and the device runs it
   asynchronously only while the host keeps ahead.
 - **Python calls**: function calls the update makes into DeepSpeed (and, of them, the gradient
@@ -61,6 +63,8 @@ HERE = Path(__file__).resolve().parent
 NO_LAUNCH = {"detach", "alias", "empty", "empty_strided", "lift_fresh", "_unsafe_view", "set_", "resize_",
              "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
 PHASES = ("forward", "backward", "step", "other")
+# Operators whose result the host reads: a device synchronization each on a GPU.
+READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "equal"}
 
 
 def shapes(PRESETS, find_preset, width: int, vocab: int):
@@ -88,6 +92,7 @@ class Counter:
         self.launches = collections.Counter()
         self.names = collections.Counter()
         self.py = collections.Counter()
+        self.reads = 0
 
         class Spy(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -96,6 +101,7 @@ class Counter:
                 if not (func.is_view or name in NO_LAUNCH):
                     counter.launches[counter.phase] += 1
                     counter.names[name] += 1
+                    counter.reads += name in READS
                 return func(*args, **(kwargs or {}))
 
         self.mode = Spy()
@@ -284,6 +290,7 @@ def measure(args) -> list[dict]:
                    "fusion": args.fusion,
                    "profiled": sum(profiled.values()), **{f"profiled_{p}": profiled[p] for p in PHASES},
                    **({"ops": sum(counter.ops.values()), "launches": sum(counter.launches.values()),
+                       "reads": counter.reads,
                        **{f"launches_{p}": counter.launches[p] for p in PHASES}} if args.fusion == "none" else {}),
                    "py_deepspeed": counter.py["deepspeed"], "grad_hooks": counter.py["grad_hooks"],
                    "py_mmadapt": counter.py["mmadapt"], "py_all": counter.py["all"],
@@ -369,7 +376,7 @@ def main(argv=None) -> None:
             r["profiled_over_before"] = r["profiled"] / o["profiled"]
             r["host_ms_over_before"] = r["host_ms"] / o["host_ms"]
     dispatch = [("launches", "launches"), ("launches_forward", "fwd"), ("launches_backward", "bwd"),
-                ("launches_step", "opt step"), ("launches_other", "other")]
+                ("launches_step", "opt step"), ("launches_other", "other"), ("reads", "device reads")]
     cols = [("shape", "shape"), ("system", "system"), ("step", "step"), ("layers", "layers"),
             ("trainable_tensors", "trained tensors")] + dispatch * (args.fusion == "none") + [
             ("profiled", "launches, profiled"), ("profiled_forward", "fwd"), ("profiled_backward", "bwd"),

@@ -249,7 +249,8 @@ def test_a_bf16_update_reads_nothing_back_from_the_device(clip, monkeypatch):
     """Three updates of one replica under bf16 (DeepSpeed's BF16_Optimizer, engine.for_replicas),
     forward, backward and optimizer step, read nothing back from the device
     (engine.sync_free_bf16_step). DeepSpeed's own step reads its gradient norm once per update to
-    skip a non-finite one, and once more to decide whether to clip: the spy sees those."""
+    skip a non-finite one, and once more to decide whether to clip: the spy sees those. fp32 at
+    one replica (torch's fused AdamW, engine.foreach_clip) reads nothing either."""
     import mmadapt.engine as engine_mod
     from mmadapt.train import lm_step
 
@@ -257,16 +258,17 @@ def test_a_bf16_update_reads_nothing_back_from_the_device(clip, monkeypatch):
     train = dataclasses.replace(train, gradient_clipping=clip)
     ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1)
     batches = [host_batch(*padded_batch(model, b=4, s=32, real=30, seed=seed)) for seed in range(4)]
+    fp32 = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2.json", train), 1)
     reads = {}
-    for mine in (True, False):
+    for mine in (True, False, "fp32"):
         if not mine:
             monkeypatch.setattr(engine_mod, "sync_free_bf16_step", lambda opt: False)
         init_parallel(1, 1)
-        eng, _, _ = lm_engine(get_family(model), model, train, ds)
-        assert type(eng.optimizer).__name__ == "BF16_Optimizer"
+        eng, _, _ = lm_engine(get_family(model), model, train, fp32 if mine == "fp32" else ds)
+        assert type(eng.optimizer).__name__ == ("AdamW" if mine == "fp32" else "BF16_Optimizer")
         lm_step(eng, batches[:1], 1)  # the first step links the optimizer's state (once)
         with SyncSpy() as spy:
             for b in batches[1:]:
                 lm_step(eng, [b], 1)
         reads[mine] = sum(spy.seen.values())
-    assert reads == {True: 0, False: 3 * (1 if clip == 0 else 2)}, reads
+    assert reads == {True: 0, False: 3 * (1 if clip == 0 else 2), "fp32": 0}, reads
