@@ -272,3 +272,31 @@ def test_a_bf16_update_reads_nothing_back_from_the_device(clip, monkeypatch):
                 lm_step(eng, [b], 1)
         reads[mine] = sum(spy.seen.values())
     assert reads == {True: 0, False: 3 * (1 if clip == 0 else 2), "fp32": 0}, reads
+
+
+def test_a_frozen_encoder_layers_backward_copies_the_qkv_gradient_once():
+    """The backward of one frozen encoder layer (Step 2's body) launches, besides its math, a
+    single copy: the stack of the q, k and v gradients straight into the QKV output's layout. The
+    split used to unbind a permuted leading axis, whose backward stacked them in another layout
+    and copied that again to make it contiguous (a `clone` per layer)."""
+    from mmadapt.models.roberta.model import TransformerLayer
+
+    class Launches(TorchDispatchMode):  # ops that are not views
+        def __init__(self):
+            super().__init__()
+            self.seen = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.seen[func.__name__.split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    init_parallel(1, 1)
+    cfg = dataclasses.replace(PRESETS["tiny"][0], hidden_dropout=0.0, attention_dropout=0.0)
+    layer = TransformerLayer(cfg, 1).requires_grad_(False)
+    x = torch.randn(2, 16, cfg.hidden_size, requires_grad=True)
+    y = layer(x)
+    with Launches() as spy:
+        y.sum().backward()
+    assert spy.seen == {"sum": 1, "ones_like": 1, "native_layer_norm_backward": 2, "mm": 4, "gelu_backward": 1,
+                        "add": 2, "_scaled_dot_product_flash_attention_for_cpu_backward": 1, "stack": 1}, spy.seen

@@ -83,8 +83,11 @@ class TransformerLayer(nn.Module):
             # The lowest trainable layer above frozen ones (MINIPOST Step 1b): megatron's linear
             # would compute an input gradient (6sh^2 FLOPs) that nothing uses; torch's skips it.
             qkv = F.linear(to_tp_region(x, self.tp), self.qkv.weight, self.qkv.bias)
-        qkv = qkv.view(b, s, self.num_heads_per_partition, 3, self.head_dim).permute(3, 0, 2, 1, 4)
-        q, k, v = qkv.unbind(0)  # each [b, np, s, hd]
+        # Split on the (q, k, v) axis where it lies, then transpose: the backward stacks the three
+        # gradients straight into qkv's layout [b, s, np, 3, hd] (one copy). Unbinding a permuted
+        # leading axis stacked them as [3, b, np, s, hd] and copied again to make that contiguous.
+        qkv = qkv.view(b, s, self.num_heads_per_partition, 3, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each [b, np, s, hd]
         p = self.attention_dropout if self.training else 0.0
         # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
         with MODEL_PARALLEL_RNG.fork(x.device):
