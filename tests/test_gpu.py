@@ -68,6 +68,41 @@ def test_bf16_on_cuda_matches_fp32_on_the_cpu(preset):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_bf16_updates_on_cuda_never_synchronize(clip):
+    """One replica under bf16, as a run trains it (engine.for_replicas, pinned host batches,
+    --fusion auto): three updates, optimizer step included, run under CUDA's sync debug mode set
+    to error, so any op that makes the host wait for the device (a read back, a synchronous
+    copy, a synchronize) raises. tests/test_host_sync.py checks the read-backs on the CPU; this
+    is the device's own word, synchronous copies and all."""
+    from conftest import REPO as repo
+    from mmadapt.engine import for_replicas, load_ds_config
+    from mmadapt.models import PRESETS, get_family
+    from mmadapt.parallel import init_parallel
+    from mmadapt.train import host_batch, lm_engine, lm_step
+
+    model, train = PRESETS["tiny"]
+    train = dataclasses.replace(train, gradient_clipping=clip, train_micro_batch_size_per_gpu=4, seq_length=32)
+    ds = for_replicas(load_ds_config(repo / "ds_configs" / "zero2_bf16.json", train), 1)
+    init_parallel(1, 1)
+    engine, _, _ = lm_engine(get_family(model), model, train, ds)
+    assert engine.device.type == "cuda" and type(engine.optimizer).__name__ == "BF16_Optimizer"
+    batches = []
+    for seed in range(5):
+        ids, masked = masked_batch(model.vocab_size, b=4, s=32, seed=seed)
+        batches.append(host_batch(ids, masked, pin=True))
+    for b in batches[:2]:  # the first step links the optimizer's state; the first calls compile
+        lm_step(engine, [b], 1)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        losses = [lm_step(engine, [b], 1) for b in batches[2:]]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(torch.stack(losses)).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SUITE))
 def test_gpu_suite_step_runs(name, tmp_path):
