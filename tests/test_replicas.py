@@ -57,6 +57,8 @@ def test_one_replica_without_zero_takes_zeros_updates(clip):
     assert (zopt, oopt) == ("DeepSpeedZeroOptimizer", "AdamW")
     # No all-reduce over a group of one (ZeRO reduces through it: kept there).
     assert (zero.enable_backward_allreduce, one.enable_backward_allreduce) == (True, False)
+    # One replica clears only the trained tensors' gradients (build_engine); ZeRO clears its own.
+    assert "zero_grad" in vars(one) and "zero_grad" not in vars(zero)
     tol = {} if clip == 0 else {"rtol": 1e-5, "atol": 1e-6}
     torch.testing.assert_close(torch.tensor(ol), torch.tensor(zl), **(tol or {"rtol": 0, "atol": 0}))
     for n in zw:
