@@ -4,7 +4,7 @@
 # first results: throughput eager (as a run of one replica trains, then under the JSON's ZeRO as
 # given, the path every GPU figure before 2026-11-29 took) and compiled (every step and system,
 # roberta-base), the decoder against transformers, one update profiled per Step-1/Step-2 system,
-# the host cost against d974fb8 (when its tree is in ./.devcache/d974fb8: git archive d974fb8 mmadapt ds_configs), a
+# the host cost against d974fb8, eager and compiled (when its tree is in ./.devcache/d974fb8: git archive d974fb8 mmadapt ds_configs), a
 # larger micro-batch, then the rest. The whole suite is benchmarks/gpu_suite.sh.
 #   SMOKE=1 bash benchmarks/gpu_quick.sh /tmp/x     # every step at CPU scale, one or two updates
 #
@@ -57,6 +57,10 @@ if [ -d .devcache/d974fb8 ]; then
                               --shapes roberta-base --json_only /tmp/host_cost_d974fb8.json "${HOST[@]}"
     step host-cost     90 python3 benchmarks/host_cost.py --shapes roberta-base --against /tmp/host_cost_d974fb8.json \
                           "${HOST[@]}"
+    # compiled, as --fusion auto trains on a GPU: the host time a run's update actually costs
+    step host-cost-compile 150 python3 benchmarks/host_cost.py --shapes roberta-base --fusion compile \
+                          --against /tmp/host_cost_d974fb8.json --cases bl_base-pretrain bl_base-adapt minijoint-adapt \
+                          minipost-adapt "${HOST[@]}"
 fi
 step vs-hf             60 python3 benchmarks/vs_hf.py "${QUICK[@]}"
 step throughput-mb64   60 python3 benchmarks/throughput.py --real --dropout --micro_batch 64 \
