@@ -270,8 +270,9 @@ def sync_free_bf16_step(optimizer) -> bool:
     """DeepSpeed's BF16_Optimizer.step (where flat_bf16_grads applied) without its reads of the
     device: it asks `bool(norm is not finite)` to skip the step and, when clipping, `if coef < 1`
     to clip, and each read waits for the whole backward to finish. The host can then queue nothing
-    ahead: the optimizer's launches and the next forward's start on an idle device, which is most
-    of the depth-independent part of a mini-model's Step-2 update. Here both stay on the device,
+    ahead: the optimizer's launches and the next forward's first ones find the device idle (a
+    mini-model's Step-2 update, whose host time is close to its device time, pays that in full;
+    not yet timed on a GPU). Here both stay on the device,
     as torch's GradScaler keeps its own: the clip multiplies by min(coef, 1) (by exactly 1.0 where
     DeepSpeed would not multiply: the same bits), and a non-finite norm reaches torch's fused
     AdamW as `found_inf`, which then leaves weights, moments and step counts as they were (DeepSpeed
@@ -318,6 +319,7 @@ def found_inf(engine) -> torch.Tensor | None:
     was not finite and the step left everything as it was; None where the step is DeepSpeed's own,
     which tells the host at once (engine.was_step_applied)."""
     return getattr(getattr(engine, "optimizer", None), FOUND_INF, None)
+
 
 PLACEHOLDER = "empty_group_placeholder_"  # build_engine's parameter of a group with nothing to train
 
@@ -579,7 +581,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
             while done < total:
                 local = step_fn(position).detach()
                 position += 1
-                # Device-side bookkeeping only: the first update whose loss is not finite.
+                # Device-side bookkeeping only: the first update whose loss (or, where the step
+                # skips on the device, sync_free_bf16_step, whose gradient norm) is not finite.
                 finite, skipped_here = torch.isfinite(local).all(), found_inf(engine)
                 if skipped_here is not None:  # a non-finite gradient norm, known on the device only
                     finite = finite & skipped_here.eq(0)

@@ -171,7 +171,7 @@ def test_bf16_flat_gradients_take_deepspeeds_updates(clip, monkeypatch):
     assert (fopt, dopt) == ("BF16_Optimizer", "BF16_Optimizer") and skipped == [own.optimizer]
     assert flat.optimizer.get_grads_for_norm.__qualname__.startswith("flat_bf16_grads")
     assert own.optimizer.get_grads_for_norm.__qualname__ == "BF16_Optimizer.get_grads_for_norm"
-    assert flat.optimizer.step.__qualname__.startswith("sync_free_bf16_step")  # built_engine applies both
+    assert flat.optimizer.step.__qualname__.startswith("sync_free_bf16_step")  # build_engine applies both
     assert own.optimizer.step.__qualname__ == "BF16_Optimizer.step"
     exact = {"rtol": 0, "atol": 0}
     # the fp32 master weights; the module's bf16 copies may round a last bit apart where they differ
