@@ -156,7 +156,8 @@ def test_foreach_clipping_clips_as_deepspeed_does():
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_bf16_flat_gradients_take_deepspeeds_updates(clip, monkeypatch):
     """One replica under bf16 (DeepSpeed's BF16_Optimizer) reading its flat fp32 gradient buffers
-    (engine.flat_bf16_grads) against DeepSpeed's own tensor-by-tensor reading: the same losses and
+    (engine.flat_bf16_grads) and stepping without reading the device (engine.sync_free_bf16_step)
+    against DeepSpeed's own tensor-by-tensor reading and step: the same losses and
     weights after three updates, bit for bit without clipping (the fused cast-and-add is exact);
     with clipping the norm is summed in another order (weights to 1e-5 relative; the gradient
     norm itself to 1e-6)."""
