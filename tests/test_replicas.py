@@ -250,3 +250,25 @@ def test_a_non_finite_gradient_skips_the_bf16_step_on_the_device(clip, tmp_path,
     with pytest.raises(Diverged, match=r"adapt: the loss \(or its gradient\) is not finite at update 2 \(of 3\)"):
         train_loop(engine, step_fn, job, loop, 3, run_dir=tmp_path, resume=False)
     assert seen == [0, 1] and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_bf16_checkpoint_resumes_exactly(tmp_path):
+    """One replica under bf16 (BF16_Optimizer with the flat gradients and the sync-free step):
+    two updates, a checkpoint, a new engine that loads it, and the third update's loss and every
+    fp32 master weight after it are those of three updates without the stop, bit for bit; the
+    resumed engine steps with the sync-free step too."""
+    train = train_config(1.0)
+    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1)
+    ref, _, _, straight = run(ds, train, updates=3)
+    ckpt = tmp_path / "checkpoints"
+    _, _, _, engine = run(ds, train, updates=2)
+    checkpoint.save(engine, ckpt, 2, {}, {n: n for n, _ in engine.module.named_parameters()})
+    assert checkpoint.written_by(ckpt) == "BF16_Optimizer"
+    init_parallel(1, 1)
+    torch.manual_seed(1)  # not the run's seed: the checkpoint must bring everything back
+    resumed, _, _ = lm_engine(get_family(MODEL), MODEL, train, ds)
+    checkpoint.load(resumed, ckpt, checkpoint.latest_tag(ckpt))
+    assert resumed.optimizer.step.__qualname__.startswith("sync_free_bf16_step")
+    assert train_step(resumed, [batches(3)[2]], 1).item() == ref[2]
+    masters = [torch.cat(e.optimizer.fp32_groups_flat_partition) for e in (resumed, straight)]
+    torch.testing.assert_close(*masters, rtol=0, atol=0)
