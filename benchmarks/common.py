@@ -58,11 +58,12 @@ def add_run_args(ap: argparse.ArgumentParser, cpu_micro_batch: int, shapes: dict
 
 
 def setup(args, shapes: dict = SHAPES) -> tuple[ModelConfig, TrainConfig]:
-    """The model shape (without dropout unless --dropout) and a schedule at its peak lr, in a
-    gloo/nccl world of one."""
+    """The model shape (without dropout unless --dropout; eager unless --fusion names another:
+    the config's default, 'auto', would compile on a GPU behind the benchmark's back) and a
+    schedule at its peak lr, in a gloo/nccl world of one."""
     from mmadapt.parallel import init_parallel
 
-    base = shapes[args.shape]
+    base = dataclasses.replace(shapes[args.shape], fusion=getattr(args, "fusion", "none"))
     if not getattr(args, "dropout", False):
         base = dataclasses.replace(base, hidden_dropout=0.0, attention_dropout=0.0)
     train = TrainConfig(seq_length=args.seq_length, train_micro_batch_size_per_gpu=args.micro_batch,

@@ -255,7 +255,9 @@ def measure(args) -> list[dict]:
         for system, step, cfg, trainable in cases(base):
             if args.cases and f"{system}-{step}" not in args.cases:
                 continue
-            if args.fusion != "none":  # (a checkout from before fusion existed is measured eager)
+            # Always named: since 2026-11-29 a config's default ('auto') compiles on a GPU. A
+            # checkout from before fusion existed has no such field and is measured eager.
+            if any(f.name == "fusion" for f in dataclasses.fields(cfg)):
                 cfg = dataclasses.replace(cfg, fusion=args.fusion)
             engine, _, _ = lm_engine(family, cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
             hb = [host_batch(ids, labels, gpu) for ids, labels in batches]
