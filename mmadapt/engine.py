@@ -180,6 +180,13 @@ def _set_fp32_master(engine, names: dict, state: dict) -> None:
             safe_set_full_fp32_param(p, _shard(p, full).to(device=p.device, dtype=torch.float32))
 
 
+def _clip_to(tensors: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale `tensors` in place by min(1, max_norm / (norm + 1e-6)), DeepSpeed's clip with its eps,
+    decided on the device: where DeepSpeed would not scale (`if coef < 1`, a read of the device)
+    this multiplies by exactly 1.0, which changes no bit."""
+    torch._foreach_mul_(tensors, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+
+
 def foreach_clip(engine) -> torch.Tensor:
     """DeepSpeed's clip_grad_norm_ (deepspeed.runtime.utils), as its engine calls it for fp32
     without ZeRO, with the per-tensor norms and the scaling as one foreach call each instead of
@@ -204,8 +211,7 @@ def foreach_clip(engine) -> torch.Tensor:
     total = total / float(dist.get_world_size(group=pg))
     dist.all_reduce(total, group=pg)
     if params:
-        torch._foreach_mul_([p.grad for p in params],
-                            torch.clamp(engine.gradient_clipping() / (total + 1e-6), max=1.0))
+        _clip_to([p.grad for p in params], engine.gradient_clipping(), total)
     return total
 
 
@@ -272,11 +278,9 @@ def sync_free_bf16_step(optimizer) -> bool:
     to clip, and each read waits for the whole backward to finish. The host can then queue nothing
     ahead: the optimizer's launches and the next forward's first ones find the device idle (a
     mini-model's Step-2 update, whose host time is close to its device time, pays that in full;
-    not yet timed on a GPU). Here both stay on the device,
-    as torch's GradScaler keeps its own: the clip multiplies by min(coef, 1) (by exactly 1.0 where
-    DeepSpeed would not multiply: the same bits), and a non-finite norm reaches torch's fused
-    AdamW as `found_inf`, which then leaves weights, moments and step counts as they were (DeepSpeed
-    skips the step). The host learns of it at the loop's next read of the device: the flag is kept
+    not yet timed on a GPU). Here both stay on the device, as torch's GradScaler keeps its own:
+    the clip is _clip_to's, and a non-finite norm reaches torch's fused AdamW as `found_inf`, which
+    then leaves weights, moments and step counts as they were (DeepSpeed skips the step). The host learns of it at the loop's next read of the device: the flag is kept
     under FOUND_INF and train_loop treats it as a non-finite loss (a divergence under bf16, whose
     range is fp32's; a skipped step is an fp16 loss-scaling event). The norm is each group's flat
     buffer's (torch._foreach_norm, one launch) combined as DeepSpeed combines its tensors' norms.
@@ -294,14 +298,14 @@ def sync_free_bf16_step(optimizer) -> bool:
             raise NotImplementedError(f"{type(optimizer).__name__} does not support closure.")
         optimizer.overflow = False  # known on the device only (FOUND_INF)
         norm = torch.stack(torch._foreach_norm(flats)).pow(2).sum().pow(0.5)
-        found_inf = torch.isfinite(norm).logical_not().float()
+        nonfinite = torch.isfinite(norm).logical_not().float()
         optimizer._global_grad_norm = norm
-        setattr(optimizer, FOUND_INF, found_inf)
+        setattr(optimizer, FOUND_INF, nonfinite)
         if optimizer.clip_grad > 0.0:
-            torch._foreach_mul_(flats, torch.clamp(optimizer.clip_grad / (norm + 1e-6), max=1.0))
+            _clip_to(flats, optimizer.clip_grad, norm)
         for param, grad in zip(optimizer.fp32_groups_flat_partition, optimizer.fp32_groups_gradient_flat_partition):
             param.grad = grad
-        inner.found_inf = found_inf  # read by torch's Adam.step (as GradScaler sets it)
+        inner.found_inf = nonfinite  # read by torch's Adam.step (as GradScaler sets it)
         try:
             inner.step()
         finally:
