@@ -11,11 +11,11 @@ tied or untied output, clipping), under a ds_configs/ JSON as a run of one repli
 - **operators launched**: every ATen operator the update dispatches (a TorchDispatchMode sees the
   forward, the backward and DeepSpeed's work alike), split into the forward, backward, optimizer
   step (DeepSpeed's `engine.step`) and the rest (the loss reduced over replicas), and counted
-  without the views and metadata ops that launch nothing. Of them, the **device reads**: ops
-  whose result the host reads (`.item()`, `bool(tensor)`, `nonzero`), each a wait for every
-  queued kernel on a GPU, after which the host's next launches find the device idle. On a GPU each of the others is (at
+  without the views and metadata ops that launch nothing. On a GPU each of the others is (at
   least) one kernel launch: the host pays ~5-10 us to issue one, and the device runs it
-  asynchronously only while the host keeps ahead.
+  asynchronously only while the host keeps ahead. Of them, the **device reads**: ops whose
+  result the host reads (`.item()`, `bool(tensor)`, `nonzero`), each a wait for every queued
+  kernel on a GPU, after which the host's next launches find the device idle.
 - **Python calls**: function calls the update makes into DeepSpeed (and, of them, the gradient
   hooks fired: ZeRO's `grad_handling_hook`, one per trainable tensor) and into mmadapt.
 - **host time**: the update's wall time at the same structure with every width shrunk

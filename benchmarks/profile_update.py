@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     ap.add_argument("--top", type=int, default=15, help="kernels listed")
     args = ap.parse_args(argv)
     base, train = setup(args)
-    base = dataclasses.replace(base, attention_impl=args.attention_impl, fusion=args.fusion)
+    base = dataclasses.replace(base, attention_impl=args.attention_impl)  # fusion: setup's
     s, b = args.seq_length, args.micro_batch
     ds = run_ds_config(REPO / args.ds_config, train, args.zero_as_given)
     batches = (real_batches if args.real else masked_batches)(base, b, s, train.mask_prob, 4)

@@ -78,7 +78,7 @@ def main(argv=None) -> None:
     family = get_family(base)
     if args.real and not family.objective.masked:
         ap.error(f"--real reads the encoders' masked blocks; the {args.shape} decoder runs on random blocks: drop --real")
-    base = dataclasses.replace(base, attention_impl=args.attention_impl, fusion=args.fusion)
+    base = dataclasses.replace(base, attention_impl=args.attention_impl)  # fusion: setup's
     s, b = args.seq_length, args.micro_batch
     ds = run_ds_config(REPO / args.ds_config, train, args.zero_as_given)
     dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float16 if ds.get("fp16", {}).get(
