@@ -31,13 +31,16 @@ SYNCING = {"_local_scalar_dense", "is_nonzero", "nonzero", "equal"}
 
 
 class SyncSpy(TorchDispatchMode):
-    def __init__(self):
+    """Counts, by name, the ATen ops dispatched inside it that `keep(func, name)` selects (default:
+    the SYNCING ones)."""
+
+    def __init__(self, keep=lambda func, name: name in SYNCING):
         super().__init__()
-        self.seen = collections.Counter()
+        self.keep, self.seen = keep, collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        if name in SYNCING:
+        if self.keep(func, name):
             self.seen[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -281,22 +284,12 @@ def test_a_frozen_encoder_layers_backward_copies_the_qkv_gradient_once():
     and copied that again to make it contiguous (a `clone` per layer)."""
     from mmadapt.models.roberta.model import TransformerLayer
 
-    class Launches(TorchDispatchMode):  # ops that are not views
-        def __init__(self):
-            super().__init__()
-            self.seen = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view:
-                self.seen[func.__name__.split(".")[0]] += 1
-            return func(*args, **(kwargs or {}))
-
     init_parallel(1, 1)
     cfg = dataclasses.replace(PRESETS["tiny"][0], hidden_dropout=0.0, attention_dropout=0.0)
     layer = TransformerLayer(cfg, 1).requires_grad_(False)
     x = torch.randn(2, 16, cfg.hidden_size, requires_grad=True)
     y = layer(x)
-    with Launches() as spy:
+    with SyncSpy(keep=lambda func, name: not func.is_view) as spy:  # every op that is not a view
         y.sum().backward()
     assert spy.seen == {"sum": 1, "ones_like": 1, "native_layer_norm_backward": 2, "mm": 4, "gelu_backward": 1,
                         "add": 2, "_scaled_dot_product_flash_attention_for_cpu_backward": 1, "stack": 1}, spy.seen
