@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmadapt.models import PRESETS
 from mmadapt.engine import for_replicas, load_ds_config
+from mmadapt.models.layers import gpu_paths
 from mmadapt.models.roberta.model import Padding, RobertaMLM, attention_mask
 from mmadapt.parallel import init_parallel
 from mmadapt.models.pipe import set_host_batches
@@ -145,7 +146,7 @@ def host_ops_per_micro_batch(engine) -> int:
     for _ in range(3):  # warm (and, compiled, past the recompile for a symbolic m)
         micro_batch(engine, batch)
         engine.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with gpu_paths(), profile(activities=[ProfilerActivity.CPU]) as prof:  # the ops a GPU launches
         micro_batch(engine, batch)
     engine.step()
     return count_host_ops(prof.events())

@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import (Linear, Padding, SplitVocabRows, WordEmbedding, column_linear, derive_seed,
-                                   head_losses, masked_positions, normal_init, row_linear, run_layers, to_tp_region,
-                                   vocab_linear, vocab_rows)
+from mmadapt.models.layers import (Dropout, Linear, Padding, SplitVocabRows, WordEmbedding, column_linear,
+                                   cpu_path, derive_seed, dropout, head_losses, masked_positions, normal_init,
+                                   row_linear, run_layers, to_tp_region, vocab_linear, vocab_rows)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
 
@@ -142,7 +142,7 @@ class DecoderLayer(nn.Module):
             self.fc2 = row_linear(config, config.ffn_hidden_size, h, out_init, bias=False)
         self.input_layernorm = RMSNorm(h, config.layernorm_epsilon)
         self.post_attention_layernorm = RMSNorm(h, config.layernorm_epsilon)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = Dropout(config.hidden_dropout)
 
     def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Causal self-attention. No padding mask, ever: batches are unpadded (packed LM blocks)
@@ -161,14 +161,15 @@ class DecoderLayer(nn.Module):
         p = self.attention_dropout if self.training else 0.0
         # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
         with MODEL_PARALLEL_RNG.fork(x.device):
-            if self.attention_impl == "sdpa":
+            if self.attention_impl == "sdpa" and not (p and cpu_path(x)):
                 ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=r > 1)
-            else:  # "math": explicit matmuls, which torch's FLOP counter sees
+            else:  # "math": explicit matmuls, which torch's FLOP counter sees; and dropout on a CPU,
+                # where SDPA's math fallback is these matmuls with torch's slower mask (layers.dropout)
                 k, v = k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)  # [b, np, s, hd]
                 scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # [b, np, s, s]
                 future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
                 probs = scores.masked_fill(future, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-                ctx = F.dropout(probs, p=p) @ v  # [b, np, s, hd]
+                ctx = dropout(probs, p) @ v  # [b, np, s, hd]
         out, _ = self.attn_out(ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
         return out  # [b, s, h], summed over TP ranks
 
@@ -255,7 +256,7 @@ class LlamaDecoder(nn.Module):
         super().__init__()
         self.config = validated(config)
         self.word_embeddings = WordEmbedding(config, seed)
-        self.embedding_dropout = nn.Dropout(config.hidden_dropout)  # megatron GPT's; Llama's is 0
+        self.embedding_dropout = Dropout(config.hidden_dropout)  # megatron GPT's; Llama's is 0
         self.layers = nn.ModuleList(DecoderLayer(config, i, seed) for i in range(1, config.num_layers + 1))
 
     def encode(self, input_ids: torch.Tensor, layers: tuple[int, ...],

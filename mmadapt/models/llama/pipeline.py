@@ -35,7 +35,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import WordEmbedding, trained_vocab_attrs, vocab_blocks, vocab_rows
+from mmadapt.models.layers import Dropout, WordEmbedding, trained_vocab_attrs, vocab_blocks, vocab_rows
 from mmadapt.models.llama.model import DecoderLayer, LMHeads, config_rotary_table, output_layer, validated
 from mmadapt.models.pipe import ScoredQueue
 
@@ -51,7 +51,7 @@ class PipeWordEmbedding(WordEmbedding):
 
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__(config, seed)
-        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        self.embedding_dropout = Dropout(config.hidden_dropout)
 
     def forward(self, inputs):
         if len(inputs) == 2:

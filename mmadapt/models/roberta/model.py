@@ -29,9 +29,9 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import (Jagged, Padding, WordEmbedding, attention_mask, column_linear, derive_seed,
-                                   head_losses, masked_positions, normal_init, row_linear, run_layers, split_vocab,
-                                   to_tp_region, varlen_attention, vocab_linear)
+from mmadapt.models.layers import (Dropout, Jagged, Padding, WordEmbedding, attention_mask, column_linear,
+                                   cpu_path, derive_seed, dropout, head_losses, masked_positions, normal_init,
+                                   row_linear, run_layers, split_vocab, to_tp_region, varlen_attention, vocab_linear)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
 
@@ -45,7 +45,7 @@ class EmbeddingPost(nn.Module):
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
             nn.init.normal_(self.position_embeddings.weight, std=config.init_method_std)
         self.layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = Dropout(config.hidden_dropout)
 
     def forward(self, word_embeds: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
         positions = torch.arange(word_embeds.shape[1], device=word_embeds.device)
@@ -73,7 +73,7 @@ class TransformerLayer(nn.Module):
             self.fc2 = row_linear(config, config.ffn_hidden_size, h, init)
         self.attn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.ffn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = Dropout(config.hidden_dropout)
 
     def attention(self, x: torch.Tensor, mask: "torch.Tensor | Jagged | None") -> torch.Tensor:
         b, s, _ = x.shape
@@ -93,13 +93,16 @@ class TransformerLayer(nn.Module):
         with MODEL_PARALLEL_RNG.fork(x.device):
             if isinstance(mask, Jagged):
                 ctx = varlen_attention(q, k, v, mask, p)
-            elif self.attention_impl in ("sdpa", "varlen"):
+            elif self.attention_impl in ("sdpa", "varlen") and not (p and cpu_path(x)):
                 ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
-            else:
+            else:  # "math", or dropout on a CPU: SDPA has no CPU kernel with dropout, and its math
+                # fallback is these matmuls with torch's slower mask (layers.dropout).
                 scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)  # [b, np, s, s]
-                if mask is not None:
-                    scores = scores.masked_fill(~mask, float("-inf"))
-                ctx = F.dropout(scores.softmax(-1), p=p) @ v  # [b, np, s, hd]
+                if mask is not None:  # added, as transformers' eager attention does: its backward is
+                    # the identity (masked_fill's is another fill), and an all-padding row stays finite
+                    bias = torch.zeros(mask.shape, dtype=scores.dtype, device=scores.device)  # [b, 1, 1, s]
+                    scores = scores + bias.masked_fill_(~mask, torch.finfo(scores.dtype).min)
+                ctx = dropout(scores.softmax(-1), p) @ v  # [b, np, s, hd]
         ctx = ctx.transpose(1, 2).reshape(b, s, self.num_heads_per_partition * self.head_dim)
         out, _ = self.attn_out(ctx)  # [b, s, h], summed over TP ranks
         return out
@@ -281,7 +284,7 @@ class RobertaForTask(RobertaEncoder):
                 if lin is not None:
                     nn.init.normal_(lin.weight, std=config.init_method_std)
                     nn.init.zeros_(lin.bias)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = Dropout(config.hidden_dropout)
 
     def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> torch.Tensor:
         return self.head(self.encode(input_ids, (self.config.num_layers,), padding)[0], input_ids)

@@ -1,0 +1,120 @@
+"""layers.dropout, the CPU dropout whose mask comes from 16-bit uniforms (four per 64-bit draw of
+torch's generator) instead of bernoulli_: its distribution, its reproducibility, its gradient, and
+the CPU attention path that uses it in training."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from mmadapt.models import PRESETS
+from mmadapt.models.layers import Dropout, dropout, gpu_paths
+from mmadapt.models.roberta.model import RobertaMLM, TransformerLayer, attention_mask
+from mmadapt.tokens import PAD_ID
+
+N = 1 << 22
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_each_element_is_kept_with_probability_k_over_2_16_and_scaled_by_its_inverse(p):
+    torch.manual_seed(0)
+    y = dropout(torch.ones(N), p)
+    k = round((1 - p) * 65536)
+    q = k / 65536
+    kept = y.ne(0)
+    assert abs(q - (1 - p)) <= 2**-17
+    assert torch.equal(y[kept], torch.full_like(y[kept], 65536 / k))  # E[y] = x exactly
+    sigma = math.sqrt(q * (1 - q) / N)
+    assert abs(kept.float().mean().item() - q) < 6 * sigma
+    # The four 16-bit lanes of one 64-bit draw are independent: neighbours are both kept with q^2.
+    words = kept.view(-1, 4)
+    for a, b in ((0, 1), (1, 2), (2, 3), (0, 3)):
+        both = (words[:, a] & words[:, b]).float().mean().item()
+        assert abs(both - q * q) < 6 * math.sqrt(q * q * (1 - q * q) / (N // 4)), (a, b)
+
+
+def test_the_mask_is_seeded_and_the_gradient_is_the_same_mask():
+    x = torch.randn(3, 50, 64, requires_grad=True)
+
+    def draw(seed):
+        torch.manual_seed(seed)
+        return dropout(x, 0.1)
+    y = draw(1)
+    assert torch.equal(y, draw(1)) and not torch.equal(y, draw(2))
+    y.backward(torch.ones_like(y))
+    scale = torch.tensor(65536 / round(0.9 * 65536))
+    assert torch.equal(x.grad, torch.where(y.ne(0), scale, 0.0))  # d y / d x: the forward's mask
+    assert torch.equal(y[y.ne(0)], (x * scale)[y.ne(0)])
+
+
+def test_it_is_the_identity_off_training_and_f_dropout_at_the_edges():
+    x = torch.randn(1000)
+    assert dropout(x, 0.3, training=False) is x and dropout(x, 0.0) is x
+    assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))  # k = 0: F.dropout's zeros
+    layer = Dropout(0.2).eval()
+    assert layer(x) is x
+    torch.manual_seed(3)
+    y = layer.train()(x)
+    torch.manual_seed(3)
+    assert torch.equal(y, dropout(x, 0.2))
+
+
+class OpSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_cpu_training_update_draws_no_bernoulli_mask():
+    """Hidden and attention dropout on a CPU both come from layers.dropout: no bernoulli_ and no
+    SDPA (whose math fallback would draw one) in a training forward and backward."""
+    cfg = dataclasses.replace(PRESETS["tiny"][0], num_layers=2, head_layers=(2,), hidden_dropout=0.1,
+                              attention_dropout=0.1)
+    model = RobertaMLM(cfg, seed=1).train()
+    ids = torch.randint(5, cfg.vocab_size, (4, 32))
+    ids[1, 20:] = PAD_ID
+    labels = torch.where(torch.rand(ids.shape) < 0.2, ids, torch.full_like(ids, -100))
+    labels[1, 20:] = -100
+    with OpSpy() as spy:
+        loss = model(ids, labels)[0]
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert "random_" in spy.ops
+    assert not {"bernoulli_", "bernoulli", "native_dropout", "scaled_dot_product_attention",
+                "_scaled_dot_product_attention_math"} & spy.ops, spy.ops
+    with gpu_paths(), OpSpy() as gpu:  # what a GPU runs, for counting its launches (test_host_sync)
+        model(ids, labels)[0].backward()
+    assert "bernoulli_" in gpu.ops and "random_" not in gpu.ops
+
+
+def test_cpu_attention_with_dropout_is_masked_softmax_attention_times_the_mask():
+    """TransformerLayer.attention in training on a CPU: softmax(q k^T / sqrt(hd) + padding) times
+    the dropout mask drawn from the same generator, then @ v; a row of padding alone stays finite."""
+    cfg = dataclasses.replace(PRESETS["tiny"][0], num_layers=1, attention_dropout=0.25)
+    layer = TransformerLayer(cfg, 1, seed=5).train()
+    b, s, nh, hd = 3, 12, cfg.num_attention_heads, cfg.head_dim
+    x = torch.randn(b, s, cfg.hidden_size)
+    ids = torch.full((b, s), 7)
+    ids[1, 9:] = PAD_ID
+    ids[2, :] = PAD_ID  # no key to attend to
+    mask = attention_mask(ids, None)
+    torch.manual_seed(11)
+    out = layer.attention(x, mask)
+    torch.manual_seed(11)
+    keep = dropout(torch.ones(b, nh, s, s), 0.25)  # the same draw: the attention's only one
+    with torch.no_grad():
+        qkv, _ = layer.qkv(x)
+        q, k, v = qkv.view(b, s, nh, 3, hd).permute(3, 0, 2, 1, 4)  # each [b, nh, s, hd]
+        scores = torch.einsum("bnqd,bnkd->bnqk", q, k) / math.sqrt(hd)
+        probs = scores.masked_fill(~mask, -1e30).softmax(-1)
+        ctx = (probs * keep) @ v
+        ref, _ = layer.attn_out(ctx.transpose(1, 2).reshape(b, s, nh * hd))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:2], ref[:2], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert not torch.allclose(out[:2], layer.eval().attention(x, mask)[:2])  # dropout did act
