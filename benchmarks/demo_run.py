@@ -1,0 +1,52 @@
+"""One run of the demo's Step 2 or Step 3, as a demo worker trains it (one torch thread), timed:
+for comparing two commits on the demo's own work, run by run.
+
+    python benchmarks/demo_run.py DEMO_DIR adapt bl_base de OUT      # Step 2, --adapt_iters updates
+    python benchmarks/demo_run.py DEMO_DIR finetune bl_base 1 OUT    # Step 3, seed 1
+
+DEMO_DIR: a finished `mmadapt demo --output_dir DEMO_DIR` (its prepared data and Step-1 models).
+OUT is emptied first. Prints "seconds N" (the run alone, after imports and set-up). To compare
+two commits, run this file from each commit's clone over the same DEMO_DIR, paired A B A B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("demo_dir", type=Path)
+    ap.add_argument("step", choices=("adapt", "finetune"))
+    ap.add_argument("system", help="adapt: a system (bl_base, minipost, ...); finetune: a primary (bl_base, ...)")
+    ap.add_argument("which", help="adapt: the target language; finetune: the seed")
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--adapt_iters", type=int, default=200, help="Step-2 updates (the demo's: 1000)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (a demo worker's on 2 cores: 1)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from mmadapt.demo import Demo, DemoConfig, for_family
+    from mmadapt.parallel import init_parallel
+
+    init_parallel(1, 1)
+    root = args.demo_dir
+    shutil.rmtree(args.out, ignore_errors=True)
+    demo = Demo(for_family(DemoConfig(adapt_iters=args.adapt_iters, adapt_save_interval=args.adapt_iters)), root)
+    t = time.perf_counter()
+    if args.step == "adapt":
+        source = root / "minipost" if args.system == "minipost" else root / "pretrain" / args.system
+        demo.adapt(args.system, source, args.which, args.out, root / "data" / args.which)
+    else:
+        demo.finetune(root / "pretrain" / args.system, int(args.which), args.out)
+    print(f"seconds {time.perf_counter() - t:.2f}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
