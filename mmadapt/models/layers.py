@@ -78,13 +78,15 @@ def cpu_path(x: torch.Tensor) -> bool:
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """F.dropout(x, p, training), with the keep mask drawn four times faster on a CPU.
+    """F.dropout(x, p, training), with a cheaper keep mask on a CPU.
 
     torch's CPU dropout draws its mask with bernoulli_, one Mersenne-Twister draw (~13 ns) per
-    element: a fifth of a demo Step-2 update at one thread (docs/demo.md). Here each 64-bit draw
-    of the same generator gives four uniform 16-bit integers u, and an element is kept where
-    u < k = round((1 - p) * 2^16): with probability k / 2^16, within 7.6e-6 of 1 - p, and scaled
-    by 2^16 / k, so that its expectation is x exactly, as F.dropout's is. The masks are as random
+    element: 23% of a demo Step-2 update's operator time at one thread (benchmarks/results/
+    demo_full_cpu2_20261130.md, where this dropout's forward and backward take 0.67 ms against
+    1.64 for 131,072 elements). Here each 64-bit draw of the same generator gives four uniform
+    16-bit integers u, and an element is kept where u < k = round((1 - p) * 2^16): with
+    probability k / 2^16, within 7.6e-6 of 1 - p, and scaled by 2^16 / k, so that its expectation
+    is x (in fp32; in bf16 the scale rounds, as F.dropout's does). The masks are as random
     as torch's and as reproducible (the default generator, seeded, saved and forked as before,
     parallel.ModelParallelRNG), but not the same draws. On other devices, in compiled graphs and
     for p within 2^-17 of 0 or 1, F.dropout: CUDA draws its mask inside the fused kernel."""
