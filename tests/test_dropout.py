@@ -11,6 +11,7 @@ import torch
 from mmadapt.models import PRESETS
 from mmadapt.models.layers import Dropout, dropout, gpu_paths
 from mmadapt.models.roberta.model import RobertaMLM, TransformerLayer, attention_mask
+from mmadapt.parallel import MODEL_PARALLEL_RNG, seed_everything
 from mmadapt.tokens import PAD_ID
 
 N = 1 << 22
@@ -103,10 +104,11 @@ def test_cpu_attention_with_dropout_is_masked_softmax_attention_times_the_mask()
     ids[1, 9:] = PAD_ID
     ids[2, :] = PAD_ID  # no key to attend to
     mask = attention_mask(ids, None)
-    torch.manual_seed(11)
+    seed_everything(11)
     out = layer.attention(x, mask)
-    torch.manual_seed(11)
-    keep = dropout(torch.ones(b, nh, s, s), 0.25)  # the same draw: the attention's only one
+    seed_everything(11)
+    with MODEL_PARALLEL_RNG.fork("cpu"):  # attention dropout's stream (its heads are split across TP ranks)
+        keep = dropout(torch.ones(b, nh, s, s), 0.25)  # the same draw: the attention's only one
     with torch.no_grad():
         qkv, _ = layer.qkv(x)
         q, k, v = qkv.view(b, s, nh, 3, hd).permute(3, 0, 2, 1, 4)  # each [b, nh, s, hd]
