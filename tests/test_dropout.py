@@ -13,8 +13,13 @@ from mmadapt.models.layers import Dropout, dropout, gpu_paths
 from mmadapt.models.roberta.model import RobertaMLM, TransformerLayer, attention_mask
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seed_everything
 from mmadapt.tokens import PAD_ID
+from test_host_sync import SyncSpy
 
 N = 1 << 22
+
+
+def every_op(func, name) -> bool:  # SyncSpy's selector: count them all
+    return True
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
@@ -61,16 +66,6 @@ def test_it_is_the_identity_off_training_and_f_dropout_at_the_edges():
     assert torch.equal(y, dropout(x, 0.2))
 
 
-class OpSpy(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.add(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_cpu_training_update_draws_no_bernoulli_mask():
     """Hidden and attention dropout on a CPU both come from layers.dropout: no bernoulli_ and no
     SDPA (whose math fallback would draw one) in a training forward and backward."""
@@ -81,16 +76,16 @@ def test_a_cpu_training_update_draws_no_bernoulli_mask():
     ids[1, 20:] = PAD_ID
     labels = torch.where(torch.rand(ids.shape) < 0.2, ids, torch.full_like(ids, -100))
     labels[1, 20:] = -100
-    with OpSpy() as spy:
+    with SyncSpy(keep=every_op) as spy:
         loss = model(ids, labels)[0]
         loss.backward()
     assert torch.isfinite(loss)
-    assert "random_" in spy.ops
+    assert "random_" in spy.seen
     assert not {"bernoulli_", "bernoulli", "native_dropout", "scaled_dot_product_attention",
-                "_scaled_dot_product_attention_math"} & spy.ops, spy.ops
-    with gpu_paths(), OpSpy() as gpu:  # what a GPU runs, for counting its launches (test_host_sync)
+                "_scaled_dot_product_attention_math"} & set(spy.seen), spy.seen
+    with gpu_paths(), SyncSpy(keep=every_op) as gpu:  # what a GPU runs, for counting its launches (test_host_sync)
         model(ids, labels)[0].backward()
-    assert "bernoulli_" in gpu.ops and "random_" not in gpu.ops
+    assert "bernoulli_" in gpu.seen and "random_" not in gpu.seen
 
 
 def test_cpu_attention_with_dropout_is_masked_softmax_attention_times_the_mask():
