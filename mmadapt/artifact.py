@@ -93,6 +93,23 @@ def meta_digests(dirs: list[Path]) -> list[str]:
     return [hashlib.sha256((Path(d) / "meta.json").read_bytes()).hexdigest() for d in dirs]
 
 
+def swap_key(art: dict, keys, meta: dict | None, tokenizer: str | os.PathLike) -> str:
+    """One sha256 of what a Step-4 score of an artifact depends on besides the model and the
+    text: the tensors `keys` of `art` that the score swaps in (dtype, shape and every byte), how
+    they go in (meta's vocab_mode and source_vocab_size: artifact_state) and the tokenizer file
+    that reads the text. Two artifacts with one key score the same, so Step 4 scores the second
+    from the first's result: an adapt run's start beside its update-0 artifact, and runs that
+    start alike (MINIPOST's word embeddings at update 0 are BL_BASE's, MINIJOINT's are its
+    ceiling's; their output biases differ, fitted through different bodies)."""
+    h = hashlib.sha256(Path(tokenizer).read_bytes())
+    h.update(json.dumps([(meta or {}).get("vocab_mode", "replace"), (meta or {}).get("source_vocab_size")]).encode())
+    for key in sorted(keys):
+        t = art[key].detach().cpu().contiguous()
+        h.update(f"{key} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def artifact_state(family: ModelFamily, art: dict, meta: dict | None = None,
                    own: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """An artifact's tensors under the family's parameter names (those it holds). An expanded

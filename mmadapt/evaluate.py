@@ -15,6 +15,7 @@ would carry is never computed. Needs no process group.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -27,7 +28,7 @@ import torch
 
 from mmadapt import checkpoint
 from mmadapt.artifact import (NO_ADAPTATION, PrimaryRef, artifact_dirs, artifact_embeddings, artifact_primary,
-                              artifact_primary_ref, artifact_state, read_artifact, record_base)
+                              artifact_primary_ref, artifact_state, read_artifact, record_base, swap_key)
 from mmadapt.config import EvaluateConfig, FinetuneConfig, ModelConfig
 from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
@@ -270,12 +271,23 @@ class Scoring:
     eval_spec: str
     examples: dict = dataclasses.field(default_factory=dict)
     sets: dict = dataclasses.field(default_factory=dict)
+    scored: dict = dataclasses.field(default_factory=dict)  # `fields` by swap_key and language
 
     def fields(self, lang: str, tokenizer: Path, artifact: dict | None, meta: dict | None = None) -> dict:
         """The scores of a record: every metric of `lang`'s examples encoded with `tokenizer`,
         averaged over the seeds, with `artifact`'s word embeddings swapped into each run's model
         (None: its own), the language's chance level as the first run encodes its rows, and the
-        share of the text's pieces that `tokenizer` reads as <unk> (report.verdict names it)."""
+        share of the text's pieces that `tokenizer` reads as <unk> (report.verdict names it).
+        An artifact whose word embeddings, tokenizer and vocabulary mode are an earlier one's
+        (artifact.swap_key) takes that one's scores: the seeds' forward passes would repeat them."""
+        if artifact is None:
+            return self._fields(lang, tokenizer, None, meta)
+        key = (swap_key(artifact, ["word_embeddings"], meta, tokenizer), lang)
+        if key not in self.scored:
+            self.scored[key] = self._fields(lang, tokenizer, artifact, meta)
+        return copy.deepcopy(self.scored[key])
+
+    def _fields(self, lang: str, tokenizer: Path, artifact: dict | None, meta: dict | None) -> dict:
         task, labels, cfg0 = self.runs[0].task, self.runs[0].labels, self.cfgs[0]
         if lang not in self.examples:
             self.examples[lang] = read_examples(task, self.eval_spec, lang, "test", cfg0, labels)
@@ -449,13 +461,17 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     model.load_state_dict({k: state[k] for k in model.state_dict()})  # the body of the task model's start
     model = on_eval_device(model, device())  # built once; each artifact is swapped into it
     src_sp, src_vectors, records = load_tokenizer(source.tokenizer), {}, []
+    scored = {}  # accuracy by swap_key and language: an artifact like an earlier one scores the same
     for path in progress(artifact_dirs(adapt_runs), "retrieval"):
         emb, tok, meta = read_artifact(path)
         lang = meta["lang"]
         if lang not in src_vectors:
             src_vectors[lang] = sentence_vectors(model, src_sp, [a for a, _ in pairs[lang]], seq_length, layer)
-        with swapped(model, {word: artifact_embeddings(emb, model.get_parameter(word))}):
-            trg = sentence_vectors(model, load_tokenizer(tok), [b for _, b in pairs[lang]], seq_length, layer)
+        key = (swap_key(emb, ["word_embeddings"], meta, tok), lang)
+        if key not in scored:
+            with swapped(model, {word: artifact_embeddings(emb, model.get_parameter(word))}):
+                trg = sentence_vectors(model, load_tokenizer(tok), [b for _, b in pairs[lang]], seq_length, layer)
+            scored[key] = retrieval_accuracy(src_vectors[lang], trg)
         records.append({**record_base(meta, "retrieval"), "metric": "accuracy", "chance": 100 / len(pairs[lang]),
-                        "score": retrieval_accuracy(src_vectors[lang], trg), "artifact": str(path)})
+                        "score": scored[key], "artifact": str(path)})
     return records

@@ -33,7 +33,7 @@ from pathlib import Path
 from mmadapt import checkpoint
 from mmadapt.adapt import AdaptEmbeddings, StartRule, Step2Start, body_config
 from mmadapt.artifact import (ARTIFACT_FILE, PrimaryRef, artifact_dirs, artifact_primary, artifact_primary_ref,
-                              read_artifact, record_base)
+                              read_artifact, record_base, swap_key)
 from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.checkpoint import tag_for
 from mmadapt.data import TOKENIZER, file_sha256, read_manifest
@@ -79,7 +79,9 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     model of `primary_run`), scored on the validation split of `data_paths[lang]` (a prepared
     dataset whose tokenizer is the artifacts'), and in bits per byte on the first `bpb_bytes`
     of its raw held-out text (module docstring). graft: the artifacts were trained over a base
-    model of which `primary_run` is a fine-tuned sibling (graft.check_siblings, once per base)."""
+    model of which `primary_run` is a fine-tuned sibling (graft.check_siblings, once per base).
+    An artifact that swaps in what an earlier one did (artifact.swap_key: each run's start is its
+    update-0 artifact) is scored once."""
     primary = Primary.read(primary_run)
     siblings: set[Path] = set()
     # Artifacts name their primary model by its weights' fingerprint (older ones by path).
@@ -113,7 +115,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
         if file_sha256(Path(data_paths[lang]) / TOKENIZER) != file_sha256(path / "spm.model"):
             raise ValueError(f"{path} uses another tokenizer than {data_paths[lang]}: score it on the dataset Step 2 "
                              "trained on")
-    records = []
+    records, scored = [], {}  # scored: (loss, bits per byte) by swap_key and language
     for path in progress(paths, "plug-in metric"):
         emb, tok, meta = read_artifact(path)
         lang = meta["lang"]
@@ -122,17 +124,22 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
             held[lang] = scorer.heldout(Text(data, seq_length, blocks, min(batch_size, blocks), seed),
                                         emb["word_embeddings"].shape[0])
         text, raw = held[lang], per_byte.text(data)
+
+        def score(art: dict) -> tuple[float, float]:  # once per content: a run's start is its update 0
+            key = (swap_key(art, art.keys(), meta, tok), lang)
+            if key not in scored:
+                scored[key] = scorer.loss(text, art, meta), per_byte.score(raw, tok, art, meta)["bpb"]
+            return scored[key]
+
         run = path.parent.parent
         if run not in starts:
-            start = start_embeddings(run, tok)
-            starts[run] = scorer.loss(text, start, meta), per_byte.score(raw, tok, start, meta)["bpb"]
-        loss = scorer.loss(text, emb, meta)
-        bits = per_byte.score(raw, tok, emb, meta)
+            starts[run] = score(start_embeddings(run, tok))
+        loss, bpb = score(emb)
         record = {**record_base(meta, scorer.family.objective.plugin_task), "metric": METRIC,
                   "score": text.unigram - loss, "chance": 0.0, "loss": loss, "unigram_loss": text.unigram,
                   "start_loss": starts[run][0], "start_gain": text.unigram - starts[run][0],
                   "masked_pieces": text.scored, "artifact": str(path),
-                  "bpb": bits["bpb"], "start_bpb": starts[run][1],
+                  "bpb": bpb, "start_bpb": starts[run][1],
                   "none_bpb": per_byte.none(raw), "bpb_bytes": raw.bytes,
                   **_source_bits(per_byte, run, primary, tok, emb, meta)}
         records.append(record if artifact_primary_ref(meta).same(ref) else grafted(record, primary_run))

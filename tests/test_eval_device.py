@@ -19,7 +19,7 @@ from mmadapt.models.roberta import ROBERTA
 from mmadapt.tokenizer import load as load_sp
 from mmadapt.config import FinetuneConfig
 from mmadapt.models import PRESETS
-from mmadapt.corpora import bible_verses
+from mmadapt.corpora import bible_verses, parallel_verses
 from mmadapt.readers import QAExample, TaggedSentence
 from mmadapt.tokens import PAD_ID
 from mmadapt.family import WORD
@@ -300,3 +300,57 @@ def test_a_run_recorded_with_eval_batch_size_still_evaluates(seeds, adapt_run, t
     first = sorted((adapt_run / "embeddings").iterdir())[0]  # one artifact: the config is what is compared
     [a], [b] = (F.evaluate_artifacts([r], [first], "bible", no_adaptation=False) for r in (old, seeds[0]))
     assert a["scores"] == b["scores"] and a["artifact"] == str(first)
+
+
+def _twin(run, source: Path, step: int, change) -> Path:
+    """An adapt run of one artifact: `source`'s, its tensors passed through `change`."""
+    art, tok, meta = read_artifact(source)
+    return write_artifact(run / "embeddings" / f"step{step:08d}", change(dict(art)), tok, {**meta, "step": step})
+
+
+@pytest.mark.slow  # Step 4 over evaluation sets, several artifacts and seeds
+def test_an_artifact_that_swaps_in_what_an_earlier_one_did_is_scored_once(seeds, adapt_run, primary_run, tmp_path,
+                                                                           monkeypatch):
+    """Zero-shot and retrieval swap in the word embeddings alone: an artifact whose embeddings
+    and tokenizer are an earlier one's (another output bias, as MINIPOST's update 0 beside
+    BL_BASE's) takes its scores without a forward pass; one element changed is scored anew."""
+    first = sorted((adapt_run / "embeddings").iterdir())[0]
+
+    def other_bias(t):
+        return {**t, "output_bias": t["output_bias"] + 1.0}
+
+    def one_element(t):
+        w = t["word_embeddings"].clone()
+        w[7, 3] += 1.0
+        return {**t, "word_embeddings": w}
+
+    twin = _twin(tmp_path / "twin", first, 2, other_bias).parent.parent
+    near = _twin(tmp_path / "near", first, 2, one_element).parent.parent
+    calls = {"score_set": 0, "sentence_vectors": 0}
+
+    def counted(name):
+        real = getattr(F, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(F, "score_set", counted("score_set"))
+    records = F.evaluate_artifacts(seeds, [adapt_run, twin, near], "bible")
+    assert [(r.get("step"), r["artifact"] if r.get("step") else None) for r in records][2:4] == [
+        (2, str(twin / "embeddings" / "step00000002")), (2, str(near / "embeddings" / "step00000002"))]
+    # 2 seeds x (adapt_run's two artifacts, `near`, no adaptation): `twin` took the first's scores.
+    assert calls["score_set"] == 8
+    assert records[2]["scores"] == records[0]["scores"] and records[2]["seed_scores"] == records[0]["seed_scores"]
+    [direct] = F.evaluate_artifacts(seeds, [twin], "bible", no_adaptation=False)  # scored alone, the same
+    assert direct["scores"] == records[2]["scores"]
+    assert calls["score_set"] == 10
+    records[2]["scores"]["accuracy"] = -1.0  # a record's fields are its own, not the shared result
+    assert records[0]["scores"]["accuracy"] != -1.0
+    # Retrieval: adapt_run's two, then `near`; `twin` takes the first's accuracy.
+    monkeypatch.setattr(F, "sentence_vectors", counted("sentence_vectors"))
+    pairs = {"de": parallel_verses("en", "de", 40)}
+    got = F.retrieval_records(primary_run, [adapt_run, twin, near], pairs)
+    assert calls["sentence_vectors"] == 1 + 3  # the source side once, then three artifacts
+    assert got[2]["score"] == got[0]["score"] and got[2]["artifact"] == records[2]["artifact"]

@@ -121,10 +121,12 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
     assert 0 < rec["bpb"] < 8 and rec["bpb_bytes"] > 0.9 * 8192 and "source_bpb" not in rec
 
 
-def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus, de_tokenizer, tmp_path, capsys):
+def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus, de_tokenizer, tmp_path, capsys,
+                                                         monkeypatch):
     """TrainConfig.plugin_eval_blocks: every artifact carries its plug-in score, the same as
     plugin_records gives it afterwards on the same held-out blocks, and the log says whether it
-    has passed the unigram reference."""
+    has passed the unigram reference. plugin_records scores the run's start once: it is the
+    update-0 artifact."""
     from conftest import REPO
     from mmadapt import steps
     from mmadapt.models import PRESETS
@@ -141,7 +143,21 @@ def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus,
     steps.adapt_embeddings(run=RunSpec(output_dir=run, ds_config=REPO / "ds_configs" / "zero0.json", data_path=german),
                            step=steps.AdaptEmbeddings(system="minijoint", source=primary_run, lang="de", train=train))
     logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("plug-in metric at update")]
+    calls = {"loss": 0, "score": 0}
+
+    def counted(owner, name):
+        real = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, call)
+
+    counted(H.Scorer, "loss")
+    counted(P.ByteScorer, "score")
     records = P.plugin_records(primary_run, [run], {"de": german}, seq_length=32, blocks=32)
+    # Three artifacts, the first the start: three losses, three bits per byte and no adaptation's.
+    assert calls == {"loss": 3, "score": 4}
     # The start (update 0) too, logged before the first update: every record's start is its loss.
     assert [r["step"] for r in records] == [0, 2, 4] and len(logged) == 3
     assert records[0]["flops"] == 0.0 and all(r["start_loss"] == records[0]["loss"] for r in records)
