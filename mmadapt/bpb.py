@@ -49,7 +49,8 @@ from mmadapt.run import run_text_layout
 from mmadapt.tokens import EOS_ID, MASK_ID, PAD_ID, UNK_ID
 
 BPB_BYTES = 8192  # held-out bytes scored per language: the same text for every row of one language
-BATCH_TOKENS = 16_384  # positions per scoring batch (padding included)
+BATCH_TOKENS = 16_384  # positions per scoring batch (padding included), a GPU's: on a CPU, batches this large
+# fault in fresh pages on every pass (the demo passes its eval_batch_tokens, 2048)
 IGNORE = -100
 
 
@@ -289,23 +290,26 @@ class Scored:
         return (nats / math.log(2) + 8 * self.unknown_bytes) / self.bytes
 
 
-def prepare(sp, text: RawText, layout: Layout, masked: bool, positions: int, device: torch.device) -> Scored:
+def prepare(sp, text: RawText, layout: Layout, masked: bool, positions: int, device: torch.device,
+            batch_tokens: int = BATCH_TOKENS) -> Scored:
     """`text` read by the tokenizer `sp` as a model of `layout` with `positions` positions reads
-    it, on `device`."""
+    it, on `device`, in batches of at most `batch_tokens` positions."""
     from mmadapt.heldout import on_device
 
     rows = (masked_rows if masked else causal_rows)(sp, text, layout, positions)
-    return Scored(on_device(batches(rows), device), rows.pieces, rows.unknown, rows.unknown_bytes, text.bytes)
+    return Scored(on_device(batches(rows, batch_tokens), device), rows.pieces, rows.unknown, rows.unknown_bytes,
+                  text.bytes)
 
 
 class ByteScorer:
     """Bits per byte through one primary model (a heldout.Scorer, built once): a RawText per
-    language (`text`), each tokenizer's reading of it prepared once, artifacts swapped in."""
+    language (`text`), each tokenizer's reading of it prepared once, artifacts swapped in, in
+    batches of at most `batch_tokens` positions (the sums do not depend on it but for rounding)."""
 
-    def __init__(self, scorer, seq_length: int, max_bytes: int = BPB_BYTES):
+    def __init__(self, scorer, seq_length: int, max_bytes: int = BPB_BYTES, batch_tokens: int = BATCH_TOKENS):
         from mmadapt.run import RUN_TOKENIZER
 
-        self.scorer, self.seq_length, self.max_bytes = scorer, seq_length, max_bytes
+        self.scorer, self.seq_length, self.max_bytes, self.batch_tokens = scorer, seq_length, max_bytes, batch_tokens
         self.masked = scorer.family.objective.masked
         self.layout = Layout.of(scorer.primary.record, self.masked)
         self.own_tokenizer = Path(scorer.primary.ref["run_dir"]) / RUN_TOKENIZER
@@ -328,7 +332,7 @@ class ByteScorer:
         key = (text, file_sha256(tokenizer))
         if key not in self._read:
             self._read[key] = prepare(load(tokenizer), text, self.layout, self.masked, self.seq_length,
-                                      device_of(self.scorer.model))
+                                      device_of(self.scorer.model), self.batch_tokens)
         return self._read[key]
 
     def score(self, text: RawText, tokenizer: str | Path, art: dict | None = None, meta: dict | None = None

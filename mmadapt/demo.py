@@ -104,8 +104,11 @@ class DemoConfig(Checked):
                                          "and so costs more: a third seed would take its demo past 25 minutes on "
                                          "2 CPU cores)", ge=0)
     eval_batch_tokens: int = _f(2048, "Steps 3-4 evaluation: piece ids per forward pass (FinetuneConfig."
-                                "eval_batch_tokens, whose 16384 suits a GPU): on a CPU, batches of 2048 stay in "
-                                "cache and score the demo's sets about 25% faster, with the same scores", ge=1)
+                                "eval_batch_tokens, and bits per byte's rows: bpb.BATCH_TOKENS; their 16384 suits "
+                                "a GPU): on a CPU, batches of 2048 stay in cache and score the demo's sets about 25% "
+                                "faster, with the same scores; bits per byte at 16384 spent a fifth of its CPU time in "
+                                "the kernel, faulting in fresh pages (benchmarks/results/step4_cpu2_20261130.md)",
+                                ge=1)
     retrieval_pairs: int = _f(500, "parallel verses for retrieval accuracy (chance: 1/this)", ge=2)
     heldout_fraction: float = _f(0.03, "chapters of each target Bible held out of Step 2: the plug-in MLM metric's "
                                  "text", gt=0, lt=1)
@@ -480,7 +483,8 @@ class Demo:
         cfg = self.cfg
         pairs = {lang: parallel_verses("en", lang, cfg.retrieval_pairs) for lang in cfg.langs}
         return [*plugin_records(primary_run, adapt_runs=runs, data_paths={lang: data[lang] for lang in cfg.langs},
-                                seq_length=cfg.seq_length, blocks=cfg.plugin_blocks, bpb_bytes=cfg.bpb_bytes),
+                                seq_length=cfg.seq_length, blocks=cfg.plugin_blocks, bpb_bytes=cfg.bpb_bytes,
+                                bpb_batch_tokens=cfg.eval_batch_tokens),
                 *evaluate_artifacts(finetuned, artifacts=runs, eval_spec="bible"),
                 *retrieval_records(primary_run, adapt_runs=runs, pairs=pairs, seq_length=cfg.seq_length)]
 

@@ -34,7 +34,7 @@ from mmadapt import checkpoint
 from mmadapt.adapt import AdaptEmbeddings, StartRule, Step2Start, body_config
 from mmadapt.artifact import (ARTIFACT_FILE, PrimaryRef, artifact_dirs, artifact_primary, artifact_primary_ref,
                               read_artifact, record_base, swap_key)
-from mmadapt.bpb import BPB_BYTES, ByteScorer
+from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, ByteScorer
 from mmadapt.checkpoint import tag_for
 from mmadapt.data import TOKENIZER, file_sha256, read_manifest
 from mmadapt.devices import progress
@@ -74,20 +74,20 @@ def source_text_data(adapt_run: Path, primary: Primary) -> Path | None:
 
 def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[str, Path], seq_length: int,
                    blocks: int = 256, batch_size: int = 32, seed: int = 0, bpb_bytes: int = BPB_BYTES,
-                   graft: bool = False) -> list[dict]:
+                   graft: bool = False, bpb_batch_tokens: int = BATCH_TOKENS) -> list[dict]:
     """Plug-in records of every artifact of `adapt_runs` (whose embeddings belong to the primary
     model of `primary_run`), scored on the validation split of `data_paths[lang]` (a prepared
     dataset whose tokenizer is the artifacts'), and in bits per byte on the first `bpb_bytes`
-    of its raw held-out text (module docstring). graft: the artifacts were trained over a base
-    model of which `primary_run` is a fine-tuned sibling (graft.check_siblings, once per base).
-    An artifact that swaps in what an earlier one did (artifact.swap_key: each run's start is its
-    update-0 artifact) is scored once."""
+    of its raw held-out text (module docstring), in batches of at most `bpb_batch_tokens`
+    positions. graft: the artifacts were trained over a base model of which `primary_run` is a
+    fine-tuned sibling (graft.check_siblings, once per base). An artifact that swaps in what an
+    earlier one did (artifact.swap_key: each run's start is its update-0 artifact) is scored once."""
     primary = Primary.read(primary_run)
     siblings: set[Path] = set()
     # Artifacts name their primary model by its weights' fingerprint (older ones by path).
     ref = PrimaryRef(Path(primary_run), primary.fingerprint)
     scorer = Scorer(primary)  # once: every artifact (and start) is swapped into its model
-    per_byte = ByteScorer(scorer, seq_length, bpb_bytes)
+    per_byte = ByteScorer(scorer, seq_length, bpb_bytes, bpb_batch_tokens)
     held = {}  # per language: the held-out set
     starts: dict[Path, tuple[float, float]] = {}
     paths = artifact_dirs(adapt_runs)

@@ -311,3 +311,17 @@ def test_within_the_source_rows_an_expanded_artifact_reads_source_text_as_no_ada
     assert per_byte.within(raw, tokenizer, rows, art, meta) == pytest.approx(none, rel=1e-6)
     with pytest.raises(ValueError, match="past the first 10 rows"):
         per_byte.within(raw, tokenizer, 10)
+
+
+def test_the_batch_size_moves_bits_per_byte_by_rounding_alone(primary_run, english, tokenizer):
+    """ByteScorer's batch_tokens (the demo passes 2048 on a CPU, the default is a GPU's 16384):
+    batches of at most that many positions, and the same bits per byte to rounding."""
+    from mmadapt.heldout import Primary, Scorer
+
+    scorer = Scorer(Primary.read(primary_run))
+    small, large = (B.ByteScorer(scorer, 32, 2000, batch_tokens=n) for n in (256, B.BATCH_TOKENS))
+    raw = small.text(english)
+    read = small.reading(raw, tokenizer)
+    assert len(read.on_device) > 4 and all(ids.numel() <= 256 for ids, *_ in read.on_device)
+    assert len(large.reading(raw, tokenizer).on_device) < len(read.on_device)
+    assert small.none(raw) == pytest.approx(large.none(raw), rel=1e-6)
