@@ -491,3 +491,17 @@ def test_a_refused_preparation_keeps_the_tokenizer_it_did_not_write(tmp_path):
     with pytest.raises(D.DataError, match="is too small for a 300-piece vocabulary"):
         prepare(small, out, 300, cfg=PreprocessConfig(workers=1))
     assert (out / "tokenizer.model").read_bytes() == b"the one there before"
+
+
+def test_the_bibles_verses_are_read_once_and_shared_read_only():
+    """corpora._verse_keys (every Bible task and the retrieval pairs read through it): one read of
+    the database per language and split in a process, the same mapping after, which no caller
+    can change under the others."""
+    from mmadapt import corpora as C
+
+    keys = C._verse_keys("de", True)
+    assert C._verse_keys("de", True) is keys and C._verse_keys("de", False) is not keys
+    assert len(keys) > 1000 and all(b in C.GENRE_TEST_BOOKS for b, _, _ in keys)
+    with pytest.raises(TypeError):
+        keys[(1, 1, 1)] = "changed"
+    assert {b for _, b in C.parallel_verses("en", "de", 20)} <= set(keys.values())
