@@ -107,7 +107,7 @@ class DemoConfig(Checked):
                                 "eval_batch_tokens, and bits per byte's rows: bpb.BATCH_TOKENS; their 16384 suits "
                                 "a GPU): on a CPU, batches of 2048 stay in cache and score the demo's sets about 25% "
                                 "faster, with the same scores; bits per byte at 16384 spent a fifth of its CPU time in "
-                                "the kernel, faulting in fresh pages (benchmarks/results/step4_cpu2_20261130.md)",
+                                "the kernel, faulting in fresh pages (benchmarks/results/demo_step4_cpu2_20261130.md)",
                                 ge=1)
     retrieval_pairs: int = _f(500, "parallel verses for retrieval accuracy (chance: 1/this)", ge=2)
     heldout_fraction: float = _f(0.03, "chapters of each target Bible held out of Step 2: the plug-in MLM metric's "
@@ -390,15 +390,12 @@ class Demo:
                             STEP2_COST["bl_base"], str(root / "logs" / f"adapt-minijoint-full-{lang}.log")))
         finetuned, finetunes = {}, []  # Step 3's
         for primary in ("bl_base", "bl_small", "minijoint"):
-            finetuned[primary] = []
-            for seed in cfg.finetune_seeds:
-                name = primary if seed == cfg.finetune_seeds[0] else f"{primary}-seed{seed}"
-                finetuned[primary].append(root / "finetune" / name)
+            finetuned[primary] = self.finetune_dirs(primary)
+            for seed, out in zip(cfg.finetune_seeds, finetuned[primary]):
                 finetunes.append(Job(f"Step 3: fine-tune {primary}'s primary model on English bible-genre "
-                                     f"(embeddings frozen), seed {seed}", "finetune",
-                                     (pre[primary], seed, root / "finetune" / name),
+                                     f"(embeddings frozen), seed {seed}", "finetune", (pre[primary], seed, out),
                                      STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"],  # its depth
-                                     str(root / "logs" / f"finetune-{name}.log")))
+                                     str(root / "logs" / f"finetune-{out.name}.log")))
         # Step 3 reads only Step 1's models: its runs follow Step 2's in one queue, so the first
         # starts in Step 2's tail, where a worker would otherwise wait for the other's last run.
         self.run_jobs(jobs, finetunes)
@@ -425,6 +422,21 @@ class Demo:
                                      lr=cfg.finetune_lr, seed=seed, eval_batch_tokens=cfg.eval_batch_tokens)
         steps.finetune(run=RunSpec(output_dir=out, resume=(out / "checkpoints").is_dir()),
                        step=steps.Finetune(task="bible-genre", primary=primary_run, cfg=ft_cfg, eval_file="bible"))
+
+    def finetune_dirs(self, primary: str) -> list[Path]:
+        """Step 3's runs of `primary`'s model, one per fine-tuning seed (the first seed's named as the primary)."""
+        seeds = self.cfg.finetune_seeds
+        return [self.root / "finetune" / (primary if seed == seeds[0] else f"{primary}-seed{seed}") for seed in seeds]
+
+    def step4_runs(self, primary: str) -> list[Path]:
+        """The Step-2 runs whose checkpoints Step 4 scores through `primary`'s model: its systems'
+        (MINIPOST's embeddings belong to BL_BASE's), and over MINIJOINT's its ceiling's too, so that
+        its mini-model's embeddings are measured against embeddings trained over its own full model,
+        apart from how its primary model compares with BL_BASE's."""
+        runs = [self.root / "adapt" / f"{system}-{lang}"
+                for system in SYSTEMS if PRIMARY[system] == primary for lang in self.cfg.langs]
+        ceiling = [self.root / "adapt" / f"minijoint-full-{lang}" for lang in self.cfg.langs]
+        return runs + (ceiling if primary == "minijoint" else [])
 
     def run_jobs(self, *groups: list[Job]) -> None:
         """Each job of the independent `groups`, one stage each: in this process one after the
@@ -464,12 +476,7 @@ class Demo:
         # demo_full_cpu2_20261127.md), and here its progress bars show.
         records = []
         for primary in finetuned:
-            runs = [self.root / "adapt" / f"{system}-{lang}"
-                    for system in SYSTEMS if PRIMARY[system] == primary for lang in self.cfg.langs]
-            # The ceiling is scored on the tasks too: MINIJOINT's mini-model embeddings against
-            # embeddings trained over its own full model, apart from how its primary model
-            # compares with BL_BASE's.
-            runs += [self.root / "adapt" / f"minijoint-full-{lang}" for lang in self.cfg.langs if primary == "minijoint"]
+            runs = self.step4_runs(primary)
             print(f"  {primary}'s primary model: the plug-in metric, zero-shot bible-genre and retrieval of "
                   f"{len(runs)} Step-2 runs' checkpoints", flush=True)
             records += self.evaluate_primary(pre[primary], finetuned[primary], runs, data)
