@@ -186,6 +186,25 @@ def median_time(fn, warmup: int = 3, repeats: int = 10) -> tuple[float, list[flo
     return statistics.median(times), times
 
 
+def interleaved_times(fns: dict, warmup: int = 3, repeats: int = 10) -> dict[str, list[float]]:
+    """Seconds of each `fns[name]()` over `repeats` rounds after `warmup` untimed rounds, every
+    round calling each function once in turn: a machine whose speed drifts (a shared host, a
+    clock that moves) slows every function of a round alike, so ratios taken round by round hold
+    where timing one function's runs after another's would not."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            sync()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
 def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"{name}_{hardware()}_{datetime.date.today():%Y%m%d}"
