@@ -233,6 +233,18 @@ def pretrain_here(*args: str) -> None:
     assert pretrain_main(list(args)) == 0
 
 
+def count_calls(monkeypatch, owner, name: str, calls: dict) -> None:
+    """Replace `owner.name` (a module's function, a class's method, an object's attribute) with one
+    that counts its calls in calls[name], for the test's duration."""
+    real = getattr(owner, name)
+    calls.setdefault(name, 0)
+
+    def call(*args, **kwargs):
+        calls[name] += 1
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, call)
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

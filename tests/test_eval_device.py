@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, VOCAB
+from conftest import REPO, VOCAB, count_calls
 from mmadapt.artifact import read_artifact, write_artifact
 from mmadapt import evaluate as F
 from mmadapt.devices import swapped
@@ -264,18 +264,9 @@ def test_each_evaluation_set_is_encoded_once_per_tokenizer(seeds, adapt_run, pri
     own (English) tokenizer, then the no-adaptation record, which reads with that same English
     tokenizer -> two encodings of the evaluation set, and each seed's model built once."""
     other = _adapt_run(tmp_path / "other", primary_run, tokenizer, {6: 1000})
-    calls = {"encode": 0, "build_task_model": 0}
-
-    def counted(owner, name):
-        real = getattr(owner, name)
-
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return real(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(F, "encode", counted(F, "encode"))
-    monkeypatch.setattr(ROBERTA, "build_task_model", counted(ROBERTA, "build_task_model"))
+    calls = {}
+    count_calls(monkeypatch, F, "encode", calls)
+    count_calls(monkeypatch, ROBERTA, "build_task_model", calls)
     records = F.evaluate_artifacts(seeds, [adapt_run, other, adapt_run], "bible")
     assert [r.get("step") for r in records] == [2, 4, 6, 2, 4, None]
     # No adaptation reads with the runs' own tokenizer: the content `other` carries, encoded already.
@@ -326,17 +317,8 @@ def test_an_artifact_that_swaps_in_what_an_earlier_one_did_is_scored_once(seeds,
 
     twin = _twin(tmp_path / "twin", first, 2, other_bias).parent.parent
     near = _twin(tmp_path / "near", first, 2, one_element).parent.parent
-    calls = {"score_set": 0, "sentence_vectors": 0}
-
-    def counted(name):
-        real = getattr(F, name)
-
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return real(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(F, "score_set", counted("score_set"))
+    calls = {}
+    count_calls(monkeypatch, F, "score_set", calls)
     records = F.evaluate_artifacts(seeds, [adapt_run, twin, near], "bible")
     assert [(r.get("step"), r["artifact"] if r.get("step") else None) for r in records][2:4] == [
         (2, str(twin / "embeddings" / "step00000002")), (2, str(near / "embeddings" / "step00000002"))]
@@ -349,7 +331,7 @@ def test_an_artifact_that_swaps_in_what_an_earlier_one_did_is_scored_once(seeds,
     records[2]["scores"]["accuracy"] = -1.0  # a record's fields are its own, not the shared result
     assert records[0]["scores"]["accuracy"] != -1.0
     # Retrieval: adapt_run's two, then `near`; `twin` takes the first's accuracy.
-    monkeypatch.setattr(F, "sentence_vectors", counted("sentence_vectors"))
+    count_calls(monkeypatch, F, "sentence_vectors", calls)
     pairs = {"de": parallel_verses("en", "de", 40)}
     got = F.retrieval_records(primary_run, [adapt_run, twin, near], pairs)
     assert calls["sentence_vectors"] == 1 + 3  # the source side once, then three artifacts

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PRIMARY_ITERS, VOCAB
+from conftest import PRIMARY_ITERS, VOCAB, count_calls
 from mmadapt.artifact import write_artifact
 from mmadapt import heldout as H
 from mmadapt import plugin as P
@@ -143,18 +143,9 @@ def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus,
     steps.adapt_embeddings(run=RunSpec(output_dir=run, ds_config=REPO / "ds_configs" / "zero0.json", data_path=german),
                            step=steps.AdaptEmbeddings(system="minijoint", source=primary_run, lang="de", train=train))
     logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("plug-in metric at update")]
-    calls = {"loss": 0, "score": 0}
-
-    def counted(owner, name):
-        real = getattr(owner, name)
-
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return real(*args, **kwargs)
-        monkeypatch.setattr(owner, name, call)
-
-    counted(H.Scorer, "loss")
-    counted(P.ByteScorer, "score")
+    calls = {}
+    count_calls(monkeypatch, H.Scorer, "loss", calls)
+    count_calls(monkeypatch, P.ByteScorer, "score", calls)
     records = P.plugin_records(primary_run, [run], {"de": german}, seq_length=32, blocks=32)
     # Three artifacts, the first the start: three losses, three bits per byte and no adaptation's.
     assert calls == {"loss": 3, "score": 4}
