@@ -174,15 +174,7 @@ def sync() -> None:
 
 def median_time(fn, warmup: int = 3, repeats: int = 10) -> tuple[float, list[float]]:
     """Median seconds of `fn()` over `repeats` runs after `warmup` runs."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
+    times = interleaved_times({"fn": fn}, warmup, repeats)["fn"]
     return statistics.median(times), times
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from mmadapt import checkpoint
-from mmadapt.data import load_checked_tokenizer
+from mmadapt.data import file_sha256, load_checked_tokenizer
 from mmadapt.family import ModelFamily
 from mmadapt.run import RUN_FILE, sampled_fingerprint, weights_fingerprint
 
@@ -101,7 +101,7 @@ def swap_key(art: dict, keys, meta: dict | None, tokenizer: str | os.PathLike) -
     from the first's result: an adapt run's start beside its update-0 artifact, and runs that
     start alike (MINIPOST's word embeddings at update 0 are BL_BASE's, MINIJOINT's are its
     ceiling's; their output biases differ, fitted through different bodies)."""
-    h = hashlib.sha256(Path(tokenizer).read_bytes())
+    h = hashlib.sha256(file_sha256(tokenizer).encode())
     h.update(json.dumps([(meta or {}).get("vocab_mode", "replace"), (meta or {}).get("source_vocab_size")]).encode())
     for key in sorted(keys):
         t = art[key].detach().cpu().contiguous()
