@@ -20,7 +20,7 @@ from mmadapt.family import WORD
 from mmadapt.run import RunSpec
 from mmadapt.tasks import encode, get_task, score
 from mmadapt.tokenizer import load as load_sp
-from mmadapt.models.roberta.model import RobertaForTask
+from mmadapt.models.roberta.model import RobertaForTask, RobertaMLM
 from mmadapt.parallel import init_parallel
 from mmadapt.readers import QAExample, read_conllu, read_squad
 from mmadapt.tokens import PAD_ID
@@ -60,6 +60,48 @@ def test_classify_head_is_robertas_sentence_head_on_the_first_position():
     torch.testing.assert_close(logits, expect)
     assert logits.shape == (3, 3)
     assert float(loss.detach()) == pytest.approx(sum(nll(logits[i], int(labels[i])) for i in range(3)) / 3, rel=1e-5)
+
+
+def fc1_rows(model) -> dict[int, list[int]]:
+    """Per layer (1-based), the rows (positions) its FFN reads in each call, recorded by hooks."""
+    seen = {}
+    for layer in model.layers:
+        seen[layer.layer_number] = []
+        layer.fc1.register_forward_hook(
+            lambda mod, args, out, n=layer.layer_number: seen[n].append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+    return seen
+
+
+def test_evaluation_runs_the_last_layer_only_where_the_head_reads_it():
+    """In evaluation a classifier's last layer runs at each row's <s> alone, an MLM's at the scored
+    positions alone (the attention still over every key): the same logits and loss as the whole
+    layer gives (training, here without dropout: the same math), padding or not; the layers above
+    the last one wanted are not run at all."""
+    ids = ids_with_padding()  # [3, 10]
+    model = RobertaForTask(tiny(num_layers=3), "classify", 3, seed=5)
+    seen = fc1_rows(model)
+    whole = model.train()(ids)[1]
+    assert seen == {1: [30], 2: [30], 3: [30]}
+    with torch.no_grad():
+        at_cls = model.eval()(ids)[1]
+    assert seen[3][1:] == [3] and seen[1][1:] == [30]  # one row per sequence in the last layer
+    torch.testing.assert_close(at_cls, whole.detach(), rtol=0, atol=1e-6)
+
+    lm = RobertaMLM(tiny(num_layers=3, head_layers=(2, 3)))  # two heads, as MINIJOINT's
+    seen = fc1_rows(lm)
+    labels = torch.full_like(ids, -100)
+    scored = [(0, 0), (0, 4), (1, 5), (2, 1), (2, 7)]  # [b, s] positions, none at padding
+    for b, s in scored:
+        labels[b, s] = ids[b, s]
+    loss, per_head = lm.train()(ids, labels)
+    with torch.no_grad():
+        loss_eval, per_head_eval = lm.eval()(ids, labels)
+    assert seen == {1: [30, 30], 2: [30, 30], 3: [30, len(scored)]}
+    torch.testing.assert_close(per_head_eval, per_head, rtol=0, atol=1e-6)
+    assert float(loss_eval) == pytest.approx(float(loss.detach()), abs=1e-6)
+    with torch.no_grad():
+        middle = lm.encode(ids, (2,))[0]
+    assert middle.shape == (3, 10, lm.config.hidden_size) and seen[3] == [30, len(scored)]  # layer 3 not run
 
 
 def test_tag_head_averages_only_over_labelled_positions():

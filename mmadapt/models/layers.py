@@ -379,14 +379,21 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def run_layers(layers: nn.ModuleList, x: torch.Tensor, wanted: tuple[int, ...], *args) -> list[torch.Tensor]:
-    """x [b, s, h] through every layer (each called with `args` after x) -> the output [b, s, h]
-    of each layer whose 1-based `layer_number` is in `wanted`, in order."""
+def run_layers(layers: nn.ModuleList, x: torch.Tensor, wanted: tuple[int, ...], *args,
+               rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """x [b, s, h] through the layers up to the highest of `wanted` (each called with `args`
+    after x) -> the output [b, s, h] of each layer whose 1-based `layer_number` is in `wanted`, in
+    order. The layers above it are not run: nothing reads them (a middle layer's sentence vectors
+    cost half a forward pass, not a whole one). rows [m]: flat indices into b * s at which alone
+    the highest wanted layer runs (its output [m, h]: the encoder's TransformerLayer)."""
     out = []
     for layer in layers:
-        x = layer(x, *args)
+        last = rows is not None and layer.layer_number == wanted[-1]
+        x = layer(x, *args, rows=rows) if last else layer(x, *args)
         if layer.layer_number in wanted:
             out.append(x)
+            if len(out) == len(wanted):
+                break
     return out
 
 
@@ -457,7 +464,7 @@ def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index:
                 loss_weights: tuple[float, ...] | None, split: int | None = None):
     """Every head's loss over the scored positions, and the model's loss from them.
 
-    hiddens: one [b, s, h] per head; masked_index [m]: the scored positions as flat indices into
+    hiddens: one [b, s, h] per head (or [m, h]: the scored rows already); masked_index [m]: the scored positions as flat indices into
     b * s (`masked_positions`), targets [m]; each head maps its rows [m, h] and the output
     projection's row blocks (`vocab_rows`: [Vp, h] in all) to logits [m, Vp]. Only the m scored rows reach a head: the rows are gathered by
     index, not by a boolean mask, so m comes from the host (a boolean gather on the device would
@@ -470,7 +477,8 @@ def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index:
     losses, sums = [], []
     vocab = sum(w.shape[0] for w in output_rows)
     for head, h in zip(heads, hiddens):
-        rows = h.reshape(-1, h.shape[-1]).index_select(0, masked_index)  # [m, h]
+        # [m, h]; a last layer run at the scored rows alone (evaluation: RobertaMLM) gave them already
+        rows = h if h.dim() == 2 else h.reshape(-1, h.shape[-1]).index_select(0, masked_index)
         if split is None and head.tp == 1 and len(targets) * vocab > LOGITS_BUDGET:
             # Too many logits to hold at once: the projection and loss chunk by chunk (same loss).
             losses.append(linear_cross_entropy(head.features(rows), output_rows, head.bias_rows, targets,

@@ -52,11 +52,12 @@ class BertEncoding:
     embedding_post = BertEmbeddingPost
 
     def encode(self, input_ids: torch.Tensor, layers: tuple[int, ...], padding: Padding | None = None,
-               token_types: torch.Tensor | None = None) -> list[torch.Tensor]:
+               token_types: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] (and token_types [b, s]) -> the output [b, s, h] of each layer in
-        `layers` (1-based, ascending)."""
+        `layers` (1-based, ascending); rows: as RobertaEncoder.encode's."""
         mask = attention_mask(input_ids, padding, self.config.attention_impl)
-        return run_layers(self.layers, self.embeddings(self.word_embeddings(input_ids), token_types), layers, mask)
+        return run_layers(self.layers, self.embeddings(self.word_embeddings(input_ids), token_types), layers, mask,
+                          rows=rows)
 
 
 class BertEncoder(BertEncoding, RobertaEncoder):
@@ -79,10 +80,6 @@ class BertForTask(BertEncoding, RobertaForTask):
             self.dense = None  # the pooler is BERT's classifier's first layer
             self.pooler = Pooler(config, seed)
 
-    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None,
-               token_types: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head(self.encode(input_ids, (self.config.num_layers,), padding, token_types)[0], input_ids)
-
     def head(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if self.kind == "classify":
             return self.out(self.dropout(self.pooler(x)))  # [b, C]
@@ -91,4 +88,4 @@ class BertForTask(BertEncoding, RobertaForTask):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, padding: Padding | None = None,
                 token_types: torch.Tensor | None = None):
         """-> (loss or None, logits); token_types [b, s] (features.Encoded.token_types)."""
-        return self.task_loss(self.logits(input_ids, padding, token_types), labels)
+        return self.task_loss(self.logits(input_ids, padding, token_types=token_types), labels)

@@ -75,7 +75,10 @@ class TransformerLayer(nn.Module):
         self.ffn_layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.dropout = Dropout(config.hidden_dropout)
 
-    def attention(self, x: torch.Tensor, mask: "torch.Tensor | Jagged | None") -> torch.Tensor:
+    def attention(self, x: torch.Tensor, mask: "torch.Tensor | Jagged | None",
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, h] -> [b, s, h]; rows [m]: the output projection at those flat positions of
+        b * s alone -> [m, h] (every query attends as before: the keys and values need every position)."""
         b, s, _ = x.shape
         if x.requires_grad or not self.qkv.weight.requires_grad or not torch.is_grad_enabled():
             qkv, _ = self.qkv(x)  # [b, s, 3h/tp]
@@ -104,13 +107,24 @@ class TransformerLayer(nn.Module):
                     scores = scores + bias.masked_fill_(~mask, torch.finfo(scores.dtype).min)
                 ctx = dropout(scores.softmax(-1), p) @ v  # [b, np, s, hd]
         ctx = ctx.transpose(1, 2).reshape(b, s, self.num_heads_per_partition * self.head_dim)
-        out, _ = self.attn_out(ctx)  # [b, s, h], summed over TP ranks
+        if rows is not None:
+            ctx = ctx.reshape(b * s, -1).index_select(0, rows)  # [m, h/tp]
+        out, _ = self.attn_out(ctx)  # [b, s, h] or [m, h], summed over TP ranks
         return out
 
-    def forward(self, x: torch.Tensor, mask: "torch.Tensor | Jagged | None" = None) -> torch.Tensor:
-        """x [b, s, h]; mask: `attention_mask`'s (None: no padding)."""
-        x = self.attn_layernorm(x + self.dropout(self.attention(x, mask)))
-        f, _ = self.fc1(x)  # [b, s, ffn/tp]
+    def forward(self, x: torch.Tensor, mask: "torch.Tensor | Jagged | None" = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, h]; mask: `attention_mask`'s (None: no padding) -> [b, s, h].
+        rows [m]: flat indices into b * s -> the output at those positions alone, [m, h]: the
+        attention as for every position, then the output projection, FFN and LayerNorms at the m
+        rows only (3/4 of a layer's matmuls skipped elsewhere). For the last layer a head reads in
+        evaluation (`head_rows`): in training the dropout would draw other masks than the whole
+        layer's, so training runs every position."""
+        attn = self.attention(x, mask, rows)
+        if rows is not None:
+            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)  # [m, h]
+        x = self.attn_layernorm(x + self.dropout(attn))
+        f, _ = self.fc1(x)  # [b, s, ffn/tp] (or [m, ...] at rows)
         f, _ = self.fc2(F.gelu(f))  # [b, s, h]
         return self.ffn_layernorm(x + self.dropout(f))
 
@@ -209,11 +223,12 @@ class RobertaEncoder(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, i, seed) for i in range(1, config.num_layers + 1))
 
     def encode(self, input_ids: torch.Tensor, layers: tuple[int, ...],
-               padding: Padding | None = None) -> list[torch.Tensor]:
+               padding: Padding | None = None, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> the output [b, s, h] of each layer in `layers` (1-based, ascending).
-        padding: input_ids' Padding, counted on the host (None: ask the device)."""
+        padding: input_ids' Padding, counted on the host (None: ask the device). rows [m]: flat
+        indices into b * s at which alone the last of `layers` is wanted ([m, h]; TransformerLayer)."""
         mask = attention_mask(input_ids, padding, self.config.attention_impl)
-        return run_layers(self.layers, self.embeddings(self.word_embeddings(input_ids)), layers, mask)
+        return run_layers(self.layers, self.embeddings(self.word_embeddings(input_ids)), layers, mask, rows=rows)
 
 
 class RobertaMLM(RobertaEncoder):
@@ -225,9 +240,11 @@ class RobertaMLM(RobertaEncoder):
         if config.add_pooling_layer:  # carried for import and export; the MLM loss never reads it
             self.pooler = Pooler(config, seed)
 
-    def hidden_states(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
-        """input_ids [b, s] -> the output [b, s, h] of each layer in head_layers."""
-        return self.encode(input_ids, self.config.heads_after, padding)
+    def hidden_states(self, input_ids: torch.Tensor, padding: Padding | None = None,
+                      rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """input_ids [b, s] -> the output [b, s, h] of each layer in head_layers (the last one at
+        `rows` alone, [m, h], where given: `encode`)."""
+        return self.encode(input_ids, self.config.heads_after, padding, rows=rows)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 masked_index: torch.Tensor | None = None, targets: torch.Tensor | None = None,
@@ -238,8 +255,14 @@ class RobertaMLM(RobertaEncoder):
         `split`, two texts' losses after them: layers.head_losses)."""
         if masked_index is None:
             masked_index, targets = masked_positions(labels)
-        return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.word_embeddings.rows,
-                          split)
+        return self.heads(self.hidden_states(input_ids, padding, self.head_rows(masked_index)), masked_index,
+                          targets, self.word_embeddings.rows, split)
+
+    def head_rows(self, masked_index: torch.Tensor) -> torch.Tensor | None:
+        """The flat positions at which alone the last layer runs: in evaluation (the plug-in
+        metric, bits per byte), the scored ones [m]; in training None, every position (its dropout
+        draws over the whole layer, and the FLOP counts of Steps 1 and 2 are of the whole layer)."""
+        return None if self.training else masked_index
 
     def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> each head's logits [b, s, Vp] at every position, in head_layers
@@ -286,8 +309,20 @@ class RobertaForTask(RobertaEncoder):
                     nn.init.zeros_(lin.bias)
         self.dropout = Dropout(config.hidden_dropout)
 
-    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> torch.Tensor:
-        return self.head(self.encode(input_ids, (self.config.num_layers,), padding)[0], input_ids)
+    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None, **token_types) -> torch.Tensor:
+        """input_ids [b, s] (token_types: BERT's) -> the kind's logits."""
+        rows = self.head_rows(input_ids)
+        x = self.encode(input_ids, (self.config.num_layers,), padding, rows=rows, **token_types)[0]
+        return self.head(x if rows is None else x[:, None], input_ids)  # [b, s, h], or [b, 1, h] at <s>
+
+    def head_rows(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """The flat positions of input_ids [b, s] at which alone the last layer runs: in
+        evaluation, a classifier's <s> ([b]: all its head reads); otherwise None (every position:
+        the other kinds read them all, and training's dropout draws over the whole layer)."""
+        if self.kind != "classify" or self.training:
+            return None
+        b, s = input_ids.shape
+        return torch.arange(0, b * s, s, device=input_ids.device)
 
     def head(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """The last layer's output x [b, s, h] -> the kind's logits."""
