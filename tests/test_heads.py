@@ -20,7 +20,7 @@ from mmadapt.family import WORD
 from mmadapt.run import RunSpec
 from mmadapt.tasks import encode, get_task, score
 from mmadapt.tokenizer import load as load_sp
-from mmadapt.models.roberta.model import RobertaForTask, RobertaMLM
+from mmadapt.models.roberta.model import RobertaForTask, RobertaMLM, TransformerLayer
 from mmadapt.parallel import init_parallel
 from mmadapt.readers import QAExample, read_conllu, read_squad
 from mmadapt.tokens import PAD_ID
@@ -102,6 +102,15 @@ def test_evaluation_runs_the_last_layer_only_where_the_head_reads_it():
     with torch.no_grad():
         middle = lm.encode(ids, (2,))[0]
     assert middle.shape == (3, 10, lm.config.hidden_size) and seen[3] == [30, len(scored)]  # layer 3 not run
+
+    class OwnLayer(TransformerLayer):  # a family's own layer class, whose forward takes no rows
+        def forward(self, x, mask=None):
+            return super().forward(x, mask)
+
+    lm.layers[-1].__class__ = OwnLayer  # run whole, then its scored rows gathered: the same losses
+    with torch.no_grad():
+        torch.testing.assert_close(lm(ids, labels)[1], per_head.detach(), rtol=0, atol=1e-6)
+    assert seen[3][-1] == 30
 
 
 def test_tag_head_averages_only_over_labelled_positions():

@@ -15,6 +15,8 @@ Vp = V / tensor_model_parallel_size.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import warnings
 import zlib
 from typing import NamedTuple
@@ -379,17 +381,28 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@functools.cache
+def takes_rows(kind: type) -> bool:
+    """Whether a layer class's forward computes its output at given rows alone (a `rows` argument)."""
+    return "rows" in inspect.signature(kind.forward).parameters
+
+
 def run_layers(layers: nn.ModuleList, x: torch.Tensor, wanted: tuple[int, ...], *args,
                rows: torch.Tensor | None = None) -> list[torch.Tensor]:
     """x [b, s, h] through the layers up to the highest of `wanted` (each called with `args`
     after x) -> the output [b, s, h] of each layer whose 1-based `layer_number` is in `wanted`, in
     order. The layers above it are not run: nothing reads them (a middle layer's sentence vectors
     cost half a forward pass, not a whole one). rows [m]: flat indices into b * s at which alone
-    the highest wanted layer runs (its output [m, h]: the encoder's TransformerLayer)."""
+    the highest wanted layer's output is wanted, [m, h]: computed there alone by a layer whose
+    forward takes `rows` (the encoder's TransformerLayer), gathered from its whole output from
+    any other (a family's own layer class keeps working, without the saving)."""
     out = []
     for layer in layers:
-        last = rows is not None and layer.layer_number == wanted[-1]
-        x = layer(x, *args, rows=rows) if last else layer(x, *args)
+        if rows is not None and layer.layer_number == wanted[-1]:
+            x = (layer(x, *args, rows=rows) if takes_rows(type(layer))
+                 else layer(x, *args).reshape(-1, x.shape[-1]).index_select(0, rows))
+        else:
+            x = layer(x, *args)
         if layer.layer_number in wanted:
             out.append(x)
             if len(out) == len(wanted):
