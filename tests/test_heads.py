@@ -76,7 +76,8 @@ def test_evaluation_runs_the_last_layer_only_where_the_head_reads_it():
     """In evaluation a classifier's last layer runs at each row's <s> alone, an MLM's at the scored
     positions alone (the attention still over every key): the same logits and loss as the whole
     layer gives (training, here without dropout: the same math), padding or not; the layers above
-    the last one wanted are not run at all."""
+    the last one wanted are not run at all. A layer class whose forward takes no rows (a family's
+    own) runs whole, and its rows are gathered after it."""
     ids = ids_with_padding()  # [3, 10]
     model = RobertaForTask(tiny(num_layers=3), "classify", 3, seed=5)
     seen = fc1_rows(model)
