@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     root = args.demo_dir
     demo = Demo(for_family(DemoConfig()), root)
     cfg = demo.cfg
-    rows = []
+    results = []
     for primary in args.primaries:
         run = root / "adapt" / f"{primary}-{args.lang}"
         finetuned = demo.finetune_dirs(primary)
@@ -110,20 +110,20 @@ def main(argv=None) -> int:
 
             times = interleaved_times({"rows": rows_way, "whole": whole_way}, warmup=1, repeats=args.repeats)
             ratios = [r / w for r, w in zip(times["rows"], times["whole"])]
-            rows.append({"primary": primary, "part": part, "rows_s": statistics.median(times["rows"]),
+            results.append({"primary": primary, "part": part, "rows_s": statistics.median(times["rows"]),
                          "whole_s": statistics.median(times["whole"]), "ratio": statistics.median(ratios),
                          "ratio_min": min(ratios), "ratio_max": max(ratios),
                          "records": len(out["rows"]), **differences(out["rows"], out["whole"]), "times": times})
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "times"}), flush=True)
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "times"}), flush=True)
     md = [f"# Step 4 with the last layer at the rows a head reads ({hardware()})", "",
           f"`python benchmarks/eval_rows.py DEMO_DIR --repeats {args.repeats}` over a finished demo directory "
           f"({args.lang}; zero-shot: {args.artifacts} checkpoints x the 3 fine-tuning seeds; plug-in and retrieval: "
           "every checkpoint of the run). Seconds: median of the rounds; ratio: rows / whole, the median of the "
           "rounds' ratios (min-max beside it). Both ways interleaved in one process, 2 threads.", "",
-          table(rows, [("primary", "primary"), ("part", "part"), ("rows_s", "rows s"), ("whole_s", "whole s"),
+          table(results, [("primary", "primary"), ("part", "part"), ("rows_s", "rows s"), ("whole_s", "whole s"),
                        ("ratio", "ratio"), ("ratio_min", "min"), ("ratio_max", "max"), ("records", "records"),
                        ("fields_differing", "fields differing"), ("max_relative", "max relative gap")])]
-    write_results("eval_rows", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, "\n".join(md))
+    write_results("eval_rows", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": results}, "\n".join(md))
     return 0
 
 

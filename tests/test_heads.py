@@ -68,7 +68,7 @@ def fc1_rows(model) -> dict[int, list[int]]:
     for layer in model.layers:
         seen[layer.layer_number] = []
         layer.fc1.register_forward_hook(
-            lambda mod, args, out, n=layer.layer_number: seen[n].append(args[0].reshape(-1, args[0].shape[-1]).shape[0]))
+            lambda mod, args, out, n=layer.layer_number: seen[n].append(args[0][..., 0].numel()))
     return seen
 
 

@@ -478,8 +478,9 @@ def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index:
     """Every head's loss over the scored positions, and the model's loss from them.
 
     hiddens: one [b, s, h] per head (or [m, h]: its scored rows already); masked_index [m]: the
-    scored positions as flat indices into b * s (`masked_positions`), targets [m]; each head maps its rows [m, h] and the output
-    projection's row blocks (`vocab_rows`: [Vp, h] in all) to logits [m, Vp]. Only the m scored rows reach a head: the rows are gathered by
+    scored positions as flat indices into b * s (`masked_positions`), targets [m]; each head maps
+    its rows [m, h] and the output projection's row blocks (`vocab_rows`: [Vp, h] in all) to
+    logits [m, Vp]. Only the m scored rows reach a head: the rows are gathered by
     index, not by a boolean mask, so m comes from the host (a boolean gather on the device would
     make the host wait for the device to count m). Cross-entropy in fp32, vocab-parallel at TP > 1.
     split (Step 2's source-language replay, train.py): the scored positions [0, split) and
