@@ -401,7 +401,10 @@ class SourceProbe:
             logits = self.scorer.logits(self.batches)
         finally:
             hook.remove()
-        ys = [y.reshape(-1, y.shape[-1]).index_select(0, masked_index)
+        # The norm saw the m scored rows (heldout.scored_logits through a model's rows), or all
+        # b * s (a family whose logits takes no rows), whose scored rows are kept. m = b * s means
+        # every position, in order: both agree.
+        ys = [y if len(y) == len(masked_index) else y.reshape(-1, y.shape[-1]).index_select(0, masked_index)
               for y, (_, _, masked_index, _) in zip(seen, self.batches, strict=True)]
         return torch.cat(ys).float(), torch.cat([torch.logsumexp(l.float(), -1) for l in logits])
 

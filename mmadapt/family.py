@@ -28,7 +28,9 @@ What a family's modules promise (the steps rely on these, not on classes):
     `models.layers.head_losses`); and
     `encode(input_ids, layers, padding=None)` -> each listed layer's output [b, s, h]; and
     `logits(input_ids, padding=None)` -> every head's logits [b, s, V] at every position (TP = 1;
-    mmadapt/predict.py); `config`, the ModelConfig it was built from.
+    mmadapt/predict.py), and where it also takes `rows=` [m] (flat indices into b * s), [m, V] at
+    those positions alone (heldout.scored_logits gathers them from the whole logits otherwise);
+    `config`, the ModelConfig it was built from.
   - `build_task_model(cfg, kind, num_labels, seed)`: the body with a task head (Step 3);
     `forward(input_ids, labels=None, padding=None[, token_types=None])` -> (loss or None,
     logits), token_types [b, s] passed only by a family whose framing has them; `kind`; its

@@ -25,7 +25,7 @@ from mmadapt.config import ModelConfig, TrainConfig
 from mmadapt.data import TEXT, VALID, SentenceRows, read_manifest
 from mmadapt.devices import device_of, host_to_device, on_eval_device, swapped
 from mmadapt.family import ModelFamily
-from mmadapt.models.layers import Padding, masked_positions
+from mmadapt.models.layers import Padding, masked_positions, takes_rows
 from mmadapt.objectives import MLM, Objective
 from mmadapt.parallel import device
 from mmadapt.run import (Source, read_source, require_head, run_text_layout, sampled_fingerprint,
@@ -162,6 +162,16 @@ def unigram_loss(logp: torch.Tensor, batches: list) -> float:
     return float(-logp[labels].mean())
 
 
+def scored_logits(model: torch.nn.Module, batches: list) -> list[torch.Tensor]:
+    """The primary head's logits [m_b, V] at the scored positions of each of the `on_device`
+    batches. A family whose `logits` takes `rows` (family.py) computes the last layer and the head
+    there alone; any other's whole logits [b, s, V] are made and their m rows kept."""
+    if takes_rows(type(model), "logits"):
+        return [model.logits(ids, padding, rows=masked_index)[0] for ids, padding, masked_index, _ in batches]
+    return [model.logits(ids, padding)[0].flatten(0, 1).index_select(0, masked_index)
+            for ids, padding, masked_index, _ in batches]
+
+
 @dataclasses.dataclass(frozen=True)
 class HeldOut:
     """Held-out blocks of one dataset in one vocabulary, as every artifact of it is scored: the
@@ -217,11 +227,7 @@ class Scorer:
             return self._logits(on_device)
 
     def _logits(self, on_device: list) -> list[torch.Tensor]:
-        out = []
-        for ids, padding, masked_index, _ in on_device:
-            logits = self.model.logits(ids, padding)[0]  # [b, s, V]
-            out.append(logits.reshape(-1, logits.shape[-1]).index_select(0, masked_index))
-        return out
+        return scored_logits(self.model, on_device)
 
     def summed(self, on_device: list, art: dict | None = None, meta: dict | None = None) -> float:
         """The summed loss (nats) of `on_device` batches (summed_nats) with the artifact's tensors

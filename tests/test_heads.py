@@ -20,6 +20,8 @@ from mmadapt.family import WORD
 from mmadapt.run import RunSpec
 from mmadapt.tasks import encode, get_task, score
 from mmadapt.tokenizer import load as load_sp
+from mmadapt.heldout import scored_logits
+from mmadapt.models.layers import Padding
 from mmadapt.models.roberta.model import RobertaForTask, RobertaMLM, TransformerLayer
 from mmadapt.parallel import init_parallel
 from mmadapt.readers import QAExample, read_conllu, read_squad
@@ -112,6 +114,42 @@ def test_evaluation_runs_the_last_layer_only_where_the_head_reads_it():
     with torch.no_grad():
         torch.testing.assert_close(lm(ids, labels)[1], per_head.detach(), rtol=0, atol=1e-6)
     assert seen[3][-1] == 30
+
+
+def test_logits_at_rows_are_the_whole_logits_at_those_rows():
+    """An MLM's logits at given flat positions (heldout.Scorer's scored positions): every head's
+    [m, V] equals its whole [b, s, V] logits gathered there, the last layer's FFN runs at those m
+    rows alone, and no [b * s, V] block is made (the heads project m rows each)."""
+    ids = ids_with_padding()  # [3, 10]
+    lm = RobertaMLM(tiny(num_layers=3, head_layers=(2, 3))).eval()  # two heads, as MINIJOINT's
+    rows = torch.tensor([0, 4, 15, 21, 27])
+    seen = fc1_rows(lm)
+    projected = []
+    for head in lm.heads.heads:
+        head.dense.register_forward_hook(lambda mod, args, out: projected.append(args[0].shape[0]))
+    with torch.no_grad():
+        whole = lm.logits(ids)
+        at_rows = lm.logits(ids, rows=rows)
+    assert seen[3] == [30, len(rows)] and seen[2] == [30, 30]
+    assert projected == [30, 30, len(rows), len(rows)]
+    assert [t.shape for t in at_rows] == [(len(rows), 300)] * 2
+    for w, r in zip(whole, at_rows):
+        torch.testing.assert_close(r, w.reshape(-1, 300)[rows], rtol=0, atol=1e-5)
+
+    # heldout.scored_logits (the plug-in scorer's): the primary head at each batch's scored rows,
+    # through `rows` where the model's logits takes it, else gathered from its whole logits.
+    class WholeLogits(RobertaMLM):  # a family's own model, whose logits takes no rows
+        def logits(self, input_ids, padding=None):
+            return super().logits(input_ids, padding)
+
+    batches = [(ids, Padding.of(ids), rows, None), (ids[:2], Padding.of(ids[:2]), rows[:3], None)]
+    projected.clear()
+    got = scored_logits(lm, batches)
+    assert projected == [5, 5, 3, 3]
+    lm.__class__ = WholeLogits
+    torch.testing.assert_close(scored_logits(lm, batches), got, rtol=0, atol=1e-5)
+    assert projected[4:] == [30, 30, 20, 20]
+    torch.testing.assert_close(got[0], whole[0].reshape(-1, 300)[rows], rtol=0, atol=1e-5)
 
 
 def test_tag_head_averages_only_over_labelled_positions():

@@ -261,6 +261,21 @@ def test_minijoint_loss_is_the_mean_of_heads_computed_separately(weights):
     torch.testing.assert_close(loss, (w / w.sum() * torch.stack(by_hand)).sum())
 
 
+def test_logits_at_rows_are_the_whole_logits_at_those_rows():
+    """Every head's next-piece logits at given flat positions (heldout.Scorer's scored ones):
+    [m, V], equal to its whole [b, s, V] logits gathered there (the decoder's layers run whole
+    and their rows are gathered: layers.run_layers)."""
+    model = LlamaLM(tiny(head_layers=(2, 3))).eval()
+    perturb_norms_and_biases(model)
+    ids, _ = lm_batch()
+    rows = torch.tensor([0, 5, 13, 20, 35])
+    with torch.no_grad():
+        whole, at_rows = model.logits(ids), model.logits(ids, rows=rows)
+    assert [t.shape for t in at_rows] == [(len(rows), V)] * 2
+    for w, r in zip(whole, at_rows):
+        torch.testing.assert_close(r, w.reshape(-1, V)[rows], rtol=0, atol=1e-5)
+
+
 def test_causal_padding_needs_no_mask():
     """A right-padded row's real positions see exactly what the unpadded row alone sees."""
     model = LlamaLM(tiny(), seed=1).eval()

@@ -382,9 +382,10 @@ def count_parameters(model: nn.Module) -> int:
 
 
 @functools.cache
-def takes_rows(kind: type) -> bool:
-    """Whether a layer class's forward computes its output at given rows alone (a `rows` argument)."""
-    return "rows" in inspect.signature(kind.forward).parameters
+def takes_rows(kind: type, method: str = "forward") -> bool:
+    """Whether a class's `method` (a layer's forward, a model's logits) computes its output at
+    given rows alone (a `rows` argument)."""
+    return "rows" in inspect.signature(getattr(kind, method)).parameters
 
 
 def run_layers(layers: nn.ModuleList, x: torch.Tensor, wanted: tuple[int, ...], *args,
@@ -472,6 +473,23 @@ def linear_cross_entropy(x: torch.Tensor, rows: tuple[torch.Tensor, ...], biases
     return _LinearCrossEntropy.apply(x, targets, chunk, len(rows), *rows, *biases)
 
 
+def gathered(h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A head's input h [b, s, h] at the flat positions `index` [m] -> [m, h]; an h of [m, h] is
+    those rows already (a last layer run at them alone: `run_layers`' rows)."""
+    return h if h.dim() == 2 else h.reshape(-1, h.shape[-1]).index_select(0, index)
+
+
+def head_logits(heads: nn.ModuleList, hiddens: list[torch.Tensor], output_rows: tuple[torch.Tensor, ...],
+                rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Each head's logits from its hidden states (hiddens: one [b, s, h] per head, the last one
+    [m, h] where the model ran its last layer at `rows` alone) and the output projection's row
+    blocks (`vocab_rows`) -> [b, s, Vp] per head, or with rows [m] (flat indices into b * s) [m, Vp]
+    at those positions alone: no [b * s, Vp] block of which a caller keeps m rows."""
+    if rows is None:
+        return [head(h.reshape(-1, h.shape[-1]), output_rows).view(*h.shape[:2], -1) for head, h in zip(heads, hiddens)]
+    return [head(gathered(h, rows), output_rows) for head, h in zip(heads, hiddens)]
+
+
 def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index: torch.Tensor,
                 targets: torch.Tensor, output_rows: tuple[torch.Tensor, ...],
                 loss_weights: tuple[float, ...] | None, split: int | None = None):
@@ -491,8 +509,7 @@ def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index:
     losses, sums = [], []
     vocab = sum(w.shape[0] for w in output_rows)
     for head, h in zip(heads, hiddens):
-        # [m, h]; a last layer run at the scored rows alone (evaluation: RobertaMLM) gave them already
-        rows = h if h.dim() == 2 else h.reshape(-1, h.shape[-1]).index_select(0, masked_index)
+        rows = gathered(h, masked_index)  # [m, h]
         if split is None and head.tp == 1 and len(targets) * vocab > LOGITS_BUDGET:
             # Too many logits to hold at once: the projection and loss chunk by chunk (same loss).
             losses.append(linear_cross_entropy(head.features(rows), output_rows, head.bias_rows, targets,

@@ -34,8 +34,8 @@ from torch import nn
 
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Dropout, Linear, Padding, SplitVocabRows, WordEmbedding, column_linear,
-                                   cpu_path, derive_seed, dropout, head_losses, masked_positions, normal_init,
-                                   row_linear, run_layers, to_tp_region, vocab_linear, vocab_rows)
+                                   cpu_path, derive_seed, dropout, head_logits, head_losses, masked_positions,
+                                   normal_init, row_linear, run_layers, to_tp_region, vocab_linear, vocab_rows)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
 
@@ -260,12 +260,14 @@ class LlamaDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, seed) for i in range(1, config.num_layers + 1))
 
     def encode(self, input_ids: torch.Tensor, layers: tuple[int, ...],
-               padding: Padding | None = None) -> list[torch.Tensor]:
+               padding: Padding | None = None, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> the output [b, s, h] of each layer in `layers` (1-based,
         ascending), before any final norm. padding is accepted so that every family is called
-        alike, and unused: causal attention needs no padding mask (DecoderLayer.attention)."""
+        alike, and unused: causal attention needs no padding mask (DecoderLayer.attention).
+        rows [m]: flat indices into b * s at which alone the last of `layers` is wanted, [m, h]
+        (layers.run_layers)."""
         x = self.embedding_dropout(self.word_embeddings(input_ids))
-        return run_layers(self.layers, x, layers, config_rotary_table(self.config, input_ids.shape[1], x))
+        return run_layers(self.layers, x, layers, config_rotary_table(self.config, input_ids.shape[1], x), rows=rows)
 
 
 class LlamaLM(LlamaDecoder):
@@ -289,10 +291,11 @@ class LlamaLM(LlamaDecoder):
             return self.word_embeddings.rows
         return vocab_rows(self.output_layer)
 
-    def hidden_states(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
+    def hidden_states(self, input_ids: torch.Tensor, padding: Padding | None = None,
+                      rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> the output [b, s, h] of each layer in heads_after (each head
-        applies its own final norm)."""
-        return self.encode(input_ids, self.config.heads_after, padding)
+        applies its own final norm; the last one at `rows` alone, [m, h], where given)."""
+        return self.encode(input_ids, self.config.heads_after, padding, rows)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
                 masked_index: torch.Tensor | None = None, targets: torch.Tensor | None = None,
@@ -305,13 +308,13 @@ class LlamaLM(LlamaDecoder):
             masked_index, targets = masked_positions(labels)
         return self.heads(self.hidden_states(input_ids, padding), masked_index, targets, self.output_rows, split)
 
-    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
+    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None,
+               rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> each head's next-piece logits [b, s, Vp] at every position, in
         heads_after order, for looking at the model (mmadapt/predict.py); training projects only
-        the scored rows (LMHeads)."""
-        weight = self.output_weight
-        return [head(h.reshape(-1, h.shape[-1]), weight).view(*h.shape[:2], -1)
-                for head, h in zip(self.heads.heads, self.hidden_states(input_ids, padding))]
+        the scored rows (LMHeads). rows [m]: flat indices into b * s -> each head's logits
+        [m, Vp] at those positions alone (heldout.Scorer's scored positions)."""
+        return head_logits(self.heads.heads, self.hidden_states(input_ids, padding, rows), self.output_rows, rows)
 
 
 # --- task head (Step 3 fine-tuning, Step 4 zero-shot evaluation) ---------------------------------------

@@ -30,8 +30,9 @@ from torch import nn
 
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Dropout, Jagged, Padding, WordEmbedding, attention_mask, column_linear,
-                                   cpu_path, derive_seed, dropout, head_losses, masked_positions, normal_init,
-                                   row_linear, run_layers, split_vocab, to_tp_region, varlen_attention, vocab_linear)
+                                   cpu_path, derive_seed, dropout, head_logits, head_losses, masked_positions,
+                                   normal_init, row_linear, run_layers, split_vocab, to_tp_region, varlen_attention,
+                                   vocab_linear)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
 
@@ -264,13 +265,16 @@ class RobertaMLM(RobertaEncoder):
         draws over the whole layer, and the FLOP counts of Steps 1 and 2 are of the whole layer)."""
         return None if self.training else masked_index
 
-    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> list[torch.Tensor]:
+    def logits(self, input_ids: torch.Tensor, padding: Padding | None = None,
+               rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """input_ids [b, s] -> each head's logits [b, s, Vp] at every position, in head_layers
         order: what the loss scores at the masked positions, for looking at the model
-        (mmadapt/predict.py). Training projects only the masked rows (MLMHeads)."""
-        word = self.word_embeddings.weight
-        return [head(h.reshape(-1, h.shape[-1]), word).view(*h.shape[:2], -1)
-                for head, h in zip(self.heads.heads, self.hidden_states(input_ids, padding))]
+        (mmadapt/predict.py). Training projects only the masked rows (MLMHeads).
+        rows [m]: flat indices into b * s -> each head's logits [m, Vp] at those positions alone,
+        the last layer run there alone (`encode`): what the scored positions of held-out text
+        need (heldout.Scorer), without a [b * s, Vp] block of which they keep m rows."""
+        hiddens = self.hidden_states(input_ids, padding, rows)
+        return head_logits(self.heads.heads, hiddens, self.word_embeddings.rows, rows)
 
 
 # --- task heads (Step 3 fine-tuning, Step 4 zero-shot evaluation) -----------------------------------
