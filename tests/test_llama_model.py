@@ -311,6 +311,25 @@ def test_task_head_pools_the_last_real_token():
     torch.testing.assert_close(loss, F.cross_entropy(logits, labels))
 
 
+def test_evaluation_runs_the_last_layer_at_the_last_real_tokens_alone():
+    """In evaluation the task model's last layer runs its output projection and MLP at each
+    row's last real token alone (the attention over every position as before): the logits of the
+    whole layer (training, here without dropout: the same math), the lower layers untouched."""
+    model = LlamaForTask(tiny(hidden_dropout=0.0, attention_dropout=0.0), "classify", 3, seed=5)
+    perturb_norms_and_biases(model)
+    ids, _ = lm_batch(b=3, s=10)
+    ids[1, 6:] = PAD_ID
+    ids[2, 8:] = PAD_ID
+    seen = {layer.layer_number: [] for layer in model.layers}
+    for layer in model.layers:
+        layer.fc2.register_forward_hook(lambda mod, args, out, n=layer.layer_number: seen[n].append(args[0].shape[:-1]))
+    whole = model.train()(ids)[1]
+    with torch.no_grad():
+        at_last = model.eval()(ids)[1]
+    assert seen[3] == [(3, 10), (3,)] and seen[1] == [(3, 10), (3, 10)]
+    torch.testing.assert_close(at_last, whole.detach(), rtol=0, atol=1e-6)
+
+
 def test_task_model_loads_a_pretrained_lm():
     cfg = tiny(head_layers=(1, 3))
     lm = LlamaLM(cfg, seed=1)

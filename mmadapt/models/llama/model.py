@@ -144,12 +144,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, config.layernorm_epsilon)
         self.dropout = Dropout(config.hidden_dropout)
 
-    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Causal self-attention. No padding mask, ever: batches are unpadded (packed LM blocks)
-        or right-padded (task batches), and in a right-padded row every real token precedes
-        every pad, so the causal mask alone keeps real tokens from seeing padding. Pad positions
-        do see real tokens, but no loss and no pooling reads their outputs. Hence SDPA always
-        gets is_causal and no mask, which keeps its flash kernel eligible on a GPU."""
+    def attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal self-attention, x [b, s, h] -> [b, s, h]; rows [m]: the output projection at
+        those flat positions of b * s alone -> [m, h]. No padding mask, ever: batches are
+        unpadded (packed LM blocks) or right-padded (task batches), and in a right-padded row
+        every real token precedes every pad, so the causal mask alone keeps real tokens from
+        seeing padding. Pad positions do see real tokens, but no loss and no pooling reads their
+        outputs. Hence SDPA always gets is_causal and no mask, which keeps its flash kernel
+        eligible on a GPU."""
         b, s, _ = x.shape
         r = self.heads // self.groups
         qkv, _ = self.qkv(x)  # [b, s, (np + 2gp) hd]
@@ -170,8 +173,11 @@ class DecoderLayer(nn.Module):
                 future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
                 probs = scores.masked_fill(future, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
                 ctx = dropout(probs, p) @ v  # [b, np, s, hd]
-        out, _ = self.attn_out(ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
-        return out  # [b, s, h], summed over TP ranks
+        ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        if rows is not None:
+            ctx = ctx.reshape(b * s, -1).index_select(0, rows)  # [m, np hd]
+        out, _ = self.attn_out(ctx)
+        return out  # [b, s, h] (or [m, h] at rows), summed over TP ranks
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         # fc1's rows interleave gate and up (2j, 2j + 1). Multiplying by two row-strided views of
@@ -186,9 +192,18 @@ class DecoderLayer(nn.Module):
         out, _ = self.fc2(F.silu(gate) * up)
         return out  # [b, s, h], summed over TP ranks
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """x [b, s, h]; rope: `rotary_table` for s."""
-        x = x + self.dropout(self.attention(self.input_layernorm(x), rope))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [b, s, h]; rope: `rotary_table` for s -> [b, s, h]. rows [m]: flat indices into
+        b * s -> the output at those positions alone, [m, h]: the attention as for every position
+        (the keys and values need them all), then the output projection, residual and MLP at the
+        m rows only. For the last layer a head reads in evaluation (LlamaForTask.logits: each
+        row's last real token); training runs every position, as its dropout draws over the
+        whole layer."""
+        attn = self.attention(self.input_layernorm(x), rope, rows)
+        if rows is not None:
+            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)  # [m, h]
+        x = x + self.dropout(attn)
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -350,10 +365,15 @@ class LlamaForTask(LlamaDecoder):
             self.score = Linear(config.hidden_size, num_labels, normal_init(config.init_method_std), bias=False)
 
     def logits(self, input_ids: torch.Tensor, padding: Padding | None = None) -> torch.Tensor:
-        x = self.encode(input_ids, (self.config.num_layers,), padding)[0]  # [b, s, h]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        b, s = input_ids.shape
+        positions = torch.arange(s, device=input_ids.device)
         last = (positions * input_ids.ne(PAD_ID)).argmax(-1)  # [b], found on the device: no host wait
-        logits, _ = self.score(self.norm(x[torch.arange(x.shape[0], device=x.device), last]))
+        pooled = torch.arange(b, device=input_ids.device) * s + last  # [b]: flat indices into b * s
+        # In evaluation the last layer runs at those b rows alone (DecoderLayer.forward); training
+        # runs every position, as its dropout draws over the whole layer.
+        rows = None if self.training else pooled
+        x = self.encode(input_ids, (self.config.num_layers,), padding, rows)[0]  # [b, s, h], or [b, h] at rows
+        logits, _ = self.score(self.norm(x if rows is not None else x.reshape(-1, x.shape[-1])[pooled]))
         return logits  # [b, C]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, padding: Padding | None = None):
