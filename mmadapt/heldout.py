@@ -224,10 +224,7 @@ class Scorer:
         batches (a HeldOut's, a bpb reading's), with the artifact's tensors `art` swapped in (None:
         the model's own)."""
         with self._swapped(art, meta):
-            return self._logits(on_device)
-
-    def _logits(self, on_device: list) -> list[torch.Tensor]:
-        return scored_logits(self.model, on_device)
+            return scored_logits(self.model, on_device)
 
     def summed(self, on_device: list, art: dict | None = None, meta: dict | None = None) -> float:
         """The summed loss (nats) of `on_device` batches (summed_nats) with the artifact's tensors
