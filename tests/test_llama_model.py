@@ -263,8 +263,8 @@ def test_minijoint_loss_is_the_mean_of_heads_computed_separately(weights):
 
 def test_logits_at_rows_are_the_whole_logits_at_those_rows():
     """Every head's next-piece logits at given flat positions (heldout.Scorer's scored ones):
-    [m, V], equal to its whole [b, s, V] logits gathered there (the decoder's layers run whole
-    and their rows are gathered: layers.run_layers)."""
+    [m, V], equal to its whole [b, s, V] logits gathered there (the last layer run at those rows
+    alone: DecoderLayer.forward's rows)."""
     model = LlamaLM(tiny(head_layers=(2, 3))).eval()
     perturb_norms_and_biases(model)
     ids, _ = lm_batch()
