@@ -25,7 +25,7 @@ from mmadapt.config import ModelConfig, TrainConfig
 from mmadapt.data import TEXT, VALID, SentenceRows, read_manifest
 from mmadapt.devices import device_of, host_to_device, on_eval_device, swapped
 from mmadapt.family import ModelFamily
-from mmadapt.models.layers import Padding, masked_positions, takes_rows
+from mmadapt.models.layers import Padding, gathered, masked_positions, takes_rows
 from mmadapt.objectives import MLM, Objective
 from mmadapt.parallel import device
 from mmadapt.run import (Source, read_source, require_head, run_text_layout, sampled_fingerprint,
@@ -168,8 +168,7 @@ def scored_logits(model: torch.nn.Module, batches: list) -> list[torch.Tensor]:
     there alone; any other's whole logits [b, s, V] are made and their m rows kept."""
     if takes_rows(type(model), "logits"):
         return [model.logits(ids, padding, rows=masked_index)[0] for ids, padding, masked_index, _ in batches]
-    return [model.logits(ids, padding)[0].flatten(0, 1).index_select(0, masked_index)
-            for ids, padding, masked_index, _ in batches]
+    return [gathered(model.logits(ids, padding)[0], masked_index) for ids, padding, masked_index, _ in batches]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -400,8 +400,7 @@ def run_layers(layers: nn.ModuleList, x: torch.Tensor, wanted: tuple[int, ...], 
     out = []
     for layer in layers:
         if rows is not None and layer.layer_number == wanted[-1]:
-            x = (layer(x, *args, rows=rows) if takes_rows(type(layer))
-                 else layer(x, *args).reshape(-1, x.shape[-1]).index_select(0, rows))
+            x = layer(x, *args, rows=rows) if takes_rows(type(layer)) else gathered(layer(x, *args), rows)
         else:
             x = layer(x, *args)
         if layer.layer_number in wanted:
@@ -473,10 +472,10 @@ def linear_cross_entropy(x: torch.Tensor, rows: tuple[torch.Tensor, ...], biases
     return _LinearCrossEntropy.apply(x, targets, chunk, len(rows), *rows, *biases)
 
 
-def gathered(h: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """A head's input h [b, s, h] at the flat positions `index` [m] -> [m, h]; an h of [m, h] is
-    those rows already (a last layer run at them alone: `run_layers`' rows)."""
-    return h if h.dim() == 2 else h.reshape(-1, h.shape[-1]).index_select(0, index)
+def gathered(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [b, s, d] at the flat positions `index` [m] of b * s -> [m, d]; an x of [m, d] is those
+    rows already (a last layer run at them alone: `run_layers`' rows)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1]).index_select(0, index)
 
 
 def head_logits(heads: nn.ModuleList, hiddens: list[torch.Tensor], output_rows: tuple[torch.Tensor, ...],

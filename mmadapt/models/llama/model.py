@@ -34,7 +34,7 @@ from torch import nn
 
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Dropout, Linear, Padding, SplitVocabRows, WordEmbedding, column_linear,
-                                   cpu_path, derive_seed, dropout, head_logits, head_losses, masked_positions,
+                                   cpu_path, derive_seed, dropout, gathered, head_logits, head_losses, masked_positions,
                                    normal_init, row_linear, run_layers, to_tp_region, vocab_linear, vocab_rows)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
 from mmadapt.tokens import PAD_ID
@@ -175,7 +175,7 @@ class DecoderLayer(nn.Module):
                 ctx = dropout(probs, p) @ v  # [b, np, s, hd]
         ctx = ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         if rows is not None:
-            ctx = ctx.reshape(b * s, -1).index_select(0, rows)  # [m, np hd]
+            ctx = gathered(ctx, rows)  # [m, np hd]
         out, _ = self.attn_out(ctx)
         return out  # [b, s, h] (or [m, h] at rows), summed over TP ranks
 
@@ -202,7 +202,7 @@ class DecoderLayer(nn.Module):
         whole layer."""
         attn = self.attention(self.input_layernorm(x), rope, rows)
         if rows is not None:
-            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)  # [m, h]
+            x = gathered(x, rows)  # [m, h]
         x = x + self.dropout(attn)
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
@@ -373,7 +373,7 @@ class LlamaForTask(LlamaDecoder):
         # runs every position, as its dropout draws over the whole layer.
         rows = None if self.training else pooled
         x = self.encode(input_ids, (self.config.num_layers,), padding, rows)[0]  # [b, s, h], or [b, h] at rows
-        logits, _ = self.score(self.norm(x if rows is not None else x.reshape(-1, x.shape[-1])[pooled]))
+        logits, _ = self.score(self.norm(gathered(x, pooled)))  # [b, h]: gathered unless run at the rows
         return logits  # [b, C]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, padding: Padding | None = None):

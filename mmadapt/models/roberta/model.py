@@ -30,7 +30,7 @@ from torch import nn
 
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Dropout, Jagged, Padding, WordEmbedding, attention_mask, column_linear,
-                                   cpu_path, derive_seed, dropout, head_logits, head_losses, masked_positions,
+                                   cpu_path, derive_seed, dropout, gathered, head_logits, head_losses, masked_positions,
                                    normal_init, row_linear, run_layers, split_vocab, to_tp_region, varlen_attention,
                                    vocab_linear)
 from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
@@ -109,7 +109,7 @@ class TransformerLayer(nn.Module):
                 ctx = dropout(scores.softmax(-1), p) @ v  # [b, np, s, hd]
         ctx = ctx.transpose(1, 2).reshape(b, s, self.num_heads_per_partition * self.head_dim)
         if rows is not None:
-            ctx = ctx.reshape(b * s, -1).index_select(0, rows)  # [m, h/tp]
+            ctx = gathered(ctx, rows)  # [m, h/tp]
         out, _ = self.attn_out(ctx)  # [b, s, h] or [m, h], summed over TP ranks
         return out
 
@@ -123,7 +123,7 @@ class TransformerLayer(nn.Module):
         layer's, so training runs every position."""
         attn = self.attention(x, mask, rows)
         if rows is not None:
-            x = x.reshape(-1, x.shape[-1]).index_select(0, rows)  # [m, h]
+            x = gathered(x, rows)  # [m, h]
         x = self.attn_layernorm(x + self.dropout(attn))
         f, _ = self.fc1(x)  # [b, s, ffn/tp] (or [m, ...] at rows)
         f, _ = self.fc2(F.gelu(f))  # [b, s, h]
