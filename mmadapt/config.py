@@ -473,9 +473,10 @@ def _redefault(name: str, value):
 # else (data, tokenizer, model, batch sizes, seed, schedule) belongs to the run being resumed.
 # And `fusion`: it changes which kernels compute the same model (equal in fp32 to rounding,
 # tests/test_fusion.py; compiled dropout draws its masks differently), not what is trained.
+# `micro_batch_fill` likewise: it changes how an update's blocks are split, not which.
 CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_interval", "eval_iters",
                         "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_tokens", "metric",
-                        "fusion", "plugin_eval_blocks")
+                        "fusion", "plugin_eval_blocks", "micro_batch_fill")
 EXPAND_ONLY = ("expand_output_start", "expand_source_nats")  # TrainConfig fields only --vocab_mode expand reads
 # Values of a field that a --resume reads as the same: runs recorded before 2026-11-27 hold
 # replay_fraction 0.0 where no replay text was given, runs since then leave it unset.
@@ -496,6 +497,11 @@ class TrainConfig(LoopConfig):
     eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
                             "prepared with --valid_fraction)", ge=0)
     eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time", ge=1)
+    micro_batch_fill: float = _f(0.9, "on a CUDA device without pipeline stages: after the first update, each update's "
+                                 "blocks on a rank (train_micro_batch_size_per_gpu x gradient_accumulation_steps, "
+                                 "unchanged) are re-split into the fewest micro-batches predicted to peak under this "
+                                 "fraction of the memory the device leaves the process (mmadapt/microbatch.py); 0, or "
+                                 "a CPU: the split as given", ge=0, le=1)
     # --- Step 2's own (STEP2: adapt and sweep offer and take them, no other step does) ---
     train_output_bias: bool = _owned_by(
         STEP2, True, "Step 2: train the output bias with the embeddings (it is indexed by the target vocabulary's "

@@ -37,6 +37,7 @@ from mmadapt.engine import (LoopJob, build_engine, is_pipeline, mean_over_ranks,
 from mmadapt.features import Encoded
 from mmadapt.family import ModelFamily
 from mmadapt.fusion import apply_fusion
+from mmadapt.microbatch import MicroBatchFit, device_memory, merged
 from mmadapt.models.layers import Padding, derive_seed, masked_positions
 from mmadapt.models.pipe import set_host_batches, take_head_losses
 from mmadapt.run import RUN_TOKENIZER, RunSpec, Started, tensor_bytes
@@ -431,8 +432,19 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
                                                                             score_fraction=1.0), VALID, job.text_layout)
         valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
         evaluate = functools.partial(lm_eval, engine, valid_batches, heads)
-    prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin, *rows)
-                                            for ids, lab, *rows in batches.step_batches(position)])
+    fill = 0.0 if is_pipeline(engine) or engine.zero_cpu_offload() else train.micro_batch_fill
+    fit = MicroBatchFit(engine, train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps, fill,
+                        device_memory(engine.device), parallel.dp_world(),
+                        print if parallel.is_rank0() else lambda line: None)
+    prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin, *rows) for ids, lab, *rows
+                                            in merged(batches.step_batches(position), fit.factor(position))])
+
+    def update(position: int) -> torch.Tensor:
+        fit.before(position)
+        losses = lm_step(engine, prefetch(position), logged)
+        fit.after(position)
+        return losses
+
     loop_job = LoopJob(label=job.step, names=names, client_state=client_state(family, model_cfg, dims),
                        exclude_frozen=job.trainable is not None, loss_names=tuple(str(l) for l in model_cfg.heads_after),
                        loss_weights=model_cfg.loss_weights, perf=perf, after_save=after_save, evaluate=evaluate,
@@ -440,10 +452,11 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
                        split_losses=("source", "target") if job.replay is not None else None)
     before = source_rows(engine.module, names) if model_cfg.frozen_vocab_size else None
     try:
-        rows = train_loop(engine, lambda step: lm_step(engine, prefetch(step), logged), loop_job, train,
-                          train.train_iters, run.output_dir, run.resume)
+        rows = train_loop(engine, update, loop_job, train, train.train_iters, run.output_dir, run.resume)
     finally:
         prefetch.close()
+    if fit.record() is not None and parallel.is_rank0():
+        started.record.finish(micro_batch_fit=fit.record())
     if before is not None:
         checked = _check_source_rows(engine, names, before)
         if parallel.is_rank0():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import REPO, VOCAB, metrics
-from mmadapt import steps
+from mmadapt import microbatch, steps
+from mmadapt import train as train_module
 from mmadapt.artifact import read_artifact
 from mmadapt.config import FinetuneConfig, Layout, MiniModelConfig, PreprocessConfig, TrainConfig, apply_recipe
 from mmadapt.models import PRESETS
@@ -145,6 +146,43 @@ def test_step2_scoring_a_fraction_of_the_positions(decoder_runs, german, tmp_pat
                                                            ("minijoint", 0), ("minijoint", 4)]
     assert [r["masked_pieces"] for r in records] == [32 * 32] * 4 and \
         len({r["unigram_loss"] for r in records}) == 1
+
+
+def test_micro_batch_fit_trains_the_same_updates(decoder_runs, german, tmp_path, monkeypatch):
+    """micro_batch_fill on a device with room (its memory faked here: 10 GiB resident, a peak of
+    12 at 2 blocks, 16 GiB available, so 4 blocks fit under 0.9 and 8 do not): Step 2 asked for
+    as micro 2 x 4 runs its first two updates so, then micro 4 x 2 from update 3 on, the global
+    batch and the blocks the same. Every block of the decoder scores all its positions, so the
+    mean of the micro-batches' means is the update's mean either way: the losses and embeddings
+    equal those of the run as given (on this CPU, where nothing is fitted) to rounding."""
+    train = dataclasses.replace(_train(4), train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
+    given = _step2_with(decoder_runs, german, tmp_path / "given", train)
+
+    room = microbatch.Memory(allocated=lambda: 10 * microbatch.GIB, peak=lambda: 12 * microbatch.GIB,
+                             reset_peak=lambda: None, available=lambda: 16 * microbatch.GIB)
+    monkeypatch.setattr(train_module, "device_memory", lambda device: room)
+    seen, lm_step = [], train_module.lm_step
+
+    def spy(engine, batches, num_heads):
+        seen.append(([len(b[0]) for b in batches], engine.gradient_accumulation_steps(), engine.train_batch_size()))
+        return lm_step(engine, batches, num_heads)
+    monkeypatch.setattr(train_module, "lm_step", spy)
+    fitted = _step2_with(decoder_runs, german, tmp_path / "fitted", train)
+
+    assert seen == [([2] * 4, 4, 8)] * 2 + [([4] * 2, 2, 8)] * 2
+    assert read_run(tmp_path / "fitted")["micro_batch_fit"] == {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "from_update": 3}
+    assert "micro_batch_fit" not in read_run(tmp_path / "given")
+    assert fitted[0][:2] == given[0][:2]  # bit for bit before the re-split
+    torch.testing.assert_close([l for _, l in fitted[0]], [l for _, l in given[0]], rtol=1e-6, atol=0)
+    torch.testing.assert_close(fitted[1][0]["word_embeddings"], given[1][0]["word_embeddings"], rtol=1e-5, atol=1e-7)
+
+
+def _step2_with(decoder_runs, german, out, train):
+    steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, data_path=german),
+                           step=steps.AdaptEmbeddings(system="minijoint", source=decoder_runs / "mj", lang="de",
+                                                      train=train))
+    return _result(out)
 
 
 @pytest.mark.slow  # end to end: Step 3, then Step 4 on the whole German test split
