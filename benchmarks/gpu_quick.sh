@@ -69,7 +69,7 @@ step vs-hf-decoder-compile 120 python3 benchmarks/vs_hf_decoder.py --fusion comp
 step profile-compile   60 python3 benchmarks/profile_update.py --real --dropout --fusion compile \
                           --only bl_base:pretrain "${PROF[@]}"
 step profile-minipost  45 python3 benchmarks/profile_update.py --real --dropout --only minipost:adapt "${PROF[@]}"
-[ -z "${SMOKE:-}" ] && step gpu-tests 60 python3 -m pytest -q -p no:cacheprovider -m gpu -k bf16 tests/test_gpu.py
+[ -z "${SMOKE:-}" ] && step gpu-tests 60 python3 -m pytest -q -p no:cacheprovider -m gpu -k "bf16 or micro_batch" tests/test_gpu.py
 echo
 [ ${#failed[@]} -gt 0 ] && { echo "failed: ${failed[*]}"; exit 1; }
 echo "all written to $MMADAPT_BENCH_RESULTS/"

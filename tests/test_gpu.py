@@ -103,6 +103,40 @@ def test_bf16_updates_on_cuda_never_synchronize(clip):
 
 
 @pytest.mark.gpu
+def test_micro_batch_fill_reads_cuda_memory_and_merges():
+    """micro_batch_fill with CUDA's own counters (microbatch.device_memory) under bf16 ZeRO-2: the
+    tiny model asked for as micro 4 x 4 fits its 16 blocks in one micro-batch many times over,
+    so after update 1 it merges all four, and DeepSpeed accumulates one from update 3 on, its
+    global batch still 16. tests/test_llama_steps.py checks on the CPU, with the memory faked,
+    that a re-split trains the same updates."""
+    from conftest import REPO as repo
+    from mmadapt.engine import for_replicas, load_ds_config
+    from mmadapt.microbatch import MicroBatchFit, device_memory, merged
+    from mmadapt.models import PRESETS, get_family
+    from mmadapt.parallel import init_parallel
+    from mmadapt.train import host_batch, lm_engine, lm_step
+
+    model, train = PRESETS["tiny"]
+    train = dataclasses.replace(train, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4, seq_length=32)
+    ds = for_replicas(load_ds_config(repo / "ds_configs" / "zero2_bf16.json", train), 1)
+    init_parallel(1, 1)
+    engine, _, _ = lm_engine(get_family(model), model, train, ds)
+    lines, seen = [], []
+    fit = MicroBatchFit(engine, 4, 4, 0.9, device_memory(engine.device), 1, lines.append)
+    micro = [masked_batch(model.vocab_size, b=4, s=32, seed=j) for j in range(4)]
+    for position in range(4):
+        fit.before(position)
+        batches = [host_batch(ids, labels, pin=True) for ids, labels in merged(micro, fit.factor(position))]
+        losses = lm_step(engine, batches, 1)
+        fit.after(position)
+        seen.append((len(batches), engine.gradient_accumulation_steps(), engine.train_batch_size()))
+    assert seen == [(4, 4, 16)] * 2 + [(1, 1, 16)] * 2 and torch.isfinite(losses).all()
+    assert fit.record() == {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1,
+                            "from_update": 3}
+    assert len(lines) == 1 and "re-split to 16 x 1 from update 3" in lines[0], lines
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SUITE))
 def test_gpu_suite_step_runs(name, tmp_path):
