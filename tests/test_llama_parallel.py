@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ADAPT, LAYOUTS, VOCAB, adapt_args, metrics, run_pretrain
+from conftest import ADAPT, LAYOUTS, REPO, VOCAB, adapt_args, metrics, run_pretrain
 from mmadapt.artifact import read_artifact
 from mmadapt.checkpoint import load_full_state_dict
 from mmadapt.family import WORD
@@ -68,6 +68,25 @@ def test_decoder_pretraining_layout_matches_single_process(layout, reference, co
     assert ("output_layer.weight" in mine) is not tied
     for name, w in want.items():
         torch.testing.assert_close(mine[name], w, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name} differs")
+
+
+@pytest.mark.parametrize("reference", [True], indirect=True, ids=["tied"])
+def test_micro_batch_fill_on_two_ranks_matches_single_process(reference, corpus, tokenizer, tmp_path):
+    """ZeRO-2 on 2 ranks asked for as micro 4 x accumulation 2 (global 16), each rank's device
+    memory faked to leave room (tests/microbatch_worker.py): after update 1 the ranks agree on
+    merging both micro-batches (one all-reduce), and update 3 runs as micro 8 x 1. The same
+    blocks make every update, so the losses and weights are the single process's to rounding."""
+    _, ref_run = reference
+    run_pretrain(2, *_pretrain_args(corpus, tokenizer, tmp_path, True, "--ds_config", "ds_configs/zero2.json",
+                                    "--train_micro_batch_size_per_gpu", "4", "--gradient_accumulation_steps", "2"),
+                 script=str(REPO / "tests" / "microbatch_worker.py"))
+    fit = json.loads((tmp_path / "run.json").read_text())["micro_batch_fit"]
+    assert fit == {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "from_update": 3}
+    ref, got = metrics(ref_run), metrics(tmp_path)
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+    want, mine = load_full_state_dict(ref_run / "checkpoints"), load_full_state_dict(tmp_path / "checkpoints")
+    for name, w in want.items():
+        torch.testing.assert_close(mine[name], w, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
 
 
 # --- Step 2 over the decoder's mini-model -------------------------------------------------------------
