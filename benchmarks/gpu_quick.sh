@@ -4,8 +4,9 @@
 # first results: throughput eager (as a run of one replica trains, then under the JSON's ZeRO as
 # given, the path every GPU figure before 2026-11-29 took) and compiled (every step and system,
 # roberta-base), the decoder against transformers, one update profiled per Step-1/Step-2 system,
-# the host cost against d974fb8, eager and compiled (when its tree is in ./.devcache/d974fb8: git archive d974fb8 mmadapt ds_configs), a
-# larger micro-batch, then the rest. The whole suite is benchmarks/gpu_suite.sh.
+# the host cost against d974fb8, eager and compiled (when its tree is in ./.devcache/d974fb8: git
+# archive d974fb8 mmadapt ds_configs), the micro-batch fit against the split as asked, a larger
+# micro-batch, then the rest. The whole suite is benchmarks/gpu_suite.sh.
 #   SMOKE=1 bash benchmarks/gpu_quick.sh /tmp/x     # every step at CPU scale, one or two updates
 #
 #   bash benchmarks/gpu_quick.sh [RESULTS_DIR]      # results files there (default benchmarks/results)
@@ -62,6 +63,7 @@ if [ -d .devcache/d974fb8 ]; then
                           --against /tmp/host_cost_d974fb8.json --cases bl_base-pretrain bl_base-adapt minijoint-adapt \
                           minipost-adapt "${HOST[@]}"
 fi
+step micro-batch-fill 150 python3 benchmarks/micro_batch_fill.py --real --dropout "${QUICK[@]}"
 step vs-hf             60 python3 benchmarks/vs_hf.py "${QUICK[@]}"
 step throughput-mb64   60 python3 benchmarks/throughput.py --real --dropout --micro_batch 64 \
                           --only bl_base:pretrain bl_base:adapt minijoint:adapt "${QUICK[@]}"

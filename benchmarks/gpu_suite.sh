@@ -24,7 +24,7 @@
 # Each script prints its table and the paths it wrote; a failing one does not stop the others,
 # and the suite exits non-zero if any failed.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 2
 
 if [ -n "${SMOKE:-}" ]; then
     export MMADAPT_BENCH_RESULTS=${MMADAPT_BENCH_RESULTS:-$(mktemp -d)}
@@ -55,6 +55,7 @@ run throughput-varlen  python benchmarks/throughput.py --real --dropout --attent
 run throughput-compile python benchmarks/throughput.py --real --dropout --attention_impl varlen --fusion compile \
                            "${CASES[@]}" "${QUICK[@]}"
 run layer              python benchmarks/layer_speed.py --dropout "${QUICK[@]}"
+run micro-batch-fill   python benchmarks/micro_batch_fill.py --real --dropout "${QUICK[@]}"
 run eval               python benchmarks/eval_overhead.py "${EVAL_ARGS[@]}"
 if python -c "import transformers" 2>/dev/null; then
     run vs-hf          python benchmarks/vs_hf.py "${QUICK[@]}"

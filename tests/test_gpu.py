@@ -31,6 +31,7 @@ SUITE = {
     "throughput-compile": ["benchmarks/throughput.py", "--real", "--dropout", "--attention_impl", "varlen",
                            "--fusion", "compile", *CASES, *SMOKE],
     "layer": ["benchmarks/layer_speed.py", "--dropout", *SMOKE],
+    "micro-batch-fill": ["benchmarks/micro_batch_fill.py", "--real", "--dropout", "--accumulation", "2", *SMOKE],
     "eval": ["benchmarks/eval_overhead.py", "--examples", "200"],
     "vs-hf": ["benchmarks/vs_hf.py", *SMOKE],
     "vs-hf-decoder": ["benchmarks/vs_hf_decoder.py", *SMOKE],
