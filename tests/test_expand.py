@@ -641,13 +641,14 @@ def test_replay_batches_are_a_pure_function_of_the_update(family, corpus, tokeni
     accumulating over both, and f = 0 gives the plain batches."""
     from mmadapt.config import PreprocessConfig
     from mmadapt.data import ReplayBatches, replay_blocks
+    from mmadapt.microbatch import merged
 
     data = tmp_path / "en"
     steps.preprocess(corpus, output_dir=data, vocab_size=VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=1))
     batches = get_family(family).objective.batches
 
-    def make(gas, rank, world, fraction):
-        train = TrainConfig(seq_length=32, train_micro_batch_size_per_gpu=5, gradient_accumulation_steps=gas)
+    def make(gas, rank, world, fraction, micro=5):
+        train = TrainConfig(seq_length=32, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
         target = batches(data, train, VOCAB, rank, world)
         replay = batches(data, dataclasses.replace(train, seed=99), VOCAB, rank, world)
         return ReplayBatches(target, replay, replay_blocks(fraction, target.global_batch)), target, replay
@@ -667,6 +668,11 @@ def test_replay_batches_are_a_pure_function_of_the_update(family, corpus, tokeni
         ranks = [make(1, r, 2, 0.25)[0].step_batches(step)[0] for r in range(2)]
         for mine, theirs in zip(got, ranks):
             assert torch.equal(mine[0], theirs[0]) and torch.equal(mine[1], theirs[1]) and mine[2] == theirs[2]
+        # micro_batch_fill's re-split of one process's update (microbatch.merged: the replay rows
+        # first) is the micro-batch that a run asked for as micro 10 x 1 reads
+        (ids10, labels10, rows10), = merged(got, 2)
+        (want10, want_labels10, want_rows10), = make(1, 0, 1, 0.25, micro=10)[0].step_batches(step)
+        assert rows10 == want_rows10 == 2 and torch.equal(ids10, want10) and torch.equal(labels10, want_labels10)
     none, target, _ = make(2, 0, 1, 0.0)
     for (ids, labels, rows), (ids0, labels0) in zip(none.step_batches(1), target.step_batches(1)):
         assert rows == 0 and torch.equal(ids, ids0) and torch.equal(labels, labels0)
