@@ -146,10 +146,15 @@ def host_ops_per_micro_batch(engine) -> int:
     for _ in range(3):  # warm (and, compiled, past the recompile for a symbolic m)
         micro_batch(engine, batch)
         engine.step()
-    with gpu_paths(), profile(activities=[ProfilerActivity.CPU]) as prof:  # the ops a GPU launches
-        micro_batch(engine, batch)
-    engine.step()
-    return count_host_ops(prof.events())
+    counts = []
+    # The fewer of two: once, beside a second test worker, a compiled micro-batch's profile took
+    # 8 s and counted 3,020 ops (compile work inside the window) where it counts about 750.
+    for _ in range(2):
+        with gpu_paths(), profile(activities=[ProfilerActivity.CPU]) as prof:  # the ops a GPU launches
+            micro_batch(engine, batch)
+        engine.step()
+        counts.append(count_host_ops(prof.events()))
+    return min(counts)
 
 
 def test_host_ops_per_micro_batch(engine):
