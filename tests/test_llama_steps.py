@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, VOCAB, metrics
-from mmadapt import microbatch, steps
+from mmadapt import faults, microbatch, steps
 from mmadapt import train as train_module
 from mmadapt.artifact import read_artifact
 from mmadapt.config import FinetuneConfig, Layout, MiniModelConfig, PreprocessConfig, TrainConfig, apply_recipe
@@ -178,8 +178,31 @@ def test_micro_batch_fit_trains_the_same_updates(decoder_runs, german, tmp_path,
     torch.testing.assert_close(fitted[1][0]["word_embeddings"], given[1][0]["word_embeddings"], rtol=1e-5, atol=1e-7)
 
 
-def _step2_with(decoder_runs, german, out, train):
-    steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, data_path=german),
+def test_micro_batch_fit_again_after_a_resume(decoder_runs, german, tmp_path, monkeypatch):
+    """Paused by --exit_interval after update 3, the first at the fitted split (its checkpoint
+    written as micro 4 x 2), and resumed: the resumed run measures its own first update at the
+    split asked for, and the four updates are those of the run as given to rounding."""
+    train = dataclasses.replace(_train(4), train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
+    given = _step2_with(decoder_runs, german, tmp_path / "given", train)
+    room = microbatch.Memory(allocated=lambda: 10 * microbatch.GIB, peak=lambda: 12 * microbatch.GIB,
+                             reset_peak=lambda: None, available=lambda: 16 * microbatch.GIB)
+    monkeypatch.setattr(train_module, "device_memory", lambda device: room)
+    seen, lm_step = [], train_module.lm_step
+
+    def spy(engine, batches, num_heads):
+        seen.append([len(b[0]) for b in batches])
+        return lm_step(engine, batches, num_heads)
+    monkeypatch.setattr(train_module, "lm_step", spy)
+    with pytest.raises(faults.Paused):
+        _step2_with(decoder_runs, german, tmp_path / "fitted", dataclasses.replace(train, exit_interval=3))
+    resumed = _step2_with(decoder_runs, german, tmp_path / "fitted", train, resume=True)
+    assert seen == [[2] * 4, [2] * 4, [4] * 2, [2] * 4]
+    torch.testing.assert_close([l for _, l in resumed[0]], [l for _, l in given[0]], rtol=1e-6, atol=0)
+    torch.testing.assert_close(resumed[1][0]["word_embeddings"], given[1][0]["word_embeddings"], rtol=1e-5, atol=1e-7)
+
+
+def _step2_with(decoder_runs, german, out, train, resume=False):
+    steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, data_path=german, resume=resume),
                            step=steps.AdaptEmbeddings(system="minijoint", source=decoder_runs / "mj", lang="de",
                                                       train=train))
     return _result(out)
