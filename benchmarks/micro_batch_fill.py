@@ -6,11 +6,12 @@ as asked and as the fit re-splits them (mmadapt/microbatch.py), timed interleave
     python benchmarks/micro_batch_fill.py --assume_room --repeats 2   # a CPU: the script's own check
 
 For each case (Step 1 BL_BASE, Step 2 BL_BASE and MINIJOINT by default) two engines are built
-from the same seed. The fitted one runs first, alone on the device, through the fit exactly as
-a run's loop drives it (`before`, the requested micro-batches `merged` by `factor`, `lm_step`,
-`after`): its first update is measured, the fit chooses, and from its third update on it trains
-the new split. Then the engine as asked is built beside it, and both train the same blocks
-(--real: the packaged Bible's), update for update, round by round (common.interleaved_times).
+from the same seed, both before anything trains (so the fit reads the memory the timed rounds
+share). The fitted one runs first through the fit exactly as a run's loop drives it (`before`,
+the requested micro-batches `merged` by `factor`, `lm_step`, `after`): its first update is
+measured, the fit chooses, and from its third update on it trains the new split. Then both
+train the same blocks (--real: the packaged Bible's), update for update, round by round
+(common.interleaved_times).
 Reported per case: the split chosen, ms per update and the ratio, utilisation against a matmul
 measured here (and a vendor's bf16 peak on a GPU), and each engine's peak memory in its timed
 updates. On a CPU the fit reads no memory and keeps the split (both rows alike), unless
@@ -82,7 +83,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_args(ap, cpu_micro_batch=8)
     ap.add_argument("--accumulation", type=int, default=8, help="micro-batches asked for per update (K)")
-    ap.add_argument("--fill", type=float, default=0.9, help="the fitted engine's micro_batch_fill")
+    ap.add_argument("--fill", type=float, default=0.8, help="the fitted engine's micro_batch_fill")
     ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero2_bf16.json" if gpu else "zero1.json")))
     ap.add_argument("--only", nargs="+", metavar="SYSTEM:STEP", default=list(DEFAULT_CASES), help="cases to run")
     ap.add_argument("--assume_room", action="store_true", help="the fit reads no memory and merges all K (a CPU run "
@@ -105,10 +106,11 @@ def main(argv=None) -> None:
             continue
         job = LMJob(step=step, trainable=trainable, trainable_layers=2)
         heads = len(cfg.heads_after)
+        # Both engines first: the fit then reads the memory the timed rounds will share.
+        given = Trainer(lm_engine(family, cfg, train, ds, job)[0], micro_batches, 0.0, None, heads)
         fitted = Trainer(lm_engine(family, cfg, train, ds, job)[0], micro_batches, args.fill, memory, heads)
         for _ in range(3):  # measured, chosen, switched
             fitted()
-        given = Trainer(lm_engine(family, cfg, train, ds, job)[0], micro_batches, 0.0, None, heads)
         times = interleaved_times({"given": given, "fitted": fitted}, args.warmup, args.repeats)
         flops = k * b * family.step_flops(step, cfg, s, p, trainable_layers=2)
         for name, trainer in (("given", given), ("fitted", fitted)):

@@ -497,11 +497,11 @@ class TrainConfig(LoopConfig):
     eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
                             "prepared with --valid_fraction)", ge=0)
     eval_iters: int = _f(20, "validation micro-batches per evaluation: the same masked blocks every time", ge=1)
-    micro_batch_fill: float = _f(0.9, "on a CUDA device without pipeline stages: after the first update, each update's "
+    micro_batch_fill: float = _f(0.8, "on a CUDA device without pipeline stages: from the third update, each update's "
                                  "blocks on a rank (train_micro_batch_size_per_gpu x gradient_accumulation_steps, "
-                                 "unchanged) are re-split into the fewest micro-batches predicted to peak under this "
-                                 "fraction of the memory the device leaves the process (mmadapt/microbatch.py); 0, or "
-                                 "a CPU: the split as given", ge=0, le=1)
+                                 "unchanged) are re-split into the fewest micro-batches estimated from the first update "
+                                 "to peak under this fraction of the memory the device leaves the process "
+                                 "(mmadapt/microbatch.py); 0, or a CPU: the split as asked", ge=0, le=0.95)
     # --- Step 2's own (STEP2: adapt and sweep offer and take them, no other step does) ---
     train_output_bias: bool = _owned_by(
         STEP2, True, "Step 2: train the output bias with the embeddings (it is indexed by the target vocabulary's "

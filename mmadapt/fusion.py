@@ -38,6 +38,8 @@ Choices, and why:
     positions, different in every micro-batch. The first call compiles for its m, the second
     recompiles with m symbolic, and no later batch recompiles (a test counts the compilations).
     attention_impl "varlen" passes each padded batch's longest length, an int: the same again.
+    TrainConfig.micro_batch_fill's re-split (a CUDA run, from its third update) changes b once:
+    the layers compile once more, with b symbolic.
     Padding m to a fixed size would waste head FLOPs; marking every dimension dynamic from the
     start would make the hidden size symbolic as well.
   - Dropout in compiled graphs draws its masks from Inductor's own generator (seeded from torch's,

@@ -1,6 +1,6 @@
 """The micro-batch a CUDA device fits (TrainConfig.micro_batch_fill): each update's blocks on a
-rank, re-split after the run's first update into the fewest micro-batches whose peak memory
-stays under a fraction of what the device leaves this process.
+rank, re-split after the run's first update into the fewest micro-batches whose peak memory is
+estimated to stay under a fraction of what the device leaves this process.
 
 Why: the matmuls of a small micro-batch leave a GPU idle between launches. On an H200, roberta-base
 Step 1 (bf16, s = 512) ran at 12.8% MFU with micro-batch 32 and 24.6% with 128, peaking at 24 GiB
@@ -12,25 +12,37 @@ What stays: the update. Its blocks are a pure function of (seed, update) (data.p
 each of a rank's micro-batches concatenates m consecutive ones of the requested split in order
 (with replay text, their replay rows first, as ReplayBatches lays out one), and DeepSpeed
 accumulates k/m of them (its set_train_micro_batch_size and set_train_batch_size: the loss is
-scaled by the new accumulation). What moves: rounding, the dropout draws, and each micro-batch's
+scaled by the new accumulation). What moves: rounding, the dropout draws, each micro-batch's
 loss normalisation (the mean over its own scored positions, which equals the requested split's
-only where every block scores the same number: the decoder's score_fraction).
+only where every block scores the same number: the decoder's score_fraction), and past
+layers.LOGITS_BUDGET scored rows x vocabulary the heads' chunked loss (the same values).
 
-How it measures (no formula of the model's activations to drift from it): the first update runs
-at the requested split. `base` is the memory allocated before it (weights, DeepSpeed's buffers),
-`peak` its peak, and `resident` what is allocated after it (plus the gradient buffers and
-optimizer states it created). A micro-batch of d blocks is predicted to peak at most at
-resident + d (peak - base) / micro: the per-block figure charges everything the update allocated
-(gradients and optimizer states too) to its blocks, so it over-counts, and the prediction bounds
-the peak from above while activations grow linearly with the blocks. Every rank takes the
-smallest of the ranks' choices (one all-reduce, once), from the run's third update on: the second
-update's batches are prepared while the first runs (train.Prefetcher). With `--fusion compile` the
-compiled layers meet the new batch dimension once and compile again, with it dynamic.
+How it estimates (no formula of the model's activations to drift from it): the first update runs
+at the requested split (with fp16, the first whose optimizer step was applied, so that its
+states exist). `base` is the memory allocated before it (weights, DeepSpeed's buffers), `peak`
+its peak, and `resident` what is allocated after it (plus the gradient buffers and optimizer
+states it created). A micro-batch of d blocks is estimated to peak at resident + d (peak - base)
+/ micro: the per-block figure charges everything the update allocated (gradients and optimizer
+states too) to its blocks, so it over-counts where activations grow linearly with the blocks.
+It counts allocated memory only: the 1 - fill left over is for what it does not see, the
+caching allocator's fragmentation, communicators made later, a recompile's workspace. Every rank
+takes the smallest of the ranks' choices (one all-reduce, once), from the third update of the
+run on: the second update's batches are being prepared while the first runs (train.Prefetcher
+prepares one update ahead, so a position's factor is fixed before its batches are made). The
+first update at the new split is measured too; the run's log and run.json (`micro_batch_fit`)
+give its peak beside the estimate. With `--fusion compile` the compiled layers meet the new
+batch dimension once and compile again, with it dynamic.
+
+Resume: run.json holds the re-split from the moment it is chosen, and a resumed run takes it
+from its first update on (no new measurement): it trains the updates the run would have trained
+uninterrupted. A run that stopped before its first update at the new split finished (out of
+memory, most likely) left it unconfirmed: the resumed run keeps the split as asked and says so.
+`--micro_batch_fill 0` on a resume returns to the split as asked.
 
 Not applied: on a CPU (host memory is not the limit, and the tests' reference runs keep the split
-they ask for), with pipeline stages (DeepSpeed's schedule holds its micro-batches), with one
-micro-batch per update (nothing to merge), at micro_batch_fill 0. A resumed run fits again from
-its own first update.
+they ask for), with pipeline stages (DeepSpeed's schedule holds its micro-batches), with ZeRO's
+CPU offload (its optimizer keeps the accumulation it started with), with one micro-batch per
+update (nothing to merge), at micro_batch_fill 0.
 """
 
 from __future__ import annotations
@@ -92,15 +104,28 @@ def merged(micro_batches: list[tuple], m: int) -> list[tuple]:
 class MicroBatchFit:
     """One run's fit (module docstring). The train loop calls `before(position)` and
     `after(position)` around each update and builds update `position`'s micro-batches as
-    `merged(requested split's, factor(position))`."""
+    `merged(requested split's, factor(position))`. `recorded`: run.json's `micro_batch_fit` from
+    an earlier invocation of the run (None: none); `write`: stores the record (global rank 0)."""
 
     def __init__(self, engine, micro: int, accumulation: int, fill: float, memory: Memory | None,
-                 dp_world: int, log: Callable[[str], None] = print):
+                 dp_world: int, recorded: dict | None = None, write: Callable[[dict], None] = lambda record: None,
+                 log: Callable[[str], None] = print):
         self.engine, self.micro, self.accumulation, self.fill = engine, micro, accumulation, fill
-        self.memory, self.dp_world, self.log = memory, dp_world, log
+        self.memory, self.dp_world, self.write, self.log = memory, dp_world, write, log
         self.active = memory is not None and fill > 0 and accumulation > 1
-        self.first = self.start = None  # the run's first update; the first at the fitted split
-        self.m, self.applied, self.base = 1, False, 0
+        self.first = self.start = None  # the first update measured; the first at the new split
+        self.m, self.base, self.applied, self.record = 1, 0, False, None
+        if self.active and recorded is not None:
+            self.first, self.record = -1, recorded  # chosen by an earlier invocation: nothing to measure
+            split = f"{recorded['train_micro_batch_size_per_gpu']} x {recorded['gradient_accumulation_steps']}"
+            if recorded.get("tried") and not recorded.get("confirmed"):
+                self.active = False
+                self.log(f"micro-batch: the re-split to {split} did not finish its first update (update "
+                         f"{recorded['from_update']}) before this resume: {micro} x {accumulation} as asked from here")
+            else:
+                self.m, self.start = recorded["merged"], recorded["from_update"] - 1
+                self.log(f"micro-batch: {split} from update {recorded['from_update']}, as this run chose before "
+                         "(run.json's micro_batch_fit; --micro_batch_fill 0 keeps the split as asked)")
 
     def factor(self, position: int) -> int:
         """How many of the requested micro-batches update `position`'s each hold."""
@@ -112,30 +137,47 @@ class MicroBatchFit:
         if self.first is None:
             self.first, self.base = position, self.memory.allocated()
             self.memory.reset_peak()
-        elif position == self.start and self.m > 1:
+        elif self.start is not None and position >= self.start and not self.applied and self.m > 1:
+            # at an update boundary of the split as asked, so one of the new split's too
+            assert self.engine.micro_steps % self.accumulation == 0, self.engine.micro_steps
             micro = self.micro * self.m
             self.engine.set_train_micro_batch_size(micro)
             self.engine.set_train_batch_size(micro * (self.accumulation // self.m) * self.dp_world)
             self.applied = True
+            self.memory.reset_peak()
+            if not self.record.get("tried"):  # a resume that finds it tried and unconfirmed keeps the split asked
+                self.record = {**self.record, "tried": True}
+                self.write(self.record)
 
     def after(self, position: int) -> None:
-        if not self.active or position != self.first:
+        if not self.active:
             return
+        if self.start is None and position >= self.first:
+            if self.engine.was_step_applied():  # fp16 skips its first steps: their states are not there yet
+                self._choose(position)
+        elif self.applied and position == self.start and not self.record["confirmed"]:
+            self.record = {**self.record, "confirmed": True, "peak_bytes": self.memory.peak()}
+            self.write(self.record)
+            self.log(f"micro-batch: update {position + 1} at {self.micro * self.m} x {self.accumulation // self.m} "
+                     f"peaked at {self.record['peak_bytes'] / GIB:.2f} GiB (estimated "
+                     f"{self.record['estimate_bytes'] / GIB:.2f})")
+
+    def _choose(self, position: int) -> None:
         peak, resident, limit = self.memory.peak(), self.memory.allocated(), self.fill * self.memory.available()
         per_block = max(peak - self.base, 0) / self.micro
         m = torch.tensor([fitted_merge(self.micro, self.accumulation, resident, per_block, limit)],
                          device=self.engine.device)
-        dist.all_reduce(m, op=dist.ReduceOp.MIN)  # every rank accumulates alike
+        dist.all_reduce(m, op=dist.ReduceOp.MIN)  # every rank accumulates alike (one host wait, once)
         self.m, self.start = int(m.item()), position + 2
-        if self.m > 1:
-            self.log(f"micro-batch: {self.micro} x {self.accumulation} accumulation re-split to "
-                     f"{self.micro * self.m} x {self.accumulation // self.m} from update {self.start + 1} "
-                     f"(update {position + 1}: {peak / GIB:.1f} GiB at its peak, {resident / GIB:.1f} after it, of "
-                     f"{limit / GIB:.1f} allowed; --micro_batch_fill 0 keeps the split as given)")
-
-    def record(self) -> dict | None:
-        """run.json's `micro_batch_fit` once the re-split has trained an update; None before."""
-        if not self.applied:
-            return None
-        return {"train_micro_batch_size_per_gpu": self.micro * self.m,
-                "gradient_accumulation_steps": self.accumulation // self.m, "from_update": self.start + 1}
+        if self.m == 1:
+            return
+        micro, accumulation = self.micro * self.m, self.accumulation // self.m
+        self.record = {"asked": [self.micro, self.accumulation], "merged": self.m,
+                       "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
+                       "from_update": self.start + 1, "estimate_bytes": int(resident + micro * per_block),
+                       "tried": False, "confirmed": False}
+        self.write(self.record)
+        self.log(f"micro-batch: {self.micro} x {self.accumulation} accumulation re-split to {micro} x {accumulation} "
+                 f"from update {self.start + 1} (update {position + 1}: {peak / GIB:.1f} GiB at its peak, "
+                 f"{resident / GIB:.1f} after it; estimated {self.record['estimate_bytes'] / GIB:.1f} of "
+                 f"{limit / GIB:.1f} allowed; --micro_batch_fill 0 keeps the split as asked)")

@@ -276,7 +276,9 @@ def batch_to_device(batch: HostBatch, dev: torch.device) -> HostBatch:
 class Prefetcher:
     """Builds the host batches of the next update (numpy indexing, masking, pinning) in a
     background thread while the device runs this one. `make(position)` must be a pure
-    function of the position (lm_batches' are), so a resumed run sees the same batches."""
+    function of the position (lm_batches' are; with micro_batch_fill, of the position and a re-split
+    that is fixed before the first position it changes is made: microbatch.py), so a resumed run
+    sees the same batches."""
 
     def __init__(self, make: Callable[[int], list]):
         self.make, self.pool, self.ahead = make, ThreadPoolExecutor(1, thread_name_prefix="batches"), None
@@ -433,9 +435,15 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
         evaluate = functools.partial(lm_eval, engine, valid_batches, heads)
     fill = 0.0 if is_pipeline(engine) or engine.zero_cpu_offload() else train.micro_batch_fill
+    # A resumed run's re-split as an earlier invocation chose it (microbatch.py), read by rank 0
+    recorded = [checkpoint.read_json(started.record.path, "run file").get("micro_batch_fit")
+                if run.resume and parallel.is_rank0() else None]
+    dist.broadcast_object_list(recorded, src=0)
+    rank0 = parallel.is_rank0()
     fit = MicroBatchFit(engine, train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps, fill,
-                        device_memory(engine.device), parallel.dp_world(),
-                        print if parallel.is_rank0() else lambda line: None)
+                        device_memory(engine.device), parallel.dp_world(), recorded[0],
+                        lambda record: started.record.finish(micro_batch_fit=record) if rank0 else None,
+                        print if rank0 else lambda line: None)
     prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin, *rows) for ids, lab, *rows
                                             in merged(batches.step_batches(position), fit.factor(position))])
 
@@ -455,8 +463,6 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         rows = train_loop(engine, update, loop_job, train, train.train_iters, run.output_dir, run.resume)
     finally:
         prefetch.close()
-    if fit.record() is not None and parallel.is_rank0():
-        started.record.finish(micro_batch_fit=fit.record())
     if before is not None:
         checked = _check_source_rows(engine, names, before)
         if parallel.is_rank0():

@@ -72,16 +72,20 @@ def test_decoder_pretraining_layout_matches_single_process(layout, reference, co
 
 @pytest.mark.parametrize("reference", [True], indirect=True, ids=["tied"])
 def test_micro_batch_fill_on_two_ranks_matches_single_process(reference, corpus, tokenizer, tmp_path):
-    """ZeRO-2 on 2 ranks asked for as micro 4 x accumulation 2 (global 16), each rank's device
-    memory faked to leave room (tests/microbatch_worker.py): after update 1 the ranks agree on
-    merging both micro-batches (one all-reduce), and update 3 runs as micro 8 x 1. The same
-    blocks make every update, so the losses and weights are the single process's to rounding."""
+    """ZeRO-2 on 2 ranks asked for as micro 2 x accumulation 4 (global 16), their device memory
+    faked (tests/microbatch_worker.py) with room for 8 blocks on rank 0 and 4 on rank 1: after
+    update 1 the ranks agree on the smaller (one all-reduce), and update 3 runs as micro 4 x 2.
+    The same blocks make every update, so the losses and weights are the single process's to
+    rounding."""
     _, ref_run = reference
     run_pretrain(2, *_pretrain_args(corpus, tokenizer, tmp_path, True, "--ds_config", "ds_configs/zero2.json",
-                                    "--train_micro_batch_size_per_gpu", "4", "--gradient_accumulation_steps", "2"),
+                                    "--train_micro_batch_size_per_gpu", "2", "--gradient_accumulation_steps", "4"),
                  script=str(REPO / "tests" / "microbatch_worker.py"))
     fit = json.loads((tmp_path / "run.json").read_text())["micro_batch_fit"]
-    assert fit == {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "from_update": 3}
+    assert {k: fit[k] for k in ("merged", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                                "from_update", "confirmed")} == {"merged": 2, "train_micro_batch_size_per_gpu": 4,
+                                                                 "gradient_accumulation_steps": 2, "from_update": 3,
+                                                                 "confirmed": True}
     ref, got = metrics(ref_run), metrics(tmp_path)
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
     want, mine = load_full_state_dict(ref_run / "checkpoints"), load_full_state_dict(tmp_path / "checkpoints")

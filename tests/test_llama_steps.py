@@ -148,57 +148,80 @@ def test_step2_scoring_a_fraction_of_the_positions(decoder_runs, german, tmp_pat
         len({r["unigram_loss"] for r in records}) == 1
 
 
-def test_micro_batch_fit_trains_the_same_updates(decoder_runs, german, tmp_path, monkeypatch):
-    """micro_batch_fill on a device with room (its memory faked here: 10 GiB resident, a peak of
-    12 at 2 blocks, 16 GiB available, so 4 blocks fit under 0.9 and 8 do not): Step 2 asked for
-    as micro 2 x 4 runs its first two updates so, then micro 4 x 2 from update 3 on, the global
-    batch and the blocks the same. Every block of the decoder scores all its positions, so the
-    mean of the micro-batches' means is the update's mean either way: the losses and embeddings
-    equal those of the run as given (on this CPU, where nothing is fitted) to rounding."""
-    train = dataclasses.replace(_train(4), train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
-    given = _step2_with(decoder_runs, german, tmp_path / "given", train)
+# A device with room for 4 blocks and not 8 under the default fill 0.8: 10 GiB resident, a peak
+# of 12 for a micro-batch of 2 blocks (1 GiB a block), 18 GiB available (10 + 4 <= 14.4 < 10 + 8).
+ROOM = microbatch.Memory(allocated=lambda: 10 * microbatch.GIB, peak=lambda: 12 * microbatch.GIB,
+                         reset_peak=lambda: None, available=lambda: 18 * microbatch.GIB)
+ASKED = dict(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
 
-    room = microbatch.Memory(allocated=lambda: 10 * microbatch.GIB, peak=lambda: 12 * microbatch.GIB,
-                             reset_peak=lambda: None, available=lambda: 16 * microbatch.GIB)
-    monkeypatch.setattr(train_module, "device_memory", lambda device: room)
+
+def _fitted(monkeypatch, fail_at: int | None = None) -> list:
+    """Fake ROOM for every device and spy on each update: -> its micro-batches' sizes, DeepSpeed's
+    accumulation and global batch, one entry per update (appended as they run). fail_at: raise
+    at that update (1-based, counted across the test), as running out of memory would."""
+    monkeypatch.setattr(train_module, "device_memory", lambda device: ROOM)
     seen, lm_step = [], train_module.lm_step
 
     def spy(engine, batches, num_heads):
         seen.append(([len(b[0]) for b in batches], engine.gradient_accumulation_steps(), engine.train_batch_size()))
+        if len(seen) == fail_at:
+            raise RuntimeError("CUDA out of memory (the test's)")
         return lm_step(engine, batches, num_heads)
     monkeypatch.setattr(train_module, "lm_step", spy)
+    return seen
+
+
+def test_micro_batch_fit_trains_the_same_updates(decoder_runs, german, tmp_path, monkeypatch):
+    """micro_batch_fill on a device with room (ROOM, faked): Step 2 asked for as micro 2 x 4 runs
+    its first two updates so, then micro 4 x 2 from update 3 on, the global batch and the blocks
+    the same. Every block of the decoder scores all its positions, so the mean of the
+    micro-batches' means is the update's mean either way: the losses and embeddings equal those
+    of the run as asked (on this CPU, where nothing is fitted) to rounding. run.json holds the
+    re-split, its estimate (10 + 4 GiB) and the first merged update's peak, confirmed."""
+    train = dataclasses.replace(_train(4), **ASKED)
+    given = _step2_with(decoder_runs, german, tmp_path / "given", train)
+    seen = _fitted(monkeypatch)
     fitted = _step2_with(decoder_runs, german, tmp_path / "fitted", train)
 
     assert seen == [([2] * 4, 4, 8)] * 2 + [([4] * 2, 2, 8)] * 2
     assert read_run(tmp_path / "fitted")["micro_batch_fit"] == {
-        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "from_update": 3}
+        "asked": [2, 4], "merged": 2, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "from_update": 3, "estimate_bytes": 14 * microbatch.GIB, "tried": True, "confirmed": True,
+        "peak_bytes": 12 * microbatch.GIB}
     assert "micro_batch_fit" not in read_run(tmp_path / "given")
     assert fitted[0][:2] == given[0][:2]  # bit for bit before the re-split
     torch.testing.assert_close([l for _, l in fitted[0]], [l for _, l in given[0]], rtol=1e-6, atol=0)
     torch.testing.assert_close(fitted[1][0]["word_embeddings"], given[1][0]["word_embeddings"], rtol=1e-5, atol=1e-7)
 
 
-def test_micro_batch_fit_again_after_a_resume(decoder_runs, german, tmp_path, monkeypatch):
-    """Paused by --exit_interval after update 3, the first at the fitted split (its checkpoint
-    written as micro 4 x 2), and resumed: the resumed run measures its own first update at the
-    split asked for, and the four updates are those of the run as given to rounding."""
-    train = dataclasses.replace(_train(4), train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
-    given = _step2_with(decoder_runs, german, tmp_path / "given", train)
-    room = microbatch.Memory(allocated=lambda: 10 * microbatch.GIB, peak=lambda: 12 * microbatch.GIB,
-                             reset_peak=lambda: None, available=lambda: 16 * microbatch.GIB)
-    monkeypatch.setattr(train_module, "device_memory", lambda device: room)
-    seen, lm_step = [], train_module.lm_step
-
-    def spy(engine, batches, num_heads):
-        seen.append([len(b[0]) for b in batches])
-        return lm_step(engine, batches, num_heads)
-    monkeypatch.setattr(train_module, "lm_step", spy)
+def test_micro_batch_fit_resumes_exactly(decoder_runs, german, tmp_path, monkeypatch):
+    """Paused by --exit_interval after update 3, the first at the re-split (its checkpoint written
+    as micro 4 x 2), and resumed: the resumed run takes the recorded split from its first update
+    (no new measurement) and trains the uninterrupted run's updates bit for bit."""
+    train = dataclasses.replace(_train(4), **ASKED)
+    seen = _fitted(monkeypatch)
+    whole = _step2_with(decoder_runs, german, tmp_path / "whole", train)
     with pytest.raises(faults.Paused):
-        _step2_with(decoder_runs, german, tmp_path / "fitted", dataclasses.replace(train, exit_interval=3))
-    resumed = _step2_with(decoder_runs, german, tmp_path / "fitted", train, resume=True)
-    assert seen == [[2] * 4, [2] * 4, [4] * 2, [2] * 4]
-    torch.testing.assert_close([l for _, l in resumed[0]], [l for _, l in given[0]], rtol=1e-6, atol=0)
-    torch.testing.assert_close(resumed[1][0]["word_embeddings"], given[1][0]["word_embeddings"], rtol=1e-5, atol=1e-7)
+        _step2_with(decoder_runs, german, tmp_path / "paused", dataclasses.replace(train, exit_interval=3))
+    resumed = _step2_with(decoder_runs, german, tmp_path / "paused", train, resume=True)
+    assert [b for b, _, _ in seen] == [[2] * 4] * 2 + [[4] * 2] * 2 + [[2] * 4] * 2 + [[4] * 2] * 2
+    assert resumed[0] == whole[0] and torch.equal(resumed[1][0]["word_embeddings"], whole[1][0]["word_embeddings"])
+
+
+def test_micro_batch_fit_that_never_finished_is_dropped_on_resume(decoder_runs, german, tmp_path, monkeypatch):
+    """The first update at the re-split fails (as out of memory would) after the checkpoint of
+    update 2: the record says it was tried and never confirmed, and the resumed run trains the
+    split as asked from update 3 on, as the run as asked does, bit for bit."""
+    train = dataclasses.replace(_train(4), save_interval=2, **ASKED)
+    given = _step2_with(decoder_runs, german, tmp_path / "given", train)
+    seen = _fitted(monkeypatch, fail_at=3)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _step2_with(decoder_runs, german, tmp_path / "failed", train)
+    record = read_run(tmp_path / "failed")["micro_batch_fit"]
+    assert record["tried"] and not record["confirmed"]
+    resumed = _step2_with(decoder_runs, german, tmp_path / "failed", train, resume=True)
+    assert [b for b, _, _ in seen] == [[2] * 4] * 2 + [[4] * 2] + [[2] * 4] * 2
+    assert resumed[0] == given[0] and torch.equal(resumed[1][0]["word_embeddings"], given[1][0]["word_embeddings"])
 
 
 def _step2_with(decoder_runs, german, out, train, resume=False):
