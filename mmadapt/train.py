@@ -435,13 +435,14 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
         evaluate = functools.partial(lm_eval, engine, valid_batches, heads)
     fill = 0.0 if is_pipeline(engine) or engine.zero_cpu_offload() else train.micro_batch_fill
-    # A resumed run's re-split as an earlier invocation chose it (microbatch.py), read by rank 0
-    recorded = [checkpoint.read_json(started.record.path, "run file").get("micro_batch_fit")
-                if run.resume and parallel.is_rank0() else None]
-    dist.broadcast_object_list(recorded, src=0)
-    rank0 = parallel.is_rank0()
+    memory, rank0, recorded = device_memory(engine.device), parallel.is_rank0(), [None]
+    if run.resume and memory is not None and fill > 0:  # alike on every rank: all or none broadcast
+        # the re-split as an earlier invocation chose it (microbatch.py), read by rank 0
+        if rank0:
+            recorded = [checkpoint.read_json(started.record.path, "run file").get("micro_batch_fit")]
+        dist.broadcast_object_list(recorded, src=0)
     fit = MicroBatchFit(engine, train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps, fill,
-                        device_memory(engine.device), parallel.dp_world(), recorded[0],
+                        memory, parallel.dp_world(), recorded[0],
                         lambda record: started.record.finish(micro_batch_fit=record) if rank0 else None,
                         print if rank0 else lambda line: None)
     prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin, *rows) for ids, lab, *rows
