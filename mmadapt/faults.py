@@ -242,33 +242,41 @@ def _open_by(path: Path) -> list[int]:
 
 
 def clear_stale_extension_lock(path: Path | None = None, stale_after_s: float = 30.0, poll_s: float = 5.0,
-                               give_up_s: float | None = None) -> str | None:
+                               give_up_s: float | None = None, spin_s: float = 0.1) -> str | None:
     """torch's extension builder holds a lock file while it compiles and removes it when done; a
     process killed mid-build leaves it, and every later process would wait on it forever with no
     output. Before DeepSpeed loads its extension: a lock that no process on this host holds
     open, older than `stale_after_s` (a build on another host sharing this directory keeps it
-    younger: its compiler writes beside it), is removed with a message; otherwise say who we
-    wait for, every `poll_s`. Returns what was done (None: no lock)."""
+    younger: its compiler writes beside it), is removed with a message; otherwise it is waited
+    for. Every rank's load takes the lock for a moment, while ninja finds the build up to date,
+    so the file is polled every `spin_s` (torch's own FileBaton spin): a rank that finds a peer
+    checking goes on when the check ends, not a `poll_s` later, which a short rendezvous timeout
+    would not survive. The holders are looked up every `poll_s`, and from the second look on it
+    says who we wait for (every 30 s). Returns what was done (None: no lock)."""
     path = path or extension_lock_path()
-    waited, said = 0.0, False
+    start, next_look, next_say, seen = time.monotonic(), 0.0, poll_s, False
     while path.exists():
-        holders = _open_by(path)
-        try:
-            age = time.time() - max(p.stat().st_mtime for p in [path, *path.parent.iterdir()])
-        except FileNotFoundError:
-            continue
-        if not holders and age > stale_after_s:
-            path.unlink(missing_ok=True)
-            msg = (f"removed a stale lock {path}: no process holds it (a process killed while building "
-                   "DeepSpeed's extension left it)")
-            print(msg, file=sys.stderr, flush=True)
-            return msg
-        if not said or waited % 30 < poll_s:
-            who = f"process {', '.join(map(str, holders))}" if holders else "a process on another host, or none"
-            print(f"waiting for {path}: DeepSpeed's extension is being built by {who}", file=sys.stderr, flush=True)
-            said = True
+        seen = True
+        waited = time.monotonic() - start
+        if waited >= next_look:
+            holders = _open_by(path)
+            try:
+                age = time.time() - max(p.stat().st_mtime for p in [path, *path.parent.iterdir()])
+            except FileNotFoundError:
+                continue
+            if not holders and age > stale_after_s:
+                path.unlink(missing_ok=True)
+                msg = (f"removed a stale lock {path}: no process holds it (a process killed while building "
+                       "DeepSpeed's extension left it)")
+                print(msg, file=sys.stderr, flush=True)
+                return msg
+            if waited >= next_say:
+                who = f"process {', '.join(map(str, holders))}" if holders else "a process on another host, or none"
+                print(f"waiting for {path}: DeepSpeed's extension is being built by {who}", file=sys.stderr,
+                      flush=True)
+                next_say = waited + 30.0
+            next_look = waited + poll_s
         if give_up_s is not None and waited >= give_up_s:
             return "waiting"
-        time.sleep(poll_s)
-        waited += poll_s
-    return "released" if said else None
+        time.sleep(spin_s)
+    return "released" if seen else None

@@ -61,13 +61,33 @@ def test_stale_extension_lock_is_removed_and_a_live_one_is_waited_for(tmp_path, 
     try:
         assert holder.stdout.readline().strip() == "ok"
         os.utime(lock, (old, old))
-        assert faults.clear_stale_extension_lock(lock, stale_after_s=30, poll_s=0.1, give_up_s=0) == "waiting"
+        assert faults.clear_stale_extension_lock(lock, stale_after_s=30, poll_s=0.1, give_up_s=0.5) == "waiting"
         assert lock.exists()
         assert f"being built by process {holder.pid}" in capsys.readouterr().err
     finally:
         holder.kill()
         holder.wait()
     assert faults.clear_stale_extension_lock(tmp_path / "none" / "lock") is None
+
+
+def test_a_lock_held_for_a_moment_is_waited_for_only_that_moment(tmp_path, capsys):
+    """Every rank's load of DeepSpeed's extension takes the lock while ninja checks the build: a
+    rank that finds a peer checking goes on when the lock goes (torch's 0.1 s spin), not after a
+    5 s poll, which made a two-rank job with a 4 s rendezvous timeout fail in CI; and says nothing."""
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", f"import os, time; fd = os.open({str(lock)!r}, "
+                               "os.O_CREAT | os.O_EXCL); print('ok', flush=True); time.sleep(0.5); "
+                               f"os.unlink({str(lock)!r})"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        begin = time.monotonic()
+        assert faults.clear_stale_extension_lock(lock) == "released"  # poll_s 5 s, as init_distributed calls it
+        assert time.monotonic() - begin < 2.5
+        assert not lock.exists() and capsys.readouterr().err == ""
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_stop_request_from_a_signal_or_the_stop_file(tmp_path, capsys):
