@@ -83,7 +83,7 @@ def test_a_lock_held_for_a_moment_is_waited_for_only_that_moment(tmp_path, capsy
         assert holder.stdout.readline().strip() == "ok"
         begin = time.monotonic()
         assert faults.clear_stale_extension_lock(lock) == "released"  # poll_s 5 s, as init_distributed calls it
-        assert time.monotonic() - begin < 2.5
+        assert time.monotonic() - begin < 4  # a 5 s poll before
         assert not lock.exists() and capsys.readouterr().err == ""
     finally:
         holder.kill()
