@@ -595,8 +595,10 @@ def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT
     return path
 
 
-def wait_for(path: Path, what: str, poll_s: float = 2.0) -> None:
-    """Wait (no collective: no process group exists yet) until `path` exists, saying why."""
+def wait_for(path: Path, what: str, poll_s: float = 0.25) -> None:
+    """Wait (no collective: no process group exists yet) until `path` exists, saying why. The
+    ranks' rendezvous comes next, under the collective timeout (MMADAPT_DIST_TIMEOUT_S): a short
+    poll (a stat call) keeps this rank from arriving there up to a whole poll after rank 0."""
     if path.exists():
         return
     print(f"rank {os.environ.get('RANK', '?')}: waiting for rank 0 to prepare {what}", file=sys.stderr, flush=True)
