@@ -160,9 +160,14 @@ class RunRecord:
         if dist.is_initialized():
             dist.barrier()
 
+    def read(self) -> dict:
+        """The record as it stands in run.json."""
+        return checkpoint.read_json(self.path, "run file")
+
     def finish(self, **results) -> dict:
-        """Global rank 0: add what the run produced. Returns the whole record."""
-        record = {**checkpoint.read_json(self.path, "run file"), **results}
+        """Global rank 0: add what the run produced (also mid-run: the micro-batch fit's record).
+        Returns the whole record."""
+        record = {**self.read(), **results}
         checkpoint.atomic_write(self.path, json.dumps(record, indent=2))
         return record
 

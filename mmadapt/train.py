@@ -439,7 +439,7 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
     if run.resume and memory is not None and fill > 0:  # alike on every rank: all or none broadcast
         # the re-split as an earlier invocation chose it (microbatch.py), read by rank 0
         if rank0:
-            recorded = [checkpoint.read_json(started.record.path, "run file").get("micro_batch_fit")]
+            recorded = [started.record.read().get("micro_batch_fit")]
         dist.broadcast_object_list(recorded, src=0)
     fit = MicroBatchFit(engine, train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps, fill,
                         memory, parallel.dp_world(), recorded[0],
