@@ -20,13 +20,13 @@ fusion "compile" of the encoder family (models/roberta): torch.compile (TorchInd
     the whole model, layers and all, as one graph. Its layers are compiled as above.
 
 Choices, and why:
-  - Graph breaks are allowed (fullgraph=False). The model-parallel RNG fork around the attention
-    core (model.TransformerLayer.attention: it swaps the CPU/CUDA generator state) is one in every
-    layer: the attention core runs eagerly inside it, so its dropout draws from the per-rank
-    stream exactly as in eager mode (and SDPA is a fused kernel already). After it come two
-    graphs: the rest of `attention` (the output projection) and the rest of `forward` (dropout,
-    residual, LayerNorm, FFN: where the fusable elementwise work is). With tensor parallelism
-    every megatron-core linear is a graph break as well (its autograd function all-reduces
+  - Graph breaks are allowed (fullgraph=False). At tensor-parallel size 1 a layer is one graph:
+    its attention core draws dropout from the default generator there (layers.attention_rng).
+    With tensor parallelism the core runs eagerly inside the model-parallel RNG fork (it swaps
+    the CPU/CUDA generator state, which dynamo cannot trace), so each rank's heads draw from
+    their own stream exactly as in eager mode, between two graphs: the rest of `attention` (the
+    output projection) and the rest of `forward` (dropout, residual, LayerNorm, FFN). And every
+    megatron-core linear is a graph break as well (its autograd function all-reduces
     asynchronously in backward, which dynamo does not trace): the linears run eagerly, the
     elementwise work between them is still compiled. Pipeline stages keep their host-side
     bookkeeping (each micro-batch's padding and masked positions, the logged losses) out of the
@@ -43,8 +43,9 @@ Choices, and why:
     Padding m to a fixed size would waste head FLOPs; marking every dimension dynamic from the
     start would make the hidden size symbolic as well.
   - Dropout in compiled graphs draws its masks from Inductor's own generator (seeded from torch's,
-    so a run is deterministic for a given seed), not the eager masks: with dropout on, compiled and
-    eager runs are equally valid but not equal.
+    so a run is deterministic for a given seed), and the attention core's (at TP 1) from the
+    default generator, not the eager masks: with dropout on, compiled and eager runs are equally
+    valid but not equal.
   - megatron-core's fused bias-GELU (`bias_gelu_impl`) is not used: it is the tanh approximation of
     GELU, and RoBERTa's is the exact (erf) GELU, so it would change the model (by up to 4.7e-4
     per activation). Inductor fuses the exact GELU with the bias add instead.

@@ -104,6 +104,38 @@ def test_compile_marks_layers_and_heads_in_place():
         {TransformerLayer}
 
 
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_a_layer_at_tp1_compiles_whole_and_eager_attention_draws_from_the_forked_stream(family):
+    """layers.attention_rng: traced by dynamo (what `compile` compiles), a TP-1 layer with
+    attention dropout is one graph, no break (the model-parallel fork swaps generator states,
+    which dynamo cannot trace: it split each layer into three graphs around an eager attention
+    core). Eager, the attention core still draws its dropout masks from the model-parallel
+    stream: the default generator's state is left as it was, the forked stream's moves."""
+    from mmadapt.models.llama.model import LlamaLM, config_rotary_table
+    from mmadapt.parallel import MODEL_PARALLEL_RNG, seed_everything
+
+    seed_everything(0)
+    if family == "roberta":
+        cfg = dataclasses.replace(TWO_HEADS, attention_dropout=0.1, hidden_dropout=0.1)
+        layer = RobertaMLM(cfg, seed=1).layers[0]
+        x = torch.randn(2, 16, cfg.hidden_size, requires_grad=True)
+        extra = ()
+        attend = lambda: layer.attention(x, None)
+    else:
+        cfg = dataclasses.replace(PRESETS["llama-tiny"][0], num_layers=1, attention_dropout=0.1, hidden_dropout=0.1)
+        layer = LlamaLM(cfg, seed=1).layers[0]
+        x = torch.randn(2, 16, cfg.hidden_size, requires_grad=True)
+        extra = (config_rotary_table(cfg, 16, x),)
+        attend = lambda: layer.attention(x, *extra)
+    layer.train()
+    explained = torch._dynamo.explain(layer)(x, *extra)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    default, forked = torch.get_rng_state(), MODEL_PARALLEL_RNG.state_dict()["cpu"].clone()
+    attend()
+    assert torch.equal(torch.get_rng_state(), default)
+    assert not torch.equal(MODEL_PARALLEL_RNG.state_dict()["cpu"], forked)
+
+
 # --- compiled against eager, in process -------------------------------------------------------------
 
 def _padded(ids: torch.Tensor, labels: torch.Tensor, pad: int = 5):

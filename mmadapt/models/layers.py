@@ -27,7 +27,7 @@ from torch import nn
 
 from mmadapt.config import ModelConfig
 from mmadapt.mcore import ModelParallelConfig, tensor_parallel
-from mmadapt.parallel import seeded, tp_rank
+from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded, tp_rank
 from mmadapt.tokens import PAD_ID
 
 
@@ -77,6 +77,20 @@ def gpu_paths():
 def cpu_path(x: torch.Tensor) -> bool:
     """Whether `x`'s ops take a CPU-only path (outside gpu_paths())."""
     return x.device.type == "cpu" and _CPU_PATHS[0]
+
+
+def attention_rng(x: torch.Tensor, tp: int):
+    """The context an attention core's dropout draws in: the model-parallel stream
+    (parallel.MODEL_PARALLEL_RNG), because heads are partitioned across tensor-parallel ranks and
+    each rank's must draw its own masks. Its fork swaps the device generator's state, which dynamo
+    cannot trace: in a compiled layer it is a graph break, which splits the layer into three graphs
+    around an eager attention core (and on a GPU keeps CUDA graphs from spanning a layer). Inside a
+    compiled graph at TP 1 there are no other ranks' heads to keep apart, so the core draws from the
+    default generator, as the graph's other dropouts do (fusion.py); eager models fork as always,
+    so their draws, and every eager result, are unchanged."""
+    if tp == 1 and torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return MODEL_PARALLEL_RNG.fork(x.device)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:

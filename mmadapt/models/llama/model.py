@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import (Dropout, Linear, Padding, SplitVocabRows, WordEmbedding, column_linear,
-                                   cpu_path, derive_seed, dropout, gathered, head_logits, head_losses, masked_positions,
-                                   normal_init, row_linear, run_layers, to_tp_region, vocab_linear, vocab_rows)
-from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
+from mmadapt.models.layers import (Dropout, Linear, Padding, SplitVocabRows, WordEmbedding, attention_rng,
+                                   column_linear, cpu_path, derive_seed, dropout, gathered, head_logits, head_losses,
+                                   masked_positions, normal_init, row_linear, run_layers, to_tp_region, vocab_linear,
+                                   vocab_rows)
+from mmadapt.parallel import seeded
 from mmadapt.tokens import PAD_ID
 
 
@@ -163,7 +164,7 @@ class DecoderLayer(nn.Module):
         v = v.squeeze(3).transpose(1, 2)  # [b, gp, s, hd]
         p = self.attention_dropout if self.training else 0.0
         # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
-        with MODEL_PARALLEL_RNG.fork(x.device):
+        with attention_rng(x, self.tp):
             if self.attention_impl == "sdpa" and not (p and cpu_path(x)):
                 ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=r > 1)
             else:  # "math": explicit matmuls, which torch's FLOP counter sees; and dropout on a CPU,

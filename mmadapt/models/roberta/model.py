@@ -29,11 +29,11 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import (Dropout, Jagged, Padding, WordEmbedding, attention_mask, column_linear,
-                                   cpu_path, derive_seed, dropout, gathered, head_logits, head_losses, masked_positions,
-                                   normal_init, row_linear, run_layers, split_vocab, to_tp_region, varlen_attention,
-                                   vocab_linear)
-from mmadapt.parallel import MODEL_PARALLEL_RNG, seeded
+from mmadapt.models.layers import (Dropout, Jagged, Padding, WordEmbedding, attention_mask, attention_rng,
+                                   column_linear, cpu_path, derive_seed, dropout, gathered, head_logits, head_losses,
+                                   masked_positions, normal_init, row_linear, run_layers, split_vocab, to_tp_region,
+                                   varlen_attention, vocab_linear)
+from mmadapt.parallel import seeded
 from mmadapt.tokens import PAD_ID
 
 
@@ -94,7 +94,7 @@ class TransformerLayer(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each [b, np, s, hd]
         p = self.attention_dropout if self.training else 0.0
         # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
-        with MODEL_PARALLEL_RNG.fork(x.device):
+        with attention_rng(x, self.tp):
             if isinstance(mask, Jagged):
                 ctx = varlen_attention(q, k, v, mask, p)
             elif self.attention_impl in ("sdpa", "varlen") and not (p and cpu_path(x)):
