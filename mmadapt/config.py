@@ -214,7 +214,7 @@ def _owned(default, help: str, owners: tuple[tuple[str, ...], tuple[str, str]], 
 # ModelConfig.attention_impl's values (mmadapt/models/layers.py).
 ATTENTION_IMPLS = ("sdpa", "varlen", "math")
 # ModelConfig.fusion's values (mmadapt/fusion.py applies them).
-FUSIONS = ("auto", "none", "compile")
+FUSIONS = ("auto", "none", "compile", "cudagraphs")
 # ModelConfig.output_bias_init's values (steps.pretrain applies them).
 OUTPUT_BIAS_INITS = ("zeros", "unigram")
 # Step 2's start of the new vocabulary's rows (adapt.init_rows): the paper's overlap copy, FVT's
@@ -269,7 +269,9 @@ class ModelConfig(Checked):
     fusion: str = _f(
         "auto", "'auto' ('compile' where the model trains on a CUDA device, 'none' elsewhere), 'none' (eager: the "
         "reference in tests) or 'compile' (torch.compile of each transformer layer and of the MLM heads, in place: "
-        "parameter names and checkpoints unchanged; its first update compiles, tens of seconds)", choices=FUSIONS)
+        "parameter names and checkpoints unchanged; its first update compiles, tens of seconds) or 'cudagraphs' ("
+        "'compile', and each frozen layer, as Step 2's, replayed as CUDA graphs: a CUDA device, tensor and pipeline "
+        "parallel size 1)", choices=FUSIONS)
     num_query_groups: Optional[int] = _owned(None, "decoder: key/value head groups of grouped-query attention, "
                                              "dividing num_attention_heads and tensor_model_parallel_size (default: "
                                              "one per attention head, i.e. multi-head attention)", DECODER, ge=1)
@@ -347,6 +349,9 @@ class ModelConfig(Checked):
         if pp > self.num_layers:
             raise ValueError(f"pipeline_model_parallel_size {pp} exceeds num_layers {self.num_layers}: "
                              "a stage must own at least one layer")
+        if self.fusion == "cudagraphs" and (tp > 1 or pp > 1):
+            raise ValueError(f"--fusion cudagraphs captures whole layers, at tensor and pipeline parallel size 1 "
+                             f"(here {tp} and {pp}): use --fusion compile")
         return self
 
     def _validate_tensor_parallel(self) -> None:

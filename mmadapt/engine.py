@@ -337,6 +337,15 @@ def with_placeholders(loss: torch.Tensor, module: torch.nn.Module) -> torch.Tens
     return loss + 0.0 * sum(p.sum() for p in extra) if extra else loss
 
 
+def set_trainable(module: torch.nn.Module, names: dict[str, str | None], trainable: Callable[[str], bool]) -> None:
+    """Each parameter of `module` (names: its names -> the family's) requires a gradient where
+    `trainable` says. build_engine sets it; a step sets it before fusion too, which replays only
+    frozen layers as CUDA graphs (fusion.apply_fusion)."""
+    for n, p in module.named_parameters():
+        # numel: a rank whose slice of an expanded vocabulary holds no new rows has nothing to train
+        p.requires_grad_(trainable(names[n]) and p.numel() > 0)
+
+
 def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainable: Callable[[str], bool],
                  loop: LoopConfig, lr: float, total: int, ds_config: dict, init_state: dict | None = None):
     """-> (engine, tp_partition_dims of every rank's parameters, in full names).
@@ -351,9 +360,7 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
     is_pipe = isinstance(module, PipelineModule)
     if init_state is not None:
         load_full_weights(module, names, init_state, trainable)
-    for n, p in module.named_parameters():
-        # numel: a rank whose slice of an expanded vocabulary holds no new rows has nothing to train
-        p.requires_grad_(trainable(names[n]) and p.numel() > 0)
+    set_trainable(module, names, trainable)
     dims = {names[n]: p.partition_dim for n, p in module.named_parameters()
             if getattr(p, "tensor_model_parallel", False) and names[n] is not None}
     # Rank 0 writes the client state but holds only its own stage: merge every stage's dims.

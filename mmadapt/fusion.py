@@ -19,6 +19,15 @@ fusion "compile" of the encoder family (models/roberta): torch.compile (TorchInd
     inline in RobertaForTask.logits, not a module of its own; compiling it would mean compiling
     the whole model, layers and all, as one graph. Its layers are compiled as above.
 
+fusion "cudagraphs": as "compile", and each frozen instance of the family's `graphed_kinds` (its
+  layers: Step 2's whole body, Step 1b's copied layers) replayed as CUDA graphs (GRAPHED: the
+  cudagraph trees of torch.compile's mode 'reduce-overhead'): a layer's forward and backward are
+  one graph launch each, not one launch per kernel. Trained layers are compiled without graphs:
+  their weight gradients would be outputs in the graphs' memory, which the next replay
+  overwrites (torch refuses to accumulate into them). A CUDA device, tensor and pipeline parallel
+  size 1 (ModelConfig.validate: megatron-core's linears would cut a TP layer into many graphs;
+  DeepSpeed's pipeline reruns a stage's backward).
+
 Choices, and why:
   - Graph breaks are allowed (fullgraph=False). At tensor-parallel size 1 a layer is one graph:
     its attention core draws dropout from the default generator there (layers.attention_rng).
@@ -66,6 +75,12 @@ from mmadapt.config import ModelConfig
 # static then dynamic shapes. A process can meet more than torch's default of 8, and past the
 # limit dynamo silently runs the function eagerly.
 RECOMPILE_LIMIT = 64
+# fusion "cudagraphs": Inductor's options for a graphed module. CUDA graphs as torch.compile's mode
+# 'reduce-overhead' sets them (cudagraph trees), and none for a graph whose shapes vary (a layer's
+# rows in evaluation; padded task batches after the first, once the sequence length is dynamic):
+# it would record one CUDA graph, holding memory of its own, per size met, so it runs compiled
+# without one. A layer in training meets one shape and is recorded once.
+GRAPHED = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
 
 
 def _check_cpp_compiler() -> None:
@@ -91,15 +106,28 @@ def resolved(fusion: str) -> str:
     return "compile" if parallel.device().type == "cuda" else "none"
 
 
-def apply_fusion(model: nn.Module, config: ModelConfig, kinds: tuple[type, ...]) -> nn.Module:
+def check_device(config: ModelConfig) -> None:
+    """Refuse fusion 'cudagraphs' where this process trains off CUDA, in one line (run.start_run
+    calls it before a run writes anything)."""
+    if config.fusion == "cudagraphs" and parallel.device().type != "cuda":
+        raise ValueError(f"--fusion cudagraphs needs a CUDA device (this process trains on "
+                         f"{parallel.device().type}): use --fusion compile")
+
+
+def apply_fusion(model: nn.Module, config: ModelConfig, kinds: tuple[type, ...],
+                 graphed: tuple[type, ...] = ()) -> nn.Module:
     """Apply `config.fusion` to `model` in place (a family's LM, task model or pipeline stage)
-    and return it: each instance of `kinds` (the family's `compiled_kinds`) is compiled. Call it before the
-    model is wrapped by DeepSpeed: the engine then calls the compiled modules like any others."""
+    and return it: each instance of `kinds` (the family's `compiled_kinds`) is compiled, and with
+    fusion 'cudagraphs' each frozen one of `graphed` (its `graphed_kinds`; no parameter requires a
+    gradient, so set them first: engine.set_trainable) replayed as CUDA graphs (GRAPHED). Call it
+    before the model is wrapped by DeepSpeed: the engine then calls the compiled modules like any
+    others."""
     fusion = resolved(config.fusion)
     if fusion == "none":
         return model
-    if fusion != "compile":
+    if fusion not in ("compile", "cudagraphs"):
         raise ValueError(f"unknown fusion {config.fusion!r}")
+    check_device(config)
     if not torch.cuda.is_available():
         _check_cpp_compiler()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
@@ -111,7 +139,9 @@ def apply_fusion(model: nn.Module, config: ModelConfig, kinds: tuple[type, ...])
         torch._functorch.config.donated_buffer = False
     for module in model.modules():
         if isinstance(module, kinds):
-            module.compile()
+            replayed = fusion == "cudagraphs" and isinstance(module, graphed) and not any(
+                p.requires_grad for p in module.parameters())
+            module.compile(options=GRAPHED if replayed else None)
     return model
 
 

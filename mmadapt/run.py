@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 import torch.distributed as dist
 
-from mmadapt import checkpoint, parallel
+from mmadapt import checkpoint, fusion, parallel
 from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, SAME_ON_RESUME, FinetuneConfig, Layout, LoopConfig,
                             MiniModelConfig, ModelConfig, TrainConfig, check_declared, to_dict)
 from mmadapt.corpora import resolve_corpus
@@ -192,6 +192,7 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     come from). Global rank 0 holds the run lock until the step returns."""
     family = get_family(model)
     family.validate(model)
+    fusion.check_device(model)
     loop.validate(model)
     family.check_loop(loop)
     ds = load_ds_config(run.ds_config, loop)

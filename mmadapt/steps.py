@@ -47,7 +47,7 @@ from mmadapt.data import MANIFEST, TEXT, EpochOrder, read_manifest, wait_for
 from mmadapt.data import prepare as prepare_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.devices import device_of
-from mmadapt.engine import LoopJob, build_engine, train_loop, trainable_by_names
+from mmadapt.engine import LoopJob, build_engine, set_trainable, train_loop, trainable_by_names
 from mmadapt.evaluate import eval_set, evaluate_artifacts, load_finetuned, score_set
 from mmadapt.expand import expand
 from mmadapt.family import ModelFamily
@@ -382,11 +382,12 @@ def _finetune_engine(started: Started, model_cfg: ModelConfig, cfg: FinetuneConf
     DeepSpeed's engine, and the loop's job. -> (engine, LoopJob)."""
     family, plan = started.family, started.data
     parallel.seed_everything(cfg.seed)
-    module = apply_fusion(family.build_task_model(model_cfg, task.kind, len(plan.labels), cfg.seed), model_cfg,
-                          family.compiled_kinds)
+    module = family.build_task_model(model_cfg, task.kind, len(plan.labels), cfg.seed)
     names = {n: n for n, _ in module.named_parameters()}
-    engine, dims = build_engine(module, names, trainable_by_names(family.finetune_trainable(model_cfg)), cfg, lr,
-                                plan.updates, started.ds_config, state)
+    trainable = trainable_by_names(family.finetune_trainable(model_cfg))
+    set_trainable(module, names, trainable)  # before fusion: it replays frozen layers alone as CUDA graphs
+    apply_fusion(module, model_cfg, family.compiled_kinds, family.graphed_kinds)
+    engine, dims = build_engine(module, names, trainable, cfg, lr, plan.updates, started.ds_config, state)
     global_batch = cfg.global_batch(parallel.dp_world())
     job = LoopJob(label=f"finetune {task.name}", names=names, client_state=client_state(family, model_cfg, dims),
                   exclude_frozen=True, perf=lambda seconds: {"examples_per_s": global_batch / seconds})

@@ -32,8 +32,8 @@ from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VAL
                           ReplayBatches,
                           block_index, block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
                           load_checked_tokenizer, micro_batch_range, prepare, read_manifest, replay_blocks, wait_for)
-from mmadapt.engine import (LoopJob, build_engine, is_pipeline, mean_over_ranks, train_loop, trainable_by_names,
-                            with_placeholders)
+from mmadapt.engine import (LoopJob, build_engine, is_pipeline, mean_over_ranks, set_trainable, train_loop,
+                            trainable_by_names, with_placeholders)
 from mmadapt.features import Encoded
 from mmadapt.family import ModelFamily
 from mmadapt.fusion import apply_fusion
@@ -228,9 +228,10 @@ def lm_engine(family: ModelFamily, model_cfg: ModelConfig, train: TrainConfig, d
               init_state: dict | None = None):
     """-> (engine, names, tp_partition_dims). parallel.init_parallel must have run."""
     module, names = build_lm(family, model_cfg, train.seed)
-    apply_fusion(module, model_cfg, family.compiled_kinds)
-    engine, dims = build_engine(module, names, trainable_by_names(job.trainable), train, train.lr,
-                                train.train_iters, ds_config, init_state)
+    trainable = trainable_by_names(job.trainable)
+    set_trainable(module, names, trainable)  # before fusion: it replays frozen layers alone as CUDA graphs
+    apply_fusion(module, model_cfg, family.compiled_kinds, family.graphed_kinds)
+    engine, dims = build_engine(module, names, trainable, train, train.lr, train.train_iters, ds_config, init_state)
     return engine, names, dims
 
 

@@ -297,6 +297,12 @@ CASES = [
      "is not a SentencePiece model"),
     ("tokenizer-is-a-directory", lambda c: c.pretrain(tokenizer=c.dir("tokdir")), "is a directory"),
     ("tokenizer-wrong-size", lambda c: c.pretrain("--vocab_size", "2000"), f"has {VOCAB} pieces"),
+    # --- pretrain: fusion
+    ("cudagraphs-off-cuda", lambda c: c.pretrain("--fusion", "cudagraphs"),
+     "--fusion cudagraphs needs a CUDA device (this process trains on cpu): use --fusion compile"),
+    ("cudagraphs-with-tensor-parallelism", lambda c: c.pretrain("--fusion", "cudagraphs",
+                                                                "--tensor_model_parallel_size", "2"),
+     "--fusion cudagraphs captures whole layers, at tensor and pipeline parallel size 1 (here 2 and 1)"),
     ("data-path-and-corpus", lambda c: c.pretrain("--data_path", c.dir("prepared")), "pass one of --data_path"),
     ("data-path-not-prepared", lambda c: ["pretrain", "--data_path", c.dir("prepared"), "--output_dir", str(c.out)],
      "prepared"),

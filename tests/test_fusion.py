@@ -41,8 +41,14 @@ def _compiled(cfg: ModelConfig) -> ModelConfig:
 def test_fusion_is_validated_in_one_line():
     assert TWO_HEADS.fusion == "auto"  # compiled on a CUDA device, eager elsewhere (fusion.resolved)
     _compiled(TWO_HEADS).validate()
-    with pytest.raises(ValueError, match=r"^--fusion must be one of auto, none, compile, got 'inductor'$"):
+    with pytest.raises(ValueError, match=r"^--fusion must be one of auto, none, compile, cudagraphs, got 'inductor'$"):
         dataclasses.replace(TWO_HEADS, fusion="inductor").validate()
+    graphed = dataclasses.replace(TWO_HEADS, fusion="cudagraphs")
+    graphed.validate()
+    for layout in ({"tensor_model_parallel_size": 2}, {"pipeline_model_parallel_size": 2}):
+        with pytest.raises(ValueError, match=r"^--fusion cudagraphs captures whole layers, at tensor and pipeline "
+                                             r"parallel size 1 \(here [12] and [12]\): use --fusion compile$"):
+            dataclasses.replace(graphed, **layout).validate()
 
 
 def test_auto_compiles_on_a_cuda_device_only(monkeypatch):
@@ -54,6 +60,36 @@ def test_auto_compiles_on_a_cuda_device_only(monkeypatch):
     monkeypatch.setattr(fusion.parallel, "device", lambda: torch.device("cuda", 0))
     assert [fusion.resolved(f) for f in ("auto", "none", "compile")] == ["compile", "none", "compile"]
     assert is_fused(apply_fusion(RobertaMLM(TWO_HEADS, seed=1), TWO_HEADS, ROBERTA.compiled_kinds))
+
+
+def test_cudagraphs_graphs_frozen_layers_alone_on_a_cuda_device_only(monkeypatch):
+    """fusion 'cudagraphs': refused in one line off CUDA; on a CUDA device every module of the
+    family's compiled_kinds is compiled as with 'compile', and the frozen layers (graphed_kinds,
+    no parameter requiring a gradient: Step 2's body, Step 1b's copied layers) with CUDA graphs
+    that skip varying shapes; a trained layer and the heads without (tests/test_gpu.py runs it)."""
+    import mmadapt.fusion as fusion
+
+    cfg = dataclasses.replace(TWO_HEADS, fusion="cudagraphs")
+    with pytest.raises(ValueError, match=r"^--fusion cudagraphs needs a CUDA device \(this process trains on cpu\): "
+                                         r"use --fusion compile$"):
+        apply_fusion(RobertaMLM(cfg, seed=1), cfg, ROBERTA.compiled_kinds, ROBERTA.graphed_kinds)
+    seen = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append((type(self), kw)))
+    monkeypatch.setattr(fusion.parallel, "device", lambda: torch.device("cuda", 0))
+
+    def fused(fusion: str, frozen_layers: int) -> list:
+        seen.clear()
+        model = RobertaMLM(cfg, seed=1)
+        _freeze(model, lambda name: not any(name.startswith(f"layers.{i}.") for i in range(frozen_layers)))
+        apply_fusion(model, dataclasses.replace(cfg, fusion=fusion), ROBERTA.compiled_kinds, ROBERTA.graphed_kinds)
+        return seen
+
+    graphed, plain = {"options": fusion.GRAPHED}, {"options": None}
+    assert fused("cudagraphs", 2) == [(TransformerLayer, graphed)] * 2 + [(MLMHeads, plain)]
+    assert fused("cudagraphs", 1) == [(TransformerLayer, graphed), (TransformerLayer, plain), (MLMHeads, plain)]
+    assert fused("cudagraphs", 0) == fused("compile", 2) == [(TransformerLayer, plain)] * 2 + [(MLMHeads, plain)]
+    assert fusion.GRAPHED == {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
+    assert torch._inductor.list_mode_options("reduce-overhead").items() <= fusion.GRAPHED.items()
 
 
 def test_fusion_is_a_flag_of_every_training_command():

@@ -31,6 +31,7 @@ class LlamaFamily(ModelFamily):
     # Llama-2/Mistral (SentencePiece BPE with byte fallback) and Llama-3/Qwen2 (byte-level BPE).
     tokenizer_kinds = ("sentencepiece", "unigram", "bpe")
     compiled_kinds = (DecoderLayer, LMHeads)
+    graphed_kinds = (DecoderLayer,)
     pipeline_ties = {"word": "word_embeddings."}  # the tied word embedding (pipeline.py)
     hf = hf.MAPPING
 

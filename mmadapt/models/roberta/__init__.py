@@ -25,6 +25,7 @@ class RobertaFamily(ModelFamily):
     # Each TransformerLayer and MLMHeads compiled in place (fusion.py; pipeline stage classes are
     # subclasses of these). Not each MLMHead: MLMHeads' graph holds them.
     compiled_kinds = (TransformerLayer, MLMHeads)
+    graphed_kinds = (TransformerLayer,)
     pipeline_ties = {"word": "word_embeddings."}  # the tied word embedding (pipeline.py)
     hf = hf.MAPPING
 
