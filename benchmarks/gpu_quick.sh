@@ -2,8 +2,9 @@
 # The GPU suite's most telling steps in one bounded call, for a machine held for minutes: each
 # step under its own time limit, the most important first, so that a cut-off run still leaves the
 # first results: throughput eager (as a run of one replica trains, then under the JSON's ZeRO as
-# given, the path every GPU figure before 2026-11-29 took) and compiled (every step and system,
-# roberta-base), the decoder against transformers, one update profiled per Step-1/Step-2 system,
+# given, the path every GPU figure before 2026-11-29 took), compiled and with each layer's CUDA
+# graphs (--fusion cudagraphs; every step and system, roberta-base), Step 2's update profiled with
+# CUDA graphs, the decoder against transformers, one update profiled per Step-1/Step-2 system,
 # the host cost against d974fb8, eager and compiled (when its tree is in ./.devcache/d974fb8: git
 # archive d974fb8 mmadapt ds_configs), the micro-batch fit against the split as asked, a larger
 # micro-batch, then the rest. The whole suite is benchmarks/gpu_suite.sh.
@@ -40,15 +41,22 @@ step() {  # step NAME SECONDS CMD...: run CMD under a time limit, keep going on 
 }
 
 CASES=(--only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt minipost:adapt)
+# --fusion cudagraphs needs CUDA: at CPU scale the same command lines run compiled.
 if [ -n "${SMOKE:-}" ]; then
     QUICK=(--repeats 1 --warmup 1); PROF=(--repeats 1 --warmup 1); HOST=(--cases bl_base-adapt --repeats 2)
+    GRAPHS=(--fusion compile)
 else
     QUICK=(--repeats 5 --warmup 2); PROF=(--repeats 5 --warmup 2); HOST=()
+    GRAPHS=(--fusion cudagraphs)
 fi
 step throughput-eager  90 python3 benchmarks/throughput.py --real --dropout "${QUICK[@]}"
 step throughput-zero-as-given 90 python3 benchmarks/throughput.py --real --dropout --zero_as_given \
                           --only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt "${QUICK[@]}"
 step throughput-compile 150 python3 benchmarks/throughput.py --real --dropout --fusion compile "${CASES[@]}" "${QUICK[@]}"
+step throughput-cudagraphs 150 python3 benchmarks/throughput.py --real --dropout "${GRAPHS[@]}" "${CASES[@]}" \
+                          "${QUICK[@]}"
+step profile-cudagraphs-bl_base:adapt 60 python3 benchmarks/profile_update.py --real --dropout "${GRAPHS[@]}" \
+                          --only bl_base:adapt "${PROF[@]}"
 step vs-hf-decoder     90 python3 benchmarks/vs_hf_decoder.py "${QUICK[@]}"
 for c in bl_base:pretrain bl_base:adapt minijoint:adapt; do
     step "profile-$c"  45 python3 benchmarks/profile_update.py --real --dropout --only "$c" "${PROF[@]}"
@@ -71,7 +79,8 @@ step vs-hf-decoder-compile 120 python3 benchmarks/vs_hf_decoder.py --fusion comp
 step profile-compile   60 python3 benchmarks/profile_update.py --real --dropout --fusion compile \
                           --only bl_base:pretrain "${PROF[@]}"
 step profile-minipost  45 python3 benchmarks/profile_update.py --real --dropout --only minipost:adapt "${PROF[@]}"
-[ -z "${SMOKE:-}" ] && step gpu-tests 60 python3 -m pytest -q -p no:cacheprovider -m gpu -k "bf16 or micro_batch" tests/test_gpu.py
+GPU_TESTS=(-m gpu -k "bf16 or micro_batch or cudagraphs" tests/test_gpu.py)
+[ -z "${SMOKE:-}" ] && step gpu-tests 90 python3 -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}"
 echo
 [ ${#failed[@]} -gt 0 ] && { echo "failed: ${failed[*]}"; exit 1; }
 echo "all written to $MMADAPT_BENCH_RESULTS/"

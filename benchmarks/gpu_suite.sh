@@ -13,7 +13,8 @@
 #      as a run of one replica applies it (engine.for_replicas: DeepSpeed's BF16_Optimizer, no ZeRO):
 #      time per update, tokens/s, achieved TFLOP/s (exact FLOP count) against the measured matmul
 #      peak and the vendor's bf16 peak; eager with a padding mask (all seven cases), eager with
-#      --attention_impl varlen, then varlen with --fusion compile (the five cases above).
+#      --attention_impl varlen, then varlen with --fusion compile (the five cases above), and
+#      --fusion cudagraphs (each layer replayed as CUDA graphs; padding-mask attention).
 #   2. One transformer layer, forward + backward, eager against torch.compile, padded and not.
 #   3. Step-4 evaluation: wall time per (artifact, seed) on a 5,010-example set, and the time
 #      spent outside the forward passes.
@@ -31,6 +32,7 @@ if [ -n "${SMOKE:-}" ]; then
     echo "SMOKE: results go to $MMADAPT_BENCH_RESULTS"
     QUICK=(--repeats 2 --warmup 1)
     EVAL_ARGS=(--examples 200)
+    GRAPHS=compile  # --fusion cudagraphs needs CUDA: at CPU scale the same command line runs compiled
 else
     if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "error: no CUDA device visible to torch: run on a GPU machine (or SMOKE=1 for a CPU check)" >&2
@@ -39,6 +41,7 @@ else
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv || true
     QUICK=()
     EVAL_ARGS=(--examples 5010 --shape roberta-base)
+    GRAPHS=cudagraphs
 fi
 python -c "import torch, deepspeed, megatron.core; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 
@@ -54,6 +57,8 @@ run throughput-eager   python benchmarks/throughput.py --real --dropout "${QUICK
 run throughput-varlen  python benchmarks/throughput.py --real --dropout --attention_impl varlen "${CASES[@]}" "${QUICK[@]}"
 run throughput-compile python benchmarks/throughput.py --real --dropout --attention_impl varlen --fusion compile \
                            "${CASES[@]}" "${QUICK[@]}"
+run throughput-cudagraphs python benchmarks/throughput.py --real --dropout --fusion "$GRAPHS" "${CASES[@]}" \
+                           "${QUICK[@]}"
 run layer              python benchmarks/layer_speed.py --dropout "${QUICK[@]}"
 run micro-batch-fill   python benchmarks/micro_batch_fill.py --real --dropout "${QUICK[@]}"
 run eval               python benchmarks/eval_overhead.py "${EVAL_ARGS[@]}"

@@ -79,7 +79,7 @@ def main(argv=None) -> None:
     ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / ("zero2_bf16.json" if gpu else "zero1.json")))
     add_zero_arg(ap)
     ap.add_argument("--attention_impl", default="sdpa", choices=("sdpa", "varlen", "math"))
-    ap.add_argument("--fusion", default="none", choices=("none", "compile"))
+    ap.add_argument("--fusion", default="none", choices=("none", "compile", "cudagraphs"))
     ap.add_argument("--only", default="bl_base:pretrain", metavar="SYSTEM:STEP", help="the case to profile")
     ap.add_argument("--top", type=int, default=15, help="kernels listed")
     args = ap.parse_args(argv)

@@ -69,7 +69,8 @@ def main(argv=None) -> None:
     add_zero_arg(ap)
     ap.add_argument("--attention_impl", default="sdpa", choices=("sdpa", "varlen", "math"),
                     help="ModelConfig.attention_impl of every model")
-    ap.add_argument("--fusion", default="none", choices=("none", "compile"), help="ModelConfig.fusion of every model")
+    ap.add_argument("--fusion", default="none", choices=("none", "compile", "cudagraphs"),
+                    help="ModelConfig.fusion of every model")
     ap.add_argument("--only", nargs="+", metavar="SYSTEM:STEP", help="run only these cases (e.g. bl_base:pretrain "
                     "minijoint:adapt); default: all seven")
     ap.add_argument("--vendor", choices=sorted(DEVICE_TFLOPS), default="h100", help="GPU vendor peak to compare with")

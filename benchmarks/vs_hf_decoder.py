@@ -162,7 +162,8 @@ def main(argv=None) -> None:
     add_zero_arg(ap)
     ap.add_argument("--repeats", type=int, default=10, help="timed updates (the median is reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed updates first")
-    ap.add_argument("--fusion", default="none", help="mmadapt's ModelConfig.fusion: none (eager) or compile")
+    ap.add_argument("--fusion", default="none", choices=("none", "compile", "cudagraphs"),
+                    help="mmadapt's ModelConfig.fusion")
     ap.add_argument("--score_fraction", type=float, default=TrainConfig.score_fraction,
                     help="mmadapt's TrainConfig.score_fraction p (default: its default); transformers scores every "
                     "position")

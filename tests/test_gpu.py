@@ -30,6 +30,8 @@ SUITE = {
                           *SMOKE],
     "throughput-compile": ["benchmarks/throughput.py", "--real", "--dropout", "--attention_impl", "varlen",
                            "--fusion", "compile", *CASES, *SMOKE],
+    "throughput-cudagraphs": ["benchmarks/throughput.py", "--real", "--dropout", "--fusion", "cudagraphs", *CASES,
+                              *SMOKE],
     "layer": ["benchmarks/layer_speed.py", "--dropout", *SMOKE],
     "micro-batch-fill": ["benchmarks/micro_batch_fill.py", "--real", "--dropout", "--accumulation", "2", *SMOKE],
     "eval": ["benchmarks/eval_overhead.py", "--examples", "200"],
@@ -138,6 +140,63 @@ def test_micro_batch_fill_reads_cuda_memory_and_merges():
     last = records[-1]
     assert (last["merged"], last["tried"], last["confirmed"]) == (4, True, True)
     assert 0 < last["peak_bytes"] <= last["estimate_bytes"], last
+
+
+# The CUDA runtime calls that launch work (benchmarks/profile_update.py's count).
+LAUNCH = re.compile(r"^cu(da)?LaunchKernel|^cuLaunchKernelEx|^cudaLaunchKernelExC|^cudaGraphLaunch")
+
+
+def _step2_updates(preset: str, fusion: str, updates: int, device: str):
+    """A one-head, four-layer model of `preset` trained as Step 2 trains it (word embeddings and
+    output bias; one replica under zero1.json, fp32, dropout off) with `fusion`, `updates` times
+    on fixed batches. -> (engine, losses, one more update as a function, its family)."""
+    from conftest import REPO as repo
+    from mmadapt.engine import for_replicas, load_ds_config
+    from mmadapt.models import PRESETS, get_family
+    from mmadapt.parallel import init_parallel
+    from mmadapt.train import LMJob, host_batch, lm_engine, lm_step
+
+    model, train = PRESETS[preset]
+    family = get_family(model)
+    model = dataclasses.replace(family.one_head(model, 4), hidden_dropout=0.0, attention_dropout=0.0, fusion=fusion)
+    train = dataclasses.replace(train, train_micro_batch_size_per_gpu=4, seq_length=32)
+    ds = for_replicas(load_ds_config(repo / "ds_configs" / "zero1.json", train), 1)
+    init_parallel(1, 1)
+    engine, _, _ = lm_engine(family, model, train, ds, LMJob(step="adapt", trainable=family.vocab_params(model)))
+    assert engine.device.type == device
+    batches = []
+    for seed in range(3):
+        ids, masked = masked_batch(model.vocab_size, b=4, s=32, seed=seed)
+        batches.append(host_batch(ids, _labels(family, ids, masked), pin=device == "cuda"))
+    k = iter(range(10**6))
+    update = lambda: lm_step(engine, [batches[next(k) % len(batches)]], 1)
+    return engine, torch.stack([update() for _ in range(updates)]).cpu(), update, family
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_cudagraphs_replays_every_layer_and_trains_as_compile(preset):
+    """--fusion cudagraphs against --fusion compile on Step 2's update (the one it is for): the
+    same losses and trained embeddings to rounding over six updates (the same Inductor kernels,
+    replayed), and in a profiled update after those, at least one CUDA graph launch per layer and
+    direction (forward, backward) and fewer launches in all than compile's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runs = {}
+    for fusion in ("compile", "cudagraphs"):
+        engine, losses, update, family = _step2_updates(preset, fusion, 6, "cuda")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            update()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        runs[fusion] = (losses, engine.module.state_dict()[family.word].float().cpu(),
+                        sum(n == "cudaGraphLaunch" for n in names), sum(bool(LAUNCH.match(n)) for n in names))
+    (loss_c, word_c, graphs_c, launches_c), (loss_g, word_g, graphs_g, launches_g) = runs.values()
+    torch.testing.assert_close(loss_g, loss_c, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(word_g, word_c, rtol=1e-5, atol=1e-6)
+    assert graphs_c == 0 and graphs_g >= 2 * 4, (graphs_c, graphs_g)
+    assert launches_g < launches_c, (launches_g, launches_c)
 
 
 @pytest.mark.gpu
