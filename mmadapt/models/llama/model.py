@@ -163,7 +163,8 @@ class DecoderLayer(nn.Module):
         k = rotate(k.squeeze(3).transpose(1, 2), rope)  # [b, gp, s, hd]
         v = v.squeeze(3).transpose(1, 2)  # [b, gp, s, hd]
         p = self.attention_dropout if self.training else 0.0
-        # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
+        # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream
+        # (but inside a compiled graph at TP 1: layers.attention_rng).
         with attention_rng(x, self.tp):
             if self.attention_impl == "sdpa" and not (p and cpu_path(x)):
                 ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=r > 1)

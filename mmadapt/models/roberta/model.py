@@ -93,7 +93,8 @@ class TransformerLayer(nn.Module):
         qkv = qkv.view(b, s, self.num_heads_per_partition, 3, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(3))  # each [b, np, s, hd]
         p = self.attention_dropout if self.training else 0.0
-        # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream.
+        # Heads are partitioned across TP ranks, so their dropout masks come from the per-rank stream
+        # (but inside a compiled graph at TP 1: layers.attention_rng).
         with attention_rng(x, self.tp):
             if isinstance(mask, Jagged):
                 ctx = varlen_attention(q, k, v, mask, p)
