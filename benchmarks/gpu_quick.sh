@@ -2,12 +2,12 @@
 # The GPU suite's most telling steps in one bounded call, for a machine held for minutes: each
 # step under its own time limit, the most important first, so that a cut-off run still leaves the
 # first results: throughput eager (as a run of one replica trains, then under the JSON's ZeRO as
-# given, the path every GPU figure before 2026-11-29 took), compiled and with each layer's CUDA
-# graphs (--fusion cudagraphs; every step and system, roberta-base), Step 2's update profiled with
-# CUDA graphs, the decoder against transformers, one update profiled per Step-1/Step-2 system,
-# the host cost against d974fb8, eager and compiled (when its tree is in ./.devcache/d974fb8: git
-# archive d974fb8 mmadapt ds_configs), the micro-batch fit against the split as asked, a larger
-# micro-batch, then the rest. The whole suite is benchmarks/gpu_suite.sh.
+# given, the path every GPU figure before 2026-11-29 took), compiled and with each frozen layer's
+# CUDA graphs (--fusion cudagraphs; every step and system, roberta-base), Step 2's update profiled
+# with CUDA graphs, the decoder against transformers, one update profiled per Step-1/Step-2 system,
+# the host cost against d974fb8, eager, with CUDA graphs (Step 2) and compiled (when its tree is in
+# ./.devcache/d974fb8: git archive d974fb8 mmadapt ds_configs), the micro-batch fit against the
+# split as asked, a larger micro-batch, then the rest. The whole suite is benchmarks/gpu_suite.sh.
 #   SMOKE=1 bash benchmarks/gpu_quick.sh /tmp/x     # every step at CPU scale, one or two updates
 #
 #   bash benchmarks/gpu_quick.sh [RESULTS_DIR]      # results files there (default benchmarks/results)
@@ -66,6 +66,10 @@ if [ -d .devcache/d974fb8 ]; then
                               --shapes roberta-base --json_only /tmp/host_cost_d974fb8.json "${HOST[@]}"
     step host-cost     90 python3 benchmarks/host_cost.py --shapes roberta-base --against /tmp/host_cost_d974fb8.json \
                           "${HOST[@]}"
+    # Step 2 with each frozen layer's CUDA graphs: launches as the CUDA runtime counts them
+    step host-cost-cudagraphs 150 python3 benchmarks/host_cost.py --shapes roberta-base "${GRAPHS[@]}" \
+                          --against /tmp/host_cost_d974fb8.json --cases bl_base-adapt minijoint-adapt minipost-adapt \
+                          bl_small-adapt "${HOST[@]}"
     # compiled, as --fusion auto trains on a GPU: the host time a run's update actually costs
     step host-cost-compile 150 python3 benchmarks/host_cost.py --shapes roberta-base --fusion compile \
                           --against /tmp/host_cost_d974fb8.json --cases bl_base-pretrain bl_base-adapt minijoint-adapt \

@@ -33,6 +33,12 @@ tied or untied output, clipping), under a ds_configs/ JSON as a run of one repli
   the table. On a CPU Inductor fuses into C++ loops what a GPU fuses into Triton kernels, by the
   same scheduler: the count is the CPU's, a guide to a GPU's, not a measure of it.
 
+- **launches, CUDA runtime** (on a GPU): the CUDA runtime's kernel launches and CUDA graph replays
+  (`cudaGraphLaunch`) during the update, as the profiler records them on the host: what the device
+  was given, whatever issued it. The one count that sees `--fusion cudagraphs`, where a layer's
+  kernels replay inside one graph launch and no operator is dispatched for them; where both
+  checkouts have it, the comparison with the one before uses it.
+
 Why these predict the GPU's idle and element-wise time: the count and order of the operators do
 not depend on the widths (a launch is a launch; `--check_widths` counts at two widths and they
 agree), and a GPU step can never take less wall time than the host needs to issue it. At
@@ -51,6 +57,7 @@ import functools
 import importlib
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -65,6 +72,10 @@ NO_LAUNCH = {"detach", "alias", "empty", "empty_strided", "lift_fresh", "_unsafe
 PHASES = ("forward", "backward", "step", "other")
 # Operators whose result the host reads: a device synchronization each on a GPU.
 READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "equal"}
+# The CUDA runtime calls that put work on the device, as torch.profiler records them on the host
+# (with ProfilerActivity.CUDA): a kernel launch each, or a CUDA graph's replay (one call, however
+# many kernels the graph holds).
+CUDA_LAUNCHES = re.compile(r"^cu(da)?LaunchKernel|^cuLaunchKernelEx|^cudaLaunchKernelExC|^cudaGraphLaunch")
 
 
 def shapes(PRESETS, find_preset, width: int, vocab: int):
@@ -182,14 +193,19 @@ def composite(name: str) -> bool:
     return bool(found) and all(found)
 
 
-def profiled_launches(engine, update) -> collections.Counter:
+def profiled_launches(engine, update) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
     """Launches by phase of one update under torch.profiler (the docstring's "launches, profiled"),
-    and by operator."""
+    by operator, and on a GPU the CUDA runtime's launches by phase (the docstring's "launches,
+    CUDA runtime"; empty elsewhere)."""
+    import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    gpu = torch.cuda.is_available()
     with phased(engine, lambda name: record_function(f"phase::{name}")), \
-            profile(activities=[ProfilerActivity.CPU]) as prof:
+            profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu) as prof:
         update()
+        if gpu:
+            torch.cuda.synchronize()
     events = prof.events()
     spans = [(e.time_range.start, e.time_range.end, e.name.removeprefix("phase::"))
              for e in events if e.name.startswith("phase::")]
@@ -205,13 +221,17 @@ def profiled_launches(engine, update) -> collections.Counter:
         return ((not view_like(e.name) and not composite(e.name))
                 or any(does_work(c) for c in e.cpu_children if is_aten(c)))
 
-    out, names = collections.Counter(), collections.Counter()
+    phase = lambda e: next((name for a, b, name in spans if a <= e.time_range.start <= b), "other")
+    out, names, runtime = collections.Counter(), collections.Counter(), collections.Counter()
     for e in events:
-        if (is_aten(e) and outermost(e) and does_work(e)) or "_fused_" in e.name:
-            t = e.time_range.start
-            out[next((name for a, b, name in spans if a <= t <= b), "other")] += 1
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if CUDA_LAUNCHES.match(e.name):
+            runtime[phase(e)] += 1
+        elif (is_aten(e) and outermost(e) and does_work(e)) or "_fused_" in e.name:
+            out[phase(e)] += 1
             names["inductor kernel" if "_fused_" in e.name else e.name] += 1
-    return out, names
+    return out, names, runtime
 
 
 def measure(args) -> list[dict]:
@@ -233,7 +253,7 @@ def measure(args) -> list[dict]:
 
     init_parallel(1, 1)
     gpu = torch.cuda.is_available()
-    if args.fusion == "compile":  # name Inductor's CPU kernels in the profiler's trace (before the first compile)
+    if args.fusion != "none":  # name Inductor's CPU kernels in the profiler's trace (before the first compile)
         import torch._inductor.config
 
         torch._inductor.config.cpp.enable_kernel_profile = True
@@ -268,7 +288,7 @@ def measure(args) -> list[dict]:
                 train_step(engine, [hb[next(k) % len(hb)]], heads)
             for _ in range(args.warmup):
                 update()
-            profiled, profiled_names = profiled_launches(engine, update)
+            profiled, profiled_names, runtime = profiled_launches(engine, update)
             counter = Counter()
             if args.fusion == "none":  # compiled regions do not run under a TorchDispatchMode
                 with phased(engine, counting(counter)), counter.mode:
@@ -291,6 +311,8 @@ def measure(args) -> list[dict]:
                    "trainable_tensors": sum(p.requires_grad for p in engine.module.parameters()),
                    "fusion": args.fusion,
                    "profiled": sum(profiled.values()), **{f"profiled_{p}": profiled[p] for p in PHASES},
+                   **({"runtime": sum(runtime.values()), **{f"runtime_{p}": runtime[p] for p in PHASES}}
+                      if gpu else {}),
                    **({"ops": sum(counter.ops.values()), "launches": sum(counter.launches.values()),
                        "reads": counter.reads,
                        **{f"launches_{p}": counter.launches[p] for p in PHASES}} if args.fusion == "none" else {}),
@@ -320,8 +342,9 @@ def depth_fit(rows: list[dict]) -> list[dict]:
             continue
         x = [r["layers"] for r in step2]
         mini = min(step2, key=lambda r: r["layers"])
-        keys = [(k, k) for k in ("launches", "profiled")] + [(f"{k}_{p}", f"{k}, {p}") for k in ("launches", "profiled")
-                                                              for p in PHASES] + [("host_ms", "host ms")]
+        counts = ("launches", "profiled", "runtime")
+        keys = [(k, k) for k in counts] + [(f"{k}_{p}", f"{k}, {p}") for k in counts for p in PHASES] + [
+            ("host_ms", "host ms")]
         for key, what in [(k, w) for k, w in keys if k in mini]:
             y = [r[key] for r in step2]
             mx, my = statistics.fmean(x), statistics.fmean(y)
@@ -351,8 +374,9 @@ def main(argv=None) -> None:
                     "minipost-minipost, ...; default: every one of flops_validation.cases)")
     ap.add_argument("--ds_config", help="one of ds_configs/ (default: zero2_bf16.json on a GPU, as gpu_suite.sh "
                     "runs; zero1.json, the commands' default, on a CPU)")
-    ap.add_argument("--fusion", choices=("none", "compile"), default="none",
-                    help="ModelConfig.fusion of every measured model (compile: counted by the profiler only)")
+    ap.add_argument("--fusion", choices=("none", "compile", "cudagraphs"), default="none",
+                    help="ModelConfig.fusion of every measured model (compiled: counted by the profiler only; "
+                    "cudagraphs: a GPU's, where the CUDA runtime's count sees each graph replayed as one launch)")
     ap.add_argument("--width", type=int, default=8, help="channels per attention head")
     ap.add_argument("--vocab", type=int, default=1000)
     ap.add_argument("--seq_length", type=int, default=32)
@@ -377,6 +401,8 @@ def main(argv=None) -> None:
         if o and "profiled" in o:
             r["profiled_over_before"] = r["profiled"] / o["profiled"]
             r["host_ms_over_before"] = r["host_ms"] / o["host_ms"]
+            if "runtime" in r and "runtime" in o:
+                r["runtime_over_before"] = r["runtime"] / o["runtime"]
     dispatch = [("launches", "launches"), ("launches_forward", "fwd"), ("launches_backward", "bwd"),
                 ("launches_step", "opt step"), ("launches_other", "other"), ("reads", "device reads")]
     cols = [("shape", "shape"), ("system", "system"), ("step", "step"), ("layers", "layers"),
@@ -384,8 +410,13 @@ def main(argv=None) -> None:
             ("profiled", "launches, profiled"), ("profiled_forward", "fwd"), ("profiled_backward", "bwd"),
             ("profiled_step", "opt step"), ("profiled_other", "other"),
             ("grad_hooks", "grad hooks"), ("py_deepspeed", "DeepSpeed calls"), ("host_ms", "host ms (median)")]
+    runtime = all("runtime" in r for r in rows)
+    if runtime:
+        cols[-3:-3] = [("runtime", "launches, CUDA runtime"), ("runtime_forward", "fwd"),
+                       ("runtime_backward", "bwd"), ("runtime_step", "opt step"), ("runtime_other", "other")]
     if old:
-        cols += [("profiled_over_before", "profiled / before"), ("host_ms_over_before", "host ms / before")]
+        cols += [("profiled_over_before", "profiled / before")] + [("runtime_over_before", "runtime / before")] * (
+            runtime and all("runtime_over_before" in r for r in rows)) + [("host_ms_over_before", "host ms / before")]
     settings = {"ds_config": ds_name(args), "fusion": args.fusion, "width_per_head": args.width, "vocab": args.vocab,
                 "seq_length": args.seq_length, "micro_batch": args.micro_batch, "repeats": args.repeats,
                 "python": platform.python_version()}
@@ -394,7 +425,8 @@ def main(argv=None) -> None:
           f"Settings: `{json.dumps(settings)}`. `python benchmarks/host_cost.py` (its docstring says what is "
           "counted and why). Launches: ATen operators that are not views or metadata, per update, as a "
           "TorchDispatchMode sees them (eager only); launches, profiled: the same under torch.profiler, with "
-          "TorchInductor's kernels (eager and compiled); host ms: "
+          "TorchInductor's kernels (eager and compiled); launches, CUDA runtime (on a GPU): the kernel launches "
+          "and CUDA graph replays the device was given; host ms: "
           f"median of {args.repeats} updates at the shrunk widths (min-max in the JSON).", "",
           table(rows, cols), ""] + ([args.note, ""] if args.note else [])
     if "bf16" in ds_name(args) and "cpu" in hardware():
@@ -413,15 +445,18 @@ def main(argv=None) -> None:
             for step, label in (("pretrain", "Step 1"), ("adapt", "Step 2")):
                 got = [r for r in rows if r["shape"] == shape and r["step"] == step and "profiled_over_before" in r]
                 if got:
-                    worst_l = max(r["profiled_over_before"] for r in got)
+                    # On a GPU the runtime's count, the one that sees a CUDA graph's replay.
+                    key, what = (("runtime_over_before", "launches (CUDA runtime)")
+                                 if all("runtime_over_before" in r for r in got) else ("profiled_over_before", "launches"))
+                    worst_l = max(r[key] for r in got)
                     worst_t = max(r["host_ms_over_before"] for r in got)
-                    md.append(f"- {shape}, {label}: launches at most {worst_l:.2f} of before, host time at most "
+                    md.append(f"- {shape}, {label}: {what} at most {worst_l:.2f} of before, host time at most "
                               f"{worst_t:.2f} (half or less: launches {'met' if worst_l <= 0.5 else 'NOT met'}, "
                               f"host time {'met' if worst_t <= 0.5 else 'NOT met'})")
     if before:
         md += ["", f"Before: {before[0]['checkout']} (`--against`), measured by the same script in the same session.", "",
                table(before, [c for c in cols if c[0] in before[0]])]
-    name = f"host_cost_{ds_name(args).removesuffix('.json')}" + ("_compile" if args.fusion == "compile" else "")
+    name = f"host_cost_{ds_name(args).removesuffix('.json')}" + ("" if args.fusion == "none" else f"_{args.fusion}")
     paths = write_results(name, {"settings": settings, "checkout": tag, "rows": rows, "before": before}, "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")

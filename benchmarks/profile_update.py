@@ -17,6 +17,7 @@ import re
 import torch
 from common import (REPO, add_run_args, add_zero_arg, engine_update, mask_fraction, masked_batches, median_time,
                     real_batches, run_ds_config, setup, sync, table, write_results)
+from host_cost import CUDA_LAUNCHES
 from flops_validation import cases
 
 from mmadapt.engine import zero_stage
@@ -41,7 +42,6 @@ def group_of(name: str) -> str:
 # CUDA runtime calls in which the host waits for the device: each one drains the queue, so the
 # host work after it runs with the device idle until the next kernel is issued.
 WAITS = re.compile(r"^cu(da)?(StreamSynchronize|DeviceSynchronize|EventSynchronize|Memcpy)$")
-LAUNCHES = re.compile(r"^cu(da)?LaunchKernel|^cuLaunchKernelEx|^cudaLaunchKernelExC|^cudaGraphLaunch")
 
 
 def host_side(prof, n: int) -> tuple[dict, list[str]]:
@@ -57,7 +57,7 @@ def host_side(prof, n: int) -> tuple[dict, list[str]]:
             w = waits.setdefault(e.name, [0, 0.0])
             w[0] += 1
             w[1] += e.cpu_time_total
-        elif LAUNCHES.match(e.name):
+        elif CUDA_LAUNCHES.match(e.name):
             launches += 1
         elif not e.name.startswith("cuda") and not getattr(e, "is_user_annotation", False):
             own[e.name] = own.get(e.name, 0.0) + e.self_cpu_time_total

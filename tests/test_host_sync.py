@@ -191,7 +191,8 @@ def test_the_host_cost_benchmark_counts_launches_by_phase():
     backward the loss's sum, its seed gradient (ones_like), GELU's gradient, the linear's two
     matmuls and its bias's sum (the first backward stores the gradients: no accumulation); the
     step one in-place add and a kernel Inductor would have generated (its name in the trace,
-    `*_fused_*`), which counts as one launch."""
+    `*_fused_*`), which counts as one launch. Two CUDA runtime calls in the step (a graph's replay,
+    a kernel launch) are the runtime's count, not operators."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("host_cost", REPO / "benchmarks" / "host_cost.py")
@@ -216,6 +217,11 @@ def test_the_host_cost_benchmark_counts_launches_by_phase():
                 lin.weight.add_(1.0)
             with torch.profiler.record_function("graph_0_cpp_fused_add_0"):
                 pass
+            # On a GPU the CUDA runtime's calls are host events of these names (ProfilerActivity.CUDA):
+            # a graph replay and a kernel launch, counted apart from the operators.
+            for call in ("cudaGraphLaunch", "cudaLaunchKernel"):
+                with torch.profiler.record_function(call):
+                    pass
 
     engine = Update()
 
@@ -223,11 +229,12 @@ def test_the_host_cost_benchmark_counts_launches_by_phase():
         engine.backward(engine.forward(x))
         engine.step()
 
-    by_phase, names = host_cost.profiled_launches(engine, update)
+    by_phase, names, runtime = host_cost.profiled_launches(engine, update)
     assert by_phase["forward"] == 3, names  # linear, contiguous (its clone), gelu
     assert names == {"aten::linear": 1, "aten::contiguous": 1, "aten::gelu": 1, "aten::sum": 2, "aten::ones_like": 1,
                      "aten::gelu_backward": 1, "aten::mm": 2, "aten::add_": 1, "inductor kernel": 1}, names
     assert by_phase == {"forward": 3, "backward": 6, "step": 2}, by_phase
+    assert runtime == {"step": 2}, runtime
     assert engine.forward.__func__ is Update.forward  # the wrapping is undone
 
 
