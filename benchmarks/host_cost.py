@@ -446,8 +446,9 @@ def main(argv=None) -> None:
                 got = [r for r in rows if r["shape"] == shape and r["step"] == step and "profiled_over_before" in r]
                 if got:
                     # On a GPU the runtime's count, the one that sees a CUDA graph's replay.
-                    key, what = (("runtime_over_before", "launches (CUDA runtime)")
-                                 if all("runtime_over_before" in r for r in got) else ("profiled_over_before", "launches"))
+                    counted = all("runtime_over_before" in r for r in got)
+                    key, what = (("runtime_over_before", "launches (CUDA runtime)") if counted
+                                 else ("profiled_over_before", "launches"))
                     worst_l = max(r[key] for r in got)
                     worst_t = max(r["host_ms_over_before"] for r in got)
                     md.append(f"- {shape}, {label}: {what} at most {worst_l:.2f} of before, host time at most "
