@@ -20,13 +20,13 @@ fusion "compile" of the encoder family (models/roberta): torch.compile (TorchInd
     the whole model, layers and all, as one graph. Its layers are compiled as above.
 
 fusion "cudagraphs": as "compile", and each frozen instance of the family's `graphed_kinds` (its
-  layers: Step 2's whole body, Step 1b's copied layers) replayed as CUDA graphs (GRAPHED: the
-  cudagraph trees of torch.compile's mode 'reduce-overhead'): a layer's forward and backward are
-  one graph launch each, not one launch per kernel. Trained layers are compiled without graphs:
-  their weight gradients would be outputs in the graphs' memory, which the next replay
-  overwrites (torch refuses to accumulate into them). A CUDA device, tensor and pipeline parallel
-  size 1 (ModelConfig.validate: megatron-core's linears would cut a TP layer into many graphs;
-  DeepSpeed's pipeline reruns a stage's backward).
+  layers: Step 2's whole body, Step 1b's copied layers) replayed as CUDA graphs in training
+  (`replay`: the cudagraph trees of torch.compile's mode 'reduce-overhead', at static shapes): a
+  layer's forward and backward are one graph launch each, not one launch per kernel. Trained
+  layers are compiled without graphs: their weight gradients would be outputs in the graphs'
+  memory, which the next replay overwrites (torch refuses to accumulate into them). A CUDA
+  device, tensor and pipeline parallel size 1 (ModelConfig.validate: megatron-core's linears
+  would cut a TP layer into many graphs; DeepSpeed's pipeline reruns a stage's backward).
 
 Choices, and why:
   - Graph breaks are allowed (fullgraph=False). At tensor-parallel size 1 a layer is one graph:
@@ -75,12 +75,9 @@ from mmadapt.config import ModelConfig
 # static then dynamic shapes. A process can meet more than torch's default of 8, and past the
 # limit dynamo silently runs the function eagerly.
 RECOMPILE_LIMIT = 64
-# fusion "cudagraphs": Inductor's options for a graphed module. CUDA graphs as torch.compile's mode
-# 'reduce-overhead' sets them (cudagraph trees), and none for a graph whose shapes vary (a layer's
-# rows in evaluation; padded task batches after the first, once the sequence length is dynamic):
-# it would record one CUDA graph, holding memory of its own, per size met, so it runs compiled
-# without one. A layer in training meets one shape and is recorded once.
-GRAPHED = {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
+# fusion "cudagraphs": Inductor's options for a graphed module's training calls, CUDA graphs as
+# torch.compile's mode 'reduce-overhead' sets them (cudagraph trees).
+GRAPHED = {"triton.cudagraphs": True}
 
 
 def _check_cpp_compiler() -> None:
@@ -119,9 +116,9 @@ def apply_fusion(model: nn.Module, config: ModelConfig, kinds: tuple[type, ...],
     """Apply `config.fusion` to `model` in place (a family's LM, task model or pipeline stage)
     and return it: each instance of `kinds` (the family's `compiled_kinds`) is compiled, and with
     fusion 'cudagraphs' each frozen one of `graphed` (its `graphed_kinds`; no parameter requires a
-    gradient, so set them first: engine.set_trainable) replayed as CUDA graphs (GRAPHED). Call it
-    before the model is wrapped by DeepSpeed: the engine then calls the compiled modules like any
-    others."""
+    gradient, so set them first: engine.set_trainable) replayed as CUDA graphs in training
+    (`replay`). Call it before the model is wrapped by DeepSpeed: the engine then calls the
+    compiled modules like any others."""
     fusion = resolved(config.fusion)
     if fusion == "none":
         return model
@@ -138,11 +135,28 @@ def apply_fusion(model: nn.Module, config: ModelConfig, kinds: tuple[type, ...],
         # compiled backward to run once only.
         torch._functorch.config.donated_buffer = False
     for module in model.modules():
-        if isinstance(module, kinds):
-            replayed = fusion == "cudagraphs" and isinstance(module, graphed) and not any(
-                p.requires_grad for p in module.parameters())
-            module.compile(options=GRAPHED if replayed else None)
+        if not isinstance(module, kinds):
+            continue
+        frozen = not any(p.requires_grad for p in module.parameters())
+        if fusion == "cudagraphs" and isinstance(module, graphed) and frozen:
+            replay(module)
+        else:
+            module.compile()
     return model
+
+
+def replay(module: nn.Module) -> None:
+    """Compile `module`'s call in place (as nn.Module.compile does) twice: a call with gradients
+    enabled, a training update's, with CUDA graphs (GRAPHED) at static shapes, and any other
+    (evaluation: no gradients, and at rows whose count varies by batch) as 'compile' compiles it.
+    Static, because a graph with a symbolic shape would record one CUDA graph, holding memory of
+    its own, per size met: a training call meets one shape, or two where micro_batch_fill re-splits
+    the update (one recompile), and each is recorded once. Evaluation's calls, kept apart, neither
+    record graphs nor, under torch's automatic dynamic shapes, make the training graph dynamic."""
+    training = torch.compile(module._call_impl, dynamic=False, options=GRAPHED)
+    other = torch.compile(module._call_impl)
+    module._compiled_call_impl = lambda *args, **kwargs: (
+        training if torch.is_grad_enabled() else other)(*args, **kwargs)
 
 
 def is_fused(model: nn.Module) -> bool:

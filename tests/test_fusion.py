@@ -64,32 +64,50 @@ def test_auto_compiles_on_a_cuda_device_only(monkeypatch):
 
 def test_cudagraphs_graphs_frozen_layers_alone_on_a_cuda_device_only(monkeypatch):
     """fusion 'cudagraphs': refused in one line off CUDA; on a CUDA device every module of the
-    family's compiled_kinds is compiled as with 'compile', and the frozen layers (graphed_kinds,
-    no parameter requiring a gradient: Step 2's body, Step 1b's copied layers) with CUDA graphs
-    that skip varying shapes; a trained layer and the heads without (tests/test_gpu.py runs it)."""
+    family's compiled_kinds is compiled as with 'compile', and each frozen layer (graphed_kinds, no
+    parameter requiring a gradient: Step 2's body, Step 1b's copied layers) twice: its calls with
+    gradients enabled (training) with CUDA graphs at static shapes, its other calls (evaluation)
+    as 'compile' compiles them; a trained layer and the heads once, as 'compile' does
+    (tests/test_gpu.py runs it on a GPU)."""
     import mmadapt.fusion as fusion
 
     cfg = dataclasses.replace(TWO_HEADS, fusion="cudagraphs")
     with pytest.raises(ValueError, match=r"^--fusion cudagraphs needs a CUDA device \(this process trains on cpu\): "
                                          r"use --fusion compile$"):
         apply_fusion(RobertaMLM(cfg, seed=1), cfg, ROBERTA.compiled_kinds, ROBERTA.graphed_kinds)
-    seen = []
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: seen.append((type(self), kw)))
+    compiled, called = [], []
+
+    def fake_compile(fn, **kw):  # what torch.compile was asked for, and which compiled call runs
+        compiled.append((type(fn.__self__), kw))
+        return lambda *args, **kwargs: called.append((type(fn.__self__), kw)) or fn(*args, **kwargs)
+    monkeypatch.setattr(torch, "compile", fake_compile)
     monkeypatch.setattr(fusion.parallel, "device", lambda: torch.device("cuda", 0))
 
-    def fused(fusion: str, frozen_layers: int) -> list:
-        seen.clear()
+    def fused(fusion_: str, frozen_layers: int) -> RobertaMLM:
+        compiled.clear()
         model = RobertaMLM(cfg, seed=1)
         _freeze(model, lambda name: not any(name.startswith(f"layers.{i}.") for i in range(frozen_layers)))
-        apply_fusion(model, dataclasses.replace(cfg, fusion=fusion), ROBERTA.compiled_kinds, ROBERTA.graphed_kinds)
-        return seen
+        return apply_fusion(model, dataclasses.replace(cfg, fusion=fusion_), ROBERTA.compiled_kinds,
+                            ROBERTA.graphed_kinds)
 
-    graphed, plain = {"options": fusion.GRAPHED}, {"options": None}
-    assert fused("cudagraphs", 2) == [(TransformerLayer, graphed)] * 2 + [(MLMHeads, plain)]
-    assert fused("cudagraphs", 1) == [(TransformerLayer, graphed), (TransformerLayer, plain), (MLMHeads, plain)]
-    assert fused("cudagraphs", 0) == fused("compile", 2) == [(TransformerLayer, plain)] * 2 + [(MLMHeads, plain)]
-    assert fusion.GRAPHED == {"triton.cudagraphs": True, "triton.cudagraph_skip_dynamic_graphs": True}
-    assert torch._inductor.list_mode_options("reduce-overhead").items() <= fusion.GRAPHED.items()
+    graphed, plain = {"dynamic": False, "options": fusion.GRAPHED}, {}
+    model = fused("cudagraphs", 2)
+    assert compiled == [(TransformerLayer, graphed), (TransformerLayer, plain)] * 2 + [(MLMHeads, plain)]
+    ids, labels = masked_batch(cfg.vocab_size, b=2, s=16, seed=0)
+    model(ids, labels)
+    assert called == [(TransformerLayer, graphed)] * 2 + [(MLMHeads, plain)], called
+    called.clear()
+    with torch.no_grad():
+        model(ids, labels)
+    assert called == [(TransformerLayer, plain)] * 2 + [(MLMHeads, plain)], called
+    fused("cudagraphs", 1)
+    assert compiled == [(TransformerLayer, graphed), (TransformerLayer, plain)] * 1 + [
+        (TransformerLayer, plain), (MLMHeads, plain)]
+    fused("cudagraphs", 0)
+    assert compiled == [(TransformerLayer, plain)] * 2 + [(MLMHeads, plain)]
+    fused("compile", 2)
+    assert compiled == [(TransformerLayer, plain)] * 2 + [(MLMHeads, plain)]
+    assert fusion.GRAPHED == torch._inductor.list_mode_options("reduce-overhead") == {"triton.cudagraphs": True}
 
 
 def test_fusion_is_a_flag_of_every_training_command():
@@ -270,6 +288,32 @@ def test_step2_embeddings_only_compiled_equals_eager():
     cfg = dataclasses.replace(TWO_HEADS, head_layers=())
     _check_pair(lambda c: RobertaMLM(c, seed=1), cfg, trainable_by_names((WORD, BIAS)),
                 _batches(cfg.vocab_size, 4))
+
+
+@pytest.mark.slow
+def test_step2_replayed_layers_equal_eager_in_training_and_evaluation():
+    """fusion.replay, what 'cudagraphs' applies to each frozen layer, run for real on this CPU
+    (where Inductor skips the CUDA graphs and compiles the rest): Step 2's losses and gradients
+    equal eager's to rounding, padded batches included, and so do the losses in evaluation (its
+    calls compiled apart, with shapes that may vary)."""
+    import mmadapt.fusion as fusion
+    from mmadapt.family import WORD
+    from mmadapt.models.roberta.model import BIAS
+
+    cfg = dataclasses.replace(TWO_HEADS, head_layers=())
+    eager, fused = RobertaMLM(cfg, seed=1), RobertaMLM(cfg, seed=1)
+    trainable = trainable_by_names((WORD, BIAS))
+    for m in (eager, fused):
+        _freeze(m, trainable)
+    for layer in fused.layers:
+        fusion.replay(layer)
+    assert is_fused(fused)
+    batches = _batches(cfg.vocab_size, 4)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        _compare(eager, fused, batches, {n for n, p in eager.named_parameters() if p.requires_grad})
+        with torch.no_grad():
+            for ids, labels in batches + [masked_batch(cfg.vocab_size, b=3, s=24, seed=9)]:
+                torch.testing.assert_close(fused(ids, labels)[0], eager(ids, labels)[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow
