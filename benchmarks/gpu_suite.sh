@@ -14,7 +14,7 @@
 #      time per update, tokens/s, achieved TFLOP/s (exact FLOP count) against the measured matmul
 #      peak and the vendor's bf16 peak; eager with a padding mask (all seven cases), eager with
 #      --attention_impl varlen, then varlen with --fusion compile (the five cases above), and
-#      --fusion cudagraphs (each layer replayed as CUDA graphs; padding-mask attention).
+#      --fusion cudagraphs (frozen layers replayed as CUDA graphs; padding-mask attention).
 #   2. One transformer layer, forward + backward, eager against torch.compile, padded and not.
 #   3. Step-4 evaluation: wall time per (artifact, seed) on a 5,010-example set, and the time
 #      spent outside the forward passes.

@@ -142,7 +142,7 @@ def test_micro_batch_fill_reads_cuda_memory_and_merges():
     assert 0 < last["peak_bytes"] <= last["estimate_bytes"], last
 
 
-# The CUDA runtime calls that launch work (benchmarks/profile_update.py's count).
+# The CUDA runtime calls that launch work (benchmarks/host_cost.py's CUDA_LAUNCHES).
 LAUNCH = re.compile(r"^cu(da)?LaunchKernel|^cuLaunchKernelEx|^cudaLaunchKernelExC|^cudaGraphLaunch")
 
 
