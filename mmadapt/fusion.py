@@ -149,10 +149,10 @@ def replay(module: nn.Module) -> None:
     """Compile `module`'s call in place (as nn.Module.compile does) twice: a call with gradients
     enabled, a training update's, with CUDA graphs (GRAPHED) at static shapes, and any other
     (evaluation: no gradients, and at rows whose count varies by batch) as 'compile' compiles it.
-    Static, because a graph with a symbolic shape would record one CUDA graph, holding memory of
-    its own, per size met: a training call meets one shape, or two where micro_batch_fill re-splits
-    the update (one recompile), and each is recorded once. Evaluation's calls, kept apart, neither
-    record graphs nor, under torch's automatic dynamic shapes, make the training graph dynamic."""
+    A training call meets one shape (two where micro_batch_fill re-splits the update: one
+    recompile), each recorded once as a CUDA graph. Evaluation's calls, kept apart, neither record
+    one CUDA graph per size (each holding memory of its own) nor, under torch's automatic dynamic
+    shapes, make the training graph symbolic."""
     training = torch.compile(module._call_impl, dynamic=False, options=GRAPHED)
     other = torch.compile(module._call_impl)
     module._compiled_call_impl = lambda *args, **kwargs: (
