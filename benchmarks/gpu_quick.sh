@@ -9,6 +9,7 @@
 # ./.devcache/d974fb8: git archive d974fb8 mmadapt ds_configs), the micro-batch fit against the
 # split as asked, a larger micro-batch, then the rest. The whole suite is benchmarks/gpu_suite.sh.
 #   SMOKE=1 bash benchmarks/gpu_quick.sh /tmp/x     # every step at CPU scale, one or two updates
+#   STEPS="gpu-tests throughput-cudagraphs" bash benchmarks/gpu_quick.sh   # only the steps named
 #
 #   bash benchmarks/gpu_quick.sh [RESULTS_DIR]      # results files there (default benchmarks/results)
 #
@@ -34,6 +35,8 @@ deepspeed.__version__, 'transformers', transformers.__version__)" || exit 2
 
 failed=()
 step() {  # step NAME SECONDS CMD...: run CMD under a time limit, keep going on failure
+    # STEPS="NAME ...": only the steps named (a lease too short for all of them)
+    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $1 "* ]]; then return 0; fi
     echo; echo "=== $1: ${*:3}"
     local t0=$SECONDS
     if timeout "$2" "${@:3}"; then echo "=== $1: done in $((SECONDS - t0)) s"
