@@ -356,6 +356,7 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
     parallel.init_parallel must have run."""
     import deepspeed
     from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
     is_pipe = isinstance(module, PipelineModule)
     if init_state is not None:
@@ -387,12 +388,16 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=without_timer_syncs(ds_config),
                                                mpu=None if is_pipe else parallel.DeepSpeedMPU())
-    if parallel.dp_world() == 1 and not is_pipe and engine.zero_optimization_stage() == 0:
+    if parallel.dp_world() == 1 and not is_pipe and (engine.zero_optimization_stage() == 0
+                                                     or isinstance(engine.optimizer, BF16_Optimizer)):
         # One replica has no gradient to average, but DeepSpeed's engine still runs its
         # all-reduce over the data-parallel group of one at every boundary: every gradient copied
         # into a flat buffer and back (a copy per trained tensor; 153 launches of a roberta-base
-        # Step-1 update, benchmarks/host_cost.py). ZeRO's optimizers and the pipeline engine
-        # reduce through this switch or on their own: they keep it.
+        # Step-1 update, benchmarks/host_cost.py). Under bf16 (BF16_Optimizer, which one replica
+        # gets as ZeRO stage 1: for_replicas) it reduces the fp32 gradient buffers, cast to bf16
+        # (DeepSpeed's communication_data_type) and back: at one replica that only rounds a
+        # gradient accumulated over micro-batches to bf16. ZeRO's optimizers and the pipeline
+        # engine reduce through this switch or on their own: they keep it.
         engine.enable_backward_allreduce = False
     if engine.gradient_clipping() > 0 and engine.zero_optimization_stage() == 0 and not (
             engine.bfloat16_enabled() or engine.fp16_enabled()):

@@ -195,6 +195,29 @@ def test_bf16_flat_gradients_take_deepspeeds_updates(clip, accumulate, monkeypat
     assert not torch.equal(fw["layers.0.qkv.weight"], run(ds, train, updates=0)[1]["layers.0.qkv.weight"])
 
 
+def test_one_replica_under_bf16_steps_on_its_fp32_accumulated_gradient(monkeypatch):
+    """One replica under bf16 (BF16_Optimizer) accumulating two micro-batches: DeepSpeed's
+    all-reduce over the group of one is off (build_engine), so the step reads the fp32 sum of the
+    two bf16 gradients as it is. The all-reduce cast that buffer to bf16 (DeepSpeed's
+    communication_data_type) and back, which rounded every element to a bf16 value."""
+    train = dataclasses.replace(train_config(0.0), gradient_accumulation_steps=2)
+    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1)
+    init_parallel(1, 1)
+    torch.manual_seed(0)
+    engine, _, _ = lm_engine(get_family(MODEL), MODEL, train, ds)
+    assert type(engine.optimizer).__name__ == "BF16_Optimizer" and not engine.enable_backward_allreduce
+    seen, step = [], engine.optimizer.step
+
+    def read_then_step(*args, **kwargs):
+        seen.append(torch.cat([g.clone() for g in engine.optimizer.fp32_groups_actual_gradients_flat]))
+        return step(*args, **kwargs)
+    monkeypatch.setattr(engine.optimizer, "step", read_then_step)
+    train_step(engine, batches(2), 1)
+    (flat,) = seen
+    assert flat.abs().sum() > 0
+    assert not torch.equal(flat, flat.bfloat16().float())  # sums that bf16 cannot hold: not rounded
+
+
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_a_non_finite_gradient_skips_the_bf16_step_on_the_device(clip, tmp_path, monkeypatch):
     """An infinite gradient (a finite loss) in the second of three updates under bf16 at one
