@@ -270,8 +270,8 @@ class ModelConfig(Checked):
         "auto", "'auto' ('compile' where the model trains on a CUDA device, 'none' elsewhere), 'none' (eager: the "
         "reference in tests) or 'compile' (torch.compile of each transformer layer and of the MLM heads, in place: "
         "parameter names and checkpoints unchanged; its first update compiles, tens of seconds) or 'cudagraphs' ("
-        "'compile', and each frozen layer, as Step 2's, replayed as CUDA graphs: a CUDA device, tensor and pipeline "
-        "parallel size 1)", choices=FUSIONS)
+        "'compile', and Step 2's frozen layers replayed as CUDA graphs: a CUDA device, attention 'sdpa' or 'math', "
+        "tensor and pipeline parallel size 1)", choices=FUSIONS)
     num_query_groups: Optional[int] = _owned(None, "decoder: key/value head groups of grouped-query attention, "
                                              "dividing num_attention_heads and tensor_model_parallel_size (default: "
                                              "one per attention head, i.e. multi-head attention)", DECODER, ge=1)
@@ -352,6 +352,9 @@ class ModelConfig(Checked):
         if self.fusion == "cudagraphs" and (tp > 1 or pp > 1):
             raise ValueError(f"--fusion cudagraphs captures whole layers, at tensor and pipeline parallel size 1 "
                              f"(here {tp} and {pp}): use --fusion compile")
+        if self.fusion == "cudagraphs" and self.attention_impl == "varlen":
+            raise ValueError("--fusion cudagraphs replays fixed shapes, and --attention_impl varlen changes them with "
+                             "every batch's lengths: use --attention_impl sdpa, or --fusion compile")
         return self
 
     def _validate_tensor_parallel(self) -> None:

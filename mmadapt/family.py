@@ -233,8 +233,9 @@ class ModelFamily:
     # defined outside mmadapt that uses, say, output_bias_init); see check_fields.
     config_fields: tuple[str, ...] = ()
     compiled_kinds: tuple[type, ...] = ()  # module classes fusion "compile" compiles, each instance in place
-    # Of compiled_kinds, those fusion "cudagraphs" replays as CUDA graphs where frozen: modules whose
-    # shapes are fixed in training (the layers; not the heads, whose masked rows vary by batch).
+    # Of compiled_kinds, those fusion "cudagraphs" replays as CUDA graphs where frozen below a trained
+    # input (Step 2's body): modules whose shapes are fixed in training (the layers; not the heads,
+    # whose masked rows vary by batch).
     graphed_kinds: tuple[type, ...] = ()
     pipeline_ties: dict[str, str] = {}  # tied pipeline module key -> its build_lm name prefix
     hf: HFMapping | None = None  # the Hugging Face mapping, or None

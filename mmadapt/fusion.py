@@ -20,12 +20,13 @@ fusion "compile" of the encoder family (models/roberta): torch.compile (TorchInd
     the whole model, layers and all, as one graph. Its layers are compiled as above.
 
 fusion "cudagraphs": as "compile", and each frozen instance of the family's `graphed_kinds` (its
-  layers: Step 2's whole body, Step 1b's copied layers) replayed as CUDA graphs in training
-  (`replay`: the cudagraph trees of torch.compile's mode 'reduce-overhead', at static shapes): a
-  layer's forward and backward are one graph launch each, not one launch per kernel. Trained
-  layers are compiled without graphs: their weight gradients would be outputs in the graphs'
-  memory, which the next replay overwrites (torch refuses to accumulate into them). A CUDA
-  device, tensor and pipeline parallel size 1 (ModelConfig.validate: megatron-core's linears
+  layers: Step 2's whole body) replayed as CUDA graphs where its input needs a gradient in
+  training (`replay`: the cudagraph trees of torch.compile's mode 'reduce-overhead', at static
+  shapes): a layer's forward and backward are one graph launch each, not one launch per kernel.
+  Trained layers are compiled without graphs: their weight gradients would be outputs in the
+  graphs' memory, which the next replay overwrites (torch refuses to accumulate into them). A
+  CUDA device, fixed shapes (not attention_impl 'varlen', whose jagged batches change shape every
+  update), tensor and pipeline parallel size 1 (ModelConfig.validate: megatron-core's linears
   would cut a TP layer into many graphs; DeepSpeed's pipeline reruns a stage's backward).
 
 Choices, and why:
@@ -146,17 +147,25 @@ def apply_fusion(model: nn.Module, config: ModelConfig, kinds: tuple[type, ...],
 
 
 def replay(module: nn.Module) -> None:
-    """Compile `module`'s call in place (as nn.Module.compile does) twice: a call with gradients
-    enabled, a training update's, with CUDA graphs (GRAPHED) at static shapes, and any other
-    (evaluation: no gradients, and at rows whose count varies by batch) as 'compile' compiles it.
-    A training call meets one shape (two where micro_batch_fill re-splits the update: one
-    recompile), each recorded once as a CUDA graph. Evaluation's calls, kept apart, neither record
-    one CUDA graph per size (each holding memory of its own) nor, under torch's automatic dynamic
-    shapes, make the training graph symbolic."""
+    """Compile `module`'s call in place (as nn.Module.compile does) twice: a training call whose
+    input x (its first argument) needs a gradient, Step 2's (the trained embeddings feed the
+    body), with CUDA graphs (GRAPHED) at static shapes, and any other as 'compile' compiles it.
+    A training call meets one shape and mask kind (padded or not; two shapes where
+    micro_batch_fill re-splits the update: one recompile), each recorded once as a CUDA graph.
+    Evaluation's calls (no gradients, rows whose count varies by batch), kept apart, neither
+    record one CUDA graph per size (each holding memory of its own) nor, under torch's automatic
+    dynamic shapes, make the training graph symbolic. Nor are forward-only calls graphed (Step
+    1b's copied layers, fit-head's body: nothing below them trains): separately compiled
+    forward-only graphs each begin a new generation of torch's cudagraph trees, which frees the
+    outputs of the layer before, the next layer's input (pytorch/pytorch#152887); a pending
+    backward is what keeps one update's layers in one generation."""
     training = torch.compile(module._call_impl, dynamic=False, options=GRAPHED)
     other = torch.compile(module._call_impl)
-    module._compiled_call_impl = lambda *args, **kwargs: (
-        training if torch.is_grad_enabled() else other)(*args, **kwargs)
+
+    def call(*args, **kwargs):
+        x = args[0] if args else kwargs["x"]
+        return (training if torch.is_grad_enabled() and x.requires_grad else other)(*args, **kwargs)
+    module._compiled_call_impl = call
 
 
 def is_fused(model: nn.Module) -> bool:

@@ -303,6 +303,8 @@ CASES = [
     ("cudagraphs-with-tensor-parallelism", lambda c: c.pretrain("--fusion", "cudagraphs",
                                                                 "--tensor_model_parallel_size", "2"),
      "--fusion cudagraphs captures whole layers, at tensor and pipeline parallel size 1 (here 2 and 1)"),
+    ("cudagraphs-with-varlen", lambda c: c.pretrain("--fusion", "cudagraphs", "--attention_impl", "varlen"),
+     "--fusion cudagraphs replays fixed shapes, and --attention_impl varlen changes them"),
     ("data-path-and-corpus", lambda c: c.pretrain("--data_path", c.dir("prepared")), "pass one of --data_path"),
     ("data-path-not-prepared", lambda c: ["pretrain", "--data_path", c.dir("prepared"), "--output_dir", str(c.out)],
      "prepared"),

@@ -49,6 +49,10 @@ def test_fusion_is_validated_in_one_line():
         with pytest.raises(ValueError, match=r"^--fusion cudagraphs captures whole layers, at tensor and pipeline "
                                              r"parallel size 1 \(here [12] and [12]\): use --fusion compile$"):
             dataclasses.replace(graphed, **layout).validate()
+    with pytest.raises(ValueError, match=r"^--fusion cudagraphs replays fixed shapes, and --attention_impl varlen "
+                                         r"changes them with every batch's lengths: use --attention_impl sdpa, or "
+                                         r"--fusion compile$"):
+        dataclasses.replace(graphed, attention_impl="varlen").validate()
 
 
 def test_auto_compiles_on_a_cuda_device_only(monkeypatch):
@@ -65,10 +69,11 @@ def test_auto_compiles_on_a_cuda_device_only(monkeypatch):
 def test_cudagraphs_graphs_frozen_layers_alone_on_a_cuda_device_only(monkeypatch):
     """fusion 'cudagraphs': refused in one line off CUDA; on a CUDA device every module of the
     family's compiled_kinds is compiled as with 'compile', and each frozen layer (graphed_kinds, no
-    parameter requiring a gradient: Step 2's body, Step 1b's copied layers) twice: its calls with
-    gradients enabled (training) with CUDA graphs at static shapes, its other calls (evaluation)
-    as 'compile' compiles them; a trained layer and the heads once, as 'compile' does
-    (tests/test_gpu.py runs it on a GPU)."""
+    parameter requiring a gradient) twice: its training calls whose input needs a gradient
+    (Step 2's, below the trained embeddings) with CUDA graphs at static shapes, its other calls
+    (evaluation; forward-only training calls, as Step 1b's copied layers make) as 'compile'
+    compiles them; a trained layer and the heads once, as 'compile' does (tests/test_gpu.py runs
+    it on a GPU)."""
     import mmadapt.fusion as fusion
 
     cfg = dataclasses.replace(TWO_HEADS, fusion="cudagraphs")
@@ -99,6 +104,10 @@ def test_cudagraphs_graphs_frozen_layers_alone_on_a_cuda_device_only(monkeypatch
     called.clear()
     with torch.no_grad():
         model(ids, labels)
+    assert called == [(TransformerLayer, plain)] * 2 + [(MLMHeads, plain)], called
+    called.clear()
+    _freeze(model, lambda name: name.startswith("heads."))  # nothing below the layers trains: forward only
+    model(ids, labels)
     assert called == [(TransformerLayer, plain)] * 2 + [(MLMHeads, plain)], called
     fused("cudagraphs", 1)
     assert compiled == [(TransformerLayer, graphed), (TransformerLayer, plain)] * 1 + [

@@ -86,8 +86,8 @@ def attention_rng(x: torch.Tensor, tp: int):
     cannot trace: in a compiled layer it is a graph break, which splits the layer into three graphs
     around an eager attention core (and on a GPU keeps CUDA graphs from spanning a layer). Inside a
     compiled graph at TP 1 there are no other ranks' heads to keep apart, so the core draws from the
-    default generator, as the graph's other dropouts do (fusion.py); eager models fork as always,
-    so their draws, and every eager result, are unchanged."""
+    default generator, which also seeds the generator of the graph's other dropouts (fusion.py);
+    eager models fork as always, so their draws, and every eager result, are unchanged."""
     if tp == 1 and torch.compiler.is_compiling():
         return contextlib.nullcontext()
     return MODEL_PARALLEL_RNG.fork(x.device)
