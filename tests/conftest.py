@@ -233,6 +233,17 @@ def pretrain_here(*args: str) -> None:
     assert pretrain_main(list(args)) == 0
 
 
+def benchmark_module(name: str):
+    """benchmarks/<name>.py as a module, loaded from its file (benchmarks/ is no package). Only for
+    a benchmark that imports nothing of its own at load time (host_cost.py defers its imports)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def count_calls(monkeypatch, owner, name: str, calls: dict) -> None:
     """Replace `owner.name` (a module's function, a class's method, an object's attribute) with one
     that counts its calls in calls[name], for the test's duration."""

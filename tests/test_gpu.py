@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, child_env, masked_batch
+from conftest import REPO, benchmark_module, child_env, masked_batch
 from mmadapt.models import find_preset
 from mmadapt.tokens import IGNORE_INDEX
 
@@ -142,10 +142,6 @@ def test_micro_batch_fill_reads_cuda_memory_and_merges():
     assert 0 < last["peak_bytes"] <= last["estimate_bytes"], last
 
 
-# The CUDA runtime calls that launch work (benchmarks/host_cost.py's CUDA_LAUNCHES).
-LAUNCH = re.compile(r"^cu(da)?LaunchKernel|^cuLaunchKernelEx|^cudaLaunchKernelExC|^cudaGraphLaunch")
-
-
 def _step2_updates(preset: str, fusion: str, updates: int, device: str):
     """A one-head, four-layer model of `preset` trained as Step 2 trains it (word embeddings and
     output bias; one replica under zero1.json, fp32, dropout off) with `fusion`, `updates` times
@@ -182,6 +178,7 @@ def test_cudagraphs_replays_every_layer_and_trains_as_compile(preset):
     direction (forward, backward) and fewer launches in all than compile's."""
     from torch.profiler import ProfilerActivity, profile
 
+    launch = benchmark_module("host_cost").CUDA_LAUNCHES  # the CUDA runtime calls that put work on the device
     runs = {}
     for fusion in ("compile", "cudagraphs"):
         engine, losses, update, family = _step2_updates(preset, fusion, 6, "cuda")
@@ -191,7 +188,7 @@ def test_cudagraphs_replays_every_layer_and_trains_as_compile(preset):
             torch.cuda.synchronize()
         names = [e.name for e in prof.events()]
         runs[fusion] = (losses, engine.module.state_dict()[family.word].float().cpu(),
-                        sum(n == "cudaGraphLaunch" for n in names), sum(bool(LAUNCH.match(n)) for n in names))
+                        sum(n == "cudaGraphLaunch" for n in names), sum(bool(launch.match(n)) for n in names))
     (loss_c, word_c, graphs_c, launches_c), (loss_g, word_g, graphs_g, launches_g) = runs.values()
     torch.testing.assert_close(loss_g, loss_c, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(word_g, word_c, rtol=1e-5, atol=1e-6)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import benchmark_module
 from mmadapt.models import PRESETS
 from mmadapt.engine import for_replicas, load_ds_config
 from mmadapt.models.layers import gpu_paths
@@ -193,11 +194,7 @@ def test_the_host_cost_benchmark_counts_launches_by_phase():
     step one in-place add and a kernel Inductor would have generated (its name in the trace,
     `*_fused_*`), which counts as one launch. Two CUDA runtime calls in the step (a graph's replay,
     a kernel launch) are the runtime's count, not operators."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("host_cost", REPO / "benchmarks" / "host_cost.py")
-    host_cost = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(host_cost)
+    host_cost = benchmark_module("host_cost")
     assert host_cost.view_like("aten::transpose") and host_cost.view_like("aten::view")
     assert host_cost.view_like("aten::detach") and not host_cost.view_like("aten::addmm")
     assert not host_cost.view_like("aten::copy_")
