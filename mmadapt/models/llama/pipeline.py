@@ -81,9 +81,9 @@ class PipeDecoderLayer(DecoderLayer):
     def forward(self, inputs):
         hidden, input_ids, labels, *carried = inputs
         hidden = super().forward(hidden, config_rotary_table(self.rope_config, hidden.shape[1], hidden))
-        if self.carry:
-            carried.append(hidden)
-        return (hidden, input_ids, labels, *carried)
+        # A new tuple, not carried.append: compiled (torch 2.11), dynamo's resume function after the
+        # layer's graph break rebuilds the star-unpacked list `carried` as a tuple.
+        return (hidden, input_ids, labels, *carried, *((hidden,) if self.carry else ()))
 
 
 class PipeLMHeads(ScoredQueue, LMHeads):

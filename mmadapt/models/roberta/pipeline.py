@@ -55,9 +55,9 @@ class PipeTransformerLayer(PaddingQueue, TransformerLayer):
     def forward(self, inputs):
         hidden, input_ids, labels, *carried = inputs
         hidden = super().forward(hidden, attention_mask(input_ids, self.next_padding(), self.attention_impl))
-        if self.carry:
-            carried.append(hidden)
-        return (hidden, input_ids, labels, *carried)
+        # A new tuple, not carried.append: compiled (torch 2.11), dynamo's resume function after the
+        # layer's graph break rebuilds the star-unpacked list `carried` as a tuple.
+        return (hidden, input_ids, labels, *carried, *((hidden,) if self.carry else ()))
 
 
 class PipeMLMHeads(ScoredQueue, MLMHeads):
