@@ -8,6 +8,10 @@ What is filtered, and why it is noise:
     megatron-core   "Transformer Engine and Apex are not installed" (four at import): mmadapt uses
                     neither; megatron's torch fallbacks are the layers mmadapt builds on
     DeepSpeed       its log line "Setting accelerator to CPU": a CPU run is meant to run on the CPU
+    torch           with a CUDA build on a machine without a GPU (a cluster's login node), the line
+                    "No CUDA runtime is found, using CUDA_HOME=..." that torch.utils.cpp_extension
+                    logs when DeepSpeed imports it: it concerns building CUDA extensions, which
+                    mmadapt never does; where the run trains is what its own log says
     torch           FutureWarnings that a torch.distributed function is deprecated: DeepSpeed calls
                     them, not the user's code; "nested tensors ... prototype" (attention_impl varlen
                     builds its jagged batches with them, as designed)
@@ -37,7 +41,7 @@ WARNINGS = (
     (UserWarning, r"The PyTorch API of nested tensors is in prototype stage"),
 )
 # Logger name -> the start of each message of it that is dropped.
-LOG_LINES = {"DeepSpeed": ("Setting accelerator to CPU",)}
+LOG_LINES = {"DeepSpeed": ("Setting accelerator to CPU",), "torch.utils.cpp_extension": ("No CUDA runtime is found",)}
 # Environment variables read when a library is imported: transformers' progress bars follow
 # huggingface_hub's switch. A value the user set stays.
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -65,7 +69,7 @@ def install() -> bool:
     for category, message in WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name, starts in LOG_LINES.items():
-        # The same logger object DeepSpeed configures when it is imported: a filter set now stays.
+        # The same logger objects the libraries log through when imported: a filter set now stays.
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropLines) for f in logger.filters):
             logger.addFilter(_DropLines(starts))

@@ -79,6 +79,30 @@ def test_help_prints_help_and_nothing_else():
         assert sum("Transformer Engine and Apex are not installed" in l for l in _warn_lines(proc)) == 4, proc.stderr
 
 
+def test_a_cuda_build_without_a_gpu_keeps_its_cuda_home_line_out_and_other_lines_in():
+    """A CUDA build of torch on a machine without a GPU logs "No CUDA runtime is found" when
+    DeepSpeed imports torch.utils.cpp_extension (every command's first line there, seen with torch
+    2.11.0+cu130 on this CPU machine); the filter drops that line alone."""
+    import logging
+
+    class Keep(logging.Handler):  # torch's loggers do not propagate to the root (caplog)
+        def __init__(self):
+            super().__init__()
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    logger, keep = logging.getLogger("torch.utils.cpp_extension"), Keep()
+    logger.addHandler(keep)
+    try:
+        logger.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local")
+        logger.warning("Error checking compiler version for %s", "c++")
+    finally:
+        logger.removeHandler(keep)
+    assert keep.lines == ["Error checking compiler version for c++"]
+
+
 @pytest.mark.slow
 def test_a_short_pretraining_prints_no_warning(corpus, tokenizer, tmp_path):
     args = ["pretrain", "--preset", "tiny", "--corpus", str(corpus), "--tokenizer", str(tokenizer), "--vocab_size",
