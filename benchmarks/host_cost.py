@@ -18,9 +18,13 @@ tied or untied output, clipping), under a ds_configs/ JSON as a run of one repli
   kernel on a GPU, after which the host's next launches find the device idle.
 - **Python calls**: function calls the update makes into DeepSpeed (and, of them, the gradient
   hooks fired: ZeRO's `grad_handling_hook`, one per trainable tensor) and into mmadapt.
-- **host time**: the update's wall time at the same structure with every width shrunk
-  (`--width`: 8 channels per head, vocabulary 1,000, 32 tokens x 2 sequences), where the math is
-  a few MFLOPs: what is left is the time the host needs to issue the update, whatever the device.
+- **host time**: the update's wall time at the same structure with every size shrunk to its
+  floor (`--width` 2 channels per head, vocabulary 64, 8 tokens x 1 sequence), where shrinking
+  further no longer changes it: what is left is the time the host needs to issue the update,
+  whatever the device. `--sizes` times an update at several sizes alternately, in one process,
+  to find that floor. Until 2026-11-30 the sizes were 8 channels per head, vocabulary 1,000 and
+  32 x 2 tokens: there BL_BASE's Step-2 update is still ~0.35 GFLOP, and on two CPU cores most of
+  its "host time" was that math, not the host's own work.
 
 - **launches, profiled**: the same update under torch.profiler, counted so that a compiled update
   (`--fusion compile`) counts too: a TorchDispatchMode switches the compiled regions off, so it
@@ -40,8 +44,8 @@ tied or untied output, clipping), under a ds_configs/ JSON as a run of one repli
   checkouts have it, the comparison with the one before uses it.
 
 Why these predict the GPU's idle and element-wise time: the count and order of the operators do
-not depend on the widths (a launch is a launch; `--check_widths` counts at two widths and they
-agree), and a GPU step can never take less wall time than the host needs to issue it. At
+not depend on the sizes (a launch is a launch: `--sizes` counts the same launches at every size),
+and a GPU step can never take less wall time than the host needs to issue it. At
 roberta-base's real widths an update is ~1.5 TFLOP of matmuls (~3 ms at 500 TFLOP/s of bf16)
 against the host time measured here; every element-wise operator besides is one more pass over
 an activation in device memory. Fewer operators per update is the one change that cuts both.
@@ -234,12 +238,18 @@ def profiled_launches(engine, update) -> tuple[collections.Counter, collections.
     return out, names, runtime
 
 
-def measure(args) -> list[dict]:
+def case_updates(args, width: int, vocab: int, seq_length: int, micro_batch: int):
+    """For each shape and case asked for (--shapes, --cases), an engine of `args.repo`'s mmadapt
+    built as a run builds it at these sizes -> yields (shape, system, step, cfg, engine, update),
+    update() running one train_step on the next of four batches."""
     import torch
 
-    sys.path.insert(0, str(Path(args.repo).resolve()))
-    for m in [m for m in sys.modules if m == "mmadapt" or m.startswith("mmadapt.")]:
-        del sys.modules[m]
+    repo = Path(args.repo).resolve()
+    loaded = sys.modules.get("mmadapt")
+    if loaded is None or Path(loaded.__file__).resolve().parent.parent != repo:  # that checkout's, imported once
+        sys.path.insert(0, str(repo))
+        for m in [m for m in sys.modules if m == "mmadapt" or m.startswith("mmadapt.")]:
+            del sys.modules[m]
     from mmadapt.config import TrainConfig
     from mmadapt import engine as engine_module
     from mmadapt.engine import load_ds_config
@@ -257,9 +267,8 @@ def measure(args) -> list[dict]:
         import torch._inductor.config
 
         torch._inductor.config.cpp.enable_kernel_profile = True
-    s, b = args.seq_length, args.micro_batch
-    rows = []
-    for shape, (base, preset_train) in shapes(PRESETS, find_preset, args.width, args.vocab).items():
+    s, b = seq_length, micro_batch
+    for shape, (base, preset_train) in shapes(PRESETS, find_preset, width, vocab).items():
         if args.shapes and shape not in args.shapes:
             continue
         family = get_family(base)
@@ -282,49 +291,126 @@ def measure(args) -> list[dict]:
             engine, _, _ = lm_engine(family, cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
             hb = [host_batch(ids, labels, gpu) for ids, labels in batches]
             heads = len(cfg.heads_after)
-            k = iter(range(10**9))
 
-            def update():
+            def update(engine=engine, hb=hb, heads=heads, k=iter(range(10**9))):
                 train_step(engine, [hb[next(k) % len(hb)]], heads)
+            yield shape, system, step, cfg, engine, update
+            del engine, update
+
+
+def timed(update, n: int) -> list[float]:
+    """Wall seconds of each of n updates (on a GPU, until the device is done)."""
+    import torch
+
+    gpu, times = torch.cuda.is_available(), []
+    for _ in range(n):
+        if gpu:
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        update()
+        if gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def measure(args) -> list[dict]:
+    import torch
+
+    gpu = torch.cuda.is_available()
+    rows = []
+    for shape, system, step, cfg, engine, update in case_updates(args, args.width, args.vocab, args.seq_length,
+                                                                 args.micro_batch):
+        for _ in range(args.warmup):
+            update()
+        profiled, profiled_names, runtime = profiled_launches(engine, update)
+        counter = Counter()
+        if args.fusion == "none":  # compiled regions do not run under a TorchDispatchMode
+            with phased(engine, counting(counter)), counter.mode:
+                update()
+        sys.setprofile(counter.profile)
+        try:
+            update()
+        finally:
+            sys.setprofile(None)
+        times = timed(update, args.repeats)
+        row = {"shape": shape, "system": system, "step": step, "layers": cfg.num_layers,
+               "sizes": [args.width, args.vocab, args.seq_length, args.micro_batch],
+               "trainable_tensors": sum(p.requires_grad for p in engine.module.parameters()),
+               "fusion": args.fusion,
+               "profiled": sum(profiled.values()), **{f"profiled_{p}": profiled[p] for p in PHASES},
+               **({"runtime": sum(runtime.values()), **{f"runtime_{p}": runtime[p] for p in PHASES}}
+                  if gpu else {}),
+               **({"ops": sum(counter.ops.values()), "launches": sum(counter.launches.values()),
+                   "reads": counter.reads,
+                   **{f"launches_{p}": counter.launches[p] for p in PHASES}} if args.fusion == "none" else {}),
+               "py_deepspeed": counter.py["deepspeed"], "grad_hooks": counter.py["grad_hooks"],
+               "py_mmadapt": counter.py["mmadapt"], "py_all": counter.py["all"],
+               "host_ms": 1e3 * statistics.median(times), "host_ms_min": 1e3 * min(times),
+               "host_ms_max": 1e3 * max(times), "top_ops": counter.names.most_common(12),
+               "top_profiled": profiled_names.most_common(16)}
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if not k.startswith("top_")}), flush=True)
+    return rows
+
+
+def size_sweep(args) -> list[dict]:
+    """Host ms of each case at each of --sizes (width per head, vocabulary, sequence length,
+    micro-batch), every engine built first and then timed in alternating rounds of five updates,
+    so that the machine's drift falls on every size alike; with the profiled launch count at each
+    size (the same at every size: what the sizes change is the math alone)."""
+    sizes = [tuple(int(v) for v in size.split(",")) for size in args.sizes]
+    built = []
+    for size in sizes:
+        for shape, system, step, cfg, engine, update in case_updates(args, *size):
             for _ in range(args.warmup):
                 update()
-            profiled, profiled_names, runtime = profiled_launches(engine, update)
-            counter = Counter()
-            if args.fusion == "none":  # compiled regions do not run under a TorchDispatchMode
-                with phased(engine, counting(counter)), counter.mode:
-                    update()
-            sys.setprofile(counter.profile)
-            try:
-                update()
-            finally:
-                sys.setprofile(None)
-            times = []
-            for _ in range(args.repeats):
-                if gpu:
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                update()
-                if gpu:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t)
-            row = {"shape": shape, "system": system, "step": step, "layers": cfg.num_layers,
-                   "trainable_tensors": sum(p.requires_grad for p in engine.module.parameters()),
-                   "fusion": args.fusion,
-                   "profiled": sum(profiled.values()), **{f"profiled_{p}": profiled[p] for p in PHASES},
-                   **({"runtime": sum(runtime.values()), **{f"runtime_{p}": runtime[p] for p in PHASES}}
-                      if gpu else {}),
-                   **({"ops": sum(counter.ops.values()), "launches": sum(counter.launches.values()),
-                       "reads": counter.reads,
-                       **{f"launches_{p}": counter.launches[p] for p in PHASES}} if args.fusion == "none" else {}),
-                   "py_deepspeed": counter.py["deepspeed"], "grad_hooks": counter.py["grad_hooks"],
-                   "py_mmadapt": counter.py["mmadapt"], "py_all": counter.py["all"],
-                   "host_ms": 1e3 * statistics.median(times), "host_ms_min": 1e3 * min(times),
-                   "host_ms_max": 1e3 * max(times), "top_ops": counter.names.most_common(12),
-                   "top_profiled": profiled_names.most_common(16)}
-            rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if not k.startswith("top_")}), flush=True)
-            del engine
+            profiled, _, _ = profiled_launches(engine, update)
+            built.append({"shape": shape, "system": system, "step": step, "layers": cfg.num_layers,
+                          "width_per_head": size[0], "vocab": size[1], "seq_length": size[2], "micro_batch": size[3],
+                          "profiled": sum(profiled.values()), "update": update, "times": []})
+    for _ in range(max(1, args.repeats // 5)):
+        for b in built:
+            b["times"] += timed(b["update"], 5)
+    rows = []
+    for b in built:
+        times = b.pop("times")
+        del b["update"]
+        rows.append({**b, "host_ms": 1e3 * statistics.median(times), "host_ms_min": 1e3 * min(times),
+                     "host_ms_max": 1e3 * max(times)})
+    key = lambda r: (r["shape"], r["system"], r["step"])
+    floor = {key(r): r["host_ms"] for r in rows}  # the last size asked for, the floor
+    for r in rows:
+        r["over_floor"] = r["host_ms"] / floor[key(r)]
     return rows
+
+
+def sweep_results(args, tag: str) -> None:
+    """size_sweep's rows as a results file (host_cost_sizes_<ds config>[_<fusion>])."""
+    sys.path.insert(0, str(HERE))
+    from common import table, write_results
+
+    rows = size_sweep(args)
+    settings = {"ds_config": ds_name(args), "fusion": args.fusion, "sizes": args.sizes, "repeats": args.repeats,
+                "python": platform.python_version()}
+    mode = "eager" if args.fusion == "none" else f"--fusion {args.fusion}"
+    md = [f"# Host time of one update against the sizes of its math ({tag}, {ds_name(args)}, {mode})", "",
+          f"Settings: `{json.dumps(settings)}`. `python benchmarks/host_cost.py --sizes ...`: each update at each "
+          "size (width per head, vocabulary, sequence length, micro-batch; the structure of the shape "
+          "otherwise), every engine built first, then timed in alternating rounds of five updates; host ms: "
+          "the median, min-max in the JSON. Launches, profiled: as host_cost counts them (the same at every "
+          "size). Over floor: host ms against the last size given, where shrinking further changes nothing.",
+          "", table(rows, [("shape", "shape"), ("system", "system"), ("step", "step"), ("layers", "layers"),
+                           ("width_per_head", "width/head"), ("vocab", "vocab"), ("seq_length", "s"),
+                           ("micro_batch", "micro-batch"), ("profiled", "launches, profiled"),
+                           ("host_ms", "host ms (median)"), ("over_floor", "over floor")])]
+    if args.note:
+        md += ["", args.note]
+    name = f"host_cost_sizes_{ds_name(args).removesuffix('.json')}" + (
+        "" if args.fusion == "none" else f"_{args.fusion}")
+    paths = write_results(name, {"settings": settings, "checkout": tag, "rows": rows}, "\n".join(md))
+    print("\n".join(md))
+    print(f"\nwritten: {paths[0]}, {paths[1]}")
 
 
 def ds_name(args) -> str:
@@ -377,15 +463,23 @@ def main(argv=None) -> None:
     ap.add_argument("--fusion", choices=("none", "compile", "cudagraphs"), default="none",
                     help="ModelConfig.fusion of every measured model (compiled: counted by the profiler only; "
                     "cudagraphs: a GPU's, where the CUDA runtime's count sees each graph replayed as one launch)")
-    ap.add_argument("--width", type=int, default=8, help="channels per attention head")
-    ap.add_argument("--vocab", type=int, default=1000)
-    ap.add_argument("--seq_length", type=int, default=32)
-    ap.add_argument("--micro_batch", type=int, default=2)
+    # The floor: at these sizes the host time no longer depends on them (--sizes; module docstring).
+    ap.add_argument("--width", type=int, default=2, help="channels per attention head (even: the decoder's rotary "
+                    "embedding pairs them)")
+    ap.add_argument("--vocab", type=int, default=64)
+    ap.add_argument("--seq_length", type=int, default=8)
+    ap.add_argument("--micro_batch", type=int, default=1)
+    ap.add_argument("--sizes", nargs="+", metavar="W,V,S,B", help="instead: host ms of each case at each of these "
+                    "sizes (width per head, vocabulary, sequence length, micro-batch), timed alternately, against "
+                    "the last one given; a results file host_cost_sizes_*")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--note", default="", help="a paragraph for the results file (how the figures were taken)")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
     tag = args.tag or git_rev(Path(args.repo))
+    if args.sizes:
+        sweep_results(args, tag)
+        return
     rows = measure(args)
     for r in rows:
         r["checkout"] = tag
@@ -395,6 +489,9 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(HERE))
     from common import hardware, table, write_results
     before = json.loads(Path(args.against).read_text()) if args.against else []
+    if before and before[0].get("sizes") != rows[0]["sizes"]:
+        sys.exit(f"--against {args.against} was measured at sizes {before[0].get('sizes')}, this run at "
+                 f"{rows[0]['sizes']}: measure both at the same --width/--vocab/--seq_length/--micro_batch")
     old = {(r["shape"], r["system"], r["step"]): r for r in before}
     for r in rows:
         o = old.get((r["shape"], r["system"], r["step"]))
