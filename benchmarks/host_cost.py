@@ -232,9 +232,12 @@ def profiled_launches(engine, update) -> tuple[collections.Counter, collections.
             continue
         if CUDA_LAUNCHES.match(e.name):
             runtime[phase(e)] += 1
-        elif (is_aten(e) and outermost(e) and does_work(e)) or "_fused_" in e.name:
+        elif is_aten(e) and outermost(e) and does_work(e):
             out[phase(e)] += 1
-            names["inductor kernel" if "_fused_" in e.name else e.name] += 1
+            names[e.name] += 1
+        elif "_fused_" in e.name and not is_aten(e):  # Inductor's (cpp_fused_*, triton_*_fused_*), not aten::_fused_*
+            out[phase(e)] += 1
+            names["inductor kernel"] += 1
     return out, names, runtime
 
 

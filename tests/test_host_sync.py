@@ -191,7 +191,8 @@ def test_the_host_cost_benchmark_counts_launches_by_phase():
     and the input's view launch nothing), a transpose made contiguous (one copy) and a GELU; the
     backward the loss's sum, its seed gradient (ones_like), GELU's gradient, the linear's two
     matmuls and its bias's sum (the first backward stores the gradients: no accumulation); the
-    step one in-place add and a kernel Inductor would have generated (its name in the trace,
+    step one in-place add, an RMS norm (one launch, though ATen's calls another op named
+    `aten::_fused_rms_norm`) and a kernel Inductor would have generated (its name in the trace,
     `*_fused_*`), which counts as one launch. Two CUDA runtime calls in the step (a graph's replay,
     a kernel launch) are the runtime's count, not operators."""
     host_cost = benchmark_module("host_cost")
@@ -212,6 +213,7 @@ def test_the_host_cost_benchmark_counts_launches_by_phase():
         def step(self):
             with torch.no_grad():
                 lin.weight.add_(1.0)
+                torch.nn.functional.rms_norm(lin.weight, (4,))  # calls aten::_fused_rms_norm: one launch
             with torch.profiler.record_function("graph_0_cpp_fused_add_0"):
                 pass
             # On a GPU the CUDA runtime's calls are host events of these names (ProfilerActivity.CUDA):
@@ -229,8 +231,9 @@ def test_the_host_cost_benchmark_counts_launches_by_phase():
     by_phase, names, runtime = host_cost.profiled_launches(engine, update)
     assert by_phase["forward"] == 3, names  # linear, contiguous (its clone), gelu
     assert names == {"aten::linear": 1, "aten::contiguous": 1, "aten::gelu": 1, "aten::sum": 2, "aten::ones_like": 1,
-                     "aten::gelu_backward": 1, "aten::mm": 2, "aten::add_": 1, "inductor kernel": 1}, names
-    assert by_phase == {"forward": 3, "backward": 6, "step": 2}, by_phase
+                     "aten::gelu_backward": 1, "aten::mm": 2, "aten::add_": 1, "aten::rms_norm": 1,
+                     "inductor kernel": 1}, names
+    assert by_phase == {"forward": 3, "backward": 6, "step": 3}, by_phase
     assert runtime == {"step": 2}, runtime
     assert engine.forward.__func__ is Update.forward  # the wrapping is undone
 
