@@ -527,7 +527,8 @@ def main(argv=None) -> None:
           "TorchDispatchMode sees them (eager only); launches, profiled: the same under torch.profiler, with "
           "TorchInductor's kernels (eager and compiled); launches, CUDA runtime (on a GPU): the kernel launches "
           "and CUDA graph replays the device was given; host ms: "
-          f"median of {args.repeats} updates at the sizes above, the floor where shrinking further changes nothing (min-max in the JSON).", "",
+          f"median of {args.repeats} updates at the sizes above, the floor where shrinking further changes "
+          "nothing (min-max in the JSON).", "",
           table(rows, cols), ""] + ([args.note, ""] if args.note else [])
     if "bf16" in ds_name(args) and "cpu" in hardware():
         md += ["On a CPU, bf16 matmuls and element-wise kernels are far slower than fp32 ones: here host "
