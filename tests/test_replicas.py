@@ -218,6 +218,20 @@ def test_one_replica_under_bf16_steps_on_its_fp32_accumulated_gradient(monkeypat
     assert not torch.equal(flat, flat.bfloat16().float())  # sums that bf16 cannot hold: not rounded
 
 
+def test_the_flat_bf16_gradients_apply_under_a_deepspeed_without_autoep():
+    """DeepSpeed 0.19.0 and earlier have no AutoEP folding: their BF16_Optimizer has no
+    `autoep_folding_tp_group`, and reading it raised AttributeError in every one-replica bf16
+    run's build (setup.py admits DeepSpeed 0.19.0). Without the attribute the flat path applies."""
+    from mmadapt.engine import flat_bf16_grads
+
+    init_parallel(1, 1)
+    train = train_config(0.0)
+    engine, _, _ = lm_engine(get_family(MODEL), MODEL, train,
+                             for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1))
+    del engine.optimizer.autoep_folding_tp_group
+    assert flat_bf16_grads(engine.optimizer, is_pipe=False)
+
+
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_a_non_finite_gradient_skips_the_bf16_step_on_the_device(clip, tmp_path, monkeypatch):
     """An infinite gradient (a finite loss) in the second of three updates under bf16 at one
