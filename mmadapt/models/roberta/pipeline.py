@@ -54,7 +54,11 @@ class PipeTransformerLayer(PaddingQueue, TransformerLayer):
 
     def forward(self, inputs):
         hidden, input_ids, labels, *carried = inputs
-        hidden = super().forward(hidden, attention_mask(input_ids, self.next_padding(), self.attention_impl))
+        # The mask first: next_padding is host bookkeeping that dynamo does not trace (a graph
+        # break), and a bound super().forward on the stack there is a fresh object every call,
+        # which torch 2.9's resume function guarded on: one recompile per micro-batch.
+        mask = attention_mask(input_ids, self.next_padding(), self.attention_impl)
+        hidden = super().forward(hidden, mask)
         # A new tuple, not carried.append: compiled (torch 2.11), dynamo's resume function after the
         # layer's graph break rebuilds the star-unpacked list `carried` as a tuple.
         return (hidden, input_ids, labels, *carried, *((hidden,) if self.carry else ()))
