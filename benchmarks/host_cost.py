@@ -394,10 +394,8 @@ def sweep_results(args, tag: str) -> None:
     from common import table, write_results
 
     rows = size_sweep(args)
-    settings = {"ds_config": ds_name(args), "fusion": args.fusion, "sizes": args.sizes, "repeats": args.repeats,
-                "python": platform.python_version()}
-    mode = "eager" if args.fusion == "none" else f"--fusion {args.fusion}"
-    md = [f"# Host time of one update against the sizes of its math ({tag}, {ds_name(args)}, {mode})", "",
+    settings = settings_of(args, sizes=args.sizes)
+    md = [f"# Host time of one update against the sizes of its math ({tag}, {ds_name(args)}, {mode_of(args)})", "",
           f"Settings: `{json.dumps(settings)}`. `python benchmarks/host_cost.py --sizes ...`: each update at each "
           "size (width per head, vocabulary, sequence length, micro-batch; the structure of the shape "
           "otherwise), every engine built first, then timed in alternating rounds of five updates; host ms: "
@@ -409,11 +407,25 @@ def sweep_results(args, tag: str) -> None:
                            ("host_ms", "host ms (median)"), ("over_floor", "over floor")])]
     if args.note:
         md += ["", args.note]
-    name = f"host_cost_sizes_{ds_name(args).removesuffix('.json')}" + (
-        "" if args.fusion == "none" else f"_{args.fusion}")
-    paths = write_results(name, {"settings": settings, "checkout": tag, "rows": rows}, "\n".join(md))
+    paths = write_results(results_name(args, "_sizes"), {"settings": settings, "checkout": tag, "rows": rows},
+                          "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")
+
+
+def settings_of(args, **sizes) -> dict:
+    """A results file's settings: the DeepSpeed JSON, fusion, `sizes`, repeats, Python."""
+    return {"ds_config": ds_name(args), "fusion": args.fusion, **sizes, "repeats": args.repeats,
+            "python": platform.python_version()}
+
+
+def mode_of(args) -> str:
+    return "eager" if args.fusion == "none" else f"--fusion {args.fusion}"
+
+
+def results_name(args, kind: str = "") -> str:
+    """host_cost<kind>_<ds config>[_<fusion>]"""
+    return f"host_cost{kind}_{ds_name(args).removesuffix('.json')}" + ("" if args.fusion == "none" else f"_{args.fusion}")
 
 
 def ds_name(args) -> str:
@@ -517,11 +529,9 @@ def main(argv=None) -> None:
     if old:
         cols += [("profiled_over_before", "profiled / before")] + [("runtime_over_before", "runtime / before")] * (
             runtime and all("runtime_over_before" in r for r in rows)) + [("host_ms_over_before", "host ms / before")]
-    settings = {"ds_config": ds_name(args), "fusion": args.fusion, "width_per_head": args.width, "vocab": args.vocab,
-                "seq_length": args.seq_length, "micro_batch": args.micro_batch, "repeats": args.repeats,
-                "python": platform.python_version()}
-    mode = "eager" if args.fusion == "none" else f"--fusion {args.fusion}"
-    md = [f"# Host-side cost of one training update ({tag}, {ds_name(args)}, {mode})", "",
+    settings = settings_of(args, width_per_head=args.width, vocab=args.vocab, seq_length=args.seq_length,
+                           micro_batch=args.micro_batch)
+    md = [f"# Host-side cost of one training update ({tag}, {ds_name(args)}, {mode_of(args)})", "",
           f"Settings: `{json.dumps(settings)}`. `python benchmarks/host_cost.py` (its docstring says what is "
           "counted and why). Launches: ATen operators that are not views or metadata, per update, as a "
           "TorchDispatchMode sees them (eager only); launches, profiled: the same under torch.profiler, with "
@@ -558,8 +568,7 @@ def main(argv=None) -> None:
     if before:
         md += ["", f"Before: {before[0]['checkout']} (`--against`), measured by the same script in the same session.", "",
                table(before, [c for c in cols if c[0] in before[0]])]
-    name = f"host_cost_{ds_name(args).removesuffix('.json')}" + ("" if args.fusion == "none" else f"_{args.fusion}")
-    paths = write_results(name, {"settings": settings, "checkout": tag, "rows": rows, "before": before}, "\n".join(md))
+    paths = write_results(results_name(args), {"settings": settings, "checkout": tag, "rows": rows, "before": before}, "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")
 
