@@ -425,7 +425,8 @@ def mode_of(args) -> str:
 
 def results_name(args, kind: str = "") -> str:
     """host_cost<kind>_<ds config>[_<fusion>]"""
-    return f"host_cost{kind}_{ds_name(args).removesuffix('.json')}" + ("" if args.fusion == "none" else f"_{args.fusion}")
+    fusion = "" if args.fusion == "none" else f"_{args.fusion}"
+    return f"host_cost{kind}_{ds_name(args).removesuffix('.json')}{fusion}"
 
 
 def ds_name(args) -> str:
@@ -568,7 +569,8 @@ def main(argv=None) -> None:
     if before:
         md += ["", f"Before: {before[0]['checkout']} (`--against`), measured by the same script in the same session.", "",
                table(before, [c for c in cols if c[0] in before[0]])]
-    paths = write_results(results_name(args), {"settings": settings, "checkout": tag, "rows": rows, "before": before}, "\n".join(md))
+    paths = write_results(results_name(args), {"settings": settings, "checkout": tag, "rows": rows, "before": before},
+                          "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")
 
