@@ -9,9 +9,10 @@ setup(
     package_data={"mmadapt": ["demo_models/*", "demo_models/*/*"]},
     python_requires=">=3.10",
     # torch: install the build for your machine first (CPU: torch==2.13.0; GPU: the CUDA build).
-    # The floors are the oldest releases the tests have passed under: the full suite with torch
-    # 2.9.1, 2.11.0 and 2.13.0; DeepSpeed 0.19.0's one-replica bf16 path (0.18 builds another
-    # optimizer there); megatron-core 0.16.1.
+    # The floors are the oldest releases tested (benchmarks/results/test_suite_versions_cpu2_20261130.md):
+    # the full suite under torch 2.9.1 and 2.11.0 (each failure fixed and its tests passing since;
+    # CI runs 2.13.0), DeepSpeed 0.19.0's one-replica bf16 tests (0.18 builds another optimizer
+    # there), megatron-core 0.16.1.
     install_requires=["torch>=2.9", "deepspeed>=0.19", "megatron-core>=0.16", "sentencepiece>=0.1.99",
                       "numpy", "tensorboard", "tqdm"],
     extras_require={

@@ -18,13 +18,16 @@ tied or untied output, clipping), under a ds_configs/ JSON as a run of one repli
   kernel on a GPU, after which the host's next launches find the device idle.
 - **Python calls**: function calls the update makes into DeepSpeed (and, of them, the gradient
   hooks fired: ZeRO's `grad_handling_hook`, one per trainable tensor) and into mmadapt.
-- **host time**: the update's wall time at the same structure with every size shrunk to its
-  floor (`--width` 2 channels per head, vocabulary 64, 8 tokens x 1 sequence), where shrinking
-  further no longer changes it: what is left is the time the host needs to issue the update,
-  whatever the device. `--sizes` times an update at several sizes alternately, in one process,
-  to find that floor. Until 2026-11-30 the sizes were 8 channels per head, vocabulary 1,000 and
-  32 x 2 tokens: there BL_BASE's Step-2 update is still ~0.35 GFLOP, and on two CPU cores most of
-  its "host time" was that math, not the host's own work.
+- **host time**: the update's wall time at the same structure with every size shrunk to the
+  smallest measured (`--width` 2 channels per head, the decoder's rotary pairs' least; vocabulary
+  64; 8 tokens x 1 sequence), where the time barely depends on the sizes any more: halving the
+  tokens from 16 x 1 changed it by 0.90-1.15x, against 1.8-3.0x from the sizes used before
+  (`--sizes` times an update at several sizes alternately, in one process:
+  benchmarks/results/host_cost_sizes_zero1_cpu2_20261130.md). What is left is the time the host
+  needs to issue the update, whatever the device. Every host_cost file before
+  host_cost_zero1_cpu2_20261130b used 8 channels per head, vocabulary 1,000 and 32 x 2 tokens:
+  there BL_BASE's Step-2 update is still ~0.35 GFLOP, and on two CPU cores most of its "host
+  time" was that math, not the host's own work.
 
 - **launches, profiled**: the same update under torch.profiler, counted so that a compiled update
   (`--fusion compile`) counts too: a TorchDispatchMode switches the compiled regions off, so it
@@ -338,7 +341,7 @@ def measure(args) -> list[dict]:
             sys.setprofile(None)
         times = timed(update, args.repeats)
         row = {"shape": shape, "system": system, "step": step, "layers": cfg.num_layers,
-               "sizes": [args.width, args.vocab, args.seq_length, args.micro_batch],
+               "sizes": [args.width, args.vocab, args.seq_length, args.micro_batch],  # main checks --against's
                "trainable_tensors": sum(p.requires_grad for p in engine.module.parameters()),
                "fusion": args.fusion,
                "profiled": sum(profiled.values()), **{f"profiled_{p}": profiled[p] for p in PHASES},
@@ -354,6 +357,7 @@ def measure(args) -> list[dict]:
                "top_profiled": profiled_names.most_common(16)}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.startswith("top_")}), flush=True)
+        del engine, update  # before case_updates builds the next
     return rows
 
 
@@ -382,7 +386,7 @@ def size_sweep(args) -> list[dict]:
         rows.append({**b, "host_ms": 1e3 * statistics.median(times), "host_ms_min": 1e3 * min(times),
                      "host_ms_max": 1e3 * max(times)})
     key = lambda r: (r["shape"], r["system"], r["step"])
-    floor = {key(r): r["host_ms"] for r in rows}  # the last size asked for, the floor
+    floor = {key(r): r["host_ms"] for r in rows}  # the last size asked for (the smallest, as the help says)
     for r in rows:
         r["over_floor"] = r["host_ms"] / floor[key(r)]
     return rows
@@ -400,7 +404,7 @@ def sweep_results(args, tag: str) -> None:
           "size (width per head, vocabulary, sequence length, micro-batch; the structure of the shape "
           "otherwise), every engine built first, then timed in alternating rounds of five updates; host ms: "
           "the median, min-max in the JSON. Launches, profiled: as host_cost counts them (the same at every "
-          "size). Over floor: host ms against the last size given, where shrinking further changes nothing.",
+          "size). Over floor: host ms against the last size given.",
           "", table(rows, [("shape", "shape"), ("system", "system"), ("step", "step"), ("layers", "layers"),
                            ("width_per_head", "width/head"), ("vocab", "vocab"), ("seq_length", "s"),
                            ("micro_batch", "micro-batch"), ("profiled", "launches, profiled"),
@@ -479,7 +483,7 @@ def main(argv=None) -> None:
     ap.add_argument("--fusion", choices=("none", "compile", "cudagraphs"), default="none",
                     help="ModelConfig.fusion of every measured model (compiled: counted by the profiler only; "
                     "cudagraphs: a GPU's, where the CUDA runtime's count sees each graph replayed as one launch)")
-    # The floor: at these sizes the host time no longer depends on them (--sizes; module docstring).
+    # The smallest sizes measured, where the host time barely depends on them (--sizes; module docstring).
     ap.add_argument("--width", type=int, default=2, help="channels per attention head (even: the decoder's rotary "
                     "embedding pairs them)")
     ap.add_argument("--vocab", type=int, default=64)
@@ -494,8 +498,18 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     tag = args.tag or git_rev(Path(args.repo))
     if args.sizes:
+        if args.json_only or args.against:
+            ap.error("--sizes writes its own results file: without --json_only and --against")
         sweep_results(args, tag)
         return
+    sizes = [args.width, args.vocab, args.seq_length, args.micro_batch]
+    before = json.loads(Path(args.against).read_text()) if args.against else []
+    if before and before[0].get("sizes") != sizes:  # checked before minutes of measuring
+        got = before[0].get("sizes")
+        ap.error(f"--against {args.against} was measured at sizes {got}, this run would be at {sizes}: measure both "
+                 "at the same --width/--vocab/--seq_length/--micro_batch" if got else
+                 f"--against {args.against} has no sizes (an older host_cost's): measure that checkout again "
+                 "with this script (--repo CHECKOUT --json_only X)")
     rows = measure(args)
     for r in rows:
         r["checkout"] = tag
@@ -504,10 +518,6 @@ def main(argv=None) -> None:
         return
     sys.path.insert(0, str(HERE))
     from common import hardware, table, write_results
-    before = json.loads(Path(args.against).read_text()) if args.against else []
-    if before and before[0].get("sizes") != rows[0]["sizes"]:
-        sys.exit(f"--against {args.against} was measured at sizes {before[0].get('sizes')}, this run at "
-                 f"{rows[0]['sizes']}: measure both at the same --width/--vocab/--seq_length/--micro_batch")
     old = {(r["shape"], r["system"], r["step"]): r for r in before}
     for r in rows:
         o = old.get((r["shape"], r["system"], r["step"]))
@@ -538,8 +548,7 @@ def main(argv=None) -> None:
           "TorchDispatchMode sees them (eager only); launches, profiled: the same under torch.profiler, with "
           "TorchInductor's kernels (eager and compiled); launches, CUDA runtime (on a GPU): the kernel launches "
           "and CUDA graph replays the device was given; host ms: "
-          f"median of {args.repeats} updates at the sizes above, the floor where shrinking further changes "
-          "nothing (min-max in the JSON).", "",
+          f"median of {args.repeats} updates at the sizes above (min-max in the JSON).", "",
           table(rows, cols), ""] + ([args.note, ""] if args.note else [])
     if "bf16" in ds_name(args) and "cpu" in hardware():
         md += ["On a CPU, bf16 matmuls and element-wise kernels are far slower than fp32 ones: here host "

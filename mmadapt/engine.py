@@ -238,7 +238,7 @@ def flat_bf16_grads(optimizer, is_pipe: bool) -> bool:
     (whose tied copies the norm skips), no MoE or Muon groups. Returns whether it applied."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 
-    # getattr: DeepSpeed before 0.19 has neither Muon nor AutoEP folding (no such attribute)
+    # getattr: DeepSpeed 0.19.0 and earlier have no AutoEP folding (no such attribute), nor Muon
     if (not isinstance(optimizer, BF16_Optimizer) or is_pipe or parallel.tp_world() > 1 or optimizer.has_moe_layers
             or getattr(optimizer, "_uses_muon", False) or getattr(optimizer, "autoep_folding_tp_group", None)
             is not None or not hasattr(optimizer, "fp32_groups_actual_gradients_flat")):
