@@ -325,8 +325,7 @@ def measure(args) -> list[dict]:
 
     gpu = torch.cuda.is_available()
     rows = []
-    for shape, system, step, cfg, engine, update in case_updates(args, args.width, args.vocab, args.seq_length,
-                                                                 args.micro_batch):
+    for shape, system, step, cfg, engine, update in case_updates(args, *sizes_of(args)):
         for _ in range(args.warmup):
             update()
         profiled, profiled_names, runtime = profiled_launches(engine, update)
@@ -341,7 +340,7 @@ def measure(args) -> list[dict]:
             sys.setprofile(None)
         times = timed(update, args.repeats)
         row = {"shape": shape, "system": system, "step": step, "layers": cfg.num_layers,
-               "sizes": [args.width, args.vocab, args.seq_length, args.micro_batch],  # main checks --against's
+               "sizes": sizes_of(args),  # main checks --against's
                "trainable_tensors": sum(p.requires_grad for p in engine.module.parameters()),
                "fusion": args.fusion,
                "profiled": sum(profiled.values()), **{f"profiled_{p}": profiled[p] for p in PHASES},
@@ -415,6 +414,11 @@ def sweep_results(args, tag: str) -> None:
                           "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")
+
+
+def sizes_of(args) -> list[int]:
+    """The sizes an update is measured at: width per head, vocabulary, sequence length, micro-batch."""
+    return [args.width, args.vocab, args.seq_length, args.micro_batch]
 
 
 def settings_of(args, **sizes) -> dict:
@@ -502,7 +506,7 @@ def main(argv=None) -> None:
             ap.error("--sizes writes its own results file: without --json_only and --against")
         sweep_results(args, tag)
         return
-    sizes = [args.width, args.vocab, args.seq_length, args.micro_batch]
+    sizes = sizes_of(args)
     before = json.loads(Path(args.against).read_text()) if args.against else []
     if before and before[0].get("sizes") != sizes:  # checked before minutes of measuring
         got = before[0].get("sizes")
