@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import socket
 
 import numpy as np
 import torch
@@ -26,13 +25,6 @@ from mmadapt.mcore import parallel_state
 # (train.prepare_data runs before the groups exist), so the default only has to cover a
 # checkpoint write and the slowest update. Override it for slow shared file systems.
 DIST_TIMEOUT_S = float(os.environ.get("MMADAPT_DIST_TIMEOUT_S", 1800))
-
-
-def free_port() -> int:
-    """A TCP port free on this host now (for a rendezvous on 127.0.0.1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def from_rank0(t: torch.Tensor) -> torch.Tensor:
@@ -72,12 +64,12 @@ def named_device(name: str | torch.device) -> torch.device:
 
 def init_distributed() -> None:
     """Join the job that the launcher (deepspeed, torchrun, srun) describes in the environment;
-    a plain `python` run becomes a world of one."""
+    a plain `python` run becomes a world of one, with no rendezvous (and no port) at all."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+    for key in ("RANK", "LOCAL_RANK"):
+        os.environ.setdefault(key, "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
     # megatron-core's tensor-parallel layers warn about this on every layer when it is unset
     # (they exist only once the groups do); on a GPU it is the right value.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -89,8 +81,14 @@ def init_distributed() -> None:
         clear_stale_extension_lock()
     from datetime import timedelta
 
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               auto_mpi_discovery=False, timeout=timedelta(seconds=DIST_TIMEOUT_S))
+    backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", timedelta(seconds=DIST_TIMEOUT_S)
+    if launched_world_size() == 1:
+        # A world of one meets no one: an in-process store instead of a TCP rendezvous. A port
+        # picked free and bound later by torch's store could be taken in between by another run
+        # starting alike (two demo workers, two `python launch/...` runs): EADDRINUSE at start.
+        # DeepSpeed adopts the group torch already has.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     _unlink_shm_allreduce_buffer()
     global _CONTROL
     # Host-side agreements (a stop signal, checked every update) go over gloo on CPU tensors:

@@ -108,3 +108,37 @@ def test_deepspeed_cpu_allreduce_buffers_leave_no_trace_in_dev_shm(tmp_path):
     lines = sorted(re.findall(r"rank \d sum [\d.]+ buffer left (?:True|False)", proc.stdout))
     assert lines == ["rank 0 sum 3.0 buffer left False", "rank 1 sum 3.0 buffer left False"], proc.stdout[-2000:]
     assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
+
+
+WORLD_OF_ONE_PROBE = """
+import os, socket, torch
+from mmadapt import parallel
+taken = socket.socket()
+taken.bind(("127.0.0.1", 0))
+taken.listen()
+port = taken.getsockname()[1]
+# Another run already holds the port: the one in the environment, and the one this process
+# would pick free (the race: a port found free is taken before torch's store binds it).
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+parallel.free_port = lambda: port
+parallel.init_parallel(1, 1)
+t = torch.ones(2)
+parallel.dist.all_reduce(t)
+print("world", parallel.dist.get_world_size(), "sum", float(t.sum()), "any", parallel.any_rank(True))
+"""
+
+
+def test_a_world_of_one_needs_no_port(tmp_path):
+    """A plain `python` run (each demo worker is one) starts whatever ports other runs hold: two
+    runs starting together once both picked the same free port and one failed, EADDRINUSE."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, child_env
+
+    script = tmp_path / "probe.py"
+    script.write_text(WORLD_OF_ONE_PROBE)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=child_env(PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world 1 sum 2.0 any True" in proc.stdout, proc.stdout[-2000:]
