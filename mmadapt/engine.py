@@ -84,7 +84,9 @@ def for_replicas(ds: dict, dp: int, ckpt_dir: Path | None = None) -> dict:
     trains without them, in the same precision and with the same fp32 master weights:
       - fp32: stage 0, torch's fused AdamW on the module's own parameters;
       - bf16: DeepSpeed's BF16_Optimizer (what DeepSpeed runs for bf16 at stage 1 with fp32
-        gradient accumulation): flat fp32 master weights and gradients, no hooks;
+        gradient accumulation): flat fp32 master weights and gradients, no ZeRO hooks (the
+        gradients reach the flat buffer in buckets of the JSON's reduce_bucket_size elements,
+        bucketed_bf16_grads);
       - fp16 keeps the JSON's stage: DeepSpeed's fp16 optimizer without ZeRO keeps no fp32
         master that mmadapt can read or set (engine._set_fp32_master, checkpoint.py).
     The run's record keeps the JSON as given (what the user chose, and what --resume compares).
@@ -97,8 +99,9 @@ def for_replicas(ds: dict, dp: int, ckpt_dir: Path | None = None) -> dict:
     if written is not None and written != ("BF16_Optimizer" if bf16 else "AdamW"):
         return ds
     out = dict(ds)
-    if bf16:
-        out["zero_optimization"] = {"stage": 1}
+    if bf16:  # the bucket size sets bucketed_bf16_grads' buckets
+        out["zero_optimization"] = {"stage": 1, **{k: v for k, v in ds["zero_optimization"].items()
+                                                   if k == "reduce_bucket_size"}}
         out["data_types"] = {**ds.get("data_types", {}), "grad_accum_dtype": "fp32"}
     else:
         out["zero_optimization"] = {"stage": 0}
@@ -265,6 +268,79 @@ def flat_bf16_grads(optimizer, is_pipe: bool) -> bool:
     return True
 
 
+def bucketed_bf16_grads(optimizer, bucket_numel: int) -> None:
+    """Where flat_bf16_grads applied: the bf16 gradients reach their fp32 slots a bucket at a time,
+    one cat and one add for each run of slots that lie back to back (at most `bucket_numel`
+    elements: the JSON's reduce_bucket_size, as ZeRO's buckets), once the last gradient of the
+    run has arrived, where DeepSpeed's hook adds each tensor's as it arrives: one launch, and its
+    Python, per trained tensor (153 of a roberta-base Step-1 update). The same additions, bit for
+    bit (the slots are the same elements; fp32 + bf16 is exact either way). A bucket keeps its bf16
+    gradients until its last arrives; what a backward leaves incomplete (a tensor that got no
+    gradient) is added tensor by tensor when the backward ends."""
+    from torch.autograd import Variable
+
+    for handle in optimizer._grad_acc_hooks:  # DeepSpeed's, one add per tensor (immediate_grad_update)
+        handle.remove()
+    optimizer._grad_acc_hooks = []
+    # Without immediate_grad_update (DeepSpeed's default) the engine's backward epilogue adds every
+    # bf16 gradient still held. It runs after the autograd engine's callbacks (the flush below has
+    # left none), but an epilogue run before them would add a gradient twice: with the flag it adds none.
+    optimizer.immediate_grad_update = True
+    # (fp32 slots back to back, their tensors as (group, index, bf16 tensor)), in each group's order
+    buckets: list[tuple[torch.Tensor, list[tuple[int, int, torch.nn.Parameter]]]] = []
+    for i, group in enumerate(optimizer.bf16_groups):
+        flat, offset, start, members = optimizer.fp32_groups_actual_gradients_flat[i], 0, 0, []
+        for j, lp in enumerate(group):
+            end = offset + lp.numel()
+            if members and (not lp.requires_grad or end - start > bucket_numel):
+                buckets.append((flat[start:offset], members))
+                members = []
+            if lp.requires_grad:  # one that never gets a gradient ends a bucket
+                start = start if members else offset
+                members.append((i, j, lp))
+            offset = end
+        if members:
+            buckets.append((flat[start:offset], members))
+    arrived: list[set[int]] = [set() for _ in buckets]
+    armed = [False]
+
+    @torch.no_grad()
+    def flush(b: int) -> None:
+        slots, members = buckets[b]
+        if len(arrived[b]) == len(members):  # bf16 read as fp32 inside the add; one tensor needs no cat
+            slots.add_(torch.cat([lp.grad.view(-1) for _, _, lp in members]) if len(members) > 1
+                       else members[0][2].grad.view(-1))
+        else:
+            for k in arrived[b]:
+                i, j, lp = members[k]
+                optimizer.fp32_groups_gradients[i][j].add_(lp.grad.view(optimizer.fp32_groups_gradients[i][j].shape))
+        for k in arrived[b]:
+            i, j, lp = members[k]
+            optimizer.fp32_groups_has_gradients[i][j] = True
+            lp.grad = None  # as DeepSpeed's hook: the fp32 slot holds it now
+        arrived[b] = set()
+
+    def end_of_backward() -> None:
+        armed[0] = False
+        for b in range(len(buckets)):
+            if arrived[b]:
+                flush(b)
+
+    def arrive(b: int, k: int) -> None:
+        if not armed[0]:  # once per backward: runs when the autograd engine has finished it
+            armed[0] = True
+            Variable._execution_engine.queue_callback(end_of_backward)
+        arrived[b].add(k)
+        if len(arrived[b]) == len(buckets[b][1]):
+            flush(b)
+
+    for b, (_, members) in enumerate(buckets):
+        for k, (i, j, lp) in enumerate(members):
+            lp._hp_grad = optimizer.fp32_groups_gradients[i][j]
+            optimizer._grad_acc_hooks.append(
+                lp.register_post_accumulate_grad_hook(lambda _, b=b, k=k: arrive(b, k)))
+
+
 def _grads_to_none(params: list[torch.nn.Parameter]) -> None:
     for p in params:
         p.grad = None
@@ -413,6 +489,7 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
         engine.zero_grad = functools.partial(_grads_to_none, trained)
     if flat_bf16_grads(engine.optimizer, is_pipe):
         sync_free_bf16_step(engine.optimizer)
+        bucketed_bf16_grads(engine.optimizer, engine.zero_reduce_bucket_size())
     if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
         _set_fp32_master(engine, names, init_state)
     return engine, dims
