@@ -169,11 +169,11 @@ def test_bf16_flat_gradients_take_deepspeeds_updates(clip, accumulate, bucket, m
     (engine.flat_bf16_grads), stepping without reading the device (engine.sync_free_bf16_step) and
     adding its gradients into them a bucket at a time (engine.bucketed_bf16_grads: the JSON's
     40M elements hold this model whole; 5,000 make 12 buckets of its 33 tensors, 8 of them one
-    tensor larger than the bucket, one of 22 small ones) against DeepSpeed's own tensor-by-tensor adding, reading and step: the same losses and
-    weights after three updates, bit for bit without clipping (the fused cast-and-add is exact);
-    with clipping the norm is summed in another order (weights to 1e-5 relative; the gradient
-    norm itself to 1e-5: 1.8e-6 measured with two micro-batches accumulated per update, a case
-    tested too)."""
+    tensor larger than the bucket, one of 22 small ones) against DeepSpeed's own tensor-by-tensor
+    adding, reading and step: the same losses and weights after three updates, bit for bit without
+    clipping (the fused cast-and-add is exact); with clipping the norm is summed in another order
+    (weights to 1e-5 relative; the gradient norm itself to 1e-5: 1.8e-6 measured with two
+    micro-batches accumulated per update, a case tested too)."""
     import mmadapt.engine as engine_mod
 
     train = dataclasses.replace(train_config(clip), gradient_accumulation_steps=accumulate)
@@ -226,7 +226,8 @@ def test_a_backward_that_reaches_some_tensors_adds_exactly_their_gradients(immed
         for i, group in enumerate(opt.bf16_groups):
             for j, p in enumerate(group):
                 want = float(n) if id(p) in reached else 0.0
-                assert torch.equal(opt.fp32_groups_gradients[i][j], torch.full_like(opt.fp32_groups_gradients[i][j], want))
+                slot = opt.fp32_groups_gradients[i][j]
+                assert torch.equal(slot, torch.full_like(slot, want)), (i, j)
 
 
 def test_one_replica_under_bf16_steps_on_its_fp32_accumulated_gradient(monkeypatch):
