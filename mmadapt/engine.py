@@ -231,8 +231,8 @@ def without_timer_syncs(ds: dict) -> dict:
 def flat_bf16_grads(optimizer, is_pipe: bool) -> bool:
     """DeepSpeed's BF16_Optimizer (one replica under bf16, for_replicas) reading its own flat fp32
     gradient buffers, where it reads them tensor by tensor. Its step takes the gradient norm as one
-    norm per trained tensor (and, when it clips, one multiply per tensor), and its backward hook adds
-    each bf16 gradient into its fp32 slot as a cast then an add: two launches per tensor, three when
+    norm per trained tensor (and, when it clips, one multiply per tensor), and it adds each bf16
+    gradient into its fp32 slot as a cast then an add: two launches per tensor, three when
     clipping (a roberta-base Step-1 update on the H200: 902 -> 598, benchmarks/results/
     host_cost_zero2_bf16_flatgrads_h200_20261129.md), each with its Python. Here
     the norm and the clip run over each group's flat buffer (the tensors' slots back to back, so the
@@ -268,41 +268,42 @@ def flat_bf16_grads(optimizer, is_pipe: bool) -> bool:
     return True
 
 
-def bucketed_bf16_grads(optimizer, bucket_numel: int) -> None:
-    """Where flat_bf16_grads applied: the bf16 gradients reach their fp32 slots a bucket at a time,
-    one cat and one add for each run of slots that lie back to back (at most `bucket_numel`
-    elements: the JSON's reduce_bucket_size, as ZeRO's buckets), once the last gradient of the
-    run has arrived, where DeepSpeed's hook adds each tensor's as it arrives: one launch, and its
-    Python, per trained tensor (153 of a roberta-base Step-1 update). The same additions, bit for
-    bit (the slots are the same elements; fp32 + bf16 is exact either way). A bucket keeps its bf16
-    gradients until its last arrives; what a backward leaves incomplete (a tensor that got no
-    gradient) is added tensor by tensor when the backward ends."""
+def bucketed_bf16_grads(optimizer, bucket_numel: int) -> bool:
+    """Where flat_bf16_grads applied, at one replica: the bf16 gradients reach their fp32 slots a
+    bucket at a time, one cat and one add for each run of slots that lie back to back (at most
+    `bucket_numel` elements: the JSON's reduce_bucket_size, as ZeRO's buckets), once the last
+    gradient of the run has arrived. DeepSpeed's default adds them tensor by tensor after the
+    backward: a launch, and its Python, per trained tensor (153 of a roberta-base Step-1 update),
+    with every bf16 gradient held until then; a bucket holds its own until its last arrives, and
+    the cat copies one bucket. The same fp32 additions of the same values as DeepSpeed's, so the
+    same bits. A bucket a backward leaves incomplete (a trained tensor that got no gradient) is
+    added tensor by tensor when that backward ends. Not where the JSON sets the bf16
+    immediate_grad_update (each gradient added and freed as it arrives, DeepSpeed's hooks: less
+    memory held). Returns whether it applied."""
     from torch.autograd import Variable
 
-    for handle in optimizer._grad_acc_hooks:  # DeepSpeed's, one add per tensor (immediate_grad_update)
-        handle.remove()
-    optimizer._grad_acc_hooks = []
-    # Without immediate_grad_update (DeepSpeed's default) the engine's backward epilogue adds every
-    # bf16 gradient still held. It runs after the autograd engine's callbacks (the flush below has
-    # left none), but an epilogue run before them would add a gradient twice: with the flag it adds none.
+    if optimizer.immediate_grad_update:
+        return False
+    # The engine's backward epilogue then adds nothing (BF16_Optimizer.update_hp_grads): run
+    # before the flush at a backward's end (a direct loss.backward() queues it first), it would add
+    # what the flush adds again.
     optimizer.immediate_grad_update = True
-    # (fp32 slots back to back, their tensors as (group, index, bf16 tensor)), in each group's order
+    # (fp32 slots back to back, their tensors as (group, index, bf16 tensor)), in each group's
+    # order; the groups hold trained tensors only
     buckets: list[tuple[torch.Tensor, list[tuple[int, int, torch.nn.Parameter]]]] = []
     for i, group in enumerate(optimizer.bf16_groups):
         flat, offset, start, members = optimizer.fp32_groups_actual_gradients_flat[i], 0, 0, []
         for j, lp in enumerate(group):
-            end = offset + lp.numel()
-            if members and (not lp.requires_grad or end - start > bucket_numel):
+            if members and offset + lp.numel() - start > bucket_numel:
                 buckets.append((flat[start:offset], members))
                 members = []
-            if lp.requires_grad:  # one that never gets a gradient ends a bucket
-                start = start if members else offset
-                members.append((i, j, lp))
-            offset = end
+            start = start if members else offset
+            members.append((i, j, lp))
+            offset += lp.numel()
         if members:
             buckets.append((flat[start:offset], members))
     arrived: list[set[int]] = [set() for _ in buckets]
-    armed = [False]
+    task = [None]  # the autograd graph task (one per backward) whose end flushes what is left
 
     @torch.no_grad()
     def flush(b: int) -> None:
@@ -313,22 +314,26 @@ def bucketed_bf16_grads(optimizer, bucket_numel: int) -> None:
         else:
             for k in arrived[b]:
                 i, j, lp = members[k]
-                optimizer.fp32_groups_gradients[i][j].add_(lp.grad.view(optimizer.fp32_groups_gradients[i][j].shape))
+                hp = optimizer.fp32_groups_gradients[i][j]
+                hp.add_(lp.grad.view(hp.shape))
         for k in arrived[b]:
             i, j, lp = members[k]
             optimizer.fp32_groups_has_gradients[i][j] = True
-            lp.grad = None  # as DeepSpeed's hook: the fp32 slot holds it now
+            lp.grad = None  # the fp32 slot holds it now (as DeepSpeed's immediate_grad_update)
         arrived[b] = set()
 
     def end_of_backward() -> None:
-        armed[0] = False
         for b in range(len(buckets)):
             if arrived[b]:
                 flush(b)
 
     def arrive(b: int, k: int) -> None:
-        if not armed[0]:  # once per backward: runs when the autograd engine has finished it
-            armed[0] = True
+        # Once per backward, by its id: a backward that raised never runs its callback, and the
+        # next one must still queue its own. (What it left arrived is still added: its bf16
+        # gradients were zeroed by the engine's backward prologue, or hold the new ones.)
+        current = torch._C._current_graph_task_id()
+        if current != task[0]:
+            task[0] = current
             Variable._execution_engine.queue_callback(end_of_backward)
         arrived[b].add(k)
         if len(arrived[b]) == len(buckets[b][1]):
@@ -337,8 +342,9 @@ def bucketed_bf16_grads(optimizer, bucket_numel: int) -> None:
     for b, (_, members) in enumerate(buckets):
         for k, (i, j, lp) in enumerate(members):
             lp._hp_grad = optimizer.fp32_groups_gradients[i][j]
-            optimizer._grad_acc_hooks.append(
+            optimizer._grad_acc_hooks.append(  # removed with DeepSpeed's (BF16_Optimizer.destroy)
                 lp.register_post_accumulate_grad_hook(lambda _, b=b, k=k: arrive(b, k)))
+    return True
 
 
 def _grads_to_none(params: list[torch.nn.Parameter]) -> None:
@@ -489,7 +495,8 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
         engine.zero_grad = functools.partial(_grads_to_none, trained)
     if flat_bf16_grads(engine.optimizer, is_pipe):
         sync_free_bf16_step(engine.optimizer)
-        bucketed_bf16_grads(engine.optimizer, engine.zero_reduce_bucket_size())
+        if parallel.dp_world() == 1:  # where nothing reduces the gradients between backward and step
+            bucketed_bf16_grads(engine.optimizer, engine.zero_reduce_bucket_size())
     if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
         _set_fp32_master(engine, names, init_state)
     return engine, dims
