@@ -2,6 +2,7 @@
 AdamW (engine.adamw): the same updates as ZeRO and as torch's reference AdamW loop, and a
 checkpoint resumes under the optimizer that wrote it."""
 
+import collections
 import dataclasses
 import json
 
@@ -203,20 +204,62 @@ def test_bf16_flat_gradients_take_deepspeeds_updates(clip, accumulate, bucket, m
     assert not torch.equal(fw["layers.0.qkv.weight"], run(ds, train, updates=0)[1]["layers.0.qkv.weight"])
 
 
-@pytest.mark.parametrize("immediate", [False, True])
-def test_a_backward_that_reaches_some_tensors_adds_exactly_their_gradients(immediate):
-    """engine.bucketed_bf16_grads where a backward leaves buckets incomplete: every other trained
-    tensor gets a gradient of ones (the loss is their sum), so most buckets of 5,000 elements lack
-    a member. At the backward's end each fp32 slot holds exactly its tensor's gradient (1 or 0), a
-    second backward adds as much again, and no bf16 gradient is left. With DeepSpeed's
-    immediate_grad_update its own per-tensor hooks are gone: no gradient is added twice."""
+def bf16_engine(bucket: int | None = None, immediate: bool | None = None):
+    """MODEL's engine at one replica under zero2_bf16.json, with this reduce_bucket_size and bf16
+    immediate_grad_update where given."""
     init_parallel(1, 1)
     train = train_config(0.0)
     given = load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train)
-    given["zero_optimization"]["reduce_bucket_size"] = 5000
-    given["bf16"]["immediate_grad_update"] = immediate
+    if bucket is not None:
+        given["zero_optimization"]["reduce_bucket_size"] = bucket
+    if immediate is not None:
+        given["bf16"]["immediate_grad_update"] = immediate
     torch.manual_seed(0)
-    engine, _, _ = lm_engine(get_family(MODEL), MODEL, train, for_replicas(given, 1))
+    return lm_engine(get_family(MODEL), MODEL, train, for_replicas(given, 1))[0]
+
+
+@pytest.mark.parametrize("bucket, immediate, ops", [(None, None, {"cat": 2, "add_": 2}),
+                                                    (5000, None, {"cat": 1, "add_": 12}),
+                                                    (None, True, {"add_": 33})])
+def test_bf16_gradients_are_added_a_bucket_at_a_time(bucket, immediate, ops):
+    """What one backward launches to add MODEL's 33 bf16 gradients into their fp32 slots
+    (engine.bucketed_bf16_grads): the JSON's 40M elements make one bucket of each parameter group
+    (one cat and one add each); 5,000 make 12 buckets, 11 of them one tensor (an add, no cat) and
+    one of 22 small ones, the first added while the backward still runs. A JSON that sets
+    immediate_grad_update keeps DeepSpeed's add per tensor as each arrives (it frees each bf16
+    gradient at once)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.order = collections.Counter(), []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            self.order.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    engine, count = bf16_engine(bucket, immediate), Count()
+    backward = engine.backward
+
+    def counted(loss, **kwargs):
+        with count:
+            return backward(loss, **kwargs)
+    engine.backward = counted
+    lm_step(engine, batches(1), 1)
+    assert {k: v for k, v in count.ops.items() if k in ("cat", "add_")} == ops
+    if bucket is not None:  # a bucket of the last layer is added while the backward goes on below it
+        last_matmul = max(i for i, name in enumerate(count.order) if name in ("mm", "addmm", "bmm"))
+        assert count.order.index("add_") < last_matmul
+
+
+def test_a_backward_that_reaches_some_tensors_adds_exactly_their_gradients():
+    """engine.bucketed_bf16_grads where a backward leaves buckets incomplete: every other trained
+    tensor gets a gradient of ones (the loss is their sum), so most buckets of 5,000 elements lack
+    a member. At the backward's end each fp32 slot holds exactly its tensor's gradient (1 or 0), a
+    second backward adds as much again, and no bf16 gradient is left."""
+    engine = bf16_engine(5000)
     opt = engine.optimizer
     params = [p for group in opt.bf16_groups for p in group]
     reached = {id(p) for p in params[::2]}
