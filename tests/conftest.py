@@ -200,8 +200,9 @@ def launch_cmd(nproc: int, *args: str, script: str = PRETRAIN, launcher: str = "
         return ["deepspeed", "--num_gpus", str(nproc), "--master_port", str(_port()), script, *args]
     # --standalone: torchrun's own store binds a port the system picks, in the same call. A port
     # found free here and bound later by the launcher can be taken in between (EADDRINUSE).
+    # --local-addr: the ranks meet on the loopback, not at the host name's address.
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-            script, *args]
+            "--local-addr", "127.0.0.1", script, *args]
 
 
 _LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
