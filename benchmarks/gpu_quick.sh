@@ -88,6 +88,10 @@ step profile-compile   60 python3 benchmarks/profile_update.py --real --dropout 
 step profile-minipost  45 python3 benchmarks/profile_update.py --real --dropout --only minipost:adapt "${PROF[@]}"
 GPU_TESTS=(-m gpu -k "bf16 or micro_batch or cudagraphs" tests/test_gpu.py)
 [ -z "${SMOKE:-}" ] && step gpu-tests 90 python3 -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}"
+# One replica under bf16 against DeepSpeed's own adding, norm and step, on the device a run trains
+# on (test_replicas runs on CUDA where there is one): engine.bucketed_bf16_grads' hooks and
+# end-of-backward flush on autograd's device threads.
+[ -z "${SMOKE:-}" ] && step replicas-bf16 90 python3 -m pytest -q -p no:cacheprovider tests/test_replicas.py -k bf16
 echo
 [ ${#failed[@]} -gt 0 ] && { echo "failed: ${failed[*]}"; exit 1; }
 echo "all written to $MMADAPT_BENCH_RESULTS/"

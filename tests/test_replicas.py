@@ -254,7 +254,7 @@ def test_bf16_gradients_are_added_a_bucket_at_a_time(bucket, immediate, ops):
         assert count.order.index("add_") < last_matmul
 
 
-def test_a_backward_that_reaches_some_tensors_adds_exactly_their_gradients():
+def test_a_bf16_backward_that_reaches_some_tensors_adds_exactly_their_gradients():
     """engine.bucketed_bf16_grads where a backward leaves buckets incomplete: every other trained
     tensor gets a gradient of ones (the loss is their sum), so most buckets of 5,000 elements lack
     a member. At the backward's end each fp32 slot holds exactly its tensor's gradient (1 or 0), a
