@@ -90,7 +90,8 @@ GPU_TESTS=(-m gpu -k "bf16 or micro_batch or cudagraphs" tests/test_gpu.py)
 [ -z "${SMOKE:-}" ] && step gpu-tests 90 python3 -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}"
 # One replica under bf16 against DeepSpeed's own adding, norm and step, on the device a run trains
 # on (test_replicas runs on CUDA where there is one): engine.bucketed_bf16_grads' hooks and
-# end-of-backward flush on autograd's device threads.
+# end-of-backward flush on autograd's device threads. Its bit-for-bit comparisons assume the two
+# runs' kernels are deterministic: a CUDA attention backward that accumulates atomically is not.
 [ -z "${SMOKE:-}" ] && step replicas-bf16 90 python3 -m pytest -q -p no:cacheprovider tests/test_replicas.py -k bf16
 echo
 [ ${#failed[@]} -gt 0 ] && { echo "failed: ${failed[*]}"; exit 1; }
