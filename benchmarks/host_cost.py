@@ -16,8 +16,10 @@ tied or untied output, clipping), under a ds_configs/ JSON as a run of one repli
   asynchronously only while the host keeps ahead. Of them, the **device reads**: ops whose
   result the host reads (`.item()`, `bool(tensor)`, `nonzero`), each a wait for every queued
   kernel on a GPU, after which the host's next launches find the device idle.
-- **Python calls**: function calls the update makes into DeepSpeed (and, of them, the gradient
-  hooks fired: ZeRO's `grad_handling_hook`, one per trainable tensor) and into mmadapt.
+- **Python calls**: function calls the update makes into DeepSpeed and into mmadapt, and of
+  them the gradient hooks fired, one per trainable tensor where there are any: ZeRO's
+  `grad_handling_hook`, and from 2026-12-01 mmadapt's own at one replica under bf16
+  (engine.bucketed_bf16_grads, Python only: it launches nothing until a bucket is complete).
 - **host time**: the update's wall time at the same structure with every size shrunk to the
   smallest measured (`--width` 2 channels per head, the decoder's rotary pairs' least; vocabulary
   64; 8 tokens x 1 sequence), where the time barely depends on the sizes any more: halving the
@@ -135,6 +137,8 @@ class Counter:
                 self.py["grad_hooks"] += 1
         elif "/mmadapt/" in f:
             self.py["mmadapt"] += 1
+            if frame.f_code.co_name == "bf16_grad_arrived":  # engine.bucketed_bf16_grads' hook
+                self.py["grad_hooks"] += 1
         self.py["all"] += 1
 
 

@@ -327,7 +327,7 @@ def bucketed_bf16_grads(optimizer, bucket_numel: int) -> bool:
             if arrived[b]:
                 flush(b)
 
-    def arrive(b: int, k: int) -> None:
+    def bf16_grad_arrived(b: int, k: int) -> None:  # the name benchmarks/host_cost.py counts
         # Once per backward, by its id: a backward that raised never runs its callback, and the
         # next one must still queue its own. (What it left arrived is still added: its bf16
         # gradients were zeroed by the engine's backward prologue, or hold the new ones.)
@@ -343,7 +343,7 @@ def bucketed_bf16_grads(optimizer, bucket_numel: int) -> bool:
         for k, (i, j, lp) in enumerate(members):
             lp._hp_grad = optimizer.fp32_groups_gradients[i][j]
             optimizer._grad_acc_hooks.append(  # removed with DeepSpeed's (BF16_Optimizer.destroy)
-                lp.register_post_accumulate_grad_hook(lambda _, b=b, k=k: arrive(b, k)))
+                lp.register_post_accumulate_grad_hook(lambda _, b=b, k=k: bf16_grad_arrived(b, k)))
     return True
 
 
