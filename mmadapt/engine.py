@@ -381,7 +381,9 @@ def sync_free_bf16_step(optimizer) -> bool:
             raise NotImplementedError(f"{type(optimizer).__name__} does not support closure.")
         optimizer.overflow = False  # known on the device only (FOUND_INF)
         norm = torch.stack(torch._foreach_norm(flats)).pow(2).sum().pow(0.5)
-        nonfinite = torch.isfinite(norm).logical_not().float()
+        # inf - inf and NaN - NaN are NaN, x - x is 0 otherwise: two launches where
+        # torch.isfinite(norm).logical_not() takes five (isfinite is abs, ne, eq and mul)
+        nonfinite = norm.sub(norm).ne(0).float()
         optimizer._global_grad_norm = norm
         setattr(optimizer, FOUND_INF, nonfinite)
         if optimizer.clip_grad > 0.0:
