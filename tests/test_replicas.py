@@ -164,6 +164,17 @@ def test_foreach_clipping_clips_as_deepspeed_does():
         torch.testing.assert_close(weights[True][n], weights[False][n], rtol=1e-5, atol=1e-6, msg=n)
 
 
+def bf16_ds(train, bucket: int | None = None, immediate: bool | None = None) -> dict:
+    """zero2_bf16.json as a run of one replica trains under it (for_replicas), with this
+    reduce_bucket_size and bf16 immediate_grad_update where given."""
+    given = load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train)
+    if bucket is not None:
+        given["zero_optimization"]["reduce_bucket_size"] = bucket
+    if immediate is not None:
+        given["bf16"]["immediate_grad_update"] = immediate
+    return for_replicas(given, 1)
+
+
 @pytest.mark.parametrize("clip, accumulate, bucket", [(0.0, 1, None), (1.0, 1, None), (1.0, 2, None), (0.0, 2, 5000)])
 def test_bf16_flat_gradients_take_deepspeeds_updates(clip, accumulate, bucket, monkeypatch):
     """One replica under bf16 (DeepSpeed's BF16_Optimizer) reading its flat fp32 gradient buffers
@@ -178,10 +189,7 @@ def test_bf16_flat_gradients_take_deepspeeds_updates(clip, accumulate, bucket, m
     import mmadapt.engine as engine_mod
 
     train = dataclasses.replace(train_config(clip), gradient_accumulation_steps=accumulate)
-    given = load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train)
-    if bucket is not None:
-        given["zero_optimization"]["reduce_bucket_size"] = bucket
-    ds = for_replicas(given, 1)
+    ds = bf16_ds(train, bucket)
     fl, fw, fopt, flat = run(ds, train)
     assert flat.zero_reduce_bucket_size() == (bucket or 40_000_000)
     skipped = []  # the optimizers build_engine would have handed to flat_bf16_grads
@@ -205,17 +213,11 @@ def test_bf16_flat_gradients_take_deepspeeds_updates(clip, accumulate, bucket, m
 
 
 def bf16_engine(bucket: int | None = None, immediate: bool | None = None):
-    """MODEL's engine at one replica under zero2_bf16.json, with this reduce_bucket_size and bf16
-    immediate_grad_update where given."""
+    """MODEL's engine under bf16_ds (unclipped)."""
     init_parallel(1, 1)
     train = train_config(0.0)
-    given = load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train)
-    if bucket is not None:
-        given["zero_optimization"]["reduce_bucket_size"] = bucket
-    if immediate is not None:
-        given["bf16"]["immediate_grad_update"] = immediate
     torch.manual_seed(0)
-    return lm_engine(get_family(MODEL), MODEL, train, for_replicas(given, 1))[0]
+    return lm_engine(get_family(MODEL), MODEL, train, bf16_ds(train, bucket, immediate))[0]
 
 
 @pytest.mark.parametrize("bucket, immediate, ops", [(None, None, {"cat": 2, "add_": 2}),
@@ -279,7 +281,7 @@ def test_one_replica_under_bf16_steps_on_its_fp32_accumulated_gradient(monkeypat
     two bf16 gradients as it is. The all-reduce cast that buffer to bf16 (DeepSpeed's
     communication_data_type) and back, which rounded every element to a bf16 value."""
     train = dataclasses.replace(train_config(0.0), gradient_accumulation_steps=2)
-    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1)
+    ds = bf16_ds(train)
     init_parallel(1, 1)
     torch.manual_seed(0)
     engine, _, _ = lm_engine(get_family(MODEL), MODEL, train, ds)
@@ -302,10 +304,7 @@ def test_the_flat_bf16_gradients_apply_under_a_deepspeed_without_autoep():
     run's build (setup.py admits DeepSpeed 0.19.0). Without the attribute the flat path applies."""
     from mmadapt.engine import flat_bf16_grads
 
-    init_parallel(1, 1)
-    train = train_config(0.0)
-    engine, _, _ = lm_engine(get_family(MODEL), MODEL, train,
-                             for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1))
+    engine = bf16_engine()
     vars(engine.optimizer).pop("autoep_folding_tp_group", None)  # under DeepSpeed 0.19.0 it is already absent
     assert flat_bf16_grads(engine.optimizer, is_pipe=False)
 
@@ -323,7 +322,7 @@ def test_a_non_finite_gradient_skips_the_bf16_step_on_the_device(clip, tmp_path,
     from mmadapt.faults import Diverged
 
     train = train_config(clip)
-    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1)
+    ds = bf16_ds(train)
 
     def two_updates():
         """(engine, its state before any update, after update 1, after update 2 whose gradient is
@@ -382,7 +381,7 @@ def test_a_bf16_checkpoint_resumes_exactly(tmp_path):
     fp32 master weight after it are those of three updates without the stop, bit for bit; the
     resumed engine steps with the sync-free step too."""
     train = train_config(1.0)
-    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero2_bf16.json", train), 1)
+    ds = bf16_ds(train)
     ref, _, _, straight = run(ds, train, updates=3)
     ckpt = tmp_path / "checkpoints"
     _, _, _, engine = run(ds, train, updates=2)
