@@ -311,11 +311,10 @@ def bucketed_bf16_grads(optimizer, bucket_numel: int) -> bool:
         if len(arrived[b]) == len(members):  # bf16 read as fp32 inside the add; one tensor needs no cat
             slots.add_(torch.cat([lp.grad.view(-1) for _, _, lp in members]) if len(members) > 1
                        else members[0][2].grad.view(-1))
-        else:
+        else:  # each tensor's own add (flat_bf16_grads' update_hp_grad)
             for k in arrived[b]:
                 i, j, lp = members[k]
-                hp = optimizer.fp32_groups_gradients[i][j]
-                hp.add_(lp.grad.view(hp.shape))
+                optimizer._update_hp_grad(lp, i, j, clear_lp_grads=False)
         for k in arrived[b]:
             i, j, lp = members[k]
             optimizer.fp32_groups_has_gradients[i][j] = True
