@@ -592,14 +592,50 @@ def _last_good(ckpt_dir: Path, fix: str) -> str:
             "in a new --output_dir")
 
 
-def _first_nonfinite(bad_at: torch.Tensor) -> int | None:
-    """The first update with a non-finite loss on any rank (None: none). Collective."""
-    t = bad_at.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return None if t.item() == _FINITE else int(t.item())
+class Unchecked:
+    """Updates whose losses (and sync_free_bf16_step's flag) the host has not yet looked at: each
+    update is kept as its tensors, and `first_nonfinite` examines them all at once, where the loop
+    reads the device anyway (a log line, a checkpoint, a skipped step). Checking each update as it
+    ended took 9-12 launches on every update (isfinite is four, then all, the flag's, a running
+    minimum); keeping its tensors takes none. They are a few numbers each; past FOLD of them (a
+    long log interval) they are reduced on the device to the first bad one's number, still
+    without a read."""
+
+    FOLD = 256
+
+    def __init__(self):
+        self.updates: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
+        self.first: torch.Tensor | None = None  # [1] int64: the first bad update of those folded, or _FINITE
+
+    def add(self, update: int, losses: torch.Tensor, skipped: torch.Tensor | None) -> None:
+        """update: its number (1-based); losses [k] as step_fn returned them; skipped: found_inf's flag."""
+        self.updates.append((update, losses, skipped))
+        if len(self.updates) >= self.FOLD:
+            self._fold()
+
+    def _fold(self) -> None:
+        numbers, losses, flags = zip(*self.updates)
+        bad = ~torch.stack(losses).isfinite().all(dim=1)  # [n]
+        if any(f is not None for f in flags):
+            zero = torch.zeros((), device=losses[0].device)
+            bad |= torch.stack([zero if f is None else f.reshape(()) for f in flags]).ne(0)
+        at = torch.tensor(numbers, dtype=torch.int64).to(losses[0].device, non_blocking=True)
+        first = torch.where(bad, at, _FINITE).min().reshape(1)
+        self.first = first if self.first is None else torch.minimum(self.first, first)
+        self.updates.clear()
+
+    def first_nonfinite(self, device) -> int | None:
+        """The first update since the last call whose loss or flag was not finite, on any rank
+        (None: none). Collective: every rank calls it at the same point of the loop."""
+        if self.updates:
+            self._fold()
+        first = self.first if self.first is not None else torch.full((1,), _FINITE, dtype=torch.int64, device=device)
+        self.first = None
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        return None if first.item() == _FINITE else int(first.item())
 
 
-_FINITE = 2**62  # bad_at's value while every loss has been finite
+_FINITE = 2**62  # Unchecked.first_nonfinite's value while every loss has been finite
 
 
 @dataclasses.dataclass
@@ -656,11 +692,11 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     log = MetricsLog(run_dir, start)
     bar = tqdm(total=total, initial=start, disable=not rank0, desc=job.label, unit="upd", mininterval=2.0)
     rows, since, t_last, loss_sum = [], 0, time.perf_counter(), None
-    bad_at = torch.full((1,), _FINITE, dtype=torch.int64, device=engine.device)
+    unchecked = Unchecked()
     done, skipped, saved = start, 0, None
 
     def check_finite() -> None:
-        first = _first_nonfinite(bad_at)
+        first = unchecked.first_nonfinite(engine.device)
         if first is not None:
             fix = "lower --lr, raise the warm-up or enable gradient clipping"
             raise Diverged(f"{job.label}: the loss (or its gradient) is not finite at update {first} (of {total}); "
@@ -683,12 +719,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
             while done < total:
                 local = step_fn(position).detach()
                 position += 1
-                # Device-side bookkeeping only: the first update whose loss (or, where the step
-                # skips on the device, sync_free_bf16_step, whose gradient norm) is not finite.
-                finite, skipped_here = torch.isfinite(local).all(), found_inf(engine)
-                if skipped_here is not None:  # a non-finite gradient norm, known on the device only
-                    finite = finite & skipped_here.eq(0)
-                bad_at = torch.where(finite | (bad_at != _FINITE), bad_at, torch.full_like(bad_at, done + 1))
+                # Looked at with the next read of the device (check_finite): whether its loss, or
+                # where the step skips on the device (sync_free_bf16_step) its gradient norm, is finite.
+                unchecked.add(done + 1, local, found_inf(engine))
                 if not engine.was_step_applied():  # a Python flag: DeepSpeed's overflow check already synced
                     check_finite()  # DeepSpeed also skips the steps of a non-finite loss: name that first
                     skipped += 1

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from mmadapt import faults
+from mmadapt import engine as engine_module, faults
 from mmadapt.config import TrainConfig
 from mmadapt.engine import LoopJob, train_loop
 from mmadapt.parallel import init_parallel
@@ -169,15 +169,44 @@ def test_skipped_steps_do_not_count_as_updates(tmp_path):
     assert (saved["step"], saved["position"]) == (3, 6)  # three updates, six batches consumed
 
 
-def test_a_non_finite_loss_is_named_by_its_update(tmp_path):
+@pytest.mark.parametrize("fold", [None, 2])
+def test_a_non_finite_loss_is_named_by_its_update(tmp_path, monkeypatch, fold):
+    """The first non-finite update is named, also where the updates kept unchecked are folded on
+    the device in between (engine.Unchecked: every 2 here; updates 4-5 and 6 apart)."""
+    if fold is not None:
+        monkeypatch.setattr(engine_module.Unchecked, "FOLD", fold)
     engine = FakeEngine()
 
     def step(position):
-        return torch.tensor([float("nan") if position == 4 else 1.0])
+        return torch.tensor({4: [float("nan")], 5: [float("inf")]}.get(position, [1.0]))
 
     with pytest.raises(faults.Diverged, match=r"the loss \(or its gradient\) is not finite at update 5 "):
         _loop(tmp_path, engine, step, log_interval=3)
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [3]
+
+
+def test_an_update_between_log_lines_dispatches_one_operator_of_its_own(tmp_path):
+    """train_loop's own work on the device per update, between log lines: the running loss sum
+    and nothing else (the finite check waits for the next read: engine.Unchecked)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    dispatched, at_call = [], []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                dispatched.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    losses = [torch.tensor([float(i)]) for i in range(8)]  # made before: the step dispatches nothing
+
+    def step(position):
+        at_call.append(len(dispatched))
+        return losses[position]
+
+    with Count():
+        _loop(tmp_path, FakeEngine(), step, total=8, log_interval=100)
+    assert [b - a for a, b in zip(at_call[1:], at_call[2:])] == [1] * 6, dispatched
 
 
 def test_divergence_names_the_last_good_checkpoint_or_says_there_is_none(tmp_path):
