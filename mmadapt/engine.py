@@ -512,6 +512,8 @@ def is_pipeline(engine) -> bool:
 def mean_over_ranks(local: torch.Tensor, is_pipe: bool) -> torch.Tensor:
     """Average a per-rank loss tensor over the data-parallel replicas. In a pipeline only the
     last stage computes losses (the others hold zeros), so the sum runs over every rank."""
+    if not is_pipe and parallel.dp_world() == 1:  # a sum over one rank, divided by 1: itself
+        return local.detach()
     total = local.detach().clone()
     if is_pipe:
         dist.all_reduce(total)

@@ -319,15 +319,17 @@ def lm_step(engine, batches, num_heads: int) -> torch.Tensor:
     if is_pipeline(engine):
         engine.train_batch(_pipe_batches(engine, batches, dev))
         return take_head_losses(engine.module, num_heads, engine.device)
-    per_head = torch.zeros(num_heads, device=dev)
+    per_head, n = None, len(batches)
     for b in map(functools.partial(batch_to_device, dev=dev), batches):
         split = {} if b.split is None else {"split": b.split}  # only with replay: a family's forward may not take it
         loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
                                   padding=b.padding, **split)
         engine.backward(with_placeholders(loss, engine.module))
         engine.step()
-        per_head += heads_loss / len(batches)
-    return per_head
+        # The same sum as from zeros, to the bit (0 + x and x / 1 are x), without their launches
+        part = heads_loss if n == 1 else heads_loss / n
+        per_head = part if per_head is None else per_head.add_(part)
+    return per_head if per_head is not None else torch.zeros(num_heads, device=dev)
 
 
 @torch.no_grad()

@@ -538,6 +538,9 @@ def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index:
             losses.append(F.cross_entropy(logits, targets))
         else:
             losses.append(tensor_parallel.vocab_parallel_cross_entropy(logits, targets).mean())
+    if len(losses) == 1 and loss_weights is None and split is None:
+        # One head's mean is its loss, to the bit: no stack and mean (two launches, and their backward)
+        return losses[0], losses[0].detach().reshape(1)
     per_head = torch.stack(losses)
     weights = per_head.new_tensor(loss_weights) if loss_weights is not None else None
     loss = per_head.mean() if weights is None else (per_head * weights).sum()
