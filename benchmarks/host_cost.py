@@ -77,7 +77,9 @@ HERE = Path(__file__).resolve().parent
 
 # Operators that launch nothing on a device: views (is_view) and these.
 NO_LAUNCH = {"detach", "alias", "empty", "empty_strided", "lift_fresh", "_unsafe_view", "set_", "resize_",
-             "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"}
+             "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type",
+             # torch.optim's step inside record_function: a profiler range on the host, no kernel
+             "_record_function_enter_new", "_record_function_exit"}
 PHASES = ("forward", "backward", "step", "other")
 # Operators whose result the host reads: a device synchronization each on a GPU.
 READS = {"_local_scalar_dense", "is_nonzero", "nonzero", "equal"}
