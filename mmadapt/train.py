@@ -32,7 +32,7 @@ from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VAL
                           ReplayBatches,
                           block_index, block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
                           load_checked_tokenizer, micro_batch_range, prepare, read_manifest, replay_blocks, wait_for)
-from mmadapt.engine import (LoopJob, build_engine, is_pipeline, mean_over_ranks, set_trainable, train_loop,
+from mmadapt.engine import (LoopJob, backward, build_engine, is_pipeline, mean_over_ranks, set_trainable, train_loop,
                             trainable_by_names, with_placeholders)
 from mmadapt.features import Encoded
 from mmadapt.family import ModelFamily
@@ -324,7 +324,7 @@ def lm_step(engine, batches, num_heads: int) -> torch.Tensor:
         split = {} if b.split is None else {"split": b.split}  # only with replay: a family's forward may not take it
         loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
                                   padding=b.padding, **split)
-        engine.backward(with_placeholders(loss, engine.module))
+        backward(engine, with_placeholders(loss, engine.module))
         engine.step()
         # The same sum as from zeros, to the bit (0 + x and x / 1 are x), without their launches
         part = heads_loss if n == 1 else heads_loss / n
@@ -368,7 +368,7 @@ def task_step(engine, enc: Encoded, order: EpochOrder, cfg: LoopConfig, position
         extra = {k: t.to(engine.device, non_blocking=True) for k, t in enc.rows(idx).items()}  # token types, if any
         loss, _ = engine(ids.to(engine.device, non_blocking=True), enc.labels[idx].to(engine.device, non_blocking=True),
                          padding=Padding.of(ids), **extra)
-        engine.backward(loss)
+        backward(engine, loss)
         engine.step()
         loss_sum += loss.detach() / cfg.gradient_accumulation_steps
     return loss_sum
