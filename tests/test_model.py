@@ -104,3 +104,22 @@ def test_backward_reaches_every_parameter():
     model(ids, labels)[0].backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert missing == []
+
+
+def test_frozen_positions_are_the_tables_rows_and_trained_ones_its_lookup():
+    """layers.position_rows: a frozen table (Step 2 on) gives a view of its first s rows, the same
+    numbers as the lookup; a trained one the lookup itself, whose backward sums each position's
+    gradient over the batch as the lookup always has."""
+    from mmadapt.models.layers import position_rows
+
+    table = torch.nn.Embedding(10, 4)
+    lookup = table(torch.arange(6))
+    trained = position_rows(table, 6)
+    assert trained.grad_fn is not None and "Embedding" in type(trained.grad_fn).__name__
+    assert torch.equal(trained, lookup)
+    table.weight.requires_grad_(False)
+    frozen = position_rows(table, 6)
+    assert frozen._base is table.weight and frozen.shape == (6, 4) and torch.equal(frozen, lookup)
+    table.weight.requires_grad_(True)
+    with torch.no_grad():
+        assert position_rows(table, 6)._base is table.weight

@@ -117,6 +117,16 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     return x * keep.mul_(65536 / k)
 
 
+def position_rows(table: nn.Embedding, s: int) -> torch.Tensor:
+    """Learned positions 0..s-1 -> [s, h]. Frozen (Step 2 on), the table's first s rows as a
+    view: the same numbers as their lookup, without its arange and gather. Trained, the lookup,
+    whose backward sums each position's gradient in the order it always has (a broadcast add's
+    backward would sum the batch in another order: other bits)."""
+    if table.weight.requires_grad and torch.is_grad_enabled():
+        return table(torch.arange(s, device=table.weight.device))
+    return table.weight[:s]
+
+
 class Dropout(nn.Dropout):
     """nn.Dropout through `dropout` (the faster CPU mask)."""
 

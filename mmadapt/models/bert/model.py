@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mmadapt.config import ModelConfig
-from mmadapt.models.layers import Padding, attention_mask, derive_seed, run_layers
+from mmadapt.models.layers import Padding, attention_mask, derive_seed, position_rows, run_layers
 from mmadapt.models.roberta.model import EmbeddingPost, Pooler, RobertaEncoder, RobertaForTask, RobertaMLM
 from mmadapt.parallel import seeded
 
@@ -39,12 +39,12 @@ class BertEmbeddingPost(EmbeddingPost):
     def forward(self, word_embeds: torch.Tensor, token_types: torch.Tensor | None = None) -> torch.Tensor:
         """word_embeds [b, s, h], token_types [b, s] (None: type 0 everywhere) -> [b, s, h]. A
         one-type model reads type 0 whatever it is given (its second segment has no row of its own)."""
-        positions = torch.arange(word_embeds.shape[1], device=word_embeds.device)
+        positions = position_rows(self.position_embeddings, word_embeds.shape[1])  # [s, h]
         if token_types is None or self.token_type_embeddings.num_embeddings == 1:
             types = self.token_type_embeddings.weight[0]  # [h], broadcast over [b, s]
         else:
             types = self.token_type_embeddings(token_types)
-        return self.dropout(self.layernorm(word_embeds + self.position_embeddings(positions) + types))
+        return self.dropout(self.layernorm(word_embeds + positions + types))
 
 
 class BertEncoding:

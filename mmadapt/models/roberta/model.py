@@ -31,8 +31,8 @@ from torch import nn
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Dropout, Jagged, Padding, WordEmbedding, attention_mask, attention_rng,
                                    column_linear, cpu_path, derive_seed, dropout, gathered, head_logits, head_losses,
-                                   masked_positions, normal_init, row_linear, run_layers, split_vocab, to_tp_region,
-                                   varlen_attention, vocab_linear)
+                                   masked_positions, normal_init, position_rows, row_linear, run_layers, split_vocab,
+                                   to_tp_region, varlen_attention, vocab_linear)
 from mmadapt.parallel import seeded
 from mmadapt.tokens import PAD_ID
 
@@ -49,8 +49,8 @@ class EmbeddingPost(nn.Module):
         self.dropout = Dropout(config.hidden_dropout)
 
     def forward(self, word_embeds: torch.Tensor) -> torch.Tensor:  # [b, s, h] -> [b, s, h]
-        positions = torch.arange(word_embeds.shape[1], device=word_embeds.device)
-        return self.dropout(self.layernorm(word_embeds + self.position_embeddings(positions)))
+        positions = position_rows(self.position_embeddings, word_embeds.shape[1])  # [s, h]
+        return self.dropout(self.layernorm(word_embeds + positions))
 
 
 class TransformerLayer(nn.Module):
