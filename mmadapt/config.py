@@ -481,10 +481,13 @@ def _redefault(name: str, value):
 # else (data, tokenizer, model, batch sizes, seed, schedule) belongs to the run being resumed.
 # And `fusion`: it changes which kernels compute the same model (equal in fp32 to rounding,
 # tests/test_fusion.py; compiled dropout draws its masks differently), not what is trained.
-# `micro_batch_fill` likewise: it changes how an update's blocks are split, not which.
+# `micro_batch_fill` likewise: it changes how an update's blocks are split, not which. And the
+# DeepSpeed JSON's bucket sizes: how gradients are grouped to be reduced (or, at one replica,
+# added: engine.bucketed_bf16_grads), not what is trained; ds_configs/ tunes them between releases
+# (zero1_bf16.json gained reduce_bucket_size on 2026-12-01).
 CHANGEABLE_ON_RESUME = ("log_interval", "save_interval", "exit_interval", "eval_interval", "eval_iters",
                         "extra_save_steps", "keep_last", "max_skipped_steps", "eval_batch_tokens", "metric",
-                        "fusion", "plugin_eval_blocks", "micro_batch_fill")
+                        "fusion", "plugin_eval_blocks", "micro_batch_fill", "reduce_bucket_size", "allgather_bucket_size")
 EXPAND_ONLY = ("expand_output_start", "expand_source_nats")  # TrainConfig fields only --vocab_mode expand reads
 # Values of a field that a --resume reads as the same: runs recorded before 2026-11-27 hold
 # replay_fraction 0.0 where no replay text was given, runs since then leave it unset.

@@ -216,6 +216,24 @@ def test_a_run_recorded_with_replay_fraction_0_resumes(tmp_path):
                 check_same_run(record, {"train": {"replay_fraction": None, "seed": 1}})
 
 
+def test_a_run_resumes_under_other_bucket_sizes_but_not_another_zero_stage(tmp_path):
+    """A run recorded under zero1_bf16.json before it set reduce_bucket_size resumes under the
+    file as it is now (bucket sizes group the reduction, they do not change what is trained:
+    config.CHANGEABLE_ON_RESUME); another ZeRO stage is a changed run."""
+    import json
+
+    from mmadapt.run import check_same_run
+
+    record = tmp_path / "run.json"
+    before = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}}
+    record.write_text(json.dumps({"ds_config": before}))  # zero1_bf16.json as it was until 2026-12-01
+    now = json.loads((REPO / "ds_configs" / "zero1_bf16.json").read_text())
+    assert now["zero_optimization"]["reduce_bucket_size"] == 40_000_000
+    check_same_run(record, {"ds_config": now})
+    with pytest.raises(ValueError, match="ds_config.zero_optimization.stage is 2 here but 1"):
+        check_same_run(record, {"ds_config": {**now, "zero_optimization": {"stage": 2}}})
+
+
 def test_mmadapt_tiny_shrinks_sizes_and_nothing_else(monkeypatch):
     """MMADAPT_TINY=1 (config.tiny_sizes): a preset becomes its family's small one, the sizes a
     command line or a preset gives are capped (a smaller one given is kept), every other flag is
