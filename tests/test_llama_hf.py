@@ -301,7 +301,8 @@ def test_rope_scaling_is_positions_divided_by_the_factor():
     inv = 1.0 / 1e4 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
     angles = (torch.arange(12, dtype=torch.float64)[:, None] / 4.0) * inv
     torch.testing.assert_close(cos, torch.cat([angles, angles], 1).cos().float(), rtol=0, atol=1e-6)
-    torch.testing.assert_close(sin, torch.cat([angles, angles], 1).sin().float(), rtol=0, atol=1e-6)
+    # rotary_table's sin has its first half negated (what `rotate` multiplies)
+    torch.testing.assert_close(sin, torch.cat([-angles, angles], 1).sin().float(), rtol=0, atol=1e-6)
     assert not torch.allclose(rotary_table(12, 8, 1e4, x)[0], cos)
 
 

@@ -70,9 +70,10 @@ class RMSNorm(nn.Module):
 
 def rotary_table(s: int, head_dim: int, base: float, like: torch.Tensor,
                  interpolation: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each [s, hd], for positions 0..s-1, in `like`'s dtype and device; with
-    `interpolation` (ModelConfig.seq_len_interpolation_factor) position p turns as p / factor
-    would.
+    """(cos, signed sin), each [s, hd], for positions 0..s-1, in `like`'s dtype and device: the
+    sin's first half negated, as `rotate` multiplies it (once here, not per layer for q and for k:
+    four launches of every layer's forward). With `interpolation`
+    (ModelConfig.seq_len_interpolation_factor) position p turns as p / factor would.
 
     Built once per forward pass and handed to every layer (not cached on the module): it costs
     O(s * hd), nothing next to one layer's matmuls, and a cache keyed by (s, device, dtype)
@@ -86,7 +87,9 @@ def rotary_table(s: int, head_dim: int, base: float, like: torch.Tensor,
         inv_freq = inv_freq / interpolation
     freqs = torch.arange(s, dtype=torch.float32, device=like.device)[:, None] * inv_freq  # [s, hd/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [s, hd]: dimension i pairs with i + hd/2
-    return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+    sin = angles.sin()
+    sin[..., :head_dim // 2].neg_()  # exact: negated before or after the cast, the same bits
+    return angles.cos().to(like.dtype), sin.to(like.dtype)
 
 
 def config_rotary_table(config: ModelConfig, s: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,13 +100,11 @@ def config_rotary_table(config: ModelConfig, s: int, like: torch.Tensor) -> tupl
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate each (i, i + hd/2) pair of x [b, heads, s, hd] by its position's angle:
     x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] computed as roll(x) = [x2, x1]
-    times a sin whose first half is negated. The table's sign flip is O(s * hd); the activations
-    get one copy (the roll) instead of a negation, two slices and a concatenation, bit for bit
-    the same result."""
-    cos, sin = rope
-    half = x.shape[-1] // 2
-    signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)  # [s, hd]
-    return x * cos + x.roll(half, dims=-1) * signed_sin
+    times a sin whose first half is negated (rope: `rotary_table`'s (cos, signed sin) [s, hd]).
+    The activations get one copy (the roll) instead of a negation, two slices and a
+    concatenation, bit for bit the same result."""
+    cos, signed_sin = rope
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class DecoderLayer(nn.Module):
