@@ -207,12 +207,15 @@ def foreach_clip(engine) -> torch.Tensor:
     device = params[0].device if params else parallel.device()
     total = (torch.stack(torch._foreach_norm(counted)).float().pow(2).sum() if counted
              else torch.zeros((), device=device))
-    if mpu is not None:
+    # Over a group of one rank each reduction is the value itself (a sum of one, x / 1): skipped,
+    # three launches of every clipped update at one replica without tensor or pipeline parallelism.
+    if mpu is not None and dist.get_world_size(group=mpu.get_model_parallel_group()) > 1:
         dist.all_reduce(total, group=mpu.get_model_parallel_group())
     total = total.pow(0.5)
     pg = groups._get_data_parallel_group()
-    total = total / float(dist.get_world_size(group=pg))
-    dist.all_reduce(total, group=pg)
+    if dist.get_world_size(group=pg) > 1:
+        total = total / float(dist.get_world_size(group=pg))
+        dist.all_reduce(total, group=pg)
     if params:
         _clip_to([p.grad for p in params], engine.gradient_clipping(), total)
     return total
