@@ -399,7 +399,9 @@ def sync_free_bf16_step(optimizer) -> bool:
             del inner.found_inf
         optimizer._lazy_init_hp_params_optimizer_state()
         optimizer.update_lp_params()
-        optimizer.clear_hp_grads()
+        # No clear_hp_grads here, where DeepSpeed's step has one: the engine calls the optimizer's
+        # zero_grad right after every step under bf16 (_take_model_step, 0.19.0 and 0.19.8), which
+        # clears them again: each group's whole fp32 gradient buffer was zeroed twice an update.
 
     optimizer.step = step
     return True
