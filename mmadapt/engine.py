@@ -420,8 +420,9 @@ PLACEHOLDER = "empty_group_placeholder_"  # build_engine's parameter of a group 
 def backward(engine, loss: torch.Tensor) -> None:
     """engine.backward(loss), dividing the loss by the gradient accumulation only where there is
     one: DeepSpeed divides by it always, and x / 1 (x to the bit) costs launches in every
-    micro-batch (DeepSpeed 0.19.8: the division and its backward, where its hook on the model's
-    output then divides the gradient by 1 once instead: one launch fewer)."""
+    micro-batch: the division and its backward (DeepSpeed 0.19.8's hook on the model's output
+    then divides that output's gradient by 1 once instead, where the loss is the output itself:
+    one launch fewer)."""
     engine.backward(loss, scale_wrt_gas=engine.gradient_accumulation_steps() > 1)
 
 
