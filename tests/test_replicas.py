@@ -395,3 +395,29 @@ def test_a_bf16_checkpoint_resumes_exactly(tmp_path):
     assert train_step(resumed, [batches(3)[2]], 1).item() == ref[2]
     masters = [torch.cat(e.optimizer.fp32_groups_flat_partition) for e in (resumed, straight)]
     torch.testing.assert_close(*masters, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_accumulated_micro_batches_leave_the_mean_gradient(monkeypatch):
+    """engine.backward has DeepSpeed divide the loss by the accumulation only where it is more
+    than 1 (scale_wrt_gas): one micro-batch per update leaves its own gradient, two accumulated
+    ones the mean of theirs (divided once: not their sum, not a quarter of it). DeepSpeed 0.19.0,
+    setup.py's floor, divides nowhere else: there, never dividing gives the sum and fails this."""
+    bs = batches(2)
+    seen = {}
+    for k in (1, 2):
+        train = dataclasses.replace(train_config(0.0), gradient_accumulation_steps=k)
+        init_parallel(1, 1)
+        torch.manual_seed(0)
+        engine, _, _ = lm_engine(get_family(MODEL), MODEL, train,
+                                 for_replicas(load_ds_config(REPO / "ds_configs" / "zero1.json", train), 1))
+        grads = seen[k] = []
+        monkeypatch.setattr(engine.optimizer, "step", lambda *a, engine=engine, grads=grads, **kw: grads.append(
+            {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}))
+        for i in range(0, 2, k):  # the weights never move: the step only reads the gradients
+            train_step(engine, bs[i:i + k], 1)
+    (one, two), (both,) = seen[1], seen[2]
+    assert both.keys() == one.keys() and len(both) > 10
+    for n in both:
+        torch.testing.assert_close(both[n], (one[n] + two[n]) / 2, rtol=1e-5, atol=1e-8, msg=n)
+    assert not torch.allclose(one["layers.0.qkv.weight"], two["layers.0.qkv.weight"])
