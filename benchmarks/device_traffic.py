@@ -1,0 +1,327 @@
+"""What one training update moves through device memory outside its matmuls and attention, per
+step and system at full size, counted on any machine: the work of a GPU's element-wise, norm,
+dropout, copy, loss and optimizer kernels, which the FLOP count does not see.
+
+    python benchmarks/device_traffic.py --real --dropout                    # roberta-base, bf16, one replica
+    python benchmarks/device_traffic.py --real --dropout --zero_as_given \\
+        --profiles benchmarks/results/profile_*_h200_20261129.json          # beside measured profiles
+
+Why: a Step-2 update of a mini-model saves FLOPs in proportion to depth, and on a GPU its wall
+time follows only if the part of the update that does not depend on depth is small. That part is
+mostly memory-bound (the embedding table's gradient and optimizer step, the vocabulary-wide loss):
+its device time goes with bytes, not FLOPs. host_cost.py counts its launches; this counts its bytes.
+
+How: one eager update through mmadapt's `train_step` (the engine, batches and DeepSpeed JSON of
+throughput.py and profile_update.py) under a TorchDispatchMode that sees every ATen operator the
+device would run, forward, backward and DeepSpeed's step alike. For each operator that is not a
+view (nothing moves), a matrix product or attention (their device time goes with FLOPs: exact
+FLOPs are flops.py's), it adds the bytes of the tensors it reads and of those it writes, as its
+schema says: an argument marked written (`Tensor(a!)`) is written, one it only overwrites (the
+destination of `copy_`, `zero_`, `fill_`, a random fill, an `out=`) is not read, and a broadcast
+input is read once (its storage, not its expanded size). This is the least traffic each kernel
+can have: a kernel that makes two passes (a vocabulary-wide softmax) or rereads a tile moves more,
+and kernels of a few KiB cost their launch latency instead (host_cost.py counts those).
+
+The sizes: the update is counted at two micro-batches (`--micro_batches`, default 2 and 4
+sequences of `--seq_length`) and every operator's bytes are extended linearly to `--at` (default
+32: the GPU benchmarks' micro-batch). At a fixed sequence length every operator's bytes are
+a + b x micro-batch (the optimizer's do not grow, the activations' grow in proportion); the
+masked positions of an MLM batch are drawn, so the head's and loss's bytes carry that draw's noise.
+
+`--profiles` sets the counted bytes beside device profiles of the same cases (profile_update.py's
+JSON, same micro-batch and sequence length): there the memory-bound device time is the busy time
+less the matrix products and the flash-attention kernels (the group "attention" holds the loss's
+softmax too), and bytes / time is the bandwidth those kernels reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from mmadapt.models.layers import gpu_paths
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from host_cost import NO_LAUNCH, PHASES, counting, phased  # noqa: E402  (stdlib alone at its import)
+
+# Allocations: nothing moves (host_cost's NO_LAUNCH and these).
+ALLOCATE = NO_LAUNCH | {"empty_like", "new_empty", "new_empty_strided"}
+# Device time goes with FLOPs for these, not bytes.
+MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot"}
+ATTENTION = re.compile(r"^_?(scaled_dot_product|flash_attention|efficient_attention|_cudnn_attention)")
+# Operators whose first argument is only written (its old values are never read).
+OVERWRITES = {"copy_", "zero_", "fill_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
+              "_foreach_zero_", "_foreach_copy_", "index_put_", "masked_fill_"}
+# Arguments a schema marks written that the kernel leaves alone in this use: the fused Adam(W)
+# steps mark their gradients mutable (they unscale them only when given a grad_scale).
+UNWRITTEN = {("_fused_adamw_", "grads"), ("_fused_adam_", "grads")}
+# Arguments read in part: nll_loss gathers one log-probability per row of its [m, V] input (m
+# values, not m x V), and its backward zero-fills the [m, V] gradient and scatters into it, never
+# reading the log-probabilities it is given.
+UNREAD = {("nll_loss_forward", "self"), ("nll_loss_backward", "self"), ("nll_loss2d_forward", "self"),
+          ("nll_loss2d_backward", "self")}
+
+
+def touched(t: torch.Tensor) -> int:
+    """Bytes a kernel moves to read or write all of `t` once: its elements, or its storage where
+    the view repeats elements (a broadcast, stride 0)."""
+    n = t.numel()
+    if n == 0:
+        return 0
+    held = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return t.element_size() * min(n, max(held, 1))
+
+
+def category(name: str) -> str:
+    return "matmul" if name in MATMUL else "attention" if ATTENTION.match(name) else "memory"
+
+
+class Traffic:
+    """Bytes read and written by every ATen operator an update dispatches, by phase and operator."""
+
+    def __init__(self):
+        traffic = self
+        self.phase = "other"
+        self.bytes = collections.Counter()  # (phase, category, op) -> bytes
+        self.calls = collections.Counter()
+
+        class Spy(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                name = func.__name__.split(".")[0]
+                if not (func.is_view or name in ALLOCATE):
+                    key = (traffic.phase, category(name), name)
+                    traffic.calls[key] += 1
+                    traffic.bytes[key] += moved(func, name, args, kwargs, out)
+                return out
+
+        self.mode = Spy()
+
+
+def moved(func, name: str, args, kwargs, out) -> int:
+    """Bytes an operator reads and writes (the module docstring's rules)."""
+    read, written = {}, {}
+    for i, a in enumerate(func._schema.arguments):
+        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+        writes = a.alias_info is not None and a.alias_info.is_write and (name, a.name) not in UNWRITTEN
+        only_written = writes and (a.name.startswith("out") or (i == 0 and name in OVERWRITES))
+        for t in tensors:
+            k = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype)
+            if not only_written and (name, a.name) not in UNREAD:
+                read[k] = touched(t)
+            if writes:
+                written[k] = touched(t)
+    fresh = [r.alias_info is None for r in func._schema.returns]
+    results = out if isinstance(out, (tuple, list)) and len(fresh) > 1 else (out,)
+    for is_fresh, r in zip(fresh, results):
+        if is_fresh:
+            for t in tree_leaves(r):
+                if isinstance(t, torch.Tensor):
+                    written[(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype)] = touched(t)
+    return sum(read.values()) + sum(written.values())
+
+
+@contextlib.contextmanager
+def gpu_kernels():
+    """The model's dropout and attention dispatched as on a GPU: inside layers.gpu_paths, and
+    F.dropout as CUDA's dropout runs it (one native_dropout writing the output and a bool mask;
+    a CPU's draws a mask in the input's dtype with bernoulli_, then scales and multiplies), and
+    SDPA without its dropout (a CPU has no fused kernel with dropout and falls back to matmuls
+    and a softmax; a GPU's flash kernel draws it inside, and its traffic is attention's)."""
+    dropout, sdpa = F.dropout, F.scaled_dot_product_attention
+
+    def native(x, p=0.5, training=True, inplace=False):
+        return torch.native_dropout(x, p, True)[0] if training and p > 0 else x
+
+    def flash(q, k, v, attn_mask=None, dropout_p=0.0, **kwargs):
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=0.0, **kwargs)
+
+    F.dropout, F.scaled_dot_product_attention = native, flash
+    try:
+        with gpu_paths():
+            yield
+    finally:
+        F.dropout, F.scaled_dot_product_attention = dropout, sdpa
+
+
+def count(engine, update) -> Traffic:
+    """One update's traffic, after one uncounted update (the optimizer's state exists from then on)."""
+    with gpu_kernels():
+        update()
+        traffic = Traffic()
+        with phased(engine, counting(traffic)), traffic.mode:
+            update()
+    return traffic
+
+
+def extended(small: Traffic, large: Traffic, b_small: int, b_large: int, at: int) -> dict:
+    """(phase, category, op) -> bytes at micro-batch `at`, linear in the micro-batch through the two counts."""
+    keys = set(small.bytes) | set(large.bytes)
+    slope = {k: (large.bytes[k] - small.bytes[k]) / (b_large - b_small) for k in keys}
+    return {k: large.bytes[k] + slope[k] * (at - b_large) for k in keys}
+
+
+def summary(bytes_at: dict, calls: collections.Counter) -> dict:
+    """A case's row: memory-bound GB in all and by phase, operator counts by category, and GB and
+    calls by "phase: operator" (memory-bound ones)."""
+    gb = lambda pred: sum(v for k, v in bytes_at.items() if pred(k)) / 1e9
+    row = {"memory_gb": gb(lambda k: k[1] == "memory"),
+           **{f"memory_gb_{p}": gb(lambda k, p=p: k[1] == "memory" and k[0] == p) for p in PHASES},
+           "memory_ops": sum(c for k, c in calls.items() if k[1] == "memory"),
+           "matmul_ops": sum(c for k, c in calls.items() if k[1] == "matmul"),
+           "attention_ops": sum(c for k, c in calls.items() if k[1] == "attention")}
+    row["by_op"] = {f"{phase}: {op}": [v / 1e9, calls[(phase, cat, op)]]
+                    for (phase, cat, op), v in sorted(bytes_at.items(), key=lambda kv: -kv[1]) if cat == "memory"}
+    return row
+
+
+def line(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x -> (b, a)."""
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y)) / sum((xi - mx) ** 2 for xi in x)
+    return b, my - b * mx
+
+
+def depth_fit(rows: list[dict], key: str) -> dict | None:
+    """The Step-2 rows that have `key`, as a + b x layers -> {per_layer, at_no_depth}."""
+    step2 = [r for r in rows if r["step"] == "adapt" and key in r]
+    if len({r["layers"] for r in step2}) < 2:
+        return None
+    b, a = line([r["layers"] for r in step2], [r[key] for r in step2])
+    return {"per_layer": b, "at_no_depth": a}
+
+
+def fixed_by_op(rows: list[dict]) -> list[dict]:
+    """Each memory-bound operator's GB in the Step-2 rows as a + b x layers: the depth-independent
+    part of a Step-2 update by operator (a), largest first."""
+    step2 = [r for r in rows if r["step"] == "adapt"]
+    if len({r["layers"] for r in step2}) < 2:
+        return []
+    out = []
+    for op in dict.fromkeys(k for r in step2 for k in r["by_op"]):
+        b, a = line([r["layers"] for r in step2], [r["by_op"].get(op, [0.0])[0] for r in step2])
+        calls = [r["by_op"].get(op, [0, 0])[1] for r in step2]
+        out.append({"op": op, "at_no_depth": a, "per_layer": b, "calls": "-".join(map(str, sorted(set(calls))))})
+    return sorted(out, key=lambda r: -r["at_no_depth"])
+
+
+def measured_memory_ms(profile: dict) -> float:
+    """A profile_update.py JSON's device ms per update outside the matrix products and the flash
+    attention kernels (busy less the group 'matmul' less every listed kernel named flash/fmha)."""
+    matmul = sum(g["ms_per_update"] for g in profile["groups"] if g["group"] == "matmul")
+    flash = sum(t["ms_per_update"] for t in profile["top"] if re.search(r"flash|fmha", t["kernel"].lower()))
+    return profile["busy_ms_per_update"] - matmul - flash
+
+
+def main(argv=None) -> None:
+    from common import (REPO, add_run_args, add_zero_arg, engine_update, masked_batches, real_batches, run_ds_config,
+                        setup, table, write_results)
+    from flops_validation import cases
+
+    from mmadapt.models import get_family
+    from mmadapt.train import LMJob, lm_engine
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_args(ap, cpu_micro_batch=2)
+    ap.set_defaults(shape="roberta-base", seq_length=512)
+    ap.add_argument("--ds_config", default=str(REPO / "ds_configs" / "zero2_bf16.json"))
+    add_zero_arg(ap)
+    ap.add_argument("--micro_batches", default="2,4", help="the two micro-batches counted (sequences)")
+    ap.add_argument("--at", type=int, default=32, help="the micro-batch the bytes are extended to")
+    ap.add_argument("--only", nargs="+", metavar="SYSTEM:STEP", help="these cases (default: every one)")
+    ap.add_argument("--profiles", nargs="*", default=[], help="profile_update.py JSONs of the same cases, set beside")
+    ap.add_argument("--note", default="")
+    args = ap.parse_args(argv)
+    b_small, b_large = (int(v) for v in args.micro_batches.split(","))
+    base, train = setup(args)
+    s = args.seq_length
+    profiles = {}
+    for path in args.profiles:
+        p = json.loads(Path(path).read_text())
+        if (p["micro_batch"], p["seq_length"]) != (args.at, s):
+            ap.error(f"{path} profiled micro-batch {p['micro_batch']} x {p['seq_length']} tokens, not --at {args.at} "
+                     f"x --seq_length {s}: give profiles of the size the bytes are extended to")
+        profiles[p["case"]] = p
+    ds_by_b = {}
+    for b in (b_small, b_large):
+        t = dataclasses.replace(train, train_micro_batch_size_per_gpu=b)
+        ds_by_b[b] = (t, run_ds_config(Path(args.ds_config), t, args.zero_as_given))
+    rows = []
+    for system, step, cfg, trainable in cases(base):
+        case = f"{system}:{step}"
+        if args.only and case not in args.only:
+            continue
+        counts = {}
+        for b, (t, ds) in ds_by_b.items():
+            batches = (real_batches if args.real else masked_batches)(base, b, s, t.mask_prob, 2)
+            engine, _, _ = lm_engine(get_family(cfg), cfg, t, ds, LMJob(step=step, trainable=trainable,
+                                                                        trainable_layers=2))
+            counts[b] = count(engine, engine_update(engine, batches, len(cfg.heads_after)))
+            del engine
+        bytes_at = extended(counts[b_small], counts[b_large], b_small, b_large, args.at)
+        row = {"system": system, "step": step, "layers": cfg.num_layers, **summary(bytes_at, counts[b_large].calls)}
+        prof = profiles.get(case)
+        if prof:
+            row["measured_memory_ms"] = measured_memory_ms(prof)
+            row["implied_tb_s"] = row["memory_gb"] / row["measured_memory_ms"]
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "by_op"}), flush=True)
+    cols = [("system", "system"), ("step", "step"), ("layers", "layers"), ("memory_gb", "memory-bound GB"),
+            ("memory_gb_forward", "fwd"), ("memory_gb_backward", "bwd"), ("memory_gb_step", "opt step"),
+            ("memory_gb_other", "other"), ("memory_ops", "memory-bound ops"), ("matmul_ops", "matmuls"),
+            ("attention_ops", "attention ops")]
+    if profiles:
+        cols += [("measured_memory_ms", "measured memory-bound ms"), ("implied_tb_s", "GB/ms = TB/s")]
+    how = (f"{Path(args.ds_config).name} {'as given' if args.zero_as_given else 'at one replica as a run applies it'}, "
+           f"{base.hidden_size} wide, {'real Bible blocks' if args.real else 'random ids'}, "
+           f"dropout {'on' if args.dropout else 'off'}, counted at micro-batches {b_small} and {b_large} x {s}, "
+           f"extended to {args.at}")
+    md = [f"# Bytes one update moves outside its matmuls and attention ({args.shape}, {how})", "",
+          "`python benchmarks/device_traffic.py` (its docstring says what is counted): per update, the bytes "
+          "read and written by every operator that is not a view, a matrix product or attention, by phase; "
+          "the operator counts beside them.", "", table(rows, cols)]
+    fits = [{"what": what, **fit} for what, key in (("memory-bound GB", "memory_gb"),
+                                                    ("measured memory-bound ms", "measured_memory_ms"))
+            if all(key in r for r in rows) and (fit := depth_fit(rows, key))]
+    if fits:
+        fixed = fixed_by_op(rows)
+        md += ["", "## The depth-independent part of a Step-2 update", "",
+               "A least-squares line through the Step-2 rows (the same update at 4, 6 and 12 layers): "
+               "per layer and at no depth.", "",
+               table(fits, [("what", "per update"), ("per_layer", "per layer"), ("at_no_depth", "at no depth")]),
+               "", "By operator, the same line through each one's GB (the largest at no depth; calls: "
+               "per update, at the depths counted):", "",
+               table(fixed[:16], [("op", "phase: operator"), ("at_no_depth", "GB at no depth"),
+                                  ("per_layer", "GB per layer"), ("calls", "calls")])]
+    for r in rows:
+        md += ["", f"### {r['system']} {r['step']}: the operators moving the most bytes", "",
+               table([{"op": op, "gb": gb, "calls": c} for op, (gb, c) in list(r["by_op"].items())[:14]],
+                     [("op", "phase: operator"), ("gb", "GB"), ("calls", "calls")])]
+    if args.note:
+        md += ["", args.note]
+    name = "device_traffic" + ("_zero_as_given" if args.zero_as_given else "")
+    paths = write_results(name, {"settings": {"ds_config": Path(args.ds_config).name, "zero_as_given": args.zero_as_given,
+                                              "real": args.real, "dropout": args.dropout, "seq_length": s,
+                                              "micro_batches": [b_small, b_large], "at": args.at,
+                                              "profiles": args.profiles}, "rows": rows}, "\n".join(md))
+    print("\n".join(md))
+    print(f"\nwritten: {paths[0]}, {paths[1]}")
+
+
+if __name__ == "__main__":
+    main()

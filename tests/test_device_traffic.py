@@ -1,0 +1,104 @@
+"""benchmarks/device_traffic.py: the bytes it counts per operator, against hand-computed ones,
+and through a real update's optimizer step."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from conftest import benchmark_module
+from mmadapt.config import ModelConfig, TrainConfig
+from mmadapt.engine import for_replicas, load_ds_config
+from mmadapt.models import get_family
+from mmadapt.parallel import init_parallel
+from mmadapt.tokens import IGNORE_INDEX, NUM_SPECIAL
+from mmadapt.train import LMJob, host_batch, lm_engine, train_step
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def traffic():
+    return benchmark_module("device_traffic")
+
+
+def counted(traffic, fn) -> collections.Counter:
+    """Bytes by (category, operator) of what fn dispatches."""
+    t = traffic.Traffic()
+    with t.mode:
+        fn()
+    out = collections.Counter()
+    for (_, cat, op), b in t.bytes.items():
+        out[(cat, op)] += b
+    return out
+
+
+def test_bytes_follow_what_each_operator_reads_and_writes(traffic):
+    a, b = torch.randn(4, 8), torch.randn(4, 8)  # 128 bytes each in fp32
+    row = torch.randn(8)  # 32 bytes
+    dst = torch.empty(4, 8, dtype=torch.bfloat16)  # 64 bytes
+    assert counted(traffic, lambda: a + b) == {("memory", "add"): 3 * 128}
+    assert counted(traffic, lambda: a.clone().add_(b)) == {("memory", "clone"): 2 * 128, ("memory", "add_"): 3 * 128}
+    # A broadcast input is read once: its 8 elements, not the 32 it stands for.
+    assert counted(traffic, lambda: a * row.expand(4, 8)) == {("memory", "mul"): 128 + 32 + 128}
+    # A destination that is only overwritten is not read; the cast writes 2 bytes per element.
+    assert counted(traffic, lambda: dst.copy_(a)) == {("memory", "copy_"): 128 + 64}
+    assert counted(traffic, lambda: a.clone().zero_()) == {("memory", "clone"): 256, ("memory", "zero_"): 128}
+    # Views and allocations move nothing; a reduction reads its input and writes its result.
+    assert counted(traffic, lambda: a.view(-1)[:5].sum()) == {("memory", "sum"): 5 * 4 + 4}
+    assert counted(traffic, lambda: torch.empty_like(a)) == {}
+    # Matrix products are their own category (their time goes with FLOPs).
+    assert set(counted(traffic, lambda: a @ b.t())) == {("matmul", "mm")}
+
+
+def test_the_loss_reads_one_log_probability_per_row(traffic):
+    """nll_loss gathers m values of its [m, V] input, and its backward writes the [m, V] gradient
+    without reading the input it is handed for its shape."""
+    m, v = 6, 50
+    logp = torch.randn(m, v).log_softmax(-1).requires_grad_()
+    target = torch.randint(0, v, (m,))
+
+    def loss():
+        torch.nn.functional.nll_loss(logp, target).backward()
+    got = counted(traffic, loss)
+    assert got[("memory", "nll_loss_forward")] == 8 * m + 4 + 4  # targets (int64) in; the loss and total weight out
+    # grad_output and total weight (4 bytes each) and the targets read, the [m, V] gradient written
+    assert got[("memory", "nll_loss_backward")] == 4 + 8 * m + 4 + 4 * m * v
+
+
+def test_the_depth_fit_and_the_micro_batch_line(traffic):
+    small, large = traffic.Traffic(), traffic.Traffic()
+    small.bytes[("forward", "memory", "gelu")], large.bytes[("forward", "memory", "gelu")] = 10, 18
+    small.bytes[("step", "memory", "_fused_adamw_")] = large.bytes[("step", "memory", "_fused_adamw_")] = 7
+    at = traffic.extended(small, large, 2, 4, 32)
+    assert at == {("forward", "memory", "gelu"): 18 + 28 * 4, ("step", "memory", "_fused_adamw_"): 7}
+    rows = [{"step": "adapt", "layers": n, "x": 3.0 + 2.0 * n} for n in (4, 6, 12)] + [
+        {"step": "pretrain", "layers": 12, "x": 100.0}]
+    fit = traffic.depth_fit(rows, "x")
+    assert fit["per_layer"] == pytest.approx(2.0) and fit["at_no_depth"] == pytest.approx(3.0)
+
+
+def test_an_updates_optimizer_step_moves_what_adamw_needs(traffic):
+    """One fp32 Step-2 update of a small encoder through train_step, one replica under zero1.json:
+    the fused AdamW step reads and writes each trainable parameter, its m and v (4 bytes each,
+    read and written) and reads its gradient: 28 bytes per parameter, and its step count (4 bytes
+    per tensor, read; torch increments it in a separate op)."""
+    init_parallel(1, 1)
+    cfg = ModelConfig(hidden_size=32, num_attention_heads=2, ffn_hidden_size=64, vocab_size=300, num_layers=2,
+                      max_position_embeddings=32, hidden_dropout=0.0, attention_dropout=0.0, fusion="none")
+    train = TrainConfig(seq_length=16, train_micro_batch_size_per_gpu=2, train_iters=10, lr=1e-3, lr_warmup_iters=1)
+    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero1.json", train), 1)
+    family = get_family(cfg)
+    engine, _, _ = lm_engine(family, cfg, train, ds, LMJob(step="adapt", trainable=family.vocab_params(cfg)))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(NUM_SPECIAL, cfg.vocab_size, (2, 16), generator=g)
+    labels = torch.where(torch.rand(2, 16, generator=g) < 0.3, ids, torch.full_like(ids, IGNORE_INDEX))
+    batch = host_batch(ids, labels, False)
+    t = traffic.count(engine, lambda: train_step(engine, [batch], 1))
+    trained = [p for p in engine.module.parameters() if p.requires_grad]
+    adamw = sum(b for (phase, _, op), b in t.bytes.items() if phase == "step" and op == "_fused_adamw_")
+    assert adamw == 28 * sum(p.numel() for p in trained) + 4 * len(trained)
+    # The forward and backward moved bytes too, and the phases are the engine's.
+    assert {k[0] for k in t.bytes} >= {"forward", "backward", "step"}
