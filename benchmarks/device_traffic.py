@@ -297,7 +297,7 @@ def main(argv=None) -> None:
           "the operator counts beside them.", "", table(rows, cols)]
     fits = [{"what": what, **fit} for what, key in (("memory-bound GB", "memory_gb"),
                                                     ("measured memory-bound ms", "measured_memory_ms"))
-            if all(key in r for r in rows) and (fit := depth_fit(rows, key))]
+            if (fit := depth_fit(rows, key))]
     if fits:
         fixed = fixed_by_op(rows)
         md += ["", "## The depth-independent part of a Step-2 update", "",
