@@ -2,8 +2,8 @@
 step and system at full size, counted on any machine: the work of a GPU's element-wise, norm,
 dropout, copy, loss and optimizer kernels, which the FLOP count does not see.
 
-    python benchmarks/device_traffic.py --real --dropout                    # roberta-base, bf16, one replica
-    python benchmarks/device_traffic.py --real --dropout --zero_as_given \\
+    python benchmarks/device_traffic.py --real --dropout --compiled         # roberta-base, bf16, one replica
+    python benchmarks/device_traffic.py --real --dropout --compiled --zero_as_given \\
         --profiles benchmarks/results/profile_*_h200_20261129.json          # beside measured profiles
 
 Why: a Step-2 update of a mini-model saves FLOPs in proportion to depth, and on a GPU its wall
@@ -28,10 +28,20 @@ sequences of `--seq_length`) and every operator's bytes are extended linearly to
 a + b x micro-batch (the optimizer's do not grow, the activations' grow in proportion); the
 masked positions of an MLM batch are drawn, so the head's and loss's bytes carry that draw's noise.
 
+`--compiled` counts each update under `--fusion compile` as well (the default on a GPU): the
+eager operators outside the family's compiled kinds (the optimizer step, the embeddings; the
+dispatch count tells apart what runs inside a compiled kind, in its forward or in the backward of
+what that forward made) plus, each time a compiled graph runs, the bytes its Inductor kernels read
+and write as Inductor's scheduler counts them (the same rule: each buffer once, at least; its
+matrix products and attention left out). Inductor compiles here for the CPU, whose C++ kernels
+are fused by the same scheduler as a GPU's Triton ones: a guide to a GPU's traffic, not a
+measure of it.
+
 `--profiles` sets the counted bytes beside device profiles of the same cases (profile_update.py's
-JSON, same micro-batch and sequence length): there the memory-bound device time is the busy time
-less the matrix products and the flash-attention kernels (the group "attention" holds the loss's
-softmax too), and bytes / time is the bandwidth those kernels reached.
+JSON, same micro-batch and sequence length; a compiled profile beside the compiled count): there
+the memory-bound device time is the busy time less the matrix products and the flash-attention
+kernels (the group "attention" holds the loss's softmax too), and bytes / time is the bandwidth
+those kernels reached. Where one bandwidth fits every case, bytes predict that device time.
 """
 
 from __future__ import annotations
@@ -90,26 +100,74 @@ def category(name: str) -> str:
 
 
 class Traffic:
-    """Bytes read and written by every ATen operator an update dispatches, by phase and operator."""
+    """Bytes read and written by every ATen operator an update dispatches, by phase and operator
+    (key: phase, category, operator). A memory-bound operator that runs inside an instance of
+    `kinds` (the family's compiled_kinds), in its forward or in the backward of what its forward
+    made, is of the category "memory, compiled kinds": what --fusion compile hands to Inductor."""
 
     def __init__(self):
         traffic = self
         self.phase = "other"
-        self.bytes = collections.Counter()  # (phase, category, op) -> bytes
+        self.bytes = collections.Counter()
         self.calls = collections.Counter()
+        self.inside = 0  # depth of compiled-kind forwards running
+        self.ranges: list[tuple[int, int]] = []  # autograd sequence numbers of the nodes they made (open)
+        self.paused = False
 
         class Spy(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
                 name = func.__name__.split(".")[0]
-                if not (func.is_view or name in ALLOCATE):
-                    key = (traffic.phase, category(name), name)
+                if not (traffic.paused or func.is_view or name in ALLOCATE):
+                    cat = category(name)
+                    if cat == "memory" and traffic.in_compiled_kind():
+                        cat = "memory, compiled kinds"
+                    key = (traffic.phase, cat, name)
                     traffic.calls[key] += 1
                     traffic.bytes[key] += moved(func, name, args, kwargs, out)
                 return out
 
         self.mode = Spy()
+
+    def in_compiled_kind(self) -> bool:
+        if self.inside:
+            return True
+        node = torch._C._current_autograd_node()  # the backward node running, if any
+        if node is None:
+            return False
+        seq = node._sequence_nr()
+        return any(a < seq < b for a, b in self.ranges)
+
+    def sequence_now(self) -> int:
+        """The autograd sequence number of a node made now (the next node's is one more)."""
+        self.paused = True
+        try:
+            with torch.enable_grad():
+                return torch.zeros((), requires_grad=True).mul(1).grad_fn._sequence_nr()
+        finally:
+            self.paused = False
+
+    @contextlib.contextmanager
+    def watching(self, model: torch.nn.Module, kinds: tuple[type, ...]):
+        """Within it, the forwards of `model`'s instances of `kinds` (and the backward nodes they
+        make) are told apart."""
+        starts = []
+
+        def enter(module, args):
+            starts.append(self.sequence_now())
+            self.inside += 1
+
+        def leave(module, args, out):
+            self.inside -= 1
+            self.ranges.append((starts.pop(), self.sequence_now()))
+        handles = [h for m in model.modules() if isinstance(m, kinds)
+                   for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
 
 def moved(func, name: str, args, kwargs, out) -> int:
@@ -159,13 +217,93 @@ def gpu_kernels():
         F.dropout, F.scaled_dot_product_attention = dropout, sdpa
 
 
-def count(engine, update) -> Traffic:
-    """One update's traffic, after one uncounted update (the optimizer's state exists from then on)."""
+def count(engine, update, kinds: tuple[type, ...] = ()) -> Traffic:
+    """One eager update's traffic, after one uncounted update (the optimizer's state exists from
+    then on), with the work inside instances of `kinds` told apart (Traffic)."""
     with gpu_kernels():
         update()
         traffic = Traffic()
-        with phased(engine, counting(traffic)), traffic.mode:
+        with phased(engine, counting(traffic)), traffic.watching(engine.module, kinds), traffic.mode:
             update()
+    return traffic
+
+
+def flop_bound(node) -> bool:
+    """An Inductor scheduler node that calls a matrix product or attention (extern kernels)."""
+    from torch._inductor.scheduler import ExternKernelSchedulerNode
+
+    if not isinstance(node, ExternKernelSchedulerNode):
+        return False
+    kernel = str(getattr(node.node, "python_kernel_name", "") or getattr(node.node, "op_overload", ""))
+    return bool(re.search(r"\b(mm|addmm|bmm|baddbmm)\b|scaled_dot_product|flash|efficient_attention", kernel))
+
+
+# The Traffic that compiled graphs count into (inductor_bytes): a graph compiled for one engine
+# runs again, from dynamo's cache, in the next engine's updates, and counts into that one's.
+_COUNTING: list[Traffic | None] = [None]
+_REAL_COMPILE_TO_MODULE: list = []
+
+
+def _counted_compile_to_module(self):
+    """GraphLowering.compile_to_module, whose module's `call` adds the graph's bytes (inductor_bytes)."""
+    module = _REAL_COMPILE_TO_MODULE[0](self)
+    nbytes = sum(n.get_read_write_buffers_sizes() for n in self.scheduler.nodes if not flop_bound(n))
+    call = module.call
+
+    def counted(*args, **kwargs):
+        traffic = _COUNTING[0]
+        if traffic is not None:
+            key = (traffic.phase, "inductor", "compiled graphs")
+            traffic.bytes[key] += nbytes
+            traffic.calls[key] += 1
+        return call(*args, **kwargs)
+    module.call = counted
+    return module
+
+
+@contextlib.contextmanager
+def inductor_bytes():
+    """Within it, every graph TorchInductor compiles counts, each time it runs while a Traffic is
+    in _COUNTING (in this process, from then on), the bytes its kernels read and write, as its
+    scheduler counts them (the rule `moved` follows: each buffer a fused kernel reads or writes,
+    once, at least; matrix products and attention left out), under (phase, "inductor",
+    "compiled graphs"). Inductor's caches are off, so that every graph is compiled here."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    import torch._inductor.graph as graph_module
+
+    if not _REAL_COMPILE_TO_MODULE:
+        _REAL_COMPILE_TO_MODULE.append(graph_module.GraphLowering.compile_to_module)
+    graph_module.GraphLowering.compile_to_module = _counted_compile_to_module
+    saved = inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache
+    inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = False, False
+    try:
+        yield
+    finally:
+        graph_module.GraphLowering.compile_to_module = _REAL_COMPILE_TO_MODULE[0]
+        inductor_config.fx_graph_cache, functorch_config.enable_autograd_cache = saved
+
+
+def count_compiled(engine, update, warmup: int = 3) -> Traffic:
+    """The bytes of one compiled update's Inductor kernels (inductor_bytes), after `warmup`
+    updates. Every graph is compiled for the shapes it runs at (no automatic dynamic shapes, as
+    fusion.py's runs have them): a graph with symbolic sizes would count its bytes at the sizes it
+    was compiled for, whatever it runs at."""
+    import torch._dynamo.config as dynamo_config
+
+    traffic = Traffic()
+    saved = dynamo_config.automatic_dynamic_shapes
+    dynamo_config.automatic_dynamic_shapes = False
+    try:
+        with gpu_kernels(), inductor_bytes():
+            for _ in range(warmup):
+                update()
+            _COUNTING[0] = traffic
+            with phased(engine, counting(traffic)):
+                update()
+    finally:
+        _COUNTING[0] = None
+        dynamo_config.automatic_dynamic_shapes = saved
     return traffic
 
 
@@ -178,15 +316,27 @@ def extended(small: Traffic, large: Traffic, b_small: int, b_large: int, at: int
 
 def summary(bytes_at: dict, calls: collections.Counter) -> dict:
     """A case's row: memory-bound GB in all and by phase, operator counts by category, and GB and
-    calls by "phase: operator" (memory-bound ones)."""
+    calls by "phase: operator" (memory-bound ones, and the compiled graphs where counted). With a
+    compiled count: its estimate, the eager operators outside the compiled kinds plus Inductor's
+    kernels, and the eager GB it stands in for."""
     gb = lambda pred: sum(v for k, v in bytes_at.items() if pred(k)) / 1e9
-    row = {"memory_gb": gb(lambda k: k[1] == "memory"),
-           **{f"memory_gb_{p}": gb(lambda k, p=p: k[1] == "memory" and k[0] == p) for p in PHASES},
-           "memory_ops": sum(c for k, c in calls.items() if k[1] == "memory"),
+    memory = lambda k: k[1].startswith("memory")
+    row = {"memory_gb": gb(memory),
+           **{f"memory_gb_{p}": gb(lambda k, p=p: memory(k) and k[0] == p) for p in PHASES},
+           "memory_ops": sum(c for k, c in calls.items() if memory(k)),
            "matmul_ops": sum(c for k, c in calls.items() if k[1] == "matmul"),
            "attention_ops": sum(c for k, c in calls.items() if k[1] == "attention")}
-    row["by_op"] = {f"{phase}: {op}": [v / 1e9, calls[(phase, cat, op)]]
-                    for (phase, cat, op), v in sorted(bytes_at.items(), key=lambda kv: -kv[1]) if cat == "memory"}
+    if any(k[1] == "inductor" for k in bytes_at):
+        row["compiled_kinds_gb"] = gb(lambda k: k[1] == "memory, compiled kinds")
+        row["inductor_gb"] = gb(lambda k: k[1] == "inductor")
+        row["compiled_gb"] = gb(lambda k: k[1] in ("memory", "inductor"))
+        row["compiled_graph_calls"] = sum(c for k, c in calls.items() if k[1] == "inductor")
+    by_op = collections.defaultdict(lambda: [0.0, 0])
+    for (phase, cat, op), v in bytes_at.items():
+        if memory((phase, cat, op)) or cat == "inductor":
+            by_op[f"{phase}: {op}"][0] += v / 1e9
+            by_op[f"{phase}: {op}"][1] += calls[(phase, cat, op)]
+    row["by_op"] = dict(sorted(by_op.items(), key=lambda kv: -kv[1][0]))
     return row
 
 
@@ -245,6 +395,8 @@ def main(argv=None) -> None:
     ap.add_argument("--at", type=int, default=32, help="the micro-batch the bytes are extended to")
     ap.add_argument("--only", nargs="+", metavar="SYSTEM:STEP", help="these cases (default: every one)")
     ap.add_argument("--profiles", nargs="*", default=[], help="profile_update.py JSONs of the same cases, set beside")
+    ap.add_argument("--compiled", action="store_true", help="also count each update under --fusion compile: the "
+                    "eager operators outside the compiled kinds and Inductor's kernels (its scheduler's bytes)")
     ap.add_argument("--note", default="")
     args = ap.parse_args(argv)
     b_small, b_large = (int(v) for v in args.micro_batches.split(","))
@@ -256,7 +408,9 @@ def main(argv=None) -> None:
         if (p["micro_batch"], p["seq_length"]) != (args.at, s):
             ap.error(f"{path} profiled micro-batch {p['micro_batch']} x {p['seq_length']} tokens, not --at {args.at} "
                      f"x --seq_length {s}: give profiles of the size the bytes are extended to")
-        profiles[p["case"]] = p
+        profiles[(p["case"], p.get("fusion", "none"))] = p
+        if p.get("fusion", "none") != "none" and not args.compiled:
+            ap.error(f"{path} profiled a compiled update: count one too (--compiled)")
     ds_by_b = {}
     for b in (b_small, b_large):
         t = dataclasses.replace(train, train_micro_batch_size_per_gpu=b)
@@ -269,16 +423,26 @@ def main(argv=None) -> None:
         counts = {}
         for b, (t, ds) in ds_by_b.items():
             batches = (real_batches if args.real else masked_batches)(base, b, s, t.mask_prob, 2)
-            engine, _, _ = lm_engine(get_family(cfg), cfg, t, ds, LMJob(step=step, trainable=trainable,
-                                                                        trainable_layers=2))
-            counts[b] = count(engine, engine_update(engine, batches, len(cfg.heads_after)))
+            family, job = get_family(cfg), LMJob(step=step, trainable=trainable, trainable_layers=2)
+            engine, _, _ = lm_engine(family, cfg, t, ds, job)
+            counts[b] = count(engine, engine_update(engine, batches, len(cfg.heads_after)), family.compiled_kinds)
             del engine
+            if args.compiled:
+                engine, _, _ = lm_engine(family, dataclasses.replace(cfg, fusion="compile"), t, ds, job)
+                fused = count_compiled(engine, engine_update(engine, batches, len(cfg.heads_after)))
+                counts[b].bytes.update(fused.bytes)
+                counts[b].calls.update(fused.calls)
+                del engine
         bytes_at = extended(counts[b_small], counts[b_large], b_small, b_large, args.at)
         row = {"system": system, "step": step, "layers": cfg.num_layers, **summary(bytes_at, counts[b_large].calls)}
-        prof = profiles.get(case)
+        prof = profiles.get((case, "none"))
         if prof:
             row["measured_memory_ms"] = measured_memory_ms(prof)
             row["implied_tb_s"] = row["memory_gb"] / row["measured_memory_ms"]
+        prof = profiles.get((case, "compile"))
+        if prof:
+            row["measured_compiled_memory_ms"] = measured_memory_ms(prof)
+            row["compiled_implied_tb_s"] = row["compiled_gb"] / row["measured_compiled_memory_ms"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "by_op"}), flush=True)
     cols = [("system", "system"), ("step", "step"), ("layers", "layers"), ("memory_gb", "memory-bound GB"),
@@ -287,6 +451,12 @@ def main(argv=None) -> None:
             ("attention_ops", "attention ops")]
     if profiles:
         cols += [("measured_memory_ms", "measured memory-bound ms"), ("implied_tb_s", "GB/ms = TB/s")]
+    if args.compiled:
+        cols += [("compiled_kinds_gb", "of it in compiled kinds"), ("inductor_gb", "Inductor's kernels GB"),
+                 ("compiled_gb", "compiled: GB"), ("compiled_graph_calls", "compiled graph calls")]
+        if any("measured_compiled_memory_ms" in r for r in rows):
+            cols += [("measured_compiled_memory_ms", "measured compiled memory-bound ms"),
+                     ("compiled_implied_tb_s", "GB/ms = TB/s")]
     how = (f"{Path(args.ds_config).name} {'as given' if args.zero_as_given else 'at one replica as a run applies it'}, "
            f"{base.hidden_size} wide, {'real Bible blocks' if args.real else 'random ids'}, "
            f"dropout {'on' if args.dropout else 'off'}, counted at micro-batches {b_small} and {b_large} x {s}, "
@@ -296,6 +466,7 @@ def main(argv=None) -> None:
           "read and written by every operator that is not a view, a matrix product or attention, by phase; "
           "the operator counts beside them.", "", table(rows, cols)]
     fits = [{"what": what, **fit} for what, key in (("memory-bound GB", "memory_gb"),
+                                                    ("compiled: memory-bound GB", "compiled_gb"),
                                                     ("measured memory-bound ms", "measured_memory_ms"))
             if (fit := depth_fit(rows, key))]
     if fits:

@@ -102,3 +102,60 @@ def test_an_updates_optimizer_step_moves_what_adamw_needs(traffic):
     assert adamw == 28 * sum(p.numel() for p in trained) + 4 * len(trained)
     # The forward and backward moved bytes too, and the phases are the engine's.
     assert {k[0] for k in t.bytes} >= {"forward", "backward", "step"}
+
+
+class Inner(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.gelu(x) * 3
+
+
+def test_work_inside_the_compiled_kinds_is_told_apart_forward_and_backward(traffic):
+    """What runs in an instance of the compiled kinds, and the backward of what it made, is the
+    category a compiled update hands to Inductor; the rest (here the doubling before it and the
+    loss's sum after it) stays eager."""
+    inner = Inner()
+    x = torch.randn(8, requires_grad=True)
+
+    class Update:  # what count() wraps: an engine's forward, backward and step, and its module
+        module = inner
+
+        def forward(self, x):
+            return inner(x * 2).sum()
+
+        def backward(self, loss):
+            loss.backward()
+
+        def step(self):
+            pass
+
+    engine = Update()
+    t = traffic.count(engine, lambda: engine.backward(engine.forward(x)), (Inner,))
+    cats = {(phase, op): cat for phase, cat, op in t.bytes}
+    assert cats[("forward", "gelu")] == "memory, compiled kinds"
+    assert cats[("backward", "gelu_backward")] == "memory, compiled kinds"
+    assert cats[("forward", "sum")] == "memory"
+    # the two muls: x * 2 outside, * 3 inside; their backward likewise
+    inside = {k for k in t.bytes if k[1] == "memory, compiled kinds"}
+    assert {(p, op) for p, _, op in inside} == {("forward", "gelu"), ("forward", "mul"), ("backward", "mul"),
+                                                 ("backward", "gelu_backward")}
+    assert t.calls[("forward", "memory", "mul")] == 1 and t.calls[("forward", "memory, compiled kinds", "mul")] == 1
+    assert t.calls[("backward", "memory", "mul")] == 1 and t.calls[("backward", "memory, compiled kinds", "mul")] == 1
+
+
+def test_inductor_kernels_count_what_they_read_and_write(traffic):
+    """A compiled graph counts, each time it runs, the bytes of its generated kernels: a matrix
+    product's output read once and the fused ReLU + 1 written once (the product itself left out,
+    as in the eager count), 2 x 64 x 64 x 4 bytes per call."""
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    t = traffic.Traffic()
+    with traffic.inductor_bytes():
+        f = torch.compile(lambda a, b: (a @ b).relu() + 1, dynamic=False)
+        f(a, b)
+        traffic._COUNTING[0] = t
+        try:
+            f(a, b)
+            f(a, b)
+        finally:
+            traffic._COUNTING[0] = None
+    assert t.bytes == {("other", "inductor", "compiled graphs"): 2 * 2 * 64 * 64 * 4}
+    assert t.calls == {("other", "inductor", "compiled graphs"): 2}
