@@ -53,7 +53,9 @@ import dataclasses
 import json
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -398,6 +400,7 @@ def main(argv=None) -> None:
     ap.add_argument("--compiled", action="store_true", help="also count each update under --fusion compile: the "
                     "eager operators outside the compiled kinds and Inductor's kernels (its scheduler's bytes)")
     ap.add_argument("--note", default="")
+    ap.add_argument("--row_json", help=argparse.SUPPRESS)  # a child's: count the one --only case, write its row here
     args = ap.parse_args(argv)
     b_small, b_large = (int(v) for v in args.micro_batches.split(","))
     base, train = setup(args)
@@ -415,11 +418,8 @@ def main(argv=None) -> None:
     for b in (b_small, b_large):
         t = dataclasses.replace(train, train_micro_batch_size_per_gpu=b)
         ds_by_b[b] = (t, run_ds_config(Path(args.ds_config), t, args.zero_as_given))
-    rows = []
-    for system, step, cfg, trainable in cases(base):
-        case = f"{system}:{step}"
-        if args.only and case not in args.only:
-            continue
+    if args.row_json:  # a child process: one case, its row to the parent
+        system, step, cfg, trainable = next(c for c in cases(base) if f"{c[0]}:{c[1]}" == args.only[0])
         counts = {}
         for b, (t, ds) in ds_by_b.items():
             batches = (real_batches if args.real else masked_batches)(base, b, s, t.mask_prob, 2)
@@ -435,6 +435,23 @@ def main(argv=None) -> None:
                 del engine
         bytes_at = extended(counts[b_small], counts[b_large], b_small, b_large, args.at)
         row = {"system": system, "step": step, "layers": cfg.num_layers, **summary(bytes_at, counts[b_large].calls)}
+        Path(args.row_json).write_text(json.dumps(row))
+        return
+    # Each case in a process of its own: engines at full size, and the compiled graphs that keep
+    # them alive, are several GiB each, and a process that built them all would not fit 24 GiB.
+    child = [sys.executable, __file__, "--shape", args.shape, "--seq_length", str(s), "--ds_config", args.ds_config,
+             "--micro_batches", args.micro_batches, "--at", str(args.at)] + [
+        flag for flag, on in (("--real", args.real), ("--dropout", args.dropout), ("--compiled", args.compiled),
+                              ("--zero_as_given", args.zero_as_given)) if on]
+    rows = []
+    for system, step, cfg, trainable in cases(base):
+        case = f"{system}:{step}"
+        if args.only and case not in args.only:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "row.json"
+            subprocess.run(child + ["--only", case, "--row_json", str(out)], check=True)
+            row = json.loads(out.read_text())
         prof = profiles.get((case, "none"))
         if prof:
             row["measured_memory_ms"] = measured_memory_ms(prof)
