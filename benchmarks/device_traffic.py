@@ -333,13 +333,21 @@ def summary(bytes_at: dict, calls: collections.Counter) -> dict:
         row["inductor_gb"] = gb(lambda k: k[1] == "inductor")
         row["compiled_gb"] = gb(lambda k: k[1] in ("memory", "inductor"))
         row["compiled_graph_calls"] = sum(c for k, c in calls.items() if k[1] == "inductor")
-    by_op = collections.defaultdict(lambda: [0.0, 0])
-    for (phase, cat, op), v in bytes_at.items():
-        if memory((phase, cat, op)) or cat == "inductor":
-            by_op[f"{phase}: {op}"][0] += v / 1e9
-            by_op[f"{phase}: {op}"][1] += calls[(phase, cat, op)]
-    row["by_op"] = dict(sorted(by_op.items(), key=lambda kv: -kv[1][0]))
+    row["by_op"] = by_operator(bytes_at, calls, memory)
+    if "compiled_gb" in row:
+        row["compiled_by_op"] = by_operator(bytes_at, calls, lambda k: k[1] in ("memory", "inductor"))
     return row
+
+
+def by_operator(bytes_at: dict, calls: collections.Counter, keep) -> dict:
+    """{"phase: operator": [GB, calls]} over the keys `keep` takes, largest first."""
+    out = collections.defaultdict(lambda: [0.0, 0])
+    for key, v in bytes_at.items():
+        if keep(key):
+            phase, _, op = key
+            out[f"{phase}: {op}"][0] += v / 1e9
+            out[f"{phase}: {op}"][1] += calls[key]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
 
 
 def line(x: list[float], y: list[float]) -> tuple[float, float]:
@@ -358,16 +366,16 @@ def depth_fit(rows: list[dict], key: str) -> dict | None:
     return {"per_layer": b, "at_no_depth": a}
 
 
-def fixed_by_op(rows: list[dict]) -> list[dict]:
-    """Each memory-bound operator's GB in the Step-2 rows as a + b x layers: the depth-independent
-    part of a Step-2 update by operator (a), largest first."""
+def fixed_by_op(rows: list[dict], key: str = "by_op") -> list[dict]:
+    """Each operator's GB in the Step-2 rows' `key` (by_op: eager; compiled_by_op) as a + b x
+    layers: the depth-independent part of a Step-2 update by operator (a), largest first."""
     step2 = [r for r in rows if r["step"] == "adapt"]
     if len({r["layers"] for r in step2}) < 2:
         return []
     out = []
-    for op in dict.fromkeys(k for r in step2 for k in r["by_op"]):
-        b, a = line([r["layers"] for r in step2], [r["by_op"].get(op, [0.0])[0] for r in step2])
-        calls = [r["by_op"].get(op, [0, 0])[1] for r in step2]
+    for op in dict.fromkeys(k for r in step2 for k in r[key]):
+        b, a = line([r["layers"] for r in step2], [r[key].get(op, [0.0])[0] for r in step2])
+        calls = [r[key].get(op, [0, 0])[1] for r in step2]
         out.append({"op": op, "at_no_depth": a, "per_layer": b, "calls": "-".join(map(str, sorted(set(calls))))})
     return sorted(out, key=lambda r: -r["at_no_depth"])
 
@@ -492,10 +500,16 @@ def main(argv=None) -> None:
                "A least-squares line through the Step-2 rows (the same update at 4, 6 and 12 layers): "
                "per layer and at no depth.", "",
                table(fits, [("what", "per update"), ("per_layer", "per layer"), ("at_no_depth", "at no depth")]),
-               "", "By operator, the same line through each one's GB (the largest at no depth; calls: "
+               "", "By operator, eager, the same line through each one's GB (the largest at no depth; calls: "
                "per update, at the depths counted):", "",
                table(fixed[:16], [("op", "phase: operator"), ("at_no_depth", "GB at no depth"),
                                   ("per_layer", "GB per layer"), ("calls", "calls")])]
+        if all("compiled_by_op" in r for r in rows if r["step"] == "adapt"):
+            md += ["", "Compiled (`--fusion compile`): the eager operators outside the compiled kinds and the "
+                   "compiled graphs (the layers' and the MLM heads'):", "",
+                   table(fixed_by_op(rows, "compiled_by_op")[:12],
+                         [("op", "phase: operator"), ("at_no_depth", "GB at no depth"),
+                          ("per_layer", "GB per layer"), ("calls", "calls")])]
     for r in rows:
         md += ["", f"### {r['system']} {r['step']}: the operators moving the most bytes", "",
                table([{"op": op, "gb": gb, "calls": c} for op, (gb, c) in list(r["by_op"].items())[:14]],
