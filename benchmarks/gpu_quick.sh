@@ -86,6 +86,12 @@ step vs-hf-decoder-compile 120 python3 benchmarks/vs_hf_decoder.py --fusion comp
 step profile-compile   60 python3 benchmarks/profile_update.py --real --dropout --fusion compile \
                           --only bl_base:pretrain "${PROF[@]}"
 step profile-minipost  45 python3 benchmarks/profile_update.py --real --dropout --only minipost:adapt "${PROF[@]}"
+# Step 2 compiled, as --fusion auto trains on a GPU: beside benchmarks/device_traffic.py --compiled
+# (--profiles), the bandwidth its memory-bound kernels reach and so whether bytes predict their time
+for c in bl_base:adapt minijoint:adapt; do
+    step "profile-compile-$c" 60 python3 benchmarks/profile_update.py --real --dropout --fusion compile --only "$c" \
+                          "${PROF[@]}"
+done
 GPU_TESTS=(-m gpu -k "bf16 or micro_batch or cudagraphs" tests/test_gpu.py)
 [ -z "${SMOKE:-}" ] && step gpu-tests 90 python3 -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}"
 # One replica under bf16 against DeepSpeed's own adding, norm and step, on the device a run trains
