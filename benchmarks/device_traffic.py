@@ -17,10 +17,12 @@ device would run, forward, backward and DeepSpeed's step alike. For each operato
 view (nothing moves), a matrix product or attention (their device time goes with FLOPs: exact
 FLOPs are flops.py's), it adds the bytes of the tensors it reads and of those it writes, as its
 schema says: an argument marked written (`Tensor(a!)`) is written, one it only overwrites (the
-destination of `copy_`, `zero_`, `fill_`, a random fill, an `out=`) is not read, and a broadcast
-input is read once (its storage, not its expanded size). This is the least traffic each kernel
-can have: a kernel that makes two passes (a vocabulary-wide softmax) or rereads a tile moves more,
-and kernels of a few KiB cost their launch latency instead (host_cost.py counts those).
+destination of `copy_`, `zero_`, `fill_`, a random fill, an `out=`) is not read, a broadcast
+input is read once (its storage, not its expanded size), a lookup or gather reads the rows it
+returns, and `index_put_` the positions it writes. Collectives are the interconnect's, not
+counted. This is the least traffic each kernel can have: a kernel that makes two passes (a
+vocabulary-wide softmax) or rereads a tile moves more, and kernels of a few KiB cost their launch
+latency instead (host_cost.py counts those).
 
 The sizes: the update is counted at two micro-batches (`--micro_batches`, default 2 and 4
 sequences of `--seq_length`) and every operator's bytes are extended linearly to `--at` (default
@@ -35,13 +37,18 @@ what that forward made) plus, each time a compiled graph runs, the bytes its Ind
 and write as Inductor's scheduler counts them (the same rule: each buffer once, at least; its
 matrix products and attention left out). Inductor compiles here for the CPU, whose C++ kernels
 are fused by the same scheduler as a GPU's Triton ones: a guide to a GPU's traffic, not a
-measure of it.
+measure of it. Two approximations: Inductor counts a buffer a kernel both reads and writes once
+(the dispatch count, twice); and where two gradients of one tensor meet, autograd adds them under
+whichever arrives second, so an add for a tensor used both inside and outside a compiled kind
+(MINIJOINT's hidden state feeding a head and the next layer) may count as the compiled kind's,
+~75 MB per such point at micro-batch 32.
 
 `--profiles` sets the counted bytes beside device profiles of the same cases (profile_update.py's
 JSON, same micro-batch and sequence length; a compiled profile beside the compiled count): there
 the memory-bound device time is the busy time less the matrix products and the flash-attention
 kernels (the group "attention" holds the loss's softmax too), and bytes / time is the bandwidth
-those kernels reached. Where one bandwidth fits every case, bytes predict that device time.
+those kernels reached. The closer one bandwidth fits every case, the better bytes predict that
+device time; the results file shows how close it is.
 """
 
 from __future__ import annotations
@@ -74,9 +81,16 @@ ALLOCATE = NO_LAUNCH | {"empty_like", "new_empty", "new_empty_strided"}
 # Device time goes with FLOPs for these, not bytes.
 MATMUL = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "dot"}
 ATTENTION = re.compile(r"^_?(scaled_dot_product|flash_attention|efficient_attention|_cudnn_attention)")
+# Collectives: the interconnect's time, not device memory's (and nothing at one replica).
+COMMUNICATION = re.compile(r"^_?(allreduce|allgather|all_gather|reduce_scatter|broadcast|all_to_all|send|recv)")
 # Operators whose first argument is only written (its old values are never read).
 OVERWRITES = {"copy_", "zero_", "fill_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
-              "_foreach_zero_", "_foreach_copy_", "index_put_", "masked_fill_"}
+              "_foreach_zero_", "_foreach_copy_"}
+# Arguments read in part, as many bytes as the operator writes: a lookup or gather reads the rows
+# it returns, not the whole table; index_put_ reads and writes the positions its values go to.
+READS_AS_MANY_AS_WRITTEN = {("embedding", "weight"), ("index_select", "self"), ("gather", "self"),
+                            ("take_along_dim", "self")}
+WRITES_AS_MANY_AS = {("index_put_", "self"): "values", ("index_put", "self"): "values"}
 # Arguments a schema marks written that the kernel leaves alone in this use: the fused Adam(W)
 # steps mark their gradients mutable (they unscale them only when given a grad_scale).
 UNWRITTEN = {("_fused_adamw_", "grads"), ("_fused_adam_", "grads")}
@@ -98,7 +112,8 @@ def touched(t: torch.Tensor) -> int:
 
 
 def category(name: str) -> str:
-    return "matmul" if name in MATMUL else "attention" if ATTENTION.match(name) else "memory"
+    return ("matmul" if name in MATMUL else "attention" if ATTENTION.match(name) else
+            "communication" if COMMUNICATION.match(name) else "memory")
 
 
 class Traffic:
@@ -174,25 +189,40 @@ class Traffic:
 
 def moved(func, name: str, args, kwargs, out) -> int:
     """Bytes an operator reads and writes (the module docstring's rules)."""
-    read, written = {}, {}
+    read, written, partial = {}, {}, []
+    key = lambda t: (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype)
+    values = {}
     for i, a in enumerate(func._schema.arguments):
         value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        values[a.name] = value
         tensors = [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
         writes = a.alias_info is not None and a.alias_info.is_write and (name, a.name) not in UNWRITTEN
-        only_written = writes and (a.name.startswith("out") or (i == 0 and name in OVERWRITES))
+        # out= arguments are keyword-only and marked written (out, values, indices, ...)
+        only_written = writes and (a.kwarg_only or (i == 0 and name in OVERWRITES))
         for t in tensors:
-            k = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype)
-            if not only_written and (name, a.name) not in UNREAD:
-                read[k] = touched(t)
+            if (name, a.name) in READS_AS_MANY_AS_WRITTEN:
+                partial.append(t)
+            elif (name, a.name) in WRITES_AS_MANY_AS:
+                continue  # below, once the values are known
+            elif not only_written and (name, a.name) not in UNREAD:
+                read[key(t)] = touched(t)
             if writes:
-                written[k] = touched(t)
+                written[key(t)] = touched(t)
+    for (op, arg), other in WRITES_AS_MANY_AS.items():
+        if op == name and isinstance(values.get(other), torch.Tensor):
+            n = touched(values[other])
+            written[("positions", arg)] = n
+            if values.get("accumulate"):
+                read[("positions", arg)] = n
     fresh = [r.alias_info is None for r in func._schema.returns]
     results = out if isinstance(out, (tuple, list)) and len(fresh) > 1 else (out,)
     for is_fresh, r in zip(fresh, results):
         if is_fresh:
             for t in tree_leaves(r):
                 if isinstance(t, torch.Tensor):
-                    written[(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel(), t.dtype)] = touched(t)
+                    written[key(t)] = touched(t)
+    for t in partial:
+        read[key(t)] = min(touched(t), sum(written.values()))
     return sum(read.values()) + sum(written.values())
 
 
@@ -310,8 +340,13 @@ def count_compiled(engine, update, warmup: int = 3) -> Traffic:
 
 
 def extended(small: Traffic, large: Traffic, b_small: int, b_large: int, at: int) -> dict:
-    """(phase, category, op) -> bytes at micro-batch `at`, linear in the micro-batch through the two counts."""
+    """(phase, category, op) -> bytes at micro-batch `at`, linear in the micro-batch through the two
+    counts, which must have run the same operators (a batch with padding and one without do not)."""
     keys = set(small.bytes) | set(large.bytes)
+    if set(small.bytes) != set(large.bytes):
+        odd = sorted(set(small.bytes) ^ set(large.bytes))
+        raise ValueError(f"the updates at micro-batches {b_small} and {b_large} ran different operators "
+                         f"({odd[:3]}): count batches that take the same path")
     slope = {k: (large.bytes[k] - small.bytes[k]) / (b_large - b_small) for k in keys}
     return {k: large.bytes[k] + slope[k] * (at - b_large) for k in keys}
 

@@ -49,8 +49,21 @@ def test_bytes_follow_what_each_operator_reads_and_writes(traffic):
     # Views and allocations move nothing; a reduction reads its input and writes its result.
     assert counted(traffic, lambda: a.view(-1)[:5].sum()) == {("memory", "sum"): 5 * 4 + 4}
     assert counted(traffic, lambda: torch.empty_like(a)) == {}
-    # Matrix products are their own category (their time goes with FLOPs).
+    # Matrix products are their own category (their time goes with FLOPs); so are collectives.
     assert set(counted(traffic, lambda: a @ b.t())) == {("matmul", "mm")}
+    assert traffic.category("allreduce_") == "communication" and traffic.category("add_") == "memory"
+    # out= arguments (keyword-only, written) are not read: a's 128 bytes in, 4 maxima and their indices out
+    values, indices = torch.empty(4), torch.empty(4, dtype=torch.long)
+    assert counted(traffic, lambda: torch.max(a, 1, out=(values, indices))) == {("memory", "max"): 128 + 16 + 32}
+    # A lookup reads the rows it returns, not the table: 5 ids (int64) and 5 rows of 64 bytes, 5 rows out.
+    table, ids = torch.randn(100, 16), torch.tensor([3, 1, 4, 1, 5])
+    assert counted(traffic, lambda: torch.nn.functional.embedding(ids, table)) == {
+        ("memory", "embedding"): 40 + 2 * 320}
+    # index_put_ writes (and, accumulating, reads) the positions its values go to: 3 ids, 3 rows of 16 bytes.
+    dst, rows, vals = torch.zeros(10, 4), torch.tensor([0, 2, 7]), torch.ones(3, 4)
+    assert counted(traffic, lambda: dst.index_put_((rows,), vals)) == {("memory", "index_put_"): 24 + 48 + 48}
+    assert counted(traffic, lambda: dst.index_put_((rows,), vals, accumulate=True)) == {
+        ("memory", "index_put_"): 24 + 48 + 48 + 48}
 
 
 def test_the_loss_reads_one_log_probability_per_row(traffic):
@@ -74,6 +87,9 @@ def test_the_depth_fit_and_the_micro_batch_line(traffic):
     small.bytes[("step", "memory", "_fused_adamw_")] = large.bytes[("step", "memory", "_fused_adamw_")] = 7
     at = traffic.extended(small, large, 2, 4, 32)
     assert at == {("forward", "memory", "gelu"): 18 + 28 * 4, ("step", "memory", "_fused_adamw_"): 7}
+    large.bytes[("forward", "memory", "masked_fill")] = 5  # an operator one count ran and the other did not
+    with pytest.raises(ValueError, match="ran different operators"):
+        traffic.extended(small, large, 2, 4, 32)
     rows = [{"step": "adapt", "layers": n, "x": 3.0 + 2.0 * n} for n in (4, 6, 12)] + [
         {"step": "pretrain", "layers": 12, "x": 100.0}]
     fit = traffic.depth_fit(rows, "x")
@@ -111,8 +127,8 @@ class Inner(torch.nn.Module):
 
 def test_work_inside_the_compiled_kinds_is_told_apart_forward_and_backward(traffic):
     """What runs in an instance of the compiled kinds, and the backward of what it made, is the
-    category a compiled update hands to Inductor; the rest (here the doubling before it and the
-    loss's sum after it) stays eager."""
+    category a compiled update hands to Inductor; the rest (here the doubling before it, the
+    scaling by 5 after it and the loss's sum) stays eager, forward and backward."""
     inner = Inner()
     x = torch.randn(8, requires_grad=True)
 
@@ -120,7 +136,7 @@ def test_work_inside_the_compiled_kinds_is_told_apart_forward_and_backward(traff
         module = inner
 
         def forward(self, x):
-            return inner(x * 2).sum()
+            return (inner(x * 2) * 5).sum()
 
         def backward(self, loss):
             loss.backward()
@@ -134,12 +150,12 @@ def test_work_inside_the_compiled_kinds_is_told_apart_forward_and_backward(traff
     assert cats[("forward", "gelu")] == "memory, compiled kinds"
     assert cats[("backward", "gelu_backward")] == "memory, compiled kinds"
     assert cats[("forward", "sum")] == "memory"
-    # the two muls: x * 2 outside, * 3 inside; their backward likewise
+    # the muls: x * 2 and * 5 outside, * 3 inside; their backward likewise
     inside = {k for k in t.bytes if k[1] == "memory, compiled kinds"}
     assert {(p, op) for p, _, op in inside} == {("forward", "gelu"), ("forward", "mul"), ("backward", "mul"),
                                                  ("backward", "gelu_backward")}
-    assert t.calls[("forward", "memory", "mul")] == 1 and t.calls[("forward", "memory, compiled kinds", "mul")] == 1
-    assert t.calls[("backward", "memory", "mul")] == 1 and t.calls[("backward", "memory, compiled kinds", "mul")] == 1
+    assert t.calls[("forward", "memory", "mul")] == 2 and t.calls[("forward", "memory, compiled kinds", "mul")] == 1
+    assert t.calls[("backward", "memory", "mul")] == 2 and t.calls[("backward", "memory, compiled kinds", "mul")] == 1
 
 
 def test_inductor_kernels_count_what_they_read_and_write(traffic):
@@ -159,3 +175,15 @@ def test_inductor_kernels_count_what_they_read_and_write(traffic):
             traffic._COUNTING[0] = None
     assert t.bytes == {("other", "inductor", "compiled graphs"): 2 * 2 * 64 * 64 * 4}
     assert t.calls == {("other", "inductor", "compiled graphs"): 2}
+    # Attention is left out likewise: the doubling after it reads its output and writes its own.
+    q = torch.randn(1, 2, 16, 8)
+    t = traffic.Traffic()
+    with traffic.inductor_bytes():
+        g = torch.compile(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q) * 2, dynamic=False)
+        g(q)
+        traffic._COUNTING[0] = t
+        try:
+            g(q)
+        finally:
+            traffic._COUNTING[0] = None
+    assert t.bytes == {("other", "inductor", "compiled graphs"): 2 * q.numel() * 4}
