@@ -552,10 +552,10 @@ def main(argv=None) -> None:
     if args.note:
         md += ["", args.note]
     name = "device_traffic" + ("_zero_as_given" if args.zero_as_given else "")
-    paths = write_results(name, {"settings": {"ds_config": Path(args.ds_config).name, "zero_as_given": args.zero_as_given,
-                                              "real": args.real, "dropout": args.dropout, "seq_length": s,
-                                              "micro_batches": [b_small, b_large], "at": args.at,
-                                              "profiles": args.profiles}, "rows": rows}, "\n".join(md))
+    settings = {"ds_config": Path(args.ds_config).name, "zero_as_given": args.zero_as_given, "real": args.real,
+                "dropout": args.dropout, "compiled": args.compiled, "seq_length": s,
+                "micro_batches": [b_small, b_large], "at": args.at, "profiles": args.profiles}
+    paths = write_results(name, {"settings": settings, "rows": rows}, "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")
 
