@@ -59,7 +59,6 @@ import contextlib
 import dataclasses
 import json
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,7 +73,7 @@ from mmadapt.models.layers import gpu_paths
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from host_cost import NO_LAUNCH, PHASES, counting, phased  # noqa: E402  (stdlib alone at its import)
+from host_cost import NO_LAUNCH, PHASES, counting, line, phased  # noqa: E402  (stdlib alone at its import)
 
 # Allocations: nothing moves (host_cost's NO_LAUNCH and these).
 ALLOCATE = NO_LAUNCH | {"empty_like", "new_empty", "new_empty_strided"}
@@ -385,13 +384,6 @@ def by_operator(bytes_at: dict, calls: collections.Counter, keep) -> dict:
     return dict(sorted(out.items(), key=lambda kv: -kv[1][0]))
 
 
-def line(x: list[float], y: list[float]) -> tuple[float, float]:
-    """Least squares y = a + b x -> (b, a)."""
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y)) / sum((xi - mx) ** 2 for xi in x)
-    return b, my - b * mx
-
-
 def depth_fit(rows: list[dict], key: str) -> dict | None:
     """The Step-2 rows that have `key`, as a + b x layers -> {per_layer, at_no_depth}."""
     step2 = [r for r in rows if r["step"] == "adapt" and key in r]
@@ -457,11 +449,11 @@ def main(argv=None) -> None:
         profiles[(p["case"], p.get("fusion", "none"))] = p
         if p.get("fusion", "none") != "none" and not args.compiled:
             ap.error(f"{path} profiled a compiled update: count one too (--compiled)")
-    ds_by_b = {}
-    for b in (b_small, b_large):
-        t = dataclasses.replace(train, train_micro_batch_size_per_gpu=b)
-        ds_by_b[b] = (t, run_ds_config(Path(args.ds_config), t, args.zero_as_given))
     if args.row_json:  # a child process: one case, its row to the parent
+        ds_by_b = {}
+        for b in (b_small, b_large):
+            t = dataclasses.replace(train, train_micro_batch_size_per_gpu=b)
+            ds_by_b[b] = (t, run_ds_config(Path(args.ds_config), t, args.zero_as_given))
         system, step, cfg, trainable = next(c for c in cases(base) if f"{c[0]}:{c[1]}" == args.only[0])
         counts = {}
         for b, (t, ds) in ds_by_b.items():

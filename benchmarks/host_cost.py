@@ -449,6 +449,13 @@ def ds_name(args) -> str:
     return args.ds_config or ("zero2_bf16.json" if torch.cuda.is_available() else "zero1.json")
 
 
+def line(x: list[float], y: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x -> (b, a)."""
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y)) / sum((xi - mx) ** 2 for xi in x)
+    return b, my - b * mx
+
+
 def depth_fit(rows: list[dict]) -> list[dict]:
     """Per shape, launches (by phase) and host ms of the Step-2 rows as a + b x layers."""
     out = []
@@ -462,10 +469,7 @@ def depth_fit(rows: list[dict]) -> list[dict]:
         keys = [(k, k) for k in counts] + [(f"{k}_{p}", f"{k}, {p}") for k in counts for p in PHASES] + [
             ("host_ms", "host ms")]
         for key, what in [(k, w) for k, w in keys if k in mini]:
-            y = [r[key] for r in step2]
-            mx, my = statistics.fmean(x), statistics.fmean(y)
-            b = sum((xi - mx) * (yi - my) for xi, yi in zip(x, y)) / sum((xi - mx) ** 2 for xi in x)
-            a = my - b * mx
+            b, a = line(x, [r[key] for r in step2])
             out.append({"shape": shape, "what": what, "per_layer": b, "at_no_depth": a,
                         "share_at_mini": a / mini[key] if mini[key] else float("nan")})
     return out
