@@ -265,8 +265,10 @@ def flop_bound(node) -> bool:
 
     if not isinstance(node, ExternKernelSchedulerNode):
         return False
-    kernel = str(getattr(node.node, "python_kernel_name", "") or getattr(node.node, "op_overload", ""))
-    return bool(re.search(r"\b(mm|addmm|bmm|baddbmm)\b|scaled_dot_product|flash|efficient_attention", kernel))
+    op = getattr(node.node, "op_overload", None)  # an ATen fallback's operator, or None
+    name = (op.__name__.split(".")[0] if op is not None  # aten._scaled_dot_product_flash_attention_for_cpu
+            else str(getattr(node.node, "python_kernel_name", "")).rsplit(".", 1)[-1])  # extern_kernels.mm
+    return category(name) in ("matmul", "attention")  # the eager count's classes
 
 
 # The Traffic that compiled graphs count into (inductor_bytes): a graph compiled for one engine
