@@ -2,7 +2,8 @@
 
 mmadapt does not launch processes itself. On a SLURM cluster `srun` starts one task per node
 (see launch/slurm/*.sbatch), and on each node `mmadapt slurm-env -- <script> <args>` reads the
-job's environment, writes a DeepSpeed hostfile and replaces itself with
+job's environment, writes a DeepSpeed hostfile and replaces itself with DeepSpeed's launcher
+(`python -m deepspeed.launcher.runner`, the `deepspeed` command, in the Python that runs this)
 
     deepspeed --hostfile H --no_ssh --node_rank R --num_nodes N --num_gpus G \
               --master_addr A --master_port P <script> <args>
@@ -138,10 +139,15 @@ class SlurmJob:
     def hostfile(self) -> str:
         return "".join(f"{h} slots={self.gpus_per_node}\n" for h in self.hosts)
 
-    def command(self, hostfile: str | os.PathLike, script_and_args: list[str]) -> list[str]:
-        return ["deepspeed", "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(self.node_rank),
-                "--num_nodes", str(len(self.hosts)), "--num_gpus", str(self.gpus_per_node),
-                "--master_addr", self.master_addr, "--master_port", str(self.master_port), *script_and_args]
+    def command(self, hostfile: str | os.PathLike, script_and_args: list[str],
+                launcher_args: tuple[str, ...] = ()) -> list[str]:
+        """DeepSpeed's launcher in this Python's environment (`python -m deepspeed.launcher.runner`,
+        what the `deepspeed` script runs): it starts the ranks with its own interpreter, so a
+        `deepspeed` found first on PATH would train in whichever environment that is."""
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", str(hostfile), "--no_ssh",
+                "--node_rank", str(self.node_rank), "--num_nodes", str(len(self.hosts)),
+                "--num_gpus", str(self.gpus_per_node), "--master_addr", self.master_addr,
+                "--master_port", str(self.master_port), *launcher_args, *script_and_args]
 
 
 def write_hostfile(job: SlurmJob, path: Path) -> Path:
@@ -159,6 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the hostfile and the command, run nothing")
     p.add_argument("--hostfile", help="where to write the hostfile (default: $TMPDIR or /tmp, per job and node)")
     p.add_argument("--gpus_per_node", type=int, help="ranks per node (default: from SLURM_GPUS_ON_NODE)")
+    p.add_argument("--launcher_args", default="", help="more flags for DeepSpeed's launcher, in one quoted "
+                   "string (e.g. \"--enable_each_rank_log /scratch/logs\")")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- then the training script and its arguments")
     args = p.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
@@ -167,7 +175,7 @@ def main(argv=None) -> int:
     job = SlurmJob.from_env(gpus_per_node=args.gpus_per_node)
     hostfile = Path(args.hostfile or Path(os.environ.get("TMPDIR", "/tmp")) /
                     f"mmadapt-hostfile-{os.environ.get('SLURM_JOB_ID', 'job')}-{job.node_rank}")
-    cmd = job.command(hostfile, script)
+    cmd = job.command(hostfile, script, tuple(shlex.split(args.launcher_args)))
     if args.dry_run:
         print(f"# hostfile {hostfile}\n{job.hostfile()}# node {job.node_rank} of {len(job.hosts)}, "
               f"world size {job.world_size}\n{shlex.join(cmd)}")

@@ -51,9 +51,10 @@ def test_four_nodes_of_eight():
     assert job.world_size == 32 and job.master_addr == "gpu01"
     assert job.hostfile().splitlines() == [f"{h} slots=8" for h in ("gpu01", "gpu02", "gpu03", "gpu07")]
     cmd = job.command("/tmp/hf", ["launch/pretrain.py", "--preset", "tiny"])
-    assert cmd == ["deepspeed", "--hostfile", "/tmp/hf", "--no_ssh", "--node_rank", "3", "--num_nodes", "4",
-                   "--num_gpus", "8", "--master_addr", "gpu01", "--master_port", "24242",
-                   "launch/pretrain.py", "--preset", "tiny"]
+    # DeepSpeed's launcher in this interpreter's environment, not a `deepspeed` found on PATH
+    assert cmd == [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", "/tmp/hf", "--no_ssh",
+                   "--node_rank", "3", "--num_nodes", "4", "--num_gpus", "8", "--master_addr", "gpu01",
+                   "--master_port", "24242", "launch/pretrain.py", "--preset", "tiny"]
     # SLURM_GPUS_PER_NODE with a type; MASTER_ADDR/PORT from the environment win.
     env = fake_env("a1,b[2-3]", 3, 1, MASTER_ADDR="10.0.0.5", MASTER_PORT="29500")
     del env["SLURM_GPUS_ON_NODE"]
@@ -78,10 +79,15 @@ def test_cli_dry_run_and_error(capsys, monkeypatch):
 
     for k, v in fake_env("gpu[01-02]", 2, 1).items():
         monkeypatch.setenv(k, v)
-    assert main(["slurm-env", "--dry-run", "--hostfile", "/tmp/x", "--", "launch/pretrain.py", "--preset", "tiny"]) == 0
+    assert main(["slurm-env", "--dry-run", "--hostfile", "/tmp/x", "--launcher_args", "--enable_each_rank_log /l",
+                 "--", "launch/pretrain.py", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "gpu01 slots=8\ngpu02 slots=8\n" in out and "world size 16" in out
-    assert out.strip().splitlines()[-1].startswith("deepspeed --hostfile /tmp/x --no_ssh --node_rank 1 --num_nodes 2")
+    cmd = shlex.split(out.strip().splitlines()[-1])
+    assert cmd[:9] == [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", "/tmp/x", "--no_ssh",
+                       "--node_rank", "1", "--num_nodes"]
+    # the launcher's own flags go before the script, where DeepSpeed's parser reads them
+    assert cmd[-5:] == ["--enable_each_rank_log", "/l", "launch/pretrain.py", "--preset", "tiny"]
     monkeypatch.setenv("SLURM_NNODES", "5")
     assert main(["slurm-env", "--dry-run", "--", "launch/pretrain.py"]) == 2
     err = capsys.readouterr().err.strip()
@@ -146,7 +152,7 @@ def test_template_renders_a_launch_per_node(template, tmp_path):
                     RUN_ROOT=str(tmp_path / "adapt"), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.run(["bash", str(template)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    launches = [shlex.split(l) for l in proc.stdout.splitlines() if l.startswith("deepspeed ")]
+    launches = [c for c in map(shlex.split, proc.stdout.splitlines()) if c[1:3] == ["-m", "deepspeed.launcher.runner"]]
     assert [c[c.index("--node_rank") + 1] for c in launches] == ["0", "1", "2", "3"]
     for c in launches:
         assert c[c.index("--num_nodes") + 1] == "4" and c[c.index("--num_gpus") + 1] == "8"
