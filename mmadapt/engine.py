@@ -61,6 +61,9 @@ def load_ds_config(path: Path, cfg) -> dict:
     if clash:
         raise ValueError(f"DeepSpeed config {path} sets {clash[0]}: batch sizes come from mmadapt's "
                          f"--train_micro_batch_size_per_gpu/--gradient_accumulation_steps; remove it")
+    if "gradient_clipping" in ds:  # replaced below by the flag's value: a JSON's 1.0 would train unclipped, unsaid
+        raise ValueError(f"DeepSpeed config {path} sets gradient_clipping: the clipping comes from mmadapt's "
+                         "--gradient_clipping (each preset sets its own); remove it from the JSON")
     ds.update(train_micro_batch_size_per_gpu=cfg.train_micro_batch_size_per_gpu,
               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
               gradient_clipping=cfg.gradient_clipping)

@@ -322,6 +322,8 @@ CASES = [
     ("ds-config-directory", lambda c: c.pretrain("--ds_config", c.dir("dsdir")), "is a directory"),
     ("ds-config-batch-size", lambda c: c.pretrain("--ds_config", c.file("ds.json", '{"train_batch_size": 8}')),
      "sets train_batch_size"),
+    ("ds-config-clipping", lambda c: c.pretrain("--ds_config", c.file("ds.json", '{"gradient_clipping": 1.0}')),
+     "sets gradient_clipping: the clipping comes from mmadapt's --gradient_clipping"),
     ("unknown-flag", lambda c: c.pretrain("--learning_rate", "1e-3"), "unrecognized arguments: --learning_rate"),
     ("flag-wrong-type", lambda c: c.pretrain("--train_iters", "many"), "invalid int value: 'many'"),
     ("unknown-recipe", lambda c: c.pretrain("--recipe", "bl_huge"), "invalid choice: 'bl_huge'"),
