@@ -80,6 +80,15 @@ class DataError(ValueError):
     """A user-facing problem with the corpus or the tokenizer."""
 
 
+class NothingHeldOut(DataError):
+    """prepare's valid_fraction drew none of the corpus's `documents` (a caller with no such flag
+    words its own fix)."""
+
+    def __init__(self, message: str, documents: int):
+        super().__init__(message)
+        self.documents = documents
+
+
 def check_corpus(path: str | os.PathLike) -> Path:
     """A readable, non-empty UTF-8 text file, or a DataError naming the problem (for text that
     is not UTF-8: the byte offset of the first bad sequence; it is never decoded with
@@ -532,7 +541,9 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
     if sentences == 0:
         raise DataError(f"corpus {corpus} produced no training sentences")
     if valid_fraction > 0 and valid_counts[0] == 0:
-        raise DataError(f"--valid_fraction {valid_fraction} held out no document of {corpus}: raise it")
+        raise NothingHeldOut(f"--valid_fraction {valid_fraction} held out none of the {documents:,} documents of "
+                             f"{corpus} (a document ends at a blank line): raise it, or give the corpus more documents",
+                             documents)
     manifest = {"format": FORMAT, "corpus": str(corpus.resolve()), "corpus_fingerprint": fingerprint,
                 "tokenizer_sha256": file_sha256(tok), "vocab_size": sp.get_piece_size(), "dtype": dtype,
                 "sentences": sentences, "documents": documents, "tokens": tokens, "unknown": unknown,

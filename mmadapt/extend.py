@@ -9,11 +9,14 @@ target corpus, export. Every stage is the library function of the command a user
                  head/         fit-head's run (a headless encoder: a sentence-transformers body)
                  minipost/     Step 1b (--system minipost, the default: an imported model has no
                                MINIJOINT head)
-                 data/         the target corpus prepared (its vocabulary, 3% held out)
+                 data/         the target corpus prepared (its vocabulary, 3% held out), before
+                               anything trains
                  adapt/        Step 2 over the mini-model (or the full model: --system bl_base)
                  export/       the extended model: a transformers directory (and, for a
                                sentence encoder, export/sentence_transformers/)
+                 exports.json  what export/ and export-into/ were made from
                  sibling/      with --into: import-hf's run of a model fine-tuned from --model
+                               (another --into on a later call replaces it once it passes the check)
                  export-into/  the embeddings grafted into it (export-hf --graft, graft.py)
 
 A stage that finished is kept; one that was interrupted resumes from its checkpoint; a repeated
@@ -34,7 +37,7 @@ from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig, check_lang
 from mmadapt.corpora import resolve_corpus
-from mmadapt.data import MANIFEST, check_corpus
+from mmadapt.data import MANIFEST, DataError, NothingHeldOut, check_corpus
 from mmadapt.graft import check_siblings
 from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import export_hf, import_any
@@ -42,7 +45,11 @@ from mmadapt.run import RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
 SUMMARY = "summary.json"  # the summary a finished extension printed (_summary)
+EXPORTS = "exports.json"  # what each export was made from (_export_once): one made from anything else is made again
 REPORT_ONLY = ("bpb_bytes", "into")  # Extend fields that size the summary, not the extension: a later call may change them
+# Not compared with the record either: the record lives in output_dir, however its path is spelled
+NOT_IDENTITY = (*REPORT_ONLY, "output_dir")
+HELD_OUT = 0.03  # of the target corpus's documents: Step 2's held-out scores and the summary's
 SYSTEMS = ("minipost", "bl_base")  # what an imported model offers: no MINIJOINT head, no BL_SMALL run
 
 
@@ -80,6 +87,9 @@ class Extend:
         would come after the stages before it had trained and left their runs."""
         self.model, self.output_dir = Path(self.model).resolve(), Path(self.output_dir)
         self.into = None if self.into is None else Path(self.into).resolve()
+        # recorded as absolute paths: the same extension continued from another directory, or
+        # with another spelling of its corpus, is the same extension
+        self.corpus, self.source_corpus = _corpus_spec(self.corpus), _corpus_spec(self.source_corpus)
         if self.system not in SYSTEMS:
             raise ValueError(f"--system {self.system}: extend adapts an imported model over {' or '.join(SYSTEMS)}")
         check_lang(self.lang)
@@ -109,6 +119,12 @@ class Extend:
                              plugin_eval_blocks=self.plugin_eval_blocks)
 
 
+def _corpus_spec(spec: str) -> str:
+    """A corpus argument as recorded: bible:<lang> as given, a file as its absolute path."""
+    spec = str(spec)
+    return spec if spec.startswith("bible:") else str(Path(spec).resolve())
+
+
 def claim(ext: Extend) -> bool:
     """The output directory is this extension's: new or empty (its record is written: -> True), or
     holding the record of the same extension (continued: -> False). Anything else is refused in
@@ -123,11 +139,15 @@ def claim(ext: Extend) -> bool:
         # a field the record predates was its default then, compared as recorded
         defaults = as_recorded({f.name: f.default for f in dataclasses.fields(ext)
                                 if f.default is not dataclasses.MISSING})
-        changed = sorted(k for k in mine if k not in REPORT_ONLY and theirs.get(k, defaults.get(k)) != mine[k])
+        recorded = {k: theirs.get(k, defaults.get(k)) for k in mine}
+        for k in ("corpus", "source_corpus"):  # a record from before they were resolved holds them as typed
+            if isinstance(recorded[k], str):
+                recorded[k] = _corpus_spec(recorded[k])
+        changed = sorted(k for k in mine if k not in NOT_IDENTITY and recorded[k] != mine[k])
         if changed:
             name = changed[0]
             raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {name} "
-                             f"{theirs.get(name, defaults.get(name))!r}, not {mine[name]!r}: continue it with the same "
+                             f"{recorded[name]!r}, not {mine[name]!r}: continue it with the same "
                              "arguments, or choose a new --output_dir")
         return False
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -141,18 +161,22 @@ def claim(ext: Extend) -> bool:
 def extend(ext: Extend) -> dict:
     """The extension (module docstring). -> its summary: the plug-in loss of the new embeddings at
     the start and at the end beside the target unigram reference, and the export's directories."""
-    existed = ext.output_dir.exists()
+    made = [d for d in (ext.output_dir, *ext.output_dir.parents) if not d.exists()]  # deepest first
     fresh = claim(ext)
     say = _stage_printer()
     try:
         imported, sibling = _imported(ext, say)
+        # The target corpus before any training: a corpus too small for the vocabulary, or for
+        # a held-out part, is refused while the call has trained nothing (and a fresh one left nothing)
+        data = _prepared(ext, imported, say)
     except BaseException:
         if fresh:  # refused or stopped before anything trained: the extension it began is none, so nothing is left
-            for stage in ("import", "sibling"):
+            for stage in ("import", "sibling", "data"):
                 shutil.rmtree(ext.run_dir(stage), ignore_errors=True)
             (ext.output_dir / RECORD).unlink()
-            if not existed and not any(ext.output_dir.iterdir()):
-                ext.output_dir.rmdir()
+            for d in made:
+                if d.is_dir() and not any(d.iterdir()):
+                    d.rmdir()
         raise
     source = imported
     if read_source(imported).headless:
@@ -168,12 +192,6 @@ def extend(ext: Extend) -> dict:
         mini = MiniModelConfig(max(1, layers // 3), 2)
         _train(over, ext.minipost_iters, lambda run: steps.build_minipost(run=run, step=steps.BuildMinipost(
             primary=source, train=ext.schedule(ext.minipost_iters), mini=mini)), corpus=ext.source_corpus)
-    data = ext.run_dir("data")
-    if not (data / MANIFEST).is_file():
-        say(f"prepare the {ext.lang} corpus ({ext.vocab_mode} vocabulary)")
-        prep = PreprocessConfig(workers=1, valid_fraction=0.03)
-        steps.preprocess(ext.corpus, output_dir=data, vocab_size=ext.vocab_size, cfg=prep,
-                         expand_from=source if ext.vocab_mode == "expand" else None)
     adapt = ext.run_dir("adapt")
     say(f"Step 2: the {ext.lang} embeddings over {'the mini-model' if over != source else 'the full model'}")
     train = ext.step2_schedule()
@@ -181,9 +199,7 @@ def extend(ext: Extend) -> dict:
         system=ext.system, source=over, lang=ext.lang, train=train)), data_path=data)
     final = artifact_dirs([adapt])[-1]
     export = ext.run_dir("export")
-    if not (export / "config.json").is_file():
-        say("export the extended model")
-        _export(export, primary=source, embeddings=final)
+    _export_once(ext, export, primary=source, embeddings=final, say=say)
     summary = _summary(ext, source, adapt, data, export)
     if sibling is not None:
         summary.update(_graft(ext, sibling, final, data))
@@ -207,21 +223,61 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None]:
         raise ValueError(f"--into grafts the embeddings into a language model; {ext.model} is a headless encoder, "
                          "whose extension gets an MLM head its sibling lacks: drop --into")
     sibling = ext.run_dir("sibling")
-    if not (sibling / "run.json").is_file():
+    if _imported_from(sibling) == str(ext.into):
+        check = check_siblings(model, read_source(sibling), {"vocab_mode": ext.vocab_mode})
+    else:  # first asked for, or another --into than the last call's: imported and checked aside
         say(f"import the sibling {ext.into}")
-        import_any(ext.into, sibling)
-    check = check_siblings(model, read_source(sibling), {"vocab_mode": ext.vocab_mode})
+        staged = ext.run_dir("sibling.new")
+        shutil.rmtree(staged, ignore_errors=True)
+        try:
+            import_any(ext.into, staged)
+            check = check_siblings(model, read_source(staged), {"vocab_mode": ext.vocab_mode})
+        except BaseException as e:  # the sibling grafted before, if any, stays as it was
+            shutil.rmtree(staged, ignore_errors=True)
+            if isinstance(e, ValueError):  # named as the user named them, not as the runs made of them here
+                raise ValueError(str(e).replace(str(staged), f"--into {ext.into}")
+                                 .replace(str(imported), f"--model {ext.model}")) from None
+            raise
+        if sibling.exists():  # the graft into the last --into gives way to this one's
+            say(f"replace the graft into {_imported_from(sibling)} (export-into/) with one into {ext.into}")
+            shutil.rmtree(sibling)
+        staged.rename(sibling)
     if parallel.is_rank0():  # the distances, and a sibling that moved too far, said before anything trains
         print("\n".join(check.lines()), flush=True)
     return imported, sibling
+
+
+def _imported_from(run: Path) -> str | None:
+    """The model directory an import-hf run was read from (its run.json), None where there is none."""
+    if not (run / "run.json").is_file():
+        return None
+    imported = checkpoint.read_json(run / "run.json", "imported run").get("imported_from") or {}
+    st = imported.get("sentence_transformers")
+    return (st or {}).get("model") or imported.get("model")
+
+
+def _prepared(ext: Extend, imported: Path, say) -> Path:
+    """The target corpus prepared (its vocabulary, HELD_OUT of its documents held out) -> its
+    dataset. An expanded vocabulary extends the import's (every later stage keeps its tokenizer)."""
+    data = ext.run_dir("data")
+    if not (data / MANIFEST).is_file():
+        say(f"prepare the {ext.lang} corpus ({ext.vocab_mode} vocabulary)")
+        prep = PreprocessConfig(workers=1, valid_fraction=HELD_OUT)
+        try:
+            steps.preprocess(ext.corpus, output_dir=data, vocab_size=ext.vocab_size, cfg=prep,
+                             expand_from=imported if ext.vocab_mode == "expand" else None)
+        except NothingHeldOut as e:
+            raise DataError(f"corpus {ext.corpus}: extend holds out {HELD_OUT:.0%} of its documents for the held-out "
+                            f"scores, and none of its {e.documents:,} fell there (a document ends at a blank line): "
+                            "give it more documents, a blank line after every few hundred sentences") from None
+    return data
 
 
 def _graft(ext: Extend, sibling: Path, final: Path, data: Path) -> dict:
     """The embeddings grafted into the sibling (export-hf --graft) and scored through it in bits
     per byte beside the sibling with no adaptation."""
     out = ext.run_dir("export-into")
-    if not (out / "config.json").is_file():
-        _export(out, primary=sibling, embeddings=final, graft=True)
+    _export_once(ext, out, primary=sibling, embeddings=final, graft=True)
     per_byte = ByteScorer(Scorer(Primary.read(sibling)), ext.seq_length, ext.bpb_bytes)
     raw = per_byte.text(data)
     emb, tok, meta = read_artifact(final)
@@ -231,11 +287,23 @@ def _graft(ext: Extend, sibling: Path, final: Path, data: Path) -> dict:
     return {"graft": str(out), "graft_bpb": bits, "graft_no_adaptation_bpb": none}
 
 
-def _export(out: Path, **kw) -> None:
-    """export_hf into `out` (its keyword arguments `kw`); an export cut short there is written again whole."""
+def _export_once(ext: Extend, out: Path, primary: Path, embeddings: Path, say=None, **kw) -> None:
+    """export_hf into `out` unless it holds this very export: made from the artifact `embeddings`
+    as it is now over the run `primary` as it was imported (kept in EXPORTS). An export cut short,
+    or one from a Step 2 run again or another sibling, is written again whole."""
+    record = ext.output_dir / EXPORTS
+    made = checkpoint.read_json(record, "extend exports") if record.is_file() else {}
+    key = {"embeddings": meta_digests([embeddings]), "primary": str(primary.relative_to(ext.output_dir)),
+           "imported_from": _imported_from(primary), **{k: str(v) for k, v in kw.items()}}
+    if (out / "config.json").is_file() and made.get(out.name) == key:
+        return
+    if say is not None:
+        say("export the extended model")
     if out.exists():
         shutil.rmtree(out)
-    export_hf(out, **kw)
+    export_hf(out, primary=primary, embeddings=embeddings, **kw)
+    if parallel.is_rank0():
+        checkpoint.atomic_write(record, json.dumps({**made, out.name: key}, indent=2))
 
 
 def _train(run_dir: Path, iters: int, step, corpus: str | None = None, data_path: Path | None = None) -> None:

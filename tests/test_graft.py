@@ -3,6 +3,9 @@
 mmadapt's logits, expand keeping the sibling's own source rows bit for bit, and the refusals."""
 
 import dataclasses
+import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -159,24 +162,73 @@ def test_evaluate_scores_the_graft_in_bits_per_byte_beside_the_siblings_own(graf
     assert all(0 < r["bpb"] < 16 for r in records)
 
 
-def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpus, tmp_path, capsys):
+def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpus, tmp_path, capsys, monkeypatch):
     """`mmadapt extend --into`: the extension of the tiny Qwen2 base (schedules of 2 updates) also
     grafted into its sibling, scored through it beside its own no adaptation; a model that is
-    not a sibling is refused in one line before anything trains, and leaves nothing behind."""
+    not a sibling is refused in one line before anything trains, and leaves nothing behind; a
+    later call may change --into, and a refused one leaves the last graft as it was."""
     hf = graft_runs["qwen2-base"].parent / "hf"
     argv = ["extend", "--model", str(hf / "qwen2-base"), "--lang", "de", "--corpus", str(de_corpus),
             "--source_corpus", str(corpus), "--vocab_size", "500", "--minipost_iters", "2", "--adapt_iters", "2",
             "--batch", "4", "--seq_length", "32", "--plugin_eval_blocks", "8", "--bpb_bytes", "512"]
-    bad = tmp_path / "bad"
+    bad = tmp_path / "new" / "deep" / "bad"
     assert main([*argv, "--output_dir", str(bad), "--into", str(hf / "llama2-sibling")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not a sibling of" in err, err
-    assert not bad.exists()  # the imports it made before the check are gone with it
+    assert not (tmp_path / "new").exists()  # the imports it made before the check are gone with it, and its parents
     out = tmp_path / "ext"
     assert main([*argv, "--output_dir", str(out), "--into", str(hf / "qwen2-sibling")]) == 0
     said = capsys.readouterr().out
     assert "is a sibling of" in said and f"Grafted into {hf / 'qwen2-sibling'}: de at " in said
     assert (out / "export-into" / "config.json").is_file() and (out / "export" / "config.json").is_file()
+
+    def imported_from(run):
+        return json.loads((run / "run.json").read_text())["imported_from"]["model"]
+
+    # --into changed on a later call: the new sibling (the same weights elsewhere) is imported and
+    # grafted, and that is the one named; nothing trains again
+    other = tmp_path / "sibling-copy"
+    shutil.copytree(hf / "qwen2-sibling", other)
+    assert main([*argv, "--output_dir", str(out), "--into", str(other)]) == 0
+    said = capsys.readouterr().out
+    assert f"with one into {other}" in said and f"Grafted into {other}: de at " in said
+    assert said.count("done already") == 2 and "Step 2:" in said  # Step 1b and Step 2 kept
+    assert imported_from(out / "sibling") == str(other)
+    assert json.loads((out / "exports.json").read_text())["export-into"]["imported_from"] == str(other)
+    # a model that is not a sibling, on a continued extension: refused in one line naming it,
+    # the last sibling and its graft left as they were
+    graft_config = (out / "export-into" / "config.json").stat().st_mtime_ns
+    assert main([*argv, "--output_dir", str(out), "--into", str(hf / "llama2-sibling")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a sibling of" in err and "llama2-sibling" in err, err
+    assert imported_from(out / "sibling") == str(other) and not (out / "sibling.new").exists()
+    assert (out / "export-into" / "config.json").stat().st_mtime_ns == graft_config
+    # the same extension from another working directory, its paths relative: continued, not refused
+    monkeypatch.chdir(tmp_path)
+    relative = [a if not a.startswith("/") else os.path.relpath(a) for a in argv]
+    assert main([*relative, "--output_dir", "ext", "--into", str(other)]) == 0
+    said = capsys.readouterr().out
+    assert f"Grafted into {other}: de at " in said and "export the extended model" not in said
+
+
+def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains(graft_runs, corpus, tmp_path,
+                                                                                 capsys):
+    """The target corpus is prepared right after the import: one with no document for the 3%
+    held out (no blank line: one document), or too small for --vocab_size, is refused in one line
+    naming extend's own fix, before any training, and the output directory is gone with it (so
+    the fix, another --vocab_size, is a new extension, not one refused as changed)."""
+    hf = graft_runs["qwen2-base"].parent / "hf"
+    one_doc = tmp_path / "one.txt"
+    one_doc.write_text("".join(f"Das ist der Satz Nummer {i} im kleinen Korpus.\n" for i in range(300)))
+    argv = ["extend", "--model", str(hf / "qwen2-base"), "--lang", "de", "--source_corpus", str(corpus),
+            "--minipost_iters", "2", "--adapt_iters", "2", "--batch", "4", "--seq_length", "32"]
+    out = tmp_path / "ext"
+    for vocab, fix in (("60", "extend holds out 3% of its documents"), ("5000", "pass --vocab_size")):
+        assert main([*argv, "--corpus", str(one_doc), "--vocab_size", vocab, "--output_dir", str(out)]) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1 and fix in err, err
+        assert "Step 1b" not in captured.out and not out.exists()
 
 
 def test_a_graft_over_a_base_changed_since_step2_is_refused(graft_runs, tmp_path, capsys):

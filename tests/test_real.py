@@ -304,7 +304,10 @@ def test_extend_goes_from_the_directory_to_the_extended_model_in_one_command(shi
     last = sorted((out / "adapt" / "embeddings").iterdir())[-1] / "meta.json"  # Step 2 written anew: not the kept summary
     last.write_text(json.dumps({**json.loads(last.read_text()), "plugin_loss": 9.875}))
     run_ok(*argv[:-1], "512")
-    assert "9.875 after 4 updates" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "9.875 after 4 updates" in said and "export the extended model" in said  # the export made again from it
+    run_ok(*argv[:-1], "512")
+    assert "export the extended model" not in capsys.readouterr().out  # and kept once it matches
     assert main([*argv, "--batch", "8"]) == 2  # argparse: the last --batch counts
     assert "choose a new --output_dir" in capsys.readouterr().err
     other = root / "not-an-extension"
