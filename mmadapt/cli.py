@@ -446,6 +446,14 @@ def evaluate_main(argv=None) -> int:
     else:
         if not args.finetuned or not args.eval_file:
             raise ValueError("pass --finetuned and --eval_file (a task), or --primary and --plugin_data")
+        # the flags of --plugin_data alone, told apart from their defaults by a parse without them
+        probe = evaluate_parser()
+        probe.set_defaults(plugin_blocks=None, bpb_bytes=None)
+        given = vars(probe.parse_args(argv))
+        stray = [f"--{k}" for k in ("primary", "seq_length", "plugin_blocks", "bpb_bytes") if given[k] is not None]
+        if stray:
+            raise ValueError(f"{stray[0]} sizes the plug-in score of --plugin_data; a task (--finetuned, --eval_file) "
+                             "reads the fine-tuned runs' own: drop it")
         records = steps.evaluate(args.finetuned, embeddings=args.embeddings, eval_file=args.eval_file,
                                  output=Path(args.output), eval_batch_tokens=args.eval_batch_tokens,
                                  allow_untrained_positions=bool(args.allow_untrained_positions),

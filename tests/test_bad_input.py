@@ -407,6 +407,10 @@ CASES = [
     # --- Step 4
     ("evaluate-output-exists", lambda c: c.evaluate()[:-1] + [c.file("old.json", "[]")], "already exists"),
     ("evaluate-not-an-artifact", lambda c: c.evaluate(), "neither a Step-2 artifact nor an adapt run"),
+    ("evaluate-task-with-bpb-bytes", lambda c: c.evaluate("--bpb_bytes", "4096"),
+     "--bpb_bytes sizes the plug-in score of --plugin_data; a task (--finetuned, --eval_file) reads"),
+    ("evaluate-task-with-plugin-blocks-at-default", lambda c: c.evaluate("--plugin_blocks", "256"),
+     "--plugin_blocks sizes the plug-in score"),
     ("evaluate-no-adaptation-with-plugin", lambda c: ["evaluate", "--primary", str(c.primary), "--plugin_data",
                                                       c.dir("data"), "--embeddings", c.dir("emb"),
                                                       "--no_adaptation_baseline", "false", "--output",
