@@ -20,7 +20,11 @@ one are on one scale (docs/bits-per-byte.md):
 A piece the tokenizer cannot read (<unk>) stands for bytes the model gives no probability to:
 each byte under it is charged 8 bits (a uniform code over byte values) on top of the <unk>
 piece's own loss, so that a tokenizer cannot score well by reading a text as <unk> (English
-pieces on Russian text are nearly all <unk>, which a model predicts easily).
+pieces on Russian text are nearly all <unk>, which a model predicts easily). So are the bytes
+of a character its normalizer drops (one the tokenizer encodes, alone, as no piece at all:
+SentencePiece's and BERT's drop control characters such as U+0007, and SentencePiece reads
+zero-width spaces and direction marks as a word boundary): no piece stands for them, and a
+byte-level tokenizer would pay for them.
 
 A word is a run of non-whitespace characters of the raw text (not a tokenizer's notion of one),
 so that every tokenizer groups the same pieces together; a piece belongs to the word its first
@@ -185,7 +189,7 @@ class Rows:
     rows: list[tuple[list[int], list[int]]]
     pieces: int
     unknown: int
-    unknown_bytes: int  # the UTF-8 bytes the <unk> pieces stand for
+    unknown_bytes: int  # the UTF-8 bytes the <unk> pieces stand for, and those of characters no piece does
 
 
 def windows(words: list[int], room: int) -> list[tuple[int, int]]:
@@ -210,7 +214,7 @@ def windows(words: list[int], room: int) -> list[tuple[int, int]]:
 def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Rows:
     """Rows of every window of every line of `text` (`window_rows(ids, words, a, b)`: those of the
     window [a, b) of a line's pieces `ids`, each piece's word `words`), and the counts of Rows."""
-    rows, pieces, unknown, unk_bytes = [], 0, 0, 0
+    rows, pieces, unknown, unk_bytes, dropped = [], 0, 0, 0, {}
     for line in text.lines:
         ids, spans = piece_offsets(sp, line)
         words = word_index(line, spans)
@@ -219,6 +223,11 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
         pieces += len(ids)
         unknown += sum(i == UNK_ID for i in ids)
         unk_bytes += sum(len(line[b:e].encode("utf-8")) for i, (b, e) in zip(ids, spans) if i == UNK_ID)
+        # a character the normalizer drops: its span is a neighbour's, so only encoding it alone tells
+        for ch in line:
+            if ch not in dropped:
+                dropped[ch] = not ch.isspace() and not sp.encode(ch)
+            unk_bytes += len(ch.encode("utf-8")) if dropped[ch] else 0
     return Rows(rows, pieces, unknown, unk_bytes)
 
 

@@ -20,7 +20,7 @@ from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.presets import LLAMA_TINY
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.models.roberta.presets import PRESETS as ROBERTA_PRESETS
-from mmadapt.tokens import EOS_ID, MASK_ID
+from mmadapt.tokens import EOS_ID, MASK_ID, UNK_ID
 
 
 class _Piece:
@@ -42,12 +42,14 @@ class Words:
 
     def encode(self, text, out_type=int, return_type=None):
         if isinstance(text, list):
-            return [[p.id for p in self.encode(t, return_type="proto").pieces] for t in text]
+            return [self.encode(t) for t in text]
+        if return_type != "proto":
+            return [p.id for p in self.encode(text, return_type="proto").pieces]
         pieces, pos = [], 0
         for n, word in enumerate(text.split(" ")):
             pos += 1 if n else 0  # the space before it: a '▁' piece's span would start there
             start = pos
-            for surface, i in self.split[word]:
+            for surface, i in self.split.get(word, [(word, UNK_ID)] if word else []):  # a character alone: <unk>
                 pieces.append(_Piece(i, start - (1 if n and start == pos else 0), start + len(surface.encode())))
                 start += len(surface.encode())
             pos = start
@@ -111,7 +113,6 @@ def test_decoder_bits_per_byte_by_hand():
 def test_a_tokenizer_cannot_score_well_by_reading_text_as_unknown():
     """Each byte under an <unk> piece is charged 8 bits on top of the piece's own loss: by hand,
     for a decoder and an encoder whose tokenizer reads 'golf' and 'india' as <unk>."""
-    from mmadapt.tokens import UNK_ID
 
     words = sorted({w for line in TEXT for w in line.split()})
     sp = two_char_pieces(words)
@@ -124,6 +125,25 @@ def test_a_tokenizer_cannot_score_well_by_reading_text_as_unknown():
         assert (unseen.unknown, unseen.unknown_bytes) == (2, len("golf") + len("india"))
         assert unseen.bpb(5.0) == pytest.approx((5.0 / math.log(2) + 8 * 9) / text.bytes)
         assert seen.bpb(5.0) == pytest.approx(5.0 / math.log(2) / text.bytes)
+
+
+def test_the_bytes_of_a_character_the_normalizer_drops_are_charged_as_unknown(tokenizer):
+    """SentencePiece's normalizer drops a control character (U+0007, U+007F): no piece stands for
+    it (its bytes fall inside a neighbour's span), so its bytes are charged 8 bits each as <unk>'s
+    are; the pieces and their scored positions are those of the text without it."""
+    from mmadapt.tokenizer import load
+
+    sp = load(tokenizer)
+    assert sp.encode("\x07") == [] and sp.encode("\x7f") == []  # what the rule reads: no piece at all
+    clean, marked = "In the beginning God created", "In the begin\x07ning God\x7f\x7f created"
+    layout = B.Layout((EOS_ID,), ())
+    a, b = (B.causal_rows(sp, B.RawText((t,), "test"), layout, 64) for t in (clean, marked))
+    assert a.rows == b.rows and a.unknown == b.unknown == 0
+    assert (a.unknown_bytes, b.unknown_bytes) == (0, 3)
+    nats = 7.0
+    assert B.RawText((marked,), "t").bytes == len(clean) + 3
+    ours = B.prepare(sp, B.RawText((marked,), "t"), layout, False, 64, torch.device("cpu"))
+    assert ours.bpb(nats) == pytest.approx((nats / math.log(2) + 8 * 3) / (len(clean) + 3))
 
 
 def _encoder(vocab: int, seed: int = 0) -> torch.nn.Module:
