@@ -141,6 +141,25 @@ def test_the_docs_show_commands_of_every_step():
     assert len(COMMANDS) >= 40 and {"pretrain", "preprocess", "adapt", "finetune", "evaluate", "extend"} <= shown
 
 
+def test_every_python_example_imports_what_it_names():
+    """The ```python blocks of the docs: their imports run, and every `module.name(` they call on an
+    imported mmadapt module exists there (the blocks themselves train, or need a user's family)."""
+    import types
+
+    checked = 0
+    for doc in DOCS:
+        for block in re.findall(r"```python\n(.*?)```", doc.read_text(encoding="utf-8"), re.S):
+            ns: dict = {}
+            for line in block.splitlines():
+                if re.match(r"(import|from) \S+", line):
+                    exec(line.split("#")[0], ns)
+            for module, name in re.findall(r"\b(\w+)\.(\w+)\(", block):
+                if isinstance(ns.get(module), types.ModuleType) and ns[module].__name__.startswith("mmadapt"):
+                    assert hasattr(ns[module], name), f"{doc.name}: {module}.{name} does not exist"
+                    checked += 1
+    assert checked >= 5  # steps.pretrain ... predict.load: the blocks were found and read
+
+
 def test_every_help_text_is_read_for_examples():
     """Every subcommand's --help is read (none holds a complete example today: their examples are
     in the docs), and an example line in one, continued or not, is found for the checks below;
