@@ -1,7 +1,7 @@
 """Step 2: learn a target language's embeddings over a frozen model.
 
-    deepspeed --num_gpus 2 launch/adapt.py --system minijoint --source runs/minijoint \
-        --lang de --output_dir runs/adapt/minijoint-de
+    deepspeed --num_gpus 2 launch/adapt.py --system minijoint --source runs/minijoint --preset roberta-base \
+        --lang de --output_dir runs/adapt/minijoint-de --ds_config ds_configs/zero2_bf16.json
     python launch/adapt.py ...               # one process, same flags
 
 The embeddings (and output bias) are saved under <output_dir>/embeddings/<tag>/ at every

@@ -1,6 +1,7 @@
 """Step 3: fine-tune a pretrain run's primary model on a source-language task, embeddings frozen.
 
     deepspeed --num_gpus 8 launch/finetune.py --task xnli --primary runs/minijoint \
+        --train_micro_batch_size_per_gpu 4 --ds_config ds_configs/zero1_bf16.json \
         --train_file data/multinli/train.tsv --output_dir runs/finetune/minijoint-xnli-seed1 --seed 1
     python launch/finetune.py --task bible-genre --primary runs/minijoint --output_dir runs/ft   # one process
 
