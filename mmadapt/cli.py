@@ -226,12 +226,21 @@ def _later_step_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...], 
 def _schedule(args, source: str) -> TrainConfig:
     """The TrainConfig of a step over the run `source`: its --preset's schedule (default: the
     source family's small preset; another family's preset is refused) with the flags over it."""
-    family = read_source(source).family
+    src = read_source(source)
+    family = src.family
     preset = args.preset or family.small_preset
-    owner, _, train = find_preset(preset)
+    owner, small, train = find_preset(preset)
     if owner is not family:
         raise ValueError(f"--preset {preset} is a {owner.name} preset, but {source} is a {family.name} run: drop "
                          f"--preset, or choose one of {', '.join(family.presets)}")
+    width = src.cfg.hidden_size  # a preset's model is told by its width (a mini-model keeps its primary's)
+    if args.preset is None and width != small.hidden_size and parallel.is_rank0():
+        # the default schedule is sized for the small preset's model (a CPU's), not for this one
+        same = [name for name, (m, _) in family.presets.items() if m.hidden_size == width]
+        print(f"note: {source} is {width} wide and the schedule is the {preset} preset's ({train.train_iters} "
+              f"updates of {train.train_micro_batch_size_per_gpu} x {train.seq_length}, lr {train.lr:g}), sized for "
+              f"a CPU: pass --preset {same[0] if same else 'NAME'} or the schedule's flags for one sized for it",
+              flush=True)
     return override(train, args)
 
 

@@ -476,3 +476,30 @@ def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_
     assert sorted(saved) == sorted(recomputed) == ["output_bias", "word_embeddings"]
     assert all(torch.equal(saved[k], recomputed[k]) for k in saved)
     assert not torch.equal(saved["word_embeddings"], b["word_embeddings"])
+
+
+def test_a_later_step_over_a_wider_model_than_its_default_schedules_says_so(primary_run, tmp_path, capsys):
+    """Without --preset a later step takes its family's small preset's schedule (sized for a CPU):
+    over a run wider than that preset's model it says so in one note naming the preset of that
+    width; with --preset, or over a run of the small preset's width, it says nothing."""
+    from mmadapt import cli
+
+    wide = tmp_path / "wide"
+    shutil.copytree(primary_run, wide)
+    record = json.loads((wide / "run.json").read_text())
+    record["model"]["hidden_size"] = 768  # read_source reads the record; no weight is loaded here
+    (wide / "run.json").write_text(json.dumps(record))
+
+    def schedule(source, *flags):
+        args = cli.adapt_parser().parse_args(["--system", "bl_base", "--source", str(source), "--lang", "de",
+                                              "--output_dir", str(tmp_path / "out"), *flags])
+        train = cli._schedule(args, args.source)
+        return train, capsys.readouterr().out
+
+    train, said = schedule(wide)
+    assert train == PRESETS["tiny"][1]
+    assert said.startswith(f"note: {wide} is 768 wide and the schedule is the tiny preset's "
+                           f"({train.train_iters} updates of") and "pass --preset roberta-base" in said
+    assert len(said.splitlines()) == 1
+    assert schedule(wide, "--preset", "tiny")[1] == ""
+    assert schedule(primary_run)[1] == ""
