@@ -1,4 +1,5 @@
-"""Counted FLOPs of real training steps against the analytic functions in mmadapt/flops.py.
+"""Counted FLOPs of real training steps against the encoder family's analytic functions
+(mmadapt/models/roberta/flops.py; the decoder's are checked by tests/test_llama_flops.py).
 
     python benchmarks/flops_validation.py          # ~1 min on 2 CPU cores
 

@@ -1,6 +1,8 @@
 """FLOP accounting: the paper's numbers (Appendix A.1, section 3, footnote 2) and the exact counts
 against torch's FlopCounterMode on the real model, for every system and step."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -129,8 +131,11 @@ def test_step2_count_equals_exact(layers):
     assert counted == pytest.approx(by_hand, rel=1e-9)
 
 
-def test_minipost_count_equals_exact():
-    cfg = ROBERTA.one_head(tiny(), 6)
+@pytest.mark.parametrize("heads", [(6,), (2, 6)], ids=["one head", "a head below the trained layers"])
+def test_minipost_count_equals_exact(heads):
+    """Step 1b's top two of six layers trained; a head after layer 2 sits over frozen layers only
+    and runs no backward."""
+    cfg = dataclasses.replace(ROBERTA.one_head(tiny(), 6), head_layers=heads)
     ids, labels, p = masked_batch(cfg)
     model = RobertaMLM(cfg)
     freeze(model, ROBERTA.minipost_trainable(4, 2))

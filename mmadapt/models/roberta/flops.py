@@ -93,7 +93,8 @@ def minipost_flops(cfg: ModelConfig, s: int, p: float, trainable_layers: int, pa
     """Step 1b of MINIPOST: the top `trainable_layers` (l_t) of the cfg.num_layers (l) trainable,
     the bottom layers, embeddings and head frozen (A4 when paper=True).
 
-    Exact: the head and the trainable layers pass gradients down (head: one forward; a trainable
+    Exact: the heads above a trainable layer and the trainable layers pass gradients down (a head:
+    one forward; a trainable
     layer: two), except that the lowest trainable layer needs no gradient for its input, so
     its QKV input-gradient product (6sh^2) is skipped. The paper counts that lowest layer as a
     single `layer`.
@@ -102,7 +103,8 @@ def minipost_flops(cfg: ModelConfig, s: int, p: float, trainable_layers: int, pa
     if not 1 <= lt <= l:
         raise ValueError(f"trainable_layers {lt} must be in 1..num_layers={l}")
     fwd = forward_flops(cfg, s, p)
-    head_bwd = len(cfg.heads_after) * head_flops(cfg, s, p)
+    # a head over frozen layers only passes no gradient anywhere: no backward (as the decoder's count)
+    head_bwd = sum(1 for after in cfg.heads_after if after > l - lt) * head_flops(cfg, s, p)
     if paper:
         return fwd + head_bwd + (2 * lt - 1) * layer_flops(cfg, s)
     qkv_dgrad = 6 * s * cfg.hidden_size ** 2
