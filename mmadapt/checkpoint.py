@@ -233,10 +233,13 @@ def damaged(tag_dir: Path) -> str | None:
     return None
 
 
-def prune(ckpt_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` complete tags, and incomplete tags older than them
-    (rank 0). COMPLETE goes first, so a tag being deleted is never taken for a usable one."""
-    tags = complete_tags(ckpt_dir)
+def prune(ckpt_dir: Path, keep_last: int, saved: str) -> None:
+    """Delete all but the newest `keep_last` complete tags up to `saved` (the tag just written),
+    and incomplete tags older than them (rank 0). COMPLETE goes first, so a tag being deleted is
+    never taken for a usable one. A tag after `saved` is neither counted nor deleted: one that
+    `resume` passed over as damaged, which would otherwise count as the newest and take every
+    intact tag with it (the update that reaches it writes it anew)."""
+    tags = [t for t in complete_tags(ckpt_dir) if t <= saved]
     if keep_last <= 0 or len(tags) <= keep_last:
         return
     oldest_kept = tags[-keep_last]
@@ -267,7 +270,7 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
         atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step, "files": _files(ckpt_dir / tag),
                                                                "ds_optimizer": optimizer_name(engine)}))
         atomic_write(ckpt_dir / "latest", tag)
-        prune(ckpt_dir, keep_last)
+        prune(ckpt_dir, keep_last, tag)
     dist.barrier()
     return tag
 

@@ -246,3 +246,20 @@ def test_sigterm_to_the_deepspeed_launcher_stops_every_rank(corpus, tokenizer, t
 
     tags = complete_tags(out / "checkpoints")
     assert len(tags) == 1 and 2 <= int(tags[0][4:]) < 200, tags
+
+
+def test_keep_last_counts_only_the_tags_up_to_the_one_just_saved(tmp_path):
+    """After a resume that passed over a damaged newest tag (200) to 100, the next save (150)
+    prunes among the tags up to itself: the damaged one, newer, neither counts as the newest nor
+    is deleted (with it counted, keep_last 1 deleted 100 and 150, every intact tag)."""
+    from mmadapt.checkpoint import complete_tags, prune
+
+    for tag in ("step00000100", "step00000150", "step00000200"):
+        (tmp_path / tag).mkdir()
+        (tmp_path / tag / "COMPLETE").write_text("{}")
+    (tmp_path / "step00000050").mkdir()  # incomplete and older: deleted with the old complete ones
+    prune(tmp_path, 1, "step00000150")
+    assert complete_tags(tmp_path) == ["step00000150", "step00000200"]
+    assert not (tmp_path / "step00000050").exists() and not (tmp_path / "step00000100").exists()
+    prune(tmp_path, 2, "step00000150")  # within keep_last: nothing goes
+    assert complete_tags(tmp_path) == ["step00000150", "step00000200"]
