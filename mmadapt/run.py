@@ -132,6 +132,14 @@ def check_same_run(run_file: Path, expected: dict) -> None:
                 continue
         raise ValueError(f"--resume of a changed run: {key} is {value} here but {saved.get(key)} in {run_file}; "
                          "resume with the run's settings, or start a new --output_dir")
+    # A DeepSpeed setting the run had and this --ds_config lacks (bf16 on, then a JSON without it:
+    # DeepSpeed would load its bf16 files into an fp32 engine with a warning): config fields are
+    # the other way round (one the code no longer has is not a change), the JSON's keys are not.
+    for key in sorted(saved.keys() - mine.keys()):
+        if (key.startswith("ds_config.") and key.rsplit(".", 1)[-1] not in CHANGEABLE_ON_RESUME
+                and "ds_config" in expected and saved[key] not in (None, False)):
+            raise ValueError(f"--resume of a changed run: {key} is {saved[key]} in {run_file} and unset in this "
+                             "--ds_config; resume with the run's --ds_config, or start a new --output_dir")
 
 
 # The key under which run.json holds each loop config.

@@ -148,3 +148,18 @@ def test_resume_into_checkpoints_this_user_cannot_write(capsys, args, tmp_path, 
     monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p).name == "checkpoints" else real(p, mode))
     expect_error(capsys, out, args("--resume", out=out),
                  f"{out / 'checkpoints'} is not writable by this user: the run writes its checkpoints there")
+
+
+def test_resume_under_a_ds_config_that_lacks_a_setting_of_the_run(tmp_path):
+    """A DeepSpeed setting the run recorded and this --ds_config lacks is a change (bf16 trained,
+    resumed under an fp32 JSON); one it records as off, or a bucket size, is not."""
+    from mmadapt.run import check_same_run
+
+    run_file = tmp_path / "run.json"
+    mine = {"ds_config": {"zero_optimization": {"stage": 1}}}
+    run_file.write_text(json.dumps({"ds_config": {"zero_optimization": {"stage": 1}, "bf16": {"enabled": True}}}))
+    with pytest.raises(ValueError, match=r"ds_config.bf16.enabled is True in .* and unset in this --ds_config"):
+        check_same_run(run_file, mine)
+    run_file.write_text(json.dumps({"ds_config": {"zero_optimization": {"stage": 1, "reduce_bucket_size": 1000},
+                                                  "bf16": {"enabled": False}}}))
+    check_same_run(run_file, mine)
