@@ -76,7 +76,9 @@ def artifact_dirs(paths: list[Path]) -> list[Path]:
         if (p / ARTIFACT_FILE).is_file():
             out.append(p)
         elif (p / "embeddings").is_dir():
-            found = sorted(d for d in (p / "embeddings").iterdir() if (d / ARTIFACT_FILE).is_file())
+            # not a write cut short: staged_dir's `.<tag>.tmp<pid>` holds its tensors before its meta.json
+            found = sorted(d for d in (p / "embeddings").iterdir()
+                           if not d.name.startswith(".") and (d / ARTIFACT_FILE).is_file())
             if not found:
                 raise ValueError(f"{p} holds no Step-2 embeddings yet: let its adapt run save a checkpoint")
             out += found

@@ -83,7 +83,9 @@ def check_output_file(path: Path, flag: str) -> None:
 
 # What a training run writes in its directory before its run.json: a directory holding anything
 # else and no run.json is somebody's other files, not a run that stopped early.
-RUN_ENTRIES = ("checkpoints", "data", "tokenizer", "tensorboard", "metrics.jsonl", "embeddings", "run.lock")
+# The STOP file (faults.STOP_FILE) too: SLURM's warning may come while the run starts, before its
+# run.json, and the requeued --resume must find a run; and atomic_write's temporary files.
+RUN_ENTRIES = ("checkpoints", "data", "tokenizer", "tensorboard", "metrics.jsonl", "embeddings", "run.lock", "STOP")
 
 
 def refuse_overwrite(output_dir: Path, resume: bool) -> None:
@@ -95,7 +97,8 @@ def refuse_overwrite(output_dir: Path, resume: bool) -> None:
         raise ValueError(f"{output_dir} already holds checkpoints of another run: pass --resume to continue it, "
                          "or choose a new --output_dir")
     if not (output_dir / "run.json").exists():
-        refuse_other_files(output_dir, lambda name: name in RUN_ENTRIES, "mmadapt run")
+        refuse_other_files(output_dir, lambda name: name in RUN_ENTRIES or re.fullmatch(r"\..+\.tmp\d+", name),
+                           "mmadapt run")
 
 
 def refuse_other_files(output_dir: Path, own: Callable[[str], bool], what: str) -> None:
@@ -143,9 +146,16 @@ def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if dest.is_dir():
-        shutil.rmtree(dest) if replace else dest.rmdir()
     dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.is_dir() and replace:  # moved aside whole, then deleted: never a half-deleted `dest`
+        old = dest.with_name(f".{dest.name}.old{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    if dest.is_dir():
+        dest.rmdir()
     os.replace(tmp, dest)
 
 

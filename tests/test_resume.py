@@ -263,3 +263,31 @@ def test_keep_last_counts_only_the_tags_up_to_the_one_just_saved(tmp_path):
     assert not (tmp_path / "step00000050").exists() and not (tmp_path / "step00000100").exists()
     prune(tmp_path, 2, "step00000150")  # within keep_last: nothing goes
     assert complete_tags(tmp_path) == ["step00000150", "step00000200"]
+
+
+def test_what_a_cut_short_start_leaves_is_still_a_run(tmp_path):
+    """A directory holding only what a run writes before its run.json (SLURM's STOP file, come
+    while the run started; an atomic write's temporary file) is the run's, not somebody's other
+    files; a staged artifact cut short (`.<tag>.tmp<pid>`, its tensors and no meta.json) is no
+    artifact; and a staged directory replacing another leaves the new one whole."""
+    from mmadapt.artifact import ARTIFACT_FILE, artifact_dirs
+    from mmadapt.checkpoint import refuse_overwrite, staged_dir
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "STOP").write_text("")
+    (run / ".run.json.tmp4242").write_text("{")
+    refuse_overwrite(run, resume=True)
+    (run / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"holds other files \(notes.txt\) and no mmadapt run"):
+        refuse_overwrite(run, resume=True)
+
+    emb = tmp_path / "adapt" / "embeddings"
+    for name in ("step00000000", ".step00000200.tmp4242"):
+        (emb / name).mkdir(parents=True)
+        (emb / name / ARTIFACT_FILE).write_bytes(b"x")
+    assert artifact_dirs([tmp_path / "adapt"]) == [emb / "step00000000"]
+    with staged_dir(emb / "step00000000", replace=True) as tmp:
+        (tmp / "new").write_text("1")
+    assert sorted(p.name for p in (emb / "step00000000").iterdir()) == ["new"]
+    assert sorted(p.name for p in emb.iterdir()) == [".step00000200.tmp4242", "step00000000"]
