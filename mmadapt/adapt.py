@@ -123,7 +123,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         if parallel.is_rank0():
             say_start(step.lang, step.train.embedding_init, plan.model, start.rows)
         writer = ArtifactWriter.of(plan, start, tokenizer, started.data)
-        writer.save_start()
+        writer.save_start(plan.run.resume)
         job = LMJob(step="adapt", trainable=writer.trainable, replay=plan.replay,
                     text_layout=run_text_layout(plan.source.record))
         metrics = train_lm(started, plan.run, plan.model, step.train, job, start.init, after_save=writer,
@@ -752,14 +752,25 @@ class ArtifactWriter:
             print(progress_line(update, scored), flush=True)
         write_artifact(self.run_dir / "embeddings" / ckpt_tag, tensors, self.tokenizer, meta)
 
-    def save_start(self) -> None:
+    def save_start(self, resume: bool) -> None:
         """Step 2's start as the artifact of update 0 (the new rows as initialised, before any
         update: the start `init` as its state), what Step 4 and the plug-in metric score as "init
-        only" beside the trained embeddings. Global rank 0 (which alone saves artifacts), once: a
-        --resume keeps the one it finds."""
+        only" beside the trained embeddings. Global rank 0 (which alone saves artifacts). A --resume
+        keeps the one it finds, and writes the artifact of every intact checkpoint that has none
+        (a stop between a checkpoint's COMPLETE and its artifact: the resumed run would never
+        write it, the final one included); a fresh run writes it even over one an earlier attempt
+        left (a run that diverged before its first checkpoint starts again without --resume,
+        perhaps with other settings)."""
+        if not parallel.is_rank0():
+            return
+        embeddings, ckpt = self.run_dir / "embeddings", self.run_dir / "checkpoints"
         tag = checkpoint.tag_for(0)
-        if parallel.is_rank0() and not (self.run_dir / "embeddings" / tag / ARTIFACT_FILE).is_file():
+        if not resume or not (embeddings / tag / ARTIFACT_FILE).is_file():
             self(0, tag, self.init)
+        if resume:
+            for done in checkpoint.complete_tags(ckpt):
+                if not (embeddings / done / ARTIFACT_FILE).is_file() and checkpoint.damaged(ckpt / done) is None:
+                    self(int(done.removeprefix("step")), done)
 
     def tensors(self, sd: dict) -> dict:
         """An artifact's tensors (artifact.write_artifact) from the checkpoint `sd` (the trained

@@ -462,10 +462,20 @@ def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_
     assert [r["step"] for r in metrics(tmp_path / "part")] == [1, 2]
     start = tmp_path / "part" / "embeddings" / "step00000000"
     written = {f: (start / f).stat() for f in ("embeddings.pt", "meta.json")}
+    # a stop between checkpoint 2's COMPLETE and its artifact: the resume writes the artifact
+    shutil.rmtree(tmp_path / "part" / "embeddings" / "step00000002")
     go(tmp_path / "part", "--resume")
     assert [r["loss"] for r in metrics(tmp_path / "part")] == [r["loss"] for r in metrics(tmp_path / "full")]
-    a, b = (read_artifact(tmp_path / d / "embeddings" / "step00000004")[0] for d in ("full", "part"))
-    assert torch.equal(a["word_embeddings"], b["word_embeddings"])
+    for tag in ("step00000002", "step00000004"):
+        a, b = (read_artifact(tmp_path / d / "embeddings" / tag)[0] for d in ("full", "part"))
+        assert torch.equal(a["word_embeddings"], b["word_embeddings"]), tag
+    # A fresh run (no --resume) over an earlier attempt's start artifact (one that stopped before
+    # its first checkpoint, here with another language recorded) writes its own
+    again = tmp_path / "again" / "embeddings" / "step00000000"
+    shutil.copytree(start, again)
+    (again / "meta.json").write_text(json.dumps({**json.loads((again / "meta.json").read_text()), "lang": "xx"}))
+    go(tmp_path / "again", "--exit_interval", "2", code=76)
+    assert read_artifact(again)[2]["lang"] == "de"
     # The start artifact (update 0) is Step 2's initial rows, as the plug-in metric recomputes them
     # for runs recorded without it; the resume kept the one the first invocation wrote.
     assert all((start / f).stat().st_ino == st.st_ino and (start / f).stat().st_mtime_ns == st.st_mtime_ns
