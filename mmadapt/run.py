@@ -113,6 +113,9 @@ def recorded_defaults() -> dict:
     return _flat(json.loads(json.dumps(configs)))
 
 
+UNRECORDED_BEFORE = ("data_parallel_size",)  # record keys (not config fields) run.json gained later (2026-12-01)
+
+
 def check_same_run(run_file: Path, expected: dict) -> None:
     """--resume continues the run recorded in `run_file`: every entry of `expected` (nested dicts
     compared leaf by leaf) must equal the recorded one, except config.CHANGEABLE_ON_RESUME. A
@@ -127,6 +130,8 @@ def check_same_run(run_file: Path, expected: dict) -> None:
         if key in saved and value in SAME_ON_RESUME.get(leaf, ()) and saved[key] in SAME_ON_RESUME[leaf]:
             continue
         if key not in saved:
+            if key in UNRECORDED_BEFORE:  # a run recorded before the key: not checked
+                continue
             defaults = defaults or recorded_defaults()
             if key in defaults and defaults[key] == value:
                 continue
@@ -218,8 +223,11 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
         ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
     fields = data.check(run, model, loop, family)
     checkpoint.refuse_overwrite(run.output_dir, run.resume)
+    # The data-parallel ranks set the global batch and each rank's share of the data: a --resume
+    # on another number would go on with another batch under the same schedule
+    dp = parallel.launched_world_size() // (tp * pp)
     record = RunRecord(run.output_dir, {"model": to_dict(model), CONFIG_KEYS[type(loop)]: to_dict(loop), **fields,
-                                        "ds_config": ds, **identity})
+                                        "ds_config": ds, "data_parallel_size": dp, **identity})
     if run.resume and record.exists():
         record.check_resume()
         data.check_resume(run)

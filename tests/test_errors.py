@@ -163,3 +163,17 @@ def test_resume_under_a_ds_config_that_lacks_a_setting_of_the_run(tmp_path):
     run_file.write_text(json.dumps({"ds_config": {"zero_optimization": {"stage": 1, "reduce_bucket_size": 1000},
                                                   "bf16": {"enabled": False}}}))
     check_same_run(run_file, mine)
+
+
+def test_resume_on_another_number_of_data_parallel_ranks(tmp_path):
+    """The global batch is micro-batch x accumulation x data-parallel ranks: a --resume on another
+    number of them is a change; a run recorded before the key is not checked."""
+    from mmadapt.run import check_same_run
+
+    run_file = tmp_path / "run.json"
+    run_file.write_text(json.dumps({"data_parallel_size": 4}))
+    with pytest.raises(ValueError, match="data_parallel_size is 2 here but 4"):
+        check_same_run(run_file, {"data_parallel_size": 2})
+    check_same_run(run_file, {"data_parallel_size": 4})
+    run_file.write_text(json.dumps({}))
+    check_same_run(run_file, {"data_parallel_size": 2})
