@@ -280,8 +280,9 @@ def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], scores: tuple
     moves by ~0.1 nats between log intervals and so cannot say which side of the reference the
     head is."""
     for sub in HEAD_FIT_DIRS:
-        if (source / sub).is_dir() and not (run.output_dir / sub).exists():
-            shutil.copytree(source / sub, run.output_dir / sub)
+        if (source / sub).is_dir() and not (run.output_dir / sub).exists():  # staged: a copy cut short is none
+            with checkpoint.staged_dir(run.output_dir / sub) as tmp:
+                shutil.copytree(source / sub, tmp, dirs_exist_ok=True)
     losses = [r["loss"] for r in rows if "loss" in r]
     flops = seq_flops * train.global_batch(parallel.dp_world()) * train.train_iters
     report = {"flops": flops, "v100_days": device_days(flops)}
@@ -422,8 +423,8 @@ def _finetune_results(run_dir: Path, task, plan: TaskPlan, cfg: FinetuneConfig) 
 
 def _write_records(records: list[dict], output: Path | None) -> list[dict]:
     if output is not None:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        Path(output).write_text(json.dumps(records, indent=1) + "\n")
+        Path(output).parent.mkdir(parents=True, exist_ok=True)  # whole or absent: a rerun refuses an existing one
+        checkpoint.atomic_write(Path(output), json.dumps(records, indent=1) + "\n")
     return records
 
 
@@ -586,9 +587,10 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
         return None
     records, key = _sweep_records(source, runs, step, data_path, out / "sweep.json")
     summary = summarize(records, cfg.near_max)
-    (out / "sweep.json").write_text(json.dumps({"source": str(source), "records": records, "summary": summary,
-                                                "key": key}, indent=1) + "\n")
-    (out / "sweep.md").write_text(sweep_markdown(summary, str(source)) + "\n")
+    # sweep.json is read back by the next sweep (kept_result): whole or not at all
+    checkpoint.atomic_write(out / "sweep.json", json.dumps({"source": str(source), "records": records,
+                                                            "summary": summary, "key": key}, indent=1) + "\n")
+    checkpoint.atomic_write(out / "sweep.md", sweep_markdown(summary, str(source)) + "\n")
     try:
         plot_sweep(summary, out / "sweep.png")
     except ValueError as e:  # matplotlib missing: the table still stands

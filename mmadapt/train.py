@@ -18,7 +18,6 @@ import dataclasses
 import functools
 import hashlib
 import json
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -131,8 +130,8 @@ class TextData:
                 if train.eval_interval:
                     block_index(data_path, train.seq_length, VALID)
             tok = run.output_dir / RUN_TOKENIZER
-            tok.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(data_path / TOKENIZER, tok)
+            tok.parent.mkdir(parents=True, exist_ok=True)  # every later step reads it: never half of it
+            checkpoint.atomic_write(tok, (data_path / TOKENIZER).read_bytes())
         if indexed:
             wait_for(blocks, f"the block index {blocks}")
         return data_path
