@@ -655,6 +655,7 @@ class Unchecked:
 
 
 _FINITE = 2**62  # Unchecked.first_nonfinite's value while every loss has been finite
+LOG_WINDOW = "log_window"  # a checkpoint's client state: the updates since the last log line (train_loop)
 
 
 @dataclasses.dataclass
@@ -703,14 +704,23 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     is_pipe = is_pipeline(engine)
     ckpt_dir = run_dir / "checkpoints"
     start = position = 0
+    rows, since, t_last, loss_sum = [], 0, time.perf_counter(), None
     if resume:
         state = checkpoint.resume(engine, ckpt_dir, strict=not job.exclude_frozen)
         if state is not None:
             start, position = state["step"], state.get("position", state["step"])
+            # A stop between two log lines: the updates of that log window before it, so that the
+            # next line averages the same updates as the uninterrupted run's (ranks that compute
+            # no loss, a pipeline's first stages, hold none: mean_over_ranks sums over them)
+            window = state.get(LOG_WINDOW)
+            if window:
+                loss_sum = torch.tensor(window["loss_sum"], device=engine.device)
+                if is_pipe and not engine.is_last_stage():
+                    loss_sum = torch.zeros_like(loss_sum)
+                since = window["since"]
     rank0 = parallel.is_rank0()
     log = MetricsLog(run_dir, start)
     bar = tqdm(total=total, initial=start, disable=not rank0, desc=job.label, unit="upd", mininterval=2.0)
-    rows, since, t_last, loss_sum = [], 0, time.perf_counter(), None
     unchecked = Unchecked()
     done, skipped, saved = start, 0, None
 
@@ -723,8 +733,11 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
 
     def save() -> str:
         check_finite()
-        tag = checkpoint.save(engine, ckpt_dir, done, {**job.client_state, "position": position}, job.names,
-                              exclude_frozen=job.exclude_frozen, keep_last=loop.keep_last)
+        # the log window's updates so far, averaged over ranks as its line will be (collective)
+        window = ({"since": since, "loss_sum": mean_over_ranks(loss_sum, is_pipe).tolist()}
+                  if since and loss_sum is not None else None)
+        tag = checkpoint.save(engine, ckpt_dir, done, {**job.client_state, "position": position, LOG_WINDOW: window},
+                              job.names, exclude_frozen=job.exclude_frozen, keep_last=loop.keep_last)
         if rank0 and job.after_save is not None:
             job.after_save(done, tag)
         return tag

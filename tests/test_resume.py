@@ -58,6 +58,20 @@ def test_stop_and_resume_matches_uninterrupted(uninterrupted, corpus, tokenizer,
     assert losses(tmp_path) == uninterrupted  # exact: same data, masks, dropout and optimizer state
 
 
+def test_a_stop_between_two_log_lines_resumes_to_the_same_lines(corpus, tokenizer, tmp_path):
+    """A stop at update 3 of log windows of 2: the checkpoint carries update 3's loss, so the
+    resumed run's line at 4 averages updates 3 and 4, as the uninterrupted run's does."""
+    def go(out, *extra, code=0):
+        run_pretrain(1, *_args(corpus, tokenizer, out, "--log_interval", "2", *extra), code=code)
+
+    go(tmp_path / "full")
+    go(tmp_path / "part", "--exit_interval", "3", code=76)
+    assert [s for s, _, _ in losses(tmp_path / "part")] == [2]
+    go(tmp_path / "part", "--resume")
+    assert losses(tmp_path / "part") == losses(tmp_path / "full")
+    assert [s for s, _, _ in losses(tmp_path / "full")] == [2, 4, 6, 8]
+
+
 def test_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_one(uninterrupted, corpus, tokenizer,
                                                                              tmp_path):
     script = tmp_path / "pretrain_killed_in_save.py"
