@@ -204,6 +204,29 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     lays it out; identity: the record's step-specific fields (step, recipe, where the weights
     come from). Global rank 0 holds the run lock until the step returns."""
     family = get_family(model)
+    ds, record = _checked_record(run, model, loop, identity, data, family)
+    if run.resume and record.exists():
+        record.check_resume()
+        data.check_resume(run)
+    with run_lock(run.output_dir):
+        prepared = data.prepare(run, model, loop, family)
+        parallel.init_parallel(model.tensor_model_parallel_size, model.pipeline_model_parallel_size)
+        yield Started(for_replicas(ds, parallel.dp_world(), run.output_dir / "checkpoints" if run.resume else None),
+                      prepared, record, family)
+
+
+def check_resumable(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict, data: DataPlan) -> None:
+    """What start_run checks before anything is written, where `run` holds a run to continue: it
+    is the same run (a caller about to train several runs checks each before training any)."""
+    _, record = _checked_record(run, model, loop, identity, data, get_family(model))
+    if record.exists():
+        record.check_resume()
+        data.check_resume(run)
+
+
+def _checked_record(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict, data: DataPlan,
+                    family: ModelFamily) -> tuple[dict, RunRecord]:
+    """start_run's checks of everything it is given -> (DeepSpeed's config, the run's record)."""
     family.validate(model)
     fusion.check_device(model)
     loop.validate(model)
@@ -228,14 +251,7 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     dp = parallel.launched_world_size() // (tp * pp)
     record = RunRecord(run.output_dir, {"model": to_dict(model), CONFIG_KEYS[type(loop)]: to_dict(loop), **fields,
                                         "ds_config": ds, "data_parallel_size": dp, **identity})
-    if run.resume and record.exists():
-        record.check_resume()
-        data.check_resume(run)
-    with run_lock(run.output_dir):
-        prepared = data.prepare(run, model, loop, family)
-        parallel.init_parallel(tp, pp)
-        yield Started(for_replicas(ds, parallel.dp_world(), run.output_dir / "checkpoints" if run.resume else None),
-                      prepared, record, family)
+    return ds, record
 
 
 @contextlib.contextmanager

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.adapt import AdaptEmbeddings, adapt_embeddings
+from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import check_output_file
@@ -58,9 +58,9 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, scoring_model,
                              unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
-from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_same_source, pretrained_blocks, read_run,
-                         read_source, require_head, require_kind, run_progress, run_text_layout, sampled_fingerprint,
-                         start_run, weights_fingerprint)
+from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_resumable, check_same_source, pretrained_blocks,
+                         read_run, read_source, require_head, require_kind, run_progress, run_text_layout,
+                         sampled_fingerprint, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -571,6 +571,19 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     if cfg.ceiling:
         runs[CEILING] = out / CEILING
         jobs.append(("bl_base", None, runs[CEILING]))
+    def spec(system, n, run_dir, resume):
+        return (RunSpec(output_dir=run_dir, ds_config=run.ds_config, data_path=data_path, resume=resume,
+                        layout=run.layout),
+                AdaptEmbeddings(system=system, source=source, lang=step.lang, train=step.train,
+                                source_tag=step.source_tag, mini_layers=n))
+
+    # Every depth trained before is this sweep's (source, language, data, schedule): checked for
+    # all of them before any trains, so that a finished one is not taken for a changed sweep's
+    # and a changed one is refused before the depths ahead of it have trained
+    for system, n, run_dir in jobs:
+        if run_progress(run_dir, step.train.train_iters) != "new":
+            plan = Step2Plan.of(*spec(system, n, run_dir, True))
+            check_resumable(plan.run, plan.model, step.train, plan.identity, plan.data)
     for system, n, run_dir in jobs:
         state = run_progress(run_dir, step.train.train_iters)
         if state == "done":
@@ -578,10 +591,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
         if parallel.is_rank0():
             print(f"sweep: Step 2 over {'the full model' if n is None else f'the {n}-layer mini-model'} -> {run_dir}",
                   flush=True)
-        depth_run = RunSpec(output_dir=run_dir, ds_config=run.ds_config, data_path=data_path,
-                            resume=state == "resume", layout=run.layout)
-        adapt_embeddings(depth_run, AdaptEmbeddings(system=system, source=source, lang=step.lang, train=step.train,
-                                                    source_tag=step.source_tag, mini_layers=n))
+        adapt_embeddings(*spec(system, n, run_dir, state == "resume"))
     if dist.is_initialized() and not parallel.is_rank0():
         dist.barrier()  # rank 0 scores (the metric needs no process group)
         return None

@@ -487,6 +487,13 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     assert (out / "2" / "metrics.jsonl").read_text() == before
     again = json.loads((out / "sweep.json").read_text())["records"]
     assert again == records
+    # Another schedule into the same directory: its finished depths are not this sweep's, refused
+    # in one line before anything trains or is scored
+    assert main(["sweep", *args, "--lr", "0.01"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a changed run: train.lr is 0.01 here" in err and len(err.splitlines()) == 1, err
+    assert (out / "2" / "metrics.jsonl").read_text() == before
+    assert json.loads((out / "sweep.json").read_text())["records"] == records
     # Other sizes score the same checkpoints again, still training nothing.
     assert main(["sweep", *args[:-1], "512"]) == 0
     said = capsys.readouterr()
