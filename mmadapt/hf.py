@@ -722,12 +722,15 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
     imported = json.loads((primary_run / "run.json").read_text()).get("imported_from")
     model_type = imported["model_type"] if imported else None
     text_layout = (imported or {}).get("text_layout")
-    summary = {**write_hf(family, output_dir, cfg, state, kind, labels, Path(tokenizer), model_type, text_layout),
-               "embeddings": str(embeddings) if embeddings else None}
-    if kind is None and (primary_run / SENTENCE_TRANSFORMERS).is_dir():  # a sentence-transformers source
-        summary["sentence_transformers"] = str(write_sentence_transformers(
-            family, output_dir / SENTENCE_TRANSFORMERS, cfg, state, Path(tokenizer), model_type,
-            primary_run / SENTENCE_TRANSFORMERS))
+    # Staged whole: a sentence-transformers export is two directories and their module files,
+    # and a copy cut short would load as a plain transformer (and refuse the rerun as not empty)
+    with staged_dir(output_dir) as top:
+        summary = {**write_hf(family, top, cfg, state, kind, labels, Path(tokenizer), model_type, text_layout),
+                   "output_dir": str(output_dir), "embeddings": str(embeddings) if embeddings else None}
+        if kind is None and (primary_run / SENTENCE_TRANSFORMERS).is_dir():  # a sentence-transformers source
+            write_sentence_transformers(family, top / SENTENCE_TRANSFORMERS, cfg, state, Path(tokenizer), model_type,
+                                        primary_run / SENTENCE_TRANSFORMERS)
+            summary["sentence_transformers"] = str(output_dir / SENTENCE_TRANSFORMERS)
     return summary
 
 

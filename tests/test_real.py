@@ -248,7 +248,7 @@ def test_step2_starts_at_the_target_unigram_reference(system, mode, lang, head, 
         assert loss["fitted"] < loss["copied"]
 
 
-def test_step2_from_the_unigram_start_exports_to_sentence_transformers(head, data, root):
+def test_step2_from_the_unigram_start_exports_to_sentence_transformers(head, data, root, monkeypatch):
     """BL_BASE's German Step 2 over the real body (FVT's rows, as `mmadapt extend` starts them),
     plug-in scored at every checkpoint: it starts at the target unigram reference, and its export
     is a sentence-transformers directory that encodes German as mmadapt's body does with the new
@@ -264,6 +264,17 @@ def test_step2_from_the_unigram_start_exports_to_sentence_transformers(head, dat
           f"(unigram {scores[0]['unigram_loss']:.3f})")
     assert abs(scores[0]["plugin_gain"]) <= 0.05 and all(abs(m["plugin_gain"]) < 5 for m in scores)
     artifact = sorted((out / "embeddings").iterdir())[-1]
+    # An export stopped while it copies the sentence-transformers modules leaves nothing behind
+    # (the directory is staged whole: half of it loads as a plain transformer)
+    import mmadapt.hf as hf
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hf, "_copy_modules", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        hf.export_hf(root / "export-cut", primary=head, embeddings=artifact)
+    monkeypatch.undo()
+    assert not [p.name for p in root.iterdir() if "export-cut" in p.name]
     run_ok("export-hf", "--primary", str(head), "--embeddings", str(artifact), "--output_dir", str(root / "export"))
     texts = bible("de")[:8]
     mine = sentence_vectors(head, texts, artifact)
