@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from mmadapt import checkpoint, parallel, quiet
 from mmadapt.config import LoopConfig
-from mmadapt.faults import STOP_FILE, Diverged, Paused, StopRequest, Stopped
+from mmadapt.faults import STOP_FILE, Diverged, Paused, StopRequest, Stopped, clear_stale_stop
 from mmadapt.mcore import compile_on_first_call
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -744,7 +744,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
 
     stop_file = run_dir / STOP_FILE
     if rank0:
-        stop_file.unlink(missing_ok=True)  # the request that stopped the previous job of this run
+        clear_stale_stop(stop_file)  # the request that stopped the previous job of this run, not one of this job's
     dist.barrier()
     try:
         with StopRequest(stop_file) as stop:

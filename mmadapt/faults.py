@@ -103,6 +103,19 @@ def stop_with_parent(parent: int) -> None:
 STOP_FILE = "STOP"
 
 
+def clear_stale_stop(stop_file: Path) -> None:
+    """Remove a stop request older than this process (the one that stopped the run's previous
+    job, which died before removing it); keep one made since: SLURM's warning may come while the
+    requeued job starts, and that request is this job's (global rank 0)."""
+    import psutil
+
+    try:
+        if stop_file.stat().st_mtime < psutil.Process().create_time():
+            stop_file.unlink(missing_ok=True)
+    except FileNotFoundError:
+        pass
+
+
 class StopRequest:
     """While active, any of these sets `reason` instead of killing the process: SIGTERM or
     SIGINT; the death of a launcher above this rank (DeepSpeed's runner does not pass signals on

@@ -90,6 +90,23 @@ def test_a_lock_held_for_a_moment_is_waited_for_only_that_moment(tmp_path, capsy
         holder.wait()
 
 
+def test_a_stop_request_older_than_the_process_is_cleared_and_a_newer_one_kept(tmp_path):
+    """The previous job's STOP (older than this process) goes; one made since (SLURM's warning
+    while this requeued job started) stays, for the loop to honour."""
+    import psutil
+
+    stop = tmp_path / "STOP"
+    stop.touch()
+    born = psutil.Process().create_time()
+    os.utime(stop, (born - 60, born - 60))
+    faults.clear_stale_stop(stop)
+    assert not stop.exists()
+    stop.touch()  # now: after this process started
+    faults.clear_stale_stop(stop)
+    assert stop.exists()
+    faults.clear_stale_stop(tmp_path / "none")  # no request: nothing to do
+
+
 def test_stop_request_from_a_signal_or_the_stop_file(tmp_path, capsys):
     with faults.StopRequest(tmp_path / "STOP") as stop:
         os.kill(os.getpid(), signal.SIGTERM)
