@@ -184,6 +184,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _slurm_instance() -> list | None:
+    """[job id, restart count] of the SLURM job this process runs in (the count grows by one at
+    every requeue of the same job id), None outside SLURM."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return [job, int(os.environ.get("SLURM_RESTART_COUNT") or 0)] if job else None
+
+
+def _requeued_from(theirs, mine) -> bool:
+    """Whether a lock holder's SLURM instance `theirs` is an earlier run of this process's job `mine`."""
+    return (isinstance(theirs, list) and isinstance(mine, list) and len(theirs) == 2 and theirs[0] == mine[0]
+            and isinstance(theirs[1], int) and theirs[1] < mine[1])
+
+
 class RunLock:
     """`<run_dir>/run.lock` ({host, pid, since}), created exclusively by the process that writes
     the run (global rank 0), after every input check: a second writer is refused. A lock left by
@@ -195,7 +208,8 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> "RunLock":
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              **({"slurm": _slurm_instance()} if _slurm_instance() else {})}
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -208,6 +222,13 @@ class RunLock:
                         and not _alive(holder["pid"])):
                     print(f"taking over {self.path}: its holder (pid {holder['pid']}) is no longer running",
                           file=sys.stderr)
+                    self.path.unlink(missing_ok=True)
+                    continue
+                if _requeued_from(holder.get("slurm"), me.get("slurm")):
+                    # SLURM runs one instance of a job at a time: an earlier one's lock is a dead
+                    # holder's, whatever node it was on (a lost node's, which no host can check)
+                    print(f"taking over {self.path}: its holder was SLURM job {holder['slurm'][0]} before it was "
+                          "requeued as this one", file=sys.stderr)
                     self.path.unlink(missing_ok=True)
                     continue
                 who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')} (since {holder.get('since', '?')})"

@@ -45,6 +45,23 @@ def test_run_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path, c
         faults.RunLock(tmp_path).acquire()
 
 
+def test_a_requeued_slurm_job_takes_over_its_earlier_instances_lock(tmp_path, monkeypatch, capsys):
+    """A lock held on another host by an earlier instance of this SLURM job (a lost node; the job
+    requeued, SLURM_RESTART_COUNT one higher) is taken over; one held by this very instance, or
+    by another job, is refused as any other host's."""
+    lock = tmp_path / "run.lock"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    lock.write_text(json.dumps({"host": "gpu42", "pid": 7, "since": "x", "slurm": ["4242", 0]}))
+    with faults.RunLock(tmp_path):
+        assert json.loads(lock.read_text())["slurm"] == ["4242", 1]
+    assert "its holder was SLURM job 4242 before it was requeued" in capsys.readouterr().err
+    for other in (["4242", 1], ["99", 0]):
+        lock.write_text(json.dumps({"host": "gpu42", "pid": 7, "since": "x", "slurm": other}))
+        with pytest.raises(ValueError, match="process 7 on gpu42"):
+            faults.RunLock(tmp_path).acquire()
+
+
 def test_stale_extension_lock_is_removed_and_a_live_one_is_waited_for(tmp_path, capsys):
     lock = tmp_path / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir()
