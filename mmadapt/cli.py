@@ -18,7 +18,7 @@ import textwrap
 import traceback
 from pathlib import Path
 
-from mmadapt import faults, parallel, predict, steps
+from mmadapt import checkpoint, faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, INVOKED_AS, LAYOUT_FIELDS, RECIPES, SYSTEMS, EvaluateConfig,
@@ -27,8 +27,9 @@ from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, INVOKED_AS, LAYO
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_any
-from mmadapt.report import (NO_ADAPTATION, PAPER, adaptation_markdown, choose_baseline, flops_rows, read_results,
-                            bpb_markdown, format_flops_table, paper_rows, plot_curves, plot_speedup, report_markdown)
+from mmadapt.report import (NO_ADAPTATION, PAPER, pyplot, adaptation_markdown, choose_baseline, flops_rows,
+                            read_results, bpb_markdown, format_flops_table, paper_rows, plot_curves, plot_speedup,
+                            report_markdown)
 from mmadapt.models import FAMILIES, PRESETS, find_preset, import_plugins
 from mmadapt.run import RunSpec, read_source
 from mmadapt.slurm import main as slurm_command
@@ -583,6 +584,7 @@ def report_main(argv=None) -> int:
     if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
         raise ValueError(f"--plots {args.plots} is a file: name a directory for the plots")
     if args.plots:
+        pyplot()  # matplotlib's absence refused before anything is written
         check_output_file(Path(args.plots) / "curves.png", "--plots")
         made = [name for name in ("curves.png", "speedup.png") if (Path(args.plots) / name).exists()]
         if made:
@@ -604,7 +606,7 @@ def report_main(argv=None) -> int:
                   "is no speedup to plot", file=sys.stderr)
     print(md)
     if args.output:
-        Path(args.output).write_text(md + "\n")
+        checkpoint.atomic_write(Path(args.output), md + "\n")
     return 0
 
 

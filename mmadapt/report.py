@@ -666,7 +666,7 @@ def _hit_cell(hits: dict, key: tuple) -> str:
 COLORS = {"bl_base": "C0", "minijoint": "C1", "minipost": "C2", "bl_small": "C3", "minijoint:full": "C4"}  # one colour per system
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError:
@@ -716,7 +716,7 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
     records."""
     if not records:
         return False
-    plt = _pyplot()
+    plt = pyplot()
     cs = curves(records)
     panels = [(task, lang, "score") for task, lang in sorted({(k[1], k[2]) for k in cs})]
     panels += [(task, lang, "bpb") for task, lang in sorted({(r["task"], r["lang"]) for r in records
@@ -802,7 +802,7 @@ def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: s
     sp = speedup_table(records, baseline, device)
     if not any(v.mean is not None for v in sp.values()):
         return False
-    plt = _pyplot()
+    plt = pyplot()
     tasks = sorted({t for _, t in sp})
     systems = sorted({s for s, _ in sp})
     fig, ax = plt.subplots(figsize=(1.2 + 1.4 * max(1, len(tasks)), 3.0))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.config import Checked, _f
-from mmadapt.report import NEAR_MAX, PLUGIN_NOISE, _pyplot, time_to_target
+from mmadapt.report import NEAR_MAX, PLUGIN_NOISE, pyplot, time_to_target
 
 CEILING = "full"  # the key of the full-model row
 
@@ -130,7 +130,7 @@ def sweep_markdown(summary: dict, source: str = "") -> str:
 def plot_sweep(summary: dict, path) -> None:
     """Two panels: gain against Step-2 FLOPs, one line per depth (the ceiling dashed, the
     target dotted, the cheapest depth's hit starred); and per depth the FLOPs to the target."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (curves, bars) = plt.subplots(1, 2, figsize=(9.5, 3.4))
     for i, row in enumerate(summary["rows"]):
         full = row["mini_layers"] == CEILING

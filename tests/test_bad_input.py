@@ -812,3 +812,19 @@ def test_bl_base_needs_no_mini_layers():
     model, _ = configs_from_args(pretrain_parser().parse_args(
         ["--recipe", "bl_base", "--num_layers", "2", "--corpus", "x", "--output_dir", "y"]))
     assert model.num_layers == 2 and model.heads_after == (2,)
+
+
+def test_report_plots_without_matplotlib_write_nothing(tmp_path, capsys, monkeypatch):
+    """report --plots where matplotlib is missing: refused in one line before the plots'
+    directory is made (it was made, then the plot refused, and the table never printed)."""
+    import sys
+
+    from mmadapt.cli import main
+
+    records = tmp_path / "r.json"
+    records.write_text(json.dumps([RECORD]))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert main(["report", str(records), "--plots", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: plots need matplotlib: pip install matplotlib (or pip install -e '.[plot]')"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
