@@ -47,7 +47,7 @@ from mmadapt.data import MANIFEST, TEXT, EpochOrder, read_manifest, wait_for
 from mmadapt.data import prepare as prepare_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.devices import device_of
-from mmadapt.engine import LoopJob, build_engine, set_trainable, train_loop, trainable_by_names
+from mmadapt.engine import LoopJob, build_engine, load_ds_config, set_trainable, train_loop, trainable_by_names
 from mmadapt.evaluate import eval_set, evaluate_artifacts, load_finetuned, score_set
 from mmadapt.expand import expand
 from mmadapt.family import ModelFamily
@@ -565,6 +565,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
         src.family.minijoint_depth(src_cfg, n)
     if list(depths) != sorted(set(depths)):
         raise ValueError(f"--mini_layers {' '.join(map(str, depths))} must be ascending without repeats")
+    load_ds_config(run.ds_config, step.train)  # its refusals before the corpus is prepared into the output
     data_path = _sweep_data(run, step, src_cfg)
     runs = {n: out / str(n) for n in depths}
     jobs = [("minijoint", n, run_dir) for n, run_dir in runs.items()]
