@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -163,6 +164,12 @@ def encode(task: Task, sp, examples: list, labels: list[str], cfg: FinetuneConfi
             index = {name: i for i, name in enumerate(labels)}
             examples = [(ex.text, index[str(ex.label)]) if ex.text_pair is None else
                         PairExample(ex.text, ex.text_pair, index[str(ex.label)]) for ex in examples]
+        elif task.labels is not None and list(labels) != list(task.labels):
+            # a model whose outputs are in another order than the task's (an imported classifier:
+            # its id2label): each gold id becomes the model's output of that label
+            to_model = [list(labels).index(name) for name in task.labels]
+            examples = [dataclasses.replace(ex, label=to_model[ex.label]) if isinstance(ex, PairExample)
+                        else (ex[0], to_model[ex[1]]) for ex in examples]
         return encode_classify(sp, examples, cfg.seq_length, framing)
     if task.kind == "tag":
         check_labels(task, examples, labels)

@@ -105,3 +105,24 @@ def test_missing_and_malformed_files(tmp_path):
         T.read_squad(tmp_path / "nope.json")
     with pytest.raises(ValueError, match="not SQuAD-format JSON"):
         T.read_squad(write(tmp_path / "x.json", '{"version": 1}'))
+
+
+def test_a_model_whose_outputs_are_in_another_order_is_scored_by_its_labels(tokenizer):
+    """An imported classifier's outputs follow its id2label (MNLI's contradiction, neutral,
+    entailment), not XNLI's order: gold ids are mapped to its outputs, so a model that is always
+    right scores 100, as predict (which names its outputs) says; in the task's own order, as
+    before."""
+    import torch
+
+    from mmadapt.config import FinetuneConfig
+    from mmadapt.tasks import encode, get_task, scores
+    from mmadapt.tokenizer import load
+
+    task, sp, cfg = get_task("xnli"), load(tokenizer), FinetuneConfig(seq_length=32)
+    examples = [T.PairExample("a b", "c d", gold) for gold in (0, 1, 2, 0)]
+    for order in (list(task.labels), ["contradiction", "neutral", "entailment"]):
+        enc = encode(task, sp, examples, order, cfg)
+        right = [order.index(task.labels[ex.label]) for ex in examples]  # the output naming the gold label
+        logits = torch.nn.functional.one_hot(torch.tensor(right), 3).float()
+        assert enc.labels.tolist() == right
+        assert scores(task, logits, enc, examples, order, cfg)["accuracy"] == 100.0
