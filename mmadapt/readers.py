@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import collections
 import csv
+import functools
 import json
 import os
 import re
 import string
 import sys
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,11 +40,13 @@ class PairExample:
 
 @dataclass
 class QAExample:
-    """One SQuAD-format question: answers as (text, character offset in context)."""
+    """One SQuAD-format question: answers as (text, character offset in context); lang: the
+    language MLQA's metric normalises its answers for ("" : SQuAD v1.1's, as XQuAD is scored)."""
     id: str
     context: str
     question: str
     answers: list[tuple[str, int]] = field(default_factory=list)
+    lang: str = ""
 
 
 @dataclass
@@ -98,9 +102,10 @@ def read_pawsx(path: str | os.PathLike, lang: str = "") -> list[PairExample]:
             if len(r) >= 4 and r[1].strip() and r[2].strip() and r[3] in ("0", "1")]
 
 
-def read_squad(path: str | os.PathLike) -> list[QAExample]:
+def read_squad(path: str | os.PathLike, lang: str = "") -> list[QAExample]:
     """SQuAD v1.1-format JSON (SQuAD, MLQA, XQuAD): data -> paragraphs -> context, qas (id,
-    question, answers: text, answer_start). Anything else is refused, naming where."""
+    question, answers: text, answer_start). Anything else is refused, naming where. lang: MLQA's
+    language, which its metric normalises answers for (QAExample.lang)."""
     try:
         data = json.loads(_check(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -135,7 +140,7 @@ def read_squad(path: str | os.PathLike) -> list[QAExample]:
                     raise ValueError(f"{where}, question {qa['id']!r}: 'answers' must be a list of "
                                      "{\"text\", \"answer_start\"}")
                 out.append(QAExample(qa["id"], para["context"], qa["question"],
-                                     [(x["text"], x["answer_start"]) for x in answers]))
+                                     [(x["text"], x["answer_start"]) for x in answers], lang))
     return out
 
 
@@ -364,18 +369,56 @@ def read_tagged(path: str | os.PathLike, tokens: str, tags: str, header: bool = 
     return out
 
 
-# --- the official SQuAD v1.1 answer metric ------------------------------------------------------
+# --- the official SQuAD v1.1 and MLQA answer metrics --------------------------------------------
 
-def normalize_answer(s: str) -> str:
-    """Lower-case, drop ASCII punctuation and the articles a/an/the, collapse whitespace."""
+# MLQA's evaluation script (mlqa_evaluation_v1.py): each language's articles, removed after the
+# punctuation; Hindi and Chinese have none, and Chinese is cut into its characters ("mixed
+# segmentation") before F1 counts tokens. A language MLQA does not have keeps its articles.
+MLQA_ARTICLES = {"en": r"\b(a|an|the)\b", "es": r"\b(un|una|unos|unas|el|la|los|las)\b",
+                 "vi": r"\b(của|là|cái|chiếc|những)\b",
+                 "de": r"\b(ein|eine|einen|einem|eines|einer|der|die|das|den|dem|des)\b",
+                 "ar": r"\sال^|ال", "hi": None, "zh": None}
+_HAN = re.compile(r"[\u4e00-\u9fa5]")
+
+
+@functools.cache
+def unicode_punctuation() -> frozenset[str]:
+    """Every character of a Unicode punctuation category (P*) and ASCII's punctuation: what
+    MLQA's metric removes (SQuAD v1.1's removes ASCII's alone)."""
+    return frozenset(chr(i) for i in range(sys.maxunicode + 1)
+                     if unicodedata.category(chr(i)).startswith("P")) | frozenset(string.punctuation)
+
+
+def _mixed_segmentation(text: str) -> list[str]:
+    """MLQA's Chinese tokens: each Han character (or punctuation mark) alone, the rest split at whitespace."""
+    out, run = [], ""
+    for ch in text:
+        if _HAN.match(ch) or ch in unicode_punctuation():
+            out += run.split() + [ch]
+            run = ""
+        else:
+            run += ch
+    return out + run.split()
+
+
+def normalize_answer(s: str, lang: str = "") -> str:
+    """SQuAD v1.1's (lang ""): lower-case, drop ASCII punctuation and the articles a/an/the,
+    collapse whitespace. MLQA's (its language): lower-case, drop Unicode punctuation, then the
+    language's articles, then whitespace (Chinese: mixed segmentation)."""
     s = s.lower()
-    s = "".join(ch for ch in s if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
+    if not lang:
+        s = "".join(ch for ch in s if ch not in set(string.punctuation))
+        s = re.sub(r"\b(a|an|the)\b", " ", s)
+        return " ".join(s.split())
+    punct = unicode_punctuation()
+    s = "".join(ch for ch in s if ch not in punct)
+    if MLQA_ARTICLES.get(lang):
+        s = re.sub(MLQA_ARTICLES[lang], " ", s)
+    return " ".join(t for t in (_mixed_segmentation(s) if lang == "zh" else s.split()) if t.strip())
 
 
-def f1_score(prediction: str, truth: str) -> float:
-    pred, gold = normalize_answer(prediction).split(), normalize_answer(truth).split()
+def f1_score(prediction: str, truth: str, lang: str = "") -> float:
+    pred, gold = normalize_answer(prediction, lang).split(), normalize_answer(truth, lang).split()
     common = collections.Counter(pred) & collections.Counter(gold)
     same = sum(common.values())
     if same == 0:
@@ -384,18 +427,19 @@ def f1_score(prediction: str, truth: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def exact_match(prediction: str, truth: str) -> float:
-    return float(normalize_answer(prediction) == normalize_answer(truth))
+def exact_match(prediction: str, truth: str, lang: str = "") -> float:
+    return float(normalize_answer(prediction, lang) == normalize_answer(truth, lang))
 
 
 def squad_scores(predictions: dict[str, str], examples: list[QAExample]) -> dict[str, float]:
     """{'exact_match', 'f1'} in percent: per question the best over its gold answers, averaged
-    over all questions (a question without a prediction scores 0)."""
+    over all questions (a question without a prediction scores 0); each question's answers
+    normalised for its language where MLQA's (QAExample.lang), as SQuAD v1.1's elsewhere."""
     em = f1 = 0.0
     for ex in examples:
         truths = [t for t, _ in ex.answers] or [""]
         pred = predictions.get(ex.id, "")
-        em += max(exact_match(pred, t) for t in truths)
-        f1 += max(f1_score(pred, t) for t in truths)
+        em += max(exact_match(pred, t, ex.lang) for t in truths)
+        f1 += max(f1_score(pred, t, ex.lang) for t in truths)
     n = max(1, len(examples))
     return {"exact_match": 100 * em / n, "f1": 100 * f1 / n}

@@ -83,7 +83,8 @@ TASKS = {
                  pairs=True),
     "pawsx": Task("pawsx", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_pawsx(p, lang),
                   ("different", "paraphrase"), pairs=True),
-    "mlqa": Task("mlqa", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p), ()),
+    # MLQA's metric normalises answers per language (readers.normalize_answer); XQuAD is scored as SQuAD v1.1
+    "mlqa": Task("mlqa", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p, lang), ()),
     "xquad": Task("xquad", "span", "squad_f1", 3e-5, lambda p, lang, split, cfg: read_squad(p), ()),
     "pos": Task("pos", "tag", "accuracy", 3e-5, lambda p, lang, split, cfg: read_conllu(p)),
     "ner": Task("ner", "tag", "chunk_f1", 3e-5, lambda p, lang, split, cfg: read_conll2003(p)),

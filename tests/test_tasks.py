@@ -89,6 +89,21 @@ def test_squad_metric_by_hand():
     assert scores["f1"] == pytest.approx(100 * (1 + 2 / 3) / 3)
 
 
+def test_mlqa_metric_normalises_answers_per_language_by_hand():
+    """MLQA's official normalisation (its evaluation script): Unicode punctuation (the Devanagari
+    danda, guillemets), each language's articles, Chinese cut into characters; SQuAD v1.1's (no
+    language, XQuAD's) keeps them."""
+    # 北京大学 vs 北京: four character tokens against two, two shared -> p 1/2, r 1 -> F1 2/3
+    assert T.f1_score("北京大学", "北京", "zh") == pytest.approx(2 / 3) and T.f1_score("北京大学", "北京") == 0.0
+    assert T.exact_match("दिल्ली।", "दिल्ली", "hi") == 1.0 and T.exact_match("दिल्ली।", "दिल्ली") == 0.0
+    assert T.exact_match("der Rhein", "Rhein", "de") == 1.0 and T.exact_match("der Rhein", "Rhein") == 0.0
+    assert T.exact_match("el río Ebro", "río Ebro", "es") == 1.0
+    assert T.f1_score("«Berlin»", "Berlin", "en") == 1.0 and T.f1_score("«Berlin»", "Berlin") == 0.0
+    assert T.normalize_answer("The  Eiffel Tower!", "en") == "eiffel tower"
+    ex = [T.QAExample("q", "c", "?", [("北京", 0)], "zh")]  # squad_scores reads each question's language
+    assert T.squad_scores({"q": "北京大学"}, ex)["f1"] == pytest.approx(100 * 2 / 3)
+
+
 @pytest.mark.skipif(not XQUAD.is_dir(), reason="../shared/data/xquad is not beside the repository")
 @pytest.mark.parametrize("lang", ["en", "de", "zh"])
 def test_real_xquad(lang):
