@@ -111,13 +111,15 @@ def _check_against_split(data_path: Path, manifest: dict, docs: list[list[str]],
     </s> after each document but the last read, whose end may lie beyond) are the validation
     split's first pieces."""
     lines = [line for doc in docs for line in doc]
-    ids = sp.encode(lines)
-    stream, k = [], 0
-    for n, doc in enumerate(docs):
-        for _ in doc:
-            stream += list(ids[k]) + [EOS_ID]
-            k += 1
-        if n < len(docs) - 1:
+    ids = iter(sp.encode(lines))
+    # as prepare stores them: a line that encodes to nothing is left out, and a document of such lines
+    pieces = [[p for p in (next(ids) for _ in doc) if p] for doc in docs]
+    pieces = [doc for doc in pieces if doc]
+    stream = []
+    for n, doc in enumerate(pieces):
+        for line in doc:
+            stream += list(line) + [EOS_ID]
+        if n < len(pieces) - 1:
             stream.append(EOS_ID)
     split = np.memmap(data_path / f"{VALID}.bin", dtype=manifest["dtype"], mode="r")[:len(stream)]
     if len(stream) == 0 or not np.array_equal(np.asarray(split, dtype=np.int64), np.asarray(stream, dtype=np.int64)):

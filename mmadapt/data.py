@@ -245,6 +245,7 @@ class _Shard:
         self.prefix, self.dtype, self.sp = prefix, dtype, sp
         self.items: list[str | None] = []  # a sentence, or None: the current document ends here
         self.counts = [0, 0, 0, 0]  # sentences, documents, tokens, unknown pieces (<unk>)
+        self.open_sentences = 0  # of the document not yet ended (it may span flushes)
 
     def add(self, item: str | None) -> None:
         self.items.append(item)
@@ -257,10 +258,17 @@ class _Shard:
         seqs, doc_ends, before = [], [], len(builder.sequence_lengths)
         for t in items:
             if t is None:  # fairseq's empty line: a lone </s> between documents
-                seqs.append([EOS_ID])
-                doc_ends.append(before + len(seqs))
+                if self.open_sentences:  # (a document all of whose lines encode to nothing is none)
+                    seqs.append([EOS_ID])
+                    doc_ends.append(before + len(seqs))
+                self.open_sentences = 0
             else:  # fairseq's line: its pieces and </s>
-                seqs.append(next(ids) + [EOS_ID])
+                pieces = next(ids)
+                # A line of characters the tokenizer drops (U+200B, U+FEFF, controls) adds nothing:
+                # stored as a lone </s>, it would read as a document's end
+                if pieces:
+                    seqs.append(pieces + [EOS_ID])
+                    self.open_sentences += 1
         flat = np.fromiter((t for q in seqs for t in q), dtype=self.dtype)
         # What IndexedDatasetBuilder.add_item/end_document do, without a tensor per sentence.
         builder.data_file.write(flat.tobytes(order="C"))

@@ -86,6 +86,35 @@ def test_blocks_cross_documents_with_fairseqs_separators(tokenizer, tmp_path):
     assert block == [BOS_ID, *a, EOS_ID, *c, EOS_ID, EOS_ID, *e, EOS_ID, EOS_ID]
 
 
+def test_a_line_the_tokenizer_reads_as_nothing_is_left_out(tokenizer, tmp_path):
+    """A line of characters the tokenizer drops (a zero-width space, a byte-order mark, DEL)
+    encodes to no piece: stored as a lone </s> it read as a document's end, splitting its
+    document in two; it is left out, and a document of such lines is none."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    sp = D.load_checked_tokenizer(tokenizer)
+    assert sp.encode("\u200b") == sp.encode("\ufeff") == sp.encode("\x7f") == []
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("In the beginning.\n\u200b\nAnd the earth.\n\n\ufeff\n\x7f\n\nLight was good.\n",
+                      encoding="utf-8")
+    manifest = prepare(corpus, tmp_path / "d", VOCAB, tokenizer=tokenizer, quiet=True,
+                       cfg=PreprocessConfig(workers=1))
+    assert (manifest["sentences"], manifest["documents"]) == (3, 2)
+    a, c, e = (sp.encode(t) for t in ("In the beginning.", "And the earth.", "Light was good."))
+    ds = IndexedDataset(str(tmp_path / "d" / "text"))
+    assert [ds[i].tolist() for i in range(len(ds))] == [a + [EOS_ID], c + [EOS_ID], [EOS_ID], e + [EOS_ID], [EOS_ID]]
+    # bits per byte read the held-out lines back from the corpus, checked against the split as stored
+    from mmadapt.bpb import heldout_lines
+
+    many = tmp_path / "many.txt"
+    many.write_text("".join(f"Verse {i} begins.\n\u200b\nAnd it ends.\n\n\ufeff\n\n" for i in range(40)),
+                    encoding="utf-8")
+    prepare(many, tmp_path / "v", VOCAB, tokenizer=tokenizer, quiet=True,
+            cfg=PreprocessConfig(workers=1, valid_fraction=0.5))
+    held = heldout_lines(tmp_path / "v", max_bytes=10**6)
+    assert held and all(doc[1] == "\u200b" for doc in held if doc[0] != "\ufeff")
+
+
 @pytest.mark.parametrize("layout, want", [
     ({"prefix": [BOS_ID], "suffix": []}, "llama"),  # Llama's and Mistral's <s> before a text
     ({"prefix": [], "suffix": []}, "qwen2"),  # nothing around a text: its end-of-text between documents
