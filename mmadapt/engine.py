@@ -704,7 +704,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     is_pipe = is_pipeline(engine)
     ckpt_dir = run_dir / "checkpoints"
     start = position = 0
-    rows, since, t_last, loss_sum = [], 0, time.perf_counter(), None
+    rows, since, loss_sum = [], 0, None
     if resume:
         state = checkpoint.resume(engine, ckpt_dir, strict=not job.exclude_frozen)
         if state is not None:
@@ -721,6 +721,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     rank0 = parallel.is_rank0()
     log = MetricsLog(run_dir, start)
     bar = tqdm(total=total, initial=start, disable=not rank0, desc=job.label, unit="upd", mininterval=2.0)
+    timed, t_last = 0, time.perf_counter()  # this process's updates of the log window: its throughput's
     unchecked = Unchecked()
     done, skipped, saved = start, 0, None
 
@@ -763,9 +764,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                 else:
                     skipped = 0
                     loss_sum = local if loss_sum is None else loss_sum + local
-                    done, since = done + 1, since + 1
+                    done, since, timed = done + 1, since + 1, timed + 1
                     if done % loop.log_interval == 0 or done == total:
-                        dt = (time.perf_counter() - t_last) / since
+                        dt = (time.perf_counter() - t_last) / timed
                         row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, job.loss_names,
                                                  loss_weights=job.loss_weights, split_names=job.split_losses)
                         check_finite()
@@ -779,7 +780,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                             log.write(row, scalars)
                             bar.set_postfix({"loss": f"{row['loss']:.3f}", **{
                                 k: f"{v:.3f}" for k, v in row.items() if k.endswith("_loss") and v is not None}})
-                        loss_sum, since, t_last = None, 0, time.perf_counter()
+                        loss_sum, since, timed, t_last = None, 0, 0, time.perf_counter()
                     if job.evaluate is not None and job.eval_interval and done % job.eval_interval == 0:
                         row, scalars = _loss_row(done, mean_over_ranks(job.evaluate(), is_pipe), job.loss_names,
                                                  prefix="valid_", loss_weights=job.loss_weights)
