@@ -111,6 +111,13 @@ class AdaptEmbeddings(StepSpec):
                    source_tag=src["tag"], mini_layers=run.get("mini_layers"))
 
 
+def final_artifact_written(run_dir: Path, iters: int) -> bool:
+    """Whether the Step-2 run in `run_dir` holds the artifact of its update `iters`: a stop
+    between that checkpoint's COMPLETE and its artifact leaves it to the next --resume
+    (ArtifactWriter.save_start), which a caller that keeps a finished run must still start."""
+    return (Path(run_dir) / "embeddings" / checkpoint.tag_for(iters) / ARTIFACT_FILE).is_file()
+
+
 def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     """Step 2 (module docstring). Writes an artifact (embeddings.pt, spm.model, meta.json) under
     <output_dir>/embeddings/<tag> at update 0 and at every checkpoint: what Step 4 swaps in.

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from mmadapt import checkpoint, parallel, steps
+from mmadapt.adapt import final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig, check_lang
@@ -196,7 +197,8 @@ def extend(ext: Extend) -> dict:
     say(f"Step 2: the {ext.lang} embeddings over {'the mini-model' if over != source else 'the full model'}")
     train = ext.step2_schedule()
     _train(adapt, ext.adapt_iters, lambda run: steps.adapt_embeddings(run=run, step=steps.AdaptEmbeddings(
-        system=ext.system, source=over, lang=ext.lang, train=train)), data_path=data)
+        system=ext.system, source=over, lang=ext.lang, train=train)), data_path=data,
+        complete=lambda: final_artifact_written(adapt, ext.adapt_iters))
     final = artifact_dirs([adapt])[-1]
     export = ext.run_dir("export")
     _export_once(ext, export, primary=source, embeddings=final, say=say)
@@ -235,8 +237,10 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None]:
         except BaseException as e:  # the sibling grafted before, if any, stays as it was
             shutil.rmtree(staged, ignore_errors=True)
             if isinstance(e, ValueError):  # named as the user named them, not as the runs made of them here
-                raise ValueError(str(e).replace(str(staged), f"--into {ext.into}")
-                                 .replace(str(imported), f"--model {ext.model}")) from None
+                said = str(e)
+                for run, flag in ((staged, f"--into {ext.into}"), (imported, f"--model {ext.model}")):
+                    said = said.replace(str(run.resolve()), flag).replace(str(run), flag)  # as read_source names it
+                raise ValueError(said) from None
             raise
         if sibling.exists():  # the graft into the last --into gives way to this one's
             say(f"replace the graft into {_imported_from(sibling)} (export-into/) with one into {ext.into}")
@@ -306,14 +310,16 @@ def _export_once(ext: Extend, out: Path, primary: Path, embeddings: Path, say=No
         checkpoint.atomic_write(record, json.dumps({**made, out.name: key}, indent=2))
 
 
-def _train(run_dir: Path, iters: int, step, corpus: str | None = None, data_path: Path | None = None) -> None:
-    """A training stage into run_dir: kept if done, resumed if interrupted, else run."""
+def _train(run_dir: Path, iters: int, step, corpus: str | None = None, data_path: Path | None = None,
+           complete=lambda: True) -> None:
+    """A training stage into run_dir: kept if done (and `complete()`: what its last checkpoint
+    leads to is written too), resumed if interrupted or not complete, else run."""
     state = run_progress(run_dir, iters)
-    if state == "done":
+    if state == "done" and complete():
         if parallel.is_rank0():
             print(f"  done already: {run_dir} (kept)", flush=True)
         return
-    step(RunSpec(output_dir=run_dir, corpus=corpus, data_path=data_path, resume=state == "resume"))
+    step(RunSpec(output_dir=run_dir, corpus=corpus, data_path=data_path, resume=state != "new"))
 
 
 def _stage_printer():
@@ -336,7 +342,8 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
     arts = artifact_dirs([adapt])
     # what the summary is computed from: the artifacts as they are now (a Step 2 deleted and run
     # again writes them anew) and the bytes scored
-    key = {"artifacts": meta_digests([arts[0], arts[-1]]), "artifact": str(arts[-1]), "bpb_bytes": ext.bpb_bytes}
+    key = {"artifacts": meta_digests([arts[0], arts[-1]]), "artifact": str(arts[-1].relative_to(ext.output_dir)),
+           "bpb_bytes": ext.bpb_bytes}  # the artifact as named inside the output directory, however it is spelled
     kept = ext.output_dir / SUMMARY
     if (old := checkpoint.kept_result(kept, key, "extend summary")) is not None:
         print(old["text"], flush=True)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings
+from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import check_output_file
@@ -587,12 +587,12 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
             check_resumable(plan.run, plan.model, step.train, plan.identity, plan.data)
     for system, n, run_dir in jobs:
         state = run_progress(run_dir, step.train.train_iters)
-        if state == "done":
+        if state == "done" and final_artifact_written(run_dir, step.train.train_iters):
             continue
         if parallel.is_rank0():
             print(f"sweep: Step 2 over {'the full model' if n is None else f'the {n}-layer mini-model'} -> {run_dir}",
                   flush=True)
-        adapt_embeddings(*spec(system, n, run_dir, state == "resume"))
+        adapt_embeddings(*spec(system, n, run_dir, state != "new"))
     if dist.is_initialized() and not parallel.is_rank0():
         dist.barrier()  # rank 0 scores (the metric needs no process group)
         return None

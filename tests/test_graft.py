@@ -206,9 +206,20 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     # the same extension from another working directory, its paths relative: continued, not refused
     monkeypatch.chdir(tmp_path)
     relative = [a if not a.startswith("/") else os.path.relpath(a) for a in argv]
+    summary = (out / "summary.json").stat().st_mtime_ns
     assert main([*relative, "--output_dir", "ext", "--into", str(other)]) == 0
     said = capsys.readouterr().out
     assert f"Grafted into {other}: de at " in said and "export the extended model" not in said
+    assert (out / "summary.json").stat().st_mtime_ns == summary  # its summary kept, not scored again
+    # a refusal there names the models as given, not the runs made of them
+    assert main([*relative, "--output_dir", "ext", "--into", str(hf / "llama2-sibling")]) == 2
+    err = capsys.readouterr().err
+    assert f"--into {hf / 'llama2-sibling'} is not a sibling of --model {hf / 'qwen2-base'}" in err, err
+    # a stop between Step 2's last checkpoint and its artifact: the next call writes the artifact
+    final = out / "adapt" / "embeddings" / "step00000002"
+    shutil.rmtree(final)
+    assert main([*relative, "--output_dir", "ext", "--into", str(other)]) == 0
+    assert (final / "embeddings.pt").is_file() and "Grafted into" in capsys.readouterr().out
 
 
 def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains(graft_runs, corpus, tmp_path,

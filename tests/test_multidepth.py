@@ -8,6 +8,7 @@ mini-model against its head of the full model, bit for bit; FLOPs against torch'
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -494,6 +495,12 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     assert "a changed run: train.lr is 0.01 here" in err and len(err.splitlines()) == 1, err
     assert (out / "2" / "metrics.jsonl").read_text() == before
     assert json.loads((out / "sweep.json").read_text())["records"] == records
+    # A stop between depth 2's last checkpoint and its artifact: the next sweep writes the artifact
+    final = out / "2" / "embeddings" / "step00000006"
+    shutil.rmtree(final)
+    assert main(["sweep", *args]) == 0
+    assert (final / "embeddings.pt").is_file() and (out / "2" / "metrics.jsonl").read_text() == before
+    capsys.readouterr()
     # Other sizes score the same checkpoints again, still training nothing.
     assert main(["sweep", *args[:-1], "512"]) == 0
     said = capsys.readouterr()
