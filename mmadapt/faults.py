@@ -104,13 +104,19 @@ STOP_FILE = "STOP"
 
 
 def clear_stale_stop(stop_file: Path) -> None:
-    """Remove a stop request older than this process (the one that stopped the run's previous
-    job, which died before removing it); keep one made since: SLURM's warning may come while the
-    requeued job starts, and that request is this job's (global rank 0)."""
+    """Remove a stop request older than this job (the one that stopped the run's previous job,
+    which died before removing it); keep one made since: SLURM's warning may come while the
+    requeued job starts, and that request is this job's (global rank 0). This job began when
+    this process did, or under SLURM when the job's current run did (SLURM_JOB_START_TIME: its
+    batch script touches the file, perhaps before this process exists)."""
     import psutil
 
+    began = psutil.Process().create_time()
+    slurm = os.environ.get("SLURM_JOB_START_TIME", "")
+    if slurm.isdigit():
+        began = min(began, int(slurm))
     try:
-        if stop_file.stat().st_mtime < psutil.Process().create_time():
+        if stop_file.stat().st_mtime < began:
             stop_file.unlink(missing_ok=True)
     except FileNotFoundError:
         pass
@@ -198,10 +204,12 @@ def _requeued_from(theirs, mine) -> bool:
 
 
 class RunLock:
-    """`<run_dir>/run.lock` ({host, pid, since}), created exclusively by the process that writes
-    the run (global rank 0), after every input check: a second writer is refused. A lock left by
-    a dead process on this host is taken over with a message; a lock held from another host
-    cannot be checked from here, so it is refused with the holder named."""
+    """`<run_dir>/run.lock` ({host, pid, since, and under SLURM slurm: [job id, restart count]}),
+    created exclusively by the process that writes the run (global rank 0), after every input
+    check: a second writer is refused. A lock left by a dead process on this host is taken over
+    with a message, and so is one of an earlier instance of this SLURM job (requeued: SLURM runs
+    one at a time); any other lock held from another host cannot be checked from here, so it is
+    refused with the holder named."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_NAME

@@ -107,7 +107,7 @@ def test_a_lock_held_for_a_moment_is_waited_for_only_that_moment(tmp_path, capsy
         holder.wait()
 
 
-def test_a_stop_request_older_than_the_process_is_cleared_and_a_newer_one_kept(tmp_path):
+def test_a_stop_request_older_than_the_process_is_cleared_and_a_newer_one_kept(tmp_path, monkeypatch):
     """The previous job's STOP (older than this process) goes; one made since (SLURM's warning
     while this requeued job started) stays, for the loop to honour."""
     import psutil
@@ -122,6 +122,11 @@ def test_a_stop_request_older_than_the_process_is_cleared_and_a_newer_one_kept(t
     faults.clear_stale_stop(stop)
     assert stop.exists()
     faults.clear_stale_stop(tmp_path / "none")  # no request: nothing to do
+    # under SLURM, one made after the job's current run began, before this process: kept
+    os.utime(stop, (born - 30, born - 30))
+    monkeypatch.setenv("SLURM_JOB_START_TIME", str(int(born - 60)))
+    faults.clear_stale_stop(stop)
+    assert stop.exists()
 
 
 def test_stop_request_from_a_signal_or_the_stop_file(tmp_path, capsys):
