@@ -30,6 +30,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from mmadapt.faults import STOP_FILE
 from mmadapt.parallel import dp_rank, is_rank0, pp_rank, rng_state, set_rng_state, tp_rank
 
 _TAG = re.compile(r"^step(\d{8})$")
@@ -83,9 +84,10 @@ def check_output_file(path: Path, flag: str) -> None:
 
 # What a training run writes in its directory before its run.json: a directory holding anything
 # else and no run.json is somebody's other files, not a run that stopped early.
-# The STOP file (faults.STOP_FILE) too: SLURM's warning may come while the run starts, before its
-# run.json, and the requeued --resume must find a run; and atomic_write's temporary files.
-RUN_ENTRIES = ("checkpoints", "data", "tokenizer", "tensorboard", "metrics.jsonl", "embeddings", "run.lock", "STOP")
+# The STOP file too: SLURM's warning may come while the run starts, before its run.json, and the
+# requeued --resume must find a run (atomic_write's temporary files are matched in refuse_overwrite).
+RUN_ENTRIES = ("checkpoints", "data", "tokenizer", "tensorboard", "metrics.jsonl", "embeddings", "run.lock",
+               STOP_FILE)
 
 
 def refuse_overwrite(output_dir: Path, resume: bool) -> None:
@@ -248,7 +250,8 @@ def prune(ckpt_dir: Path, keep_last: int, saved: str) -> None:
     and incomplete tags older than them (rank 0). COMPLETE goes first, so a tag being deleted is
     never taken for a usable one. A tag after `saved` is neither counted nor deleted: one that
     `resume` passed over as damaged, which would otherwise count as the newest and take every
-    intact tag with it (the update that reaches it writes it anew)."""
+    intact tag with it (a save at its update writes it anew; without one it stays, damaged,
+    for you to delete)."""
     tags = [t for t in complete_tags(ckpt_dir) if t <= saved]
     if keep_last <= 0 or len(tags) <= keep_last:
         return

@@ -165,8 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the hostfile and the command, run nothing")
     p.add_argument("--hostfile", help="where to write the hostfile (default: $TMPDIR or /tmp, per job and node)")
     p.add_argument("--gpus_per_node", type=int, help="ranks per node (default: from SLURM_GPUS_ON_NODE)")
-    p.add_argument("--launcher_args", default="", help="more flags for DeepSpeed's launcher, in one quoted "
-                   "string (e.g. \"--enable_each_rank_log /scratch/logs\")")
+    p.add_argument("--launcher_args", default="", help="more flags for DeepSpeed's launcher, in one string given "
+                   "with '=' (argparse takes a lone flag for one of its own otherwise): "
+                   "--launcher_args=\"--enable_each_rank_log /scratch/logs\"")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- then the training script and its arguments")
     args = p.parse_args(argv)
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
