@@ -1,5 +1,6 @@
 """Stop/resume and crash recovery reproduce an uninterrupted run exactly (dropout on)."""
 
+import json
 import random
 import signal
 import subprocess
@@ -70,6 +71,8 @@ def test_a_stop_between_two_log_lines_resumes_to_the_same_lines(corpus, tokenize
     go(tmp_path / "part", "--resume")
     assert losses(tmp_path / "part") == losses(tmp_path / "full")
     assert [s for s, _, _ in losses(tmp_path / "full")] == [2, 4, 6, 8]
+    # what a --resume on another number of data-parallel ranks is refused by (run.check_same_run)
+    assert json.loads((tmp_path / "part" / "run.json").read_text())["data_parallel_size"] == 1
 
 
 def test_killed_while_writing_a_checkpoint_resumes_from_the_last_complete_one(uninterrupted, corpus, tokenizer,
