@@ -87,7 +87,7 @@ def check_output_file(path: Path, flag: str) -> None:
 # The STOP file too: SLURM's warning may come while the run starts, before its run.json, and the
 # requeued --resume must find a run (atomic_write's temporary files are matched in refuse_overwrite).
 RUN_ENTRIES = ("checkpoints", "data", "tokenizer", "tensorboard", "metrics.jsonl", "embeddings", "run.lock",
-               STOP_FILE)
+               "run.lock.takeover", STOP_FILE)  # (faults.RunLock's takeover mutex)
 
 
 def refuse_overwrite(output_dir: Path, resume: bool) -> None:

@@ -218,7 +218,7 @@ class RunLock:
     def acquire(self) -> "RunLock":
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
               **({"slurm": _slurm_instance()} if _slurm_instance() else {})}
-        for _ in range(2):
+        for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
@@ -228,16 +228,16 @@ class RunLock:
                     holder = {}
                 if (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
                         and not _alive(holder["pid"])):
-                    print(f"taking over {self.path}: its holder (pid {holder['pid']}) is no longer running",
-                          file=sys.stderr)
-                    self.path.unlink(missing_ok=True)
+                    if self._remove_dead(holder):
+                        print(f"taking over {self.path}: its holder (pid {holder['pid']}) is no longer running",
+                              file=sys.stderr)
                     continue
                 if _requeued_from(holder.get("slurm"), me.get("slurm")):
                     # SLURM runs one instance of a job at a time: an earlier one's lock is a dead
                     # holder's, whatever node it was on (a lost node's, which no host can check)
-                    print(f"taking over {self.path}: its holder was SLURM job {holder['slurm'][0]} before it was "
-                          "requeued as this one", file=sys.stderr)
-                    self.path.unlink(missing_ok=True)
+                    if self._remove_dead(holder):
+                        print(f"taking over {self.path}: its holder was SLURM job {holder['slurm'][0]} before it "
+                              "was requeued as this one", file=sys.stderr)
                     continue
                 who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')} (since {holder.get('since', '?')})"
                 raise ValueError(f"{self.path.parent} is being written by {who}: wait for it to finish, or if it "
@@ -247,6 +247,36 @@ class RunLock:
             self.held = True
             return self
         raise ValueError(f"could not take {self.path}: another process took it at the same time")
+
+    TAKEOVER_STALE_S = 60  # a takeover takes milliseconds: a mutex this old is a dead taker's
+
+    def _remove_dead(self, holder: dict) -> bool:
+        """Remove the lock of `holder`, found dead, if it still holds it -> whether this call did.
+        Under a mutex (a directory beside the lock, made atomically): of two starters that found
+        the same dead holder, the second would otherwise remove the lock the first had just made,
+        and both would write the run. One that finds the mutex taken removes nothing (its caller
+        reads the lock again, and is refused by a live holder)."""
+        mutex = self.path.with_name(LOCK_NAME + ".takeover")
+        try:
+            os.mkdir(mutex)
+        except FileExistsError:
+            try:
+                if time.time() - mutex.stat().st_mtime > self.TAKEOVER_STALE_S:
+                    os.rmdir(mutex)
+            except OSError:
+                pass
+            return False
+        try:
+            try:
+                current = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                current = {}
+            if current != holder:
+                return False
+            self.path.unlink(missing_ok=True)
+            return True
+        finally:
+            os.rmdir(mutex)
 
     def release(self) -> None:
         if self.held:

@@ -45,6 +45,22 @@ def test_run_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path, c
         faults.RunLock(tmp_path).acquire()
 
 
+def test_a_dead_holders_lock_is_taken_over_under_the_takeover_mutex(tmp_path):
+    """Two starters that find the same dead holder: the one that holds the takeover mutex removes
+    the lock; the other removes nothing (before, it could remove the lock the first had just
+    made, and both wrote the run) and is refused; a mutex left by a taker that died goes."""
+    dead, lock, mutex = _dead_pid(), tmp_path / "run.lock", tmp_path / "run.lock.takeover"
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead, "since": "x"}))
+    mutex.mkdir()  # another starter is taking it over at this moment
+    with pytest.raises(ValueError, match="another process took it at the same time"):
+        faults.RunLock(tmp_path).acquire()
+    assert json.loads(lock.read_text())["pid"] == dead and mutex.is_dir()
+    os.utime(mutex, (time.time() - 120, time.time() - 120))  # that starter died mid-takeover
+    with faults.RunLock(tmp_path):
+        assert json.loads(lock.read_text())["pid"] == os.getpid()
+    assert not mutex.exists()
+
+
 def test_a_requeued_slurm_job_takes_over_its_earlier_instances_lock(tmp_path, monkeypatch, capsys):
     """A lock held on another host by an earlier instance of this SLURM job (a lost node; the job
     requeued, SLURM_RESTART_COUNT one higher) is taken over; one held by this very instance, or
