@@ -126,6 +126,20 @@ def test_the_encoder_mapping_is_checked_the_same_way(config, edit, message, tiny
     assert not (tmp_path / "run").exists()
 
 
+def test_an_encoder_config_without_its_defaulted_fields_reads_as_transformers_reads_it(tiny_roberta, tmp_path):
+    """config.json without layer_norm_eps is RobertaConfig's 1e-12 (it was read as 1e-5 and the
+    import refused by its parity check); without max_position_embeddings, 512, which these
+    weights' 66 position rows refuse in one line (it was a KeyError)."""
+    import json
+
+    run = import_hf(damaged_copy(tiny_roberta, tmp_path / "hf", {"layer_norm_eps": None}), tmp_path / "run")
+    assert run["model"]["layernorm_epsilon"] == 1e-12
+    with pytest.raises(ValueError) as e:
+        import_hf(damaged_copy(tiny_roberta, tmp_path / "hf2", {"max_position_embeddings": None}), tmp_path / "run2")
+    assert "max_position_embeddings 512" in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "run2").exists() and json.loads((tmp_path / "run" / "run.json").read_text())
+
+
 def test_the_encoder_ignores_what_transformers_ignores(tiny_roberta, tmp_path):
     """Position ids and a pooler left out, the decoder weight tied, and the decoder's own bias
     taken, as transformers' RobertaForMaskedLM loads them: the import passes its parity check."""
