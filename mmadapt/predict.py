@@ -219,8 +219,9 @@ class LanguageModel:
                                              graft=_sibling_check(source, weights) if graft else None)
             cfg, state = family.primary_model(cfg, state)
             artifact_embeddings(emb, state[family.word])  # refuses embeddings of another width
-            # a graft of an expanded vocabulary keeps the sibling's own source rows (artifact_state)
-            swap = artifact_state(family, emb, meta if graft else None, state)
+            # an expanded vocabulary keeps the model's own source rows (artifact_state), as the plug-in
+            # metric and export-hf do: a MINIJOINT encoder's artifact holds its secondary head's bias
+            swap = artifact_state(family, emb, meta, state)
             state = {**state, **{name: t.float() for name, t in swap.items()}}
         cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
                                   vocab_size=state[family.word].shape[0])

@@ -429,6 +429,16 @@ def test_an_expanded_encoder_exports_with_its_merged_tokenizer(sources, expanded
     keep = enc.input_ids.ne(PAD_ID)
     assert (mine[keep] - theirs[keep]).abs().max().item() <= 1e-5
     assert torch.equal(hf.roberta.embeddings.word_embeddings.weight[:VOCAB].detach(), primary[WORD])
+    # predict with the artifact is the same model (it took the artifact's source rows of the bias,
+    # the secondary head's, before)
+    from mmadapt import predict
+
+    lm = predict.load(source, embeddings=artifact, device="cpu")
+    ids = lm.encode(verses[:4])
+    with torch.no_grad():
+        mine = model.heads.heads[0](model.hidden_states(ids)[-1], model.word_embeddings.rows)
+    real = ids.ne(PAD_ID)
+    assert (lm.logits(verses[:4])[lm.heads[0]][real] - mine[real]).abs().max().item() <= 1e-5
 
 
 def test_an_expanded_decoder_exports_with_its_merged_tokenizer(sources, expanded, tmp_path):
