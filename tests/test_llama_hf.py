@@ -349,6 +349,26 @@ def test_round_trip_gives_the_original_ids_and_logits(name, dec_dirs, dec_runs, 
     assert diff <= TOL
 
 
+def test_a_decoder_whose_heads_do_not_split_the_hidden_size_imports_and_exports(tmp_path):
+    """head_dim 16 with 4 heads over a hidden size of 32 (Gemma's and Qwen3's kind of shape):
+    imported as megatron's kv_channels (the import's parity check against transformers passes),
+    and exported with its head_dim (it was refused on import, and its export crashed)."""
+    from hf_models import _decoder
+
+    src = tmp_path / "src"
+    tok = make_sp_tokenizer(src)
+    _decoder("llama", len(tok), 11, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+             head_dim=16).save_pretrained(str(src))
+    run = import_hf(src, tmp_path / "run")
+    assert run["model"]["kv_channels"] == 16
+    export_hf(tmp_path / "out", primary=tmp_path / "run")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["head_dim"] == 16
+    rows = [hf_tokenizer(src)(t, truncation=True, max_length=64).input_ids for t in TEXTS]
+    got, ref = (transformers_logits(hf_lm(d), rows) for d in (tmp_path / "out", src))
+    real = padded(rows, 0)[1]
+    assert (got[real] - ref[real]).abs().max().item() <= TOL
+
+
 def de_artifact(run, de_tokenizer, out):
     """Random German embeddings (and output projection, for an untied model) for the imported `run`:
     export must carry them exactly."""
@@ -465,7 +485,8 @@ REFUSED = {
                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                          "original_max_position_embeddings": 32}}, "rope scaling type 'llama3'"),
     "mlp_bias": ({"mlp_bias": True}, "mlp_bias is true"),
-    "head_dim": ({"head_dim": 16}, "head_dim 16 is not hidden_size / num_attention_heads = 8"),
+    # a head size of its own is imported (below); config.json's alone, over weights of another, is refused
+    "head_dim": ({"head_dim": 16}, "config.json implies (64, 32) (dimension 1: num_attention_heads 4 x head dim 16)"),
     "gelu": ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
     "gemma": ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM"),
 }

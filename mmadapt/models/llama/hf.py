@@ -128,7 +128,6 @@ class LlamaMapping(HFMapping):
     def check_config(self, cfg: dict, model_dir) -> None:
         """config.json of one of ARCHITECTURES, checked for everything the decoder cannot express."""
         c = transformers_config(cfg, model_dir)
-        hd = c.hidden_size // c.num_attention_heads
         rope = _rope(c, model_dir)
         window = sliding_window(c)
         impossible = [
@@ -147,9 +146,6 @@ class LlamaMapping(HFMapping):
                 raise ValueError(f"{model_dir}: config.json's {why}: it cannot describe a working model")
         refused = [
             (c.hidden_act != "silu", f"hidden_act is {c.hidden_act!r}; mmadapt's SwiGLU uses 'silu'"),
-            ((getattr(c, "head_dim", None) or hd) != hd,
-             f"head_dim {getattr(c, 'head_dim', None)} is not hidden_size / num_attention_heads = {hd}; mmadapt's "
-             "heads split the hidden size"),
             (getattr(c, "mlp_bias", False), "mlp_bias is true; mmadapt's SwiGLU has no biases"),
             (rope["rope_type"] not in ROPE_TYPES,
              f"rope scaling type {rope['rope_type']!r} is not supported: mmadapt computes rotary positions with no "
@@ -166,8 +162,11 @@ class LlamaMapping(HFMapping):
         rope = _rope(c, model_dir)
         window = sliding_window(c)
         positions = c.max_position_embeddings if window is None else min(window, c.max_position_embeddings)
+        # a head size of its own (config.json's head_dim, not hidden_size / heads) is megatron's kv_channels
+        head_dim = getattr(c, "head_dim", None)
         return validated(ModelConfig(
             family="llama", num_layers=c.num_hidden_layers, hidden_size=c.hidden_size,
+            kv_channels=head_dim if head_dim and head_dim != c.hidden_size // c.num_attention_heads else None,
             num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads,
             ffn_hidden_size=c.intermediate_size, vocab_size=c.vocab_size, max_position_embeddings=positions,
             hidden_dropout=0.0, attention_dropout=float(c.attention_dropout or 0.0), layernorm_epsilon=c.rms_norm_eps,
@@ -296,7 +295,7 @@ class LlamaMapping(HFMapping):
                          problem_type="single_label_classification")
         return transformers.AutoConfig.for_model(
             model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_hidden_size,
-            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads, head_dim=cfg.head_dim,
             num_key_value_heads=cfg.query_groups, hidden_act="silu", max_position_embeddings=cfg.max_position_embeddings,
             initializer_range=cfg.init_method_std, rms_norm_eps=cfg.layernorm_epsilon, rope_parameters=rope,
             attention_dropout=cfg.attention_dropout, tie_word_embeddings=cfg.share_embeddings_and_output_weights,
