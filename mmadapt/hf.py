@@ -725,7 +725,8 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
     # Staged whole: a sentence-transformers export is two directories and their module files,
     # and a copy cut short would load as a plain transformer (and refuse the rerun as not empty)
     with staged_dir(output_dir) as top:
-        summary = {**write_hf(family, top, cfg, state, kind, labels, Path(tokenizer), model_type, text_layout),
+        summary = {**write_hf(family, top, cfg, state, kind, labels, Path(tokenizer), model_type, text_layout,
+                              primary_run / "tokenizer" / "hf"),
                    "output_dir": str(output_dir), "embeddings": str(embeddings) if embeddings else None}
         if kind is None and (primary_run / SENTENCE_TRANSFORMERS).is_dir():  # a sentence-transformers source
             write_sentence_transformers(family, top / SENTENCE_TRANSFORMERS, cfg, state, Path(tokenizer), model_type,
@@ -734,24 +735,37 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
     return summary
 
 
-def _document_tokenizer(doc: HFTokenizer, model_max_length: int):
+def _document_tokenizer(doc: HFTokenizer, model_max_length: int, source_hf: Path | None = None):
     """A transformers fast tokenizer of an imported tokenizer's `tokenizers` pipeline alone (its
     post-processor, the source's prompt layout, included), its bos/eos/unk/pad tokens those of
-    mmadapt's roles that are tokens of it (a role on a borrowed row past the tokenizer has none)."""
-    from transformers import PreTrainedTokenizerFast
+    mmadapt's roles that are tokens of it (a role on a borrowed row past the tokenizer has none).
+    With the source's own tokenizer files (`source_hf`, import_hf's copy), what else they say of
+    how it is used: its mask, cls and sep tokens (a masked LM's fill-mask needs its mask token),
+    its padding side (a decoder padded on the left for batched generation) and chat template."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tokens = {f"{role}_token": doc.tokenizer.id_to_token(int(h)) for role, h in zip(SPECIAL_ROLES, doc.hf_ids)
               if role != "mask"}
-    return PreTrainedTokenizerFast(tokenizer_object=doc.tokenizer, model_max_length=model_max_length,
-                                   **{k: v for k, v in tokens.items() if v is not None})
+    kwargs = {k: v for k, v in tokens.items() if v is not None}
+    if source_hf is not None and source_hf.is_dir():
+        src = AutoTokenizer.from_pretrained(str(source_hf), local_files_only=True)
+        kwargs.update(padding_side=src.padding_side, truncation_side=src.truncation_side)
+        if getattr(src, "chat_template", None):
+            kwargs["chat_template"] = src.chat_template
+        for name in ("mask_token", "cls_token", "sep_token"):  # tokens the merged vocabulary keeps
+            token = getattr(src, name, None)
+            if token is not None and doc.tokenizer.token_to_id(str(token)) is not None:
+                kwargs[name] = str(token)
+    return PreTrainedTokenizerFast(tokenizer_object=doc.tokenizer, model_max_length=model_max_length, **kwargs)
 
 
 def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg: ModelConfig,
-                     text_layout: dict | None = None):
+                     text_layout: dict | None = None, source_hf: Path | None = None):
     """The transformers tokenizer that gives a run's `tokenizer` ids to the exported model, laid out
     as the family's mapping says for `kind` (and an imported source's `text_layout`), and hf_ids
     (mmadapt id -> its id; None: the same ids). An imported tokenizer keeps the source's ids (the
-    rows go back to the source's order)."""
+    rows go back to the source's order); an expanded one takes the source's settings from
+    `source_hf` (_document_tokenizer)."""
     import transformers
 
     layout = mapping.tokenizer_layout(kind, is_hf(tokenizer), cfg, text_layout)
@@ -761,7 +775,7 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
     if (tokenizer.parent / "hf").is_dir():  # the source's own files, saved by import_hf
         hf_tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer.parent / "hf"), local_files_only=True)
     else:  # an expanded vocabulary's merged document (expand.py): its pipeline is the whole tokenizer
-        hf_tok = _document_tokenizer(HFTokenizer.read(tokenizer), cfg.max_position_embeddings)
+        hf_tok = _document_tokenizer(HFTokenizer.read(tokenizer), cfg.max_position_embeddings, source_hf)
     if layout is not None:
         hf_tok = retemplated(hf_tok, hf_ids, layout, cfg.max_position_embeddings)
     return hf_tok, hf_ids
@@ -769,7 +783,7 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
 
 def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None,
              labels: list[str] | None, tokenizer: Path, model_type: str | None = None,
-             text_layout: dict | None = None) -> dict:
+             text_layout: dict | None = None, source_hf: Path | None = None) -> dict:
     """Write the family's LM (kind None) or task model full weights `state` with a run's
     `tokenizer` as a transformers directory of `model_type`'s class for `kind` (the source's
     model type, None for a model mmadapt pretrained: the family's mapping decides,
@@ -782,7 +796,7 @@ def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dic
     model_type = mapping.export_model_type(model_type, cfg, own_tokenizer=is_hf(tokenizer))
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
-    hf_tok, hf_ids = export_tokenizer(mapping, Path(tokenizer), kind, cfg, text_layout)
+    hf_tok, hf_ids = export_tokenizer(mapping, Path(tokenizer), kind, cfg, text_layout, source_hf)
     ids = {"pad": hf_tok.pad_token_id, "bos": hf_tok.bos_token_id, "eos": hf_tok.eos_token_id}
     hf_state = mapping.to_hf(cfg, state, kind, hf_ids, ids, model_type)
     hf_cfg = mapping.hf_config(cfg, kind, labels, ids, model_type)

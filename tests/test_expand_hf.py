@@ -5,6 +5,7 @@ trains the new rows, and export-hf hands back a model and tokenizer that transfo
 mmadapt's ids and logits. Tiny models made here (tests/hf_models.py); nothing is downloaded."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -57,8 +58,13 @@ def test_an_imported_bpe_decoder_expands_and_exports(name, de_corpus, de_tokeniz
     art, tok_file, meta = read_artifact(artifact)
     assert tok_file.read_bytes() == e.model and art["word_embeddings"].shape[0] == e.size
 
+    # the source's own tokenizer settings, as an instruct model's would be: carried to the export
+    config = run / "tokenizer" / "hf" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "padding_side": "left",
+                                  "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
     export_hf(tmp_path / "out", primary=run, embeddings=artifact)
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert tok.padding_side == "left" and tok.chat_template == "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     hf_ids = got.hf_ids  # mmadapt id -> the exported (source) id
     texts = english[:3] + german[:3]
     assert [tok(t, add_special_tokens=False)["input_ids"] for t in texts] == [hf_ids[got.encode(t)].tolist()

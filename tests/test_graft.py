@@ -376,6 +376,12 @@ def test_an_encoders_graft_exports_what_mmadapt_computes(mode, encoder_pair, tmp
     hf = AutoModelForMaskedLM.from_pretrained(str(out)).eval()
     sp = load(tok)
     to_hf = torch.as_tensor(getattr(sp, "hf_ids", range(vocab)))  # mmadapt id -> the exported id
+    from transformers import AutoTokenizer
+
+    exported, own_tok = (AutoTokenizer.from_pretrained(str(d)) for d in (out, sibling / "tokenizer" / "hf"))
+    # the sibling's mask, cls and sep tokens (an expanded vocabulary's export lost them: no fill-mask)
+    assert (exported.mask_token, exported.cls_token, exported.sep_token) == \
+        (own_tok.mask_token, own_tok.cls_token, own_tok.sep_token) and exported.mask_token is not None
     for text in ("Im Anfang schuf Gott Himmel und Erde.", "In the beginning God created the heaven."):
         ids = torch.tensor([[BOS_ID, *sp.encode(text), EOS_ID]])  # <s> text </s>, mmadapt's ids
         with torch.no_grad():
