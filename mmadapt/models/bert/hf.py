@@ -74,8 +74,7 @@ class BertMapping(RobertaMapping):
     def model_config(self, cfg: dict, model_dir=None) -> ModelConfig:
         return ModelConfig(family="bert", num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
                            num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["intermediate_size"],
-                           vocab_size=cfg["vocab_size"],
-                           max_position_embeddings=cfg.get("max_position_embeddings", 512),  # BertConfig's default
+                           vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"],
                            type_vocab_size=cfg.get("type_vocab_size", 2),
                            hidden_dropout=cfg.get("hidden_dropout_prob", 0.1),
                            attention_dropout=cfg.get("attention_probs_dropout_prob", 0.1),

@@ -210,7 +210,9 @@ class RobertaMapping(HFMapping):
     ignored = (r"(^|\.)embeddings\.position_ids$", r"(^|\.)pooler\.")
     layer_name = r"encoder\.layer\.(\d+)\."
     head_prefixes = ("lm_head.",)
-    defaulted = ("pad_token_id",)
+    # transformers' config class gives these where config.json leaves them out (RoBERTa's, XLM-R's
+    # and CamemBERT's: pad 1, 512 positions, LayerNorm epsilon 1e-12; BERT's through its own)
+    defaulted = ("pad_token_id", "max_position_embeddings", "layer_norm_eps")
 
     def as_loaded(self, cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_cfg: dict) -> tuple[ModelConfig, str | None]:
         """A body saved without its pooler's weights (transformers and sentence-transformers load it
@@ -233,15 +235,12 @@ class RobertaMapping(HFMapping):
 
     def model_config(self, cfg: dict, model_dir=None) -> ModelConfig:
         offset = cfg["pad_token_id"] + 1
-        # a field config.json leaves out is transformers' RobertaConfig default (XLM-R's and
-        # CamemBERT's too): 512 positions, LayerNorm epsilon 1e-12
         return ModelConfig(num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
                            num_attention_heads=cfg["num_attention_heads"], ffn_hidden_size=cfg["intermediate_size"],
-                           vocab_size=cfg["vocab_size"],
-                           max_position_embeddings=cfg.get("max_position_embeddings", 512) - offset,
+                           vocab_size=cfg["vocab_size"], max_position_embeddings=cfg["max_position_embeddings"] - offset,
                            hidden_dropout=cfg.get("hidden_dropout_prob", 0.1),
                            attention_dropout=cfg.get("attention_probs_dropout_prob", 0.1),
-                           layernorm_epsilon=cfg.get("layer_norm_eps", 1e-12),
+                           layernorm_epsilon=cfg["layer_norm_eps"],
                            init_method_std=cfg.get("initializer_range", 0.02),
                            add_pooling_layer=self.is_headless(cfg)).validate()
 
@@ -345,7 +344,7 @@ class RobertaMapping(HFMapping):
     def implied(self, cfg: ModelConfig, hf: dict, hf_cfg: dict) -> dict[str, Implied]:
         """Every tensor of a ...ForMaskedLM config (of a body class: no head, a pooler): its shape
         from config.json's fields."""
-        out = body_implied(cfg, _base_prefix(hf), hf_cfg.get("max_position_embeddings", 512), hf_cfg)
+        out = body_implied(cfg, _base_prefix(hf), hf_cfg["max_position_embeddings"], hf_cfg)
         if not self.is_headless(hf_cfg):
             out.update(head_implied(cfg, {"dense": "lm_head.dense", "layernorm": "lm_head.layer_norm",
                                           "bias": "lm_head.bias"}))
