@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from mmadapt.faults import STOP_FILE
+from mmadapt.faults import LOCK_NAME, STOP_FILE, TAKEOVER_NAME
 from mmadapt.parallel import dp_rank, is_rank0, pp_rank, rng_state, set_rng_state, tp_rank
 
 _TAG = re.compile(r"^step(\d{8})$")
@@ -86,8 +86,8 @@ def check_output_file(path: Path, flag: str) -> None:
 # else and no run.json is somebody's other files, not a run that stopped early.
 # The STOP file too: SLURM's warning may come while the run starts, before its run.json, and the
 # requeued --resume must find a run (atomic_write's temporary files are matched in refuse_overwrite).
-RUN_ENTRIES = ("checkpoints", "data", "tokenizer", "tensorboard", "metrics.jsonl", "embeddings", "run.lock",
-               "run.lock.takeover", STOP_FILE)  # (faults.RunLock's takeover mutex)
+RUN_ENTRIES = ("checkpoints", "data", "tokenizer", "tensorboard", "metrics.jsonl", "embeddings", LOCK_NAME,
+               TAKEOVER_NAME, STOP_FILE)
 
 
 def refuse_overwrite(output_dir: Path, resume: bool) -> None:

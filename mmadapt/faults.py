@@ -173,6 +173,7 @@ class StopRequest:
 # --- one writer per run directory ------------------------------------------------------------------
 
 LOCK_NAME = "run.lock"
+TAKEOVER_NAME = LOCK_NAME + ".takeover"  # RunLock._remove_dead's mutex, beside the lock
 
 
 def _alive(pid: int) -> bool:
@@ -216,8 +217,9 @@ class RunLock:
         self.held = False
 
     def acquire(self) -> "RunLock":
+        slurm = _slurm_instance()
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S"),
-              **({"slurm": _slurm_instance()} if _slurm_instance() else {})}
+              **({"slurm": slurm} if slurm else {})}
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -256,7 +258,7 @@ class RunLock:
         the same dead holder, the second would otherwise remove the lock the first had just made,
         and both would write the run. One that finds the mutex taken removes nothing (its caller
         reads the lock again, and is refused by a live holder)."""
-        mutex = self.path.with_name(LOCK_NAME + ".takeover")
+        mutex = self.path.with_name(TAKEOVER_NAME)
         try:
             os.mkdir(mutex)
         except FileExistsError:
