@@ -205,9 +205,8 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     come from). Global rank 0 holds the run lock until the step returns."""
     family = get_family(model)
     ds, record = _checked_record(run, model, loop, identity, data, family)
-    if run.resume and record.exists():
-        record.check_resume()
-        data.check_resume(run)
+    if run.resume:
+        _same_run(run, record, data)
     with run_lock(run.output_dir):
         prepared = data.prepare(run, model, loop, family)
         parallel.init_parallel(model.tensor_model_parallel_size, model.pipeline_model_parallel_size)
@@ -218,7 +217,11 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
 def check_resumable(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict, data: DataPlan) -> None:
     """What start_run checks before anything is written, where `run` holds a run to continue: it
     is the same run (a caller about to train several runs checks each before training any)."""
-    _, record = _checked_record(run, model, loop, identity, data, get_family(model))
+    _same_run(run, _checked_record(run, model, loop, identity, data, get_family(model))[1], data)
+
+
+def _same_run(run: RunSpec, record: RunRecord, data: DataPlan) -> None:
+    """A run recorded in run.output_dir (if any) is the one `record` and `data` describe."""
     if record.exists():
         record.check_resume()
         data.check_resume(run)
