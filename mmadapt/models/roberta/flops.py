@@ -93,11 +93,10 @@ def minipost_flops(cfg: ModelConfig, s: int, p: float, trainable_layers: int, pa
     """Step 1b of MINIPOST: the top `trainable_layers` (l_t) of the cfg.num_layers (l) trainable,
     the bottom layers, embeddings and head frozen (A4 when paper=True).
 
-    Exact: the heads above a trainable layer and the trainable layers pass gradients down (a head:
-    one forward; a trainable
-    layer: two), except that the lowest trainable layer needs no gradient for its input, so
-    its QKV input-gradient product (6sh^2) is skipped. The paper counts that lowest layer as a
-    single `layer`.
+    Exact: the heads above a trainable layer and the trainable layers pass gradients down (a
+    head: one forward; a trainable layer: two), except that the lowest trainable layer needs no
+    gradient for its input, so its QKV input-gradient product (6sh^2) is skipped. The paper
+    counts that lowest layer as a single `layer`.
     """
     l, lt = cfg.num_layers, trainable_layers
     if not 1 <= lt <= l:
