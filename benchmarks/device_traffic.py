@@ -525,20 +525,19 @@ def main(argv=None) -> None:
             if (fit := depth_fit(rows, key))]
     if fits:
         fixed = fixed_by_op(rows)
+        by_op_cols = [("op", "phase: operator"), ("at_no_depth", "GB at no depth"), ("per_layer", "GB per layer"),
+                      ("calls", "calls")]
         md += ["", "## The depth-independent part of a Step-2 update", "",
                "A least-squares line through the Step-2 rows (the same update at 4, 6 and 12 layers): "
                "per layer and at no depth.", "",
                table(fits, [("what", "per update"), ("per_layer", "per layer"), ("at_no_depth", "at no depth")]),
                "", "By operator, eager, the same line through each one's GB (the largest at no depth; calls: "
                "per update, at the depths counted):", "",
-               table(fixed[:16], [("op", "phase: operator"), ("at_no_depth", "GB at no depth"),
-                                  ("per_layer", "GB per layer"), ("calls", "calls")])]
+               table(fixed[:16], by_op_cols)]
         if all("compiled_by_op" in r for r in rows if r["step"] == "adapt"):
             md += ["", "Compiled (`--fusion compile`): the eager operators outside the compiled kinds and the "
                    "compiled graphs (the layers' and the MLM heads'):", "",
-                   table(fixed_by_op(rows, "compiled_by_op")[:12],
-                         [("op", "phase: operator"), ("at_no_depth", "GB at no depth"),
-                          ("per_layer", "GB per layer"), ("calls", "calls")])]
+                   table(fixed_by_op(rows, "compiled_by_op")[:12], by_op_cols)]
     for r in rows:
         md += ["", f"### {r['system']} {r['step']}: the operators moving the most bytes", "",
                table([{"op": op, "gb": gb, "calls": c} for op, (gb, c) in list(r["by_op"].items())[:14]],
