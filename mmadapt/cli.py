@@ -636,8 +636,13 @@ def import_hf_main(argv=None) -> int:
                    help="a sequence classifier (BertForSequenceClassification, RobertaForSequenceClassification, ...): "
                    "the task whose labels it predicts; it is imported as a fine-tuning (Step-3) run, which evaluate and "
                    "export-hf --finetuned take (--graft: Step-2 embeddings of the base it was fine-tuned from)")
+    p.add_argument("--roles_from", help="an import-hf run of the base model this one was fine-tuned from (the same "
+                   "vocabulary): its tokens for mmadapt's special roles (pad, unk, <s>, </s>, <mask>) are taken, so that "
+                   "Step-2 embeddings trained over the base graft into this model (an instruct model's eos, the end of "
+                   "a turn, is another token than its base's; docs/huggingface.md)")
     args = p.parse_args(argv)
-    run = import_any(Path(args.model), output_dir=Path(args.output_dir), task=args.task)
+    run = import_any(Path(args.model), output_dir=Path(args.output_dir), task=args.task,
+                     roles_from=_path(args.roles_from))
     m = run["model"]
     if run["step"] == "finetune":
         print(f"imported {run['imported_from']['architecture']} as a {run['task']} fine-tuning run: {m['num_layers']} "

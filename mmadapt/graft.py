@@ -32,7 +32,7 @@ import torch
 
 from mmadapt.artifact import primary_changed
 from mmadapt.run import Source, read_source
-from mmadapt.tokenizer import pieces
+from mmadapt.tokenizer import HFTokenizer, SPECIAL_ROLES, is_hf, pieces
 
 
 # A layer of a fine-tuned sibling moves a few percent of its norm from the base: 0.03-0.12 in
@@ -69,6 +69,30 @@ class SiblingCheck:
 
 
 
+class OtherRoles(ValueError):
+    """check_siblings' refusal of a sibling imported with other tokens in mmadapt's special roles
+    than its base (other_roles): imported again with the base's (`import-hf --roles_from`), it is one."""
+
+
+def other_roles(base_tokenizer: Path, sibling_tokenizer: Path) -> str | None:
+    """Where two imported tokenizers are one source vocabulary (every token at the same source id,
+    the same rows) whose imports gave mmadapt's special roles other tokens, which roles and
+    tokens ("eos <|im_end|> (the base's <|endoftext|>)"); else None. An instruct model's
+    tokenizer names the end of a turn as its eos, its base the end of a document, so their imports
+    put other rows at mmadapt's special ids, and the pieces between move (hf.hf_permutation)."""
+    if not (is_hf(base_tokenizer) and is_hf(sibling_tokenizer)):
+        return None
+    a, b = HFTokenizer.read(base_tokenizer), HFTokenizer.read(sibling_tokenizer)
+    if (len(a.hf_ids) != len(b.hf_ids) or (a.hf_ids == b.hf_ids).all()
+            or a.tokenizer.get_vocab(with_added_tokens=True) != b.tokenizer.get_vocab(with_added_tokens=True)):
+        return None
+
+    def token(tok: HFTokenizer, h: int) -> str:
+        return tok.tokenizer.id_to_token(int(h)) or f"the row {h} past the tokenizer"
+    return ", ".join(f"{role} {token(b, hb)} (the base's {token(a, ha)})"
+                     for role, ha, hb in zip(SPECIAL_ROLES, a.hf_ids, b.hf_ids) if ha != hb)
+
+
 def _group(name: str) -> str:
     m = re.match(r"(.*?layers\.\d+)\.", name)
     return m.group(1) if m else name.split(".")[0]
@@ -100,6 +124,13 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
             shape = lambda s: "absent" if name not in s else "x".join(map(str, s[name].shape))  # noqa: E731
             raise ValueError(f"{what}: its {name} is {shape(theirs)}, the base's {shape(mine)} (another "
                              "architecture); graft only into a model fine-tuned from the base")
+    roles = other_roles(base.tokenizer, sibling.tokenizer)
+    if roles is not None:
+        model = (sibling.record.get("imported_from") or {}).get("model", "<its model directory>")
+        raise OtherRoles(f"{sibling.path} has the vocabulary of {base.path}, the model the embeddings were trained "
+                         f"over, with other tokens in mmadapt's special roles ({roles}): import it again with the "
+                         f"base's roles, mmadapt import-hf --model {model} --output_dir <a new directory> "
+                         f"--roles_from {base.path}")
     if pieces(sibling.tokenizer) != pieces(base.tokenizer):
         raise ValueError(f"{what}: its tokenizer has another vocabulary (a source vocabulary other than the base's); "
                          "run Step 2 over it instead")

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.artifact import artifact_primary, artifact_state, check_primary_unchanged, read_artifact
-from mmadapt.checkpoint import load_pt, staged_dir, write_weights_only
+from mmadapt.checkpoint import load_pt, read_json, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import load_finetuned
 from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft
@@ -236,9 +236,12 @@ def _fresh_output(output_dir: Path) -> None:
                          "(nothing is overwritten)")
 
 
-def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> dict:
+def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike,
+              roles_from: str | os.PathLike | None = None) -> dict:
     """Write a Step-1 run directory from a Hugging Face model (module docstring). Every check
-    comes before anything is written (`imported_state`, `check_parity`). -> the run's run.json."""
+    comes before anything is written (`imported_state`, `check_parity`). roles_from: an imported
+    run of the same vocabulary whose special roles this import takes (`roles_of`: a fine-tuned
+    sibling of that base, to graft the base's embeddings into). -> the run's run.json."""
     model_dir, output_dir = Path(model_dir).resolve(), Path(output_dir)
     hf_cfg, family = read_hf_config(model_dir)
     mapping = family.hf
@@ -254,7 +257,8 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
     if len(tok) > cfg.vocab_size:
         raise ValueError(f"{model_dir}: its tokenizer has {len(tok)} tokens but the model {cfg.vocab_size} "
                          "embedding rows")
-    specials, record = mapping.special_ids(tok, hf_cfg, cfg.vocab_size, model_dir)
+    specials, record = (mapping.special_ids(tok, hf_cfg, cfg.vocab_size, model_dir) if roles_from is None else
+                        roles_of(Path(roles_from), tok, cfg.vocab_size, model_dir))
     hf_ids = hf_permutation(cfg.vocab_size, specials)
     cfg, state, loaded = imported_state(family, cfg, hf_state, hf_ids, hf_cfg, model_dir)
     check_parity(family, cfg, state, tok, hf_ids, model_dir, hf_cfg)
@@ -262,6 +266,7 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
     arch = hf_cfg["architectures"][0]
     imported = {"model": str(model_dir), "architecture": arch, "model_type": hf_cfg["model_type"],
                 "special_ids": record, "text_layout": text_layout(tok, hf_ids),
+                **({"roles_from": str(Path(roles_from).resolve())} if roles_from is not None else {}),
                 **({"headless": True} if headless else {})}
     named = config_json(model_dir).get("architectures")
     read_off = None if named else (f"config.json names no architecture: read as {arch} (model_type "
@@ -280,6 +285,28 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike) -> di
         tok.save_pretrained(str(tmp / "tokenizer" / "hf"))  # export-hf hands these back
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
     return run
+
+
+def roles_of(base_run: Path, tok, vocab_size: int, model_dir: Path) -> tuple[list[int], dict]:
+    """import-hf --roles_from: the special ids (and their record) of the imported run `base_run`,
+    for a model whose tokenizer `tok` is that run's source vocabulary with its `vocab_size` rows
+    (refused in one line otherwise). An instruct model's tokenizer names the end of a turn as its
+    eos where its base names the end of a document; imported alike, the two give every piece one
+    id, so that Step-2 embeddings trained over the base go into the sibling (graft.py)."""
+    what = f"--roles_from {base_run}"
+    record = (read_json(base_run / "run.json", "imported run").get("imported_from") or {}
+              if (base_run / "run.json").is_file() else {})
+    if not record.get("special_ids") or not is_hf(base_run / RUN_TOKENIZER):
+        raise ValueError(f"{what} is not an import-hf run of a Hugging Face model: name the run of the base model "
+                         f"{model_dir} was fine-tuned from")
+    base = HFTokenizer.read(base_run / RUN_TOKENIZER)
+    if len(base.hf_ids) != vocab_size or (base.tokenizer.get_vocab(with_added_tokens=True)
+                                          != tok.backend_tokenizer.get_vocab(with_added_tokens=True)):
+        raise ValueError(f"{what}: {model_dir} has another vocabulary than that run's model ({len(base.hf_ids)} rows, "
+                         f"{model_dir}'s {vocab_size}, or other tokens): drop --roles_from, or name the run of the "
+                         "model it was fine-tuned from")
+    ids = [int(h) for h in base.hf_ids[:len(SPECIAL_ROLES)]]
+    return ids, {r: {**record["special_ids"][r], "id": h} for r, h in zip(SPECIAL_ROLES, ids)}
 
 
 # --- sentence-transformers directories ----------------------------------------------------------------
@@ -321,19 +348,26 @@ def read_sentence_transformers(st_dir: Path) -> tuple[Path, list[dict]]:
     return st_dir / modules[0].get("path", ""), modules
 
 
-def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task: str | None = None) -> dict:
+def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task: str | None = None,
+               roles_from: str | os.PathLike | None = None) -> dict:
     """`mmadapt import-hf`: a sentence-transformers directory (modules.json), a sequence
-    classifier (hf_classifier.py: a Step-3 run for `task`) or a transformers model."""
+    classifier (hf_classifier.py: a Step-3 run for `task`) or a transformers model (roles_from:
+    import_hf's)."""
     from mmadapt.hf_classifier import import_classifier, is_classifier
 
     model_dir = Path(model_dir).resolve()
+    kind = ("a sequence classifier" if is_classifier(model_dir) else
+            "a sentence-transformers directory" if (model_dir / "modules.json").is_file() else None)
+    if roles_from is not None and kind is not None:
+        raise ValueError(f"--roles_from gives a language model its base's special roles; {model_dir} is {kind}, "
+                         "whose roles are its tokenizer's: drop --roles_from")
     if is_classifier(model_dir):
         return import_classifier(model_dir, output_dir, task)
     if task is not None and (model_dir / "config.json").is_file():
         raise ValueError(f"--task names what a sequence classifier predicts; {model_dir} is not one: drop --task")
     if (model_dir / "modules.json").is_file():
         return import_sentence_transformers(model_dir, Path(output_dir))
-    return import_hf(model_dir, output_dir)
+    return import_hf(model_dir, output_dir, roles_from)
 
 
 def import_sentence_transformers(st_dir: Path, output_dir: Path) -> dict:
@@ -739,9 +773,10 @@ def _document_tokenizer(doc: HFTokenizer, model_max_length: int, source_hf: Path
     """A transformers fast tokenizer of an imported tokenizer's `tokenizers` pipeline alone (its
     post-processor, the source's prompt layout, included), its bos/eos/unk/pad tokens those of
     mmadapt's roles that are tokens of it (a role on a borrowed row past the tokenizer has none).
-    With the source's own tokenizer files (`source_hf`, import_hf's copy), what else they say of
-    how it is used: its mask, cls and sep tokens (a masked LM's fill-mask needs its mask token),
-    its padding side (a decoder padded on the left for batched generation) and chat template."""
+    With the source's own tokenizer files (`source_hf`, import_hf's copy), what they say of how
+    it is used instead: its own special tokens (none for a role it has none for; a masked LM's
+    fill-mask needs its mask token), its padding side (a decoder padded on the left for batched
+    generation) and chat template."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     tokens = {f"{role}_token": doc.tokenizer.id_to_token(int(h)) for role, h in zip(SPECIAL_ROLES, doc.hf_ids)
@@ -752,10 +787,14 @@ def _document_tokenizer(doc: HFTokenizer, model_max_length: int, source_hf: Path
         kwargs.update(padding_side=src.padding_side, truncation_side=src.truncation_side)
         if getattr(src, "chat_template", None):
             kwargs["chat_template"] = src.chat_template
-        for name in ("mask_token", "cls_token", "sep_token"):  # tokens the merged vocabulary keeps
+        # its own tokens for each role, none where it has none: a Qwen2 has no bos, where mmadapt's
+        # <s> borrowed a row, and a graft into an instruct sibling ends a turn with its own eos
+        for name in ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token", "cls_token", "sep_token"):
             token = getattr(src, name, None)
             if token is not None and doc.tokenizer.token_to_id(str(token)) is not None:
                 kwargs[name] = str(token)
+            elif token is None:
+                kwargs.pop(name, None)
     return PreTrainedTokenizerFast(tokenizer_object=doc.tokenizer, model_max_length=model_max_length, **kwargs)
 
 

@@ -116,6 +116,67 @@ def test_a_graft_exports_what_mmadapt_computes_and_expand_keeps_the_siblings_row
         torch.testing.assert_close(rise, -torch.log1p(-share[:-1]), rtol=0, atol=2e-5)
 
 
+CHAT = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+
+
+def _instruct(graft_runs, out: Path) -> Path:
+    """The Qwen2 sibling's weights with an instruct model's tokenizer (Qwen2-Instruct's settings):
+    eos <|im_end|>, the end of a turn, where the base's is <|endoftext|>, the end of a document;
+    pad <|endoftext|>; a chat template."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(graft_runs["qwen2-base"].parent / "hf" / "qwen2-sibling", out)
+    tok = AutoTokenizer.from_pretrained(str(out), eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHAT
+    tok.save_pretrained(str(out))
+    return out
+
+
+def test_an_instruct_sibling_grafts_once_imported_with_its_bases_roles(graft_runs, tmp_path, capsys):
+    """An instruct sibling's tokenizer names another eos than its base's, so its import gives
+    mmadapt's roles other rows and no piece keeps its id: the graft is refused in one line naming
+    import-hf --roles_from. Imported with the base's roles, it grafts: the export's weights are
+    those of the graft into the same weights under the base's tokenizer settings, bit for bit,
+    and its tokenizer keeps the instruct model's eos, pad and chat template (and, as the base's
+    export, no bos: Qwen2 has none, where mmadapt's <s> borrowed a row)."""
+    from transformers import AutoConfig, AutoTokenizer
+    from safetensors.torch import load_file
+
+    base, artifact = graft_runs["qwen2-base"], _artifact(graft_runs, "qwen2", "expand")
+    instruct = _instruct(graft_runs, tmp_path / "hf-instruct")
+    assert main(["import-hf", "--model", str(instruct), "--output_dir", str(tmp_path / "plain")]) == 0
+    export = ["export-hf", "--embeddings", str(artifact), "--graft", "--output_dir"]
+    capsys.readouterr()
+    assert main([*export, str(tmp_path / "no"), "--primary", str(tmp_path / "plain")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--roles_from {base}" in err and "eos <|im_end|>" in err, err
+    assert not (tmp_path / "no").exists()
+    # another vocabulary is refused by --roles_from itself, nothing written
+    llama = graft_runs["qwen2-base"].parent / "hf" / "llama2-sibling"
+    assert main(["import-hf", "--model", str(llama), "--output_dir", str(tmp_path / "bad"), "--roles_from",
+                 str(base)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has another vocabulary than that run's model" in err, err
+    assert not (tmp_path / "bad").exists()
+
+    assert main(["import-hf", "--model", str(instruct), "--output_dir", str(tmp_path / "roles"), "--roles_from",
+                 str(base)]) == 0
+    record = json.loads((tmp_path / "roles" / "run.json").read_text())["imported_from"]
+    assert record["special_ids"]["eos"]["token"] == "<|endoftext|>" and record["roles_from"] == str(base.resolve())
+    assert main([*export, str(tmp_path / "graft"), "--primary", str(tmp_path / "roles")]) == 0
+    assert main([*export, str(tmp_path / "ref"), "--primary", str(graft_runs["qwen2-sibling"])]) == 0
+    mine, ref = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("graft", "ref"))
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in mine)
+    tok, ref_tok = (AutoTokenizer.from_pretrained(str(tmp_path / d)) for d in ("graft", "ref"))
+    assert (tok.eos_token, tok.pad_token, tok.bos_token, tok.chat_template) == ("<|im_end|>", "<|endoftext|>",
+                                                                                  None, CHAT)
+    assert (ref_tok.eos_token, ref_tok.pad_token, ref_tok.bos_token) == ("<|endoftext|>", "<|endoftext|>", None)
+    assert tok.get_vocab() == ref_tok.get_vocab()  # the same merged vocabulary, new pieces and all
+    cfg = AutoConfig.from_pretrained(str(tmp_path / "graft"))
+    assert cfg.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert cfg.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>") and cfg.bos_token_id is None
+
+
 def test_evaluate_scores_the_graft_in_bits_per_byte_beside_the_siblings_own(graft_runs, de_corpus, de_tokenizer,
                                                                              tmp_path, capsys):
     """`evaluate --plugin_data --graft`: the base's German artifacts through the sibling, with no
@@ -166,7 +227,8 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     """`mmadapt extend --into`: the extension of the tiny Qwen2 base (schedules of 2 updates) also
     grafted into its sibling, scored through it beside its own no adaptation; a model that is
     not a sibling is refused in one line before anything trains, and leaves nothing behind; a
-    later call may change --into, and a refused one leaves the last graft as it was."""
+    later call may change --into, and a refused one leaves the last graft as it was; an instruct
+    sibling is imported with the base's special roles (import-hf --roles_from)."""
     hf = graft_runs["qwen2-base"].parent / "hf"
     argv = ["extend", "--model", str(hf / "qwen2-base"), "--lang", "de", "--corpus", str(de_corpus),
             "--source_corpus", str(corpus), "--vocab_size", "500", "--minipost_iters", "2", "--adapt_iters", "2",
@@ -220,6 +282,12 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     shutil.rmtree(final)
     assert main([*relative, "--output_dir", "ext", "--into", str(other)]) == 0
     assert (final / "embeddings.pt").is_file() and "Grafted into" in capsys.readouterr().out
+    # an instruct sibling (another eos): imported again with the base's roles, and grafted
+    instruct = _instruct(graft_runs, tmp_path / "hf-instruct")
+    assert main([*relative, "--output_dir", "ext", "--into", str(instruct)]) == 0
+    assert f"Grafted into {instruct}: de at " in capsys.readouterr().out
+    assert json.loads((out / "sibling" / "run.json").read_text())["imported_from"]["roles_from"] == str(
+        (out / "import").resolve())
 
 
 def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains(graft_runs, corpus, tmp_path,
