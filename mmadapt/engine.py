@@ -198,15 +198,24 @@ def foreach_clip(engine) -> torch.Tensor:
     without ZeRO, with the per-tensor norms and the scaling as one foreach call each instead of
     two launches per trained tensor (benchmarks/host_cost.py: 340 of the optimizer step's 357
     in a Step-1 update at Qwen2-0.5B's structure). The same sum and reductions: a tensor-parallel
-    rank counts its own slices and rank 0 the replicated tensors, summed over the model-parallel
-    group, then averaged over the data-parallel one. Returns the total norm, as DeepSpeed's does."""
+    rank counts its own slices and tensor rank 0 the replicated tensors, summed over the
+    model-parallel group (a pipeline's: every stage and tensor rank), then averaged over the
+    data-parallel one. Returns the total norm, as DeepSpeed's does.
+
+    Not DeepSpeed's test of who counts a replicated tensor: under a pipeline its
+    get_model_parallel_rank() is the rank over every stage and tensor rank, so only the first
+    stage counted its tensors and the later stages' gradients were clipped by the first stage's
+    norm. As ZeRO's norm does, tensor rank 0 of every stage counts them, and the last stage's copy
+    of a tied embedding (ds_pipe_replicated) is not counted twice."""
     from deepspeed.runtime.utils import is_model_parallel_parameter
     from deepspeed.utils import groups
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_rank
 
     mpu = engine.mpu
     params = [p for p in engine.module.parameters() if p.grad is not None]
-    counted = [p.grad.detach() for p in params
-               if mpu is None or mpu.get_model_parallel_rank() == 0 or is_model_parallel_parameter(p)]
+    replicas = mpu is None or bwc_tensor_model_parallel_rank(mpu) == 0  # this rank counts replicated tensors
+    counted = [p.grad.detach() for p in params if not getattr(p, "ds_pipe_replicated", False)
+               and (replicas or is_model_parallel_parameter(p))]
     device = params[0].device if params else parallel.device()
     total = (torch.stack(torch._foreach_norm(counted)).float().pow(2).sum() if counted
              else torch.zeros((), device=device))
