@@ -255,7 +255,9 @@ class ModelParallelRNG:
             if dev == "cuda" and not torch.cuda.is_available():
                 continue
             with self._swap(dev):
-                torch.manual_seed(seed) if dev == "cpu" else torch.cuda.manual_seed(seed)
+                # the CPU generator alone: torch.manual_seed would also seed every CUDA default
+                # generator, outside the swap, to this rank's model-parallel seed
+                torch.default_generator.manual_seed(seed) if dev == "cpu" else torch.cuda.manual_seed(seed)
 
     @staticmethod
     def _get(dev):
@@ -329,7 +331,12 @@ def seeded(seed: int):
     Each submodule is initialised inside `seeded(base + k)` so that its weights depend only on
     (seed, k) - not on which other modules this rank builds. A pipeline stage that builds only
     its own layers therefore gets exactly the weights of the single-process model.
+
+    The CPU generator alone (weights are drawn on the CPU: use_cpu_initialization), as fork_rng
+    restores it alone: torch.manual_seed would seed every CUDA generator too and leave it so, and a
+    model built after seed_everything (Step 2's scoring model, on rank 0 alone, at its first
+    checkpoint) would move that rank's dropout masks off its tensor-parallel peers'.
     """
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.default_generator.manual_seed(seed)
         yield

@@ -115,3 +115,20 @@ def test_cpu_attention_with_dropout_is_masked_softmax_attention_times_the_mask()
     torch.testing.assert_close(out[:2], ref[:2], rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         assert not torch.allclose(out[:2], layer.eval().attention(x, mask)[:2])  # dropout did act
+
+
+def test_building_a_model_leaves_the_cuda_generators_as_seed_everything_seeded_them(monkeypatch):
+    """Dropout on a GPU draws from the CUDA generator, which seed_everything seeds alike on every
+    tensor-parallel rank of a stage. Building a model (each module's weights seeded apart,
+    parallel.seeded) and seeding the model-parallel stream draw on the CPU generator alone:
+    torch.manual_seed there would reseed every CUDA generator too (to the last module's seed, or
+    to this rank's model-parallel one), and a model built later on one rank (Step 2's scoring
+    model) would move that rank's masks off its peers'."""
+    seeds = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeds.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", seeds.append)
+    seed_everything(7)
+    assert seeds == [7]  # the default streams, once (rank 0 of stage 0: its stage's seed)
+    before = torch.get_rng_state()
+    RobertaMLM(PRESETS["tiny"][0])
+    assert seeds == [7] and torch.equal(torch.get_rng_state(), before)  # nor the CPU stream, restored
