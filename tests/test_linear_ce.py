@@ -31,6 +31,30 @@ def test_chunked_loss_and_gradients_equal_the_full_logits():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # 2.2e-6 measured, on logits of std 4
 
 
+def test_under_no_grad_it_computes_the_loss_alone():
+    """An evaluation over the budget (no_grad: a parameter's requires_grad is still True) runs one
+    matmul per chunk, the logits', and no gradient's; the same loss."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Matmuls(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Matmuls.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(10, 16, generator=g, requires_grad=True), torch.randn(20, 16, generator=g, requires_grad=True)
+    targets = torch.arange(10)
+    with Matmuls():
+        trained = linear_cross_entropy(x, (w,), None, targets, chunk=3)
+    assert Matmuls.n == 3 * 4  # 4 chunks: the logits, x's gradient, w's
+    Matmuls.n = 0
+    with torch.no_grad(), Matmuls():
+        scored = linear_cross_entropy(x, (w,), None, targets, chunk=3)
+    assert Matmuls.n == 4 and torch.equal(scored, trained.detach())
+
+
 @pytest.mark.parametrize("preset", ["llama-tiny", "tiny", "bert-tiny"])
 def test_a_model_over_the_budget_takes_the_same_step(preset, monkeypatch):
     """A decoder (every next piece scored, untied output) and two encoders (masked pieces, tied

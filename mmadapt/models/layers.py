@@ -450,11 +450,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     the same on a GPU), with logits of `chunk` rows alive instead of all m."""
 
     @staticmethod
-    def forward(ctx, x, targets, chunk: int, n: int, *rows_and_biases):
+    def forward(ctx, x, targets, chunk: int, grads: bool, n: int, *rows_and_biases):
+        # grads: whether the caller records autograd (forward runs with it off, and a parameter's
+        # requires_grad stays True under no_grad: an evaluation would compute every gradient)
         weights, biases = rows_and_biases[:n], rows_and_biases[n:]
-        gx = torch.zeros_like(x) if x.requires_grad else None
-        gw = [torch.zeros_like(w, dtype=torch.float32) if w.requires_grad else None for w in weights]
-        gb = [torch.zeros_like(b, dtype=torch.float32) if b is not None and b.requires_grad else None
+        gx = torch.zeros_like(x) if grads and x.requires_grad else None
+        gw = [torch.zeros_like(w, dtype=torch.float32) if grads and w.requires_grad else None for w in weights]
+        gb = [torch.zeros_like(b, dtype=torch.float32) if grads and b is not None and b.requires_grad else None
               for b in biases]
         sizes = [w.shape[0] for w in weights]
         total = torch.zeros((), dtype=torch.float32, device=x.device)
@@ -484,7 +486,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads = [next(saved) * grad if has else None for has in ctx.has]
         gx, rest = grads[0], grads[1:]
         rest = [g.to(dt) if g is not None else None for g, dt in zip(rest, ctx.dtypes + [None] * len(rest))]
-        return (gx, None, None, None, *rest)
+        return (gx, None, None, None, None, *rest)
 
 
 @torch.compiler.disable  # a loop over a data-dependent number of chunks: eager, between compiled graphs
@@ -493,7 +495,7 @@ def linear_cross_entropy(x: torch.Tensor, rows: tuple[torch.Tensor, ...], biases
     """sum over the m rows of x [m, h] of cross_entropy(x W^T + b, targets [m]) without the [m, Vp]
     logits (_LinearCrossEntropy): W [Vp, h] as row blocks (`vocab_rows`), b [Vp] likewise or None."""
     biases = tuple(biases) if biases is not None else ()
-    return _LinearCrossEntropy.apply(x, targets, chunk, len(rows), *rows, *biases)
+    return _LinearCrossEntropy.apply(x, targets, chunk, torch.is_grad_enabled(), len(rows), *rows, *biases)
 
 
 def gathered(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
