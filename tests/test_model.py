@@ -123,3 +123,23 @@ def test_frozen_positions_are_the_tables_rows_and_trained_ones_its_lookup():
     table.weight.requires_grad_(True)
     with torch.no_grad():
         assert position_rows(table, 6)._base is table.weight
+
+
+@pytest.mark.parametrize("kind", ["span", "classify", "tag"])
+def test_every_task_loss_is_computed_in_fp32_from_bf16_logits(kind):
+    """A bf16 model's task loss (Step 3 under bf16) from fp32 logits: the span kind's start and
+    end losses as the classify and tag kinds', not rounded to bf16's 8 bits."""
+    import torch.nn.functional as F
+
+    from mmadapt.models.roberta.model import RobertaForTask
+
+    g = torch.Generator().manual_seed(0)
+    n = {"span": 2, "classify": 3, "tag": 5}[kind]
+    model = RobertaForTask(tiny(), kind, n, seed=0)
+    shape, top = {"span": ((4, 16, 2), 16), "classify": ((4, 3), 3), "tag": ((4, 16, 5), 5)}[kind]
+    logits = (4 * torch.randn(shape, generator=g)).bfloat16()
+    labels = torch.randint(0, top, (4, 2) if kind == "span" else shape[:-1], generator=g)
+    loss, _ = model.task_loss(logits, labels)
+    ref = ((F.cross_entropy(logits[..., 0].float(), labels[:, 0]) + F.cross_entropy(logits[..., 1].float(), labels[:, 1]))
+           / 2 if kind == "span" else F.cross_entropy(logits.reshape(-1, n).float(), labels.reshape(-1)))
+    assert loss.dtype == torch.float32 and torch.equal(loss, ref)

@@ -346,8 +346,9 @@ class RobertaForTask(RobertaEncoder):
         """-> (the kind's loss, or None without labels; logits)."""
         if labels is None:
             return None, logits
-        if self.kind == "span":
-            loss = (F.cross_entropy(logits[..., 0], labels[:, 0]) + F.cross_entropy(logits[..., 1], labels[:, 1])) / 2
+        if self.kind == "span":  # in fp32 as the other kinds: a bf16 loss is rounded to 8 bits
+            loss = (F.cross_entropy(logits[..., 0].float(), labels[:, 0])
+                    + F.cross_entropy(logits[..., 1].float(), labels[:, 1])) / 2
         else:
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100)
         return loss, logits
