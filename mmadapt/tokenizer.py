@@ -254,8 +254,13 @@ class HFTokenizer:
         """The ids this tokenizer gives the text of a surface form `piece` where it stands in a text
         (adapt.source_split): '▁' a word start, a bare piece the inside of a word, so a WordPiece
         continues it with `##` pieces; nothing added around it. Pieces of an unknown word are left out."""
-        if self.continuation is None:
+        if self.byte_level:  # its pipeline adds no prefix space: the piece's text, '▁' a space
             return [i for i in self.encode(piece.replace(WORD_BOUNDARY, " ")) if i != UNK_ID]
+        if self.continuation is None:
+            # SentencePiece's kind (XLM-R's Unigram, Llama-2's BPE): its pipeline puts a '▁' before
+            # every text (Metaspace, Prepend), which made every piece a word start ('nd' split as
+            # '▁' 'n' 'd'); its model reads the piece as it is, '▁' and all
+            return [i for i in self._ids([t.id for t in self.tokenizer.model.tokenize(piece)]) if i != UNK_ID]
         inside = not piece.startswith(WORD_BOUNDARY)
         text = piece.lstrip(WORD_BOUNDARY)
         if self.tokenizer.normalizer is not None:

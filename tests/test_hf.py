@@ -117,6 +117,20 @@ def test_byte_level_pieces_match_sentencepiece_pieces_by_surface(runs, de_tokeni
     assert torch.equal(weight[i], w[j]) and bias[i] == b[j]
 
 
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_subword_mean_splits_a_piece_as_it_stands_in_a_text(name, runs):
+    """subword_mean's split of a target piece (adapt.source_split) reads it where it stands in a
+    text: a word-internal piece into rows that continue a word, a word-initial one from a word
+    start; the rows' surfaces spell the piece. XLM-R's Metaspace pre-tokenizer would put a '▁'
+    before every text (split 'nd' as '▁' 'n' 'd')."""
+    path = runs[name] / "tokenizer" / "spm.model"
+    split, tok = A.source_split(path), load(path)
+    for piece in ("nd", "ing", "eth", "▁und", "▁the", "▁God", "▁nicht"):
+        surfaces = [tok.id_to_piece(i) for i in split(piece)]
+        assert "".join(surfaces) == piece and sum(s.startswith("▁") for s in surfaces) == piece.startswith("▁"), (
+            name, piece, surfaces)
+
+
 def test_imported_tokenizer_encodes_as_the_source(runs, hf_dirs):
     """What Step 1b's data preparation and Step 3's encodings call: lists, offsets, special ids."""
     sp = load(runs["roberta"] / "tokenizer" / "spm.model")

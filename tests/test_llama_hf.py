@@ -64,6 +64,20 @@ def dec_runs(dec_dirs, tmp_path_factory):
     return {name: root / name for name in dec_dirs}
 
 
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_subword_mean_splits_a_piece_as_it_stands_in_a_text(name, dec_runs):
+    """As test_hf's, for the decoders: Llama-2's and Mistral's SentencePiece BPE puts a '▁'
+    before every text (a Prepend normaliser or Metaspace), which the split must not."""
+    from mmadapt.adapt import source_split
+
+    path = dec_runs[name] / "tokenizer" / "spm.model"
+    split, tok = source_split(path), load_sp(path)
+    for piece in ("nd", "ing", "eth", "▁und", "▁the", "▁God", "▁nicht"):
+        surfaces = [tok.id_to_piece(i) for i in split(piece)]
+        assert "".join(surfaces) == piece and sum(s.startswith("▁") for s in surfaces) == piece.startswith("▁"), (
+            name, piece, surfaces)
+
+
 def hf_tokenizer(path):
     from transformers import AutoTokenizer
 
