@@ -216,6 +216,8 @@ class HFTokenizer:
                     out.append(SPECIAL_PIECES[m])
                 elif token is None:  # an embedding row that the tokenizer never produces
                     out.append(f"{UNUSED_PIECE}{h}>")
+                elif token.startswith(UNUSED_PIECE):  # such a row's filler token in a merged vocabulary (expand_hf)
+                    out.append(token)
                 elif self.byte_level:
                     out.append(byte_level_surface(token, table))
                 elif self.continuation is not None:

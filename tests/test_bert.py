@@ -339,6 +339,26 @@ def test_wordpiece_vocabulary_expands(name, runs, de_tokenizer, tmp_path):
     assert same > 0.5 * len(english)
 
 
+def test_a_wordpiece_whose_model_has_rows_past_it_expands(hf_dirs, de_tokenizer, tmp_path):
+    """A model with embedding rows past its WordPiece (a vocabulary padded to a multiple): the
+    merged tokenizer's filler tokens for those rows keep the surface the source gives them, so
+    the expansion checks (they were written as word starts, and --vocab_mode expand refused it)."""
+    from transformers import AutoModelForMaskedLM
+
+    from mmadapt.expand import check_expansion, expand
+    from mmadapt.hf import import_hf
+
+    tok = AutoTokenizer.from_pretrained(str(hf_dirs["cased"]))
+    hf = AutoModelForMaskedLM.from_pretrained(str(hf_dirs["cased"]))
+    hf.resize_token_embeddings(len(tok) + 3)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    tok.save_pretrained(str(tmp_path / "hf"))
+    import_hf(tmp_path / "hf", tmp_path / "run")
+    src_tok = tmp_path / "run" / "tokenizer" / "spm.model"
+    expansion = expand(src_tok, de_tokenizer)
+    assert check_expansion(src_tok, expansion.write(tmp_path / "merged.model")) == len(tok) + 3
+
+
 def test_predict_shows_wordpiece_surfaces(runs):
     from mmadapt import predict
 
