@@ -30,7 +30,7 @@ else the family indexes by piece: the encoder's output bias [V], a decoder's unt
 projection [V, h]. The encoder's bias is trained because the source model's belongs to the
 source vocabulary and means nothing for most target pieces; it adds V elements to the h*V of the
 embedding and no matmul FLOPs. TrainConfig.train_output_bias=False is the paper's setting: the
-embeddings alone, the bias frozen at its overlap initialisation.
+embeddings alone, the bias frozen at its start (StartRule: fitted to the target text).
 
 Everything here works on full ("single-device") state dicts in the family's parameter names
 (family.py); train.py shards them onto whatever tensor/pipeline layout a run uses.

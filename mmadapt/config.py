@@ -516,8 +516,8 @@ class TrainConfig(LoopConfig):
     # --- Step 2's own (STEP2: adapt and sweep offer and take them, no other step does) ---
     train_output_bias: bool = _owned_by(
         STEP2, True, "Step 2: train the output bias with the embeddings (it is indexed by the target vocabulary's "
-        "pieces); false: the paper's setting, embeddings only, the bias frozen at its overlap initialisation (source "
-        "bias for shared pieces, 0 otherwise)")
+        "pieces); false: the paper's setting, embeddings only, the bias frozen at its start (fitted to the target "
+        "text's unigram distribution: docs/mini-models.md, the start rules)")
     primary_calibration: str = _owned_by(
         STEP2, "bias", "Step 2 over a mini-model (minijoint, minipost), replace mode, the bias trained: what each "
         "artifact is fitted to through the primary model it plugs into, on the ~2,048 scored positions of target "
@@ -530,7 +530,8 @@ class TrainConfig(LoopConfig):
         choices=PRIMARY_CALIBRATIONS)
     embedding_init: str = _owned_by(
         STEP2, "overlap", "Step 2: how the new vocabulary's rows start: overlap (the paper: a piece also in the source "
-        "vocabulary gets its source row, the others N(0, init_method_std)), subword_mean (FVT: shared pieces copied, "
+        "vocabulary gets its source row, the others N(0, sigma), sigma the source matrix's own std: the start rules in "
+        "docs/mini-models.md), subword_mean (FVT: shared pieces copied, "
         "every other piece the mean of the source rows of its split under the source tokenizer) or normal (every row "
         "drawn, nothing copied)", choices=EMBEDDING_INITS)
     vocab_mode: str = _owned_by(

@@ -54,7 +54,7 @@ class RobertaFamily(ModelFamily):
 
     def vocab_params(self, cfg: ModelConfig, train_output_bias: bool = True) -> tuple[str, ...]:
         # The output bias is indexed by piece: the source's means nothing for most target pieces
-        # (adapt.py). Frozen, it stays at its overlap initialisation (the paper's setting).
+        # (adapt.py). Frozen (the paper's setting), it stays at its start (adapt.StartRule).
         return (WORD, BIAS) if train_output_bias else (WORD,)
 
     def artifact_keys(self) -> dict[str, str]:
