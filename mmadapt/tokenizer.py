@@ -140,6 +140,15 @@ def is_punctuation(ch: str) -> bool:
         unicodedata.category(ch).startswith("P"))
 
 
+def is_cjk(ch: str) -> bool:
+    """BERT's CJK characters (its basic tokenizer's _is_chinese_char): each a word of its own
+    where its normaliser handles Chinese characters."""
+    cp = ord(ch)
+    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or 0x2A700 <= cp <= 0x2B73F
+            or 0x2B740 <= cp <= 0x2B81F or 0x2B820 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF
+            or 0x2F800 <= cp <= 0x2FA1F)
+
+
 def source_form(tokenizer: str | os.PathLike):
     """piece -> its form in the source tokenizer `tokenizer` (HFTokenizer.source_form; the
     identity for a SentencePiece model): how Step 2 matches target pieces with source rows."""
@@ -229,16 +238,30 @@ class HFTokenizer:
 
     def _wordpiece_surface(self, token: str) -> str:
         """A WordPiece token as SentencePiece writes the same text: a continuation `##oo` as `oo`, a
-        word-initial `foo` as `▁foo`, except a punctuation character, which BERT's pre-tokenizer
-        always makes a word of its own although it follows a word with no space (`God,`: SentencePiece's
-        `▁God` `,`): written bare, unless the vocabulary has it as a continuation too (one row per
-        surface form)."""
+        word-initial `foo` as `▁foo`, except a character BERT's pre-tokenizer always makes a word
+        of its own (`_isolated`: punctuation, and CJK where the normaliser handles it), although it
+        follows a word with no space (`God,`: SentencePiece's `▁God` `,`): its bare token is the
+        one produced wherever it stands, written bare; its continuation (`##,`, which real BERT
+        vocabularies hold) is never produced and keeps a surface no piece has."""
         prefix = self.continuation
-        if token.startswith(prefix) and len(token) > len(prefix):
-            return token[len(prefix):]
-        if len(token) == 1 and is_punctuation(token) and self.tokenizer.token_to_id(prefix + token) is None:
+        if len(token) == 1 and self._isolated(token):
             return token
+        if token.startswith(prefix) and len(token) > len(prefix):
+            return token if len(token) == len(prefix) + 1 and self._isolated(token[-1]) else token[len(prefix):]
         return WORD_BOUNDARY + token
+
+    def _isolated(self, ch: str) -> bool:
+        """Whether BERT's pipeline cuts `ch` into a word of its own: punctuation always (its
+        pre-tokenizer), a CJK character where its normaliser handles Chinese characters."""
+        if is_punctuation(ch):
+            return True
+        return is_cjk(ch) and self._handles_chinese
+
+    @functools.cached_property
+    def _handles_chinese(self) -> bool:
+        normalizer = self.doc["tokenizer"].get("normalizer") or {}
+        parts = normalizer.get("normalizers", [normalizer]) if normalizer.get("type") == "Sequence" else [normalizer]
+        return any(n.get("type") == "BertNormalizer" and n.get("handle_chinese_chars", True) for n in parts)
 
     def source_form(self, piece: str) -> str:
         """A surface form (another tokenizer's piece) as this tokenizer's normaliser writes its
@@ -269,8 +292,8 @@ class HFTokenizer:
             text = self.tokenizer.normalizer.normalize_str(text)
         words = self.words(text)
         ids = []
-        for n, word in enumerate(words):
-            ids += self._wordpiece(word, continued=inside and n == 0)
+        for n, word in enumerate(words):  # a character the pipeline isolates is a word of its own anywhere
+            ids += self._wordpiece(word, continued=inside and n == 0 and not (len(word) == 1 and self._isolated(word)))
         return self._ids(ids)
 
     def words(self, text: str) -> list[str]:

@@ -284,6 +284,28 @@ def test_wordpiece_surface_forms(runs):
     assert len(set(surfaces)) == len(surfaces)  # one row per surface form
 
 
+def test_a_character_bert_isolates_surfaces_as_its_bare_token():
+    """Punctuation (and CJK, where the normaliser handles Chinese characters) is a word of its own
+    wherever it stands, so BERT produces its bare token even after a word (`God,`): that row is
+    the surface `,` a target piece matches and a word-internal split takes; the continuation
+    `##,` that real BERT vocabularies also hold is never produced and matches nothing."""
+    import json
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ",", "##,", "God", "and", "##d", "中", "##中", "##文"]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    sp = HFTokenizer(HFTokenizer.document(tok.to_str(), list(range(len(vocab))), "test"))
+    surface = {t: sp.id_to_piece(i) for i, t in enumerate(vocab) if i >= 5}
+    assert surface == {",": ",", "##,": "##,", "God": "▁God", "and": "▁and", "##d": "d", "中": "中", "##中": "##中",
+                       "##文": "##文"}  # never produced either: 文 is a word of its own
+    assert [vocab[i] for i in tok.encode("God, and").ids] == ["God", ",", "and"]  # the bare ',' after a word
+    assert sp.split_surface(",") == [vocab.index(",")] and sp.split_surface("中") == [vocab.index("中")]
+    assert sp.split_surface("d") == [vocab.index("##d")]  # a word's inside is still a continuation
+
+
 def test_overlap_with_a_wordpiece_source(runs, de_tokenizer):
     """German SentencePiece pieces start from the English WordPiece rows of the same text: `▁in` from
     `in`, `,` from `,`; an uncased source matches `▁Israel` with `israel`."""
