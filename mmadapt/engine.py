@@ -47,11 +47,15 @@ def load_ds_config(path: Path, cfg) -> dict:
         raise ValueError(f"DeepSpeed config {path} " + ("is a directory" if path.is_dir() else "does not exist")
                          + ": pass one of ds_configs/*.json")
     try:
-        ds = json.loads(path.read_text())
+        ds = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON ({e.msg}, line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"DeepSpeed config {path} is not UTF-8 text (a JSON file is): pass one of "
+                         "ds_configs/*.json") from None
     if not isinstance(ds, dict):
         raise ValueError(f"DeepSpeed config {path} holds a JSON {type(ds).__name__}, not an object: see ds_configs/")
+    _check_sections(path, ds)
     stage = zero_stage(ds)
     if stage not in (0, 1, 2):
         raise ValueError(f"DeepSpeed config {path} uses ZeRO stage {stage}: mmadapt's later steps read checkpoints "
@@ -69,6 +73,33 @@ def load_ds_config(path: Path, cfg) -> dict:
               gradient_clipping=cfg.gradient_clipping)
     ds.setdefault("steps_per_print", 2**31 - 1)  # mmadapt logs; DeepSpeed's own prints are noise
     return ds
+
+
+def _check_sections(path: Path, ds: dict) -> None:
+    """The sections mmadapt reads before DeepSpeed does (the precision, the ZeRO stage), in
+    DeepSpeed's shapes, and none that mmadapt's flags replace unsaid (the optimizer and its
+    schedule: --lr, --lr_warmup_iters, --weight_decay, ... build them)."""
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise ValueError(f"DeepSpeed config {path} sets {key}: mmadapt builds the optimizer and its schedule from "
+                             "its own flags (--lr, --lr_warmup_iters, --weight_decay, --adam_beta2; each preset sets "
+                             "its own), and would ignore it; remove it from the JSON")
+    for key in ("bf16", "fp16", "zero_optimization"):
+        if key in ds and not isinstance(ds[key], dict):
+            raise ValueError(f"DeepSpeed config {path}: its {key} is {json.dumps(ds[key])}, where DeepSpeed reads an "
+                             "object (" + ('{"stage": 1}' if key == "zero_optimization" else '{"enabled": true}')
+                             + "): see ds_configs/")
+    for key in ("bf16", "fp16"):
+        if not isinstance(ds.get(key, {}).get("enabled", False), bool):
+            raise ValueError(f"DeepSpeed config {path}: its {key}.enabled is {json.dumps(ds[key]['enabled'])}, not "
+                             "true or false")
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        raise ValueError(f"DeepSpeed config {path}: its zero_optimization.stage is {json.dumps(stage)}, not a "
+                         "number (0, 1 or 2)")
+    if ds.get("bf16", {}).get("enabled") and ds.get("fp16", {}).get("enabled"):
+        raise ValueError(f"DeepSpeed config {path} enables both bf16 and fp16: choose one (ds_configs/zero2_bf16.json "
+                         "or zero2_fp16.json)")
 
 
 def zero_stage(ds: dict) -> int:
