@@ -566,6 +566,11 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     if list(depths) != sorted(set(depths)):
         raise ValueError(f"--mini_layers {' '.join(map(str, depths))} must be ascending without repeats")
     load_ds_config(run.ds_config, step.train)  # its refusals before the corpus is prepared into the output
+    # a sweep's own entries (a stopped one's too: atomic writes' dot files): another directory's
+    # files (its --source's, somebody's sweep.md) are refused before anything is written
+    kept = ("sweep.json", "sweep.md", "sweep.png") if (out / "sweep.json").is_file() else ("sweep.json",)
+    checkpoint.refuse_other_files(out, lambda name: name.isdigit() or name.startswith(".") or name in (
+        CEILING, "data", *kept), "sweep")
     data_path = _sweep_data(run, step, src_cfg)
     runs = {n: out / str(n) for n in depths}
     jobs = [("minijoint", n, run_dir) for n, run_dir in runs.items()]
