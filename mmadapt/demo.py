@@ -25,7 +25,8 @@ Every stage is a call of the library function behind the command a user runs (mm
 pretrain, build_minipost, adapt_embeddings, finetune), one rank, with configs built from the
 family's preset by `dataclasses.replace`: in this process, except that on a CPU the Step-2 and
 Step-3 runs train two at a time, each in a worker process of its own (--workers; its output in
-<output_dir>/logs/). A stage that finished is kept and skipped when the demo is run again; one
+<output_dir>/logs/). A stage that finished is kept and skipped when the demo is run again with
+the same settings (its demo.json; other settings, or another directory's files, are refused); one
 that was interrupted resumes from its last checkpoint.
 """
 
@@ -49,7 +50,7 @@ from tqdm import tqdm
 
 from mmadapt import faults, parallel, steps
 from mmadapt.bpb import BPB_BYTES
-from mmadapt.checkpoint import staged_dir, write_weights_only
+from mmadapt.checkpoint import atomic_write, read_json, staged_dir, write_weights_only
 from mmadapt.config import (OUTPUT_BIAS_INITS, RECIPES, SYSTEMS, Checked, FinetuneConfig, MiniModelConfig, ModelConfig,
                             Parser, PreprocessConfig, TrainConfig, _f, add_dataclass_args, apply_recipe, override,
                             to_dict)
@@ -521,7 +522,7 @@ PLUGIN_TEXT = {True: "plug-in MLM: the held-out target text's masked-LM loss thr
 
 def write_results(root: Path, cfg: DemoConfig, family: ModelFamily, out: dict, seconds: float) -> str:
     records = out["records"]
-    (root / "results.json").write_text(json.dumps(records, indent=1) + "\n")
+    atomic_write(root / "results.json", json.dumps(records, indent=1) + "\n")
     plugin = PLUGIN_TEXT[family.objective.masked]
     md = [f"# mmadapt demo: {family.small_preset} preset, English -> {', '.join(cfg.langs)} "
           f"({seconds / 60:.1f} min)",
@@ -536,12 +537,34 @@ def write_results(root: Path, cfg: DemoConfig, family: ModelFamily, out: dict, s
           "model's context beyond piece frequencies.", "", plugin_markdown(records),
           report_markdown(records)]
     text = "\n".join(md)
-    (root / "results.md").write_text(text + "\n")
+    atomic_write(root / "results.md", text + "\n")
     try:
         plot_curves(records, root / "curves.png")
     except ValueError as e:  # matplotlib missing: the table still stands
         print(f"note: no curves.png ({e})")
     return text
+
+
+RUN_KNOBS = ("workers", "threads")  # how fast a demo runs, not what it computes: a rerun may change them
+
+
+def check_output(root: Path, settings: dict) -> None:
+    """An existing --output_dir is taken only as this demo's, with the same settings (its
+    demo.json, written before anything trains): a finished stage is kept and not trained again,
+    so a demo run again with other settings would report the old runs under the new settings, and
+    another directory's files would be written over. A setting the directory's demo.json lacks
+    (one added to the demo since) is not compared."""
+    if not root.is_dir() or not any(root.iterdir()):
+        return
+    if not (root / "demo.json").is_file():
+        raise ValueError(f"--output_dir {root} holds other files and no demo (its demo.json): choose a new or empty "
+                         "directory (nothing is overwritten)")
+    old, new = read_json(root / "demo.json", "the demo settings"), json.loads(json.dumps(settings))
+    changed = [k for k in new if k in old and k not in RUN_KNOBS and old[k] != new[k]]
+    if changed:
+        said = ", ".join(f"{k} {json.dumps(old[k])}, now {json.dumps(new[k])}" for k in changed[:3])
+        raise ValueError(f"--output_dir {root} holds a demo with other settings ({said}), whose finished runs it would "
+                         "keep: choose a new --output_dir, or run it again with its settings")
 
 
 def main(argv=None) -> int:
@@ -564,9 +587,10 @@ def main(argv=None) -> int:
     demo.check_sources()
     if cfg.threads and parallel.device().type == "cpu":
         torch.set_num_threads(cfg.threads)
+    check_output(root, dataclasses.asdict(cfg))
     parallel.init_parallel(1, 1)  # the demo's one process: every step runs on one rank
     root.mkdir(parents=True, exist_ok=True)
-    (root / "demo.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+    atomic_write(root / "demo.json", json.dumps(dataclasses.asdict(cfg), indent=1))
     t0 = time.perf_counter()
     out = demo.run()
     text = write_results(root, cfg, demo.family, out, time.perf_counter() - t0)

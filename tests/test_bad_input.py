@@ -658,6 +658,12 @@ CASES = [
                                           (Path(c.dir("mine")) / "sweep.md").write_text("mine") and c.dir("mine"),
                                           "--corpus", str(c.corpus), "--valid_fraction", "0.03"],
      "holds other files (sweep.md) and no sweep"),
+    ("demo-over-other-files", lambda c: ["demo", "--quick", "--output_dir", (Path(c.dir("mine")) / "results.md")
+                                         .write_text("mine") and c.dir("mine")],
+     "holds other files and no demo (its demo.json)"),
+    ("demo-changed-settings", lambda c: ["demo", "--quick", "--output_dir", (Path(c.dir("d")) / "demo.json")
+                                         .write_text('{"finetune_lr": 0.123, "workers": 7}') and c.dir("d")],
+     "holds a demo with other settings (finetune_lr 0.123, now 0.0005), whose finished runs it would keep"),
     ("demo-bpb-bytes-under-256", lambda c: ["demo", "--output_dir", str(c.out), "--quick", "--bpb_bytes", "10"],
      "--bpb_bytes must be >= 256, got 10"),
     ("evaluate-plugin-blocks-zero", lambda c: ["evaluate", "--primary", str(c.primary), "--plugin_data", c.dir("d"),
