@@ -164,7 +164,8 @@ def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]
 def atomic_write(path: Path, data: str | bytes) -> None:
     """`path` holds `data` (text or bytes) whole, or what it held before: never half."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb" if isinstance(data, bytes) else "w") as f:
+    binary = isinstance(data, bytes)
+    with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -521,8 +521,9 @@ def predict_main(argv=None) -> int:
     model = predict.load(args.run, args.embeddings, tag=args.tag, device=args.device, graft=args.graft)
     rows = predict.predict_rows(model, inputs, args.top_k)  # refuses NaN or infinite outputs
     text = "".join(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+    if args.output:  # its directory may be new (check_output_file: one that can be created)
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.atomic_write(Path(args.output), text)
     else:
         sys.stdout.write(text)
     return 0
@@ -597,6 +598,9 @@ def report_main(argv=None) -> int:
         if why:
             print(f"baseline: {baseline} ({why}; --baseline chooses another)", file=sys.stderr)
     md = report_markdown(records, baseline=baseline, device=args.device)
+    if args.output:  # before the plots: a refused plot leaves the table written (its directory may be new)
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        checkpoint.atomic_write(Path(args.output), md + "\n")
     if args.plots:
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
@@ -605,8 +609,6 @@ def report_main(argv=None) -> int:
             print(f"note: no speedup.png: no system but {baseline} reaches 95% of {baseline}'s final score, so there "
                   "is no speedup to plot", file=sys.stderr)
     print(md)
-    if args.output:
-        checkpoint.atomic_write(Path(args.output), md + "\n")
     return 0
 
 

@@ -459,7 +459,7 @@ def test_mmadapt_predict_on_every_kind_of_run(kind, sources, zero_shot, tmp_path
     else:
         run, lines = sources["llama"], ["In the beginning God created the", "And God said, Let there be"]
     (tmp_path / "in.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    out = tmp_path / "out.jsonl"
+    out = tmp_path / "new" / "out.jsonl"  # in a directory that does not exist yet: made, after the work
     top_k = 3 if kind in ("mlm", "causal") else None  # a language model's option (a task model's is refused)
     assert main(["predict", "--run", str(run), "--input", str(tmp_path / "in.txt"), "--output", str(out),
                  *(["--top_k", str(top_k)] if top_k else [])]) == 0

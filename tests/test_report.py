@@ -75,8 +75,8 @@ def test_report_from_results(tmp_path, capsys):
     assert "| minijoint | 1.5 (1–2) | 2.27× (1 langs) |" in md
     f = tmp_path / "results.json"
     f.write_text(json.dumps(records))
-    assert report_main([str(f), "--output", str(tmp_path / "r.md")]) == 0
-    assert (tmp_path / "r.md").read_text().strip() == md.strip()
+    assert report_main([str(f), "--output", str(tmp_path / "new" / "r.md")]) == 0  # its directory made
+    assert (tmp_path / "new" / "r.md").read_text().strip() == md.strip()
     capsys.readouterr()
     assert report_main([str(tmp_path / "missing.json")]) == 2
     assert capsys.readouterr().err.startswith("error: cannot read results file")
