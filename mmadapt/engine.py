@@ -522,7 +522,12 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
             module.register_parameter(f"{PLACEHOLDER}{i}", placeholder)
             group["params"] = [placeholder]
     optimizer = adamw(groups, loop, lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(loop.warmup_iters(total), total))
+    warmup = loop.warmup_iters(total)
+    if warmup > total and parallel.is_rank0():  # a preset's warm-up over a shorter run: accepted (tests, smoke runs), said
+        print(f"note: the learning-rate warm-up ({warmup} updates, --lr_warmup_iters) is longer than the run ({total}): "
+              f"the rate peaks at {total / warmup:.0%} of --lr and never decays; set --lr_warmup_iters below {total}",
+              flush=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_linear_decay(warmup, total))
     # compile_on_first_call: initialize imports DeepSpeed's Muon optimizer (to tell it apart),
     # whose kernels are wrapped in torch.compile at import: TorchInductor's import, deferred as in mcore.py.
     with quiet.deepspeed_prints(), compile_on_first_call():

@@ -244,8 +244,9 @@ def test_exported_sentencepiece_lays_a_pair_out_as_bert(de_tokenizer):
     assert tok("Am Anfang").input_ids == [BOS_ID, *a, EOS_ID]
 
 
-def test_export_of_a_bert_mmadapt_pretrained(corpus, tokenizer, tmp_path):
-    """bert-tiny pretrained here (2 updates), out as BertForMaskedLM with its SentencePiece."""
+def test_export_of_a_bert_mmadapt_pretrained(corpus, tokenizer, tmp_path, capsys):
+    """bert-tiny pretrained here (2 updates), out as BertForMaskedLM with its SentencePiece. Its
+    preset's warm-up (20 updates) is longer than the run: accepted, and said once."""
     from mmadapt import steps
     from mmadapt.config import apply_recipe
     from mmadapt.models import PRESETS
@@ -260,6 +261,10 @@ def test_export_of_a_bert_mmadapt_pretrained(corpus, tokenizer, tmp_path):
     run = tmp_path / "run"
     steps.pretrain(run=RunSpec(output_dir=run, corpus=corpus, ds_config=REPO / "ds_configs" / "zero0.json",
                                tokenizer=tokenizer), step=steps.Pretrain(model=model, train=train, recipe="bl_base"))
+    said = [line for line in capsys.readouterr().out.splitlines() if "warm-up" in line]
+    assert said == [f"note: the learning-rate warm-up ({train.lr_warmup_iters} updates, --lr_warmup_iters) is longer "
+                    f"than the run (2): the rate peaks at {2 / train.lr_warmup_iters:.0%} of --lr and never decays; "
+                    "set --lr_warmup_iters below 2"]
     assert export_hf(tmp_path / "out", primary=run)["architecture"] == "BertForMaskedLM"
     enc = AutoTokenizer.from_pretrained(str(tmp_path / "out"))(TEXTS, padding=True, truncation=True, max_length=SEQ,
                                                                return_tensors="pt")
