@@ -820,7 +820,8 @@ def tiny_sizes(args: argparse.Namespace) -> argparse.Namespace:
 # The flags that name a directory a command reads (a model, a run, an artifact, a dataset): what
 # it writes (--output_dir) never goes inside one, whose owner (a save_pretrained directory, a run
 # that checks its own entries, an artifact) did not make room for it.
-INPUT_DIRS = ("model", "into", "primary", "source", "finetuned", "embeddings", "data_path", "replay_data", "run")
+INPUT_DIRS = ("model", "into", "primary", "source", "finetuned", "embeddings", "data_path", "replay_data", "run",
+              "expand_from", "roles_from")
 
 
 def _output_inside_an_input(args: argparse.Namespace) -> str | None:

@@ -708,6 +708,9 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                          "its task model)")
     if graft and embeddings is None:
         raise nothing_to_graft()
+    if finetuned is not None and primary_tag is not None:
+        raise ValueError("--primary_tag picks a checkpoint of --primary; a fine-tuned model is its final checkpoint: "
+                         "drop --primary_tag")
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
     labels = None
