@@ -92,6 +92,8 @@ class AdaptEmbeddings(StepSpec):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.system not in SYSTEMS:
+            raise ValueError(f"system must be one of {', '.join(SYSTEMS)}, got {self.system!r}")
         check_lang(self.lang)  # recorded with the embeddings, and a path in evaluate's {lang}
 
     @classmethod

@@ -40,8 +40,8 @@ from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings, final_ar
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import check_output_file
-from mmadapt.config import (EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig, StepSpec,
-                            TrainConfig, check_lang, path_args, whole_arg)
+from mmadapt.config import (RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
+                            StepSpec, TrainConfig, check_lang, path_args, whole_arg)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, TEXT, EpochOrder, read_manifest, wait_for
 from mmadapt.data import prepare as prepare_corpus
@@ -103,6 +103,18 @@ class Pretrain(StepSpec):
     model: ModelConfig
     train: TrainConfig
     recipe: str = "custom"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.recipe not in ("custom", *RECIPES):
+            raise ValueError(f"recipe must be one of custom, {', '.join(RECIPES)}, got {self.recipe!r}")
+        heads = self.model.heads_after
+        if (len(heads) == 1) != (self.recipe in ("bl_base", "bl_small")) and self.recipe != "custom":
+            trains = "one head" if self.recipe != "minijoint" else "two heads or more"
+            after = ", ".join(map(str, heads))
+            raise ValueError(f"recipe {self.recipe} trains {trains}; this model has heads after layers {after} "
+                             f"(run.json would record it as {self.recipe}): shape it with "
+                             f"config.apply_recipe(model, {self.recipe!r})")
 
 
 def pretrain(run: RunSpec, step: Pretrain) -> list[dict]:
@@ -316,6 +328,10 @@ class Finetune(StepSpec):
     eval_file: str | None = None
     source_lang: str = "en"
     primary_tag: str | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        get_task(self.task)  # an unknown task refused when the step is made, as the command's choices do
 
 
 def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:

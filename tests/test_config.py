@@ -117,12 +117,27 @@ def test_every_numeric_field_declares_its_range():
     (lambda: __import__("mmadapt.steps").steps.Finetune(task="bible-genre", primary=None),
      "Finetune.primary takes a path, got None"),
     (lambda: __import__("mmadapt.run").run.RunSpec(output_dir=""), "RunSpec.output_dir takes a path, got ''"),
+    (lambda: __import__("mmadapt.steps").steps.Pretrain(model=PRESETS["tiny"][0], train=TrainConfig(),
+                                                        recipe="minijiont"),
+     "recipe must be one of custom, bl_base, bl_small, minijoint, got 'minijiont'"),
+    (lambda: __import__("mmadapt.steps").steps.Pretrain(
+        model=__import__("mmadapt.config").config.apply_recipe(PRESETS["tiny"][0], "bl_base"), train=TrainConfig(),
+        recipe="minijoint"), "recipe minijoint trains two heads or more; this model has heads after layers 12"),
+    (lambda: __import__("mmadapt.steps").steps.Pretrain(
+        model=__import__("mmadapt.config").config.apply_recipe(PRESETS["tiny"][0], "minijoint"), train=TrainConfig(),
+        recipe="bl_small"),
+     "recipe bl_small trains one head; this model has heads after layers 4, 12"),
+    (lambda: __import__("mmadapt.adapt").adapt.AdaptEmbeddings(system="minipst", source="s", lang="de",
+                                                               train=TrainConfig()),
+     "system must be one of bl_base, bl_small, minijoint, minipost, got 'minipst'"),
+    (lambda: __import__("mmadapt.steps").steps.Finetune(task="xnlii", primary="p"), "unknown task 'xnlii'"),
     (lambda: __import__("mmadapt.steps").steps.evaluate([], embeddings=["e"], eval_file="bible"),
      "finetuned takes a non-empty list of paths, got []"),
     (lambda: __import__("mmadapt.steps").steps.evaluate_plugin("p", embeddings=["e"], data="d", blocks=0),
      "blocks must be a whole number >= 1, got 0"),
 ], ids=["range", "open-range", "finite", "int-not-float", "int-not-bool", "tuple-items", "choices", "replace",
         "model-tuple-items", "empty-list", "type", "step-config-type", "step-path", "run-spec-path",
+        "pretrain-recipe", "pretrain-recipe-heads", "pretrain-recipe-one-head", "adapt-system", "finetune-task",
         "evaluate-empty-list", "evaluate-plugin-blocks"])
 def test_the_python_api_is_refused_as_the_command_line_is(make, message):
     with pytest.raises(ValueError) as e:
