@@ -84,7 +84,19 @@ def artifact_dirs(paths: list[Path]) -> list[Path]:
             out += found
         else:
             raise ValueError(f"{p} is neither a Step-2 artifact nor an adapt run directory")
+    given_once(out, "artifact")
     return out
+
+
+def given_once(paths: list[Path], what: str) -> None:
+    """Refuse a list that names one directory twice (as given, or an adapt run and one of its
+    artifacts): it would be scored, recorded and averaged twice."""
+    seen: dict[Path, Path] = {}
+    for p in paths:
+        if Path(p).resolve() in seen:
+            raise ValueError(f"the {what} {p} is given twice (also as {seen[Path(p).resolve()]}): each counts once, "
+                             "drop one")
+        seen[Path(p).resolve()] = p
 
 
 # --- an artifact in a model ----------------------------------------------------------------------------

@@ -28,7 +28,8 @@ import torch
 
 from mmadapt import checkpoint
 from mmadapt.artifact import (NO_ADAPTATION, PrimaryRef, artifact_dirs, artifact_embeddings, artifact_primary,
-                              artifact_primary_ref, artifact_state, read_artifact, record_base, swap_key)
+                              artifact_primary_ref, artifact_state, given_once, read_artifact, record_base,
+                              swap_key)
 from mmadapt.config import EvaluateConfig, FinetuneConfig, ModelConfig
 from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
@@ -402,6 +403,7 @@ def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,
     """`evaluate_artifacts`' fine-tuned runs (seeds), rebuilt; their configs with Step 4's changes;
     the primary model they share (one primary model and task, else refused); and their warnings
     (each run's own and its position warning, once), printed."""
+    given_once(finetuned, "fine-tuned run")  # a seed given twice would be averaged as two
     runs = [load_finetuned(r) for r in finetuned]
     primary = finetuned_primary_ref(runs[0])
     if not all(finetuned_primary_ref(r).same(primary) for r in runs) or len({r.task.name for r in runs}) > 1:

@@ -424,6 +424,13 @@ CASES = [
     # --- Step 4
     ("evaluate-output-exists", lambda c: c.evaluate()[:-1] + [c.file("old.json", "[]")], "already exists"),
     ("evaluate-not-an-artifact", lambda c: c.evaluate(), "neither a Step-2 artifact nor an adapt run"),
+    ("evaluate-an-artifact-twice", lambda c: ["evaluate", "--finetuned", c.dir("ft"), "--embeddings",
+                                              (a := c.artifact(VOCAB)), a + "/", "--eval_file", "bible", "--output",
+                                              str(c.tmp / "r.json")],
+     "given twice (also as"),
+    ("evaluate-a-seed-twice", lambda c: ["evaluate", "--finetuned", (f := c.dir("ft")), f, "--embeddings",
+                                         c.artifact(VOCAB), "--eval_file", "bible", "--output", str(c.tmp / "r.json")],
+     "given twice (also as"),
     ("evaluate-task-with-bpb-bytes", lambda c: c.evaluate("--bpb_bytes", "4096"),
      "--bpb_bytes sizes the plug-in score of --plugin_data; a task (--finetuned, --eval_file) reads"),
     ("evaluate-task-with-plugin-blocks-at-default", lambda c: c.evaluate("--plugin_blocks", "256"),
