@@ -58,6 +58,9 @@ class TaggedSentence:
 
 def _check(path: str | os.PathLike) -> Path:
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory: name the data file itself (mmadapt/readers.py says which file of "
+                         "each dataset is read)")
     if not path.is_file():
         raise ValueError(f"{path} does not exist: see mmadapt/readers.py for where each dataset comes from")
     return path
