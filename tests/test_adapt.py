@@ -464,7 +464,16 @@ def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_
     written = {f: (start / f).stat() for f in ("embeddings.pt", "meta.json")}
     # a stop between checkpoint 2's COMPLETE and its artifact: the resume writes the artifact
     shutil.rmtree(tmp_path / "part" / "embeddings" / "step00000002")
+    # a run recorded with another start rule (an earlier mmadapt's) resumes by it, not today's:
+    # its artifacts say so (here nothing frozen comes from the start, so the losses stay equal)
+    record = json.loads((tmp_path / "part" / "run.json").read_text())
+    old_rule = {"row_std": "config", "bias": "copied"}
+    assert record["start_rule"] != old_rule
+    (tmp_path / "part" / "run.json").write_text(json.dumps({**record, "start_rule": old_rule}))
     go(tmp_path / "part", "--resume")
+    assert read_artifact(tmp_path / "part" / "embeddings" / "step00000004")[2]["start_rule"] == old_rule
+    after = json.loads((tmp_path / "part" / "run.json").read_text())  # its own rule back, for the recompute below
+    (tmp_path / "part" / "run.json").write_text(json.dumps({**after, "start_rule": record["start_rule"]}))
     assert [r["loss"] for r in metrics(tmp_path / "part")] == [r["loss"] for r in metrics(tmp_path / "full")]
     for tag in ("step00000002", "step00000004"):
         a, b = (read_artifact(tmp_path / d / "embeddings" / tag)[0] for d in ("full", "part"))
