@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -470,9 +471,15 @@ def _wordpiece_additions(tok: HFTokenizer, candidates: list[str]) -> dict[str, s
 
 def _bpe_additions(pipeline: dict, candidates: list[str]) -> tuple[dict[str, str], list[tuple[str, str]]]:
     """The candidates (surface forms) a BPE `pipeline` (its `tokenizers` JSON) can be given, shortest
-    first: {piece: its token} and the merges that produce them. A candidate is added with the merge
-    of a split of it whose two halves are tokens (the source's, or candidates added before it); a
-    token that the pipeline's byte-level pre-tokenizer would cut is never produced and left out."""
+    first: {piece: its token} and the merges that produce them. BPE reads a word by its merges in
+    rank order, and the new merges rank after every source merge: so a candidate's word is read
+    by the merges there are (the source's, and those added for shorter candidates) as far as they
+    go (`segment`), and the candidate is added with the merge of the two tokens that leaves, the
+    one merge that then produces it. A candidate left in more than two tokens would need merges
+    of tokens no candidate is, and one that a byte-level pre-tokenizer would cut is never
+    produced: both are left out. (A split of the candidate into any two tokens, as before, gave
+    a merge that its word never reached for about one new token in five: '▁der' read as '▁d'
+    'er' where the merge was '▁' 'der'.)"""
     from tokenizers import Tokenizer
 
     byte_level = _uses_byte_level(pipeline)
@@ -487,6 +494,23 @@ def _bpe_additions(pipeline: dict, candidates: list[str]) -> tuple[dict[str, str
     pre = Tokenizer.from_str(json.dumps(pipeline)).pre_tokenizer
     order = {p: i for i, p in enumerate(candidates)}
     vocab, added, merges = pipeline["model"]["vocab"], {}, []
+    ranks = {tuple(m.split(" ")) if isinstance(m, str) else tuple(m): r
+             for r, m in enumerate(pipeline["model"]["merges"])}
+
+    def segment(token: str) -> list[str] | None:
+        """The tokens BPE reads `token`'s word into with the merges in `ranks` (the lowest-ranked
+        adjacent pair merged first, the leftmost of equals, as tokenizers does); None where a
+        character of it is no token (a byte-fallback model reads it as bytes)."""
+        parts = list(token)
+        if any(c not in vocab for c in parts):
+            return None
+        while len(parts) > 1:
+            rank, i = min((ranks.get((a, b), math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+            if rank == math.inf:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        return parts
+
     for piece in sorted(candidates, key=lambda p: (len(token_of(p)), order[p])):
         token = token_of(piece)
         if token in vocab or token in added.values():
@@ -495,10 +519,10 @@ def _bpe_additions(pipeline: dict, candidates: list[str]) -> tuple[dict[str, str
         if byte_level and pre is not None and [w for w, _ in pre.pre_tokenize_str(
                 bytes(_byte_decoder()[c] for c in token).decode("utf-8", "replace"))] != [token]:
             continue
-        split = next(((token[:i], token[i:]) for i in range(1, len(token))
-                      if all(half in vocab or half in added.values() for half in (token[:i], token[i:]))), None)
-        if split is not None:
+        parts = segment(token)
+        if parts is not None and len(parts) == 2:
             added[piece] = token
-            merges.append(split)
+            merges.append((parts[0], parts[1]))
+            ranks[parts[0], parts[1]] = len(pipeline["model"]["merges"]) + len(merges)  # after every other
     return added, merges
 

@@ -41,6 +41,11 @@ def test_an_imported_bpe_decoder_expands_and_exports(name, de_corpus, de_tokeniz
     v = src.get_piece_size()
     assert pieces(merged)[:v] == pieces(source) and pieces(merged)[v:] == list(e.new)
     assert e.size % EXPAND_MULTIPLE == 0 and len(e.new) > 100 and not set(e.new) & set(pieces(source))
+    # every new token is what BPE reads its own word into: its merge is the last one that word reaches
+    model = got.tokenizer.model
+    for i in range(v, e.size):
+        token = got.tokenizer.id_to_token(int(got.hf_ids[i]))
+        assert [t.value for t in model.tokenize(token)] == [token], (name, token)
     # A BPE's new merges come after the source's and a new token is no source merge's input: a text
     # whose merged encoding holds no new token has exactly the source's.
     english, german = bible_lines("en", range(40, 42)), bible_lines("de", range(40, 42))
