@@ -108,13 +108,16 @@ class Pretrain(StepSpec):
         super().__post_init__()
         if self.recipe not in ("custom", *RECIPES):
             raise ValueError(f"recipe must be one of custom, {', '.join(RECIPES)}, got {self.recipe!r}")
-        heads = self.model.heads_after
-        if (len(heads) == 1) != (self.recipe in ("bl_base", "bl_small")) and self.recipe != "custom":
+        heads = self.model.heads_after  # (one outside the layers: the model's own check says so, later)
+        if ((len(heads) == 1) != (self.recipe in ("bl_base", "bl_small")) and self.recipe != "custom"
+                and all(1 <= h <= self.model.num_layers for h in heads)):
             trains = "one head" if self.recipe != "minijoint" else "two heads or more"
             after = ", ".join(map(str, heads))
+            fix = ("--recipe minijoint" if len(heads) > 1 else
+                   "--recipe bl_base, or --head_layers with two layers or more")
             raise ValueError(f"recipe {self.recipe} trains {trains}; this model has heads after layers {after} "
-                             f"(run.json would record it as {self.recipe}): shape it with "
-                             f"config.apply_recipe(model, {self.recipe!r})")
+                             f"(run.json would record it as {self.recipe}): pass {fix} (from Python: shape the model "
+                             f"with config.apply_recipe(model, {self.recipe!r}))")
 
 
 def pretrain(run: RunSpec, step: Pretrain) -> list[dict]:

@@ -263,16 +263,19 @@ def test_each_evaluation_set_is_encoded_once_per_tokenizer(seeds, adapt_run, pri
     """2 seeds x 5 artifacts: 4 of the German tokenizer (copies of one file), 1 of the primary's
     own (English) tokenizer, then the no-adaptation record, which reads with that same English
     tokenizer -> two encodings of the evaluation set, and each seed's model built once."""
+    import shutil
+
     other = _adapt_run(tmp_path / "other", primary_run, tokenizer, {6: 1000})
+    again = shutil.copytree(adapt_run, tmp_path / "again")  # its artifacts elsewhere (one run twice is refused)
     calls = {}
     count_calls(monkeypatch, F, "encode", calls)
     count_calls(monkeypatch, ROBERTA, "build_task_model", calls)
-    records = F.evaluate_artifacts(seeds, [adapt_run, other, adapt_run], "bible")
+    records = F.evaluate_artifacts(seeds, [adapt_run, other, again], "bible")
     assert [r.get("step") for r in records] == [2, 4, 6, 2, 4, None]
     # No adaptation reads with the runs' own tokenizer: the content `other` carries, encoded already.
     assert F.file_sha256(Path(records[-1]["tokenizer"])) == F.file_sha256(read_artifact(records[2]["artifact"])[1])
     assert calls == {"encode": 2, "build_task_model": 2}
-    assert records[3]["scores"] == records[0]["scores"]  # the same artifact again, the same model state
+    assert records[3]["scores"] == records[0]["scores"]  # the same artifact (by content), the same model state
 
 
 @pytest.mark.slow  # Step 4 over evaluation sets, several artifacts and seeds
