@@ -306,7 +306,9 @@ def roles_of(base_run: Path, tok, vocab_size: int, model_dir: Path) -> tuple[lis
                          f"{model_dir}'s {vocab_size}, or other tokens): drop --roles_from, or name the run of the "
                          "model it was fine-tuned from")
     ids = [int(h) for h in base.hf_ids[:len(SPECIAL_ROLES)]]
-    return ids, {r: {**record["special_ids"][r], "id": h} for r, h in zip(SPECIAL_ROLES, ids)}
+    # (a decoder family records each role as {id, token, borrowed}, an encoder as its id)
+    return ids, {r: {**record["special_ids"][r], "id": h} if isinstance(record["special_ids"][r], dict) else h
+                 for r, h in zip(SPECIAL_ROLES, ids)}
 
 
 # --- sentence-transformers directories ----------------------------------------------------------------

@@ -240,18 +240,18 @@ class HFTokenizer:
     def _wordpiece_surface(self, token: str) -> str:
         """A WordPiece token as SentencePiece writes the same text: a continuation `##oo` as `oo`, a
         word-initial `foo` as `▁foo`, except a character BERT's pre-tokenizer always makes a word
-        of its own (`_isolated`: punctuation, and CJK where the normaliser handles it), although it
+        of its own (`isolates`: punctuation, and CJK where the normaliser handles it), although it
         follows a word with no space (`God,`: SentencePiece's `▁God` `,`): its bare token is the
         one produced wherever it stands, written bare; its continuation (`##,`, which real BERT
         vocabularies hold) is never produced and keeps a surface no piece has."""
         prefix = self.continuation
-        if len(token) == 1 and self._isolated(token):
+        if len(token) == 1 and self.isolates(token):
             return token
         if token.startswith(prefix) and len(token) > len(prefix):
-            return token if len(token) == len(prefix) + 1 and self._isolated(token[-1]) else token[len(prefix):]
+            return token if len(token) == len(prefix) + 1 and self.isolates(token[-1]) else token[len(prefix):]
         return WORD_BOUNDARY + token
 
-    def _isolated(self, ch: str) -> bool:
+    def isolates(self, ch: str) -> bool:
         """Whether BERT's pipeline cuts `ch` into a word of its own: punctuation always (its
         pre-tokenizer), a CJK character where its normaliser handles Chinese characters."""
         if is_punctuation(ch):
@@ -268,8 +268,12 @@ class HFTokenizer:
         """A surface form (another tokenizer's piece) as this tokenizer's normaliser writes its
         text: an uncased WordPiece lowercases and strips accents (`▁Gott` -> `▁gott`), so that a
         target piece is matched with the source row its text reaches; as it is for every other
-        tokenizer, and where normalising would split it (BERT's spaces around CJK characters)."""
+        tokenizer, and where normalising would split it (BERT's spaces around CJK characters). A
+        character a WordPiece pipeline isolates is its bare token at a word's start and inside a
+        word alike (`_wordpiece_surface`): `▁:` and `▁中` are read as `:` and `中`."""
         normalizer = self.tokenizer.normalizer
+        if self.continuation is not None and len(piece) == 2 and piece[0] == WORD_BOUNDARY and self.isolates(piece[1]):
+            return piece[1]
         if self.continuation is None or normalizer is None:
             return piece
         start = WORD_BOUNDARY if piece.startswith(WORD_BOUNDARY) else ""
@@ -294,7 +298,7 @@ class HFTokenizer:
         words = self.words(text)
         ids = []
         for n, word in enumerate(words):  # a character the pipeline isolates is a word of its own anywhere
-            ids += self._wordpiece(word, continued=inside and n == 0 and not (len(word) == 1 and self._isolated(word)))
+            ids += self._wordpiece(word, continued=inside and n == 0 and not (len(word) == 1 and self.isolates(word)))
         return self._ids(ids)
 
     def words(self, text: str) -> list[str]:
@@ -456,14 +460,20 @@ def _wordpiece_additions(tok: HFTokenizer, candidates: list[str]) -> dict[str, s
     """The candidates (surface forms, in the source's normal form) a WordPiece `tok` can be given,
     in their order (the target's: the most useful first): {piece: its token}. WordPiece has no merges: a token is produced wherever it is
     the longest match, so each is appended as it is (`▁foo` as the word-initial `foo`, `oo` as the
-    continuation `##oo`); a piece that the pre-tokenizer would cut (a continuation holding
-    punctuation, which BERT always makes a word of its own) is never produced and left out."""
+    continuation `##oo`); a character the pipeline isolates (punctuation; CJK where its
+    normaliser handles it: HFTokenizer.isolates) as its bare token wherever it stands. A piece
+    that the pipeline would cut (a longer piece holding such a character) is never produced
+    and left out."""
     vocab, added = tok.tokenizer.get_vocab(), {}
     for piece in candidates:
         text = piece[len(WORD_BOUNDARY):] if piece.startswith(WORD_BOUNDARY) else piece
-        token = text if piece.startswith(WORD_BOUNDARY) else tok.continuation + text
-        if (token in vocab or token in added.values() or tok.words(text) != [text] or
-                (token != text and any(map(is_punctuation, text)))):
+        if any(map(tok.isolates, text)):
+            if len(text) > 1:
+                continue
+            token = text
+        else:
+            token = text if piece.startswith(WORD_BOUNDARY) else tok.continuation + text
+        if token in vocab or token in added.values() or tok.words(text) != [text]:
             continue
         added[piece] = token
     return added

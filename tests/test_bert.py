@@ -289,7 +289,7 @@ def test_wordpiece_surface_forms(runs):
     assert len(set(surfaces)) == len(surfaces)  # one row per surface form
 
 
-def test_a_character_bert_isolates_surfaces_as_its_bare_token():
+def test_a_character_bert_isolates_surfaces_as_its_bare_token(tmp_path):
     """Punctuation (and CJK, where the normaliser handles Chinese characters) is a word of its own
     wherever it stands, so BERT produces its bare token even after a word (`God,`): that row is
     the surface `,` a target piece matches and a word-internal split takes; the continuation
@@ -309,6 +309,17 @@ def test_a_character_bert_isolates_surfaces_as_its_bare_token():
     assert [vocab[i] for i in tok.encode("God, and").ids] == ["God", ",", "and"]  # the bare ',' after a word
     assert sp.split_surface(",") == [vocab.index(",")] and sp.split_surface("中") == [vocab.index("中")]
     assert sp.split_surface("d") == [vocab.index("##d")]  # a word's inside is still a continuation
+    # a target piece of such a character matches its bare row at a word's start too ...
+    assert [sp.source_form(p) for p in ("▁,", "▁中", "▁and", "d")] == [",", "中", "▁and", "d"]
+    # ... and an expansion adds it as its bare token, under the surface it is named by, and
+    # leaves out a piece the pipeline would cut into characters (never produced)
+    from mmadapt.tokenizer import expand_hf
+    source = tmp_path / "wordpiece.json"
+    source.write_text(json.dumps(sp.doc))
+    merged, new = expand_hf(source, ["字", "nd", "文字", "▁bis"], 1)
+    grown = HFTokenizer(json.loads(merged))
+    assert new == ["字", "nd", "▁bis"] and [grown.id_to_piece(i) for i in range(len(vocab), len(vocab) + 3)] == new
+    assert [grown.tokenizer.id_to_token(int(grown.hf_ids[len(vocab)]))] == ["字"]
 
 
 def test_overlap_with_a_wordpiece_source(runs, de_tokenizer):
