@@ -131,6 +131,36 @@ def test_subword_mean_splits_a_piece_as_it_stands_in_a_text(name, runs):
             name, piece, surfaces)
 
 
+def test_a_byte_level_tagger_reads_words_as_transformers_token_classification_does(runs, hf_dirs):
+    """A tagged sentence's rows, through RoBERTa's byte-level BPE: each word as it stands after a
+    space ('Ġthe'), as transformers' tokenizer gives pre-split words (is_split_into_words with
+    add_prefix_space, what its token classification needs), specials included."""
+    from transformers import AutoTokenizer
+
+    from mmadapt.features import encode_tag
+    from mmadapt.readers import TaggedSentence
+
+    words = "In the beginning God created the heaven , and the earth .".split()
+    hf = AutoTokenizer.from_pretrained(str(hf_dirs["roberta"]), add_prefix_space=True)
+    theirs = hf(words, is_split_into_words=True)["input_ids"]
+    sp = load(runs["roberta"] / "tokenizer" / "spm.model")
+    enc = encode_tag(sp, [TaggedSentence(words, ["O"] * len(words))], ["O"], 64)
+    assert sp.hf_ids[enc.input_ids[0][:len(theirs)].numpy()].tolist() == theirs
+    assert enc.input_ids[0][len(theirs)] == PAD_ID
+
+
+def test_an_encoder_imports_with_its_bases_roles(runs, hf_dirs, tmp_path):
+    """import-hf --roles_from over an encoder's run (whose record gives each role its id): the
+    same ids as the base's import, the same tokenizer."""
+    from mmadapt.hf import import_any
+
+    run = import_any(hf_dirs["roberta"], tmp_path / "r", roles_from=runs["roberta"])
+    base = json.loads((runs["roberta"] / "run.json").read_text())["imported_from"]["special_ids"]
+    assert run["imported_from"]["special_ids"] == base
+    assert (tmp_path / "r" / "tokenizer" / "spm.model").read_bytes() == (
+        runs["roberta"] / "tokenizer" / "spm.model").read_bytes()
+
+
 def test_imported_tokenizer_encodes_as_the_source(runs, hf_dirs):
     """What Step 1b's data preparation and Step 3's encodings call: lists, offsets, special ids."""
     sp = load(runs["roberta"] / "tokenizer" / "spm.model")
