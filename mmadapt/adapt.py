@@ -128,12 +128,14 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     with start_run(plan.run, plan.model, step.train, plan.identity, plan.data) as started:
         tokenizer = started.data / TOKENIZER
         # A resumed run starts as it started: its frozen start values (a frozen bias, an expanded
-        # vocabulary's source side) by the rule its record names (StartRule.recorded: the rule of
-        # then for a run recorded before rules were), not today's default; one with no
-        # checkpoint yet starts anew
+        # vocabulary's source side) and its update-0 artifact by the rule its record names, not
+        # today's default (a run recorded before rules were, with a checkpoint: the rule of then,
+        # StartRule.recorded; with none, it starts anew)
         rule = StartRule()
-        if plan.run.resume and checkpoint.latest_tag(plan.run.output_dir / "checkpoints") is not None:
-            rule = StartRule.recorded(started.record.read())
+        if plan.run.resume:
+            record = started.record.read()
+            if "start_rule" in record or checkpoint.latest_tag(plan.run.output_dir / "checkpoints") is not None:
+                rule = StartRule.recorded(record)
         start = Step2Start.build(plan.source, plan.body, step, tokenizer, started.data, rule)
         check_same_source(plan.run, {"source_fingerprint": lambda: start.source_fingerprint}, plan.source.path)
         if parallel.is_rank0():

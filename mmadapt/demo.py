@@ -545,7 +545,9 @@ def write_results(root: Path, cfg: DemoConfig, family: ModelFamily, out: dict, s
     return text
 
 
-RUN_KNOBS = ("workers", "threads")  # how fast a demo runs, not what it computes: a rerun may change them
+# What a rerun over a demo's directory may change: how fast it runs (not what it computes), and
+# its languages (each language's runs are its own)
+RUN_KNOBS = ("workers", "threads", "eval_batch_tokens", "langs")
 
 
 def check_output(root: Path, settings: dict) -> None:
@@ -587,10 +589,11 @@ def main(argv=None) -> int:
     demo.check_sources()
     if cfg.threads and parallel.device().type == "cpu":
         torch.set_num_threads(cfg.threads)
-    check_output(root, dataclasses.asdict(cfg))
+    settings = {**dataclasses.asdict(cfg), "from_scratch": args.from_scratch}  # shipped or pretrained source models
+    check_output(root, settings)
     parallel.init_parallel(1, 1)  # the demo's one process: every step runs on one rank
     root.mkdir(parents=True, exist_ok=True)
-    atomic_write(root / "demo.json", json.dumps(dataclasses.asdict(cfg), indent=1))
+    atomic_write(root / "demo.json", json.dumps(settings, indent=1))
     t0 = time.perf_counter()
     out = demo.run()
     text = write_results(root, cfg, demo.family, out, time.perf_counter() - t0)

@@ -219,6 +219,8 @@ def read_table(path: str | os.PathLike, header: bool = True) -> tuple[list[str],
     by an unquoted delimiter is refused, naming its line. header=False (CSV/TSV only): no header
     line; the columns are named by their 0-based position, "0", "1", ..."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory: name the data file itself ({', '.join(TABLE_FORMATS)})")
     kind = TABLE_FORMATS.get(path.suffix.lower())
     if kind is None:
         raise ValueError(f"{path}: unknown file type {path.suffix or '(no extension)'!r}; your own data is read "
