@@ -4,17 +4,19 @@ Layouts are a model family's `Framing` (ids from mmadapt/tokens.py, padding with
 seq_length); the default is RoBERTa's, which the shipped families use:
     classify, one text    <s> a </s>
     classify, a pair      <s> a </s> </s> b </s>          (longest side truncated first)
-    tag                   <s> w1 w2 ... </s>              a word's label sits on its first piece
+    tag                   <s> w1 w2 ... </s>              a word's label on its first piece (a long
+                                                          sentence goes on in rows of its own)
     span (extractive QA)  <s> question </s> </s> context window </s>
 BERT's framing has one separator between the two texts of a pair (`[CLS] a [SEP] b [SEP]`, in
 mmadapt's ids `<s> a </s> b </s>`) and marks the second segment (b, or the context) and its
 closing separator with token type 1 (`Encoded.token_types`); a framing without token types
 leaves them None, and the model is never given any.
 A QA context longer than a window is split into windows that overlap by `doc_stride` pieces
-(as in BERT's SQuAD code); the answer is predicted per window and the best span over all
-windows of a question wins. Piece offsets come from SentencePiece (byte offsets into the
-original text, turned into character offsets), so an answer is cut from the context exactly,
-also in languages written without spaces.
+(Hugging Face's run_qa's stride; BERT's SQuAD code moved each window on by its doc_stride); the
+answer is predicted per window and the best span over all windows of a question wins. Piece
+offsets come from SentencePiece (byte offsets into the original text, turned into character
+offsets), so an answer is cut from the context exactly, also in languages written without
+spaces.
 """
 
 from __future__ import annotations
@@ -107,26 +109,46 @@ def encode_classify(sp, examples: list[PairExample] | list[tuple[str, int]], seq
 
 def encode_tag(sp, sentences: list[TaggedSentence], label_names: list[str], seq_length: int,
                framing: Framing = Framing()) -> Encoded:
-    """One row per sentence, truncated to seq_length (words cut off are not scored). A gold tag
-    missing from `label_names` (not seen in training) gets the id len(label_names), which no
-    prediction can equal."""
+    """One row per sentence, <s> pieces </s>, each word's first piece labelled. A sentence whose
+    pieces pass seq_length goes on in further rows of its next words, each read on its own, so
+    that every word is scored once, in the row that holds it (`example`: each row's sentence).
+    Cut off instead, a tokenizer that splits words finer would be scored on fewer of them (the
+    no-adaptation row, the source's pieces on target text, most of all). A word of more pieces
+    than a row holds keeps its first (its label is on the first). Each word is encoded as it
+    stands inside a text (`word_pieces`). A gold tag missing from `label_names` (not seen in
+    training) gets the id len(label_names), which no prediction can equal."""
     _check_seq(seq_length, 4)
     index = {t: i for i, t in enumerate(label_names)}
-    rows, label_rows = [], []
-    for sent in sentences:
-        ids, labels = [BOS_ID], [IGNORE_INDEX]
+    room = seq_length - 2
+    rows, label_rows, example = [], [], []
+    for k, sent in enumerate(sentences):
+        ids, labels = [], []
         for word, tag in zip(sent.words, sent.tags):
-            pieces = sp.encode(word) or [1]
-            if len(ids) + len(pieces) > seq_length - 1:
-                break
+            pieces = (word_pieces(sp, word) or [UNK_ID])[:room]
+            if ids and len(ids) + len(pieces) > room:  # the sentence goes on in a row of its own
+                rows.append([BOS_ID, *ids, EOS_ID])
+                label_rows.append([IGNORE_INDEX, *labels, IGNORE_INDEX])
+                example.append(k)
+                ids, labels = [], []
             ids += pieces
             labels += [index.get(tag, len(label_names))] + [IGNORE_INDEX] * (len(pieces) - 1)
-        rows.append(ids + [EOS_ID])
-        label_rows.append(labels + [IGNORE_INDEX])
+        rows.append([BOS_ID, *ids, EOS_ID])
+        label_rows.append([IGNORE_INDEX, *labels, IGNORE_INDEX])
+        example.append(k)
     out = torch.full((len(rows), seq_length), IGNORE_INDEX, dtype=torch.long)
     for i, r in enumerate(label_rows):
         out[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return Encoded(_pad(rows, seq_length), out, token_types=_types([[]] * len(rows), seq_length, framing))
+    return Encoded(_pad(rows, seq_length), out, example=np.asarray(example, dtype=np.int64),
+                   token_types=_types([[]] * len(rows), seq_length, framing))
+
+
+def word_pieces(sp, word: str) -> list[int]:
+    """The pieces of one word of a tagged sentence as it stands inside a text: a byte-level BPE
+    (RoBERTa's, Qwen2's) reads a word after a space as 'Ġword', the form running text trains,
+    where the word alone would read as a text's first word; Hugging Face's token classification
+    reads each word so too (is_split_into_words with add_prefix_space). A SentencePiece or
+    WordPiece tokenizer starts every word alike already."""
+    return sp.encode(" " + word) if getattr(sp, "byte_level", False) else sp.encode(word)
 
 
 def piece_offsets(sp, text: str) -> tuple[list[int], list[tuple[int, int]]]:

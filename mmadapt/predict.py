@@ -59,10 +59,10 @@ from mmadapt.heldout import scoring_model
 from mmadapt.hf import SENTENCE_TRANSFORMERS
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
 from mmadapt.run import RUN_FILE, Source, read_source, require_head, run_family, run_text_layout
-from mmadapt.tasks import Task, get_task
+from mmadapt.tasks import Task, get_task, sentence_tags
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
-from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, PAD_ID
+from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 
 MASK = "<mask>"  # how a text marks a masked position for fill_mask
 BATCH_TOKENS = FinetuneConfig.eval_batch_tokens  # piece ids per forward pass of a language model
@@ -501,8 +501,7 @@ class TaskModel:
     def _say_cut(self, examples: list) -> None:
         """A classifier reads the first seq_length pieces of an input (of a pair, the longer text
         cut first), as fine-tuning and `mmadapt evaluate` read it: said on stderr for each input
-        that is cut (a tagger's output says it, a None tag per word past them; QA reads a long
-        context in windows)."""
+        that is cut (a tagger reads a long sentence in rows, QA a long context in windows)."""
         n, encode, pair = self.cfg.seq_length, self.tokenizer.encode, self.finetuned.family.framing.pair_specials
         for i, ex in enumerate(examples, 1):
             pieces = (len(encode(ex.sentence1)) + len(encode(ex.sentence2)) + pair
@@ -525,21 +524,17 @@ class TaskModel:
 
     def predict(self, inputs: list) -> list[dict]:
         """One result per input: classify {"label", "probs": {label: probability}}; tag {"words",
-        "tags"} (a tag per word; None for words past seq_length); span {"answer"} (the context's
-        best span, "" when none fits)."""
+        "tags"} (a tag per word: a long sentence is read in rows of seq_length, encode_tag); span
+        {"answer"} (the context's best span, "" when none fits)."""
         examples, enc, logits = self.logits(inputs)
         kind = self.task.kind
         if kind == "classify":
             probs = logits.softmax(-1)
             return [{"label": self.labels[int(p.argmax())], "probs": dict(zip(self.labels, map(float, p)))}
                     for p in probs]
-        if kind == "tag":
-            out = []
-            for r, ex in enumerate(examples):
-                first = enc.labels[r].ne(IGNORE_INDEX)  # each word's first piece (encode_tag)
-                tags = [self.labels[int(i)] for i in logits[r][first].argmax(-1)]
-                out.append({"words": ex.words, "tags": tags + [None] * (len(ex.words) - len(tags))})
-            return out
+        if kind == "tag":  # each word's tag, a sentence's rows joined (encode_tag)
+            tags = sentence_tags(enc, logits.argmax(-1), self.labels)
+            return [{"words": ex.words, "tags": t} for ex, t in zip(examples, tags)]
         answers = best_spans(logits, enc, examples, self.cfg.max_answer_length)
         return [{"answer": answers[ex.id]} for ex in examples]
 

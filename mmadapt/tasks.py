@@ -210,10 +210,20 @@ def scores(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, label
     out = {"accuracy": 100 * float((pred[scored] == enc.labels[scored]).float().mean())}
     if "chunk_f1" in metric_names(task, labels):
         names = [*labels, "<unseen>"]
-        gold = [[names[i] for i in enc.labels[r][scored[r]].tolist()] for r in range(len(enc))]
-        pred_tags = [[names[i] for i in pred[r][scored[r]].tolist()] for r in range(len(enc))]
+        gold, pred_tags = sentence_tags(enc, enc.labels, names), sentence_tags(enc, pred, names)
         out["chunk_f1"] = chunk_f1(gold, pred_tags)
     return out
+
+
+def sentence_tags(enc: Encoded, ids: torch.Tensor, names: list[str]) -> list[list[str]]:
+    """Per sentence, the tags `ids` [rows, s] give its words (each word's first piece: encode_tag's
+    labelled positions), a sentence's rows joined in order: a chunk may run across two rows."""
+    scored = enc.labels.ne(-100)
+    out: dict[int, list[str]] = {}
+    for r in range(len(enc)):
+        k = int(enc.example[r]) if enc.example is not None else r
+        out.setdefault(k, []).extend(names[i] for i in ids[r][scored[r]].tolist())
+    return list(out.values())
 
 
 def score(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, labels: list[str],

@@ -47,6 +47,40 @@ def test_tag_labels_sit_on_first_pieces(sp):
     assert all(l == -100 for l in labels[n:])
 
 
+def test_a_long_sentence_goes_on_in_rows_of_its_own_and_every_word_is_scored_once(sp):
+    """A sentence past seq_length is read in consecutive rows of its words, each <s> ... </s>
+    (`example`: its sentence), not cut: a tokenizer that splits words finer would otherwise be
+    scored on fewer of them. The metrics join a sentence's rows: a chunk across two rows is one,
+    and a model that always says O misses the entities past the first row."""
+    from mmadapt.config import FinetuneConfig
+    from mmadapt.tasks import TASKS, scores, sentence_tags
+
+    words = ("In the beginning God created the heaven and the earth and the earth was without form and void "
+             "and darkness was upon the face of the deep").split()
+    tags = ["O"] * len(words)
+    tags[-3:] = ["B-LOC", "I-LOC", "I-LOC"]  # "of the deep", at the sentence's end
+    short = TaggedSentence(["And", "God", "said"], ["O", "B-PER", "O"])
+    labels = ["O", "B-LOC", "I-LOC", "B-PER"]
+    enc = F.encode_tag(sp, [TaggedSentence(words, tags), short], labels, seq_length=12)
+    assert len(enc) > 3 and enc.example.tolist() == [0] * (len(enc) - 1) + [1]
+    scored = enc.labels.ne(-100)
+    assert int(scored.sum()) == len(words) + 3  # every word once
+    for r in range(len(enc)):
+        ids = enc.input_ids[r].tolist()
+        real = ids[:ids.index(EOS_ID) + 1]
+        assert real[0] == BOS_ID and len(real) <= 12 and int(scored[r].sum()) > 0
+    pieces = [p for r in range(len(enc) - 1) for p in enc.input_ids[r].tolist()
+              if p not in (BOS_ID, EOS_ID, PAD_ID)]
+    assert pieces == [p for w in words for p in sp.encode(w)]  # the sentence's pieces, in order, once
+    names = labels + ["<unseen>"]
+    assert sentence_tags(enc, enc.labels, names) == [tags, short.tags]
+    # a model that always says O: 3 of 4 gold chunks missed, wherever the row breaks fall
+    logits = torch.zeros(len(enc), 12, len(labels))
+    logits[..., 0] = 1.0
+    got = scores(TASKS["ner"], logits, enc, [], labels, FinetuneConfig())
+    assert got["chunk_f1"] == 0.0 and got["accuracy"] == pytest.approx(100 * (len(words) - 1) / (len(words) + 3))
+
+
 def test_chunk_f1_by_hand():
     gold = [["B-PER", "I-PER", "O", "B-LOC"], ["I-ORG", "I-ORG", "O"]]
     pred = [["B-PER", "I-PER", "O", "B-ORG"], ["I-ORG", "O", "O"]]

@@ -527,11 +527,8 @@ def test_a_tagging_record_carries_its_majority_tag_rate(fresh_primary, de_tokeni
     for r in records:
         tags = [t for row in files[r["lang"]] for t in row["tags"]]
         majority = 100 * max(tags.count("O"), tags.count("B-LORD")) / len(tags)
-        if (r["system"], r["lang"]) == ("no_adaptation", "de"):
-            # The English tokenizer cuts German words into more pieces: at seq_length 48 it reads fewer
-            # of them, and its rates are over those it scores.
-            assert r["scored_items"] < len(tags) and r["metric"] == "accuracy"
-            continue
+        # every word, also where the English tokenizer cuts German words into more pieces than a
+        # row of 48 holds (no adaptation, de): a long sentence goes on in rows of its own
         assert r["metric"] == "accuracy" and r["chance"] == pytest.approx(majority)
         assert r["majority_accuracy"] == pytest.approx(majority) and r["uniform_accuracy"] == 50.0
         assert r["scored_items"] == len(tags)
