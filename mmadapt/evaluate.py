@@ -63,6 +63,11 @@ class Finetuned:
     # artifacts are then swapped into it.
     _model: torch.nn.Module | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
+    @property
+    def framing(self) -> Framing:
+        """How its rows are laid out: as it was fine-tuned (ModelFamily.recorded_framing)."""
+        return self.family.recorded_framing(self.run)
+
     def model(self) -> torch.nn.Module:
         """The evaluation model (dropout off, TP=1: plain torch layers, no process group) with
         these weights, on `parallel.device()` in `devices.eval_dtype`: built on the first call and kept.
@@ -300,7 +305,7 @@ class Scoring:
                    cfg.eval_batch_tokens)  # what the encoding and the batches depend on
             if key not in self.sets:
                 self.sets[key] = eval_set(task, load_tokenizer(tokenizer), self.examples[lang], ft.labels, cfg,
-                                          device_of(model), ft.family.framing)
+                                          device_of(model), ft.framing)
             if artifact is not None:  # on the device in the model's dtype after the first seed: one copy for all
                 own = model.get_parameter(ft.family.word)
                 # An expanded vocabulary keeps the model's own source rows (artifact_state): the

@@ -56,6 +56,7 @@ import torch
 from mmadapt.config import LoopConfig, ModelConfig, TrainConfig
 from mmadapt.features import Framing
 from mmadapt.objectives import Objective
+from mmadapt.tokens import BOS_ID
 
 WORD = "word_embeddings.word_embeddings.weight"  # the shipped families' input embedding [V, h]
 
@@ -156,11 +157,12 @@ class HFMapping:
         return {}
 
     def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig,
-                         text_layout: dict | None = None) -> dict | None:
+                         text_layout: dict | None = None, task_start: tuple[int, ...] = (BOS_ID,)) -> dict | None:
         """How an exported tokenizer lays out a text of `kind` for the model `cfg` (a `tokenizers`
         template over mmadapt's special roles, mmadapt/hf.py); None: an imported tokenizer goes out
         as it is. text_layout: an imported source's (run.run_text_layout), which its Step-2
-        vocabularies trained with."""
+        vocabularies trained with; task_start: what a task model's rows start with (its Step-3
+        record's, features.Framing.start)."""
         raise NotImplementedError
 
     def export_model_type(self, model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
@@ -325,6 +327,17 @@ class ModelFamily:
         """Artifact file key -> parameter name, for every vocabulary-indexed parameter an
         artifact may hold (embeddings.pt; "word_embeddings" is every family's input embedding)."""
         return {"word_embeddings": self.word}
+
+    def task_framing(self, prefix: list[int] | None = None) -> Framing:
+        """The framing of a new Step-3 run over a primary model whose text layout's prefix is
+        `prefix` (run.run_text_layout; None: a model mmadapt pretrained): its rows start as the
+        model read text in training (Objective.text_start)."""
+        return dataclasses.replace(self.framing, start=tuple(self.objective.text_start(prefix)))
+
+    def recorded_framing(self, run: dict) -> Framing:
+        """The framing the Step-3 run recorded in `run` trained with (its task_start; a run
+        recorded before there was one started its rows with <s>)."""
+        return dataclasses.replace(self.framing, start=tuple(run.get("task_start", (BOS_ID,))))
 
     def output_path(self, cfg: ModelConfig) -> OutputPath:
         """The output path of a one-head model of `cfg` (OutputPath)."""

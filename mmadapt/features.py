@@ -2,7 +2,7 @@
 
 Layouts are a model family's `Framing` (ids from mmadapt/tokens.py, padding with PAD_ID to
 seq_length); the default is RoBERTa's, which the shipped families use:
-    classify, one text    <s> a </s>
+    classify, one text    <s> a </s>                      (a decoder starts as it reads text: Framing.start)
     classify, a pair      <s> a </s> </s> b </s>          (longest side truncated first)
     tag                   <s> w1 w2 ... </s>              a word's label on its first piece (a long
                                                           sentence goes on in rows of its own)
@@ -36,17 +36,21 @@ class Framing:
     between the two texts of a pair, and whether the second segment's pieces carry token type 1."""
     separators: int = 2  # RoBERTa: <s> a </s> </s> b </s>; BERT: 1
     token_types: bool = False
+    # What a classify row starts with (<s> above): as the model read text in training
+    # (Objective.text_start), a Step-3 run's record (run.json task_start); a decoder's </s>, or an
+    # imported one's own prefix (Llama's <s>, nothing for Qwen2), since no decoder trains <s>
+    start: tuple[int, ...] = (BOS_ID,)
 
     def pair(self, a: list[int], b: list[int]) -> tuple[list[int], list[int]]:
         """<s> a </s> (</s>) b </s> -> (ids, token types: 0 up to a's closing separators, 1 after)."""
-        first = [BOS_ID, *a, *[EOS_ID] * self.separators]
+        first = [*self.start, *a, *[EOS_ID] * self.separators]
         second = [*b, EOS_ID]
         return first + second, [0] * len(first) + [1] * len(second)
 
     @property
     def pair_specials(self) -> int:
-        """Special pieces in a pair's row: <s>, the separators and the closing </s>."""
-        return 2 + self.separators
+        """Special pieces in a pair's row: its start, the separators and the closing </s>."""
+        return len(self.start) + 1 + self.separators
 
 
 @dataclasses.dataclass
@@ -100,7 +104,7 @@ def encode_classify(sp, examples: list[PairExample] | list[tuple[str, int]], seq
             labels.append(ex.label)
         else:
             text, label = ex
-            rows.append([BOS_ID, *sp.encode(text)[:seq_length - 2], EOS_ID])
+            rows.append([*framing.start, *sp.encode(text)[:seq_length - len(framing.start) - 1], EOS_ID])
             types.append([])
             labels.append(label)
     return Encoded(_pad(rows, seq_length), torch.tensor(labels, dtype=torch.long),

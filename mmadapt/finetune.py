@@ -24,8 +24,8 @@ import torch
 from mmadapt import checkpoint, parallel
 from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.family import ModelFamily
-from mmadapt.features import Encoded
-from mmadapt.run import RUN_FILE, RunSpec, Source, pretrained_blocks, require_kind
+from mmadapt.features import Encoded, Framing
+from mmadapt.run import RUN_FILE, RunSpec, Source, pretrained_blocks, require_kind, run_text_layout
 from mmadapt.tasks import Task, encode, headline, label_names, read_examples
 from mmadapt.tokens import IGNORE_INDEX
 from mmadapt.tokenizer import load as load_tokenizer
@@ -90,7 +90,8 @@ class TaskData:
             raise ValueError(f"{self.train_file} has one label ({labels[0] if labels else 'none'}) in every example: a "
                              "task model learns from at least two classes")
         metric = headline(self.task, labels, cfg)
-        enc = encode(self.task, load_tokenizer(self.primary.tokenizer), examples, labels, cfg, family.framing)
+        framing = self.framing(run, family)
+        enc = encode(self.task, load_tokenizer(self.primary.tokenizer), examples, labels, cfg, framing)
         eval_examples = (read_examples(self.task, self.eval_file, self.source_lang, "test", cfg, labels)
                          if self.eval_file else None)
         # After the data's own checks: a file's mistake is named before the length is.
@@ -101,7 +102,16 @@ class TaskData:
         self.plan = TaskPlan(labels, metric, enc, eval_examples, positions, updates, global_batch)
         return {"task": self.task.name, "labels": labels, "metric": self.plan.metric, "source_lang": self.source_lang,
                 "train_file": self.train_file, "train_examples": len(examples), "train_rows": len(enc),
-                "updates": updates, "global_batch": global_batch}
+                "updates": updates, "global_batch": global_batch, "task_start": list(framing.start)}
+
+    def framing(self, run: RunSpec, family: ModelFamily) -> Framing:
+        """How this run's rows are laid out: as the primary model read text in training
+        (ModelFamily.task_framing: a decoder's rows start with </s>, or its imported tokenizer's
+        prefix), or, resumed, as the run's record says it trained (one recorded before: <s>)."""
+        recorded = run.output_dir / RUN_FILE
+        if run.resume and recorded.is_file():
+            return family.recorded_framing(checkpoint.read_json(recorded, "run file"))
+        return family.task_framing(run_text_layout(self.primary.record).get("prefix"))
 
     def check_resume(self, run: RunSpec) -> None:
         """Everything a --resume must match is in the record."""

@@ -39,6 +39,7 @@ from mmadapt.family import HFMapping, Implied, ModelFamily, inverse_permutation
 from mmadapt.models import FAMILIES
 from mmadapt.run import RUN_TOKENIZER, read_source, require_head
 from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf
+from mmadapt.tokens import BOS_ID
 from mmadapt.tokenizer import kind as tokenizer_kind
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -715,9 +716,10 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                          "drop --primary_tag")
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
-    labels = None
+    labels, task_start = None, (BOS_ID,)
     if finetuned is not None:
         ft = load_finetuned(finetuned)
+        task_start = ft.framing.start  # the rows it was fine-tuned on start so
         family, cfg, state, kind, labels, tokenizer = ft.family, ft.cfg, ft.state, ft.task.kind, ft.labels, ft.tokenizer
         primary_run = Path(ft.run["primary"]["run_dir"])
     else:
@@ -765,7 +767,7 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
     # and a copy cut short would load as a plain transformer (and refuse the rerun as not empty)
     with staged_dir(output_dir) as top:
         summary = {**write_hf(family, top, cfg, state, kind, labels, Path(tokenizer), model_type, text_layout,
-                              primary_run / "tokenizer" / "hf"),
+                              primary_run / "tokenizer" / "hf", task_start),
                    "output_dir": str(output_dir), "embeddings": str(embeddings) if embeddings else None}
         if kind is None and (primary_run / SENTENCE_TRANSFORMERS).is_dir():  # a sentence-transformers source
             write_sentence_transformers(family, top / SENTENCE_TRANSFORMERS, cfg, state, Path(tokenizer), model_type,
@@ -804,15 +806,17 @@ def _document_tokenizer(doc: HFTokenizer, model_max_length: int, source_hf: Path
 
 
 def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg: ModelConfig,
-                     text_layout: dict | None = None, source_hf: Path | None = None):
+                     text_layout: dict | None = None, source_hf: Path | None = None,
+                     task_start: tuple[int, ...] = (BOS_ID,)):
     """The transformers tokenizer that gives a run's `tokenizer` ids to the exported model, laid out
     as the family's mapping says for `kind` (and an imported source's `text_layout`), and hf_ids
     (mmadapt id -> its id; None: the same ids). An imported tokenizer keeps the source's ids (the
     rows go back to the source's order); an expanded one takes the source's settings from
-    `source_hf` (_document_tokenizer)."""
+    `source_hf` (_document_tokenizer). task_start: what a task model's rows start with
+    (features.Framing.start, its Step-3 record's)."""
     import transformers
 
-    layout = mapping.tokenizer_layout(kind, is_hf(tokenizer), cfg, text_layout)
+    layout = mapping.tokenizer_layout(kind, is_hf(tokenizer), cfg, text_layout, task_start)
     if not is_hf(tokenizer):
         return spm_to_hf(tokenizer, cfg.max_position_embeddings, layout), None
     hf_ids = HFTokenizer.read(tokenizer).hf_ids.tolist()
@@ -827,7 +831,8 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
 
 def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None,
              labels: list[str] | None, tokenizer: Path, model_type: str | None = None,
-             text_layout: dict | None = None, source_hf: Path | None = None) -> dict:
+             text_layout: dict | None = None, source_hf: Path | None = None,
+             task_start: tuple[int, ...] = (BOS_ID,)) -> dict:
     """Write the family's LM (kind None) or task model full weights `state` with a run's
     `tokenizer` as a transformers directory of `model_type`'s class for `kind` (the source's
     model type, None for a model mmadapt pretrained: the family's mapping decides,
@@ -840,7 +845,7 @@ def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dic
     model_type = mapping.export_model_type(model_type, cfg, own_tokenizer=is_hf(tokenizer))
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
-    hf_tok, hf_ids = export_tokenizer(mapping, Path(tokenizer), kind, cfg, text_layout, source_hf)
+    hf_tok, hf_ids = export_tokenizer(mapping, Path(tokenizer), kind, cfg, text_layout, source_hf, task_start)
     ids = {"pad": hf_tok.pad_token_id, "bos": hf_tok.bos_token_id, "eos": hf_tok.eos_token_id}
     hf_state = mapping.to_hf(cfg, state, kind, hf_ids, ids, model_type)
     hf_cfg = mapping.hf_config(cfg, kind, labels, ids, model_type)

@@ -57,8 +57,16 @@ class Objective:
         run.run_text_layout: Llama's `<s>`, nothing for Qwen2)."""
         if self.masked:
             return [BOS_ID, *pieces[:positions - 2], EOS_ID]
-        prefix = [EOS_ID] if prefix is None else prefix
+        prefix = self.text_start(prefix)
         return [*prefix, *pieces[:positions - len(prefix)]]
+
+    def text_start(self, prefix: list[int] | None = None) -> list[int]:
+        """What a text starts with as this objective's model read text in training (lm_row): masked,
+        <s>; causal, </s> or an imported decoder's `prefix` (its tokenizer's, possibly nothing).
+        A task row starts so too (features.Framing.start): a decoder never trained its <s> row."""
+        if self.masked:
+            return [BOS_ID]
+        return [EOS_ID] if prefix is None else list(prefix)
 
 
 MLM = Objective("mlm", MLMBatches, masked=True, plugin_task="plugin-mlm", label="MLM", scored="masked pieces")

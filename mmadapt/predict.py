@@ -490,7 +490,7 @@ class TaskModel:
 
     def encode(self, examples: list) -> Encoded:
         """The examples' rows as features.py encodes them for this task (the run's settings)."""
-        cfg, kind, framing = self.cfg, self.task.kind, self.finetuned.family.framing
+        cfg, kind, framing = self.cfg, self.task.kind, self.finetuned.framing
         if kind == "classify":
             self._say_cut(examples)
             return encode_classify(self.tokenizer, examples, cfg.seq_length, framing)
@@ -502,10 +502,10 @@ class TaskModel:
         """A classifier reads the first seq_length pieces of an input (of a pair, the longer text
         cut first), as fine-tuning and `mmadapt evaluate` read it: said on stderr for each input
         that is cut (a tagger reads a long sentence in rows, QA a long context in windows)."""
-        n, encode, pair = self.cfg.seq_length, self.tokenizer.encode, self.finetuned.family.framing.pair_specials
+        n, encode, framing = self.cfg.seq_length, self.tokenizer.encode, self.finetuned.framing
         for i, ex in enumerate(examples, 1):
-            pieces = (len(encode(ex.sentence1)) + len(encode(ex.sentence2)) + pair
-                      if isinstance(ex, PairExample) else len(encode(ex[0])) + 2)
+            pieces = (len(encode(ex.sentence1)) + len(encode(ex.sentence2)) + framing.pair_specials
+                      if isinstance(ex, PairExample) else len(encode(ex[0])) + len(framing.start) + 1)
             if pieces > n:
                 print(f"note: input {i} is {pieces} pieces long with its layout; the {self.task.name} model reads its "
                       f"first {n} (the run's seq_length, as fine-tuning and evaluate read it)", file=sys.stderr)

@@ -426,7 +426,7 @@ def _finetune_results(run_dir: Path, task, plan: TaskPlan, cfg: FinetuneConfig) 
     if plan.eval_examples is not None:
         ft = load_finetuned(run_dir)
         evaluated = eval_set(task, load_tokenizer(ft.tokenizer), plan.eval_examples, ft.labels, cfg,
-                             device_of(ft.model()), ft.family.framing)
+                             device_of(ft.model()), ft.framing)
         scores = score_set(ft, evaluated, cfg)
         chance = chance_levels(task, evaluated.enc, plan.eval_examples, ft.labels, cfg)
         accuracy = scores.get("accuracy")

@@ -32,7 +32,7 @@ def evaluate_scores(ft: Finetuned, examples: list, cfg: FinetuneConfig, artifact
     """Every metric of `examples` with Step 3's model, or with `artifact`'s word embeddings and
     `tokenizer` swapped in (Step 4)."""
     data = eval_set(ft.task, load_tokenizer(tokenizer or ft.tokenizer), examples, ft.labels, cfg,
-                    device_of(ft.model()), ft.family.framing)
+                    device_of(ft.model()), ft.framing)
     return score_set(ft, data, cfg, artifact)
 
 

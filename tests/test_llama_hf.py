@@ -447,10 +447,13 @@ def task_model(cfg: ModelConfig, state: dict, num_labels: int = 3) -> tuple[Llam
 
 @pytest.mark.parametrize("name, german", [("qwen2", False), ("llama2", False), ("qwen2", True)])
 def test_export_of_a_decoder_classifier(name, german, dec_runs, de_tokenizer, tmp_path):
-    """...ForSequenceClassification whose tokenizer gives mmadapt's task rows (<s> a </s>, padded
-    with mmadapt's pad) and whose config pads with that id: the source's tokenizer with roles that
+    """...ForSequenceClassification whose tokenizer gives mmadapt's task rows (a </s>, started as
+    the source's tokenizer starts a text: Qwen2 with nothing, Llama-2 with <s>; padded with
+    mmadapt's pad) and whose config pads with that id: the source's tokenizer with roles that
     rows past it (qwen2) or byte pieces (llama2) hold, or the German SentencePiece swapped in (a
     Qwen2 body then goes out as Llama with attention_bias)."""
+    from mmadapt.run import run_text_layout
+
     from transformers import AutoModelForSequenceClassification, pipeline
 
     cfg, state = LLAMA.primary_model(*load_weights(dec_runs[name]))
@@ -461,20 +464,25 @@ def test_export_of_a_decoder_classifier(name, german, dec_runs, de_tokenizer, tm
         state, cfg = {**state, WORD: torch.randn(v, 32, generator=g) * 0.3}, dataclasses.replace(cfg, vocab_size=v)
     model, full = task_model(cfg, state)
     labels = ["a", "b", "c"]
-    model_type = json.loads((dec_runs[name] / "run.json").read_text())["imported_from"]["model_type"]
-    summary = write_hf(LLAMA, tmp_path / "out", cfg, full, "classify", labels, tokenizer, model_type)
+    record = json.loads((dec_runs[name] / "run.json").read_text())
+    model_type = record["imported_from"]["model_type"]
+    framing = LLAMA.task_framing(run_text_layout(record).get("prefix"))  # as Step 3 lays its rows out
+    assert framing.start == {"qwen2": (), "llama2": (BOS_ID,)}[name]
+    summary = write_hf(LLAMA, tmp_path / "out", cfg, full, "classify", labels, tokenizer, model_type,
+                       task_start=framing.start)
     arch = "LlamaForCausalLM" if german else ARCH[name]  # a Qwen2 body with another tokenizer: Llama
     assert summary["architecture"] == arch.replace("CausalLM", "SequenceClassification")
     sp = load_sp(tokenizer)
     to_hf = torch.tensor(sp.hf_ids) if not german else torch.arange(cfg.vocab_size)
     texts = TEXTS[6:] if german else TEXTS
-    enc = encode_classify(sp, [(t, 0) for t in texts], 64)  # Step 3's rows at the model's 64 positions
+    enc = encode_classify(sp, [(t, 0) for t in texts], 64, framing)  # Step 3's rows at the model's 64 positions
     tok = hf_tokenizer(tmp_path / "out")
     batch = tok(texts, padding=True, truncation=True, return_tensors="pt")  # truncated to model_max_length 64
     assert torch.equal(batch.input_ids, to_hf[enc.input_ids[:, :batch.input_ids.shape[1]]])
     pair = tok("Am Anfang", "schuf Gott").input_ids
-    assert pair == to_hf[[BOS_ID, *sp.encode("Am Anfang"), EOS_ID, EOS_ID, *sp.encode("schuf Gott"), EOS_ID]].tolist()
-    enc_pair = encode_classify(sp, [PairExample("Am Anfang", "schuf Gott", 0)], 48)
+    assert pair == to_hf[[*framing.start, *sp.encode("Am Anfang"), EOS_ID, EOS_ID, *sp.encode("schuf Gott"),
+                          EOS_ID]].tolist()
+    enc_pair = encode_classify(sp, [PairExample("Am Anfang", "schuf Gott", 0)], 48, framing)
     assert pair == to_hf[enc_pair.input_ids[0, :len(pair)]].tolist()
     hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
     assert hf.config.pad_token_id == int(to_hf[PAD_ID]) and hf.config.id2label == dict(enumerate(labels))
@@ -683,7 +691,9 @@ def test_import_minipost_german_export_generate(dec_dirs, corpus, de_corpus, tmp
     finetuned = load_finetuned(ft)
     emb, _, _ = read_artifact(artifact)
     model = dataclasses.replace(finetuned, state=swap_embeddings(finetuned.state, emb)).model()
-    enc = encode(finetuned.task, sp, examples, finetuned.labels, FinetuneConfig(**finetuned.run["finetune"]))
+    assert finetuned.framing.start == ()  # Qwen2 starts a text with nothing: so do its task rows
+    enc = encode(finetuned.task, sp, examples, finetuned.labels, FinetuneConfig(**finetuned.run["finetune"]),
+                 finetuned.framing)
     mine = predict(model, enc.input_ids, 4096)
     got = pipeline("text-classification", model=str(clf), tokenizer=str(clf))([t for t, _ in examples],
                                                                               truncation=True, batch_size=64)

@@ -254,6 +254,16 @@ def test_decoder_finetune_and_zero_shot(decoder_runs, tmp_path):
     ft = load_finetuned(tmp_path / "ft")
     assert records[-1]["system"] == "no_adaptation" and records[-1]["scores"] == evaluate_scores(
         ft, read_examples(ft.task, "bible", "de", "test"), recorded_config(ft))
+    # Its rows start with </s>, as the decoder read text in Step 1 (and Step 2: no <s> row trained),
+    # recorded, and read back by Step 4; a run recorded before there was a record started with <s>.
+    from mmadapt.features import encode_classify
+    from mmadapt.tokenizer import load
+    from mmadapt.tokens import BOS_ID, EOS_ID
+
+    assert ft.run["task_start"] == [EOS_ID] and ft.framing.start == (EOS_ID,)
+    assert encode_classify(load(ft.tokenizer), [("Am Anfang", 0)], 32, ft.framing).input_ids[0, 0] == EOS_ID
+    old = {k: v for k, v in ft.run.items() if k != "task_start"}
+    assert LLAMA.recorded_framing(old).start == (BOS_ID,)
 
 
 def test_decoder_options_the_encoder_refuses(decoder_runs, tmp_path):

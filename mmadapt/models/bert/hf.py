@@ -35,6 +35,7 @@ from mmadapt.models.roberta import hf as roberta_hf
 from mmadapt.models.roberta.hf import (RobertaMapping, body_implied, encoder_config, getter, head_implied, headless_note,
                                        layers_from_hf, layers_to_hf)
 from mmadapt.models.roberta.model import BIAS
+from mmadapt.tokens import BOS_ID
 
 ARCHITECTURES = {"BertForMaskedLM": "bert", "BertModel": "bert"}
 HEADLESS = ("BertModel",)
@@ -147,8 +148,8 @@ class BertMapping(RobertaMapping):
                               type_vocab_size=cfg.type_vocab_size)
 
     def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig,
-                         text_layout: dict | None = None) -> dict | None:
-        # A model with one token type reads a pair's second segment as type 0 (BertEmbeddings):
+                         text_layout: dict | None = None, task_start: tuple[int, ...] = (BOS_ID,)) -> dict | None:
+        # An encoder's rows start with <s> ([CLS]) alone (task_start). A model with one token type reads a pair's second segment as type 0 (BertEmbeddings):
         # its tokenizer, imported or not, must give type 0 there, or transformers indexes a row
         # the model lacks.
         if cfg.type_vocab_size == 1:

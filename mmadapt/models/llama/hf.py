@@ -41,6 +41,7 @@ from mmadapt.config import ModelConfig
 from mmadapt.family import WORD, HFMapping, Implied, inverse_permutation
 from mmadapt.models.llama.model import OUTPUT, validated
 from mmadapt.tokenizer import SPECIAL_ROLES, never_produced
+from mmadapt.tokens import BOS_ID
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 SUPPORTED = ", ".join(ARCHITECTURES)
@@ -303,14 +304,18 @@ class LlamaMapping(HFMapping):
             architectures=[CLASS_PREFIX[model_type] + TASK_CLASSES[kind]], **extra)
 
     def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig,
-                         text_layout: dict | None = None) -> dict | None:
+                         text_layout: dict | None = None, task_start: tuple[int, ...] = (BOS_ID,)) -> dict | None:
         """The exported tokenizer's layout for `kind` (None: the causal LM); None: an imported
         tokenizer exported as it is (the source's own prompt layout, so that a round trip is exact).
         A Step-2 vocabulary of an imported decoder whose tokenizer puts ids before a text
         (`text_layout`'s prefix: Llama's and Mistral's <s>) trained on documents that start so
-        (data.LayoutBatches): its prompt starts so too, and that role is its bos."""
+        (data.LayoutBatches): its prompt starts so too, and that role is its bos. A task model's
+        rows start with its Step-3 run's `task_start` (features.Framing.start: </s> for a decoder
+        mmadapt pretrained, an imported one's prefix; <s> for a run recorded before)."""
         if kind is not None:
-            return TASK_LAYOUT
+            start = " ".join("{%s}" % SPECIAL_ROLES[i] for i in task_start)
+            return {**TASK_LAYOUT, "single": f"{start} $A {{eos}}".strip(),
+                    "pair": f"{start} $A {{eos}} {{eos}} $B {{eos}}".strip()}
         if imported:
             return None
         prefix = (text_layout or {}).get("prefix")

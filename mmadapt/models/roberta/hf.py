@@ -39,6 +39,7 @@ import torch
 from mmadapt.config import ModelConfig
 from mmadapt.family import WORD, HFMapping, Implied, inverse_rows
 from mmadapt.models.roberta.model import BIAS
+from mmadapt.tokens import BOS_ID
 ARCHITECTURES = {"RobertaForMaskedLM": "roberta", "XLMRobertaForMaskedLM": "xlm-roberta",
                  "CamembertForMaskedLM": "camembert", "RobertaModel": "roberta", "XLMRobertaModel": "xlm-roberta"}
 # Bodies without an MLM head (sentence-transformers' checkpoints): imported headless, with their
@@ -332,7 +333,8 @@ class RobertaMapping(HFMapping):
                               max_position_embeddings=cfg.max_position_embeddings + ids["pad"] + 1, type_vocab_size=1)
 
     def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig,
-                         text_layout: dict | None = None) -> dict | None:
+                         text_layout: dict | None = None, task_start: tuple[int, ...] = (BOS_ID,)) -> dict | None:
+        # an encoder's rows start with <s> alone (task_start)
         return None if imported else ENCODER_LAYOUT
 
     def export_model_type(self, model_type: str | None, cfg: ModelConfig, own_tokenizer: bool) -> str:
