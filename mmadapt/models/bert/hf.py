@@ -149,7 +149,8 @@ class BertMapping(RobertaMapping):
 
     def tokenizer_layout(self, kind: str | None, imported: bool, cfg: ModelConfig,
                          text_layout: dict | None = None, task_start: tuple[int, ...] = (BOS_ID,)) -> dict | None:
-        # An encoder's rows start with <s> ([CLS]) alone (task_start). A model with one token type reads a pair's second segment as type 0 (BertEmbeddings):
+        # An encoder's rows start with <s> ([CLS]) alone (task_start). A model with one token
+        # type reads a pair's second segment as type 0 (BertEmbeddings):
         # its tokenizer, imported or not, must give type 0 there, or transformers indexes a row
         # the model lacks.
         if cfg.type_vocab_size == 1:
