@@ -39,9 +39,9 @@ from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig, check_lang
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, DataError, NothingHeldOut, check_corpus
-from mmadapt.graft import OtherRoles, check_siblings
+from mmadapt.graft import check_siblings
 from mmadapt.heldout import Primary, Scorer
-from mmadapt.hf import export_hf, import_any
+from mmadapt.hf import TRANSFORMERS, OtherVocabulary, export_hf, import_any, import_kind
 from mmadapt.run import RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
@@ -232,13 +232,14 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None]:
         staged = ext.run_dir("sibling.new")
         shutil.rmtree(staged, ignore_errors=True)
         try:
-            import_any(ext.into, staged)
+            # with the base's special roles (an instruct sibling's eos is another token than its
+            # base's: graft.other_roles), imported once; a model of another vocabulary on its own,
+            # for check_siblings to name what differs
             try:
-                check = check_siblings(model, read_source(staged), {"vocab_mode": ext.vocab_mode})
-            except OtherRoles:  # an instruct sibling: imported again with the base's special roles
-                shutil.rmtree(staged)
-                import_any(ext.into, staged, roles_from=imported)
-                check = check_siblings(model, read_source(staged), {"vocab_mode": ext.vocab_mode})
+                import_any(ext.into, staged, roles_from=imported if import_kind(ext.into) == TRANSFORMERS else None)
+            except OtherVocabulary:
+                import_any(ext.into, staged)
+            check = check_siblings(model, read_source(staged), {"vocab_mode": ext.vocab_mode})
         except BaseException as e:  # the sibling grafted before, if any, stays as it was
             shutil.rmtree(staged, ignore_errors=True)
             if isinstance(e, ValueError):  # named as the user named them, not as the runs made of them here

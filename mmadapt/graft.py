@@ -69,11 +69,6 @@ class SiblingCheck:
 
 
 
-class OtherRoles(ValueError):
-    """check_siblings' refusal of a sibling imported with other tokens in mmadapt's special roles
-    than its base (other_roles): imported again with the base's (`import-hf --roles_from`), it is one."""
-
-
 def other_roles(base_tokenizer: Path, sibling_tokenizer: Path) -> str | None:
     """Where two imported tokenizers are one source vocabulary (every token at the same source id,
     the same rows) whose imports gave mmadapt's special roles other tokens, which roles and
@@ -83,8 +78,8 @@ def other_roles(base_tokenizer: Path, sibling_tokenizer: Path) -> str | None:
     if not (is_hf(base_tokenizer) and is_hf(sibling_tokenizer)):
         return None
     a, b = HFTokenizer.read(base_tokenizer), HFTokenizer.read(sibling_tokenizer)
-    if (len(a.hf_ids) != len(b.hf_ids) or (a.hf_ids == b.hf_ids).all()
-            or a.tokenizer.get_vocab(with_added_tokens=True) != b.tokenizer.get_vocab(with_added_tokens=True)):
+    if not a.same_vocabulary(b.tokenizer.get_vocab(with_added_tokens=True), len(b.hf_ids)) or (
+            a.hf_ids == b.hf_ids).all():
         return None
 
     def token(tok: HFTokenizer, h: int) -> str:
@@ -127,7 +122,7 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
     roles = other_roles(base.tokenizer, sibling.tokenizer)
     if roles is not None:
         model = (sibling.record.get("imported_from") or {}).get("model", "<its model directory>")
-        raise OtherRoles(f"{sibling.path} has the vocabulary of {base.path}, the model the embeddings were trained "
+        raise ValueError(f"{sibling.path} has the vocabulary of {base.path}, the model the embeddings were trained "
                          f"over, with other tokens in mmadapt's special roles ({roles}): import it again with the "
                          f"base's roles, mmadapt import-hf --model {model} --output_dir <a new directory> "
                          f"--roles_from {base.path}")

@@ -288,6 +288,11 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike,
     return run
 
 
+class OtherVocabulary(ValueError):
+    """roles_of's refusal of a model whose vocabulary is not the --roles_from run's (no sibling
+    of it: extend imports it on its own, and graft.check_siblings names what differs)."""
+
+
 def roles_of(base_run: Path, tok, vocab_size: int, model_dir: Path) -> tuple[list[int], dict]:
     """import-hf --roles_from: the special ids (and their record) of the imported run `base_run`,
     for a model whose tokenizer `tok` is that run's source vocabulary with its `vocab_size` rows
@@ -301,11 +306,10 @@ def roles_of(base_run: Path, tok, vocab_size: int, model_dir: Path) -> tuple[lis
         raise ValueError(f"{what} is not an import-hf run of a Hugging Face model: name the run of the base model "
                          f"{model_dir} was fine-tuned from")
     base = HFTokenizer.read(base_run / RUN_TOKENIZER)
-    if len(base.hf_ids) != vocab_size or (base.tokenizer.get_vocab(with_added_tokens=True)
-                                          != tok.backend_tokenizer.get_vocab(with_added_tokens=True)):
-        raise ValueError(f"{what}: {model_dir} has another vocabulary than that run's model ({len(base.hf_ids)} rows, "
-                         f"{model_dir}'s {vocab_size}, or other tokens): drop --roles_from, or name the run of the "
-                         "model it was fine-tuned from")
+    if not base.same_vocabulary(tok.backend_tokenizer.get_vocab(with_added_tokens=True), vocab_size):
+        raise OtherVocabulary(f"{what}: {model_dir} has another vocabulary than that run's model "
+                              f"({len(base.hf_ids)} rows, {model_dir}'s {vocab_size}, or other tokens): drop "
+                              "--roles_from, or name the run of the model it was fine-tuned from")
     ids = [int(h) for h in base.hf_ids[:len(SPECIAL_ROLES)]]
     # (a decoder family records each role as {id, token, borrowed}, an encoder as its id)
     return ids, {r: {**record["special_ids"][r], "id": h} if isinstance(record["special_ids"][r], dict) else h
@@ -356,21 +360,36 @@ def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task
     """`mmadapt import-hf`: a sentence-transformers directory (modules.json), a sequence
     classifier (hf_classifier.py: a Step-3 run for `task`) or a transformers model (roles_from:
     import_hf's)."""
-    from mmadapt.hf_classifier import import_classifier, is_classifier
+    from mmadapt.hf_classifier import import_classifier
 
     model_dir = Path(model_dir).resolve()
-    kind = ("a sequence classifier" if is_classifier(model_dir) else
-            "a sentence-transformers directory" if (model_dir / "modules.json").is_file() else None)
-    if roles_from is not None and kind is not None:
+    kind = import_kind(model_dir)
+    if roles_from is not None and kind != TRANSFORMERS:
         raise ValueError(f"--roles_from gives a language model its base's special roles; {model_dir} is {kind}, "
                          "whose roles are its tokenizer's: drop --roles_from")
-    if is_classifier(model_dir):
+    if kind == CLASSIFIER:
         return import_classifier(model_dir, output_dir, task)
     if task is not None and (model_dir / "config.json").is_file():
         raise ValueError(f"--task names what a sequence classifier predicts; {model_dir} is not one: drop --task")
-    if (model_dir / "modules.json").is_file():
+    if kind == SENTENCE_TRANSFORMERS_DIR:
         return import_sentence_transformers(model_dir, Path(output_dir))
     return import_hf(model_dir, output_dir, roles_from)
+
+
+# What import_any reads a model directory as (import_kind)
+CLASSIFIER, SENTENCE_TRANSFORMERS_DIR, TRANSFORMERS = ("a sequence classifier", "a sentence-transformers directory",
+                                                        "a transformers model")
+
+
+def import_kind(model_dir: Path) -> str:
+    """What import_any imports `model_dir` as: CLASSIFIER (config.json names a sequence
+    classifier), SENTENCE_TRANSFORMERS_DIR (modules.json) or TRANSFORMERS (a language model or
+    an encoder body, import_hf)."""
+    from mmadapt.hf_classifier import is_classifier
+
+    if is_classifier(model_dir):
+        return CLASSIFIER
+    return SENTENCE_TRANSFORMERS_DIR if (model_dir / "modules.json").is_file() else TRANSFORMERS
 
 
 def import_sentence_transformers(st_dir: Path, output_dir: Path) -> dict:

@@ -199,6 +199,12 @@ class HFTokenizer:
         return {"format": HF_FORMAT, "source": source, "hf_ids": [int(i) for i in hf_ids],
                 "tokenizer": json.loads(tokenizer_json)}
 
+    def same_vocabulary(self, vocab: dict[str, int], rows: int) -> bool:
+        """Whether a tokenizer whose `tokenizers` vocabulary (added tokens included) is `vocab`,
+        over a model of `rows` embedding rows, is this one's source vocabulary: every token at the
+        same source id, the same rows (the special roles' rows may differ: hf_ids)."""
+        return len(self.hf_ids) == rows and self.tokenizer.get_vocab(with_added_tokens=True) == vocab
+
     # --- SentencePieceProcessor's interface, the part mmadapt uses
     def get_piece_size(self) -> int:
         return len(self.hf_ids)
