@@ -93,7 +93,7 @@ def _check_sections(path: Path, ds: dict) -> None:
         if not isinstance(ds.get(key, {}).get("enabled", False), bool):
             raise ValueError(f"DeepSpeed config {path}: its {key}.enabled is {json.dumps(ds[key]['enabled'])}, not "
                              "true or false")
-    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    stage = zero_stage(ds)
     if not isinstance(stage, int) or isinstance(stage, bool):
         raise ValueError(f"DeepSpeed config {path}: its zero_optimization.stage is {json.dumps(stage)}, not a "
                          "number (0, 1 or 2)")

@@ -384,6 +384,7 @@ MLQA_ARTICLES = {"en": r"\b(a|an|the)\b", "es": r"\b(un|una|unos|unas|el|la|los|
                  "de": r"\b(ein|eine|einen|einem|eines|einer|der|die|das|den|dem|des)\b",
                  "ar": r"\sال^|ال", "hi": None, "zh": None}
 _HAN = re.compile(r"[\u4e00-\u9fa5]")
+_ASCII_PUNCTUATION = frozenset(string.punctuation)  # what SQuAD v1.1's metric removes
 
 
 @functools.cache
@@ -391,7 +392,7 @@ def unicode_punctuation() -> frozenset[str]:
     """Every character of a Unicode punctuation category (P*) and ASCII's punctuation: what
     MLQA's metric removes (SQuAD v1.1's removes ASCII's alone)."""
     return frozenset(chr(i) for i in range(sys.maxunicode + 1)
-                     if unicodedata.category(chr(i)).startswith("P")) | frozenset(string.punctuation)
+                     if unicodedata.category(chr(i)).startswith("P")) | _ASCII_PUNCTUATION
 
 
 def _mixed_segmentation(text: str) -> list[str]:
@@ -412,7 +413,7 @@ def normalize_answer(s: str, lang: str = "") -> str:
     language's articles, then whitespace (Chinese: mixed segmentation)."""
     s = s.lower()
     if not lang:
-        s = "".join(ch for ch in s if ch not in set(string.punctuation))
+        s = "".join(ch for ch in s if ch not in _ASCII_PUNCTUATION)
         s = re.sub(r"\b(a|an|the)\b", " ", s)
         return " ".join(s.split())
     punct = unicode_punctuation()

@@ -57,14 +57,20 @@ CLAIM_ORDER = ("eos", "bos", "unk", "pad", "mask")
 # starts with </s>, the document separator, as every text does in the blocks it trained on
 # (data.CausalBatches: no <s> there); so </s> is its bos too, as GPT-2's <|endoftext|> is (an
 # imported Llama's or Mistral's Step-2 vocabulary starts with <s> instead: tokenizer_layout). A
-# classifier's rows are features.py's: <s> a </s>, <s> a </s> </s> b </s>, padded on the right.
+# classifier's rows are features.py's, started as its Step-3 run's were (task_start): start a </s>,
+# start a </s> </s> b </s>, padded on the right (tokenizer_layout writes the templates).
 # A decoder takes no token_type_ids.
 PROMPT_LAYOUT = {"single": "{eos} $A", "pair": "{eos} $A {eos} $B", "padding_side": "left",
                  "tokens": {"bos_token": "eos", "eos_token": "eos", "unk_token": "unk", "pad_token": "pad"},
                  "model_input_names": ["input_ids", "attention_mask"]}
-TASK_LAYOUT = {"single": "{bos} $A {eos}", "pair": "{bos} $A {eos} {eos} $B {eos}", "padding_side": "right",
+TASK_LAYOUT = {"padding_side": "right",
                "tokens": {"bos_token": "bos", "eos_token": "eos", "unk_token": "unk", "pad_token": "pad"},
                "model_input_names": ["input_ids", "attention_mask"]}
+
+
+def _roles(ids) -> str:
+    """mmadapt ids (a text's prefix, a task row's start) as a template's role names: '{eos} {bos}'."""
+    return " ".join("{%s}" % SPECIAL_ROLES[i] for i in ids)
 
 
 # --- config -------------------------------------------------------------------------------------------
@@ -313,7 +319,7 @@ class LlamaMapping(HFMapping):
         rows start with its Step-3 run's `task_start` (features.Framing.start: </s> for a decoder
         mmadapt pretrained, an imported one's prefix; <s> for a run recorded before)."""
         if kind is not None:
-            start = " ".join("{%s}" % SPECIAL_ROLES[i] for i in task_start)
+            start = _roles(task_start)
             return {**TASK_LAYOUT, "single": f"{start} $A {{eos}}".strip(),
                     "pair": f"{start} $A {{eos}} {{eos}} $B {{eos}}".strip()}
         if imported:
@@ -321,7 +327,7 @@ class LlamaMapping(HFMapping):
         prefix = (text_layout or {}).get("prefix")
         if not prefix:
             return PROMPT_LAYOUT
-        roles = " ".join("{%s}" % SPECIAL_ROLES[i] for i in prefix)
+        roles = _roles(prefix)
         return {**PROMPT_LAYOUT, "single": f"{roles} $A", "pair": f"{roles} $A {roles} $B",
                 "tokens": {**PROMPT_LAYOUT["tokens"], "bos_token": SPECIAL_ROLES[prefix[0]]}}
 
