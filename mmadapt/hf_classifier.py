@@ -1,5 +1,5 @@
 """A Hugging Face sequence classifier (BertForSequenceClassification, RobertaForSequenceClassification,
-XLMRobertaForSequenceClassification, ...) fine-tuned outside mmadapt, as a Step-3 run.
+XLMRobertaForSequenceClassification, CamembertForSequenceClassification) fine-tuned outside mmadapt, as a Step-3 run.
 
 People serve task models fine-tuned from a base encoder with transformers, every weight trained.
 `mmadapt import-hf --model <classifier> --task <task>` writes one as the fine-tuning run Step 4
@@ -93,8 +93,8 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
                    and hf_cfg.get("model_type") in f.hf.architectures.values()), None)
     if family is None:
         raise ValueError(f"{model_dir} holds a {arch} (model_type {hf_cfg.get('model_type')}); import-hf --task takes "
-                         "BertForSequenceClassification, RobertaForSequenceClassification and "
-                         "XLMRobertaForSequenceClassification")
+                         "BertForSequenceClassification, RobertaForSequenceClassification, "
+                         "XLMRobertaForSequenceClassification and CamembertForSequenceClassification")
     if _num_labels(hf_cfg) < 2 or hf_cfg.get("problem_type") not in (None, "single_label_classification"):
         raise ValueError(f"{model_dir} is a {hf_cfg.get('problem_type') or 'one-output'} model, not a classifier of "
                          "one label per text (problem_type single_label_classification, 2 labels or more): mmadapt's "

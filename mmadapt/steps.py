@@ -222,7 +222,8 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
     source = read_source(step.primary, step.primary_tag)
     if not source.headless:
         raise ValueError(f"{source.path} has its MLM head already: fit-head trains one for a headless run (import-hf of "
-                         "a BertModel, RobertaModel or XLMRobertaModel, or of a sentence-transformers directory)")
+                         "a BertModel, RobertaModel, XLMRobertaModel or CamembertModel, or of a sentence-transformers "
+                         "directory)")
     family, model = source.family, run.layout.apply(source.cfg)
     if model.pipeline_model_parallel_size > 1:
         raise ValueError("fit-head does not use pipeline parallelism (only the head trains): use "

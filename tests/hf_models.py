@@ -85,6 +85,21 @@ def make_xlmr(out: Path, seed: int = 1, layers: int | None = None) -> Path:
     return _save_model(XLMRobertaForMaskedLM(cfg), out, seed)
 
 
+def make_camembert(out: Path, seed: int = 1) -> Path:
+    """CamembertForMaskedLM: make_xlmr's model and tokenizer under CamemBERT's classes (the same
+    architecture; transformers names its encoder alone CamembertModel)."""
+    from transformers import AutoTokenizer, CamembertConfig, CamembertForMaskedLM, XLMRobertaForMaskedLM
+
+    xlmr = make_xlmr(out.parent / f"{out.name}-as-xlmr", seed)
+    hf = XLMRobertaForMaskedLM.from_pretrained(str(xlmr))
+    cfg = {k: v for k, v in hf.config.to_dict().items() if k not in ("model_type", "architectures")}
+    model = CamembertForMaskedLM(CamembertConfig(**cfg))
+    model.load_state_dict(hf.state_dict(), strict=True)
+    model.save_pretrained(str(out))
+    AutoTokenizer.from_pretrained(str(xlmr)).save_pretrained(str(out))
+    return out
+
+
 # --- decoders: Llama-2 / Mistral (SentencePiece BPE with byte fallback), Qwen2 / Llama-3 (byte-level BPE)
 
 # 3 layers of h 32, 4 heads of 8 in 2 key/value groups (tensor parallel 2 holds one group each).

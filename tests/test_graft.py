@@ -573,6 +573,19 @@ def test_an_imported_classifier_gives_transformers_logits(name, classifiers, tmp
     _assert_transformers_logits(hf_dir, mine)
 
 
+def test_a_camembert_classifier_imports(tmp_path, capsys):
+    """A CamembertForSequenceClassification imports as the XLM-R one does: its encoder is a
+    CamembertModel, taken headless (it was refused as an unknown class in a temporary directory)."""
+    from hf_models import make_camembert, make_classifier
+
+    hf_dir = make_classifier(make_camembert(tmp_path / "camembert"), tmp_path / "camembert-clf")
+    assert json.loads((hf_dir / "config.json").read_text())["architectures"] == ["CamembertForSequenceClassification"]
+    run = tmp_path / "clf"
+    assert main(["import-hf", "--model", str(hf_dir), "--task", "bible-genre", "--output_dir", str(run)]) == 0
+    assert "imported CamembertForSequenceClassification as a bible-genre fine-tuning run" in capsys.readouterr().out
+    _assert_transformers_logits(hf_dir, _mine(run, TEXTS)[1])
+
+
 @pytest.mark.parametrize("name", ["roberta", "bert"])
 def test_a_graft_into_an_imported_classifier_scores_and_exports(name, classifiers, tmp_path, capsys):
     """Step-2 embeddings trained over the base, grafted into the classifier fine-tuned from it:

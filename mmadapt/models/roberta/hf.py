@@ -10,7 +10,7 @@ correspondence is exact (HF name -> mmadapt name, `b` = "roberta."):
     b.embeddings.token_type_embeddings    added into every position row (one type; HF's tokenizers
                                           for these models give no token_type_ids)
     b.embeddings.LayerNorm                embeddings.layernorm
-    b.pooler.dense                        pooler.dense    (a body: RobertaModel, XLMRobertaModel)
+    b.pooler.dense                        pooler.dense    (a body: RobertaModel, XLMRobertaModel, ...)
     b.encoder.layer.i.attention.self.{query,key,value}  layers.i.qkv, per head [nh, 3, hd] rows
     b.encoder.layer.i.attention.output.dense / LayerNorm   layers.i.attn_out / attn_layernorm
     b.encoder.layer.i.intermediate.dense / output.dense    layers.i.fc1 / fc2
@@ -20,7 +20,7 @@ correspondence is exact (HF name -> mmadapt name, `b` = "roberta."):
     classifier.dense / out_proj           dense / out   (sequence classification)
     classifier                            out           (token classification)
     qa_outputs                            out           (question answering: start, end)
-RobertaModel and XLMRobertaModel (sentence-transformers' bodies) have no MLM head: they import
+RobertaModel, XLMRobertaModel and CamembertModel (bodies) have no MLM head: they import
 as headless runs (run.json `imported_from.headless`), with their pooler, until `mmadapt fit-head`
 trains a head over them; export kind "body" writes such a class back (sentence-transformers).
 Only padding positions are computed differently (HF gives them position padding_idx, mmadapt
@@ -41,10 +41,12 @@ from mmadapt.family import WORD, HFMapping, Implied, inverse_rows
 from mmadapt.models.roberta.model import BIAS
 from mmadapt.tokens import BOS_ID
 ARCHITECTURES = {"RobertaForMaskedLM": "roberta", "XLMRobertaForMaskedLM": "xlm-roberta",
-                 "CamembertForMaskedLM": "camembert", "RobertaModel": "roberta", "XLMRobertaModel": "xlm-roberta"}
-# Bodies without an MLM head (sentence-transformers' checkpoints): imported headless, with their
-# pooler (transformers builds these classes with one); `mmadapt fit-head` gives them a head.
-HEADLESS = ("RobertaModel", "XLMRobertaModel")
+                 "CamembertForMaskedLM": "camembert", "RobertaModel": "roberta", "XLMRobertaModel": "xlm-roberta",
+                 "CamembertModel": "camembert"}
+# Bodies without an MLM head (sentence-transformers' checkpoints, and the encoder of a sequence
+# classifier, hf_classifier.py): imported headless, with their pooler (transformers builds these
+# classes with one); `mmadapt fit-head` gives them a head.
+HEADLESS = ("RobertaModel", "XLMRobertaModel", "CamembertModel")
 SUPPORTED = ", ".join(ARCHITECTURES)
 MODEL_TYPE = "roberta"  # what an mmadapt-pretrained encoder is exported as
 CLASS_PREFIX = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert"}
