@@ -118,8 +118,14 @@ def _run_spec(args, text_needed: bool = False) -> RunSpec:
                    layout=Layout.of(args))
 
 
-def _done(rows: list[dict], what: str) -> None:
-    rows = [r for r in rows if "loss" in r]  # training rows (validation rows hold valid_loss)
+def _done(output_dir, what: str) -> None:
+    """Global rank 0: the line a training step ends with, from the run's whole log (metrics.jsonl:
+    a resumed run's updates before the stop included; one resumed from its last save trained
+    nothing in this process, yet its run did)."""
+    log = Path(output_dir) / "metrics.jsonl"
+    if not (parallel.is_rank0() and log.is_file()):
+        return
+    rows = [r for r in steps.logged_rows(Path(output_dir)) if "loss" in r]  # training rows (validation: valid_loss)
     if rows:
         first, last = rows[0], rows[-1]
         heads = ", ".join(f"L{k}: {v:.3f}" for k, v in last.get("head_losses", {}).items())
@@ -165,8 +171,8 @@ def pretrain_main(argv=None) -> int:
     args = pretrain_parser().parse_args(argv)
     model, train = configs_from_args(args)
     run = _run_spec(args, text_needed=True)
-    rows = steps.pretrain(run=run, step=steps.Pretrain(model=model, train=train, recipe=args.recipe))
-    _done(rows, f"{args.recipe} in {args.output_dir}")
+    steps.pretrain(run=run, step=steps.Pretrain(model=model, train=train, recipe=args.recipe))
+    _done(args.output_dir, f"{args.recipe} in {args.output_dir}")
     return 0
 
 
@@ -261,8 +267,8 @@ def minipost_main(argv=None) -> int:
     args = minipost_parser().parse_args(argv)
     step = steps.BuildMinipost(primary=Path(args.primary), train=_schedule(args, args.primary),
                                mini=override(MiniModelConfig(), args), primary_tag=args.primary_tag)
-    rows = steps.build_minipost(run=_run_spec(args), step=step)
-    _done(rows, f"MINIPOST mini-model in {args.output_dir}")
+    steps.build_minipost(run=_run_spec(args), step=step)
+    _done(args.output_dir, f"MINIPOST mini-model in {args.output_dir}")
     return 0
 
 
@@ -280,8 +286,8 @@ def fit_head_parser() -> argparse.ArgumentParser:
 def fit_head_main(argv=None) -> int:
     args = fit_head_parser().parse_args(argv)
     step = steps.FitHead(primary=Path(args.primary), train=_schedule(args, args.primary), primary_tag=args.primary_tag)
-    rows = steps.fit_head(run=_run_spec(args), step=step)
-    _done(rows, f"MLM head over {args.primary} in {args.output_dir}")
+    steps.fit_head(run=_run_spec(args), step=step)
+    _done(args.output_dir, f"MLM head over {args.primary} in {args.output_dir}")
     return 0
 
 
@@ -312,8 +318,8 @@ def adapt_main(argv=None) -> int:
     step = steps.AdaptEmbeddings(system=args.system, source=Path(args.source), lang=args.lang,
                                  train=_schedule(args, args.source), vocab_size=args.vocab_size,
                                  source_tag=args.source_tag, mini_layers=depth)
-    rows = steps.adapt_embeddings(run=_run_spec(args), step=step)
-    _done(rows, f"{args.system} {args.lang} embeddings, artifacts in {Path(args.output_dir) / 'embeddings'}")
+    steps.adapt_embeddings(run=_run_spec(args), step=step)
+    _done(args.output_dir, f"{args.system} {args.lang} embeddings, artifacts in {Path(args.output_dir) / 'embeddings'}")
     return 0
 
 

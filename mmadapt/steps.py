@@ -253,7 +253,8 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
             head = scoring_model(family, *primary_head_state(run.output_dir))  # as every later step reads it
             heldout = masked_loss(head, on_device(blocks, device_of(head)))
             text = (len(blocks), sum(int(l.ge(0).sum()) for _, l in blocks))
-            started.record.finish(**_head_fit_report(run, source.path, rows, (heldout, unigram, text),
+            started.record.finish(**_head_fit_report(run, source.path, logged_rows(run.output_dir),
+                                                     (heldout, unigram, text),
                                                      family.step_flops("fit_head", model, step.train.seq_length,
                                                                        step.train.mask_prob), step.train))
         return rows
@@ -281,11 +282,19 @@ def head_scale(word: torch.Tensor) -> float:
     return float(1.0 / (word.shape[1] ** 0.5 * word.float().std()))
 
 
+def logged_rows(run_dir: Path) -> list[dict]:
+    """The rows of the run's metrics.jsonl: every update's log of the run, those of a process
+    that was stopped and resumed included (train_lm returns this process's rows only: a fit
+    resumed from a checkpoint of its last update trains nothing and returns none)."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], scores: tuple, seq_flops: float,
                      train: TrainConfig) -> dict:
-    """Global rank 0, after the head fit: the source's tokenizer files and sentence-transformers
-    modules copied beside the new head (export-hf hands them back), the fitted head's loss against
-    the unigram reference (printed), and the fit's cost, a Step-1 cost.
+    """Global rank 0, after the head fit (rows: the run's logged rows, logged_rows): the source's
+    tokenizer files and sentence-transformers modules copied beside the new head (export-hf hands
+    them back), the fitted head's loss against the unigram reference (printed), and the fit's
+    cost, a Step-1 cost.
 
     scores: (heldout, unigram, (blocks, pieces)): the fitted head's loss and the reference's
     (already in run.json) on the same distinct blocks of the text (at most UNIGRAM_BLOCKS), every
@@ -420,8 +429,7 @@ def _finetune_results(run_dir: Path, task, plan: TaskPlan, cfg: FinetuneConfig) 
     source-language score on the eval file (exactly the saved fp32 model, on this rank alone: a
     TP=1 model needs no process group) and every warning (a run that learned nothing says so in
     its log, run.json and summary line, and Step 4 and `report` flag every record made from it)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if "loss" in r]
+    losses = [r["loss"] for r in logged_rows(run_dir) if "loss" in r]
     results = {"final_loss": losses[-1] if losses else None}
     accuracy = chance = None
     if plan.eval_examples is not None:

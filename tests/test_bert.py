@@ -500,6 +500,26 @@ def test_a_head_fit_on_too_little_text_says_it_cannot_judge(headless, tmp_path, 
     assert record["below_unigram"] is None and "too little text to judge" in out, out
 
 
+def test_a_head_fit_stopped_after_its_last_save_keeps_its_final_loss(headless, corpus, tmp_path, capsys):
+    """A head fit stopped after it saved its last update, before it finished its record: resumed,
+    it trains nothing in that process, yet its record and done line keep the run's final training
+    loss (read from the run's log; its record had final_loss None and no done line)."""
+    args = ["fit-head", "--primary", str(headless["run"]), "--corpus", str(corpus), "--output_dir",
+            str(tmp_path / "head"), "--train_iters", "4", "--save_interval", "4", *E2E_SCHEDULE, "--log_interval", "2"]
+    assert main(args) == 0
+    path = tmp_path / "head" / "run.json"
+    finished = json.loads(path.read_text())
+    done = [l for l in capsys.readouterr().out.splitlines() if l.startswith("done: step 4, loss ")]
+    assert finished["final_loss"] is not None and len(done) == 1
+    started = {k: v for k, v in finished.items() if k not in ("final_loss", "heldout_loss", "below_unigram", "flops",
+                                                                "v100_days")}
+    path.write_text(json.dumps(started, indent=2))  # the record as the run left it when stopped
+    assert main([*args, "--resume"]) == 0
+    resumed = json.loads(path.read_text())
+    assert resumed["final_loss"] == finished["final_loss"] and resumed["heldout_loss"] == finished["heldout_loss"]
+    assert [l for l in capsys.readouterr().out.splitlines() if l.startswith("done: ")] == done
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["bert", "xlmr"])
 def test_headless_sentence_encoder_end_to_end(kind, headless, headless_xlmr, corpus, de_corpus, de_tokenizer,
