@@ -51,9 +51,9 @@ from tqdm import tqdm
 from mmadapt import faults, parallel, steps
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import atomic_write, read_json, staged_dir, write_weights_only
-from mmadapt.config import (OUTPUT_BIAS_INITS, RECIPES, SYSTEMS, Checked, FinetuneConfig, MiniModelConfig, ModelConfig,
-                            Parser, PreprocessConfig, TrainConfig, _f, add_dataclass_args, apply_recipe, override,
-                            to_dict)
+from mmadapt.config import (CHANGEABLE_ON_RESUME, OUTPUT_BIAS_INITS, RECIPES, SYSTEMS, Checked, FinetuneConfig,
+                            MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig, _f, add_dataclass_args,
+                            apply_recipe, override, to_dict)
 from mmadapt.corpora import BIBLE_VERSIONS, GENRES, bible_db_path, parallel_verses
 from mmadapt.data import read_manifest
 from mmadapt.evaluate import evaluate_artifacts, retrieval_records
@@ -185,13 +185,14 @@ def pack_source_models(pretrain_root: Path, family: str = "roberta") -> None:
 
 def check_shipped(recipe: str, model: dict, train: dict) -> dict:
     """The shipped Step-1 model of `recipe` ({"state", "run"}) of model["family"], if it was
-    pretrained with exactly `model` and `train` (the settings --from_scratch would use); else a
+    pretrained with exactly `model` and `train` (the settings --from_scratch would use) but for
+    how it ran (config.CHANGEABLE_ON_RESUME: the log and save intervals, --fusion, ...); else a
     ValueError naming the first setting that differs."""
     blob = torch.load(source_models(ModelConfig(**model).family) / f"{recipe}.pt", map_location="cpu", weights_only=False)
     defaults = recorded_defaults()  # a field newer than the shipped record ran at its default
     for name, mine, shipped in (("model", model, blob["run"]["model"]), ("train", train, blob["run"]["train"])):
         mine = json.loads(json.dumps(mine))
-        diff = next((k for k in mine if k not in ("log_interval", "save_interval")
+        diff = next((k for k in mine if k not in CHANGEABLE_ON_RESUME  # how it ran (fusion, ...), not what
                      and mine[k] != shipped.get(k, defaults.get(f"{name}.{k}"))), None)
         if diff is not None:
             raise ValueError(f"the shipped {recipe} model was pretrained with {diff} {shipped.get(diff)}, this demo "

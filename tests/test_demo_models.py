@@ -91,6 +91,9 @@ def test_another_step1_seed_needs_from_scratch_and_is_refused_before_anything_is
     assert not (tmp_path / "d").exists()
     Demo(DemoConfig(pretrain_seed=2), tmp_path / "d", from_scratch=True).check_sources()  # nothing to check
     Demo(DemoConfig(), tmp_path / "d").check_sources()  # the default is the shipped models' setting
+    # for the decoder too: its models were pretrained with --fusion none, the default is now auto (how
+    # a run runs, not what it trains: the demo refused to start)
+    Demo(DemoConfig(family="llama"), tmp_path / "d").check_sources()
 
 
 def test_family_dependent_settings_resolve_per_family_and_yield_to_the_command_line():
