@@ -523,10 +523,10 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
         raise ValueError(f"the results hold no {baseline} runs: the near-maximal target is 95% of its final score; "
                          f"pass --baseline with one of their systems ({', '.join(systems)})")
     hits = near_max_hits(cs, baseline, device)
-    out, task_avg = [], {}
+    out, per_task = [], {}
     for task in tasks:
         t = TaskScores.of(records, cs, task, systems)
-        task_avg[task] = t.avg
+        per_task[task] = t
         out += _final_table(t, everything, baseline, device)
         bought = adaptation_markdown(everything, task)
         out += ["", bought.rstrip("\n")] if bought else []
@@ -536,8 +536,9 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
     if len(tasks) > 1:  # the paper's single retention number (footnote 4): the mean of the per-task ones
         out += [f"## retention against {baseline}, mean over tasks ({', '.join(tasks)})", "",
                 "| system | retention |", "|---|---|"]
-        for s in [s for s in systems if all(s in task_avg[t] for t in tasks)]:
-            ret = retention({t: task_avg[t][s] for t in tasks}, {t: task_avg[t][baseline] for t in tasks})
+        for s in [s for s in systems if all(s in per_task[t].final for t in tasks)]:
+            avgs = {t: per_task[t].shared_avgs(s, baseline) for t in tasks}  # each over the languages both have
+            ret = retention({t: a[0] for t, a in avgs.items()}, {t: a[1] for t, a in avgs.items()})
             out.append(f"| {s} | {100 * ret:.1f}% |")
         out.append("")
     return "\n".join(out)
@@ -579,6 +580,31 @@ class TaskScores:
         return cls(task, langs, task_systems, final, avg, {s: sum(v) / len(v) for s, v in cost.items()}, floors,
                    gain, finetune_warnings(records, task))
 
+    def shared(self, s: str, of: str) -> list[int]:
+        """The languages (indices into langs) where both `s` and `of` have a score."""
+        return [i for i, (a, b) in enumerate(zip(self.final[s], self.final[of])) if a is not None and b is not None]
+
+    def shared_avgs(self, s: str, of: str) -> tuple[float, float]:
+        """`s`'s and `of`'s averages over the languages both have (nan where they share none): a
+        system without a hard language must not look better than one with it."""
+        both = self.shared(s, of)
+        if not both:
+            return math.nan, math.nan
+        return tuple(sum(self.final[x][i] for i in both) / len(both) for x in (s, of))
+
+    def retention(self, s: str, of: str) -> float:
+        """retention() of `s` against `of` on this task, over the languages both have."""
+        mine, theirs = self.shared_avgs(s, of)
+        return retention({self.task: mine}, {self.task: theirs}) if theirs else math.nan
+
+    def gain_share(self, s: str, of: str) -> float:
+        """`s`'s gain over chance as a share of `of`'s, over the languages both have (nan where
+        `of` gained nothing there, or they share none)."""
+        both = self.shared(s, of) if of in self.final else []
+        lang = [self.langs[i] for i in both]
+        theirs = sum(self.final[of][i] - self.floors[l] for i, l in zip(both, lang)) if self.floors else 0.0
+        return sum(self.final[s][i] - self.floors[l] for i, l in zip(both, lang)) / theirs if theirs > 0 else math.nan
+
 
 def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: str) -> list[str]:
     """Table 2 for one task: each system's last score per language (↓ where not above no
@@ -602,19 +628,26 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
             + " |", "|---" * (len(t.langs) + 5 + len(extra)) + "|"]
 
     def share(s: str, of: str) -> str:
-        whole = gain.get(of, math.nan)
-        return f"{100 * gain[s] / whole:.0f}%" if whole > 0 else "-"
+        part = t.gain_share(s, of)
+        return "-" if math.isnan(part) else f"{100 * part:.0f}%"
 
     marks = {s: [_mark(everything, s, t.task, lang, v) if v is not None else "" for v, lang in zip(t.final[s], t.langs)]
              for s in t.systems}
+    fewer = [s for s in t.systems if len(t.shared(s, baseline)) < len([v for v in t.final[baseline] if v is not None])]
     for s in t.systems:
-        ret = t.avg[s] / t.avg[baseline] if t.avg[baseline] else math.nan
+        ret = t.retention(s, baseline)
         cells = [] if floors is None else [format(gain[s], "+" + f), share(s, baseline)]
         cells += [share(s, ceiling_of(s))] if with_ceiling else []
         out.append(f"| {s}{' (!)' if s in t.warned else ''} | {t.cost[s] / 1e18:.3g} | "
                    f"{device_days(t.cost[s], device):.3g} | " +
                    " | ".join(["-" if v is None else format(v, f) + m for v, m in zip(t.final[s], marks[s])]
-                              + [format(t.avg[s], f), f"{100 * ret:.1f}%"] + cells) + " |")
+                              + [format(t.avg[s], f), f"{100 * ret:.1f}%{'*' if s in fewer else ''}"] + cells)
+                   + " |")
+    if fewer:
+        out += ["", f"*: retention and shares over the languages it shares with {baseline} (its average is over "
+                "its own languages): " + "; ".join(
+                    f"{s} has {', '.join(t.langs[i] for i in t.shared(s, baseline)) or 'none of them'}"
+                    for s in fewer) + "."]
     if any(any(m) for m in marks.values()):
         out += ["", "↓: not above the same fine-tuned model with no adaptation in that language (what adaptation "
                 "bought, below)."]

@@ -184,6 +184,24 @@ def test_gain_over_chance_uses_each_languages_own_chance_level():
     assert "gain over chance" not in md and "No chance level in these records" in md
 
 
+def test_retention_and_shares_are_over_the_languages_both_systems_have():
+    """MINIJOINT run in de alone, BL_BASE in de and a hard ur: its retention is 78 / 80 = 97.5% and
+    its share of BL_BASE's gain (78 - 30) / (80 - 30) = 96%, both over de; against BL_BASE's
+    average over both languages they read 130.0% and 160%, better than BL_BASE where it is worse.
+    The mean over tasks takes each task's shared-language retention: (97.5% + 50 / 60) / 2."""
+    rec = [("bl_base", "genre", "de", 80.0), ("bl_base", "genre", "ur", 40.0), ("minijoint", "genre", "de", 78.0),
+           ("bl_base", "retrieval", "de", 60.0), ("minijoint", "retrieval", "de", 50.0)]
+    records = [{"system": s, "task": t, "lang": l, "step": 1, "flops": 1e18, "score": v, "chance": 30.0}
+               for s, t, l, v in rec]
+    md = report_markdown(records)
+    assert "| bl_base | 1 | 0.386 | 80.0 | 40.0 | 60.0 | 100.0% | +30.0 | 100% |" in md
+    assert "| minijoint | 1 | 0.386 | 78.0 | - | 78.0 | 97.5%* | +48.0 | 96% |" in md
+    assert ("*: retention and shares over the languages it shares with bl_base (its average is over its own "
+            "languages): minijoint has de.") in md
+    assert f"| minijoint | {100 * (78 / 80 + 50 / 60) / 2:.1f}% |" in md
+    assert "97.5%*" not in report_markdown([r for r in records if r["lang"] == "de"])  # the same languages: no mark
+
+
 def test_records_from_a_fine_tune_at_chance_are_flagged():
     records = [{"system": s, "task": "genre", "lang": "de", "step": 1, "flops": 1e18, "score": v, "chance": 20.0}
                for s, v in [("bl_base", 40.0), ("minijoint", 21.0)]]
