@@ -50,7 +50,7 @@ import torch
 from mmadapt.data import MANIFEST, TOKENIZER, VALID, DataError, corpus_fingerprint, read_manifest
 from mmadapt.features import piece_offsets
 from mmadapt.run import run_text_layout
-from mmadapt.tokens import EOS_ID, MASK_ID, PAD_ID, UNK_ID
+from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID
 
 BPB_BYTES = 8192  # held-out bytes scored per language: the same text for every row of one language
 BATCH_TOKENS = 16_384  # positions per scoring batch (padding included), a GPU's: on a CPU, batches this large
@@ -155,14 +155,15 @@ class Layout:
     @classmethod
     def of(cls, record: dict, masked: bool) -> "Layout":
         """An imported model's tokenizer's layout (run.run_text_layout); a model mmadapt trained
-        reads what its stream puts around a sentence: a decoder, the `</s>` of the sentence
-        before (which also gives an imported decoder with no prefix, Qwen2's, something to
-        predict the first piece from, as lm-eval's end-of-text token does); an encoder, `</s>`
-        after it."""
+        reads a text as its objective's lm_row frames one, as its training stream put it: a
+        decoder, the `</s>` of the sentence before (which also gives an imported decoder with no
+        prefix, Qwen2's, something to predict the first piece from, as lm-eval's end-of-text
+        token does); an encoder, `<s> text </s>` (every block it trained on starts with <s>: its
+        position 0 never held anything else)."""
         layout = run_text_layout(record)
         prefix, suffix = tuple(layout.get("prefix") or ()), tuple(layout.get("suffix") or ())
         if masked:
-            return cls(prefix, suffix if layout else (EOS_ID,))
+            return cls(prefix, suffix) if layout else cls((BOS_ID,), (EOS_ID,))
         return cls(prefix or (EOS_ID,), ())
 
     @property

@@ -20,7 +20,7 @@ from mmadapt.models.llama import LLAMA
 from mmadapt.models.llama.presets import LLAMA_TINY
 from mmadapt.models.roberta import ROBERTA
 from mmadapt.models.roberta.presets import PRESETS as ROBERTA_PRESETS
-from mmadapt.tokens import EOS_ID, MASK_ID, UNK_ID
+from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID, UNK_ID
 
 
 class _Piece:
@@ -153,7 +153,7 @@ def _encoder(vocab: int, seed: int = 0) -> torch.nn.Module:
 
 
 def _encoder_bpb(model, sp, text, whole_word=True) -> float:
-    rows = B.masked_rows(sp, text, B.Layout((), (EOS_ID,)), 60, whole_word=whole_word)
+    rows = B.masked_rows(sp, text, B.Layout.of({}, masked=True), 60, whole_word=whole_word)  # an mmadapt encoder's
     return H.summed_nats(model, on_device(B.batches(rows), torch.device("cpu"))) / text.bytes / math.log(2)
 
 
@@ -173,10 +173,24 @@ def test_encoder_score_is_the_pll_word_l2r_by_hand():
                 ids += [i for _, i in sp.split[w]]
             for a, b in spans:
                 for j in range(a, b):
-                    row = ids[:j] + [MASK_ID] * (b - j) + ids[b:] + [EOS_ID]
-                    logp = torch.log_softmax(model.logits(torch.tensor([row]))[0][0, j].float(), -1)
+                    row = [BOS_ID] + ids[:j] + [MASK_ID] * (b - j) + ids[b:] + [EOS_ID]
+                    logp = torch.log_softmax(model.logits(torch.tensor([row]))[0][0, 1 + j].float(), -1)
                     nats -= float(logp[ids[j]])
     assert _encoder_bpb(model, sp, text) == pytest.approx(nats / text.bytes / math.log(2), rel=1e-5)
+
+
+@pytest.mark.parametrize("objective", ["mlm", "causal"])
+def test_a_model_mmadapt_trained_reads_a_text_as_its_objective_frames_one(objective):
+    """Bits per byte's layout for a model mmadapt trained (no imported tokenizer layout) is its
+    objective's lm_row: an encoder's `<s> text </s>` (every training block starts with <s>; the
+    layout had nothing before the text), a decoder's `</s> text`."""
+    from mmadapt.objectives import OBJECTIVES
+
+    obj, pieces = OBJECTIVES[objective], [7, 8, 9]
+    layout = B.Layout.of({"model": {}}, masked=obj.masked)
+    assert [*layout.prefix, *pieces, *layout.suffix] == obj.lm_row(pieces, 64)
+    imported = {"imported_from": {"text_layout": {"prefix": [0], "suffix": [2]}}}
+    assert B.Layout.of(imported, masked=True) == B.Layout((0,), (2,))  # an imported tokenizer's own
 
 
 def test_encoder_score_is_unchanged_by_a_larger_vocabulary_that_splits_every_word_the_same():
@@ -209,7 +223,7 @@ class Oracle(torch.nn.Module):
     """The exact masked-LM of a text of words drawn independently and uniformly from `LEXICON`,
     each word `width` pieces (`words`: the lexicon's piece ids): a masked piece's distribution is
     that of the lexicon words agreeing with the visible pieces of its own word (other words say
-    nothing). Rows: the words' pieces then </s>."""
+    nothing). Rows: <s>, the words' pieces, then </s> (an mmadapt encoder's layout)."""
 
     def __init__(self, words: list[tuple[int, ...]]):
         super().__init__()
@@ -220,7 +234,7 @@ class Oracle(torch.nn.Module):
         nats = 0.0
         for flat, target in zip(masked_index.tolist(), targets.tolist()):
             row, pos = divmod(flat, s)
-            first = pos - pos % self.width
+            first = pos - (pos - 1) % self.width  # the word's first piece (position 0 holds <s>)
             seen = {k: int(ids[row, first + k]) for k in range(self.width) if int(ids[row, first + k]) != MASK_ID}
             agree = [w for w in self.words if all(w[k] == v for k, v in seen.items())]
             nats -= math.log(sum(w[pos - first] == target for w in agree) / len(agree))
