@@ -38,6 +38,7 @@ from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, ByteScorer
 from mmadapt.checkpoint import tag_for
 from mmadapt.data import TOKENIZER, file_sha256, read_manifest
 from mmadapt.devices import progress
+from mmadapt.evaluate import apart_runs
 from mmadapt.graft import check_siblings, grafted, not_a_graft
 from mmadapt.heldout import Primary, Scorer, Text
 from mmadapt.run import read_source
@@ -143,6 +144,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                   "none_bpb": per_byte.none(raw), "bpb_bytes": raw.bytes,
                   **_source_bits(per_byte, run, primary, tok, emb, meta)}
         records.append(record if artifact_primary_ref(meta).same(ref) else grafted(record, primary_run))
+    apart_runs(records)  # two runs of one system and language: two curves, as the task records keep them
     return records
 
 

@@ -4,6 +4,7 @@ reference counted by hand, and the records against hand-computed values."""
 import dataclasses
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -119,6 +120,11 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
     # predicts better than a uniform model of its bytes (8 bits).
     assert abs(rec["bpb"] - rec["none_bpb"]) < 0.01 and rec["start_bpb"] == pytest.approx(rec["bpb"])
     assert 0 < rec["bpb"] < 8 and rec["bpb_bytes"] > 0.9 * 8192 and "source_bpb" not in rec
+    # Two runs of one system and language stay two (evaluate.apart_runs, as task records): they
+    # were one row of the report, its start and last from either run.
+    shutil.copytree(run, tmp_path / "adapt-2")
+    two = P.plugin_records(primary_run, [run, tmp_path / "adapt-2"], {"en": english}, 32, blocks=64, batch_size=16)
+    assert sorted(r["system"] for r in two) == ["minijoint [adapt-2]", "minijoint [adapt]"]
 
 
 def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus, de_tokenizer, tmp_path, capsys,
