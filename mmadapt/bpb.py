@@ -84,7 +84,7 @@ def heldout_lines(data_path: str | Path, max_bytes: int = BPB_BYTES) -> list[lis
         raise DataError(f"corpus {corpus} changed since {data_path} was prepared from it: prepare it again")
     seed = manifest.get("valid_seed", PreprocessConfig.tokenizer_seed)
     docs, doc, total, held = [], None, 0, None
-    with open(corpus, encoding="utf-8") as f:
+    with open(corpus, encoding="utf-8", newline="\n") as f:  # lines as prepare splits them: at \n alone
         for raw in f:
             line = raw.strip()
             if not line:
@@ -225,12 +225,14 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
             rows += window_rows(ids, words, a, b)
         pieces += len(ids)
         unknown += sum(i == UNK_ID for i in ids)
-        unk_bytes += sum(len(line[b:e].encode("utf-8")) for i, (b, e) in zip(ids, spans) if i == UNK_ID)
+        unk = [(b, e) for i, (b, e) in zip(ids, spans) if i == UNK_ID]
+        unk_bytes += sum(len(line[b:e].encode("utf-8")) for b, e in unk)
+        in_unk = {k for b, e in unk for k in range(b, e)}  # charged already, as <unk>'s bytes
         # a character the normalizer drops: its span is a neighbour's, so only encoding it alone tells
-        for ch in line:
+        for k, ch in enumerate(line):
             if ch not in dropped:
                 dropped[ch] = not ch.isspace() and not sp.encode(ch)
-            unk_bytes += len(ch.encode("utf-8")) if dropped[ch] else 0
+            unk_bytes += len(ch.encode("utf-8")) if dropped[ch] and k not in in_unk else 0
     return Rows(rows, pieces, unknown, unk_bytes)
 
 

@@ -140,6 +140,9 @@ def test_the_bytes_of_a_character_the_normalizer_drops_are_charged_as_unknown(to
     a, b = (B.causal_rows(sp, B.RawText((t,), "test"), layout, 64) for t in (clean, marked))
     assert a.rows == b.rows and a.unknown == b.unknown == 0
     assert (a.unknown_bytes, b.unknown_bytes) == (0, 3)
+    # One inside an <unk>'s span is charged once, with that span's bytes (it was charged twice)
+    inside = B.causal_rows(sp, B.RawText(("God \u0416\x07 said",), "test"), layout, 64)
+    assert (inside.unknown, inside.unknown_bytes) == (1, len("\u0416\x07".encode()))
     nats = 7.0
     assert B.RawText((marked,), "t").bytes == len(clean) + 3
     ours = B.prepare(sp, B.RawText((marked,), "t"), layout, False, 64, torch.device("cpu"))
@@ -280,6 +283,21 @@ def test_heldout_lines_are_the_validation_documents(english, corpus):
     assert [line for d in docs for line in d] == [line.strip() for d in held for line in d][:sum(map(len, docs))]
 
 
+def test_heldout_lines_split_lines_at_newlines_alone_as_prepare_does(tokenizer, tmp_path):
+    """A lone carriage return inside a line is part of the line for prepare (it splits at \\n):
+    the held-out lines read back keep it (they were split at it too, and the check against the
+    stored split refused the text, with no fix that worked)."""
+    from mmadapt.data import prepare
+
+    corpus = tmp_path / "cr.txt"
+    with open(corpus, "w", encoding="utf-8", newline="") as f:
+        f.write("".join(f"In the beginning {i}.\rAnd the earth was.\nAnd God said.\n\n" for i in range(40)))
+    prepare(corpus, tmp_path / "prep", 1000, tokenizer=tokenizer, quiet=True,
+            cfg=PreprocessConfig(workers=1, valid_fraction=0.5))
+    docs = B.heldout_lines(tmp_path / "prep", 10_000)
+    assert docs and all(d[0].endswith(".\rAnd the earth was.") and d[1:] == ["And God said."] for d in docs)
+
+
 def test_heldout_lines_refuse_a_split_they_cannot_read_back(english, tmp_path):
     """A manifest whose seed is not the one the split was made with: the lines read back are not
     the split's, refused in one line (not scored as if they were)."""
@@ -298,7 +316,8 @@ def test_heldout_lines_refuse_a_split_they_cannot_read_back(english, tmp_path):
 
 def test_the_primarys_own_rows_as_an_artifact_are_no_adaptation(primary_run, english, tokenizer, tmp_path):
     """plugin_records through the primary: an 'artifact' of its own embeddings and primary-head
-    bias with its own tokenizer scores exactly what no adaptation scores, at update 0 and after."""
+    bias with its own tokenizer scores exactly what no adaptation scores; a later one (its bias
+    moved) scores otherwise, and its start is update 0's score."""
     from mmadapt import plugin as P
     from mmadapt.artifact import write_artifact
     from mmadapt.checkpoint import tag_for
@@ -311,13 +330,17 @@ def test_the_primarys_own_rows_as_an_artifact_are_no_adaptation(primary_run, eng
     meta = {"system": "bl_base", "lang": "en", "step": 0, "flops": 0.0, "flops_paper": 0.0, "v100_days": 0.0,
             "tokens": 0, "source": str(primary_run), "source_tag": tag_for(PRIMARY_ITERS)}
     own = {"word_embeddings": state[WORD], "output_bias": state["heads.heads.1.bias"]}
-    for step in (0, 3):
-        write_artifact(run / "embeddings" / tag_for(step), own, tokenizer, {**meta, "step": step})
+    moved = {**own, "output_bias": own["output_bias"] + torch.randn(own["output_bias"].shape,
+                                                                     generator=torch.Generator().manual_seed(0))}
+    for step, art in ((0, own), (3, moved)):
+        write_artifact(run / "embeddings" / tag_for(step), art, tokenizer, {**meta, "step": step})
     (run / "run.json").write_text(json.dumps({"system": "bl_base", "lang": "en", "train": {"seed": 1}}))
     records = P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=16, batch_size=16, bpb_bytes=2000)
     assert [r["step"] for r in records] == [0, 3]
+    first, later = records
+    assert first["bpb"] == pytest.approx(first["none_bpb"], rel=1e-6)
+    assert later["bpb"] > later["none_bpb"] + 0.01 and later["start_bpb"] == first["bpb"]
     for r in records:
-        assert r["bpb"] == pytest.approx(r["none_bpb"], rel=1e-6) and r["start_bpb"] == pytest.approx(r["bpb"])
         assert 0.9 * 2000 < r["bpb_bytes"] < 2000 + 1000  # the lines read, less the spaces where they are cut
 
 
