@@ -118,15 +118,16 @@ def heldout_batches(text: "Text", vocab_size: int, objective: Objective = MLM, p
         data = SentenceRows(text.data, held_out, vocab_size, prefix, split=text.split)
     else:
         data = objective.batches(text.data, held_out, vocab_size, split=text.split)
-    n = min(text.blocks, len(data)) // text.batch_size
-    if n == 0 and len(data):  # fewer blocks than a batch (a small held-out split): one batch of them all
-        return heldout_batches(dataclasses.replace(text, batch_size=min(len(data), text.blocks)), vocab_size,
-                               objective, prefix)
-    if n == 0:
+    blocks = min(text.blocks, len(data))
+    if blocks == 0:
         raise ValueError(f"{text.data}'s {'validation split' if text.split == VALID else 'text'} holds no block "
                          f"of {text.seq_length}: prepare it with a "
                          "larger --valid_fraction")
-    return [objective.heldout(*data.micro_batch(k, 0)) for k in range(n)]
+    n, rest = divmod(blocks, text.batch_size)
+    out = [objective.heldout(*data.micro_batch(k, 0)) for k in range(n)]
+    if rest:  # the blocks after the last whole batch: a smaller one (every block asked for is scored)
+        out.append(objective.heldout(*(t[:rest] for t in data.micro_batch(n, 0))))
+    return out
 
 
 def on_device(batches: list, device: torch.device) -> list:

@@ -93,6 +93,15 @@ def test_every_scored_piece_is_hidden(english):
     assert _copying_loss(visible, logp) < unigram - 0.1
 
 
+def test_every_block_asked_for_is_scored_the_last_batch_smaller(english):
+    """--plugin_blocks 40 in batches of 16: 16, 16 and 8 blocks, those of 48 blocks' batches cut
+    at 40 (the last 8 were dropped: which blocks a metric scores hung on the batch size)."""
+    got = H.heldout_batches(H.Text(english, 32, 40, 16), VOCAB)
+    whole = H.heldout_batches(H.Text(english, 32, 48, 16), VOCAB)
+    assert [ids.shape[0] for ids, _ in got] == [16, 16, 8]
+    assert all(torch.equal(a, b[:len(a)]) for x, y in zip(got, whole) for a, b in zip(x, y))
+
+
 def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, tmp_path):
     """An 'artifact' holding the primary's own English embeddings: its gain is unigram - the
     model's loss, its start is the overlap init (every piece shared: the same embeddings)."""
