@@ -18,7 +18,12 @@ Variables read (SLURM sets them in every srun task):
     SLURM_NNODES (or SLURM_JOB_NUM_NODES)   number of nodes (checked against the list)
     SLURM_NODEID                            this node's index in the list
     SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE ("8" or "a100:8"): ranks per node
-    SLURM_JOB_ID                            picks a rendezvous port when MASTER_PORT is unset
+    SLURM_JOB_ID                            picks the rendezvous port
+    MMADAPT_MASTER_ADDR, MMADAPT_MASTER_PORT  optional: another rendezvous host and port (tests run
+                                            two "nodes" on one machine). The plain MASTER_ADDR and
+                                            MASTER_PORT are not read: sbatch copies the submitting
+                                            shell's environment into the job, and a MASTER_ADDR=localhost
+                                            left there would send every node to its own loopback
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from pathlib import Path
 from mmadapt.config import Parser
 from mmadapt.faults import EXIT_USER
 
-PORT_BASE, PORT_SPAN = 20_000, 20_000  # rendezvous ports 20000-39999, one per job id
+# Rendezvous ports 20000-31999, one per job id: below Linux's ephemeral range (32768-60999), where
+# an outgoing connection on the first node could hold the port and fail the store's bind at random.
+PORT_BASE, PORT_SPAN = 20_000, 12_000
 
 
 def _split_top(s: str) -> list[str]:
@@ -124,13 +131,13 @@ class SlurmJob:
         if not 0 <= node_rank < len(hosts):
             raise ValueError(f"SLURM_NODEID={node_rank} is outside 0..{len(hosts) - 1}")
         gpus = gpus_per_node if gpus_per_node is not None else _gpus_per_node(env)
-        if "MASTER_PORT" in env:
-            port = int(env["MASTER_PORT"])
+        if "MMADAPT_MASTER_PORT" in env:
+            port = int(env["MMADAPT_MASTER_PORT"])
         elif "SLURM_JOB_ID" in env:
             port = PORT_BASE + int(env["SLURM_JOB_ID"]) % PORT_SPAN
         else:
-            raise ValueError("neither MASTER_PORT nor SLURM_JOB_ID is set: cannot choose a rendezvous port")
-        return cls(hosts, node_rank, gpus, env.get("MASTER_ADDR") or hosts[0], port)
+            raise ValueError("neither SLURM_JOB_ID nor MMADAPT_MASTER_PORT is set: cannot choose a rendezvous port")
+        return cls(hosts, node_rank, gpus, env.get("MMADAPT_MASTER_ADDR") or hosts[0], port)
 
     @property
     def world_size(self) -> int:

@@ -55,11 +55,18 @@ def test_four_nodes_of_eight():
     assert cmd == [sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", "/tmp/hf", "--no_ssh",
                    "--node_rank", "3", "--num_nodes", "4", "--num_gpus", "8", "--master_addr", "gpu01",
                    "--master_port", "24242", "launch/pretrain.py", "--preset", "tiny"]
-    # SLURM_GPUS_PER_NODE with a type; MASTER_ADDR/PORT from the environment win.
-    env = fake_env("a1,b[2-3]", 3, 1, MASTER_ADDR="10.0.0.5", MASTER_PORT="29500")
+    # SLURM_GPUS_PER_NODE with a type; MMADAPT_MASTER_ADDR/PORT from the environment win.
+    env = fake_env("a1,b[2-3]", 3, 1, MMADAPT_MASTER_ADDR="10.0.0.5", MMADAPT_MASTER_PORT="29500")
     del env["SLURM_GPUS_ON_NODE"]
     job = SlurmJob.from_env({**env, "SLURM_GPUS_PER_NODE": "a100:8"})
     assert (job.gpus_per_node, job.master_addr, job.master_port) == (8, "10.0.0.5", 29500)
+    # The plain MASTER_ADDR/PORT a submitting shell left in the job's environment (sbatch copies
+    # it) are not read: every node would have gone to its own loopback
+    job = SlurmJob.from_env(fake_env("gpu[01-03,07]", 4, 3, MASTER_ADDR="localhost", MASTER_PORT="29500"))
+    assert (job.master_addr, job.master_port) == ("gpu01", 24242)
+    # job ids map below Linux's ephemeral ports (32768-60999)
+    assert SlurmJob.from_env({**fake_env("gpu01", 1, 0), "SLURM_JOB_ID": "11999"}).master_port == 31999
+    assert SlurmJob.from_env({**fake_env("gpu01", 1, 0), "SLURM_JOB_ID": "12000"}).master_port == 20000
 
 
 @pytest.mark.parametrize("env, message", [
@@ -112,8 +119,9 @@ def test_template_is_valid_shell(template):
 
 
 FAKE_SRUN = """#!/bin/bash
-# srun for tests: run the command once per node of the fake job, as srun's tasks would.
-while [[ "$1" == --* ]]; do shift; done
+# srun for tests: run the command once per node of the fake job, as srun's tasks would; its own
+# options are written to srun.args beside it.
+while [[ "$1" == --* ]]; do echo "$1" >> "$(dirname "$0")/srun.args"; shift; done
 for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" || exit $?; done
 """
 
@@ -148,12 +156,15 @@ def test_template_renders_a_launch_per_node(template, tmp_path):
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
     env = child_env(**fake_env("gpu[01-04]", 4, 0), SLURM_ARRAY_TASK_ID="2", MMADAPT_DRY_RUN="1",
-                    REPO=str(REPO), PYTHON=sys.executable, RUN_DIR=str(tmp_path / "run"),
+                    SLURM_CPUS_PER_TASK="64", REPO=str(REPO), PYTHON=sys.executable, RUN_DIR=str(tmp_path / "run"),
                     RUN_ROOT=str(tmp_path / "adapt"), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.run(["bash", str(template)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     launches = [c for c in map(shlex.split, proc.stdout.splitlines()) if c[1:3] == ["-m", "deepspeed.launcher.runner"]]
     assert [c[c.index("--node_rank") + 1] for c in launches] == ["0", "1", "2", "3"]
+    # one task per node, given the job's CPUs (srun of Slurm 22.05-23.02 would give it one)
+    assert (bin_dir / "srun.args").read_text().split() == ["--ntasks-per-node=1", "--kill-on-bad-exit=1",
+                                                           "--cpus-per-task=64"]
     for c in launches:
         assert c[c.index("--num_nodes") + 1] == "4" and c[c.index("--num_gpus") + 1] == "8"
         assert c[c.index("--master_addr") + 1] == "gpu01" and "--no_ssh" in c
@@ -186,7 +197,8 @@ def test_two_nodes_on_localhost_match_one_node(corpus, tokenizer, tmp_path):
     port = str(20_000 + os.getpid() % 20_000)
     procs = []
     for node in (0, 1):
-        env = child_env(**fake_env("node[0-1]", 2, node, gpus="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+        env = child_env(**fake_env("node[0-1]", 2, node, gpus="1", MMADAPT_MASTER_ADDR="127.0.0.1",
+                                   MMADAPT_MASTER_PORT=port))
         cmd = [sys.executable, "-m", "mmadapt.cli", "slurm-env", "--hostfile", str(tmp_path / f"hostfile{node}"),
                "--", PRETRAIN, *base_args(corpus, tokenizer, multi, *args)]
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -229,6 +241,32 @@ def test_requeue_helper_stops_the_step_through_its_stop_file_and_requeues(tmp_pa
     assert "requeueing job 4242" in out and out.strip().endswith("rc=0"), out
     assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
 
+
+def test_requeue_helper_stops_a_step_whose_run_directory_is_not_made_yet(tmp_path):
+    """The warning before the step made its run directory (finetune.sbatch makes only its
+    parent), under the templates' set -euo pipefail: the directory and its STOP are made and the
+    job requeued (the failed touch ended the batch shell: nothing saved, nothing requeued)."""
+    import signal
+    import time
+
+    bin_dir, run_dir = tmp_path / "bin", tmp_path / "runs" / "run"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    step = f"while [ ! -e {run_dir}/STOP ]; do sleep 0.05; done; exit 75"
+    script = (f"set -euo pipefail\nsource {REPO}/launch/slurm/requeue.sh\ntouch {tmp_path}/started\n"
+              f"run_requeueable {run_dir} bash -c '{step}'\necho rc=$?\n")
+    proc = subprocess.Popen(["bash", "-c", script], env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}",
+                                                                  SLURM_JOB_ID="4243"),
+                            stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not (tmp_path / "started").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "requeueing job 4243" in out and out.strip().endswith("rc=0"), out
+    assert (run_dir / "STOP").is_file() and (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4243"]
 
 def test_requeue_helper_passes_a_failure_on(tmp_path):
     script = f"source {REPO}/launch/slurm/requeue.sh\nrun_requeueable {tmp_path} bash -c 'exit 3'\necho rc=$?\n"

@@ -17,7 +17,9 @@ run_requeueable() {
     local stopping=0 rc=0
     "$@" &
     local pid=$!
-    trap 'stopping=1; touch "$run_dir/STOP"' TERM
+    # mkdir: the warning can come before the step made its run directory (finetune.sbatch makes
+    # only its parent); a failed touch under the template's set -e would end the batch shell
+    trap 'stopping=1; { mkdir -p "$run_dir" && touch "$run_dir/STOP"; } || true' TERM
     wait "$pid" || rc=$?
     # A trapped signal interrupts `wait` (status > 128) while the step is still saving.
     while [[ $rc -gt 128 ]] && kill -0 "$pid" 2>/dev/null; do
