@@ -875,19 +875,36 @@ class SentenceRows(BlockBatches):
         return row, np.concatenate([row[1:], [IGNORE_INDEX]])
 
 
+def line_join(sp) -> list[int]:
+    """The pieces tokenizer `sp` puts between two lines of one text (a document's sentences, one a
+    line in the corpus, joined by a newline), where it encodes each line as it encodes the lines
+    apart: a byte-level BPE's newline piece (Qwen2's, Llama-3's `Ċ`); none where the text whole
+    reads each line otherwise (SentencePiece: the newline is a space, and each line's own first
+    `▁` already stands for it)."""
+    a, b = "In the beginning God created the heaven.", "And the earth was without form."
+    first, second, whole = sp.encode(a), sp.encode(b), sp.encode(a + "\n" + b)
+    between = len(whole) - len(first) - len(second)
+    if between > 0 and whole[:len(first)] == first and whole[len(whole) - len(second):] == second:
+        return [int(i) for i in whole[len(first):len(first) + between]]
+    return []
+
+
 class LayoutBatches(CausalBatches):
     """CausalBatches over the stream as an imported decoder's own tokenizer lays out text
     (run.run_text_layout: `layout`'s prefix and suffix ids): each document is the prefix, its
     sentences' pieces one after the other (their </s> left out: the source never saw one inside
-    a text), then the suffix; where the layout puts nothing around a text (Qwen2), the
-    end-of-text token (mmadapt's </s>, that tokenizer's eos) closes each document, as it
-    separates documents there. So Llama's and Mistral's documents each start with <s>, and no
-    </s> stands between sentences. The stream is built in memory at start-up (a pass over the
-    split's tokens); blocks are cut from it as CausalBatches cuts them."""
+    a text), joined as the dataset's tokenizer joins two lines of a text (line_join: a byte-level
+    BPE's newline piece, or nothing), then the suffix; where the layout puts nothing around a
+    text (Qwen2), the end-of-text token (mmadapt's </s>, that tokenizer's eos) closes each
+    document, as it separates documents there. So Llama's and Mistral's documents each start with
+    <s>, no </s> stands between sentences, and a Qwen2 document reads `earth.\nAnd`, not
+    `earth.And`. The stream is built in memory at start-up (a pass over the split's tokens);
+    blocks are cut from it as CausalBatches cuts them."""
 
     def __init__(self, data_path: str | os.PathLike, train: TrainConfig, vocab_size: int, dp_rank: int = 0,
                  dp_world: int = 1, split: str = TEXT, layout: dict | None = None):
         self.layout = layout or {}
+        self.join = line_join(load(Path(data_path) / TOKENIZER))
         super().__init__(data_path, train, vocab_size, dp_rank, dp_world, split)
 
     def _stream(self, tokens: np.ndarray) -> np.ndarray:
@@ -896,6 +913,7 @@ class LayoutBatches(CausalBatches):
         loop over its sentences (a CC-100 split holds billions of tokens and ~10^8 sentences)."""
         prefix = np.array(self.layout.get("prefix", []), np.int64)
         suffix = np.array(self.layout.get("suffix", []), np.int64)
+        join = np.array(self.join, np.int64)
         if not len(prefix) and not len(suffix):
             suffix = np.array([EOS_ID], np.int64)
         lengths = self._sequence_lengths()
@@ -910,15 +928,16 @@ class LayoutBatches(CausalBatches):
         before = np.concatenate([[False], text[:-1]])  # the segment before is a sentence
         after = np.concatenate([text[1:], [False]])  # the segment after is a sentence
         opens, closes = text & ~before, text & ~after  # a document's first and last sentence
+        joined = text & after  # a sentence another of its document follows: the join after it
         n = np.where(text, lengths - 1, 0)  # each segment's pieces kept (a sentence's, without its </s>)
-        size = opens * len(prefix) + n + closes * len(suffix)  # each segment's share of the stream
+        size = opens * len(prefix) + n + joined * len(join) + closes * len(suffix)  # each segment's share
         at = np.cumsum(size) - size  # where each segment's share starts
         out = np.empty(int(size.sum()), dtype)
         keep = np.ones(end, bool)
         keep[ends - 1] = False  # every </s>: sentences' and documents' ends
         body = at + opens * len(prefix)  # where each segment's pieces go
         out[np.repeat(body - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))] = tokens[:end][keep]
-        for ids, starts in ((prefix, at[opens]), (suffix, (body + n)[closes])):
+        for ids, starts in ((prefix, at[opens]), (join, (body + n)[joined]), (suffix, (body + n)[closes])):
             if len(ids):
                 out[(starts[:, None] + np.arange(len(ids))).ravel()] = np.tile(ids.astype(dtype), len(starts))
         return out

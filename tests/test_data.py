@@ -142,10 +142,12 @@ def test_an_imported_decoders_blocks_follow_its_tokenizers_layout(tokenizer, tmp
                                                                              EOS_ID, EOS_ID]
 
 
-def _stream_by_hand(lengths: list[int], tokens: list[int], prefix: list[int], suffix: list[int]) -> list[int]:
+def _stream_by_hand(lengths: list[int], tokens: list[int], prefix: list[int], suffix: list[int],
+                    join: list[int] = ()) -> list[int]:
     """The layout rule, sentence by sentence: a document opens with the prefix at its first
-    sentence, each sentence's pieces without its </s>, the suffix where a lone </s> (or the end)
-    closes an open document; no prefix or suffix: </s> closes it."""
+    sentence, each sentence's pieces without its </s>, `join` between two sentences of one
+    document, the suffix where a lone </s> (or the end) closes an open document; no prefix or
+    suffix: </s> closes it."""
     suffix = suffix if prefix or suffix else [EOS_ID]
     out, at, open_ = [], 0, False
     for n in lengths:
@@ -153,16 +155,17 @@ def _stream_by_hand(lengths: list[int], tokens: list[int], prefix: list[int], su
             out += suffix if open_ else []
             open_ = False
         else:
-            out += [] if open_ else prefix
+            out += list(join) if open_ else prefix
             open_ = True
             out += tokens[at:at + n - 1]
         at += n
     return out + (suffix if open_ else [])
 
 
+@pytest.mark.parametrize("join", [[], [77], [77, 78]])
 @pytest.mark.parametrize("layout", [{}, {"prefix": [BOS_ID]}, {"suffix": [EOS_ID]},
                                     {"prefix": [BOS_ID, 9], "suffix": [EOS_ID, 8, 7]}, {"prefix": [70_000]}])
-def test_the_laid_out_stream_follows_the_rule_on_any_segmentation(layout):
+def test_the_laid_out_stream_follows_the_rule_on_any_segmentation(layout, join):
     """LayoutBatches builds its stream with whole-array operations (no loop over sentences), in the
     dataset's dtype unless a layout id does not fit it: on random segmentations (documents of no sentence, several end markers in a row, a split that
     starts with one, trailing tokens past the last sequence) it is the rule applied by hand."""
@@ -172,10 +175,11 @@ def test_the_laid_out_stream_follows_the_rule_on_any_segmentation(layout):
         tokens = [t for n in lengths for t in [*rng.integers(10, 99, n - 1).tolist(), EOS_ID]]
         tokens += rng.integers(10, 99, rng.integers(0, 3)).tolist()
         b = object.__new__(D.LayoutBatches)
-        b.layout, b._sequence_lengths = layout, (lambda lengths=lengths: np.array(lengths, np.int64))
+        b.layout, b.join, b._sequence_lengths = layout, join, (lambda lengths=lengths: np.array(lengths, np.int64))
         got = D.LayoutBatches._stream(b, np.array(tokens, np.uint16))
         assert got.dtype == (np.int64 if 70_000 in layout.get("prefix", []) else np.uint16)  # an id uint16 cannot hold
-        assert got.tolist() == _stream_by_hand(lengths, tokens, layout.get("prefix", []), layout.get("suffix", []))
+        assert got.tolist() == _stream_by_hand(lengths, tokens, layout.get("prefix", []), layout.get("suffix", []),
+                                               join)
 
 
 def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpus, tokenizer, capsys, tmp_path):

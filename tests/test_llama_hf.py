@@ -198,6 +198,34 @@ def test_the_plugin_metric_reads_held_out_text_as_transformers_does(name, dec_di
 
 
 @pytest.mark.parametrize("name", sorted(MAKERS))
+def test_an_imported_decoders_training_stream_is_its_tokenizers_reading_of_each_document(name, dec_dirs, dec_runs,
+                                                                                          tmp_path):
+    """data.LayoutBatches on text prepared with an imported decoder's tokenizer: each document (its
+    sentences one a line) is transformers' tokenizer's ids for the document's text, lines joined
+    by a newline for a byte-level BPE (Qwen2, Llama-3: line_join, its newline piece) and by a
+    space for SentencePiece (Llama-2, Mistral: each line's own first piece starts with one),
+    then Qwen2's end-of-text. (A byte-level BPE's sentences were glued: `earth.And`.)"""
+    from mmadapt.config import PreprocessConfig, TrainConfig
+    from mmadapt.data import LayoutBatches, prepare
+    from mmadapt.run import read_run, run_text_layout
+
+    run, tok = dec_runs[name], hf_tokenizer(dec_dirs[name])
+    sp = load_sp(run / "tokenizer" / "spm.model")
+    docs = [["In the beginning God created the heaven and the earth.", "And the earth was without form, and void;",
+             "and darkness was upon the face of the deep."], ["And God said, Let there be light: and there was light."]]
+    corpus = tmp_path / "docs.txt"
+    corpus.write_text("\n\n".join("\n".join(d) for d in docs) + "\n", encoding="utf-8")
+    prepare(corpus, tmp_path / "d", None, tokenizer=run / "tokenizer" / "spm.model", quiet=True,
+            cfg=PreprocessConfig(workers=1))
+    layout = run_text_layout(read_run(run))
+    stream = LayoutBatches(tmp_path / "d", TrainConfig(seq_length=8, train_micro_batch_size_per_gpu=1),
+                           sp.get_piece_size(), layout=layout).tokens.tolist()
+    sep = "\n" if name in ("qwen2", "llama3") else " "
+    end = [] if layout.get("prefix") or layout.get("suffix") else [EOS_ID]
+    assert stream == [i for d in docs for i in [*sp.to_mmadapt[tok(sep.join(d)).input_ids].tolist(), *end]]
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
 def test_bits_per_byte_of_raw_text_are_transformers_next_token_loss(name, dec_dirs, dec_runs, corpus, tmp_path):
     """bpb.ByteScorer through an imported decoder, with its own tokenizer (no adaptation): each
     held-out line (each window of a line longer than the model) as transformers' tokenizer lays out
