@@ -626,8 +626,11 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
             print(f"sweep: Step 2 over {'the full model' if n is None else f'the {n}-layer mini-model'} -> {run_dir}",
                   flush=True)
         adapt_embeddings(*spec(system, n, run_dir, state != "new"))
+    # Rank 0 scores alone (the metric needs no process group); the others are done. They do not
+    # wait for it in a barrier: scoring every artifact of every depth can outlast the process
+    # group's timeout (parallel.py: it covers a checkpoint write and an update), and NCCL's
+    # watchdog would then abort the waiting ranks, and the launcher rank 0 with them.
     if dist.is_initialized() and not parallel.is_rank0():
-        dist.barrier()  # rank 0 scores (the metric needs no process group)
         return None
     records, key = _sweep_records(source, runs, step, data_path, out / "sweep.json")
     summary = summarize(records, cfg.near_max)
@@ -639,6 +642,4 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
         plot_sweep(summary, out / "sweep.png")
     except ValueError as e:  # matplotlib missing: the table still stands
         print(f"note: no sweep.png ({e})")
-    if dist.is_initialized():
-        dist.barrier()
     return summary
