@@ -53,7 +53,7 @@ from mmadapt.config import EXPAND_OUTPUT_STARTS, ModelConfig, PreprocessConfig, 
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import TEXT, TOKENIZER, VALID, file_sha256, read_manifest, replay_blocks, train_tokenizer
 from mmadapt.family import WORD, ModelFamily, OutputPath
-from mmadapt.heldout import Primary, Scorer, Text
+from mmadapt.heldout import Primary, Scorer, Text, pretrained_on
 from mmadapt.models.layers import new_rows_name
 from mmadapt.parallel import from_rank0, is_rank0, launched_world_size
 from mmadapt.run import RunSpec, Source
@@ -489,9 +489,15 @@ def expand_report(scorer: Scorer, final: tuple[dict, dict], start: dict, lang: s
     if source is not None:
         probe = SourceProbe(scorer, source)
         before, first, last = probe.before, probe.score(start, meta), probe.score(tensors, meta)
+        seen = pretrained_on(source, scorer.primary.record)  # training text: no held-out score
         report = {"source_loss_before": before, "source_loss_start": first["source_loss"],
                   "source_kl_start": first["source_kl"], "source_loss_after": last["source_loss"],
-                  "source_kl_after": last["source_kl"], "source_text": probe.data, "scored_pieces": probe.scored}
+                  "source_kl_after": last["source_kl"], "source_text": probe.data, "scored_pieces": probe.scored,
+                  "source_text_split": source.split, "source_text_pretrained_on": seen}
+        if seen:
+            print(f"note: the source text below ({source.data}, its {source.split} split) may be text the primary "
+                  "model trained on, not held-out text: for a held-out score pass as --replay_data source text it did "
+                  "not train on (its pretraining data's own validation split, or another corpus)")
         print(f"source language through the primary model ({probe.scored} pieces of {probe.data}): loss "
               f"{before:.4f} with its own vocabulary; with the new pieces {first['source_loss']:.4f} at update 0 "
               f"(KL {first['source_kl']:.4f}), {last['source_loss']:.4f} at the end (KL {last['source_kl']:.4f})")

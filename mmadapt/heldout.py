@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from pathlib import Path
 from typing import Callable
 
@@ -192,6 +193,38 @@ class Text:
     batch_size: int = 32
     seed: int = 0
     split: str = VALID
+
+
+def pretrained_on(text: Text, record: dict) -> bool | None:
+    """Whether the split `text` scores may hold text the model of the run `record` (a primary's)
+    trained on: True where it is training text, or the validation split of another preparation
+    of a corpus that model (or the run it was made from: a head fit's body, frozen_from) trained
+    on (another split, or that corpus prepared with none: the demo prepares English whole);
+    False where it is those preparations' own held-out split, or another corpus; None where the
+    records cannot tell (an imported model, or no data named). A source-language score on such
+    text is no held-out score."""
+    if text.split != VALID:
+        return True
+    own = _held_out_of(text, record.get("data_path"))
+    if own is False:
+        return True
+    if record.get("imported_from") is not None:
+        return None
+    ref = record.get("frozen_from")
+    if ref is not None and (Path(ref["run_dir"]) / "run.json").is_file():
+        return pretrained_on(text, json.loads((Path(ref["run_dir"]) / "run.json").read_text()))
+    return None if own is None else False
+
+
+def _held_out_of(text: Text, data_path: str | None) -> bool | None:
+    """Whether `text`'s validation split is held out of the prepared dataset `data_path` a run
+    trained on (another corpus, or that preparation's own split); None where there is none."""
+    if not data_path or not (Path(data_path) / "manifest.json").is_file():
+        return None
+    mine, theirs = read_manifest(text.data), read_manifest(data_path)
+    if mine["corpus_fingerprint"] != theirs["corpus_fingerprint"]:
+        return True
+    return bool(theirs.get("valid")) and all(mine.get(k) == theirs.get(k) for k in ("valid_fraction", "valid_seed"))
 
 
 class Scorer:

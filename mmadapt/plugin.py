@@ -40,7 +40,7 @@ from mmadapt.data import TOKENIZER, file_sha256, read_manifest
 from mmadapt.devices import progress
 from mmadapt.evaluate import apart_runs
 from mmadapt.graft import check_siblings, grafted, not_a_graft
-from mmadapt.heldout import Primary, Scorer, Text
+from mmadapt.heldout import Primary, Scorer, Text, pretrained_on
 from mmadapt.run import read_source
 
 METRIC = "contextual_gain"
@@ -156,10 +156,11 @@ def _source_bits(per_byte: ByteScorer, run: Path, primary: Primary, tok: Path, e
     data = source_text_data(run, primary)
     if data is None or not (read_manifest(data).get("valid")):
         return {}
-    return source_bits(per_byte, data, tok, emb, meta)
+    return source_bits(per_byte, data, tok, emb, meta, primary.record)
 
 
-def source_bits(per_byte: ByteScorer, data: Path, tok: Path, emb: dict, meta: dict) -> dict:
+def source_bits(per_byte: ByteScorer, data: Path, tok: Path, emb: dict, meta: dict, primary: dict | None = None
+                ) -> dict:
     """The source-language text of the prepared dataset `data` (its validation split) in bits
     per byte through the primary model: with its own tokenizer and embeddings
     (`source_none_bpb`), with the expanded artifact (`emb`, its merged tokenizer `tok`:
@@ -167,8 +168,11 @@ def source_bits(per_byte: ByteScorer, data: Path, tok: Path, emb: dict, meta: di
     (`source_own_tokenizer_bpb`). The last parts the source language's cost in two: its source
     rows are the model's own (expand keeps them bit for bit), so it moves from `source_none_bpb`
     only by the probability the new pieces' output rows take in the softmax; the rest, to
-    `source_bpb`, is where the merged tokenizer cuts source text with a new piece."""
+    `source_bpb`, is where the merged tokenizer cuts source text with a new piece.
+    `source_bpb_pretrained_on`: whether that text may be text the primary model (its run's record
+    `primary`) trained on (heldout.pretrained_on; None: unknown), when it is no held-out text."""
     raw = per_byte.text(data)
+    seen = None if primary is None else pretrained_on(Text(Path(data), 0), primary)
     return {"source_bpb": per_byte.score(raw, tok, emb, meta)["bpb"],
             "source_own_tokenizer_bpb": per_byte.score(raw, per_byte.own_tokenizer, emb, meta)["bpb"],
-            "source_none_bpb": per_byte.none(raw), "source_bpb_text": str(data)}
+            "source_none_bpb": per_byte.none(raw), "source_bpb_text": str(data), "source_bpb_pretrained_on": seen}

@@ -338,7 +338,8 @@ def bpb_rows(records: list[dict]) -> list[dict]:
     """Per language and system of the plug-in records that carry bits per byte: {lang, system,
     none (no adaptation), start (update 0), last, flops (the last checkpoint's Step-2 compute),
     first_below (the compute of the first checkpoint below no adaptation; None: none is),
-    source_none, source_last (an expanded vocabulary's source text; None elsewhere), bytes}."""
+    source_none, source_last (an expanded vocabulary's source text; None elsewhere), source_seen (that text may
+    be text the primary trained on: heldout.pretrained_on), bytes}."""
     rows = []
     mine = [r for r in records if is_plugin(r["task"]) and r.get("bpb") is not None]
     for lang in sorted({r["lang"] for r in mine}):
@@ -350,7 +351,7 @@ def bpb_rows(records: list[dict]) -> list[dict]:
             rows.append({"lang": lang, "system": system, "none": last["none_bpb"], "start": last["start_bpb"],
                          "last": last["bpb"], "flops": float(last["flops"]), "first_below": below[0] if below else None,
                          "source_none": last.get("source_none_bpb"), "source_last": last.get("source_bpb"),
-                         "bytes": last["bpb_bytes"]})
+                         "source_seen": last.get("source_bpb_pretrained_on"), "bytes": last["bpb_bytes"]})
     return rows
 
 
@@ -391,8 +392,12 @@ def bpb_markdown(records: list[dict]) -> str:
         cells = [r["lang"], r["system"], f"{r['flops'] / 1e18:.3g}", f"{r['none']:.3f}", f"{r['start']:.3f}",
                  f"{r['last']:.3f}", f"{r['last'] - r['none']:+.3f}"]
         if source:
-            cells.append("-" if r["source_last"] is None else f"{r['source_none']:.4f} → {r['source_last']:.4f}")
+            cells.append("-" if r["source_last"] is None else f"{r['source_none']:.4f} → {r['source_last']:.4f}"
+                         + (" †" if r["source_seen"] else ""))
         out.append("| " + " | ".join(cells) + " |")
+    if any(r["source_seen"] and r["source_last"] is not None for r in rows):
+        out += ["", "†: source text the primary model may have trained on (the validation split of another "
+                "preparation of its pretraining corpus), not held-out text."]
     langs = dict.fromkeys(r["lang"] for r in rows)
     out += [""] + [f"- {bpb_verdict(lang, [r for r in rows if r['lang'] == lang])} "
                    f"({next(r['bytes'] for r in rows if r['lang'] == lang):,} bytes)" for lang in langs] + [""]

@@ -347,6 +347,8 @@ def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sou
         assert 0 < rise and report[f"source_kl_{when}"] == pytest.approx(rise, abs=1e-4)
     assert report["source_loss_start"] - report["source_loss_before"] <= record["new_mass_bound"]
     assert report["scored_pieces"] > 1000
+    # that text is the source run's training text: said so (heldout.pretrained_on), no held-out score
+    assert report["source_text_split"] == "text" and report["source_text_pretrained_on"] is True
     want = plugin_records(source, [out / "embeddings" / "step00000004"], {"de": data}, 32)[0]
     assert report["plugin_gain"] == pytest.approx(want["score"])
     assert report["plugin_gain_start"] == pytest.approx(want["start_gain"])

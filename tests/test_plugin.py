@@ -102,6 +102,42 @@ def test_every_block_asked_for_is_scored_the_last_batch_smaller(english):
     assert all(torch.equal(a, b[:len(a)]) for x, y in zip(got, whole) for a, b in zip(x, y))
 
 
+def test_a_source_text_the_primary_trained_on_is_told_apart_from_held_out_text(tokenizer, tmp_path):
+    """heldout.pretrained_on, by hand on prepared datasets of two corpora: the primary pretrained
+    on `whole` (English prepared with no split, as the demo prepares it) or on `own` (a split
+    of its own). Another preparation's validation split of its corpus is text it trained on;
+    its own validation split and another corpus are held out; training text always is seen; an
+    imported model cannot tell, a head fit answers for the body it was fitted over."""
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.data import TEXT, prepare
+
+    lines = [f"Verse {i} of the first book, and it goes on." for i in range(200)]
+    one, other = tmp_path / "one.txt", tmp_path / "other.txt"
+    one.write_text("\n\n".join(lines) + "\n")
+    other.write_text("\n\n".join(f"{l} Again." for l in lines) + "\n")
+
+    def prep(corpus, name, fraction):
+        prepare(corpus, tmp_path / name, VOCAB, tokenizer=tokenizer, quiet=True,
+                cfg=PreprocessConfig(workers=1, valid_fraction=fraction))
+        return tmp_path / name
+
+    whole, own, split, elsewhere = prep(one, "whole", 0.0), prep(one, "own", 0.2), prep(one, "split", 0.3), \
+        prep(other, "other", 0.2)
+    text = {name: H.Text(path, 32) for name, path in (("own", own), ("split", split), ("other", elsewhere))}
+    for pretrained, seen in ((whole, {"own": True, "split": True, "other": False}),
+                             (own, {"own": False, "split": True, "other": False})):
+        record = {"data_path": str(pretrained)}
+        assert {k: H.pretrained_on(t, record) for k, t in text.items()} == seen
+        assert H.pretrained_on(H.Text(elsewhere, 32, split=TEXT), record)  # training text
+    assert H.pretrained_on(text["other"], {"imported_from": {"model": "x"}}) is None
+    assert H.pretrained_on(text["own"], {}) is None
+    body = tmp_path / "body"
+    body.mkdir()
+    (body / "run.json").write_text(json.dumps({"data_path": str(whole)}))
+    head_fit = {"data_path": str(elsewhere), "frozen_from": {"run_dir": str(body)}}
+    assert H.pretrained_on(text["own"], head_fit) and not H.pretrained_on(text["other"], head_fit)
+
+
 def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, tmp_path):
     """An 'artifact' holding the primary's own English embeddings: its gain is unigram - the
     model's loss, its start is the overlap init (every piece shared: the same embeddings)."""

@@ -433,6 +433,9 @@ def test_bits_per_byte_table_and_verdict_by_hand(tmp_path):
             "3 EFLOPs of Step 2; minipost does not beat no adaptation (2.900 bits per byte against 2.700) after 0.1 "
             "EFLOPs of Step 2. (8,100 bytes)") in md
     assert bpb_markdown([{k: v for k, v in r.items() if "bpb" not in k} for r in _bpb_records()]) == ""
+    assert "†" not in md  # source text the primary may have trained on is marked
+    seen = bpb_markdown([{**r, "source_bpb_pretrained_on": True} for r in _bpb_records()])
+    assert "| 1.2000 → 1.2050 † |" in seen and "†: source text the primary model may have trained on" in seen
     # In the report, and a panel of its own in the plot.
     assert "## bits per byte of held-out text" in report_markdown(_bpb_records())
     assert plot_curves(_bpb_records(), tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 0
