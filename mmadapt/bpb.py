@@ -315,6 +315,18 @@ def prepare(sp, text: RawText, layout: Layout, masked: bool, positions: int, dev
                   text.bytes)
 
 
+FOLD_PROBES = {"case": ("The Lord God said unto Moses", "the lord god said unto moses"),
+               "accents": ("Noël über café à Sião", "Noel uber cafe a Siao")}
+
+
+def folds(sp) -> list[str]:
+    """What tokenizer `sp` reads two texts as one of (FOLD_PROBES): "case" (an uncased
+    tokenizer), "accents" (one that strips them). Bits per byte charge a text's bytes but score
+    only what its tokenizer keeps: such a tokenizer is not charged for the information it drops,
+    and reads lower than one that keeps it (docs/bits-per-byte.md)."""
+    return [what for what, (a, b) in FOLD_PROBES.items() if list(sp.encode(a)) == list(sp.encode(b))]
+
+
 class ByteScorer:
     """Bits per byte through one primary model (a heldout.Scorer, built once): a RawText per
     language (`text`), each tokenizer's reading of it prepared once, artifacts swapped in, in
@@ -330,6 +342,7 @@ class ByteScorer:
         self._texts: dict[str, RawText] = {}
         self._read: dict[tuple, Scored] = {}
         self._none: dict[RawText, float] = {}
+        self._folds: dict[str, list[str]] = {}
 
     def text(self, data: str | Path) -> RawText:
         key = str(Path(data).resolve())
@@ -376,6 +389,16 @@ class ByteScorer:
                                  f"{rows} rows: pass the tokenizer of those rows")
             nats += float(-torch.log_softmax(scores[:, :rows].double(), -1).gather(1, targets[:, None]).sum())
         return scored.bpb(nats)
+
+    def folds(self, tokenizer: str | Path) -> list[str]:
+        """bpb.folds of `tokenizer` (read once per file)."""
+        from mmadapt.data import file_sha256
+        from mmadapt.tokenizer import load
+
+        key = file_sha256(tokenizer)
+        if key not in self._folds:
+            self._folds[key] = folds(load(tokenizer))
+        return self._folds[key]
 
     def none(self, text: RawText) -> float:
         """No adaptation: `text` in bits per byte through the primary model with its own

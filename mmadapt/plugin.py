@@ -142,6 +142,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                   "masked_pieces": text.scored, "artifact": str(path),
                   "bpb": bpb, "start_bpb": starts[run][1],
                   "none_bpb": per_byte.none(raw), "bpb_bytes": raw.bytes,
+                  "bpb_folds": per_byte.folds(tok), "none_bpb_folds": per_byte.folds(per_byte.own_tokenizer),
                   **_source_bits(per_byte, run, primary, tok, emb, meta)}
         records.append(record if artifact_primary_ref(meta).same(ref) else grafted(record, primary_run))
     apart_runs(records)  # two runs of one system and language: two curves, as the task records keep them

@@ -339,7 +339,8 @@ def bpb_rows(records: list[dict]) -> list[dict]:
     none (no adaptation), start (update 0), last, flops (the last checkpoint's Step-2 compute),
     first_below (the compute of the first checkpoint below no adaptation; None: none is),
     source_none, source_last (an expanded vocabulary's source text; None elsewhere), source_seen (that text may
-    be text the primary trained on: heldout.pretrained_on), bytes}."""
+    be text the primary trained on: heldout.pretrained_on), bytes, folds and none_folds (what the
+    artifact's tokenizer and the primary's own read as one: bpb.folds)}."""
     rows = []
     mine = [r for r in records if is_plugin(r["task"]) and r.get("bpb") is not None]
     for lang in sorted({r["lang"] for r in mine}):
@@ -351,7 +352,8 @@ def bpb_rows(records: list[dict]) -> list[dict]:
             rows.append({"lang": lang, "system": system, "none": last["none_bpb"], "start": last["start_bpb"],
                          "last": last["bpb"], "flops": float(last["flops"]), "first_below": below[0] if below else None,
                          "source_none": last.get("source_none_bpb"), "source_last": last.get("source_bpb"),
-                         "source_seen": last.get("source_bpb_pretrained_on"), "bytes": last["bpb_bytes"]})
+                         "source_seen": last.get("source_bpb_pretrained_on"), "bytes": last["bpb_bytes"],
+                         "folds": last.get("bpb_folds") or [], "none_folds": last.get("none_bpb_folds") or []})
     return rows
 
 
@@ -395,6 +397,14 @@ def bpb_markdown(records: list[dict]) -> str:
             cells.append("-" if r["source_last"] is None else f"{r['source_none']:.4f} → {r['source_last']:.4f}"
                          + (" †" if r["source_seen"] else ""))
         out.append("| " + " | ".join(cells) + " |")
+    for side, fold in (("the primary model's own tokenizer (no adaptation)", "none_folds"),
+                       ("the adapted tokenizer", "folds")):
+        other = "folds" if fold == "none_folds" else "none_folds"
+        lost = sorted({f for r in rows for f in set(r[fold]) - set(r[other])})
+        if lost:
+            out += ["", f"Not comparable as they stand: {side} folds {' and '.join(lost)} where the other keeps it, so "
+                    "its bits per byte leave out what that carries (each byte is charged, the text it reads is "
+                    "poorer) and read lower than they would with it (docs/bits-per-byte.md)."]
     if any(r["source_seen"] and r["source_last"] is not None for r in rows):
         out += ["", "†: source text the primary model may have trained on (the validation split of another "
                 "preparation of its pretraining corpus), not held-out text."]

@@ -71,6 +71,15 @@ def mlm_logits(cfg, state, ids):
 
 # --- import -------------------------------------------------------------------------------------------
 
+def test_what_a_tokenizer_folds_is_known(runs, tokenizer):
+    """bpb.folds: an uncased WordPiece reads case and accents as one (bits per byte then leave out
+    what they carry); the cased one and mmadapt's SentencePiece keep both."""
+    from mmadapt.bpb import folds
+
+    assert folds(load(runs["uncased"] / "tokenizer" / "spm.model")) == ["case", "accents"]
+    assert folds(load(runs["cased"] / "tokenizer" / "spm.model")) == []
+    assert folds(load(tokenizer)) == []
+
 @pytest.mark.parametrize("name", sorted(MAKERS))
 def test_imported_bert_gives_transformers_logits(name, hf_dirs, runs):
     tok = AutoTokenizer.from_pretrained(str(hf_dirs[name]))

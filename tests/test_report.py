@@ -434,6 +434,10 @@ def test_bits_per_byte_table_and_verdict_by_hand(tmp_path):
             "EFLOPs of Step 2. (8,100 bytes)") in md
     assert bpb_markdown([{k: v for k, v in r.items() if "bpb" not in k} for r in _bpb_records()]) == ""
     assert "†" not in md  # source text the primary may have trained on is marked
+    assert "Not comparable" not in md
+    uncased = bpb_markdown([{**r, "none_bpb_folds": ["case"], "bpb_folds": []} for r in _bpb_records()])
+    assert ("Not comparable as they stand: the primary model's own tokenizer (no adaptation) folds case where the "
+            "other keeps it") in uncased
     seen = bpb_markdown([{**r, "source_bpb_pretrained_on": True} for r in _bpb_records()])
     assert "| 1.2000 → 1.2050 † |" in seen and "†: source text the primary model may have trained on" in seen
     # In the report, and a panel of its own in the plot.
