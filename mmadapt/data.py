@@ -438,6 +438,7 @@ def _dataset_entry(name: str) -> bool:
     training leaves train_tokenizer's tokenizer.tmp<pid>.model and .vocab)."""
     return (name in (TOKENIZER, MANIFEST, *(s + e for s in (TEXT, VALID) for e in (".bin", ".idx")))
             or name.startswith(".") or (name.endswith(".npy") and "blocks_s" in name)
+            or re.fullmatch(rf"({TEXT}|{VALID})_layout_[0-9a-f]{{16}}\.(bin|json)", name) is not None  # layout_stream
             or re.fullmatch(re.escape(Path(TOKENIZER).stem) + r"\.tmp\d+\.(model|vocab)", name) is not None)
 
 
@@ -465,12 +466,15 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     if (out_dir / MANIFEST).is_file():
         old = read_manifest(out_dir)
+        seeded = tokenizer is None or valid_fraction > 0  # the seed trains the tokenizer, or draws the split
         same = (old["corpus"] == str(corpus.resolve()) and old["corpus_fingerprint"] == fingerprint
                 and old["vocab_size"] == vocab_size and old.get("valid_fraction", 0.0) == valid_fraction
-                and (tokenizer is None or old["tokenizer_sha256"] == file_sha256(tokenizer)))
+                and (tokenizer is None or old["tokenizer_sha256"] == file_sha256(tokenizer))
+                and (not seeded or old.get("valid_seed", PreprocessConfig.tokenizer_seed) == seed))
         if not same:
             raise DataError(f"{out_dir} already holds a dataset prepared from {old['corpus']} with another corpus "
-                            "content, tokenizer or vocabulary: choose a new --output_dir (nothing was overwritten)")
+                            "content, tokenizer, vocabulary, split or seed: choose a new --output_dir (nothing was "
+                            "overwritten)")
         say(f"{out_dir} already holds {corpus} prepared with this tokenizer: nothing to do")
         return old
     created = not out_dir.exists()
@@ -898,8 +902,9 @@ class LayoutBatches(CausalBatches):
     text (Qwen2), the end-of-text token (mmadapt's </s>, that tokenizer's eos) closes each
     document, as it separates documents there. So Llama's and Mistral's documents each start with
     <s>, no </s> stands between sentences, and a Qwen2 document reads `earth.\nAnd`, not
-    `earth.And`. The stream is built in memory at start-up (a pass over the split's tokens);
-    blocks are cut from it as CausalBatches cuts them."""
+    `earth.And`. The stream is a file of the dataset, built once per split and layout
+    (layout_stream: global rank 0 builds it before training, train.lm_batches) and memory-mapped
+    as the split's own tokens are; blocks are cut from it as CausalBatches cuts them."""
 
     def __init__(self, data_path: str | os.PathLike, train: TrainConfig, vocab_size: int, dp_rank: int = 0,
                  dp_world: int = 1, split: str = TEXT, layout: dict | None = None):
@@ -908,39 +913,95 @@ class LayoutBatches(CausalBatches):
         super().__init__(data_path, train, vocab_size, dp_rank, dp_world, split)
 
     def _stream(self, tokens: np.ndarray) -> np.ndarray:
-        """The laid-out stream, in the dataset's dtype (the prefix and suffix ids are pieces of its
-        vocabulary), built with whole-array operations: one pass over the split's tokens, no Python
-        loop over its sentences (a CC-100 split holds billions of tokens and ~10^8 sentences)."""
-        prefix = np.array(self.layout.get("prefix", []), np.int64)
-        suffix = np.array(self.layout.get("suffix", []), np.int64)
-        join = np.array(self.join, np.int64)
-        if not len(prefix) and not len(suffix):
-            suffix = np.array([EOS_ID], np.int64)
-        lengths = self._sequence_lengths()
-        dtype = tokens.dtype if np.issubdtype(tokens.dtype, np.integer) else np.int64
-        if max([*prefix.tolist(), *suffix.tolist(), 0]) > np.iinfo(dtype).max:  # an id the dataset's dtype cannot hold
-            dtype = np.int64
-        text = lengths > 1  # a sentence (its pieces and its </s>); a lone </s> ends a document
-        if not text.any():
-            return np.zeros(0, dtype)
-        ends = np.cumsum(lengths)
-        end = int(ends[-1])  # tokens past the last sequence are not read
-        before = np.concatenate([[False], text[:-1]])  # the segment before is a sentence
-        after = np.concatenate([text[1:], [False]])  # the segment after is a sentence
-        opens, closes = text & ~before, text & ~after  # a document's first and last sentence
-        joined = text & after  # a sentence another of its document follows: the join after it
-        n = np.where(text, lengths - 1, 0)  # each segment's pieces kept (a sentence's, without its </s>)
+        """The laid-out stream (layout_stream's file, built here if no rank built it yet)."""
+        path = layout_stream(self.data_path, self.split, self.layout, self.join)
+        dtype = np.dtype(json.loads(path.with_suffix(".json").read_text())["dtype"])
+        return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+
+
+def layout_stream_path(data_path: str | os.PathLike, split: str, layout: dict, join: list[int]) -> Path:
+    """Where layout_stream keeps the stream of `split` laid out as `layout` and `join` say."""
+    ids = {"prefix": [int(i) for i in layout.get("prefix", [])], "suffix": [int(i) for i in layout.get("suffix", [])],
+           "join": [int(i) for i in join]}
+    key = hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(data_path) / f"{split}_layout_{key}.bin"
+
+
+def layout_stream(data_path: str | os.PathLike, split: str, layout: dict, join: list[int],
+                  chunk: int = 1 << 18) -> Path:
+    """The file of a prepared dataset's `split` laid out as LayoutBatches says (prefix, suffix
+    and join ids), built once, atomically, beside the split, in its dtype unless a layout id
+    does not fit it (a .json beside it names the dtype). Built `chunk` sequences at a time into
+    the file, so that its memory is a chunk's, not the split's: a CC-100 split holds billions of
+    tokens, the stream built whole in memory took ~22 bytes a token on every rank."""
+    from mmadapt.mcore import indexed_dataset
+
+    data_path = Path(data_path)
+    path = layout_stream_path(data_path, split, layout, join)
+    if path.is_file() and path.with_suffix(".json").is_file():
+        return path
+    manifest = read_manifest(data_path)
+    tokens = np.memmap(data_path / (split + ".bin"), dtype=manifest["dtype"], mode="r")
+    index = indexed_dataset._IndexReader(str(data_path / (split + ".idx")), multimodal=False)
+    lengths = np.array(index.sequence_lengths, dtype=np.int64)
+    del index
+    prefix, suffix = (np.array(layout.get(k, []), np.int64) for k in ("prefix", "suffix"))
+    if not len(prefix) and not len(suffix):
+        suffix = np.array([EOS_ID], np.int64)
+    join = np.array(join, np.int64)
+    dtype = np.dtype(manifest["dtype"])
+    if max([*prefix.tolist(), *suffix.tolist(), *join.tolist(), 0]) > np.iinfo(dtype).max:
+        dtype = np.dtype(np.int64)  # an id the dataset's dtype cannot hold
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.bin")
+    size = laid_out(tokens, lengths, prefix, suffix, join, None, chunk)
+    out = np.memmap(tmp, dtype=dtype, mode="w+", shape=(size,)) if size else None
+    if out is not None:
+        laid_out(tokens, lengths, prefix, suffix, join, out, chunk)
+        out.flush()
+        del out
+    else:
+        tmp.write_bytes(b"")
+    checkpoint_json = path.with_suffix(".json")
+    meta = {"dtype": dtype.name, "tokens": int(size), "layout": {"prefix": prefix.tolist(), "suffix": suffix.tolist(),
+                                                                 "join": join.tolist()}}
+    tmp_json = checkpoint_json.with_name(f".{checkpoint_json.stem}.tmp{os.getpid()}.json")
+    tmp_json.write_text(json.dumps(meta))
+    os.replace(tmp, path)
+    os.replace(tmp_json, checkpoint_json)
+    return path
+
+
+def laid_out(tokens: np.ndarray, lengths: np.ndarray, prefix: np.ndarray, suffix: np.ndarray, join: np.ndarray,
+             out: np.ndarray | None, chunk: int) -> int:
+    """The layout rule (LayoutBatches) over the sequences of `lengths` (a sentence with its </s>,
+    or a lone </s> that ends a document) stored back to back in `tokens`: written into `out`
+    (None: only counted), `chunk` sequences at a time with whole-array operations (no Python loop
+    over sentences). -> the stream's length. Tokens past the last sequence are not read."""
+    text = lengths > 1  # a sentence (its pieces and its </s>); a lone </s> ends a document
+    ends = np.cumsum(lengths)
+    written = 0
+    for a in range(0, len(lengths), chunk):
+        b = min(a + chunk, len(lengths))
+        t = text[a:b]
+        before = np.concatenate([[a > 0 and bool(text[a - 1])], t[:-1]])  # the segment before is a sentence
+        after = np.concatenate([t[1:], [b < len(lengths) and bool(text[b])]])  # the segment after is one
+        opens, closes, joined = t & ~before, t & ~after, t & after  # a document's first, last; a join after
+        n = np.where(t, lengths[a:b] - 1, 0)  # each segment's pieces kept (a sentence's, without its </s>)
         size = opens * len(prefix) + n + joined * len(join) + closes * len(suffix)  # each segment's share
-        at = np.cumsum(size) - size  # where each segment's share starts
-        out = np.empty(int(size.sum()), dtype)
-        keep = np.ones(end, bool)
-        keep[ends - 1] = False  # every </s>: sentences' and documents' ends
-        body = at + opens * len(prefix)  # where each segment's pieces go
-        out[np.repeat(body - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))] = tokens[:end][keep]
-        for ids, starts in ((prefix, at[opens]), (join, (body + n)[joined]), (suffix, (body + n)[closes])):
-            if len(ids):
-                out[(starts[:, None] + np.arange(len(ids))).ravel()] = np.tile(ids.astype(dtype), len(starts))
-        return out
+        if out is not None:
+            at = written + np.cumsum(size) - size  # where each segment's share starts
+            first = int(ends[a - 1]) if a else 0
+            local_ends = ends[a:b] - first
+            keep = np.ones(int(local_ends[-1]), bool)
+            keep[local_ends - 1] = False  # every </s>: sentences' and documents' ends
+            body = at + opens * len(prefix)  # where each segment's pieces go
+            out[np.repeat(body - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))] = \
+                tokens[first:first + int(local_ends[-1])][keep]
+            for ids, starts in ((prefix, at[opens]), (join, (body + n)[joined]), (suffix, (body + n)[closes])):
+                if len(ids):
+                    out[(starts[:, None] + np.arange(len(ids))).ravel()] = np.tile(ids.astype(out.dtype), len(starts))
+        written += int(size.sum())
+    return written
 
 
 def score_subset(labels: np.ndarray, rng: np.random.Generator, scored: int) -> np.ndarray:

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from mmadapt import checkpoint, parallel
 from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfig, to_dict
 from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, LayoutBatches,
-                          ReplayBatches,
-                          block_index, block_index_path, check_corpus, check_prepared, corpus_fingerprint, file_sha256,
-                          load_checked_tokenizer, micro_batch_range, prepare, read_manifest, replay_blocks, wait_for)
+                          ReplayBatches, block_index, block_index_path, check_corpus, check_prepared, corpus_fingerprint,
+                          file_sha256, layout_stream, layout_stream_path, line_join, load_checked_tokenizer,
+                          micro_batch_range, prepare, read_manifest, replay_blocks, wait_for)
 from mmadapt.engine import (LoopJob, backward, build_engine, is_pipeline, mean_over_ranks, set_trainable, train_loop,
                             trainable_by_names, with_placeholders)
 from mmadapt.features import Encoded
@@ -41,6 +41,7 @@ from mmadapt.models.layers import Padding, derive_seed, masked_positions
 from mmadapt.models.pipe import set_host_batches, take_head_losses
 from mmadapt.run import RUN_TOKENIZER, RunSpec, Started, tensor_bytes
 from mmadapt.tokenizer import kind as tokenizer_kind
+from mmadapt.tokenizer import load
 from mmadapt.expand import MERGED_TOKENIZER, Expansion, Replay
 
 
@@ -206,6 +207,12 @@ def lm_batches(family: ModelFamily, data_path: Path, model: ModelConfig, train: 
     blocks, or packed next-token blocks), a pure function of (seed, update). layout: an
     imported decoder's (LMJob.text_layout): its packed blocks as its tokenizer lays out text."""
     if layout and not family.objective.masked:
+        # the laid-out stream is a file of the dataset: global rank 0 builds it, the others wait
+        join = line_join(load(Path(data_path) / TOKENIZER))
+        stream = layout_stream_path(data_path, split, layout, join)
+        if parallel.is_rank0():
+            layout_stream(data_path, split, layout, join)
+        wait_for(stream.with_suffix(".json"), f"the laid-out stream {stream}")
         return LayoutBatches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split,
                              layout)
     batches = family.objective.batches

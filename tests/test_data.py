@@ -137,6 +137,14 @@ def test_an_imported_decoders_blocks_follow_its_tokenizers_layout(tokenizer, tmp
         x, y = b.sample(g)
         k = b.order(g) * 8
         assert x.tolist() == stream[k:k + 8] and y.tolist() == stream[k + 1:k + 9]
+    # The stream is a file of the dataset, built once (its dtype the dataset's, unless an id does not fit)
+    path = D.layout_stream_path(tmp_path / "d", "text", layout, b.join)
+    assert path.is_file() and np.memmap(path, dtype=np.uint16, mode="r").tolist() == stream
+    stamp = path.stat().st_mtime_ns
+    assert D.LayoutBatches(tmp_path / "d", train, VOCAB, layout=layout).tokens.tolist() == stream
+    assert path.stat().st_mtime_ns == stamp
+    wide = D.LayoutBatches(tmp_path / "d", train, VOCAB, layout={"prefix": [70_000]})
+    assert wide.tokens.dtype == np.int64 and wide.tokens.tolist()[:len(a) + 1] == [70_000, *a]
     # mmadapt's own stream, for comparison: </s> after every sentence and between documents
     assert D.CausalBatches(tmp_path / "d", train, VOCAB).tokens.tolist() == [*a, EOS_ID, *c, EOS_ID, EOS_ID, *e,
                                                                              EOS_ID, EOS_ID]
@@ -166,20 +174,23 @@ def _stream_by_hand(lengths: list[int], tokens: list[int], prefix: list[int], su
 @pytest.mark.parametrize("layout", [{}, {"prefix": [BOS_ID]}, {"suffix": [EOS_ID]},
                                     {"prefix": [BOS_ID, 9], "suffix": [EOS_ID, 8, 7]}, {"prefix": [70_000]}])
 def test_the_laid_out_stream_follows_the_rule_on_any_segmentation(layout, join):
-    """LayoutBatches builds its stream with whole-array operations (no loop over sentences), in the
-    dataset's dtype unless a layout id does not fit it: on random segmentations (documents of no sentence, several end markers in a row, a split that
-    starts with one, trailing tokens past the last sequence) it is the rule applied by hand."""
+    """LayoutBatches' stream (data.laid_out) is built with whole-array operations (no loop over
+    sentences), a chunk of sequences at a time: on random segmentations (documents of no sentence,
+    several end markers in a row, a split that starts with one, trailing tokens past the last
+    sequence), at every chunk size, it is the rule applied by hand."""
     rng = np.random.default_rng(0)
     for _ in range(300):
         lengths = [int(n) for n in rng.choice([1, 1, 2, 3, 6], size=rng.integers(0, 14))]
         tokens = [t for n in lengths for t in [*rng.integers(10, 99, n - 1).tolist(), EOS_ID]]
         tokens += rng.integers(10, 99, rng.integers(0, 3)).tolist()
-        b = object.__new__(D.LayoutBatches)
-        b.layout, b.join, b._sequence_lengths = layout, join, (lambda lengths=lengths: np.array(lengths, np.int64))
-        got = D.LayoutBatches._stream(b, np.array(tokens, np.uint16))
-        assert got.dtype == (np.int64 if 70_000 in layout.get("prefix", []) else np.uint16)  # an id uint16 cannot hold
-        assert got.tolist() == _stream_by_hand(lengths, tokens, layout.get("prefix", []), layout.get("suffix", []),
-                                               join)
+        prefix, suffix = layout.get("prefix", []), layout.get("suffix", [])
+        want = _stream_by_hand(lengths, tokens, prefix, suffix, join)
+        suffix = suffix if prefix or suffix else [EOS_ID]  # layout_stream's: no layout, </s> closes a document
+        args = (np.array(tokens, np.uint16), np.array(lengths, np.int64), *(np.array(x, np.int64)
+                                                                           for x in (prefix, suffix, join)))
+        for chunk in (1, 2, 3, 1 << 18):  # a chunk's edge anywhere: between sentences of a document, after one
+            out = np.full(D.laid_out(*args, None, chunk), -1, np.int64)
+            assert D.laid_out(*args, out, chunk) == len(out) and out.tolist() == want
 
 
 def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpus, tokenizer, capsys, tmp_path):
@@ -191,6 +202,11 @@ def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpu
     stamp = {f: (d / f).stat().st_mtime_ns for f in ("text.bin", "text.idx", "manifest.json")}
     prepare(corpus, d, VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=2, valid_fraction=0.1))
     assert "nothing to do" in capsys.readouterr().out
+    # Another seed draws another split: refused, not taken for the same preparation (it was a no-op
+    # that kept the old split)
+    with pytest.raises(D.DataError, match="split or seed: choose a new --output_dir"):
+        prepare(corpus, d, VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=2, valid_fraction=0.1,
+                                                                           tokenizer_seed=2))
     # Two runs (two recipes) on the prepared data: each only adds its block index (and its copy of
     # the dataset's tokenizer, in the run directory).
     model = PRESETS["tiny"][0]
