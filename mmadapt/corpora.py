@@ -61,6 +61,19 @@ def bible_verses(lang: str, books: range | None = None):
 CACHE = Path(os.environ.get("MMADAPT_CACHE", Path.home() / ".cache" / "mmadapt"))
 
 
+@functools.cache
+def text_rule_key() -> str:
+    """A digest of what a cached Bible corpus was written by (the database, the versions and the
+    verse cleaning): a cache written under other rules is written again, not trusted."""
+    import hashlib
+    import inspect
+
+    db = bible_db_path()
+    rules = "".join((inspect.getsource(clean_verse), inspect.getsource(write_bible_corpus), _HEADING.pattern,
+                     repr(sorted(BIBLE_VERSIONS.items())), str(db.stat().st_size)))
+    return hashlib.sha256(rules.encode()).hexdigest()[:12]
+
+
 def resolve_corpus(spec: str | os.PathLike) -> Path:
     """A path, or `bible:<lang>` for the packaged Bible (written once to the cache)."""
     spec = str(spec)
@@ -69,7 +82,14 @@ def resolve_corpus(spec: str | os.PathLike) -> Path:
         if lang not in BIBLE_VERSIONS:
             raise ValueError(f"{spec}: no packaged Bible for {lang!r}; choose one of {', '.join(BIBLE_VERSIONS)}")
         path = CACHE / "bible" / f"{lang}.txt"
-        return path if path.is_file() else write_bible_corpus(lang, path)
+        key = path.with_name(f"{lang}.rules")  # what wrote it: text under other rules is written again
+        if path.is_file() and key.is_file() and key.read_text() == text_rule_key():
+            return path
+        write_bible_corpus(lang, path)  # the same bytes where the rules did not change (datasets stay valid)
+        tmp = key.with_name(f".{key.name}.tmp{os.getpid()}")
+        tmp.write_text(text_rule_key())
+        os.replace(tmp, key)
+        return path
     return Path(spec)
 
 

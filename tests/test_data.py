@@ -555,3 +555,19 @@ def test_the_bibles_verses_are_read_once_and_shared_read_only():
     with pytest.raises(TypeError):
         keys[(1, 1, 1)] = "changed"
     assert {b for _, b in C.parallel_verses("en", "de", 20)} <= set(keys.values())
+
+
+def test_the_cached_bible_is_written_again_when_the_rules_that_wrote_it_change(tmp_path, monkeypatch):
+    """resolve_corpus("bible:<lang>") keeps the corpus with a digest of what wrote it (database,
+    versions, verse cleaning): reused while that holds, written again (the same bytes for the
+    same rules) when it does not; a corpus written by older rules was trusted forever."""
+    from mmadapt import corpora
+
+    monkeypatch.setattr(corpora, "CACHE", tmp_path)
+    path = corpora.resolve_corpus("bible:sw")
+    text, key = path.read_bytes(), tmp_path / "bible" / "sw.rules"
+    assert path == tmp_path / "bible" / "sw.txt" and key.read_text() == corpora.text_rule_key()
+    path.write_text("kept while the rules hold\n")
+    assert corpora.resolve_corpus("bible:sw").read_text() == "kept while the rules hold\n"
+    key.write_text("older rules")
+    assert corpora.resolve_corpus("bible:sw").read_bytes() == text and key.read_text() == corpora.text_rule_key()
