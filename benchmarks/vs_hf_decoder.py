@@ -15,9 +15,10 @@ AdamW over the embedding and a plain PyTorch loop, as a user of `transformers` w
 DeepSpeed engine (ZeRO-1; bf16 with fp32 master weights under zero1_bf16.json) as
 `launch/adapt.py` does. Every system gets the same
 random blocks and scores the same s - 1 next pieces per row (transformers shifts its labels
-inside; mmadapt's blocks carry them shifted, the last position unscored). Dropout off,
-median of --repeats updates after warm-up; time ratios beside the exact FLOP ratios
-(models/llama/flops.py).
+inside; mmadapt's blocks carry them shifted, the last position unscored). Dropout off; every
+engine and transformers' model built first, then --repeats rounds of one update of each after
+--warmup untimed rounds (ratios: medians of the rounds' ratios, with their range); time ratios
+beside the exact FLOP ratios (models/llama/flops.py) and beside a causal count (attention halved).
 
 --score_fraction p (default: TrainConfig's, the default of `mmadapt adapt`): mmadapt's systems
 score round(p (s - 1)) of each row's s - 1 next pieces, drawn as data.CausalBatches draws them,
@@ -33,17 +34,18 @@ import argparse
 import dataclasses
 import itertools
 import json
+import statistics
 
 import numpy as np
 import torch
-from common import (REPO, RESULTS, add_zero_arg, engine_update, median_time, paper_mini_layers, run_ds_config, table,
-                    write_results)
+from common import (REPO, RESULTS, add_zero_arg, engine_update, interleaved_times, paper_mini_layers, run_ds_config,
+                    table, write_results)
 
 from mmadapt.config import ModelConfig, TrainConfig, scored_positions
 from mmadapt.data import score_subset
 from mmadapt.models import find_preset
 from mmadapt.models.llama import LLAMA
-from mmadapt.models.llama.flops import adapt_flops
+from mmadapt.models.llama.flops import adapt_flops, layer_attn_flops
 from mmadapt.parallel import device, init_parallel
 from mmadapt.tokens import IGNORE_INDEX, NUM_SPECIAL
 from mmadapt.models import get_family
@@ -101,6 +103,21 @@ def scored_flops(cfg: ModelConfig, s: int, scored: int) -> int:
     return adapt_flops(cfg, s) - 3 * 2 * cfg.hidden_size * cfg.vocab_size * (s - scored)
 
 
+HF = "transformers"
+
+
+def causal_saving(cfg: ModelConfig, s: int) -> int:
+    """The FLOPs of one row's Step 2 a causal attention kernel skips: half of the s x s score and
+    value products the exact count (models/llama/flops.py, as FlopCounterMode counts the explicit
+    product) holds, forward and the two products of their backward in every layer."""
+    return 3 * cfg.num_layers * layer_attn_flops(cfg, s) // 2
+
+
+def resident_gib() -> float:
+    """Device memory held now, GiB (0 on a CPU)."""
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
 def hf_model(cfg: ModelConfig, lr: float):
     """LlamaForCausalLM shaped like `cfg` (Qwen2ForCausalLM where `cfg` has QKV biases, as Qwen2
     has), everything frozen but the (tied) embedding."""
@@ -119,9 +136,10 @@ def hf_model(cfg: ModelConfig, lr: float):
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
 
-def markdown(rows: list[dict], hf_row: dict, args, dev: str, peer: str, speedup: float,
-             ratio: float | None, shape: ModelConfig, bf16: bool) -> list[str]:
-    """The results file's lines: the table, the two targets and, at p < 1, the equal-quality line."""
+def markdown(rows: list[dict], hf_row: dict, args, dev: str, peer: str, speedup: float, speedup_range: list[float],
+             ratio: float | None, shape: ModelConfig, bf16: bool, peak: float | None) -> list[str]:
+    """The results file's lines: the table, the two targets (each a median of the rounds' ratios,
+    with their range) and, at p < 1, the equal-quality line."""
     s, b, p = args.seq_length, args.micro_batch, args.score_fraction
     base, minijoint = rows[0], next(r for r in rows if r["system"] == "minijoint")
     md = [f"# Step 2 of a {shape.num_layers}-layer decoder ({args.shape}): mmadapt vs transformers {peer} "
@@ -131,14 +149,25 @@ def markdown(rows: list[dict], hf_row: dict, args, dev: str, peer: str, speedup:
           table([*rows, hf_row], [("system", "system"), ("p", "p"), ("layers", "layers"),
                                   ("ms_per_update", "ms/update"),
                                   ("tokens_per_s", "tokens/s"), ("gflop", "GFLOP/update (exact)"),
-                                  ("achieved_tflops", "achieved TFLOP/s"), ("peak_memory_gib", "peak GiB"),
+                                  ("achieved_tflops", "achieved TFLOP/s"),
+                                  ("achieved_tflops_causal", "achieved TFLOP/s, causal count"),
+                                  ("resident_gib", "resident GiB"),
                                   ("time_ratio_vs_bl_base", "time ratio vs BL_BASE"),
                                   ("flop_ratio_vs_bl_base", "FLOP ratio vs BL_BASE"),
-                                  ("time_over_flop_ratio", "time ratio / FLOP ratio")]), "",
-          f"- BL_BASE / MINIJOINT time ratio {minijoint['time_ratio_vs_bl_base']:.2f}x against an exact FLOP ratio of "
-          f"{minijoint['flop_ratio_vs_bl_base']:.2f}x: {minijoint['time_over_flop_ratio']:.2f} of it (target >= 0.9: "
-          f"{'met' if minijoint['time_over_flop_ratio'] >= 0.9 else 'NOT met'})",
-          f"- mmadapt BL_BASE does {speedup:.2f}x the tokens/s of transformers on the same frozen-body job"
+                                  ("time_over_flop_ratio", "time ratio / FLOP ratio"),
+                                  ("time_over_flop_ratio_causal", "the same, causal count")]), "",
+          f"Timed in {args.repeats} rounds of one update of every row in turn, after {args.warmup} untimed; "
+          "ratios are medians of the rounds' ratios. Exact count: attention's s x s products whole, as "
+          "FlopCounterMode counts them; causal count: half of them, what a causal flash kernel computes. "
+          "Resident: what building the row's engine (model) added to device memory"
+          + ("" if peak is None else f"; the run's peak: {peak:.2f} GiB") + ".", "",
+          f"- BL_BASE / MINIJOINT time ratio {minijoint['time_ratio_vs_bl_base']:.2f}x "
+          f"({minijoint['time_ratio_range'][0]:.2f}-{minijoint['time_ratio_range'][1]:.2f} over the rounds) against "
+          f"an exact FLOP ratio of {minijoint['flop_ratio_vs_bl_base']:.2f}x: {minijoint['time_over_flop_ratio']:.2f} "
+          f"of it (target >= 0.9: {'met' if minijoint['time_over_flop_ratio'] >= 0.9 else 'NOT met'}); against the "
+          f"causal count's {minijoint['flop_ratio_causal']:.2f}x: {minijoint['time_over_flop_ratio_causal']:.2f}",
+          f"- mmadapt BL_BASE does {speedup:.2f}x the tokens/s of transformers ({speedup_range[0]:.2f}-"
+          f"{speedup_range[1]:.2f} over the rounds) on the same frozen-body job"
           + (f" scoring {p:g} of the positions where transformers scores all" if p != 1 else "")
           + f" (target >= 1.3x: {'met' if speedup >= 1.3 else 'NOT met'})"]
     # transformers' job is BL_BASE's at p = 1: at equal quality, mmadapt's BL_BASE at p needs `ratio`
@@ -178,19 +207,21 @@ def main(argv=None) -> None:
     shape = SHAPES[args.shape]
     batches, dev = blocks(shape, b, s, 4), device()
     mine = batches if p == 1 else blocks(shape, b, s, 4, p=p)
-    rows = []
+    # Every system's engine and transformers' model are built first and timed in rounds, each
+    # round one update of each (common.interleaved_times): a ratio is the median of the rounds'
+    # ratios, so a machine whose speed drifts between cases moves no ratio (one case timed after
+    # another's moved the same code by 7% on an H200). Each row's resident memory (its weights,
+    # gradients and optimizer state) is what its build added; the peak is the whole run's.
+    fns, built, rows = {}, {}, []
     for system, layers in systems(shape).items():
         cfg = LLAMA.one_head(dataclasses.replace(shape, fusion=args.fusion), layers)
-        engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, LMJob(step="adapt", trainable=LLAMA.vocab_params(cfg)))
-        t, _ = median_time(engine_update(engine, mine, 1), args.warmup, args.repeats)
-        del engine
-        flops = b * scored_flops(cfg, s, int(mine[0][1][0].ge(0).sum()))
-        rows.append({"system": system, "p": p, "layers": layers, "ms_per_update": 1e3 * t, "tokens_per_s": b * s / t,
-                     "gflop": flops / 1e9, "achieved_tflops": flops / t / 1e12})
-        if torch.cuda.is_available():
-            rows[-1]["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.reset_peak_memory_stats()
+        before = resident_gib()
+        job = LMJob(step="adapt", trainable=LLAMA.vocab_params(cfg))
+        engine, _, _ = lm_engine(get_family(cfg), cfg, train, ds, job)
+        fns[system], built[system] = engine_update(engine, mine, 1), (cfg, layers, resident_gib() - before)
+    before = resident_gib()
     model, opt = hf_model(shape, train.lr)
+    hf_resident = resident_gib() - before
     cycle = itertools.cycle(batches)
 
     def peer():
@@ -201,22 +232,39 @@ def main(argv=None) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    t_hf, _ = median_time(peer, args.warmup, args.repeats)
+    fns[HF] = peer
+    times = interleaved_times(fns, args.warmup, args.repeats)
+    for system, (cfg, layers, resident) in built.items():
+        t = statistics.median(times[system])
+        flops = b * scored_flops(cfg, s, int(mine[0][1][0].ge(0).sum()))
+        causal = flops - b * causal_saving(cfg, s)
+        rows.append({"system": system, "p": p, "layers": layers, "ms_per_update": 1e3 * t, "tokens_per_s": b * s / t,
+                     "gflop": flops / 1e9, "achieved_tflops": flops / t / 1e12,
+                     "gflop_causal": causal / 1e9, "achieved_tflops_causal": causal / t / 1e12,
+                     "resident_gib": resident, "ms_each": [1e3 * x for x in times[system]]})
     base = rows[0]
     for r in rows:
-        r["time_ratio_vs_bl_base"] = base["ms_per_update"] / r["ms_per_update"]
+        per_round = [a / c for a, c in zip(times["bl_base"], times[r["system"]])]
+        r["time_ratio_vs_bl_base"], r["time_ratio_range"] = statistics.median(per_round), [min(per_round),
+                                                                                           max(per_round)]
         r["flop_ratio_vs_bl_base"] = base["gflop"] / r["gflop"]
         r["time_over_flop_ratio"] = r["time_ratio_vs_bl_base"] / r["flop_ratio_vs_bl_base"]
-    hf_flops = b * scored_flops(LLAMA.one_head(shape, shape.num_layers), s, s - 1)
+        r["flop_ratio_causal"] = base["gflop_causal"] / r["gflop_causal"]
+        r["time_over_flop_ratio_causal"] = r["time_ratio_vs_bl_base"] / r["flop_ratio_causal"]
+    t_hf = statistics.median(times[HF])
+    full = LLAMA.one_head(shape, shape.num_layers)
+    hf_flops = b * scored_flops(full, s, s - 1)
     hf_row = {"system": "transformers (full model)", "p": 1.0, "layers": shape.num_layers,
               "ms_per_update": 1e3 * t_hf, "tokens_per_s": b * s / t_hf, "gflop": hf_flops / 1e9,
-              "achieved_tflops": hf_flops / t_hf / 1e12}
-    if torch.cuda.is_available():
-        hf_row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    speedup = base["tokens_per_s"] / hf_row["tokens_per_s"]
+              "achieved_tflops": hf_flops / t_hf / 1e12, "gflop_causal": (hf_flops - b * causal_saving(full, s)) / 1e9,
+              "achieved_tflops_causal": (hf_flops - b * causal_saving(full, s)) / t_hf / 1e12,
+              "resident_gib": hf_resident, "ms_each": [1e3 * x for x in times[HF]]}
+    rounds = [h / m for h, m in zip(times[HF], times["bl_base"])]  # transformers' time over BL_BASE's, per round
+    speedup, speedup_range = statistics.median(rounds), [min(rounds), max(rounds)]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     ratio = equal_quality_updates("bl_base", p)
-    md = markdown(rows, hf_row, args, f"{dev}", f"{transformers.__version__} {type(model).__name__}", speedup, ratio,
-                  shape, bf16)
+    md = markdown(rows, hf_row, args, f"{dev}", f"{transformers.__version__} {type(model).__name__}", speedup,
+                  speedup_range, ratio, shape, bf16, peak)
     # p's dot would end the file's stem (write_results' with_suffix): 0.5 -> _p0_5
     name = "vs_hf_decoder" + ("" if args.shape == "cpu" else "_" + args.shape.replace(".", "_")) + \
         ("" if args.fusion == "none" else f"_{args.fusion}") + \
@@ -225,6 +273,8 @@ def main(argv=None) -> None:
                                  "seq_length": s, "micro_batch": b, "ds_config": args.ds_config, "bf16": bf16,
                                  "transformers": transformers.__version__,
                                  "rows": [*rows, hf_row], "speedup_bl_base_vs_transformers": speedup,
+                                 "speedup_range": speedup_range, "peak_memory_gib": peak, "warmup": args.warmup,
+                                 "repeats": args.repeats, "timing": "interleaved rounds",
                                  "equal_quality_update_ratio": ratio}, "\n".join(md))
     print("\n".join(md))
     print(f"\nwritten: {paths[0]}, {paths[1]}")
