@@ -198,8 +198,12 @@ def interleaved_times(fns: dict, warmup: int = 3, repeats: int = 10) -> dict[str
 
 
 def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
+    """benchmarks/results/<name>_<hardware>_<date>.{json,md}; a file of that name already there (an
+    earlier run the same day) is kept, and this run takes the next free suffix (b, c, ...)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"{name}_{hardware()}_{datetime.date.today():%Y%m%d}"
+    first = RESULTS / f"{name}_{hardware()}_{datetime.date.today():%Y%m%d}"
+    stem = next(RESULTS / f"{first.name}{suffix}" for suffix in ("", *"bcdefghijklmnopqrstuvwxyz")
+                if not any((RESULTS / f"{first.name}{suffix}{ext}").exists() for ext in (".json", ".md")))
     payload = {"benchmark": name, "date": f"{datetime.date.today():%Y-%m-%d}", **hardware_details(), **payload}
     stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
     stem.with_suffix(".md").write_text(markdown.rstrip() + "\n")

@@ -5,7 +5,7 @@
 
 Each system's Step-2 model (BL_BASE: 12 layers; MINIPOST: 4 + 2; MINIJOINT and BL_SMALL: 4) is
 built with a frozen body and trainable embeddings + output bias, wrapped in a DeepSpeed engine in
-one process, and trained on the same masked batches. The engines are built first and then take
+one process, and trained on the same masked batches (random ids, or --real Bible blocks). The engines are built first and then take
 one update each in turn, --repeats rounds after --warmup (common.interleaved_times): each
 system's median, and each time ratio taken round by round (its median and range), so that the
 machine's drift during the run slows both sides of a ratio alike. Weights are random: the work
@@ -25,6 +25,7 @@ from common import (
     interleaved_times,
     mask_fraction,
     masked_batches,
+    real_batches,
     setup,
     table,
     write_results,
@@ -51,7 +52,7 @@ def main(argv=None) -> None:
     s, micro = args.seq_length, args.micro_batch
     # an absolute path replaces REPO; applied to one replica as a run applies it (engine.for_replicas)
     ds = for_replicas(load_ds_config(REPO / args.ds_config, train), 1)
-    batches = masked_batches(base, micro, s, train.mask_prob, 4)
+    batches = (real_batches if args.real else masked_batches)(base, micro, s, train.mask_prob, 4)
     p = mask_fraction(batches)
     steps, cfgs = {}, {}
     for system, layers in SYSTEMS.items():
@@ -79,9 +80,11 @@ def main(argv=None) -> None:
                        "measured_over_exact": measured / exact, "rounds": rounds})
     shape = {"hidden_size": base.hidden_size, "ffn_hidden_size": base.ffn_hidden_size,
              "num_attention_heads": base.num_attention_heads, "vocab_size": base.vocab_size, "seq_length": s,
-             "micro_batch": micro, "ds_config": str(args.ds_config), "device": str(device())}
+             "micro_batch": micro, "ds_config": str(args.ds_config), "device": str(device()), "real": args.real,
+             "dropout": args.dropout}
     md = [f"# Step-2 time per update ({shape['device']}, h={base.hidden_size}, V={base.vocab_size}, s={s}, "
-          f"batch {micro}, {args.ds_config.split('/')[-1]})", "",
+          f"batch {micro}, {args.ds_config.split('/')[-1]}, {'real Bible blocks' if args.real else 'random ids'}, "
+          f"dropout {'on' if args.dropout else 'off'})", "",
           table(rows, [("system", "system"), ("layers", "layers"), ("ms_per_update", "ms/update"),
                        ("tokens_per_s", "tokens/s"), ("gflop_exact", "GFLOP/update (exact)"),
                        ("gflop_paper", "GFLOP/update (A3)"), ("achieved_tflops", "achieved TFLOP/s")]),
