@@ -8,7 +8,8 @@ run and against the analytic FLOP ratios.
         --only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt minipost:adapt   # the decoder
 
 For each system and step (as in flops_validation.py) the median time of --repeats updates after
-warm-up is taken; achieved FLOP/s uses the exact count (mmadapt/flops.py, checked against
+warm-up is taken (the Step-2 cases' engines are then kept and timed again in interleaved rounds,
+which give the Step-2 time ratios); achieved FLOP/s uses the exact count (mmadapt/flops.py, checked against
 FlopCounterMode by flops_validation.py). Utilisation is against the median speed of a large
 matmul in the training dtype measured here (and, on a GPU, against the vendor's bf16 peak).
 Targets (issue 5): Step-2 time ratio BL_BASE/MINIJOINT >= 0.9 x its exact FLOP ratio; achieved
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import statistics
 
 import torch
 from common import (
@@ -29,6 +31,7 @@ from common import (
     add_zero_arg,
     causal_batches,
     engine_update,
+    interleaved_times,
     mask_fraction,
     masked_batches,
     median_time,
@@ -88,10 +91,13 @@ def main(argv=None) -> None:
     batches = (causal_batches(base, b, s, 4) if not family.objective.masked else
                (real_batches if args.real else masked_batches)(base, b, s, train.mask_prob, 4))
     p, pad = mask_fraction(batches), padding_fraction(batches)
-    rows = []
+    rows, kept = [], {}  # kept: the Step-2 updates, timed again side by side below
     for system, step, cfg, trainable in cases(base):
         if args.only and f"{system}:{step}" not in args.only:
             continue
+        held = torch.cuda.memory_allocated() if gpu else 0  # the kept Step-2 engines': not this case's
+        if gpu:
+            torch.cuda.reset_peak_memory_stats()
         engine, _, _ = lm_engine(family, cfg, train, ds, LMJob(step=step, trainable=trainable, trainable_layers=2))
         update = engine_update(engine, batches, len(cfg.heads_after))
         t, times = median_time(update, args.warmup, args.repeats)
@@ -101,11 +107,18 @@ def main(argv=None) -> None:
                "exact_gflop": flops / 1e9, "times_s": times}
         if gpu:
             row["vendor_utilisation"] = flops / t / (DEVICE_TFLOPS[args.vendor] * 1e12)
-            row["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            torch.cuda.reset_peak_memory_stats()
+            row["peak_memory_gib"] = (torch.cuda.max_memory_allocated() - held) / 2**30
         rows.append(row)
-        del engine, update
-        gc.collect()  # the next case's model must not share the device with this one's
+        if step == "adapt":
+            kept[(system, step)] = update
+        else:
+            del engine, update
+            gc.collect()  # the next case's model must not share the device with this one's
+    # The Step-2 time ratios (the target's) from the kept engines timed in rounds of one update
+    # each (common.interleaved_times), a ratio the median of the rounds' with their range: one case
+    # timed after another's moved a ratio by up to a fifth on a shared machine. Step 1's ratios stay
+    # the ratios of the cases' medians (their engines are too large to keep side by side).
+    rounds = interleaved_times(kept, args.warmup, args.repeats) if len(kept) > 1 else {}
     by = {(r["system"], r["step"]): r for r in rows}
     pairs = [(("bl_base", "adapt"), ("minijoint", "adapt")), (("bl_base", "adapt"), ("minipost", "adapt")),
              (("minijoint", "pretrain"), ("bl_base", "pretrain")), (("bl_base", "pretrain"), ("bl_small", "pretrain"))]
@@ -113,12 +126,18 @@ def main(argv=None) -> None:
     for x, y in pairs:
         if x not in by or y not in by:
             continue
-        measured = by[x]["ms_per_update"] / by[y]["ms_per_update"]
+        each = sorted(a / c for a, c in zip(rounds[x], rounds[y])) if x in rounds and y in rounds else None
+        measured = statistics.median(each) if each else by[x]["ms_per_update"] / by[y]["ms_per_update"]
         exact = by[x]["exact_gflop"] / by[y]["exact_gflop"]
         ratios.append({"pair": f"{x[0]} {x[1]} / {y[0]} {y[1]}", "measured_time_ratio": measured,
+                       "timing": f"paired rounds ({each[0]:.3f}-{each[-1]:.3f})" if each else "case medians",
                        "exact_flop_ratio": exact, "measured_over_exact": measured / exact})
+    del kept
+    gc.collect()
     step2 = next((r["measured_over_exact"] for r in ratios if r["pair"] == "bl_base adapt / minijoint adapt"),
                  float("nan"))
+    if not rows:
+        ap.error(f"--only {' '.join(args.only)} names no case: name them as SYSTEM:STEP (bl_base:adapt, ...)")
     min_util = min(r["utilisation"] for r in rows if r["step"] in ("pretrain", "adapt"))
     targets = {"step2_ratio_over_exact": step2, "step2_ratio_target_met": step2 >= 0.9,
                "min_utilisation_steps_1_and_2": min_util, "utilisation_target_met": min_util >= 0.7}
@@ -132,8 +151,10 @@ def main(argv=None) -> None:
         f"{' (the JSON as given)' if args.zero_as_given else ' (one replica, as a run applies it)'}")
     md = [f"# Training throughput ({device()}, {str(dtype).split('.')[-1]}, h={base.hidden_size}, V={base.vocab_size}, "
           f"s={s}, batch {b}, {data}; matmul peak measured here: {peak / 1e12:.4g} TFLOP/s)", "", table(rows, cols), "",
-          table(ratios, [("pair", "pair"), ("measured_time_ratio", "measured time ratio"),
+          table(ratios, [("pair", "pair"), ("measured_time_ratio", "measured time ratio"), ("timing", "timed as"),
                          ("exact_flop_ratio", "exact FLOP ratio"), ("measured_over_exact", "measured / exact")]), "",
+          "Peak GiB: the most a case held above what was held before it (the Step-2 engines already built stay, "
+          "to be timed side by side)." if gpu else "",
           f"- Step-2 BL_BASE/MINIJOINT measured ratio / exact FLOP ratio: {step2:.3f} (target >= 0.9: "
           f"{'met' if targets['step2_ratio_target_met'] else 'NOT met'})",
           f"- lowest utilisation of a Step-1/Step-2 update: {min_util:.1%} of the measured matmul peak (target >= 70%: "
