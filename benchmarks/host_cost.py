@@ -524,9 +524,17 @@ def main(argv=None) -> None:
                  "at the same --width/--vocab/--seq_length/--micro_batch" if got else
                  f"--against {args.against} has no sizes (an older host_cost's): measure that checkout again "
                  "with this script (--repo CHECKOUT --json_only X)")
+    settings = settings_of(args, width_per_head=args.width, vocab=args.vocab, seq_length=args.seq_length,
+                           micro_batch=args.micro_batch)
+    # Another fusion is a comparison it may make (today's compiled or graphed update against an eager
+    # checkout: gpu_quick.sh); another DeepSpeed config is not
+    if before and before[0].get("ds_config") != settings["ds_config"]:
+        ap.error(f"--against {args.against} was measured with {before[0].get('ds_config') or 'an unrecorded'} "
+                 f"DeepSpeed config, this run with {settings['ds_config']}: measure that checkout again with this "
+                 "one (--repo CHECKOUT --json_only X)")
     rows = measure(args)
     for r in rows:
-        r["checkout"] = tag
+        r.update(checkout=tag, ds_config=settings["ds_config"], fusion=args.fusion)
     if args.json_only:
         Path(args.json_only).write_text(json.dumps(rows, indent=1))
         return
@@ -554,8 +562,6 @@ def main(argv=None) -> None:
     if old:
         cols += [("profiled_over_before", "profiled / before")] + [("runtime_over_before", "runtime / before")] * (
             runtime and all("runtime_over_before" in r for r in rows)) + [("host_ms_over_before", "host ms / before")]
-    settings = settings_of(args, width_per_head=args.width, vocab=args.vocab, seq_length=args.seq_length,
-                           micro_batch=args.micro_batch)
     md = [f"# Host-side cost of one training update ({tag}, {ds_name(args)}, {mode_of(args)})", "",
           f"Settings: `{json.dumps(settings)}`. `python benchmarks/host_cost.py` (its docstring says what is "
           "counted and why). Launches: ATen operators that are not views or metadata, per update, as a "
@@ -564,7 +570,8 @@ def main(argv=None) -> None:
           "and CUDA graph replays the device was given; host ms: "
           f"median of {args.repeats} updates at the sizes above (min-max in the JSON).", "",
           table(rows, cols), ""] + ([args.note, ""] if args.note else [])
-    if "bf16" in ds_name(args) and "cpu" in hardware():
+    cpu_bf16 = "bf16" in ds_name(args) and "cpu" in hardware()  # host ms then times the math, not the host
+    if cpu_bf16:
         md += ["On a CPU, bf16 matmuls and element-wise kernels are far slower than fp32 ones: here host "
                "ms includes that math and is no measure of the host's own cost; the launch counts hold.", ""]
     md += ["## The depth-independent part of a Step-2 update", "",
@@ -586,11 +593,14 @@ def main(argv=None) -> None:
                                  else ("profiled_over_before", "launches"))
                     worst_l = max(r[key] for r in got)
                     worst_t = max(r["host_ms_over_before"] for r in got)
+                    host = ("host time not judged here (CPU bf16: it times the math)" if cpu_bf16 else
+                            f"host time {'met' if worst_t <= 0.5 else 'NOT met'}")
                     md.append(f"- {shape}, {label}: {what} at most {worst_l:.2f} of before, host time at most "
                               f"{worst_t:.2f} (half or less: launches {'met' if worst_l <= 0.5 else 'NOT met'}, "
-                              f"host time {'met' if worst_t <= 0.5 else 'NOT met'})")
+                              f"{host}; one run against one run, not paired: host_cost_ab_* pairs them)")
     if before:
-        md += ["", f"Before: {before[0]['checkout']} (`--against`), measured by the same script in the same session.", "",
+        md += ["", f"Before: {before[0]['checkout']} (`--against`), measured by this script with the same sizes and "
+               f"DeepSpeed config (checked), fusion {before[0].get('fusion')}, in a run of its own.", "",
                table(before, [c for c in cols if c[0] in before[0]])]
     paths = write_results(results_name(args), {"settings": settings, "checkout": tag, "rows": rows, "before": before},
                           "\n".join(md))
