@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import gc
 import itertools
+import statistics
 
 import torch
 from common import (
@@ -114,26 +115,31 @@ def main(argv=None) -> None:
         times = interleaved_times({"given": given, "fitted": fitted}, args.warmup, args.repeats)
         flops = k * b * family.step_flops(step, cfg, s, p, trainable_layers=2)
         for name, trainer in (("given", given), ("fitted", fitted)):
-            t = sorted(times[name])[len(times[name]) // 2]
+            t = statistics.median(times[name])
             row = {"system": system, "step": step, "run": name, "split": trainer.split(), "ms_per_update": 1e3 * t,
                    "utilisation": flops / t / peak, "times_s": times[name]}
             if gpu:
                 row["vendor_utilisation"] = flops / t / (DEVICE_TFLOPS[args.vendor] * 1e12)
                 row["peak_memory_gib"] = trainer.peak / 2**30
             rows.append(row)
-        rows[-1]["fitted_over_given"] = rows[-1]["ms_per_update"] / rows[-2]["ms_per_update"]
+        # round by round: the two took one update each per round, so a drift moves both alike
+        each = sorted(f / g for f, g in zip(times["fitted"], times["given"]))
+        rows[-1]["fitted_over_given"] = statistics.median(each)
+        rows[-1]["fitted_over_given_range"] = f"{each[0]:.3f}-{each[-1]:.3f}"
         del fitted, given
         gc.collect()
     cols = [("system", "system"), ("step", "step"), ("run", "run"), ("split", "micro x accumulation"),
-            ("ms_per_update", "ms/update"), ("utilisation", "of matmul peak"), ("fitted_over_given", "fitted / given")]
+            ("ms_per_update", "ms/update"), ("utilisation", "of matmul peak"), ("fitted_over_given", "fitted / given"),
+            ("fitted_over_given_range", "over the rounds")]
     if gpu:
-        cols[-1:-1] = [("vendor_utilisation", f"of {args.vendor} bf16 peak"), ("peak_memory_gib", "peak GiB")]
+        cols[-2:-2] = [("vendor_utilisation", f"of {args.vendor} bf16 peak"), ("peak_memory_gib", "peak GiB")]
     md = [f"# The micro-batch fit ({device()}, {str(dtype).split('.')[-1]}, h={base.hidden_size}, "
           f"V={base.vocab_size}, s={s}, asked for as micro {b} x {k}, fill {args.fill}"
           f"{', --assume_room: every merge taken to fit' if args.assume_room else ''}; "
           f"matmul peak measured here: {peak / 1e12:.4g} TFLOP/s)", "",
           "`python benchmarks/micro_batch_fill.py` (its docstring says how). Median of "
-          f"{args.repeats} updates of each, interleaved round by round after {args.warmup} untimed.", "",
+          f"{args.repeats} updates of each, interleaved round by round after {args.warmup} untimed; fitted / given is "
+          "the median of the rounds' ratios, its range beside it (a difference inside that range is a tie).", "",
           table(rows, cols)]
     paths = write_results("micro_batch_fill", {
         "shape": {"hidden_size": base.hidden_size, "vocab_size": base.vocab_size, "seq_length": s},
