@@ -231,7 +231,7 @@ def _vocabulary(run: RunSpec, step: AdaptEmbeddings, source: Source, body: Model
         else:
             size = body.vocab_size
         return dataclasses.replace(layout, vocab_size=size), TextData(manifest), {}
-    _check_output_start(source.family, train, body)
+    check_output_start(source.family, train, body)
     size, source_size, expansion = merged_vocabulary(run, source, step.vocab_size, train.seed, manifest)
     model = dataclasses.replace(layout, vocab_size=size, frozen_vocab_size=source_size)
     data = TextData(manifest) if expansion is None else ExpandedText(expansion)
@@ -239,7 +239,7 @@ def _vocabulary(run: RunSpec, step: AdaptEmbeddings, source: Source, body: Model
                          "expand_output_start": train.expand_output_start}
 
 
-def _check_output_start(family: ModelFamily, train: TrainConfig, body: ModelConfig) -> None:
+def check_output_start(family: ModelFamily, train: TrainConfig, body: ModelConfig) -> None:
     """Refuse --embedding_init subword_mean where the bounded start would overwrite it (a tied
     decoder's new rows are its output rows)."""
     if (train.vocab_mode != "expand" or train.expand_output_start == "embedding_init"

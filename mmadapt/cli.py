@@ -21,9 +21,10 @@ from pathlib import Path
 from mmadapt import checkpoint, faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
 from mmadapt.bpb import BPB_BYTES
-from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, INVOKED_AS, LAYOUT_FIELDS, RECIPES, SYSTEMS, EvaluateConfig,
-                            FinetuneConfig, Layout, MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig,
-                            add_dataclass_args, apply_recipe, lang_code, override, whole_number)
+from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, INVOKED_AS, LAYOUT_FIELDS,
+                            RECIPES, SYSTEMS, EvaluateConfig, FinetuneConfig, Layout, MiniModelConfig, ModelConfig,
+                            Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe, lang_code,
+                            override, whole_number)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_any
@@ -712,6 +713,10 @@ def extend_main(argv=None) -> int:
                    "vocabulary; expand: the source's with the target's pieces appended (default: replace)")
     p.add_argument("--embedding_init", choices=EMBEDDING_INITS, default=d["embedding_init"].default,
                    help="how the new rows start (adapt --embedding_init; default: %(default)s, FVT's split means)")
+    p.add_argument("--expand_output_start", choices=EXPAND_OUTPUT_STARTS, default=d["expand_output_start"].default,
+                   help="--vocab_mode expand: how the new pieces start on the output side (adapt "
+                   "--expand_output_start; default: %(default)s; a tied decoder's new rows are its output rows, so "
+                   "--embedding_init subword_mean needs embedding_init here)")
     p.add_argument("--vocab_size", type=whole_number(8), default=d["vocab_size"].default,
                    help="the target vocabulary's pieces (default: %(default)s)")
     p.add_argument("--system", choices=SYSTEMS, default="minipost", help="Step 2 over MINIPOST's mini-model (cheap, "

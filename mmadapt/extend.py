@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Optional
 
 from mmadapt import checkpoint, parallel, steps
-from mmadapt.adapt import final_artifact_written
+from mmadapt.adapt import check_output_start, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, ByteScorer
 from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig, check_lang
 from mmadapt.corpora import resolve_corpus
-from mmadapt.data import MANIFEST, DataError, NothingHeldOut, check_corpus
+from mmadapt.data import MANIFEST, DataError, NothingHeldOut, check_corpus, corpus_fingerprint, read_manifest
 from mmadapt.graft import check_siblings
+from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import TRANSFORMERS, OtherVocabulary, export_hf, import_any, import_kind
 from mmadapt.run import RunSpec, read_source, run_progress
@@ -68,6 +69,8 @@ class Extend:
     # all-MiniLM-L6-v2, German, 600 updates, 0.41 nats under the target unigram reference against
     # overlap's 0.21 (benchmarks/results/real_weights_cpu2_20261127.md)
     embedding_init: str = "subword_mean"
+    # --vocab_mode expand: how the new pieces start on the output side (adapt --expand_output_start)
+    expand_output_start: str = TrainConfig.expand_output_start
     vocab_size: int = 16_000
     system: str = "minipost"
     source_corpus: str = "bible:en"
@@ -106,6 +109,11 @@ class Extend:
             if d is not None and not ((d / "config.json").is_file() or (d / "modules.json").is_file()):
                 raise ValueError(f"{flag} {d} is not a Hugging Face or sentence-transformers model directory (no "
                                  "config.json or modules.json): pass the directory save_pretrained wrote")
+            if d is not None and is_classifier(d):
+                raise ValueError(f"{flag} {d} is a sequence classifier: extend takes language models; graft the "
+                                 "extension's embeddings into a classifier with `mmadapt import-hf --model "
+                                 f"{d} --task <task>` and `mmadapt export-hf --finetuned <that run> --graft` "
+                                 "(docs/huggingface.md)")
 
     def run_dir(self, stage: str) -> Path:
         return self.output_dir / stage
@@ -117,7 +125,7 @@ class Extend:
 
     def step2_schedule(self) -> TrainConfig:
         return self.schedule(self.adapt_iters, vocab_mode=self.vocab_mode, embedding_init=self.embedding_init,
-                             plugin_eval_blocks=self.plugin_eval_blocks)
+                             expand_output_start=self.expand_output_start, plugin_eval_blocks=self.plugin_eval_blocks)
 
 
 def _corpus_spec(spec: str) -> str:
@@ -219,6 +227,9 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None]:
     model = read_source(imported)
     for train in (ext.schedule(ext.head_iters), ext.schedule(ext.minipost_iters), ext.step2_schedule()):
         train.validate(model.cfg)
+    # Step 2's start refused for this model (a tied decoder's subword_mean under expand) before the
+    # stages ahead of it train: refused there, the extension could not be continued with other flags
+    check_output_start(model.family, ext.step2_schedule(), model.cfg)
     if ext.into is None:
         return imported, None
     if model.headless:
@@ -270,7 +281,11 @@ def _prepared(ext: Extend, imported: Path, say) -> Path:
     """The target corpus prepared (its vocabulary, HELD_OUT of its documents held out) -> its
     dataset. An expanded vocabulary extends the import's (every later stage keeps its tokenizer)."""
     data = ext.run_dir("data")
-    if not (data / MANIFEST).is_file():
+    if (data / MANIFEST).is_file():  # prepared by an earlier call: from this corpus as it is now, or refused
+        if read_manifest(data)["corpus_fingerprint"] != corpus_fingerprint(resolve_corpus(ext.corpus)):
+            raise DataError(f"corpus {ext.corpus} changed since this extension prepared it (in {data}): its runs "
+                            "trained on the text as it was; choose a new --output_dir to extend on the new text")
+    else:
         say(f"prepare the {ext.lang} corpus ({ext.vocab_mode} vocabulary)")
         prep = PreprocessConfig(workers=1, valid_fraction=HELD_OUT)
         try:

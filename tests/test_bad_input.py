@@ -796,6 +796,11 @@ CASES = [
      "holds a GPT2LMHeadModel (model_type gpt2); import-hf supports"),
     ("extend-into-the-model-itself", lambda c: c.extend("--into", str(c.tmp / "hf_model")),
      "is --model itself: its extension is <output_dir>/export; drop --into"),
+    ("extend-into-a-classifier", lambda c: c.extend("--into", str(Path(c.file("clf/config.json", json.dumps(
+        {"architectures": ["RobertaForSequenceClassification"], "model_type": "roberta"})) if c.dir("clf") else
+        "").parent)),
+     "is a sequence classifier: extend takes language models; graft the extension's embeddings into a classifier "
+     "with `mmadapt import-hf"),
     ("extend-seq-length-past-the-models-positions", lambda c: c.extend(
         "--model", str(c.request.getfixturevalue("tiny_hf")["qwen2"]), "--seq_length", "100000"),
      "seq_length 100000 exceeds max_position_embeddings"),

@@ -290,8 +290,8 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
         (out / "import").resolve())
 
 
-def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains(graft_runs, corpus, tmp_path,
-                                                                                 capsys):
+def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains(graft_runs, corpus, de_corpus,
+                                                                                 tmp_path, capsys):
     """The target corpus is prepared right after the import: one with no document for the 3%
     held out (no blank line: one document), or too small for --vocab_size, is refused in one line
     naming extend's own fix, before any training, and the output directory is gone with it (so
@@ -308,6 +308,24 @@ def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains
         err = captured.err.strip()
         assert len(err.splitlines()) == 1 and fix in err, err
         assert "Step 1b" not in captured.out and not out.exists()
+    # --vocab_mode expand over the tied Qwen2 with subword_mean's start: refused before Step 1b
+    # (it was refused when Step 2 started, and extend had no flag to pass its fix), then taken
+    # with the flag the refusal names
+    german = tmp_path / "de.txt"
+    shutil.copyfile(de_corpus, german)
+    expand = [*argv, "--corpus", str(german), "--vocab_size", "500", "--vocab_mode", "expand",
+              "--plugin_eval_blocks", "8", "--bpb_bytes", "512", "--output_dir", str(out)]
+    assert main(expand) == 2
+    captured = capsys.readouterr()
+    assert "pass --expand_output_start embedding_init" in captured.err and "Step 1b" not in captured.out
+    assert not out.exists()
+    assert main([*expand, "--expand_output_start", "embedding_init"]) == 0
+    # the corpus edited since: the continued extension refuses it (its data were reused as prepared)
+    with open(german, "a", encoding="utf-8") as f:
+        f.write("Ein neuer Satz am Ende.\n")
+    capsys.readouterr()
+    assert main([*expand, "--expand_output_start", "embedding_init"]) == 2
+    assert "changed since this extension prepared it" in capsys.readouterr().err
 
 
 def test_a_graft_over_a_base_changed_since_step2_is_refused(graft_runs, tmp_path, capsys):
