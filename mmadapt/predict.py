@@ -264,6 +264,9 @@ class LanguageModel:
         for i, text in enumerate(_texts(texts), 1):
             pieces = self.pieces(text)
             row = self.objective.lm_row(pieces, len(pieces) + n, self.prefix)  # uncut: the text and its layout's pieces
+            if not row:  # a decoder whose tokenizer puts nothing before a text, on a text of no piece
+                raise ValueError(f"text {i} ({text[:40]!r}) has no piece in the tokenizer of {self.run}: there is "
+                                 "nothing to predict from; give text it reads")
             if len(row) > n:
                 raise ValueError(f"text {i} is {len(pieces)} pieces long; the model of {self.run} reads at most "
                                  f"{n - (len(row) - len(pieces))} ({n} positions, {len(row) - len(pieces)} of them its "
