@@ -410,9 +410,13 @@ def import_sentence_transformers(st_dir: Path, output_dir: Path) -> dict:
         for f in [st_dir / n for n in ST_FILES] + [transformer / n for n in ST_TRANSFORMER_FILES]:
             if f.is_file():
                 shutil.copyfile(f, kept / f.name)
+        settings = sentence_settings(transformer)
+        bert_config = kept / ST_TRANSFORMER_FILES[0]
+        if "max_seq_length" in settings:  # written where every sentence-transformers reads it: the export keeps it
+            written = json.loads(bert_config.read_text()) if bert_config.is_file() else {}
+            bert_config.write_text(json.dumps({**written, "max_seq_length": settings["max_seq_length"]}, indent=2))
         run["imported_from"]["sentence_transformers"] = {"model": str(st_dir),
-                                                         "modules": [m.get("type") for m in modules],
-                                                         **sentence_settings(transformer)}
+                                                         "modules": [m.get("type") for m in modules], **settings}
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
     return run
 
@@ -443,17 +447,26 @@ def _copy_modules(src: Path, dst: Path, modules: list[dict]) -> None:
 
 
 def sentence_settings(transformer: Path) -> dict:
-    """What the transformer module's sentence_bert_config.json says of how it reads a text:
-    `max_seq_length` (pieces kept, the rest cut) and `do_lower_case` (lower-cased before the
-    tokenizer), as sentence-transformers applies them."""
+    """What the transformer module says of how it reads a text, as sentence-transformers applies
+    it: `max_seq_length` (pieces kept, the rest cut) and `do_lower_case` (lower-cased before the
+    tokenizer) from its sentence_bert_config.json; sentence-transformers 6 writes no
+    max_seq_length there but keeps it as the tokenizer's model_max_length, capped at the model's
+    positions (tokenizer_config.json, config.json)."""
     path = transformer / "sentence_bert_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        found = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not JSON ({e.msg})") from None
-    return {k: found[k] for k in ("max_seq_length", "do_lower_case") if k in found}
+    found = {}
+    if path.is_file():
+        try:
+            found = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not JSON ({e.msg})") from None
+    out = {k: found[k] for k in ("max_seq_length", "do_lower_case") if k in found}
+    tok = transformer / "tokenizer_config.json"
+    if "max_seq_length" not in out and tok.is_file():
+        length = json.loads(tok.read_text()).get("model_max_length")
+        if isinstance(length, int) and 0 < length < 10**9:  # transformers' "no limit" is a huge number
+            positions = json.loads((transformer / "config.json").read_text()).get("max_position_embeddings")
+            out["max_seq_length"] = min(length, positions) if isinstance(positions, int) and positions > 0 else length
+    return out
 
 
 def text_layout(tok, hf_ids: list[int]) -> dict[str, list[int]]:

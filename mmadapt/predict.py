@@ -337,6 +337,7 @@ class LanguageModel:
 # --- sentence encoders ----------------------------------------------------------------------------------
 
 ST_POOLING = ("cls_token", "max_tokens", "mean_tokens", "mean_sqrt_len_tokens")  # sentence-transformers' order
+ST6_POOLING = {"cls": "cls_token", "max": "max_tokens", "mean": "mean_tokens"}  # sentence-transformers 6's names
 
 
 @dataclass
@@ -413,12 +414,17 @@ def _pooling(modules: Path, entries: list[dict], kinds: list[str]) -> tuple[str,
         return ("cls_token",)
     entry = entries[kinds.index("Pooling")]
     cfg = read_json(modules / entry["path"] / "config.json", "Pooling module config")
-    on = {k.removeprefix("pooling_mode_") for k, v in cfg.items() if k.startswith("pooling_mode_") and v}
-    unknown = sorted(on - set(ST_POOLING))
-    if unknown:
-        raise ValueError(f"{modules / entry['path']}: pooling mode {unknown[0]} is not one mmadapt computes "
-                         f"({', '.join(ST_POOLING)})")
-    return tuple(m for m in ST_POOLING if m in on)
+    if "pooling_mode" in cfg:  # sentence-transformers 6: a mode, or modes concatenated in the order listed
+        given = [cfg["pooling_mode"]] if isinstance(cfg["pooling_mode"], str) else list(cfg["pooling_mode"])
+        modes = [ST6_POOLING.get(m, m) for m in given]
+    else:  # before: a flag per mode, concatenated in sentence-transformers' order
+        on = {k.removeprefix("pooling_mode_") for k, v in cfg.items() if k.startswith("pooling_mode_") and v}
+        modes = [m for m in ST_POOLING if m in on] + sorted(on - set(ST_POOLING))
+    unknown = [m for m in modes if m not in ST_POOLING]
+    if unknown or not modes:
+        raise ValueError(f"{modules / entry['path']}: pooling mode {unknown[0] if unknown else 'none'} is not one "
+                         f"mmadapt computes ({', '.join(ST_POOLING)})")
+    return tuple(modes)
 
 
 # --- fine-tuned models -----------------------------------------------------------------------------------

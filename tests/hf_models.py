@@ -359,14 +359,15 @@ def bert_body(src: Path, out: Path, seed: int = 6) -> Path:
     return out
 
 
-def as_sentence_transformer(model_dir: Path, out: Path, subfolder: str = "") -> Path:
+def as_sentence_transformer(model_dir: Path, out: Path, subfolder: str = "", max_seq_length: int = 64) -> Path:
     """`model_dir` (a body and its tokenizer) saved as a sentence-transformers directory, mean
-    pooling, normalised (the transformer's files at the top, or in `subfolder`)."""
+    pooling, normalised (the transformer's files at the top, or in `subfolder`), as the installed
+    sentence-transformers saves one (6.x: `pooling_mode`, the length as the tokenizer's)."""
     import shutil
 
     from sentence_transformers import SentenceTransformer, models
 
-    body = models.Transformer(str(model_dir), max_seq_length=64)
+    body = models.Transformer(str(model_dir), max_seq_length=max_seq_length)
     st = SentenceTransformer(modules=[body, models.Pooling(body.get_word_embedding_dimension(), "mean"),
                                       models.Normalize()], device="cpu")
     st.save(str(out))

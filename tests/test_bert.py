@@ -141,6 +141,28 @@ def headless(hf_dirs, tmp_path_factory):
     return {"hf": body, "st": st, "run": root / "run"}
 
 
+def test_a_sentence_transformers_6_directory_encodes_as_sentence_transformers_does(headless, tmp_path):
+    """sentence-transformers 6 saves its Pooling as `pooling_mode` (not one flag per mode) and the
+    length a text is cut to as the tokenizer's model_max_length (not in sentence_bert_config.json):
+    SentenceEncoder reads both (it raised on the first and cut at the model's positions), gives
+    SentenceTransformer's vectors on short and on cut texts, and the run keeps the length where
+    an export copies it from."""
+    from sentence_transformers import SentenceTransformer
+
+    from mmadapt.predict import SentenceEncoder
+
+    st = as_sentence_transformer(headless["hf"], tmp_path / "st", max_seq_length=16)
+    assert json.loads((st / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "mean"
+    run = tmp_path / "run"
+    import_any(st, run)
+    texts = [*TEXTS[:3], " ".join(TEXTS)]  # the last longer than 16 pieces: cut
+    theirs = SentenceTransformer(str(st), device="cpu").encode(texts, convert_to_tensor=True)
+    mine = SentenceEncoder.load(run).encode(texts)
+    assert SentenceEncoder.load(run).max_length == 16 and (mine - theirs).abs().max().item() <= 1e-5
+    from mmadapt.hf import SENTENCE_TRANSFORMERS
+
+    assert json.loads((run / SENTENCE_TRANSFORMERS / "sentence_bert_config.json").read_text())["max_seq_length"] == 16
+
 def test_imported_body_gives_transformers_hidden_states(headless):
     tok = AutoTokenizer.from_pretrained(str(headless["hf"]))
     hf = AutoModel.from_pretrained(str(headless["hf"])).eval()
@@ -588,6 +610,7 @@ def test_headless_sentence_encoder_end_to_end(kind, headless, headless_xlmr, cor
 
     german = bible_lines("de", range(1, 2))[:8]
     model = SentenceTransformer(str(out / "sentence_transformers"), device="cpu", local_files_only=True)
+    assert model.max_seq_length == 64  # the source's (as_sentence_transformer), kept through the import
     got = torch.from_numpy(model.encode(german))
     cfg, state = load_weights(head)
     emb, tokenizer, _ = read_artifact(artifact)
