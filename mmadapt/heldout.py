@@ -23,13 +23,13 @@ import torch
 
 from mmadapt.artifact import swap_tensors
 from mmadapt.config import ModelConfig, TrainConfig
-from mmadapt.data import TEXT, VALID, SentenceRows, read_manifest
+from mmadapt.data import TEXT, TOKENIZER, VALID, SentenceRows, read_manifest
 from mmadapt.devices import device_of, host_to_device, on_eval_device, swapped
 from mmadapt.family import ModelFamily
 from mmadapt.models.layers import Padding, gathered, masked_positions, takes_rows
 from mmadapt.objectives import MLM, Objective
 from mmadapt.parallel import device
-from mmadapt.run import (Source, read_source, require_head, run_text_layout, sampled_fingerprint,
+from mmadapt.run import (RUN_TOKENIZER, Source, read_source, require_head, sampled_fingerprint, text_prefix,
                          weights_fingerprint)
 
 UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
@@ -238,8 +238,9 @@ class Scorer:
     def heldout(self, text: Text, vocab_size: int, unigram: bool = True) -> HeldOut:
         """`text`'s held-out blocks in a `vocab_size`-piece vocabulary (the artifacts' that score
         it), on the model's device, with the unigram reference's loss (unigram: where asked)."""
+        own = Path(self.primary.ref["run_dir"]) / RUN_TOKENIZER
         batches = heldout_batches(text, vocab_size, self.family.objective,
-                                  run_text_layout(self.primary.record).get("prefix"))
+                                  text_prefix(self.primary.record, own, Path(text.data) / TOKENIZER))
         return HeldOut(batches, on_device(batches, device_of(self.model)),
                        unigram_loss(unigram_logprobs(text.data, vocab_size), batches) if unigram else None,
                        int(sum(int(l.ge(0).sum()) for _, l in batches)))

@@ -23,8 +23,9 @@ TP = 1 and no process group; on `parallel.device()` (or `device`) in Step 4's pr
 Texts are laid out as the model saw them in training (its family's objective, Objective.lm_row):
 the encoder's `<s> text </s>` (a literal `<mask>` in the text is the mask piece), the decoder's
 `</s> text` (a sentence as it follows the previous one in its packed training stream), or an
-imported decoder's as its own tokenizer lays a text out (run.run_text_layout: Llama's and
-Mistral's `<s> text`, Qwen2's bare text), so its next-piece logits are transformers' on the
+imported decoder's as its own tokenizer lays a text out (run.text_prefix: Llama's and
+Mistral's `<s> text`, Qwen2's bare text; Qwen2 in a Step-2 vocabulary `</s> text`, as Step 2
+trained it and its exported tokenizer reads), so its next-piece logits are transformers' on the
 same raw text; task inputs as features.py encodes them in the family's framing.
 
 Shapes: n texts (or QA windows), s their longest row in pieces, V vocab_size, C task labels,
@@ -58,7 +59,7 @@ from mmadapt.parallel import named_device
 from mmadapt.heldout import scoring_model
 from mmadapt.hf import SENTENCE_TRANSFORMERS
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
-from mmadapt.run import RUN_FILE, Source, read_source, require_head, run_family, run_text_layout
+from mmadapt.run import RUN_FILE, Source, read_source, require_head, run_family, text_prefix
 from mmadapt.tasks import Task, get_task, sentence_tags
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
@@ -205,7 +206,7 @@ class LanguageModel:
     model: torch.nn.Module
     tokenizer: object  # a SentencePieceProcessor or tokenizer.HFTokenizer
     embeddings: Path | None = None
-    prefix: list[int] | None = None  # what the source model reads before a text (run.run_text_layout); None: its objective's
+    prefix: list[int] | None = None  # what the model reads before a text (run.text_prefix); None: its objective's
 
     @classmethod
     def load(cls, run: Path, embeddings: Path | None = None, tag: str | None = None,
@@ -228,7 +229,7 @@ class LanguageModel:
         model = scoring_model(family, cfg, state)
         if device is not None and device != device_of(model):
             model = on_eval_device(model, device)
-        prefix = run_text_layout(source.record).get("prefix")
+        prefix = text_prefix(source.record, source.tokenizer, tokenizer)
         return cls(run, family, cfg, model, load_tokenizer(tokenizer), embeddings, prefix)
 
     @property

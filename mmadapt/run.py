@@ -398,6 +398,24 @@ def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
     return Source(path, record, checkpoint_tag(path, tag), cfg, get_family(cfg))
 
 
+def text_prefix(run: dict, own_tokenizer: Path, tokenizer: Path | None = None) -> list[int] | None:
+    """What the model of the run `run` (its record; `own_tokenizer` its tokenizer file) reads
+    before a text read by `tokenizer` (None: its own): the recorded prefix (run_text_layout; None
+    for a model mmadapt trained: its objective's start). An imported decoder that puts nothing
+    before a text (Qwen2) read in a new vocabulary (Step 2 replace: a SentencePiece model where
+    its own is not) reads `</s>` first: Step 2's stream ended every document with it
+    (data.LayoutBatches), and the exported tokenizer lays a text out so (the llama family's
+    tokenizer_layout); in its own vocabulary, or an expansion of it, it reads bare text as its
+    tokenizer lays it out."""
+    from mmadapt.tokenizer import is_hf
+    from mmadapt.tokens import EOS_ID
+
+    prefix = run_text_layout(run).get("prefix")
+    if prefix == [] and tokenizer is not None and not is_hf(tokenizer) and is_hf(own_tokenizer):
+        return [EOS_ID]
+    return prefix
+
+
 def run_text_layout(run: dict) -> dict[str, list[int]]:
     """How the model of a run (its record) reads a text: an imported model's tokenizer's layout
     (hf.text_layout: the ids before and after a text), through the runs it was made from (a head

@@ -456,6 +456,17 @@ def test_export_of_an_adapted_causal_lm(name, arch, start, dec_runs, de_tokenize
     diff = (mine[real] - transformers_logits(hf, rows)[real]).abs().max().item()
     print(f"{name}, adapted causal LM: max abs logit difference {diff:.2e}")
     assert diff <= TOL
+    # predict with the artifact reads raw text as the exported tokenizer lays it out (Qwen2's </s>
+    # first: it read bare text, up to 0.7 apart in its logits)
+    from mmadapt import predict
+
+    lm = predict.load(dec_runs[name], artifact)
+    texts = [v[:120] for v in TEXTS[6:]]
+    theirs = [tok(t).input_ids for t in texts]
+    assert theirs[0][0] == start
+    got, ref = lm.logits(texts)[lm.heads[-1]], transformers_logits(hf, theirs)
+    for i, row in enumerate(theirs):
+        assert (got[i, :len(row)] - ref[i, :len(row)]).abs().max().item() <= TOL
     prompt = tok("Am Anfang", return_tensors="pt")
     new = hf.generate(**prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, prompt.input_ids.shape[1]:]
     assert len(new) == 5
