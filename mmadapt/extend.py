@@ -47,6 +47,7 @@ from mmadapt.run import RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
 SUMMARY = "summary.json"  # the summary a finished extension printed (_summary)
+EXPORTED = " Extended model: "  # where the summary's text names the export (named anew on each call)
 EXPORTS = "exports.json"  # what each export was made from (_export_once): one made from anything else is made again
 REPORT_ONLY = ("bpb_bytes", "into")  # Extend fields that size the summary, not the extension: a later call may change them
 # Not compared with the record either: the record lives in output_dir, however its path is spelled
@@ -367,8 +368,13 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
            "bpb_bytes": ext.bpb_bytes}  # the artifact as named inside the output directory, however it is spelled
     kept = ext.output_dir / SUMMARY
     if (old := checkpoint.kept_result(kept, key, "extend summary")) is not None:
-        print(old["text"], flush=True)
-        return old["summary"]
+        # the scores as kept; the export named as this call's (a copied or moved directory's own)
+        summary = {k: v for k, v in old["summary"].items() if k != "sentence_transformers"}
+        summary["export"] = str(export)
+        if (export / "sentence_transformers").is_dir():
+            summary["sentence_transformers"] = str(export / "sentence_transformers")
+        print(old["text"].split(EXPORTED)[0] + f"{EXPORTED}{export}", flush=True)
+        return summary
     (start_emb, start_tok, first), (emb, tok, last) = read_artifact(arts[0]), read_artifact(arts[-1])
     per_byte = ByteScorer(Scorer(Primary.read(source)), ext.seq_length, ext.bpb_bytes)
     raw = per_byte.text(data)
@@ -389,7 +395,7 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
           + (f"the extended model reads {ext.lang} better by {gain:.3f} bits per byte." if gain > 0 else
              f"the extended model does not read {ext.lang} better than the source model yet ({-gain:.3f} bits per byte "
              "behind): train Step 2 longer (--adapt_iters).")
-          + f" Extended model: {export}")
+          + f"{EXPORTED}{export}")
     print(text, flush=True)
     if parallel.is_rank0():
         checkpoint.atomic_write(kept, json.dumps({"key": key, "summary": summary, "text": text}, indent=2))
