@@ -215,19 +215,25 @@ def test_two_nodes_on_localhost_match_one_node(corpus, tokenizer, tmp_path):
     assert Path(multi / "checkpoints" / "step00000003" / "COMPLETE").is_file()
 
 
-def test_requeue_helper_stops_the_step_through_its_stop_file_and_requeues(tmp_path):
+@pytest.mark.parametrize("made, shell", [(True, ""), (False, "set -euo pipefail\n")],
+                         ids=["run-directory-made", "not-made-yet-under-set-e"])
+def test_requeue_helper_stops_the_step_through_its_stop_file_and_requeues(made, shell, tmp_path):
     """SLURM's warning signal (B:TERM) to the batch shell -> RUN_DIR/STOP -> the step exits 75
-    (as mmadapt's ranks do after saving) -> `scontrol requeue $SLURM_JOB_ID`."""
+    (as mmadapt's ranks do after saving) -> `scontrol requeue $SLURM_JOB_ID`. Also when the
+    warning comes before the step made its run directory (finetune.sbatch makes only its parent),
+    under the templates' set -euo pipefail: the directory and its STOP are made (the failed touch
+    ended the batch shell: nothing saved, nothing requeued)."""
     import signal
     import time
 
-    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
+    bin_dir, run_dir = tmp_path / "bin", tmp_path / "runs" / "run"
     bin_dir.mkdir()
-    run_dir.mkdir()
+    if made:
+        run_dir.mkdir(parents=True)
     (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\n')
     (bin_dir / "scontrol").chmod(0o755)
     step = f"while [ ! -e {run_dir}/STOP ]; do sleep 0.05; done; sleep 0.5; exit 75"
-    script = (f"source {REPO}/launch/slurm/requeue.sh\ntouch {tmp_path}/started\n"
+    script = (f"{shell}source {REPO}/launch/slurm/requeue.sh\ntouch {tmp_path}/started\n"
               f"run_requeueable {run_dir} bash -c '{step}'\necho rc=$?\n")
     proc = subprocess.Popen(["bash", "-c", script], env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}",
                                                                   SLURM_JOB_ID="4242"),
@@ -238,35 +244,9 @@ def test_requeue_helper_stops_the_step_through_its_stop_file_and_requeues(tmp_pa
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
-    assert "requeueing job 4242" in out and out.strip().endswith("rc=0"), out
-    assert (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
+    assert proc.returncode == 0 and "requeueing job 4242" in out and out.strip().endswith("rc=0"), out
+    assert (run_dir / "STOP").is_file() and (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
 
-
-def test_requeue_helper_stops_a_step_whose_run_directory_is_not_made_yet(tmp_path):
-    """The warning before the step made its run directory (finetune.sbatch makes only its
-    parent), under the templates' set -euo pipefail: the directory and its STOP are made and the
-    job requeued (the failed touch ended the batch shell: nothing saved, nothing requeued)."""
-    import signal
-    import time
-
-    bin_dir, run_dir = tmp_path / "bin", tmp_path / "runs" / "run"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    step = f"while [ ! -e {run_dir}/STOP ]; do sleep 0.05; done; exit 75"
-    script = (f"set -euo pipefail\nsource {REPO}/launch/slurm/requeue.sh\ntouch {tmp_path}/started\n"
-              f"run_requeueable {run_dir} bash -c '{step}'\necho rc=$?\n")
-    proc = subprocess.Popen(["bash", "-c", script], env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}",
-                                                                  SLURM_JOB_ID="4243"),
-                            stdout=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while not (tmp_path / "started").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "requeueing job 4243" in out and out.strip().endswith("rc=0"), out
-    assert (run_dir / "STOP").is_file() and (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4243"]
 
 def test_requeue_helper_passes_a_failure_on(tmp_path):
     script = f"source {REPO}/launch/slurm/requeue.sh\nrun_requeueable {tmp_path} bash -c 'exit 3'\necho rc=$?\n"
