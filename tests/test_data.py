@@ -571,3 +571,29 @@ def test_the_cached_bible_is_written_again_when_the_rules_that_wrote_it_change(t
     assert corpora.resolve_corpus("bible:sw").read_text() == "kept while the rules hold\n"
     key.write_text("older rules")
     assert corpora.resolve_corpus("bible:sw").read_bytes() == text and key.read_text() == corpora.text_rule_key()
+
+
+def test_the_line_join_is_the_newline_piece_where_punctuation_merges_with_it():
+    """data.line_join on a byte-level BPE trained, as Qwen2's and Llama-3's are, on text with
+    newlines in it, so that `.` and the newline after it merge (`.Ċ`): the join is still the
+    newline piece (probed with lines that end in a letter; with a final `.` it found nothing and
+    the sentences stayed glued, `earth.And`)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    from hf_models import bible_lines
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    lines = bible_lines("en")[:2000]
+    bpe.train_from_iterator(["\n".join(lines[i:i + 20]) for i in range(0, len(lines), 20)], trainers.BpeTrainer(
+        vocab_size=800, min_frequency=2, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+
+    class Ids:  # what line_join reads of a tokenizer: encode(text) -> ids
+        def encode(self, text):
+            return bpe.encode(text).ids
+
+    assert bpe.token_to_id(".Ċ") is not None  # the merge the old probe tripped on
+    assert D.line_join(Ids()) == bpe.encode("\n").ids == [bpe.token_to_id("Ċ")]
+

@@ -207,7 +207,9 @@ def test_an_imported_decoders_training_stream_is_its_tokenizers_reading_of_each_
     sentences one a line) is transformers' tokenizer's ids for the document's text, lines joined
     by a newline for a byte-level BPE (Qwen2, Llama-3: line_join, its newline piece) and by a
     space for SentencePiece (Llama-2, Mistral: each line's own first piece starts with one),
-    then Qwen2's end-of-text. (A byte-level BPE's sentences were glued: `earth.And`.)"""
+    then Qwen2's end-of-text. (A byte-level BPE's sentences were glued: `earth.And`.) These test
+    tokenizers never saw a newline, so none merges `.` with it as real vocabularies do (`.Ċ`:
+    test_data's line_join test)."""
     from mmadapt.config import PreprocessConfig, TrainConfig
     from mmadapt.data import LayoutBatches, prepare
     from mmadapt.run import read_run, run_text_layout
