@@ -619,7 +619,7 @@ def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT
 
 
 def wait_for(path: Path, what: str, poll_s: float = 0.25) -> None:
-    """Wait (no collective: no process group exists yet) until `path` exists, saying why. The
+    """Wait (no collective: no process group may exist yet) until `path` exists, saying why. The
     ranks' rendezvous comes next, under the collective timeout (MMADAPT_DIST_TIMEOUT_S): a short
     poll (a stat call) keeps this rank from arriving there up to a whole poll after rank 0."""
     if path.exists():
@@ -917,7 +917,12 @@ class LayoutBatches(CausalBatches):
         super().__init__(data_path, train, vocab_size, dp_rank, dp_world, split)
 
     def _stream(self, tokens: np.ndarray) -> np.ndarray:
-        """The laid-out stream (layout_stream's file, built here if no rank built it yet)."""
+        """The laid-out stream: layout_stream's file (built here if no rank built it yet), or, in a
+        dataset directory this process cannot write, built in its own memory (the pieces alone,
+        a chunk of temporaries at a time)."""
+        path = layout_stream_path(self.data_path, self.split, self.layout, self.join)
+        if not path.with_suffix(".json").is_file() and not os.access(self.data_path, os.W_OK):
+            return layout_stream(self.data_path, self.split, self.layout, self.join, in_memory=True)
         path = layout_stream(self.data_path, self.split, self.layout, self.join)
         dtype = np.dtype(json.loads(path.with_suffix(".json").read_text())["dtype"])
         return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
@@ -932,12 +937,13 @@ def layout_stream_path(data_path: str | os.PathLike, split: str, layout: dict, j
 
 
 def layout_stream(data_path: str | os.PathLike, split: str, layout: dict, join: list[int],
-                  chunk: int = 1 << 18) -> Path:
+                  chunk: int = 1 << 18, in_memory: bool = False):
     """The file of a prepared dataset's `split` laid out as LayoutBatches says (prefix, suffix
     and join ids), built once, atomically, beside the split, in its dtype unless a layout id
     does not fit it (a .json beside it names the dtype). Built `chunk` sequences at a time into
     the file, so that its memory is a chunk's, not the split's: a CC-100 split holds billions of
-    tokens, the stream built whole in memory took ~22 bytes a token on every rank."""
+    tokens, the stream built whole in memory took ~22 bytes a token on every rank. in_memory: the
+    stream itself, in an array of this process (for a directory it cannot write), no file."""
     from mmadapt.mcore import indexed_dataset
 
     data_path = Path(data_path)
@@ -956,8 +962,12 @@ def layout_stream(data_path: str | os.PathLike, split: str, layout: dict, join: 
     dtype = np.dtype(manifest["dtype"])
     if max([*prefix.tolist(), *suffix.tolist(), *join.tolist(), 0]) > np.iinfo(dtype).max:
         dtype = np.dtype(np.int64)  # an id the dataset's dtype cannot hold
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.bin")
     size = laid_out(tokens, lengths, prefix, suffix, join, None, chunk)
+    if in_memory:
+        out = np.empty(size, dtype)
+        laid_out(tokens, lengths, prefix, suffix, join, out, chunk)
+        return out
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.bin")
     out = np.memmap(tmp, dtype=dtype, mode="w+", shape=(size,)) if size else None
     if out is not None:
         laid_out(tokens, lengths, prefix, suffix, join, out, chunk)

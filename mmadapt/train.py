@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -28,9 +29,9 @@ import torch.distributed as dist
 from mmadapt import checkpoint, parallel
 from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfig, to_dict
 from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, LayoutBatches,
-                          ReplayBatches, block_index, block_index_path, check_corpus, check_prepared, corpus_fingerprint,
-                          file_sha256, layout_stream, layout_stream_path, line_join, load_checked_tokenizer,
-                          micro_batch_range, prepare, read_manifest, replay_blocks, wait_for)
+                          ReplayBatches, block_index, block_index_path, check_corpus, check_prepared,
+                          corpus_fingerprint, file_sha256, layout_stream, layout_stream_path, line_join,
+                          load_checked_tokenizer, micro_batch_range, prepare, read_manifest, replay_blocks, wait_for)
 from mmadapt.engine import (LoopJob, backward, build_engine, is_pipeline, mean_over_ranks, set_trainable, train_loop,
                             trainable_by_names, with_placeholders)
 from mmadapt.features import Encoded
@@ -210,9 +211,11 @@ def lm_batches(family: ModelFamily, data_path: Path, model: ModelConfig, train: 
         # the laid-out stream is a file of the dataset: global rank 0 builds it, the others wait
         join = line_join(load(Path(data_path) / TOKENIZER))
         stream = layout_stream_path(data_path, split, layout, join)
-        if parallel.is_rank0():
+        shared = stream.with_suffix(".json").is_file() or os.access(data_path, os.W_OK)  # else: each rank its own
+        if shared and parallel.is_rank0():
             layout_stream(data_path, split, layout, join)
-        wait_for(stream.with_suffix(".json"), f"the laid-out stream {stream}")
+        if shared:
+            wait_for(stream.with_suffix(".json"), f"the laid-out stream {stream}")
         return LayoutBatches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split,
                              layout)
     batches = family.objective.batches

@@ -119,7 +119,7 @@ def test_a_line_the_tokenizer_reads_as_nothing_is_left_out(tokenizer, tmp_path):
     ({"prefix": [BOS_ID], "suffix": []}, "llama"),  # Llama's and Mistral's <s> before a text
     ({"prefix": [], "suffix": []}, "qwen2"),  # nothing around a text: its end-of-text between documents
 ])
-def test_an_imported_decoders_blocks_follow_its_tokenizers_layout(tokenizer, tmp_path, layout, want):
+def test_an_imported_decoders_blocks_follow_its_tokenizers_layout(tokenizer, tmp_path, layout, want, monkeypatch):
     """data.LayoutBatches: each document laid out as the source's tokenizer lays out a text, its
     sentences' pieces one after the other, no </s> inside; the blocks are consecutive chunks of
     that stream, as CausalBatches cuts mmadapt's."""
@@ -145,6 +145,12 @@ def test_an_imported_decoders_blocks_follow_its_tokenizers_layout(tokenizer, tmp
     assert path.stat().st_mtime_ns == stamp
     wide = D.LayoutBatches(tmp_path / "d", train, VOCAB, layout={"prefix": [70_000]})
     assert wide.tokens.dtype == np.int64 and wide.tokens.tolist()[:len(a) + 1] == [70_000, *a]
+    # a dataset directory this run cannot write: the stream built in the process's memory, no file
+    monkeypatch.setattr(D.os, "access", lambda path, mode: False)
+    other = {"prefix": [BOS_ID, 9]}
+    mine = D.LayoutBatches(tmp_path / "d", train, VOCAB, layout=other).tokens
+    assert not isinstance(mine, np.memmap) and mine.tolist()[:len(a) + 2] == [BOS_ID, 9, *a]
+    assert not D.layout_stream_path(tmp_path / "d", "text", other, b.join).exists()
     # mmadapt's own stream, for comparison: </s> after every sentence and between documents
     assert D.CausalBatches(tmp_path / "d", train, VOCAB).tokens.tolist() == [*a, EOS_ID, *c, EOS_ID, EOS_ID, *e,
                                                                              EOS_ID, EOS_ID]
