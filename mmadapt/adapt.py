@@ -444,7 +444,10 @@ def bias_fit_text(data: Path, train: TrainConfig, family: ModelFamily) -> Text:
     scores) whose FIT_POSITIONS scored positions an output bias is fitted on."""
     scored = train.seq_length * (TrainConfig.mask_prob if family.objective.masked else 1.0)
     blocks = max(1, math.ceil(FIT_POSITIONS / scored))
-    return Text(data, train.seq_length, blocks, min(32, blocks), split=TEXT)
+    batch = min(32, blocks)
+    # whole batches (the blocks the fit has read since it was written: heldout_batches then dropped
+    # a last partial batch, and every recorded start was fitted so)
+    return Text(data, train.seq_length, blocks // batch * batch, batch, split=TEXT)
 
 
 def fit_bias(logits: list[torch.Tensor], bias: torch.Tensor, logp: torch.Tensor, iters: int = 100,
