@@ -648,7 +648,10 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
 
     marks = {s: [_mark(everything, s, t.task, lang, v) if v is not None else "" for v, lang in zip(t.final[s], t.langs)]
              for s in t.systems}
-    fewer = [s for s in t.systems if len(t.shared(s, baseline)) < len([v for v in t.final[baseline] if v is not None])]
+    def count(s: str) -> int:
+        return sum(v is not None for v in t.final[s])
+    # a system whose retention and shares are over fewer languages than its own average or the baseline's
+    fewer = [s for s in t.systems if len(t.shared(s, baseline)) < max(count(s), count(baseline))]
     for s in t.systems:
         ret = t.retention(s, baseline)
         cells = [] if floors is None else [format(gain[s], "+" + f), share(s, baseline)]
@@ -659,8 +662,8 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
                               + [format(t.avg[s], f), f"{100 * ret:.1f}%{'*' if s in fewer else ''}"] + cells)
                    + " |")
     if fewer:
-        out += ["", f"*: retention and shares over the languages it shares with {baseline} (its average is over "
-                "its own languages): " + "; ".join(
+        out += ["", f"*: retention and shares over the languages it shares with {baseline} (its average over its "
+                "own): " + "; ".join(
                     f"{s} has {', '.join(t.langs[i] for i in t.shared(s, baseline)) or 'none of them'}"
                     for s in fewer) + "."]
     if any(any(m) for m in marks.values()):
