@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from mmadapt.artifact import swap_tensors
-from mmadapt.config import ModelConfig, TrainConfig
+from mmadapt.config import ModelConfig, PreprocessConfig, TrainConfig
 from mmadapt.data import TEXT, TOKENIZER, VALID, SentenceRows, read_manifest
 from mmadapt.devices import device_of, host_to_device, on_eval_device, swapped
 from mmadapt.family import ModelFamily
@@ -224,7 +224,8 @@ def _held_out_of(text: Text, data_path: str | None) -> bool | None:
     mine, theirs = read_manifest(text.data), read_manifest(data_path)
     if mine["corpus_fingerprint"] != theirs["corpus_fingerprint"]:
         return True
-    return bool(theirs.get("valid")) and all(mine.get(k) == theirs.get(k) for k in ("valid_fraction", "valid_seed"))
+    split = {"valid_fraction": 0.0, "valid_seed": PreprocessConfig.tokenizer_seed}  # what an older manifest ran with
+    return bool(theirs.get("valid")) and all(mine.get(k, d) == theirs.get(k, d) for k, d in split.items())
 
 
 class Scorer:

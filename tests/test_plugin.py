@@ -129,6 +129,13 @@ def test_a_source_text_the_primary_trained_on_is_told_apart_from_held_out_text(t
         record = {"data_path": str(pretrained)}
         assert {k: H.pretrained_on(t, record) for k, t in text.items()} == seen
         assert H.pretrained_on(H.Text(elsewhere, 32, split=TEXT), record)  # training text
+    # a manifest from before the seed was recorded: the seed it ran with, prepare's default
+    old = tmp_path / "own-old"
+    shutil.copytree(own, old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    assert manifest.pop("valid_seed") == PreprocessConfig.tokenizer_seed
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    assert H.pretrained_on(H.Text(old, 32), {"data_path": str(own)}) is False
     assert H.pretrained_on(text["other"], {"imported_from": {"model": "x"}}) is None
     assert H.pretrained_on(text["own"], {}) is None
     body = tmp_path / "body"
