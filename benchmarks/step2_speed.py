@@ -5,11 +5,11 @@
 
 Each system's Step-2 model (BL_BASE: 12 layers; MINIPOST: 4 + 2; MINIJOINT and BL_SMALL: 4) is
 built with a frozen body and trainable embeddings + output bias, wrapped in a DeepSpeed engine in
-one process, and trained on the same masked batches (random ids, or --real Bible blocks). The engines are built first and then take
-one update each in turn, --repeats rounds after --warmup (common.interleaved_times): each
-system's median, and each time ratio taken round by round (its median and range), so that the
-machine's drift during the run slows both sides of a ratio alike. Weights are random: the work
-of an update does not depend on their values.
+one process, and trained on the same masked batches (random ids, or --real Bible blocks). The
+engines are built first and then take one update each in turn, --repeats rounds after --warmup
+(common.interleaved_times): each system's median, and each time ratio taken round by round (its
+median and range), so that the machine's drift during the run slows both sides of a ratio alike.
+Weights are random: the work of an update does not depend on their values.
 """
 
 from __future__ import annotations

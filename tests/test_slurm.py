@@ -194,7 +194,7 @@ def test_two_nodes_on_localhost_match_one_node(corpus, tokenizer, tmp_path):
     run_pretrain(2, *base_args(corpus, tokenizer, single, *args))
 
     multi = tmp_path / "two_nodes"
-    port = str(20_000 + os.getpid() % 20_000)
+    port = str(20_000 + os.getpid() % 12_000)  # below the ephemeral ports, as slurm.PORT_SPAN
     procs = []
     for node in (0, 1):
         env = child_env(**fake_env("node[0-1]", 2, node, gpus="1", MMADAPT_MASTER_ADDR="127.0.0.1",
