@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from conftest import REPO, VOCAB
 from mmadapt import steps
-from mmadapt.adapt import _check_output_start, source_split
+from mmadapt.adapt import check_output_start, source_split
 from mmadapt.artifact import artifact_state, read_artifact
 from mmadapt.config import ModelConfig, TrainConfig, apply_recipe
 from mmadapt.models import PRESETS
@@ -611,9 +611,9 @@ def test_a_tied_decoder_cannot_start_its_rows_at_their_splits_under_the_bounded_
     train = TrainConfig(vocab_mode="expand", embedding_init="subword_mean")
     llama = get_family("llama")
     with pytest.raises(ValueError, match="--expand_output_start embedding_init"):
-        _check_output_start(llama, train, body)
-    _check_output_start(llama, dataclasses.replace(train, expand_output_start="embedding_init"), body)
-    _check_output_start(llama, train, dataclasses.replace(body, share_embeddings_and_output_weights=False))
+        check_output_start(llama, train, body)
+    check_output_start(llama, dataclasses.replace(train, expand_output_start="embedding_init"), body)
+    check_output_start(llama, train, dataclasses.replace(body, share_embeddings_and_output_weights=False))
 
 
 # --- source-language replay (TrainConfig.replay_data, replay_fraction) ------------------------------------

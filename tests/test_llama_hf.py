@@ -716,8 +716,14 @@ def test_import_minipost_german_export_generate(dec_dirs, corpus, de_corpus, tmp
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.attention_bias  # Qwen2's body
     assert model.config.vocab_size == sp.get_piece_size()
-    layout = json.loads((run / "run.json").read_text())["imported_from"]["text_layout"]
-    loss = heldout_loss_in_transformers(model, de, sp.get_piece_size(), layout["prefix"])
+    # the rows the plug-in metric scores: Qwen2 (nothing before a text) in a new vocabulary reads
+    # </s> first (run.text_prefix), as its Step 2 and the exported tokenizer above do
+    from mmadapt.run import RUN_TOKENIZER, read_run, text_prefix
+
+    prefix = text_prefix(read_run(run), run / RUN_TOKENIZER, de / "tokenizer.model")
+    assert json.loads((run / "run.json").read_text())["imported_from"]["text_layout"]["prefix"] == []
+    assert prefix == [EOS_ID]
+    loss = heldout_loss_in_transformers(model, de, sp.get_piece_size(), prefix)
     print(f"full path: transformers' held-out loss {loss:.6f}, mmadapt's plug-in loss {record['loss']:.6f} "
           f"(relative difference {abs(loss - record['loss']) / record['loss']:.1e}; unigram "
           f"{record['unigram_loss']:.3f})")
