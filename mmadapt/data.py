@@ -942,7 +942,7 @@ def layout_stream(data_path: str | os.PathLike, split: str, layout: dict, join: 
     and join ids), built once, atomically, beside the split, in its dtype unless a layout id
     does not fit it (a .json beside it names the dtype). Built `chunk` sequences at a time into
     the file, so that its memory is a chunk's, not the split's: a CC-100 split holds billions of
-    tokens, the stream built whole in memory took ~22 bytes a token on every rank. in_memory: the
+    tokens, and the stream built whole in memory held several token-sized temporaries on every rank. in_memory: the
     stream itself, in an array of this process (for a directory it cannot write), no file."""
     from mmadapt.mcore import indexed_dataset
 
