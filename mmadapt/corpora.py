@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
+from mmadapt.checkpoint import atomic_write
+
 # Translation codes in bible.db for the languages mmadapt's demo uses.
 BIBLE_VERSIONS = {"en": "k", "fr": "l", "es": "v", "de": "s", "ru": "r", "ar": "y", "zh": "c",
                   "hi": "i", "tr": "t", "sw": "h", "vi": "7"}
@@ -94,9 +96,7 @@ def resolve_corpus(spec: str | os.PathLike) -> Path:
         if path.is_file() and not os.access(path.parent, os.W_OK):  # a cache it cannot write: kept as it is
             return path
         write_bible_corpus(lang, path)  # the same bytes where the rules did not change (datasets stay valid)
-        tmp = key.with_name(f".{key.name}.tmp{os.getpid()}")
-        tmp.write_text(rules)
-        os.replace(tmp, key)
+        atomic_write(key, rules)
         return path
     return Path(spec)
 

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from mmadapt import __version__
-from mmadapt.checkpoint import refuse_other_files
+from mmadapt.checkpoint import atomic_write, refuse_other_files
 from mmadapt.config import LoopConfig, PreprocessConfig, TrainConfig, scored_positions
 from mmadapt.tokenizer import load
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID, UNK_ID
@@ -911,9 +911,10 @@ class LayoutBatches(CausalBatches):
     as the split's own tokens are; blocks are cut from it as CausalBatches cuts them."""
 
     def __init__(self, data_path: str | os.PathLike, train: TrainConfig, vocab_size: int, dp_rank: int = 0,
-                 dp_world: int = 1, split: str = TEXT, layout: dict | None = None):
+                 dp_world: int = 1, split: str = TEXT, layout: dict | None = None, join: list[int] | None = None):
+        """join: line_join of the dataset's tokenizer, where the caller has it already."""
         self.layout = layout or {}
-        self.join = line_join(load(Path(data_path) / TOKENIZER))
+        self.join = line_join(load(Path(data_path) / TOKENIZER)) if join is None else join
         super().__init__(data_path, train, vocab_size, dp_rank, dp_world, split)
 
     def _stream(self, tokens: np.ndarray) -> np.ndarray:
@@ -923,7 +924,7 @@ class LayoutBatches(CausalBatches):
         path = layout_stream_path(self.data_path, self.split, self.layout, self.join)
         if not path.with_suffix(".json").is_file() and not os.access(self.data_path, os.W_OK):
             return layout_stream(self.data_path, self.split, self.layout, self.join, in_memory=True)
-        path = layout_stream(self.data_path, self.split, self.layout, self.join)
+        layout_stream(self.data_path, self.split, self.layout, self.join)
         dtype = np.dtype(json.loads(path.with_suffix(".json").read_text())["dtype"])
         return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
 
@@ -940,10 +941,11 @@ def layout_stream(data_path: str | os.PathLike, split: str, layout: dict, join: 
                   chunk: int = 1 << 18, in_memory: bool = False):
     """The file of a prepared dataset's `split` laid out as LayoutBatches says (prefix, suffix
     and join ids), built once, atomically, beside the split, in its dtype unless a layout id
-    does not fit it (a .json beside it names the dtype). Built `chunk` sequences at a time into
-    the file, so that its memory is a chunk's, not the split's: a CC-100 split holds billions of
-    tokens, and the stream built whole in memory held several token-sized temporaries on every rank. in_memory: the
-    stream itself, in an array of this process (for a directory it cannot write), no file."""
+    does not fit it (a .json beside it names the dtype, written last: the stream is whole). Built
+    `chunk` sequences at a time into the file, so that its memory is a chunk's, not the split's: a
+    CC-100 split holds billions of tokens, and the stream built whole in memory held several
+    token-sized temporaries on every rank. in_memory: the stream itself, in an array of this
+    process (for a directory it cannot write), no file."""
     from mmadapt.mcore import indexed_dataset
 
     data_path = Path(data_path)
@@ -975,13 +977,10 @@ def layout_stream(data_path: str | os.PathLike, split: str, layout: dict, join: 
         del out
     else:
         tmp.write_bytes(b"")
-    checkpoint_json = path.with_suffix(".json")
+    os.replace(tmp, path)
     meta = {"dtype": dtype.name, "tokens": int(size), "layout": {"prefix": prefix.tolist(), "suffix": suffix.tolist(),
                                                                  "join": join.tolist()}}
-    tmp_json = checkpoint_json.with_name(f".{checkpoint_json.stem}.tmp{os.getpid()}.json")
-    tmp_json.write_text(json.dumps(meta))
-    os.replace(tmp, path)
-    os.replace(tmp_json, checkpoint_json)
+    atomic_write(path.with_suffix(".json"), json.dumps(meta))
     return path
 
 

@@ -217,7 +217,7 @@ def lm_batches(family: ModelFamily, data_path: Path, model: ModelConfig, train: 
         if shared:
             wait_for(stream.with_suffix(".json"), f"the laid-out stream {stream}")
         return LayoutBatches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split,
-                             layout)
+                             layout, join)
     batches = family.objective.batches
     return batches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split)
 
