@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +21,7 @@ import numpy as np
 import torch
 
 from mmadapt.artifact import swap_tensors
+from mmadapt.checkpoint import read_json
 from mmadapt.config import ModelConfig, PreprocessConfig, TrainConfig
 from mmadapt.data import TEXT, TOKENIZER, VALID, SentenceRows, read_manifest
 from mmadapt.devices import device_of, host_to_device, on_eval_device, swapped
@@ -29,7 +29,7 @@ from mmadapt.family import ModelFamily
 from mmadapt.models.layers import Padding, gathered, masked_positions, takes_rows
 from mmadapt.objectives import MLM, Objective
 from mmadapt.parallel import device
-from mmadapt.run import (RUN_TOKENIZER, Source, read_source, require_head, sampled_fingerprint, text_prefix,
+from mmadapt.run import (RUN_FILE, RUN_TOKENIZER, Source, read_source, require_head, sampled_fingerprint, text_prefix,
                          weights_fingerprint)
 
 UNIGRAM_MAX_TOKENS = 50_000_000  # counted from the start of the training text: plenty for frequencies
@@ -211,8 +211,8 @@ def pretrained_on(text: Text, record: dict) -> bool | None:
     if record.get("imported_from") is not None:
         return None
     ref = record.get("frozen_from")
-    if ref is not None and (Path(ref["run_dir"]) / "run.json").is_file():
-        return pretrained_on(text, json.loads((Path(ref["run_dir"]) / "run.json").read_text()))
+    if ref is not None and (Path(ref["run_dir"]) / RUN_FILE).is_file():  # as run_text_layout follows it
+        return pretrained_on(text, read_json(Path(ref["run_dir"]) / RUN_FILE, "run file"))
     return None if own is None else False
 
 

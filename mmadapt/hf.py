@@ -464,7 +464,7 @@ def sentence_settings(transformer: Path) -> dict:
     if "max_seq_length" not in out and tok.is_file():
         length = json.loads(tok.read_text()).get("model_max_length")
         if isinstance(length, int) and 0 < length < 10**9:  # transformers' "no limit" is a huge number
-            positions = json.loads((transformer / "config.json").read_text()).get("max_position_embeddings")
+            positions = config_json(transformer).get("max_position_embeddings")
             out["max_seq_length"] = min(length, positions) if isinstance(positions, int) and positions > 0 else length
     return out
 
