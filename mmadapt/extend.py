@@ -369,12 +369,8 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
     kept = ext.output_dir / SUMMARY
     if (old := checkpoint.kept_result(kept, key, "extend summary")) is not None:
         # the scores as kept; the export named as this call's (a copied or moved directory's own)
-        summary = {k: v for k, v in old["summary"].items() if k != "sentence_transformers"}
-        summary["export"] = str(export)
-        if (export / "sentence_transformers").is_dir():
-            summary["sentence_transformers"] = str(export / "sentence_transformers")
         print(old["text"].split(EXPORTED)[0] + f"{EXPORTED}{export}", flush=True)
-        return summary
+        return _exports_named(old["summary"], export)
     (start_emb, start_tok, first), (emb, tok, last) = read_artifact(arts[0]), read_artifact(arts[-1])
     per_byte = ByteScorer(Scorer(Primary.read(source)), ext.seq_length, ext.bpb_bytes)
     raw = per_byte.text(data)
@@ -382,9 +378,8 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
                "unigram_loss": last["unigram_loss"], "step": last["step"], "flops": last["flops"],
                "start_bpb": per_byte.score(raw, start_tok, start_emb, first)["bpb"],
                "final_bpb": per_byte.score(raw, tok, emb, last)["bpb"], "no_adaptation_bpb": per_byte.none(raw),
-               "bpb_bytes": raw.bytes, "export": str(export)}
-    if (export / "sentence_transformers").is_dir():
-        summary["sentence_transformers"] = str(export / "sentence_transformers")
+               "bpb_bytes": raw.bytes}
+    summary = _exports_named(summary, export)
     gain = summary["no_adaptation_bpb"] - summary["final_bpb"]
     text = (f"{ext.lang} through the primary model (plug-in loss, held-out text): {summary['start_loss']:.3f} at the "
           f"start, {summary['final_loss']:.3f} after {last['step']} updates, unigram reference "
@@ -400,6 +395,15 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
     if parallel.is_rank0():
         checkpoint.atomic_write(kept, json.dumps({"key": key, "summary": summary, "text": text}, indent=2))
     return summary
+
+
+def _exports_named(summary: dict, export: Path) -> dict:
+    """`summary` naming the export directory `export` (and its sentence-transformers one, if made)."""
+    named = {k: v for k, v in summary.items() if k != "sentence_transformers"}
+    named["export"] = str(export)
+    if (export / "sentence_transformers").is_dir():
+        named["sentence_transformers"] = str(export / "sentence_transformers")
+    return named
 
 
 __all__ = ["Extend", "extend"]

@@ -648,8 +648,10 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
 
     marks = {s: [_mark(everything, s, t.task, lang, v) if v is not None else "" for v, lang in zip(t.final[s], t.langs)]
              for s in t.systems}
-    def count(s: str) -> int:
+
+    def count(s: str) -> int:  # the languages `s` has a score in
         return sum(v is not None for v in t.final[s])
+
     # a system whose retention and shares are over fewer languages than its own average or the baseline's
     fewer = [s for s in t.systems if len(t.shared(s, baseline)) < max(count(s), count(baseline))]
     for s in t.systems:
