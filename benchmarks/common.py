@@ -197,6 +197,13 @@ def interleaved_times(fns: dict, warmup: int = 3, repeats: int = 10) -> dict[str
     return times
 
 
+def round_ratios(a: list[float], b: list[float]) -> tuple[float, list[float]]:
+    """`a`'s times over `b`'s, round by round (interleaved_times: a drift of the machine's speed
+    slows both of a round alike) -> (the median ratio, [its least, its most])."""
+    each = sorted(x / y for x, y in zip(a, b))
+    return statistics.median(each), [each[0], each[-1]]
+
+
 def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
     """benchmarks/results/<name>_<hardware>_<date>.{json,md}; a file of that name already there (an
     earlier run the same day) is kept, and this run takes the next free suffix (b, c, ...)."""

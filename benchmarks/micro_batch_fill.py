@@ -35,6 +35,7 @@ from common import (
     mask_fraction,
     masked_batches,
     real_batches,
+    round_ratios,
     run_ds_config,
     setup,
     table,
@@ -123,9 +124,8 @@ def main(argv=None) -> None:
                 row["peak_memory_gib"] = trainer.peak / 2**30
             rows.append(row)
         # round by round: the two took one update each per round, so a drift moves both alike
-        each = sorted(f / g for f, g in zip(times["fitted"], times["given"]))
-        rows[-1]["fitted_over_given"] = statistics.median(each)
-        rows[-1]["fitted_over_given_range"] = f"{each[0]:.3f}-{each[-1]:.3f}"
+        ratio, (least, most) = round_ratios(times["fitted"], times["given"])
+        rows[-1]["fitted_over_given"], rows[-1]["fitted_over_given_range"] = ratio, f"{least:.3f}-{most:.3f}"
         del fitted, given
         gc.collect()
     cols = [("system", "system"), ("step", "step"), ("run", "run"), ("split", "micro x accumulation"),

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import statistics
 
 import torch
 from common import (
@@ -37,6 +36,7 @@ from common import (
     median_time,
     padding_fraction,
     real_batches,
+    round_ratios,
     run_ds_config,
     setup,
     table,
@@ -126,11 +126,12 @@ def main(argv=None) -> None:
     for x, y in pairs:
         if x not in by or y not in by:
             continue
-        each = sorted(a / c for a, c in zip(rounds[x], rounds[y])) if x in rounds and y in rounds else None
-        measured = statistics.median(each) if each else by[x]["ms_per_update"] / by[y]["ms_per_update"]
+        paired = x in rounds and y in rounds
+        measured, (least, most) = (round_ratios(rounds[x], rounds[y]) if paired else
+                                   (by[x]["ms_per_update"] / by[y]["ms_per_update"], [None, None]))
         exact = by[x]["exact_gflop"] / by[y]["exact_gflop"]
         ratios.append({"pair": f"{x[0]} {x[1]} / {y[0]} {y[1]}", "measured_time_ratio": measured,
-                       "timing": f"paired rounds ({each[0]:.3f}-{each[-1]:.3f})" if each else "case medians",
+                       "timing": f"paired rounds ({least:.3f}-{most:.3f})" if paired else "case medians",
                        "exact_flop_ratio": exact, "measured_over_exact": measured / exact})
     del kept
     gc.collect()

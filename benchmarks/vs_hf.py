@@ -28,6 +28,7 @@ from common import (
     mask_fraction,
     masked_batches,
     real_batches,
+    round_ratios,
     run_ds_config,
     setup,
     table,
@@ -97,12 +98,12 @@ def main(argv=None) -> None:
         # the two timed in rounds of one update each: a drift of the machine's speed moves both
         times = interleaved_times({"mmadapt": ours, "transformers": peer}, args.warmup, args.repeats)
         t_ours, t_hf = statistics.median(times["mmadapt"]), statistics.median(times["transformers"])
-        rounds = [h / m for h, m in zip(times["transformers"], times["mmadapt"])]
+        speedup, speedup_range = round_ratios(times["transformers"], times["mmadapt"])
         del engine, ours, model, opt, peer
         gc.collect()  # a DeepSpeed engine sits in reference cycles: the next depth's must not share the device
         rows.append({"layers": layers, "mmadapt_ms": 1e3 * t_ours, "transformers_ms": 1e3 * t_hf,
                      "mmadapt_tokens_per_s": b * s / t_ours, "transformers_tokens_per_s": b * s / t_hf,
-                     "speedup": statistics.median(rounds), "speedup_range": [min(rounds), max(rounds)],
+                     "speedup": speedup, "speedup_range": speedup_range,
                      "mmadapt_tflops": flops / t_ours / 1e12,
                      "ms_each": {k: [1e3 * x for x in v] for k, v in times.items()}})
     mini = next((r for r in rows if r["layers"] == min(args.layers)), rows[0])

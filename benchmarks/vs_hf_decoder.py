@@ -38,8 +38,8 @@ import statistics
 
 import numpy as np
 import torch
-from common import (REPO, RESULTS, add_zero_arg, engine_update, interleaved_times, paper_mini_layers, run_ds_config,
-                    table, write_results)
+from common import (REPO, RESULTS, add_zero_arg, engine_update, interleaved_times, paper_mini_layers, round_ratios,
+                    run_ds_config, table, write_results)
 
 from mmadapt.config import ModelConfig, TrainConfig, scored_positions
 from mmadapt.data import score_subset
@@ -244,9 +244,7 @@ def main(argv=None) -> None:
                      "resident_gib": resident, "ms_each": [1e3 * x for x in times[system]]})
     base = rows[0]
     for r in rows:
-        per_round = [a / c for a, c in zip(times["bl_base"], times[r["system"]])]
-        r["time_ratio_vs_bl_base"], r["time_ratio_range"] = statistics.median(per_round), [min(per_round),
-                                                                                           max(per_round)]
+        r["time_ratio_vs_bl_base"], r["time_ratio_range"] = round_ratios(times["bl_base"], times[r["system"]])
         r["flop_ratio_vs_bl_base"] = base["gflop"] / r["gflop"]
         r["time_over_flop_ratio"] = r["time_ratio_vs_bl_base"] / r["flop_ratio_vs_bl_base"]
         r["flop_ratio_causal"] = base["gflop_causal"] / r["gflop_causal"]
@@ -259,8 +257,7 @@ def main(argv=None) -> None:
               "achieved_tflops": hf_flops / t_hf / 1e12, "gflop_causal": (hf_flops - b * causal_saving(full, s)) / 1e9,
               "achieved_tflops_causal": (hf_flops - b * causal_saving(full, s)) / t_hf / 1e12,
               "resident_gib": hf_resident, "ms_each": [1e3 * x for x in times[HF]]}
-    rounds = [h / m for h, m in zip(times[HF], times["bl_base"])]  # transformers' time over BL_BASE's, per round
-    speedup, speedup_range = statistics.median(rounds), [min(rounds), max(rounds)]
+    speedup, speedup_range = round_ratios(times[HF], times["bl_base"])  # transformers' time over BL_BASE's
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     ratio = equal_quality_updates("bl_base", p)
     md = markdown(rows, hf_row, args, f"{dev}", f"{transformers.__version__} {type(model).__name__}", speedup,
