@@ -823,7 +823,7 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
     legend_rows = math.ceil(len(labels) / ncol)
     fig.legend([handles[l] for l in labels], labels, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.16 * legend_rows / (2.8 * rows), 1, 1))
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legend's longest row can be wider than the panels
     plt.close(fig)
     return True
 
