@@ -622,7 +622,8 @@ def _own_default(i: int) -> str:
 @dataclass
 class FinetuneConfig(LoopConfig):
     """Step 3 (fine-tuning the primary model on a source-language task, word embeddings frozen)
-    and Step 4 (zero-shot evaluation). Defaults: the paper's section 3."""
+    and Step 4 (zero-shot evaluation). Defaults: the paper's section 3 (peak lr per task, warm-up
+    ratio 0.06, linear decay, 3 epochs); the batch of 32 is not the paper's (it states none)."""
     seed: int = _redefault("seed", 1)  # the paper averages 5 fine-tuning seeds
     train_micro_batch_size_per_gpu: int = _redefault("train_micro_batch_size_per_gpu", 32)
     lr: Optional[float] = _f(None, "peak learning rate (default: the task's, paper: 1e-5 XNLI/PAWS-X, "

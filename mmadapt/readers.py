@@ -4,7 +4,7 @@ None of these datasets can be downloaded at run time here; users fetch them once
     XNLI        https://cims.nyu.edu/~sbowman/xnli/ (XNLI-1.0.zip: xnli.dev.tsv, xnli.test.tsv);
                 English training data: MultiNLI 1.0 (multinli_1.0_train.txt / train.tsv)
     PAWS-X      https://github.com/google-research-datasets/paws/tree/master/pawsx
-                (x-final/<lang>/translated_train.tsv, dev_2k.tsv, test_2k.tsv)
+                (x-final/en/train.tsv for Step 3; x-final/<lang>/dev_2k.tsv, test_2k.tsv)
     MLQA        https://github.com/facebookresearch/MLQA (MLQA_V1/{dev,test}/*-context-<c>-question-<q>.json)
     XQuAD       https://github.com/google-deepmind/xquad (xquad.<lang>.json), SQuAD v1.1 for English training
     POS         Universal Dependencies CoNLL-U treebanks; NER: CoNLL-2003-style column files
@@ -95,7 +95,8 @@ def read_nli(path: str | os.PathLike, lang: str | None = None) -> list[PairExamp
 
 
 def read_pawsx(path: str | os.PathLike, lang: str = "") -> list[PairExample]:
-    """PAWS-X translated_train.tsv / dev_2k.tsv / test_2k.tsv: id, sentence1, sentence2, label
+    """PAWS-X x-final/en/train.tsv (Step 3; the other languages hold translated_train.tsv) / dev_2k.tsv /
+    test_2k.tsv: id, sentence1, sentence2, label
     (1 = paraphrase). Rows with an empty sentence (untranslated) are dropped."""
     rows = _tsv(_check(path))
     header = next(rows, None)
