@@ -269,7 +269,7 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
     full name (None: a tied duplicate). exclude_frozen: leave parameters with requires_grad=False
     out of the module state (Steps 1b, 2 and 3 keep only what they train). keep_last: see prune."""
     ckpt_dir, tag = Path(ckpt_dir), tag_for(step)
-    if is_rank0():  # rewriting a tag (a stop after skipped fp16 steps): not usable meanwhile
+    if is_rank0():  # rewriting a tag (one a damaged newer tag's fallback left behind): not usable meanwhile
         (ckpt_dir / tag / "COMPLETE").unlink(missing_ok=True)
     dist.barrier()
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, "step": step},

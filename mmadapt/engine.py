@@ -749,11 +749,12 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     is_pipe = is_pipeline(engine)
     ckpt_dir = run_dir / "checkpoints"
     start = position = 0
-    rows, since, loss_sum = [], 0, None
+    rows, since, loss_sum, resumed = [], 0, None, None
     if resume:
         state = checkpoint.resume(engine, ckpt_dir, strict=not job.exclude_frozen)
         if state is not None:
             start, position = state["step"], state.get("position", state["step"])
+            resumed = checkpoint.tag_for(start)
             # A stop between two log lines: the updates of that log window before it, so that the
             # next line averages the same updates as the uninterrupted run's (ranks that compute
             # no loss, a pipeline's first stages, hold none: mean_over_ranks sums over them)
@@ -768,7 +769,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     bar = tqdm(total=total, initial=start, disable=not rank0, desc=job.label, unit="upd", mininterval=2.0)
     timed, t_last = 0, time.perf_counter()  # this process's updates of the log window: its throughput's
     unchecked = Unchecked()
-    done, skipped, saved = start, 0, None
+    done, skipped, saved = start, 0, resumed
 
     def check_finite() -> None:
         first = unchecked.first_nonfinite(engine.device)
@@ -840,7 +841,11 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                         raise Paused(done, total, saved)
                 # Agree on a stop request every update, over gloo on the host (parallel.any_rank).
                 if parallel.any_rank(stop.reason is not None):
-                    tag = saved if saved == checkpoint.tag_for(done) and not skipped else save()
+                    # A complete checkpoint of this update is never written again, also where fp16
+                    # steps were skipped since (their batches consumed): a stop's save races a kill
+                    # deadline, and rewriting in place would lose the only copy. The resumed run
+                    # replays those batches from the same loss scale and RNG states: the same skips.
+                    tag = saved if saved == checkpoint.tag_for(done) else save()
                     if rank0:
                         stop_file.unlink(missing_ok=True)
                     raise Stopped(done, tag, stop.reason or "a signal to another rank")

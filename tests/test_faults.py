@@ -349,3 +349,25 @@ def test_a_demo_worker_stops_and_exits_when_the_demo_is_killed(tmp_path):
                 psutil.Process(int(mark.read_text())).kill()
             except psutil.Error:
                 pass
+
+
+def test_a_stop_after_skipped_steps_keeps_the_complete_checkpoint_as_it_is(tmp_path):
+    """A stop right after fp16-skipped steps does not write the update's complete checkpoint
+    again (a kill during the rewrite would lose it): the resumed run replays the skipped batches."""
+    engine, saves = FakeEngine(), []
+    write = engine.save_checkpoint
+    engine.save_checkpoint = lambda ckpt_dir, tag, **kw: (saves.append(tag), write(ckpt_dir, tag, **kw))
+
+    def step(position):
+        engine.applied = position != 2  # update 2 saved, then its next step overflows
+        if position == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return torch.tensor([1.0])
+
+    with pytest.raises(faults.Stopped) as stopped:
+        _loop(tmp_path, engine, step, save_interval=2)
+    assert saves == ["step00000002"]  # once, by the periodic save
+    assert stopped.value.tag == "step00000002"
+    client = json.loads((tmp_path / "checkpoints" / "step00000002" / "client.json").read_text())
+    assert (client["step"], client["position"]) == (2, 2)  # the position of that save, before the skip
+    assert (tmp_path / "checkpoints" / "step00000002" / "COMPLETE").is_file()
