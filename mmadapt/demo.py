@@ -39,6 +39,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -227,18 +228,21 @@ class Job:
 
 
 _DEMO: int | None = None  # in a worker: the demo's process id
+_STOP = None  # in a worker: the Event the demo sets when it stops (_worker_init)
 
 
-def _worker_init(threads: int, parent: int) -> None:
+def _worker_init(threads: int, parent: int, stop) -> None:
     """A demo worker: a world of one of its own (not the parent's rendezvous), `threads` threads,
     stopped when the demo's process (`parent`) exits (faults.stop_with_parent; _run_job): a demo
-    killed alone, or dead, leaves no run training."""
-    global _DEMO
+    killed alone, or dead, leaves no run training. `stop` (an Event): the demo is stopping (a
+    run failed, Ctrl-C): a job handed to this worker before that is not started."""
+    global _DEMO, _STOP
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(key, None)
     torch.set_num_threads(threads)
-    _DEMO = parent
+    _DEMO, _STOP = parent, stop
     faults.stop_with_parent(parent)
+    faults.stop_when(stop)  # a running job saves at its current update and stops
 
 
 def _exit_if_orphaned(wait: float = 0.0) -> None:
@@ -255,9 +259,12 @@ def _exit_if_orphaned(wait: float = 0.0) -> None:
         time.sleep(0.05)
 
 
-def _run_job(demo: "Demo", job: Job) -> float:
-    """Run `job` in a worker, its output into job.log. -> its seconds."""
+def _run_job(demo: "Demo", job: Job) -> float | None:
+    """Run `job` in a worker, its output into job.log. -> its seconds; None: not started, the
+    demo is stopping."""
     _exit_if_orphaned()
+    if _STOP is not None and _STOP.is_set():
+        return None
     t0 = time.perf_counter()
     Path(job.log).parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -267,6 +274,10 @@ def _run_job(demo: "Demo", job: Job) -> float:
     except faults.Stopped:  # by a signal, which the demo's exit sends (a checkpoint is saved)
         _exit_if_orphaned(wait=5.0)
         raise  # stopped otherwise: the demo stops on it, as on any run's error
+    except BaseException:
+        if _STOP is not None:  # the demo stops on this error: this worker's next queued job must not start
+            _STOP.set()
+        raise
     return time.perf_counter() - t0
 
 
@@ -457,18 +468,34 @@ class Demo:
               f"of its own at {threads} torch thread{'s' if threads > 1 else ''} (their output: {self.root / 'logs'})",
               flush=True)
         context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(n, mp_context=context, initializer=_worker_init,
-                                 initargs=(threads, os.getpid())) as pool, \
-                tqdm(total=len(jobs), desc="runs", unit="run", mininterval=1.0, leave=False) as bar:
-            running = {pool.submit(_run_job, self, job): job for job in queue}
-            pending = set(running)
-            while pending:
-                finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-                bar.refresh()  # the elapsed time moves while the runs train
-                for done in finished:
-                    seconds = done.result()  # a run's error stops the demo here, as it would in this process
-                    bar.update()
-                    self.say(f"{running[done].label}: done in {seconds:.0f} s")
+        stop = context.Event()
+        pool = ProcessPoolExecutor(n, mp_context=context, initializer=_worker_init,
+                                   initargs=(threads, os.getpid(), stop))
+        running: dict = {}
+        try:
+            with tqdm(total=len(jobs), desc="runs", unit="run", mininterval=1.0, leave=False) as bar:
+                running = {pool.submit(_run_job, self, job): job for job in queue}
+                pending = set(running)
+                while pending:
+                    finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+                    bar.refresh()  # the elapsed time moves while the runs train
+                    for done in finished:
+                        try:
+                            seconds = done.result()
+                        except BaseException:
+                            print(f"{running[done].label} failed; its log: {running[done].log}", file=sys.stderr,
+                                  flush=True)
+                            raise
+                        bar.update()
+                        self.say(f"{running[done].label}: done in {seconds:.0f} s")
+        except BaseException:
+            # A run's error (or Ctrl-C) stops the demo here, as it would in this process: no queued
+            # run starts, and the running ones save at their current update and stop
+            # (faults.stop_when): the demo waits for them (a second Ctrl-C does not).
+            stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
 
     def evaluate(self, pre: dict, finetuned: dict, data: dict) -> dict:
         # One pass per primary model (MINIPOST's embeddings belong to BL_BASE's): its test sets,

@@ -101,6 +101,15 @@ def stop_with_parent(parent: int) -> None:
 
 
 STOP_FILE = "STOP"
+# In a process that trains for another one (a demo worker): an Event (threading's or
+# multiprocessing's) that process sets to stop this one's run as a signal would (stop_when)
+_STOP_EVENT = None
+
+
+def stop_when(event) -> None:
+    """Have every StopRequest of this process stop its run once `event` is set."""
+    global _STOP_EVENT
+    _STOP_EVENT = event
 
 
 def clear_stale_stop(stop_file: Path) -> None:
@@ -127,7 +136,8 @@ class StopRequest:
     SIGINT; the death of a launcher above this rank (DeepSpeed's runner does not pass signals on
     to its ranks, and a SIGKILL cannot be passed on); a file `<run_dir>/STOP` (what the SLURM
     templates create when SLURM warns of the time limit: one node's shell can stop ranks on
-    every node). The training loop then agrees on it with the other ranks, saves at the current
+    every node); an event another process sets (stop_when: a demo worker's run, when the demo
+    stops). The training loop then agrees on it with the other ranks, saves at the current
     update and stops (engine.train_loop). A second SIGINT interrupts at once
     (KeyboardInterrupt); more SIGTERMs (a launcher passing one on) change nothing."""
 
@@ -156,6 +166,8 @@ class StopRequest:
                 self._request(f"the exit of launcher process {dead.pid}")
             elif self.stop_file is not None and self.stop_file.exists():
                 self._request(f"{self.stop_file}")
+            elif _STOP_EVENT is not None and _STOP_EVENT.is_set():
+                self._request("the demo stopping")
 
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():

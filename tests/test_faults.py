@@ -309,8 +309,9 @@ class Sleeper:
         raise faults.Stopped(0, "step00000000", stop.reason)
 
 if __name__ == "__main__":
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=demo._worker_init,
-                               initargs=(1, os.getpid()))
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(1, mp_context=context, initializer=demo._worker_init,
+                               initargs=(1, os.getpid(), context.Event()))
     for path in (sys.argv[1], sys.argv[1] + "-next"):  # the second waits in the pool's queue
         pool.submit(demo._run_job, Sleeper(), demo.Job("nap", "nap", (path,), 1, path + ".log"))
     time.sleep(600)
@@ -349,6 +350,58 @@ def test_a_demo_worker_stops_and_exits_when_the_demo_is_killed(tmp_path):
                 psutil.Process(int(mark.read_text())).kill()
             except psutil.Error:
                 pass
+
+
+_FAILING_RUN_SCRIPT = '''
+import os, sys, time
+from pathlib import Path
+from mmadapt import demo, faults
+
+class Runs:
+    """Stand-in demo runs: `nap` waits for a stop request as a training loop does; `fail` fails
+    once the first nap trains."""
+    cfg = demo.DemoConfig(workers=2, threads=1)
+    root = Path(sys.argv[1])
+
+    def say(self, what):
+        print(what, flush=True)
+
+    def nap(self, name):
+        with faults.StopRequest() as stop:
+            (self.root / name).write_text("started")
+            while stop.reason is None:
+                time.sleep(0.05)
+        (self.root / (name + ".stopped")).write_text(stop.reason)
+        raise faults.Stopped(0, "step00000000", stop.reason)
+
+    def fail(self):
+        while not (self.root / "a").exists():
+            time.sleep(0.05)
+        raise ValueError("boom")
+
+if __name__ == "__main__":
+    log = str(Runs.root / "run.log")
+    jobs = [demo.Job("fails", "fail", (), 9, log)] + [demo.Job(n, "nap", (n,), 3 - i, log) for i, n in enumerate("abc")]
+    try:
+        demo.Demo.run_jobs(Runs(), jobs)
+    except ValueError as e:
+        print(f"raised {e}", flush=True)
+'''
+
+
+def test_a_failed_demo_run_stops_the_others_and_starts_no_queued_one(tmp_path):
+    """With its runs in worker processes, one run's error stops the demo at once: the running
+    runs save and stop as on a signal, no queued run starts, and the error names the run's log
+    (the pool's exit used to train every queued run first)."""
+    script = tmp_path / "fails.py"
+    script.write_text(_FAILING_RUN_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "raised boom" in done.stdout
+    assert f"fails failed; its log: {tmp_path / 'run.log'}" in done.stderr
+    assert (tmp_path / "a.stopped").read_text() == "the demo stopping"
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists(), "a queued run started"
 
 
 def test_a_stop_after_skipped_steps_keeps_the_complete_checkpoint_as_it_is(tmp_path):
