@@ -50,6 +50,7 @@ import torch
 from tqdm import tqdm
 
 from mmadapt import faults, parallel, steps
+from mmadapt.adapt import final_artifact_written
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import atomic_write, read_json, staged_dir, write_weights_only
 from mmadapt.config import (CHANGEABLE_ON_RESUME, OUTPUT_BIAS_INITS, RECIPES, SYSTEMS, Checked, FinetuneConfig,
@@ -60,7 +61,7 @@ from mmadapt.data import read_manifest
 from mmadapt.evaluate import evaluate_artifacts, retrieval_records
 from mmadapt.family import ModelFamily
 from mmadapt.models import get_family
-from mmadapt.finetune import is_finished
+from mmadapt.finetune import has_results
 from mmadapt.plugin import plugin_records
 from mmadapt.report import adapted, plot_curves, plugin_markdown, report_markdown
 from mmadapt.run import RUN_TOKENIZER, RunSpec, load_checkpoint, recorded_defaults, run_progress
@@ -281,6 +282,11 @@ def _run_job(demo: "Demo", job: Job) -> float | None:
     return time.perf_counter() - t0
 
 
+def _mean(values: list) -> float | None:
+    """The mean of `values`, None if any is missing (a run without its score is not averaged in as 0)."""
+    return None if not values or any(v is None for v in values) else sum(values) / len(values)
+
+
 def workers_for(cfg: "DemoConfig") -> tuple[int, int]:
     """(processes, torch threads each) that train the demo's Step-2 and Step-3 runs."""
     if parallel.device().type != "cpu":
@@ -417,9 +423,12 @@ class Demo:
         return self.evaluate(pre, finetuned, data)
 
     def adapt(self, system: str, source: Path, lang: str, run_dir: Path, data_path: Path) -> None:
-        """Step 2 of `system` from `source` into `run_dir` (kept if done, resumed if interrupted)."""
+        """Step 2 of `system` from `source` into `run_dir` (kept if done, resumed if interrupted:
+        also where only its last artifact is missing, stopped after its last checkpoint)."""
         cfg = self.cfg
         state = run_progress(run_dir, cfg.adapt_iters)
+        if state == "done" and not final_artifact_written(run_dir, cfg.adapt_iters):
+            state = "resume"  # writes the artifacts of the checkpoints that have none, trains nothing
         if state != "done":
             train = self._train(cfg.adapt_iters, cfg.adapt_save_interval,
                                 train_micro_batch_size_per_gpu=cfg.adapt_batch)
@@ -427,8 +436,9 @@ class Demo:
                                    step=steps.AdaptEmbeddings(system=system, source=source, lang=lang, train=train))
 
     def finetune(self, primary_run: Path, seed: int, out: Path) -> None:
-        """Step 3 of the primary model of `primary_run` with `seed` into `out` (kept if done)."""
-        if is_finished(out):
+        """Step 3 of the primary model of `primary_run` with `seed` into `out` (kept if done; a run
+        stopped after its last checkpoint is resumed, which records its results)."""
+        if has_results(out):
             return
         cfg = self.cfg
         ft_cfg = dataclasses.replace(FinetuneConfig(), seq_length=cfg.seq_length, epochs=cfg.finetune_epochs,
@@ -509,7 +519,7 @@ class Demo:
             print(f"  {primary}'s primary model: the plug-in metric, zero-shot bible-genre and retrieval of "
                   f"{len(runs)} Step-2 runs' checkpoints", flush=True)
             records += self.evaluate_primary(pre[primary], finetuned[primary], runs, data)
-        source = {p: sum(json.loads((r / "run.json").read_text()).get("source_score") or 0 for r in runs) / len(runs)
+        source = {p: _mean([json.loads((r / "run.json").read_text()).get("source_score") for r in runs])
                   for p, runs in finetuned.items()}
         return {"records": records, "source_scores": source}
 

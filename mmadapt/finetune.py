@@ -55,6 +55,13 @@ def is_finished(run_dir: str | os.PathLike) -> bool:
             checkpoint.latest_tag(Path(run_dir) / "checkpoints") == checkpoint.tag_for(run["updates"]))
 
 
+def has_results(run_dir: str | os.PathLike) -> bool:
+    """A finished fine-tuning run whose results (final loss, source-language score, warnings) are
+    in its record: they are written after the last checkpoint, so a run stopped in between is
+    finished without them (`steps.finetune` with resume writes them, training nothing)."""
+    return is_finished(run_dir) and "warnings" in json.loads((Path(run_dir) / RUN_FILE).read_text())
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskPlan:
     """What Step 3 trains on and records, worked out before anything is written (TaskData.check):

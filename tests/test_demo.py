@@ -105,3 +105,47 @@ def test_demo_refuses_an_unknown_language(tmp_path):
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --langs xx is not a target language")
     assert not (tmp_path / "d").exists()
+
+
+def _finished_checkpoint(run_dir, step):
+    tag = run_dir / "checkpoints" / f"step{step:08d}"
+    tag.mkdir(parents=True)
+    (tag / "COMPLETE").write_text(json.dumps({"step": step}))
+
+
+def test_demo_resumes_a_step2_run_stopped_before_its_last_artifact(tmp_path, monkeypatch):
+    """A Step-2 run killed between its last checkpoint and that checkpoint's artifact is resumed
+    (which writes the artifact), not kept: Step 4 would score it only to its previous checkpoint."""
+    from mmadapt import demo, steps
+
+    calls = []
+    monkeypatch.setattr(steps, "adapt_embeddings", lambda run, step: calls.append(run.resume))
+    d = demo.Demo(demo.QUICK, tmp_path)
+    run_dir = tmp_path / "adapt" / "bl_base-de"
+    _finished_checkpoint(run_dir, demo.QUICK.adapt_iters)
+    d.adapt("bl_base", tmp_path / "src", "de", run_dir, tmp_path / "data")
+    assert calls == [True]
+    artifact = run_dir / "embeddings" / f"step{demo.QUICK.adapt_iters:08d}"
+    artifact.mkdir(parents=True)
+    (artifact / "embeddings.pt").write_bytes(b"")
+    d.adapt("bl_base", tmp_path / "src", "de", run_dir, tmp_path / "data")
+    assert calls == [True], "a finished run with its last artifact is kept"
+
+
+def test_demo_resumes_a_finetune_stopped_before_its_results(tmp_path, monkeypatch):
+    """A fine-tune killed after its last checkpoint, before its record's results (English score,
+    warnings), is resumed to write them; the demo's English accuracy never averages in a 0."""
+    from mmadapt import demo, steps
+
+    calls = []
+    monkeypatch.setattr(steps, "finetune", lambda run, step: calls.append(run.resume))
+    d = demo.Demo(demo.QUICK, tmp_path)
+    out = tmp_path / "finetune" / "bl_base"
+    _finished_checkpoint(out, 7)
+    (out / "run.json").write_text(json.dumps({"step": "finetune", "updates": 7}))
+    d.finetune(tmp_path / "pretrain" / "bl_base", 1, out)
+    assert calls == [True]
+    (out / "run.json").write_text(json.dumps({"step": "finetune", "updates": 7, "final_loss": 0.5, "warnings": []}))
+    d.finetune(tmp_path / "pretrain" / "bl_base", 1, out)
+    assert calls == [True], "a finished run with its results is kept"
+    assert demo._mean([58.0, 57.0, None]) is None and demo._mean([58.0, 57.0]) == 57.5
