@@ -291,7 +291,8 @@ def workers_for(cfg: "DemoConfig") -> tuple[int, int]:
     """(processes, torch threads each) that train the demo's Step-2 and Step-3 runs."""
     if parallel.device().type != "cpu":
         return 1, 0
-    cores = os.cpu_count() or 1
+    # the cores this process may run on (a SLURM or taskset slice of a larger machine), not the machine's
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     n = cfg.workers or (2 if cores >= 2 else 1)
     return n, cfg.threads or max(1, cores // n)
 
@@ -583,9 +584,9 @@ def write_results(root: Path, cfg: DemoConfig, family: ModelFamily, out: dict, s
     return text
 
 
-# What a rerun over a demo's directory may change: how fast it runs (not what it computes), and
-# its languages (each language's runs are its own)
-RUN_KNOBS = ("workers", "threads", "eval_batch_tokens", "langs")
+# What a rerun over a demo's directory may change: how fast it runs (not what it computes), its
+# languages (each language's runs are its own), and what only Step 4 reads (it scores every run again)
+RUN_KNOBS = ("workers", "threads", "eval_batch_tokens", "langs", "retrieval_pairs", "plugin_blocks", "bpb_bytes")
 
 
 def check_output(root: Path, settings: dict) -> None:
@@ -613,6 +614,10 @@ def main(argv=None) -> int:
     if cfg.family not in DEMO_FAMILIES:
         raise ValueError(f"--family {cfg.family}: the demo runs {' or '.join(DEMO_FAMILIES)} (the families whose "
                          "source models it ships)")
+    for flag, values in (("--langs", cfg.langs), ("--finetune_seeds", cfg.finetune_seeds)):
+        twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
+        if twice is not None:
+            raise ValueError(f"{flag} {twice} is given twice: give each once")
     bad = [l for l in cfg.langs if l not in BIBLE_VERSIONS or l == "en"]
     if bad:
         raise ValueError(f"--langs {bad[0]} is not a target language of the packaged Bible; choose from "

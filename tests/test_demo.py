@@ -149,3 +149,25 @@ def test_demo_resumes_a_finetune_stopped_before_its_results(tmp_path, monkeypatc
     d.finetune(tmp_path / "pretrain" / "bl_base", 1, out)
     assert calls == [True], "a finished run with its results is kept"
     assert demo._mean([58.0, 57.0, None]) is None and demo._mean([58.0, 57.0]) == 57.5
+
+
+def test_demo_refuses_a_language_or_seed_given_twice(tmp_path):
+    """Both copies would write the same runs (and Step 4 would refuse only after all training)."""
+    from mmadapt import demo
+
+    for flag, values in (("--langs", ["de", "de"]), ("--finetune_seeds", ["1", "2", "1"])):
+        with pytest.raises(ValueError, match=f"^{flag} {values[-1]} is given twice: give each once$"):
+            demo.main([flag, *values, "--output_dir", str(tmp_path / "d")])
+    assert not (tmp_path / "d").exists()
+
+
+def test_demo_rescoring_with_other_step4_settings_keeps_the_runs(tmp_path):
+    """Settings only Step 4 reads may change over a finished demo's directory (it scores every
+    run again); a training setting may not."""
+    from mmadapt import demo
+
+    (tmp_path / "demo.json").write_text(json.dumps({"retrieval_pairs": 500, "plugin_blocks": 512, "bpb_bytes": 8192,
+                                                    "adapt_iters": 1000}))
+    demo.check_output(tmp_path, {"retrieval_pairs": 300, "plugin_blocks": 64, "bpb_bytes": 1024, "adapt_iters": 1000})
+    with pytest.raises(ValueError, match="adapt_iters 1000, now 10"):
+        demo.check_output(tmp_path, {"retrieval_pairs": 500, "adapt_iters": 10})
