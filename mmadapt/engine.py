@@ -767,7 +767,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     rank0 = parallel.is_rank0()
     log = MetricsLog(run_dir, start)
     bar = tqdm(total=total, initial=start, disable=not rank0, desc=job.label, unit="upd", mininterval=2.0)
-    timed, t_last = 0, time.perf_counter()  # this process's updates of the log window: its throughput's
+    # this process's updates of the log window, and the seconds of its evaluations and saves: its
+    # throughput's (those seconds are not an update's)
+    timed, t_last, t_aside = 0, time.perf_counter(), 0.0
     unchecked = Unchecked()
     done, skipped, saved = start, 0, resumed
 
@@ -796,6 +798,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     try:
         with StopRequest(stop_file) as stop:
             while done < total:
+                lr = engine.get_lr()[0]  # the rate this update trains at: DeepSpeed steps the schedule in it
                 local = step_fn(position).detach()
                 position += 1
                 # Looked at with the next read of the device (check_finite): whether its loss, or
@@ -812,11 +815,11 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     loss_sum = local if loss_sum is None else loss_sum + local
                     done, since, timed = done + 1, since + 1, timed + 1
                     if done % loop.log_interval == 0 or done == total:
-                        dt = (time.perf_counter() - t_last) / timed
+                        dt = (time.perf_counter() - t_last - t_aside) / timed
                         row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, job.loss_names,
                                                  loss_weights=job.loss_weights, split_names=job.split_losses)
                         check_finite()
-                        row["lr"] = engine.get_lr()[0]
+                        row["lr"] = lr
                         row.update(job.perf(dt) if job.perf is not None else {})
                         scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
                                                              if k not in ("step", "loss", "head_losses", "lr")
@@ -826,7 +829,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                             log.write(row, scalars)
                             bar.set_postfix({"loss": f"{row['loss']:.3f}", **{
                                 k: f"{v:.3f}" for k, v in row.items() if k.endswith("_loss") and v is not None}})
-                        loss_sum, since, timed, t_last = None, 0, 0, time.perf_counter()
+                        loss_sum, since, timed, t_last, t_aside = None, 0, 0, time.perf_counter(), 0.0
+                    t_eval = time.perf_counter()
                     if job.evaluate is not None and job.eval_interval and done % job.eval_interval == 0:
                         row, scalars = _loss_row(done, mean_over_ranks(job.evaluate(), is_pipe), job.loss_names,
                                                  prefix="valid_", loss_weights=job.loss_weights)
@@ -837,6 +841,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     exiting = loop.exit_interval > 0 and done % loop.exit_interval == 0
                     if done % loop.save_interval == 0 or done in loop.extra_save_steps or done == total or exiting:
                         saved = save()
+                    t_aside += time.perf_counter() - t_eval
                     if exiting and done < total:
                         raise Paused(done, total, saved)
                 # Agree on a stop request every update, over gloo on the host (parallel.any_rank).

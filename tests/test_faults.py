@@ -424,3 +424,32 @@ def test_a_stop_after_skipped_steps_keeps_the_complete_checkpoint_as_it_is(tmp_p
     client = json.loads((tmp_path / "checkpoints" / "step00000002" / "client.json").read_text())
     assert (client["step"], client["position"]) == (2, 2)  # the position of that save, before the skip
     assert (tmp_path / "checkpoints" / "step00000002" / "COMPLETE").is_file()
+
+
+def test_a_log_row_times_its_updates_alone_at_the_rate_they_trained_at(tmp_path, monkeypatch):
+    """A row's seconds per update leave out the evaluations and saves of its window (they used
+    to be charged to the next row: every row after a checkpoint under-reported tokens/s), and
+    its lr is the one its last update trained at (read after the update, it was the next one's:
+    the last row said 0)."""
+    clock = [0.0]
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+    engine = FakeEngine()
+    engine.lr = 1.0
+    engine.get_lr = lambda: [engine.lr]
+
+    def step(position):
+        clock[0] += 1.0  # an update: one second
+        engine.lr += 1.0  # the schedule steps inside the update
+        return torch.tensor([1.0])
+
+    def evaluate():
+        clock[0] += 100.0
+        return torch.tensor([2.0])
+
+    init_parallel(1, 1)
+    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, evaluate=evaluate, eval_interval=2,
+                  perf=lambda dt: {"sec_per_update": dt},
+                  after_save=lambda done, tag: clock.__setitem__(0, clock[0] + 1000.0))
+    cfg = TrainConfig(log_interval=2, save_interval=2)
+    rows = [r for r in train_loop(engine, step, job, cfg, 6, run_dir=tmp_path, resume=False) if "loss" in r]
+    assert [(r["step"], r["sec_per_update"], r["lr"]) for r in rows] == [(2, 1.0, 2.0), (4, 1.0, 4.0), (6, 1.0, 6.0)]
