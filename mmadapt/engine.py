@@ -683,7 +683,9 @@ class Unchecked:
         if any(f is not None for f in flags):
             zero = torch.zeros((), device=losses[0].device)
             bad |= torch.stack([zero if f is None else f.reshape(()) for f in flags]).ne(0)
-        at = torch.tensor(numbers, dtype=torch.int64, device=losses[0].device)
+        at = torch.tensor(numbers, dtype=torch.int64)
+        if losses[0].device.type == "cuda":  # pinned, so that the copy does not wait for the device
+            at = at.pin_memory().to(losses[0].device, non_blocking=True)
         first = torch.where(bad, at, _FINITE).min().reshape(1)
         self.first = first if self.first is None else torch.minimum(self.first, first)
         self.updates.clear()

@@ -306,3 +306,25 @@ def test_a_frozen_encoder_layers_backward_copies_the_qkv_gradient_once():
         y.sum().backward()
     assert spy.seen == {"sum": 1, "ones_like": 1, "native_layer_norm_backward": 2, "mm": 4, "gelu_backward": 1,
                         "add": 2, "_scaled_dot_product_flash_attention_for_cpu_backward": 1, "stack": 1}, spy.seen
+
+
+def test_a_weighted_two_text_micro_batch_copies_nothing_from_the_host():
+    """MINIJOINT with --head_weights and Step 2's replay (two texts' losses): no tensor is made
+    from host data inside the micro-batch (ATen's lift_fresh on a CPU): on a GPU each such tensor
+    is a pageable host-to-device copy, which torch follows with a stream synchronisation. The
+    weights and the two texts' counts used to be made so every micro-batch."""
+    init_parallel(1, 1)
+    model, _ = PRESETS["tiny"]
+    cfg = dataclasses.replace(model, num_layers=4, head_layers=(2, 4), head_weights=(0.25, 0.75))
+    mlm = RobertaMLM(cfg)
+    ids, labels = padded_batch(cfg, b=4, s=32, real=30)
+    b = host_batch(ids, labels, replay_rows=2)
+    assert b.split is not None and 0 < b.split < len(b.targets)
+    mlm(b.input_ids, masked_index=b.masked_index, targets=b.targets, padding=b.padding, split=b.split)  # warm
+    with SyncSpy(keep=lambda func, name: name in SYNCING or name == "lift_fresh") as spy:
+        loss, logged = mlm(b.input_ids, masked_index=b.masked_index, targets=b.targets, padding=b.padding,
+                           split=b.split)
+        loss.backward()
+    assert not spy.seen, f"host data made into tensors, or read back, inside a micro-batch: {dict(spy.seen)}"
+    assert logged.shape == (2 + 4,)  # each head's loss, then the two texts' (sum, count) pairs
+    assert logged[3].item() == b.split and logged[5].item() == len(b.targets) - b.split

@@ -515,6 +515,14 @@ def head_logits(heads: nn.ModuleList, hiddens: list[torch.Tensor], output_rows: 
     return [head(gathered(h, rows), output_rows) for head, h in zip(heads, hiddens)]
 
 
+@functools.lru_cache(maxsize=64)
+def device_constant(values: tuple[float, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`values` as a tensor on `device`, made once: a tensor made from host data in a micro-batch
+    is a blocking copy on a GPU (torch synchronises the stream after a pageable host-to-device
+    copy), the host waiting for every queued kernel."""
+    return torch.tensor(values, device=device, dtype=dtype)
+
+
 def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index: torch.Tensor,
                 targets: torch.Tensor, output_rows: tuple[torch.Tensor, ...],
                 loss_weights: tuple[float, ...] | None, split: int | None = None):
@@ -554,7 +562,8 @@ def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index:
         # One head's mean is its loss, to the bit: no stack and mean (two launches, and their backward)
         return losses[0], losses[0].detach().reshape(1)
     per_head = torch.stack(losses)
-    weights = per_head.new_tensor(loss_weights) if loss_weights is not None else None
+    weights = (device_constant(tuple(loss_weights), per_head.device, per_head.dtype)
+               if loss_weights is not None else None)
     loss = per_head.mean() if weights is None else (per_head * weights).sum()
     if split is None:
         return loss, per_head.detach()
@@ -568,4 +577,5 @@ def split_sums(sums: torch.Tensor, weights: torch.Tensor | None, split: int, m: 
     part, and added over micro-batches and ranks their ratio is the loss per scored piece."""
     w = sums.new_full((sums.shape[0],), 1.0 / sums.shape[0]) if weights is None else weights
     total = (sums * w[:, None]).sum(0)
-    return torch.stack([total[0], sums.new_tensor(float(split)), total[1], sums.new_tensor(float(m - split))])
+    # the counts as fills (a kernel each), not copies of host numbers (new_tensor: a stream sync on a GPU)
+    return torch.stack([total[0], sums.new_full((), float(split)), total[1], sums.new_full((), float(m - split))])
