@@ -124,9 +124,13 @@ def for_replicas(ds: dict, dp: int, ckpt_dir: Path | None = None) -> dict:
       - fp16 keeps the JSON's stage: DeepSpeed's fp16 optimizer without ZeRO keeps no fp32
         master that mmadapt can read or set (engine._set_fp32_master, checkpoint.py).
     The run's record keeps the JSON as given (what the user chose, and what --resume compares).
+    A JSON that asks for what only ZeRO gives (offloading the optimizer state or the parameters
+    to the CPU or NVMe, to fit a model on one device), or for gradients accumulated in another
+    precision than fp32, trains as given. At several replicas DeepSpeed accumulates a bf16 run's
+    gradients in bf16 unless the JSON sets data_types.grad_accum_dtype (docs/cluster.md).
     ckpt_dir: a resumed run's checkpoints: one written under ZeRO resumes under ZeRO."""
     stage = zero_stage(ds)
-    if dp != 1 or stage == 0 or ds.get("fp16", {}).get("enabled"):
+    if dp != 1 or stage == 0 or ds.get("fp16", {}).get("enabled") or _needs_zero(ds):
         return ds
     bf16 = bool(ds.get("bf16", {}).get("enabled"))
     written = checkpoint.written_by(ckpt_dir) if ckpt_dir is not None else None
@@ -140,6 +144,14 @@ def for_replicas(ds: dict, dp: int, ckpt_dir: Path | None = None) -> dict:
     else:
         out["zero_optimization"] = {"stage": 0}
     return out
+
+
+def _needs_zero(ds: dict) -> bool:
+    """Whether the JSON asks for what the one-replica paths of for_replicas do not give."""
+    zero = ds.get("zero_optimization", {})
+    offload = any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"
+                  for k in ("offload_optimizer", "offload_param"))
+    return offload or ds.get("data_types", {}).get("grad_accum_dtype", "fp32") != "fp32"
 
 
 def param_groups(module: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:

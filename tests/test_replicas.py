@@ -109,6 +109,16 @@ def test_what_for_replicas_changes():
     fp16 = {**ds2, "fp16": {"enabled": True}}
     assert for_replicas(fp16, 1) == fp16  # no fp32 master mmadapt can reach without ZeRO
     assert for_replicas({"zero_optimization": {"stage": 0}}, 1) == {"zero_optimization": {"stage": 0}}
+    # What only ZeRO gives, kept as given: offloading (to fit a model on one device), and gradients
+    # accumulated in another precision than fp32
+    offloaded = {**bf16, "zero_optimization": {**bf16["zero_optimization"], "offload_optimizer": {"device": "cpu"}}}
+    assert for_replicas(offloaded, 1) == offloaded
+    assert for_replicas({**ds2, "zero_optimization": {"stage": 2, "offload_param": {"device": "nvme"}}}, 1)[
+        "zero_optimization"]["stage"] == 2
+    not_offloaded = {**ds2, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}
+    assert for_replicas(not_offloaded, 1)["zero_optimization"] == {"stage": 0}
+    bf16_accumulated = {**bf16, "data_types": {"grad_accum_dtype": "bf16"}}
+    assert for_replicas(bf16_accumulated, 1) == bf16_accumulated
 
 
 def test_a_checkpoint_resumes_under_the_optimizer_that_wrote_it(tmp_path):
