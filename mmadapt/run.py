@@ -115,7 +115,7 @@ def recorded_defaults() -> dict:
 
 # record keys (not config fields) run.json gained later (2026-12-01): a run recorded before one is
 # not checked for it (a Step-3 run's rows then started with <s>: ModelFamily.recorded_framing)
-UNRECORDED_BEFORE = ("data_parallel_size", "task_start")
+UNRECORDED_BEFORE = ("data_parallel_size", "task_start", "data_digest", "replay_digest")
 
 
 def check_same_run(run_file: Path, expected: dict) -> None:

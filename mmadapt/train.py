@@ -69,6 +69,14 @@ def check_tokenizer_kind(family: ModelFamily, tokenizer: Path) -> None:
                          f"{', '.join(family.tokenizer_kinds)} tokenizers")
 
 
+def dataset_digest(manifest: dict) -> str:
+    """What a prepared dataset holds, from its manifest: its corpus's fingerprint and its
+    tokenizer's. run.json records it, so that a --resume refuses a dataset prepared again at the
+    same path from another text or with another tokenizer (same size or not)."""
+    held = {k: manifest.get(k) for k in ("corpus_fingerprint", "tokenizer_sha256")}
+    return hashlib.sha256(json.dumps(held, sort_keys=True).encode()).hexdigest()[:32]
+
+
 class TextData:
     """The data of an LM step (run.DataPlan): a dataset prepared by `mmadapt preprocess`
     (RunSpec.data_path; `manifest`: its manifest where the step read it already), or a raw corpus
@@ -83,7 +91,7 @@ class TextData:
             if train.eval_interval and not manifest.get("valid"):
                 raise ValueError(f"--eval_interval needs validation data: {run.data_path} was prepared without it "
                                  "(mmadapt preprocess --valid_fraction 0.01 ... into a new --output_dir)")
-            return {"data_path": str(run.data_path.resolve())}
+            return {"data_path": str(run.data_path.resolve()), "data_digest": dataset_digest(manifest)}
         if run.corpus is None:
             raise ValueError("no training data: pass --data_path (a dataset made by mmadapt preprocess) or --corpus")
         corpus = check_corpus(run.corpus)
@@ -178,7 +186,8 @@ class WithReplay:
         self.plan, self.replay = plan, replay
 
     def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> dict:
-        return {**self.plan.check(run, model, train, family), "replay_data": str(self.replay.data.resolve())}
+        return {**self.plan.check(run, model, train, family), "replay_data": str(self.replay.data.resolve()),
+                "replay_digest": dataset_digest(read_manifest(self.replay.data))}
 
     def check_resume(self, run: RunSpec) -> None:
         self.plan.check_resume(run)

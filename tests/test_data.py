@@ -612,3 +612,30 @@ def test_the_line_join_is_the_newline_piece_where_punctuation_merges_with_it():
     assert bpe.token_to_id(".Ċ") is not None  # the merge the old probe tripped on
     assert D.line_join(Ids()) == bpe.encode("\n").ids == [bpe.token_to_id("Ċ")]
 
+
+
+def test_a_resume_refuses_a_dataset_prepared_again_at_the_same_path(corpus, tokenizer, tmp_path):
+    """run.json records what a --data_path dataset holds (train.dataset_digest: its corpus's and
+    its tokenizer's fingerprints), so that a --resume on a dataset prepared again at the same path
+    from other text is refused, not trained on other ids; runs recorded before it are not checked."""
+    import shutil
+
+    from mmadapt.run import check_same_run
+    from mmadapt.train import dataset_digest
+
+    text, d = tmp_path / "corpus.txt", tmp_path / "prepared"
+    text.write_bytes(corpus.read_bytes())
+    prepare(text, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
+    first = dataset_digest(D.read_manifest(d))
+    shutil.rmtree(d)
+    text.write_bytes(corpus.read_bytes().replace(b"God", b"Gad", 1))  # the same size
+    prepare(text, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
+    again = dataset_digest(D.read_manifest(d))
+    assert again != first
+    record = tmp_path / "run.json"
+    record.write_text(json.dumps({"data_path": str(d), "data_digest": first}))
+    with pytest.raises(ValueError, match=f"--resume of a changed run: data_digest is {again} here but {first}"):
+        check_same_run(record, {"data_path": str(d), "data_digest": again})
+    check_same_run(record, {"data_path": str(d), "data_digest": first})
+    record.write_text(json.dumps({"data_path": str(d)}))  # recorded before the digest
+    check_same_run(record, {"data_path": str(d), "data_digest": again})
