@@ -857,6 +857,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                         saved = save()
                     t_aside += time.perf_counter() - t_eval
                     if exiting and done < total:
+                        dist.barrier()  # leave with rank 0, once its after_save (Step 2's artifact) is written
                         raise Paused(done, total, saved)
                 # Agree on a stop request every update, over gloo on the host (parallel.any_rank).
                 if parallel.any_rank(stop.reason is not None):
@@ -867,6 +868,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     tag = saved if saved == checkpoint.tag_for(done) else save()
                     if rank0:
                         stop_file.unlink(missing_ok=True)
+                    # Every rank leaves with rank 0, once its after_save is written: DeepSpeed's
+                    # launcher SIGKILLs the rest of a node's ranks 30 s after one exits non-zero.
+                    dist.barrier()
                     raise Stopped(done, tag, stop.reason or "a signal to another rank")
     finally:  # before the caller prints why it stopped
         bar.close()
