@@ -272,21 +272,76 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
     if is_rank0():  # rewriting a tag (one a damaged newer tag's fallback left behind): not usable meanwhile
         (ckpt_dir / tag / "COMPLETE").unlink(missing_ok=True)
     dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, "step": step},
-                           save_latest=False, exclude_frozen_parameters=exclude_frozen)
+    with _recording_saves(engine) as written:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, "step": step},
+                               save_latest=False, exclude_frozen_parameters=exclude_frozen)
     (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
     if engine.bfloat16_enabled() or engine.fp16_enabled():
-        _save_fp32_master(engine, ckpt_dir / tag / f"fp32_tp{tp_rank():02d}_pp{pp_rank():02d}.pt", names)
-    torch.save(rng_state(), ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
+        master = ckpt_dir / tag / f"fp32_tp{tp_rank():02d}_pp{pp_rank():02d}.pt"
+        _save_fp32_master(engine, master, names)
+        written.append(master)
+    written.append(ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
+    torch.save(rng_state(), written[-1])
+    # Each rank's own files on disk before COMPLETE says the tag is whole: a node lost after it
+    # (a client's write-back cache on a parallel file system) must not leave a COMPLETE tag whose
+    # data were lost, the older tags pruned. On NFS and Lustre only the writing client can flush.
+    _fsync_files(written)
     dist.barrier()
     if is_rank0():
+        _fsync_dir(ckpt_dir / tag)
         # ds_optimizer: which optimizer's state the tag holds (engine.for_replicas resumes under it)
         atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step, "files": _files(ckpt_dir / tag),
                                                                "ds_optimizer": optimizer_name(engine)}))
         atomic_write(ckpt_dir / "latest", tag)
+        _fsync_dir(ckpt_dir)
         prune(ckpt_dir, keep_last, tag)
     dist.barrier()
     return tag
+
+
+@contextlib.contextmanager
+def _recording_saves(engine) -> Iterator[list]:
+    """The files DeepSpeed's checkpoint engine writes on this rank inside the block (its `save`:
+    torch.save for the default engine), listed in the list it yields."""
+    written: list = []
+    ce = getattr(engine, "checkpoint_engine", None)
+    if ce is None:
+        yield written
+        return
+    save, own = ce.save, vars(ce).get("save")
+
+    def recording(state_dict, path, *args, **kwargs):
+        save(state_dict, path, *args, **kwargs)
+        written.append(Path(path))
+    ce.save = recording
+    try:
+        yield written
+    finally:
+        if own is None:
+            del ce.save  # the class's method again
+        else:
+            ce.save = own
+
+
+def _fsync_files(paths: list) -> None:
+    for path in paths:
+        if Path(path).is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """The directory's entries (new files, renames) on disk (POSIX; a no-op where it cannot open a directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | None:

@@ -431,3 +431,20 @@ def test_accumulated_micro_batches_leave_the_mean_gradient(monkeypatch):
     for n in both:
         torch.testing.assert_close(both[n], (one[n] + two[n]) / 2, rtol=1e-5, atol=1e-8, msg=n)
     assert not torch.allclose(one["layers.0.qkv.weight"], two["layers.0.qkv.weight"])
+
+
+@pytest.mark.parametrize("config", ["zero2.json", "zero1_bf16.json"])
+def test_every_file_of_a_checkpoint_is_flushed_to_disk_before_it_is_complete(tmp_path, monkeypatch, config):
+    """Each rank fsyncs the files it wrote (DeepSpeed's, through its checkpoint engine, and
+    mmadapt's own) before the barrier that lets COMPLETE be written: a node lost after COMPLETE
+    must not leave a tag whose data were still in a write-back cache, the older tags pruned."""
+    train = train_config(0.0)
+    _, _, _, engine = run(load_ds_config(REPO / "ds_configs" / config, train), train, updates=1)
+    flushed = []
+    fsync_files = checkpoint._fsync_files
+    monkeypatch.setattr(checkpoint, "_fsync_files", lambda paths: (flushed.extend(paths), fsync_files(paths)))
+    names = {n: n for n, _ in engine.module.named_parameters()}
+    tag = checkpoint.save(engine, tmp_path, 1, {}, names)
+    files = {p.name for p in (tmp_path / tag).iterdir() if p.is_file() and p.name != "COMPLETE"}
+    assert {p.name for p in map(type(tmp_path), flushed)} == files and len(files) >= 3, (flushed, files)
+    assert not hasattr(engine.checkpoint_engine, "__dict__") or "save" not in vars(engine.checkpoint_engine)
