@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt.faults import LOCK_NAME, STOP_FILE, TAKEOVER_NAME
-from mmadapt.parallel import dp_rank, is_rank0, pp_rank, rng_state, set_rng_state, tp_rank
+from mmadapt.parallel import dp_rank, from_rank0, is_rank0, pp_rank, rng_state, set_rng_state, tp_rank
 
 _TAG = re.compile(r"^step(\d{8})$")
 
@@ -349,25 +349,29 @@ def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | N
     were skipped and why; None (with a message) when there is none: the run starts at update 0.
     A file that passes the size check but cannot be read stops with a one-line error naming it."""
     ckpt_dir = Path(ckpt_dir)
-    tags = complete_tags(ckpt_dir)
-    say = is_rank0()
-    for tag in reversed(tags):
-        why = damaged(ckpt_dir / tag)
-        if why is None:
-            try:
-                return load(engine, ckpt_dir, tag, strict=strict)
-            except ValueError:
-                raise
-            except Exception as e:
-                reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-                raise ValueError(f"checkpoint {ckpt_dir / tag} cannot be read ({reason}): move it aside to resume "
-                                 "from the one before it") from None
-        if say:
+    chosen = None
+    if is_rank0():  # one choice for every rank: each rank's view of a shared file system may lag
+        tags = complete_tags(ckpt_dir)
+        for tag in reversed(tags):
+            why = damaged(ckpt_dir / tag)
+            if why is None:
+                chosen = tag
+                break
             print(f"checkpoint {tag} is damaged ({why}): resuming from the one before it", file=sys.stderr)
-    if say:
-        print(f"--resume: no {'intact ' if tags else ''}complete checkpoint in {ckpt_dir}: starting at update 0",
-              file=sys.stderr)
-    return None
+        if chosen is None:
+            print(f"--resume: no {'intact ' if tags else ''}complete checkpoint in {ckpt_dir}: starting at update 0",
+                  file=sys.stderr)
+    chosen = from_rank0(chosen)
+    if chosen is None:
+        return None
+    try:
+        return load(engine, ckpt_dir, chosen, strict=strict)
+    except ValueError:
+        raise
+    except Exception as e:
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ValueError(f"checkpoint {ckpt_dir / chosen} cannot be read ({reason}): move it aside to resume "
+                         "from the one before it") from None
 
 
 def load(engine, ckpt_dir: str | os.PathLike, tag: str, strict: bool = True) -> dict:

@@ -116,6 +116,17 @@ def shutdown(agreed: bool = True) -> None:
     _CONTROL = None
 
 
+def from_rank0(value):
+    """Global rank 0's `value` (a picklable object) on every rank (collective over the whole world,
+    on the host): one decision for all, where each rank's own view could differ (a file system's
+    cached listing on another node)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=_CONTROL)
+    return box[0]
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank if `flag` is true on any (collective over the whole world)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
