@@ -188,16 +188,24 @@ def encode_span(sp, examples: list[QAExample], seq_length: int, doc_stride: int 
     window, or (0, 0) (the <s> position) when the window does not hold the whole answer.
     doc_stride None: min(DOC_STRIDE, half the window). The question is the pair's first text, the
     window its second (framing)."""
-    _check_seq(seq_length, max_query_length + 8)
+    if seq_length < max_query_length + 8:
+        raise ValueError(f"seq_length {seq_length} is too short for questions of up to --max_query_length "
+                         f"{max_query_length} pieces (need at least {max_query_length + 8}): lower --max_query_length "
+                         f"to at most {max(1, seq_length - 8)}")
+    # A given stride must fit the narrowest window, beside a question of max_query_length pieces:
+    # checked against the longest question only, it passes on English (short questions) in Step 3
+    # and fails in Step 4 on a language whose questions take more pieces, with no flag left to fix it.
+    narrowest = seq_length - max_query_length - framing.pair_specials
+    if doc_stride is not None and doc_stride >= narrowest:
+        raise ValueError(f"--doc_stride {doc_stride} must be smaller than the narrowest context window ({narrowest} "
+                         f"pieces at seq_length {seq_length} beside a question of --max_query_length "
+                         f"{max_query_length}): lower --doc_stride or leave it unset")
     rows, types, labels, example, offsets = [], [], [], [], []
     for n, ex in enumerate(examples):
         q = sp.encode(ex.question)[:max_query_length]
         ctx_ids, spans = piece_offsets(sp, ex.context)
         window = seq_length - len(q) - framing.pair_specials
         stride = min(DOC_STRIDE, window // 2) if doc_stride is None else doc_stride
-        if stride >= window and len(ctx_ids) > window:  # only a context split into windows needs a stride
-            raise ValueError(f"doc_stride {stride} must be smaller than the context window "
-                             f"({window} pieces at seq_length {seq_length}): lower --doc_stride or leave it unset")
         a_start = a_end = None
         if ex.answers:
             text, start = ex.answers[0]
@@ -210,7 +218,7 @@ def encode_span(sp, examples: list[QAExample], seq_length: int, doc_stride: int 
             last = min(first + window, len(ctx_ids))
             ids, t = framing.pair(q, ctx_ids[first:last])
             off = np.full((seq_length, 2), -1, dtype=np.int64)
-            base = len(q) + 1 + framing.separators
+            base = len(framing.start) + len(q) + framing.separators  # the window's first position
             off[base:base + last - first] = spans[first:last]
             if a_start is not None and first <= a_start and a_end < last:
                 labels.append((base + a_start - first, base + a_end - first))

@@ -115,6 +115,13 @@ def test_qa_windows_overlap_by_stride_and_cover_the_context(sp):
     logits[-1, s, 0] = logits[-1, e, 1] = 5.0
     logits[0, 0, :] = 50.0  # <s> is not in the context: never an answer
     assert F.best_spans(logits, enc, [ex], max_answer_length=5) == {"q1": "Moses"}
+    # The same under a framing whose rows start with another number of pieces (none, two): the
+    # labels and offsets follow the window, not a fixed one-piece start.
+    for start in ((), (F.BOS_ID, F.BOS_ID)):
+        framed = F.encode_span(sp, [ex], seq_length=40, doc_stride=8, max_query_length=8, framing=F.Framing(start=start))
+        s, e = framed.labels[-1].tolist()
+        assert context[framed.offsets[-1][s][0]:framed.offsets[-1][e][1]] == "Moses"
+        assert sp.decode(framed.input_ids[-1][s:e + 1].tolist()).strip() == "Moses"
 
 
 def test_piece_offsets_are_character_offsets(sp):
@@ -149,9 +156,12 @@ def test_real_xquad_gold_spans_recover_the_answers(sp, lang):
         assert all(answers[n] in found[n] for n in found)
 
 
-def test_qa_default_stride_works_at_any_seq_length_and_a_long_one_only_fails_when_used(sp):
-    """The defaults of a QA run (seq_length 128, doc_stride unset) must encode long contexts;
-    an explicit stride no shorter than the window is an error only for a context it would split."""
+def test_qa_default_stride_works_at_any_seq_length_and_a_long_one_fails_before_any_use(sp):
+    """The defaults of a QA run (seq_length 128, doc_stride unset) must encode long contexts; an
+    explicit stride that the narrowest window (beside a question of max_query_length pieces) does
+    not hold is refused whatever the questions: checked against the questions at hand, a stride
+    that English's short questions leave room for passed Step 3 and failed Step 4 in a language
+    whose questions take more pieces, where no flag could fix it."""
     context = " ".join(f"word{i}" for i in range(200))
     ex = QAExample("q1", context, "Who?", [])
     q = len(sp.encode("Who?"))
@@ -162,6 +172,10 @@ def test_qa_default_stride_works_at_any_seq_length_and_a_long_one_only_fails_whe
         n_ctx = len(F.piece_offsets(sp, context)[0])
         assert len(enc) == 1 + -(-(n_ctx - window) // (window - stride))
     short = QAExample("q2", "The answer is Moses.", "Who?", [])
-    assert len(F.encode_span(sp, [short], seq_length=40, doc_stride=128, max_query_length=8)) == 1
-    with pytest.raises(ValueError, match="doc_stride 128 must be smaller than the context window"):
-        F.encode_span(sp, [ex], seq_length=40, doc_stride=128, max_query_length=8)
+    assert len(F.encode_span(sp, [ex], seq_length=40, doc_stride=27, max_query_length=8)) > 1  # 40 - 8 - 4 = 28
+    for examples in ([short], [ex]):  # a window of 34 pieces beside "Who?", of 28 beside 8 pieces
+        with pytest.raises(ValueError, match=r"^--doc_stride 28 must be smaller than the narrowest context window "
+                                             r"\(28 pieces at seq_length 40 beside a question of --max_query_length 8\)"):
+            F.encode_span(sp, examples, seq_length=40, doc_stride=28, max_query_length=8)
+    with pytest.raises(ValueError, match="lower --max_query_length to at most 56"):
+        F.encode_span(sp, [short], seq_length=64, doc_stride=None, max_query_length=64)
