@@ -419,6 +419,7 @@ def normalize_answer(s: str, lang: str = "") -> str:
         return " ".join(s.split())
     punct = unicode_punctuation()
     s = "".join(ch for ch in s if ch not in punct)
+    lang = re.split("[-_]", lang)[0].lower()  # zh_Hant, de-DE: MLQA's rules are per language
     if MLQA_ARTICLES.get(lang):
         s = re.sub(MLQA_ARTICLES[lang], " ", s)
     return " ".join(t for t in (_mixed_segmentation(s) if lang == "zh" else s.split()) if t.strip())

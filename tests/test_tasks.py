@@ -100,6 +100,9 @@ def test_mlqa_metric_normalises_answers_per_language_by_hand():
     assert T.exact_match("el río Ebro", "río Ebro", "es") == 1.0
     assert T.f1_score("«Berlin»", "Berlin", "en") == 1.0 and T.f1_score("«Berlin»", "Berlin") == 0.0
     assert T.normalize_answer("The  Eiffel Tower!", "en") == "eiffel tower"
+    # A language code with a region or script (which --langs takes) scores by its language's rules
+    assert T.f1_score("北京大学", "北京", "zh_Hant") == pytest.approx(2 / 3)
+    assert T.exact_match("der Rhein", "Rhein", "de-DE") == 1.0
     ex = [T.QAExample("q", "c", "?", [("北京", 0)], "zh")]  # squad_scores reads each question's language
     assert T.squad_scores({"q": "北京大学"}, ex)["f1"] == pytest.approx(100 * 2 / 3)
 
