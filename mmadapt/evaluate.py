@@ -302,7 +302,7 @@ class Scoring:
         for ft, cfg in zip(self.runs, self.cfgs):
             model = ft.model()
             key = (known, lang, tuple(ft.labels), cfg.seq_length, cfg.doc_stride, cfg.max_query_length,
-                   cfg.eval_batch_tokens)  # what the encoding and the batches depend on
+                   cfg.eval_batch_tokens, ft.framing)  # what the encoding and the batches depend on
             if key not in self.sets:
                 self.sets[key] = eval_set(task, load_tokenizer(tokenizer), self.examples[lang], ft.labels, cfg,
                                           device_of(model), ft.framing)
