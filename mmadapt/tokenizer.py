@@ -180,6 +180,11 @@ class HFTokenizer:
             raise ValueError(f"not an imported tokenizer (format {doc.get('format')!r}, expected {HF_FORMAT!r})")
         self.doc = doc
         self.tokenizer = Tokenizer.from_str(json.dumps(doc["tokenizer"]))
+        # A text's pieces, whole: a document can carry a length to cut to and padding (exports of
+        # sentence-transformers ship 128 and Fixed 128), which would cut every QA context and task
+        # row and pad each encoding; mmadapt lays out, cuts and pads rows itself.
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
         self.hf_ids = np.asarray(doc["hf_ids"], dtype=np.int64)  # mmadapt id -> source id
         self.to_mmadapt = np.empty(len(self.hf_ids), dtype=np.int64)  # source id -> mmadapt id
         self.to_mmadapt[self.hf_ids] = np.arange(len(self.hf_ids))

@@ -179,3 +179,20 @@ def test_qa_default_stride_works_at_any_seq_length_and_a_long_one_fails_before_a
             F.encode_span(sp, examples, seq_length=40, doc_stride=28, max_query_length=8)
     with pytest.raises(ValueError, match="lower --max_query_length to at most 56"):
         F.encode_span(sp, [short], seq_length=64, doc_stride=None, max_query_length=64)
+
+
+def test_an_imported_tokenizer_reads_whole_texts_whatever_its_document_cuts_or_pads():
+    """A tokenizer.json may carry truncation and padding (sentence-transformers' exports ship 128
+    and Fixed 128); mmadapt lays its rows out itself, so an imported tokenizer ignores both."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from mmadapt.tokenizer import HFTokenizer
+
+    words = ["[PAD]", "[UNK]", "a", "b", "c", "d", "e", "f"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.enable_truncation(3)
+    tok.enable_padding(length=8, pad_id=0, pad_token="[PAD]")
+    hf = HFTokenizer(HFTokenizer.document(tok.to_str(), list(range(len(words))), "test"))
+    assert len(hf.encode("a b c d e f")) == 6
+    assert [len(ids) for ids in hf.encode(["a b c d e f", "a"])] == [6, 1]
