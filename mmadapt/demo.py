@@ -615,6 +615,7 @@ def main(argv=None) -> int:
         raise ValueError(f"--family {cfg.family}: the demo runs {' or '.join(DEMO_FAMILIES)} (the families whose "
                          "source models it ships)")
     for flag, values in (("--langs", cfg.langs), ("--finetune_seeds", cfg.finetune_seeds)):
+        values = tuple(values or ())  # None: the family's default (for_family)
         twice = next((v for i, v in enumerate(values) if v in values[:i]), None)
         if twice is not None:
             raise ValueError(f"{flag} {twice} is given twice: give each once")
