@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt.faults import LOCK_NAME, STOP_FILE, TAKEOVER_NAME
-from mmadapt.parallel import dp_rank, from_rank0, is_rank0, pp_rank, rng_state, set_rng_state, tp_rank
+from mmadapt.parallel import dp_rank, is_rank0, object_from_rank0, pp_rank, rng_state, set_rng_state, tp_rank
 
 _TAG = re.compile(r"^step(\d{8})$")
 
@@ -361,7 +361,7 @@ def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | N
         if chosen is None:
             print(f"--resume: no {'intact ' if tags else ''}complete checkpoint in {ckpt_dir}: starting at update 0",
                   file=sys.stderr)
-    chosen = from_rank0(chosen)
+    chosen = object_from_rank0(chosen)
     if chosen is None:
         return None
     try:

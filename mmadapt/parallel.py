@@ -116,10 +116,10 @@ def shutdown(agreed: bool = True) -> None:
     _CONTROL = None
 
 
-def from_rank0(value):
-    """Global rank 0's `value` (a picklable object) on every rank (collective over the whole world,
-    on the host): one decision for all, where each rank's own view could differ (a file system's
-    cached listing on another node)."""
+def object_from_rank0(value):
+    """Global rank 0's `value` (a picklable host object) on every rank (collective over the whole
+    world, over gloo on the host; from_rank0 for a tensor): one decision for all, where each rank's
+    own view could differ (a file system's cached listing on another node)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     box = [value]
