@@ -118,3 +118,20 @@ def test_a_family_defined_outside_mmadapt_runs_every_step(toy, corpus, tokenizer
     for r in records:
         assert r["task"] == "plugin-mlm" and r["score"] == pytest.approx(r["unigram_loss"] - r["loss"])
         assert 0 < r["loss"] < 20 and r["masked_pieces"] > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny", "qwen2-0.5b"])
+def test_param_names_builds_nothing_in_memory(preset):
+    """family.param_names (what an import checks shapes against) builds the model on the meta
+    device: every parameter stays there (init_like_megatron used to materialise each layer on the
+    CPU, 2 GB for Qwen2-0.5B, 28 GB for a 7B model), and the names and shapes are the real model's."""
+    from mmadapt.models import get_family
+
+    cfg = PRESETS[preset][0]
+    family = get_family(cfg)
+    with torch.device("meta"):
+        devices = {p.device.type for p in family.build_lm(cfg).parameters()}
+    assert devices == {"meta"}
+    if preset != "qwen2-0.5b":  # small enough to build for real
+        real = {n: tuple(p.shape) for n, p in family.build_lm(cfg).named_parameters()}
+        assert family.param_names(cfg) == real

@@ -50,7 +50,10 @@ def normal_init(std: float):
 def init_like_megatron(module: nn.Module, init) -> nn.Module:
     """Materialise a layer built on the meta device as megatron's CPU initialisation does:
     `init` on the full weight, bias 0, and no other draw from the generator (the layer's own
-    reset would consume one)."""
+    reset would consume one). Inside `with torch.device("meta")` (family.param_names: names and
+    shapes only) it stays there: a 7B model's layers would take 28 GB and billions of draws."""
+    if torch.get_default_device().type == "meta":
+        return module
     module.to_empty(device="cpu")
     with torch.no_grad():
         init(module.weight)
