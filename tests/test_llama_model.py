@@ -427,3 +427,15 @@ def test_tensor_parallel_2_matches_one_process(tied, tmp_path):
     torch.testing.assert_close(tp2["per_head"], per_head.detach(), rtol=1e-5, atol=0)
     for n, p in model.named_parameters():
         torch.testing.assert_close(tp2["grads"][n], p.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{n}: {m}")
+
+
+def test_a_row_longer_than_the_positions_is_refused():
+    """An imported sliding-window model (Mistral) has its positions capped at the window, within
+    which its attention is exactly causal: a longer row would run full causal attention silently."""
+    from mmadapt.models import PRESETS, get_family
+
+    cfg = dataclasses.replace(PRESETS["llama-tiny"][0], max_position_embeddings=16)
+    model = get_family(cfg).build_lm(cfg)
+    model.encode(torch.zeros(1, 16, dtype=torch.long), (cfg.num_layers,))
+    with pytest.raises(ValueError, match="^17 positions exceed the model's max_position_embeddings 16"):
+        model.encode(torch.zeros(1, 17, dtype=torch.long), (cfg.num_layers,))

@@ -284,6 +284,11 @@ class LlamaDecoder(nn.Module):
         alike, and unused: causal attention needs no padding mask (DecoderLayer.attention).
         rows [m]: flat indices into b * s at which alone the last of `layers` is wanted, [m, h]
         (layers.run_layers)."""
+        if input_ids.shape[1] > self.config.max_position_embeddings:  # a host-side shape: no sync
+            # Rotary positions run on past it, but an imported sliding-window model (Mistral) is
+            # exactly causal only within its window, where the import capped the positions.
+            raise ValueError(f"{input_ids.shape[1]} positions exceed the model's max_position_embeddings "
+                             f"{self.config.max_position_embeddings}: cut the text into rows no longer than that")
         x = self.embedding_dropout(self.word_embeddings(input_ids))
         return run_layers(self.layers, x, layers, config_rotary_table(self.config, input_ids.shape[1], x), rows=rows)
 
