@@ -53,6 +53,15 @@ class Ctx:
         (self.out / "run.json").write_text(json.dumps(record))
         return argv
 
+    def encoded_from_another_corpus(self) -> None:
+        """The run's data/ as a corpus of other text encoded it (its manifest's fingerprint)."""
+        (self.out / "data").mkdir(parents=True)
+        for name in ("text.bin", "text.idx", "tokenizer.model"):
+            (self.out / "data" / name).write_bytes((self.primary / "data" / name).read_bytes())
+        manifest = json.loads((self.primary / "data" / "manifest.json").read_text())
+        manifest["corpus_fingerprint"] = {"size": 1, "sha256_sampled": "0" * 64}
+        (self.out / "data" / "manifest.json").write_text(json.dumps(manifest))
+
     def minipost(self, *extra: str, primary: str | None = None) -> list[str]:
         return ["build_minipost", "--primary", primary or str(self.primary), "--output_dir", str(self.out), *extra]
 
@@ -359,6 +368,11 @@ CASES = [
     ("resume-changed-batch", lambda c: c.resumed(train_micro_batch_size_per_gpu=3),
      "train.train_micro_batch_size_per_gpu is"),
     ("resume-run-json-broken", lambda c: (c.resumed(), (c.out / "run.json").write_text("{"))[0], "is not valid JSON"),
+    ("resume-corpus-edited", lambda c: (c.resumed(), c.encoded_from_another_corpus())[0],
+     "changed since this run encoded it into"),
+    ("resume-another-tokenizer", lambda c: (c.resumed(), c.dir("run/tokenizer"), c.file("run/tokenizer/spm.model",
+                                                                                      b"its own"))[0],
+     "--resume with another tokenizer: "),
     # --- Step 1b
     ("minipost-not-a-run", lambda c: c.minipost(primary=c.dir("nowhere")), "is not an mmadapt run directory"),
     ("minipost-pipeline", lambda c: c.minipost("--pipeline_model_parallel_size", "2"),

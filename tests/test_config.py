@@ -48,7 +48,11 @@ def test_flags_override_fields_by_name():
 def test_every_shipped_ds_config_loads(path):
     cfg = load_ds_config(path, TrainConfig(train_micro_batch_size_per_gpu=3, gradient_accumulation_steps=2))
     assert cfg["train_micro_batch_size_per_gpu"] == 3 and cfg["gradient_accumulation_steps"] == 2
-    assert cfg["zero_optimization"]["stage"] in (0, 1, 2)
+    # The file says what it is: zero<stage>[_<precision>].json (tests and templates pick them by name)
+    stage, _, precision = path.stem.removeprefix("zero").partition("_")
+    assert cfg["zero_optimization"]["stage"] == int(stage)
+    for dtype in ("bf16", "fp16"):
+        assert bool(cfg.get(dtype, {}).get("enabled")) == (precision == dtype), (path.name, dtype)
 
 
 def test_lr_schedule_warmup_then_linear_decay():

@@ -339,3 +339,21 @@ def test_an_artifact_that_swaps_in_what_an_earlier_one_did_is_scored_once(seeds,
     got = F.retrieval_records(primary_run, [adapt_run, twin, near], pairs)
     assert calls["sentence_vectors"] == 1 + 3  # the source side once, then three artifacts
     assert got[2]["score"] == got[0]["score"] and got[2]["artifact"] == records[2]["artifact"]
+
+
+def test_seeds_of_another_primary_model_or_task_are_refused(seeds, adapt_run, tmp_path):
+    """Step 4 averages its --finetuned runs as seeds of one system: a run fine-tuned from another
+    primary model (its weights' fingerprint), or on another task, is refused before any scoring."""
+    import json
+    import shutil
+
+    first = sorted((adapt_run / "embeddings").iterdir())[0]
+    for name, change in (("other-primary", lambda r: r["primary"].update(fingerprint="0" * 64)),
+                         ("other-task", lambda r: r.update(task="bible-testament"))):
+        other = shutil.copytree(seeds[1], tmp_path / name)
+        run = json.loads((other / "run.json").read_text())
+        assert run["primary"].get("fingerprint") and run.get("task") == "bible-genre"
+        change(run)
+        (other / "run.json").write_text(json.dumps(run))
+        with pytest.raises(ValueError, match=r"^--finetuned runs must share one primary model and task"):
+            F.evaluate_artifacts([seeds[0], other], [first], "bible", no_adaptation=False)

@@ -103,24 +103,28 @@ def test_stale_extension_lock_is_removed_and_a_live_one_is_waited_for(tmp_path, 
     assert faults.clear_stale_extension_lock(tmp_path / "none" / "lock") is None
 
 
-def test_a_lock_held_for_a_moment_is_waited_for_only_that_moment(tmp_path, capsys):
+def test_a_lock_held_for_a_moment_is_waited_for_only_that_moment(tmp_path, capsys, monkeypatch):
     """Every rank's load of DeepSpeed's extension takes the lock while ninja checks the build: a
     rank that finds a peer checking goes on when the lock goes (torch's 0.1 s spin), not after a
-    5 s poll, which made a two-rank job with a 4 s rendezvous timeout fail in CI; and says nothing."""
+    5 s poll, which made a two-rank job with a 4 s rendezvous timeout fail in CI; and says nothing.
+    The lock is released at the third wait of a fake clock: every wait is a spin."""
     lock = tmp_path / "deepspeed_shm_comm" / "lock"
     lock.parent.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", f"import os, time; fd = os.open({str(lock)!r}, "
-                               "os.O_CREAT | os.O_EXCL); print('ok', flush=True); time.sleep(0.5); "
-                               f"os.unlink({str(lock)!r})"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "ok"
-        begin = time.monotonic()
-        assert faults.clear_stale_extension_lock(lock) == "released"  # poll_s 5 s, as init_distributed calls it
-        assert time.monotonic() - begin < 4  # a 5 s poll before
-        assert not lock.exists() and capsys.readouterr().err == ""
-    finally:
-        holder.kill()
-        holder.wait()
+    lock.touch()
+    clock, waits = [100.0], []
+
+    def sleep(seconds):
+        waits.append(seconds)
+        clock[0] += seconds
+        if len(waits) == 3:
+            lock.unlink()  # the peer's check ends
+
+    monkeypatch.setattr(faults.time, "sleep", sleep)
+    monkeypatch.setattr(faults.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(faults, "_open_by", lambda path: [4321])  # a live holder: not stale
+    assert faults.clear_stale_extension_lock(lock) == "released"  # poll_s 5 s, as init_distributed calls it
+    assert waits == [0.1, 0.1, 0.1]
+    assert not lock.exists() and capsys.readouterr().err == ""
 
 
 def test_a_stop_request_older_than_the_process_is_cleared_and_a_newer_one_kept(tmp_path, monkeypatch):

@@ -687,6 +687,29 @@ def test_an_imported_classifier_is_refused_in_one_line_where_it_cannot_be(classi
     assert len(err.splitlines()) == 1 and "is not a sibling of" in err and not out.exists()
 
 
+def test_an_imported_classifier_that_reads_other_logits_is_refused(classifiers, tmp_path, monkeypatch, capsys):
+    """The import compares mmadapt's classifier with transformers' on the same texts: a mapping
+    that passes every shape check and reads the text otherwise (the tokenizer's id permutation with the
+    ordinary pieces' ids reversed) is refused in one line, and
+    nothing is left."""
+    from mmadapt import hf_classifier
+
+    read = hf_classifier.HFTokenizer.read
+
+    def reversed_ids(path):
+        tok = read(path)
+        tok.to_mmadapt[5:] = tok.to_mmadapt[5:][::-1].copy()
+        return tok
+
+    monkeypatch.setattr(hf_classifier.HFTokenizer, "read", staticmethod(reversed_ids))
+    out = tmp_path / "clf"
+    assert main(["import-hf", "--model", str(classifiers["roberta-clf"]), "--task", "bible-genre",
+                 "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "gives other logits than transformers'" in err, err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("name", ["roberta", "bert"])
 def test_an_expanded_graft_keeps_the_classifiers_own_rows(name, classifiers, tmp_path, capsys):
     """An expanded vocabulary grafted into an imported classifier: its own (fine-tuned) source rows

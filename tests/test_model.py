@@ -143,3 +143,22 @@ def test_every_task_loss_is_computed_in_fp32_from_bf16_logits(kind):
     ref = ((F.cross_entropy(logits[..., 0].float(), labels[:, 0]) + F.cross_entropy(logits[..., 1].float(), labels[:, 1]))
            / 2 if kind == "span" else F.cross_entropy(logits.reshape(-1, n).float(), labels.reshape(-1)))
     assert loss.dtype == torch.float32 and torch.equal(loss, ref)
+
+
+def test_starting_weights_must_hold_every_frozen_parameter():
+    """A frozen tensor missing from the starting weights is refused (it would stay at its random
+    init, and Step 2 or MINIPOST would train over a random body); a missing trainable one keeps
+    the module's seeded init (MINIPOST's new layers, a new task head)."""
+    from mmadapt.engine import load_full_weights
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    names = {n: n for n, _ in module.named_parameters()}
+    state = {n: torch.full_like(p, 0.5) for n, p in module.named_parameters()}
+    seeded = module[1].weight.detach().clone()
+    without_new = {n: t for n, t in state.items() if not n.startswith("1.")}
+    load_full_weights(module, names, without_new, trainable=lambda n: n.startswith("1."))
+    assert torch.equal(module[0].weight, state["0.weight"]) and torch.equal(module[1].weight, seeded)
+    with pytest.raises(ValueError, match="^the starting weights lack 0.bias, which this run keeps frozen$"):
+        load_full_weights(module, names, {n: t for n, t in state.items() if n != "0.bias"},
+                          trainable=lambda n: n.startswith("1."))
