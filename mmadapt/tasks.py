@@ -10,7 +10,6 @@ every metric that applies to it (`scores`), in percent.
 from __future__ import annotations
 
 import codecs
-import collections
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,12 +229,6 @@ def score(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, labels
           cfg: FinetuneConfig) -> float:
     """The headline metric (`headline`), in percent."""
     return scores(task, logits, enc, examples, labels, cfg)[headline(task, labels, cfg)]
-
-
-def majority_share(examples: list) -> float:
-    """Accuracy (percent) of always predicting the most frequent gold label: the chance level."""
-    gold = [ex[1] if isinstance(ex, tuple) else ex.label for ex in examples]
-    return 100 * max(collections.Counter(map(str, gold)).values()) / len(gold)
 
 
 def chance_levels(task: Task, enc: Encoded, examples: list, labels: list[str], cfg: FinetuneConfig) -> dict | None:
