@@ -57,7 +57,7 @@ from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, m
                             output_start, replay_text, source_text)
 from mmadapt.family import ModelFamily
 from mmadapt.flops import device_days
-from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, unigram_logprobs
+from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, piece_counts, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import (RunSpec, Source, check_same_source, load_checkpoint, read_source, require_head,
                          run_text_layout, sampled_fingerprint, start_run)
@@ -507,8 +507,11 @@ class Step2Start:
                                     derive_seed(train.seed, f"embeddings.{step.lang}"), train, rule.row_std)
         start = cls(body, init, {**rows, "start_rule": dataclasses.asdict(rule)}, primary,
                     train.vocab_mode == "expand", family, fingerprint)
-        logp = unigram_logprobs(data, load_tokenizer(tokenizer).get_piece_size()) if rule.bias == "fitted" else None
+        counts = (piece_counts(data, load_tokenizer(tokenizer).get_piece_size())
+                  if rule.bias == "fitted" or start.expanded else None)
+        logp = unigram_logprobs(data, len(counts), counts) if rule.bias == "fitted" else None
         if start.expanded:
+            start.count_unused_new_pieces(counts)
             start.bound_new_outputs(train, source.record.get("data_path"), logp)
         elif logp is not None and family.artifact_keys().get("output_bias") in start.init:
             # Where every artifact is calibrated to the primary, the start's bias serves training
@@ -558,6 +561,20 @@ class Step2Start:
         of the primary's text layout; built for the call, not kept."""
         cfg = dataclasses.replace(self.body, hidden_dropout=0.0, attention_dropout=0.0)
         return Scorer(dataclasses.replace(self.primary, cfg=cfg, state=self.init, fingerprint=None, sampled=None))
+
+    def count_unused_new_pieces(self, counts) -> None:
+        """run.json's `new_pieces_unused`: the new pieces that the target text, as the merged
+        tokenizer reads it, never holds (their scores sit below every source piece's, so that the
+        source language keeps its segmentation: one loses wherever source pieces outscore it).
+        Their rows take softmax mass and train on nothing; said once, on rank 0. counts [V]:
+        heldout.piece_counts of the target text."""
+        new = self.init[new_rows_name(self.family.word)].shape[0]
+        unused = int((counts[len(counts) - new:] == 0).sum())
+        self.rows["new_pieces_unused"] = unused
+        if unused and parallel.is_rank0():
+            print(f"note: {unused} of the {new} new pieces never occur in the target text as the merged tokenizer "
+                  "reads it (each scores below every source piece, and loses where source pieces outscore it): "
+                  "their rows take softmax mass and train on nothing", flush=True)
 
     def bound_new_outputs(self, train: TrainConfig, source_data: str | None, logp: torch.Tensor | None) -> None:
         """An expanded vocabulary's output side (expand.output_start; the bound shared among the new

@@ -92,11 +92,18 @@ def scoring_model(family: ModelFamily, cfg: ModelConfig, state: dict) -> torch.n
 
 # --- held-out text ----------------------------------------------------------------------------------------
 
-def unigram_logprobs(data_path: Path, vocab_size: int) -> torch.Tensor:
-    """log p(piece) [V] of the pieces of the dataset's training text, add-one smoothed."""
+def piece_counts(data_path: Path, vocab_size: int) -> np.ndarray:
+    """How often each piece [V] occurs in the dataset's training text (its first
+    UNIGRAM_MAX_TOKENS tokens)."""
     manifest = read_manifest(data_path)
     tokens = np.memmap(Path(data_path) / f"{TEXT}.bin", dtype=manifest["dtype"], mode="r")[:UNIGRAM_MAX_TOKENS]
-    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size] + 1.0
+    return np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+
+
+def unigram_logprobs(data_path: Path, vocab_size: int, counts: np.ndarray | None = None) -> torch.Tensor:
+    """log p(piece) [V] of the pieces of the dataset's training text, add-one smoothed (from
+    `counts`, piece_counts', where read already)."""
+    counts = (piece_counts(data_path, vocab_size) if counts is None else counts) + 1.0
     return torch.from_numpy(np.log(counts / counts.sum())).float()
 
 

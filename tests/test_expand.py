@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sentencepiece as spm
 import torch
@@ -274,6 +275,9 @@ def test_subword_mean_starts_each_new_row_at_its_split(sources, expanded_data):
         composed += bool(ids)
     assert counts.pop("new_mass_bound") > 0 and counts.pop("start_rule") == {"row_std": "source", "bias": "fitted"}
     assert counts.pop("row_std") == pytest.approx(src[WORD].std().item())
+    # The new pieces the target text (as the merged tokenizer read it) never holds, counted apart
+    text = np.fromfile(data / "text.bin", dtype=json.loads((data / "manifest.json").read_text())["dtype"])
+    assert counts.pop("new_pieces_unused") == len(set(range(VOCAB, VOCAB + len(new))) - set(text.tolist())) > 0
     assert counts == {"shared_pieces": 0, "subword_mean_pieces": composed, "random_pieces": len(new) - composed}
 
 
