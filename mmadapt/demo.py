@@ -490,13 +490,18 @@ class Demo:
                 while pending:
                     finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
                     bar.refresh()  # the elapsed time moves while the runs train
-                    for done in finished:
+                    # A run's error first, then a stop it caused (a running job's Stopped, a queued job
+                    # not started: None) beside it in the same wait, then the runs that finished
+                    for done in sorted(finished, key=lambda f: (f.exception() is None,
+                                                                isinstance(f.exception(), faults.Stopped))):
                         try:
                             seconds = done.result()
                         except BaseException:
                             print(f"{running[done].label} failed; its log: {running[done].log}", file=sys.stderr,
                                   flush=True)
                             raise
+                        if seconds is None:  # not started: the demo is stopping
+                            continue
                         bar.update()
                         self.say(f"{running[done].label}: done in {seconds:.0f} s")
         except BaseException:
