@@ -130,12 +130,17 @@ def for_replicas(ds: dict, dp: int, ckpt_dir: Path | None = None) -> dict:
     gradients in bf16 unless the JSON sets data_types.grad_accum_dtype (docs/cluster.md).
     ckpt_dir: a resumed run's checkpoints: one written under ZeRO resumes under ZeRO."""
     stage = zero_stage(ds)
-    if dp != 1 or stage == 0 or ds.get("fp16", {}).get("enabled") or _needs_zero(ds):
+    if dp != 1 or stage == 0 or ds.get("fp16", {}).get("enabled"):
         return ds
     bf16 = bool(ds.get("bf16", {}).get("enabled"))
-    written = checkpoint.written_by(ckpt_dir) if ckpt_dir is not None else None
+    # rank 0's reading, for every rank: ranks that read a shared file system differently would
+    # build different optimizers (and hang)
+    written = (parallel.object_from_rank0(checkpoint.written_by(ckpt_dir) if parallel.is_rank0() else None)
+               if ckpt_dir is not None else None)
     if written is not None and written != ("BF16_Optimizer" if bf16 else "AdamW"):
-        return ds
+        return ds  # written under ZeRO
+    if written is None and _needs_zero(ds):
+        return ds  # a new run (a tag written without ZeRO resumes without it, whatever the JSON asks)
     out = dict(ds)
     if bf16:  # the bucket size sets bucketed_bf16_grads' buckets
         out["zero_optimization"] = {"stage": 1, **{k: v for k, v in ds["zero_optimization"].items()

@@ -121,6 +121,18 @@ def test_what_for_replicas_changes():
     assert for_replicas(bf16_accumulated, 1) == bf16_accumulated
 
 
+def test_a_run_converted_at_one_replica_resumes_converted_whatever_its_json_asks(tmp_path):
+    """A run whose checkpoints one replica wrote without ZeRO (before offloading JSONs were kept
+    as given) resumes without it: its tags hold that optimizer's state, not ZeRO's."""
+    tag = tmp_path / "step00000002"
+    tag.mkdir()
+    (tag / "COMPLETE").write_text(json.dumps({"step": 2, "files": {}, "ds_optimizer": "BF16_Optimizer"}))
+    offloaded = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                 "zero_allow_untested_optimizer": True, "bf16": {"enabled": True}}
+    assert for_replicas(offloaded, 1)["zero_optimization"]["stage"] == 2  # a new run: as given
+    assert for_replicas(offloaded, 1, tmp_path)["zero_optimization"] == {"stage": 1}
+
+
 def test_a_checkpoint_resumes_under_the_optimizer_that_wrote_it(tmp_path):
     """A checkpoint written under ZeRO (before one replica ran without it, or with ZeRO asked
     for) resumes under ZeRO, and exactly; one written without it resumes without it."""
