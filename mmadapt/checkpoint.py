@@ -279,7 +279,8 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
     if engine.bfloat16_enabled() or engine.fp16_enabled():
         master = ckpt_dir / tag / f"fp32_tp{tp_rank():02d}_pp{pp_rank():02d}.pt"
         _save_fp32_master(engine, master, names)
-        written.append(master)
+        if dp_rank() == 0:  # its writer
+            written.append(master)
     written.append(ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
     torch.save(rng_state(), written[-1])
     # Each rank's own files on disk before COMPLETE says the tag is whole: a node lost after it
@@ -288,10 +289,10 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
     _fsync_files(written)
     dist.barrier()
     if is_rank0():
-        _fsync_dir(ckpt_dir / tag)
         # ds_optimizer: which optimizer's state the tag holds (engine.for_replicas resumes under it)
         atomic_write(ckpt_dir / tag / "COMPLETE", json.dumps({"step": step, "files": _files(ckpt_dir / tag),
                                                                "ds_optimizer": optimizer_name(engine)}))
+        _fsync_dir(ckpt_dir / tag)  # its files' entries and COMPLETE's, before older tags go
         atomic_write(ckpt_dir / "latest", tag)
         _fsync_dir(ckpt_dir)
         prune(ckpt_dir, keep_last, tag)

@@ -83,6 +83,8 @@ def user_errors(main):
             return fail(faults.EXIT_STOPPED, str(e), every_rank=False)
         except faults.Paused as e:
             return fail(faults.EXIT_PAUSED, str(e), every_rank=False)
+        except faults.PeerFailed as e:
+            return fail(1, f"error: {e}")
         except KeyboardInterrupt:
             return fail(faults.EXIT_INTERRUPTED, "interrupted", every_rank=False)
     return wrapped

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from mmadapt import checkpoint, parallel, quiet
 from mmadapt.config import LoopConfig
-from mmadapt.faults import STOP_FILE, Diverged, Paused, StopRequest, Stopped, clear_stale_stop
+from mmadapt.faults import STOP_FILE, Diverged, Paused, PeerFailed, StopRequest, Stopped, clear_stale_stop
 from mmadapt.mcore import compile_on_first_call
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -806,8 +806,16 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                   if since and loss_sum is not None else None)
         tag = checkpoint.save(engine, ckpt_dir, done, {**job.client_state, "position": position, LOG_WINDOW: window},
                               job.names, exclude_frozen=job.exclude_frozen, keep_last=loop.keep_last)
+        failed = None
         if rank0 and job.after_save is not None:
-            job.after_save(done, tag)
+            try:
+                job.after_save(done, tag)
+            except BaseException as e:  # re-raised below, once every rank knows (not left in a collective)
+                failed = e
+        if parallel.any_rank(failed is not None):
+            if failed is not None:
+                raise failed
+            raise PeerFailed(f"{job.label}: rank 0 failed after checkpoint {tag} (its output says why)")
         return tag
 
     stop_file = run_dir / STOP_FILE
@@ -849,16 +857,22 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                             bar.set_postfix({"loss": f"{row['loss']:.3f}", **{
                                 k: f"{v:.3f}" for k, v in row.items() if k.endswith("_loss") and v is not None}})
                         loss_sum, since, timed, t_last, t_aside = None, 0, 0, time.perf_counter(), 0.0
+                    evaluating = job.evaluate is not None and job.eval_interval and done % job.eval_interval == 0
+                    exiting = loop.exit_interval > 0 and done % loop.exit_interval == 0
+                    saving = (done % loop.save_interval == 0 or done in loop.extra_save_steps or done == total
+                              or exiting)
+                    if (evaluating or saving) and engine.device.type == "cuda":
+                        # the updates still queued are theirs, not the evaluation's or the save's
+                        torch.cuda.synchronize(engine.device)
                     t_eval = time.perf_counter()
-                    if job.evaluate is not None and job.eval_interval and done % job.eval_interval == 0:
+                    if evaluating:
                         row, scalars = _loss_row(done, mean_over_ranks(job.evaluate(), is_pipe), job.loss_names,
                                                  prefix="valid_", loss_weights=job.loss_weights)
                         if rank0:
                             rows.append(row)
                             log.write(row, scalars)
                     bar.update(1)
-                    exiting = loop.exit_interval > 0 and done % loop.exit_interval == 0
-                    if done % loop.save_interval == 0 or done in loop.extra_save_steps or done == total or exiting:
+                    if saving:
                         saved = save()
                     t_aside += time.perf_counter() - t_eval
                     if exiting and done < total:

@@ -43,6 +43,11 @@ class Stopped(Exception):
         self.step, self.tag, self.reason = step, tag, reason
 
 
+class PeerFailed(Exception):
+    """Another rank failed where this one can go no further without it (global rank 0's work after
+    a checkpoint, Step 2's artifact): every rank leaves together, this one with a line saying so."""
+
+
 class Paused(Exception):
     """--exit_interval ended the run before its last update, after a complete checkpoint."""
 

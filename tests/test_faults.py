@@ -457,3 +457,18 @@ def test_a_log_row_times_its_updates_alone_at_the_rate_they_trained_at(tmp_path,
     cfg = TrainConfig(log_interval=2, save_interval=2)
     rows = [r for r in train_loop(engine, step, job, cfg, 6, run_dir=tmp_path, resume=False) if "loss" in r]
     assert [(r["step"], r["sec_per_update"], r["lr"]) for r in rows] == [(2, 1.0, 2.0), (4, 1.0, 4.0), (6, 1.0, 6.0)]
+
+
+def test_an_error_after_a_checkpoint_reaches_the_loop_that_saved(tmp_path):
+    """Rank 0's work after a checkpoint (Step 2's artifact) failing stops the loop with that error,
+    agreed over the ranks first (parallel.any_rank), so that no other rank waits for it in a
+    collective; the checkpoint itself is complete."""
+    def fail(done, tag):
+        raise OSError(28, "No space left on device")
+
+    init_parallel(1, 1)
+    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, after_save=fail)
+    with pytest.raises(OSError, match="No space left on device"):
+        train_loop(FakeEngine(), lambda position: torch.tensor([1.0]), job, TrainConfig(log_interval=1, save_interval=2),
+                   4, run_dir=tmp_path, resume=False)
+    assert (tmp_path / "checkpoints" / "step00000002" / "COMPLETE").is_file()
