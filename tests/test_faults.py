@@ -469,6 +469,6 @@ def test_an_error_after_a_checkpoint_reaches_the_loop_that_saved(tmp_path):
     init_parallel(1, 1)
     job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, after_save=fail)
     with pytest.raises(OSError, match="No space left on device"):
-        train_loop(FakeEngine(), lambda position: torch.tensor([1.0]), job, TrainConfig(log_interval=1, save_interval=2),
-                   4, run_dir=tmp_path, resume=False)
+        train_loop(FakeEngine(), lambda position: torch.tensor([1.0]), job,
+                   TrainConfig(log_interval=1, save_interval=2), 4, run_dir=tmp_path, resume=False)
     assert (tmp_path / "checkpoints" / "step00000002" / "COMPLETE").is_file()
