@@ -1,6 +1,7 @@
 """Prepared datasets (parallel encoding, manifest, reuse, bad input), FULL-SENTENCES blocks with
 fairseq's separators, masking, sharding and the epoch order."""
 
+import dataclasses
 import filecmp
 import json
 from pathlib import Path
@@ -638,9 +639,19 @@ def test_a_resume_refuses_a_dataset_prepared_again_at_the_same_path(corpus, toke
     prepare(text, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
     again = dataset_digest(D.read_manifest(d))
     assert again != first
+    # What a --data_path run records: TextData.check gives it
+    from mmadapt.config import TrainConfig
+    from mmadapt.models import PRESETS, get_family
+    from mmadapt.run import RunSpec
+    from mmadapt.train import TextData
+
+    model = dataclasses.replace(PRESETS["tiny"][0], vocab_size=VOCAB)
+    fields = TextData().check(RunSpec(output_dir=tmp_path / "run", data_path=d), model, TrainConfig(), get_family(model))
+    assert fields == {"data_path": str(d.resolve()), "data_digest": again}
     record = tmp_path / "run.json"
     record.write_text(json.dumps({"data_path": str(d), "data_digest": first}))
-    with pytest.raises(ValueError, match=f"--resume of a changed run: data_digest is {again} here but {first}"):
+    with pytest.raises(ValueError, match=f"--resume of a changed run: the dataset {d} holds other text or another "
+                                         "tokenizer than when"):
         check_same_run(record, {"data_path": str(d), "data_digest": again})
     check_same_run(record, {"data_path": str(d), "data_digest": first})
     record.write_text(json.dumps({"data_path": str(d)}))  # recorded before the digest
