@@ -646,7 +646,8 @@ def test_a_resume_refuses_a_dataset_prepared_again_at_the_same_path(corpus, toke
     from mmadapt.train import TextData
 
     model = dataclasses.replace(PRESETS["tiny"][0], vocab_size=VOCAB)
-    fields = TextData().check(RunSpec(output_dir=tmp_path / "run", data_path=d), model, TrainConfig(), get_family(model))
+    fields = TextData().check(RunSpec(output_dir=tmp_path / "run", data_path=d), model, TrainConfig(),
+                              get_family(model))
     assert fields == {"data_path": str(d.resolve()), "data_digest": again}
     record = tmp_path / "run.json"
     record.write_text(json.dumps({"data_path": str(d), "data_digest": first}))
