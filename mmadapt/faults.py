@@ -12,7 +12,10 @@ Exit statuses of every mmadapt command:
     76  paused by --exit_interval before train_iters, after a complete checkpoint: run the same
         command with --resume to go on (a scheduler script tells it from 0, a finished run; the
         SLURM templates requeue on it too)
-    130 interrupted during start-up (nothing to save yet)
+    130 interrupted: Ctrl-C during start-up (nothing to save yet), or a second Ctrl-C (no save:
+        --resume continues from the newest complete checkpoint)
+    1   an internal error (a traceback); on the other ranks of a job whose global rank 0 failed
+        in its work after a checkpoint (PeerFailed), one line
 """
 
 from __future__ import annotations
