@@ -284,8 +284,13 @@ def overlap_init(src_pieces: list[str], src: dict[str, torch.Tensor], trg_pieces
     the source vocabulary (special tokens included) gets the source row; every other row is
     N(0, std) in a matrix (std: one for all, or each matrix's by name) and 0 in a vector (a bias;
     Step2Start fits it to the target text). Returns (name -> [V_trg, ...], number of shared
-    pieces). The random rows depend only on `seed`, drawn matrix by matrix in `src`'s order."""
-    src_index = {p: i for i, p in enumerate(src_pieces)}
+    pieces). The random rows depend only on `seed`, drawn matrix by matrix in `src`'s order.
+    Two source pieces of one surface form (a byte-level token of the literal U+2581 reads as '▁',
+    as the space token does; a text token '<s>' as the BOS role's name): the first, the special
+    roles' row or, in a BPE vocabulary ordered by merge, the more frequent piece."""
+    src_index: dict[str, int] = {}
+    for i, p in enumerate(src_pieces):
+        src_index.setdefault(p, i)
     gen = torch.Generator().manual_seed(seed)
     trg_rows = [i for i, p in enumerate(trg_pieces) if p in src_index]
     src_rows = [src_index[trg_pieces[i]] for i in trg_rows]

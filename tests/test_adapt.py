@@ -62,6 +62,13 @@ def test_overlap_init_copies_exactly_the_shared_pieces():
     assert torch.equal(w, again[WORD]) and torch.equal(b, again[BIAS])
     other, _ = A.overlap_init(src, {WORD: src_w, BIAS: src_b}, trg, std=0.02, seed=8)
     assert not torch.equal(other[WORD][5], w[5])
+    # Two source pieces of one surface (a byte-level token of the literal U+2581 reads '▁' as the
+    # space token does; a text token '<s>' as the BOS role): the first is copied, the role's row or
+    # the more frequent (lower-ranked) piece, not the last one seen.
+    dup = [*src, "<s>", "▁the"]
+    w2 = torch.cat([src_w, torch.full((2, 4), -1.0)])
+    new2, _ = A.overlap_init(dup, {WORD: w2}, trg, std=0.02, seed=7)
+    assert torch.equal(new2[WORD][2], src_w[2]) and torch.equal(new2[WORD][7], src_w[5])
 
 
 def test_subword_mean_init_is_the_mean_of_the_split_rows():
