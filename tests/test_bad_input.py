@@ -296,7 +296,8 @@ RECORD = {"system": "bl_base", "task": "t", "lang": "de", "step": 1, "flops": 1.
 CASES = [
     # --- pretrain: data and tokenizer
     ("corpus-not-utf8", lambda c: c.pretrain(corpus=c.file("latin1.txt", NOT_UTF8)), "is not UTF-8: byte offset 903"),
-    ("corpus-is-a-directory", lambda c: c.pretrain(corpus=c.dir("texts")), "is a directory"),
+    ("corpus-is-a-directory", lambda c: c.pretrain(corpus=c.dir("texts")),
+     "is a directory: pass --corpus a UTF-8 text file"),
     ("corpus-missing", lambda c: c.pretrain(corpus=str(c.tmp / "none.txt")), "none.txt does not exist"),
     ("corpus-empty", lambda c: c.pretrain(corpus=c.file("empty.txt", "\n \n")), "is empty"),
     ("corpus-lines-too-long", lambda c: ["pretrain", "--corpus", c.file("long.txt", ("word " * 1000 + "\n") * 20),
@@ -304,7 +305,8 @@ CASES = [
      "longer than 4192 bytes"),
     ("tokenizer-not-sentencepiece", lambda c: c.pretrain(tokenizer=c.file("t.model", b"\x00not a model" * 9)),
      "is not a SentencePiece model"),
-    ("tokenizer-is-a-directory", lambda c: c.pretrain(tokenizer=c.dir("tokdir")), "is a directory"),
+    ("tokenizer-is-a-directory", lambda c: c.pretrain(tokenizer=c.dir("tokdir")),
+     "is a directory: pass a SentencePiece .model file"),
     ("tokenizer-wrong-size", lambda c: c.pretrain("--vocab_size", "2000"), f"has {VOCAB} pieces"),
     # --- pretrain: fusion
     ("cudagraphs-off-cuda", lambda c: c.pretrain("--fusion", "cudagraphs"),
@@ -316,7 +318,7 @@ CASES = [
      "--fusion cudagraphs replays fixed shapes, and --attention_impl varlen changes them"),
     ("data-path-and-corpus", lambda c: c.pretrain("--data_path", c.dir("prepared")), "pass one of --data_path"),
     ("data-path-not-prepared", lambda c: ["pretrain", "--data_path", c.dir("prepared"), "--output_dir", str(c.out)],
-     "prepared"),
+     "holds no finished dataset (no manifest.json"),
     # --- pretrain: configuration
     ("embedding-init-in-pretrain", lambda c: c.pretrain("--embedding_init", "subword_mean"),
      "unrecognized arguments: --embedding_init"),
@@ -358,7 +360,8 @@ CASES = [
     ("train-iters-zero", lambda c: c.pretrain("--train_iters", "0"), "must be >= 1"),
     ("keep-last-negative", lambda c: c.pretrain("--keep_last", "-1"), "--keep_last must be >= 0, got -1"),
     ("mini-layers-too-deep", lambda c: c.pretrain("--mini_layers", "12"), "mini_layers 12 must be in 1..11"),
-    ("tp-not-dividing-heads", lambda c: c.pretrain("--tensor_model_parallel_size", "3"), "is not divisible"),
+    ("tp-not-dividing-heads", lambda c: c.pretrain("--tensor_model_parallel_size", "3"),
+     "num_attention_heads 4 is not divisible by tensor_model_parallel_size 3"),
     # --- pretrain: the run directory
     ("output-is-a-file", lambda c: c.pretrain()[:-1] + [c.file("run", "not a directory")], "is a file, not a directory"),
     ("output-under-a-file", lambda c: c.pretrain()[:-1] + [str(Path(c.file("f", "x")) / "run")], "cannot be created"),
@@ -731,7 +734,7 @@ CASES = [
     ("headless-to-minipost", lambda c: c.minipost(primary=c.headless_run()), "and build_minipost needs one"),
     ("preprocess-text-the-tokenizer-cannot-read", lambda c: ["preprocess", "--corpus", c.russian(), "--tokenizer",
                                                              str(c.tokenizer), "--output_dir", str(c.out)],
-     "of the pieces of"),
+     "are unknown to the tokenizer"),
     ("fit-head-text-the-tokenizer-cannot-read", lambda c: ["fit-head", "--primary", c.headless_run(), "--corpus",
                                                            c.russian(), "--output_dir", str(c.out)],
      "are unknown to the tokenizer"),
