@@ -815,3 +815,34 @@ def test_every_shipped_family_names_its_output_path(family):
             path = fam.output_path(one)
             assert all(n in names for n in path if n is not None), path
             assert (path.matrix == fam.word) == (tie or path.bias is not None)
+
+
+def test_a_sentencepiece_bpe_source_gets_only_pieces_its_merges_can_form(tmp_path):
+    """A SentencePiece BPE source forms a piece only by merging two known ones: every appended
+    piece must read as itself through the merged model (the check it was appended under), and
+    German text uses nearly all of them (without the check 620 of 872 were rows no text reaches)."""
+    from sentencepiece import sentencepiece_model_pb2 as sp_model
+
+    from mmadapt.corpora import bible_verses
+    from mmadapt.expand import expand
+    from mmadapt.tokens import BOS_ID, EOS_ID, PAD_ID
+
+    texts = {}
+    for lang, kind in (("en", "bpe"), ("de", "unigram")):
+        texts[lang] = [t for *_, t in bible_verses(lang)][:3000]
+        (tmp_path / f"{lang}.txt").write_text("\n".join(texts[lang]) + "\n", encoding="utf-8")
+        spm.SentencePieceTrainer.train(input=str(tmp_path / f"{lang}.txt"), model_prefix=str(tmp_path / lang),
+                                       vocab_size=800, model_type=kind, pad_id=PAD_ID, unk_id=1, bos_id=BOS_ID,
+                                       eos_id=EOS_ID, user_defined_symbols=["<mask>"], minloglevel=2, num_threads=1)
+    e = expand(tmp_path / "en.model", tmp_path / "de.model")
+    assert e.size % 8 == 0 and e.size > e.source_size
+    proto = sp_model.ModelProto()
+    proto.ParseFromString(e.model)
+    proto.normalizer_spec.add_dummy_prefix = False
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    bare = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    for i in range(e.source_size, e.size):
+        assert bare.encode(bare.id_to_piece(i).replace("▁", " ")) == [i], bare.id_to_piece(i)
+    merged = spm.SentencePieceProcessor(model_proto=e.model)
+    used = {i for t in texts["de"] for i in merged.encode(t)}
+    assert len(used & set(range(e.source_size, e.size))) >= 0.9 * (e.size - e.source_size)
