@@ -482,7 +482,6 @@ class Demo:
         stop = context.Event()
         pool = ProcessPoolExecutor(n, mp_context=context, initializer=_worker_init,
                                    initargs=(threads, os.getpid(), stop))
-        running: dict = {}
         try:
             with tqdm(total=len(jobs), desc="runs", unit="run", mininterval=1.0, leave=False) as bar:
                 running = {pool.submit(_run_job, self, job): job for job in queue}

@@ -31,10 +31,11 @@ The merged tokenizer is of the source's kind:
         scored below every source piece: unigram, its target log-probability shifted so that the
         best new piece sits just under the worst source piece (their order kept); BPE, ranked
         after every source merge, and only the pieces that a merge of two known pieces forms
-        (`_formable_by_bpe`: BPE cannot reach the others). A new piece then wins only where it replaces several source
-        pieces, so source-language text keeps its segmentation far more often than with the
-        target's own scores (English Genesis-Exodus, 1000-piece English and German models: 7%
-        of sentences change, against 36%; German text takes 13% more pieces than with those).
+        (`_formable_by_bpe`: BPE cannot reach the others). A new piece then wins only where it
+        replaces several source pieces, so source-language text keeps its segmentation far more
+        often than with the target's own scores (English Genesis-Exodus, 1000-piece English and
+        German models: 7% of sentences change, against 36%; German text takes 13% more pieces
+        than with those).
 For a unigram model (mmadapt's), a text that the merged tokenizer encodes with no new piece gets
 exactly the source's ids: Viterbi runs over a superset of the pieces with the source's scores
 unchanged, so where the best segmentation uses no new piece it is the source's.
@@ -142,25 +143,24 @@ def expand(source: Path, target: Path) -> Expansion:
     src_pieces = pieces(source)
     form = source_form(source)  # an uncased WordPiece source's lower case: what its normaliser can produce
     candidates = missing_pieces(src_pieces, [form(p.piece) for p in trg.pieces], [p.type == _NORMAL for p in trg.pieces])
-    if is_hf(source):
+    merged = None if is_hf(source) else _proto(source)
+    bpe = merged is not None and merged.trainer_spec.model_type == _BPE
+    if merged is None:
         model, new = expand_hf(source, candidates, EXPAND_MULTIPLE, {form(p.piece): p.score for p in trg.pieces})
     else:
         new = cut_to_multiple(len(src_pieces), candidates, EXPAND_MULTIPLE)
-        if _proto(source).trainer_spec.model_type == _BPE:
-            # only pieces a merge forms; again after each cut (a dropped piece may be another's part)
-            while (formable := _formable_by_bpe(_proto(source), new)) != new:
+        if bpe:  # only pieces a merge forms; again after each cut (a dropped piece may be another's part)
+            while (formable := _formable_by_bpe(merged, new)) != new:
                 new = cut_to_multiple(len(src_pieces), formable, EXPAND_MULTIPLE)
     if not new:
         raise ValueError(f"the target tokenizer {target} adds no piece to the source's {len(src_pieces)} (every "
                          f"ordinary piece is there already, or fewer than {EXPAND_MULTIPLE} are new): nothing to "
                          "train with --vocab_mode expand; use a larger target vocabulary, or --vocab_mode replace")
-    if is_hf(source):
+    if merged is None:
         return Expansion(model, len(src_pieces), tuple(new))
-    merged = _proto(source)
     score = {p.piece: p.score for p in trg.pieces}
     lowest = min((p.score for p in merged.pieces if p.type == _NORMAL), default=0.0)
     shift = lowest - 1 - max(score[p] for p in new)
-    bpe = merged.trainer_spec.model_type == _BPE
     for i, piece in enumerate(new):
         merged.pieces.add(piece=piece, score=lowest - 1 - i if bpe else score[piece] + shift, type=_NORMAL)
     merged.trainer_spec.vocab_size = len(merged.pieces)
