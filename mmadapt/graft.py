@@ -78,12 +78,12 @@ def other_roles(base_tokenizer: Path, sibling_tokenizer: Path) -> str | None:
     if not (is_hf(base_tokenizer) and is_hf(sibling_tokenizer)):
         return None
     a, b = HFTokenizer.read(base_tokenizer), HFTokenizer.read(sibling_tokenizer)
-    if not a.same_vocabulary(b.tokenizer.get_vocab(with_added_tokens=True), len(b.hf_ids)) or (
+    if not a.same_vocabulary(b.vocabulary(), len(b.hf_ids)) or (
             a.hf_ids == b.hf_ids).all():
         return None
 
     def token(tok: HFTokenizer, h: int) -> str:
-        return tok.tokenizer.id_to_token(int(h)) or f"the row {h} past the tokenizer"
+        return tok.token(h) or f"the row {h} past the tokenizer"
     return ", ".join(f"{role} {token(b, hb)} (the base's {token(a, ha)})"
                      for role, ha, hb in zip(SPECIAL_ROLES, a.hf_ids, b.hf_ids) if ha != hb)
 

@@ -818,7 +818,8 @@ def _document_tokenizer(doc: HFTokenizer, model_max_length: int, source_hf: Path
     generation) and chat template."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tokens = {f"{role}_token": doc.tokenizer.id_to_token(int(h)) for role, h in zip(SPECIAL_ROLES, doc.hf_ids)
+    source = doc.source_tokenizer()  # the document's pipeline, not the one mmadapt reads text with
+    tokens = {f"{role}_token": doc.token(h) for role, h in zip(SPECIAL_ROLES, doc.hf_ids)
               if role != "mask"}
     kwargs = {k: v for k, v in tokens.items() if v is not None}
     if source_hf is not None and source_hf.is_dir():
@@ -830,11 +831,11 @@ def _document_tokenizer(doc: HFTokenizer, model_max_length: int, source_hf: Path
         # <s> borrowed a row, and a graft into an instruct sibling ends a turn with its own eos
         for name in ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token", "cls_token", "sep_token"):
             token = getattr(src, name, None)
-            if token is not None and doc.tokenizer.token_to_id(str(token)) is not None:
+            if token is not None and source.token_to_id(str(token)) is not None:
                 kwargs[name] = str(token)
             elif token is None:
                 kwargs.pop(name, None)
-    return PreTrainedTokenizerFast(tokenizer_object=doc.tokenizer, model_max_length=model_max_length, **kwargs)
+    return PreTrainedTokenizerFast(tokenizer_object=source, model_max_length=model_max_length, **kwargs)
 
 
 def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg: ModelConfig,

@@ -179,12 +179,20 @@ class HFTokenizer:
         if doc.get("format") != HF_FORMAT:
             raise ValueError(f"not an imported tokenizer (format {doc.get('format')!r}, expected {HF_FORMAT!r})")
         self.doc = doc
-        self.tokenizer = Tokenizer.from_str(json.dumps(doc["tokenizer"]))
+        runtime, self._renamed = _control_pieces_unreachable(doc["tokenizer"])
+        self.tokenizer = Tokenizer.from_str(json.dumps(runtime))
         # A text's pieces, whole: a document can carry a length to cut to and padding (exports of
         # sentence-transformers ship 128 and Fixed 128), which would cut every QA context and task
         # row and pad each encoding; mmadapt lays out, cuts and pads rows itself.
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
+        # A special token's string in a text is text ("<pad>" in a web page is five characters):
+        # matched, it put a role's id inside a row (RoBERTa's "<pad>" and BERT's "[PAD]" gave
+        # PAD_ID, which the padding mask and the varlen layout read as the row's end; Qwen2's
+        # "<|endoftext|>" gave EOS_ID mid-document). mmadapt lays every role's id out itself
+        # (features.py, data.py); predict reads a literal <mask> before encoding. (A Unigram's own
+        # pieces for them are out of reach too: _control_pieces_unreachable.)
+        self.tokenizer.encode_special_tokens = True
         self.hf_ids = np.asarray(doc["hf_ids"], dtype=np.int64)  # mmadapt id -> source id
         self.to_mmadapt = np.empty(len(self.hf_ids), dtype=np.int64)  # source id -> mmadapt id
         self.to_mmadapt[self.hf_ids] = np.arange(len(self.hf_ids))
@@ -204,11 +212,31 @@ class HFTokenizer:
         return {"format": HF_FORMAT, "source": source, "hf_ids": [int(i) for i in hf_ids],
                 "tokenizer": json.loads(tokenizer_json)}
 
+    def source_tokenizer(self):
+        """The document's `tokenizers` pipeline as the source ships it (what an export writes),
+        without a length to cut to or padding: `self.tokenizer` reads special tokens' strings as
+        text and renames a Unigram's control pieces (__init__)."""
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(json.dumps(self.doc["tokenizer"]))
+        tok.no_truncation()
+        tok.no_padding()
+        return tok
+
+    def token(self, h: int) -> str | None:
+        """The source token of source id `h` (None for a row past the tokenizer)."""
+        t = self.tokenizer.id_to_token(int(h))
+        return self._renamed.get(t, t)
+
+    def vocabulary(self) -> dict[str, int]:
+        """token -> source id, added tokens included, as the source document holds them."""
+        return {self._renamed.get(t, t): i for t, i in self.tokenizer.get_vocab(with_added_tokens=True).items()}
+
     def same_vocabulary(self, vocab: dict[str, int], rows: int) -> bool:
         """Whether a tokenizer whose `tokenizers` vocabulary (added tokens included) is `vocab`,
         over a model of `rows` embedding rows, is this one's source vocabulary: every token at the
         same source id, the same rows (the special roles' rows may differ: hf_ids)."""
-        return len(self.hf_ids) == rows and self.tokenizer.get_vocab(with_added_tokens=True) == vocab
+        return len(self.hf_ids) == rows and self.vocabulary() == vocab
 
     # --- SentencePieceProcessor's interface, the part mmadapt uses
     def get_piece_size(self) -> int:
@@ -232,7 +260,7 @@ class HFTokenizer:
             table = _byte_decoder() if self.byte_level else None
             out = []
             for m, h in enumerate(self.hf_ids.tolist()):
-                token = self.tokenizer.id_to_token(h)
+                token = self.token(h)
                 if m in SPECIAL_PIECES:
                     out.append(SPECIAL_PIECES[m])
                 elif token is None:  # an embedding row that the tokenizer never produces
@@ -352,7 +380,7 @@ class HFTokenizer:
     def piece_to_id(self, piece: str) -> int:
         if piece in SPECIAL_PIECES.values():
             return next(m for m, p in SPECIAL_PIECES.items() if p == piece)
-        h = self.tokenizer.token_to_id(piece)
+        h = self.tokenizer.token_to_id(next((r for r, t in self._renamed.items() if t == piece), piece))
         return UNK_ID if h is None else int(self.to_mmadapt[h])
 
     def _ids(self, hf: list[int]) -> list[int]:
@@ -372,6 +400,25 @@ class HFTokenizer:
         if out_type is str:
             return enc.tokens
         return self._ids(enc.ids)
+
+
+def _control_pieces_unreachable(doc: dict) -> tuple[dict, dict[str, str]]:
+    """A `tokenizers` document whose Unigram model cannot produce a special token from text,
+    and {the name it gives such a token: the token}. SentencePiece never produces a control piece
+    (<s>, </s>, <pad>) from text, but the conversion to a Unigram `tokenizers` model keeps each as
+    an ordinary piece of score 0, the highest of all: XLM-R's "Gott <pad> sprach" became PAD_ID
+    however added tokens are read. The piece and its added token are renamed with a space inside,
+    which no pre-tokenized word holds; ids and scores stay (`vocabulary` and `token` give the
+    names back). The document itself (`doc`, what is written and exported) is not changed."""
+    model = doc.get("model") or {}
+    special = {a["content"] for a in doc.get("added_tokens", []) if a.get("special")}
+    if model.get("type") != "Unigram" or not any(p in special for p, _ in model["vocab"]):
+        return doc, {}
+    inside = {p for p, _ in model["vocab"]} & special
+    renamed = {f"{p} ": p for p in inside}
+    vocab = [[f"{p} " if p in inside else p, score] for p, score in model["vocab"]]
+    added = [{**a, "content": f"{a['content']} "} if a["content"] in inside else a for a in doc["added_tokens"]]
+    return {**doc, "model": {**model, "vocab": vocab}, "added_tokens": added}, renamed
 
 
 def cut_to_multiple(rows: int, new: list, multiple: int) -> list:

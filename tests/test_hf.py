@@ -173,6 +173,33 @@ def test_imported_tokenizer_encodes_as_the_source(runs, hf_dirs):
     assert b"".join(raw[p.begin:p.end] for p in proto.pieces) == raw.replace(b" ", b"")
 
 
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_a_special_tokens_string_in_a_text_is_text(name, runs, hf_dirs):
+    """RoBERTa's "<pad>" (and XLM-R's "<pad>", "</s>") inside a corpus line gave PAD_ID (EOS_ID)
+    inside the row, which the padding mask and the varlen layout read as the row's end: each is
+    read as text now, as transformers reads it with split_special_tokens (RoBERTa) and as XLM-R's
+    SentencePiece model does (transformers' Unigram conversion keeps its control pieces as pieces
+    a text can produce, so split_special_tokens still gives <pad>)."""
+    import sentencepiece as spm
+
+    sp, tok = load(runs[name] / "tokenizer" / "spm.model"), AutoTokenizer.from_pretrained(hf_dirs[name])
+    specials = [a["content"] for a in sp.doc["tokenizer"]["added_tokens"] if a["special"]]
+    assert {"<pad>", "<s>", "</s>", "<mask>"} <= set(specials)
+    texts = [f"Und Gott {t} sprach" for t in specials]
+    if name == "xlmr":  # fairseq's ids: SentencePiece's + 1, its <unk> (0) at 3
+        model = spm.SentencePieceProcessor(model_file=str(hf_dirs[name] / "sentencepiece.bpe.model"))
+        source = [[3 if i == 0 else i + 1 for i in model.encode(t)] for t in texts]
+    else:
+        source = [tok(t, add_special_tokens=False, split_special_tokens=True).input_ids for t in texts]
+    ref = [sp.to_mmadapt[ids].tolist() for ids in source]
+    assert sp.encode(texts) == ref and [sp.encode(t) for t in texts] == ref
+    assert [[p.id for p in sp.encode(t, return_type="proto").pieces] for t in texts] == ref
+    assert not {i for ids in ref for i in ids} & {PAD_ID, BOS_ID, EOS_ID, 4}
+    # the renamed control pieces stay out of sight: the source vocabulary and its surface forms
+    assert sp.vocabulary() == tok.backend_tokenizer.get_vocab(with_added_tokens=True)
+    assert [sp.id_to_piece(i) for i in range(5)] == ["<pad>", "<unk>", "<s>", "</s>", "<mask>"]
+
+
 # --- every later step takes an imported run --------------------------------------------------------
 
 def test_build_minipost_and_adapt_take_an_imported_run(runs, corpus, de_corpus, de_tokenizer, tmp_path):

@@ -312,6 +312,13 @@ def test_special_roles_borrow_rows_no_text_produces(name, dec_dirs, dec_runs):
     # No text produces a role's row: four books of English and German, every id is an ordinary piece.
     verses = bible_lines("en", range(1, 5)) + bible_lines("de", range(1, 5))
     assert not {i for ids in sp.encode(verses) for i in ids} & {PAD_ID, UNK_ID, BOS_ID, EOS_ID, MASK_ID}
+    # Nor does a special token's string in a text: it is text (Qwen2's "<|endoftext|>" gave EOS_ID
+    # mid-document), as transformers reads it with split_special_tokens.
+    specials = [a["content"] for a in sp.doc["tokenizer"]["added_tokens"] if a["special"]]
+    texts = [f"In the beginning {t} God" for t in specials]
+    assert texts and sp.encode(texts) == [
+        sp.to_mmadapt[tok(t, add_special_tokens=False, split_special_tokens=True).input_ids].tolist() for t in texts]
+    assert not {i for ids in sp.encode(texts) for i in ids} & {PAD_ID, UNK_ID, BOS_ID, EOS_ID, MASK_ID}
 
 
 def test_config_formats_and_sliding_windows(dec_dirs):
