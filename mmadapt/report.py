@@ -64,10 +64,37 @@ def read_results(files: list[str]) -> list[dict]:
         if step is not None:
             raise ValueError(f"results file {f}: record {step[0]} has step {step[1]!r}; a step is a Step-2 update, a "
                              "whole number >= 0 (re-run mmadapt evaluate for it)")
-        records += data
+        records += [{**r, "_file": f} for r in data]
     if not records:
         raise ValueError(f"{files[0]} holds no result records")
-    return records
+    if not adapted(records):
+        raise ValueError(f"{', '.join(files)} hold only no-adaptation records: no Step-2 checkpoint to report "
+                         "(mmadapt evaluate --embeddings <Step-2 runs> scores them)")
+    _apart_across_files(records)
+    seen = {}
+    for r in adapted(records):
+        key = (r["system"], r["task"], r["lang"], r.get("step"), r.get("artifact"))
+        if key[3] is not None and key in seen:
+            where = f"{r['_file']} holds" if seen[key] == r["_file"] else f"{seen[key]} and {r['_file']} both hold"
+            raise ValueError(f"{where} {r['system']}'s {r['task']} score in {r['lang']} "
+                             f"at step {r['step']}: one checkpoint evaluated twice would be one curve's point twice; "
+                             "report one of them")
+        seen[key] = r["_file"]
+    return [{k: v for k, v in r.items() if k != "_file"} for r in records]
+
+
+def _apart_across_files(records: list[dict]) -> None:
+    """Where records of one system, task and language come from two Step-2 runs (their
+    `artifact`s' run directories) that evaluate calls of their own scored, each run's records name
+    it after the system, as `evaluate.apart_runs` names them within one call: merged, one curve
+    would take one run's start and the better of two last scores. In place."""
+    runs = defaultdict(set)
+    for r in adapted(records):
+        if r.get("artifact"):
+            runs[(r["system"], r["task"], r["lang"])].add(Path(r["artifact"]).parent.parent)
+    for r in adapted(records):
+        if r.get("artifact") and len(runs[(r["system"], r["task"], r["lang"])]) > 1:
+            r["system"] = f"{r['system']} [{Path(r['artifact']).parent.parent.name}]"
 
 
 def is_plugin(task: str) -> bool:
@@ -231,9 +258,16 @@ def near_max_hits(cs: dict, baseline: str = "bl_base", device: str = "v100-paper
     out = {}
     for (system, task, lang), pts in cs.items():
         trained = [(device_days(x, device), y) for x, y in pts if x > 0]
-        if (baseline, task, lang) in cs and trained:
+        if has_target(cs, baseline, task, lang) and trained:
             out[(system, task, lang)] = time_to_target(trained, near_max_target(cs[(baseline, task, lang)][-1][1]))
     return out
+
+
+def has_target(cs: dict, baseline: str, task: str, lang: str) -> bool:
+    """Whether `baseline` has a curve for `task` in `lang` whose final score is above 0: 95% of
+    a score at or below 0 (a plug-in contextual gain can be negative) lies at or above it, and no
+    system's time to it means anything."""
+    return (baseline, task, lang) in cs and cs[(baseline, task, lang)][-1][1] > 0
 
 
 def _at_target_from_the_start(cs: dict, baseline: str, task: str, systems: list[str], langs: list[str],
@@ -244,15 +278,17 @@ def _at_target_from_the_start(cs: dict, baseline: str, task: str, systems: list[
     for s in systems:
         for lang in langs:
             pts = cs.get((s, task, lang))
-            if (pts and pts[0][0] == 0 and (baseline, task, lang) in cs and
+            if (pts and pts[0][0] == 0 and has_target(cs, baseline, task, lang) and
                     pts[0][1] >= near_max_target(cs[(baseline, task, lang)][-1][1])):
                 out.append(f"{s} in {lang} ({format(pts[0][1], f)})")
     return out
 
 
 def _estimates(hits: dict, system: str, task: str, langs: list[str]) -> dict[str, float | None]:
-    return {lang: None if hits.get((system, task, lang)) is None else hits[(system, task, lang)].estimate
-            for lang in langs}
+    """lang -> `system`'s estimate (None: never reaches the target), for the languages it was
+    measured in against a target: one it was never run in is no failure (speedup_over's never)."""
+    return {lang: None if hits[(system, task, lang)] is None else hits[(system, task, lang)].estimate
+            for lang in langs if (system, task, lang) in hits}
 
 
 # How far above its chance level (records' "chance": majority class, 1/candidates, or 0 for the
@@ -346,7 +382,7 @@ def bpb_rows(records: list[dict]) -> list[dict]:
     for lang in sorted({r["lang"] for r in mine}):
         for system in sorted({r["system"] for r in mine if r["lang"] == lang}, key=lambda s: (s != "bl_base", s)):
             pts = sorted((r for r in mine if (r["lang"], r["system"]) == (lang, system)),
-                         key=lambda r: (r["flops"], r["step"]))
+                         key=lambda r: (r["flops"], r.get("step") or 0))
             last = pts[-1]
             below = [r["flops"] for r in pts if r["bpb"] < r["none_bpb"]]
             rows.append({"lang": lang, "system": system, "none": last["none_bpb"], "start": last["start_bpb"],
@@ -552,9 +588,9 @@ def report_markdown(records: list[dict], baseline: str = "bl_base", device: str 
         out += [f"## retention against {baseline}, mean over tasks ({', '.join(tasks)})", "",
                 "| system | retention |", "|---|---|"]
         for s in [s for s in systems if all(s in per_task[t].final for t in tasks)]:
-            avgs = {t: per_task[t].shared_avgs(s, baseline) for t in tasks}  # each over the languages both have
-            ret = retention({t: a[0] for t, a in avgs.items()}, {t: a[1] for t, a in avgs.items()})
-            out.append(f"| {s} | {100 * ret:.1f}% |")
+            # each over the languages both have; "-" where one task has none, or no baseline above 0
+            ret = sum(per_task[t].retention(s, baseline) for t in tasks) / len(tasks)
+            out.append(f"| {s} | {_percent(ret)} |")
         out.append("")
     return "\n".join(out)
 
@@ -597,20 +633,22 @@ class TaskScores:
 
     def shared(self, s: str, of: str) -> list[int]:
         """The languages (indices into langs) where both `s` and `of` have a score."""
+        if of not in self.final:  # `of` was not run on this task
+            return []
         return [i for i, (a, b) in enumerate(zip(self.final[s], self.final[of])) if a is not None and b is not None]
 
     def shared_avgs(self, s: str, of: str) -> tuple[float, float]:
         """`s`'s and `of`'s averages over the languages both have (nan where they share none): a
         system without a hard language must not look better than one with it."""
-        both = self.shared(s, of)
+        both = self.shared(s, of) if of in self.final else []
         if not both:
             return math.nan, math.nan
         return tuple(sum(self.final[x][i] for i in both) / len(both) for x in (s, of))
 
     def retention(self, s: str, of: str) -> float:
         """retention() of `s` against `of` on this task, over the languages both have."""
-        mine, theirs = self.shared_avgs(s, of)
-        return retention({self.task: mine}, {self.task: theirs}) if theirs else math.nan
+        mine, theirs = self.shared_avgs(s, of)  # (nan where `of` has no score: not run on this task)
+        return retention({self.task: mine}, {self.task: theirs}) if theirs > 0 else math.nan
 
     def gain_share(self, s: str, of: str) -> float:
         """`s`'s gain over chance as a share of `of`'s, over the languages both have (nan where
@@ -619,6 +657,10 @@ class TaskScores:
         lang = [self.langs[i] for i in both]
         theirs = sum(self.final[of][i] - self.floors[l] for i, l in zip(both, lang)) if self.floors else 0.0
         return sum(self.final[s][i] - self.floors[l] for i, l in zip(both, lang)) / theirs if theirs > 0 else math.nan
+
+
+def _percent(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:.1f}%"
 
 
 def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: str) -> list[str]:
@@ -650,10 +692,11 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
              for s in t.systems}
 
     def count(s: str) -> int:  # the languages `s` has a score in
-        return sum(v is not None for v in t.final[s])
+        return sum(v is not None for v in t.final.get(s, []))
 
     # a system whose retention and shares are over fewer languages than its own average or the baseline's
-    fewer = [s for s in t.systems if len(t.shared(s, baseline)) < max(count(s), count(baseline))]
+    fewer = [s for s in t.systems
+             if baseline in t.final and len(t.shared(s, baseline)) < max(count(s), count(baseline))]
     for s in t.systems:
         ret = t.retention(s, baseline)
         cells = [] if floors is None else [format(gain[s], "+" + f), share(s, baseline)]
@@ -661,8 +704,11 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
         out.append(f"| {s}{' (!)' if s in t.warned else ''} | {t.cost[s] / 1e18:.3g} | "
                    f"{device_days(t.cost[s], device):.3g} | " +
                    " | ".join(["-" if v is None else format(v, f) + m for v, m in zip(t.final[s], marks[s])]
-                              + [format(t.avg[s], f), f"{100 * ret:.1f}%{'*' if s in fewer else ''}"] + cells)
+                              + [format(t.avg[s], f), _percent(ret) + ('*' if s in fewer else '')]
+                              + cells)
                    + " |")
+    if baseline not in t.final:
+        out += ["", f"No {baseline} records for {t.task}: no retention or share of its gain."]
     if fewer:
         out += ["", f"*: retention and shares over the languages it shares with {baseline} (its average over its "
                 "own): " + "; ".join(
@@ -682,6 +728,9 @@ def _near_max_section(t: TaskScores, cs: dict, hits: dict, baseline: str, device
     its mean speedup over `baseline` and the languages it never reaches; or one line saying why
     that is not meaningful (the baseline's gain within noise of the chance level)."""
     f, task, langs = _score_format(t.task), t.task, t.langs
+    if baseline not in t.final:
+        return ["", f"## {task}: {device} days to near-maximal performance: no {baseline} records for {task}, so no "
+                f"target (95% of its final score)", ""]
     if t.floors is not None and t.gain[baseline] <= _noise(task):
         return ["", f"## {task}: {device} days to near-maximal performance: not meaningful here ({baseline}'s "
                 f"final average {format(t.avg[baseline], f)} is within noise of the chance level: "
@@ -699,6 +748,8 @@ def _near_max_section(t: TaskScores, cs: dict, hits: dict, baseline: str, device
         cells += ["-" if speed.mean is None else f"{speed.mean:.2f}× ({speed.reached} langs)",
                   f"{len(missed)} ({', '.join(missed)})" if missed else "0"]
         out.append(f"| {s} | " + " | ".join(cells) + " |")
+    none = [lang for lang in langs if (baseline, task, lang) in cs and not has_target(cs, baseline, task, lang)]
+    out += ["", f"No target in {', '.join(none)}: {baseline}'s final score there is not above 0."] if none else []
     early = _at_target_from_the_start(cs, baseline, task, t.systems, langs, f)
     out += ["", "Already at the target before any Step-2 update (the start, update 0, which the table does not "
             "count as a checkpoint): " + "; ".join(early) + "."] if early else []
@@ -749,7 +800,7 @@ def _bpb_panel(ax, records: list[dict], systems: list[str], unit: float) -> None
     from its start (update 0) at 0 FLOPs, no adaptation dash-dotted."""
     for system in systems:
         mine = sorted((r for r in records if r["system"] == system and r.get("bpb") is not None),
-                      key=lambda r: (r["flops"], r["step"]))
+                      key=lambda r: (r["flops"], r.get("step") or 0))
         if not mine:
             continue
         pts = [(float(r["flops"]), r["bpb"]) for r in mine]
@@ -801,7 +852,7 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
                 of = r.get("of") or []
                 ax.axhline(r["score"], color=COLORS.get(of[0], "gray") if of else "gray", ls="-.", lw=1.0,
                            label=f"no adaptation ({', '.join(of)}'s fine-tuned model)" if of else "no adaptation")
-        if ("bl_base", task, lang) in cs:
+        if has_target(cs, "bl_base", task, lang):
             ax.axhline(near_max_target(cs[("bl_base", task, lang)][-1][1]), color="gray", ls="--", lw=0.8,
                        label="near-max target (95% of bl_base's final)")
         floor = _chance([r for r in records if r["lang"] == lang], task)

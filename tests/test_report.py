@@ -447,3 +447,98 @@ def test_bits_per_byte_table_and_verdict_by_hand(tmp_path):
     # In the report, and a panel of its own in the plot.
     assert "## bits per byte of held-out text" in report_markdown(_bpb_records())
     assert plot_curves(_bpb_records(), tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 0
+
+
+# --- edges of the records a report is given ---------------------------------------------------
+
+def test_a_task_the_baseline_was_not_run_on_is_reported_without_a_target():
+    """bl_base and minijoint in genre, minijoint alone in retrieval: the retrieval tables say there
+    is no baseline (a KeyError before), genre's are unchanged, and the mean over tasks is '-'."""
+    day = 2.592e18
+    records = (_curve("bl_base", [2 * day, 4 * day], [50.0, 60.0]) + _curve("minijoint", [1 * day, 2 * day], [56.0, 58.0])
+               + [{**r, "task": "retrieval"} for r in _curve("minijoint", [1 * day, 2 * day], [30.0, 40.0])])
+    md = report_markdown(records)
+    assert "| minijoint | 1.5 (1–2) | 2.27× (1 langs) | 0 |" in md  # genre, as test_report_from_results
+    assert "| minijoint | 5.18 | 2 | 40.0 | 40.0 | - |" in md
+    assert "No bl_base records for retrieval: no retention or share of its gain." in md
+    assert ("## retrieval: v100-paper days to near-maximal performance: no bl_base records for retrieval, so no "
+            "target") in md
+    assert "| minijoint | - |" in md.split("mean over tasks")[1]
+
+
+def test_a_baseline_score_of_zero_or_below_sets_no_target_and_no_retention():
+    """bl_base ends at 0 in one task (the mean over tasks divided by it) and a plug-in contextual
+    gain below 0 in fr (95% of -0.2 is above it: 'never' for bl_base itself): '-' and a line
+    saying why, no error and no target."""
+    day = 2.592e18
+    records = [{"system": s, "task": t, "lang": "de", "step": 1, "flops": 1e18, "score": v}
+               for s, t, v in [("bl_base", "genre", 60.0), ("bl_base", "retrieval", 0.0),
+                               ("minijoint", "genre", 58.0), ("minijoint", "retrieval", 30.0)]]
+    md = report_markdown(records)
+    assert "| minijoint | 1 | 0.386 | 30.0 | 30.0 | - |" in md and "| minijoint | - |" in md.split("over tasks")[1]
+    assert "No target in de: bl_base's final score there is not above 0." in md
+    plugin = []
+    for lang, (b1, b2, m1, m2) in {"de": (0.5, 0.6, 0.56, 0.58), "fr": (-0.4, -0.2, -0.3, -0.1)}.items():
+        plugin += [{**r, "task": "plugin-mlm", "lang": lang, "chance": 0.0}
+                   for r in _curve("bl_base", [2 * day, 4 * day], [b1, b2]) + _curve("minijoint", [day, 2 * day],
+                                                                                     [m1, m2])]
+    md = report_markdown(plugin)
+    assert "| bl_base | 3.4 (2–4) | - | 1.00× (1 langs) | 0 |" in md
+    assert "| minijoint | 1.5 (1–2) | - | 2.27× (1 langs) | 0 |" in md
+    assert "No target in fr: bl_base's final score there is not above 0." in md
+
+
+def test_a_language_a_system_was_not_run_in_is_not_counted_as_never_reached():
+    """bl_base in de and fr, minijoint in de only: its speedup is de's, and fr is no failure."""
+    from mmadapt.report import speedup_table
+
+    day = 2.592e18
+    records = (_curve("bl_base", [2 * day, 4 * day], [50.0, 60.0]) + _curve("bl_base", [2 * day, 4 * day], [40.0, 50.0],
+                                                                             lang="fr")
+               + _curve("minijoint", [1 * day, 2 * day], [56.0, 58.0]))
+    assert str(speedup_table(records)[("minijoint", "genre")]) == "2.27× (1 langs)"  # it said "never in 1 of 2 langs"
+    assert "| minijoint | 1.5 (1–2) | - | 2.27× (1 langs) | 0 |" in report_markdown(records)
+
+
+def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_is_refused(tmp_path, capsys):
+    """Two bl_base runs in de, each evaluated by its own `mmadapt evaluate` call: named after their
+    runs as evaluate names two runs of one call (one curve took one run's start and the better
+    last score); one file given under two names is refused, and so is one checkpoint's score in
+    two files."""
+    from mmadapt.report import read_results
+
+    def rec(run, step, score):
+        return {"system": "bl_base", "task": "genre", "lang": "de", "step": step, "flops": step * 1e15,
+                "score": score, "artifact": f"/runs/{run}/embeddings/step{step:08d}"}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([rec("overlap", s, v) for s, v in ((0, 21.0), (100, 31.0), (200, 33.0))]))
+    b.write_text(json.dumps([rec("fvt", s, v) for s, v in ((0, 27.0), (100, 35.0), (200, 30.0))]))
+    got = read_results([str(a), str(b)])
+    assert [r["system"] for r in got] == ["bl_base [overlap]"] * 3 + ["bl_base [fvt]"] * 3
+    assert got[0].keys() == rec("overlap", 0, 0.0).keys()
+    assert [r["system"] for r in read_results([str(a)])] == ["bl_base"] * 3  # one run: its own name
+    rows = {r["system"]: (r["start"], r["last"]) for r in adaptation_rows(got, "genre")}
+    assert rows == {"bl_base [overlap]": (21.0, 33.0), "bl_base [fvt]": (27.0, 30.0)}
+    b.write_text(json.dumps([rec("overlap", 200, 33.5)]))
+    assert report_main([str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {a} and {b} both hold bl_base's genre score in de at step 200") and err.count("\n") == 1
+    a.write_text(json.dumps([rec("overlap", 0, 21.0), rec("overlap", 0, 21.0)]))
+    assert report_main([str(a)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {a} holds bl_base's genre score in de at step 0")
+
+
+def test_records_of_no_adaptation_alone_are_refused_in_one_line(tmp_path, capsys):
+    f = tmp_path / "none.json"
+    f.write_text(json.dumps([{"system": "no_adaptation", "task": "genre", "lang": "de", "flops": 0, "score": 40.0,
+                              "of": ["bl_base"]}]))
+    assert report_main([str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {f} hold only no-adaptation records: no Step-2 checkpoint") and err.count("\n") == 1
+
+
+def test_bits_per_byte_records_without_a_step_are_read():
+    from mmadapt.report import bpb_markdown
+
+    md = bpb_markdown([{k: v for k, v in r.items() if k != "step"} for r in _bpb_records()])
+    assert "| de | bl_base | 4 | 2.700 | 3.000 | 2.400 | -0.300 | - |" in md
