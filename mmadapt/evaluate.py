@@ -68,9 +68,11 @@ class Finetuned:
         """How its rows are laid out: as it was fine-tuned (ModelFamily.recorded_framing)."""
         return self.family.recorded_framing(self.run)
 
-    def model(self) -> torch.nn.Module:
+    def model(self, on: torch.device | None = None) -> torch.nn.Module:
         """The evaluation model (dropout off, TP=1: plain torch layers, no process group) with
-        these weights, on `parallel.device()` in `devices.eval_dtype`: built on the first call and kept.
+        these weights, on `on` (default `parallel.device()`) in `devices.eval_dtype`: built on the
+        first call and kept (predict's device="cpu" on a GPU machine: fp32 from the weights, not
+        from their bf16 copy).
         Step 4 swaps artifacts into it (`swapped`, which puts these weights back afterwards), so
         it is for evaluation only."""
         if self._model is None:
@@ -79,7 +81,7 @@ class Finetuned:
                                       vocab_size=self.state[self.family.word].shape[0])
             model = self.family.build_task_model(cfg, self.task.kind, len(self.labels), self.run["finetune"]["seed"])
             model.load_state_dict(self.state, strict=True)
-            self._model = on_eval_device(model, device())
+            self._model = on_eval_device(model, on or device())
         return self._model
 
 

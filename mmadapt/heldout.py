@@ -82,12 +82,15 @@ class Primary:
         return cls.of(source, source.weights())
 
 
-def scoring_model(family: ModelFamily, cfg: ModelConfig, state: dict) -> torch.nn.Module:
-    """The family's one-head LM with `state` (vocab from its rows), on the device for evaluation."""
+def scoring_model(family: ModelFamily, cfg: ModelConfig, state: dict, on: torch.device | None = None
+                  ) -> torch.nn.Module:
+    """The family's one-head LM with `state` (vocab from its rows), on `on` (default: the device
+    for evaluation) in its evaluation precision: built there at once, so fp32 on the CPU is
+    `state` itself, not a copy of it rounded to a GPU's bf16 on the way."""
     cfg = dataclasses.replace(cfg, vocab_size=state[family.word].shape[0])
     model = family.build_lm(cfg)
     model.load_state_dict(state)
-    return on_eval_device(model, device())
+    return on_eval_device(model, on or device())
 
 
 # --- held-out text ----------------------------------------------------------------------------------------

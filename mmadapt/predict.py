@@ -226,9 +226,7 @@ class LanguageModel:
             state = {**state, **{name: t.float() for name, t in swap.items()}}
         cfg = dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0,
                                   vocab_size=state[family.word].shape[0])
-        model = scoring_model(family, cfg, state)
-        if device is not None and device != device_of(model):
-            model = on_eval_device(model, device)
+        model = scoring_model(family, cfg, state, device)
         prefix = text_prefix(source.record, source.tokenizer, tokenizer)
         return cls(run, family, cfg, model, load_tokenizer(tokenizer), embeddings, prefix)
 
@@ -455,9 +453,7 @@ class TaskModel:
             if graft:  # only the word embeddings go into a task model; expand keeps its own source rows
                 word = artifact_state(ft.family, {"word_embeddings": artifact["word_embeddings"]}, meta, ft.state)
                 artifact = {"word_embeddings": word[ft.family.word]}
-        model = ft.model()  # built once, on parallel.device()
-        if device is not None and device != device_of(model):
-            on_eval_device(model, device)  # in place: ft keeps it
+        ft.model(device)  # built once, on `device` (ft keeps it)
         return cls(run, ft, recorded_config(ft), load_tokenizer(tokenizer), artifact, embeddings)
 
     @property
@@ -506,6 +502,7 @@ class TaskModel:
             return encode_classify(self.tokenizer, examples, cfg.seq_length, framing)
         if kind == "tag":
             return encode_tag(self.tokenizer, examples, self.labels, cfg.seq_length, framing)
+        self._say_cut_questions(examples)
         return encode_span(self.tokenizer, examples, cfg.seq_length, cfg.doc_stride, cfg.max_query_length, framing)
 
     def _say_cut(self, examples: list) -> None:
@@ -519,6 +516,16 @@ class TaskModel:
             if pieces > n:
                 print(f"note: input {i} is {pieces} pieces long with its layout; the {self.task.name} model reads its "
                       f"first {n} (the run's seq_length, as fine-tuning and evaluate read it)", file=sys.stderr)
+
+    def _say_cut_questions(self, examples: list) -> None:
+        """QA reads a question's first max_query_length pieces, as fine-tuning and `mmadapt
+        evaluate` read it (features.encode_span): said on stderr for each question that is cut."""
+        n = self.cfg.max_query_length
+        for i, ex in enumerate(examples, 1):
+            pieces = len(self.tokenizer.encode(ex.question))
+            if pieces > n:
+                print(f"note: input {i}'s question is {pieces} pieces long; the {self.task.name} model reads its first "
+                      f"{n} (the run's max_query_length, as fine-tuning and evaluate read it)", file=sys.stderr)
 
     def logits(self, inputs: list) -> tuple[list, Encoded, torch.Tensor]:
         """(examples, their rows, logits: classify [n, C], tag [n, s, C], span [windows, s, 2]),
@@ -570,10 +577,12 @@ def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> list[dict]:
     jsonl = Path(path).suffix.lower() in (".jsonl", ".json") if jsonl is None else jsonl
     where = "stdin" if path == "-" else path
     try:
-        if path == "-":
-            lines = sys.stdin.read().splitlines()
-        else:
-            lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
+        # bytes, decoded here: stdin as a file is (not in the locale's encoding, its BOM dropped),
+        # and cut at line ends alone: str.splitlines also cuts at \x0c, \x85 and U+2028, which a
+        # line of text (or of predict's own JSON output) may hold
+        data = (getattr(sys.stdin, "buffer", None) or sys.stdin).read() if path == "-" else Path(path).read_bytes()
+        text = data.decode("utf-8-sig") if isinstance(data, bytes) else data
+        lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
     except UnicodeDecodeError as e:
         raise ValueError(f"{where} is not UTF-8 text (byte offset {e.start})") from None
     except IsADirectoryError:

@@ -124,6 +124,20 @@ def test_imported_models_logits_and_fill_mask_are_transformers(hf_run):
             assert all(t["text"] == t["piece"].replace("▁", " ").strip() for t in top)
 
 
+def test_a_device_asked_for_is_where_the_model_is_built(hf_run, monkeypatch):
+    """device="cpu" on a machine whose evaluation device is a GPU: the model was built there in
+    bf16 and moved back, its fp32 weights rounded to bf16 on the way (and the whole model put on
+    the GPU first). With the default device made the meta device (what a GPU stands for here:
+    anywhere but the CPU), the model is built on the CPU at once and its logits are the same."""
+    from mmadapt import evaluate, heldout
+
+    want = predict.load(hf_run[1], device="cpu").logits(SENTENCES)[4]
+    monkeypatch.setattr(heldout, "device", lambda: torch.device("meta"))
+    monkeypatch.setattr(evaluate, "device", lambda: torch.device("meta"))
+    lm = predict.load(hf_run[1], device="cpu")
+    assert torch.equal(lm.logits(SENTENCES)[4], want)
+
+
 def test_fill_mask_and_next_piece_say_what_they_are_for(hf_run):
     lm = predict.load(hf_run[1], device="cpu")
     with pytest.raises(ValueError, match="text 2 has no <mask>"):
@@ -176,7 +190,7 @@ def test_tags_per_word_score_as_step4_scores_tokens(de_tokenizer):
     assert 5 < step4["accuracy"] < 95  # the random model gets some right, some wrong
 
 
-def test_answers_score_as_step4_scores_spans(de_tokenizer):
+def test_answers_score_as_step4_scores_spans(de_tokenizer, capsys):
     texts = _verses(160)
     examples = []
     for i in range(0, 150, 5):
@@ -194,6 +208,13 @@ def test_answers_score_as_step4_scores_spans(de_tokenizer):
     logits = E.set_logits(tm.finetuned, data)
     assert best_spans(logits, data.enc, examples, CFG.max_answer_length) == {ex.id: p["answer"]
                                                                              for ex, p in zip(examples, pred)}
+    # A question past max_query_length is cut as fine-tuning and evaluate cut it, and said so.
+    capsys.readouterr()
+    long = " ".join(texts[:10])
+    tm.predict([("Wer schuf?", examples[0].context), (long, examples[0].context)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"note: input 2's question is {len(tm.tokenizer.encode(long))} pieces "
+                                                f"long; the xquad model reads its first {CFG.max_query_length}")
 
 
 def test_classifier_probabilities_and_input_checks(de_tokenizer):
@@ -238,6 +259,24 @@ def test_read_inputs_lines_tabs_and_json_lines(tmp_path):
     (tmp_path / "blank.txt").write_text("\n  \n")
     with pytest.raises(ValueError, match="holds no inputs"):
         predict.read_inputs(str(tmp_path / "blank.txt"), "mlm")
+    # Lines end at a line end alone: a form feed, U+0085 or U+2028 inside a line (which predict's own
+    # JSON output may hold, unescaped) is part of it; CRLF and CR end lines too.
+    odd = tmp_path / "odd.txt"
+    odd.write_bytes("a\x0cb <mask>\r\nc\u2028d <mask>\re\x85f <mask>\n".encode("utf-8"))
+    assert predict.read_inputs(str(odd), "mlm") == [{"text": "a\x0cb <mask>"}, {"text": "c\u2028d <mask>"},
+                                                    {"text": "e\x85f <mask>"}]
+    row = json.dumps({"text": "a\u2028b <mask>"}, ensure_ascii=False)
+    (tmp_path / "own.jsonl").write_text(row + "\n", encoding="utf-8")
+    assert predict.read_inputs(str(tmp_path / "own.jsonl"), "mlm") == [{"text": "a\u2028b <mask>"}]
+    # stdin is UTF-8 whatever the locale says, its BOM dropped, as a file's is
+    import io
+    stdin = io.TextIOWrapper(io.BytesIO("\ufeffcafé <mask>\n".encode("utf-8")), encoding="latin-1")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(sys, "stdin", stdin)
+        assert predict.read_inputs("-", "mlm") == [{"text": "café <mask>"}]
+        m.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9\n"), encoding="latin-1"))
+        with pytest.raises(ValueError, match=r"stdin is not UTF-8 text \(byte offset 3\)"):
+            predict.read_inputs("-", "mlm")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -334,6 +373,10 @@ def test_api_predictions_are_mmadapt_evaluates(zero_shot, tmp_path):
     test = T.read_examples(T.get_task("bible-genre"), "bible", "de", "test")
     model = predict.load(ft, embeddings=artifact)
     assert isinstance(model, predict.TaskModel) and model.embeddings == artifact
+    with pytest.MonkeyPatch.context() as m:  # built where it is asked for (test_a_device_asked_for_...)
+        m.setattr(E, "device", lambda: torch.device("meta"))
+        on_cpu = predict.load(ft, embeddings=artifact, device="cpu")
+        assert on_cpu.predict(_verses(3)) == model.predict(_verses(3))
     pred = model.predict([text for text, _ in test])
     genres = model.labels
     accuracy = 100 * sum(p["label"] == genres[gold] for p, (_, gold) in zip(pred, test)) / len(test)
