@@ -329,7 +329,8 @@ def adapt_main(argv=None) -> int:
 def sweep_parser() -> argparse.ArgumentParser:
     p = Parser(prog="sweep", description="Beyond the paper: Step 2 over each mini-model of a MINIJOINT run "
                "pretrained with several secondary heads (pretrain --recipe minijoint --mini_layers 2 4 6), every "
-               "checkpoint scored by the plug-in MLM metric; writes a table and a plot of gain against Step-2 "
+               "checkpoint scored by the plug-in metric (masked or next pieces, as the family trains); writes a "
+               "table and a plot of gain against Step-2 "
                "compute per depth, naming the cheapest depth that reaches near-maximal gain. Depths already "
                "trained in --output_dir are kept, interrupted ones resumed.")
     p.add_argument("--source", required=True, help="the MINIJOINT pretrain run")

@@ -539,6 +539,13 @@ def _sweep_data(run: RunSpec, step: Sweep, src_cfg: ModelConfig) -> Path:
     if (run.corpus is None) == (run.data_path is None):
         raise ValueError("pass one of --data_path (a prepared target dataset with a validation split) and --corpus")
     if run.data_path is not None:
+        default = PreprocessConfig()
+        given = [flag for flag, set_ in (("--vocab_size", step.vocab_size is not None),
+                                          ("--valid_fraction", step.prep.valid_fraction != default.valid_fraction),
+                                          ("--workers", step.prep.workers != default.workers)) if set_]
+        if given:  # they were ignored: the dataset's own vocabulary and split are what the sweep reads
+            raise ValueError(f"{' and '.join(given)} prepare{'s' if len(given) == 1 else ''} a --corpus; --data_path "
+                             f"{run.data_path} is prepared already: drop {'it' if len(given) == 1 else 'them'}")
         data_path = run.data_path
     else:
         if step.prep.valid_fraction <= 0:

@@ -3,8 +3,9 @@
 Beyond the paper (its section 7 and Appendix A.3, where each depth N was a separate pretraining):
 one MINIJOINT pretraining with a secondary head after each of several layers (`--mini_layers 2 4 6`)
 holds a mini-model of each depth. `steps.sweep` runs Step 2 over each of them on one target
-language, scores every checkpoint with the plug-in MLM metric (plugin.py: contextual gain =
-unigram reference - loss through the primary model), and this module turns those records into
+language, scores every checkpoint with the plug-in metric (plugin.py: contextual gain =
+unigram reference - loss through the primary model, on masked pieces for an encoder and next
+pieces for a decoder), and this module turns those records into
 the answer: per depth, the gain against Step-2 compute, and the cheapest depth that reaches
 near-maximal performance.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.config import Checked, _f
+from mmadapt.objectives import MLM, plugin_objective
 from mmadapt.report import NEAR_MAX, PLUGIN_NOISE, pyplot, time_to_target
 
 CEILING = "full"  # the key of the full-model row
@@ -42,10 +44,12 @@ class SweepConfig(Checked):
                         ge=256)
 
 
-def _curve(rows: list[dict]) -> dict:
+def _curve(key, rows: list[dict]) -> dict:
     # The start is the curve's point at compute 0: from the records' start_gain, whether or not
     # the run saved its update-0 artifact (whose own record, step 0, would repeat it).
     rows = sorted((r for r in rows if r["step"] > 0), key=lambda r: r["flops"])
+    if not rows:
+        raise ValueError(f"the records of depth {key} hold no trained checkpoint (only update 0): train it")
     last = rows[-1]
     return {"system": last["system"], "updates": last["step"], "flops_per_update": last["flops"] / last["step"],
             "final_flops": last["flops"], "start_gain": last["start_gain"], "final_gain": last["score"],
@@ -54,15 +58,21 @@ def _curve(rows: list[dict]) -> dict:
 
 def summarize(records: list[dict], near_max: float = NEAR_MAX) -> dict:
     """Plug-in records of a sweep (each with `mini_layers`: the depth N, or "full" for the
-    ceiling) -> {lang, reference, reference_from, target, meaningful, rows, cheapest}. Each row:
+    ceiling), all of one objective's plug-in metric -> {lang, label ("MLM" or "LM"), scored (what
+    its loss is per), reference, reference_from, target, meaningful, rows, cheapest}. Each row:
     mini_layers, system, updates, flops_per_update, final_flops, start_gain, final_gain,
     share (of the reference), points [(flops, gain)], and to_target / lower / upper (Step-2
     FLOPs to the target; None: never reached)."""
     langs = {r["lang"] for r in records}
     if len(langs) != 1:
         raise ValueError(f"a sweep scores one target language, these records hold {', '.join(sorted(langs))}")
+    objective = {plugin_objective(r.get("task", "")) or MLM for r in records}
+    if len(objective) != 1:
+        raise ValueError("a sweep scores one objective's plug-in metric; these records hold "
+                         + " and ".join(sorted(o.plugin_task for o in objective)))
+    objective = objective.pop()
     keys = sorted({r["mini_layers"] for r in records}, key=lambda k: (k == CEILING, k if k != CEILING else 0))
-    rows = [{"mini_layers": k, **_curve([r for r in records if r["mini_layers"] == k])} for k in keys]
+    rows = [{"mini_layers": k, **_curve(k, [r for r in records if r["mini_layers"] == k])} for k in keys]
     depths = [row for row in rows if row["mini_layers"] != CEILING]
     if not depths:
         raise ValueError("the records hold no mini-model depth (only the full-model ceiling)")
@@ -74,15 +84,25 @@ def summarize(records: list[dict], near_max: float = NEAR_MAX) -> dict:
     # Near the unigram reference (gain 0) a fraction of the reference is noise, not a level.
     meaningful = reference > PLUGIN_NOISE
     for row in rows:
-        row["share"] = row["final_gain"] / reference if reference > 0 else math.nan
+        row["share"] = row["final_gain"] / reference if reference > 0 else None  # None: JSON has no NaN
         hit = time_to_target(row["points"], target) if meaningful else None
         row.update(to_target=None if hit is None else hit.estimate, lower=None if hit is None else hit.lower,
                    upper=None if hit is None else hit.upper)
     reached = [row for row in depths if row["to_target"] is not None]
     cheapest = min(reached, key=lambda row: (row["to_target"], row["mini_layers"])) if reached else None
-    return {"lang": langs.pop(), "near_max": near_max, "reference": reference, "reference_from": source,
+    return {"lang": langs.pop(), "label": objective.label, "scored": objective.scored, "near_max": near_max,
+            "reference": reference, "reference_from": source,
             "target": target, "meaningful": meaningful, "rows": rows,
             "cheapest": None if cheapest is None else cheapest["mini_layers"]}
+
+
+def _label(summary: dict) -> str:
+    """'masked-LM' or 'LM': the loss the gains are of (a summary written before it was recorded: MLM)."""
+    return "masked-LM" if summary.get("label", MLM.label) == MLM.label else summary["label"]
+
+
+def _scored(summary: dict) -> str:
+    return summary.get("scored", MLM.scored)
 
 
 def _e(flops: float | None) -> str:
@@ -95,7 +115,8 @@ def sweep_markdown(summary: dict, source: str = "") -> str:
     pct = round(100 * summary["near_max"])
     out = [f"## Depth sweep, {summary['lang']}: plug-in contextual gain against Step-2 compute"
            + (f" ({source})" if source else ""), "",
-           f"Gain = unigram reference - held-out masked-LM loss through the primary model (nats per masked piece). "
+           f"Gain = unigram reference - held-out {_label(summary)} loss through the primary model (nats per "
+           f"{_scored(summary)[:-1]}). "
            f"Reference: {summary['reference_from']}, final gain {summary['reference']:.3f}; near-maximal target "
            f"{pct}% of it = {summary['target']:.3f}.", "",
            "| depth N | Step-2 EFLOPs per update | updates | final EFLOPs | start gain | final gain | share of reference "
@@ -105,7 +126,7 @@ def sweep_markdown(summary: dict, source: str = "") -> str:
         hit = "never" if row["to_target"] is None else f"{_e(row['to_target'])} ({_e(row['lower'])}–{_e(row['upper'])})"
         if not summary["meaningful"]:
             hit = "-"
-        share = "-" if math.isnan(row["share"]) else f"{100 * row['share']:.0f}%"
+        share = "-" if row["share"] is None or math.isnan(row["share"]) else f"{100 * row['share']:.0f}%"
         out.append(f"| {name} | {_e(row['flops_per_update'])} | {row['updates']} | {_e(row['final_flops'])} | "
                    f"{row['start_gain']:+.3f} | {row['final_gain']:+.3f} | {share} | {hit} |")
     out.append("")
@@ -120,7 +141,9 @@ def sweep_markdown(summary: dict, source: str = "") -> str:
         line = (f"**Cheapest depth reaching {pct}% of the reference: N = {summary['cheapest']}**, at "
                 f"{_e(row['to_target'])} EFLOPs of Step 2")
         ceiling = next((r for r in summary["rows"] if r["mini_layers"] == CEILING), None)
-        if ceiling is not None and ceiling["to_target"]:
+        if row["to_target"] == 0:  # its start already at the target (time_to_target's first point)
+            line += " (its start is at the target already)"
+        elif ceiling is not None and ceiling["to_target"] is not None:
             line += f", {ceiling['to_target'] / row['to_target']:.2f}× less than the full model needs"
         out.append(line + ".")
     out.append("")
@@ -145,7 +168,7 @@ def plot_sweep(summary: dict, path) -> None:
     curves.axhline(0.0, color="gray", lw=0.5)
     curves.set_xlabel("Step-2 FLOPs (exact count)", fontsize=8)
     curves.set_ylabel("contextual gain (nats)", fontsize=8)
-    curves.set_title(f"plug-in MLM · {summary['lang']}", fontsize=9)
+    curves.set_title(f"plug-in {summary.get('label', MLM.label)} · {summary['lang']}", fontsize=9)
     curves.legend(fontsize=7)
     depths = [row for row in summary["rows"] if row["mini_layers"] != CEILING]
     names = [str(row["mini_layers"]) for row in depths]

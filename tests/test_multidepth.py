@@ -370,6 +370,34 @@ def test_sweep_picks_the_cheapest_depth_to_95_percent_of_the_best():
     assert "within noise" in sweep_markdown(flat)
 
 
+def test_the_sweeps_summary_for_a_decoder_a_start_at_the_target_and_a_reference_below_zero():
+    import json
+
+    from mmadapt.sweep import summarize, sweep_markdown
+
+    curves = {2: (0.0, [(1.0, 0.5), (2.0, 0.6)]), 4: (0.0, [(2.0, 0.9), (4.0, 1.0)])}
+    # A decoder's records (plugin-lm): next pieces, not masked ones.
+    lm = summarize([{**r, "task": "plugin-lm"} for r in _records(curves)])
+    assert (lm["label"], lm["scored"]) == ("LM", "next pieces")
+    assert "held-out LM loss through the primary model (nats per next piece)" in sweep_markdown(lm)
+    assert "masked-LM loss" in sweep_markdown(summarize([{**r, "task": "plugin-mlm"} for r in _records(curves)]))
+    with pytest.raises(ValueError, match="one objective's plug-in metric; these records hold plugin-lm and plugin-mlm"):
+        summarize([{**r, "task": "plugin-lm" if r["mini_layers"] == 2 else "plugin-mlm"} for r in _records(curves)])
+    # The cheapest depth at the target from its start (0 FLOPs to it), a ceiling that needs some:
+    # a ZeroDivisionError before, after sweep.json was written (so every rerun raised it again).
+    early = summarize(_records({2: (0.5, [(1.0, 0.51)]), "full": (0.1, [(10.0, 0.52)])}))
+    assert early["cheapest"] == 2 and early["rows"][0]["to_target"] == 0.0
+    assert "N = 2**, at 0 EFLOPs of Step 2 (its start is at the target already)." in sweep_markdown(early)
+    # A reference at or below 0: no share (None, not NaN, which sweep.json could not hold as JSON).
+    below = summarize(_records({2: (-0.5, [(1.0, -0.4)]), 4: (-0.5, [(2.0, -0.3)])}))
+    assert [r["share"] for r in below["rows"]] == [None, None]
+    json.dumps(below, allow_nan=False)
+    assert "| 2 | 1e-19 | 10 | 1e-18 | -0.500 | -0.400 | - | - |" in sweep_markdown(below)
+    # A depth with update 0 alone has no curve.
+    with pytest.raises(ValueError, match="the records of depth 4 hold no trained checkpoint"):
+        summarize(_records({2: (0.0, [(1.0, 0.5)])}) + [{**_records({4: (0.0, [(0.0, 0.0)])})[0], "step": 0}])
+
+
 # --- slow: parallel layouts and the sweep end to end -------------------------------------------------------
 
 STEPS = 3
