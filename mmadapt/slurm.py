@@ -14,9 +14,12 @@ pdsh/ssh between nodes is needed (many clusters forbid it), and srun keeps its p
 tracking, accounting and clean-up of every rank.
 
 Variables read (SLURM sets them in every srun task):
-    SLURM_JOB_NODELIST (or SLURM_NODELIST)  compressed host list, e.g. gpu[01-03,07]
-    SLURM_NNODES (or SLURM_JOB_NUM_NODES)   number of nodes (checked against the list)
-    SLURM_NODEID                            this node's index in the list
+    SLURM_STEP_NODELIST, else SLURM_JOB_NODELIST (or SLURM_NODELIST)  compressed host list, e.g.
+                                            gpu[01-03,07]: the step's nodes (an srun -N2 inside a
+                                            4-node allocation runs on two of them)
+    SLURM_STEP_NUM_NODES, else SLURM_NNODES (or SLURM_JOB_NUM_NODES)  number of nodes (checked
+                                            against the list)
+    SLURM_NODEID                            this node's index in the step's list
     SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE ("8" or "a100:8"): ranks per node
     SLURM_JOB_ID                            picks the rendezvous port
     MMADAPT_MASTER_ADDR, MMADAPT_MASTER_PORT  optional: another rendezvous host and port (tests run
@@ -103,8 +106,25 @@ def _gpus_per_node(env: dict) -> int:
             m = re.fullmatch(r"(?:[\w-]+:)?(\d+)(?:\(.*\))?", value.split(",")[0])
             if not m:
                 raise ValueError(f"cannot read {key}={value!r}: expected a count like 8 or a100:8")
-            return int(m.group(1))
+            return _at_least_one(int(m.group(1)), key)
     raise ValueError("SLURM_GPUS_ON_NODE is not set: request GPUs with #SBATCH --gpus-per-node=N, or pass --gpus_per_node")
+
+
+def _at_least_one(gpus: int, where: str) -> int:
+    # DeepSpeed's launcher starts --num_gpus ranks per node: with 0 it starts none and exits 0, a
+    # job that "succeeds" having trained nothing
+    if gpus < 1:
+        raise ValueError(f"{where} is {gpus}: a node runs one rank per GPU, so at least 1 (request GPUs with "
+                         "#SBATCH --gpus-per-node=N)")
+    return gpus
+
+
+def _whole(env: dict, key: str) -> int:
+    """A SLURM (or MMADAPT_) variable that holds a whole number, read or refused in one line."""
+    value = env[key]
+    if not re.fullmatch(r"\d+", value.strip()):
+        raise ValueError(f"cannot read {key}={value!r}: expected a whole number")
+    return int(value)
 
 
 @dataclasses.dataclass
@@ -118,23 +138,28 @@ class SlurmJob:
     @classmethod
     def from_env(cls, env: dict | None = None, gpus_per_node: int | None = None) -> "SlurmJob":
         env = dict(os.environ if env is None else env)
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        # the step's nodes where srun says (SLURM_NODEID counts within the step), else the job's
+        step = bool(env.get("SLURM_STEP_NODELIST"))
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if not nodelist:
             raise ValueError("SLURM_JOB_NODELIST is not set: run this inside a SLURM job step (srun)")
         hosts = expand_nodelist(nodelist)
-        nnodes = env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES")
-        if nnodes is not None and int(nnodes) != len(hosts):
-            raise ValueError(f"SLURM_NNODES={nnodes} but the node list {nodelist!r} names {len(hosts)} hosts")
+        counts = ("SLURM_STEP_NUM_NODES",) if step else ("SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+        count = next((k for k in counts if env.get(k)), None)
+        if count is not None and _whole(env, count) != len(hosts):
+            raise ValueError(f"{count}={env[count]} but the node list {nodelist!r} names {len(hosts)} hosts")
         if "SLURM_NODEID" not in env:
             raise ValueError("SLURM_NODEID is not set: start this with srun, one task per node")
-        node_rank = int(env["SLURM_NODEID"])
+        node_rank = _whole(env, "SLURM_NODEID")
         if not 0 <= node_rank < len(hosts):
             raise ValueError(f"SLURM_NODEID={node_rank} is outside 0..{len(hosts) - 1}")
-        gpus = gpus_per_node if gpus_per_node is not None else _gpus_per_node(env)
+        gpus = _at_least_one(gpus_per_node, "--gpus_per_node") if gpus_per_node is not None else _gpus_per_node(env)
         if "MMADAPT_MASTER_PORT" in env:
-            port = int(env["MMADAPT_MASTER_PORT"])
+            port = _whole(env, "MMADAPT_MASTER_PORT")
+            if not 1 <= port <= 65535:
+                raise ValueError(f"MMADAPT_MASTER_PORT={port} is not a TCP port: choose one in 1..65535")
         elif "SLURM_JOB_ID" in env:
-            port = PORT_BASE + int(env["SLURM_JOB_ID"]) % PORT_SPAN
+            port = PORT_BASE + _whole(env, "SLURM_JOB_ID") % PORT_SPAN
         else:
             raise ValueError("neither SLURM_JOB_ID nor MMADAPT_MASTER_PORT is set: cannot choose a rendezvous port")
         return cls(hosts, node_rank, gpus, env.get("MMADAPT_MASTER_ADDR") or hosts[0], port)

@@ -75,10 +75,28 @@ def test_four_nodes_of_eight():
     (fake_env("gpu[01-02]", 2, 2), "SLURM_NODEID=2 is outside 0..1"),
     (fake_env("gpu01", 1, 0, gpus=""), "SLURM_GPUS_ON_NODE is not set"),
     ({}, "SLURM_JOB_NODELIST is not set"),
+    # DeepSpeed's launcher would start no rank and exit 0; a port or count that is not one
+    (fake_env("gpu01", 1, 0, gpus="0"), "SLURM_GPUS_ON_NODE is 0: a node runs one rank per GPU, so at least 1"),
+    (fake_env("gpu01", 1, 0, MMADAPT_MASTER_PORT="99999"), "MMADAPT_MASTER_PORT=99999 is not a TCP port"),
+    (fake_env("gpu01", 1, 0, MMADAPT_MASTER_PORT="-1"), r"cannot read MMADAPT_MASTER_PORT='-1': expected a whole"),
+    (fake_env("gpu01", "two", 0), r"cannot read SLURM_NNODES='two': expected a whole number"),
+    (fake_env("gpu01", 1, "x"), r"cannot read SLURM_NODEID='x'"),
 ])
 def test_bad_slurm_environment(env, message):
     with pytest.raises(ValueError, match=message):
         SlurmJob.from_env(env)
+
+
+def test_a_step_on_some_of_the_jobs_nodes_reads_the_steps_list():
+    """srun -N2 inside a 4-node allocation: SLURM_NODEID and SLURM_NNODES count the step's nodes,
+    whose list is SLURM_STEP_NODELIST (the job's four were refused: 'SLURM_NNODES=2 but ...')."""
+    env = fake_env("gpu[01-04]", 2, 1, SLURM_STEP_NODELIST="gpu[03-04]", SLURM_STEP_NUM_NODES="2")
+    job = SlurmJob.from_env(env)
+    assert (job.hosts, job.node_rank, job.master_addr) == (["gpu03", "gpu04"], 1, "gpu03")
+    with pytest.raises(ValueError, match="SLURM_STEP_NUM_NODES=3 but the node list 'gpu\\[03-04\\]' names 2 hosts"):
+        SlurmJob.from_env({**env, "SLURM_STEP_NUM_NODES": "3"})
+    with pytest.raises(ValueError, match="--gpus_per_node is -6: a node runs one rank per GPU"):
+        SlurmJob.from_env(env, gpus_per_node=-6)
 
 
 def test_cli_dry_run_and_error(capsys, monkeypatch):
@@ -180,6 +198,39 @@ def test_template_renders_a_launch_per_node(template, tmp_path):
     if script == "launch/adapt.py":
         assert args.lang == "es" and args.output_dir.endswith("adapt/minijoint-es")  # array index 2
         assert args.extra_save_steps == [1000, 2000, 3000, 4000]
+    if script == "launch/pretrain.py":  # the run directory follows the recipe; the data, preprocess.sbatch's
+        assert args.data_path == f"{REPO}/data/prepared/en"
+
+
+def test_adapt_template_without_extra_saves_and_pretrain_named_after_its_recipe(tmp_path):
+    """EXTRA_SAVES= (empty) turns the extra saves off (it gave the default list: `:-`); RECIPE=bl_base
+    writes runs/pretrain-bl_base, where build_minipost.sbatch reads its primary model, not
+    runs/pretrain-minijoint."""
+    from mmadapt import cli
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+
+    repo = tmp_path / "repo"  # the templates' default directories are under REPO: a stand-in, not this checkout
+    repo.mkdir()
+    (repo / "launch").symlink_to(REPO / "launch")
+
+    def script_args(template, **extra):
+        env = child_env(**fake_env("gpu01", 1, 0), MMADAPT_DRY_RUN="1", REPO=str(repo), PYTHON=sys.executable,
+                        RUN_ROOT=str(tmp_path / "adapt"), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **extra)
+        proc = subprocess.run(["bash", str(REPO / "launch" / "slurm" / template)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        launch = next(c for c in map(shlex.split, proc.stdout.splitlines())
+                      if c[1:3] == ["-m", "deepspeed.launcher.runner"])
+        return launch[next(i for i, a in enumerate(launch) if a.startswith("launch/")) + 1:]
+    assert cli.adapt_parser().parse_args(script_args("adapt.sbatch", EXTRA_SAVES="")).extra_save_steps in (None, [])
+    assert "--extra_save_steps" not in script_args("adapt.sbatch", EXTRA_SAVES="")
+    assert cli.adapt_parser().parse_args(script_args("adapt.sbatch", EXTRA_SAVES="700")).extra_save_steps == [700]
+    run = cli.pretrain_parser().parse_args(script_args("pretrain.sbatch", RECIPE="bl_base")).output_dir
+    assert run == f"{repo}/runs/pretrain-bl_base" and (repo / "runs" / "pretrain-bl_base").is_dir()
 
 
 # --- a real two-node run on one machine -------------------------------------------------------------
