@@ -182,6 +182,19 @@ class SlurmJob:
                 "--master_port", str(self.master_port), *launcher_args, *script_and_args]
 
 
+def devices_warning(env: dict, gpus_per_node: int) -> str | None:
+    """A warning where SLURM gave this node's task GPUs other than 0..G-1 (CUDA_VISIBLE_DEVICES
+    of a cluster that does not confine a job to its devices): DeepSpeed's launcher, given a
+    hostfile, sets CUDA_VISIBLE_DEVICES=0..G-1 for its ranks whatever SLURM said, so they would
+    run on the node's first G GPUs, which may be another job's. None where they agree."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or visible.split(",") == [str(i) for i in range(gpus_per_node)]:
+        return None
+    return (f"warning: SLURM gave this task CUDA_VISIBLE_DEVICES={visible}, but DeepSpeed's launcher runs its "
+            f"{gpus_per_node} ranks on devices 0-{gpus_per_node - 1} of the node: ask for whole nodes (--exclusive) "
+            "or a cluster that confines jobs to their GPUs (cgroup ConstrainDevices)")
+
+
 def write_hostfile(job: SlurmJob, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -209,6 +222,9 @@ def main(argv=None) -> int:
     hostfile = Path(args.hostfile or Path(os.environ.get("TMPDIR", "/tmp")) /
                     f"mmadapt-hostfile-{os.environ.get('SLURM_JOB_ID', 'job')}-{job.node_rank}")
     cmd = job.command(hostfile, script, tuple(shlex.split(args.launcher_args)))
+    warning = devices_warning(dict(os.environ), job.gpus_per_node)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     if args.dry_run:
         print(f"# hostfile {hostfile}\n{job.hostfile()}# node {job.node_rank} of {len(job.hosts)}, "
               f"world size {job.world_size}\n{shlex.join(cmd)}")

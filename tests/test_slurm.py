@@ -99,6 +99,17 @@ def test_a_step_on_some_of_the_jobs_nodes_reads_the_steps_list():
         SlurmJob.from_env(env, gpus_per_node=-6)
 
 
+def test_devices_other_than_the_first_are_warned_of():
+    """DeepSpeed's launcher, given a hostfile, sets CUDA_VISIBLE_DEVICES=0..G-1 for its ranks:
+    where SLURM gave the task others (no device confinement), they would train elsewhere."""
+    from mmadapt.slurm import devices_warning
+
+    assert devices_warning({}, 4) is None and devices_warning({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 4) is None
+    assert devices_warning({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 4).startswith(
+        "warning: SLURM gave this task CUDA_VISIBLE_DEVICES=4,5,6,7, but DeepSpeed's launcher runs its 4 ranks on "
+        "devices 0-3")
+
+
 def test_cli_dry_run_and_error(capsys, monkeypatch):
     from mmadapt.cli import main
 
