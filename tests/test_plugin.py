@@ -46,12 +46,28 @@ def test_primary_head_loss_is_the_models_own(primary_run, english):
 
 
 def test_unigram_reference_by_hand(english):
+    """The reference's distribution is over the pieces the metric can score: a masked position is
+    never a special piece (</s>, one a sentence, took 3-4% of the mass when every piece was
+    counted, and every contextual gain read about 0.035 nats high)."""
     batches = H.heldout_batches(H.Text(english, 32, 64, 16), VOCAB)
     tokens = np.fromfile(english / "text.bin", dtype=json.loads((english / "manifest.json").read_text())["dtype"])
     counts = np.bincount(tokens.astype(np.int64), minlength=VOCAB) + 1.0
     labels = torch.cat([l[l.ge(0)] for _, l in batches]).numpy()
-    expected = -np.mean(np.log(counts[labels] / counts.sum()))
-    assert H.unigram_loss(H.unigram_logprobs(english, VOCAB), batches) == pytest.approx(expected, rel=1e-6)
+    every = -np.mean(np.log(counts[labels] / counts.sum()))
+    assert H.unigram_loss(H.unigram_logprobs(english, VOCAB), batches) == pytest.approx(every, rel=1e-6)
+    scorable = counts.copy()
+    scorable[:5] = 0.0
+    expected = -np.mean(np.log(scorable[labels] / scorable.sum()))
+    assert H.unigram_loss(H.reference_logprobs(english, VOCAB), batches) == pytest.approx(expected, rel=1e-6)
+    assert every - expected == pytest.approx(-np.log1p(-counts[:5].sum() / counts.sum()), rel=1e-6)
+    assert every - expected > 0.02  # the share of the special pieces, </s> above all
+    assert torch.isinf(H.reference_logprobs(english, VOCAB)[:5]).all()
+    # Causal: mmadapt's packed stream scores its </s>; an imported decoder's sentence rows do not.
+    from mmadapt.objectives import CAUSAL
+
+    packed, rows = H.reference_logprobs(english, VOCAB, CAUSAL), H.reference_logprobs(english, VOCAB, CAUSAL, [])
+    assert torch.allclose(packed.exp(), torch.from_numpy(counts / counts.sum()).float())
+    assert torch.isinf(rows[3]) and torch.isfinite(rows[:3]).all() and float(rows.exp().sum()) == pytest.approx(1.0)
     # The same masked positions every time (a fixed seed), none of them special pieces.
     again = H.heldout_batches(H.Text(english, 32, 64, 16), VOCAB)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(batches, again))
@@ -163,7 +179,7 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
     own = plugin_loss(ROBERTA, one, {**head, BIAS: state["heads.heads.0.bias"]}, batches)
     assert rec["loss"] == pytest.approx(own, abs=1e-6)
     assert rec["score"] == pytest.approx(rec["unigram_loss"] - own)
-    assert rec["unigram_loss"] == pytest.approx(H.unigram_loss(H.unigram_logprobs(english, VOCAB), batches))
+    assert rec["unigram_loss"] == pytest.approx(H.unigram_loss(H.reference_logprobs(english, VOCAB), batches))
     # The overlap init copies every shared piece's row and bias: all pieces are shared here.
     assert rec["start_loss"] == pytest.approx(own, abs=1e-6)
     assert rec["system"] == "minijoint" and rec["artifact"] == str(art) and math.isfinite(rec["score"])
