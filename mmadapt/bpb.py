@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,9 @@ class Rows:
     unknown_bytes: int  # the UTF-8 bytes the <unk> pieces stand for, and those of characters no piece does
 
 
+_WHITESPACE_RUN = re.compile(r"\s{2,}")
+
+
 def windows(words: list[int], room: int) -> list[tuple[int, int]]:
     """A line's pieces (`words`: each one's word, word_index) in disjoint windows [start, end) of at
     most `room` pieces, each cut before a word where the window holds its start (inside a word
@@ -217,7 +221,7 @@ def windows(words: list[int], room: int) -> list[tuple[int, int]]:
 def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Rows:
     """Rows of every window of every line of `text` (`window_rows(ids, words, a, b)`: those of the
     window [a, b) of a line's pieces `ids`, each piece's word `words`), and the counts of Rows."""
-    rows, pieces, unknown, unk_bytes, dropped = [], 0, 0, 0, {}
+    rows, pieces, unknown, unk_bytes, dropped, collapses = [], 0, 0, 0, {}, None
     for line in text.lines:
         ids, spans = piece_offsets(sp, line)
         words = word_index(line, spans)
@@ -233,6 +237,12 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
             if ch not in dropped:
                 dropped[ch] = not ch.isspace() and not sp.encode(ch)
             unk_bytes += len(ch.encode("utf-8")) if dropped[ch] and k not in in_unk else 0
+        # a run of whitespace a tokenizer reads as one boundary (SentencePiece's remove_extra_whitespaces,
+        # a WordPiece's split at whitespace): its characters after the first stand for nothing
+        if collapses is None:
+            collapses = list(sp.encode("a  b")) == list(sp.encode("a b"))
+        if collapses:
+            unk_bytes += sum(len(m.group()[1:].encode("utf-8")) for m in _WHITESPACE_RUN.finditer(line))
     return Rows(rows, pieces, unknown, unk_bytes)
 
 
@@ -399,6 +409,11 @@ class ByteScorer:
         if key not in self._folds:
             self._folds[key] = folds(load(tokenizer))
         return self._folds[key]
+
+    def unknown_share(self, text: RawText, tokenizer: str | Path) -> float:
+        """The share of `text`'s pieces, as `tokenizer` reads it, that are <unk> (no scoring)."""
+        read = self.reading(text, tokenizer)
+        return read.unknown / max(read.pieces, 1)
 
     def none(self, text: RawText) -> float:
         """No adaptation: `text` in bits per byte through the primary model with its own

@@ -112,10 +112,15 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
             raise ValueError(f"no held-out {lang} text: pass a prepared {lang} dataset with a validation split")
         if lang not in prepared:  # a prepared dataset, or refused naming what it is
             read_manifest(data_paths[lang])
+            per_byte.text(data_paths[lang])  # its raw held-out text (kept): a changed corpus is refused now
             prepared.add(lang)
         if file_sha256(Path(data_paths[lang]) / TOKENIZER) != file_sha256(path / "spm.model"):
             raise ValueError(f"{path} uses another tokenizer than {data_paths[lang]}: score it on the dataset Step 2 "
                              "trained on")
+        if meta.get("vocab_mode") == "expand":  # the source text its bits per byte read, likewise
+            source = source_text_data(path.parent.parent, primary)
+            if source is not None and read_manifest(source).get("valid"):
+                per_byte.text(source)
     records, scored = [], {}  # scored: (loss, bits per byte) by swap_key and language
     for path in progress(paths, "plug-in metric"):
         emb, tok, meta = read_artifact(path)
@@ -142,6 +147,8 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                   "masked_pieces": text.scored, "artifact": str(path),
                   "bpb": bpb, "start_bpb": starts[run][1],
                   "none_bpb": per_byte.none(raw), "bpb_bytes": raw.bytes,
+                  "bpb_unknown_share": per_byte.unknown_share(raw, tok),
+                  "none_bpb_unknown_share": per_byte.unknown_share(raw, per_byte.own_tokenizer),
                   "bpb_folds": per_byte.folds(tok), "none_bpb_folds": per_byte.folds(per_byte.own_tokenizer),
                   **_source_bits(per_byte, run, primary, tok, emb, meta)}
         records.append(record if artifact_primary_ref(meta).same(ref) else grafted(record, primary_run))

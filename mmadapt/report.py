@@ -389,8 +389,12 @@ def bpb_rows(records: list[dict]) -> list[dict]:
                          "last": last["bpb"], "flops": float(last["flops"]), "first_below": below[0] if below else None,
                          "source_none": last.get("source_none_bpb"), "source_last": last.get("source_bpb"),
                          "source_seen": last.get("source_bpb_pretrained_on"), "bytes": last["bpb_bytes"],
-                         "folds": last.get("bpb_folds") or [], "none_folds": last.get("none_bpb_folds") or []})
+                         "folds": last.get("bpb_folds") or [], "none_folds": last.get("none_bpb_folds") or [],
+                         "unknown": last.get("bpb_unknown_share"), "none_unknown": last.get("none_bpb_unknown_share")})
     return rows
+
+
+UNKNOWN_NOTE = 0.25  # a share of <unk> pieces over which a bits-per-byte verdict says a tokenizer misses the text
 
 
 def bpb_verdict(lang: str, rows: list[dict]) -> str:
@@ -407,7 +411,14 @@ def bpb_verdict(lang: str, rows: list[dict]) -> str:
         else:
             out.append(f"{r['system']} does not beat no adaptation ({r['last']:.3f} bits per byte against "
                        f"{r['none']:.3f}) after {r['flops'] / 1e18:.3g} EFLOPs of Step 2")
-    return f"{lang}: " + "; ".join(out) + "."
+    # A tokenizer that reads much of the text as <unk> pays 8 bits a byte there (docs/bits-per-byte.md):
+    # its score says first that it does not cover the text
+    shares = [("no adaptation", max(r.get("none_unknown") or 0.0 for r in rows))]
+    shares += [(r["system"], r.get("unknown") or 0.0) for r in rows]
+    poor = [f"{who}'s tokenizer reads {share:.0%} of its pieces as <unk>" for who, share in shares
+            if share > UNKNOWN_NOTE]
+    note = f" ({'; '.join(poor)}: it does not cover the text)" if poor else ""
+    return f"{lang}: " + "; ".join(out) + "." + note
 
 
 def bpb_markdown(records: list[dict]) -> str:
@@ -808,8 +819,16 @@ def _bpb_panel(ax, records: list[dict], systems: list[str], unit: float) -> None
             pts = [(0.0, mine[0]["start_bpb"]), *pts]
         ax.plot([x / unit for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=system,
                 color=COLORS.get(system))
-    ax.axhline(next(r["none_bpb"] for r in records if r.get("bpb") is not None), color="black", ls="-.", lw=1.0,
-               label="no adaptation (own tokenizer and embeddings)")
+    # one line per primary model (the demo scores two): its own tokenizer and embeddings, beside
+    # the systems whose embeddings went into it
+    nones = defaultdict(list)
+    for r in records:
+        if r.get("bpb") is not None and r["system"] not in nones[r["none_bpb"]]:
+            nones[r["none_bpb"]].append(r["system"])
+    for value, of in nones.items():
+        ax.axhline(value, color="black" if len(nones) == 1 else COLORS.get(of[0], "gray"), ls="-.", lw=1.0,
+                   label="no adaptation (own tokenizer and embeddings)" if len(nones) == 1 else
+                   f"no adaptation ({', '.join(sorted(of))}'s primary model)")
 
 
 def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:

@@ -149,6 +149,21 @@ def test_the_bytes_of_a_character_the_normalizer_drops_are_charged_as_unknown(to
     assert ours.bpb(nats) == pytest.approx((nats / math.log(2) + 8 * 3) / (len(clean) + 3))
 
 
+def test_whitespace_a_tokenizer_collapses_is_charged_as_unknown(tokenizer):
+    """SentencePiece reads a run of spaces or tabs as one word boundary: the characters after a
+    run's first stand for nothing, so they are charged 8 bits a byte as a dropped character is (a
+    byte-level BPE pays for every one of them); a lone tab or U+3000 read as a space is a fold, not
+    a loss, and costs nothing."""
+    from mmadapt.tokenizer import load
+
+    sp = load(tokenizer)
+    layout = B.Layout((EOS_ID,), ())
+    texts = ["Gott sprach", "Gott    sprach", "Gott\t\tsprach", "Gott\tsprach", "Gott\u3000sprach"]
+    got = [B.causal_rows(sp, B.RawText((t,), "test"), layout, 64) for t in texts]
+    assert all(g.rows == got[0].rows for g in got)  # one reading of all five
+    assert [g.unknown_bytes for g in got] == [0, 3, 1, 0, 0]
+
+
 def _encoder(vocab: int, seed: int = 0) -> torch.nn.Module:
     cfg = dataclasses.replace(ROBERTA_PRESETS["tiny"][0], num_layers=2, head_layers=(2,), vocab_size=vocab,
                               max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)

@@ -17,7 +17,7 @@ from mmadapt import plugin as P
 from mmadapt.adapt import progress_line
 from mmadapt.checkpoint import tag_for
 from mmadapt.config import PreprocessConfig
-from mmadapt.data import prepare
+from mmadapt.data import DataError, prepare
 from mmadapt.family import WORD
 from mmadapt.models.roberta.model import BIAS
 from mmadapt.run import load_weights
@@ -200,6 +200,17 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
     (art / "spm.model").write_bytes(b"another tokenizer")
     with pytest.raises(ValueError, match=f"^{art} uses another tokenizer than {english}: score it on the dataset"):
         P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=64, batch_size=16)
+    # A corpus gone since its dataset was prepared is refused before anything is scored (the
+    # bits-per-byte text was read after the language's held-out blocks, and after every language before it).
+    (art / "spm.model").write_bytes((english / "tokenizer.model").read_bytes())
+    gone = tmp_path / "gone"
+    shutil.copytree(english, gone)
+    manifest = json.loads((gone / "manifest.json").read_text())
+    (gone / "manifest.json").write_text(json.dumps({**manifest, "corpus": str(tmp_path / "no-such-corpus.txt")}))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(H.Scorer, "heldout", lambda *a, **k: pytest.fail("scored before the refusal"))
+        with pytest.raises(DataError, match="no-such-corpus.txt is gone"):
+            P.plugin_records(primary_run, [run], {"en": gone}, 32, blocks=64, batch_size=16)
 
 
 def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus, de_tokenizer, tmp_path, capsys,

@@ -542,3 +542,35 @@ def test_bits_per_byte_records_without_a_step_are_read():
 
     md = bpb_markdown([{k: v for k, v in r.items() if k != "step"} for r in _bpb_records()])
     assert "| de | bl_base | 4 | 2.700 | 3.000 | 2.400 | -0.300 | - |" in md
+
+
+def test_the_bits_per_byte_panel_draws_each_primary_models_own_no_adaptation():
+    """The demo scores two primary models: each one's own tokenizer and embeddings read the text
+    at their own bits per byte, and every system was drawn against the first record's."""
+    from mmadapt.report import _bpb_panel, pyplot
+
+    plt = pyplot()
+    records = [{**r, "none_bpb": 2.9} if r["system"] == "minipost" else r for r in _bpb_records()]
+    fig, ax = plt.subplots()
+    _bpb_panel(ax, records, ["bl_base", "expand", "minipost"], 1e18)
+    nones = {line.get_label(): line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() == "-."}
+    assert nones == {"no adaptation (bl_base, expand's primary model)": 2.7,
+                     "no adaptation (minipost's primary model)": 2.9}
+    ax.clear()
+    _bpb_panel(ax, _bpb_records(), ["bl_base", "expand", "minipost"], 1e18)
+    assert [line.get_label() for line in ax.get_lines() if line.get_linestyle() == "-."] == [
+        "no adaptation (own tokenizer and embeddings)"]
+    plt.close(fig)
+
+
+def test_a_tokenizer_that_reads_a_text_as_unk_is_said_so_in_the_verdict():
+    """docs/bits-per-byte.md: above 25% <unk> pieces the verdict says the tokenizer does not cover
+    the text (English pieces read Russian almost wholly as <unk>); the records carry each share."""
+    from mmadapt.report import bpb_markdown
+
+    records = [{**r, "none_bpb_unknown_share": 0.93, "bpb_unknown_share": 0.30 if r["system"] == "expand" else 0.01}
+               for r in _bpb_records()]
+    md = bpb_markdown(records)
+    assert ("EFLOPs of Step 2. (no adaptation's tokenizer reads 93% of its pieces as <unk>; expand's tokenizer reads "
+            "30% of its pieces as <unk>: it does not cover the text)") in md
+    assert "<unk>" not in bpb_markdown(_bpb_records())  # records from before carry no share: nothing said
