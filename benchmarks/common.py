@@ -159,6 +159,13 @@ def hardware() -> str:
     return f"cpu{len(os.sched_getaffinity(0))}"
 
 
+def vendor() -> str:
+    """The DEVICE_TFLOPS entry whose bf16 peak this GPU's utilisation is reported against (by its
+    name; an H100's where none matches)."""
+    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+    return next((k for k in ("h200", "h100", "a100") if k in name), "h100")
+
+
 def hardware_details() -> dict:
     d = {"hardware": hardware(), "torch": torch.__version__, "python": platform.python_version(),
          "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}

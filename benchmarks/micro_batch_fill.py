@@ -39,6 +39,7 @@ from common import (
     run_ds_config,
     setup,
     table,
+    vendor,
     write_results,
 )
 from flops_validation import cases
@@ -90,7 +91,8 @@ def main(argv=None) -> None:
     ap.add_argument("--only", nargs="+", metavar="SYSTEM:STEP", default=list(DEFAULT_CASES), help="cases to run")
     ap.add_argument("--assume_room", action="store_true", help="the fit reads no memory and merges all K (a CPU run "
                     "of the script: its figures are not a GPU's)")
-    ap.add_argument("--vendor", choices=sorted(DEVICE_TFLOPS), default="h100", help="GPU vendor peak to compare with")
+    ap.add_argument("--vendor", choices=sorted(DEVICE_TFLOPS), default=vendor(),
+                    help="GPU vendor peak to compare with (default: this GPU's, by its name)")
     args = ap.parse_args(argv)
     base, train = setup(args)
     family = get_family(base)

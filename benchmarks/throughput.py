@@ -40,6 +40,7 @@ from common import (
     run_ds_config,
     setup,
     table,
+    vendor,
     write_results,
 )
 from flops_validation import cases
@@ -76,7 +77,8 @@ def main(argv=None) -> None:
                     help="ModelConfig.fusion of every model")
     ap.add_argument("--only", nargs="+", metavar="SYSTEM:STEP", help="run only these cases (e.g. bl_base:pretrain "
                     "minijoint:adapt); default: all seven")
-    ap.add_argument("--vendor", choices=sorted(DEVICE_TFLOPS), default="h100", help="GPU vendor peak to compare with")
+    ap.add_argument("--vendor", choices=sorted(DEVICE_TFLOPS), default=vendor(),
+                    help="GPU vendor peak to compare with (default: this GPU's, by its name)")
     args = ap.parse_args(argv)
     base, train = setup(args, THROUGHPUT_SHAPES)
     family = get_family(base)

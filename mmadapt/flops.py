@@ -19,6 +19,7 @@ DEVICE_TFLOPS = {
     "v100": 125.0,                   # fp16 tensor-core peak, SXM2
     "a100": 312.0,                   # bf16 dense peak
     "h100": 989.0,                   # bf16 dense peak, SXM
+    "h200": 989.0,                   # bf16 dense peak, SXM (the H100's chip, more and faster memory)
 }
 
 # What one update of a language-model step trains: everything (Step 1), MINIPOST's new layers
