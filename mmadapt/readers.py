@@ -153,7 +153,7 @@ def read_conllu(path: str | os.PathLike) -> list[TaggedSentence]:
     Multiword-token lines (ID '1-2', e.g. Spanish 'del' = 'de' + 'el') and empty nodes ('1.1')
     are skipped: the syntactic words that follow them carry the tags."""
     out, words, tags = [], [], []
-    with open(_check(path), encoding="utf-8") as f:
+    with open(_check(path), encoding="utf-8-sig") as f:  # a byte-order mark is no column
         for n, line in enumerate(f, 1):
             line = line.rstrip("\n")
             if not line.strip():
@@ -179,7 +179,7 @@ def read_conll2003(path: str | os.PathLike) -> list[TaggedSentence]:
     """CoNLL-2003-style columns (word ... NER tag last), blank lines between sentences,
     -DOCSTART- lines ignored."""
     out, words, tags = [], [], []
-    with open(_check(path), encoding="utf-8") as f:
+    with open(_check(path), encoding="utf-8-sig") as f:
         for line in f:
             cols = line.split()
             if not cols or cols[0] == "-DOCSTART-":

@@ -115,7 +115,7 @@ def recorded_defaults() -> dict:
 
 # record keys (not config fields) run.json gained later (2026-12-01): a run recorded before one is
 # not checked for it (a Step-3 run's rows then started with <s>: ModelFamily.recorded_framing)
-UNRECORDED_BEFORE = ("data_parallel_size", "task_start", "data_digest", "replay_digest")
+UNRECORDED_BEFORE = ("data_parallel_size", "task_start", "data_digest", "replay_digest", "data_split", "replay_split")
 
 
 def check_same_run(run_file: Path, expected: dict) -> None:
@@ -137,11 +137,12 @@ def check_same_run(run_file: Path, expected: dict) -> None:
             defaults = defaults or recorded_defaults()
             if key in defaults and defaults[key] == value:
                 continue
-        if key in ("data_digest", "replay_digest"):
-            which = expected.get("data_path" if key == "data_digest" else "replay_data")
-            raise ValueError(f"--resume of a changed run: the dataset {which} holds other text or another tokenizer "
-                             f"than when {run_file} recorded it (prepared again at the same path?); resume with "
-                             "that dataset, or start a new --output_dir")
+        if key in ("data_digest", "replay_digest", "data_split", "replay_split"):
+            which = expected.get("data_path" if key.startswith("data") else "replay_data")
+            what = "other text or another tokenizer" if key.endswith("digest") else "another validation split"
+            raise ValueError(f"--resume of a changed run: the dataset {which} holds {what} than when {run_file} "
+                             "recorded it (prepared again at the same path?); resume with that dataset, or start a "
+                             "new --output_dir")
         raise ValueError(f"--resume of a changed run: {key} is {value} here but {saved.get(key)} in {run_file}; "
                          "resume with the run's settings, or start a new --output_dir")
     # A DeepSpeed setting the run had and this --ds_config lacks (bf16 on, then a JSON without it:

@@ -77,6 +77,15 @@ def dataset_digest(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(held, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def split_digest(manifest: dict) -> str:
+    """How a prepared dataset's text is split (the validation fraction and seed, and what each
+    part holds): the same corpus and tokenizer prepared again with another --valid_fraction
+    trains on other documents in another order, which a --resume refuses too (recorded apart
+    from dataset_digest, which runs recorded before this one hold)."""
+    held = {k: manifest.get(k) for k in ("valid_fraction", "valid_seed", "tokens", "valid")}
+    return hashlib.sha256(json.dumps(held, sort_keys=True).encode()).hexdigest()[:32]
+
+
 class TextData:
     """The data of an LM step (run.DataPlan): a dataset prepared by `mmadapt preprocess`
     (RunSpec.data_path; `manifest`: its manifest where the step read it already), or a raw corpus
@@ -91,7 +100,8 @@ class TextData:
             if train.eval_interval and not manifest.get("valid"):
                 raise ValueError(f"--eval_interval needs validation data: {run.data_path} was prepared without it "
                                  "(mmadapt preprocess --valid_fraction 0.01 ... into a new --output_dir)")
-            return {"data_path": str(run.data_path.resolve()), "data_digest": dataset_digest(manifest)}
+            return {"data_path": str(run.data_path.resolve()), "data_digest": dataset_digest(manifest),
+                    "data_split": split_digest(manifest)}
         if run.corpus is None:
             raise ValueError("no training data: pass --data_path (a dataset made by mmadapt preprocess) or --corpus")
         corpus = check_corpus(run.corpus)
@@ -186,8 +196,9 @@ class WithReplay:
         self.plan, self.replay = plan, replay
 
     def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> dict:
+        replay = read_manifest(self.replay.data)
         return {**self.plan.check(run, model, train, family), "replay_data": str(self.replay.data.resolve()),
-                "replay_digest": dataset_digest(read_manifest(self.replay.data))}
+                "replay_digest": dataset_digest(replay), "replay_split": split_digest(replay)}
 
     def check_resume(self, run: RunSpec) -> None:
         self.plan.check_resume(run)

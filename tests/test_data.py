@@ -543,6 +543,35 @@ def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(c
     assert manifest["vocab_size"] == 300 and (out / D.MANIFEST).is_file() and not list(out.glob("tokenizer.tmp*"))
 
 
+def test_a_preparation_over_an_unfinished_one_rebuilds_what_it_derived(tokenizer, tmp_path):
+    """A directory without a manifest (a preparation that stopped, or one whose manifest went)
+    is prepared again; the block index its text left (keyed by seq_length alone) was read over
+    the new text: 12 blocks of <s> and padding, nothing scored. It and a killed run's shards go."""
+    d, first, second = tmp_path / "d", tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("\n\n".join(f"In the beginning God created the heaven and the earth {i}." for i in range(40))
+                     + "\n")
+    second.write_text("And God said, Let there be light.\n")
+    prepare(first, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
+    assert len(mlm_batches(d, 16, VOCAB, 0, 1)) > 10  # its block index, kept in d
+    (d / D.MANIFEST).unlink()
+    (d / ".shards4242").mkdir()
+    (d / ".shards4242" / "00000.bin").write_bytes(b"x" * 100)
+    prepare(second, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
+    assert not (d / ".shards4242").exists() and not list(d.glob("blocks_s*"))
+    b = mlm_batches(d, 16, VOCAB, 0, 1)
+    assert len(b) == 1 and (b.micro_batch(0, 0)[1] != IGNORE_INDEX).any()
+
+
+def test_a_split_that_holds_out_every_document_is_refused_in_one_line(tokenizer, tmp_path):
+    text = next(t for t in (f"Verse {i} of the beginning." for i in range(1000))
+                if D.is_validation_document(t, 0.5, PreprocessConfig.tokenizer_seed))
+    (tmp_path / "one.txt").write_text(text + "\n")
+    with pytest.raises(D.DataError, match=r"^--valid_fraction 0.5 held out every document of .*one.txt \(1 of them\): "
+                                          "lower it, or give the corpus more documents"):
+        prepare(tmp_path / "one.txt", tmp_path / "d", VOCAB, tokenizer=tokenizer, quiet=True,
+                cfg=PreprocessConfig(workers=1, valid_fraction=0.5))
+
+
 def test_a_refused_preparation_keeps_the_tokenizer_it_did_not_write(tmp_path):
     """A corpus too small for its vocabulary, prepared into a directory that holds a stopped
     preparation's tokenizer.model: refused in one line, and that tokenizer is left as it was."""
@@ -648,7 +677,10 @@ def test_a_resume_refuses_a_dataset_prepared_again_at_the_same_path(corpus, toke
     model = dataclasses.replace(PRESETS["tiny"][0], vocab_size=VOCAB)
     fields = TextData().check(RunSpec(output_dir=tmp_path / "run", data_path=d), model, TrainConfig(),
                               get_family(model))
-    assert fields == {"data_path": str(d.resolve()), "data_digest": again}
+    from mmadapt.train import split_digest
+
+    assert fields == {"data_path": str(d.resolve()), "data_digest": again,
+                      "data_split": split_digest(D.read_manifest(d))}
     record = tmp_path / "run.json"
     record.write_text(json.dumps({"data_path": str(d), "data_digest": first}))
     with pytest.raises(ValueError, match=f"--resume of a changed run: the dataset {d} holds other text or another "
@@ -657,3 +689,16 @@ def test_a_resume_refuses_a_dataset_prepared_again_at_the_same_path(corpus, toke
     check_same_run(record, {"data_path": str(d), "data_digest": first})
     record.write_text(json.dumps({"data_path": str(d)}))  # recorded before the digest
     check_same_run(record, {"data_path": str(d), "data_digest": again})
+    # The same text and tokenizer prepared again with another validation split: other documents
+    # train, in another order (the digest of the text alone was the same)
+    split = split_digest(D.read_manifest(d))
+    shutil.rmtree(d)
+    prepare(text, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1, valid_fraction=0.2))
+    assert dataset_digest(D.read_manifest(d)) == again and split_digest(D.read_manifest(d)) != split
+    record.write_text(json.dumps({"data_path": str(d), "data_digest": again, "data_split": split}))
+    with pytest.raises(ValueError, match=f"--resume of a changed run: the dataset {d} holds another validation split "
+                                         "than when"):
+        check_same_run(record, {"data_path": str(d), "data_digest": again,
+                                "data_split": split_digest(D.read_manifest(d))})
+    record.write_text(json.dumps({"data_path": str(d), "data_digest": again}))  # recorded before the split
+    check_same_run(record, {"data_path": str(d), "data_digest": again, "data_split": split_digest(D.read_manifest(d))})

@@ -649,6 +649,30 @@ def test_split_losses_are_each_texts_loss_per_scored_piece():
                                                         torch.tensor(3.0)]))
 
 
+def test_a_micro_batch_with_no_scored_position_has_a_zero_loss_not_nan():
+    """MLM blocks of a lone </s> (a sentence exactly k blocks long) have nothing to mask: a
+    micro-batch of them gave a mean over no piece, NaN, and the engine stopped the run as
+    diverged. Its loss is 0 now, with zero gradients that reach the head's parameters."""
+    from mmadapt.models.layers import head_losses
+
+    class Head(torch.nn.Module):
+        tp = 1
+
+        def forward(self, x, rows):
+            return vocab_linear(x, rows)
+
+    rows = (torch.randn(11, 4, requires_grad=True),)
+    hiddens = [torch.randn(2, 5, 4, requires_grad=True)]
+    none = torch.zeros(0, dtype=torch.long)
+    loss, per_head = head_losses(torch.nn.ModuleList([Head()]), hiddens, none, none, rows, None)
+    assert float(loss.detach()) == 0.0 and per_head.tolist() == [0.0]
+    loss.backward()
+    assert rows[0].grad is not None and not rows[0].grad.any()
+    loss, logged = head_losses(torch.nn.ModuleList([Head(), Head()]), hiddens * 2, none, none, rows, (0.5, 0.5),
+                               split=0)
+    assert float(loss.detach()) == 0.0 and torch.isfinite(logged).all()
+
+
 @pytest.mark.parametrize("family", ["roberta", "llama"])
 def test_replay_batches_are_a_pure_function_of_the_update(family, corpus, tokenizer, tmp_path):
     """R = round(f B) of every update's B blocks come from the replay text, spread over the

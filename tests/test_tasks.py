@@ -65,6 +65,10 @@ def test_conllu_with_multiword_tokens(tmp_path):
         (["Vino", "de", "el", "mar", "."], ["VERB", "ADP", "DET", "NOUN", "PUNCT"]), (["Sí"], ["INTJ"])]
     with pytest.raises(ValueError, match="10 tab-separated columns"):
         T.read_conllu(write(tmp_path / "bad.conllu", "1\tword\tlemma\n"))
+    # A file saved with a byte-order mark (Windows editors) reads as the same file without one
+    bom = tmp_path / "bom.conllu"
+    bom.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())
+    assert [(s.words, s.tags) for s in T.read_conllu(bom)] == [(s.words, s.tags) for s in sents]
 
 
 def test_conll2003(tmp_path):
@@ -72,6 +76,9 @@ def test_conll2003(tmp_path):
               "German JJ B-NP B-MISC\n\nPeter NNP B-NP B-PER\n")
     assert [(s.words, s.tags) for s in T.read_conll2003(f)] == [
         (["EU", "rejects", "German"], ["B-ORG", "O", "B-MISC"]), (["Peter"], ["B-PER"])]
+    bom = tmp_path / "bom.train"
+    bom.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())
+    assert [(s.words, s.tags) for s in T.read_conll2003(bom)] == [(s.words, s.tags) for s in T.read_conll2003(f)]
 
 
 def test_squad_metric_by_hand():

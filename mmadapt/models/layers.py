@@ -546,6 +546,14 @@ def head_losses(heads: nn.ModuleList, hiddens: list[torch.Tensor], masked_index:
     vocab = sum(w.shape[0] for w in output_rows)
     for head, h in zip(heads, hiddens):
         rows = gathered(h, masked_index)  # [m, h]
+        if not len(targets):
+            # No scored position in the micro-batch (MLM blocks of a lone </s>: data.mask_tokens):
+            # a zero loss through the head, whose parameters then get zero gradients like every
+            # other rank's (a mean over no piece was NaN, which stopped the run as diverged)
+            losses.append(head(rows, output_rows).float().sum() * 0.0)
+            if split is not None:
+                sums.append(losses[-1].new_zeros(2))
+            continue
         if split is None and head.tp == 1 and len(targets) * vocab > LOGITS_BUDGET:
             # Too many logits to hold at once: the projection and loss chunk by chunk (same loss).
             losses.append(linear_cross_entropy(head.features(rows), output_rows, head.bias_rows, targets,
