@@ -14,14 +14,14 @@
 #   bash benchmarks/gpu_quick.sh [RESULTS_DIR]      # results files there (default benchmarks/results)
 #
 # Through the device tool (files come back from $OUT alone, at most 8, and a call cut at its
-# timeout_s returns nothing written after the cut): the script under a shorter limit of its own,
-# then everything packed into one file. The 2026-12 plan, in two calls of about 5 minutes (the
-# per-step limits of both together are over one call's 600 s):
+# timeout_s returns nothing written after the cut): BUDGET=S starts no step whose limit would end
+# past S seconds of the script, so that it ends in time to pack everything into one file. The
+# 2026-12 plan, in two calls (the per-step limits of both together are over one call's 600 s):
 #   A: STEPS="gpu-tests replicas-bf16 throughput-cudagraphs profile-cudagraphs-bl_base:adapt"
-#   B: STEPS="host-cost-d974fb8 host-cost host-cost-cudagraphs throughput-compile profile-compile-bl_base:adapt
-#             profile-compile-minijoint:adapt"
-#   each: export STEPS=...; timeout -k 10 540 bash benchmarks/gpu_quick.sh /tmp/res >/tmp/res.log 2>&1;
-#         cp /tmp/res.log /tmp/host_cost_d974fb8.json /tmp/res/ 2>/dev/null; tar czf $OUT/res.tgz -C /tmp res
+#   B: STEPS="host-cost-d974fb8 host-cost host-cost-cudagraphs profile-compile-bl_base:adapt
+#             profile-compile-minijoint:adapt throughput-compile"   (the last only if its time is left)
+#   each: mkdir -p /tmp/res; export STEPS=...; BUDGET=500 bash benchmarks/gpu_quick.sh /tmp/res >/tmp/res/log.txt 2>&1;
+#         cp /tmp/host_cost_d974fb8.json /tmp/res/ 2>/dev/null; tar czf $OUT/res.tgz -C /tmp res
 #   with carry [".whl", ".devcache"] and timeout_s 600.
 #
 # On a GPU machine with no package registry (torch and transformers there, not deepspeed or
@@ -56,6 +56,10 @@ step() {  # step NAME SECONDS CMD...: a step, run below (run_steps) under its ti
 }
 run_step() {  # keep going on failure; -k: a step that ignores the TERM is killed 15 s later
     echo; echo "=== $1: ${command[$1]}"
+    if [ -n "${BUDGET:-}" ] && [ $((SECONDS + ${limit[$1]} + 15)) -gt "$BUDGET" ]; then
+        echo "=== $1: left out: its ${limit[$1]} s would end past BUDGET=$BUDGET s ($SECONDS s gone)"
+        failed+=("$1"); return 0
+    fi
     local t0=$SECONDS
     if eval "timeout -k 15 ${limit[$1]} ${command[$1]}"; then echo "=== $1: done in $((SECONDS - t0)) s"
     else echo "=== $1: FAILED or cut at ${limit[$1]} s (after $((SECONDS - t0)) s)"; failed+=("$1"); fi

@@ -819,7 +819,7 @@ def _bpb_panel(ax, records: list[dict], systems: list[str], unit: float) -> None
             pts = [(0.0, mine[0]["start_bpb"]), *pts]
         ax.plot([x / unit for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=system,
                 color=COLORS.get(system))
-    # one line per primary model (the demo scores two): its own tokenizer and embeddings, beside
+    # one line per primary model (the demo scores three): its own tokenizer and embeddings, beside
     # the systems whose embeddings went into it
     nones = defaultdict(list)
     for r in records:

@@ -188,7 +188,11 @@ def devices_warning(env: dict, gpus_per_node: int) -> str | None:
     hostfile, sets CUDA_VISIBLE_DEVICES=0..G-1 for its ranks whatever SLURM said, so they would
     run on the node's first G GPUs, which may be another job's. None where they agree."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is None or visible.split(",") == [str(i) for i in range(gpus_per_node)]:
+    ids = None if visible is None else visible.split(",")
+    # UUIDs or MIG names say nothing of which indices they are; a count of them other than G is a choice
+    if ids is None or not all(i.strip().isdigit() for i in ids) or len(ids) != gpus_per_node:
+        return None
+    if [int(i) for i in ids] == list(range(gpus_per_node)):
         return None
     return (f"warning: SLURM gave this task CUDA_VISIBLE_DEVICES={visible}, but DeepSpeed's launcher runs its "
             f"{gpus_per_node} ranks on devices 0-{gpus_per_node - 1} of the node: ask for whole nodes (--exclusive) "

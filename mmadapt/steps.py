@@ -55,8 +55,8 @@ from mmadapt.finetune import (TaskData, TaskPlan, at_chance, check_positions, ch
                               primary_state)
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
-from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, scoring_model,
-                             unigram_logprobs, unigram_loss)
+from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, reference_logprobs,
+                             scoring_model, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_resumable, check_same_source, pretrained_blocks,
                          read_run, read_source, require_head, require_kind, run_progress, run_text_layout,
@@ -239,10 +239,11 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
                 "frozen_from": {"run_dir": str(source.path), "tag": source.tag, "head_fit": True,
                                 "fingerprint": sampled_fingerprint(weights)}}
     with start_run(run, model, step.train, identity, TextData()) as started:
-        logp = unigram_logprobs(started.data, model.vocab_size)
+        logp = unigram_logprobs(started.data, model.vocab_size)  # where the output bias starts
         blocks = distinct_blocks(heldout_batches(Text(started.data, step.train.seq_length, UNIGRAM_BLOCKS, 1,
                                                       step.train.seed, TEXT), model.vocab_size, family.objective))
-        unigram = unigram_loss(logp, blocks)
+        # the plug-in metric's reference: the pieces a masked position can be (not </s>)
+        unigram = unigram_loss(reference_logprobs(started.data, model.vocab_size, family.objective), blocks)
         scale = head_scale(weights[family.word])
         init = {**weights, **{name: logp.clone() for name in family.output_biases(model)},
                 **{name: torch.full((model.hidden_size,), scale) for name in family.head_scales(model)}}
@@ -572,7 +573,8 @@ def _sweep_records(source: Path, runs: dict, step: Sweep, data_path: Path, kept:
     arts = artifact_dirs(list(runs.values()))
     key = {"source": str(source.resolve()), "data": str(Path(data_path).resolve()),
            "artifacts": meta_digests(arts), "plugin_blocks": cfg.plugin_blocks, "bpb_bytes": cfg.bpb_bytes,
-           "seq_length": step.train.seq_length}
+           "seq_length": step.train.seq_length,
+           "reference": "scorable pieces"}  # heldout.reference_logprobs: records before it counted every piece
     if (old := checkpoint.kept_result(kept, key, "sweep results")) is not None:
         return old["records"], key
     which = {str(run_dir.resolve()): n for n, run_dir in runs.items()}

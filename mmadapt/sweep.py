@@ -143,7 +143,7 @@ def sweep_markdown(summary: dict, source: str = "") -> str:
         ceiling = next((r for r in summary["rows"] if r["mini_layers"] == CEILING), None)
         if row["to_target"] == 0:  # its start already at the target (time_to_target's first point)
             line += " (its start is at the target already)"
-        elif ceiling is not None and ceiling["to_target"] is not None:
+        elif ceiling is not None and ceiling["to_target"]:  # (0: the ceiling's start is at it too)
             line += f", {ceiling['to_target'] / row['to_target']:.2f}× less than the full model needs"
         out.append(line + ".")
     out.append("")

@@ -545,7 +545,7 @@ def test_bits_per_byte_records_without_a_step_are_read():
 
 
 def test_the_bits_per_byte_panel_draws_each_primary_models_own_no_adaptation():
-    """The demo scores two primary models: each one's own tokenizer and embeddings read the text
+    """The demo scores three primary models: each one's own tokenizer and embeddings read the text
     at their own bits per byte, and every system was drawn against the first record's."""
     from mmadapt.report import _bpb_panel, pyplot
 

@@ -105,6 +105,8 @@ def test_devices_other_than_the_first_are_warned_of():
     from mmadapt.slurm import devices_warning
 
     assert devices_warning({}, 4) is None and devices_warning({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 4) is None
+    assert devices_warning({"CUDA_VISIBLE_DEVICES": "GPU-5f2a,GPU-77c1"}, 2) is None  # UUIDs: no index to compare
+    assert devices_warning({"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 2) is None  # fewer ranks than devices: a choice
     assert devices_warning({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 4).startswith(
         "warning: SLURM gave this task CUDA_VISIBLE_DEVICES=4,5,6,7, but DeepSpeed's launcher runs its 4 ranks on "
         "devices 0-3")
@@ -240,6 +242,11 @@ def test_adapt_template_without_extra_saves_and_pretrain_named_after_its_recipe(
     assert cli.adapt_parser().parse_args(script_args("adapt.sbatch", EXTRA_SAVES="")).extra_save_steps in (None, [])
     assert "--extra_save_steps" not in script_args("adapt.sbatch", EXTRA_SAVES="")
     assert cli.adapt_parser().parse_args(script_args("adapt.sbatch", EXTRA_SAVES="700")).extra_save_steps == [700]
+    # each system's Step 2 starts from its own source: pretrain.sbatch's run of its recipe, or build_minipost's
+    assert cli.adapt_parser().parse_args(script_args("adapt.sbatch", SYSTEM="minipost")).source == (
+        f"{repo}/runs/minipost")
+    assert cli.adapt_parser().parse_args(script_args("adapt.sbatch", SYSTEM="bl_base")).source == (
+        f"{repo}/runs/pretrain-bl_base")
     run = cli.pretrain_parser().parse_args(script_args("pretrain.sbatch", RECIPE="bl_base")).output_dir
     assert run == f"{repo}/runs/pretrain-bl_base" and (repo / "runs" / "pretrain-bl_base").is_dir()
 
