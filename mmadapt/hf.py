@@ -369,7 +369,8 @@ def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task
                          "whose roles are its tokenizer's: drop --roles_from")
     if kind == CLASSIFIER:
         return import_classifier(model_dir, output_dir, task)
-    if task is not None and (model_dir / "config.json").is_file():
+    # (a sentence-transformers directory may keep its transformer in a module folder: no config.json on top)
+    if task is not None and (kind == SENTENCE_TRANSFORMERS_DIR or (model_dir / "config.json").is_file()):
         raise ValueError(f"--task names what a sequence classifier predicts; {model_dir} is not one: drop --task")
     if kind == SENTENCE_TRANSFORMERS_DIR:
         return import_sentence_transformers(model_dir, Path(output_dir))

@@ -154,6 +154,13 @@ def test_a_sentence_transformers_6_directory_encodes_as_sentence_transformers_do
     st = as_sentence_transformer(headless["hf"], tmp_path / "st", max_seq_length=16)
     assert json.loads((st / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "mean"
     run = tmp_path / "run"
+    # --task is a classifier's: refused for a sentence encoder, its transformer at the top or in a
+    # module folder (it imported a Step-1 run and ignored the flag)
+    nested = as_sentence_transformer(headless["hf"], tmp_path / "nested", subfolder="0_Transformer")
+    for d in (st, nested):
+        with pytest.raises(ValueError, match="--task names what a sequence classifier predicts; .* drop --task"):
+            import_any(d, tmp_path / "refused", task="xnli")
+    assert not (tmp_path / "refused").exists()
     import_any(st, run)
     texts = [*TEXTS[:3], " ".join(TEXTS)]  # the last longer than 16 pieces: cut
     theirs = SentenceTransformer(str(st), device="cpu").encode(texts, convert_to_tensor=True)
