@@ -174,18 +174,11 @@ class HFTokenizer:
     """An imported Hugging Face fast tokenizer with mmadapt's ids (module docstring)."""
 
     def __init__(self, doc: dict):
-        from tokenizers import Tokenizer
-
         if doc.get("format") != HF_FORMAT:
             raise ValueError(f"not an imported tokenizer (format {doc.get('format')!r}, expected {HF_FORMAT!r})")
         self.doc = doc
         runtime, self._renamed = _control_pieces_unreachable(doc["tokenizer"])
-        self.tokenizer = Tokenizer.from_str(json.dumps(runtime))
-        # A text's pieces, whole: a document can carry a length to cut to and padding (exports of
-        # sentence-transformers ship 128 and Fixed 128), which would cut every QA context and task
-        # row and pad each encoding; mmadapt lays out, cuts and pads rows itself.
-        self.tokenizer.no_truncation()
-        self.tokenizer.no_padding()
+        self.tokenizer = _whole_texts(runtime)
         # A special token's string in a text is text ("<pad>" in a web page is five characters):
         # matched, it put a role's id inside a row (RoBERTa's "<pad>" and BERT's "[PAD]" gave
         # PAD_ID, which the padding mask and the varlen layout read as the row's end; Qwen2's
@@ -216,12 +209,7 @@ class HFTokenizer:
         """The document's `tokenizers` pipeline as the source ships it (what an export writes),
         without a length to cut to or padding: `self.tokenizer` reads special tokens' strings as
         text and renames a Unigram's control pieces (__init__)."""
-        from tokenizers import Tokenizer
-
-        tok = Tokenizer.from_str(json.dumps(self.doc["tokenizer"]))
-        tok.no_truncation()
-        tok.no_padding()
-        return tok
+        return _whole_texts(self.doc["tokenizer"])
 
     def token(self, h: int) -> str | None:
         """The source token of source id `h` (None for a row past the tokenizer)."""
@@ -402,6 +390,19 @@ class HFTokenizer:
         return self._ids(enc.ids)
 
 
+def _whole_texts(doc: dict):
+    """The `tokenizers` pipeline of document `doc` giving a text's pieces whole: a document can
+    carry a length to cut to and padding (exports of sentence-transformers ship 128 and Fixed
+    128), which would cut every QA context and task row and pad each encoding; mmadapt lays out,
+    cuts and pads rows itself."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(json.dumps(doc))
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
 def _control_pieces_unreachable(doc: dict) -> tuple[dict, dict[str, str]]:
     """A `tokenizers` document whose Unigram model cannot produce a special token from text,
     and {the name it gives such a token: the token}. SentencePiece never produces a control piece
@@ -412,9 +413,9 @@ def _control_pieces_unreachable(doc: dict) -> tuple[dict, dict[str, str]]:
     names back). The document itself (`doc`, what is written and exported) is not changed."""
     model = doc.get("model") or {}
     special = {a["content"] for a in doc.get("added_tokens", []) if a.get("special")}
-    if model.get("type") != "Unigram" or not any(p in special for p, _ in model["vocab"]):
+    inside = {p for p, _ in model["vocab"]} & special if model.get("type") == "Unigram" else set()
+    if not inside:
         return doc, {}
-    inside = {p for p, _ in model["vocab"]} & special
     renamed = {f"{p} ": p for p in inside}
     vocab = [[f"{p} " if p in inside else p, score] for p, score in model["vocab"]]
     added = [{**a, "content": f"{a['content']} "} if a["content"] in inside else a for a in doc["added_tokens"]]
