@@ -24,10 +24,10 @@ shaped, no adaptation as a horizontal line) into --output_dir.
 Every stage is a call of the library function behind the command a user runs (mmadapt.steps:
 pretrain, build_minipost, adapt_embeddings, finetune), one rank, with configs built from the
 family's preset by `dataclasses.replace`: in this process, except that on a CPU the Step-2 and
-Step-3 runs train two at a time, each in a worker process of its own (--workers; its output in
-<output_dir>/logs/). A stage that finished is kept and skipped when the demo is run again with
-the same settings (its demo.json; other settings, or another directory's files, are refused); one
-that was interrupted resumes from its last checkpoint.
+Step-3 runs, and Step 4 over each primary model, run two at a time, each in a worker process of
+its own (--workers; its output in <output_dir>/logs/). A stage that finished is kept and skipped
+when the demo is run again with the same settings (its demo.json; other settings, or another
+directory's files, are refused); one that was interrupted resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -118,11 +118,14 @@ class DemoConfig(Checked):
     plugin_blocks: int = _f(512, "held-out blocks scored by the plug-in MLM metric", ge=1)
     bpb_bytes: int = _f(BPB_BYTES, "held-out target bytes scored in bits per byte at every checkpoint (bpb.py: the "
                         "scale every tokenizer shares; a masked LM scores each piece in a pass of its own)", ge=256)
-    workers: int = _f(0, "Step-2 and Step-3 runs trained at once on a CPU, each in a process of its own with the "
-                      "cores shared out (0: 2 where the CPU has 2 cores or more, else 1; 1: one at a time in this "
-                      "process). On 2 cores two runs at one thread each make 1.4x the updates per second of one at "
-                      "two (benchmarks/results/demo_full_cpu2_20261127.md); a run's result does not depend on which "
-                      "process trains it, only on its thread count, which moves a loss in its 7th digit", ge=0)
+    workers: int = _f(0, "Step-2 and Step-3 runs, and Step 4 over each primary model, run at once on a CPU, each in a "
+                      "process of its own with the cores shared out (0: 2 where the CPU has 2 cores or more, else 1; "
+                      "1: one at a time in this process). On 2 cores two runs at one thread each make 1.4x the "
+                      "updates per second of one at two (benchmarks/results/demo_full_cpu2_20261127.md), and two "
+                      "Step-4 scorings take 0.76 of the time of one after the other at two (benchmarks/results/"
+                      "demo_step4_pool_cpu2_20261201.md); a run's result does not depend on which process trains it, "
+                      "only on its thread count, which moves a loss in its 7th digit (Step 4's scores: not at all)",
+                      ge=0)
     threads: int = _f(0, "torch intra-op threads on a CPU (torch.set_num_threads; 0: torch's own default, one per core "
                       "or OMP_NUM_THREADS, the faster on an otherwise idle machine; 1 on a machine that other jobs "
                       "keep busy, where two threads wait on each other: benchmarks/results/"
@@ -219,13 +222,15 @@ def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dic
 
 @dataclass(frozen=True)
 class Job:
-    """One Step-2 or Step-3 run of the demo: `Demo.<method>(*args)`, announced as `label`; `cost`
-    orders the runs longest first when several train at once."""
+    """One Step-2, Step-3 or Step-4 run of the demo: `Demo.<method>(*args)`, announced as `label`;
+    `cost` orders the runs longest first when several run at once; `after`: the labels of the
+    runs whose output it reads (it starts once they are done)."""
     label: str
     method: str
     args: tuple
     cost: int
     log: str
+    after: tuple[str, ...] = ()
 
 
 _DEMO: int | None = None  # in a worker: the demo's process id
@@ -260,9 +265,9 @@ def _exit_if_orphaned(wait: float = 0.0) -> None:
         time.sleep(0.05)
 
 
-def _run_job(demo: "Demo", job: Job) -> float | None:
-    """Run `job` in a worker, its output into job.log. -> its seconds; None: not started, the
-    demo is stopping."""
+def _run_job(demo: "Demo", job: Job) -> tuple[float, object] | None:
+    """Run `job` in a worker, its output into job.log. -> (its seconds, what it returned); None:
+    not started, the demo is stopping."""
     _exit_if_orphaned()
     if _STOP is not None and _STOP.is_set():
         return None
@@ -271,7 +276,7 @@ def _run_job(demo: "Demo", job: Job) -> float | None:
     try:
         with open(job.log, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             parallel.init_parallel(1, 1)
-            getattr(demo, job.method)(*job.args)
+            value = getattr(demo, job.method)(*job.args)
     except faults.Stopped:  # by a signal, which the demo's exit sends (a checkpoint is saved)
         _exit_if_orphaned(wait=5.0)
         raise  # stopped otherwise: the demo stops on it, as on any run's error
@@ -279,7 +284,7 @@ def _run_job(demo: "Demo", job: Job) -> float | None:
         if _STOP is not None:  # the demo stops on this error: this worker's next queued job must not start
             _STOP.set()
         raise
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, value
 
 
 def _mean(values: list) -> float | None:
@@ -305,8 +310,8 @@ class Demo:
         self.family: ModelFamily = get_family(cfg.family)
         self.stage, self.t0 = 0, time.perf_counter()
         # data preparation, 3 pretraining runs, Step 1b, Step 2 per system and language (and the
-        # ceiling: full-model Step 2 over MINIJOINT's source), 3 primaries' fine-tunings per seed, Step 4
-        self.total = 1 + 3 + 1 + len(cfg.langs) * (len(SYSTEMS) + 1) + 3 * len(cfg.finetune_seeds) + 1
+        # ceiling: full-model Step 2 over MINIJOINT's source), 3 primaries' fine-tunings per seed and Step 4
+        self.total = 1 + 3 + 1 + len(cfg.langs) * (len(SYSTEMS) + 1) + 3 * len(cfg.finetune_seeds) + 3
 
     def say(self, what: str) -> None:
         self.stage += 1
@@ -416,12 +421,26 @@ class Demo:
                                      f"(embeddings frozen), seed {seed}", "finetune", (pre[primary], seed, out),
                                      STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"],  # its depth
                                      str(root / "logs" / f"finetune-{out.name}.log")))
+        # Step 4, one run per primary model (MINIPOST's embeddings belong to BL_BASE's): its test
+        # sets, weights and source-side retrieval vectors are loaded once for all its systems.
+        label = {job.args[3]: job.label for job in jobs} | {job.args[2]: job.label for job in finetunes}
+        scorings = []
+        for primary in finetuned:
+            runs = self.step4_runs(primary)
+            scorings.append(Job(f"Step 4: the plug-in {self.family.objective.label} metric, zero-shot bible-genre and "
+                                f"retrieval of {len(runs)} Step-2 runs' checkpoints through {primary}'s primary model",
+                                "evaluate_primary", (pre[primary], finetuned[primary], runs, data),
+                                len(runs) * STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"],
+                                str(root / "logs" / f"evaluate-{primary}.log"),
+                                after=tuple(label[r] for r in (*runs, *finetuned[primary]))))
         # Step 3 reads only Step 1's models: its runs follow Step 2's in one queue, so the first
         # starts in Step 2's tail, where a worker would otherwise wait for the other's last run.
-        self.run_jobs(jobs, finetunes)
-        self.say(f"Step 4: the plug-in {self.family.objective.label} metric, zero-shot bible-genre and parallel-verse retrieval for "
-                 "every Step-2 checkpoint")
-        return self.evaluate(pre, finetuned, data)
+        # Each primary's Step 4 starts as soon as its own Step-2 and Step-3 runs are done.
+        done = self.run_jobs(jobs, finetunes, scorings)
+        records = [r for job in scorings for r in done[job.label]]
+        source = {p: _mean([json.loads((r / "run.json").read_text()).get("source_score") for r in runs])
+                  for p, runs in finetuned.items()}
+        return {"records": records, "source_scores": source}
 
     def adapt(self, system: str, source: Path, lang: str, run_dir: Path, data_path: Path) -> None:
         """Step 2 of `system` from `source` into `run_dir` (kept if done, resumed if interrupted:
@@ -462,19 +481,25 @@ class Demo:
         ceiling = [self.root / "adapt" / f"minijoint-full-{lang}" for lang in self.cfg.langs]
         return runs + (ceiling if primary == "minijoint" else [])
 
-    def run_jobs(self, *groups: list[Job]) -> None:
-        """Each job of the independent `groups`, one stage each: in this process one after the
-        other, group by group, or (workers_for) in worker processes several at a time from one
-        queue, the groups in order and each group longest first (costs compare within a group:
-        a Step-3 update is not a Step-2 one), each announced as it finishes."""
+    def run_jobs(self, *groups: list[Job]) -> dict[str, object]:
+        """Each job of the `groups`, one stage each: in this process one after the other, group by
+        group, or (workers_for) in worker processes several at a time from one queue, the groups
+        in order and each group longest first (costs compare within a group: a Step-3 update is
+        not a Step-2 one), a job with `after` queued once those jobs are done, each announced as it
+        finishes. -> what each job returned, by label. A job's `after` names jobs of earlier groups."""
         jobs = [job for group in groups for job in group]
+        labels = [job.label for job in jobs]
+        if len(set(labels)) < len(labels) or any(not set(job.after) <= set(labels[:i]) for i, job in enumerate(jobs)):
+            raise ValueError("demo jobs need unique labels, each `after` naming jobs of earlier groups")
         n, threads = workers_for(self.cfg)
+        results = {}
         if n == 1:
             for job in jobs:
                 self.say(job.label)
-                getattr(self, job.method)(*job.args)
-            return
+                results[job.label] = getattr(self, job.method)(*job.args)
+            return results
         queue = [job for group in groups for job in sorted(group, key=lambda j: -j.cost)]
+        waiting = [job for job in queue if job.after]  # queued once the jobs they read are done
         print(f"\n{len(jobs)} runs ({' then '.join(str(len(g)) for g in groups)}), {n} at a time, each in a process "
               f"of its own at {threads} torch thread{'s' if threads > 1 else ''} (their output: {self.root / 'logs'})",
               flush=True)
@@ -484,7 +509,7 @@ class Demo:
                                    initargs=(threads, os.getpid(), stop))
         try:
             with tqdm(total=len(jobs), desc="runs", unit="run", mininterval=1.0, leave=False) as bar:
-                running = {pool.submit(_run_job, self, job): job for job in queue}
+                running = {pool.submit(_run_job, self, job): job for job in queue if not job.after}
                 pending = set(running)
                 while pending:
                     finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
@@ -494,15 +519,21 @@ class Demo:
                     for done in sorted(finished, key=lambda f: (f.exception() is None,
                                                                 isinstance(f.exception(), faults.Stopped))):
                         try:
-                            seconds = done.result()
+                            finished_job = done.result()
                         except BaseException:
                             print(f"{running[done].label} failed; its log: {running[done].log}", file=sys.stderr,
                                   flush=True)
                             raise
-                        if seconds is None:  # not started: the demo is stopping
+                        if finished_job is None:  # not started: the demo is stopping
                             continue
+                        seconds, results[running[done].label] = finished_job
                         bar.update()
                         self.say(f"{running[done].label}: done in {seconds:.0f} s")
+                    for job in [job for job in waiting if all(label in results for label in job.after)]:
+                        waiting.remove(job)
+                        future = pool.submit(_run_job, self, job)
+                        running[future] = job
+                        pending.add(future)
         except BaseException:
             # A run's error (or Ctrl-C) stops the demo here, as it would in this process: no queued
             # run starts, and the running ones save at their current update and stop
@@ -511,22 +542,7 @@ class Demo:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
         pool.shutdown(wait=True)
-
-    def evaluate(self, pre: dict, finetuned: dict, data: dict) -> dict:
-        # One pass per primary model (MINIPOST's embeddings belong to BL_BASE's): its test sets,
-        # weights and source-side retrieval vectors are loaded once for all its systems. In this
-        # process, at its threads: two at a time at one thread each took as long on 2 cores
-        # (forward passes over large batches use both threads well, benchmarks/results/
-        # demo_full_cpu2_20261127.md), and here its progress bars show.
-        records = []
-        for primary in finetuned:
-            runs = self.step4_runs(primary)
-            print(f"  {primary}'s primary model: the plug-in metric, zero-shot bible-genre and retrieval of "
-                  f"{len(runs)} Step-2 runs' checkpoints", flush=True)
-            records += self.evaluate_primary(pre[primary], finetuned[primary], runs, data)
-        source = {p: _mean([json.loads((r / "run.json").read_text()).get("source_score") for r in runs])
-                  for p, runs in finetuned.items()}
-        return {"records": records, "source_scores": source}
+        return results
 
     def evaluate_primary(self, primary_run: Path, finetuned: list[Path], runs: list[Path], data: dict) -> list[dict]:
         """Step 4's records of the Step-2 `runs` over one primary model (`primary_run`, fine-tuned

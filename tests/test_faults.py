@@ -408,6 +408,58 @@ def test_a_failed_demo_run_stops_the_others_and_starts_no_queued_one(tmp_path):
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists(), "a queued run started"
 
 
+_AFTER_SCRIPT = '''
+import json, sys, time
+from pathlib import Path
+from mmadapt import demo
+
+class Runs:
+    """Stand-in demo runs: `slow` runs until a second after `quick` has run (in the other worker;
+    in one process it gives up waiting after 3 s), `quick` at once; `reader` says whether the slow
+    run's output existed when it started."""
+    root = Path(sys.argv[1])
+    cfg = demo.DemoConfig(workers=int(sys.argv[2]), threads=1)
+
+    def say(self, what):
+        print(what, flush=True)
+
+    def slow(self):
+        deadline = time.monotonic() + 3
+        while not (self.root / "quick.out").is_file() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        (self.root / "slow.out").write_text("done")
+        return "slow"
+
+    def quick(self):
+        (self.root / "quick.out").write_text("done")
+        return "quick"
+
+    def reader(self):
+        return (self.root / "slow.out").is_file()
+
+if __name__ == "__main__":
+    log = str(Runs.root / "run.log")
+    jobs = [demo.Job("slow", "slow", (), 2, log), demo.Job("quick", "quick", (), 1, log)]
+    done = demo.Demo.run_jobs(Runs(), jobs, [demo.Job("reader", "reader", (), 1, log, after=("slow",))])
+    print(json.dumps(done))
+'''
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_demo_run_starts_after_the_runs_it_reads(tmp_path, workers):
+    """Step 4 over a primary model reads its Step-2 and Step-3 runs: in worker processes it is
+    queued once they are done, not when a worker frees (here: the quick run's, while the slow one
+    still runs). What each run returned comes back by its label."""
+    script = tmp_path / "after.py"
+    script.write_text(_AFTER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path), str(workers)], cwd=tmp_path,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"slow": "slow", "quick": "quick", "reader": True}
+
+
 def test_a_stop_after_skipped_steps_keeps_the_complete_checkpoint_as_it_is(tmp_path):
     """A stop right after fp16-skipped steps does not write the update's complete checkpoint
     again (a kill during the rewrite would lose it): the resumed run replays the skipped batches."""
