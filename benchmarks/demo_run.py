@@ -1,10 +1,11 @@
 """One run of the demo's Step 2 or Step 3, as a demo worker trains it (one torch thread), or
-Step 4 over one primary model, as the demo's own process scores it (--threads 2 on 2 cores),
-timed: for comparing two commits on the demo's own work, run by run.
+Step 4 over one primary model (a demo worker on 2 cores scores it at --threads 1; the demo's own
+process, with --workers 1, at its threads), timed: for comparing two commits on the demo's own
+work, run by run.
 
     python benchmarks/demo_run.py DEMO_DIR adapt bl_base de OUT      # Step 2, --adapt_iters updates
     python benchmarks/demo_run.py DEMO_DIR finetune bl_base 1 OUT    # Step 3, seed 1
-    python benchmarks/demo_run.py DEMO_DIR evaluate bl_base - OUT.json --threads 2   # Step 4
+    python benchmarks/demo_run.py DEMO_DIR evaluate bl_base - OUT.json   # Step 4, as a demo worker scores it
 
 DEMO_DIR: a finished `mmadapt demo --output_dir DEMO_DIR` (its prepared data, Step-1 models and,
 for evaluate, its Steps 2 and 3). OUT is emptied first; evaluate writes the records there as

@@ -224,13 +224,16 @@ def install_source_model(recipe: str, run_dir: Path, data_path: Path, model: dic
 class Job:
     """One Step-2, Step-3 or Step-4 run of the demo: `Demo.<method>(*args)`, announced as `label`;
     `cost` orders the runs longest first when several run at once; `after`: the labels of the
-    runs whose output it reads (it starts once they are done)."""
+    runs whose output it reads (it starts once they are done); `interrupt`: a run with no update
+    to save at (Step 4), interrupted at once when the demo stops, where a training run saves at its
+    current update and stops (faults.StopRequest)."""
     label: str
     method: str
     args: tuple
     cost: int
     log: str
     after: tuple[str, ...] = ()
+    interrupt: bool = False
 
 
 _DEMO: int | None = None  # in a worker: the demo's process id
@@ -276,7 +279,8 @@ def _run_job(demo: "Demo", job: Job) -> tuple[float, object] | None:
     try:
         with open(job.log, "a") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             parallel.init_parallel(1, 1)
-            value = getattr(demo, job.method)(*job.args)
+            with faults.interrupted_when(_STOP) if job.interrupt and _STOP is not None else contextlib.nullcontext():
+                value = getattr(demo, job.method)(*job.args)
     except faults.Stopped:  # by a signal, which the demo's exit sends (a checkpoint is saved)
         _exit_if_orphaned(wait=5.0)
         raise  # stopped otherwise: the demo stops on it, as on any run's error
@@ -293,7 +297,7 @@ def _mean(values: list) -> float | None:
 
 
 def workers_for(cfg: "DemoConfig") -> tuple[int, int]:
-    """(processes, torch threads each) that train the demo's Step-2 and Step-3 runs."""
+    """(processes, torch threads each) that run the demo's Step-2 and Step-3 runs and its Step 4."""
     if parallel.device().type != "cpu":
         return 1, 0
     # the cores this process may run on (a SLURM or taskset slice of a larger machine), not the machine's
@@ -432,7 +436,7 @@ class Demo:
                                 "evaluate_primary", (pre[primary], finetuned[primary], runs, data),
                                 len(runs) * STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"],
                                 str(root / "logs" / f"evaluate-{primary}.log"),
-                                after=tuple(label[r] for r in (*runs, *finetuned[primary]))))
+                                after=tuple(label[r] for r in (*runs, *finetuned[primary])), interrupt=True))
         # Step 3 reads only Step 1's models: its runs follow Step 2's in one queue, so the first
         # starts in Step 2's tail, where a worker would otherwise wait for the other's last run.
         # Each primary's Step 4 starts as soon as its own Step-2 and Step-3 runs are done.
@@ -536,8 +540,9 @@ class Demo:
                         pending.add(future)
         except BaseException:
             # A run's error (or Ctrl-C) stops the demo here, as it would in this process: no queued
-            # run starts, and the running ones save at their current update and stop
-            # (faults.stop_when): the demo waits for them (a second Ctrl-C does not).
+            # run starts, the running training runs save at their current update and stop
+            # (faults.stop_when) and a running Step 4 is interrupted (Job.interrupt): the demo
+            # waits for them (a second Ctrl-C does not).
             stop.set()
             pool.shutdown(wait=True, cancel_futures=True)
             raise

@@ -20,6 +20,7 @@ Exit statuses of every mmadapt command:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -118,6 +119,30 @@ def stop_when(event) -> None:
     """Have every StopRequest of this process stop its run once `event` is set."""
     global _STOP_EVENT
     _STOP_EVENT = event
+
+
+@contextlib.contextmanager
+def interrupted_when(event, poll: float = 0.1):
+    """While active, `event` set (by another process: a demo stopping) raises KeyboardInterrupt in
+    this process's main thread, where the work runs: for work with no update to save at (a demo's
+    Step-4 scoring), which a StopRequest would leave running to its end. Main thread only."""
+    import _thread
+
+    done = threading.Event()
+
+    def watch():
+        while not done.wait(poll):
+            if event.is_set():
+                _thread.interrupt_main()
+                return
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # interrupt_main raises through it
+    threading.Thread(target=watch, daemon=True, name="interrupt-watch").start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.signal(signal.SIGINT, old)
 
 
 def clear_stale_stop(stop_file: Path) -> None:

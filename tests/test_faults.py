@@ -408,6 +408,57 @@ def test_a_failed_demo_run_stops_the_others_and_starts_no_queued_one(tmp_path):
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists(), "a queued run started"
 
 
+_SCORING_SCRIPT = '''
+import os, sys, time
+from pathlib import Path
+from mmadapt import demo
+
+class Runs:
+    """Stand-in demo runs: `score` works on with no update to save at, as a Step-4 scoring does;
+    `fail` fails once it does."""
+    cfg = demo.DemoConfig(workers=2, threads=1)
+    root = Path(sys.argv[1])
+
+    def say(self, what):
+        print(what, flush=True)
+
+    def score(self):
+        (self.root / "scoring").write_text(str(os.getpid()))
+        try:
+            while True:
+                time.sleep(0.05)
+        except KeyboardInterrupt:
+            (self.root / "scoring.interrupted").write_text("yes")
+            raise
+
+    def fail(self):
+        while not (self.root / "scoring").exists():
+            time.sleep(0.05)
+        raise ValueError("boom")
+
+if __name__ == "__main__":
+    log = str(Runs.root / "run.log")
+    jobs = [demo.Job("score", "score", (), 9, log, interrupt=True), demo.Job("fails", "fail", (), 1, log)]
+    try:
+        demo.Demo.run_jobs(Runs(), jobs)
+    except ValueError as e:
+        print(f"raised {e}", flush=True)
+'''
+
+
+def test_a_failed_demo_run_interrupts_a_running_scoring(tmp_path):
+    """A Step-4 scoring in a worker has no update to save at, and no StopRequest sees the demo's
+    stop: it is interrupted at once (Job.interrupt), so a run's error stops the demo then, not
+    after the scoring's minutes."""
+    script = tmp_path / "scoring.py"
+    script.write_text(_SCORING_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "raised boom" in done.stdout
+    assert (tmp_path / "scoring.interrupted").read_text() == "yes"
+
+
 _AFTER_SCRIPT = '''
 import json, sys, time
 from pathlib import Path
