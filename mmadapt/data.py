@@ -470,11 +470,12 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         same = (old["corpus"] == str(corpus.resolve()) and old["corpus_fingerprint"] == fingerprint
                 and old["vocab_size"] == vocab_size and old.get("valid_fraction", 0.0) == valid_fraction
                 and (tokenizer is None or old["tokenizer_sha256"] == file_sha256(tokenizer))
-                and (not seeded or old.get("valid_seed", PreprocessConfig.tokenizer_seed) == seed))
+                and (not seeded or old.get("valid_seed", PreprocessConfig.tokenizer_seed) == seed)
+                and (tokenizer is not None or _same_sample(old, cfg.tokenizer_sample_lines)))
         if not same:
             raise DataError(f"{out_dir} already holds a dataset prepared from {old['corpus']} with another corpus "
-                            "content, tokenizer, vocabulary, split or seed: choose a new --output_dir (nothing was "
-                            "overwritten)")
+                            "content, tokenizer, vocabulary, split, seed or --tokenizer_sample_lines: choose a new "
+                            "--output_dir (nothing was overwritten)")
         say(f"{out_dir} already holds {corpus} prepared with this tokenizer: nothing to do")
         return old
     created = not out_dir.exists()
@@ -504,7 +505,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
             shutil.rmtree(out_dir, ignore_errors=True)
         raise
     try:
-        return _encode_into(out_dir, tok, corpus, fingerprint, vocab_size, cfg, workers, say,
+        return _encode_into(out_dir, tok, corpus, fingerprint, vocab_size, cfg, workers, say, tokenizer is None,
                             time.perf_counter() - t0)
     except DataError:  # refused: what this call wrote goes (a directory it made, the tokenizer it put there)
         if created:
@@ -514,10 +515,22 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         raise
 
 
+def _same_sample(manifest: dict, lines: int) -> bool:
+    """Whether a tokenizer trained on a sample of at most `lines` corpus lines is the one `manifest`
+    records (the same corpus, seed and size): both samples hold every line of the corpus, or they
+    are the same size. A manifest written before it recorded its sample size is not compared."""
+    old = manifest.get("tokenizer_sample_lines")
+    if old is None:  # before this was recorded, or the tokenizer was given (--tokenizer)
+        return "tokenizer_sample_lines" not in manifest
+    total = manifest["sentences"] + ((manifest.get("valid") or {}).get("sentences") or 0)
+    return min(old, total) == min(lines, total)
+
+
 def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, vocab_size: int | None,
-                 cfg: PreprocessConfig, workers: int, say, t_tok: float) -> dict:
-    """`prepare`'s encoding, once its tokenizer is at `tok` in `out_dir` (`t_tok`: the seconds it
-    took): the text and its validation split encoded, the manifest written last. -> the manifest."""
+                 cfg: PreprocessConfig, workers: int, say, trained: bool, t_tok: float) -> dict:
+    """`prepare`'s encoding, once its tokenizer is at `tok` in `out_dir` (`trained`: here, on a sample
+    of cfg.tokenizer_sample_lines lines; else copied; `t_tok`: the seconds it took): the text and
+    its validation split encoded, the manifest written last. -> the manifest."""
     valid_fraction, seed = cfg.valid_fraction, cfg.tokenizer_seed
     sp = load_checked_tokenizer(tok, vocab_size)
     dtype = np.dtype(np.uint16 if sp.get_piece_size() <= 65_535 else np.int32).name
@@ -582,6 +595,7 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
                 "tokenizer_sha256": file_sha256(tok), "vocab_size": sp.get_piece_size(), "dtype": dtype,
                 "sentences": sentences, "documents": documents, "tokens": tokens, "unknown": unknown,
                 "valid_fraction": valid_fraction, "valid_seed": seed,
+                "tokenizer_sample_lines": cfg.tokenizer_sample_lines if trained else None,
                 "valid": dict(zip(("sentences", "documents", "tokens"), valid_counts)) if valid_fraction > 0 else None,
                 "mmadapt_version": __version__}
     tmp = out_dir / f".{MANIFEST}.tmp{os.getpid()}"

@@ -211,7 +211,7 @@ def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpu
     assert "nothing to do" in capsys.readouterr().out
     # Another seed draws another split: refused, not taken for the same preparation (it was a no-op
     # that kept the old split)
-    with pytest.raises(D.DataError, match="split or seed: choose a new --output_dir"):
+    with pytest.raises(D.DataError, match="split, seed or --tokenizer_sample_lines: choose a new --output_dir"):
         prepare(corpus, d, VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=2, valid_fraction=0.1,
                                                                            tokenizer_seed=2))
     # Two runs (two recipes) on the prepared data: each only adds its block index (and its copy of
@@ -224,6 +224,30 @@ def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpu
             (d / "tokenizer.model").read_bytes()
     assert {f: (d / f).stat().st_mtime_ns for f in stamp} == stamp
     assert (d / f"blocks_s{train.seq_length}.npy").is_file()
+
+
+def test_preparing_again_with_another_tokenizer_sample_is_refused(corpus, tmp_path, capsys):
+    """A tokenizer trained here on a sample of --tokenizer_sample_lines lines: preparing again with
+    another sample size would keep the old tokenizer as if it were the one asked for (it was a
+    no-op). Sample sizes that both hold every line of the corpus train the same tokenizer."""
+    lines = PreprocessConfig(workers=1, tokenizer_sample_lines=500)
+    manifest = prepare(corpus, tmp_path / "a", VOCAB, cfg=lines, quiet=True)
+    assert manifest["tokenizer_sample_lines"] == 500
+    total = manifest["sentences"] + ((manifest["valid"] or {}).get("sentences") or 0)
+    assert total > 600  # the samples below are proper samples of the corpus
+    before = (tmp_path / "a" / "tokenizer.model").read_bytes()
+    with pytest.raises(D.DataError, match="--tokenizer_sample_lines: choose a new --output_dir"):
+        prepare(corpus, tmp_path / "a", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=600))
+    assert (tmp_path / "a" / "tokenizer.model").read_bytes() == before
+    prepare(corpus, tmp_path / "a", VOCAB, cfg=lines)
+    assert "nothing to do" in capsys.readouterr().out
+    whole = dataclasses.replace(lines, tokenizer_sample_lines=10 * total)
+    assert prepare(corpus, tmp_path / "b", VOCAB, cfg=whole, quiet=True)["tokenizer_sample_lines"] == 10 * total
+    prepare(corpus, tmp_path / "b", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=20 * total))
+    assert "nothing to do" in capsys.readouterr().out
+    # A dataset prepared with a given tokenizer records no sample, and its sample setting is not read.
+    given = prepare(corpus, tmp_path / "c", VOCAB, tokenizer=tmp_path / "a" / "tokenizer.model", cfg=lines, quiet=True)
+    assert given["tokenizer_sample_lines"] is None
 
 
 def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
