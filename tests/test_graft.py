@@ -116,6 +116,50 @@ def test_a_graft_exports_what_mmadapt_computes_and_expand_keeps_the_siblings_row
         torch.testing.assert_close(rise, -torch.log1p(-share[:-1]), rtol=0, atol=2e-5)
 
 
+def test_an_expand_graft_takes_the_siblings_own_input_rows_where_they_moved(graft_runs, tmp_path, capsys):
+    """The siblings above froze their input embeddings, so their source rows are the base's (and
+    the artifact's): a graft that took those rows from the artifact would pass there. Here the
+    untied Llama-2 sibling's input embeddings moved (allowed: only an untied output side that moved
+    is refused for expand): the export's source rows are the sibling's, and its German logits are
+    mmadapt's over the sibling's weights with the artifact's new rows appended."""
+    from transformers import AutoModelForCausalLM
+
+    from mmadapt.hf import import_hf
+
+    hf_dir = tmp_path / "hf-moved"
+    sib = AutoModelForCausalLM.from_pretrained(str(graft_runs["llama2-sibling"].parent / "hf" / "llama2-sibling"))
+    with torch.no_grad():
+        table = sib.get_input_embeddings().weight
+        table.add_(0.1 * table.std() * torch.randn(table.shape, generator=torch.Generator().manual_seed(3)))
+    sib.save_pretrained(str(hf_dir))
+    for f in (graft_runs["llama2-sibling"].parent / "hf" / "llama2-sibling").glob("*token*"):
+        shutil.copy(f, hf_dir)
+    moved = tmp_path / "moved"
+    import_hf(hf_dir, moved)
+    artifact = _artifact(graft_runs, "llama2", "expand")
+    assert main(["export-hf", "--primary", str(moved), "--embeddings", str(artifact), "--graft",
+                 "--output_dir", str(tmp_path / "out")]) == 0
+    assert f"graft: {moved} is a sibling of" in capsys.readouterr().out
+    art, tok, meta = read_artifact(artifact)
+    rows = meta["source_vocab_size"]
+    cfg, own = LLAMA.primary_model(*load_weights(moved))
+    word = LLAMA.word
+    assert not torch.equal(own[word][:rows], art["word_embeddings"][:rows])  # the rows did move from the base's
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
+    sp = load(tok)
+    to_hf = torch.as_tensor(getattr(sp, "hf_ids", range(art["word_embeddings"].shape[0])))
+    exported = hf.get_input_embeddings().weight.detach()[to_hf]  # in mmadapt's order
+    assert torch.equal(exported[:rows], own[word][:rows])
+    assert torch.equal(exported[rows:], art["word_embeddings"][rows:])
+    model = LlamaLM(dataclasses.replace(cfg, vocab_size=len(to_hf), hidden_dropout=0.0, attention_dropout=0.0)).eval()
+    model.load_state_dict({**own, **artifact_state(LLAMA, art, meta, own)})
+    ids = torch.tensor([sp.encode("Im Anfang schuf Gott Himmel und Erde.")])
+    with torch.no_grad():
+        mine = model.heads.heads[0](model.hidden_states(ids)[-1][0], model.output_weight)
+        theirs = hf(input_ids=to_hf[ids[0]][None]).logits[0][:, to_hf]
+    assert (mine - theirs).abs().max().item() <= 1e-5
+
+
 CHAT = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
 
