@@ -49,10 +49,11 @@ class SiblingCheck:
     base: Path
     sibling: Path
     distance: dict[str, float]
+    warnings: tuple[str, ...] = ()  # check_siblings' own, beside the distances' (lines)
 
     def lines(self) -> list[str]:
-        """What export-hf prints of the check: the distances, and a warning where a layer moved
-        farther than a fine-tune moves one (FAR)."""
+        """What export-hf prints of the check: the distances, a warning where a layer moved
+        farther than a fine-tune moves one (FAR), and check_siblings' warnings."""
         moved = [k for k, d in self.distance.items() if d > 0]
         out = [f"graft: {self.sibling} is a sibling of {self.base} (the same architecture and source vocabulary); "
                f"{len(moved)} of {len(self.distance)} tensor groups moved from the base, relative distance "
@@ -65,7 +66,7 @@ class SiblingCheck:
                        f"fine-tune moves a layer (> {FAR}): it may be another model of the same shape, over which "
                        "embeddings trained on the base do not hold; score the graft (evaluate --graft) before "
                        "serving it")
-        return out
+        return out + list(self.warnings)
 
 
 
@@ -145,8 +146,18 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
         d = sums.setdefault(_group(name), [0.0, 0.0])
         d[0] += float((theirs[name].double() - t.double()).pow(2).sum())
         d[1] += float(t.double().pow(2).sum())
-    return SiblingCheck(base.path, sibling.path,
-                        {k: (a / b) ** 0.5 if b > 0 else float(a > 0) for k, (a, b) in sums.items()})
+    distance = {k: (a / b) ** 0.5 if b > 0 else float(a > 0) for k, (a, b) in sums.items()}
+    warnings = []
+    word = base.family.word
+    if (meta.get("vocab_mode") == "expand" and not body_only and output.matrix == word
+            and not torch.equal(mine[word], theirs[word])):
+        # Allowed (an instruct model trains its tied embeddings, and the refusal above would leave
+        # it no expanded graft at all), but the reason for that refusal holds here too.
+        warnings.append(f"warning: its word embeddings moved {distance[_group(word)]:.4f} of their norm from the "
+                        "base's, and they are its output projection too (tied): the new pieces' output rows were "
+                        "trained beside the base's rows, not these; score the graft (evaluate --graft) before serving "
+                        "it, or graft a --vocab_mode replace artifact")
+    return SiblingCheck(base.path, sibling.path, distance, tuple(warnings))
 
 
 def sibling_check(base_run: str | Path, sibling_run: str | Path, meta: dict) -> SiblingCheck:

@@ -116,30 +116,35 @@ def test_a_graft_exports_what_mmadapt_computes_and_expand_keeps_the_siblings_row
         torch.testing.assert_close(rise, -torch.log1p(-share[:-1]), rtol=0, atol=2e-5)
 
 
-def test_an_expand_graft_takes_the_siblings_own_input_rows_where_they_moved(graft_runs, tmp_path, capsys):
+@pytest.mark.parametrize("name", ["llama2", "qwen2"])
+def test_an_expand_graft_takes_the_siblings_own_input_rows_where_they_moved(name, graft_runs, tmp_path, capsys):
     """The siblings above froze their input embeddings, so their source rows are the base's (and
     the artifact's): a graft that took those rows from the artifact would pass there. Here the
-    untied Llama-2 sibling's input embeddings moved (allowed: only an untied output side that moved
-    is refused for expand): the export's source rows are the sibling's, and its German logits are
-    mmadapt's over the sibling's weights with the artifact's new rows appended."""
+    sibling's input embeddings moved (allowed: only an untied output side that moved is refused
+    for expand): the export's source rows are the sibling's, the new rows the artifact's, and its
+    German logits mmadapt's over the sibling's weights with the new rows appended. Qwen2's are
+    tied, so its output projection moved with them: allowed, with a warning (the new pieces'
+    output rows were trained beside the base's rows); Llama-2's untied projection did not move."""
     from transformers import AutoModelForCausalLM
 
     from mmadapt.hf import import_hf
 
     hf_dir = tmp_path / "hf-moved"
-    sib = AutoModelForCausalLM.from_pretrained(str(graft_runs["llama2-sibling"].parent / "hf" / "llama2-sibling"))
+    sib = AutoModelForCausalLM.from_pretrained(str(graft_runs[f"{name}-sibling"].parent / "hf" / f"{name}-sibling"))
     with torch.no_grad():
         table = sib.get_input_embeddings().weight
         table.add_(0.1 * table.std() * torch.randn(table.shape, generator=torch.Generator().manual_seed(3)))
     sib.save_pretrained(str(hf_dir))
-    for f in (graft_runs["llama2-sibling"].parent / "hf" / "llama2-sibling").glob("*token*"):
+    for f in (graft_runs[f"{name}-sibling"].parent / "hf" / f"{name}-sibling").glob("*token*"):
         shutil.copy(f, hf_dir)
     moved = tmp_path / "moved"
     import_hf(hf_dir, moved)
-    artifact = _artifact(graft_runs, "llama2", "expand")
+    artifact = _artifact(graft_runs, name, "expand")
     assert main(["export-hf", "--primary", str(moved), "--embeddings", str(artifact), "--graft",
                  "--output_dir", str(tmp_path / "out")]) == 0
-    assert f"graft: {moved} is a sibling of" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert f"graft: {moved} is a sibling of" in said
+    assert ("they are its output projection too (tied)" in said) == (name == "qwen2")
     art, tok, meta = read_artifact(artifact)
     rows = meta["source_vocab_size"]
     cfg, own = LLAMA.primary_model(*load_weights(moved))
