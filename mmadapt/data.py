@@ -471,7 +471,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
                 and old["vocab_size"] == vocab_size and old.get("valid_fraction", 0.0) == valid_fraction
                 and (tokenizer is None or old["tokenizer_sha256"] == file_sha256(tokenizer))
                 and (not seeded or old.get("valid_seed", PreprocessConfig.tokenizer_seed) == seed)
-                and (tokenizer is not None or _same_sample(old, cfg.tokenizer_sample_lines)))
+                and (tokenizer is not None or _same_sample(old, cfg.tokenizer_sample_lines, corpus)))
         if not same:
             raise DataError(f"{out_dir} already holds a dataset prepared from {old['corpus']} with another corpus "
                             "content, tokenizer, vocabulary, split, seed or --tokenizer_sample_lines: choose a new "
@@ -515,15 +515,22 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         raise
 
 
-def _same_sample(manifest: dict, lines: int) -> bool:
-    """Whether a tokenizer trained on a sample of at most `lines` corpus lines is the one `manifest`
-    records (the same corpus, seed and size): both samples hold every line of the corpus, or they
-    are the same size. A manifest written before it recorded its sample size is not compared."""
+def _same_sample(manifest: dict, lines: int, corpus: Path) -> bool:
+    """Whether a tokenizer trained on `corpus` with a sample of at most `lines` lines is the one
+    `manifest` records (the same corpus, seed and size): the same sample size, or two that both
+    reach past the corpus's every line (SentencePiece then samples nothing: it trains on all of
+    them). A manifest that records no sample size (written before it did, or for a tokenizer
+    given with --tokenizer, which a call without one reuses) is not compared."""
     old = manifest.get("tokenizer_sample_lines")
-    if old is None:  # before this was recorded, or the tokenizer was given (--tokenizer)
-        return "tokenizer_sample_lines" not in manifest
-    total = manifest["sentences"] + ((manifest.get("valid") or {}).get("sentences") or 0)
-    return min(old, total) == min(lines, total)
+    if old is None or old == lines:
+        return True
+    most, count = min(old, lines), 0
+    with open(corpus, "rb") as f:  # its lines as SentencePiece reads them, counted no further than needed
+        for _ in f:
+            count += 1
+            if count > most:
+                return False
+    return True
 
 
 def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, vocab_size: int | None,

@@ -284,6 +284,13 @@ def _run_job(demo: "Demo", job: Job) -> tuple[float, object] | None:
     except faults.Stopped:  # by a signal, which the demo's exit sends (a checkpoint is saved)
         _exit_if_orphaned(wait=5.0)
         raise  # stopped otherwise: the demo stops on it, as on any run's error
+    except KeyboardInterrupt:
+        if job.interrupt and _STOP is not None and _STOP.is_set():  # interrupted as the demo stops: a
+            # consequence of another run's error, which the demo reports ahead of it (run_jobs)
+            raise faults.Stopped(0, "none (nothing to save)", "the demo stopping") from None
+        if _STOP is not None:  # Ctrl-C: this worker's next queued job must not start
+            _STOP.set()
+        raise
     except BaseException:
         if _STOP is not None:  # the demo stops on this error: this worker's next queued job must not start
             _STOP.set()

@@ -125,23 +125,32 @@ def stop_when(event) -> None:
 def interrupted_when(event, poll: float = 0.1):
     """While active, `event` set (by another process: a demo stopping) raises KeyboardInterrupt in
     this process's main thread, where the work runs: for work with no update to save at (a demo's
-    Step-4 scoring), which a StopRequest would leave running to its end. Main thread only."""
-    import _thread
-
-    done = threading.Event()
+    Step-4 scoring), which a StopRequest would leave running to its end. Main thread only. A real
+    SIGINT sent to the main thread, which cuts a blocking call short (_thread.interrupt_main waits
+    for the call to return). The interrupt comes inside the block or, where the work ended as it
+    came, on leaving it: never later (the watcher is joined before this returns)."""
+    lock, state, main = threading.Lock(), {"done": False}, threading.main_thread().ident
 
     def watch():
-        while not done.wait(poll):
-            if event.is_set():
-                _thread.interrupt_main()
-                return
+        while True:
+            time.sleep(poll)
+            with lock:
+                if state["done"]:
+                    return
+                if event.is_set():
+                    state["done"] = True
+                    signal.pthread_kill(main, signal.SIGINT)
+                    return
 
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # interrupt_main raises through it
-    threading.Thread(target=watch, daemon=True, name="interrupt-watch").start()
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # the SIGINT raises through it
+    watcher = threading.Thread(target=watch, daemon=True, name="interrupt-watch")
+    watcher.start()
     try:
         yield
     finally:
-        done.set()
+        with lock:
+            state["done"] = True
+        watcher.join()
         signal.signal(signal.SIGINT, old)
 
 

@@ -154,9 +154,9 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
         # Allowed (an instruct model trains its tied embeddings, and the refusal above would leave
         # it no expanded graft at all), but the reason for that refusal holds here too.
         warnings.append(f"warning: its word embeddings moved {distance[_group(word)]:.4f} of their norm from the "
-                        "base's, and they are its output projection too (tied): the new pieces' output rows were "
-                        "trained beside the base's rows, not these; score the graft (evaluate --graft) before serving "
-                        "it, or graft a --vocab_mode replace artifact")
+                        "base's, and they are its output projection too (tied): an expanded vocabulary's new output "
+                        "rows are trained beside the base's rows, not these; score the graft before serving it "
+                        "(evaluate --graft), or use --vocab_mode replace")
     return SiblingCheck(base.path, sibling.path, distance, tuple(warnings))
 
 

@@ -229,25 +229,32 @@ def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpu
 def test_preparing_again_with_another_tokenizer_sample_is_refused(corpus, tmp_path, capsys):
     """A tokenizer trained here on a sample of --tokenizer_sample_lines lines: preparing again with
     another sample size would keep the old tokenizer as if it were the one asked for (it was a
-    no-op). Sample sizes that both hold every line of the corpus train the same tokenizer."""
+    no-op). Sizes that both reach past every line of the corpus (blank lines too: SentencePiece
+    reads them) train on all of it, the same tokenizer."""
+    text = corpus.read_bytes()
+    raw = text.count(b"\n") + (not text.endswith(b"\n"))  # the lines SentencePiece reads
     lines = PreprocessConfig(workers=1, tokenizer_sample_lines=500)
+    assert raw > 600
     manifest = prepare(corpus, tmp_path / "a", VOCAB, cfg=lines, quiet=True)
     assert manifest["tokenizer_sample_lines"] == 500
-    total = manifest["sentences"] + ((manifest["valid"] or {}).get("sentences") or 0)
-    assert total > 600  # the samples below are proper samples of the corpus
     before = (tmp_path / "a" / "tokenizer.model").read_bytes()
     with pytest.raises(D.DataError, match="--tokenizer_sample_lines: choose a new --output_dir"):
         prepare(corpus, tmp_path / "a", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=600))
     assert (tmp_path / "a" / "tokenizer.model").read_bytes() == before
     prepare(corpus, tmp_path / "a", VOCAB, cfg=lines)
     assert "nothing to do" in capsys.readouterr().out
-    whole = dataclasses.replace(lines, tokenizer_sample_lines=10 * total)
-    assert prepare(corpus, tmp_path / "b", VOCAB, cfg=whole, quiet=True)["tokenizer_sample_lines"] == 10 * total
-    prepare(corpus, tmp_path / "b", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=20 * total))
+    # One line short of the whole corpus is a sample; the whole corpus and more are all of it
+    prepare(corpus, tmp_path / "b", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=raw), quiet=True)
+    with pytest.raises(D.DataError, match="--tokenizer_sample_lines"):
+        prepare(corpus, tmp_path / "b", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=raw - 1))
+    prepare(corpus, tmp_path / "b", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=20 * raw))
     assert "nothing to do" in capsys.readouterr().out
-    # A dataset prepared with a given tokenizer records no sample, and its sample setting is not read.
+    # A dataset prepared with a given tokenizer records no sample; a call without the tokenizer (a
+    # run's --resume) reuses it, as before
     given = prepare(corpus, tmp_path / "c", VOCAB, tokenizer=tmp_path / "a" / "tokenizer.model", cfg=lines, quiet=True)
     assert given["tokenizer_sample_lines"] is None
+    prepare(corpus, tmp_path / "c", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=600))
+    assert "nothing to do" in capsys.readouterr().out
 
 
 def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):

@@ -356,6 +356,33 @@ def test_a_demo_worker_stops_and_exits_when_the_demo_is_killed(tmp_path):
                 pass
 
 
+def test_interrupted_when_interrupts_inside_its_block_alone():
+    """faults.interrupted_when: the event set while the block runs raises KeyboardInterrupt there
+    (a sleep is cut short); once the block is left, the event set later raises nothing; SIGINT's
+    handler is restored either way."""
+    import threading
+
+    before = signal.getsignal(signal.SIGINT)
+    stop, t0 = threading.Event(), time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with faults.interrupted_when(stop, poll=0.01):
+            stop.set()
+            time.sleep(30)
+    assert time.monotonic() - t0 < 10 and signal.getsignal(signal.SIGINT) is before
+    later = threading.Event()
+    with faults.interrupted_when(later, poll=0.01):
+        pass
+    later.set()
+    time.sleep(0.1)  # a watcher left running would interrupt this
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def _cpu_env() -> dict:
+    """A stand-in demo's environment: this test's imports, and no GPU (where one is, workers_for runs
+    the demo's runs in its own process, one at a time: no pool to test)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "CUDA_VISIBLE_DEVICES": ""}
+
+
 _FAILING_RUN_SCRIPT = '''
 import os, sys, time
 from pathlib import Path
@@ -400,7 +427,7 @@ def test_a_failed_demo_run_stops_the_others_and_starts_no_queued_one(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text(_FAILING_RUN_SCRIPT)
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=300)
+                          env=_cpu_env(), timeout=300)
     assert done.returncode == 0, done.stderr
     assert "raised boom" in done.stdout
     assert f"fails failed; its log: {tmp_path / 'run.log'}" in done.stderr
@@ -453,7 +480,7 @@ def test_a_failed_demo_run_interrupts_a_running_scoring(tmp_path):
     script = tmp_path / "scoring.py"
     script.write_text(_SCORING_SCRIPT)
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}, timeout=120)
+                          env=_cpu_env(), timeout=120)
     assert done.returncode == 0, done.stderr
     assert "raised boom" in done.stdout
     assert (tmp_path / "scoring.interrupted").read_text() == "yes"
@@ -505,7 +532,7 @@ def test_a_demo_run_starts_after_the_runs_it_reads(tmp_path, workers):
     script = tmp_path / "after.py"
     script.write_text(_AFTER_SCRIPT)
     done = subprocess.run([sys.executable, str(script), str(tmp_path), str(workers)], cwd=tmp_path,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                          capture_output=True, text=True, env=_cpu_env(),
                           timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {"slow": "slow", "quick": "quick", "reader": True}
