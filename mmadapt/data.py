@@ -88,6 +88,9 @@ class NothingHeldOut(DataError):
         super().__init__(message)
         self.documents = documents
 
+    def __reduce__(self):  # pickled by its fields (faults.Stopped's)
+        return type(self), (str(self), self.documents)
+
 
 def check_corpus(path: str | os.PathLike) -> Path:
     """A readable, non-empty UTF-8 text file, or a DataError naming the problem (for text that

@@ -46,6 +46,9 @@ class Stopped(Exception):
                          "run the same command with --resume to continue")
         self.step, self.tag, self.reason = step, tag, reason
 
+    def __reduce__(self):  # pickled by its fields: a demo worker's run sends it to the demo's process
+        return type(self), (self.step, self.tag, self.reason)
+
 
 class PeerFailed(Exception):
     """Another rank failed where this one can go no further without it (global rank 0's work after
@@ -59,6 +62,9 @@ class Paused(Exception):
         super().__init__(f"paused at update {step} of {total} (--exit_interval): checkpoint {tag} is complete; run "
                          "the same command with --resume to go on")
         self.step, self.total, self.tag = step, total, tag
+
+    def __reduce__(self):  # pickled by its fields (Stopped's)
+        return type(self), (self.step, self.total, self.tag)
 
 
 # --- signals -------------------------------------------------------------------------------------

@@ -356,6 +356,20 @@ def test_a_demo_worker_stops_and_exits_when_the_demo_is_killed(tmp_path):
                 pass
 
 
+def test_the_exceptions_a_demo_worker_raises_pickle_with_their_fields():
+    """A demo worker's run sends its exception to the demo's process by pickle. An exception whose
+    __init__ takes other arguments than its message did not unpickle there (TypeError), which broke
+    the pool: it sent SIGTERM to every other worker and its shutdown could hang."""
+    import pickle
+
+    from mmadapt.data import NothingHeldOut
+
+    for e in (faults.Stopped(3, "step00000003", "SIGTERM"), faults.Paused(2, 10, "step00000002"),
+              NothingHeldOut("none held out", 4)):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and str(back) == str(e) and vars(back) == vars(e)
+
+
 def test_interrupted_when_interrupts_inside_its_block_alone():
     """faults.interrupted_when: the event set while the block runs raises KeyboardInterrupt there
     (a sleep is cut short); once the block is left, the event set later raises nothing; SIGINT's
@@ -389,9 +403,10 @@ from pathlib import Path
 from mmadapt import demo, faults
 
 class Runs:
-    """Stand-in demo runs: `nap` waits for a stop request as a training loop does; `fail` fails
-    once the first nap trains."""
-    cfg = demo.DemoConfig(workers=2, threads=1)
+    """Stand-in demo runs: `nap` waits for a stop request as a training loop does; `score` works on
+    with no update to save at, as a Step-4 scoring does; `fail` fails once the first nap trains
+    and the scoring runs."""
+    cfg = demo.DemoConfig(workers=3, threads=1)
     root = Path(sys.argv[1])
 
     def say(self, what):
@@ -405,50 +420,6 @@ class Runs:
         (self.root / (name + ".stopped")).write_text(stop.reason)
         raise faults.Stopped(0, "step00000000", stop.reason)
 
-    def fail(self):
-        while not (self.root / "a").exists():
-            time.sleep(0.05)
-        raise ValueError("boom")
-
-if __name__ == "__main__":
-    log = str(Runs.root / "run.log")
-    jobs = [demo.Job("fails", "fail", (), 9, log)] + [demo.Job(n, "nap", (n,), 3 - i, log) for i, n in enumerate("abc")]
-    try:
-        demo.Demo.run_jobs(Runs(), jobs)
-    except ValueError as e:
-        print(f"raised {e}", flush=True)
-'''
-
-
-def test_a_failed_demo_run_stops_the_others_and_starts_no_queued_one(tmp_path):
-    """With its runs in worker processes, one run's error stops the demo at once: the running
-    runs save and stop as on a signal, no queued run starts, and the error names the run's log
-    (the pool's exit used to train every queued run first)."""
-    script = tmp_path / "fails.py"
-    script.write_text(_FAILING_RUN_SCRIPT)
-    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                          env=_cpu_env(), timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert "raised boom" in done.stdout
-    assert f"fails failed; its log: {tmp_path / 'run.log'}" in done.stderr
-    assert (tmp_path / "a.stopped").read_text() == "the demo stopping"
-    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists(), "a queued run started"
-
-
-_SCORING_SCRIPT = '''
-import os, sys, time
-from pathlib import Path
-from mmadapt import demo
-
-class Runs:
-    """Stand-in demo runs: `score` works on with no update to save at, as a Step-4 scoring does;
-    `fail` fails once it does."""
-    cfg = demo.DemoConfig(workers=2, threads=1)
-    root = Path(sys.argv[1])
-
-    def say(self, what):
-        print(what, flush=True)
-
     def score(self):
         (self.root / "scoring").write_text(str(os.getpid()))
         try:
@@ -459,13 +430,14 @@ class Runs:
             raise
 
     def fail(self):
-        while not (self.root / "scoring").exists():
+        while not ((self.root / "a").exists() and (self.root / "scoring").exists()):
             time.sleep(0.05)
         raise ValueError("boom")
 
 if __name__ == "__main__":
     log = str(Runs.root / "run.log")
-    jobs = [demo.Job("score", "score", (), 9, log, interrupt=True), demo.Job("fails", "fail", (), 1, log)]
+    jobs = [demo.Job("fails", "fail", (), 9, log), demo.Job("score", "score", (), 5, log, interrupt=True)]
+    jobs += [demo.Job(n, "nap", (n,), 3 - i, log) for i, n in enumerate("abc")]
     try:
         demo.Demo.run_jobs(Runs(), jobs)
     except ValueError as e:
@@ -473,17 +445,22 @@ if __name__ == "__main__":
 '''
 
 
-def test_a_failed_demo_run_interrupts_a_running_scoring(tmp_path):
-    """A Step-4 scoring in a worker has no update to save at, and no StopRequest sees the demo's
-    stop: it is interrupted at once (Job.interrupt), so a run's error stops the demo then, not
-    after the scoring's minutes."""
-    script = tmp_path / "scoring.py"
-    script.write_text(_SCORING_SCRIPT)
+def test_a_failed_demo_run_stops_the_others_and_starts_no_queued_one(tmp_path):
+    """With its runs in worker processes, one run's error stops the demo at once: the running
+    training runs save and stop as on a signal, a running Step-4 scoring (no update to save at,
+    no StopRequest to see the stop) is interrupted, no queued run starts, and the error (not the
+    scoring's interruption) names the run's log (the pool's exit used to train every queued run
+    first; the demo used to wait out the scoring)."""
+    script = tmp_path / "fails.py"
+    script.write_text(_FAILING_RUN_SCRIPT)
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                          env=_cpu_env(), timeout=120)
+                          env=_cpu_env(), timeout=300)
     assert done.returncode == 0, done.stderr
     assert "raised boom" in done.stdout
+    assert f"fails failed; its log: {tmp_path / 'run.log'}" in done.stderr
+    assert (tmp_path / "a.stopped").read_text() == "the demo stopping"
     assert (tmp_path / "scoring.interrupted").read_text() == "yes"
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists(), "a queued run started"
 
 
 _AFTER_SCRIPT = '''
