@@ -284,18 +284,20 @@ def _run_job(demo: "Demo", job: Job) -> tuple[float, object] | None:
     except faults.Stopped:  # by a signal, which the demo's exit sends (a checkpoint is saved)
         _exit_if_orphaned(wait=5.0)
         raise  # stopped otherwise: the demo stops on it, as on any run's error
-    except KeyboardInterrupt:
-        if job.interrupt and _STOP is not None and _STOP.is_set():  # interrupted as the demo stops: a
-            # consequence of another run's error, which the demo reports ahead of it (run_jobs)
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) and job.interrupt and _STOP is not None and _STOP.is_set():
+            # interrupted as the demo stops: a consequence of another run's error, which the demo
+            # reports ahead of it (run_jobs)
             raise faults.Stopped(0, "none (nothing to save)", "the demo stopping") from None
-        if _STOP is not None:  # Ctrl-C: this worker's next queued job must not start
-            _STOP.set()
-        raise
-    except BaseException:
-        if _STOP is not None:  # the demo stops on this error: this worker's next queued job must not start
+        if _STOP is not None:  # the demo stops on this error (or Ctrl-C): this worker's next queued job must not start
             _STOP.set()
         raise
     return time.perf_counter() - t0, value
+
+
+def depth_cost(primary: str) -> int:
+    """STEP2_COST of a primary model's depth: what its Step-3 run and its Step 4 cost, relative."""
+    return STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"]
 
 
 def _mean(values: list) -> float | None:
@@ -430,7 +432,7 @@ class Demo:
             for seed, out in zip(cfg.finetune_seeds, finetuned[primary]):
                 finetunes.append(Job(f"Step 3: fine-tune {primary}'s primary model on English bible-genre "
                                      f"(embeddings frozen), seed {seed}", "finetune", (pre[primary], seed, out),
-                                     STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"],  # its depth
+                                     depth_cost(primary),
                                      str(root / "logs" / f"finetune-{out.name}.log")))
         # Step 4, one run per primary model (MINIPOST's embeddings belong to BL_BASE's): its test
         # sets, weights and source-side retrieval vectors are loaded once for all its systems.
@@ -441,12 +443,12 @@ class Demo:
             scorings.append(Job(f"Step 4: the plug-in {self.family.objective.label} metric, zero-shot bible-genre and "
                                 f"retrieval of {len(runs)} Step-2 runs' checkpoints through {primary}'s primary model",
                                 "evaluate_primary", (pre[primary], finetuned[primary], runs, data),
-                                len(runs) * STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"],
+                                len(runs) * depth_cost(primary),
                                 str(root / "logs" / f"evaluate-{primary}.log"),
                                 after=tuple(label[r] for r in (*runs, *finetuned[primary])), interrupt=True))
         # Step 3 reads only Step 1's models: its runs follow Step 2's in one queue, so the first
         # starts in Step 2's tail, where a worker would otherwise wait for the other's last run.
-        # Each primary's Step 4 starts as soon as its own Step-2 and Step-3 runs are done.
+        # Each primary's Step 4 is queued once its own Step-2 and Step-3 runs are done.
         done = self.run_jobs(jobs, finetunes, scorings)
         records = [r for job in scorings for r in done[job.label]]
         source = {p: _mean([json.loads((r / "run.json").read_text()).get("source_score") for r in runs])

@@ -135,18 +135,14 @@ def interrupted_when(event, poll: float = 0.1):
     SIGINT sent to the main thread, which cuts a blocking call short (_thread.interrupt_main waits
     for the call to return). The interrupt comes inside the block or, where the work ended as it
     came, on leaving it: never later (the watcher is joined before this returns)."""
-    lock, state, main = threading.Lock(), {"done": False}, threading.main_thread().ident
+    lock, done, main = threading.Lock(), threading.Event(), threading.main_thread().ident
 
     def watch():
-        while True:
-            time.sleep(poll)
+        while not done.wait(poll):
             with lock:
-                if state["done"]:
-                    return
-                if event.is_set():
-                    state["done"] = True
+                if not done.is_set() and event.is_set():
+                    done.set()
                     signal.pthread_kill(main, signal.SIGINT)
-                    return
 
     old = signal.signal(signal.SIGINT, signal.default_int_handler)  # the SIGINT raises through it
     watcher = threading.Thread(target=watch, daemon=True, name="interrupt-watch")
@@ -155,7 +151,7 @@ def interrupted_when(event, poll: float = 0.1):
         yield
     finally:
         with lock:
-            state["done"] = True
+            done.set()
         watcher.join()
         signal.signal(signal.SIGINT, old)
 
