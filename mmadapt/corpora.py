@@ -65,13 +65,15 @@ CACHE = Path(os.environ.get("MMADAPT_CACHE", Path.home() / ".cache" / "mmadapt")
 
 @functools.cache
 def text_rule_key() -> str:
-    """A digest of what a cached Bible corpus was written by (the database, the versions and the
-    verse cleaning): a cache written under other rules is written again, not trusted."""
+    """A digest of what a cached Bible corpus was written by (the database, the versions, the verses
+    read and their cleaning): a cache written under other rules is written again, not trusted."""
     import hashlib
     import inspect
 
     db = bible_db_path()
-    rules = "".join((inspect.getsource(clean_verse), inspect.getsource(write_bible_corpus), _HEADING.pattern,
+    # every rule a verse's text passes: the query and its filter, the cleaning and both of its patterns
+    rules = "".join((inspect.getsource(bible_verses), inspect.getsource(clean_verse),
+                     inspect.getsource(write_bible_corpus), _HEADING.pattern, _XREF.pattern,
                      repr(sorted(BIBLE_VERSIONS.items())), str(db.stat().st_size)))
     return hashlib.sha256(rules.encode()).hexdigest()[:12]
 

@@ -655,6 +655,32 @@ def test_the_cached_bible_is_written_again_when_the_rules_that_wrote_it_change(t
     corpora.text_rule_key.cache_clear()
 
 
+def test_every_rule_a_cached_bible_verse_passes_is_in_the_key(monkeypatch):
+    """text_rule_key changes with each rule that decides a cached corpus's text: the verse
+    heading's and the cross-reference's patterns (the latter was left out: a changed pattern kept
+    the old cache), the verse cleaning and the query's filter."""
+    import inspect
+    import re
+
+    from mmadapt import corpora
+
+    corpora.text_rule_key.cache_clear()
+    keys = {corpora.text_rule_key()}
+    for name in ("_HEADING", "_XREF"):
+        with monkeypatch.context() as m:
+            m.setattr(corpora, name, re.compile(getattr(corpora, name).pattern + "x"))
+            corpora.text_rule_key.cache_clear()
+            keys.add(corpora.text_rule_key())
+    real = inspect.getsource
+    for name in ("clean_verse", "bible_verses"):  # their code, as if edited
+        with monkeypatch.context() as m:
+            m.setattr(inspect, "getsource", lambda f, name=name: real(f) + ("#" if f.__name__ == name else ""))
+            corpora.text_rule_key.cache_clear()
+            keys.add(corpora.text_rule_key())
+    corpora.text_rule_key.cache_clear()
+    assert len(keys) == 5 and corpora.text_rule_key() in keys
+
+
 def test_the_line_join_is_the_newline_piece_where_punctuation_merges_with_it():
     """data.line_join on a byte-level BPE trained, as Qwen2's and Llama-3's are, on text with
     newlines in it, so that `.` and the newline after it merge (`.Ċ`): the join is still the
