@@ -15,6 +15,10 @@ target corpus, export. Every stage is the library function of the command a user
                  export/       the extended model: a transformers directory (and, for a
                                sentence encoder, export/sentence_transformers/)
                  exports.json  what export/ and export-into/ were made from
+                 sources.json  --model's and --into's files as their imports read them
+                               (hf.model_dir_fingerprint): a model directory is known by its
+                               content, not its path
+                 graft.json    the graft's scores (kept like the summary)
                  sibling/      with --into: import-hf's run of a model fine-tuned from --model
                                (another --into on a later call replaces it once it passes the check)
                  export-into/  the embeddings grafted into it (export-hf --graft, graft.py)
@@ -42,13 +46,15 @@ from mmadapt.data import MANIFEST, DataError, NothingHeldOut, check_corpus, corp
 from mmadapt.graft import check_siblings
 from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
-from mmadapt.hf import TRANSFORMERS, OtherVocabulary, export_hf, import_any, import_kind
+from mmadapt.hf import TRANSFORMERS, OtherVocabulary, export_hf, import_any, import_kind, model_dir_fingerprint
 from mmadapt.run import RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
 SUMMARY = "summary.json"  # the summary a finished extension printed (_summary)
 EXPORTED = " Extended model: "  # where the summary's text names the export (named anew on each call)
 EXPORTS = "exports.json"  # what each export was made from (_export_once): one made from anything else is made again
+SOURCES = "sources.json"  # the content of --model and of --into as each import read them (_imported)
+GRAFT = "graft.json"  # the graft's scores and what they were computed from (_graft)
 REPORT_ONLY = ("bpb_bytes", "into")  # Extend fields that size the summary, not the extension: a later call may change them
 # Not compared with the record either: the record lives in output_dir, however its path is spelled
 NOT_IDENTITY = (*REPORT_ONLY, "output_dir")
@@ -175,7 +181,7 @@ def extend(ext: Extend) -> dict:
     fresh = claim(ext)
     say = _stage_printer()
     try:
-        imported, sibling = _imported(ext, say)
+        imported, sibling, files = _imported(ext, say)
         # The target corpus before any training: a corpus too small for the vocabulary, or for
         # a held-out part, is refused while the call has trained nothing (and a fresh one left nothing)
         data = _prepared(ext, imported, say)
@@ -183,6 +189,7 @@ def extend(ext: Extend) -> dict:
         if fresh:  # refused or stopped before anything trained: the extension it began is none, so nothing is left
             for stage in ("import", "sibling", "data"):
                 shutil.rmtree(ext.run_dir(stage), ignore_errors=True)
+            (ext.output_dir / SOURCES).unlink(missing_ok=True)
             (ext.output_dir / RECORD).unlink()
             for d in made:
                 if d.is_dir() and not any(d.iterdir()):
@@ -210,18 +217,28 @@ def extend(ext: Extend) -> dict:
         complete=lambda: final_artifact_written(adapt, ext.adapt_iters))
     final = artifact_dirs([adapt])[-1]
     export = ext.run_dir("export")
-    _export_once(ext, export, primary=source, embeddings=final, say=say)
+    _export_once(ext, export, primary=source, embeddings=final, files=files["model"], say=say)
     summary = _summary(ext, source, adapt, data, export)
     if sibling is not None:
-        summary.update(_graft(ext, sibling, final, data))
+        summary.update(_graft(ext, sibling, final, data, files["into"]))
     return summary
 
 
-def _imported(ext: Extend, say) -> tuple[Path, Path | None]:
+def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     """The imports (the model, and the sibling of --into, checked to be one: graft.check_siblings)
     and every stage's schedule checked against the imported model (its positions), before
-    anything trains. -> (the import's run, the sibling's run or None)."""
+    anything trains. A model directory is known by its files (SOURCES): --model changed since
+    its import is refused (the extension trained over it as it was), an --into changed since is
+    imported again like another --into. -> (the import's run, the sibling's run or None, the
+    model directories' fingerprints: {"model": ..., "into": ... or None})."""
     imported = ext.run_dir("import")
+    recorded = checkpoint.read_json(ext.output_dir / SOURCES, "extend sources") if (
+        ext.output_dir / SOURCES).is_file() else {}
+    sources = {**recorded, "model": model_dir_fingerprint(ext.model)}
+    if recorded.get("model", sources["model"]) != sources["model"]:  # (an extension from before SOURCES: taken)
+        raise ValueError(f"--model {ext.model} changed since this extension imported it (its files differ): its runs "
+                         "trained over the model as it was; restore it, or choose a new --output_dir to extend it "
+                         "as it is now")
     if not (imported / "run.json").is_file():
         say(f"import {ext.model}")
         import_any(ext.model, imported)  # writes nothing unless the import succeeds
@@ -232,15 +249,19 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None]:
     # stages ahead of it train: refused there, the extension could not be continued with other flags
     check_output_start(model.family, ext.step2_schedule(), model.cfg)
     if ext.into is None:
-        return imported, None
+        _record_sources(ext, recorded, sources)
+        return imported, None, {"model": sources["model"], "into": None}
     if model.headless:
         raise ValueError(f"--into grafts the embeddings into a language model; {ext.model} is a headless encoder, "
                          "whose extension gets an MLM head its sibling lacks: drop --into")
     sibling = ext.run_dir("sibling")
-    if _imported_from(sibling) == str(ext.into):
+    into = sources["into"] = {"model": str(ext.into), "files": model_dir_fingerprint(ext.into)}
+    same_path = _imported_from(sibling) == str(ext.into)
+    if same_path and recorded.get("into", into) == into:  # (a sibling imported before SOURCES: taken)
         check = check_siblings(model, read_source(sibling), {"vocab_mode": ext.vocab_mode})
-    else:  # first asked for, or another --into than the last call's: imported and checked aside
-        say(f"import the sibling {ext.into}")
+    else:  # first asked for, another --into than the last call's, or its files changed: imported and checked aside
+        say(f"import the sibling {ext.into}" + (" again (its files changed since it was imported)" if same_path
+                                                else ""))
         staged = ext.run_dir("sibling.new")
         shutil.rmtree(staged, ignore_errors=True)
         try:
@@ -261,12 +282,20 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None]:
                 raise ValueError(said) from None
             raise
         if sibling.exists():  # the graft into the last --into gives way to this one's
-            say(f"replace the graft into {_imported_from(sibling)} (export-into/) with one into {ext.into}")
+            said = "the one as it is now" if same_path else f"one into {ext.into}"
+            say(f"replace the graft into {_imported_from(sibling)} (export-into/) with {said}")
             shutil.rmtree(sibling)
         staged.rename(sibling)
+    _record_sources(ext, recorded, sources)
     if parallel.is_rank0():  # the distances, and a sibling that moved too far, said before anything trains
         print("\n".join(check.lines()), flush=True)
-    return imported, sibling
+    return imported, sibling, {"model": sources["model"], "into": into["files"]}
+
+
+def _record_sources(ext: Extend, recorded: dict, sources: dict) -> None:
+    """SOURCES as this call's imports read the model directories, where that changed."""
+    if sources != recorded and parallel.is_rank0():
+        checkpoint.atomic_write(ext.output_dir / SOURCES, json.dumps(sources, indent=2))
 
 
 def _imported_from(run: Path) -> str | None:
@@ -299,28 +328,38 @@ def _prepared(ext: Extend, imported: Path, say) -> Path:
     return data
 
 
-def _graft(ext: Extend, sibling: Path, final: Path, data: Path) -> dict:
+def _graft(ext: Extend, sibling: Path, final: Path, data: Path, files: str) -> dict:
     """The embeddings grafted into the sibling (export-hf --graft) and scored through it in bits
-    per byte beside the sibling with no adaptation."""
+    per byte beside the sibling with no adaptation: computed once for the artifact, the sibling's
+    files (`files`) and --bpb_bytes, and kept in GRAFT (as the summary is)."""
     out = ext.run_dir("export-into")
-    _export_once(ext, out, primary=sibling, embeddings=final, graft=True)
-    per_byte = ByteScorer(Scorer(Primary.read(sibling)), ext.seq_length, ext.bpb_bytes)
-    raw = per_byte.text(data)
-    emb, tok, meta = read_artifact(final)
-    bits, none = per_byte.score(raw, tok, emb, meta)["bpb"], per_byte.none(raw)
+    _export_once(ext, out, primary=sibling, embeddings=final, files=files, graft=True)
+    key = {"artifact": meta_digests([final]), "files": files, "bpb_bytes": ext.bpb_bytes}
+    kept = checkpoint.kept_result(ext.output_dir / GRAFT, key, "extend graft scores")
+    if kept is not None:
+        bits, none = kept["graft_bpb"], kept["graft_no_adaptation_bpb"]
+    else:
+        per_byte = ByteScorer(Scorer(Primary.read(sibling)), ext.seq_length, ext.bpb_bytes)
+        raw = per_byte.text(data)
+        emb, tok, meta = read_artifact(final)
+        bits, none = per_byte.score(raw, tok, emb, meta)["bpb"], per_byte.none(raw)
+        if parallel.is_rank0():
+            checkpoint.atomic_write(ext.output_dir / GRAFT, json.dumps(
+                {"key": key, "graft_bpb": bits, "graft_no_adaptation_bpb": none}, indent=2))
     print(f"Grafted into {ext.into}: {ext.lang} at {bits:.3f} bits per byte through it, {none:.3f} with no adaptation "
           f"(its own tokenizer and embeddings). Grafted model: {out}", flush=True)
     return {"graft": str(out), "graft_bpb": bits, "graft_no_adaptation_bpb": none}
 
 
-def _export_once(ext: Extend, out: Path, primary: Path, embeddings: Path, say=None, **kw) -> None:
+def _export_once(ext: Extend, out: Path, primary: Path, embeddings: Path, files: str, say=None, **kw) -> None:
     """export_hf into `out` unless it holds this very export: made from the artifact `embeddings`
-    as it is now over the run `primary` as it was imported (kept in EXPORTS). An export cut short,
-    or one from a Step 2 run again or another sibling, is written again whole."""
+    as it is now over the run `primary` as it was imported from a model directory with `files`
+    (hf.model_dir_fingerprint) (kept in EXPORTS). An export cut short, or one from a Step 2 run
+    again or another sibling (or the same one saved again), is written again whole."""
     record = ext.output_dir / EXPORTS
     made = checkpoint.read_json(record, "extend exports") if record.is_file() else {}
     key = {"embeddings": meta_digests([embeddings]), "primary": str(primary.relative_to(ext.output_dir)),
-           "imported_from": _imported_from(primary), **{k: str(v) for k, v in kw.items()}}
+           "imported_from": _imported_from(primary), "files": files, **{k: str(v) for k, v in kw.items()}}
     if (out / "config.json").is_file() and made.get(out.name) == key:
         return
     if say is not None:

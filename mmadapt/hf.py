@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -375,6 +376,23 @@ def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task
     if kind == SENTENCE_TRANSFORMERS_DIR:
         return import_sentence_transformers(model_dir, Path(output_dir))
     return import_hf(model_dir, output_dir, roles_from)
+
+
+def model_dir_fingerprint(model_dir: str | os.PathLike) -> str:
+    """A model directory's identity by its content, not its path: sha256 over each file's path in
+    it, size and data.corpus_fingerprint (the whole file when small, sampled regions of a large
+    one: cheap for a model of any size), every file but hidden ones and *.md (a README edited
+    changes no weights). The same for a copy anywhere; another save_pretrained into the same
+    path differs (its weights do)."""
+    from mmadapt.data import corpus_fingerprint
+
+    root = Path(model_dir)
+    digest = hashlib.sha256()
+    for f in sorted(root.rglob("*")):
+        rel = f.relative_to(root)
+        if f.is_file() and f.suffix != ".md" and not any(part.startswith(".") for part in rel.parts):
+            digest.update(json.dumps([rel.as_posix(), corpus_fingerprint(f)]).encode())
+    return digest.hexdigest()
 
 
 # What import_any reads a model directory as (import_kind)

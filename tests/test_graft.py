@@ -277,9 +277,14 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     grafted into its sibling, scored through it beside its own no adaptation; a model that is
     not a sibling is refused in one line before anything trains, and leaves nothing behind; a
     later call may change --into, and a refused one leaves the last graft as it was; an instruct
-    sibling is imported with the base's special roles (import-hf --roles_from)."""
+    sibling is imported with the base's special roles (import-hf --roles_from). A model directory
+    is known by its files, not its path (sources.json): the same --into saved again is imported,
+    exported and scored again, a repeated call scores nothing, and --model saved again is
+    refused in one line, nothing written."""
     hf = graft_runs["qwen2-base"].parent / "hf"
-    argv = ["extend", "--model", str(hf / "qwen2-base"), "--lang", "de", "--corpus", str(de_corpus),
+    base = tmp_path / "qwen2-base"  # a copy: saved again below
+    shutil.copytree(hf / "qwen2-base", base)
+    argv = ["extend", "--model", str(base), "--lang", "de", "--corpus", str(de_corpus),
             "--source_corpus", str(corpus), "--vocab_size", "500", "--minipost_iters", "2", "--adapt_iters", "2",
             "--batch", "4", "--seq_length", "32", "--plugin_eval_blocks", "8", "--bpb_bytes", "512"]
     bad = tmp_path / "new" / "deep" / "bad"
@@ -318,10 +323,24 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     monkeypatch.chdir(tmp_path)
     relative = [a if not a.startswith("/") else os.path.relpath(a) for a in argv]
     summary = (out / "summary.json").stat().st_mtime_ns
+    graft = (out / "graft.json").stat().st_mtime_ns
     assert main([*relative, "--output_dir", "ext", "--into", str(other)]) == 0
     said = capsys.readouterr().out
     assert f"Grafted into {other}: de at " in said and "export the extended model" not in said
     assert (out / "summary.json").stat().st_mtime_ns == summary  # its summary kept, not scored again
+    assert (out / "graft.json").stat().st_mtime_ns == graft  # and the graft's scores
+    # the same --into saved again with other weights: imported, exported and scored again
+    scores, exported = json.loads((out / "graft.json").read_text()), (out / "export-into" / "config.json")
+    _save_scaled(other, 1.05)
+    assert main([*relative, "--output_dir", "ext", "--into", str(other)]) == 0
+    said = capsys.readouterr().out
+    assert f"import the sibling {other} again (its files changed" in said and "with the one as it is now" in said
+    assert said.count("done already") == 2 and (out / "summary.json").stat().st_mtime_ns == summary
+    now = json.loads((out / "graft.json").read_text())
+    assert now["graft_bpb"] != scores["graft_bpb"] and now["graft_no_adaptation_bpb"] != scores[
+        "graft_no_adaptation_bpb"]
+    assert exported.stat().st_mtime_ns != graft_config
+    graft_config = exported.stat().st_mtime_ns
     # a copy of the directory, continued: its kept summary names the copy's export, not the original's
     shutil.copytree(out, tmp_path / "ext-copy")
     assert main([*relative, "--output_dir", "ext-copy", "--into", str(other)]) == 0
@@ -330,7 +349,7 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     # a refusal there names the models as given, not the runs made of them
     assert main([*relative, "--output_dir", "ext", "--into", str(hf / "llama2-sibling")]) == 2
     err = capsys.readouterr().err
-    assert f"--into {hf / 'llama2-sibling'} is not a sibling of --model {hf / 'qwen2-base'}" in err, err
+    assert f"--into {hf / 'llama2-sibling'} is not a sibling of --model {base}" in err, err
     # a stop between Step 2's last checkpoint and its artifact: the next call writes the artifact
     final = out / "adapt" / "embeddings" / "step00000002"
     shutil.rmtree(final)
@@ -342,6 +361,30 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     assert f"Grafted into {instruct}: de at " in capsys.readouterr().out
     assert json.loads((out / "sibling" / "run.json").read_text())["imported_from"]["roles_from"] == str(
         (out / "import").resolve())
+    # --model saved again: refused in one line (the extension trained over it as it was), nothing written
+    sources = (out / "sources.json").read_bytes()
+    kept = shutil.copytree(base, tmp_path / "base-kept")
+    _save_scaled(base, 1.05)
+    assert main([*relative, "--output_dir", "ext", "--into", str(instruct)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and f"--model {base} changed since this extension imported it" in err, err
+    assert (out / "sources.json").read_bytes() == sources and "[extend" not in captured.out
+    shutil.rmtree(base)
+    shutil.copytree(kept, base)  # restored: continued as before
+    assert main([*relative, "--output_dir", "ext", "--into", str(instruct)]) == 0
+    assert "Grafted into" in capsys.readouterr().out
+
+
+def _save_scaled(model_dir: Path, scale: float) -> None:
+    """`model_dir` saved again (save_pretrained) with one MLP's output weights scaled: a fine-tune
+    that moved, under the same path."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(scale)
+    model.save_pretrained(str(model_dir))
 
 
 def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains(graft_runs, corpus, de_corpus,

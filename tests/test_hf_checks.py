@@ -149,3 +149,33 @@ def test_the_encoder_ignores_what_transformers_ignores(tiny_roberta, tmp_path):
     decoder_bias = load_file(str(hf_dir / "model.safetensors"))["lm_head.decoder.bias"]
     hf_ids = torch.tensor(load_sp(tmp_path / "run" / "tokenizer" / "spm.model").hf_ids)
     assert torch.equal(load_weights(tmp_path / "run")[1][BIAS], decoder_bias[hf_ids])
+
+
+def test_a_model_directory_is_known_by_its_files_not_its_path(tiny_hf, tmp_path):
+    """hf.model_dir_fingerprint (extend's sources.json): a copy elsewhere has the same one, a
+    README or a hidden file added changes nothing, and a weight file saved again with one value
+    changed, or a file added, gives another."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from mmadapt.hf import model_dir_fingerprint
+
+    src = tiny_hf["qwen2"]
+    copy = shutil.copytree(src, tmp_path / "copy")
+    first = model_dir_fingerprint(src)
+    assert model_dir_fingerprint(copy) == first
+    (copy / "README.md").write_text("a model card\n")
+    (copy / ".cache").mkdir()
+    (copy / ".cache" / "lock").write_text("x")
+    assert model_dir_fingerprint(copy) == first
+    weights = copy / "model.safetensors"
+    state = load_file(weights)
+    name = sorted(state)[0]
+    state[name] = state[name].clone()
+    state[name].view(-1)[0] += 1
+    save_file(state, weights, metadata={"format": "pt"})
+    changed = model_dir_fingerprint(copy)
+    assert changed != first
+    (copy / "generation_config.json").write_text("{}")
+    assert model_dir_fingerprint(copy) not in (first, changed)
