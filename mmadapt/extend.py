@@ -16,8 +16,8 @@ target corpus, export. Every stage is the library function of the command a user
                                sentence encoder, export/sentence_transformers/)
                  exports.json  what export/ and export-into/ were made from
                  sources.json  --model's and --into's files as their imports read them
-                               (hf.model_dir_fingerprint): a model directory is known by its
-                               content, not its path
+                               (hf.model_dir_files: each one's SHA-256): --model saved again is
+                               refused, --into saved again is imported again
                  graft.json    the graft's scores (kept like the summary)
                  sibling/      with --into: import-hf's run of a model fine-tuned from --model
                                (another --into on a later call replaces it once it passes the check)
@@ -46,7 +46,8 @@ from mmadapt.data import MANIFEST, DataError, NothingHeldOut, check_corpus, corp
 from mmadapt.graft import check_siblings
 from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
-from mmadapt.hf import TRANSFORMERS, OtherVocabulary, export_hf, import_any, import_kind, model_dir_fingerprint
+from mmadapt.hf import (TRANSFORMERS, OtherVocabulary, export_hf, files_digest, import_any, import_kind,
+                        model_dir_files)
 from mmadapt.run import RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
@@ -227,18 +228,23 @@ def extend(ext: Extend) -> dict:
 def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     """The imports (the model, and the sibling of --into, checked to be one: graft.check_siblings)
     and every stage's schedule checked against the imported model (its positions), before
-    anything trains. A model directory is known by its files (SOURCES): --model changed since
-    its import is refused (the extension trained over it as it was), an --into changed since is
-    imported again like another --into. -> (the import's run, the sibling's run or None, the
-    model directories' fingerprints: {"model": ..., "into": ... or None})."""
+    anything trains. The model directories' files are recorded (SOURCES, hf.model_dir_files):
+    --model changed since the extension read it is refused (the extension trained over it as it
+    was); an --into changed since, or with no record, is imported again like another --into. ->
+    (the import's run, the sibling's run or None, the directories' digests: {"model": ...,
+    "into": ... or None})."""
     imported = ext.run_dir("import")
     recorded = checkpoint.read_json(ext.output_dir / SOURCES, "extend sources") if (
         ext.output_dir / SOURCES).is_file() else {}
-    sources = {**recorded, "model": model_dir_fingerprint(ext.model)}
-    if recorded.get("model", sources["model"]) != sources["model"]:  # (an extension from before SOURCES: taken)
-        raise ValueError(f"--model {ext.model} changed since this extension imported it (its files differ): its runs "
+    known = recorded.get("model") or {}
+    files = model_dir_files(ext.model, known.get("files"))
+    sources = {**recorded, "model": {"digest": files_digest(files), "files": files}}
+    if known and known.get("digest") != sources["model"]["digest"]:  # (an extension from before SOURCES: taken)
+        raise ValueError(f"--model {ext.model} changed since this extension read it (its files differ): its runs "
                          "trained over the model as it was; restore it, or choose a new --output_dir to extend it "
                          "as it is now")
+    # recorded before the import: an import/ with no record is an extension's from before SOURCES
+    recorded = _record_sources(ext, recorded, sources)
     if not (imported / "run.json").is_file():
         say(f"import {ext.model}")
         import_any(ext.model, imported)  # writes nothing unless the import succeeds
@@ -249,19 +255,22 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     # stages ahead of it train: refused there, the extension could not be continued with other flags
     check_output_start(model.family, ext.step2_schedule(), model.cfg)
     if ext.into is None:
-        _record_sources(ext, recorded, sources)
-        return imported, None, {"model": sources["model"], "into": None}
+        return imported, None, {"model": sources["model"]["digest"], "into": None}
     if model.headless:
         raise ValueError(f"--into grafts the embeddings into a language model; {ext.model} is a headless encoder, "
                          "whose extension gets an MLM head its sibling lacks: drop --into")
     sibling = ext.run_dir("sibling")
-    into = sources["into"] = {"model": str(ext.into), "files": model_dir_fingerprint(ext.into)}
+    known = recorded.get("into") or {}
+    known = known if known.get("model") == str(ext.into) else {}  # (another directory's times tell nothing)
+    files = model_dir_files(ext.into, known.get("files"))
+    into = sources["into"] = {"model": str(ext.into), "digest": files_digest(files), "files": files}
     same_path = _imported_from(sibling) == str(ext.into)
-    if same_path and recorded.get("into", into) == into:  # (a sibling imported before SOURCES: taken)
+    if same_path and known.get("digest") == into["digest"]:
         check = check_siblings(model, read_source(sibling), {"vocab_mode": ext.vocab_mode})
-    else:  # first asked for, another --into than the last call's, or its files changed: imported and checked aside
-        say(f"import the sibling {ext.into}" + (" again (its files changed since it was imported)" if same_path
-                                                else ""))
+    else:  # first asked for, another --into than the last call's, or its files changed (or unrecorded): imported
+        # and checked aside
+        why = "its files changed since it was imported" if known else "no record of the files it was imported from"
+        say(f"import the sibling {ext.into}" + (f" again ({why})" if same_path else ""))
         staged = ext.run_dir("sibling.new")
         shutil.rmtree(staged, ignore_errors=True)
         try:
@@ -289,13 +298,14 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     _record_sources(ext, recorded, sources)
     if parallel.is_rank0():  # the distances, and a sibling that moved too far, said before anything trains
         print("\n".join(check.lines()), flush=True)
-    return imported, sibling, {"model": sources["model"], "into": into["files"]}
+    return imported, sibling, {"model": sources["model"]["digest"], "into": into["digest"]}
 
 
-def _record_sources(ext: Extend, recorded: dict, sources: dict) -> None:
-    """SOURCES as this call's imports read the model directories, where that changed."""
+def _record_sources(ext: Extend, recorded: dict, sources: dict) -> dict:
+    """SOURCES written as `sources` where it was `recorded` otherwise. -> what it holds now."""
     if sources != recorded and parallel.is_rank0():
         checkpoint.atomic_write(ext.output_dir / SOURCES, json.dumps(sources, indent=2))
+    return dict(sources)
 
 
 def _imported_from(run: Path) -> str | None:
@@ -354,7 +364,7 @@ def _graft(ext: Extend, sibling: Path, final: Path, data: Path, files: str) -> d
 def _export_once(ext: Extend, out: Path, primary: Path, embeddings: Path, files: str, say=None, **kw) -> None:
     """export_hf into `out` unless it holds this very export: made from the artifact `embeddings`
     as it is now over the run `primary` as it was imported from a model directory with `files`
-    (hf.model_dir_fingerprint) (kept in EXPORTS). An export cut short, or one from a Step 2 run
+    (hf.files_digest) (kept in EXPORTS). An export cut short, or one from a Step 2 run
     again or another sibling (or the same one saved again), is written again whole."""
     record = ext.output_dir / EXPORTS
     made = checkpoint.read_json(record, "extend exports") if record.is_file() else {}

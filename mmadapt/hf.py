@@ -378,21 +378,46 @@ def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task
     return import_hf(model_dir, output_dir, roles_from)
 
 
-def model_dir_fingerprint(model_dir: str | os.PathLike) -> str:
-    """A model directory's identity by its content, not its path: sha256 over each file's path in
-    it, size and data.corpus_fingerprint (the whole file when small, sampled regions of a large
-    one: cheap for a model of any size), every file but hidden ones and *.md (a README edited
-    changes no weights). The same for a copy anywhere; another save_pretrained into the same
-    path differs (its weights do)."""
-    from mmadapt.data import corpus_fingerprint
+def model_dir_files(model_dir: str | os.PathLike, known: dict | None = None) -> dict[str, dict]:
+    """The files an import reads from a model directory -> {path in it: {"size", "mtime_ns",
+    "sha256"}}: its top-level files and, for a sentence-transformers directory, those of the
+    module folders modules.json names; hidden files and *.md left out (a model card edited
+    changes no weight), and so are a Trainer's checkpoint-*/ and runs/ folders. Every file is
+    hashed whole (a fine-tune that moved a few rows shows), except one whose size and mtime are
+    those `known` (a former result) records: its hash is taken from there, so a repeated call
+    costs a stat per file. `files_digest` makes one identity of it, the same for a copy anywhere."""
+    from mmadapt.data import file_sha256
 
     root = Path(model_dir)
-    digest = hashlib.sha256()
-    for f in sorted(root.rglob("*")):
-        rel = f.relative_to(root)
-        if f.is_file() and f.suffix != ".md" and not any(part.startswith(".") for part in rel.parts):
-            digest.update(json.dumps([rel.as_posix(), corpus_fingerprint(f)]).encode())
-    return digest.hexdigest()
+    folders = [root]
+    try:
+        modules = json.loads((root / "modules.json").read_text()) if (root / "modules.json").is_file() else []
+        folders += [root / m["path"] for m in modules if isinstance(m, dict) and m.get("path")]
+    except (ValueError, TypeError):
+        pass  # (the import refuses it in one line)
+    out, known = {}, known or {}
+    try:
+        for folder in folders:
+            paths = folder.iterdir() if folder == root else folder.rglob("*") if folder.is_dir() else ()
+            for f in sorted(paths):
+                rel = f.relative_to(root).as_posix()
+                if rel in out or not f.is_file() or f.suffix == ".md" or any(
+                        part.startswith(".") for part in rel.split("/")):
+                    continue
+                st = f.stat()
+                seen = known.get(rel) or {}
+                same = seen.get("size") == st.st_size and seen.get("mtime_ns") == st.st_mtime_ns
+                out[rel] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                            "sha256": seen["sha256"] if same and seen.get("sha256") else file_sha256(f)}
+    except OSError as e:
+        raise ValueError(f"{model_dir}: cannot read {e.filename} ({e.strerror}): make the model directory "
+                         "readable") from None
+    return out
+
+
+def files_digest(files: dict[str, dict]) -> str:
+    """One sha256 of model_dir_files' paths and contents (not their times)."""
+    return hashlib.sha256(json.dumps(sorted((rel, f["sha256"]) for rel, f in files.items())).encode()).hexdigest()
 
 
 # What import_any reads a model directory as (import_kind)

@@ -280,7 +280,8 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     sibling is imported with the base's special roles (import-hf --roles_from). A model directory
     is known by its files, not its path (sources.json): the same --into saved again is imported,
     exported and scored again, a repeated call scores nothing, and --model saved again is
-    refused in one line, nothing written."""
+    refused in one line, nothing written; an extension from before sources.json has its --model
+    taken as it is and its sibling imported again."""
     hf = graft_runs["qwen2-base"].parent / "hf"
     base = tmp_path / "qwen2-base"  # a copy: saved again below
     shutil.copytree(hf / "qwen2-base", base)
@@ -368,12 +369,18 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     assert main([*relative, "--output_dir", "ext", "--into", str(instruct)]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip()
-    assert len(err.splitlines()) == 1 and f"--model {base} changed since this extension imported it" in err, err
+    assert len(err.splitlines()) == 1 and f"--model {base} changed since this extension read it" in err, err
     assert (out / "sources.json").read_bytes() == sources and "[extend" not in captured.out
     shutil.rmtree(base)
     shutil.copytree(kept, base)  # restored: continued as before
     assert main([*relative, "--output_dir", "ext", "--into", str(instruct)]) == 0
     assert "Grafted into" in capsys.readouterr().out
+    # an extension from before sources.json: --model taken as it is, the sibling imported again
+    (out / "sources.json").unlink()
+    assert main([*relative, "--output_dir", "ext", "--into", str(instruct)]) == 0
+    said = capsys.readouterr().out
+    assert "again (no record of the files it was imported from)" in said and said.count("done already") == 2
+    assert set(json.loads((out / "sources.json").read_text())) == {"model", "into"}
 
 
 def _save_scaled(model_dir: Path, scale: float) -> None:

@@ -152,30 +152,47 @@ def test_the_encoder_ignores_what_transformers_ignores(tiny_roberta, tmp_path):
 
 
 def test_a_model_directory_is_known_by_its_files_not_its_path(tiny_hf, tmp_path):
-    """hf.model_dir_fingerprint (extend's sources.json): a copy elsewhere has the same one, a
-    README or a hidden file added changes nothing, and a weight file saved again with one value
-    changed, or a file added, gives another."""
+    """hf.model_dir_files and files_digest (extend's sources.json): a copy elsewhere has the same
+    digest; a README, a hidden file or a Trainer's checkpoint folder added changes nothing; one
+    value of the weights changed, or a file added, gives another; a sentence-transformers module
+    folder counts. A file whose size and mtime a former result records is not hashed again (its
+    recorded hash is taken), one saved since is."""
+    import os
     import shutil
 
     from safetensors.torch import save_file
 
-    from mmadapt.hf import model_dir_fingerprint
+    from mmadapt.hf import files_digest, model_dir_files
 
     src = tiny_hf["qwen2"]
     copy = shutil.copytree(src, tmp_path / "copy")
-    first = model_dir_fingerprint(src)
-    assert model_dir_fingerprint(copy) == first
+    first = files_digest(model_dir_files(src))
+    assert files_digest(model_dir_files(copy)) == first and "model.safetensors" in model_dir_files(copy)
     (copy / "README.md").write_text("a model card\n")
-    (copy / ".cache").mkdir()
-    (copy / ".cache" / "lock").write_text("x")
-    assert model_dir_fingerprint(copy) == first
+    for junk in (".cache", "checkpoint-500", "runs"):
+        (copy / junk).mkdir()
+        (copy / junk / "state.bin").write_bytes(b"x")
+    assert files_digest(model_dir_files(copy)) == first
     weights = copy / "model.safetensors"
     state = load_file(weights)
-    name = sorted(state)[0]
+    name = sorted(state)[-1]
     state[name] = state[name].clone()
-    state[name].view(-1)[0] += 1
+    state[name].view(-1)[-1] += 1
+    files = model_dir_files(copy)
     save_file(state, weights, metadata={"format": "pt"})
-    changed = model_dir_fingerprint(copy)
-    assert changed != first
+    os.utime(weights, ns=(files["model.safetensors"]["mtime_ns"] + 10**9,) * 2)
+    changed = model_dir_files(copy, known=files)
+    assert files_digest(changed) != first and changed["model.safetensors"]["size"] == files["model.safetensors"]["size"]
+    # a recorded hash is taken while its file's size and mtime hold
+    fake = {rel: {**f, "sha256": "0" * 64} for rel, f in changed.items()}
+    assert all(f["sha256"] == "0" * 64 for f in model_dir_files(copy, known=fake).values())
     (copy / "generation_config.json").write_text("{}")
-    assert model_dir_fingerprint(copy) not in (first, changed)
+    assert files_digest(model_dir_files(copy)) not in (first, files_digest(changed))
+    # a sentence-transformers directory: the module folders modules.json names count
+    (copy / "modules.json").write_text('[{"idx": 0, "name": "0", "path": "", "type": "x.Transformer"}, '
+                                       '{"idx": 1, "name": "1", "path": "1_Pooling", "type": "x.Pooling"}]')
+    (copy / "1_Pooling").mkdir()
+    (copy / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    before = files_digest(model_dir_files(copy))
+    (copy / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')
+    assert "1_Pooling/config.json" in model_dir_files(copy) and files_digest(model_dir_files(copy)) != before
