@@ -368,7 +368,9 @@ class ModelConfig(Checked):
                              f"tensor_model_parallel_size {tp}")
         if self.vocab_size % tp:
             raise ValueError(f"vocab_size {self.vocab_size} is not divisible by "
-                             f"tensor_model_parallel_size {tp}: choose a vocab size that is a multiple of it")
+                             f"tensor_model_parallel_size {tp}: choose a vocab size that is a multiple of it (an "
+                             "imported model's vocabulary is its own: train it with data parallelism, "
+                             "--tensor_model_parallel_size 1)")
 
     @property
     def head_dim(self) -> int:
