@@ -46,8 +46,8 @@ from mmadapt.data import MANIFEST, DataError, NothingHeldOut, check_corpus, corp
 from mmadapt.graft import check_siblings
 from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
-from mmadapt.hf import (TRANSFORMERS, OtherVocabulary, export_hf, files_digest, import_any, import_kind,
-                        model_dir_files)
+from mmadapt.hf import (TRANSFORMERS, OtherVocabulary, export_hf, files_differ, files_digest, import_any,
+                        import_kind, model_dir_files)
 from mmadapt.run import RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
@@ -236,13 +236,13 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     imported = ext.run_dir("import")
     recorded = checkpoint.read_json(ext.output_dir / SOURCES, "extend sources") if (
         ext.output_dir / SOURCES).is_file() else {}
-    known = recorded.get("model") or {}
+    known = _entry(recorded, "model")
     files = model_dir_files(ext.model, known.get("files"))
     sources = {**recorded, "model": {"digest": files_digest(files), "files": files}}
     if known and known.get("digest") != sources["model"]["digest"]:  # (an extension from before SOURCES: taken)
-        raise ValueError(f"--model {ext.model} changed since this extension read it (its files differ): its runs "
-                         "trained over the model as it was; restore it, or choose a new --output_dir to extend it "
-                         "as it is now")
+        what = files_differ(known["files"], files)
+        raise ValueError(f"--model {ext.model} changed since this extension read it ({what}): its runs trained over "
+                         "the model as it was; restore it, or choose a new --output_dir to extend it as it is now")
     # recorded before the import: an import/ with no record is an extension's from before SOURCES
     recorded = _record_sources(ext, recorded, sources)
     if not (imported / "run.json").is_file():
@@ -260,7 +260,7 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
         raise ValueError(f"--into grafts the embeddings into a language model; {ext.model} is a headless encoder, "
                          "whose extension gets an MLM head its sibling lacks: drop --into")
     sibling = ext.run_dir("sibling")
-    known = recorded.get("into") or {}
+    known = _entry(recorded, "into")
     known = known if known.get("model") == str(ext.into) else {}  # (another directory's times tell nothing)
     files = model_dir_files(ext.into, known.get("files"))
     into = sources["into"] = {"model": str(ext.into), "digest": files_digest(files), "files": files}
@@ -299,6 +299,12 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     if parallel.is_rank0():  # the distances, and a sibling that moved too far, said before anything trains
         print("\n".join(check.lines()), flush=True)
     return imported, sibling, {"model": sources["model"]["digest"], "into": into["digest"]}
+
+
+def _entry(recorded: dict, name: str) -> dict:
+    """SOURCES' record of one model directory, {} where there is none it can read."""
+    entry = recorded.get(name)
+    return entry if isinstance(entry, dict) and isinstance(entry.get("files"), dict) else {}
 
 
 def _record_sources(ext: Extend, recorded: dict, sources: dict) -> dict:

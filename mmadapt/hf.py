@@ -378,11 +378,16 @@ def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task
     return import_hf(model_dir, output_dir, roles_from)
 
 
+# What a Trainer writes beside the model it saves (its state, arguments and metrics): no import reads them
+TRAINER_LOGS = ("trainer_state.json", "training_args.bin")
+
+
 def model_dir_files(model_dir: str | os.PathLike, known: dict | None = None) -> dict[str, dict]:
     """The files an import reads from a model directory -> {path in it: {"size", "mtime_ns",
     "sha256"}}: its top-level files and, for a sentence-transformers directory, those of the
-    module folders modules.json names; hidden files and *.md left out (a model card edited
-    changes no weight), and so are a Trainer's checkpoint-*/ and runs/ folders. Every file is
+    module folders modules.json names; hidden files, *.md (a model card edited changes no
+    weight) and a Trainer's logs (TRAINER_LOGS) left out, and so are its checkpoint-*/ and runs/
+    folders. Every file is
     hashed whole (a fine-tune that moved a few rows shows), except one whose size and mtime are
     those `known` (a former result) records: its hash is taken from there, so a repeated call
     costs a stat per file. `files_digest` makes one identity of it, the same for a copy anywhere."""
@@ -401,8 +406,8 @@ def model_dir_files(model_dir: str | os.PathLike, known: dict | None = None) -> 
             paths = folder.iterdir() if folder == root else folder.rglob("*") if folder.is_dir() else ()
             for f in sorted(paths):
                 rel = f.relative_to(root).as_posix()
-                if rel in out or not f.is_file() or f.suffix == ".md" or any(
-                        part.startswith(".") for part in rel.split("/")):
+                if rel in out or not f.is_file() or f.suffix == ".md" or f.name in TRAINER_LOGS or f.name.endswith(
+                        "_results.json") or any(part.startswith(".") for part in rel.split("/")):
                     continue
                 st = f.stat()
                 seen = known.get(rel) or {}
@@ -413,6 +418,19 @@ def model_dir_files(model_dir: str | os.PathLike, known: dict | None = None) -> 
         raise ValueError(f"{model_dir}: cannot read {e.filename} ({e.strerror}): make the model directory "
                          "readable") from None
     return out
+
+
+def files_differ(then: dict[str, dict], now: dict[str, dict]) -> str:
+    """The first of model_dir_files' paths whose content differs between two listings, said as
+    '<path> changed', '<path> added' or '<path> gone'; '' where none does."""
+    for rel in sorted(set(then) | set(now)):
+        if rel not in then:
+            return f"{rel} added"
+        if rel not in now:
+            return f"{rel} gone"
+        if then[rel].get("sha256") != now[rel]["sha256"]:
+            return f"{rel} changed"
+    return ""
 
 
 def files_digest(files: dict[str, dict]) -> str:

@@ -369,7 +369,7 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     assert main([*relative, "--output_dir", "ext", "--into", str(instruct)]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip()
-    assert len(err.splitlines()) == 1 and f"--model {base} changed since this extension read it" in err, err
+    assert len(err.splitlines()) == 1 and f"--model {base} changed since this extension read it (model." in err, err
     assert (out / "sources.json").read_bytes() == sources and "[extend" not in captured.out
     shutil.rmtree(base)
     shutil.copytree(kept, base)  # restored: continued as before
@@ -381,6 +381,21 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     said = capsys.readouterr().out
     assert "again (no record of the files it was imported from)" in said and said.count("done already") == 2
     assert set(json.loads((out / "sources.json").read_text())) == {"model", "into"}
+    # --model's record is written before its import: an import that stops leaves it recorded
+    import mmadapt.extend
+
+    def stopped(*a, **k):
+        raise ValueError("the import stopped")
+
+    shutil.rmtree(out / "import")
+    (out / "sources.json").unlink()
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(mmadapt.extend, "import_any", stopped)
+        assert main([*relative, "--output_dir", "ext", "--into", str(instruct)]) == 2
+    assert "the import stopped" in capsys.readouterr().err and not (out / "import").exists()
+    assert set(json.loads((out / "sources.json").read_text())) == {"model"}
+    assert main([*relative, "--output_dir", "ext", "--into", str(instruct)]) == 0  # imported again, nothing trains
+    assert capsys.readouterr().out.count("done already") == 2
 
 
 def _save_scaled(model_dir: Path, scale: float) -> None:

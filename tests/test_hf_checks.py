@@ -162,7 +162,7 @@ def test_a_model_directory_is_known_by_its_files_not_its_path(tiny_hf, tmp_path)
 
     from safetensors.torch import save_file
 
-    from mmadapt.hf import files_digest, model_dir_files
+    from mmadapt.hf import files_differ, files_digest, model_dir_files
 
     src = tiny_hf["qwen2"]
     copy = shutil.copytree(src, tmp_path / "copy")
@@ -172,7 +172,17 @@ def test_a_model_directory_is_known_by_its_files_not_its_path(tiny_hf, tmp_path)
     for junk in (".cache", "checkpoint-500", "runs"):
         (copy / junk).mkdir()
         (copy / junk / "state.bin").write_bytes(b"x")
+    for log in ("trainer_state.json", "training_args.bin", "eval_results.json"):
+        (copy / log).write_text("{}")
     assert files_digest(model_dir_files(copy)) == first
+    # a file touched (another mtime, the same bytes): hashed again, the same digest
+    files = model_dir_files(copy)
+    config = copy / "config.json"
+    os.utime(config, ns=(files["config.json"]["mtime_ns"] + 10**9,) * 2)
+    fake = {rel: {**f, "sha256": "0" * 64} for rel, f in files.items()}
+    touched = model_dir_files(copy, known=fake)
+    assert touched["config.json"]["sha256"] == files["config.json"]["sha256"] and files_digest(touched) != files_digest(
+        fake)
     weights = copy / "model.safetensors"
     state = load_file(weights)
     name = sorted(state)[-1]
@@ -196,3 +206,11 @@ def test_a_model_directory_is_known_by_its_files_not_its_path(tiny_hf, tmp_path)
     before = files_digest(model_dir_files(copy))
     (copy / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true}')
     assert "1_Pooling/config.json" in model_dir_files(copy) and files_digest(model_dir_files(copy)) != before
+    # its transformer in a module folder of its own
+    st = tmp_path / "st"
+    shutil.copytree(src, st / "0_Transformer")
+    (st / "modules.json").write_text('[{"idx": 0, "name": "0", "path": "0_Transformer", "type": "x.Transformer"}]')
+    listed = model_dir_files(st)
+    assert "0_Transformer/model.safetensors" in listed and "0_Transformer/config.json" in listed
+    assert files_differ(listed, {**listed, "0_Transformer/config.json": {"sha256": "1"}}) == (
+        "0_Transformer/config.json changed")
