@@ -57,7 +57,7 @@ from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, m
                             output_start, replay_text, source_text)
 from mmadapt.family import ModelFamily
 from mmadapt.flops import device_days
-from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, piece_counts, unigram_logprobs
+from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, piece_counts, target_logprobs, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import (RunSpec, Source, check_same_source, load_checkpoint, read_source, require_head,
                          run_text_layout, sampled_fingerprint, start_run)
@@ -422,14 +422,34 @@ class StartRule:
                  loss starts at the unigram reference, whatever the source's bias: an imported
                  head's sits at English log-frequencies, 13 nats under the 0 a new piece got);
                  expand mode, the bound on the new pieces' share divided among them by the target
-                 text's frequencies; "copied": shared pieces' entries copied, the rest 0 (before)."""
+                 text's frequencies; "copied": shared pieces' entries copied, the rest 0 (before).
+        bias_target  what "fitted" fits the mean prediction to (and the artifacts' calibration to
+                 the primary): "scored", the frequencies of the pieces a scored position can be
+                 (heldout.target_logprobs: for an encoder no special piece, as its masked
+                 positions and the plug-in metric's reference); "every", every piece's, each
+                 sentence's </s> included, which cost an encoder's start about 0.035 nats against
+                 the reference (runs recorded before 2026-12-02)."""
     row_std: str = "source"
     bias: str = "fitted"
+    bias_target: str = "scored"
 
     @classmethod
     def recorded(cls, run: dict) -> "StartRule":
-        """The rule an adapt run's record says it started by (a record without one: the old rule)."""
-        return cls(**run["start_rule"]) if "start_rule" in run else cls(row_std="config", bias="copied")
+        """The rule an adapt run's record says it started by (a record without one: the old rule;
+        one without bias_target: "every", the fit of then)."""
+        if "start_rule" not in run:
+            return cls(row_std="config", bias="copied", bias_target="every")
+        return cls(**{"bias_target": "every", **run["start_rule"]})
+
+    def target(self, data: Path, counts, primary: Primary) -> torch.Tensor | None:
+        """The log-frequencies [V] the fitted bias is fitted to, from the prepared target data's
+        piece `counts` [V] (heldout.piece_counts), as `primary` scores that text; None where the
+        bias is not fitted."""
+        if self.bias != "fitted":
+            return None
+        if self.bias_target == "every":
+            return unigram_logprobs(data, len(counts), counts)
+        return target_logprobs(data, len(counts), primary.family.objective, primary.text_prefix(data), counts)
 
 
 FIT_POSITIONS = 2048  # scored positions of target text the output bias is fitted on (its V-vector's estimate)
@@ -514,7 +534,7 @@ class Step2Start:
                     train.vocab_mode == "expand", family, fingerprint)
         counts = (piece_counts(data, load_tokenizer(tokenizer).get_piece_size())
                   if rule.bias == "fitted" or start.expanded else None)
-        logp = unigram_logprobs(data, len(counts), counts) if rule.bias == "fitted" else None
+        logp = rule.target(data, counts, primary)
         if start.expanded:
             start.count_unused_new_pieces(counts)
             start.bound_new_outputs(train, source.record.get("data_path"), logp)

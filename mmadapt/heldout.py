@@ -83,6 +83,11 @@ class Primary:
         require_head(source, what)
         return cls.of(source, source.weights())
 
+    def text_prefix(self, data: Path) -> list[int] | None:
+        """The ids this model's tokenizer puts before a text of the prepared dataset `data` (run.
+        text_prefix: how its held-out rows are laid out; None for mmadapt's own packed stream)."""
+        return text_prefix(self.record, Path(self.ref["run_dir"]) / RUN_TOKENIZER, Path(data) / TOKENIZER)
+
 
 def scoring_model(family: ModelFamily, cfg: ModelConfig, state: dict, on: torch.device | None = None
                   ) -> torch.nn.Module:
@@ -107,10 +112,37 @@ def piece_counts(data_path: Path, vocab_size: int) -> np.ndarray:
 
 def unigram_logprobs(data_path: Path, vocab_size: int, counts: np.ndarray | None = None) -> torch.Tensor:
     """log p(piece) [V] of every piece of the dataset's training text, add-one smoothed (from
-    `counts`, piece_counts', where read already): what output biases start at (output_bias_init
-    unigram, fit-head, Step 2's fitted start). The plug-in metric's reference counts only the
-    pieces it scores (reference_logprobs)."""
+    `counts`, piece_counts', where read already): what Step 1's output biases start at
+    (output_bias_init unigram), and Step 2's fitted start in runs recorded before 2026-12-02
+    (StartRule.bias_target "every"). The plug-in metric's reference counts only the pieces it
+    scores (reference_logprobs), and so do the output-bias fits now (target_logprobs)."""
     counts = (piece_counts(data_path, vocab_size) if counts is None else counts) + 1.0
+    return torch.from_numpy(np.log(counts / counts.sum())).float()
+
+
+def _scorable(counts: np.ndarray, objective: Objective, prefix: list[int] | None) -> np.ndarray:
+    """`counts` [V] (float64) with the pieces no scored position can be set to 0: for a masked
+    objective every special piece (data.mask_tokens selects none), for an imported decoder's
+    sentence rows (`prefix` given) </s> (data.SentenceRows leaves it out); mmadapt's packed causal
+    blocks score every piece."""
+    counts = counts.astype(np.float64)
+    if objective.masked:
+        counts[:NUM_SPECIAL] = 0.0
+    elif prefix is not None:
+        counts[EOS_ID] = 0.0
+    return counts
+
+
+def target_logprobs(data_path: Path, vocab_size: int, objective: Objective = MLM, prefix: list[int] | None = None,
+                    counts: np.ndarray | None = None) -> torch.Tensor:
+    """log p(piece) [V] that an output bias is fitted to (Step 2's fitted start and its
+    calibration to the primary, fit-head's start): the frequencies of the pieces a scored
+    position can be (reference_logprobs' counts), add-one smoothed over every piece, so finite
+    everywhere (a piece no position is keeps the one count alone). Fitted to every piece's
+    frequencies instead (unigram_logprobs), an encoder's start gave each sentence's </s> its
+    share, about 3.5% of the mass on the Bible, and read about 0.035 nats above the reference."""
+    counts = piece_counts(data_path, vocab_size) if counts is None else counts
+    counts = _scorable(counts, objective, prefix) + 1.0
     return torch.from_numpy(np.log(counts / counts.sum())).float()
 
 
@@ -124,11 +156,7 @@ def reference_logprobs(data_path: Path, vocab_size: int, objective: Objective = 
     Counted over every piece (unigram_logprobs), each sentence's </s> took about 3.5% of the mass
     from the pieces scored, and every contextual gain read 0.035 nats (de, ru) above what the
     best output bias alone reaches."""
-    counts = piece_counts(data_path, vocab_size).astype(np.float64) + 1.0
-    if objective.masked:
-        counts[:NUM_SPECIAL] = 0.0
-    elif prefix is not None:
-        counts[EOS_ID] = 0.0
+    counts = _scorable(piece_counts(data_path, vocab_size) + 1.0, objective, prefix)
     with np.errstate(divide="ignore"):
         return torch.from_numpy(np.log(counts / counts.sum())).float()
 
@@ -272,8 +300,7 @@ class Scorer:
     def heldout(self, text: Text, vocab_size: int, unigram: bool = True) -> HeldOut:
         """`text`'s held-out blocks in a `vocab_size`-piece vocabulary (the artifacts' that score
         it), on the model's device, with the unigram reference's loss (unigram: where asked)."""
-        own = Path(self.primary.ref["run_dir"]) / RUN_TOKENIZER
-        prefix = text_prefix(self.primary.record, own, Path(text.data) / TOKENIZER)
+        prefix = self.primary.text_prefix(text.data)
         batches = heldout_batches(text, vocab_size, self.family.objective, prefix)
         reference = reference_logprobs(text.data, vocab_size, self.family.objective, prefix) if unigram else None
         return HeldOut(batches, on_device(batches, device_of(self.model)),

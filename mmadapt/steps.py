@@ -56,7 +56,7 @@ from mmadapt.finetune import (TaskData, TaskPlan, at_chance, check_positions, ch
 from mmadapt.flops import device_days
 from mmadapt.fusion import apply_fusion
 from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, reference_logprobs,
-                             scoring_model, unigram_logprobs, unigram_loss)
+                             scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_resumable, check_same_source, pretrained_blocks,
                          read_run, read_source, require_head, require_kind, run_progress, run_text_layout,
@@ -239,7 +239,8 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
                 "frozen_from": {"run_dir": str(source.path), "tag": source.tag, "head_fit": True,
                                 "fingerprint": sampled_fingerprint(weights)}}
     with start_run(run, model, step.train, identity, TextData()) as started:
-        logp = unigram_logprobs(started.data, model.vocab_size)  # where the output bias starts
+        # where the output bias starts: the pieces a masked position can be (heldout.target_logprobs)
+        logp = target_logprobs(started.data, model.vocab_size, family.objective)
         blocks = distinct_blocks(heldout_batches(Text(started.data, step.train.seq_length, UNIGRAM_BLOCKS, 1,
                                                       step.train.seed, TEXT), model.vocab_size, family.objective))
         # the plug-in metric's reference: the pieces a masked position can be (not </s>)

@@ -273,7 +273,8 @@ def test_subword_mean_starts_each_new_row_at_its_split(sources, expanded_data):
             if ids:
                 torch.testing.assert_close(init[new_rows_name(name)][i], src[name][ids].mean(0))
         composed += bool(ids)
-    assert counts.pop("new_mass_bound") > 0 and counts.pop("start_rule") == {"row_std": "source", "bias": "fitted"}
+    assert counts.pop("new_mass_bound") > 0 and counts.pop("start_rule") == {"row_std": "source", "bias": "fitted",
+                                                                              "bias_target": "scored"}
     assert counts.pop("row_std") == pytest.approx(src[WORD].std().item())
     # The new pieces the target text (as the merged tokenizer read it) never holds, counted apart
     text = np.fromfile(data / "text.bin", dtype=json.loads((data / "manifest.json").read_text())["dtype"])

@@ -74,6 +74,35 @@ def test_unigram_reference_by_hand(english):
     assert int(torch.cat([l[l.ge(0)] for _, l in batches]).min()) >= 5
 
 
+def test_the_fitted_bias_target_by_hand(english):
+    """target_logprobs, what an output bias is fitted to (Step 2's fitted start, its calibration,
+    fit-head's start): the reference's counts (no special piece where a masked position is scored;
+    no </s> in an imported decoder's sentence rows) add-one smoothed over every piece, so finite
+    everywhere, a piece no position is at one count; on the held-out positions its loss is within
+    1e-3 nats of the reference's, where every piece's frequencies (the fit before 2026-12-02) are
+    the special pieces' share (over 0.02 nats) above it."""
+    from mmadapt.objectives import CAUSAL
+
+    tokens = np.fromfile(english / "text.bin", dtype=json.loads((english / "manifest.json").read_text())["dtype"])
+    raw = np.bincount(tokens.astype(np.int64), minlength=VOCAB).astype(np.float64)
+    masked = raw.copy()
+    masked[:5] = 0.0
+    masked += 1.0
+    target = H.target_logprobs(english, VOCAB)
+    assert torch.allclose(target, torch.from_numpy(np.log(masked / masked.sum())).float())
+    assert torch.isfinite(target).all() and torch.allclose(target[:5], target[:5].min().expand(5))
+    rows = raw.copy()
+    rows[3] = 0.0
+    rows += 1.0
+    assert torch.allclose(H.target_logprobs(english, VOCAB, CAUSAL, []), torch.from_numpy(np.log(rows / rows.sum()))
+                          .float())
+    assert torch.allclose(H.target_logprobs(english, VOCAB, CAUSAL), H.unigram_logprobs(english, VOCAB))  # packed
+    batches = H.heldout_batches(H.Text(english, 32, 64, 16), VOCAB)
+    reference = H.unigram_loss(H.reference_logprobs(english, VOCAB), batches)
+    assert abs(H.unigram_loss(target, batches) - reference) < 1e-3
+    assert H.unigram_loss(H.unigram_logprobs(english, VOCAB), batches) - reference > 0.02
+
+
 def _copying_loss(batches: list, logp: torch.Tensor, keep: float = 0.2) -> float:
     """Loss per scored piece of a model that predicts its input piece: probability `keep` on the
     piece at that position of the input, the rest spread by the unigram distribution."""
