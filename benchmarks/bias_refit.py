@@ -19,10 +19,10 @@ from pathlib import Path
 
 from common import table, write_results  # (importing common puts mmadapt on the path)
 
-from mmadapt.adapt import AdaptEmbeddings, PrimaryCalibration, bias_fit_text
+from mmadapt.adapt import AdaptEmbeddings, PrimaryCalibration, StartRule, bias_fit_text
 from mmadapt.artifact import artifact_dirs, read_artifact
 from mmadapt.data import TOKENIZER
-from mmadapt.heldout import Primary, Scorer, Text, unigram_logprobs
+from mmadapt.heldout import Primary, Scorer, Text, piece_counts
 from mmadapt.parallel import init_parallel
 from mmadapt.run import read_source
 from mmadapt.tokenizer import load as load_tokenizer
@@ -36,7 +36,9 @@ def measure(scorer: Scorer, run: Path) -> dict:
     held = scorer.heldout(Text(data, train.seq_length, train.plugin_eval_blocks or 256), vocab)
     family = read_source(Path(record["frozen_from"]["run_dir"])).family
     assert "primary_calibration" not in meta, f"{run}'s artifacts are calibrated already"
-    text, logp = bias_fit_text(data, train, family), unigram_logprobs(data, vocab)
+    # what the run's start rule fits a bias to (StartRule.target: its record's bias_target)
+    text, logp = bias_fit_text(data, train, family), StartRule.recorded(record).target(
+        data, piece_counts(data, vocab), scorer.primary)
     row = {"run": run.name, "system": meta["system"], "lang": meta["lang"], "update": meta["step"],
            "unigram": held.unigram, "trained": scorer.loss(held, art, meta)}
     for how in ("bias", "scale"):

@@ -15,9 +15,9 @@ from pathlib import Path
 from common import table, write_results  # (importing common puts mmadapt on the path)
 import real_weights as rw
 
-from mmadapt.adapt import AdaptEmbeddings, PrimaryCalibration, bias_fit_text
+from mmadapt.adapt import AdaptEmbeddings, PrimaryCalibration, StartRule, bias_fit_text
 from mmadapt.artifact import artifact_dirs, read_artifact, write_artifact
-from mmadapt.heldout import Primary, Scorer, unigram_logprobs
+from mmadapt.heldout import Primary, Scorer, piece_counts
 from mmadapt.parallel import init_parallel
 from mmadapt.run import read_source
 
@@ -39,7 +39,8 @@ def main() -> None:
     assert "primary_calibration" not in meta, f"{args.run}'s artifacts are calibrated already"
     scorer = Scorer(Primary.read(args.primary))
     text = bias_fit_text(data, train, read_source(args.primary).family)
-    logp = unigram_logprobs(data, len(art["output_bias"]))
+    # what the run's start rule fits a bias to (StartRule.target: its record's bias_target)
+    logp = StartRule.recorded(record).target(data, piece_counts(data, len(art["output_bias"])), scorer.primary)
     dirs = []
     for how in CALIBRATIONS:
         tensors, extra = art, {}

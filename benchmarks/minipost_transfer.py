@@ -32,11 +32,11 @@ import real_weights as rw
 
 from mmadapt import family as families
 from mmadapt import steps
-from mmadapt.adapt import FIT_POSITIONS, AdaptEmbeddings, fit_bias
+from mmadapt.adapt import FIT_POSITIONS, AdaptEmbeddings, StartRule, fit_bias
 from mmadapt.artifact import artifact_dirs, read_artifact
 from mmadapt.config import MiniModelConfig
 from mmadapt.data import TEXT, TOKENIZER
-from mmadapt.heldout import Primary, Scorer, Text, unigram_logprobs
+from mmadapt.heldout import Primary, Scorer, Text, piece_counts
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec
 from mmadapt.tokenizer import load as load_tokenizer
@@ -77,7 +77,7 @@ def top_layer_runs(root: Path) -> dict[str, Path]:
 def measure(root: Path, run: Path, lang: str, primary: Scorer, mini: Path | None, label: str) -> dict:
     data = root / "data" / lang
     vocab = load_tokenizer(data / TOKENIZER).get_piece_size()
-    logp = unigram_logprobs(data, vocab)
+    logp = StartRule().target(data, piece_counts(data, vocab), primary.primary)  # as Step 2's start fits it
     held = primary.heldout(Text(data, rw.SEQ), vocab)
     fit_on = primary.heldout(Text(data, rw.SEQ, math.ceil(FIT_POSITIONS / (rw.SEQ * 0.15)), 32, split=TEXT), vocab,
                              unigram=False)

@@ -433,6 +433,10 @@ class StartRule:
     bias: str = "fitted"
     bias_target: str = "scored"
 
+    def __post_init__(self):
+        if self.bias_target not in ("scored", "every"):
+            raise ValueError(f"start_rule bias_target {self.bias_target!r}: 'scored' or 'every'")
+
     @classmethod
     def recorded(cls, run: dict) -> "StartRule":
         """The rule an adapt run's record says it started by (a record without one: the old rule;
