@@ -238,8 +238,9 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
         ext.output_dir / SOURCES).is_file() else {}
     known = _entry(recorded, "model")
     files = model_dir_files(ext.model, known.get("files"))
-    sources = {**recorded, "model": {"digest": files_digest(files), "files": files}}
-    if known and known.get("digest") != sources["model"]["digest"]:  # (an extension from before SOURCES: taken)
+    sources = {**recorded, "model": {"files": files}}
+    digests = {"model": files_digest(files), "into": None}
+    if known and files_digest(known["files"]) != digests["model"]:  # (an extension from before SOURCES: taken)
         what = files_differ(known["files"], files)
         raise ValueError(f"--model {ext.model} changed since this extension read it ({what}): its runs trained over "
                          "the model as it was; restore it, or choose a new --output_dir to extend it as it is now")
@@ -255,7 +256,7 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     # stages ahead of it train: refused there, the extension could not be continued with other flags
     check_output_start(model.family, ext.step2_schedule(), model.cfg)
     if ext.into is None:
-        return imported, None, {"model": sources["model"]["digest"], "into": None}
+        return imported, None, digests
     if model.headless:
         raise ValueError(f"--into grafts the embeddings into a language model; {ext.model} is a headless encoder, "
                          "whose extension gets an MLM head its sibling lacks: drop --into")
@@ -263,9 +264,9 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     known = _entry(recorded, "into")
     known = known if known.get("model") == str(ext.into) else {}  # (another directory's times tell nothing)
     files = model_dir_files(ext.into, known.get("files"))
-    into = sources["into"] = {"model": str(ext.into), "digest": files_digest(files), "files": files}
+    sources["into"], digests["into"] = {"model": str(ext.into), "files": files}, files_digest(files)
     same_path = _imported_from(sibling) == str(ext.into)
-    if same_path and known.get("digest") == into["digest"]:
+    if same_path and known and files_digest(known["files"]) == digests["into"]:
         check = check_siblings(model, read_source(sibling), {"vocab_mode": ext.vocab_mode})
     else:  # first asked for, another --into than the last call's, or its files changed (or unrecorded): imported
         # and checked aside
@@ -298,7 +299,7 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     _record_sources(ext, recorded, sources)
     if parallel.is_rank0():  # the distances, and a sibling that moved too far, said before anything trains
         print("\n".join(check.lines()), flush=True)
-    return imported, sibling, {"model": sources["model"]["digest"], "into": into["digest"]}
+    return imported, sibling, digests
 
 
 def _entry(recorded: dict, name: str) -> dict:

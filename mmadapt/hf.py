@@ -387,10 +387,10 @@ def model_dir_files(model_dir: str | os.PathLike, known: dict | None = None) -> 
     "sha256"}}: its top-level files and, for a sentence-transformers directory, those of the
     module folders modules.json names; hidden files, *.md (a model card edited changes no
     weight) and a Trainer's logs (TRAINER_LOGS) left out, and so are its checkpoint-*/ and runs/
-    folders. Every file is
-    hashed whole (a fine-tune that moved a few rows shows), except one whose size and mtime are
-    those `known` (a former result) records: its hash is taken from there, so a repeated call
-    costs a stat per file. `files_digest` makes one identity of it, the same for a copy anywhere."""
+    folders. Every file is hashed whole (a fine-tune that moved a few rows shows), except one
+    whose size and mtime are those `known` (a former result) records: its hash is taken from
+    there, so a repeated call costs a stat per file. `files_digest` makes one identity of it, the
+    same for a copy anywhere."""
     from mmadapt.data import file_sha256
 
     root = Path(model_dir)
