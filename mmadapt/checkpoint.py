@@ -411,7 +411,8 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None,
     from.
 
     Needs no process group. The partition dims of tensor-parallel parameters are recorded in
-    the client state at save time (key `tp_partition_dims`), and so is each pipeline layer's
+    the client state at save time (key `tp_partition_dims`; a padded vocabulary's real rows:
+    `tp_vocab_padded_from`, whose padding is cut), and so is each pipeline layer's
     name prefix (key `pipeline_layers`, ModelFamily.pipeline_layer_prefixes). A pipeline
     checkpoint written before that key existed needs `layer_prefixes`(its model config dict)
     (mmadapt.run.load_weights passes its family's).
@@ -458,4 +459,8 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None,
     for k, by_tp in master.items():
         parts = [by_tp[i] for i in sorted(by_tp)]
         state[k] = torch.cat(parts, dim=dims[k]) if len(parts) > 1 else parts[0]
+    # A vocabulary padded for tensor parallelism (ModelConfig.padded_vocab_size): its real rows alone.
+    for k, rows in meta.get("tp_vocab_padded_from", {}).items():
+        if k in state:
+            state[k] = state[k][:rows].clone()  # not a view: torch.save would write the padding too
     return state

@@ -358,7 +358,8 @@ class ModelConfig(Checked):
         return self
 
     def _validate_tensor_parallel(self) -> None:
-        """Every tensor-parallel rank holds whole heads, an equal share of the FFN and of the vocabulary."""
+        """Every tensor-parallel rank holds whole heads, an equal share of the FFN and of the (padded)
+        vocabulary."""
         tp = self.tensor_model_parallel_size
         if self.num_attention_heads % tp:
             raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
@@ -366,11 +367,22 @@ class ModelConfig(Checked):
         if self.ffn_hidden_size % tp:
             raise ValueError(f"ffn_hidden_size {self.ffn_hidden_size} is not divisible by "
                              f"tensor_model_parallel_size {tp}")
-        if self.vocab_size % tp:
-            raise ValueError(f"vocab_size {self.vocab_size} is not divisible by "
-                             f"tensor_model_parallel_size {tp}: choose a vocab size that is a multiple of it (an "
-                             "imported model's vocabulary is its own: train it with data parallelism, "
-                             "--tensor_model_parallel_size 1)")
+        if self.frozen_vocab_size and self.vocab_size % tp:
+            # An expanded vocabulary's size is a multiple of expand.EXPAND_MULTIPLE (8): padding
+            # is not built for its split rows (layers.split_vocab).
+            raise ValueError(f"vocab_size {self.vocab_size} of an expanded vocabulary is not divisible by "
+                             f"tensor_model_parallel_size {tp}: expand with a tensor-parallel size that divides it, "
+                             "or with data parallelism (--tensor_model_parallel_size 1)")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """vocab_size rounded up to a multiple of tensor_model_parallel_size: the rows a
+        vocabulary-indexed weight holds over its ranks, megatron's even split (Megatron-LM pads
+        likewise). The at most TP - 1 padding rows are no piece: zeros, never looked up, their
+        logits -inf (layers.vocab_linear), cut from every full state dict
+        (checkpoint.load_full_state_dict) and added back for a rank's slice (engine._shard)."""
+        tp = self.tensor_model_parallel_size
+        return -(-self.vocab_size // tp) * tp
 
     @property
     def head_dim(self) -> int:

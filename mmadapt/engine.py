@@ -200,6 +200,8 @@ def _shard(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         return full[slice(*p.vocab_rows)]
     tp = parallel.tp_world()
     if getattr(p, "tensor_model_parallel", False) and tp > 1:
+        if full.shape[0] == getattr(p, "vocab_padded_from", -1):  # a padded vocabulary: zero padding rows
+            full = torch.cat([full, full.new_zeros(p.shape[0] * tp - full.shape[0], *full.shape[1:])])
         return full.chunk(tp, dim=p.partition_dim)[parallel.tp_rank()]
     return full
 
@@ -506,7 +508,9 @@ def set_trainable(module: torch.nn.Module, names: dict[str, str | None], trainab
 
 def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainable: Callable[[str], bool],
                  loop: LoopConfig, lr: float, total: int, ds_config: dict, init_state: dict | None = None):
-    """-> (engine, tp_partition_dims of every rank's parameters, in full names).
+    """-> (engine, the tensor-parallel layout of every rank's parameters in full names: their
+    `tp_partition_dims`, and `tp_vocab_padded_from`, the real rows of those a padded vocabulary
+    pads (layers.tag_vocab_padding), where any is; a checkpoint's client state holds it).
 
     module: this rank's model (or pipeline stage); names: its parameter names -> the family's
     model names (None: a tied duplicate). AdamW at peak `lr` with loop's betas and decay, linear
@@ -520,12 +524,17 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
     if init_state is not None:
         load_full_weights(module, names, init_state, trainable)
     set_trainable(module, names, trainable)
-    dims = {names[n]: p.partition_dim for n, p in module.named_parameters()
-            if getattr(p, "tensor_model_parallel", False) and names[n] is not None}
-    # Rank 0 writes the client state but holds only its own stage: merge every stage's dims.
+    split = [(names[n], p) for n, p in module.named_parameters()
+             if getattr(p, "tensor_model_parallel", False) and names[n] is not None]
+    here = ({n: p.partition_dim for n, p in split},
+            {n: p.vocab_padded_from for n, p in split if hasattr(p, "vocab_padded_from")})
+    # Rank 0 writes the client state but holds only its own stage: merge every stage's.
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, dims)
-    dims = {k: v for d in every for k, v in d.items()}
+    dist.all_gather_object(every, here)
+    layout = {"tp_partition_dims": {k: v for d, _ in every for k, v in d.items()}}
+    padded = {k: v for _, d in every for k, v in d.items()}
+    if padded:
+        layout["tp_vocab_padded_from"] = padded
     groups = param_groups(module, loop.weight_decay, loop.decay_all)
     for i, group in enumerate(groups):
         if not group["params"]:
@@ -579,7 +588,7 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
             bucketed_bf16_grads(engine.optimizer, engine.zero_reduce_bucket_size())
     if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
         _set_fp32_master(engine, names, init_state)
-    return engine, dims
+    return engine, layout
 
 
 def is_pipeline(engine) -> bool:

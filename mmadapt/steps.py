@@ -419,9 +419,9 @@ def _finetune_engine(started: Started, model_cfg: ModelConfig, cfg: FinetuneConf
     trainable = trainable_by_names(family.finetune_trainable(model_cfg))
     set_trainable(module, names, trainable)  # before fusion: it replays frozen layers alone as CUDA graphs
     apply_fusion(module, model_cfg, family.compiled_kinds, family.graphed_kinds)
-    engine, dims = build_engine(module, names, trainable, cfg, lr, plan.updates, started.ds_config, state)
+    engine, layout = build_engine(module, names, trainable, cfg, lr, plan.updates, started.ds_config, state)
     global_batch = cfg.global_batch(parallel.dp_world())
-    job = LoopJob(label=f"finetune {task.name}", names=names, client_state=client_state(family, model_cfg, dims),
+    job = LoopJob(label=f"finetune {task.name}", names=names, client_state=client_state(family, model_cfg, layout),
                   exclude_frozen=True, perf=lambda seconds: {"examples_per_s": global_batch / seconds})
     return engine, job
 

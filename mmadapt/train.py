@@ -255,19 +255,21 @@ def build_lm(family: ModelFamily, model_cfg: ModelConfig, seed: int) -> tuple[to
 
 def lm_engine(family: ModelFamily, model_cfg: ModelConfig, train: TrainConfig, ds_config: dict, job: LMJob = LMJob(),
               init_state: dict | None = None):
-    """-> (engine, names, tp_partition_dims). parallel.init_parallel must have run."""
+    """-> (engine, names, tensor-parallel layout: build_engine). parallel.init_parallel must have run."""
     module, names = build_lm(family, model_cfg, train.seed)
     trainable = trainable_by_names(job.trainable)
     set_trainable(module, names, trainable)  # before fusion: it replays frozen layers alone as CUDA graphs
     apply_fusion(module, model_cfg, family.compiled_kinds, family.graphed_kinds)
-    engine, dims = build_engine(module, names, trainable, train, train.lr, train.train_iters, ds_config, init_state)
-    return engine, names, dims
+    engine, layout = build_engine(module, names, trainable, train, train.lr, train.train_iters, ds_config,
+                                  init_state)
+    return engine, names, layout
 
 
-def client_state(family: ModelFamily, model_cfg: ModelConfig, dims: dict) -> dict:
-    """What every checkpoint of this model holds besides weights: the tensor-parallel partition
-    dims and, for a pipeline, each layer's name prefix (checkpoint.load_full_state_dict)."""
-    state = {"tp_partition_dims": dims, "model_config": to_dict(model_cfg)}
+def client_state(family: ModelFamily, model_cfg: ModelConfig, layout: dict) -> dict:
+    """What every checkpoint of this model holds besides weights: the tensor-parallel layout
+    (build_engine: partition dims, a padded vocabulary's real rows) and, for a pipeline, each
+    layer's name prefix (checkpoint.load_full_state_dict)."""
+    state = {**layout, "model_config": to_dict(model_cfg)}
     if model_cfg.pipeline_model_parallel_size > 1:
         state["pipeline_layers"] = family.pipeline_layer_prefixes(model_cfg)
     return state
@@ -436,7 +438,7 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
     fields. Returns the metrics of this invocation (global rank 0; empty on other ranks)."""
     parallel.seed_everything(train.seed)
     family = started.family
-    engine, names, dims = lm_engine(family, model_cfg, train, started.ds_config, job, init_state)
+    engine, names, layout = lm_engine(family, model_cfg, train, started.ds_config, job, init_state)
     data_dir = started.data
     extra = {"step": job.step, **(record or {}), "corpus": read_manifest(data_dir)["corpus"],
              "trainable": list(job.trainable) if job.trainable is not None else None}
@@ -486,7 +488,7 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         fit.after(position)
         return losses
 
-    loop_job = LoopJob(label=job.step, names=names, client_state=client_state(family, model_cfg, dims),
+    loop_job = LoopJob(label=job.step, names=names, client_state=client_state(family, model_cfg, layout),
                        exclude_frozen=job.trainable is not None, loss_names=tuple(str(l) for l in model_cfg.heads_after),
                        loss_weights=model_cfg.loss_weights, perf=perf, after_save=after_save, evaluate=evaluate,
                        eval_interval=train.eval_interval,

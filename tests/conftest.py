@@ -132,6 +132,18 @@ def tokenizer(corpus, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def odd_tokenizer(corpus, tmp_path_factory) -> Path:
+    """A 999-piece tokenizer of the English corpus: a vocabulary that tensor parallel 2 pads
+    (ModelConfig.padded_vocab_size)."""
+    from mmadapt.data import train_tokenizer
+
+    def build(d: Path) -> Path:
+        d.mkdir()
+        return train_tokenizer(corpus, d / "spm", 999)
+    return shared(tmp_path_factory, "tok_odd", build)
+
+
+@pytest.fixture(scope="session")
 def english(corpus, tokenizer, tmp_path_factory) -> Path:
     """The English corpus prepared with the primary run's tokenizer and a 10% validation split
     (the plug-in metric's and bits per byte's held-out text). Read-only."""

@@ -371,6 +371,28 @@ def test_step2_layout_matches_single_process(layout, step2_single, primary_run, 
 
 
 @pytest.mark.slow
+def test_step2_with_a_padded_target_vocabulary_at_tensor_parallel_2(primary_run, de_corpus, tmp_path):
+    """A 999-piece German vocabulary, padded to 1,000 rows at tensor parallel 2
+    (ModelConfig.padded_vocab_size: its full start sliced and padded per rank, engine._shard),
+    against one process: the same losses, and the same 999-row artifacts at update 0 and after."""
+    from mmadapt.data import train_tokenizer
+
+    (tmp_path / "tok").mkdir()
+    tokenizer = train_tokenizer(de_corpus, tmp_path / "tok" / "spm", 999)
+    runs = {}
+    for name, nproc, extra in (("single", 1, ["--ds_config", "ds_configs/zero0.json", "--gradient_accumulation_steps",
+                                              "2"]), ("tp2", 2, LAYOUTS["tp2"])):
+        runs[name] = _step2(primary_run, de_corpus, tokenizer, tmp_path / name, nproc, "--vocab_size", "999", *extra)
+    for a, b in zip(metrics(runs["single"]), metrics(runs["tp2"]), strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    for tag in ("step00000000", f"step{STEPS:08d}"):
+        ref, got = (read_artifact(runs[r] / "embeddings" / tag)[0] for r in ("single", "tp2"))
+        assert got["word_embeddings"].shape == (999, 64) and got["output_bias"].shape == (999,)
+        for k in ("word_embeddings", "output_bias"):
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_step2_with_a_stage_that_trains_nothing(primary_run, de_corpus, de_tokenizer, step2_single, tmp_path):
     """Pipeline 4 over the 4-layer mini-model: the two middle stages hold only frozen layers."""
     run = _step2(primary_run, de_corpus, de_tokenizer, tmp_path / "pp4", 4, "--pipeline_model_parallel_size", "4",

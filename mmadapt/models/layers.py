@@ -164,6 +164,34 @@ def row_linear(config: ModelConfig, in_features: int, out_features: int, init, b
                                              bias=bias, input_is_parallel=True, skip_bias_add=False)
 
 
+# --- a vocabulary padded for tensor parallelism (ModelConfig.padded_vocab_size) --------------------------
+
+def padded_init(init, config: ModelConfig):
+    """`init` for the full weight [Vp_total, ...] of a padded vocabulary: the V real rows drawn as an
+    unpadded layer draws them (the same full weights as tensor parallel 1's), the padding zeros."""
+    v = config.vocab_size
+
+    def draw(w: torch.Tensor) -> torch.Tensor:
+        init(w[:v])
+        w[v:].zero_()
+        return w
+    return draw if config.padded_vocab_size != v else init
+
+
+def tag_vocab_padding(p: nn.Parameter, config: ModelConfig) -> nn.Parameter:
+    """Tag this rank's slice of a vocabulary-indexed weight of a padded vocabulary with
+    `vocab_padded_from` (the real vocab_size: what a full state dict holds; engine._shard pads it,
+    the checkpoint's client state names it: checkpoint.load_full_state_dict cuts the padding)
+    and `vocab_valid_rows` (how many of this rank's rows are real pieces: vocab_linear gives the
+    others -inf logits). An unpadded vocabulary's parameter is left as it is."""
+    v, tp = config.vocab_size, config.tensor_model_parallel_size
+    if config.padded_vocab_size != v:
+        per = config.padded_vocab_size // tp
+        p.vocab_padded_from = v
+        p.vocab_valid_rows = max(0, min(per, v - tp_rank() * per))
+    return p
+
+
 def to_tp_region(x: torch.Tensor, tp: int) -> torch.Tensor:
     """Identity forward; backward all-reduces the gradient over the TP ranks (none at TP=1)."""
     return x if tp == 1 else tensor_parallel.copy_to_tensor_model_parallel_region(x)
@@ -185,7 +213,9 @@ class WordEmbedding(nn.Module):
                     nn.Embedding(config.vocab_size, config.hidden_size, device="meta"), init)
             else:
                 self.word_embeddings = tensor_parallel.VocabParallelEmbedding(
-                    config.vocab_size, config.hidden_size, init_method=init, config=mp_config(config))
+                    config.padded_vocab_size, config.hidden_size, init_method=padded_init(init, config),
+                    config=mp_config(config))
+                tag_vocab_padding(self.word_embeddings.weight, config)
 
     @property
     def weight(self) -> nn.Parameter:  # [Vp, h]; an expanded vocabulary's is `rows`
@@ -322,7 +352,14 @@ def vocab_linear(x: torch.Tensor, weights: torch.Tensor | tuple[torch.Tensor, ..
     weights = (weights,) if isinstance(weights, torch.Tensor) else weights
     biases = (biases,) if isinstance(biases, torch.Tensor) else biases or (None,) * len(weights)
     out = [F.linear(x, w, b) for w, b in zip(weights, biases) if len(weights) == 1 or w.shape[0]]
-    return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+    out = out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+    valid = getattr(weights[-1], "vocab_valid_rows", None)
+    if valid is not None and valid < out.shape[-1]:
+        # This rank's padding rows (tag_vocab_padding) are no piece: -inf, so that the softmax,
+        # the loss and its gradient (zero there) are those of the unpadded vocabulary. In place:
+        # F.linear's backward reads its inputs, not its output.
+        out.narrow(-1, valid, out.shape[-1] - valid).fill_(float("-inf"))
+    return out
 
 
 def masked_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,8 +35,8 @@ from torch import nn
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Dropout, Linear, Padding, SplitVocabRows, WordEmbedding, attention_rng,
                                    column_linear, cpu_path, derive_seed, dropout, gathered, head_logits, head_losses,
-                                   masked_positions, normal_init, row_linear, run_layers, to_tp_region, vocab_linear,
-                                   vocab_rows)
+                                   masked_positions, normal_init, padded_init, row_linear, run_layers,
+                                   tag_vocab_padding, to_tp_region, vocab_linear, vocab_rows)
 from mmadapt.parallel import seeded
 from mmadapt.tokens import PAD_ID
 
@@ -264,7 +264,10 @@ def output_layer(config: ModelConfig, seed: int = 1234) -> nn.Module:
     with seeded(derive_seed(seed, "output_layer")):
         if config.frozen_vocab_size:
             return SplitVocabRows(config, init)
-        return column_linear(config, config.hidden_size, config.vocab_size, init, bias=False)
+        layer = column_linear(config, config.hidden_size, config.padded_vocab_size, padded_init(init, config),
+                              bias=False)
+        tag_vocab_padding(layer.weight, config)
+        return layer
 
 
 class LlamaDecoder(nn.Module):

@@ -32,7 +32,7 @@ from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Dropout, Jagged, Padding, WordEmbedding, attention_mask, attention_rng,
                                    column_linear, cpu_path, derive_seed, dropout, gathered, head_logits, head_losses,
                                    masked_positions, normal_init, position_rows, row_linear, run_layers, split_vocab,
-                                   to_tp_region, varlen_attention, vocab_linear)
+                                   tag_vocab_padding, to_tp_region, varlen_attention, vocab_linear)
 from mmadapt.parallel import seeded
 from mmadapt.tokens import PAD_ID
 
@@ -151,10 +151,11 @@ class MLMHead(nn.Module):
         if config.frozen_vocab_size:  # an expanded vocabulary: source rows and new rows apart (layers.py)
             self.bias, self.new_bias = split_vocab(torch.zeros(config.vocab_size), config)
         else:
-            # [Vp], this rank's slice of the vocabulary
-            self.bias = nn.Parameter(torch.zeros(config.vocab_size // self.tp))
+            # [Vp], this rank's slice of the (padded) vocabulary
+            self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size // self.tp))
             if self.tp > 1:
                 set_tensor_model_parallel_attributes(self.bias, is_parallel=True, dim=0, stride=1)
+                tag_vocab_padding(self.bias, config)
 
     @property
     def bias_rows(self) -> tuple[nn.Parameter, ...]:
