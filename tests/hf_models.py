@@ -41,8 +41,9 @@ def _save_model(model, out: Path, seed: int) -> Path:
     return out
 
 
-def make_roberta(out: Path, seed: int = 0) -> Path:
-    """RobertaForMaskedLM + byte-level BPE (<s> 0, <pad> 1, </s> 2, <unk> 3, <mask> last, as roberta-base)."""
+def make_roberta(out: Path, seed: int = 0, odd: bool = False) -> Path:
+    """RobertaForMaskedLM + byte-level BPE (<s> 0, <pad> 1, </s> 2, <unk> 3, <mask> last, as roberta-base).
+    odd: an odd number of rows, as roberta-base's 50,265 (tensor parallel 2 pads them)."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import RobertaConfig, RobertaForMaskedLM, RobertaTokenizer
 
@@ -59,7 +60,8 @@ def make_roberta(out: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     # An even number of rows (tensor parallel 2) whatever the tokenizer's size: the rows past it
     # are never produced, as in checkpoints whose vocabulary was padded.
-    cfg = RobertaConfig(vocab_size=len(tok) + len(tok) % 2, pad_token_id=1, bos_token_id=0, eos_token_id=2, **SHAPE)
+    rows = len(tok) + (1 - len(tok) % 2 if odd else len(tok) % 2)
+    cfg = RobertaConfig(vocab_size=rows, pad_token_id=1, bos_token_id=0, eos_token_id=2, **SHAPE)
     return _save_model(RobertaForMaskedLM(cfg), out, seed)
 
 

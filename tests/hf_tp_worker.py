@@ -21,7 +21,8 @@ from mmadapt.run import load_weights  # noqa: E402
 
 
 def logits_at_tp2(run: Path, ids: torch.Tensor) -> torch.Tensor:
-    """The run's primary-head logits [b, s, V] at tensor parallel 2, gathered over the vocabulary."""
+    """The run's primary-head logits [b, s, Vp] at tensor parallel 2, gathered over the vocabulary
+    (Vp: ModelConfig.padded_vocab_size, V and the padding's -inf columns)."""
     from megatron.core import parallel_state
 
     cfg, state = load_weights(run)

@@ -523,6 +523,33 @@ def test_imported_model_under_tensor_parallel_2(name, hf_dirs, runs, tmp_path):
 
 
 @pytest.mark.slow
+def test_an_imported_vocabulary_that_tensor_parallel_2_pads(tmp_path):
+    """roberta-base's 50,265 rows divide by no tensor-parallel size: a tiny RoBERTa with an odd
+    number of rows, imported, at tensor parallel 2 (padded by one row: ModelConfig.padded_vocab_size)
+    gives transformers' logits, and -inf in its padding column."""
+    from conftest import run_pretrain
+
+    hf_dir = make_roberta(tmp_path / "hf", odd=True)
+    run = import_all({"odd": hf_dir}, tmp_path / "imported")["odd"]
+    cfg, _ = load_weights(run)
+    assert cfg.vocab_size % 2 == 1 and dataclasses.replace(cfg, tensor_model_parallel_size=2).padded_vocab_size == \
+        cfg.vocab_size + 1
+    tok, sp = AutoTokenizer.from_pretrained(str(hf_dir)), load(run / "tokenizer" / "spm.model")
+    enc, ids = hf_batch(tok, TEXTS["en"]), encode_texts(sp, TEXTS["en"])
+    torch.save(ids, tmp_path / "ids.pt")
+    run_pretrain(2, str(run), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"),
+                 script=str(REPO / "tests" / "hf_tp_worker.py"))
+    got = torch.load(tmp_path / "logits.pt")
+    assert got.shape[-1] == cfg.vocab_size + 1 and torch.isneginf(got[..., -1]).all()
+    with torch.no_grad():
+        ref = AutoModelForMaskedLM.from_pretrained(str(hf_dir)).eval()(**enc).logits[..., torch.tensor(sp.hf_ids)]
+    keep = enc.attention_mask.bool()
+    diff = (got[..., :-1][keep] - ref[keep]).abs().max().item()
+    print(f"an odd vocabulary at tensor parallel 2: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+
+
+@pytest.mark.slow
 def test_end_to_end_from_an_imported_model_to_an_exported_classifier(hf_dirs, corpus, de_corpus, de_tokenizer,
                                                                     tmp_path, capsys):
     """import-hf -> MINIPOST Step 1b -> Step 2 (German, packaged Bible) -> Step 3 (bible-genre) on the
