@@ -71,28 +71,41 @@ def test_two_rank_layout_matches_single_process(layout, reference, corpus, token
         torch.testing.assert_close(first, last, rtol=0, atol=0)
 
 
-def test_a_vocabulary_padded_for_tensor_parallel_2_trains_as_the_unpadded_one(corpus, odd_tokenizer, tmp_path):
-    """A 999-piece vocabulary at tensor parallel 2 (padded to 1,000 rows, ModelConfig.padded_vocab_size:
-    roberta-base's 50,265 and XLM-R's 250,002 at TP 4 are such vocabularies) against one process at
-    999: the same losses (the padding row's logit is -inf, not in the softmax) and the same full
-    weights, 999 rows each, from the two ranks' checkpoint."""
-    tokenizer, single, tp2 = odd_tokenizer, tmp_path / "single", tmp_path / "tp2"
-    run_pretrain(1, *_args(corpus, tokenizer, single, "--vocab_size", "999", "--ds_config", "ds_configs/zero0.json",
+@pytest.fixture(scope="module")
+def odd_reference(corpus, odd_tokenizer, tmp_path_factory):
+    """One process at a 999-piece vocabulary."""
+    out = tmp_path_factory.mktemp("single_odd")
+    run_pretrain(1, *_args(corpus, odd_tokenizer, out, "--vocab_size", "999", "--ds_config", "ds_configs/zero0.json",
                            "--gradient_accumulation_steps", "2"))
-    run_pretrain(2, *_args(corpus, tokenizer, tp2, "--vocab_size", "999", *LAYOUTS["tp2"][1]))
-    ref, got = metrics(single), metrics(tp2)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2_pp2"])
+def test_a_vocabulary_padded_for_tensor_parallel_2_trains_as_the_unpadded_one(layout, odd_reference, corpus,
+                                                                             odd_tokenizer, tmp_path):
+    """A 999-piece vocabulary at tensor parallel 2 (padded to 1,000 rows, ModelConfig.padded_vocab_size:
+    roberta-base's 50,265 and XLM-R's 250,002 at TP 4 are such vocabularies), alone and with
+    pipeline parallel 2 (the tied embedding's copy on the last stage), against one process at
+    999: the same losses (the padding row's logit is -inf, not in the softmax) and the same full
+    weights, 999 rows each, from the ranks' checkpoint."""
+    nproc, extra = LAYOUTS[layout]
+    run_pretrain(nproc, *_args(corpus, odd_tokenizer, tmp_path, "--vocab_size", "999", *extra))
+    ref, got = metrics(odd_reference), metrics(tmp_path)
     np.testing.assert_allclose(_heads(got), _heads(ref), rtol=1e-5)
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
-    mine, theirs = load_full_state_dict(tp2 / "checkpoints"), load_full_state_dict(single / "checkpoints")
+    mine, theirs = load_full_state_dict(tmp_path / "checkpoints"), load_full_state_dict(odd_reference / "checkpoints")
     assert sorted(mine) == sorted(theirs)
     for name, ref_w in theirs.items():
-        torch.testing.assert_close(mine[name], ref_w, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+        torch.testing.assert_close(mine[name], ref_w, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name} differs")
     assert mine["word_embeddings.word_embeddings.weight"].shape[0] == 999
-    shard = torch.load(tp2 / "checkpoints" / "step00000003" / "mp_rank_01_model_states.pt", weights_only=False)
-    assert shard["tp_vocab_padded_from"] == {"word_embeddings.word_embeddings.weight": 999,
-                                             "heads.heads.0.bias": 999, "heads.heads.1.bias": 999}
-    assert shard["module"]["word_embeddings.word_embeddings.weight"].shape[0] == 500  # rows 500..999, the last padding
-    assert not shard["module"]["word_embeddings.word_embeddings.weight"][-1].any()  # zero, and no gradient moved it
+    tag = tmp_path / "checkpoints" / "step00000003"
+    client = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
+    assert client["tp_vocab_padded_from"] == {"word_embeddings.word_embeddings.weight": 999,
+                                              "heads.heads.0.bias": 999, "heads.heads.1.bias": 999}
+    if layout == "tp2":
+        rows = torch.load(tag / "mp_rank_01_model_states.pt", weights_only=False)["module"][
+            "word_embeddings.word_embeddings.weight"]
+        assert rows.shape[0] == 500 and not rows[-1].any()  # rows 500..999, the last padding: zero, never moved
 
 
 def test_weights_changed_from_initialisation(reference, corpus, tokenizer, tmp_path):
