@@ -377,10 +377,11 @@ class ModelConfig(Checked):
     @property
     def padded_vocab_size(self) -> int:
         """vocab_size rounded up to a multiple of tensor_model_parallel_size: the rows a
-        vocabulary-indexed weight holds over its ranks, megatron's even split (Megatron-LM pads
-        likewise). The at most TP - 1 padding rows are no piece: zeros, never looked up, their
-        logits -inf (layers.vocab_linear), cut from every full state dict
-        (checkpoint.load_full_state_dict) and added back for a rank's slice (engine._shard)."""
+        vocabulary-indexed weight holds over its ranks, megatron's even split (Megatron-LM pads to
+        a multiple of 128 x TP and trains the padding). The at most TP - 1 padding rows are no
+        piece: zeros, never looked up, their logits -inf (layers.real_rows, vocab_linear), cut
+        from every full state dict (checkpoint.load_full_state_dict) and added back for a rank's
+        slice (engine._shard)."""
         tp = self.tensor_model_parallel_size
         return -(-self.vocab_size // tp) * tp
 

@@ -55,16 +55,44 @@ def test_padding_logits_are_minus_inf_and_leave_the_loss_and_gradients_of_the_re
     F.cross_entropy(vocab_linear(xr, wr, br), targets).backward()
     # the same 3 pieces and 2 padding rows (of any value: a rank's padding after a bad init, say)
     xp, wp, bp = x.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()
-    wp.vocab_valid_rows = 3
-    logits = vocab_linear(xp, wp, bp)
+    logits = vocab_linear(xp, wp, bp, real=3)
     assert torch.isneginf(logits[:, 3:]).all() and torch.isfinite(logits[:, :3]).all()
     F.cross_entropy(logits, targets).backward()
     torch.testing.assert_close(xp.grad, xr.grad)
     torch.testing.assert_close(wp.grad[:3], wr.grad)
     torch.testing.assert_close(bp.grad[:3], br.grad)
     assert not wp.grad[3:].any() and not bp.grad[3:].any()
-    # untagged, the padding rows would take part in the softmax
+    # unmasked, the padding rows would take part in the softmax
     assert not torch.isneginf(vocab_linear(x, w, b)).any()
+    # a rank whose rows are all padding (5 pieces at TP 4: 2 rows a rank, the last rank's both padding)
+    assert torch.isneginf(vocab_linear(x, w[:2], b[:2], real=0)).all()
+    assert [real_rows_at(5, 4, rank) for rank in range(4)] == [2, 2, 1, 0]
+    assert real_rows_at(999, 1, 0) is None and real_rows_at(1000, 2, 1) is None  # nothing padded
+
+
+def real_rows_at(vocab: int, tp: int, rank: int) -> int | None:
+    """layers.real_rows on tensor-parallel rank `rank` of `tp`."""
+    import mmadapt.models.layers as L
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(L, "tp_rank", lambda: rank)
+        return L.real_rows(tiny(vocab, tp))
+
+
+def test_a_full_weight_is_padded_with_zeros_for_a_rank(monkeypatch):
+    """engine._shard: the full [999, 4] weight padded to 1,000 rows before the even split; a
+    full weight of another size is not padded (load_full_weights then names the mismatch)."""
+    from mmadapt import engine, parallel
+
+    monkeypatch.setattr(parallel, "tp_world", lambda: 2)
+    full = torch.randn(999, 4)
+    p = torch.nn.Parameter(torch.zeros(500, 4))
+    p.tensor_model_parallel, p.partition_dim, p.vocab_padded_from = True, 0, 999
+    monkeypatch.setattr(parallel, "tp_rank", lambda: 0)
+    assert torch.equal(engine._shard(p, full), full[:500])
+    monkeypatch.setattr(parallel, "tp_rank", lambda: 1)
+    assert torch.equal(engine._shard(p, full), torch.cat([full[500:], torch.zeros(1, 4)]))
+    assert engine._shard(p, torch.randn(998, 4)).shape == (499, 4)
 
 
 def test_the_full_state_dict_of_a_padded_checkpoint_holds_the_real_rows(tmp_path):
@@ -80,6 +108,14 @@ def test_the_full_state_dict_of_a_padded_checkpoint_holds_the_real_rows(tmp_path
         torch.save({"module": module, "tp_partition_dims": {"word_embeddings.weight": 0, "fc.weight": 0},
                     "tp_vocab_padded_from": {"word_embeddings.weight": 5}, "model_config": {}},
                    d / f"mp_rank_{rank:02d}_model_states.pt")
+    # bf16 training's fp32 master weights, per rank: they replace the module's, then lose their padding too
+    master = torch.randn(6, 4)
+    for rank in range(2):
+        torch.save({"word_embeddings.weight": master[3 * rank:3 * rank + 3]}, d / f"fp32_tp{rank:02d}_pp00.pt")
+    state = load_full_state_dict(tmp_path, "step00000001")
+    assert torch.equal(state["word_embeddings.weight"], master[:5])
+    for rank in range(2):
+        (d / f"fp32_tp{rank:02d}_pp00.pt").unlink()
     state = load_full_state_dict(tmp_path, "step00000001")
     assert torch.equal(state["word_embeddings.weight"], emb[:5])
     assert state["word_embeddings.weight"].untyped_storage().nbytes() == 5 * 4 * 4  # not a view of the 6 rows

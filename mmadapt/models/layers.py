@@ -9,7 +9,8 @@ no process group at all (evaluation, export, notebooks). Nothing here imports De
 
 Shapes (batch first throughout): b batch, s sequence, h hidden_size, m scored positions in the
 batch (MLM: the masked ones; causal LM: every position with a next token), V vocab_size,
-Vp = V / tensor_model_parallel_size.
+Vp = padded_vocab_size / tensor_model_parallel_size (ModelConfig.padded_vocab_size: V rounded up
+to a multiple of the TP size).
 """
 
 from __future__ import annotations
@@ -178,17 +179,24 @@ def padded_init(init, config: ModelConfig):
     return draw if config.padded_vocab_size != v else init
 
 
+def real_rows(config: ModelConfig) -> int | None:
+    """How many of this tensor-parallel rank's Vp vocabulary rows are pieces (the rest padding:
+    ModelConfig.padded_vocab_size); None where the vocabulary is not padded. A head passes it to
+    vocab_linear."""
+    v, tp = config.vocab_size, config.tensor_model_parallel_size
+    if config.padded_vocab_size == v:
+        return None
+    per = config.padded_vocab_size // tp
+    return max(0, min(per, v - tp_rank() * per))
+
+
 def tag_vocab_padding(p: nn.Parameter, config: ModelConfig) -> nn.Parameter:
     """Tag this rank's slice of a vocabulary-indexed weight of a padded vocabulary with
-    `vocab_padded_from` (the real vocab_size: what a full state dict holds; engine._shard pads it,
-    the checkpoint's client state names it: checkpoint.load_full_state_dict cuts the padding)
-    and `vocab_valid_rows` (how many of this rank's rows are real pieces: vocab_linear gives the
-    others -inf logits). An unpadded vocabulary's parameter is left as it is."""
-    v, tp = config.vocab_size, config.tensor_model_parallel_size
-    if config.padded_vocab_size != v:
-        per = config.padded_vocab_size // tp
-        p.vocab_padded_from = v
-        p.vocab_valid_rows = max(0, min(per, v - tp_rank() * per))
+    `vocab_padded_from`, the real vocab_size: what a full state dict holds (engine._shard pads it
+    for the rank; the checkpoint's client state names it, and checkpoint.load_full_state_dict
+    cuts the padding). An unpadded vocabulary's parameter is left as it is."""
+    if config.padded_vocab_size != config.vocab_size:
+        p.vocab_padded_from = config.vocab_size
     return p
 
 
@@ -198,7 +206,7 @@ def to_tp_region(x: torch.Tensor, tp: int) -> torch.Tensor:
 
 
 class WordEmbedding(nn.Module):
-    """Vocab-parallel token embedding [V, h], also the output projection of every MLM head (and of
+    """Vocab-parallel token embedding [Vp, h] on each rank, also the output projection of every MLM head (and of
     a decoder whose output projection is tied). An expanded vocabulary (frozen_vocab_size > 0)
     holds its rows as two parameters (SplitVocabEmbedding)."""
 
@@ -344,21 +352,22 @@ def trained_vocab_attrs(config: ModelConfig, module: str) -> list[str]:
 
 
 def vocab_linear(x: torch.Tensor, weights: torch.Tensor | tuple[torch.Tensor, ...],
-                 biases: torch.Tensor | tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                 biases: torch.Tensor | tuple[torch.Tensor, ...] | None = None, real: int | None = None
+                 ) -> torch.Tensor:
     """logits [m, Vp] = x [m, h] W^T (+ b), W [Vp, h] (and b [Vp]) one tensor or its rows as
     consecutive blocks (`vocab_rows`). One block: F.linear. Several (an expanded vocabulary): one
     product per block, concatenated, so autograd computes the weight gradient of the new rows
-    only (the source rows' would be 2 m h F FLOPs spent on a matrix that does not train)."""
+    only (the source rows' would be 2 m h F FLOPs spent on a matrix that does not train).
+    real: how many of the Vp rows are pieces (`real_rows`; None: all): the padding's logits -inf."""
     weights = (weights,) if isinstance(weights, torch.Tensor) else weights
     biases = (biases,) if isinstance(biases, torch.Tensor) else biases or (None,) * len(weights)
     out = [F.linear(x, w, b) for w, b in zip(weights, biases) if len(weights) == 1 or w.shape[0]]
     out = out[0] if len(out) == 1 else torch.cat(out, dim=-1)
-    valid = getattr(weights[-1], "vocab_valid_rows", None)
-    if valid is not None and valid < out.shape[-1]:
-        # This rank's padding rows (tag_vocab_padding) are no piece: -inf, so that the softmax,
-        # the loss and its gradient (zero there) are those of the unpadded vocabulary. In place:
-        # F.linear's backward reads its inputs, not its output.
-        out.narrow(-1, valid, out.shape[-1] - valid).fill_(float("-inf"))
+    if real is not None and real < out.shape[-1]:
+        # This rank's padding rows are no piece: -inf, so that the softmax, the loss and its
+        # gradient (zero there) are those of the unpadded vocabulary. In place: F.linear's
+        # backward reads its inputs, not its output.
+        out.narrow(-1, real, out.shape[-1] - real).fill_(float("-inf"))
     return out
 
 

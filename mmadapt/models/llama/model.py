@@ -21,7 +21,8 @@ seeded generator, and this file never imports DeepSpeed (pipeline.py wraps these
 Shapes (batch first throughout):
     b batch, s sequence, h hidden_size, nh attention heads, ng key/value (query) groups,
     np / gp heads / groups on this TP rank, r = nh / ng query heads per group, hd head dim,
-    f ffn_hidden_size, fp = f / TP, m scored positions in the batch, V vocab_size, Vp = V / TP.
+    f ffn_hidden_size, fp = f / TP, m scored positions in the batch, V vocab_size, Vp = padded_vocab_size
+    / TP (ModelConfig.padded_vocab_size).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from torch import nn
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Dropout, Linear, Padding, SplitVocabRows, WordEmbedding, attention_rng,
                                    column_linear, cpu_path, derive_seed, dropout, gathered, head_logits, head_losses,
-                                   masked_positions, normal_init, padded_init, row_linear, run_layers,
-                                   tag_vocab_padding, to_tp_region, vocab_linear, vocab_rows)
+                                   masked_positions, normal_init, padded_init, real_rows, row_linear,
+                                   run_layers, tag_vocab_padding, to_tp_region, vocab_linear, vocab_rows)
 from mmadapt.parallel import seeded
 from mmadapt.tokens import PAD_ID
 
@@ -217,7 +218,7 @@ class LMHead(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
-        self.tp = config.tensor_model_parallel_size
+        self.tp, self.real_rows = config.tensor_model_parallel_size, real_rows(config)
 
     bias_rows = None  # the output projection has no bias
 
@@ -228,7 +229,7 @@ class LMHead(nn.Module):
     def forward(self, x: torch.Tensor, output_rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [m, h], the hidden states of the scored positions only; output_rows: the output
         projection's row blocks (layers.vocab_rows) -> logits [m, Vp]."""
-        return vocab_linear(to_tp_region(self.features(x), self.tp), output_rows)
+        return vocab_linear(to_tp_region(self.features(x), self.tp), output_rows, real=self.real_rows)
 
 
 class LMHeads(nn.Module):

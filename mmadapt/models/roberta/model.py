@@ -16,7 +16,8 @@ pipeline parallelism wraps these modules in `mmadapt/pipeline.py`.
 
 Shapes (batch first throughout):
     b batch, s sequence, h hidden_size, nh heads, np heads on this TP rank, hd head dim,
-    m masked positions in the batch, V vocab_size, Vp = V / tensor_model_parallel_size.
+    m masked positions in the batch, V vocab_size, Vp = padded_vocab_size / tensor_model_parallel_size
+    (ModelConfig.padded_vocab_size).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from torch import nn
 from mmadapt.config import ModelConfig
 from mmadapt.models.layers import (Dropout, Jagged, Padding, WordEmbedding, attention_mask, attention_rng,
                                    column_linear, cpu_path, derive_seed, dropout, gathered, head_logits, head_losses,
-                                   masked_positions, normal_init, position_rows, row_linear, run_layers, split_vocab,
-                                   tag_vocab_padding, to_tp_region, varlen_attention, vocab_linear)
+                                   masked_positions, normal_init, position_rows, real_rows, row_linear, run_layers,
+                                   split_vocab, tag_vocab_padding, to_tp_region, varlen_attention, vocab_linear)
 from mmadapt.parallel import seeded
 from mmadapt.tokens import PAD_ID
 
@@ -147,7 +148,7 @@ class MLMHead(nn.Module):
             nn.init.normal_(self.dense.weight, std=config.init_method_std)
             nn.init.zeros_(self.dense.bias)
         self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
-        self.tp = config.tensor_model_parallel_size
+        self.tp, self.real_rows = config.tensor_model_parallel_size, real_rows(config)
         if config.frozen_vocab_size:  # an expanded vocabulary: source rows and new rows apart (layers.py)
             self.bias, self.new_bias = split_vocab(torch.zeros(config.vocab_size), config)
         else:
@@ -168,7 +169,7 @@ class MLMHead(nn.Module):
     def forward(self, x: torch.Tensor, word_rows: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """x [m, h] hidden states of the masked positions only; word_rows: the tied projection's
         row blocks (layers.vocab_rows) -> logits [m, Vp]."""
-        return vocab_linear(to_tp_region(self.features(x), self.tp), word_rows, self.bias_rows)
+        return vocab_linear(to_tp_region(self.features(x), self.tp), word_rows, self.bias_rows, self.real_rows)
 
 
 class MLMHeads(nn.Module):
