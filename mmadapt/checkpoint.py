@@ -457,8 +457,10 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None,
         for k, v in load_pt(f, "checkpoint file", weights_only=True).items():
             master.setdefault(k, {}).setdefault(tp, v)
     for k, by_tp in master.items():
+        # a tensor-parallel shard per rank, or (LayerNorms, biases of row-parallel layers, position
+        # embeddings) the same replicated parameter on every rank
         parts = [by_tp[i] for i in sorted(by_tp)]
-        state[k] = torch.cat(parts, dim=dims[k]) if len(parts) > 1 else parts[0]
+        state[k] = torch.cat(parts, dim=dims[k]) if k in dims and len(parts) > 1 else parts[0]
     # A vocabulary padded for tensor parallelism (ModelConfig.padded_vocab_size): its real rows alone.
     for k, rows in meta.get("tp_vocab_padded_from", {}).items():
         if k in state:

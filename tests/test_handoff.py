@@ -64,6 +64,44 @@ def test_bf16_run_hands_on_its_fp32_master_weights(bf16_run):
     assert (w != w.bfloat16().float()).float().mean() > 0.9
 
 
+def test_fp32_masters_of_tensor_parallel_ranks_merge_shards_and_keep_one_replicated_copy(tmp_path):
+    """Each tensor-parallel rank's fp32 master file holds its shard of a split weight and its own
+    copy of every replicated one (a LayerNorm, a row-parallel layer's bias, the position
+    embedding): the full state concatenates the first and takes one copy of the second (it read
+    a partition dim that a replicated weight has none of: KeyError, every bf16 run at TP > 1)."""
+    d = tmp_path / "step00000001"
+    d.mkdir()
+    split, norm = torch.randn(4, 3), torch.randn(3)
+    for rank in range(2):
+        module = {"fc.weight": split[2 * rank:2 * rank + 2].bfloat16(), "norm.weight": norm.bfloat16()}
+        torch.save({"module": module, "tp_partition_dims": {"fc.weight": 0}, "model_config": {}},
+                   d / f"mp_rank_{rank:02d}_model_states.pt")
+        torch.save({"fc.weight": split[2 * rank:2 * rank + 2], "norm.weight": norm}, d / f"fp32_tp{rank:02d}_pp00.pt")
+    state = checkpoint.load_full_state_dict(tmp_path, "step00000001")
+    assert torch.equal(state["fc.weight"], split) and torch.equal(state["norm.weight"], norm)
+
+
+@pytest.mark.slow
+def test_a_bf16_run_at_tensor_parallel_2_hands_on_its_fp32_master_weights(corpus, odd_tokenizer, tmp_path):
+    """Step 1 under zero1_bf16.json on 2 tensor-parallel ranks, a 999-piece vocabulary padded to
+    1,000 rows: its full state reads (fp32, 999 rows), and each weight is the fp32 master whose
+    bf16 rounding the module file holds."""
+    from conftest import base_args, run_pretrain
+
+    run_pretrain(2, *base_args(corpus, odd_tokenizer, tmp_path, "--vocab_size", "999", "--recipe", "minijoint",
+                               "--train_iters", "3", "--save_interval", "3", "--train_micro_batch_size_per_gpu", "8",
+                               "--tensor_model_parallel_size", "2", "--ds_config", "ds_configs/zero1_bf16.json"))
+    tag = tmp_path / "checkpoints" / "step00000003"
+    state = checkpoint.load_full_state_dict(tmp_path / "checkpoints")
+    assert state["word_embeddings.word_embeddings.weight"].shape == (999, 64) and state[BIAS].shape == (999,)
+    dims = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["tp_partition_dims"]
+    module = [torch.load(tag / f"mp_rank_{r:02d}_model_states.pt", weights_only=False)["module"] for r in (0, 1)]
+    for name, value in state.items():
+        assert value.dtype == torch.float32, name
+        bf16 = torch.cat([m[name] for m in module], dims[name]) if name in dims else module[0][name]
+        assert torch.equal(value.bfloat16(), bf16[:len(value)]), name
+
+
 @pytest.mark.parametrize("replicas", [1, None])
 def test_a_step_starts_from_exact_fp32_weights_under_bf16(bf16_run, replicas):
     """DeepSpeed builds its master copy from the module after casting it to bf16; the engine puts
