@@ -333,6 +333,25 @@ def flat_bf16_grads(optimizer, is_pipe: bool) -> bool:
     return True
 
 
+def norm_of_no_gradient(optimizer) -> None:
+    """DeepSpeed's BF16_Optimizer under a pipeline takes each stage's gradient norm as
+    torch.stack of its gradients' norms, over the trained tensors that hold a gradient and are no
+    tied copy (a tied weight's copy on the last stage is counted on the first). A stage with none
+    stops the run there (torch.stack of an empty list): a tied decoder's last stage in Step 2,
+    whose only trained tensor is its copy of the word embedding, or a middle stage of frozen
+    layers, whose placeholder (build_engine) never gets a gradient. Such a stage's list gets one
+    zero, which adds nothing to the norm summed over the stages."""
+    get = optimizer.get_grads_for_norm
+
+    def grads_for_norm(for_clipping: bool = False):
+        grads = get(for_clipping)
+        if not for_clipping and not grads[0]:
+            grads = ([torch.zeros((), device=parallel.device())], grads[1])
+        return grads
+
+    optimizer.get_grads_for_norm = grads_for_norm
+
+
 def bucketed_bf16_grads(optimizer, bucket_numel: int) -> bool:
     """Where flat_bf16_grads applied, at one replica: the bf16 gradients reach their fp32 slots a
     bucket at a time, one cat and one add for each run of slots that lie back to back (at most
@@ -586,6 +605,8 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
         sync_free_bf16_step(engine.optimizer)
         if parallel.dp_world() == 1:  # where nothing reduces the gradients between backward and step
             bucketed_bf16_grads(engine.optimizer, engine.zero_reduce_bucket_size())
+    elif is_pipe and isinstance(engine.optimizer, BF16_Optimizer):
+        norm_of_no_gradient(engine.optimizer)
     if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
         _set_fp32_master(engine, names, init_state)
     return engine, layout
