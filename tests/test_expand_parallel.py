@@ -154,3 +154,18 @@ def test_expand_keeps_every_source_row_in_every_layout(family, layout, replay, s
         assert sorted(groups) == sorted([first, last]), groups
     else:  # one process, ZeRO 0: torch's AdamW state per parameter
         assert groups == [sorted(bias + [new * h] * (1 if family == "roberta" else 2))]
+
+
+def test_expand_under_bf16_at_tensor_parallel_4(sources, de_corpus, de_tokenizer, tmp_path):
+    """Under zero1_bf16.json (one replica: DeepSpeed's BF16_Optimizer) at tensor parallel 4, the
+    ranks after rank 0 whose vocabulary slice holds only source rows train only placeholders,
+    which DeepSpeed's gradient norm skips off tensor-parallel rank 0 (engine.norm_of_no_gradient:
+    the run stopped at its first step). Against one process under bf16, to bf16's rounding."""
+    bf16 = ["--ds_config", "ds_configs/zero1_bf16.json", "--gradient_accumulation_steps", "2", "--gradient_clipping",
+            "0.05", "--log_interval", "1"]
+    runs = {n: _expand(sources["roberta"], de_corpus, de_tokenizer, tmp_path / str(n), n, *bf16, steps=3,
+                       *(["--tensor_model_parallel_size", "4"] if n == 4 else [])) for n in (1, 4)}
+    size = json.loads((runs[4] / "run.json").read_text())["model"]["vocab_size"]
+    assert 2 * size // 4 <= VOCAB  # ranks 0 and 1 hold source rows only
+    assert [r["step"] for r in metrics(runs[4])] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in metrics(runs[4])], [r["loss"] for r in metrics(runs[1])], rtol=1e-3)

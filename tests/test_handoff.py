@@ -96,6 +96,11 @@ def test_a_bf16_run_at_tensor_parallel_2_hands_on_its_fp32_master_weights(corpus
     assert state["word_embeddings.word_embeddings.weight"].shape == (999, 64) and state[BIAS].shape == (999,)
     dims = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)["tp_partition_dims"]
     module = [torch.load(tag / f"mp_rank_{r:02d}_model_states.pt", weights_only=False)["module"] for r in (0, 1)]
+    # one copy of a replicated weight stands for every rank's: they are the same, bit for bit
+    masters = [torch.load(tag / f"fp32_tp{r:02d}_pp00.pt") for r in (0, 1)]
+    replicated = [k for k in masters[0] if k not in dims]
+    assert "embeddings.position_embeddings.weight" in replicated
+    assert all(torch.equal(masters[0][k], masters[1][k]) for k in replicated)
     for name, value in state.items():
         assert value.dtype == torch.float32, name
         bf16 = torch.cat([m[name] for m in module], dims[name]) if name in dims else module[0][name]
