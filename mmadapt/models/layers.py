@@ -206,9 +206,9 @@ def to_tp_region(x: torch.Tensor, tp: int) -> torch.Tensor:
 
 
 class WordEmbedding(nn.Module):
-    """Vocab-parallel token embedding [Vp, h] on each rank, also the output projection of every MLM head (and of
-    a decoder whose output projection is tied). An expanded vocabulary (frozen_vocab_size > 0)
-    holds its rows as two parameters (SplitVocabEmbedding)."""
+    """Vocab-parallel token embedding, [Vp, h] on each rank, also the output projection of every
+    MLM head (and of a decoder whose output projection is tied). An expanded vocabulary
+    (frozen_vocab_size > 0) holds its rows as two parameters (SplitVocabEmbedding)."""
 
     def __init__(self, config: ModelConfig, seed: int = 1234):
         super().__init__()
