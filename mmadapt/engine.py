@@ -334,10 +334,11 @@ def flat_bf16_grads(optimizer, is_pipe: bool) -> bool:
 
 
 def norm_of_no_gradient(optimizer) -> None:
-    """DeepSpeed's BF16_Optimizer (where flat_bf16_grads does not apply) takes each rank's part of
-    the gradient norm as torch.stack of its gradients' norms, over the trained tensors that hold a
-    gradient, are no tied copy (a tied weight's copy on the last pipeline stage is counted on the
-    first) and, unless tensor-parallel, sit on tensor-parallel rank 0. A rank with none stops the
+    """DeepSpeed's BF16_Optimizer under a pipeline or tensor parallelism (where flat_bf16_grads
+    does not apply) takes each rank's part of the gradient norm as torch.stack of its gradients'
+    norms, over the trained tensors that hold a gradient, are no tied copy (a tied weight's copy
+    on the last pipeline stage is counted on the first) and, unless tensor-parallel, sit on
+    tensor-parallel rank 0. A rank with none stops the
     run there (torch.stack of an empty list): a tied decoder's last pipeline stage in Step 2, whose
     only trained tensor is its copy of the word embedding; a middle stage of frozen layers, whose
     placeholder (build_engine) never gets a gradient; a tensor-parallel rank other than 0 whose
@@ -608,8 +609,8 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
         sync_free_bf16_step(engine.optimizer)
         if parallel.dp_world() == 1:  # where nothing reduces the gradients between backward and step
             bucketed_bf16_grads(engine.optimizer, engine.zero_reduce_bucket_size())
-    elif isinstance(engine.optimizer, BF16_Optimizer):
-        norm_of_no_gradient(engine.optimizer)
+    elif isinstance(engine.optimizer, BF16_Optimizer) and (is_pipe or parallel.tp_world() > 1):
+        norm_of_no_gradient(engine.optimizer)  # where DeepSpeed's norm leaves tensors out
     if init_state is not None and (engine.bfloat16_enabled() or engine.fp16_enabled()):
         _set_fp32_master(engine, names, init_state)
     return engine, layout
