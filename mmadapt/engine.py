@@ -338,13 +338,12 @@ def norm_of_no_gradient(optimizer) -> None:
     does not apply) takes each rank's part of the gradient norm as torch.stack of its gradients'
     norms, over the trained tensors that hold a gradient, are no tied copy (a tied weight's copy
     on the last pipeline stage is counted on the first) and, unless tensor-parallel, sit on
-    tensor-parallel rank 0. A rank with none stops the
-    run there (torch.stack of an empty list): a tied decoder's last pipeline stage in Step 2, whose
-    only trained tensor is its copy of the word embedding; a middle stage of frozen layers, whose
-    placeholder (build_engine) never gets a gradient; a tensor-parallel rank other than 0 whose
-    slice of an expanded vocabulary holds no new row (TP 4 and more), which trains only
-    placeholders. Such a rank's list gets one zero, which adds nothing to the norm summed over the
-    ranks."""
+    tensor-parallel rank 0. A rank with none stops the run there (torch.stack of an empty list):
+    a tied decoder's last pipeline stage in Step 2, whose only trained tensor is its copy of the
+    word embedding; a middle stage of frozen layers, whose placeholder (build_engine) never gets
+    a gradient; a tensor-parallel rank other than 0 whose slice of an expanded vocabulary holds no
+    new row (TP 4 and more), which trains only placeholders. Such a rank's list gets one zero,
+    which adds nothing to the norm summed over the ranks."""
     get = optimizer.get_grads_for_norm
 
     def grads_for_norm(for_clipping: bool = False):

@@ -183,11 +183,10 @@ def real_rows(config: ModelConfig) -> int | None:
     """How many of this tensor-parallel rank's Vp vocabulary rows are pieces (the rest padding:
     ModelConfig.padded_vocab_size); None where the vocabulary is not padded. A head passes it to
     vocab_linear."""
-    v, tp = config.vocab_size, config.tensor_model_parallel_size
-    if config.padded_vocab_size == v:
+    if config.padded_vocab_size == config.vocab_size:
         return None
-    per = config.padded_vocab_size // tp
-    return max(0, min(per, v - tp_rank() * per))
+    start, stop = vocab_range(config)
+    return max(0, min(stop, config.vocab_size) - start)
 
 
 def tag_vocab_padding(p: nn.Parameter, config: ModelConfig) -> nn.Parameter:
@@ -256,8 +255,8 @@ def new_rows_name(name: str) -> str:
 
 
 def vocab_range(config: ModelConfig) -> tuple[int, int]:
-    """This tensor-parallel rank's rows [start, stop) of the vocabulary (megatron's even split)."""
-    per = config.vocab_size // config.tensor_model_parallel_size
+    """This tensor-parallel rank's rows [start, stop) of the (padded) vocabulary (megatron's even split)."""
+    per = config.padded_vocab_size // config.tensor_model_parallel_size
     rank = tp_rank() if config.tensor_model_parallel_size > 1 else 0
     return rank * per, (rank + 1) * per
 
