@@ -136,7 +136,9 @@ def _output_bias_start(family: ModelFamily, model: ModelConfig, data_path: Path)
     the unigram distribution from the first update has no plateau to sit on: without it a
     12 x 64 post-LayerNorm model spends its first updates mapping every input to one vector
     that yields piece frequencies, and fine-tunes at chance from there (config.py, the tiny
-    preset)."""
+    preset). Every piece counts here, </s> included, though no masked position is one: a start,
+    not a reference; without the special pieces (heldout.target_logprobs) as many tiny-preset runs
+    fine-tuned above chance (benchmarks/results/tiny_preset_bias_target_cpu2_20261202.md)."""
     if model.output_bias_init != "unigram":
         return None
     logp = unigram_logprobs(data_path, model.vocab_size)
