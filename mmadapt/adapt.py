@@ -130,9 +130,11 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         # A resumed run starts as it started: its frozen start values (a frozen bias, an expanded
         # vocabulary's source side) and its update-0 artifact by the rule its record names, not
         # today's default (a run recorded before rules were, with a checkpoint: the rule of then,
-        # StartRule.recorded; with none, it starts anew)
+        # StartRule.recorded; with none, it starts anew). A --resume into a directory with no
+        # record yet (launch/slurm/adapt.sbatch's first launch, or a requeue before train_lm wrote
+        # it) starts anew as well.
         rule = StartRule()
-        if plan.run.resume:
+        if plan.run.resume and started.record.exists():
             record = started.record.read()
             if "start_rule" in record or checkpoint.latest_tag(plan.run.output_dir / "checkpoints") is not None:
                 rule = StartRule.recorded(record)

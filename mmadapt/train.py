@@ -446,7 +446,10 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         extra["pipeline_parts"] = [int(x) for x in engine.module.parts]
     if job.text_layout and not family.objective.masked:  # an imported decoder's layout of its packed blocks
         extra["text_layout"] = job.text_layout
-    started.record.write(run.resume, **extra)
+    # A --resume with no complete checkpoint starts from update 0: its record is this start's (a
+    # Step 2 recorded with another start rule, or none, would otherwise be resumed by that rule
+    # once a checkpoint exists, adapt.StartRule.recorded)
+    started.record.write(run.resume and checkpoint.latest_tag(run.output_dir / "checkpoints") is not None, **extra)
     batches = lm_batches(family, data_dir, model_cfg, train, layout=job.text_layout)
     if job.replay is not None:  # ordinary blocks of the same length: the FLOPs per block stay
         batches = replay_batches(family, batches, job.replay, model_cfg, train, job.text_layout)

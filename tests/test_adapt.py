@@ -492,6 +492,20 @@ def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_
                                     "--log_interval", "1", "--save_interval", "2", *extra), script=ADAPT, code=code)
 
     go(tmp_path / "full")
+    # launch/slurm/adapt.sbatch passes --resume from the first launch: a directory with no record
+    # starts anew; so does one with a record of an earlier mmadapt's (no start rule) and no
+    # checkpoint, and its record then names the rule it started by (else a resume after its first
+    # checkpoint would take the rule of then, StartRule.recorded)
+    go(tmp_path / "fresh", "--resume", "--exit_interval", "2", code=76)
+    full_record = json.loads((tmp_path / "full" / "run.json").read_text())
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    legacy = {k: v for k, v in full_record.items() if k != "start_rule"}
+    (stale / "run.json").write_text(json.dumps(legacy).replace(str(tmp_path / "full"), str(stale)))
+    go(stale, "--resume", "--exit_interval", "2", code=76)
+    assert json.loads((stale / "run.json").read_text())["start_rule"] == full_record["start_rule"]
+    for run in ("fresh", "stale"):
+        assert [r["loss"] for r in metrics(tmp_path / run)] == [r["loss"] for r in metrics(tmp_path / "full")][:2]
     go(tmp_path / "part", "--exit_interval", "2", code=76)
     assert [r["step"] for r in metrics(tmp_path / "part")] == [1, 2]
     start = tmp_path / "part" / "embeddings" / "step00000000"
