@@ -52,7 +52,7 @@ from mmadapt.parallel import from_rank0
 from mmadapt.artifact import ARTIFACT_FILE, SAMPLED_KEY, read_artifact, write_artifact
 from mmadapt.config import (EMBEDDING_INITS, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig, StepSpec,
                             TrainConfig, check_lang)
-from mmadapt.data import TEXT, TOKENIZER, check_prepared, replay_blocks
+from mmadapt.data import TEXT, TOKENIZER, check_prepared, read_tokenizer, replay_blocks
 from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, merged_vocabulary,
                             output_start, replay_text, source_text)
 from mmadapt.family import ModelFamily
@@ -228,8 +228,8 @@ def _vocabulary(run: RunSpec, step: AdaptEmbeddings, source: Source, body: Model
             size = step.vocab_size
         elif manifest is not None:
             size = manifest["vocab_size"]
-        elif run.tokenizer is not None and run.tokenizer.is_file():
-            size = load_tokenizer(run.tokenizer).get_piece_size()
+        elif run.tokenizer is not None:
+            size = read_tokenizer(run.tokenizer).get_piece_size()
         else:
             size = body.vocab_size
         return dataclasses.replace(layout, vocab_size=size), TextData(manifest), {}

@@ -175,18 +175,23 @@ def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_senten
                         f"{str(e).splitlines()[0]}") from None
 
 
-def load_checked_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
-    """Load a SentencePiece model (or an imported tokenizer: mmadapt/tokenizer.py); check its
-    special ids and (if given) its vocabulary size."""
+def read_tokenizer(path: str | os.PathLike):
+    """Load a SentencePiece model (or an imported tokenizer: mmadapt/tokenizer.py), with one line
+    (DataError) for a path that is not one."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"tokenizer {path} " + ("is a directory" if path.is_dir() else "does not exist")
                         + ": pass a SentencePiece .model file")
     try:
-        sp = load(path)
+        return load(path)
     except (RuntimeError, OSError, ValueError) as e:
         raise DataError(f"tokenizer {path} is not a SentencePiece model ({str(e).splitlines()[0][:100]}): pass a "
                         ".model file made by SentencePiece") from None
+
+
+def load_checked_tokenizer(path: str | os.PathLike, vocab_size: int | None = None):
+    """read_tokenizer, then check its special ids and (if given) its vocabulary size."""
+    sp = read_tokenizer(path)
     if vocab_size is not None and sp.get_piece_size() != vocab_size:
         raise DataError(f"tokenizer {path} has {sp.get_piece_size()} pieces but the model's vocab_size is "
                         f"{vocab_size}: pass --vocab_size {sp.get_piece_size()} or a matching tokenizer")

@@ -53,14 +53,14 @@ from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt.config import EXPAND_OUTPUT_STARTS, ModelConfig, PreprocessConfig, TrainConfig
 from mmadapt.corpora import resolve_corpus
-from mmadapt.data import TEXT, TOKENIZER, VALID, file_sha256, read_manifest, replay_blocks, train_tokenizer
+from mmadapt.data import (TEXT, TOKENIZER, VALID, file_sha256, read_manifest, read_tokenizer, replay_blocks,
+                          train_tokenizer)
 from mmadapt.family import WORD, ModelFamily, OutputPath
 from mmadapt.heldout import Primary, Scorer, Text, pretrained_on
 from mmadapt.models.layers import new_rows_name
 from mmadapt.parallel import from_rank0, is_rank0, launched_world_size
 from mmadapt.run import RunSpec, Source
 from mmadapt.tokenizer import WORD_BOUNDARY, cut_to_multiple, expand_hf, is_hf, pieces, source_form
-from mmadapt.tokenizer import load as load_tokenizer
 
 
 # --- the merged vocabulary ---------------------------------------------------------------------------
@@ -196,7 +196,7 @@ def merged_vocabulary(run: RunSpec, source: Source, vocab_size: int | None, seed
     if run.data_path is not None:
         return manifest["vocab_size"], check_expansion(source.tokenizer, run.data_path / TOKENIZER), None
     if run.tokenizer is not None:
-        load_tokenizer(run.tokenizer)
+        read_tokenizer(run.tokenizer)
         expansion = expand(source.tokenizer, run.tokenizer)
         return expansion.size, expansion.source_size, expansion
     kept = run.output_dir / MERGED_TOKENIZER

@@ -387,6 +387,9 @@ CASES = [
     ("adapt-corpus-not-utf8", lambda c: c.adapt(corpus=c.file("latin1.txt", NOT_UTF8)), "is not UTF-8"),
     ("adapt-tokenizer-garbage", lambda c: c.adapt(tokenizer=c.file("t.model", b"garbage")),
      "is not a SentencePiece model"),
+    ("adapt-tokenizer-garbage-sizes-the-model", lambda c: [a for a in c.adapt(tokenizer=c.file("t.model", b"garbage"))
+                                                           if a not in ("--vocab_size", str(VOCAB))],
+     "is not a SentencePiece model"),
     ("adapt-unknown-system", lambda c: c.adapt()[:2] + ["bl_huge"] + c.adapt()[3:], "invalid choice: 'bl_huge'"),
     ("adapt-source-tag", lambda c: c.adapt("--source_tag", "step00000009"), "has no complete checkpoint step00000009"),
     ("adapt-zero3", lambda c: c.adapt("--ds_config", c.file("ds.json", ZERO3)), "uses ZeRO stage 3"),
@@ -396,6 +399,8 @@ CASES = [
     ("expand-with-vocab-size", lambda c: c.adapt("--vocab_mode", "expand"), "drop --vocab_size"),
     ("expand-vocab-size-with-tokenizer", lambda c: c.expand("--corpus", str(c.corpus), "--tokenizer", str(c.tokenizer),
                                                             "--vocab_size", "900"), "drop --vocab_size"),
+    ("expand-tokenizer-garbage", lambda c: c.expand("--corpus", str(c.corpus), "--tokenizer",
+                                                    c.file("t.model", b"garbage")), "is not a SentencePiece model"),
     ("expand-output-start-unknown", lambda c: c.adapt("--expand_output_start", "zero"),
      "expand_output_start must be one of bounded, worst_case, embedding_init"),
     ("expand-output-start-in-pretrain", lambda c: c.pretrain("--expand_output_start", "embedding_init"),
