@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from mmadapt.artifact import primary_changed
+from mmadapt.artifact import SAMPLED_KEY, primary_changed
 from mmadapt.run import Source, read_source
 from mmadapt.tokenizer import HFTokenizer, SPECIAL_ROLES, is_hf, pieces
 
@@ -92,6 +92,14 @@ def other_roles(base_tokenizer: Path, sibling_tokenizer: Path) -> str | None:
 def _group(name: str) -> str:
     m = re.match(r"(.*?layers\.\d+)\.", name)
     return m.group(1) if m else name.split(".")[0]
+
+
+def sibling_key(base: Path, meta: dict) -> tuple:
+    """What check_siblings' verdict on an artifact (its meta.json `meta`) over `base` reads beside
+    the two models: whether it is expanded (its output side checked) and the base's weights as its
+    Step 2 recorded them. A caller checks once per key, not per base: two Step-2 runs over one base
+    can differ in both."""
+    return (Path(base), meta.get("vocab_mode") == "expand", meta.get(SAMPLED_KEY), meta.get("primary_fingerprint"))
 
 
 def check_siblings(base: Source, sibling: Source, meta: dict,

@@ -487,6 +487,27 @@ def test_a_graft_over_a_base_changed_since_step2_is_refused(graft_runs, tmp_path
     assert main(argv) == 0 and (tmp_path / "out" / "config.json").is_file()
 
 
+def test_the_sibling_check_reads_each_artifacts_record_not_only_its_bases_first(graft_runs, tmp_path, capsys):
+    """Two artifacts over one base whose Step 2 recorded the base's weights differently (here one
+    edited to say so): the check refuses in either order (it once ran per base, with the first
+    artifact's record), and prints the base's distances once."""
+    from mmadapt.artifact import SAMPLED_KEY, PrimaryRef
+    from mmadapt.evaluate import graft_check
+
+    artifact = _artifact(graft_runs, "qwen2", "replace")
+    meta = read_artifact(artifact)[2]
+    other = tmp_path / "other"
+    shutil.copytree(artifact, other)
+    (other / "meta.json").write_text(json.dumps({**meta, SAMPLED_KEY: "0" * 64, "primary_fingerprint": "0" * 64}))
+    sibling = PrimaryRef(graft_runs["qwen2-sibling"])
+    first = sorted((graft_runs["qwen2-replace"] / "embeddings").iterdir())[0]
+    graft_check([first, artifact], sibling)
+    assert capsys.readouterr().out.count("is a sibling of") == 1
+    for paths in ([artifact, other], [other, artifact]):
+        with pytest.raises(ValueError, match="have changed since"):
+            graft_check(paths, sibling)
+
+
 def test_step2_over_an_imported_decoder_packs_its_blocks_as_its_tokenizer_lays_out_text(graft_runs):
     """Step 2 over an imported decoder trains on blocks laid out as the source's tokenizer lays
     out a text (data.LayoutBatches), recorded in its run.json: Llama-2's <s> before each
