@@ -54,6 +54,7 @@ from mmadapt.run import run_text_layout
 from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID, PAD_ID, UNK_ID
 
 BPB_BYTES = 8192  # held-out bytes scored per language: the same text for every row of one language
+MIN_BPB_BYTES = 256  # the least a caller may ask for: a few sentences, where a figure still means something
 BATCH_TOKENS = 16_384  # positions per scoring batch (padding included), a GPU's: on a CPU, batches this large
 # fault in fresh pages on every pass (the demo passes its eval_batch_tokens, 2048)
 IGNORE = -100

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mmadapt import checkpoint, faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
-from mmadapt.bpb import BPB_BYTES
+from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, INVOKED_AS, LAYOUT_FIELDS,
                             RECIPES, SYSTEMS, EvaluateConfig, FinetuneConfig, Layout, MiniModelConfig, ModelConfig,
                             Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe, lang_code,
@@ -437,7 +437,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    "--allow_untrained_positions)")
     p.add_argument("--plugin_blocks", type=whole_number(1), default=256, help="with --plugin_data: held-out blocks "
                    "scored")
-    p.add_argument("--bpb_bytes", type=whole_number(256), default=BPB_BYTES, help="with --plugin_data: bytes of raw "
+    p.add_argument("--bpb_bytes", type=whole_number(MIN_BPB_BYTES), default=BPB_BYTES, help="with --plugin_data: bytes of raw "
                    "held-out text scored in bits per byte (the scale every tokenizer shares: docs/bits-per-byte.md)")
     p.add_argument("--graft", action="store_true", help="the embeddings were trained over a base model and --primary "
                    "(with --plugin_data) or the --finetuned runs' model (an imported classifier) was fine-tuned from it: "
@@ -740,7 +740,7 @@ def extend_main(argv=None) -> int:
     p.add_argument("--into", help="a model fine-tuned from --model (an instruct or chat sibling: the same architecture "
                    "and vocabulary): the new embeddings are grafted into it too (export-hf --graft), into "
                    "<output_dir>/export-into (docs/huggingface.md)")
-    p.add_argument("--bpb_bytes", type=whole_number(256), default=d["bpb_bytes"].default, help="held-out target bytes "
+    p.add_argument("--bpb_bytes", type=whole_number(MIN_BPB_BYTES), default=d["bpb_bytes"].default, help="held-out target bytes "
                    "the result is scored on in bits per byte, against the source model with no adaptation (default: "
                    "%(default)s; not part of the extension: a later call may change it)")
     args = p.parse_args(argv)

@@ -39,7 +39,7 @@ from typing import Optional
 from mmadapt import checkpoint, parallel, steps
 from mmadapt.adapt import check_output_start, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
-from mmadapt.bpb import BPB_BYTES, ByteScorer
+from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, ByteScorer
 from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig, check_lang
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, DataError, NothingHeldOut, check_corpus, corpus_fingerprint, read_manifest
@@ -105,6 +105,8 @@ class Extend:
         if self.system not in SYSTEMS:
             raise ValueError(f"--system {self.system}: extend adapts an imported model over {' or '.join(SYSTEMS)}")
         check_lang(self.lang)
+        if self.bpb_bytes < MIN_BPB_BYTES:
+            raise ValueError(f"bpb_bytes {self.bpb_bytes}: the summary scores at least {MIN_BPB_BYTES} held-out bytes")
         for iters in (self.head_iters, self.minipost_iters):
             self.schedule(iters)  # each stage's TrainConfig checks its fields as it is made
         self.step2_schedule()
@@ -255,6 +257,9 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     # Step 2's start refused for this model (a tied decoder's subword_mean under expand) before the
     # stages ahead of it train: refused there, the extension could not be continued with other flags
     check_output_start(model.family, ext.step2_schedule(), model.cfg)
+    if ext.system == "minipost" and model.cfg.num_layers < 2:  # Step 1b keeps max(1, layers // 3) of them
+        raise ValueError(f"{ext.model} has one layer: too few for a mini-model below it (Step 1b keeps its bottom "
+                         "layers); pass --system bl_base")
     if ext.into is None:
         return imported, None, digests
     if model.headless:

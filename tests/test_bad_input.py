@@ -827,6 +827,8 @@ CASES = [
         "").parent)),
      "is a sequence classifier: extend takes language models; graft the extension's embeddings into a classifier "
      "with `mmadapt import-hf"),
+    ("extend-minipost-of-a-one-layer-model", lambda c: c.extend("--model", c.bert_dir()),
+     "has one layer: too few for a mini-model below it (Step 1b keeps its bottom layers); pass --system bl_base"),
     ("extend-seq-length-past-the-models-positions", lambda c: c.extend(
         "--model", str(c.request.getfixturevalue("tiny_hf")["qwen2"]), "--seq_length", "100000"),
      "seq_length 100000 exceeds max_position_embeddings"),

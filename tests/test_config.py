@@ -306,3 +306,7 @@ def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(t
     with pytest.raises(ValueError, match="with plugin_eval_blocks 256, not 8: continue it with the same arguments"):
         claim(dataclasses.replace(ext, plugin_eval_blocks=8))
     assert sorted(p.name for p in ext.output_dir.iterdir()) == ["extend.json"]
+    # the CLI's range of --bpb_bytes holds from Python too, before anything is written
+    with pytest.raises(ValueError, match="^bpb_bytes 0: the summary scores at least 256 held-out bytes$"):
+        Extend(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "none", bpb_bytes=0)
+    assert not (tmp_path / "none").exists()
