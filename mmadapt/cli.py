@@ -20,7 +20,7 @@ from pathlib import Path
 
 from mmadapt import checkpoint, faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
-from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES
+from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, INVOKED_AS, LAYOUT_FIELDS,
                             RECIPES, SYSTEMS, EvaluateConfig, FinetuneConfig, Layout, MiniModelConfig, ModelConfig,
                             Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe, lang_code,
@@ -437,14 +437,16 @@ def evaluate_parser() -> argparse.ArgumentParser:
                    "--allow_untrained_positions)")
     p.add_argument("--plugin_blocks", type=whole_number(1), default=256, help="with --plugin_data: held-out blocks "
                    "scored")
-    p.add_argument("--bpb_bytes", type=whole_number(MIN_BPB_BYTES), default=BPB_BYTES, help="with --plugin_data: bytes of raw "
-                   "held-out text scored in bits per byte (the scale every tokenizer shares: docs/bits-per-byte.md)")
+    p.add_argument("--bpb_bytes", type=whole_number(MIN_BPB_BYTES), default=BPB_BYTES, help="with --plugin_data: "
+                   "bytes of raw held-out text scored in bits per byte (the scale every tokenizer shares: "
+                   "docs/bits-per-byte.md)")
     p.add_argument("--graft", action="store_true", help="the embeddings were trained over a base model and --primary "
                    "(with --plugin_data) or the --finetuned runs' model (an imported classifier) was fine-tuned from it: "
                    "score them grafted into it (export-hf --graft's check first)")
     p.add_argument("--output", required=True, help="JSON file of records {system, task, lang, step, flops, "
                    "score, ...}; must not exist yet")
-    add_dataclass_args(p, FinetuneConfig, only=("eval_batch_tokens",), defaults="each --finetuned run's own")
+    add_dataclass_args(p, FinetuneConfig, only=("eval_batch_tokens",), defaults="each --finetuned run's own; with "
+                       f"--plugin_data, the bits-per-byte rows' {BATCH_TOKENS}")
     add_dataclass_args(p, FinetuneConfig, only=("allow_untrained_positions",))
     add_dataclass_args(p, EvaluateConfig)
     return p
@@ -462,7 +464,8 @@ def evaluate_main(argv=None) -> int:
         records = steps.evaluate_plugin(Path(args.primary), embeddings=args.embeddings, data=args.plugin_data,
                                         output=Path(args.output), seq_length=args.seq_length,
                                         blocks=args.plugin_blocks, bpb_bytes=args.bpb_bytes, graft=args.graft,
-                                        allow_untrained_positions=bool(args.allow_untrained_positions))
+                                        allow_untrained_positions=bool(args.allow_untrained_positions),
+                                        bpb_batch_tokens=args.eval_batch_tokens or BATCH_TOKENS)
     else:
         if not args.finetuned or not args.eval_file:
             raise ValueError("pass --finetuned and --eval_file (a task), or --primary and --plugin_data")

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from mmadapt import checkpoint, parallel
 from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
-from mmadapt.bpb import BPB_BYTES
+from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
                             StepSpec, TrainConfig, check_lang, path_args, whole_arg)
@@ -489,12 +489,14 @@ def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, outp
 
 def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Path | None = None,
                     seq_length: int | None = None, blocks: int = 256, allow_untrained_positions: bool = False,
-                    bpb_bytes: int = BPB_BYTES, graft: bool = False) -> list[dict]:
+                    bpb_bytes: int = BPB_BYTES, graft: bool = False, bpb_batch_tokens: int = BATCH_TOKENS
+                    ) -> list[dict]:
     """Step 4's plug-in metric (plugin.py): every artifact through `primary`'s primary head,
     scored on the validation split of the dataset `data` ({lang}: each artifact's language)
     against the unigram reference, in blocks of `seq_length` (default: the primary's pretraining
     blocks, 64 for an imported model; longer ones only with allow_untrained_positions), and in
-    bits per byte of the first `bpb_bytes` of its raw held-out text (bpb.py); graft: the
+    bits per byte of the first `bpb_bytes` of its raw held-out text (bpb.py; at most
+    `bpb_batch_tokens` positions per forward pass); graft: the
     embeddings were trained over a base of which `primary` is a fine-tuned sibling (graft.py). Writes
     the records to `output` (which must not exist) when given. Needs no process group."""
     primary, embeddings = path_args(primary, "primary")[0], path_args(embeddings, "embeddings")
@@ -509,7 +511,8 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
     langs = {read_artifact(p)[2]["lang"] for p in artifact_dirs([Path(e) for e in embeddings])}
     records = plugin_records(Path(primary), [Path(e) for e in embeddings],
                              {lang: Path(data.replace("{lang}", lang)) for lang in langs}, seq_length, blocks,
-                             bpb_bytes=whole_arg(bpb_bytes, "bpb_bytes", 256), graft=graft)
+                             bpb_bytes=whole_arg(bpb_bytes, "bpb_bytes", MIN_BPB_BYTES), graft=graft,
+                             bpb_batch_tokens=whole_arg(bpb_batch_tokens, "bpb_batch_tokens", 1))
     return _write_records(records, output)
 
 

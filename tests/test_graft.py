@@ -227,12 +227,13 @@ def test_an_instruct_sibling_grafts_once_imported_with_its_bases_roles(graft_run
 
 
 def test_evaluate_scores_the_graft_in_bits_per_byte_beside_the_siblings_own(graft_runs, de_corpus, de_tokenizer,
-                                                                             tmp_path, capsys):
+                                                                             tmp_path, capsys, monkeypatch):
     """`evaluate --plugin_data --graft`: the base's German artifacts through the sibling, with no
     adaptation the sibling's own tokenizer and embeddings (not the base's); without --graft,
-    refused in one line naming it."""
+    refused in one line naming it. Its bits-per-byte rows in batches of --eval_batch_tokens."""
     import json
 
+    from mmadapt import bpb
     from mmadapt.bpb import ByteScorer
     from mmadapt.config import PreprocessConfig
     from mmadapt.data import prepare
@@ -248,7 +249,12 @@ def test_evaluate_scores_the_graft_in_bits_per_byte_beside_the_siblings_own(graf
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "score the graft with --graft" in err
     assert not (tmp_path / "no.json").exists()
-    assert main([*argv, "--graft", "--output", str(tmp_path / "r.json")]) == 0
+    sizes, batches = [], bpb.batches
+    monkeypatch.setattr(bpb, "batches", lambda rows, batch_tokens: sizes.append(batch_tokens) or batches(rows,
+                                                                                                        batch_tokens))
+    assert main([*argv, "--graft", "--eval_batch_tokens", "256", "--output", str(tmp_path / "r.json")]) == 0
+    assert sizes and set(sizes) == {256}
+    monkeypatch.undo()
     out = capsys.readouterr().out
     assert f"graft: {sibling} is a sibling of" in out and "## bits per byte of held-out text" in out
     records = json.loads((tmp_path / "r.json").read_text())
