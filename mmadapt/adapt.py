@@ -186,6 +186,7 @@ class Step2Plan:
             raise ValueError("--plugin_eval_blocks scores held-out target text: pass --data_path, a dataset prepared "
                              "with mmadapt preprocess --valid_fraction 0.03 (a raw --corpus has no validation split)")
         expand = step.train.vocab_mode == "expand"
+        check_calibration(step, expand)
         target = run.data_path / TOKENIZER if run.data_path is not None else run.tokenizer
         replay = replay_text(step.train, source.tokenizer if expand else target, run.layout.apply(body))
         model, data, expanded = _vocabulary(run, step, source, body, manifest)
@@ -456,6 +457,20 @@ class StartRule:
         if self.bias_target == "every":
             return unigram_logprobs(data, len(counts), counts)
         return target_logprobs(data, len(counts), primary.family.objective, primary.text_prefix(data), counts)
+
+
+def check_calibration(step: AdaptEmbeddings, expanded: bool) -> None:
+    """Refuse, in one line, a --primary_calibration other than its default where nothing is
+    calibrated (`calibrated` false): run.json would record a calibration no artifact had."""
+    train = step.train
+    value, default = train.primary_calibration, TrainConfig.primary_calibration
+    if value == default or calibrated(step, expanded):
+        return
+    why = ("it trains over the full model" if step.system not in MINI_SYSTEMS else
+           "it expands the vocabulary" if expanded else "its output bias is frozen (--train_output_bias false)")
+    raise ValueError(f"--primary_calibration {value} fits a mini-model's artifacts to the primary model (minijoint or "
+                     f"minipost, replace mode, the output bias trained), and this run has none to fit: {why}; drop "
+                     "the flag")
 
 
 FIT_POSITIONS = 2048  # scored positions of target text the output bias is fitted on (its V-vector's estimate)

@@ -620,11 +620,15 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     if cfg.ceiling:
         runs[CEILING] = out / CEILING
         jobs.append(("bl_base", None, runs[CEILING]))
+    # the full model is not calibrated to itself: its run keeps --primary_calibration's default
+    # (adapt.check_calibration refuses another), the depths take the sweep's
+    ceiling_train = dataclasses.replace(step.train, primary_calibration=TrainConfig.primary_calibration)
+
     def spec(system, n, run_dir, resume):
         return (RunSpec(output_dir=run_dir, ds_config=run.ds_config, data_path=data_path, resume=resume,
                         layout=run.layout),
-                AdaptEmbeddings(system=system, source=source, lang=step.lang, train=step.train,
-                                source_tag=step.source_tag, mini_layers=n))
+                AdaptEmbeddings(system=system, source=source, lang=step.lang, train=ceiling_train
+                                if system == "bl_base" else step.train, source_tag=step.source_tag, mini_layers=n))
 
     # Every depth trained before is this sweep's (source, language, data, schedule): checked for
     # all of them before any trains, so that a finished one is not taken for a changed sweep's

@@ -325,6 +325,13 @@ CASES = [
     ("embedding-init-unknown", lambda c: c.adapt("--embedding_init", "fvt"), "embedding_init must be one of overlap"),
     ("primary-calibration-unknown", lambda c: c.adapt("--primary_calibration", "temperature"),
      "primary_calibration must be one of none, bias, scale"),
+    ("primary-calibration-over-the-full-model", lambda c: c.adapt()[:2] + ["bl_base"] + c.adapt(
+        "--primary_calibration", "scale")[3:], "--primary_calibration scale fits a mini-model's artifacts to the "
+     "primary model (minijoint or minipost, replace mode, the output bias trained), and this run has none to fit: it "
+     "trains over the full model; drop the flag"),
+    ("primary-calibration-with-a-frozen-bias", lambda c: c.adapt("--train_output_bias", "false",
+                                                                 "--primary_calibration", "none"),
+     "has none to fit: its output bias is frozen (--train_output_bias false); drop the flag"),
     ("primary-calibration-in-pretrain", lambda c: c.pretrain("--primary_calibration", "scale"),
      "unrecognized arguments: --primary_calibration"),
     ("ds-config-list", lambda c: c.pretrain("--ds_config", c.file("ds.json", "[1, 2]")), "holds a JSON list"),
