@@ -95,9 +95,18 @@ def refuse_overwrite(output_dir: Path, resume: bool) -> None:
     directory of other files is not written into (as import-hf and export-hf refuse it)."""
     check_output_dir(output_dir)
     output_dir = Path(output_dir)
-    if has_checkpoints(output_dir / "checkpoints") and not resume:
+    checkpoints = has_checkpoints(output_dir / "checkpoints")
+    if checkpoints and not resume:
         raise ValueError(f"{output_dir} already holds checkpoints of another run: pass --resume to continue it, "
                          "or choose a new --output_dir")
+    # A Step-2 artifact past update 0 is written after its checkpoint: with none left (deleted to
+    # save disk), a run here would start at update 0 and overwrite them one by one, the old run's
+    # later ones left beside the new run's for Step 4 to take as one run
+    later = sorted(p.parent.name for p in (output_dir / "embeddings").glob("step*/embeddings.pt")
+                   if p.parent.name != tag_for(0))
+    if later and not checkpoints:
+        raise ValueError(f"{output_dir} holds the Step-2 artifacts of a run (embeddings/{later[-1]}) and no checkpoint "
+                         "to continue it from: choose a new --output_dir (nothing is overwritten)")
     if not (output_dir / "run.json").exists():
         refuse_other_files(output_dir, lambda name: name in RUN_ENTRIES or re.fullmatch(r"\..+\.tmp\d+", name),
                            "mmadapt run")

@@ -397,6 +397,11 @@ CASES = [
     ("adapt-tokenizer-garbage-sizes-the-model", lambda c: [a for a in c.adapt(tokenizer=c.file("t.model", b"garbage"))
                                                            if a not in ("--vocab_size", str(VOCAB))],
      "is not a SentencePiece model"),
+    ("adapt-over-artifacts-without-checkpoints", lambda c: (c.dir("run"), c.dir("run/embeddings"),
+                                                            c.dir("run/embeddings/step00000004"),
+                                                            c.file("run/embeddings/step00000004/embeddings.pt", b"x"))
+     and c.adapt("--resume"), "holds the Step-2 artifacts of a run (embeddings/step00000004) and no checkpoint to "
+     "continue it from: choose a new --output_dir"),
     ("adapt-unknown-system", lambda c: c.adapt()[:2] + ["bl_huge"] + c.adapt()[3:], "invalid choice: 'bl_huge'"),
     ("adapt-source-tag", lambda c: c.adapt("--source_tag", "step00000009"), "has no complete checkpoint step00000009"),
     ("adapt-zero3", lambda c: c.adapt("--ds_config", c.file("ds.json", ZERO3)), "uses ZeRO stage 3"),
