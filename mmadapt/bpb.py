@@ -338,6 +338,18 @@ def folds(sp) -> list[str]:
     return [what for what, (a, b) in FOLD_PROBES.items() if list(sp.encode(a)) == list(sp.encode(b))]
 
 
+def fold_caveat(side: str, folds: list[str], other: list[str]) -> str | None:
+    """The sentence that says two bits-per-byte figures are not comparable as they stand, where
+    `side`'s tokenizer folds (`folds`: bpb.folds) what the `other`'s keeps; None where it folds
+    nothing the other keeps."""
+    lost = sorted(set(folds) - set(other))
+    if not lost:
+        return None
+    return (f"Not comparable as they stand: {side} folds {' and '.join(lost)} where the other keeps it, so its bits "
+            "per byte leave out what that carries (each byte is charged, the text it reads is poorer) and read lower "
+            "than they would with it (docs/bits-per-byte.md).")
+
+
 class ByteScorer:
     """Bits per byte through one primary model (a heldout.Scorer, built once): a RawText per
     language (`text`), each tokenizer's reading of it prepared once, artifacts swapped in, in

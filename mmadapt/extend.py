@@ -39,7 +39,7 @@ from typing import Optional
 from mmadapt import checkpoint, parallel, steps
 from mmadapt.adapt import check_output_start, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
-from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, ByteScorer
+from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, ByteScorer, fold_caveat
 from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig, check_lang
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, DataError, NothingHeldOut, check_corpus, corpus_fingerprint, read_manifest
@@ -358,19 +358,22 @@ def _graft(ext: Extend, sibling: Path, final: Path, data: Path, files: str) -> d
     _export_once(ext, out, primary=sibling, embeddings=final, files=files, graft=True)
     key = {"artifact": meta_digests([final]), "files": files, "bpb_bytes": ext.bpb_bytes}
     kept = checkpoint.kept_result(ext.output_dir / GRAFT, key, "extend graft scores")
-    if kept is not None:
-        bits, none = kept["graft_bpb"], kept["graft_no_adaptation_bpb"]
-    else:
+    if kept is not None and "graft_no_adaptation_bpb_folds" in kept:
+        scores = {k: v for k, v in kept.items() if k != "key"}
+    else:  # (a score kept before the folds were: scored again)
         per_byte = ByteScorer(Scorer(Primary.read(sibling)), ext.seq_length, ext.bpb_bytes)
         raw = per_byte.text(data)
         emb, tok, meta = read_artifact(final)
-        bits, none = per_byte.score(raw, tok, emb, meta)["bpb"], per_byte.none(raw)
+        scores = {"graft_bpb": per_byte.score(raw, tok, emb, meta)["bpb"],
+                  "graft_no_adaptation_bpb": per_byte.none(raw), "graft_bpb_folds": per_byte.folds(tok),
+                  "graft_no_adaptation_bpb_folds": per_byte.folds(per_byte.own_tokenizer)}
         if parallel.is_rank0():
-            checkpoint.atomic_write(ext.output_dir / GRAFT, json.dumps(
-                {"key": key, "graft_bpb": bits, "graft_no_adaptation_bpb": none}, indent=2))
-    print(f"Grafted into {ext.into}: {ext.lang} at {bits:.3f} bits per byte through it, {none:.3f} with no adaptation "
-          f"(its own tokenizer and embeddings). Grafted model: {out}", flush=True)
-    return {"graft": str(out), "graft_bpb": bits, "graft_no_adaptation_bpb": none}
+            checkpoint.atomic_write(ext.output_dir / GRAFT, json.dumps({"key": key, **scores}, indent=2))
+    print(f"Grafted into {ext.into}: {ext.lang} at {scores['graft_bpb']:.3f} bits per byte through it, "
+          f"{scores['graft_no_adaptation_bpb']:.3f} with no adaptation (its own tokenizer and embeddings)."
+          + _caveats("its own tokenizer", scores["graft_no_adaptation_bpb_folds"], scores["graft_bpb_folds"])
+          + f" Grafted model: {out}", flush=True)
+    return {"graft": str(out), **scores}
 
 
 def _export_once(ext: Extend, out: Path, primary: Path, embeddings: Path, files: str, say=None, **kw) -> None:
@@ -439,7 +442,8 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
                "unigram_loss": last["unigram_loss"], "step": last["step"], "flops": last["flops"],
                "start_bpb": per_byte.score(raw, start_tok, start_emb, first)["bpb"],
                "final_bpb": per_byte.score(raw, tok, emb, last)["bpb"], "no_adaptation_bpb": per_byte.none(raw),
-               "bpb_bytes": raw.bytes}
+               "bpb_bytes": raw.bytes, "bpb_folds": per_byte.folds(tok),
+               "no_adaptation_bpb_folds": per_byte.folds(per_byte.own_tokenizer)}
     summary = _exports_named(summary, export)
     gain = summary["no_adaptation_bpb"] - summary["final_bpb"]
     text = (f"{ext.lang} through the primary model (plug-in loss, held-out text): {summary['start_loss']:.3f} at the "
@@ -451,11 +455,20 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
           + (f"the extended model reads {ext.lang} better by {gain:.3f} bits per byte." if gain > 0 else
              f"the extended model does not read {ext.lang} better than the source model yet ({-gain:.3f} bits per byte "
              "behind): train Step 2 longer (--adapt_iters).")
+          + _caveats("the source's own tokenizer", summary["no_adaptation_bpb_folds"], summary["bpb_folds"])
           + f"{EXPORTED}{export}")
     print(text, flush=True)
     if parallel.is_rank0():
         checkpoint.atomic_write(kept, json.dumps({"key": key, "summary": summary, "text": text}, indent=2))
     return summary
+
+
+def _caveats(none_side: str, none_folds: list[str], folds: list[str]) -> str:
+    """bpb.fold_caveat both ways, each on a line of its own: what the no-adaptation tokenizer
+    (`none_side`) and the extension's fold that the other keeps (an uncased source, all-MiniLM-
+    L6-v2's, reads lower than a cased target tokenizer would: docs/bits-per-byte.md)."""
+    lines = [fold_caveat(none_side, none_folds, folds), fold_caveat("the extension's tokenizer", folds, none_folds)]
+    return "".join(f"\n{line}" for line in lines if line)
 
 
 def _exports_named(summary: dict, export: Path) -> dict:

@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL
+from mmadapt.bpb import fold_caveat
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
 from mmadapt.data import UNKNOWN_REFUSE
 from mmadapt.family import ModelFamily
@@ -449,9 +450,7 @@ def bpb_markdown(records: list[dict]) -> str:
         other = "folds" if fold == "none_folds" else "none_folds"
         lost = sorted({f for r in rows for f in set(r[fold]) - set(r[other])})
         if lost:
-            out += ["", f"Not comparable as they stand: {side} folds {' and '.join(lost)} where the other keeps it, so "
-                    "its bits per byte leave out what that carries (each byte is charged, the text it reads is "
-                    "poorer) and read lower than they would with it (docs/bits-per-byte.md)."]
+            out += ["", fold_caveat(side, lost, [])]
     if any(r["source_seen"] and r["source_last"] is not None for r in rows):
         out += ["", "†: source text the primary model may have trained on (the validation split of another "
                 "preparation of its pretraining corpus), not held-out text."]
