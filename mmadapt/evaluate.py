@@ -41,7 +41,7 @@ from mmadapt.hf_classifier import BODY
 from mmadapt.models.layers import Padding
 from mmadapt.devices import device_of, host_to_device, on_eval_device, progress, swapped
 from mmadapt.parallel import device
-from mmadapt.run import RUN_FILE, load_checkpoint, read_source, require_kind, run_model
+from mmadapt.run import RUN_FILE, load_checkpoint, read_source, require_kind, run_model, run_text_layout
 from mmadapt.tasks import Task, chance_levels, encode, get_task, headline, read_examples, scores
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokens import PAD_ID
@@ -223,11 +223,12 @@ def score_set(ft: Finetuned, data: EvalSet, cfg: FinetuneConfig, artifact: dict 
 
 # --- parallel-sentence retrieval (no fine-tuning) --------------------------------------------------
 
-def sentence_vectors(model, sp, texts: list[str], seq_length: int, layer: int,
+def sentence_vectors(model, sp, texts: list[str], seq_length: int, layer: int, framing: Framing = Framing(),
                      batch_tokens: int = FinetuneConfig.eval_batch_tokens) -> torch.Tensor:
     """Mean of layer `layer`'s outputs over each text's ordinary pieces -> [n, h], unit length
-    (fp32, on the CPU), in token-sized batches on the model's device."""
-    enc = encode_classify(sp, [(t, 0) for t in texts], seq_length)
+    (fp32, on the CPU), in token-sized batches on the model's device; each row laid out by
+    `framing` (its start: as the model read text, ModelFamily.task_framing)."""
+    enc = encode_classify(sp, [(t, 0) for t in texts], seq_length, framing)
 
     def pool(ids: torch.Tensor, padding) -> torch.Tensor:  # [b, s_i] -> [b, h]
         h = model.encode(ids, (layer,), padding)[0].float()  # [b, s_i, h], summed in fp32
@@ -472,17 +473,22 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     model = family.build_body(cfg)
     model.load_state_dict({k: state[k] for k in model.state_dict()})  # the body of the task model's start
     model = on_eval_device(model, device())  # built once; each artifact is swapped into it
+    # rows start as the model read text (a decoder: </s> or its tokenizer's prefix; never <s>,
+    # whose row no decoder trained), as Step 3's task rows do
+    framing = family.task_framing(run_text_layout(source.record).get("prefix"))
     src_sp, src_vectors, records = load_tokenizer(source.tokenizer), {}, []
     scored = {}  # accuracy by swap_key and language: an artifact like an earlier one scores the same
     for path in progress(artifact_dirs(adapt_runs), "retrieval"):
         emb, tok, meta = read_artifact(path)
         lang = meta["lang"]
         if lang not in src_vectors:
-            src_vectors[lang] = sentence_vectors(model, src_sp, [a for a, _ in pairs[lang]], seq_length, layer)
+            src_vectors[lang] = sentence_vectors(model, src_sp, [a for a, _ in pairs[lang]], seq_length, layer,
+                                                 framing)
         key = (swap_key(emb, ["word_embeddings"], meta, tok), lang)
         if key not in scored:
             with swapped(model, {word: artifact_embeddings(emb, model.get_parameter(word))}):
-                trg = sentence_vectors(model, load_tokenizer(tok), [b for _, b in pairs[lang]], seq_length, layer)
+                trg = sentence_vectors(model, load_tokenizer(tok), [b for _, b in pairs[lang]], seq_length, layer,
+                                       framing)
             scored[key] = retrieval_accuracy(src_vectors[lang], trg)
         records.append({**record_base(meta, "retrieval"), "metric": "accuracy", "chance": 100 / len(pairs[lang]),
                         "score": scored[key], "artifact": str(path)})

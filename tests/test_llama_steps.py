@@ -272,3 +272,23 @@ def test_decoder_options_the_encoder_refuses(decoder_runs, tmp_path):
                                step=steps.AdaptEmbeddings(system="minijoint", source=decoder_runs / "mj", lang="de",
                                                           train=_train(2, mask_prob=0.3)))
     assert not (tmp_path / "x").exists()
+
+
+def test_decoder_retrieval_rows_start_as_the_decoder_read_text(decoder_runs, monkeypatch):
+    """Parallel-verse retrieval through a decoder (no fine-tuning) lays each row out as Step 3's
+    task rows: </s> first, not the <s> whose row no decoder trains."""
+    from mmadapt import evaluate as ev
+    from mmadapt.tokens import EOS_ID
+
+    firsts, encode = [], ev.encode_classify
+
+    def spy(sp, examples, seq_length, framing=ev.Framing()):
+        enc = encode(sp, examples, seq_length, framing)
+        firsts.extend(enc.input_ids[:, 0].tolist())
+        return enc
+
+    monkeypatch.setattr(ev, "encode_classify", spy)
+    pairs = {"de": [("In the beginning", "Am Anfang"), ("And God said", "Und Gott sprach")]}
+    records = ev.retrieval_records(decoder_runs / "mj", [decoder_runs / "minijoint-de"], pairs, seq_length=16)
+    assert records and all(0 <= r["score"] <= 100 for r in records)
+    assert firsts and set(firsts) == {EOS_ID}
