@@ -129,6 +129,15 @@ class TaskData:
 
 # --- what Step 3 refuses or warns about ----------------------------------------------------------------
 
+UNTRAINED_POSITIONS = "were never trained"  # how check_positions' warning ends: report.py tells it apart by it
+
+
+def is_position_warning(warning: str) -> bool:
+    """Whether a fine-tuned run's warning is check_positions' (its model read untrained positions),
+    not that it learned nothing (steps.at_chance): a record may carry both, prefixed by its run."""
+    return warning.endswith(UNTRAINED_POSITIONS) and "seq_length " in warning
+
+
 def check_positions(primary: Path, src: dict, seq_length: int, allow: bool) -> str | None:
     """A `seq_length` within the blocks the primary model of the Step-1 record `src` was
     pretrained on: None. Longer: a ValueError naming both numbers, or with `allow` the warning
@@ -138,7 +147,7 @@ def check_positions(primary: Path, src: dict, seq_length: int, allow: bool) -> s
     if blocks is None or seq_length <= blocks:
         return None
     what = (f"seq_length {seq_length} is longer than the {blocks}-piece blocks {primary} was pretrained on: "
-            f"positions {blocks + 1}-{seq_length} were never trained")
+            f"positions {blocks + 1}-{seq_length} {UNTRAINED_POSITIONS}")
     if not allow:
         raise ValueError(f"--{what}; pass --seq_length {blocks} or less (or --allow_untrained_positions true to "
                          "use them anyway, with a warning)")

@@ -23,6 +23,7 @@ from mmadapt.bpb import fold_caveat
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
 from mmadapt.data import UNKNOWN_REFUSE
 from mmadapt.family import ModelFamily
+from mmadapt.finetune import is_position_warning
 from mmadapt.flops import DEVICE_TFLOPS, device_days, total_flops
 from mmadapt.models import find_preset
 from mmadapt.objectives import plugin_objective
@@ -318,16 +319,17 @@ def chance_by_lang(records: list[dict], task: str, langs: list[str]) -> dict[str
     return None if any(v is None for v in out.values()) else out
 
 
-def finetune_warnings(records: list[dict], task: str) -> dict[str, list[str]]:
+def finetune_warnings(records: list[dict], task: str, positions: bool = False) -> dict[str, list[str]]:
     """system -> the warnings of the fine-tuned runs behind its `task` records (evaluate.py's
-    "finetune_warnings": a source-language score within noise of chance, a loss that never
-    dropped below the chance loss, untrained positions)."""
+    "finetune_warnings"): that a run learned nothing (a source-language score within noise of
+    chance, a loss that never dropped below the chance loss), or with `positions` that its model
+    read positions its primary was never trained at (finetune.is_position_warning)."""
     out: dict[str, list[str]] = {}
     for r in records:
         if r["task"] == task and r.get("finetune_warnings"):
             mine = out.setdefault(r["system"], [])
-            mine += [w for w in r["finetune_warnings"] if w not in mine]
-    return out
+            mine += [w for w in r["finetune_warnings"] if w not in mine and is_position_warning(w) == positions]
+    return {s: w for s, w in out.items() if w}
 
 
 def ceiling_of(system: str) -> str:
@@ -619,7 +621,8 @@ class TaskScores:
     cost: dict[str, float]
     floors: dict[str, float] | None
     gain: dict[str, float]
-    warned: dict[str, list[str]]
+    warned: dict[str, list[str]]  # system -> its fine-tuned runs' warnings that they learned nothing
+    positions: dict[str, list[str]]  # system -> that they read untrained positions (no "(!)": a caveat)
 
     @classmethod
     def of(cls, records: list[dict], cs: dict, task: str, systems: list[str]) -> "TaskScores":
@@ -639,7 +642,7 @@ class TaskScores:
                 {s: sum(v - floors[lang] for v, lang in zip(final[s], langs) if v is not None) / len(got[s])
                  if got[s] else math.nan for s in task_systems})
         return cls(task, langs, task_systems, final, avg, {s: sum(v) / len(v) for s, v in cost.items()}, floors,
-                   gain, finetune_warnings(records, task))
+                   gain, finetune_warnings(records, task), finetune_warnings(records, task, positions=True))
 
     def shared(self, s: str, of: str) -> list[int]:
         """The languages (indices into langs) where both `s` and `of` have a score."""
@@ -730,6 +733,9 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
     for s, warnings in t.warned.items():
         out += ["", f"(!) {s}: from fine-tuned runs that learned nothing measurable in the source language, so "
                 f"its zero-shot scores say nothing about its embeddings: " + "; ".join(warnings)]
+    for s, warnings in t.positions.items():
+        out += ["", f"{s}: from fine-tuned runs that read positions their primary model never trained at: "
+                + "; ".join(warnings)]
     return out
 
 

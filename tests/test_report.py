@@ -215,6 +215,18 @@ def test_records_from_a_fine_tune_at_chance_are_flagged():
     assert ("(!) minijoint: from fine-tuned runs that learned nothing measurable in the source language, so its "
             "zero-shot scores say nothing about its embeddings: runs/ft/mj: the source-language accuracy 20.4") in md
     assert "| bl_base | 1 |" in md  # its own runs were fine
+    # a run that read positions its primary never trained at learned something: a caveat, not "(!)"
+    from pathlib import Path
+
+    from mmadapt.finetune import check_positions
+
+    positions = check_positions(Path("runs/base"), {"train": {"seq_length": 128}}, 256, allow=True)
+    records[0]["finetune_warnings"] = [f"runs/ft/base: {positions}"]
+    md = report_markdown(records)
+    assert "| bl_base | 1 |" in md and "(!) bl_base" not in md and "| minijoint (!) | 1 |" in md
+    assert ("bl_base: from fine-tuned runs that read positions their primary model never trained at: runs/ft/base: "
+            "seq_length 256 is longer than the 128-piece blocks runs/base was pretrained on: positions 129-256 were "
+            "never trained") in md
 
 
 def _curve(system: str, flops: list[float], scores: list[float], lang: str = "de") -> list[dict]:
