@@ -143,6 +143,12 @@ def read_squad(path: str | os.PathLike, lang: str = "") -> list[QAExample]:
                         for x in answers):
                     raise ValueError(f"{where}, question {qa['id']!r}: 'answers' must be a list of "
                                      "{\"text\", \"answer_start\"}")
+                if not answers or qa.get("is_impossible"):
+                    # SQuAD 2.0's unanswerable questions: Step 3 would train them toward <s> (no
+                    # span), which best_spans never predicts, and they would score EM 100, F1 0
+                    raise ValueError(f"{where}, question {qa['id']!r} has no answer (a SQuAD 2.0 unanswerable "
+                                     "question): the span tasks read SQuAD 1.1, every question answered; drop such "
+                                     "questions")
                 out.append(QAExample(qa["id"], para["context"], qa["question"],
                                      [(x["text"], x["answer_start"]) for x in answers], lang))
     return out

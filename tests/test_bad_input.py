@@ -530,6 +530,10 @@ CASES = [
     ("squad-without-id", lambda c: c.own_task("q.json", json.dumps({"data": [{"paragraphs": [{
         "context": "In the beginning.", "qas": [{"question": "When?", "answers": []}]}]}]}), task="xquad"),
      "article 1, paragraph 1, question 1 has no 'id' text"),
+    ("squad-unanswerable-question", lambda c: c.own_task("q.json", json.dumps({"data": [{"paragraphs": [{
+        "context": "In the beginning.", "qas": [{"id": "q1", "question": "Who?", "answers": [],
+                                                  "is_impossible": True}]}]}]}), task="xquad"),
+     "article 1, paragraph 1, question 'q1' has no answer (a SQuAD 2.0 unanswerable question)"),
     ("squad-data-not-a-list", lambda c: c.own_task("q.json", '{"data": 5}', task="xquad"),
      "is not SQuAD-format JSON: expected {\"data\": [articles]}"),
     # --- Step 4 and predict: an artifact whose embeddings have fewer rows than its tokenizer's pieces
