@@ -113,7 +113,8 @@ def encode_classify(sp, examples: list[PairExample] | list[tuple[str, int]], seq
 
 def encode_tag(sp, sentences: list[TaggedSentence], label_names: list[str], seq_length: int,
                framing: Framing = Framing()) -> Encoded:
-    """One row per sentence, <s> pieces </s>, each word's first piece labelled. A sentence whose
+    """One row per sentence, <s> pieces </s> (its start: `framing`'s, as the model read text),
+    each word's first piece labelled. A sentence whose
     pieces pass seq_length goes on in further rows of its next words, each read on its own, so
     that every word is scored once, in the row that holds it (`example`: each row's sentence).
     Cut off instead, a tokenizer that splits words finer would be scored on fewer of them (the
@@ -123,21 +124,22 @@ def encode_tag(sp, sentences: list[TaggedSentence], label_names: list[str], seq_
     training) gets the id len(label_names), which no prediction can equal."""
     _check_seq(seq_length, 4)
     index = {t: i for i, t in enumerate(label_names)}
-    room = seq_length - 2
+    start = list(framing.start)
+    room = seq_length - len(start) - 1
     rows, label_rows, example = [], [], []
     for k, sent in enumerate(sentences):
         ids, labels = [], []
         for word, tag in zip(sent.words, sent.tags):
             pieces = (word_pieces(sp, word) or [UNK_ID])[:room]
             if ids and len(ids) + len(pieces) > room:  # the sentence goes on in a row of its own
-                rows.append([BOS_ID, *ids, EOS_ID])
-                label_rows.append([IGNORE_INDEX, *labels, IGNORE_INDEX])
+                rows.append([*start, *ids, EOS_ID])
+                label_rows.append([IGNORE_INDEX] * len(start) + [*labels, IGNORE_INDEX])
                 example.append(k)
                 ids, labels = [], []
             ids += pieces
             labels += [index.get(tag, len(label_names))] + [IGNORE_INDEX] * (len(pieces) - 1)
-        rows.append([BOS_ID, *ids, EOS_ID])
-        label_rows.append([IGNORE_INDEX, *labels, IGNORE_INDEX])
+        rows.append([*start, *ids, EOS_ID])
+        label_rows.append([IGNORE_INDEX] * len(start) + [*labels, IGNORE_INDEX])
         example.append(k)
     out = torch.full((len(rows), seq_length), IGNORE_INDEX, dtype=torch.long)
     for i, r in enumerate(label_rows):

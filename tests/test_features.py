@@ -47,6 +47,21 @@ def test_tag_labels_sit_on_first_pieces(sp):
     assert all(l == -100 for l in labels[n:])
 
 
+@pytest.mark.parametrize("start", [(EOS_ID,), ()])
+def test_tag_rows_start_as_the_model_read_text(sp, start):
+    """A decoder's tag rows start as its classify and span rows do (Framing.start: </s>, or an
+    imported decoder's prefix, possibly nothing), not with the <s> no decoder trains; the labels
+    stay on each word's first piece."""
+    words = ["Abraham", "begat", "Isaac"]
+    framing = F.Framing(start=start)
+    enc = F.encode_tag(sp, [TaggedSentence(words, ["B-PER", "O", "B-LOC"])], ["B-PER", "O", "B-LOC"], 32, framing)
+    pieces = [sp.encode(w) for w in words]
+    expect = [*start, *(p for w in pieces for p in w), EOS_ID]
+    assert enc.input_ids[0].tolist()[:len(expect)] == expect
+    labels = [-100] * len(start) + [x for tag, w in zip([0, 1, 2], pieces) for x in [tag] + [-100] * (len(w) - 1)]
+    assert enc.labels[0].tolist()[:len(labels) + 1] == labels + [-100]
+
+
 def test_a_long_sentence_goes_on_in_rows_of_its_own_and_every_word_is_scored_once(sp):
     """A sentence past seq_length is read in consecutive rows of its words, each <s> ... </s>
     (`example`: its sentence), not cut: a tokenizer that splits words finer would otherwise be
