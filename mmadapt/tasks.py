@@ -145,6 +145,18 @@ def label_names(task: Task, examples: list) -> list[str]:
     return [str(label) for label in sorted({g for ex in examples for g in _gold(task, ex)})]
 
 
+def check_chunk_tags(task: Task, labels: list[str], where: str) -> None:
+    """A task scored by entity chunks (ner) needs O, B-X and I-X tags (IOB1 or IOB2, features.
+    chunks): refuse, in one line, another scheme, which chunk F1 would read silently wrong (IOBES's
+    S-PER S-PER as one entity, plain types as untyped chunks)."""
+    if task.metric != "chunk_f1" or is_bio(labels):
+        return
+    bad = next((t for t in labels if t != "O" and t[:2] not in ("B-", "I-")), "O")
+    raise ValueError(f"{where}: the {task.name} task scores entity chunks of O, B-X and I-X tags (IOB1 or IOB2), and "
+                     f"its tags include {bad!r}" + (" alone" if bad == "O" else "") + ": convert them (IOBES S-X to "
+                     "B-X, E-X to I-X), or fine-tune on them as your own --task tag (scored by accuracy)")
+
+
 def check_labels(task: Task, examples: list, labels: list[str], where: str = "the data") -> None:
     """Your own task: every label of `examples` must be one of the run's."""
     if task.own:
@@ -210,6 +222,12 @@ def scores(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, label
     if "chunk_f1" in metric_names(task, labels):
         names = [*labels, "<unseen>"]
         gold, pred_tags = sentence_tags(enc, enc.labels, names), sentence_tags(enc, pred, names)
+        written = [list(ex.tags) for ex in examples]
+        if len(written) == len(gold) and all(len(w) == len(g) for w, g in zip(written, gold)):
+            # the gold chunks as the file writes them: a tag the training file lacked (B-PER of
+            # an IOB2 target against IOB1 CoNLL-2003 English) keeps its type and boundary, where
+            # its id (len(labels), "<unseen>") would merge or split the entity
+            gold = written
         out["chunk_f1"] = chunk_f1(gold, pred_tags)
     return out
 

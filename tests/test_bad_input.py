@@ -530,6 +530,9 @@ CASES = [
     ("squad-without-id", lambda c: c.own_task("q.json", json.dumps({"data": [{"paragraphs": [{
         "context": "In the beginning.", "qas": [{"question": "When?", "answers": []}]}]}]}), task="xquad"),
      "article 1, paragraph 1, question 1 has no 'id' text"),
+    ("ner-iobes-tags", lambda c: c.own_task("ner.txt", "Abraham S-PER\nbegat O\nIsaac S-PER\n\nAnd O\n", task="ner"),
+     "ner.txt: the ner task scores entity chunks of O, B-X and I-X tags (IOB1 or IOB2), and its tags include 'S-PER': "
+     "convert them"),
     ("squad-unanswerable-question", lambda c: c.own_task("q.json", json.dumps({"data": [{"paragraphs": [{
         "context": "In the beginning.", "qas": [{"id": "q1", "question": "Who?", "answers": [],
                                                   "is_impossible": True}]}]}]}), task="xquad"),

@@ -96,6 +96,24 @@ def test_a_long_sentence_goes_on_in_rows_of_its_own_and_every_word_is_scored_onc
     assert got["chunk_f1"] == 0.0 and got["accuracy"] == pytest.approx(100 * (len(words) - 1) / (len(words) + 3))
 
 
+def test_chunk_f1_reads_a_gold_tag_the_training_file_lacked_as_written(sp):
+    """IOB1 training tags (CoNLL-2003 English has no B-PER) against an IOB2 target file: gold
+    "B-PER I-PER O" and a prediction "I-PER I-PER O" are the same entity (chunk F1 100), though
+    B-PER has no label id (it is scored as a wrong tag by accuracy alone)."""
+    from mmadapt.config import FinetuneConfig
+    from mmadapt.tasks import TASKS, scores
+
+    labels = ["I-PER", "O"]  # the training file's tags
+    sentence = TaggedSentence(["Abraham", "Isaac", "begat"], ["B-PER", "I-PER", "O"])
+    enc = F.encode_tag(sp, [sentence], labels, 32)
+    logits = torch.zeros(1, 32, 2)
+    logits[0, :, 1] = 1.0  # O everywhere but on the two names' first pieces
+    for position in enc.labels[0].ne(-100).nonzero().flatten().tolist()[:2]:
+        logits[0, position] = torch.tensor([1.0, 0.0])
+    got = scores(TASKS["ner"], logits, enc, [sentence], labels, FinetuneConfig())
+    assert got["chunk_f1"] == 100.0 and got["accuracy"] == pytest.approx(200 / 3)
+
+
 def test_chunk_f1_by_hand():
     gold = [["B-PER", "I-PER", "O", "B-LOC"], ["I-ORG", "I-ORG", "O"]]
     pred = [["B-PER", "I-PER", "O", "B-ORG"], ["I-ORG", "O", "O"]]
