@@ -81,10 +81,10 @@ def classifier_labels(hf_cfg: dict, model_dir: Path, task_name: str) -> list[str
 def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task_name: str | None) -> dict:
     """Write a Step-3 run directory (module docstring) from the sequence classifier in
     `model_dir`, for the task `task_name`. -> its run.json."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
     from mmadapt.finetune import primary_state
-    from mmadapt.hf import _fresh_output, config_json, import_hf
+    from mmadapt.hf import _fresh_output, config_json, import_hf, read_hf_tokenizer, weight_names
 
     model_dir, output_dir = Path(model_dir).resolve(), Path(output_dir)
     hf_cfg = config_json(model_dir)
@@ -104,13 +104,30 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
                          "xnli, pawsx, or classify / pair for your own data)")
     labels = classifier_labels(hf_cfg, model_dir, task_name)
     _fresh_output(output_dir)
+    weight_names(model_dir)  # a missing or damaged weight file: one line, before transformers reads it
+    # transformers builds a tokenizer of the 5 special tokens alone for a directory without
+    # tokenizer files, and the logit check below would pass on it (both models read all [UNK])
+    tok = read_hf_tokenizer(model_dir)
     with tempfile.TemporaryDirectory() as t:
         body_dir = Path(t) / BODY
         # fp32, as import_hf's parity check loads a model: a bf16 checkpoint compares in fp32
-        hf = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32,
-                                                                local_files_only=True).eval()
+        try:
+            hf, loading = AutoModelForSequenceClassification.from_pretrained(
+                str(model_dir), dtype=torch.float32, local_files_only=True, output_loading_info=True)
+        except Exception as e:  # transformers raises many kinds here; the user needs one line
+            raise ValueError(f"{model_dir}: transformers cannot load it as a {arch} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        # A weight the files lack, transformers starts at random and says so only in its log: a
+        # masked LM's checkpoint relabelled as a classifier would import with a random head
+        lacking = sorted(loading["missing_keys"]) + sorted(k[0] if isinstance(k, tuple) else k
+                                                           for k in loading["mismatched_keys"])
+        if lacking:
+            more = ", ..." if len(lacking) > 3 else ""
+            raise ValueError(f"{model_dir}: its weights lack {', '.join(lacking[:3])}{more} (or hold another shape), "
+                             f"which a {arch} holds: transformers would start them at random; import the "
+                             "classifier's own fine-tuned checkpoint")
+        hf = hf.eval()
         hf.base_model.save_pretrained(str(body_dir))  # the encoder alone: a class import_hf takes
-        tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
         tok.save_pretrained(str(body_dir))
         with staged_dir(output_dir) as tmp:
             body_run = import_hf(body_dir, tmp / BODY)
@@ -123,9 +140,6 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
             cfg, body_state = primary_state(source, weights)
             names = family.hf.task_head_names("classify")
             hf_state = hf.state_dict()
-            missing = [theirs for theirs in names.values() if theirs not in hf_state]
-            if missing:
-                raise ValueError(f"{model_dir}: its weights lack {', '.join(missing)}, which a {arch} holds")
             # every tensor of the task model from the encoder or the head (strict: none left at its init)
             state = {**body_state, **{mine: hf_state[theirs].float() for mine, theirs in names.items()}}
             model = family.build_task_model(dataclasses.replace(cfg, hidden_dropout=0.0, attention_dropout=0.0),
