@@ -886,7 +886,10 @@ def _document_tokenizer(doc: HFTokenizer, model_max_length: int, source_hf: Path
     kwargs = {k: v for k, v in tokens.items() if v is not None}
     if source_hf is not None and source_hf.is_dir():
         src = AutoTokenizer.from_pretrained(str(source_hf), local_files_only=True)
-        kwargs.update(padding_side=src.padding_side, truncation_side=src.truncation_side)
+        # its model_input_names too: PreTrainedTokenizerFast's own leave token_type_ids out, and a
+        # BERT given none reads a pair's second segment as type 0
+        kwargs.update(padding_side=src.padding_side, truncation_side=src.truncation_side,
+                      model_input_names=list(src.model_input_names))
         if getattr(src, "chat_template", None):
             kwargs["chat_template"] = src.chat_template
         # its own tokens for each role, none where it has none: a Qwen2 has no bos, where mmadapt's

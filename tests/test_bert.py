@@ -415,6 +415,25 @@ def test_wordpiece_vocabulary_expands(name, runs, de_tokenizer, tmp_path):
     assert same > 0.5 * len(english)
 
 
+def test_an_expanded_bert_tokenizer_exports_with_its_token_types(runs, de_tokenizer, tmp_path):
+    """An expanded vocabulary of an imported two-type BERT exports its merged document as the
+    tokenizer (hf._document_tokenizer): it gives token_type_ids, the pair's second segment type 1,
+    as the source's does (PreTrainedTokenizerFast's own input names leave them out, and
+    transformers then reads every position as type 0)."""
+    from mmadapt.expand import expand
+    from mmadapt.hf import export_tokenizer
+
+    src_tok = runs["trained"] / "tokenizer" / "spm.model"
+    merged = expand(src_tok, de_tokenizer).write(tmp_path / "merged.model")
+    cfg, _ = load_weights(runs["trained"])
+    assert cfg.type_vocab_size == 2
+    hf_tok, _ = export_tokenizer(BERT.hf, merged, "classify", cfg, source_hf=runs["trained"] / "tokenizer" / "hf")
+    pair = hf_tok("Am Anfang schuf Gott", "Himmel und Erde")
+    ref = AutoTokenizer.from_pretrained(str(runs["trained"] / "tokenizer" / "hf"))("In the beginning", "God created")
+    assert "token_type_ids" in pair and "token_type_ids" in ref
+    assert pair["token_type_ids"][0] == 0 and pair["token_type_ids"][-1] == 1
+
+
 def test_a_wordpiece_whose_model_has_rows_past_it_expands(hf_dirs, de_tokenizer, tmp_path):
     """A model with embedding rows past its WordPiece (a vocabulary padded to a multiple): the
     merged tokenizer's filler tokens for those rows keep the surface the source gives them, so
