@@ -202,6 +202,27 @@ class Ctx:
         BertModel(cfg).save_pretrained(str(d))
         return str(d)
 
+    def bert_config_without(self, field: str) -> list[str]:
+        """import-hf of bert_dir with `field` left out of its config.json (transformers then loads
+        its config class's default)."""
+        d = Path(self.bert_dir())
+        cfg = json.loads((d / "config.json").read_text())
+        del cfg[field]
+        (d / "config.json").write_text(json.dumps(cfg))
+        return ["import-hf", "--model", str(d), "--output_dir", str(self.out)]
+
+    def classifier_dir(self, edit=None) -> list[str]:
+        """import-hf --task classify of bert_dir relabelled as a two-label BertForSequenceClassification
+        (its weights a BertModel's: no classifier head), `edit(directory)` applied first."""
+        d = Path(self.bert_dir())
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["BertForSequenceClassification"],
+                                                   "id2label": {"0": "neg", "1": "pos"},
+                                                   "label2id": {"neg": 0, "pos": 1}}))
+        if edit is not None:
+            edit(d)
+        return ["import-hf", "--model", str(d), "--task", "classify", "--output_dir", str(self.out)]
+
     def other_files(self) -> str:
         """A directory that holds a user's file and no run."""
         self.dir("mine")
@@ -841,6 +862,16 @@ CASES = [
      "holds a GPT2LMHeadModel (model_type gpt2); import-hf supports"),
     ("extend-into-the-model-itself", lambda c: c.extend("--into", str(c.tmp / "hf_model")),
      "is --model itself: its extension is <output_dir>/export; drop --into"),
+    ("import-hf-config-without-intermediate-size", lambda c: c.bert_config_without("intermediate_size"),
+     "intermediate_size 3072"),
+    ("import-classifier-without-its-head", lambda c: c.classifier_dir(),
+     "its weights lack classifier.bias, classifier.weight (or hold another shape), which a "
+     "BertForSequenceClassification holds: transformers would start them at random"),
+    ("import-classifier-without-tokenizer", lambda c: c.classifier_dir(lambda d: [
+        (d / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+        if (d / f).exists()]), "has no tokenizer files: expected one of"),
+    ("import-classifier-weights-truncated", lambda c: c.classifier_dir(lambda d: (d / "model.safetensors").write_bytes(
+        (d / "model.safetensors").read_bytes()[:100])), "cannot be read as safetensors"),
     ("extend-into-a-classifier", lambda c: c.extend("--into", str(Path(c.file("clf/config.json", json.dumps(
         {"architectures": ["RobertaForSequenceClassification"], "model_type": "roberta"})) if c.dir("clf") else
         "").parent)),

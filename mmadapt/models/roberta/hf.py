@@ -214,8 +214,11 @@ class RobertaMapping(HFMapping):
     layer_name = r"encoder\.layer\.(\d+)\."
     head_prefixes = ("lm_head.",)
     # transformers' config class gives these where config.json leaves them out (RoBERTa's, XLM-R's
-    # and CamemBERT's: pad 1, 512 positions, LayerNorm epsilon 1e-12; BERT's through its own)
-    defaulted = ("pad_token_id", "max_position_embeddings", "layer_norm_eps")
+    # and CamemBERT's: pad 1, 512 positions, LayerNorm epsilon 1e-12, its sizes; BERT's through
+    # its own): a config.json without intermediate_size loads there, and read as given here it
+    # was a KeyError
+    defaulted = ("pad_token_id", "max_position_embeddings", "layer_norm_eps", "num_hidden_layers", "hidden_size",
+                 "num_attention_heads", "intermediate_size", "vocab_size")
 
     def as_loaded(self, cfg: ModelConfig, hf: dict[str, torch.Tensor], hf_cfg: dict) -> tuple[ModelConfig, str | None]:
         """A body saved without its pooler's weights (transformers and sentence-transformers load it
