@@ -743,9 +743,9 @@ def extend_main(argv=None) -> int:
     p.add_argument("--into", help="a model fine-tuned from --model (an instruct or chat sibling: the same architecture "
                    "and vocabulary): the new embeddings are grafted into it too (export-hf --graft), into "
                    "<output_dir>/export-into (docs/huggingface.md)")
-    p.add_argument("--bpb_bytes", type=whole_number(MIN_BPB_BYTES), default=d["bpb_bytes"].default, help="held-out target bytes "
-                   "the result is scored on in bits per byte, against the source model with no adaptation (default: "
-                   "%(default)s; not part of the extension: a later call may change it)")
+    p.add_argument("--bpb_bytes", type=whole_number(MIN_BPB_BYTES), default=d["bpb_bytes"].default,
+                   help="held-out target bytes the result is scored on in bits per byte, against the source model "
+                   "with no adaptation (default: %(default)s; not part of the extension: a later call may change it)")
     args = p.parse_args(argv)
     extend(Extend(**{k: getattr(args, k) for k in d}))
     return 0

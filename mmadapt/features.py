@@ -114,8 +114,8 @@ def encode_classify(sp, examples: list[PairExample] | list[tuple[str, int]], seq
 def encode_tag(sp, sentences: list[TaggedSentence], label_names: list[str], seq_length: int,
                framing: Framing = Framing()) -> Encoded:
     """One row per sentence, <s> pieces </s> (its start: `framing`'s, as the model read text),
-    each word's first piece labelled. A sentence whose
-    pieces pass seq_length goes on in further rows of its next words, each read on its own, so
+    each word's first piece labelled. A sentence whose pieces pass seq_length goes on in further
+    rows of its next words, each read on its own, so
     that every word is scored once, in the row that holds it (`example`: each row's sentence).
     Cut off instead, a tokenizer that splits words finer would be scored on fewer of them (the
     no-adaptation row, the source's pieces on target text, most of all). A word of more pieces
