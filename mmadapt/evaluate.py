@@ -36,7 +36,7 @@ from mmadapt.engine import PLACEHOLDER
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, Framing, encode_classify, special_mask, unknown_share
 from mmadapt.finetune import check_positions, is_finished, primary_state
-from mmadapt.graft import check_siblings, grafted, not_a_graft, sibling_key
+from mmadapt.graft import check_once, grafted, not_a_graft
 from mmadapt.hf_classifier import BODY
 from mmadapt.models.layers import Padding
 from mmadapt.devices import device_of, host_to_device, on_eval_device, progress, swapped
@@ -432,20 +432,13 @@ def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,
 
 def graft_check(paths: list[Path], primary: PrimaryRef) -> None:
     """evaluate --graft: every artifact trained over a base of which `primary` (the fine-tuned
-    runs' encoder) is a sibling, checked once per graft.sibling_key and each base's distances
-    printed once."""
-    sibling, checked = None, set()
+    runs' encoder) is a sibling (graft.check_once, the bodies alone)."""
+    checked = set()
     for path in paths:
         meta = checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
         if artifact_primary_ref(meta).same(primary):
             raise not_a_graft(path, primary.run_dir)
-        base = artifact_primary(meta).resolve()
-        if (key := sibling_key(base, meta)) not in checked:
-            sibling = sibling or read_source(primary.run_dir)
-            check = check_siblings(read_source(base), sibling, meta, body_only=True)
-            if all(k[0] != base for k in checked):
-                print("\n".join(check.lines()), flush=True)
-            checked.add(key)
+        check_once(checked, artifact_primary(meta).resolve(), Path(primary.run_dir), meta, body_only=True)
 
 
 def _check_artifact_primary(path: Path, meta: dict, primary: PrimaryRef) -> None:

@@ -102,6 +102,18 @@ def sibling_key(base: Path, meta: dict) -> tuple:
     return (Path(base), meta.get("vocab_mode") == "expand", meta.get(SAMPLED_KEY), meta.get("primary_fingerprint"))
 
 
+def check_once(checked: set, base: Path, sibling: Path, meta: dict, body_only: bool = False) -> None:
+    """check_siblings of the run `sibling` against `base` for an artifact (its meta.json `meta`),
+    once per sibling_key in `checked` (the caller's set over its artifacts, added to), each
+    base's distances printed once."""
+    if (key := sibling_key(base, meta)) in checked:
+        return
+    check = check_siblings(read_source(base), read_source(sibling), meta, body_only=body_only)
+    if all(k[0] != key[0] for k in checked):
+        print("\n".join(check.lines()), flush=True)
+    checked.add(key)
+
+
 def check_siblings(base: Source, sibling: Source, meta: dict,
                    sibling_weights: dict[str, torch.Tensor] | None = None, body_only: bool = False) -> SiblingCheck:
     """Refuse, in one line, a `sibling` that is not one of `base` (another family, tensor name or

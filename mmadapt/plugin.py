@@ -39,7 +39,7 @@ from mmadapt.checkpoint import tag_for
 from mmadapt.data import TOKENIZER, file_sha256, read_manifest
 from mmadapt.devices import progress
 from mmadapt.evaluate import apart_runs
-from mmadapt.graft import check_siblings, grafted, not_a_graft, sibling_key
+from mmadapt.graft import check_once, grafted, not_a_graft
 from mmadapt.heldout import Primary, Scorer, Text, pretrained_on
 from mmadapt.run import read_source
 
@@ -81,10 +81,10 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     dataset whose tokenizer is the artifacts'), and in bits per byte on the first `bpb_bytes`
     of its raw held-out text (module docstring), in batches of at most `bpb_batch_tokens`
     positions. graft: the artifacts were trained over a base model of which `primary_run` is a
-    fine-tuned sibling (graft.check_siblings, once per graft.sibling_key). An artifact that swaps in what an
+    fine-tuned sibling (graft.check_once). An artifact that swaps in what an
     earlier one did (artifact.swap_key: each run's start is its update-0 artifact) is scored once."""
     primary = Primary.read(primary_run)
-    siblings: set[tuple] = set()  # graft.sibling_key of each artifact checked
+    siblings: set[tuple] = set()  # graft.check_once's keys of the artifacts checked
     # Artifacts name their primary model by its weights' fingerprint (older ones by path).
     ref = PrimaryRef(Path(primary_run), primary.fingerprint)
     scorer = Scorer(primary)  # once: every artifact (and start) is swapped into its model
@@ -104,11 +104,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                                  f"{primary_run}" + (" (their weights differ)" if meta.get("primary_fingerprint") else
                                                      "") + ("" if graft else ": if it is a model fine-tuned from that "
                                                             "one, score the graft with --graft"))
-            if (key := sibling_key(base, meta)) not in siblings:
-                check = check_siblings(read_source(base), read_source(primary_run), meta)
-                if all(k[0] != base for k in siblings):  # each base's distances printed once
-                    print("\n".join(check.lines()), flush=True)
-                siblings.add(key)
+            check_once(siblings, base, Path(primary_run), meta)
         lang = meta["lang"]
         if lang not in data_paths:
             raise ValueError(f"no held-out {lang} text: pass a prepared {lang} dataset with a validation split")
