@@ -102,7 +102,9 @@ def refuse_overwrite(output_dir: Path, resume: bool) -> None:
     # A Step-2 artifact past update 0 is written after its checkpoint: with none left (deleted to
     # save disk), a run here would start at update 0 and overwrite them one by one, the old run's
     # later ones left beside the new run's for Step 4 to take as one run
-    later = sorted(p.parent.name for p in (output_dir / "embeddings").glob("step*/embeddings.pt")
+    from mmadapt.artifact import ARTIFACT_FILE  # (artifact.py imports this module)
+
+    later = sorted(p.parent.name for p in (output_dir / "embeddings").glob(f"step*/{ARTIFACT_FILE}")
                    if p.parent.name != tag_for(0))
     if later and not checkpoints:
         raise ValueError(f"{output_dir} holds the Step-2 artifacts of a run (embeddings/{later[-1]}) and no checkpoint "
