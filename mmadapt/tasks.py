@@ -221,13 +221,14 @@ def scores(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, label
     out = {"accuracy": 100 * float((pred[scored] == enc.labels[scored]).float().mean())}
     if "chunk_f1" in metric_names(task, labels):
         names = [*labels, "<unseen>"]
-        gold, pred_tags = sentence_tags(enc, enc.labels, names), sentence_tags(enc, pred, names)
-        written = [list(ex.tags) for ex in examples]
-        if len(written) == len(gold) and all(len(w) == len(g) for w, g in zip(written, gold)):
-            # the gold chunks as the file writes them: a tag the training file lacked (B-PER of
-            # an IOB2 target against IOB1 CoNLL-2003 English) keeps its type and boundary, where
-            # its id (len(labels), "<unseen>") would merge or split the entity
-            gold = written
+        pred_tags = sentence_tags(enc, pred, names)  # at the scored positions: each sentence's words
+        # the gold chunks as the file writes them: a tag the training file lacked (B-PER of an IOB2
+        # target against IOB1 CoNLL-2003 English) keeps its type and boundary, where its id
+        # (len(labels), "<unseen>") would merge or split the entity; from the ids where no
+        # examples are given
+        gold = [list(ex.tags) for ex in examples]
+        if not (len(gold) == len(pred_tags) and all(len(g) == len(p) for g, p in zip(gold, pred_tags))):
+            gold = sentence_tags(enc, enc.labels, names)
         out["chunk_f1"] = chunk_f1(gold, pred_tags)
     return out
 
