@@ -154,7 +154,9 @@ def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_senten
 
     try:
         spm.SentencePieceTrainer.train(
-            input=str(corpus), model_prefix=str(prefix), vocab_size=vocab_size, model_type="unigram",
+            # a list: the wrapper quotes it as CSV, which is how SentencePiece reads `input`
+            # (a path holding a comma, given as text, was read as two files)
+            input=[str(corpus)], model_prefix=str(prefix), vocab_size=vocab_size, model_type="unigram",
             character_coverage=0.9995, pad_id=PAD_ID, unk_id=1, bos_id=BOS_ID, eos_id=EOS_ID,
             user_defined_symbols=["<mask>"], input_sentence_size=max_sentences,
             shuffle_input_sentence=True, num_threads=os.cpu_count() or 1, minloglevel=2)
@@ -443,9 +445,13 @@ def check_coverage(corpus: Path, tokenizer: Path, counts: list[list[int]]) -> fl
 
 def _dataset_entry(name: str) -> bool:
     """A file a preparation (finished or stopped) writes in its directory (a tokenizer killed while
-    training leaves train_tokenizer's tokenizer.tmp<pid>.model and .vocab)."""
+    training leaves train_tokenizer's tokenizer.tmp<pid>.model and .vocab). Of the hidden names,
+    only its own: the encoding's shards (.shards<pid>) and the temporaries of its atomic writes
+    (.<name>.tmp<pid>[.npy|.bin]); a .git or .DS_Store there is somebody's, and a stopped
+    preparation's clean-up removes every entry this matches."""
     return (name in (TOKENIZER, MANIFEST, *(s + e for s in (TEXT, VALID) for e in (".bin", ".idx")))
-            or name.startswith(".") or (name.endswith(".npy") and "blocks_s" in name)
+            or re.fullmatch(r"\.shards\d+|\..+\.tmp\d+(\.npy|\.bin)?", name) is not None
+            or re.fullmatch(rf"({VALID}_)?blocks_s\d+\.npy", name) is not None  # block_index_path
             or re.fullmatch(rf"({TEXT}|{VALID})_layout_[0-9a-f]{{16}}\.(bin|json)", name) is not None  # layout_stream
             or re.fullmatch(re.escape(Path(TOKENIZER).stem) + r"\.tmp\d+\.(model|vocab)", name) is not None)
 
@@ -500,9 +506,13 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         if _dataset_entry(stale.name):
             stale.unlink()
     t0 = time.perf_counter()
+    # --tokenizer may be the directory's own tokenizer.model (put there first, or a stopped
+    # preparation's): it is then used in place, and a refusal below leaves it where it was
+    given_here = tokenizer is not None and tok.is_file() and os.path.samefile(tokenizer, tok)
     try:
         if tokenizer is not None:
-            shutil.copyfile(tokenizer, tok)
+            if not given_here:
+                shutil.copyfile(tokenizer, tok)
         else:
             say(f"training a {vocab_size}-piece SentencePiece model on up to {cfg.tokenizer_sample_lines:,} sampled "
                 "lines")
@@ -518,7 +528,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     except DataError:  # refused: what this call wrote goes (a directory it made, the tokenizer it put there)
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
-        else:
+        elif not given_here:
             tok.unlink(missing_ok=True)
         raise
 

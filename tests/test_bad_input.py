@@ -229,6 +229,13 @@ class Ctx:
         self.file("mine/notes.txt", "my notes")
         return str(self.tmp / "mine")
 
+    def hidden_files(self) -> str:
+        """A directory that holds only a user's hidden entries (a git checkout's .git), no run."""
+        self.dir("repo")
+        self.dir("repo/.git")
+        self.file("repo/.git/HEAD", "ref: refs/heads/main")
+        return str(self.tmp / "repo")
+
     def russian(self) -> str:
         """Russian text (Genesis): a script the tests' English tokenizers do not cover."""
         from mmadapt.corpora import write_bible_corpus
@@ -539,6 +546,9 @@ CASES = [
     ("preprocess-into-a-directory-of-other-files", lambda c: ["preprocess", "--corpus", str(c.corpus), "--tokenizer",
                                                               str(c.tokenizer), "--output_dir", c.other_files()],
      "holds other files (notes.txt) and no prepared dataset"),
+    ("preprocess-into-a-directory-of-hidden-files", lambda c: ["preprocess", "--corpus", str(c.corpus), "--tokenizer",
+                                                               str(c.tokenizer), "--output_dir", c.hidden_files()],
+     "holds other files (.git) and no prepared dataset"),
     ("own-pair-one-column-twice", lambda c: c.own_task("t.csv", "a,label\nfine,pos\ngrim,neg\n", "--text_column", "a",
                                                        "--text_pair_column", "a", task="pair"),
      "--text_column and --text_pair_column both name column 'a': each reads its own column"),

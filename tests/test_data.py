@@ -574,6 +574,41 @@ def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(c
     assert manifest["vocab_size"] == 300 and (out / D.MANIFEST).is_file() and not list(out.glob("tokenizer.tmp*"))
 
 
+def test_a_corpus_path_with_a_comma_trains_a_tokenizer(corpus, tmp_path):
+    """SentencePiece reads `input` as CSV: a path holding a comma, passed as text, was two files
+    ("Not found: .../a")."""
+    text = tmp_path / "a,b" / "genesis.txt"
+    text.parent.mkdir()
+    text.write_bytes(Path(corpus).read_bytes())
+    model = D.train_tokenizer(text, tmp_path / "tok", 300)
+    assert D.load_checked_tokenizer(model, 300).get_piece_size() == 300
+
+
+def test_a_tokenizer_given_from_the_output_directory_is_used_in_place(tokenizer, tmp_path):
+    """--tokenizer D/tokenizer.model into D (no manifest): copied onto itself, shutil raised
+    SameFileError (a traceback); and a refused corpus then removed "the tokenizer it put there",
+    the user's own. It is used in place, and a refusal leaves it."""
+    import shutil
+
+    d = tmp_path / "d"
+    d.mkdir()
+    own = d / D.TOKENIZER
+    shutil.copyfile(tokenizer, own)
+    russian = tmp_path / "ru.txt"
+    russian.write_text("В начале сотворил Бог небо и землю.\n" * 20)
+    with pytest.raises(D.DataError, match="unknown to the tokenizer"):
+        prepare(russian, d, None, tokenizer=own, quiet=True, cfg=PreprocessConfig(workers=1))
+    assert filecmp.cmp(own, tokenizer, shallow=False)
+    manifest = prepare(_english(tmp_path), d, None, tokenizer=own, quiet=True, cfg=PreprocessConfig(workers=1))
+    assert filecmp.cmp(own, tokenizer, shallow=False) and manifest["vocab_size"] == VOCAB
+
+
+def _english(tmp_path: Path) -> Path:
+    text = tmp_path / "en.txt"
+    text.write_text("\n\n".join(f"In the beginning God created the heaven and the earth {i}." for i in range(40)) + "\n")
+    return text
+
+
 def test_a_preparation_over_an_unfinished_one_rebuilds_what_it_derived(tokenizer, tmp_path):
     """A directory without a manifest (a preparation that stopped, or one whose manifest went)
     is prepared again; the block index its text left (keyed by seq_length alone) was read over
