@@ -298,7 +298,9 @@ class _Shard:
 
 def is_validation_document(first_line: str, fraction: float, seed: int) -> bool:
     """Held out by a seeded hash of the document's first line: the same split whichever worker
-    reads the document (and whatever the number of workers)."""
+    reads the document (and whatever the number of workers), and a document repeated in the
+    corpus (web crawls repeat many) on the side of its copies, never both; documents that merely
+    begin alike go together too (prepare's refusals say so)."""
     if fraction <= 0:
         return False
     import zlib
@@ -609,12 +611,13 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
     if sentences == 0 and valid_counts[0]:
         raise DataError(f"--valid_fraction {valid_fraction} held out every document of {corpus} "
                         f"({valid_counts[1]:,} of them): lower it, or give the corpus more documents (a document "
-                        "ends at a blank line)")
+                        "ends at a blank line; documents that begin with the same line are held out together)")
     if sentences == 0:
         raise DataError(f"corpus {corpus} produced no training sentences")
     if valid_fraction > 0 and valid_counts[0] == 0:
         raise NothingHeldOut(f"--valid_fraction {valid_fraction} held out none of the {documents:,} documents of "
-                             f"{corpus} (a document ends at a blank line): raise it, or give the corpus more documents",
+                             f"{corpus} (a document ends at a blank line; documents that begin with the same line are held out "
+                             "together): raise it, or give the corpus more documents",
                              documents)
     manifest = {"format": FORMAT, "corpus": str(corpus.resolve()), "corpus_fingerprint": fingerprint,
                 "tokenizer_sha256": file_sha256(tok), "vocab_size": sp.get_piece_size(), "dtype": dtype,

@@ -638,6 +638,18 @@ def test_a_split_that_holds_out_every_document_is_refused_in_one_line(tokenizer,
                 cfg=PreprocessConfig(workers=1, valid_fraction=0.5))
 
 
+def test_documents_that_begin_alike_are_held_out_together_and_the_refusal_says_so(tokenizer, tmp_path):
+    """The split hashes a document's first line (so that repeated documents stay on one side):
+    40 documents under one heading line all go one way, and the refusal names why rather than
+    asking for more documents alone."""
+    text = "\n\n".join(f"CHAPTER\nIn the beginning God created the heaven and the earth {i}." for i in range(40))
+    (tmp_path / "alike.txt").write_text(text + "\n")
+    with pytest.raises(D.DataError, match=r"none of the 40 documents|\(40 of them\)") as e:
+        prepare(tmp_path / "alike.txt", tmp_path / "d", VOCAB, tokenizer=tokenizer, quiet=True,
+                cfg=PreprocessConfig(workers=1, valid_fraction=0.03))
+    assert "documents that begin with the same line are held out together" in str(e.value)
+
+
 def test_a_refused_preparation_keeps_the_tokenizer_it_did_not_write(tmp_path):
     """A corpus too small for its vocabulary, prepared into a directory that holds a stopped
     preparation's tokenizer.model: refused in one line, and that tokenizer is left as it was."""
