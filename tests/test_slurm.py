@@ -174,6 +174,7 @@ def test_preprocess_template_renders_one_cpu_command(tmp_path):
     args = cli.preprocess_parser().parse_args(command[2:])
     assert args.corpus == "/data/cc100/fr.txt" and args.output_dir == str(tmp_path / "prepared" / "fr")
     assert args.workers == 16 and args.vocab_size == 50000
+    assert args.valid_fraction == 0.03  # the held-out split Step 2's plug-in metric and sweeps read
 
 
 @pytest.mark.parametrize("template", GPU_TEMPLATES, ids=lambda p: p.name)
