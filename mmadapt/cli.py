@@ -204,7 +204,10 @@ def preprocess_parser() -> argparse.ArgumentParser:
 @user_errors
 def preprocess_main(argv=None) -> int:
     args = preprocess_parser().parse_args(argv)
-    vocab = args.vocab_size or (None if args.tokenizer else PRESETS[args.preset][0].vocab_size)
+    if args.vocab_size is not None:
+        ModelConfig(vocab_size=args.vocab_size)  # its declared range, refused as every step refuses it (0 was "unset")
+    vocab = (args.vocab_size if args.vocab_size is not None else
+             None if args.tokenizer else PRESETS[args.preset][0].vocab_size)
     steps.preprocess(Path(args.corpus), output_dir=Path(args.output_dir), vocab_size=vocab,
                      cfg=override(PreprocessConfig(), args), tokenizer=_path(args.tokenizer),
                      expand_from=_path(args.expand_from))

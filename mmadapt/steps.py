@@ -43,7 +43,7 @@ from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
                             StepSpec, TrainConfig, check_lang, path_args, whole_arg)
 from mmadapt.corpora import resolve_corpus
-from mmadapt.data import MANIFEST, TEXT, EpochOrder, read_manifest, wait_for
+from mmadapt.data import MANIFEST, TEXT, DataError, EpochOrder, read_manifest, read_tokenizer, wait_for
 from mmadapt.data import prepare as prepare_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.devices import device_of
@@ -85,6 +85,10 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
     if expand_from is None:
         return prepare_corpus(corpus, output_dir, vocab_size, tokenizer=tokenizer, cfg=cfg)
     require_kind(Path(expand_from), read_run(expand_from), "pretrain", "minipost")  # its vocabulary is its source's
+    size = read_tokenizer(tokenizer).get_piece_size() if tokenizer is not None and vocab_size is not None else None
+    if size is not None and size != vocab_size:  # the target's size is its tokenizer's, as without expand_from
+        raise DataError(f"tokenizer {tokenizer} has {size} pieces but --vocab_size is {vocab_size}: drop --vocab_size "
+                        "or pass a matching tokenizer")
     with tempfile.TemporaryDirectory() as tmp:  # nothing lands in output_dir before data.prepare's checks
         if tokenizer is None:
             tokenizer = train_tokenizer(corpus, Path(tmp) / "target", vocab_size, seed=cfg.tokenizer_seed,

@@ -895,6 +895,12 @@ CASES = [
     ("preprocess-corpus-too-small-for-the-vocabulary", lambda c: ["preprocess", "--corpus", c.file(
         "one.txt", "In the beginning God created the heaven and the earth.\n"), "--vocab_size", "300", "--output_dir",
         str(c.out)], "one.txt is too small for a 300-piece vocabulary: SentencePiece finds at most"),
+    ("preprocess-expand-tokenizer-of-another-size", lambda c: ["preprocess", "--corpus", str(c.corpus), "--expand_from",
+                                                               str(c.primary), "--tokenizer", str(c.tokenizer),
+                                                               "--vocab_size", "7", "--output_dir", str(c.out)],
+     "pieces but --vocab_size is 7: drop --vocab_size or pass a matching tokenizer"),
+    ("preprocess-vocab-size-zero", lambda c: ["preprocess", "--corpus", str(c.corpus), "--vocab_size", "0",
+                                              "--output_dir", str(c.out)], "--vocab_size must be >= 1, got 0"),
     ("preprocess-expand-from-an-adapt-run", lambda c: ["preprocess", "--corpus", str(c.corpus), "--expand_from",
                                                        c.kind_copy("adapt"), "--output_dir", str(c.out)],
      "is an adapt run (Step 2: its products are the artifacts under its embeddings/); this needs a pretrain"),
