@@ -407,8 +407,9 @@ def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
     if corpus.is_file() and corpus_fingerprint(corpus) != manifest["corpus_fingerprint"]:
         raise DataError(f"corpus {corpus} changed since {data_path} was prepared from it: prepare it again "
                         "(mmadapt preprocess) into a new --output_dir")
-    if (tokenizer is not None and Path(tokenizer).is_file() and
-            file_sha256(tokenizer) != manifest["tokenizer_sha256"]):
+    if tokenizer is not None and not Path(tokenizer).is_file():
+        read_tokenizer(tokenizer)  # one line: a --tokenizer that does not exist (it was dropped unsaid)
+    if tokenizer is not None and file_sha256(tokenizer) != manifest["tokenizer_sha256"]:
         raise DataError(f"{data_path} was encoded with another tokenizer ({data_path / TOKENIZER}) than the run's "
                         f"{tokenizer}: pass a dataset prepared with the run's (mmadapt preprocess --tokenizer "
                         f"{tokenizer}), or, where you chose the run's with --tokenizer, drop it")

@@ -345,6 +345,9 @@ CASES = [
     ("cudagraphs-with-varlen", lambda c: c.pretrain("--fusion", "cudagraphs", "--attention_impl", "varlen"),
      "--fusion cudagraphs replays fixed shapes, and --attention_impl varlen changes them"),
     ("data-path-and-corpus", lambda c: c.pretrain("--data_path", c.dir("prepared")), "pass one of --data_path"),
+    ("data-path-with-a-tokenizer-that-does-not-exist", lambda c: [
+        "pretrain", "--recipe", "bl_base", "--preset", "tiny", "--data_path", str(c.primary / "data"), "--tokenizer",
+        str(c.tmp / "typo.model"), "--output_dir", str(c.out)], "typo.model does not exist: pass a SentencePiece"),
     ("data-path-not-prepared", lambda c: ["pretrain", "--data_path", c.dir("prepared"), "--output_dir", str(c.out)],
      "holds no finished dataset (no manifest.json"),
     # --- pretrain: configuration
