@@ -666,21 +666,40 @@ def block_index_path(data_path: Path, seq_length: int, split: str = TEXT) -> Pat
     return Path(data_path) / f"{'blocks' if split == TEXT else split + '_blocks'}_s{seq_length}.npy"
 
 
-def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT) -> Path:
+def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT) -> Path | None:
     """The cached block index of a prepared dataset's `split` (TEXT or VALID) for `seq_length`
-    (built once, atomically)."""
+    (built once, atomically); None where none is built and the dataset's directory cannot be
+    written (a shared read-only copy): its readers pack the blocks in memory (read_blocks)."""
     data_path = Path(data_path)
     path = block_index_path(data_path, seq_length, split)
     if not path.is_file():
-        from mmadapt.mcore import indexed_dataset  # imports all of megatron.core
-
-        index = indexed_dataset._IndexReader(str(data_path / (split + ".idx")), multimodal=False)
-        blocks = pack_blocks(index.sequence_lengths, seq_length)
-        del index
+        if not os.access(data_path, os.W_OK):
+            return None
         tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
-        np.save(tmp, blocks)
+        np.save(tmp, _packed(data_path, seq_length, split))
         os.replace(tmp, path)
     return path
+
+
+def read_blocks(data_path: str | os.PathLike, seq_length: int, split: str = TEXT) -> np.ndarray:
+    """The blocks of block_index [n, 3]: its file, memory-mapped, or, in a dataset directory this
+    process cannot write, packed in its own memory (a pass over the sentence lengths)."""
+    path = block_index(data_path, seq_length, split)
+    return np.load(path, mmap_mode="r") if path is not None else _packed(Path(data_path), seq_length, split)
+
+
+def wait_for_block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT) -> None:
+    """Wait until global rank 0 has built block_index's file, where one is built (read_blocks)."""
+    path = block_index_path(Path(data_path), seq_length, split)
+    if path.is_file() or os.access(data_path, os.W_OK):
+        wait_for(path, f"the block index {path}")
+
+
+def _packed(data_path: Path, seq_length: int, split: str) -> np.ndarray:
+    from mmadapt.mcore import indexed_dataset  # imports all of megatron.core
+
+    index = indexed_dataset._IndexReader(str(data_path / (split + ".idx")), multimodal=False)
+    return pack_blocks(index.sequence_lengths, seq_length)
 
 
 def wait_for(path: Path, what: str, poll_s: float = 0.25) -> None:
@@ -793,7 +812,8 @@ class BlockBatches:
         self.blocks = self._block_index()
         if len(self) == 0:
             raise DataError(f"{self.data_path} holds no blocks of {self.seq_length}: the corpus produced too few "
-                            "tokens")
+                            f"tokens ({len(self.tokens):,}; a packed block reads --seq_length + 1): lower --seq_length, "
+                            "or give more text")
         self.order = EpochOrder(len(self), train.seed)
 
     def _stream(self, tokens: np.ndarray) -> np.ndarray:
@@ -880,7 +900,7 @@ class MLMBatches(BlockBatches):
     indexed = True
 
     def _block_index(self) -> np.ndarray:
-        return np.load(block_index(self.data_path, self.seq_length, self.split), mmap_mode="r")
+        return read_blocks(self.data_path, self.seq_length, self.split)
 
     def __len__(self) -> int:
         return len(self.blocks)

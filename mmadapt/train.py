@@ -28,10 +28,11 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
 from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfig, to_dict
-from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, EpochOrder, LayoutBatches,
-                          ReplayBatches, block_index, block_index_path, check_corpus, check_prepared,
+from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, DataError, EpochOrder,
+                          LayoutBatches, ReplayBatches, block_index, check_corpus, check_prepared,
                           corpus_fingerprint, file_sha256, layout_stream, layout_stream_path, line_join,
-                          load_checked_tokenizer, micro_batch_range, prepare, read_manifest, replay_blocks, wait_for)
+                          load_checked_tokenizer, micro_batch_range, prepare, read_manifest, replay_blocks, wait_for,
+                          wait_for_block_index)
 from mmadapt.engine import (LoopJob, backward, build_engine, is_pipeline, mean_over_ranks, set_trainable, train_loop,
                             trainable_by_names, with_placeholders)
 from mmadapt.features import Encoded
@@ -143,7 +144,13 @@ class TextData:
                         cfg=PreprocessConfig(tokenizer_seed=train.seed))
             wait_for(data_path / MANIFEST, f"the corpus in {data_path}")
         indexed = family.objective.batches.indexed
-        blocks = block_index_path(data_path, train.seq_length)
+        tokens = read_manifest(data_path)["tokens"]
+        if not indexed and tokens <= train.seq_length:
+            # packed next-token blocks read seq_length + 1 tokens: refused here, before the engine
+            # is built and the record written, not by the first batch (an imported decoder's
+            # laid-out stream holds a few more: one that a layout would barely fill is refused too)
+            raise DataError(f"{data_path} holds {tokens:,} tokens, fewer than one block of --seq_length "
+                            f"{train.seq_length} reads ({train.seq_length + 1}): lower --seq_length, or give more text")
         if rank0:
             if indexed:
                 block_index(data_path, train.seq_length)
@@ -153,7 +160,7 @@ class TextData:
             tok.parent.mkdir(parents=True, exist_ok=True)  # every later step reads it: never half of it
             checkpoint.atomic_write(tok, (data_path / TOKENIZER).read_bytes())
         if indexed:
-            wait_for(blocks, f"the block index {blocks}")
+            wait_for_block_index(data_path, train.seq_length)
         return data_path
 
 
@@ -208,8 +215,7 @@ class WithReplay:
         if family.objective.batches.indexed:
             if parallel.is_rank0():
                 block_index(self.replay.data, train.seq_length)
-            blocks = block_index_path(self.replay.data, train.seq_length)
-            wait_for(blocks, f"the block index {blocks}")
+            wait_for_block_index(self.replay.data, train.seq_length)
         return data_path
 
 

@@ -622,6 +622,9 @@ CASES = [
     ("plugin-eval-in-pretrain", lambda c: c.pretrain("--plugin_eval_blocks", "64"),
      "unrecognized arguments: --plugin_eval_blocks"),
     # --- the decoder family
+    ("decoder-corpus-shorter-than-one-block", lambda c: c.pretrain("--preset", "llama-tiny", "--seq_length", "64",
+                                                                    corpus=c.file("one.txt", "In the beginning.\n")),
+     "fewer than one block of --seq_length 64 reads (65): lower --seq_length, or give more text"),
     ("decoder-given-mask-prob", lambda c: c.pretrain("--preset", "llama-tiny", "--mask_prob", "0.3"),
      "mask_prob 0.3 is a masked-LM setting; the llama family scores next pieces"),
     ("decoder-groups-not-dividing-heads", lambda c: c.pretrain("--preset", "llama-tiny", "--num_query_groups", "3"),

@@ -157,6 +157,27 @@ def test_an_imported_decoders_blocks_follow_its_tokenizers_layout(tokenizer, tmp
                                                                              EOS_ID, EOS_ID]
 
 
+def test_blocks_of_a_dataset_this_process_cannot_write_are_packed_in_memory(tokenizer, tmp_path, monkeypatch):
+    """A shared read-only dataset at a seq_length it was never read at: block_index wrote its
+    temporary file beside the dataset ("Permission denied" on a file the user never named), and
+    the ranks waited for a file nobody could build. Each reader now packs the blocks in memory:
+    the same blocks as the file's, and no file."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"In the beginning God created the heaven and the earth {i}." for i in range(40))
+                      + "\n")
+    d = tmp_path / "d"
+    prepare(corpus, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
+    train = TrainConfig(seq_length=32, train_micro_batch_size_per_gpu=2)
+    monkeypatch.setattr(D.os, "access", lambda path, mode: False)
+    mine = D.MLMBatches(d, train, VOCAB)
+    assert not D.block_index_path(d, 32).exists() and not list(d.glob(".*"))
+    D.wait_for_block_index(d, 32)  # returns: no file is awaited where none is built
+    monkeypatch.undo()
+    shared = D.MLMBatches(d, train, VOCAB)
+    assert D.block_index_path(d, 32).is_file()
+    assert np.array_equal(np.asarray(mine.blocks), np.asarray(shared.blocks)) and len(mine) > 1
+
+
 def _stream_by_hand(lengths: list[int], tokens: list[int], prefix: list[int], suffix: list[int],
                     join: list[int] = ()) -> list[int]:
     """The layout rule, sentence by sentence: a document opens with the prefix at its first
