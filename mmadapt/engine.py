@@ -655,7 +655,10 @@ class MetricsLog:
         checkpoint.atomic_write(self.file, "".join(l + "\n" for l in kept))
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1 if start else None)
+        # TensorBoard drops the events of steps >= purge_step written before: a run that starts
+        # again from update 0 (it stopped before its first checkpoint) drops all of them, as the
+        # lines of metrics.jsonl, else its curves were drawn twice over the same updates
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=start + 1 if start else 0)
 
     def write(self, row: dict, scalars: dict[str, float]) -> None:
         if self.writer is None:

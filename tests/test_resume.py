@@ -308,3 +308,32 @@ def test_what_a_cut_short_start_leaves_is_still_a_run(tmp_path):
         (tmp / "new").write_text("1")
     assert sorted(p.name for p in (emb / "step00000000").iterdir()) == ["new"]
     assert sorted(p.name for p in emb.iterdir()) == [".step00000200.tmp4242", "step00000000"]
+
+
+def test_tensorboard_drops_the_events_of_updates_a_run_trains_again(tmp_path):
+    """MetricsLog on global rank 0: a run that starts again from update 0 (it stopped before its
+    first checkpoint) drops the events the stopped one wrote, as it empties metrics.jsonl (they
+    were kept: TensorBoard drew two curves over the same updates); one resumed from update 10
+    keeps the events up to 10 and drops the later ones."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mmadapt.engine import MetricsLog
+
+    def run(start: int, losses: dict[int, float]) -> None:
+        log = MetricsLog(tmp_path, start)
+        for step, loss in losses.items():
+            log.write({"step": step, "loss": loss}, {"loss/total": loss})
+        log.close()
+
+    def curve() -> dict[int, float]:
+        events = EventAccumulator(str(tmp_path / "tensorboard"))
+        events.Reload()
+        return {e.step: e.value for e in events.Scalars("loss/total")}
+
+    run(0, {10: 5.0, 20: 4.0})
+    run(0, {10: 3.0})  # started again: the first attempt's 10 and 20 go
+    assert curve() == {10: 3.0}
+    run(0, {10: 3.0, 20: 2.5, 30: 2.0})
+    run(20, {30: 1.5})  # resumed from the checkpoint of update 20: 30 is trained again
+    assert curve() == {10: 3.0, 20: 2.5, 30: 1.5}
+    assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [10, 20, 30]
