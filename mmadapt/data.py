@@ -682,7 +682,7 @@ def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT
 
 
 def read_blocks(data_path: str | os.PathLike, seq_length: int, split: str = TEXT) -> np.ndarray:
-    """The blocks of block_index [n, 3]: its file, memory-mapped, or, in a dataset directory this
+    """The blocks of block_index [n, 2]: its file, memory-mapped, or, in a dataset directory this
     process cannot write, packed in its own memory (a pass over the sentence lengths)."""
     path = block_index(data_path, seq_length, split)
     return np.load(path, mmap_mode="r") if path is not None else _packed(Path(data_path), seq_length, split)
