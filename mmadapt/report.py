@@ -89,14 +89,27 @@ def _apart_across_files(records: list[dict]) -> None:
     """Where records of one system, task and language come from two Step-2 runs (their
     `artifact`s' run directories) that evaluate calls of their own scored, each run's records name
     it after the system, as `evaluate.apart_runs` names them within one call: merged, one curve
-    would take one run's start and the better of two last scores. In place."""
+    would take one run's start and the better of two last scores. In place. A no-adaptation
+    record's `of` names the systems as its evaluate call did: each renamed system there becomes
+    the names its file's records took (a file of its own: every run's), else no adapted row found
+    its no-adaptation score."""
     runs = defaultdict(set)
     for r in adapted(records):
         if r.get("artifact"):
             runs[(r["system"], r["task"], r["lang"])].add(Path(r["artifact"]).parent.parent)
+    names = defaultdict(set)  # (task, lang, system) -> {(file, new name)}
     for r in adapted(records):
         if r.get("artifact") and len(runs[(r["system"], r["task"], r["lang"])]) > 1:
-            r["system"] = f"{r['system']} [{Path(r['artifact']).parent.parent.name}]"
+            name = f"{r['system']} [{Path(r['artifact']).parent.parent.name}]"
+            names[(r["task"], r["lang"], r["system"])].add((r["_file"], name))
+            r["system"] = name
+    for r in records:
+        if r["system"] == NO_ADAPTATION and r.get("of"):
+            def renamed(system: str) -> list[str]:
+                took = names.get((r["task"], r["lang"], system), set())
+                own = sorted(n for f, n in took if f == r["_file"])
+                return own or sorted(n for _, n in took) or [system]
+            r["of"] = [n for system in r["of"] for n in renamed(system)]
 
 
 def is_plugin(task: str) -> bool:

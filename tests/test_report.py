@@ -531,6 +531,16 @@ def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_
     assert [r["system"] for r in read_results([str(a)])] == ["bl_base"] * 3  # one run: its own name
     rows = {r["system"]: (r["start"], r["last"]) for r in adaptation_rows(got, "genre")}
     assert rows == {"bl_base [overlap]": (21.0, 33.0), "bl_base [fvt]": (27.0, 30.0)}
+    # each call's no-adaptation record names "bl_base": it stays that of its own file's run (the
+    # renamed rows found none, and the no-adaptation columns and verdict were dropped)
+    none = {"system": "no_adaptation", "task": "genre", "lang": "de", "flops": 0, "score": 25.0, "of": ["bl_base"]}
+    a.write_text(json.dumps([rec("overlap", s, v) for s, v in ((0, 21.0), (100, 31.0), (200, 33.0))] + [none]))
+    b.write_text(json.dumps([rec("fvt", s, v) for s, v in ((0, 27.0), (100, 35.0), (200, 30.0))]
+                            + [{**none, "score": 29.0}]))
+    got = read_results([str(a), str(b)])
+    assert [r["of"] for r in got if r["system"] == "no_adaptation"] == [["bl_base [overlap]"], ["bl_base [fvt]"]]
+    assert {r["system"]: r["none"] for r in adaptation_rows(got, "genre")} == {"bl_base [overlap]": 25.0,
+                                                                               "bl_base [fvt]": 29.0}
     b.write_text(json.dumps([rec("overlap", 200, 33.5)]))
     assert report_main([str(a), str(b)]) == 2
     err = capsys.readouterr().err
