@@ -249,6 +249,11 @@ def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, t
     evaluate = ["evaluate", "--finetuned", str(out), "--eval_file", "bible", "--embeddings"]
     assert main([*evaluate, str(artifact), "--output", str(tmp_path / "r1.json")]) == 0
     assert json.loads((tmp_path / "r1.json").read_text())[0]["score"] == pytest.approx(records[2]["score"])
+    from mmadapt import predict as api  # the Python API takes what evaluate takes (it compared paths alone)
+
+    texts = ["Und Gott sprach: Es werde Licht.", "Selig sind, die da Leid tragen."]
+    assert (api.load(out, embeddings=artifact).predict(texts)
+            == api.load(out, embeddings=adapt / "embeddings" / "step00000004").predict(texts))
     # Embeddings trained for another primary model (another fingerprint; or, for an artifact
     # written before fingerprints, another path) are refused, naming both.
     for name, changed in (("foreign", {"primary_fingerprint": "0" * 64}), ("old", {"primary_fingerprint": None})):
@@ -259,6 +264,8 @@ def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, t
         err = capsys.readouterr().err
         assert f"holds embeddings for the primary model {other}" in err, err
         assert not (tmp_path / f"{name}.json").exists()
+        with pytest.raises(ValueError, match=f"holds embeddings for the model of {other}"):
+            api.load(out, embeddings=tmp_path / name)
 
 
 @pytest.mark.slow  # end to end: three Step-3 runs, one stopped and resumed
