@@ -18,10 +18,11 @@ attention, a QKV bias in Qwen2, a tied or untied output projection. The correspo
                                          on the last non-pad token, as transformers pools)
 
 What the family cannot compute exactly is refused (`check_config`): a rope type other than none
-or "linear" (ModelConfig.seq_len_interpolation_factor), a head_dim other than hidden_size /
-num_attention_heads, an activation other than SiLU, mlp_bias, and (`from_hf`) Llama's
+or "linear" (ModelConfig.seq_len_interpolation_factor), an activation other than SiLU, mlp_bias,
+and (`from_hf`) Llama's
 attention_bias unless its o_proj bias is zero (then it is Qwen2's QKV bias: how mmadapt exports a
-Qwen2 body with another tokenizer). Sliding-window attention (Mistral; Qwen2 with use_sliding_window) equals
+Qwen2 body with another tokenizer). A head_dim other than hidden_size / num_attention_heads is
+computed (megatron's kv_channels). Sliding-window attention (Mistral; Qwen2 with use_sliding_window) equals
 causal attention on sequences no longer than the window, so the import caps
 max_position_embeddings at the window (a longer --seq_length is then refused by validation).
 
