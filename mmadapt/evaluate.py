@@ -457,7 +457,9 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     """Parallel-sentence retrieval through the primary model (Step 1 weights, no fine-tuning):
     source sentences with the source embeddings against target sentences with each artifact's
     embeddings. `layer`: whose outputs are pooled (default: the middle layer, ceil(L / 2),
-    whose representations are the least tied to the MLM objective)."""
+    whose representations are the least tied to the MLM objective). The artifacts are taken to be
+    `primary_run`'s, unchecked: its one caller, the demo, scores the same ones through
+    plugin_records first, which refuses another model's."""
     source = read_source(primary_run)
     family, word = source.family, source.family.word
     cfg, state = primary_state(source)
