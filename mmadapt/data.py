@@ -446,6 +446,23 @@ def check_coverage(corpus: Path, tokenizer: Path, counts: list[list[int]]) -> fl
     return share
 
 
+def sample_unknown_share(corpus: Path, tokenizer: Path, lines: int = 2_000) -> float:
+    """The share of the pieces of `corpus`'s first `lines` non-blank lines (their </s> left out)
+    that `tokenizer` reads as <unk>: check_coverage's measure on a sample, for a step that must
+    refuse a text of another script before it prepares the whole (a script the tokenizer does not
+    cover shows in any sample)."""
+    sample = []
+    with open(corpus, encoding="utf-8", errors="replace") as f:
+        for raw in f:
+            if raw.strip():
+                sample.append(raw.strip())
+            if len(sample) >= lines:
+                break
+    ids = load(tokenizer).encode(sample, num_threads=1) if sample else []
+    pieces = sum(map(len, ids))
+    return sum(i.count(UNK_ID) for i in ids) / pieces if pieces else 0.0
+
+
 def _dataset_entry(name: str) -> bool:
     """A file a preparation (finished or stopped) writes in its directory (a tokenizer killed while
     training leaves train_tokenizer's tokenizer.tmp<pid>.model and .vocab). Of the hidden names,

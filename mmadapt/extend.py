@@ -42,13 +42,14 @@ from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, ByteScorer, fold_caveat
 from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig, check_lang
 from mmadapt.corpora import resolve_corpus
-from mmadapt.data import MANIFEST, DataError, NothingHeldOut, check_corpus, corpus_fingerprint, read_manifest
+from mmadapt.data import (MANIFEST, UNKNOWN_REFUSE, DataError, NothingHeldOut, check_corpus, corpus_fingerprint,
+                          read_manifest, sample_unknown_share)
 from mmadapt.graft import check_siblings
 from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import (TRANSFORMERS, OtherVocabulary, export_hf, files_differ, files_digest, import_any,
                         import_kind, model_dir_files)
-from mmadapt.run import RunSpec, read_source, run_progress
+from mmadapt.run import RUN_TOKENIZER, RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
 SUMMARY = "summary.json"  # the summary a finished extension printed (_summary)
@@ -185,6 +186,7 @@ def extend(ext: Extend) -> dict:
     say = _stage_printer()
     try:
         imported, sibling, files = _imported(ext, say)
+        _check_source_corpus(ext, imported)
         # The target corpus before any training: a corpus too small for the vocabulary, or for
         # a held-out part, is refused while the call has trained nothing (and a fresh one left nothing)
         data = _prepared(ext, imported, say)
@@ -327,6 +329,22 @@ def _imported_from(run: Path) -> str | None:
     imported = checkpoint.read_json(run / "run.json", "imported run").get("imported_from") or {}
     st = imported.get("sentence_transformers")
     return (st or {}).get("model") or imported.get("model")
+
+
+def _check_source_corpus(ext: Extend, imported: Path) -> None:
+    """--source_corpus, where a stage trains on it (fit-head over a headless body, Step 1b), read by
+    the imported model's tokenizer before anything trains: a text of a script it does not cover
+    (mostly <unk>) was refused only when that stage prepared it, after this extension's record
+    named it, and a corrected call was then refused as another extension's. A sample of its first
+    lines (the stage's preparation still checks the whole)."""
+    if not (ext.system == "minipost" or read_source(imported).headless):
+        return
+    corpus, tokenizer = resolve_corpus(ext.source_corpus), imported / RUN_TOKENIZER
+    share = sample_unknown_share(corpus, tokenizer)
+    if share > UNKNOWN_REFUSE:
+        raise DataError(f"--source_corpus {ext.source_corpus}: {share:.0%} of the pieces of its first lines are "
+                        f"unknown to {ext.model}'s tokenizer (<unk>); fit-head and Step 1b train on it in the model's "
+                        "own language: pass --source_corpus text in that language")
 
 
 def _prepared(ext: Extend, imported: Path, say) -> Path:

@@ -893,6 +893,9 @@ CASES = [
         "").parent)),
      "is a sequence classifier: extend takes language models; graft the extension's embeddings into a classifier "
      "with `mmadapt import-hf"),
+    ("extend-source-corpus-of-another-script", lambda c: c.extend("--model", c.bert_dir(), "--system", "bl_base",
+                                                                  "--source_corpus", c.russian()),
+     "of the pieces of its first lines are unknown to"),
     ("extend-minipost-of-a-one-layer-model", lambda c: c.extend("--model", c.bert_dir()),
      "has one layer: too few for a mini-model below it (Step 1b keeps its bottom layers); pass --system bl_base"),
     ("extend-seq-length-past-the-models-positions", lambda c: c.extend(
