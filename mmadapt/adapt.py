@@ -464,7 +464,7 @@ def check_calibration(step: AdaptEmbeddings, expanded: bool) -> None:
     calibrated (`calibrated` false): run.json would record a calibration no artifact had."""
     train = step.train
     value, default = train.primary_calibration, TrainConfig.primary_calibration
-    if value == default or calibrated(step, expanded):
+    if value == default or calibrates_at_all(step, expanded):  # (none is a choice there: artifacts as trained)
         return
     why = ("it trains over the full model" if step.system not in MINI_SYSTEMS else
            "it expands the vocabulary" if expanded else "its output bias is frozen (--train_output_bias false)")
@@ -477,12 +477,16 @@ FIT_POSITIONS = 2048  # scored positions of target text the output bias is fitte
 MINI_SYSTEMS = ("minijoint", "minipost")  # Step 2 over a mini-model, for a deeper primary model
 
 
+def calibrates_at_all(step: AdaptEmbeddings, expanded: bool) -> bool:
+    """Whether --primary_calibration applies to `step`: Step 2 over a mini-model, replace mode
+    (`expanded` false), the output bias trained."""
+    return step.train.train_output_bias and step.system in MINI_SYSTEMS and not expanded
+
+
 def calibrated(step: AdaptEmbeddings, expanded: bool) -> bool:
-    """Whether `step`'s artifacts are fitted to the primary model (PrimaryCalibration): Step 2
-    over a mini-model, replace mode (`expanded` false), the output bias trained."""
-    train = step.train
-    return (train.primary_calibration != "none" and train.train_output_bias and step.system in MINI_SYSTEMS
-            and not expanded)
+    """Whether `step`'s artifacts are fitted to the primary model (PrimaryCalibration): where
+    --primary_calibration applies (calibrates_at_all) and is not none."""
+    return step.train.primary_calibration != "none" and calibrates_at_all(step, expanded)
 
 
 def bias_fit_text(data: Path, train: TrainConfig, family: ModelFamily) -> Text:

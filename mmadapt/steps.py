@@ -640,7 +640,8 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     for system, n, run_dir in jobs:
         if run_progress(run_dir, step.train.train_iters) != "new":
             plan = Step2Plan.of(*spec(system, n, run_dir, True))
-            check_resumable(plan.run, plan.model, step.train, plan.identity, plan.data)
+            # the schedule the run trains with (the ceiling's calibration is the default)
+            check_resumable(plan.run, plan.model, plan.step.train, plan.identity, plan.data)
     for system, n, run_dir in jobs:
         state = run_progress(run_dir, step.train.train_iters)
         if state == "done" and final_artifact_written(run_dir, step.train.train_iters):
