@@ -211,17 +211,25 @@ def round_ratios(a: list[float], b: list[float]) -> tuple[float, list[float]]:
     return statistics.median(each), [each[0], each[-1]]
 
 
-def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
+def write_results(name: str, payload: dict, markdown: str, replace: tuple[Path, Path] | None = None
+                  ) -> tuple[Path, Path]:
     """benchmarks/results/<name>_<hardware>_<date>.{json,md}; a file of that name already there (an
-    earlier run the same day) is kept, and this run takes the next free suffix (b, c, ...)."""
+    earlier run the same day) is kept, and this run takes the next free suffix (b, c, ...).
+    replace: what this run's earlier call returned (a script that writes what has finished as it
+    goes): written over, one pair of files per run. A dot in `name` stays in it (a suffix is
+    appended, never swapped for the name's tail)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    first = RESULTS / f"{name}_{hardware()}_{datetime.date.today():%Y%m%d}"
-    stem = next(RESULTS / f"{first.name}{suffix}" for suffix in ("", *"bcdefghijklmnopqrstuvwxyz")
-                if not any((RESULTS / f"{first.name}{suffix}{ext}").exists() for ext in (".json", ".md")))
+    if replace is None:
+        first = f"{name}_{hardware()}_{datetime.date.today():%Y%m%d}"
+        stem = next((f"{first}{suffix}" for suffix in ("", *"bcdefghijklmnopqrstuvwxyz")
+                     if not any((RESULTS / f"{first}{suffix}{ext}").exists() for ext in (".json", ".md"))), None)
+        if stem is None:
+            raise SystemExit(f"benchmarks/results holds {first} and 25 suffixes of it: pass another name")
+        replace = (RESULTS / f"{stem}.json", RESULTS / f"{stem}.md")
     payload = {"benchmark": name, "date": f"{datetime.date.today():%Y-%m-%d}", **hardware_details(), **payload}
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(markdown.rstrip() + "\n")
-    return stem.with_suffix(".json"), stem.with_suffix(".md")
+    replace[0].write_text(json.dumps(payload, indent=2) + "\n")
+    replace[1].write_text(markdown.rstrip() + "\n")
+    return replace
 
 
 def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:

@@ -175,7 +175,7 @@ def main() -> None:
     setups, probes, found = {}, {}, {}  # found[family][system]: (cell, row, records) in table order
     results: dict = {}
     records: list = []
-    paths = ()
+    paths = None
     for tier in [*TIERS, EXTRA]:
         for family in args.families:
             if family not in setups:
@@ -210,8 +210,8 @@ def main() -> None:
                     paths = write_results(args.name, {"settings": {"iters": args.iters, "points": points,
                                                                    "lang": LANG, "blocks": args.blocks, "bar": BAR},
                                                       "results": results, "records": records},
-                                          markdown(results, args.iters, points))
-    print(*paths)
+                                          markdown(results, args.iters, points), paths)
+    print(*(paths or ()))
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def main() -> None:
                              step=steps.BuildMinipost(primary=base, mini=MiniModelConfig(),
                                                       train=demo._train(args.minipost_iters, args.minipost_iters)))
     distance = sibling_check(base, sibling, {}).distance
-    rows = []
+    rows, paths = [], None  # paths: this run's one pair of results files, written as cells finish
     for mode in args.modes:
         runs, data = {}, {}
         for route, system, source in (("graft", "minipost", minipost), ("full", "bl_base", sibling)):
@@ -110,8 +110,8 @@ def main() -> None:
                          "source_own_tokenizer_bpb": last.get("source_own_tokenizer_bpb"), "bpb_bytes": last["bpb_bytes"],
                          "source_suppressed_bpb": suppressed(primary, last, demo.cfg.seq_length),
                          "curve": [(r["step"], r["flops"], r["bpb"]) for r in recs]})
-            write_results("graft", {"rows": rows, "sibling_steps": args.sibling_steps, "sibling_distance": distance},
-                          markdown(rows, args, distance))
+            paths = write_results("graft", {"rows": rows, "sibling_steps": args.sibling_steps,
+                                            "sibling_distance": distance}, markdown(rows, args, distance), paths)
 
 
 def suppressed(primary: Path, record: dict, seq_length: int) -> float | None:

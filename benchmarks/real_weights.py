@@ -211,12 +211,13 @@ def main() -> None:
     plan = [(s, "replace", lang, "subword_mean") for lang in args.langs for s in ("bl_base", "minipost")]
     plan += [("bl_base", "replace", "de", "overlap")] * args.overlap  # the paper's start beside FVT's
     plan += [(s, "expand", lang, "subword_mean") for lang in args.expand_langs for s in ("bl_base", "minipost")]
-    rows = []
+    rows, paths = [], None
     for system, mode, lang, init in plan:
         rows.append(cell(args.output_dir, src, system, mode, lang, init))
-        write_results("real_weights", {"rows": rows}, markdown(rows, None, command))  # what has finished, as it goes
+        # what has finished, as it goes, into this run's one pair of files
+        paths = write_results("real_weights", {"rows": rows}, markdown(rows, None, command), paths)
     scores = None if args.no_tasks else zero_shot(args.output_dir, src["bl_base"], rows)
-    write_results("real_weights", {"rows": rows, "zero_shot": scores}, markdown(rows, scores, command))
+    write_results("real_weights", {"rows": rows, "zero_shot": scores}, markdown(rows, scores, command), paths)
 
 
 if __name__ == "__main__":

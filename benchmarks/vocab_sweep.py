@@ -76,7 +76,7 @@ def main() -> None:
     if not source.exists():
         model, train = demo.source_settings(SYSTEM)
         install_source_model(SYSTEM, source, english, to_dict(model), to_dict(train))
-    rows, records = [], {}
+    rows, records, paths = [], {}, None  # paths: this run's one pair of results files
     for lang, mode, v in cells():
         data = prepare(root, source, lang, mode, v)
         run = root / "adapt" / f"{lang}-{mode}-{v}"
@@ -94,7 +94,7 @@ def main() -> None:
                      "source_none_bpb": last.get("source_none_bpb"), "source_bpb": last.get("source_bpb"),
                      "bpb_bytes": last["bpb_bytes"],
                      "curve": [(r["step"], r["flops"], r["bpb"]) for r in recs]})
-        write_results(f"vocab_sweep_{args.family}", {"rows": rows}, markdown(rows, args))  # as it goes
+        paths = write_results(f"vocab_sweep_{args.family}", {"rows": rows}, markdown(rows, args), paths)  # as it goes
     for lang in LANGS:
         mine = [r for r in rows if r["lang"] == lang]
         budget = min(r["flops"] for r in mine)
@@ -102,7 +102,7 @@ def main() -> None:
             r["budget_flops"] = budget
             r["bpb_at_budget"] = bits_at([(x["flops"], x["bpb"]) for x in records[(lang, r["mode"], r["target_vocab"])]],
                                          budget)
-    write_results(f"vocab_sweep_{args.family}", {"rows": rows}, markdown(rows, args))
+    write_results(f"vocab_sweep_{args.family}", {"rows": rows}, markdown(rows, args), paths)
 
 
 def _rows(run: Path) -> int:
