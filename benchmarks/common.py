@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 RESULTS = Path(os.environ.get("MMADAPT_BENCH_RESULTS", REPO / "benchmarks" / "results"))
 
 from mmadapt.config import ModelConfig, TrainConfig  # noqa: E402
+from mmadapt.flops import DEVICE_TFLOPS  # noqa: E402
 from mmadapt.models import PRESETS
 from mmadapt.tokens import IGNORE_INDEX, NUM_SPECIAL  # noqa: E402
 
@@ -161,9 +162,11 @@ def hardware() -> str:
 
 def vendor() -> str:
     """The DEVICE_TFLOPS entry whose bf16 peak this GPU's utilisation is reported against (by its
-    name; an H100's where none matches)."""
+    name, the PCIe and NVL cards apart from the SXM ones; an H100's where none matches)."""
     name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
-    return next((k for k in ("h200", "h100", "a100") if k in name), "h100")
+    chip = next((k for k in ("h200", "h100", "a100") if k in name), "h100")
+    form = next((f for f in ("pcie", "nvl") if f in name), None)
+    return f"{chip}-{form}" if f"{chip}-{form}" in DEVICE_TFLOPS else chip
 
 
 def hardware_details() -> dict:

@@ -20,6 +20,10 @@ DEVICE_TFLOPS = {
     "a100": 312.0,                   # bf16 dense peak
     "h100": 989.0,                   # bf16 dense peak, SXM
     "h200": 989.0,                   # bf16 dense peak, SXM (the H100's chip, more and faster memory)
+    # the same chip at lower power (vendor datasheets' sparse figures halved)
+    "h100-pcie": 756.0,
+    "h100-nvl": 835.0,
+    "h200-nvl": 835.0,
 }
 
 # What one update of a language-model step trains: everything (Step 1), MINIPOST's new layers
