@@ -470,7 +470,8 @@ def depth_fit(rows: list[dict]) -> list[dict]:
             ("host_ms", "host ms")]
         for key, what in [(k, w) for k, w in keys if k in mini]:
             b, a = line(x, [r[key] for r in step2])
-            out.append({"shape": shape, "what": what, "per_layer": b, "at_no_depth": a,
+            out.append({"shape": shape, "depths": "/".join(str(d) for d in sorted(set(x))), "what": what,
+                        "per_layer": b, "at_no_depth": a,
                         "share_at_mini": a / mini[key] if mini[key] else float("nan")})
     return out
 
@@ -575,12 +576,13 @@ def main(argv=None) -> None:
         md += ["On a CPU, bf16 matmuls and element-wise kernels are far slower than fp32 ones: here host "
                "ms includes that math and is no measure of the host's own cost; the launch counts hold.", ""]
     md += ["## The depth-independent part of a Step-2 update", "",
-          "A least-squares line through the Step-2 rows of each shape (the same update at 4, 6 and all "
-          "layers): what one more frozen layer costs, and what the update costs at no depth at all "
+          "A least-squares line through the Step-2 rows of each shape (the same update at the depths "
+          "listed): what one more frozen layer costs, and what the update costs at no depth at all "
           "(embedding gather and its gradient's scatter, the head and loss, the optimizer step, the "
-          "loss reduction).", "", table(depth_fit(rows), [("shape", "shape"), ("what", "per update"),
-                                                         ("per_layer", "per layer"), ("at_no_depth", "at no depth"),
-                                                         ("share_at_mini", "share of the 4-layer mini-model's")])]
+          "loss reduction).", "", table(depth_fit(rows), [("shape", "shape"), ("depths", "depths"),
+                                                         ("what", "per update"), ("per_layer", "per layer"),
+                                                         ("at_no_depth", "at no depth"),
+                                                         ("share_at_mini", "share of the shallowest's")])]
     if old:
         md += ["", "## Against the checkout before", ""]
         for shape in dict.fromkeys(r["shape"] for r in rows):
