@@ -65,6 +65,7 @@ import dataclasses
 import functools
 import importlib
 import json
+import os
 import platform
 import re
 import statistics
@@ -476,6 +477,16 @@ def depth_fit(rows: list[dict]) -> list[dict]:
     return out
 
 
+def machine() -> str:
+    """The machine the rows are measured on (its device, CPU and host name): a comparison with
+    --against holds only on the same one. Not common.hardware: this script imports nothing of a
+    checkout before it measures one (--repo)."""
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or platform.machine()
+    return f"{device}, {os.cpu_count()} CPUs, {platform.node()}"
+
+
 def git_rev(repo: Path) -> str:
     try:
         return subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -525,6 +536,9 @@ def main(argv=None) -> None:
                  "at the same --width/--vocab/--seq_length/--micro_batch" if got else
                  f"--against {args.against} has no sizes (an older host_cost's): measure that checkout again "
                  "with this script (--repo CHECKOUT --json_only X)")
+    if before and before[0].get("machine", machine()) != machine():
+        ap.error(f"--against {args.against} was measured on {before[0]['machine']}, this run is on {machine()}: "
+                 "measure both checkouts on one machine (--repo CHECKOUT --json_only X here)")
     settings = settings_of(args, width_per_head=args.width, vocab=args.vocab, seq_length=args.seq_length,
                            micro_batch=args.micro_batch)
     # Another fusion is a comparison it may make (today's compiled or graphed update against an eager
@@ -535,7 +549,7 @@ def main(argv=None) -> None:
                  "one (--repo CHECKOUT --json_only X)")
     rows = measure(args)
     for r in rows:
-        r.update(checkout=tag, ds_config=settings["ds_config"], fusion=args.fusion)
+        r.update(checkout=tag, ds_config=settings["ds_config"], fusion=args.fusion, machine=machine())
     if args.json_only:
         Path(args.json_only).write_text(json.dumps(rows, indent=1))
         return
@@ -601,8 +615,10 @@ def main(argv=None) -> None:
                               f"{worst_t:.2f} (half or less: launches {'met' if worst_l <= 0.5 else 'NOT met'}, "
                               f"{host}; one run against one run, not paired: host_cost_ab_* pairs them)")
     if before:
+        where = ("on this machine (checked)" if "machine" in before[0] else
+                 "on a machine it did not record (older rows: compare only if it was this one)")
         md += ["", f"Before: {before[0]['checkout']} (`--against`), measured by this script with the same sizes and "
-               f"DeepSpeed config (checked), fusion {before[0].get('fusion')}, in a run of its own.", "",
+               f"DeepSpeed config (checked), fusion {before[0].get('fusion')}, in a run of its own, {where}.", "",
                table(before, [c for c in cols if c[0] in before[0]])]
     paths = write_results(results_name(args), {"settings": settings, "checkout": tag, "rows": rows, "before": before},
                           "\n".join(md))
