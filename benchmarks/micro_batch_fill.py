@@ -13,8 +13,9 @@ measured, the fit chooses, and from its third update on it trains the new split.
 train the same blocks (--real: the packaged Bible's), update for update, round by round
 (common.interleaved_times).
 Reported per case: the split chosen, ms per update and the ratio, utilisation against a matmul
-measured here (and a vendor's bf16 peak on a GPU), and each engine's peak memory in its timed
-updates. On a CPU the fit reads no memory and keeps the split (both rows alike), unless
+measured here (and a vendor's bf16 peak on a GPU), and the device's peak memory during each
+engine's updates: both engines are resident then (the fit chose with both there), so each figure
+holds the other engine's weights and state too, and the fitted one's includes its first updates. On a CPU the fit reads no memory and keeps the split (both rows alike), unless
 --assume_room says every merge fits: then the figures are a CPU's, not a GPU's.
 """
 
@@ -134,7 +135,8 @@ def main(argv=None) -> None:
             ("ms_per_update", "ms/update"), ("utilisation", "of matmul peak"), ("fitted_over_given", "fitted / given"),
             ("fitted_over_given_range", "over the rounds")]
     if gpu:
-        cols[-2:-2] = [("vendor_utilisation", f"of {args.vendor} bf16 peak"), ("peak_memory_gib", "peak GiB")]
+        cols[-2:-2] = [("vendor_utilisation", f"of {args.vendor} bf16 peak"),
+                       ("peak_memory_gib", "device peak GiB (both engines held)")]
     md = [f"# The micro-batch fit ({device()}, {str(dtype).split('.')[-1]}, h={base.hidden_size}, "
           f"V={base.vocab_size}, s={s}, asked for as micro {b} x {k}, fill {args.fill}"
           f"{', --assume_room: every merge taken to fit' if args.assume_room else ''}; "
