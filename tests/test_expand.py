@@ -871,3 +871,8 @@ def test_a_sentencepiece_bpe_source_gets_only_pieces_its_merges_can_form(tmp_pat
     merged = spm.SentencePieceProcessor(model_proto=e.model)
     used = {i for t in texts["de"] for i in merged.encode(t)}
     assert len(used & set(range(e.source_size, e.size))) >= 0.9 * (e.size - e.source_size)
+    # characters the English source lacks are appended (no merge forms a character: they were
+    # dropped, and every piece built on them, so the merged model still read them as <unk>)
+    source = spm.SentencePieceProcessor(model_file=str(tmp_path / "en.model"))
+    for word in ("größer", "Brüder", "Männer"):
+        assert source.unk_id() in source.encode(word) and merged.unk_id() not in merged.encode(word), word
