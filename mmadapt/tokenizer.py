@@ -444,7 +444,7 @@ def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int,
 
     A BPE produces a token only through a merge of two tokens it has, so a candidate is added with
     the merge of a split of it whose two halves are tokens (`_bpe_additions`); a candidate with no
-    such split is left out. The merges come after every source merge, so a text keeps the
+    such split is left out. A new character needs no merge (BPE looks characters up first). The merges come after every source merge, so a text keeps the
     source's segmentation unless a new merge applies. As many are kept (the shortest) as make the
     vocabulary a multiple of `multiple`. Each new token's id follows the model's rows (so ids past
     the tokenizer that the import borrowed for roles are not reused), and hf_ids gives it the next
@@ -566,12 +566,14 @@ def _bpe_additions(pipeline: dict, candidates: list[str]) -> tuple[dict[str, str
     ranks = {tuple(m.split(" ")) if isinstance(m, str) else tuple(m): r
              for r, m in enumerate(pipeline["model"]["merges"])}
 
+    chars: set[str] = set()  # the new characters added so far (each a token of its own, no merge)
+
     def segment(token: str) -> list[str] | None:
         """The tokens BPE reads `token`'s word into with the merges in `ranks` (the lowest-ranked
         adjacent pair merged first, the leftmost of equals, as tokenizers does); None where a
         character of it is no token (a byte-fallback model reads it as bytes)."""
         parts = list(token)
-        if any(c not in vocab for c in parts):
+        if any(c not in vocab and c not in chars for c in parts):
             return None
         while len(parts) > 1:
             rank, i = min((ranks.get((a, b), math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
@@ -587,6 +589,12 @@ def _bpe_additions(pipeline: dict, candidates: list[str]) -> tuple[dict[str, str
         # a byte-level pre-tokenizer cuts text into words before BPE: a token it would cut is never produced
         if byte_level and pre is not None and [w for w, _ in pre.pre_tokenize_str(
                 bytes(_byte_decoder()[c] for c in token).decode("utf-8", "replace"))] != [token]:
+            continue
+        if len(token) == 1:
+            # a character: BPE looks every character up before it merges, so a new one (a script
+            # a byte-fallback model read as bytes) needs no merge, and the pieces on it become formable
+            added[piece] = token
+            chars.add(token)
             continue
         parts = segment(token)
         if parts is not None and len(parts) == 2:
