@@ -522,10 +522,13 @@ def _wordpiece_additions(tok: HFTokenizer, candidates: list[str]) -> dict[str, s
     continuation `##oo`); a character the pipeline isolates (punctuation; CJK where its
     normaliser handles it: HFTokenizer.isolates) as its bare token wherever it stands. A piece
     that the pipeline would cut (a longer piece holding such a character) is never produced
-    and left out."""
-    vocab, added = tok.tokenizer.get_vocab(), {}
+    and left out, and so is one its normaliser changes (an uncased BERT strips a lone combining
+    mark, Hindi's virama, to nothing: that token would never be matched)."""
+    vocab, added, normalizer = tok.tokenizer.get_vocab(), {}, tok.tokenizer.normalizer
     for piece in candidates:
         text = piece[len(WORD_BOUNDARY):] if piece.startswith(WORD_BOUNDARY) else piece
+        if normalizer is not None and normalizer.normalize_str(text).strip() != text:  # (CJK: spaces around it)
+            continue
         if any(map(tok.isolates, text)):
             if len(text) > 1:
                 continue

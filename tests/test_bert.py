@@ -358,6 +358,12 @@ def test_a_character_bert_isolates_surfaces_as_its_bare_token(tmp_path):
     grown = HFTokenizer(json.loads(merged))
     assert new == ["字", "nd", "▁bis"] and [grown.id_to_piece(i) for i in range(len(vocab), len(vocab) + 3)] == new
     assert [grown.tokenizer.id_to_token(int(grown.hf_ids[len(vocab)]))] == ["字"]
+    # an uncased source strips accents: a lone combining mark (Hindi's virama, anusvara) normalises
+    # to nothing, a token it would never match; it is left out (it was added, a row no text reaches)
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    uncased = tmp_path / "uncased.json"
+    uncased.write_text(json.dumps(HFTokenizer.document(tok.to_str(), list(range(len(vocab))), "test")))
+    assert expand_hf(uncased, ["\u094d", "▁\u0902", "▁bis"], 1)[1] == ["▁bis"]
 
 
 def test_overlap_with_a_wordpiece_source(runs, de_tokenizer):
