@@ -403,11 +403,11 @@ def test_api_predictions_are_mmadapt_evaluates(zero_shot, tmp_path):
     for r, p in zip(rows, pred):  # other batches (30 rows, not 2499): equal to rounding
         assert r["probs"] == pytest.approx(p["probs"], abs=1e-6)
     assert rows[0]["text"] == test[0][0] and set(rows[0]["probs"]) == set(genres)
-    # An artifact of another primary model is refused, in one line.
+    # An artifact of another primary model (another path and other weights) is refused, in one line.
     other = tmp_path / "other_art"
     shutil.copytree(artifact, other)
     meta = json.loads((other / "meta.json").read_text())
-    (other / "meta.json").write_text(json.dumps({**meta, "source": str(ft)}))
+    (other / "meta.json").write_text(json.dumps({**meta, "source": str(ft), "primary_fingerprint": "0" * 64}))
     with pytest.raises(ValueError, match="holds embeddings for the model of"):
         predict.load(ft, embeddings=other)
     (other / "meta.json").write_text(json.dumps({**meta, "source": str(tmp_path / "gone")}))
