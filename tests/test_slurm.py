@@ -318,6 +318,34 @@ def test_requeue_helper_stops_the_step_through_its_stop_file_and_requeues(made, 
     assert (run_dir / "STOP").is_file() and (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
 
 
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_step_that_ends_after_the_warning_without_stopping_is_not_requeued(code, tmp_path):
+    """The warning came, and the step then finished (0) or diverged (3) rather than stopping to
+    save (75): it was requeued anyway, to run again for nothing, or to diverge again."""
+    import signal
+    import time
+
+    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir()
+    run_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    step = f"while [ ! -e {run_dir}/STOP ]; do sleep 0.05; done; exit {code}"
+    script = (f"source {REPO}/launch/slurm/requeue.sh\ntouch {tmp_path}/started\n"
+              f"run_requeueable {run_dir} bash -c '{step}'\necho rc=$?\n")
+    proc = subprocess.Popen(["bash", "-c", script], env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}",
+                                                                  SLURM_JOB_ID="4242"),
+                            stdout=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while not (tmp_path / "started").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert out.strip().endswith(f"rc={code}") and "requeueing" not in out, out
+    assert not (tmp_path / "scontrol.args").exists()
+
+
 def test_requeue_helper_passes_a_failure_on(tmp_path):
     script = f"source {REPO}/launch/slurm/requeue.sh\nrun_requeueable {tmp_path} bash -c 'exit 3'\necho rc=$?\n"
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=child_env(SLURM_JOB_ID="1")).stdout

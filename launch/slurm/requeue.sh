@@ -27,7 +27,10 @@ run_requeueable() {
         wait "$pid" || rc=$?
     done
     trap - TERM
-    if [[ $rc -eq 75 || $rc -eq 76 || $stopping -eq 1 ]] && [[ -n "${SLURM_JOB_ID:-}" ]]; then
+    # After the warning, a step killed by a signal (status > 128: it could not say whether it
+    # saved) is requeued too, --resume takes the newest complete checkpoint; one that finished
+    # (0) or failed (1-3: a traceback, bad input, a divergence) is not: it would only run again
+    if [[ $rc -eq 75 || $rc -eq 76 || ( $stopping -eq 1 && $rc -gt 128 ) ]] && [[ -n "${SLURM_JOB_ID:-}" ]]; then
         echo "stopped with a complete checkpoint in $run_dir: requeueing job $SLURM_JOB_ID to resume it"
         scontrol requeue "$SLURM_JOB_ID"
         return 0
