@@ -113,9 +113,12 @@ def recorded_defaults() -> dict:
     return _flat(json.loads(json.dumps(configs)))
 
 
-# record keys (not config fields) run.json gained later (2026-12-01): a run recorded before one is
-# not checked for it (a Step-3 run's rows then started with <s>: ModelFamily.recorded_framing)
-UNRECORDED_BEFORE = ("data_parallel_size", "task_start", "data_digest", "replay_digest", "data_split", "replay_split")
+# record keys (not config fields) run.json gained later: a run recorded before one is not checked
+# for it (2026-12-01: a Step-3 run's rows then started with <s>, ModelFamily.recorded_framing;
+# 2026-11-27: the fingerprint of the weights Step 1b and fit-head build on, which every load
+# checks where it is recorded, run._built_on)
+UNRECORDED_BEFORE = ("data_parallel_size", "task_start", "data_digest", "replay_digest", "data_split", "replay_split",
+                     "frozen_from.fingerprint")
 
 
 def check_same_run(run_file: Path, expected: dict) -> None:

@@ -235,6 +235,25 @@ def test_a_run_recorded_with_replay_fraction_0_resumes(tmp_path):
                 check_same_run(record, {"train": {"replay_fraction": None, "seed": 1}})
 
 
+def test_a_step_1b_run_recorded_before_its_source_fingerprint_resumes(tmp_path):
+    """build_minipost and fit-head record the fingerprint of the weights they build on since
+    2026-11-27 (af5e080); a --resume of a run recorded before was refused as a changed run
+    ("frozen_from.fingerprint is <hash> here but None"), and could never be continued. Another
+    recorded fingerprint is still a changed run."""
+    import json
+
+    from mmadapt.run import check_same_run
+
+    record = tmp_path / "run.json"
+    mine = {"recipe": "minipost", "frozen_from": {"run_dir": "/runs/base", "tag": "step00000010", "fingerprint": "ab"}}
+    record.write_text(json.dumps({"recipe": "minipost", "frozen_from": {"run_dir": "/runs/base",
+                                                                        "tag": "step00000010"}}))
+    check_same_run(record, mine)
+    record.write_text(json.dumps({**mine, "frozen_from": {**mine["frozen_from"], "fingerprint": "cd"}}))
+    with pytest.raises(ValueError, match="frozen_from.fingerprint is ab here but cd"):
+        check_same_run(record, mine)
+
+
 def test_a_run_resumes_under_other_bucket_sizes_but_not_another_zero_stage(tmp_path):
     """A run recorded under zero1_bf16.json before it set reduce_bucket_size resumes under the
     file as it is now (bucket sizes group the reduction, they do not change what is trained:
