@@ -515,13 +515,22 @@ def run_fingerprint(run_dir: str | os.PathLike, tag: str | None = None) -> str:
 
 
 def checkpoint_tag(run_dir: Path, tag: str | None) -> str:
-    """`tag` if `run_dir` has it complete, else (tag None) its newest complete checkpoint."""
+    """`tag` if `run_dir` has it complete, else (tag None) its newest complete checkpoint; refused
+    where a file of it is missing or of another size than saved (checkpoint.damaged, what
+    --resume skips): a missing fp32 master file was read as the bf16 weights, a missing shard as
+    half a tensor, by every later step."""
     tags = checkpoint.complete_tags(Path(run_dir) / "checkpoints")
     if tag is not None and tag not in tags:
         raise ValueError(f"{run_dir} has no complete checkpoint {tag}; it has {', '.join(tags) or 'none'}")
     if not tags:
         raise ValueError(f"{run_dir} has no complete checkpoint yet: let its run save one first")
-    return tag or tags[-1]
+    chosen = tag or tags[-1]
+    why = checkpoint.damaged(Path(run_dir) / "checkpoints" / chosen)
+    if why is not None:
+        others = [t for t in tags if t != chosen]
+        raise ValueError(f"{run_dir}'s checkpoint {chosen} is damaged ({why}): restore it"
+                         + (f", or name another of its checkpoints ({', '.join(others)})" if others else ""))
+    return chosen
 
 
 def load_checkpoint(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:

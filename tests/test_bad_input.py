@@ -511,7 +511,8 @@ CASES = [
                                                       "--no_adaptation_baseline", "false", "--output",
                                                       str(c.tmp / "r.json")],
      "--no_adaptation_baseline scores fine-tuned runs on a task"),
-    ("source-checkpoint-truncated", lambda c: c.minipost(primary=c.damaged_copy()), "cannot be read"),
+    ("source-checkpoint-truncated", lambda c: c.minipost(primary=c.damaged_copy()),
+     "'s checkpoint step00000050 is damaged ("),
     # --- report
     ("report-output-is-input", lambda c: ["report", c.records([RECORD]), "--output", str(c.tmp / "results.json")],
      "is one of the results files"),
