@@ -460,8 +460,8 @@ class StartRule:
 
 
 def check_calibration(step: AdaptEmbeddings, expanded: bool) -> None:
-    """Refuse, in one line, a --primary_calibration other than its default where nothing is
-    calibrated (`calibrated` false): run.json would record a calibration no artifact had."""
+    """Refuse, in one line, a --primary_calibration other than its default where it does not apply
+    (calibrates_at_all false): run.json would record a calibration no artifact had."""
     train = step.train
     value, default = train.primary_calibration, TrainConfig.primary_calibration
     if value == default or calibrates_at_all(step, expanded):  # (none is a choice there: artifacts as trained)

@@ -829,8 +829,7 @@ class BlockBatches:
         self.blocks = self._block_index()
         if len(self) == 0:
             raise DataError(f"{self.data_path} holds no blocks of {self.seq_length}: the corpus produced too few "
-                            f"tokens ({len(self.tokens):,}; a packed block reads --seq_length + 1): lower --seq_length, "
-                            "or give more text")
+                            f"tokens ({len(self.tokens):,}): lower --seq_length, or give more text")
         self.order = EpochOrder(len(self), train.seed)
 
     def _stream(self, tokens: np.ndarray) -> np.ndarray:

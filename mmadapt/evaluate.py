@@ -458,8 +458,8 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     source sentences with the source embeddings against target sentences with each artifact's
     embeddings. `layer`: whose outputs are pooled (default: the middle layer, ceil(L / 2),
     whose representations are the least tied to the MLM objective). The artifacts are taken to be
-    `primary_run`'s, unchecked: its one caller, the demo, scores the same ones through
-    plugin_records first, which refuses another model's."""
+    `primary_run`'s, unchecked: its callers (the demo, benchmarks/eval_rows.py) score the same
+    ones through plugin_records first, which refuses another model's."""
     source = read_source(primary_run)
     family, word = source.family, source.family.word
     cfg, state = primary_state(source)
