@@ -320,6 +320,10 @@ def test_tensorboard_drops_the_events_of_updates_a_run_trains_again(tmp_path):
     from mmadapt.engine import MetricsLog
 
     def run(start: int, losses: dict[int, float]) -> None:
+        # each attempt in a second of its own, as a job's are: TensorBoard reads the event files in
+        # name order, the second they were opened first (within one second a process-wide counter,
+        # compared as text: 10 before 9)
+        time.sleep(1.01 - time.time() % 1)
         log = MetricsLog(tmp_path, start)
         for step, loss in losses.items():
             log.write({"step": step, "loss": loss}, {"loss/total": loss})
