@@ -285,24 +285,18 @@ def test_two_nodes_on_localhost_match_one_node(corpus, tokenizer, tmp_path):
     assert Path(multi / "checkpoints" / "step00000003" / "COMPLETE").is_file()
 
 
-@pytest.mark.parametrize("made, shell", [(True, ""), (False, "set -euo pipefail\n")],
-                         ids=["run-directory-made", "not-made-yet-under-set-e"])
-def test_requeue_helper_stops_the_step_through_its_stop_file_and_requeues(made, shell, tmp_path):
-    """SLURM's warning signal (B:TERM) to the batch shell -> RUN_DIR/STOP -> the step exits 75
-    (as mmadapt's ranks do after saving) -> `scontrol requeue $SLURM_JOB_ID`. Also when the
-    warning comes before the step made its run directory (finetune.sbatch makes only its parent),
-    under the templates' set -euo pipefail: the directory and its STOP are made (the failed touch
-    ended the batch shell: nothing saved, nothing requeued)."""
+def _warned(tmp_path: Path, run_dir: Path, code: int, shell: str = "") -> tuple[int, str]:
+    """run_requeueable over a step that waits for RUN_DIR/STOP and exits `code`, in a batch shell
+    (`shell` first: its options) that gets SLURM's warning (SIGTERM) once the step runs; scontrol
+    faked (its arguments in tmp_path/scontrol.args). -> (the shell's status, its output)."""
     import signal
     import time
 
-    bin_dir, run_dir = tmp_path / "bin", tmp_path / "runs" / "run"
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    if made:
-        run_dir.mkdir(parents=True)
     (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\n')
     (bin_dir / "scontrol").chmod(0o755)
-    step = f"while [ ! -e {run_dir}/STOP ]; do sleep 0.05; done; sleep 0.5; exit 75"
+    step = f"while [ ! -e {run_dir}/STOP ]; do sleep 0.05; done; sleep 0.5; exit {code}"
     script = (f"{shell}source {REPO}/launch/slurm/requeue.sh\ntouch {tmp_path}/started\n"
               f"run_requeueable {run_dir} bash -c '{step}'\necho rc=$?\n")
     proc = subprocess.Popen(["bash", "-c", script], env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}",
@@ -314,7 +308,22 @@ def test_requeue_helper_stops_the_step_through_its_stop_file_and_requeues(made, 
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "requeueing job 4242" in out and out.strip().endswith("rc=0"), out
+    return proc.returncode, out
+
+
+@pytest.mark.parametrize("made, shell", [(True, ""), (False, "set -euo pipefail\n")],
+                         ids=["run-directory-made", "not-made-yet-under-set-e"])
+def test_requeue_helper_stops_the_step_through_its_stop_file_and_requeues(made, shell, tmp_path):
+    """SLURM's warning signal (B:TERM) to the batch shell -> RUN_DIR/STOP -> the step exits 75
+    (as mmadapt's ranks do after saving) -> `scontrol requeue $SLURM_JOB_ID`. Also when the
+    warning comes before the step made its run directory (finetune.sbatch makes only its parent),
+    under the templates' set -euo pipefail: the directory and its STOP are made (the failed touch
+    ended the batch shell: nothing saved, nothing requeued)."""
+    run_dir = tmp_path / "runs" / "run"
+    if made:
+        run_dir.mkdir(parents=True)
+    code, out = _warned(tmp_path, run_dir, 75, shell)
+    assert code == 0 and "requeueing job 4242" in out and out.strip().endswith("rc=0"), out
     assert (run_dir / "STOP").is_file() and (tmp_path / "scontrol.args").read_text().split() == ["requeue", "4242"]
 
 
@@ -322,26 +331,8 @@ def test_requeue_helper_stops_the_step_through_its_stop_file_and_requeues(made, 
 def test_a_step_that_ends_after_the_warning_without_stopping_is_not_requeued(code, tmp_path):
     """The warning came, and the step then finished (0) or diverged (3) rather than stopping to
     save (75): it was requeued anyway, to run again for nothing, or to diverge again."""
-    import signal
-    import time
-
-    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
-    bin_dir.mkdir()
-    run_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    step = f"while [ ! -e {run_dir}/STOP ]; do sleep 0.05; done; exit {code}"
-    script = (f"source {REPO}/launch/slurm/requeue.sh\ntouch {tmp_path}/started\n"
-              f"run_requeueable {run_dir} bash -c '{step}'\necho rc=$?\n")
-    proc = subprocess.Popen(["bash", "-c", script], env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}",
-                                                                  SLURM_JOB_ID="4242"),
-                            stdout=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while not (tmp_path / "started").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    (tmp_path / "run").mkdir()
+    _, out = _warned(tmp_path, tmp_path / "run", code)
     assert out.strip().endswith(f"rc={code}") and "requeueing" not in out, out
     assert not (tmp_path / "scontrol.args").exists()
 
