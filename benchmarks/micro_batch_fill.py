@@ -15,7 +15,8 @@ train the same blocks (--real: the packaged Bible's), update for update, round b
 Reported per case: the split chosen, ms per update and the ratio, utilisation against a matmul
 measured here (and a vendor's bf16 peak on a GPU), and the device's peak memory during each
 engine's updates: both engines are resident then (the fit chose with both there), so each figure
-holds the other engine's weights and state too, and the fitted one's includes its first updates. On a CPU the fit reads no memory and keeps the split (both rows alike), unless
+holds the other engine's weights and state too, and the fitted one's includes its first updates.
+On a CPU the fit reads no memory and keeps the split (both rows alike), unless
 --assume_room says every merge fits: then the figures are a CPU's, not a GPU's.
 """
 

@@ -634,8 +634,8 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
         raise DataError(f"corpus {corpus} produced no training sentences")
     if valid_fraction > 0 and valid_counts[0] == 0:
         raise NothingHeldOut(f"--valid_fraction {valid_fraction} held out none of the {documents:,} documents of "
-                             f"{corpus} (a document ends at a blank line; documents that begin with the same line are held out "
-                             "together): raise it, or give the corpus more documents",
+                             f"{corpus} (a document ends at a blank line; documents that begin with the same line "
+                             "are held out together): raise it, or give the corpus more documents",
                              documents)
     manifest = {"format": FORMAT, "corpus": str(corpus.resolve()), "corpus_fingerprint": fingerprint,
                 "tokenizer_sha256": file_sha256(tok), "vocab_size": sp.get_piece_size(), "dtype": dtype,

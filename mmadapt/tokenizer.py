@@ -444,8 +444,9 @@ def expand_hf(source: str | os.PathLike, candidates: list[str], multiple: int,
 
     A BPE produces a token only through a merge of two tokens it has, so a candidate is added with
     the merge of a split of it whose two halves are tokens (`_bpe_additions`); a candidate with no
-    such split is left out. A new character needs no merge (BPE looks characters up first). The merges come after every source merge, so a text keeps the
-    source's segmentation unless a new merge applies. As many are kept (the shortest) as make the
+    such split is left out. A new character needs no merge (BPE looks characters up first). The
+    merges come after every source merge, so a text keeps the source's segmentation unless a new
+    merge or character applies. As many are kept (the shortest) as make the
     vocabulary a multiple of `multiple`. Each new token's id follows the model's rows (so ids past
     the tokenizer that the import borrowed for roles are not reused), and hf_ids gives it the next
     mmadapt id."""

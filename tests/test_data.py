@@ -626,7 +626,8 @@ def test_a_tokenizer_given_from_the_output_directory_is_used_in_place(tokenizer,
 
 def _english(tmp_path: Path) -> Path:
     text = tmp_path / "en.txt"
-    text.write_text("\n\n".join(f"In the beginning God created the heaven and the earth {i}." for i in range(40)) + "\n")
+    text.write_text("\n\n".join(f"In the beginning God created the heaven and the earth {i}." for i in range(40))
+                    + "\n")
     return text
 
 

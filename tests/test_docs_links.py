@@ -23,7 +23,8 @@ def _anchors(path) -> set[str]:
 
 
 def test_every_relative_link_and_anchor_of_the_docs_resolves():
-    assert _slug("The demo (2026-12-01; retrieval rerun 2026-12-02)") == "the-demo-2026-12-01-retrieval-rerun-2026-12-02"
+    assert _slug("The demo (2026-12-01; retrieval rerun 2026-12-02)") == (
+        "the-demo-2026-12-01-retrieval-rerun-2026-12-02")
     assert _slug("`--fusion` (compiled on a GPU by default)") == "--fusion-compiled-on-a-gpu-by-default"
     broken, checked = [], 0
     for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
