@@ -148,7 +148,8 @@ class TextData:
         if not indexed and tokens <= train.seq_length:
             # packed next-token blocks read seq_length + 1 tokens: refused here, before the engine
             # is built and the record written, not by the first batch (an imported decoder's
-            # laid-out stream holds a few more: one that a layout would barely fill is refused too)
+            # laid-out stream differs by its layout's few ids per sentence and document: at the
+            # margin the first batch, BlockBatches, still decides)
             raise DataError(f"{data_path} holds {tokens:,} tokens, fewer than one block of --seq_length "
                             f"{train.seq_length} reads ({train.seq_length + 1}): lower --seq_length, or give more text")
         if rank0:
