@@ -134,15 +134,15 @@ def _artifact(path: Path, owners: tuple[Path, ...], *, weights: dict[str, torch.
         raise ValueError(f"{path} holds embeddings trained over {meta['source']}, which is no longer an mmadapt run "
                          "(no run.json)")
     mine = {Path(meta["source"]).resolve(), artifact_primary(meta).resolve()}
-    # a fine-tuning run's primary (`recorded`) is the artifact's by its weights, as evaluate's
+    # an owner's by path, or a fine-tuning run's primary (`recorded`) by its weights, as evaluate's
     # PrimaryRef.same matches them: a byte-identical copy of the run at another path is the model
-    same_weights = bool(recorded and meta.get("primary_fingerprint") == recorded)
+    owned = bool(mine & {o.resolve() for o in owners}) or bool(recorded and meta.get("primary_fingerprint") == recorded)
     if graft is not None:
-        if mine & {o.resolve() for o in owners} or same_weights:
+        if owned:
             raise not_a_graft(path, " or ".join(map(str, owners)))
         graft(meta)
         return emb, tokenizer, meta
-    if not (mine & {o.resolve() for o in owners} or same_weights):
+    if not owned:
         raise ValueError(f"{path} holds embeddings for the model of {meta['source']}, not of "
                          f"{' or '.join(map(str, owners))}: load that run with it" + (
                              " (or, into a model fine-tuned from that one, pass --graft)" if graftable else ""))

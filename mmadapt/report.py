@@ -103,13 +103,13 @@ def _apart_across_files(records: list[dict]) -> None:
             name = f"{r['system']} [{Path(r['artifact']).parent.parent.name}]"
             names[(r["task"], r["lang"], r["system"])].add((r["_file"], name))
             r["system"] = name
+    def renamed(none: dict, system: str) -> list[str]:  # what `system` in the no-adaptation record `none` became
+        took = names.get((none["task"], none["lang"], system), set())
+        return sorted(n for f, n in took if f == none["_file"]) or sorted(n for _, n in took) or [system]
+
     for r in records:
         if r["system"] == NO_ADAPTATION and r.get("of"):
-            def renamed(system: str) -> list[str]:
-                took = names.get((r["task"], r["lang"], system), set())
-                own = sorted(n for f, n in took if f == r["_file"])
-                return own or sorted(n for _, n in took) or [system]
-            r["of"] = [n for system in r["of"] for n in renamed(system)]
+            r["of"] = [n for system in r["of"] for n in renamed(r, system)]
 
 
 def is_plugin(task: str) -> bool:
