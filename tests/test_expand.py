@@ -230,12 +230,11 @@ def test_expand_trains_only_the_new_rows(family, sources, de_corpus, de_tokenize
     art, tok, meta = read_artifact(out / "embeddings" / tag)
     assert meta["vocab_mode"] == "expand" and meta["source_vocab_size"] == VOCAB and tok.read_bytes() == merged.model
     keys = {"word_embeddings": WORD, "output_bias" if family == "roberta" else "output_layer": expanded[1]}
-    start = step2_start("minijoint", source, out / "data", 2, seed=record["train"]["seed"], vocab_mode="expand",
-                        expand_output_start="embedding_init").init
+    start = read_artifact(out / "embeddings" / "step00000000")[0]  # the run's own start, as it wrote it
     for key, name in keys.items():
-        assert art[key].shape[0] == merged.size
-        assert torch.equal(art[key][:VOCAB], mini[name].float())
-        assert not torch.equal(art[key][VOCAB:], start[new_rows_name(name)]), f"{key}: the new rows did not train"
+        assert art[key].shape[0] == start[key].shape[0] == merged.size
+        assert torch.equal(art[key][:VOCAB], mini[name].float()) and torch.equal(start[key][:VOCAB], art[key][:VOCAB])
+        assert not torch.equal(art[key][VOCAB:], start[key][VOCAB:]), f"{key}: the new rows did not train"
 
 
 def test_the_primary_model_keeps_its_own_source_rows(sources, expanded):
@@ -273,6 +272,7 @@ def test_subword_mean_starts_each_new_row_at_its_split(sources, expanded_data):
             if ids:
                 torch.testing.assert_close(init[new_rows_name(name)][i], src[name][ids].mean(0))
         composed += bool(ids)
+    assert composed > len(new) // 2  # the loop above checked most rows, not none
     assert counts.pop("new_mass_bound") > 0 and counts.pop("start_rule") == {"row_std": "source", "bias": "fitted",
                                                                               "bias_target": "scored"}
     assert counts.pop("row_std") == pytest.approx(src[WORD].std().item())

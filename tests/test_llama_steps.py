@@ -76,11 +76,15 @@ def test_decoder_step2_trains_only_the_embedding(decoder_runs):
         assert run["model"]["family"] == "llama" and run["trainable"] == [WORD]
         tensors, _, meta = read_artifact(decoder_runs / f"{system}-de" / "embeddings" / "step00000004")
         assert sorted(tensors) == ["word_embeddings"] and meta["body_layers"] == depth
-    # MINIPOST: its bottom layer is the primary's, frozen; its new one trained.
-    (_, mj), (cfg, post) = load_weights(decoder_runs / "mj"), load_weights(decoder_runs / "post")
+    # MINIPOST: its bottom layer is the primary's, frozen; its new one trained from its seeded start
+    # (Step 1b's: the primary's layer 1 is no start of it, it differs untrained).
+    (mj_cfg, mj), (cfg, post) = load_weights(decoder_runs / "mj"), load_weights(decoder_runs / "post")
     assert cfg.family == "llama" and cfg.num_layers == 2
     assert torch.equal(post["layers.0.fc1.weight"], mj["layers.0.fc1.weight"])
-    assert not torch.equal(post["layers.1.fc1.weight"], mj["layers.1.fc1.weight"])
+    built, init = LLAMA.minipost_start(mj_cfg, mj, 1, 1)
+    start = {**LLAMA.build_lm(built, seed=read_run(decoder_runs / "post")["train"]["seed"]).state_dict(), **init}
+    new = [n for n in post if n.startswith("layers.1.") and "norm" not in n]
+    assert new and all(not torch.equal(post[n], start[n]) for n in new), "a new layer's weight did not train"
 
 
 def test_decoder_plugin_metric_scores_next_pieces(decoder_runs, german):
