@@ -94,7 +94,9 @@ def test_a_family_defined_outside_mmadapt_runs_every_step(toy, corpus, tokenizer
     post_cfg, post = load_weights(tmp_path / "minipost")
     assert post_cfg.family == toy.name and post_cfg.num_layers == 2
     assert torch.equal(post["layers.0.qkv.weight"], state["layers.0.qkv.weight"])  # copied, frozen
-    assert not torch.equal(post["layers.1.qkv.weight"], state["layers.1.qkv.weight"])  # new
+    built, init = toy.minipost_start(cfg, state, 1, 1)  # the new layer's seeded start (the primary's differs)
+    start = {**PreLNRobertaMLM(built, read_run(tmp_path / "minipost")["train"]["seed"]).state_dict(), **init}
+    assert not torch.equal(post["layers.1.qkv.weight"], start["layers.1.qkv.weight"])  # new, trained
 
     # Step 2 over both mini-models, German data prepared once with a validation split.
     german = tmp_path / "de"
