@@ -115,19 +115,22 @@ def test_decoder_scoring_a_fraction_resumes_exactly_after_a_sigkill(corpus, toke
 
 
 def test_sigkill_at_a_random_moment(uninterrupted, corpus, tokenizer, tmp_path):
+    out = tmp_path / "run"  # (the slowed script sits in tmp_path)
     seed = random.randrange(10**6)
     delay = random.Random(seed).uniform(0.0, 1.5)
-    proc = subprocess.Popen(launch_cmd(1, *_args(corpus, tokenizer, tmp_path, "--save_interval", "1")), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
-    first = tmp_path / "checkpoints" / "step00000001" / "COMPLETE"
-    deadline = time.time() + 300
-    while not first.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
+    # Each update slowed by 0.22 s: the 7 after the first checkpoint outlast the longest delay on
+    # any machine, so the kill lands inside the run (asserted), not after it ended.
+    proc = subprocess.Popen(launch_cmd(1, *_args(corpus, tokenizer, out, "--save_interval", "1"),
+                                       script=_slow_script(tmp_path)), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=child_env(STEP_SLEEP="0.22", PYTHONPATH=str(REPO)))
+    first = out / "checkpoints" / "step00000001" / "COMPLETE"
+    _wait_for(first.exists, proc, "its first checkpoint")
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--resume", "--save_interval", "1"))
-    assert losses(tmp_path) == uninterrupted, f"kill delay {delay:.3f}s (seed {seed})"
+    assert proc.wait() == -signal.SIGKILL and _rows(out) < STEPS, f"the run ended before the kill ({delay:.3f}s)"
+    run_pretrain(1, *_args(corpus, tokenizer, out, "--resume", "--save_interval", "1"))
+    assert losses(out) == uninterrupted, f"kill delay {delay:.3f}s (seed {seed})"
 
 
 # --- faults: signals, divergence, a second writer, damaged checkpoints ------------------------------
