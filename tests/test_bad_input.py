@@ -21,6 +21,7 @@ class Ctx:
         self.tmp, self.corpus, self.tokenizer, self.primary = tmp, corpus, tokenizer, primary
         self.out = tmp / "run"
         self.request = request  # for the fixtures only some rows need (tiny_hf), made when first asked for
+        self.inputs = [corpus.parent, tokenizer.parent, primary]  # what no row may write in (and those rows read)
 
     def file(self, name: str, data: bytes | str) -> str:
         p = self.tmp / name
@@ -135,6 +136,7 @@ class Ctx:
         from hf_models import damaged_copy
 
         src = self.request.getfixturevalue("tiny_hf")[arch]
+        self.inputs.append(src)
         return ["import-hf", "--model", str(damaged_copy(src, self.tmp / "hf", config, edit)), "--output_dir",
                 str(self.out)]
 
@@ -247,6 +249,7 @@ class Ctx:
         graft_runs name, or a run's path)."""
         runs = self.request.getfixturevalue("graft_runs")
         self.request.getfixturevalue("capsys").readouterr()  # what building them printed, the first time
+        self.inputs += runs.values()
         art = sorted((runs[artifact] / "embeddings").iterdir())[-1]
         return ["export-hf", "--primary", str(runs.get(primary, primary)), "--embeddings", str(art), *extra,
                 "--output_dir", str(self.out)]
@@ -258,6 +261,7 @@ class Ctx:
         import shutil
 
         src = self.request.getfixturevalue("graft_runs")["llama2-sibling"]
+        self.inputs.append(src)
         run = self.tmp / "other-vocabulary"
         shutil.copytree(src, run)
         tok = run / "tokenizer" / "spm.model"
@@ -272,6 +276,7 @@ class Ctx:
         """predict over the graft_runs run `run`, with the last artifact of the run `artifact`."""
         runs = self.request.getfixturevalue("graft_runs")
         self.request.getfixturevalue("capsys").readouterr()
+        self.inputs += runs.values()
         (self.tmp / "in.txt").write_text("Im Anfang schuf Gott\n")
         art = [] if artifact is None else ["--embeddings", str(sorted((runs[artifact] / "embeddings").iterdir())[-1])]
         return ["predict", "--run", str(runs[run]), *art, *extra, "--input", str(self.tmp / "in.txt"), "--output",
@@ -327,7 +332,8 @@ CASES = [
     ("corpus-is-a-directory", lambda c: c.pretrain(corpus=c.dir("texts")),
      "is a directory: pass --corpus a UTF-8 text file"),
     ("corpus-missing", lambda c: c.pretrain(corpus=str(c.tmp / "none.txt")), "none.txt does not exist"),
-    ("corpus-empty", lambda c: c.pretrain(corpus=c.file("empty.txt", "\n \n")), "is empty"),
+    ("corpus-empty", lambda c: c.pretrain(corpus=c.file("empty.txt", "\n \n")),
+     "is empty: it needs at least one non-blank line of text"),
     ("corpus-lines-too-long", lambda c: ["pretrain", "--corpus", c.file("long.txt", ("word " * 1000 + "\n") * 20),
                                          "--vocab_size", "100", "--output_dir", str(c.out)],
      "longer than 4192 bytes"),
@@ -368,7 +374,7 @@ CASES = [
     ("ds-config-list", lambda c: c.pretrain("--ds_config", c.file("ds.json", "[1, 2]")), "holds a JSON list"),
     ("ds-config-not-json", lambda c: c.pretrain("--ds_config", c.file("ds.json", "{stage: 1")), "is not valid JSON"),
     ("ds-config-zero3", lambda c: c.pretrain("--ds_config", c.file("ds.json", ZERO3)), "uses ZeRO stage 3"),
-    ("ds-config-directory", lambda c: c.pretrain("--ds_config", c.dir("dsdir")), "is a directory"),
+    ("ds-config-directory", lambda c: c.pretrain("--ds_config", c.dir("dsdir")), "dsdir is a directory"),
     ("ds-config-batch-size", lambda c: c.pretrain("--ds_config", c.file("ds.json", '{"train_batch_size": 8}')),
      "sets train_batch_size"),
     ("ds-config-clipping", lambda c: c.pretrain("--ds_config", c.file("ds.json", '{"gradient_clipping": 1.0}')),
@@ -395,7 +401,7 @@ CASES = [
     ("unknown-recipe", lambda c: c.pretrain("--recipe", "bl_huge"), "invalid choice: 'bl_huge'"),
     ("mask-prob", lambda c: c.pretrain("--mask_prob", "1.5"), "mask_prob must be in (0, 1)"),
     ("seq-length-short", lambda c: c.pretrain("--seq_length", "4"), "--seq_length must be >= 8, got 4"),
-    ("train-iters-zero", lambda c: c.pretrain("--train_iters", "0"), "must be >= 1"),
+    ("train-iters-zero", lambda c: c.pretrain("--train_iters", "0"), "--train_iters must be >= 1, got 0"),
     ("keep-last-negative", lambda c: c.pretrain("--keep_last", "-1"), "--keep_last must be >= 0, got -1"),
     ("mini-layers-too-deep", lambda c: c.pretrain("--mini_layers", "12"), "mini_layers 12 must be in 1..11"),
     ("tp-not-dividing-heads", lambda c: c.pretrain("--tensor_model_parallel_size", "3"),
@@ -517,8 +523,10 @@ CASES = [
     ("report-output-is-input", lambda c: ["report", c.records([RECORD]), "--output", str(c.tmp / "results.json")],
      "is one of the results files"),
     ("report-not-a-list", lambda c: ["report", c.records({"a": 1})], "is not a JSON list of records"),
-    ("report-record-lacks-score", lambda c: ["report", c.records([{**RECORD, "score": None} | {}, {"system": "x"}])],
+    ("report-record-lacks-task", lambda c: ["report", c.records([RECORD, {"system": "x"}])],
      "record 1 lacks 'task'"),
+    ("report-record-score-none", lambda c: ["report", c.records([RECORD, {**RECORD, "score": None}])],
+     "record 1 has score None; scores are finite numbers"),
     ("report-not-json", lambda c: ["report", c.file("r.json", "not json")], "cannot read results file"),
     # --- preprocess
     ("preprocess-not-utf8", lambda c: ["preprocess", "--corpus", c.file("latin1.txt", NOT_UTF8), "--output_dir",
@@ -957,16 +965,16 @@ def test_the_table_is_long_enough():
 def test_bad_input(build, message, tmp_path, corpus, tokenizer, primary_run, capsys, request):
     ctx = Ctx(tmp_path, corpus, tokenizer, primary_run, request)
     argv = build(ctx)
-    before = snapshot(tmp_path, primary_run)
+    before = snapshot(tmp_path, *ctx.inputs)
     try:
         code = main(argv)
     except SystemExit as e:  # argparse's error()
         code = e.code
     err = capsys.readouterr().err.strip()
     assert code == 2, err
-    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error: "), err
     assert message in err, err
-    assert snapshot(tmp_path, primary_run) == before
+    assert snapshot(tmp_path, *ctx.inputs) == before
 
 
 def test_bl_base_needs_no_mini_layers():

@@ -210,7 +210,7 @@ def test_build_minipost_and_adapt_take_an_imported_run(runs, corpus, de_corpus, 
                         lr_warmup_iters=1, log_interval=1, save_interval=2)
     zero0 = REPO / "ds_configs" / "zero0.json"
     minipost = steps.BuildMinipost(primary=runs["roberta"], train=train, mini=MiniModelConfig(2, 1))
-    with pytest.raises(ValueError, match="imported"):
+    with pytest.raises(ValueError, match=r"was imported \(mmadapt import-hf\), so it has no pretraining data: pass"):
         steps.build_minipost(run=RunSpec(output_dir=tmp_path / "x", ds_config=zero0), step=minipost)
     # English encoded with the imported byte-level BPE
     rows = steps.build_minipost(run=RunSpec(output_dir=tmp_path / "minipost", ds_config=zero0, corpus=corpus),

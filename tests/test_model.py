@@ -64,6 +64,7 @@ def test_lm_head_receives_exactly_the_masked_positions():
     hidden = dict(zip((4, 12), model.hidden_states(ids)))
     m = labels >= 0
     assert 0 < int(m.sum()) < m.numel()
+    assert len(seen) == 2  # each head's dense layer ran once, as a module
     for rows, l in zip(seen, (4, 12)):
         assert rows.shape == (int(m.sum()), cfg.hidden_size)
         torch.testing.assert_close(rows, hidden[l][m])
