@@ -18,7 +18,8 @@ from mmadapt.config import FinetuneConfig
 from mmadapt import steps
 from mmadapt.config import Layout
 from evaluation import evaluate_score, evaluate_scores, predict, swap_embeddings
-from mmadapt.evaluate import load_finetuned, recorded_config, retrieval_records
+from mmadapt.devices import device_of
+from mmadapt.evaluate import eval_set, load_finetuned, recorded_config, retrieval_records, set_logits
 from mmadapt.family import WORD
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, load_weights, run_fingerprint, sampled_fingerprint
@@ -75,9 +76,9 @@ def test_the_model_rebuilt_from_disk_is_exactly_step3s(step3):
     assert torch.equal(predict(ft.model(), ids, 1024), predict(module, ids, 1024))
 
 
-def _artifact(tmp_path, de_tokenizer, hidden=64, vocab=1000, source="x"):
+def _artifact(tmp_path, de_tokenizer, hidden=64, vocab=1000, source="x", std=0.02):
     g = torch.Generator().manual_seed(0)
-    return write_artifact(tmp_path / "artifact", {"word_embeddings": torch.randn(vocab, hidden, generator=g) * 0.02,
+    return write_artifact(tmp_path / "artifact", {"word_embeddings": torch.randn(vocab, hidden, generator=g) * std,
                                                     "output_bias": torch.zeros(vocab)}, de_tokenizer,
                             {"lang": "de", "source": source})
 
@@ -85,18 +86,23 @@ def _artifact(tmp_path, de_tokenizer, hidden=64, vocab=1000, source="x"):
 def test_swap_changes_only_the_embeddings_and_the_tokenizer(step3, de_tokenizer, tmp_path):
     out, *_ = step3
     ft = load_finetuned(out)
-    emb, tok, _ = read_artifact(_artifact(tmp_path, de_tokenizer))
-    swapped = swap_embeddings(ft.state, emb)
-    assert set(swapped) == set(ft.state)
+    emb, tok, _ = read_artifact(_artifact(tmp_path, de_tokenizer, std=1.0))  # (at 0.02 every row reads one class)
+    swapped = swap_embeddings(ft.state, emb)  # (by hand: the model's other weights as they are)
     assert torch.equal(swapped[WORD], emb["word_embeddings"])
-    assert all(torch.equal(swapped[k], ft.state[k]) for k in ft.state if k != WORD)
-    # Step 4 encodes with the artifact's tokenizer, the model's other weights untouched.
+    # Step 4 encodes with the artifact's tokenizer, the model's other weights untouched: the same
+    # logits as the model built by hand (the tiny model reads every row as one class, so equal
+    # scores alone would say little), and the model left with its own rows afterwards.
     de = read_examples(ft.task, "bible", "de", "test")[:60]
     cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_tokens": 2048})
     enc = encode(ft.task, load_sp(de_tokenizer), de, ft.labels, cfg)
     model = type(ft)(ft.family, ft.cfg, ft.task, ft.labels, swapped, ft.tokenizer, ft.run).model()
-    expected = score(ft.task, predict(model, enc.input_ids, 2048), enc, de, ft.labels, cfg)
-    assert evaluate_score(ft, de, cfg, emb, tok) == expected
+    logits = predict(model, enc.input_ids, 2048)
+    data = eval_set(ft.task, load_sp(tok), de, ft.labels, cfg, device_of(ft.model()), ft.framing)
+    torch.testing.assert_close(set_logits(ft, data, emb), logits, rtol=0, atol=0)
+    assert not torch.allclose(set_logits(ft, data, {**emb, "word_embeddings": emb["word_embeddings"].flip(0)}),
+                              logits)
+    assert torch.equal(ft.model().get_parameter(ft.family.word).detach(), ft.state[WORD])
+    assert evaluate_score(ft, de, cfg, emb, tok) == score(ft.task, logits, enc, de, ft.labels, cfg)
     # Embeddings of another model's width are refused.
     wrong, _, _ = read_artifact(_artifact(tmp_path / "w", de_tokenizer, hidden=32))
     with pytest.raises(ValueError, match="hidden size 32"):
