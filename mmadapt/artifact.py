@@ -173,6 +173,9 @@ def artifact_primary(meta: dict) -> Path:
     """The primary model that an artifact's embeddings belong to: the Step-2 source run, or for
     MINIPOST the run its mini-model was built from."""
     src = Path(meta["source"])
+    if not (src / RUN_FILE).is_file():
+        raise ValueError(f"the Step-2 artifact names its source run {src}, which holds no {RUN_FILE} now (moved or "
+                         "deleted?): put that run back where it was, or train Step 2 again over it where it is")
     run = json.loads((src / RUN_FILE).read_text())
     return Path(run["frozen_from"]["run_dir"]) if run.get("step") == "minipost" else src
 

@@ -407,9 +407,15 @@ def _export_once(ext: Extend, out: Path, primary: Path, embeddings: Path, files:
         return
     if say is not None:
         say("export the extended model")
+    # Written beside the last export, which it replaces only once whole: an export refused (a
+    # moved extension whose artifact names its primary where it was) leaves the last one as it was
+    staged = out.with_name(out.name + ".new")
+    if staged.exists():
+        shutil.rmtree(staged)
+    export_hf(staged, primary=primary, embeddings=embeddings, **kw)
     if out.exists():
         shutil.rmtree(out)
-    export_hf(out, primary=primary, embeddings=embeddings, **kw)
+    staged.rename(out)
     if parallel.is_rank0():
         checkpoint.atomic_write(record, json.dumps({**made, out.name: key}, indent=2))
 

@@ -402,6 +402,14 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     assert set(json.loads((out / "sources.json").read_text())) == {"model"}
     assert main([*relative, "--output_dir", "ext", "--into", str(instruct)]) == 0  # imported again, nothing trains
     assert capsys.readouterr().out.count("done already") == 2
+    # a moved extension (its artifacts name their runs where they were), grafted into another
+    # sibling: refused in one line, the last graft left as it was
+    moved = shutil.move(out, tmp_path / "ext-moved")
+    exported = (moved / "export-into" / "config.json").read_bytes()
+    assert main([*relative, "--output_dir", "ext-moved", "--into", str(other)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds no run.json now (moved or deleted?)" in err, err
+    assert (moved / "export-into" / "config.json").read_bytes() == exported
 
 
 def _save_scaled(model_dir: Path, scale: float) -> None:
