@@ -478,7 +478,7 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
           f"{summary['no_adaptation_bpb']:.3f} with no adaptation (the source's own tokenizer and embeddings): "
           + (f"the extended model reads {ext.lang} better by {gain:.3f} bits per byte." if gain > 0 else
              f"the extended model does not read {ext.lang} better than the source model yet ({-gain:.3f} bits per byte "
-             "behind): train Step 2 longer (--adapt_iters).")
+             "behind): train Step 2 longer (a larger --adapt_iters, into a new --output_dir).")
           + _caveats("the source's own tokenizer", summary["no_adaptation_bpb_folds"], summary["bpb_folds"])
           + f"{EXPORTED}{export}")
     print(text, flush=True)

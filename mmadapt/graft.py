@@ -135,7 +135,14 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
         head = set(base.family.hf.task_head_names("classify")) if base.family.hf is not None else set()
         mine, theirs = ({k: v for k, v in base.family.task_state(src.cfg, w).items() if k not in head}
                         for src, w in ((base, mine), (sibling, theirs)))
+    output = base.family.output_path(base.cfg)
+    by_vocabulary = {*base.family.artifact_keys().values(), output.matrix, output.bias} - {None}
     for name in sorted(set(mine) | set(theirs)):
+        if (name in by_vocabulary and name in mine and name in theirs and mine[name].shape[1:] == theirs[name].shape[1:]
+                and mine[name].shape[0] != theirs[name].shape[0]):  # a fine-tune that added tokens, or resized
+            raise ValueError(f"{what}: its vocabulary has {theirs[name].shape[0]} rows, the base's "
+                             f"{mine[name].shape[0]} (tokens added, or its embeddings resized): it reads another "
+                             "vocabulary; run Step 2 over it instead")
         if name not in mine or name not in theirs or mine[name].shape != theirs[name].shape:
             shape = lambda s: "absent" if name not in s else "x".join(map(str, s[name].shape))  # noqa: E731
             raise ValueError(f"{what}: its {name} is {shape(theirs)}, the base's {shape(mine)} (another "
@@ -150,7 +157,6 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
     if pieces(sibling.tokenizer) != pieces(base.tokenizer):
         raise ValueError(f"{what}: its tokenizer has another vocabulary (a source vocabulary other than the base's); "
                          "run Step 2 over it instead")
-    output = base.family.output_path(base.cfg)
     if meta.get("vocab_mode") == "expand" and not body_only:
         # The new pieces' output side was started and trained in one softmax beside the base's
         # frozen source entries: a sibling that moved its own scores the new pieces off that scale.

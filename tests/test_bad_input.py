@@ -5,6 +5,7 @@ code 2, one `error:` line on stderr and no traceback, and leave every file that 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -271,6 +272,25 @@ class Ctx:
         vocab[a], vocab[b] = vocab[b], vocab[a]
         tok.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
         return str(run)
+
+    def sibling_resized(self) -> str:
+        """graft_runs' Llama-2 sibling with its embeddings resized (64 rows more, as a fine-tune
+        that added tokens or padded its vocabulary), imported."""
+        from transformers import AutoModelForCausalLM
+
+        from mmadapt.hf import import_hf
+
+        src = self.request.getfixturevalue("graft_runs")["llama2-sibling"].parent / "hf" / "llama2-sibling"
+        self.inputs.append(src)
+        model = AutoModelForCausalLM.from_pretrained(str(src))
+        model.resize_token_embeddings(model.get_input_embeddings().weight.shape[0] + 64)
+        model.save_pretrained(str(self.tmp / "hf-resized"))
+        for f in src.iterdir():
+            if "token" in f.name or f.name.endswith(".model"):
+                shutil.copy(f, self.tmp / "hf-resized")
+        import_hf(self.tmp / "hf-resized", self.tmp / "resized")
+        self.request.getfixturevalue("capsys").readouterr()
+        return str(self.tmp / "resized")
 
     def predict_graft(self, run: str, artifact: str | None, *extra: str) -> list[str]:
         """predict over the graft_runs run `run`, with the last artifact of the run `artifact`."""
@@ -821,6 +841,8 @@ CASES = [
     # --- grafting Step-2 embeddings into a fine-tuned sibling (issue 54)
     ("graft-into-another-architecture", lambda c: c.graft("qwen2-sibling", "llama2-expand", "--graft"),
      "is not a sibling of"),
+    ("graft-into-a-resized-vocabulary", lambda c: c.graft(c.sibling_resized(), "llama2-expand", "--graft"),
+     "its vocabulary has 664 rows, the base's 600 (tokens added, or its embeddings resized)"),
     ("graft-into-another-vocabulary", lambda c: c.graft(c.sibling_of_another_vocabulary(), "llama2-expand", "--graft"),
      "its tokenizer has another vocabulary (a source vocabulary other than the base's); run Step 2 over it instead"),
     ("graft-expand-into-moved-output-rows", lambda c: c.graft("llama2-sibling-output", "llama2-expand", "--graft"),
