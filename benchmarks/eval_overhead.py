@@ -52,6 +52,7 @@ from mmadapt import evaluate as F
 from mmadapt import tasks as T
 from mmadapt.tokenizer import load as load_sp
 from mmadapt.checkpoint import tag_for, write_weights_only
+from mmadapt.devices import eval_dtype
 from mmadapt.config import FinetuneConfig, ModelConfig, to_dict
 from mmadapt.corpora import genre_examples, write_bible_corpus
 from mmadapt.data import train_tokenizer
@@ -269,7 +270,7 @@ def main(argv=None) -> None:
     new_r, old_r = result["new"], result["old"]
     met = new_r["outside_per_pair_s"] < TARGET_S
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = str(F.eval_dtype(torch.device(device))).replace("torch.", "")
+    dtype = str(eval_dtype(torch.device(device))).replace("torch.", "")
     payload = {"examples": n_rows, "seeds": len(SEEDS), "artifacts": len(STEPS), "seq_length": cfg.seq_length,
                "eval_batch_tokens": cfg.eval_batch_tokens, "old_batch_examples": OLD_BATCH, "shape": args.shape,
                "device": device, "eval_dtype": dtype, "old_device": args.old_device, "shared": args.shared,
