@@ -878,10 +878,15 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     loss_sum = local if loss_sum is None else loss_sum + local
                     done, since, timed = done + 1, since + 1, timed + 1
                     if done % loop.log_interval == 0 or done == total:
-                        dt = (time.perf_counter() - t_last - t_aside) / timed
                         row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, job.loss_names,
                                                  loss_weights=job.loss_weights, split_names=job.split_losses)
                         check_finite()
+                        # On a GPU the host runs ahead of the device: the updates still queued are this
+                        # window's (timed before they ran, they fell in no window and the rate read high;
+                        # the loss read above waits for the last forward only, not its backward and step)
+                        if engine.device.type == "cuda":
+                            torch.cuda.synchronize(engine.device)
+                        dt = (time.perf_counter() - t_last - t_aside) / timed
                         row["lr"] = lr
                         row.update(job.perf(dt) if job.perf is not None else {})
                         scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
