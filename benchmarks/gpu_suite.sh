@@ -34,16 +34,18 @@ if [ -n "${SMOKE:-}" ]; then
     EVAL_ARGS=(--examples 200)
     GRAPHS=compile  # --fusion cudagraphs needs CUDA: at CPU scale the same command line runs compiled
 else
-    if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "error: no CUDA device visible to torch: run on a GPU machine (or SMOKE=1 for a CPU check)" >&2
         exit 2
     fi
-    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv || true
+    # Names the GPU; where ./.whl holds carried wheels (a GPU machine without a package registry,
+    # gpu_quick.sh's header) it installs them and puts them on the path
+    source benchmarks/gpu_env.sh
     QUICK=()
     EVAL_ARGS=(--examples 5010 --shape roberta-base)
     GRAPHS=cudagraphs
 fi
-python -c "import torch, deepspeed, megatron.core; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
+python3 -c "import torch, deepspeed, megatron.core; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
 
 failed=()
 run() {  # run NAME CMD...: time it, keep going on failure
@@ -53,18 +55,18 @@ run() {  # run NAME CMD...: time it, keep going on failure
 }
 
 CASES=(--only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt minipost:adapt)
-run throughput-eager   python benchmarks/throughput.py --real --dropout "${QUICK[@]}"
-run throughput-varlen  python benchmarks/throughput.py --real --dropout --attention_impl varlen "${CASES[@]}" "${QUICK[@]}"
-run throughput-compile python benchmarks/throughput.py --real --dropout --attention_impl varlen --fusion compile \
+run throughput-eager   python3 benchmarks/throughput.py --real --dropout "${QUICK[@]}"
+run throughput-varlen  python3 benchmarks/throughput.py --real --dropout --attention_impl varlen "${CASES[@]}" "${QUICK[@]}"
+run throughput-compile python3 benchmarks/throughput.py --real --dropout --attention_impl varlen --fusion compile \
                            "${CASES[@]}" "${QUICK[@]}"
-run throughput-cudagraphs python benchmarks/throughput.py --real --dropout --fusion "$GRAPHS" "${CASES[@]}" \
+run throughput-cudagraphs python3 benchmarks/throughput.py --real --dropout --fusion "$GRAPHS" "${CASES[@]}" \
                            "${QUICK[@]}"
-run layer              python benchmarks/layer_speed.py --dropout "${QUICK[@]}"
-run micro-batch-fill   python benchmarks/micro_batch_fill.py --real --dropout "${QUICK[@]}"
-run eval               python benchmarks/eval_overhead.py "${EVAL_ARGS[@]}"
-if python -c "import transformers" 2>/dev/null; then
-    run vs-hf          python benchmarks/vs_hf.py "${QUICK[@]}"
-    run vs-hf-decoder  python benchmarks/vs_hf_decoder.py "${QUICK[@]}"
+run layer              python3 benchmarks/layer_speed.py --dropout "${QUICK[@]}"
+run micro-batch-fill   python3 benchmarks/micro_batch_fill.py --real --dropout "${QUICK[@]}"
+run eval               python3 benchmarks/eval_overhead.py "${EVAL_ARGS[@]}"
+if python3 -c "import transformers" 2>/dev/null; then
+    run vs-hf          python3 benchmarks/vs_hf.py "${QUICK[@]}"
+    run vs-hf-decoder  python3 benchmarks/vs_hf_decoder.py "${QUICK[@]}"
 else
     echo "transformers is not installed: skipping vs_hf.py and vs_hf_decoder.py (pip install -e '.[hf]')"
 fi
