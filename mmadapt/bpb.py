@@ -12,7 +12,8 @@ one are on one scale (docs/bits-per-byte.md):
     encoder   PLL-word-l2r (Kauf & Ivanova, 2023), summed, / bytes / ln 2: piece j of a word is
               scored with itself and every later piece of its word masked, every other word
               visible, so that the pieces of one word are scored as a left-to-right chain over
-              the word and the sum is a log-probability of the word's text. Masking one piece at
+              the word and the sum is a log-probability of the word's text given its number of
+              pieces (the masks show it; docs/bits-per-byte.md bounds what that leaves out). Masking one piece at
               a time (Salazar et al.'s PLL, `whole_word=False`) lets the word's other pieces give
               it away, and flatters a finer tokenizer; tests/test_bpb.py checks both on a
               language whose exact conditionals are known.
