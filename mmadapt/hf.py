@@ -47,6 +47,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model", "vocab.json + merges.txt",
                    "vocab.txt")
+GENERATION_CONFIG = "generation_config.json"  # a generative model's own settings (stop tokens, sampling)
 
 
 def _mappings() -> dict[str, ModelFamily]:
@@ -285,6 +286,8 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike,
         doc = HFTokenizer.document(tok.backend_tokenizer.to_str(), hf_ids, str(model_dir))
         (tmp / RUN_TOKENIZER).write_text(json.dumps(doc, ensure_ascii=False))
         tok.save_pretrained(str(tmp / "tokenizer" / "hf"))  # export-hf hands these back
+        if (model_dir / GENERATION_CONFIG).is_file():  # and these (an instruct model's stop tokens, write_hf)
+            shutil.copyfile(model_dir / GENERATION_CONFIG, tmp / "tokenizer" / "hf" / GENERATION_CONFIG)
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
     return run
 
@@ -927,6 +930,25 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
     return hf_tok, hf_ids
 
 
+def source_generation_config(source_hf: Path | None, ids: dict, same_ids: bool):
+    """The imported source's own generation settings (its generation_config.json, kept by
+    import_hf beside its tokenizer), for an exported LM: an instruct model's stop tokens (Qwen2-
+    Instruct's eos list, Llama-3-Instruct's <|eot_id|>, which its tokenizer does not name) and
+    sampling settings, which transformers would otherwise rebuild from config.json (one eos, greedy).
+    Where the export reads another vocabulary (same_ids false: a replaced one), its special ids
+    are the new tokenizer's `ids` (pad, bos, eos). None where the source had none of its own."""
+    import transformers
+
+    if source_hf is None or not (Path(source_hf) / GENERATION_CONFIG).is_file():
+        return None
+    generation = transformers.GenerationConfig.from_pretrained(str(source_hf))
+    if getattr(generation, "_from_model_config", False):  # config.json's ids only, as the export's own
+        return None
+    if not same_ids:
+        generation.pad_token_id, generation.bos_token_id, generation.eos_token_id = ids["pad"], ids["bos"], ids["eos"]
+    return generation
+
+
 def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None,
              labels: list[str] | None, tokenizer: Path, model_type: str | None = None,
              text_layout: dict | None = None, source_hf: Path | None = None,
@@ -950,6 +972,8 @@ def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dic
     arch = hf_cfg.architectures[0]
     model = getattr(transformers, arch)(hf_cfg, **mapping.model_kwargs(cfg, kind))
     model.load_state_dict(hf_state, strict=True)
+    if kind is None and (generation := source_generation_config(source_hf, ids, same_ids=is_hf(tokenizer))):
+        model.generation_config = generation
     with staged_dir(output_dir) as tmp:
         model.save_pretrained(str(tmp))
         hf_tok.save_pretrained(str(tmp))

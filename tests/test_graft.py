@@ -175,9 +175,15 @@ def _instruct(graft_runs, out: Path) -> Path:
     from transformers import AutoTokenizer
 
     shutil.copytree(graft_runs["qwen2-base"].parent / "hf" / "qwen2-sibling", out)
+    from transformers import GenerationConfig
+
     tok = AutoTokenizer.from_pretrained(str(out), eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = CHAT
     tok.save_pretrained(str(out))
+    # its generation settings as Qwen2-Instruct's: both ends stop generating, sampled
+    ends = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    GenerationConfig(eos_token_id=ends, pad_token_id=ends[1], do_sample=True, temperature=0.7, top_p=0.8,
+                     repetition_penalty=1.05).save_pretrained(str(out))
     return out
 
 
@@ -224,6 +230,16 @@ def test_an_instruct_sibling_grafts_once_imported_with_its_bases_roles(graft_run
     cfg = AutoConfig.from_pretrained(str(tmp_path / "graft"))
     assert cfg.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert cfg.pad_token_id == tok.convert_tokens_to_ids("<|endoftext|>") and cfg.bos_token_id is None
+    # and the instruct model's generation settings (both ends stop it; sampled), as its own file says
+    assert json.loads((tmp_path / "graft" / "generation_config.json").read_text()) | {"transformers_version": 0} == (
+        json.loads((instruct / "generation_config.json").read_text()) | {"transformers_version": 0})
+    # a replaced vocabulary's export: the same settings, its special ids the new tokenizer's
+    replaced = ["export-hf", "--embeddings", str(_artifact(graft_runs, "qwen2", "replace")), "--graft"]
+    assert main([*replaced, "--output_dir", str(tmp_path / "replaced"), "--primary", str(tmp_path / "roles")]) == 0
+    new_tok = AutoTokenizer.from_pretrained(str(tmp_path / "replaced"))
+    generation = json.loads((tmp_path / "replaced" / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["pad_token_id"]) == (new_tok.eos_token_id, new_tok.pad_token_id)
+    assert (generation["do_sample"], generation["temperature"], generation["top_p"]) == (True, 0.7, 0.8)
 
 
 def test_evaluate_scores_the_graft_in_bits_per_byte_beside_the_siblings_own(graft_runs, de_corpus, de_tokenizer,
