@@ -653,6 +653,45 @@ def test_an_encoders_graft_exports_what_mmadapt_computes(mode, encoder_pair, tmp
         assert torch.equal(hf.get_output_embeddings().bias.detach()[:hf_rows], sib.get_output_embeddings().bias.detach())
 
 
+def test_an_encoders_expand_graft_takes_the_siblings_own_rows_where_they_moved(encoder_pair, tmp_path, capsys):
+    """The encoder siblings above froze their word embeddings, so their source rows are the base's
+    (and the artifact's): a graft that took them from the artifact would pass there. Here the
+    sibling's word embeddings (tied: its output projection too) moved, its bias did not: the
+    export's source rows are the sibling's, its new rows the artifact's, and the bias the
+    sibling's own followed by the artifact's new entries."""
+    from transformers import AutoModelForMaskedLM
+
+    from mmadapt.hf import import_hf
+    from mmadapt.models.roberta import ROBERTA
+    from mmadapt.models.roberta.model import BIAS
+
+    sib = AutoModelForMaskedLM.from_pretrained(str(encoder_pair["hf"] / "sibling"))
+    with torch.no_grad():
+        table = sib.get_input_embeddings().weight
+        table.add_(0.1 * table.std() * torch.randn(table.shape, generator=torch.Generator().manual_seed(3)))
+    hf_dir, moved = tmp_path / "hf-moved", tmp_path / "moved"
+    sib.save_pretrained(str(hf_dir))
+    for f in (encoder_pair["hf"] / "sibling").iterdir():
+        if f.name not in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(f, hf_dir)
+    import_hf(hf_dir, moved)
+    artifact = sorted((encoder_pair["expand"] / "embeddings").iterdir())[-1]
+    assert main(["export-hf", "--primary", str(moved), "--embeddings", str(artifact), "--graft",
+                 "--output_dir", str(tmp_path / "out")]) == 0
+    assert "they are its output projection too (tied)" in capsys.readouterr().out
+    art, tok, meta = read_artifact(artifact)
+    rows = meta["source_vocab_size"]
+    _, own = ROBERTA.primary_model(*load_weights(moved))
+    assert not torch.equal(own[ROBERTA.word][:rows], art["word_embeddings"][:rows])  # they did move from the base's
+    hf = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "out"))
+    to_hf = torch.as_tensor(getattr(load(tok), "hf_ids", range(art["word_embeddings"].shape[0])))
+    exported = hf.get_input_embeddings().weight.detach()[to_hf]  # in mmadapt's order
+    bias = hf.get_output_embeddings().bias.detach()[to_hf]
+    assert torch.equal(exported[:rows], own[ROBERTA.word][:rows]) and torch.equal(bias[:rows], own[BIAS][:rows])
+    assert torch.equal(exported[rows:], art["word_embeddings"][rows:]) and torch.equal(bias[rows:],
+                                                                                       art["output_bias"][rows:])
+
+
 def test_an_expand_graft_into_a_sibling_whose_output_bias_moved_is_refused(encoder_pair, tmp_path, capsys):
     """The new pieces' output bias was trained beside the base's source entries: a sibling that
     trained its own is refused for an expanded artifact in one line, nothing written; a replaced
