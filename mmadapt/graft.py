@@ -40,6 +40,8 @@ from mmadapt.tokenizer import HFTokenizer, SPECIAL_ROLES, is_hf, pieces
 # updates), less for a large model's instruction tuning. Two models initialised apart are ~0.5
 # (LayerNorm gains and biases shared) to ~1.4 (random matrices of one scale) apart.
 FAR = 0.3
+# The config fields a sibling may change without changing a tensor's shape (check_siblings warns)
+POSITION_AND_NORM = ("max_position_embeddings", "rotary_base", "seq_len_interpolation_factor", "layernorm_epsilon")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +185,11 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
                         "base's, and they are its output projection too (tied): an expanded vocabulary's new output "
                         "rows are trained beside the base's rows, not these; score the graft before serving it "
                         "(evaluate --graft), or use --vocab_mode replace")
+    for field in POSITION_AND_NORM:
+        ours, its = getattr(base.cfg, field), getattr(sibling.cfg, field)
+        if ours != its:  # same shapes, other math: a long-context fine-tune's rotary scaling, say
+            warnings.append(f"warning: its {field} is {its}, the base's {ours}: the embeddings were trained under the "
+                            "base's; score the graft before serving it (evaluate --graft)")
     return SiblingCheck(base.path, sibling.path, distance, tuple(warnings))
 
 

@@ -165,6 +165,26 @@ def test_an_expand_graft_takes_the_siblings_own_input_rows_where_they_moved(name
     assert (mine - theirs).abs().max().item() <= 1e-5
 
 
+def test_a_sibling_with_other_positions_or_norms_is_grafted_with_a_warning(graft_runs, tmp_path, capsys):
+    """A sibling of the same shapes whose rotary base and norm epsilon differ from the base's (a
+    long-context fine-tune, say): grafted, each difference named in a warning."""
+    from mmadapt.hf import import_hf
+
+    hf_dir = tmp_path / "hf-theta"
+    shutil.copytree(graft_runs["llama2-sibling"].parent / "hf" / "llama2-sibling", hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"], config["rms_norm_eps"] = 500000.0, 1e-5
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    import_hf(hf_dir, tmp_path / "theta")
+    capsys.readouterr()
+    assert main(["export-hf", "--primary", str(tmp_path / "theta"), "--embeddings",
+                 str(_artifact(graft_runs, "llama2", "expand")), "--graft", "--output_dir", str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert "warning: its rotary_base is 500000.0, the base's 10000.0" in said, said
+    assert "warning: its layernorm_epsilon is 1e-05, the base's 1e-06" in said
+    assert "max_position_embeddings" not in said
+
+
 CHAT = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
 
