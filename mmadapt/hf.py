@@ -47,6 +47,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model", "vocab.json + merges.txt",
                    "vocab.txt")
+HALF_DTYPES = ("bfloat16", "float16")  # a source's dtype export-hf keeps (fp32 otherwise, as mmadapt trains)
 GENERATION_CONFIG = "generation_config.json"  # a generative model's own settings (stop tokens, sampling)
 
 
@@ -271,6 +272,9 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike,
                 "special_ids": record, "text_layout": text_layout(tok, hf_ids),
                 **({"roles_from": str(Path(roles_from).resolve())} if roles_from is not None else {}),
                 **({"headless": True} if headless else {})}
+    dtype = hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")
+    if dtype in HALF_DTYPES:  # its weights are read in fp32 (exactly); export-hf writes them back in this
+        imported["dtype"] = dtype
     named = config_json(model_dir).get("architectures")
     read_off = None if named else (f"config.json names no architecture: read as {arch} (model_type "
                                    f"{hf_cfg['model_type']}, as transformers' Auto classes read it; its weights "
@@ -487,12 +491,13 @@ def import_sentence_transformers(st_dir: Path, output_dir: Path) -> dict:
 
 
 def write_sentence_transformers(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict,
-                                tokenizer: Path, model_type: str | None, modules: Path) -> Path:
+                                tokenizer: Path, model_type: str | None, modules: Path,
+                                dtype: str | None = None) -> Path:
     """A sentence-transformers directory that `SentenceTransformer(output_dir)` loads: the family's
     body class (kind "body": BertModel, XLMRobertaModel, ...) with `state`'s weights and the
     run's `tokenizer`, its files at the top, and the source's other modules (`modules`, a run's
     SENTENCE_TRANSFORMERS) around it as they were."""
-    write_hf(family, output_dir, cfg, state, "body", None, tokenizer, model_type)
+    write_hf(family, output_dir, cfg, state, "body", None, tokenizer, model_type, dtype=dtype)
     entries = json.loads((modules / "modules.json").read_text())
     entries[0]["path"] = ""
     _copy_modules(modules, output_dir, entries)
@@ -864,11 +869,11 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
     # and a copy cut short would load as a plain transformer (and refuse the rerun as not empty)
     with staged_dir(output_dir) as top:
         summary = {**write_hf(family, top, cfg, state, kind, labels, Path(tokenizer), model_type, text_layout,
-                              primary_run / "tokenizer" / "hf", task_start),
+                              primary_run / "tokenizer" / "hf", task_start, (imported or {}).get("dtype")),
                    "output_dir": str(output_dir), "embeddings": str(embeddings) if embeddings else None}
         if kind is None and (primary_run / SENTENCE_TRANSFORMERS).is_dir():  # a sentence-transformers source
             write_sentence_transformers(family, top / SENTENCE_TRANSFORMERS, cfg, state, Path(tokenizer), model_type,
-                                        primary_run / SENTENCE_TRANSFORMERS)
+                                        primary_run / SENTENCE_TRANSFORMERS, (imported or {}).get("dtype"))
             summary["sentence_transformers"] = str(output_dir / SENTENCE_TRANSFORMERS)
     return summary
 
@@ -952,11 +957,11 @@ def source_generation_config(source_hf: Path | None, ids: dict, same_ids: bool):
 def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None,
              labels: list[str] | None, tokenizer: Path, model_type: str | None = None,
              text_layout: dict | None = None, source_hf: Path | None = None,
-             task_start: tuple[int, ...] = (BOS_ID,)) -> dict:
+             task_start: tuple[int, ...] = (BOS_ID,), dtype: str | None = None) -> dict:
     """Write the family's LM (kind None) or task model full weights `state` with a run's
     `tokenizer` as a transformers directory of `model_type`'s class for `kind` (the source's
     model type, None for a model mmadapt pretrained: the family's mapping decides,
-    export_model_type)."""
+    export_model_type), in `dtype` (an imported source's half precision, HALF_DTYPES; None: fp32)."""
     import transformers
 
     if family.hf is None:
@@ -972,6 +977,8 @@ def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dic
     arch = hf_cfg.architectures[0]
     model = getattr(transformers, arch)(hf_cfg, **mapping.model_kwargs(cfg, kind))
     model.load_state_dict(hf_state, strict=True)
+    if dtype is not None:  # as the source was: a bf16 model exported in fp32 doubles its size
+        model.to(getattr(torch, dtype))
     if kind is None and (generation := source_generation_config(source_hf, ids, same_ids=is_hf(tokenizer))):
         model.generation_config = generation
     with staged_dir(output_dir) as tmp:
