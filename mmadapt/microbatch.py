@@ -33,9 +33,11 @@ first update at the new split is measured too; the run's log and run.json (`micr
 give its peak beside the estimate. With `--fusion compile` the compiled layers meet the new
 batch dimension once and compile again, with it dynamic.
 
-Resume: run.json holds the re-split from the moment it is chosen, and a resumed run takes it
-from its first update on (no new measurement): it trains the updates the run would have trained
-uninterrupted. A run that stopped before its first update at the new split finished (out of
+Resume: run.json holds the choice from the moment it is made (a re-split, or the split as asked
+where no larger micro-batch was predicted to fit: measured again after a resume, with the
+optimizer's states then in its base or on another device, it could come out otherwise), and a
+resumed run takes it from its first update on (no new measurement): it trains the updates the
+run would have trained uninterrupted. A run that stopped before its first update at the new split finished (out of
 memory, most likely) left it unconfirmed: the resumed run keeps the split as asked and says so.
 `--micro_batch_fill 0` on a resume returns to the split as asked.
 
@@ -124,8 +126,10 @@ class MicroBatchFit:
                          f"{recorded['from_update']}) before this resume: {micro} x {accumulation} as asked from here")
             else:
                 self.m, self.start = recorded["merged"], recorded["from_update"] - 1
-                self.log(f"micro-batch: {split} from update {recorded['from_update']}, as this run chose before "
-                         "(run.json's micro_batch_fit; --micro_batch_fill 0 keeps the split as asked)")
+                chose = (f"{split} from update {recorded['from_update']}" if self.m > 1 else
+                         f"{split} as asked (no larger micro-batch was predicted to fit)")
+                self.log(f"micro-batch: {chose}, as this run chose before (run.json's micro_batch_fit; "
+                         "--micro_batch_fill 0 keeps the split as asked)")
 
     def factor(self, position: int) -> int:
         """How many of the requested micro-batches update `position`'s each hold."""
@@ -169,14 +173,16 @@ class MicroBatchFit:
                          device=self.engine.device)
         dist.all_reduce(m, op=dist.ReduceOp.MIN)  # every rank accumulates alike (one host wait, once)
         self.m, self.start = int(m.item()), position + 2
-        if self.m == 1:
-            return
         micro, accumulation = self.micro * self.m, self.accumulation // self.m
         self.record = {"asked": [self.micro, self.accumulation], "merged": self.m,
                        "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accumulation,
                        "from_update": self.start + 1, "estimate_bytes": int(resident + micro * per_block),
-                       "tried": False, "confirmed": False}
+                       "tried": self.m == 1, "confirmed": self.m == 1}
+        # Kept split as asked too: a resume measures nothing again (after it, the optimizer's state
+        # sits in its base, another device has other room: it could choose another split)
         self.write(self.record)
+        if self.m == 1:
+            return
         self.log(f"micro-batch: {self.micro} x {self.accumulation} accumulation re-split to {micro} x {accumulation} "
                  f"from update {self.start + 1} (update {position + 1}: {peak / GIB:.1f} GiB at its peak, "
                  f"{resident / GIB:.1f} after it; estimated {self.record['estimate_bytes'] / GIB:.1f} of "

@@ -159,11 +159,14 @@ ROOM = microbatch.Memory(allocated=lambda: 10 * microbatch.GIB, peak=lambda: 12 
 ASKED = dict(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=4)
 
 
-def _fitted(monkeypatch, fail_at: int | None = None) -> list:
-    """Fake ROOM for every device and spy on each update: -> its micro-batches' sizes, DeepSpeed's
-    accumulation and global batch, one entry per update (appended as they run). fail_at: raise
-    at that update (1-based, counted across the test), as running out of memory would."""
-    monkeypatch.setattr(train_module, "device_memory", lambda device: ROOM)
+TIGHT = dataclasses.replace(ROOM, available=lambda: 15 * microbatch.GIB)  # 0.8 of it holds no 2 x 2 blocks
+
+
+def _fitted(monkeypatch, fail_at: int | None = None, memory=ROOM) -> list:
+    """Fake `memory` for every device and spy on each update: -> its micro-batches' sizes,
+    DeepSpeed's accumulation and global batch, one entry per update (appended as they run).
+    fail_at: raise at that update (1-based, counted across the test), as running out of memory would."""
+    monkeypatch.setattr(train_module, "device_memory", lambda device: memory)
     seen, lm_step = [], train_module.lm_step
 
     def spy(engine, batches, num_heads):
@@ -210,6 +213,21 @@ def test_micro_batch_fit_resumes_exactly(decoder_runs, german, tmp_path, monkeyp
     resumed = _step2_with(decoder_runs, german, tmp_path / "paused", train, resume=True)
     assert [b for b, _, _ in seen] == [[2] * 4] * 2 + [[4] * 2] * 2 + [[2] * 4] * 2 + [[4] * 2] * 2
     assert resumed[0] == whole[0] and torch.equal(resumed[1][0]["word_embeddings"], whole[1][0]["word_embeddings"])
+
+
+def test_a_split_kept_as_asked_is_kept_on_resume(decoder_runs, german, tmp_path, monkeypatch):
+    """A device with no room for a larger micro-batch (TIGHT): the split is kept as asked, and that
+    choice recorded; resumed where there is room (another device, or the optimizer's state now in
+    the base), the run keeps it, as the uninterrupted run did, and measures nothing again."""
+    train = dataclasses.replace(_train(4), **ASKED)
+    seen = _fitted(monkeypatch, memory=TIGHT)
+    with pytest.raises(faults.Paused):
+        _step2_with(decoder_runs, german, tmp_path / "paused", dataclasses.replace(train, exit_interval=3))
+    record = read_run(tmp_path / "paused")["micro_batch_fit"]
+    assert (record["merged"], record["from_update"], record["confirmed"]) == (1, 3, True)
+    monkeypatch.setattr(train_module, "device_memory", lambda device: ROOM)
+    _step2_with(decoder_runs, german, tmp_path / "paused", train, resume=True)
+    assert [b for b, _, _ in seen] == [[2] * 4] * 4
 
 
 def test_micro_batch_fit_that_never_finished_is_dropped_on_resume(decoder_runs, german, tmp_path, monkeypatch):
