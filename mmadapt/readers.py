@@ -74,7 +74,7 @@ def _tsv(path: Path):
 
 def read_nli(path: str | os.PathLike, lang: str | None = None) -> list[PairExample]:
     """XNLI's xnli.{dev,test}.tsv (all languages in one file; `lang` selects one) or MultiNLI's
-    train.tsv / dev_matched.tsv: columns found by header name (sentence1, sentence2, gold_label,
+    train.tsv / dev_matched.tsv (or multinli_1.0_*.txt): columns found by header name (sentence1, sentence2, gold_label,
     language; a file without a language column is read whole). Pairs whose gold label is '-' (no annotator majority) are dropped, as in the
     official evaluation."""
     rows = _tsv(_check(path))
@@ -83,9 +83,12 @@ def read_nli(path: str | os.PathLike, lang: str | None = None) -> list[PairExamp
     if header is None or any(c not in header for c in need):
         raise ValueError(f"{path} is not an XNLI/MultiNLI TSV: its header lacks one of {need}")
     col = {c: header.index(c) for c in header}
+    # A row needs the columns read, not every column of the header: MultiNLI's .txt files end in
+    # label1..label5, where a training pair has one annotator's label and its row stops there
+    needed = 1 + max(col[c] for c in (*need, *(("language",) if "language" in col else ())))
     out = []
     for r in rows:
-        if len(r) < len(header):
+        if len(r) < needed:
             continue
         gold, row_lang = r[col["gold_label"]], r[col["language"]] if "language" in col else ""
         if gold not in NLI_LABELS or (lang is not None and "language" in col and row_lang != lang):

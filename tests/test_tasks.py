@@ -40,6 +40,18 @@ def test_multinli_train_tsv(tmp_path):
         T.read_nli(write(tmp_path / "bad.tsv", "a\tb\n1\t2\n"))
 
 
+def test_multinli_txt_rows_that_stop_after_their_one_label(tmp_path):
+    """multinli_1.0_train.txt: 15 columns named, a training pair's row stopping after label1 (one
+    annotator): read, as is a full row; a row lacking a column read is dropped."""
+    header = ("gold_label	sentence1_binary_parse	sentence2_binary_parse	sentence1_parse	sentence2_parse	"
+              "sentence1	sentence2	promptID	pairID	genre	label1	label2	label3	label4	label5")
+    short = "neutral	( x )	( y )	(ROOT x)	(ROOT y)	The cat sat.	A cat sat.	1	1n	gov	neutral"
+    full = "entailment	( x )	( y )	(ROOT x)	(ROOT y)	A dog.	An animal.	2	2e	gov" + "	entailment" * 5
+    cut = "contradiction	( x )	( y )	(ROOT x)	(ROOT y)	Only one sentence."
+    ex = T.read_nli(write(tmp_path / "multinli_1.0_train.txt", "\n".join([header, short, full, cut]) + "\n"))
+    assert [(e.sentence1, e.label) for e in ex] == [("The cat sat.", 1), ("A dog.", 0)]
+
+
 def test_pawsx_tsv(tmp_path):
     f = write(tmp_path / "translated_train.tsv", "id\tsentence1\tsentence2\tlabel\n"
               "1\tDer Fluss fließt.\tDer Strom fließt.\t1\n2\t\tLeer.\t0\n3\tA.\tB.\t0\n")
