@@ -221,7 +221,8 @@ def encode_span(sp, examples: list[QAExample], seq_length: int, doc_stride: int 
             ids, t = framing.pair(q, ctx_ids[first:last])
             off = np.full((seq_length, 2), -1, dtype=np.int64)
             base = len(framing.start) + len(q) + framing.separators  # the window's first position
-            off[base:base + last - first] = spans[first:last]
+            if last > first:  # (an empty context: a window of no pieces, no answer in it)
+                off[base:base + last - first] = spans[first:last]
             if a_start is not None and first <= a_start and a_end < last:
                 labels.append((base + a_start - first, base + a_end - first))
             else:

@@ -206,6 +206,9 @@ def test_qa_default_stride_works_at_any_seq_length_and_a_long_one_fails_before_a
         assert len(enc) == 1 + -(-(n_ctx - window) // (window - stride))
     short = QAExample("q2", "The answer is Moses.", "Who?", [])
     assert len(F.encode_span(sp, [ex], seq_length=40, doc_stride=27, max_query_length=8)) > 1  # 40 - 8 - 4 = 28
+    # an empty context (predict's "question<TAB>"): one window of no pieces, no position to answer from
+    empty = F.encode_span(sp, [QAExample("q3", "", "Who?", [])], seq_length=40, doc_stride=None, max_query_length=8)
+    assert len(empty) == 1 and (empty.offsets[0] == -1).all()
     for examples in ([short], [ex]):  # a window of 34 pieces beside "Who?", of 28 beside 8 pieces
         with pytest.raises(ValueError, match=r"^--doc_stride 28 must be smaller than the narrowest context window "
                                              r"\(28 pieces at seq_length 40 beside a question of --max_query_length 8\)"):
