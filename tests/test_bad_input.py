@@ -97,8 +97,6 @@ class Ctx:
 
     def damaged_copy(self) -> str:
         """A copy of the primary run whose model file was cut short."""
-        import shutil
-
         d = self.tmp / "primary_copy"
         shutil.copytree(self.primary, d)
         for f in (d / "checkpoints").glob("step*/mp_rank_00_model_states.pt"):
@@ -111,8 +109,6 @@ class Ctx:
     def artifact(self, rows: int) -> str:
         """A Step-2 artifact of the primary run whose embeddings have `rows` rows, beside the
         tokenizer's VOCAB pieces."""
-        import shutil
-
         import torch
 
         d = self.tmp / "artifact"
@@ -143,16 +139,12 @@ class Ctx:
 
     def kind_copy_without_tokenizer(self, step: str) -> str:
         """kind_copy of a run kind that keeps no tokenizer of its own (a fine-tuning run)."""
-        import shutil
-
         d = Path(self.kind_copy(step))
         shutil.rmtree(d / "tokenizer")
         return str(d)
 
     def kind_copy(self, step: str, **record) -> str:
         """A copy of the primary run whose run.json says it is a run of another kind (`step`)."""
-        import shutil
-
         d = self.tmp / f"{step}_run"
         shutil.copytree(self.primary, d)
         run = json.loads((d / "run.json").read_text())
@@ -161,8 +153,6 @@ class Ctx:
 
     def nan_copy(self) -> str:
         """A copy of the primary run whose weights are all NaN, as a diverged run's would be."""
-        import shutil
-
         import torch
 
         d = self.tmp / "nan_run"
@@ -250,7 +240,7 @@ class Ctx:
         graft_runs name, or a run's path)."""
         runs = self.request.getfixturevalue("graft_runs")
         self.request.getfixturevalue("capsys").readouterr()  # what building them printed, the first time
-        self.inputs += runs.values()
+        self.inputs += [runs[artifact], *([runs[primary]] if primary in runs else [])]  # the runs it names
         art = sorted((runs[artifact] / "embeddings").iterdir())[-1]
         return ["export-hf", "--primary", str(runs.get(primary, primary)), "--embeddings", str(art), *extra,
                 "--output_dir", str(self.out)]
@@ -259,7 +249,6 @@ class Ctx:
         """graft_runs' Llama-2 sibling copied with two of its tokenizer's pieces swapped: the same
         weights and shapes, another source vocabulary."""
         import json
-        import shutil
 
         src = self.request.getfixturevalue("graft_runs")["llama2-sibling"]
         self.inputs.append(src)
@@ -296,7 +285,7 @@ class Ctx:
         """predict over the graft_runs run `run`, with the last artifact of the run `artifact`."""
         runs = self.request.getfixturevalue("graft_runs")
         self.request.getfixturevalue("capsys").readouterr()
-        self.inputs += runs.values()
+        self.inputs += [runs[run], *([runs[artifact]] if artifact is not None else [])]
         (self.tmp / "in.txt").write_text("Im Anfang schuf Gott\n")
         art = [] if artifact is None else ["--embeddings", str(sorted((runs[artifact] / "embeddings").iterdir())[-1])]
         return ["predict", "--run", str(runs[run]), *art, *extra, "--input", str(self.tmp / "in.txt"), "--output",
