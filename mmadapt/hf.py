@@ -49,6 +49,9 @@ TOKENIZER_FILES = ("tokenizer.json", "sentencepiece.bpe.model", "tokenizer.model
                    "vocab.txt")
 HALF_DTYPES = ("bfloat16", "float16")  # a source's dtype export-hf keeps (fp32 otherwise, as mmadapt trains)
 GENERATION_CONFIG = "generation_config.json"  # a generative model's own settings (stop tokens, sampling)
+# Its settings that name pieces by id, other than pad/bos/eos: meaningless over a replaced vocabulary
+PIECE_ID_SETTINGS = ("suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_id",
+                     "bad_words_ids", "sequence_bias", "decoder_start_token_id", "force_words_ids")
 
 
 def _mappings() -> dict[str, ModelFamily]:
@@ -935,23 +938,33 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
     return hf_tok, hf_ids
 
 
-def source_generation_config(source_hf: Path | None, ids: dict, same_ids: bool):
+def write_generation_config(output_dir: Path, source_hf: Path | None, ids: dict, same_ids: bool) -> None:
     """The imported source's own generation settings (its generation_config.json, kept by
-    import_hf beside its tokenizer), for an exported LM: an instruct model's stop tokens (Qwen2-
-    Instruct's eos list, Llama-3-Instruct's <|eot_id|>, which its tokenizer does not name) and
-    sampling settings, which transformers would otherwise rebuild from config.json (one eos, greedy).
-    Where the export reads another vocabulary (same_ids false: a replaced one), its special ids
-    are the new tokenizer's `ids` (pad, bos, eos). None where the source had none of its own."""
-    import transformers
-
-    if source_hf is None or not (Path(source_hf) / GENERATION_CONFIG).is_file():
-        return None
-    generation = transformers.GenerationConfig.from_pretrained(str(source_hf))
-    if getattr(generation, "_from_model_config", False):  # config.json's ids only, as the export's own
-        return None
+    import_hf beside its tokenizer) into an exported LM's `output_dir`, over the one transformers
+    rebuilds from config.json (one eos, greedy): an instruct model's stop tokens (Qwen2-Instruct's
+    eos list, Llama-3-Instruct's <|eot_id|>, which its tokenizer does not name) and sampling
+    settings. Where the export reads another vocabulary (same_ids false: a replaced one), its
+    special ids are the new tokenizer's `ids` (pad, bos, eos) and the settings that name other
+    pieces by id are left out. Written as the source's file is, not through GenerationConfig:
+    transformers refuses to save an edited config with flags it calls unused (a temperature
+    without do_sample, as some chat models ship), which it loads with a warning. Nothing where the
+    source had no settings of its own (config.json's ids only) or its file is no JSON object."""
+    source = None if source_hf is None else Path(source_hf) / GENERATION_CONFIG
+    if source is None or not source.is_file():
+        return
+    try:
+        settings = json.loads(source.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        settings = None
+    if not isinstance(settings, dict):
+        print(f"export-hf: {GENERATION_CONFIG} of the source is no JSON object: not kept", flush=True)
+        return
+    if settings.get("_from_model_config"):
+        return
     if not same_ids:
-        generation.pad_token_id, generation.bos_token_id, generation.eos_token_id = ids["pad"], ids["bos"], ids["eos"]
-    return generation
+        settings = {k: v for k, v in settings.items() if k not in PIECE_ID_SETTINGS}
+        settings.update(pad_token_id=ids["pad"], bos_token_id=ids["bos"], eos_token_id=ids["eos"])
+    (Path(output_dir) / GENERATION_CONFIG).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
 
 def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None,
@@ -979,9 +992,9 @@ def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dic
     model.load_state_dict(hf_state, strict=True)
     if dtype is not None:  # as the source was: a bf16 model exported in fp32 doubles its size
         model.to(getattr(torch, dtype))
-    if kind is None and (generation := source_generation_config(source_hf, ids, same_ids=is_hf(tokenizer))):
-        model.generation_config = generation
     with staged_dir(output_dir) as tmp:
         model.save_pretrained(str(tmp))
+        if kind is None:
+            write_generation_config(tmp, source_hf, ids, same_ids=is_hf(tokenizer))
         hf_tok.save_pretrained(str(tmp))
     return {"architecture": arch, "vocab_size": cfg.vocab_size, "labels": labels, "output_dir": str(output_dir)}
