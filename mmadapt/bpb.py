@@ -13,10 +13,10 @@ one are on one scale (docs/bits-per-byte.md):
               scored with itself and every later piece of its word masked, every other word
               visible, so that the pieces of one word are scored as a left-to-right chain over
               the word and the sum is a log-probability of the word's text given its number of
-              pieces (the masks show it; docs/bits-per-byte.md bounds what that leaves out). Masking one piece at
-              a time (Salazar et al.'s PLL, `whole_word=False`) lets the word's other pieces give
-              it away, and flatters a finer tokenizer; tests/test_bpb.py checks both on a
-              language whose exact conditionals are known.
+              pieces (the masks show it; docs/bits-per-byte.md bounds what that leaves out).
+              Masking one piece at a time (Salazar et al.'s PLL, `whole_word=False`) lets the
+              word's other pieces give it away, and flatters a finer tokenizer; tests/test_bpb.py
+              checks both on a language whose exact conditionals are known.
 
 A piece the tokenizer cannot read (<unk>) stands for bytes the model gives no probability to:
 each byte under it is charged 8 bits (a uniform code over byte values) on top of the <unk>

@@ -37,8 +37,9 @@ Resume: run.json holds the choice from the moment it is made (a re-split, or the
 where no larger micro-batch was predicted to fit: measured again after a resume, with the
 optimizer's states then in its base or on another device, it could come out otherwise), and a
 resumed run takes it from its first update on (no new measurement): it trains the updates the
-run would have trained uninterrupted. A run that stopped before its first update at the new split finished (out of
-memory, most likely) left it unconfirmed: the resumed run keeps the split as asked and says so.
+run would have trained uninterrupted. A run that stopped before its first update at the new
+split finished (out of memory, most likely) left it unconfirmed: the resumed run keeps the split
+as asked and says so.
 `--micro_batch_fill 0` on a resume returns to the split as asked.
 
 Not applied: on a CPU (host memory is not the limit, and the tests' reference runs keep the split
@@ -126,10 +127,12 @@ class MicroBatchFit:
                          f"{recorded['from_update']}) before this resume: {micro} x {accumulation} as asked from here")
             else:
                 self.m, self.start = recorded["merged"], recorded["from_update"] - 1
-                chose = (f"{split} from update {recorded['from_update']}" if self.m > 1 else
-                         f"{split} as asked (no larger micro-batch was predicted to fit)")
-                self.log(f"micro-batch: {chose}, as this run chose before (run.json's micro_batch_fit; "
-                         "--micro_batch_fill 0 keeps the split as asked)")
+                if self.m > 1:
+                    self.log(f"micro-batch: {split} from update {recorded['from_update']}, as this run chose before "
+                             "(run.json's micro_batch_fit; --micro_batch_fill 0 keeps the split as asked)")
+                else:
+                    self.log(f"micro-batch: {split} as asked, as this run chose before (no larger micro-batch was "
+                             "predicted to fit; run.json's micro_batch_fit)")
 
     def factor(self, position: int) -> int:
         """How many of the requested micro-batches update `position`'s each hold."""
@@ -182,6 +185,9 @@ class MicroBatchFit:
         # sits in its base, another device has other room: it could choose another split)
         self.write(self.record)
         if self.m == 1:
+            self.log(f"micro-batch: {self.micro} x {self.accumulation} kept as asked (update {position + 1}: "
+                     f"{peak / GIB:.1f} GiB at its peak, {resident / GIB:.1f} after it; no larger micro-batch is "
+                     f"estimated to fit in the {limit / GIB:.1f} allowed)")
             return
         self.log(f"micro-batch: {self.micro} x {self.accumulation} accumulation re-split to {micro} x {accumulation} "
                  f"from update {self.start + 1} (update {position + 1}: {peak / GIB:.1f} GiB at its peak, "

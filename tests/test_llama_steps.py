@@ -219,15 +219,21 @@ def test_a_split_kept_as_asked_is_kept_on_resume(decoder_runs, german, tmp_path,
     """A device with no room for a larger micro-batch (TIGHT): the split is kept as asked, and that
     choice recorded; resumed where there is room (another device, or the optimizer's state now in
     the base), the run keeps it, as the uninterrupted run did, and measures nothing again."""
-    train = dataclasses.replace(_train(4), **ASKED)
+    train = dataclasses.replace(_train(6), **ASKED)  # (measured again at update 4, it would re-split from 6)
     seen = _fitted(monkeypatch, memory=TIGHT)
+
+    def step2(train, resume=False):
+        steps.adapt_embeddings(run=RunSpec(output_dir=tmp_path / "paused", ds_config=ZERO0, data_path=german,
+                                           resume=resume),
+                               step=steps.AdaptEmbeddings(system="minijoint", source=decoder_runs / "mj", lang="de",
+                                                          train=train))
     with pytest.raises(faults.Paused):
-        _step2_with(decoder_runs, german, tmp_path / "paused", dataclasses.replace(train, exit_interval=3))
+        step2(dataclasses.replace(train, exit_interval=3))
     record = read_run(tmp_path / "paused")["micro_batch_fit"]
     assert (record["merged"], record["from_update"], record["confirmed"]) == (1, 3, True)
     monkeypatch.setattr(train_module, "device_memory", lambda device: ROOM)
-    _step2_with(decoder_runs, german, tmp_path / "paused", train, resume=True)
-    assert [b for b, _, _ in seen] == [[2] * 4] * 4
+    step2(train, resume=True)
+    assert [b for b, _, _ in seen] == [[2] * 4] * 6
 
 
 def test_micro_batch_fit_that_never_finished_is_dropped_on_resume(decoder_runs, german, tmp_path, monkeypatch):
