@@ -54,6 +54,13 @@ PIECE_ID_SETTINGS = ("suppress_tokens", "begin_suppress_tokens", "forced_bos_tok
                      "bad_words_ids", "sequence_bias", "decoder_start_token_id", "force_words_ids")
 
 
+def half_dtype(hf_cfg: dict) -> str | None:
+    """The half precision a model's config.json names (transformers 5's `dtype`, earlier
+    `torch_dtype`), which export-hf writes it back in; None for fp32 or none named."""
+    dtype = hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")
+    return dtype if dtype in HALF_DTYPES else None
+
+
 def _mappings() -> dict[str, ModelFamily]:
     """Hugging Face architecture -> the family that maps it."""
     return {arch: family for family in FAMILIES.values() if family.hf is not None for arch in family.hf.architectures}
@@ -275,8 +282,7 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike,
                 "special_ids": record, "text_layout": text_layout(tok, hf_ids),
                 **({"roles_from": str(Path(roles_from).resolve())} if roles_from is not None else {}),
                 **({"headless": True} if headless else {})}
-    dtype = hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")
-    if dtype in HALF_DTYPES:  # its weights are read in fp32 (exactly); export-hf writes them back in this
+    if (dtype := half_dtype(hf_cfg)) is not None:  # its weights are read in fp32 (exactly); exported in this
         imported["dtype"] = dtype
     named = config_json(model_dir).get("architectures")
     read_off = None if named else (f"config.json names no architecture: read as {arch} (model_type "
@@ -867,16 +873,16 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
 
     imported = json.loads((primary_run / "run.json").read_text()).get("imported_from")
     model_type = imported["model_type"] if imported else None
-    text_layout = (imported or {}).get("text_layout")
+    text_layout, dtype = (imported or {}).get("text_layout"), (imported or {}).get("dtype")
     # Staged whole: a sentence-transformers export is two directories and their module files,
     # and a copy cut short would load as a plain transformer (and refuse the rerun as not empty)
     with staged_dir(output_dir) as top:
         summary = {**write_hf(family, top, cfg, state, kind, labels, Path(tokenizer), model_type, text_layout,
-                              primary_run / "tokenizer" / "hf", task_start, (imported or {}).get("dtype")),
+                              primary_run / "tokenizer" / "hf", task_start, dtype),
                    "output_dir": str(output_dir), "embeddings": str(embeddings) if embeddings else None}
         if kind is None and (primary_run / SENTENCE_TRANSFORMERS).is_dir():  # a sentence-transformers source
             write_sentence_transformers(family, top / SENTENCE_TRANSFORMERS, cfg, state, Path(tokenizer), model_type,
-                                        primary_run / SENTENCE_TRANSFORMERS, (imported or {}).get("dtype"))
+                                        primary_run / SENTENCE_TRANSFORMERS, dtype)
             summary["sentence_transformers"] = str(output_dir / SENTENCE_TRANSFORMERS)
     return summary
 

@@ -84,7 +84,7 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
     from transformers import AutoModelForSequenceClassification
 
     from mmadapt.finetune import primary_state
-    from mmadapt.hf import HALF_DTYPES, _fresh_output, config_json, import_hf, read_hf_tokenizer, weight_names
+    from mmadapt.hf import _fresh_output, config_json, half_dtype, import_hf, read_hf_tokenizer, weight_names
 
     model_dir, output_dir = Path(model_dir).resolve(), Path(output_dir)
     hf_cfg = config_json(model_dir)
@@ -134,7 +134,7 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
             note = "; ".join(n for n in (f"the encoder of the {arch} in {model_dir}",
                                          body_run["imported_from"].get("note")) if n)
             body_run["imported_from"].update(model=str(model_dir), note=note)
-            if (dtype := hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")) in HALF_DTYPES:
+            if (dtype := half_dtype(hf_cfg)) is not None:
                 body_run["imported_from"]["dtype"] = dtype  # (the body was saved in fp32): its export's dtype
             (tmp / BODY / "run.json").write_text(json.dumps(body_run, indent=2))
             source = read_source(tmp / BODY)

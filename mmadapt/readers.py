@@ -74,9 +74,9 @@ def _tsv(path: Path):
 
 def read_nli(path: str | os.PathLike, lang: str | None = None) -> list[PairExample]:
     """XNLI's xnli.{dev,test}.tsv (all languages in one file; `lang` selects one) or MultiNLI's
-    train.tsv / dev_matched.tsv (or multinli_1.0_*.txt): columns found by header name (sentence1, sentence2, gold_label,
-    language; a file without a language column is read whole). Pairs whose gold label is '-' (no annotator majority) are dropped, as in the
-    official evaluation."""
+    train.tsv / dev_matched.tsv (or multinli_1.0_*.txt): columns found by header name (sentence1,
+    sentence2, gold_label, language; a file without a language column is read whole). Pairs whose
+    gold label is '-' (no annotator majority) are dropped, as in the official evaluation."""
     rows = _tsv(_check(path))
     header = next(rows, None)
     need = ("sentence1", "sentence2", "gold_label")
