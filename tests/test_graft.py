@@ -168,13 +168,11 @@ def test_an_expand_graft_takes_the_siblings_own_input_rows_where_they_moved(name
 def test_a_sibling_with_other_positions_or_norms_is_grafted_with_a_warning(graft_runs, tmp_path, capsys):
     """A sibling of the same shapes whose rotary base and norm epsilon differ from the base's (a
     long-context fine-tune, say): grafted, each difference named in a warning."""
+    from hf_models import damaged_copy
     from mmadapt.hf import import_hf
 
-    hf_dir = tmp_path / "hf-theta"
-    shutil.copytree(graft_runs["llama2-sibling"].parent / "hf" / "llama2-sibling", hf_dir)
-    config = json.loads((hf_dir / "config.json").read_text())
-    config["rope_parameters"]["rope_theta"], config["rms_norm_eps"] = 500000.0, 1e-5
-    (hf_dir / "config.json").write_text(json.dumps(config))
+    hf_dir = damaged_copy(graft_runs["llama2-sibling"].parent / "hf" / "llama2-sibling", tmp_path / "hf-theta",
+                          {"rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "rms_norm_eps": 1e-5})
     import_hf(hf_dir, tmp_path / "theta")
     capsys.readouterr()
     assert main(["export-hf", "--primary", str(tmp_path / "theta"), "--embeddings",
