@@ -12,10 +12,12 @@ What stays: the update. Its blocks are a pure function of (seed, update) (data.p
 each of a rank's micro-batches concatenates m consecutive ones of the requested split in order
 (with replay text, their replay rows first, as ReplayBatches lays out one), and DeepSpeed
 accumulates k/m of them (its set_train_micro_batch_size and set_train_batch_size: the loss is
-scaled by the new accumulation). What moves: rounding, the dropout draws, each micro-batch's
-loss normalisation (the mean over its own scored positions, which equals the requested split's
-only where every block scores the same number: the decoder's score_fraction), and past
-layers.LOGITS_BUDGET scored rows x vocabulary the heads' chunked loss (the same values).
+scaled by the new accumulation), and its loss, a mean over the update's scored positions
+(TrainConfig.calculate_per_token_loss, the default). What moves: rounding, the dropout draws,
+past layers.LOGITS_BUDGET scored rows x vocabulary the heads' chunked loss (the same values),
+and with calculate_per_token_loss false, each micro-batch's loss normalisation (the mean over its
+own scored positions, which equals the requested split's only where every block scores the same
+number: the decoder's score_fraction).
 
 How it estimates (no formula of the model's activations to drift from it): the first update runs
 at the requested split (with fp16, the first whose optimizer step was applied, so that its

@@ -121,6 +121,18 @@ UNRECORDED_BEFORE = ("data_parallel_size", "task_start", "data_digest", "replay_
                      "frozen_from.fingerprint")
 
 
+# config fields whose default is not what a run recorded before the field ran with, and the value
+# that run trained with: it resumes with that value (2026-12-02: an update's loss a mean of its
+# micro-batches' means), unless it had one micro-batch on one rank per update, where both are the same.
+RECORDED_BEFORE = {"train.calculate_per_token_loss": False}
+
+
+def _same_math_before(key: str, saved: dict) -> bool:
+    """Whether a run recorded before `key` (RECORDED_BEFORE) trained alike under either value."""
+    return (key == "train.calculate_per_token_loss" and saved.get("train.gradient_accumulation_steps") == 1
+            and saved.get("data_parallel_size", 1) == 1)
+
+
 def check_same_run(run_file: Path, expected: dict) -> None:
     """--resume continues the run recorded in `run_file`: every entry of `expected` (nested dicts
     compared leaf by leaf) must equal the recorded one, except config.CHANGEABLE_ON_RESUME. A
@@ -137,6 +149,12 @@ def check_same_run(run_file: Path, expected: dict) -> None:
         if key not in saved:
             if key in UNRECORDED_BEFORE:  # a run recorded before the key: not checked
                 continue
+            if key in RECORDED_BEFORE:
+                if value == RECORDED_BEFORE[key] or _same_math_before(key, saved):
+                    continue
+                raise ValueError(f"--resume of a run recorded before {key} existed: it trained with "
+                                 f"{str(RECORDED_BEFORE[key]).lower()}; resume with --{key.rsplit('.', 1)[-1]} "
+                                 f"{str(RECORDED_BEFORE[key]).lower()}, or start a new --output_dir")
             defaults = defaults or recorded_defaults()
             if key in defaults and defaults[key] == value:
                 continue

@@ -339,29 +339,62 @@ def _prepared(batches: list) -> list[HostBatch]:
     return [b if isinstance(b, HostBatch) else host_batch(*b) for b in batches]
 
 
-def _pipe_batches(engine, batches: list[HostBatch], dev) -> iter:
+def per_token_factors(batches: list[HostBatch], dev: torch.device) -> list[float | torch.Tensor | None]:
+    """Each micro-batch's factor on its loss (a mean over its m scored positions) that makes the
+    update's gradient a mean over every scored position of the update, on every data-parallel
+    rank (TrainConfig.calculate_per_token_loss): m x n x dp / M, M the update's scored positions
+    summed over the ranks, n its micro-batches per rank. DeepSpeed then divides by n (the
+    gradient accumulation) and averages over dp as always. None where the factor is 1 to the bit
+    (every micro-batch scores as many positions: the decoder's blocks), so nothing is launched.
+    At DP 1, M is the host's count: host floats. At DP > 1 it is summed on the device over the
+    data-parallel group, never read by the host (no stream sync): device scalars."""
+    counts, n, dp = [len(b.targets) for b in batches], len(batches), parallel.dp_world()
+    if dp == 1:
+        total = max(sum(counts), 1)  # no scored position in the update: every factor 0, no 0/0
+        return [None if c * n == total else c * n / total for c in counts]
+    local = torch.tensor(float(sum(counts)), dtype=torch.float64)
+    total = local.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else local.to(dev)
+    dist.all_reduce(total, group=parallel.parallel_state.get_data_parallel_group())
+    per_batch = total.clamp(min=1) / (n * dp)  # the update's mean scored positions per micro-batch
+    return [(c / per_batch).float() for c in counts]
+
+
+def _scaled(x: torch.Tensor, factor: float | torch.Tensor | None) -> torch.Tensor:
+    return x if factor is None else x * factor
+
+
+def _pipe_batches(engine, batches: list[HostBatch], dev, factors: list) -> iter:
     """Micro-batches as DeepSpeed's pipeline takes them, ((inputs...), labels), after handing
-    this stage what the host knows about them (pipeline.set_host_batches)."""
+    this stage what the host knows about them (pipeline.set_host_batches), with each one's
+    factor on its loss (`per_token_factors`; None: the loss as the heads compute it)."""
     on_dev = [batch_to_device(b, dev) for b in batches]
     set_host_batches(engine.module, [b.padding for b in batches],
-                     [(b.masked_index, b.targets, b.split) for b in on_dev])
+                     [(b.masked_index, b.targets, b.split, f) for b, f in zip(on_dev, factors)])
     return iter([((b.input_ids, b.labels), b.labels) for b in on_dev])
 
 
-def lm_step(engine, batches, num_heads: int) -> torch.Tensor:
+def lm_step(engine, batches, num_heads: int, per_token: bool = True) -> torch.Tensor:
     """One update over this rank's micro-batches. Returns this rank's loss of each head, the mean
     over its micro-batches (pipeline: zeros except on the last stage), not reduced over ranks.
-    num_heads: how many losses the model logs (+ 4 with replay: layers.head_losses)."""
+    num_heads: how many losses the model logs (+ 4 with replay: layers.head_losses).
+    per_token (TrainConfig.calculate_per_token_loss): the update's loss, and its gradient, is
+    the mean over every scored position of the update, on every rank (`per_token_factors`),
+    so the split into micro-batches and ranks (the micro-batch fit's re-split too) changes
+    nothing but rounding; False: the mean of the micro-batches' means (Megatron-LM's BERT), in
+    which a position of a micro-batch with few scored positions weighs more."""
     dev = engine.device
     batches = _prepared(batches)
+    factors = per_token_factors(batches, dev) if per_token else [None] * len(batches)
     if is_pipeline(engine):
-        engine.train_batch(_pipe_batches(engine, batches, dev))
+        engine.train_batch(_pipe_batches(engine, batches, dev, factors))
         return take_head_losses(engine.module, num_heads, engine.device)
     per_head, n = None, len(batches)
-    for b in map(functools.partial(batch_to_device, dev=dev), batches):
+    for b, factor in zip(map(functools.partial(batch_to_device, dev=dev), batches), factors):
         split = {} if b.split is None else {"split": b.split}  # only with replay: a family's forward may not take it
         loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
                                   padding=b.padding, **split)
+        # with a split the logged sums and counts are scaled alike: their ratio stays
+        loss, heads_loss = _scaled(loss, factor), _scaled(heads_loss, factor)
         backward(engine, with_placeholders(loss, engine.module))
         engine.step()
         # The same sum as from zeros, to the bit (0 + x and x / 1 are x), without their launches
@@ -371,28 +404,30 @@ def lm_step(engine, batches, num_heads: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def lm_eval(engine, batches, num_heads: int) -> torch.Tensor:
+def lm_eval(engine, batches, num_heads: int, per_token: bool = True) -> torch.Tensor:
     """Each head's mean loss over `batches` with dropout off, this rank's (pipeline: the last
-    stage's), not reduced over ranks. Consumes no random numbers: training resumes exactly."""
+    stage's), not reduced over ranks; per_token: as lm_step's (a mean over every scored position
+    of the batches on every rank). Consumes no random numbers: training resumes exactly."""
     dev = engine.device
     engine.eval()
     try:
         batches = _prepared(batches)
+        factors = per_token_factors(batches, dev) if per_token else [None] * len(batches)
         if is_pipeline(engine):
-            engine.eval_batch(_pipe_batches(engine, batches, dev), num_micro_batches=len(batches))
+            engine.eval_batch(_pipe_batches(engine, batches, dev, factors), num_micro_batches=len(batches))
             return take_head_losses(engine.module, num_heads, engine.device)
         per_head = torch.zeros(num_heads, device=dev)
-        for b in map(functools.partial(batch_to_device, dev=dev), batches):
-            per_head += engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
-                               padding=b.padding)[1] / len(batches)
+        for b, factor in zip(map(functools.partial(batch_to_device, dev=dev), batches), factors):
+            per_head += _scaled(engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
+                                       padding=b.padding)[1], factor) / len(batches)
         return per_head
     finally:
         engine.train()
 
 
-def train_step(engine, batches, num_heads: int) -> torch.Tensor:
+def train_step(engine, batches, num_heads: int, per_token: bool = True) -> torch.Tensor:
     """lm_step, averaged over the data-parallel replicas (every rank gets the result)."""
-    return mean_over_ranks(lm_step(engine, batches, num_heads), is_pipeline(engine))
+    return mean_over_ranks(lm_step(engine, batches, num_heads, per_token), is_pipeline(engine))
 
 
 def task_step(engine, enc: Encoded, order: EpochOrder, cfg: LoopConfig, position: int) -> torch.Tensor:
@@ -477,7 +512,7 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         valid = lm_batches(family, data_dir, model_cfg, dataclasses.replace(train, gradient_accumulation_steps=1,
                                                                             score_fraction=1.0), VALID, job.text_layout)
         valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
-        evaluate = functools.partial(lm_eval, engine, valid_batches, heads)
+        evaluate = functools.partial(lm_eval, engine, valid_batches, heads, train.calculate_per_token_loss)
     fill = 0.0 if is_pipeline(engine) or engine.zero_cpu_offload() else train.micro_batch_fill
     memory, rank0, recorded = device_memory(engine.device), parallel.is_rank0(), [None]
     if run.resume and memory is not None and fill > 0:  # alike on every rank: all or none broadcast
@@ -494,7 +529,7 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
 
     def update(position: int) -> torch.Tensor:
         fit.before(position)
-        losses = lm_step(engine, prefetch(position), logged)
+        losses = lm_step(engine, prefetch(position), logged, train.calculate_per_token_loss)
         fit.after(position)
         return losses
 

@@ -235,6 +235,37 @@ def test_a_run_recorded_with_replay_fraction_0_resumes(tmp_path):
                 check_same_run(record, {"train": {"replay_fraction": None, "seed": 1}})
 
 
+def test_a_run_recorded_before_per_token_losses_resumes_as_it_trained(tmp_path):
+    """A run recorded before calculate_per_token_loss (2026-12-02) took the mean of its
+    micro-batches' means: resumed with today's default, its updates would change weighting midway.
+    It resumes with false; with true only where it had one micro-batch on one rank (the same math);
+    a run recorded with the field is checked as any other."""
+    import json
+
+    from mmadapt.run import check_same_run
+
+    record = tmp_path / "run.json"
+    per_token = {"data_parallel_size": 2, "train": {"gradient_accumulation_steps": 1, "calculate_per_token_loss": True}}
+    means = {**per_token, "train": {**per_token["train"], "calculate_per_token_loss": False}}
+    record.write_text(json.dumps({"data_parallel_size": 2, "train": {"gradient_accumulation_steps": 1}}))
+    check_same_run(record, means)
+    with pytest.raises(ValueError, match="recorded before train.calculate_per_token_loss existed: it trained with "
+                                         "false; resume with --calculate_per_token_loss false"):
+        check_same_run(record, per_token)
+    for one in ({"data_parallel_size": 1, "train": {"gradient_accumulation_steps": 1}},
+                {"train": {"gradient_accumulation_steps": 1}}):  # a record before data_parallel_size: one rank
+        record.write_text(json.dumps(one))
+        check_same_run(record, {**per_token, "data_parallel_size": 1})
+        check_same_run(record, {**means, "data_parallel_size": 1})
+    record.write_text(json.dumps({"train": {"gradient_accumulation_steps": 4}}))
+    with pytest.raises(ValueError, match="it trained with false"):
+        check_same_run(record, {**per_token, "data_parallel_size": 1, "train": {**per_token["train"],
+                                                                                 "gradient_accumulation_steps": 4}})
+    record.write_text(json.dumps(per_token))
+    with pytest.raises(ValueError, match="train.calculate_per_token_loss is False here but True"):
+        check_same_run(record, means)
+
+
 def test_a_step_1b_run_recorded_before_its_source_fingerprint_resumes(tmp_path):
     """build_minipost and fit-head record the fingerprint of the weights they build on since
     2026-11-27 (af5e080); a --resume of a run recorded before was refused as a changed run

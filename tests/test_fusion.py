@@ -371,7 +371,7 @@ def test_pipeline_stage_modules_compiled_equal_eager_without_recompiling(impl):
                 *layers, heads = model
                 for layer in layers:
                     layer.pending.append(Padding.of(ids))
-                heads.pending.append((*masked_positions(labels), None))
+                heads.pending.append((*masked_positions(labels), None, None))
                 x, w = hidden.clone().requires_grad_(), word.clone().requires_grad_()
                 out = (x, ids, labels)
                 for layer in layers:

@@ -125,7 +125,9 @@ def test_pipeline_stages_take_the_host_flags():
     layer, heads = PipeTransformerLayer(cfg, 1), PipeMLMHeads(cfg)
     stage = torch.nn.ModuleList([layer, heads])
     batches = [host_batch(*padded_batch(cfg, seed=k)) for k in range(2)]
-    set_host_batches(stage, [b.padding for b in batches], [(b.masked_index, b.targets, b.split) for b in batches])
+    factors = (None, 0.5)  # train.per_token_factors': the heads scale the loss and what they log by it
+    set_host_batches(stage, [b.padding for b in batches],
+                     [(b.masked_index, b.targets, b.split, f) for b, f in zip(batches, factors)])
     assert list(layer.pending) == [b.padding for b in batches] and len(heads.pending) == 2
     word = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
     hiddens = [torch.randn(*b.input_ids.shape, cfg.hidden_size) for b in batches]
@@ -133,11 +135,14 @@ def test_pipeline_stages_take_the_host_flags():
         losses = [heads((*layer((h, b.input_ids, b.labels)), word)) for h, b in zip(hiddens, batches)]
     assert not spy.seen, dict(spy.seen)
     assert not heads.pending and not layer.pending
+    logged = heads.head_losses[:2]
     # Each micro-batch was scored on its own masked positions: the same losses as when the
-    # stage finds them on the device (nothing pending).
+    # stage finds them on the device (nothing pending), times its factor.
     with torch.no_grad():
-        for loss, h, b in zip(losses, hiddens, batches):
-            assert torch.equal(loss, heads((*layer((h, b.input_ids, b.labels)), word)))
+        for loss, per_head, h, b, f in zip(losses, logged, hiddens, batches, factors):
+            alone = heads((*layer((h, b.input_ids, b.labels)), word))
+            assert torch.equal(loss, alone if f is None else alone * f)
+            assert torch.equal(per_head, heads.head_losses[-1] if f is None else heads.head_losses[-1] * f)
 
 
 def host_ops_per_micro_batch(engine) -> int:

@@ -169,11 +169,11 @@ def _fitted(monkeypatch, fail_at: int | None = None, memory=ROOM) -> list:
     monkeypatch.setattr(train_module, "device_memory", lambda device: memory)
     seen, lm_step = [], train_module.lm_step
 
-    def spy(engine, batches, num_heads):
+    def spy(engine, batches, num_heads, *rest):
         seen.append(([len(b[0]) for b in batches], engine.gradient_accumulation_steps(), engine.train_batch_size()))
         if len(seen) == fail_at:
             raise RuntimeError("CUDA out of memory (the test's)")
-        return lm_step(engine, batches, num_heads)
+        return lm_step(engine, batches, num_heads, *rest)
     monkeypatch.setattr(train_module, "lm_step", spy)
     return seen
 

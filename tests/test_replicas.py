@@ -420,29 +420,56 @@ def test_a_bf16_checkpoint_resumes_exactly(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
-def test_accumulated_micro_batches_leave_the_mean_gradient(monkeypatch):
-    """engine.backward has DeepSpeed divide the loss by the accumulation only where it is more
-    than 1 (scale_wrt_gas): one micro-batch per update leaves its own gradient, two accumulated
-    ones the mean of theirs (divided once: not their sum, not a quarter of it). DeepSpeed 0.19.0,
-    setup.py's floor, divides nowhere else: there, never dividing gives the sum and fails this."""
-    bs = batches(2)
-    seen = {}
-    for k in (1, 2):
-        train = dataclasses.replace(train_config(0.0), gradient_accumulation_steps=k)
+def gradients_and_losses(monkeypatch, updates: list[list], per_token: bool) -> tuple[list[dict], list[float]]:
+    """The gradients each optimizer step of MODEL is given, and the logged losses, over `updates`
+    (each a list of micro-batches: the accumulation is its length), the weights never moving."""
+    grads, losses = [], []
+    for micro in updates:
+        train = dataclasses.replace(train_config(0.0), gradient_accumulation_steps=len(micro))
         init_parallel(1, 1)
         torch.manual_seed(0)
         engine, _, _ = lm_engine(get_family(MODEL), MODEL, train,
                                  for_replicas(load_ds_config(REPO / "ds_configs" / "zero1.json", train), 1))
-        grads = seen[k] = []
-        monkeypatch.setattr(engine.optimizer, "step", lambda *a, engine=engine, grads=grads, **kw: grads.append(
+        monkeypatch.setattr(engine.optimizer, "step", lambda *a, engine=engine, **kw: grads.append(
             {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}))
-        for i in range(0, 2, k):  # the weights never move: the step only reads the gradients
-            train_step(engine, bs[i:i + k], 1)
-    (one, two), (both,) = seen[1], seen[2]
+        losses.append(train_step(engine, micro, 1, per_token).item())
+    return grads, losses
+
+
+def test_accumulated_micro_batches_leave_the_mean_gradient(monkeypatch):
+    """engine.backward has DeepSpeed divide the loss by the accumulation only where it is more
+    than 1 (scale_wrt_gas): one micro-batch per update leaves its own gradient, two accumulated
+    ones (as means of their micro-batches, calculate_per_token_loss false) the mean of theirs
+    (divided once: not their sum, not a quarter of it). DeepSpeed 0.19.0, setup.py's floor,
+    divides nowhere else: there, never dividing gives the sum and fails this."""
+    bs = batches(2)
+    (one, two, both), _ = gradients_and_losses(monkeypatch, [bs[:1], bs[1:], bs], per_token=False)
     assert both.keys() == one.keys() and len(both) > 10
     for n in both:
         torch.testing.assert_close(both[n], (one[n] + two[n]) / 2, rtol=1e-5, atol=1e-8, msg=n)
     assert not torch.allclose(one["layers.0.qkv.weight"], two["layers.0.qkv.weight"])
+
+
+def test_a_per_token_update_is_the_same_however_it_is_split(monkeypatch):
+    """calculate_per_token_loss (the default): an update of two micro-batches that mask m1 and m2
+    positions has the gradient and loss of one micro-batch of all their rows: each micro-batch's
+    weighted m_i / (m1 + m2), by hand; as the mean of their means (false) it has not."""
+    first, second = batches(2)
+    kept = second.labels.ge(0).cumsum(1).le(2)  # the second masks at most 2 positions a row
+    bs = [first, host_batch(second.input_ids, second.labels.where(kept, IGNORE_INDEX))]
+    m1, m2 = (len(b.targets) for b in bs)
+    assert m1 > 2 * m2 > 0  # else the two weightings would nearly agree
+    merged = host_batch(torch.cat([b.input_ids for b in bs]), torch.cat([b.labels for b in bs]))
+    (one, two, both, whole), losses = gradients_and_losses(monkeypatch, [bs[:1], bs[1:], bs, [merged]], True)
+    for n in both:
+        # atol: rounding of sums of ~0.3 (the largest entries) at fp32
+        torch.testing.assert_close(both[n], (m1 * one[n] + m2 * two[n]) / (m1 + m2), rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(both[n], whole[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert losses[2] == pytest.approx((m1 * losses[0] + m2 * losses[1]) / (m1 + m2), rel=1e-6)
+    assert losses[2] == pytest.approx(losses[3], rel=1e-6)
+    (old,), (old_loss,) = gradients_and_losses(monkeypatch, [bs], per_token=False)
+    assert not torch.allclose(old["layers.0.qkv.weight"], whole["layers.0.qkv.weight"], rtol=1e-4)
+    assert old_loss != pytest.approx(losses[3], rel=1e-4)
 
 
 @pytest.mark.parametrize("config", ["zero2.json", "zero1_bf16.json"])

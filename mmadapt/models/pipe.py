@@ -31,27 +31,36 @@ class PaddingQueue:
 
 
 class ScoredQueue:
-    """Mixin of the last stage's heads: (masked_index, targets, split) of each micro-batch to
-    come, in order (the tensors on the device; split: layers.head_losses', or None), and each
-    micro-batch's logged losses [num heads (+ 4 with a split)]."""
+    """Mixin of the last stage's heads: (masked_index, targets, split, factor) of each micro-batch
+    to come, in order (the tensors on the device; split: layers.head_losses', or None; factor:
+    train.per_token_factors', on its loss, or None), and each micro-batch's logged losses
+    [num heads (+ 4 with a split)]."""
 
     def init_queue(self) -> None:
         self.pending: collections.deque = collections.deque()
         self.head_losses: list[torch.Tensor] = []
+        self.factor = None
 
     @torch.compiler.disable
     def next_scored(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
-        return self.pending.popleft() if self.pending else (*masked_positions(labels), None)
+        masked_index, targets, split, self.factor = (self.pending.popleft() if self.pending else
+                                                     (*masked_positions(labels), None, None))
+        return masked_index, targets, split
 
     @torch.compiler.disable
-    def record(self, per_head: torch.Tensor) -> None:
+    def record(self, loss: torch.Tensor, per_head: torch.Tensor) -> torch.Tensor:
+        """The micro-batch's loss for DeepSpeed's backward, its per-head losses kept for logging,
+        both times its factor (as train.lm_step scales them off a pipeline)."""
+        if self.factor is not None:
+            loss, per_head = loss * self.factor, per_head * self.factor
         self.head_losses.append(per_head)
+        return loss
 
 
-def set_host_batches(pipe: torch.nn.Module, padding: list[Padding],
-                     masked: list[tuple[torch.Tensor, torch.Tensor, int | None]]) -> None:
+def set_host_batches(pipe: torch.nn.Module, padding: list[Padding], masked: list[tuple]) -> None:
     """Hand this rank's stage what the host knows about the micro-batches of the next
-    train_batch / eval_batch, in their order."""
+    train_batch / eval_batch, in their order: each one's Padding, and (masked_index, targets,
+    split, factor) for the heads (ScoredQueue)."""
     for m in pipe.modules():
         if isinstance(m, (PaddingQueue, ScoredQueue)):
             m.pending.clear()

@@ -100,8 +100,7 @@ class PipeLMHeads(ScoredQueue, LMHeads):
         carried, output_rows = rest[:-self.blocks], tuple(rest[-self.blocks:])
         masked_index, targets, split = self.next_scored(labels)
         loss, per_head = super().forward([*carried, hidden], masked_index, targets, output_rows, split)
-        self.record(per_head)
-        return loss
+        return self.record(loss, per_head)
 
 
 def to_pipeline(config: ModelConfig, seed: int, data_parallel_size: int) -> PipelineModule:

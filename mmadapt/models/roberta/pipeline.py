@@ -77,8 +77,7 @@ class PipeMLMHeads(ScoredQueue, MLMHeads):
         carried, word_rows = rest[:-self.blocks], tuple(rest[-self.blocks:])
         masked_index, targets, split = self.next_scored(labels)
         loss, per_head = super().forward([*carried, hidden], masked_index, targets, word_rows, split)
-        self.record(per_head)
-        return loss
+        return self.record(loss, per_head)
 
 
 class PipeWordEmbedding(WordEmbedding):
