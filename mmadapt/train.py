@@ -508,10 +508,13 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
     logged = heads + (4 if job.replay is not None else 0)  # the replay's two texts: layers.split_sums
     evaluate = None
     if train.eval_interval:
-        # every position of the held-out blocks (score_fraction 1): the loss measures the model, not a sample
-        valid = lm_batches(family, data_dir, model_cfg, dataclasses.replace(train, gradient_accumulation_steps=1,
-                                                                            score_fraction=1.0), VALID, job.text_layout)
-        valid_batches = [host_batch(*valid.micro_batch(k, 0), pin) for k in range(train.eval_iters)]  # the same each time
+        # every position of the held-out blocks (score_fraction 1): the loss measures the model, not a sample.
+        # eval_iters global batches (each rank its micro-batches of each): the same blocks, and with
+        # calculate_per_token_loss the same loss, however the global batch is split into micro-batches and ranks
+        valid = lm_batches(family, data_dir, model_cfg, dataclasses.replace(train, score_fraction=1.0), VALID,
+                           job.text_layout)
+        valid_batches = [host_batch(*valid.micro_batch(k, j), pin) for k in range(train.eval_iters)
+                         for j in range(train.gradient_accumulation_steps)]  # the same each time
         evaluate = functools.partial(lm_eval, engine, valid_batches, heads, train.calculate_per_token_loss)
     fill = 0.0 if is_pipeline(engine) or engine.zero_cpu_offload() else train.micro_batch_fill
     memory, rank0, recorded = device_memory(engine.device), parallel.is_rank0(), [None]

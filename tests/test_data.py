@@ -543,6 +543,35 @@ def test_validation_loss_every_eval_interval_leaves_training_unchanged(prepared,
                        step=steps.Pretrain(model=model, train=dataclasses.replace(train, eval_interval=2)))
 
 
+def test_validation_loss_is_the_same_however_the_global_batch_is_split(prepared, tmp_path):
+    """eval_iters global batches, a mean per scored position (calculate_per_token_loss): a global
+    batch of 8 blocks as 4 x accumulation 2 and as 8 x 1 reads the same held-out blocks and logs
+    the same validation loss (dropout off, so training moves alike too). Before 2026-12-02 the
+    first read 4 blocks an evaluation and the second 8."""
+    from conftest import REPO
+    from mmadapt.config import apply_recipe
+    from mmadapt.models import PRESETS
+    from mmadapt import steps
+    from mmadapt.parallel import init_parallel
+    from mmadapt.run import RunSpec
+
+    init_parallel(1, 1)
+    model = dataclasses.replace(apply_recipe(PRESETS["tiny"][0], "minijoint"), vocab_size=VOCAB, num_layers=4,
+                                head_layers=(2, 4), hidden_dropout=0.0, attention_dropout=0.0)
+    train = dataclasses.replace(PRESETS["tiny"][1], train_iters=2, log_interval=1, seq_length=32, eval_iters=2,
+                                eval_interval=1)
+    rows = {}
+    for micro, gas in ((4, 2), (8, 1)):
+        run = RunSpec(output_dir=tmp_path / f"{micro}x{gas}", ds_config=REPO / "ds_configs" / "zero0.json",
+                      data_path=prepared[1][1])
+        split = dataclasses.replace(train, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas)
+        rows[micro] = steps.pretrain(run=run, step=steps.Pretrain(model=model, recipe="minijoint", train=split))
+    for key in ("loss", "valid_loss"):
+        two, one = ([r[key] for r in rows[m] if key in r] for m in (4, 8))
+        assert len(two) == 2
+        np.testing.assert_allclose(two, one, rtol=1e-5, err_msg=key)
+
+
 def test_preprocess_command(corpus, tokenizer, tmp_path, capsys):
     from mmadapt.cli import preprocess_main
 
