@@ -437,6 +437,17 @@ def bpb_verdict(lang: str, rows: list[dict]) -> str:
     return f"{lang}: " + "; ".join(out) + "." + note
 
 
+def mixed_scales(records: list[dict]) -> str | None:
+    """How bits-per-byte records of one language differ in what they were scored on (None: they
+    do not): the held-out bytes, or the window (`--seq_length`, recorded since 2026-12-02; a
+    record from before matches any)."""
+    sizes = sorted({r["bpb_bytes"] for r in records})
+    windows = sorted({r["bpb_seq_length"] for r in records if r.get("bpb_seq_length") is not None})
+    parts = ([f"on {' and '.join(f'{b:,}' for b in sizes)} held-out bytes"] if len(sizes) > 1 else [])
+    parts += [f"at windows of {' and '.join(map(str, windows))} positions"] if len(windows) > 1 else []
+    return " and ".join(parts) or None
+
+
 def bpb_markdown(records: list[dict]) -> str:
     """The plug-in records in bits per byte of the same held-out text, per language: no
     adaptation (the primary model with its own tokenizer and embeddings), each system's update 0
@@ -470,6 +481,12 @@ def bpb_markdown(records: list[dict]) -> str:
         out += ["", "†: source text the primary model may have trained on (the validation split of another "
                 "preparation of its pretraining corpus), not held-out text."]
     langs = dict.fromkeys(r["lang"] for r in rows)
+    for lang in langs:
+        scales = mixed_scales([r for r in records if r["lang"] == lang and is_plugin(r["task"])
+                               and r.get("bpb") is not None])
+        if scales:
+            out += ["", f"Not one scale in {lang}: its records were scored {scales}, and bits per byte move with "
+                    "both; score every system's checkpoints in one `mmadapt evaluate` call."]
     out += [""] + [f"- {bpb_verdict(lang, [r for r in rows if r['lang'] == lang])} "
                    f"({next(r['bytes'] for r in rows if r['lang'] == lang):,} bytes)" for lang in langs] + [""]
     return "\n".join(out)

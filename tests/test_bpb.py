@@ -357,6 +357,7 @@ def test_the_primarys_own_rows_as_an_artifact_are_no_adaptation(primary_run, eng
     assert later["bpb"] > later["none_bpb"] + 0.01 and later["start_bpb"] == first["bpb"]
     for r in records:
         assert 0.9 * 2000 < r["bpb_bytes"] < 2000 + 1000  # the lines read, less the spaces where they are cut
+        assert r["bpb_seq_length"] == 32  # the window it was scored at (report.mixed_scales)
 
 
 def test_within_the_source_rows_an_expanded_artifact_reads_source_text_as_no_adaptation(primary_run, english,

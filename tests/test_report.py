@@ -454,6 +454,18 @@ def test_bits_per_byte_table_and_verdict_by_hand(tmp_path):
     uncased = bpb_markdown([{**r, "none_bpb_folds": ["case"], "bpb_folds": []} for r in _bpb_records()])
     assert ("Not comparable as they stand: the primary model's own tokenizer (no adaptation) folds case where the "
             "other keeps it") in uncased
+    assert "Not one scale" not in md
+    # Records of one language scored by different calls: other windows, or other held-out text
+    records = _bpb_records()
+    windows = bpb_markdown([{**r, "bpb_seq_length": 128 if r["system"] == "minipost" else 512} for r in records]
+                           + [{**records[0], "lang": "fr"}])
+    assert ("Not one scale in de: its records were scored at windows of 128 and 512 positions, and bits per byte "
+            "move with both; score every system's checkpoints in one `mmadapt evaluate` call.") in windows
+    assert "Not one scale in fr" not in windows
+    sizes = bpb_markdown([{**r, "bpb_bytes": 9000} if r["step"] == 0 else r for r in records])
+    assert "Not one scale in de: its records were scored on 8,100 and 9,000 held-out bytes, and" in sizes
+    # a record from before windows were recorded matches any
+    assert "Not one scale" not in bpb_markdown([{**r, "bpb_seq_length": 512} for r in records[:3]] + records[3:])
     seen = bpb_markdown([{**r, "source_bpb_pretrained_on": True} for r in _bpb_records()])
     assert "| 1.2000 → 1.2050 † |" in seen and "†: source text the primary model may have trained on" in seen
     # In the report, and a panel of its own in the plot.
