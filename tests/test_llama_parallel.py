@@ -70,18 +70,20 @@ def test_decoder_pretraining_layout_matches_single_process(layout, reference, co
         torch.testing.assert_close(mine[name], w, rtol=1e-5, atol=1e-6, msg=f"{layout}: {name} differs")
 
 
-def test_an_untied_decoder_with_a_padded_vocabulary_at_tensor_parallel_2(corpus, odd_tokenizer, tmp_path):
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_decoder_with_a_padded_vocabulary_at_tensor_parallel_2(tied, corpus, odd_tokenizer, tmp_path):
     """A 999-piece vocabulary padded to 1,000 rows at tensor parallel 2 (the embedding and the
-    untied output projection, ModelConfig.padded_vocab_size) against one process at 999: the
-    same losses and full weights."""
+    output projection, untied or the embedding's own rows: ModelConfig.padded_vocab_size) against
+    one process at 999: the same losses and full weights, the padding row in neither."""
     single, tp2 = tmp_path / "single", tmp_path / "tp2"
-    run_pretrain(1, *_pretrain_args(corpus, odd_tokenizer, single, False, "--vocab_size", "999", *SINGLE))
-    run_pretrain(2, *_pretrain_args(corpus, odd_tokenizer, tp2, False, "--vocab_size", "999", *LAYOUTS["tp2"][1]))
+    run_pretrain(1, *_pretrain_args(corpus, odd_tokenizer, single, tied, "--vocab_size", "999", *SINGLE))
+    run_pretrain(2, *_pretrain_args(corpus, odd_tokenizer, tp2, tied, "--vocab_size", "999", *LAYOUTS["tp2"][1]))
     ref, got = metrics(single), metrics(tp2)
     np.testing.assert_allclose(_heads(got), _heads(ref), rtol=1e-5)
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
     want, mine = load_full_state_dict(single / "checkpoints"), load_full_state_dict(tp2 / "checkpoints")
-    assert sorted(mine) == sorted(want) and mine["output_layer.weight"].shape[0] == 999
+    assert sorted(mine) == sorted(want) and ("output_layer.weight" in mine) is not tied
+    assert mine[WORD].shape[0] == 999 and (tied or mine["output_layer.weight"].shape[0] == 999)
     for name, w in want.items():
         torch.testing.assert_close(mine[name], w, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
 
