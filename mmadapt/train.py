@@ -352,8 +352,8 @@ def per_token_factors(batches: list[HostBatch], dev: torch.device) -> list[float
     if dp == 1:
         total = max(sum(counts), 1)  # no scored position in the update: every factor 0, no 0/0
         return [None if c * n == total else c * n / total for c in counts]
-    local = torch.tensor(float(sum(counts)), dtype=torch.float64)
-    total = local.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else local.to(dev)
+    # a fill (one kernel, the count its argument), not a copy of a host tensor (a stream sync on a GPU)
+    total = torch.full((), float(sum(counts)), dtype=torch.float64, device=dev)
     dist.all_reduce(total, group=parallel.parallel_state.get_data_parallel_group())
     per_batch = total.clamp(min=1) / (n * dp)  # the update's mean scored positions per micro-batch
     return [(c / per_batch).float() for c in counts]
