@@ -128,9 +128,10 @@ RECORDED_BEFORE = {"train.calculate_per_token_loss": False}
 
 
 def _same_math_before(key: str, saved: dict) -> bool:
-    """Whether a run recorded before `key` (RECORDED_BEFORE) trained alike under either value."""
+    """Whether a run recorded before `key` (RECORDED_BEFORE) trained alike under either value. A
+    record without data_parallel_size (before 2026-12-01) may have run on several ranks: not so."""
     return (key == "train.calculate_per_token_loss" and saved.get("train.gradient_accumulation_steps") == 1
-            and saved.get("data_parallel_size", 1) == 1)
+            and saved.get("data_parallel_size") == 1)
 
 
 def check_same_run(run_file: Path, expected: dict) -> None:

@@ -40,7 +40,7 @@ from mmadapt.family import ModelFamily
 from mmadapt.fusion import apply_fusion
 from mmadapt.microbatch import MicroBatchFit, device_memory, merged
 from mmadapt.models.layers import Padding, derive_seed, masked_positions
-from mmadapt.models.pipe import set_host_batches, take_head_losses
+from mmadapt.models.pipe import scaled_losses, set_host_batches, take_head_losses
 from mmadapt.run import RUN_TOKENIZER, RunSpec, Started, tensor_bytes
 from mmadapt.tokenizer import kind as tokenizer_kind
 from mmadapt.tokenizer import load
@@ -344,10 +344,12 @@ def per_token_factors(batches: list[HostBatch], dev: torch.device) -> list[float
     update's gradient a mean over every scored position of the update, on every data-parallel
     rank (TrainConfig.calculate_per_token_loss): m x n x dp / M, M the update's scored positions
     summed over the ranks, n its micro-batches per rank. DeepSpeed then divides by n (the
-    gradient accumulation) and averages over dp as always. None where the factor is 1 to the bit
-    (every micro-batch scores as many positions: the decoder's blocks), so nothing is launched.
-    At DP 1, M is the host's count: host floats. At DP > 1 it is summed on the device over the
-    data-parallel group, never read by the host (no stream sync): device scalars."""
+    gradient accumulation) and averages over dp as always. At DP 1, M is the host's count: host
+    floats, None where the factor is 1 to the bit (one micro-batch, or every one scoring as many
+    positions: the decoder's blocks), so nothing is launched. At DP > 1 M is summed on the device
+    over the data-parallel group, never read by the host (no stream sync): device scalars, for
+    the decoder too (a rank cannot tell that the others' counts equal its own): a fill, an
+    all-reduce and a few scalar kernels per update."""
     counts, n, dp = [len(b.targets) for b in batches], len(batches), parallel.dp_world()
     if dp == 1:
         total = max(sum(counts), 1)  # no scored position in the update: every factor 0, no 0/0
@@ -357,10 +359,6 @@ def per_token_factors(batches: list[HostBatch], dev: torch.device) -> list[float
     dist.all_reduce(total, group=parallel.parallel_state.get_data_parallel_group())
     per_batch = total.clamp(min=1) / (n * dp)  # the update's mean scored positions per micro-batch
     return [(c / per_batch).float() for c in counts]
-
-
-def _scaled(x: torch.Tensor, factor: float | torch.Tensor | None) -> torch.Tensor:
-    return x if factor is None else x * factor
 
 
 def _pipe_batches(engine, batches: list[HostBatch], dev, factors: list) -> iter:
@@ -374,8 +372,10 @@ def _pipe_batches(engine, batches: list[HostBatch], dev, factors: list) -> iter:
 
 
 def lm_step(engine, batches, num_heads: int, per_token: bool = True) -> torch.Tensor:
-    """One update over this rank's micro-batches. Returns this rank's loss of each head, the mean
-    over its micro-batches (pipeline: zeros except on the last stage), not reduced over ranks.
+    """One update over this rank's micro-batches. Returns this rank's share of each head's loss
+    (pipeline: zeros except on the last stage), not reduced over ranks: the mean over its
+    micro-batches of their losses, each times its factor (per_token): the update's loss is their
+    mean over the ranks (engine.mean_over_ranks; at DP > 1 a rank's share alone means nothing).
     num_heads: how many losses the model logs (+ 4 with replay: layers.head_losses).
     per_token (TrainConfig.calculate_per_token_loss): the update's loss, and its gradient, is
     the mean over every scored position of the update, on every rank (`per_token_factors`),
@@ -393,8 +393,8 @@ def lm_step(engine, batches, num_heads: int, per_token: bool = True) -> torch.Te
         split = {} if b.split is None else {"split": b.split}  # only with replay: a family's forward may not take it
         loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
                                   padding=b.padding, **split)
-        # with a split the logged sums and counts are scaled alike: their ratio stays
-        loss, heads_loss = _scaled(loss, factor), _scaled(heads_loss, factor)
+        if factor is not None:
+            loss, heads_loss = loss * factor, scaled_losses(heads_loss, factor, b.split)
         backward(engine, with_placeholders(loss, engine.module))
         engine.step()
         # The same sum as from zeros, to the bit (0 + x and x / 1 are x), without their launches
@@ -405,9 +405,10 @@ def lm_step(engine, batches, num_heads: int, per_token: bool = True) -> torch.Te
 
 @torch.no_grad()
 def lm_eval(engine, batches, num_heads: int, per_token: bool = True) -> torch.Tensor:
-    """Each head's mean loss over `batches` with dropout off, this rank's (pipeline: the last
-    stage's), not reduced over ranks; per_token: as lm_step's (a mean over every scored position
-    of the batches on every rank). Consumes no random numbers: training resumes exactly."""
+    """Each head's loss over `batches` with dropout off, this rank's share as lm_step's (pipeline:
+    the last stage's), not reduced over ranks; per_token: as lm_step's (with mean_over_ranks, a
+    mean over every scored position of the batches on every rank). Consumes no random numbers:
+    training resumes exactly."""
     dev = engine.device
     engine.eval()
     try:
@@ -418,8 +419,8 @@ def lm_eval(engine, batches, num_heads: int, per_token: bool = True) -> torch.Te
             return take_head_losses(engine.module, num_heads, engine.device)
         per_head = torch.zeros(num_heads, device=dev)
         for b, factor in zip(map(functools.partial(batch_to_device, dev=dev), batches), factors):
-            per_head += _scaled(engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
-                                       padding=b.padding)[1], factor) / len(batches)
+            losses = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets, padding=b.padding)[1]
+            per_head += (losses if factor is None else losses * factor) / len(batches)
         return per_head
     finally:
         engine.train()

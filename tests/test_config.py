@@ -252,11 +252,14 @@ def test_a_run_recorded_before_per_token_losses_resumes_as_it_trained(tmp_path):
     with pytest.raises(ValueError, match="recorded before train.calculate_per_token_loss existed: it trained with "
                                          "false; resume with --calculate_per_token_loss false"):
         check_same_run(record, per_token)
-    for one in ({"data_parallel_size": 1, "train": {"gradient_accumulation_steps": 1}},
-                {"train": {"gradient_accumulation_steps": 1}}):  # a record before data_parallel_size: one rank
-        record.write_text(json.dumps(one))
+    record.write_text(json.dumps({"data_parallel_size": 1, "train": {"gradient_accumulation_steps": 1}}))
+    check_same_run(record, {**per_token, "data_parallel_size": 1})
+    check_same_run(record, {**means, "data_parallel_size": 1})
+    # a record from before data_parallel_size (2026-12-01) may have run on several ranks
+    record.write_text(json.dumps({"train": {"gradient_accumulation_steps": 1}}))
+    check_same_run(record, {**means, "data_parallel_size": 1})
+    with pytest.raises(ValueError, match="it trained with false"):
         check_same_run(record, {**per_token, "data_parallel_size": 1})
-        check_same_run(record, {**means, "data_parallel_size": 1})
     record.write_text(json.dumps({"train": {"gradient_accumulation_steps": 4}}))
     with pytest.raises(ValueError, match="it trained with false"):
         check_same_run(record, {**per_token, "data_parallel_size": 1, "train": {**per_token["train"],

@@ -420,6 +420,13 @@ def test_a_bf16_checkpoint_resumes_exactly(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def uneven_batches() -> list:
+    """Two micro-batches of 4 rows, the second masking at most 2 positions a row."""
+    first, second = batches(2)
+    kept = second.labels.ge(0).cumsum(1).le(2)
+    return [first, host_batch(second.input_ids, second.labels.where(kept, IGNORE_INDEX))]
+
+
 def gradients_and_losses(monkeypatch, updates: list[list], per_token: bool) -> tuple[list[dict], list[float]]:
     """The gradients each optimizer step of MODEL is given, and the logged losses, over `updates`
     (each a list of micro-batches: the accumulation is its length), the weights never moving."""
@@ -454,9 +461,7 @@ def test_a_per_token_update_is_the_same_however_it_is_split(monkeypatch):
     """calculate_per_token_loss (the default): an update of two micro-batches that mask m1 and m2
     positions has the gradient and loss of one micro-batch of all their rows: each micro-batch's
     weighted m_i / (m1 + m2), by hand; as the mean of their means (false) it has not."""
-    first, second = batches(2)
-    kept = second.labels.ge(0).cumsum(1).le(2)  # the second masks at most 2 positions a row
-    bs = [first, host_batch(second.input_ids, second.labels.where(kept, IGNORE_INDEX))]
+    bs = uneven_batches()
     m1, m2 = (len(b.targets) for b in bs)
     assert m1 > 2 * m2 > 0  # else the two weightings would nearly agree
     merged = host_batch(torch.cat([b.input_ids for b in bs]), torch.cat([b.labels for b in bs]))
@@ -470,6 +475,30 @@ def test_a_per_token_update_is_the_same_however_it_is_split(monkeypatch):
     (old,), (old_loss,) = gradients_and_losses(monkeypatch, [bs], per_token=False)
     assert not torch.allclose(old["layers.0.qkv.weight"], whole["layers.0.qkv.weight"], rtol=1e-4)
     assert old_loss != pytest.approx(losses[3], rel=1e-4)
+
+
+def test_per_token_updates_log_each_replay_texts_loss_per_scored_piece():
+    """With replay (its rows first in a micro-batch: the split), the two texts' logged (loss sum,
+    count) pairs are not weighted by the loss factors: over two micro-batches of uneven counts
+    their ratios are each text's loss per scored piece, as one micro-batch of all the rows logs
+    them (weighted, each micro-batch's would count by its scored positions twice)."""
+    from mmadapt.microbatch import merged
+
+    bs = uneven_batches()
+    micro = [(b.input_ids, b.labels, 2) for b in bs]  # 2 replay rows of 4 in each
+    (ids, labels, rows), = merged(micro, 2)
+    logged = []
+    for update in ([host_batch(*m[:2], replay_rows=2) for m in micro], [host_batch(ids, labels, replay_rows=rows)]):
+        train = dataclasses.replace(train_config(0.0), gradient_accumulation_steps=len(update))
+        init_parallel(1, 1)
+        torch.manual_seed(0)
+        engine, _, _ = lm_engine(get_family(MODEL), MODEL, train,
+                                 for_replicas(load_ds_config(REPO / "ds_configs" / "zero1.json", train), 1))
+        logged.append(lm_step(engine, update, 1 + 4))
+    two, one = logged
+    assert two[0].item() == pytest.approx(one[0].item(), rel=1e-5)  # the update's loss
+    for text in (1, 3):  # source, then target: sum / count
+        assert (two[text] / two[text + 1]).item() == pytest.approx((one[text] / one[text + 1]).item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("config", ["zero2.json", "zero1_bf16.json"])

@@ -39,22 +39,33 @@ class ScoredQueue:
     def init_queue(self) -> None:
         self.pending: collections.deque = collections.deque()
         self.head_losses: list[torch.Tensor] = []
-        self.factor = None
+        self.factor, self.split = None, None
 
     @torch.compiler.disable
     def next_scored(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int | None]:
         masked_index, targets, split, self.factor = (self.pending.popleft() if self.pending else
                                                      (*masked_positions(labels), None, None))
+        self.split = split
         return masked_index, targets, split
 
     @torch.compiler.disable
     def record(self, loss: torch.Tensor, per_head: torch.Tensor) -> torch.Tensor:
         """The micro-batch's loss for DeepSpeed's backward, its per-head losses kept for logging,
-        both times its factor (as train.lm_step scales them off a pipeline)."""
+        both times its factor (as train.lm_step scales them off a pipeline: `scaled_losses`)."""
         if self.factor is not None:
-            loss, per_head = loss * self.factor, per_head * self.factor
+            loss, per_head = loss * self.factor, scaled_losses(per_head, self.factor, self.split)
         self.head_losses.append(per_head)
         return loss
+
+
+def scaled_losses(per_head: torch.Tensor, factor, split: int | None) -> torch.Tensor:
+    """A micro-batch's logged losses times its loss factor (train.per_token_factors), but for a
+    replay split's (loss sum, count) pairs (layers.split_sums), which stay as they are: added
+    over micro-batches and ranks, their ratio is the loss per scored piece of each text (scaled,
+    it would weigh each micro-batch by its scored count a second time)."""
+    if split is None:
+        return per_head * factor
+    return torch.cat([per_head[:-4] * factor, per_head[-4:]])
 
 
 def set_host_batches(pipe: torch.nn.Module, padding: list[Padding], masked: list[tuple]) -> None:
