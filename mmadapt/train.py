@@ -339,7 +339,8 @@ def _prepared(batches: list) -> list[HostBatch]:
     return [b if isinstance(b, HostBatch) else host_batch(*b) for b in batches]
 
 
-def per_token_factors(batches: list[HostBatch], dev: torch.device) -> list[float | torch.Tensor | None]:
+def per_token_factors(batches: list[HostBatch], dev: torch.device,
+                      per_token: bool = True) -> list[float | torch.Tensor | None]:
     """Each micro-batch's factor on its loss (a mean over its m scored positions) that makes the
     update's gradient a mean over every scored position of the update, on every data-parallel
     rank (TrainConfig.calculate_per_token_loss): m x n x dp / M, M the update's scored positions
@@ -349,8 +350,10 @@ def per_token_factors(batches: list[HostBatch], dev: torch.device) -> list[float
     positions: the decoder's blocks), so nothing is launched. At DP > 1 M is summed on the device
     over the data-parallel group, never read by the host (no stream sync): device scalars, for
     the decoder too (a rank cannot tell that the others' counts equal its own): a fill, an
-    all-reduce and a few scalar kernels per update."""
+    all-reduce and a few scalar kernels per update. per_token false: every factor None."""
     counts, n, dp = [len(b.targets) for b in batches], len(batches), parallel.dp_world()
+    if not per_token:
+        return [None] * n
     if dp == 1:
         total = max(sum(counts), 1)  # no scored position in the update: every factor 0, no 0/0
         return [None if c * n == total else c * n / total for c in counts]
@@ -384,7 +387,7 @@ def lm_step(engine, batches, num_heads: int, per_token: bool = True) -> torch.Te
     which a position of a micro-batch with few scored positions weighs more."""
     dev = engine.device
     batches = _prepared(batches)
-    factors = per_token_factors(batches, dev) if per_token else [None] * len(batches)
+    factors = per_token_factors(batches, dev, per_token)
     if is_pipeline(engine):
         engine.train_batch(_pipe_batches(engine, batches, dev, factors))
         return take_head_losses(engine.module, num_heads, engine.device)
@@ -393,8 +396,7 @@ def lm_step(engine, batches, num_heads: int, per_token: bool = True) -> torch.Te
         split = {} if b.split is None else {"split": b.split}  # only with replay: a family's forward may not take it
         loss, heads_loss = engine(b.input_ids, masked_index=b.masked_index, targets=b.targets,
                                   padding=b.padding, **split)
-        if factor is not None:
-            loss, heads_loss = loss * factor, scaled_losses(heads_loss, factor, b.split)
+        loss, heads_loss = scaled_losses(loss, heads_loss, factor, b.split)
         backward(engine, with_placeholders(loss, engine.module))
         engine.step()
         # The same sum as from zeros, to the bit (0 + x and x / 1 are x), without their launches
@@ -413,7 +415,7 @@ def lm_eval(engine, batches, num_heads: int, per_token: bool = True) -> torch.Te
     engine.eval()
     try:
         batches = _prepared(batches)
-        factors = per_token_factors(batches, dev) if per_token else [None] * len(batches)
+        factors = per_token_factors(batches, dev, per_token)
         if is_pipeline(engine):
             engine.eval_batch(_pipe_batches(engine, batches, dev, factors), num_micro_batches=len(batches))
             return take_head_losses(engine.module, num_heads, engine.device)
@@ -514,8 +516,8 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         # calculate_per_token_loss the same loss, however the global batch is split into micro-batches and ranks
         valid = lm_batches(family, data_dir, model_cfg, dataclasses.replace(train, score_fraction=1.0), VALID,
                            job.text_layout)
-        valid_batches = [host_batch(*valid.micro_batch(k, j), pin) for k in range(train.eval_iters)
-                         for j in range(train.gradient_accumulation_steps)]  # the same each time
+        valid_batches = [host_batch(*b, pin) for k in range(train.eval_iters)
+                         for b in valid.step_batches(k)]  # the same each time
         evaluate = functools.partial(lm_eval, engine, valid_batches, heads, train.calculate_per_token_loss)
     fill = 0.0 if is_pipeline(engine) or engine.zero_cpu_offload() else train.micro_batch_fill
     memory, rank0, recorded = device_memory(engine.device), parallel.is_rank0(), [None]

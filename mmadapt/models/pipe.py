@@ -52,20 +52,20 @@ class ScoredQueue:
     def record(self, loss: torch.Tensor, per_head: torch.Tensor) -> torch.Tensor:
         """The micro-batch's loss for DeepSpeed's backward, its per-head losses kept for logging,
         both times its factor (as train.lm_step scales them off a pipeline: `scaled_losses`)."""
-        if self.factor is not None:
-            loss, per_head = loss * self.factor, scaled_losses(per_head, self.factor, self.split)
+        loss, per_head = scaled_losses(loss, per_head, self.factor, self.split)
         self.head_losses.append(per_head)
         return loss
 
 
-def scaled_losses(per_head: torch.Tensor, factor, split: int | None) -> torch.Tensor:
-    """A micro-batch's logged losses times its loss factor (train.per_token_factors), but for a
-    replay split's (loss sum, count) pairs (layers.split_sums), which stay as they are: added
-    over micro-batches and ranks, their ratio is the loss per scored piece of each text (scaled,
-    it would weigh each micro-batch by its scored count a second time)."""
-    if split is None:
-        return per_head * factor
-    return torch.cat([per_head[:-4] * factor, per_head[-4:]])
+def scaled_losses(loss: torch.Tensor, per_head: torch.Tensor, factor, split: int | None):
+    """A micro-batch's (loss, logged losses) times its loss factor (train.per_token_factors; None:
+    as they are), but for a replay split's (loss sum, count) pairs (layers.split_sums), which stay
+    as they are: added over micro-batches and ranks, their ratio is the loss per scored piece of
+    each text (scaled, it would weigh each micro-batch by its scored count a second time)."""
+    if factor is None:
+        return loss, per_head
+    logged = per_head * factor if split is None else torch.cat([per_head[:-4] * factor, per_head[-4:]])
+    return loss * factor, logged
 
 
 def set_host_batches(pipe: torch.nn.Module, padding: list[Padding], masked: list[tuple]) -> None:
