@@ -114,11 +114,12 @@ def recorded_defaults() -> dict:
 
 
 # record keys (not config fields) run.json gained later: a run recorded before one is not checked
-# for it (2026-12-01: a Step-3 run's rows then started with <s>, ModelFamily.recorded_framing;
-# 2026-11-27: the fingerprint of the weights Step 1b and fit-head build on, which every load
-# checks where it is recorded, run._built_on)
+# for it (2026-12-03: the rows a Step-3 run trains on, features.Encoded.digest; 2026-12-01: a
+# Step-3 run's rows then started with <s>, ModelFamily.recorded_framing; 2026-11-27: the
+# fingerprint of the weights Step 1b and fit-head build on, which every load checks where it is
+# recorded, run._built_on)
 UNRECORDED_BEFORE = ("data_parallel_size", "task_start", "data_digest", "replay_digest", "data_split", "replay_split",
-                     "frozen_from.fingerprint")
+                     "frozen_from.fingerprint", "task_digest")
 
 
 # config fields whose default is not what a run recorded before the field ran with, and the value
@@ -165,6 +166,10 @@ def check_same_run(run_file: Path, expected: dict) -> None:
             raise ValueError(f"--resume of a changed run: the dataset {which} holds {what} than when {run_file} "
                              "recorded it (prepared again at the same path?); resume with that dataset, or start a "
                              "new --output_dir")
+        if key == "task_digest":
+            raise ValueError(f"--resume of a changed run: the rows of {expected.get('train_file')} (its examples, as "
+                             f"the primary's tokenizer encodes them) are not those {run_file} recorded (the file "
+                             "edited, or the tokenizer replaced?); resume with that data, or start a new --output_dir")
         raise ValueError(f"--resume of a changed run: {key} is {value} here but {saved.get(key)} in {run_file}; "
                          "resume with the run's settings, or start a new --output_dir")
     # A DeepSpeed setting the run had and this --ds_config lacks (bf16 on, then a JSON without it:

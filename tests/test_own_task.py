@@ -13,7 +13,7 @@ import torch
 
 from conftest import REPO, base_args, pretrain_here
 from mmadapt.artifact import write_artifact
-from mmadapt import steps
+from mmadapt import faults, steps
 from mmadapt.cli import finetune_main, finetune_parser, finetune_summary, report_main
 from mmadapt.config import FinetuneConfig, Layout, override
 from mmadapt.corpora import bible_verses
@@ -272,6 +272,36 @@ def test_bad_input_is_one_error_line_and_writes_nothing(fresh_primary, tmp_path,
     assert len(err.splitlines()) == 1, err
     assert not out.exists()
 
+
+
+def test_a_resume_over_an_edited_training_file_is_refused(fresh_primary, tmp_path, capsys):
+    """Stopped at update 1, its file edited (two labels swapped: the same rows, labels and
+    counts, so nothing else recorded differs), --resume is refused in one line and leaves the
+    run as it was; the file restored, it resumes."""
+    init_parallel(1, 1)
+    rows = [("What a fine day", "pos"), ("A grim day", "neg"), ("Light and joy", "pos"), ("Dark and cold", "neg")] * 4
+    def text(rows):
+        return "text,label\n" + "".join(f"{t},{label}\n" for t, label in rows)
+    write(tmp_path / "t.csv", text(rows))
+    out = tmp_path / "run"
+    argv = ["--task", "classify", "--primary", str(fresh_primary), "--train_file", str(tmp_path / "t.csv"),
+            "--seq_length", "32", "--train_micro_batch_size_per_gpu", "4", "--epochs", "1", "--output_dir", str(out),
+            "--ds_config", str(REPO / "ds_configs" / "zero0.json")]
+    assert finetune_main([*argv, "--exit_interval", "1"]) == faults.EXIT_PAUSED
+    record = (out / "run.json").read_text()
+    swapped = {"pos": "neg", "neg": "pos"}
+    edited = [(t, swapped[label] if i < 2 else label) for i, (t, label) in enumerate(rows)]
+    write(tmp_path / "t.csv", text(edited))
+    capsys.readouterr()
+    assert finetune_main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --resume of a changed run: the rows of {tmp_path / 't.csv'} (its examples, as the "
+                   f"primary's tokenizer encodes them) are not those {out / 'run.json'} recorded (the file edited, "
+                   "or the tokenizer replaced?); resume with that data, or start a new --output_dir"), err
+    assert (out / "run.json").read_text() == record
+    write(tmp_path / "t.csv", text(rows))
+    assert finetune_main([*argv, "--resume"]) == 0
+    assert json.loads((out / "run.json").read_text())["updates"] == 4
 
 
 def test_positions_past_the_pretraining_blocks_only_when_allowed(fresh_primary, tmp_path, capsys):
