@@ -144,7 +144,9 @@ def _done(output_dir, what: str) -> None:
 def pretrain_parser() -> argparse.ArgumentParser:
     p = Parser(prog="pretrain", description="Step 1: pretrain a source-language MLM "
                                 "(BL_BASE, BL_SMALL or MINIJOINT) with DeepSpeed.")
-    p.add_argument("--recipe", choices=RECIPES, default="bl_base", help="which of the paper's systems")
+    p.add_argument("--recipe", choices=RECIPES, default="bl_base",
+                   help="which of the paper's systems (bl_small: --mini_layers layers, the mini-model's depth; "
+                        "--num_layers is the primary model's)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model size and schedule")
     _data_args(p, "UTF-8 text, one sentence per line, blank line between documents; or bible:<lang> for "
                "the packaged Bible (e.g. bible:en)")

@@ -754,8 +754,10 @@ def apply_recipe(model: ModelConfig, recipe: str, mini_layers: int | tuple[int, 
     if recipe in ("bl_small", "minijoint"):
         bad = [n for n in mini.mini_layers if not 1 <= n < model.num_layers]
         if bad:
-            raise ValueError(f"mini_layers {bad[0]} must be in 1..{model.num_layers - 1} "
-                             f"for a {model.num_layers}-layer primary model")
+            raise ValueError(f"--mini_layers {bad[0]} must be in 1..{model.num_layers - 1} for a "
+                             f"{model.num_layers}-layer primary model (--num_layers; {recipe} trains --mini_layers "
+                             f"layers{'' if recipe == 'bl_small' else ' under a head'}): pass --mini_layers below "
+                             f"{model.num_layers}, or a deeper --num_layers")
         if list(mini.mini_layers) != sorted(set(mini.mini_layers)):
             raise ValueError(f"mini_layers {' '.join(map(str, mini.mini_layers))} must be ascending without repeats")
     if recipe == "bl_base":

@@ -54,7 +54,7 @@ class RunSpec:
     a dataset prepared by `mmadapt preprocess`; else corpus: raw text (or bible:<lang>), prepared
     into <output_dir>/data by the run, with tokenizer (an existing SentencePiece model; None: one
     trained on the corpus). resume: continue from the newest complete checkpoint. layout: how a
-    later step lays out its source's model (Step 1 sets the whole ModelConfig instead)."""
+    later step lays out its source's model; Step 1 applies it over its ModelConfig."""
     output_dir: Path
     ds_config: Path = DEFAULT_DS_CONFIG
     data_path: Path | None = None

@@ -102,14 +102,19 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
 
 @dataclasses.dataclass
 class Pretrain(StepSpec):
-    """Step 1. model: already shaped by its recipe (config.apply_recipe)."""
+    """Step 1. model: already shaped by its recipe (config.apply_recipe). recipe None: read from
+    the model's heads, as run.json records it and Step 2 reads it: one head, bl_base (the CLI's
+    default; a BL_SMALL run names its recipe); several, minijoint. "custom" records a run that no
+    Step-2 system adapts."""
     name: ClassVar[str] = "pretrain"
     model: ModelConfig
     train: TrainConfig
-    recipe: str = "custom"
+    recipe: str | None = None
 
     def __post_init__(self):
         super().__post_init__()
+        if self.recipe is None:
+            self.recipe = "bl_base" if len(self.model.heads_after) == 1 else "minijoint"
         if self.recipe not in ("custom", *RECIPES):
             raise ValueError(f"recipe must be one of custom, {', '.join(RECIPES)}, got {self.recipe!r}")
         heads = self.model.heads_after  # (one outside the layers: the model's own check says so, later)
@@ -125,12 +130,13 @@ class Pretrain(StepSpec):
 
 
 def pretrain(run: RunSpec, step: Pretrain) -> list[dict]:
-    """Step 1. Returns the metrics rows of this invocation (global rank 0; empty elsewhere)."""
+    """Step 1. Returns the metrics rows of this invocation (global rank 0; empty elsewhere).
+    run.layout's fields set, where given, the model's (as the later steps' do their source's)."""
     run = run.with_corpus_resolved()
-    identity = {"recipe": step.recipe}
-    with start_run(run, step.model, step.train, identity, TextData()) as started:
-        init = _output_bias_start(started.family, step.model, started.data)
-        return train_lm(started, run, step.model, step.train, init_state=init)
+    identity, model = {"recipe": step.recipe}, run.layout.apply(step.model)
+    with start_run(run, model, step.train, identity, TextData()) as started:
+        init = _output_bias_start(started.family, model, started.data)
+        return train_lm(started, run, model, step.train, init_state=init)
 
 
 def _output_bias_start(family: ModelFamily, model: ModelConfig, data_path: Path) -> dict | None:

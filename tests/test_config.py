@@ -73,6 +73,24 @@ def test_num_layers_flag_sets_the_primary_depth_before_the_recipe():
     small = cfg("--recipe", "bl_small", "--num_layers", "24", "--mini_layers", "3")
     assert (small.num_layers, small.head_layers) == (3, (3,))
     assert cfg("--recipe", "minijoint", "--head_layers", "2", "12").head_layers == (2, 12)
+    # bl_small trains --mini_layers layers: a primary no deeper than them says which flag moves
+    with pytest.raises(ValueError, match=r"^--mini_layers 4 must be in 1\.\.3 for a 4-layer primary model "
+                       r"\(--num_layers; bl_small trains --mini_layers layers\): pass --mini_layers below 4, or a "
+                       r"deeper --num_layers$"):
+        cfg("--recipe", "bl_small", "--num_layers", "4")
+
+
+def test_a_python_step_1_records_the_recipe_its_heads_make():
+    """Without a recipe, Pretrain records the one its model's heads make (the CLI's default is
+    bl_base): a run Step 2 adapts, not "custom", which no system does."""
+    from mmadapt import steps
+
+    tiny = PRESETS["tiny"][0]
+    for recipe in ("bl_base", "minijoint"):
+        assert steps.Pretrain(model=apply_recipe(tiny, recipe), train=TrainConfig()).recipe == recipe
+    small = apply_recipe(tiny, "bl_small")
+    assert steps.Pretrain(model=small, train=TrainConfig(), recipe="bl_small").recipe == "bl_small"
+    assert steps.Pretrain(model=small, train=TrainConfig(), recipe="custom").recipe == "custom"
 
 
 # --- every field's bounds, declared once (issue 41) --------------------------------------------------

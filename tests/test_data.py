@@ -514,7 +514,7 @@ def test_validation_loss_every_eval_interval_leaves_training_unchanged(prepared,
     import dataclasses
 
     from conftest import REPO
-    from mmadapt.config import apply_recipe
+    from mmadapt.config import Layout, apply_recipe
     from mmadapt.models import PRESETS
     from mmadapt import steps
     from mmadapt.parallel import init_parallel
@@ -541,6 +541,14 @@ def test_validation_loss_every_eval_interval_leaves_training_unchanged(prepared,
         steps.pretrain(run=RunSpec(output_dir=tmp_path / "x", ds_config=REPO / "ds_configs" / "zero0.json",
                                    corpus=corpus, tokenizer=tokenizer),  # raw text
                        step=steps.Pretrain(model=model, train=dataclasses.replace(train, eval_interval=2)))
+    # RunSpec.layout lays Step 1's model out as it does a later step's source model
+    laid = RunSpec(output_dir=tmp_path / "laid", ds_config=REPO / "ds_configs" / "zero0.json", data_path=prepared[1][1],
+                   layout=Layout(hidden_dropout=0.0, attention_dropout=0.0))
+    steps.pretrain(run=laid, step=steps.Pretrain(model=model, train=dataclasses.replace(train, train_iters=1)))
+    recorded = json.loads((tmp_path / "laid" / "run.json").read_text())
+    assert (recorded["model"]["hidden_dropout"], recorded["model"]["attention_dropout"]) == (0.0, 0.0) != (
+        model.hidden_dropout, model.attention_dropout)
+    assert recorded["recipe"] == "minijoint"
 
 
 def test_validation_loss_is_the_same_however_the_global_batch_is_split(prepared, tmp_path):
