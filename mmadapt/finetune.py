@@ -26,7 +26,7 @@ from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, Framing
 from mmadapt.run import RUN_FILE, RunSpec, Source, pretrained_blocks, require_kind, run_text_layout
-from mmadapt.tasks import Task, check_chunk_tags, encode, headline, label_names, read_examples
+from mmadapt.tasks import Task, check_chunk_tags, check_task_fields, encode, headline, label_names, read_examples
 from mmadapt.tokens import IGNORE_INDEX
 from mmadapt.tokenizer import load as load_tokenizer
 
@@ -91,6 +91,7 @@ class TaskData:
     plan: TaskPlan | None = dataclasses.field(default=None, init=False)
 
     def check(self, run: RunSpec, model: ModelConfig, cfg: FinetuneConfig, family: ModelFamily) -> dict:
+        check_task_fields(self.task, cfg)
         examples = read_examples(self.task, self.train_file, self.source_lang, "train", cfg)
         labels = label_names(self.task, examples)
         check_chunk_tags(self.task, labels, self.train_file)

@@ -105,6 +105,24 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
+# FinetuneConfig fields only some tasks read: QA's windows and answers; your own files' columns
+SPAN_FIELDS = ("doc_stride", "max_query_length", "max_answer_length")
+COLUMN_FIELDS = ("text_column", "text_pair_column", "label_column")
+
+
+def check_task_fields(task: Task, cfg: FinetuneConfig) -> None:
+    """Refuse, in one line, a field set away from its default that `task` never reads (before,
+    `--task xnli --label_column gold_label` trained with the flag dropped unsaid)."""
+    defaults = FinetuneConfig()
+    for name in SPAN_FIELDS:
+        if task.kind != "span" and getattr(cfg, name) != getattr(defaults, name):
+            raise ValueError(f"--{name} is for question answering (xquad, mlqa), which {task.name} is not: drop it")
+    for name in COLUMN_FIELDS:
+        if not task.own and getattr(cfg, name) is not None:
+            raise ValueError(f"--{name} names a column of your own data (--task classify, pair or tag); "
+                             f"{task.name} reads its files in their own format: drop it")
+
+
 def read_examples(task: Task, spec: str, lang: str, split: str, cfg: FinetuneConfig | None = None,
                   labels: list[str] | None = None) -> list:
     """A task's examples from a file (or 'bible' for bible-genre); `{lang}` in the path is

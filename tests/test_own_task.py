@@ -255,9 +255,15 @@ GOOD = "text,label\nWhat a fine day,pos\nA grim day,neg\n"
      [], "e.jsonl has the label 'I-Y', which the model was not trained on (its labels: B-X)"),
     ("classify", ("t.csv", GOOD), None, ["--seq_length", "128"],
      "--seq_length 128 is longer than the 64-piece blocks"),
+    ("xnli", ("t.tsv", GOOD), None, ["--label_column", "gold_label"],
+     "--label_column names a column of your own data (--task classify, pair or tag); xnli reads its files in their "
+     "own format: drop it"),
+    ("classify", ("t.csv", GOOD), None, ["--doc_stride", "64"],
+     "--doc_stride is for question answering (xquad, mlqa), which classify is not: drop it"),
 ], ids=["missing_column", "unseen_eval_label", "empty_text", "empty_second_text", "no_rows", "empty_jsonl",
         "mixed_label_types", "unknown_extension", "no_label", "float_label", "bad_json_line", "pair_column_for_classify",
-        "metric_for_kind", "tags_per_token", "unseen_eval_tag", "seq_length_past_pretraining"])
+        "metric_for_kind", "tags_per_token", "unseen_eval_tag", "seq_length_past_pretraining", "column_for_a_known_task",
+        "qa_field_for_classify"])
 def test_bad_input_is_one_error_line_and_writes_nothing(fresh_primary, tmp_path, capsys, task, train, evaluation,
                                                          extra, message):
     paths = []
