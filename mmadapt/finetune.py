@@ -111,7 +111,8 @@ class TaskData:
         self.plan = TaskPlan(labels, metric, enc, eval_examples, positions, updates, global_batch)
         return {"task": self.task.name, "labels": labels, "metric": self.plan.metric, "source_lang": self.source_lang,
                 "train_file": self.train_file, "train_examples": len(examples), "train_rows": len(enc),
-                "task_digest": enc.digest(), "updates": updates, "global_batch": global_batch, "task_start": list(framing.start)}
+                "task_digest": enc.digest(), "updates": updates, "global_batch": global_batch,
+                "task_start": list(framing.start)}
 
     def framing(self, run: RunSpec, family: ModelFamily) -> Framing:
         """How this run's rows are laid out: as the primary model read text in training
