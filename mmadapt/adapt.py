@@ -132,12 +132,14 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         # today's default (a run recorded before rules were, with a checkpoint: the rule of then,
         # StartRule.recorded; with none, it starts anew). A --resume into a directory with no
         # record yet (launch/slurm/adapt.sbatch's first launch, or a requeue before train_lm wrote
-        # it) starts anew as well.
+        # it) starts anew as well. Rank 0 reads it for every rank: a node's cached view of a shared
+        # file system could start its ranks by another rule.
         rule = StartRule()
-        if plan.run.resume and started.record.exists():
+        if parallel.is_rank0() and plan.run.resume and started.record.exists():
             record = started.record.read()
             if "start_rule" in record or checkpoint.latest_tag(plan.run.output_dir / "checkpoints") is not None:
                 rule = StartRule.recorded(record)
+        rule = parallel.object_from_rank0(rule)
         start = Step2Start.build(plan.source, plan.body, step, tokenizer, started.data, rule)
         check_same_source(plan.run, {"source_fingerprint": lambda: start.source_fingerprint}, plan.source.path)
         if parallel.is_rank0():
