@@ -756,6 +756,7 @@ class Unchecked:
 
 _FINITE = 2**62  # Unchecked.first_nonfinite's value while every loss has been finite
 LOG_WINDOW = "log_window"  # a checkpoint's client state: the updates since the last log line (train_loop)
+SKIPPED_IN_A_ROW = "skipped_in_a_row"  # a checkpoint's client state: fp16 steps skipped in a row before it
 
 
 @dataclasses.dataclass
@@ -804,11 +805,14 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     is_pipe = is_pipeline(engine)
     ckpt_dir = run_dir / "checkpoints"
     start = position = 0
-    rows, since, loss_sum, resumed = [], 0, None, None
+    rows, since, loss_sum, resumed, skipped = [], 0, None, None, 0
     if resume:
         state = checkpoint.resume(engine, ckpt_dir, strict=not job.exclude_frozen)
         if state is not None:
             start, position = state["step"], state.get("position", state["step"])
+            # fp16 steps skipped in a row just before the save (a stop's save after skips): they
+            # count toward max_skipped_steps as in the uninterrupted run
+            skipped = state.get(SKIPPED_IN_A_ROW, 0)
             resumed = checkpoint.tag_for(start)
             # A stop between two log lines: the updates of that log window before it, so that the
             # next line averages the same updates as the uninterrupted run's (ranks that compute
@@ -826,7 +830,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     # throughput's (those seconds are not an update's)
     timed, t_last, t_aside = 0, time.perf_counter(), 0.0
     unchecked = Unchecked()
-    done, skipped, saved = start, 0, resumed
+    done, saved = start, resumed
 
     def check_finite() -> None:
         first = unchecked.first_nonfinite(engine.device)
@@ -840,7 +844,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
         # the log window's updates so far, averaged over ranks as its line will be (collective)
         window = ({"since": since, "loss_sum": mean_over_ranks(loss_sum, is_pipe).tolist()}
                   if since and loss_sum is not None else None)
-        tag = checkpoint.save(engine, ckpt_dir, done, {**job.client_state, "position": position, LOG_WINDOW: window},
+        tag = checkpoint.save(engine, ckpt_dir, done, {**job.client_state, "position": position, LOG_WINDOW: window,
+                                                       SKIPPED_IN_A_ROW: skipped},
                               job.names, exclude_frozen=job.exclude_frozen, keep_last=loop.keep_last)
         failed = None
         if rank0 and job.after_save is not None:

@@ -214,6 +214,32 @@ def test_consecutive_skipped_steps_are_a_divergence(tmp_path):
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
+def test_steps_skipped_before_a_stop_still_count_after_its_resume(tmp_path, monkeypatch):
+    """A stop after two skipped fp16 steps saves at the update before them, their batches
+    consumed; the resumed run counts them: its third skip in a row is the fifth, a divergence
+    at max_skipped_steps 4, as in one run."""
+    engine, positions = FakeEngine(), []
+
+    def step(position):
+        positions.append(position)
+        engine.applied = position < 2
+        if position == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the stop request arrives during update 3's second skip
+        return torch.tensor([1.0])
+
+    with pytest.raises(faults.Stopped):
+        _loop(tmp_path, engine, step, max_skipped_steps=4)
+    saved = json.loads((tmp_path / "checkpoints" / "step00000002" / "client.json").read_text())
+    assert (saved["step"], saved["position"], saved["skipped_in_a_row"]) == (2, 4, 2)
+    monkeypatch.setattr(engine_module.checkpoint, "resume", lambda engine, ckpt_dir, strict: saved)
+    positions.clear()
+    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False)
+    with pytest.raises(faults.Diverged, match="5 optimizer steps in a row were skipped .*after update 2"):
+        train_loop(engine, step, job, TrainConfig(log_interval=1, save_interval=10**6, max_skipped_steps=4), 10**6,
+                   run_dir=tmp_path, resume=True)
+    assert positions == [4, 5, 6]
+
+
 def test_skipped_steps_do_not_count_as_updates(tmp_path):
     engine = FakeEngine()
     losses = {0: 1.0, 1: 100.0, 2: 2.0, 3: 100.0, 4: 100.0, 5: 3.0}
