@@ -118,6 +118,10 @@ def test_closed_forms():
     assert layer_linear_flops(mha, s) == 24 * s * h * h
     assert pretrain_flops(mha, s) == pytest.approx(72 * s * l * h * h * (1 + s / (6 * h) + V / (12 * h * l)))
     assert adapt_flops(mha, s) == pytest.approx(48 * s * l * h * h * (1 + s / (4 * h) + V / (8 * h * l)))
+    # the paper's counts (every artifact's flops_paper, report's eflops_paper): a frozen layer's
+    # backward as its forward, attention included (A3); MINIPOST's 2 l_t - 1 layers (A4)
+    assert adapt_flops(mha, s, paper=True) == pytest.approx(48 * s * l * h * h * (1 + s / (6 * h) + V / (8 * h * l)))
+    assert minipost_flops(mha, s, 2, paper=True) == forward_flops(mha, s) + head_flops(mha, s) + 3 * layer_flops(mha, s)
     # Qwen2-0.5B: g = 2 / 14 of the key/value projections, f = 4864.
     q = QWEN2_0_5B
     h, f, g = q.hidden_size, q.ffn_hidden_size, 2 / 14
