@@ -636,6 +636,7 @@ def scored_positions(seq_length: int, score_fraction: float) -> int:
 # FinetuneConfig's text_column, text_pair_column and label_column are unset.
 OWN_TASK_COLUMNS = {"classify": ("text", None, "label"), "pair": ("sentence1", "sentence2", "label"),
                     "tag": ("tokens", None, "tags")}
+COLUMN_FIELDS = ("text_column", "text_pair_column", "label_column")  # in OWN_TASK_COLUMNS' order
 
 
 def _own_default(i: int) -> str:

@@ -22,7 +22,6 @@ spaces.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 import numpy as np
 import torch
@@ -70,16 +69,11 @@ class Encoded:
         encoding has them, else nothing (a family without token types is never given any)."""
         return {} if self.token_types is None else {"token_types": self.token_types[index]}
 
-    def digest(self) -> str:
-        """What a Step-3 run trains on: its rows, labels and token types in order (not the span
-        windows' offsets, which only scoring reads). run.json records it, so that a --resume
-        refuses a training file edited in between, or a primary whose tokenizer was replaced."""
-        h = hashlib.sha256()
-        for t in (self.input_ids, self.labels, self.token_types):
-            if t is not None:
-                h.update(str(tuple(t.shape)).encode())
-                h.update(t.contiguous().numpy().tobytes())
-        return h.hexdigest()[:32]
+    def trained(self) -> dict[str, torch.Tensor]:
+        """What a Step-3 run trains on: its rows, labels and token types (not the span windows'
+        offsets, which only scoring reads)."""
+        return {"input_ids": self.input_ids, "labels": self.labels,
+                **({} if self.token_types is None else {"token_types": self.token_types})}
 
 
 def _pad(rows: list[list[int]], seq_length: int, fill: int = PAD_ID) -> torch.Tensor:

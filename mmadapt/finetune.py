@@ -25,7 +25,7 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, Framing
-from mmadapt.run import RUN_FILE, RunSpec, Source, pretrained_blocks, require_kind, run_text_layout
+from mmadapt.run import RUN_FILE, RunSpec, Source, pretrained_blocks, require_kind, run_text_layout, weights_fingerprint
 from mmadapt.tasks import Task, check_chunk_tags, check_task_fields, encode, headline, label_names, read_examples
 from mmadapt.tokens import IGNORE_INDEX
 from mmadapt.tokenizer import load as load_tokenizer
@@ -111,7 +111,7 @@ class TaskData:
         self.plan = TaskPlan(labels, metric, enc, eval_examples, positions, updates, global_batch)
         return {"task": self.task.name, "labels": labels, "metric": self.plan.metric, "source_lang": self.source_lang,
                 "train_file": self.train_file, "train_examples": len(examples), "train_rows": len(enc),
-                "task_digest": enc.digest(), "updates": updates, "global_batch": global_batch,
+                "task_digest": weights_fingerprint(enc.trained()), "updates": updates, "global_batch": global_batch,
                 "task_start": list(framing.start)}
 
     def framing(self, run: RunSpec, family: ModelFamily) -> Framing:

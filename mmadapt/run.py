@@ -114,7 +114,7 @@ def recorded_defaults() -> dict:
 
 
 # record keys (not config fields) run.json gained later: a run recorded before one is not checked
-# for it (2026-12-03: the rows a Step-3 run trains on, features.Encoded.digest; 2026-12-01: a
+# for it (2026-12-03: the rows a Step-3 run trains on, features.Encoded.trained; 2026-12-01: a
 # Step-3 run's rows then started with <s>, ModelFamily.recorded_framing; 2026-11-27: the
 # fingerprint of the weights Step 1b and fit-head build on, which every load checks where it is
 # recorded, run._built_on)

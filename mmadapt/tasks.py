@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from mmadapt.config import OWN_TASK_COLUMNS, FinetuneConfig
+from mmadapt.config import COLUMN_FIELDS, OWN_TASK_COLUMNS, FinetuneConfig
 from mmadapt.corpora import (GENRE_TEST_PER_CLASS, GENRE_TRAIN_PER_CLASS, TESTAMENT_TEST_PER_CLASS,
                              TESTAMENT_TRAIN_PER_CLASS, genre_examples, testament_examples)
 from mmadapt.features import (Encoded, Framing, best_spans, chunk_f1, encode_classify, encode_span, encode_tag, is_bio,
@@ -48,8 +48,7 @@ def _read_own(name: str) -> Callable:
     def read(path: str, lang: str, split: str, cfg: FinetuneConfig):
         if cfg.text_pair_column is not None and defaults[1] is None:
             raise ValueError(f"--text_pair_column is for --task pair, not {name}")
-        given = dict(zip(("text_column", "text_pair_column", "label_column"),
-                         (cfg.text_column, cfg.text_pair_column, cfg.label_column)))
+        given = {flag: getattr(cfg, flag) for flag in COLUMN_FIELDS}
         needed = [flag for flag, default in zip(given, defaults) if default is not None]
         numbered = [flag for flag in needed if given[flag] is not None and given[flag].isdigit()]
         if numbered and len(numbered) < len(needed):
@@ -105,9 +104,8 @@ def get_task(name: str) -> Task:
     return TASKS[name]
 
 
-# FinetuneConfig fields only some tasks read: QA's windows and answers; your own files' columns
+# FinetuneConfig fields only QA reads (your own files' columns: config.COLUMN_FIELDS)
 SPAN_FIELDS = ("doc_stride", "max_query_length", "max_answer_length")
-COLUMN_FIELDS = ("text_column", "text_pair_column", "label_column")
 
 
 def check_task_fields(task: Task, cfg: FinetuneConfig) -> None:
