@@ -335,7 +335,10 @@ class Sleeper:
             open(path, "w").write(str(os.getpid()))
             while stop.reason is None:
                 time.sleep(0.05)
-        open(path + ".stopped", "w").write(stop.reason)
+            # written while the request holds SIGTERM: the kernel sends the parent-death signal
+            # again as each thread of the killed demo exits, and one after the block (SIGTERM's
+            # default action again) could kill this worker between creating the file and writing it
+            open(path + ".stopped", "w").write(stop.reason)
         raise faults.Stopped(0, "step00000000", stop.reason)
 
 if __name__ == "__main__":
