@@ -381,9 +381,22 @@ def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | N
     except ValueError:
         raise
     except Exception as e:
-        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise ValueError(f"checkpoint {ckpt_dir / chosen} cannot be read ({reason}): move it aside to resume "
-                         "from the one before it") from None
+        raise ValueError(unreadable(ckpt_dir / chosen, e)) from None
+
+
+def unreadable(tag_dir: Path, e: BaseException) -> str:
+    """The line for a complete, intact-sized checkpoint that failed to load with `e`: moving it
+    aside (to resume from the one before it) is the fix for damaged content only, not for a
+    shortage of memory or a file system that failed to read it, where the checkpoint is good."""
+    reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return (f"checkpoint {tag_dir} cannot be read: out of memory ({reason}): free memory (fewer processes per "
+                "node, a larger node) and resume again; the checkpoint is kept")
+    if isinstance(e, OSError):
+        return (f"checkpoint {tag_dir} cannot be read ({reason}): the file system failed to read it, its files "
+                "have the sizes they were saved with: resume again once it reads; move it aside only if it is "
+                "damaged (then the one before it is resumed)")
+    return f"checkpoint {tag_dir} cannot be read ({reason}): move it aside to resume from the one before it"
 
 
 def load(engine, ckpt_dir: str | os.PathLike, tag: str, strict: bool = True) -> dict:

@@ -608,3 +608,31 @@ def test_an_error_after_a_checkpoint_reaches_the_loop_that_saved(tmp_path):
         train_loop(FakeEngine(), lambda position: torch.tensor([1.0]), job,
                    TrainConfig(log_interval=1, save_interval=2), 4, run_dir=tmp_path, resume=False)
     assert (tmp_path / "checkpoints" / "step00000002" / "COMPLETE").is_file()
+
+
+@pytest.mark.parametrize("error, says, aside", [
+    (RuntimeError("unpickling stack underflow"), "(unpickling stack underflow): move it aside", True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "out of memory", False),
+    (PermissionError(13, "Permission denied"), "the file system failed to read it", False),
+])
+def test_a_checkpoint_that_fails_to_load_is_moved_aside_only_for_damage(tmp_path, monkeypatch, error, says, aside):
+    """checkpoint.resume: a complete tag whose files have their saved sizes but that fails to load.
+    Damaged content: move it aside (the one before it is resumed). Out of memory or a file system
+    that failed to read it: the checkpoint is good, and moving it aside would throw its updates
+    away: the line says to resume again, and the tag is left where it is."""
+    from mmadapt import checkpoint
+
+    tag = tmp_path / "step00000002"
+    tag.mkdir()
+    (tag / "COMPLETE").write_text(json.dumps({"files": {}}))
+
+    def load(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(checkpoint, "load", load)
+    with pytest.raises(ValueError) as e:
+        checkpoint.resume(None, tmp_path)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"checkpoint {tag} cannot be read") and says in line
+    assert ("move it aside to resume" in line) is aside and ("resume again" in line) is not aside
+    assert tag.is_dir()
