@@ -180,6 +180,39 @@ def artifact_primary(meta: dict) -> Path:
     return Path(run["frozen_from"]["run_dir"]) if run.get("step") == "minipost" else src
 
 
+def artifact_primary_tag(meta: dict) -> str | None:
+    """The checkpoint of artifact_primary(meta) that the embeddings were trained for: the Step-2
+    source's (meta `source_tag`), or for MINIPOST the one its mini-model was built from. A later
+    step that reads the primary model reads that one, not the run's newest (a source run trains on
+    after its Step 2 read it, and `adapt --source_tag` picks an older one). None: an artifact from
+    before tags were recorded."""
+    src = Path(meta["source"])
+    run = json.loads((src / RUN_FILE).read_text()) if (src / RUN_FILE).is_file() else {}
+    if run.get("step") == "minipost":
+        return run["frozen_from"].get("tag")
+    return meta.get("source_tag")
+
+
+def trained_for(run_dir: Path, metas) -> str | None:
+    """The checkpoint of the run `run_dir` that the artifacts of meta.json `metas` were trained
+    over (their Step-2 source's, meta `source_tag`) or for (their primary model's,
+    artifact_primary_tag), where the run still holds it complete; refused where they name
+    several. None: none names one that is there (the newest is read, and its weights checked
+    against theirs)."""
+    run_dir = Path(run_dir).resolve()
+
+    def tag(meta: dict) -> str | None:
+        if Path(meta["source"]).resolve() == run_dir:
+            return meta.get("source_tag")
+        return artifact_primary_tag(meta) if artifact_primary(meta).resolve() == run_dir else None
+    tags = {tag(m) for m in metas} - {None}
+    if len(tags) > 1:
+        raise ValueError(f"the embeddings were trained for checkpoints {', '.join(sorted(tags))} of {run_dir}: score "
+                         "those of each checkpoint apart")
+    tag = next(iter(tags), None)
+    return tag if tag in checkpoint.complete_tags(run_dir / "checkpoints") else None
+
+
 def primary_changed(meta: dict, weights: dict[str, torch.Tensor]) -> bool:
     """Whether the primary model's `weights`, read now, differ from those Step 2 recorded in an
     artifact's `meta`: by their sampled fingerprint where it recorded one (run.sampled_fingerprint:
@@ -201,9 +234,11 @@ def check_primary_unchanged(path: Path, meta: dict, *, recorded: str | None = No
     else:
         changed = bool(recorded and meta.get("primary_fingerprint") and recorded != meta["primary_fingerprint"])
     if changed:
+        tag = artifact_primary_tag(meta)
         raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)} as its weights were "
-                         "when Step 2 ran, and they have changed since (other weights under the same path): restore "
-                         "that checkpoint, or train Step 2 again over the model as it is")
+                         f"when Step 2 ran{f' (its checkpoint {tag})' if tag else ''}, and they have changed since "
+                         "(other weights under the same path): restore that checkpoint, or train Step 2 again over "
+                         "the model as it is")
 
 
 @dataclass(frozen=True)

@@ -521,7 +521,8 @@ def predict_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write the JSON Lines here (must not exist yet; default: stdout)")
     p.add_argument("--top_k", type=whole_number(1),
                    help=f"language models: pieces listed per position (default: {predict.TOP_K})")
-    p.add_argument("--tag", help="a language model's checkpoint (default: the newest complete one)")
+    p.add_argument("--tag", help="a language model's checkpoint (default: with --embeddings, the one they were "
+                   "trained over or for where the run holds it; else the newest complete one)")
     p.add_argument("--device", help="cpu or cuda[:i] (default: the GPU if there is one)")
     return p
 

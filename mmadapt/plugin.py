@@ -33,7 +33,7 @@ from pathlib import Path
 from mmadapt import checkpoint
 from mmadapt.adapt import AdaptEmbeddings, StartRule, Step2Start, body_config
 from mmadapt.artifact import (ARTIFACT_FILE, PrimaryRef, artifact_dirs, artifact_primary, artifact_primary_ref,
-                              read_artifact, record_base, swap_key)
+                              check_primary_unchanged, read_artifact, record_base, swap_key, trained_for)
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, ByteScorer
 from mmadapt.checkpoint import tag_for
 from mmadapt.data import TOKENIZER, file_sha256, read_manifest
@@ -83,7 +83,11 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     positions. graft: the artifacts were trained over a base model of which `primary_run` is a
     fine-tuned sibling (graft.check_once). An artifact that swaps in what an
     earlier one did (artifact.swap_key: each run's start is its update-0 artifact) is scored once."""
-    primary = Primary.read(primary_run)
+    paths = artifact_dirs(adapt_runs)
+    metas = [checkpoint.read_json(path / "meta.json", "Step-2 artifact file") for path in paths]
+    # the primary's checkpoint the artifacts were trained for, not its newest (adapt --source_tag, a
+    # source trained on since): a graft's primary is a sibling, whose checkpoints are its own
+    primary = Primary.read(primary_run, None if graft else trained_for(Path(primary_run), metas))
     siblings: set[tuple] = set()  # graft.check_once's keys of the artifacts checked
     # Artifacts name their primary model by its weights' fingerprint (older ones by path).
     ref = PrimaryRef(Path(primary_run), primary.fingerprint)
@@ -91,14 +95,14 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     per_byte = ByteScorer(scorer, seq_length, bpb_bytes, bpb_batch_tokens)
     held = {}  # per language: the held-out set
     starts: dict[Path, tuple[float, float]] = {}
-    paths = artifact_dirs(adapt_runs)
     prepared: set[str] = set()  # the languages whose dataset was checked to be one
-    for path in paths:  # every refusal before any scoring (and before the progress bar)
-        meta = checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
+    for path, meta in zip(paths, metas):  # every refusal before any scoring (and before the progress bar)
         if graft and artifact_primary_ref(meta).same(ref):
             raise not_a_graft(path, primary_run)
         if not artifact_primary_ref(meta).same(ref):
             base = artifact_primary(meta).resolve()
+            if base == Path(primary_run).resolve():  # that run, with other weights than Step 2 read
+                check_primary_unchanged(path, meta, recorded=primary.fingerprint)
             if not graft or base == Path(primary_run).resolve():
                 raise ValueError(f"{path} holds embeddings for the primary model {artifact_primary(meta)}, not "
                                  f"{primary_run}" + (" (their weights differ)" if meta.get("primary_fingerprint") else

@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from mmadapt.artifact import (artifact_embeddings, artifact_primary, artifact_state, check_primary_unchanged,
-                              read_artifact)
+                              read_artifact, trained_for)
 from mmadapt.checkpoint import read_json
 from mmadapt.config import FinetuneConfig, ModelConfig, path_args
 from mmadapt.devices import device_of, on_eval_device
@@ -99,7 +99,8 @@ def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *,
     """A run's model for inference: a `TaskModel` for a fine-tuning run, a `LanguageModel` for
     any other (pretrain, build_minipost, import-hf), optionally with the Step-2 artifact
     `embeddings` (<adapt run>/embeddings/<tag>) swapped in. tag: a language model's checkpoint
-    (default: the newest complete one; a fine-tuned model is its final one). graft: the
+    (default: the one the embeddings were trained over or for, where the run holds it, else the
+    newest complete one; a fine-tuned model is its final one). graft: the
     embeddings were trained over a base of which the run (a fine-tuning run: its primary model)
     is a fine-tuned sibling (graft.py, as export-hf --graft: checked, the distances printed to
     stderr; an expanded vocabulary keeps the sibling's own source rows)."""
@@ -149,6 +150,16 @@ def _artifact(path: Path, owners: tuple[Path, ...], *, weights: dict[str, torch.
     if meta.get("primary_fingerprint") and artifact_primary(meta).resolve() in {o.resolve() for o in owners}:
         check_primary_unchanged(path, meta, recorded=recorded, weights=weights)
     return emb, tokenizer, meta
+
+
+def _trained_for(run: Path, embeddings: Path) -> str | None:
+    """The checkpoint of `run` the artifact `embeddings` was trained over or for (artifact.trained_for):
+    the one to swap it into by default. None where its meta.json or source run cannot be read (the
+    load then refuses the artifact, saying why) or names no checkpoint the run holds."""
+    try:
+        return trained_for(run, [read_json(Path(embeddings) / "meta.json", "Step-2 artifact file")])
+    except (ValueError, OSError, KeyError, TypeError):
+        return None
 
 
 def _sibling_check(sibling: Source, weights: dict | None = None, body_only: bool = False) -> Callable[[dict], None]:
@@ -214,6 +225,8 @@ class LanguageModel:
     @classmethod
     def load(cls, run: Path, embeddings: Path | None = None, tag: str | None = None,
              device: torch.device | None = None, graft: bool = False) -> "LanguageModel":
+        if tag is None and embeddings is not None and not graft:
+            tag = _trained_for(run, embeddings)
         source = read_source(run, tag)  # refuses a run without a complete checkpoint or tokenizer
         require_head(source, "a language model's predictions")
         family, cfg, state, tokenizer = source.family, source.cfg, source.weights(), source.tokenizer

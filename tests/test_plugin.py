@@ -242,6 +242,57 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
             P.plugin_records(primary_run, [run], {"en": gone}, 32, blocks=64, batch_size=16)
 
 
+def test_artifacts_are_scored_through_the_primary_checkpoint_they_were_trained_for(primary_run, english, tokenizer,
+                                                                                    tmp_path):
+    """A primary run that trained on after Step 2 read it (or `adapt --source_tag` an older
+    checkpoint): plugin_records reads the checkpoint the artifacts name (meta source_tag), not
+    the newest, whose weights differ: they were refused (every `sweep --source_tag` trained all its
+    depths, then scored none). predict.load swaps such an artifact into that checkpoint by
+    default. Artifacts trained for two checkpoints of one run are refused in one line."""
+    from mmadapt import predict
+    from mmadapt.artifact import SAMPLED_KEY
+    from mmadapt.checkpoint import write_weights_only
+
+    source, old = tmp_path / "source", tag_for(PRIMARY_ITERS)
+    shutil.copytree(primary_run, source)
+    primary = H.Primary.read(source)
+    cfg, state = load_weights(source)
+    newer = write_weights_only(source / "checkpoints", PRIMARY_ITERS + 10, {k: v + 0.01 for k, v in state.items()},
+                               json.loads((source / "run.json").read_text())["model"])
+    run = tmp_path / "adapt"
+    meta = {"system": "minijoint", "lang": "en", "step": 5, "flops": 1.0, "flops_paper": 1.0, "v100_days": 0.0,
+            "tokens": 1, "source": str(source), "source_tag": old, "primary_fingerprint": primary.fingerprint,
+            SAMPLED_KEY: primary.sampled}
+    art = write_artifact(run / "embeddings" / "step00000005",
+                         {"word_embeddings": state[WORD], "output_bias": state["heads.heads.0.bias"]}, tokenizer, meta)
+    (run / "run.json").write_text(json.dumps({"system": "minijoint", "lang": "en", "model": {"init_method_std": 0.02},
+                                              "train": {"seed": 1}, "frozen_from": {"run_dir": str(source),
+                                                                                    "tag": old}}))
+    [rec] = P.plugin_records(source, [run], {"en": english}, 32, blocks=64, batch_size=16)
+    batches = H.heldout_batches(H.Text(english, 32, 64, 16), VOCAB)
+    one, head = H.primary_head_state(primary_run)
+    assert rec["loss"] == pytest.approx(plugin_loss(ROBERTA, one, {**head, BIAS: state["heads.heads.0.bias"]},
+                                                    batches), abs=1e-6)
+    model = predict.load(source, art, device="cpu")
+    body = {k: v for k, v in model.model.state_dict().items() if k in state and not k.startswith("heads.")}
+    assert len(body) > 10 and all(torch.equal(v, state[k]) for k, v in body.items())
+    # an explicit tag is kept: the newer checkpoint is refused as the primary's changed weights
+    with pytest.raises(ValueError, match="its checkpoint " + old):
+        predict.load(source, art, tag=newer, device="cpu")
+    # two artifacts for two checkpoints of the run
+    other = tmp_path / "adapt-newer"
+    shutil.copytree(run, other)
+    meta_file = next((other / "embeddings").iterdir()) / "meta.json"
+    meta_file.write_text(json.dumps({**json.loads(meta_file.read_text()), "source_tag": newer}))
+    with pytest.raises(ValueError, match=f"^the embeddings were trained for checkpoints {old}, {newer} of "):
+        P.plugin_records(source, [run, other], {"en": english}, 32, blocks=64, batch_size=16)
+    # the checkpoint gone (pruned): the newest is read, and its weights are refused as changed
+    shutil.rmtree(source / "checkpoints" / old)
+    with pytest.raises(ValueError, match=f"as its weights were when Step 2 ran \\(its checkpoint {old}\\), and they "
+                                         "have changed since"):
+        P.plugin_records(source, [run], {"en": english}, 32, blocks=64, batch_size=16)
+
+
 def test_step2_logs_the_plugin_metric_at_each_checkpoint(primary_run, de_corpus, de_tokenizer, tmp_path, capsys,
                                                          monkeypatch):
     """TrainConfig.plugin_eval_blocks: every artifact carries its plug-in score, the same as
