@@ -524,6 +524,7 @@ class Demo:
             with tqdm(total=len(jobs), desc="runs", unit="run", mininterval=1.0, leave=False) as bar:
                 running = {pool.submit(_run_job, self, job): job for job in queue if not job.after}
                 pending = set(running)
+                caused = None  # a run stopped by `stop`, which a run that failed sets before its error comes back
                 while pending:
                     finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
                     bar.refresh()  # the elapsed time moves while the runs train
@@ -531,6 +532,12 @@ class Demo:
                     # not started: None) beside it in the same wait, then the runs that finished
                     for done in sorted(finished, key=lambda f: (f.exception() is None,
                                                                 isinstance(f.exception(), faults.Stopped))):
+                        if stop.is_set() and (isinstance(done.exception(), faults.Stopped)
+                                              or done.exception() is None and done.result() is None):
+                            # a consequence of another run's error, which can come back later than it
+                            # (a Step-4 scoring interrupted within 0.1 s): that error is the one raised
+                            caused = caused or done
+                            continue
                         try:
                             finished_job = done.result()
                         except BaseException:
@@ -542,11 +549,18 @@ class Demo:
                         seconds, results[running[done].label] = finished_job
                         bar.update()
                         self.say(f"{running[done].label}: done in {seconds:.0f} s")
+                    if stop.is_set():
+                        continue  # no new run: the demo is stopping
                     for job in [job for job in waiting if all(label in results for label in job.after)]:
                         waiting.remove(job)
                         future = pool.submit(_run_job, self, job)
                         running[future] = job
                         pending.add(future)
+                if caused is not None:  # every run ended, and no error came back: the stop is the news
+                    print(f"{running[caused].label} stopped; its log: {running[caused].log}", file=sys.stderr,
+                          flush=True)
+                    caused.result()
+                    raise faults.Stopped(0, "none (nothing to save)", "the demo stopping")  # a queued one's None
         except BaseException:
             # A run's error (or Ctrl-C) stops the demo here, as it would in this process: no queued
             # run starts, the running training runs save at their current update and stop
