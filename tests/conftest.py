@@ -192,10 +192,26 @@ def graft_runs(de_corpus, de_tokenizer, tmp_path_factory) -> dict[str, Path]:
     return {p.name: p for p in root.iterdir() if p.is_dir() and p.name != "hf"}
 
 
+_PORTS = iter(range(400))
+
+
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for DeepSpeed's launcher (--master_port), which rank 0 binds only after the
+    runner, launch.py and the rank have imported DeepSpeed (11-14 s here). One the system hands
+    out (bind to port 0) can meanwhile go to any socket bound to port 0 (the other xdist worker's
+    torchrun stores and gloo listeners): EADDRINUSE. These lie below the kernel's ephemeral range,
+    which such sockets never get, apart per xdist worker and per call, and free when chosen."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").lstrip("gw") or 0)
+    for i in _PORTS:
+        port = low - 8000 + 400 * (worker % 20) + i
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port left for a DeepSpeed launch in this test process")
 
 
 def launch_cmd(nproc: int, *args: str, script: str = PRETRAIN, launcher: str = "torchrun") -> list[str]:

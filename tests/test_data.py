@@ -450,7 +450,7 @@ import runpy, sys, time
 from mmadapt import train
 prepare = train.prepare
 def slow_prepare(*a, **k):
-    time.sleep(8)  # rank 0's preparation: longer than the 5 s collective timeout, on any machine
+    time.sleep(20)  # rank 0's preparation: longer than the 15 s collective timeout, on any machine
     return prepare(*a, **k)
 train.prepare = slow_prepare
 sys.argv = [{script!r}, *sys.argv[1:]]
@@ -460,8 +460,10 @@ runpy.run_path({script!r}, run_name="__main__")
 
 @pytest.mark.slow
 def test_two_ranks_outlive_a_preparation_longer_than_the_collective_timeout(corpus, tokenizer, tmp_path):
-    """Rank 0 prepares the raw corpus (made to take 8 s, longer than the 5 s collective timeout)
-    while rank 1 polls the file system: no rank waits in a collective."""
+    """Rank 0 prepares the raw corpus (made to take 20 s, longer than the 15 s collective timeout)
+    while rank 1 polls the file system: no rank waits in a collective. The timeout bounds every
+    collective of the run (the rendezvous, the first barrier, which rank 0 reaches after opening
+    its TensorBoard log): at 5 s, a loaded machine could put one rank that far behind the other."""
     import subprocess
 
     from conftest import PRETRAIN, REPO, child_env, launch_cmd, metrics
@@ -474,7 +476,7 @@ def test_two_ranks_outlive_a_preparation_longer_than_the_collective_timeout(corp
                      "--log_interval", "1", "--seq_length", "32", "--train_micro_batch_size_per_gpu", "4",
                      script=str(script))
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env=child_env(MMADAPT_DIST_TIMEOUT_S="5"))
+                          env=child_env(MMADAPT_DIST_TIMEOUT_S="15"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "rank 1: waiting for rank 0 to prepare" in proc.stdout + proc.stderr
     assert [r["step"] for r in metrics(out)] == [1, 2]
@@ -485,14 +487,14 @@ import time, torch.distributed as dist
 from mmadapt import parallel
 parallel.init_distributed()
 if dist.get_rank() == 0:
-    time.sleep(24)  # what preparing data inside a collective looked like
+    time.sleep(36)  # what preparing data inside a collective looked like
 dist.barrier()
 """
 
 
 @pytest.mark.slow
 def test_the_collective_timeout_is_the_one_set(tmp_path):
-    """Guards the test above: with MMADAPT_DIST_TIMEOUT_S=8, a rank that waits 24 s in a barrier
+    """Guards the test above: with MMADAPT_DIST_TIMEOUT_S=12, a rank that waits 36 s in a barrier
     for another one fails, as the old in-job preparation did. The timeout also bounds the
     rendezvous, so it leaves room for the ranks' start-up to differ on a loaded machine."""
     import subprocess
@@ -504,8 +506,8 @@ def test_the_collective_timeout_is_the_one_set(tmp_path):
     # DeepSpeed's launcher passes the rank's error text on (torchrun's agent reports its own)
     proc = subprocess.run(launch_cmd(2, script=str(script), launcher="deepspeed"), cwd=REPO, capture_output=True,
                           text=True, timeout=300,
-                          env=child_env(MMADAPT_DIST_TIMEOUT_S="8", PYTHONPATH=str(REPO)))
-    assert proc.returncode != 0 and "Timed out waiting 8000ms" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+                          env=child_env(MMADAPT_DIST_TIMEOUT_S="12", PYTHONPATH=str(REPO)))
+    assert proc.returncode != 0 and "Timed out waiting 12000ms" in proc.stdout + proc.stderr, proc.stderr[-2000:]
 
 
 def test_validation_loss_every_eval_interval_leaves_training_unchanged(prepared, corpus, tokenizer, tmp_path):

@@ -209,13 +209,16 @@ def test_a_second_writer_is_refused(corpus, tokenizer, tmp_path, capsys):
     from mmadapt.cli import pretrain_main
 
     out = tmp_path / "run"
-    proc = subprocess.Popen(launch_cmd(1, *_args(corpus, tokenizer, out), script=_slow_script(tmp_path)), cwd=REPO,
+    # 200 updates: the writer is still writing (its lock held, no checkpoint yet) however long this
+    # process takes to reach the lock on a loaded machine; the SIGTERM below ends it
+    args = _args(corpus, tokenizer, out, "--train_iters", "200")
+    proc = subprocess.Popen(launch_cmd(1, *args, script=_slow_script(tmp_path)), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=child_env(STEP_SLEEP="1", PYTHONPATH=str(REPO)))
     try:
         _wait_for(lambda: _rows(out) >= 1, proc, "the first logged update")
         before = sorted(p.name for p in out.iterdir())
-        assert pretrain_main(_args(corpus, tokenizer, out, "--resume")) == 2
+        assert pretrain_main([*args, "--resume"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: {out} is being written by process {proc.pid} on ") and "\n" not in err, err
         assert sorted(p.name for p in out.iterdir()) == before

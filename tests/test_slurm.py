@@ -302,10 +302,17 @@ def _warned(tmp_path: Path, run_dir: Path, code: int, shell: str = "") -> tuple[
     proc = subprocess.Popen(["bash", "-c", script], env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}",
                                                                   SLURM_JOB_ID="4242"),
                             stdout=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while not (tmp_path / "started").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)
+    def trapped() -> bool:  # run_requeueable traps SIGTERM once the step runs: the warning comes after
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            return False
+        caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+        return bool(int(caught, 16) & (1 << (signal.SIGTERM - 1)))
+
+    deadline = time.time() + 60
+    while not ((tmp_path / "started").exists() and trapped()) and time.time() < deadline:
+        time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
     return proc.returncode, out
