@@ -72,6 +72,7 @@ def read_results(files: list[str]) -> list[dict]:
     if not adapted(records):
         raise ValueError(f"{', '.join(files)} hold only no-adaptation records: no Step-2 checkpoint to report "
                          "(mmadapt evaluate --embeddings <Step-2 runs> scores them)")
+    _one_metric_per_task(records)
     _apart_across_files(records)
     seen = {}
     for r in adapted(records):
@@ -83,6 +84,22 @@ def read_results(files: list[str]) -> list[dict]:
                              "report one of them")
         seen[key] = r["_file"]
     return [{k: v for k, v in r.items() if k != "_file"} for r in records]
+
+
+def _one_metric_per_task(records: list[dict]) -> None:
+    """Refuse records of one task scored by different metrics (a record's `metric`: Step 3's
+    --metric, which can differ between fine-tuning runs): each curve, target, retention and speedup
+    compares one task's scores with each other, and chunk F1 against accuracy compares nothing.
+    Records from before `metric` was written are not checked."""
+    metrics: dict[str, dict[str, str]] = defaultdict(dict)  # task -> metric -> the first file holding it
+    for r in records:
+        if r.get("metric") is not None:
+            metrics[r["task"]].setdefault(r["metric"], r["_file"])
+    task, by = next(((t, m) for t, m in metrics.items() if len(m) > 1), (None, None))
+    if task is not None:
+        raise ValueError(f"the {task} records are scored by different metrics ("
+                         + ", ".join(f"{m} in {f}" for m, f in by.items())
+                         + "): one curve compares one metric; report them apart")
 
 
 def _apart_across_files(records: list[dict]) -> None:

@@ -562,6 +562,26 @@ def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_
     assert capsys.readouterr().err.startswith(f"error: {a} holds bl_base's genre score in de at step 0")
 
 
+def test_records_of_one_task_scored_by_different_metrics_are_refused(tmp_path, capsys):
+    """A task's records whose fine-tuning runs were scored by different --metric (ner: chunk F1 for
+    one system, accuracy for another) would meet on one curve, one target and one retention:
+    refused in one line naming both; records without `metric` (older files) are read as before."""
+    def rec(system, step, score, metric):
+        return {"system": system, "task": "ner", "lang": "de", "step": step, "flops": step * 1e15,
+                "score": score, **({"metric": metric} if metric else {})}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([rec("bl_base", s, 60.0 + s / 100, "chunk_f1") for s in (0, 100, 200)]))
+    b.write_text(json.dumps([rec("minijoint", s, 90.0 + s / 100, "accuracy") for s in (0, 100, 200)]))
+    assert report_main([str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: the ner records are scored by different metrics (chunk_f1 in {a}, accuracy in {b}): one "
+                   "curve compares one metric; report them apart\n")
+    b.write_text(json.dumps([rec("minijoint", s, 50.0 + s / 100, "chunk_f1") for s in (0, 100, 200)]))
+    assert report_main([str(a), str(b)]) == 0
+    b.write_text(json.dumps([rec("minijoint", s, 50.0 + s / 100, None) for s in (0, 100, 200)]))
+    assert report_main([str(a), str(b)]) == 0
+
+
 def test_records_of_no_adaptation_alone_are_refused_in_one_line(tmp_path, capsys):
     f = tmp_path / "none.json"
     f.write_text(json.dumps([{"system": "no_adaptation", "task": "genre", "lang": "de", "flops": 0, "score": 40.0,
