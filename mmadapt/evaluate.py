@@ -35,7 +35,7 @@ from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, Framing, encode_classify, special_mask, unknown_share
-from mmadapt.finetune import check_positions, is_finished, primary_state
+from mmadapt.finetune import check_positions, has_results, is_finished, primary_state
 from mmadapt.graft import check_once, grafted, not_a_graft
 from mmadapt.hf_classifier import BODY
 from mmadapt.models.layers import Padding
@@ -412,6 +412,10 @@ def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,
     the primary model they share (one primary model and task, else refused); and their warnings
     (each run's own and its position warning, once), printed."""
     given_once(finetuned, "fine-tuned run")  # a seed given twice would be averaged as two
+    for r in finetuned:  # Step 3's warnings (a run at chance) go into every record made from its run
+        if is_finished(r) and not has_results(r):
+            raise ValueError(f"{r} finished its updates but stopped before writing its results (final loss, "
+                             "source-language score, warnings): run finetune --resume on it (it trains nothing)")
     runs = [load_finetuned(r) for r in finetuned]
     primary = finetuned_primary_ref(runs[0])
     if not all(finetuned_primary_ref(r).same(primary) for r in runs) or len({r.task.name for r in runs}) > 1:

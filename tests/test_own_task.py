@@ -346,6 +346,17 @@ def test_positions_past_the_pretraining_blocks_only_when_allowed(fresh_primary, 
     assert allowed[0]["finetune_warnings"] == [f"{out}: {what}"]
     with pytest.raises(ValueError, match="--seq_length 128 is longer than the 64-piece blocks"):
         steps.evaluate_plugin(fresh_primary, embeddings=[art], data=str(tmp_path / "none"), seq_length=128)
+    # Stopped after its last checkpoint, before its results (and warnings) were written: Step 4
+    # refuses it (its records would carry no warning); --resume writes them, training nothing.
+    (out / "run.json").write_text(json.dumps({k: v for k, v in run.items() if k != "warnings"}))
+    with pytest.raises(ValueError, match=f"^{out} finished its updates but stopped before writing its results "):
+        steps.evaluate([out], embeddings=[art], eval_file=str(tmp_path / "t.csv"))
+    assert finetune_main(["--task", "classify", "--primary", str(fresh_primary), "--train_file",
+                          str(tmp_path / "t.csv"), "--seq_length", "96", "--allow_untrained_positions", "true",
+                          "--output_dir", str(out), "--ds_config", str(REPO / "ds_configs" / "zero0.json"),
+                          "--resume"]) == 0
+    assert json.loads((out / "run.json").read_text())["warnings"] == run["warnings"]
+    assert steps.evaluate([out], embeddings=[art], eval_file=str(tmp_path / "t.csv"))[0]["finetune_warnings"]
 
 
 # --- a learnable toy task, Step 3 and Step 4 ---------------------------------------------------------------
