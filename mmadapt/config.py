@@ -161,6 +161,14 @@ def path_args(value, name: str) -> list[Path]:
     return [Path(v) for v in items]
 
 
+def spec_arg(value, name: str) -> str:
+    """A Python API argument naming a file per language: a path (str or os.PathLike) in which
+    `{lang}` stands for each language, as a str (a Path has no str.replace)."""
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ValueError(f"{name} takes a path (a str or Path; {{lang}} in it stands for each language), got {value!r}")
+    return os.fspath(value)
+
+
 def whole_arg(value, name: str, lo: int, optional: bool = False) -> int | None:
     """A Python API argument that is a whole number >= lo (or None where `optional`)."""
     if value is None and optional:

@@ -41,7 +41,7 @@ from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
-                            StepSpec, TrainConfig, check_lang, path_args, whole_arg)
+                            StepSpec, TrainConfig, check_lang, path_args, spec_arg, whole_arg)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, TEXT, DataError, EpochOrder, read_manifest, read_tokenizer, wait_for
 from mmadapt.data import prepare as prepare_corpus
@@ -489,6 +489,7 @@ def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, outp
     unless Step 3 allowed it). graft: the runs fine-tune a sibling of the model the embeddings
     were trained over (evaluate.graft_check). Needs no process group."""
     finetuned, embeddings = path_args(finetuned, "finetuned"), path_args(embeddings, "embeddings")
+    eval_file = spec_arg(eval_file, "eval_file")
     eval_batch_tokens = whole_arg(eval_batch_tokens, "eval_batch_tokens", 1, optional=True)
     _refuse_existing(output)
     records = evaluate_artifacts(finetuned, embeddings, eval_file, eval_batch_tokens,
@@ -510,6 +511,7 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
     embeddings were trained over a base of which `primary` is a fine-tuned sibling (graft.py). Writes
     the records to `output` (which must not exist) when given. Needs no process group."""
     primary, embeddings = path_args(primary, "primary")[0], path_args(embeddings, "embeddings")
+    data = spec_arg(data, "data")
     seq_length, blocks = whole_arg(seq_length, "seq_length", 8, optional=True), whole_arg(blocks, "blocks", 1)
     _refuse_existing(output)
     src = read_run(primary)

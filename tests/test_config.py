@@ -157,10 +157,14 @@ def test_every_numeric_field_declares_its_range():
      "finetuned takes a non-empty list of paths, got []"),
     (lambda: __import__("mmadapt.steps").steps.evaluate_plugin("p", embeddings=["e"], data="d", blocks=0),
      "blocks must be a whole number >= 1, got 0"),
+    (lambda: __import__("mmadapt.steps").steps.evaluate(["f"], embeddings=["e"], eval_file=None),
+     "eval_file takes a path (a str or Path; {lang} in it stands for each language), got None"),
+    (lambda: __import__("mmadapt.steps").steps.evaluate_plugin("p", embeddings=["e"], data=3),
+     "data takes a path (a str or Path; {lang} in it stands for each language), got 3"),
 ], ids=["range", "open-range", "finite", "int-not-float", "int-not-bool", "tuple-items", "choices", "replace",
         "model-tuple-items", "empty-list", "type", "step-config-type", "step-path", "run-spec-path",
         "pretrain-recipe", "pretrain-recipe-heads", "pretrain-recipe-one-head", "adapt-system", "finetune-task",
-        "evaluate-empty-list", "evaluate-plugin-blocks"])
+        "evaluate-empty-list", "evaluate-plugin-blocks", "evaluate-eval-file", "evaluate-plugin-data"])
 def test_the_python_api_is_refused_as_the_command_line_is(make, message):
     with pytest.raises(ValueError) as e:
         make()
@@ -176,6 +180,11 @@ def test_a_path_given_as_text_becomes_a_path():
     from mmadapt import steps
 
     assert steps.Finetune(task="bible-genre", primary="runs/x").primary == Path("runs/x")
+    # a file per language (Step 4's eval_file, the plug-in metric's data): a Path is read as its text,
+    # {lang} replaced as in a str (a Path's replace() is a rename: it failed after every model loaded)
+    from mmadapt.config import spec_arg
+
+    assert spec_arg(Path("xnli/{lang}.tsv"), "eval_file").replace("{lang}", "de") == "xnli/de.tsv"
 
 
 def test_each_step_owns_its_settings():
