@@ -623,7 +623,7 @@ def report_main(argv=None) -> int:
     if args.plots:
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)
-        plot_curves(records, out / "curves.png", device=args.device)
+        plot_curves(records, out / "curves.png", device=args.device, baseline=baseline)
         if not plot_speedup(records, out / "speedup.png", baseline=baseline, device=args.device):
             print(f"note: no speedup.png: no system but {baseline} reaches 95% of {baseline}'s final score, so there "
                   "is no speedup to plot", file=sys.stderr)

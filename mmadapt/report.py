@@ -883,9 +883,10 @@ def _bpb_panel(ax, records: list[dict], systems: list[str], unit: float) -> None
                    f"no adaptation ({', '.join(sorted(of))}'s primary model)")
 
 
-def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
+def plot_curves(records: list[dict], path, device: str = "v100-paper", baseline: str = "bl_base") -> bool:
     """Figure-3 style: score against Step-2 compute, one panel per task and language, one line per
-    system from its start (update 0) at 0 FLOPs, BL_BASE's near-maximal target dashed, the chance
+    system from its start (update 0) at 0 FLOPs, the `baseline`'s near-maximal target dashed (the
+    tables' target: report --baseline), the chance
     level (or unigram reference) dotted and each fine-tuned model with no adaptation dash-dotted,
     one legend for the figure. Writes nothing and returns False when there are no
     records."""
@@ -923,9 +924,9 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper") -> bool:
                 of = r.get("of") or []
                 ax.axhline(r["score"], color=COLORS.get(of[0], "gray") if of else "gray", ls="-.", lw=1.0,
                            label=f"no adaptation ({', '.join(of)}'s fine-tuned model)" if of else "no adaptation")
-        if has_target(cs, "bl_base", task, lang):
-            ax.axhline(near_max_target(cs[("bl_base", task, lang)][-1][1]), color="gray", ls="--", lw=0.8,
-                       label="near-max target (95% of bl_base's final)")
+        if has_target(cs, baseline, task, lang):
+            ax.axhline(near_max_target(cs[(baseline, task, lang)][-1][1]), color="gray", ls="--", lw=0.8,
+                       label=f"near-max target (95% of {baseline}'s final)")
         floor = _chance([r for r in records if r["lang"] == lang], task)
         if floor is not None:
             ax.axhline(floor, color="black", ls=":", lw=0.8,

@@ -234,9 +234,11 @@ def _curve(system: str, flops: list[float], scores: list[float], lang: str = "de
             for i, (x, y) in enumerate(zip(flops, scores))]
 
 
-def test_report_without_bl_base_picks_a_baseline_says_which_and_plots_no_empty_speedup(tmp_path, capsys):
+def test_report_without_bl_base_picks_a_baseline_says_which_and_plots_no_empty_speedup(tmp_path, capsys,
+                                                                                       monkeypatch):
     """The README's MINIPOST walk-through has MINIPOST records only: the report measures it against
-    itself (exit 0, one line naming it); there is no speedup to plot, so no speedup.png."""
+    itself (exit 0, one line naming it); there is no speedup to plot, so no speedup.png. The curves'
+    dashed target is the tables' baseline's (it was bl_base's, or none, whatever the baseline)."""
     day = 2.592e18
     f = tmp_path / "minipost.json"
     f.write_text(json.dumps(_curve("minipost", [1 * day, 2 * day], [40.0, 50.0])))
@@ -257,6 +259,16 @@ def test_report_without_bl_base_picks_a_baseline_says_which_and_plots_no_empty_s
     assert out.err.strip() == ("baseline: minijoint:full (no bl_base in the records: the system with the most Step-2 "
                                "compute; --baseline chooses another)")
     assert "95% of minijoint:full's final score" in out.out
+    import matplotlib.figure
+
+    figures = []
+    with monkeypatch.context() as m:
+        m.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+        assert report_main([str(f), "--plots", str(tmp_path / "p3")]) == 0
+    capsys.readouterr()
+    targets = {line.get_label(): line.get_ydata()[0] for fig in figures for ax in fig.axes for line in ax.get_lines()
+               if line.get_label().startswith("near-max")}
+    assert targets == {"near-max target (95% of minijoint:full's final)": pytest.approx(0.95 * 52.0)}
     # With bl_base in the records, nothing to say; a --baseline the records lack is still an error.
     f.write_text(json.dumps(_curve("bl_base", [2 * day, 4 * day], [50.0, 60.0]) +
                             _curve("minijoint", [1 * day, 2 * day], [56.0, 58.0])))
