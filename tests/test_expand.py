@@ -790,6 +790,36 @@ def test_expand_from_a_raw_corpus_trains_the_target_tokenizer(sources, de_corpus
     assert json.loads((out / "run.json").read_text())["model"]["vocab_size"] == merged.size
 
 
+def test_rank_0_alone_trains_a_raw_corpus_target_tokenizer(sources, de_corpus, tmp_path, monkeypatch):
+    """merged_vocabulary from a raw corpus: global rank 0 trains the target tokenizer and every rank
+    takes its expansion (each rank trained one, every core of the host each); a training that fails
+    on rank 0 is raised on every rank, none left waiting for it."""
+    from mmadapt import expand as E
+    from mmadapt.data import DataError
+    from mmadapt.run import read_source
+
+    source, run = read_source(sources["llama"]), RunSpec(output_dir=tmp_path / "a", corpus=de_corpus)
+    made = expand(source.tokenizer, steps.train_tokenizer(de_corpus, tmp_path / "t" / "de", 600, seed=1))
+    sent = []
+
+    def from_rank0(value):
+        sent.append(value)
+        return made
+    monkeypatch.setattr(E, "object_from_rank0", from_rank0)
+    monkeypatch.setattr(E, "is_rank0", lambda: False)
+    monkeypatch.setattr(E, "train_tokenizer", lambda *a, **k: pytest.fail("a rank other than 0 trained a tokenizer"))
+    assert E.merged_vocabulary(run, source, 600, 1, None) == (made.size, made.source_size, made) and sent == [None]
+    failed = DataError("de.txt holds no text")
+
+    def fails(*a, **k):
+        raise failed
+    monkeypatch.setattr(E, "object_from_rank0", lambda value: value)
+    monkeypatch.setattr(E, "is_rank0", lambda: True)
+    monkeypatch.setattr(E, "train_tokenizer", fails)
+    with pytest.raises(DataError, match="de.txt holds no text"):
+        E.merged_vocabulary(run, source, 600, 1, None)
+
+
 @pytest.mark.parametrize("family", ["roberta", "llama"])
 def test_the_start_recomputed_for_an_older_run_is_the_saved_update_0(family, sources, expanded, tmp_path):
     """plugin.start_embeddings reads a run's artifact of update 0; for a run without one (recorded
