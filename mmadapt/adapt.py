@@ -637,6 +637,11 @@ class Step2Start:
         prior = None if logp is None else torch.log_softmax(logp[len(logp) - new:], 0)  # the new pieces' ids: the last
         self.init, self.rows["new_mass_bound"] = output_start(self.family, self.body, self.init, self.primary.state,
                                                               train.expand_output_start, nats, prior)
+        path = self.family.output_path(self.body)
+        if train.expand_output_start != "embedding_init" and path.matrix == self.family.word and path.bias is None:
+            # a tied decoder: the output start is the input rows' start too (bounded_start: every new
+            # row at the source rows' mean), whatever --embedding_init drew for them
+            self.rows.update(subword_mean_pieces=0, random_pieces=0, mean_row_pieces=new)
         if train.expand_output_start != "bounded":
             return
         data = train.replay_data or source_data
@@ -686,8 +691,10 @@ def say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, float]) -
     std = rows.get("row_std", model.init_method_std)
     if model.frozen_vocab_size:
         new = model.vocab_size - model.frozen_vocab_size
+        start = (f"all at the source rows' mean (tied to their output side, which starts there)"
+                 if rows.get("mean_row_pieces") else f"{how}{mean}, {rows['random_pieces']} drawn from N(0, {std:.3g})")
         print(f"{lang}: {new} new pieces after the source's {model.frozen_vocab_size} (frozen; only the new rows "
-              f"train), {how}{mean}, {rows['random_pieces']} drawn from N(0, {std:.3g})")
+              f"train), {start}")
         if "new_mass_calibrated" in rows:
             print(f"  their output side, calibrated on source text: they take {rows['new_mass_calibrated']:.4f} nats of "
                   f"its loss (the worst case at any position: {rows['new_mass_bound']:.3g})")

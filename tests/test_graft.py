@@ -1006,3 +1006,26 @@ def test_a_half_precision_classifier_imports(classifiers, tmp_path):
     AutoModelForSequenceClassification.from_pretrained(str(src)).to(torch.bfloat16).save_pretrained(str(half))
     AutoTokenizer.from_pretrained(str(src)).save_pretrained(str(half))
     assert main(["import-hf", "--model", str(half), "--task", "bible-genre", "--output_dir", str(tmp_path / "r")]) == 0
+
+
+def test_a_tied_decoders_new_rows_are_recorded_as_starting_at_the_source_mean(graft_runs, capsys):
+    """Expand over Qwen2 (output tied to the input rows, no bias) with the bounded output start:
+    the new rows' output start is their input start too, every one at the source rows' mean,
+    whatever --embedding_init drew. run.json and the artifacts say so (`mean_row_pieces`), where
+    they said k drawn from N(0, std); the untied Llama-2's input rows are --embedding_init's."""
+    from mmadapt.adapt import say_start
+    from mmadapt.config import ModelConfig
+
+    run = graft_runs["qwen2-expand"]
+    record = json.loads((run / "run.json").read_text())
+    size, frozen = record["model"]["vocab_size"], record["model"]["frozen_vocab_size"]
+    emb, _, meta = read_artifact(run / "embeddings" / "step00000000")
+    new = emb["word_embeddings"][frozen:]
+    assert len(new) == size - frozen > 0 and torch.equal(new, new[0].expand_as(new))
+    for r in (record, meta):
+        assert (r["mean_row_pieces"], r["random_pieces"], r["subword_mean_pieces"]) == (size - frozen, 0, 0)
+    untied = json.loads((graft_runs["llama2-expand"] / "run.json").read_text())
+    assert "mean_row_pieces" not in untied and untied["random_pieces"] > 0
+    say_start("de", "overlap", ModelConfig(vocab_size=size, frozen_vocab_size=frozen), record)
+    assert capsys.readouterr().out.startswith(f"de: {size - frozen} new pieces after the source's {frozen} (frozen; "
+                                              "only the new rows train), all at the source rows' mean")
