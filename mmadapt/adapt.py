@@ -691,7 +691,7 @@ def say_start(lang: str, how: str, model: ModelConfig, rows: dict[str, float]) -
     std = rows.get("row_std", model.init_method_std)
     if model.frozen_vocab_size:
         new = model.vocab_size - model.frozen_vocab_size
-        start = (f"all at the source rows' mean (tied to their output side, which starts there)"
+        start = ("all at the source rows' mean (tied to their output side, which starts there)"
                  if rows.get("mean_row_pieces") else f"{how}{mean}, {rows['random_pieces']} drawn from N(0, {std:.3g})")
         print(f"{lang}: {new} new pieces after the source's {model.frozen_vocab_size} (frozen; only the new rows "
               f"train), {start}")
