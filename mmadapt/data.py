@@ -1006,11 +1006,14 @@ class LayoutBatches(CausalBatches):
     (run.run_text_layout: `layout`'s prefix and suffix ids): each document is the prefix, its
     sentences' pieces one after the other (their </s> left out: the source never saw one inside
     a text), joined as the dataset's tokenizer joins two lines of a text (line_join: a byte-level
-    BPE's newline piece, or nothing), then the suffix; where the layout puts nothing around a
-    text (Qwen2), the end-of-text token (mmadapt's </s>, that tokenizer's eos) closes each
-    document, as it separates documents there. So Llama's and Mistral's documents each start with
-    <s>, no </s> stands between sentences, and a Qwen2 document reads `earth.\nAnd`, not
-    `earth.And`. The stream is a file of the dataset, built once per split and layout
+    BPE's newline piece, or nothing), then the suffix, then the end-of-text token (mmadapt's
+    </s>, that tokenizer's eos) unless the suffix ends with it (stream_ids). So Llama's and
+    Mistral's documents each read `<s> text </s>`, as their pretraining packed documents (torchtitan
+    encodes each with bos and eos): a model that never reads </s> as a next piece learns to push
+    its logit down at every position and never ends a text; no </s> stands between sentences;
+    Qwen2's documents are each closed by its end-of-text, which separates documents there; and a
+    Qwen2 document reads `earth.\nAnd`, not `earth.And`. The stream is a file of the dataset,
+    built once per split and layout
     (layout_stream: global rank 0 builds it before training, train.lm_batches) and memory-mapped
     as the split's own tokens are; blocks are cut from it as CausalBatches cuts them."""
 
@@ -1033,11 +1036,19 @@ class LayoutBatches(CausalBatches):
         return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
 
 
+def stream_ids(layout: dict, join: list[int]) -> dict[str, list[int]]:
+    """The ids LayoutBatches' stream puts before a document, after it and between two of its
+    sentences: `layout`'s prefix, its suffix closed by the end-of-text token (</s>) where the
+    suffix does not end with it, and `join`."""
+    prefix, suffix = ([int(i) for i in layout.get(k, [])] for k in ("prefix", "suffix"))
+    return {"prefix": prefix, "suffix": suffix if suffix[-1:] == [EOS_ID] else [*suffix, EOS_ID],
+            "join": [int(i) for i in join]}
+
+
 def layout_stream_path(data_path: str | os.PathLike, split: str, layout: dict, join: list[int]) -> Path:
-    """Where layout_stream keeps the stream of `split` laid out as `layout` and `join` say."""
-    ids = {"prefix": [int(i) for i in layout.get("prefix", [])], "suffix": [int(i) for i in layout.get("suffix", [])],
-           "join": [int(i) for i in join]}
-    key = hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()[:16]
+    """Where layout_stream keeps the stream of `split` laid out as `layout` and `join` say, keyed
+    by the ids it puts (stream_ids): a stream built by an older rule has another name."""
+    key = hashlib.sha256(json.dumps(stream_ids(layout, join), sort_keys=True).encode()).hexdigest()[:16]
     return Path(data_path) / f"{split}_layout_{key}.bin"
 
 
@@ -1061,10 +1072,8 @@ def layout_stream(data_path: str | os.PathLike, split: str, layout: dict, join: 
     index = indexed_dataset._IndexReader(str(data_path / (split + ".idx")), multimodal=False)
     lengths = np.array(index.sequence_lengths, dtype=np.int64)
     del index
-    prefix, suffix = (np.array(layout.get(k, []), np.int64) for k in ("prefix", "suffix"))
-    if not len(prefix) and not len(suffix):
-        suffix = np.array([EOS_ID], np.int64)
-    join = np.array(join, np.int64)
+    ids = stream_ids(layout, join)
+    prefix, suffix, join = (np.array(ids[k], np.int64) for k in ("prefix", "suffix", "join"))
     dtype = np.dtype(manifest["dtype"])
     if max([*prefix.tolist(), *suffix.tolist(), *join.tolist(), 0]) > np.iinfo(dtype).max:
         dtype = np.dtype(np.int64)  # an id the dataset's dtype cannot hold

@@ -117,19 +117,20 @@ def test_a_line_the_tokenizer_reads_as_nothing_is_left_out(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("layout, want", [
-    ({"prefix": [BOS_ID], "suffix": []}, "llama"),  # Llama's and Mistral's <s> before a text
+    ({"prefix": [BOS_ID], "suffix": []}, "llama"),  # Llama's and Mistral's <s> before a text, </s> after
     ({"prefix": [], "suffix": []}, "qwen2"),  # nothing around a text: its end-of-text between documents
 ])
 def test_an_imported_decoders_blocks_follow_its_tokenizers_layout(tokenizer, tmp_path, layout, want, monkeypatch):
     """data.LayoutBatches: each document laid out as the source's tokenizer lays out a text, its
-    sentences' pieces one after the other, no </s> inside; the blocks are consecutive chunks of
-    that stream, as CausalBatches cuts mmadapt's."""
+    sentences' pieces one after the other, no </s> inside, </s> after it (Llama's too: a model
+    that never reads one learns never to end a text); the blocks are consecutive chunks of that
+    stream, as CausalBatches cuts mmadapt's."""
     corpus = tmp_path / "two_docs.txt"
     corpus.write_text("In the beginning.\nAnd the earth.\n\nLight was good.\n", encoding="utf-8")
     prepare(corpus, tmp_path / "d", VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
     sp = D.load_checked_tokenizer(tokenizer)
     a, c, e = (sp.encode(t) for t in ("In the beginning.", "And the earth.", "Light was good."))
-    stream = {"llama": [BOS_ID, *a, *c, BOS_ID, *e], "qwen2": [*a, *c, EOS_ID, *e, EOS_ID]}[want]
+    stream = {"llama": [BOS_ID, *a, *c, EOS_ID, BOS_ID, *e, EOS_ID], "qwen2": [*a, *c, EOS_ID, *e, EOS_ID]}[want]
     train = TrainConfig(seq_length=8, train_micro_batch_size_per_gpu=1)
     b = D.LayoutBatches(tmp_path / "d", train, VOCAB, layout=layout)
     assert b.tokens.tolist() == stream
@@ -182,9 +183,9 @@ def _stream_by_hand(lengths: list[int], tokens: list[int], prefix: list[int], su
                     join: list[int] = ()) -> list[int]:
     """The layout rule, sentence by sentence: a document opens with the prefix at its first
     sentence, each sentence's pieces without its </s>, `join` between two sentences of one
-    document, the suffix where a lone </s> (or the end) closes an open document; no prefix or
-    suffix: </s> closes it."""
-    suffix = suffix if prefix or suffix else [EOS_ID]
+    document, the suffix where a lone </s> (or the end) closes an open document, then </s> unless
+    the suffix ends with it."""
+    suffix = suffix if suffix[-1:] == [EOS_ID] else [*suffix, EOS_ID]
     out, at, open_ = [], 0, False
     for n in lengths:
         if n == 1:
@@ -213,9 +214,11 @@ def test_the_laid_out_stream_follows_the_rule_on_any_segmentation(layout, join):
         tokens += rng.integers(10, 99, rng.integers(0, 3)).tolist()
         prefix, suffix = layout.get("prefix", []), layout.get("suffix", [])
         want = _stream_by_hand(lengths, tokens, prefix, suffix, join)
-        suffix = suffix if prefix or suffix else [EOS_ID]  # layout_stream's: no layout, </s> closes a document
-        args = (np.array(tokens, np.uint16), np.array(lengths, np.int64), *(np.array(x, np.int64)
-                                                                           for x in (prefix, suffix, join)))
+        ids = D.stream_ids(layout, join)  # layout_stream's: </s> closes every document
+        assert ids == {"prefix": prefix, "suffix": suffix if suffix[-1:] == [EOS_ID] else [*suffix, EOS_ID],
+                       "join": list(join)}
+        args = (np.array(tokens, np.uint16), np.array(lengths, np.int64), *(np.array(ids[k], np.int64)
+                                                                           for k in ("prefix", "suffix", "join")))
         for chunk in (1, 2, 3, 1 << 18):  # a chunk's edge anywhere: between sentences of a document, after one
             out = np.full(D.laid_out(*args, None, chunk), -1, np.int64)
             assert D.laid_out(*args, out, chunk) == len(out) and out.tolist() == want

@@ -207,7 +207,7 @@ def test_an_imported_decoders_training_stream_is_its_tokenizers_reading_of_each_
     sentences one a line) is transformers' tokenizer's ids for the document's text, lines joined
     by a newline for a byte-level BPE (Qwen2, Llama-3: line_join, its newline piece) and by a
     space for SentencePiece (Llama-2, Mistral: each line's own first piece starts with one),
-    then Qwen2's end-of-text. (A byte-level BPE's sentences were glued: `earth.And`.) These test
+    then the end-of-text (Qwen2's; Llama's and Mistral's </s>, as their pretraining packed them). (A byte-level BPE's sentences were glued: `earth.And`.) These test
     tokenizers never saw a newline, so none merges `.` with it as real vocabularies do (`.Ċ`:
     test_data's line_join test)."""
     from mmadapt.config import PreprocessConfig, TrainConfig
@@ -226,7 +226,7 @@ def test_an_imported_decoders_training_stream_is_its_tokenizers_reading_of_each_
     stream = LayoutBatches(tmp_path / "d", TrainConfig(seq_length=8, train_micro_batch_size_per_gpu=1),
                            sp.get_piece_size(), layout=layout).tokens.tolist()
     sep = "\n" if name in ("qwen2", "llama3") else " "
-    end = [] if layout.get("prefix") or layout.get("suffix") else [EOS_ID]
+    end = [] if layout.get("suffix", [])[-1:] == [EOS_ID] else [EOS_ID]  # every document closed by </s>
     assert stream == [i for d in docs for i in [*sp.to_mmadapt[tok(sep.join(d)).input_ids].tolist(), *end]]
 
 
