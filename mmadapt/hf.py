@@ -139,7 +139,7 @@ def weight_names(model_dir: Path) -> list[str]:
     if found is None:
         raise ValueError(f"{model_dir} has no weights: expected one of {', '.join(WEIGHT_FILES)}")
     if found.endswith(".index.json"):
-        return list(json.loads((model_dir / found).read_text())["weight_map"])
+        return list(_weight_map(model_dir / found))
     if found.endswith(".safetensors"):
         from safetensors import SafetensorError, safe_open
 
@@ -198,13 +198,28 @@ def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
     return load_pt(path, "weight file", weights_only=True)
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """A sharded checkpoint's index (`weight_map`: tensor name -> weight file), refused in one line
+    where it is not one (a download cut short, a hand edit)."""
+    try:
+        found = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{index} is not JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e.reason}): it is truncated or damaged; "
+                         "download it again") from None
+    shards = found.get("weight_map") if isinstance(found, dict) else None
+    if not (isinstance(shards, dict) and shards and all(isinstance(v, str) and v for v in shards.values())):
+        raise ValueError(f"{index} has no weight_map of tensor names to weight files: it is damaged; download it "
+                         "again")
+    return shards
+
+
 def read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     model_dir = Path(model_dir)
     found = next((f for f in WEIGHT_FILES if (model_dir / f).is_file()), None)
     if found is None:
         raise ValueError(f"{model_dir} has no weights: expected one of {', '.join(WEIGHT_FILES)}")
     if found.endswith(".index.json"):
-        shards = sorted(set(json.loads((model_dir / found).read_text())["weight_map"].values()))
+        shards = sorted(set(_weight_map(model_dir / found).values()))
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
             raise ValueError(f"{model_dir}: {found} names the weight file {missing[0]}, which is missing")

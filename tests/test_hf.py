@@ -482,6 +482,45 @@ def test_bad_input_is_one_line_and_writes_nothing(hf_dirs, runs, de_tokenizer, t
     assert "not empty" in capsys.readouterr().err
 
 
+def test_a_sharded_checkpoint_imports_as_its_one_file_and_a_damaged_index_is_one_line(hf_dirs, runs, tmp_path,
+                                                                                      capsys):
+    """A checkpoint in shards (model.safetensors.index.json, as transformers saves one past its
+    max_shard_size): the import reads every shard, and its run holds the one-file import's weights
+    bit for bit. An index cut short, one without a weight_map, one naming a shard that is missing:
+    one line each naming the index (the first was a bare "Expecting value", the second a KeyError
+    traceback), nothing written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = shutil.copytree(hf_dirs["xlmr"], tmp_path / "sharded")
+    state = load_file(str(src / "model.safetensors"))
+    (src / "model.safetensors").unlink()
+    names, weight_map = sorted(state), {}
+    for i, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: state[n] for n in part}, str(src / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    index = src / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    assert sorted(AutoModelForMaskedLM.from_pretrained(str(src)).state_dict()) == sorted(
+        AutoModelForMaskedLM.from_pretrained(str(hf_dirs["xlmr"])).state_dict())  # transformers reads it too
+    assert main(["import-hf", "--model", str(src), "--output_dir", str(tmp_path / "run")]) == 0
+    (cfg, mine), (ref_cfg, ref) = load_weights(tmp_path / "run"), load_weights(runs["xlmr"])
+    assert cfg == ref_cfg and sorted(mine) == sorted(ref) and all(torch.equal(mine[k], ref[k]) for k in ref)
+    capsys.readouterr()
+    good = index.read_text()
+    for text, want in ((good[:len(good) // 2], "is not JSON"), (json.dumps({"metadata": {}}), "has no weight_map"),
+                       (json.dumps({"weight_map": {**weight_map, "extra.weight": "model-3.safetensors"}}),
+                        "names the weight file model-3.safetensors, which is missing")):
+        index.write_text(text)
+        out = tmp_path / "bad_run"
+        assert main(["import-hf", "--model", str(src), "--output_dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error:") and want in err, err
+        assert not out.exists() and not list(tmp_path.glob(".bad_run*"))
+
+
 # --- the rest: no HF libraries in mmadapt's core, a model mmadapt pretrained, TP 2, end to end ---------
 
 def test_core_does_not_import_the_hf_libraries():
