@@ -135,6 +135,7 @@ def read_examples(task: Task, spec: str, lang: str, split: str, cfg: FinetuneCon
         raise ValueError(f"{spec} holds no {task.name} examples for language {lang!r}")
     if labels is not None:
         check_labels(task, examples, labels, spec)
+        check_chunk_tags(task, sorted({t for ex in examples for t in _gold(task, ex)}), spec, evaluation=True)
     return examples
 
 
@@ -161,16 +162,18 @@ def label_names(task: Task, examples: list) -> list[str]:
     return [str(label) for label in sorted({g for ex in examples for g in _gold(task, ex)})]
 
 
-def check_chunk_tags(task: Task, labels: list[str], where: str) -> None:
+def check_chunk_tags(task: Task, labels: list[str], where: str, evaluation: bool = False) -> None:
     """A task scored by entity chunks (ner) needs O, B-X and I-X tags (IOB1 or IOB2, features.
     chunks): refuse, in one line, another scheme, which chunk F1 would read silently wrong (IOBES's
-    S-PER S-PER as one entity, plain types as untyped chunks)."""
-    if task.metric != "chunk_f1" or is_bio(labels):
+    S-PER S-PER as one entity, plain types as untyped chunks). evaluation: the gold tags of a file
+    scored against a model (the chunks are read from them as written), which may hold no entity."""
+    if task.metric != "chunk_f1" or is_bio(labels) or (evaluation and set(labels) <= {"O"}):
         return
     bad = next((t for t in labels if t != "O" and t[:2] not in ("B-", "I-")), "O")
     raise ValueError(f"{where}: the {task.name} task scores entity chunks of O, B-X and I-X tags (IOB1 or IOB2), and "
                      f"its tags include {bad!r}" + (" alone" if bad == "O" else "") + ": convert them (IOBES S-X to "
-                     "B-X, E-X to I-X), or fine-tune on them as your own --task tag (scored by accuracy)")
+                     "B-X, E-X to I-X)" + ("" if evaluation else ", or fine-tune on them as your own --task tag "
+                                           "(scored by accuracy)"))
 
 
 def check_labels(task: Task, examples: list, labels: list[str], where: str = "the data") -> None:

@@ -585,6 +585,11 @@ CASES = [
     ("ner-iobes-tags", lambda c: c.own_task("ner.txt", "Abraham S-PER\nbegat O\nIsaac S-PER\n\nAnd O\n", task="ner"),
      "ner.txt: the ner task scores entity chunks of O, B-X and I-X tags (IOB1 or IOB2), and its tags include 'S-PER': "
      "convert them"),
+    ("ner-iobes-eval-tags", lambda c: c.own_task("ner.txt", "Abraham B-PER\nbegat O\nIsaac B-PER\n\nAnd O\n",
+                                                 "--eval_file", c.file("ner-test.txt", "Isaac S-PER\nJacob E-PER\n"),
+                                                 task="ner"),
+     "ner-test.txt: the ner task scores entity chunks of O, B-X and I-X tags (IOB1 or IOB2), and its tags include "
+     "'E-PER': convert them (IOBES S-X to B-X, E-X to I-X)"),
     ("squad-unanswerable-question", lambda c: c.own_task("q.json", json.dumps({"data": [{"paragraphs": [{
         "context": "In the beginning.", "qas": [{"id": "q1", "question": "Who?", "answers": [],
                                                   "is_impossible": True}]}]}]}), task="xquad"),
