@@ -70,6 +70,9 @@ TEXT = "text"  # prefix of the indexed dataset inside a prepared directory
 VALID = "valid"  # prefix of its held-out documents (prepare's valid_fraction)
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.model"
+# The largest vocabulary whose tokens are stored as uint16; a larger one (XLM-R's 250,002 pieces,
+# Qwen2's 151,646, Llama-3's 128,256) is stored as int32, twice the bytes.
+UINT16_MAX_PIECES = 65_535
 FORMAT = 1  # version of the prepared-dataset layout
 # A training command encodes a raw --corpus itself only below this size; larger corpora are
 # prepared once with `mmadapt preprocess` (parallel, shared by every run that uses them).
@@ -398,11 +401,22 @@ def read_manifest(data_path: str | os.PathLike) -> dict:
 
 def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
                    tokenizer: str | os.PathLike | None = None, manifest: dict | None = None) -> dict:
-    """Refuse a prepared dataset that does not fit the run: its corpus changed since it was
-    prepared, its tokenizer is not `tokenizer`, or its vocabulary is not the model's. -> its
-    manifest (`manifest`: read already)."""
+    """Refuse a prepared dataset that does not fit the run: its token file is not the size its
+    manifest says or its tokenizer file is not the one it was encoded with (a copy cut short, a
+    file replaced by hand: the blocks would be read past the file's end, or in another
+    tokenizer's ids), its corpus changed since it was prepared, its tokenizer is not
+    `tokenizer`, or its vocabulary is not the model's. -> its manifest (`manifest`: read already)."""
     data_path = Path(data_path)
     manifest = manifest or read_manifest(data_path)
+    text, want = data_path / (TEXT + ".bin"), manifest["tokens"] * np.dtype(manifest["dtype"]).itemsize
+    if text.stat().st_size != want:
+        raise DataError(f"{text} holds {text.stat().st_size:,} bytes where the {manifest['tokens']:,} tokens its "
+                        f"manifest counts take {want:,}: it was cut short or replaced; prepare the dataset again "
+                        "(mmadapt preprocess) into a new --output_dir")
+    if file_sha256(data_path / TOKENIZER) != manifest["tokenizer_sha256"]:
+        raise DataError(f"{data_path / TOKENIZER} is not the tokenizer {data_path} was encoded with (its sha256 is "
+                        "not the manifest's): it was replaced; put the original back, or prepare the dataset again "
+                        "into a new --output_dir")
     corpus = Path(manifest["corpus"])
     if corpus.is_file() and corpus_fingerprint(corpus) != manifest["corpus_fingerprint"]:
         raise DataError(f"corpus {corpus} changed since {data_path} was prepared from it: prepare it again "
@@ -578,7 +592,7 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
     its validation split encoded, the manifest written last. -> the manifest."""
     valid_fraction, seed = cfg.valid_fraction, cfg.tokenizer_seed
     sp = load_checked_tokenizer(tok, vocab_size)
-    dtype = np.dtype(np.uint16 if sp.get_piece_size() <= 65_535 else np.int32).name
+    dtype = np.dtype(np.uint16 if sp.get_piece_size() <= UINT16_MAX_PIECES else np.int32).name
     # More ranges than workers so that uneven documents still balance; any split gives the same bytes.
     size = fingerprint["size"]
     n_ranges = max(1, min(4 * workers, size // (64 << 10)))

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import VOCAB
 from mmadapt.cli import main
+from mmadapt.data import file_sha256
 
 # Each row: (id, argv builder, part of the message). The builder gets a Ctx and may create
 # input files under ctx.tmp before the snapshot is taken.
@@ -82,9 +83,12 @@ class Ctx:
         """A prepared dataset (the primary run's manifest) whose tokenizer is another one."""
         out = self.tmp / "other"
         out.mkdir()
-        for name in ("manifest.json", "text.bin", "text.idx"):
+        for name in ("text.bin", "text.idx"):
             (out / name).write_bytes((self.primary / "data" / name).read_bytes())
         (out / "tokenizer.model").write_bytes(b"another tokenizer")
+        manifest = json.loads((self.primary / "data" / "manifest.json").read_text())
+        (out / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": file_sha256(
+            out / "tokenizer.model")}))
         return str(out)
 
     def finetune(self, *extra: str, primary: str | None = None) -> list[str]:

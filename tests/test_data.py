@@ -4,6 +4,7 @@ fairseq's separators, masking, sharding and the epoch order."""
 import dataclasses
 import filecmp
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -158,6 +159,33 @@ def test_an_imported_decoders_blocks_follow_its_tokenizers_layout(tokenizer, tmp
                                                                              EOS_ID, EOS_ID]
 
 
+def test_a_vocabulary_past_uint16_is_stored_as_int32_and_read_as_the_same_blocks(corpus, tokenizer, tmp_path,
+                                                                                 monkeypatch):
+    """A tokenizer of more pieces than uint16 holds (XLM-R's, Qwen2's, Llama-3's) is encoded in
+    int32 tokens (made here by lowering the bound): the corpus in int32 holds the uint16 dataset's
+    tokens, passes check_prepared (its file size is the manifest's count at 4 bytes), and every
+    reader gives the same blocks: masked, packed causal, an imported decoder's laid-out stream,
+    the held-out split."""
+    cfg = PreprocessConfig(workers=1, valid_fraction=0.1)
+    prepare(corpus, tmp_path / "u16", VOCAB, tokenizer=tokenizer, quiet=True, cfg=cfg)
+    monkeypatch.setattr(D, "UINT16_MAX_PIECES", VOCAB - 1)
+    prepare(corpus, tmp_path / "i32", VOCAB, tokenizer=tokenizer, quiet=True, cfg=cfg)
+    a, b = (D.check_prepared(tmp_path / name, VOCAB, tokenizer) for name in ("u16", "i32"))
+    assert (a.pop("dtype"), b.pop("dtype")) == ("uint16", "int32") and a == b
+    for split in ("text", "valid"):
+        short, wide = (np.fromfile(tmp_path / name / f"{split}.bin", dtype) for name, dtype in
+                       (("u16", np.uint16), ("i32", np.int32)))
+        assert len(short) > 1000 and np.array_equal(short, wide)
+    train = TrainConfig(seq_length=32, train_micro_batch_size_per_gpu=2)
+    for make in (lambda d: D.MLMBatches(d, train, VOCAB), lambda d: D.CausalBatches(d, train, VOCAB),
+                 lambda d: D.LayoutBatches(d, train, VOCAB, layout={"prefix": [BOS_ID]}),
+                 lambda d: D.MLMBatches(d, train, VOCAB, split=D.VALID)):
+        short, wide = make(tmp_path / "u16"), make(tmp_path / "i32")
+        assert len(short) == len(wide) > 1
+        for g in range(min(len(short), 6)):
+            assert all(np.array_equal(x, y) for x, y in zip(short.sample(g), wide.sample(g)))
+
+
 def test_blocks_of_a_dataset_this_process_cannot_write_are_packed_in_memory(tokenizer, tmp_path, monkeypatch):
     """A shared read-only dataset at a seq_length it was never read at: block_index wrote its
     temporary file beside the dataset ("Permission denied" on a file the user never named), and
@@ -302,6 +330,15 @@ def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
     (half / "text.bin").write_bytes(b"\0\0")
     with pytest.raises(D.DataError, match="no manifest.json"):
         D.check_prepared(half)
+    # A token file cut short, a tokenizer file replaced after preparation (its manifest unchanged)
+    for name, edit, want in (("text.bin", lambda b: b[:-2], "where the [0-9,]+ tokens its manifest counts take"),
+                             ("tokenizer.model", lambda b: b + b"\0", "is not the tokenizer .* was encoded with")):
+        cut = tmp_path / f"edited-{name}"
+        shutil.copytree(d, cut)
+        (cut / name).write_bytes(edit((cut / name).read_bytes()))
+        with pytest.raises(D.DataError, match=want):
+            D.check_prepared(cut, VOCAB)
+    D.check_prepared(d, VOCAB, tokenizer)  # the dataset as prepared
     copy = tmp_path / "corpus.txt"
     copy.write_bytes(corpus.read_bytes())
     prepare(copy, tmp_path / "p", VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
