@@ -237,6 +237,38 @@ def test_expand_trains_only_the_new_rows(family, sources, de_corpus, de_tokenize
         assert not torch.equal(art[key][VOCAB:], start[key][VOCAB:]), f"{key}: the new rows did not train"
 
 
+@pytest.mark.parametrize("family", ["roberta", "llama"])
+def test_an_expand_run_paused_and_resumed_matches_the_uninterrupted_one(family, sources, expanded_data, tmp_path):
+    """Step 2 --vocab_mode expand paused after update 2 (--exit_interval) and resumed: its
+    checkpoints hold the new rows alone, and the frozen source rows are rebuilt from the source
+    run at the resume. The same losses as the run that was not paused, the same final artifact
+    bit for bit, its source rows still the source's."""
+    from conftest import metrics
+    from mmadapt.faults import Paused
+
+    source, data = sources[family], expanded_data[family]
+    train = dataclasses.replace(_train(family, 4, vocab_mode="expand"), log_interval=1, save_interval=2)
+
+    def go(out: Path, resume: bool = False, **changes) -> None:
+        steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO2, data_path=data, resume=resume),
+                               step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de",
+                                                          train=dataclasses.replace(train, **changes)))
+
+    go(tmp_path / "whole")
+    with pytest.raises(Paused):
+        go(tmp_path / "paused", exit_interval=2)
+    assert [r["step"] for r in metrics(tmp_path / "paused") if "loss" in r] == [1, 2]
+    go(tmp_path / "paused", resume=True)
+    losses = {run: [(r["step"], r["loss"]) for r in metrics(tmp_path / run) if "loss" in r]
+              for run in ("whole", "paused")}
+    assert losses["paused"] == losses["whole"] and len(losses["whole"]) == 4
+    whole, paused = (read_artifact(tmp_path / run / "embeddings" / "step00000004")[0] for run in ("whole", "paused"))
+    assert sorted(whole) == sorted(paused) and all(torch.equal(whole[k], paused[k]) for k in whole)
+    cfg, state = load_weights(source)
+    mini = get_family(cfg.family).extract_minijoint(cfg, state, 2)[1]
+    assert torch.equal(paused["word_embeddings"][:VOCAB], mini[WORD].float())
+
+
 def test_the_primary_model_keeps_its_own_source_rows(sources, expanded):
     """Swapped into the primary model (Step 4, export), an expanded artifact keeps the primary
     head's own source rows of the output bias (a MINIJOINT's secondary head has its own) and
