@@ -50,8 +50,8 @@ from sentencepiece import sentencepiece_model_pb2 as sp_model
 from mmadapt import checkpoint, parallel
 from mmadapt.parallel import from_rank0
 from mmadapt.artifact import ARTIFACT_FILE, SAMPLED_KEY, read_artifact, write_artifact
-from mmadapt.config import (EMBEDDING_INITS, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig, StepSpec,
-                            TrainConfig, check_lang)
+from mmadapt.config import (EMBEDDING_INITS, MIN_VOCAB_SIZE, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig,
+                            StepSpec, TrainConfig, _f, check_lang)
 from mmadapt.data import TEXT, TOKENIZER, check_prepared, read_tokenizer, replay_blocks
 from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, merged_vocabulary,
                             output_start, replay_text, source_text)
@@ -59,8 +59,8 @@ from mmadapt.family import ModelFamily
 from mmadapt.flops import device_days
 from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, piece_counts, target_logprobs, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.run import (RunSpec, Source, check_same_source, load_checkpoint, read_source, require_head,
-                         run_text_layout, sampled_fingerprint, start_run)
+from mmadapt.run import (RunSpec, Source, check_output_outside, check_same_source, load_checkpoint, read_source,
+                         require_head, run_text_layout, sampled_fingerprint, start_run)
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
@@ -86,7 +86,7 @@ class AdaptEmbeddings(StepSpec):
     source: Path
     lang: str
     train: TrainConfig
-    vocab_size: int | None = None
+    vocab_size: int | None = _f(None, "the target vocabulary's pieces", flag=False, ge=MIN_VOCAB_SIZE)
     source_tag: str | None = None
     mini_layers: int | None = None
 
@@ -124,6 +124,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     """Step 2 (module docstring). Writes an artifact (embeddings.pt, spm.model, meta.json) under
     <output_dir>/embeddings/<tag> at update 0 and at every checkpoint: what Step 4 swaps in.
     Returns the metrics rows of this invocation (global rank 0; empty elsewhere)."""
+    check_output_outside(run, step)
     plan = Step2Plan.of(run, step)
     with start_run(plan.run, plan.model, step.train, plan.identity, plan.data) as started:
         tokenizer = started.data / TOKENIZER

@@ -22,9 +22,9 @@ from mmadapt import checkpoint, faults, parallel, predict, steps
 from mmadapt.checkpoint import check_output_file
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, INVOKED_AS, LAYOUT_FIELDS,
-                            RECIPES, SYSTEMS, EvaluateConfig, FinetuneConfig, Layout, MiniModelConfig, ModelConfig,
-                            Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe, lang_code,
-                            override, whole_number)
+                            MIN_VOCAB_SIZE, RECIPES, SYSTEMS, EvaluateConfig, FinetuneConfig, Layout, MiniModelConfig,
+                            ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe,
+                            lang_code, override, whole_number)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_any
@@ -311,8 +311,8 @@ def adapt_parser() -> argparse.ArgumentParser:
     _data_args(p, "target-language corpus (default: bible:<lang>, the packaged Bible)")
     p.add_argument("--tokenizer", help="with --corpus: an existing target-language SentencePiece .model "
                    "(default: train one with --vocab_size pieces on the corpus)")
-    p.add_argument("--vocab_size", type=whole_number(8), help="target vocabulary size V (default: the --data_path's "
-                   "or --tokenizer's size, else the source model's)")
+    p.add_argument("--vocab_size", type=whole_number(MIN_VOCAB_SIZE), help="target vocabulary size V (default: the "
+                   "--data_path's or --tokenizer's size, else the source model's)")
     _later_step_args(p, LAYOUT_FIELDS, steps.AdaptEmbeddings.name)
     add_dataclass_args(p, MiniModelConfig, only=("mini_layers",),
                        defaults="--system minijoint: the source run's secondary head, when it has only one")
@@ -343,8 +343,8 @@ def sweep_parser() -> argparse.ArgumentParser:
     p.add_argument("--lang", required=True, type=lang_code, help="target language code")
     _data_args(p, "target-language corpus (bible:<lang>: the packaged Bible) with --valid_fraction held out for "
                "the metric")
-    p.add_argument("--vocab_size", type=whole_number(8), help="with --corpus: the target vocabulary size V (default: "
-                   "the source model's)")
+    p.add_argument("--vocab_size", type=whole_number(MIN_VOCAB_SIZE), help="with --corpus: the target vocabulary size "
+                   "V (default: the source model's)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="Step-2 training schedule (the model's shape comes from "
                    "the source run; default: its family's small preset)")
     p.add_argument("--output_dir", required=True, help="one Step-2 run per depth (<output_dir>/<N>), the "
@@ -460,6 +460,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
 @user_errors
 def evaluate_main(argv=None) -> int:
     args = evaluate_parser().parse_args(argv)
+    if args.eval_batch_tokens is not None:
+        FinetuneConfig(eval_batch_tokens=args.eval_batch_tokens)  # its declared range, refused naming the flag
     if args.plugin_data:
         if not args.primary or args.finetuned or args.eval_file:
             raise ValueError("--plugin_data scores the primary model: pass --primary, not --finetuned/--eval_file")
@@ -470,7 +472,8 @@ def evaluate_main(argv=None) -> int:
                                         output=Path(args.output), seq_length=args.seq_length,
                                         blocks=args.plugin_blocks, bpb_bytes=args.bpb_bytes, graft=args.graft,
                                         allow_untrained_positions=bool(args.allow_untrained_positions),
-                                        bpb_batch_tokens=args.eval_batch_tokens or BATCH_TOKENS)
+                                        bpb_batch_tokens=(BATCH_TOKENS if args.eval_batch_tokens is None
+                                                          else args.eval_batch_tokens))
     else:
         if not args.finetuned or not args.eval_file:
             raise ValueError("pass --finetuned and --eval_file (a task), or --primary and --plugin_data")
@@ -729,7 +732,7 @@ def extend_main(argv=None) -> int:
                    help="--vocab_mode expand: how the new pieces start on the output side (adapt "
                    "--expand_output_start; default: %(default)s; a tied decoder's new rows are its output rows, so "
                    "--embedding_init subword_mean needs embedding_init here)")
-    p.add_argument("--vocab_size", type=whole_number(8), default=d["vocab_size"].default,
+    p.add_argument("--vocab_size", type=whole_number(MIN_VOCAB_SIZE), default=d["vocab_size"].default,
                    help="the target vocabulary's pieces (default: %(default)s)")
     p.add_argument("--system", choices=SYSTEMS, default="minipost", help="Step 2 over MINIPOST's mini-model (cheap, "
                    "the default) or the full model (bl_base)")

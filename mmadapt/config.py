@@ -240,6 +240,9 @@ REPLAY_FRACTION = 0.5
 # (their share of the source text's probability mass calibrated at update 0: expand.calibrate),
 # worst_case (capped at every position) or as --embedding_init starts them.
 EXPAND_OUTPUT_STARTS = ("bounded", "worst_case", "embedding_init")
+# The least size of a target vocabulary a step trains (Step 2's, a sweep's, extend's --vocab_size):
+# SentencePiece's four special pieces and room for a few of the text's own.
+MIN_VOCAB_SIZE = 8
 
 
 @dataclass
@@ -859,15 +862,15 @@ INPUT_DIRS = ("model", "into", "primary", "source", "finetuned", "embeddings", "
               "expand_from", "roles_from")
 
 
-def _output_inside_an_input(args: argparse.Namespace) -> str | None:
-    """The refusal of an --output_dir strictly inside a directory the command reads, or None.
-    (The same directory is refused by each command as one that exists already.)"""
-    out = getattr(args, "output_dir", None)
+def output_inside_an_input(out, inputs: dict) -> str | None:
+    """The refusal of an output directory `out` strictly inside a directory a command reads
+    (`inputs`: a name -> its value, one path or several; those named in INPUT_DIRS are read), or
+    None. (The same directory is refused by each command as one that exists already.)"""
     if not isinstance(out, (str, os.PathLike)):
         return None
     out_path = Path(out).resolve()
     for name in INPUT_DIRS:
-        values = getattr(args, name, None)
+        values = inputs.get(name)
         for value in values if isinstance(values, (list, tuple)) else [values]:
             if isinstance(value, (str, os.PathLike)) and Path(value).is_dir() and \
                     Path(value).resolve() in out_path.parents:
@@ -894,7 +897,7 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
-        inside = _output_inside_an_input(parsed)
+        inside = output_inside_an_input(getattr(parsed, "output_dir", None), vars(parsed))
         if inside:
             self.error(inside)
         tiny = os.environ.get(TINY_ENV, "") if self.tiny else ""

@@ -40,7 +40,8 @@ from mmadapt import checkpoint, parallel, steps
 from mmadapt.adapt import check_output_start, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, ByteScorer, fold_caveat
-from mmadapt.config import MiniModelConfig, PreprocessConfig, TrainConfig, check_lang
+from mmadapt.config import (MIN_VOCAB_SIZE, MiniModelConfig, PreprocessConfig, TrainConfig, _f, check_declared,
+                            check_lang, output_inside_an_input)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import (MANIFEST, UNKNOWN_REFUSE, DataError, NothingHeldOut, check_corpus, corpus_fingerprint,
                           read_manifest, sample_unknown_share)
@@ -80,7 +81,7 @@ class Extend:
     embedding_init: str = "subword_mean"
     # --vocab_mode expand: how the new pieces start on the output side (adapt --expand_output_start)
     expand_output_start: str = TrainConfig.expand_output_start
-    vocab_size: int = 16_000
+    vocab_size: int = _f(16_000, "the target vocabulary's pieces", flag=False, ge=MIN_VOCAB_SIZE)
     system: str = "minipost"
     source_corpus: str = "bible:en"
     seq_length: int = 64
@@ -91,7 +92,7 @@ class Extend:
     adapt_iters: int = 600
     # held-out target blocks each Step-2 checkpoint is scored on through the primary model (adapt
     # --plugin_eval_blocks): the progress line and the summary's plug-in loss
-    plugin_eval_blocks: int = 256
+    plugin_eval_blocks: int = _f(256, "held-out target blocks per Step-2 checkpoint", flag=False, ge=1)
     bpb_bytes: int = BPB_BYTES  # held-out target bytes the summary scores in bits per byte: not the extension's identity
     into: Optional[Path] = None  # a fine-tuned sibling of `model` (a Hugging Face directory) to graft the embeddings into
 
@@ -103,6 +104,7 @@ class Extend:
         # recorded as absolute paths: the same extension continued from another directory, or
         # with another spelling of its corpus, is the same extension
         self.corpus, self.source_corpus = _corpus_spec(self.corpus), _corpus_spec(self.source_corpus)
+        check_declared(self)  # the declared ranges (the command line's): plugin_eval_blocks 0 failed at the summary
         if self.system not in SYSTEMS:
             raise ValueError(f"--system {self.system}: extend adapts an imported model over {' or '.join(SYSTEMS)}")
         check_lang(self.lang)
@@ -113,6 +115,9 @@ class Extend:
         self.step2_schedule()
         for corpus in (self.corpus, self.source_corpus):
             check_corpus(resolve_corpus(corpus))
+        inside = output_inside_an_input(self.output_dir, {"model": self.model, "into": self.into})
+        if inside:  # the command line refuses it as it parses; the Python API here
+            raise ValueError(inside)
         if self.into == self.model:
             raise ValueError(f"--into {self.into} is --model itself: its extension is <output_dir>/export; drop --into "
                              "(it takes a model fine-tuned from --model)")

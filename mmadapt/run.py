@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, fusion, parallel
 from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, SAME_ON_RESUME, FinetuneConfig, Layout, LoopConfig,
-                            MiniModelConfig, ModelConfig, TrainConfig, check_declared, to_dict)
+                            MiniModelConfig, ModelConfig, TrainConfig, check_declared, output_inside_an_input,
+                            to_dict)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.engine import for_replicas, load_ds_config, zero_stage
 from mmadapt.family import ModelFamily
@@ -65,6 +66,8 @@ class RunSpec:
 
     def __post_init__(self):
         check_declared(self)
+        if self.data_path is not None and self.corpus is not None:  # a step would train on one, record one
+            raise ValueError("RunSpec takes one text: data_path (a prepared dataset) or corpus (raw text), not both")
         self.output_dir, self.ds_config = Path(self.output_dir), Path(self.ds_config)
         self.data_path = None if self.data_path is None else Path(self.data_path)
         self.tokenizer = None if self.tokenizer is None else Path(self.tokenizer)
@@ -506,6 +509,22 @@ def sampled_fingerprint(state: dict[str, torch.Tensor]) -> str:
             t = t[torch.linspace(0, t.numel() - 1, SAMPLED_ELEMENTS).long()]
         digest.update(tensor_bytes(t))
     return digest.hexdigest()
+
+
+def check_output_outside(run: RunSpec, step) -> None:
+    """The command line's refusal of an output directory strictly inside a directory the step
+    reads (config.output_inside_an_input, which Parser.parse_args runs), for a step called from
+    Python: the step's fields, its configs' (replay_data), and the run's data_path."""
+    inputs: dict[str, list] = {"data_path": [run.data_path]}
+    for f in dataclasses.fields(step):
+        value = getattr(step, f.name)
+        nested = ([(g.name, getattr(value, g.name)) for g in dataclasses.fields(value)]
+                  if dataclasses.is_dataclass(value) else [(f.name, value)])
+        for name, v in nested:
+            inputs.setdefault(name, []).extend(v if isinstance(v, (list, tuple)) else [v])
+    inside = output_inside_an_input(run.output_dir, inputs)
+    if inside:
+        raise ValueError(inside)
 
 
 def check_same_source(run: "RunSpec", checks: dict[str, Callable[[], str]], source: Path) -> None:

@@ -40,8 +40,8 @@ from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings, final_ar
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.checkpoint import check_output_file
-from mmadapt.config import (RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig, PreprocessConfig,
-                            StepSpec, TrainConfig, check_lang, path_args, spec_arg, whole_arg)
+from mmadapt.config import (MIN_VOCAB_SIZE, RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig,
+                            PreprocessConfig, StepSpec, TrainConfig, _f, check_lang, path_args, spec_arg, whole_arg)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import MANIFEST, TEXT, DataError, EpochOrder, read_manifest, read_tokenizer, wait_for
 from mmadapt.data import prepare as prepare_corpus
@@ -58,9 +58,9 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, reference_logprobs,
                              scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
-from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_resumable, check_same_source, pretrained_blocks,
-                         read_run, read_source, require_head, require_kind, run_progress, run_text_layout,
-                         sampled_fingerprint, start_run, weights_fingerprint)
+from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_output_outside, check_resumable,
+                         check_same_source, pretrained_blocks, read_run, read_source, require_head, require_kind,
+                         run_progress, run_text_layout, sampled_fingerprint, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -84,6 +84,9 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
     corpus = resolve_corpus(corpus)
     if expand_from is None:
         return prepare_corpus(corpus, output_dir, vocab_size, tokenizer=tokenizer, cfg=cfg)
+    if tokenizer is None and vocab_size is None:
+        raise DataError("a vocabulary size is needed to train the target tokenizer the expansion adds: pass "
+                        "--vocab_size (or --tokenizer)")
     require_kind(Path(expand_from), read_run(expand_from), "pretrain", "minipost")  # its vocabulary is its source's
     size = read_tokenizer(tokenizer).get_piece_size() if tokenizer is not None and vocab_size is not None else None
     if size is not None and size != vocab_size:  # the target's size is its tokenizer's, as without expand_from
@@ -132,6 +135,7 @@ class Pretrain(StepSpec):
 def pretrain(run: RunSpec, step: Pretrain) -> list[dict]:
     """Step 1. Returns the metrics rows of this invocation (global rank 0; empty elsewhere).
     run.layout's fields set, where given, the model's (as the later steps' do their source's)."""
+    check_output_outside(run, step)
     run = run.with_corpus_resolved()
     identity, model = {"recipe": step.recipe}, run.layout.apply(step.model)
     with start_run(run, model, step.train, identity, TextData()) as started:
@@ -172,6 +176,7 @@ class BuildMinipost(StepSpec):
 def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
     """Step 1b (MINIPOST): the bottom N layers, embeddings and primary head of the primary model,
     K new layers on top, only those trained on source-language text."""
+    check_output_outside(run, step)
     n, k = step.mini.one_depth("build_minipost"), step.mini.new_layers
     source = read_source(step.primary, step.primary_tag)
     require_head(source, "build_minipost")
@@ -231,6 +236,7 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
     body from its first updates). The run it writes is a
     Step-1 run (recipe bl_base) that every later step takes; its checkpoints hold the head, the
     body is the headless run's (`frozen_from`)."""
+    check_output_outside(run, step)
     source = read_source(step.primary, step.primary_tag)
     if not source.headless:
         raise ValueError(f"{source.path} has its MLM head already: fit-head trains one for a headless run (import-hf of "
@@ -366,6 +372,7 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
     through the DeepSpeed engine (data parallel, ZeRO, megatron tensor parallel), with periodic
     checkpoints and exact --resume. Returns the run record (with `source_score` when an
     eval_file is given) and the trained module (this rank's tensor-parallel shard)."""
+    check_output_outside(run, step)
     cfg, task = step.cfg, get_task(step.task)
     source, model_cfg, train_file = _finetune_source(run, step, task)
     lr = cfg.lr or task.lr
@@ -545,7 +552,7 @@ class Sweep(StepSpec):
     cfg: SweepConfig = dataclasses.field(default_factory=SweepConfig)
     source_tag: str | None = None
     prep: PreprocessConfig = dataclasses.field(default_factory=PreprocessConfig)
-    vocab_size: int | None = None
+    vocab_size: int | None = _f(None, "with a corpus: the target vocabulary's pieces", flag=False, ge=MIN_VOCAB_SIZE)
 
     def __post_init__(self):
         super().__post_init__()
@@ -609,6 +616,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     sweep.md (table, cheapest depth) and sweep.png (needs matplotlib) into the output directory.
     A depth already trained is kept, an interrupted one resumed: run it again after a stop, or
     with more depths. Returns the summary (sweep.summarize) on global rank 0, None elsewhere."""
+    check_output_outside(run, step)
     cfg = step.cfg  # its ranges were checked when it was made (config.check_declared)
     src = read_source(step.source, step.source_tag)
     source, out, src_cfg = src.path, run.output_dir, src.cfg

@@ -792,6 +792,11 @@ CASES = [
                                                "--embeddings", c.dir("e"), "--output", str(c.tmp / "r.json"),
                                                "--plugin_blocks", "0"],
      "argument --plugin_blocks: must be >= 1, got 0"),
+    # the flag's declared range (FinetuneConfig.eval_batch_tokens): 0 ran at 16384 tokens, -1 named a Python argument
+    ("evaluate-plugin-eval-batch-tokens-zero", lambda c: ["evaluate", "--primary", str(c.primary), "--plugin_data",
+                                                          c.dir("d"), "--embeddings", c.dir("e"), "--output",
+                                                          str(c.tmp / "r.json"), "--eval_batch_tokens", "0"],
+     "error: --eval_batch_tokens must be >= 1, got 0"),
     # --- a run of the wrong kind: what it got and what it needs, in one line (issue 41)
     ("minipost-primary-is-a-finetune-run", lambda c: c.minipost(primary=c.kind_copy("finetune", task="bible-genre")),
      "is a finetune run (Step 3: a task model); this needs a pretrain or import-hf run (Step 1) or a build_minipost "

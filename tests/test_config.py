@@ -161,14 +161,69 @@ def test_every_numeric_field_declares_its_range():
      "eval_file takes a path (a str or Path; {lang} in it stands for each language), got None"),
     (lambda: __import__("mmadapt.steps").steps.evaluate_plugin("p", embeddings=["e"], data=3),
      "data takes a path (a str or Path; {lang} in it stands for each language), got 3"),
+    # the command line's ranges, which the Python API lacked (a 0 plugin_eval_blocks failed extend at its summary,
+    # after every stage had trained; RunSpec trained on data_path and dropped the corpus without a word)
+    (lambda: __import__("mmadapt.adapt").adapt.AdaptEmbeddings(system="bl_base", source="s", lang="de",
+                                                               train=TrainConfig(), vocab_size=4),
+     "AdaptEmbeddings.vocab_size must be >= 8, got 4"),
+    (lambda: __import__("mmadapt.steps").steps.Sweep(source="s", lang="de", train=TrainConfig(), vocab_size=0),
+     "Sweep.vocab_size must be >= 8, got 0"),
+    (lambda: __import__("mmadapt.extend").extend.Extend(model="m", lang="de", corpus="bible:de", output_dir="o",
+                                                        plugin_eval_blocks=0),
+     "Extend.plugin_eval_blocks must be >= 1, got 0"),
+    (lambda: __import__("mmadapt.extend").extend.Extend(model="m", lang="de", corpus="bible:de", output_dir="o",
+                                                        vocab_size=7),
+     "Extend.vocab_size must be >= 8, got 7"),
+    (lambda: __import__("mmadapt.run").run.RunSpec(output_dir="o", data_path="d", corpus="bible:en"),
+     "RunSpec takes one text: data_path (a prepared dataset) or corpus (raw text), not both"),
+    (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", Path("o"), None, expand_from=Path("r")),
+     "a vocabulary size is needed to train the target tokenizer the expansion adds"),
 ], ids=["range", "open-range", "finite", "int-not-float", "int-not-bool", "tuple-items", "choices", "replace",
         "model-tuple-items", "empty-list", "type", "step-config-type", "step-path", "run-spec-path",
         "pretrain-recipe", "pretrain-recipe-heads", "pretrain-recipe-one-head", "adapt-system", "finetune-task",
-        "evaluate-empty-list", "evaluate-plugin-blocks", "evaluate-eval-file", "evaluate-plugin-data"])
+        "evaluate-empty-list", "evaluate-plugin-blocks", "evaluate-eval-file", "evaluate-plugin-data",
+        "adapt-vocab-size", "sweep-vocab-size", "extend-plugin-eval-blocks", "extend-vocab-size", "run-spec-two-texts",
+        "preprocess-expand-no-size"])
 def test_the_python_api_is_refused_as_the_command_line_is(make, message):
     with pytest.raises(ValueError) as e:
         make()
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_python_api_refuses_an_output_inside_an_input(tmp_path):
+    """Every step called from Python refuses an output directory inside a directory it reads, as
+    the command line does as it parses (config.output_inside_an_input), before anything is
+    written: it wrote a run inside its source run, or an extension inside the model directory."""
+    from mmadapt import adapt, extend, steps
+    from mmadapt.run import RunSpec
+
+    src, data = tmp_path / "src", tmp_path / "data"
+    src.mkdir(), data.mkdir()
+    (src / "config.json").write_text("{}")
+    tiny, train = PRESETS["tiny"][0], TrainConfig()
+    calls = {
+        "pretrain": (lambda out: steps.pretrain(RunSpec(output_dir=out, data_path=data),
+                                                steps.Pretrain(model=tiny, train=train)), data, "data_path"),
+        "build_minipost": (lambda out: steps.build_minipost(RunSpec(output_dir=out),
+                                                            steps.BuildMinipost(primary=src, train=train)), src,
+                           "primary"),
+        "fit_head": (lambda out: steps.fit_head(RunSpec(output_dir=out), steps.FitHead(primary=src, train=train)),
+                     src, "primary"),
+        "finetune": (lambda out: steps.finetune(RunSpec(output_dir=out), steps.Finetune(task="bible-genre",
+                                                                                        primary=src)), src, "primary"),
+        "adapt": (lambda out: adapt.adapt_embeddings(RunSpec(output_dir=out), adapt.AdaptEmbeddings(
+            system="bl_base", source=src, lang="de", train=train)), src, "source"),
+        "sweep": (lambda out: steps.sweep(RunSpec(output_dir=out, data_path=data),
+                                          steps.Sweep(source=src, lang="de", train=train)), src, "source"),
+        "extend": (lambda out: extend.Extend(model=src, lang="de", corpus="bible:de", output_dir=out), src, "model"),
+    }
+    for name, (call, inside, flag) in calls.items():
+        out = inside / "out" / name
+        with pytest.raises(ValueError) as e:
+            call(out)
+        assert str(e.value) == (f"--output_dir {out} is inside --{flag} {inside}: write it elsewhere (what a command "
+                                "reads is left as it is)"), (name, str(e.value))
+        assert not (inside / "out").exists(), name
 
 
 def test_help_shows_each_flags_range():
