@@ -145,7 +145,13 @@ def check_positions(primary: Path, src: dict, seq_length: int, allow: bool) -> s
     """A `seq_length` within the blocks the primary model of the Step-1 record `src` was
     pretrained on: None. Longer: a ValueError naming both numbers, or with `allow` the warning
     to log (the positions past its blocks were never trained: a RoBERTa's position embeddings
-    there are their random init)."""
+    there are their random init). Past the model's positions (an imported model, whose blocks are
+    unknown, or `allow`): a ValueError, whatever `allow` says (an encoder's forward failed on it
+    with a traceback after the model had loaded)."""
+    most = src.get("model", {}).get("max_position_embeddings")
+    if most is not None and seq_length > most:
+        raise ValueError(f"--seq_length {seq_length} exceeds max_position_embeddings {most} of the model of {primary}: "
+                         f"pass --seq_length {most} or less")
     blocks = pretrained_blocks(src)
     if blocks is None or seq_length <= blocks:
         return None

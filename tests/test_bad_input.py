@@ -792,6 +792,12 @@ CASES = [
                                                "--embeddings", c.dir("e"), "--output", str(c.tmp / "r.json"),
                                                "--plugin_blocks", "0"],
      "argument --plugin_blocks: must be >= 1, got 0"),
+    # past the model's positions, the untrained ones allowed (or an imported model's, whose blocks are unknown): the
+    # encoder's forward failed with a traceback after the model had loaded
+    ("evaluate-plugin-seq-length-past-the-positions", lambda c: [
+        "evaluate", "--primary", str(c.primary), "--plugin_data", c.dir("d"), "--embeddings", c.dir("e"), "--output",
+        str(c.tmp / "r.json"), "--seq_length", "100000", "--allow_untrained_positions", "true"],
+     "error: --seq_length 100000 exceeds max_position_embeddings"),
     # the flag's declared range (FinetuneConfig.eval_batch_tokens): 0 ran at 16384 tokens, -1 named a Python argument
     ("evaluate-plugin-eval-batch-tokens-zero", lambda c: ["evaluate", "--primary", str(c.primary), "--plugin_data",
                                                           c.dir("d"), "--embeddings", c.dir("e"), "--output",
