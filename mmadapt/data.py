@@ -74,6 +74,8 @@ TOKENIZER = "tokenizer.model"
 # Qwen2's 151,646, Llama-3's 128,256) is stored as int32, twice the bytes.
 UINT16_MAX_PIECES = 65_535
 FORMAT = 1  # version of the prepared-dataset layout
+# What every manifest prepare has written holds and the readers index (check_prepared, bpb, heldout)
+MANIFEST_KEYS = ("corpus", "corpus_fingerprint", "tokenizer_sha256", "vocab_size", "dtype", "tokens")
 # A training command encodes a raw --corpus itself only below this size; larger corpora are
 # prepared once with `mmadapt preprocess` (parallel, shared by every run that uses them).
 RAW_CORPUS_LIMIT_BYTES = 1 << 30
@@ -392,7 +394,16 @@ def read_manifest(data_path: str | os.PathLike) -> dict:
             "its preparation did not finish)")
         raise DataError(f"prepared dataset {data_path} {what}: run `mmadapt preprocess --corpus <text> "
                         f"--output_dir {data_path}`")
-    manifest = json.loads((data_path / MANIFEST).read_text())
+    try:
+        manifest = json.loads((data_path / MANIFEST).read_text(encoding="utf-8"))
+    except (ValueError, OSError) as e:  # a bare "Expecting value", naming neither the file nor a fix
+        raise DataError(f"{data_path / MANIFEST} is not valid JSON ({str(e).splitlines()[0][:120]}): prepare the "
+                        "dataset again into a new directory") from None
+    missing = ([k for k in MANIFEST_KEYS if k not in manifest] if isinstance(manifest, dict)
+               else [f"a JSON object, not a {type(manifest).__name__}"])
+    if missing:  # each reader indexed it and failed with a KeyError or AttributeError traceback
+        raise DataError(f"{data_path / MANIFEST} is not a prepared dataset's manifest (it lacks {', '.join(missing)}): "
+                        "prepare the dataset again into a new directory")
     for f in (TEXT + ".bin", TEXT + ".idx", TOKENIZER):
         if not (data_path / f).is_file():
             raise DataError(f"prepared dataset {data_path} lacks {f}: prepare it again into a new directory")

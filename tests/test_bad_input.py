@@ -91,6 +91,13 @@ class Ctx:
             out / "tokenizer.model")}))
         return str(out)
 
+    def damaged_manifest(self, text: str) -> str:
+        """The primary run's prepared dataset with its manifest.json replaced by `text`."""
+        out = self.tmp / "damaged"
+        shutil.copytree(self.primary / "data", out)
+        (out / "manifest.json").write_text(text)
+        return str(out)
+
     def finetune(self, *extra: str, primary: str | None = None) -> list[str]:
         return ["finetune", "--task", "bible-genre", "--primary", primary or str(self.primary),
                 "--output_dir", str(self.out), *extra]
@@ -369,6 +376,17 @@ CASES = [
         str(c.tmp / "typo.model"), "--output_dir", str(c.out)], "typo.model does not exist: pass a SentencePiece"),
     ("data-path-not-prepared", lambda c: ["pretrain", "--data_path", c.dir("prepared"), "--output_dir", str(c.out)],
      "holds no finished dataset (no manifest.json"),
+    # a damaged manifest: a bare "Expecting property name" line, or a KeyError / AttributeError traceback
+    ("data-path-manifest-not-json", lambda c: ["pretrain", "--data_path", c.damaged_manifest('{"corpus": '),
+                                               "--output_dir", str(c.out)], "manifest.json is not valid JSON ("),
+    ("data-path-manifest-a-list", lambda c: ["pretrain", "--data_path", c.damaged_manifest("[]"), "--output_dir",
+                                             str(c.out)],
+     "manifest.json is not a prepared dataset's manifest (it lacks a JSON object, not a list)"),
+    ("plugin-data-manifest-without-corpus", lambda c: [
+        "evaluate", "--primary", str(c.primary), "--plugin_data", c.damaged_manifest(json.dumps(
+            {k: v for k, v in json.loads((c.primary / "data" / "manifest.json").read_text()).items()
+             if k != "corpus"})), "--embeddings", c.artifact(VOCAB), "--output", str(c.tmp / "r.json")],
+     "manifest.json is not a prepared dataset's manifest (it lacks corpus): prepare the dataset again"),
     # --- pretrain: configuration
     ("embedding-init-in-pretrain", lambda c: c.pretrain("--embedding_init", "subword_mean"),
      "unrecognized arguments: --embedding_init"),
