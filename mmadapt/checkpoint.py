@@ -183,6 +183,29 @@ def atomic_write(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def publish_new(path: Path, data: str | bytes, flag: str = "--output") -> None:
+    """`path`, which must not exist, created holding `data` whole: refused in one line where it
+    exists by now (another job with the same output finished first: os.replace, atomic_write's
+    publish, would replace its result without a word). A file system without hard links gets the
+    check and the replace, not atomic."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.new{os.getpid()}")
+    atomic_write(tmp, data)
+    try:
+        os.link(tmp, path)  # fails where path exists, however it came to
+    except FileExistsError:
+        tmp.unlink()
+        raise ValueError(f"{path} appeared while this command ran (another job writing the same {flag}?): kept "
+                         f"as it is; choose a new {flag}") from None
+    except OSError:  # no hard links here
+        if os.path.lexists(path):
+            tmp.unlink()
+            raise ValueError(f"{path} appeared while this command ran: kept as it is; choose a new {flag}") from None
+        os.replace(tmp, path)
+        return
+    tmp.unlink()
+
+
 def _save_fp32_master(engine, path: Path, names: dict[str, str | None]) -> None:
     """Collective over the data-parallel group: DeepSpeed assembles each trained parameter's
     fp32 master copy from the ZeRO partitions (safe_get_full_fp32_param); data-parallel rank 0

@@ -545,7 +545,7 @@ def predict_main(argv=None) -> int:
     text = "".join(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n" for row in rows)
     if args.output:  # its directory may be new (check_output_file: one that can be created)
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.atomic_write(Path(args.output), text)
+        checkpoint.publish_new(Path(args.output), text)
     else:
         sys.stdout.write(text)
     return 0
@@ -622,7 +622,7 @@ def report_main(argv=None) -> int:
     md = report_markdown(records, baseline=baseline, device=args.device)
     if args.output:  # before the plots: a refused plot leaves the table written (its directory may be new)
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.atomic_write(Path(args.output), md + "\n")
+        checkpoint.publish_new(Path(args.output), md + "\n")
     if args.plots:
         out = Path(args.plots)
         out.mkdir(parents=True, exist_ok=True)

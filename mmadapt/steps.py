@@ -473,7 +473,7 @@ def _finetune_results(run_dir: Path, task, plan: TaskPlan, cfg: FinetuneConfig) 
 def _write_records(records: list[dict], output: Path | None) -> list[dict]:
     if output is not None:
         Path(output).parent.mkdir(parents=True, exist_ok=True)  # whole or absent: a rerun refuses an existing one
-        checkpoint.atomic_write(Path(output), json.dumps(records, indent=1) + "\n")
+        checkpoint.publish_new(Path(output), json.dumps(records, indent=1) + "\n")
     return records
 
 

@@ -82,6 +82,35 @@ def test_report_from_results(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: cannot read results file")
 
 
+def test_an_output_that_appears_while_the_command_runs_is_kept(tmp_path, capsys, monkeypatch):
+    """--output is checked to be new at the start and created, not replaced, at the end
+    (checkpoint.publish_new): another job that wrote the same file meanwhile keeps its result
+    (os.replace gave the last job's silently)."""
+    from mmadapt import cli
+    from mmadapt.checkpoint import publish_new
+
+    out, results = tmp_path / "r.md", tmp_path / "results.json"
+    results.write_text(json.dumps([{"system": "bl_base", "task": "genre", "lang": "de", "step": 1, "flops": 1.0,
+                                    "score": 50.0}]))
+    real = cli.report_markdown
+
+    def racing(*args, **kw):  # the other job finishes while this one computes
+        out.write_text("the other job's report\n")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cli, "report_markdown", racing)
+    assert report_main([str(results), "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {out} appeared while this command ran") and len(err.splitlines()) == 1, err
+    assert out.read_text() == "the other job's report\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "r.md", "results.json"]  # no temporary file left
+    publish_new(tmp_path / "fresh.json", "{}\n")
+    assert (tmp_path / "fresh.json").read_text() == "{}\n"
+    with pytest.raises(ValueError, match="appeared while this command ran"):
+        publish_new(tmp_path / "fresh.json", "[]\n")
+    assert (tmp_path / "fresh.json").read_text() == "{}\n"
+
+
 def test_speedups_and_plots(tmp_path):
     day = 2.592e18
     records = []
