@@ -61,6 +61,11 @@ def read_results(files: list[str]) -> list[dict]:
         if bad:
             raise ValueError(f"results file {f}: record {bad[0][1]} has {bad[0][0]} {bad[0][2]!r}; scores are finite "
                              "numbers and FLOPs finite and >= 0 (re-run mmadapt evaluate for it)")
+        wrong = next(((i, k, r.get(k), what) for i, r in enumerate(data) for k, what in _field_problems(r)), None)
+        if wrong is not None:
+            i, k, value, what = wrong
+            raise ValueError(f"results file {f}: record {i} has {k} {value!r}; {k} {what} (re-run mmadapt evaluate "
+                             "for it)")
         step = next(((i, r["step"]) for i, r in enumerate(data) if r.get("step") is not None
                      and (isinstance(r["step"], bool) or not isinstance(r["step"], int) or r["step"] < 0)), None)
         if step is not None:
@@ -84,6 +89,34 @@ def read_results(files: list[str]) -> list[dict]:
                              "report one of them")
         seen[key] = r["_file"]
     return [{k: v for k, v in r.items() if k != "_file"} for r in records]
+
+
+# A record's fields besides flops, score and step, as Step 4 writes them: what each must be where
+# present (a missing text field is refused before; a bits-per-byte record needs BPB_NEEDS beside it)
+TEXT_FIELDS = ("system", "task", "lang", "artifact", "metric")
+NUMBER_FIELDS = ("chance", "bpb", "none_bpb", "start_bpb", "source_bpb", "source_none_bpb")
+BPB_NEEDS = ("none_bpb", "start_bpb")
+
+
+def _field_problems(r: dict):
+    """(field, what it must be) for each field of the record `r` that is not what the report
+    reads (a null language sorted against a text one, a text chance level, a bits-per-byte
+    record without its reference: each failed with a traceback)."""
+    for k in TEXT_FIELDS:
+        v = r.get(k)
+        if k in r and not (isinstance(v, str) or v is None and k not in ("system", "task", "lang")):
+            yield k, "must be a text"
+    for k in NUMBER_FIELDS:
+        v = r.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            yield k, "must be a finite number"
+    if r.get("bpb") is not None:
+        for k in BPB_NEEDS:
+            if r.get(k) is None:
+                yield k, "must be given beside bpb (the bits per byte before adaptation and at the start)"
+    of = r.get("of")
+    if of is not None and not (isinstance(of, list) and all(isinstance(s, str) for s in of)):
+        yield "of", "must be a list of system names"
 
 
 def _one_metric_per_task(records: list[dict]) -> None:

@@ -559,6 +559,19 @@ CASES = [
     ("report-record-score-none", lambda c: ["report", c.records([RECORD, {**RECORD, "score": None}])],
      "record 1 has score None; scores are finite numbers"),
     ("report-not-json", lambda c: ["report", c.file("r.json", "not json")], "cannot read results file"),
+    # fields the report reads, of another type: each failed with a TypeError or KeyError traceback
+    ("report-record-lang-null", lambda c: ["report", c.records([RECORD, {**RECORD, "lang": None}])],
+     "record 1 has lang None; lang must be a text"),
+    ("report-record-chance-text", lambda c: ["report", c.records([{**RECORD, "chance": "x"}])],
+     "record 0 has chance 'x'; chance must be a finite number"),
+    ("report-record-bpb-without-its-reference", lambda c: ["report", c.records([
+        {**RECORD, "task": "plugin-mlm", "bpb": 1.5, "start_bpb": 2.0}])],
+     "record 0 has none_bpb None; none_bpb must be given beside bpb"),
+    ("report-record-artifact-a-number", lambda c: ["report", c.records([{**RECORD, "artifact": 5}])],
+     "record 0 has artifact 5; artifact must be a text"),
+    ("report-record-of-a-number", lambda c: ["report", c.records([RECORD, {**RECORD, "system": "no_adaptation",
+                                                                           "of": 3}])],
+     "record 1 has of 3; of must be a list of system names"),
     # --- preprocess
     ("preprocess-not-utf8", lambda c: ["preprocess", "--corpus", c.file("latin1.txt", NOT_UTF8), "--output_dir",
                                        str(c.out)], "is not UTF-8"),
