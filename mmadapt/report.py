@@ -13,6 +13,7 @@ against (`adaptation_markdown`).
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 from collections import defaultdict
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL
 from mmadapt.bpb import fold_caveat
+from mmadapt.checkpoint import atomic_write
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
 from mmadapt.data import UNKNOWN_REFUSE
 from mmadapt.family import ModelFamily
@@ -877,6 +879,14 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: Path, **kw) -> None:
+    """`fig` as a PNG at `path`, whole or not at all (checkpoint.atomic_write): savefig straight to
+    the file left half a PNG where it failed, and the rerun refused the directory as holding it."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **kw)
+    atomic_write(Path(path), buf.getvalue())
+
+
 # The compute axis of plot_curves: device-days where a run reaches a hundredth of one (the paper's
 # figures), else FLOPs with the largest prefix that keeps them >= 1 (a CPU demo's Step 2 is
 # ~1e-6 V100-days: a matplotlib offset of "1e-6" on days reads as nonsense).
@@ -979,7 +989,7 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper", baseline:
     legend_rows = math.ceil(len(labels) / ncol)
     fig.legend([handles[l] for l in labels], labels, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.16 * legend_rows / (2.8 * rows), 1, 1))
-    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legend's longest row can be wider than the panels
+    save_figure(fig, path, dpi=120, bbox_inches="tight")  # the legend's longest row can be wider than the panels
     plt.close(fig)
     return True
 
@@ -1031,7 +1041,7 @@ def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: s
     ax.set_ylabel(f"speedup over {baseline}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
     return True
 

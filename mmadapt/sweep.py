@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.config import Checked, _f
 from mmadapt.objectives import MLM, plugin_objective
-from mmadapt.report import NEAR_MAX, PLUGIN_NOISE, pyplot, time_to_target
+from mmadapt.report import NEAR_MAX, PLUGIN_NOISE, pyplot, save_figure, time_to_target
 
 CEILING = "full"  # the key of the full-model row
 
@@ -186,5 +186,5 @@ def plot_sweep(summary: dict, path) -> None:
     for ax in (curves, bars):
         ax.tick_params(labelsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)

@@ -129,6 +129,22 @@ def test_speedups_and_plots(tmp_path):
     for f in ("c.png", "s.png"):
         data = (tmp_path / f).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    # a plot that fails while it is written leaves no half PNG (a rerun refused the directory as holding it)
+    from matplotlib.figure import Figure
+
+    real = Figure.savefig
+
+    def failing(fig, target, **kw):
+        real(fig, target, **kw)
+        raise OSError(28, "No space left on device")
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(Figure, "savefig", failing):
+        for plot, name in ((plot_curves, "c2.png"), (plot_speedup, "s2.png")):
+            with pytest.raises(OSError):
+                plot(records, tmp_path / name)
+            assert not (tmp_path / name).exists(), name
 
 
 def test_report_with_several_tasks_gives_the_papers_retention():
