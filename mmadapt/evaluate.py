@@ -42,7 +42,8 @@ from mmadapt.models.layers import Padding
 from mmadapt.devices import device_of, host_to_device, on_eval_device, progress, swapped
 from mmadapt.parallel import device
 from mmadapt.run import RUN_FILE, load_checkpoint, read_source, require_kind, run_model, run_text_layout
-from mmadapt.tasks import Task, chance_levels, encode, get_task, headline, read_examples, scores
+from mmadapt.tasks import (Task, chance_levels, check_one_file_per_language, encode, get_task, headline,
+                           read_examples, scores)
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokens import PAD_ID
 
@@ -370,6 +371,9 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     else:  # every artifact's primary model before any is scored (its meta.json alone)
         for path in paths:
             _check_artifact_primary(path, checkpoint.read_json(path / "meta.json", "Step-2 artifact file"), primary)
+    if lang is None:  # every artifact on its own language's examples: the file must hold them
+        check_one_file_per_language(eval_spec, sorted({checkpoint.read_json(p / "meta.json", "Step-2 artifact file")
+                                                       ["lang"] for p in paths}), "--eval_file", runs[0].task.by_lang)
     warned = {"finetune_warnings": warnings} if warnings else {}
     # The first run's settings read the evaluation files (your own task's columns) and name the
     # headline; every metric is recorded, averaged over the seeds.

@@ -62,7 +62,7 @@ from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_output_o
                          check_same_source, pretrained_blocks, read_run, read_source, require_head, require_kind,
                          run_progress, run_text_layout, sampled_fingerprint, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
-from mmadapt.tasks import chance_levels, get_task
+from mmadapt.tasks import chance_levels, check_one_file_per_language, get_task
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.train import LMJob, TextData, client_state, task_step, train_lm
 
@@ -528,6 +528,7 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
     if positions:
         print(f"warning: {positions}", flush=True)
     langs = {read_artifact(p)[2]["lang"] for p in artifact_dirs([Path(e) for e in embeddings])}
+    check_one_file_per_language(data, sorted(langs), "--plugin_data")  # a prepared dataset holds one language
     records = plugin_records(Path(primary), [Path(e) for e in embeddings],
                              {lang: Path(data.replace("{lang}", lang)) for lang in langs}, seq_length, blocks,
                              bpb_bytes=whole_arg(bpb_bytes, "bpb_bytes", MIN_BPB_BYTES), graft=graft,

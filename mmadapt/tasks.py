@@ -73,12 +73,15 @@ class Task:
     # has no output for it); the paper's tag sets instead score an unseen tag as wrong.
     own: bool = False
     pairs: bool = False  # classify: its examples are pairs of texts (<s> a </s></s> b </s>)
+    # Its reader selects a language's examples from a source holding several (XNLI's test file,
+    # the packaged Bible): one --eval_file serves every language; another task's needs {lang}
+    by_lang: bool = False
 
 
 TASKS = {
     # XNLI: MultiNLI train.tsv for English training; xnli.test.tsv (every language, filtered by lang).
     "xnli": Task("xnli", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_nli(p, lang), NLI_LABELS,
-                 pairs=True),
+                 pairs=True, by_lang=True),
     "pawsx": Task("pawsx", "classify", "accuracy", 1e-5, lambda p, lang, split, cfg: read_pawsx(p, lang),
                   ("different", "paraphrase"), pairs=True),
     # MLQA's metric normalises answers per language (readers.normalize_answer); XQuAD is scored as SQuAD v1.1
@@ -88,8 +91,9 @@ TASKS = {
     "ner": Task("ner", "tag", "chunk_f1", 3e-5, lambda p, lang, split, cfg: read_conll2003(p)),
     # The demo's task on the packaged Bible (mmadapt/corpora.py): a verse's book genre.
     "bible-genre": Task("bible-genre", "classify", "accuracy", 3e-5, _read_genre,
-                        ("law_history", "poetry_wisdom", "prophets", "gospels_acts", "letters")),
-    "bible-testament": Task("bible-testament", "classify", "accuracy", 3e-5, _read_testament, ("old", "new")),
+                        ("law_history", "poetry_wisdom", "prophets", "gospels_acts", "letters"), by_lang=True),
+    "bible-testament": Task("bible-testament", "classify", "accuracy", 3e-5, _read_testament, ("old", "new"),
+                            by_lang=True),
     # Your own data (CSV, TSV, JSON Lines), labels from the training file. 3e-5: the paper's rate
     # for its smaller training sets (QA, tagging), as for bible-genre.
     "classify": Task("classify", "classify", "accuracy", 3e-5, _read_own("classify"), own=True),
@@ -119,6 +123,16 @@ def check_task_fields(task: Task, cfg: FinetuneConfig) -> None:
         if not task.own and getattr(cfg, name) is not None:
             raise ValueError(f"--{name} names a column of your own data (--task classify, pair or tag); "
                              f"{task.name} reads its files in their own format: drop it")
+
+
+def check_one_file_per_language(spec: str, langs: list[str], flag: str, by_lang: bool = False) -> None:
+    """`spec` (an evaluation file, or a prepared dataset) serves every language of `langs`: {lang}
+    in it, or (by_lang) a task whose reader selects each language from one source (Task.by_lang).
+    Refused otherwise: every language was scored on one file and recorded as its own."""
+    if len(langs) > 1 and "{lang}" not in spec and not by_lang:
+        raise ValueError(f"{flag} {spec} is one file for the artifacts' {len(langs)} languages ({', '.join(langs)}): "
+                         f"each would be scored on it and recorded as its own language; put {{lang}} in the path (it "
+                         "stands for each artifact's language), or evaluate each language apart")
 
 
 def read_examples(task: Task, spec: str, lang: str, split: str, cfg: FinetuneConfig | None = None,

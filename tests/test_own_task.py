@@ -6,6 +6,7 @@ the packaged Bible, and Step-4 records from it that `mmadapt report` reads."""
 import csv
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -357,6 +358,22 @@ def test_positions_past_the_pretraining_blocks_only_when_allowed(fresh_primary, 
                           "--resume"]) == 0
     assert json.loads((out / "run.json").read_text())["warnings"] == run["warnings"]
     assert steps.evaluate([out], embeddings=[art], eval_file=str(tmp_path / "t.csv"))[0]["finetune_warnings"]
+    # Artifacts of two languages and one evaluation file without {lang}: the French artifact was
+    # scored on the (here English) file and recorded as French; refused, as the plug-in metric's
+    # one dataset is (a prepared dataset holds one language)
+    art_fr = _artifact(tmp_path / "fr", "bl_base", "fr", english, fresh_primary / "tokenizer" / "spm.model",
+                       fresh_primary, 1)
+    one_file = (f"--eval_file {tmp_path / 't.csv'} is one file for the artifacts' 2 languages (en, fr): each would "
+                "be scored on it and recorded as its own language; put {lang} in the path")
+    with pytest.raises(ValueError, match=re.escape(one_file)):
+        steps.evaluate([out], embeddings=[art, art_fr], eval_file=str(tmp_path / "t.csv"))
+    with pytest.raises(ValueError, match=re.escape(f"--plugin_data {tmp_path / 'none'} is one file for the ")):
+        steps.evaluate_plugin(fresh_primary, embeddings=[art, art_fr], data=str(tmp_path / "none"))
+    (tmp_path / "fr.csv").write_text((tmp_path / "t.csv").read_text())
+    (tmp_path / "en.csv").write_text((tmp_path / "t.csv").read_text())
+    assert sorted((r["system"] == "no_adaptation", r["lang"]) for r in steps.evaluate(
+        [out], embeddings=[art, art_fr], eval_file=str(tmp_path / "{lang}.csv"))) == [
+        (False, "en"), (False, "fr"), (True, "en"), (True, "fr")]
 
 
 # --- a learnable toy task, Step 3 and Step 4 ---------------------------------------------------------------
