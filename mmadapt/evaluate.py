@@ -366,14 +366,15 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     a graft of it) costs the source language's task."""
     paths = artifact_dirs(artifacts)  # the cheap check first
     runs, cfgs, primary, warnings = _finetuned_runs(finetuned, eval_batch_tokens, cfg_override)
+    metas = {path: checkpoint.read_json(path / "meta.json", "Step-2 artifact file") for path in paths}
     if graft:
         graft_check(paths, primary)
     else:  # every artifact's primary model before any is scored (its meta.json alone)
-        for path in paths:
-            _check_artifact_primary(path, checkpoint.read_json(path / "meta.json", "Step-2 artifact file"), primary)
+        for path, meta in metas.items():
+            _check_artifact_primary(path, meta, primary)
     if lang is None:  # every artifact on its own language's examples: the file must hold them
-        check_one_file_per_language(eval_spec, sorted({checkpoint.read_json(p / "meta.json", "Step-2 artifact file")
-                                                       ["lang"] for p in paths}), "--eval_file", runs[0].task.by_lang)
+        check_one_file_per_language(eval_spec, sorted({meta["lang"] for meta in metas.values()}), "--eval_file",
+                                    runs[0].task.by_lang)
     warned = {"finetune_warnings": warnings} if warnings else {}
     # The first run's settings read the evaluation files (your own task's columns) and name the
     # headline; every metric is recorded, averaged over the seeds.
