@@ -53,13 +53,11 @@ def read_results(files: list[str]) -> list[dict]:
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise ValueError(f"results file {f} is not a JSON list of records (as `mmadapt evaluate --output` "
                              "writes)")
-        missing = [(k, i) for i, r in enumerate(data) for k in ("system", "task", "lang", "flops", "score")
-                   if k not in r]
+        missing = [(k, i) for i, r in enumerate(data) for k in (*REQUIRED_TEXT, "flops", "score") if k not in r]
         if missing:
             raise ValueError(f"results file {f}: record {missing[0][1]} lacks {missing[0][0]!r}")
         bad = [(k, i, r[k]) for i, r in enumerate(data) for k in ("flops", "score")
-               if isinstance(r[k], bool) or not isinstance(r[k], (int, float)) or not math.isfinite(r[k])
-               or (k == "flops" and r[k] < 0)]
+               if not _finite_number(r[k]) or (k == "flops" and r[k] < 0)]
         if bad:
             raise ValueError(f"results file {f}: record {bad[0][1]} has {bad[0][0]} {bad[0][2]!r}; scores are finite "
                              "numbers and FLOPs finite and >= 0 (re-run mmadapt evaluate for it)")
@@ -94,8 +92,9 @@ def read_results(files: list[str]) -> list[dict]:
 
 
 # A record's fields besides flops, score and step, as Step 4 writes them: what each must be where
-# present (a missing text field is refused before; a bits-per-byte record needs BPB_NEEDS beside it)
-TEXT_FIELDS = ("system", "task", "lang", "artifact", "metric")
+# present (REQUIRED_TEXT in every record; a bits-per-byte record needs BPB_NEEDS beside it)
+REQUIRED_TEXT = ("system", "task", "lang")
+TEXT_FIELDS = (*REQUIRED_TEXT, "artifact", "metric")
 NUMBER_FIELDS = ("chance", "bpb", "none_bpb", "start_bpb", "source_bpb", "source_none_bpb")
 BPB_NEEDS = ("none_bpb", "start_bpb")
 
@@ -106,11 +105,10 @@ def _field_problems(r: dict):
     record without its reference: each failed with a traceback)."""
     for k in TEXT_FIELDS:
         v = r.get(k)
-        if k in r and not (isinstance(v, str) or v is None and k not in ("system", "task", "lang")):
+        if k in r and not (isinstance(v, str) or v is None and k not in REQUIRED_TEXT):
             yield k, "must be a text"
     for k in NUMBER_FIELDS:
-        v = r.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        if r.get(k) is not None and not _finite_number(r[k]):
             yield k, "must be a finite number"
     if r.get("bpb") is not None:
         for k in BPB_NEEDS:
@@ -119,6 +117,11 @@ def _field_problems(r: dict):
     of = r.get("of")
     if of is not None and not (isinstance(of, list) and all(isinstance(s, str) for s in of)):
         yield "of", "must be a list of system names"
+
+
+def _finite_number(v) -> bool:
+    """A JSON number (not true/false, which Python counts as int) that is finite."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _one_metric_per_task(records: list[dict]) -> None:
