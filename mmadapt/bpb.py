@@ -371,7 +371,13 @@ class ByteScorer:
     def text(self, data: str | Path) -> RawText:
         key = str(Path(data).resolve())
         if key not in self._texts:
-            self._texts[key] = RawText.read(data, self.max_bytes)
+            self._texts[key] = text = RawText.read(data, self.max_bytes)
+            if text.bytes < min(self.max_bytes, MIN_BPB_BYTES):
+                # Every row of the language is scored on these bytes: its figures are noise, but
+                # they are comparable with each other, so they are given, with the reason.
+                print(f"warning: bits per byte of {data} over {text.bytes} held-out bytes, all its validation "
+                      f"split holds (a figure needs {MIN_BPB_BYTES}): prepare the text with a larger "
+                      "--valid_fraction", flush=True)
         return self._texts[key]
 
     def reading(self, text: RawText, tokenizer: str | Path) -> Scored:

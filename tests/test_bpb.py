@@ -398,3 +398,26 @@ def test_the_batch_size_moves_bits_per_byte_by_rounding_alone(primary_run, engli
     assert len(read.on_device) > 4 and all(ids.numel() <= 256 for ids, *_ in read.on_device)
     assert len(large.reading(raw, tokenizer).on_device) < len(read.on_device)
     assert small.none(raw) == pytest.approx(large.none(raw), rel=1e-6)
+
+
+def test_a_validation_split_too_small_for_a_figure_is_scored_with_a_warning(primary_run, english, tokenizer,
+                                                                           tmp_path, capsys):
+    """A validation split under MIN_BPB_BYTES: every row of the language is still scored on it
+    (comparable with each other), with one warning line naming the fix; a split that holds
+    enough gives none."""
+    from mmadapt.data import prepare
+    from mmadapt.heldout import Primary, Scorer
+
+    corpus = tmp_path / "few.txt"
+    corpus.write_text("".join(f"In the beginning {i}.\nAnd God said.\n\n" for i in range(40)), encoding="utf-8")
+    prepare(corpus, tmp_path / "few", 1000, tokenizer=tokenizer, quiet=True,
+            cfg=PreprocessConfig(workers=1, valid_fraction=0.1))
+    per_byte = B.ByteScorer(Scorer(Primary.read(primary_run)), 32, 2000)
+    per_byte.text(english)
+    assert "warning" not in capsys.readouterr().out
+    raw = per_byte.text(tmp_path / "few")
+    assert 0 < raw.bytes < B.MIN_BPB_BYTES
+    out = capsys.readouterr().out
+    assert out.count("warning:") == 1 and f"over {raw.bytes} held-out bytes" in out and "--valid_fraction" in out
+    per_byte.text(tmp_path / "few")  # read once: no second warning
+    assert "warning" not in capsys.readouterr().out
