@@ -164,6 +164,9 @@ def configs_from_args(args) -> tuple[ModelConfig, TrainConfig]:
     if args.head_layers is not None and args.mini_layers is not None:
         raise ValueError("--head_layers places every head itself, --mini_layers places MINIJOINT's secondary heads: "
                          "pass one of them")
+    if args.recipe == "bl_base" and args.mini_layers is not None:  # it shaped nothing, without a word
+        raise ValueError("--mini_layers sets BL_SMALL's depth or MINIJOINT's secondary heads; bl_base trains one "
+                         "head after its last layer (--num_layers): drop --mini_layers")
     _, model, train = find_preset(args.preset)
     model = apply_recipe(override(model, args), args.recipe, override(MiniModelConfig(), args).mini_layers)
     if args.head_layers is not None:

@@ -435,6 +435,8 @@ CASES = [
     ("train-iters-zero", lambda c: c.pretrain("--train_iters", "0"), "--train_iters must be >= 1, got 0"),
     ("keep-last-negative", lambda c: c.pretrain("--keep_last", "-1"), "--keep_last must be >= 0, got -1"),
     ("mini-layers-too-deep", lambda c: c.pretrain("--mini_layers", "12"), "mini_layers 12 must be in 1..11"),
+    ("mini-layers-for-bl-base", lambda c: c.pretrain("--mini_layers", "99", "--recipe", "bl_base"),
+     "bl_base trains one head after its last layer (--num_layers): drop --mini_layers"),
     ("tp-not-dividing-heads", lambda c: c.pretrain("--tensor_model_parallel_size", "3"),
      "num_attention_heads 4 is not divisible by tensor_model_parallel_size 3"),
     # --- pretrain: the run directory

@@ -248,8 +248,13 @@ def test_adapt_template_without_extra_saves_and_pretrain_named_after_its_recipe(
         f"{repo}/runs/minipost")
     assert cli.adapt_parser().parse_args(script_args("adapt.sbatch", SYSTEM="bl_base")).source == (
         f"{repo}/runs/pretrain-bl_base")
-    run = cli.pretrain_parser().parse_args(script_args("pretrain.sbatch", RECIPE="bl_base")).output_dir
-    assert run == f"{repo}/runs/pretrain-bl_base" and (repo / "runs" / "pretrain-bl_base").is_dir()
+    run = cli.pretrain_parser().parse_args(script_args("pretrain.sbatch", RECIPE="bl_base"))
+    assert run.output_dir == f"{repo}/runs/pretrain-bl_base" and (repo / "runs" / "pretrain-bl_base").is_dir()
+    # --mini_layers goes to the recipes it shapes (bl_base refuses it)
+    assert cli.configs_from_args(run)[0].heads_after == (12,)
+    for recipe, heads in (("minijoint", (4, 12)), ("bl_small", (4,))):
+        args = cli.pretrain_parser().parse_args(script_args("pretrain.sbatch", RECIPE=recipe))
+        assert cli.configs_from_args(args)[0].heads_after == heads
 
 
 # --- a real two-node run on one machine -------------------------------------------------------------
