@@ -59,7 +59,7 @@ from mmadapt.family import ModelFamily
 from mmadapt.flops import device_days
 from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, piece_counts, target_logprobs, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.run import (RunSpec, Source, check_output_outside, check_same_source, load_checkpoint, read_source,
+from mmadapt.run import (RunSpec, Source, check_run, check_same_source, load_checkpoint, read_source,
                          require_head, run_text_layout, sampled_fingerprint, start_run)
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
@@ -124,7 +124,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     """Step 2 (module docstring). Writes an artifact (embeddings.pt, spm.model, meta.json) under
     <output_dir>/embeddings/<tag> at update 0 and at every checkpoint: what Step 4 swaps in.
     Returns the metrics rows of this invocation (global rank 0; empty elsewhere)."""
-    check_output_outside(run, step)
+    check_run(run, step)
     plan = Step2Plan.of(run, step)
     with start_run(plan.run, plan.model, step.train, plan.identity, plan.data) as started:
         tokenizer = started.data / TOKENIZER

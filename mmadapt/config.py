@@ -190,6 +190,10 @@ class StepSpec(Checked):
     that runs it): its fields checked when it is made, and every loop config it holds checked to
     set no field that another step owns (LoopConfig.check_step)."""
     name: ClassVar[str] = ""
+    # The RunSpec text fields the step reads (run.check_run refuses the others: they were dropped
+    # without a word), and where its text comes from otherwise.
+    run_text: ClassVar[tuple[str, ...]] = ("data_path", "corpus", "tokenizer")
+    text_from: ClassVar[str] = ""
 
     def __post_init__(self):
         super().__post_init__()

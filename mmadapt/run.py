@@ -511,10 +511,15 @@ def sampled_fingerprint(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def check_output_outside(run: RunSpec, step) -> None:
-    """The command line's refusal of an output directory strictly inside a directory the step
-    reads (config.output_inside_an_input, which Parser.parse_args runs), for a step called from
-    Python: the step's fields, its configs' (replay_data), and the run's data_path."""
+def check_run(run: RunSpec, step) -> None:
+    """What the command line refuses before a step starts, for a step called from Python: a
+    RunSpec text field the step does not read (`step.run_text`; its command has no such flag),
+    and an output directory strictly inside a directory the step reads
+    (config.output_inside_an_input, which Parser.parse_args runs): the step's fields, its
+    configs' (replay_data), and the run's data_path."""
+    unread = [f for f in ("data_path", "corpus", "tokenizer") if getattr(run, f) is not None and f not in step.run_text]
+    if unread:
+        raise ValueError(f"{step.name} reads no RunSpec {unread[0]} ({step.text_from}): drop it")
     inputs: dict[str, list] = {"data_path": [run.data_path]}
     for f in dataclasses.fields(step):
         value = getattr(step, f.name)

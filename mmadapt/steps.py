@@ -58,7 +58,7 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, reference_logprobs,
                              scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
-from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_output_outside, check_resumable,
+from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_run, check_resumable,
                          check_same_source, pretrained_blocks, read_run, read_source, require_head, require_kind,
                          run_progress, run_text_layout, sampled_fingerprint, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
@@ -135,7 +135,7 @@ class Pretrain(StepSpec):
 def pretrain(run: RunSpec, step: Pretrain) -> list[dict]:
     """Step 1. Returns the metrics rows of this invocation (global rank 0; empty elsewhere).
     run.layout's fields set, where given, the model's (as the later steps' do their source's)."""
-    check_output_outside(run, step)
+    check_run(run, step)
     run = run.with_corpus_resolved()
     identity, model = {"recipe": step.recipe}, run.layout.apply(step.model)
     with start_run(run, model, step.train, identity, TextData()) as started:
@@ -167,6 +167,8 @@ class BuildMinipost(StepSpec):
     the newest complete one). Default data: the primary run's prepared dataset, encoded once for
     every source-language step."""
     name: ClassVar[str] = "build_minipost"
+    run_text: ClassVar[tuple[str, ...]] = ("data_path", "corpus")
+    text_from: ClassVar[str] = "its text is encoded with the primary run's tokenizer"
     primary: Path
     train: TrainConfig
     mini: MiniModelConfig = dataclasses.field(default_factory=MiniModelConfig)
@@ -176,7 +178,7 @@ class BuildMinipost(StepSpec):
 def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
     """Step 1b (MINIPOST): the bottom N layers, embeddings and primary head of the primary model,
     K new layers on top, only those trained on source-language text."""
-    check_output_outside(run, step)
+    check_run(run, step)
     n, k = step.mini.one_depth("build_minipost"), step.mini.new_layers
     source = read_source(step.primary, step.primary_tag)
     require_head(source, "build_minipost")
@@ -215,6 +217,8 @@ class FitHead(StepSpec):
     RobertaModel or XLMRobertaModel: sentence-transformers' checkpoints), trained on
     source-language text (RunSpec.corpus or data_path) in the run's own tokenizer."""
     name: ClassVar[str] = "fit-head"
+    run_text: ClassVar[tuple[str, ...]] = ("data_path", "corpus")
+    text_from: ClassVar[str] = "its text is encoded with the primary run's tokenizer"
     primary: Path
     train: TrainConfig
     primary_tag: str | None = None
@@ -236,7 +240,7 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
     body from its first updates). The run it writes is a
     Step-1 run (recipe bl_base) that every later step takes; its checkpoints hold the head, the
     body is the headless run's (`frozen_from`)."""
-    check_output_outside(run, step)
+    check_run(run, step)
     source = read_source(step.primary, step.primary_tag)
     if not source.headless:
         raise ValueError(f"{source.path} has its MLM head already: fit-head trains one for a headless run (import-hf of "
@@ -354,6 +358,8 @@ class Finetune(StepSpec):
     `task`, trained on `train_file` (bible tasks: "bible", the default) in `source_lang`;
     eval_file: optional source-language evaluation data, scored at the end into run.json."""
     name: ClassVar[str] = "finetune"
+    run_text: ClassVar[tuple[str, ...]] = ()
+    text_from: ClassVar[str] = "it reads the task's files with the primary run's tokenizer"
     task: str
     primary: Path
     cfg: FinetuneConfig = dataclasses.field(default_factory=FinetuneConfig)
@@ -372,7 +378,7 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
     through the DeepSpeed engine (data parallel, ZeRO, megatron tensor parallel), with periodic
     checkpoints and exact --resume. Returns the run record (with `source_score` when an
     eval_file is given) and the trained module (this rank's tensor-parallel shard)."""
-    check_output_outside(run, step)
+    check_run(run, step)
     cfg, task = step.cfg, get_task(step.task)
     source, model_cfg, train_file = _finetune_source(run, step, task)
     lr = cfg.lr or task.lr
@@ -546,6 +552,8 @@ class Sweep(StepSpec):
     validation split), or RunSpec.corpus prepared into <output_dir>/data with `prep` (its
     valid_fraction > 0; vocab_size default: the source model's)."""
     name: ClassVar[str] = "sweep"
+    run_text: ClassVar[tuple[str, ...]] = ("data_path", "corpus")
+    text_from: ClassVar[str] = "the vocabulary is the prepared dataset's, or one trained on the corpus"
     source: Path
     lang: str
     train: TrainConfig
@@ -617,7 +625,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     sweep.md (table, cheapest depth) and sweep.png (needs matplotlib) into the output directory.
     A depth already trained is kept, an interrupted one resumed: run it again after a stop, or
     with more depths. Returns the summary (sweep.summarize) on global rank 0, None elsewhere."""
-    check_output_outside(run, step)
+    check_run(run, step)
     cfg = step.cfg  # its ranges were checked when it was made (config.check_declared)
     src = read_source(step.source, step.source_tag)
     source, out, src_cfg = src.path, run.output_dir, src.cfg

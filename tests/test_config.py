@@ -226,6 +226,33 @@ def test_the_python_api_refuses_an_output_inside_an_input(tmp_path):
         assert not (inside / "out").exists(), name
 
 
+def test_the_python_api_refuses_a_text_the_step_does_not_read(tmp_path):
+    """A RunSpec text (data_path, corpus, tokenizer) a step does not read is refused before
+    anything is written, as its command has no such flag: finetune dropped all three and
+    build_minipost, fit-head and sweep the tokenizer, without a word."""
+    from mmadapt import steps
+    from mmadapt.run import RunSpec
+
+    src, out, train = tmp_path / "src", tmp_path / "out", TrainConfig()
+    calls = {
+        "finetune": (lambda run: steps.finetune(run, steps.Finetune(task="bible-genre", primary=src)),
+                     "finetune reads no RunSpec {} (it reads the task's files with the primary run's tokenizer)"),
+        "build_minipost": (lambda run: steps.build_minipost(run, steps.BuildMinipost(primary=src, train=train)),
+                           "build_minipost reads no RunSpec {} (its text is encoded with the primary run's tokenizer)"),
+        "fit_head": (lambda run: steps.fit_head(run, steps.FitHead(primary=src, train=train)),
+                     "fit-head reads no RunSpec {} (its text is encoded with the primary run's tokenizer)"),
+        "sweep": (lambda run: steps.sweep(run, steps.Sweep(source=src, lang="de", train=train)),
+                  "sweep reads no RunSpec {} (the vocabulary is the prepared dataset's, or one trained on the corpus)"),
+    }
+    given = {"data_path": tmp_path / "data", "corpus": "bible:en", "tokenizer": tmp_path / "spm.model"}
+    for name, (call, message) in calls.items():
+        for field in ("data_path", "corpus", "tokenizer") if name == "finetune" else ("tokenizer",):
+            with pytest.raises(ValueError) as e:
+                call(RunSpec(output_dir=out, **{field: given[field]}))
+            assert str(e.value) == message.format(field) + ": drop it", (name, str(e.value))
+            assert not out.exists(), name
+
+
 def test_help_shows_each_flags_range():
     text = " ".join(pretrain_parser().format_help().split())  # argparse wraps lines
     assert "[>= 1]" in text and "[in (0, 1)]" in text and "[one of sdpa, varlen, math]" in text
