@@ -381,22 +381,28 @@ def _fsync_dir(path: Path) -> None:
 
 def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | None:
     """Collective. Load the newest complete checkpoint that is intact, saying which newer ones
-    were skipped and why; None (with a message) when there is none: the run starts at update 0.
-    A file that passes the size check but cannot be read stops with a one-line error naming it."""
+    were skipped and why; None (with a message) when there is no complete one: the run starts at
+    update 0. Where every complete one is damaged, refused in one line: starting again would
+    overwrite the run's log and, update by update, its checkpoints (a requeued job resumes with
+    no one watching), for what may be a file system's passing fault. A file that passes the size
+    check but cannot be read stops with a one-line error naming it."""
     ckpt_dir = Path(ckpt_dir)
-    chosen = None
+    chosen, refused = None, None
     if is_rank0():  # one choice for every rank: each rank's view of a shared file system may lag
         tags = complete_tags(ckpt_dir)
-        for tag in reversed(tags):
-            why = damaged(ckpt_dir / tag)
-            if why is None:
-                chosen = tag
-                break
-            print(f"checkpoint {tag} is damaged ({why}): resuming from the one before it", file=sys.stderr)
-        if chosen is None:
-            print(f"--resume: no {'intact ' if tags else ''}complete checkpoint in {ckpt_dir}: starting at update 0",
-                  file=sys.stderr)
-    chosen = object_from_rank0(chosen)
+        reasons = [(tag, damaged(ckpt_dir / tag)) for tag in reversed(tags)]
+        chosen = next((tag for tag, why in reasons if why is None), None)
+        if chosen is not None:
+            for tag, why in reasons[:[t for t, _ in reasons].index(chosen)]:
+                print(f"checkpoint {tag} is damaged ({why}): resuming from the one before it", file=sys.stderr)
+        elif tags:
+            refused = (f"--resume: every complete checkpoint in {ckpt_dir} is damaged (the newest, {tags[-1]}: "
+                       f"{reasons[0][1]}): restore its files and resume, or start a new --output_dir")
+        else:
+            print(f"--resume: no complete checkpoint in {ckpt_dir}: starting at update 0", file=sys.stderr)
+    chosen, refused = object_from_rank0((chosen, refused))
+    if refused:
+        raise ValueError(refused)
     if chosen is None:
         return None
     try:

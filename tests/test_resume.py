@@ -347,3 +347,32 @@ def test_tensorboard_drops_the_events_of_updates_a_run_trains_again(tmp_path):
     run(20, {30: 1.5})  # resumed from the checkpoint of update 20: 30 is trained again
     assert curve() == {10: 3.0, 20: 2.5, 30: 1.5}
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [10, 20, 30]
+
+
+def test_a_resume_where_every_complete_checkpoint_is_damaged_is_refused(tmp_path, capsys, monkeypatch):
+    """checkpoint.resume: with no complete tag the run starts at update 0 (None); with complete
+    tags that are all damaged it is refused in one line, before anything loads (it started at
+    update 0, which emptied metrics.jsonl and would overwrite the tags); with one intact tag
+    under a damaged newer one, that one is chosen (the load itself is test_damaged_newest...)."""
+    from mmadapt import checkpoint
+
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    assert checkpoint.resume(None, ckpt) is None
+    assert "no complete checkpoint" in capsys.readouterr().err
+    for tag in ("step00000002", "step00000004"):
+        (ckpt / tag).mkdir()
+        (ckpt / tag / "model.pt").write_bytes(b"x" * 10)
+        (ckpt / tag / "COMPLETE").write_text(json.dumps({"files": {"model.pt": 11}}))
+    with pytest.raises(ValueError) as e:
+        checkpoint.resume(None, ckpt)
+    assert str(e.value) == (f"--resume: every complete checkpoint in {ckpt} is damaged (the newest, step00000004: "
+                            f"{ckpt / 'step00000004' / 'model.pt'} has 10 bytes, 11 when it was saved): restore its "
+                            "files and resume, or start a new --output_dir")
+    assert capsys.readouterr().err == ""
+    (ckpt / "step00000002" / "COMPLETE").write_text(json.dumps({"files": {"model.pt": 10}}))
+    loaded = []
+    monkeypatch.setattr(checkpoint, "load", lambda engine, d, tag, strict: loaded.append(tag))
+    checkpoint.resume(None, ckpt)
+    assert loaded == ["step00000002"]
+    assert capsys.readouterr().err.startswith("checkpoint step00000004 is damaged (")
