@@ -44,6 +44,10 @@ from mmadapt.faults import RunLock
 from mmadapt.models import get_family
 
 RUN_FILE = "run.json"
+# run.json: the checkpoint tag at which the run's step returned, what follows its last update
+# written (an artifact, a report); None from its start until then. A stop at the last update
+# leaves it None: a caller that keeps finished runs (sweep, extend, the demo) resumes that one.
+FINISHED = "finished_at"
 RUN_TOKENIZER = Path("tokenizer") / "spm.model"  # a run's vocabulary, relative to its directory
 
 
@@ -207,7 +211,7 @@ class RunRecord:
         """The record as the run starts (collective: every rank waits for it); a resumed run's
         record stays as it is."""
         if parallel.is_rank0() and not (resume and self.exists()):
-            checkpoint.atomic_write(self.path, json.dumps({**self.identity, **extra}, indent=2))
+            checkpoint.atomic_write(self.path, json.dumps({**self.identity, **extra, FINISHED: None}, indent=2))
         if dist.is_initialized():
             dist.barrier()
 
@@ -250,6 +254,8 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
         parallel.init_parallel(model.tensor_model_parallel_size, model.pipeline_model_parallel_size)
         yield Started(for_replicas(ds, parallel.dp_world(), run.output_dir / "checkpoints" if run.resume else None),
                       prepared, record, family)
+        if parallel.is_rank0() and record.exists():  # the step returned (a stop or a pause raises)
+            record.finish(**{FINISHED: checkpoint.latest_tag(run.checkpoints)})
 
 
 def check_resumable(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict, data: DataPlan) -> None:
@@ -336,11 +342,15 @@ def read_run(run_dir: str | os.PathLike) -> dict:
 
 
 def run_progress(run_dir: Path, iters: int) -> str:
-    """'done' (its newest complete checkpoint is update `iters`), 'resume' (an interrupted run:
-    checkpoints, but not that one) or 'new'."""
-    ckpt = Path(run_dir) / "checkpoints"
-    if checkpoint.latest_tag(ckpt) == checkpoint.tag_for(iters):
-        return "done"
+    """'done' (its newest complete checkpoint is update `iters` and its step returned there:
+    FINISHED; a run recorded before FINISHED, the checkpoint alone), 'resume' (an interrupted
+    run: checkpoints, but not that one, or a stop at that one before what follows it was
+    written) or 'new'."""
+    ckpt, tag = Path(run_dir) / "checkpoints", checkpoint.tag_for(iters)
+    if checkpoint.latest_tag(ckpt) == tag:
+        path = Path(run_dir) / RUN_FILE
+        if (checkpoint.read_json(path, "run file") if path.is_file() else {}).get(FINISHED, tag) == tag:
+            return "done"
     return "resume" if checkpoint.has_checkpoints(ckpt) else "new"
 
 

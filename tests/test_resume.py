@@ -10,6 +10,8 @@ import pytest
 
 from conftest import PRETRAIN, REPO, VOCAB, base_args, child_env, launch_cmd, metrics, run_pretrain
 
+from mmadapt.run import FINISHED, read_run, run_progress
+
 pytestmark = pytest.mark.slow
 
 STEPS = 8
@@ -55,8 +57,11 @@ def test_stop_and_resume_matches_uninterrupted(uninterrupted, corpus, tokenizer,
         "with --resume to go on")
     assert "done:" not in paused.stdout
     assert [s for s, _, _ in losses(tmp_path)] == [1, 2, 3]
+    # a pause is not the step's return: not finished, though its checkpoint is the newest
+    assert read_run(tmp_path)[FINISHED] is None and run_progress(tmp_path, 3) == "resume"
     run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--resume"))
     assert losses(tmp_path) == uninterrupted  # exact: same data, masks, dropout and optimizer state
+    assert read_run(tmp_path)[FINISHED] == f"step{STEPS:08d}" and run_progress(tmp_path, STEPS) == "done"
 
 
 def test_a_stop_between_two_log_lines_resumes_to_the_same_lines(corpus, tokenizer, tmp_path):
@@ -376,3 +381,20 @@ def test_a_resume_where_every_complete_checkpoint_is_damaged_is_refused(tmp_path
     checkpoint.resume(None, ckpt)
     assert loaded == ["step00000002"]
     assert capsys.readouterr().err.startswith("checkpoint step00000004 is damaged (")
+
+
+def test_a_run_stopped_at_its_last_update_is_resumed_not_kept(tmp_path):
+    """run_progress: a run whose newest checkpoint is its last update is 'done' only where its
+    step returned (run.json's FINISHED at that tag): one stopped there before what follows the
+    last update was written (fit-head's report and the source files it copies, an expanded
+    Step 2's report) is 'resume', which sweep, extend and the demo run again (they kept it, and
+    what it lacked was never written). A record from before FINISHED: the checkpoint alone."""
+    ckpt = tmp_path / "checkpoints"
+    assert run_progress(tmp_path, 4) == "new"
+    (ckpt / "step00000004").mkdir(parents=True)
+    (ckpt / "step00000004" / "COMPLETE").write_text("{}")
+    for record, state in (({FINISHED: None}, "resume"), ({FINISHED: "step00000002"}, "resume"),
+                          ({FINISHED: "step00000004"}, "done"), ({}, "done")):
+        (tmp_path / "run.json").write_text(json.dumps(record))
+        assert run_progress(tmp_path, 4) == state, record
+    assert run_progress(tmp_path, 8) == "resume"
