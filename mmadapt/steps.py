@@ -410,7 +410,8 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
         record = started.record.identity
         if is_finished(run.output_dir):
             if parallel.is_rank0():
-                record = started.record.finish(**_finetune_results(run.output_dir, task, plan, cfg))
+                record = started.record.finish(**_finetune_results(run.output_dir, task, plan, cfg,
+                                                                   started.record.read()["finetune"]))
             dist.barrier()
         return record, engine.module
 
@@ -451,13 +452,16 @@ def _finetune_engine(started: Started, model_cfg: ModelConfig, cfg: FinetuneConf
     return engine, job
 
 
-def _finetune_results(run_dir: Path, task, plan: TaskPlan, cfg: FinetuneConfig) -> dict:
+def _finetune_results(run_dir: Path, task, plan: TaskPlan, cfg: FinetuneConfig, recorded: dict) -> dict:
     """What a finished fine-tune adds to its record (global rank 0): its final loss, its
     source-language score on the eval file (exactly the saved fp32 model, on this rank alone: a
     TP=1 model needs no process group) and every warning (a run that learned nothing says so in
-    its log, run.json and summary line, and Step 4 and `report` flag every record made from it)."""
+    its log, run.json and summary line, and Step 4 and `report` flag every record made from it).
+    `recorded`: the record's finetune config. The headline its score is in replaces the recorded
+    one: a --resume may change --metric (CHANGEABLE_ON_RESUME), and Step 4 reads it from there."""
     losses = [r["loss"] for r in logged_rows(run_dir) if "loss" in r]
-    results = {"final_loss": losses[-1] if losses else None}
+    results = {"final_loss": losses[-1] if losses else None, "metric": plan.metric,
+               "finetune": {**recorded, "metric": cfg.metric}}
     accuracy = chance = None
     if plan.eval_examples is not None:
         ft = load_finetuned(run_dir)

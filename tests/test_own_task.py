@@ -441,6 +441,29 @@ def test_the_toy_task_is_learned(toy_run):
     assert f"en accuracy {acc:.1f} (chance 50.0)" in line and "WARNING" not in line
 
 
+@pytest.mark.slow  # on the toy task's Step 3 run
+def test_a_fine_tune_resumed_with_another_metric_records_it_with_its_score(toy_run, fresh_primary, tmp_path):
+    """--metric may change on --resume (CHANGEABLE_ON_RESUME): the finished run, resumed with
+    macro_f1, records macro_f1 as its headline (run.json's metric and finetune.metric) with
+    its score, and Step 4 scores in it. The record kept accuracy, by a macro-F1 score."""
+    d, _ = toy_run
+    shutil.copytree(d / "ft", tmp_path / "ft")
+    recorded = json.loads((tmp_path / "ft" / "run.json").read_text())
+    cfg = FinetuneConfig(**{**recorded["finetune"], "metric": "macro_f1"})
+    steps.finetune(run=RunSpec(output_dir=tmp_path / "ft", ds_config=REPO / "ds_configs" / "zero0.json",
+                               layout=NO_DROPOUT, resume=True),
+                   step=steps.Finetune(task="classify", primary=fresh_primary, cfg=cfg, train_file=str(d / "train.csv"),
+                                       eval_file=str(d / "verses.{lang}.csv")))
+    run = json.loads((tmp_path / "ft" / "run.json").read_text())
+    assert run["metric"] == run["finetune"]["metric"] == "macro_f1"
+    assert run["source_score"] == run["source_scores"]["macro_f1"] == recorded["source_scores"]["macro_f1"]
+    assert f"en macro_f1 {run['source_score']:.1f}" in finetune_summary(run, tmp_path / "ft")
+    art = _artifact(tmp_path / "en", "bl_base", "en", load_weights(fresh_primary)[1][WORD],
+                    fresh_primary / "tokenizer" / "spm.model", fresh_primary, 1)
+    en = steps.evaluate([tmp_path / "ft"], embeddings=[art], eval_file=str(d / "verses.{lang}.csv"))[0]
+    assert en["metric"] == "macro_f1" and en["score"] == pytest.approx(run["source_score"])
+
+
 @pytest.mark.slow  # end to end: the toy task's Step 3 (113 updates) and what it records
 def test_a_fine_tune_on_shuffled_labels_is_flagged_at_chance(toy_run, fresh_primary, capsys):
     """The toy task's training verses with their labels shuffled (the same held-out file, true
