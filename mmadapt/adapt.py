@@ -146,7 +146,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         if parallel.is_rank0():
             say_start(step.lang, step.train.embedding_init, plan.model, start.rows)
         writer = ArtifactWriter.of(plan, start, tokenizer, started.data)
-        writer.save_start(plan.run.resume)
+        writer.save_start(plan.run.resume and started.record.exists())
         job = LMJob(step="adapt", trainable=writer.trainable, replay=plan.replay,
                     text_layout=run_text_layout(plan.source.record))
         metrics = train_lm(started, plan.run, plan.model, step.train, job, start.init, after_save=writer,
@@ -853,12 +853,14 @@ class ArtifactWriter:
     def save_start(self, resume: bool) -> None:
         """Step 2's start as the artifact of update 0 (the new rows as initialised, before any
         update: the start `init` as its state), what Step 4 and the plug-in metric score as "init
-        only" beside the trained embeddings. Global rank 0 (which alone saves artifacts). A --resume
-        keeps the one it finds, and writes the artifact of every intact checkpoint that has none
-        (a stop between a checkpoint's COMPLETE and its artifact: the resumed run would never
-        write it, the final one included); a fresh run writes it even over one an earlier attempt
-        left (a run that diverged before its first checkpoint starts again without --resume,
-        perhaps with other settings)."""
+        only" beside the trained embeddings. Global rank 0 (which alone saves artifacts).
+        `resume`: a --resume of a recorded run (run.json, which the resume was checked against).
+        It keeps the one it finds, and writes the artifact of every intact checkpoint that has
+        none (a stop between a checkpoint's COMPLETE and its artifact: the resumed run would never
+        write it, the final one included). Otherwise it is written even over one an earlier attempt
+        left: a run that diverged before its first checkpoint starts again without --resume, and
+        one that stopped before its record was written (the SLURM template's first launch passes
+        --resume) resumes unchecked, both perhaps with another source, data or settings."""
         if not parallel.is_rank0():
             return
         embeddings, ckpt = self.run_dir / "embeddings", self.run_dir / "checkpoints"

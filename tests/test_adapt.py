@@ -537,6 +537,14 @@ def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_
     (again / "meta.json").write_text(json.dumps({**json.loads((again / "meta.json").read_text()), "lang": "xx"}))
     go(tmp_path / "again", "--exit_interval", "2", code=76)
     assert read_artifact(again)[2]["lang"] == "de"
+    # and so does a --resume into a directory with no record yet (the SLURM template's first
+    # launch passes --resume: an attempt stopped before run.json was written, then resubmitted,
+    # perhaps with another source or data), which it kept
+    unrecorded = tmp_path / "unrecorded" / "embeddings" / "step00000000"
+    shutil.copytree(again, unrecorded)
+    (unrecorded / "meta.json").write_text(json.dumps({**json.loads((again / "meta.json").read_text()), "lang": "xx"}))
+    go(tmp_path / "unrecorded", "--resume", "--exit_interval", "2", code=76)
+    assert read_artifact(unrecorded)[2]["lang"] == "de"
     # The start artifact (update 0) is Step 2's initial rows, as the plug-in metric recomputes them
     # for runs recorded without it; the resume kept the one the first invocation wrote.
     assert all((start / f).stat().st_ino == st.st_ino and (start / f).stat().st_mtime_ns == st.st_mtime_ns
