@@ -831,14 +831,19 @@ class ArtifactWriter:
         return cls(plan.run.output_dir, family, model, start.init, trainable, tokenizer, meta, seq_flops, probe,
                    fingerprint, start.calibration(step, data))
 
-    def __call__(self, update: int, ckpt_tag: str, sd: dict | None = None) -> None:
+    def __call__(self, update: int, ckpt_tag: str, run: int | None = None, sd: dict | None = None) -> None:
+        """The artifact of the checkpoint `ckpt_tag` of update `update`. run: the updates run to
+        reach it (LoopJob.after_save; None: `update`): fp16 steps skipped on an overflow computed
+        their forward and backward, so the FLOPs and tokens count them."""
         sd = load_checkpoint(self.run_dir, ckpt_tag) if sd is None else sd  # fp32 master weights
+        run = update if run is None else run
         batch = self.meta["global_batch"]
-        flops = self.seq_flops[False] * batch * update
-        meta = {**self.meta, "step": update, "tokens": batch * self.meta["seq_length"] * update, "flops": flops,
-                **({"replay_tokens": self.meta["replay_blocks"] * self.meta["seq_length"] * update}
+        flops = self.seq_flops[False] * batch * run
+        meta = {**self.meta, "step": update, "tokens": batch * self.meta["seq_length"] * run, "flops": flops,
+                **({"replay_tokens": self.meta["replay_blocks"] * self.meta["seq_length"] * run}
                    if "replay_blocks" in self.meta else {}),
-                "flops_paper": self.seq_flops[True] * batch * update, "v100_days": device_days(flops),
+                **({"skipped_updates": run - update} if run != update else {}),
+                "flops_paper": self.seq_flops[True] * batch * run, "v100_days": device_days(flops),
                 **self.fingerprint}
         tensors = self.tensors(sd)
         if self.calibration is not None:  # update 0's too: the start's bias was fitted through the mini-model
@@ -866,11 +871,11 @@ class ArtifactWriter:
         embeddings, ckpt = self.run_dir / "embeddings", self.run_dir / "checkpoints"
         tag = checkpoint.tag_for(0)
         if not resume or not (embeddings / tag / ARTIFACT_FILE).is_file():
-            self(0, tag, self.init)
+            self(0, tag, sd=self.init)
         if resume:
             for done in checkpoint.complete_tags(ckpt):
                 if not (embeddings / done / ARTIFACT_FILE).is_file() and checkpoint.damaged(ckpt / done) is None:
-                    self(int(done.removeprefix("step")), done)
+                    self(int(done.removeprefix("step")), done, checkpoint.updates_run(ckpt / done))
 
     def tensors(self, sd: dict) -> dict:
         """An artifact's tensors (artifact.write_artifact) from the checkpoint `sd` (the trained

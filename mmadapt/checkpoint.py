@@ -457,6 +457,14 @@ def write_weights_only(ckpt_dir: Path, step: int, state: dict[str, torch.Tensor]
     return tag
 
 
+def updates_run(tag_dir: Path) -> int:
+    """The updates run to reach the checkpoint `tag_dir` (its client state's position: applied
+    updates and fp16 steps skipped on an overflow; a checkpoint without one, its step)."""
+    files = sorted(Path(tag_dir).glob("mp_rank_*_model_states.pt"))  # each holds the client state
+    meta = load_pt(files[0] if files else Path(tag_dir) / "mp_rank_00_model_states.pt", "checkpoint file")
+    return int(meta.get("position", meta["step"]))
+
+
 def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None,
                          layer_prefixes: Callable[[dict], list] | None = None) -> dict[str, torch.Tensor]:
     """Merge a checkpoint's tensor-parallel shards and pipeline layers into one state dict, with

@@ -767,7 +767,9 @@ class LoopJob:
     frozen parameters out of them. loss_names: one per entry of step_fn's losses (the heads'
     layers; None: one loss); loss_weights: how they make the logged loss
     (ModelConfig.loss_weights; None: their mean). perf(seconds per update) -> throughput fields
-    of a log row. after_save(step, tag): global rank 0, after each complete checkpoint.
+    of a log row. after_save(step, tag, run): global rank 0, after each complete checkpoint;
+    `run` counts the updates run to reach it (fp16 steps skipped on an overflow included: their
+    forward and backward were computed, what FLOPs and tokens count).
     evaluate() -> this rank's validation losses [k] (as step_fn's), every `eval_interval`
     updates: logged as `valid_loss` (and `valid_head_losses`) rows. split_losses: step_fn's losses
     end with two texts' (loss sum, count) pairs (layers.split_sums), logged as <name>_loss
@@ -779,7 +781,7 @@ class LoopJob:
     loss_names: tuple[str, ...] | None = None
     loss_weights: tuple[float, ...] | None = None
     perf: Callable[[float], dict] | None = None
-    after_save: Callable[[int, str], None] | None = None
+    after_save: Callable[[int, str, int], None] | None = None
     evaluate: Callable[[], torch.Tensor] | None = None
     eval_interval: int = 0
     split_losses: tuple[str, str] | None = None
@@ -850,7 +852,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
         failed = None
         if rank0 and job.after_save is not None:
             try:
-                job.after_save(done, tag)
+                job.after_save(done, tag, position)
             except BaseException as e:  # re-raised below, once every rank knows (not left in a collective)
                 failed = e
         if parallel.any_rank(failed is not None):
@@ -868,7 +870,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
             while done < total:
                 lr = engine.get_lr()[0]  # the rate this update trains at: DeepSpeed steps the schedule in it
                 local = step_fn(position).detach()
-                position += 1
+                position, timed = position + 1, timed + 1  # timed: a skipped update took its time too
                 # Looked at with the next read of the device (check_finite): whether its loss, or
                 # where the step skips on the device (sync_free_bf16_step) its gradient norm, is finite.
                 unchecked.add(done + 1, local, found_inf(engine))
@@ -881,7 +883,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                 else:
                     skipped = 0
                     loss_sum = local if loss_sum is None else loss_sum + local
-                    done, since, timed = done + 1, since + 1, timed + 1
+                    done, since = done + 1, since + 1
                     if done % loop.log_interval == 0 or done == total:
                         row, scalars = _loss_row(done, mean_over_ranks(loss_sum, is_pipe) / since, job.loss_names,
                                                  loss_weights=job.loss_weights, split_names=job.split_losses)

@@ -528,8 +528,10 @@ def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_
     (tmp_path / "part" / "run.json").write_text(json.dumps({**after, "start_rule": record["start_rule"]}))
     assert [r["loss"] for r in metrics(tmp_path / "part")] == [r["loss"] for r in metrics(tmp_path / "full")]
     for tag in ("step00000002", "step00000004"):
-        a, b = (read_artifact(tmp_path / d / "embeddings" / tag)[0] for d in ("full", "part"))
+        (a, _, a_meta), (b, _, b_meta) = (read_artifact(tmp_path / d / "embeddings" / tag) for d in ("full", "part"))
         assert torch.equal(a["word_embeddings"], b["word_embeddings"]), tag
+        # the recovered artifact's compute, from its checkpoint's updates run (checkpoint.updates_run)
+        assert [b_meta[k] for k in ("step", "flops", "tokens")] == [a_meta[k] for k in ("step", "flops", "tokens")]
     # A fresh run (no --resume) over an earlier attempt's start artifact (one that stopped before
     # its first checkpoint, here with another language recorded) writes its own
     again = tmp_path / "again" / "embeddings" / "step00000000"

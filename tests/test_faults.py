@@ -254,6 +254,30 @@ def test_skipped_steps_do_not_count_as_updates(tmp_path):
     assert (saved["step"], saved["position"]) == (3, 6)  # three updates, six batches consumed
 
 
+def test_skipped_steps_count_in_the_time_and_the_compute_of_a_checkpoint(tmp_path, monkeypatch):
+    """An fp16 step skipped on an overflow ran its forward and backward: the log's seconds per
+    update (what throughput and FLOP/s divide by) count it, and after_save is given the updates
+    run (Step 2's artifact counts its FLOPs and tokens from them). Each update takes a second
+    here, applied or not: the rate read 1.5 s (2 updates, 3 seconds) where the device ran 1 s
+    per update."""
+    clock = [0.0]
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+    engine, saved = FakeEngine(), []
+
+    def step(position):
+        clock[0] += 1.0
+        engine.applied = position not in (1, 4)
+        return torch.tensor([1.0])
+
+    init_parallel(1, 1)
+    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, perf=lambda dt: {"sec_per_update": dt},
+                  after_save=lambda done, tag, run: saved.append((done, tag, run)))
+    rows = train_loop(engine, step, job, TrainConfig(log_interval=2, save_interval=2), 4, run_dir=tmp_path,
+                      resume=False)
+    assert [(r["step"], r["sec_per_update"]) for r in rows] == [(2, 1.0), (4, 1.0)]
+    assert saved == [(2, "step00000002", 3), (4, "step00000004", 6)]
+
+
 @pytest.mark.parametrize("fold", [None, 2])
 def test_a_non_finite_loss_is_named_by_its_update(tmp_path, monkeypatch, fold):
     """The first non-finite update is named, also where the updates kept unchecked are folded on
@@ -589,7 +613,7 @@ def test_a_log_row_times_its_updates_alone_at_the_rate_they_trained_at(tmp_path,
     init_parallel(1, 1)
     job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, evaluate=evaluate, eval_interval=2,
                   perf=lambda dt: {"sec_per_update": dt},
-                  after_save=lambda done, tag: clock.__setitem__(0, clock[0] + 1000.0))
+                  after_save=lambda done, tag, run: clock.__setitem__(0, clock[0] + 1000.0))
     cfg = TrainConfig(log_interval=2, save_interval=2)
     rows = [r for r in train_loop(engine, step, job, cfg, 6, run_dir=tmp_path, resume=False) if "loss" in r]
     assert [(r["step"], r["sec_per_update"], r["lr"]) for r in rows] == [(2, 1.0, 2.0), (4, 1.0, 4.0), (6, 1.0, 6.0)]
@@ -599,7 +623,7 @@ def test_an_error_after_a_checkpoint_reaches_the_loop_that_saved(tmp_path):
     """Rank 0's work after a checkpoint (Step 2's artifact) failing stops the loop with that error,
     agreed over the ranks first (parallel.any_rank), so that no other rank waits for it in a
     collective; the checkpoint itself is complete."""
-    def fail(done, tag):
+    def fail(done, tag, run):
         raise OSError(28, "No space left on device")
 
     init_parallel(1, 1)
