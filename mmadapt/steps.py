@@ -410,8 +410,10 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
         record = started.record.identity
         if is_finished(run.output_dir):
             if parallel.is_rank0():
+                # the file source_score is on (not the run's identity: a --resume may score another)
                 record = started.record.finish(**_finetune_results(run.output_dir, task, plan, cfg,
-                                                                   started.record.read()["finetune"]))
+                                                                   started.record.read()["finetune"]),
+                                               **({"source_eval_file": step.eval_file} if step.eval_file else {}))
             dist.barrier()
         return record, engine.module
 

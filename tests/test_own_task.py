@@ -456,6 +456,7 @@ def test_a_fine_tune_resumed_with_another_metric_records_it_with_its_score(toy_r
                                        eval_file=str(d / "verses.{lang}.csv")))
     run = json.loads((tmp_path / "ft" / "run.json").read_text())
     assert run["metric"] == run["finetune"]["metric"] == "macro_f1"
+    assert run["source_eval_file"] == str(d / "verses.{lang}.csv")  # the file the score is on
     assert run["source_score"] == run["source_scores"]["macro_f1"] == recorded["source_scores"]["macro_f1"]
     assert f"en macro_f1 {run['source_score']:.1f}" in finetune_summary(run, tmp_path / "ft")
     art = _artifact(tmp_path / "en", "bl_base", "en", load_weights(fresh_primary)[1][WORD],
