@@ -69,8 +69,9 @@ def main() -> None:
     steps.preprocess("bible:en", output_dir=english, vocab_size=None, tokenizer=base / "tokenizer" / "spm.model",
                      cfg=PreprocessConfig(workers=1, valid_fraction=HELD_OUT))
     minipost = root / "minipost"
-    if run_progress(minipost, args.minipost_iters) != "done":
-        steps.build_minipost(run=RunSpec(output_dir=minipost, data_path=english),
+    state = run_progress(minipost, args.minipost_iters)  # an interrupted run (or one stopped at its end) goes on
+    if state != "done":
+        steps.build_minipost(run=RunSpec(output_dir=minipost, data_path=english, resume=state == "resume"),
                              step=steps.BuildMinipost(primary=base, mini=MiniModelConfig(),
                                                       train=demo._train(args.minipost_iters, args.minipost_iters)))
     distance = sibling_check(base, sibling, {}).distance

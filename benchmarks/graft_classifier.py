@@ -120,8 +120,9 @@ def main() -> None:
     steps.preprocess("bible:en", output_dir=english, vocab_size=None, tokenizer=base / "tokenizer" / "spm.model",
                      cfg=PreprocessConfig(workers=1))
     minipost = root / "minipost"
-    if run_progress(minipost, cfg.minipost_iters) != "done":
-        steps.build_minipost(run=RunSpec(output_dir=minipost, data_path=english),
+    state = run_progress(minipost, cfg.minipost_iters)  # an interrupted run (or one stopped at its end) goes on
+    if state != "done":
+        steps.build_minipost(run=RunSpec(output_dir=minipost, data_path=english, resume=state == "resume"),
                              step=steps.BuildMinipost(primary=base, mini=MiniModelConfig(),
                                                       train=demo._train(cfg.minipost_iters, cfg.minipost_iters)))
     # The full route over the sibling: a classifier's encoder has no MLM head, so one is fitted over
@@ -130,8 +131,9 @@ def main() -> None:
     english_sibling, head = root / "data" / "en-classifier", root / "classifier-head"
     steps.preprocess("bible:en", output_dir=english_sibling, vocab_size=None,
                      tokenizer=sibling / BODY / "tokenizer" / "spm.model", cfg=PreprocessConfig(workers=1))
-    if run_progress(head, args.head_iters) != "done":
-        steps.fit_head(run=RunSpec(output_dir=head, data_path=english_sibling),
+    state = run_progress(head, args.head_iters)
+    if state != "done":
+        steps.fit_head(run=RunSpec(output_dir=head, data_path=english_sibling, resume=state == "resume"),
                        step=steps.FitHead(primary=sibling / BODY, train=demo._train(args.head_iters, args.head_iters)))
     routes = {"graft": ("minipost", minipost, english), "sibling": ("bl_base", head, english_sibling),
               "base": ("bl_base", base, english)}
