@@ -412,7 +412,7 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
             if parallel.is_rank0():
                 # the file source_score is on (not the run's identity: a --resume may score another)
                 record = started.record.finish(**_finetune_results(run.output_dir, task, plan, cfg,
-                                                                   started.record.read()["finetune"]),
+                                                                   started.record.read()),
                                                **({"source_eval_file": step.eval_file} if step.eval_file else {}))
             dist.barrier()
         return record, engine.module
@@ -459,11 +459,14 @@ def _finetune_results(run_dir: Path, task, plan: TaskPlan, cfg: FinetuneConfig, 
     source-language score on the eval file (exactly the saved fp32 model, on this rank alone: a
     TP=1 model needs no process group) and every warning (a run that learned nothing says so in
     its log, run.json and summary line, and Step 4 and `report` flag every record made from it).
-    `recorded`: the record's finetune config. The headline its score is in replaces the recorded
-    one: a --resume may change --metric (CHANGEABLE_ON_RESUME), and Step 4 reads it from there."""
+    `recorded`: the run's record. The headline its score is in replaces the recorded one: a
+    --resume may change --metric (CHANGEABLE_ON_RESUME), and Step 4 reads it from there; one
+    without an eval file takes it from the scores recorded before."""
     losses = [r["loss"] for r in logged_rows(run_dir) if "loss" in r]
     results = {"final_loss": losses[-1] if losses else None, "metric": plan.metric,
-               "finetune": {**recorded, "metric": cfg.metric}}
+               "finetune": {**recorded["finetune"], "metric": cfg.metric}}
+    if plan.metric in (recorded.get("source_scores") or {}):
+        results["source_score"] = recorded["source_scores"][plan.metric]
     accuracy = chance = None
     if plan.eval_examples is not None:
         ft = load_finetuned(run_dir)

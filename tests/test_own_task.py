@@ -4,6 +4,7 @@ written, accuracy and macro-F1 (chunk F1 for B-/I-/O tags), a learnable toy task
 the packaged Bible, and Step-4 records from it that `mmadapt report` reads."""
 
 import csv
+import dataclasses
 import json
 import random
 import re
@@ -463,6 +464,14 @@ def test_a_fine_tune_resumed_with_another_metric_records_it_with_its_score(toy_r
                     fresh_primary / "tokenizer" / "spm.model", fresh_primary, 1)
     en = steps.evaluate([tmp_path / "ft"], embeddings=[art], eval_file=str(d / "verses.{lang}.csv"))[0]
     assert en["metric"] == "macro_f1" and en["score"] == pytest.approx(run["source_score"])
+    # resumed again with accuracy and no eval file: the headline and its score from the scores recorded
+    steps.finetune(run=RunSpec(output_dir=tmp_path / "ft", ds_config=REPO / "ds_configs" / "zero0.json",
+                               layout=NO_DROPOUT, resume=True),
+                   step=steps.Finetune(task="classify", primary=fresh_primary, train_file=str(d / "train.csv"),
+                                       cfg=dataclasses.replace(cfg, metric="accuracy")))
+    again = json.loads((tmp_path / "ft" / "run.json").read_text())
+    assert again["metric"] == again["finetune"]["metric"] == "accuracy"
+    assert again["source_score"] == recorded["source_scores"]["accuracy"]
 
 
 @pytest.mark.slow  # end to end: the toy task's Step 3 (113 updates) and what it records
