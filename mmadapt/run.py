@@ -209,9 +209,13 @@ class RunRecord:
 
     def write(self, resume: bool, **extra) -> None:
         """The record as the run starts (collective: every rank waits for it); a resumed run's
-        record stays as it is."""
-        if parallel.is_rank0() and not (resume and self.exists()):
-            checkpoint.atomic_write(self.path, json.dumps({**self.identity, **extra, FINISHED: None}, indent=2))
+        record stays as it is, but for FINISHED: not finished until its step returns again (a
+        record from before FINISHED gains it)."""
+        if parallel.is_rank0():
+            if not (resume and self.exists()):
+                checkpoint.atomic_write(self.path, json.dumps({**self.identity, **extra, FINISHED: None}, indent=2))
+            elif self.read().get(FINISHED, "") is not None:
+                self.finish(**{FINISHED: None})
         if dist.is_initialized():
             dist.barrier()
 

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import PRETRAIN, REPO, VOCAB, base_args, child_env, launch_cmd, metrics, run_pretrain
 
-from mmadapt.run import FINISHED, read_run, run_progress
+from mmadapt.run import FINISHED, RunRecord, read_run, run_progress
 
 pytestmark = pytest.mark.slow
 
@@ -398,3 +398,36 @@ def test_a_run_stopped_at_its_last_update_is_resumed_not_kept(tmp_path):
         (tmp_path / "run.json").write_text(json.dumps(record))
         assert run_progress(tmp_path, 4) == state, record
     assert run_progress(tmp_path, 8) == "resume"
+
+
+def test_a_resumed_run_is_not_finished_until_its_step_returns_again(tmp_path):
+    """RunRecord.write: a new record starts with FINISHED None; a resumed one keeps every field
+    but FINISHED, which goes back to None (a run finished before, resumed and stopped at its last
+    update, was 'done'), also where it predates FINISHED."""
+    def read_run(run_dir):  # the record alone (run.read_run needs a checkpoint)
+        return json.loads((run_dir / "run.json").read_text())
+
+    record = RunRecord(tmp_path, {"step": "pretrain"})
+    record.write(False, vocab=8)
+    assert read_run(tmp_path) == {"step": "pretrain", "vocab": 8, FINISHED: None}
+    record.finish(**{FINISHED: "step00000004"})
+    record.write(True, vocab=9)
+    assert read_run(tmp_path) == {"step": "pretrain", "vocab": 8, FINISHED: None}
+    (tmp_path / "run.json").write_text(json.dumps({"step": "pretrain"}))
+    record.write(True)
+    assert read_run(tmp_path) == {"step": "pretrain", FINISHED: None}
+
+
+def test_the_updates_run_to_a_checkpoint_count_skipped_steps(tmp_path):
+    """checkpoint.updates_run: a checkpoint's position (updates applied and fp16 steps skipped),
+    what a Step-2 artifact recovered from it counts its FLOPs from; one saved without a position
+    (write_weights_only: an import), its step."""
+    import torch
+
+    from mmadapt import checkpoint
+
+    (tmp_path / "step00000002").mkdir()
+    torch.save({"step": 2, "position": 3, "module": {}}, tmp_path / "step00000002" / "mp_rank_00_model_states.pt")
+    assert checkpoint.updates_run(tmp_path / "step00000002") == 3
+    tag = checkpoint.write_weights_only(tmp_path, 5, {}, {})
+    assert checkpoint.updates_run(tmp_path / tag) == 5
