@@ -476,7 +476,7 @@ def _check_source_rows(engine, names: dict, before: list[dict]) -> list[dict]:
 
 
 def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: TrainConfig, job: LMJob = LMJob(),
-             init_state: dict | None = None, after_save: Callable[[int, str], None] | None = None,
+             init_state: dict | None = None, after_save: Callable[[int, str, int], None] | None = None,
              record: dict | None = None) -> list[dict]:
     """Train an LM job on the prepared data of `started` (start_run's), starting from
     `init_state` (full weights; None: the seeded init). Writes the run record, with `record`'s
