@@ -475,6 +475,20 @@ def _check_source_rows(engine, names: dict, before: list[dict]) -> list[dict]:
     return sorted((json.loads(r) for r in unique), key=lambda r: (r["name"], r["rows"]))
 
 
+def eval_global_batches(eval_iters: int, blocks: int, global_batch: int) -> tuple[int, str | None]:
+    """The validation global batches an evaluation scores: --eval_iters, at most those the split
+    holds whole (each block once: past them the order wraps into another epoch, and the loss
+    counted some blocks twice), at least one -> (batches, a warning where fewer than asked)."""
+    whole = blocks // global_batch
+    if eval_iters <= whole:
+        return eval_iters, None
+    iters = max(1, whole)
+    again = "; fewer than one global batch: some blocks are scored more than once" if whole == 0 else ""
+    return iters, (f"--eval_iters {eval_iters} global batches of {global_batch} ask {eval_iters * global_batch:,} "
+                   f"validation blocks and the split holds {blocks:,}: the validation loss scores {iters} global "
+                   f"batch{'es' if iters > 1 else ''}{again} (more: prepare the text with a larger --valid_fraction)")
+
+
 def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: TrainConfig, job: LMJob = LMJob(),
              init_state: dict | None = None, after_save: Callable[[int, str, int], None] | None = None,
              record: dict | None = None) -> list[dict]:
@@ -516,8 +530,10 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         # calculate_per_token_loss the same loss, however the global batch is split into micro-batches and ranks
         valid = lm_batches(family, data_dir, model_cfg, dataclasses.replace(train, score_fraction=1.0), VALID,
                            job.text_layout)
-        valid_batches = [host_batch(*b, pin) for k in range(train.eval_iters)
-                         for b in valid.step_batches(k)]  # the same each time
+        iters, warning = eval_global_batches(train.eval_iters, len(valid), valid.global_batch)
+        if warning and parallel.is_rank0():
+            print(f"warning: {warning}", flush=True)
+        valid_batches = [host_batch(*b, pin) for k in range(iters) for b in valid.step_batches(k)]  # the same each time
         evaluate = functools.partial(lm_eval, engine, valid_batches, heads, train.calculate_per_token_loss)
     fill = 0.0 if is_pipeline(engine) or engine.zero_cpu_offload() else train.micro_batch_fill
     memory, rank0, recorded = device_memory(engine.device), parallel.is_rank0(), [None]

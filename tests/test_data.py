@@ -907,3 +907,20 @@ def test_a_resume_refuses_a_dataset_prepared_again_at_the_same_path(corpus, toke
                                 "data_split": split_digest(D.read_manifest(d))})
     record.write_text(json.dumps({"data_path": str(d), "data_digest": again}))  # recorded before the split
     check_same_run(record, {"data_path": str(d), "data_digest": again, "data_split": split_digest(D.read_manifest(d))})
+
+
+def test_an_evaluation_scores_each_validation_block_once():
+    """train.eval_global_batches: --eval_iters global batches where the split holds them; past
+    them, the whole global batches it holds (the order wrapped into another epoch and counted
+    some blocks twice: 20 x 8 of 100 blocks scored 60 twice), at least one, with a warning."""
+    from mmadapt.train import eval_global_batches
+
+    assert eval_global_batches(20, 1000, 32) == (20, None)
+    assert eval_global_batches(12, 100, 8) == (12, None)
+    iters, warning = eval_global_batches(20, 100, 8)
+    assert iters == 12 and warning == (
+        "--eval_iters 20 global batches of 8 ask 160 validation blocks and the split holds 100: the validation loss "
+        "scores 12 global batches (more: prepare the text with a larger --valid_fraction)")
+    iters, warning = eval_global_batches(2, 5, 8)
+    assert iters == 1 and "scores 1 global batch; fewer than one global batch: some blocks are scored more than " \
+                          "once" in warning
