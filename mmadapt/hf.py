@@ -806,10 +806,14 @@ def retemplated(hf_tok, hf_ids: list[int], layout: dict, model_max_length: int):
     source tokens of mmadapt's roles. A role whose row lies past the tokenizer (an embedding row
     the import borrowed for it) gets a special token `<|mmadapt_ROLE|>` there: the import took
     those rows in order from the tokenizer's size up, so adding the tokens in that order gives
-    them exactly those ids."""
+    them exactly those ids. A role the import gave an ordinary token that text produces (a
+    byte-level tokenizer's byte "À", models/llama/hf.py special_ids) is no special token of the
+    result, but for pad, which padding needs: transformers matches special tokens in raw text,
+    and every "À" would have read as the unk row."""
     from tokenizers import AddedToken, Tokenizer
 
     tok = Tokenizer.from_str(hf_tok.backend_tokenizer.to_str())
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
     roles = {}
     for role, h in sorted(zip(SPECIAL_ROLES, hf_ids), key=lambda rh: rh[1]):
         token = tok.id_to_token(h)
@@ -820,7 +824,9 @@ def retemplated(hf_tok, hf_ids: list[int], layout: dict, model_max_length: int):
                 raise ValueError(f"the tokenizer cannot give the {role} row {h} a token: it would get id "
                                  f"{tok.token_to_id(token)}")
         roles[role] = token
-    return _fast_tokenizer(tok, layout, roles, model_max_length)
+    tokens = {attr: role for attr, role in layout["tokens"].items() if role == "pad" or roles[role] in added
+              or roles[role].startswith("<|mmadapt_")}
+    return _fast_tokenizer(tok, {**layout, "tokens": tokens}, roles, model_max_length)
 
 
 def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None = None,

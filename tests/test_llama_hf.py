@@ -496,7 +496,7 @@ def task_model(cfg: ModelConfig, state: dict, num_labels: int = 3) -> tuple[Llam
     return model, full
 
 
-@pytest.mark.parametrize("name, german", [("qwen2", False), ("llama2", False), ("qwen2", True)])
+@pytest.mark.parametrize("name, german", [("qwen2", False), ("llama2", False), ("llama3", False), ("qwen2", True)])
 def test_export_of_a_decoder_classifier(name, german, dec_runs, de_tokenizer, tmp_path):
     """...ForSequenceClassification whose tokenizer gives mmadapt's task rows (a </s>, started as
     the source's tokenizer starts a text: Qwen2 with nothing, Llama-2 with <s>; padded with
@@ -518,7 +518,7 @@ def test_export_of_a_decoder_classifier(name, german, dec_runs, de_tokenizer, tm
     record = json.loads((dec_runs[name] / "run.json").read_text())
     model_type = record["imported_from"]["model_type"]
     framing = LLAMA.task_framing(run_text_layout(record).get("prefix"))  # as Step 3 lays its rows out
-    assert framing.start == {"qwen2": (), "llama2": (BOS_ID,)}[name]
+    assert framing.start == {"qwen2": (), "llama2": (BOS_ID,), "llama3": (BOS_ID,)}[name]
     summary = write_hf(LLAMA, tmp_path / "out", cfg, full, "classify", labels, tokenizer, model_type,
                        task_start=framing.start)
     arch = "LlamaForCausalLM" if german else ARCH[name]  # a Qwen2 body with another tokenizer: Llama
@@ -535,6 +535,8 @@ def test_export_of_a_decoder_classifier(name, german, dec_runs, de_tokenizer, tm
                           EOS_ID]].tolist()
     enc_pair = encode_classify(sp, [PairExample("Am Anfang", "schuf Gott", 0)], 48, framing)
     assert pair == to_hf[enc_pair.input_ids[0, :len(pair)]].tolist()
+    # a character whose byte token the import lent a role (llama3's unk: "À") is text, as Step 3 read it
+    assert tok("À Dieu", add_special_tokens=False).input_ids == to_hf[sp.encode("À Dieu")].tolist()
     hf = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
     assert hf.config.pad_token_id == int(to_hf[PAD_ID]) and hf.config.id2label == dict(enumerate(labels))
     with torch.no_grad():
