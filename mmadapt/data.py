@@ -163,7 +163,10 @@ def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_senten
             # (a path holding a comma, given as text, was read as two files)
             input=[str(corpus)], model_prefix=str(prefix), vocab_size=vocab_size, model_type="unigram",
             character_coverage=0.9995, pad_id=PAD_ID, unk_id=1, bos_id=BOS_ID, eos_id=EOS_ID,
-            user_defined_symbols=["<mask>"], input_sentence_size=max_sentences,
+            # a control piece, as <s> and </s> are: no text produces it (a user-defined one made a
+            # literal "<mask>" in a corpus the mask id, unlabelled in training and scored in bits
+            # per byte as a piece no model predicts); predict inserts it where a text marks one
+            control_symbols=["<mask>"], input_sentence_size=max_sentences,
             shuffle_input_sentence=True, num_threads=os.cpu_count() or 1, minloglevel=2)
     except RuntimeError as e:
         if "sentences_.empty()" in str(e):  # every line was dropped, most often for its length

@@ -15,7 +15,7 @@ from conftest import mlm_batches
 from mmadapt import data as D
 from mmadapt.config import PreprocessConfig, TrainConfig
 from mmadapt.data import mask_tokens, pack_blocks, prepare
-from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL
+from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID
 from mmadapt.models.roberta import ROBERTA
 
 VOCAB = 1000
@@ -115,6 +115,21 @@ def test_a_line_the_tokenizer_reads_as_nothing_is_left_out(tokenizer, tmp_path):
             cfg=PreprocessConfig(workers=1, valid_fraction=0.5))
     held = heldout_lines(tmp_path / "v", max_bytes=10**6)
     assert held and all(doc[1] == "\u200b" for doc in held if doc[0] != "\ufeff")
+
+
+def test_no_text_produces_the_mask_piece(corpus, tokenizer, tmp_path):
+    """<mask> is a control piece of mmadapt's tokenizers, as <s> and </s> are: a literal "<mask>"
+    in a corpus line is its characters, not MASK_ID (it was, unlabelled in training and scored in
+    bits per byte as a piece no model predicts); the piece keeps its id, and predict marks it."""
+    sp = D.load_checked_tokenizer(tokenizer)
+    assert sp.piece_to_id("<mask>") == MASK_ID and sp.is_control(MASK_ID)
+    line = "In the <mask> beginning God created <s> the heaven </s>."
+    assert not {PAD_ID, BOS_ID, EOS_ID, MASK_ID} & set(sp.encode(line))
+    (tmp_path / "c.txt").write_text(f"{line}\n", encoding="utf-8")
+    prepare(tmp_path / "c.txt", tmp_path / "d", VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
+    stored = np.fromfile(tmp_path / "d" / "text.bin", dtype=json.loads((tmp_path / "d" / "manifest.json").read_text())
+                         ["dtype"])
+    assert stored.tolist() == sp.encode(line) + [EOS_ID, EOS_ID]  # the sentence, then the document's end
 
 
 @pytest.mark.parametrize("layout, want", [
