@@ -751,8 +751,14 @@ class PrimaryCalibration:
         if self._held is None:
             self._held = scorer.heldout(self.text, len(self.logp), unigram=False)
         targets = torch.cat([t for *_, t in self._held.on_device])
-        record = {"through": "primary", "positions": self._held.scored,
-                  "tokens": self.text.blocks * self.text.seq_length}
+        blocks, s = sum(len(ids) for ids, *_ in self._held.on_device), self.text.seq_length
+        record = {"through": "primary", "positions": self._held.scored, "tokens": blocks * s}
+        passes = 0  # forward passes of the primary over the fit text
+
+        def fit(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
+            nonlocal passes
+            passes += 1
+            return self._fit(scorer, t, targets)
 
         def scaled(a: float) -> dict[str, torch.Tensor]:
             return {**tensors, "word_embeddings": tensors["word_embeddings"] * a}
@@ -762,20 +768,26 @@ class PrimaryCalibration:
             lo, hi = (math.log(x) for x in self.SCALES)
             g = (math.sqrt(5) - 1) / 2
             x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
-            f1, f2 = (self._fit(scorer, scaled(math.exp(x)), targets)[1] for x in (x1, x2))
+            f1, f2 = (fit(scaled(math.exp(x)))[1] for x in (x1, x2))
             for _ in range(self.STEPS):
                 if f1 <= f2:
                     hi, x2, f2 = x2, x1, f1
                     x1 = hi - g * (hi - lo)
-                    f1 = self._fit(scorer, scaled(math.exp(x1)), targets)[1]
+                    f1 = fit(scaled(math.exp(x1)))[1]
                 else:
                     lo, x1, f1 = x1, x2, f2
                     x2 = lo + g * (hi - lo)
-                    f2 = self._fit(scorer, scaled(math.exp(x2)), targets)[1]
+                    f2 = fit(scaled(math.exp(x2)))[1]
             factor = math.exp((lo + hi) / 2)
             record["scale"] = factor
         out = scaled(factor)
-        out["output_bias"], record["fit_loss"] = self._fit(scorer, out, targets)
+        out["output_bias"], record["fit_loss"] = fit(out)
+        # What the fit cost, apart from the artifact's training `flops` (the curves' compute, as
+        # the paper counts it): each pass the primary's forward over the blocks, its head
+        # projecting the scored positions onto the artifact's vocabulary
+        cfg = dataclasses.replace(scorer.primary.cfg, vocab_size=len(self.logp))
+        per_block = scorer.family.step_flops("score", cfg, s, self._held.scored / (blocks * s))
+        record.update(passes=passes, flops=passes * blocks * per_block)
         return out, {"primary_calibration": record}
 
 

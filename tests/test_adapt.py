@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import shutil
+import types
 
 import pytest
 import torch
@@ -277,6 +278,11 @@ def test_a_mini_models_artifact_has_its_bias_refitted_through_the_primary(step2_
     held = scorer.heldout(bias_fit_text(data, train, ROBERTA), VOCAB, unigram=False)
     assert meta["primary_calibration"]["positions"] == held.scored >= 1000
     assert "scale" not in meta["primary_calibration"]  # the default calibrates the bias only
+    # one forward pass of the primary over the fit text, its cost apart from the training's
+    primary = dataclasses.replace(scorer.primary.cfg, vocab_size=VOCAB)
+    blocks = sum(len(ids) for ids, *_ in held.on_device)
+    assert meta["primary_calibration"]["passes"] == 1 and meta["primary_calibration"]["flops"] == pytest.approx(
+        blocks * ROBERTA.step_flops("score", primary, train.seq_length, held.scored / (blocks * train.seq_length)))
 
     def gap(bias, rows=tensors["word_embeddings"]):  # nats: the largest |log mean softmax - log unigram| over pieces
         logits = torch.cat(scorer.logits(held.on_device, {"word_embeddings": rows, "output_bias": bias}))
@@ -324,13 +330,22 @@ def test_the_scale_calibration_finds_the_least_loss_factor(monkeypatch):
         return torch.full((12,), a), (math.log(a) - math.log(1.7)) ** 2 + 3.0
 
     monkeypatch.setattr(PrimaryCalibration, "_fit", fit)
-    calibrate = PrimaryCalibration(lambda: None, None, torch.zeros(12), scale=True)
-    calibrate._held = type("Held", (), {"on_device": [(None, None, None, torch.zeros(3, dtype=torch.long))],
-                                        "scored": 3})()
-    calibrate.text = type("T", (), {"blocks": 1, "seq_length": 8})()
+    # a 2-layer primary (h 4, FFN 16) of a 50-piece vocabulary; the artifact's has 12
+    cfg = dataclasses.replace(PRESETS["tiny"][0], num_layers=2, hidden_size=4, ffn_hidden_size=16, vocab_size=50,
+                              num_attention_heads=1, head_layers=(2,))
+    scorer = types.SimpleNamespace(primary=types.SimpleNamespace(cfg=cfg), family=ROBERTA)
+    calibrate = PrimaryCalibration(lambda: scorer, None, torch.zeros(12), scale=True)
+    ids, targets = torch.zeros(2, 8), torch.zeros(3, dtype=torch.long)
+    calibrate._held = types.SimpleNamespace(on_device=[(ids, None, None, targets)], scored=3)
+    calibrate.text = types.SimpleNamespace(blocks=2, seq_length=8)
     out, record = calibrate({"word_embeddings": rows, "output_bias": torch.zeros(12)})
     factor = record["primary_calibration"]["scale"]
     assert factor == pytest.approx(1.7, rel=0.01) and len(seen) == PrimaryCalibration.STEPS + 3
+    # its cost, by hand: each pass 2 blocks of 8 through 2 layers (8sh^2 + 4shf + 4s^2h each), the
+    # head's dense (2h^2) and projection onto the artifact's 12 pieces (2h x 12) at the 3 scored positions
+    layers = 2 * 2 * (8 * 8 * 4 * 4 + 4 * 8 * 4 * 16 + 4 * 8 * 8 * 4)
+    assert record["primary_calibration"]["passes"] == len(seen)
+    assert record["primary_calibration"]["flops"] == pytest.approx(len(seen) * (layers + 3 * (2 * 4 * 4 + 2 * 4 * 12)))
     assert all(0.5 <= a <= 3.0 for a in seen)
     assert torch.allclose(out["word_embeddings"], rows * factor) and torch.allclose(out["output_bias"],
                                                                                    torch.full((12,), factor))

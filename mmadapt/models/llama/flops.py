@@ -123,4 +123,6 @@ def step_flops(step: str, cfg: ModelConfig, s: int, paper: bool = False, trainab
         return adapt_flops(cfg, s, paper, p)
     if step == "minipost":
         return minipost_flops(cfg, s, trainable_layers, paper, p)
+    if step == "score":  # a forward pass, p: the fraction of positions the output layer projects
+        return forward_flops(cfg, s, p)
     raise ValueError(f"unknown step {step!r}; choose one of {', '.join(STEPS)}")

@@ -129,4 +129,6 @@ def step_flops(step: str, cfg: ModelConfig, s: int, p: float, paper: bool = Fals
         return minipost_flops(cfg, s, p, trainable_layers, paper)
     if step == "fit_head":  # not in the paper: the exact count either way
         return fit_head_flops(cfg, s, p)
+    if step == "score":  # a forward pass, p: the fraction of positions the head projects
+        return forward_flops(cfg, s, p)
     raise ValueError(f"unknown step {step!r}; choose one of {', '.join(STEPS)}")
