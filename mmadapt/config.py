@@ -538,8 +538,8 @@ class TrainConfig(LoopConfig):
     eval_interval: int = _f(0, "updates between validation losses of every head (0 = off; needs a dataset "
                             "prepared with --valid_fraction)", ge=0)
     eval_iters: int = _f(20, "validation global batches per evaluation (as megatron-core's; each rank reads its "
-                         "micro-batches of each): the same masked blocks every time, and in every split of the global "
-                         "batch into micro-batches and ranks", ge=1)
+                         "micro-batches of each; at most the whole ones the split holds): the same masked blocks every "
+                         "time, and in every split of the global batch into micro-batches and ranks", ge=1)
     micro_batch_fill: float = _f(0.8, "on a CUDA device without pipeline stages: from the third update, each update's "
                                  "blocks on a rank (train_micro_batch_size_per_gpu x gradient_accumulation_steps, "
                                  "unchanged) are re-split into the fewest micro-batches estimated from the first update "

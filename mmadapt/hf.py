@@ -774,7 +774,8 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
                                                  pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-    # control pieces (<pad>, <s>, </s>) and user-defined ones (<mask>) are whole tokens, never split
+    # control pieces (<pad>, <s>, </s>, <mask>; <mask> user-defined in tokenizers trained before
+    # 2026-12-04) are whole tokens, never split
     tok.add_special_tokens([AddedToken(p.piece, normalized=False, special=True) for p in proto.pieces
                             if p.type in (3, 4)])
     roles = {role: proto.pieces[i].piece for i, role in enumerate(SPECIAL_ROLES)}

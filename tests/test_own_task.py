@@ -450,6 +450,7 @@ def test_a_fine_tune_resumed_with_another_metric_records_it_with_its_score(toy_r
     d, _ = toy_run
     shutil.copytree(d / "ft", tmp_path / "ft")
     recorded = json.loads((tmp_path / "ft" / "run.json").read_text())
+    assert recorded["source_scores"]["accuracy"] != recorded["source_scores"]["macro_f1"]  # else nothing is told apart
     cfg = FinetuneConfig(**{**recorded["finetune"], "metric": "macro_f1"})
     steps.finetune(run=RunSpec(output_dir=tmp_path / "ft", ds_config=REPO / "ds_configs" / "zero0.json",
                                layout=NO_DROPOUT, resume=True),
