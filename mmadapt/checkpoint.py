@@ -389,15 +389,19 @@ def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | N
     ckpt_dir = Path(ckpt_dir)
     chosen, refused = None, None
     if is_rank0():  # one choice for every rank: each rank's view of a shared file system may lag
-        tags = complete_tags(ckpt_dir)
-        reasons = [(tag, damaged(ckpt_dir / tag)) for tag in reversed(tags)]
-        chosen = next((tag for tag, why in reasons if why is None), None)
+        tags, passed = complete_tags(ckpt_dir), []  # passed: (tag, why damaged), newest first
+        for tag in reversed(tags):
+            why = damaged(ckpt_dir / tag)
+            if why is None:
+                chosen = tag
+                break
+            passed.append((tag, why))
         if chosen is not None:
-            for tag, why in reasons[:[t for t, _ in reasons].index(chosen)]:
+            for tag, why in passed:
                 print(f"checkpoint {tag} is damaged ({why}): resuming from the one before it", file=sys.stderr)
         elif tags:
             refused = (f"--resume: every complete checkpoint in {ckpt_dir} is damaged (the newest, {tags[-1]}: "
-                       f"{reasons[0][1]}): restore its files and resume, or start a new --output_dir")
+                       f"{passed[0][1]}): restore its files and resume, or start a new --output_dir")
         else:
             print(f"--resume: no complete checkpoint in {ckpt_dir}: starting at update 0", file=sys.stderr)
     chosen, refused = object_from_rank0((chosen, refused))

@@ -814,7 +814,6 @@ def retemplated(hf_tok, hf_ids: list[int], layout: dict, model_max_length: int):
     from tokenizers import AddedToken, Tokenizer
 
     tok = Tokenizer.from_str(hf_tok.backend_tokenizer.to_str())
-    added = {t.content for t in tok.get_added_tokens_decoder().values()}
     roles = {}
     for role, h in sorted(zip(SPECIAL_ROLES, hf_ids), key=lambda rh: rh[1]):
         token = tok.id_to_token(h)
@@ -825,8 +824,8 @@ def retemplated(hf_tok, hf_ids: list[int], layout: dict, model_max_length: int):
                 raise ValueError(f"the tokenizer cannot give the {role} row {h} a token: it would get id "
                                  f"{tok.token_to_id(token)}")
         roles[role] = token
-    tokens = {attr: role for attr, role in layout["tokens"].items() if role == "pad" or roles[role] in added
-              or roles[role].startswith("<|mmadapt_")}
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}  # the source's, and <|mmadapt_ROLE|>
+    tokens = {attr: role for attr, role in layout["tokens"].items() if role == "pad" or roles[role] in added}
     return _fast_tokenizer(tok, {**layout, "tokens": tokens}, roles, model_max_length)
 
 

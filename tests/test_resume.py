@@ -404,18 +404,18 @@ def test_a_resumed_run_is_not_finished_until_its_step_returns_again(tmp_path):
     """RunRecord.write: a new record starts with FINISHED None; a resumed one keeps every field
     but FINISHED, which goes back to None (a run finished before, resumed and stopped at its last
     update, was 'done'), also where it predates FINISHED."""
-    def read_run(run_dir):  # the record alone (run.read_run needs a checkpoint)
+    def recorded(run_dir):  # the record alone (run.read_run needs a checkpoint)
         return json.loads((run_dir / "run.json").read_text())
 
     record = RunRecord(tmp_path, {"step": "pretrain"})
     record.write(False, vocab=8)
-    assert read_run(tmp_path) == {"step": "pretrain", "vocab": 8, FINISHED: None}
+    assert recorded(tmp_path) == {"step": "pretrain", "vocab": 8, FINISHED: None}
     record.finish(**{FINISHED: "step00000004"})
     record.write(True, vocab=9)
-    assert read_run(tmp_path) == {"step": "pretrain", "vocab": 8, FINISHED: None}
+    assert recorded(tmp_path) == {"step": "pretrain", "vocab": 8, FINISHED: None}
     (tmp_path / "run.json").write_text(json.dumps({"step": "pretrain"}))
     record.write(True)
-    assert read_run(tmp_path) == {"step": "pretrain", FINISHED: None}
+    assert recorded(tmp_path) == {"step": "pretrain", FINISHED: None}
 
 
 def test_the_updates_run_to_a_checkpoint_count_skipped_steps(tmp_path):
