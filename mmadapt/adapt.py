@@ -805,6 +805,7 @@ class ArtifactWriter:
     tokenizer: Path
     meta: dict  # every artifact's meta.json fields
     seq_flops: dict[bool, float]  # per sequence, exact (False) and the paper's (True)
+    row_flops: tuple[float, float] | None  # exact, per sequence with no row projected and per row (family.row_flops)
     probe: PluginProbe | None
     fingerprint: dict  # the primary model's: {"primary_fingerprint": full, SAMPLED_KEY: sampled} (heldout.Primary)
     calibration: PrimaryCalibration | None = None
@@ -835,23 +836,33 @@ class ArtifactWriter:
                  if train.plugin_eval_blocks else None)
         seq_flops = {p: family.step_flops("adapt", model, train.seq_length, family.scored_fraction(train), paper=p)
                      for p in (False, True)}
+        row_flops = family.row_flops("adapt", model, train.seq_length)
         # The primary model these embeddings plug into (MINIPOST's: the run its mini-model was
         # built from), known by its weights' fingerprint: Step 4 matches it by content, not by path;
         # every later load checks the weights by the sampled one (artifact.primary_changed).
         fingerprint = {"primary_fingerprint": start.primary.fingerprint, SAMPLED_KEY: start.primary.sampled}
         trainable = step2_trainable(family, model, train.train_output_bias)
-        return cls(plan.run.output_dir, family, model, start.init, trainable, tokenizer, meta, seq_flops, probe,
-                   fingerprint, start.calibration(step, data))
+        return cls(plan.run.output_dir, family, model, start.init, trainable, tokenizer, meta, seq_flops, row_flops,
+                   probe, fingerprint, start.calibration(step, data))
 
-    def __call__(self, update: int, ckpt_tag: str, run: int | None = None, sd: dict | None = None) -> None:
+    def __call__(self, update: int, ckpt_tag: str, run: int | None = None, rows: int | None = None,
+                 sd: dict | None = None) -> None:
         """The artifact of the checkpoint `ckpt_tag` of update `update`. run: the updates run to
         reach it (LoopJob.after_save; None: `update`): fp16 steps skipped on an overflow computed
-        their forward and backward, so the FLOPs and tokens count them."""
+        their forward and backward, so the FLOPs and tokens count them. rows: the positions the
+        head projected in them (LoopJob.after_save): the exact count's head terms count them, not
+        the p of every position the paper's formula and a prediction assume (an encoder masks
+        among ordinary pieces only: on the Bible 0.122 of the positions at s = 128, not 0.15);
+        None (a run resumed from a checkpoint written before the count): p of every position."""
         sd = load_checkpoint(self.run_dir, ckpt_tag) if sd is None else sd  # fp32 master weights
         run = update if run is None else run
         batch = self.meta["global_batch"]
-        flops = self.seq_flops[False] * batch * run
+        if rows is None or self.row_flops is None:
+            flops, counted = self.seq_flops[False] * batch * run, {}
+        else:
+            flops, counted = self.row_flops[0] * batch * run + self.row_flops[1] * rows, {"scored_rows": rows}
         meta = {**self.meta, "step": update, "tokens": batch * self.meta["seq_length"] * run, "flops": flops,
+                **counted,
                 **({"replay_tokens": self.meta["replay_blocks"] * self.meta["seq_length"] * run}
                    if "replay_blocks" in self.meta else {}),
                 **({"skipped_updates": run - update} if run != update else {}),
@@ -883,11 +894,11 @@ class ArtifactWriter:
         embeddings, ckpt = self.run_dir / "embeddings", self.run_dir / "checkpoints"
         tag = checkpoint.tag_for(0)
         if not resume or not (embeddings / tag / ARTIFACT_FILE).is_file():
-            self(0, tag, sd=self.init)
+            self(0, tag, 0, 0, sd=self.init)
         if resume:
             for done in checkpoint.complete_tags(ckpt):
                 if not (embeddings / done / ARTIFACT_FILE).is_file() and checkpoint.damaged(ckpt / done) is None:
-                    self(int(done.removeprefix("step")), done, checkpoint.updates_run(ckpt / done))
+                    self(int(done.removeprefix("step")), done, *checkpoint.work_run(ckpt / done))
 
     def tensors(self, sd: dict) -> dict:
         """An artifact's tensors (artifact.write_artifact) from the checkpoint `sd` (the trained

@@ -461,12 +461,24 @@ def write_weights_only(ckpt_dir: Path, step: int, state: dict[str, torch.Tensor]
     return tag
 
 
-def updates_run(tag_dir: Path) -> int:
-    """The updates run to reach the checkpoint `tag_dir` (its client state's position: applied
-    updates and fp16 steps skipped on an overflow; a checkpoint without one, its step)."""
+# A checkpoint's client state: the positions its updates' heads projected (their scored
+# positions), summed over the updates run and the data-parallel replicas (engine.train_loop)
+SCORED_ROWS = "scored_rows"
+
+
+def work_run(tag_dir: Path) -> tuple[int, int | None]:
+    """What was run to reach the checkpoint `tag_dir`: (the updates, its client state's position:
+    applied updates and fp16 steps skipped on an overflow, a checkpoint without one its step;
+    the rows its heads projected over them, SCORED_ROWS: None where the checkpoint does not
+    know, one written before the count or by a job that counts none)."""
     files = sorted(Path(tag_dir).glob("mp_rank_*_model_states.pt"))  # each holds the client state
     meta = load_pt(files[0] if files else Path(tag_dir) / "mp_rank_00_model_states.pt", "checkpoint file")
-    return int(meta.get("position", meta["step"]))
+    return int(meta.get("position", meta["step"])), meta.get(SCORED_ROWS)
+
+
+def updates_run(tag_dir: Path) -> int:
+    """The updates run to reach the checkpoint `tag_dir` (`work_run`'s first)."""
+    return work_run(tag_dir)[0]
 
 
 def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None,

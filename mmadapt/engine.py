@@ -766,10 +766,15 @@ class LoopJob:
     names and client_state go into every checkpoint (checkpoint.save); exclude_frozen leaves
     frozen parameters out of them. loss_names: one per entry of step_fn's losses (the heads'
     layers; None: one loss); loss_weights: how they make the logged loss
-    (ModelConfig.loss_weights; None: their mean). perf(seconds per update) -> throughput fields
-    of a log row. after_save(step, tag, run): global rank 0, after each complete checkpoint;
-    `run` counts the updates run to reach it (fp16 steps skipped on an overflow included: their
-    forward and backward were computed, what FLOPs and tokens count).
+    (ModelConfig.loss_weights; None: their mean). scored_rows() -> the positions this rank's
+    heads projected (its batches' scored positions) over the updates this invocation ran, a
+    host count (None: the job counts none). perf(seconds per update, scored rows per update
+    summed over the data-parallel replicas, None where not counted) -> throughput fields of a log
+    row. after_save(step, tag, run, rows): global rank 0, after each complete checkpoint; `run`
+    counts the updates run to reach it (fp16 steps skipped on an overflow included: their forward
+    and backward were computed, what FLOPs and tokens count) and `rows` the positions projected
+    in them over every replica (None: not counted, or not since update 0: a checkpoint from
+    before the count was resumed).
     evaluate() -> this rank's validation losses [k] (as step_fn's), every `eval_interval`
     updates: logged as `valid_loss` (and `valid_head_losses`) rows. split_losses: step_fn's losses
     end with two texts' (loss sum, count) pairs (layers.split_sums), logged as <name>_loss
@@ -780,8 +785,9 @@ class LoopJob:
     exclude_frozen: bool
     loss_names: tuple[str, ...] | None = None
     loss_weights: tuple[float, ...] | None = None
-    perf: Callable[[float], dict] | None = None
-    after_save: Callable[[int, str, int], None] | None = None
+    perf: Callable[[float, float | None], dict] | None = None
+    after_save: Callable[[int, str, int, int | None], None] | None = None
+    scored_rows: Callable[[], int] | None = None
     evaluate: Callable[[], torch.Tensor] | None = None
     eval_interval: int = 0
     split_losses: tuple[str, str] | None = None
@@ -808,6 +814,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     ckpt_dir = run_dir / "checkpoints"
     start = position = 0
     rows, since, loss_sum, resumed, skipped = [], 0, None, None, 0
+    # the rows the heads projected before this invocation (a resumed checkpoint's count; None:
+    # unknown, from a checkpoint written before the count)
+    rows_before = 0 if job.scored_rows is not None else None
     if resume:
         state = checkpoint.resume(engine, ckpt_dir, strict=not job.exclude_frozen)
         if state is not None:
@@ -815,6 +824,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
             # fp16 steps skipped in a row just before the save (a stop's save after skips): they
             # count toward max_skipped_steps as in the uninterrupted run
             skipped = state.get(SKIPPED_IN_A_ROW, 0)
+            rows_before = state.get(checkpoint.SCORED_ROWS) if job.scored_rows is not None else None
             resumed = checkpoint.tag_for(start)
             # A stop between two log lines: the updates of that log window before it, so that the
             # next line averages the same updates as the uninterrupted run's (ranks that compute
@@ -834,6 +844,12 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
     unchecked = Unchecked()
     done, saved = start, resumed
 
+    def scored_so_far() -> int | None:
+        """The rows projected since update 0, over every replica (collective: on every rank alike)."""
+        return None if rows_before is None else rows_before + parallel.replicas_sum(job.scored_rows())
+
+    window_rows = scored_so_far()  # at the log window's start
+
     def check_finite() -> None:
         first = unchecked.first_nonfinite(engine.device)
         if first is not None:
@@ -846,13 +862,14 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
         # the log window's updates so far, averaged over ranks as its line will be (collective)
         window = ({"since": since, "loss_sum": mean_over_ranks(loss_sum, is_pipe).tolist()}
                   if since and loss_sum is not None else None)
+        scored = scored_so_far()
         tag = checkpoint.save(engine, ckpt_dir, done, {**job.client_state, "position": position, LOG_WINDOW: window,
-                                                       SKIPPED_IN_A_ROW: skipped},
+                                                       SKIPPED_IN_A_ROW: skipped, checkpoint.SCORED_ROWS: scored},
                               job.names, exclude_frozen=job.exclude_frozen, keep_last=loop.keep_last)
         failed = None
         if rank0 and job.after_save is not None:
             try:
-                job.after_save(done, tag, position)
+                job.after_save(done, tag, position, scored)
             except BaseException as e:  # re-raised below, once every rank knows (not left in a collective)
                 failed = e
         if parallel.any_rank(failed is not None):
@@ -894,8 +911,10 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                         if engine.device.type == "cuda":
                             torch.cuda.synchronize(engine.device)
                         dt = (time.perf_counter() - t_last - t_aside) / timed
+                        scored = scored_so_far()  # the window's projected rows: what its FLOPs count
+                        per_update = None if scored is None else (scored - window_rows) / timed
                         row["lr"] = lr
-                        row.update(job.perf(dt) if job.perf is not None else {})
+                        row.update(job.perf(dt, per_update) if job.perf is not None else {})
                         scalars.update({"lr": row["lr"], **{f"perf/{k}": v for k, v in row.items()
                                                              if k not in ("step", "loss", "head_losses", "lr")
                                                              and not k.endswith("_loss")}})
@@ -905,6 +924,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                             bar.set_postfix({"loss": f"{row['loss']:.3f}", **{
                                 k: f"{v:.3f}" for k, v in row.items() if k.endswith("_loss") and v is not None}})
                         loss_sum, since, timed, t_last, t_aside = None, 0, 0, time.perf_counter(), 0.0
+                        window_rows = scored
                     evaluating = job.evaluate is not None and job.eval_interval and done % job.eval_interval == 0
                     exiting = loop.exit_interval > 0 and done % loop.exit_interval == 0
                     saving = (done % loop.save_interval == 0 or done in loop.extra_save_steps or done == total

@@ -446,6 +446,18 @@ class ModelFamily:
         them."""
         raise NotImplementedError
 
+    def row_flops(self, step: str, cfg: ModelConfig, s: int, trainable_layers: int = 0) -> tuple[float, float] | None:
+        """`step_flops` (exact) as (per sequence with no position projected, per projected
+        position): every head term of a step is linear in the positions its heads project, the
+        body's in none, so a count that knows how many were projected (Step 2's artifacts: the
+        masking's draws, not mask_prob of every position) is exact. Read off step_flops at one
+        and at s projected positions a sequence; None where s < 2 (the two coincide)."""
+        if s < 2:
+            return None
+        one, every = (self.step_flops(step, cfg, s, p, trainable_layers=trainable_layers) for p in (1 / s, 1.0))
+        per_row = (every - one) / (s - 1)
+        return every - s * per_row, per_row
+
     def param_names(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         """Every `build_lm` parameter's name and shape, built on the meta device (no memory)."""
         with torch.device("meta"):

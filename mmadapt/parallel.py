@@ -136,6 +136,18 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def replicas_sum(count: int) -> int:
+    """The sum of `count` over the data-parallel replicas, on every rank (collective over the whole
+    world, over gloo on the host): every rank of a replica (its tensor- and pipeline-parallel
+    ranks) holds the same count, a count of the replica's batches, so the world's sum is that
+    many times the replicas'."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return count
+    t = torch.tensor([count], dtype=torch.int64)
+    dist.all_reduce(t, group=_CONTROL)
+    return int(t.item()) // (dist.get_world_size() // dp_world())
+
+
 def shm_allreduce_buffer() -> str:
     """Where DeepSpeed's CPU shared-memory all-reduce keeps this rank's buffer (about 66 MB; it
     makes one per rank when all ranks run on one machine, i.e. LOCAL_SIZE == WORLD_SIZE)."""

@@ -490,7 +490,7 @@ def eval_global_batches(eval_iters: int, blocks: int, global_batch: int) -> tupl
 
 
 def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: TrainConfig, job: LMJob = LMJob(),
-             init_state: dict | None = None, after_save: Callable[[int, str, int], None] | None = None,
+             init_state: dict | None = None, after_save: Callable[[int, str, int, int | None], None] | None = None,
              record: dict | None = None) -> list[dict]:
     """Train an LM job on the prepared data of `started` (start_run's), starting from
     `init_state` (full weights; None: the seeded init). Writes the run record, with `record`'s
@@ -514,12 +514,17 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         batches = replay_batches(family, batches, job.replay, model_cfg, train, job.text_layout)
     update_flops = batches.global_batch * family.step_flops(
         job.step, model_cfg, train.seq_length, family.scored_fraction(train), trainable_layers=job.trainable_layers)
+    # the same count with the positions the heads projected as counted (an encoder's masking
+    # selects among ordinary pieces only: fewer than mask_prob of every position)
+    per_row = family.row_flops(job.step, model_cfg, train.seq_length, trainable_layers=job.trainable_layers)
     tokens = batches.global_batch * train.seq_length
     devices = parallel.launched_world_size()
 
-    def perf(seconds: float) -> dict:
-        return {"tokens_per_s": tokens / seconds, "flops_per_s": update_flops / seconds,
-                "flops_per_s_per_device": update_flops / seconds / devices}
+    def perf(seconds: float, rows: float | None) -> dict:
+        flops = update_flops if rows is None or per_row is None else (
+            batches.global_batch * per_row[0] + rows * per_row[1])
+        return {"tokens_per_s": tokens / seconds, "flops_per_s": flops / seconds,
+                "flops_per_s_per_device": flops / seconds / devices}
 
     heads, pin = len(model_cfg.heads_after), engine.device.type == "cuda"
     logged = heads + (4 if job.replay is not None else 0)  # the replay's two texts: layers.split_sums
@@ -549,16 +554,20 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
     prefetch = Prefetcher(lambda position: [host_batch(ids, lab, pin, *rows) for ids, lab, *rows
                                             in merged(batches.step_batches(position), fit.factor(position))])
 
+    scored = [0]  # this rank's projected rows over the updates run (LoopJob.scored_rows): host counts
+
     def update(position: int) -> torch.Tensor:
         fit.before(position)
-        losses = lm_step(engine, prefetch(position), logged, train.calculate_per_token_loss)
+        host = prefetch(position)
+        scored[0] += sum(len(b.targets) for b in host)
+        losses = lm_step(engine, host, logged, train.calculate_per_token_loss)
         fit.after(position)
         return losses
 
     loop_job = LoopJob(label=job.step, names=names, client_state=client_state(family, model_cfg, layout),
                        exclude_frozen=job.trainable is not None, loss_names=tuple(str(l) for l in model_cfg.heads_after),
                        loss_weights=model_cfg.loss_weights, perf=perf, after_save=after_save, evaluate=evaluate,
-                       eval_interval=train.eval_interval,
+                       eval_interval=train.eval_interval, scored_rows=lambda: scored[0],
                        split_losses=("source", "target") if job.replay is not None else None)
     before = source_rows(engine.module, names) if model_cfg.frozen_vocab_size else None
     try:

@@ -348,6 +348,18 @@ def mlm_batches(data_path: Path, seq_length: int, vocab: int, seed: int, micro_b
     return MLMBatches(data_path, train, vocab, dp_rank, dp_world)
 
 
+def scored_rows(family, data_path: Path, model, train, updates: int, replay=None) -> int:
+    """The positions a one-process LM run's heads projected over its first `updates` updates,
+    counted again from its data: the labels >= 0 of train_lm's batches (lm_batches, with
+    `replay`'s blocks: an adapt.Replay)."""
+    from mmadapt.train import lm_batches, replay_batches
+
+    batches = lm_batches(family, Path(data_path), model, train)
+    if replay is not None:
+        batches = replay_batches(family, batches, replay, model, train)
+    return sum(int(b[1].ge(0).sum()) for k in range(updates) for b in batches.step_batches(k))
+
+
 def masked_batch(vocab: int, b: int = 3, s: int = 20, seed: int = 0):
     """Random ordinary-piece ids [b, s] and MLM labels with about 30% of positions selected."""
     import torch

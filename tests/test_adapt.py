@@ -366,6 +366,7 @@ def test_step2_layout_matches_single_process(layout, step2_single, primary_run, 
     assert got_t["word_embeddings"].shape == (VOCAB, 64)
     assert tok.read_bytes() == de_tokenizer.read_bytes()
     assert meta["flops"] == ref_meta["flops"] and meta["global_batch"] == 16 and meta["mini_layers"] == 4
+    assert meta["scored_rows"] == ref_meta["scored_rows"]  # counted once per replica, whatever the layout
     # The start (update 0), written by global rank 0 from the full initial state: the same in every layout.
     start, ref_start = (read_artifact(r / "embeddings" / "step00000000") for r in (run, step2_single))
     assert all(torch.equal(start[0][k], ref_start[0][k]) for k in ("word_embeddings", "output_bias"))
@@ -546,7 +547,9 @@ def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_
         (a, _, a_meta), (b, _, b_meta) = (read_artifact(tmp_path / d / "embeddings" / tag) for d in ("full", "part"))
         assert torch.equal(a["word_embeddings"], b["word_embeddings"]), tag
         # the recovered artifact's compute, from its checkpoint's updates run (checkpoint.updates_run)
-        assert [b_meta[k] for k in ("step", "flops", "tokens")] == [a_meta[k] for k in ("step", "flops", "tokens")]
+        # and the rows its head projected (checkpoint.work_run; a resumed run's count goes on from its checkpoint's)
+        keys = ("step", "flops", "tokens", "scored_rows")
+        assert [b_meta[k] for k in keys] == [a_meta[k] for k in keys] and a_meta["scored_rows"] > 0
     # A fresh run (no --resume) over an earlier attempt's start artifact (one that stopped before
     # its first checkpoint, here with another language recorded) writes its own
     again = tmp_path / "again" / "embeddings" / "step00000000"

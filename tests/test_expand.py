@@ -16,7 +16,7 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, VOCAB
+from conftest import REPO, VOCAB, scored_rows
 from mmadapt import steps
 from mmadapt.adapt import check_output_start, source_split
 from mmadapt.artifact import artifact_state, read_artifact
@@ -31,7 +31,7 @@ from mmadapt.models.roberta.model import BIAS
 from mmadapt.parallel import init_parallel
 from mmadapt.run import RunSpec, load_weights
 from mmadapt.tokenizer import pieces
-from mmadapt.expand import EXPAND_MULTIPLE, check_expansion, expand
+from mmadapt.expand import EXPAND_MULTIPLE, Replay, check_expansion, expand
 from evaluation import step2_start
 
 ZERO0 = REPO / "ds_configs" / "zero0.json"
@@ -779,7 +779,15 @@ def test_an_expand_run_with_replay_logs_both_languages(sources, de_corpus, de_to
     assert meta["replay_blocks"] == 1 and meta["replay_tokens"] == 4 * 32 and meta["tokens"] == 4 * 4 * 32
     fam = get_family("roberta")
     model = ModelConfig(**record["model"])
-    assert meta["flops"] == fam.step_flops("adapt", model, 32, fam.scored_fraction(train)) * 4 * 4
+    # FLOPs of the positions the head projected, counted again from the data: the masking selects
+    # among ordinary pieces only, so fewer than mask_prob of the 4 x 4 x 32 positions
+    projected = scored_rows(fam, record["data_path"], model, train, 4, Replay(text, 0.25))
+    base, per_row = fam.row_flops("adapt", model, 32)
+    assert meta["scored_rows"] == projected < 0.15 * 4 * 4 * 32
+    assert meta["flops"] == pytest.approx(base * 4 * 4 + per_row * projected, rel=1e-12)
+    assert meta["flops"] < fam.step_flops("adapt", model, 32, fam.scored_fraction(train)) * 4 * 4
+    # and so does the logged rate: FLOPs per token of each update (log_interval 1) times its tokens
+    assert sum(r["flops_per_s"] / r["tokens_per_s"] * 4 * 32 for r in rows) == pytest.approx(meta["flops"], rel=1e-9)
     report = record["expand_report"]
     assert report["source_text"] == f"{text} (valid)"
     assert report["source_loss_start"] - report["source_loss_before"] <= 0.01

@@ -270,8 +270,8 @@ def test_skipped_steps_count_in_the_time_and_the_compute_of_a_checkpoint(tmp_pat
         return torch.tensor([1.0])
 
     init_parallel(1, 1)
-    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, perf=lambda dt: {"sec_per_update": dt},
-                  after_save=lambda done, tag, run: saved.append((done, tag, run)))
+    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, perf=lambda dt, rows: {"sec_per_update": dt},
+                  after_save=lambda done, tag, run, rows: saved.append((done, tag, run)))
     rows = train_loop(engine, step, job, TrainConfig(log_interval=2, save_interval=2), 4, run_dir=tmp_path,
                       resume=False)
     assert [(r["step"], r["sec_per_update"]) for r in rows] == [(2, 1.0), (4, 1.0)]
@@ -612,8 +612,8 @@ def test_a_log_row_times_its_updates_alone_at_the_rate_they_trained_at(tmp_path,
 
     init_parallel(1, 1)
     job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, evaluate=evaluate, eval_interval=2,
-                  perf=lambda dt: {"sec_per_update": dt},
-                  after_save=lambda done, tag, run: clock.__setitem__(0, clock[0] + 1000.0))
+                  perf=lambda dt, rows: {"sec_per_update": dt},
+                  after_save=lambda done, tag, run, rows: clock.__setitem__(0, clock[0] + 1000.0))
     cfg = TrainConfig(log_interval=2, save_interval=2)
     rows = [r for r in train_loop(engine, step, job, cfg, 6, run_dir=tmp_path, resume=False) if "loss" in r]
     assert [(r["step"], r["sec_per_update"], r["lr"]) for r in rows] == [(2, 1.0, 2.0), (4, 1.0, 4.0), (6, 1.0, 6.0)]
@@ -623,7 +623,7 @@ def test_an_error_after_a_checkpoint_reaches_the_loop_that_saved(tmp_path):
     """Rank 0's work after a checkpoint (Step 2's artifact) failing stops the loop with that error,
     agreed over the ranks first (parallel.any_rank), so that no other rank waits for it in a
     collective; the checkpoint itself is complete."""
-    def fail(done, tag, run):
+    def fail(done, tag, run, rows):
         raise OSError(28, "No space left on device")
 
     init_parallel(1, 1)

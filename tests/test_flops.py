@@ -141,3 +141,25 @@ def test_minipost_count_equals_exact(heads):
     freeze(model, ROBERTA.minipost_trainable(4, 2))
     counted = count_update(model, ids, labels)
     assert counted == pytest.approx(ids.shape[0] * minipost_flops(cfg, ids.shape[1], p, 2), rel=1e-9)
+
+
+@pytest.mark.parametrize("step", ["adapt", "pretrain"])
+def test_a_count_by_projected_rows_equals_exact(step):
+    """family.row_flops: an update's FLOPs as per sequence with no row projected plus per row the
+    head projects (what Step 2's artifacts count from the rows the masking drew), against
+    FlopCounterMode on batches of 14 and of 40 scored positions, and by hand for Step 2."""
+    cfg = ROBERTA.one_head(tiny(), 4) if step == "adapt" else apply_recipe(tiny(), "minijoint")
+    b, s = 3, 32
+    base, per_row = ROBERTA.row_flops(step, cfg, s)
+    for m in (14, 40):
+        ids, labels, _ = masked_batch(cfg, b, s, m)
+        model = RobertaMLM(cfg)
+        if step == "adapt":
+            freeze(model, (WORD, BIAS))
+        assert count_update(model, ids, labels) == pytest.approx(b * base + m * per_row, rel=1e-9)
+    h, f, v = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size
+    if step == "adapt":  # the body's forward and input gradients; the head's dense forward and input
+        # gradient, the projection's forward, input gradient and weight gradient, per row
+        assert base == pytest.approx(4 * (2 * (8 * s * h * h + 4 * s * h * f) + 3 * 4 * s * s * h))
+        assert per_row == pytest.approx(2 * 2 * h * h + 3 * 2 * h * v)
+    assert ROBERTA.row_flops(step, cfg, 1) is None

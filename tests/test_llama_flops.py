@@ -192,3 +192,14 @@ def test_scored_positions_and_the_closed_form_with_p():
                       vocab_size=V)
     assert adapt_flops(mha, s, p=p) == pytest.approx(48 * s * l * h * h * (1 + s / (4 * h) + p * V / (8 * h * l)))
     assert pretrain_flops(mha, s, p) == pytest.approx(72 * s * l * h * h * (1 + s / (6 * h) + p * V / (12 * h * l)))
+
+
+def test_a_count_by_projected_rows_equals_the_count_at_each_fraction():
+    """family.row_flops (what Step 2's artifacts count from the rows projected): the decoder's
+    steps at each score fraction, as the per-sequence count at scored_positions(s, p) rows."""
+    cfg = tiny(head_layers=(1, 4))
+    for step, k, one in (("pretrain", 0, cfg), ("minipost", 2, cfg), ("adapt", 0, LLAMA.one_head(cfg, 4))):
+        base, per_row = LLAMA.row_flops(step, one, S, trainable_layers=k)
+        for p in (1.0, 0.5, 0.3, 0.01):
+            want = LLAMA.step_flops(step, one, S, p, trainable_layers=k)
+            assert base + scored_positions(S, p) * per_row == pytest.approx(want, rel=1e-12)

@@ -429,5 +429,10 @@ def test_the_updates_run_to_a_checkpoint_count_skipped_steps(tmp_path):
     (tmp_path / "step00000002").mkdir()
     torch.save({"step": 2, "position": 3, "module": {}}, tmp_path / "step00000002" / "mp_rank_00_model_states.pt")
     assert checkpoint.updates_run(tmp_path / "step00000002") == 3
+    # the rows its heads projected: unknown (None) in one saved before the count, then as saved
+    assert checkpoint.work_run(tmp_path / "step00000002") == (3, None)
+    torch.save({"step": 2, "position": 3, "module": {}, checkpoint.SCORED_ROWS: 57},
+               tmp_path / "step00000002" / "mp_rank_00_model_states.pt")
+    assert checkpoint.work_run(tmp_path / "step00000002") == (3, 57)
     tag = checkpoint.write_weights_only(tmp_path, 5, {}, {})
     assert checkpoint.updates_run(tmp_path / tag) == 5
