@@ -277,10 +277,10 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
             head = scoring_model(family, *primary_head_state(run.output_dir))  # as every later step reads it
             heldout = masked_loss(head, on_device(blocks, device_of(head)))
             text = (len(blocks), sum(int(l.ge(0).sum()) for _, l in blocks))
+            flops = (family.step_flops("fit_head", model, step.train.seq_length, step.train.mask_prob),
+                     family.row_flops("fit_head", model, step.train.seq_length))
             started.record.finish(**_head_fit_report(run, source.path, logged_rows(run.output_dir),
-                                                     (heldout, unigram, text),
-                                                     family.step_flops("fit_head", model, step.train.seq_length,
-                                                                       step.train.mask_prob), step.train))
+                                                     (heldout, unigram, text), flops, step.train))
         return rows
 
 
@@ -313,8 +313,8 @@ def logged_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], scores: tuple, seq_flops: float,
-                     train: TrainConfig) -> dict:
+def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], scores: tuple,
+                     flops: tuple[float, tuple[float, float] | None], train: TrainConfig) -> dict:
     """Global rank 0, after the head fit (rows: the run's logged rows, logged_rows): the source's
     tokenizer files and sentence-transformers modules copied beside the new head (export-hf hands
     them back), the fitted head's loss against the unigram reference (printed), and the fit's
@@ -327,14 +327,22 @@ def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], scores: tuple
     below_unigram None, "cannot judge"), not the last
     logged training loss: that is a mean over a few small batches under 80/10/10 masking, which
     moves by ~0.1 nats between log intervals and so cannot say which side of the reference the
-    head is."""
+    head is.
+
+    flops: the fit's per sequence at mask_prob and by rows (ModelFamily.row_flops): its cost
+    counts the updates run to its last checkpoint and the rows the head projected in them (at
+    mask_prob of every position where the checkpoint does not know them, engine.LoopJob)."""
     for sub in HEAD_FIT_DIRS:
         if (source / sub).is_dir() and not (run.output_dir / sub).exists():  # staged: a copy cut short is none
             with checkpoint.staged_dir(run.output_dir / sub) as tmp:
                 shutil.copytree(source / sub, tmp, dirs_exist_ok=True)
     losses = [r["loss"] for r in rows if "loss" in r]
-    flops = seq_flops * train.global_batch(parallel.dp_world()) * train.train_iters
-    report = {"flops": flops, "v100_days": device_days(flops)}
+    ckpt = run.output_dir / "checkpoints"
+    updates, projected = checkpoint.work_run(ckpt / checkpoint.latest_tag(ckpt))
+    (seq_flops, by_rows), batch = flops, train.global_batch(parallel.dp_world())
+    counted = {"scored_rows": projected} if projected is not None and by_rows is not None else {}
+    cost = (by_rows[0] * batch * updates + by_rows[1] * projected) if counted else seq_flops * batch * updates
+    report = {"flops": cost, "v100_days": device_days(cost), **counted}
     heldout, unigram, (blocks, pieces) = scores
     enough = blocks >= VERDICT_BLOCKS and pieces >= VERDICT_PIECES
     below = (heldout < unigram) if enough else None

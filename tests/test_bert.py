@@ -574,12 +574,23 @@ def test_a_head_fit_stopped_after_its_last_save_keeps_its_final_loss(headless, c
     finished = json.loads(path.read_text())
     done = [l for l in capsys.readouterr().out.splitlines() if l.startswith("done: step 4, loss ")]
     assert finished["final_loss"] is not None and len(done) == 1
+    # its cost: the 4 updates of 8 blocks, and the rows the head projected, recounted from the data
+    # (the masking draws among ordinary pieces only: fewer than mask_prob of every position)
+    from conftest import scored_rows
+    from mmadapt.config import ModelConfig, TrainConfig
+
+    model, train = ModelConfig(**finished["model"]), TrainConfig(**finished["train"])
+    rows = scored_rows(BERT, finished["data_path"], model, train, 4)
+    base, per_row = BERT.row_flops("fit_head", model, SEQ)
+    assert finished["scored_rows"] == rows < train.mask_prob * 4 * 8 * SEQ
+    assert finished["flops"] == pytest.approx(base * 4 * 8 + per_row * rows, rel=1e-12)
     started = {k: v for k, v in finished.items() if k not in ("final_loss", "heldout_loss", "below_unigram", "flops",
-                                                                "v100_days")}
+                                                                "v100_days", "scored_rows")}
     path.write_text(json.dumps(started, indent=2))  # the record as the run left it when stopped
     assert main([*args, "--resume"]) == 0
     resumed = json.loads(path.read_text())
     assert resumed["final_loss"] == finished["final_loss"] and resumed["heldout_loss"] == finished["heldout_loss"]
+    assert (resumed["flops"], resumed["scored_rows"]) == (finished["flops"], finished["scored_rows"])  # its checkpoint's
     assert [l for l in capsys.readouterr().out.splitlines() if l.startswith("done: ")] == done
 
 
