@@ -453,6 +453,7 @@ class SourceProbe:
         # every position, in order: both agree.
         ys = [y if len(y) == len(masked_index) else y.reshape(-1, y.shape[-1]).index_select(0, masked_index)
               for y, (_, _, masked_index, _) in zip(seen, self.batches, strict=True)]
+        self.projected = sum(y.reshape(-1, y.shape[-1]).shape[0] for y in seen)  # the rows the head projected
         return torch.cat(ys).float(), torch.cat([torch.logsumexp(l.float(), -1) for l in logits])
 
     def score(self, tensors: dict[str, torch.Tensor], meta: dict) -> dict[str, float]:
@@ -487,7 +488,9 @@ def calibrate(body: ModelConfig, init: dict, scorer: Scorer, text: Text | None, 
     new output-bias entries raised toward it (bias_shift), until the new pieces take nats / 2 of
     it (TrainConfig.expand_source_nats) -> (the start, what run.json records: `output_shift` how
     far the row moved (its norm) or `bias_shift` by how much the entries rose,
-    `new_mass_calibrated` the rise left on that text, `new_mass_bound` the worst case again).
+    `new_mass_calibrated` the rise left on that text, `new_mass_bound` the worst case again,
+    `calibration_flops` what the probe's forward pass cost, a cost of the start apart from the
+    artifacts' training `flops`, as Step 2's primary calibration's).
     Without text (an import and no --replay_data) the start stays the worst-case one (the
     encoder's bound, the decoder's mean row), said in one line.
 
@@ -502,7 +505,12 @@ def calibrate(body: ModelConfig, init: dict, scorer: Scorer, text: Text | None, 
             print(f"the new pieces' output start stays at {kept}: the source run holds no text to calibrate it on "
                   "(pass --replay_data, source text in its ids)")
         return init, {}
-    y, lse = (t.cpu() for t in SourceProbe(scorer, text).head_outputs())
+    probe = SourceProbe(scorer, text)
+    y, lse = (t.cpu() for t in probe.head_outputs())
+    blocks, s, cfg = sum(len(ids) for ids, *_ in probe.batches), text.seq_length, scorer.primary.cfg
+    by_rows = scorer.family.row_flops("score", cfg, s)  # one forward, the head over the rows it projected
+    cost = (by_rows[0] * blocks + by_rows[1] * probe.projected if by_rows is not None
+            else blocks * scorer.family.step_flops("score", cfg, s, probe.projected / (blocks * s)))
     matrix = new_rows_name(path.matrix)
     if path.bias is None:
         mean = init[matrix][0].float().cpu()
@@ -520,7 +528,7 @@ def calibrate(body: ModelConfig, init: dict, scorer: Scorer, text: Text | None, 
         init = {**init, bias: init[bias] + c}
         shift = {"bias_shift": c}
     bound = bounded_over(path, [init, scorer.primary.state], init)
-    return init, {**shift, "new_mass_calibrated": rise, "new_mass_bound": bound}
+    return init, {**shift, "new_mass_calibrated": rise, "new_mass_bound": bound, "calibration_flops": cost}
 
 
 def expand_report(scorer: Scorer, final: tuple[dict, dict], start: dict, lang: str, target: Text | None,
