@@ -60,7 +60,7 @@ from mmadapt.flops import device_days
 from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, piece_counts, target_logprobs, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import (RunSpec, Source, check_run, check_same_source, load_checkpoint, read_source,
-                         require_head, run_text_layout, sampled_fingerprint, start_run)
+                         require_head, resumed_tag, run_text_layout, sampled_fingerprint, start_run)
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
@@ -181,7 +181,7 @@ class Step2Plan:
 
     @classmethod
     def of(cls, run: RunSpec, step: AdaptEmbeddings) -> "Step2Plan":
-        source, body = _source(step)
+        source, body = _source(run, step)
         if run.data_path is None and run.corpus is None:
             run = dataclasses.replace(run, corpus=f"bible:{step.lang}")
         manifest = check_prepared(run.data_path) if run.data_path is not None else None
@@ -208,12 +208,13 @@ class Step2Plan:
                 **self.depth}
 
 
-def _source(step: AdaptEmbeddings) -> tuple[Source, ModelConfig]:
-    """The source run of `step` and the config of the model its system trains over (checked
-    once: the system, the source's recipe, the mini-model's depth)."""
+def _source(run: RunSpec, step: AdaptEmbeddings) -> tuple[Source, ModelConfig]:
+    """The source run of `step` (the checkpoint a --resume of `run` recorded, run.resumed_tag) and
+    the config of the model its system trains over (checked once: the system, the source's
+    recipe, the mini-model's depth)."""
     if step.system not in SYSTEMS:
         raise ValueError(f"unknown system {step.system!r}; choose one of {', '.join(SYSTEMS)}")
-    source = read_source(step.source, step.source_tag)
+    source = read_source(step.source, resumed_tag(run.output_dir, run.resume, step.source, step.source_tag))
     require_head(source, "Step 2")
     recipe = source.record.get("recipe")
     if recipe not in SOURCE_RECIPES[step.system]:

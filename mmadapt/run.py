@@ -438,6 +438,21 @@ def require_head(source: Source, what: str) -> None:
                          "<source-language text> --output_dir <new run>` and pass that run")
 
 
+def resumed_tag(output_dir: Path, resume: bool, source: str | os.PathLike, tag: str | None,
+                key: str = "frozen_from") -> str | None:
+    """The checkpoint of the run `source` that the step writing `output_dir` reads: `tag` where
+    given; on a --resume (`resume`) of a run whose record names a checkpoint of this same source
+    (under `key`: "frozen_from", or Step 3's "primary"), that one; else None (read_source: the
+    newest). A requeued job goes on over the checkpoint it started from, though the source saved
+    newer ones since (its pretraining still running): the newest would be refused as a changed
+    run."""
+    record = Path(output_dir) / RUN_FILE
+    if tag is not None or not resume or not record.is_file():
+        return tag
+    recorded = checkpoint.read_json(record, "run file").get(key) or {}
+    return recorded.get("tag") if recorded.get("run_dir") == str(Path(source).resolve()) else None
+
+
 def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
     """The run `run_dir` at checkpoint `tag` (default: its newest complete one), checked to be a
     complete run (read_run, checkpoint_tag); its weights are not loaded yet."""

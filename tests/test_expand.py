@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -957,3 +958,32 @@ def test_a_sentencepiece_bpe_source_gets_only_pieces_its_merges_can_form(tmp_pat
     source = spm.SentencePieceProcessor(model_file=str(tmp_path / "en.model"))
     for word in ("größer", "Brüder", "Männer"):
         assert source.unk_id() in source.encode(word) and merged.unk_id() not in merged.encode(word), word
+
+
+def test_a_resume_reads_the_source_checkpoint_it_started_from(sources, de_corpus, de_tokenizer, tmp_path):
+    """A requeued Step 2 (--resume, no --source_tag) goes on over the source checkpoint its record
+    names, though the source's pretraining has saved a newer one since (run.resumed_tag): the
+    newest, the default, was refused as a changed run. A named --source_tag still must match."""
+    from mmadapt import checkpoint
+    from mmadapt.run import resumed_tag
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["roberta"], src)
+    ckpt, out = src / "checkpoints", tmp_path / "a"
+    first = checkpoint.latest_tag(ckpt)
+    run = RunSpec(output_dir=out, ds_config=ZERO0, corpus=de_corpus, tokenizer=de_tokenizer)
+    step = steps.AdaptEmbeddings(system="minijoint", source=src, lang="de", train=_train("roberta", 2))
+    steps.adapt_embeddings(run=run, step=step)
+    newer = checkpoint.tag_for(ITERS + 1)  # the source's pretraining saved again
+    shutil.copytree(ckpt / first, ckpt / newer)
+    assert checkpoint.latest_tag(ckpt) == newer
+    steps.adapt_embeddings(run=dataclasses.replace(run, resume=True), step=step)
+    assert json.loads((out / "run.json").read_text())["frozen_from"]["tag"] == first
+    with pytest.raises(ValueError, match="frozen_from.tag"):
+        steps.adapt_embeddings(run=dataclasses.replace(run, resume=True), step=dataclasses.replace(step, source_tag=newer))
+    # not a resume, a tag named, another source: as asked (None: the newest); Step 3 records "primary"
+    assert resumed_tag(out, False, src, None) is None and resumed_tag(out, True, src, newer) == newer
+    assert resumed_tag(out, True, sources["llama"], None) is None and resumed_tag(out, True, src, None) == first
+    (tmp_path / "ft").mkdir()
+    (tmp_path / "ft" / "run.json").write_text(json.dumps({"primary": {"run_dir": str(src.resolve()), "tag": first}}))
+    assert resumed_tag(tmp_path / "ft", True, src, None, "primary") == first
