@@ -450,7 +450,13 @@ def resumed_tag(output_dir: Path, resume: bool, source: str | os.PathLike, tag: 
     if tag is not None or not resume or not record.is_file():
         return tag
     recorded = checkpoint.read_json(record, "run file").get(key) or {}
-    return recorded.get("tag") if recorded.get("run_dir") == str(Path(source).resolve()) else None
+    if recorded.get("run_dir") != str(Path(source).resolve()) or recorded.get("tag") is None:
+        return None
+    if recorded["tag"] not in checkpoint.complete_tags(Path(source) / "checkpoints"):
+        raise ValueError(f"--resume of {output_dir}: it trained over {source}'s checkpoint {recorded['tag']}, which "
+                         f"{source} no longer holds (pruned by its --keep_last?): restore that checkpoint, or start "
+                         "a new --output_dir")
+    return recorded["tag"]
 
 
 def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
