@@ -146,6 +146,8 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         if parallel.is_rank0():
             say_start(step.lang, step.train.embedding_init, plan.model, start.rows)
         writer = ArtifactWriter.of(plan, start, tokenizer, started.data)
+        if plan.replay is not None and parallel.is_rank0():
+            say_replay(plan.replay, writer.meta["global_batch"])
         writer.save_start(plan.run.resume and started.record.exists())
         job = LMJob(step="adapt", trainable=writer.trainable, replay=plan.replay,
                     text_layout=run_text_layout(plan.source.record))
@@ -917,6 +919,15 @@ class ArtifactWriter:
             out[key] = (torch.cat([self.init[name].float(), value(new_rows_name(name))])
                         if self.model.frozen_vocab_size else value(name))
         return out
+
+
+def say_replay(replay: Replay, global_batch: int) -> None:
+    """The replay as a run takes it: its blocks of each update, a whole number (data.replay_blocks),
+    so the fraction trained can differ from --replay_fraction's."""
+    blocks = replay_blocks(replay.fraction, global_batch)
+    rounded = "" if blocks == replay.fraction * global_batch else f" (--replay_fraction {replay.fraction} rounded)"
+    print(f"replay: {blocks} of every update's {global_batch} blocks are source-language text from {replay.data}, "
+          f"a fraction of {blocks / global_batch:.4g}{rounded}", flush=True)
 
 
 def progress_line(update: int, scored: dict[str, float]) -> str:

@@ -991,3 +991,16 @@ def test_a_resume_reads_the_source_checkpoint_it_started_from(sources, de_corpus
     shutil.rmtree(ckpt / first)
     with pytest.raises(ValueError, match=f"checkpoint {first}, which .* no longer holds"):
         steps.adapt_embeddings(run=dataclasses.replace(run, resume=True), step=step)
+
+
+def test_the_replay_says_the_fraction_it_trains(capsys):
+    """adapt.say_replay: whole blocks of each update, so the fraction trained is said where
+    --replay_fraction rounds to another."""
+    from mmadapt.adapt import say_replay
+
+    say_replay(Replay(Path("en"), 0.3), 16)
+    say_replay(Replay(Path("en"), 0.25), 16)
+    assert capsys.readouterr().out.splitlines() == [
+        "replay: 5 of every update's 16 blocks are source-language text from en, a fraction of 0.3125 "
+        "(--replay_fraction 0.3 rounded)",
+        "replay: 4 of every update's 16 blocks are source-language text from en, a fraction of 0.25"]
