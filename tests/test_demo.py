@@ -43,8 +43,9 @@ def test_demo_quick_runs_all_steps_for_all_systems(tmp_path):
             # From the start (update 0: the new embeddings as initialised, no compute) to the last checkpoint.
             assert [s for s, _, _ in curve] == [0, 50, 100, 150], (task, system)
             assert all(0 <= score <= 100 for _, _, score in curve) and curve[0][1] == 0.0
-            # The same Step-2 work per update: compute grows linearly along the curve.
-            assert curve[3][1] == pytest.approx(3 * curve[1][1])
+            # The same Step-2 work per update, but for the head's rows (as many as the masking drew
+            # in each update's blocks, counted as run): compute grows about linearly along the curve.
+            assert curve[1][1] < curve[2][1] < curve[3][1] and curve[3][1] == pytest.approx(3 * curve[1][1], rel=0.01)
     # Each primary model's fine-tuned runs with no adaptation (their English tokenizer and
     # embeddings on the German test verses), beside the systems they evaluate.
     none = {tuple(r["of"]): r for r in records if r["system"] == "no_adaptation"}
