@@ -925,7 +925,8 @@ def say_replay(replay: Replay, global_batch: int) -> None:
     """The replay as a run takes it: its blocks of each update, a whole number (data.replay_blocks),
     so the fraction trained can differ from --replay_fraction's."""
     blocks = replay_blocks(replay.fraction, global_batch)
-    rounded = "" if blocks == replay.fraction * global_batch else f" (--replay_fraction {replay.fraction} rounded)"
+    exact = math.isclose(blocks, replay.fraction * global_batch, abs_tol=1e-9)  # 0.57 x 100 is 56.99999999999999
+    rounded = "" if exact else f" (--replay_fraction {replay.fraction} rounded)"
     print(f"replay: {blocks} of every update's {global_batch} blocks are source-language text from {replay.data}, "
           f"a fraction of {blocks / global_batch:.4g}{rounded}", flush=True)
 

@@ -1000,7 +1000,9 @@ def test_the_replay_says_the_fraction_it_trains(capsys):
 
     say_replay(Replay(Path("en"), 0.3), 16)
     say_replay(Replay(Path("en"), 0.25), 16)
+    say_replay(Replay(Path("en"), 0.57), 100)  # 0.57 x 100 is 56.99999999999999 in floating point
     assert capsys.readouterr().out.splitlines() == [
         "replay: 5 of every update's 16 blocks are source-language text from en, a fraction of 0.3125 "
         "(--replay_fraction 0.3 rounded)",
-        "replay: 4 of every update's 16 blocks are source-language text from en, a fraction of 0.25"]
+        "replay: 4 of every update's 16 blocks are source-language text from en, a fraction of 0.25",
+        "replay: 57 of every update's 100 blocks are source-language text from en, a fraction of 0.57"]
