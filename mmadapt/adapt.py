@@ -789,8 +789,7 @@ class PrimaryCalibration:
         # the paper counts it): each pass the primary's forward over the blocks, its head
         # projecting the scored positions onto the artifact's vocabulary
         cfg = dataclasses.replace(scorer.primary.cfg, vocab_size=len(self.logp))
-        per_block = scorer.family.step_flops("score", cfg, s, self._held.scored / (blocks * s))
-        record.update(passes=passes, flops=passes * blocks * per_block)
+        record.update(passes=passes, flops=passes * scorer.family.scoring_flops(cfg, s, blocks, self._held.scored))
         return out, {"primary_calibration": record}
 
 

@@ -507,10 +507,8 @@ def calibrate(body: ModelConfig, init: dict, scorer: Scorer, text: Text | None, 
         return init, {}
     probe = SourceProbe(scorer, text)
     y, lse = (t.cpu() for t in probe.head_outputs())
-    blocks, s, cfg = sum(len(ids) for ids, *_ in probe.batches), text.seq_length, scorer.primary.cfg
-    by_rows = scorer.family.row_flops("score", cfg, s)  # one forward, the head over the rows it projected
-    cost = (by_rows[0] * blocks + by_rows[1] * probe.projected if by_rows is not None
-            else blocks * scorer.family.step_flops("score", cfg, s, probe.projected / (blocks * s)))
+    blocks = sum(len(ids) for ids, *_ in probe.batches)
+    cost = scorer.family.scoring_flops(scorer.primary.cfg, text.seq_length, blocks, probe.projected)
     matrix = new_rows_name(path.matrix)
     if path.bias is None:
         mean = init[matrix][0].float().cpu()

@@ -458,6 +458,15 @@ class ModelFamily:
         per_row = (every - one) / (s - 1)
         return every - s * per_row, per_row
 
+    def scoring_flops(self, cfg: ModelConfig, s: int, blocks: int, rows: int) -> float:
+        """One scoring pass (step "score": a forward in evaluation) over `blocks` blocks of s
+        positions, `rows` of them scored (the rows the last layer's post-attention work and the
+        head run at), exact by `row_flops`."""
+        by_rows = self.row_flops("score", cfg, s)
+        if by_rows is None:
+            return blocks * self.step_flops("score", cfg, s, rows / (blocks * s))
+        return by_rows[0] * blocks + by_rows[1] * rows
+
     def param_names(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         """Every `build_lm` parameter's name and shape, built on the meta device (no memory)."""
         with torch.device("meta"):

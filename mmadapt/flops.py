@@ -29,7 +29,8 @@ DEVICE_TFLOPS = {
 # What one update of a language-model step trains: everything (Step 1), MINIPOST's new layers
 # (Step 1b), the new vocabulary's embeddings over a frozen body (Step 2), a new MLM head over a
 # headless encoder's frozen body (mmadapt fit-head, a Step-1 cost: encoders only); and "score",
-# one forward pass that trains nothing (Step 2's primary calibration of each artifact).
+# one forward pass as evaluation runs it, which trains nothing (Step 2's calibrations: the last
+# layer's work after its attention, and the head, at the scored positions alone).
 STEPS = ("pretrain", "minipost", "adapt", "fit_head", "score")
 
 

@@ -282,7 +282,8 @@ def test_a_mini_models_artifact_has_its_bias_refitted_through_the_primary(step2_
     primary = dataclasses.replace(scorer.primary.cfg, vocab_size=VOCAB)
     blocks = sum(len(ids) for ids, *_ in held.on_device)
     assert meta["primary_calibration"]["passes"] == 1 and meta["primary_calibration"]["flops"] == pytest.approx(
-        blocks * ROBERTA.step_flops("score", primary, train.seq_length, held.scored / (blocks * train.seq_length)))
+        blocks * ROBERTA.step_flops("score", primary, train.seq_length, held.scored / (blocks * train.seq_length)),
+        rel=1e-12)
 
     def gap(bias, rows=tensors["word_embeddings"]):  # nats: the largest |log mean softmax - log unigram| over pieces
         logits = torch.cat(scorer.logits(held.on_device, {"word_embeddings": rows, "output_bias": bias}))
@@ -341,11 +342,14 @@ def test_the_scale_calibration_finds_the_least_loss_factor(monkeypatch):
     out, record = calibrate({"word_embeddings": rows, "output_bias": torch.zeros(12)})
     factor = record["primary_calibration"]["scale"]
     assert factor == pytest.approx(1.7, rel=0.01) and len(seen) == PrimaryCalibration.STEPS + 3
-    # its cost, by hand: each pass 2 blocks of 8 through 2 layers (8sh^2 + 4shf + 4s^2h each), the
-    # head's dense (2h^2) and projection onto the artifact's 12 pieces (2h x 12) at the 3 scored positions
-    layers = 2 * 2 * (8 * 8 * 4 * 4 + 4 * 8 * 4 * 16 + 4 * 8 * 8 * 4)
+    # its cost, by hand: each pass 2 blocks of 8 through the first layer (8sh^2 + 4shf + 4s^2h) and
+    # the last one's QKV and attention (6sh^2 + 4s^2h); at the 3 scored positions alone, the last
+    # layer's output projection and FFN (2h^2 + 4hf), the head's dense (2h^2) and its projection
+    # onto the artifact's 12 pieces (2h x 12)
+    layers = 2 * (8 * 8 * 4 * 4 + 4 * 8 * 4 * 16 + 4 * 8 * 8 * 4) + 2 * (6 * 8 * 4 * 4 + 4 * 8 * 8 * 4)
+    scored = 3 * (2 * 4 * 4 + 4 * 4 * 16 + 2 * 4 * 4 + 2 * 4 * 12)
     assert record["primary_calibration"]["passes"] == len(seen)
-    assert record["primary_calibration"]["flops"] == pytest.approx(len(seen) * (layers + 3 * (2 * 4 * 4 + 2 * 4 * 12)))
+    assert record["primary_calibration"]["flops"] == pytest.approx(len(seen) * (layers + scored))
     assert all(0.5 <= a <= 3.0 for a in seen)
     assert torch.allclose(out["word_embeddings"], rows * factor) and torch.allclose(out["output_bias"],
                                                                                    torch.full((12,), factor))

@@ -381,16 +381,20 @@ def test_every_expand_run_reports_the_source_language_and_the_plug_in_metric(sou
     assert start == pytest.approx(record["new_mass_calibrated"], abs=1e-3) and record["new_mass_bound"] > start
     assert record["new_mass_bound"] > math.log(size / VOCAB)  # worst case of a moved row: looser than the mean's
     # the calibration's cost: one forward pass of the primary over the source run's text (its
-    # held-out blocks as heldout_batches cuts them), its output layer over the scored positions only
+    # held-out blocks as heldout_batches cuts them): the last layer's QKV and attention for every
+    # position, its output projection and MLP, and the output layer, over the scored positions only
     from mmadapt.heldout import Text, heldout_batches
-    from mmadapt.models.llama.flops import layer_flops
+    from mmadapt.models.llama.flops import layer_attn_flops, layer_flops
 
     primary = json.loads((source / "run.json").read_text())
     cfg = ModelConfig(**primary["model"])
     held = heldout_batches(Text(Path(primary["data_path"]), 32, split="text"), VOCAB, get_family("llama").objective)
     blocks, rows = sum(len(ids) for ids, _ in held), sum(int(labels.ge(0).sum()) for _, labels in held)
+    h, hd, f, nh, ng = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size, cfg.num_attention_heads, cfg.query_groups
+    last = 2 * 32 * h * (nh + 2 * ng) * hd + layer_attn_flops(cfg, 32)
     assert record["calibration_flops"] == pytest.approx(
-        blocks * cfg.num_layers * layer_flops(cfg, 32) + rows * 2 * cfg.hidden_size * VOCAB, rel=1e-12)
+        blocks * ((cfg.num_layers - 1) * layer_flops(cfg, 32) + last)
+        + rows * (2 * nh * hd * h + 6 * h * f + 2 * h * VOCAB), rel=1e-12)
     for when in ("start", "after"):
         rise = report[f"source_loss_{when}"] - report["source_loss_before"]
         assert 0 < rise and report[f"source_kl_{when}"] == pytest.approx(rise, abs=1e-4)

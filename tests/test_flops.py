@@ -163,3 +163,19 @@ def test_a_count_by_projected_rows_equals_exact(step):
         assert base == pytest.approx(4 * (2 * (8 * s * h * h + 4 * s * h * f) + 3 * 4 * s * s * h))
         assert per_row == pytest.approx(2 * 2 * h * h + 3 * 2 * h * v)
     assert ROBERTA.row_flops(step, cfg, 1) is None
+
+
+def test_a_scoring_pass_count_equals_exact():
+    """Step "score" (Step 2's calibrations: heldout.Scorer's forward in evaluation) against
+    FlopCounterMode on model.logits at the scored rows: the last layer's output projection and
+    feed-forward run at those rows alone (14 of 96 positions), the rest of the model at every one."""
+    cfg = ROBERTA.one_head(tiny(), 4)
+    ids, labels, p = masked_batch(cfg)
+    model = RobertaMLM(cfg).eval()
+    rows = labels.view(-1).ge(0).nonzero().squeeze(1)
+    with torch.no_grad():
+        counted = counted_flops(lambda: model.logits(ids, rows=rows))
+    b, s = ids.shape
+    assert counted == pytest.approx(b * ROBERTA.step_flops("score", cfg, s, p), rel=1e-9)
+    assert counted == pytest.approx(ROBERTA.scoring_flops(cfg, s, b, len(rows)), rel=1e-9)
+    assert counted < b * forward_flops(cfg, s, p)

@@ -203,3 +203,16 @@ def test_a_count_by_projected_rows_equals_the_count_at_each_fraction():
         for p in (1.0, 0.5, 0.3, 0.01):
             want = LLAMA.step_flops(step, one, S, p, trainable_layers=k)
             assert base + scored_positions(S, p) * per_row == pytest.approx(want, rel=1e-12)
+
+
+def test_a_scoring_pass_count_equals_exact(p=0.3):
+    """Step "score" (heldout.Scorer's forward in evaluation) against FlopCounterMode on
+    model.logits at the scored rows: the last layer's output projection and MLP run at them alone."""
+    cfg = LLAMA.one_head(tiny(), 4)
+    ids, labels = scored_batch(cfg, p)
+    model = LlamaLM(cfg).eval()
+    rows = labels.view(-1).ge(0).nonzero().squeeze(1)
+    with torch.no_grad():
+        counted = counted_flops(lambda: model.logits(ids, rows=rows))
+    assert counted == B * LLAMA.step_flops("score", cfg, S, p) == LLAMA.scoring_flops(cfg, S, B, len(rows))
+    assert counted < B * forward_flops(cfg, S, p)

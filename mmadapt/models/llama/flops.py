@@ -113,6 +113,17 @@ def minipost_flops(cfg: ModelConfig, s: int, trainable_layers: int, paper: bool 
     return forward_flops(cfg, s, p) + heads_with_backward * head_flops(cfg, s, p=p) + layers * layer_flops(cfg, s)
 
 
+def score_flops(cfg: ModelConfig, s: int, p: float = 1.0) -> int:
+    """One forward pass as evaluation runs it (heldout.Scorer: the plug-in metric, Step 2's
+    calibrations): every layer but the last whole; the last one's QKV and attention for every
+    position (the keys and values need them all), its output projection and MLP, and the heads,
+    at the scored rows alone (scored_positions(s, p); model.py DecoderLayer's `rows`)."""
+    h, hd, f, nh = cfg.hidden_size, cfg.head_dim, cfg.ffn_hidden_size, cfg.num_attention_heads
+    qkv = 2 * s * h * (nh + 2 * cfg.query_groups) * hd
+    last = qkv + layer_attn_flops(cfg, s) + scored_positions(s, p) * (2 * nh * hd * h + 6 * h * f)
+    return (cfg.num_layers - 1) * layer_flops(cfg, s) + last + len(cfg.heads_after) * head_flops(cfg, s, p=p)
+
+
 def step_flops(step: str, cfg: ModelConfig, s: int, paper: bool = False, trainable_layers: int = 0,
                p: float = 1.0) -> int:
     """Per-sequence FLOPs of one update of `step` (one of STEPS), p: the fraction of positions
@@ -123,6 +134,6 @@ def step_flops(step: str, cfg: ModelConfig, s: int, paper: bool = False, trainab
         return adapt_flops(cfg, s, paper, p)
     if step == "minipost":
         return minipost_flops(cfg, s, trainable_layers, paper, p)
-    if step == "score":  # a forward pass, p: the fraction of positions the output layer projects
-        return forward_flops(cfg, s, p)
+    if step == "score":  # a forward pass in evaluation, p: the fraction of positions scored
+        return score_flops(cfg, s, p)
     raise ValueError(f"unknown step {step!r}; choose one of {', '.join(STEPS)}")

@@ -118,6 +118,16 @@ def fit_head_flops(cfg: ModelConfig, s: int, p: float) -> float:
     return forward_flops(cfg, s, p) + len(cfg.heads_after) * head_flops(cfg, s, p)
 
 
+def score_flops(cfg: ModelConfig, s: int, p: float) -> float:
+    """One forward pass as evaluation runs it (heldout.Scorer: the plug-in metric, Step 2's
+    calibrations): every layer but the last whole; the last one's QKV and attention for every
+    position (the keys and values need them all), its output projection and feed-forward, and
+    the heads, at the p s scored rows alone (model.py TransformerLayer's `rows`)."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    last = 6 * s * h * h + layer_attn_flops(cfg, s) + p * s * (2 * h * h + 4 * h * f)
+    return (cfg.num_layers - 1) * layer_flops(cfg, s) + last + len(cfg.heads_after) * head_flops(cfg, s, p)
+
+
 def step_flops(step: str, cfg: ModelConfig, s: int, p: float, paper: bool = False,
                trainable_layers: int = 0) -> float:
     """Per-sequence FLOPs of one update of `step` (one of STEPS)."""
@@ -129,6 +139,6 @@ def step_flops(step: str, cfg: ModelConfig, s: int, p: float, paper: bool = Fals
         return minipost_flops(cfg, s, p, trainable_layers, paper)
     if step == "fit_head":  # not in the paper: the exact count either way
         return fit_head_flops(cfg, s, p)
-    if step == "score":  # a forward pass, p: the fraction of positions the head projects
-        return forward_flops(cfg, s, p)
+    if step == "score":  # a forward pass in evaluation, p: the fraction of positions scored
+        return score_flops(cfg, s, p)
     raise ValueError(f"unknown step {step!r}; choose one of {', '.join(STEPS)}")
