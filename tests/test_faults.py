@@ -270,12 +270,46 @@ def test_skipped_steps_count_in_the_time_and_the_compute_of_a_checkpoint(tmp_pat
         return torch.tensor([1.0])
 
     init_parallel(1, 1)
-    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, perf=lambda dt, rows: {"sec_per_update": dt},
+    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False,
+                  perf=lambda dt, rows: {"sec_per_update": dt},
                   after_save=lambda done, tag, run, rows: saved.append((done, tag, run)))
     rows = train_loop(engine, step, job, TrainConfig(log_interval=2, save_interval=2), 4, run_dir=tmp_path,
                       resume=False)
     assert [(r["step"], r["sec_per_update"]) for r in rows] == [(2, 1.0), (4, 1.0)]
     assert saved == [(2, "step00000002", 3), (4, "step00000004", 6)]
+
+
+def test_the_rows_projected_are_counted_through_skips_and_resumes(tmp_path, monkeypatch):
+    """LoopJob.scored_rows: the rows the heads projected (here 10 + position in each update's
+    batches, a skipped fp16 step's too) reach perf per update of each log window and after_save
+    summed since update 0, kept in the checkpoint for a resume; a run resumed from a checkpoint
+    written before the count passes None (its artifacts then count p of every position)."""
+    engine, counted, saved, rates = FakeEngine(), [0], [], []
+
+    def step(position):
+        counted[0] += 10 + position
+        engine.applied = position != 1
+        return torch.tensor([1.0])
+
+    def run(run_dir, total, resume):
+        job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False,
+                      perf=lambda dt, rows: rates.append(rows) or {}, scored_rows=lambda: counted[0],
+                      after_save=lambda done, tag, run, rows: saved.append((done, run, rows)))
+        train_loop(engine, step, job, TrainConfig(log_interval=2, save_interval=2), total, run_dir=run_dir,
+                   resume=resume)
+
+    init_parallel(1, 1)
+    run(tmp_path, 2, False)  # positions 0, 1 (skipped), 2: 10 + 11 + 12 rows in 3 timed updates
+    assert (rates, saved) == ([11.0], [(2, 3, 33)])
+    state = json.loads((tmp_path / "checkpoints" / "step00000002" / "client.json").read_text())
+    assert state["scored_rows"] == 33
+    (tmp_path / "legacy").mkdir()
+    for run_dir, resumed_from, total in ((tmp_path, state, 60), (tmp_path / "legacy", {
+            k: v for k, v in state.items() if k != "scored_rows"}, None)):
+        monkeypatch.setattr(engine_module.checkpoint, "resume", lambda engine, ckpt_dir, strict: resumed_from)
+        counted[0], rates[:], saved[:] = 0, [], []  # a new process: positions 3 and 4, 13 + 14 rows
+        run(run_dir, 4, True)
+        assert (rates, saved) == ([None if total is None else 13.5], [(4, 5, total)])
 
 
 @pytest.mark.parametrize("fold", [None, 2])
