@@ -56,7 +56,7 @@ from mmadapt.data import TEXT, TOKENIZER, check_prepared, read_tokenizer, replay
 from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, merged_vocabulary,
                             output_start, replay_text, source_text)
 from mmadapt.family import ModelFamily
-from mmadapt.flops import device_days
+from mmadapt.flops import device_days, flops_by_rows
 from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, piece_counts, target_logprobs, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import (RunSpec, Source, check_run, check_same_source, load_checkpoint, read_source,
@@ -859,12 +859,9 @@ class ArtifactWriter:
         sd = load_checkpoint(self.run_dir, ckpt_tag) if sd is None else sd  # fp32 master weights
         run = update if run is None else run
         batch = self.meta["global_batch"]
-        if rows is None or self.row_flops is None:
-            flops, counted = self.seq_flops[False] * batch * run, {}
-        else:
-            flops, counted = self.row_flops[0] * batch * run + self.row_flops[1] * rows, {"scored_rows": rows}
+        flops = flops_by_rows(self.seq_flops[False], self.row_flops, batch * run, rows)
         meta = {**self.meta, "step": update, "tokens": batch * self.meta["seq_length"] * run, "flops": flops,
-                **counted,
+                **({"scored_rows": rows} if rows is not None and self.row_flops is not None else {}),
                 **({"replay_tokens": self.meta["replay_blocks"] * self.meta["seq_length"] * run}
                    if "replay_blocks" in self.meta else {}),
                 **({"skipped_updates": run - update} if run != update else {}),

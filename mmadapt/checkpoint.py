@@ -476,11 +476,6 @@ def work_run(tag_dir: Path) -> tuple[int, int | None]:
     return int(meta.get("position", meta["step"])), meta.get(SCORED_ROWS)
 
 
-def updates_run(tag_dir: Path) -> int:
-    """The updates run to reach the checkpoint `tag_dir` (`work_run`'s first)."""
-    return work_run(tag_dir)[0]
-
-
 def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None,
                          layer_prefixes: Callable[[dict], list] | None = None) -> dict[str, torch.Tensor]:
     """Merge a checkpoint's tensor-parallel shards and pipeline layers into one state dict, with

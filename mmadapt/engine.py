@@ -824,7 +824,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
             # fp16 steps skipped in a row just before the save (a stop's save after skips): they
             # count toward max_skipped_steps as in the uninterrupted run
             skipped = state.get(SKIPPED_IN_A_ROW, 0)
-            rows_before = state.get(checkpoint.SCORED_ROWS) if job.scored_rows is not None else None
+            if rows_before is not None:
+                rows_before = state.get(checkpoint.SCORED_ROWS)
             resumed = checkpoint.tag_for(start)
             # A stop between two log lines: the updates of that log window before it, so that the
             # next line averages the same updates as the uninterrupted run's (ranks that compute

@@ -55,6 +55,7 @@ import torch
 
 from mmadapt.config import LoopConfig, ModelConfig, TrainConfig
 from mmadapt.features import Framing
+from mmadapt.flops import flops_by_rows
 from mmadapt.objectives import Objective
 from mmadapt.tokens import BOS_ID
 
@@ -462,10 +463,8 @@ class ModelFamily:
         """One scoring pass (step "score": a forward in evaluation) over `blocks` blocks of s
         positions, `rows` of them scored (the rows the last layer's post-attention work and the
         head run at), exact by `row_flops`."""
-        by_rows = self.row_flops("score", cfg, s)
-        if by_rows is None:
-            return blocks * self.step_flops("score", cfg, s, rows / (blocks * s))
-        return by_rows[0] * blocks + by_rows[1] * rows
+        return flops_by_rows(self.step_flops("score", cfg, s, rows / (blocks * s)), self.row_flops("score", cfg, s),
+                             blocks, rows)
 
     def param_names(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         """Every `build_lm` parameter's name and shape, built on the meta device (no memory)."""

@@ -38,6 +38,16 @@ def total_flops(per_sequence: float, global_batch: int, updates: int) -> float:
     return per_sequence * global_batch * updates
 
 
+def flops_by_rows(per_sequence: float, by_rows: tuple[float, float] | None, sequences: float,
+                  rows: float | None) -> float:
+    """FLOPs of `sequences` sequences whose heads projected `rows` positions: exact by `by_rows`
+    (ModelFamily.row_flops: per sequence with none projected, per projected row) where both are
+    known, else `per_sequence` each (the step's count at a fraction p of every position)."""
+    if rows is None or by_rows is None:
+        return per_sequence * sequences
+    return by_rows[0] * sequences + by_rows[1] * rows
+
+
 def device_days(flops: float, device: str = "v100-paper") -> float:
     """Days of one device at the throughput of DEVICE_TFLOPS[device]."""
     if device not in DEVICE_TFLOPS:

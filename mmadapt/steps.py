@@ -53,7 +53,7 @@ from mmadapt.expand import expand
 from mmadapt.family import ModelFamily
 from mmadapt.finetune import (TaskData, TaskPlan, at_chance, check_positions, check_primary, is_finished, label_counts,
                               primary_state)
-from mmadapt.flops import device_days
+from mmadapt.flops import device_days, flops_by_rows
 from mmadapt.fusion import apply_fusion
 from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, reference_logprobs,
                              scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
@@ -341,9 +341,9 @@ def _head_fit_report(run: RunSpec, source: Path, rows: list[dict], scores: tuple
     ckpt = run.output_dir / "checkpoints"
     updates, projected = checkpoint.work_run(ckpt / checkpoint.latest_tag(ckpt))
     (seq_flops, by_rows), batch = flops, train.global_batch(parallel.dp_world())
-    counted = {"scored_rows": projected} if projected is not None and by_rows is not None else {}
-    cost = (by_rows[0] * batch * updates + by_rows[1] * projected) if counted else seq_flops * batch * updates
-    report = {"flops": cost, "v100_days": device_days(cost), **counted}
+    cost = flops_by_rows(seq_flops, by_rows, batch * updates, projected)
+    report = {"flops": cost, "v100_days": device_days(cost),
+              **({"scored_rows": projected} if projected is not None and by_rows is not None else {})}
     heldout, unigram, (blocks, pieces) = scores
     enough = blocks >= VERDICT_BLOCKS and pieces >= VERDICT_PIECES
     below = (heldout < unigram) if enough else None
@@ -651,7 +651,9 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     tag = step.source_tag
     for d in sorted(run.output_dir.iterdir()) if tag is None and run.output_dir.is_dir() else ():
         if d.name.isdigit() or d.name == CEILING:
-            tag = tag or resumed_tag(d, True, step.source, None)
+            tag = resumed_tag(d, True, step.source, None)
+            if tag is not None:
+                break
     src = read_source(step.source, tag)
     source, out, src_cfg = src.path, run.output_dir, src.cfg
     if src.record.get("recipe") != "minijoint":

@@ -37,6 +37,7 @@ from mmadapt.engine import (LoopJob, backward, build_engine, is_pipeline, mean_o
                             trainable_by_names, with_placeholders)
 from mmadapt.features import Encoded
 from mmadapt.family import ModelFamily
+from mmadapt.flops import flops_by_rows
 from mmadapt.fusion import apply_fusion
 from mmadapt.microbatch import MicroBatchFit, device_memory, merged
 from mmadapt.models.layers import Padding, derive_seed, masked_positions
@@ -512,17 +513,16 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
     batches = lm_batches(family, data_dir, model_cfg, train, layout=job.text_layout)
     if job.replay is not None:  # ordinary blocks of the same length: the FLOPs per block stay
         batches = replay_batches(family, batches, job.replay, model_cfg, train, job.text_layout)
-    update_flops = batches.global_batch * family.step_flops(
-        job.step, model_cfg, train.seq_length, family.scored_fraction(train), trainable_layers=job.trainable_layers)
+    per_sequence = family.step_flops(job.step, model_cfg, train.seq_length, family.scored_fraction(train),
+                                     trainable_layers=job.trainable_layers)
     # the same count with the positions the heads projected as counted (an encoder's masking
     # selects among ordinary pieces only: fewer than mask_prob of every position)
-    per_row = family.row_flops(job.step, model_cfg, train.seq_length, trainable_layers=job.trainable_layers)
+    by_rows = family.row_flops(job.step, model_cfg, train.seq_length, trainable_layers=job.trainable_layers)
     tokens = batches.global_batch * train.seq_length
     devices = parallel.launched_world_size()
 
     def perf(seconds: float, rows: float | None) -> dict:
-        flops = update_flops if rows is None or per_row is None else (
-            batches.global_batch * per_row[0] + rows * per_row[1])
+        flops = flops_by_rows(per_sequence, by_rows, batches.global_batch, rows)
         return {"tokens_per_s": tokens / seconds, "flops_per_s": flops / seconds,
                 "flops_per_s_per_device": flops / seconds / devices}
 

@@ -550,7 +550,7 @@ def test_step2_stop_and_resume_matches_uninterrupted(primary_run, de_corpus, de_
     for tag in ("step00000002", "step00000004"):
         (a, _, a_meta), (b, _, b_meta) = (read_artifact(tmp_path / d / "embeddings" / tag) for d in ("full", "part"))
         assert torch.equal(a["word_embeddings"], b["word_embeddings"]), tag
-        # the recovered artifact's compute, from its checkpoint's updates run (checkpoint.updates_run)
+        # the recovered artifact's compute, from its checkpoint's updates run
         # and the rows its head projected (checkpoint.work_run; a resumed run's count goes on from its checkpoint's)
         keys = ("step", "flops", "tokens", "scored_rows")
         assert [b_meta[k] for k in keys] == [a_meta[k] for k in keys] and a_meta["scored_rows"] > 0

@@ -419,7 +419,7 @@ def test_a_resumed_run_is_not_finished_until_its_step_returns_again(tmp_path):
 
 
 def test_the_updates_run_to_a_checkpoint_count_skipped_steps(tmp_path):
-    """checkpoint.updates_run: a checkpoint's position (updates applied and fp16 steps skipped),
+    """checkpoint.work_run: a checkpoint's position (updates applied and fp16 steps skipped),
     what a Step-2 artifact recovered from it counts its FLOPs from; one saved without a position
     (write_weights_only: an import), its step."""
     import torch
@@ -428,11 +428,11 @@ def test_the_updates_run_to_a_checkpoint_count_skipped_steps(tmp_path):
 
     (tmp_path / "step00000002").mkdir()
     torch.save({"step": 2, "position": 3, "module": {}}, tmp_path / "step00000002" / "mp_rank_00_model_states.pt")
-    assert checkpoint.updates_run(tmp_path / "step00000002") == 3
+    assert checkpoint.work_run(tmp_path / "step00000002")[0] == 3
     # the rows its heads projected: unknown (None) in one saved before the count, then as saved
     assert checkpoint.work_run(tmp_path / "step00000002") == (3, None)
     torch.save({"step": 2, "position": 3, "module": {}, checkpoint.SCORED_ROWS: 57},
                tmp_path / "step00000002" / "mp_rank_00_model_states.pt")
     assert checkpoint.work_run(tmp_path / "step00000002") == (3, 57)
     tag = checkpoint.write_weights_only(tmp_path, 5, {}, {})
-    assert checkpoint.updates_run(tmp_path / tag) == 5
+    assert checkpoint.work_run(tmp_path / tag)[0] == 5
