@@ -22,8 +22,9 @@ from mmadapt.mcore import parallel_state
 
 # How long a collective (and the rendezvous) may wait before the job fails. Set explicitly, not
 # left to the backend's default: no mmadapt step waits on data preparation in a collective
-# (train.prepare_data runs before the groups exist), so the default only has to cover a
-# checkpoint write and the slowest update. Override it for slow shared file systems.
+# (start_run prepares it before the groups exist; the one exception, Step 2's merged vocabulary
+# from a raw corpus, samples at most PreprocessConfig.tokenizer_sample_lines), so the default only
+# has to cover a checkpoint write and the slowest update. Override it for slow shared file systems.
 DIST_TIMEOUT_S = float(os.environ.get("MMADAPT_DIST_TIMEOUT_S", 1800))
 
 
@@ -119,12 +120,34 @@ def shutdown(agreed: bool = True) -> None:
 def object_from_rank0(value):
     """Global rank 0's `value` (a picklable host object) on every rank (collective over the whole
     world, over gloo on the host; from_rank0 for a tensor): one decision for all, where each rank's
-    own view could differ (a file system's cached listing on another node)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    own view could differ (a file system's cached listing on another node). Called before a step
+    joined its job (a step's checks run before start_run), it joins it: each rank would otherwise
+    keep its own value (on the others, the None they pass)."""
+    if not dist.is_initialized():
+        if launched_world_size() == 1:
+            return value
+        init_distributed()
+    if dist.get_world_size() == 1:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0, group=_CONTROL)
     return box[0]
+
+
+def rank0_decides(decide):
+    """decide() run on global rank 0 alone, its value taken by every rank (object_from_rank0); a
+    ValueError or OSError it raises (a refusal) is raised on every rank, none left waiting for
+    rank 0 in the collective."""
+    value = None
+    if is_rank0():
+        try:
+            value = decide()
+        except (ValueError, OSError) as e:
+            value = e
+    value = object_from_rank0(value)
+    if isinstance(value, Exception):
+        raise value
+    return value
 
 
 def any_rank(flag: bool) -> bool:

@@ -851,6 +851,7 @@ def test_rank_0_alone_trains_a_raw_corpus_target_tokenizer(sources, de_corpus, t
     takes its expansion (each rank trained one, every core of the host each); a training that fails
     on rank 0 is raised on every rank, none left waiting for it."""
     from mmadapt import expand as E
+    from mmadapt import parallel
     from mmadapt.data import DataError
     from mmadapt.run import read_source
 
@@ -861,16 +862,16 @@ def test_rank_0_alone_trains_a_raw_corpus_target_tokenizer(sources, de_corpus, t
     def from_rank0(value):
         sent.append(value)
         return made
-    monkeypatch.setattr(E, "object_from_rank0", from_rank0)
-    monkeypatch.setattr(E, "is_rank0", lambda: False)
+    monkeypatch.setattr(parallel, "object_from_rank0", from_rank0)
+    monkeypatch.setattr(parallel, "is_rank0", lambda: False)
     monkeypatch.setattr(E, "train_tokenizer", lambda *a, **k: pytest.fail("a rank other than 0 trained a tokenizer"))
     assert E.merged_vocabulary(run, source, 600, 1, None) == (made.size, made.source_size, made) and sent == [None]
     failed = DataError("de.txt holds no text")
 
     def fails(*a, **k):
         raise failed
-    monkeypatch.setattr(E, "object_from_rank0", lambda value: value)
-    monkeypatch.setattr(E, "is_rank0", lambda: True)
+    monkeypatch.setattr(parallel, "object_from_rank0", lambda value: value)
+    monkeypatch.setattr(parallel, "is_rank0", lambda: True)
     monkeypatch.setattr(E, "train_tokenizer", fails)
     with pytest.raises(DataError, match="de.txt holds no text"):
         E.merged_vocabulary(run, source, 600, 1, None)
@@ -1010,3 +1011,4 @@ def test_the_replay_says_the_fraction_it_trains(capsys):
         "(--replay_fraction 0.3 rounded)",
         "replay: 4 of every update's 16 blocks are source-language text from en, a fraction of 0.25",
         "replay: 57 of every update's 100 blocks are source-language text from en, a fraction of 0.57"]
+

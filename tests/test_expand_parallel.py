@@ -169,3 +169,23 @@ def test_expand_under_bf16_at_tensor_parallel_4(sources, de_corpus, de_tokenizer
     assert 2 * size // 4 <= VOCAB  # ranks 0 and 1 hold source rows only
     assert [r["step"] for r in metrics(runs[4])] == [1, 2, 3]
     np.testing.assert_allclose([r["loss"] for r in metrics(runs[4])], [r["loss"] for r in metrics(runs[1])], rtol=1e-3)
+
+
+def test_two_ranks_merge_the_target_tokenizer_rank_0_trained(sources, de_corpus, tmp_path):
+    """--vocab_mode expand from a raw --corpus with no --tokenizer, on 2 data-parallel ranks: global
+    rank 0 trains the target tokenizer and both ranks take the vocabulary it merges
+    (expand.merged_vocabulary, before the job's process groups exist: parallel.object_from_rank0
+    joins the job; before, every other rank kept the None it sent and failed), the one a single
+    process merges."""
+    from mmadapt.expand import MERGED_TOKENIZER
+
+    merged = {}
+    for nproc, ds in ((1, "zero0"), (2, "zero2")):
+        out = tmp_path / str(nproc)
+        run_pretrain(nproc, "--system", "minijoint", "--source", str(sources["roberta"]), "--lang", "de", "--corpus",
+                     str(de_corpus), "--vocab_mode", "expand", "--output_dir", str(out), "--train_iters", "2",
+                     "--seq_length", "32", "--train_micro_batch_size_per_gpu", "4", "--ds_config",
+                     f"ds_configs/{ds}.json", *NO_DROPOUT, script=ADAPT)
+        merged[nproc] = ((out / MERGED_TOKENIZER).read_bytes(),
+                         json.loads((out / "run.json").read_text())["model"]["vocab_size"])
+    assert merged[2] == merged[1] and merged[1][1] > VOCAB
