@@ -59,7 +59,7 @@ from mmadapt.family import ModelFamily
 from mmadapt.flops import device_days, flops_by_rows
 from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, piece_counts, target_logprobs, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.run import (RunSpec, Source, check_run, check_same_source, load_checkpoint, read_source,
+from mmadapt.run import (RunSpec, Source, agreed_source, check_run, check_same_source, load_checkpoint, read_source,
                          require_head, resumed_tag, run_text_layout, sampled_fingerprint, start_run)
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
@@ -216,7 +216,7 @@ def _source(run: RunSpec, step: AdaptEmbeddings) -> tuple[Source, ModelConfig]:
     recipe, the mini-model's depth)."""
     if step.system not in SYSTEMS:
         raise ValueError(f"unknown system {step.system!r}; choose one of {', '.join(SYSTEMS)}")
-    source = read_source(step.source, resumed_tag(run.output_dir, run.resume, step.source, step.source_tag))
+    source = agreed_source(step.source, lambda: resumed_tag(run.output_dir, run.resume, step.source, step.source_tag))
     require_head(source, "Step 2")
     recipe = source.record.get("recipe")
     if recipe not in SOURCE_RECIPES[step.system]:

@@ -469,6 +469,16 @@ def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
     return Source(path, record, checkpoint_tag(path, tag), cfg, get_family(cfg))
 
 
+def agreed_source(run_dir: str | os.PathLike, choose: Callable[[], str | None] = lambda: None) -> Source:
+    """read_source(run_dir, choose()) for a step of a launched job: the checkpoint chosen on global
+    rank 0 and read by every rank (parallel.rank0_decides; a refusal there raised on each). The
+    source may still be saving (its pretraining running) as the step starts, and ranks listing its
+    checkpoints a moment apart, or through another node's cached view of a shared file system,
+    would take different ones: replicas over different frozen weights, none the wiser. `choose`:
+    the tag asked for (resumed_tag; None: the newest complete)."""
+    return read_source(run_dir, parallel.rank0_decides(lambda: read_source(run_dir, choose()).tag))
+
+
 def text_prefix(run: dict, own_tokenizer: Path, tokenizer: Path | None = None) -> list[int] | None:
     """What the model of the run `run` (its record; `own_tokenizer` its tokenizer file) reads
     before a text read by `tokenizer` (None: its own): the recorded prefix (run_text_layout; None

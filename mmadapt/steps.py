@@ -58,8 +58,8 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, reference_logprobs,
                              scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
-from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, check_run, check_resumable,
-                         check_same_source, pretrained_blocks, read_run, read_source, require_head, require_kind,
+from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, agreed_source, check_run, check_resumable,
+                         check_same_source, pretrained_blocks, read_run, require_head, require_kind,
                          resumed_tag, run_progress, run_text_layout, sampled_fingerprint, start_run,
                          weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
@@ -181,7 +181,8 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
     K new layers on top, only those trained on source-language text."""
     check_run(run, step)
     n, k = step.mini.one_depth("build_minipost"), step.mini.new_layers
-    source = read_source(step.primary, resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag))
+    source = agreed_source(step.primary,
+                           lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag))
     require_head(source, "build_minipost")
     primary, src, tag, family = source.path, source.record, source.tag, source.family
     model = run.layout.apply(family.minipost_config(source.cfg, n, k))
@@ -242,7 +243,8 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
     Step-1 run (recipe bl_base) that every later step takes; its checkpoints hold the head, the
     body is the headless run's (`frozen_from`)."""
     check_run(run, step)
-    source = read_source(step.primary, resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag))
+    source = agreed_source(step.primary,
+                           lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag))
     if not source.headless:
         raise ValueError(f"{source.path} has its MLM head already: fit-head trains one for a headless run (import-hf of "
                          "a BertModel, RobertaModel, XLMRobertaModel or CamembertModel, or of a sentence-transformers "
@@ -433,8 +435,8 @@ def _finetune_source(run: RunSpec, step: Finetune, task) -> tuple[Source, ModelC
     train_file = step.train_file or ("bible" if task.name.startswith("bible-") else None)
     if train_file is None:
         raise ValueError(f"--train_file is required for {task.name} (see mmadapt/readers.py for the data)")
-    tag = resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag, "primary")
-    source = read_source(step.primary, tag)
+    source = agreed_source(step.primary,
+                           lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag, "primary"))
     check_primary(source)
     model_cfg = run.layout.apply(dataclasses.replace(source.cfg, head_layers=(), head_weights=()))
     family = source.family
@@ -648,13 +650,14 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     cfg = step.cfg  # its ranges were checked when it was made (config.check_declared)
     # one checkpoint of the source for every depth: the one the depths trained so far read
     # (run.resumed_tag), though the source saved newer ones since, unless --source_tag names one
-    tag = step.source_tag
-    for d in sorted(run.output_dir.iterdir()) if tag is None and run.output_dir.is_dir() else ():
-        if d.name.isdigit() or d.name == CEILING:
-            tag = resumed_tag(d, True, step.source, None)
-            if tag is not None:
-                break
-    src = read_source(step.source, tag)
+    def pinned() -> str | None:
+        for d in sorted(run.output_dir.iterdir()) if step.source_tag is None and run.output_dir.is_dir() else ():
+            if d.name.isdigit() or d.name == CEILING:
+                tag = resumed_tag(d, True, step.source, None)
+                if tag is not None:
+                    return tag
+        return step.source_tag
+    src = agreed_source(step.source, pinned)
     source, out, src_cfg = src.path, run.output_dir, src.cfg
     if src.record.get("recipe") != "minijoint":
         raise ValueError(f"the sweep compares the mini-models of a MINIJOINT run; {source} has recipe "

@@ -1012,3 +1012,39 @@ def test_the_replay_says_the_fraction_it_trains(capsys):
         "replay: 4 of every update's 16 blocks are source-language text from en, a fraction of 0.25",
         "replay: 57 of every update's 100 blocks are source-language text from en, a fraction of 0.57"]
 
+
+def test_rank_0_chooses_the_source_checkpoint_for_every_rank(sources, de_corpus, de_tokenizer, tmp_path, monkeypatch):
+    """A step of a launched job reads the source checkpoint global rank 0 chose (run.agreed_source):
+    a rank whose own listing holds a newer one (the source's pretraining completed it a moment
+    after rank 0 looked, or a node's cached view of a shared file system) reads rank 0's, where it
+    took its own newest (replicas over different frozen weights); Step 2's plan takes it so
+    (adapt._source); a refusal on rank 0 is raised on every rank."""
+    from mmadapt import adapt, checkpoint, parallel
+    from mmadapt.run import agreed_source
+
+    src = tmp_path / "src"
+    shutil.copytree(sources["roberta"], src)
+    ckpt = src / "checkpoints"
+    first, newer = checkpoint.latest_tag(ckpt), checkpoint.tag_for(ITERS + 1)
+    shutil.copytree(ckpt / first, ckpt / newer)
+    sent = []
+
+    def rank(r: int, rank0_sends=None):
+        monkeypatch.setattr(parallel, "is_rank0", lambda: r == 0)
+        monkeypatch.setattr(parallel, "object_from_rank0",
+                            lambda value: sent.append(value) or (value if r == 0 else rank0_sends))
+    rank(0)
+    assert agreed_source(src).tag == newer and sent == [newer]
+    rank(1, rank0_sends=first)  # rank 0 listed the checkpoints before `newer` was complete
+    assert agreed_source(src).tag == first and sent[-1] is None
+    run = RunSpec(output_dir=tmp_path / "a", ds_config=ZERO0, tokenizer=de_tokenizer, corpus=de_corpus)
+    step = steps.AdaptEmbeddings(system="minijoint", source=src, lang="de", train=_train("roberta", 2))
+    assert adapt._source(run, step)[0].tag == first
+    refused = ValueError(f"{src} has no complete checkpoint yet: let its run save one first")
+    rank(1, rank0_sends=refused)
+    with pytest.raises(ValueError, match="no complete checkpoint yet"):
+        agreed_source(src)
+    rank(0)  # rank 0 sends its refusal and raises it
+    with pytest.raises(ValueError, match="has no complete checkpoint step00999999"):
+        agreed_source(src, lambda: "step00999999")
+    assert isinstance(sent[-1], ValueError)
