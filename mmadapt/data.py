@@ -748,9 +748,10 @@ def _packed(data_path: Path, seq_length: int, split: str) -> np.ndarray:
 
 
 def wait_for(path: Path, what: str, poll_s: float = 0.25) -> None:
-    """Wait (no collective: no process group may exist yet) until `path` exists, saying why. The
-    ranks' rendezvous comes next, under the collective timeout (MMADAPT_DIST_TIMEOUT_S): a short
-    poll (a stat call) keeps this rank from arriving there up to a whole poll after rank 0."""
+    """Wait (no collective: a preparation may outlast the collective timeout, and no process group
+    need exist yet) until `path` exists, saying why. The ranks' next collective comes under that
+    timeout (MMADAPT_DIST_TIMEOUT_S): a short poll (a stat call) keeps this rank from arriving
+    there up to a whole poll after rank 0."""
     if path.exists():
         return
     print(f"rank {os.environ.get('RANK', '?')}: waiting for rank 0 to prepare {what}", file=sys.stderr, flush=True)
