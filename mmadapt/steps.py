@@ -419,7 +419,9 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
         train_loop(engine, lambda position: task_step(engine, plan.enc, order, cfg, position), job, cfg,
                    plan.updates, run.output_dir, run.resume)
         record = started.record.identity
-        if is_finished(run.output_dir):
+        # as rank 0 sees it: a rank whose view of the final checkpoint lags (another node's cache)
+        # skipped the barrier rank 0 then waited in until the collective timeout
+        if parallel.rank0_decides(lambda: is_finished(run.output_dir)):
             if parallel.is_rank0():
                 # the file source_score is on (not the run's identity: a --resume may score another)
                 record = started.record.finish(**_finetune_results(run.output_dir, task, plan, cfg,

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import NO_DROPOUT, REPO, adapt_args, child_env, metrics, run_pretrain
+from conftest import NO_DROPOUT, REPO, adapt_args, child_env, launch_cmd, metrics, run_pretrain
 from mmadapt.artifact import SAMPLED_KEY, read_artifact, write_artifact
 from mmadapt import faults
 from mmadapt.config import FinetuneConfig
@@ -306,3 +306,30 @@ def test_step3_stopped_and_resumed_equals_uninterrupted(primary_run, tmp_path):
     assert resumed["final_loss"] == full["final_loss"]
     a, b = load_finetuned(tmp_path / "full").state, load_finetuned(tmp_path / "part").state
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+LAGGING_RANK = """
+import os, runpy, sys
+from mmadapt import steps
+if os.environ["RANK"] == "1":  # its view of the final checkpoint lags rank 0's (another node's cache)
+    steps.is_finished = lambda run_dir: False
+sys.argv = [{script!r}, *sys.argv[1:]]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_whose_view_lags_still_meets_rank_0_at_the_end(primary_run, tmp_path):
+    """Whether Step 3 finished (its results written, then a barrier) is rank 0's decision: a rank that
+    did not see the final checkpoint yet returned without the barrier rank 0 waited in, and rank 0
+    failed after writing the results (here when the peer left; under NCCL at the collective timeout)."""
+    script = tmp_path / "finetune_lagging.py"
+    script.write_text(LAGGING_RANK.format(script=FINETUNE))
+    out = tmp_path / "run"
+    cmd = launch_cmd(2, "--task", "bible-genre", "--primary", str(primary_run), "--output_dir", str(out),
+                     "--seq_length", "64", "--epochs", "0.01", "--train_micro_batch_size_per_gpu", "8",
+                     "--ds_config", "ds_configs/zero2.json", *NO_DROPOUT, script=str(script))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=child_env(MMADAPT_DIST_TIMEOUT_S="20"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "final_loss" in json.loads((out / "run.json").read_text())
