@@ -694,14 +694,18 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     # Every depth trained before is this sweep's (source, language, data, schedule): checked for
     # all of them before any trains, so that a finished one is not taken for a changed sweep's
     # and a changed one is refused before the depths ahead of it have trained
-    for system, n, run_dir in jobs:
-        if run_progress(run_dir, step.train.train_iters) != "new":
+    # What each depth holds, as rank 0 sees it: ranks whose views differed (another node's cached
+    # listing of a directory an earlier job wrote) trained different depths, or one resumed and one new
+    iters = step.train.train_iters
+    states = parallel.rank0_decides(lambda: [(run_progress(d, iters), final_artifact_written(d, iters))
+                                             for _, _, d in jobs])
+    for (system, n, run_dir), (state, _) in zip(jobs, states):
+        if state != "new":
             plan = Step2Plan.of(*spec(system, n, run_dir, True))
             # the schedule the run trains with (the ceiling's calibration is the default)
             check_resumable(plan.run, plan.model, plan.step.train, plan.identity, plan.data)
-    for system, n, run_dir in jobs:
-        state = run_progress(run_dir, step.train.train_iters)
-        if state == "done" and final_artifact_written(run_dir, step.train.train_iters):
+    for (system, n, run_dir), (state, written) in zip(jobs, states):
+        if state == "done" and written:
             continue
         if parallel.is_rank0():
             print(f"sweep: Step 2 over {'the full model' if n is None else f'the {n}-layer mini-model'} -> {run_dir}",

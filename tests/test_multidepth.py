@@ -519,6 +519,24 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     assert (out / "2" / "metrics.jsonl").read_text() == before
     again = json.loads((out / "sweep.json").read_text())["records"]
     assert again == records
+    # A rank whose own view of the depths lags (another node's cached listing: each "new") takes
+    # rank 0's (parallel.rank0_decides): it trains none of them either
+    from mmadapt import parallel, steps
+
+    listed, rank0_view = steps.run_progress, [False]
+
+    def decides(decide):
+        rank0_view[0] = True
+        try:
+            return decide()
+        finally:
+            rank0_view[0] = False
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(steps, "run_progress", lambda d, iters: listed(d, iters) if rank0_view[0] else "new")
+        mp.setattr(parallel, "rank0_decides", decides)
+        mp.setattr(steps, "adapt_embeddings", lambda *a, **k: pytest.fail("a finished depth trained again"))
+        assert main(["sweep", *args]) == 0
+    capsys.readouterr()
     # Another schedule into the same directory: its finished depths are not this sweep's, refused
     # in one line before anything trains or is scored
     assert main(["sweep", *args, "--lr", "0.01"]) == 2
