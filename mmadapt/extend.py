@@ -129,7 +129,7 @@ class Extend:
                 raise ValueError(f"{flag} {d} is a sequence classifier: extend takes language models; graft the "
                                  "extension's embeddings into a classifier with `mmadapt import-hf --model "
                                  f"{d} --task <task>` and `mmadapt export-hf --finetuned <that run> --graft` "
-                                 "(docs/huggingface.md)")
+                                 "(docs/huggingface.md, from xlm-roberta-base to XNLI)")
 
     def run_dir(self, stage: str) -> Path:
         return self.output_dir / stage
@@ -186,6 +186,11 @@ def claim(ext: Extend) -> bool:
 def extend(ext: Extend) -> dict:
     """The extension (module docstring). -> its summary: the plug-in loss of the new embeddings at
     the start and at the end beside the target unigram reference, and the export's directories."""
+    world = parallel.launched_world_size()
+    if world > 1:  # every rank would claim, import, prepare and export into the same directories
+        raise ValueError(f"mmadapt extend runs in one process (the launcher started {world}): run it as `mmadapt "
+                         "extend`, not under deepspeed, torchrun or srun; for several GPUs launch its steps "
+                         "(docs/huggingface.md, from xlm-roberta-base to XNLI)")
     made = [d for d in (ext.output_dir, *ext.output_dir.parents) if not d.exists()]  # deepest first
     fresh = claim(ext)
     say = _stage_printer()

@@ -940,6 +940,8 @@ CASES = [
     ("extend-source-corpus-missing", lambda c: c.extend("--source_corpus", str(c.tmp / "none.txt")),
      "none.txt does not exist"),
     ("extend-lr-nan", lambda c: c.extend("--lr", "nan"), "lr must be a finite number, got nan"),
+    ("extend-launched-on-two-ranks", lambda c: c.request.getfixturevalue("monkeypatch").setenv("WORLD_SIZE", "2")
+     or c.extend(), "mmadapt extend runs in one process (the launcher started 2): run it as `mmadapt extend`"),
     ("extend-plugin-eval-blocks-zero", lambda c: c.extend("--plugin_eval_blocks", "0"),
      "argument --plugin_eval_blocks: must be >= 1, got 0"),
     ("extend-lang-with-a-slash", lambda c: c.extend("--lang", "de/x"), "argument --lang: 'de/x' is no language code"),
