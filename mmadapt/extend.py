@@ -129,7 +129,7 @@ class Extend:
                 raise ValueError(f"{flag} {d} is a sequence classifier: extend takes language models; graft the "
                                  "extension's embeddings into a classifier with `mmadapt import-hf --model "
                                  f"{d} --task <task>` and `mmadapt export-hf --finetuned <that run> --graft` "
-                                 "(docs/huggingface.md, from xlm-roberta-base to XNLI)")
+                                 "(docs/huggingface.md)")
 
     def run_dir(self, stage: str) -> Path:
         return self.output_dir / stage
