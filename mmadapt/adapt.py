@@ -135,12 +135,13 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         # record yet (launch/slurm/adapt.sbatch's first launch, or a requeue before train_lm wrote
         # it) starts anew as well. Rank 0 reads it for every rank: a node's cached view of a shared
         # file system could start its ranks by another rule.
-        rule = StartRule()
-        if parallel.is_rank0() and plan.run.resume and started.record.exists():
-            record = started.record.read()
-            if "start_rule" in record or checkpoint.latest_tag(plan.run.output_dir / "checkpoints") is not None:
-                rule = StartRule.recorded(record)
-        rule = parallel.object_from_rank0(rule)
+        def recorded_rule() -> StartRule:
+            if plan.run.resume and started.record.exists():
+                record = started.record.read()
+                if "start_rule" in record or checkpoint.latest_tag(plan.run.output_dir / "checkpoints") is not None:
+                    return StartRule.recorded(record)
+            return StartRule()
+        rule = parallel.rank0_decides(recorded_rule)
         start = Step2Start.build(plan.source, plan.body, step, tokenizer, started.data, rule)
         check_same_source(plan.run, {"source_fingerprint": lambda: start.source_fingerprint}, plan.source.path)
         if parallel.is_rank0():

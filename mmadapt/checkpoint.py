@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt.faults import LOCK_NAME, STOP_FILE, TAKEOVER_NAME
-from mmadapt.parallel import dp_rank, is_rank0, object_from_rank0, pp_rank, rng_state, set_rng_state, tp_rank
+from mmadapt.parallel import dp_rank, is_rank0, pp_rank, rank0_decides, rng_state, set_rng_state, tp_rank
 
 _TAG = re.compile(r"^step(\d{8})$")
 
@@ -387,26 +387,23 @@ def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | N
     no one watching), for what may be a file system's passing fault. A file that passes the size
     check but cannot be read stops with a one-line error naming it."""
     ckpt_dir = Path(ckpt_dir)
-    chosen, refused = None, None
-    if is_rank0():  # one choice for every rank: each rank's view of a shared file system may lag
+
+    def newest_intact() -> str | None:
         tags, passed = complete_tags(ckpt_dir), []  # passed: (tag, why damaged), newest first
         for tag in reversed(tags):
             why = damaged(ckpt_dir / tag)
             if why is None:
-                chosen = tag
-                break
+                for old, old_why in passed:
+                    print(f"checkpoint {old} is damaged ({old_why}): resuming from the one before it", file=sys.stderr)
+                return tag
             passed.append((tag, why))
-        if chosen is not None:
-            for tag, why in passed:
-                print(f"checkpoint {tag} is damaged ({why}): resuming from the one before it", file=sys.stderr)
-        elif tags:
-            refused = (f"--resume: every complete checkpoint in {ckpt_dir} is damaged (the newest, {tags[-1]}: "
-                       f"{passed[0][1]}): restore its files and resume, or start a new --output_dir")
-        else:
-            print(f"--resume: no complete checkpoint in {ckpt_dir}: starting at update 0", file=sys.stderr)
-    chosen, refused = object_from_rank0((chosen, refused))
-    if refused:
-        raise ValueError(refused)
+        if tags:
+            raise ValueError(f"--resume: every complete checkpoint in {ckpt_dir} is damaged (the newest, {tags[-1]}: "
+                             f"{passed[0][1]}): restore its files and resume, or start a new --output_dir")
+        print(f"--resume: no complete checkpoint in {ckpt_dir}: starting at update 0", file=sys.stderr)
+        return None
+    # one choice for every rank: each rank's view of a shared file system may lag
+    chosen = rank0_decides(newest_intact)
     if chosen is None:
         return None
     try:

@@ -135,8 +135,7 @@ def for_replicas(ds: dict, dp: int, ckpt_dir: Path | None = None) -> dict:
     bf16 = bool(ds.get("bf16", {}).get("enabled"))
     # rank 0's reading, for every rank: ranks that read a shared file system differently would
     # build different optimizers (and hang)
-    written = (parallel.object_from_rank0(checkpoint.written_by(ckpt_dir) if parallel.is_rank0() else None)
-               if ckpt_dir is not None else None)
+    written = parallel.rank0_decides(lambda: checkpoint.written_by(ckpt_dir)) if ckpt_dir is not None else None
     if written is not None and written != ("BF16_Optimizer" if bf16 else "AdamW"):
         return ds  # written under ZeRO
     if written is None and _needs_zero(ds):
