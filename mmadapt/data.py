@@ -733,13 +733,6 @@ def read_blocks(data_path: str | os.PathLike, seq_length: int, split: str = TEXT
     return np.load(path, mmap_mode="r") if path is not None else _packed(Path(data_path), seq_length, split)
 
 
-def wait_for_block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT) -> None:
-    """Wait until global rank 0 has built block_index's file, where one is built (read_blocks)."""
-    path = block_index_path(Path(data_path), seq_length, split)
-    if path.is_file() or os.access(data_path, os.W_OK):
-        wait_for(path, f"the block index {path}")
-
-
 def _packed(data_path: Path, seq_length: int, split: str) -> np.ndarray:
     from mmadapt.mcore import indexed_dataset  # imports all of megatron.core
 
@@ -748,13 +741,14 @@ def _packed(data_path: Path, seq_length: int, split: str) -> np.ndarray:
 
 
 def wait_for(path: Path, what: str, poll_s: float = 0.25) -> None:
-    """Wait (no collective: a preparation may outlast the collective timeout, and no process group
-    need exist yet) until `path` exists, saying why. The ranks' next collective comes under that
-    timeout (MMADAPT_DIST_TIMEOUT_S): a short poll (a stat call) keeps this rank from arriving
-    there up to a whole poll after rank 0."""
+    """Wait until `path`, which global rank 0 wrote (parallel.rank0_prepares), shows in this rank's
+    view of the shared file system (another node's can lag: NFS caches a name's absence), saying
+    why. No collective: the ranks' next one comes under MMADAPT_DIST_TIMEOUT_S, and a short poll
+    (a stat call) keeps this rank from arriving there up to a whole poll after rank 0."""
     if path.exists():
         return
-    print(f"rank {os.environ.get('RANK', '?')}: waiting for rank 0 to prepare {what}", file=sys.stderr, flush=True)
+    print(f"rank {os.environ.get('RANK', '?')}: waiting for {what}, which rank 0 prepared, to show here",
+          file=sys.stderr, flush=True)
     while not path.exists():
         time.sleep(poll_s)
 

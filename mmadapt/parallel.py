@@ -9,9 +9,13 @@ else asks `parallel_state` (or the `DeepSpeedMPU` view of it) and never builds i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
+import pickle
 import random
+import sys
+import time
 
 import numpy as np
 import torch
@@ -22,8 +26,8 @@ from mmadapt.mcore import parallel_state
 
 # How long a collective (and the rendezvous) may wait before the job fails. Set explicitly, not
 # left to the backend's default: no mmadapt step waits on data preparation in a collective
-# (start_run prepares it before the groups exist; the one exception, Step 2's merged vocabulary
-# from a raw corpus, samples at most PreprocessConfig.tokenizer_sample_lines), so the default only
+# (rank0_prepares: the other ranks poll the job's store; the one exception, Step 2's merged
+# vocabulary from a raw corpus, samples at most PreprocessConfig.tokenizer_sample_lines), so the default only
 # has to cover a checkpoint write and the slowest update. Override it for slow shared file systems.
 DIST_TIMEOUT_S = float(os.environ.get("MMADAPT_DIST_TIMEOUT_S", 1800))
 
@@ -148,6 +152,91 @@ def rank0_decides(decide):
     if isinstance(value, Exception):
         raise value
     return value
+
+
+_PREPARED = collections.Counter()  # rank0_prepares: what -> the calls so far in this process
+
+
+def rank0_prepares(prepare, what: str, poll_s: float = 0.25):
+    """prepare() run on global rank 0 alone -> its value on every rank, the others waiting with no
+    collective: a preparation (a corpus encoded, a block index built) may outlast the collective
+    timeout (MMADAPT_DIST_TIMEOUT_S). A short poll keeps a rank from reaching the next collective,
+    which comes under that timeout, a whole poll after rank 0. `what` names the work in the
+    waiting ranks' line; every rank makes the same calls in the same order.
+
+    The ranks meet in the job's rendezvous store (the job is joined here, as object_from_rank0
+    does), where rank 0 leaves its value or what it raised, which the others then raise too.
+    Before, they polled the file system for rank 0's file alone: when rank 0 refused the input
+    while preparing (a corpus too small for its --vocab_size), ranks on nodes that no launcher
+    stops when rank 0 exits waited for that file forever. A store lives as long as its launch
+    (torchrun's agent keeps one per restart attempt), so nothing an earlier attempt left is read
+    as this one's, as a marker file beside the data could be; where rank 0's process holds it
+    (DeepSpeed's launcher, srun), a rank 0 that dies outright takes it along and the others fail
+    at once. A file prepare() wrote may still take a moment to show on another node of a shared
+    file system: callers wait for it (data.wait_for)."""
+    if not dist.is_initialized():
+        if launched_world_size() == 1:
+            return prepare()
+        init_distributed()
+    if dist.get_world_size() == 1:
+        return prepare()
+    key = f"mmadapt/rank0_prepares/{_PREPARED[what]}/{what}"
+    _PREPARED[what] += 1
+    # The store torch.distributed rendezvoused through: not public API, but the one store every
+    # rank of this launch (and of no other) reaches; a new one would need a port of its own.
+    store = dist.distributed_c10d._get_default_store()
+    if is_rank0():
+        try:
+            value = prepare()
+        except BaseException as e:  # a stop signal too: no rank may be left waiting
+            store.set(key, _pickled(("raised", e)))
+            _await_readers(store, key)
+            raise
+        store.set(key, _pickled(("value", value)))
+        return value
+    announced = False
+    while True:
+        try:
+            if store.check([key]):
+                break
+        except RuntimeError as e:  # torch's DistError: the store's host went away
+            raise RuntimeError(f"rank {dist.get_rank()}: rank 0 stopped while it prepared {what} "
+                               f"(the job's store answers: {e}): its log says why") from None
+        if not announced:
+            print(f"rank {dist.get_rank()}: waiting for rank 0 to prepare {what}", file=sys.stderr, flush=True)
+            announced = True
+        time.sleep(poll_s)
+    kind, value = pickle.loads(store.get(key))
+    store.add(key + "/read", 1)
+    if kind == "raised":
+        raise value
+    return value
+
+
+def _await_readers(store, key: str) -> None:
+    """Until every other rank has read rank 0's outcome under `key` (at most the collective
+    timeout: a rank that late is broken). The store lives in rank 0's process under DeepSpeed's
+    launcher: rank 0 leaving at once with its error took the store along before the others read
+    it, and they failed with the store's "connection closed" instead of the error."""
+    deadline = time.monotonic() + DIST_TIMEOUT_S
+    try:
+        while store.add(key + "/read", 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except RuntimeError:  # a store held elsewhere (torchrun's agent) that went away: nothing to wait for
+        pass
+
+
+def _pickled(outcome: tuple[str, object]) -> bytes:
+    """rank0_prepares' (kind, value) as bytes; an exception pickle cannot carry, as its text."""
+    try:
+        b = pickle.dumps(outcome)
+        pickle.loads(b)  # an exception whose __init__ wants other arguments pickles, then fails to load
+        return b
+    except Exception:
+        if outcome[0] != "raised":
+            raise
+        e = outcome[1]
+        return pickle.dumps(("raised", RuntimeError(f"rank 0: {type(e).__name__}: {e}")))
 
 
 def any_rank(flag: bool) -> bool:

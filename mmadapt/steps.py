@@ -608,10 +608,10 @@ def _sweep_data(run: RunSpec, step: Sweep, src_cfg: ModelConfig) -> Path:
     else:
         if step.prep.valid_fraction <= 0:
             raise ValueError("--corpus needs --valid_fraction (e.g. 0.03): the plug-in metric scores held-out text")
-        data_path = run.output_dir / "data"
-        if parallel.is_rank0():
-            preprocess(run.corpus, data_path, step.vocab_size or src_cfg.vocab_size, step.prep)
-        wait_for(data_path / MANIFEST, f"the {step.lang} corpus in {data_path}")
+        data_path, what = run.output_dir / "data", f"the {step.lang} corpus in {run.output_dir / 'data'}"
+        parallel.rank0_prepares(lambda: preprocess(run.corpus, data_path, step.vocab_size or src_cfg.vocab_size,
+                                                   step.prep), what)
+        wait_for(data_path / MANIFEST, what)
     if not read_manifest(data_path).get("valid"):
         raise ValueError(f"{data_path} has no validation split for the plug-in metric: prepare it with mmadapt "
                          "preprocess --valid_fraction 0.03 into a new --output_dir (or pass --corpus with "

@@ -31,8 +31,7 @@ from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfi
 from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, DataError, EpochOrder,
                           LayoutBatches, ReplayBatches, block_index, check_corpus, check_prepared,
                           corpus_fingerprint, file_sha256, layout_stream, layout_stream_path, line_join,
-                          load_checked_tokenizer, micro_batch_range, prepare, read_manifest, replay_blocks, wait_for,
-                          wait_for_block_index)
+                          load_checked_tokenizer, micro_batch_range, prepare, read_manifest, replay_blocks, wait_for)
 from mmadapt.engine import (LoopJob, backward, build_engine, is_pipeline, mean_over_ranks, set_trainable, train_loop,
                             trainable_by_names, with_placeholders)
 from mmadapt.features import Encoded
@@ -135,15 +134,15 @@ class TextData:
         """-> the prepared dataset, with the block index for train.seq_length, and the run's copy
         of its tokenizer (what later steps read). Global rank 0 prepares a raw corpus into
         <output_dir>/data (once; `mmadapt preprocess` does the same for large corpora, ahead of
-        the job) and builds the block index, while the other ranks poll the file system. Like
-        DeepSpeed's checkpoints, this assumes a file system that all nodes share."""
-        rank0 = parallel.is_rank0()
+        the job) and builds the block index, while the other ranks wait (parallel.rank0_prepares:
+        what rank 0 raises, they raise). Like DeepSpeed's checkpoints, this assumes a file system
+        that all nodes share."""
         data_path = run.data_path or run.output_dir / "data"
         if run.data_path is None:
-            if rank0:
-                prepare(run.corpus, data_path, model.vocab_size, tokenizer=run.tokenizer,
-                        cfg=PreprocessConfig(tokenizer_seed=train.seed))
-            wait_for(data_path / MANIFEST, f"the corpus in {data_path}")
+            what = f"the corpus in {data_path}"
+            parallel.rank0_prepares(lambda: prepare(run.corpus, data_path, model.vocab_size, tokenizer=run.tokenizer,
+                                                    cfg=PreprocessConfig(tokenizer_seed=train.seed)), what)
+            wait_for(data_path / MANIFEST, what)
         indexed = family.objective.batches.indexed
         tokens = read_manifest(data_path)["tokens"]
         if not indexed and tokens <= train.seq_length:
@@ -153,16 +152,17 @@ class TextData:
             # margin the first batch, BlockBatches, still decides)
             raise DataError(f"{data_path} holds {tokens:,} tokens, fewer than one block of --seq_length "
                             f"{train.seq_length} reads ({train.seq_length + 1}): lower --seq_length, or give more text")
-        if rank0:
-            if indexed:
-                block_index(data_path, train.seq_length)
-                if train.eval_interval:
-                    block_index(data_path, train.seq_length, VALID)
+
+        def index_and_tokenizer() -> list[Path]:
             tok = run.output_dir / RUN_TOKENIZER
             tok.parent.mkdir(parents=True, exist_ok=True)  # every later step reads it: never half of it
             checkpoint.atomic_write(tok, (data_path / TOKENIZER).read_bytes())
-        if indexed:
-            wait_for_block_index(data_path, train.seq_length)
+            splits = (TEXT, VALID) if train.eval_interval else (TEXT,)
+            return [block_index(data_path, train.seq_length, split) for split in splits] if indexed else []
+        # None: a dataset rank 0 cannot write, whose readers pack the blocks in memory (read_blocks)
+        for path in parallel.rank0_prepares(index_and_tokenizer, f"the block index of {data_path}"):
+            if path is not None:
+                wait_for(path, f"the block index {path}")
         return data_path
 
 
@@ -188,9 +188,11 @@ class ExpandedText(TextData):
 
     def prepare(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> Path:
         merged = run.output_dir / MERGED_TOKENIZER
-        if parallel.is_rank0():
+
+        def write():
             merged.parent.mkdir(parents=True, exist_ok=True)
             checkpoint.atomic_write(merged, self.expansion.model)
+        parallel.rank0_prepares(write, f"the merged tokenizer {merged}")
         wait_for(merged, f"the merged tokenizer {merged}")
         return super().prepare(dataclasses.replace(run, tokenizer=merged), model, train, family)
 
@@ -215,9 +217,10 @@ class WithReplay:
     def prepare(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> Path:
         data_path = self.plan.prepare(run, model, train, family)
         if family.objective.batches.indexed:
-            if parallel.is_rank0():
-                block_index(self.replay.data, train.seq_length)
-            wait_for_block_index(self.replay.data, train.seq_length)
+            path = parallel.rank0_prepares(lambda: block_index(self.replay.data, train.seq_length),
+                                           f"the block index of {self.replay.data}")
+            if path is not None:
+                wait_for(path, f"the block index {path}")
         return data_path
 
 
@@ -239,10 +242,13 @@ def lm_batches(family: ModelFamily, data_path: Path, model: ModelConfig, train: 
         # the laid-out stream is a file of the dataset: global rank 0 builds it, the others wait
         join = line_join(load(Path(data_path) / TOKENIZER))
         stream = layout_stream_path(data_path, split, layout, join)
-        shared = stream.with_suffix(".json").is_file() or os.access(data_path, os.W_OK)  # else: each rank its own
-        if shared and parallel.is_rank0():
-            layout_stream(data_path, split, layout, join)
-        if shared:
+
+        def shared_stream() -> bool:  # else: each rank lays out its own (LayoutBatches)
+            shared = stream.with_suffix(".json").is_file() or os.access(data_path, os.W_OK)
+            if shared:
+                layout_stream(data_path, split, layout, join)
+            return shared
+        if parallel.rank0_prepares(shared_stream, f"the laid-out stream {stream}"):
             wait_for(stream.with_suffix(".json"), f"the laid-out stream {stream}")
         return LayoutBatches(data_path, train, model.vocab_size, parallel.dp_rank(), parallel.dp_world(), split,
                              layout, join)

@@ -215,7 +215,6 @@ def test_blocks_of_a_dataset_this_process_cannot_write_are_packed_in_memory(toke
     monkeypatch.setattr(D.os, "access", lambda path, mode: False)
     mine = D.MLMBatches(d, train, VOCAB)
     assert not D.block_index_path(d, 32).exists() and not list(d.glob(".*"))
-    D.wait_for_block_index(d, 32)  # returns: no file is awaited where none is built
     monkeypatch.undo()
     shared = D.MLMBatches(d, train, VOCAB)
     assert D.block_index_path(d, 32).is_file()
@@ -535,6 +534,85 @@ def test_two_ranks_outlive_a_preparation_longer_than_the_collective_timeout(corp
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "rank 1: waiting for rank 0 to prepare" in proc.stdout + proc.stderr
     assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_what_rank_0_raises_while_preparing_is_raised_on_every_rank(monkeypatch):
+    """parallel.rank0_prepares: rank 0 prepares, the others wait in the job's store and take its
+    value, or raise what it raised (before, they polled for its file forever); a store whose host
+    (rank 0's process) is gone is named. Rank roles: is_rank0 and the store of one process."""
+    from mmadapt import parallel
+
+    store, calls, counts = torch.distributed.HashStore(), [], {0: {}, 1: {}}
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(parallel.dist.distributed_c10d, "_get_default_store", lambda: store)
+    # rank 0 waits for the other's read of its refusal before it exits: here the other comes later
+    monkeypatch.setattr(parallel, "DIST_TIMEOUT_S", 0.2)
+
+    def rank(r: int):
+        monkeypatch.setattr(parallel, "is_rank0", lambda: r == 0)
+        monkeypatch.setattr(parallel.dist, "get_rank", lambda: r)
+        counts[r] = counts[r] or parallel.collections.Counter()
+        monkeypatch.setattr(parallel, "_PREPARED", counts[r])  # each rank a process of its own
+
+    def refuse():
+        calls.append("refuse")
+        raise D.DataError("corpus c.txt is too small for a 8000-piece vocabulary")
+    rank(0)
+    assert parallel.rank0_prepares(lambda: calls.append("built") or None, "the block index") is None
+    with pytest.raises(D.DataError, match="too small for a 8000-piece"):
+        parallel.rank0_prepares(refuse, "the corpus")
+    rank(1)
+    assert parallel.rank0_prepares(lambda: calls.append("rank 1 built"), "the block index") is None
+    with pytest.raises(D.DataError, match="too small for a 8000-piece"):
+        parallel.rank0_prepares(refuse, "the corpus")
+    assert calls == ["built", "refuse"]  # rank 1 prepared nothing
+    assert store.add("mmadapt/rank0_prepares/0/the corpus/read", 0) == 1  # what rank 0 waits for
+    rank(0)  # the same work again in each process (a sweep's next depth): each call its own key
+    assert [parallel.rank0_prepares(lambda: v, "the corpus") for v in (7, 8)] == [7, 8]
+    rank(1)
+    assert [parallel.rank0_prepares(lambda: None, "the corpus") for _ in range(2)] == [7, 8]
+
+    class Gone:
+        def check(self, keys):
+            raise torch.distributed.DistNetworkError("Connection reset by peer")
+    monkeypatch.setattr(parallel.dist.distributed_c10d, "_get_default_store", lambda: Gone())
+    with pytest.raises(RuntimeError, match="rank 1: rank 0 stopped while it prepared the corpus .*Connection reset"):
+        parallel.rank0_prepares(lambda: None, "the corpus")
+
+
+@pytest.mark.slow
+def test_ranks_no_launcher_stops_exit_when_rank_0_refuses_the_corpus(corpus, tmp_path):
+    """Two ranks started as a launcher on each of two nodes starts them (nothing stops the other
+    node's when rank 0 exits): rank 0 refuses the corpus while preparing it (too small for the
+    --vocab_size asked for), and rank 1, which polled for rank 0's file forever, exits too, naming
+    the problem."""
+    import subprocess
+    import sys
+
+    from conftest import PRETRAIN, REPO, _port, child_env
+    from mmadapt.faults import EXIT_USER
+
+    small = tmp_path / "small.txt"
+    small.write_text("\n".join(corpus.read_text().splitlines()[:40]) + "\n")
+    port, procs = str(_port()), []
+    for r in (0, 1):
+        env = child_env(RANK=str(r), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=port, MMADAPT_DIST_TIMEOUT_S="120")
+        procs.append(subprocess.Popen([sys.executable, PRETRAIN, "--recipe", "bl_small", "--preset", "tiny",
+                                       "--corpus", str(small), "--vocab_size", "8000", "--output_dir",
+                                       str(tmp_path / "run"), "--train_iters", "2"],
+                                      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        out = [p.communicate(timeout=180) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("a rank was still running 180 s after rank 0 refused the corpus: "
+                    + "".join(p.communicate()[1][-2000:] for p in procs))
+    message = "too small for a 8000-piece vocabulary"
+    assert procs[0].returncode == procs[1].returncode == EXIT_USER, out
+    assert message in out[0][1] and message in out[1][1], out[1][1][-3000:]
 
 
 SLOW_RANK0 = """
