@@ -58,7 +58,7 @@ from mmadapt.data import (TEXT, TOKENIZER, VALID, file_sha256, read_manifest, re
 from mmadapt.family import WORD, ModelFamily, OutputPath
 from mmadapt.heldout import Primary, Scorer, Text, pretrained_on
 from mmadapt.models.layers import new_rows_name
-from mmadapt.parallel import from_rank0, is_rank0, launched_world_size, rank0_decides
+from mmadapt.parallel import from_rank0, is_rank0, launched_world_size, rank0_prepares
 from mmadapt.run import RunSpec, Source
 from mmadapt.tokenizer import WORD_BOUNDARY, cut_to_multiple, expand_hf, is_hf, pieces, source_form
 
@@ -194,9 +194,9 @@ def merged_vocabulary(run: RunSpec, source: Source, vocab_size: int | None, seed
     on the corpus as replace mode trains one (data.train_tokenizer, seeded, in a temporary
     directory), by global rank 0 alone for every rank: each rank training its own took every core
     of the host once per rank, and nothing would say if two came out apart (a host of another core
-    count; the model's size follows from it). The others wait for it in the job's first collective
-    (parallel.rank0_decides), under MMADAPT_DIST_TIMEOUT_S: for a corpus too large to sample in that
-    time, `mmadapt preprocess` it first. A --resume reads the merged tokenizer the run kept."""
+    count; the model's size follows from it). The others wait for it outside any collective
+    (parallel.rank0_prepares: what rank 0 raises, they raise). A --resume reads the merged
+    tokenizer the run kept."""
     if vocab_size is not None and (run.data_path is not None or run.tokenizer is not None):
         raise ValueError("--vocab_mode expand: the vocabulary is the source's with the target's new pieces "
                          "appended, its size follows from the tokenizers: drop --vocab_size")
@@ -217,7 +217,7 @@ def merged_vocabulary(run: RunSpec, source: Source, vocab_size: int | None, seed
                                      vocab_size or source.cfg.vocab_size, seed=seed,
                                      max_sentences=PreprocessConfig().tokenizer_sample_lines)
             return expand(source.tokenizer, target)
-    expansion = rank0_decides(merged)
+    expansion = rank0_prepares(merged, f"the target tokenizer trained on {run.corpus}")
     return expansion.size, expansion.source_size, expansion
 
 # --- an expanded vocabulary's output side (TrainConfig.expand_output_start) ---------------------------

@@ -26,8 +26,7 @@ from mmadapt.mcore import parallel_state
 
 # How long a collective (and the rendezvous) may wait before the job fails. Set explicitly, not
 # left to the backend's default: no mmadapt step waits on data preparation in a collective
-# (rank0_prepares: the other ranks poll the job's store; the one exception, Step 2's merged
-# vocabulary from a raw corpus, samples at most PreprocessConfig.tokenizer_sample_lines), so the default only
+# (rank0_prepares: the other ranks poll the job's store), so the default only
 # has to cover a checkpoint write and the slowest update. Override it for slow shared file systems.
 DIST_TIMEOUT_S = float(os.environ.get("MMADAPT_DIST_TIMEOUT_S", 1800))
 
@@ -168,19 +167,23 @@ def rank0_prepares(prepare, what: str, poll_s: float = 0.25):
     does), where rank 0 leaves its value or what it raised, which the others then raise too.
     Before, they polled the file system for rank 0's file alone: when rank 0 refused the input
     while preparing (a corpus too small for its --vocab_size), ranks on nodes that no launcher
-    stops when rank 0 exits waited for that file forever. A store lives as long as its launch
-    (torchrun's agent keeps one per restart attempt), so nothing an earlier attempt left is read
-    as this one's, as a marker file beside the data could be; where rank 0's process holds it
-    (DeepSpeed's launcher, srun), a rank 0 that dies outright takes it along and the others fail
-    at once. A file prepare() wrote may still take a moment to show on another node of a shared
-    file system: callers wait for it (data.wait_for)."""
+    stops when rank 0 exits waited for that file forever. A store lives as long as its launch, so
+    nothing an earlier launch left is read as this one's, as a marker file beside the data could
+    be (torchrun's agent keeps its store across the restarts of --max_restarts: the keys name the
+    attempt); where rank 0's process holds it (DeepSpeed's launcher, srun), a rank 0 that dies
+    outright takes it along and the others fail at once. Rank 0 goes on once every rank has read
+    its outcome: all may refuse the prepared data next (too few tokens), and a rank 0 gone before
+    a slower rank's next poll left that rank only "rank 0 stopped". A file prepare() wrote may
+    still take a moment to show on another node of a shared file system: callers wait for it
+    (data.wait_for)."""
     if not dist.is_initialized():
         if launched_world_size() == 1:
             return prepare()
         init_distributed()
     if dist.get_world_size() == 1:
         return prepare()
-    key = f"mmadapt/rank0_prepares/{_PREPARED[what]}/{what}"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's; no other launcher restarts
+    key = f"mmadapt/rank0_prepares/{attempt}/{_PREPARED[what]}/{what}"
     _PREPARED[what] += 1
     # The store torch.distributed rendezvoused through: not public API, but the one store every
     # rank of this launch (and of no other) reaches; a new one would need a port of its own.
@@ -190,9 +193,11 @@ def rank0_prepares(prepare, what: str, poll_s: float = 0.25):
             value = prepare()
         except BaseException as e:  # a stop signal too: no rank may be left waiting
             store.set(key, _pickled(("raised", e)))
-            _await_readers(store, key)
+            # Ctrl-C reaches every rank of a bare launch: none will read, so no long wait for them
+            _await_readers(store, key, DIST_TIMEOUT_S if isinstance(e, Exception) else 2.0)
             raise
         store.set(key, _pickled(("value", value)))
+        _await_readers(store, key, DIST_TIMEOUT_S)
         return value
     announced = False
     while True:
@@ -213,12 +218,12 @@ def rank0_prepares(prepare, what: str, poll_s: float = 0.25):
     return value
 
 
-def _await_readers(store, key: str) -> None:
-    """Until every other rank has read rank 0's outcome under `key` (at most the collective
-    timeout: a rank that late is broken). The store lives in rank 0's process under DeepSpeed's
-    launcher: rank 0 leaving at once with its error took the store along before the others read
-    it, and they failed with the store's "connection closed" instead of the error."""
-    deadline = time.monotonic() + DIST_TIMEOUT_S
+def _await_readers(store, key: str, timeout_s: float) -> None:
+    """Until every other rank has read rank 0's outcome under `key`, at most timeout_s (the
+    collective timeout: a rank that late is broken). The store lives in rank 0's process under
+    DeepSpeed's launcher: rank 0 leaving at once with its error took the store along before the
+    others read it, and they failed with the store's "connection closed" instead of the error."""
+    deadline = time.monotonic() + timeout_s
     try:
         while store.add(key + "/read", 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -227,7 +232,8 @@ def _await_readers(store, key: str) -> None:
 
 
 def _pickled(outcome: tuple[str, object]) -> bytes:
-    """rank0_prepares' (kind, value) as bytes; an exception pickle cannot carry, as its text."""
+    """rank0_prepares' (kind, value) as bytes; an exception pickle cannot carry, as its text in
+    the nearest built-in class it derives from (a ValueError stays one: every rank exits alike)."""
     try:
         b = pickle.dumps(outcome)
         pickle.loads(b)  # an exception whose __init__ wants other arguments pickles, then fails to load
@@ -236,7 +242,8 @@ def _pickled(outcome: tuple[str, object]) -> bytes:
         if outcome[0] != "raised":
             raise
         e = outcome[1]
-        return pickle.dumps(("raised", RuntimeError(f"rank 0: {type(e).__name__}: {e}")))
+        base = next(c for c in type(e).__mro__ if c.__module__ == "builtins")
+        return pickle.dumps(("raised", base(f"rank 0: {type(e).__name__}: {e}")))
 
 
 def any_rank(flag: bool) -> bool:
@@ -339,8 +346,7 @@ def pp_rank() -> int:
 
 def is_rank0() -> bool:
     """Global rank 0: the rank that writes run records, logs and shared files. Before the process
-    groups exist (data preparation, the run lock) the launcher's RANK says it; a plain `python`
-    run is rank 0."""
+    groups exist (the run lock) the launcher's RANK says it; a plain `python` run is rank 0."""
     return (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))) == 0
 
 

@@ -15,8 +15,8 @@ Layout of a run directory:
 
 `start_run` is the one start-up of Steps 1, 1b, 2 and 3, in this order: every check a user can
 get wrong, before any side effect; the run lock (global rank 0 creates the directory); the data
-(before any process group exists: see `DataPlan`); the process groups. The step then builds its
-engine and writes its record.
+(prepared by global rank 0 outside any collective: see `DataPlan`); the process groups. The step
+then builds its engine and writes its record.
 """
 
 from __future__ import annotations
@@ -89,9 +89,9 @@ class DataPlan(Protocol):
     """A training step's data, in start_run's order. `check` (before any side effect) refuses
     what cannot work and returns the run record's data fields, the ones a --resume must match;
     `check_resume` compares what the record cannot (a changed corpus, another tokenizer);
-    `prepare` (global rank 0 holds the run lock; no process group exists yet) returns what the
-    step trains on. Preparation runs before the process groups so that no rank waits in a
-    collective whose timeout would kill a job that prepares for longer. `family`: the run's
+    `prepare` (global rank 0 holds the run lock) returns what the step trains on: global rank 0
+    prepares while the others wait outside any collective (parallel.rank0_prepares), whose
+    timeout would kill a job that prepares for longer. `family`: the run's
     model family (its objective's blocks, its text framing, the tokenizers it takes)."""
 
     def check(self, run: RunSpec, model: ModelConfig, loop: LoopConfig, family: ModelFamily) -> dict: ...

@@ -593,7 +593,7 @@ class Sweep(StepSpec):
 
 def _sweep_data(run: RunSpec, step: Sweep, src_cfg: ModelConfig) -> Path:
     """The sweep's prepared target dataset (a raw corpus prepared by global rank 0 into
-    <output_dir>/data, before any process group exists)."""
+    <output_dir>/data while the others wait: parallel.rank0_prepares)."""
     if (run.corpus is None) == (run.data_path is None):
         raise ValueError("pass one of --data_path (a prepared target dataset with a validation split) and --corpus")
     if run.data_path is not None:

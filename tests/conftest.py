@@ -287,6 +287,30 @@ def count_calls(monkeypatch, owner, name: str, calls: dict) -> None:
     monkeypatch.setattr(owner, name, call)
 
 
+def store_ranks(monkeypatch, wait_s: float = 0.2):
+    """The ranks of a two-rank job played in turn by this process, for parallel.rank0_prepares:
+    one in-process store, each rank its own count of calls. -> rank(r), which makes this process
+    rank r from then on (rank.store: the store). Rank 0 waits at most wait_s for the other's read
+    of its outcome (here the other comes after it)."""
+    import collections
+
+    import torch.distributed
+    from mmadapt import parallel
+
+    store, counts = torch.distributed.HashStore(), {}
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(parallel.dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(parallel, "DIST_TIMEOUT_S", wait_s)
+
+    def rank(r: int) -> None:
+        monkeypatch.setattr(parallel, "is_rank0", lambda: r == 0)
+        monkeypatch.setattr(parallel.dist, "get_rank", lambda: r)
+        monkeypatch.setattr(parallel, "_PREPARED", counts.setdefault(r, collections.Counter()))
+    rank.store = store
+    return rank
+
+
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -515,7 +515,7 @@ runpy.run_path({script!r}, run_name="__main__")
 @pytest.mark.slow
 def test_two_ranks_outlive_a_preparation_longer_than_the_collective_timeout(corpus, tokenizer, tmp_path):
     """Rank 0 prepares the raw corpus (made to take 20 s, longer than the 15 s collective timeout)
-    while rank 1 polls the file system: no rank waits in a collective. The timeout bounds every
+    while rank 1 polls the job's store: no rank waits in a collective. The timeout bounds every
     collective of the run (the rendezvous, the first barrier, which rank 0 reaches after opening
     its TensorBoard log): at 5 s, a loaded machine could put one rank that far behind the other."""
     import subprocess
@@ -540,20 +540,10 @@ def test_what_rank_0_raises_while_preparing_is_raised_on_every_rank(monkeypatch)
     """parallel.rank0_prepares: rank 0 prepares, the others wait in the job's store and take its
     value, or raise what it raised (before, they polled for its file forever); a store whose host
     (rank 0's process) is gone is named. Rank roles: is_rank0 and the store of one process."""
+    from conftest import store_ranks
     from mmadapt import parallel
 
-    store, calls, counts = torch.distributed.HashStore(), [], {0: {}, 1: {}}
-    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(parallel.dist.distributed_c10d, "_get_default_store", lambda: store)
-    # rank 0 waits for the other's read of its refusal before it exits: here the other comes later
-    monkeypatch.setattr(parallel, "DIST_TIMEOUT_S", 0.2)
-
-    def rank(r: int):
-        monkeypatch.setattr(parallel, "is_rank0", lambda: r == 0)
-        monkeypatch.setattr(parallel.dist, "get_rank", lambda: r)
-        counts[r] = counts[r] or parallel.collections.Counter()
-        monkeypatch.setattr(parallel, "_PREPARED", counts[r])  # each rank a process of its own
+    rank, calls = store_ranks(monkeypatch), []
 
     def refuse():
         calls.append("refuse")
@@ -567,11 +557,17 @@ def test_what_rank_0_raises_while_preparing_is_raised_on_every_rank(monkeypatch)
     with pytest.raises(D.DataError, match="too small for a 8000-piece"):
         parallel.rank0_prepares(refuse, "the corpus")
     assert calls == ["built", "refuse"]  # rank 1 prepared nothing
-    assert store.add("mmadapt/rank0_prepares/0/the corpus/read", 0) == 1  # what rank 0 waits for
+    assert rank.store.add("mmadapt/rank0_prepares/0/0/the corpus/read", 0) == 1  # what rank 0 waits for
     rank(0)  # the same work again in each process (a sweep's next depth): each call its own key
     assert [parallel.rank0_prepares(lambda: v, "the corpus") for v in (7, 8)] == [7, 8]
     rank(1)
     assert [parallel.rank0_prepares(lambda: None, "the corpus") for _ in range(2)] == [7, 8]
+
+    class Odd(D.DataError):  # pickles, then cannot load: its __init__ wants two arguments
+        def __init__(self, path, size):
+            super().__init__(f"{path} is too small for {size} pieces")
+    kind, sent = parallel.pickle.loads(parallel._pickled(("raised", Odd("c.txt", 8000))))
+    assert type(sent) is ValueError and str(sent) == "rank 0: Odd: c.txt is too small for 8000 pieces"
 
     class Gone:
         def check(self, keys):

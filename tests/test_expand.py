@@ -850,29 +850,27 @@ def test_rank_0_alone_trains_a_raw_corpus_target_tokenizer(sources, de_corpus, t
     """merged_vocabulary from a raw corpus: global rank 0 trains the target tokenizer and every rank
     takes its expansion (each rank trained one, every core of the host each); a training that fails
     on rank 0 is raised on every rank, none left waiting for it."""
+    from conftest import store_ranks
     from mmadapt import expand as E
-    from mmadapt import parallel
     from mmadapt.data import DataError
     from mmadapt.run import read_source
 
     source, run = read_source(sources["llama"]), RunSpec(output_dir=tmp_path / "a", corpus=de_corpus)
-    made = expand(source.tokenizer, steps.train_tokenizer(de_corpus, tmp_path / "t" / "de", 600, seed=1))
-    sent = []
-
-    def from_rank0(value):
-        sent.append(value)
-        return made
-    monkeypatch.setattr(parallel, "object_from_rank0", from_rank0)
-    monkeypatch.setattr(parallel, "is_rank0", lambda: False)
-    monkeypatch.setattr(E, "train_tokenizer", lambda *a, **k: pytest.fail("a rank other than 0 trained a tokenizer"))
-    assert E.merged_vocabulary(run, source, 600, 1, None) == (made.size, made.source_size, made) and sent == [None]
+    trained = steps.train_tokenizer(de_corpus, tmp_path / "t" / "de", 600, seed=1)
+    made, rank = expand(source.tokenizer, trained), store_ranks(monkeypatch)
     failed = DataError("de.txt holds no text")
 
     def fails(*a, **k):
         raise failed
-    monkeypatch.setattr(parallel, "object_from_rank0", lambda value: value)
-    monkeypatch.setattr(parallel, "is_rank0", lambda: True)
+    rank(0)
+    monkeypatch.setattr(E, "train_tokenizer", lambda *a, **k: trained)
+    assert E.merged_vocabulary(run, source, 600, 1, None) == (made.size, made.source_size, made)
     monkeypatch.setattr(E, "train_tokenizer", fails)
+    with pytest.raises(DataError, match="de.txt holds no text"):
+        E.merged_vocabulary(run, source, 600, 1, None)
+    rank(1)
+    monkeypatch.setattr(E, "train_tokenizer", lambda *a, **k: pytest.fail("a rank other than 0 trained a tokenizer"))
+    assert E.merged_vocabulary(run, source, 600, 1, None) == (made.size, made.source_size, made)
     with pytest.raises(DataError, match="de.txt holds no text"):
         E.merged_vocabulary(run, source, 600, 1, None)
 

@@ -174,9 +174,9 @@ def test_expand_under_bf16_at_tensor_parallel_4(sources, de_corpus, de_tokenizer
 def test_two_ranks_merge_the_target_tokenizer_rank_0_trained(sources, de_corpus, tmp_path):
     """--vocab_mode expand from a raw --corpus with no --tokenizer, on 2 data-parallel ranks: global
     rank 0 trains the target tokenizer and both ranks take the vocabulary it merges
-    (expand.merged_vocabulary, before the job's process groups exist: parallel.object_from_rank0
-    joins the job; before, every other rank kept the None it sent and failed), the one a single
-    process merges."""
+    (expand.merged_vocabulary, before the job's process groups exist: parallel.rank0_prepares
+    joins the job; before 48c479d every other rank kept the None it sent and failed), the one a
+    single process merges."""
     from mmadapt.expand import MERGED_TOKENIZER
 
     merged = {}
