@@ -207,17 +207,17 @@ def merged_vocabulary(run: RunSpec, source: Source, vocab_size: int | None, seed
         expansion = expand(source.tokenizer, run.tokenizer)
         return expansion.size, expansion.source_size, expansion
     kept = run.output_dir / MERGED_TOKENIZER
-    if run.resume and kept.is_file():
-        size = check_expansion(source.tokenizer, kept)
-        expansion = Expansion(kept.read_bytes(), size, tuple(pieces(kept)[size:]))
-        return expansion.size, expansion.source_size, expansion
+
     def merged() -> Expansion:
+        if run.resume and kept.is_file():  # rank 0's view decides: every rank makes the one call below
+            size = check_expansion(source.tokenizer, kept)
+            return Expansion(kept.read_bytes(), size, tuple(pieces(kept)[size:]))
         with tempfile.TemporaryDirectory() as tmp:
             target = train_tokenizer(resolve_corpus(run.corpus), Path(tmp) / "target",
                                      vocab_size or source.cfg.vocab_size, seed=seed,
                                      max_sentences=PreprocessConfig().tokenizer_sample_lines)
             return expand(source.tokenizer, target)
-    expansion = rank0_prepares(merged, f"the target tokenizer trained on {run.corpus}")
+    expansion = rank0_prepares(merged, f"the merged vocabulary of {run.corpus}")
     return expansion.size, expansion.source_size, expansion
 
 # --- an expanded vocabulary's output side (TrainConfig.expand_output_start) ---------------------------

@@ -191,12 +191,13 @@ def rank0_prepares(prepare, what: str, poll_s: float = 0.25):
     if is_rank0():
         try:
             value = prepare()
-        except BaseException as e:  # a stop signal too: no rank may be left waiting
+            outcome = _pickled(("value", value))
+        except BaseException as e:  # SystemExit and Ctrl-C too: no rank may be left waiting
             store.set(key, _pickled(("raised", e)))
             # Ctrl-C reaches every rank of a bare launch: none will read, so no long wait for them
-            _await_readers(store, key, DIST_TIMEOUT_S if isinstance(e, Exception) else 2.0)
+            _await_readers(store, key, 2.0 if isinstance(e, KeyboardInterrupt) else DIST_TIMEOUT_S)
             raise
-        store.set(key, _pickled(("value", value)))
+        store.set(key, outcome)
         _await_readers(store, key, DIST_TIMEOUT_S)
         return value
     announced = False
@@ -242,8 +243,16 @@ def _pickled(outcome: tuple[str, object]) -> bytes:
         if outcome[0] != "raised":
             raise
         e = outcome[1]
-        base = next(c for c in type(e).__mro__ if c.__module__ == "builtins")
-        return pickle.dumps(("raised", base(f"rank 0: {type(e).__name__}: {e}")))
+        message = f"rank 0: {type(e).__name__}: {e}"
+        for c in type(e).__mro__:  # UnicodeDecodeError, ExceptionGroup: no class of one message
+            if c.__module__ == "builtins":
+                try:
+                    sent = pickle.dumps(("raised", c(message)))
+                    pickle.loads(sent)
+                    return sent
+                except Exception:
+                    continue
+        return pickle.dumps(("raised", RuntimeError(message)))
 
 
 def any_rank(flag: bool) -> bool:

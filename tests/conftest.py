@@ -290,8 +290,9 @@ def count_calls(monkeypatch, owner, name: str, calls: dict) -> None:
 def store_ranks(monkeypatch, wait_s: float = 0.2):
     """The ranks of a two-rank job played in turn by this process, for parallel.rank0_prepares:
     one in-process store, each rank its own count of calls. -> rank(r), which makes this process
-    rank r from then on (rank.store: the store). Rank 0 waits at most wait_s for the other's read
-    of its outcome (here the other comes after it)."""
+    rank r from then on (rank.store: the store; rank.restart(): the next attempt of torchrun's
+    --max_restarts, new processes over the same store). Rank 0 waits at most wait_s for the
+    other's read of its outcome (here the other comes after it)."""
     import collections
 
     import torch.distributed
@@ -302,12 +303,16 @@ def store_ranks(monkeypatch, wait_s: float = 0.2):
     monkeypatch.setattr(parallel.dist, "get_world_size", lambda: 2)
     monkeypatch.setattr(parallel.dist.distributed_c10d, "_get_default_store", lambda: store)
     monkeypatch.setattr(parallel, "DIST_TIMEOUT_S", wait_s)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
 
     def rank(r: int) -> None:
         monkeypatch.setattr(parallel, "is_rank0", lambda: r == 0)
         monkeypatch.setattr(parallel.dist, "get_rank", lambda: r)
         monkeypatch.setattr(parallel, "_PREPARED", counts.setdefault(r, collections.Counter()))
-    rank.store = store
+    def restart() -> None:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) + 1))
+        counts.clear()
+    rank.store, rank.restart = store, restart
     return rank
 
 

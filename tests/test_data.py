@@ -536,14 +536,27 @@ def test_two_ranks_outlive_a_preparation_longer_than_the_collective_timeout(corp
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
+class _TwoArgumentError(D.DataError):
+    """Pickles, then cannot load: its __init__ wants two arguments (rank0_prepares sends its text)."""
+
+    def __init__(self, path, size):
+        super().__init__(f"{path} is too small for {size} pieces")
+
+
 def test_what_rank_0_raises_while_preparing_is_raised_on_every_rank(monkeypatch):
     """parallel.rank0_prepares: rank 0 prepares, the others wait in the job's store and take its
     value, or raise what it raised (before, they polled for its file forever); a store whose host
     (rank 0's process) is gone is named. Rank roles: is_rank0 and the store of one process."""
+    import threading
+    import time
+
     from conftest import store_ranks
     from mmadapt import parallel
 
-    rank, calls = store_ranks(monkeypatch), []
+    rank, calls, waits = store_ranks(monkeypatch), [], []
+    await_readers = parallel._await_readers
+    monkeypatch.setattr(parallel, "_await_readers", lambda store, key, *s: waits.append((key, *s)) or await_readers(
+        store, key, *s))
 
     def refuse():
         calls.append("refuse")
@@ -552,22 +565,46 @@ def test_what_rank_0_raises_while_preparing_is_raised_on_every_rank(monkeypatch)
     assert parallel.rank0_prepares(lambda: calls.append("built") or None, "the block index") is None
     with pytest.raises(D.DataError, match="too small for a 8000-piece"):
         parallel.rank0_prepares(refuse, "the corpus")
+    # rank 0 goes on once the other has read its value or its refusal (under DeepSpeed's launcher the
+    # store leaves with rank 0's process), at most the collective timeout
+    assert waits == [(f"mmadapt/rank0_prepares/0/0/{what}", 0.2) for what in ("the block index", "the corpus")]
     rank(1)
     assert parallel.rank0_prepares(lambda: calls.append("rank 1 built"), "the block index") is None
     with pytest.raises(D.DataError, match="too small for a 8000-piece"):
         parallel.rank0_prepares(refuse, "the corpus")
     assert calls == ["built", "refuse"]  # rank 1 prepared nothing
     assert rank.store.add("mmadapt/rank0_prepares/0/0/the corpus/read", 0) == 1  # what rank 0 waits for
+    t = time.monotonic()
+    await_readers(rank.store, "mmadapt/rank0_prepares/0/0/the corpus", 60)  # read already: no wait
+    assert time.monotonic() - t < 30
     rank(0)  # the same work again in each process (a sweep's next depth): each call its own key
     assert [parallel.rank0_prepares(lambda: v, "the corpus") for v in (7, 8)] == [7, 8]
     rank(1)
     assert [parallel.rank0_prepares(lambda: None, "the corpus") for _ in range(2)] == [7, 8]
+    def interrupted():
+        raise KeyboardInterrupt
+    rank(0)
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C reaches every rank: rank 0 hardly waits
+        parallel.rank0_prepares(interrupted, "the valid split")
+    assert waits[-1] == ("mmadapt/rank0_prepares/0/0/the valid split", 2.0)
 
-    class Odd(D.DataError):  # pickles, then cannot load: its __init__ wants two arguments
-        def __init__(self, path, size):
-            super().__init__(f"{path} is too small for {size} pieces")
-    kind, sent = parallel.pickle.loads(parallel._pickled(("raised", Odd("c.txt", 8000))))
-    assert type(sent) is ValueError and str(sent) == "rank 0: Odd: c.txt is too small for 8000 pieces"
+    # torchrun's --max_restarts: new processes, the same store; a rank of the next attempt waits for
+    # its rank 0, not for the refusal the attempt before left under the same call
+    rank.restart()
+    rank(1)
+    got = []
+    waiting = threading.Thread(target=lambda: got.append(parallel.rank0_prepares(lambda: None, "the corpus")))
+    waiting.start()
+    rank.store.set("mmadapt/rank0_prepares/1/0/the corpus", parallel._pickled(("value", "prepared again")))
+    waiting.join(60)
+    assert got == ["prepared again"]
+
+    kind, sent = parallel.pickle.loads(parallel._pickled(("raised", _TwoArgumentError("c.txt", 8000))))
+    assert type(sent) is ValueError and str(sent) == "rank 0: _TwoArgumentError: c.txt is too small for 8000 pieces"
+    bad = UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+    kind, sent = parallel.pickle.loads(parallel._pickled(("raised", type("Undecodable", (UnicodeDecodeError,), {})(
+        *bad.args))))  # a local class: no pickle; UnicodeDecodeError takes five arguments, UnicodeError one
+    assert type(sent) is UnicodeError and "Undecodable" in str(sent)
 
     class Gone:
         def check(self, keys):
