@@ -120,17 +120,24 @@ def shutdown(agreed: bool = True) -> None:
     _CONTROL = None
 
 
+def _joined_with_others() -> bool:
+    """Whether this process is one rank of a job of several, joining the job the launcher
+    describes if a step's checks come before start_run joined it (each rank would otherwise go
+    on alone: a broadcast handing each its own value, a wait for a rank 0 it never meets)."""
+    if not dist.is_initialized():
+        if launched_world_size() == 1:
+            return False
+        init_distributed()
+    return dist.get_world_size() > 1
+
+
 def object_from_rank0(value):
     """Global rank 0's `value` (a picklable host object) on every rank (collective over the whole
     world, over gloo on the host; from_rank0 for a tensor): one decision for all, where each rank's
     own view could differ (a file system's cached listing on another node). Called before a step
     joined its job (a step's checks run before start_run), it joins it: each rank would otherwise
     keep its own value (on the others, the None they pass)."""
-    if not dist.is_initialized():
-        if launched_world_size() == 1:
-            return value
-        init_distributed()
-    if dist.get_world_size() == 1:
+    if not _joined_with_others():
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0, group=_CONTROL)
@@ -176,11 +183,7 @@ def rank0_prepares(prepare, what: str, poll_s: float = 0.25):
     a slower rank's next poll left that rank only "rank 0 stopped". A file prepare() wrote may
     still take a moment to show on another node of a shared file system: callers wait for it
     (data.wait_for)."""
-    if not dist.is_initialized():
-        if launched_world_size() == 1:
-            return prepare()
-        init_distributed()
-    if dist.get_world_size() == 1:
+    if not _joined_with_others():
         return prepare()
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # torchrun's; no other launcher restarts
     key = f"mmadapt/rank0_prepares/{attempt}/{_PREPARED[what]}/{what}"

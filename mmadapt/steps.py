@@ -608,7 +608,8 @@ def _sweep_data(run: RunSpec, step: Sweep, src_cfg: ModelConfig) -> Path:
     else:
         if step.prep.valid_fraction <= 0:
             raise ValueError("--corpus needs --valid_fraction (e.g. 0.03): the plug-in metric scores held-out text")
-        data_path, what = run.output_dir / "data", f"the {step.lang} corpus in {run.output_dir / 'data'}"
+        data_path = run.output_dir / "data"
+        what = f"the {step.lang} corpus in {data_path}"
         parallel.rank0_prepares(lambda: preprocess(run.corpus, data_path, step.vocab_size or src_cfg.vocab_size,
                                                    step.prep), what)
         wait_for(data_path / MANIFEST, what)
