@@ -482,6 +482,13 @@ class LoopConfig(Checked):
                         "embedding artifacts are never deleted", ge=0)
     max_skipped_steps: int = _f(50, "stop as diverged after this many optimizer steps in a row are skipped "
                                 "(fp16 gradient overflow)", ge=0)
+    calculate_per_token_loss: bool = _f(
+        True, "the update's loss, and its gradient, is the mean over every scored position of the update (Step 3: "
+        "every tagged word of a tag task), on every data-parallel rank (fairseq's RoBERTa; megatron-core's option "
+        "of this name), so that how an update is split into micro-batches and ranks (the micro-batch fit's re-split "
+        "too) changes only rounding; false: the mean of the micro-batches' means (Megatron-LM's BERT), where a "
+        "position of a micro-batch that scores fewer weighs more. The same either way with one micro-batch on one "
+        "rank, a decoder (every block scores as many) and a classify or span task (one score per row)")
 
     def check_step(self, step: str) -> None:
         """Refuse, in one line, a field another step owns (`_f`'s owner: a Step-2 setting, say)
@@ -545,12 +552,6 @@ class TrainConfig(LoopConfig):
                                  "unchanged) are re-split into the fewest micro-batches estimated from the first update "
                                  "to peak under this fraction of the memory the device leaves the process "
                                  "(mmadapt/microbatch.py); 0, or a CPU: the split as asked", ge=0, le=0.95)
-    calculate_per_token_loss: bool = _f(
-        True, "the update's loss, and its gradient, is the mean over every scored position of the update, on every "
-        "data-parallel rank (fairseq's RoBERTa; megatron-core's option of this name), so that how an update is split "
-        "into micro-batches and ranks (the micro-batch fit's re-split too) changes only rounding; false: the mean of "
-        "the micro-batches' means (Megatron-LM's BERT), where a masked position of a micro-batch that masks fewer "
-        "weighs more. The same either way with one micro-batch on one rank, or a decoder (every block scores as many)")
     # --- Step 2's own (STEP2: adapt and sweep offer and take them, no other step does) ---
     train_output_bias: bool = _owned_by(
         STEP2, True, "Step 2: train the output bias with the embeddings (it is indexed by the target vocabulary's "

@@ -42,6 +42,7 @@ from mmadapt.engine import for_replicas, load_ds_config, zero_stage
 from mmadapt.family import ModelFamily
 from mmadapt.faults import RunLock
 from mmadapt.models import get_family
+from mmadapt.tasks import TASKS, get_task
 
 RUN_FILE = "run.json"
 # run.json: the checkpoint tag at which the run's step returned, what follows its last update
@@ -131,15 +132,17 @@ UNRECORDED_BEFORE = ("data_parallel_size", "task_start", "data_digest", "replay_
 
 # config fields whose default is not what a run recorded before the field ran with, and the value
 # that run trained with: it resumes with that value (2026-12-02: an update's loss a mean of its
-# micro-batches' means), unless it had one micro-batch on one rank per update, where both are the same.
-RECORDED_BEFORE = {"train.calculate_per_token_loss": False}
+# micro-batches' means; Step 3's field, 2026-12-04, likewise), unless it trained alike under both.
+RECORDED_BEFORE = {"train.calculate_per_token_loss": False, "finetune.calculate_per_token_loss": False}
 
 
 def _same_math_before(key: str, saved: dict) -> bool:
-    """Whether a run recorded before `key` (RECORDED_BEFORE) trained alike under either value. A
-    record without data_parallel_size (before 2026-12-01) may have run on several ranks: not so."""
-    return (key == "train.calculate_per_token_loss" and saved.get("train.gradient_accumulation_steps") == 1
-            and saved.get("data_parallel_size") == 1)
+    """Whether a run recorded before `key` (RECORDED_BEFORE) trained alike under either value: one
+    micro-batch on one rank per update, or a Step-3 task that scores one per row (not a tag task).
+    A record without data_parallel_size (before 2026-12-01) may have run on several ranks: not so."""
+    config = key.split(".", 1)[0]
+    one = saved.get(f"{config}.gradient_accumulation_steps") == 1 and saved.get("data_parallel_size") == 1
+    return one or (config == "finetune" and saved.get("task") in TASKS and get_task(saved["task"]).kind != "tag")
 
 
 def check_same_run(run_file: Path, expected: dict) -> None:

@@ -416,7 +416,8 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
         engine, job = _finetune_engine(started, model_cfg, cfg, task, lr, primary_state(source, weights)[1])
         del weights
         order = EpochOrder(len(plan.enc), cfg.seed)
-        train_loop(engine, lambda position: task_step(engine, plan.enc, order, cfg, position), job, cfg,
+        per_token = cfg.calculate_per_token_loss and task.kind == "tag"  # a classify or span task scores one per row
+        train_loop(engine, lambda position: task_step(engine, plan.enc, order, cfg, position, per_token), job, cfg,
                    plan.updates, run.output_dir, run.resume)
         record = started.record.identity
         # as rank 0 sees it: a rank whose view of the final checkpoint lags (another node's cache)

@@ -119,6 +119,9 @@ def check_task_fields(task: Task, cfg: FinetuneConfig) -> None:
     for name in SPAN_FIELDS:
         if task.kind != "span" and getattr(cfg, name) != getattr(defaults, name):
             raise ValueError(f"--{name} is for question answering (xquad, mlqa), which {task.name} is not: drop it")
+    if task.kind != "tag" and cfg.calculate_per_token_loss != defaults.calculate_per_token_loss:
+        raise ValueError(f"--calculate_per_token_loss weighs a tag task's micro-batches by their tagged words; "
+                         f"{task.name} scores one per row, the same either way: drop it")
     for name in COLUMN_FIELDS:
         if not task.own and getattr(cfg, name) is not None:
             raise ValueError(f"--{name} names a column of your own data (--task classify, pair or tag); "

@@ -44,6 +44,7 @@ from mmadapt.models.pipe import scaled_losses, set_host_batches, take_head_losse
 from mmadapt.run import RUN_TOKENIZER, RunSpec, Started, tensor_bytes
 from mmadapt.tokenizer import kind as tokenizer_kind
 from mmadapt.tokenizer import load
+from mmadapt.tokens import IGNORE_INDEX
 from mmadapt.expand import MERGED_TOKENIZER, Expansion, Replay
 
 
@@ -346,11 +347,12 @@ def _prepared(batches: list) -> list[HostBatch]:
     return [b if isinstance(b, HostBatch) else host_batch(*b) for b in batches]
 
 
-def per_token_factors(batches: list[HostBatch], dev: torch.device,
+def per_token_factors(counts: list[int], dev: torch.device,
                       per_token: bool = True) -> list[float | torch.Tensor | None]:
-    """Each micro-batch's factor on its loss (a mean over its m scored positions) that makes the
+    """Each micro-batch's factor on its loss (a mean over its m = counts[i] scored positions: an
+    MLM's masked or a decoder's scored positions, Step 3's tagged words) that makes the
     update's gradient a mean over every scored position of the update, on every data-parallel
-    rank (TrainConfig.calculate_per_token_loss): m x n x dp / M, M the update's scored positions
+    rank (LoopConfig.calculate_per_token_loss): m x n x dp / M, M the update's scored positions
     summed over the ranks, n its micro-batches per rank. DeepSpeed then divides by n (the
     gradient accumulation) and averages over dp as always. At DP 1, M is the host's count: host
     floats, None where the factor is 1 to the bit (one micro-batch, or every one scoring as many
@@ -358,7 +360,7 @@ def per_token_factors(batches: list[HostBatch], dev: torch.device,
     over the data-parallel group, never read by the host (no stream sync): device scalars, for
     the decoder too (a rank cannot tell that the others' counts equal its own): a fill, an
     all-reduce and a few scalar kernels per update. per_token false: every factor None."""
-    counts, n, dp = [len(b.targets) for b in batches], len(batches), parallel.dp_world()
+    n, dp = len(counts), parallel.dp_world()
     if not per_token:
         return [None] * n
     if dp == 1:
@@ -369,6 +371,11 @@ def per_token_factors(batches: list[HostBatch], dev: torch.device,
     dist.all_reduce(total, group=parallel.parallel_state.get_data_parallel_group())
     per_batch = total.clamp(min=1) / (n * dp)  # the update's mean scored positions per micro-batch
     return [(c / per_batch).float() for c in counts]
+
+
+def scored(batches: list[HostBatch]) -> list[int]:
+    """Each micro-batch's scored positions (per_token_factors' counts)."""
+    return [len(b.targets) for b in batches]
 
 
 def _pipe_batches(engine, batches: list[HostBatch], dev, factors: list) -> iter:
@@ -387,14 +394,14 @@ def lm_step(engine, batches, num_heads: int, per_token: bool = True) -> torch.Te
     micro-batches of their losses, each times its factor (per_token): the update's loss is their
     mean over the ranks (engine.mean_over_ranks; at DP > 1 a rank's share alone means nothing).
     num_heads: how many losses the model logs (+ 4 with replay: layers.head_losses).
-    per_token (TrainConfig.calculate_per_token_loss): the update's loss, and its gradient, is
+    per_token (LoopConfig.calculate_per_token_loss): the update's loss, and its gradient, is
     the mean over every scored position of the update, on every rank (`per_token_factors`),
     so the split into micro-batches and ranks (the micro-batch fit's re-split too) changes
     nothing but rounding; False: the mean of the micro-batches' means (Megatron-LM's BERT), in
     which a position of a micro-batch with few scored positions weighs more."""
     dev = engine.device
     batches = _prepared(batches)
-    factors = per_token_factors(batches, dev, per_token)
+    factors = per_token_factors(scored(batches), dev, per_token)
     if is_pipeline(engine):
         engine.train_batch(_pipe_batches(engine, batches, dev, factors))
         return take_head_losses(engine.module, num_heads, engine.device)
@@ -422,7 +429,7 @@ def lm_eval(engine, batches, num_heads: int, per_token: bool = True) -> torch.Te
     engine.eval()
     try:
         batches = _prepared(batches)
-        factors = per_token_factors(batches, dev, per_token)
+        factors = per_token_factors(scored(batches), dev, per_token)
         if is_pipeline(engine):
             engine.eval_batch(_pipe_batches(engine, batches, dev, factors), num_micro_batches=len(batches))
             return take_head_losses(engine.module, num_heads, engine.device)
@@ -440,17 +447,27 @@ def train_step(engine, batches, num_heads: int, per_token: bool = True) -> torch
     return mean_over_ranks(lm_step(engine, batches, num_heads, per_token), is_pipeline(engine))
 
 
-def task_step(engine, enc: Encoded, order: EpochOrder, cfg: LoopConfig, position: int) -> torch.Tensor:
+def task_step(engine, enc: Encoded, order: EpochOrder, cfg: LoopConfig, position: int,
+              per_token: bool = False) -> torch.Tensor:
     """Step 3's update: this rank's micro-batches of update `position` of a task model (rows of
     `enc` in `order`, the sample indices of data.micro_batch_range), one optimizer step each
-    (DeepSpeed accumulates). Returns this rank's mean loss [1], not reduced over ranks."""
+    (DeepSpeed accumulates). Returns this rank's share of the update's loss [1], not reduced over
+    ranks (as lm_step's). per_token (a tag task under calculate_per_token_loss): the update's loss,
+    and its gradient, is the mean over every tagged word of the update on every rank, each
+    micro-batch's mean weighted by its share (`per_token_factors`, its words counted on the host);
+    else the mean of the micro-batches' means (a classify or span task: one score per row, the same)."""
+    micro = [[order(g) for g in micro_batch_range(position, j, cfg, parallel.dp_rank(), parallel.dp_world())]
+             for j in range(cfg.gradient_accumulation_steps)]
+    factors = (per_token_factors([int(enc.labels[idx].ne(IGNORE_INDEX).sum()) for idx in micro], engine.device)
+               if per_token else [None] * len(micro))
     loss_sum = torch.zeros(1, device=engine.device)
-    for j in range(cfg.gradient_accumulation_steps):
-        idx = [order(g) for g in micro_batch_range(position, j, cfg, parallel.dp_rank(), parallel.dp_world())]
+    for idx, factor in zip(micro, factors):
         ids = enc.input_ids[idx]  # padding counted here, on the host: no device sync per micro-batch
         extra = {k: t.to(engine.device, non_blocking=True) for k, t in enc.rows(idx).items()}  # token types, if any
         loss, _ = engine(ids.to(engine.device, non_blocking=True), enc.labels[idx].to(engine.device, non_blocking=True),
                          padding=Padding.of(ids), **extra)
+        if factor is not None:
+            loss = loss * factor
         backward(engine, loss)
         engine.step()
         loss_sum += loss.detach() / cfg.gradient_accumulation_steps

@@ -378,6 +378,36 @@ def test_a_run_recorded_before_per_token_losses_resumes_as_it_trained(tmp_path):
         check_same_run(record, means)
 
 
+def test_a_step3_run_recorded_before_per_token_losses_resumes_as_it_trained(tmp_path):
+    """Step 3 gained calculate_per_token_loss on 2026-12-04 (a tag task's words; before, the mean
+    of its micro-batches' means): a tag task recorded before resumes with false, or with true at
+    one micro-batch on one rank; a classify or span task scored one per row, alike under both."""
+    import json
+
+    from mmadapt.run import check_same_run
+
+    record = tmp_path / "run.json"
+
+    def step3(task: str, value: bool | None, accumulation: int = 2) -> dict:
+        cfg = {"gradient_accumulation_steps": accumulation,
+               **({} if value is None else {"calculate_per_token_loss": value})}
+        return {"task": task, "data_parallel_size": 1, "finetune": cfg}
+
+    record.write_text(json.dumps(step3("tag", None)))
+    check_same_run(record, step3("tag", False))
+    with pytest.raises(ValueError, match="recorded before finetune.calculate_per_token_loss existed: it trained "
+                                         "with false; resume with --calculate_per_token_loss false"):
+        check_same_run(record, step3("tag", True))
+    record.write_text(json.dumps(step3("pos", None, accumulation=1)))
+    check_same_run(record, step3("pos", True, accumulation=1))
+    for task in ("classify", "xquad"):
+        record.write_text(json.dumps(step3(task, None)))
+        check_same_run(record, step3(task, True))
+    record.write_text(json.dumps(step3("tag", True)))
+    with pytest.raises(ValueError, match="finetune.calculate_per_token_loss is False here but True"):
+        check_same_run(record, step3("tag", False))
+
+
 def test_a_step_1b_run_recorded_before_its_source_fingerprint_resumes(tmp_path):
     """build_minipost and fit-head record the fingerprint of the weights they build on since
     2026-11-27 (af5e080); a --resume of a run recorded before was refused as a changed run

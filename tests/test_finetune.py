@@ -175,6 +175,33 @@ def test_step3_layout_matches_single_process(layout, step3_single, primary_run, 
 
 
 @pytest.mark.slow
+def test_a_tag_task_on_two_ranks_trains_as_one_micro_batch_of_all_their_rows(primary_run, tmp_path):
+    """A tag task (verses of uneven length: each rank's micro-batch tags its own number of words)
+    on two data-parallel ranks of 8 rows, and in one process as one micro-batch of 16: the same
+    losses and weights, the per-word weights summed over the ranks on the device
+    (calculate_per_token_loss). As the mean of the two ranks' means it was not."""
+    from mmadapt.corpora import bible_verses
+
+    words = [text.split()[:3 + i % 20] for i, (_, _, _, text) in enumerate(bible_verses("en", range(1, 2)))][:32]
+    rows = [{"tokens": w, "tags": ["B-CAP" if x[0].isupper() else "O" for x in w]} for w in words]
+    train = tmp_path / "tags.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = {1: tmp_path / "one", 2: tmp_path / "two"}
+    for ranks, micro in ((1, "16"), (2, "8")):
+        run_pretrain(ranks, "--task", "tag", "--primary", str(primary_run), "--train_file", str(train),
+                     "--output_dir", str(runs[ranks]), "--seq_length", "48", "--epochs", "1", "--log_interval", "1",
+                     "--lr", "1e-3", "--ds_config", "ds_configs/zero0.json", "--train_micro_batch_size_per_gpu", micro,
+                     *NO_DROPOUT, script=FINETUNE)
+    ref, got = metrics(runs[1]), metrics(runs[2])
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2]
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    ft_ref, ft_got = load_finetuned(runs[1]), load_finetuned(runs[2])
+    for k, v in ft_ref.state.items():
+        torch.testing.assert_close(ft_got.state[k], v, rtol=1e-4, atol=1e-5)  # atol: as the layout test's
+
+
+@pytest.mark.slow
 def test_step4_records_and_report(step3, primary_run, de_corpus, de_tokenizer, tmp_path, capsys):
     """Step 4 as a user launches it (launch/evaluate.py, a process of its own) over two Step-2
     runs; the rest in this process (`mmadapt ...` through cli.main: each command's own process

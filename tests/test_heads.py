@@ -165,6 +165,53 @@ def test_tag_head_averages_only_over_labelled_positions():
     assert float(loss.detach()) == pytest.approx(expect, rel=1e-5)
 
 
+def tag_update(monkeypatch, enc: F.Encoded, position: int, micro: int, accumulation: int, per_token: bool):
+    """(the gradient the optimizer step of update `position` of a fresh tagging model is given,
+    the update's loss) over `enc`'s rows in order, micro-batches of `micro` rows accumulated."""
+    from mmadapt.engine import build_engine, for_replicas, load_ds_config
+    from mmadapt.train import task_step
+
+    cfg = FinetuneConfig(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accumulation, lr=1e-3)
+    module = RobertaForTask(tiny(), "tag", 4, seed=5)
+    names = {n: n for n, _ in module.named_parameters()}
+    ds = for_replicas(load_ds_config(REPO / "ds_configs" / "zero1.json", cfg), 1)
+    engine, _ = build_engine(module, names, lambda n: True, cfg, 1e-3, 10, ds)
+    grads = []
+    monkeypatch.setattr(engine.optimizer, "step", lambda *a, **kw: grads.append(
+        {n: p.grad.clone() for n, p in engine.module.named_parameters() if p.grad is not None}))
+    loss = task_step(engine, enc, lambda g: g, cfg, position, per_token).item()
+    assert len(grads) == 1
+    return grads[0], loss
+
+
+@pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+def test_a_tag_tasks_update_is_the_same_however_it_is_split(monkeypatch):
+    """Step 3 of a tag task under calculate_per_token_loss: an update of two micro-batches that tag
+    m1 and m2 words has the gradient and loss of one micro-batch of all their rows, each weighted
+    m_i / (m1 + m2) by hand; as the mean of the micro-batches' means (before, and false) it has not."""
+    ids = torch.randint(5, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+    tags = torch.randint(0, 4, (4, 16), generator=torch.Generator().manual_seed(1))
+    labels = torch.full((4, 16), -100)
+    labels[:2, 1:13], labels[2:, 1:3] = tags[:2, 1:13], tags[2:, 1:3]  # 24 tagged words, then 4
+    enc = F.Encoded(input_ids=ids, labels=labels)
+    m1, m2 = 24, 4
+    one, loss1 = tag_update(monkeypatch, enc, 0, 2, 1, True)  # rows 0-1
+    two, loss2 = tag_update(monkeypatch, enc, 1, 2, 1, True)  # rows 2-3
+    both, loss_both = tag_update(monkeypatch, enc, 0, 2, 2, True)
+    whole, loss_whole = tag_update(monkeypatch, enc, 0, 4, 1, True)
+    assert both.keys() == whole.keys() and len(both) > 10
+    for n in both:
+        torch.testing.assert_close(both[n], (m1 * one[n] + m2 * two[n]) / (m1 + m2), rtol=1e-5, atol=1e-6, msg=n)
+        torch.testing.assert_close(both[n], whole[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert loss_both == pytest.approx((m1 * loss1 + m2 * loss2) / (m1 + m2), rel=1e-6)
+    assert loss_both == pytest.approx(loss_whole, rel=1e-6)
+    means, loss_means = tag_update(monkeypatch, enc, 0, 2, 2, False)
+    assert loss_means == pytest.approx((loss1 + loss2) / 2, rel=1e-6) and loss_means != pytest.approx(loss_whole)
+    name = "out.weight"
+    torch.testing.assert_close(means[name], (one[name] + two[name]) / 2, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(means[name], whole[name], rtol=1e-3)
+
+
 def test_span_head_never_points_at_padding_and_averages_start_and_end_losses():
     model = RobertaForTask(tiny(), "span", 0, seed=5).eval()
     ids, labels = ids_with_padding(), torch.tensor([[3, 5], [0, 0], [2, 2]])

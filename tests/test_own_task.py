@@ -262,10 +262,14 @@ GOOD = "text,label\nWhat a fine day,pos\nA grim day,neg\n"
      "own format: drop it"),
     ("classify", ("t.csv", GOOD), None, ["--doc_stride", "64"],
      "--doc_stride is for question answering (xquad, mlqa), which classify is not: drop it"),
+    ("classify", ("t.csv", GOOD), None, ["--calculate_per_token_loss", "false"],
+     "--calculate_per_token_loss weighs a tag task's micro-batches by their tagged words; classify scores one per "
+     "row, the same either way: drop it"),
 ], ids=["missing_column", "unseen_eval_label", "empty_text", "empty_second_text", "no_rows", "empty_jsonl",
         "mixed_label_types", "unknown_extension", "no_label", "float_label", "bad_json_line", "pair_column_for_classify",
         "metric_for_kind", "tags_per_token", "unseen_eval_tag", "seq_length_past_pretraining",
-        "column_for_a_known_task", "qa_field_for_classify"])
+        "column_for_a_known_task", "qa_field_for_classify",
+        "per_token_loss_for_classify"])
 def test_bad_input_is_one_error_line_and_writes_nothing(fresh_primary, tmp_path, capsys, task, train, evaluation,
                                                          extra, message):
     paths = []
