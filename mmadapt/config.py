@@ -485,10 +485,11 @@ class LoopConfig(Checked):
     calculate_per_token_loss: bool = _f(
         True, "the update's loss, and its gradient, is the mean over every scored position of the update (Step 3: "
         "every tagged word of a tag task), on every data-parallel rank (fairseq's RoBERTa; megatron-core's option "
-        "of this name), so that how an update is split into micro-batches and ranks (the micro-batch fit's re-split "
-        "too) changes only rounding; false: the mean of the micro-batches' means (Megatron-LM's BERT), where a "
-        "position of a micro-batch that scores fewer weighs more. The same either way with one micro-batch on one "
-        "rank, a decoder (every block scores as many) and a classify or span task (one score per row)")
+        "of this name), so that how an update is split into micro-batches and ranks (Steps 1 and 2: the "
+        "micro-batch fit's re-split too) changes only rounding; false: the mean of the micro-batches' means "
+        "(Megatron-LM's BERT), where a position of a micro-batch that scores fewer weighs more. The same either "
+        "way with one micro-batch on one rank, a decoder (every block scores as many) and a classify or span task "
+        "(one score per row)")
 
     def check_step(self, step: str) -> None:
         """Refuse, in one line, a field another step owns (`_f`'s owner: a Step-2 setting, say)
