@@ -149,15 +149,21 @@ def written_by(ckpt_dir: str | os.PathLike) -> str | None:
 def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     """A fresh temporary directory beside `dest` that becomes `dest` once the body has filled it,
     so a reader never sees half of it (and a failure leaves nothing). replace: an existing `dest`
-    is deleted first; otherwise it must not exist or be empty (the caller has checked)."""
+    is deleted first; otherwise it must not exist or be empty (the caller has checked). A failure
+    also removes the parent directories made for it (an --output_dir new/sub/run refused inside the
+    body left new/sub/ behind)."""
     dest = Path(dest)
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    made = [d for d in tmp.parents if not d.exists()]  # deepest first
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:
+            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
+                d.rmdir()
         raise
     dest.parent.mkdir(parents=True, exist_ok=True)
     if dest.is_dir() and replace:  # moved aside whole, then deleted: never a half-deleted `dest`

@@ -75,12 +75,20 @@ SUPPORTED = supported()
 
 # --- reading a Hugging Face directory ----------------------------------------------------------------
 
+def json_file(path: Path, fix: str = ""):
+    """The JSON value in `path` (a model directory's file), refused in one line naming it where it is
+    not UTF-8 JSON (a download cut short; a file an editor saved as UTF-16, which transformers
+    cannot read either). fix: what the line adds after the reason."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = e.msg if isinstance(e, json.JSONDecodeError) else f"not UTF-8 text: {e.reason}"
+        raise ValueError(f"{path} is not JSON ({why}){fix}") from None
+
+
 def config_json(model_dir: Path) -> dict:
     """A model directory's config.json, refused in one line unless it is a JSON object."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{Path(model_dir) / 'config.json'} is not JSON ({e.msg})") from None
+    cfg = json_file(Path(model_dir) / "config.json")
     if not isinstance(cfg, dict):
         raise ValueError(f"{Path(model_dir) / 'config.json'} holds a JSON {type(cfg).__name__}, not an object: it is "
                          "not a Hugging Face config (save_pretrained writes one)")
@@ -201,11 +209,7 @@ def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
 def _weight_map(index: Path) -> dict[str, str]:
     """A sharded checkpoint's index (`weight_map`: tensor name -> weight file), refused in one line
     where it is not one (a download cut short, a hand edit)."""
-    try:
-        found = json.loads(index.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{index} is not JSON ({e.msg if isinstance(e, json.JSONDecodeError) else e.reason}): it is truncated or damaged; "
-                         "download it again") from None
+    found = json_file(index, ": it is truncated or damaged; download it again")
     shards = found.get("weight_map") if isinstance(found, dict) else None
     if not (isinstance(shards, dict) and shards and all(isinstance(v, str) and v for v in shards.values())):
         raise ValueError(f"{index} has no weight_map of tensor names to weight files: it is damaged; download it "
@@ -365,10 +369,7 @@ ST_TRANSFORMER_FILES = ("sentence_bert_config.json",)  # the transformer module'
 def read_sentence_transformers(st_dir: Path) -> tuple[Path, list[dict]]:
     """A sentence-transformers directory -> (its transformer's directory, modules.json's entries),
     refused in one line unless it is a transformer followed by modules mmadapt carries."""
-    try:
-        modules = json.loads((st_dir / "modules.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{st_dir / 'modules.json'} is not JSON ({e.msg})") from None
+    modules = json_file(st_dir / "modules.json")
     if isinstance(modules, list):
         bad = next((i for i, m in enumerate(modules)
                     if not isinstance(m, dict) or not isinstance(m.get("type"), str)), None)
@@ -547,16 +548,14 @@ def sentence_settings(transformer: Path) -> dict:
     max_seq_length there but keeps it as the tokenizer's model_max_length, capped at the model's
     positions (tokenizer_config.json, config.json)."""
     path = transformer / "sentence_bert_config.json"
-    found = {}
-    if path.is_file():
-        try:
-            found = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not JSON ({e.msg})") from None
+    found = json_file(path) if path.is_file() else {}
+    if not isinstance(found, dict):
+        raise ValueError(f"{path} holds a JSON {type(found).__name__}, not an object: sentence-transformers writes one")
     out = {k: found[k] for k in ("max_seq_length", "do_lower_case") if k in found}
     tok = transformer / "tokenizer_config.json"
     if "max_seq_length" not in out and tok.is_file():
-        length = json.loads(tok.read_text()).get("model_max_length")
+        settings = json_file(tok)
+        length = settings.get("model_max_length") if isinstance(settings, dict) else None
         if isinstance(length, int) and 0 < length < 10**9:  # transformers' "no limit" is a huge number
             positions = config_json(transformer).get("max_position_embeddings")
             out["max_seq_length"] = min(length, positions) if isinstance(positions, int) and positions > 0 else length

@@ -905,6 +905,18 @@ CASES = [
     ("hf-config-a-json-list", lambda c: ["import-hf", "--model", c.dir("hfl") and str(
         Path(c.file("hfl/config.json", "[1, 2]")).parent), "--output_dir", str(c.out)],
      "config.json holds a JSON list, not an object"),
+    # --- extend's and import-hf's model files, 2026-12-04
+    ("hf-config-saved-as-utf-16", lambda c: ["import-hf", "--model", c.dir("hfu") and str(Path(c.file(
+        "hfu/config.json", '{"model_type": "bert"}'.encode("utf-16"))).parent), "--output_dir", str(c.out)],
+     "hfu/config.json is not JSON (not UTF-8 text: invalid start byte)"),
+    ("sentence-transformers-modules-saved-as-utf-16", lambda c: ["import-hf", "--model", (
+        d := c.sentence_transformers_dir([])) and c.file("bert/modules.json", "[]".encode("utf-16")) and d,
+        "--output_dir", str(c.out)], "bert/modules.json is not JSON (not UTF-8 text"),
+    ("sentence-transformers-refused-into-new-parents", lambda c: ["import-hf", "--model", (
+        d := c.sentence_transformers_dir([{"idx": 0, "name": "0", "path": "",
+                                           "type": "sentence_transformers.models.Transformer"}])) and c.file(
+        "bert/model.safetensors", (Path(d) / "model.safetensors").read_bytes()[:100]) and d,
+        "--output_dir", str(c.tmp / "new" / "sub" / "run")], "cannot be read as safetensors"),
     ("hf-config-architectures-a-string", lambda c: c.import_damaged("qwen2", {"architectures": "Qwen2ForCausalLM"}),
      'its architectures is "Qwen2ForCausalLM", not a list of class names'),
     ("run-json-without-a-model", lambda c: ["export-hf", "--primary", c.kind_copy("pretrain", model=None),
