@@ -49,7 +49,7 @@ from mmadapt.graft import check_siblings
 from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import (TRANSFORMERS, OtherVocabulary, export_hf, files_differ, files_digest, import_any,
-                        import_kind, model_dir_files)
+                        import_kind, model_dir_files, read_hf_config)
 from mmadapt.run import RUN_TOKENIZER, RunSpec, read_source, run_progress
 
 RECORD = "extend.json"
@@ -130,6 +130,11 @@ class Extend:
                                  "extension's embeddings into a classifier with `mmadapt import-hf --model "
                                  f"{d} --task <task>` and `mmadapt export-hf --finetuned <that run> --graft` "
                                  "(docs/huggingface.md)")
+        headless = _headless_encoder(self.into) if self.into is not None else None
+        if headless:  # (found only by the graft's check, after both imports, as "another architecture")
+            raise ValueError(f"--into {self.into} is a headless encoder ({headless}): extend grafts the embeddings "
+                             "into a language model fine-tuned from --model; a headless model is extended as --model "
+                             "itself: drop --into")
 
     def run_dir(self, stage: str) -> Path:
         return self.output_dir / stage
@@ -142,6 +147,18 @@ class Extend:
     def step2_schedule(self) -> TrainConfig:
         return self.schedule(self.adapt_iters, vocab_mode=self.vocab_mode, embedding_init=self.embedding_init,
                              expand_output_start=self.expand_output_start, plugin_eval_blocks=self.plugin_eval_blocks)
+
+
+def _headless_encoder(model_dir: Path) -> str | None:
+    """What makes `model_dir` a headless encoder (a sentence-transformers directory, a body class
+    such as BertModel), or None (a config the import refuses is left to it)."""
+    if (model_dir / "modules.json").is_file():
+        return "a sentence-transformers directory"
+    try:
+        hf_cfg, family = read_hf_config(model_dir)
+    except (OSError, ValueError):
+        return None
+    return f"a {hf_cfg['architectures'][0]}" if family.hf.is_headless(hf_cfg) else None
 
 
 def _corpus_spec(spec: str) -> str:

@@ -980,6 +980,11 @@ CASES = [
         "").parent)),
      "is a sequence classifier: extend takes language models; graft the extension's embeddings into a classifier "
      "with `mmadapt import-hf"),
+    ("extend-into-a-headless-encoder", lambda c: c.extend("--into", c.bert_dir()),
+     "bert is a headless encoder (a BertModel): extend grafts the embeddings into a language model fine-tuned from "
+     "--model; a headless model is extended as --model itself: drop --into"),
+    ("extend-into-a-sentence-transformers-directory", lambda c: c.extend("--into", c.sentence_transformers_dir([])),
+     "bert is a headless encoder (a sentence-transformers directory)"),
     ("extend-source-corpus-of-another-script", lambda c: c.extend("--model", c.bert_dir(), "--system", "bl_base",
                                                                   "--source_corpus", c.russian()),
      "of the pieces of its first lines are unknown to"),
