@@ -50,7 +50,8 @@ from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import (TRANSFORMERS, OtherVocabulary, export_hf, files_differ, files_digest, import_any,
                         import_kind, model_dir_files, read_hf_config)
-from mmadapt.run import RUN_TOKENIZER, RunSpec, read_source, run_progress
+from mmadapt.run import RUN_TOKENIZER, RunSpec, read_source, run_progress, run_text_layout
+from mmadapt.train import lm_batches
 
 RECORD = "extend.json"
 SUMMARY = "summary.json"  # the summary a finished extension printed (_summary)
@@ -217,6 +218,7 @@ def extend(ext: Extend) -> dict:
         # The target corpus before any training: a corpus too small for the vocabulary, or for
         # a held-out part, is refused while the call has trained nothing (and a fresh one left nothing)
         data = _prepared(ext, imported, say)
+        _check_blocks(ext, imported, data)
     except BaseException:
         if fresh:  # refused or stopped before anything trained: the extension it began is none, so nothing is left
             for stage in ("import", "sibling", "data"):
@@ -393,6 +395,17 @@ def _prepared(ext: Extend, imported: Path, say) -> Path:
                             f"scores, and none of its {e.documents:,} fell there (a document ends at a blank line): "
                             "give it more documents, a blank line after every few hundred sentences") from None
     return data
+
+
+def _check_blocks(ext: Extend, imported: Path, data: Path) -> None:
+    """Step 2's training blocks of --seq_length, cut as Step 2 cuts them, before anything trains:
+    a decoder's are whole windows of the target text (an encoder packs at least one from any text),
+    and a text too short for one was refused only when Step 2 started, after the stages ahead of it
+    trained, when a lower --seq_length or more text had become another extension's. (Lays out the
+    imported tokenizer's stream Step 2 then reads, as it would.)"""
+    source = read_source(imported)
+    if not source.family.objective.masked:
+        lm_batches(source.family, data, source.cfg, ext.step2_schedule(), layout=run_text_layout(source.record))
 
 
 def _graft(ext: Extend, sibling: Path, final: Path, data: Path, files: str) -> dict:

@@ -476,6 +476,23 @@ def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains
         err = captured.err.strip()
         assert len(err.splitlines()) == 1 and fix in err, err
         assert "Step 1b" not in captured.out and not out.exists()
+    # A decoder's Step 2 cuts whole blocks of --seq_length from the text: too short for one is refused
+    # with the corpus (it was refused when Step 2 started, after Step 1b, and the fix it named, a lower
+    # --seq_length, was then refused as another extension's). "Das Wort 26." starts the held-out
+    # document (data.is_validation_document); the 4 others hold ~40 pieces.
+    short = tmp_path / "short.txt"
+    short.write_text("".join(f"Das Wort {i}.\n\n" for i in (26, *range(4))))
+    for seq_length, code in (("64", 2), ("16", 0)):  # (20 pieces: all SentencePiece finds in it)
+        capsys.readouterr()
+        code_got = main([*argv, "--corpus", str(short), "--vocab_size", "20", "--output_dir", str(out),
+                         "--seq_length", seq_length, "--bpb_bytes", "256"])
+        captured = capsys.readouterr()
+        assert code_got == code, captured.err
+        if code:
+            err = captured.err.strip()
+            assert len(err.splitlines()) == 1 and "holds no blocks of 64" in err and "lower --seq_length" in err, err
+            assert "Step 1b" not in captured.out and not out.exists()
+    shutil.rmtree(out)
     # --vocab_mode expand over the tied Qwen2 with subword_mean's start: refused before Step 1b
     # (it was refused when Step 2 started, and extend had no flag to pass its fix), then taken
     # with the flag the refusal names
