@@ -145,6 +145,19 @@ def written_by(ckpt_dir: str | os.PathLike) -> str | None:
     return json.loads((Path(ckpt_dir) / tag / "COMPLETE").read_text()).get("ds_optimizer", "")
 
 
+def missing_dirs(path: Path) -> list[Path]:
+    """`path` and its parents that do not exist yet, deepest first: what making it will create."""
+    return [d for d in (path, *path.parents) if not d.exists()]
+
+
+def remove_empty_dirs(dirs: list[Path]) -> None:
+    """Each of `dirs` (missing_dirs' list, deepest first) removed where it is an empty directory:
+    a refused command leaves none it made, and none that something else wrote into meanwhile."""
+    for d in dirs:
+        with contextlib.suppress(OSError):  # not empty, or gone
+            d.rmdir()
+
+
 @contextlib.contextmanager
 def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     """A fresh temporary directory beside `dest` that becomes `dest` once the body has filled it,
@@ -154,16 +167,14 @@ def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]
     body left new/sub/ behind)."""
     dest = Path(dest)
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
-    made = [d for d in tmp.parents if not d.exists()]  # deepest first
+    made = missing_dirs(tmp.parent)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for d in made:
-            with contextlib.suppress(OSError):  # not empty: something else wrote there meanwhile
-                d.rmdir()
+        remove_empty_dirs(made)
         raise
     dest.parent.mkdir(parents=True, exist_ok=True)
     if dest.is_dir() and replace:  # moved aside whole, then deleted: never a half-deleted `dest`

@@ -213,7 +213,7 @@ def extend(ext: Extend) -> dict:
         raise ValueError(f"mmadapt extend runs in one process (the launcher started {world}): run it as `mmadapt "
                          "extend`, not under deepspeed, torchrun or srun; for several GPUs launch its steps "
                          "(docs/huggingface.md, from xlm-roberta-base to XNLI)")
-    made = [d for d in (ext.output_dir, *ext.output_dir.parents) if not d.exists()]  # deepest first
+    made = checkpoint.missing_dirs(ext.output_dir)
     fresh = claim(ext)
     say = _stage_printer()
     try:
@@ -229,9 +229,7 @@ def extend(ext: Extend) -> dict:
                 shutil.rmtree(ext.run_dir(stage), ignore_errors=True)
             (ext.output_dir / SOURCES).unlink(missing_ok=True)
             (ext.output_dir / RECORD).unlink()
-            for d in made:
-                if d.is_dir() and not any(d.iterdir()):
-                    d.rmdir()
+            checkpoint.remove_empty_dirs(made)
         raise
     source = imported
     if read_source(imported).headless:

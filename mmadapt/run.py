@@ -42,7 +42,7 @@ from mmadapt.engine import for_replicas, load_ds_config, zero_stage
 from mmadapt.family import ModelFamily
 from mmadapt.faults import RunLock
 from mmadapt.models import get_family
-from mmadapt.tasks import TASKS, get_task
+from mmadapt.tasks import TASKS
 
 RUN_FILE = "run.json"
 # run.json: the checkpoint tag at which the run's step returned, what follows its last update
@@ -142,7 +142,8 @@ def _same_math_before(key: str, saved: dict) -> bool:
     A record without data_parallel_size (before 2026-12-01) may have run on several ranks: not so."""
     config = key.split(".", 1)[0]
     one = saved.get(f"{config}.gradient_accumulation_steps") == 1 and saved.get("data_parallel_size") == 1
-    return one or (config == "finetune" and saved.get("task") in TASKS and get_task(saved["task"]).kind != "tag")
+    task = TASKS.get(saved.get("task")) if config == "finetune" else None
+    return one or (task is not None and task.kind != "tag")
 
 
 def check_same_run(run_file: Path, expected: dict) -> None:
