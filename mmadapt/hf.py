@@ -366,26 +366,37 @@ ST_FILES = ("modules.json", "config_sentence_transformers.json")  # the director
 ST_TRANSFORMER_FILES = ("sentence_bert_config.json",)  # the transformer module's own (max_seq_length, ...)
 
 
+def _module_path(path, transformer: bool) -> bool:
+    """Whether modules.json's "path" names a folder inside the directory: a relative path without
+    "..", which the transformer may leave empty (its files at the top) and a module after it may
+    not (export-hf copies that folder: "" or "../x" would copy the directory into itself or write
+    outside the output)."""
+    if not isinstance(path, str) or (not path and not transformer):
+        return False
+    return not Path(path).is_absolute() and ".." not in Path(path).parts
+
+
 def read_sentence_transformers(st_dir: Path) -> tuple[Path, list[dict]]:
     """A sentence-transformers directory -> (its transformer's directory, modules.json's entries),
     refused in one line unless it is a transformer followed by modules mmadapt carries."""
     modules = json_file(st_dir / "modules.json")
     if isinstance(modules, list):
         bad = next((i for i, m in enumerate(modules)
-                    if not isinstance(m, dict) or not isinstance(m.get("type"), str)), None)
+                    if not isinstance(m, dict) or not isinstance(m.get("type"), str)
+                    or not _module_path(m.get("path"), transformer=i == 0)), None)
         if bad is not None:
-            raise ValueError(f"{st_dir / 'modules.json'}: its entry {bad} names no module type (an object with "
-                             "\"type\" and \"path\", as sentence-transformers writes it): copy the directory as "
-                             "it was saved")
+            raise ValueError(f"{st_dir / 'modules.json'}: its entry {bad} names no module type or no folder "
+                             "inside the directory (an object with \"type\" and \"path\", as "
+                             "sentence-transformers writes it): copy the directory as it was saved")
     kinds = [m["type"].rsplit(".", 1)[-1] for m in modules] if isinstance(modules, list) else []
     if not kinds or kinds[0] != "Transformer" or any(k not in ST_CARRIED for k in kinds[1:]):
         raise ValueError(f"{st_dir}: its modules.json lists {', '.join(kinds) or 'no modules'}; import-hf takes a "
                          f"sentence-transformers model of a Transformer followed by {', '.join(ST_CARRIED)} modules")
     for m, kind in zip(modules[1:], kinds[1:]):
-        if not (st_dir / m.get("path", "")).is_dir() and kind not in ST_FILELESS:
-            raise ValueError(f"{st_dir}: its modules.json lists a {kind} module in {m.get('path')}/, which does not "
+        if not (st_dir / m["path"]).is_dir() and kind not in ST_FILELESS:
+            raise ValueError(f"{st_dir}: its modules.json lists a {kind} module in {m['path']}/, which does not "
                              "exist: copy the whole sentence-transformers directory")
-    return st_dir / modules[0].get("path", ""), modules
+    return st_dir / modules[0]["path"], modules
 
 
 def import_any(model_dir: str | os.PathLike, output_dir: str | os.PathLike, task: str | None = None,
@@ -429,7 +440,8 @@ def model_dir_files(model_dir: str | os.PathLike, known: dict | None = None) -> 
     folders = [root]
     try:
         modules = json.loads((root / "modules.json").read_text()) if (root / "modules.json").is_file() else []
-        folders += [root / m["path"] for m in modules if isinstance(m, dict) and m.get("path")]
+        folders += [root / m["path"] for m in modules if isinstance(m, dict)
+                    and _module_path(m.get("path"), transformer=False)]
     except (ValueError, TypeError):
         pass  # (the import refuses it in one line)
     out, known = {}, known or {}

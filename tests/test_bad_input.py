@@ -1012,7 +1012,18 @@ CASES = [
                                                              run=c.kind_copy("finetune", task="bible-genre")),
      "its model is its final checkpoint (drop --tag)"),
     ("sentence-transformers-module-without-a-type", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
-        [{"idx": 0}]), "--output_dir", str(c.out)], "modules.json: its entry 0 names no module type"),
+        [{"idx": 0}]), "--output_dir", str(c.out)],
+     "modules.json: its entry 0 names no module type or no folder inside the directory"),
+    ("sentence-transformers-module-without-a-folder", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
+        [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+         {"idx": 1, "name": "1", "type": "sentence_transformers.models.Pooling"}]), "--output_dir", str(c.out)],
+     "modules.json: its entry 1 names no module type or no folder inside the directory"),
+    ("sentence-transformers-module-folder-outside", lambda c: ["import-hf", "--model", (
+        d := c.sentence_transformers_dir([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "../pool", "type": "sentence_transformers.models.Pooling"}])) and c.dir(
+        "pool") and c.file("pool/config.json", "{}") and d, "--output_dir", str(c.out)],
+     "modules.json: its entry 1 names no module type or no folder inside the directory"),
     ("import-hf-output-inside-the-model", lambda c: ["import-hf", "--model", (d := c.bert_dir()), "--output_dir",
                                                      str(Path(d) / "run")], "/run is inside --model "),
     ("export-hf-output-inside-the-primary", lambda c: ["export-hf", "--primary", str(c.primary), "--output_dir",
