@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -224,6 +225,9 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
     """Rows of every window of every line of `text` (`window_rows(ids, words, a, b)`: those of the
     window [a, b) of a line's pieces `ids`, each piece's word `words`), and the counts of Rows."""
     rows, pieces, unknown, unk_bytes, dropped, collapses = [], 0, 0, 0, {}, None
+    # a tokenizer that strips accents drops a combining mark (NFD text) as it drops the accent of a
+    # composed character: a fold, free either way (charged, "cafe\u0301" cost 16 bits that "café" does not)
+    strips = "accents" in folds(sp)
     for line in text.lines:
         ids, spans = piece_offsets(sp, line)
         words = word_index(line, spans)
@@ -237,7 +241,8 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
         # a character the normalizer drops: its span is a neighbour's, so only encoding it alone tells
         for k, ch in enumerate(line):
             if ch not in dropped:
-                dropped[ch] = not ch.isspace() and not sp.encode(ch)
+                dropped[ch] = (not ch.isspace() and not sp.encode(ch)
+                               and not (strips and unicodedata.combining(ch)))
             unk_bytes += len(ch.encode("utf-8")) if dropped[ch] and k not in in_unk else 0
         # a run of whitespace a tokenizer reads as one boundary (SentencePiece's remove_extra_whitespaces,
         # a WordPiece's split at whitespace): its characters after the first stand for nothing
@@ -328,14 +333,19 @@ def prepare(sp, text: RawText, layout: Layout, masked: bool, positions: int, dev
 
 
 FOLD_PROBES = {"case": ("The Lord God said unto Moses", "the lord god said unto moses"),
-               "accents": ("Noël über café à Sião", "Noel uber cafe a Siao")}
+               "accents": ("Noël über café à Sião", "Noel uber cafe a Siao"),
+               # a WordPiece splits at punctuation and whitespace alike: "God, said" and "God ,said" are one
+               "punctuation spacing": ("And God said, Let there be light: and",
+                                       "And God said ,Let there be light :and")}
 
 
 def folds(sp) -> list[str]:
     """What tokenizer `sp` reads two texts as one of (FOLD_PROBES): "case" (an uncased
-    tokenizer), "accents" (one that strips them). Bits per byte charge a text's bytes but score
-    only what its tokenizer keeps: such a tokenizer is not charged for the information it drops,
-    and reads lower than one that keeps it (docs/bits-per-byte.md)."""
+    tokenizer), "accents" (one that strips them), "punctuation spacing" (one that does not read
+    whether a space stands before or after a punctuation mark: BERT's WordPiece). Bits per byte
+    charge a text's bytes but score only what its tokenizer keeps: such a tokenizer is not
+    charged for the information it drops, and reads lower than one that keeps it
+    (docs/bits-per-byte.md)."""
     return [what for what, (a, b) in FOLD_PROBES.items() if list(sp.encode(a)) == list(sp.encode(b))]
 
 
@@ -346,7 +356,8 @@ def fold_caveat(side: str, folds: list[str], other: list[str]) -> str | None:
     lost = sorted(set(folds) - set(other))
     if not lost:
         return None
-    return (f"Not comparable as they stand: {side} folds {' and '.join(lost)} where the other keeps it, so its bits "
+    named = " and ".join(filter(None, (", ".join(lost[:-1]), lost[-1])))
+    return (f"Not comparable as they stand: {side} folds {named} where the other keeps it, so its bits "
             "per byte leave out what that carries (each byte is charged, the text it reads is poorer) and read lower "
             "than they would with it (docs/bits-per-byte.md).")
 

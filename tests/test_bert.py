@@ -73,12 +73,32 @@ def mlm_logits(cfg, state, ids):
 
 def test_what_a_tokenizer_folds_is_known(runs, tokenizer):
     """bpb.folds: an uncased WordPiece reads case and accents as one (bits per byte then leave out
-    what they carry); the cased one and mmadapt's SentencePiece keep both."""
+    what they carry), and every WordPiece the spacing around punctuation (it splits there as at a
+    space); mmadapt's SentencePiece keeps all three."""
     from mmadapt.bpb import folds
 
-    assert folds(load(runs["uncased"] / "tokenizer" / "spm.model")) == ["case", "accents"]
-    assert folds(load(runs["cased"] / "tokenizer" / "spm.model")) == []
+    wordpiece = load(runs["cased"] / "tokenizer" / "spm.model")
+    assert wordpiece.encode("God, said") == wordpiece.encode("God ,said") == wordpiece.encode("God , said")
+    assert folds(load(runs["uncased"] / "tokenizer" / "spm.model")) == ["case", "accents", "punctuation spacing"]
+    assert folds(wordpiece) == ["punctuation spacing"]
     assert folds(load(tokenizer)) == []
+
+
+def test_an_accent_stripped_costs_the_same_composed_or_decomposed(runs):
+    """A WordPiece that strips accents reads "café" (NFC) and "cafe" + U+0301 (NFD) as the same
+    pieces: the combining mark is part of the fold, as the composed accent is, and is not charged
+    as a dropped character (it was: 16 bits); a cased WordPiece, which keeps accents, reads the
+    combining mark itself."""
+    from mmadapt import bpb as B
+
+    layout = B.Layout((), (EOS_ID,))
+    uncased = load(runs["uncased"] / "tokenizer" / "spm.model")
+    composed, decomposed = "Und er sagte: café", "Und er sagte: cafe\u0301"
+    assert uncased.encode(composed) == uncased.encode(decomposed)
+    got = [B.masked_rows(uncased, B.RawText((t,), "test"), layout, 64) for t in (composed, decomposed)]
+    assert got[0].rows == got[1].rows and got[0].unknown_bytes == got[1].unknown_bytes == 0
+    cased = load(runs["cased"] / "tokenizer" / "spm.model")
+    assert cased.encode("\u0301") != []  # kept: not the fold, and never charged as dropped
 
 @pytest.mark.parametrize("name", sorted(MAKERS))
 def test_imported_bert_gives_transformers_logits(name, hf_dirs, runs):

@@ -308,11 +308,12 @@ def test_extend_goes_from_the_directory_to_the_extended_model_in_one_command(shi
     bits = [line for line in first.splitlines() if line.startswith("In bits per byte of the same")]
     assert bits and bits == [line for line in again.splitlines() if line.startswith("In bits per byte of the same")]
     assert "with no adaptation (the source's own tokenizer and embeddings)" in bits[0]
-    # all-MiniLM-L6-v2's WordPiece is uncased and strips accents, the German SentencePiece keeps both
+    # all-MiniLM-L6-v2's WordPiece is uncased, strips accents and splits at punctuation; the German
+    # SentencePiece keeps all three
     kept = json.loads((out / "summary.json").read_text())["summary"]
-    assert kept["no_adaptation_bpb_folds"] == ["case", "accents"] and kept["bpb_folds"] == []
-    assert ("Not comparable as they stand: the source's own tokenizer folds accents and case where the other keeps "
-            "it") in first and "the extension's tokenizer folds" not in first
+    assert kept["no_adaptation_bpb_folds"] == ["case", "accents", "punctuation spacing"] and kept["bpb_folds"] == []
+    assert ("Not comparable as they stand: the source's own tokenizer folds accents, case and punctuation spacing "
+            "where the other keeps it") in first and "the extension's tokenizer folds" not in first
     assert json.loads((out / "summary.json").read_text())["summary"]["bpb_bytes"] < 1024 + 1000  # what was printed, kept
     run_ok(*argv[:-1], "512")  # --bpb_bytes sizes the summary only: scored again on fewer bytes, nothing trained
     fewer = [line for line in capsys.readouterr().out.splitlines() if line.startswith("In bits per byte of the same")]
