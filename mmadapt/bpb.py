@@ -42,6 +42,7 @@ gives each piece more context, an advantage that is its own.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 import unicodedata
@@ -141,6 +142,11 @@ class RawText:
     @property
     def bytes(self) -> int:
         return sum(len(s.encode("utf-8")) for s in self.lines)
+
+    @property
+    def digest(self) -> str:
+        """Which text it is (the lines' sha256, 16 hex digits): two records scored it both, or not."""
+        return hashlib.sha256("\n".join(self.lines).encode("utf-8")).hexdigest()[:16]
 
     @classmethod
     def read(cls, data_path: str | Path, max_bytes: int = BPB_BYTES) -> "RawText":

@@ -149,6 +149,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                   "masked_pieces": text.scored, "artifact": str(path),
                   "bpb": bpb, "start_bpb": starts[run][1],
                   "none_bpb": per_byte.none(raw), "bpb_bytes": raw.bytes, "bpb_seq_length": per_byte.seq_length,
+                  "bpb_text": raw.digest, "heldout_tokenizer": file_sha256(data / TOKENIZER)[:16],
                   "bpb_unknown_share": per_byte.unknown_share(raw, tok),
                   "none_bpb_unknown_share": per_byte.unknown_share(raw, per_byte.own_tokenizer),
                   "bpb_folds": per_byte.folds(tok), "none_bpb_folds": per_byte.folds(per_byte.own_tokenizer),

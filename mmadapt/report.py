@@ -78,6 +78,7 @@ def read_results(files: list[str]) -> list[dict]:
         raise ValueError(f"{', '.join(files)} hold only no-adaptation records: no Step-2 checkpoint to report "
                          "(mmadapt evaluate --embeddings <Step-2 runs> scores them)")
     _one_metric_per_task(records)
+    _one_tokenizer_per_language(records)
     _apart_across_files(records)
     seen = {}
     for r in adapted(records):
@@ -94,7 +95,7 @@ def read_results(files: list[str]) -> list[dict]:
 # A record's fields besides flops, score and step, as Step 4 writes them: what each must be where
 # present (REQUIRED_TEXT in every record; a bits-per-byte record needs BPB_NEEDS beside it)
 REQUIRED_TEXT = ("system", "task", "lang")
-TEXT_FIELDS = (*REQUIRED_TEXT, "artifact", "metric")
+TEXT_FIELDS = (*REQUIRED_TEXT, "artifact", "metric", "heldout_tokenizer", "bpb_text")
 NUMBER_FIELDS = ("chance", "bpb", "none_bpb", "start_bpb", "source_bpb", "source_none_bpb")
 BPB_NEEDS = ("none_bpb", "start_bpb")
 
@@ -138,6 +139,24 @@ def _one_metric_per_task(records: list[dict]) -> None:
         raise ValueError(f"the {task} records are scored by different metrics ("
                          + ", ".join(f"{m} in {f}" for m, f in by.items())
                          + "): one curve compares one metric; report them apart")
+
+
+def _one_tokenizer_per_language(records: list[dict]) -> None:
+    """Refuse plug-in records of one task and language scored through different tokenizers (a
+    record's `heldout_tokenizer`: its dataset's; one `mmadapt evaluate` call scores a language
+    through one): their scores are nats per piece of other pieces, and every table ranks systems
+    by them. Bits per byte are one scale, but only within a record (adapted against no
+    adaptation). Records from before the field was written are not checked."""
+    seen: dict[tuple, dict[str, str]] = defaultdict(dict)  # (task, lang) -> tokenizer -> the first file holding it
+    for r in records:
+        if is_plugin(r["task"]) and r.get("heldout_tokenizer") is not None:
+            seen[(r["task"], r["lang"])].setdefault(r["heldout_tokenizer"], r["_file"])
+    key, by = next(((k, t) for k, t in seen.items() if len(t) > 1), (None, None))
+    if key is not None:
+        raise ValueError(f"the {key[0]} records in {key[1]} were scored through different tokenizers ("
+                         + ", ".join(f"{t} in {f}" for t, f in by.items())
+                         + "): their losses are nats per piece of other pieces, not one scale; report each "
+                         "tokenizer's records apart")
 
 
 def _apart_across_files(records: list[dict]) -> None:
@@ -494,11 +513,14 @@ def bpb_verdict(lang: str, rows: list[dict]) -> str:
 
 def mixed_scales(records: list[dict]) -> str | None:
     """How bits-per-byte records of one language differ in what they were scored on (None: they
-    do not): the held-out bytes, or the window (`--seq_length`, recorded since 2026-12-02; a
-    record from before matches any)."""
+    do not): the held-out bytes, the text itself (`bpb_text`, recorded since 2026-12-04: as many
+    bytes of another split), or the window (`--seq_length`, recorded since 2026-12-02); a record
+    from before a field matches any."""
     sizes = sorted({r["bpb_bytes"] for r in records})
+    texts = {r["bpb_text"] for r in records if r.get("bpb_text") is not None}
     windows = sorted({r["bpb_seq_length"] for r in records if r.get("bpb_seq_length") is not None})
-    parts = ([f"on {' and '.join(f'{b:,}' for b in sizes)} held-out bytes"] if len(sizes) > 1 else [])
+    parts = ([f"on {' and '.join(f'{b:,}' for b in sizes)} held-out bytes"] if len(sizes) > 1 else
+             [f"on {len(texts)} different held-out texts of as many bytes"] if len(texts) > 1 else [])
     parts += [f"at windows of {' and '.join(map(str, windows))} positions"] if len(windows) > 1 else []
     return " and ".join(parts) or None
 

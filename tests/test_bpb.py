@@ -7,13 +7,14 @@ import dataclasses
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from mmadapt import bpb as B
 from mmadapt.config import PreprocessConfig
-from mmadapt.data import DataError, is_validation_document
+from mmadapt.data import TOKENIZER, DataError, file_sha256, is_validation_document
 from mmadapt import heldout as H
 from mmadapt.heldout import on_device
 from mmadapt.models.llama import LLAMA
@@ -358,6 +359,9 @@ def test_the_primarys_own_rows_as_an_artifact_are_no_adaptation(primary_run, eng
     for r in records:
         assert 0.9 * 2000 < r["bpb_bytes"] < 2000 + 1000  # the lines read, less the spaces where they are cut
         assert r["bpb_seq_length"] == 32  # the window it was scored at (report.mixed_scales)
+        # the text and the tokenizer it was scored through (report: mixed_scales, _one_tokenizer_per_language)
+        assert r["bpb_text"] == B.RawText.read(english, 2000).digest
+        assert r["heldout_tokenizer"] == file_sha256(Path(english) / TOKENIZER)[:16]
 
 
 def test_within_the_source_rows_an_expanded_artifact_reads_source_text_as_no_adaptation(primary_run, english,

@@ -521,6 +521,9 @@ def test_bits_per_byte_table_and_verdict_by_hand(tmp_path):
     assert "Not one scale in fr" not in windows
     sizes = bpb_markdown([{**r, "bpb_bytes": 9000} if r["step"] == 0 else r for r in records])
     assert "Not one scale in de: its records were scored on 8,100 and 9,000 held-out bytes, and" in sizes
+    same_size = bpb_markdown([{**r, "bpb_text": "a" * 16 if r["system"] == "bl_base" else "b" * 16} for r in records])
+    assert "Not one scale in de: its records were scored on 2 different held-out texts of as many bytes" in same_size
+    assert "Not one scale" not in bpb_markdown([{**r, "bpb_text": "a" * 16} for r in records[:3]] + records[3:])
     # a record from before windows were recorded matches any
     assert "Not one scale" not in bpb_markdown([{**r, "bpb_seq_length": 512} for r in records[:3]] + records[3:])
     seen = bpb_markdown([{**r, "source_bpb_pretrained_on": True} for r in _bpb_records()])
@@ -617,6 +620,31 @@ def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_
     a.write_text(json.dumps([rec("overlap", 0, 21.0), rec("overlap", 0, 21.0)]))
     assert report_main([str(a)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {a} holds bl_base's genre score in de at step 0")
+
+
+def test_plugin_records_of_one_language_through_different_tokenizers_are_refused(tmp_path, capsys):
+    """Plug-in records of one language that two `mmadapt evaluate` calls scored through two
+    datasets' tokenizers (a 1,000- and an 8,000-piece replace): their losses are nats per piece of
+    other pieces, yet the tables rank the systems by them. Refused in one line naming both; other
+    languages, and records without `heldout_tokenizer` (older files), are read as before."""
+    records = _bpb_records()
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([{**r, "heldout_tokenizer": "1" * 16} for r in records if r["system"] != "minipost"]))
+    b.write_text(json.dumps([{**r, "heldout_tokenizer": "8" * 16} for r in records if r["system"] == "minipost"]))
+    assert report_main([str(a), str(b)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: the plugin-mlm records in de were scored through different tokenizers ({'1' * 16} in {a}, "
+        f"{'8' * 16} in {b}): their losses are nats per piece of other pieces, not one scale; report each "
+        "tokenizer's records apart\n")
+    b.write_text(json.dumps([{**r, "heldout_tokenizer": "8" * 16, "lang": "fr"} for r in records
+                             if r["system"] == "minipost"]))
+    assert report_main([str(a), str(b)]) == 0
+    b.write_text(json.dumps([r for r in records if r["system"] == "minipost"]))
+    assert report_main([str(a), str(b)]) == 0
+    capsys.readouterr()
+    b.write_text(json.dumps([{**r, "heldout_tokenizer": ["8"]} for r in records if r["system"] == "minipost"]))
+    assert report_main([str(a), str(b)]) == 2
+    assert "has heldout_tokenizer ['8']; heldout_tokenizer must be a text" in capsys.readouterr().err
 
 
 def test_records_of_one_task_scored_by_different_metrics_are_refused(tmp_path, capsys):
