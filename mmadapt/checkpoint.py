@@ -508,6 +508,30 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None,
     if tag is None:
         raise ValueError(f"no complete checkpoint in {ckpt_dir}")
     d = ckpt_dir / tag
+    # A tag chosen complete may be pruned (prune: COMPLETE first) by its run's --keep_last before or
+    # while it is read, when a later step starts from a run still training: what fails then (a
+    # file gone, a shard short, the fp32 masters missing and the bf16 copies taken) is that, said so
+    sealed = (d / "COMPLETE").is_file()
+    if not d.is_dir():
+        raise _pruned(d, "does not exist")
+    try:
+        state = _merged_state(d, layer_prefixes)
+    except Exception:
+        if sealed and not (d / "COMPLETE").is_file():
+            raise _pruned(d, "was deleted while it was read") from None
+        raise
+    if sealed and not (d / "COMPLETE").is_file():
+        raise _pruned(d, "was deleted while it was read")
+    return state
+
+
+def _pruned(d: Path, what: str) -> ValueError:
+    return ValueError(f"checkpoint {d} {what} (a run's --keep_last deletes its older checkpoints as it trains): "
+                      "name a checkpoint the run keeps, or let it finish or raise its --keep_last")
+
+
+def _merged_state(d: Path, layer_prefixes: Callable[[dict], list] | None) -> dict[str, torch.Tensor]:
+    """load_full_state_dict's merge of the tag directory `d`."""
     model_files = sorted(d.glob("mp_rank_*_model_states.pt"))
     if not model_files:
         raise ValueError(f"checkpoint {d} has no model files (mp_rank_*_model_states.pt): it is not an mmadapt "

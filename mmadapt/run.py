@@ -618,7 +618,9 @@ def checkpoint_tag(run_dir: Path, tag: str | None) -> str:
     half a tensor, by every later step."""
     tags = checkpoint.complete_tags(Path(run_dir) / "checkpoints")
     if tag is not None and tag not in tags:
-        raise ValueError(f"{run_dir} has no complete checkpoint {tag}; it has {', '.join(tags) or 'none'}")
+        older = bool(tags) and tag < tags[0]  # (a sweep's depths all read the tag the first one chose)
+        raise ValueError(f"{run_dir} has no complete checkpoint {tag}"
+                         + (" (pruned by its --keep_last?)" if older else "") + f"; it has {', '.join(tags) or 'none'}")
     if not tags:
         raise ValueError(f"{run_dir} has no complete checkpoint yet: let its run save one first")
     chosen = tag or tags[-1]

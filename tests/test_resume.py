@@ -10,7 +10,7 @@ import pytest
 
 from conftest import PRETRAIN, REPO, VOCAB, base_args, child_env, launch_cmd, metrics, run_pretrain
 
-from mmadapt.run import FINISHED, RunRecord, read_run, run_progress
+from mmadapt.run import FINISHED, RunRecord, checkpoint_tag, read_run, run_progress
 
 pytestmark = pytest.mark.slow
 
@@ -381,6 +381,62 @@ def test_a_resume_where_every_complete_checkpoint_is_damaged_is_refused(tmp_path
     checkpoint.resume(None, ckpt)
     assert loaded == ["step00000002"]
     assert capsys.readouterr().err.startswith("checkpoint step00000004 is damaged (")
+
+
+def test_a_checkpoint_pruned_before_or_while_it_is_read_is_said_so(tmp_path, monkeypatch):
+    """load_full_state_dict: a tag chosen complete that its run's --keep_last prunes (prune:
+    COMPLETE first, then the files) before or while a later step reads it is refused in one line
+    that says so. Before: a tag gone read as "not an mmadapt checkpoint, or it was damaged", and
+    one pruned after its model file was read gave that file's bf16 copies for the fp32 masters,
+    silently."""
+    import shutil
+
+    import torch
+    from mmadapt import checkpoint
+
+    tag = tmp_path / "checkpoints" / "step00000004"
+    tag.mkdir(parents=True)
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    torch.save({"module": {"w": (w + 0.001).to(torch.bfloat16)}, "tp_partition_dims": {}},
+               tag / "mp_rank_00_model_states.pt")
+    torch.save({"w": w}, tag / "fp32_tp00_pp00.pt")
+    (tag / "COMPLETE").write_text(json.dumps({"files": checkpoint._files(tag)}))
+    assert torch.equal(checkpoint.load_full_state_dict(tag.parent, tag.name)["w"], w)
+    kept = {f.name: f.read_bytes() for f in tag.iterdir()}
+    real = checkpoint.load_pt
+    # pruned after the first read (the client state: the module's read then fails) or the second
+    # (the module's: the fp32 masters are gone and its bf16 copies were taken, silently)
+    for reads in (1, 2):
+        tag.mkdir(exist_ok=True)
+        for name, data in kept.items():
+            (tag / name).write_bytes(data)
+        calls = []
+
+        def pruned_after(path, *a, **k):
+            out = real(path, *a, **k)
+            calls.append(path)
+            if len(calls) == reads:
+                (tag / "COMPLETE").unlink()
+                shutil.rmtree(tag)
+            return out
+        monkeypatch.setattr(checkpoint, "load_pt", pruned_after)
+        with pytest.raises(ValueError) as e:
+            checkpoint.load_full_state_dict(tag.parent, tag.name)
+        assert str(e.value) == (f"checkpoint {tag} was deleted while it was read (a run's --keep_last deletes its "
+                                "older checkpoints as it trains): name a checkpoint the run keeps, or let it finish "
+                                "or raise its --keep_last")
+    with pytest.raises(ValueError, match=f"^checkpoint {tag} does not exist \\(a run's --keep_last deletes"):
+        checkpoint.load_full_state_dict(tag.parent, tag.name)
+    # a tag named (a sweep's depths read the one the first chose) older than every tag the run keeps
+    (tag.parent / "step00000008").mkdir()
+    (tag.parent / "step00000008" / "COMPLETE").write_text("{}")
+    with pytest.raises(ValueError) as e:
+        checkpoint_tag(tmp_path, "step00000004")
+    assert str(e.value) == (f"{tmp_path} has no complete checkpoint step00000004 (pruned by its --keep_last?); it "
+                            "has step00000008")
+    with pytest.raises(ValueError) as e:
+        checkpoint_tag(tmp_path, "step00000012")
+    assert str(e.value) == f"{tmp_path} has no complete checkpoint step00000012; it has step00000008"
 
 
 def test_a_run_stopped_at_its_last_update_is_resumed_not_kept(tmp_path):
