@@ -216,6 +216,7 @@ def rank0_prepares(prepare, what: str, poll_s: float = 0.25):
             announced = True
         time.sleep(poll_s)
     kind, value = pickle.loads(store.get(key))
+    store.set(f"{key}/read/{dist.get_rank()}", b"")  # (rank 0 names the ranks that never read)
     store.add(key + "/read", 1)
     if kind == "raised":
         raise value
@@ -229,7 +230,14 @@ def _await_readers(store, key: str, timeout_s: float) -> None:
     others read it, and they failed with the store's "connection closed" instead of the error."""
     deadline = time.monotonic() + timeout_s
     try:
-        while store.add(key + "/read", 0) < dist.get_world_size() - 1 and time.monotonic() < deadline:
+        while store.add(key + "/read", 0) < dist.get_world_size() - 1:
+            if time.monotonic() >= deadline:
+                # a rank that stopped before it got here (a launcher that does not stop the others):
+                # named, or rank 0's next collective fails a timeout later naming no one
+                late = [r for r in range(1, dist.get_world_size()) if not store.check([f"{key}/read/{r}"])]
+                print(f"rank 0: rank(s) {', '.join(map(str, late))} never took {key.split('/', 4)[-1]} in "
+                      f"{timeout_s:g} s: they stopped (their logs say why) or hang", file=sys.stderr, flush=True)
+                return
             time.sleep(0.05)
     except RuntimeError:  # a store held elsewhere (torchrun's agent) that went away: nothing to wait for
         pass

@@ -543,7 +543,7 @@ class _TwoArgumentError(D.DataError):
         super().__init__(f"{path} is too small for {size} pieces")
 
 
-def test_what_rank_0_raises_while_preparing_is_raised_on_every_rank(monkeypatch):
+def test_what_rank_0_raises_while_preparing_is_raised_on_every_rank(monkeypatch, capsys):
     """parallel.rank0_prepares: rank 0 prepares, the others wait in the job's store and take its
     value, or raise what it raised (before, they polled for its file forever); a store whose host
     (rank 0's process) is gone is named. Rank roles: is_rank0 and the store of one process."""
@@ -568,6 +568,10 @@ def test_what_rank_0_raises_while_preparing_is_raised_on_every_rank(monkeypatch)
     # rank 0 goes on once the other has read its value or its refusal (under DeepSpeed's launcher the
     # store leaves with rank 0's process), at most the collective timeout
     assert waits == [(f"mmadapt/rank0_prepares/0/0/{what}", 0.2) for what in ("the block index", "the corpus")]
+    # the rank that never read (here: not yet) named, or the next collective's timeout names no one
+    assert capsys.readouterr().err.splitlines() == [
+        f"rank 0: rank(s) 1 never took {what} in 0.2 s: they stopped (their logs say why) or hang"
+        for what in ("the block index", "the corpus")]
     rank(1)
     assert parallel.rank0_prepares(lambda: calls.append("rank 1 built"), "the block index") is None
     with pytest.raises(D.DataError, match="too small for a 8000-piece"):
