@@ -359,7 +359,7 @@ def test_the_primarys_own_rows_as_an_artifact_are_no_adaptation(primary_run, eng
     for r in records:
         assert 0.9 * 2000 < r["bpb_bytes"] < 2000 + 1000  # the lines read, less the spaces where they are cut
         assert r["bpb_seq_length"] == 32  # the window it was scored at (report.mixed_scales)
-        # the text and the tokenizer it was scored through (report: mixed_scales, _one_tokenizer_per_language)
+        # the text and the tokenizer it was scored through (report.bpb_markdown: mixed_scales, the tokenizers)
         assert r["bpb_text"] == B.RawText.read(english, 2000).digest
         assert r["heldout_tokenizer"] == file_sha256(Path(english) / TOKENIZER)[:16]
 
