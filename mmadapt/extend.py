@@ -39,7 +39,7 @@ from typing import Optional
 from mmadapt import checkpoint, parallel, steps
 from mmadapt.adapt import check_output_start, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
-from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, ByteScorer, fold_caveat
+from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, SCORING, ByteScorer, fold_caveat
 from mmadapt.config import (MIN_VOCAB_SIZE, MiniModelConfig, PreprocessConfig, TrainConfig, _f, check_declared,
                             check_lang, output_inside_an_input)
 from mmadapt.corpora import resolve_corpus
@@ -416,11 +416,11 @@ def _graft(ext: Extend, sibling: Path, final: Path, data: Path, files: str) -> d
     files (`files`) and --bpb_bytes, and kept in GRAFT (as the summary is)."""
     out = ext.run_dir("export-into")
     _export_once(ext, out, primary=sibling, embeddings=final, files=files, graft=True)
-    key = {"artifact": meta_digests([final]), "files": files, "bpb_bytes": ext.bpb_bytes}
+    key = {"artifact": meta_digests([final]), "files": files, "bpb_bytes": ext.bpb_bytes, "scoring": SCORING}
     kept = checkpoint.kept_result(ext.output_dir / GRAFT, key, "extend graft scores")
-    if kept is not None and "graft_no_adaptation_bpb_folds" in kept:
+    if kept is not None:
         scores = {k: v for k, v in kept.items() if k != "key"}
-    else:  # (a score kept before the folds were: scored again)
+    else:  # (a score kept by other rules, SCORING: scored again)
         per_byte = ByteScorer(Scorer(Primary.read(sibling)), ext.seq_length, ext.bpb_bytes)
         raw = per_byte.text(data)
         emb, tok, meta = read_artifact(final)
@@ -493,9 +493,9 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
     another --bpb_bytes computes it anew."""
     arts = artifact_dirs([adapt])
     # what the summary is computed from: the artifacts as they are now (a Step 2 deleted and run
-    # again writes them anew) and the bytes scored
+    # again writes them anew), the bytes scored and the rules scoring them
     key = {"artifacts": meta_digests([arts[0], arts[-1]]), "artifact": str(arts[-1].relative_to(ext.output_dir)),
-           "bpb_bytes": ext.bpb_bytes}  # the artifact as named inside the output directory, however it is spelled
+           "bpb_bytes": ext.bpb_bytes, "scoring": SCORING}  # the artifact as named inside the output directory
     kept = ext.output_dir / SUMMARY
     if (old := checkpoint.kept_result(kept, key, "extend summary")) is not None:
         # the scores as kept; the export named as this call's (a copied or moved directory's own)
