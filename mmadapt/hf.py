@@ -369,11 +369,12 @@ ST_TRANSFORMER_FILES = ("sentence_bert_config.json",)  # the transformer module'
 def _module_path(path, transformer: bool) -> bool:
     """Whether modules.json's "path" names a folder inside the directory: a relative path without
     "..", which the transformer may leave empty (its files at the top) and a module after it may
-    not (export-hf copies that folder: "" or "../x" would copy the directory into itself or write
-    outside the output)."""
-    if not isinstance(path, str) or (not path and not transformer):
+    not (export-hf copies that folder: "", "." or "../x" would copy the directory into itself or
+    write outside the output)."""
+    if not isinstance(path, str):
         return False
-    return not Path(path).is_absolute() and ".." not in Path(path).parts
+    parts = Path(path).parts  # ("." and "./" have none: the directory itself, as "" is)
+    return (bool(parts) or transformer) and not Path(path).is_absolute() and ".." not in parts
 
 
 def read_sentence_transformers(st_dir: Path) -> tuple[Path, list[dict]]:

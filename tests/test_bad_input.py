@@ -1018,6 +1018,10 @@ CASES = [
         [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
          {"idx": 1, "name": "1", "type": "sentence_transformers.models.Pooling"}]), "--output_dir", str(c.out)],
      "modules.json: its entry 1 names no module type or no folder inside the directory"),
+    ("sentence-transformers-module-folder-dot", lambda c: ["import-hf", "--model", c.sentence_transformers_dir([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "./", "type": "sentence_transformers.models.Pooling"}]), "--output_dir",
+        str(c.out)], "modules.json: its entry 1 names no module type or no folder inside the directory"),
     ("sentence-transformers-module-folder-outside", lambda c: ["import-hf", "--model", (
         d := c.sentence_transformers_dir([
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
