@@ -512,8 +512,10 @@ def load_full_state_dict(ckpt_dir: str | os.PathLike, tag: str | None = None,
     # while it is read, when a later step starts from a run still training: what fails then (a
     # file gone, a shard short, the fp32 masters missing and the bf16 copies taken) is that, said so
     sealed = (d / "COMPLETE").is_file()
-    if not d.is_dir():
-        raise _pruned(d, "does not exist")
+    if not d.is_dir():  # pruned where the run kept newer tags (a run still training); else gone otherwise
+        if any(t > tag for t in complete_tags(ckpt_dir)):
+            raise _pruned(d, "does not exist")
+        raise ValueError(f"checkpoint {d} does not exist: restore it")
     try:
         state = _merged_state(d, layer_prefixes)
     except Exception:

@@ -618,7 +618,8 @@ def checkpoint_tag(run_dir: Path, tag: str | None) -> str:
     half a tensor, by every later step."""
     tags = checkpoint.complete_tags(Path(run_dir) / "checkpoints")
     if tag is not None and tag not in tags:
-        older = bool(tags) and tag < tags[0]  # (a sweep's depths all read the tag the first one chose)
+        # (a sweep's depths all read the tag the first one chose, which the source may prune meanwhile)
+        older = bool(tags) and tag < tags[0] and _prunes(Path(run_dir))
         raise ValueError(f"{run_dir} has no complete checkpoint {tag}"
                          + (" (pruned by its --keep_last?)" if older else "") + f"; it has {', '.join(tags) or 'none'}")
     if not tags:
@@ -630,6 +631,14 @@ def checkpoint_tag(run_dir: Path, tag: str | None) -> str:
         raise ValueError(f"{run_dir}'s checkpoint {chosen} is damaged ({why}): restore it"
                          + (f", or name another of its checkpoints ({', '.join(others)})" if others else ""))
     return chosen
+
+
+def _prunes(run_dir: Path) -> bool:
+    """Whether the run records a --keep_last (it deletes its older checkpoints as it trains)."""
+    try:
+        return int((json.loads((run_dir / RUN_FILE).read_text()).get("train") or {}).get("keep_last") or 0) > 0
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
 
 
 def load_checkpoint(run_dir: Path, tag: str | None = None) -> dict[str, torch.Tensor]:

@@ -425,11 +425,20 @@ def test_a_checkpoint_pruned_before_or_while_it_is_read_is_said_so(tmp_path, mon
         assert str(e.value) == (f"checkpoint {tag} was deleted while it was read (a run's --keep_last deletes its "
                                 "older checkpoints as it trains): name a checkpoint the run keeps, or let it finish "
                                 "or raise its --keep_last")
-    with pytest.raises(ValueError, match=f"^checkpoint {tag} does not exist \\(a run's --keep_last deletes"):
+    # gone before it was read: pruned where the run kept a newer tag, else not (a finished run's)
+    with pytest.raises(ValueError) as e:
         checkpoint.load_full_state_dict(tag.parent, tag.name)
-    # a tag named (a sweep's depths read the one the first chose) older than every tag the run keeps
+    assert str(e.value) == f"checkpoint {tag} does not exist: restore it"
     (tag.parent / "step00000008").mkdir()
     (tag.parent / "step00000008" / "COMPLETE").write_text("{}")
+    with pytest.raises(ValueError, match=f"^checkpoint {tag} does not exist \\(a run's --keep_last deletes"):
+        checkpoint.load_full_state_dict(tag.parent, tag.name)
+    # a tag named (a sweep's depths read the one the first chose) older than every tag the run keeps:
+    # pruned, perhaps, where the run records a --keep_last
+    with pytest.raises(ValueError) as e:
+        checkpoint_tag(tmp_path, "step00000004")
+    assert str(e.value) == f"{tmp_path} has no complete checkpoint step00000004; it has step00000008"
+    (tmp_path / "run.json").write_text(json.dumps({"train": {"keep_last": 1}}))
     with pytest.raises(ValueError) as e:
         checkpoint_tag(tmp_path, "step00000004")
     assert str(e.value) == (f"{tmp_path} has no complete checkpoint step00000004 (pruned by its --keep_last?); it "
