@@ -95,7 +95,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     per_byte = ByteScorer(scorer, seq_length, bpb_bytes, bpb_batch_tokens)
     held = {}  # per language: the held-out set
     starts: dict[Path, tuple[float, float]] = {}
-    prepared: set[str] = set()  # the languages whose dataset was checked to be one
+    prepared: dict[str, str] = {}  # the languages whose dataset was checked to be one -> its tokenizer's sha256
     for path, meta in zip(paths, metas):  # every refusal before any scoring (and before the progress bar)
         if graft and artifact_primary_ref(meta).same(ref):
             raise not_a_graft(path, primary_run)
@@ -115,8 +115,8 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
         if lang not in prepared:  # a prepared dataset, or refused naming what it is
             read_manifest(data_paths[lang])
             per_byte.text(data_paths[lang])  # its raw held-out text (kept): a changed corpus is refused now
-            prepared.add(lang)
-        if file_sha256(Path(data_paths[lang]) / TOKENIZER) != file_sha256(path / "spm.model"):
+            prepared[lang] = file_sha256(Path(data_paths[lang]) / TOKENIZER)
+        if prepared[lang] != file_sha256(path / "spm.model"):
             raise ValueError(f"{path} uses another tokenizer than {data_paths[lang]}: score it on the dataset Step 2 "
                              "trained on")
         if meta.get("vocab_mode") == "expand":  # the source text its bits per byte read, likewise
@@ -149,7 +149,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                   "masked_pieces": text.scored, "artifact": str(path),
                   "bpb": bpb, "start_bpb": starts[run][1],
                   "none_bpb": per_byte.none(raw), "bpb_bytes": raw.bytes, "bpb_seq_length": per_byte.seq_length,
-                  "bpb_text": raw.digest, "heldout_tokenizer": file_sha256(data / TOKENIZER)[:16],
+                  "bpb_text": raw.digest, "heldout_tokenizer": prepared[lang][:16],
                   "bpb_unknown_share": per_byte.unknown_share(raw, tok),
                   "none_bpb_unknown_share": per_byte.unknown_share(raw, per_byte.own_tokenizer),
                   "bpb_folds": per_byte.folds(tok), "none_bpb_folds": per_byte.folds(per_byte.own_tokenizer),

@@ -636,8 +636,8 @@ def checkpoint_tag(run_dir: Path, tag: str | None) -> str:
 def _prunes(run_dir: Path) -> bool:
     """Whether the run records a --keep_last (it deletes its older checkpoints as it trains)."""
     try:
-        return int((json.loads((run_dir / RUN_FILE).read_text()).get("train") or {}).get("keep_last") or 0) > 0
-    except (OSError, ValueError, TypeError, AttributeError):
+        return int((checkpoint.read_json(run_dir / RUN_FILE).get("train") or {}).get("keep_last") or 0) > 0
+    except (ValueError, TypeError, AttributeError):  # (read_json's refusals are ValueErrors)
         return False
 
 
