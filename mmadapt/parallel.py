@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mmadapt.faults import clear_stale_extension_lock
+from mmadapt.faults import PeerFailed, clear_stale_extension_lock
 from mmadapt.mcore import parallel_state
 
 # How long a collective (and the rendezvous) may wait before the job fails. Set explicitly, not
@@ -264,6 +264,33 @@ def _pickled(outcome: tuple[str, object]) -> bytes:
                 except Exception:
                     continue
         return pickle.dumps(("raised", RuntimeError(message)))
+
+
+def together(work, what: str):
+    """work() on every rank -> its value, once every rank's has returned (collective over the
+    whole world, over gloo on the host; joins the job as object_from_rank0 does). Where it raised
+    on any rank, every rank leaves: that rank with its own error, the others with PeerFailed
+    naming it and `what`. Each rank reads a source's checkpoint for itself, and one can fail where
+    rank 0 did not (the checkpoint rank 0 chose, pruned by the source's --keep_last before a slower
+    node read it; a file another node's view of a shared file system does not show yet): the
+    ranks that read went on into the next collective (DeepSpeed's initialize) and waited there
+    until the collective timeout, wherever no launcher stops a job one of whose ranks failed (srun
+    without --kill-on-bad-exit), to end in a timeout that named nothing."""
+    failed = None
+    try:
+        value = work()
+    except Exception as e:  # re-raised below, once every rank knows (Ctrl-C reaches every rank)
+        failed = e
+    if _joined_with_others():
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
+        flags[dist.get_rank()] = int(failed is not None)
+        dist.all_reduce(flags, group=_CONTROL)
+        ranks = flags.nonzero().flatten().tolist()
+        if ranks and failed is None:
+            raise PeerFailed(f"rank(s) {', '.join(map(str, ranks))} could not read {what} (their output says why)")
+    if failed is not None:
+        raise failed
+    return value
 
 
 def any_rank(flag: bool) -> bool:

@@ -479,8 +479,10 @@ def agreed_source(run_dir: str | os.PathLike, choose: Callable[[], str | None] =
     source may still be saving (its pretraining running) as the step starts, and ranks listing its
     checkpoints a moment apart, or through another node's cached view of a shared file system,
     would take different ones: replicas over different frozen weights, none the wiser. `choose`:
-    the tag asked for (resumed_tag; None: the newest complete)."""
-    return read_source(run_dir, parallel.rank0_decides(lambda: read_source(run_dir, choose()).tag))
+    the tag asked for (resumed_tag; None: the newest complete). Where a rank cannot read the
+    chosen checkpoint (pruned since), every rank stops (parallel.together)."""
+    tag = parallel.rank0_decides(lambda: read_source(run_dir, choose()).tag)
+    return parallel.together(lambda: read_source(run_dir, tag), f"{run_dir}'s checkpoint {tag}")
 
 
 def text_prefix(run: dict, own_tokenizer: Path, tokenizer: Path | None = None) -> list[int] | None:

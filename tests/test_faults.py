@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -694,3 +695,86 @@ def test_a_checkpoint_that_fails_to_load_is_moved_aside_only_for_damage(tmp_path
     assert "\n" not in line and line.startswith(f"checkpoint {tag} cannot be read") and says in line
     assert ("move it aside to resume" in line) is aside and ("resume again" in line) is not aside
     assert tag.is_dir()
+
+
+TOGETHER_PROBE = """
+import os
+from mmadapt import parallel
+from mmadapt.faults import PeerFailed
+
+rank = int(os.environ["RANK"])
+print(f"rank {rank} value {parallel.together(lambda: rank + 10, 'a checkpoint')}", flush=True)
+
+
+def read():
+    if rank == 1:  # this rank's node no longer sees the checkpoint rank 0 chose
+        raise ValueError("run/checkpoints/global_step4 does not exist")
+    return "weights"
+
+
+try:
+    parallel.together(read, "run's checkpoint global_step4")
+except (ValueError, PeerFailed) as e:
+    print(f"rank {rank} {type(e).__name__}: {e}", flush=True)
+parallel.shutdown()  # as every command's process does (cli.run_process): gloo's threads ended before Python's
+"""
+
+
+@pytest.mark.slow
+def test_a_read_that_fails_on_one_rank_stops_every_rank_with_a_line_naming_it(tmp_path):
+    """parallel.together: each rank's own value where every rank's read worked; where one rank's
+    failed, that rank raises its own error and every other raises PeerFailed naming it, at once,
+    none left to wait in the next collective for the timeout (two processes of one gloo job,
+    no launcher to stop the others)."""
+    from conftest import REPO, _port, child_env
+
+    script = tmp_path / "probe.py"
+    script.write_text(TOGETHER_PROBE)
+    env = child_env(PYTHONPATH=str(REPO), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()),
+                    MMADAPT_DIST_TIMEOUT_S="120")
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    out = [p.communicate(timeout=100) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for _, e in out]
+    lines = [[l for l in o.splitlines() if l.startswith("rank ")] for o, _ in out]  # (DeepSpeed's own lines apart)
+    assert lines[0] == ["rank 0 value 10", "rank 0 PeerFailed: rank(s) 1 could not read run's checkpoint "
+                                      "global_step4 (their output says why)"], out[0]
+    assert lines[1] == ["rank 1 value 11",
+                                      "rank 1 ValueError: run/checkpoints/global_step4 does not exist"], out[1]
+
+
+@pytest.mark.parametrize("step", ["adapt", "build_minipost", "fit-head", "finetune"])
+def test_a_source_another_rank_could_not_read_stops_the_step_before_it_trains(step, primary_run, corpus, tokenizer,
+                                                                              de_corpus, de_tokenizer, tmp_path,
+                                                                              capsys, monkeypatch):
+    """Every step that reads a source's weights on each rank reads them through
+    parallel.together (after the checkpoint's choice, which goes through it too): where another
+    rank could not read them, this rank stops there with PeerFailed's line and exit 1, nothing
+    trained, instead of going on into DeepSpeed's initialize to wait for the timeout."""
+    from conftest import adapt_args
+    from mmadapt import checkpoint, parallel
+    from mmadapt.cli import main
+    from test_bad_input import Ctx
+
+    source = Path(Ctx(tmp_path, corpus, tokenizer, primary_run).headless_run()) if step == "fit-head" else primary_run
+    calls, real = [], parallel.together
+
+    def together(work, what):
+        calls.append(what)
+        if len(calls) == 2:  # the weights, read once the checkpoint is chosen
+            raise faults.PeerFailed(f"rank(s) 1 could not read {what} (their output says why)")
+        return real(work, what)
+
+    monkeypatch.setattr(parallel, "together", together)
+    out = tmp_path / "run"
+    argv = {"adapt": ["adapt", *adapt_args("minijoint", primary_run, de_corpus, de_tokenizer, out)],
+            "build_minipost": ["build_minipost", "--primary", str(primary_run), "--output_dir", str(out)],
+            "fit-head": ["fit-head", "--primary", str(source), "--corpus", str(corpus), "--output_dir", str(out)],
+            "finetune": ["finetune", "--task", "bible-genre", "--primary", str(primary_run), "--seq_length", "64",
+                         "--output_dir", str(out)]}
+    assert main(argv[step]) == 1
+    tag = checkpoint.latest_tag(source / "checkpoints")
+    assert calls == [f"{source}'s checkpoint {tag}"] * 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"error: rank(s) 1 could not read {source}'s checkpoint "
+                                                        f"{tag} (their output says why)")
+    assert not checkpoint.has_checkpoints(out / "checkpoints")
