@@ -49,7 +49,7 @@ from mmadapt.graft import check_siblings
 from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import (TRANSFORMERS, OtherVocabulary, export_hf, files_differ, files_digest, import_any,
-                        config_json, import_kind, model_dir_files, read_hf_config)
+                        config_json, import_kind, model_dir_files, read_hf_config, sentence_transformers_body)
 from mmadapt.run import RUN_TOKENIZER, RunSpec, read_source, run_progress, run_text_layout
 from mmadapt.train import lm_batches
 
@@ -154,8 +154,11 @@ def _headless_encoder(model_dir: Path) -> str | None:
     """What makes `model_dir` a headless encoder (a sentence-transformers directory, a body class
     such as BertModel), or None (a config the import refuses is left to it; so is one without
     architectures, whose class the import reads off the weights: no weights are read here, where
-    every call, a continued one too, makes this check)."""
+    every call, a continued one too, makes this check). A sentence-transformers directory whose
+    modules.json or transformer the import refuses is refused here in its words, before anything
+    is written (its transformer a decoder's LM, its modules.json empty)."""
     if (model_dir / "modules.json").is_file():
+        sentence_transformers_body(model_dir)
         return "a sentence-transformers directory"
     try:
         if not config_json(model_dir).get("architectures"):

@@ -499,15 +499,24 @@ def import_kind(model_dir: Path) -> str:
     return SENTENCE_TRANSFORMERS_DIR if (model_dir / "modules.json").is_file() else TRANSFORMERS
 
 
+def sentence_transformers_body(st_dir: Path) -> tuple[Path, list[dict], dict, ModelFamily]:
+    """read_sentence_transformers, and its transformer's config.json and family -> (transformer's
+    directory, modules.json's entries, config, family), refused in one line unless the
+    transformer is an encoder's body (a BertModel: a family's HFMapping.headless)."""
+    transformer, modules = read_sentence_transformers(st_dir)
+    hf_cfg, family = read_hf_config(transformer)
+    if not family.hf.is_headless(hf_cfg):
+        bodies = sorted({a for f in FAMILIES.values() if f.hf is not None for a in f.hf.headless})
+        raise ValueError(f"{st_dir}: its transformer is a {hf_cfg['architectures'][0]}; import-hf takes a "
+                         f"sentence-transformers model whose transformer is an encoder's body ({', '.join(bodies)})")
+    return transformer, modules, hf_cfg, family
+
+
 def import_sentence_transformers(st_dir: Path, output_dir: Path) -> dict:
     """import_hf of the directory's transformer, with its other modules kept in the run
     (SENTENCE_TRANSFORMERS) and named in run.json (`imported_from.sentence_transformers`). Every
     check comes before anything is written. -> the run's run.json."""
-    transformer, modules = read_sentence_transformers(st_dir)
-    hf_cfg, family = read_hf_config(transformer)
-    if not family.hf.is_headless(hf_cfg):
-        raise ValueError(f"{st_dir}: its transformer is a {hf_cfg['architectures'][0]}; import-hf takes a "
-                         f"sentence-transformers model whose transformer is a body ({', '.join(family.hf.headless)})")
+    transformer, modules, hf_cfg, family = sentence_transformers_body(st_dir)
     _fresh_output(output_dir)
     with staged_dir(output_dir) as tmp:
         run = import_hf(transformer, tmp)

@@ -337,12 +337,21 @@ class Ctx:
         (d / "modules.json").write_text(json.dumps(modules))
         return str(d)
 
+    def sentence_transformers_decoder(self) -> str:
+        """A sentence-transformers directory whose transformer is a language model (a copy of the
+        tiny Llama-2, conftest.tiny_hf), its files at the top."""
+        d = self.tmp / "st_llama"
+        shutil.copytree(self.request.getfixturevalue("tiny_hf")["llama"], d)
+        (d / "modules.json").write_text(json.dumps([ST_TRANSFORMER]))
+        return str(d)
+
     def own_task(self, name: str, text: str, *extra: str, task: str = "classify") -> list[str]:
         return self.finetune(*extra)[:2] + [task] + self.finetune()[3:] + ["--train_file", self.file(name, text),
                                                                           *extra]
 
 
 ZERO3 = json.dumps({"zero_optimization": {"stage": 3}})
+ST_TRANSFORMER = {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
 NOT_UTF8 = "In the beginning.\n".encode() * 50 + b"caf\xe9 au lait\n"
 RECORD = {"system": "bl_base", "task": "t", "lang": "de", "step": 1, "flops": 1.0, "score": 50.0}
 
@@ -983,8 +992,19 @@ CASES = [
     ("extend-into-a-headless-encoder", lambda c: c.extend("--into", c.bert_dir()),
      "bert is a headless encoder (a BertModel): extend grafts the embeddings into a language model fine-tuned from "
      "--model; a headless model is extended as --model itself: drop --into"),
-    ("extend-into-a-sentence-transformers-directory", lambda c: c.extend("--into", c.sentence_transformers_dir([])),
-     "bert is a headless encoder (a sentence-transformers directory)"),
+    ("extend-into-a-sentence-transformers-directory", lambda c: c.extend("--into", c.sentence_transformers_dir(
+        [ST_TRANSFORMER])), "bert is a headless encoder (a sentence-transformers directory)"),
+    # refused before --model is imported into the output, as the import of --into would refuse it
+    ("extend-into-a-sentence-transformers-directory-of-no-modules", lambda c: c.extend(
+        "--into", c.sentence_transformers_dir([])), "bert: its modules.json lists no modules; import-hf takes a "
+     "sentence-transformers model of a Transformer followed by"),
+    ("extend-into-a-sentence-transformers-decoder", lambda c: c.extend("--into", c.sentence_transformers_decoder()),
+     "st_llama: its transformer is a LlamaForCausalLM; import-hf takes a sentence-transformers model whose "
+     "transformer is an encoder's body (BertModel, "),
+    ("import-sentence-transformers-decoder", lambda c: ["import-hf", "--model", c.sentence_transformers_decoder(),
+                                                        "--output_dir", str(c.out)],
+     "st_llama: its transformer is a LlamaForCausalLM; import-hf takes a sentence-transformers model whose "
+     "transformer is an encoder's body (BertModel, "),
     ("extend-source-corpus-of-another-script", lambda c: c.extend("--model", c.bert_dir(), "--system", "bl_base",
                                                                   "--source_corpus", c.russian()),
      "of the pieces of its first lines are unknown to"),
