@@ -513,12 +513,14 @@ def fit_bias(logits: list[torch.Tensor], bias: torch.Tensor, logp: torch.Tensor,
     """The output bias b [V] with which the mean over positions i of softmax(c_i + b) is exp(logp),
     the target unigram distribution (c: `logits` [m_b, V] at the scored positions, computed with
     `bias`, less it): iterative proportional fitting, b += logp - log mean_i softmax(c_i + b),
-    until every piece's gap is under `tol` nats (or `iters`), on the logits' device in fp32."""
+    until every piece's gap is under `tol` nats (or `iters`), on the logits' device in fp32. The
+    mean is taken in log space (logsumexp of the log-softmax): a piece ~104 nats below the best at
+    every position has a softmax of 0 in fp32, whose log, -inf, made the bias inf and then NaN."""
     c = torch.cat(logits).float()
     b = bias.to(c.device, torch.float32)
     c, target = c - b, logp.to(c.device, torch.float32)
     for _ in range(iters):
-        gap = target - torch.softmax(c + b, -1).mean(0).log()
+        gap = target - (torch.logsumexp(torch.log_softmax(c + b, -1), 0) - math.log(c.shape[0]))
         b = b + gap
         if float(gap.abs().max()) < tol:
             break

@@ -606,3 +606,17 @@ def test_a_later_step_over_a_wider_model_than_its_default_schedules_says_so(prim
     assert len(said.splitlines()) == 1
     assert schedule(wide, "--preset", "tiny")[1] == ""
     assert schedule(primary_run)[1] == ""
+
+
+def test_the_bias_fit_reaches_a_piece_far_below_the_others():
+    """fit_bias takes the mean of the softmax over positions in log space: a piece 110-120 nats
+    below the other at every position has a softmax of 0 in fp32, whose log made the fitted bias
+    inf, then NaN (which the whole Step 2 would have trained from)."""
+    from mmadapt.adapt import fit_bias
+
+    logits = [torch.tensor([[0.0, -120.0], [0.0, -110.0]]), torch.tensor([[0.0, -115.0]])]
+    target = torch.tensor([0.25, 0.75])
+    b = fit_bias(logits, torch.zeros(2), target.log(), tol=1e-5)
+    assert torch.isfinite(b).all()
+    reached = torch.softmax(torch.cat(logits) + b, -1).mean(0)
+    torch.testing.assert_close(reached, target, atol=1e-4, rtol=0)
