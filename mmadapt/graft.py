@@ -133,11 +133,15 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
         raise ValueError(f"the embeddings were trained over {base.path} as its weights were when Step 2 ran, and they "
                          "have changed since (other weights under the same path): restore that model, or train "
                          "Step 2 again over it as it is")
+    # Each one's primary model: a MINIJOINT base also holds its mini-model's head (after layer N),
+    # which its export, and so a model fine-tuned from that, lacks
+    (base_cfg, mine), (sibling_cfg, theirs) = (src.family.primary_model(src.cfg, w)
+                                               for src, w in ((base, mine), (sibling, theirs)))
     if body_only:  # the encoders alone: a task head's tensors (BERT's pooler) are the sibling's own
         head = set(base.family.hf.task_head_names("classify")) if base.family.hf is not None else set()
-        mine, theirs = ({k: v for k, v in base.family.task_state(src.cfg, w).items() if k not in head}
-                        for src, w in ((base, mine), (sibling, theirs)))
-    output = base.family.output_path(base.cfg)
+        mine, theirs = ({k: v for k, v in base.family.task_state(cfg, w).items() if k not in head}
+                        for cfg, w in ((base_cfg, mine), (sibling_cfg, theirs)))
+    output = base.family.output_path(base_cfg)
     by_vocabulary = {*base.family.artifact_keys().values(), output.matrix, output.bias} - {None}
     for name in sorted(set(mine) | set(theirs)):
         if (name in by_vocabulary and name in mine and name in theirs and mine[name].shape[1:] == theirs[name].shape[1:]

@@ -1046,3 +1046,19 @@ def test_a_tied_decoders_new_rows_are_recorded_as_starting_at_the_source_mean(gr
     say_start("de", "overlap", ModelConfig(vocab_size=size, frozen_vocab_size=frozen), record)
     assert capsys.readouterr().out.startswith(f"de: {size - frozen} new pieces after the source's {frozen} (frozen; "
                                               "only the new rows train), all at the source rows' mean")
+
+
+def test_a_minijoint_base_is_compared_by_its_primary_model(primary_run):
+    """A MINIJOINT base holds two heads (after layers 4 and 12); its export, and so a model
+    fine-tuned from it, holds the primary alone (as head 0). The sibling check compares that
+    primary model: it refused such a sibling as 'another architecture' (heads.heads.1 absent), and
+    would have set the base's mini-model head against the sibling's primary head."""
+    base = read_source(primary_run)
+    assert len(base.cfg.heads_after) == 2
+    cfg, state = base.family.primary_model(base.cfg, base.weights())
+    tuned = {k: v + 0.01 if k.startswith("layers.0.") else v for k, v in state.items()}
+    sibling = dataclasses.replace(base, cfg=cfg)  # the fine-tuned export's import: one head
+    check = check_siblings(base, sibling, {}, sibling_weights=tuned)
+    assert check.distance["layers.1"] == 0.0 and check.distance["layers.0"] > 0
+    heads = [k for k in check.distance if "head" in k]
+    assert heads and all(check.distance[k] == 0.0 for k in heads), check.distance
