@@ -372,6 +372,9 @@ def read_tagged(path: str | os.PathLike, tokens: str, tags: str, header: bool = 
     columns, rows = read_table(path, header)
     _column(path, columns, tokens, "text_column")
     _column(path, columns, tags, "label_column")
+    if tokens == tags:  # (each word its own tag: a model of nothing, found only in Step 4)
+        raise ValueError(f"{path}: --text_column and --label_column both name column {tokens!r}: each reads its own "
+                         "column")
     out = []
     for n, row in enumerate(rows, 1):
         words, labels = _tokens(path, n, row, tokens), _tokens(path, n, row, tags)
