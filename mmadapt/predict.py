@@ -500,7 +500,8 @@ class TaskModel:
                     raise ValueError(f"input {n}: the {self.task.name} model classifies single texts: pass a string")
                 out.append((x, 0))
             elif kind == "tag":
-                words = x.split() if isinstance(x, str) else list(x)
+                # a list or tuple of words (a dict's keys, a number, None: refused as not one)
+                words = x.split() if isinstance(x, str) else list(x) if isinstance(x, (list, tuple)) else None
                 if not words or not all(isinstance(w, str) and w for w in words):
                     raise ValueError(f"input {n}: a tagger takes a text or a list of words, not {x!r}")
                 out.append(TaggedSentence(words, [self.labels[0]] * len(words)))

@@ -528,3 +528,12 @@ def test_mmadapt_predict_on_every_kind_of_run(kind, sources, zero_shot, tmp_path
             assert all(m[0]["prob"] >= m[1]["prob"] >= m[2]["prob"] for m in row["masks"])
         else:
             assert len(row["next"]) == 3 and row["next"][0]["prob"] >= row["next"][2]["prob"]
+
+
+@pytest.mark.parametrize("x", [None, 7, {"Im": 1}, []])
+def test_a_tagger_refuses_an_input_that_is_no_text_or_list_of_words(x, de_tokenizer):
+    """A tagger's input is a text or a list of words; None or a number (a JSON Lines value such as
+    {"words": null}) raised a TypeError (a traceback), a dict was read as its keys."""
+    tm = _task_model("tag", ["B-NAME", "O"], de_tokenizer)
+    with pytest.raises(ValueError, match=r"^input 2: a tagger takes a text or a list of words, not "):
+        tm.predict(["Im Anfang", x])
