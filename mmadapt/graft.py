@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from mmadapt.artifact import SAMPLED_KEY, primary_changed
+from mmadapt.artifact import SAMPLED_KEY, primary_changed, trained_for
 from mmadapt.run import Source, read_source
 from mmadapt.tokenizer import HFTokenizer, SPECIAL_ROLES, is_hf, pieces
 
@@ -104,13 +104,21 @@ def sibling_key(base: Path, meta: dict) -> tuple:
     return (Path(base), meta.get("vocab_mode") == "expand", meta.get(SAMPLED_KEY), meta.get("primary_fingerprint"))
 
 
+def read_base(base: str | Path, meta: dict) -> Source:
+    """The base `base` of a graft at the checkpoint the artifact (its meta.json `meta`) was
+    trained over or for, where the run still holds it (artifact.trained_for; else its newest,
+    whose weights check_siblings checks against the artifact's record): a base trained on since
+    Step 2 read it, or read at an older --source_tag, is the same model there."""
+    return read_source(base, trained_for(Path(base), [meta]))
+
+
 def check_once(checked: set, base: Path, sibling: Path, meta: dict, body_only: bool = False) -> None:
     """check_siblings of the run `sibling` against `base` for an artifact (its meta.json `meta`),
     once per sibling_key in `checked` (the caller's set over its artifacts, added to), each
     base's distances printed once."""
     if (key := sibling_key(base, meta)) in checked:
         return
-    check = check_siblings(read_source(base), read_source(sibling), meta, body_only=body_only)
+    check = check_siblings(read_base(base, meta), read_source(sibling), meta, body_only=body_only)
     if all(k[0] != key[0] for k in checked):
         print("\n".join(check.lines()), flush=True)
     checked.add(key)

@@ -35,7 +35,7 @@ from mmadapt.artifact import artifact_primary, artifact_state, check_primary_unc
 from mmadapt.checkpoint import load_pt, read_json, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import load_finetuned
-from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft
+from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft, read_base
 from mmadapt.family import HFMapping, Implied, ModelFamily, inverse_permutation
 from mmadapt.models import FAMILIES
 from mmadapt.run import RUN_TOKENIZER, read_source, require_head
@@ -900,7 +900,7 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
             raise not_a_graft(embeddings, primary_run)
         if grafted:
             sibling = source if finetuned is None else read_source(primary_run)
-            for line in check_siblings(read_source(owner), sibling, meta, weights if finetuned is None else None,
+            for line in check_siblings(read_base(owner, meta), sibling, meta, weights if finetuned is None else None,
                                        body_only=finetuned is not None).lines():
                 print(line)
         elif finetuned is not None:  # the primary's weights as Step 3 recorded them

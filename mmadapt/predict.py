@@ -52,7 +52,7 @@ from mmadapt.devices import device_of, on_eval_device
 from mmadapt.evaluate import PAD_LOGIT, EvalBatches, EvalSet, Finetuned, load_finetuned, recorded_config, set_logits
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, best_spans, encode_classify, encode_span, encode_tag
-from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft
+from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft, read_base
 from mmadapt.objectives import OBJECTIVES, Objective
 from mmadapt.parallel import device as default_device
 from mmadapt.parallel import named_device
@@ -166,7 +166,7 @@ def _sibling_check(sibling: Source, weights: dict | None = None, body_only: bool
     """predict --graft's check of an artifact's base against `sibling` (graft.check_siblings), its
     lines on stderr (stdout holds the predictions)."""
     def check(meta: dict) -> None:
-        lines = check_siblings(read_source(artifact_primary(meta)), sibling, meta, weights,
+        lines = check_siblings(read_base(artifact_primary(meta), meta), sibling, meta, weights,
                                body_only=body_only).lines()
         print("\n".join(lines), file=sys.stderr, flush=True)
     return check

@@ -1062,3 +1062,27 @@ def test_a_minijoint_base_is_compared_by_its_primary_model(primary_run):
     assert check.distance["layers.1"] == 0.0 and check.distance["layers.0"] > 0
     heads = [k for k in check.distance if "head" in k]
     assert heads and all(check.distance[k] == 0.0 for k in heads), check.distance
+
+
+def test_a_graft_reads_its_base_at_the_checkpoint_step2_read(graft_runs, tmp_path, capsys):
+    """A base that trained on (a newer checkpoint) after Step 2 read it is the same model at the
+    checkpoint the artifact records (source_tag): export-hf --graft reads the base there, as the
+    non-graft paths do, where it read the newest and refused the graft as a base 'changed since'
+    (no flag picks the base's checkpoint)."""
+    from mmadapt import checkpoint
+    from mmadapt.checkpoint import write_weights_only
+
+    base, sibling = tmp_path / "qwen2-base", graft_runs["qwen2-sibling"]
+    shutil.copytree(graft_runs["qwen2-base"], base)
+    artifact = tmp_path / "artifact"
+    shutil.copytree(_artifact(graft_runs, "qwen2", "replace"), artifact)
+    meta = {**read_artifact(artifact)[2], "source": str(base)}
+    (artifact / "meta.json").write_text(json.dumps(meta))
+    _, state = load_weights(base)
+    write_weights_only(base / "checkpoints", 1000, {k: v + 0.01 for k, v in state.items()},
+                       json.loads((base / "run.json").read_text())["model"])
+    assert checkpoint.latest_tag(base / "checkpoints") != meta["source_tag"]
+    argv = ["export-hf", "--primary", str(sibling), "--embeddings", str(artifact), "--graft", "--output_dir",
+            str(tmp_path / "out")]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert (tmp_path / "out" / "config.json").is_file()
