@@ -513,6 +513,18 @@ def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains
     assert "changed since this extension prepared it" in capsys.readouterr().err
 
 
+def _base_copy(graft_runs, tmp_path) -> tuple[Path, Path, Path, dict]:
+    """A copy of the Qwen2 base and of a replace artifact naming it -> (base, its sibling, the
+    artifact, its meta.json): the shared runs stay as they are for the other tests (pytest-xdist
+    workers read them while one of these edits its copy)."""
+    base, artifact = tmp_path / "qwen2-base", tmp_path / "artifact"
+    shutil.copytree(graft_runs["qwen2-base"], base)
+    shutil.copytree(_artifact(graft_runs, "qwen2", "replace"), artifact)
+    meta = {**read_artifact(artifact)[2], "source": str(base)}
+    (artifact / "meta.json").write_text(json.dumps(meta))
+    return base, graft_runs["qwen2-sibling"], artifact, meta
+
+
 def test_a_graft_over_a_base_changed_since_step2_is_refused(graft_runs, tmp_path, capsys):
     """The artifact records its base's weights (primary_fingerprint, and the sampled one a load
     checks): other weights of the same shapes under the base's path, and export-hf --graft and
@@ -525,14 +537,7 @@ def test_a_graft_over_a_base_changed_since_step2_is_refused(graft_runs, tmp_path
 
     from mmadapt.artifact import SAMPLED_KEY
 
-    # A copy of the base and of the artifact naming it: the shared runs stay as they are for the
-    # other tests (pytest-xdist workers read them while this one runs)
-    base, sibling = tmp_path / "qwen2-base", graft_runs["qwen2-sibling"]
-    shutil.copytree(graft_runs["qwen2-base"], base)
-    artifact = tmp_path / "artifact"
-    shutil.copytree(_artifact(graft_runs, "qwen2", "replace"), artifact)
-    meta = {**read_artifact(artifact)[2], "source": str(base)}
-    (artifact / "meta.json").write_text(json.dumps(meta))
+    base, sibling, artifact, meta = _base_copy(graft_runs, tmp_path)
     assert meta["primary_fingerprint"] and meta[SAMPLED_KEY]
     # an artifact written before the sampled fingerprint: checked by the full one
     older = tmp_path / "older"
@@ -1072,12 +1077,7 @@ def test_a_graft_reads_its_base_at_the_checkpoint_step2_read(graft_runs, tmp_pat
     from mmadapt import checkpoint
     from mmadapt.checkpoint import write_weights_only
 
-    base, sibling = tmp_path / "qwen2-base", graft_runs["qwen2-sibling"]
-    shutil.copytree(graft_runs["qwen2-base"], base)
-    artifact = tmp_path / "artifact"
-    shutil.copytree(_artifact(graft_runs, "qwen2", "replace"), artifact)
-    meta = {**read_artifact(artifact)[2], "source": str(base)}
-    (artifact / "meta.json").write_text(json.dumps(meta))
+    base, sibling, artifact, meta = _base_copy(graft_runs, tmp_path)
     _, state = load_weights(base)
     write_weights_only(base / "checkpoints", 1000, {k: v + 0.01 for k, v in state.items()},
                        json.loads((base / "run.json").read_text())["model"])
