@@ -325,11 +325,7 @@ def read_texts(path: str | os.PathLike, text: str, label: str, text_pair: str | 
     for flag, name in flags.items():
         if name is not None:
             _column(path, columns, name, flag)
-    named = [(flag, name) for flag, name in flags.items() if name is not None]
-    for i, (flag, name) in enumerate(named):
-        other = next((f for f, n in named[:i] if n == name), None)
-        if other is not None:
-            raise ValueError(f"{path}: --{other} and --{flag} both name column {name!r}: each reads its own column")
+    _own_columns(path, flags)
     out = [TextExample(_text(path, n, r, text), _label(path, n, r, label),
                        None if text_pair is None else _text(path, n, r, text_pair)) for n, r in enumerate(rows, 1)]
     kinds = {type(ex.label): ex.label for ex in out}
@@ -338,6 +334,15 @@ def read_texts(path: str | os.PathLike, text: str, label: str, text_pair: str | 
                          "write every label the same way")
     _one_spelling(path, {ex.label for ex in out if isinstance(ex.label, str)})
     return out
+
+
+def _own_columns(path: Path, flags: dict[str, str | None]) -> None:
+    """Refuse two column flags (flag -> the column it names, None: not given) naming one column."""
+    named = [(flag, name) for flag, name in flags.items() if name is not None]
+    for i, (flag, name) in enumerate(named):
+        other = next((f for f, n in named[:i] if n == name), None)
+        if other is not None:
+            raise ValueError(f"{path}: --{other} and --{flag} both name column {name!r}: each reads its own column")
 
 
 def _one_spelling(path: Path, labels: set[str]) -> None:
@@ -372,9 +377,7 @@ def read_tagged(path: str | os.PathLike, tokens: str, tags: str, header: bool = 
     columns, rows = read_table(path, header)
     _column(path, columns, tokens, "text_column")
     _column(path, columns, tags, "label_column")
-    if tokens == tags:  # (each word its own tag: a model of nothing, found only in Step 4)
-        raise ValueError(f"{path}: --text_column and --label_column both name column {tokens!r}: each reads its own "
-                         "column")
+    _own_columns(path, {"text_column": tokens, "label_column": tags})  # (else each word its own tag)
     out = []
     for n, row in enumerate(rows, 1):
         words, labels = _tokens(path, n, row, tokens), _tokens(path, n, row, tags)
