@@ -421,6 +421,11 @@ class Source:
         """Its full weights (load_weights; `read`: the checkpoints read already, load_weights')."""
         return load_weights(self.path, self.tag, read)[1]
 
+    def agreed_weights(self) -> dict[str, torch.Tensor]:
+        """Its full weights, read by each rank of a step's job, every rank stopping where one could
+        not read them (parallel.together)."""
+        return parallel.together(self.weights, f"{self.path}'s checkpoint {self.tag}")
+
     @property
     def tokenizer(self) -> Path:
         return self.path / RUN_TOKENIZER

@@ -200,7 +200,7 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
             raise ValueError(f"{primary} was imported (mmadapt import-hf), so it has no pretraining data: pass "
                              "source-language text with --corpus or --data_path")
     run = dataclasses.replace(run, tokenizer=primary / RUN_TOKENIZER).with_corpus_resolved()
-    weights = parallel.together(source.weights, f"{primary}'s checkpoint {tag}")
+    weights = source.agreed_weights()
     identity = {"recipe": "minipost",
                 "frozen_from": {"run_dir": str(primary), "tag": tag, **dataclasses.asdict(step.mini),
                                 "fingerprint": sampled_fingerprint(weights)}}
@@ -258,7 +258,7 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
                          "--corpus or --data_path")
     run = dataclasses.replace(run, tokenizer=source.tokenizer).with_corpus_resolved()
     imported = {k: v for k, v in source.record["imported_from"].items() if k != "headless"}
-    weights = parallel.together(source.weights, f"{source.path}'s checkpoint {source.tag}")
+    weights = source.agreed_weights()
     # the body's content, which every load of this run checks (run.load_weights): the run keeps the head only
     identity = {"recipe": "bl_base", "imported_from": imported,
                 "frozen_from": {"run_dir": str(source.path), "tag": source.tag, "head_fit": True,
@@ -397,7 +397,7 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
     data = TaskData(task, source, train_file, step.eval_file, step.source_lang)
     with start_run(run, model_cfg, cfg, identity, data) as started:
         plan: TaskPlan = started.data
-        weights = parallel.together(source.weights, f"{source.path}'s checkpoint {source.tag}")
+        weights = source.agreed_weights()
         # The primary model's fingerprint (its weights' content): what Step 4 matches the
         # artifacts' primary model by, so that a copy of the run is the same model; a --resume
         # over a primary changed since is refused.
