@@ -93,6 +93,19 @@ def _types(rows: list[list[int]], seq_length: int, framing: Framing) -> torch.Te
     return _pad(rows, seq_length, fill=0) if framing.token_types else None
 
 
+def longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
+    """How many pieces of each text of a pair to keep within `budget`, cut as transformers'
+    tokenizers cut a pair (truncation="longest_first", the Rust `tokenizers` rule): the shorter
+    text is kept whole where the longer fits beside it; else each keeps half, the odd piece going
+    to the longer text, or to the second on a tie. A model imported with its tokenizer was trained
+    and is scored on exactly these pieces; one piece off at the boundary changes its prediction."""
+    if len_a + len_b <= budget:
+        return len_a, len_b
+    short, long = sorted((len_a, len_b))
+    keep_short, keep_long = (short, budget - short) if short <= budget // 2 else (budget // 2, budget - budget // 2)
+    return (keep_long, keep_short) if len_a > len_b else (keep_short, keep_long)
+
+
 def encode_classify(sp, examples: list[PairExample] | list[tuple[str, int]], seq_length: int,
                     framing: Framing = Framing()) -> Encoded:
     """Single texts as (text, label) pairs, or PairExamples (sentence1, sentence2, label)."""
@@ -101,10 +114,8 @@ def encode_classify(sp, examples: list[PairExample] | list[tuple[str, int]], seq
     for ex in examples:
         if isinstance(ex, PairExample):
             a, b = sp.encode(ex.sentence1), sp.encode(ex.sentence2)
-            budget = seq_length - framing.pair_specials
-            while len(a) + len(b) > budget:  # longest first, as in BERT/RoBERTa
-                (a if len(a) >= len(b) else b).pop()
-            ids, t = framing.pair(a, b)
+            keep_a, keep_b = longest_first(len(a), len(b), seq_length - framing.pair_specials)
+            ids, t = framing.pair(a[:keep_a], b[:keep_b])
             rows.append(ids)
             types.append(t)
             labels.append(ex.label)

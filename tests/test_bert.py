@@ -233,10 +233,14 @@ def test_pair_task_token_types_and_logits_equal_bert_for_sequence_classification
     ids and in transformers'; the classifier (pooler -> linear) gives BertForSequenceClassification's
     logits on the same weights."""
     sp = load(runs["trained"] / "tokenizer" / "spm.model")
-    # short enough that nothing is truncated (transformers' longest-first cuts the second text of
-    # a tie, features.py the first)
     short = [" ".join(t.split()[:9]) for t in TEXTS]
     pairs = [PairExample(a, b, 0) for a, b in zip(short[:5], short[5:])]
+    # and pairs cut to the 61 pieces beside BERT's 3 specials: each text over 30 pieces, the first
+    # longer, the second longer, a tie; the first keeps the odd piece only where it is longer
+    long = [TEXTS[0] + " " + TEXTS[1], TEXTS[2] + " " + TEXTS[3]]
+    pairs += [PairExample(long[0] + " " + TEXTS[4], long[1], 0), PairExample(long[1], long[0] + " " + TEXTS[4], 0),
+              PairExample(long[0], long[0], 0)]
+    assert all(len(sp.encode(p.sentence1)) > 30 and len(sp.encode(p.sentence2)) > 30 for p in pairs[-3:])
     enc = encode_classify(sp, pairs, SEQ, BERT.framing)
     tok = AutoTokenizer.from_pretrained(str(hf_dirs["trained"]))
     ref = tok([p.sentence1 for p in pairs], [p.sentence2 for p in pairs], padding="max_length", truncation="longest_first",

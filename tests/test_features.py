@@ -33,6 +33,25 @@ def test_pair_layout_and_longest_first_truncation(sp):
     assert single.input_ids[0].tolist() == [BOS_ID, *eb, EOS_ID] + [PAD_ID] * (16 - 2 - len(eb))
 
 
+def test_a_pair_is_cut_where_transformers_tokenizers_cut_it():
+    """Every pair of lengths 0-15 within budgets 1-11 keeps the pieces of each text that the
+    `tokenizers` library keeps under truncation="longest_first" (transformers' fast tokenizers):
+    on a tie or where the first text is longer and the budget odd, popping the longer text one
+    piece at a time kept one piece of the first text fewer, and an imported classifier read
+    another input than it was trained on."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = [f"w{i}" for i in range(16)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    for budget in range(1, 12):
+        tok.enable_truncation(budget, strategy="longest_first")
+        for len_a in range(16):
+            for len_b in range(16):
+                types = tok.encode(" ".join(words[:len_a]), " ".join(words[:len_b])).type_ids
+                assert F.longest_first(len_a, len_b, budget) == (types.count(0), types.count(1)), (len_a, len_b, budget)
+
+
 def test_tag_labels_sit_on_first_pieces(sp):
     words = ["Abraham", "begat", "Isaac"]
     enc = F.encode_tag(sp, [TaggedSentence(words, ["B-PER", "O", "B-LOC"])], ["B-PER", "O"], seq_length=32)
