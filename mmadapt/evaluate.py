@@ -254,13 +254,13 @@ def finetuned_primary_ref(ft: "Finetuned") -> PrimaryRef:
     return PrimaryRef(Path(ft.run["primary"]["run_dir"]), ft.run["primary"].get("fingerprint"))
 
 
-def position_warning(ft: "Finetuned", cfg: FinetuneConfig) -> str | None:
-    """Step 3's check_positions for a run at Step 4's seq_length `cfg.seq_length`: refused past
-    the primary model's pretraining blocks unless `cfg` (the run's record or Step 4's flag)
-    allows it, then the warning."""
+def position_warning(run: Path, ft: "Finetuned", cfg: FinetuneConfig) -> str | None:
+    """Step 3's check_positions for the fine-tuned run `run` at its seq_length `cfg.seq_length`:
+    refused past the primary model's pretraining blocks unless `cfg` (the run's record or Step
+    4's flag) allows it, then the warning."""
     primary = Path(ft.run["primary"]["run_dir"])
     return check_positions(primary, json.loads((primary / RUN_FILE).read_text()), cfg.seq_length,
-                           cfg.allow_untrained_positions)
+                           cfg.allow_untrained_positions, run=run)
 
 
 def recorded_config(ft: Finetuned, **changes) -> FinetuneConfig:
@@ -430,7 +430,7 @@ def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,
     cfgs = [recorded_config(ft, **changes) for ft in runs]
     warnings = []
     for r, ft, cfg in zip(finetuned, runs, cfgs):
-        positions = position_warning(ft, cfg)
+        positions = position_warning(r, ft, cfg)
         # A warning Step 3 recorded about positions is the same one: keep it once.
         mine = [w for w in ft.run.get("warnings", []) if w != positions] + ([positions] if positions else [])
         warnings += [f"{r}: {w}" for w in mine]

@@ -141,13 +141,17 @@ def is_position_warning(warning: str) -> bool:
     return warning.endswith(UNTRAINED_POSITIONS) and "seq_length " in warning
 
 
-def check_positions(primary: Path, src: dict, seq_length: int, allow: bool) -> str | None:
+def check_positions(primary: Path, src: dict, seq_length: int, allow: bool, run: Path | None = None) -> str | None:
     """A `seq_length` within the blocks the primary model of the Step-1 record `src` was
     pretrained on: None. Longer: a ValueError naming both numbers, or with `allow` the warning
     to log (the positions past its blocks were never trained: a RoBERTa's position embeddings
     there are their random init). Past the model's positions (an imported model, whose blocks are
     unknown, or `allow`): a ValueError, whatever `allow` says (an encoder's forward failed on it
-    with a traceback after the model had loaded)."""
+    with a traceback after the model had loaded).
+
+    `run`: the fine-tuned run Step 4 scores at its recorded seq_length (which Step 4 takes no flag
+    to change): refused as that run's, a run recorded without the allowance (fine-tuned before
+    Step 3 checked) scored only with --allow_untrained_positions, else fine-tuned again."""
     most = src.get("model", {}).get("max_position_embeddings")
     if most is not None and seq_length > most:
         raise ValueError(f"--seq_length {seq_length} exceeds max_position_embeddings {most} of the model of {primary}: "
@@ -157,6 +161,10 @@ def check_positions(primary: Path, src: dict, seq_length: int, allow: bool) -> s
         return None
     what = (f"seq_length {seq_length} is longer than the {blocks}-piece blocks {primary} was pretrained on: "
             f"positions {blocks + 1}-{seq_length} {UNTRAINED_POSITIONS}")
+    if not allow and run is not None:
+        raise ValueError(f"{run}: {what}, and its run.json does not allow that (it was fine-tuned before "
+                         "Step 3 checked): pass --allow_untrained_positions true to score it anyway, with a warning, "
+                         f"or fine-tune it again at --seq_length {blocks} or less")
     if not allow:
         raise ValueError(f"--{what}; pass --seq_length {blocks} or less (or --allow_untrained_positions true to "
                          "use them anyway, with a warning)")

@@ -345,9 +345,12 @@ def test_positions_past_the_pretraining_blocks_only_when_allowed(fresh_primary, 
     assert records[0]["finetune_warnings"] == [f"{out}: {w}" for w in run["warnings"] if w != what] + [f"{out}: {what}"]
     (out / "run.json").write_text(json.dumps({**run, "finetune": {**run["finetune"], "allow_untrained_positions": False},
                                               "warnings": []}))
-    with pytest.raises(ValueError, match="--seq_length 96 is longer than the 64-piece blocks .* pass --seq_length 64 "
-                                         "or less"):
+    with pytest.raises(ValueError) as refused:
         steps.evaluate([out], embeddings=[art], eval_file=str(tmp_path / "t.csv"))
+    # named as the run's, with flags Step 4 takes (it refuses --seq_length for a task)
+    assert str(refused.value) == (f"{out}: {what}, and its run.json does not allow that (it was "
+                                  "fine-tuned before Step 3 checked): pass --allow_untrained_positions true to score "
+                                  "it anyway, with a warning, or fine-tune it again at --seq_length 64 or less")
     allowed = steps.evaluate([out], embeddings=[art], eval_file=str(tmp_path / "t.csv"), allow_untrained_positions=True)
     assert allowed[0]["finetune_warnings"] == [f"{out}: {what}"]
     with pytest.raises(ValueError, match="--seq_length 128 is longer than the 64-piece blocks"):
