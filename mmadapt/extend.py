@@ -127,10 +127,13 @@ class Extend:
                 raise ValueError(f"{flag} {d} is not a Hugging Face or sentence-transformers model directory (no "
                                  "config.json or modules.json): pass the directory save_pretrained wrote")
             if d is not None and is_classifier(d):
+                # the extension's final artifact: this one's (--into) or the extension of the base (--model)
+                adapt = self.run_dir("adapt") if flag == "--into" else Path("<the extension of its base>/adapt")
+                final = adapt / "embeddings" / checkpoint.tag_for(self.adapt_iters)
                 raise ValueError(f"{flag} {d} is a sequence classifier: extend takes language models; graft the "
                                  "extension's embeddings into a classifier with `mmadapt import-hf --model "
-                                 f"{d} --task <task>` and `mmadapt export-hf --finetuned <that run> --graft` "
-                                 "(docs/huggingface.md)")
+                                 f"{d} --task <task> --output_dir <run>` and `mmadapt export-hf --finetuned <run> "
+                                 f"--graft --embeddings {final} --output_dir <dir>` (docs/huggingface.md)")
         headless = _headless_encoder(self.into) if self.into is not None else None
         if headless:  # (found only by the graft's check, after both imports, as "another architecture")
             raise ValueError(f"--into {self.into} is a headless encoder ({headless}): extend grafts the embeddings "

@@ -35,6 +35,13 @@ class Ctx:
         p.mkdir(exist_ok=True)
         return str(p)
 
+    def classifier(self, architecture: str) -> str:
+        """A directory whose config.json names a sequence classifier (all that extend reads first)."""
+        model_type = "bert" if architecture.startswith("Bert") else "roberta"
+        self.dir("clf")
+        return str(Path(self.file("clf/config.json", json.dumps({"architectures": [architecture],
+                                                                 "model_type": model_type}))).parent)
+
     def pretrain(self, *extra: str, corpus: str | None = None, tokenizer: str | None = None) -> list[str]:
         return ["pretrain", "--recipe", "minijoint", "--preset", "tiny", "--corpus", corpus or str(self.corpus),
                 "--tokenizer", tokenizer or str(self.tokenizer), "--vocab_size", str(VOCAB),
@@ -987,11 +994,21 @@ CASES = [
         if (d / f).exists()]), "has no tokenizer files: expected one of"),
     ("import-classifier-weights-truncated", lambda c: c.classifier_dir(lambda d: (d / "model.safetensors").write_bytes(
         (d / "model.safetensors").read_bytes()[:100])), "cannot be read as safetensors"),
-    ("extend-into-a-classifier", lambda c: c.extend("--into", str(Path(c.file("clf/config.json", json.dumps(
-        {"architectures": ["RobertaForSequenceClassification"], "model_type": "roberta"})) if c.dir("clf") else
-        "").parent)),
+    ("extend-into-a-classifier", lambda c: c.extend("--into", c.classifier("RobertaForSequenceClassification")),
      "is a sequence classifier: extend takes language models; graft the extension's embeddings into a classifier "
      "with `mmadapt import-hf"),
+    ("extend-into-a-classifier-names-the-graft", lambda c: c.extend(
+        "--adapt_iters", "40", "--into", c.classifier("RobertaForSequenceClassification")),
+     "--task <task> --output_dir <run>` and `mmadapt export-hf --finetuned <run> --graft --embeddings "),
+    ("extend-into-a-classifier-names-its-artifact", lambda c: c.extend(
+        "--adapt_iters", "40", "--into", c.classifier("RobertaForSequenceClassification")),
+     "/run/adapt/embeddings/step00000040 --output_dir <dir>` (docs/huggingface.md)"),
+    ("extend-a-classifier", lambda c: c.extend("--model", c.classifier("BertForSequenceClassification")),
+     "is a sequence classifier: extend takes language models; graft the extension's embeddings into a classifier "
+     "with `mmadapt import-hf --model "),
+    ("extend-a-classifier-names-its-base-s-extension", lambda c: c.extend(
+        "--model", c.classifier("BertForSequenceClassification")),
+     "--graft --embeddings <the extension of its base>/adapt/embeddings/step00000600 --output_dir <dir>`"),
     ("extend-into-a-headless-encoder", lambda c: c.extend("--into", c.bert_dir()),
      "bert is a headless encoder (a BertModel): extend grafts the embeddings into a language model fine-tuned from "
      "--model; a headless model is extended as --model itself: drop --into"),
