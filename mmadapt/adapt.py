@@ -143,7 +143,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
             return StartRule()
         rule = parallel.rank0_decides(recorded_rule)
         start = parallel.together(lambda: Step2Start.build(plan.source, plan.body, step, tokenizer, started.data, rule),
-                                  f"{plan.source.path}'s checkpoint {plan.source.tag}")
+                                  f"could not read {plan.source.path}'s checkpoint {plan.source.tag}")
         check_same_source(plan.run, {"source_fingerprint": lambda: start.source_fingerprint}, plan.source.path)
         if parallel.is_rank0():
             say_start(step.lang, step.train.embedding_init, plan.model, start.rows)

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from mmadapt import checkpoint, parallel, quiet
 from mmadapt.config import LoopConfig
-from mmadapt.faults import STOP_FILE, Diverged, Paused, PeerFailed, StopRequest, Stopped, clear_stale_stop
+from mmadapt.faults import STOP_FILE, Diverged, Paused, StopRequest, Stopped, clear_stale_stop
 from mmadapt.mcore import compile_on_first_call
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
@@ -866,16 +866,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
         tag = checkpoint.save(engine, ckpt_dir, done, {**job.client_state, "position": position, LOG_WINDOW: window,
                                                        SKIPPED_IN_A_ROW: skipped, checkpoint.SCORED_ROWS: scored},
                               job.names, exclude_frozen=job.exclude_frozen, keep_last=loop.keep_last)
-        failed = None
-        if rank0 and job.after_save is not None:
-            try:
-                job.after_save(done, tag, position, scored)
-            except BaseException as e:  # re-raised below, once every rank knows (not left in a collective)
-                failed = e
-        if parallel.any_rank(failed is not None):
-            if failed is not None:
-                raise failed
-            raise PeerFailed(f"{job.label}: rank 0 failed after checkpoint {tag} (its output says why)")
+        if job.after_save is not None:  # rank 0's work, agreed on (no other rank left in a collective)
+            parallel.together(lambda: job.after_save(done, tag, position, scored) if rank0 else None,
+                              f"failed after {job.label}'s checkpoint {tag}")
         return tag
 
     stop_file = run_dir / STOP_FILE

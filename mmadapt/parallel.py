@@ -266,20 +266,22 @@ def _pickled(outcome: tuple[str, object]) -> bytes:
         return pickle.dumps(("raised", RuntimeError(message)))
 
 
-def together(work, what: str):
+def together(work, failure: str):
     """work() on every rank -> its value, once every rank's has returned (collective over the
     whole world, over gloo on the host; joins the job as object_from_rank0 does). Where it raised
-    on any rank, every rank leaves: that rank with its own error, the others with PeerFailed
-    naming it and `what`. Each rank reads a source's checkpoint for itself, and one can fail where
+    on any rank, every rank leaves: that rank with its own error, the others with PeerFailed,
+    "rank(s) <those ranks> <failure> (their output says why)". Each rank reads a source's checkpoint for itself, and one can fail where
     rank 0 did not (the checkpoint rank 0 chose, pruned by the source's --keep_last before a slower
     node read it; a file another node's view of a shared file system does not show yet): the
     ranks that read went on into the next collective (DeepSpeed's initialize) and waited there
     until the collective timeout, wherever no launcher stops a job one of whose ranks failed (srun
-    without --kill-on-bad-exit), to end in a timeout that named nothing."""
-    failed = None
+    without --kill-on-bad-exit), to end in a timeout that named nothing. The same holds for work
+    one rank does alone (rank 0's after a checkpoint: work() returns None on the others).
+    Whatever work() raises, an interrupt too, is agreed on before it is raised here."""
+    failed = value = None
     try:
         value = work()
-    except Exception as e:  # re-raised below, once every rank knows (Ctrl-C reaches every rank)
+    except BaseException as e:  # re-raised below, once every rank knows (not left in a collective)
         failed = e
     if _joined_with_others():
         flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
@@ -287,7 +289,7 @@ def together(work, what: str):
         dist.all_reduce(flags, group=_CONTROL)
         ranks = flags.nonzero().flatten().tolist()
         if ranks and failed is None:
-            raise PeerFailed(f"rank(s) {', '.join(map(str, ranks))} could not read {what} (their output says why)")
+            raise PeerFailed(f"rank(s) {', '.join(map(str, ranks))} {failure} (their output says why)")
     if failed is not None:
         raise failed
     return value

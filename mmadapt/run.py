@@ -424,7 +424,7 @@ class Source:
     def agreed_weights(self) -> dict[str, torch.Tensor]:
         """Its full weights, read by each rank of a step's job, every rank stopping where one could
         not read them (parallel.together)."""
-        return parallel.together(self.weights, f"{self.path}'s checkpoint {self.tag}")
+        return parallel.together(self.weights, f"could not read {self.path}'s checkpoint {self.tag}")
 
     @property
     def tokenizer(self) -> Path:
@@ -487,7 +487,7 @@ def agreed_source(run_dir: str | os.PathLike, choose: Callable[[], str | None] =
     the tag asked for (resumed_tag; None: the newest complete). Where a rank cannot read the
     chosen checkpoint (pruned since), every rank stops (parallel.together)."""
     tag = parallel.rank0_decides(lambda: read_source(run_dir, choose()).tag)
-    return parallel.together(lambda: read_source(run_dir, tag), f"{run_dir}'s checkpoint {tag}")
+    return parallel.together(lambda: read_source(run_dir, tag), f"could not read {run_dir}'s checkpoint {tag}")
 
 
 def text_prefix(run: dict, own_tokenizer: Path, tokenizer: Path | None = None) -> list[int] | None:

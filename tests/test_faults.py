@@ -656,7 +656,7 @@ def test_a_log_row_times_its_updates_alone_at_the_rate_they_trained_at(tmp_path,
 
 def test_an_error_after_a_checkpoint_reaches_the_loop_that_saved(tmp_path):
     """Rank 0's work after a checkpoint (Step 2's artifact) failing stops the loop with that error,
-    agreed over the ranks first (parallel.any_rank), so that no other rank waits for it in a
+    agreed over the ranks first (parallel.together), so that no other rank waits for it in a
     collective; the checkpoint itself is complete."""
     def fail(done, tag, run, rows):
         raise OSError(28, "No space left on device")
@@ -703,7 +703,7 @@ from mmadapt import parallel
 from mmadapt.faults import PeerFailed
 
 rank = int(os.environ["RANK"])
-print(f"rank {rank} value {parallel.together(lambda: rank + 10, 'a checkpoint')}", flush=True)
+print(f"rank {rank} value {parallel.together(lambda: rank + 10, 'could not read a checkpoint')}", flush=True)
 
 
 def read():
@@ -713,7 +713,7 @@ def read():
 
 
 try:
-    parallel.together(read, "run's checkpoint global_step4")
+    parallel.together(read, "could not read run's checkpoint global_step4")
 except (ValueError, PeerFailed) as e:
     print(f"rank {rank} {type(e).__name__}: {e}", flush=True)
 parallel.shutdown()  # as every command's process does (cli.run_process): gloo's threads ended before Python's
@@ -762,7 +762,7 @@ def test_a_source_another_rank_could_not_read_stops_the_step_before_it_trains(st
     def together(work, what):
         calls.append(what)
         if len(calls) == 2:  # the weights, read once the checkpoint is chosen
-            raise faults.PeerFailed(f"rank(s) 1 could not read {what} (their output says why)")
+            raise faults.PeerFailed(f"rank(s) 1 {what} (their output says why)")
         return real(work, what)
 
     monkeypatch.setattr(parallel, "together", together)
@@ -774,7 +774,7 @@ def test_a_source_another_rank_could_not_read_stops_the_step_before_it_trains(st
                          "--output_dir", str(out)]}
     assert main(argv[step]) == 1
     tag = checkpoint.latest_tag(source / "checkpoints")
-    assert calls == [f"{source}'s checkpoint {tag}"] * 2
+    assert calls == [f"could not read {source}'s checkpoint {tag}"] * 2
     assert capsys.readouterr().err.splitlines()[-1] == (f"error: rank(s) 1 could not read {source}'s checkpoint "
                                                         f"{tag} (their output says why)")
     assert not checkpoint.has_checkpoints(out / "checkpoints")
