@@ -50,10 +50,9 @@ def read_artifact(path: str | os.PathLike) -> tuple[dict, Path, dict]:
     """An artifact directory, or an adapt run directory: its last artifact (said on stderr), as
     `evaluate --embeddings` takes a run for all of them. -> ({"word_embeddings": [V, h], ...},
     tokenizer path, meta)."""
-    path = Path(path)
-    if not (path / ARTIFACT_FILE).is_file() and (path / "embeddings").is_dir():
-        path = artifact_dirs([path])[-1]
-        print(f"note: {path.parent.parent} is an adapt run: its last artifact, {path}, is used", file=sys.stderr)
+    path, given = artifact_dir(path), Path(path)
+    if path != given:
+        print(f"note: {given} is an adapt run: its last artifact, {path}, is used", file=sys.stderr)
     if not (path / ARTIFACT_FILE).is_file():
         raise ValueError(f"{path} is not a Step-2 embedding artifact (no embeddings.pt): pass a "
                          "directory under <adapt run>/embeddings/")
@@ -67,6 +66,15 @@ def read_artifact(path: str | os.PathLike) -> tuple[dict, Path, dict]:
         raise ValueError(f"{path}: its embeddings have {rows} rows but its tokenizer spm.model has {pieces} pieces: "
                          "they do not belong together; use the artifact directory as adapt wrote it")
     return art, path / "spm.model", checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
+
+
+def artifact_dir(path: str | os.PathLike) -> Path:
+    """An artifact directory as given; an adapt run directory's last artifact (what read_artifact
+    reads, and what every check before the read must read the meta.json of)."""
+    path = Path(path)
+    if not (path / ARTIFACT_FILE).is_file() and (path / "embeddings").is_dir():
+        return artifact_dirs([path])[-1]
+    return path
 
 
 def artifact_dirs(paths: list[Path]) -> list[Path]:

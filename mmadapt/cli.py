@@ -221,8 +221,8 @@ def preprocess_main(argv=None) -> int:
 
 # --- Step 1b and Step 2: the model comes from an earlier run, only its layout may change ----------------
 
-def _primary_tag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--primary_tag", help="its checkpoint to use (default: the newest complete one)")
+def _primary_tag(p: argparse.ArgumentParser, default: str = "the newest complete one") -> None:
+    p.add_argument("--primary_tag", help=f"its checkpoint to use (default: {default})")
 
 
 def _primary_args(p: argparse.ArgumentParser, primary_help: str) -> None:
@@ -693,7 +693,7 @@ def export_hf_main(argv=None) -> int:
                                 "target-language model).")
     p.add_argument("--primary", help="a pretrain (or imported) run: export its primary model as its family's LM "
                    "(...ForMaskedLM or ...ForCausalLM)")
-    _primary_tag(p)
+    _primary_tag(p, "with --embeddings, the one they were trained for where it is there; else the newest complete one")
     p.add_argument("--finetuned", help="a fine-tuning run: export its task model (sequence classification, "
                    "token classification or question answering, with its label names)")
     p.add_argument("--embeddings", help="a Step-2 artifact (<adapt run>/embeddings/<tag>): its word embeddings, "

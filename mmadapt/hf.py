@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-from mmadapt.artifact import artifact_primary, artifact_state, check_primary_unchanged, read_artifact
+from mmadapt.artifact import (artifact_dir, artifact_primary, artifact_state, check_primary_unchanged, read_artifact,
+                              trained_for)
 from mmadapt.checkpoint import load_pt, read_json, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import load_finetuned
@@ -876,6 +877,10 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
         family, cfg, state, kind, labels, tokenizer = ft.family, ft.cfg, ft.state, ft.task.kind, ft.labels, ft.tokenizer
         primary_run = Path(ft.run["primary"]["run_dir"])
     else:
+        if primary_tag is None and embeddings is not None and not graft:
+            # the checkpoint the embeddings were trained for (predict's and evaluate's rule), not the newest
+            primary_tag = trained_for(Path(primary), [read_json(artifact_dir(embeddings) / "meta.json",
+                                                                "Step-2 artifact file")])
         source = read_source(primary, primary_tag)
         primary_run, family = source.path, source.family
         if source.record.get("step") == "adapt":

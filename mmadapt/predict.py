@@ -44,8 +44,8 @@ from typing import Callable
 
 import torch
 
-from mmadapt.artifact import (artifact_embeddings, artifact_primary, artifact_state, check_primary_unchanged,
-                              read_artifact, trained_for)
+from mmadapt.artifact import (artifact_dir, artifact_embeddings, artifact_primary, artifact_state,
+                              check_primary_unchanged, read_artifact, trained_for)
 from mmadapt.checkpoint import read_json
 from mmadapt.config import FinetuneConfig, ModelConfig, path_args
 from mmadapt.devices import device_of, on_eval_device
@@ -157,7 +157,7 @@ def _trained_for(run: Path, embeddings: Path) -> str | None:
     the one to swap it into by default. None where its meta.json or source run cannot be read (the
     load then refuses the artifact, saying why) or names no checkpoint the run holds."""
     try:
-        return trained_for(run, [read_json(Path(embeddings) / "meta.json", "Step-2 artifact file")])
+        return trained_for(run, [read_json(artifact_dir(embeddings) / "meta.json", "Step-2 artifact file")])
     except (ValueError, OSError, KeyError, TypeError):
         return None
 

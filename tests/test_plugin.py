@@ -247,11 +247,12 @@ def test_artifacts_are_scored_through_the_primary_checkpoint_they_were_trained_f
     """A primary run that trained on after Step 2 read it (or `adapt --source_tag` an older
     checkpoint): plugin_records reads the checkpoint the artifacts name (meta source_tag), not
     the newest, whose weights differ: they were refused (every `sweep --source_tag` trained all its
-    depths, then scored none). predict.load swaps such an artifact into that checkpoint by
-    default. Artifacts trained for two checkpoints of one run are refused in one line."""
+    depths, then scored none). predict.load and export-hf swap such an artifact into that
+    checkpoint by default. Artifacts trained for two checkpoints of one run are refused in one line."""
     from mmadapt import predict
     from mmadapt.artifact import SAMPLED_KEY
     from mmadapt.checkpoint import write_weights_only
+    from mmadapt.hf import export_hf
 
     source, old = tmp_path / "source", tag_for(PRIMARY_ITERS)
     shutil.copytree(primary_run, source)
@@ -276,6 +277,11 @@ def test_artifacts_are_scored_through_the_primary_checkpoint_they_were_trained_f
     model = predict.load(source, art, device="cpu")
     body = {k: v for k, v in model.model.state_dict().items() if k in state and not k.startswith("heads.")}
     assert len(body) > 10 and all(torch.equal(v, state[k]) for k, v in body.items())
+    # named by its adapt run (its last artifact, as every reader takes it), predict and export-hf
+    # read that checkpoint too (they read the newest, and refused it as the primary's changed weights)
+    by_run = predict.load(source, run, device="cpu").model.state_dict()
+    assert all(torch.equal(by_run[k], v) for k, v in body.items())
+    export_hf(tmp_path / "export", primary=source, embeddings=run)
     # an explicit tag is kept: the newer checkpoint is refused as the primary's changed weights
     with pytest.raises(ValueError, match="its checkpoint " + old):
         predict.load(source, art, tag=newer, device="cpu")
