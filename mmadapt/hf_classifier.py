@@ -150,8 +150,10 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
             _check_logits(hf, model, tok, HFTokenizer.read(source.tokenizer).to_mmadapt, model_dir, arch)
             write_weights_only(tmp / "checkpoints", 0, {k: v for k, v in state.items() if k != family.word},
                                to_dict(cfg))
-            defaults = FinetuneConfig()
-            ft = dataclasses.replace(defaults, seq_length=min(defaults.seq_length, cfg.max_position_embeddings))
+            # it reads what transformers reads (truncation=True): up to its tokenizer's limit, within
+            # its positions; Step 3's default (128) cut longer texts that the classifier had read whole
+            limit = tok.model_max_length if 0 < tok.model_max_length < 10**9 else cfg.max_position_embeddings
+            ft = dataclasses.replace(FinetuneConfig(), seq_length=min(limit, cfg.max_position_embeddings))
             run = {"step": "finetune", "model": to_dict(cfg), "finetune": to_dict(ft), "task": task_name,
                    "labels": labels, "metric": get_task(task_name).metric, "updates": 0, "global_batch": 0,
                    "primary": {"run_dir": str(output_dir.resolve() / BODY), "tag": source.tag,

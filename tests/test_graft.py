@@ -859,6 +859,38 @@ def test_a_camembert_classifier_imports(tmp_path, capsys):
     _assert_transformers_logits(hf_dir, _mine(run, TEXTS)[1])
 
 
+def test_an_imported_classifier_reads_what_transformers_reads(tmp_path):
+    """A classifier of 256 positions whose tokenizer sets no limit of its own reads a text of
+    ~200 pieces whole in transformers (truncation=True); imported, it is recorded at seq_length
+    256 and predict gives transformers' probabilities. It was recorded at Step 3's default, 128,
+    and cut the text there."""
+    from transformers import AutoTokenizer, XLMRobertaConfig, XLMRobertaForSequenceClassification
+
+    from hf_models import SHAPE, _perturb, bible_lines, make_xlmr
+
+    tok = AutoTokenizer.from_pretrained(str(make_xlmr(tmp_path / "xlmr")))
+    torch.manual_seed(0)
+    hf = XLMRobertaForSequenceClassification(XLMRobertaConfig(
+        vocab_size=len(tok), pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        **{**SHAPE, "max_position_embeddings": 258},
+        num_labels=2, id2label={0: "old", 1: "new"}, label2id={"old": 0, "new": 1})).eval()
+    _perturb(hf, 3)
+    hf.save_pretrained(str(tmp_path / "clf"))
+    tok.save_pretrained(str(tmp_path / "clf"))
+    run = tmp_path / "run"
+    assert main(["import-hf", "--model", str(tmp_path / "clf"), "--task", "bible-testament", "--output_dir",
+                 str(run)]) == 0
+    assert json.loads((run / "run.json").read_text())["finetune"]["seq_length"] == 256
+    text = " ".join(bible_lines("en")[:6])
+    whole, cut = (tok(text, truncation=True, max_length=n, return_tensors="pt") for n in (256, 128))
+    assert 128 < whole.input_ids.shape[1] < 256
+    with torch.no_grad():
+        theirs, theirs_cut = (hf(**ids).logits.softmax(-1)[0].tolist() for ids in (whole, cut))
+    mine = predict.load(run, device="cpu").predict([text])[0]["probs"]
+    assert [mine["old"], mine["new"]] == pytest.approx(theirs, abs=1e-6)
+    assert abs(theirs[0] - theirs_cut[0]) > 1e-5  # (what the cut text gave: another answer)
+
+
 @pytest.mark.parametrize("name", ["roberta", "bert"])
 def test_a_graft_into_an_imported_classifier_scores_and_exports(name, classifiers, tmp_path, capsys):
     """Step-2 embeddings trained over the base, grafted into the classifier fine-tuned from it:
