@@ -181,6 +181,11 @@ def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_senten
             raise DataError(f"corpus {corpus} is too small for a {vocab_size}-piece vocabulary: SentencePiece finds "
                             f"at most {most.group(1)} pieces in it; pass --vocab_size {most.group(1)} or less, or more "
                             "text") from None
+        fewest = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(e))
+        if fewest:  # (SentencePiece's own fix names its --character_coverage, which mmadapt does not take)
+            raise DataError(f"corpus {corpus} holds more characters than a {vocab_size}-piece vocabulary holds: "
+                            f"SentencePiece needs {fewest.group(1)} pieces for its characters and special pieces; "
+                            f"pass --vocab_size {fewest.group(1)} or more") from None
         raise DataError(f"SentencePiece could not train a {vocab_size}-piece vocabulary on {corpus}: "
                         f"{str(e).splitlines()[0]}") from None
 

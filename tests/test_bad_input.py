@@ -1036,6 +1036,11 @@ CASES = [
     ("preprocess-corpus-too-small-for-the-vocabulary", lambda c: ["preprocess", "--corpus", c.file(
         "one.txt", "In the beginning God created the heaven and the earth.\n"), "--vocab_size", "300", "--output_dir",
         str(c.out)], "one.txt is too small for a 300-piece vocabulary: SentencePiece finds at most"),
+    ("preprocess-vocabulary-smaller-than-the-characters", lambda c: ["preprocess", "--corpus", c.file(
+        "chars.txt", "".join(chr(0x4E00 + i) * 2 + ("\n" if i % 20 == 19 else "") for i in range(400))), "--vocab_size",
+        "100", "--output_dir", str(c.out)],
+     "chars.txt holds more characters than a 100-piece vocabulary holds: SentencePiece needs 406 pieces for its "
+     "characters and special pieces; pass --vocab_size 406 or more"),
     ("preprocess-expand-tokenizer-of-another-size", lambda c: ["preprocess", "--corpus", str(c.corpus), "--expand_from",
                                                                str(c.primary), "--tokenizer", str(c.tokenizer),
                                                                "--vocab_size", "7", "--output_dir", str(c.out)],
