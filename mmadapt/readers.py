@@ -268,10 +268,20 @@ def read_table(path: str | os.PathLike, header: bool = True) -> tuple[list[str],
                     raise ValueError(f"{path}: the header line names column {name!r} twice (columns {seen[name] + 1} "
                                      f"and {i + 1}): rename one, so that each column is read once")
                 seen[name] = i
-            records = [(reader.line_num, r) for r in reader if r]  # [] is a blank line
+            records, end = [], reader.line_num
+            for r in reader:
+                if r:  # ([] is a blank line)
+                    records.append((end + 1, r))  # the line a row starts on (a quoted field may span several)
+                end = reader.line_num
         width = len(columns) if header else len(records[0][1]) if records else 0
         where = "the header line" if header else f"line {records[0][0] if records else first_line}"
         for line, r in records:
+            if kind == "tsv" and any("\n" in v and "\t" in v for v in r):
+                # a text that starts with a quote, unquoted, opened a field that swallowed the rows
+                # after it (tabs, line ends and all) up to the next quote: rows lost, no count off
+                raise ValueError(f"{path}:{line}: a field runs over several lines and holds tabs: a text starting with "
+                                 'a quote (") is read as a quoted field; quote such a text whole, its quotes doubled '
+                                 '("""Hi"" there"), or drop the quote')
             if len(r) != width:
                 raise ValueError(f"{path}:{line}: {len(r)} field{'s' if len(r) != 1 else ''} where {where} has "
                                  f"{width}: quote a field that holds a {'comma' if kind == 'csv' else 'tab'} "

@@ -58,6 +58,21 @@ def test_csv_with_quoted_delimiters_and_newlines(tmp_path):
     assert label_names(get_task("classify"), examples) == ["neg", "pos"]
 
 
+def test_a_tsv_text_starting_with_a_quote_is_refused_not_merged(tmp_path):
+    """A .tsv written without quoting, one of whose texts starts with a quote: read as a quoted
+    field, it swallowed the rows after it up to the next quote (4 rows read as 2, with the
+    right number of fields each); refused naming the line it starts on. Texts quoted as csv
+    writes them (a quote inside, a tab, a line end, a quote first) read as written."""
+    f = write(tmp_path / "t.tsv", 'text\tlabel\nfine\tneg\n"Hi there\tpos\nNormal\tneg\nShe said "yes"\tpos\n'
+                                  'Last\tneg\n')
+    with pytest.raises(ValueError, match=rf'^{re.escape(str(f))}:3: a field runs over several lines and holds tabs: '
+                                         r'a text starting with a quote \(\"\) is read as a quoted field'):
+        read_examples(get_task("classify"), str(f), "en", "train")
+    texts = ['She said "yes"', "a\tb", "two\nlines", '"quoted" first']
+    quoted = write_csv(tmp_path / "quoted.tsv", ["text", "label"], [[t, "pos"] for t in texts], "\t")
+    assert [e.text for e in read_examples(get_task("classify"), str(quoted), "en", "train")] == texts
+
+
 def test_tsv_pairs_default_and_named_columns(tmp_path):
     rows = [["A man sleeps.", "Nobody sleeps.", "contradiction"], ["It rains, a lot.", "It is wet.", "entailment"]]
     default = write_csv(tmp_path / "pairs.tsv", ["sentence1", "sentence2", "label"], rows, "\t")
