@@ -427,11 +427,18 @@ def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
     `tokenizer`, or its vocabulary is not the model's. -> its manifest (`manifest`: read already)."""
     data_path = Path(data_path)
     manifest = manifest or read_manifest(data_path)
-    text, want = data_path / (TEXT + ".bin"), manifest["tokens"] * np.dtype(manifest["dtype"]).itemsize
-    if text.stat().st_size != want:
-        raise DataError(f"{text} holds {text.stat().st_size:,} bytes where the {manifest['tokens']:,} tokens its "
-                        f"manifest counts take {want:,}: it was cut short or replaced; prepare the dataset again "
-                        "(mmadapt preprocess) into a new --output_dir")
+    # every split the manifest counts (the held-out one is written last: a copy cut short loses it first)
+    for name, tokens in ((TEXT, manifest["tokens"]), (VALID, (manifest.get("valid") or {}).get("tokens"))):
+        if tokens is None:
+            continue
+        for f in (name + ".bin", name + ".idx"):
+            if not (data_path / f).is_file():
+                raise DataError(f"prepared dataset {data_path} lacks {f}: prepare it again into a new directory")
+        split, want = data_path / (name + ".bin"), tokens * np.dtype(manifest["dtype"]).itemsize
+        if split.stat().st_size != want:
+            raise DataError(f"{split} holds {split.stat().st_size:,} bytes where the {tokens:,} tokens its "
+                            f"manifest counts take {want:,}: it was cut short or replaced; prepare the dataset again "
+                            "(mmadapt preprocess) into a new --output_dir")
     if file_sha256(data_path / TOKENIZER) != manifest["tokenizer_sha256"]:
         raise DataError(f"{data_path / TOKENIZER} is not the tokenizer {data_path} was encoded with (its sha256 is "
                         "not the manifest's): it was replaced; put the original back, or prepare the dataset again "

@@ -344,12 +344,19 @@ def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
     (half / "text.bin").write_bytes(b"\0\0")
     with pytest.raises(D.DataError, match="no manifest.json"):
         D.check_prepared(half)
-    # A token file cut short, a tokenizer file replaced after preparation (its manifest unchanged)
+    # A token file cut short (the held-out split's too: a copy cut short loses it first, and its
+    # blocks past the cut scored nothing; or lost it whole, a FileNotFoundError later), a tokenizer
+    # file replaced after preparation (its manifest unchanged)
     for name, edit, want in (("text.bin", lambda b: b[:-2], "where the [0-9,]+ tokens its manifest counts take"),
+                             ("valid.bin", lambda b: b[:2000], r"valid\.bin holds 2,000 bytes where the [0-9,]+ tokens "),
+                             ("valid.idx", None, "lacks valid.idx: prepare it again"),
                              ("tokenizer.model", lambda b: b + b"\0", "is not the tokenizer .* was encoded with")):
         cut = tmp_path / f"edited-{name}"
         shutil.copytree(d, cut)
-        (cut / name).write_bytes(edit((cut / name).read_bytes()))
+        if edit is None:
+            (cut / name).unlink()
+        else:
+            (cut / name).write_bytes(edit((cut / name).read_bytes()))
         with pytest.raises(D.DataError, match=want):
             D.check_prepared(cut, VOCAB)
     D.check_prepared(d, VOCAB, tokenizer)  # the dataset as prepared
