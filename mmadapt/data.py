@@ -862,6 +862,9 @@ class BlockBatches:
         self.dp_rank, self.dp_world = dp_rank, dp_world
         self.global_batch = train.global_batch(dp_world)
         self.blocks = self._block_index()
+        if len(self) == 0 and split == VALID:  # its fix is the split's, not the corpus's
+            raise DataError(f"{self.data_path}'s validation split holds no block of {self.seq_length} "
+                            f"({len(self.tokens):,} tokens): prepare the text with a larger --valid_fraction")
         if len(self) == 0:
             raise DataError(f"{self.data_path} holds no blocks of {self.seq_length}: the corpus produced too few "
                             f"tokens ({len(self.tokens):,}): lower --seq_length, or give more text")

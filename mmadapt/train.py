@@ -145,7 +145,8 @@ class TextData:
                                                     cfg=PreprocessConfig(tokenizer_seed=train.seed)), what)
             wait_for(data_path / MANIFEST, what)
         indexed = family.objective.batches.indexed
-        tokens = read_manifest(data_path)["tokens"]
+        manifest = read_manifest(data_path)
+        tokens, valid = manifest["tokens"], (manifest.get("valid") or {}).get("tokens")
         if not indexed and tokens <= train.seq_length:
             # packed next-token blocks read seq_length + 1 tokens: refused here, before the engine
             # is built and the record written, not by the first batch (an imported decoder's
@@ -153,6 +154,11 @@ class TextData:
             # margin the first batch, BlockBatches, still decides)
             raise DataError(f"{data_path} holds {tokens:,} tokens, fewer than one block of --seq_length "
                             f"{train.seq_length} reads ({train.seq_length + 1}): lower --seq_length, or give more text")
+        if not indexed and train.eval_interval and valid is not None and valid <= train.seq_length:
+            # the held-out split's own fix: more of the text held out, or no validation loss
+            raise DataError(f"{data_path}'s validation split holds {valid:,} tokens, fewer than one block of "
+                            f"--seq_length {train.seq_length} reads ({train.seq_length + 1}): prepare the text with a "
+                            "larger --valid_fraction, or pass --eval_interval 0")
 
         def index_and_tokenizer() -> list[Path]:
             tok = run.output_dir / RUN_TOKENIZER

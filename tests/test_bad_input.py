@@ -4,6 +4,8 @@ code 2, one `error:` line on stderr and no traceback, and leave every file that 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -71,6 +73,16 @@ class Ctx:
         manifest = json.loads((self.primary / "data" / "manifest.json").read_text())
         manifest["corpus_fingerprint"] = {"size": 1, "sha256_sampled": "0" * 64}
         (self.out / "data" / "manifest.json").write_text(json.dumps(manifest))
+
+    def short_held_out(self) -> str:
+        """A dataset prepared with one short document held out (8 pieces or so: 'Verse 5 ...')."""
+        docs = "\n\n".join(f"Verse {i} of the book of the law." for i in range(40))
+        out = str(self.tmp / "short_valid")
+        with contextlib.redirect_stderr(io.StringIO()):  # its warning of unknown pieces is not the row's line
+            assert main(["preprocess", "--corpus", self.file("docs.txt", docs + "\n"), "--tokenizer",
+                         str(self.tokenizer), "--vocab_size", str(VOCAB), "--valid_fraction", "0.05",
+                         "--output_dir", out]) == 0
+        return out
 
     def minipost(self, *extra: str, primary: str | None = None) -> list[str]:
         return ["build_minipost", "--primary", primary or str(self.primary), "--output_dir", str(self.out), *extra]
@@ -704,6 +716,12 @@ CASES = [
     ("decoder-corpus-shorter-than-one-block", lambda c: c.pretrain("--preset", "llama-tiny", "--seq_length", "64",
                                                                     corpus=c.file("one.txt", "In the beginning.\n")),
      "fewer than one block of --seq_length 64 reads (65): lower --seq_length, or give more text"),
+    ("decoder-validation-split-shorter-than-one-block",
+     lambda c: ["pretrain", "--recipe", "bl_base", "--preset", "llama-tiny", "--seq_length", "64", "--data_path",
+                c.short_held_out(), "--tokenizer", str(c.tokenizer), "--vocab_size", str(VOCAB), "--eval_interval", "1",
+                "--output_dir", str(c.out)],
+     "'s validation split holds 16 tokens, fewer than one block of --seq_length 64 reads (65): prepare the text "
+     "with a larger --valid_fraction, or pass --eval_interval 0"),
     ("decoder-given-mask-prob", lambda c: c.pretrain("--preset", "llama-tiny", "--mask_prob", "0.3"),
      "mask_prob 0.3 is a masked-LM setting; the llama family scores next pieces"),
     ("decoder-groups-not-dividing-heads", lambda c: c.pretrain("--preset", "llama-tiny", "--num_query_groups", "3"),

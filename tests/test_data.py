@@ -1061,3 +1061,21 @@ def test_an_evaluation_scores_each_validation_block_once():
     iters, warning = eval_global_batches(2, 5, 8)
     assert iters == 1 and "scores 1 global batch; fewer than one global batch: some blocks are scored more than " \
                           "once" in warning
+
+
+def test_a_validation_split_without_a_block_names_the_split_and_its_fix(tokenizer, tmp_path):
+    """A held-out split too short for one block is the split's to mend (--valid_fraction), not the
+    corpus's (--seq_length, more text: what the training split's refusal says)."""
+    from conftest import VOCAB
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n\n".join(f"Verse {i} of the book of the law." for i in range(40)) + "\n")
+    d = tmp_path / "d"
+    prepare(docs, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1, valid_fraction=0.05))
+    valid = D.read_manifest(d)["valid"]["tokens"]
+    assert 0 < valid <= 64
+    train = TrainConfig(seq_length=64, train_micro_batch_size_per_gpu=1)
+    assert len(D.CausalBatches(d, train, VOCAB)) > 0  # the training split holds blocks
+    with pytest.raises(D.DataError, match=rf"^{d}'s validation split holds no block of 64 \({valid} tokens\): prepare "
+                                          r"the text with a larger --valid_fraction$"):
+        D.CausalBatches(d, train, VOCAB, split=D.VALID)
