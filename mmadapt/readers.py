@@ -319,8 +319,9 @@ def _label(path: Path, n: int, row: dict, column: str) -> str | int:
         return value.strip()
     if isinstance(value, int) and not isinstance(value, bool):
         return value
-    raise ValueError(f"{path}, row {n}: no label in column {column!r}" +
-                     ("" if value is None or value == "" else f" ({value!r} is neither a string nor an integer)"))
+    raise ValueError(f"{path}, row {n}: no label in column {column!r}" +  # (a blank string is none)
+                     ("" if value is None or isinstance(value, str) else
+                      f" ({value!r} is neither a string nor an integer)"))
 
 
 def read_texts(path: str | os.PathLike, text: str, label: str, text_pair: str | None = None,

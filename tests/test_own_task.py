@@ -73,6 +73,16 @@ def test_a_tsv_text_starting_with_a_quote_is_refused_not_merged(tmp_path):
     assert [e.text for e in read_examples(get_task("classify"), str(quoted), "en", "train")] == texts
 
 
+def test_a_blank_label_is_no_label(tmp_path):
+    """A label of blanks alone (a CSV field ' ', a JSON "  ") is refused as a missing one: it is a
+    string, and the refusal said it was neither a string nor an integer."""
+    for name, text in (("t.csv", "text,label\nfine,pos\ngrim, \n"), ("t.jsonl", '{"text": "a", "label": "x"}\n'
+                                                                                 '{"text": "b", "label": "  "}\n')):
+        f = write(tmp_path / name, text)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(f))}, row 2: no label in column 'label'$"):
+            read_examples(get_task("classify"), str(f), "en", "train")
+
+
 def test_tsv_pairs_default_and_named_columns(tmp_path):
     rows = [["A man sleeps.", "Nobody sleeps.", "contradiction"], ["It rains, a lot.", "It is wet.", "entailment"]]
     default = write_csv(tmp_path / "pairs.tsv", ["sentence1", "sentence2", "label"], rows, "\t")
