@@ -259,20 +259,30 @@ def read_table(path: str | os.PathLike, header: bool = True) -> tuple[list[str],
         delimiter = "," if kind == "csv" else "\t"
         csv.field_size_limit(sys.maxsize)
         with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: spreadsheets write a BOM
-            reader = csv.reader(f, delimiter=delimiter)
-            columns = next((r for r in reader if r), []) if header else []
-            first_line = reader.line_num
-            seen = {}
-            for i, name in enumerate(columns):
-                if name in seen:
-                    raise ValueError(f"{path}: the header line names column {name!r} twice (columns {seen[name] + 1} "
-                                     f"and {i + 1}): rename one, so that each column is read once")
-                seen[name] = i
-            records, end = [], reader.line_num
-            for r in reader:
-                if r:  # ([] is a blank line)
-                    records.append((end + 1, r))  # the line a row starts on (a quoted field may span several)
-                end = reader.line_num
+            # strict: a quote closing a field before its end ('"Hi" there', a text that starts with
+            # a quote) and a quoted field open at the end of the file are refused; csv otherwise
+            # drops the quotes ('Hi there') or takes the rest of the file as one field, silently
+            reader, end = csv.reader(f, delimiter=delimiter, strict=True), 0
+            try:
+                columns = next((r for r in reader if r), []) if header else []
+                first_line = reader.line_num
+                seen = {}
+                for i, name in enumerate(columns):
+                    if name in seen:
+                        raise ValueError(f"{path}: the header line names column {name!r} twice (columns "
+                                         f"{seen[name] + 1} and {i + 1}): rename one, so that each column is read once")
+                    seen[name] = i
+                records, end = [], reader.line_num
+                for r in reader:
+                    if r:  # ([] is a blank line)
+                        records.append((end + 1, r))  # the line a row starts on (a quoted field may span several)
+                    end = reader.line_num
+            except csv.Error as e:
+                what = ("a quoted field runs to the end of the file" if "end of data" in str(e) else
+                        "a quoted field is followed by more text")
+                raise ValueError(f"{path}:{end + 1}: {what}: a text starting with a quote (\") is read as a quoted "
+                                 'field; quote such a text whole, its quotes doubled ("""Hi"" there"), or drop the '
+                                 "quote") from None
         width = len(columns) if header else len(records[0][1]) if records else 0
         where = "the header line" if header else f"line {records[0][0] if records else first_line}"
         for line, r in records:

@@ -63,14 +63,31 @@ def test_a_tsv_text_starting_with_a_quote_is_refused_not_merged(tmp_path):
     field, it swallowed the rows after it up to the next quote (4 rows read as 2, with the
     right number of fields each); refused naming the line it starts on. Texts quoted as csv
     writes them (a quote inside, a tab, a line end, a quote first) read as written."""
-    f = write(tmp_path / "t.tsv", 'text\tlabel\nfine\tneg\n"Hi there\tpos\nNormal\tneg\nShe said "yes"\tpos\n'
-                                  'Last\tneg\n')
-    with pytest.raises(ValueError, match=rf'^{re.escape(str(f))}:3: a field runs over several lines and holds tabs: '
-                                         r'a text starting with a quote \(\"\) is read as a quoted field'):
-        read_examples(get_task("classify"), str(f), "en", "train")
+    for closing, what in (('She said "yes"', "a quoted field is followed by more text"),  # csv strict's
+                          ('She said yes"', "a field runs over several lines and holds tabs")):
+        f = write(tmp_path / "t.tsv", f'text\tlabel\nfine\tneg\n"Hi there\tpos\nNormal\tneg\n{closing}\tpos\n'
+                                      'Last\tneg\n')
+        with pytest.raises(ValueError, match=rf'^{re.escape(str(f))}:3: {what}: a text starting with a quote \(\"\) '
+                                             'is read as a quoted field'):
+            read_examples(get_task("classify"), str(f), "en", "train")
     texts = ['She said "yes"', "a\tb", "two\nlines", '"quoted" first']
     quoted = write_csv(tmp_path / "quoted.tsv", ["text", "label"], [[t, "pos"] for t in texts], "\t")
     assert [e.text for e in read_examples(get_task("classify"), str(quoted), "en", "train")] == texts
+
+
+def test_a_text_starting_with_a_quoted_word_is_refused_not_unquoted(tmp_path):
+    """'"Hi" there' unquoted (a .tsv or .csv written without quoting): csv read the quoted word as
+    the field's quotes and dropped them ('Hi there'), silently; a quote opened and never closed
+    took the rest of the file as one field. Both refused naming the row's line."""
+    for name, text, line, what in (("t.tsv", 'text\tlabel\nfine\tneg\n"Hi" there\tpos\nok\tneg\n', 3,
+                                    "a quoted field is followed by more text"),
+                                   ("t.csv", 'text,label\nfine,neg\n"Hi" there,pos\n', 3,
+                                    "a quoted field is followed by more text"),
+                                   ("u.tsv", 'text\tlabel\nfine\tneg\nok\tneg\n"Hi there\tpos\nok\tneg\n', 4,
+                                    "a quoted field runs to the end of the file")):
+        f = write(tmp_path / name, text)
+        with pytest.raises(ValueError, match=rf"^{re.escape(str(f))}:{line}: {what}: a text starting with a quote"):
+            read_examples(get_task("classify"), str(f), "en", "train")
 
 
 def test_a_blank_label_is_no_label(tmp_path):
