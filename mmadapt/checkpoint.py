@@ -166,27 +166,33 @@ def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]
     also removes the parent directories made for it (an --output_dir new/sub/run refused inside the
     body left new/sub/ behind)."""
     dest = Path(dest)
+    if dest.is_symlink():  # a link to the directory: filled where it points (the link stays a link)
+        dest = Path(os.path.realpath(dest))
     tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
     made = missing_dirs(tmp.parent)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
-    except BaseException:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.is_dir() and replace:  # moved aside whole, then deleted: never a half-deleted `dest`
+            old = dest.with_name(f".{dest.name}.old{os.getpid()}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dest, old)
+            try:
+                os.replace(tmp, dest)
+            except BaseException:
+                os.replace(old, dest)  # what was there stays
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+            return
+        if dest.is_dir():
+            dest.rmdir()
+        os.replace(tmp, dest)
+    except BaseException:  # the body's failure, or the move's: nothing of it left beside `dest`
         shutil.rmtree(tmp, ignore_errors=True)
         remove_empty_dirs(made)
         raise
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.is_dir() and replace:  # moved aside whole, then deleted: never a half-deleted `dest`
-        old = dest.with_name(f".{dest.name}.old{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-        return
-    if dest.is_dir():
-        dest.rmdir()
-    os.replace(tmp, dest)
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:

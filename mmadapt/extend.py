@@ -186,6 +186,7 @@ def claim(ext: Extend) -> bool:
         return json.loads(json.dumps(fields, default=str))
 
     out, mine = ext.output_dir, as_recorded(dataclasses.asdict(ext))
+    checkpoint.check_output_dir(out)  # a file on its way: refused here, not by the first write
     record = out / RECORD
     if record.is_file():
         theirs = checkpoint.read_json(record, "extend record")

@@ -33,7 +33,7 @@ import torch
 
 from mmadapt.artifact import (artifact_dir, artifact_primary, artifact_state, check_primary_unchanged, read_artifact,
                               trained_for)
-from mmadapt.checkpoint import load_pt, read_json, staged_dir, write_weights_only
+from mmadapt.checkpoint import check_output_dir, load_pt, read_json, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import load_finetuned
 from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft, read_base
@@ -265,6 +265,7 @@ def read_hf_tokenizer(model_dir: Path):
 # --- import ------------------------------------------------------------------------------------------
 
 def _fresh_output(output_dir: Path) -> None:
+    check_output_dir(output_dir)  # a file on its way, a directory this user cannot write
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
         raise ValueError(f"{output_dir} already exists and is not empty: choose a new --output_dir "
                          "(nothing is overwritten)")

@@ -746,6 +746,14 @@ CASES = [
     ("unknown-preset-flops", lambda c: ["flops", "--preset", "huge"], "invalid choice: 'huge'"),
     # --- import-hf: damaged copies of a tiny Llama and Qwen2 (issue 41); each loads differently from what
     # config.json says, or not at all, in transformers
+    ("import-hf-output-under-a-file", lambda c: c.import_damaged("llama")[:-1] + [str(Path(c.file("afile", "x")) /
+                                                                                     "run")],
+     "run cannot be created: "),
+    ("export-hf-output-under-a-file", lambda c: c.graft("llama2-expand", "llama2-expand", "--output_dir",
+                                                        str(Path(c.file("afile", "x")) / "run"))[:-2],
+     "run cannot be created: "),
+    ("extend-output-under-a-file", lambda c: c.extend("--output_dir", str(Path(c.file("afile", "x")) / "run")),
+     "run cannot be created: "),
     ("import-hf-fewer-layers-in-config", lambda c: c.import_damaged("llama", {"num_hidden_layers": 2}),
      "its weights hold model.layers.2.input_layernorm.weight (and 8 more tensors), which the model config.json "
      "describes has no place for: config.json's num_hidden_layers is 2, but the weights hold layer 2"),

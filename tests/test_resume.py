@@ -321,6 +321,26 @@ def test_what_a_cut_short_start_leaves_is_still_a_run(tmp_path):
     assert sorted(p.name for p in emb.iterdir()) == [".step00000200.tmp4242", "step00000000"]
 
 
+def test_a_staged_directory_fills_a_link_to_an_empty_directory(tmp_path):
+    """--output_dir a symbolic link to an empty directory: filled where it points, the link kept,
+    nothing beside it (rmdir of the link failed after the body had written the whole output,
+    which stayed as `.<name>.tmp<pid>`); a move that fails leaves no staged copy either."""
+    from mmadapt.checkpoint import staged_dir
+
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to("target")
+    with staged_dir(tmp_path / "link") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link" / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "target"]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("mine")
+    with pytest.raises(OSError), staged_dir(tmp_path / "full") as tmp:  # not empty: rmdir refuses
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "link", "target"]
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["x"]
+
+
 def test_tensorboard_drops_the_events_of_updates_a_run_trains_again(tmp_path):
     """MetricsLog on global rank 0: a run that starts again from update 0 (it stopped before its
     first checkpoint) drops the events the stopped one wrote, as it empties metrics.jsonl (they
