@@ -225,6 +225,7 @@ def extend(ext: Extend) -> dict:
     say = _stage_printer()
     try:
         imported, sibling, files = _imported(ext, say)
+        _check_stages_take(ext, imported)
         _check_source_corpus(ext, imported)
         # The target corpus before any training: a corpus too small for the vocabulary, or for
         # a held-out part, is refused while the call has trained nothing (and a fresh one left nothing)
@@ -367,6 +368,21 @@ def _imported_from(run: Path) -> str | None:
     imported = checkpoint.read_json(run / "run.json", "imported run").get("imported_from") or {}
     st = imported.get("sentence_transformers")
     return (st or {}).get("model") or imported.get("model")
+
+
+def _check_stages_take(ext: Extend, imported: Path) -> None:
+    """A flag of a stage this extension does not run (Step 1b under --system bl_base, fit-head over
+    a model with its own head) is refused: it trained nothing, yet, recorded, it made the same
+    extension without it another one (claim)."""
+    default = {f.name: f.default for f in dataclasses.fields(Extend)}
+    headless, minipost = read_source(imported).headless, ext.system == "minipost"
+    why = {"minipost_iters": None if minipost else f"Step 1b, which --system {ext.system} does not run",
+           "head_iters": None if headless else f"fit-head, which {ext.model} needs not (it has its own MLM head)",
+           "source_corpus": None if minipost or headless else
+           f"fit-head and Step 1b, neither of which runs here (--system {ext.system}; {ext.model} has its MLM head)"}
+    for name, reason in why.items():
+        if reason is not None and getattr(ext, name) != default[name]:
+            raise ValueError(f"--{name} {getattr(ext, name)} is for {reason}: drop it")
 
 
 def _check_source_corpus(ext: Extend, imported: Path) -> None:

@@ -476,6 +476,19 @@ def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains
         err = captured.err.strip()
         assert len(err.splitlines()) == 1 and fix in err, err
         assert "Step 1b" not in captured.out and not out.exists()
+    # A flag of a stage this extension does not run: refused (it trained nothing, and recorded it
+    # made a later call without it another extension's), nothing left
+    i = argv.index("--minipost_iters")
+    bl_base = [*argv[:i], *argv[i + 2:], "--system", "bl_base"]
+    for extra, message in (([*argv, "--system", "bl_base"], "--minipost_iters 2 is for Step 1b, which --system "
+                            "bl_base does not run: drop it"),
+                           ([*argv, "--head_iters", "3"], f"--head_iters 3 is for fit-head, which {hf / 'qwen2-base'}"
+                            " needs not (it has its own MLM head): drop it"),
+                           (bl_base, f"--source_corpus {corpus} is for fit-head and Step 1b, neither of which runs "
+                            f"here (--system bl_base; {hf / 'qwen2-base'} has its MLM head): drop it")):
+        assert main([*extra, "--corpus", str(de_corpus), "--vocab_size", "60", "--output_dir", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: {message}" and not out.exists(), err
     # A decoder's Step 2 cuts whole blocks of --seq_length from the text: too short for one is refused
     # with the corpus (it was refused when Step 2 started, after Step 1b, and the fix it named, a lower
     # --seq_length, was then refused as another extension's). "Das Wort 26." starts the held-out
