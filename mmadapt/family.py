@@ -83,6 +83,25 @@ def inverse_rows(hf_ids: list[int] | None, t: torch.Tensor) -> torch.Tensor:
     return t if hf_ids is None else t[inverse_permutation(hf_ids)]
 
 
+def transformers_config(cfg: dict, model_dir):
+    """config.json as transformers reads it (its defaults; a decoder's both rope formats:
+    transformers 5's `rope_parameters` and the older `rope_theta` / `rope_scaling`), validated as
+    transformers validates it. A field it rejects is refused here in one line naming config.json:
+    the encoders' tokenizer load also validates the config, and was blamed for it."""
+    import transformers  # the hf extra
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # its warnings would break the one-line error
+    try:
+        return transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
+    except Exception as e:  # strict dataclass validation raises several kinds; the user needs one line
+        raise ValueError(f"{model_dir}: transformers rejects its config.json ({type(e).__name__}: "
+                         f"{' '.join(line.strip() for line in str(e).splitlines())[:300]}): correct that field, or "
+                         "drop it for transformers' default") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
 class HFMapping:
     """A family's correspondence with Hugging Face checkpoints (as torchtitan's
     `StateDictAdapter`): mmadapt/hf.py reads and writes the directories, the mapping translates

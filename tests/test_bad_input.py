@@ -234,6 +234,12 @@ class Ctx:
         (d / "config.json").write_text(json.dumps(cfg))
         return ["import-hf", "--model", str(d), "--output_dir", str(self.out)]
 
+    def bert_config_with(self, **fields) -> list[str]:
+        """import-hf of bert_dir with config.json's `fields` set."""
+        d = Path(self.bert_dir())
+        (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), **fields}))
+        return ["import-hf", "--model", str(d), "--output_dir", str(self.out)]
+
     def classifier_dir(self, edit=None) -> list[str]:
         """import-hf --task classify of bert_dir relabelled as a two-label BertForSequenceClassification
         (its weights a BertModel's: no classifier head), `edit(directory)` applied first."""
@@ -792,6 +798,13 @@ CASES = [
         "model.layers.0.mlp.extra.weight", s["model.norm.weight"].clone())),
      "its weights hold model.layers.0.mlp.extra.weight, which the model config.json describes has no place for: "
      "transformers would leave it out with a warning"),
+    ("import-hf-bert-norm-eps-negative", lambda c: c.bert_config_with(layer_norm_eps=-1),
+     "config.json (StrictDataclassFieldValidationError: Validation error for field 'layer_norm_eps'"),
+    ("import-hf-bert-dropout-a-string", lambda c: c.bert_config_with(attention_probs_dropout_prob="0.1"),
+     "transformers rejects its config.json (StrictDataclassFieldValidationError: Validation error for field "
+     "'attention_probs_dropout_prob'"),
+    ("import-hf-bert-relu", lambda c: c.bert_config_with(hidden_act="relu"),
+     "hidden_act is 'relu'; mmadapt's bert has 'gelu' (import-hf supports BertForMaskedLM, BertModel with exact GELU"),
     ("import-hf-untied-flag-without-head", lambda c: c.import_damaged("qwen2", {"tie_word_embeddings": False}),
      "the weights lack lm_head.weight, which config.json implies (tie_word_embeddings false"),
     # --- predict never cuts a text, never writes NaN, runs on a device that is there

@@ -66,7 +66,7 @@ class BertMapping(RobertaMapping):
 
     def check_config(self, cfg: dict, model_dir) -> None:
         """An encoder's checks (exact GELU, absolute positions, an encoder, a tied output), then the types."""
-        roberta_hf.check_encoder_config(cfg, model_dir)
+        roberta_hf.check_encoder_config(cfg, model_dir, ARCHITECTURES)
         types = cfg.get("type_vocab_size", 2)
         if types not in TOKEN_TYPES:
             raise ValueError(f"{model_dir}: type_vocab_size is {types}; mmadapt's BERT has 1 or 2 token types (a pair's "

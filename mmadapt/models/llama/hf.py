@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.config import ModelConfig
-from mmadapt.family import WORD, HFMapping, Implied, inverse_permutation
+from mmadapt.family import WORD, HFMapping, Implied, inverse_permutation, transformers_config
 from mmadapt.models.llama.model import OUTPUT, validated
 from mmadapt.tokenizer import SPECIAL_ROLES, never_produced
 from mmadapt.tokens import BOS_ID
@@ -75,22 +75,6 @@ def _roles(ids) -> str:
 
 
 # --- config -------------------------------------------------------------------------------------------
-
-def transformers_config(cfg: dict, model_dir):
-    """config.json as transformers reads it (its defaults, and both rope formats: transformers 5's
-    `rope_parameters` and the older `rope_theta` / `rope_scaling`)."""
-    import transformers  # the hf extra
-
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # its warnings would break the one-line error
-    try:
-        return transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
-    except Exception as e:  # strict dataclass validation raises several kinds; the user needs one line
-        raise ValueError(f"{model_dir}: transformers rejects its config.json ({type(e).__name__}: "
-                         f"{' '.join(line.strip() for line in str(e).splitlines())[:300]})") from None
-    finally:
-        transformers.logging.set_verbosity(verbosity)
-
 
 def _rope(c, model_dir) -> dict:
     """The one rope parameter dict of config `c` (one per layer type in newer configs: all equal here)."""

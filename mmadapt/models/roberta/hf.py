@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.config import ModelConfig
-from mmadapt.family import WORD, HFMapping, Implied, inverse_rows
+from mmadapt.family import WORD, HFMapping, Implied, inverse_rows, transformers_config
 from mmadapt.models.roberta.model import BIAS
 from mmadapt.tokens import BOS_ID
 ARCHITECTURES = {"RobertaForMaskedLM": "roberta", "XLMRobertaForMaskedLM": "xlm-roberta",
@@ -59,8 +59,10 @@ ENCODER_LAYOUT = {"single": "{bos} $A {eos}", "pair": "{bos} $A {eos} {eos} $B {
                              "unk_token": "unk", "pad_token": "pad", "mask_token": "mask"}}
 
 
-def check_encoder_config(cfg: dict, model_dir) -> None:
-    """What a post-LN encoder's config.json (RoBERTa's, BERT's) must say for mmadapt to compute it exactly."""
+def check_encoder_config(cfg: dict, model_dir, architectures: dict[str, str] = ARCHITECTURES) -> None:
+    """What a post-LN encoder's config.json (RoBERTa's, BERT's: `architectures`, its family's
+    classes) must say for mmadapt to compute it exactly, after what transformers checks."""
+    transformers_config(cfg, model_dir)  # (read_hf_config has checked model_type)
     if not isinstance(cfg.get("pad_token_id"), int):
         raise ValueError(f"{model_dir}: config.json has no pad_token_id: an encoder's special tokens and (RoBERTa) "
                          "positions are counted from it")
@@ -75,7 +77,7 @@ def check_encoder_config(cfg: dict, model_dir) -> None:
     if unsupported:
         k, got, want = unsupported[0]
         raise ValueError(f"{model_dir}: {k} is {got!r}; mmadapt's {cfg.get('model_type', 'encoder')} has {want!r} "
-                         f"(import-hf supports {SUPPORTED} with exact GELU, absolute positions and a tied output "
+                         f"(import-hf supports {', '.join(architectures)} with exact GELU, absolute positions and a tied output "
                          "projection)")
 
 
