@@ -898,6 +898,10 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                              f"model {cfg.hidden_size}: they were trained for another model")
         owner = artifact_primary(meta).resolve()
         grafted = owner != primary_run.resolve()
+        if grafted and not graft and Path(meta.get("source", owner)).resolve() == primary_run.resolve():
+            # --primary the mini-model Step 2 trained over: the export is the primary model's
+            raise ValueError(f"{embeddings} was trained over {primary_run}, a mini-model of the primary model "
+                             f"{owner}: export the embeddings with the model they serve, --primary {owner}")
         if grafted and not graft:
             raise ValueError(f"{embeddings} holds embeddings for the primary model {owner}, not {primary_run}: if it is "
                              "a model fine-tuned from that one (the same architecture and vocabulary; an imported "

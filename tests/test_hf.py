@@ -635,6 +635,14 @@ def test_end_to_end_from_an_imported_model_to_an_exported_classifier(hf_dirs, co
     assert main(["evaluate", "--finetuned", str(ft), "--embeddings", str(artifact), "--eval_file", "bible",
                  "--output", str(tmp_path / "step4.json")]) == 0
     record = json.loads((tmp_path / "step4.json").read_text())[0]
+    capsys.readouterr()
+    # --primary the mini-model Step 2 trained over: refused naming the primary it serves (it
+    # suggested --graft, which the mini-model then failed as another architecture)
+    assert main(["export-hf", "--primary", str(mp), "--embeddings", str(artifact), "--output_dir", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {artifact} was trained over {mp}, a mini-model of the primary "
+                                               f"model {run.resolve()}: export the embeddings with the model they "
+                                               f"serve, --primary {run.resolve()}")
+    assert not out.exists()
     assert main(["export-hf", "--finetuned", str(ft), "--embeddings", str(artifact), "--output_dir", str(out)]) == 0
     capsys.readouterr()
 
