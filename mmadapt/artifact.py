@@ -53,9 +53,6 @@ def read_artifact(path: str | os.PathLike) -> tuple[dict, Path, dict]:
     path, given = artifact_dir(path), Path(path)
     if path != given:
         print(f"note: {given} is an adapt run: its last artifact, {path}, is used", file=sys.stderr)
-    if not (path / ARTIFACT_FILE).is_file():
-        raise ValueError(f"{path} is not a Step-2 embedding artifact (no embeddings.pt): pass a "
-                         "directory under <adapt run>/embeddings/")
     art = checkpoint.load_pt(path / ARTIFACT_FILE, "Step-2 artifact file", weights_only=True)
     if not isinstance(art, dict) or "word_embeddings" not in art:
         raise ValueError(f"{path / ARTIFACT_FILE} holds no word_embeddings: it is not a Step-2 artifact")
@@ -74,6 +71,9 @@ def artifact_dir(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not (path / ARTIFACT_FILE).is_file() and (path / "embeddings").is_dir():
         return artifact_dirs([path])[-1]
+    if not (path / ARTIFACT_FILE).is_file():  # (a caller reads its meta.json next: refused here in these words)
+        raise ValueError(f"{path} is not a Step-2 embedding artifact (no embeddings.pt): pass a "
+                         "directory under <adapt run>/embeddings/")
     return path
 
 

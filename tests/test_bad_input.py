@@ -939,6 +939,11 @@ CASES = [
      "for: config.json names a BertModel, a body without an MLM head, but the weights hold one: set architectures "
      "to [\"BertForMaskedLM\"]"),
     # --- grafting Step-2 embeddings into a fine-tuned sibling (issue 54)
+    ("export-hf-embeddings-the-folder-above-the-artifact",
+     lambda c: [str(Path(a).parent) if a.endswith("step00000002") else a
+                for a in c.graft("llama2-base", "llama2-expand")],
+     "embeddings is not a Step-2 embedding artifact (no embeddings.pt): pass a directory under "
+     "<adapt run>/embeddings/"),
     ("graft-into-another-architecture", lambda c: c.graft("qwen2-sibling", "llama2-expand", "--graft"),
      "is not a sibling of"),
     ("graft-into-a-resized-vocabulary", lambda c: c.graft(c.sibling_resized(), "llama2-expand", "--graft"),
