@@ -77,8 +77,8 @@ def check_encoder_config(cfg: dict, model_dir, architectures: dict[str, str] = A
     if unsupported:
         k, got, want = unsupported[0]
         raise ValueError(f"{model_dir}: {k} is {got!r}; mmadapt's {cfg.get('model_type', 'encoder')} has {want!r} "
-                         f"(import-hf supports {', '.join(architectures)} with exact GELU, absolute positions and a tied output "
-                         "projection)")
+                         f"(import-hf supports {', '.join(architectures)} with exact GELU, absolute positions and a "
+                         "tied output projection)")
 
 
 # --- the weight correspondence (module docstring) ----------------------------------------------------
