@@ -623,12 +623,23 @@ def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> list[dict]:
             if missing:
                 raise ValueError(f"{where}:{n}: the object lacks {missing[0]!r} (a {kind} input has "
                                  f"{', '.join(map(repr, keys))})")
+            for k in keys:  # texts (a tag input's words: a list of them), named by line, not by the model's refusal
+                v = row[k]
+                words = kind == "tag" and isinstance(v, list) and all(isinstance(w, str) for w in v)
+                if kind == "tag" and not (isinstance(v, str) or words):
+                    raise ValueError(f"{where}:{n}: {'words' if 'words' in row else k!r} is {json.dumps(v)[:40]}: a tag "
+                                     "input is a text, or its words as a list of strings")
+                if kind != "tag" and not isinstance(v, str):
+                    raise ValueError(f"{where}:{n}: {k!r} is a {type(v).__name__}, not a text: write it as a JSON "
+                                     "string")
             out.append({k: row[k] for k in keys})
         else:
             fields = line.split("\t")
             if len(fields) != len(keys):
+                tabs = (f"; a text holding tabs goes in JSON Lines (--jsonl, {{\"{keys[0]}\": ...}} per line)"
+                        if len(fields) > len(keys) else "")
                 raise ValueError(f"{where}:{n}: a {kind} input is {' TAB '.join(keys)} on one line; this line has "
-                                 f"{len(fields)} tab-separated field{'s' if len(fields) > 1 else ''}")
+                                 f"{len(fields)} tab-separated field{'s' if len(fields) > 1 else ''}{tabs}")
             out.append(dict(zip(keys, fields)))
     if not out:
         raise ValueError(f"{where} holds no inputs (one per line)")

@@ -243,8 +243,18 @@ def test_read_inputs_lines_tabs_and_json_lines(tmp_path):
     f.write_text("Er schläft.\tNiemand schläft.\n\nEs regnet.\tEs ist nass.\n", encoding="utf-8")
     assert predict.read_inputs(str(f), "pair") == [{"text": "Er schläft.", "text_pair": "Niemand schläft."},
                                                    {"text": "Es regnet.", "text_pair": "Es ist nass."}]
-    with pytest.raises(ValueError, match=r"pairs.txt:1: a classify input is text on one line; this line has 2 "):
+    with pytest.raises(ValueError, match=r"pairs.txt:1: a classify input is text on one line; this line has 2 "
+                                         r"tab-separated fields; a text holding tabs goes in JSON Lines \(--jsonl, "
+                                         r'\{"text": ...\} per line\)$'):
         predict.read_inputs(str(f), "classify")
+    # a JSON value that is no text: refused naming its line (it was 'text 1 is a int', from the model)
+    (tmp_path / "n.jsonl").write_text('{"text": "fine"}\n{"text": 5}\n')
+    with pytest.raises(ValueError, match=r"n.jsonl:2: 'text' is a int, not a text: write it as a JSON string$"):
+        predict.read_inputs(str(tmp_path / "n.jsonl"), "mlm")
+    (tmp_path / "w.jsonl").write_text('{"words": ["a", 1]}\n')
+    with pytest.raises(ValueError, match=r"w.jsonl:1: 'words' is \[\"a\", 1\]: a tag input is a text, or its words "
+                                         r"as a list of strings$"):
+        predict.read_inputs(str(tmp_path / "w.jsonl"), "tag")
     j = tmp_path / "qa.jsonl"
     j.write_text(json.dumps({"question": "Wer?", "context": "Gott.", "id": 7}) + "\n")
     assert predict.read_inputs(str(j), "span") == [{"question": "Wer?", "context": "Gott."}]
