@@ -69,12 +69,13 @@ def artifact_dir(path: str | os.PathLike) -> Path:
     """An artifact directory as given; an adapt run directory's last artifact (what read_artifact
     reads, and what every check before the read must read the meta.json of)."""
     path = Path(path)
-    if not (path / ARTIFACT_FILE).is_file() and (path / "embeddings").is_dir():
+    if (path / ARTIFACT_FILE).is_file():
+        return path
+    if (path / "embeddings").is_dir():
         return artifact_dirs([path])[-1]
-    if not (path / ARTIFACT_FILE).is_file():  # (a caller reads its meta.json next: refused here in these words)
-        raise ValueError(f"{path} is not a Step-2 embedding artifact (no embeddings.pt): pass a "
-                         "directory under <adapt run>/embeddings/")
-    return path
+    # refused here, before a caller reads its meta.json (which named only that file as missing)
+    raise ValueError(f"{path} is not a Step-2 embedding artifact (no embeddings.pt): pass a "
+                     "directory under <adapt run>/embeddings/")
 
 
 def artifact_dirs(paths: list[Path]) -> list[Path]:

@@ -625,11 +625,11 @@ def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> list[dict]:
                                  f"{', '.join(map(repr, keys))})")
             for k in keys:  # texts (a tag input's words: a list of them), named by line, not by the model's refusal
                 v = row[k]
-                words = kind == "tag" and isinstance(v, list) and all(isinstance(w, str) for w in v)
-                if kind == "tag" and not (isinstance(v, str) or words):
-                    raise ValueError(f"{where}:{n}: {'words' if 'words' in row else k!r} is {json.dumps(v)[:40]}: a tag "
-                                     "input is a text, or its words as a list of strings")
-                if kind != "tag" and not isinstance(v, str):
+                if kind == "tag":
+                    if not (isinstance(v, str) or isinstance(v, list) and all(isinstance(w, str) for w in v)):
+                        raise ValueError(f"{where}:{n}: {'words' if 'words' in row else k!r} is {json.dumps(v)[:40]}: "
+                                         "a tag input is a text, or its words as a list of strings")
+                elif not isinstance(v, str):
                     raise ValueError(f"{where}:{n}: {k!r} is a {type(v).__name__}, not a text: write it as a JSON "
                                      "string")
             out.append({k: row[k] for k in keys})

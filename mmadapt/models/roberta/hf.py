@@ -47,7 +47,6 @@ ARCHITECTURES = {"RobertaForMaskedLM": "roberta", "XLMRobertaForMaskedLM": "xlm-
 # classifier, hf_classifier.py): imported headless, with their pooler (transformers builds these
 # classes with one); `mmadapt fit-head` gives them a head.
 HEADLESS = ("RobertaModel", "XLMRobertaModel", "CamembertModel")
-SUPPORTED = ", ".join(ARCHITECTURES)
 MODEL_TYPE = "roberta"  # what an mmadapt-pretrained encoder is exported as
 CLASS_PREFIX = {"roberta": "Roberta", "xlm-roberta": "XLMRoberta", "camembert": "Camembert"}
 TASK_CLASSES = {None: "ForMaskedLM", "classify": "ForSequenceClassification", "tag": "ForTokenClassification",
