@@ -204,3 +204,54 @@ def test_decoder_step2_under_bf16_on_two_pipeline_stages(reference, de_corpus, d
     # difference in a few elements (seen: 1.7e-4 at most, 2.7e-7 on average, where training moved
     # each element by 4.4e-4 on average)
     assert moved > 1e-4 and (mine - want).abs().mean() < 0.01 * moved
+
+
+# --- Pipelines deeper than 2: stages that are neither first nor last ------------------------------
+
+# 4 layers on 3 stages split unevenly; on 4, a layer each. MINIJOINT's head after layer 2 ends a
+# middle stage, so its carried output crosses a stage that neither makes nor reads it, and the tied
+# word embedding is shared by the first and last stages across the middle ones.
+DEEP = {3: ["--pipeline_model_parallel_size", "3", "--gradient_accumulation_steps", "2"],
+        4: ["--pipeline_model_parallel_size", "4", "--gradient_accumulation_steps", "2"]}
+
+
+@pytest.mark.parametrize("reference, stages", [pytest.param(False, 3, id="untied-pp3"),
+                                               pytest.param(True, 4, id="tied-pp4")], indirect=["reference"])
+def test_decoder_pretraining_on_deeper_pipelines_matches_single_process(stages, reference, corpus, tokenizer,
+                                                                        tmp_path):
+    tied, ref_run = reference
+    run_pretrain(stages, *_pretrain_args(corpus, tokenizer, tmp_path, tied, *DEEP[stages]))
+    ref, got = metrics(ref_run), metrics(tmp_path)
+    assert [r["step"] for r in got] == [1, 2, 3]
+    np.testing.assert_allclose(_heads(got), _heads(ref), rtol=1e-5)
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+    want, mine = load_full_state_dict(ref_run / "checkpoints"), load_full_state_dict(tmp_path / "checkpoints")
+    assert sorted(mine) == sorted(want) and ("output_layer.weight" in mine) is not tied
+    for name, w in want.items():
+        torch.testing.assert_close(mine[name], w, rtol=1e-5, atol=1e-6, msg=f"pp{stages}: {name} differs")
+
+
+@pytest.mark.parametrize("reference", [True], indirect=True, ids=["tied"])
+def test_decoder_step2_with_stages_that_train_nothing(reference, de_corpus, de_tokenizer, tmp_path):
+    """BL_BASE's Step 2 over all 4 layers on 4 stages: the two middle stages hold only frozen
+    layers, and the tied embedding trains on the first and last. Against one process: the same
+    losses and embeddings."""
+    _, source = reference
+
+    def step2(out, nproc, *extra):
+        run_pretrain(nproc, *adapt_args("bl_base", source, de_corpus, de_tokenizer, out, "--preset", "llama-tiny",
+                                        "--train_iters", str(STEPS), "--log_interval", "1", "--save_interval",
+                                        str(STEPS), "--seq_length", "32", "--train_micro_batch_size_per_gpu", "8",
+                                        *extra), script=ADAPT)
+        return out
+
+    single, run = step2(tmp_path / "single", 1, *SINGLE), step2(tmp_path / "pp4", 4, *DEEP[4])
+    ref, got = metrics(single), metrics(run)
+    assert [r["step"] for r in got] == [r["step"] for r in ref] == [1, 2, 3]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-5)
+    tag = f"step{STEPS:08d}"
+    (want, _, want_meta), (mine, _, meta) = (read_artifact(r / "embeddings" / tag) for r in (single, run))
+    assert meta["body_layers"] == want_meta["body_layers"] == 4 and meta["flops"] == want_meta["flops"]
+    torch.testing.assert_close(mine["word_embeddings"], want["word_embeddings"], rtol=1e-5, atol=1e-6)
+    start = read_artifact(single / "embeddings" / "step00000000")[0]["word_embeddings"]
+    assert (want["word_embeddings"] - start).abs().mean() > 1e-4  # it trained
