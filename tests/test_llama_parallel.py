@@ -184,18 +184,23 @@ def test_decoder_step2_layout_matches_single_process(layout, reference, de_corpu
             assert sizes[-1] == VOCAB * 64 * len(trained) // 2 and sum(sizes[:-1]) <= 16, sizes
 
 
-@pytest.mark.parametrize("reference", [True], indirect=True, ids=["tied"])
-def test_decoder_step2_under_bf16_on_two_pipeline_stages(reference, de_corpus, de_tokenizer, tmp_path):
+@pytest.mark.parametrize("reference, data_parallel", [pytest.param(True, 1, id="tied-pp2"),
+                                                      pytest.param(True, 2, id="tied-pp2-dp2")],
+                         indirect=["reference"])
+def test_decoder_step2_under_bf16_on_two_pipeline_stages(reference, data_parallel, de_corpus, de_tokenizer, tmp_path):
     """A tied decoder's Step 2 under zero1_bf16.json on 2 pipeline stages: the last stage's only
     trained tensor is its copy of the word embedding, which DeepSpeed's bf16 gradient norm skips
-    (engine.norm_of_no_gradient: the run stopped at its first step). Against one process under
-    bf16, to bf16's rounding: the same losses and embeddings."""
+    (engine.norm_of_no_gradient: the run stopped at its first step). With 2 data-parallel ranks
+    per stage (4 ranks), ZeRO-1 also splits that copy's optimizer state over each stage's ranks.
+    Against one process under bf16, to bf16's rounding: the same losses and embeddings."""
     _, source = reference
     # a clip that binds at every update: the norm summed over the stages reaches the update
-    bf16 = ["--ds_config", "ds_configs/zero1_bf16.json", "--gradient_accumulation_steps", "2", "--gradient_clipping",
-            "0.05"]
-    single = _step2(source, de_corpus, de_tokenizer, tmp_path / "single", 1, *bf16)
-    run = _step2(source, de_corpus, de_tokenizer, tmp_path / "pp2", 2, *bf16, "--pipeline_model_parallel_size", "2")
+    clip = ["--ds_config", "ds_configs/zero1_bf16.json", "--gradient_clipping", "0.05"]
+    single = _step2(source, de_corpus, de_tokenizer, tmp_path / "single", 1, *clip, "--gradient_accumulation_steps",
+                    "2")
+    # a global batch of 16 either way: 2 micro-batches of 8 accumulated, or 1 on each data-parallel rank
+    run = _step2(source, de_corpus, de_tokenizer, tmp_path / "pp2", 2 * data_parallel, *clip,
+                 "--gradient_accumulation_steps", str(2 // data_parallel), "--pipeline_model_parallel_size", "2")
     np.testing.assert_allclose([r["loss"] for r in metrics(run)], [r["loss"] for r in metrics(single)], rtol=1e-4)
     tag = f"step{STEPS:08d}"
     mine, want = (read_artifact(r / "embeddings" / tag)[0]["word_embeddings"] for r in (run, single))
