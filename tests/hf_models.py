@@ -323,15 +323,16 @@ def make_wordpiece(out: Path, lowercase: bool = False, vocab_size: int = WORDPIE
 
 
 def make_bert(out: Path, seed: int = 6, lowercase: bool = False, train_steps: int = 0, headless: bool = False,
-              layers: int | None = None) -> Path:
+              layers: int | None = None, odd: bool = False) -> Path:
     """BertForMaskedLM (or, headless, BertModel with its pooler: bert_body) + a WordPiece trained on
     the English Bible; every weight perturbed, or (train_steps > 0) trained that many masked-LM
-    updates first, so that its logits are not near-uniform."""
+    updates first, so that its logits are not near-uniform. odd: an odd number of rows, as
+    multilingual BERT's 119,547 (tensor parallel 2 pads them)."""
     from transformers import BertConfig, BertForMaskedLM
 
     tok = make_wordpiece(out, lowercase)
     torch.manual_seed(seed)
-    cfg = BertConfig(vocab_size=len(tok) + len(tok) % 2, pad_token_id=tok.pad_token_id,
+    cfg = BertConfig(vocab_size=len(tok) + (1 - len(tok) % 2 if odd else len(tok) % 2), pad_token_id=tok.pad_token_id,
                      **{**BERT_SHAPE, "num_hidden_layers": layers or BERT_SHAPE["num_hidden_layers"]})
     hf = BertForMaskedLM(cfg)
     _perturb(hf, seed)

@@ -546,6 +546,32 @@ def test_imported_bert_under_tensor_parallel_2(hf_dirs, runs, tmp_path):
         assert diff <= TOL
 
 
+@pytest.mark.slow
+def test_an_imported_bert_vocabulary_that_tensor_parallel_2_pads(tmp_path):
+    """A BERT with an odd number of rows (multilingual BERT's 119,547 divide by no tensor-parallel
+    size), imported, at tensor parallel 2, padded by one row (ModelConfig.padded_vocab_size): the
+    word embedding, and BERT's own output bias beside it, give transformers' logits over the
+    WordPiece and -inf in the padding column."""
+    hf_dir = make_bert(tmp_path / "hf", odd=True)
+    run = import_all({"odd": hf_dir}, tmp_path / "imported")["odd"]
+    cfg, _ = load_weights(run)
+    assert cfg.vocab_size % 2 == 1 and dataclasses.replace(cfg, tensor_model_parallel_size=2).padded_vocab_size == \
+        cfg.vocab_size + 1
+    sp = load(run / "tokenizer" / "spm.model")
+    torch.save(rows(sp, TEXTS), tmp_path / "ids.pt")
+    run_pretrain(2, str(run), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt"),
+                 script=str(REPO / "tests" / "hf_tp_worker.py"))
+    got = torch.load(tmp_path / "logits.pt")
+    assert got.shape[-1] == cfg.vocab_size + 1 and torch.isneginf(got[..., -1]).all()
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    enc = tok(TEXTS, padding=True, truncation=True, max_length=SEQ, return_tensors="pt")
+    with torch.no_grad():
+        ref = AutoModelForMaskedLM.from_pretrained(str(hf_dir)).eval()(**enc).logits[..., torch.tensor(sp.hf_ids)]
+    diff = (got[..., :-1] - ref).abs().max().item()
+    print(f"an odd BERT vocabulary at tensor parallel 2: max abs logit difference {diff:.2e}")
+    assert diff <= TOL
+
+
 # --- headless encoders end to end (slow): import -> fit-head -> MINIPOST -> Step 2 -> 3 -> 4 -> export ---
 
 E2E_SCHEDULE = ["--seq_length", str(SEQ), "--train_micro_batch_size_per_gpu", "8", "--log_interval", "5",
