@@ -145,18 +145,22 @@ def object_from_rank0(value):
 
 
 def rank0_decides(decide):
-    """decide() run on global rank 0 alone, its value taken by every rank (object_from_rank0); a
-    ValueError or OSError it raises (a refusal) is raised on every rank, none left waiting for
-    rank 0 in the collective."""
-    value = None
+    """decide() run on global rank 0 alone, its value taken by every rank (object_from_rank0);
+    whatever it raises is raised on every rank (as rank0_prepares sends it: _pickled), none left
+    waiting for rank 0 in the collective. Before, only a ValueError or OSError was sent: with any
+    other (torch.load's UnpicklingError on a damaged file) rank 0 left and the others waited until
+    the collective timeout, to fail naming nothing."""
+    if not _joined_with_others():
+        return decide()
+    outcome, raised = None, None
     if is_rank0():
         try:
-            value = decide()
-        except (ValueError, OSError) as e:
-            value = e
-    value = object_from_rank0(value)
-    if isinstance(value, Exception):
-        raise value
+            outcome = _pickled(("value", decide()))
+        except BaseException as e:  # SystemExit and Ctrl-C too, as rank0_prepares
+            outcome, raised = _pickled(("raised", e)), e
+    kind, value = pickle.loads(object_from_rank0(outcome))
+    if kind == "raised":
+        raise raised if raised is not None else value  # rank 0: its own, with its traceback
     return value
 
 

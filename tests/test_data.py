@@ -625,6 +625,42 @@ def test_what_rank_0_raises_while_preparing_is_raised_on_every_rank(monkeypatch,
         parallel.rank0_prepares(lambda: None, "the corpus")
 
 
+DECIDES = """
+import os, pickle
+from mmadapt import parallel
+def decide():
+    raise pickle.UnpicklingError("invalid load key, 'x'.")  # torch.load of a damaged file: no OSError
+try:
+    parallel.rank0_decides(decide)
+except BaseException as e:
+    print(f"rank {os.environ['RANK']} raised {type(e).__name__}: {e}", flush=True)
+finally:
+    parallel.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_what_rank_0_raises_while_deciding_is_raised_on_every_rank(tmp_path):
+    """parallel.rank0_decides: whatever decide() raises on rank 0 is raised on every rank, at once.
+    Before, only a ValueError or OSError was passed on: rank 0 left with any other (an
+    UnpicklingError from torch.load of a damaged checkpoint) and the others waited in the
+    collective until its timeout (30 min by default; 60 s here), to fail naming nothing."""
+    import subprocess
+    import time
+
+    from conftest import REPO, child_env, launch_cmd
+
+    script = tmp_path / "decides.py"
+    script.write_text(DECIDES)
+    t = time.monotonic()
+    proc = subprocess.run(launch_cmd(2, script=str(script)), cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=child_env(MMADAPT_DIST_TIMEOUT_S="60"))
+    lines = sorted(line for line in proc.stdout.splitlines() if " raised " in line)
+    assert lines == [f"rank {r} raised UnpicklingError: invalid load key, 'x'." for r in (0, 1)], \
+        proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert time.monotonic() - t < 50  # no rank waited for the timeout
+
+
 @pytest.mark.slow
 def test_ranks_no_launcher_stops_exit_when_rank_0_refuses_the_corpus(corpus, tmp_path):
     """Two ranks started as a launcher on each of two nodes starts them (nothing stops the other
