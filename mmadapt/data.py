@@ -516,6 +516,26 @@ def _dataset_entry(name: str) -> bool:
             or re.fullmatch(re.escape(Path(TOKENIZER).stem) + r"\.tmp\d+\.(model|vocab)", name) is not None)
 
 
+def check_own_tokenizer_kept(out_dir: str | os.PathLike, tokenizer: str | os.PathLike | None,
+                             merged: bool = False) -> None:
+    """Refuse to prepare into `out_dir` over a tokenizer.model someone put there (mmadapt
+    preprocess): one with no dataset beside it (no manifest, and no trace of a stopped preparation,
+    which prepare leaves from before its tokenizer lands: its .shards<pid>) that `tokenizer` does
+    not name. prepare would train a new one over it or copy `tokenizer` onto it, and a refusal
+    then deleted it. merged: the tokenizer prepare copies in is one made from `tokenizer` (an
+    expansion's), so even the directory's own is replaced."""
+    out_dir = Path(out_dir)
+    tok = out_dir / TOKENIZER
+    if not tok.is_file() or any(e.name != TOKENIZER and _dataset_entry(e.name) for e in out_dir.iterdir()):
+        return
+    if tokenizer is not None and not merged and os.path.samefile(tokenizer, tok):
+        return
+    fix = ("move it out of the directory or choose another --output_dir" if merged else
+           f"pass --tokenizer {tok} to encode the corpus with it, or move it out of the directory")
+    raise DataError(f"--output_dir {out_dir} holds a {TOKENIZER} but no prepared dataset, which this preparation "
+                    f"would replace: {fix} (nothing was changed)")
+
+
 def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int | None,
             tokenizer: str | os.PathLike | None = None, cfg: PreprocessConfig = PreprocessConfig(),
             quiet: bool = False) -> dict:
@@ -569,6 +589,10 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     # --tokenizer may be the directory's own tokenizer.model (put there first, or a stopped
     # preparation's): it is then used in place, and a refusal below leaves it where it was
     given_here = tokenizer is not None and tok.is_file() and os.path.samefile(tokenizer, tok)
+    # Made before the tokenizer lands (_encode_into fills it): a preparation stopped after that
+    # leaves this trace beside it, which tells its tokenizer from one put there by hand
+    # (check_own_tokenizer_kept); the next preparation's clean-up above removes it.
+    (out_dir / f".shards{os.getpid()}").mkdir(exist_ok=True)
     try:
         if tokenizer is not None:
             if not given_here:
@@ -581,15 +605,21 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     except DataError:  # refused before this call put a tokenizer there: only a directory it made goes
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
+        else:
+            shutil.rmtree(out_dir / f".shards{os.getpid()}", ignore_errors=True)
         raise
     try:
         return _encode_into(out_dir, tok, corpus, fingerprint, vocab_size, cfg, workers, say, tokenizer is None,
                             time.perf_counter() - t0)
-    except DataError:  # refused: what this call wrote goes (a directory it made, the tokenizer it put there)
-        if created:
+    except DataError:  # refused: what this call wrote goes (a directory it made; else the tokenizer it put
+        if created:    # there and the encoded text: a split that held out every document had written it)
             shutil.rmtree(out_dir, ignore_errors=True)
-        elif not given_here:
-            tok.unlink(missing_ok=True)
+        else:
+            for entry in out_dir.iterdir():
+                if entry.name not in (TOKENIZER, MANIFEST) and _dataset_entry(entry.name):
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            if not given_here:
+                tok.unlink(missing_ok=True)
         raise
 
 

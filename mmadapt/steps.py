@@ -43,7 +43,8 @@ from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (MIN_VOCAB_SIZE, RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig,
                             PreprocessConfig, StepSpec, TrainConfig, _f, check_lang, path_args, spec_arg, whole_arg)
 from mmadapt.corpora import resolve_corpus
-from mmadapt.data import MANIFEST, TEXT, DataError, EpochOrder, read_manifest, read_tokenizer, wait_for
+from mmadapt.data import (MANIFEST, TEXT, DataError, EpochOrder, check_own_tokenizer_kept, read_manifest,
+                          read_tokenizer, wait_for)
 from mmadapt.data import prepare as prepare_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.devices import device_of
@@ -83,6 +84,7 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
     is encoded with that run's tokenizer plus the target's missing pieces, the target being
     `tokenizer` or, without it, a `vocab_size`-piece model trained on the corpus."""
     corpus = resolve_corpus(corpus)
+    check_own_tokenizer_kept(output_dir, tokenizer, merged=expand_from is not None)
     if expand_from is None:
         return prepare_corpus(corpus, output_dir, vocab_size, tokenizer=tokenizer, cfg=cfg)
     if tokenizer is None and vocab_size is None:

@@ -876,6 +876,51 @@ def test_a_tokenizer_given_from_the_output_directory_is_used_in_place(tokenizer,
     assert filecmp.cmp(own, tokenizer, shallow=False) and manifest["vocab_size"] == VOCAB
 
 
+def test_a_tokenizer_put_in_the_output_directory_is_never_replaced(tokenizer, tmp_path):
+    """mmadapt preprocess into a directory holding a tokenizer.model and nothing else: trained over
+    (no --tokenizer), or another --tokenizer copied onto it, and deleted when the corpus was then
+    refused. Refused up front, the file as it was; named with --tokenizer, it is used in place. A
+    stopped preparation's tokenizer (beside its .shards<pid>) is still replaced by the next."""
+    import shutil
+
+    from mmadapt.steps import preprocess
+
+    d, other = tmp_path / "d", tmp_path / "other.model"
+    d.mkdir()
+    own = d / D.TOKENIZER
+    shutil.copyfile(tokenizer, own)
+    shutil.copyfile(tokenizer, other)
+    english = _english(tmp_path)
+    for given, expand_from in ((None, None), (other, None), (own, tmp_path / "a run")):
+        with pytest.raises(D.DataError) as e:
+            preprocess(english, d, VOCAB, PreprocessConfig(workers=1), tokenizer=given, expand_from=expand_from)
+        fix = "move it out of the directory or choose another --output_dir" if expand_from else \
+            f"pass --tokenizer {own} to encode the corpus with it, or move it out of the directory"
+        assert str(e.value) == (f"--output_dir {d} holds a tokenizer.model but no prepared dataset, which this "
+                                f"preparation would replace: {fix} (nothing was changed)")
+        assert sorted(p.name for p in d.iterdir()) == [D.TOKENIZER] and filecmp.cmp(own, tokenizer, shallow=False)
+    assert preprocess(english, d, None, PreprocessConfig(workers=1), tokenizer=own)["vocab_size"] == VOCAB
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    (stopped / D.TOKENIZER).write_bytes(b"a stopped preparation's")
+    (stopped / ".shards4242").mkdir()
+    preprocess(english, stopped, None, PreprocessConfig(workers=1), tokenizer=other)
+    assert filecmp.cmp(stopped / D.TOKENIZER, other, shallow=False) and not (stopped / ".shards4242").exists()
+
+
+def test_a_refused_split_leaves_an_existing_directory_as_it_was(tokenizer, tmp_path):
+    """A split that held out every document is refused after the text was encoded: in a directory
+    that existed (empty), its text.bin/.idx and valid.bin/.idx were left behind."""
+    text = next(t for t in (f"Verse {i} of the beginning." for i in range(1000))
+                if D.is_validation_document(t, 0.5, PreprocessConfig.tokenizer_seed))
+    (tmp_path / "one.txt").write_text(text + "\n")
+    (tmp_path / "d").mkdir()
+    with pytest.raises(D.DataError, match="held out every document"):
+        prepare(tmp_path / "one.txt", tmp_path / "d", VOCAB, tokenizer=tokenizer, quiet=True,
+                cfg=PreprocessConfig(workers=1, valid_fraction=0.5))
+    assert list((tmp_path / "d").iterdir()) == []
+
+
 def _english(tmp_path: Path) -> Path:
     text = tmp_path / "en.txt"
     text.write_text("\n\n".join(f"In the beginning God created the heaven and the earth {i}." for i in range(40))
