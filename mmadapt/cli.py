@@ -49,13 +49,18 @@ def train_presets() -> dict[str, TrainConfig]:
     return {name: train for name, (_, train) in PRESETS.items()}
 
 
-def user_errors(main):
+def user_errors(main=None, *, resumes_itself: bool = False):
     """What a command's failures look like (faults.py lists the exit statuses): a user's mistake
     (ValueError, DataError included, or an OS error on a path the user gave) is one `error:`
     line and exit 2 (the steps check their inputs before they write anything); a divergence one
     line and exit 3; a stop on a signal one line and exit 75 (resume it); a pause at
-    --exit_interval one line and 76 (resume it); Ctrl-C during start-up one line and 130. Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1
-    shows the traceback of every failure."""
+    --exit_interval one line and 76 (resume it); Ctrl-C during start-up one line and 130.
+    Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1 shows the traceback
+    of every failure. resumes_itself: a command with no --resume (sweep, extend: the same command
+    again goes on), which the stop and pause lines then do not name."""
+    if main is None:
+        return functools.partial(user_errors, resumes_itself=resumes_itself)
+
     @functools.wraps(main)
     def wrapped(argv=None) -> int:
         def fail(code: int, message: str, every_rank: bool = True) -> int:
@@ -80,9 +85,9 @@ def user_errors(main):
         except faults.Diverged as e:
             return fail(faults.EXIT_DIVERGED, f"error: diverged: {e}", every_rank=False)
         except faults.Stopped as e:
-            return fail(faults.EXIT_STOPPED, str(e), every_rank=False)
+            return fail(faults.EXIT_STOPPED, e.said(not resumes_itself), every_rank=False)
         except faults.Paused as e:
-            return fail(faults.EXIT_PAUSED, str(e), every_rank=False)
+            return fail(faults.EXIT_PAUSED, e.said(not resumes_itself), every_rank=False)
         except faults.PeerFailed as e:
             return fail(1, f"error: {e}")
         except KeyboardInterrupt:
@@ -362,7 +367,7 @@ def sweep_parser() -> argparse.ArgumentParser:
     return p
 
 
-@user_errors
+@user_errors(resumes_itself=True)
 def sweep_main(argv=None) -> int:
     args = sweep_parser().parse_args(argv)
     step = steps.Sweep(source=Path(args.source), lang=args.lang, train=_schedule(args, args.source),
@@ -711,7 +716,7 @@ def export_hf_main(argv=None) -> int:
     return 0
 
 
-@user_errors
+@user_errors(resumes_itself=True)
 def extend_main(argv=None) -> int:
     from mmadapt.extend import SYSTEMS, Extend, extend
 

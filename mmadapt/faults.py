@@ -42,9 +42,14 @@ class Stopped(Exception):
     """A signal (or the launcher's death) stopped the run after a complete checkpoint."""
 
     def __init__(self, step: int, tag: str, reason: str):
-        super().__init__(f"stopped by {reason} at update {step}: checkpoint {tag} is complete; "
-                         "run the same command with --resume to continue")
         self.step, self.tag, self.reason = step, tag, reason
+        super().__init__(self.said())
+
+    def said(self, resume_flag: bool = True) -> str:
+        """The line a command prints; resume_flag False: a command that resumes by itself (sweep,
+        extend), which has no --resume."""
+        return (f"stopped by {self.reason} at update {self.step}: checkpoint {self.tag} is complete; "
+                f"run the same command {'with --resume' if resume_flag else 'again'} to continue")
 
     def __reduce__(self):  # pickled by its fields: a demo worker's run sends it to the demo's process
         return type(self), (self.step, self.tag, self.reason)
@@ -59,9 +64,13 @@ class Paused(Exception):
     """--exit_interval ended the run before its last update, after a complete checkpoint."""
 
     def __init__(self, step: int, total: int, tag: str):
-        super().__init__(f"paused at update {step} of {total} (--exit_interval): checkpoint {tag} is complete; run "
-                         "the same command with --resume to go on")
         self.step, self.total, self.tag = step, total, tag
+        super().__init__(self.said())
+
+    def said(self, resume_flag: bool = True) -> str:
+        """As Stopped.said."""
+        return (f"paused at update {self.step} of {self.total} (--exit_interval): checkpoint {self.tag} is complete; "
+                f"run the same command {'with --resume' if resume_flag else 'again'} to go on")
 
     def __reduce__(self):  # pickled by its fields (Stopped's)
         return type(self), (self.step, self.total, self.tag)

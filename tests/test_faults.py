@@ -381,6 +381,31 @@ def test_exit_interval_pauses_with_its_own_exception_and_a_finished_run_does_not
     assert rows[-1]["step"] == 8 and faults.EXIT_PAUSED == 76
 
 
+def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_path, capsys):
+    """A pause or stop under sweep or extend (no --resume: the same command again goes on) said
+    "run the same command with --resume", which they refuse as an unrecognized argument."""
+    from mmadapt import cli, extend, steps
+    from mmadapt.config import TrainConfig
+
+    monkeypatch.setattr(cli, "_schedule", lambda *a: TrainConfig())
+    # (Extend's checks of --model: no model here)
+    monkeypatch.setattr(extend, "Extend", type("Unchecked", (extend.Extend,), {"__post_init__": lambda self: None}))
+    for raised, code, line in ((faults.Paused(2, 4, "step00000002"), faults.EXIT_PAUSED,
+                                "paused at update 2 of 4 (--exit_interval): checkpoint step00000002 is complete; "
+                                "run the same command again to go on"),
+                               (faults.Stopped(3, "step00000003", "SIGTERM"), faults.EXIT_STOPPED,
+                                "stopped by SIGTERM at update 3: checkpoint step00000003 is complete; run the same "
+                                "command again to continue")):
+        monkeypatch.setattr(steps, "sweep", lambda run, step: (_ for _ in ()).throw(raised))
+        monkeypatch.setattr(extend, "extend", lambda ext: (_ for _ in ()).throw(raised))
+        for argv in (["sweep", "--source", str(tmp_path / "src"), "--lang", "de"],
+                     ["extend", "--model", str(tmp_path / "model"), "--lang", "de", "--corpus", "bible:de"]):
+            assert cli.main([*argv, "--output_dir", str(tmp_path / "o")]) == code
+            assert capsys.readouterr().err.strip() == line
+        assert cli.user_errors(lambda argv=None: (_ for _ in ()).throw(raised))() == code  # a step's command
+        assert capsys.readouterr().err.strip() == line.replace("command again", "command with --resume")
+
+
 _ORPHAN_SCRIPT = '''
 import multiprocessing, os, sys, time
 from concurrent.futures import ProcessPoolExecutor
