@@ -114,6 +114,9 @@ def _field_problems(r: dict):
         for k in BPB_NEEDS:
             if r.get(k) is None:
                 yield k, "must be given beside bpb (the bits per byte before adaptation and at the start)"
+        v = r.get("bpb_bytes")  # the scale the bits per byte were scored at (the table's "bytes")
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            yield "bpb_bytes", "must be given beside bpb: the held-out bytes it was scored on, a whole number"
     of = r.get("of")
     if of is not None and not (isinstance(of, list) and all(isinstance(s, str) for s in of)):
         yield "of", "must be a list of system names"

@@ -603,6 +603,9 @@ CASES = [
     ("report-record-bpb-without-its-reference", lambda c: ["report", c.records([
         {**RECORD, "task": "plugin-mlm", "bpb": 1.5, "start_bpb": 2.0}])],
      "record 0 has none_bpb None; none_bpb must be given beside bpb"),
+    ("report-record-bpb-without-its-bytes", lambda c: ["report", c.records([  # a KeyError traceback
+        {**RECORD, "task": "plugin-mlm", "bpb": 1.5, "start_bpb": 2.0, "none_bpb": 2.5}])],
+     "record 0 has bpb_bytes None; bpb_bytes must be given beside bpb: the held-out bytes it was scored on"),
     ("report-record-artifact-a-number", lambda c: ["report", c.records([{**RECORD, "artifact": 5}])],
      "record 0 has artifact 5; artifact must be a text"),
     ("report-record-of-a-number", lambda c: ["report", c.records([RECORD, {**RECORD, "system": "no_adaptation",
