@@ -689,6 +689,8 @@ CASES = [
     ("import-hf-corrupt-bin", lambda c: ["import-hf", "--model", c.hf_dir("pytorch_model.bin", b"garbage" * 9),
                                          "--output_dir", str(c.out)], "pytorch_model.bin cannot be read"),
     # --- settings that were accepted and meant something else
+    ("preprocess-vocab-size-3", lambda c: ["preprocess", "--corpus", str(c.corpus), "--output_dir", str(c.out),
+                                          "--vocab_size", "3"], "--vocab_size must be >= 8, got 3"),
     ("preprocess-sample-lines-zero", lambda c: ["preprocess", "--corpus", str(c.corpus), "--output_dir", str(c.out),
                                                 "--tokenizer_sample_lines", "0"],
      "--tokenizer_sample_lines must be >= 1, got 0"),
