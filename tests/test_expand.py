@@ -1027,22 +1027,23 @@ def test_rank_0_chooses_the_source_checkpoint_for_every_rank(sources, de_corpus,
     shutil.copytree(ckpt / first, ckpt / newer)
     sent = []
 
-    def rank(r: int, rank0_sends=None):
+    def rank(r: int, rank0_sends=None):  # rank0_sends: rank 0's (kind, value) (parallel.rank0_decides)
+        monkeypatch.setattr(parallel, "_joined_with_others", lambda: True)
         monkeypatch.setattr(parallel, "is_rank0", lambda: r == 0)
-        monkeypatch.setattr(parallel, "object_from_rank0",
-                            lambda value: sent.append(value) or (value if r == 0 else rank0_sends))
+        monkeypatch.setattr(parallel, "object_from_rank0", lambda value: sent.append(
+            value and parallel.pickle.loads(value)) or (value if r == 0 else parallel._pickled(rank0_sends)))
     rank(0)
-    assert agreed_source(src).tag == newer and sent == [newer]
-    rank(1, rank0_sends=first)  # rank 0 listed the checkpoints before `newer` was complete
+    assert agreed_source(src).tag == newer and sent == [("value", newer)]
+    rank(1, rank0_sends=("value", first))  # rank 0 listed the checkpoints before `newer` was complete
     assert agreed_source(src).tag == first and sent[-1] is None
     run = RunSpec(output_dir=tmp_path / "a", ds_config=ZERO0, tokenizer=de_tokenizer, corpus=de_corpus)
     step = steps.AdaptEmbeddings(system="minijoint", source=src, lang="de", train=_train("roberta", 2))
     assert adapt._source(run, step)[0].tag == first
     refused = ValueError(f"{src} has no complete checkpoint yet: let its run save one first")
-    rank(1, rank0_sends=refused)
+    rank(1, rank0_sends=("raised", refused))
     with pytest.raises(ValueError, match="no complete checkpoint yet"):
         agreed_source(src)
     rank(0)  # rank 0 sends its refusal and raises it
     with pytest.raises(ValueError, match="has no complete checkpoint step00999999"):
         agreed_source(src, lambda: "step00999999")
-    assert isinstance(sent[-1], ValueError)
+    assert sent[-1][0] == "raised" and isinstance(sent[-1][1], ValueError)
