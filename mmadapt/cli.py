@@ -618,6 +618,11 @@ def report_main(argv=None) -> int:
         check_output_file(Path(args.output), "--output")
     if args.plots and Path(args.plots).exists() and not Path(args.plots).is_dir():
         raise ValueError(f"--plots {args.plots} is a file: name a directory for the plots")
+    if args.output and args.plots:  # the table then lost under a plot, or its path wanted as the directory
+        plots = Path(args.plots).resolve()
+        if Path(args.output).resolve() in (plots, plots / "curves.png", plots / "speedup.png"):
+            raise ValueError(f"--output {args.output} is where --plots {args.plots} writes: choose another file for "
+                             "the table or another directory for the plots")
     if args.plots:
         pyplot()  # matplotlib's absence refused before anything is written
         check_output_file(Path(args.plots) / "curves.png", "--plots")

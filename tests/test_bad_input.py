@@ -589,6 +589,11 @@ CASES = [
     # --- report
     ("report-output-is-input", lambda c: ["report", c.records([RECORD]), "--output", str(c.tmp / "results.json")],
      "is one of the results files"),
+    # the table written, then a plot over it (exit 0) or refused as a file in the way of the directory
+    ("report-output-is-a-plot", lambda c: ["report", c.records([RECORD]), "--output", str(c.tmp / "p" / "curves.png"),
+                                           "--plots", str(c.tmp / "p")], "is where --plots"),
+    ("report-output-is-the-plots", lambda c: ["report", c.records([RECORD]), "--output", str(c.tmp / "p"),
+                                              "--plots", str(c.tmp / "p")], "is where --plots"),
     ("report-not-a-list", lambda c: ["report", c.records({"a": 1})], "is not a JSON list of records"),
     ("report-record-lacks-task", lambda c: ["report", c.records([RECORD, {"system": "x"}])],
      "record 1 lacks 'task'"),
