@@ -200,10 +200,22 @@ def devices_warning(env: dict, gpus_per_node: int) -> str | None:
 
 
 def write_hostfile(job: SlurmJob, path: Path) -> Path:
+    """The hostfile at `path`, written whole (a temporary beside it, renamed). A path that cannot
+    hold it (a directory; a file on its way) is refused naming --hostfile, nothing left behind:
+    it failed in the rename, as '.<name>.tmp<pid>: Is a directory' (a traceback under `python -m
+    mmadapt.slurm`, the templates' entry), the temporary left."""
+    if path.is_dir():
+        raise ValueError(f"--hostfile {path} is a directory: name the file to write")
+    blocked = next((d for d in path.parents if d.exists() and not d.is_dir()), None)
+    if blocked is not None:
+        raise ValueError(f"--hostfile {path}: {blocked} is a file, not a directory: choose another path")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(job.hostfile())
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(job.hostfile())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -225,7 +237,11 @@ def main(argv=None) -> int:
     job = SlurmJob.from_env(gpus_per_node=args.gpus_per_node)
     hostfile = Path(args.hostfile or Path(os.environ.get("TMPDIR", "/tmp")) /
                     f"mmadapt-hostfile-{os.environ.get('SLURM_JOB_ID', 'job')}-{job.node_rank}")
-    cmd = job.command(hostfile, script, tuple(shlex.split(args.launcher_args)))
+    try:
+        launcher_args = tuple(shlex.split(args.launcher_args))
+    except ValueError as e:  # an unclosed quote: shlex's own words named no flag
+        raise ValueError(f"--launcher_args {args.launcher_args!r}: {e}: quote its values as a shell would") from None
+    cmd = job.command(hostfile, script, launcher_args)
     warning = devices_warning(dict(os.environ), job.gpus_per_node)
     if warning:
         print(warning, file=sys.stderr, flush=True)
