@@ -71,17 +71,6 @@ def check_output_dir(output_dir: Path) -> None:
                          "run writes its checkpoints there; fix it, or choose a new --output_dir")
 
 
-def check_output_file(path: Path, flag: str) -> None:
-    """A file a command is to write: not a directory, and its directory one that exists or can be
-    created (no file on the way)."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{flag} {path} is a directory: name a file")
-    existing = next(p for p in path.absolute().parents if p.exists())
-    if not existing.is_dir():
-        raise ValueError(f"{flag} {path} cannot be written: {existing} is a file, not a directory")
-
-
 # What a training run writes in its directory before its run.json: a directory holding anything
 # else and no run.json is somebody's other files, not a run that stopped early.
 # The STOP file too: SLURM's warning may come while the run starts, before its run.json, and the

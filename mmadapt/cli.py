@@ -19,12 +19,11 @@ import traceback
 from pathlib import Path
 
 from mmadapt import checkpoint, faults, parallel, predict, steps
-from mmadapt.checkpoint import check_output_file
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.config import (DEFAULT_DS_CONFIG, EMBEDDING_INITS, EXPAND_OUTPUT_STARTS, INVOKED_AS, LAYOUT_FIELDS,
                             MIN_VOCAB_SIZE, RECIPES, SYSTEMS, EvaluateConfig, FinetuneConfig, Layout, MiniModelConfig,
                             ModelConfig, Parser, PreprocessConfig, TrainConfig, add_dataclass_args, apply_recipe,
-                            lang_code, override, whole_number)
+                            check_output_file, lang_code, override, whole_number)
 from mmadapt.demo import main as demo_command
 from mmadapt.flops import DEVICE_TFLOPS
 from mmadapt.hf import SUPPORTED, export_hf, import_any

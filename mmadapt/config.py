@@ -962,6 +962,18 @@ def lang_code(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--lang ")) from None
 
 
+def check_output_file(path: Path, flag: str) -> None:
+    """A file a command is to write: not a directory, and its directory one that exists or can be
+    created (no file on the way). Here, with the flags, for `python -m mmadapt.slurm` too, which
+    imports no torch."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory: name a file")
+    existing = next(p for p in path.absolute().parents if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path} cannot be written: {existing} is a file, not a directory")
+
+
 def whole_number(lo: int):
     """An argparse type for a flag that is not a config field: a whole number >= lo, its range
     declared where the flag is (argparse refuses another in one line naming the flag)."""

@@ -578,9 +578,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     # What a preparation here left without finishing (no manifest): the indexes derived from its
     # text (a block index is keyed by seq_length alone, and would be read over the new text) and a
     # killed run's shards. Its tokenizer is replaced below.
-    for stale in out_dir.iterdir():
-        if stale.name not in (TOKENIZER, MANIFEST) and _dataset_entry(stale.name):
-            shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+    _remove_encoded(out_dir)
     # what a preparation killed while its tokenizer trained left (train_tokenizer's files, its pid's)
     for stale in out_dir.glob(f"{tok.stem}.tmp*"):
         if _dataset_entry(stale.name):
@@ -602,11 +600,11 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
                 "lines")
             train_tokenizer(corpus, tok.with_suffix(""), vocab_size, seed=seed, max_sentences=cfg.tokenizer_sample_lines)
             tok.with_suffix(".vocab").unlink(missing_ok=True)
-    except DataError:  # refused before this call put a tokenizer there: only a directory it made goes
+    except DataError:  # refused before this call put a tokenizer there: a directory it made, or its shards
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
         else:
-            shutil.rmtree(out_dir / f".shards{os.getpid()}", ignore_errors=True)
+            _remove_encoded(out_dir)
         raise
     try:
         return _encode_into(out_dir, tok, corpus, fingerprint, vocab_size, cfg, workers, say, tokenizer is None,
@@ -615,12 +613,18 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         if created:    # there and the encoded text: a split that held out every document had written it)
             shutil.rmtree(out_dir, ignore_errors=True)
         else:
-            for entry in out_dir.iterdir():
-                if entry.name not in (TOKENIZER, MANIFEST) and _dataset_entry(entry.name):
-                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+            _remove_encoded(out_dir)
             if not given_here:
                 tok.unlink(missing_ok=True)
         raise
+
+
+def _remove_encoded(out_dir: Path) -> None:
+    """Every entry of a preparation in `out_dir` but its tokenizer and manifest: the encoded text
+    and split, indexes derived from them, shards, temporaries (_dataset_entry)."""
+    for entry in out_dir.iterdir():
+        if entry.name not in (TOKENIZER, MANIFEST) and _dataset_entry(entry.name):
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
 def _same_sample(manifest: dict, lines: int, corpus: Path) -> bool:

@@ -39,7 +39,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from mmadapt.config import Parser
+from mmadapt.config import Parser, check_output_file
 from mmadapt.faults import EXIT_USER
 
 # Rendezvous ports 20000-31999, one per job id: below Linux's ephemeral range (32768-60999), where
@@ -204,11 +204,7 @@ def write_hostfile(job: SlurmJob, path: Path) -> Path:
     hold it (a directory; a file on its way) is refused naming --hostfile, nothing left behind:
     it failed in the rename, as '.<name>.tmp<pid>: Is a directory' (a traceback under `python -m
     mmadapt.slurm`, the templates' entry), the temporary left."""
-    if path.is_dir():
-        raise ValueError(f"--hostfile {path} is a directory: name the file to write")
-    blocked = next((d for d in path.parents if d.exists() and not d.is_dir()), None)
-    if blocked is not None:
-        raise ValueError(f"--hostfile {path}: {blocked} is a file, not a directory: choose another path")
+    check_output_file(path, "--hostfile")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:

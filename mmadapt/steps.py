@@ -39,9 +39,9 @@ from mmadapt import checkpoint, parallel
 from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
-from mmadapt.checkpoint import check_output_file
 from mmadapt.config import (MIN_VOCAB_SIZE, RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig,
-                            PreprocessConfig, StepSpec, TrainConfig, _f, check_lang, path_args, spec_arg, whole_arg)
+                            PreprocessConfig, StepSpec, TrainConfig, _f, check_lang, check_output_file, path_args,
+                            spec_arg, whole_arg)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import (MANIFEST, TEXT, DataError, EpochOrder, check_own_tokenizer_kept, read_manifest,
                           read_tokenizer, wait_for)

@@ -144,10 +144,10 @@ def test_a_hostfile_path_that_cannot_hold_it_is_refused_naming_the_flag(tmp_path
     (tmp_path / "hf").mkdir()
     (tmp_path / "afile").write_text("x")
     env = child_env(**fake_env("gpu[01-02]", 2, 0))
-    for hostfile, message in ((tmp_path / "hf", f"error: --hostfile {tmp_path / 'hf'} is a directory: name the file "
-                                                "to write"),
-                              (tmp_path / "afile" / "h", f"error: --hostfile {tmp_path / 'afile' / 'h'}: "
-                                                         f"{tmp_path / 'afile'} is a file, not a directory")):
+    # (config.check_output_file's words, as every command's file flag)
+    for hostfile, message in ((tmp_path / "hf", f"error: --hostfile {tmp_path / 'hf'} is a directory: name a file"),
+                              (tmp_path / "afile" / "h", f"error: --hostfile {tmp_path / 'afile' / 'h'} cannot be "
+                                                         f"written: {tmp_path / 'afile'} is a file, not a directory")):
         proc = subprocess.run([sys.executable, "-m", "mmadapt.slurm", "--hostfile", str(hostfile), "--", "/bin/true"],
                               cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 2 and proc.stderr.strip().startswith(message), proc.stderr
