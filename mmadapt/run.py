@@ -146,6 +146,16 @@ def _same_math_before(key: str, saved: dict) -> bool:
     return one or (task is not None and task.kind != "tag")
 
 
+class ChangedRun(ValueError):
+    """A run to continue that is not the one its record describes: `detail` says where they
+    differ, `fix` how to continue it instead. Worded for a --resume; a command that continues its
+    runs by itself (the sweep: the same command again) words its own line from the two."""
+
+    def __init__(self, detail: str, fix: str):
+        super().__init__(f"--resume of a changed run: {detail}; {fix}, or start a new --output_dir")
+        self.detail, self.fix = detail, fix
+
+
 def check_same_run(run_file: Path, expected: dict) -> None:
     """--resume continues the run recorded in `run_file`: every entry of `expected` (nested dicts
     compared leaf by leaf) must equal the recorded one, except config.CHANGEABLE_ON_RESUME. A
@@ -174,23 +184,21 @@ def check_same_run(run_file: Path, expected: dict) -> None:
         if key in ("data_digest", "replay_digest", "data_split", "replay_split"):
             which = expected.get("data_path" if key.startswith("data") else "replay_data")
             what = "other text or another tokenizer" if key.endswith("digest") else "another validation split"
-            raise ValueError(f"--resume of a changed run: the dataset {which} holds {what} than when {run_file} "
-                             "recorded it (prepared again at the same path?); resume with that dataset, or start a "
-                             "new --output_dir")
+            raise ChangedRun(f"the dataset {which} holds {what} than when {run_file} recorded it (prepared again "
+                             "at the same path?)", "resume with that dataset")
         if key == "task_digest":
-            raise ValueError(f"--resume of a changed run: the rows of {expected.get('train_file')} (its examples, as "
-                             f"the primary's tokenizer encodes them) are not those {run_file} recorded (the file "
-                             "edited, or the tokenizer replaced?); resume with that data, or start a new --output_dir")
-        raise ValueError(f"--resume of a changed run: {key} is {value} here but {saved.get(key)} in {run_file}; "
-                         "resume with the run's settings, or start a new --output_dir")
+            raise ChangedRun(f"the rows of {expected.get('train_file')} (its examples, as the primary's tokenizer "
+                             f"encodes them) are not those {run_file} recorded (the file edited, or the tokenizer "
+                             "replaced?)", "resume with that data")
+        raise ChangedRun(f"{key} is {value} here but {saved.get(key)} in {run_file}", "resume with the run's settings")
     # A DeepSpeed setting the run had and this --ds_config lacks (bf16 on, then a JSON without it:
     # DeepSpeed would load its bf16 files into an fp32 engine with a warning): config fields are
     # the other way round (one the code no longer has is not a change), the JSON's keys are not.
     for key in sorted(saved.keys() - mine.keys()):
         if (key.startswith("ds_config.") and key.rsplit(".", 1)[-1] not in CHANGEABLE_ON_RESUME
                 and "ds_config" in expected and saved[key] not in (None, False)):
-            raise ValueError(f"--resume of a changed run: {key} is {saved[key]} in {run_file} and unset in this "
-                             "--ds_config; resume with the run's --ds_config, or start a new --output_dir")
+            raise ChangedRun(f"{key} is {saved[key]} in {run_file} and unset in this --ds_config",
+                             "resume with the run's --ds_config")
 
 
 # The key under which run.json holds each loop config.

@@ -59,8 +59,8 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, reference_logprobs,
                              scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
-from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, Started, agreed_source, check_run, check_resumable,
-                         check_same_source, pretrained_blocks, read_run, require_head, require_kind,
+from mmadapt.run import (RUN_TOKENIZER, ChangedRun, RunSpec, Source, Started, agreed_source, check_run,
+                         check_resumable, check_same_source, pretrained_blocks, read_run, require_head, require_kind,
                          resumed_tag, run_progress, run_text_layout, sampled_fingerprint, start_run,
                          weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
@@ -707,7 +707,11 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
         if state != "new":
             plan = Step2Plan.of(*spec(system, n, run_dir, True))
             # the schedule the run trains with (the ceiling's calibration is the default)
-            check_resumable(plan.run, plan.model, plan.step.train, plan.identity, plan.data)
+            try:
+                check_resumable(plan.run, plan.model, plan.step.train, plan.identity, plan.data)
+            except ChangedRun as e:  # its words are a --resume's, which a sweep is not given
+                raise ValueError(f"{run_dir} holds a Step-2 run of a sweep with other settings: {e.detail}; run "
+                                 "the sweep as it first ran, or choose a new --output_dir") from None
     for (system, n, run_dir), (state, written) in zip(jobs, states):
         if state == "done" and written:
             continue

@@ -541,7 +541,9 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     # in one line before anything trains or is scored
     assert main(["sweep", *args, "--lr", "0.01"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "a changed run: train.lr is 0.01 here" in err and len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {out / '2'} holds a Step-2 run of a sweep with other settings: train.lr is 0.01 "
+                          "here but") and err.endswith("run the sweep as it first ran, or choose a new --output_dir")
+    assert "--resume" not in err and len(err.splitlines()) == 1, err  # no --resume was given
     assert (out / "2" / "metrics.jsonl").read_text() == before
     assert json.loads((out / "sweep.json").read_text())["records"] == records
     # A stop between depth 2's last checkpoint and its artifact: the next sweep writes the artifact
