@@ -148,9 +148,25 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
         for ext in (".model", ".vocab"):
             Path(f"{tmp}{ext}").unlink(missing_ok=True)
         raise
+    _name_prefix(Path(f"{tmp}.model"), model_prefix)
     for ext in (".model", ".vocab"):
         os.replace(f"{tmp}{ext}", f"{model_prefix}{ext}")
     return Path(f"{model_prefix}.model")
+
+
+def _name_prefix(model: Path, prefix: Path) -> None:
+    """Record `prefix` as the model's trainer_spec.model_prefix, where SentencePiece wrote the
+    temporary one it trained into (.tmp<pid>): the model's bytes, and with them the sha256 a
+    prepared dataset's manifest and every run on it record, would differ from one preparation of
+    the same corpus to the next, and a --resume over a dataset prepared again alike be refused as
+    holding another tokenizer. (The vocabulary itself is the same for the same text, seed and
+    num_threads: SentencePiece's EM sums each thread's share apart.)"""
+    from sentencepiece import sentencepiece_model_pb2 as sp_model
+
+    proto = sp_model.ModelProto()
+    proto.ParseFromString(model.read_bytes())
+    proto.trainer_spec.model_prefix = str(prefix)
+    model.write_bytes(proto.SerializeToString())
 
 
 def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_sentences: int) -> None:

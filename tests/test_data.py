@@ -847,6 +847,26 @@ def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(c
     assert manifest["vocab_size"] == 300 and (out / D.MANIFEST).is_file() and not list(out.glob("tokenizer.tmp*"))
 
 
+def test_a_dataset_prepared_again_alike_holds_the_same_tokenizer_bytes(corpus, tmp_path, monkeypatch):
+    """SentencePiece records the prefix it trained into, tokenizer.tmp<pid>, in the model: each
+    preparation's tokenizer had other bytes, so another sha256 in the manifest, and a --resume
+    over the same corpus prepared again alike was refused as holding another tokenizer. The
+    model now names its own prefix; the same text, seed and threads give the same bytes."""
+    out = tmp_path / "prep"
+    digests = []
+    for pid in (4242, 4343):  # two preparations, as two processes
+        shutil.rmtree(out, ignore_errors=True)
+        monkeypatch.setattr(D.os, "getpid", lambda pid=pid: pid)
+        manifest = prepare(corpus, out, 300, cfg=PreprocessConfig(workers=1))
+        digests.append(manifest["tokenizer_sha256"])
+    assert digests[0] == digests[1] == D.file_sha256(out / D.TOKENIZER)
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((out / D.TOKENIZER).read_bytes())
+    assert proto.trainer_spec.model_prefix == str(out / D.TOKENIZER).removesuffix(".model")
+
+
 def test_a_corpus_path_with_a_comma_trains_a_tokenizer(corpus, tmp_path):
     """SentencePiece reads `input` as CSV: a path holding a comma, passed as text, was two files
     ("Not found: .../a")."""
