@@ -450,6 +450,10 @@ class PreprocessConfig(Checked):
                                      "model: bounds its memory whatever the corpus size", ge=1)
     tokenizer_seed: int = _f(1234, "seed of that sample and of SentencePiece's training (and of the "
                              "validation split)", ge=0)
+    tokenizer_threads: Optional[int] = _f(None, "threads SentencePiece trains with (default: the CPU count). The "
+                                          "vocabulary depends on their number (each thread's share of the text is "
+                                          "summed apart), which the manifest records: give that number to train the "
+                                          "same vocabulary on another machine", ge=1)
     valid_fraction: float = _f(0.0, "fraction of the documents held out as validation data (chosen by a seeded "
                                "hash of each document, so the same for any number of workers)", ge=0, lt=1)
 

@@ -134,8 +134,9 @@ SP_MAX_SENTENCE_BYTES = 4192  # SentencePiece's max_sentence_length default: lon
 
 
 def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, vocab_size: int,
-                    seed: int = 1234, max_sentences: int = 10_000_000) -> Path:
-    """Train a SentencePiece unigram model with mmadapt's special ids; returns `<prefix>.model`."""
+                    seed: int = 1234, max_sentences: int = 10_000_000, threads: int | None = None) -> Path:
+    """Train a SentencePiece unigram model with mmadapt's special ids; returns `<prefix>.model`.
+    `threads` (default: the CPU count) changes the vocabulary (PreprocessConfig.tokenizer_threads)."""
     import sentencepiece as spm
 
     corpus, model_prefix = check_corpus(corpus), Path(model_prefix)
@@ -143,7 +144,7 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
     spm.set_random_generator_seed(seed)
     tmp = model_prefix.with_name(model_prefix.name + f".tmp{os.getpid()}")
     try:
-        _train_sentencepiece(corpus, tmp, vocab_size, max_sentences)
+        _train_sentencepiece(corpus, tmp, vocab_size, max_sentences, threads or os.cpu_count() or 1)
     except BaseException:  # stopped (Ctrl-C) or refused: no half-trained model is left beside the output
         for ext in (".model", ".vocab"):
             Path(f"{tmp}{ext}").unlink(missing_ok=True)
@@ -169,7 +170,7 @@ def _name_prefix(model: Path, prefix: Path) -> None:
     model.write_bytes(proto.SerializeToString())
 
 
-def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_sentences: int) -> None:
+def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_sentences: int, threads: int) -> None:
     """SentencePiece's trainer into `prefix`.model/.vocab, its failures as one-line DataErrors."""
     import sentencepiece as spm
 
@@ -183,7 +184,7 @@ def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_senten
             # literal "<mask>" in a corpus the mask id, unlabelled in training and scored in bits
             # per byte as a piece no model predicts); predict inserts it where a text marks one
             control_symbols=["<mask>"], input_sentence_size=max_sentences,
-            shuffle_input_sentence=True, num_threads=os.cpu_count() or 1, minloglevel=2)
+            shuffle_input_sentence=True, num_threads=threads, minloglevel=2)
     except RuntimeError as e:
         if "sentences_.empty()" in str(e):  # every line was dropped, most often for its length
             with open(corpus, "rb") as f:
@@ -564,6 +565,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     corpus, out_dir = check_corpus(corpus), Path(out_dir)
     valid_fraction, seed = cfg.valid_fraction, cfg.tokenizer_seed
     workers = (os.cpu_count() or 1) if cfg.workers is None else cfg.workers  # cfg's ranges: config.check_declared
+    threads = (os.cpu_count() or 1) if cfg.tokenizer_threads is None else cfg.tokenizer_threads
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--output_dir {out_dir} is a file, not a directory: choose a directory for the dataset")
     if not (out_dir / MANIFEST).is_file():
@@ -581,11 +583,14 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
                 and old["vocab_size"] == vocab_size and old.get("valid_fraction", 0.0) == valid_fraction
                 and (tokenizer is None or old["tokenizer_sha256"] == file_sha256(tokenizer))
                 and (not seeded or old.get("valid_seed", PreprocessConfig.tokenizer_seed) == seed)
-                and (tokenizer is not None or _same_sample(old, cfg.tokenizer_sample_lines, corpus)))
+                and (tokenizer is not None or _same_sample(old, cfg.tokenizer_sample_lines, corpus))
+                # threads asked for: a tokenizer trained with others (the default, another machine's
+                # CPU count, is not compared: the dataset as it stands serves it)
+                and (tokenizer is not None or cfg.tokenizer_threads in (None, old.get("tokenizer_threads"))))
         if not same:
             raise DataError(f"{out_dir} already holds a dataset prepared from {old['corpus']} with another corpus "
-                            "content, tokenizer, vocabulary, split, seed or --tokenizer_sample_lines: choose a new "
-                            "--output_dir (nothing was overwritten)")
+                            "content, tokenizer, vocabulary, split, seed, --tokenizer_sample_lines or "
+                            "--tokenizer_threads: choose a new --output_dir (nothing was overwritten)")
         say(f"{out_dir} already holds {corpus} prepared with this tokenizer: nothing to do")
         return old
     created = not out_dir.exists()
@@ -614,7 +619,8 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         else:
             say(f"training a {vocab_size}-piece SentencePiece model on up to {cfg.tokenizer_sample_lines:,} sampled "
                 "lines")
-            train_tokenizer(corpus, tok.with_suffix(""), vocab_size, seed=seed, max_sentences=cfg.tokenizer_sample_lines)
+            train_tokenizer(corpus, tok.with_suffix(""), vocab_size, seed=seed, max_sentences=cfg.tokenizer_sample_lines,
+                            threads=threads)
             tok.with_suffix(".vocab").unlink(missing_ok=True)
     except DataError:  # refused before this call put a tokenizer there: a directory it made, or its shards
         if created:
@@ -623,8 +629,8 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
             _remove_encoded(out_dir)
         raise
     try:
-        return _encode_into(out_dir, tok, corpus, fingerprint, vocab_size, cfg, workers, say, tokenizer is None,
-                            time.perf_counter() - t0)
+        return _encode_into(out_dir, tok, corpus, fingerprint, vocab_size, cfg, workers, say,
+                            threads if tokenizer is None else None, time.perf_counter() - t0)
     except DataError:  # refused: what this call wrote goes (a directory it made; else the tokenizer it put
         if created:    # there and the encoded text: a split that held out every document had written it)
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -662,10 +668,11 @@ def _same_sample(manifest: dict, lines: int, corpus: Path) -> bool:
 
 
 def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, vocab_size: int | None,
-                 cfg: PreprocessConfig, workers: int, say, trained: bool, t_tok: float) -> dict:
-    """`prepare`'s encoding, once its tokenizer is at `tok` in `out_dir` (`trained`: here, on a sample
-    of cfg.tokenizer_sample_lines lines; else copied; `t_tok`: the seconds it took): the text and
-    its validation split encoded, the manifest written last. -> the manifest."""
+                 cfg: PreprocessConfig, workers: int, say, threads: int | None, t_tok: float) -> dict:
+    """`prepare`'s encoding, once its tokenizer is at `tok` in `out_dir` (`threads`: trained here
+    with that many, on a sample of cfg.tokenizer_sample_lines lines; None: copied; `t_tok`: the
+    seconds it took): the text and its validation split encoded, the manifest written last.
+    -> the manifest."""
     valid_fraction, seed = cfg.valid_fraction, cfg.tokenizer_seed
     sp = load_checked_tokenizer(tok, vocab_size)
     dtype = np.dtype(np.uint16 if sp.get_piece_size() <= UINT16_MAX_PIECES else np.int32).name
@@ -731,7 +738,8 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
                 "tokenizer_sha256": file_sha256(tok), "vocab_size": sp.get_piece_size(), "dtype": dtype,
                 "sentences": sentences, "documents": documents, "tokens": tokens, "unknown": unknown,
                 "valid_fraction": valid_fraction, "valid_seed": seed,
-                "tokenizer_sample_lines": cfg.tokenizer_sample_lines if trained else None,
+                "tokenizer_sample_lines": None if threads is None else cfg.tokenizer_sample_lines,
+                "tokenizer_threads": threads,  # None: a tokenizer given (--tokenizer), not trained here
                 "valid": dict(zip(("sentences", "documents", "tokens"), valid_counts)) if valid_fraction > 0 else None,
                 "mmadapt_version": __version__}
     tmp = out_dir / f".{MANIFEST}.tmp{os.getpid()}"

@@ -98,7 +98,7 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
     with tempfile.TemporaryDirectory() as tmp:  # nothing lands in output_dir before data.prepare's checks
         if tokenizer is None:
             tokenizer = train_tokenizer(corpus, Path(tmp) / "target", vocab_size, seed=cfg.tokenizer_seed,
-                                        max_sentences=cfg.tokenizer_sample_lines)
+                                        max_sentences=cfg.tokenizer_sample_lines, threads=cfg.tokenizer_threads)
         expansion = expand(Path(expand_from) / RUN_TOKENIZER, tokenizer)
         merged = expansion.write(Path(tmp) / "merged.model")
         return prepare_corpus(corpus, output_dir, expansion.size, tokenizer=merged, cfg=cfg)

@@ -4,6 +4,7 @@ fairseq's separators, masking, sharding and the epoch order."""
 import dataclasses
 import filecmp
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from conftest import mlm_batches
 from mmadapt import data as D
 from mmadapt.config import PreprocessConfig, TrainConfig
 from mmadapt.data import mask_tokens, pack_blocks, prepare
+from mmadapt.tokenizer import pieces
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID
 from mmadapt.models.roberta import ROBERTA
 
@@ -277,7 +279,7 @@ def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpu
     assert "nothing to do" in capsys.readouterr().out
     # Another seed draws another split: refused, not taken for the same preparation (it was a no-op
     # that kept the old split)
-    with pytest.raises(D.DataError, match="split, seed or --tokenizer_sample_lines: choose a new --output_dir"):
+    with pytest.raises(D.DataError, match="split, seed, --tokenizer_sample_lines or --tokenizer_threads: choose a new --output_dir"):
         prepare(corpus, d, VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=2, valid_fraction=0.1,
                                                                            tokenizer_seed=2))
     # Two runs (two recipes) on the prepared data: each only adds its block index (and its copy of
@@ -292,6 +294,29 @@ def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpu
     assert (d / f"blocks_s{train.seq_length}.npy").is_file()
 
 
+def test_the_tokenizer_threads_are_recorded_and_give_the_vocabulary_anywhere(corpus, tmp_path, capsys):
+    """SentencePiece sums each thread's share of the text apart, so its vocabulary depends on the
+    thread count, which defaulted to the machine's CPU count unrecorded: another machine trained
+    another vocabulary from the same corpus and seed. The manifest records the count, and
+    --tokenizer_threads trains with a given one; preparing again asking for another is refused,
+    the default (whatever this machine's count) reuses the dataset."""
+    one = PreprocessConfig(workers=1, tokenizer_threads=1)
+    manifest = prepare(corpus, tmp_path / "a", VOCAB, cfg=one, quiet=True)
+    assert manifest["tokenizer_threads"] == 1
+    direct = D.train_tokenizer(corpus, tmp_path / "direct" / "t", VOCAB, threads=1)
+    assert pieces(direct) == pieces(tmp_path / "a" / D.TOKENIZER)
+    default = prepare(corpus, tmp_path / "b", VOCAB, cfg=PreprocessConfig(workers=1), quiet=True)
+    assert default["tokenizer_threads"] == (os.cpu_count() or 1)
+    before = (tmp_path / "a" / D.TOKENIZER).read_bytes()
+    with pytest.raises(D.DataError, match="--tokenizer_threads: choose a new --output_dir"):
+        prepare(corpus, tmp_path / "a", VOCAB, cfg=dataclasses.replace(one, tokenizer_threads=2))
+    assert (tmp_path / "a" / D.TOKENIZER).read_bytes() == before
+    prepare(corpus, tmp_path / "a", VOCAB, cfg=PreprocessConfig(workers=1))
+    assert "nothing to do" in capsys.readouterr().out
+    given = prepare(corpus, tmp_path / "c", VOCAB, tokenizer=direct, cfg=one, quiet=True)
+    assert given["tokenizer_threads"] is None  # not trained here
+
+
 def test_preparing_again_with_another_tokenizer_sample_is_refused(corpus, tmp_path, capsys):
     """A tokenizer trained here on a sample of --tokenizer_sample_lines lines: preparing again with
     another sample size would keep the old tokenizer as if it were the one asked for (it was a
@@ -304,7 +329,7 @@ def test_preparing_again_with_another_tokenizer_sample_is_refused(corpus, tmp_pa
     manifest = prepare(corpus, tmp_path / "a", VOCAB, cfg=lines, quiet=True)
     assert manifest["tokenizer_sample_lines"] == 500
     before = (tmp_path / "a" / "tokenizer.model").read_bytes()
-    with pytest.raises(D.DataError, match="--tokenizer_sample_lines: choose a new --output_dir"):
+    with pytest.raises(D.DataError, match="--tokenizer_sample_lines or --tokenizer_threads: choose a new --output_dir"):
         prepare(corpus, tmp_path / "a", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=600))
     assert (tmp_path / "a" / "tokenizer.model").read_bytes() == before
     prepare(corpus, tmp_path / "a", VOCAB, cfg=lines)
@@ -832,7 +857,7 @@ def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(c
     out = tmp_path / "prep"
     out.mkdir()
 
-    def stopped(corpus, prefix, vocab_size, max_sentences):
+    def stopped(corpus, prefix, vocab_size, max_sentences, threads):
         for ext in (".model", ".vocab"):
             Path(f"{prefix}{ext}").write_bytes(b"half")
         raise KeyboardInterrupt
