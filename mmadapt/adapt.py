@@ -207,7 +207,7 @@ class Step2Plan:
     def identity(self) -> dict:
         """What run.json records of the run's identity (compared on --resume)."""
         step = self.step
-        return {"recipe": step.system, "system": step.system, "lang": step.lang,
+        return {"step": "adapt", "recipe": step.system, "system": step.system, "lang": step.lang,
                 "frozen_from": {"run_dir": str(self.source.path), "tag": self.source.tag, "system": step.system},
                 **self.depth}
 

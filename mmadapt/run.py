@@ -127,7 +127,8 @@ def recorded_defaults() -> dict:
 # fingerprint of the weights Step 1b and fit-head build on, which every load checks where it is
 # recorded, run._built_on)
 UNRECORDED_BEFORE = ("data_parallel_size", "task_start", "data_digest", "replay_digest", "data_split", "replay_split",
-                     "frozen_from.fingerprint", "task_digest")
+                     "frozen_from.fingerprint", "task_digest",
+                     "step")  # a record from before steps were named: a pretrain run's (check_same_kind)
 
 
 # config fields whose default is not what a run recorded before the field ran with, and the value
@@ -308,6 +309,7 @@ def _checked_record(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity
         # output of an intermediate head's layer does (pipeline.py), so send whole tensors.
         ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
     fields = data.check(run, model, loop, family)
+    check_same_kind(run.output_dir, identity["step"])
     checkpoint.refuse_overwrite(run.output_dir, run.resume)
     # The data-parallel ranks set the global batch and each rank's share of the data: a --resume
     # on another number would go on with another batch under the same schedule
@@ -396,6 +398,21 @@ RUN_KINDS = {"pretrain": "a pretrain or import-hf run (Step 1)", "minipost": "a 
 
 # A head fit (steps.fit_head) writes a Step-1 run that every later step takes as a pretrain run's.
 KIND_OF_STEP = {"fit_head": "pretrain"}
+
+
+def check_same_kind(output_dir: Path, step: str) -> None:
+    """Refuse, in one line, an --output_dir that holds a run of another step than `step` (its
+    record's "step"; none: a pretrain run's, from before steps were named): neither a --resume
+    nor a new run may go on in it, and the refusals further on (another run's checkpoints: pass
+    --resume; a changed run: the fields of another kind's config) would send the user round."""
+    record = Path(output_dir) / RUN_FILE
+    if not record.is_file():
+        return
+    saved = checkpoint.read_json(record, "run file").get("step", "pretrain")
+    if saved != step:
+        said = {**RUN_KINDS, "fit_head": "a fit-head run (Step 1: a new MLM head over a headless encoder)"}
+        raise ValueError(f"--output_dir {output_dir} holds {said.get(saved, f'a {saved} run')}, and this command "
+                         f"writes {said[step]}: choose a new --output_dir (nothing was changed)")
 
 
 def require_kind(path: Path, run: dict, *kinds: str) -> None:

@@ -140,7 +140,7 @@ def pretrain(run: RunSpec, step: Pretrain) -> list[dict]:
     run.layout's fields set, where given, the model's (as the later steps' do their source's)."""
     check_run(run, step)
     run = run.with_corpus_resolved()
-    identity, model = {"recipe": step.recipe}, run.layout.apply(step.model)
+    identity, model = {"step": "pretrain", "recipe": step.recipe}, run.layout.apply(step.model)
     with start_run(run, model, step.train, identity, TextData()) as started:
         init = _output_bias_start(started.family, model, started.data)
         return train_lm(started, run, model, step.train, init_state=init)
@@ -203,7 +203,7 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
                              "source-language text with --corpus or --data_path")
     run = dataclasses.replace(run, tokenizer=primary / RUN_TOKENIZER).with_corpus_resolved()
     weights = source.agreed_weights()
-    identity = {"recipe": "minipost",
+    identity = {"step": "minipost", "recipe": "minipost",
                 "frozen_from": {"run_dir": str(primary), "tag": tag, **dataclasses.asdict(step.mini),
                                 "fingerprint": sampled_fingerprint(weights)}}
     with start_run(run, model, step.train, identity, TextData()) as started:
@@ -262,7 +262,7 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
     imported = {k: v for k, v in source.record["imported_from"].items() if k != "headless"}
     weights = source.agreed_weights()
     # the body's content, which every load of this run checks (run.load_weights): the run keeps the head only
-    identity = {"recipe": "bl_base", "imported_from": imported,
+    identity = {"step": "fit_head", "recipe": "bl_base", "imported_from": imported,
                 "frozen_from": {"run_dir": str(source.path), "tag": source.tag, "head_fit": True,
                                 "fingerprint": sampled_fingerprint(weights)}}
     with start_run(run, model, step.train, identity, TextData()) as started:

@@ -90,6 +90,21 @@ def test_resume_with_a_different_model(capsys, args, tmp_path):
     expect_error(capsys, out, args("--resume", out=out), "--resume of a changed run: model.vocab_size is 1000 here but 2000")
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_output_dir_holding_a_run_of_another_step(capsys, args, tmp_path, resume):
+    """A directory holding another step's run (a Step-3 run, say) is refused as that: the line was
+    'pass --resume to continue it', and with --resume 'a changed run: model.head_layers is ...'
+    (fields of a config the other kind's run holds, and flags this command may not have)."""
+    out = tmp_path / "task_run"
+    (out / "checkpoints" / "step00000010").mkdir(parents=True)
+    (out / "checkpoints" / "step00000010" / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    (out / "checkpoints" / "latest").write_text("step00000010")
+    (out / "run.json").write_text(json.dumps({"step": "finetune", "model": {"head_layers": []}}))
+    expect_error(capsys, out, args(*["--resume"] * resume, out=out),
+                 f"--output_dir {out} holds a finetune run (Step 3: a task model), and this command writes a pretrain "
+                 "or import-hf run (Step 1): choose a new --output_dir (nothing was changed)")
+
+
 def test_world_size_not_divisible(capsys, args, tmp_path, monkeypatch):
     monkeypatch.setitem(os.environ, "WORLD_SIZE", "3")
     expect_error(capsys, tmp_path / "run", args("--tensor_model_parallel_size", "2"), "3 ranks cannot hold")
@@ -120,9 +135,10 @@ def test_adapt_errors(capsys, primary_run, de_corpus, de_tokenizer, tmp_path):
                      f"has {VOCAB} pieces but the model's vocab_size is 999")
     expect_cli_error(capsys, adapt_main, out, args("minijoint", primary_run, "--tensor_model_parallel_size", "3"),
                      "num_attention_heads 4 is not divisible by tensor_model_parallel_size 3")
-    # Step 2's output dir must not be the source run (it holds checkpoints).
+    # Step 2's output dir must not be the source run (a Step-1 run's).
     expect_cli_error(capsys, adapt_main, primary_run,
-                     adapt_args("minijoint", primary_run, de_corpus, de_tokenizer, primary_run), "already holds checkpoints")
+                     adapt_args("minijoint", primary_run, de_corpus, de_tokenizer, primary_run),
+                     "holds a pretrain or import-hf run (Step 1), and this command writes an adapt run")
 
 
 def test_build_minipost_errors(capsys, primary_run, tmp_path):
