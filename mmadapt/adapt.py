@@ -59,8 +59,9 @@ from mmadapt.family import ModelFamily
 from mmadapt.flops import device_days, flops_by_rows
 from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, piece_counts, target_logprobs, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.run import (RunSpec, Source, agreed_source, check_run, check_same_source, load_checkpoint, read_source,
-                         require_head, resumed_tag, run_text_layout, sampled_fingerprint, start_run)
+from mmadapt.run import (RunSpec, Source, agreed_source, check_run, check_same_source, check_trained_positions,
+                         load_checkpoint, read_source, require_head, resumed_tag, run_text_layout, sampled_fingerprint,
+                         start_run)
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
@@ -220,6 +221,7 @@ def _source(run: RunSpec, step: AdaptEmbeddings) -> tuple[Source, ModelConfig]:
         raise ValueError(f"unknown system {step.system!r}; choose one of {', '.join(SYSTEMS)}")
     source = agreed_source(step.source, lambda: resumed_tag(run.output_dir, run.resume, step.source, step.source_tag))
     require_head(source, "Step 2")
+    check_trained_positions(source, step.train.seq_length, "Step 2")
     recipe = source.record.get("recipe")
     if recipe not in SOURCE_RECIPES[step.system]:
         raise ValueError(f"--system {step.system} adapts a run with recipe {' or '.join(SOURCE_RECIPES[step.system])}, "

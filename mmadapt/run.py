@@ -555,6 +555,18 @@ def pretrained_blocks(run: dict) -> int | None:
     return run["train"]["seq_length"]
 
 
+def check_trained_positions(source: Source, seq_length: int, step: str) -> None:
+    """Refuse a `seq_length` past the blocks `source` was pretrained on, for a step that trains
+    no position (Step 1b, Step 2: positions stay as the source has them): past its blocks they
+    are never trained (an encoder's position embeddings their random init), and stay so. Step 3
+    allows them, with a warning (finetune.check_positions)."""
+    blocks = pretrained_blocks(source.record)
+    if blocks is not None and seq_length > blocks:
+        raise ValueError(f"--seq_length {seq_length} is longer than the {blocks}-piece blocks {source.path} was "
+                         f"pretrained on: positions {blocks + 1}-{seq_length} were never trained, and {step} trains "
+                         f"none; pass --seq_length {blocks} or less")
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """A tensor's raw bytes as held in memory (any dtype, on the host): what the digests of its
     content hash."""

@@ -60,9 +60,9 @@ from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, prim
                              scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
 from mmadapt.run import (RUN_TOKENIZER, ChangedRun, RunSpec, Source, Started, agreed_source, check_run,
-                         check_resumable, check_same_source, pretrained_blocks, read_run, require_head, require_kind,
-                         resumed_tag, run_progress, run_text_layout, sampled_fingerprint, start_run,
-                         weights_fingerprint)
+                         check_resumable, check_same_source, check_trained_positions, pretrained_blocks, read_run,
+                         require_head, require_kind, resumed_tag, run_progress, run_text_layout, sampled_fingerprint,
+                         start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, check_one_file_per_language, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -186,6 +186,7 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
     source = agreed_source(step.primary,
                            lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag))
     require_head(source, "build_minipost")
+    check_trained_positions(source, step.train.seq_length, "build_minipost")
     primary, src, tag, family = source.path, source.record, source.tag, source.family
     model = run.layout.apply(family.minipost_config(source.cfg, n, k))
     if model.pipeline_model_parallel_size > 1:

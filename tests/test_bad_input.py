@@ -494,8 +494,13 @@ CASES = [
     ("minipost-missing-tag", lambda c: c.minipost("--primary_tag", "step00000007"),
      "has no complete checkpoint step00000007"),
     ("minipost-new-layers", lambda c: c.minipost("--new_layers", "0"), "new_layers must be >= 1"),
+    # positions the primary never trained, which Step 1b (and Step 2) keep as they are: refused
+    ("minipost-seq-past-blocks", lambda c: c.minipost("--seq_length", "96"),
+     "--seq_length 96 is longer than the 64-piece blocks"),
     # --- Step 2
     ("adapt-corpus-not-utf8", lambda c: c.adapt(corpus=c.file("latin1.txt", NOT_UTF8)), "is not UTF-8"),
+    ("adapt-seq-past-blocks", lambda c: c.adapt("--seq_length", "96"),
+     "pretrained on: positions 65-96 were never trained, and Step 2 trains none; pass --seq_length 64 or less"),
     ("adapt-tokenizer-garbage", lambda c: c.adapt(tokenizer=c.file("t.model", b"garbage")),
      "is not a SentencePiece model"),
     ("adapt-tokenizer-garbage-sizes-the-model", lambda c: [a for a in c.adapt(tokenizer=c.file("t.model", b"garbage"))
