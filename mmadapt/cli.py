@@ -274,7 +274,7 @@ def minipost_parser() -> argparse.ArgumentParser:
     p = Parser(prog="build_minipost", description="Step 1b (MINIPOST): copy the bottom "
                                 "N layers, embeddings and MLM head of a pretrained model, insert K new "
                                 "layers and train only those with source-language MLM.")
-    _primary_args(p, "the pretrain run directory of the primary model")
+    _primary_args(p, "the primary model's run: a pretrain, import-hf or fit-head run")
     _data_args(p, "source-language corpus (default: the primary run's prepared data)")
     _later_step_args(p, LAYOUT_FIELDS, steps.BuildMinipost.name)
     add_dataclass_args(p, MiniModelConfig)
@@ -396,7 +396,7 @@ def finetune_parser() -> argparse.ArgumentParser:
                    "book genre, 5 classes, or testament, 2: the demo's tasks on the packaged Bible); your own data "
                    "in CSV, TSV or JSON Lines: classify (a text), pair (two texts), tag (tokens), columns named (or "
                    "numbered, in a file without a header line) by --text_column, --text_pair_column, --label_column")
-    _primary_args(p, "the pretrain run whose primary model is fine-tuned")
+    _primary_args(p, "the run whose primary model is fine-tuned: a pretrain, import-hf or fit-head run")
     p.add_argument("--train_file", help="source-language training data in the task's format "
                    "(bible-genre: 'bible', the default)")
     p.add_argument("--eval_file", help="optional source-language evaluation data: its score is printed and "

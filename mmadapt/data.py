@@ -469,7 +469,8 @@ def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
     if tokenizer is not None and file_sha256(tokenizer) != manifest["tokenizer_sha256"]:
         raise DataError(f"{data_path} was encoded with another tokenizer ({data_path / TOKENIZER}) than the run's "
                         f"{tokenizer}: pass a dataset prepared with the run's (mmadapt preprocess --tokenizer "
-                        f"{tokenizer}), or, where you chose the run's with --tokenizer, drop it")
+                        f"{tokenizer}; where the command took a --tokenizer, dropping it lets the run take the "
+                        "dataset's)")
     if vocab_size is not None and manifest["vocab_size"] != vocab_size:
         raise DataError(f"{data_path} was encoded with a {manifest['vocab_size']}-piece tokenizer but the "
                         f"model's vocab_size is {vocab_size}: pass --vocab_size {manifest['vocab_size']}")

@@ -345,8 +345,8 @@ def read_run(run_dir: str | os.PathLike) -> dict:
     """run.json of a run with a complete checkpoint and a tokenizer."""
     run_dir = Path(run_dir)
     if not (run_dir / RUN_FILE).is_file():
-        raise ValueError(f"{run_dir} is not an mmadapt run directory (no run.json): pass the "
-                         "--output_dir of a pretrain or build_minipost run")
+        raise ValueError(f"{run_dir} is not an mmadapt run directory (no run.json): pass the --output_dir of "
+                         "the run meant (the kinds a flag takes: the command's --help)")
     if checkpoint.latest_tag(run_dir / "checkpoints") is None:
         raise ValueError(f"{run_dir} has no complete checkpoint yet: let its run save one first")
     record = checkpoint.read_json(run_dir / RUN_FILE, "run file")

@@ -84,6 +84,13 @@ class Ctx:
                          "--output_dir", out]) == 0
         return out
 
+    def own_tokenizer_dataset(self) -> str:
+        """The corpus prepared with a tokenizer trained on it: not the primary run's."""
+        out = str(self.tmp / "own_tokenizer")
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["preprocess", "--corpus", str(self.corpus), "--vocab_size", "300", "--output_dir", out]) == 0
+        return out
+
     def minipost(self, *extra: str, primary: str | None = None) -> list[str]:
         return ["build_minipost", "--primary", primary or str(self.primary), "--output_dir", str(self.out), *extra]
 
@@ -494,6 +501,9 @@ CASES = [
     ("minipost-missing-tag", lambda c: c.minipost("--primary_tag", "step00000007"),
      "has no complete checkpoint step00000007"),
     ("minipost-new-layers", lambda c: c.minipost("--new_layers", "0"), "new_layers must be >= 1"),
+    # it ended "or, where you chose the run's with --tokenizer, drop it": build_minipost takes no --tokenizer
+    ("minipost-data-of-another-tokenizer", lambda c: c.minipost("--data_path", c.own_tokenizer_dataset()),
+     "/tokenizer/spm.model; where the command took a --tokenizer, dropping it lets the run take the dataset's)"),
     # positions the primary never trained, which Step 1b (and Step 2) keep as they are: refused
     ("minipost-seq-past-blocks", lambda c: c.minipost("--seq_length", "96"),
      "--seq_length 96 is longer than the 64-piece blocks"),
@@ -555,7 +565,9 @@ CASES = [
     ("expand-data-not-an-expansion", lambda c: c.expand("--data_path", str(c.primary / "data")),
      "is not an expansion of the source's"),
     # --- Step 3
-    ("finetune-not-a-run", lambda c: c.finetune(primary=c.dir("nowhere")), "is not an mmadapt run directory"),
+    # it named "a pretrain or build_minipost run", and finetune refuses the latter
+    ("finetune-not-a-run", lambda c: c.finetune(primary=c.dir("nowhere")), "is not an mmadapt run directory (no "
+     "run.json): pass the --output_dir of the run meant (the kinds a flag takes: the command's --help)"),
     ("finetune-unknown-task", lambda c: c.finetune()[:2] + ["sentiment"] + c.finetune()[3:], "invalid choice"),
     ("finetune-own-task-no-file", lambda c: c.finetune()[:2] + ["classify"] + c.finetune()[3:],
      "--train_file is required"),
