@@ -150,11 +150,31 @@ def read_examples(task: Task, spec: str, lang: str, split: str, cfg: FinetuneCon
         raise ValueError(f"{spec} is not UTF-8 text{_bad_byte(spec)}: save it as UTF-8") from None
     if not examples:
         raise ValueError(f"{spec} holds no {task.name} examples for language {lang!r}")
+    if task.kind == "span" and split == "train":
+        check_answer_offsets(examples, spec)
     if labels is not None:
         check_labels(task, examples, labels, spec)
         if task.metric == "chunk_f1":  # (a tagging task's examples: a classification task's may be tuples)
             check_chunk_tags(task, sorted({t for ex in examples for t in ex.tags}), spec, evaluation=True)
     return examples
+
+
+def check_answer_offsets(examples: list, path: str) -> None:
+    """Step 3 learns each question's span from its first answer's answer_start (features.encode_span):
+    an offset that does not hold the answer's text (one counted in bytes, or a context edited
+    after) trained the span there, or none where it fell outside the context, unsaid. Refused,
+    naming the first and how many. (Evaluation scores answers by their text: not checked there.)"""
+    def at_offset(ex) -> bool:
+        text, start = ex.answers[0]
+        return 0 <= start and ex.context[start:start + len(text)] == text
+    wrong = [ex for ex in examples if not at_offset(ex)]
+    if wrong:
+        text, start = wrong[0].answers[0]
+        held = wrong[0].context[start:start + len(text)] if start >= 0 else ""
+        more = f" (and {len(wrong) - 1} more of the {len(examples)} questions)" if len(wrong) > 1 else ""
+        raise ValueError(f"{path}: the answer {text!r} of question {wrong[0].id!r} is not at its answer_start {start} "
+                         f"(the context holds {held!r} there){more}: answer_start counts the context's characters "
+                         "from 0; correct the offsets")
 
 
 def _bad_byte(path: str) -> str:

@@ -137,6 +137,32 @@ def test_real_xquad(lang):
     assert T.squad_scores({e.id: e.answers[0][0] for e in ex}, ex) == {"exact_match": 100.0, "f1": 100.0}
 
 
+def test_training_answers_must_be_at_their_offsets(tmp_path):
+    """Step 3 learns a question's span from its first answer's answer_start: an offset past the
+    context (or one counted in bytes) trained every window toward no span, unsaid. Refused for
+    training data, naming the first and how many; evaluation data is scored by the answers' text,
+    so taken as it is."""
+    import json
+
+    from mmadapt.tasks import TASKS, read_examples
+
+    context = "Paris is the capital of France. Berlin is the capital of Germany."
+    qas = [{"id": "q1", "question": "Capital of France?", "answers": [{"text": "Paris", "answer_start": 0}]},
+           {"id": "q2", "question": "Capital of Germany?", "answers": [{"text": "Berlin", "answer_start": 100032}]},
+           {"id": "q3", "question": "Of which country?", "answers": [{"text": "Germany", "answer_start": 56}]}]
+    path = tmp_path / "qa.json"
+    path.write_text(json.dumps({"data": [{"paragraphs": [{"context": context, "qas": qas}]}]}))
+    with pytest.raises(ValueError) as e:
+        read_examples(TASKS["xquad"], str(path), "en", "train")
+    assert str(e.value) == (f"{path}: the answer 'Berlin' of question 'q2' is not at its answer_start 100032 (the "
+                            "context holds '' there) (and 1 more of the 3 questions): answer_start counts the "
+                            "context's characters from 0; correct the offsets")
+    assert len(read_examples(TASKS["xquad"], str(path), "en", "test")) == 3
+    qas[1]["answers"][0]["answer_start"], qas[2]["answers"][0]["answer_start"] = 32, 57
+    path.write_text(json.dumps({"data": [{"paragraphs": [{"context": context, "qas": qas}]}]}))
+    assert [ex.answers[0][1] for ex in read_examples(TASKS["xquad"], str(path), "en", "train")] == [0, 32, 57]
+
+
 def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         T.read_squad(tmp_path / "nope.json")
