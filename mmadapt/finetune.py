@@ -110,9 +110,14 @@ class TaskData:
         updates = max(1, math.ceil(cfg.epochs * len(enc) / global_batch))
         self.plan = TaskPlan(labels, metric, enc, eval_examples, positions, updates, global_batch)
         return {"task": self.task.name, "labels": labels, "metric": self.plan.metric, "source_lang": self.source_lang,
-                "train_file": self.train_file, "train_examples": len(examples), "train_rows": len(enc),
+                "train_file": self.recorded_file(), "train_examples": len(examples), "train_rows": len(enc),
                 "task_digest": weights_fingerprint(enc.trained()), "updates": updates, "global_batch": global_batch,
                 "task_start": list(framing.start)}
+
+    def recorded_file(self) -> str:
+        """train_file as run.json records it: the file's absolute path, which a --resume from
+        another directory (a requeued job) names alike; a Bible task's 'bible' as it is."""
+        return self.train_file if self.task.name.startswith("bible-") else os.path.abspath(self.train_file)
 
     def framing(self, run: RunSpec, family: ModelFamily) -> Framing:
         """How this run's rows are laid out: as the primary model read text in training

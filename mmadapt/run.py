@@ -157,6 +157,11 @@ class ChangedRun(ValueError):
         self.detail, self.fix = detail, fix
 
 
+# record keys that hold a file's path: the same file however it is spelt (records from before
+# 2026-12-05 hold it as given, perhaps relative to where the run started)
+PATH_KEYS = ("train_file",)
+
+
 def check_same_run(run_file: Path, expected: dict) -> None:
     """--resume continues the run recorded in `run_file`: every entry of `expected` (nested dicts
     compared leaf by leaf) must equal the recorded one, except config.CHANGEABLE_ON_RESUME. A
@@ -168,6 +173,9 @@ def check_same_run(run_file: Path, expected: dict) -> None:
         leaf = key.rsplit(".", 1)[-1]
         if leaf in CHANGEABLE_ON_RESUME or saved.get(key) == value:
             continue
+        if key in PATH_KEYS and isinstance(saved.get(key), str) and isinstance(value, str) and (
+                os.path.abspath(saved[key]) == os.path.abspath(value)):
+            continue  # the same file spelt another way (./t.csv, or recorded relative and resumed from there)
         if key in saved and value in SAME_ON_RESUME.get(leaf, ()) and saved[key] in SAME_ON_RESUME[leaf]:
             continue
         if key not in saved:

@@ -344,6 +344,25 @@ def test_a_run_recorded_with_replay_fraction_0_resumes(tmp_path):
                 check_same_run(record, {"train": {"replay_fraction": None, "seed": 1}})
 
 
+def test_a_resume_names_the_training_file_however_it_is_spelt(tmp_path, monkeypatch):
+    """finetune recorded --train_file as given and compared the text: the same file as ./t.csv, or
+    from another directory (a requeued job), was refused as a changed run. run.json now holds its
+    absolute path, and a --resume compares files (a record of a relative one: from where it
+    runs); another file is still refused."""
+    import json
+
+    from mmadapt.run import check_same_run
+
+    monkeypatch.chdir(tmp_path)
+    record = tmp_path / "run.json"
+    for saved in ("t.csv", str(tmp_path / "t.csv")):
+        record.write_text(json.dumps({"train_file": saved}))
+        for given in ("t.csv", "./t.csv", str(tmp_path / "t.csv"), f"{tmp_path}/sub/../t.csv"):
+            check_same_run(record, {"train_file": given})
+        with pytest.raises(ValueError, match="train_file is other.csv here but"):
+            check_same_run(record, {"train_file": "other.csv"})
+
+
 def test_a_run_recorded_before_per_token_losses_resumes_as_it_trained(tmp_path):
     """A run recorded before calculate_per_token_loss (2026-12-02) took the mean of its
     micro-batches' means: resumed with today's default, its updates would change weighting midway.
