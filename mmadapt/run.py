@@ -330,18 +330,28 @@ def _checked_record(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity
 @contextlib.contextmanager
 def run_lock(output_dir: Path):
     """Global rank 0 creates `output_dir` and holds its lock (faults.RunLock) meanwhile."""
-    lock, created = RunLock(output_dir), not Path(output_dir).exists()
+    output_dir = Path(output_dir)
+    created = not output_dir.exists()
+    # an empty directory made beforehand (mkdir, or a job script's) holds only what this call writes
+    fresh = created or (output_dir.is_dir() and next(output_dir.iterdir(), None) is None)
+    lock = RunLock(output_dir)
     if parallel.is_rank0():
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        output_dir.mkdir(parents=True, exist_ok=True)
         lock.acquire()
     try:
         yield
     except ValueError:
-        # A user's mistake found late (a corpus SentencePiece cannot train on, an unreadable
-        # source checkpoint): a directory this call created and that holds no checkpoint goes.
-        if lock.held and created and not checkpoint.has_checkpoints(Path(output_dir) / "checkpoints"):
+        # A user's mistake found late (a corpus too short for one block, an unreadable source
+        # checkpoint): what this call wrote goes, where no checkpoint was saved: the directory it
+        # created, or the entries of one that was empty (a prepared data/ left there refused the
+        # corrected command as another corpus's dataset)
+        if lock.held and fresh and not checkpoint.has_checkpoints(output_dir / "checkpoints"):
             lock.release()
-            shutil.rmtree(output_dir, ignore_errors=True)
+            if created:
+                shutil.rmtree(output_dir, ignore_errors=True)
+            else:
+                for entry in output_dir.iterdir():
+                    shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
         raise
     finally:
         lock.release()

@@ -749,6 +749,12 @@ CASES = [
     ("decoder-corpus-shorter-than-one-block", lambda c: c.pretrain("--preset", "llama-tiny", "--seq_length", "64",
                                                                     corpus=c.file("one.txt", "In the beginning.\n")),
      "fewer than one block of --seq_length 64 reads (65): lower --seq_length, or give more text"),
+    # into an empty --output_dir made beforehand: the data/ prepared there went only with a directory the
+    # run made, and the corrected command was refused as another corpus's dataset
+    ("decoder-corpus-shorter-than-one-block-into-an-empty-dir",
+     lambda c: (c.out.mkdir(), c.pretrain("--preset", "llama-tiny", "--seq_length", "64",
+                                          corpus=c.file("one.txt", "In the beginning.\n")))[1],
+     "fewer than one block of --seq_length 64 reads (65): lower --seq_length, or give more text"),
     ("decoder-validation-split-shorter-than-one-block",
      lambda c: ["pretrain", "--recipe", "bl_base", "--preset", "llama-tiny", "--seq_length", "64", "--data_path",
                 c.short_held_out(), "--tokenizer", str(c.tokenizer), "--vocab_size", str(VOCAB), "--eval_interval", "1",
