@@ -196,6 +196,9 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
                          "--pipeline_model_parallel_size 1 with data or tensor parallelism")
     if run.data_path is None and run.corpus is None:
         if src.get("data_path"):
+            if not Path(src["data_path"]).is_dir():  # the run (its data/ inside) moved since, or the data went
+                raise ValueError(f"{primary} was pretrained on {src['data_path']}, which does not exist (moved since?): "
+                                 "pass the source-language data with --data_path or --corpus")
             run = dataclasses.replace(run, data_path=Path(src["data_path"]))
         elif src.get("corpus"):
             run = dataclasses.replace(run, corpus=Path(src["corpus"]))

@@ -91,6 +91,15 @@ class Ctx:
             assert main(["preprocess", "--corpus", str(self.corpus), "--vocab_size", "300", "--output_dir", out]) == 0
         return out
 
+    def moved_primary(self) -> str:
+        """A copy of the primary run whose record names a data_path that is not there (as once the
+        run is moved with its data/ inside)."""
+        moved = self.tmp / "moved"
+        shutil.copytree(self.primary, moved, ignore=shutil.ignore_patterns("data"))
+        record = json.loads((moved / "run.json").read_text())
+        (moved / "run.json").write_text(json.dumps({**record, "data_path": str(self.tmp / "primary" / "data")}))
+        return str(moved)
+
     def minipost(self, *extra: str, primary: str | None = None) -> list[str]:
         return ["build_minipost", "--primary", primary or str(self.primary), "--output_dir", str(self.out), *extra]
 
@@ -501,6 +510,9 @@ CASES = [
     ("minipost-missing-tag", lambda c: c.minipost("--primary_tag", "step00000007"),
      "has no complete checkpoint step00000007"),
     ("minipost-new-layers", lambda c: c.minipost("--new_layers", "0"), "new_layers must be >= 1"),
+    # the primary moved, its data/ with it: the line advised preparing data at the old place
+    ("minipost-primary-moved", lambda c: c.minipost(primary=c.moved_primary()),
+     "/primary/data, which does not exist (moved since?): pass the source-language data with --data_path or --corpus"),
     # it ended "or, where you chose the run's with --tokenizer, drop it": build_minipost takes no --tokenizer
     ("minipost-data-of-another-tokenizer", lambda c: c.minipost("--data_path", c.own_tokenizer_dataset()),
      "/tokenizer/spm.model; where the command took a --tokenizer, dropping it lets the run take the dataset's)"),
