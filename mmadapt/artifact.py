@@ -97,6 +97,21 @@ def artifact_dirs(paths: list[Path]) -> list[Path]:
     return out
 
 
+def run_names(runs) -> dict[Path, str]:
+    """Each of several Step-2 run directories named by as few of its path's last parts as tell it
+    from the others ('fvt'; 'p/run' and 'q/run' for /p/run and /q/run): the label that keeps two
+    runs of one system and language two curves (evaluate.apart_runs, report). Their last part
+    alone named two runs in directories of one name alike, and merged them again."""
+    parts = {r: Path(r).parts[1 if Path(r).anchor else 0:] for r in map(Path, runs)}
+
+    def name(run: Path) -> str:
+        for k in range(1, len(parts[run]) + 1):
+            if all(other[-k:] != parts[run][-k:] for o, other in parts.items() if o != run):
+                return "/".join(parts[run][-k:])
+        return str(run)
+    return {run: name(run) for run in parts}
+
+
 def given_once(paths: list[Path], what: str) -> None:
     """Refuse a list that names one directory twice (as given, or an adapt run and one of its
     artifacts): it would be scored, recorded and averaged twice."""

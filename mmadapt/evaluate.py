@@ -29,7 +29,7 @@ import torch
 from mmadapt import checkpoint
 from mmadapt.artifact import (NO_ADAPTATION, PrimaryRef, artifact_dirs, artifact_embeddings, artifact_primary,
                               artifact_primary_ref, artifact_state, given_once, read_artifact, record_base,
-                              swap_key)
+                              run_names, swap_key)
 from mmadapt.config import EvaluateConfig, FinetuneConfig, ModelConfig
 from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
@@ -406,9 +406,10 @@ def apart_runs(records: list[dict]) -> None:
     runs = defaultdict(set)
     for r in records:
         runs[(r["system"], r["lang"])].add(Path(r["artifact"]).parent.parent)
+    names = {key: run_names(dirs) for key, dirs in runs.items() if len(dirs) > 1}
     for r in records:
-        if len(runs[(r["system"], r["lang"])]) > 1:
-            r["system"] = f"{r['system']} [{Path(r['artifact']).parent.parent.name}]"
+        if (r["system"], r["lang"]) in names:
+            r["system"] = f"{r['system']} [{names[(r['system'], r['lang'])][Path(r['artifact']).parent.parent]}]"
 
 
 def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,

@@ -19,7 +19,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL
+from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL, run_names
 from mmadapt.bpb import fold_caveat
 from mmadapt.checkpoint import atomic_write
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
@@ -155,10 +155,11 @@ def _apart_across_files(records: list[dict]) -> None:
     for r in adapted(records):
         if r.get("artifact"):
             runs[(r["system"], r["task"], r["lang"])].add(Path(r["artifact"]).parent.parent)
+    labels = {key: run_names(dirs) for key, dirs in runs.items() if len(dirs) > 1}
     names = defaultdict(set)  # (task, lang, system) -> {(file, new name)}
     for r in adapted(records):
-        if r.get("artifact") and len(runs[(r["system"], r["task"], r["lang"])]) > 1:
-            name = f"{r['system']} [{Path(r['artifact']).parent.parent.name}]"
+        if r.get("artifact") and (r["system"], r["task"], r["lang"]) in labels:
+            name = f"{r['system']} [{labels[(r['system'], r['task'], r['lang'])][Path(r['artifact']).parent.parent]}]"
             names[(r["task"], r["lang"], r["system"])].add((r["_file"], name))
             r["system"] = name
     def renamed(none: dict, system: str) -> list[str]:  # what `system` in the no-adaptation record `none` became

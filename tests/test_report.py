@@ -1,6 +1,7 @@
 """Compute tables and near-maximal-performance metrics against the paper's worked examples."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -420,6 +421,34 @@ def test_two_runs_of_one_system_and_language_stay_two_rows():
     assert [r["system"] for r in records] == ["bl_base [overlap]"] * 2 + ["bl_base [fvt]"] * 2 + ["minijoint"] * 2
     rows = {r["system"]: (r["start"], r["last"]) for r in adaptation_rows(records, "genre")}
     assert rows == {"bl_base [overlap]": (21.0, 31.0), "bl_base [fvt]": (27.0, 35.0), "minijoint": (22.0, 33.0)}
+
+
+def test_two_runs_in_directories_of_one_name_stay_two_rows():
+    """Two minijoint runs at /p/run and /q/run: named after their last part alone, both became
+    'minijoint [run]' and one curve again. Each is named by as few of its path's parts as tell it
+    apart; so across two evaluate calls' files in report."""
+    from mmadapt.artifact import run_names
+    from mmadapt.evaluate import apart_runs
+
+    def rec(run, step, score):
+        return {"system": "minijoint", "task": "genre", "lang": "de", "step": step, "flops": step * 1e15,
+                "score": score, "chance": 20.0, "artifact": f"{run}/embeddings/step{step:08d}"}
+    def two_runs():
+        return [rec(run, step, score) for run, step, score in (("/x/p/run", 0, 21.0), ("/x/p/run", 100, 31.0),
+                                                               ("/x/q/run", 0, 27.0), ("/x/q/run", 100, 35.0))]
+    records = two_runs()
+    apart_runs(records)
+    assert [r["system"] for r in records] == ["minijoint [p/run]"] * 2 + ["minijoint [q/run]"] * 2
+    rows = {r["system"]: (r["start"], r["last"]) for r in adaptation_rows(records, "genre")}
+    assert rows == {"minijoint [p/run]": (21.0, 31.0), "minijoint [q/run]": (27.0, 35.0)}
+    assert run_names([Path("/a/b/run"), Path("/c/b/run"), Path("/d/fvt")]) == {
+        Path("/a/b/run"): "a/b/run", Path("/c/b/run"): "c/b/run", Path("/d/fvt"): "fvt"}
+    across = two_runs()
+    for i, r in enumerate(across):
+        r["_file"] = f"f{i // 2}.json"
+    from mmadapt.report import _apart_across_files
+    _apart_across_files(across)
+    assert [r["system"] for r in across] == ["minijoint [p/run]"] * 2 + ["minijoint [q/run]"] * 2
 
 
 def test_the_verdict_names_a_text_the_adapted_tokenizer_cannot_read():
