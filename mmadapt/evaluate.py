@@ -297,10 +297,16 @@ class Scoring:
             self.scored[key] = self._fields(lang, tokenizer, artifact, meta)
         return copy.deepcopy(self.scored[key])
 
+    def read(self, lang: str) -> list:
+        """`lang`'s evaluation examples, read (and checked: the file, its rows, its labels) once."""
+        if lang not in self.examples:
+            task, labels, cfg0 = self.runs[0].task, self.runs[0].labels, self.cfgs[0]
+            self.examples[lang] = read_examples(task, self.eval_spec, lang, "test", cfg0, labels)
+        return self.examples[lang]
+
     def _fields(self, lang: str, tokenizer: Path, artifact: dict | None, meta: dict | None) -> dict:
         task, labels, cfg0 = self.runs[0].task, self.runs[0].labels, self.cfgs[0]
-        if lang not in self.examples:
-            self.examples[lang] = read_examples(task, self.eval_spec, lang, "test", cfg0, labels)
+        self.read(lang)
         # Every artifact of an adapt run carries a copy of one tokenizer: known by its content.
         known, seeds, first = file_sha256(tokenizer), [], None
         for ft, cfg in zip(self.runs, self.cfgs):
@@ -379,6 +385,8 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     # The first run's settings read the evaluation files (your own task's columns) and name the
     # headline; every metric is recorded, averaged over the seeds.
     scoring, records = Scoring(runs, cfgs, eval_spec), []
+    for scored in sorted({lang or meta["lang"] for meta in metas.values()}):
+        scoring.read(scored)  # every language's file refused (missing, empty, unknown labels) before any is scored
     # The sibling a graft goes into: the runs' primary model; an imported classifier's is its own
     # encoder, inside the classifier's run (hf_classifier.BODY), which names it instead.
     sibling = Path(primary.run_dir)

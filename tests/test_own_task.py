@@ -358,6 +358,29 @@ def test_a_resume_over_an_edited_training_file_is_refused(fresh_primary, tmp_pat
     assert json.loads((out / "run.json").read_text())["updates"] == 4
 
 
+def test_every_languages_evaluation_file_is_read_before_any_is_scored(fresh_primary, de_tokenizer, tmp_path,
+                                                                     monkeypatch):
+    """Step 4 read each language's file when it came to score it: a missing fr file (or one with
+    a label the model never saw) was refused after every en artifact had been scored, minutes of
+    work on real runs. Every file is read and checked first."""
+    init_parallel(1, 1)
+    write(tmp_path / "t.csv", GOOD)
+    write(tmp_path / "en.csv", GOOD)
+    write(tmp_path / "de.csv", "text,label\nein Tag,maybe\n")
+    assert finetune_main(["--task", "classify", "--primary", str(fresh_primary), "--train_file",
+                          str(tmp_path / "t.csv"), "--seq_length", "64", "--train_micro_batch_size_per_gpu", "2", "--output_dir",
+                          str(tmp_path / "ft"), "--ds_config", str(REPO / "ds_configs" / "zero0.json")]) == 0
+    english = load_weights(fresh_primary)[1][WORD]
+    arts = [_artifact(tmp_path / "en", "bl_base", "en", english, fresh_primary / "tokenizer" / "spm.model",
+                      fresh_primary, 1),
+            _artifact(tmp_path / "de", "bl_base", "de", english.clone()[:1000], de_tokenizer, fresh_primary, 1)]
+    from mmadapt.evaluate import Scoring
+
+    monkeypatch.setattr(Scoring, "_fields", lambda *a: pytest.fail("an artifact was scored before every file was read"))
+    with pytest.raises(ValueError, match="de.csv has the label 'maybe', which the model was not trained on"):
+        steps.evaluate([tmp_path / "ft"], embeddings=arts, eval_file=str(tmp_path / "{lang}.csv"))
+
+
 def test_positions_past_the_pretraining_blocks_only_when_allowed(fresh_primary, tmp_path, capsys):
     """fresh_primary was pretrained on 64-piece blocks. --allow_untrained_positions fine-tunes
     at 96 with a warning in the log and run.json; Step 4 then evaluates the run (its record
