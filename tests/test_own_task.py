@@ -368,8 +368,9 @@ def test_every_languages_evaluation_file_is_read_before_any_is_scored(fresh_prim
     write(tmp_path / "en.csv", GOOD)
     write(tmp_path / "de.csv", "text,label\nein Tag,maybe\n")
     assert finetune_main(["--task", "classify", "--primary", str(fresh_primary), "--train_file",
-                          str(tmp_path / "t.csv"), "--seq_length", "64", "--train_micro_batch_size_per_gpu", "2", "--output_dir",
-                          str(tmp_path / "ft"), "--ds_config", str(REPO / "ds_configs" / "zero0.json")]) == 0
+                          str(tmp_path / "t.csv"), "--seq_length", "64", "--train_micro_batch_size_per_gpu", "2",
+                          "--output_dir", str(tmp_path / "ft"), "--ds_config", str(REPO / "ds_configs" / "zero0.json")
+                          ]) == 0
     english = load_weights(fresh_primary)[1][WORD]
     arts = [_artifact(tmp_path / "en", "bl_base", "en", english, fresh_primary / "tokenizer" / "spm.model",
                       fresh_primary, 1),
