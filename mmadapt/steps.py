@@ -419,6 +419,12 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
                                             if parallel.is_rank0() and not resumed else {}))
         if plan.positions and parallel.is_rank0():
             print(f"warning: {plan.positions}", flush=True)
+        if plan.global_batch > len(plan.enc) and parallel.is_rank0():
+            # every update then reads some rows twice (EpochOrder goes round): the gradient of a
+            # batch of the rows, at the compute (and memory) of the larger one
+            print(f"note: a global batch of {plan.global_batch} rows is more than the {len(plan.enc)} training rows: "
+                  "each update reads rows more than once, at that compute and memory; lower "
+                  "--train_micro_batch_size_per_gpu to the rows or fewer", flush=True)
         engine, job = _finetune_engine(started, model_cfg, cfg, task, lr, primary_state(source, weights)[1])
         del weights
         order = EpochOrder(len(plan.enc), cfg.seed)

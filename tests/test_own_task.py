@@ -359,7 +359,7 @@ def test_a_resume_over_an_edited_training_file_is_refused(fresh_primary, tmp_pat
 
 
 def test_every_languages_evaluation_file_is_read_before_any_is_scored(fresh_primary, de_tokenizer, tmp_path,
-                                                                     monkeypatch):
+                                                                     monkeypatch, capsys):
     """Step 4 read each language's file when it came to score it: a missing fr file (or one with
     a label the model never saw) was refused after every en artifact had been scored, minutes of
     work on real runs. Every file is read and checked first."""
@@ -371,6 +371,7 @@ def test_every_languages_evaluation_file_is_read_before_any_is_scored(fresh_prim
                           str(tmp_path / "t.csv"), "--seq_length", "64", "--train_micro_batch_size_per_gpu", "2",
                           "--output_dir", str(tmp_path / "ft"), "--ds_config", str(REPO / "ds_configs" / "zero0.json")
                           ]) == 0
+    assert "global batch" not in capsys.readouterr().out  # 2 rows, a batch of 2: no note
     english = load_weights(fresh_primary)[1][WORD]
     arts = [_artifact(tmp_path / "en", "bl_base", "en", english, fresh_primary / "tokenizer" / "spm.model",
                       fresh_primary, 1),
@@ -399,6 +400,9 @@ def test_positions_past_the_pretraining_blocks_only_when_allowed(fresh_primary, 
            "were never trained"
     log = capsys.readouterr().out
     assert f"warning: {what}" in log and what in log.splitlines()[-1]  # the summary line too
+    # the default micro-batch (32) over the file's 2 rows: each update reads them 16 times, said once
+    assert log.count("note: a global batch of 32 rows is more than the 2 training rows: each update reads rows "
+                     "more than once") == 1
     run = json.loads((out / "run.json").read_text())
     assert run["warnings"][0] == what and run["finetune"]["allow_untrained_positions"] is True
 
