@@ -306,7 +306,7 @@ class Scoring:
 
     def _fields(self, lang: str, tokenizer: Path, artifact: dict | None, meta: dict | None) -> dict:
         task, labels, cfg0 = self.runs[0].task, self.runs[0].labels, self.cfgs[0]
-        self.read(lang)
+        examples = self.read(lang)
         # Every artifact of an adapt run carries a copy of one tokenizer: known by its content.
         known, seeds, first = file_sha256(tokenizer), [], None
         for ft, cfg in zip(self.runs, self.cfgs):
@@ -314,7 +314,7 @@ class Scoring:
             key = (known, lang, tuple(ft.labels), cfg.seq_length, cfg.doc_stride, cfg.max_query_length,
                    cfg.eval_batch_tokens, ft.framing)  # what the encoding and the batches depend on
             if key not in self.sets:
-                self.sets[key] = eval_set(task, load_tokenizer(tokenizer), self.examples[lang], ft.labels, cfg,
+                self.sets[key] = eval_set(task, load_tokenizer(tokenizer), examples, ft.labels, cfg,
                                           device_of(model), ft.framing)
             if artifact is not None:  # on the device in the model's dtype after the first seed: one copy for all
                 own = model.get_parameter(ft.family.word)
@@ -326,7 +326,7 @@ class Scoring:
             seeds.append(score_set(ft, self.sets[key], cfg, artifact))
             first = first or self.sets[key]
         metric = headline(task, labels, cfg0)
-        chance = chance_levels(task, first.enc, self.examples[lang], labels, cfg0) or {"chance": None}
+        chance = chance_levels(task, first.enc, examples, labels, cfg0) or {"chance": None}
         return {"metric": metric, "score": sum(s[metric] for s in seeds) / len(seeds),
                 "scores": {k: sum(s[k] for s in seeds) / len(seeds) for k in seeds[0]},
                 "seed_scores": [s[metric] for s in seeds], "unknown_share": unknown_share(first.enc.input_ids),

@@ -25,7 +25,8 @@ from mmadapt import checkpoint, parallel
 from mmadapt.config import FinetuneConfig, ModelConfig
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, Framing
-from mmadapt.run import RUN_FILE, RunSpec, Source, pretrained_blocks, require_kind, run_text_layout, weights_fingerprint
+from mmadapt.run import (RUN_FILE, UNTRAINED_POSITIONS, RunSpec, Source, pretrained_blocks, require_kind,
+                         run_text_layout, untrained_positions, weights_fingerprint)
 from mmadapt.tasks import Task, check_chunk_tags, check_task_fields, encode, headline, label_names, read_examples
 from mmadapt.tokens import IGNORE_INDEX
 from mmadapt.tokenizer import load as load_tokenizer
@@ -137,9 +138,6 @@ class TaskData:
 
 # --- what Step 3 refuses or warns about ----------------------------------------------------------------
 
-UNTRAINED_POSITIONS = "were never trained"  # how check_positions' warning ends: report.py tells it apart by it
-
-
 def is_position_warning(warning: str) -> bool:
     """Whether a fine-tuned run's warning is check_positions' (its model read untrained positions),
     not that it learned nothing (steps.at_chance): a record may carry both, prefixed by its run."""
@@ -161,11 +159,10 @@ def check_positions(primary: Path, src: dict, seq_length: int, allow: bool, run:
     if most is not None and seq_length > most:
         raise ValueError(f"--seq_length {seq_length} exceeds max_position_embeddings {most} of the model of {primary}: "
                          f"pass --seq_length {most} or less")
-    blocks = pretrained_blocks(src)
-    if blocks is None or seq_length <= blocks:
+    what = untrained_positions(primary, src, seq_length)
+    if what is None:
         return None
-    what = (f"seq_length {seq_length} is longer than the {blocks}-piece blocks {primary} was pretrained on: "
-            f"positions {blocks + 1}-{seq_length} {UNTRAINED_POSITIONS}")
+    blocks = pretrained_blocks(src)
     if not allow and run is not None:
         raise ValueError(f"{run}: {what}, and its run.json does not allow that (it was fine-tuned before "
                          "Step 3 checked): pass --allow_untrained_positions true to score it anyway, with a warning, "

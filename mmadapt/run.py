@@ -149,12 +149,12 @@ def _same_math_before(key: str, saved: dict) -> bool:
 
 class ChangedRun(ValueError):
     """A run to continue that is not the one its record describes: `detail` says where they
-    differ, `fix` how to continue it instead. Worded for a --resume; a command that continues its
-    runs by itself (the sweep: the same command again) words its own line from the two."""
+    differ, `fix` how a --resume continues it instead. A command that continues its runs by
+    itself (the sweep: the same command again) words its own line around `detail`."""
 
     def __init__(self, detail: str, fix: str):
         super().__init__(f"--resume of a changed run: {detail}; {fix}, or start a new --output_dir")
-        self.detail, self.fix = detail, fix
+        self.detail = detail
 
 
 # record keys that hold a file's path: the same file however it is spelt (records from before
@@ -416,6 +416,9 @@ RUN_KINDS = {"pretrain": "a pretrain or import-hf run (Step 1)", "minipost": "a 
 
 # A head fit (steps.fit_head) writes a Step-1 run that every later step takes as a pretrain run's.
 KIND_OF_STEP = {"fit_head": "pretrain"}
+# What each step's run is, said where a run directory is told from another (check_same_kind):
+# a head fit is its own run there, though later steps take it as a pretrain run's.
+STEP_RUNS = {**RUN_KINDS, "fit_head": "a fit-head run (Step 1: a new MLM head over a headless encoder)"}
 
 
 def check_same_kind(output_dir: Path, step: str) -> None:
@@ -428,9 +431,8 @@ def check_same_kind(output_dir: Path, step: str) -> None:
         return
     saved = checkpoint.read_json(record, "run file").get("step", "pretrain")
     if saved != step:
-        said = {**RUN_KINDS, "fit_head": "a fit-head run (Step 1: a new MLM head over a headless encoder)"}
-        raise ValueError(f"--output_dir {output_dir} holds {said.get(saved, f'a {saved} run')}, and this command "
-                         f"writes {said[step]}: choose a new --output_dir (nothing was changed)")
+        raise ValueError(f"--output_dir {output_dir} holds {STEP_RUNS.get(saved, f'a {saved} run')}, and this "
+                         f"command writes {STEP_RUNS[step]}: choose a new --output_dir (nothing was changed)")
 
 
 def require_kind(path: Path, run: dict, *kinds: str) -> None:
@@ -573,16 +575,29 @@ def pretrained_blocks(run: dict) -> int | None:
     return run["train"]["seq_length"]
 
 
+UNTRAINED_POSITIONS = "were never trained"  # how untrained_positions ends: report.py tells Step 3's warning by it
+
+
+def untrained_positions(path: Path, record: dict, seq_length: int) -> str | None:
+    """'seq_length S is longer than the B-piece blocks <path> was pretrained on: positions B+1-S
+    were never trained' for the Step-1 record `record` of the run at `path`; None where S is
+    within its blocks, or they are unknown (pretrained_blocks)."""
+    blocks = pretrained_blocks(record)
+    if blocks is None or seq_length <= blocks:
+        return None
+    return (f"seq_length {seq_length} is longer than the {blocks}-piece blocks {path} was pretrained on: "
+            f"positions {blocks + 1}-{seq_length} {UNTRAINED_POSITIONS}")
+
+
 def check_trained_positions(source: Source, seq_length: int, step: str) -> None:
     """Refuse a `seq_length` past the blocks `source` was pretrained on, for a step that trains
     no position (Step 1b, Step 2: positions stay as the source has them): past its blocks they
     are never trained (an encoder's position embeddings their random init), and stay so. Step 3
     allows them, with a warning (finetune.check_positions)."""
-    blocks = pretrained_blocks(source.record)
-    if blocks is not None and seq_length > blocks:
-        raise ValueError(f"--seq_length {seq_length} is longer than the {blocks}-piece blocks {source.path} was "
-                         f"pretrained on: positions {blocks + 1}-{seq_length} were never trained, and {step} trains "
-                         f"none; pass --seq_length {blocks} or less")
+    what = untrained_positions(source.path, source.record, seq_length)
+    if what is not None:
+        raise ValueError(f"--{what}, and {step} trains none; pass --seq_length {pretrained_blocks(source.record)} "
+                         "or less")
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
