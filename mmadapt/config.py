@@ -889,6 +889,12 @@ def output_inside_an_input(out, inputs: dict) -> str | None:
     return None
 
 
+def _blank(value) -> bool:
+    """A flag's value that is empty or only blanks (a list: any of its values)."""
+    values = value if isinstance(value, list) else [value]
+    return any(isinstance(v, str) and not v.strip() for v in values)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse, with a bad flag reported like every other user mistake: one line, exit 2; and
     every command's --verbose (mmadapt/quiet.py reads it from the process's arguments, before the
@@ -907,6 +913,12 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         parsed = super().parse_args(args, namespace)
+        # `--output_dir "$OUT"` with $OUT unset: '' reads as '.', and the run would write where it stands
+        blank = next((a for a in self._actions if a.nargs != argparse.REMAINDER
+                      and _blank(getattr(parsed, a.dest, None)) and getattr(parsed, a.dest) != a.default), None)
+        if blank is not None:
+            self.error(f"{'/'.join(blank.option_strings) or blank.dest} is given an empty value: give it one "
+                       "(an unset shell variable?)")
         inside = output_inside_an_input(getattr(parsed, "output_dir", None), vars(parsed))
         if inside:
             self.error(inside)

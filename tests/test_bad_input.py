@@ -1177,6 +1177,13 @@ CASES = [
                                                               "--expand_from", str(c.primary), "--output_dir",
                                                               str(c.primary / "expanded")],
      "/expanded is inside --expand_from "),
+    ("output-dir-empty", lambda c: ["pretrain", "--corpus", str(c.corpus), "--output_dir", ""],
+     "error: mmadapt pretrain: --output_dir is given an empty value: give it one (an unset shell variable?)"),
+    ("primary-blank", lambda c: ["export-hf", "--primary", " ", "--output_dir", str(c.out)],
+     "--primary is given an empty value"),
+    ("one-of-several-runs-empty", lambda c: ["evaluate", "--finetuned", str(c.primary), "", "--embeddings",
+                                             str(c.primary), "--output", str(c.out / "r.json")],
+     "--finetuned is given an empty value"),
     ("sentence-transformers-module", lambda c: ["import-hf", "--model", c.sentence_transformers_dir(
         [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
          {"idx": 1, "name": "1", "path": "1_CNN", "type": "sentence_transformers.models.CNN"}]),
