@@ -49,7 +49,8 @@ from mmadapt.artifact import (artifact_dir, artifact_embeddings, artifact_primar
 from mmadapt.checkpoint import read_json
 from mmadapt.config import FinetuneConfig, ModelConfig, path_args
 from mmadapt.devices import device_of, on_eval_device
-from mmadapt.evaluate import PAD_LOGIT, EvalBatches, EvalSet, Finetuned, load_finetuned, recorded_config, set_logits
+from mmadapt.evaluate import (PAD_LOGIT, EvalBatches, EvalSet, Finetuned, load_finetuned, recorded_config, row_lengths,
+                              set_logits)
 from mmadapt.family import ModelFamily
 from mmadapt.features import Encoded, best_spans, encode_classify, encode_span, encode_tag
 from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft, read_base
@@ -302,7 +303,9 @@ class LanguageModel:
         """{head layer: logits [n, s, V]} of every position of `encode(texts)` (padding
         positions: zeros), fp32 on the CPU. The encoder's are masked-LM logits, the decoder's
         next-piece logits."""
-        _, out = self._per_position(texts, lambda logits: logits)
+        ids, out = self._per_position(texts, lambda logits: logits)
+        # a row batched with longer ones has its model's outputs at its padding: not predictions
+        out[torch.arange(ids.shape[1]) >= row_lengths(ids)[:, None]] = 0.0
         return {layer: out[:, :, k] for k, layer in enumerate(self.heads)}
 
     def _top(self, texts: list[str], top_k: int, head: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

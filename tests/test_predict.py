@@ -107,6 +107,7 @@ def test_imported_models_logits_and_fill_mask_are_transformers(hf_run):
     print(f"max abs logit difference {diff:.2e} on {int(keep.sum())} positions")
     assert diff <= 1e-5
     assert float(got[keep].std()) > 0.1  # logits that say something
+    assert not keep.all() and torch.equal(got[~keep], torch.zeros_like(got[~keep]))  # padding: zeros, as documented
 
     # fill-mask: a literal <mask> is the mask piece, its space taken with it, as transformers' tokenizer does.
     masked = ["In the beginning God created the <mask> and the earth.", "Im Anfang schuf Gott <mask> und <mask>."]
