@@ -532,7 +532,7 @@ def predict_parser() -> argparse.ArgumentParser:
                    "separated by spaces), or for pair and QA models two fields separated by a tab (text TAB text_pair; "
                    "question TAB context); a .jsonl file: one object per line with those keys")
     p.add_argument("--jsonl", action="store_true", help="the input is JSON Lines whatever its name (stdin included)")
-    p.add_argument("--output", help="write the JSON Lines here (must not exist yet; default: stdout)")
+    p.add_argument("--output", help="write the JSON Lines here (must not exist yet; default, or -: stdout)")
     p.add_argument("--top_k", type=whole_number(1),
                    help=f"language models: pieces listed per position (default: {predict.TOP_K})")
     p.add_argument("--tag", help="a language model's checkpoint (default: with --embeddings, the one they were "
@@ -544,6 +544,8 @@ def predict_parser() -> argparse.ArgumentParser:
 @user_errors
 def predict_main(argv=None) -> int:
     args = predict_parser().parse_args(argv)
+    if args.output == "-":  # as --input -: the standard stream, not a file named '-'
+        args.output = None
     if args.output and Path(args.output).exists():
         raise ValueError(f"{args.output} already exists: choose a new --output (nothing is overwritten)")
     if args.output:

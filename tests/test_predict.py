@@ -312,6 +312,16 @@ def test_predict_bad_input_is_one_line(argv, message, tmp_path, hf_run, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+def test_predict_output_dash_is_stdout(tmp_path, hf_run, capsys, monkeypatch):
+    """--output -, like --input -, is the standard stream: no file named '-'."""
+    (tmp_path / "in.txt").write_text("Im Anfang schuf <mask> Himmel.\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["predict", "--run", str(hf_run[1]), "--input", "in.txt", "--output", "-", "--top_k", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["text"] for r in rows] == ["Im Anfang schuf <mask> Himmel."] and len(rows[0]["masks"][0]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
 @pytest.mark.slow
 def test_mmadapt_predict_fill_mask_from_stdin(hf_run):
     proc = subprocess.run([sys.executable, "-m", "mmadapt.cli", "predict", "--run", str(hf_run[1]), "--top_k", "2"],
