@@ -583,6 +583,11 @@ def flops_main(argv=None) -> int:
     add_dataclass_args(p, TrainConfig, only=("seq_length", "train_iters", "mask_prob", "score_fraction"))
     add_dataclass_args(p, MiniModelConfig)
     args = p.parse_args(argv)
+    shape = [a.option_strings[0] for a in p._actions
+             if a.dest not in ("help", "verbose", "paper", "json") and getattr(args, a.dest) != a.default]
+    if args.paper and shape:  # the paper's rows are fixed: a shape or device given beside them would be dropped
+        raise ValueError(f"--paper prints the paper's fixed settings: drop {', '.join(shape)}, or drop --paper for "
+                         "the counts at your settings")
     if args.paper:
         rows = paper_rows()
     else:

@@ -795,6 +795,8 @@ CASES = [
     ("head-layers-and-mini-layers", lambda c: c.pretrain("--head_layers", "4", "12", "--mini_layers", "4"),
      "--head_layers places every head itself, --mini_layers places MINIJOINT's secondary heads: pass one of them"),
     ("unknown-preset-flops", lambda c: ["flops", "--preset", "huge"], "invalid choice: 'huge'"),
+    ("flops-paper-with-a-shape", lambda c: ["flops", "--paper", "--device", "h100", "--num_layers", "3"],
+     "--paper prints the paper's fixed settings: drop --device, --num_layers, or drop --paper"),
     # --- import-hf: damaged copies of a tiny Llama and Qwen2 (issue 41); each loads differently from what
     # config.json says, or not at all, in transformers
     ("import-hf-output-under-a-file", lambda c: c.import_damaged("llama")[:-1] + [str(Path(c.file("afile", "x")) /
