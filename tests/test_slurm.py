@@ -275,6 +275,9 @@ def test_adapt_template_without_extra_saves_and_pretrain_named_after_its_recipe(
         f"{repo}/runs/minipost")
     assert cli.adapt_parser().parse_args(script_args("adapt.sbatch", SYSTEM="bl_base")).source == (
         f"{repo}/runs/pretrain-bl_base")
+    # Step 3 at the recipe's seq_length (FinetuneConfig's 128) unless SEQ_LENGTH says otherwise
+    assert cli.finetune_parser().parse_args(script_args("finetune.sbatch")).seq_length is None
+    assert cli.finetune_parser().parse_args(script_args("finetune.sbatch", SEQ_LENGTH="384")).seq_length == 384
     run = cli.pretrain_parser().parse_args(script_args("pretrain.sbatch", RECIPE="bl_base"))
     assert run.output_dir == f"{repo}/runs/pretrain-bl_base" and (repo / "runs" / "pretrain-bl_base").is_dir()
     # --mini_layers goes to the recipes it shapes (bl_base refuses it)
