@@ -116,6 +116,10 @@ def _checked_value(obj, f, kind, name: str):
         if value is None:
             return None
         kind = next(a for a in args if a is not type(None)) if len(args) == 2 else kind
+    if set(get_args(kind)) - {type(None)} == {str, Path}:  # a path, or a name that is not one (corpus: bible:de)
+        if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+            raise ValueError(f"{name} takes a path, got {value!r}")
+        return value
     item = _tuple_item(kind)
     if item is not None:
         if not isinstance(value, (tuple, list)):
@@ -129,14 +133,16 @@ def _checked_value(obj, f, kind, name: str):
 
 
 def _check_one(value, kind, f, name: str):
-    if kind is Path:
-        if not isinstance(value, (str, os.PathLike)) or not str(value):
+    if kind is Path:  # '' (or blanks) would be '.': the directory the process stands in
+        if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
             raise ValueError(f"{name} takes a path, got {value!r}")
         return Path(value)
     if kind in (int, float, bool, str) and (isinstance(value, bool) != (kind is bool)
                                             or not isinstance(value, (int, float) if kind is float else kind)):
         what = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}[kind]
         raise ValueError(f"{name} takes {what}, got {value!r}")
+    if kind is str and not value.strip():  # a file or name left out by mistake, never one meant (eval_file='': no score)
+        raise ValueError(f"{name} takes a non-empty string, got {value!r}")
     if isinstance(kind, type) and dataclasses.is_dataclass(kind) and not isinstance(value, kind):
         raise ValueError(f"{name} takes a {kind.__name__}, got {type(value).__name__}")
     if kind is float and not math.isfinite(value):
