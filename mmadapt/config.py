@@ -141,7 +141,7 @@ def _check_one(value, kind, f, name: str):
                                             or not isinstance(value, (int, float) if kind is float else kind)):
         what = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}[kind]
         raise ValueError(f"{name} takes {what}, got {value!r}")
-    if kind is str and not value.strip():  # a file or name left out by mistake, never one meant (eval_file='': no score)
+    if kind is str and not value.strip():  # a file or name left out by mistake (eval_file='' scored nothing)
         raise ValueError(f"{name} takes a non-empty string, got {value!r}")
     if isinstance(kind, type) and dataclasses.is_dataclass(kind) and not isinstance(value, kind):
         raise ValueError(f"{name} takes a {kind.__name__}, got {type(value).__name__}")
