@@ -212,13 +212,7 @@ def preprocess_parser() -> argparse.ArgumentParser:
 
 @user_errors
 def preprocess_main(argv=None) -> int:
-    args = preprocess_parser().parse_args(argv)
-    if args.vocab_size is not None:
-        ModelConfig(vocab_size=args.vocab_size)  # its declared range, refused as every step refuses it (0 was "unset")
-        if args.vocab_size < MIN_VOCAB_SIZE and not args.tokenizer:  # one to train: as Step 2, sweep and extend
-            # refuse it (SentencePiece failed inside); with --tokenizer, its own size is compared
-            raise ValueError(f"--vocab_size must be >= {MIN_VOCAB_SIZE}, got {args.vocab_size} (SentencePiece's 4 "
-                             "special pieces and room for the text's own)")
+    args = preprocess_parser().parse_args(argv)  # steps.preprocess checks --vocab_size (0 was "unset")
     vocab = (args.vocab_size if args.vocab_size is not None else
              None if args.tokenizer else PRESETS[args.preset][0].vocab_size)
     steps.preprocess(Path(args.corpus), output_dir=Path(args.output_dir), vocab_size=vocab,

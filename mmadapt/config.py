@@ -161,7 +161,7 @@ def path_args(value, name: str) -> list[Path]:
     items = [value] if isinstance(value, (str, os.PathLike)) else value
     if not isinstance(items, (list, tuple)) or not items:
         raise ValueError(f"{name} takes a non-empty list of paths, got {value!r}")
-    bad = next((v for v in items if not isinstance(v, (str, os.PathLike)) or not str(v)), None)
+    bad = next((v for v in items if not isinstance(v, (str, os.PathLike)) or not str(v).strip()), None)
     if bad is not None:
         raise ValueError(f"{name} takes paths, got {bad!r}")
     return [Path(v) for v in items]

@@ -40,8 +40,8 @@ from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings, final_ar
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.config import (MIN_VOCAB_SIZE, RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig,
-                            PreprocessConfig, StepSpec, TrainConfig, _f, check_lang, check_output_file, path_args,
-                            spec_arg, whole_arg)
+                            PreprocessConfig, StepSpec, TrainConfig, _f, check_lang, check_output_file,
+                            output_inside_an_input, path_args, spec_arg, whole_arg)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import (MANIFEST, TEXT, DataError, EpochOrder, check_own_tokenizer_kept, read_manifest,
                           read_tokenizer, wait_for)
@@ -83,6 +83,20 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
     expand_from: a run whose vocabulary Step 2 --vocab_mode expand extends (expand.py): the corpus
     is encoded with that run's tokenizer plus the target's missing pieces, the target being
     `tokenizer` or, without it, a `vocab_size`-piece model trained on the corpus."""
+    [output_dir] = path_args([output_dir], "output_dir")
+    tokenizer, expand_from = (None if v is None else path_args([v], name)[0]
+                              for v, name in ((tokenizer, "tokenizer"), (expand_from, "expand_from")))
+    if not isinstance(cfg, PreprocessConfig):
+        raise ValueError(f"cfg takes a PreprocessConfig, got {type(cfg).__name__}")
+    if vocab_size is not None:
+        ModelConfig(vocab_size=vocab_size)  # its type and declared range, as every step refuses them
+        if vocab_size < MIN_VOCAB_SIZE and tokenizer is None:  # one to train (SentencePiece would fail inside);
+            # with a tokenizer, its own size is compared
+            raise ValueError(f"--vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size} (SentencePiece's 4 special "
+                             "pieces and room for the text's own)")
+    inside = output_inside_an_input(output_dir, {"expand_from": expand_from})
+    if inside:  # the run whose vocabulary is extended is read, never written into
+        raise ValueError(inside)
     corpus = resolve_corpus(corpus)
     check_own_tokenizer_kept(output_dir, tokenizer, merged=expand_from is not None)
     if expand_from is None:

@@ -184,6 +184,15 @@ def test_every_numeric_field_declares_its_range():
      "RunSpec takes one text: data_path (a prepared dataset) or corpus (raw text), not both"),
     (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", Path("o"), None, expand_from=Path("r")),
      "a vocabulary size is needed to train the target tokenizer the expansion adds"),
+    (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", Path("o"), 8e3),
+     "--vocab_size takes a whole number, got 8000.0"),
+    (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", Path("o"), 5),
+     "--vocab_size must be >= 8, got 5"),
+    (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", Path("o"), 100, cfg=None),
+     "cfg takes a PreprocessConfig, got NoneType"),
+    (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", REPO / "mmadapt" / "data", 100,
+                                                          expand_from=REPO / "mmadapt"),
+     f"--output_dir {REPO}/mmadapt/data is inside --expand_from {REPO}/mmadapt: write it elsewhere"),
 ], ids=["range", "open-range", "finite", "int-not-float", "int-not-bool", "tuple-items", "choices", "replace",
         "model-tuple-items", "empty-list", "type", "step-config-type", "step-path", "run-spec-path",
         "run-spec-blank-path", "run-spec-empty-corpus", "run-spec-corpus-type", "finetune-empty-eval-file",
@@ -191,7 +200,8 @@ def test_every_numeric_field_declares_its_range():
         "pretrain-recipe", "pretrain-recipe-heads", "pretrain-recipe-one-head", "adapt-system", "finetune-task",
         "evaluate-empty-list", "evaluate-plugin-blocks", "evaluate-eval-file", "evaluate-plugin-data",
         "adapt-vocab-size", "sweep-vocab-size", "extend-plugin-eval-blocks", "extend-vocab-size", "run-spec-two-texts",
-        "preprocess-expand-no-size"])
+        "preprocess-expand-no-size", "preprocess-vocab-float", "preprocess-vocab-small", "preprocess-cfg-type",
+        "preprocess-output-inside-expand-from"])
 def test_the_python_api_is_refused_as_the_command_line_is(make, message):
     with pytest.raises(ValueError) as e:
         make()
