@@ -167,6 +167,20 @@ def path_args(value, name: str) -> list[Path]:
     return [Path(v) for v in items]
 
 
+def path_arg(value, name: str) -> Path:
+    """A Python API argument of one path (a str or os.PathLike), checked as path_args checks each."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{name} takes one path, got {value!r}")
+    return path_args(value, name)[0]
+
+
+def bool_arg(value, name: str) -> bool:
+    """A Python API argument that is True or False: a string such as 'false' would switch it on."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} takes True or False, got {value!r}")
+    return value
+
+
 def spec_arg(value, name: str) -> str:
     """A Python API argument naming a file per language: a path (str or os.PathLike) in which
     `{lang}` stands for each language, as a str (a Path has no str.replace)."""

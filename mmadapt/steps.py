@@ -41,7 +41,7 @@ from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.config import (MIN_VOCAB_SIZE, RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig,
                             PreprocessConfig, StepSpec, TrainConfig, _f, check_lang, check_output_file,
-                            output_inside_an_input, path_args, spec_arg, whole_arg)
+                            bool_arg, output_inside_an_input, path_arg, path_args, spec_arg, whole_arg)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import (MANIFEST, TEXT, DataError, EpochOrder, check_own_tokenizer_kept, read_manifest,
                           read_tokenizer, wait_for)
@@ -554,6 +554,10 @@ def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, outp
     finetuned, embeddings = path_args(finetuned, "finetuned"), path_args(embeddings, "embeddings")
     eval_file = spec_arg(eval_file, "eval_file")
     eval_batch_tokens = whole_arg(eval_batch_tokens, "eval_batch_tokens", 1, optional=True)
+    allow_untrained_positions = bool_arg(allow_untrained_positions, "allow_untrained_positions")
+    graft = bool_arg(graft, "graft")
+    if not isinstance(cfg, EvaluateConfig):
+        raise ValueError(f"cfg takes an EvaluateConfig, got {type(cfg).__name__}")
     _refuse_existing(output)
     records = evaluate_artifacts(finetuned, embeddings, eval_file, eval_batch_tokens,
                                  {"allow_untrained_positions": True} if allow_untrained_positions else None,
@@ -573,9 +577,11 @@ def evaluate_plugin(primary: Path, embeddings: list[Path], data: str, output: Pa
     `bpb_batch_tokens` positions per forward pass); graft: the
     embeddings were trained over a base of which `primary` is a fine-tuned sibling (graft.py). Writes
     the records to `output` (which must not exist) when given. Needs no process group."""
-    primary, embeddings = path_args(primary, "primary")[0], path_args(embeddings, "embeddings")
+    primary, embeddings = path_arg(primary, "primary"), path_args(embeddings, "embeddings")
     data = spec_arg(data, "data")
     seq_length, blocks = whole_arg(seq_length, "seq_length", 8, optional=True), whole_arg(blocks, "blocks", 1)
+    allow_untrained_positions = bool_arg(allow_untrained_positions, "allow_untrained_positions")
+    graft = bool_arg(graft, "graft")
     _refuse_existing(output)
     src = read_run(primary)
     require_kind(primary, src, "pretrain", "minipost")

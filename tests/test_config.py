@@ -184,6 +184,16 @@ def test_every_numeric_field_declares_its_range():
      "RunSpec takes one text: data_path (a prepared dataset) or corpus (raw text), not both"),
     (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", Path("o"), None, expand_from=Path("r")),
      "a vocabulary size is needed to train the target tokenizer the expansion adds"),
+    (lambda: __import__("mmadapt.steps").steps.evaluate(["f"], embeddings=["e"], eval_file="bible", graft="false"),
+     "graft takes True or False, got 'false'"),
+    (lambda: __import__("mmadapt.steps").steps.evaluate(["f"], embeddings=["e"], eval_file="bible",
+                                                        cfg=__import__("mmadapt.config").config.FinetuneConfig()),
+     "cfg takes an EvaluateConfig, got FinetuneConfig"),
+    (lambda: __import__("mmadapt.steps").steps.evaluate_plugin(["p", "q"], embeddings=["e"], data="d"),
+     "primary takes one path, got ['p', 'q']"),
+    (lambda: __import__("mmadapt.steps").steps.evaluate_plugin("p", embeddings=["e"], data="d",
+                                                               allow_untrained_positions="no"),
+     "allow_untrained_positions takes True or False, got 'no'"),
     (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", Path("o"), 8e3),
      "--vocab_size takes a whole number, got 8000.0"),
     (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", Path("o"), 5),
@@ -200,7 +210,7 @@ def test_every_numeric_field_declares_its_range():
         "pretrain-recipe", "pretrain-recipe-heads", "pretrain-recipe-one-head", "adapt-system", "finetune-task",
         "evaluate-empty-list", "evaluate-plugin-blocks", "evaluate-eval-file", "evaluate-plugin-data",
         "adapt-vocab-size", "sweep-vocab-size", "extend-plugin-eval-blocks", "extend-vocab-size", "run-spec-two-texts",
-        "preprocess-expand-no-size", "preprocess-vocab-float", "preprocess-vocab-small", "preprocess-cfg-type",
+        "preprocess-expand-no-size", "evaluate-graft-str", "evaluate-cfg-type", "plugin-two-primaries", "plugin-allow-str", "preprocess-vocab-float", "preprocess-vocab-small", "preprocess-cfg-type",
         "preprocess-output-inside-expand-from"])
 def test_the_python_api_is_refused_as_the_command_line_is(make, message):
     with pytest.raises(ValueError) as e:
