@@ -338,9 +338,10 @@ class ModelConfig(Checked):
                                 "(0: each such weight is one parameter)", flag=False, ge=0)
 
     def __post_init__(self):
-        # None is "none given" (the Python API's spelling of the CLI's absent flag), as ()
-        self.head_layers = tuple(self.head_layers or ())
-        self.head_weights = tuple(self.head_weights or ())
+        # None is "none given" (the Python API's spelling of the CLI's absent flag), as (); another
+        # value is check_declared's to refuse (head_layers=12: a list of values), not tuple()'s TypeError
+        self.head_layers = () if self.head_layers is None else self.head_layers
+        self.head_weights = () if self.head_weights is None else self.head_weights
         check_declared(self)
         self.head_layers = tuple(int(x) for x in self.head_layers)
         self.head_weights = tuple(float(x) for x in self.head_weights)
