@@ -13,6 +13,7 @@ import contextvars
 import dataclasses
 import functools
 import math
+import numbers
 import os
 import re
 import sys
@@ -126,9 +127,8 @@ def _checked_value(obj, f, kind, name: str):
             raise ValueError(f"{name} takes a list of values, got {value!r}")
         if not value and (f.default is None or isinstance(f.default, tuple) and f.default):
             raise ValueError(f"{name} needs at least one value")
-        for v in value:
-            _check_one(v, item, f, name)
-        return value
+        checked = [_check_one(v, item, f, name) for v in value]
+        return value if all(c is v for c, v in zip(checked, value)) else type(value)(checked)
     return _check_one(value, kind, f, name)
 
 
@@ -137,6 +137,10 @@ def _check_one(value, kind, f, name: str):
         if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
             raise ValueError(f"{name} takes a path, got {value!r}")
         return Path(value)
+    # NumPy's scalars (a sweep over np.arange) as Python's: the value recorded in run.json is JSON
+    if kind in (int, float) and not isinstance(value, (bool, int, float)) and \
+            isinstance(value, numbers.Integral if kind is int else numbers.Real):
+        value = kind(value)
     if kind in (int, float, bool, str) and (isinstance(value, bool) != (kind is bool)
                                             or not isinstance(value, (int, float) if kind is float else kind)):
         what = {int: "a whole number", float: "a number", bool: "true or false", str: "a string"}[kind]

@@ -282,6 +282,20 @@ def test_the_python_api_refuses_a_text_the_step_does_not_read(tmp_path):
             assert not out.exists(), name
 
 
+def test_numpy_numbers_become_python_numbers():
+    """A sweep over np.arange gives NumPy scalars: taken as the numbers they are, and recorded as
+    JSON numbers (run.json); a NumPy float where a whole number is declared is still refused."""
+    import json
+
+    import numpy as np
+
+    train = TrainConfig(train_iters=np.int64(400), lr=np.float32(0.5), extra_save_steps=(np.int32(5), 7))
+    assert (train.train_iters, train.lr, train.extra_save_steps) == (400, 0.5, (5, 7))
+    assert json.loads(json.dumps(dataclasses.asdict(train)))["extra_save_steps"] == [5, 7]
+    with pytest.raises(ValueError, match="--train_iters takes a whole number"):
+        TrainConfig(train_iters=np.float64(5.0))
+
+
 def test_help_shows_each_flags_range():
     text = " ".join(pretrain_parser().format_help().split())  # argparse wraps lines
     assert "[>= 1]" in text and "[in (0, 1)]" in text and "[one of sdpa, varlen, math]" in text
