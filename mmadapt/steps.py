@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -400,6 +401,9 @@ class Finetune(StepSpec):
     primary_tag: str | None = None
 
     def __post_init__(self):
+        for name in ("train_file", "eval_file"):  # a Path as its text, as steps.evaluate takes one ('bible' is none)
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
         super().__post_init__()
         get_task(self.task)  # an unknown task refused when the step is made, as the command's choices do
 

@@ -305,6 +305,9 @@ def test_a_path_given_as_text_becomes_a_path():
     from mmadapt import steps
 
     assert steps.Finetune(task="bible-genre", primary="runs/x").primary == Path("runs/x")
+    # its files a Path or a str, as steps.evaluate takes them (kept as text: '{lang}' and 'bible' are no paths)
+    step = steps.Finetune(task="xnli", primary="p", train_file=Path("t.tsv"), eval_file=Path("xnli/{lang}.tsv"))
+    assert (step.train_file, step.eval_file) == ("t.tsv", "xnli/{lang}.tsv")
     # a file per language (Step 4's eval_file, the plug-in metric's data): a Path is read as its text,
     # {lang} replaced as in a str (a Path's replace() is a rename: it failed after every model loaded)
     from mmadapt.config import spec_arg
