@@ -86,8 +86,8 @@ def refuse_overwrite(output_dir: Path, resume: bool) -> None:
     output_dir = Path(output_dir)
     checkpoints = has_checkpoints(output_dir / "checkpoints")
     if checkpoints and not resume:
-        raise ValueError(f"{output_dir} already holds checkpoints of another run: pass --resume to continue it, "
-                         "or choose a new --output_dir")
+        raise ValueError(f"{output_dir} already holds a run's checkpoints: pass --resume to continue it (run again as "
+                         "it was, it trains nothing more), or choose a new --output_dir")
     # A Step-2 artifact past update 0 is written after its checkpoint: with none left (deleted to
     # save disk), a run here would start at update 0 and overwrite them one by one, the old run's
     # later ones left beside the new run's for Step 4 to take as one run

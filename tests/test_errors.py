@@ -77,7 +77,7 @@ def test_output_dir_with_another_runs_checkpoints(capsys, args, tmp_path):
     (out / "checkpoints" / "step00000100" / "mp_rank_00_model_states.pt").write_bytes(b"weights")
     (out / "checkpoints" / "latest").write_text("step00000100")
     (out / "metrics.jsonl").write_text('{"step": 100}\n')
-    expect_error(capsys, out, args(out=out), "already holds checkpoints of another run: pass --resume")
+    expect_error(capsys, out, args(out=out), "already holds a run's checkpoints: pass --resume")
 
 
 def test_resume_with_a_different_model(capsys, args, tmp_path):
