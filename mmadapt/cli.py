@@ -254,14 +254,15 @@ def _schedule(args, source: str) -> TrainConfig:
         raise ValueError(f"--preset {preset} is a {owner.name} preset, but {source} is a {family.name} run: drop "
                          f"--preset, or choose one of {', '.join(family.presets)}")
     width = src.cfg.hidden_size  # a preset's model is told by its width (a mini-model keeps its primary's)
+    schedule = override(train, args)  # what the run trains (under MMADAPT_TINY=1: capped)
     if args.preset is None and width != small.hidden_size and parallel.is_rank0():
         # the default schedule is sized for the small preset's model (a CPU's), not for this one
         same = [name for name, (m, _) in family.presets.items() if m.hidden_size == width]
-        print(f"note: {source} is {width} wide and the schedule is the {preset} preset's ({train.train_iters} "
-              f"updates of {train.train_micro_batch_size_per_gpu} x {train.seq_length}, lr {train.lr:g}), sized for "
-              f"a CPU: pass --preset {same[0] if same else 'NAME'} or the schedule's flags for one sized for it",
-              flush=True)
-    return override(train, args)
+        print(f"note: {source} is {width} wide and the schedule is the {preset} preset's, sized for a CPU "
+              f"({schedule.train_iters} updates of {schedule.train_micro_batch_size_per_gpu} x {schedule.seq_length}, "
+              f"lr {schedule.lr:g}, with your flags): pass --preset {same[0] if same else 'NAME'} or the schedule's "
+              "flags for one sized for it", flush=True)
+    return schedule
 
 
 def minipost_parser() -> argparse.ArgumentParser:

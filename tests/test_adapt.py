@@ -601,9 +601,11 @@ def test_a_later_step_over_a_wider_model_than_its_default_schedules_says_so(prim
 
     train, said = schedule(wide)
     assert train == PRESETS["tiny"][1]
-    assert said.startswith(f"note: {wide} is 768 wide and the schedule is the tiny preset's "
+    assert said.startswith(f"note: {wide} is 768 wide and the schedule is the tiny preset's, sized for a CPU "
                            f"({train.train_iters} updates of") and "pass --preset roberta-base" in said
     assert len(said.splitlines()) == 1
+    train, said = schedule(wide, "--train_iters", "5")  # the schedule the run trains, flags over the preset
+    assert train.train_iters == 5 and "(5 updates of" in said
     assert schedule(wide, "--preset", "tiny")[1] == ""
     assert schedule(primary_run)[1] == ""
 
