@@ -55,7 +55,9 @@ from mmadapt.train import lm_batches
 
 RECORD = "extend.json"
 SUMMARY = "summary.json"  # the summary a finished extension printed (_summary)
-EXPORTED = " Extended model: "  # where the summary's text names the export (named anew on each call)
+# where the summary's text names the export, on a line of its own (named anew on each call; a text
+# kept before 2026-12-05 ended its last sentence with it)
+EXPORTED, EXPORTED_BEFORE = "\nExtended model: ", " Extended model: "
 EXPORTS = "exports.json"  # what each export was made from (_export_once): one made from anything else is made again
 SOURCES = "sources.json"  # the content of --model and of --into as each import read them (_imported)
 GRAFT = "graft.json"  # the graft's scores and what they were computed from (_graft)
@@ -522,7 +524,7 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
     kept = ext.output_dir / SUMMARY
     if (old := checkpoint.kept_result(kept, key, "extend summary")) is not None:
         # the scores as kept; the export named as this call's (a copied or moved directory's own)
-        print(old["text"].split(EXPORTED)[0] + f"{EXPORTED}{export}", flush=True)
+        print(old["text"].split(EXPORTED)[0].split(EXPORTED_BEFORE)[0] + f"{EXPORTED}{export}", flush=True)
         return _exports_named(old["summary"], export)
     (start_emb, start_tok, first), (emb, tok, last) = read_artifact(arts[0]), read_artifact(arts[-1])
     per_byte = ByteScorer(Scorer(Primary.read(source)), ext.seq_length, ext.bpb_bytes)

@@ -387,7 +387,7 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     shutil.copytree(out, tmp_path / "ext-copy")
     assert main([*relative, "--output_dir", "ext-copy", "--into", str(other)]) == 0
     said = capsys.readouterr().out
-    assert "Extended model: ext-copy/export" in said and f"Extended model: {out}" not in said, said
+    assert "\nExtended model: ext-copy/export\n" in said and f"Extended model: {out}" not in said, said
     # a refusal there names the models as given, not the runs made of them
     assert main([*relative, "--output_dir", "ext", "--into", str(hf / "llama2-sibling")]) == 2
     err = capsys.readouterr().err

@@ -314,6 +314,7 @@ def test_extend_goes_from_the_directory_to_the_extended_model_in_one_command(shi
     assert kept["no_adaptation_bpb_folds"] == ["case", "accents", "punctuation spacing"] and kept["bpb_folds"] == []
     assert ("Not comparable as they stand: the source's own tokenizer folds accents, case and punctuation spacing "
             "where the other keeps it") in first and "the extension's tokenizer folds" not in first
+    assert f"(docs/bits-per-byte.md).\nExtended model: {out / 'export'}\n" in first  # on a line of its own
     assert json.loads((out / "summary.json").read_text())["summary"]["bpb_bytes"] < 1024 + 1000  # what was printed, kept
     run_ok(*argv[:-1], "512")  # --bpb_bytes sizes the summary only: scored again on fewer bytes, nothing trained
     fewer = [line for line in capsys.readouterr().out.splitlines() if line.startswith("In bits per byte of the same")]
