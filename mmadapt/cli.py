@@ -646,8 +646,8 @@ def report_main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         plot_curves(records, out / "curves.png", device=args.device, baseline=baseline)
         if not plot_speedup(records, out / "speedup.png", baseline=baseline, device=args.device):
-            print(f"note: no speedup.png: no system but {baseline} reaches 95% of {baseline}'s final score, so there "
-                  "is no speedup to plot", file=sys.stderr)
+            print(f"note: no speedup.png: no system has a speedup over {baseline} to plot (none but {baseline} reaches "
+                  f"95% of its final score, or {baseline} reaches it with no Step-2 compute)", file=sys.stderr)
     print(md)
     return 0
 

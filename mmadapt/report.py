@@ -73,21 +73,25 @@ def read_results(files: list[str]) -> list[dict]:
                              "whole number >= 0 (re-run mmadapt evaluate for it)")
         records += [{**r, "_file": f} for r in data]
     if not records:
-        raise ValueError(f"{files[0]} holds no result records")
+        raise ValueError(f"{', '.join(map(str, files))} {'holds' if len(files) == 1 else 'hold'} no result records")
     if not adapted(records):
         raise ValueError(f"{', '.join(files)} hold only no-adaptation records: no Step-2 checkpoint to report "
                          "(mmadapt evaluate --embeddings <Step-2 runs> scores them)")
     _one_metric_per_task(records)
     _apart_across_files(records)
+    # Two runs of one system, told apart by their artifacts, are two names by now: one name's
+    # checkpoint twice (the same step; a record of no step: the same FLOPs) would be one curve's
+    # point twice, and a curve sorted by (FLOPs, score) would end on the better of the two
     seen = {}
     for r in adapted(records):
-        key = (r["system"], r["task"], r["lang"], r.get("step"), r.get("artifact"))
-        if key[3] is not None and key in seen:
+        at = f"step {r['step']}" if r.get("step") is not None else f"{r['flops']:.4g} FLOPs (no step recorded)"
+        key = (r["system"], r["task"], r["lang"], at)
+        if key in seen:
             where = f"{r['_file']} holds" if seen[key] == r["_file"] else f"{seen[key]} and {r['_file']} both hold"
-            raise ValueError(f"{where} {r['system']}'s {r['task']} score in {r['lang']} "
-                             f"at step {r['step']}: one checkpoint evaluated twice would be one curve's point twice; "
-                             "report one of them")
+            raise ValueError(f"{where} {r['system']}'s {r['task']} score in {r['lang']} at {at}: one checkpoint "
+                             "evaluated twice would be one curve's point twice; report one of them")
         seen[key] = r["_file"]
+    _one_no_adaptation_score(records)
     return [{k: v for k, v in r.items() if k != "_file"} for r in records]
 
 
@@ -95,7 +99,7 @@ def read_results(files: list[str]) -> list[dict]:
 # present (REQUIRED_TEXT in every record; a bits-per-byte record needs BPB_NEEDS beside it)
 REQUIRED_TEXT = ("system", "task", "lang")
 TEXT_FIELDS = (*REQUIRED_TEXT, "artifact", "metric", "heldout_tokenizer", "bpb_text")
-NUMBER_FIELDS = ("chance", "bpb", "none_bpb", "start_bpb", "source_bpb", "source_none_bpb")
+NUMBER_FIELDS = ("chance", "bpb", "none_bpb", "start_bpb", "source_bpb", "source_none_bpb", "unknown_share")
 BPB_NEEDS = ("none_bpb", "start_bpb")
 
 
@@ -117,9 +121,12 @@ def _field_problems(r: dict):
         v = r.get("bpb_bytes")  # the scale the bits per byte were scored at (the table's "bytes")
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             yield "bpb_bytes", "must be given beside bpb: the held-out bytes it was scored on, a whole number"
-    of = r.get("of")
-    if of is not None and not (isinstance(of, list) and all(isinstance(s, str) for s in of)):
+    of = r.get("of")  # null: none named, every system's (as a record without it)
+    if of is not None and not (isinstance(of, list) and of and all(isinstance(s, str) for s in of)):
         yield "of", "must be a list of system names"
+    w = r.get("finetune_warnings")
+    if w is not None and not (isinstance(w, list) and all(isinstance(x, str) for x in w)):
+        yield "finetune_warnings", "must be a list of texts"
 
 
 def _finite_number(v) -> bool:
@@ -155,11 +162,13 @@ def _apart_across_files(records: list[dict]) -> None:
     for r in adapted(records):
         if r.get("artifact"):
             runs[(r["system"], r["task"], r["lang"])].add(Path(r["artifact"]).parent.parent)
-    labels = {key: run_names(dirs) for key, dirs in runs.items() if len(dirs) > 1}
+    spelt = {key: _one_spelling(dirs) for key, dirs in runs.items()}
+    labels = {key: run_names(set(one.values())) for key, one in spelt.items() if len(set(one.values())) > 1}
     names = defaultdict(set)  # (task, lang, system) -> {(file, new name)}
     for r in adapted(records):
-        if r.get("artifact") and (r["system"], r["task"], r["lang"]) in labels:
-            name = f"{r['system']} [{labels[(r['system'], r['task'], r['lang'])][Path(r['artifact']).parent.parent]}]"
+        key = (r["system"], r["task"], r["lang"])
+        if r.get("artifact") and key in labels:
+            name = f"{r['system']} [{labels[key][spelt[key][Path(r['artifact']).parent.parent]]}]"
             names[(r["task"], r["lang"], r["system"])].add((r["_file"], name))
             r["system"] = name
     def renamed(none: dict, system: str) -> list[str]:  # what `system` in the no-adaptation record `none` became
@@ -169,6 +178,18 @@ def _apart_across_files(records: list[dict]) -> None:
     for r in records:
         if r["system"] == NO_ADAPTATION and r.get("of"):
             r["of"] = [n for system in r["of"] for n in renamed(r, system)]
+
+
+def _one_spelling(dirs: set[Path]) -> dict[Path, Path]:
+    """Each run directory -> the spelling it is known by: a relative path whose parts end another
+    one's (runs/adapt/x, as one evaluate call was given it; /work/runs/adapt/x in another) is that
+    run, the longest such path, not a run of its own."""
+    def longest(d: Path) -> Path:
+        if d.is_absolute():
+            return d
+        same = [e for e in dirs if len(e.parts) > len(d.parts) and e.parts[-len(d.parts):] == d.parts]
+        return max(same, key=lambda e: (len(e.parts), str(e))) if same else d
+    return {d: longest(d) for d in dirs}
 
 
 def is_plugin(task: str) -> bool:
@@ -567,10 +588,30 @@ def no_adaptation_score(records: list[dict], system: str, task: str, lang: str) 
     """The no-adaptation score that `system`'s `task` scores in `lang` are measured against: that
     of the fine-tuned runs they were evaluated with (a no-adaptation record names their systems in
     "of"; one without it stands for every system). None: the records hold none."""
-    for r in records:
-        if r["system"] == NO_ADAPTATION and r["task"] == task and r["lang"] == lang and system in r.get("of", [system]):
-            return float(r["score"])
-    return None
+    named, every = _no_adaptation_records(records, system, task, lang)
+    return float((named or every)[0]["score"]) if named or every else None
+
+
+def _no_adaptation_records(records: list[dict], system: str, task: str, lang: str) -> tuple[list[dict], list[dict]]:
+    """The no-adaptation records of `task` in `lang` that name `system` in their "of", and those
+    that name none (every system's): a record naming it is its own runs' score, and comes first."""
+    nones = [r for r in records if r["system"] == NO_ADAPTATION and r["task"] == task and r["lang"] == lang]
+    return ([r for r in nones if r.get("of") is not None and system in r["of"]],
+            [r for r in nones if r.get("of") is None])
+
+
+def _one_no_adaptation_score(records: list[dict]) -> None:
+    """Refuse two no-adaptation scores for one system, task and language (from two files, or two
+    fine-tuning runs): which one its rows were measured against followed the files' order."""
+    for system, task, lang in sorted({(r["system"], r["task"], r["lang"]) for r in adapted(records)}):
+        named, every = _no_adaptation_records(records, system, task, lang)
+        for group in (named, every):
+            scores = {float(r["score"]): r["_file"] for r in group}
+            if len(scores) > 1:
+                (a, fa), (b, fb) = list(scores.items())[:2]
+                raise ValueError(f"{system}'s {task} in {lang} has two no-adaptation scores, {a:g} ({fa}) and {b:g} "
+                                 f"({fb}): one would be taken by the files' order; report the records of one "
+                                 "evaluation (its fine-tuned runs) together")
 
 
 def paid(last: float, none: float | None) -> bool | None:
@@ -586,7 +627,7 @@ def adaptation_rows(records: list[dict], task: str) -> list[dict]:
     for (system, t, lang), pts in sorted(curves(records).items(), key=lambda kv: (kv[0][2], kv[0][0])):
         if t == task:
             none = no_adaptation_score(records, system, task, lang)
-            unknown = max(float(r.get("unknown_share", 0.0)) for r in adapted(records)
+            unknown = max(float(r.get("unknown_share") or 0.0) for r in adapted(records)
                           if (r["system"], r["task"], r["lang"]) == (system, t, lang))
             rows.append({"lang": lang, "system": system, "none": none, "start": pts[0][1] if pts[0][0] == 0 else None,
                          "last": pts[-1][1], "paid": paid(pts[-1][1], none), "unknown": unknown})

@@ -645,6 +645,21 @@ CASES = [
     ("report-record-of-a-number", lambda c: ["report", c.records([RECORD, {**RECORD, "system": "no_adaptation",
                                                                            "of": 3}])],
      "record 1 has of 3; of must be a list of system names"),
+    ("report-record-unknown-share-text", lambda c: ["report", c.records([{**RECORD, "unknown_share": "0.3"}])],
+     "record 0 has unknown_share '0.3'; unknown_share must be a finite number"),
+    ("report-record-warnings-a-text", lambda c: ["report", c.records([{**RECORD, "finetune_warnings": "at chance"}])],
+     "record 0 has finetune_warnings 'at chance'; finetune_warnings must be a list of texts"),
+    # one checkpoint twice where no step (or one file no artifact) told it apart: the curve ended on the better
+    ("report-checkpoint-twice-without-a-step", lambda c: ["report", c.records([
+        {k: v for k, v in RECORD.items() if k != "step"}, {k: v for k, v in RECORD.items() if k != "step"} | {
+            "score": 40.0}])], "holds bl_base's t score in de at 1 FLOPs (no step recorded): one checkpoint"),
+    ("report-checkpoint-twice-one-with-its-artifact", lambda c: ["report", c.records([RECORD]), c.file(
+        "more.json", json.dumps([{**RECORD, "score": 45.0, "artifact": "runs/a/embeddings/step00000001"}]))],
+     "results.json and "),
+    ("report-two-no-adaptation-scores", lambda c: ["report", c.records([RECORD, {
+        **RECORD, "system": "no_adaptation", "step": 0, "score": 50.0}]), c.file("more.json", json.dumps([
+            {**RECORD, "system": "minijoint"}, {**RECORD, "system": "no_adaptation", "step": 0, "score": 60.0}]))],
+     "bl_base's t in de has two no-adaptation scores, 50 ("),
     # --- preprocess
     ("preprocess-not-utf8", lambda c: ["preprocess", "--corpus", c.file("latin1.txt", NOT_UTF8), "--output_dir",
                                        str(c.out)], "is not UTF-8"),

@@ -293,8 +293,8 @@ def test_report_without_bl_base_picks_a_baseline_says_which_and_plots_no_empty_s
     out = capsys.readouterr()
     assert out.err.strip().splitlines() == [
         "baseline: minipost (the only system in the records; --baseline chooses another)",
-        "note: no speedup.png: no system but minipost reaches 95% of minipost's final score, so there is no speedup "
-        "to plot"]
+        "note: no speedup.png: no system has a speedup over minipost to plot (none but minipost reaches 95% of its "
+        "final score, or minipost reaches it with no Step-2 compute)"]
     assert "| minipost | 5.18 | 2 | 50.0 | 50.0 | 100.0% |" in out.out
     assert sorted(p.name for p in plots.iterdir()) == ["curves.png"]
     # Several systems, none of them bl_base: the one that spent the most Step-2 compute (the ceiling).
@@ -649,6 +649,28 @@ def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_
     a.write_text(json.dumps([rec("overlap", 0, 21.0), rec("overlap", 0, 21.0)]))
     assert report_main([str(a)]) == 2
     assert capsys.readouterr().err.startswith(f"error: {a} holds bl_base's genre score in de at step 0")
+    # one run, its artifacts named relative to where one evaluate call ran and absolute in another
+    a.write_text(json.dumps([rec("overlap", 200, 33.0)]))
+    b.write_text(json.dumps([{**rec("overlap", 200, 33.5), "artifact": "overlap/embeddings/step00000200"}]))
+    assert report_main([str(a), str(b)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {a} and {b} both hold bl_base's genre score in de at step 200")
+
+
+def test_a_no_adaptation_score_that_names_the_system_is_its_own_whatever_the_files_order(tmp_path):
+    """A no-adaptation record naming the systems of its evaluate call ("of") is theirs; one naming
+    none (hand-written; "of": null too) stands for every other system. Which applied followed the
+    files' order, and a null "of" was a traceback."""
+    from mmadapt.report import read_results
+
+    def rec(system, score, **more):
+        return {"system": system, "task": "genre", "lang": "de", "step": 100, "flops": 1e15, "score": score, **more}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps([rec("bl_base", 60.0), rec("no_adaptation", 50.0, step=0, flops=0, of=None)]))
+    b.write_text(json.dumps([rec("minijoint", 68.0), rec("no_adaptation", 68.5, step=0, flops=0, of=["minijoint"])]))
+    for files in ([a, b], [b, a]):
+        rows = {r["system"]: (r["none"], r["paid"]) for r in adaptation_rows(read_results(list(map(str, files))),
+                                                                            "genre")}
+        assert rows == {"bl_base": (50.0, True), "minijoint": (68.5, False)}
 
 
 def test_plugin_records_of_one_language_through_different_tokenizers_are_noted(tmp_path, capsys):
