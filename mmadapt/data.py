@@ -156,17 +156,20 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
 
 
 def _name_prefix(model: Path, prefix: Path) -> None:
-    """Record `prefix` as the model's trainer_spec.model_prefix, where SentencePiece wrote the
-    temporary one it trained into (.tmp<pid>): the model's bytes, and with them the sha256 a
-    prepared dataset's manifest and every run on it record, would differ from one preparation of
-    the same corpus to the next, and a --resume over a dataset prepared again alike be refused as
-    holding another tokenizer. (The vocabulary itself is the same for the same text, seed and
-    num_threads: SentencePiece's EM sums each thread's share apart.)"""
+    """Record the name of `prefix` as the model's trainer_spec.model_prefix, where SentencePiece
+    wrote the temporary path it trained into (.tmp<pid>), and no input file: both as given would
+    make the model's bytes, and with them the sha256 a prepared dataset's manifest and every run
+    on it record, differ from one preparation of the same corpus to the next (another process, or
+    the same paths spelt from another directory), and a --resume over a dataset prepared again
+    alike be refused as holding another tokenizer. (The vocabulary itself is the same for the same
+    text, seed and num_threads: SentencePiece's EM sums each thread's share apart; the manifest
+    names the corpus.)"""
     from sentencepiece import sentencepiece_model_pb2 as sp_model
 
     proto = sp_model.ModelProto()
     proto.ParseFromString(model.read_bytes())
-    proto.trainer_spec.model_prefix = str(prefix)
+    proto.trainer_spec.model_prefix = Path(prefix).name
+    del proto.trainer_spec.input[:]
     model.write_bytes(proto.SerializeToString())
 
 

@@ -876,7 +876,8 @@ def test_a_dataset_prepared_again_alike_holds_the_same_tokenizer_bytes(corpus, t
     """SentencePiece records the prefix it trained into, tokenizer.tmp<pid>, in the model: each
     preparation's tokenizer had other bytes, so another sha256 in the manifest, and a --resume
     over the same corpus prepared again alike was refused as holding another tokenizer. The
-    model now names its own prefix; the same text, seed and threads give the same bytes."""
+    model now names its own prefix, by its name, and no input path: the same text, seed and threads
+    give the same bytes, the corpus and output directory spelt from another directory too."""
     out = tmp_path / "prep"
     digests = []
     for pid in (4242, 4343):  # two preparations, as two processes
@@ -884,12 +885,17 @@ def test_a_dataset_prepared_again_alike_holds_the_same_tokenizer_bytes(corpus, t
         monkeypatch.setattr(D.os, "getpid", lambda pid=pid: pid)
         manifest = prepare(corpus, out, 300, cfg=PreprocessConfig(workers=1))
         digests.append(manifest["tokenizer_sha256"])
-    assert digests[0] == digests[1] == D.file_sha256(out / D.TOKENIZER)
+    shutil.rmtree(out)
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")  # a requeued job's preparation, its paths relative to where it runs
+    digests.append(prepare(os.path.relpath(corpus), Path("../prep"), 300, cfg=PreprocessConfig(workers=1))[
+        "tokenizer_sha256"])
+    assert digests[0] == digests[1] == digests[2] == D.file_sha256(out / D.TOKENIZER)
     from sentencepiece import sentencepiece_model_pb2
 
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString((out / D.TOKENIZER).read_bytes())
-    assert proto.trainer_spec.model_prefix == str(out / D.TOKENIZER).removesuffix(".model")
+    assert proto.trainer_spec.model_prefix == "tokenizer" and not proto.trainer_spec.input
 
 
 def test_a_corpus_path_with_a_comma_trains_a_tokenizer(corpus, tmp_path):
