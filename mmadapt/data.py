@@ -108,17 +108,22 @@ def check_corpus(path: str | os.PathLike) -> Path:
         raise DataError(f"corpus {path} is a directory: pass --corpus a UTF-8 text file (one sentence per line)")
     if not path.is_file():
         raise DataError(f"corpus {path} does not exist: pass --corpus a UTF-8 text file (one sentence per line)")
-    decoder, offset, text = codecs.getincrementaldecoder("utf-8")(), 0, False
+    decoder, offset, text, breaks = codecs.getincrementaldecoder("utf-8")(), 0, False, set()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
+            if offset == 0:
+                packed = next((tool for magic, tool in PACKED.items() if chunk.startswith(magic)), None)
+                if packed:  # (its bytes read as a bad UTF-8 sequence at offset 1, with iconv advised)
+                    raise DataError(f"corpus {path} is a compressed file: unpack it ({packed}) and pass the text")
             pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous chunk
             try:
-                decoder.decode(chunk)
+                decoded = decoder.decode(chunk)
             except UnicodeDecodeError as e:
                 raise DataError(f"corpus {path} is not UTF-8: byte offset {offset - pending + e.start} "
                                 f"({chunk[e.start:e.start + 4]!r}); convert it (e.g. iconv -f <encoding> -t utf-8)"
                                 ) from None
-            text = text or bool(chunk.strip())
+            text = text or bool(decoded.strip())  # as the encoder reads a line: Unicode's blanks are blank
+            breaks |= {b for b in (b"\n", b"\r") if b not in breaks and b in chunk}
             offset += len(chunk)
         try:
             decoder.decode(b"", final=True)
@@ -127,7 +132,15 @@ def check_corpus(path: str | os.PathLike) -> Path:
                             f"{offset})") from None
     if not text:
         raise DataError(f"corpus {path} is empty: it needs at least one non-blank line of text")
+    if breaks == {b"\r"}:  # every line is read up to a '\n': the whole text one sentence, or skipped in training
+        raise DataError(f"corpus {path} ends its lines with '\\r' alone (old Mac line endings), which reads as one "
+                        f"line: convert them (tr '\\r' '\\n' < {path.name} > {path.stem}-lf{path.suffix})")
     return path
+
+
+# a compressed corpus's first bytes -> the tool that unpacks it
+PACKED = {b"\x1f\x8b": "gunzip", b"BZh": "bunzip2", b"\xfd7zXZ\x00": "unxz", b"\x28\xb5\x2f\xfd": "unzstd",
+          b"PK\x03\x04": "unzip"}
 
 
 SP_MAX_SENTENCE_BYTES = 4192  # SentencePiece's max_sentence_length default: longer lines are skipped
@@ -190,8 +203,7 @@ def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_senten
             shuffle_input_sentence=True, num_threads=threads, minloglevel=2)
     except RuntimeError as e:
         if "sentences_.empty()" in str(e):  # every line was dropped, most often for its length
-            with open(corpus, "rb") as f:
-                long_lines = sum(len(line) > SP_MAX_SENTENCE_BYTES for line in f)
+            long_lines = _long_lines(corpus)[1]
             if long_lines:
                 raise DataError(f"corpus {corpus}: SentencePiece skips lines longer than {SP_MAX_SENTENCE_BYTES} "
                                 f"bytes and {long_lines} of its lines are, leaving nothing to train on: split the "
@@ -208,6 +220,22 @@ def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_senten
                             f"pass --vocab_size {fewest.group(1)} or more") from None
         raise DataError(f"SentencePiece could not train a {vocab_size}-piece vocabulary on {corpus}: "
                         f"{str(e).splitlines()[0]}") from None
+    lines, long_lines, long_bytes = _long_lines(corpus)
+    if long_lines:  # trained on the rest, unsaid: a script found only in long lines became <unk>
+        print(f"warning: {long_lines:,} of the {lines:,} lines of {corpus} ({long_bytes / corpus.stat().st_size:.0%} "
+              f"of its bytes) are longer than {SP_MAX_SENTENCE_BYTES} bytes, which SentencePiece skips: the "
+              "vocabulary was trained on the rest; split the text into one sentence per line", flush=True)
+
+
+def _long_lines(corpus: Path) -> tuple[int, int, int]:
+    """(lines, those longer than SentencePiece reads, their bytes) of `corpus`: one pass."""
+    lines = long_lines = long_bytes = 0
+    with open(corpus, "rb") as f:
+        for line in f:
+            lines += 1
+            if len(line.rstrip(b"\r\n")) > SP_MAX_SENTENCE_BYTES:
+                long_lines, long_bytes = long_lines + 1, long_bytes + len(line)
+    return lines, long_lines, long_bytes
 
 
 def read_tokenizer(path: str | os.PathLike):

@@ -400,6 +400,23 @@ def test_bad_inputs(prepared, corpus, tokenizer, de_tokenizer, tmp_path):
     assert not list((tmp_path / "l").glob(".shards*"))  # a failed preparation leaves no shards
 
 
+def test_a_tokenizer_trained_past_long_lines_says_so(corpus, tmp_path, capsys):
+    """SentencePiece skips a line longer than 4192 bytes: where only some are (paragraphs joined
+    into lines), the vocabulary is trained on the rest, said with how much of the text that is."""
+    text = Path(corpus).read_text().splitlines()
+    joined = tmp_path / "paragraphs.txt"
+    joined.write_text(" ".join(text[:200]) + "\n" + "\n".join(text[200:]) + "\n")
+    long_bytes = len((" ".join(text[:200]) + "\n").encode())
+    assert long_bytes > D.SP_MAX_SENTENCE_BYTES
+    D.train_tokenizer(joined, tmp_path / "tok" / "t", 300)
+    said = capsys.readouterr().out
+    share = long_bytes / joined.stat().st_size
+    assert f"warning: 1 of the {len(text) - 199:,} lines of {joined} ({share:.0%} of its bytes) are longer than " \
+        "4192 bytes, which SentencePiece skips" in said, said
+    D.train_tokenizer(corpus, tmp_path / "tok" / "u", 300)
+    assert "warning" not in capsys.readouterr().out
+
+
 def test_a_large_raw_corpus_is_sent_to_preprocess(corpus, tokenizer, tmp_path, monkeypatch):
     from mmadapt import train as T
     from mmadapt.models import PRESETS
