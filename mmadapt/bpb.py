@@ -89,7 +89,8 @@ def heldout_lines(data_path: str | Path, max_bytes: int = BPB_BYTES) -> list[lis
         raise DataError(f"corpus {corpus} changed since {data_path} was prepared from it: prepare it again")
     seed = manifest.get("valid_seed", PreprocessConfig.tokenizer_seed)
     docs, doc, total, held = [], None, 0, None
-    with open(corpus, encoding="utf-8", newline="\n") as f:  # lines as prepare splits them: at \n alone
+    # lines as prepare splits them: at \n alone, a byte-order mark no text
+    with open(corpus, encoding="utf-8-sig", newline="\n") as f:
         for raw in f:
             line = raw.strip()
             if not line:

@@ -385,7 +385,9 @@ def _encode_range(job: tuple) -> tuple[list[int], list[int]]:
             if not raw:
                 break
             try:
-                text = raw.decode("utf-8").strip()
+                # a byte-order mark is no text (bpb.heldout_lines reads it so): a byte-fallback tokenizer
+                # encoded it as 3 pieces, and it entered the first document's held-out draw
+                text = raw.decode("utf-8-sig" if pos == 0 else "utf-8").strip()
             except UnicodeDecodeError as e:
                 raise DataError(f"corpus {corpus} is not UTF-8: byte {pos + e.start} (in the line starting at "
                                 f"byte {pos}) is invalid; convert it to UTF-8 first (e.g. with iconv)") from None
@@ -541,7 +543,7 @@ def sample_unknown_share(corpus: Path, tokenizer: Path, lines: int = 2_000) -> f
     refuse a text of another script before it prepares the whole (a script the tokenizer does not
     cover shows in any sample)."""
     sample = []
-    with open(corpus, encoding="utf-8", errors="replace") as f:
+    with open(corpus, encoding="utf-8-sig", errors="replace") as f:
         for raw in f:
             if raw.strip():
                 sample.append(raw.strip())

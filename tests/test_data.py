@@ -53,6 +53,25 @@ def test_any_number_of_workers_gives_the_same_bytes(prepared, corpus):
     assert corpus.stat().st_size // (64 << 10) >= 2  # the corpus was split into several ranges
 
 
+def test_a_byte_order_mark_is_no_text(corpus, tokenizer, tmp_path):
+    """A corpus saved with a UTF-8 byte-order mark prepares as the same text without it: the mark
+    entered the first document's held-out draw (and a byte-fallback tokenizer's first pieces)."""
+    from mmadapt.bpb import heldout_lines
+
+    first = Path(corpus).read_text(encoding="utf-8").splitlines()[0]
+    fraction = next(f / 20 for f in range(1, 20) if D.is_validation_document(first, f / 20, 1234)
+                    != D.is_validation_document("\ufeff" + first, f / 20, 1234))  # where the mark moves the draw
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes(b"\xef\xbb\xbf" + Path(corpus).read_bytes())
+    cfg = PreprocessConfig(workers=1, valid_fraction=fraction)
+    plain = prepare(corpus, tmp_path / "plain", VOCAB, tokenizer=tokenizer, quiet=True, cfg=cfg)
+    with_mark = prepare(marked, tmp_path / "marked", VOCAB, tokenizer=tokenizer, quiet=True, cfg=cfg)
+    assert with_mark["valid"] == plain["valid"] and with_mark["tokens"] == plain["tokens"]
+    for f in ("text.bin", "valid.bin"):
+        assert filecmp.cmp(tmp_path / "plain" / f, tmp_path / "marked" / f, shallow=False), f
+    assert heldout_lines(tmp_path / "marked", 10**9) == heldout_lines(tmp_path / "plain", 10**9)
+
+
 def test_dataset_is_megatrons_indexed_dataset_in_fairseqs_layout(prepared, corpus, tokenizer):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
