@@ -106,13 +106,15 @@ class TextData:
                     "data_split": split_digest(manifest)}
         if run.corpus is None:
             raise ValueError("no training data: pass --data_path (a dataset made by mmadapt preprocess) or --corpus")
-        corpus = check_corpus(run.corpus)
-        if corpus.stat().st_size > RAW_CORPUS_LIMIT_BYTES:
+        corpus = Path(run.corpus)
+        # the size first: check_corpus reads every byte (a 100 GB corpus for minutes), only to be sent away
+        if corpus.is_file() and corpus.stat().st_size > RAW_CORPUS_LIMIT_BYTES:
             prepared = corpus.with_name(corpus.name + ".prepared")
             tok = f" --tokenizer {run.tokenizer}" if run.tokenizer else ""
             raise ValueError(f"corpus {corpus} is {corpus.stat().st_size / 2**30:.1f} GiB: prepare it once first with "
                              f"`mmadapt preprocess --corpus {corpus} --output_dir {prepared} --vocab_size "
                              f"{model.vocab_size}{tok}`, then pass --data_path {prepared}")
+        corpus = check_corpus(corpus)
         if run.tokenizer is not None:
             load_checked_tokenizer(run.tokenizer, model.vocab_size)
             check_tokenizer_kind(family, run.tokenizer)

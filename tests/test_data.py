@@ -447,6 +447,12 @@ def test_a_large_raw_corpus_is_sent_to_preprocess(corpus, tokenizer, tmp_path, m
     with pytest.raises(ValueError, match=f"`mmadapt preprocess --corpus {corpus} --output_dir "):
         T.TextData().check(run, model, PRESETS["tiny"][1], ROBERTA)
     assert not (tmp_path / "run").exists()
+    # sent there before its every byte is read (the check of a 100 GB corpus took minutes): a text
+    # that is not UTF-8 past the limit's first bytes is refused for its size
+    odd = tmp_path / "big.txt"
+    odd.write_bytes(Path(corpus).read_bytes()[:2000] + b"caf\xe9\n")
+    with pytest.raises(ValueError, match="is 0.0 GiB: prepare it once first"):
+        T.TextData().check(dataclasses.replace(run, corpus=str(odd)), model, PRESETS["tiny"][1], ROBERTA)
 
 
 def test_masking_80_10_10_and_determinism():
