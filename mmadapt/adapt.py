@@ -52,16 +52,16 @@ from mmadapt.parallel import from_rank0
 from mmadapt.artifact import ARTIFACT_FILE, SAMPLED_KEY, read_artifact, write_artifact
 from mmadapt.config import (EMBEDDING_INITS, MIN_VOCAB_SIZE, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig,
                             StepSpec, TrainConfig, _f, check_lang)
-from mmadapt.data import TEXT, TOKENIZER, check_prepared, read_tokenizer, replay_blocks
+from mmadapt.data import TEXT, TOKENIZER, check_prepared, file_sha256, read_tokenizer, replay_blocks
 from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, merged_vocabulary,
                             output_start, replay_text, source_text)
 from mmadapt.family import ModelFamily
 from mmadapt.flops import device_days, flops_by_rows
 from mmadapt.heldout import PluginProbe, Primary, Scorer, Text, piece_counts, target_logprobs, unigram_logprobs
 from mmadapt.models.layers import derive_seed, new_rows_name
-from mmadapt.run import (RunSpec, Source, agreed_source, check_run, check_same_source, check_trained_positions,
-                         load_checkpoint, read_source, require_head, resumed_tag, run_text_layout, sampled_fingerprint,
-                         start_run)
+from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, agreed_source, check_run, check_same_source,
+                         check_trained_positions, load_checkpoint, read_source, require_head, resumed_tag,
+                         run_text_layout, sampled_fingerprint, start_run)
 from mmadapt.tokenizer import WORD_BOUNDARY
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
@@ -143,6 +143,10 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
                     return StartRule.recorded(record)
             return StartRule()
         rule = parallel.rank0_decides(recorded_rule)
+        # the source's tokenizer too, before the start is built over it (its shared pieces' rows, the bias fit:
+        # built again on a resume)
+        source_tokenizer = file_sha256(plan.source.tokenizer)
+        check_same_source(plan.run, {"source_tokenizer_sha256": lambda: source_tokenizer}, plan.source.path)
         start = parallel.together(lambda: Step2Start.build(plan.source, plan.body, step, tokenizer, started.data, rule),
                                   f"could not read {plan.source.path}'s checkpoint {plan.source.tag}")
         check_same_source(plan.run, {"source_fingerprint": lambda: start.source_fingerprint}, plan.source.path)
@@ -156,7 +160,8 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
                     text_layout=run_text_layout(plan.source.record))
         metrics = train_lm(started, plan.run, plan.model, step.train, job, start.init, after_save=writer,
                            record={**start.rows, **plan.expanded, "target_vocab_size": plan.model.vocab_size,
-                                   "source_fingerprint": start.source_fingerprint})
+                                   "source_fingerprint": start.source_fingerprint,
+                                   "source_tokenizer_sha256": source_tokenizer})
         final = plan.run.output_dir / "embeddings" / checkpoint.tag_for(step.train.train_iters)
         if plan.expanded and parallel.is_rank0() and final.is_dir():
             started.record.finish(expand_report=start.report(plan, final, started.data))
@@ -221,6 +226,11 @@ def _source(run: RunSpec, step: AdaptEmbeddings) -> tuple[Source, ModelConfig]:
         raise ValueError(f"unknown system {step.system!r}; choose one of {', '.join(SYSTEMS)}")
     source = agreed_source(step.source, lambda: resumed_tag(run.output_dir, run.resume, step.source, step.source_tag))
     require_head(source, "Step 2")
+    pieces = read_tokenizer(source.tokenizer).get_piece_size()
+    if pieces > source.cfg.vocab_size:  # (an IndexError where its shared pieces' rows were copied)
+        raise ValueError(f"{source.path}'s tokenizer ({RUN_TOKENIZER}) has {pieces} pieces, more than its "
+                         f"model's {source.cfg.vocab_size} rows: it is not the tokenizer the run trained with; put "
+                         "that one back")
     check_trained_positions(source, step.train.seq_length, "Step 2")
     recipe = source.record.get("recipe")
     if recipe not in SOURCE_RECIPES[step.system]:

@@ -610,6 +610,23 @@ def test_a_later_step_over_a_wider_model_than_its_default_schedules_says_so(prim
     assert schedule(primary_run)[1] == ""
 
 
+def test_a_source_whose_tokenizer_outgrew_its_model_is_refused(primary_run, corpus, de_corpus, de_tokenizer, tmp_path,
+                                                               capsys):
+    """A source run whose tokenizer was replaced by a larger one: refused in one line before Step 2
+    writes anything (its shared pieces' rows were copied past the model's: an IndexError)."""
+    from mmadapt.cli import main
+
+    source = tmp_path / "source"
+    shutil.copytree(primary_run, source)
+    from mmadapt.data import train_tokenizer
+
+    shutil.copyfile(train_tokenizer(corpus, tmp_path / "tok" / "big", VOCAB + 200), source / "tokenizer" / "spm.model")
+    assert main(["adapt", *adapt_args("minijoint", source, de_corpus, de_tokenizer, tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"tokenizer (tokenizer/spm.model) has {VOCAB + 200} pieces, more than its model's {VOCAB} rows" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
 def test_the_bias_fit_reaches_a_piece_far_below_the_others():
     """fit_bias takes the mean of the softmax over positions in log space: a piece 110-120 nats
     below the other at every position has a softmax of 0 in fp32, whose log made the fitted bias

@@ -842,6 +842,16 @@ def test_a_resume_over_a_changed_source_is_refused(runs, de_corpus, de_tokenizer
     assert not (tmp_path / "x").exists()
     shutil.rmtree(source / "checkpoints")
     shutil.move(kept, source / "checkpoints")
+    # the source's weights as they were, its tokenizer replaced (shared pieces copied by another vocabulary)
+    spm = source / "tokenizer" / "spm.model"
+    own = spm.read_bytes()
+    spm.write_bytes(open(de_tokenizer, "rb").read())
+    before = content(tmp_path / "adapt")
+    assert cli([*adapt, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"{source.resolve()} changed since {tmp_path / 'adapt'} started over it (its tokenizer differs" in err, err
+    assert err.count("\n") == 1 and content(tmp_path / "adapt") == before
+    spm.write_bytes(own)
     assert cli([*adapt, "--resume"]) == 0 and cli([*finetune, "--resume"]) == 0
     # a load checks the primary by its sampled fingerprint: no full hash of its weights
     import mmadapt.artifact as artifact_module
