@@ -349,9 +349,11 @@ class PluginProbe:
     def score(self, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> dict[str, float]:
         """tensors: an artifact's ({"word_embeddings": [V, h], ...}), meta: its meta.json (an
         expanded vocabulary's says so) -> {"plugin_loss", "unigram_loss", "plugin_gain"} (nats per
-        scored piece; the gain is the metric)."""
+        scored piece; the gain is the metric) and "plugin_eval_blocks", the blocks scored: a --resume
+        may change them (TrainConfig's changeable fields), and each artifact then says which it had."""
         if self.scorer is None:
             self.scorer = self.make()
             self.held = self.scorer.heldout(self.text, tensors["word_embeddings"].shape[0])
         loss = self.scorer.loss(self.held, tensors, meta)
-        return {"plugin_loss": loss, "unigram_loss": self.held.unigram, "plugin_gain": self.held.unigram - loss}
+        return {"plugin_loss": loss, "unigram_loss": self.held.unigram, "plugin_gain": self.held.unigram - loss,
+                "plugin_eval_blocks": self.text.blocks}

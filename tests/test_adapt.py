@@ -170,6 +170,12 @@ def test_the_start_bias_is_fitted_to_the_target_text(primary_run, de_corpus, de_
     print(f"German start loss: fitted bias {start:.3f} (to every piece's frequencies {all_pieces:.3f}), the old rule "
           f"{before:.3f}, unigram {held.unigram:.3f}")
     assert abs(start - held.unigram) <= 0.035 and before - held.unigram > 0.1 and all_pieces - start > 0.01
+    # Step 2's progress probe scores so too, and says on how many blocks (a --resume may change them)
+    from mmadapt.heldout import PluginProbe
+
+    scored = PluginProbe(lambda: scorer, Text(data, 32, blocks=4)).score(fitted.tensors())
+    assert scored["plugin_eval_blocks"] == 4 and scored["plugin_loss"] == pytest.approx(
+        scorer.loss(scorer.heldout(Text(data, 32, blocks=4), VOCAB), fitted.tensors()))
 
 
 def test_minijoint_mini_model_gives_the_secondary_head_loss(primary_run, de_data):
