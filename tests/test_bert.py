@@ -319,11 +319,15 @@ def test_export_of_a_bert_mmadapt_pretrained(corpus, tokenizer, tmp_path, capsys
     model = dataclasses.replace(apply_recipe(PRESETS["bert-tiny"][0], "bl_base"), num_layers=2, head_layers=(2,),
                                 vocab_size=load(tokenizer).get_piece_size(), max_position_embeddings=SEQ)
     train = dataclasses.replace(PRESETS["bert-tiny"][1], train_iters=2, save_interval=2, log_interval=1,
-                                train_micro_batch_size_per_gpu=4, seq_length=SEQ)
+                                train_micro_batch_size_per_gpu=4, seq_length=SEQ, extra_save_steps=(1, 5))
     run = tmp_path / "run"
     steps.pretrain(run=RunSpec(output_dir=run, corpus=corpus, ds_config=REPO / "ds_configs" / "zero0.json",
                                tokenizer=tokenizer), step=steps.Pretrain(model=model, train=train, recipe="bl_base"))
-    said = [line for line in capsys.readouterr().out.splitlines() if "warm-up" in line]
+    out = capsys.readouterr().out
+    # a save asked for past the run's end: said, as the warm-up is
+    assert [line for line in out.splitlines() if "extra_save_steps" in line] == [
+        "note: --extra_save_steps 5 is past the run's last update (2): no checkpoint is saved there"]
+    said = [line for line in out.splitlines() if "warm-up" in line]
     assert said == [f"note: the learning-rate warm-up ({train.lr_warmup_iters} updates, --lr_warmup_iters) is longer "
                     f"than the run (2): the rate peaks at {2 / train.lr_warmup_iters:.0%} of --lr and never decays; "
                     "set --lr_warmup_iters below 2"]
