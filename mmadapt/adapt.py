@@ -52,6 +52,7 @@ from mmadapt.parallel import from_rank0
 from mmadapt.artifact import ARTIFACT_FILE, SAMPLED_KEY, read_artifact, write_artifact
 from mmadapt.config import (EMBEDDING_INITS, MIN_VOCAB_SIZE, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig,
                             StepSpec, TrainConfig, _f, check_lang)
+from mmadapt.corpora import check_bible_lang
 from mmadapt.data import TEXT, TOKENIZER, check_prepared, file_sha256, read_tokenizer, replay_blocks
 from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, merged_vocabulary,
                             output_start, replay_text, source_text)
@@ -194,6 +195,7 @@ class Step2Plan:
         source, body = _source(run, step)
         if run.data_path is None and run.corpus is None:
             run = dataclasses.replace(run, corpus=f"bible:{step.lang}")
+        check_bible_lang(run.corpus, step.lang)
         manifest = check_prepared(run.data_path) if run.data_path is not None else None
         if step.train.plugin_eval_blocks and not (manifest or {}).get("valid"):
             raise ValueError("--plugin_eval_blocks scores held-out target text: pass --data_path, a dataset prepared "

@@ -78,6 +78,15 @@ def text_rule_key() -> str:
     return hashlib.sha256(rules.encode()).hexdigest()[:12]
 
 
+def check_bible_lang(spec, lang: str, flag: str = "--corpus") -> None:
+    """Refuse a packaged Bible (`bible:<x>`) of another language than `lang`, the language a step
+    labels its embeddings with: --lang de --corpus bible:fr trained French embeddings as German,
+    and Step 4 scored them on German."""
+    if isinstance(spec, str) and spec.startswith("bible:") and spec.split(":", 1)[1] != lang:
+        raise ValueError(f"{flag} {spec} is the {spec.split(':', 1)[1]} Bible, but --lang is {lang}: pass "
+                         f"{flag} bible:{lang}, or --lang {spec.split(':', 1)[1]}")
+
+
 def resolve_corpus(spec: str | os.PathLike) -> Path:
     """A path, or `bible:<lang>` for the packaged Bible (written once to the cache)."""
     spec = str(spec)

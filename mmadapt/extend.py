@@ -42,7 +42,7 @@ from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, SCORING, ByteScorer, fold_caveat
 from mmadapt.config import (MIN_VOCAB_SIZE, MiniModelConfig, PreprocessConfig, TrainConfig, _f, check_declared,
                             check_lang, output_inside_an_input)
-from mmadapt.corpora import resolve_corpus
+from mmadapt.corpora import check_bible_lang, resolve_corpus
 from mmadapt.data import (MANIFEST, UNKNOWN_REFUSE, DataError, NothingHeldOut, check_corpus, corpus_fingerprint,
                           read_manifest, sample_unknown_share)
 from mmadapt.graft import check_siblings
@@ -111,6 +111,7 @@ class Extend:
         if self.system not in SYSTEMS:
             raise ValueError(f"--system {self.system}: extend adapts an imported model over {' or '.join(SYSTEMS)}")
         check_lang(self.lang)
+        check_bible_lang(self.corpus, self.lang)
         if self.bpb_bytes < MIN_BPB_BYTES:
             raise ValueError(f"bpb_bytes {self.bpb_bytes}: the summary scores at least {MIN_BPB_BYTES} held-out bytes")
         for iters in (self.head_iters, self.minipost_iters):

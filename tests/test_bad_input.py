@@ -539,6 +539,10 @@ CASES = [
                                                             c.file("run/embeddings/step00000004/embeddings.pt", b"x"))
      and c.adapt("--resume"), "holds the Step-2 artifacts of a run (embeddings/step00000004) and no checkpoint to "
      "continue it from: choose a new --output_dir"),
+    ("adapt-bible-of-another-language", lambda c: c.adapt(corpus="bible:fr"),
+     "--corpus bible:fr is the fr Bible, but --lang is de: pass --corpus bible:de, or --lang fr"),
+    ("extend-bible-of-another-language", lambda c: c.extend("--corpus", "bible:fr"),
+     "--corpus bible:fr is the fr Bible, but --lang is de"),
     ("adapt-unknown-system", lambda c: c.adapt()[:2] + ["bl_huge"] + c.adapt()[3:], "invalid choice: 'bl_huge'"),
     ("adapt-source-tag", lambda c: c.adapt("--source_tag", "step00000009"), "has no complete checkpoint step00000009"),
     ("adapt-zero3", lambda c: c.adapt("--ds_config", c.file("ds.json", ZERO3)), "uses ZeRO stage 3"),
