@@ -157,6 +157,9 @@ class ChangedRun(ValueError):
         self.detail = detail
 
 
+# the record keys a --resume compares first: what the run is (its step, system, language, task)
+IDENTITY_FIRST = ("step", "system", "recipe", "lang", "task")
+
 # record keys that hold a file's path: the same file however it is spelt (records from before
 # 2026-12-05 hold it as given, perhaps relative to where the run started)
 PATH_KEYS = ("train_file",)
@@ -169,7 +172,9 @@ def check_same_run(run_file: Path, expected: dict) -> None:
     saved = _flat(checkpoint.read_json(run_file, "run file"))
     mine = _flat(json.loads(json.dumps(expected)))  # tuples as lists, as run.json holds them
     defaults = None
-    for key, value in mine.items():
+    # what the run is before how it is shaped: --system bl_base over a minijoint run's record was
+    # refused as 'model.num_layers is 12 here but 4'
+    for key, value in sorted(mine.items(), key=lambda kv: kv[0] not in IDENTITY_FIRST):
         leaf = key.rsplit(".", 1)[-1]
         if leaf in CHANGEABLE_ON_RESUME or saved.get(key) == value:
             continue

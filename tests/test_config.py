@@ -409,6 +409,19 @@ def test_a_resume_names_the_training_file_however_it_is_spelt(tmp_path, monkeypa
             check_same_run(record, {"train_file": "other.csv"})
 
 
+def test_a_resume_of_another_system_is_refused_by_its_system(tmp_path):
+    """--resume with another --system (bl_base over a MINIJOINT run's record): named by what
+    differs first, the system, not by the model shape that follows from it."""
+    import json
+
+    from mmadapt.run import check_same_run
+
+    record = tmp_path / "run.json"
+    record.write_text(json.dumps({"model": {"num_layers": 4}, "step": "adapt", "system": "minijoint"}))
+    with pytest.raises(ValueError, match="changed run: system is bl_base here but minijoint in "):
+        check_same_run(record, {"model": {"num_layers": 12}, "step": "adapt", "system": "bl_base"})
+
+
 def test_a_run_recorded_before_per_token_losses_resumes_as_it_trained(tmp_path):
     """A run recorded before calculate_per_token_loss (2026-12-02) took the mean of its
     micro-batches' means: resumed with today's default, its updates would change weighting midway.
