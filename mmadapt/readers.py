@@ -240,7 +240,8 @@ def read_table(path: str | os.PathLike, header: bool = True) -> tuple[list[str],
     if kind == "jsonl":
         if not header:
             raise ValueError(f"{path}: JSON Lines rows name their columns: give --text_column and --label_column as "
-                             "names, not numbers")
+                             "names, not numbers (mmadapt evaluate reads a file as its fine-tuned run read its own: "
+                             "CSV or TSV without a header line, for a run given column numbers)")
         rows = []
         with open(path, encoding="utf-8-sig") as f:
             for n, line in enumerate(f, 1):
@@ -296,6 +297,9 @@ def read_table(path: str | os.PathLike, header: bool = True) -> tuple[list[str],
                 raise ValueError(f"{path}:{line}: {len(r)} field{'s' if len(r) != 1 else ''} where {where} has "
                                  f"{width}: quote a field that holds a {'comma' if kind == 'csv' else 'tab'} "
                                  '("like, this"), or fill in the missing one')
+        again = next((line for line, r in records if header and r == columns), None)
+        if again is not None:  # two exports joined: the second's header a row of the first's, its label a class
+            raise ValueError(f"{path}:{again}: this row repeats the header line (files joined?): drop it")
         if not header:
             columns = [str(i) for i in range(width)]
         rows = [dict(zip(columns, r)) for _, r in records]
@@ -310,7 +314,8 @@ def _column(path: Path, columns: list[str], name: str, flag: str) -> str:
             raise ValueError(f"{path} has {len(columns)} column{'s' if len(columns) != 1 else ''}, numbered from 0: "
                              f"--{flag} {name} is past them")
         raise ValueError(f"{path} has no column {name!r} (its columns: {', '.join(map(repr, columns))}): "
-                         f"name the right one with --{flag}")
+                         f"name the right one with --{flag} (mmadapt evaluate reads the columns its fine-tuned run "
+                         "read: give the file those)")
     return name
 
 
@@ -367,10 +372,14 @@ def _own_columns(path: Path, flags: dict[str, str | None]) -> None:
 
 
 def _one_spelling(path: Path, labels: set[str]) -> None:
-    """Refuse one number written two ways as labels ("0" and "0.0", "1" and "01"): two classes to
-    the run, one to whoever wrote the file."""
-    by_value = {}
+    """Refuse one number written two ways as labels ("0" and "0.0", "1" and "01"), or one word in
+    two cases ("pos" and "Pos"): two classes to the run, one to whoever wrote the file."""
+    by_value, by_case = {}, {}
     for label in sorted(labels):
+        if label.casefold() in by_case:
+            raise ValueError(f"{path}: the labels {by_case[label.casefold()]!r} and {label!r} differ only in case, "
+                             "which would be two classes: write each class one way")
+        by_case[label.casefold()] = label
         try:
             value = float(label)
         except ValueError:
@@ -383,12 +392,31 @@ def _one_spelling(path: Path, labels: set[str]) -> None:
 
 def _tokens(path: Path, n: int, row: dict, column: str) -> list[str]:
     value = row.get(column)
+    if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
+        # a list written as text (a JSON list in a CSV cell, pandas' ['a', 'b']): split at its
+        # spaces, its brackets, quotes and commas became tokens and tags ('["B-PER",')
+        value = _listed(value.strip()) or value
     if isinstance(value, str):
         return value.split()
     if isinstance(value, list) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
         return [str(v).strip() for v in value]
     raise ValueError(f"{path}, row {n}: column {column!r} must hold a list of strings (JSON) or space-separated "
                      f"ones, not {value!r}")
+
+
+def _listed(text: str) -> list | None:
+    """`text` read as a JSON or Python list of strings or integers, or None (tokens that merely
+    start and end with brackets: '[ hello ]')."""
+    import ast
+
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            value = parse(text)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            continue
+        if isinstance(value, list) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
+            return value
+    return None
 
 
 def read_tagged(path: str | os.PathLike, tokens: str, tags: str, header: bool = True) -> list[TaggedSentence]:

@@ -57,7 +57,15 @@ def _read_own(name: str) -> Callable:
                              f"line): give --{other} as a number too")
         text, pair, label = (given[flag] or default for flag, default in zip(given, defaults))
         header = not numbered
-        return read_tagged(path, text, label, header) if name == "tag" else read_texts(path, text, label, pair, header)
+        examples = (read_tagged(path, text, label, header) if name == "tag" else
+                    read_texts(path, text, label, pair, header))
+        if numbered:  # a header line read as a row: its column name a label (a class) seen once
+            labels = [tuple(ex.tags) if name == "tag" else (ex.label,) for ex in examples]
+            if labels[0] == (defaults[2],) and labels.count(labels[0]) == 1:
+                raise ValueError(f"{path}: its first row is labelled {defaults[2]!r}, once: a header line, read as a "
+                                 "row where the columns are given by number; name them instead "
+                                 f"(--{numbered[0]} <its name>, ...)")
+        return examples
     return read
 
 

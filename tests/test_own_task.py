@@ -158,10 +158,34 @@ def test_files_without_a_header_line_take_column_numbers(tmp_path):
     tags = write(tmp_path / "tags.tsv", "In the beginning\tO O B-TIME\n")
     assert read_examples(get_task("tag"), str(tags), "en", "train", FinetuneConfig(text_column="0", label_column="1")) \
         == [TaggedSentence(["In", "the", "beginning"], ["O", "O", "B-TIME"])]
-    # A file with a header line read by number would read the header as a row: names are for those.
-    named = write(tmp_path / "named.csv", "text,label\nfine,pos\n")
-    assert len(read_examples(get_task("classify"), str(named), "en", "train",
-                             FinetuneConfig(text_column="0", label_column="1"))) == 2
+    # A file with a header line read by number read the header as a row, its column name a class:
+    # refused where the first row's label is the task's label column name, seen once
+    named = write(tmp_path / "named.csv", "text,label\nfine,pos\ngood,pos\n")
+    with pytest.raises(ValueError, match="named.csv: its first row is labelled 'label', once: a header line"):
+        read_examples(get_task("classify"), str(named), "en", "train",
+                      FinetuneConfig(text_column="0", label_column="1"))
+    named_tags = write(tmp_path / "named.tsv", "tokens\ttags\nIn the\tO O\n")
+    with pytest.raises(ValueError, match="its first row is labelled 'tags', once"):
+        read_examples(get_task("tag"), str(named_tags), "en", "train",
+                      FinetuneConfig(text_column="0", label_column="1"))
+
+
+def test_rows_a_writer_meant_otherwise_are_refused_or_read_as_meant(tmp_path):
+    """Two exports joined (the second's header a row), labels differing only in case (one class to
+    the writer, two to the run), and a tag task's lists written as text in a CSV cell (a JSON list,
+    pandas' Python list): the first two refused in one line, the lists read as lists."""
+    joined = write(tmp_path / "joined.csv", "text,label\nfine,pos\ntext,label\nbad,neg\n")
+    with pytest.raises(ValueError, match=r"joined.csv:3: this row repeats the header line \(files joined\?\)"):
+        read_examples(get_task("classify"), str(joined), "en", "train")
+    cased = write_csv(tmp_path / "cased.csv", ["text", "label"], [["a", "pos"], ["b", "Pos"], ["c", "neg"]])
+    with pytest.raises(ValueError, match="the labels 'Pos' and 'pos' differ only in case"):
+        read_examples(get_task("classify"), str(cased), "en", "train")
+    lists = write_csv(tmp_path / "lists.csv", ["tokens", "tags"], [['["John", "ran"]', '["B-PER", "O"]'],
+                                                                   ["['Mary', 'sat']", "['B-PER', 'O']"],
+                                                                   ["[ hello ]", "O B-X O"]])
+    assert read_examples(get_task("tag"), str(lists), "en", "train") == [
+        TaggedSentence(["John", "ran"], ["B-PER", "O"]), TaggedSentence(["Mary", "sat"], ["B-PER", "O"]),
+        TaggedSentence(["[", "hello", "]"], ["O", "B-X", "O"])]
 
 
 def test_column_flags_are_finetune_config_fields():
