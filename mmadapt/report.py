@@ -389,6 +389,9 @@ def _estimates(hits: dict, system: str, task: str, langs: list[str]) -> dict[str
 # How far above its chance level (records' "chance": majority class, 1/candidates, or 0 for the
 # plug-in metric's contextual gain) BL_BASE must end for "95% of its final score" to mean anything.
 PLUGIN_NOISE, TASK_NOISE = 0.05, 5.0  # nats, percent
+# The fewest held-out pieces a plug-in gain is judged on (the head fit's verdict, the sweep's target):
+# on a few pieces, a gain past PLUGIN_NOISE is as likely chance as learning.
+VERDICT_PIECES = 200
 
 
 def _noise(task: str) -> float:

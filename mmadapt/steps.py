@@ -60,6 +60,7 @@ from mmadapt.fusion import apply_fusion
 from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, primary_head_state, reference_logprobs,
                              scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
+from mmadapt.report import VERDICT_PIECES
 from mmadapt.run import (RUN_TOKENIZER, ChangedRun, RunSpec, Source, Started, agreed_source, check_run,
                          check_resumable, check_same_source, check_trained_positions, pretrained_blocks, read_run,
                          require_head, require_kind, resumed_tag, run_progress, run_text_layout, sampled_fingerprint,
@@ -252,7 +253,7 @@ UNIGRAM_BLOCKS = 64  # blocks of the training text the head fit's unigram refere
 # The least text the head fit's verdict is drawn from: distinct blocks (a short text's blocks
 # repeat) and the masked pieces they score. A 3-line corpus gives one block and a few pieces, on
 # which a head and the unigram reference differ by noise (0.002 nats) either way.
-VERDICT_BLOCKS, VERDICT_PIECES = 16, 200
+VERDICT_BLOCKS = 16  # (and VERDICT_PIECES, report's: the sweep's target reads it too)
 
 
 def fit_head(run: RunSpec, step: FitHead) -> list[dict]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.config import Checked, _f
 from mmadapt.objectives import MLM, plugin_objective
-from mmadapt.report import NEAR_MAX, PLUGIN_NOISE, pyplot, save_figure, time_to_target
+from mmadapt.report import NEAR_MAX, PLUGIN_NOISE, VERDICT_PIECES, pyplot, save_figure, time_to_target
 
 CEILING = "full"  # the key of the full-model row
 
@@ -81,8 +81,10 @@ def summarize(records: list[dict], near_max: float = NEAR_MAX) -> dict:
     reference, source = ((ceiling["final_gain"], "the full model") if ceiling else
         (best["final_gain"], f"the best depth (N = {best['mini_layers']})"))
     target = near_max * reference
-    # Near the unigram reference (gain 0) a fraction of the reference is noise, not a level.
-    meaningful = reference > PLUGIN_NOISE
+    # Near the unigram reference (gain 0), or below it, a fraction of the reference is noise, not a
+    # level; on a few held-out pieces, so is the reference
+    pieces = min((r["masked_pieces"] for r in records if r.get("masked_pieces") is not None), default=None)
+    meaningful = reference > PLUGIN_NOISE and (pieces is None or pieces >= VERDICT_PIECES)
     for row in rows:
         row["share"] = row["final_gain"] / reference if reference > 0 else None  # None: JSON has no NaN
         hit = time_to_target(row["points"], target) if meaningful else None
@@ -92,8 +94,22 @@ def summarize(records: list[dict], near_max: float = NEAR_MAX) -> dict:
     cheapest = min(reached, key=lambda row: (row["to_target"], row["mini_layers"])) if reached else None
     return {"lang": langs.pop(), "label": objective.label, "scored": objective.scored, "near_max": near_max,
             "reference": reference, "reference_from": source,
-            "target": target, "meaningful": meaningful, "rows": rows,
+            "target": target, "meaningful": meaningful, "pieces": pieces, "rows": rows,
             "cheapest": None if cheapest is None else cheapest["mini_layers"]}
+
+
+def no_target(summary: dict) -> str:
+    """Why a summary has no near-maximal target (summary["meaningful"] false): too few held-out
+    pieces, a reference gain below the unigram reference, or one within noise of it."""
+    pieces, reference = summary.get("pieces"), summary["reference"]
+    if pieces is not None and pieces < VERDICT_PIECES:
+        return (f"the gains are scored on {pieces} held-out pieces, too few to judge (at least {VERDICT_PIECES}): "
+                "prepare the text with a larger validation split (--valid_fraction), or raise --plugin_blocks")
+    if reference <= -PLUGIN_NOISE:
+        return (f"the reference gain {reference:.3f} is below the unigram reference: the embeddings read the text "
+                "worse than piece frequencies alone; train longer, or check the data")
+    return (f"the reference gain {reference:.3f} is within noise ({PLUGIN_NOISE} nats) of the unigram reference, so "
+            f"{round(100 * summary['near_max'])}% of it means nothing; train longer")
 
 
 def _label(summary: dict) -> str:
@@ -116,7 +132,8 @@ def sweep_markdown(summary: dict, source: str = "") -> str:
     out = [f"## Depth sweep, {summary['lang']}: plug-in contextual gain against Step-2 compute"
            + (f" ({source})" if source else ""), "",
            f"Gain = unigram reference - held-out {_label(summary)} loss through the primary model (nats per "
-           f"{_scored(summary)[:-1]}). "
+           f"{_scored(summary)[:-1]}"
+           + (f", on {summary['pieces']:,} held-out {_scored(summary)}" if summary.get("pieces") else "") + "). "
            f"Reference: {summary['reference_from']}, final gain {summary['reference']:.3f}; near-maximal target "
            f"{pct}% of it = {summary['target']:.3f}.", "",
            "| depth N | Step-2 EFLOPs per update | updates | final EFLOPs | start gain | final gain | share of reference "
@@ -131,9 +148,7 @@ def sweep_markdown(summary: dict, source: str = "") -> str:
                    f"{row['start_gain']:+.3f} | {row['final_gain']:+.3f} | {share} | {hit} |")
     out.append("")
     if not summary["meaningful"]:
-        out.append(f"No cheapest depth: the reference gain {summary['reference']:.3f} is within noise "
-                   f"({PLUGIN_NOISE} nats) of the unigram reference, so {pct}% of it means nothing; "
-                   "train longer.")
+        out.append(f"No cheapest depth: {no_target(summary)}.")
     elif summary["cheapest"] is None:
         out.append(f"No depth reached {pct}% of the reference within its Step-2 budget.")
     else:
@@ -178,7 +193,10 @@ def plot_sweep(summary: dict, path) -> None:
         if row["to_target"] is None and summary["meaningful"]:
             bars.text(j, 0, "never", ha="center", va="bottom", fontsize=7)
     if not summary["meaningful"]:
-        bars.text(0.5, 0.5, "no near-maximal target: the reference gain\nis within noise of the unigram reference",
+        why = ("too few held-out pieces" if (summary.get("pieces") or VERDICT_PIECES) < VERDICT_PIECES else
+               "the reference gain\nis below the unigram reference" if summary["reference"] <= -PLUGIN_NOISE else
+               "the reference gain\nis within noise of the unigram reference")
+        bars.text(0.5, 0.5, f"no near-maximal target: {why}",
                   transform=bars.transAxes, ha="center", va="center", fontsize=8)
     bars.set_xlabel("mini-model depth N", fontsize=8)
     bars.set_ylabel(f"Step-2 FLOPs to {round(100 * summary['near_max'])}%", fontsize=8)

@@ -393,6 +393,15 @@ def test_the_sweeps_summary_for_a_decoder_a_start_at_the_target_and_a_reference_
     assert [r["share"] for r in below["rows"]] == [None, None]
     json.dumps(below, allow_nan=False)
     assert "| 2 | 1e-19 | 10 | 1e-18 | -0.500 | -0.400 | - | - |" in sweep_markdown(below)
+    # said as below the unigram reference, not 'within noise' of it (-0.3 is 0.3 away)
+    assert "No cheapest depth: the reference gain -0.300 is below the unigram reference" in sweep_markdown(below)
+    # gains on a few held-out pieces: no target however large they are, the count said
+    few = summarize([{**r, "masked_pieces": 3} for r in _records(curves)])
+    assert not few["meaningful"] and few["cheapest"] is None and few["pieces"] == 3
+    md = sweep_markdown(few)
+    assert "(nats per masked piece, on 3 held-out masked pieces)" in md
+    assert "No cheapest depth: the gains are scored on 3 held-out pieces, too few to judge (at least 200)" in md
+    assert summarize([{**r, "masked_pieces": 500} for r in _records(curves)])["cheapest"] == 4
     # A depth with update 0 alone has no curve.
     with pytest.raises(ValueError, match="the records of depth 4 hold no trained checkpoint"):
         summarize(_records({2: (0.0, [(1.0, 0.5)])}) + [{**_records({4: (0.0, [(0.0, 0.0)])})[0], "step": 0}])
