@@ -85,13 +85,13 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
     expand_from: a run whose vocabulary Step 2 --vocab_mode expand extends (expand.py): the corpus
     is encoded with that run's tokenizer plus the target's missing pieces, the target being
     `tokenizer` or, without it, a `vocab_size`-piece model trained on the corpus."""
-    [output_dir] = path_args([output_dir], "output_dir")
-    tokenizer, expand_from = (None if v is None else path_args([v], name)[0]
-                              for v, name in ((tokenizer, "tokenizer"), (expand_from, "expand_from")))
+    output_dir = path_arg(output_dir, "output_dir")
+    tokenizer = None if tokenizer is None else path_arg(tokenizer, "tokenizer")
+    expand_from = None if expand_from is None else path_arg(expand_from, "expand_from")
     if not isinstance(cfg, PreprocessConfig):
         raise ValueError(f"cfg takes a PreprocessConfig, got {type(cfg).__name__}")
     if vocab_size is not None:
-        ModelConfig(vocab_size=vocab_size)  # its type and declared range, as every step refuses them
+        vocab_size = ModelConfig(vocab_size=vocab_size).vocab_size  # its type and range, as every step refuses them
         if vocab_size < MIN_VOCAB_SIZE and tokenizer is None:  # one to train (SentencePiece would fail inside);
             # with a tokenizer, its own size is compared
             raise ValueError(f"--vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size} (SentencePiece's 4 special "
