@@ -172,9 +172,9 @@ def check_same_run(run_file: Path, expected: dict) -> None:
     saved = _flat(checkpoint.read_json(run_file, "run file"))
     mine = _flat(json.loads(json.dumps(expected)))  # tuples as lists, as run.json holds them
     defaults = None
-    # what the run is before how it is shaped: --system bl_base over a minijoint run's record was
-    # refused as 'model.num_layers is 12 here but 4'
-    for key, value in sorted(mine.items(), key=lambda kv: kv[0] not in IDENTITY_FIRST):
+    # what the run is (where its record says) before how it is shaped: --system bl_base over a
+    # minijoint run's record was refused as 'model.num_layers is 12 here but 4'
+    for key, value in sorted(mine.items(), key=lambda kv: kv[0] not in IDENTITY_FIRST or kv[0] not in saved):
         leaf = key.rsplit(".", 1)[-1]
         if leaf in CHANGEABLE_ON_RESUME or saved.get(key) == value:
             continue

@@ -846,10 +846,14 @@ def test_a_resume_over_a_changed_source_is_refused(runs, de_corpus, de_tokenizer
     assert not (tmp_path / "x").exists()
     shutil.rmtree(source / "checkpoints")
     shutil.move(kept, source / "checkpoints")
-    # the source's weights as they were, its tokenizer replaced (shared pieces copied by another vocabulary)
+    # the source's weights as they were, its tokenizer replaced by another of its size (shared pieces
+    # copied by another vocabulary)
+    from mmadapt.data import train_tokenizer
+
     spm = source / "tokenizer" / "spm.model"
     own = spm.read_bytes()
-    spm.write_bytes(open(de_tokenizer, "rb").read())
+    size = json.loads((source / "run.json").read_text())["model"]["vocab_size"]
+    spm.write_bytes(train_tokenizer(de_corpus, tmp_path / "tok" / "other", size).read_bytes())
     before = content(tmp_path / "adapt")
     assert cli([*adapt, "--resume"]) == 2
     err = capsys.readouterr().err
