@@ -574,7 +574,7 @@ def build_engine(module: torch.nn.Module, names: dict[str, str | None], trainabl
         print(f"note: the learning-rate warm-up ({warmup} updates, --lr_warmup_iters) is longer than the run ({total}): "
               f"the rate peaks at {total / warmup:.0%} of --lr and never decays; set --lr_warmup_iters below {total}",
               flush=True)
-    past = [n for n in getattr(loop, "extra_save_steps", ()) if n > total]
+    past = [n for n in loop.extra_save_steps if n > total]
     if past and parallel.is_rank0():  # (under MMADAPT_TINY=1's caps, every one past a few updates)
         print(f"note: --extra_save_steps {' '.join(map(str, past))} {'is' if len(past) == 1 else 'are'} past the run's "
               f"last update ({total}): no checkpoint is saved there", flush=True)

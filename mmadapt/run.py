@@ -667,29 +667,27 @@ def check_same_source(run: "RunSpec", checks: dict[str, Callable[[], str]], sour
     """A --resume over a source whose weights (or tokenizer) changed since the run started is
     refused before anything trains: the rest of the run would train over other weights (or another
     vocabulary) than its first checkpoints, and its artifacts name two models. `checks`: a key of
-    the run's record (dotted for a nested one) -> how to compute it from what is read now. The
-    weights' fingerprints come in order of preference: the first the record holds is compared (a
-    run recorded before a cheaper fingerprint existed holds only the older one); a key naming the
-    tokenizer is compared wherever recorded. Every rank computes them from what it read, so every
-    rank refuses alike."""
+    the run's record (a fingerprint, or the tokenizer's sha256; dotted for a nested one) -> how to
+    compute it from what is read now, in order of preference: the first key the record holds is
+    compared (a run recorded before a cheaper fingerprint existed holds only the older one). Every
+    rank computes it from what it read, so every rank refuses alike."""
     path = Path(run.output_dir) / RUN_FILE
     if not (run.resume and path.is_file()):
         return
-    record, weighed = checkpoint.read_json(path, "run file"), False
+    record = checkpoint.read_json(path, "run file")
     for key, now in checks.items():
-        tokenizer = "tokenizer" in key
         recorded = record
         for part in key.split("."):
             recorded = recorded.get(part) if isinstance(recorded, dict) else None
-        if recorded is None or (weighed and not tokenizer):
+        if recorded is None:
             continue
         if recorded != now():
-            what, other = (("its tokenizer differs from the one", "another vocabulary") if tokenizer else
+            what, other = (("its tokenizer differs from the one", "another vocabulary") if "tokenizer" in key else
                            ("its weights differ from those", "other weights"))
             raise ValueError(f"{source} changed since {run.output_dir} started over it ({what} the run recorded): "
                              f"resuming would train the rest over {other}; restore it, or start a new run in a new "
                              "--output_dir")
-        weighed = weighed or not tokenizer
+        return
 
 
 def run_fingerprint(run_dir: str | os.PathLike, tag: str | None = None) -> str:
