@@ -162,7 +162,7 @@ def _apart_across_files(records: list[dict]) -> None:
     for r in adapted(records):
         if r.get("artifact"):
             runs[(r["system"], r["task"], r["lang"])].add(Path(r["artifact"]).parent.parent)
-    spelt = {key: _one_spelling(dirs) for key, dirs in runs.items()}
+    spelt = {key: _run_spellings(dirs) for key, dirs in runs.items()}
     labels = {key: run_names(set(one.values())) for key, one in spelt.items() if len(set(one.values())) > 1}
     names = defaultdict(set)  # (task, lang, system) -> {(file, new name)}
     for r in adapted(records):
@@ -180,7 +180,7 @@ def _apart_across_files(records: list[dict]) -> None:
             r["of"] = [n for system in r["of"] for n in renamed(r, system)]
 
 
-def _one_spelling(dirs: set[Path]) -> dict[Path, Path]:
+def _run_spellings(dirs: set[Path]) -> dict[Path, Path]:
     """Each run directory -> the spelling it is known by: a relative path whose parts end another
     one's (runs/adapt/x, as one evaluate call was given it; /work/runs/adapt/x in another) is that
     run, the longest such path, not a run of its own."""

@@ -98,18 +98,25 @@ def summarize(records: list[dict], near_max: float = NEAR_MAX) -> dict:
             "cheapest": None if cheapest is None else cheapest["mini_layers"]}
 
 
+def _no_target_why(summary: dict) -> str:
+    """Why a summary has no near-maximal target (summary["meaningful"] false): "pieces" (too few
+    held-out pieces), "below" (a reference gain below the unigram reference) or "noise" (within
+    noise of it)."""
+    if (summary.get("pieces") or VERDICT_PIECES) < VERDICT_PIECES:
+        return "pieces"
+    return "below" if summary["reference"] <= -PLUGIN_NOISE else "noise"
+
+
 def no_target(summary: dict) -> str:
-    """Why a summary has no near-maximal target (summary["meaningful"] false): too few held-out
-    pieces, a reference gain below the unigram reference, or one within noise of it."""
+    """_no_target_why in a sentence, with its figures and what to do."""
     pieces, reference = summary.get("pieces"), summary["reference"]
-    if pieces is not None and pieces < VERDICT_PIECES:
-        return (f"the gains are scored on {pieces} held-out pieces, too few to judge (at least {VERDICT_PIECES}): "
-                "prepare the text with a larger validation split (--valid_fraction), or raise --plugin_blocks")
-    if reference <= -PLUGIN_NOISE:
-        return (f"the reference gain {reference:.3f} is below the unigram reference: the embeddings read the text "
-                "worse than piece frequencies alone; train longer, or check the data")
-    return (f"the reference gain {reference:.3f} is within noise ({PLUGIN_NOISE} nats) of the unigram reference, so "
-            f"{round(100 * summary['near_max'])}% of it means nothing; train longer")
+    return {"pieces": f"the gains are scored on {pieces} held-out pieces, too few to judge (at least "
+                      f"{VERDICT_PIECES}): prepare the text with a larger validation split (--valid_fraction), or raise --plugin_blocks",
+            "below": f"the reference gain {reference:.3f} is below the unigram reference: the embeddings read the text "
+                     "worse than piece frequencies alone; train longer, or check the data",
+            "noise": f"the reference gain {reference:.3f} is within noise ({PLUGIN_NOISE} nats) of the unigram "
+                     f"reference, so {round(100 * summary['near_max'])}% of it means nothing; train longer",
+            }[_no_target_why(summary)]
 
 
 def _label(summary: dict) -> str:
@@ -193,9 +200,8 @@ def plot_sweep(summary: dict, path) -> None:
         if row["to_target"] is None and summary["meaningful"]:
             bars.text(j, 0, "never", ha="center", va="bottom", fontsize=7)
     if not summary["meaningful"]:
-        why = ("too few held-out pieces" if (summary.get("pieces") or VERDICT_PIECES) < VERDICT_PIECES else
-               "the reference gain\nis below the unigram reference" if summary["reference"] <= -PLUGIN_NOISE else
-               "the reference gain\nis within noise of the unigram reference")
+        why = {"pieces": "too few held-out pieces", "below": "the reference gain\nis below the unigram reference",
+               "noise": "the reference gain\nis within noise of the unigram reference"}[_no_target_why(summary)]
         bars.text(0.5, 0.5, f"no near-maximal target: {why}",
                   transform=bars.transAxes, ha="center", va="center", fontsize=8)
     bars.set_xlabel("mini-model depth N", fontsize=8)
