@@ -111,7 +111,8 @@ def no_target(summary: dict) -> str:
     """_no_target_why in a sentence, with its figures and what to do."""
     pieces, reference = summary.get("pieces"), summary["reference"]
     return {"pieces": f"the gains are scored on {pieces} held-out pieces, too few to judge (at least "
-                      f"{VERDICT_PIECES}): prepare the text with a larger validation split (--valid_fraction), or raise --plugin_blocks",
+                      f"{VERDICT_PIECES}): prepare the text with a larger validation split (--valid_fraction), "
+                      "or raise --plugin_blocks",
             "below": f"the reference gain {reference:.3f} is below the unigram reference: the embeddings read the text "
                      "worse than piece frequencies alone; train longer, or check the data",
             "noise": f"the reference gain {reference:.3f} is within noise ({PLUGIN_NOISE} nats) of the unigram "
