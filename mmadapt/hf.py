@@ -871,10 +871,13 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
                          "drop --primary_tag")
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
-    labels, task_start = None, (BOS_ID,)
+    labels, task_start, max_length = None, (BOS_ID,), None
     if finetuned is not None:
         ft = load_finetuned(finetuned)
         task_start = ft.framing.start  # the rows it was fine-tuned on start so
+        # and hold at most seq_length pieces: a pipeline's truncation=True cuts there, not at the
+        # positions (a roberta-base fine-tuned at 128 pieces read 512 of a long text)
+        max_length = ft.run["finetune"]["seq_length"]
         family, cfg, state, kind, labels, tokenizer = ft.family, ft.cfg, ft.state, ft.task.kind, ft.labels, ft.tokenizer
         primary_run = Path(ft.run["primary"]["run_dir"])
     else:
@@ -930,7 +933,7 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
     # and a copy cut short would load as a plain transformer (and refuse the rerun as not empty)
     with staged_dir(output_dir) as top:
         summary = {**write_hf(family, top, cfg, state, kind, labels, Path(tokenizer), model_type, text_layout,
-                              primary_run / "tokenizer" / "hf", task_start, dtype),
+                              primary_run / "tokenizer" / "hf", task_start, dtype, max_length),
                    "output_dir": str(output_dir), "embeddings": str(embeddings) if embeddings else None}
         if kind is None and (primary_run / SENTENCE_TRANSFORMERS).is_dir():  # a sentence-transformers source
             write_sentence_transformers(family, top / SENTENCE_TRANSFORMERS, cfg, state, Path(tokenizer), model_type,
@@ -1028,11 +1031,15 @@ def write_generation_config(output_dir: Path, source_hf: Path | None, ids: dict,
 def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dict, kind: str | None,
              labels: list[str] | None, tokenizer: Path, model_type: str | None = None,
              text_layout: dict | None = None, source_hf: Path | None = None,
-             task_start: tuple[int, ...] = (BOS_ID,), dtype: str | None = None) -> dict:
+             task_start: tuple[int, ...] = (BOS_ID,), dtype: str | None = None,
+             max_length: int | None = None) -> dict:
     """Write the family's LM (kind None) or task model full weights `state` with a run's
     `tokenizer` as a transformers directory of `model_type`'s class for `kind` (the source's
     model type, None for a model mmadapt pretrained: the family's mapping decides,
-    export_model_type), in `dtype` (an imported source's half precision, HALF_DTYPES; None: fp32)."""
+    export_model_type), in `dtype` (an imported source's half precision, HALF_DTYPES; None: fp32).
+    max_length: the pieces a row holds, the tokenizer's model_max_length (a task model's Step-3
+    seq_length, to which `truncation=True` then cuts as Step 3 and Step 4 do; None: the model's
+    positions)."""
     import transformers
 
     if family.hf is None:
@@ -1042,6 +1049,8 @@ def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dic
     output_dir = Path(output_dir)
     _fresh_output(output_dir)
     hf_tok, hf_ids = export_tokenizer(mapping, Path(tokenizer), kind, cfg, text_layout, source_hf, task_start)
+    if max_length is not None:
+        hf_tok.model_max_length = max_length
     ids = {"pad": hf_tok.pad_token_id, "bos": hf_tok.bos_token_id, "eos": hf_tok.eos_token_id}
     hf_state = mapping.to_hf(cfg, state, kind, hf_ids, ids, model_type)
     hf_cfg = mapping.hf_config(cfg, kind, labels, ids, model_type)

@@ -388,7 +388,8 @@ def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_
     assert diff <= TOL
 
 
-SHORT = FinetuneConfig(seq_length=SEQ, train_micro_batch_size_per_gpu=16, epochs=0.02, log_interval=1, lr=1e-3)
+# Rows shorter than the positions: the exported tokenizer must cut where Step 3 did, not at SEQ.
+SHORT = FinetuneConfig(seq_length=SEQ // 2, train_micro_batch_size_per_gpu=16, epochs=0.02, log_interval=1, lr=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -418,10 +419,14 @@ def test_export_of_a_zero_shot_classifier(classifier, artifact, tmp_path):
     assert export_hf(out, finetuned=classifier, embeddings=artifact)["architecture"] == \
         "XLMRobertaForSequenceClassification"
     examples = read_examples(get_task("bible-genre"), "bible", "de", "test")[::25]
+    long = " ".join(t for t, _ in examples[:4])  # past Step 3's seq_length, within the positions
+    examples.append((long, examples[0][1]))
     mine, enc, labels = step4_predictions(classifier, artifact, examples)
     tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.model_max_length == SHORT.seq_length
     texts = [t for t, _ in examples]
-    batch = hf_batch(tok, texts)
+    assert len(tok(long)["input_ids"]) > SEQ // 2
+    batch = tok(texts, padding=True, truncation=True, return_tensors="pt")  # the length it cuts to: its own
     assert torch.equal(batch.input_ids, enc.input_ids[:, :batch.input_ids.shape[1]])
     hf = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
     with torch.no_grad():
