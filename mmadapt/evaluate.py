@@ -451,7 +451,7 @@ def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,
 def graft_check(paths: list[Path], primary: PrimaryRef) -> None:
     """evaluate --graft: every artifact trained over a base of which `primary` (the fine-tuned
     runs' encoder) is a sibling (graft.check_once, the bodies alone)."""
-    checked = set()
+    checked = {}
     for path in paths:
         meta = checkpoint.read_json(path / "meta.json", "Step-2 artifact file")
         if artifact_primary_ref(meta).same(primary):

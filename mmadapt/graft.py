@@ -44,6 +44,14 @@ FAR = 0.3
 POSITION_AND_NORM = ("max_position_embeddings", "rotary_base", "seq_len_interpolation_factor", "layernorm_epsilon")
 
 
+def _attention(cfg) -> dict[str, int]:
+    """What no fine-tune changes but tensors of the same shapes can hold otherwise (check_siblings
+    refuses): 4 heads of 8 and 2 heads of 16 are one [32, h] query matrix read as other attention."""
+    heads = cfg.num_attention_heads
+    return {"num_attention_heads": heads, "num_query_groups": cfg.num_query_groups or heads,
+            "kv_channels": cfg.kv_channels or cfg.hidden_size // heads}
+
+
 @dataclasses.dataclass(frozen=True)
 class SiblingCheck:
     """How far a sibling's weights are from its base's: per group of tensors (`layers.<i>`, the
@@ -112,16 +120,18 @@ def read_base(base: str | Path, meta: dict) -> Source:
     return read_source(base, trained_for(Path(base), [meta]))
 
 
-def check_once(checked: set, base: Path, sibling: Path, meta: dict, body_only: bool = False) -> None:
+def check_once(checked: dict, base: Path, sibling: Path, meta: dict, body_only: bool = False) -> None:
     """check_siblings of the run `sibling` against `base` for an artifact (its meta.json `meta`),
-    once per sibling_key in `checked` (the caller's set over its artifacts, added to), each
-    base's distances printed once."""
+    once per sibling_key in `checked` (the caller's dict over its artifacts: key -> its check,
+    added to), each line printed once: a base's distances once, a warning that one artifact's
+    check alone gives (an expanded one's over tied rows that moved) where that one comes."""
     if (key := sibling_key(base, meta)) in checked:
         return
     check = check_siblings(read_base(base, meta), read_source(sibling), meta, body_only=body_only)
-    if all(k[0] != key[0] for k in checked):
-        print("\n".join(check.lines()), flush=True)
-    checked.add(key)
+    shown = {line for k, c in checked.items() if k[0] == key[0] for line in c.lines()}
+    if lines := [line for line in check.lines() if line not in shown]:
+        print("\n".join(lines), flush=True)
+    checked[key] = check
 
 
 def check_siblings(base: Source, sibling: Source, meta: dict,
@@ -161,6 +171,10 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
             shape = lambda s: "absent" if name not in s else "x".join(map(str, s[name].shape))  # noqa: E731
             raise ValueError(f"{what}: its {name} is {shape(theirs)}, the base's {shape(mine)} (another "
                              "architecture); graft only into a model fine-tuned from the base")
+    for field, ours in _attention(base.cfg).items():
+        if (its := _attention(sibling.cfg)[field]) != ours:
+            raise ValueError(f"{what}: its {field} is {its}, the base's {ours} (another architecture in tensors of "
+                             "the same shapes); graft only into a model fine-tuned from the base")
     roles = other_roles(base.tokenizer, sibling.tokenizer)
     if roles is not None:
         model = (sibling.record.get("imported_from") or {}).get("model", "<its model directory>")
@@ -175,7 +189,7 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
         # The new pieces' output side was started and trained in one softmax beside the base's
         # frozen source entries: a sibling that moved its own scores the new pieces off that scale.
         moved = [(name, what_) for name, what_ in ((output.matrix, "untied output rows"), (output.bias, "output bias"))
-                 if name is not None and name != base.family.word and not torch.equal(mine[name], theirs[name])]
+                 if name is not None and name != base.family.word and _moved(mine[name], theirs[name], sibling)]
         if moved:
             name, what_ = moved[0]
             raise ValueError(f"{what} for an expanded vocabulary: its {what_} ({name}) moved from the base's, beside "
@@ -190,7 +204,7 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
     warnings = []
     word = base.family.word
     if (meta.get("vocab_mode") == "expand" and not body_only and output.matrix == word
-            and not torch.equal(mine[word], theirs[word])):
+            and _moved(mine[word], theirs[word], sibling)):
         # Allowed (an instruct model trains its tied embeddings, and the refusal above would leave
         # it no expanded graft at all), but the reason for that refusal holds here too.
         warnings.append(f"warning: its word embeddings moved {distance[_group(word)]:.4f} of their norm from the "
@@ -203,6 +217,16 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
             warnings.append(f"warning: its {field} is {its}, the base's {ours}: the embeddings were trained under the "
                             "base's; score the graft before serving it (evaluate --graft)")
     return SiblingCheck(base.path, sibling.path, distance, tuple(warnings))
+
+
+def _moved(base: torch.Tensor, sibling: torch.Tensor, source: Source) -> bool:
+    """Whether the sibling's tensor is not the base's, as the sibling's import stored it: one
+    saved in a half precision (its record's imported_from.dtype: an fp32 base's instruct model
+    in bf16) holds the base's frozen rows rounded to it, which is not a move."""
+    dtype = (source.record.get("imported_from") or {}).get("dtype")
+    if dtype is not None:
+        base = base.to(getattr(torch, dtype)).to(sibling.dtype)
+    return not torch.equal(base, sibling)
 
 
 def sibling_check(base_run: str | Path, sibling_run: str | Path, meta: dict) -> SiblingCheck:

@@ -88,7 +88,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     # the primary's checkpoint the artifacts were trained for, not its newest (adapt --source_tag, a
     # source trained on since): a graft's primary is a sibling, whose checkpoints are its own
     primary = Primary.read(primary_run, None if graft else trained_for(Path(primary_run), metas))
-    siblings: set[tuple] = set()  # graft.check_once's keys of the artifacts checked
+    siblings: dict = {}  # graft.check_once's checks of the artifacts, by key
     # Artifacts name their primary model by its weights' fingerprint (older ones by path).
     ref = PrimaryRef(Path(primary_run), primary.fingerprint)
     scorer = Scorer(primary)  # once: every artifact (and start) is swapped into its model

@@ -1131,3 +1131,77 @@ def test_a_graft_reads_its_base_at_the_checkpoint_step2_read(graft_runs, tmp_pat
             str(tmp_path / "out")]
     assert main(argv) == 0, capsys.readouterr().err
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+def test_a_sibling_with_other_heads_in_tensors_of_the_same_shapes_is_refused(graft_runs, tmp_path, capsys):
+    """The Llama-2 sibling read as 2 heads of 16 (1 key/value group) where the base has 4 of 8
+    (2 groups): every tensor keeps its shape, the attention is another; refused by name, where
+    it was grafted as 'the same architecture'."""
+    from hf_models import damaged_copy
+    from mmadapt.hf import import_hf
+
+    hf_dir = damaged_copy(graft_runs["llama2-sibling"].parent / "hf" / "llama2-sibling", tmp_path / "hf-heads",
+                          {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16})
+    import_hf(hf_dir, tmp_path / "heads")
+    capsys.readouterr()
+    assert main(["export-hf", "--primary", str(tmp_path / "heads"), "--embeddings",
+                 str(_artifact(graft_runs, "llama2", "expand")), "--graft", "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "its num_attention_heads is 2, the base's 4" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_half_precision_siblings_frozen_output_rows_are_not_read_as_moved(graft_runs, tmp_path, capsys):
+    """The Llama-2 sibling saved in bf16 (its untied output projection frozen in its fine-tune,
+    so the fp32 base's rows rounded): an expanded graft goes in, its output rows those bf16
+    rows, where it was refused as 'moved'; one whose output rows were trained is still refused."""
+    from safetensors.torch import load_file
+
+    from hf_models import damaged_copy
+    from mmadapt.hf import import_hf
+
+    def bf16(state):
+        for k in state:
+            state[k] = state[k].to(torch.bfloat16)
+
+    hf = graft_runs["llama2-sibling"].parent / "hf"
+    art = str(_artifact(graft_runs, "llama2", "expand"))
+    for name, expect in (("llama2-sibling", 0), ("llama2-sibling-output", 2)):
+        hf_dir = damaged_copy(hf / name, tmp_path / f"hf-{name}", {"dtype": "bfloat16", "torch_dtype": "bfloat16"},
+                              edit=bf16)
+        import_hf(hf_dir, tmp_path / name)
+        out = tmp_path / f"out-{name}"
+        assert main(["export-hf", "--primary", str(tmp_path / name), "--embeddings", art, "--graft",
+                     "--output_dir", str(out)]) == expect, capsys.readouterr()
+        if expect:
+            assert "untied output rows (output_layer.weight) moved" in capsys.readouterr().err
+            continue
+        mine, theirs = load_file(str(hf_dir / "model.safetensors")), load_file(str(out / "model.safetensors"))
+        rows = mine["lm_head.weight"].shape[0]
+        assert theirs["lm_head.weight"].dtype == torch.bfloat16
+        assert torch.equal(theirs["lm_head.weight"][:rows], mine["lm_head.weight"])
+
+
+def test_each_artifacts_own_sibling_warning_is_printed_in_either_order(graft_runs, tmp_path, capsys):
+    """A Qwen2 sibling whose tied embeddings moved, checked for a replace and an expand artifact
+    over one base: the expand one's warning comes in either order (it was lost behind a replace
+    artifact checked first), the base's distances once."""
+    from hf_models import damaged_copy
+    from mmadapt.graft import check_once
+    from mmadapt.hf import import_hf
+
+    def move(state):
+        t = state["model.embed_tokens.weight"]
+        state["model.embed_tokens.weight"] = t + 0.05 * t.std() * torch.randn(
+            t.shape, generator=torch.Generator().manual_seed(0))
+
+    hf_dir = damaged_copy(graft_runs["qwen2-sibling"].parent / "hf" / "qwen2-sibling", tmp_path / "hf-moved", edit=move)
+    import_hf(hf_dir, tmp_path / "moved")
+    metas = {m: read_artifact(_artifact(graft_runs, "qwen2", m))[2] for m in ("replace", "expand")}
+    for order in (("replace", "expand"), ("expand", "replace")):
+        capsys.readouterr()
+        checked = {}
+        for mode in order:
+            check_once(checked, graft_runs["qwen2-base"].resolve(), tmp_path / "moved", metas[mode])
+        said = capsys.readouterr().out
+        assert said.count("is a sibling of") == 1 and said.count("warning: its word embeddings moved") == 1, said
