@@ -425,3 +425,24 @@ def test_a_validation_split_too_small_for_a_figure_is_scored_with_a_warning(prim
     assert out.count("warning:") == 1 and f"over {raw.bytes} held-out bytes" in out and "--valid_fraction" in out
     per_byte.text(tmp_path / "few")  # read once: no second warning
     assert "warning" not in capsys.readouterr().out
+
+
+def test_a_tokenizer_of_another_script_is_not_said_to_fold_what_it_reads_as_unknown(tmp_path):
+    """A Russian SentencePiece reads the Latin probes as <unk>s on both sides, the same pieces:
+    it was said to fold case and accents (a false 'not comparable' beside a cased English
+    tokenizer, and a real fold of an uncased source left unnamed). Its own script's texts
+    answer: it keeps case, and the same tokenizer reading lower-cased text folds it."""
+    from mmadapt.corpora import write_bible_corpus
+    from mmadapt.data import train_tokenizer
+    from mmadapt.tokenizer import load
+
+    sp = load(train_tokenizer(write_bible_corpus("ru", tmp_path / "ru.txt", books=range(1, 3)), tmp_path / "ru", 1000,
+                              threads=1))
+    assert UNK_ID in sp.encode("The Lord God said unto Moses")
+    assert B.folds(sp) == []
+
+    class Uncased:
+        def encode(self, text):
+            return sp.encode(text.lower())
+
+    assert B.folds(Uncased()) == ["case"]
