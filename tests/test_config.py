@@ -547,6 +547,9 @@ def test_mmadapt_tiny_shrinks_sizes_and_nothing_else(monkeypatch):
     ns = cli.adapt_parser().parse_args(["--system", "bl_base", "--source", "s", "--lang", "de", "--output_dir", "o"])
     assert override(TrainConfig(train_iters=50_000, lr_warmup_iters=500), ns).train_iters == TINY_CAPS["train_iters"]
     assert ns.vocab_size is None  # unset stays unset: the prepared data's vocabulary decides
+    from mmadapt.sweep import SweepConfig
+    ns = cli.sweep_parser().parse_args(["--source", "s", "--lang", "de", "--output_dir", "o"])
+    assert override(SweepConfig(), ns).bpb_bytes == TINY_CAPS["bpb_bytes"] < SweepConfig.bpb_bytes  # by default too
     printed = []
     for tiny in ("1", "0"):
         monkeypatch.setenv("MMADAPT_TINY", tiny)
