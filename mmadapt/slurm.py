@@ -21,6 +21,8 @@ Variables read (SLURM sets them in every srun task):
                                             against the list)
     SLURM_NODEID                            this node's index in the step's list
     SLURM_GPUS_ON_NODE, else SLURM_GPUS_PER_NODE ("8" or "a100:8"): ranks per node
+    SLURM_GPUS                              where set without SLURM_GPUS_PER_NODE (--gpus=N): the job's
+                                            GPUs in all, which must be this node's times the nodes
     SLURM_JOB_ID                            picks the rendezvous port
     MMADAPT_MASTER_ADDR, MMADAPT_MASTER_PORT  optional: another rendezvous host and port (tests run
                                             two "nodes" on one machine). The plain MASTER_ADDR and
@@ -99,14 +101,28 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def _gpus_per_node(env: dict) -> int:
+def _gpu_count(env: dict, key: str) -> int:
+    """A GPU count as SLURM writes one: 8, a100:8, gpu:h100:2(IDX:0-1), 1g.10gb:7 (the first of a list)."""
+    value = env[key]
+    m = re.fullmatch(r"(?:[\w.-]+:)*(\d+)(?:\(.*\))?", value.split(",")[0])
+    if not m:
+        raise ValueError(f"cannot read {key}={value!r}: expected a count like 8 or a100:8")
+    return int(m.group(1))
+
+
+def _gpus_per_node(env: dict, nodes: int) -> int:
+    """This node's GPUs, the ranks every node runs (the hostfile gives each host as many): a job
+    given its GPUs in all (--gpus=12 over 2 nodes: 8 and 4, say) that this node's count times the
+    nodes does not make is refused, where each node would have laid out another world."""
     for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
-        value = env.get(key)
-        if value:
-            m = re.fullmatch(r"(?:[\w-]+:)?(\d+)(?:\(.*\))?", value.split(",")[0])
-            if not m:
-                raise ValueError(f"cannot read {key}={value!r}: expected a count like 8 or a100:8")
-            return _at_least_one(int(m.group(1)), key)
+        if env.get(key):
+            gpus = _at_least_one(_gpu_count(env, key), key)
+            if env.get("SLURM_GPUS") and not env.get("SLURM_GPUS_PER_NODE"):
+                if (total := _gpu_count(env, "SLURM_GPUS")) != gpus * nodes:
+                    raise ValueError(f"SLURM gave the job {total} GPUs over {nodes} nodes, {gpus} on this one: every "
+                                     "node runs as many ranks; request them per node (#SBATCH --gpus-per-node=N), "
+                                     "or pass --gpus_per_node")
+            return gpus
     raise ValueError("SLURM_GPUS_ON_NODE is not set: request GPUs with #SBATCH --gpus-per-node=N, or pass --gpus_per_node")
 
 
@@ -153,7 +169,9 @@ class SlurmJob:
         node_rank = _whole(env, "SLURM_NODEID")
         if not 0 <= node_rank < len(hosts):
             raise ValueError(f"SLURM_NODEID={node_rank} is outside 0..{len(hosts) - 1}")
-        gpus = _at_least_one(gpus_per_node, "--gpus_per_node") if gpus_per_node is not None else _gpus_per_node(env)
+        job_nodes = len(expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or nodelist))
+        gpus = (_at_least_one(gpus_per_node, "--gpus_per_node") if gpus_per_node is not None
+                else _gpus_per_node(env, job_nodes))
         if "MMADAPT_MASTER_PORT" in env:
             port = _whole(env, "MMADAPT_MASTER_PORT")
             if not 1 <= port <= 65535:
@@ -189,10 +207,10 @@ def devices_warning(env: dict, gpus_per_node: int) -> str | None:
     run on the node's first G GPUs, which may be another job's. None where they agree."""
     visible = env.get("CUDA_VISIBLE_DEVICES")
     ids = None if visible is None else visible.split(",")
-    # UUIDs or MIG names say nothing of which indices they are; a count of them other than G is a choice
-    if ids is None or not all(i.strip().isdigit() for i in ids) or len(ids) != gpus_per_node:
+    # UUIDs or MIG names say nothing of which indices they are
+    if ids is None or not all(i.strip().isdigit() for i in ids):
         return None
-    if [int(i) for i in ids] == list(range(gpus_per_node)):
+    if set(range(gpus_per_node)) <= {int(i) for i in ids}:  # (more given than used: the first G of them)
         return None
     return (f"warning: SLURM gave this task CUDA_VISIBLE_DEVICES={visible}, but DeepSpeed's launcher runs its "
             f"{gpus_per_node} ranks on devices 0-{gpus_per_node - 1} of the node: ask for whole nodes (--exclusive) "

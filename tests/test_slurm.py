@@ -110,6 +110,32 @@ def test_devices_other_than_the_first_are_warned_of():
     assert devices_warning({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 4).startswith(
         "warning: SLURM gave this task CUDA_VISIBLE_DEVICES=4,5,6,7, but DeepSpeed's launcher runs its 4 ranks on "
         "devices 0-3")
+    # fewer ranks than devices, but not among them; fewer devices than ranks: warned too
+    assert devices_warning({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, 2).startswith("warning:")
+    assert devices_warning({"CUDA_VISIBLE_DEVICES": "4,5"}, 4).startswith("warning:")
+    assert devices_warning({"CUDA_VISIBLE_DEVICES": "0,1"}, 4).startswith("warning:")
+    assert devices_warning({"CUDA_VISIBLE_DEVICES": "3,2,1,0"}, 4) is None  # the same devices
+
+
+@pytest.mark.parametrize("value, gpus", [("gpu:h100:2(IDX:0-1)", 2), ("gpu:h100:2", 2), ("a100.80gb:8", 8),
+                                         ("1g.10gb:7", 7), ("4(x2)", 4)])
+def test_gpu_counts_with_a_type_are_read(value, gpus):
+    env = {k: v for k, v in fake_env("gpu01", 1, 0).items() if k != "SLURM_GPUS_ON_NODE"}
+    assert SlurmJob.from_env({**env, "SLURM_GPUS_PER_NODE": value}).gpus_per_node == gpus
+
+
+def test_a_job_whose_nodes_hold_other_gpu_counts_is_refused():
+    """--gpus=12 over 2 nodes (8 and 4): each node's hostfile gave every host its own count, two
+    worlds of 16 and 8 ranks. Refused on each node; --gpus_per_node decides for all of them."""
+    for node, gpus in ((0, "8"), (1, "4")):
+        env = fake_env("g[1-2]", 2, node, gpus=gpus, SLURM_GPUS="12")
+        with pytest.raises(ValueError, match=f"SLURM gave the job 12 GPUs over 2 nodes, {gpus} on this one"):
+            SlurmJob.from_env(env)
+        assert SlurmJob.from_env(env, gpus_per_node=4).world_size == 8
+    assert SlurmJob.from_env(fake_env("g[1-2]", 2, 1, SLURM_GPUS="h100:16")).world_size == 16
+    # a step on some of the job's nodes: the job's GPUs are over the job's nodes
+    env = fake_env("g[1-4]", 2, 1, SLURM_STEP_NODELIST="g[3-4]", SLURM_STEP_NUM_NODES="2", SLURM_GPUS="32")
+    assert SlurmJob.from_env(env).world_size == 16
 
 
 def test_cli_dry_run_and_error(capsys, monkeypatch):
@@ -191,17 +217,39 @@ def test_preprocess_template_renders_one_cpu_command(tmp_path):
     """The CPU job: one preprocess command per array task (here index 2: the third language)."""
     from mmadapt import cli
 
+    root = tmp_path / "my data"  # the printed command reads back whole (it was echoed unquoted)
     env = child_env(SLURM_ARRAY_TASK_ID="2", SLURM_CPUS_PER_TASK="16", MMADAPT_DRY_RUN="1", REPO=str(REPO),
-                    PYTHON=sys.executable, DATA_ROOT=str(tmp_path / "prepared"), CORPUS_DIR="/data/cc100")
+                    PYTHON=sys.executable, DATA_ROOT=str(root / "prepared"), CORPUS_DIR="/data/cc 100")
     proc = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "preprocess.sbatch")], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     command = shlex.split(proc.stdout.strip().splitlines()[-1])
     assert command[:2] == [sys.executable, "launch/preprocess.py"]
     args = cli.preprocess_parser().parse_args(command[2:])
-    assert args.corpus == "/data/cc100/fr.txt" and args.output_dir == str(tmp_path / "prepared" / "fr")
+    assert args.corpus == "/data/cc 100/fr.txt" and args.output_dir == str(root / "prepared" / "fr")
     assert args.workers == 16 and args.vocab_size == 50000
     assert args.valid_fraction == 0.03  # the held-out split Step 2's plug-in metric and sweeps read
+
+
+@pytest.mark.parametrize("template", ["preprocess.sbatch", "pretrain.sbatch"])
+def test_a_template_given_dry_run_0_runs(template, tmp_path):
+    """MMADAPT_DRY_RUN=0 (a submitting shell's, which sbatch copies into the job) runs the job:
+    it was a dry run that exited 0 having trained nothing. PYTHON here records what it is given."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/bash\nprintf '%s\\n' \"$@\" > {tmp_path / 'ran'}\n")
+    fake.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    env = child_env(**fake_env("gpu01", 1, 0), MMADAPT_DRY_RUN="0", REPO=str(REPO), PYTHON=str(fake),
+                    DATA_ROOT=str(tmp_path / "prepared"), RUN_DIR=str(tmp_path / "run"),
+                    PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(REPO / "launch" / "slurm" / template)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = (tmp_path / "ran").read_text().split("\n")
+    assert "--dry-run" not in ran and ran[0] in ("launch/preprocess.py", "-m"), ran
 
 
 @pytest.mark.parametrize("template", GPU_TEMPLATES, ids=lambda p: p.name)
