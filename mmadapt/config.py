@@ -875,6 +875,15 @@ TINY_FLAGS = {"vocab_size": 2000, "plugin_blocks": 8, "seq_length": 64,  # prepr
               "plugin_eval_blocks": 8}
 
 
+def tiny_default(name: str, value):
+    """What MMADAPT_TINY=1 makes of a flag's default `value` on a command line (its TINY_FLAGS
+    cap), where the environment sets it: a check that tells a flag given from its default takes
+    either as not given."""
+    if os.environ.get(TINY_ENV) == "1" and name in TINY_FLAGS and value is not None:
+        return min(value, TINY_FLAGS[name])
+    return value
+
+
 def tiny_sizes(args: argparse.Namespace) -> argparse.Namespace:
     """A command's parsed flags at MMADAPT_TINY=1's sizes (the comment above), in place; marked
     so that `override` caps the configs built from them."""

@@ -41,7 +41,7 @@ from mmadapt.adapt import check_output_start, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, SCORING, ByteScorer, fold_caveat
 from mmadapt.config import (MIN_VOCAB_SIZE, MiniModelConfig, PreprocessConfig, TrainConfig, _f, check_declared,
-                            check_lang, output_inside_an_input)
+                            check_lang, output_inside_an_input, tiny_default)
 from mmadapt.corpora import check_bible_lang, resolve_corpus
 from mmadapt.data import (MANIFEST, UNKNOWN_REFUSE, DataError, NothingHeldOut, check_corpus, corpus_fingerprint,
                           read_manifest, sample_unknown_share)
@@ -384,7 +384,8 @@ def _check_stages_take(ext: Extend, imported: Path) -> None:
            "source_corpus": None if minipost or headless else
            f"fit-head and Step 1b, neither of which runs here (--system {ext.system}; {ext.model} has its MLM head)"}
     for name, reason in why.items():
-        if reason is not None and getattr(ext, name) != default[name]:
+        # (under MMADAPT_TINY=1 the command line's default is capped: 8 updates, not given either)
+        if reason is not None and getattr(ext, name) not in (default[name], tiny_default(name, default[name])):
             raise ValueError(f"--{name} {getattr(ext, name)} is for {reason}: drop it")
 
 

@@ -459,7 +459,7 @@ def _save_scaled(model_dir: Path, scale: float) -> None:
 
 
 def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains(graft_runs, corpus, de_corpus,
-                                                                                 tmp_path, capsys):
+                                                                                 tmp_path, capsys, monkeypatch):
     """The target corpus is prepared right after the import: one with no document for the 3%
     held out (no blank line: one document), or too small for --vocab_size, is refused in one line
     naming extend's own fix, before any training, and the output directory is gone with it (so
@@ -489,6 +489,14 @@ def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains
         assert main([*extra, "--corpus", str(de_corpus), "--vocab_size", "60", "--output_dir", str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert err == f"error: {message}" and not out.exists(), err
+    # MMADAPT_TINY=1 caps a stage's updates by default (head_iters 500 -> 8): no flag given, so
+    # extend goes on to the corpus (this one refused there), where it refused '--minipost_iters 8'
+    monkeypatch.setenv("MMADAPT_TINY", "1")
+    assert main([*bl_base[:bl_base.index("--source_corpus")], "--system", "bl_base", "--corpus", str(one_doc),
+                 "--vocab_size", "60", "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "extend holds out 3% of its documents" in err and not out.exists(), err
+    monkeypatch.delenv("MMADAPT_TINY")
     # A decoder's Step 2 cuts whole blocks of --seq_length from the text: too short for one is refused
     # with the corpus (it was refused when Step 2 started, after Step 1b, and the fix it named, a lower
     # --seq_length, was then refused as another extension's). "Das Wort 26." starts the held-out
