@@ -364,8 +364,9 @@ class SentenceEncoder:
     over one): its body's last layer (heads are not read), pooled as its Pooling module says and
     normalised where it lists a Normalize module, texts read as sentence-transformers reads them
     (lower-cased where its do_lower_case says so, `<s> text </s>` cut to its max_seq_length
-    pieces); with a Step-2 artifact, the artifact's word embeddings and tokenizer: what the
-    exported sentence-transformers directory encodes (hf.write_sentence_transformers)."""
+    pieces, after its default prompt where its config_sentence_transformers.json names one); with
+    a Step-2 artifact, the artifact's word embeddings and tokenizer: what the exported
+    sentence-transformers directory encodes (hf.write_sentence_transformers)."""
     run: Path
     family: ModelFamily
     cfg: ModelConfig
@@ -375,6 +376,7 @@ class SentenceEncoder:
     normalize: bool
     lower_case: bool
     max_length: int
+    prompt: str = ""  # what sentence-transformers puts before every text (its default prompt)
 
     @classmethod
     def load(cls, run: str | os.PathLike, embeddings: str | os.PathLike | None = None,
@@ -404,10 +406,11 @@ class SentenceEncoder:
         body = on_eval_device(body, device or default_device())
         length = min(settings.get("max_seq_length") or cfg.max_position_embeddings, cfg.max_position_embeddings)
         return cls(run, family, cfg, body, load_tokenizer(tokenizer), pooling, "Normalize" in kinds,
-                   bool(settings.get("do_lower_case")), length)
+                   bool(settings.get("do_lower_case")), length, _default_prompt(run, modules, entries, kinds))
 
     def rows(self, texts: list[str]) -> torch.Tensor:
-        """Texts -> input_ids [n, s]: <s> text </s>, the text cut to max_length - 2 pieces, padded."""
+        """Texts -> input_ids [n, s]: <s> prompt text </s>, cut to max_length - 2 pieces, padded."""
+        texts = [self.prompt + t for t in texts]
         texts = [t.lower() for t in texts] if self.lower_case else texts
         return _pad([[BOS_ID, *self.tokenizer.encode(t)[:self.max_length - 2], EOS_ID] for t in texts])
 
@@ -423,6 +426,26 @@ class SentenceEncoder:
                  "mean_tokens": x.sum(1) / keep.sum(1), "mean_sqrt_len_tokens": x.sum(1) / keep.sum(1).sqrt()}
         vectors = torch.cat([parts[m] for m in self.pooling], -1)
         return torch.nn.functional.normalize(vectors, dim=-1) if self.normalize else vectors
+
+
+def _default_prompt(run: Path, modules: Path, entries: list[dict], kinds: list[str]) -> str:
+    """The text sentence-transformers puts before every text it encodes with no prompt of its own:
+    config_sentence_transformers.json's prompts[default_prompt_name] ("query: " for an E5-style
+    model); "" where it names none. A Pooling module that leaves the prompt's positions out
+    (include_prompt false) is refused: mmadapt pools every position."""
+    config = modules / "config_sentence_transformers.json"
+    cfg = read_json(config, "sentence-transformers config") if config.is_file() else {}
+    name = cfg.get("default_prompt_name")
+    if not name:
+        return ""
+    prompts = cfg.get("prompts") or {}
+    if name not in prompts:
+        raise ValueError(f"{config}: default_prompt_name {name!r} is none of its prompts ({sorted(prompts)})")
+    if "Pooling" in kinds and read_json(modules / entries[kinds.index("Pooling")]["path"] / "config.json",
+                                        "Pooling module config").get("include_prompt", True) is False:
+        raise ValueError(f"{run}: its Pooling module leaves the default prompt's positions out (include_prompt "
+                         "false), which mmadapt does not compute: encode with the exported directory")
+    return str(prompts[name] or "")
 
 
 def _pooling(modules: Path, entries: list[dict], kinds: list[str]) -> tuple[str, ...]:

@@ -190,6 +190,30 @@ def test_a_sentence_transformers_6_directory_encodes_as_sentence_transformers_do
 
     assert json.loads((run / SENTENCE_TRANSFORMERS / "sentence_bert_config.json").read_text())["max_seq_length"] == 16
 
+def test_a_sentence_encoders_default_prompt_goes_before_every_text(headless, tmp_path):
+    """An E5-style directory whose config_sentence_transformers.json names a default prompt:
+    sentence-transformers encodes "query: " + text, and so does SentenceEncoder (it encoded the
+    bare text, 0.08 off on all-MiniLM-L6-v2 so configured). A Pooling module that leaves the
+    prompt out (include_prompt false) is refused in one line."""
+    from sentence_transformers import SentenceTransformer
+
+    from mmadapt.predict import SentenceEncoder
+
+    st = as_sentence_transformer(headless["hf"], tmp_path / "st", max_seq_length=16)
+    config = st / "config_sentence_transformers.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "prompts": {"query": "query: ", "doc": ""},
+                                  "default_prompt_name": "query"}))
+    import_any(st, tmp_path / "run")
+    texts = [*TEXTS[:3], " ".join(TEXTS)]  # the last cut at 16 pieces, the prompt's among them
+    theirs = SentenceTransformer(str(st), device="cpu").encode(texts, convert_to_tensor=True)
+    encoder = SentenceEncoder.load(tmp_path / "run")
+    assert encoder.prompt == "query: " and (encoder.encode(texts) - theirs).abs().max().item() <= 1e-5
+    pooling = tmp_path / "run" / "sentence_transformers" / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "include_prompt": False}))
+    with pytest.raises(ValueError, match="leaves the default prompt's positions out"):
+        SentenceEncoder.load(tmp_path / "run")
+
+
 def test_imported_body_gives_transformers_hidden_states(headless):
     tok = AutoTokenizer.from_pretrained(str(headless["hf"]))
     hf = AutoModel.from_pretrained(str(headless["hf"])).eval()
