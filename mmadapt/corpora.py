@@ -81,8 +81,11 @@ def text_rule_key() -> str:
 def check_bible_lang(spec, lang: str, flag: str = "--corpus") -> None:
     """Refuse a packaged Bible (`bible:<x>`) of another language than `lang`, the language a step
     labels its embeddings with: --lang de --corpus bible:fr trained French embeddings as German,
-    and Step 4 scored them on German."""
+    and Step 4 scored them on German. A Bible that is not packaged is refused as such first: the
+    advice to pass --lang xx for bible:xx led to that refusal."""
     if isinstance(spec, str) and spec.startswith("bible:") and spec.split(":", 1)[1] != lang:
+        if (other := spec.split(":", 1)[1]) not in BIBLE_VERSIONS:
+            raise ValueError(f"{flag} {spec}: no packaged Bible for {other!r}; choose one of {', '.join(BIBLE_VERSIONS)}")
         raise ValueError(f"{flag} {spec} is the {spec.split(':', 1)[1]} Bible, but --lang is {lang}: pass "
                          f"{flag} bible:{lang}, or --lang {spec.split(':', 1)[1]}")
 

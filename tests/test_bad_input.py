@@ -543,6 +543,10 @@ CASES = [
      "--corpus bible:fr is the fr Bible, but --lang is de: pass --corpus bible:de, or --lang fr"),
     ("extend-bible-of-another-language", lambda c: c.extend("--corpus", "bible:fr"),
      "--corpus bible:fr is the fr Bible, but --lang is de"),
+    # a Bible not packaged: said so (the advice to pass --lang xx led to this refusal), also for an empty name
+    ("extend-bible-not-packaged", lambda c: c.extend("--corpus", "bible:xx"), "--corpus bible:xx: no packaged Bible "
+     "for 'xx'; choose one of"),
+    ("adapt-bible-not-packaged", lambda c: c.adapt(corpus="bible:"), "--corpus bible:: no packaged Bible for ''"),
     ("adapt-unknown-system", lambda c: c.adapt()[:2] + ["bl_huge"] + c.adapt()[3:], "invalid choice: 'bl_huge'"),
     ("adapt-source-tag", lambda c: c.adapt("--source_tag", "step00000009"), "has no complete checkpoint step00000009"),
     ("adapt-zero3", lambda c: c.adapt("--ds_config", c.file("ds.json", ZERO3)), "uses ZeRO stage 3"),
