@@ -19,10 +19,12 @@ before it is used (`resume`). keep_last > 0 deletes all but the newest keep_last
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -99,8 +101,8 @@ def refuse_overwrite(output_dir: Path, resume: bool) -> None:
         raise ValueError(f"{output_dir} holds the Step-2 artifacts of a run (embeddings/{later[-1]}) and no checkpoint "
                          "to continue it from: choose a new --output_dir (nothing is overwritten)")
     if not (output_dir / "run.json").exists():
-        refuse_other_files(output_dir, lambda name: name in RUN_ENTRIES or re.fullmatch(r"\..+\.tmp\d+", name),
-                           "mmadapt run")
+        refuse_other_files(output_dir, lambda name: (name in RUN_ENTRIES
+                                                     or re.fullmatch(r"\..+\.tmp\d+(@[^/]+)?", name)), "mmadapt run")
 
 
 def refuse_other_files(output_dir: Path, own: Callable[[str], bool], what: str) -> None:
@@ -147,6 +149,27 @@ def remove_empty_dirs(dirs: list[Path]) -> None:
             d.rmdir()
 
 
+def _remove_stale(dest: Path) -> None:
+    """The staging directories of `dest` left by a process of this host that is gone (killed: an
+    import of a 7B model left 14 GB beside its run): removed. Another host's (a shared file system)
+    are left, its processes unknown here."""
+    host = socket.gethostname()
+    for p in dest.parent.glob(f".{glob.escape(dest.name)}.*@{glob.escape(host)}"):
+        m = re.fullmatch(rf"\.{re.escape(dest.name)}\.(?:tmp|old)(\d+)@{re.escape(host)}", p.name)
+        if m and p.is_dir() and not _alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]:
     """A fresh temporary directory beside `dest` that becomes `dest` once the body has filled it,
@@ -157,15 +180,17 @@ def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]
     dest = Path(dest)
     if dest.is_symlink():  # a link to the directory: filled where it points (the link stays a link)
         dest = Path(os.path.realpath(dest))
-    tmp = dest.with_name(f".{dest.name}.tmp{os.getpid()}")
+    me = f"{os.getpid()}@{socket.gethostname()}"
+    tmp = dest.with_name(f".{dest.name}.tmp{me}")
     made = missing_dirs(tmp.parent)
+    _remove_stale(dest)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.is_dir() and replace:  # moved aside whole, then deleted: never a half-deleted `dest`
-            old = dest.with_name(f".{dest.name}.old{os.getpid()}")
+            old = dest.with_name(f".{dest.name}.old{me}")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(dest, old)
             try:

@@ -521,3 +521,26 @@ def test_the_updates_run_to_a_checkpoint_count_skipped_steps(tmp_path):
     assert checkpoint.work_run(tmp_path / "step00000002") == (3, 57)
     tag = checkpoint.write_weights_only(tmp_path, 5, {}, {})
     assert checkpoint.work_run(tmp_path / tag)[0] == 5
+
+
+def test_a_staged_directory_of_a_killed_process_is_removed_by_the_next(tmp_path):
+    """A process killed while it staged a directory (an import: a copy of the whole model) left
+    `.<name>.tmp<pid>@<host>` beside it for good; the next staging of the same directory removes
+    it where that process is gone from this host, and leaves a live one's and another host's."""
+    import os
+    import socket
+    import subprocess
+
+    from mmadapt.checkpoint import staged_dir
+
+    host = socket.gethostname()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process holds now
+    stale, live, other = (tmp_path / f".import.tmp{gone.pid}@{host}", tmp_path / f".import.tmp{os.getppid()}@{host}",
+                          tmp_path / f".import.tmp{gone.pid}@elsewhere")
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "weights").write_text("x")
+    with staged_dir(tmp_path / "import") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["import", live.name, other.name])
