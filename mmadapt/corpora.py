@@ -85,7 +85,8 @@ def check_bible_lang(spec, lang: str, flag: str = "--corpus") -> None:
     advice to pass --lang xx for bible:xx led to that refusal."""
     if isinstance(spec, str) and spec.startswith("bible:") and spec.split(":", 1)[1] != lang:
         if (other := spec.split(":", 1)[1]) not in BIBLE_VERSIONS:
-            raise ValueError(f"{flag} {spec}: no packaged Bible for {other!r}; choose one of {', '.join(BIBLE_VERSIONS)}")
+            raise ValueError(f"{flag} {spec}: no packaged Bible for {other!r}; choose one of "
+                             f"{', '.join(BIBLE_VERSIONS)}")
         raise ValueError(f"{flag} {spec} is the {spec.split(':', 1)[1]} Bible, but --lang is {lang}: pass "
                          f"{flag} bible:{lang}, or --lang {spec.split(':', 1)[1]}")
 
