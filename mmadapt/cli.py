@@ -868,11 +868,12 @@ def run_process(command=main) -> int:
     # command makes. DeepSpeed's bf16 optimizer collects 6 times at start-up (see_memory_usage with
     # force=True): 1.8 s of a tiny run here; each now takes milliseconds.
     gc.freeze()
-    try:
-        code = command()
-    finally:
-        INVOKED_AS.reset(invoked)
-    parallel.shutdown(agreed=code in (0, faults.EXIT_DIVERGED, faults.EXIT_STOPPED, faults.EXIT_PAUSED))
+    with faults.stops_held_to_exit():  # a stop's checkpoint is complete: a second signal now ends nothing half-way
+        try:
+            code = command()
+        finally:
+            INVOKED_AS.reset(invoked)
+        parallel.shutdown(agreed=code in (0, faults.EXIT_DIVERGED, faults.EXIT_STOPPED, faults.EXIT_PAUSED))
     return code
 
 

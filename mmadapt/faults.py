@@ -229,10 +229,45 @@ class StopRequest:
         threading.Thread(target=self._watch, args=(launcher_ancestors(),), daemon=True, name="stop-watch").start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self._done.set()
+        if _HELD is not None and exc_type is not None and issubclass(exc_type, (Stopped, Paused)):
+            # the checkpoint is complete and the process on its way out (stops_held_to_exit)
+            for s, h in self._old.items():
+                _HELD.setdefault(s, h)
+                signal.signal(s, _after_stop)
+            return
         for s, h in self._old.items():
             signal.signal(s, h)
+
+
+# A process's entry (stops_held_to_exit): the handlers a stop or pause put aside, restored once the
+# process's teardown is over; None outside one (a command called in-process gets them back at once).
+_HELD: dict | None = None
+
+
+@contextlib.contextmanager
+def stops_held_to_exit():
+    """A process's entry (cli.run_process): once a training loop has stopped or paused after its
+    checkpoint, the signals it caught stay caught until the block ends (the process groups torn
+    down): more SIGTERMs change nothing (one in the teardown exited 143, not 75, and the SLURM
+    templates did not requeue the run), and a second Ctrl-C ends the process at once with its one
+    line (it raised inside the teardown: a traceback)."""
+    global _HELD
+    _HELD = {}
+    try:
+        yield
+    finally:
+        held, _HELD = _HELD, None
+        for s, h in held.items():
+            signal.signal(s, h)
+
+
+def _after_stop(signum, frame) -> None:
+    if signum == signal.SIGINT:
+        sys.stdout.flush()
+        print("interrupted", file=sys.stderr, flush=True)
+        os._exit(EXIT_INTERRUPTED)
 
 
 # --- one writer per run directory ------------------------------------------------------------------

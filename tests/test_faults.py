@@ -170,6 +170,45 @@ def test_stop_request_from_a_signal_or_the_stop_file(tmp_path, capsys):
     assert "finishing this update" in capsys.readouterr().err
 
 
+AFTER_STOP = """
+import os, signal, sys, time
+from mmadapt import faults
+from mmadapt.cli import run_process
+
+def command():
+    with faults.StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        raise faults.Stopped(8, "step00000008", stop.reason)
+
+def stopped():  # the command's end, its checkpoint complete, then a second signal in the teardown
+    try:
+        command()
+    except faults.Stopped:
+        pass
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    time.sleep(0.2)
+    print("tore down", flush=True)
+    return faults.EXIT_STOPPED
+
+code = run_process(stopped)
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the process's own handlers back at the end
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("second, code, said", [("SIGTERM", faults.EXIT_STOPPED, "tore down"),
+                                                ("SIGINT", faults.EXIT_INTERRUPTED, "interrupted")])
+def test_a_second_signal_after_a_stops_checkpoint_ends_nothing_half_way(second, code, said):
+    """A stop's checkpoint is complete and the process tears down (cli.run_process): another
+    SIGTERM (a launcher passing it on, a repeated scancel) changes nothing, the exit stays 75 for
+    the SLURM templates to requeue (it died with 143); a second Ctrl-C ends the process at once in
+    one line (it raised inside the teardown: a traceback)."""
+    proc = subprocess.run([sys.executable, "-c", AFTER_STOP, second], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert said in proc.stdout + proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 class FakeEngine:
     """What train_loop asks of DeepSpeed's engine, for updates that are applied or skipped."""
     device = torch.device("cpu")
