@@ -46,6 +46,7 @@ own seeded order: a pure function of (seed, update, micro-batch, row) again.
 
 from __future__ import annotations
 
+import array
 import gc
 import hashlib
 import json
@@ -307,12 +308,13 @@ def _doc_boundary(f, offset: int, size: int) -> int:
 
 
 class _Shard:
-    """One worker's output: megatron's builder plus the pending sentences of its range."""
+    """One worker's output: the tokens written as they come, each sentence's length and each
+    document's end held as 4 and 8 bytes (megatron's IndexedDatasetBuilder held a Python int per
+    sentence and built another per pointer at its finalize: ~90 bytes a sentence)."""
 
     def __init__(self, prefix: str, dtype: str, sp):
-        from mmadapt.mcore import indexed_dataset
-
-        self.builder = indexed_dataset.IndexedDatasetBuilder(prefix + ".bin", dtype=np.dtype(dtype).type)
+        self.data = open(prefix + ".bin", "wb")
+        self.lengths, self.doc_ends = array.array("i"), array.array("q", [0])  # as megatron's: the first 0
         self.prefix, self.dtype, self.sp = prefix, dtype, sp
         self.items: list[str | None] = []  # a sentence, or None: the current document ends here
         self.counts = [0, 0, 0, 0]  # sentences, documents, tokens, unknown pieces (<unk>)
@@ -324,9 +326,9 @@ class _Shard:
             self.flush()
 
     def flush(self) -> None:
-        builder, items = self.builder, self.items
+        items = self.items
         ids = iter(self.sp.encode([t for t in items if t is not None], num_threads=1))
-        seqs, doc_ends, before = [], [], len(builder.sequence_lengths)
+        seqs, doc_ends, before = [], [], len(self.lengths)
         for t in items:
             if t is None:  # fairseq's empty line: a lone </s> between documents
                 if self.open_sentences:  # (a document all of whose lines encode to nothing is none)
@@ -341,10 +343,9 @@ class _Shard:
                     seqs.append(pieces + [EOS_ID])
                     self.open_sentences += 1
         flat = np.fromiter((t for q in seqs for t in q), dtype=self.dtype)
-        # What IndexedDatasetBuilder.add_item/end_document do, without a tensor per sentence.
-        builder.data_file.write(flat.tobytes(order="C"))
-        builder.sequence_lengths.extend(len(q) for q in seqs)
-        builder.document_indices.extend(doc_ends)
+        self.data.write(flat.tobytes(order="C"))
+        self.lengths.extend(len(q) for q in seqs)
+        self.doc_ends.extend(doc_ends)
         self.counts[0] += len(seqs) - len(doc_ends)
         self.counts[1] += len(doc_ends)
         self.counts[2] += len(flat)
@@ -353,7 +354,9 @@ class _Shard:
 
     def finalize(self) -> list[int]:
         self.flush()
-        self.builder.finalize(self.prefix + ".idx")
+        self.data.close()
+        lengths, doc_ends = np.frombuffer(self.lengths, np.int32), np.frombuffer(self.doc_ends, np.int64)
+        write_index(self.prefix + ".idx", np.dtype(self.dtype).type, [(lengths, doc_ends)])
         return self.counts
 
 
@@ -405,39 +408,61 @@ def _encode_range(job: tuple) -> tuple[list[int], list[int]]:
     return train.finalize(), valid.finalize()
 
 
-class _IndexWriter:
-    """megatron-core's .idx writer with the sequence pointers computed by numpy (its own loop
-    builds one Python int per sentence: a billion for CC-100's English)."""
+INDEX_CHUNK = 1 << 22  # sentences write_index holds at once: 64 MiB of lengths and pointers
 
-    def __new__(cls, idx_path: str, dtype):
-        from mmadapt.mcore import indexed_dataset
 
-        class Writer(indexed_dataset._IndexWriter):
-            def _sequence_pointers(self, sequence_lengths):
-                lengths = np.asarray(sequence_lengths, dtype=np.int64)
-                pointers = np.zeros(len(lengths), dtype=np.int64)
-                np.cumsum(lengths[:-1] * indexed_dataset.DType.size(self.dtype), out=pointers[1:])
-                return pointers
+def write_index(idx_path: str, dtype, parts: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """megatron-core's .idx (indexed_dataset._IndexWriter's bytes, no sequence modes) of the
+    sentences of `parts` in order, each (its sentence lengths [n_i] int32, its document ends
+    [d_i + 1] int64 from its own 0, as IndexedDatasetBuilder counts them), written INDEX_CHUNK
+    sentences at a time: memory is a chunk's, not the dataset's (megatron's writer builds a
+    Python int per sentence pointer, and holds every length: ~90 bytes a sentence, 12 GB per
+    100 GB of text). Arrays may be memory maps of shards (_merge): they are read, never loaded."""
+    import struct
 
-        return Writer(idx_path, dtype)
+    from mmadapt.mcore import indexed_dataset
+
+    size = indexed_dataset.DType.size(dtype)
+
+    def chunks(a: np.ndarray):
+        for i in range(0, len(a), INDEX_CHUNK):
+            yield a[i:i + INDEX_CHUNK]
+
+    with open(idx_path, "wb") as f:
+        f.write(indexed_dataset._INDEX_HEADER)
+        f.write(struct.pack("<Q", 1))
+        f.write(struct.pack("<B", indexed_dataset.DType.code_from_dtype(dtype)))
+        f.write(struct.pack("<Q", sum(len(lengths) for lengths, _ in parts)))
+        f.write(struct.pack("<Q", 1 + sum(len(ends) - 1 for _, ends in parts)))
+        for lengths, _ in parts:
+            for c in chunks(lengths):
+                f.write(np.asarray(c, np.int32).tobytes())
+        start = 0  # the byte each sentence starts at in the .bin
+        for lengths, _ in parts:
+            for c in chunks(lengths):
+                ends = np.cumsum(c, dtype=np.int64) * size + start
+                f.write((ends - np.asarray(c, np.int64) * size).tobytes())
+                start = int(ends[-1]) if len(ends) else start
+        f.write(np.zeros(1, np.int64).tobytes())
+        sentences = 0
+        for lengths, ends in parts:
+            for c in chunks(ends[1:]):
+                f.write((np.asarray(c, np.int64) + sentences).tobytes())
+            sentences += len(lengths)
 
 
 def _merge(prefixes: list[str], out_prefix: str, dtype) -> None:
     """Concatenate shard datasets in order into `out_prefix` (megatron's format)."""
     from mmadapt.mcore import indexed_dataset
 
-    lengths, doc_ends, total = [], [np.zeros(1, np.int64)], 0
     with open(out_prefix + ".bin", "wb") as out:
         for prefix in prefixes:
-            index = indexed_dataset._IndexReader(prefix + ".idx", multimodal=False)
-            lengths.append(np.array(index.sequence_lengths, dtype=np.int32))
-            doc_ends.append(np.array(index.document_indices[1:], dtype=np.int64) + total)
-            total += len(index)
-            del index
             with open(prefix + ".bin", "rb") as f:
                 shutil.copyfileobj(f, out, 16 << 20)
-    with _IndexWriter(out_prefix + ".idx", np.dtype(dtype).type) as writer:
-        writer.write(np.concatenate(lengths) if lengths else np.zeros(0, np.int32), None, np.concatenate(doc_ends))
+    indexes = [indexed_dataset._IndexReader(prefix + ".idx", multimodal=False) for prefix in prefixes]
+    write_index(out_prefix + ".idx", np.dtype(dtype).type,
+                [(index.sequence_lengths, index.document_indices) for index in indexes])
+    del indexes
 
 
 def read_manifest(data_path: str | os.PathLike) -> dict:

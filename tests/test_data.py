@@ -1253,3 +1253,27 @@ def test_a_validation_split_without_a_block_names_the_split_and_its_fix(tokenize
     with pytest.raises(D.DataError, match=rf"^{d}'s validation split holds no block of 64 \({valid} tokens\): prepare "
                                           r"the text with a larger --valid_fraction$"):
         D.CausalBatches(d, train, VOCAB, split=D.VALID)
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_the_index_is_megatrons_written_a_chunk_at_a_time(dtype, tmp_path, monkeypatch):
+    """data.write_index writes the .idx megatron-core's _IndexWriter writes, byte for byte, from
+    parts (shards: their own document ends from 0) read a chunk of sentences at a time (here 3,
+    so that chunks cut parts and documents); an empty part and an empty dataset too."""
+    from mmadapt.mcore import indexed_dataset
+
+    monkeypatch.setattr(D, "INDEX_CHUNK", 3)
+    rng = np.random.default_rng(0)
+    for sizes in ((7, 0, 5, 1), (0,)):
+        parts = []
+        for n in sizes:
+            lengths = rng.integers(1, 300, n).astype(np.int32)
+            ends = np.array([0, *sorted(rng.choice(np.arange(1, n + 1), min(n, 3), replace=False))], np.int64)
+            parts.append((lengths, ends))
+        D.write_index(str(tmp_path / "mine.idx"), dtype, parts)
+        lengths = np.concatenate([p[0] for p in parts])
+        offsets = np.cumsum([0, *[len(p[0]) for p in parts]])
+        ends = np.concatenate([[0], *[p[1][1:] + o for p, o in zip(parts, offsets)]])
+        with indexed_dataset._IndexWriter(str(tmp_path / "theirs.idx"), dtype) as writer:
+            writer.write(lengths.tolist(), None, ends.tolist())
+        assert (tmp_path / "mine.idx").read_bytes() == (tmp_path / "theirs.idx").read_bytes(), sizes
