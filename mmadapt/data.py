@@ -711,16 +711,19 @@ def _remove_encoded(out_dir: Path) -> None:
 def _same_sample(manifest: dict, lines: int, corpus: Path) -> bool:
     """Whether a tokenizer trained on `corpus` with a sample of at most `lines` lines is the one
     `manifest` records (the same corpus, seed and size): the same sample size, or two that both
-    reach past the corpus's every line (SentencePiece then samples nothing: it trains on all of
-    them). A manifest that records no sample size (written before it did, or for a tokenizer
-    given with --tokenizer, which a call without one reuses) is not compared."""
+    reach past the corpus's every sentence (SentencePiece then samples nothing: it trains on all
+    of them). A sentence is a line as SentencePiece loads one: not empty (a blank line between
+    documents is none; one of spaces, or a CRLF file's lone \r, is one), at most
+    SP_MAX_SENTENCE_BYTES bytes. A manifest that records no sample size (written before it did,
+    or for a tokenizer given with --tokenizer, which a call without one reuses) is not compared."""
     old = manifest.get("tokenizer_sample_lines")
     if old is None or old == lines:
         return True
     most, count = min(old, lines), 0
-    with open(corpus, "rb") as f:  # its lines as SentencePiece reads them, counted no further than needed
-        for _ in f:
-            count += 1
+    with open(corpus, "rb") as f:  # counted no further than needed
+        for raw in f:
+            body = raw[:-1] if raw.endswith(b"\n") else raw
+            count += 0 < len(body) <= SP_MAX_SENTENCE_BYTES
             if count > most:
                 return False
     return True

@@ -339,10 +339,12 @@ def test_the_tokenizer_threads_are_recorded_and_give_the_vocabulary_anywhere(cor
 def test_preparing_again_with_another_tokenizer_sample_is_refused(corpus, tmp_path, capsys):
     """A tokenizer trained here on a sample of --tokenizer_sample_lines lines: preparing again with
     another sample size would keep the old tokenizer as if it were the one asked for (it was a
-    no-op). Sizes that both reach past every line of the corpus (blank lines too: SentencePiece
-    reads them) train on all of it, the same tokenizer."""
+    no-op). Sizes that both reach past every sentence of the corpus train on all of it, the same
+    tokenizer: its lines but the empty ones, which SentencePiece skips (they were counted, and a
+    rerun past every sentence but not every line was refused)."""
     text = corpus.read_bytes()
-    raw = text.count(b"\n") + (not text.endswith(b"\n"))  # the lines SentencePiece reads
+    raw = sum(1 for line in text.split(b"\n") if line)  # the sentences SentencePiece loads
+    assert text.count(b"\n\n") > 10  # blank lines between documents, which it does not
     lines = PreprocessConfig(workers=1, tokenizer_sample_lines=500)
     assert raw > 600
     manifest = prepare(corpus, tmp_path / "a", VOCAB, cfg=lines, quiet=True)
@@ -359,6 +361,14 @@ def test_preparing_again_with_another_tokenizer_sample_is_refused(corpus, tmp_pa
         prepare(corpus, tmp_path / "b", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=raw - 1))
     prepare(corpus, tmp_path / "b", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=20 * raw))
     assert "nothing to do" in capsys.readouterr().out
+    prepare(corpus, tmp_path / "d", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=20 * raw), quiet=True)
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    def pieces(d):  # (the model's bytes record the sample size asked for)
+        proto = pb.ModelProto()
+        proto.ParseFromString((d / "tokenizer.model").read_bytes())
+        return [(p.piece, p.score) for p in proto.pieces]
+    assert pieces(tmp_path / "b") == pieces(tmp_path / "d")
     # A dataset prepared with a given tokenizer records no sample; a call without the tokenizer (a
     # run's --resume) reuses it, as before
     given = prepare(corpus, tmp_path / "c", VOCAB, tokenizer=tmp_path / "a" / "tokenizer.model", cfg=lines, quiet=True)
