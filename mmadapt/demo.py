@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 from mmadapt import faults, parallel, steps
 from mmadapt.adapt import final_artifact_written
+from mmadapt.artifact import artifact_dirs
 from mmadapt.bpb import BPB_BYTES
 from mmadapt.checkpoint import atomic_write, read_json, staged_dir, write_weights_only
 from mmadapt.config import (CHANGEABLE_ON_RESUME, OUTPUT_BIAS_INITS, RECIPES, SYSTEMS, Checked, FinetuneConfig,
@@ -494,6 +495,15 @@ class Demo:
         ceiling = [self.root / "adapt" / f"minijoint-full-{lang}" for lang in self.cfg.langs]
         return runs + (ceiling if primary == "minijoint" else [])
 
+    def curve_points(self, runs: list[Path]) -> list[Path]:
+        """The artifacts of the Step-2 `runs` that Step 4 scores: update 0, every
+        --adapt_save_interval and the last, the points every run's curve has. A run stopped and
+        continued also holds the artifact of the update it stopped at (faults.stop_when saves
+        there), a point no other run has: scored, it would add one to its curve alone."""
+        cfg = self.cfg
+        return [a for a in artifact_dirs(runs)
+                if (step := int(a.name.removeprefix("step"))) % cfg.adapt_save_interval == 0 or step == cfg.adapt_iters]
+
     def run_jobs(self, *groups: list[Job]) -> dict[str, object]:
         """Each job of the `groups`, one stage each: in this process one after the other, group by
         group, or (workers_for) in worker processes several at a time from one queue, the groups
@@ -576,6 +586,7 @@ class Demo:
         """Step 4's records of the Step-2 `runs` over one primary model (`primary_run`, fine-tuned
         into `finetuned`): the plug-in metric, zero-shot bible-genre and retrieval."""
         cfg = self.cfg
+        runs = self.curve_points(runs)
         pairs = {lang: parallel_verses("en", lang, cfg.retrieval_pairs) for lang in cfg.langs}
         return [*plugin_records(primary_run, adapt_runs=runs, data_paths={lang: data[lang] for lang in cfg.langs},
                                 seq_length=cfg.seq_length, blocks=cfg.plugin_blocks, bpb_bytes=cfg.bpb_bytes,

@@ -172,3 +172,25 @@ def test_demo_rescoring_with_other_step4_settings_keeps_the_runs(tmp_path):
     demo.check_output(tmp_path, {"retrieval_pairs": 300, "plugin_blocks": 64, "bpb_bytes": 1024, "adapt_iters": 1000})
     with pytest.raises(ValueError, match="adapt_iters 1000, now 10"):
         demo.check_output(tmp_path, {"retrieval_pairs": 500, "adapt_iters": 10})
+
+
+def test_demo_step4_scores_only_the_curve_points_of_a_continued_run(tmp_path, monkeypatch):
+    """A Step-2 run stopped and continued holds the artifact of the update it stopped at (47):
+    Step 4 scores update 0, every --adapt_save_interval and the last, as for an uninterrupted run,
+    so no run's curve gains a point the others lack."""
+    from mmadapt import demo
+
+    d = demo.Demo(demo.QUICK, tmp_path)
+    runs = [tmp_path / "adapt" / "bl_base-de", tmp_path / "adapt" / "minipost-de"]
+    for run, steps in zip(runs, ((0, 47, 50, 83, 100, 150), (0, 50, 100, 150))):
+        for step in steps:
+            (run / "embeddings" / f"step{step:08d}").mkdir(parents=True)
+            (run / "embeddings" / f"step{step:08d}" / "embeddings.pt").write_bytes(b"")
+    given = {}
+    monkeypatch.setattr(demo, "parallel_verses", lambda *a: [])
+    monkeypatch.setattr(demo, "plugin_records", lambda primary, adapt_runs, **k: given.update(plugin=adapt_runs) or [])
+    monkeypatch.setattr(demo, "evaluate_artifacts", lambda ft, artifacts, **k: given.update(task=artifacts) or [])
+    monkeypatch.setattr(demo, "retrieval_records", lambda primary, adapt_runs, **k: given.update(ret=adapt_runs) or [])
+    d.evaluate_primary(tmp_path / "pretrain" / "bl_base", [], runs, {"de": tmp_path / "data"})
+    want = [run / "embeddings" / f"step{s:08d}" for run in runs for s in (0, 50, 100, 150)]
+    assert given == {"plugin": want, "task": want, "ret": want}
