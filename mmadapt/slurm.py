@@ -172,7 +172,9 @@ class SlurmJob:
         job_nodes = len(expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or nodelist))
         gpus = (_at_least_one(gpus_per_node, "--gpus_per_node") if gpus_per_node is not None
                 else _gpus_per_node(env, job_nodes))
-        if "MMADAPT_MASTER_PORT" in env:
+        # unset and empty alike (a template's `export MMADAPT_MASTER_PORT=$PORT` with no PORT), as
+        # for MMADAPT_MASTER_ADDR
+        if env.get("MMADAPT_MASTER_PORT", "").strip():
             port = _whole(env, "MMADAPT_MASTER_PORT")
             if not 1 <= port <= 65535:
                 raise ValueError(f"MMADAPT_MASTER_PORT={port} is not a TCP port: choose one in 1..65535")

@@ -64,6 +64,9 @@ def test_four_nodes_of_eight():
     # it) are not read: every node would have gone to its own loopback
     job = SlurmJob.from_env(fake_env("gpu[01-03,07]", 4, 3, MASTER_ADDR="localhost", MASTER_PORT="29500"))
     assert (job.master_addr, job.master_port) == ("gpu01", 24242)
+    # empty MMADAPT_ variables (`export MMADAPT_MASTER_PORT=$PORT` with no PORT) are unset ones, both alike
+    job = SlurmJob.from_env(fake_env("gpu[01-03,07]", 4, 3, MMADAPT_MASTER_ADDR="", MMADAPT_MASTER_PORT=" "))
+    assert (job.master_addr, job.master_port) == ("gpu01", 24242)
     # job ids map below Linux's ephemeral ports (32768-60999)
     assert SlurmJob.from_env({**fake_env("gpu01", 1, 0), "SLURM_JOB_ID": "11999"}).master_port == 31999
     assert SlurmJob.from_env({**fake_env("gpu01", 1, 0), "SLURM_JOB_ID": "12000"}).master_port == 20000
