@@ -575,7 +575,15 @@ def sentence_settings(transformer: Path) -> dict:
     found = json_file(path) if path.is_file() else {}
     if not isinstance(found, dict):
         raise ValueError(f"{path} holds a JSON {type(found).__name__}, not an object: sentence-transformers writes one")
-    out = {k: found[k] for k in ("max_seq_length", "do_lower_case") if k in found}
+    out = {k: found[k] for k in ("max_seq_length", "do_lower_case") if found.get(k) is not None}  # null: unset
+    # sentence-transformers reads them as such: a "128" compares as text and cuts nothing; a
+    # "false" lower-cases every text
+    if "max_seq_length" in out and (type(out["max_seq_length"]) is not int or out["max_seq_length"] < 1):
+        raise ValueError(f"{path}: max_seq_length is {out['max_seq_length']!r}, not a whole number of pieces: "
+                         "write it as a positive integer (e.g. 128)")
+    if "do_lower_case" in out and type(out["do_lower_case"]) is not bool:
+        raise ValueError(f"{path}: do_lower_case is {out['do_lower_case']!r}, not true or false: write it as a JSON "
+                         "boolean")
     tok = transformer / "tokenizer_config.json"
     if "max_seq_length" not in out and tok.is_file():
         settings = json_file(tok)

@@ -190,6 +190,28 @@ def test_a_sentence_transformers_6_directory_encodes_as_sentence_transformers_do
 
     assert json.loads((run / SENTENCE_TRANSFORMERS / "sentence_bert_config.json").read_text())["max_seq_length"] == 16
 
+def test_sentence_bert_config_settings_of_another_type_are_refused(tmp_path):
+    """max_seq_length and do_lower_case are read as sentence-transformers applies them; a string
+    ("128", "false") would cut nothing or lower-case every text: refused in one line naming the
+    file; null is unset (the tokenizer's model_max_length then)."""
+    from mmadapt.hf import sentence_settings
+
+    path = tmp_path / "sentence_bert_config.json"
+    for bad, message in (({"max_seq_length": "128"}, "max_seq_length is '128', not a whole number"),
+                         ({"max_seq_length": 0}, "max_seq_length is 0"),
+                         ({"max_seq_length": True}, "max_seq_length is True"),
+                         ({"do_lower_case": "false"}, "do_lower_case is 'false', not true or false")):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=f"^{path}: {message}"):
+            sentence_settings(tmp_path)
+    path.write_text(json.dumps({"max_seq_length": None, "do_lower_case": False}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 256}))
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    assert sentence_settings(tmp_path) == {"do_lower_case": False, "max_seq_length": 256}
+    path.write_text(json.dumps({"max_seq_length": 128, "do_lower_case": True}))
+    assert sentence_settings(tmp_path) == {"max_seq_length": 128, "do_lower_case": True}
+
+
 def test_a_sentence_encoders_default_prompt_goes_before_every_text(headless, tmp_path):
     """An E5-style directory whose config_sentence_transformers.json names a default prompt:
     sentence-transformers encodes "query: " + text, and so does SentenceEncoder (it encoded the
