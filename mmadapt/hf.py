@@ -576,8 +576,8 @@ def sentence_settings(transformer: Path) -> dict:
     if not isinstance(found, dict):
         raise ValueError(f"{path} holds a JSON {type(found).__name__}, not an object: sentence-transformers writes one")
     out = {k: found[k] for k in ("max_seq_length", "do_lower_case") if found.get(k) is not None}  # null: unset
-    # sentence-transformers reads them as such: a "128" compares as text and cuts nothing; a
-    # "false" lower-cases every text
+    # refused at import, not at the first encode (a "128" raised a TypeError there; a "false" is
+    # truthy and lower-cased every text)
     if "max_seq_length" in out and (type(out["max_seq_length"]) is not int or out["max_seq_length"] < 1):
         raise ValueError(f"{path}: max_seq_length is {out['max_seq_length']!r}, not a whole number of pieces: "
                          "write it as a positive integer (e.g. 128)")
