@@ -53,8 +53,8 @@ from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt.config import EXPAND_OUTPUT_STARTS, ModelConfig, PreprocessConfig, TrainConfig
 from mmadapt.corpora import resolve_corpus
-from mmadapt.data import (TEXT, TOKENIZER, VALID, file_sha256, read_manifest, read_tokenizer, replay_blocks,
-                          train_tokenizer)
+from mmadapt.data import (TEXT, TOKENIZER, VALID, check_prepared, file_sha256, read_manifest, read_tokenizer,
+                          replay_blocks, train_tokenizer)
 from mmadapt.family import WORD, ModelFamily, OutputPath
 from mmadapt.heldout import Primary, Scorer, Text, pretrained_on
 from mmadapt.models.layers import new_rows_name
@@ -592,7 +592,9 @@ def replay_text(train: TrainConfig, tokenizer: Path | None, layout: ModelConfig)
                          "run would only train: prepare the target data first (mmadapt preprocess) and pass "
                          "--data_path, or pass --tokenizer")
     data = Path(train.replay_data)
-    manifest = read_manifest(data)  # a prepared dataset, or one line saying it is not
+    # a prepared dataset whole, as the target data must be (a text.bin cut short gave every replay
+    # block nothing to score, and the run said it replayed), or one line saying it is not
+    manifest = check_prepared(data)
     if file_sha256(data / TOKENIZER) != file_sha256(tokenizer):
         raise ValueError(f"--replay_data {data} was not encoded with {tokenizer}, the tokenizer whose ids the "
                          "replay text needs here: prepare it with mmadapt preprocess --tokenizer "

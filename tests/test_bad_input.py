@@ -126,6 +126,14 @@ class Ctx:
             out / "tokenizer.model")}))
         return str(out)
 
+    def cut_dataset(self) -> str:
+        """The primary run's prepared dataset, copied with its text.bin cut short."""
+        out = self.tmp / "cut"
+        shutil.copytree(self.primary / "data", out)
+        with open(out / "text.bin", "r+b") as f:
+            f.truncate(100)
+        return str(out)
+
     def damaged_manifest(self, text: str) -> str:
         """The primary run's prepared dataset with its manifest.json replaced by `text`."""
         out = self.tmp / "damaged"
@@ -579,6 +587,8 @@ CASES = [
      "is a finetune run (Step 3: a task model), which reads the tokenizer of the run it was trained from"),
     ("replay-other-tokenizer", lambda c: c.adapt("--replay_fraction", "0.25", "--replay_data", c.other_dataset()),
      "was not encoded with"),
+    ("replay-cut-short", lambda c: c.adapt("--replay_fraction", "0.25", "--replay_data", c.cut_dataset()),
+     "cut/text.bin holds 100 bytes where the"),
     ("replay-rounds-to-no-block", lambda c: c.adapt("--replay_fraction", "0.01", "--replay_data",
                                                     str(c.primary / "data")), "rounds to no block"),
     ("replay-fills-the-batch", lambda c: c.adapt("--replay_fraction", "0.99", "--replay_data",
