@@ -160,9 +160,10 @@ class ChangedRun(ValueError):
 # the record keys a --resume compares first: what the run is (its step, system, language, task)
 IDENTITY_FIRST = ("step", "system", "recipe", "lang", "task")
 
-# record keys that hold a file's path: the same file however it is spelt (records from before
-# 2026-12-05 hold it as given, perhaps relative to where the run started)
-PATH_KEYS = ("train_file",)
+# record keys that hold a file's or a dataset's path: the same one however it is spelt (records
+# from before 2026-12-05 hold it as given, perhaps relative to where the run started; a replay
+# dataset's content is compared by its replay_digest)
+PATH_KEYS = ("train_file", "train.replay_data")
 
 
 def check_same_run(run_file: Path, expected: dict) -> None:

@@ -394,7 +394,7 @@ def test_a_resume_names_the_training_file_however_it_is_spelt(tmp_path, monkeypa
     """finetune recorded --train_file as given and compared the text: the same file as ./t.csv, or
     from another directory (a requeued job), was refused as a changed run. run.json now holds its
     absolute path, and a --resume compares files (a record of a relative one: from where it
-    runs); another file is still refused."""
+    runs); another file is still refused. Step 2's --replay_data alike (./data/en/ was refused)."""
     import json
 
     from mmadapt.run import check_same_run
@@ -407,6 +407,13 @@ def test_a_resume_names_the_training_file_however_it_is_spelt(tmp_path, monkeypa
             check_same_run(record, {"train_file": given})
         with pytest.raises(ValueError, match="train_file is other.csv here but"):
             check_same_run(record, {"train_file": "other.csv"})
+    # Step 2's --replay_data, a dataset directory (its content: the record's replay_digest)
+    for saved in ("data/en", str(tmp_path / "data" / "en")):
+        record.write_text(json.dumps({"train": {"replay_data": saved}}))
+        for given in ("data/en", "./data/en/", str(tmp_path / "data" / "en")):
+            check_same_run(record, {"train": {"replay_data": given}})
+        with pytest.raises(ValueError, match="train.replay_data is data/fr here but"):
+            check_same_run(record, {"train": {"replay_data": "data/fr"}})
 
 
 def test_a_resume_of_another_system_is_refused_by_its_system(tmp_path):
