@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mmadapt import quiet
 from mmadapt.faults import PeerFailed, clear_stale_extension_lock
 from mmadapt.mcore import parallel_state
 
@@ -83,6 +84,7 @@ def init_distributed() -> None:
         torch.cuda.set_device(device())
     else:  # DeepSpeed JIT-builds its CPU shared-memory all-reduce here, under torch's file lock
         clear_stale_extension_lock()
+        quiet.probe_deepspeed_ops()
     from datetime import timedelta
 
     backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", timedelta(seconds=DIST_TIMEOUT_S)
@@ -92,7 +94,8 @@ def init_distributed() -> None:
         # starting alike (two demo workers, two `python launch/...` runs): EADDRINUSE at start.
         # DeepSpeed adopts the group torch already has.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
+    with quiet.deepspeed_prints():  # on the CPU, "DeepSpeed ...shm_comm_op built successfully"
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     _unlink_shm_allreduce_buffer()
     global _CONTROL
     # Host-side agreements (a stop signal, checked every update) go over gloo on CPU tensors:

@@ -18,6 +18,10 @@ What is filtered, and why it is noise:
     matplotlib      "No artists with labels found to put in legend": a plot panel without a curve
     transformers    the progress bars of writing a model's weight shards (export-hf), through
                     huggingface_hub's switch HF_HUB_DISABLE_PROGRESS_BARS (a value you set stays)
+    the C compiler  "/usr/bin/ld: cannot find -laio" and "collect2: error: ld returned 1 exit
+                    status": DeepSpeed probes which C++ ops this machine could build (a compiler
+                    run each) when a CPU run starts; libaio (ZeRO-Infinity's NVMe offload) is
+                    one mmadapt never uses (probe_deepspeed_ops)
 Only these exact messages go; every other warning and log line of these libraries still shows.
 """
 
@@ -95,3 +99,25 @@ def deepspeed_prints():
         return
     with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
         yield
+
+
+def probe_deepspeed_ops() -> None:
+    """DeepSpeed's probe of the C++ ops this machine could build (a compiler run each, once per
+    process: on the CPU, deepspeed.init_distributed reads it for its shared-memory all-reduce),
+    run here with file descriptors 1 and 2 on /dev/null unless verbose(). DeepSpeed silences the
+    compiler by redirecting sys.stderr's descriptor, which under contextlib.redirect_stderr (a demo
+    worker writing to its log) is the log's: the compiler's failures reached the terminal."""
+    import deepspeed.ops
+
+    if verbose():
+        deepspeed.ops.__compatible_ops__
+        return
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1), os.dup2(null.fileno(), 2)
+            deepspeed.ops.__compatible_ops__  # computed once, kept in the module (DeepSpeed reads it after)
+    finally:
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        os.close(saved[0]), os.close(saved[1])

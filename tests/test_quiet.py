@@ -161,3 +161,23 @@ def test_a_process_command_runs_with_its_imports_out_of_the_collectors_sight(cor
         if session_frozen:
             gc.freeze()
     assert seen[0] > 100_000 and seen[1] > 100_000, seen  # torch's, DeepSpeed's, megatron-core's objects; 0: unfrozen
+
+
+def test_a_run_started_under_a_redirected_stderr_keeps_deepspeeds_op_probe_off_the_terminal(tmp_path):
+    """A demo worker starts its runs with sys.stderr on its log (contextlib.redirect_stderr):
+    DeepSpeed's probe of the ops it could build silences the compiler through sys.stderr's
+    descriptor (the log's), so "/usr/bin/ld: cannot find -laio" and "collect2: error" reached the
+    terminal; and its shared-memory op's "built successfully" print is DeepSpeed's own. Neither
+    shows now; --verbose still shows the print."""
+    script = ("import contextlib, sys\n"
+              "from mmadapt import parallel\n"
+              f"with open({str(tmp_path / 'log')!r}, 'w') as log, contextlib.redirect_stderr(log):\n"
+              "    parallel.init_parallel(1, 1)\n"
+              "print('started')\n")
+    for verbose in ("0", "1"):
+        proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300, env=child_env(PYTHONPATH=str(REPO), MMADAPT_VERBOSE=verbose))
+        assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "started", proc.stderr[-2000:]
+        if verbose == "0":
+            assert proc.stdout + proc.stderr == "started\n", proc.stdout + proc.stderr
+    assert "built successfully" in proc.stdout
