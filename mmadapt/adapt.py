@@ -126,7 +126,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     """Step 2 (module docstring). Writes an artifact (embeddings.pt, spm.model, meta.json) under
     <output_dir>/embeddings/<tag> at update 0 and at every checkpoint: what Step 4 swaps in.
     Returns the metrics rows of this invocation (global rank 0; empty elsewhere)."""
-    check_run(run, step)
+    check_run(run, step, AdaptEmbeddings)
     plan = Step2Plan.of(run, step)
     with start_run(plan.run, plan.model, step.train, plan.identity, plan.data) as started:
         tokenizer = started.data / TOKENIZER

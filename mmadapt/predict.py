@@ -47,7 +47,7 @@ import torch
 from mmadapt.artifact import (artifact_dir, artifact_embeddings, artifact_primary, artifact_state,
                               check_primary_unchanged, read_artifact, trained_for)
 from mmadapt.checkpoint import read_json
-from mmadapt.config import FinetuneConfig, ModelConfig, path_args
+from mmadapt.config import FinetuneConfig, ModelConfig, bool_arg, path_arg
 from mmadapt.devices import device_of, on_eval_device
 from mmadapt.evaluate import (PAD_LOGIT, EvalBatches, EvalSet, Finetuned, load_finetuned, recorded_config, row_lengths,
                               set_logits)
@@ -105,16 +105,21 @@ def load(run: str | os.PathLike, embeddings: str | os.PathLike | None = None, *,
     embeddings were trained over a base of which the run (a fine-tuning run: its primary model)
     is a fine-tuned sibling (graft.py, as export-hf --graft: checked, the distances printed to
     stderr; an expanded vocabulary keeps the sibling's own source rows)."""
-    run = path_args(run, "run")[0]
+    run = path_arg(run, "run")  # one run: a list of them was read as its first
+    embeddings = None if embeddings is None else path_arg(embeddings, "embeddings")
+    graft = bool_arg(graft, "graft")  # graft="no" grafted
+    if tag is not None and (not isinstance(tag, str) or not tag.strip()):
+        raise ValueError(f"tag takes a checkpoint's tag (a directory name under <run>/checkpoints/, e.g. "
+                         f"'step00000100'), got {tag!r}")
     kind = kind_of(run)
     dev = named_device(device) if device is not None else default_device()
     if graft and embeddings is None:
         raise nothing_to_graft()
     if kind in OBJECTIVES:  # a language model
-        return LanguageModel.load(run, None if embeddings is None else Path(embeddings), tag, dev, graft)
+        return LanguageModel.load(run, embeddings, tag, dev, graft)
     if tag is not None:
         raise ValueError(f"{run} is a fine-tuning run: its model is its final checkpoint (drop --tag)")
-    return TaskModel.load(run, None if embeddings is None else Path(embeddings), dev, graft)
+    return TaskModel.load(run, embeddings, dev, graft)
 
 
 def _artifact(path: Path, owners: tuple[Path, ...], *, weights: dict[str, torch.Tensor] | None = None,
@@ -323,8 +328,8 @@ class LanguageModel:
         return ids, out[..., :out.shape[-1] // 2], out[..., out.shape[-1] // 2:].long()
 
     def _head(self, head: int) -> int:
-        if head not in self.heads:
-            raise ValueError(f"the model has heads after layers {', '.join(map(str, self.heads))}, not {head}")
+        if isinstance(head, bool) or head not in self.heads:  # "12" is no head (nor True, equal to 1)
+            raise ValueError(f"the model has heads after layers {', '.join(map(str, self.heads))}, not {head!r}")
         return head
 
     def fill_mask(self, texts: list[str], top_k: int = TOP_K, head: int | None = None) -> list[list[list[dict]]]:
@@ -381,7 +386,8 @@ class SentenceEncoder:
     @classmethod
     def load(cls, run: str | os.PathLike, embeddings: str | os.PathLike | None = None,
              device: torch.device | None = None) -> "SentenceEncoder":
-        run = path_args(run, "run")[0]
+        run = path_arg(run, "run")
+        embeddings = None if embeddings is None else path_arg(embeddings, "embeddings")
         source = read_source(run)
         settings = (source.record.get("imported_from") or {}).get("sentence_transformers")
         modules = source.path / SENTENCE_TRANSFORMERS

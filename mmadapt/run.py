@@ -643,12 +643,18 @@ def sampled_fingerprint(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def check_run(run: RunSpec, step) -> None:
+def check_run(run: RunSpec, step, kind: type) -> None:
     """What the command line refuses before a step starts, for a step called from Python: a
+    `run` that is no RunSpec and a `step` that is no `kind` (the step function's own), a
     RunSpec text field the step does not read (`step.run_text`; its command has no such flag),
     and an output directory strictly inside a directory the step reads
     (config.output_inside_an_input, which Parser.parse_args runs): the step's fields, its
     configs' (replay_data), and the run's data_path."""
+    # named here, not as an AttributeError deep in the step ('str' object has no attribute 'data_path')
+    if not isinstance(run, RunSpec):
+        raise ValueError(f"run takes a RunSpec, got {type(run).__name__} {run!r}")
+    if not isinstance(step, kind):
+        raise ValueError(f"step takes a {kind.__name__}, got {type(step).__name__}")
     unread = [f for f in ("data_path", "corpus", "tokenizer") if getattr(run, f) is not None and f not in step.run_text]
     if unread:
         raise ValueError(f"{step.name} reads no RunSpec {unread[0]} ({step.text_from}): drop it")

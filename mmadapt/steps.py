@@ -154,7 +154,7 @@ class Pretrain(StepSpec):
 def pretrain(run: RunSpec, step: Pretrain) -> list[dict]:
     """Step 1. Returns the metrics rows of this invocation (global rank 0; empty elsewhere).
     run.layout's fields set, where given, the model's (as the later steps' do their source's)."""
-    check_run(run, step)
+    check_run(run, step, Pretrain)
     run = run.with_corpus_resolved()
     identity, model = {"step": "pretrain", "recipe": step.recipe}, run.layout.apply(step.model)
     with start_run(run, model, step.train, identity, TextData()) as started:
@@ -197,7 +197,7 @@ class BuildMinipost(StepSpec):
 def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
     """Step 1b (MINIPOST): the bottom N layers, embeddings and primary head of the primary model,
     K new layers on top, only those trained on source-language text."""
-    check_run(run, step)
+    check_run(run, step, BuildMinipost)
     n, k = step.mini.one_depth("build_minipost"), step.mini.new_layers
     source = agreed_source(step.primary,
                            lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag))
@@ -264,7 +264,7 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
     body from its first updates). The run it writes is a
     Step-1 run (recipe bl_base) that every later step takes; its checkpoints hold the head, the
     body is the headless run's (`frozen_from`)."""
-    check_run(run, step)
+    check_run(run, step, FitHead)
     source = agreed_source(step.primary,
                            lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag))
     if not source.headless:
@@ -414,7 +414,7 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
     through the DeepSpeed engine (data parallel, ZeRO, megatron tensor parallel), with periodic
     checkpoints and exact --resume. Returns the run record (with `source_score` when an
     eval_file is given) and the trained module (this rank's tensor-parallel shard)."""
-    check_run(run, step)
+    check_run(run, step, Finetune)
     cfg, task = step.cfg, get_task(step.task)
     source, model_cfg, train_file = _finetune_source(run, step, task)
     lr = cfg.lr or task.lr
@@ -539,7 +539,8 @@ def _write_records(records: list[dict], output: Path | None) -> list[dict]:
 
 
 def _refuse_existing(output: Path | None) -> None:
-    if output is not None and Path(output).exists():
+    output = None if output is None else path_arg(output, "output")
+    if output is not None and output.exists():
         raise ValueError(f"{output} already exists: choose a new --output (records are never overwritten)")
     if output is not None:
         check_output_file(output, "--output")
@@ -687,7 +688,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     sweep.md (table, cheapest depth) and sweep.png (needs matplotlib) into the output directory.
     A depth already trained is kept, an interrupted one resumed: run it again after a stop, or
     with more depths. Returns the summary (sweep.summarize) on global rank 0, None elsewhere."""
-    check_run(run, step)
+    check_run(run, step, Sweep)
     cfg = step.cfg  # its ranges were checked when it was made (config.check_declared)
     # one checkpoint of the source for every depth: the one the depths trained so far read
     # (run.resumed_tag), though the source saved newer ones since, unless --source_tag names one

@@ -204,6 +204,25 @@ def test_every_numeric_field_declares_its_range():
     (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", REPO / "mmadapt" / "data", 100,
                                                           expand_from=REPO / "mmadapt"),
      f"--output_dir {REPO}/mmadapt/data is inside --expand_from {REPO}/mmadapt: write it elsewhere"),
+    # predict's loaders took a list of runs as its first, and graft="no" as True
+    (lambda: __import__("mmadapt.predict").predict.load(["p", "q"]), "run takes one path, got ['p', 'q']"),
+    (lambda: __import__("mmadapt.predict").predict.SentenceEncoder.load(["p", "q"]),
+     "run takes one path, got ['p', 'q']"),
+    (lambda: __import__("mmadapt.predict").predict.load("p", embeddings=123), "embeddings takes one path, got 123"),
+    (lambda: __import__("mmadapt.predict").predict.load("p", embeddings="e", graft="no"),
+     "graft takes True or False, got 'no'"),
+    (lambda: __import__("mmadapt.predict").predict.load("p", tag=5), "tag takes a checkpoint's tag"),
+    (lambda: __import__("mmadapt.steps").steps.evaluate(["f"], embeddings=["e"], eval_file="bible", output=123),
+     "output takes one path, got 123"),
+    # the step functions' own arguments (an AttributeError deep in the step)
+    (lambda: __import__("mmadapt.steps").steps.pretrain(run="x/p", step=__import__("mmadapt.steps").steps.Pretrain(
+        model=__import__("mmadapt.config").config.apply_recipe(PRESETS["tiny"][0], "bl_base"), train=TrainConfig())),
+     "run takes a RunSpec, got str 'x/p'"),
+    (lambda: __import__("mmadapt.steps").steps.finetune(
+        run=__import__("mmadapt.run").run.RunSpec(output_dir="x/f"), step=__import__("mmadapt.steps").steps.Pretrain(
+            model=__import__("mmadapt.config").config.apply_recipe(PRESETS["tiny"][0], "bl_base"),
+            train=TrainConfig())),
+     "step takes a Finetune, got Pretrain"),
 ], ids=["range", "open-range", "finite", "int-not-float", "int-not-bool", "tuple-items", "choices", "replace",
         "model-tuple-items", "model-tuple-not-a-list", "empty-list", "type", "step-config-type", "step-path", "run-spec-path",
         "run-spec-blank-path", "run-spec-empty-corpus", "run-spec-corpus-type", "finetune-empty-eval-file",
@@ -212,7 +231,8 @@ def test_every_numeric_field_declares_its_range():
         "evaluate-empty-list", "evaluate-plugin-blocks", "evaluate-eval-file", "evaluate-plugin-data",
         "adapt-vocab-size", "sweep-vocab-size", "extend-plugin-eval-blocks", "extend-vocab-size", "run-spec-two-texts",
         "preprocess-expand-no-size", "evaluate-graft-str", "evaluate-cfg-type", "plugin-two-primaries", "plugin-allow-str", "preprocess-vocab-float", "preprocess-vocab-small", "preprocess-cfg-type",
-        "preprocess-output-inside-expand-from"])
+        "preprocess-output-inside-expand-from", "predict-two-runs", "encoder-two-runs", "predict-embeddings-type",
+        "predict-graft-str", "predict-tag-type", "evaluate-output-type", "step-run-type", "step-step-type"])
 def test_the_python_api_is_refused_as_the_command_line_is(make, message):
     with pytest.raises(ValueError) as e:
         make()

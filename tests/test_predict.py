@@ -147,6 +147,8 @@ def test_fill_mask_and_next_piece_say_what_they_are_for(hf_run):
         lm.next_piece(["In the beginning"])
     with pytest.raises(ValueError, match="heads after layers 4, not 2"):
         lm.fill_mask(["a <mask>"], head=2)
+    with pytest.raises(ValueError, match="heads after layers 4, not '4'"):  # a layer number, not its text
+        lm.fill_mask(["a <mask>"], head="4")
     with pytest.raises(ValueError, match="a list of texts"):
         lm.logits("one string")
 
