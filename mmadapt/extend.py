@@ -218,6 +218,8 @@ def claim(ext: Extend) -> bool:
 def extend(ext: Extend) -> dict:
     """The extension (module docstring). -> its summary: the plug-in loss of the new embeddings at
     the start and at the end beside the target unigram reference, and the export's directories."""
+    if not isinstance(ext, Extend):  # its fields are checked when it is made
+        raise ValueError(f"ext takes an Extend, got {type(ext).__name__}")
     world = parallel.launched_world_size()
     if world > 1:  # every rank would claim, import, prepare and export into the same directories
         raise ValueError(f"mmadapt extend runs in one process (the launcher started {world}): run it as `mmadapt "

@@ -223,6 +223,7 @@ def test_every_numeric_field_declares_its_range():
             model=__import__("mmadapt.config").config.apply_recipe(PRESETS["tiny"][0], "bl_base"),
             train=TrainConfig())),
      "step takes a Finetune, got Pretrain"),
+    (lambda: __import__("mmadapt.extend").extend.extend({"model": "m", "lang": "de"}), "ext takes an Extend, got dict"),
 ], ids=["range", "open-range", "finite", "int-not-float", "int-not-bool", "tuple-items", "choices", "replace",
         "model-tuple-items", "model-tuple-not-a-list", "empty-list", "type", "step-config-type", "step-path", "run-spec-path",
         "run-spec-blank-path", "run-spec-empty-corpus", "run-spec-corpus-type", "finetune-empty-eval-file",
@@ -232,7 +233,8 @@ def test_every_numeric_field_declares_its_range():
         "adapt-vocab-size", "sweep-vocab-size", "extend-plugin-eval-blocks", "extend-vocab-size", "run-spec-two-texts",
         "preprocess-expand-no-size", "evaluate-graft-str", "evaluate-cfg-type", "plugin-two-primaries", "plugin-allow-str", "preprocess-vocab-float", "preprocess-vocab-small", "preprocess-cfg-type",
         "preprocess-output-inside-expand-from", "predict-two-runs", "encoder-two-runs", "predict-embeddings-type",
-        "predict-graft-str", "predict-tag-type", "evaluate-output-type", "step-run-type", "step-step-type"])
+        "predict-graft-str", "predict-tag-type", "evaluate-output-type", "step-run-type", "step-step-type",
+        "extend-spec-type"])
 def test_the_python_api_is_refused_as_the_command_line_is(make, message):
     with pytest.raises(ValueError) as e:
         make()
