@@ -709,9 +709,31 @@ def choose_baseline(records: list[dict]) -> tuple[str, str | None]:
     cost = defaultdict(list)
     for (system, _, _), pts in cs.items():
         cost[system].append(pts[-1][0])
-    best = max(sorted(cost), key=lambda s: sum(cost[s]) / len(cost[s]))
+    runs = sorted(s for s in cost if s.startswith("bl_base ["))  # evaluate.apart_runs' names of its runs
+    best = max(runs or sorted(cost), key=lambda s: sum(cost[s]) / len(cost[s]))
+    if runs:  # "no bl_base in the records" said of records that hold several of its runs
+        return best, (f"bl_base has {len(runs)} runs in the records, told apart by their directories "
+                      f"({', '.join(runs)}): the one with the most Step-2 compute")
     return best, ("the only system in the records" if len(cost) == 1 else
                   "no bl_base in the records: the system with the most Step-2 compute")
+
+
+def _split_baseline(t: "TaskScores", baseline: str) -> str | None:
+    """One sentence where `baseline` has no score in some of the task's languages because its runs
+    there were told apart (two seeds or starts: evaluate.apart_runs names them `bl_base [run]`):
+    those languages have no target, and every average against the baseline leaves them out."""
+    def has(system: str, i: int) -> bool:
+        return system in t.final and t.final[system][i] is not None
+
+    split = {lang: sorted(s for s in t.final if s.startswith(f"{baseline} [") and has(s, i))
+             for i, lang in enumerate(t.langs) if not has(baseline, i)}
+    split = {lang: runs for lang, runs in split.items() if runs}
+    if not split:
+        return None
+    return ("No " + baseline + " target in " + ", ".join(split) + ": " + "; ".join(
+        f"{len(runs)} runs of {baseline} in {lang} ({', '.join(runs)})" for lang, runs in split.items())
+        + ", told apart by their directories; pass --baseline with one of them, or report each run's records "
+        "apart")
 
 
 def report_markdown(records: list[dict], baseline: str = "bl_base", device: str = "v100-paper") -> str:
@@ -865,6 +887,8 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
                    + " |")
     if baseline not in t.final:
         out += ["", f"No {baseline} records for {t.task}: no retention or share of its gain."]
+    split = _split_baseline(t, baseline)
+    out += ["", split + "."] if split else []
     if fewer:
         out += ["", f"*: retention and shares over the languages it shares with {baseline} (its average over its "
                 "own): " + "; ".join(
@@ -909,6 +933,8 @@ def _near_max_section(t: TaskScores, cs: dict, hits: dict, baseline: str, device
         out.append(f"| {s} | " + " | ".join(cells) + " |")
     none = [lang for lang in langs if (baseline, task, lang) in cs and not has_target(cs, baseline, task, lang)]
     out += ["", f"No target in {', '.join(none)}: {baseline}'s final score there is not above 0."] if none else []
+    split = _split_baseline(t, baseline)
+    out += ["", split + "."] if split else []
     early = _at_target_from_the_start(cs, baseline, task, t.systems, langs, f)
     out += ["", "Already at the target before any Step-2 update (the start, update 0, which the table does not "
             "count as a checkpoint): " + "; ".join(early) + "."] if early else []

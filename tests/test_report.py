@@ -765,3 +765,34 @@ def test_a_tokenizer_that_reads_a_text_as_unk_is_said_so_in_the_verdict():
     assert ("EFLOPs of Step 2. (no adaptation's tokenizer reads 93% of its pieces as <unk>; expand's tokenizer reads "
             "30% of its pieces as <unk>: it does not cover the text)") in md
     assert "<unk>" not in bpb_markdown(_bpb_records())  # records from before carry no share: nothing said
+
+
+def _run_curve(system: str, run: str, flops: list[float], scores: list[float], lang: str) -> list[dict]:
+    return [{**r, "artifact": f"runs/{run}/embeddings/step{r['step']:08d}"}
+            for r in _curve(system, flops, scores, lang)]
+
+
+def test_a_baseline_told_apart_into_runs_is_named_not_dropped_unsaid(tmp_path, capsys):
+    """Two BL_BASE runs (seeds) of one language are two systems `bl_base [run]`: that language has
+    no target and every average against bl_base leaves it out, which the report now says (its
+    tables showed '-' with no reason); with no plain bl_base left at all, the baseline line said
+    "no bl_base in the records" and took whatever spent most: it names bl_base's runs."""
+    day = 2.592e18
+    f = tmp_path / "seeds.json"
+    f.write_text(json.dumps(_run_curve("bl_base", "bl-ar", [2 * day, 4 * day], [60.0, 70.0], "ar")
+                            + _run_curve("bl_base", "bl-de-s1", [2 * day, 4 * day], [75.0, 80.0], "de")
+                            + _run_curve("bl_base", "bl-de-s2", [2 * day, 4 * day], [74.0, 79.0], "de")
+                            + _run_curve("minijoint", "mj-ar", [1 * day, 2 * day], [60.0, 69.0], "ar")
+                            + _run_curve("minijoint", "mj-de", [1 * day, 2 * day], [70.0, 78.0], "de")))
+    assert report_main([str(f)]) == 0
+    out = capsys.readouterr()
+    note = ("No bl_base target in de: 2 runs of bl_base in de (bl_base [bl-de-s1], bl_base [bl-de-s2]), told apart "
+            "by their directories; pass --baseline with one of them, or report each run's records apart.")
+    assert out.out.count(note) == 2 and out.err == ""  # under the final scores and under the near-maximal table
+    f.write_text(json.dumps(_run_curve("bl_base", "bA", [2 * day, 4 * day], [60.0, 70.0], "de")
+                            + _run_curve("bl_base", "bB", [2 * day, 5 * day], [61.0, 71.0], "de")
+                            + _run_curve("minijoint:full", "full", [3 * day, 9 * day], [62.0, 72.0], "de")))
+    assert report_main([str(f)]) == 0
+    assert capsys.readouterr().err.strip() == (
+        "baseline: bl_base [bB] (bl_base has 2 runs in the records, told apart by their directories (bl_base [bA], "
+        "bl_base [bB]): the one with the most Step-2 compute; --baseline chooses another)")
