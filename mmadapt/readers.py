@@ -146,6 +146,13 @@ def read_squad(path: str | os.PathLike, lang: str = "") -> list[QAExample]:
                         for x in answers):
                     raise ValueError(f"{where}, question {qa['id']!r}: 'answers' must be a list of "
                                      "{\"text\", \"answer_start\"}")
+                blank = next((x for x in answers if not x["text"].strip()), None)
+                if blank is not None:
+                    # a span of nothing: Step 3 trained it toward <s> (no window holds it), as an
+                    # unanswerable question below; a gold answer no prediction can match
+                    raise ValueError(f"{where}, question {qa['id']!r} has an empty answer {blank['text']!r} (at "
+                                     f"{blank['answer_start']}): every answer is a span of the context's text; "
+                                     "correct it or drop the question")
                 if not answers or qa.get("is_impossible"):
                     # SQuAD 2.0's unanswerable questions: Step 3 would train them toward <s> (no
                     # span), which best_spans never predicts, and they would score EM 100, F1 0

@@ -744,6 +744,11 @@ CASES = [
         "context": "In the beginning.", "qas": [{"id": "q1", "question": "Who?", "answers": [],
                                                   "is_impossible": True}]}]}]}), task="xquad"),
      "article 1, paragraph 1, question 'q1' has no answer (a SQuAD 2.0 unanswerable question)"),
+    ("squad-blank-answer", lambda c: c.own_task("q.json", json.dumps({"data": [{"paragraphs": [{
+        "context": "In the beginning.", "qas": [{"id": "q1", "question": "When?", "answers": [
+            {"text": "the beginning", "answer_start": 3}, {"text": " ", "answer_start": 2}]}]}]}]}), task="xquad"),
+     "article 1, paragraph 1, question 'q1' has an empty answer ' ' (at 2): every answer is a span of the context's "
+     "text; correct it or drop the question"),
     ("squad-data-not-a-list", lambda c: c.own_task("q.json", '{"data": 5}', task="xquad"),
      "is not SQuAD-format JSON: expected {\"data\": [articles]}"),
     # --- Step 4 and predict: an artifact whose embeddings have fewer rows than its tokenizer's pieces
