@@ -34,6 +34,7 @@ k top_k.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
 import os
@@ -185,6 +186,35 @@ def _surface(tokenizer, i: int) -> dict:
     return {"id": i, "piece": piece, "text": piece.replace(WORD_BOUNDARY, " ").strip()}
 
 
+# How messages name the inputs: `mmadapt predict` sets its inputs' file lines ("in.txt:5": blank
+# lines are skipped, so "text 2" named another line); from Python, "text 2" / "input 2".
+_INPUT_NAMES: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("input_names", default=None)
+
+
+def _named(i: int, what: str = "text") -> str:
+    """The `i`-th input (from 1) as a message names it (_INPUT_NAMES)."""
+    names = _INPUT_NAMES.get()
+    return f"{what} {i}" if names is None or i > len(names) else names[i - 1]
+
+
+def lone_surrogate(text: str) -> str | None:
+    """The first lone surrogate of `text` as '\\udXXX', or None. JSON's escape "\\ud800" (and a
+    file name read with surrogateescape) makes a str that is no text: the tokenizer failed on it
+    with a C++ cast error and a traceback."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"\\u{ord(text[e.start]):04x}"
+    return None
+
+
+def _refuse_lone_surrogate(where: str, strings) -> None:
+    bad = next((c for c in map(lone_surrogate, strings) if c is not None), None)
+    if bad is not None:
+        raise ValueError(f"{where} holds {bad}, half of a UTF-16 surrogate pair, which is no character: write the "
+                         "character itself (or both halves of its pair)")
+
+
 def _texts(texts) -> list[str]:
     """A list of texts as the Python API takes them, refused in one line otherwise."""
     if isinstance(texts, str):
@@ -193,7 +223,9 @@ def _texts(texts) -> list[str]:
         raise ValueError(f"pass a non-empty list of texts, not {texts!r}")
     bad = next((i for i, t in enumerate(texts, 1) if not isinstance(t, str)), None)
     if bad is not None:
-        raise ValueError(f"text {bad} is a {type(texts[bad - 1]).__name__}, not a string")
+        raise ValueError(f"{_named(bad)} is a {type(texts[bad - 1]).__name__}, not a string")
+    for i, t in enumerate(texts, 1):
+        _refuse_lone_surrogate(_named(i), [t])
     return list(texts)
 
 
@@ -203,7 +235,8 @@ def refuse_non_finite(run: Path, out: torch.Tensor, what: str, padding: float = 
     bad = ~torch.isfinite(out) & (out != padding)
     if bad.any():
         first = int(bad.reshape(len(out), -1).any(1).nonzero()[0]) + 1
-        raise ValueError(f"the model of {run} gives NaN or infinite outputs for {what} {first}: its weights are "
+        name = _named(first, what) if what != "window" else f"{what} {first}"
+        raise ValueError(f"the model of {run} gives NaN or infinite outputs for {name}: its weights are "
                          "damaged or diverged (nothing is written)")
 
 
@@ -286,10 +319,10 @@ class LanguageModel:
             pieces = self.pieces(text)
             row = self.objective.lm_row(pieces, len(pieces) + n, self.prefix)  # uncut: the text and its layout's pieces
             if not row:  # a decoder whose tokenizer puts nothing before a text, on a text of no piece
-                raise ValueError(f"text {i} ({text[:40]!r}) has no piece in the tokenizer of {self.run}: there is "
+                raise ValueError(f"{_named(i)} ({text[:40]!r}) has no piece in the tokenizer of {self.run}: there is "
                                  "nothing to predict from; give text it reads")
             if len(row) > n:
-                raise ValueError(f"text {i} is {len(pieces)} pieces long; the model of {self.run} reads at most "
+                raise ValueError(f"{_named(i)} is {len(pieces)} pieces long; the model of {self.run} reads at most "
                                  f"{n - (len(row) - len(pieces))} ({n} positions, {len(row) - len(pieces)} of them its "
                                  "layout's): shorten or split it (predict does not cut a text)")
             rows.append(row)
@@ -341,7 +374,7 @@ class LanguageModel:
                              "next_piece")
         missing = next((i for i, t in enumerate(_texts(texts)) if MASK not in t), None)
         if missing is not None:
-            raise ValueError(f"text {missing + 1} has no {MASK}: fill_mask predicts the pieces at {MASK}")
+            raise ValueError(f"{_named(missing + 1)} has no {MASK}: fill_mask predicts the pieces at {MASK}")
         ids, probs, top = self._top(texts, top_k, head)
         return [[[{**_surface(self.tokenizer, int(i)), "prob": float(p)} for p, i in zip(probs[r, s], top[r, s])]
                  for s in ids[r].eq(MASK_ID).nonzero().squeeze(1).tolist()] for r in range(len(texts))]
@@ -524,23 +557,25 @@ class TaskModel:
         for n, x in enumerate(inputs, 1):
             if kind == "classify" and self.task.pairs:
                 if not (isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, str) for t in x)):
-                    raise ValueError(f"input {n}: the {self.task.name} model classifies pairs of texts: pass "
-                                     "(text, text_pair)")
+                    raise ValueError(f"{_named(n, 'input')}: the {self.task.name} model classifies pairs of texts: "
+                                     "pass (text, text_pair)")
                 out.append(PairExample(x[0], x[1], 0))
             elif kind == "classify":
                 if not isinstance(x, str):
-                    raise ValueError(f"input {n}: the {self.task.name} model classifies single texts: pass a string")
+                    raise ValueError(f"{_named(n, 'input')}: the {self.task.name} model classifies single texts: "
+                                     "pass a string")
                 out.append((x, 0))
             elif kind == "tag":
                 # a list or tuple of words (a dict's keys, a number, None: refused as not one)
                 words = x.split() if isinstance(x, str) else list(x) if isinstance(x, (list, tuple)) else None
                 if not words or not all(isinstance(w, str) and w for w in words):
-                    raise ValueError(f"input {n}: a tagger takes a text or a list of words, not {x!r}")
+                    raise ValueError(f"{_named(n, 'input')}: a tagger takes a text or a list of words, not {x!r}")
                 out.append(TaggedSentence(words, [self.labels[0]] * len(words)))
             else:
                 if not (isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, str) for t in x)):
-                    raise ValueError(f"input {n}: a QA model takes (question, context)")
+                    raise ValueError(f"{_named(n, 'input')}: a QA model takes (question, context)")
                 out.append(QAExample(str(n - 1), x[1], x[0]))
+            _refuse_lone_surrogate(_named(n, "input"), [x] if isinstance(x, str) else x)
         return out
 
     def encode(self, examples: list) -> Encoded:
@@ -563,8 +598,9 @@ class TaskModel:
             pieces = (len(encode(ex.sentence1)) + len(encode(ex.sentence2)) + framing.pair_specials
                       if isinstance(ex, PairExample) else len(encode(ex[0])) + len(framing.start) + 1)
             if pieces > n:
-                print(f"note: input {i} is {pieces} pieces long with its layout; the {self.task.name} model reads its "
-                      f"first {n} (the run's seq_length, as fine-tuning and evaluate read it)", file=sys.stderr)
+                print(f"note: {_named(i, 'input')} is {pieces} pieces long with its layout; the {self.task.name} "
+                      f"model reads its first {n} (the run's seq_length, as fine-tuning and evaluate read it)",
+                      file=sys.stderr)
 
     def _say_cut_questions(self, examples: list) -> None:
         """QA reads a question's first max_query_length pieces, as fine-tuning and `mmadapt
@@ -573,8 +609,9 @@ class TaskModel:
         for i, ex in enumerate(examples, 1):
             pieces = len(self.tokenizer.encode(ex.question))
             if pieces > n:
-                print(f"note: input {i}'s question is {pieces} pieces long; the {self.task.name} model reads its first "
-                      f"{n} (the run's max_query_length, as fine-tuning and evaluate read it)", file=sys.stderr)
+                print(f"note: {_named(i, 'input')}'s question is {pieces} pieces long; the {self.task.name} model "
+                      f"reads its first {n} (the run's max_query_length, as fine-tuning and evaluate read it)",
+                      file=sys.stderr)
 
     def logits(self, inputs: list) -> tuple[list, Encoded, torch.Tensor]:
         """(examples, their rows, logits: classify [n, C], tag [n, s, C], span [windows, s, 2]),
@@ -616,7 +653,15 @@ def input_keys(kind: str) -> tuple[str, ...]:
     return ("text",) if kind in OBJECTIVES else TASK_INPUT_KEYS[kind]
 
 
-def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> list[dict]:
+class Inputs(list):
+    """read_inputs' inputs, each named by its line (`names`: "in.txt:5"), as predict_rows' messages name them."""
+
+    def __init__(self, rows: list[dict], names: list[str]):
+        super().__init__(rows)
+        self.names = tuple(names)
+
+
+def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> Inputs:
     """The inputs of `mmadapt predict` for a model of `kind` (kind_of): one per non-blank line of
     `path` ("-": stdin), each {key: value} of `input_keys(kind)`. Plain lines hold the fields
     separated by a tab (pair: text, text_pair; span: question, context); JSON Lines (a .jsonl or
@@ -638,10 +683,11 @@ def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> list[dict]:
         raise ValueError(f"{where} is a directory: pass a text file (or - for stdin)") from None
     except FileNotFoundError:
         raise ValueError(f"{where} does not exist") from None
-    out = []
+    out, names = [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        names.append(f"{where}:{n}")
         if jsonl:
             try:
                 row = json.loads(line)
@@ -664,6 +710,7 @@ def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> list[dict]:
                 elif not isinstance(v, str):
                     raise ValueError(f"{where}:{n}: {k!r} is a {type(v).__name__}, not a text: write it as a JSON "
                                      "string")
+                _refuse_lone_surrogate(f"{where}:{n}: {k!r}", [v] if isinstance(v, str) else v)
             out.append({k: row[k] for k in keys})
         else:
             fields = line.split("\t")
@@ -675,7 +722,7 @@ def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> list[dict]:
             out.append(dict(zip(keys, fields)))
     if not out:
         raise ValueError(f"{where} holds no inputs (one per line)")
-    return out
+    return Inputs(out, names)
 
 
 def check_top_k(run: str | os.PathLike, kind: str, top_k: int | None) -> None:
@@ -688,7 +735,15 @@ def check_top_k(run: str | os.PathLike, kind: str, top_k: int | None) -> None:
 
 def predict_rows(model: "LanguageModel | TaskModel", inputs: list[dict], top_k: int | None = None) -> list[dict]:
     """Each input with what `model` predicts for it (`mmadapt predict`'s output rows; `top_k`: a
-    language model's pieces per position, None: TOP_K)."""
+    language model's pieces per position, None: TOP_K). Messages name read_inputs' inputs by line."""
+    names = _INPUT_NAMES.set(getattr(inputs, "names", None))
+    try:
+        return _predict_rows(model, inputs, top_k)
+    finally:
+        _INPUT_NAMES.reset(names)
+
+
+def _predict_rows(model: "LanguageModel | TaskModel", inputs: list[dict], top_k: int | None) -> list[dict]:
     if isinstance(model, LanguageModel):
         texts, top_k = [x["text"] for x in inputs], TOP_K if top_k is None else top_k
         if model.objective.masked:

@@ -139,7 +139,7 @@ def test_a_device_asked_for_is_where_the_model_is_built(hf_run, monkeypatch):
     assert torch.equal(lm.logits(SENTENCES)[4], want)
 
 
-def test_fill_mask_and_next_piece_say_what_they_are_for(hf_run):
+def test_fill_mask_and_next_piece_say_what_they_are_for(hf_run, tmp_path):
     lm = predict.load(hf_run[1], device="cpu")
     with pytest.raises(ValueError, match="text 2 has no <mask>"):
         lm.fill_mask(["a <mask> b", "no mask here"])
@@ -149,6 +149,14 @@ def test_fill_mask_and_next_piece_say_what_they_are_for(hf_run):
         lm.fill_mask(["a <mask>"], head=2)
     with pytest.raises(ValueError, match="heads after layers 4, not '4'"):  # a layer number, not its text
         lm.fill_mask(["a <mask>"], head="4")
+    with pytest.raises(ValueError, match=r"^text 2 holds \\ud800, half of a UTF-16 surrogate pair"):
+        lm.fill_mask(["a <mask>", "b \ud800 <mask>"])
+    # under mmadapt predict, an input is named by its line: blank lines are skipped ("text 2" was line 5)
+    (tmp_path / "m.txt").write_text("In the <mask>.\n\n\n\nno mask here\n")
+    with pytest.raises(ValueError, match=f"^{tmp_path}/m.txt:5 has no <mask>"):
+        predict.predict_rows(lm, predict.read_inputs(str(tmp_path / "m.txt"), "mlm"))
+    with pytest.raises(ValueError, match="^text 2 has no <mask>"):  # from Python: its place in the list, as before
+        lm.fill_mask(["a <mask>", "no mask here"])
     with pytest.raises(ValueError, match="a list of texts"):
         lm.logits("one string")
 
@@ -266,6 +274,18 @@ def test_read_inputs_lines_tabs_and_json_lines(tmp_path):
         predict.read_inputs(str(j), "span")
     (tmp_path / "t.jsonl").write_text(json.dumps({"words": ["Im", "Anfang"]}) + "\n")
     assert predict.read_inputs(str(tmp_path / "t.jsonl"), "tag") == [{"text": ["Im", "Anfang"]}]
+    # JSON's escape of half a surrogate pair is no text (the tokenizer failed on it with a traceback)
+    (tmp_path / "s.jsonl").write_text('{"text": "fine"}\n\n{"text": "lone \\ud800 half"}\n{"words": ["a\\udc80"]}\n')
+    with pytest.raises(ValueError, match=r"s.jsonl:3: 'text' holds \\ud800, half of a UTF-16 surrogate pair, which is "
+                                         r"no character: write the character itself \(or both halves of its pair\)$"):
+        predict.read_inputs(str(tmp_path / "s.jsonl"), "mlm")
+    with pytest.raises(ValueError, match=r"s.jsonl:3: 'text' holds \\ud800"):
+        predict.read_inputs(str(tmp_path / "s.jsonl"), "tag")
+    (tmp_path / "s.jsonl").write_text('{"words": ["a\\udc80"]}\n')
+    with pytest.raises(ValueError, match=r"s.jsonl:1: 'text' holds \\udc80"):
+        predict.read_inputs(str(tmp_path / "s.jsonl"), "tag")
+    # each input keeps its line (blank lines are skipped): what predict_rows' messages name
+    assert predict.read_inputs(str(f), "pair").names == (f"{f}:1", f"{f}:3")
     (tmp_path / "latin1.txt").write_bytes(b"caf\xe9\n")
     with pytest.raises(ValueError, match=r"latin1.txt is not UTF-8 text \(byte offset 3\)"):
         predict.read_inputs(str(tmp_path / "latin1.txt"), "mlm")
@@ -560,3 +580,15 @@ def test_a_tagger_refuses_an_input_that_is_no_text_or_list_of_words(x, de_tokeni
     tm = _task_model("tag", ["B-NAME", "O"], de_tokenizer)
     with pytest.raises(ValueError, match=r"^input 2: a tagger takes a text or a list of words, not "):
         tm.predict(["Im Anfang", x])
+
+
+def test_a_tagger_under_predict_names_an_input_by_its_line(de_tokenizer, tmp_path):
+    """mmadapt predict skips blank lines: a tag input that is only spaces (or no words) was
+    refused as 'input 2' for line 4; half a surrogate pair in a word failed in the tokenizer."""
+    tm = _task_model("tag", ["B-NAME", "O"], de_tokenizer)
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"words": ["Im"]}\n\n\n{"text": "   "}\n')
+    with pytest.raises(ValueError, match=f"^{f}:4: a tagger takes a text or a list of words, not '   '$"):
+        predict.predict_rows(tm, predict.read_inputs(str(f), "tag"))
+    with pytest.raises(ValueError, match=r"^input 2 holds \\udc80, half of a UTF-16 surrogate pair"):
+        tm.predict(["Im Anfang", ["a\udc80"]])
