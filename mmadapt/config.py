@@ -471,8 +471,8 @@ class PreprocessConfig(Checked):
     """`mmadapt preprocess`: how a corpus is prepared once for every run that trains on it."""
     workers: Optional[int] = _f(None, "encoding processes, each over its own byte range of the corpus "
                                 "(default: the CPU count); the result is the same for any number", ge=1)
-    tokenizer_sample_lines: int = _f(2_000_000, "lines sampled (seeded reservoir) to train the SentencePiece "
-                                     "model: bounds its memory whatever the corpus size", ge=1)
+    tokenizer_sample_lines: int = _f(2_000_000, "lines sampled (seeded: the same sample each time) to train the "
+                                     "SentencePiece model: bounds its memory whatever the corpus size", ge=1)
     tokenizer_seed: int = _f(1234, "seed of that sample and of SentencePiece's training (and of the "
                              "validation split)", ge=0)
     tokenizer_threads: Optional[int] = _f(None, "threads SentencePiece trains with (default: the CPU count). The "

@@ -157,12 +157,16 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
     model_prefix.parent.mkdir(parents=True, exist_ok=True)
     spm.set_random_generator_seed(seed)
     tmp = model_prefix.with_name(model_prefix.name + f".tmp{os.getpid()}")
+    sample = Path(f"{tmp}.sample")
     try:
-        _train_sentencepiece(corpus, tmp, vocab_size, max_sentences, threads or os.cpu_count() or 1)
+        text = _sample(corpus, sample, max_sentences, seed)
+        _train_sentencepiece(corpus, text, tmp, vocab_size, max_sentences, threads or os.cpu_count() or 1)
     except BaseException:  # stopped (Ctrl-C) or refused: no half-trained model is left beside the output
         for ext in (".model", ".vocab"):
             Path(f"{tmp}{ext}").unlink(missing_ok=True)
         raise
+    finally:
+        sample.unlink(missing_ok=True)
     _name_prefix(Path(f"{tmp}.model"), model_prefix)
     for ext in (".model", ".vocab"):
         os.replace(f"{tmp}{ext}", f"{model_prefix}{ext}")
@@ -187,19 +191,49 @@ def _name_prefix(model: Path, prefix: Path) -> None:
     model.write_bytes(proto.SerializeToString())
 
 
-def _train_sentencepiece(corpus: Path, prefix: Path, vocab_size: int, max_sentences: int, threads: int) -> None:
-    """SentencePiece's trainer into `prefix`.model/.vocab, its failures as one-line DataErrors."""
+def _sample(corpus: Path, out: Path, most: int, seed: int) -> Path:
+    """What SentencePiece trains on: `corpus` itself where it holds at most `most` sentences (a
+    line SentencePiece loads: not empty, at most SP_MAX_SENTENCE_BYTES bytes; it then samples
+    nothing), else `out`, a seeded sample of `most` of them in corpus order. SentencePiece's own
+    reservoir sample ignores its seed: the same corpus gave another tokenizer at every
+    preparation (one that every run on the first refused as another tokenizer)."""
+    def sentences(f):
+        for i, raw in enumerate(f):
+            body = raw[:-1] if raw.endswith(b"\n") else raw
+            if 0 < len(body) <= SP_MAX_SENTENCE_BYTES:
+                yield i, body
+
+    with open(corpus, "rb") as f:
+        count = sum(1 for _ in sentences(f))
+    if count <= most:
+        return corpus
+    keep = np.sort(np.random.default_rng(seed).choice(count, most, replace=False, shuffle=False))
+    with open(corpus, "rb") as f, open(out, "wb") as w:
+        at = 0  # the next kept sentence's index in `keep`
+        for n, (_, body) in enumerate(sentences(f)):
+            if at < most and keep[at] == n:
+                w.write(body + b"\n")
+                at += 1
+    return out
+
+
+def _train_sentencepiece(corpus: Path, text: Path, prefix: Path, vocab_size: int, max_sentences: int,
+                         threads: int) -> None:
+    """SentencePiece's trainer on `text` (`corpus` or its _sample) into `prefix`.model/.vocab,
+    its failures as one-line DataErrors naming `corpus`."""
     import sentencepiece as spm
 
     try:
         spm.SentencePieceTrainer.train(
             # a list: the wrapper quotes it as CSV, which is how SentencePiece reads `input`
             # (a path holding a comma, given as text, was read as two files)
-            input=[str(corpus)], model_prefix=str(prefix), vocab_size=vocab_size, model_type="unigram",
+            input=[str(text)], model_prefix=str(prefix), vocab_size=vocab_size, model_type="unigram",
             character_coverage=0.9995, pad_id=PAD_ID, unk_id=1, bos_id=BOS_ID, eos_id=EOS_ID,
             # a control piece, as <s> and </s> are: no text produces it (a user-defined one made a
             # literal "<mask>" in a corpus the mask id, unlabelled in training and scored in bits
             # per byte as a piece no model predicts); predict inserts it where a text marks one
+            # `text` holds at most max_sentences sentences (_sample): SentencePiece keeps them all,
+            # in order (the same call as before the sample was ours: the same tokenizer's bytes)
             control_symbols=["<mask>"], input_sentence_size=max_sentences,
             shuffle_input_sentence=True, num_threads=threads, minloglevel=2)
     except RuntimeError as e:
@@ -581,7 +615,7 @@ def sample_unknown_share(corpus: Path, tokenizer: Path, lines: int = 2_000) -> f
 
 def _dataset_entry(name: str) -> bool:
     """A file a preparation (finished or stopped) writes in its directory (a tokenizer killed while
-    training leaves train_tokenizer's tokenizer.tmp<pid>.model and .vocab). Of the hidden names,
+    training leaves train_tokenizer's tokenizer.tmp<pid>.model, .vocab and .sample). Of the hidden names,
     only its own: the encoding's shards (.shards<pid>) and the temporaries of its atomic writes
     (.<name>.tmp<pid>[.npy|.bin]); a .git or .DS_Store there is somebody's, and a stopped
     preparation's clean-up removes every entry this matches."""
@@ -589,7 +623,7 @@ def _dataset_entry(name: str) -> bool:
             or re.fullmatch(r"\.shards\d+|\..+\.tmp\d+(\.npy|\.bin)?", name) is not None
             or re.fullmatch(rf"({VALID}_)?blocks_s\d+\.npy", name) is not None  # block_index_path
             or re.fullmatch(rf"({TEXT}|{VALID})_layout_[0-9a-f]{{16}}\.(bin|json)", name) is not None  # layout_stream
-            or re.fullmatch(re.escape(Path(TOKENIZER).stem) + r"\.tmp\d+\.(model|vocab)", name) is not None)
+            or re.fullmatch(re.escape(Path(TOKENIZER).stem) + r"\.tmp\d+\.(model|vocab|sample)", name) is not None)
 
 
 def check_own_tokenizer_kept(out_dir: str | os.PathLike, tokenizer: str | os.PathLike | None,

@@ -6,13 +6,15 @@ import filecmp
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import mlm_batches
+from conftest import child_env, mlm_batches
 from mmadapt import data as D
 from mmadapt.config import PreprocessConfig, TrainConfig
 from mmadapt.data import mask_tokens, pack_blocks, prepare
@@ -909,7 +911,7 @@ def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(c
     out = tmp_path / "prep"
     out.mkdir()
 
-    def stopped(corpus, prefix, vocab_size, max_sentences, threads):
+    def stopped(corpus, text, prefix, vocab_size, max_sentences, threads):
         for ext in (".model", ".vocab"):
             Path(f"{prefix}{ext}").write_bytes(b"half")
         raise KeyboardInterrupt
@@ -918,7 +920,7 @@ def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(c
         with pytest.raises(KeyboardInterrupt):
             D.train_tokenizer(corpus, out / "tokenizer", 300)
     assert list(out.iterdir()) == []
-    for ext in (".model", ".vocab"):  # what a kill -9 there leaves
+    for ext in (".model", ".vocab", ".sample"):  # what a kill -9 there leaves
         (out / f"tokenizer.tmp4242{ext}").write_bytes(b"half")
     manifest = prepare(corpus, out, 300, cfg=PreprocessConfig(workers=1))
     assert manifest["vocab_size"] == 300 and (out / D.MANIFEST).is_file() and not list(out.glob("tokenizer.tmp*"))
@@ -948,6 +950,37 @@ def test_a_dataset_prepared_again_alike_holds_the_same_tokenizer_bytes(corpus, t
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString((out / D.TOKENIZER).read_bytes())
     assert proto.trainer_spec.model_prefix == "tokenizer" and not proto.trainer_spec.input
+
+
+def test_a_tokenizer_trained_on_a_sample_is_the_same_at_every_preparation(corpus, tmp_path, monkeypatch):
+    """A corpus with more sentences than --tokenizer_sample_lines: SentencePiece's reservoir
+    sample ignores its seed, so every preparation gave another tokenizer (a real corpus past 2M
+    lines). The sample is now mmadapt's, seeded: the same bytes each time, in another process
+    too; another seed draws another sample."""
+    digests = []
+    for pid, seed in ((4242, 1234), (4343, 1234), (4444, 99)):
+        out = tmp_path / f"prep{pid}"
+        monkeypatch.setattr(D.os, "getpid", lambda pid=pid: pid)
+        cfg = PreprocessConfig(workers=1, tokenizer_sample_lines=400, tokenizer_seed=seed)
+        digests.append(prepare(corpus, out, 300, cfg=cfg)["tokenizer_sha256"])
+        assert sorted(p.name for p in out.iterdir() if "sample" in p.name) == []  # the sample file is removed
+    assert digests[0] == digests[1] != digests[2]
+    # in two processes (SentencePiece's own sample differed there, alike within one process)
+    code = ("import sys; from mmadapt import data as D; "
+            "D.train_tokenizer(sys.argv[1], sys.argv[2], 300, max_sentences=400, threads=1)")
+    for name in ("p1", "p2"):
+        subprocess.run([sys.executable, "-c", code, str(corpus), str(tmp_path / name / "tok")], check=True,
+                       env=child_env(), capture_output=True, timeout=300)
+    assert (tmp_path / "p1" / "tok.model").read_bytes() == (tmp_path / "p2" / "tok.model").read_bytes()
+    # the sample: `most` of the lines SentencePiece loads (not blank, at most SP_MAX_SENTENCE_BYTES), in order
+    text = tmp_path / "t.txt"
+    lines = [f"line {i}" for i in range(10)]
+    text.write_bytes(("\n".join(lines[:5]) + "\n\n" + "x" * (D.SP_MAX_SENTENCE_BYTES + 1) + "\n"
+                      + "\n".join(lines[5:])).encode())  # a blank line, a long one, no final newline
+    assert D._sample(text, tmp_path / "all", 10, 1) == text  # every sentence fits: the corpus itself
+    picked = D._sample(text, tmp_path / "s", 4, 1).read_text().splitlines()
+    assert len(picked) == 4 and picked == sorted(picked, key=lines.index) and set(picked) <= set(lines)
+    assert D._sample(text, tmp_path / "s2", 4, 1).read_text().splitlines() == picked
 
 
 def test_a_corpus_path_with_a_comma_trains_a_tokenizer(corpus, tmp_path):
