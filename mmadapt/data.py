@@ -116,6 +116,13 @@ def check_corpus(path: str | os.PathLike) -> Path:
                 packed = next((tool for magic, tool in PACKED.items() if chunk.startswith(magic)), None)
                 if packed:  # (its bytes read as a bad UTF-8 sequence at offset 1, with iconv advised)
                     raise DataError(f"corpus {path} is a compressed file: unpack it ({packed}) and pass the text")
+                # UTF-16 without a byte-order mark decodes as UTF-8 (its ASCII as letters and NULs):
+                # refused, not read as a text of one-letter pieces and <unk> (NUL is no text's byte)
+                head = chunk[:1 << 16]
+                if head and head.count(0) > len(head) // 4:
+                    order = "LE" if head[1::2].count(0) > head[0::2].count(0) else "BE"
+                    raise DataError(f"corpus {path} looks like UTF-16 ({head.count(0) / len(head):.0%} of its first "
+                                    f"bytes are NUL): convert it (iconv -f UTF-16{order} -t UTF-8)")
             pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous chunk
             try:
                 decoded = decoder.decode(chunk)

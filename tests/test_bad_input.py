@@ -416,6 +416,12 @@ CASES = [
      "ends its lines with '\\r' alone (old Mac line endings), which reads as one line: convert them (tr "),
     ("corpus-gzip", lambda c: c.pretrain(corpus=c.file("c.txt.gz", __import__("gzip").compress(b"In the beginning.\n"))),
      "is a compressed file: unpack it (gunzip) and pass the text"),
+    # no byte-order mark: it decodes as UTF-8 (NUL after every ASCII letter), trained to one-letter pieces
+    ("corpus-utf16-no-bom",
+     lambda c: c.pretrain(corpus=c.file("u16.txt", "In the beginning.\n".encode("utf-16-le") * 50)),
+     "u16.txt looks like UTF-16 (50% of its first bytes are NUL): convert it (iconv -f UTF-16LE -t UTF-8)"),
+    ("corpus-utf16be-no-bom", lambda c: c.pretrain(corpus=c.file("b16.txt", "Im Anfang.\n".encode("utf-16-be") * 50)),
+     "b16.txt looks like UTF-16 (50% of its first bytes are NUL): convert it (iconv -f UTF-16BE -t UTF-8)"),
     ("corpus-unicode-blanks-only", lambda c: c.pretrain(corpus=c.file("blank.txt", "\u3000\n\u2028\n\x85\n")),
      "is empty: it needs at least one non-blank line of text"),
     ("corpus-lines-too-long", lambda c: ["pretrain", "--corpus", c.file("long.txt", ("word " * 1000 + "\n") * 20),
