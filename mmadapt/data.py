@@ -64,6 +64,7 @@ import torch
 from mmadapt import __version__
 from mmadapt.checkpoint import atomic_write, refuse_other_files
 from mmadapt.config import LoopConfig, PreprocessConfig, TrainConfig, scored_positions
+from mmadapt.faults import _alive
 from mmadapt.tokenizer import load
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID, UNK_ID
 
@@ -694,6 +695,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         say(f"{out_dir} already holds {corpus} prepared with this tokenizer: nothing to do")
         return old
     created = not out_dir.exists()
+    _refuse_live_preparation(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = out_dir / TOKENIZER
     # What a preparation here left without finishing (no manifest): the indexes derived from its
@@ -739,6 +741,19 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
             if not given_here:
                 tok.unlink(missing_ok=True)
         raise
+
+
+def _refuse_live_preparation(out_dir: Path) -> None:
+    """Refuse to prepare into `out_dir` while another process on this host prepares there (its
+    `.shards<pid>`, made before its tokenizer trains, and its pid running): the clean-up of what a
+    stopped preparation left removed the live one's shards, and it failed with a raw OSError."""
+    if not out_dir.is_dir():
+        return
+    for entry in out_dir.iterdir():
+        m = re.fullmatch(r"\.shards(\d+)", entry.name)
+        if m and int(m.group(1)) != os.getpid() and _alive(int(m.group(1))):
+            raise DataError(f"{out_dir} is being prepared by process {m.group(1)}: wait for it to finish, or choose "
+                            f"another --output_dir (if no such preparation runs, delete {entry})")
 
 
 def _remove_encoded(out_dir: Path) -> None:

@@ -983,6 +983,27 @@ def test_a_tokenizer_trained_on_a_sample_is_the_same_at_every_preparation(corpus
     assert D._sample(text, tmp_path / "s2", 4, 1).read_text().splitlines() == picked
 
 
+def test_a_preparation_into_a_directory_another_live_one_prepares_is_refused(corpus, tmp_path):
+    """Two preparations into one --output_dir: the second's clean-up of what a stopped one left
+    removed the first's shards while it encoded (it failed with a raw OSError). A live
+    preparation's `.shards<pid>` is refused in one line, nothing touched; a dead one's is cleaned up."""
+    out = tmp_path / "prep"
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / f".shards{other.pid}").mkdir()
+        (out / f".shards{other.pid}" / "00000.bin").write_bytes(b"live")
+        with pytest.raises(D.DataError, match=rf"^{out} is being prepared by process {other.pid}: wait for it to "
+                                              "finish, or choose another --output_dir"):
+            prepare(corpus, out, 300, cfg=PreprocessConfig(workers=1))
+        assert (out / f".shards{other.pid}" / "00000.bin").read_bytes() == b"live"
+    finally:
+        other.kill()
+        other.wait()
+    manifest = prepare(corpus, out, 300, cfg=PreprocessConfig(workers=1))  # its holder is gone: cleaned up
+    assert manifest["vocab_size"] == 300 and not list(out.glob(".shards*"))
+
+
 def test_a_corpus_path_with_a_comma_trains_a_tokenizer(corpus, tmp_path):
     """SentencePiece reads `input` as CSV: a path holding a comma, passed as text, was two files
     ("Not found: .../a")."""
