@@ -837,8 +837,8 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
         if not frozen_before:
             gc.unfreeze()
         shutil.rmtree(shard_dir, ignore_errors=True)
-    valid_counts = [int(sum(c[1][k] for c in counts)) for k in range(3)]
-    unknown = int(sum(c[0][3] + c[1][3] for c in counts))
+    valid_counts = [int(sum(c[1][k] for c in counts)) for k in range(4)]  # sentences, documents, tokens, <unk>
+    unknown = int(sum(c[0][3] for c in counts)) + valid_counts[3]  # the whole text's, as check_coverage reads it
     t_enc = time.perf_counter() - t1
     sentences, documents, tokens = (int(sum(c[0][k] for c in counts)) for k in range(3))
     if sentences == 0 and valid_counts[0]:
@@ -858,7 +858,9 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
                 "valid_fraction": valid_fraction, "valid_seed": seed,
                 "tokenizer_sample_lines": None if threads is None else cfg.tokenizer_sample_lines,
                 "tokenizer_threads": threads,  # None: a tokenizer given (--tokenizer), not trained here
-                "valid": dict(zip(("sentences", "documents", "tokens"), valid_counts)) if valid_fraction > 0 else None,
+                # `unknown` above counts both splits (the text the coverage check read); the held-out split's own here
+                "valid": (dict(zip(("sentences", "documents", "tokens", "unknown"), valid_counts))
+                          if valid_fraction > 0 else None),
                 "mmadapt_version": __version__}
     tmp = out_dir / f".{MANIFEST}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=1))

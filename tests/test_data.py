@@ -19,7 +19,7 @@ from mmadapt import data as D
 from mmadapt.config import PreprocessConfig, TrainConfig
 from mmadapt.data import mask_tokens, pack_blocks, prepare
 from mmadapt.tokenizer import pieces
-from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID
+from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID, UNK_ID
 from mmadapt.models.roberta import ROBERTA
 
 VOCAB = 1000
@@ -576,6 +576,10 @@ def test_the_manifest_counts_the_pieces_the_tokenizer_cannot_read(prepared, corp
     lines = [l.strip() for l in corpus.read_text().splitlines() if l.strip()]
     by_hand = sum(ids.count(sp.unk_id()) for ids in sp.encode(lines))
     assert prepared[1][0]["unknown"] == prepared[2][0]["unknown"] == by_hand > 0
+    manifest, out = prepared[1]  # the whole text's; the held-out split's own beside its other counts
+    held = [int((np.fromfile(out / f"{split}.bin", dtype=manifest["dtype"]) == UNK_ID).sum())
+            for split in ("text", "valid")]
+    assert manifest["valid"]["unknown"] == held[1] and sum(held) == by_hand
     assert by_hand / sum(map(len, sp.encode(lines))) < D.UNKNOWN_WARN
     assert D.check_coverage(corpus, tokenizer, [[1, 1, 102, 1]]) == 0.01  # 1 of 100 pieces: quiet
     assert capsys.readouterr().err == ""
