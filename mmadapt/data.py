@@ -206,10 +206,10 @@ def _sample(corpus: Path, out: Path, most: int, seed: int) -> Path:
     reservoir sample ignores its seed: the same corpus gave another tokenizer at every
     preparation (one that every run on the first refused as another tokenizer)."""
     def sentences(f):
-        for i, raw in enumerate(f):
+        for raw in f:
             body = raw[:-1] if raw.endswith(b"\n") else raw
             if 0 < len(body) <= SP_MAX_SENTENCE_BYTES:
-                yield i, body
+                yield body
 
     with open(corpus, "rb") as f:
         count = sum(1 for _ in sentences(f))
@@ -218,7 +218,7 @@ def _sample(corpus: Path, out: Path, most: int, seed: int) -> Path:
     keep = np.sort(np.random.default_rng(seed).choice(count, most, replace=False, shuffle=False))
     with open(corpus, "rb") as f, open(out, "wb") as w:
         at = 0  # the next kept sentence's index in `keep`
-        for n, (_, body) in enumerate(sentences(f)):
+        for n, body in enumerate(sentences(f)):
             if at < most and keep[at] == n:
                 w.write(body + b"\n")
                 at += 1

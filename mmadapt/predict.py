@@ -197,7 +197,7 @@ def _named(i: int, what: str = "text") -> str:
     return f"{what} {i}" if names is None or i > len(names) else names[i - 1]
 
 
-def lone_surrogate(text: str) -> str | None:
+def _lone_surrogate(text: str) -> str | None:
     """The first lone surrogate of `text` as '\\udXXX', or None. JSON's escape "\\ud800" (and a
     file name read with surrogateescape) makes a str that is no text: the tokenizer failed on it
     with a C++ cast error and a traceback."""
@@ -209,7 +209,7 @@ def lone_surrogate(text: str) -> str | None:
 
 
 def _refuse_lone_surrogate(where: str, strings) -> None:
-    bad = next((c for c in map(lone_surrogate, strings) if c is not None), None)
+    bad = next((c for c in map(_lone_surrogate, strings) if c is not None), None)
     if bad is not None:
         raise ValueError(f"{where} holds {bad}, half of a UTF-16 surrogate pair, which is no character: write the "
                          "character itself (or both halves of its pair)")
