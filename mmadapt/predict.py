@@ -710,7 +710,8 @@ def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> Inputs:
                 elif not isinstance(v, str):
                     raise ValueError(f"{where}:{n}: {k!r} is a {type(v).__name__}, not a text: write it as a JSON "
                                      "string")
-                _refuse_lone_surrogate(f"{where}:{n}: {k!r}", [v] if isinstance(v, str) else v)
+                named = "'words'" if kind == "tag" and "words" in row else repr(k)
+                _refuse_lone_surrogate(f"{where}:{n}: {named}", [v] if isinstance(v, str) else v)
             out.append({k: row[k] for k in keys})
         else:
             fields = line.split("\t")

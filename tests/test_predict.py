@@ -282,7 +282,7 @@ def test_read_inputs_lines_tabs_and_json_lines(tmp_path):
     with pytest.raises(ValueError, match=r"s.jsonl:3: 'text' holds \\ud800"):
         predict.read_inputs(str(tmp_path / "s.jsonl"), "tag")
     (tmp_path / "s.jsonl").write_text('{"words": ["a\\udc80"]}\n')
-    with pytest.raises(ValueError, match=r"s.jsonl:1: 'text' holds \\udc80"):
+    with pytest.raises(ValueError, match=r"s.jsonl:1: 'words' holds \\udc80"):
         predict.read_inputs(str(tmp_path / "s.jsonl"), "tag")
     # each input keeps its line (blank lines are skipped): what predict_rows' messages name
     assert predict.read_inputs(str(f), "pair").names == (f"{f}:1", f"{f}:3")
