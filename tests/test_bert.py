@@ -143,6 +143,21 @@ def test_a_pretraining_checkpoint_imports_as_transformers_loads_it(hf_dirs, runs
     assert sorted(mine) == sorted(plain) and all(torch.equal(mine[k], plain[k]) for k in plain)
 
 
+def test_cross_attention_is_refused_by_name_and_feed_forward_chunks_import(hf_dirs, runs, tmp_path):
+    """add_cross_attention (a decoder's layer) was refused as "transformers cannot load it
+    (ValueError: BertLayer(": the first line of a message that ends with its cause; now by its
+    name. chunk_size_feed_forward (the same math in chunks) imported or not by whether the parity
+    text's length was a multiple of it, with transformers' bare message: it imports, as the plain."""
+    from hf_models import damaged_copy
+
+    with pytest.raises(ValueError, match=r"add_cross_attention is True; mmadapt's bert has False"):
+        import_hf(damaged_copy(hf_dirs["cased"], tmp_path / "xattn", {"add_cross_attention": True}), tmp_path / "r1")
+    assert not (tmp_path / "r1").exists()
+    import_hf(damaged_copy(hf_dirs["cased"], tmp_path / "chunked", {"chunk_size_feed_forward": 7}), tmp_path / "r2")
+    mine, plain = load_weights(tmp_path / "r2")[1], load_weights(runs["cased"])[1]
+    assert sorted(mine) == sorted(plain) and all(torch.equal(mine[k], plain[k]) for k in plain)
+
+
 def test_uncased_tokenizer_normalises_as_bert(runs):
     """The imported uncased WordPiece lowercases and strips accents wherever mmadapt encodes text."""
     sp = load(runs["uncased"] / "tokenizer" / "spm.model")

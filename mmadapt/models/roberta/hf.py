@@ -71,7 +71,7 @@ def check_encoder_config(cfg: dict, model_dir, architectures: dict[str, str] = A
                          "model")
     unsupported = [(k, cfg.get(k, d), want) for k, d, want in (
         ("hidden_act", "gelu", "gelu"), ("position_embedding_type", "absolute", "absolute"),
-        ("is_decoder", False, False), ("tie_word_embeddings", True, True))
+        ("is_decoder", False, False), ("add_cross_attention", False, False), ("tie_word_embeddings", True, True))
         if cfg.get(k, d) != want]
     if unsupported:
         k, got, want = unsupported[0]
