@@ -87,8 +87,9 @@ def check_bible_lang(spec, lang: str, flag: str = "--corpus") -> None:
         if (other := spec.split(":", 1)[1]) not in BIBLE_VERSIONS:
             raise ValueError(f"{flag} {spec}: no packaged Bible for {other!r}; choose one of "
                              f"{', '.join(BIBLE_VERSIONS)}")
-        raise ValueError(f"{flag} {spec} is the {spec.split(':', 1)[1]} Bible, but --lang is {lang}: pass "
-                         f"{flag} bible:{lang}, or --lang {spec.split(':', 1)[1]}")
+        # bible:<lang> advised only where it is packaged (--lang xx: a text file of it)
+        own = f"{flag} bible:{lang}" if lang in BIBLE_VERSIONS else f"{flag} a text file in {lang}"
+        raise ValueError(f"{flag} {spec} is the {other} Bible, but --lang is {lang}: pass {own}, or --lang {other}")
 
 
 def resolve_corpus(spec: str | os.PathLike) -> Path:

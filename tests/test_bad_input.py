@@ -557,6 +557,9 @@ CASES = [
      "--corpus bible:fr is the fr Bible, but --lang is de: pass --corpus bible:de, or --lang fr"),
     ("extend-bible-of-another-language", lambda c: c.extend("--corpus", "bible:fr"),
      "--corpus bible:fr is the fr Bible, but --lang is de"),
+    # a --lang with no packaged Bible: its own Bible is not advised (bible:xx was then refused)
+    ("extend-bible-for-a-lang-not-packaged", lambda c: c.extend("--lang", "xx", "--corpus", "bible:de"),
+     "--corpus bible:de is the de Bible, but --lang is xx: pass --corpus a text file in xx, or --lang de"),
     # a Bible not packaged: said so (the advice to pass --lang xx led to this refusal), also for an empty name
     ("extend-bible-not-packaged", lambda c: c.extend("--corpus", "bible:xx"), "--corpus bible:xx: no packaged Bible "
      "for 'xx'; choose one of"),
