@@ -80,10 +80,11 @@ def artifact_dir(path: str | os.PathLike) -> Path:
 
 def artifact_dirs(paths: list[Path]) -> list[Path]:
     """Artifact directories, an adapt run's expanded to all its artifacts in step order."""
-    out = []
+    out, given = [], []  # given: each artifact's directory as given (an adapt run's: the run)
     for p in paths:
         if (p / ARTIFACT_FILE).is_file():
             out.append(p)
+            given.append(p)
         elif (p / "embeddings").is_dir():
             # not a write cut short: staged_dir's `.<tag>.tmp<pid>` holds its tensors before its meta.json
             found = sorted(d for d in (p / "embeddings").iterdir()
@@ -91,9 +92,10 @@ def artifact_dirs(paths: list[Path]) -> list[Path]:
             if not found:
                 raise ValueError(f"{p} holds no Step-2 embeddings yet: let its adapt run save a checkpoint")
             out += found
+            given += [p] * len(found)
         else:
             raise ValueError(f"{p} is neither a Step-2 artifact nor an adapt run directory")
-    given_once(out, "artifact")
+    given_once(out, "artifact", given)
     return out
 
 
@@ -112,15 +114,21 @@ def run_names(runs) -> dict[Path, str]:
     return {run: name(run) for run in parts}
 
 
-def given_once(paths: list[Path], what: str) -> None:
+def given_once(paths: list[Path], what: str, given: list[Path] | None = None) -> None:
     """Refuse a list that names one directory twice (as given, or an adapt run and one of its
-    artifacts): it would be scored, recorded and averaged twice."""
-    seen: dict[Path, Path] = {}
-    for p in paths:
+    artifacts): it would be scored, recorded and averaged twice. given: each path as the user
+    named it (an adapt run for each of its artifacts), which the refusal names."""
+    given = list(paths) if given is None else given
+    seen: dict[Path, int] = {}
+
+    def how(i: int) -> str:
+        return str(paths[i]) if Path(given[i]) == Path(paths[i]) else f"{paths[i]} in the adapt run {given[i]}"
+
+    for i, p in enumerate(paths):
         if Path(p).resolve() in seen:
-            raise ValueError(f"the {what} {p} is given twice (also as {seen[Path(p).resolve()]}): each counts once, "
-                             "drop one")
-        seen[Path(p).resolve()] = p
+            raise ValueError(f"the {what} {how(i)} is given twice (also as {how(seen[Path(p).resolve()])}): each "
+                             "counts once, drop one")
+        seen[Path(p).resolve()] = i
 
 
 # --- an artifact in a model ----------------------------------------------------------------------------

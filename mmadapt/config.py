@@ -1023,6 +1023,9 @@ def check_output_file(path: Path, flag: str) -> None:
     existing = next(p for p in path.absolute().parents if p.exists())
     if not existing.is_dir():
         raise ValueError(f"{flag} {path} cannot be written: {existing} is a file, not a directory")
+    # before the work whose result it holds (evaluate scored everything, then failed to make it)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path} cannot be written: {existing} is not writable by you; choose another path")
 
 
 def whole_number(lo: int):

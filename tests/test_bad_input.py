@@ -634,6 +634,11 @@ CASES = [
                                               (a := c.artifact(VOCAB)), a + "/", "--eval_file", "bible", "--output",
                                               str(c.tmp / "r.json")],
      "given twice (also as"),
+    # an adapt run and one of its artifacts: both named as the user gave them (the line named the artifact twice)
+    ("evaluate-a-run-and-its-artifact-named", lambda c: (c.dir("run"), c.dir("run/embeddings"), a := c.artifact(VOCAB),
+                                                         shutil.move(a, c.tmp / "run/embeddings/step00000004"))
+     and c.evaluate(embeddings=str(c.tmp / "run"))[:5] + [str(c.tmp / "run/embeddings/step00000004")]
+     + c.evaluate()[5:], "run/embeddings/step00000004 in the adapt run "),
     ("evaluate-a-seed-twice", lambda c: ["evaluate", "--finetuned", (f := c.dir("ft")), f, "--embeddings",
                                          c.artifact(VOCAB), "--eval_file", "bible", "--output", str(c.tmp / "r.json")],
      "given twice (also as"),

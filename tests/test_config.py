@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mmadapt.cli import configs_from_args, pretrain_parser
-from mmadapt.config import TrainConfig, apply_recipe, override
+from mmadapt.config import TrainConfig, apply_recipe, check_output_file, override
 from mmadapt.models import PRESETS, find_preset
 from mmadapt.engine import load_ds_config
 
@@ -612,3 +612,16 @@ def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(t
     with pytest.raises(ValueError, match="^bpb_bytes 0: the summary scores at least 256 held-out bytes$"):
         Extend(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "none", bpb_bytes=0)
     assert not (tmp_path / "none").exists()
+
+
+def test_an_output_file_under_a_directory_one_cannot_write_is_refused_first(tmp_path, monkeypatch):
+    """evaluate scored everything, then failed to make --output's directory (a raw OSError not
+    naming the flag, every score lost): the nearest existing directory must be writable up front.
+    (As root every directory is writable: os.access stands in for another user's view.)"""
+    from mmadapt import config
+
+    check_output_file(tmp_path / "new" / "r.json", "--output")  # creatable: accepted
+    monkeypatch.setattr(config.os, "access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(ValueError, match=rf"^--output {tmp_path}/new/r.json cannot be written: {tmp_path} is not "
+                                         "writable by you; choose another path$"):
+        check_output_file(tmp_path / "new" / "r.json", "--output")
