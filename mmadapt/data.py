@@ -49,6 +49,7 @@ from __future__ import annotations
 import array
 import gc
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -57,6 +58,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -167,8 +169,9 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
     tmp = model_prefix.with_name(model_prefix.name + f".tmp{os.getpid()}")
     sample = Path(f"{tmp}.sample")
     try:
-        text = _sample(corpus, sample, max_sentences, seed)
-        _train_sentencepiece(corpus, text, tmp, vocab_size, max_sentences, threads or os.cpu_count() or 1)
+        counts = _line_counts(corpus)  # one pass: the sample's size and the long lines' warning
+        text = _sample(corpus, sample, max_sentences, seed, counts.sentences)
+        _train_sentencepiece(corpus, text, tmp, vocab_size, max_sentences, threads or os.cpu_count() or 1, counts)
     except BaseException:  # stopped (Ctrl-C) or refused: no half-trained model is left beside the output
         for ext in (".model", ".vocab"):
             Path(f"{tmp}{ext}").unlink(missing_ok=True)
@@ -199,26 +202,46 @@ def _name_prefix(model: Path, prefix: Path) -> None:
     model.write_bytes(proto.SerializeToString())
 
 
-def _sample(corpus: Path, out: Path, most: int, seed: int) -> Path:
-    """What SentencePiece trains on: `corpus` itself where it holds at most `most` sentences (a
-    line SentencePiece loads: not empty, at most SP_MAX_SENTENCE_BYTES bytes; it then samples
-    nothing), else `out`, a seeded sample of `most` of them in corpus order. SentencePiece's own
-    reservoir sample ignores its seed: the same corpus gave another tokenizer at every
-    preparation (one that every run on the first refused as another tokenizer)."""
-    def sentences(f):
-        for raw in f:
-            body = raw[:-1] if raw.endswith(b"\n") else raw
-            if 0 < len(body) <= SP_MAX_SENTENCE_BYTES:
-                yield body
+def _sentence(line: bytes) -> bytes | None:
+    """A line of a corpus (bytes, its '\n' kept) as SentencePiece loads it: its text without the
+    '\n' where that is a sentence, not empty (a blank line between documents is none; one of
+    spaces, or a CRLF file's lone \r, is one) and at most SP_MAX_SENTENCE_BYTES bytes; else None."""
+    body = line[:-1] if line.endswith(b"\n") else line
+    return body if 0 < len(body) <= SP_MAX_SENTENCE_BYTES else None
 
+
+class LineCounts(NamedTuple):
+    lines: int
+    sentences: int  # the lines SentencePiece loads (_sentence)
+    long_lines: int  # those it skips for their length
+    long_bytes: int  # their bytes
+
+
+def _line_counts(corpus: Path) -> LineCounts:
+    """`corpus`'s LineCounts: one pass."""
+    lines = sentences = long_lines = long_bytes = 0
     with open(corpus, "rb") as f:
-        count = sum(1 for _ in sentences(f))
+        for line in f:
+            lines += 1
+            sentences += _sentence(line) is not None
+            if len(line.rstrip(b"\r\n")) > SP_MAX_SENTENCE_BYTES:
+                long_lines, long_bytes = long_lines + 1, long_bytes + len(line)
+    return LineCounts(lines, sentences, long_lines, long_bytes)
+
+
+def _sample(corpus: Path, out: Path, most: int, seed: int, count: int | None = None) -> Path:
+    """What SentencePiece trains on: `corpus` itself where it holds at most `most` sentences
+    (`count` of them, or counted here: _sentence; it then samples nothing), else `out`, a seeded
+    sample of `most` of them in corpus order. SentencePiece's own reservoir sample ignores its
+    seed: the same corpus gave another tokenizer at every preparation (one that every run on the
+    first refused as another tokenizer)."""
+    count = _line_counts(corpus).sentences if count is None else count
     if count <= most:
         return corpus
     keep = np.sort(np.random.default_rng(seed).choice(count, most, replace=False, shuffle=False))
     with open(corpus, "rb") as f, open(out, "wb") as w:
         at = 0  # the next kept sentence's index in `keep`
-        for n, body in enumerate(sentences(f)):
+        for n, body in enumerate(filter(None, map(_sentence, f))):
             if at < most and keep[at] == n:
                 w.write(body + b"\n")
                 at += 1
@@ -226,9 +249,9 @@ def _sample(corpus: Path, out: Path, most: int, seed: int) -> Path:
 
 
 def _train_sentencepiece(corpus: Path, text: Path, prefix: Path, vocab_size: int, max_sentences: int,
-                         threads: int) -> None:
+                         threads: int, counts: LineCounts) -> None:
     """SentencePiece's trainer on `text` (`corpus` or its _sample) into `prefix`.model/.vocab,
-    its failures as one-line DataErrors naming `corpus`."""
+    its failures as one-line DataErrors naming `corpus` (`counts`: its _line_counts)."""
     import sentencepiece as spm
 
     try:
@@ -246,11 +269,10 @@ def _train_sentencepiece(corpus: Path, text: Path, prefix: Path, vocab_size: int
             shuffle_input_sentence=True, num_threads=threads, minloglevel=2)
     except RuntimeError as e:
         if "sentences_.empty()" in str(e):  # every line was dropped, most often for its length
-            long_lines = _long_lines(corpus)[1]
-            if long_lines:
+            if counts.long_lines:
                 raise DataError(f"corpus {corpus}: SentencePiece skips lines longer than {SP_MAX_SENTENCE_BYTES} "
-                                f"bytes and {long_lines} of its lines are, leaving nothing to train on: split the "
-                                "text into one sentence per line") from None
+                                f"bytes and {counts.long_lines} of its lines are, leaving nothing to train on: split "
+                                "the text into one sentence per line") from None
         most = re.search(r"Vocabulary size too high \(\d+\)\. Please set it to a value <= (\d+)", str(e))
         if most:  # a small text holds fewer distinct pieces than were asked for
             raise DataError(f"corpus {corpus} is too small for a {vocab_size}-piece vocabulary: SentencePiece finds "
@@ -263,22 +285,11 @@ def _train_sentencepiece(corpus: Path, text: Path, prefix: Path, vocab_size: int
                             f"pass --vocab_size {fewest.group(1)} or more") from None
         raise DataError(f"SentencePiece could not train a {vocab_size}-piece vocabulary on {corpus}: "
                         f"{str(e).splitlines()[0]}") from None
-    lines, long_lines, long_bytes = _long_lines(corpus)
+    lines, _, long_lines, long_bytes = counts
     if long_lines:  # trained on the rest, unsaid: a script found only in long lines became <unk>
         print(f"warning: {long_lines:,} of the {lines:,} lines of {corpus} ({long_bytes / corpus.stat().st_size:.0%} "
               f"of its bytes) are longer than {SP_MAX_SENTENCE_BYTES} bytes, which SentencePiece skips: the "
               "vocabulary was trained on the rest; split the text into one sentence per line", flush=True)
-
-
-def _long_lines(corpus: Path) -> tuple[int, int, int]:
-    """(lines, those longer than SentencePiece reads, their bytes) of `corpus`: one pass."""
-    lines = long_lines = long_bytes = 0
-    with open(corpus, "rb") as f:
-        for line in f:
-            lines += 1
-            if len(line.rstrip(b"\r\n")) > SP_MAX_SENTENCE_BYTES:
-                long_lines, long_bytes = long_lines + 1, long_bytes + len(line)
-    return lines, long_lines, long_bytes
 
 
 def read_tokenizer(path: str | os.PathLike):
@@ -768,21 +779,14 @@ def _same_sample(manifest: dict, lines: int, corpus: Path) -> bool:
     """Whether a tokenizer trained on `corpus` with a sample of at most `lines` lines is the one
     `manifest` records (the same corpus, seed and size): the same sample size, or two that both
     reach past the corpus's every sentence (SentencePiece then samples nothing: it trains on all
-    of them). A sentence is a line as SentencePiece loads one: not empty (a blank line between
-    documents is none; one of spaces, or a CRLF file's lone \r, is one), at most
-    SP_MAX_SENTENCE_BYTES bytes. A manifest that records no sample size (written before it did,
-    or for a tokenizer given with --tokenizer, which a call without one reuses) is not compared."""
+    of them). A sentence is a line as SentencePiece loads one (_sentence). A manifest that records
+    no sample size (written before it did, or for a tokenizer given with --tokenizer, which a call
+    without one reuses) is not compared."""
     old = manifest.get("tokenizer_sample_lines")
     if old is None or old == lines:
         return True
-    most, count = min(old, lines), 0
-    with open(corpus, "rb") as f:  # counted no further than needed
-        for raw in f:
-            body = raw[:-1] if raw.endswith(b"\n") else raw
-            count += 0 < len(body) <= SP_MAX_SENTENCE_BYTES
-            if count > most:
-                return False
-    return True
+    with open(corpus, "rb") as f:  # counted no further than needed: is there a sentence past the smaller size?
+        return next(itertools.islice(filter(None, map(_sentence, f)), min(old, lines), None), None) is None
 
 
 def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, vocab_size: int | None,

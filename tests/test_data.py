@@ -915,7 +915,7 @@ def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(c
     out = tmp_path / "prep"
     out.mkdir()
 
-    def stopped(corpus, text, prefix, vocab_size, max_sentences, threads):
+    def stopped(corpus, text, prefix, vocab_size, max_sentences, threads, counts):
         for ext in (".model", ".vocab"):
             Path(f"{prefix}{ext}").write_bytes(b"half")
         raise KeyboardInterrupt
