@@ -114,6 +114,17 @@ def run_names(runs) -> dict[Path, str]:
     return {run: name(run) for run in parts}
 
 
+def run_label(system: str, name: str) -> str:
+    """The system of the records of one of several Step-2 runs of one system and language, named
+    by `name` (run_names): `bl_base [run]` (evaluate.apart_runs, report's across files)."""
+    return f"{system} [{name}]"
+
+
+def runs_of(system: str, systems) -> list[str]:
+    """`system`'s runs told apart (run_label) among `systems`, sorted."""
+    return sorted(s for s in systems if s.startswith(f"{system} ["))
+
+
 def given_once(paths: list[Path], what: str, given: list[Path] | None = None) -> None:
     """Refuse a list that names one directory twice (as given, or an adapt run and one of its
     artifacts): it would be scored, recorded and averaged twice. given: each path as the user

@@ -29,7 +29,7 @@ import torch
 from mmadapt import checkpoint
 from mmadapt.artifact import (NO_ADAPTATION, PrimaryRef, artifact_dirs, artifact_embeddings, artifact_primary,
                               artifact_primary_ref, artifact_state, given_once, read_artifact, record_base,
-                              run_names, swap_key)
+                              run_label, run_names, swap_key)
 from mmadapt.config import EvaluateConfig, FinetuneConfig, ModelConfig
 from mmadapt.data import file_sha256
 from mmadapt.engine import PLACEHOLDER
@@ -417,7 +417,7 @@ def apart_runs(records: list[dict]) -> None:
     names = {key: run_names(dirs) for key, dirs in runs.items() if len(dirs) > 1}
     for r in records:
         if (r["system"], r["lang"]) in names:
-            r["system"] = f"{r['system']} [{names[(r['system'], r['lang'])][Path(r['artifact']).parent.parent]}]"
+            r["system"] = run_label(r["system"], names[(r["system"], r["lang"])][Path(r["artifact"]).parent.parent])
 
 
 def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,

@@ -700,11 +700,13 @@ def check_parity(family: ModelFamily, cfg: ModelConfig, state: dict, tok, hf_ids
     cls = getattr(transformers, hf_cfg["architectures"][0], None)
     if cls is None:  # a family's own architecture that transformers does not define
         return
-    # chunk_size_feed_forward cuts the feed-forward's positions into chunks, the same math; the
-    # reference refuses a text whose length it does not divide (a chunk size of 3: most texts)
-    one = {"num_hidden_layers": 1, **({"chunk_size_feed_forward": 0} if hf_cfg.get("chunk_size_feed_forward") else {})}
+    one = {"num_hidden_layers": 1}
     if isinstance(hf_cfg.get("layer_types"), list):
         one["layer_types"] = hf_cfg["layer_types"][:1]
+    if hf_cfg.get("chunk_size_feed_forward"):
+        # the feed-forward's positions in chunks, the same math; the reference refuses a text
+        # whose length the chunk size does not divide (3: most texts)
+        one["chunk_size_feed_forward"] = 0
     ids = tok(PARITY_TEXT).input_ids[:cfg.max_position_embeddings]
     headless = family.hf.is_headless(hf_cfg)
     with _quiet_transformers():

@@ -19,7 +19,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL, run_names
+from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL, run_label, run_names, runs_of
 from mmadapt.bpb import fold_caveat
 from mmadapt.checkpoint import atomic_write
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
@@ -168,7 +168,7 @@ def _apart_across_files(records: list[dict]) -> None:
     for r in adapted(records):
         key = (r["system"], r["task"], r["lang"])
         if r.get("artifact") and key in labels:
-            name = f"{r['system']} [{labels[key][spelt[key][Path(r['artifact']).parent.parent]]}]"
+            name = run_label(r["system"], labels[key][spelt[key][Path(r["artifact"]).parent.parent]])
             names[(r["task"], r["lang"], r["system"])].add((r["_file"], name))
             r["system"] = name
     def renamed(none: dict, system: str) -> list[str]:  # what `system` in the no-adaptation record `none` became
@@ -709,7 +709,7 @@ def choose_baseline(records: list[dict]) -> tuple[str, str | None]:
     cost = defaultdict(list)
     for (system, _, _), pts in cs.items():
         cost[system].append(pts[-1][0])
-    runs = sorted(s for s in cost if s.startswith("bl_base ["))  # evaluate.apart_runs' names of its runs
+    runs = runs_of("bl_base", cost)
     best = max(runs or sorted(cost), key=lambda s: sum(cost[s]) / len(cost[s]))
     if runs:  # "no bl_base in the records" said of records that hold several of its runs
         return best, (f"bl_base has {len(runs)} runs in the records, told apart by their directories "
@@ -725,7 +725,7 @@ def _split_baseline(t: "TaskScores", baseline: str) -> str | None:
     def has(system: str, i: int) -> bool:
         return system in t.final and t.final[system][i] is not None
 
-    split = {lang: sorted(s for s in t.final if s.startswith(f"{baseline} [") and has(s, i))
+    split = {lang: [s for s in runs_of(baseline, t.final) if has(s, i)]
              for i, lang in enumerate(t.langs) if not has(baseline, i)}
     split = {lang: runs for lang, runs in split.items() if runs}
     if not split:

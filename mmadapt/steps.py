@@ -539,11 +539,12 @@ def _write_records(records: list[dict], output: Path | None) -> list[dict]:
 
 
 def _refuse_existing(output: Path | None) -> None:
-    output = None if output is None else path_arg(output, "output")
-    if output is not None and output.exists():
+    if output is None:
+        return
+    output = path_arg(output, "output")
+    if output.exists():
         raise ValueError(f"{output} already exists: choose a new --output (records are never overwritten)")
-    if output is not None:
-        check_output_file(output, "--output")
+    check_output_file(output, "--output")
 
 
 def evaluate(finetuned: list[Path], embeddings: list[Path], eval_file: str, output: Path | None = None,
