@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from mmadapt.faults import LOCK_NAME, STOP_FILE, TAKEOVER_NAME, _alive
+from mmadapt.faults import LOCK_NAME, STOP_FILE, TAKEOVER_NAME, pid_alive
 from mmadapt.parallel import dp_rank, is_rank0, pp_rank, rank0_decides, rng_state, set_rng_state, tp_rank
 
 _TAG = re.compile(r"^step(\d{8})$")
@@ -156,7 +156,7 @@ def _remove_stale(dest: Path) -> None:
     host = socket.gethostname()
     for p in dest.parent.glob(f".{glob.escape(dest.name)}.*@{glob.escape(host)}"):
         m = re.fullmatch(rf"\.{re.escape(dest.name)}\.(?:tmp|old)(\d+)@{re.escape(host)}", p.name)
-        if m and p.is_dir() and not _alive(int(m.group(1))):
+        if m and p.is_dir() and not pid_alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -66,7 +66,7 @@ import torch
 from mmadapt import __version__
 from mmadapt.checkpoint import atomic_write, refuse_other_files
 from mmadapt.config import LoopConfig, PreprocessConfig, TrainConfig, scored_positions
-from mmadapt.faults import _alive
+from mmadapt.faults import pid_alive
 from mmadapt.tokenizer import load
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID, UNK_ID
 
@@ -762,7 +762,7 @@ def _refuse_live_preparation(out_dir: Path) -> None:
         return
     for entry in out_dir.iterdir():
         m = re.fullmatch(r"\.shards(\d+)", entry.name)
-        if m and int(m.group(1)) != os.getpid() and _alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and pid_alive(int(m.group(1))):
             raise DataError(f"{out_dir} is being prepared by process {m.group(1)}: wait for it to finish, or choose "
                             f"another --output_dir (if no such preparation runs, delete {entry})")
 

@@ -276,7 +276,9 @@ LOCK_NAME = "run.lock"
 TAKEOVER_NAME = LOCK_NAME + ".takeover"  # RunLock._remove_dead's mutex, beside the lock
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (another user's does; a zombie does not): how
+    RunLock, checkpoint's staging directories and a preparation's shards tell a writer's leavings."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -329,7 +331,7 @@ class RunLock:
                 except (OSError, ValueError):
                     holder = {}
                 if (holder.get("host") == me["host"] and isinstance(holder.get("pid"), int)
-                        and not _alive(holder["pid"])):
+                        and not pid_alive(holder["pid"])):
                     if self._remove_dead(holder):
                         print(f"taking over {self.path}: its holder (pid {holder['pid']}) is no longer running",
                               file=sys.stderr)
