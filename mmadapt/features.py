@@ -258,10 +258,19 @@ def encode_span(sp, examples: list[QAExample], seq_length: int, doc_stride: int 
 
 def best_spans(logits: torch.Tensor, enc: Encoded, examples: list[QAExample], max_answer_length: int,
                top_k: int = 20) -> dict[str, str]:
-    """logits [n, s, 2] of encode_span's windows -> {question id: answer text}: the highest
-    start + end score over all windows, with start <= end, both in the context, and at most
+    """logits [n, s, 2] of encode_span's windows -> {question id: answer text} (best_span_offsets's
+    span of the context, "" where none fits)."""
+    spans = best_span_offsets(logits, enc, examples, max_answer_length, top_k)
+    return {ex.id: ex.context[spans[ex.id][0]:spans[ex.id][1]] if spans[ex.id] else "" for ex in examples}
+
+
+def best_span_offsets(logits: torch.Tensor, enc: Encoded, examples: list[QAExample], max_answer_length: int,
+                      top_k: int = 20) -> dict[str, tuple[int, int] | None]:
+    """logits [n, s, 2] of encode_span's windows -> {question id: (start, end) character offsets
+    of the answer in its context, end exclusive, or None where no span fits}: the highest start +
+    end score over all windows, with start <= end, both in the context, and at most
     max_answer_length pieces."""
-    best: dict[int, tuple[float, str]] = {}
+    best: dict[int, tuple[float, int, int]] = {}
     logits = logits.float()
     for w in range(len(enc)):
         n, off = int(enc.example[w]), enc.offsets[w]
@@ -272,8 +281,8 @@ def best_spans(logits: torch.Tensor, enc: Encoded, examples: list[QAExample], ma
                     continue
                 score = float(start[i] + end[j])
                 if n not in best or score > best[n][0]:
-                    best[n] = (score, examples[n].context[off[i, 0]:off[j, 1]])
-    return {ex.id: best[n][1] if n in best else "" for n, ex in enumerate(examples)}
+                    best[n] = (score, int(off[i, 0]), int(off[j, 1]))
+    return {ex.id: best[n][1:] if n in best else None for n, ex in enumerate(examples)}
 
 
 def chunks(tags: list[str]) -> set[tuple[int, int, str]]:

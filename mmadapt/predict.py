@@ -53,7 +53,7 @@ from mmadapt.devices import device_of, on_eval_device
 from mmadapt.evaluate import (PAD_LOGIT, EvalBatches, EvalSet, Finetuned, load_finetuned, recorded_config, row_lengths,
                               set_logits)
 from mmadapt.family import ModelFamily
-from mmadapt.features import Encoded, best_spans, encode_classify, encode_span, encode_tag
+from mmadapt.features import Encoded, best_span_offsets, encode_classify, encode_span, encode_tag
 from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft, read_base
 from mmadapt.objectives import OBJECTIVES, Objective
 from mmadapt.parallel import device as default_device
@@ -628,7 +628,9 @@ class TaskModel:
     def predict(self, inputs: list) -> list[dict]:
         """One result per input: classify {"label", "probs": {label: probability}}; tag {"words",
         "tags"} (a tag per word: a long sentence is read in rows of seq_length, encode_tag); span
-        {"answer"} (the context's best span, "" when none fits)."""
+        {"answer", "start", "end"} (the context's best span and its character offsets, end
+        exclusive, as transformers' question-answering pipeline gives them; "", None, None when no
+        span fits: a word can occur more than once in a context, and the offsets say which)."""
         examples, enc, logits = self.logits(inputs)
         kind = self.task.kind
         if kind == "classify":
@@ -638,8 +640,10 @@ class TaskModel:
         if kind == "tag":  # each word's tag, a sentence's rows joined (encode_tag)
             tags = sentence_tags(enc, logits.argmax(-1), self.labels)
             return [{"words": ex.words, "tags": t} for ex, t in zip(examples, tags)]
-        answers = best_spans(logits, enc, examples, self.cfg.max_answer_length)
-        return [{"answer": answers[ex.id]} for ex in examples]
+        spans = best_span_offsets(logits, enc, examples, self.cfg.max_answer_length)
+        return [{"answer": ex.context[spans[ex.id][0]:spans[ex.id][1]] if spans[ex.id] else "",
+                 "start": spans[ex.id] and spans[ex.id][0], "end": spans[ex.id] and spans[ex.id][1]}
+                for ex in examples]
 
 
 # --- `mmadapt predict`: inputs from a file or stdin, JSON Lines out ----------------------------------

@@ -167,6 +167,12 @@ def test_qa_windows_overlap_by_stride_and_cover_the_context(sp):
     logits[-1, s, 0] = logits[-1, e, 1] = 5.0
     logits[0, 0, :] = 50.0  # <s> is not in the context: never an answer
     assert F.best_spans(logits, enc, [ex], max_answer_length=5) == {"q1": "Moses"}
+    at = context.index("Moses")
+    assert F.best_span_offsets(logits, enc, [ex], max_answer_length=5) == {"q1": (at, at + len("Moses"))}
+    only_bos = torch.zeros(len(enc), 40, 2)
+    only_bos[:, 0, :] = 10.0  # every window's best start and end is <s>: no span fits
+    assert F.best_span_offsets(only_bos, enc, [ex], 5, top_k=1) == {"q1": None}
+    assert F.best_spans(only_bos, enc, [ex], 5, top_k=1) == {"q1": ""}
     # The same under a framing whose rows start with another number of pieces (none, two): the
     # labels and offsets follow the window, not a fixed one-piece start.
     for start in ((), (F.BOS_ID, F.BOS_ID)):

@@ -26,7 +26,7 @@ from mmadapt.config import FinetuneConfig, Layout, apply_recipe
 from mmadapt.models.llama.presets import LLAMA_TINY
 from mmadapt.models import PRESETS
 from mmadapt.corpora import bible_verses
-from mmadapt.features import best_spans
+from mmadapt.features import best_span_offsets, best_spans
 from mmadapt.hf import import_hf
 from mmadapt.models import get_family
 from mmadapt.parallel import init_parallel
@@ -219,6 +219,10 @@ def test_answers_score_as_step4_scores_spans(de_tokenizer, capsys):
     logits = E.set_logits(tm.finetuned, data)
     assert best_spans(logits, data.enc, examples, CFG.max_answer_length) == {ex.id: p["answer"]
                                                                              for ex, p in zip(examples, pred)}
+    # ... and each answer's character offsets in its context (a word can occur there more than once)
+    assert best_span_offsets(logits, data.enc, examples, CFG.max_answer_length) == {
+        ex.id: (p["start"], p["end"]) for ex, p in zip(examples, pred)}
+    assert all(ex.context[p["start"]:p["end"]] == p["answer"] != "" for ex, p in zip(examples, pred))
     # A question past max_query_length is cut as fine-tuning and evaluate cut it, and said so.
     capsys.readouterr()
     long = " ".join(texts[:10])
@@ -565,7 +569,7 @@ def test_mmadapt_predict_on_every_kind_of_run(kind, sources, zero_shot, tmp_path
             assert row["words"] == line.split() and len(row["tags"]) == len(row["words"])
             assert set(row["tags"]) <= {"B-GOD", "O"}
         elif kind == "span":
-            assert row["answer"] in row["context"] and row["question"] == line.split("\t")[0]
+            assert row["context"][row["start"]:row["end"]] == row["answer"] and row["question"] == line.split("\t")[0]
         elif kind == "mlm":
             assert len(row["masks"]) == line.count("<mask>") and all(len(m) == 3 for m in row["masks"])
             assert all(m[0]["prob"] >= m[1]["prob"] >= m[2]["prob"] for m in row["masks"])
