@@ -581,8 +581,17 @@ def bpb_markdown(records: list[dict]) -> str:
                     "speedups taken from them) set pieces of other lengths side by side; compare them here, in bits "
                     "per byte."]
     out += [""] + [f"- {bpb_verdict(lang, [r for r in rows if r['lang'] == lang])} "
-                   f"({next(r['bytes'] for r in rows if r['lang'] == lang):,} bytes)" for lang in langs] + [""]
+                   f"({_bytes_scored([r for r in rows if r['lang'] == lang])})" for lang in langs] + [""]
     return "\n".join(out)
+
+
+def _bytes_scored(rows: list[dict]) -> str:
+    """The held-out bytes behind a language's verdict: one count, or each system's where they
+    were scored on different text (the note above says they are not on one scale)."""
+    sizes = {r["bytes"] for r in rows}
+    if len(sizes) == 1:
+        return f"{sizes.pop():,} bytes"
+    return "; ".join(f"{r['system']} on {r['bytes']:,}" for r in rows) + " bytes: not one scale"
 
 
 # --- what adaptation bought: no adaptation, the start (update 0), the last checkpoint ----------------

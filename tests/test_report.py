@@ -550,6 +550,9 @@ def test_bits_per_byte_table_and_verdict_by_hand(tmp_path):
     assert "Not one scale in fr" not in windows
     sizes = bpb_markdown([{**r, "bpb_bytes": 9000} if r["step"] == 0 else r for r in records])
     assert "Not one scale in de: its records were scored on 8,100 and 9,000 held-out bytes, and" in sizes
+    apart = bpb_markdown([{**r, "bpb_bytes": 130} if r["system"] == "minipost" else r for r in records])
+    assert "Not one scale in de: its records were scored on 130 and 8,100 held-out bytes, and" in apart
+    assert "(bl_base on 8,100; expand on 8,100; minipost on 130 bytes: not one scale)" in apart  # each its own
     same_size = bpb_markdown([{**r, "bpb_text": "a" * 16 if r["system"] == "bl_base" else "b" * 16} for r in records])
     assert "Not one scale in de: its records were scored on 2 different held-out texts of as many bytes" in same_size
     assert "Not one scale" not in bpb_markdown([{**r, "bpb_text": "a" * 16} for r in records[:3]] + records[3:])
