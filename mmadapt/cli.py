@@ -469,8 +469,12 @@ def evaluate_main(argv=None) -> int:
     if args.eval_batch_tokens is not None:
         FinetuneConfig(eval_batch_tokens=args.eval_batch_tokens)  # its declared range, refused naming the flag
     if args.plugin_data:
-        if not args.primary or args.finetuned or args.eval_file:
-            raise ValueError("--plugin_data scores the primary model: pass --primary, not --finetuned/--eval_file")
+        if args.finetuned or args.eval_file:
+            raise ValueError("--plugin_data scores the artifacts through the primary model, not fine-tuned runs on a "
+                             "task: drop --finetuned/--eval_file (or --plugin_data, to score the task)")
+        if not args.primary:
+            raise ValueError("--plugin_data scores the artifacts through their primary model: pass --primary with the "
+                             "run they were trained over (with --graft, the sibling they go into)")
         if args.no_adaptation_baseline is not None:
             raise ValueError("--no_adaptation_baseline scores fine-tuned runs on a task (--finetuned, --eval_file); "
                              "--plugin_data scores each run's start (update 0) instead: drop the flag")

@@ -651,6 +651,14 @@ CASES = [
                                                       "--no_adaptation_baseline", "false", "--output",
                                                       str(c.tmp / "r.json")],
      "--no_adaptation_baseline scores fine-tuned runs on a task"),
+    # each of the two mistakes named (both said "pass --primary, not --finetuned/--eval_file", whichever was made)
+    ("evaluate-plugin-without-primary", lambda c: ["evaluate", "--plugin_data", c.dir("data"), "--embeddings",
+                                                   c.dir("emb"), "--output", str(c.tmp / "r.json")],
+     "--plugin_data scores the artifacts through their primary model: pass --primary with the run"),
+    ("evaluate-plugin-with-a-task", lambda c: ["evaluate", "--primary", str(c.primary), "--plugin_data",
+                                               c.dir("data"), "--embeddings", c.dir("emb"), "--eval_file", "bible",
+                                               "--output", str(c.tmp / "r.json")],
+     "not fine-tuned runs on a task: drop --finetuned/--eval_file"),
     ("source-checkpoint-truncated", lambda c: c.minipost(primary=c.damaged_copy()),
      "'s checkpoint step00000050 is damaged ("),
     # --- report
