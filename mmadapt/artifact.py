@@ -266,6 +266,18 @@ def primary_changed(meta: dict, weights: dict[str, torch.Tensor]) -> bool:
     return bool(meta.get("primary_fingerprint")) and weights_fingerprint(weights) != meta["primary_fingerprint"]
 
 
+def same_primary(meta: dict, *, weights: dict[str, torch.Tensor] | None = None, recorded: str | None = None) -> bool:
+    """Whether a model is, by content, the primary model an artifact (its meta.json `meta`) was
+    trained for, at whatever path: its `weights` read now against the fingerprint Step 2 recorded
+    (primary_changed), or a fine-tuning run's `recorded` fingerprint of them. A byte-identical copy
+    of the run (another import of the same checkpoint) is the same model, as PrimaryRef.same has
+    it for evaluate; False where neither side holds a fingerprint."""
+    if recorded:
+        return meta.get("primary_fingerprint") == recorded
+    fingerprinted = bool(meta.get(SAMPLED_KEY) or meta.get("primary_fingerprint"))
+    return weights is not None and fingerprinted and not primary_changed(meta, weights)
+
+
 def check_primary_unchanged(path: Path, meta: dict, *, recorded: str | None = None,
                             weights: dict[str, torch.Tensor] | None = None) -> None:
     """Refuse an artifact (at `path`, its meta.json `meta`) swapped into its primary model whose

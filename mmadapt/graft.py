@@ -236,9 +236,9 @@ def sibling_check(base_run: str | Path, sibling_run: str | Path, meta: dict) -> 
 
 def not_a_graft(artifact: str | Path, model: str | Path) -> ValueError:
     """The one refusal of --graft (export-hf, evaluate, predict) for an artifact trained over
-    `model` itself: nothing to graft."""
+    `model` itself, or over a byte-identical copy of it (the same weights): nothing to graft."""
     return ValueError(f"--graft puts embeddings into a sibling of the model they were trained over; {artifact} was "
-                      f"trained over {model} itself: drop --graft")
+                      f"trained over {model}'s own weights: drop --graft")
 
 
 def nothing_to_graft() -> ValueError:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.artifact import (artifact_dir, artifact_primary, artifact_state, check_primary_unchanged, read_artifact,
-                              trained_for)
+                              same_primary, trained_for)
 from mmadapt.checkpoint import check_output_dir, load_pt, read_json, staged_dir, write_weights_only
 from mmadapt.config import ModelConfig, to_dict
 from mmadapt.evaluate import load_finetuned
@@ -914,7 +914,10 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
             raise ValueError(f"{embeddings} holds embeddings of hidden size {emb['word_embeddings'].shape[1]}, the "
                              f"model {cfg.hidden_size}: they were trained for another model")
         owner = artifact_primary(meta).resolve()
-        grafted = owner != primary_run.resolve()
+        # by path, or by content (a byte-identical copy of the run, as predict and evaluate match it)
+        grafted = owner != primary_run.resolve() and not (
+            same_primary(meta, recorded=ft.run["primary"].get("fingerprint")) if finetuned is not None
+            else same_primary(meta, weights=weights))
         if grafted and not graft and Path(meta.get("source", owner)).resolve() == primary_run.resolve():
             # --primary the mini-model Step 2 trained over: the export is the primary model's
             raise ValueError(f"{embeddings} was trained over {primary_run}, a mini-model of the primary model "

@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 
 from mmadapt.artifact import (artifact_dir, artifact_embeddings, artifact_primary, artifact_state,
-                              check_primary_unchanged, read_artifact, trained_for)
+                              check_primary_unchanged, read_artifact, same_primary, trained_for)
 from mmadapt.checkpoint import read_json
 from mmadapt.config import FinetuneConfig, ModelConfig, bool_arg, path_arg
 from mmadapt.devices import device_of, on_eval_device
@@ -142,9 +142,10 @@ def _artifact(path: Path, owners: tuple[Path, ...], *, weights: dict[str, torch.
         raise ValueError(f"{path} holds embeddings trained over {meta['source']}, which is no longer an mmadapt run "
                          "(no run.json)")
     mine = {Path(meta["source"]).resolve(), artifact_primary(meta).resolve()}
-    # an owner's by path, or a fine-tuning run's primary (`recorded`) by its weights, as evaluate's
-    # PrimaryRef.same matches them: a byte-identical copy of the run at another path is the model
-    owned = bool(mine & {o.resolve() for o in owners}) or bool(recorded and meta.get("primary_fingerprint") == recorded)
+    # an owner's by path, or by its weights (read now, or a fine-tuning run's `recorded` fingerprint
+    # of its primary), as evaluate's PrimaryRef.same matches them: a byte-identical copy of the run
+    # at another path is the model (export-hf and the plug-in metric decide so too)
+    owned = bool(mine & {o.resolve() for o in owners}) or same_primary(meta, weights=weights, recorded=recorded)
     if graft is not None:
         if owned:
             raise not_a_graft(path, " or ".join(map(str, owners)))

@@ -584,6 +584,40 @@ def test_a_graft_over_a_base_changed_since_step2_is_refused(graft_runs, tmp_path
     assert main(argv) == 0 and (tmp_path / "out" / "config.json").is_file()
 
 
+def test_a_byte_identical_copy_of_the_base_is_the_base_for_every_command(graft_runs, tmp_path, capsys):
+    """The base imported (or copied) again at another path holds the weights Step 2 recorded: it is
+    the model the artifact was trained for, by content, for export-hf and predict as for evaluate
+    (PrimaryRef.same): exported without --graft, and --graft refused (export-hf and predict asked
+    for --graft by path while evaluate refused it by content)."""
+    base, artifact = graft_runs["qwen2-base"], _artifact(graft_runs, "qwen2", "replace")
+    copy = shutil.copytree(base, tmp_path / "copy")
+    out = {}
+    for name, primary in (("base", base), ("copy", copy)):
+        out[name] = tmp_path / f"out-{name}"
+        assert main(["export-hf", "--primary", str(primary), "--embeddings", str(artifact),
+                     "--output_dir", str(out[name])]) == 0
+    weights = sorted(p.name for p in out["base"].iterdir() if p.suffix == ".safetensors")
+    assert weights and all((out["base"] / w).read_bytes() == (out["copy"] / w).read_bytes() for w in weights)
+    capsys.readouterr()
+    assert main(["export-hf", "--primary", str(copy), "--embeddings", str(artifact), "--graft",
+                 "--output_dir", str(tmp_path / "grafted")]) == 2
+    err = capsys.readouterr().err
+    assert "drop --graft" in err and err.count("\n") == 1 and not (tmp_path / "grafted").exists()
+    texts = ["Im Anfang schuf Gott Himmel und Erde."]
+    mine, theirs = (predict.load(run, artifact, device="cpu").logits(texts) for run in (copy, base))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    with pytest.raises(ValueError, match="drop --graft"):
+        predict.load(copy, artifact, graft=True)
+    # weights that differ from the recorded ones at the copy's path are not the base: a graft's
+    _, state = load_weights(copy)
+    shutil.rmtree(copy / "checkpoints")
+    from mmadapt.checkpoint import write_weights_only
+    write_weights_only(copy / "checkpoints", 0, {k: v + 0.01 for k, v in state.items()},
+                       json.loads((copy / "run.json").read_text())["model"])
+    with pytest.raises(ValueError, match="pass --graft"):
+        predict.load(copy, artifact)
+
+
 def test_the_sibling_check_reads_each_artifacts_record_not_only_its_bases_first(graft_runs, tmp_path, capsys):
     """Two artifacts over one base whose Step 2 recorded the base's weights differently (here one
     edited to say so): the check refuses in either order (it once ran per base, with the first
