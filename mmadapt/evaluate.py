@@ -86,9 +86,10 @@ class Finetuned:
         return self._model
 
 
-def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
-    """Step 3's model: the final checkpoint's trained weights (fp32) + the primary run's word
-    embeddings."""
+def finetuned_record(run_dir: str | os.PathLike) -> dict:
+    """A finished Step-3 run's run.json (its task, labels, settings and primary model), refused in
+    one line for any other directory: what Step 4 checks its inputs against before any weights
+    are read."""
     run_dir = Path(run_dir)
     run_file = run_dir / RUN_FILE
     if not run_file.is_file():
@@ -99,6 +100,14 @@ def load_finetuned(run_dir: str | os.PathLike) -> Finetuned:
     if not is_finished(run_dir):
         raise ValueError(f"{run_dir} has not finished its {run['updates']} updates: continue it with "
                          "finetune --resume")
+    return run
+
+
+def load_finetuned(run_dir: str | os.PathLike, run: dict | None = None) -> Finetuned:
+    """Step 3's model: the final checkpoint's trained weights (fp32) + the primary run's word
+    embeddings. run: its finetuned_record, where the caller read it already."""
+    run_dir = Path(run_dir)
+    run = finetuned_record(run_dir) if run is None else run
     source = read_source(run["primary"]["run_dir"], run["primary"]["tag"])
     word = source.family.word
     _, primary = primary_state(source)
@@ -250,25 +259,27 @@ def retrieval_accuracy(src_vectors: torch.Tensor, trg_vectors: torch.Tensor) -> 
 
 # --- Step 4 over series of Step-2 artifacts ------------------------------------------------------------
 
-def finetuned_primary_ref(ft: "Finetuned") -> PrimaryRef:
-    return PrimaryRef(Path(ft.run["primary"]["run_dir"]), ft.run["primary"].get("fingerprint"))
+def finetuned_primary_ref(run: dict) -> PrimaryRef:
+    """The primary model a fine-tuning run's record (its run.json) names."""
+    return PrimaryRef(Path(run["primary"]["run_dir"]), run["primary"].get("fingerprint"))
 
 
-def position_warning(run: Path, ft: "Finetuned", cfg: FinetuneConfig) -> str | None:
-    """Step 3's check_positions for the fine-tuned run `run` at its seq_length `cfg.seq_length`:
-    refused past the primary model's pretraining blocks unless `cfg` (the run's record or Step
-    4's flag) allows it, then the warning."""
-    primary = Path(ft.run["primary"]["run_dir"])
+def position_warning(run_dir: Path, run: dict, cfg: FinetuneConfig) -> str | None:
+    """Step 3's check_positions for the fine-tuned run `run_dir` (its record `run`) at its
+    seq_length `cfg.seq_length`: refused past the primary model's pretraining blocks unless
+    `cfg` (the run's record or Step 4's flag) allows it, then the warning."""
+    primary = Path(run["primary"]["run_dir"])
     return check_positions(primary, json.loads((primary / RUN_FILE).read_text()), cfg.seq_length,
-                           cfg.allow_untrained_positions, run=run)
+                           cfg.allow_untrained_positions, run=run_dir)
 
 
-def recorded_config(ft: Finetuned, **changes) -> FinetuneConfig:
-    """The FinetuneConfig of a run's run.json, with `changes`. A field that no longer exists is
-    dropped (eval_batch_size: eval_batch_tokens replaced it); a field the record lacks (it
-    predates the field) takes its default."""
+def recorded_config(ft: Finetuned | dict, **changes) -> FinetuneConfig:
+    """The FinetuneConfig of a run's run.json (a Finetuned's, or the record itself), with
+    `changes`. A field that no longer exists is dropped (eval_batch_size: eval_batch_tokens
+    replaced it); a field the record lacks (it predates the field) takes its default."""
+    run = ft if isinstance(ft, dict) else ft.run
     names = {f.name for f in dataclasses.fields(FinetuneConfig)}
-    return FinetuneConfig(**{**{k: v for k, v in ft.run["finetune"].items() if k in names}, **changes})
+    return FinetuneConfig(**{**{k: v for k, v in run["finetune"].items() if k in names}, **changes})
 
 
 @dataclass
@@ -370,23 +381,26 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
     tokenizer, instead of on its own language's (meta["lang"]): an expanded vocabulary on the
     source language, beside the no-adaptation record of that language, is what the expansion (or
     a graft of it) costs the source language's task."""
-    paths = artifact_dirs(artifacts)  # the cheap check first
-    runs, cfgs, primary, warnings = _finetuned_runs(finetuned, eval_batch_tokens, cfg_override)
+    paths = artifact_dirs(artifacts)  # the cheap checks first: every input's before any weights are read
+    recorded, cfgs, primary, warnings = _finetuned_records(finetuned, eval_batch_tokens, cfg_override)
     metas = {path: checkpoint.read_json(path / "meta.json", "Step-2 artifact file") for path in paths}
-    if graft:
-        graft_check(paths, primary)
-    else:  # every artifact's primary model before any is scored (its meta.json alone)
+    if not graft:  # every artifact's primary model before any is scored (its meta.json alone)
         for path, meta in metas.items():
             _check_artifact_primary(path, meta, primary)
+    task, labels = get_task(recorded[0]["task"]), recorded[0]["labels"]
     if lang is None:  # every artifact on its own language's examples: the file must hold them
         check_one_file_per_language(eval_spec, sorted({meta["lang"] for meta in metas.values()}), "--eval_file",
-                                    runs[0].task.by_lang)
-    warned = {"finetune_warnings": warnings} if warnings else {}
+                                    task.by_lang)
     # The first run's settings read the evaluation files (your own task's columns) and name the
-    # headline; every metric is recorded, averaged over the seeds.
-    scoring, records = Scoring(runs, cfgs, eval_spec), []
-    for scored in sorted({lang or meta["lang"] for meta in metas.values()}):
-        scoring.read(scored)  # every language's file refused (missing, empty, unknown labels) before any is scored
+    # headline; every metric is recorded, averaged over the seeds. Every language's file is
+    # refused (missing, empty, unknown labels) before any weights are read or any is scored.
+    examples = {scored: read_examples(task, eval_spec, scored, "test", cfgs[0], labels)
+                for scored in sorted({lang or meta["lang"] for meta in metas.values()})}
+    if graft:  # reads the base's and the sibling's bodies
+        graft_check(paths, primary)
+    runs = [load_finetuned(r, run) for r, run in zip(finetuned, recorded)]
+    warned = {"finetune_warnings": warnings} if warnings else {}
+    scoring, records = Scoring(runs, cfgs, eval_spec, examples), []
     # The sibling a graft goes into: the runs' primary model; an imported classifier's is its own
     # encoder, inside the classifier's run (hf_classifier.BODY), which names it instead.
     sibling = Path(primary.run_dir)
@@ -420,32 +434,33 @@ def apart_runs(records: list[dict]) -> None:
             r["system"] = run_label(r["system"], names[(r["system"], r["lang"])][Path(r["artifact"]).parent.parent])
 
 
-def _finetuned_runs(finetuned: list[Path], eval_batch_tokens: int | None,
-                    cfg_override: dict | None) -> tuple[list[Finetuned], list[FinetuneConfig], PrimaryRef, list[str]]:
-    """`evaluate_artifacts`' fine-tuned runs (seeds), rebuilt; their configs with Step 4's changes;
-    the primary model they share (one primary model and task, else refused); and their warnings
-    (each run's own and its position warning, once), printed."""
+def _finetuned_records(finetuned: list[Path], eval_batch_tokens: int | None, cfg_override: dict | None
+                       ) -> tuple[list[dict], list[FinetuneConfig], PrimaryRef, list[str]]:
+    """`evaluate_artifacts`' fine-tuned runs (seeds) as their records say, no weights read: their
+    run.json, their configs with Step 4's changes, the primary model they share (one primary
+    model and task, else refused), and their warnings (each run's own and its position warning,
+    once), printed."""
     given_once(finetuned, "fine-tuned run")  # a seed given twice would be averaged as two
     for r in finetuned:  # Step 3's warnings (a run at chance) go into every record made from its run
         if is_finished(r) and not has_results(r):
             raise ValueError(f"{r} finished its updates but stopped before writing its results (final loss, "
                              "source-language score, warnings): run finetune --resume on it (it trains nothing)")
-    runs = [load_finetuned(r) for r in finetuned]
-    primary = finetuned_primary_ref(runs[0])
-    if not all(finetuned_primary_ref(r).same(primary) for r in runs) or len({r.task.name for r in runs}) > 1:
+    recorded = [finetuned_record(r) for r in finetuned]
+    primary = finetuned_primary_ref(recorded[0])
+    if not all(finetuned_primary_ref(r).same(primary) for r in recorded) or len({r["task"] for r in recorded}) > 1:
         raise ValueError("--finetuned runs must share one primary model and task (one per seed)")
     changes = {**({} if eval_batch_tokens is None else {"eval_batch_tokens": eval_batch_tokens}),
                **(cfg_override or {})}
-    cfgs = [recorded_config(ft, **changes) for ft in runs]
+    cfgs = [recorded_config(run, **changes) for run in recorded]
     warnings = []
-    for r, ft, cfg in zip(finetuned, runs, cfgs):
-        positions = position_warning(r, ft, cfg)
+    for r, run, cfg in zip(finetuned, recorded, cfgs):
+        positions = position_warning(r, run, cfg)
         # A warning Step 3 recorded about positions is the same one: keep it once.
-        mine = [w for w in ft.run.get("warnings", []) if w != positions] + ([positions] if positions else [])
+        mine = [w for w in run.get("warnings", []) if w != positions] + ([positions] if positions else [])
         warnings += [f"{r}: {w}" for w in mine]
     for w in warnings:
         print(f"warning: {w}", flush=True)
-    return runs, cfgs, primary, warnings
+    return recorded, cfgs, primary, warnings
 
 
 def graft_check(paths: list[Path], primary: PrimaryRef) -> None:

@@ -5,6 +5,7 @@ from the swapped state dict for every artifact and seed, full-length rows in bat
 number of examples): the same logits for every task kind, the same records. CPU, fp32."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -339,6 +340,23 @@ def test_an_artifact_that_swaps_in_what_an_earlier_one_did_is_scored_once(seeds,
     got = F.retrieval_records(primary_run, [adapt_run, twin, near], pairs)
     assert calls["sentence_vectors"] == 1 + 3  # the source side once, then three artifacts
     assert got[2]["score"] == got[0]["score"] and got[2]["artifact"] == records[2]["artifact"]
+
+
+def test_every_input_is_refused_before_any_weights_are_read(seeds, adapt_run, monkeypatch):
+    """Step 4 reads no fine-tuned run's weights (each seed's model, and the primary's embeddings:
+    a 7B decoder's take minutes) before its evaluation files and its artifacts are checked: a
+    missing or empty file was refused only after every seed had been read."""
+    def weights_read(*args, **kwargs):
+        raise AssertionError("weights read before the inputs were checked")
+
+    first = sorted((adapt_run / "embeddings").iterdir())[0]
+    monkeypatch.setattr(F, "load_finetuned", weights_read)
+    for spec, lang, refusal in (("/nonexistent/{lang}.tsv", None, "reads the packaged Bible: pass 'bible'"),
+                                ("bible", "xx", "'xx'")):
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            F.evaluate_artifacts(seeds, [first], spec, no_adaptation=False, lang=lang)
+    with pytest.raises(AssertionError, match="weights read"):  # the inputs pass: the weights are read next
+        F.evaluate_artifacts(seeds, [first], "bible", no_adaptation=False)
 
 
 def test_seeds_of_another_primary_model_or_task_are_refused(seeds, adapt_run, tmp_path):
