@@ -85,6 +85,17 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     earlier one did (artifact.swap_key: each run's start is its update-0 artifact) is scored once."""
     paths = artifact_dirs(adapt_runs)
     metas = [checkpoint.read_json(path / "meta.json", "Step-2 artifact file") for path in paths]
+    prepared: dict[str, str] = {}  # the languages whose dataset was checked to be one -> its tokenizer's sha256
+    for path, meta in zip(paths, metas):  # each artifact's held-out data, before the primary's weights are read
+        lang = meta["lang"]
+        if lang not in data_paths:
+            raise ValueError(f"no held-out {lang} text: pass a prepared {lang} dataset with a validation split")
+        if lang not in prepared:  # a prepared dataset, or refused naming what it is
+            read_manifest(data_paths[lang])
+            prepared[lang] = file_sha256(Path(data_paths[lang]) / TOKENIZER)
+        if prepared[lang] != file_sha256(path / "spm.model"):
+            raise ValueError(f"{path} uses another tokenizer than {data_paths[lang]}: score it on the dataset Step 2 "
+                             "trained on")
     # the primary's checkpoint the artifacts were trained for, not its newest (adapt --source_tag, a
     # source trained on since): a graft's primary is a sibling, whose checkpoints are its own
     primary = Primary.read(primary_run, None if graft else trained_for(Path(primary_run), metas))
@@ -95,7 +106,6 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     per_byte = ByteScorer(scorer, seq_length, bpb_bytes, bpb_batch_tokens)
     held = {}  # per language: the held-out set
     starts: dict[Path, tuple[float, float]] = {}
-    prepared: dict[str, str] = {}  # the languages whose dataset was checked to be one -> its tokenizer's sha256
     for path, meta in zip(paths, metas):  # every refusal before any scoring (and before the progress bar)
         if graft and artifact_primary_ref(meta).same(ref):
             raise not_a_graft(path, primary_run)
@@ -109,16 +119,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                                                      "") + ("" if graft else ": if it is a model fine-tuned from that "
                                                             "one, score the graft with --graft"))
             check_once(siblings, base, Path(primary_run), meta)
-        lang = meta["lang"]
-        if lang not in data_paths:
-            raise ValueError(f"no held-out {lang} text: pass a prepared {lang} dataset with a validation split")
-        if lang not in prepared:  # a prepared dataset, or refused naming what it is
-            read_manifest(data_paths[lang])
-            per_byte.text(data_paths[lang])  # its raw held-out text (kept): a changed corpus is refused now
-            prepared[lang] = file_sha256(Path(data_paths[lang]) / TOKENIZER)
-        if prepared[lang] != file_sha256(path / "spm.model"):
-            raise ValueError(f"{path} uses another tokenizer than {data_paths[lang]}: score it on the dataset Step 2 "
-                             "trained on")
+        per_byte.text(data_paths[meta["lang"]])  # its raw held-out text (kept): a changed corpus is refused now
         if meta.get("vocab_mode") == "expand":  # the source text its bits per byte read, likewise
             source = source_text_data(path.parent.parent, primary)
             if source is not None and read_manifest(source).get("valid"):

@@ -222,13 +222,17 @@ def test_records_of_a_source_language_artifact(primary_run, english, tokenizer, 
     shutil.copytree(run, tmp_path / "adapt-2")
     two = P.plugin_records(primary_run, [run, tmp_path / "adapt-2"], {"en": english}, 32, blocks=64, batch_size=16)
     assert sorted(r["system"] for r in two) == ["minijoint [adapt-2]", "minijoint [adapt]"]
-    # Refused in one line: no held-out text of the artifact's language, and an artifact whose
-    # tokenizer is not the dataset's (its ids would be scored as another vocabulary's).
-    with pytest.raises(ValueError, match="^no held-out en text: pass a prepared en dataset with a validation split$"):
-        P.plugin_records(primary_run, [run], {"de": english}, 32, blocks=64, batch_size=16)
-    (art / "spm.model").write_bytes(b"another tokenizer")
-    with pytest.raises(ValueError, match=f"^{art} uses another tokenizer than {english}: score it on the dataset"):
-        P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=64, batch_size=16)
+    # Refused in one line, before the primary's weights are read (a 7B model's take minutes): no
+    # held-out text of the artifact's language, and an artifact whose tokenizer is not the
+    # dataset's (its ids would be scored as another vocabulary's).
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(H.Primary, "read", lambda *a, **k: pytest.fail("the primary's weights read before the refusal"))
+        with pytest.raises(ValueError, match="^no held-out en text: pass a prepared en dataset with a validation "
+                                             "split$"):
+            P.plugin_records(primary_run, [run], {"de": english}, 32, blocks=64, batch_size=16)
+        (art / "spm.model").write_bytes(b"another tokenizer")
+        with pytest.raises(ValueError, match=f"^{art} uses another tokenizer than {english}: score it on the dataset"):
+            P.plugin_records(primary_run, [run], {"en": english}, 32, blocks=64, batch_size=16)
     # A corpus gone since its dataset was prepared is refused before anything is scored (the
     # bits-per-byte text was read after the language's held-out blocks, and after every language before it).
     (art / "spm.model").write_bytes((english / "tokenizer.model").read_bytes())
