@@ -642,9 +642,11 @@ class TaskModel:
             tags = sentence_tags(enc, logits.argmax(-1), self.labels)
             return [{"words": ex.words, "tags": t} for ex, t in zip(examples, tags)]
         spans = best_span_offsets(logits, enc, examples, self.cfg.max_answer_length)
-        return [{"answer": ex.context[spans[ex.id][0]:spans[ex.id][1]] if spans[ex.id] else "",
-                 "start": spans[ex.id] and spans[ex.id][0], "end": spans[ex.id] and spans[ex.id][1]}
-                for ex in examples]
+        out = []
+        for ex in examples:
+            start, end = spans[ex.id] or (None, None)
+            out.append({"answer": "" if start is None else ex.context[start:end], "start": start, "end": end})
+        return out
 
 
 # --- `mmadapt predict`: inputs from a file or stdin, JSON Lines out ----------------------------------
