@@ -171,6 +171,12 @@ def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]
     if dest.is_symlink():  # a link to the directory: filled where it points (the link stays a link)
         dest = Path(os.path.realpath(dest))
     me = f"{os.getpid()}@{socket.gethostname()}"
+    if dest.name.startswith(".") and dest.name.endswith(f".tmp{me}") and dest.is_dir():
+        # this process's own stage (export_hf stages the directory write_hf fills): filled in place,
+        # made whole by the outer stage's move; a stage of it would sit beside it, named after no
+        # directory a rerun stages, and a kill left it (a whole model's weights) for good
+        yield dest
+        return
     tmp = dest.with_name(f".{dest.name}.tmp{me}")
     made = missing_dirs(tmp.parent)
     _remove_stale(dest)

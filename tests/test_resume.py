@@ -544,3 +544,30 @@ def test_a_staged_directory_of_a_killed_process_is_removed_by_the_next(tmp_path)
     with staged_dir(tmp_path / "import") as tmp:
         (tmp / "config.json").write_text("{}")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["import", live.name, other.name])
+
+
+def test_a_stage_inside_a_stage_is_filled_in_place_and_a_kill_leaves_only_the_outer_one(tmp_path):
+    """export_hf stages its directory and write_hf stages what it fills: the inner stage sat beside
+    the outer one as `..<name>.tmp<pid>@<host>.tmp<pid>@<host>`, which no rerun's clean-up names,
+    so an export killed while it saved the weights left a whole model there for good. Now the
+    inner stage is the outer one: a kill leaves that alone, and the next staging removes it."""
+    import subprocess
+    import sys
+
+    script = ("import os, sys; from pathlib import Path; from mmadapt.checkpoint import staged_dir\n"
+              "with staged_dir(Path(sys.argv[1])) as top:\n"
+              "    with staged_dir(top) as inner:\n"
+              "        (inner / 'model.safetensors').write_text('weights')\n"
+              "        os._exit(137)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "export")])
+    assert done.returncode == 137
+    assert [p.name.count(".tmp") for p in tmp_path.iterdir()] == [1]  # the outer stage alone
+    from mmadapt.checkpoint import staged_dir
+
+    with staged_dir(tmp_path / "export") as top:
+        with staged_dir(top) as inner:
+            assert inner == top
+            (inner / "config.json").write_text("{}")
+        assert sorted(p.name for p in tmp_path.iterdir()) == [top.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["config.json"]
