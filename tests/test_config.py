@@ -614,6 +614,34 @@ def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(t
     assert not (tmp_path / "none").exists()
 
 
+def test_an_extension_killed_while_it_claimed_its_directory_is_claimed_again(tmp_path):
+    """`claim` writes extend.json atomically: a kill before the rename left the directory holding
+    `.extend.json.tmp<pid>` alone, and the same command was then refused ('not an extend
+    directory') for good. A dead process's temporary is removed and the directory claimed; a live
+    one's (another extension claiming it now) and any other file still refuse."""
+    import os
+    import subprocess
+
+    from mmadapt.extend import Extend, claim
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    ext = Extend(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "ext")
+    ext.output_dir.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process holds now
+    (ext.output_dir / f".extend.json.tmp{gone.pid}").write_text('{"model": "half of it')
+    assert claim(ext) is True and claim(ext) is False
+    assert sorted(p.name for p in ext.output_dir.iterdir()) == ["extend.json"]
+    live = Extend(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "live")
+    live.output_dir.mkdir()
+    (live.output_dir / f".extend.json.tmp{os.getppid()}").write_text("{")
+    with pytest.raises(ValueError, match="is not an extend directory"):
+        claim(live)
+    assert len(list(live.output_dir.iterdir())) == 1
+
+
 def test_an_output_file_under_a_directory_one_cannot_write_is_refused_first(tmp_path, monkeypatch):
     """evaluate scored everything, then failed to make --output's directory (a raw OSError not
     naming the flag, every score lost): the nearest existing directory must be writable up front.
