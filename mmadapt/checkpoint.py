@@ -319,11 +319,12 @@ def prune(ckpt_dir: Path, keep_last: int, saved: str) -> None:
     never taken for a usable one. A tag after `saved` is neither counted nor deleted: one that
     `resume` passed over as damaged, which would otherwise count as the newest and take every
     intact tag with it (a save at its update writes it anew; without one it stays, damaged,
-    for you to delete)."""
+    for you to delete). Within keep_last, the incomplete tags older than the oldest complete one
+    go: a prune killed after a tag's COMPLETE left its files whole, which no resume reads."""
     tags = [t for t in complete_tags(ckpt_dir) if t <= saved]
-    if keep_last <= 0 or len(tags) <= keep_last:
+    if keep_last <= 0 or not tags:
         return
-    oldest_kept = tags[-keep_last]
+    oldest_kept = tags[-min(keep_last, len(tags))]
     for d in sorted(ckpt_dir.iterdir()):
         if _TAG.match(d.name) and d.name < oldest_kept:
             (d / "COMPLETE").unlink(missing_ok=True)

@@ -830,6 +830,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
             if rows_before is not None:
                 rows_before = state.get(checkpoint.SCORED_ROWS)
             resumed = checkpoint.tag_for(start)
+            if parallel.is_rank0():  # a prune a kill cut short (a finished run saves, and prunes, no more)
+                checkpoint.prune(ckpt_dir, loop.keep_last, resumed)
             # A stop between two log lines: the updates of that log window before it, so that the
             # next line averages the same updates as the uninterrupted run's (ranks that compute
             # no loss, a pipeline's first stages, hold none: mean_over_ranks sums over them)

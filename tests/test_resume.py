@@ -246,6 +246,13 @@ def test_damaged_newest_checkpoint_falls_back_and_keep_last_prunes(uninterrupted
     assert f"checkpoint step00000004 is damaged ({model_file} has 1000 bytes" in proc.stderr
     assert losses(tmp_path) == uninterrupted
     assert complete_tags(ckpt) == [f"step{STEPS - 1:08d}", f"step{STEPS:08d}"]
+    # a kill inside the last save's prune (an older tag's COMPLETE gone, its files whole): the
+    # finished run saves no more, so its --resume finishes the prune
+    cut = ckpt / f"step{STEPS - 1:08d}"
+    (cut / "COMPLETE").unlink()
+    run_pretrain(1, *_args(corpus, tokenizer, tmp_path, "--resume", "--save_interval", "1", "--keep_last", "2"))
+    assert complete_tags(ckpt) == [f"step{STEPS:08d}"] and not cut.exists()
+    assert losses(tmp_path) == uninterrupted
 
 
 def test_sigterm_to_the_deepspeed_launcher_stops_every_rank(corpus, tokenizer, tmp_path):
@@ -291,6 +298,11 @@ def test_keep_last_counts_only_the_tags_up_to_the_one_just_saved(tmp_path):
     assert not (tmp_path / "step00000050").exists() and not (tmp_path / "step00000100").exists()
     prune(tmp_path, 2, "step00000150")  # within keep_last: nothing goes
     assert complete_tags(tmp_path) == ["step00000150", "step00000200"]
+    # a prune killed after an old tag's COMPLETE went (its files whole): within keep_last, it goes
+    (tmp_path / "step00000120").mkdir()
+    (tmp_path / "step00000120" / "mp_rank_00_model_states.pt").write_bytes(b"x" * 1000)
+    prune(tmp_path, 2, "step00000150")
+    assert complete_tags(tmp_path) == ["step00000150", "step00000200"] and not (tmp_path / "step00000120").exists()
 
 
 def test_what_a_cut_short_start_leaves_is_still_a_run(tmp_path):
