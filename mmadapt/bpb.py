@@ -236,6 +236,10 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
     # does after NFD) as it drops the accent of a composed character: a fold, free either way
     # (charged, "cafe\u0301" cost 16 bits that "café" does not)
     strips = "accents" in folds(sp)
+    # two characters it reads as pieces of their own, between which a character it drops leaves them
+    # as they were (a BPE whose byte fallback has no byte pieces drops what it cannot encode, and a
+    # character alone it encodes as the word start '▁' its pre-tokenizer put before it)
+    probe = "ab" if UNK_ID not in sp.encode("ab") else None
     for line in text.lines:
         ids, spans = piece_offsets(sp, line)
         words = word_index(line, spans)
@@ -246,11 +250,13 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
         unk = [(b, e) for i, (b, e) in zip(ids, spans) if i == UNK_ID]
         unk_bytes += sum(len(line[b:e].encode("utf-8")) for b, e in unk)
         in_unk = {k for b, e in unk for k in range(b, e)}  # charged already, as <unk>'s bytes
-        # a character the normalizer drops: its span is a neighbour's, so only encoding it alone tells
+        # a character the tokenizer drops: its span is a neighbour's, so only encoding it alone (no
+        # piece at all), or between the probe's two (their pieces alone), tells
         for k, ch in enumerate(line):
             if ch not in dropped:
-                dropped[ch] = (not ch.isspace() and not sp.encode(ch)
-                               and not (strips and unicodedata.category(ch) == "Mn"))
+                dropped[ch] = (not ch.isspace() and not (strips and unicodedata.category(ch) == "Mn")
+                               and (not sp.encode(ch) or probe is not None
+                                    and list(sp.encode(probe[0] + ch + probe[1])) == list(sp.encode(probe))))
             unk_bytes += len(ch.encode("utf-8")) if dropped[ch] and k not in in_unk else 0
         # a run of whitespace a tokenizer reads as one boundary (SentencePiece's remove_extra_whitespaces,
         # a WordPiece's split at whitespace): its characters after the first stand for nothing

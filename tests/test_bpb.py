@@ -150,6 +150,35 @@ def test_the_bytes_of_a_character_the_normalizer_drops_are_charged_as_unknown(to
     assert ours.bpb(nats) == pytest.approx((nats / math.log(2) + 8 * 3) / (len(clean) + 3))
 
 
+def test_the_bytes_a_bpe_without_byte_pieces_drops_are_charged_as_unknown(tmp_path):
+    """A SentencePiece BPE converted with byte fallback and no byte pieces (Llama's kind, trained
+    without them) drops every character it cannot encode, and encodes one alone as the word start
+    '▁' its pre-tokenizer puts before it: a Russian verse read through it cost 1.8 bits a byte,
+    its 60 bytes of Cyrillic charged nothing. They are charged 8 bits each, as <unk>'s are."""
+    import sys
+
+    import transformers as T
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_models import make_sp_tokenizer
+    from mmadapt.hf import import_hf
+    from mmadapt.tokenizer import load
+
+    model = tmp_path / "model"
+    tok = make_sp_tokenizer(model, vocab_size=300, byte_fallback=False)
+    T.LlamaForCausalLM(T.LlamaConfig(vocab_size=len(tok) + 2, hidden_size=16, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=32,
+                                     max_position_embeddings=32)).save_pretrained(str(model))
+    import_hf(model, tmp_path / "run")
+    sp = load(tmp_path / "run" / "tokenizer" / "spm.model")
+    assert sp.encode("a\u0416b") == sp.encode("ab") and sp.encode("\u0416")  # dropped, alone not "no piece"
+    layout = B.Layout((BOS_ID,), ())
+    rows = B.causal_rows(sp, B.RawText(("God said \u0416\u0416 unto", "God said unto"), "test"), layout, 32)
+    assert (rows.unknown, rows.unknown_bytes) == (0, len("\u0416\u0416".encode()))
+    # what it encodes (every letter of the verse) costs nothing beyond the model's nats
+    assert B.causal_rows(sp, B.RawText(("God said unto Moses",), "test"), layout, 32).unknown_bytes == 0
+
+
 def test_whitespace_a_tokenizer_collapses_is_charged_as_unknown(tokenizer):
     """SentencePiece reads a run of spaces or tabs as one word boundary: the characters after a
     run's first stand for nothing, so they are charged 8 bits a byte as a dropped character is (a
