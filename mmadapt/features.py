@@ -268,8 +268,9 @@ def best_span_offsets(logits: torch.Tensor, enc: Encoded, examples: list[QAExamp
                       top_k: int = 20) -> dict[str, tuple[int, int] | None]:
     """logits [n, s, 2] of encode_span's windows -> {question id: (start, end) character offsets
     of the answer in its context, end exclusive, or None where no span fits}: the highest start +
-    end score over all windows, with start <= end, both in the context, and at most
-    max_answer_length pieces."""
+    end score over all windows, with start <= end, both in the context and standing for some of
+    its text (a bare '▁' piece's span is empty: an answer ending there lost its last character, or
+    was empty with offsets), and at most max_answer_length pieces."""
     best: dict[int, tuple[float, int, int]] = {}
     logits = logits.float()
     for w in range(len(enc)):
@@ -277,7 +278,8 @@ def best_span_offsets(logits: torch.Tensor, enc: Encoded, examples: list[QAExamp
         start, end = logits[w, :, 0], logits[w, :, 1]
         for i in start.topk(min(top_k, len(start))).indices.tolist():
             for j in end.topk(min(top_k, len(end))).indices.tolist():
-                if off[i, 0] < 0 or off[j, 0] < 0 or j < i or j - i + 1 > max_answer_length:
+                if (off[i, 0] < 0 or off[j, 0] < 0 or off[i, 0] == off[i, 1] or off[j, 0] == off[j, 1] or j < i
+                        or j - i + 1 > max_answer_length):
                     continue
                 score = float(start[i] + end[j])
                 if n not in best or score > best[n][0]:

@@ -630,8 +630,10 @@ class TaskModel:
         """One result per input: classify {"label", "probs": {label: probability}}; tag {"words",
         "tags"} (a tag per word: a long sentence is read in rows of seq_length, encode_tag); span
         {"answer", "start", "end"} (the context's best span and its character offsets, end
-        exclusive, as transformers' question-answering pipeline gives them; "", None, None when no
-        span fits: a word can occur more than once in a context, and the offsets say which)."""
+        exclusive, the fields transformers' question-answering pipeline names so; "", None, None
+        when no span fits: a word can occur more than once in a context, and the offsets say
+        which). The span is Step 4's (features.best_span_offsets: raw start + end logits across
+        windows, the run's max_answer_length, piece boundaries), not widened to whole words."""
         examples, enc, logits = self.logits(inputs)
         kind = self.task.kind
         if kind == "classify":

@@ -133,6 +133,25 @@ def test_chunk_f1_reads_a_gold_tag_the_training_file_lacked_as_written(sp):
     assert got["chunk_f1"] == 100.0 and got["accuracy"] == pytest.approx(200 / 3)
 
 
+def test_an_answer_never_starts_or_ends_on_a_bare_word_start_piece(sp):
+    """SentencePiece reads a word it has no piece for as a bare '▁' and the word's pieces: the '▁'
+    stands for no character (piece_offsets: an empty span). An answer ending there lost the
+    word ('said ' for 'said xylophone'), and one starting and ending there was '' with offsets."""
+    context = "She said xylophone"
+    ids, spans = F.piece_offsets(sp, context)
+    assert sp.id_to_piece(ids[3]) == "\u2581" and spans[3] == (9, 9)  # the bare word start
+    ex = QAExample("q", context, "Who?", [("xylophone", 9)])
+    enc = F.encode_span(sp, [ex], seq_length=40, doc_stride=8, max_query_length=8)
+    at = {tuple(o): k for k, o in enumerate(enc.offsets[0].tolist())}
+    said, bare, last = at[(4, 8)], at[(9, 9)], at[spans[-1]]
+    logits = torch.zeros(1, 40, 2)
+    logits[0, said, 0], logits[0, bare, 1], logits[0, last, 1] = 10.0, 10.0, 5.0
+    assert F.best_span_offsets(logits, enc, [ex], max_answer_length=20) == {"q": (4, len(context))}
+    logits[0, bare, :] = 20.0  # the best start and end both: '' with offsets (9, 9) before
+    assert F.best_span_offsets(logits, enc, [ex], max_answer_length=20) == {"q": (4, len(context))}
+    assert F.best_spans(logits, enc, [ex], 20) == {"q": "said xylophone"}
+
+
 def test_chunk_f1_by_hand():
     gold = [["B-PER", "I-PER", "O", "B-LOC"], ["I-ORG", "I-ORG", "O"]]
     pred = [["B-PER", "I-PER", "O", "B-ORG"], ["I-ORG", "O", "O"]]
