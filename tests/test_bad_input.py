@@ -1108,8 +1108,10 @@ CASES = [
                                                      str(c.tmp / "no_data"), "--embeddings", c.artifact(VOCAB),
                                                      "--output", str(c.tmp / "r.json")],
      "no_data does not exist: run `mmadapt preprocess"),
+    # (held-out data it could score: the data's checks come before the primary's weights are read)
     ("evaluate-plugin-graft-into-the-base-itself", lambda c: ["evaluate", "--primary", str(c.primary), "--plugin_data",
-                                                              c.dir("d"), "--embeddings", c.artifact(VOCAB), "--graft",
+                                                              c.short_held_out(), "--embeddings", c.artifact(VOCAB),
+                                                              "--graft",
                                                               "--output", str(c.tmp / "r.json")], "drop --graft"),
     ("report-output-exists", lambda c: ["report", c.records([RECORD]), "--output", c.file("report.md", "mine")],
      "report.md already exists: choose a new --output (nothing is overwritten)"),
