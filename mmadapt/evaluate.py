@@ -285,12 +285,12 @@ def recorded_config(ft: Finetuned | dict, **changes) -> FinetuneConfig:
 @dataclass
 class Scoring:
     """What every record of one `evaluate_artifacts` call shares: the fine-tuned runs (seeds) and
-    their configs, each language's evaluation examples (read once) and each evaluation set
-    (encoded and put on the device once per tokenizer, language and encoding settings)."""
+    their configs, each language's evaluation examples (read and checked before any weights) and
+    each evaluation set (encoded and put on the device once per tokenizer, language and encoding
+    settings)."""
     runs: list[Finetuned]
     cfgs: list[FinetuneConfig]
-    eval_spec: str
-    examples: dict = dataclasses.field(default_factory=dict)
+    examples: dict[str, list]
     sets: dict = dataclasses.field(default_factory=dict)
     scored: dict = dataclasses.field(default_factory=dict)  # `fields` by swap_key and language
 
@@ -308,16 +308,9 @@ class Scoring:
             self.scored[key] = self._fields(lang, tokenizer, artifact, meta)
         return copy.deepcopy(self.scored[key])
 
-    def read(self, lang: str) -> list:
-        """`lang`'s evaluation examples, read (and checked: the file, its rows, its labels) once."""
-        if lang not in self.examples:
-            task, labels, cfg0 = self.runs[0].task, self.runs[0].labels, self.cfgs[0]
-            self.examples[lang] = read_examples(task, self.eval_spec, lang, "test", cfg0, labels)
-        return self.examples[lang]
-
     def _fields(self, lang: str, tokenizer: Path, artifact: dict | None, meta: dict | None) -> dict:
         task, labels, cfg0 = self.runs[0].task, self.runs[0].labels, self.cfgs[0]
-        examples = self.read(lang)
+        examples = self.examples[lang]
         # Every artifact of an adapt run carries a copy of one tokenizer: known by its content.
         known, seeds, first = file_sha256(tokenizer), [], None
         for ft, cfg in zip(self.runs, self.cfgs):
@@ -400,7 +393,7 @@ def evaluate_artifacts(finetuned: list[Path], artifacts: list[Path], eval_spec: 
         graft_check(paths, primary)
     runs = [load_finetuned(r, run) for r, run in zip(finetuned, recorded)]
     warned = {"finetune_warnings": warnings} if warnings else {}
-    scoring, records = Scoring(runs, cfgs, eval_spec, examples), []
+    scoring, records = Scoring(runs, cfgs, examples), []
     # The sibling a graft goes into: the runs' primary model; an imported classifier's is its own
     # encoder, inside the classifier's run (hf_classifier.BODY), which names it instead.
     sibling = Path(primary.run_dir)

@@ -138,8 +138,7 @@ def test_no_adaptation_is_the_runs_own_model_on_the_target_text(kind, tokenizer)
     task, labels, examples = CASES[kind]()
     ft = synthetic(task, labels, 1, tokenizer)
     ft.run["primary"] = {"run_dir": "runs/primary"}
-    scoring = F.Scoring([ft], [CFG], "unused")
-    scoring.examples["de"] = examples  # as read from the evaluation file
+    scoring = F.Scoring([ft], [CFG], {"de": examples})  # as read from the evaluation file
     record = F.no_adaptation_record(scoring, "de", ["bl_base", "minipost"])
     assert record["scores"] == evaluate_scores(ft, examples, CFG)
     assert record["score"] == record["scores"][T.headline(ft.task, labels, CFG)] and record["seed_scores"] == \
