@@ -106,6 +106,8 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
     per_byte = ByteScorer(scorer, seq_length, bpb_bytes, bpb_batch_tokens)
     held = {}  # per language: the held-out set
     starts: dict[Path, tuple[float, float]] = {}
+    for lang in prepared:  # its raw held-out text (kept): a changed corpus is refused now
+        per_byte.text(data_paths[lang])
     for path, meta in zip(paths, metas):  # every refusal before any scoring (and before the progress bar)
         if graft and artifact_primary_ref(meta).same(ref):
             raise not_a_graft(path, primary_run)
@@ -119,7 +121,6 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                                                      "") + ("" if graft else ": if it is a model fine-tuned from that "
                                                             "one, score the graft with --graft"))
             check_once(siblings, base, Path(primary_run), meta)
-        per_byte.text(data_paths[meta["lang"]])  # its raw held-out text (kept): a changed corpus is refused now
         if meta.get("vocab_mode") == "expand":  # the source text its bits per byte read, likewise
             source = source_text_data(path.parent.parent, primary)
             if source is not None and read_manifest(source).get("valid"):
