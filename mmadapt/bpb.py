@@ -239,7 +239,8 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
     # two characters it reads as pieces of their own, between which a character it drops leaves them
     # as they were (a BPE whose byte fallback has no byte pieces drops what it cannot encode, and a
     # character alone it encodes as the word start '▁' its pre-tokenizer put before it)
-    probe = "ab" if UNK_ID not in sp.encode("ab") else None
+    plain = list(sp.encode("ab"))
+    probe = None if UNK_ID in plain else "ab"
     for line in text.lines:
         ids, spans = piece_offsets(sp, line)
         words = word_index(line, spans)
@@ -256,7 +257,7 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
             if ch not in dropped:
                 dropped[ch] = (not ch.isspace() and not (strips and unicodedata.category(ch) == "Mn")
                                and (not sp.encode(ch) or probe is not None
-                                    and list(sp.encode(probe[0] + ch + probe[1])) == list(sp.encode(probe))))
+                                    and list(sp.encode(probe[0] + ch + probe[1])) == plain))
             unk_bytes += len(ch.encode("utf-8")) if dropped[ch] and k not in in_unk else 0
         # a run of whitespace a tokenizer reads as one boundary (SentencePiece's remove_extra_whitespaces,
         # a WordPiece's split at whitespace): its characters after the first stand for nothing
