@@ -216,6 +216,15 @@ def atomic_write(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
+def remove_dead_writes(path: Path) -> None:
+    """The temporaries that atomic_write(`path`) left in processes of this host that are gone
+    (killed before the rename): removed; a live writer's stay."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.tmp*"):
+        m = re.fullmatch(rf"\.{re.escape(path.name)}\.tmp(\d+)", tmp.name)
+        if m and not pid_alive(int(m.group(1))):
+            tmp.unlink(missing_ok=True)
+
+
 def publish_new(path: Path, data: str | bytes, flag: str = "--output") -> None:
     """`path`, which must not exist, created holding `data` whole: refused in one line where it
     exists by now (another job with the same output finished first: os.replace, atomic_write's

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -46,7 +45,6 @@ from mmadapt.config import (MIN_VOCAB_SIZE, MiniModelConfig, PreprocessConfig, T
 from mmadapt.corpora import check_bible_lang, resolve_corpus
 from mmadapt.data import (MANIFEST, UNKNOWN_REFUSE, DataError, NothingHeldOut, check_corpus, corpus_fingerprint,
                           read_manifest, sample_unknown_share)
-from mmadapt.faults import pid_alive
 from mmadapt.graft import check_siblings
 from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
@@ -210,10 +208,7 @@ def claim(ext: Extend) -> bool:
                              "arguments, or choose a new --output_dir")
         return False
     if out.is_dir():  # a claim killed while it wrote its record left atomic_write's temporary alone
-        for stale in out.glob(f".{RECORD}.tmp*"):
-            m = re.fullmatch(rf"\.{re.escape(RECORD)}\.tmp(\d+)", stale.name)
-            if m and not pid_alive(int(m.group(1))):
-                stale.unlink(missing_ok=True)
+        checkpoint.remove_dead_writes(record)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} already exists and is not an extend directory (no {RECORD}): choose a new "
                          "--output_dir (nothing is overwritten)")
