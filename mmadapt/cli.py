@@ -778,7 +778,9 @@ def extend_main(argv=None) -> int:
                    help="held-out target bytes the result is scored on in bits per byte, against the source model "
                    "with no adaptation (default: %(default)s; not part of the extension: a later call may change it)")
     args = p.parse_args(argv)
-    extend(Extend(**{k: getattr(args, k) for k in d}))
+    ext = Extend(**{k: getattr(args, k) for k in d if hasattr(args, k)})
+    # under MMADAPT_TINY=1 the sizes no flag gives too (TINY_CAPS: the target vocabulary's sample)
+    extend(override(ext, args) if getattr(args, "_tiny_sizes", False) else ext)
     return 0
 
 

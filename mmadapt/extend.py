@@ -85,6 +85,10 @@ class Extend:
     # --vocab_mode expand: how the new pieces start on the output side (adapt --expand_output_start)
     expand_output_start: str = TrainConfig.expand_output_start
     vocab_size: int = _f(16_000, "the target vocabulary's pieces", flag=False, ge=MIN_VOCAB_SIZE)
+    # lines sampled to train the target vocabulary (preprocess --tokenizer_sample_lines): no flag of
+    # extend's; MMADAPT_TINY=1 caps it as it caps preprocess's (the command line's `override`)
+    tokenizer_sample_lines: int = _f(PreprocessConfig.tokenizer_sample_lines, "lines sampled to train the target "
+                                     "vocabulary", flag=False, ge=1)
     system: str = "minipost"
     source_corpus: str = "bible:en"
     seq_length: int = 64
@@ -419,7 +423,7 @@ def _prepared(ext: Extend, imported: Path, say) -> Path:
                             "trained on the text as it was; choose a new --output_dir to extend on the new text")
     else:
         say(f"prepare the {ext.lang} corpus ({ext.vocab_mode} vocabulary)")
-        prep = PreprocessConfig(workers=1, valid_fraction=HELD_OUT)
+        prep = PreprocessConfig(workers=1, valid_fraction=HELD_OUT, tokenizer_sample_lines=ext.tokenizer_sample_lines)
         try:
             steps.preprocess(ext.corpus, output_dir=data, vocab_size=ext.vocab_size, cfg=prep,
                              expand_from=imported if ext.vocab_mode == "expand" else None)

@@ -588,6 +588,30 @@ def test_mmadapt_tiny_shrinks_sizes_and_nothing_else(monkeypatch):
     assert printed[0] == printed[1] and '"v100_days": 8.1' in printed[0]  # roberta-base's, not tiny's
 
 
+def test_mmadapt_tiny_caps_the_sample_extend_trains_its_vocabulary_on(monkeypatch, tmp_path):
+    """extend prepares its target corpus with a PreprocessConfig of its own: under MMADAPT_TINY=1
+    its tokenizer sampled 2,000,000 lines where preprocess samples TINY_CAPS' 50,000; the
+    preparation now takes the Extend's sample size, capped as preprocess's is."""
+    from mmadapt import cli, extend, steps
+    from mmadapt.config import TINY_CAPS, PreprocessConfig
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    seen = []
+    monkeypatch.setattr(extend, "extend", seen.append)
+    argv = ["extend", "--model", str(model), "--lang", "de", "--corpus", "bible:de", "--output_dir", str(tmp_path / "o")]
+    for tiny, lines in (("0", PreprocessConfig.tokenizer_sample_lines), ("1", TINY_CAPS["tokenizer_sample_lines"])):
+        monkeypatch.setenv("MMADAPT_TINY", tiny)
+        assert cli.main(argv) == 0 and seen[-1].tokenizer_sample_lines == lines
+    assert (seen[-1].adapt_iters, seen[-1].corpus) == (8, "bible:de")  # the flags' caps, as before
+    prepared = []
+    monkeypatch.setattr(steps, "preprocess", lambda *a, cfg, **kw: prepared.append(cfg))
+    extend._prepared(seen[-1], model, say=lambda line: None)
+    assert prepared[0].tokenizer_sample_lines == TINY_CAPS["tokenizer_sample_lines"]
+    assert not (tmp_path / "o").exists()
+
+
 def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(tmp_path):
     """extend.json holds an extension's arguments; one written before a field existed (e.g.
     plugin_eval_blocks) ran at that field's default: the same call continues it, another value of
