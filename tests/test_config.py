@@ -600,7 +600,8 @@ def test_mmadapt_tiny_caps_the_sample_extend_trains_its_vocabulary_on(monkeypatc
     (model / "config.json").write_text("{}")
     seen = []
     monkeypatch.setattr(extend, "extend", seen.append)
-    argv = ["extend", "--model", str(model), "--lang", "de", "--corpus", "bible:de", "--output_dir", str(tmp_path / "o")]
+    argv = ["extend", "--model", str(model), "--lang", "de", "--corpus", "bible:de",
+            "--output_dir", str(tmp_path / "o")]
     for tiny, lines in (("0", PreprocessConfig.tokenizer_sample_lines), ("1", TINY_CAPS["tokenizer_sample_lines"])):
         monkeypatch.setenv("MMADAPT_TINY", tiny)
         assert cli.main(argv) == 0 and seen[-1].tokenizer_sample_lines == lines
