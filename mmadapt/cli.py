@@ -122,7 +122,7 @@ def _run_spec(args, text_needed: bool = False) -> RunSpec:
     return RunSpec(output_dir=Path(args.output_dir), ds_config=Path(args.ds_config),
                    data_path=_path(getattr(args, "data_path", None)), corpus=getattr(args, "corpus", None),
                    tokenizer=_path(getattr(args, "tokenizer", None)), resume=getattr(args, "resume", False),
-                   layout=Layout.of(args))
+                   layout=Layout.of(args), prep=override(PreprocessConfig(), args))
 
 
 def _done(output_dir, what: str) -> None:

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from sentencepiece import sentencepiece_model_pb2 as sp_model
 
-from mmadapt.config import EXPAND_OUTPUT_STARTS, ModelConfig, PreprocessConfig, TrainConfig
+from mmadapt.config import EXPAND_OUTPUT_STARTS, ModelConfig, TrainConfig
 from mmadapt.corpora import resolve_corpus
 from mmadapt.data import (TEXT, TOKENIZER, VALID, check_prepared, file_sha256, read_manifest, read_tokenizer,
                           replay_blocks, train_tokenizer)
@@ -215,7 +215,8 @@ def merged_vocabulary(run: RunSpec, source: Source, vocab_size: int | None, seed
         with tempfile.TemporaryDirectory() as tmp:
             target = train_tokenizer(resolve_corpus(run.corpus), Path(tmp) / "target",
                                      vocab_size or source.cfg.vocab_size, seed=seed,
-                                     max_sentences=PreprocessConfig().tokenizer_sample_lines)
+                                     max_sentences=run.prep.tokenizer_sample_lines,
+                                     threads=run.prep.tokenizer_threads)
             return expand(source.tokenizer, target)
     expansion = rank0_prepares(merged, f"the merged vocabulary of {run.corpus}")
     return expansion.size, expansion.source_size, expansion

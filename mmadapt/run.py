@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, fusion, parallel
 from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, SAME_ON_RESUME, FinetuneConfig, Layout, LoopConfig,
-                            MiniModelConfig, ModelConfig, TrainConfig, check_declared, output_inside_an_input,
+                            MiniModelConfig, ModelConfig, PreprocessConfig, TrainConfig, check_declared, output_inside_an_input,
                             to_dict)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.engine import for_replicas, load_ds_config, zero_stage
@@ -60,7 +60,9 @@ class RunSpec:
     a dataset prepared by `mmadapt preprocess`; else corpus: raw text (or bible:<lang>), prepared
     into <output_dir>/data by the run, with tokenizer (an existing SentencePiece model; None: one
     trained on the corpus). resume: continue from the newest complete checkpoint. layout: how a
-    later step lays out its source's model; Step 1 applies it over its ModelConfig."""
+    later step lays out its source's model; Step 1 applies it over its ModelConfig. prep: how a
+    raw corpus's tokenizer is trained (its sample of lines, its threads; the seed is the step's),
+    as preprocess trains one (MMADAPT_TINY=1 caps its sample as it caps preprocess's)."""
     output_dir: Path
     ds_config: Path = DEFAULT_DS_CONFIG
     data_path: Path | None = None
@@ -68,6 +70,7 @@ class RunSpec:
     tokenizer: Path | None = None
     resume: bool = False
     layout: Layout = Layout()
+    prep: PreprocessConfig = dataclasses.field(default_factory=PreprocessConfig)
 
     def __post_init__(self):
         check_declared(self)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, parallel
-from mmadapt.config import LoopConfig, ModelConfig, PreprocessConfig, TrainConfig, to_dict
+from mmadapt.config import LoopConfig, ModelConfig, TrainConfig, to_dict
 from mmadapt.data import (MANIFEST, RAW_CORPUS_LIMIT_BYTES, TEXT, TOKENIZER, VALID, DataError, EpochOrder,
                           LayoutBatches, ReplayBatches, block_index, check_corpus, check_prepared,
                           corpus_fingerprint, file_sha256, layout_stream, layout_stream_path, line_join,
@@ -144,7 +144,8 @@ class TextData:
         if run.data_path is None:
             what = f"the corpus in {data_path}"
             parallel.rank0_prepares(lambda: prepare(run.corpus, data_path, model.vocab_size, tokenizer=run.tokenizer,
-                                                    cfg=PreprocessConfig(tokenizer_seed=train.seed)), what)
+                                                    cfg=dataclasses.replace(run.prep, tokenizer_seed=train.seed)),
+                                    what)
             wait_for(data_path / MANIFEST, what)
         indexed = family.objective.batches.indexed
         manifest = read_manifest(data_path)

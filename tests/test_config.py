@@ -613,6 +613,42 @@ def test_mmadapt_tiny_caps_the_sample_extend_trains_its_vocabulary_on(monkeypatc
     assert not (tmp_path / "o").exists()
 
 
+def test_mmadapt_tiny_caps_the_sample_a_step_trains_a_raw_corpuss_vocabulary_on(monkeypatch, tmp_path):
+    """A step given a raw --corpus trains its vocabulary (Step 1 as preprocess would; Step 2's
+    --vocab_mode expand the target's, merged) with a default PreprocessConfig: 2,000,000 lines
+    under MMADAPT_TINY=1 too, and the CPU count's threads whatever was asked. They take
+    RunSpec.prep, which the command line builds as preprocess builds its config."""
+    import types
+
+    from mmadapt import cli, expand, train
+    from mmadapt.config import TINY_CAPS, ModelConfig, PreprocessConfig
+    from mmadapt.run import RunSpec
+
+    argv = ["--recipe", "bl_base", "--corpus", "bible:en", "--output_dir", str(tmp_path / "o")]
+    for tiny, lines in (("0", PreprocessConfig.tokenizer_sample_lines), ("1", TINY_CAPS["tokenizer_sample_lines"])):
+        monkeypatch.setenv("MMADAPT_TINY", tiny)
+        run = cli._run_spec(cli.pretrain_parser().parse_args(argv))
+        assert run.prep.tokenizer_sample_lines == lines
+    seen = []
+
+    def stop(*args, **kwargs):
+        seen.append(kwargs)
+        raise InterruptedError
+
+    run = RunSpec(output_dir=tmp_path / "o", corpus="bible:de",
+                  prep=PreprocessConfig(tokenizer_sample_lines=300, tokenizer_threads=1))
+    monkeypatch.setattr(train, "prepare", stop)
+    with pytest.raises(InterruptedError):
+        train.TextData().prepare(run, ModelConfig(), TrainConfig(seed=7), None)
+    monkeypatch.setattr(expand, "train_tokenizer", stop)
+    source = types.SimpleNamespace(tokenizer=tmp_path / "spm.model", cfg=ModelConfig())
+    with pytest.raises(InterruptedError):
+        expand.merged_vocabulary(run, source, vocab_size=None, seed=7, manifest=None)
+    cfg = seen[0]["cfg"]
+    assert (cfg.tokenizer_sample_lines, cfg.tokenizer_seed, cfg.tokenizer_threads) == (300, 7, 1)  # the step's seed
+    assert (seen[1]["max_sentences"], seen[1]["seed"], seen[1]["threads"]) == (300, 7, 1)
+
+
 def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(tmp_path):
     """extend.json holds an extension's arguments; one written before a field existed (e.g.
     plugin_eval_blocks) ran at that field's default: the same call continues it, another value of
