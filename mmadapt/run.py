@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from mmadapt import checkpoint, fusion, parallel
 from mmadapt.config import (CHANGEABLE_ON_RESUME, DEFAULT_DS_CONFIG, SAME_ON_RESUME, FinetuneConfig, Layout, LoopConfig,
-                            MiniModelConfig, ModelConfig, PreprocessConfig, TrainConfig, check_declared, output_inside_an_input,
-                            to_dict)
+                            MiniModelConfig, ModelConfig, PreprocessConfig, TrainConfig, check_declared,
+                            output_inside_an_input, to_dict)
 from mmadapt.corpora import resolve_corpus
 from mmadapt.engine import for_replicas, load_ds_config, zero_stage
 from mmadapt.family import ModelFamily
