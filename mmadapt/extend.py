@@ -114,6 +114,9 @@ class Extend:
         check_declared(self)  # the declared ranges (the command line's): plugin_eval_blocks 0 failed at the summary
         if self.system not in SYSTEMS:
             raise ValueError(f"--system {self.system}: extend adapts an imported model over {' or '.join(SYSTEMS)}")
+        if self.system != "minipost" and _given(self, "minipost_iters"):  # known before the import, unlike fit-head's
+            raise ValueError(f"--minipost_iters {self.minipost_iters} is for Step 1b, which --system {self.system} "
+                             "does not run: drop it")
         check_lang(self.lang)
         check_bible_lang(self.corpus, self.lang)
         if self.bpb_bytes < MIN_BPB_BYTES:
@@ -381,19 +384,23 @@ def _imported_from(run: Path) -> str | None:
     return (st or {}).get("model") or imported.get("model")
 
 
+def _given(ext: Extend, name: str) -> bool:
+    """Whether field `name` was given: it is not its default (under MMADAPT_TINY=1 the command
+    line's default is capped, 8 updates: not given either)."""
+    default = Extend.__dataclass_fields__[name].default
+    return getattr(ext, name) not in (default, tiny_default(name, default))
+
+
 def _check_stages_take(ext: Extend, imported: Path) -> None:
-    """A flag of a stage this extension does not run (Step 1b under --system bl_base, fit-head over
-    a model with its own head) is refused: it trained nothing, yet, recorded, it made the same
-    extension without it another one (claim)."""
-    default = {f.name: f.default for f in dataclasses.fields(Extend)}
+    """A flag of a stage this extension does not run (fit-head over a model with its own head;
+    Step 1b's under --system bl_base: Extend refuses it) is refused: it trained nothing, yet,
+    recorded, it made the same extension without it another one (claim)."""
     headless, minipost = read_source(imported).headless, ext.system == "minipost"
-    why = {"minipost_iters": None if minipost else f"Step 1b, which --system {ext.system} does not run",
-           "head_iters": None if headless else f"fit-head, which {ext.model} needs not (it has its own MLM head)",
+    why = {"head_iters": None if headless else f"fit-head, which {ext.model} needs not (it has its own MLM head)",
            "source_corpus": None if minipost or headless else
            f"fit-head and Step 1b, neither of which runs here (--system {ext.system}; {ext.model} has its MLM head)"}
     for name, reason in why.items():
-        # (under MMADAPT_TINY=1 the command line's default is capped: 8 updates, not given either)
-        if reason is not None and getattr(ext, name) not in (default[name], tiny_default(name, default[name])):
+        if reason is not None and _given(ext, name):
             raise ValueError(f"--{name} {getattr(ext, name)} is for {reason}: drop it")
 
 

@@ -675,6 +675,25 @@ def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(t
     assert not (tmp_path / "none").exists()
 
 
+def test_a_step_1b_flag_under_bl_base_is_refused_before_the_import(tmp_path, monkeypatch):
+    """--minipost_iters with --system bl_base says nothing about the model: it was refused after
+    the output directory was claimed and the whole model imported (minutes for a large one).
+    Extend refuses it as it is made; its default (capped under MMADAPT_TINY=1) is not given."""
+    from mmadapt.extend import Extend
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    given = dict(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "ext", system="bl_base")
+    with pytest.raises(ValueError, match="^--minipost_iters 2 is for Step 1b, which --system bl_base does not run: "
+                                         "drop it$"):
+        Extend(**given, minipost_iters=2)
+    assert Extend(**given).minipost_iters == 500
+    monkeypatch.setenv("MMADAPT_TINY", "1")
+    assert Extend(**given, minipost_iters=8).minipost_iters == 8
+    assert not (tmp_path / "ext").exists()
+
+
 def test_an_extension_killed_while_it_claimed_its_directory_is_claimed_again(tmp_path):
     """`claim` writes extend.json atomically: a kill before the rename left the directory holding
     `.extend.json.tmp<pid>` alone, and the same command was then refused ('not an extend
