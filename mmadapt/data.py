@@ -525,6 +525,11 @@ def read_manifest(data_path: str | os.PathLike) -> dict:
         raise DataError(f"{data_path} is a file, not a dataset prepared by mmadapt preprocess: prepare it first "
                         f"(mmadapt preprocess --corpus {data_path} --output_dir <a new directory>, with the "
                         "tokenizer the run reads) and pass that directory")
+    if data_path.parts[0].startswith("bible:") and len(data_path.parts) == 1 and not data_path.exists():
+        # a corpus spec, bible:<lang>, not a directory to make
+        raise DataError(f"{data_path} is a corpus, not a dataset prepared by mmadapt preprocess: prepare it first "
+                        f"(mmadapt preprocess --corpus {data_path} --output_dir <a new directory> --valid_fraction "
+                        "0.03, with the tokenizer the run reads) and pass that directory")
     if not (data_path / MANIFEST).is_file():
         what = ("does not exist" if not data_path.exists() else "holds no finished dataset (no manifest.json: "
             "its preparation did not finish)")

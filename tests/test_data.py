@@ -567,6 +567,18 @@ def test_manifest_names_what_the_dataset_was_made_from(prepared):
     assert set(manifest) >= {"corpus", "corpus_fingerprint", "tokenizer_sha256", "vocab_size", "mmadapt_version"}
 
 
+def test_a_corpus_spec_given_as_a_prepared_dataset_is_told_how_to_prepare_it(tmp_path, monkeypatch):
+    """bible:<lang> where a prepared dataset is read (evaluate's --plugin_data, a step's data):
+    the fix named was `mmadapt preprocess --output_dir bible:de`, a directory of that name."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(D.DataError, match=r"^bible:de is a corpus, not a dataset prepared by mmadapt preprocess: "
+                       r"prepare it first \(mmadapt preprocess --corpus bible:de --output_dir <a new directory>"):
+        D.read_manifest("bible:de")
+    with pytest.raises(D.DataError, match="^prepared dataset bible:xx/run does not exist"):  # a directory it may name
+        D.read_manifest("bible:xx/run")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_manifest_counts_the_pieces_the_tokenizer_cannot_read(prepared, corpus, tokenizer, tmp_path, capsys):
     """manifest["unknown"] is the <unk> count of every sentence, counted here by hand; a text with
     a few percent of <unk> is prepared with a warning, one mostly <unk> refused (test_bad_input)."""
