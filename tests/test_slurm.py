@@ -294,17 +294,13 @@ def test_template_renders_a_launch_per_node(template, tmp_path):
         assert args.data_path == f"{REPO}/data/prepared/en"
 
 
-def test_adapt_template_without_extra_saves_and_pretrain_named_after_its_recipe(tmp_path):
-    """EXTRA_SAVES= (empty) turns the extra saves off (it gave the default list: `:-`); RECIPE=bl_base
-    writes runs/pretrain-bl_base, where build_minipost.sbatch reads its primary model, not
-    runs/pretrain-minijoint."""
-    from mmadapt import cli
-
+def _one_node_renderer(tmp_path):
+    """-> (script_args(template, **env): the arguments a GPU template gives its launch/ script in
+    a fake one-node job, dry run; its stand-in REPO, under which its default directories lie)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
     (bin_dir / "srun").chmod(0o755)
-
     repo = tmp_path / "repo"  # the templates' default directories are under REPO: a stand-in, not this checkout
     repo.mkdir()
     (repo / "launch").symlink_to(REPO / "launch")
@@ -318,6 +314,49 @@ def test_adapt_template_without_extra_saves_and_pretrain_named_after_its_recipe(
         launch = next(c for c in map(shlex.split, proc.stdout.splitlines())
                       if c[1:3] == ["-m", "deepspeed.launcher.runner"])
         return launch[next(i for i, a in enumerate(launch) if a.startswith("launch/")) + 1:]
+    return script_args, repo
+
+
+def test_the_templates_bible_defaults_prepare_pretrain_adapt_and_fine_tune(tmp_path):
+    """With no corpus directory the templates read bible:<lang>; they asked for a 50,000-piece
+    vocabulary, which no Bible holds (English: 10,710 pieces), so every preprocess and Step-2 array
+    task failed once it had its nodes. bible-genre, a task finetune.sbatch lists, read MNLI's
+    file, which it refuses. Each default now runs; a task with no default file is told to set one."""
+    from mmadapt import cli
+    from mmadapt.corpora import resolve_corpus
+    from mmadapt.data import train_tokenizer
+
+    env = child_env(SLURM_ARRAY_TASK_ID="0", MMADAPT_DRY_RUN="1", REPO=str(REPO), PYTHON=sys.executable,
+                    DATA_ROOT=str(tmp_path / "prepared"))
+    proc = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "preprocess.sbatch")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prep = cli.preprocess_parser().parse_args(shlex.split(proc.stdout.strip().splitlines()[-1])[2:])
+    assert prep.corpus == "bible:en"
+    # the smallest Bible of the templates' languages trains that vocabulary
+    assert train_tokenizer(resolve_corpus(prep.corpus), tmp_path / "en", prep.vocab_size, threads=1).is_file()
+    script_args, _ = _one_node_renderer(tmp_path)
+    adapt = cli.adapt_parser().parse_args(script_args("adapt.sbatch"))
+    assert (adapt.corpus, adapt.vocab_size) == ("bible:de", prep.vocab_size)
+    pretrain = cli.pretrain_parser().parse_args(script_args("pretrain.sbatch", VOCAB_SIZE=str(prep.vocab_size)))
+    assert cli.configs_from_args(pretrain)[0].vocab_size == prep.vocab_size  # the prepared data's
+    assert cli.pretrain_parser().parse_args(script_args("pretrain.sbatch")).vocab_size is None  # the preset's
+    genre = cli.finetune_parser().parse_args(script_args("finetune.sbatch", TASK_NAME="bible-genre"))
+    assert (genre.task, genre.train_file) == ("bible-genre", "bible")
+    env = child_env(**fake_env("gpu01", 1, 0), MMADAPT_DRY_RUN="1", REPO=str(REPO), TASK_NAME="pos")
+    proc = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "finetune.sbatch")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == ("TASK_NAME=pos has no default training file: set "
+                                                            "TRAIN_FILE to its source-language one")
+
+
+def test_adapt_template_without_extra_saves_and_pretrain_named_after_its_recipe(tmp_path):
+    """EXTRA_SAVES= (empty) turns the extra saves off (it gave the default list: `:-`); RECIPE=bl_base
+    writes runs/pretrain-bl_base, where build_minipost.sbatch reads its primary model, not
+    runs/pretrain-minijoint."""
+    from mmadapt import cli
+
+    script_args, repo = _one_node_renderer(tmp_path)
     assert cli.adapt_parser().parse_args(script_args("adapt.sbatch", EXTRA_SAVES="")).extra_save_steps in (None, [])
     assert "--extra_save_steps" not in script_args("adapt.sbatch", EXTRA_SAVES="")
     assert cli.adapt_parser().parse_args(script_args("adapt.sbatch", EXTRA_SAVES="700")).extra_save_steps == [700]
