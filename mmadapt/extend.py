@@ -213,6 +213,8 @@ def claim(ext: Extend) -> bool:
             raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {name} "
                              f"{recorded[name]!r}, not {mine[name]!r}: continue it with the same "
                              "arguments, or choose a new --output_dir")
+        for kept in (SOURCES, EXPORTS, GRAFT, SUMMARY):  # a write a kill cut short left its temporary, never read
+            checkpoint.remove_dead_writes(out / kept)
         return False
     if out.is_dir():  # a claim killed while it wrote its record left atomic_write's temporary alone
         checkpoint.remove_dead_writes(record)

@@ -720,6 +720,13 @@ def test_an_extension_killed_while_it_claimed_its_directory_is_claimed_again(tmp
     with pytest.raises(ValueError, match="is not an extend directory"):
         claim(live)
     assert len(list(live.output_dir.iterdir())) == 1
+    # a continued extension: what a kill left of its later records' writes (never read) goes too,
+    # a live writer's stays
+    for name in ("sources.json", "exports.json", "graft.json", "summary.json"):
+        (ext.output_dir / f".{name}.tmp{gone.pid}").write_text("{")
+    (ext.output_dir / f".graft.json.tmp{os.getppid()}").write_text("{")
+    assert claim(ext) is False
+    assert sorted(p.name for p in ext.output_dir.iterdir()) == [f".graft.json.tmp{os.getppid()}", "extend.json"]
 
 
 def test_an_output_file_under_a_directory_one_cannot_write_is_refused_first(tmp_path, monkeypatch):
