@@ -170,7 +170,7 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
     sample = Path(f"{tmp}.sample")
     try:
         counts = _line_counts(corpus)  # one pass: the sample's size and the long lines' warning
-        text = _sample(corpus, sample, max_sentences, seed, counts.sentences)
+        text = _sample(corpus, sample, max_sentences, seed, counts)
         _train_sentencepiece(corpus, text, tmp, vocab_size, max_sentences, threads or os.cpu_count() or 1, counts)
     except BaseException:  # stopped (Ctrl-C) or refused: no half-trained model is left beside the output
         for ext in (".model", ".vocab"):
@@ -202,46 +202,62 @@ def _name_prefix(model: Path, prefix: Path) -> None:
     model.write_bytes(proto.SerializeToString())
 
 
-def _sentence(line: bytes) -> bytes | None:
-    """A line of a corpus (bytes, its '\n' kept) as SentencePiece loads it: its text without the
-    '\n' where that is a sentence, not empty (a blank line between documents is none; one of
-    spaces, or a CRLF file's lone \r, is one) and at most SP_MAX_SENTENCE_BYTES bytes; else None."""
-    body = line[:-1] if line.endswith(b"\n") else line
+def line_text(raw: bytes, first: bool = False) -> str:
+    """A corpus line's text as every stage reads it (the encoder, bits per byte's held-out lines,
+    the tokenizer's training text): decoded (`first`: the file's first line, whose byte-order mark
+    is no text) and stripped at both ends as str.strip strips (a CRLF file's \r, U+0085, U+2028);
+    "" for a blank line, a document's end. (UnicodeDecodeError: check_corpus refuses it first.)"""
+    return raw.decode("utf-8-sig" if first else "utf-8").strip()
+
+
+def _sentence(line: bytes, first: bool = False) -> bytes | None:
+    """A line of a corpus (bytes, its '\n' kept) as SentencePiece trains on it: its text
+    (line_text) where that is not empty and at most SP_MAX_SENTENCE_BYTES bytes; else None."""
+    body = line_text(line, first).encode()
     return body if 0 < len(body) <= SP_MAX_SENTENCE_BYTES else None
 
 
 class LineCounts(NamedTuple):
     lines: int
-    sentences: int  # the lines SentencePiece loads (_sentence)
+    sentences: int  # the lines SentencePiece trains on (_sentence)
     long_lines: int  # those it skips for their length
     long_bytes: int  # their bytes
+    unclean: int  # lines whose bytes are not their text (line_text): a CRLF file's, one ending in U+0085
 
 
 def _line_counts(corpus: Path) -> LineCounts:
     """`corpus`'s LineCounts: one pass."""
-    lines = sentences = long_lines = long_bytes = 0
+    lines = sentences = long_lines = long_bytes = unclean = 0
     with open(corpus, "rb") as f:
         for line in f:
+            text = line_text(line, first=not lines).encode()
             lines += 1
-            sentences += _sentence(line) is not None
-            if len(line.rstrip(b"\r\n")) > SP_MAX_SENTENCE_BYTES:
+            sentences += 0 < len(text) <= SP_MAX_SENTENCE_BYTES
+            if len(text) > SP_MAX_SENTENCE_BYTES:
                 long_lines, long_bytes = long_lines + 1, long_bytes + len(line)
-    return LineCounts(lines, sentences, long_lines, long_bytes)
+            unclean += text != (line[:-1] if line.endswith(b"\n") else line)
+    return LineCounts(lines, sentences, long_lines, long_bytes, unclean)
 
 
-def _sample(corpus: Path, out: Path, most: int, seed: int, count: int | None = None) -> Path:
-    """What SentencePiece trains on: `corpus` itself where it holds at most `most` sentences
-    (`count` of them, or counted here: _sentence; it then samples nothing), else `out`, a seeded
-    sample of `most` of them in corpus order. SentencePiece's own reservoir sample ignores its
+def _sample(corpus: Path, out: Path, most: int, seed: int, counts: LineCounts | None = None) -> Path:
+    """What SentencePiece trains on: `corpus` itself where it holds at most `most` sentences and
+    every line is its text (`counts`: its _line_counts, or counted here), else `out`: a seeded
+    sample of `most` of its sentences in corpus order, or, where they all fit, every line as its
+    text (line_text), so that the vocabulary learns no character the encoder strips and a CRLF
+    file trains the tokenizer its LF twin does. SentencePiece's own reservoir sample ignores its
     seed: the same corpus gave another tokenizer at every preparation (one that every run on the
     first refused as another tokenizer)."""
-    count = _line_counts(corpus).sentences if count is None else count
-    if count <= most:
+    counts = _line_counts(corpus) if counts is None else counts
+    if counts.sentences <= most and not counts.unclean:
         return corpus
-    keep = np.sort(np.random.default_rng(seed).choice(count, most, replace=False, shuffle=False))
     with open(corpus, "rb") as f, open(out, "wb") as w:
+        if counts.sentences <= most:  # every line (a blank one too: the text SentencePiece reads is the clean twin's)
+            for n, line in enumerate(f):
+                w.write(line_text(line, first=not n).encode() + b"\n")
+            return out
+        keep = np.sort(np.random.default_rng(seed).choice(counts.sentences, most, replace=False, shuffle=False))
         at = 0  # the next kept sentence's index in `keep`
-        for n, body in enumerate(filter(None, map(_sentence, f))):
+        for n, body in enumerate(filter(None, (_sentence(line, first=not i) for i, line in enumerate(f)))):
             if at < most and keep[at] == n:
                 w.write(body + b"\n")
                 at += 1
@@ -285,7 +301,7 @@ def _train_sentencepiece(corpus: Path, text: Path, prefix: Path, vocab_size: int
                             f"pass --vocab_size {fewest.group(1)} or more") from None
         raise DataError(f"SentencePiece could not train a {vocab_size}-piece vocabulary on {corpus}: "
                         f"{str(e).splitlines()[0]}") from None
-    lines, _, long_lines, long_bytes = counts
+    lines, _, long_lines, long_bytes, _ = counts
     if long_lines:  # trained on the rest, unsaid: a script found only in long lines became <unk>
         print(f"warning: {long_lines:,} of the {lines:,} lines of {corpus} ({long_bytes / corpus.stat().st_size:.0%} "
               f"of its bytes) are longer than {SP_MAX_SENTENCE_BYTES} bytes, which SentencePiece skips: the "
@@ -443,7 +459,7 @@ def _encode_range(job: tuple) -> tuple[list[int], list[int]]:
             try:
                 # a byte-order mark is no text (bpb.heldout_lines reads it so): a byte-fallback tokenizer
                 # encoded it as 3 pieces, and it entered the first document's held-out draw
-                text = raw.decode("utf-8-sig" if pos == 0 else "utf-8").strip()
+                text = line_text(raw, first=pos == 0)
             except UnicodeDecodeError as e:
                 raise DataError(f"corpus {corpus} is not UTF-8: byte {pos + e.start} (in the line starting at "
                                 f"byte {pos}) is invalid; convert it to UTF-8 first (e.g. with iconv)") from None
@@ -791,7 +807,8 @@ def _same_sample(manifest: dict, lines: int, corpus: Path) -> bool:
     if old is None or old == lines:
         return True
     with open(corpus, "rb") as f:  # counted no further than needed: is there a sentence past the smaller size?
-        return next(itertools.islice(filter(None, map(_sentence, f)), min(old, lines), None), None) is None
+        sentences = filter(None, (_sentence(line, first=not i) for i, line in enumerate(f)))
+        return next(itertools.islice(sentences, min(old, lines), None), None) is None
 
 
 def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, vocab_size: int | None,

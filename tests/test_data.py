@@ -999,6 +999,30 @@ def test_a_tokenizer_trained_on_a_sample_is_the_same_at_every_preparation(corpus
     assert D._sample(text, tmp_path / "s2", 4, 1).read_text().splitlines() == picked
 
 
+def test_a_corpus_trains_the_tokenizer_of_its_clean_twin(corpus, tmp_path):
+    """SentencePiece trained on the raw lines where the encoder reads each line's text
+    (line_text): a CRLF file's blank lines (a lone \r) counted as sentences and moved the seeded
+    sample, so its tokenizer and dataset were not its LF twin's; a U+0085 the encoder strips at a
+    line's end became a piece no text was ever encoded with. Both now train the twin's tokenizer,
+    sampled or not."""
+    from mmadapt.tokenizer import pieces
+
+    lf = corpus.read_bytes()
+    assert lf.count(b"\n\n") > 10 and b"\r" not in lf and "\x85".encode() not in lf
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(lf.replace(b"\n", b"\r\n"))
+    nel = tmp_path / "nel.txt"  # U+0085 ends every third line, and stands alone where a document ends
+    nel.write_text("".join(line + ("\x85" if i % 3 == 0 and line else "") + "\n" if line else "\x85\n"
+                           for i, line in enumerate(lf.decode().split("\n")[:-1])), encoding="utf-8")
+    for most in (400, 10**6):  # a sample; every line
+        tokenizers = [D.train_tokenizer(text, tmp_path / f"{text.stem}{most}" / "tok", 300, max_sentences=most,
+                                        threads=1).read_bytes() for text in (corpus, crlf, nel)]
+        assert tokenizers[1] == tokenizers[0] and tokenizers[2] == tokenizers[0], most
+    assert "\x85" not in "".join(pieces(tmp_path / "nel400" / "tok.model"))
+    # a clean corpus is read in place, as before; its counts say so
+    assert D._line_counts(corpus).unclean == 0 and D._line_counts(crlf).unclean == D._line_counts(crlf).lines
+
+
 def test_a_preparation_into_a_directory_another_live_one_prepares_is_refused(corpus, tmp_path):
     """Two preparations into one --output_dir: the second's clean-up of what a stopped one left
     removed the first's shards while it encoded (it failed with a raw OSError). A live
