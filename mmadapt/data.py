@@ -110,6 +110,9 @@ def check_corpus(path: str | os.PathLike) -> Path:
     path = Path(path)
     if path.is_dir():
         raise DataError(f"corpus {path} is a directory: pass --corpus a UTF-8 text file (one sentence per line)")
+    if path.exists() and not path.is_file():  # every stage reads it more than once, seeking: a pipe cannot serve
+        raise DataError(f"corpus {path} is not a regular file (a pipe or a device): write the text to a file first "
+                        "and pass that (a UTF-8 text file, one sentence per line)")
     if not path.is_file():
         raise DataError(f"corpus {path} does not exist: pass --corpus a UTF-8 text file (one sentence per line)")
     decoder, offset, text, breaks = codecs.getincrementaldecoder("utf-8")(), 0, False, set()

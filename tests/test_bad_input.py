@@ -410,6 +410,9 @@ CASES = [
     ("corpus-is-a-directory", lambda c: c.pretrain(corpus=c.dir("texts")),
      "is a directory: pass --corpus a UTF-8 text file"),
     ("corpus-missing", lambda c: c.pretrain(corpus=str(c.tmp / "none.txt")), "none.txt does not exist"),
+    # a pipe (mkfifo, <(zcat c.gz)) or a device exists: it was said not to
+    ("corpus-not-a-regular-file", lambda c: c.pretrain(corpus="/dev/null"),
+     "corpus /dev/null is not a regular file (a pipe or a device): write the text to a file first"),
     ("corpus-empty", lambda c: c.pretrain(corpus=c.file("empty.txt", "\n \n")),
      "is empty: it needs at least one non-blank line of text"),
     ("corpus-old-mac-line-ends", lambda c: c.pretrain(corpus=c.file("cr.txt", "In the beginning.\rAnd God said.\r" * 50)),
