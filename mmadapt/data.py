@@ -715,18 +715,30 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     if (out_dir / MANIFEST).is_file():
         old = read_manifest(out_dir)
         seeded = tokenizer is None or valid_fraction > 0  # the seed trains the tokenizer, or draws the split
-        same = (old["corpus"] == str(corpus.resolve()) and old["corpus_fingerprint"] == fingerprint
-                and old["vocab_size"] == vocab_size and old.get("valid_fraction", 0.0) == valid_fraction
-                and (tokenizer is None or old["tokenizer_sha256"] == file_sha256(tokenizer))
-                and (not seeded or old.get("valid_seed", PreprocessConfig.tokenizer_seed) == seed)
-                and (tokenizer is not None or _same_sample(old, cfg.tokenizer_sample_lines, corpus))
-                # threads asked for: a tokenizer trained with others (the default, another machine's
-                # CPU count, is not compared: the dataset as it stands serves it)
-                and (tokenizer is not None or cfg.tokenizer_threads in (None, old.get("tokenizer_threads"))))
-        if not same:
-            raise DataError(f"{out_dir} already holds a dataset prepared from {old['corpus']} with another corpus "
-                            "content, tokenizer, vocabulary, split, seed, --tokenizer_sample_lines or "
-                            "--tokenizer_threads: choose a new --output_dir (nothing was overwritten)")
+        old_seed = old.get("valid_seed", PreprocessConfig.tokenizer_seed)
+        old_fraction = old.get("valid_fraction", 0.0)
+        # what differs, in this order, named (each test is made only if those before it pass)
+        differs = (
+            (lambda: old["corpus"] != str(corpus.resolve()), lambda: f"from {old['corpus']}, not {corpus.resolve()}"),
+            (lambda: old["corpus_fingerprint"] != fingerprint,
+             lambda: f"from {corpus} as it was: its content changed since"),
+            (lambda: old["vocab_size"] != vocab_size, lambda: f"at {old['vocab_size']} pieces, not {vocab_size}"),
+            (lambda: tokenizer is not None and old["tokenizer_sha256"] != file_sha256(tokenizer),
+             lambda: f"with another tokenizer than {tokenizer}"),
+            (lambda: old_fraction != valid_fraction,
+             lambda: f"with --valid_fraction {old_fraction}, not {valid_fraction}"),
+            (lambda: seeded and old_seed != seed, lambda: f"with --tokenizer_seed {old_seed}, not {seed}"),
+            (lambda: tokenizer is None and not _same_sample(old, cfg.tokenizer_sample_lines, corpus),
+             lambda: f"with --tokenizer_sample_lines {old['tokenizer_sample_lines']}, "
+                     f"not {cfg.tokenizer_sample_lines}"),
+            # threads asked for: a tokenizer trained with others (the default, another machine's
+            # CPU count, is not compared: the dataset as it stands serves it)
+            (lambda: tokenizer is None and cfg.tokenizer_threads not in (None, old.get("tokenizer_threads")),
+             lambda: f"with --tokenizer_threads {old.get('tokenizer_threads')}, not {cfg.tokenizer_threads}"))
+        why = next((say_it() for test, say_it in differs if test()), None)
+        if why is not None:
+            raise DataError(f"{out_dir} already holds a dataset prepared {why}: choose a new --output_dir (nothing "
+                            "was overwritten)")
         say(f"{out_dir} already holds {corpus} prepared with this tokenizer: nothing to do")
         return old
     created = not out_dir.exists()

@@ -5,6 +5,7 @@ import dataclasses
 import filecmp
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -300,9 +301,20 @@ def test_preparing_again_is_a_no_op_and_training_encodes_nothing(prepared, corpu
     assert "nothing to do" in capsys.readouterr().out
     # Another seed draws another split: refused, not taken for the same preparation (it was a no-op
     # that kept the old split)
-    with pytest.raises(D.DataError, match="split, seed, --tokenizer_sample_lines or --tokenizer_threads: choose a new --output_dir"):
+    with pytest.raises(D.DataError, match="prepared with --tokenizer_seed 1234, not 2: choose a new --output_dir"):
         prepare(corpus, d, VOCAB, tokenizer=tokenizer, cfg=PreprocessConfig(workers=2, valid_fraction=0.1,
                                                                            tokenizer_seed=2))
+    # each difference named: the whole list of what might differ was said for any of them (a
+    # byte-identical copy of the corpus elsewhere was "another corpus content")
+    copy = tmp_path / "copy.txt"
+    shutil.copyfile(corpus, copy)
+    cfg = PreprocessConfig(workers=2, valid_fraction=0.1)
+    for text, vocab, why in ((copy, VOCAB, f"prepared from {corpus.resolve()}, not {copy.resolve()}: "),
+                             (corpus, VOCAB + 1, f"prepared at {VOCAB} pieces, not {VOCAB + 1}: "),
+                             (corpus, VOCAB, "prepared with --valid_fraction 0.1, not 0.2: ")):
+        with pytest.raises(D.DataError, match=re.escape(why) + "choose a new --output_dir"):
+            prepare(text, d, vocab, tokenizer=None if vocab != VOCAB else tokenizer,
+                    cfg=dataclasses.replace(cfg, valid_fraction=0.2) if "0.2" in why else cfg)
     # Two runs (two recipes) on the prepared data: each only adds its block index (and its copy of
     # the dataset's tokenizer, in the run directory).
     model = PRESETS["tiny"][0]
@@ -329,7 +341,7 @@ def test_the_tokenizer_threads_are_recorded_and_give_the_vocabulary_anywhere(cor
     default = prepare(corpus, tmp_path / "b", VOCAB, cfg=PreprocessConfig(workers=1), quiet=True)
     assert default["tokenizer_threads"] == (os.cpu_count() or 1)
     before = (tmp_path / "a" / D.TOKENIZER).read_bytes()
-    with pytest.raises(D.DataError, match="--tokenizer_threads: choose a new --output_dir"):
+    with pytest.raises(D.DataError, match="prepared with --tokenizer_threads 1, not 2: choose a new --output_dir"):
         prepare(corpus, tmp_path / "a", VOCAB, cfg=dataclasses.replace(one, tokenizer_threads=2))
     assert (tmp_path / "a" / D.TOKENIZER).read_bytes() == before
     prepare(corpus, tmp_path / "a", VOCAB, cfg=PreprocessConfig(workers=1))
@@ -352,7 +364,7 @@ def test_preparing_again_with_another_tokenizer_sample_is_refused(corpus, tmp_pa
     manifest = prepare(corpus, tmp_path / "a", VOCAB, cfg=lines, quiet=True)
     assert manifest["tokenizer_sample_lines"] == 500
     before = (tmp_path / "a" / "tokenizer.model").read_bytes()
-    with pytest.raises(D.DataError, match="--tokenizer_sample_lines or --tokenizer_threads: choose a new --output_dir"):
+    with pytest.raises(D.DataError, match="prepared with --tokenizer_sample_lines 500, not 600: choose a new "):
         prepare(corpus, tmp_path / "a", VOCAB, cfg=dataclasses.replace(lines, tokenizer_sample_lines=600))
     assert (tmp_path / "a" / "tokenizer.model").read_bytes() == before
     prepare(corpus, tmp_path / "a", VOCAB, cfg=lines)
