@@ -734,7 +734,10 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
             # threads asked for: a tokenizer trained with others (the default, another machine's
             # CPU count, is not compared: the dataset as it stands serves it)
             (lambda: tokenizer is None and cfg.tokenizer_threads not in (None, old.get("tokenizer_threads")),
-             lambda: f"with --tokenizer_threads {old.get('tokenizer_threads')}, not {cfg.tokenizer_threads}"))
+             lambda: f"with --tokenizer_threads {old['tokenizer_threads']}, not {cfg.tokenizer_threads}"
+             if old.get("tokenizer_threads") is not None else  # (a call without --tokenizer reuses it as it is)
+             f"with a tokenizer given to it (--tokenizer), not one trained with --tokenizer_threads "
+             f"{cfg.tokenizer_threads}"))
         why = next((say_it() for test, say_it in differs if test()), None)
         if why is not None:
             raise DataError(f"{out_dir} already holds a dataset prepared {why}: choose a new --output_dir (nothing "

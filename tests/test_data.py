@@ -348,6 +348,10 @@ def test_the_tokenizer_threads_are_recorded_and_give_the_vocabulary_anywhere(cor
     assert "nothing to do" in capsys.readouterr().out
     given = prepare(corpus, tmp_path / "c", VOCAB, tokenizer=direct, cfg=one, quiet=True)
     assert given["tokenizer_threads"] is None  # not trained here
+    # asked to train with a thread count where the tokenizer was given: refused, naming that
+    with pytest.raises(D.DataError, match=r"prepared with a tokenizer given to it \(--tokenizer\), not one trained "
+                                          "with --tokenizer_threads 1: choose a new --output_dir"):
+        prepare(corpus, tmp_path / "c", VOCAB, cfg=one)
 
 
 def test_preparing_again_with_another_tokenizer_sample_is_refused(corpus, tmp_path, capsys):
