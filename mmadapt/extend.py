@@ -204,6 +204,10 @@ def claim(ext: Extend) -> bool:
         defaults = as_recorded({f.name: f.default for f in dataclasses.fields(ext)
                                 if f.default is not dataclasses.MISSING})
         recorded = {k: theirs.get(k, defaults.get(k)) for k in mine}
+        # but tokenizer_sample_lines, in a record from before it was one, is not compared: under
+        # MMADAPT_TINY=1 that call sampled 2,000,000 lines, where the same command now caps them
+        if "tokenizer_sample_lines" not in theirs:
+            recorded["tokenizer_sample_lines"] = mine["tokenizer_sample_lines"]
         for k in ("corpus", "source_corpus"):  # a record from before they were resolved holds them as typed
             if isinstance(recorded[k], str):
                 recorded[k] = _corpus_spec(recorded[k])

@@ -663,11 +663,14 @@ def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(t
     ext = Extend(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "ext")
     assert claim(ext) is True
     record = json.loads((ext.output_dir / "extend.json").read_text())
-    del record["plugin_eval_blocks"]
+    del record["plugin_eval_blocks"], record["tokenizer_sample_lines"]
     (ext.output_dir / "extend.json").write_text(json.dumps(record))
     assert claim(ext) is False
     with pytest.raises(ValueError, match="with plugin_eval_blocks 256, not 8: continue it with the same arguments"):
         claim(dataclasses.replace(ext, plugin_eval_blocks=8))
+    # but the sample of a record from before tokenizer_sample_lines: the same command under
+    # MMADAPT_TINY=1 now caps it (50,000), where the record's call sampled the default
+    assert claim(dataclasses.replace(ext, tokenizer_sample_lines=50_000)) is False
     assert sorted(p.name for p in ext.output_dir.iterdir()) == ["extend.json"]
     # the CLI's range of --bpb_bytes holds from Python too, before anything is written
     with pytest.raises(ValueError, match="^bpb_bytes 0: the summary scores at least 256 held-out bytes$"):
