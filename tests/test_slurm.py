@@ -1,6 +1,7 @@
 """SLURM environment -> DeepSpeed multi-node launch: node lists, fake jobs, the sbatch templates,
 and a real two-"node" run on 127.0.0.1 against a single-node run of the same world size."""
 
+import json
 import os
 import shlex
 import shutil
@@ -338,8 +339,11 @@ def test_the_templates_bible_defaults_prepare_pretrain_adapt_and_fine_tune(tmp_p
     script_args, _ = _one_node_renderer(tmp_path)
     adapt = cli.adapt_parser().parse_args(script_args("adapt.sbatch"))
     assert (adapt.corpus, adapt.vocab_size) == ("bible:de", prep.vocab_size)
-    pretrain = cli.pretrain_parser().parse_args(script_args("pretrain.sbatch", VOCAB_SIZE=str(prep.vocab_size)))
-    assert cli.configs_from_args(pretrain)[0].vocab_size == prep.vocab_size  # the prepared data's
+    data = tmp_path / "prepared" / "en"  # what preprocess.sbatch wrote: pretrain.sbatch reads its vocabulary
+    data.mkdir(parents=True)
+    (data / "manifest.json").write_text(json.dumps({"vocab_size": prep.vocab_size}))
+    pretrain = cli.pretrain_parser().parse_args(script_args("pretrain.sbatch", DATA_PATH=str(data)))
+    assert cli.configs_from_args(pretrain)[0].vocab_size == prep.vocab_size
     assert cli.pretrain_parser().parse_args(script_args("pretrain.sbatch")).vocab_size is None  # the preset's
     genre = cli.finetune_parser().parse_args(script_args("finetune.sbatch", TASK_NAME="bible-genre"))
     assert (genre.task, genre.train_file) == ("bible-genre", "bible")
