@@ -58,7 +58,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -213,16 +213,18 @@ def line_text(raw: bytes, first: bool = False) -> str:
     return raw.decode("utf-8-sig" if first else "utf-8").strip()
 
 
-def _sentence(line: bytes, first: bool = False) -> bytes | None:
-    """A line of a corpus (bytes, its '\n' kept) as SentencePiece trains on it: its text
-    (line_text) where that is not empty and at most SP_MAX_SENTENCE_BYTES bytes; else None."""
-    body = line_text(line, first).encode()
-    return body if 0 < len(body) <= SP_MAX_SENTENCE_BYTES else None
+def _sentences(f) -> Iterator[bytes]:
+    """The sentences SentencePiece trains on, of a corpus open in binary from its start, in order:
+    each line's text (line_text) that is not empty and at most SP_MAX_SENTENCE_BYTES bytes."""
+    for i, line in enumerate(f):
+        text = line_text(line, first=not i).encode()
+        if 0 < len(text) <= SP_MAX_SENTENCE_BYTES:
+            yield text
 
 
 class LineCounts(NamedTuple):
     lines: int
-    sentences: int  # the lines SentencePiece trains on (_sentence)
+    sentences: int  # the lines SentencePiece trains on (_sentences)
     long_lines: int  # those it skips for their length
     long_bytes: int  # their bytes
     unclean: int  # lines whose bytes are not their text (line_text): a CRLF file's, one ending in U+0085
@@ -235,7 +237,7 @@ def _line_counts(corpus: Path) -> LineCounts:
         for line in f:
             text = line_text(line, first=not lines).encode()
             lines += 1
-            sentences += 0 < len(text) <= SP_MAX_SENTENCE_BYTES
+            sentences += 0 < len(text) <= SP_MAX_SENTENCE_BYTES  # (_sentences' rule)
             if len(text) > SP_MAX_SENTENCE_BYTES:
                 long_lines, long_bytes = long_lines + 1, long_bytes + len(line)
             unclean += text != (line[:-1] if line.endswith(b"\n") else line)
@@ -260,7 +262,7 @@ def _sample(corpus: Path, out: Path, most: int, seed: int, counts: LineCounts | 
             return out
         keep = np.sort(np.random.default_rng(seed).choice(counts.sentences, most, replace=False, shuffle=False))
         at = 0  # the next kept sentence's index in `keep`
-        for n, body in enumerate(filter(None, (_sentence(line, first=not i) for i, line in enumerate(f)))):
+        for n, body in enumerate(_sentences(f)):
             if at < most and keep[at] == n:
                 w.write(body + b"\n")
                 at += 1
@@ -818,15 +820,14 @@ def _same_sample(manifest: dict, lines: int, corpus: Path) -> bool:
     """Whether a tokenizer trained on `corpus` with a sample of at most `lines` lines is the one
     `manifest` records (the same corpus, seed and size): the same sample size, or two that both
     reach past the corpus's every sentence (SentencePiece then samples nothing: it trains on all
-    of them). A sentence is a line as SentencePiece loads one (_sentence). A manifest that records
+    of them). A sentence is a line as SentencePiece loads one (_sentences). A manifest that records
     no sample size (written before it did, or for a tokenizer given with --tokenizer, which a call
     without one reuses) is not compared."""
     old = manifest.get("tokenizer_sample_lines")
     if old is None or old == lines:
         return True
     with open(corpus, "rb") as f:  # counted no further than needed: is there a sentence past the smaller size?
-        sentences = filter(None, (_sentence(line, first=not i) for i, line in enumerate(f)))
-        return next(itertools.islice(sentences, min(old, lines), None), None) is None
+        return next(itertools.islice(_sentences(f), min(old, lines), None), None) is None
 
 
 def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, vocab_size: int | None,
