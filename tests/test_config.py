@@ -588,6 +588,15 @@ def test_mmadapt_tiny_shrinks_sizes_and_nothing_else(monkeypatch):
     assert printed[0] == printed[1] and '"v100_days": 8.1' in printed[0]  # roberta-base's, not tiny's
 
 
+def _config_only_model(tmp_path: Path) -> Path:
+    """A directory Extend takes for a Hugging Face model (its config.json) where nothing reads
+    weights: the checks made as an Extend is made, claim, the command line's parsing."""
+    model = tmp_path / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return model
+
+
 def test_mmadapt_tiny_caps_the_sample_extend_trains_its_vocabulary_on(monkeypatch, tmp_path):
     """extend prepares its target corpus with a PreprocessConfig of its own: under MMADAPT_TINY=1
     its tokenizer sampled 2,000,000 lines where preprocess samples TINY_CAPS' 50,000; the
@@ -595,9 +604,7 @@ def test_mmadapt_tiny_caps_the_sample_extend_trains_its_vocabulary_on(monkeypatc
     from mmadapt import cli, extend, steps
     from mmadapt.config import TINY_CAPS, PreprocessConfig
 
-    model = tmp_path / "hf"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = _config_only_model(tmp_path)
     seen = []
     monkeypatch.setattr(extend, "extend", seen.append)
     argv = ["extend", "--model", str(model), "--lang", "de", "--corpus", "bible:de",
@@ -657,9 +664,7 @@ def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(t
 
     from mmadapt.extend import Extend, claim
 
-    model = tmp_path / "hf"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = _config_only_model(tmp_path)
     ext = Extend(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "ext")
     assert claim(ext) is True
     record = json.loads((ext.output_dir / "extend.json").read_text())
@@ -684,9 +689,7 @@ def test_a_step_1b_flag_under_bl_base_is_refused_before_the_import(tmp_path, mon
     Extend refuses it as it is made; its default (capped under MMADAPT_TINY=1) is not given."""
     from mmadapt.extend import Extend
 
-    model = tmp_path / "hf"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = _config_only_model(tmp_path)
     given = dict(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "ext", system="bl_base")
     with pytest.raises(ValueError, match="^--minipost_iters 2 is for Step 1b, which --system bl_base does not run: "
                                          "drop it$"):
@@ -707,9 +710,7 @@ def test_an_extension_killed_while_it_claimed_its_directory_is_claimed_again(tmp
 
     from mmadapt.extend import Extend, claim
 
-    model = tmp_path / "hf"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = _config_only_model(tmp_path)
     ext = Extend(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "ext")
     ext.output_dir.mkdir()
     gone = subprocess.Popen(["true"])
