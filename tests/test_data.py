@@ -737,14 +737,17 @@ def test_what_rank_0_raises_while_preparing_is_raised_on_every_rank(monkeypatch,
 
 
 DECIDES = """
-import os, pickle
+import os, pickle, sys
 from mmadapt import parallel
 def decide():
     raise pickle.UnpicklingError("invalid load key, 'x'.")  # torch.load of a damaged file: no OSError
 try:
     parallel.rank0_decides(decide)
 except BaseException as e:
-    print(f"rank {os.environ['RANK']} raised {type(e).__name__}: {e}", flush=True)
+    # One string, one write: under python -u (PYTHONUNBUFFERED) print's text and its newline are
+    # two writes, which the other rank's line could fall between.
+    sys.stdout.write(f"rank {os.environ['RANK']} raised {type(e).__name__}: {e}\\n")
+    sys.stdout.flush()
 finally:
     parallel.shutdown()
 """
@@ -756,6 +759,7 @@ def test_what_rank_0_raises_while_deciding_is_raised_on_every_rank(tmp_path):
     Before, only a ValueError or OSError was passed on: rank 0 left with any other (an
     UnpicklingError from torch.load of a damaged checkpoint) and the others waited in the
     collective until its timeout (30 min by default; 60 s here), to fail naming nothing."""
+    import re
     import subprocess
     import time
 
@@ -766,7 +770,7 @@ def test_what_rank_0_raises_while_deciding_is_raised_on_every_rank(tmp_path):
     t = time.monotonic()
     proc = subprocess.run(launch_cmd(2, script=str(script)), cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=child_env(MMADAPT_DIST_TIMEOUT_S="60"))
-    lines = sorted(line for line in proc.stdout.splitlines() if " raised " in line)
+    lines = sorted(re.findall(r"rank \d raised \w+: invalid load key, 'x'\.", proc.stdout))
     assert lines == [f"rank {r} raised UnpicklingError: invalid load key, 'x'." for r in (0, 1)], \
         proc.stdout[-2000:] + proc.stderr[-3000:]
     assert time.monotonic() - t < 50  # no rank waited for the timeout
