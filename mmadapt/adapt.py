@@ -63,7 +63,7 @@ from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, agreed_source, check_run, check_same_source,
                          check_trained_positions, load_checkpoint, read_source, require_head, resumed_tag,
                          run_text_layout, sampled_fingerprint, start_run)
-from mmadapt.tokenizer import WORD_BOUNDARY
+from mmadapt.tokenizer import WORD_BOUNDARY, has_byte_fallback
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.tokenizer import source_form
@@ -196,11 +196,20 @@ class Step2Plan:
         if run.data_path is None and run.corpus is None:
             run = dataclasses.replace(run, corpus=f"bible:{step.lang}")
         check_bible_lang(run.corpus, step.lang)
+        expand = step.train.vocab_mode == "expand"
+        if run.data_path is None and run.tokenizer is None and not expand and has_byte_fallback(source.tokenizer):
+            # the target vocabulary trained here reads any text as the source's does: a character it
+            # has no piece for is its bytes' pieces (whose rows the source's start), not <unk>
+            run = dataclasses.replace(run, prep=dataclasses.replace(run.prep, byte_fallback=True))
         manifest = check_prepared(run.data_path) if run.data_path is not None else None
+        if (manifest and manifest.get("unknown") and not manifest.get("byte_fallback") and not expand
+                and has_byte_fallback(source.tokenizer) and parallel.is_rank0()):
+            print(f"note: {source.path}'s tokenizer reads every character (byte fallback) and {run.data_path}'s "
+                  f"does not: {manifest['unknown']:,} of its pieces are <unk>; prepare the text with mmadapt "
+                  "preprocess --byte_fallback true (into a new --output_dir) to keep them", flush=True)
         if step.train.plugin_eval_blocks and not (manifest or {}).get("valid"):
             raise ValueError("--plugin_eval_blocks scores held-out target text: pass --data_path, a dataset prepared "
                              "with mmadapt preprocess --valid_fraction 0.03 (a raw --corpus has no validation split)")
-        expand = step.train.vocab_mode == "expand"
         check_calibration(step, expand)
         target = run.data_path / TOKENIZER if run.data_path is not None else run.tokenizer
         replay = replay_text(step.train, source.tokenizer if expand else target, run.layout.apply(body))

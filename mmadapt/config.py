@@ -481,6 +481,9 @@ class PreprocessConfig(Checked):
                                           "same vocabulary on another machine", ge=1)
     valid_fraction: float = _f(0.0, "fraction of the documents held out as validation data (chosen by a seeded "
                                "hash of each document, so the same for any number of workers)", ge=0, lt=1)
+    byte_fallback: bool = _f(False, "train the vocabulary with SentencePiece's byte fallback, as Llama-2's and "
+                             "Mistral's: 256 of its pieces are the bytes, so any text encodes without <unk>. Step 2 "
+                             "over a source whose tokenizer has it (and extend) trains the target's so")
 
 
 @dataclass

@@ -161,9 +161,11 @@ SP_MAX_SENTENCE_BYTES = 4192  # SentencePiece's max_sentence_length default: lon
 
 
 def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, vocab_size: int,
-                    seed: int = 1234, max_sentences: int = 10_000_000, threads: int | None = None) -> Path:
+                    seed: int = 1234, max_sentences: int = 10_000_000, threads: int | None = None,
+                    byte_fallback: bool = False) -> Path:
     """Train a SentencePiece unigram model with mmadapt's special ids; returns `<prefix>.model`.
-    `threads` (default: the CPU count) changes the vocabulary (PreprocessConfig.tokenizer_threads)."""
+    `threads` (default: the CPU count) changes the vocabulary (PreprocessConfig.tokenizer_threads);
+    byte_fallback: PreprocessConfig.byte_fallback (its 256 byte pieces at ids 5-260)."""
     import sentencepiece as spm
 
     corpus, model_prefix = check_corpus(corpus), Path(model_prefix)
@@ -174,7 +176,8 @@ def train_tokenizer(corpus: str | os.PathLike, model_prefix: str | os.PathLike, 
     try:
         counts = _line_counts(corpus)  # one pass: the sample's size and the long lines' warning
         text = _sample(corpus, sample, max_sentences, seed, counts)
-        _train_sentencepiece(corpus, text, tmp, vocab_size, max_sentences, threads or os.cpu_count() or 1, counts)
+        _train_sentencepiece(corpus, text, tmp, vocab_size, max_sentences, threads or os.cpu_count() or 1, counts,
+                             byte_fallback)
     except BaseException:  # stopped (Ctrl-C) or refused: no half-trained model is left beside the output
         for ext in (".model", ".vocab"):
             Path(f"{tmp}{ext}").unlink(missing_ok=True)
@@ -270,7 +273,7 @@ def _sample(corpus: Path, out: Path, most: int, seed: int, counts: LineCounts | 
 
 
 def _train_sentencepiece(corpus: Path, text: Path, prefix: Path, vocab_size: int, max_sentences: int,
-                         threads: int, counts: LineCounts) -> None:
+                         threads: int, counts: LineCounts, byte_fallback: bool = False) -> None:
     """SentencePiece's trainer on `text` (`corpus` or its _sample) into `prefix`.model/.vocab,
     its failures as one-line DataErrors naming `corpus` (`counts`: its _line_counts)."""
     import sentencepiece as spm
@@ -286,7 +289,7 @@ def _train_sentencepiece(corpus: Path, text: Path, prefix: Path, vocab_size: int
             # per byte as a piece no model predicts); predict inserts it where a text marks one
             # `text` holds at most max_sentences sentences (_sample): SentencePiece keeps them all,
             # in order (the same call as before the sample was ours: the same tokenizer's bytes)
-            control_symbols=["<mask>"], input_sentence_size=max_sentences,
+            control_symbols=["<mask>"], input_sentence_size=max_sentences, byte_fallback=byte_fallback,
             shuffle_input_sentence=True, num_threads=threads, minloglevel=2)
     except RuntimeError as e:
         if "sentences_.empty()" in str(e):  # every line was dropped, most often for its length
@@ -727,6 +730,9 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
             (lambda: old["vocab_size"] != vocab_size, lambda: f"at {old['vocab_size']} pieces, not {vocab_size}"),
             (lambda: tokenizer is not None and old["tokenizer_sha256"] != file_sha256(tokenizer),
              lambda: f"with another tokenizer than {tokenizer}"),
+            (lambda: tokenizer is None and bool(old.get("byte_fallback")) != cfg.byte_fallback,
+             lambda: f"{'without' if cfg.byte_fallback else 'with'} byte fallback, not "
+                     f"{'with' if cfg.byte_fallback else 'without'} (--byte_fallback)"),
             (lambda: old_fraction != valid_fraction,
              lambda: f"with --valid_fraction {old_fraction}, not {valid_fraction}"),
             (lambda: seeded and old_seed != seed, lambda: f"with --tokenizer_seed {old_seed}, not {seed}"),
@@ -774,7 +780,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
             say(f"training a {vocab_size}-piece SentencePiece model on up to {cfg.tokenizer_sample_lines:,} sampled "
                 "lines")
             train_tokenizer(corpus, tok.with_suffix(""), vocab_size, seed=seed, max_sentences=cfg.tokenizer_sample_lines,
-                            threads=threads)
+                            threads=threads, byte_fallback=cfg.byte_fallback)
             tok.with_suffix(".vocab").unlink(missing_ok=True)
     except DataError:  # refused before this call put a tokenizer there: a directory it made, or its shards
         if created:
@@ -903,6 +909,7 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
                 "valid_fraction": valid_fraction, "valid_seed": seed,
                 "tokenizer_sample_lines": None if threads is None else cfg.tokenizer_sample_lines,
                 "tokenizer_threads": threads,  # None: a tokenizer given (--tokenizer), not trained here
+                "byte_fallback": None if threads is None else cfg.byte_fallback,
                 # `unknown` above counts both splits (the text the coverage check read); the held-out split's own here
                 "valid": (dict(zip(("sentences", "documents", "tokens", "unknown"), valid_counts))
                           if valid_fraction > 0 else None),

@@ -803,14 +803,19 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
     proto.ParseFromString(Path(spm_path).read_bytes())
     if proto.trainer_spec.model_type != 1:
         raise ValueError(f"{spm_path} is not a unigram SentencePiece model (as mmadapt trains them)")
+    # byte fallback (PreprocessConfig.byte_fallback): a character outside the pieces is its UTF-8
+    # bytes' pieces (<0xE4>), as SentencePiece encodes it, and decodes back to it
+    fallback = proto.trainer_spec.byte_fallback
     tok = Tokenizer(Unigram([(p.piece, p.score) for p in proto.pieces], unk_id=proto.trainer_spec.unk_id,
-                            byte_fallback=False))
+                            byte_fallback=fallback))
     if proto.normalizer_spec.precompiled_charsmap:
         tok.normalizer = normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap)
     # SentencePiece drops extra whitespace and marks each word's start with '▁'.
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
                                                  pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    if fallback:
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), tok.decoder])
     # control pieces (<pad>, <s>, </s>, <mask>; <mask> user-defined in tokenizers trained before
     # 2026-12-04) are whole tokens, never split
     tok.add_special_tokens([AddedToken(p.piece, normalized=False, special=True) for p in proto.pieces

@@ -67,6 +67,7 @@ from mmadapt.run import (RUN_TOKENIZER, ChangedRun, RunSpec, Source, Started, ag
                          start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, check_one_file_per_language, get_task
+from mmadapt.tokenizer import has_byte_fallback
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.train import LMJob, TextData, client_state, task_step, train_lm
 
@@ -631,9 +632,10 @@ class Sweep(StepSpec):
         check_lang(self.lang)
 
 
-def _sweep_data(run: RunSpec, step: Sweep, src_cfg: ModelConfig) -> Path:
+def _sweep_data(run: RunSpec, step: Sweep, src) -> Path:
     """The sweep's prepared target dataset (a raw corpus prepared by global rank 0 into
-    <output_dir>/data while the others wait: parallel.rank0_prepares)."""
+    <output_dir>/data while the others wait: parallel.rank0_prepares; with byte fallback where the
+    source `src`'s tokenizer has it, as Step 2's own: adapt.Step2Plan)."""
     if (run.corpus is None) == (run.data_path is None):
         raise ValueError("pass one of --data_path (a prepared target dataset with a validation split) and --corpus")
     if run.data_path is not None:
@@ -650,8 +652,10 @@ def _sweep_data(run: RunSpec, step: Sweep, src_cfg: ModelConfig) -> Path:
             raise ValueError("--corpus needs --valid_fraction (e.g. 0.03): the plug-in metric scores held-out text")
         data_path = run.output_dir / "data"
         what = f"the {step.lang} corpus in {data_path}"
-        parallel.rank0_prepares(lambda: preprocess(run.corpus, data_path, step.vocab_size or src_cfg.vocab_size,
-                                                   step.prep), what)
+        prep = dataclasses.replace(step.prep, byte_fallback=step.train.vocab_mode != "expand"
+                                   and has_byte_fallback(src.tokenizer))
+        parallel.rank0_prepares(lambda: preprocess(run.corpus, data_path, step.vocab_size or src.cfg.vocab_size,
+                                                   prep), what)
         wait_for(data_path / MANIFEST, what)
     if not read_manifest(data_path).get("valid"):
         raise ValueError(f"{data_path} has no validation split for the plug-in metric: prepare it with mmadapt "
@@ -716,7 +720,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     kept = ("sweep.json", "sweep.md", "sweep.png") if (out / "sweep.json").is_file() else ("sweep.json",)
     checkpoint.refuse_other_files(out, lambda name: name.isdigit() or name.startswith(".") or name in (
         CEILING, "data", *kept), "sweep")
-    data_path = _sweep_data(run, step, src_cfg)
+    data_path = _sweep_data(run, step, src)
     runs = {n: out / str(n) for n in depths}
     jobs = [("minijoint", n, run_dir) for n, run_dir in runs.items()]
     if cfg.ceiling:

@@ -76,6 +76,19 @@ def kind(tokenizer: str | os.PathLike) -> str:
     return str((doc.get("model") or {}).get("type", "unknown")).lower()
 
 
+def has_byte_fallback(path: str | os.PathLike) -> bool:
+    """Whether a run's tokenizer writes a character it has no piece for as the pieces of its
+    UTF-8 bytes (<0xE4>) rather than <unk>: Llama-2's and Mistral's imported, or a SentencePiece
+    model trained with PreprocessConfig.byte_fallback."""
+    if is_hf(path):
+        return load(path).byte_fallback
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    proto = pb.ModelProto()
+    proto.ParseFromString(Path(path).read_bytes())
+    return proto.trainer_spec.byte_fallback
+
+
 def pieces(path: str | os.PathLike) -> list[str]:
     """The surface form of every id of a tokenizer (module docstring), for matching across tokenizers."""
     sp = load(path)

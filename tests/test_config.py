@@ -613,10 +613,13 @@ def test_mmadapt_tiny_caps_the_sample_extend_trains_its_vocabulary_on(monkeypatc
         monkeypatch.setenv("MMADAPT_TINY", tiny)
         assert cli.main(argv) == 0 and seen[-1].tokenizer_sample_lines == lines
     assert (seen[-1].adapt_iters, seen[-1].corpus) == (8, "bible:de")  # the flags' caps, as before
-    prepared = []
+    prepared, asked = [], []
     monkeypatch.setattr(steps, "preprocess", lambda *a, cfg, **kw: prepared.append(cfg))
+    # ... and trains it with byte fallback where the model's own tokenizer has it (replace mode)
+    monkeypatch.setattr(extend, "has_byte_fallback", lambda path: asked.append(path) or True)
     extend._prepared(seen[-1], model, say=lambda line: None)
     assert prepared[0].tokenizer_sample_lines == TINY_CAPS["tokenizer_sample_lines"]
+    assert prepared[0].byte_fallback and asked == [model / "tokenizer" / "spm.model"]
     assert not (tmp_path / "o").exists()
 
 

@@ -354,6 +354,37 @@ def test_the_tokenizer_threads_are_recorded_and_give_the_vocabulary_anywhere(cor
         prepare(corpus, tmp_path / "c", VOCAB, cfg=one)
 
 
+def test_byte_fallback_encodes_any_text_and_is_part_of_what_was_prepared(corpus, tmp_path, capsys):
+    """--byte_fallback (Llama-2's and Mistral's tokenizers have it): the vocabulary holds the 256
+    bytes as pieces, a character outside it is its UTF-8 bytes' pieces, not <unk>, and it reads
+    back as that text; the manifest records it, and preparing again with the other setting is
+    refused naming it, the dataset kept."""
+    from mmadapt.tokenizer import has_byte_fallback, load
+
+    cfg = PreprocessConfig(workers=1, tokenizer_threads=1)
+    plain = prepare(corpus, tmp_path / "plain", VOCAB, cfg=cfg, quiet=True)
+    fallback = prepare(corpus, tmp_path / "bf", VOCAB, cfg=dataclasses.replace(cfg, byte_fallback=True), quiet=True)
+    assert (plain["byte_fallback"], fallback["byte_fallback"]) == (False, True)
+    assert fallback["unknown"] == 0 and fallback["vocab_size"] == VOCAB
+    assert not has_byte_fallback(tmp_path / "plain" / D.TOKENIZER)
+    assert has_byte_fallback(tmp_path / "bf" / D.TOKENIZER)
+    sp = load(tmp_path / "bf" / D.TOKENIZER)
+    assert [sp.id_to_piece(i) for i in (5, 260)] == ["<0x00>", "<0xFF>"]
+    text = "Grüße 😀 你好"
+    ids = sp.encode(text)
+    assert UNK_ID not in ids and sp.decode(ids) == text
+    assert [sp.id_to_piece(i) for i in ids].count("<0xF0>") == 1  # 😀's lead byte: no piece of its own
+    assert UNK_ID in load(tmp_path / "plain" / D.TOKENIZER).encode(text)
+    before = (tmp_path / "bf" / D.TOKENIZER).read_bytes()
+    for out, asked, why in (("bf", False, "prepared with byte fallback, not without"),
+                            ("plain", True, "prepared without byte fallback, not with")):
+        with pytest.raises(D.DataError, match=re.escape(f"{why} (--byte_fallback): choose a new --output_dir")):
+            prepare(corpus, tmp_path / out, VOCAB, cfg=dataclasses.replace(cfg, byte_fallback=asked))
+    assert (tmp_path / "bf" / D.TOKENIZER).read_bytes() == before
+    prepare(corpus, tmp_path / "bf", VOCAB, cfg=dataclasses.replace(cfg, byte_fallback=True))
+    assert "nothing to do" in capsys.readouterr().out
+
+
 def test_preparing_again_with_another_tokenizer_sample_is_refused(corpus, tmp_path, capsys):
     """A tokenizer trained here on a sample of --tokenizer_sample_lines lines: preparing again with
     another sample size would keep the old tokenizer as if it were the one asked for (it was a

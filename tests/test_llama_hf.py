@@ -27,7 +27,7 @@ from mmadapt import adapt as A
 from mmadapt.artifact import artifact_state, read_artifact, write_artifact
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.cli import main
-from mmadapt.config import ModelConfig
+from mmadapt.config import ModelConfig, PreprocessConfig, TrainConfig
 from mmadapt.family import WORD
 from mmadapt.features import encode_classify
 from mmadapt.hf import export_hf, import_hf, write_hf
@@ -210,7 +210,6 @@ def test_an_imported_decoders_training_stream_is_its_tokenizers_reading_of_each_
     then the end-of-text (Qwen2's; Llama's and Mistral's </s>, as their pretraining packed them). (A byte-level BPE's sentences were glued: `earth.And`.) These test
     tokenizers never saw a newline, so none merges `.` with it as real vocabularies do (`.Ċ`:
     test_data's line_join test)."""
-    from mmadapt.config import PreprocessConfig, TrainConfig
     from mmadapt.data import LayoutBatches, prepare
     from mmadapt.run import read_run, run_text_layout
 
@@ -485,6 +484,55 @@ def test_export_of_an_adapted_causal_lm(name, arch, start, dec_runs, de_tokenize
     again = load_sp(tmp_path / "again" / "tokenizer" / "spm.model")
     assert again.hf_ids.tolist() == list(range(len(again.hf_ids)))
     assert torch.equal(lm_logits(*load_weights(tmp_path / "again"), ids), mine)
+
+
+def test_step2_over_a_byte_fallback_source_keeps_byte_fallback(dec_runs, de_corpus, tmp_path, capsys):
+    """Llama-2's tokenizer reads any text (a character without a piece is its bytes' pieces): so
+    does the new vocabulary Step 2 trains on a raw corpus over it (before, a Unigram without byte
+    fallback, whose export read emoji, CJK and every rare letter as <unk>). Its byte pieces start
+    from the source's rows of the same bytes, and the exported tokenizer encodes and decodes as
+    mmadapt's own. A byte-level source (Qwen2) has no byte fallback to keep."""
+    from mmadapt.tokenizer import has_byte_fallback
+
+    src = dec_runs["llama2"]
+    assert has_byte_fallback(src / "tokenizer" / "spm.model")
+    assert not has_byte_fallback(dec_runs["qwen2"] / "tokenizer" / "spm.model")
+    ad, out = tmp_path / "adapt", tmp_path / "out"
+    assert main(["adapt", "--system", "bl_base", "--source", str(src), "--lang", "de", "--corpus", str(de_corpus),
+                 "--vocab_size", "1000", "--output_dir", str(ad), "--train_iters", "1", "--save_interval", "1",
+                 "--seq_length", "32", "--train_micro_batch_size_per_gpu", "4",
+                 "--ds_config", str(REPO / "ds_configs" / "zero0.json")]) == 0
+    sp = load_sp(ad / "data" / "tokenizer.model")
+    assert has_byte_fallback(ad / "data" / "tokenizer.model")
+    assert json.loads((ad / "data" / "manifest.json").read_text())["unknown"] == 0
+    # a byte piece starts from the source's row of that byte (<0xC0>, <0xC1>: the source's pad and mask)
+    start, _, _ = read_artifact(ad / "embeddings" / "step00000000")
+    source_state = load_weights(src)[1]
+    mine, theirs = (tokenizer_pieces(p) for p in (ad / "data" / "tokenizer.model", src / "tokenizer" / "spm.model"))
+    for b in (0x80, 0xC3, 0xE4, 0xF0, 0xFF):
+        piece = f"<0x{b:02X}>"
+        for key, name in (("word_embeddings", "word_embeddings.word_embeddings.weight"),
+                          ("output_layer", "output_layer.weight")):
+            assert torch.equal(start[key][mine.index(piece)], source_state[name][theirs.index(piece)]), (piece, key)
+    assert main(["export-hf", "--primary", str(src), "--embeddings", str(ad / "embeddings" / "step00000001"),
+                 "--output_dir", str(out)]) == 0
+    tok = hf_tokenizer(out)
+    for text in ("Grüße 😀 你好 Привет", "Ça va? naïve", bible_lines("de", range(40, 41))[0]):
+        ids = sp.encode(text)
+        assert tok(text).input_ids == [BOS_ID, *ids] and UNK_ID not in ids
+        assert tok.decode(ids) == sp.decode(ids) == text
+    # a dataset prepared beforehand without it: Step 2 says what its <unk> pieces are and how to keep them
+    from mmadapt.data import prepare
+    from mmadapt.run import RunSpec
+
+    text = tmp_path / "de.txt"
+    text.write_text("".join(f"{v} 😀\n" for v in bible_lines("de", range(40, 41))))
+    unknown = prepare(text, tmp_path / "de", 1000, cfg=PreprocessConfig(workers=1), quiet=True)["unknown"]
+    capsys.readouterr()
+    A.Step2Plan.of(RunSpec(output_dir=tmp_path / "x", data_path=tmp_path / "de"),
+                   A.AdaptEmbeddings(system="bl_base", source=src, lang="de", train=TrainConfig()))
+    assert unknown > 0 and (f"and {tmp_path / 'de'}'s does not: {unknown:,} of its pieces are <unk>; prepare the "
+                            "text with mmadapt preprocess --byte_fallback true") in capsys.readouterr().out
 
 
 def task_model(cfg: ModelConfig, state: dict, num_labels: int = 3) -> tuple[LlamaForTask, dict]:
