@@ -65,7 +65,7 @@ import torch
 
 from mmadapt import __version__
 from mmadapt.checkpoint import atomic_write, refuse_other_files
-from mmadapt.config import LoopConfig, PreprocessConfig, TrainConfig, scored_positions
+from mmadapt.config import TINY_ENV, TINY_FLAGS, LoopConfig, PreprocessConfig, TrainConfig, scored_positions
 from mmadapt.faults import pid_alive
 from mmadapt.tokenizer import load
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID, UNK_ID
@@ -304,9 +304,14 @@ def _train_sentencepiece(corpus: Path, text: Path, prefix: Path, vocab_size: int
                             "text") from None
         fewest = re.search(r"Vocabulary size is smaller than required_chars\. \d+ vs (\d+)", str(e))
         if fewest:  # (SentencePiece's own fix names its --character_coverage, which mmadapt does not take)
+            need = int(fewest.group(1))
+            # MMADAPT_TINY=1 caps --vocab_size: the size the fix names would be capped again
+            tiny = os.environ.get(TINY_ENV) == "1" and need > TINY_FLAGS["vocab_size"]
             raise DataError(f"corpus {corpus} holds more characters than a {vocab_size}-piece vocabulary holds: "
-                            f"SentencePiece needs {fewest.group(1)} pieces for its characters and special pieces; "
-                            f"pass --vocab_size {fewest.group(1)} or more") from None
+                            f"SentencePiece needs {need} pieces for its characters and special pieces"
+                            + (f", and {TINY_ENV}=1 caps --vocab_size at {TINY_FLAGS['vocab_size']}: run it without "
+                               f"{TINY_ENV}=1, with --vocab_size {need} or more" if tiny else
+                               f"; pass --vocab_size {need} or more")) from None
         raise DataError(f"SentencePiece could not train a {vocab_size}-piece vocabulary on {corpus}: "
                         f"{str(e).splitlines()[0]}") from None
     lines, _, long_lines, long_bytes, _ = counts

@@ -385,6 +385,21 @@ def test_byte_fallback_encodes_any_text_and_is_part_of_what_was_prepared(corpus,
     assert "nothing to do" in capsys.readouterr().out
 
 
+def test_a_vocabulary_too_small_for_the_characters_names_the_tiny_cap(monkeypatch, tmp_path):
+    """Under MMADAPT_TINY=1 every --vocab_size is capped at 2000: a corpus whose characters need
+    more (the Chinese Bible: 2,782) was told to pass the --vocab_size it had passed. The line names
+    the cap where the size needed is above it, and SentencePiece's own size otherwise."""
+    text = tmp_path / "chars.txt"
+    text.write_text("".join(chr(0x4E00 + i) * 2 + ("\n" if i % 20 == 19 else "") for i in range(2100)))
+    for tiny, ends in (("1", ", and MMADAPT_TINY=1 caps --vocab_size at 2000: run it without MMADAPT_TINY=1, with "
+                             "--vocab_size 2105 or more"),
+                       ("0", "; pass --vocab_size 2105 or more")):
+        monkeypatch.setenv("MMADAPT_TINY", tiny)
+        with pytest.raises(D.DataError, match=re.escape("SentencePiece needs 2105 pieces for its characters and "
+                                                        f"special pieces{ends}") + "$"):
+            D.train_tokenizer(text, tmp_path / "t", 2000, threads=1)
+
+
 def test_preparing_again_with_another_tokenizer_sample_is_refused(corpus, tmp_path, capsys):
     """A tokenizer trained here on a sample of --tokenizer_sample_lines lines: preparing again with
     another sample size would keep the old tokenizer as if it were the one asked for (it was a
