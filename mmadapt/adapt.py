@@ -53,7 +53,8 @@ from mmadapt.artifact import ARTIFACT_FILE, SAMPLED_KEY, read_artifact, write_ar
 from mmadapt.config import (EMBEDDING_INITS, MIN_VOCAB_SIZE, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig,
                             StepSpec, TrainConfig, _f, check_lang)
 from mmadapt.corpora import check_bible_lang
-from mmadapt.data import TEXT, TOKENIZER, check_prepared, file_sha256, read_tokenizer, replay_blocks
+from mmadapt.data import (TEXT, TOKENIZER, check_prepared, file_sha256, follows_byte_fallback, read_tokenizer,
+                          replay_blocks)
 from mmadapt.expand import (Replay, calibrate, check_expansion, expand_report, merged_vocabulary,
                             output_start, replay_text, source_text)
 from mmadapt.family import ModelFamily
@@ -197,10 +198,11 @@ class Step2Plan:
             run = dataclasses.replace(run, corpus=f"bible:{step.lang}")
         check_bible_lang(run.corpus, step.lang)
         expand = step.train.vocab_mode == "expand"
-        if run.data_path is None and run.tokenizer is None and not expand and has_byte_fallback(source.tokenizer):
+        if run.data_path is None and run.tokenizer is None and not expand:
             # the target vocabulary trained here reads any text as the source's does: a character it
             # has no piece for is its bytes' pieces (whose rows the source's start), not <unk>
-            run = dataclasses.replace(run, prep=dataclasses.replace(run.prep, byte_fallback=True))
+            fallback = follows_byte_fallback(run.output_dir / "data", has_byte_fallback(source.tokenizer))
+            run = dataclasses.replace(run, prep=dataclasses.replace(run.prep, byte_fallback=fallback))
         manifest = check_prepared(run.data_path) if run.data_path is not None else None
         if (manifest and manifest.get("unknown") and not manifest.get("byte_fallback") and not expand
                 and has_byte_fallback(source.tokenizer) and parallel.is_rank0()):

@@ -547,6 +547,15 @@ def _merge(prefixes: list[str], out_prefix: str, dtype) -> None:
     del indexes
 
 
+def follows_byte_fallback(out_dir: Path, source_has_it: bool) -> bool:
+    """PreprocessConfig.byte_fallback of a target corpus a step prepares into `out_dir` after its
+    source's tokenizer (`source_has_it`): what a dataset already there was prepared with (a
+    stopped run's own, resumed: one made before the setting existed has none), else the source's."""
+    if (out_dir / MANIFEST).is_file():
+        return bool(read_manifest(out_dir).get("byte_fallback"))
+    return source_has_it
+
+
 def read_manifest(data_path: str | os.PathLike) -> dict:
     """The manifest of a finished prepared dataset (DataError if there is none)."""
     data_path = Path(data_path)

@@ -44,8 +44,8 @@ from mmadapt.config import (MIN_VOCAB_SIZE, RECIPES, EvaluateConfig, FinetuneCon
                             PreprocessConfig, StepSpec, TrainConfig, _f, check_lang, check_output_file,
                             bool_arg, output_inside_an_input, path_arg, path_args, spec_arg, whole_arg)
 from mmadapt.corpora import resolve_corpus
-from mmadapt.data import (MANIFEST, TEXT, DataError, EpochOrder, check_own_tokenizer_kept, read_manifest,
-                          read_tokenizer, wait_for)
+from mmadapt.data import (MANIFEST, TEXT, DataError, EpochOrder, check_own_tokenizer_kept, follows_byte_fallback,
+                          read_manifest, read_tokenizer, wait_for)
 from mmadapt.data import prepare as prepare_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.devices import device_of
@@ -652,8 +652,8 @@ def _sweep_data(run: RunSpec, step: Sweep, src) -> Path:
             raise ValueError("--corpus needs --valid_fraction (e.g. 0.03): the plug-in metric scores held-out text")
         data_path = run.output_dir / "data"
         what = f"the {step.lang} corpus in {data_path}"
-        prep = dataclasses.replace(step.prep, byte_fallback=step.train.vocab_mode != "expand"
-                                   and has_byte_fallback(src.tokenizer))
+        prep = dataclasses.replace(step.prep, byte_fallback=step.train.vocab_mode != "expand" and follows_byte_fallback(
+            data_path, has_byte_fallback(src.tokenizer)))
         parallel.rank0_prepares(lambda: preprocess(run.corpus, data_path, step.vocab_size or src.cfg.vocab_size,
                                                    prep), what)
         wait_for(data_path / MANIFEST, what)

@@ -533,6 +533,14 @@ def test_step2_over_a_byte_fallback_source_keeps_byte_fallback(dec_runs, de_corp
                    A.AdaptEmbeddings(system="bl_base", source=src, lang="de", train=TrainConfig()))
     assert unknown > 0 and (f"and {tmp_path / 'de'}'s does not: {unknown:,} of its pieces are <unk>; prepare the "
                             "text with mmadapt preprocess --byte_fallback true") in capsys.readouterr().out
+    # a run that prepared its corpus without it (before the setting existed) resumes with what it has
+    shutil.copytree(tmp_path / "de", tmp_path / "old" / "data")
+    manifest = tmp_path / "old" / "data" / "manifest.json"
+    manifest.write_text(json.dumps({k: v for k, v in json.loads(manifest.read_text()).items() if k != "byte_fallback"}))
+    for out, kept in ((tmp_path / "old", False), (ad, True)):
+        plan = A.Step2Plan.of(RunSpec(output_dir=out, corpus=de_corpus, resume=True),
+                              A.AdaptEmbeddings(system="bl_base", source=src, lang="de", train=TrainConfig()))
+        assert plan.run.prep.byte_fallback is kept
 
 
 def task_model(cfg: ModelConfig, state: dict, num_labels: int = 3) -> tuple[LlamaForTask, dict]:
