@@ -64,7 +64,7 @@ from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, agreed_source, check_run, check_same_source,
                          check_trained_positions, load_checkpoint, read_source, require_head, resumed_tag,
                          run_text_layout, sampled_fingerprint, start_run)
-from mmadapt.tokenizer import WORD_BOUNDARY, has_byte_fallback
+from mmadapt.tokenizer import WORD_BOUNDARY, byte_piece_text, has_byte_fallback
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.tokenizer import source_form
@@ -377,7 +377,11 @@ def subword_mean_init(split, src_pieces: list[str], src: dict[str, torch.Tensor]
     for i, piece in enumerate(trg_pieces):
         if piece in src_index:
             continue
-        ids = split(piece)
+        # a byte piece (a byte-fallback vocabulary's <0xE4>) is no text to split: its character's
+        # split for an ASCII byte, none for a byte of a longer character (its literal "<0xE4>"
+        # split into '<', '0', 'x', ... rows meant nothing)
+        text = byte_piece_text(piece)
+        ids = split(piece) if text is None else split(text) if text else []
         if not ids:
             continue
         composed += 1

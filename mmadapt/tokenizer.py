@@ -127,6 +127,16 @@ NON_UTF8_BYTES = (0xC0, 0xC1, *range(0xF5, 0x100))
 _BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
 
 
+def byte_piece_text(piece: str) -> str | None:
+    """The text a byte-fallback piece stands for alone: an ASCII byte's character (<0x41>: 'A'),
+    nothing ('') for a byte of a longer UTF-8 character (<0xE4>); None for any other piece."""
+    m = _BYTE_PIECE.fullmatch(piece)
+    if m is None:
+        return None
+    b = int(m.group(1), 16)
+    return chr(b).replace(" ", WORD_BOUNDARY) if b < 0x80 else ""
+
+
 def never_produced(doc: dict) -> list[str]:
     """The tokens of NON_UTF8_BYTES in a `tokenizers` pipeline `doc` (its JSON): SentencePiece's
     byte-fallback pieces (<0xC0>), or a byte-level BPE's single-byte pieces (GPT-2's printable

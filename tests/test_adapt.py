@@ -86,6 +86,12 @@ def test_subword_mean_init_is_the_mean_of_the_split_rows():
     assert torch.allclose(new[WORD][6], torch.stack([src_w[7], src_w[6]]).mean(0)) and new[BIAS][6] == 65.0
     overlap, _ = A.overlap_init(src, {WORD: src_w, BIAS: src_b}, trg, 0.02, 3)
     assert torch.equal(new[WORD][7], overlap[WORD][7]) and new[BIAS][7] == 0
+    # byte pieces (a byte-fallback vocabulary's): an ASCII byte splits as its character, a byte of
+    # a longer character not at all (its literal text, '<0xE4>', is no text of the language)
+    trg = [*trg, "<0x62>", "<0xE4>"]
+    new, _, composed = A.subword_mean_init({**splits, "b": [6]}.__getitem__, src, {WORD: src_w}, trg, 0.02, 3)
+    overlap, _ = A.overlap_init(src, {WORD: src_w}, trg, 0.02, 3)
+    assert composed == 2 and torch.equal(new[WORD][8], src_w[6]) and torch.equal(new[WORD][9], overlap[WORD][9])
 
 
 def test_source_split_reads_the_boundary_marker_as_a_space(tokenizer):
