@@ -308,7 +308,8 @@ def _train_sentencepiece(corpus: Path, text: Path, prefix: Path, vocab_size: int
             # MMADAPT_TINY=1 caps --vocab_size: the size the fix names would be capped again
             tiny = os.environ.get(TINY_ENV) == "1" and need > TINY_FLAGS["vocab_size"]
             raise DataError(f"corpus {corpus} holds more characters than a {vocab_size}-piece vocabulary holds: "
-                            f"SentencePiece needs {need} pieces for its characters and special pieces"
+                            f"SentencePiece needs {need} pieces for its characters"
+                            f"{', 256 byte pieces' if byte_fallback else ''} and special pieces"
                             + (f", and {TINY_ENV}=1 caps --vocab_size at {TINY_FLAGS['vocab_size']}: run it without "
                                f"{TINY_ENV}=1, with --vocab_size {need} or more" if tiny else
                                f"; pass --vocab_size {need} or more")) from None

@@ -97,6 +97,11 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
             # with a tokenizer, its own size is compared
             raise ValueError(f"--vocab_size must be >= {MIN_VOCAB_SIZE}, got {vocab_size} (SentencePiece's 4 special "
                              "pieces and room for the text's own)")
+    if cfg.byte_fallback and (tokenizer is not None or expand_from is not None):  # it would go unread
+        raise ValueError("--byte_fallback trains the vocabulary with byte pieces, and "
+                         + ("--tokenizer gives one, with or without its own" if tokenizer is not None else
+                            "--expand_from extends the run's, which keeps its own or none")
+                         + ": drop --byte_fallback")
     inside = output_inside_an_input(output_dir, {"expand_from": expand_from})
     if inside:  # the run whose vocabulary is extended is read, never written into
         raise ValueError(inside)

@@ -383,6 +383,9 @@ def test_byte_fallback_encodes_any_text_and_is_part_of_what_was_prepared(corpus,
     assert (tmp_path / "bf" / D.TOKENIZER).read_bytes() == before
     prepare(corpus, tmp_path / "bf", VOCAB, cfg=dataclasses.replace(cfg, byte_fallback=True))
     assert "nothing to do" in capsys.readouterr().out
+    with pytest.raises(D.DataError, match=r"needs \d+ pieces for its characters, 256 byte pieces and special pieces"):
+        prepare(corpus, tmp_path / "small", 300, cfg=dataclasses.replace(cfg, byte_fallback=True))
+    assert not (tmp_path / "small").exists()
 
 
 def test_a_vocabulary_too_small_for_the_characters_names_the_tiny_cap(monkeypatch, tmp_path):
