@@ -996,7 +996,7 @@ def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(c
     out = tmp_path / "prep"
     out.mkdir()
 
-    def stopped(corpus, text, prefix, vocab_size, max_sentences, threads, counts):
+    def stopped(corpus, text, prefix, *rest):  # (vocab_size, max_sentences, threads, counts, byte_fallback)
         for ext in (".model", ".vocab"):
             Path(f"{prefix}{ext}").write_bytes(b"half")
         raise KeyboardInterrupt
