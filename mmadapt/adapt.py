@@ -64,7 +64,7 @@ from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, agreed_source, check_run, check_same_source,
                          check_trained_positions, load_checkpoint, read_source, require_head, resumed_tag,
                          run_text_layout, sampled_fingerprint, start_run)
-from mmadapt.tokenizer import WORD_BOUNDARY, byte_piece_text, has_byte_fallback
+from mmadapt.tokenizer import WORD_BOUNDARY, byte_piece_text, byte_surfaces, has_byte_fallback
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.tokenizer import source_form
@@ -398,9 +398,11 @@ def init_rows(how: str, src_tokenizer: Path, src: dict[str, torch.Tensor], trg_p
     row drawn, nothing copied: the baseline that shows what the copies are worth). -> (name ->
     [len(trg_pieces), ...], how many rows started which way: shared_pieces, subword_mean_pieces,
     random_pieces)."""
-    src_pieces = tokenizer_pieces(src_tokenizer)
-    # in the source's normal form (an uncased WordPiece's lower case): a piece shares the row its text reaches
-    trg_pieces = list(map(source_form(src_tokenizer), trg_pieces))
+    # byte pieces as one surface on both sides (byte_surfaces: a byte-fallback target's <0x0A> is
+    # Llama-2's '\n'), in the source's normal form (an uncased WordPiece's lower case): a piece
+    # shares the row its text reaches
+    src_pieces = byte_surfaces(tokenizer_pieces(src_tokenizer))
+    trg_pieces = list(map(source_form(src_tokenizer), byte_surfaces(trg_pieces)))
     composed = 0
     if how == "normal":
         out, shared = overlap_init([], src, trg_pieces, std, seed)

@@ -137,6 +137,19 @@ def byte_piece_text(piece: str) -> str | None:
     return chr(b).replace(" ", WORD_BOUNDARY) if b < 0x80 else ""
 
 
+def byte_surfaces(pieces: list[str]) -> list[str]:
+    """A vocabulary's surface forms (`pieces`) with each ASCII byte piece (<0x0A>) written as its
+    character where no piece is that character, as an imported tokenizer's are
+    (HFTokenizer._fallback_surface): a SentencePiece byte-fallback model's byte pieces then meet
+    the same bytes of any source. Idempotent on surfaces written so already."""
+    have = set(pieces)
+    out = []
+    for piece in pieces:
+        text = byte_piece_text(piece)
+        out.append(text if text and text not in have else piece)
+    return out
+
+
 def never_produced(doc: dict) -> list[str]:
     """The tokens of NON_UTF8_BYTES in a `tokenizers` pipeline `doc` (its JSON): SentencePiece's
     byte-fallback pieces (<0xC0>), or a byte-level BPE's single-byte pieces (GPT-2's printable
