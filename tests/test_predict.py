@@ -596,3 +596,15 @@ def test_a_tagger_under_predict_names_an_input_by_its_line(de_tokenizer, tmp_pat
         predict.predict_rows(tm, predict.read_inputs(str(f), "tag"))
     with pytest.raises(ValueError, match=r"^input 2 holds \\udc80, half of a UTF-16 surrogate pair"):
         tm.predict(["Im Anfang", ["a\udc80"]])
+
+
+def test_a_byte_piece_is_reported_as_the_text_it_stands_for():
+    """fill_mask's and next_piece's `text` of a byte-fallback vocabulary's byte piece: its ASCII
+    character (transformers' token_str), U+FFFD for a byte of a longer character; it was the
+    piece's name, '<0x29>'. Other pieces: the word-boundary marker as a space, stripped."""
+    class Pieces:
+        def id_to_piece(self, i):
+            return ["<0x29>", "<0xC3>", "▁Gott", "<0x20>", "<s>"][i]
+
+    assert [predict._surface(Pieces(), i)["text"] for i in range(5)] == [")", "\ufffd", "Gott", "", "<s>"]
+    assert predict._surface(Pieces(), 0) == {"id": 0, "piece": "<0x29>", "text": ")"}
