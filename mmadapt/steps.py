@@ -637,7 +637,7 @@ class Sweep(StepSpec):
         check_lang(self.lang)
 
 
-def _sweep_data(run: RunSpec, step: Sweep, src) -> Path:
+def _sweep_data(run: RunSpec, step: Sweep, src: Source) -> Path:
     """The sweep's prepared target dataset (a raw corpus prepared by global rank 0 into
     <output_dir>/data while the others wait: parallel.rank0_prepares; with byte fallback where the
     source `src`'s tokenizer has it, as Step 2's own: adapt.Step2Plan)."""

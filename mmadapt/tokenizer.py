@@ -395,11 +395,8 @@ class HFTokenizer:
         """A SentencePiece byte-fallback piece of a whole character (<0x41>: 'A') written as that
         character, as a byte-level BPE's is, unless the vocabulary has the character as a piece of
         its own (which then keeps the surface: one row per surface form)."""
-        m = _BYTE_PIECE.fullmatch(token)
-        if m is None or int(m.group(1), 16) >= 0x80:
-            return token
-        text = chr(int(m.group(1), 16)).replace(" ", WORD_BOUNDARY)
-        return token if self.tokenizer.token_to_id(text) is not None else text
+        text = byte_piece_text(token)
+        return text if text and self.tokenizer.token_to_id(text) is None else token
 
     def piece_to_id(self, piece: str) -> int:
         if piece in SPECIAL_PIECES.values():
