@@ -45,7 +45,6 @@ from typing import Callable, ClassVar
 
 import sentencepiece as spm
 import torch
-from sentencepiece import sentencepiece_model_pb2 as sp_model
 
 from mmadapt import checkpoint, parallel
 from mmadapt.parallel import from_rank0
@@ -64,7 +63,7 @@ from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, agreed_source, check_run, check_same_source,
                          check_trained_positions, load_checkpoint, read_source, require_head, resumed_tag,
                          run_text_layout, sampled_fingerprint, start_run)
-from mmadapt.tokenizer import WORD_BOUNDARY, byte_piece_text, byte_surfaces, has_byte_fallback
+from mmadapt.tokenizer import WORD_BOUNDARY, byte_piece_text, byte_surfaces, has_byte_fallback, sp_proto
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.tokenizer import source_form
@@ -198,10 +197,8 @@ class Step2Plan:
             run = dataclasses.replace(run, corpus=f"bible:{step.lang}")
         check_bible_lang(run.corpus, step.lang)
         expand = step.train.vocab_mode == "expand"
-        if run.data_path is None and run.tokenizer is None and not expand:
-            # the target vocabulary trained here reads any text as the source's does: a character it
-            # has no piece for is its bytes' pieces (whose rows the source's start), not <unk>
-            fallback = follows_byte_fallback(run.output_dir / "data", has_byte_fallback(source.tokenizer))
+        if run.data_path is None and run.tokenizer is None:  # a target vocabulary trained here
+            fallback = follows_byte_fallback(run.output_dir / "data", source.tokenizer, step.train.vocab_mode)
             run = dataclasses.replace(run, prep=dataclasses.replace(run.prep, byte_fallback=fallback))
         manifest = check_prepared(run.data_path) if run.data_path is not None else None
         if (manifest and manifest.get("unknown") and not manifest.get("byte_fallback") and not expand
@@ -354,8 +351,7 @@ def source_split(src_tokenizer: Path):
     tok = load_tokenizer(src_tokenizer)
     if not isinstance(tok, spm.SentencePieceProcessor):
         return tok.split_surface  # an imported tokenizer (HFTokenizer)
-    proto = sp_model.ModelProto()
-    proto.ParseFromString(Path(src_tokenizer).read_bytes())
+    proto = sp_proto(src_tokenizer)
     proto.normalizer_spec.add_dummy_prefix = False
     proto.normalizer_spec.remove_extra_whitespaces = False
     tok = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())

@@ -67,7 +67,7 @@ from mmadapt import __version__
 from mmadapt.checkpoint import atomic_write, refuse_other_files
 from mmadapt.config import TINY_ENV, TINY_FLAGS, LoopConfig, PreprocessConfig, TrainConfig, scored_positions
 from mmadapt.faults import pid_alive
-from mmadapt.tokenizer import load
+from mmadapt.tokenizer import has_byte_fallback, load, sp_proto
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID, UNK_ID
 
 TEXT = "text"  # prefix of the indexed dataset inside a prepared directory
@@ -199,10 +199,7 @@ def _name_prefix(model: Path, prefix: Path) -> None:
     alike be refused as holding another tokenizer. (The vocabulary itself is the same for the same
     text, seed and num_threads: SentencePiece's EM sums each thread's share apart; the manifest
     names the corpus.)"""
-    from sentencepiece import sentencepiece_model_pb2 as sp_model
-
-    proto = sp_model.ModelProto()
-    proto.ParseFromString(model.read_bytes())
+    proto = sp_proto(model)
     proto.trainer_spec.model_prefix = Path(prefix).name
     del proto.trainer_spec.input[:]
     model.write_bytes(proto.SerializeToString())
@@ -548,13 +545,18 @@ def _merge(prefixes: list[str], out_prefix: str, dtype) -> None:
     del indexes
 
 
-def follows_byte_fallback(out_dir: Path, source_has_it: bool) -> bool:
-    """PreprocessConfig.byte_fallback of a target corpus a step prepares into `out_dir` after its
-    source's tokenizer (`source_has_it`): what a dataset already there was prepared with (a
-    stopped run's own, resumed: one made before the setting existed has none), else the source's."""
+def follows_byte_fallback(out_dir: Path, source_tokenizer: Path, vocab_mode: str) -> bool:
+    """PreprocessConfig.byte_fallback of the target corpus a Step-2 run (adapt, a sweep, extend)
+    prepares into `out_dir` over a source with the tokenizer `source_tokenizer`: none under
+    --vocab_mode expand (the merged vocabulary is the source's kind, its byte fallback the
+    source's own); what a dataset already there was prepared with (a stopped run's own, resumed:
+    one made before the setting existed has none); else the source's (has_byte_fallback), so that
+    the new vocabulary reads any text the source reads."""
+    if vocab_mode == "expand":
+        return False
     if (out_dir / MANIFEST).is_file():
         return bool(read_manifest(out_dir).get("byte_fallback"))
-    return source_has_it
+    return has_byte_fallback(source_tokenizer)
 
 
 def read_manifest(data_path: str | os.PathLike) -> dict:

@@ -60,7 +60,7 @@ from mmadapt.heldout import Primary, Scorer, Text, pretrained_on
 from mmadapt.models.layers import new_rows_name
 from mmadapt.parallel import from_rank0, is_rank0, launched_world_size, rank0_prepares
 from mmadapt.run import RunSpec, Source
-from mmadapt.tokenizer import WORD_BOUNDARY, cut_to_multiple, expand_hf, is_hf, pieces, source_form
+from mmadapt.tokenizer import WORD_BOUNDARY, cut_to_multiple, expand_hf, is_hf, pieces, source_form, sp_proto
 
 
 # --- the merged vocabulary ---------------------------------------------------------------------------
@@ -130,23 +130,17 @@ def _formable_by_bpe(source: sp_model.ModelProto, candidates: list[str]) -> list
     return [c for c in candidates if c in kept]
 
 
-def _proto(path: Path) -> sp_model.ModelProto:
-    proto = sp_model.ModelProto()
-    proto.ParseFromString(Path(path).read_bytes())
-    return proto
-
-
 def expand(source: Path, target: Path) -> Expansion:
     """The merged tokenizer of the source tokenizer `source` and the target SentencePiece model
     `target` (module docstring). ValueError when the target adds no piece: nothing would train."""
     if is_hf(target):
         raise ValueError(f"the target tokenizer {target} is an imported Hugging Face tokenizer; expand appends the "
                          "pieces of a SentencePiece model (mmadapt preprocess trains one)")
-    trg = _proto(target)
+    trg = sp_proto(target)
     src_pieces = pieces(source)
     form = source_form(source)  # an uncased WordPiece source's lower case: what its normaliser can produce
     candidates = missing_pieces(src_pieces, [form(p.piece) for p in trg.pieces], [p.type == _NORMAL for p in trg.pieces])
-    merged = None if is_hf(source) else _proto(source)
+    merged = None if is_hf(source) else sp_proto(source)
     bpe = merged is not None and merged.trainer_spec.model_type == _BPE
     if merged is None:
         model, new = expand_hf(source, candidates, EXPAND_MULTIPLE, {form(p.piece): p.score for p in trg.pieces})

@@ -44,14 +44,13 @@ from mmadapt.config import (MIN_VOCAB_SIZE, MiniModelConfig, PreprocessConfig, T
                             check_lang, output_inside_an_input, tiny_default)
 from mmadapt.corpora import check_bible_lang, resolve_corpus
 from mmadapt.data import (MANIFEST, UNKNOWN_REFUSE, DataError, NothingHeldOut, check_corpus, corpus_fingerprint,
-                          read_manifest, sample_unknown_share)
+                          follows_byte_fallback, read_manifest, sample_unknown_share)
 from mmadapt.graft import check_siblings
 from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import (TRANSFORMERS, OtherVocabulary, export_hf, files_differ, files_digest, import_any,
                         config_json, import_kind, model_dir_files, read_hf_config, sentence_transformers_body)
 from mmadapt.run import RUN_TOKENIZER, RunSpec, read_source, run_progress, run_text_layout
-from mmadapt.tokenizer import has_byte_fallback
 from mmadapt.train import lm_batches
 
 RECORD = "extend.json"
@@ -437,11 +436,8 @@ def _prepared(ext: Extend, imported: Path, say) -> Path:
                             "trained on the text as it was; choose a new --output_dir to extend on the new text")
     else:
         say(f"prepare the {ext.lang} corpus ({ext.vocab_mode} vocabulary)")
-        # a replaced vocabulary reads any text as the model's own does where that has byte fallback
-        # (Llama-2, Mistral): a character without a piece is its bytes' pieces, not <unk>
-        fallback = ext.vocab_mode == "replace" and has_byte_fallback(imported / RUN_TOKENIZER)
         prep = PreprocessConfig(workers=1, valid_fraction=HELD_OUT, tokenizer_sample_lines=ext.tokenizer_sample_lines,
-                                byte_fallback=fallback)
+                                byte_fallback=follows_byte_fallback(data, imported / RUN_TOKENIZER, ext.vocab_mode))
         try:
             steps.preprocess(ext.corpus, output_dir=data, vocab_size=ext.vocab_size, cfg=prep,
                              expand_from=imported if ext.vocab_mode == "expand" else None)

@@ -40,7 +40,7 @@ from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft, read_ba
 from mmadapt.family import HFMapping, Implied, ModelFamily, inverse_permutation
 from mmadapt.models import FAMILIES
 from mmadapt.run import RUN_TOKENIZER, read_source, require_head
-from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf
+from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf, sp_proto
 from mmadapt.tokens import BOS_ID
 from mmadapt.tokenizer import kind as tokenizer_kind
 
@@ -795,12 +795,10 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
     tokenizer with the same ids, laid out as `layout` says (a family mapping's tokenizer_layout:
     the encoder's is <s> text </s> for one text, <s> a </s></s> b </s> for a pair, as features.py
     encodes them)."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
     from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import Unigram
 
-    proto = pb.ModelProto()
-    proto.ParseFromString(Path(spm_path).read_bytes())
+    proto = sp_proto(spm_path)
     if proto.trainer_spec.model_type != 1:
         raise ValueError(f"{spm_path} is not a unigram SentencePiece model (as mmadapt trains them)")
     # byte fallback (PreprocessConfig.byte_fallback): a character outside the pieces is its UTF-8

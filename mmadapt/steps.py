@@ -67,7 +67,6 @@ from mmadapt.run import (RUN_TOKENIZER, ChangedRun, RunSpec, Source, Started, ag
                          start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, check_one_file_per_language, get_task
-from mmadapt.tokenizer import has_byte_fallback
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.train import LMJob, TextData, client_state, task_step, train_lm
 
@@ -657,8 +656,8 @@ def _sweep_data(run: RunSpec, step: Sweep, src: Source) -> Path:
             raise ValueError("--corpus needs --valid_fraction (e.g. 0.03): the plug-in metric scores held-out text")
         data_path = run.output_dir / "data"
         what = f"the {step.lang} corpus in {data_path}"
-        prep = dataclasses.replace(step.prep, byte_fallback=step.train.vocab_mode != "expand" and follows_byte_fallback(
-            data_path, has_byte_fallback(src.tokenizer)))
+        prep = dataclasses.replace(step.prep, byte_fallback=follows_byte_fallback(data_path, src.tokenizer,
+                                                                                  step.train.vocab_mode))
         parallel.rank0_prepares(lambda: preprocess(run.corpus, data_path, step.vocab_size or src.cfg.vocab_size,
                                                    prep), what)
         wait_for(data_path / MANIFEST, what)

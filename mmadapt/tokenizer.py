@@ -76,17 +76,27 @@ def kind(tokenizer: str | os.PathLike) -> str:
     return str((doc.get("model") or {}).get("type", "unknown")).lower()
 
 
-def has_byte_fallback(path: str | os.PathLike) -> bool:
-    """Whether a run's tokenizer writes a character it has no piece for as the pieces of its
-    UTF-8 bytes (<0xE4>) rather than <unk>: Llama-2's and Mistral's imported, or a SentencePiece
-    model trained with PreprocessConfig.byte_fallback."""
-    if is_hf(path):
-        return load(path).byte_fallback
+def sp_proto(path: str | os.PathLike):
+    """A SentencePiece model file as its protobuf (sentencepiece_model_pb2.ModelProto)."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     proto = pb.ModelProto()
     proto.ParseFromString(Path(path).read_bytes())
-    return proto.trainer_spec.byte_fallback
+    return proto
+
+
+def _byte_fallback(doc: dict) -> bool:
+    """Whether a `tokenizers` pipeline `doc` (its JSON) has SentencePiece's byte fallback."""
+    return bool((doc.get("model") or {}).get("byte_fallback"))
+
+
+def has_byte_fallback(path: str | os.PathLike) -> bool:
+    """Whether a run's tokenizer writes a character it has no piece for as the pieces of its
+    UTF-8 bytes (<0xE4>) rather than <unk>: Llama-2's and Mistral's imported, or a SentencePiece
+    model trained with PreprocessConfig.byte_fallback. (Reads the file's flag: no tokenizer built.)"""
+    if is_hf(path):
+        return _byte_fallback(json.loads(Path(path).read_text(encoding="utf-8"))["tokenizer"])
+    return sp_proto(path).trainer_spec.byte_fallback
 
 
 def pieces(path: str | os.PathLike) -> list[str]:
@@ -157,7 +167,7 @@ def never_produced(doc: dict) -> list[str]:
     if _uses_byte_level(doc):
         char = {b: c for c, b in _byte_decoder().items()}
         return [char[b] for b in NON_UTF8_BYTES]
-    if (doc.get("model") or {}).get("byte_fallback"):
+    if _byte_fallback(doc):
         return [f"<0x{b:02X}>" for b in NON_UTF8_BYTES]
     return []
 
@@ -226,7 +236,7 @@ class HFTokenizer:
         self.to_mmadapt = np.empty(len(self.hf_ids), dtype=np.int64)  # source id -> mmadapt id
         self.to_mmadapt[self.hf_ids] = np.arange(len(self.hf_ids))
         self.byte_level = _uses_byte_level(doc["tokenizer"])
-        self.byte_fallback = bool((doc["tokenizer"].get("model") or {}).get("byte_fallback"))
+        self.byte_fallback = _byte_fallback(doc["tokenizer"])
         model = doc["tokenizer"].get("model") or {}
         # WordPiece (BERT): word-initial tokens bare, continuations behind a prefix ("##")
         self.continuation = model.get("continuing_subword_prefix", "##") if model.get("type") == "WordPiece" else None

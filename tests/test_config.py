@@ -601,7 +601,7 @@ def test_mmadapt_tiny_caps_the_sample_extend_trains_its_vocabulary_on(monkeypatc
     """extend prepares its target corpus with a PreprocessConfig of its own: under MMADAPT_TINY=1
     its tokenizer sampled 2,000,000 lines where preprocess samples TINY_CAPS' 50,000; the
     preparation now takes the Extend's sample size, capped as preprocess's is."""
-    from mmadapt import cli, extend, steps
+    from mmadapt import cli, data, extend, steps
     from mmadapt.config import TINY_CAPS, PreprocessConfig
 
     model = _config_only_model(tmp_path)
@@ -616,7 +616,7 @@ def test_mmadapt_tiny_caps_the_sample_extend_trains_its_vocabulary_on(monkeypatc
     prepared, asked = [], []
     monkeypatch.setattr(steps, "preprocess", lambda *a, cfg, **kw: prepared.append(cfg))
     # ... and trains it with byte fallback where the model's own tokenizer has it (replace mode)
-    monkeypatch.setattr(extend, "has_byte_fallback", lambda path: asked.append(path) or True)
+    monkeypatch.setattr(data, "has_byte_fallback", lambda path: asked.append(path) or True)
     extend._prepared(seen[-1], model, say=lambda line: None)
     assert prepared[0].tokenizer_sample_lines == TINY_CAPS["tokenizer_sample_lines"]
     assert prepared[0].byte_fallback and asked == [model / "tokenizer" / "spm.model"]
