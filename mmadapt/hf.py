@@ -808,8 +808,10 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
                             byte_fallback=fallback))
     if proto.normalizer_spec.precompiled_charsmap:
         tok.normalizer = normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap)
-    # SentencePiece drops extra whitespace and marks each word's start with '▁'.
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+    # SentencePiece drops extra spaces (remove_extra_whitespaces: after its normalizer has made a
+    # tab or newline one) and marks each word's start with '▁'. Split on ' ' alone: WhitespaceSplit
+    # also splits on what the normalizer keeps and SentencePiece reads as a character (U+0085).
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", behavior="removed"),
                                                  pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
     if fallback:

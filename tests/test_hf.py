@@ -8,6 +8,7 @@ position attends to it)."""
 
 import dataclasses
 import json
+import unicodedata
 
 import pytest
 import torch
@@ -356,6 +357,13 @@ def test_exported_sentencepiece_gives_mmadapt_ids_on_the_whole_german_bible(de_t
     assert len(verses) > 30_000 and not differ, differ[:3]
     pair = tok("Am Anfang", "schuf Gott")["input_ids"]
     assert pair == [BOS_ID, *sp.encode("Am Anfang"), EOS_ID, EOS_ID, *sp.encode("schuf Gott"), EOS_ID]
+    # every character Python or SentencePiece's normalizer may take for a space or a control, alone,
+    # doubled and at either end (U+0085 is whitespace to tokenizers' WhitespaceSplit, a character
+    # to SentencePiece)
+    odd = [chr(c) for c in range(0x3001) if chr(c).isspace() or unicodedata.category(chr(c)) in ("Cc", "Cf", "Zs")]
+    texts = [t for c in odd + ["\u2028", "\ufeff"] for t in (f"Am{c}Anfang", f"Am {c}{c} Anfang", f"{c}Am", f"Am{c}")]
+    got = tok(texts, add_special_tokens=False)["input_ids"]
+    assert [t for t, ids in zip(texts, got) if ids != sp.encode(t)] == []
 
 
 @pytest.mark.parametrize("kind", ["tag", "span"])
