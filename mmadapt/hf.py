@@ -795,7 +795,7 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
     tokenizer with the same ids, laid out as `layout` says (a family mapping's tokenizer_layout:
     the encoder's is <s> text </s> for one text, <s> a </s></s> b </s> for a pair, as features.py
     encodes them)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import Unigram
 
     proto = sp_proto(spm_path)
@@ -816,12 +816,36 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
     if fallback:
         tok.decoder = decoders.Sequence([decoders.ByteFallback(), tok.decoder])
+        cut = _byte_name_cut([p.piece for p in proto.pieces if p.type in (1, 4)])
+        if cut is not None:
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [tok.pre_tokenizer, pre_tokenizers.Split(Regex(cut), behavior="merged_with_previous")])
     # control pieces (<pad>, <s>, </s>, <mask>; <mask> user-defined in tokenizers trained before
     # 2026-12-04) are whole tokens, never split
     tok.add_special_tokens([AddedToken(p.piece, normalized=False, special=True) for p in proto.pieces
                             if p.type in (3, 4)])
     roles = {role: proto.pieces[i].piece for i, role in enumerate(SPECIAL_ROLES)}
     return _fast_tokenizer(tok, layout, roles, model_max_length)
+
+
+# Where a byte piece's name in text ('<0x41>') is cut so that it reads as the text it is: each
+# place in the name, the pieces that would cross it, and the Split pattern ending at it.
+_BYTE_NAME_CUTS = ((r"<0", r"<(?=0x[0-9A-F]{2}>)"), (r"0x", r"<0(?=x[0-9A-F]{2}>)"),
+                   (r"x[0-9A-F]", r"<0x(?=[0-9A-F]{2}>)"), (r"[0-9A-F]{2}", r"<0x[0-9A-F](?=[0-9A-F]>)"),
+                   (r"[0-9A-F]>", r"<0x[0-9A-F]{2}(?=>)"))
+
+
+def _byte_name_cut(pieces: list[str]) -> str | None:
+    """The Split pattern that keeps a byte-fallback Unigram from matching a byte piece's name in
+    text, given the vocabulary's text `pieces` (normal and user-defined): SentencePiece never
+    matches a byte piece, tokenizers' Unigram matches every entry, and a byte piece's score (0)
+    beats any path of pieces ('<0x41>' read as 'A'). The cut falls where no piece crosses it, so
+    SentencePiece's best segmentation splits there too and both sides segment alike; None where
+    some piece crosses every place."""
+    for crossing, pattern in _BYTE_NAME_CUTS:
+        if not any(re.search(crossing, p) for p in pieces):
+            return pattern
+    return None
 
 
 def _fast_tokenizer(tok, layout: dict, roles: dict[str, str], model_max_length: int):

@@ -366,6 +366,26 @@ def test_exported_sentencepiece_gives_mmadapt_ids_on_the_whole_german_bible(de_t
     assert [t for t, ids in zip(texts, got) if ids != sp.encode(t)] == []
 
 
+@pytest.mark.parametrize("code", ["", "x<0 " * 3])
+def test_exported_byte_fallback_reads_a_byte_pieces_name_as_text(code, tmp_path):
+    """tokenizers' Unigram matches a byte piece ('<0x41>') in text, SentencePiece never does: the
+    export cuts the name where no piece of the vocabulary crosses and gives SentencePiece's ids on
+    such text. `code` in the training text makes a piece '<0', which crosses the first cut."""
+    from mmadapt.data import train_tokenizer
+    from mmadapt.hf import spm_to_hf
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"{v} {code}\n" for v in bible_lines("de", range(1, 3))), encoding="utf-8")
+    model = train_tokenizer(corpus, tmp_path / "sp", 800, threads=1, byte_fallback=True)
+    sp = load_sp(model)
+    assert any("<0" in sp.id_to_piece(i) for i in range(sp.get_piece_size()) if not sp.is_byte(i)) == bool(code)
+    tok = spm_to_hf(model, SEQ, ROBERTA.hf.tokenizer_layout(None, False, ModelConfig()))
+    for text in ["<0x41>", "a<0x41>b <0x0A><0xE4> <<0xC3><0xA4>>", "x<0x1F>x<0x00> <0x4 <0x4G> 0x41>"]:
+        ids = sp.encode(text)
+        assert tok(text, add_special_tokens=False).input_ids == ids, text
+        assert tok.decode(ids) == sp.decode(ids) == text
+
+
 @pytest.mark.parametrize("kind", ["tag", "span"])
 def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_path):
     """The body of the imported model, a random task head, the German embeddings."""
