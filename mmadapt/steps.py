@@ -639,7 +639,8 @@ class Sweep(StepSpec):
 def _sweep_data(run: RunSpec, step: Sweep, src: Source) -> Path:
     """The sweep's prepared target dataset (a raw corpus prepared by global rank 0 into
     <output_dir>/data while the others wait: parallel.rank0_prepares; with byte fallback where the
-    source `src`'s tokenizer has it, as Step 2's own: adapt.Step2Plan)."""
+    source `src`'s tokenizer has it, as Step 2's own: adapt.Step2Plan; --vocab_mode expand: the
+    source's vocabulary with the target's new pieces, as Step 2 merges it)."""
     if (run.corpus is None) == (run.data_path is None):
         raise ValueError("pass one of --data_path (a prepared target dataset with a validation split) and --corpus")
     if run.data_path is not None:
@@ -658,8 +659,9 @@ def _sweep_data(run: RunSpec, step: Sweep, src: Source) -> Path:
         what = f"the {step.lang} corpus in {data_path}"
         prep = dataclasses.replace(step.prep, byte_fallback=follows_byte_fallback(data_path, src.tokenizer,
                                                                                   step.train.vocab_mode))
+        expand_from = step.source if step.train.vocab_mode == "expand" else None  # the source's vocabulary, extended
         parallel.rank0_prepares(lambda: preprocess(run.corpus, data_path, step.vocab_size or src.cfg.vocab_size,
-                                                   prep), what)
+                                                   prep, expand_from=expand_from), what)
         wait_for(data_path / MANIFEST, what)
     if not read_manifest(data_path).get("valid"):
         raise ValueError(f"{data_path} has no validation split for the plug-in metric: prepare it with mmadapt "

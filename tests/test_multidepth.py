@@ -570,6 +570,29 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     assert all(r["bpb_bytes"] > records[0]["bpb_bytes"] for r in rescored)
 
 
+def test_sweep_on_a_corpus_with_an_expanded_vocabulary(three_head_run, de_corpus, tmp_path, capsys):
+    """sweep --vocab_mode expand --corpus prepares the source's vocabulary with the target's new
+    pieces appended, as adapt does on the same corpus (it had prepared a replace vocabulary, which
+    the first depth then refused as no expansion of the source's, and so did every rerun)."""
+    from mmadapt.cli import main
+    from mmadapt.data import read_manifest
+    from mmadapt.expand import check_expansion
+    from mmadapt.tokenizer import pieces
+
+    out = tmp_path / "sweep"
+    assert main(["sweep", "--source", str(three_head_run), "--lang", "de", "--corpus", str(de_corpus),
+                 "--valid_fraction", "0.1", "--vocab_mode", "expand", "--mini_layers", "2", "--vocab_size", "300",
+                 "--output_dir", str(out), "--train_iters", "2", "--save_interval", "2", "--log_interval", "2",
+                 "--train_micro_batch_size_per_gpu", "8", "--plugin_blocks", "16"]) == 0, capsys.readouterr().err
+    source = three_head_run / "tokenizer" / "spm.model"
+    assert check_expansion(source, out / "data" / "tokenizer.model") == VOCAB
+    merged = pieces(out / "data" / "tokenizer.model")
+    assert merged[:VOCAB] == pieces(source) and len(merged) > VOCAB
+    assert read_manifest(out / "data")["vocab_size"] == len(merged)
+    records = json.loads((out / "sweep.json").read_text())["records"]
+    assert {(r["mini_layers"], r["step"]) for r in records} == {(2, 0), (2, 2)}
+
+
 @pytest.mark.slow
 def test_step2_cli_over_a_chosen_depth(three_head_run, de_corpus, de_tokenizer, tmp_path, capsys):
     """adapt --mini_layers N over a multi-depth run; without it, the one-line choice error."""
