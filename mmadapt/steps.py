@@ -714,7 +714,9 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     source, out, src_cfg = src.path, run.output_dir, src.cfg
     if src.record.get("recipe") != "minijoint":
         raise ValueError(f"the sweep compares the mini-models of a MINIJOINT run; {source} has recipe "
-                         f"{src.record.get('recipe')}")
+                         f"{src.record.get('recipe')}: pretrain with --recipe minijoint --mini_layers N [M ...], or "
+                         "over this model build one mini-model per depth (mmadapt build_minipost --mini_layers N) and "
+                         "run mmadapt adapt --system minipost over each")
     depths = tuple(step.mini_layers or src_cfg.heads_after[:-1])
     for n in depths:
         src.family.minijoint_depth(src_cfg, n)

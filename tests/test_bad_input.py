@@ -980,6 +980,11 @@ CASES = [
                                                        "--output_dir", str(c.out), "--data_path", c.dir("d"),
                                                        "--vocab_size", "100", "--valid_fraction", "0.1"],
      "--vocab_size and --valid_fraction prepare a --corpus; --data_path"),
+    ("sweep-over-a-bl-base-run", lambda c: ["sweep", "--source", c.kind_copy("pretrain", recipe="bl_base"),
+                                            "--lang", "de", "--output_dir",
+                                            str(c.out), "--corpus", str(c.corpus), "--valid_fraction", "0.03"],
+     "has recipe bl_base: pretrain with --recipe minijoint --mini_layers N [M ...], or over this model build one "
+     "mini-model per depth (mmadapt build_minipost --mini_layers N)"),
     ("sweep-into-its-source", lambda c: ["sweep", "--source", str(c.primary), "--lang", "de", "--output_dir",
                                          str(c.primary), "--corpus", str(c.corpus), "--valid_fraction", "0.03"],
      "holds other files (checkpoints, metrics.jsonl, run.json, ...) and no sweep"),
