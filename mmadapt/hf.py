@@ -821,10 +821,17 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
     if fallback:
         tok.decoder = decoders.Sequence([decoders.ByteFallback(), tok.decoder])
-        cut = _byte_name_cut([p.piece for p in proto.pieces if p.type in (1, 4)])
-        if cut is not None:
-            tok.pre_tokenizer = pre_tokenizers.Sequence(
-                [tok.pre_tokenizer, pre_tokenizers.Split(Regex(cut), behavior="merged_with_previous")])
+        text_pieces = [p.piece for p in proto.pieces if p.type in (1, 4)]  # normal and user-defined
+        # A character no piece holds is its bytes' pieces, each spanning that character: tokenizers reads
+        # a run of them as one unknown token and gives each byte piece the whole run's offsets (a QA
+        # pipeline's answer cut from them widened to the run). Each alone, as SentencePiece's lattice
+        # holds it (no piece crosses it): the same ids.
+        known = "".join(sorted({c for p in text_pieces for c in p} | {"▁", " "}))
+        cuts = [pre_tokenizers.Split(Regex("[^" + re.sub(r"([\\\]\[^&-])", r"\\\1", known) + "]"),
+                                     behavior="isolated")]
+        if (cut := _byte_name_cut(text_pieces)) is not None:
+            cuts.append(pre_tokenizers.Split(Regex(cut), behavior="merged_with_previous"))
+        tok.pre_tokenizer = pre_tokenizers.Sequence([tok.pre_tokenizer, *cuts])
     # control pieces (<pad>, <s>, </s>, <mask>; <mask> user-defined in tokenizers trained before
     # 2026-12-04) are whole tokens, never split
     tok.add_special_tokens([AddedToken(p.piece, normalized=False, special=True) for p in proto.pieces

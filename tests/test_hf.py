@@ -408,6 +408,33 @@ def test_exported_sentencepiece_gives_mmadapt_ids_on_decomposed_text(byte_fallba
     assert not differ, differ[:3]
 
 
+def test_exported_byte_fallback_offsets_span_each_bytes_character(tmp_path):
+    """A byte piece's offsets are its character's, as a QA pipeline cuts answers from them: each
+    character outside the vocabulary apart (tokenizers read a run of them as one unknown token
+    and gave each of its byte pieces the whole run), the ids still SentencePiece's."""
+    from mmadapt.data import train_tokenizer
+    from mmadapt.hf import spm_to_hf
+
+    verses = bible_lines("vi", range(1, 3))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(verses) + "\n", encoding="utf-8")
+    model = train_tokenizer(corpus, tmp_path / "sp", 1000, threads=1, byte_fallback=True)
+    tok, sp = spm_to_hf(model, SEQ, ROBERTA.hf.tokenizer_layout(None, False, ModelConfig())), load_sp(model)
+    texts = [f"{v} 他说：“😀😁”。Шщ 12 & [^-]\\" for v in verses[:500]] + bible_lines("de", range(1, 2))[:500]
+    spans = 0
+    for text, enc in zip(texts, tok(texts, add_special_tokens=False, return_offsets_mapping=True).encodings):
+        assert enc.ids == sp.encode(text), text
+        run: list[str] = []
+        for piece, (a, b) in zip(enc.tokens, enc.offsets):
+            if sp.is_byte(sp.piece_to_id(piece)):
+                run.append(piece)
+                assert b - a == 1, (text, piece, text[a:b])  # one character, not the run
+                if bytes(int(p[3:5], 16) for p in run) == text[a:b].encode("utf-8"):
+                    spans, run = spans + 1, []
+        assert run == []  # every byte piece's run spelt its character
+    assert spans > 5000
+
+
 @pytest.mark.parametrize("kind", ["tag", "span"])
 def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_path):
     """The body of the imported model, a random task head, the German embeddings."""
