@@ -891,6 +891,7 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
     # A command's process froze its imports already (cli.run_process): that freeze outlives this one.
     frozen_before = gc.get_freeze_count() > 0
     gc.freeze()
+    stopped = False
     try:
         if workers == 1 or len(jobs) == 1:
             counts = [_encode_range(j) for j in jobs]
@@ -901,10 +902,18 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
         _merge([j[4] for j in jobs], str(out_dir / TEXT), dtype)
         if valid_fraction > 0:
             _merge([j[4] + ".valid" for j in jobs], str(out_dir / VALID), dtype)
+    except DataError:  # refused: prepare removes what it wrote, its tokenizer too
+        raise
+    except BaseException:
+        stopped = True
+        raise
     finally:  # a failed preparation leaves no shards behind (and no manifest: not a dataset)
         if not frozen_before:
             gc.unfreeze()
         shutil.rmtree(shard_dir, ignore_errors=True)
+        if stopped:  # Ctrl-C, a full disk: its tokenizer stays, and beside it the trace that says a stopped
+            shard_dir.mkdir(exist_ok=True)  # preparation put it there (check_own_tokenizer_kept): the same
+            # command again prepares anew, where it was refused as over a tokenizer put there by hand
     valid_counts = [int(sum(c[1][k] for c in counts)) for k in range(4)]  # sentences, documents, tokens, <unk>
     unknown = int(sum(c[0][3] for c in counts)) + valid_counts[3]  # the whole text's, as check_coverage reads it
     t_enc = time.perf_counter() - t1

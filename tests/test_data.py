@@ -1011,6 +1011,28 @@ def test_a_tokenizer_stopped_while_training_leaves_nothing_that_blocks_a_rerun(c
     assert manifest["vocab_size"] == 300 and (out / D.MANIFEST).is_file() and not list(out.glob("tokenizer.tmp*"))
 
 
+def test_a_preparation_stopped_while_encoding_is_prepared_again_by_the_same_command(corpus, tmp_path, monkeypatch):
+    """Ctrl-C while the corpus encodes (after its tokenizer landed): the same command again
+    prepares the directory (it was refused for good as holding a tokenizer.model put there by
+    hand, and `extend`, which runs it, could not go on); a refusal still removes that tokenizer."""
+    from mmadapt import steps
+
+    out = tmp_path / "prep"
+
+    def stopped(job):
+        raise KeyboardInterrupt
+    with monkeypatch.context() as m:
+        m.setattr(D, "_encode_range", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            steps.preprocess(corpus, out, 300, PreprocessConfig(workers=1))
+    assert (out / D.TOKENIZER).is_file() and not (out / D.MANIFEST).exists()
+    manifest = steps.preprocess(corpus, out, 300, PreprocessConfig(workers=1))
+    assert manifest["vocab_size"] == 300 and sorted(e.name for e in out.iterdir() if e.name.startswith(".")) == []
+    whole = steps.preprocess(corpus, tmp_path / "whole", 300, PreprocessConfig(workers=1))
+    assert manifest["tokenizer_sha256"] == whole["tokenizer_sha256"]
+    assert (out / "text.bin").read_bytes() == (tmp_path / "whole" / "text.bin").read_bytes()
+
+
 def test_a_dataset_prepared_again_alike_holds_the_same_tokenizer_bytes(corpus, tmp_path, monkeypatch):
     """SentencePiece records the prefix it trained into, tokenizer.tmp<pid>, in the model: each
     preparation's tokenizer had other bytes, so another sha256 in the manifest, and a --resume
