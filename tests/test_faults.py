@@ -522,6 +522,25 @@ def test_the_exceptions_a_demo_worker_raises_pickle_with_their_fields():
         assert type(back) is type(e) and str(back) == str(e) and vars(back) == vars(e)
 
 
+def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
+    """The `mmadapt` command's entry (mmadapt.__main__): a Ctrl-C in the seconds mmadapt.cli
+    imports torch, DeepSpeed and megatron-core says "interrupted" and exits 130, as one after
+    them does, not their import traceback (the command spawned and interrupted at once printed
+    61 lines through megatron.core's import)."""
+    import importlib.abc
+
+    from mmadapt import __main__ as entry
+
+    class Interrupted(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "mmadapt.cli":
+                raise KeyboardInterrupt
+    monkeypatch.delitem(sys.modules, "mmadapt.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    assert entry.main() == faults.EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
 def test_interrupted_when_interrupts_inside_its_block_alone():
     """faults.interrupted_when: the event set while the block runs raises KeyboardInterrupt there
     (a sleep is cut short); once the block is left, the event set later raises nothing; SIGINT's
