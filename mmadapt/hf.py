@@ -801,6 +801,7 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
     proto = sp_proto(spm_path)
     if proto.trainer_spec.model_type != 1:
         raise ValueError(f"{spm_path} is not a unigram SentencePiece model (as mmadapt trains them)")
+    check_exportable(spm_path, proto)
     # byte fallback (PreprocessConfig.byte_fallback): a character outside the pieces is its UTF-8
     # bytes' pieces (<0xE4>), as SentencePiece encodes it, and decodes back to it
     fallback = proto.trainer_spec.byte_fallback
@@ -838,6 +839,26 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
                             if p.type in (3, 4)])
     roles = {role: proto.pieces[i].piece for i, role in enumerate(SPECIAL_ROLES)}
     return _fast_tokenizer(tok, layout, roles, model_max_length)
+
+
+def check_exportable(spm_path: Path, proto=None) -> None:
+    """Refuse a SentencePiece model (`proto`: its parse, if read already) trained with settings
+    that spm_to_hf's pipeline does not follow, named as its training flags: a model given to
+    mmadapt preprocess --tokenizer may have them, one train_tokenizer trains has none. Its export
+    gave other ids on most lines (a user-defined piece is matched as an added token, and the
+    space before it lost)."""
+    proto = proto or sp_proto(spm_path)
+    t, n = proto.trainer_spec, proto.normalizer_spec
+    unread = [flag for flag, on in (("add_dummy_prefix=false", not n.add_dummy_prefix),
+                                    ("remove_extra_whitespaces=false", not n.remove_extra_whitespaces),
+                                    ("split_by_whitespace=false", not t.split_by_whitespace),
+                                    ("treat_whitespace_as_suffix=true", t.treat_whitespace_as_suffix)) if on]
+    defined = [p.piece for p in proto.pieces if p.type == 4 and p.piece != "<mask>"]  # <mask>: trained before 2026-12-04
+    unread += [f"user_defined_symbols {defined[:3]}{' ...' if len(defined) > 3 else ''}"] if defined else []
+    if unread:
+        raise ValueError(f"{spm_path} was trained with {', '.join(unread)}, which the exported tokenizer would not "
+                         "read as SentencePiece does (other ids than the model trained on): prepare the target data "
+                         "with a tokenizer mmadapt trains (mmadapt preprocess without --tokenizer)")
 
 
 # Where a byte piece's name in text ('<0x41>') is cut so that it reads as the text it is: each
@@ -984,6 +1005,8 @@ def export_hf(output_dir: str | os.PathLike, primary: str | os.PathLike | None =
         state = {**state, **{name: t.to(state[name].dtype) for name, t in swap.items()}}
         cfg = ModelConfig(**{**to_dict(cfg), "vocab_size": emb["word_embeddings"].shape[0]})
 
+    if not is_hf(Path(tokenizer)):  # before anything is written (write_hf exports it)
+        check_exportable(Path(tokenizer))
     imported = json.loads((primary_run / "run.json").read_text()).get("imported_from")
     model_type = imported["model_type"] if imported else None
     text_layout, dtype = (imported or {}).get("text_layout"), (imported or {}).get("dtype")

@@ -435,6 +435,29 @@ def test_exported_byte_fallback_offsets_span_each_bytes_character(tmp_path):
     assert spans > 5000
 
 
+@pytest.mark.parametrize("setting", [{"add_dummy_prefix": False}, {"remove_extra_whitespaces": False},
+                                     {"split_by_whitespace": False}, {"treat_whitespace_as_suffix": True},
+                                     {"user_defined_symbols": ["@@", "the"]}])
+def test_a_sentencepiece_model_the_export_would_read_otherwise_is_refused(setting, tmp_path):
+    """A tokenizer given to preprocess --tokenizer may be trained with settings the exported
+    pipeline does not follow (it gave other ids on 683 to all 1,109 lines): refused in one line
+    naming them, where the same model trained with mmadapt's settings exports."""
+    import sentencepiece as spm
+    from mmadapt.hf import spm_to_hf
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(bible_lines("en")) + "\n", encoding="utf-8")
+    layout = ROBERTA.hf.tokenizer_layout(None, False, ModelConfig())
+    for name, extra in (("plain", {}), ("odd", setting)):
+        spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / name), vocab_size=500,
+                                       model_type="unigram", pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+                                       control_symbols=["<mask>"], minloglevel=2, num_threads=1, **extra)
+    spm_to_hf(tmp_path / "plain.model", SEQ, layout)
+    flag = next(iter(setting))
+    with pytest.raises(ValueError, match=f"odd.model was trained with {flag}.*mmadapt preprocess without --tokenizer"):
+        spm_to_hf(tmp_path / "odd.model", SEQ, layout)
+
+
 @pytest.mark.parametrize("kind", ["tag", "span"])
 def test_export_of_tagger_and_qa_models(kind, runs, artifact, de_tokenizer, tmp_path):
     """The body of the imported model, a random task head, the German embeddings."""
