@@ -872,7 +872,8 @@ TINY_ENV = "MMADAPT_TINY"
 TINY_CAPS = {"train_iters": 8, "lr_warmup_iters": 2, "log_interval": 4, "seq_length": 64,
              "train_micro_batch_size_per_gpu": 4, "epochs": 1.0, "eval_iters": 2, "plugin_eval_blocks": 8,  # steps
              "workers": 2, "tokenizer_sample_lines": 50_000, "plugin_blocks": 8,  # PreprocessConfig, SweepConfig
-             "bpb_bytes": 1024}  # SweepConfig: its default, not a flag given (TINY_FLAGS caps those)
+             "bpb_bytes": 1024,  # SweepConfig: its default, not a flag given (TINY_FLAGS caps those)
+             "max_query_length": 24}  # FinetuneConfig: a QA question beside a context in 64 pieces
 TINY_FLAGS = {"vocab_size": 2000, "plugin_blocks": 8, "seq_length": 64,  # preprocess, adapt, sweep; evaluate
               "head_iters": 8, "minipost_iters": 8, "adapt_iters": 8, "batch": 4, "bpb_bytes": 1024,  # extend
               "plugin_eval_blocks": 8}

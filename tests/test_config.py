@@ -579,6 +579,11 @@ def test_mmadapt_tiny_shrinks_sizes_and_nothing_else(monkeypatch):
     from mmadapt.sweep import SweepConfig
     ns = cli.sweep_parser().parse_args(["--source", "s", "--lang", "de", "--output_dir", "o"])
     assert override(SweepConfig(), ns).bpb_bytes == TINY_CAPS["bpb_bytes"] < SweepConfig.bpb_bytes  # by default too
+    # a QA fine-tune's question fits beside its context at the capped seq_length (64 pieces of question were refused)
+    from mmadapt.config import FinetuneConfig
+    ns = cli.finetune_parser().parse_args(["--task", "xquad", "--primary", "p", "--train_file", "f", "--output_dir", "o"])
+    ft = override(FinetuneConfig(), ns)
+    assert ft.max_query_length == TINY_CAPS["max_query_length"] and ft.seq_length >= ft.max_query_length + 8
     printed = []
     for tiny in ("1", "0"):
         monkeypatch.setenv("MMADAPT_TINY", tiny)
