@@ -853,7 +853,8 @@ def check_exportable(spm_path: Path, proto=None) -> None:
                                     ("remove_extra_whitespaces=false", not n.remove_extra_whitespaces),
                                     ("split_by_whitespace=false", not t.split_by_whitespace),
                                     ("treat_whitespace_as_suffix=true", t.treat_whitespace_as_suffix)) if on]
-    defined = [p.piece for p in proto.pieces if p.type == 4 and p.piece != "<mask>"]  # <mask>: trained before 2026-12-04
+    # user-defined <mask>: mmadapt's tokenizers trained before 2026-12-04 (a special token in the export)
+    defined = [p.piece for p in proto.pieces if p.type == 4 and p.piece != "<mask>"]
     unread += [f"user_defined_symbols {defined[:3]}{' ...' if len(defined) > 3 else ''}"] if defined else []
     if unread:
         raise ValueError(f"{spm_path} was trained with {', '.join(unread)}, which the exported tokenizer would not "

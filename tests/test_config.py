@@ -581,7 +581,8 @@ def test_mmadapt_tiny_shrinks_sizes_and_nothing_else(monkeypatch):
     assert override(SweepConfig(), ns).bpb_bytes == TINY_CAPS["bpb_bytes"] < SweepConfig.bpb_bytes  # by default too
     # a QA fine-tune's question fits beside its context at the capped seq_length (64 pieces of question were refused)
     from mmadapt.config import FinetuneConfig
-    ns = cli.finetune_parser().parse_args(["--task", "xquad", "--primary", "p", "--train_file", "f", "--output_dir", "o"])
+    ns = cli.finetune_parser().parse_args(["--task", "xquad", "--primary", "p", "--train_file", "f",
+                                           "--output_dir", "o"])
     ft = override(FinetuneConfig(), ns)
     assert ft.max_query_length == TINY_CAPS["max_query_length"] and ft.seq_length >= ft.max_query_length + 8
     printed = []
