@@ -880,11 +880,12 @@ TINY_FLAGS = {"vocab_size": 2000, "plugin_blocks": 8, "seq_length": 64,  # prepr
 
 
 def tiny_default(name: str, value):
-    """What MMADAPT_TINY=1 makes of a flag's default `value` on a command line (its TINY_FLAGS
-    cap), where the environment sets it: a check that tells a flag given from its default takes
-    either as not given."""
-    if os.environ.get(TINY_ENV) == "1" and name in TINY_FLAGS and value is not None:
-        return min(value, TINY_FLAGS[name])
+    """What MMADAPT_TINY=1 makes of a field's default `value` (its TINY_FLAGS cap on a command
+    line, else its TINY_CAPS cap in the config built), where the environment sets it: a check
+    that tells a field given from its default takes either as not given."""
+    cap = TINY_FLAGS.get(name, TINY_CAPS.get(name))
+    if os.environ.get(TINY_ENV) == "1" and cap is not None and value is not None:
+        return min(value, type(value)(cap))
     return value
 
 

@@ -585,6 +585,13 @@ def test_mmadapt_tiny_shrinks_sizes_and_nothing_else(monkeypatch):
                                            "--output_dir", "o"])
     ft = override(FinetuneConfig(), ns)
     assert ft.max_query_length == TINY_CAPS["max_query_length"] and ft.seq_length >= ft.max_query_length + 8
+    from mmadapt.tasks import check_task_fields, get_task
+    ns = cli.finetune_parser().parse_args(["--task", "xnli", "--primary", "p", "--train_file", "f",
+                                           "--output_dir", "o"])
+    check_task_fields(get_task("xnli"), override(FinetuneConfig(), ns))  # the capped default is no QA flag given
+    with pytest.raises(ValueError, match="--max_query_length is for question answering"):
+        check_task_fields(get_task("xnli"), override(FinetuneConfig(), cli.finetune_parser().parse_args(
+            ["--task", "xnli", "--primary", "p", "--train_file", "f", "--output_dir", "o", "--max_query_length", "9"])))
     printed = []
     for tiny in ("1", "0"):
         monkeypatch.setenv("MMADAPT_TINY", tiny)
