@@ -879,14 +879,14 @@ TINY_FLAGS = {"vocab_size": 2000, "plugin_blocks": 8, "seq_length": 64,  # prepr
               "plugin_eval_blocks": 8}
 
 
-def tiny_default(name: str, value):
-    """What MMADAPT_TINY=1 makes of a field's default `value` (its TINY_FLAGS cap on a command
-    line, else its TINY_CAPS cap in the config built), where the environment sets it: a check
-    that tells a field given from its default takes either as not given."""
+def given(name: str, value, default) -> bool:
+    """Whether field `name`'s `value` was given: it is neither its `default` nor, where the
+    environment sets MMADAPT_TINY=1, what that makes of the default (its TINY_FLAGS cap on a
+    command line, else its TINY_CAPS cap in the config built)."""
     cap = TINY_FLAGS.get(name, TINY_CAPS.get(name))
-    if os.environ.get(TINY_ENV) == "1" and cap is not None and value is not None:
-        return min(value, type(value)(cap))
-    return value
+    if os.environ.get(TINY_ENV) == "1" and cap is not None and default is not None:
+        return value not in (default, min(default, type(default)(cap)))
+    return value != default
 
 
 def tiny_sizes(args: argparse.Namespace) -> argparse.Namespace:

@@ -41,7 +41,7 @@ from mmadapt.adapt import check_output_start, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, SCORING, ByteScorer, fold_caveat
 from mmadapt.config import (MIN_VOCAB_SIZE, MiniModelConfig, PreprocessConfig, TrainConfig, _f, check_declared,
-                            check_lang, output_inside_an_input, tiny_default)
+                            check_lang, given, output_inside_an_input)
 from mmadapt.corpora import check_bible_lang, resolve_corpus
 from mmadapt.data import (MANIFEST, UNKNOWN_REFUSE, DataError, NothingHeldOut, check_corpus, corpus_fingerprint,
                           follows_byte_fallback, read_manifest, sample_unknown_share)
@@ -394,7 +394,7 @@ def _given(ext: Extend, name: str) -> bool:
     """Whether field `name` was given: it is not its default (under MMADAPT_TINY=1 the command
     line's default is capped, 8 updates: not given either)."""
     default = Extend.__dataclass_fields__[name].default
-    return getattr(ext, name) not in (default, tiny_default(name, default))
+    return given(name, getattr(ext, name), default)
 
 
 def _check_stages_take(ext: Extend, imported: Path) -> None:

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from mmadapt.config import COLUMN_FIELDS, OWN_TASK_COLUMNS, FinetuneConfig, tiny_default
+from mmadapt.config import COLUMN_FIELDS, OWN_TASK_COLUMNS, FinetuneConfig, given
 from mmadapt.corpora import (GENRE_TEST_PER_CLASS, GENRE_TRAIN_PER_CLASS, TESTAMENT_TEST_PER_CLASS,
                              TESTAMENT_TRAIN_PER_CLASS, genre_examples, testament_examples)
 from mmadapt.features import (Encoded, Framing, best_spans, chunk_f1, encode_classify, encode_span, encode_tag, is_bio,
@@ -125,8 +125,7 @@ def check_task_fields(task: Task, cfg: FinetuneConfig) -> None:
     `--task xnli --label_column gold_label` trained with the flag dropped unsaid)."""
     defaults = FinetuneConfig()
     for name in SPAN_FIELDS:  # under MMADAPT_TINY=1 a default is capped (max_query_length), not given either
-        if task.kind != "span" and getattr(cfg, name) not in (getattr(defaults, name),
-                                                              tiny_default(name, getattr(defaults, name))):
+        if task.kind != "span" and given(name, getattr(cfg, name), getattr(defaults, name)):
             raise ValueError(f"--{name} is for question answering (xquad, mlqa), which {task.name} is not: drop it")
     if task.kind != "tag" and cfg.calculate_per_token_loss != defaults.calculate_per_token_loss:
         raise ValueError(f"--calculate_per_token_loss weighs a tag task's micro-batches by their tagged words; "
