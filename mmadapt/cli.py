@@ -204,8 +204,11 @@ def preprocess_parser() -> argparse.ArgumentParser:
                    "pieces trained on the corpus)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="without --tokenizer: whose vocab_size "
                    "to train")
-    add_dataclass_args(p, ModelConfig, only=("vocab_size",), defaults="--tokenizer's size, else the --preset's: "
-                       + ", ".join(f"{m.vocab_size} ({name})" for name, (m, _) in PRESETS.items()))
+    # the least a trained vocabulary holds, as adapt's, sweep's and extend's --vocab_size
+    p.add_argument("--vocab_size", type=whole_number(MIN_VOCAB_SIZE), help="SentencePiece vocabulary size V (special "
+                   "tokens included) (default: --tokenizer's size, else the --preset's: "
+                   + ", ".join(f"{m.vocab_size} ({name})" for name, (m, _) in PRESETS.items())
+                   + f") [>= {MIN_VOCAB_SIZE}]")
     add_dataclass_args(p, PreprocessConfig)
     return p
 
