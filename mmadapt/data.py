@@ -67,7 +67,7 @@ from mmadapt import __version__
 from mmadapt.checkpoint import atomic_write, refuse_other_files
 from mmadapt.config import TINY_ENV, TINY_FLAGS, LoopConfig, PreprocessConfig, TrainConfig, scored_positions
 from mmadapt.faults import pid_alive
-from mmadapt.tokenizer import has_byte_fallback, load, sp_proto
+from mmadapt.tokenizer import has_byte_fallback, is_hf, load, sp_proto, unexportable
 from mmadapt.tokens import BOS_ID, EOS_ID, IGNORE_INDEX, MASK_ID, NUM_SPECIAL, PAD_ID, UNK_ID
 
 TEXT = "text"  # prefix of the indexed dataset inside a prepared directory
@@ -728,12 +728,17 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         raise DataError(f"--output_dir {out_dir} is a file, not a directory: choose a directory for the dataset")
     if not (out_dir / MANIFEST).is_file():
         refuse_other_files(out_dir, _dataset_entry, "prepared dataset")
+    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     if tokenizer is not None:
         vocab_size = load_checked_tokenizer(tokenizer, vocab_size).get_piece_size()
+        unread = [] if is_hf(tokenizer) else unexportable(sp_proto(tokenizer))
+        if unread:  # the runs train and score with it; only their Hugging Face export is refused
+            say(f"note: {tokenizer} was trained with {', '.join(unread)}: runs on this data train and score, but "
+                "mmadapt export-hf will refuse them (its tokenizer would read text otherwise); to export, prepare "
+                "with a tokenizer mmadapt trains (no --tokenizer)")
     elif vocab_size is None:
         raise DataError("a vocabulary size is needed to train a tokenizer: pass --vocab_size (or --tokenizer)")
     fingerprint = corpus_fingerprint(corpus)
-    say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
     if (out_dir / MANIFEST).is_file():
         old = read_manifest(out_dir)
         seeded = tokenizer is None or valid_fraction > 0  # the seed trains the tokenizer, or draws the split

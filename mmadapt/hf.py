@@ -40,7 +40,7 @@ from mmadapt.graft import check_siblings, not_a_graft, nothing_to_graft, read_ba
 from mmadapt.family import HFMapping, Implied, ModelFamily, inverse_permutation
 from mmadapt.models import FAMILIES
 from mmadapt.run import RUN_TOKENIZER, read_source, require_head
-from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf, sp_proto
+from mmadapt.tokenizer import SPECIAL_ROLES, HFTokenizer, is_hf, sp_proto, unexportable
 from mmadapt.tokens import BOS_ID
 from mmadapt.tokenizer import kind as tokenizer_kind
 
@@ -799,8 +799,6 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
     from tokenizers.models import Unigram
 
     proto = sp_proto(spm_path)
-    if proto.trainer_spec.model_type != 1:
-        raise ValueError(f"{spm_path} is not a unigram SentencePiece model (as mmadapt trains them)")
     check_exportable(spm_path, proto)
     # byte fallback (PreprocessConfig.byte_fallback): a character outside the pieces is its UTF-8
     # bytes' pieces (<0xE4>), as SentencePiece encodes it, and decodes back to it
@@ -842,20 +840,9 @@ def spm_to_hf(spm_path: Path, model_max_length: int, layout: dict):
 
 
 def check_exportable(spm_path: Path, proto=None) -> None:
-    """Refuse a SentencePiece model (`proto`: its parse, if read already) trained with settings
-    that spm_to_hf's pipeline does not follow, named as its training flags: a model given to
-    mmadapt preprocess --tokenizer may have them, one train_tokenizer trains has none. Its export
-    gave other ids on most lines (a user-defined piece is matched as an added token, and the
-    space before it lost)."""
-    proto = proto or sp_proto(spm_path)
-    t, n = proto.trainer_spec, proto.normalizer_spec
-    unread = [flag for flag, on in (("add_dummy_prefix=false", not n.add_dummy_prefix),
-                                    ("remove_extra_whitespaces=false", not n.remove_extra_whitespaces),
-                                    ("split_by_whitespace=false", not t.split_by_whitespace),
-                                    ("treat_whitespace_as_suffix=true", t.treat_whitespace_as_suffix)) if on]
-    # user-defined <mask>: mmadapt's tokenizers trained before 2026-12-04 (a special token in the export)
-    defined = [p.piece for p in proto.pieces if p.type == 4 and p.piece != "<mask>"]
-    unread += [f"user_defined_symbols {defined[:3]}{' ...' if len(defined) > 3 else ''}"] if defined else []
+    """Refuse a SentencePiece model (`proto`: its parse, if read already) that spm_to_hf's
+    pipeline would not read as SentencePiece does (tokenizer.unexportable)."""
+    unread = unexportable(proto or sp_proto(spm_path))
     if unread:
         raise ValueError(f"{spm_path} was trained with {', '.join(unread)}, which the exported tokenizer would not "
                          "read as SentencePiece does (other ids than the model trained on): prepare the target data "

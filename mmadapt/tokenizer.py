@@ -85,6 +85,22 @@ def sp_proto(path: str | os.PathLike):
     return proto
 
 
+def unexportable(proto) -> list[str]:
+    """What of a SentencePiece model (its `proto`, sp_proto's) hf.spm_to_hf's pipeline does not
+    follow, named as its training flags: a model given to mmadapt preprocess --tokenizer may
+    have them, one train_tokenizer trains has none. Its export gave other ids on most lines (a
+    user-defined piece is matched as an added token, and the space before it lost)."""
+    t, n = proto.trainer_spec, proto.normalizer_spec
+    unread = [flag for flag, on in (("model_type other than unigram", t.model_type != 1),
+                                    ("add_dummy_prefix=false", not n.add_dummy_prefix),
+                                    ("remove_extra_whitespaces=false", not n.remove_extra_whitespaces),
+                                    ("split_by_whitespace=false", not t.split_by_whitespace),
+                                    ("treat_whitespace_as_suffix=true", t.treat_whitespace_as_suffix)) if on]
+    # user-defined <mask>: mmadapt's tokenizers trained before 2026-12-04 (a special token in the export)
+    defined = [p.piece for p in proto.pieces if p.type == 4 and p.piece != "<mask>"]
+    return unread + ([f"user_defined_symbols {defined[:3]}{' ...' if len(defined) > 3 else ''}"] if defined else [])
+
+
 def _byte_fallback(doc: dict) -> bool:
     """Whether a `tokenizers` pipeline `doc` (its JSON) has SentencePiece's byte fallback."""
     return bool((doc.get("model") or {}).get("byte_fallback"))

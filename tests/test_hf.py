@@ -437,12 +437,15 @@ def test_exported_byte_fallback_offsets_span_each_bytes_character(tmp_path):
 
 @pytest.mark.parametrize("setting", [{"add_dummy_prefix": False}, {"remove_extra_whitespaces": False},
                                      {"split_by_whitespace": False}, {"treat_whitespace_as_suffix": True},
-                                     {"user_defined_symbols": ["@@", "the"]}])
-def test_a_sentencepiece_model_the_export_would_read_otherwise_is_refused(setting, tmp_path):
+                                     {"user_defined_symbols": ["@@", "the"]}, {"model_type": "bpe"}])
+def test_a_sentencepiece_model_the_export_would_read_otherwise_is_refused(setting, tmp_path, capsys):
     """A tokenizer given to preprocess --tokenizer may be trained with settings the exported
     pipeline does not follow (it gave other ids on 683 to all 1,109 lines): refused in one line
-    naming them, where the same model trained with mmadapt's settings exports."""
+    naming them, where the same model trained with mmadapt's settings exports; preprocess says so
+    when it takes the model, not only the export at the end."""
     import sentencepiece as spm
+    from mmadapt.config import PreprocessConfig
+    from mmadapt.data import prepare
     from mmadapt.hf import spm_to_hf
 
     corpus = tmp_path / "corpus.txt"
@@ -450,12 +453,18 @@ def test_a_sentencepiece_model_the_export_would_read_otherwise_is_refused(settin
     layout = ROBERTA.hf.tokenizer_layout(None, False, ModelConfig())
     for name, extra in (("plain", {}), ("odd", setting)):
         spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / name), vocab_size=500,
-                                       model_type="unigram", pad_id=0, unk_id=1, bos_id=2, eos_id=3,
-                                       control_symbols=["<mask>"], minloglevel=2, num_threads=1, **extra)
+                                       pad_id=0, unk_id=1, bos_id=2, eos_id=3, control_symbols=["<mask>"],
+                                       minloglevel=2, num_threads=1, **{"model_type": "unigram", **extra})
     spm_to_hf(tmp_path / "plain.model", SEQ, layout)
     flag = next(iter(setting))
     with pytest.raises(ValueError, match=f"odd.model was trained with {flag}.*mmadapt preprocess without --tokenizer"):
         spm_to_hf(tmp_path / "odd.model", SEQ, layout)
+    for name in ("plain", "odd"):
+        capsys.readouterr()
+        prepare(corpus, tmp_path / f"data_{name}", None, tokenizer=tmp_path / f"{name}.model",
+                cfg=PreprocessConfig(workers=1))
+        said = [line for line in capsys.readouterr().out.splitlines() if "export-hf will refuse" in line]
+        assert len(said) == (name == "odd") and all(f"odd.model was trained with {flag}" in x for x in said), said
 
 
 @pytest.mark.parametrize("kind", ["tag", "span"])
