@@ -21,10 +21,17 @@ run_requeueable() {
     # only its parent); a failed touch under the template's set -e would end the batch shell
     trap 'stopping=1; { mkdir -p "$run_dir" && touch "$run_dir/STOP"; } || true' TERM
     wait "$pid" || rc=$?
-    # A trapped signal interrupts `wait` (status > 128) while the step is still saving.
-    while [[ $rc -gt 128 ]] && kill -0 "$pid" 2>/dev/null; do
-        rc=0
-        wait "$pid" || rc=$?
+    # A trapped signal interrupts `wait` (status > 128), the step still saving or already ended
+    # while the trap ran: wait again for its own status (bash keeps it once the step is gone),
+    # until two waits after its end agree (a step killed by a signal is > 128 itself).
+    local again
+    while [[ $rc -gt 128 ]]; do
+        again=0
+        wait "$pid" || again=$?
+        if [[ $again -eq $rc ]] && ! kill -0 "$pid" 2>/dev/null; then
+            break
+        fi
+        rc=$again
     done
     trap - TERM
     # After the warning, a step killed by a signal (status > 128: it could not say whether it
