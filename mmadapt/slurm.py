@@ -257,6 +257,7 @@ def main(argv=None) -> int:
         launcher_args = tuple(shlex.split(args.launcher_args))
     except ValueError as e:  # an unclosed quote: shlex's own words named no flag
         raise ValueError(f"--launcher_args {args.launcher_args!r}: {e}: quote its values as a shell would") from None
+    check_output_file(hostfile, "--hostfile")  # --dry-run refuses what the launch would
     cmd = job.command(hostfile, script, launcher_args)
     warning = devices_warning(dict(os.environ), job.gpus_per_node)
     if warning:

@@ -165,21 +165,24 @@ def test_cli_dry_run_and_error(capsys, monkeypatch):
 def test_a_hostfile_path_that_cannot_hold_it_is_refused_naming_the_flag(tmp_path, monkeypatch):
     """slurm-env --hostfile at a directory, or under a file: one line naming --hostfile through
     `python -m mmadapt.slurm` (the templates' entry; it was a traceback from the rename) and no
-    temporary left (the CLI said '.hf.tmp<pid>: Is a directory' and left it); an unclosed quote in
-    --launcher_args names the flag."""
+    temporary left (the CLI said '.hf.tmp<pid>: Is a directory' and left it), with --dry-run too;
+    an unclosed quote in --launcher_args names the flag."""
     import subprocess
 
     from conftest import REPO, child_env
 
     (tmp_path / "hf").mkdir()
     (tmp_path / "afile").write_text("x")
-    env = child_env(**fake_env("gpu[01-02]", 2, 0))
+    env, seen = child_env(**fake_env("gpu[01-02]", 2, 0)), set()
     # (config.check_output_file's words, as every command's file flag)
     for hostfile, message in ((tmp_path / "hf", f"error: --hostfile {tmp_path / 'hf'} is a directory: name a file"),
                               (tmp_path / "afile" / "h", f"error: --hostfile {tmp_path / 'afile' / 'h'} cannot be "
-                                                         f"written: {tmp_path / 'afile'} is a file, not a directory")):
-        proc = subprocess.run([sys.executable, "-m", "mmadapt.slurm", "--hostfile", str(hostfile), "--", "/bin/true"],
-                              cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
+                                                         f"written: {tmp_path / 'afile'} is a file, not a directory")
+                              ) * 2:  # and --dry-run, which showed the command a real launch refuses
+        dry = ["--dry-run"] * (message in seen)
+        seen.add(message)
+        proc = subprocess.run([sys.executable, "-m", "mmadapt.slurm", *dry, "--hostfile", str(hostfile), "--",
+                               "/bin/true"], cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
         assert proc.returncode == 2 and proc.stderr.strip().startswith(message), proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
         assert sorted(p.name for p in tmp_path.rglob("*")) == ["afile", "hf"]
