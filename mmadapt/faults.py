@@ -241,6 +241,34 @@ class StopRequest:
             signal.signal(s, h)
 
 
+@contextlib.contextmanager
+def stopped_after_checkpoint(step: int, tag: str):
+    """Work after a run's last complete checkpoint that the same command with --resume redoes
+    whole (Step 3's score of its --eval_file: minutes on XNLI's dev set): a SIGTERM (scancel,
+    preemption) ends it as one in the training loop ends that, Stopped (exit 75, which the
+    SLURM templates requeue), where the default action exited 143 saying nothing. Nothing is
+    lost: the checkpoint is complete. SIGINT keeps its Ctrl-C (interrupted, 130)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Stopped(step, tag, signal.Signals(signum).name)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except Stopped:
+        if _HELD is not None:  # more SIGTERMs in the teardown change nothing (stops_held_to_exit)
+            _HELD.setdefault(signal.SIGTERM, old)
+            signal.signal(signal.SIGTERM, _after_stop)
+            old = None
+        raise
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
 # A process's entry (stops_held_to_exit): the handlers a stop or pause put aside, restored once the
 # process's teardown is over; None outside one (a command called in-process gets them back at once).
 _HELD: dict | None = None

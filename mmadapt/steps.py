@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from mmadapt import checkpoint, parallel
+from mmadapt import checkpoint, faults, parallel
 from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
@@ -461,9 +461,10 @@ def finetune(run: RunSpec, step: Finetune) -> tuple[dict, torch.nn.Module]:
         if parallel.rank0_decides(lambda: is_finished(run.output_dir)):
             if parallel.is_rank0():
                 # the file source_score is on (not the run's identity: a --resume may score another)
-                record = started.record.finish(**_finetune_results(run.output_dir, task, plan, cfg,
-                                                                   started.record.read()),
-                                               **({"source_eval_file": step.eval_file} if step.eval_file else {}))
+                with faults.stopped_after_checkpoint(plan.updates, checkpoint.tag_for(plan.updates)):
+                    record = started.record.finish(**_finetune_results(run.output_dir, task, plan, cfg,
+                                                                       started.record.read()),
+                                                   **({"source_eval_file": step.eval_file} if step.eval_file else {}))
             dist.barrier()
         return record, engine.module
 

@@ -13,6 +13,7 @@ import torch
 
 from conftest import NO_DROPOUT, REPO, adapt_args, child_env, launch_cmd, metrics, run_pretrain
 from mmadapt.artifact import SAMPLED_KEY, read_artifact, write_artifact
+from mmadapt.checkpoint import tag_for
 from mmadapt import faults
 from mmadapt.config import FinetuneConfig
 from mmadapt import steps
@@ -333,6 +334,46 @@ def test_step3_stopped_and_resumed_equals_uninterrupted(primary_run, tmp_path):
     assert resumed["final_loss"] == full["final_loss"]
     a, b = load_finetuned(tmp_path / "full").state, load_finetuned(tmp_path / "part").state
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+TERM_WHILE_SCORING = """
+import os, signal, sys, time
+from mmadapt import steps
+from mmadapt.cli import main, run_process
+
+scores = steps._finetune_results
+def scoring(*args, **kw):  # a SIGTERM (scancel, preemption) while the --eval_file is scored
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(2)
+    return scores(*args, **kw)
+
+steps._finetune_results = scoring
+sys.exit(run_process(lambda: main(sys.argv[1:])))
+"""
+
+
+def test_a_sigterm_while_step3_scores_after_its_last_checkpoint_stops_it_for_resume(primary_run, tmp_path):
+    """Step 3 scores its --eval_file after the last checkpoint (minutes on XNLI's dev set): a
+    SIGTERM there killed it with 143 and no word, which the SLURM templates do not requeue. It
+    stops as in the training loop (75, one line); --resume then scores without training."""
+    from mmadapt.cli import main
+
+    out = tmp_path / "run"
+    argv = ["finetune", "--task", "bible-genre", "--primary", str(primary_run), "--output_dir", str(out),
+            "--seq_length", "64", "--epochs", "0.01", "--train_micro_batch_size_per_gpu", "8", "--eval_file", "bible",
+            "--ds_config", str(REPO / "ds_configs" / "zero0.json")]
+    proc = subprocess.run([sys.executable, "-c", TERM_WHILE_SCORING, *argv], capture_output=True, text=True,
+                          cwd=REPO, env=child_env(), timeout=600)
+    updates = json.loads((out / "run.json").read_text())["updates"]
+    assert proc.returncode == faults.EXIT_STOPPED, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (f"stopped by SIGTERM at update {updates}: checkpoint "
+                                                    f"{tag_for(updates)} is complete; run the same command with "
+                                                    "--resume to continue"), proc.stderr[-2000:]
+    assert "source_scores" not in json.loads((out / "run.json").read_text())
+    logged = metrics(out)
+    assert main([*argv, "--resume"]) == 0
+    assert json.loads((out / "run.json").read_text())["source_scores"]
+    assert metrics(out) == logged and logged[-1]["step"] == updates  # nothing trained again
 
 
 LAGGING_RANK = """
