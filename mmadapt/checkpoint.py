@@ -206,7 +206,9 @@ def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:
-    """`path` holds `data` (text or bytes) whole, or what it held before: never half."""
+    """`path` holds `data` (text or bytes) whole, or what it held before: never half. What an
+    earlier writer of `path` killed before its rename left goes (remove_dead_writes)."""
+    remove_dead_writes(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     binary = isinstance(data, bytes)
     with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
@@ -217,11 +219,14 @@ def atomic_write(path: Path, data: str | bytes) -> None:
 
 
 def remove_dead_writes(path: Path) -> None:
-    """The temporaries that atomic_write(`path`) left in processes of this host that are gone
-    (killed before the rename): removed; a live writer's stay."""
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.tmp*"):
-        m = re.fullmatch(rf"\.{re.escape(path.name)}\.tmp(\d+)", tmp.name)
-        if m and not pid_alive(int(m.group(1))):
+    """The temporaries that atomic_write(`path`) and publish_new(`path`) left in processes of
+    this host that are gone (killed before the rename or the link): removed; a live writer's
+    stay. (A run's record and a step's --output: each rerun's write left one more.)"""
+    name = re.escape(path.name)
+    own = re.compile(rf"\.{name}\.(?:tmp|new)(\d+)|\.\.{name}\.new\d+\.tmp(\d+)")  # publish_new's, staged
+    for tmp in path.parent.glob(f".*{glob.escape(path.name)}.*"):
+        m = own.fullmatch(tmp.name)
+        if m and not pid_alive(int(m.group(1) or m.group(2))):
             tmp.unlink(missing_ok=True)
 
 
@@ -231,6 +236,7 @@ def publish_new(path: Path, data: str | bytes, flag: str = "--output") -> None:
     publish, would replace its result without a word). A file system without hard links gets the
     check and the replace, not atomic."""
     path = Path(path)
+    remove_dead_writes(path)
     tmp = path.with_name(f".{path.name}.new{os.getpid()}")
     atomic_write(tmp, data)
     try:

@@ -112,6 +112,28 @@ def test_an_output_that_appears_while_the_command_runs_is_kept(tmp_path, capsys,
     assert (tmp_path / "fresh.json").read_text() == "{}\n"
 
 
+def test_what_a_killed_write_left_goes_with_the_next_write_of_its_file(tmp_path):
+    """A process killed inside atomic_write (a run's run.json) or publish_new (evaluate's and
+    report's --output) left its temporary, and every rerun that was killed so left one more,
+    never read and never removed. The next write of the same file removes a dead process's; a
+    live writer's and another file's stay."""
+    import os
+    import subprocess
+
+    from mmadapt.checkpoint import atomic_write, publish_new
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process holds now
+    dead = [f".run.json.tmp{gone.pid}", f".r.json.new{gone.pid}", f"..r.json.new{gone.pid}.tmp{gone.pid}"]
+    kept = [f".run.json.tmp{os.getppid()}", f".r.json.new{os.getppid()}", f".other.json.tmp{gone.pid}",
+            f".run.json.tmp{gone.pid}x"]
+    for name in dead + kept:
+        (tmp_path / name).write_text("{")
+    atomic_write(tmp_path / "run.json", "{}")
+    publish_new(tmp_path / "r.json", "[]\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["r.json", "run.json"])
+
+
 def test_speedups_and_plots(tmp_path):
     day = 2.592e18
     records = []
