@@ -14,26 +14,29 @@
 run_requeueable() {
     local run_dir=$1
     shift
-    local stopping=0 rc=0
-    "$@" &
-    local pid=$!
+    local stopping=0 rc=0 status
+    # The step's own status, written by the subshell that runs it: once the warning's trap cut
+    # the first `wait` short (143) and the step ended while the trap ran, a second `wait` gave
+    # -1 (or 127 in posix mode), and a step that had saved and exited 75 was not requeued.
+    status=$(mktemp "${TMPDIR:-/tmp}/mmadapt-status.XXXXXX")
     # mkdir: the warning can come before the step made its run directory (finetune.sbatch makes
-    # only its parent); a failed touch under the template's set -e would end the batch shell
+    # only its parent); a failed touch under the template's set -e would end the batch shell.
+    # Trapped before the step starts (a warning in between ended the batch shell); the subshell
+    # gets SIGTERM's default action back, as bash gives every subshell.
     trap 'stopping=1; { mkdir -p "$run_dir" && touch "$run_dir/STOP"; } || true' TERM
+    ( code=0; "$@" || code=$?; echo "$code" > "$status" ) &
+    local pid=$!
     wait "$pid" || rc=$?
-    # A trapped signal interrupts `wait` (status > 128), the step still saving or already ended
-    # while the trap ran: wait again for its own status (bash keeps it once the step is gone),
-    # until two waits after its end agree (a step killed by a signal is > 128 itself).
-    local again
-    while [[ $rc -gt 128 ]]; do
-        again=0
-        wait "$pid" || again=$?
-        if [[ $again -eq $rc ]] && ! kill -0 "$pid" 2>/dev/null; then
-            break
-        fi
-        rc=$again
+    # A trapped signal interrupts `wait` (status > 128) while the step is still saving.
+    while [[ $rc -gt 128 ]] && kill -0 "$pid" 2>/dev/null; do
+        rc=0
+        wait "$pid" || rc=$?
     done
     trap - TERM
+    if [[ -s $status ]]; then  # (empty: the subshell itself was killed; its status is wait's)
+        rc=$(<"$status")
+    fi
+    rm -f "$status"
     # After the warning, a step killed by a signal (status > 128: it could not say whether it
     # saved) is requeued too, --resume takes the newest complete checkpoint; one that finished
     # (0) or failed (1-3: a traceback, bad input, a divergence) is not: it would only run again
