@@ -209,7 +209,7 @@ def atomic_write(path: Path, data: str | bytes) -> None:
     """`path` holds `data` (text or bytes) whole, or what it held before: never half. What an
     earlier writer of `path` killed before its rename left goes (remove_dead_writes)."""
     remove_dead_writes(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}@{socket.gethostname()}")
     binary = isinstance(data, bytes)
     with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
         f.write(data)
@@ -221,9 +221,12 @@ def atomic_write(path: Path, data: str | bytes) -> None:
 def remove_dead_writes(path: Path) -> None:
     """The temporaries that atomic_write(`path`) and publish_new(`path`) left in processes of
     this host that are gone (killed before the rename or the link): removed; a live writer's
-    stay. (A run's record and a step's --output: each rerun's write left one more.)"""
-    name = re.escape(path.name)
-    own = re.compile(rf"\.{name}\.(?:tmp|new)(\d+)|\.\.{name}\.new\d+\.tmp(\d+)")  # publish_new's, staged
+    stay, and another host's (a shared file system), its processes unknown here. (A run's record
+    and a step's --output: each killed rerun's write left one more.) Names without a host are
+    from before 2026-12-06."""
+    name, host = re.escape(path.name), f"(?:@{re.escape(socket.gethostname())})?"
+    own = re.compile(rf"\.{name}\.(?:tmp|new)(\d+){host}"
+                     rf"|\.\.{name}\.new\d+{host}\.tmp(\d+){host}")  # publish_new's, staged by atomic_write
     for tmp in path.parent.glob(f".*{glob.escape(path.name)}.*"):
         m = own.fullmatch(tmp.name)
         if m and not pid_alive(int(m.group(1) or m.group(2))):
@@ -237,7 +240,7 @@ def publish_new(path: Path, data: str | bytes, flag: str = "--output") -> None:
     check and the replace, not atomic."""
     path = Path(path)
     remove_dead_writes(path)
-    tmp = path.with_name(f".{path.name}.new{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.new{os.getpid()}@{socket.gethostname()}")
     atomic_write(tmp, data)
     try:
         os.link(tmp, path)  # fails where path exists, however it came to

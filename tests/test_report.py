@@ -116,17 +116,22 @@ def test_what_a_killed_write_left_goes_with_the_next_write_of_its_file(tmp_path)
     """A process killed inside atomic_write (a run's run.json) or publish_new (evaluate's and
     report's --output) left its temporary, and every rerun that was killed so left one more,
     never read and never removed. The next write of the same file removes a dead process's; a
-    live writer's and another file's stay."""
+    live writer's, another host's (a shared file system: its pids are not this host's) and
+    another file's stay; names without a host (written before 2026-12-06) go by their pid."""
     import os
+    import socket
     import subprocess
 
     from mmadapt.checkpoint import atomic_write, publish_new
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid no process holds now
-    dead = [f".run.json.tmp{gone.pid}", f".r.json.new{gone.pid}", f"..r.json.new{gone.pid}.tmp{gone.pid}"]
-    kept = [f".run.json.tmp{os.getppid()}", f".r.json.new{os.getppid()}", f".other.json.tmp{gone.pid}",
-            f".run.json.tmp{gone.pid}x"]
+    me, live = f"{gone.pid}@{socket.gethostname()}", f"{os.getppid()}@{socket.gethostname()}"
+    dead = [f".run.json.tmp{me}", f".r.json.new{me}", f"..r.json.new{me}.tmp{me}", f".run.json.tmp{gone.pid}",
+            f"..r.json.new{gone.pid}.tmp{gone.pid}"]
+    kept = [f".run.json.tmp{live}", f".r.json.new{live}", f"..r.json.new{live}.tmp{live}",
+            f".run.json.tmp{gone.pid}@elsewhere", f".r.json.new{gone.pid}@elsewhere",
+            f"..r.json.new{gone.pid}@elsewhere.tmp{gone.pid}@elsewhere", f".other.json.tmp{me}", f".run.json.tmp{me}x"]
     for name in dead + kept:
         (tmp_path / name).write_text("{")
     atomic_write(tmp_path / "run.json", "{}")
