@@ -522,17 +522,20 @@ def resumed_tag(output_dir: Path, resume: bool, source: str | os.PathLike, tag: 
     return recorded["tag"]
 
 
-def read_source(run_dir: str | os.PathLike, tag: str | None = None) -> Source:
+def read_source(run_dir: str | os.PathLike, tag: str | None = None,
+                kinds: tuple[str, ...] = ("pretrain", "minipost")) -> Source:
     """The run `run_dir` at checkpoint `tag` (default: its newest complete one), checked to be a
-    complete run (read_run, checkpoint_tag); its weights are not loaded yet."""
+    complete run (read_run, checkpoint_tag) of one of `kinds` (require_kind: a step that takes
+    a Step-1 run alone names it so); its weights are not loaded yet."""
     path = Path(run_dir).resolve()
     record = read_run(path)
-    require_kind(Path(run_dir), record, "pretrain", "minipost")
+    require_kind(Path(run_dir), record, *kinds)
     cfg = dataclasses.replace(run_model(record, path), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     return Source(path, record, checkpoint_tag(path, tag), cfg, get_family(cfg))
 
 
-def agreed_source(run_dir: str | os.PathLike, choose: Callable[[], str | None] = lambda: None) -> Source:
+def agreed_source(run_dir: str | os.PathLike, choose: Callable[[], str | None] = lambda: None,
+                  kinds: tuple[str, ...] = ("pretrain", "minipost")) -> Source:
     """read_source(run_dir, choose()) for a step of a launched job: the checkpoint chosen on global
     rank 0 and read by every rank (parallel.rank0_decides; a refusal there raised on each). The
     source may still be saving (its pretraining running) as the step starts, and ranks listing its
@@ -540,8 +543,8 @@ def agreed_source(run_dir: str | os.PathLike, choose: Callable[[], str | None] =
     would take different ones: replicas over different frozen weights, none the wiser. `choose`:
     the tag asked for (resumed_tag; None: the newest complete). Where a rank cannot read the
     chosen checkpoint (pruned since), every rank stops (parallel.together)."""
-    tag = parallel.rank0_decides(lambda: read_source(run_dir, choose()).tag)
-    return parallel.together(lambda: read_source(run_dir, tag), f"could not read {run_dir}'s checkpoint {tag}")
+    tag = parallel.rank0_decides(lambda: read_source(run_dir, choose(), kinds).tag)
+    return parallel.together(lambda: read_source(run_dir, tag, kinds), f"could not read {run_dir}'s checkpoint {tag}")
 
 
 def text_prefix(run: dict, own_tokenizer: Path, tokenizer: Path | None = None) -> list[int] | None:

@@ -205,7 +205,8 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
     check_run(run, step, BuildMinipost)
     n, k = step.mini.one_depth("build_minipost"), step.mini.new_layers
     source = agreed_source(step.primary,
-                           lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag))
+                           lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag),
+                           kinds=("pretrain",))  # a mini-model's bottom layers are no primary model's
     require_head(source, "build_minipost")
     check_trained_positions(source, step.train.seq_length, "build_minipost")
     primary, src, tag, family = source.path, source.record, source.tag, source.family
@@ -271,7 +272,8 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
     body is the headless run's (`frozen_from`)."""
     check_run(run, step, FitHead)
     source = agreed_source(step.primary,
-                           lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag))
+                           lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag),
+                           kinds=("pretrain",))  # (a headless model is an import: Step 1)
     if not source.headless:
         raise ValueError(f"{source.path} has its MLM head already: fit-head trains one for a headless run (import-hf of "
                          "a BertModel, RobertaModel, XLMRobertaModel or CamembertModel, or of a sentence-transformers "

@@ -1016,9 +1016,14 @@ CASES = [
                                                           str(c.tmp / "r.json"), "--eval_batch_tokens", "0"],
      "error: --eval_batch_tokens must be >= 1, got 0"),
     # --- a run of the wrong kind: what it got and what it needs, in one line (issue 41)
+    # (it named "or a build_minipost run (Step 1b)", and build_minipost over one built a mini-model of a mini-model)
     ("minipost-primary-is-a-finetune-run", lambda c: c.minipost(primary=c.kind_copy("finetune", task="bible-genre")),
-     "is a finetune run (Step 3: a task model); this needs a pretrain or import-hf run (Step 1) or a build_minipost "
-     "run (Step 1b)"),
+     "is a finetune run (Step 3: a task model); this needs a pretrain or import-hf run (Step 1)"),
+    ("minipost-primary-is-a-minipost-run", lambda c: c.minipost(primary=c.kind_copy("minipost")),
+     "is a build_minipost run (Step 1b); this needs a pretrain or import-hf run (Step 1)"),
+    ("fit-head-primary-is-a-minipost-run", lambda c: ["fit-head", "--primary", c.kind_copy("minipost"), "--corpus",
+                                                      str(c.corpus), "--output_dir", str(c.out)],
+     "is a build_minipost run (Step 1b); this needs a pretrain or import-hf run (Step 1)"),
     ("adapt-source-is-an-adapt-run", lambda c: c.adapt()[:4] + [c.kind_copy("adapt")] + c.adapt()[5:],
      "is an adapt run (Step 2: its products are the artifacts under its embeddings/); this needs a pretrain"),
     ("finetune-primary-is-a-minipost-run", lambda c: c.finetune(primary=c.kind_copy("minipost")),
