@@ -90,7 +90,7 @@ class AdaptEmbeddings(StepSpec):
     train: TrainConfig
     vocab_size: int | None = _f(None, "the target vocabulary's pieces", flag=False, ge=MIN_VOCAB_SIZE)
     source_tag: str | None = None
-    mini_layers: int | None = None
+    mini_layers: int | None = _f(None, "MINIJOINT with several depths: the one to adapt", flag=False, ge=1)
 
     def __post_init__(self):
         super().__post_init__()

@@ -197,9 +197,9 @@ def whole_arg(value, name: str, lo: int, optional: bool = False) -> int | None:
     """A Python API argument that is a whole number >= lo (or None where `optional`)."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
         raise ValueError(f"{name} must be a whole number >= {lo}, got {value!r}")
-    return value
+    return int(value)  # NumPy's (a sweep over np.arange) as Python's, as check_declared takes them
 
 
 class Checked:
@@ -755,16 +755,24 @@ LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "
                  "attention_dropout", "attention_impl", "fusion")
 
 
+def _layout_field(name: str):
+    """A Layout field: None, or a value of ModelConfig's field `name`, checked against that
+    field's declared range and choices (each declared once, there)."""
+    return dataclasses.field(default=None, metadata=ModelConfig.__dataclass_fields__[name].metadata)
+
+
 @dataclass(frozen=True)
-class Layout:
+class Layout(Checked):
     """How a later step (1b, 2, 3) lays out and runs its source's model: the LAYOUT_FIELDS of
-    ModelConfig (see their help there), each None to keep the source run's."""
-    tensor_model_parallel_size: Optional[int] = None
-    pipeline_model_parallel_size: Optional[int] = None
-    hidden_dropout: Optional[float] = None
-    attention_dropout: Optional[float] = None
-    attention_impl: Optional[str] = None
-    fusion: Optional[str] = None
+    ModelConfig (see their help there), each None to keep the source run's. Checked when made
+    against ModelConfig's declarations, as the flags are (RunSpec's layout was refused only
+    when a step applied it)."""
+    tensor_model_parallel_size: Optional[int] = _layout_field("tensor_model_parallel_size")
+    pipeline_model_parallel_size: Optional[int] = _layout_field("pipeline_model_parallel_size")
+    hidden_dropout: Optional[float] = _layout_field("hidden_dropout")
+    attention_dropout: Optional[float] = _layout_field("attention_dropout")
+    attention_impl: Optional[str] = _layout_field("attention_impl")
+    fusion: Optional[str] = _layout_field("fusion")
 
     def apply(self, model: ModelConfig) -> ModelConfig:
         return dataclasses.replace(model, **{k: v for k, v in dataclasses.asdict(self).items() if v is not None})

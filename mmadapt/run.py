@@ -62,7 +62,8 @@ class RunSpec:
     trained on the corpus). resume: continue from the newest complete checkpoint. layout: how a
     later step lays out its source's model; Step 1 applies it over its ModelConfig. prep: how a
     raw corpus's tokenizer is trained (its sample of lines, its threads; the seed is the step's),
-    as preprocess trains one (MMADAPT_TINY=1 caps its sample as it caps preprocess's)."""
+    as preprocess trains one (MMADAPT_TINY=1 caps the sample the command line reads, as it caps
+    every flag it caps; a RunSpec made in Python is taken as given)."""
     output_dir: Path
     ds_config: Path = DEFAULT_DS_CONFIG
     data_path: Path | None = None

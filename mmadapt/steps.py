@@ -628,7 +628,7 @@ class Sweep(StepSpec):
     source: Path
     lang: str
     train: TrainConfig
-    mini_layers: tuple[int, ...] | None = None
+    mini_layers: tuple[int, ...] | None = _f(None, "the depths to sweep (default: every one)", flag=False, ge=1)
     cfg: SweepConfig = dataclasses.field(default_factory=SweepConfig)
     source_tag: str | None = None
     prep: PreprocessConfig = dataclasses.field(default_factory=PreprocessConfig)

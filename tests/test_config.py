@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mmadapt.cli import configs_from_args, pretrain_parser
-from mmadapt.config import TrainConfig, apply_recipe, check_output_file, override
+from mmadapt.config import Layout, TrainConfig, apply_recipe, check_output_file, override
 from mmadapt.models import PRESETS, find_preset
 from mmadapt.engine import load_ds_config
 
@@ -178,6 +178,16 @@ def test_every_numeric_field_declares_its_range():
     (lambda: __import__("mmadapt.extend").extend.Extend(model="m", lang="de", corpus="bible:de", output_dir="o",
                                                         plugin_eval_blocks=0),
      "Extend.plugin_eval_blocks must be >= 1, got 0"),
+    # a RunSpec's layout was refused only when a step applied it; a depth of 0 when the source was read
+    (lambda: Layout(tensor_model_parallel_size=0), "--tensor_model_parallel_size must be >= 1, got 0"),
+    (lambda: Layout(pipeline_model_parallel_size="2"), "--pipeline_model_parallel_size takes a whole number, got '2'"),
+    (lambda: Layout(fusion="bogus"), "--fusion must be one of auto, none, compile, cudagraphs, got 'bogus'"),
+    (lambda: Layout(hidden_dropout=float("nan")), "--hidden_dropout must be a finite number, got nan"),
+    (lambda: __import__("mmadapt.adapt").adapt.AdaptEmbeddings(system="minijoint", source="s", lang="de",
+                                                               train=TrainConfig(), mini_layers=0),
+     "AdaptEmbeddings.mini_layers must be >= 1, got 0"),
+    (lambda: __import__("mmadapt.steps").steps.Sweep(source="s", lang="de", train=TrainConfig(), mini_layers=[4, 0]),
+     "Sweep.mini_layers must be >= 1, got 0"),
     (lambda: __import__("mmadapt.extend").extend.Extend(model="m", lang="de", corpus="bible:de", output_dir="o",
                                                         vocab_size=7),
      "Extend.vocab_size must be >= 8, got 7"),
@@ -230,7 +240,9 @@ def test_every_numeric_field_declares_its_range():
         "blank-replay-data",
         "pretrain-recipe", "pretrain-recipe-heads", "pretrain-recipe-one-head", "adapt-system", "finetune-task",
         "evaluate-empty-list", "evaluate-plugin-blocks", "evaluate-eval-file", "evaluate-plugin-data",
-        "adapt-vocab-size", "sweep-vocab-size", "extend-plugin-eval-blocks", "extend-vocab-size", "run-spec-two-texts",
+        "adapt-vocab-size", "sweep-vocab-size", "extend-plugin-eval-blocks", "layout-tp-zero", "layout-pp-str",
+        "layout-fusion", "layout-dropout-nan", "adapt-mini-layers-zero", "sweep-mini-layers-zero",
+        "extend-vocab-size", "run-spec-two-texts",
         "preprocess-expand-no-size", "evaluate-graft-str", "evaluate-cfg-type", "plugin-two-primaries", "plugin-allow-str", "preprocess-vocab-float", "preprocess-vocab-small", "preprocess-cfg-type",
         "preprocess-output-inside-expand-from", "predict-two-runs", "encoder-two-runs", "predict-embeddings-type",
         "predict-graft-str", "predict-tag-type", "evaluate-output-type", "step-run-type", "step-step-type",
@@ -316,6 +328,13 @@ def test_numpy_numbers_become_python_numbers():
     assert json.loads(json.dumps(dataclasses.asdict(train)))["extra_save_steps"] == [5, 7]
     with pytest.raises(ValueError, match="--train_iters takes a whole number"):
         TrainConfig(train_iters=np.float64(5.0))
+    # the steps' own whole-number arguments too (evaluate's eval_batch_tokens refused np.int64(4096) as not one)
+    from mmadapt.config import whole_arg
+
+    assert type(whole_arg(np.int64(4096), "eval_batch_tokens", 1)) is int
+    with pytest.raises(ValueError, match=r"eval_batch_tokens must be a whole number >= 1, got np.float64\(4096.0\)"):
+        whole_arg(np.float64(4096), "eval_batch_tokens", 1)
+    assert Layout(tensor_model_parallel_size=np.int64(2)).tensor_model_parallel_size == 2
 
 
 def test_help_shows_each_flags_range():
