@@ -312,7 +312,10 @@ def kept_result(path: Path, key: dict, what: str) -> dict | None:
 
 
 def _files(tag_dir: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir()) if p.is_file() and p.name != "COMPLETE"}
+    """The files of a tag COMPLETE lists: not COMPLETE, nor a temporary of its atomic write that a
+    kill left (listed, then removed by the write itself, it made the tag 'damaged')."""
+    return {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())
+            if p.is_file() and p.name != "COMPLETE" and not p.name.startswith(".COMPLETE.tmp")}
 
 
 def damaged(tag_dir: Path) -> str | None:

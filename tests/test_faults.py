@@ -804,6 +804,22 @@ parallel.shutdown()  # as every command's process does (cli.run_process): gloo's
 
 
 @pytest.mark.slow
+def test_a_complete_marker_killed_in_its_write_leaves_the_tag_whole_when_written_again(tmp_path):
+    """A kill inside COMPLETE's atomic write left `.COMPLETE.tmp<pid>@<host>` in the tag; the
+    rerun's save listed it among the tag's files, then its own write of COMPLETE removed it (a
+    dead writer's), and the tag read as damaged ('... is missing') from then on."""
+    from mmadapt.checkpoint import damaged, tag_for, write_weights_only
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process holds now
+    tag = tmp_path / tag_for(2)
+    tag.mkdir()
+    (tag / f".COMPLETE.tmp{gone.pid}@{socket.gethostname()}").write_text('{"step": 2, "fi')
+    write_weights_only(tmp_path, 2, {"w": torch.zeros(2)}, {})
+    assert damaged(tag) is None and sorted(p.name for p in tag.iterdir()) == ["COMPLETE",
+                                                                              "mp_rank_00_model_states.pt"]
+
+
 def test_a_read_that_fails_on_one_rank_stops_every_rank_with_a_line_naming_it(tmp_path):
     """parallel.together: each rank's own value where every rank's read worked; where one rank's
     failed, that rank raises its own error and every other raises PeerFailed naming it, at once,
