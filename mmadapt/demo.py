@@ -53,7 +53,7 @@ from mmadapt import faults, parallel, steps
 from mmadapt.adapt import final_artifact_written
 from mmadapt.artifact import artifact_dirs
 from mmadapt.bpb import BPB_BYTES
-from mmadapt.checkpoint import atomic_write, read_json, staged_dir, write_weights_only
+from mmadapt.checkpoint import atomic_write, read_json, remove_dead_writes, staged_dir, write_weights_only
 from mmadapt.config import (CHANGEABLE_ON_RESUME, OUTPUT_BIAS_INITS, RECIPES, SYSTEMS, Checked, FinetuneConfig,
                             MiniModelConfig, ModelConfig, Parser, PreprocessConfig, TrainConfig, _f, add_dataclass_args,
                             apply_recipe, override, to_dict)
@@ -654,6 +654,8 @@ def check_output(root: Path, settings: dict) -> None:
     so a demo run again with other settings would report the old runs under the new settings, and
     another directory's files would be written over. A setting the directory's demo.json lacks
     (one added to the demo since) is not compared."""
+    if root.is_dir():  # a demo killed while it wrote demo.json left atomic_write's temporary alone
+        remove_dead_writes(root / "demo.json")
     if not root.is_dir() or not any(root.iterdir()):
         return
     if not (root / "demo.json").is_file():

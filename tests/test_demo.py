@@ -174,6 +174,26 @@ def test_demo_rescoring_with_other_step4_settings_keeps_the_runs(tmp_path):
         demo.check_output(tmp_path, {"retrieval_pairs": 500, "adapt_iters": 10})
 
 
+def test_a_demo_killed_while_it_wrote_its_settings_runs_again_in_its_directory(tmp_path):
+    """demo.json is written whole (atomic_write): a kill in the write left its temporary alone in
+    the directory, and the same command was then refused ('holds other files and no demo') for
+    good. A dead process's temporary goes; a live one's (a demo starting there now) still refuses."""
+    import os
+    import socket
+    import subprocess
+
+    from mmadapt import demo
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process holds now
+    (tmp_path / f".demo.json.tmp{gone.pid}@{socket.gethostname()}").write_text('{"adapt_')
+    demo.check_output(tmp_path, {"adapt_iters": 10})
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / f".demo.json.tmp{os.getppid()}@{socket.gethostname()}").write_text("{")
+    with pytest.raises(ValueError, match="holds other files and no demo"):
+        demo.check_output(tmp_path, {"adapt_iters": 10})
+
+
 def test_demo_step4_scores_only_the_curve_points_of_a_continued_run(tmp_path, monkeypatch):
     """A Step-2 run stopped and continued holds the artifact of the update it stopped at (47):
     Step 4 scores update 0, every --adapt_save_interval and the last, as for an uninterrupted run,
