@@ -501,6 +501,34 @@ def test_a_step_that_ends_while_the_warning_is_trapped_is_requeued_by_its_own_st
         assert (done.returncode, done.stdout.strip()[-4:]) == ((code, "") if code == 1 else (0, "rc=0")), done
 
 
+def test_a_sigterm_to_the_whole_job_waits_for_the_step_to_save_before_requeueing(tmp_path):
+    """scancel or preemption signals every process of the batch step at once: the batch shell,
+    the subshell that runs the step, the step. The subshell died at once, so the job was requeued
+    (and the batch script ended, which tears the step down) while the step still saved."""
+    import signal
+    import time
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\n[ -e {tmp_path}/saved ] && echo after > {tmp_path}/requeued "
+                                      f"|| echo before > {tmp_path}/requeued\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    step = (f'trap "sleep 1; touch {tmp_path}/saved; exit 75" TERM; touch {tmp_path}/started; '
+            'while :; do sleep 0.1; done')
+    script = (f"set -euo pipefail\nsource {REPO}/launch/slurm/requeue.sh\n"
+              f"run_requeueable {tmp_path / 'run'} bash -c '{step}'\necho rc=$?\n")
+    proc = subprocess.Popen(["bash", "-c", script], start_new_session=True, stdout=subprocess.PIPE, text=True,
+                            env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="6",
+                                          TMPDIR=str(tmp_path / "not-on-this-node")))  # mktemp falls back to /tmp
+    deadline = time.time() + 60
+    while not (tmp_path / "started").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.strip().endswith("rc=0") and "requeueing job 6" in out, out
+    assert (tmp_path / "requeued").read_text().strip() == "after"
+
+
 def test_requeue_helper_passes_a_failure_on(tmp_path):
     script = f"source {REPO}/launch/slurm/requeue.sh\nrun_requeueable {tmp_path} bash -c 'exit 3'\necho rc=$?\n"
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=child_env(SLURM_JOB_ID="1")).stdout

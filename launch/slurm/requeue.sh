@@ -14,17 +14,19 @@
 run_requeueable() {
     local run_dir=$1
     shift
-    local stopping=0 rc=0 status
-    # The step's own status, written by the subshell that runs it: once the warning's trap cut
-    # the first `wait` short (143) and the step ended while the trap ran, a second `wait` gave
-    # -1 (or 127 in posix mode), and a step that had saved and exited 75 was not requeued.
-    status=$(mktemp "${TMPDIR:-/tmp}/mmadapt-status.XXXXXX")
+    local stopping=0 rc=0 status=""
     # mkdir: the warning can come before the step made its run directory (finetune.sbatch makes
     # only its parent); a failed touch under the template's set -e would end the batch shell.
-    # Trapped before the step starts (a warning in between ended the batch shell); the subshell
-    # gets SIGTERM's default action back, as bash gives every subshell.
+    # Trapped first: a warning before the trap ended the batch shell.
     trap 'stopping=1; { mkdir -p "$run_dir" && touch "$run_dir/STOP"; } || true' TERM
-    ( code=0; "$@" || code=$?; echo "$code" > "$status" ) &
+    # The step's own status, written by the subshell that runs it: once the warning's trap cut
+    # the first `wait` short (143) and the step ended while the trap ran, a second `wait` gave
+    # -1 (or 127 in posix mode), and a step that had saved and exited 75 was not requeued. A
+    # TMPDIR that is not there on this node falls back to /tmp; with no file, wait's status.
+    status=$(mktemp 2>/dev/null || mktemp -p /tmp 2>/dev/null) || status=""
+    # The subshell outlives a SIGTERM to the whole process group (scancel, preemption: `: TERM`)
+    # and waits for the step, which gets the signal as it is (the default, or its own handler).
+    ( trap : TERM; code=0; "$@" || code=$?; [[ -z $status ]] || echo "$code" > "$status" ) &
     local pid=$!
     wait "$pid" || rc=$?
     # A trapped signal interrupts `wait` (status > 128) while the step is still saving.
@@ -33,10 +35,12 @@ run_requeueable() {
         wait "$pid" || rc=$?
     done
     trap - TERM
-    if [[ -s $status ]]; then  # (empty: the subshell itself was killed; its status is wait's)
-        rc=$(<"$status")
+    if [[ -n $status ]]; then
+        if [[ -s $status ]]; then  # (empty: the subshell itself was killed; its status is wait's)
+            rc=$(<"$status")
+        fi
+        rm -f "$status"
     fi
-    rm -f "$status"
     # After the warning, a step killed by a signal (status > 128: it could not say whether it
     # saved) is requeued too, --resume takes the newest complete checkpoint; one that finished
     # (0) or failed (1-3: a traceback, bad input, a divergence) is not: it would only run again
