@@ -100,9 +100,17 @@ def refuse_overwrite(output_dir: Path, resume: bool) -> None:
     if later and not checkpoints:
         raise ValueError(f"{output_dir} holds the Step-2 artifacts of a run (embeddings/{later[-1]}) and no checkpoint "
                          "to continue it from: choose a new --output_dir (nothing is overwritten)")
-    if not (output_dir / "run.json").exists():
-        refuse_other_files(output_dir, lambda name: (name in RUN_ENTRIES
-                                                     or re.fullmatch(r"\..+\.tmp\d+(@[^/]+)?", name)), "mmadapt run")
+    refuse_other_than_a_run(output_dir)
+
+
+def refuse_other_than_a_run(output_dir: Path) -> None:
+    """A run's directory, or one to make one in: a directory holding no run.json and files a
+    training run does not write before it is somebody's other files (refused in one line)."""
+    check_output_dir(output_dir)
+    if not (Path(output_dir) / "run.json").exists():
+        refuse_other_files(Path(output_dir), lambda name: (name in RUN_ENTRIES
+                                                           or re.fullmatch(r"\..+\.tmp\d+(@[^/]+)?", name)),
+                           "mmadapt run")
 
 
 def refuse_other_files(output_dir: Path, own: Callable[[str], bool], what: str) -> None:

@@ -372,7 +372,7 @@ def sweep_parser() -> argparse.ArgumentParser:
 def sweep_main(argv=None) -> int:
     args = sweep_parser().parse_args(argv)
     step = steps.Sweep(source=Path(args.source), lang=args.lang, train=_schedule(args, args.source),
-                       mini_layers=None if args.mini_layers is None else tuple(args.mini_layers),
+                       mini_layers=None if args.mini_layers is None else MiniModelConfig(args.mini_layers).mini_layers,
                        cfg=override(SweepConfig(), args), source_tag=args.source_tag,
                        prep=override(PreprocessConfig(), args), vocab_size=args.vocab_size)
     summary = steps.sweep(run=_run_spec(args), step=step)

@@ -537,6 +537,14 @@ class LoopConfig(Checked):
         """Blocks (or examples) per update over every data-parallel rank."""
         return self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * data_parallel_size
 
+    def saves_at(self, done: int, total: int) -> bool:
+        """Whether a run of `total` updates checkpoints after update `done` on its schedule
+        (update 0, every save_interval, extra_save_steps, exit_interval's pauses, the last). A
+        stop's checkpoint (SIGTERM, the STOP file) is off it: a curve scored from a run's
+        artifacts takes these points alone, as every run of the schedule has them."""
+        return (done % self.save_interval == 0 or done in self.extra_save_steps or done == total
+                or (self.exit_interval > 0 and done % self.exit_interval == 0))
+
     def warmup_iters(self, total: int) -> int:
         """Updates of linear warm-up before the linear decay to 0 at `total`."""
         raise NotImplementedError

@@ -926,8 +926,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                         window_rows = scored
                     evaluating = job.evaluate is not None and job.eval_interval and done % job.eval_interval == 0
                     exiting = loop.exit_interval > 0 and done % loop.exit_interval == 0
-                    saving = (done % loop.save_interval == 0 or done in loop.extra_save_steps or done == total
-                              or exiting)
+                    saving = loop.saves_at(done, total)  # (exiting's pauses among them)
                     if (evaluating or saving) and engine.device.type == "cuda":
                         # the updates still queued are theirs, not the evaluation's or the save's
                         torch.cuda.synchronize(engine.device)

@@ -680,8 +680,11 @@ def _sweep_records(source: Path, runs: dict, step: Sweep, data_path: Path, kept:
     a finished sweep run again scores nothing (scoring every checkpoint costs more than a small
     sweep's training); another depth, a resumed run or another --plugin_blocks / --bpb_bytes
     scores anew."""
-    cfg = step.cfg
-    arts = artifact_dirs(list(runs.values()))
+    cfg, train = step.cfg, step.train
+    # the artifacts of the schedule's checkpoints: a stopped and continued depth also holds the
+    # one of the update it stopped at, a curve point the others lack (it moved time_to_target)
+    arts = [a for a in artifact_dirs(list(runs.values()))
+            if train.saves_at(int(a.name.removeprefix("step")), train.train_iters)]
     key = {"source": str(source.resolve()), "data": str(Path(data_path).resolve()),
            "artifacts": meta_digests(arts), "plugin_blocks": cfg.plugin_blocks, "bpb_bytes": cfg.bpb_bytes,
            "seq_length": step.train.seq_length,
@@ -689,8 +692,8 @@ def _sweep_records(source: Path, runs: dict, step: Sweep, data_path: Path, kept:
     if (old := checkpoint.kept_result(kept, key, "sweep results")) is not None:
         return old["records"], key
     which = {str(run_dir.resolve()): n for n, run_dir in runs.items()}
-    records = plugin_records(source, list(runs.values()), {step.lang: data_path}, step.train.seq_length,
-                             cfg.plugin_blocks, bpb_bytes=cfg.bpb_bytes)
+    records = plugin_records(source, arts, {step.lang: data_path}, step.train.seq_length, cfg.plugin_blocks,
+                             bpb_bytes=cfg.bpb_bytes)
     for r in records:
         r["mini_layers"] = which[str(Path(r["artifact"]).resolve().parent.parent)]
     return records, key
@@ -727,12 +730,21 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
         raise ValueError(f"--mini_layers {' '.join(map(str, depths))} must be ascending without repeats")
     load_ds_config(run.ds_config, step.train)  # its refusals before the corpus is prepared into the output
     # a sweep's own entries (a stopped one's too: atomic writes' dot files): another directory's
-    # files (its --source's, somebody's sweep.md) are refused before anything is written
+    # files (its --source's, somebody's sweep.md or sweep.json, a depth's directory of other
+    # files) are refused before anything is written
+    checkpoint.check_output_dir(out)
     kept = ("sweep.json", "sweep.md", "sweep.png") if (out / "sweep.json").is_file() else ("sweep.json",)
+    if (out / "sweep.json").is_file():
+        written = checkpoint.read_json(out / "sweep.json", "sweep results")
+        if not (isinstance(written, dict) and {"source", "records", "summary"} <= written.keys()):
+            raise ValueError(f"--output_dir {out} holds a sweep.json that no sweep wrote: choose a new or empty "
+                             "directory (nothing is overwritten)")
     checkpoint.refuse_other_files(out, lambda name: name.isdigit() or name.startswith(".") or name in (
         CEILING, "data", *kept), "sweep")
-    data_path = _sweep_data(run, step, src)
     runs = {n: out / str(n) for n in depths}
+    for run_dir in [*runs.values(), *([out / CEILING] if cfg.ceiling else [])]:
+        checkpoint.refuse_other_than_a_run(run_dir)
+    data_path = _sweep_data(run, step, src)
     jobs = [("minijoint", n, run_dir) for n, run_dir in runs.items()]
     if cfg.ceiling:
         runs[CEILING] = out / CEILING

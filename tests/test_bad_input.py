@@ -992,6 +992,23 @@ CASES = [
                                           (Path(c.dir("mine")) / "sweep.md").write_text("mine") and c.dir("mine"),
                                           "--corpus", str(c.corpus), "--valid_fraction", "0.03"],
      "holds other files (sweep.md) and no sweep"),
+    # (a sweep.json of the user's was written over; a depth's directory of other files was refused after the corpus
+    # was prepared into the output, and an output that is a file as 'data: Not a directory')
+    ("sweep-over-a-sweep-json-no-sweep-wrote", lambda c: [
+        "sweep", "--source", str(c.primary), "--lang", "de", "--output_dir",
+        (Path(c.dir("mine")) / "sweep.json").write_text('{"my": "results"}') and c.dir("mine"), "--corpus",
+        str(c.corpus), "--valid_fraction", "0.03"], "holds a sweep.json that no sweep wrote: choose a new"),
+    ("sweep-over-a-depth-of-other-files", lambda c: [
+        "sweep", "--source", str(c.primary), "--lang", "de", "--output_dir",
+        (Path(c.dir("mine")) / "4").mkdir() or (c.tmp / "mine" / "4" / "keep.txt").write_text("mine")
+        and c.dir("mine"),
+        "--corpus", str(c.corpus), "--valid_fraction", "0.03"], "holds other files (keep.txt) and no mmadapt run"),
+    ("sweep-into-a-file", lambda c: ["sweep", "--source", str(c.primary), "--lang", "de", "--output_dir",
+                                     (c.tmp / "afile").write_text("x") and str(c.tmp / "afile"), "--corpus",
+                                     str(c.corpus), "--valid_fraction", "0.03"], "afile is a file, not a directory"),
+    ("sweep-depth-zero", lambda c: ["sweep", "--source", str(c.primary), "--lang", "de", "--output_dir", str(c.out),
+                                    "--corpus", str(c.corpus), "--mini_layers", "0"],
+     "--mini_layers must be >= 1, got 0"),
     ("demo-over-other-files", lambda c: ["demo", "--quick", "--output_dir", (Path(c.dir("mine")) / "results.md")
                                          .write_text("mine") and c.dir("mine")],
      "holds other files and no demo (its demo.json)"),
