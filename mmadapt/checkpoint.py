@@ -334,6 +334,8 @@ def damaged(tag_dir: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return f"{tag_dir / 'COMPLETE'} is unreadable"
     for name, size in (listed or {}).items():
+        if name.startswith(".COMPLETE.tmp"):  # listed by saves before 2026-12-06 (_files), removed by the write
+            continue
         f = tag_dir / name
         if not f.is_file():
             return f"{f} is missing"

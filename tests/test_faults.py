@@ -818,6 +818,13 @@ def test_a_complete_marker_killed_in_its_write_leaves_the_tag_whole_when_written
     write_weights_only(tmp_path, 2, {"w": torch.zeros(2)}, {})
     assert damaged(tag) is None and sorted(p.name for p in tag.iterdir()) == ["COMPLETE",
                                                                               "mp_rank_00_model_states.pt"]
+    # a tag saved so before the mend: whole, though its COMPLETE lists the temporary
+    listed = json.loads((tag / "COMPLETE").read_text())
+    listed["files"][f".COMPLETE.tmp{gone.pid}@{socket.gethostname()}"] = 15
+    (tag / "COMPLETE").write_text(json.dumps(listed))
+    assert damaged(tag) is None
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"cut")
+    assert "mp_rank_00_model_states.pt has 3 bytes" in damaged(tag)
 
 
 def test_a_read_that_fails_on_one_rank_stops_every_rank_with_a_line_naming_it(tmp_path):

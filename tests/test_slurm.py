@@ -529,6 +529,25 @@ def test_a_sigterm_to_the_whole_job_waits_for_the_step_to_save_before_requeueing
     assert (tmp_path / "requeued").read_text().strip() == "after"
 
 
+@pytest.mark.parametrize("code", [3, 75])
+def test_with_no_status_file_the_step_s_status_is_wait_s(code, tmp_path):
+    """Where mktemp can make no file (/tmp full or read-only), the subshell's status is the
+    step's: it was its last test's, 0, so a failure passed as success and a 75 went unrequeued."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\n')
+    (bin_dir / "mktemp").write_text("#!/bin/bash\nexit 1\n")
+    for tool in ("scontrol", "mktemp"):
+        (bin_dir / tool).chmod(0o755)
+    script = (f"set -euo pipefail\nsource {REPO}/launch/slurm/requeue.sh\n"
+              f"run_requeueable {tmp_path / 'run'} bash -c 'exit {code}'\necho rc=$?\n")
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="8"))
+    requeued = code == 75
+    assert (done.returncode, "requeueing job 8" in done.stdout) == ((0, True) if requeued else (code, False)), done
+    assert (tmp_path / "scontrol.args").exists() == requeued
+
+
 def test_requeue_helper_passes_a_failure_on(tmp_path):
     script = f"source {REPO}/launch/slurm/requeue.sh\nrun_requeueable {tmp_path} bash -c 'exit 3'\necho rc=$?\n"
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=child_env(SLURM_JOB_ID="1")).stdout

@@ -26,7 +26,7 @@ run_requeueable() {
     status=$(mktemp 2>/dev/null || mktemp -p /tmp 2>/dev/null) || status=""
     # The subshell outlives a SIGTERM to the whole process group (scancel, preemption: `: TERM`)
     # and waits for the step, which gets the signal as it is (the default, or its own handler).
-    ( trap : TERM; code=0; "$@" || code=$?; [[ -z $status ]] || echo "$code" > "$status" ) &
+    ( trap : TERM; code=0; "$@" || code=$?; [[ -z $status ]] || echo "$code" > "$status"; exit "$code" ) &
     local pid=$!
     wait "$pid" || rc=$?
     # A trapped signal interrupts `wait` (status > 128) while the step is still saving.
