@@ -130,7 +130,10 @@ def import_classifier(model_dir: str | os.PathLike, output_dir: str | os.PathLik
         hf.base_model.save_pretrained(str(body_dir))  # the encoder alone: a class import_hf takes
         tok.save_pretrained(str(body_dir))
         with staged_dir(output_dir) as tmp:
-            body_run = import_hf(body_dir, tmp / BODY)
+            try:
+                body_run = import_hf(body_dir, tmp / BODY)
+            except ValueError as e:  # named the temporary directory the encoder was saved to, gone by then
+                raise ValueError(str(e).replace(str(body_dir), f"{model_dir} (the encoder of its {arch})")) from None
             note = "; ".join(n for n in (f"the encoder of the {arch} in {model_dir}",
                                          body_run["imported_from"].get("note")) if n)
             body_run["imported_from"].update(model=str(model_dir), note=note)

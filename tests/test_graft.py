@@ -998,6 +998,8 @@ def test_an_imported_classifier_is_refused_in_one_line_where_it_cannot_be(classi
     """No --task; a task whose labels are not the classifier's; --task for a model that is not a
     classifier; a one-output (regression) head; a graft into the classifier of another base: one
     line each, nothing written."""
+    from hf_models import damaged_copy
+
     clf = classifiers["roberta-clf"]
     cases = [
         (["import-hf", "--model", str(clf)], "pass --task"),
@@ -1006,6 +1008,10 @@ def test_an_imported_classifier_is_refused_in_one_line_where_it_cannot_be(classi
          "drop --task"),
         (["import-hf", "--model", str(_regression(classifiers["roberta"].parent / "hf" / "roberta", tmp_path)),
           "--task", "classify"], "not a classifier of one label per text"),
+        # the encoder's refusal named the temporary directory it was saved to, gone by then
+        (["import-hf", "--model", str(damaged_copy(clf, tmp_path / "relu", {"hidden_act": "relu"})), "--task",
+          "bible-genre"], f"error: {tmp_path / 'relu'} (the encoder of its RobertaForSequenceClassification): "
+                          "hidden_act is 'relu'"),
     ]
     for i, (argv, said) in enumerate(cases):
         out = tmp_path / f"out{i}"
