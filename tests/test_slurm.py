@@ -529,14 +529,16 @@ def test_a_sigterm_to_the_whole_job_waits_for_the_step_to_save_before_requeueing
     assert (tmp_path / "requeued").read_text().strip() == "after"
 
 
-@pytest.mark.parametrize("code", [3, 75])
-def test_with_no_status_file_the_step_s_status_is_wait_s(code, tmp_path):
-    """Where mktemp can make no file (/tmp full or read-only), the subshell's status is the
-    step's: it was its last test's, 0, so a failure passed as success and a 75 went unrequeued."""
+@pytest.mark.parametrize("code, mktemp", [(3, "none"), (75, "none"), (3, "full"), (75, "full"), (0, "full")])
+def test_with_no_status_file_the_step_s_status_is_wait_s(code, mktemp, tmp_path):
+    """Where mktemp can make no file (/tmp read-only), or one that cannot be written (/tmp full),
+    the subshell's status is the step's: it was its last test's 0, or set -e's 1 from the failed
+    write, so a failure passed as success, a success as a failure, and a 75 went unrequeued."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/scontrol.args\n')
-    (bin_dir / "mktemp").write_text("#!/bin/bash\nexit 1\n")
+    (bin_dir / "mktemp").write_text("#!/bin/bash\nexit 1\n" if mktemp == "none" else
+                                    f"#!/bin/bash\nln -sf /dev/full {tmp_path}/status && echo {tmp_path}/status\n")
     for tool in ("scontrol", "mktemp"):
         (bin_dir / tool).chmod(0o755)
     script = (f"set -euo pipefail\nsource {REPO}/launch/slurm/requeue.sh\n"
@@ -545,7 +547,7 @@ def test_with_no_status_file_the_step_s_status_is_wait_s(code, tmp_path):
                           env=child_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="8"))
     requeued = code == 75
     assert (done.returncode, "requeueing job 8" in done.stdout) == ((0, True) if requeued else (code, False)), done
-    assert (tmp_path / "scontrol.args").exists() == requeued
+    assert (tmp_path / "scontrol.args").exists() == requeued and not done.stderr, done
 
 
 def test_requeue_helper_passes_a_failure_on(tmp_path):

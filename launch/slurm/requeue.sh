@@ -25,8 +25,11 @@ run_requeueable() {
     # TMPDIR that is not there on this node falls back to /tmp; with no file, wait's status.
     status=$(mktemp 2>/dev/null || mktemp -p /tmp 2>/dev/null) || status=""
     # The subshell outlives a SIGTERM to the whole process group (scancel, preemption: `: TERM`)
-    # and waits for the step, which gets the signal as it is (the default, or its own handler).
-    ( trap : TERM; code=0; "$@" || code=$?; [[ -z $status ]] || echo "$code" > "$status"; exit "$code" ) &
+    # and waits for the step, which gets the signal as it is (the default, or its own handler);
+    # it exits with the step's status however the file's write went (/tmp full: set -e ended it).
+    ( trap : TERM; set +e; "$@"; code=$?
+      [[ -z $status ]] || { echo "$code" > "$status"; } 2>/dev/null
+      exit "$code" ) &
     local pid=$!
     wait "$pid" || rc=$?
     # A trapped signal interrupts `wait` (status > 128) while the step is still saving.
