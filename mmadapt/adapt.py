@@ -879,7 +879,7 @@ class ArtifactWriter:
                    probe, fingerprint, start.calibration(step, data))
 
     def __call__(self, update: int, ckpt_tag: str, run: int | None = None, rows: int | None = None,
-                 sd: dict | None = None) -> None:
+                 sd: dict | None = None, scheduled: bool = True) -> None:
         """The artifact of the checkpoint `ckpt_tag` of update `update`. run: the updates run to
         reach it (LoopJob.after_save; None: `update`): fp16 steps skipped on an overflow computed
         their forward and backward, so the FLOPs and tokens count them. rows: the positions the
@@ -896,6 +896,8 @@ class ArtifactWriter:
                 **({"replay_tokens": self.meta["replay_blocks"] * self.meta["seq_length"] * run}
                    if "replay_blocks" in self.meta else {}),
                 **({"skipped_updates": run - update} if run != update else {}),
+                # a stop's checkpoint: a curve point the schedule's runs lack (a sweep scores none)
+                **({"off_schedule": True} if not scheduled else {}),
                 "flops_paper": self.seq_flops[True] * batch * run, "v100_days": device_days(flops),
                 **self.fingerprint}
         tensors = self.tensors(sd)

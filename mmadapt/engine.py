@@ -777,7 +777,8 @@ class LoopJob:
     counts the updates run to reach it (fp16 steps skipped on an overflow included: their forward
     and backward were computed, what FLOPs and tokens count) and `rows` the positions projected
     in them over every replica (None: not counted, or not since update 0: a checkpoint from
-    before the count was resumed).
+    before the count was resumed); `scheduled` (a keyword) False for a stop's checkpoint, off the
+    schedule (LoopConfig.saves_at) where the run's other checkpoints are.
     evaluate() -> this rank's validation losses [k] (as step_fn's), every `eval_interval`
     updates: logged as `valid_loss` (and `valid_head_losses`) rows. split_losses: step_fn's losses
     end with two texts' (loss sum, count) pairs (layers.split_sums), logged as <name>_loss
@@ -863,7 +864,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
             raise Diverged(f"{job.label}: the loss (or its gradient) is not finite at update {first} (of {total}); "
                            f"stopped without saving it. {_last_good(ckpt_dir, fix)}")
 
-    def save() -> str:
+    def save(scheduled: bool = True) -> str:
         check_finite()
         # the log window's updates so far, averaged over ranks as its line will be (collective)
         window = ({"since": since, "loss_sum": mean_over_ranks(loss_sum, is_pipe).tolist()}
@@ -873,7 +874,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                                                        SKIPPED_IN_A_ROW: skipped, checkpoint.SCORED_ROWS: scored},
                               job.names, exclude_frozen=job.exclude_frozen, keep_last=loop.keep_last)
         if job.after_save is not None:  # rank 0's work, agreed on (no other rank left in a collective)
-            parallel.together(lambda: job.after_save(done, tag, position, scored) if rank0 else None,
+            parallel.together(lambda: (job.after_save(done, tag, position, scored, scheduled=scheduled)
+                                       if rank0 else None),
                               f"failed after {job.label}'s checkpoint {tag}")
         return tag
 
@@ -950,7 +952,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     # steps were skipped since (their batches consumed): a stop's save races a kill
                     # deadline, and rewriting in place would lose the only copy. The resumed run
                     # replays those batches from the same loss scale and RNG states: the same skips.
-                    tag = saved if saved == checkpoint.tag_for(done) else save()
+                    tag = saved if saved == checkpoint.tag_for(done) else save(scheduled=False)
                     if rank0:
                         stop_file.unlink(missing_ok=True)
                     # Every rank leaves with rank 0, once its after_save is written: DeepSpeed's

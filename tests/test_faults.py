@@ -312,11 +312,30 @@ def test_skipped_steps_count_in_the_time_and_the_compute_of_a_checkpoint(tmp_pat
     init_parallel(1, 1)
     job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False,
                   perf=lambda dt, rows: {"sec_per_update": dt},
-                  after_save=lambda done, tag, run, rows: saved.append((done, tag, run)))
+                  after_save=lambda done, tag, run, rows, scheduled: saved.append((done, tag, run)))
     rows = train_loop(engine, step, job, TrainConfig(log_interval=2, save_interval=2), 4, run_dir=tmp_path,
                       resume=False)
     assert [(r["step"], r["sec_per_update"]) for r in rows] == [(2, 1.0), (4, 1.0)]
     assert saved == [(2, "step00000002", 3), (4, "step00000004", 6)]
+
+
+def test_a_stops_checkpoint_is_said_to_be_off_the_schedule(tmp_path):
+    """after_save learns which checkpoint a stop saved (Step 2 marks its artifact off_schedule:
+    a sweep's curve takes the schedule's points alone); the schedule's own are scheduled."""
+    saved = []
+
+    def step(position):
+        if position == 6:  # during update 7: the loop stops after it
+            os.kill(os.getpid(), signal.SIGTERM)
+        return torch.tensor([1.0])
+
+    init_parallel(1, 1)
+    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False,
+                  after_save=lambda done, tag, run, rows, scheduled: saved.append((done, scheduled)))
+    with pytest.raises(faults.Stopped, match="at update 7"):
+        train_loop(FakeEngine(), step, job, TrainConfig(log_interval=1, save_interval=5), 20, run_dir=tmp_path,
+                   resume=False)
+    assert saved == [(5, True), (7, False)]
 
 
 def test_the_rows_projected_are_counted_through_skips_and_resumes(tmp_path, monkeypatch):
@@ -334,7 +353,7 @@ def test_the_rows_projected_are_counted_through_skips_and_resumes(tmp_path, monk
     def run(run_dir, total, resume):
         job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False,
                       perf=lambda dt, rows: rates.append(rows) or {}, scored_rows=lambda: counted[0],
-                      after_save=lambda done, tag, run, rows: saved.append((done, run, rows)))
+                      after_save=lambda done, tag, run, rows, scheduled: saved.append((done, run, rows)))
         train_loop(engine, step, job, TrainConfig(log_interval=2, save_interval=2), total, run_dir=run_dir,
                    resume=resume)
 
@@ -731,7 +750,7 @@ def test_a_log_row_times_its_updates_alone_at_the_rate_they_trained_at(tmp_path,
     init_parallel(1, 1)
     job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, evaluate=evaluate, eval_interval=2,
                   perf=lambda dt, rows: {"sec_per_update": dt},
-                  after_save=lambda done, tag, run, rows: clock.__setitem__(0, clock[0] + 1000.0))
+                  after_save=lambda done, tag, run, rows, scheduled: clock.__setitem__(0, clock[0] + 1000.0))
     cfg = TrainConfig(log_interval=2, save_interval=2)
     rows = [r for r in train_loop(engine, step, job, cfg, 6, run_dir=tmp_path, resume=False) if "loss" in r]
     assert [(r["step"], r["sec_per_update"], r["lr"]) for r in rows] == [(2, 1.0, 2.0), (4, 1.0, 4.0), (6, 1.0, 6.0)]
@@ -741,7 +760,7 @@ def test_an_error_after_a_checkpoint_reaches_the_loop_that_saved(tmp_path):
     """Rank 0's work after a checkpoint (Step 2's artifact) failing stops the loop with that error,
     agreed over the ranks first (parallel.together), so that no other rank waits for it in a
     collective; the checkpoint itself is complete."""
-    def fail(done, tag, run, rows):
+    def fail(done, tag, run, rows, scheduled):
         raise OSError(28, "No space left on device")
 
     init_parallel(1, 1)

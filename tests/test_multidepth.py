@@ -564,12 +564,21 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     # Other sizes score the same checkpoints again, still training nothing; a stopped depth's
     # artifact of the update it stopped at (4, off the schedule) is no point of its curve: it
     # gave that depth a point the others lack, and moved its compute to the target
-    shutil.copytree(out / "2" / "embeddings" / "step00000003", out / "2" / "embeddings" / "step00000004")
+    stopped = out / "2" / "embeddings" / "step00000004"
+    shutil.copytree(out / "2" / "embeddings" / "step00000003", stopped)
+    meta = json.loads((stopped / "meta.json").read_text())
+    (stopped / "meta.json").write_text(json.dumps({**meta, "step": 4, "off_schedule": True}))  # as a stop writes it
     assert main(["sweep", *args[:-1], "512"]) == 0
     said = capsys.readouterr()
     assert "plug-in metric" in said.out + said.err and (out / "2" / "metrics.jsonl").read_text() == before
     rescored = json.loads((out / "sweep.json").read_text())["records"]
     assert [(r["mini_layers"], r["step"]) for r in rescored] == [(r["mini_layers"], r["step"]) for r in records]
+    # run again with another --save_interval (changeable): the depths' checkpoints are the same points
+    capsys.readouterr()
+    assert main(["sweep", *args[:-1], "512", "--save_interval", "2"]) == 0
+    said = capsys.readouterr()
+    assert "plug-in metric" not in said.out + said.err
+    assert json.loads((out / "sweep.json").read_text())["records"] == rescored
     assert [r["score"] for r in rescored] == [r["score"] for r in records]  # the plug-in metric: the same blocks
     assert all(r["bpb_bytes"] > records[0]["bpb_bytes"] for r in rescored)
 
