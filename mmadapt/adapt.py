@@ -156,7 +156,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
         writer = ArtifactWriter.of(plan, start, tokenizer, started.data)
         if plan.replay is not None and parallel.is_rank0():
             say_replay(plan.replay, writer.meta["global_batch"])
-        writer.save_start(plan.run.resume and started.record.exists())
+        writer.save_start(plan.run.resume and started.record.exists(), step.train)
         job = LMJob(step="adapt", trainable=writer.trainable, replay=plan.replay,
                     text_layout=run_text_layout(plan.source.record))
         metrics = train_lm(started, plan.run, plan.model, step.train, job, start.init, after_save=writer,
@@ -910,7 +910,7 @@ class ArtifactWriter:
             print(progress_line(update, scored), flush=True)
         write_artifact(self.run_dir / "embeddings" / ckpt_tag, tensors, self.tokenizer, meta)
 
-    def save_start(self, resume: bool) -> None:
+    def save_start(self, resume: bool, train: TrainConfig) -> None:
         """Step 2's start as the artifact of update 0 (the new rows as initialised, before any
         update: the start `init` as its state), what Step 4 and the plug-in metric score as "init
         only" beside the trained embeddings. Global rank 0 (which alone saves artifacts).
@@ -930,7 +930,9 @@ class ArtifactWriter:
         if resume:
             for done in checkpoint.complete_tags(ckpt):
                 if not (embeddings / done / ARTIFACT_FILE).is_file() and checkpoint.damaged(ckpt / done) is None:
-                    self(int(done.removeprefix("step")), done, *checkpoint.work_run(ckpt / done))
+                    update = int(done.removeprefix("step"))  # a stop's, off `train`'s schedule, marked so
+                    self(update, done, *checkpoint.work_run(ckpt / done),
+                         scheduled=train.saves_at(update, train.train_iters))
 
     def tensors(self, sd: dict) -> dict:
         """An artifact's tensors (artifact.write_artifact) from the checkpoint `sd` (the trained

@@ -46,6 +46,29 @@ def de_data(de_corpus, de_tokenizer, tmp_path_factory):
 
 # --- pure functions ------------------------------------------------------------------------
 
+def test_a_resumed_run_writes_a_stops_lost_artifact_off_the_schedule(tmp_path):
+    """A stop's checkpoint whose artifact a kill prevented: the resumed run writes it (save_start),
+    marked off_schedule as the stop would have (a sweep leaves it out of its curves); a
+    scheduled checkpoint's stays unmarked."""
+    from mmadapt import checkpoint
+
+    calls = []
+
+    class Writer(A.ArtifactWriter):
+        def __call__(self, update, ckpt_tag, run=None, rows=None, sd=None, scheduled=True):
+            calls.append((update, scheduled))
+
+    for step in (4, 6):  # the schedule's 4; a stop's 6
+        checkpoint.write_weights_only(tmp_path / "checkpoints", step, {"w": torch.zeros(1)}, {})
+    (tmp_path / "embeddings" / checkpoint.tag_for(0)).mkdir(parents=True)
+    (tmp_path / "embeddings" / checkpoint.tag_for(0) / A.ARTIFACT_FILE).write_text("")
+    writer = object.__new__(Writer)
+    writer.run_dir, writer.init = tmp_path, {}
+    init_parallel(1, 1)
+    writer.save_start(True, TrainConfig(train_iters=8, save_interval=4))
+    assert calls == [(4, True), (6, False)]
+
+
 def test_overlap_init_copies_exactly_the_shared_pieces():
     src = ["<pad>", "<unk>", "<s>", "</s>", "<mask>", "▁the", "▁and", "s", "▁of"]
     trg = ["<pad>", "<unk>", "<s>", "</s>", "<mask>", "▁und", "s", "▁the", "▁der", "en"]
