@@ -540,8 +540,8 @@ class LoopConfig(Checked):
     def saves_at(self, done: int, total: int) -> bool:
         """Whether a run of `total` updates checkpoints after update `done` on its schedule
         (update 0, every save_interval, extra_save_steps, exit_interval's pauses, the last). A
-        stop's checkpoint (SIGTERM, the STOP file) is off it: a curve scored from a run's
-        artifacts takes these points alone, as every run of the schedule has them."""
+        stop's checkpoint (SIGTERM, the STOP file) is off it: its Step-2 artifact is marked
+        off_schedule, a point no other run of the schedule has (a sweep's curves leave it out)."""
         return (done % self.save_interval == 0 or done in self.extra_save_steps or done == total
                 or (self.exit_interval > 0 and done % self.exit_interval == 0))
 
