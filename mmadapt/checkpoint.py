@@ -81,6 +81,11 @@ RUN_ENTRIES = ("checkpoints", "data", "tokenizer", "tensorboard", "metrics.jsonl
                TAKEOVER_NAME, STOP_FILE)
 
 
+# The name of a temporary a write in a directory leaves where it is killed (atomic_write's
+# .<name>.tmp<pid>@<host>; from before 2026-12-06 without the host): a writer's own entry.
+WRITE_TEMPORARY = r"\..+\.tmp\d+(?:@[^/]+)?"
+
+
 def refuse_overwrite(output_dir: Path, resume: bool) -> None:
     """A run directory with another run's checkpoints is continued (--resume) or left alone; a
     directory of other files is not written into (as import-hf and export-hf refuse it)."""
@@ -108,8 +113,7 @@ def refuse_other_than_a_run(output_dir: Path) -> None:
     training run does not write before it is somebody's other files (refused in one line)."""
     check_output_dir(output_dir)
     if not (Path(output_dir) / "run.json").exists():
-        refuse_other_files(Path(output_dir), lambda name: (name in RUN_ENTRIES
-                                                           or re.fullmatch(r"\..+\.tmp\d+(@[^/]+)?", name)),
+        refuse_other_files(Path(output_dir), lambda name: name in RUN_ENTRIES or re.fullmatch(WRITE_TEMPORARY, name),
                            "mmadapt run")
 
 
@@ -319,11 +323,16 @@ def kept_result(path: Path, key: dict, what: str) -> dict | None:
     return kept if kept.get("key") == key else None
 
 
+def _complete_temporary(name: str) -> bool:
+    """A temporary of COMPLETE's atomic write that a kill left in a tag: no file of the tag (the
+    next write of COMPLETE removes it; listed among the tag's files, it made the tag 'damaged')."""
+    return name.startswith(".COMPLETE.tmp")
+
+
 def _files(tag_dir: Path) -> dict[str, int]:
-    """The files of a tag COMPLETE lists: not COMPLETE, nor a temporary of its atomic write that a
-    kill left (listed, then removed by the write itself, it made the tag 'damaged')."""
+    """The files of a tag COMPLETE lists: not COMPLETE, nor its write's temporary."""
     return {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())
-            if p.is_file() and p.name != "COMPLETE" and not p.name.startswith(".COMPLETE.tmp")}
+            if p.is_file() and p.name != "COMPLETE" and not _complete_temporary(p.name)}
 
 
 def damaged(tag_dir: Path) -> str | None:
@@ -334,7 +343,7 @@ def damaged(tag_dir: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return f"{tag_dir / 'COMPLETE'} is unreadable"
     for name, size in (listed or {}).items():
-        if name.startswith(".COMPLETE.tmp"):  # listed by saves before 2026-12-06 (_files), removed by the write
+        if _complete_temporary(name):  # listed by saves before 2026-12-06
             continue
         f = tag_dir / name
         if not f.is_file():

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from mmadapt import __version__
-from mmadapt.checkpoint import atomic_write, refuse_other_files
+from mmadapt.checkpoint import WRITE_TEMPORARY, atomic_write, refuse_other_files
 from mmadapt.config import TINY_ENV, TINY_FLAGS, LoopConfig, PreprocessConfig, TrainConfig, scored_positions
 from mmadapt.faults import pid_alive
 from mmadapt.tokenizer import has_byte_fallback, is_hf, load, sp_proto, unexportable
@@ -685,7 +685,7 @@ def _dataset_entry(name: str) -> bool:
     (.<name>.tmp<pid>[.npy|.bin]); a .git or .DS_Store there is somebody's, and a stopped
     preparation's clean-up removes every entry this matches."""
     return (name in (TOKENIZER, MANIFEST, *(s + e for s in (TEXT, VALID) for e in (".bin", ".idx")))
-            or re.fullmatch(r"\.shards\d+|\..+\.tmp\d+(@[^/]+)?(\.npy|\.bin)?", name) is not None
+            or re.fullmatch(rf"\.shards\d+|{WRITE_TEMPORARY}(\.npy|\.bin)?", name) is not None
             or re.fullmatch(rf"({VALID}_)?blocks_s\d+\.npy", name) is not None  # block_index_path
             or re.fullmatch(rf"({TEXT}|{VALID})_layout_[0-9a-f]{{16}}\.(bin|json)", name) is not None  # layout_stream
             or re.fullmatch(re.escape(Path(TOKENIZER).stem) + r"\.tmp\d+\.(model|vocab|sample)", name) is not None)
