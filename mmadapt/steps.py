@@ -733,12 +733,13 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     # files (its --source's, somebody's sweep.md or sweep.json, a depth's directory of other
     # files) are refused before anything is written
     checkpoint.check_output_dir(out)
-    kept = ("sweep.json", "sweep.md", "sweep.png") if (out / "sweep.json").is_file() else ("sweep.json",)
+    kept = ("sweep.json",)
     if (out / "sweep.json").is_file():
         written = checkpoint.read_json(out / "sweep.json", "sweep results")
         if not (isinstance(written, dict) and {"source", "records", "summary"} <= written.keys()):
             raise ValueError(f"--output_dir {out} holds a sweep.json that no sweep wrote: choose a new or empty "
                              "directory (nothing is overwritten)")
+        kept = ("sweep.json", "sweep.md", "sweep.png")
     checkpoint.refuse_other_files(out, lambda name: name.isdigit() or name.startswith(".") or name in (
         CEILING, "data", *kept), "sweep")
     runs = {n: out / str(n) for n in depths}
