@@ -681,10 +681,9 @@ def _sweep_records(source: Path, runs: dict, step: Sweep, data_path: Path, kept:
     sweep's training); another depth, a resumed run or another --plugin_blocks / --bpb_bytes
     scores anew."""
     cfg = step.cfg
-    # the artifacts of the schedule's checkpoints: a stopped and continued depth also holds the
-    # one of the update it stopped at, a curve point the others lack (it moved time_to_target)
-    arts = [a for a in artifact_dirs(list(runs.values()))
-            if not checkpoint.read_json(a / "meta.json", "Step-2 artifact file").get("off_schedule")]
+    # the artifacts of the schedule's checkpoints: artifact_dirs leaves out a stopped and continued
+    # depth's artifact of the update it stopped at, a curve point the others lack (it moved time_to_target)
+    arts = artifact_dirs(list(runs.values()))
     key = {"source": str(source.resolve()), "data": str(Path(data_path).resolve()),
            "artifacts": meta_digests(arts), "plugin_blocks": cfg.plugin_blocks, "bpb_bytes": cfg.bpb_bytes,
            "seq_length": step.train.seq_length,

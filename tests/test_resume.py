@@ -583,3 +583,30 @@ def test_a_stage_inside_a_stage_is_filled_in_place_and_a_kill_leaves_only_the_ou
         assert sorted(p.name for p in tmp_path.iterdir()) == [top.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
     assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["config.json"]
+
+
+def test_a_stops_artifact_is_no_curve_point_of_a_continued_run(tmp_path, capsys):
+    """An adapt run given for all its artifacts (evaluate --embeddings <run>, the plug-in metric,
+    a sweep): the artifact of an update it was stopped at (meta.json's off_schedule) is left out
+    once the run went on past it, a point no other run of its schedule has, said on stderr; a run
+    stopped and not continued keeps it (its newest state); named by its directory, it is scored."""
+    import json
+
+    from mmadapt.artifact import ARTIFACT_FILE, artifact_dirs
+
+    def run(name, steps, off):
+        emb = tmp_path / name / "embeddings"
+        for step in steps:
+            (emb / f"step{step:08d}").mkdir(parents=True)
+            (emb / f"step{step:08d}" / ARTIFACT_FILE).write_bytes(b"x")
+            meta = {"step": step, **({"off_schedule": True} if step in off else {})}
+            (emb / f"step{step:08d}" / "meta.json").write_text(json.dumps(meta))
+        return emb
+
+    went_on, stopped = run("went_on", (0, 4, 6, 8), {6}), run("stopped", (0, 4, 6), {6})
+    assert artifact_dirs([tmp_path / "went_on"]) == [went_on / f"step{s:08d}" for s in (0, 4, 8)]
+    err = capsys.readouterr().err
+    assert f"note: {tmp_path / 'went_on'}: step00000006 left out, saved where the run was stopped" in err, err
+    assert artifact_dirs([tmp_path / "stopped"]) == [stopped / f"step{s:08d}" for s in (0, 4, 6)]
+    assert artifact_dirs([went_on / "step00000006"]) == [went_on / "step00000006"]
+    assert capsys.readouterr().err == ""
