@@ -220,8 +220,7 @@ def staged_dir(dest: str | os.PathLike, replace: bool = False) -> Iterator[Path]
 def atomic_write(path: Path, data: str | bytes) -> None:
     """`path` holds `data` (text or bytes) whole, or what it held before: never half. What an
     earlier writer of `path` killed before its rename left goes (remove_dead_writes)."""
-    remove_dead_writes(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}@{socket.gethostname()}")
+    tmp = write_temporary(path)
     binary = isinstance(data, bytes)
     with open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8") as f:
         f.write(data)
@@ -230,14 +229,24 @@ def atomic_write(path: Path, data: str | bytes) -> None:
     os.replace(tmp, path)
 
 
-def remove_dead_writes(path: Path) -> None:
-    """The temporaries that atomic_write(`path`) and publish_new(`path`) left in processes of
-    this host that are gone (killed before the rename or the link): removed; a live writer's
-    stay, and another host's (a shared file system), its processes unknown here. (A run's record
-    and a step's --output: each killed rerun's write left one more.) Names without a host are
-    from before 2026-12-06."""
-    name, host = re.escape(path.name), f"(?:@{re.escape(socket.gethostname())})?"
-    own = re.compile(rf"\.{name}\.(?:tmp|new)(\d+){host}"
+def write_temporary(path: Path, suffix: str = "") -> Path:
+    """Where a write of `path` builds it before renaming it into place (os.replace), after the
+    temporaries of earlier writers of it killed before their rename are removed
+    (remove_dead_writes): `.<name>.tmp<pid>@<host><suffix>`. suffix: the extension the writer
+    needs (np.save appends .npy to a name without it); `path` is then the name without it."""
+    remove_dead_writes(path, suffix)
+    return path.with_name(f".{path.name}.tmp{os.getpid()}@{socket.gethostname()}{suffix}")
+
+
+def remove_dead_writes(path: Path, suffix: str = "") -> None:
+    """The temporaries that atomic_write(`path`), publish_new(`path`) and write_temporary(`path`,
+    `suffix`) left in processes of this host that are gone (killed before the rename or the
+    link): removed; a live writer's stay, and another host's (a shared file system), its
+    processes unknown here. (A run's record and a step's --output: each killed rerun's write left
+    one more; a dataset's block index and laid-out stream, one per killed run that built it.)
+    Names without a host are from before 2026-12-06."""
+    name, host, ext = re.escape(path.name), f"(?:@{re.escape(socket.gethostname())})?", re.escape(suffix)
+    own = re.compile(rf"\.{name}\.(?:tmp|new)(\d+){host}{ext}"
                      rf"|\.\.{name}\.new\d+{host}\.tmp(\d+){host}")  # publish_new's, staged by atomic_write
     for tmp in path.parent.glob(f".*{glob.escape(path.name)}.*"):
         m = own.fullmatch(tmp.name)

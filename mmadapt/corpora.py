@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
-from mmadapt.checkpoint import atomic_write
+from mmadapt.checkpoint import atomic_write, write_temporary
 
 # Translation codes in bible.db for the languages mmadapt's demo uses.
 BIBLE_VERSIONS = {"en": "k", "fr": "l", "es": "v", "de": "s", "ru": "r", "ar": "y", "zh": "c",
@@ -121,7 +121,7 @@ def write_bible_corpus(lang: str, path: str | os.PathLike, books: range | None =
     """Write one language's Bible as a plain-text corpus (atomically); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp = write_temporary(path)  # a killed writer's (the whole Bible) goes at the next write
     with open(tmp, "w", encoding="utf-8") as f:
         last = None
         for b, c, _v, text in bible_verses(lang, books):

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from mmadapt import __version__
-from mmadapt.checkpoint import WRITE_TEMPORARY, atomic_write, refuse_other_files
+from mmadapt.checkpoint import WRITE_TEMPORARY, atomic_write, refuse_other_files, write_temporary
 from mmadapt.config import TINY_ENV, TINY_FLAGS, LoopConfig, PreprocessConfig, TrainConfig, scored_positions
 from mmadapt.faults import pid_alive
 from mmadapt.tokenizer import has_byte_fallback, is_hf, load, sp_proto, unexportable
@@ -993,7 +993,7 @@ def block_index(data_path: str | os.PathLike, seq_length: int, split: str = TEXT
     if not path.is_file():
         if not os.access(data_path, os.W_OK):
             return None
-        tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
+        tmp = write_temporary(path.with_suffix(""), ".npy")  # a killed run's goes at the next build
         np.save(tmp, _packed(data_path, seq_length, split))
         os.replace(tmp, path)
     return path
@@ -1381,7 +1381,7 @@ def layout_stream(data_path: str | os.PathLike, split: str, layout: dict, join: 
         out = np.empty(size, dtype)
         laid_out(tokens, lengths, prefix, suffix, join, out, chunk)
         return out
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.bin")
+    tmp = write_temporary(path.with_suffix(""), ".bin")  # a killed run's (a split's size) goes at the next build
     out = np.memmap(tmp, dtype=dtype, mode="w+", shape=(size,)) if size else None
     if out is not None:
         laid_out(tokens, lengths, prefix, suffix, join, out, chunk)

@@ -245,6 +245,36 @@ def test_blocks_of_a_dataset_this_process_cannot_write_are_packed_in_memory(toke
     assert np.array_equal(np.asarray(mine.blocks), np.asarray(shared.blocks)) and len(mine) > 1
 
 
+def test_a_killed_runs_block_index_and_stream_temporaries_go_at_the_next_build(tokenizer, tmp_path):
+    """A run killed while it built a dataset's block index or laid-out stream (the stream: the
+    size of the split) left `.<name>.tmp<pid>.npy|.bin` in the dataset for good, one per killed
+    run. The next build removes the temporaries of this host's processes that are gone (the
+    names from before 2026-12-06 without the host too), and leaves a live writer's and another
+    host's (a shared file system: its pids mean nothing here)."""
+    import socket
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"In the beginning God created the heaven and the earth {i}." for i in range(40))
+                      + "\n")
+    d = tmp_path / "d"
+    prepare(corpus, d, VOCAB, tokenizer=tokenizer, quiet=True, cfg=PreprocessConfig(workers=1))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process holds now
+    layout, host = {"prefix": [BOS_ID]}, socket.gethostname()
+    stream = D.layout_stream_path(d, "text", layout, []).with_suffix("")
+    kept = []
+    for stem, ext in (("blocks_s32", ".npy"), (stream.name, ".bin")):
+        for tag, stays in ((f"{gone.pid}@{host}", False), (f"{gone.pid}", False), (f"{os.getppid()}@{host}", True),
+                           (f"{gone.pid}@elsewhere", True)):
+            (d / f".{stem}.tmp{tag}{ext}").write_bytes(b"half")
+            kept += [f".{stem}.tmp{tag}{ext}"] * stays
+    D.MLMBatches(d, TrainConfig(seq_length=32, train_micro_batch_size_per_gpu=2), VOCAB)
+    b = D.LayoutBatches(d, TrainConfig(seq_length=8, train_micro_batch_size_per_gpu=1), VOCAB, layout=layout)
+    assert D.layout_stream_path(d, "text", layout, b.join).with_suffix("") == stream  # the stream the names were of
+    assert D.block_index_path(d, 32).is_file() and stream.with_suffix(".bin").is_file()
+    assert sorted(p.name for p in d.glob(".*")) == sorted(kept)
+
+
 def _stream_by_hand(lengths: list[int], tokens: list[int], prefix: list[int], suffix: list[int],
                     join: list[int] = ()) -> list[int]:
     """The layout rule, sentence by sentence: a document opens with the prefix at its first
