@@ -47,9 +47,15 @@ def read_results(files: list[str]) -> list[dict]:
     records = []
     for f in files:
         try:
-            data = json.loads(Path(f).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            text = Path(f).read_text()
+            data = json.loads(text)
+        except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"cannot read results file {f}: {str(e).splitlines()[0]}") from None
+        except json.JSONDecodeError as e:
+            what = ("it is empty" if not text.strip() else "it holds more than one JSON value (JSON Lines?)"
+                    if e.msg == "Extra data" else str(e))
+            raise ValueError(f"cannot read results file {f}: {what}; pass the JSON list `mmadapt evaluate --output` "
+                             "writes") from None
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise ValueError(f"results file {f} is not a JSON list of records (as `mmadapt evaluate --output` "
                              "writes)")
@@ -79,20 +85,39 @@ def read_results(files: list[str]) -> list[dict]:
                          "(mmadapt evaluate --embeddings <Step-2 runs> scores them)")
     _one_metric_per_task(records)
     _apart_across_files(records)
-    # Two runs of one system, told apart by their artifacts, are two names by now: one name's
-    # checkpoint twice (the same step; a record of no step: the same FLOPs) would be one curve's
-    # point twice, and a curve sorted by (FLOPs, score) would end on the better of the two
-    seen = {}
-    for r in adapted(records):
-        at = f"step {r['step']}" if r.get("step") is not None else f"{r['flops']:.4g} FLOPs (no step recorded)"
-        key = (r["system"], r["task"], r["lang"], at)
-        if key in seen:
-            where = f"{r['_file']} holds" if seen[key] == r["_file"] else f"{seen[key]} and {r['_file']} both hold"
-            raise ValueError(f"{where} {r['system']}'s {r['task']} score in {r['lang']} at {at}: one checkpoint "
-                             "evaluated twice would be one curve's point twice; report one of them")
-        seen[key] = r["_file"]
+    _one_point_per_checkpoint(records)
     _one_no_adaptation_score(records)
     return [{k: v for k, v in r.items() if k != "_file"} for r in records]
+
+
+def _one_point_per_checkpoint(records: list[dict]) -> None:
+    """Refuse, in one line, a curve (system, task, language) whose points are not one run's
+    checkpoints: two records of one checkpoint (the same step; where either records no step, the
+    same FLOPs), or FLOPs that fall as the step rises (records of two runs, or edited by hand).
+    Two runs of one system, told apart by their artifacts, are two names by now. A curve is
+    sorted by (FLOPs, score): one checkpoint twice ended it on the better of the two, and falling
+    FLOPs made an earlier step its last checkpoint (the target every system is measured by)."""
+    by_curve = defaultdict(list)
+    for r in adapted(records):
+        by_curve[(r["system"], r["task"], r["lang"])].append(r)
+
+    def where(a: dict, b: dict) -> str:
+        return f"{a['_file']} holds" if a["_file"] == b["_file"] else f"{a['_file']} and {b['_file']} both hold"
+
+    for (system, task, lang), rs in by_curve.items():
+        for i, r in enumerate(rs):
+            for o in rs[:i]:
+                stepped = r.get("step") is not None and o.get("step") is not None
+                if r["step"] == o["step"] if stepped else math.isclose(r["flops"], o["flops"], rel_tol=1e-9):
+                    at = f"step {r['step']}" if stepped else f"{r['flops']:.4g} FLOPs (no step recorded)"
+                    raise ValueError(f"{where(o, r)} {system}'s {task} score in {lang} at {at}: one checkpoint "
+                                     "evaluated twice would be one curve's point twice; report one of them")
+        stepped = sorted((r for r in rs if r.get("step") is not None), key=lambda r: r["step"])
+        for a, b in zip(stepped, stepped[1:]):
+            if b["flops"] < a["flops"]:
+                raise ValueError(f"{where(a, b)} {system}'s {task} records in {lang} whose FLOPs fall as the step "
+                                 f"rises (step {a['step']}: {a['flops']:.4g}, step {b['step']}: {b['flops']:.4g}): "
+                                 "not one run's checkpoints; report each run's mmadapt evaluate output as written")
 
 
 # A record's fields besides flops, score and step, as Step 4 writes them: what each must be where

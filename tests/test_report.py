@@ -686,6 +686,38 @@ def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_
     assert capsys.readouterr().err.startswith(f"error: {a} and {b} both hold bl_base's genre score in de at step 200")
 
 
+def test_a_curve_of_other_than_one_runs_checkpoints_is_refused(tmp_path, capsys):
+    """One checkpoint's score twice where one record has its step and the other none (its key was
+    the step in one, the FLOPs in the other: never equal), and a curve whose FLOPs fall as its step
+    rises (records of two runs, or edited): each gave a table, the curve ending on the better score
+    (time to target '2 (2–2)', 1.70× for 2.27×) or an earlier step taken for the last checkpoint
+    (the target every system is measured by); now refused in one line. An empty results file and
+    a JSON Lines one are named as such, with the fix."""
+    day = 2.592e18
+    good = [{"system": s, "task": "genre", "lang": "de", "step": k, "flops": d * day, "score": v}
+            for s, k, d, v in (("bl_base", 1, 2, 50.0), ("bl_base", 2, 4, 60.0), ("minijoint", 1, 1, 56.0),
+                               ("minijoint", 2, 2, 58.0))]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(good))
+    assert report_main([str(a)]) == 0 and "| minijoint | 1.5 (1–2) | 2.27× (1 langs) |" in capsys.readouterr().out
+    b.write_text(json.dumps([{k: v for k, v in good[3].items() if k != "step"} | {"score": 40.0}]))
+    assert report_main([str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {a} and {b} both hold minijoint's genre score in de at 5.184e+18 FLOPs (no step "
+                          "recorded): one checkpoint evaluated twice") and err.count("\n") == 1, err
+    a.write_text(json.dumps([good[0] | {"flops": 5 * day}, *good[1:]]))
+    assert report_main([str(a)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {a} holds bl_base's genre records in de whose FLOPs fall as the step rises "
+                          "(step 1: 1.296e+19, step 2: 1.037e+19)") and err.count("\n") == 1, err
+    for text, what in (("", "it is empty"), ("\n".join(json.dumps(r) for r in good), "it holds more than one JSON "
+                                                                                     "value (JSON Lines?)")):
+        a.write_text(text)
+        assert report_main([str(a)]) == 2
+        assert capsys.readouterr().err == (f"error: cannot read results file {a}: {what}; pass the JSON list `mmadapt "
+                                           "evaluate --output` writes\n")
+
+
 def test_a_no_adaptation_score_that_names_the_system_is_its_own_whatever_the_files_order(tmp_path):
     """A no-adaptation record naming the systems of its evaluate call ("of") is theirs; one naming
     none (hand-written; "of": null too) stands for every other system. Which applied followed the
