@@ -77,6 +77,9 @@ class Expansion:
     model: bytes
     source_size: int
     new: tuple[str, ...]
+    # the target model's --vocab_size where it was trained here on the run's corpus (run.json
+    # records it: a --resume reads the kept merged tokenizer, and another size went unnoticed)
+    vocab_size: int | None = None
 
     @property
     def size(self) -> int:
@@ -202,16 +205,17 @@ def merged_vocabulary(run: RunSpec, source: Source, vocab_size: int | None, seed
         return expansion.size, expansion.source_size, expansion
     kept = run.output_dir / MERGED_TOKENIZER
 
+    want = vocab_size or source.cfg.vocab_size
+
     def merged() -> Expansion:
         if run.resume and kept.is_file():  # rank 0's view decides: every rank makes the one call below
             size = check_expansion(source.tokenizer, kept)
-            return Expansion(kept.read_bytes(), size, tuple(pieces(kept)[size:]))
+            return Expansion(kept.read_bytes(), size, tuple(pieces(kept)[size:]), want)
         with tempfile.TemporaryDirectory() as tmp:
-            target = train_tokenizer(resolve_corpus(run.corpus), Path(tmp) / "target",
-                                     vocab_size or source.cfg.vocab_size, seed=seed,
+            target = train_tokenizer(resolve_corpus(run.corpus), Path(tmp) / "target", want, seed=seed,
                                      max_sentences=run.prep.tokenizer_sample_lines,
                                      threads=run.prep.tokenizer_threads)
-            return expand(source.tokenizer, target)
+            return dataclasses.replace(expand(source.tokenizer, target), vocab_size=want)
     expansion = rank0_prepares(merged, f"the merged vocabulary of {run.corpus}")
     return expansion.size, expansion.source_size, expansion
 

@@ -132,6 +132,7 @@ def recorded_defaults() -> dict:
 # recorded, run._built_on)
 UNRECORDED_BEFORE = ("data_parallel_size", "task_start", "data_digest", "replay_digest", "data_split", "replay_split",
                      "frozen_from.fingerprint", "task_digest",
+                     "vocab_size",  # expand's target model trained on the corpus, recorded from 2026-12-06
                      "step")  # a record from before steps were named: a pretrain run's (check_same_kind)
 
 

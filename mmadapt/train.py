@@ -187,7 +187,9 @@ class ExpandedText(TextData):
 
     def check(self, run: RunSpec, model: ModelConfig, train: TrainConfig, family: ModelFamily) -> dict:
         # run.tokenizer is the target's, read by vocab.expand already; the data are checked as a raw corpus
-        return super().check(dataclasses.replace(run, tokenizer=None), model, train, family)
+        fields = super().check(dataclasses.replace(run, tokenizer=None), model, train, family)
+        size = self.expansion.vocab_size  # the target model's, trained on the corpus (None: --tokenizer's)
+        return fields if size is None else {**fields, "vocab_size": size}
 
     def check_resume(self, run: RunSpec) -> None:
         own = run.output_dir / RUN_TOKENIZER

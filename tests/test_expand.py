@@ -843,7 +843,15 @@ def test_expand_from_a_raw_corpus_trains_the_target_tokenizer(sources, de_corpus
     target = train_tokenizer(de_corpus, tmp_path / "t" / "de", 600, seed=train.seed)
     merged = expand(source / "tokenizer" / "spm.model", target)
     assert (out / "tokenizer" / "spm.model").read_bytes() == merged.model
-    assert json.loads((out / "run.json").read_text())["model"]["vocab_size"] == merged.size
+    record = json.loads((out / "run.json").read_text())
+    assert (record["model"]["vocab_size"], record["vocab_size"]) == (merged.size, 600)
+    # A --resume reads the merged tokenizer it kept: another --vocab_size was ignored without a word
+    # (the run went on with a vocabulary the user did not ask for); now refused, nothing changed
+    with pytest.raises(ValueError, match=r"--resume of a changed run: vocab_size is 700 here but 600 in .*run.json"):
+        steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, corpus=de_corpus, resume=True),
+                               step=steps.AdaptEmbeddings(system="minijoint", source=source, lang="de", train=train,
+                                                          vocab_size=700))
+    assert json.loads((out / "run.json").read_text()) == record
 
 
 def test_rank_0_alone_trains_a_raw_corpus_target_tokenizer(sources, de_corpus, tmp_path, monkeypatch):
@@ -864,6 +872,7 @@ def test_rank_0_alone_trains_a_raw_corpus_target_tokenizer(sources, de_corpus, t
         raise failed
     rank(0)
     monkeypatch.setattr(E, "train_tokenizer", lambda *a, **k: trained)
+    made = dataclasses.replace(made, vocab_size=600)  # the size the target model was trained at, recorded
     assert E.merged_vocabulary(run, source, 600, 1, None) == (made.size, made.source_size, made)
     monkeypatch.setattr(E, "train_tokenizer", fails)
     with pytest.raises(DataError, match="de.txt holds no text"):
