@@ -46,7 +46,7 @@ from typing import Callable, ClassVar
 import sentencepiece as spm
 import torch
 
-from mmadapt import checkpoint, parallel
+from mmadapt import checkpoint, faults, parallel
 from mmadapt.parallel import from_rank0
 from mmadapt.artifact import ARTIFACT_FILE, SAMPLED_KEY, read_artifact, write_artifact
 from mmadapt.config import (EMBEDDING_INITS, MIN_VOCAB_SIZE, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig,
@@ -165,7 +165,11 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
                                    "source_tokenizer_sha256": source_tokenizer})
         final = plan.run.output_dir / "embeddings" / checkpoint.tag_for(step.train.train_iters)
         if plan.expanded and parallel.is_rank0() and final.is_dir():
-            started.record.finish(expand_report=start.report(plan, final, started.data))
+            # a SIGTERM while the source language is scored (after the last checkpoint): Stopped,
+            # exit 75 as in the loop (the SLURM templates requeue it), not 143 and no word;
+            # --resume scores it again without training
+            with faults.stopped_after_checkpoint(step.train.train_iters, final.name):
+                started.record.finish(expand_report=start.report(plan, final, started.data))
         return metrics
 
 

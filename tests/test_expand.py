@@ -829,6 +829,40 @@ def test_an_expand_run_with_replay_logs_both_languages(sources, de_corpus, de_to
     assert not refused.exists()
 
 
+def test_a_sigterm_while_the_source_language_is_scored_stops_the_run_for_resume(sources, de_corpus, de_tokenizer,
+                                                                                  tmp_path, monkeypatch):
+    """An expand run scores the source language after its last checkpoint (expand_report): a
+    SIGTERM there killed it with 143 and no word (the SLURM templates requeue that only after their
+    own warning), run.json left unfinished. It stops as in the training loop (Stopped, exit 75);
+    --resume then scores it without training."""
+    import os
+    import signal
+    import time
+
+    from mmadapt import adapt
+    from mmadapt.faults import Stopped
+
+    out, train = tmp_path / "a", _train("roberta", 2, vocab_mode="expand")
+    run = RunSpec(output_dir=out, ds_config=ZERO0, corpus=de_corpus, tokenizer=de_tokenizer)
+    step = steps.AdaptEmbeddings(system="minijoint", source=sources["roberta"], lang="de", train=train)
+    report = adapt.Step2Start.report
+
+    def preempted(*args, **kw):  # scancel or a preemption while the source language is scored
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2)
+        return report(*args, **kw)
+    monkeypatch.setattr(adapt.Step2Start, "report", preempted)
+    with pytest.raises(Stopped, match="stopped by SIGTERM at update 2: checkpoint step00000002 is complete"):
+        steps.adapt_embeddings(run=run, step=step)
+    record, logged = json.loads((out / "run.json").read_text()), (out / "metrics.jsonl").read_text()
+    assert "expand_report" not in record and record.get("finished_at") is None
+    monkeypatch.setattr(adapt.Step2Start, "report", report)
+    steps.adapt_embeddings(run=dataclasses.replace(run, resume=True), step=step)
+    record = json.loads((out / "run.json").read_text())
+    assert record["expand_report"]["source_loss_after"] > 0 and record["finished_at"]
+    assert (out / "metrics.jsonl").read_text() == logged  # nothing trained again
+
+
 def test_expand_from_a_raw_corpus_trains_the_target_tokenizer(sources, de_corpus, tmp_path):
     """`adapt --vocab_mode expand --corpus de.txt` without --tokenizer: a --vocab_size-piece German
     tokenizer trained on the corpus as replace mode trains one (data.train_tokenizer, the run's
