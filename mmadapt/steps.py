@@ -305,14 +305,15 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
         job = LMJob(step="fit_head", trainable=(family.heads_prefix,))
         rows = train_lm(started, run, model, step.train, job, init, record={"unigram_loss": unigram,
                                                                             "head_scale": scale})
-        if parallel.is_rank0():
-            head = scoring_model(family, *primary_head_state(run.output_dir))  # as every later step reads it
-            heldout = masked_loss(head, on_device(blocks, device_of(head)))
-            text = (len(blocks), sum(int(l.ge(0).sum()) for _, l in blocks))
-            flops = (family.step_flops("fit_head", model, step.train.seq_length, step.train.mask_prob),
-                     family.row_flops("fit_head", model, step.train.seq_length))
-            started.record.finish(**_head_fit_report(run, source.path, logged_rows(run.output_dir),
-                                                     (heldout, unigram, text), flops, step.train))
+        if parallel.is_rank0():  # a SIGTERM while the head is scored: Stopped (75), as Step 3's scoring
+            with faults.stopped_after_checkpoint(step.train.train_iters, checkpoint.tag_for(step.train.train_iters)):
+                head = scoring_model(family, *primary_head_state(run.output_dir))  # as every later step reads it
+                heldout = masked_loss(head, on_device(blocks, device_of(head)))
+                text = (len(blocks), sum(int(l.ge(0).sum()) for _, l in blocks))
+                flops = (family.step_flops("fit_head", model, step.train.seq_length, step.train.mask_prob),
+                         family.row_flops("fit_head", model, step.train.seq_length))
+                started.record.finish(**_head_fit_report(run, source.path, logged_rows(run.output_dir),
+                                                         (heldout, unigram, text), flops, step.train))
         return rows
 
 

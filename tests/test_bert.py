@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import REPO, run_pretrain
+from conftest import REPO, metrics, run_pretrain
 from hf_models import (as_sentence_transformer, bert_body, bible_lines, framed_rows, import_all, make_bert,
                        make_headless_xlmr)
 from mmadapt import adapt as A
@@ -676,6 +676,39 @@ def test_a_head_fit_on_too_little_text_says_it_cannot_judge(headless, tmp_path, 
     record = json.loads((tmp_path / "head" / "run.json").read_text())
     out = capsys.readouterr().out
     assert record["below_unigram"] is None and "too little text to judge" in out, out
+
+
+def test_a_sigterm_while_the_fitted_head_is_scored_stops_the_fit_for_resume(headless, corpus, tmp_path, capsys,
+                                                                              monkeypatch):
+    """fit-head scores its head against the unigram reference after its last checkpoint: a SIGTERM
+    there (scancel, preemption) killed it with 143 and no word, which the SLURM templates requeue
+    only after their own warning. It stops as in the training loop (75, one line); --resume
+    then scores the head without training."""
+    import os
+    import signal
+    import time
+
+    from mmadapt import steps
+
+    args = ["fit-head", "--primary", str(headless["run"]), "--corpus", str(corpus), "--output_dir",
+            str(tmp_path / "head"), "--train_iters", "2", "--save_interval", "2", *E2E_SCHEDULE]
+    scored = steps.masked_loss
+
+    def preempted(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2)
+        return scored(*a, **k)
+    monkeypatch.setattr(steps, "masked_loss", preempted)
+    assert main(args) == 75
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("stopped by SIGTERM at update 2: checkpoint "
+                                                                "step00000002 is complete; run the same command "
+                                                                "with --resume to continue")
+    record, logged = json.loads((tmp_path / "head" / "run.json").read_text()), metrics(tmp_path / "head")
+    assert "below_unigram" not in record and record.get("finished_at") is None
+    monkeypatch.setattr(steps, "masked_loss", scored)
+    assert main([*args, "--resume"]) == 0
+    assert "below_unigram" in json.loads((tmp_path / "head" / "run.json").read_text())
+    assert metrics(tmp_path / "head") == logged  # nothing trained again
 
 
 def test_a_head_fit_stopped_after_its_last_save_keeps_its_final_loss(headless, corpus, tmp_path, capsys):
