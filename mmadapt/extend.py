@@ -36,7 +36,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from mmadapt import checkpoint, parallel, steps
+from mmadapt import checkpoint, faults, parallel, steps
 from mmadapt.adapt import check_output_start, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, SCORING, ByteScorer, fold_caveat
@@ -281,10 +281,13 @@ def extend(ext: Extend) -> dict:
         complete=lambda: final_artifact_written(adapt, ext.adapt_iters))
     final = artifact_dirs([adapt])[-1]
     export = ext.run_dir("export")
-    _export_once(ext, export, primary=source, embeddings=final, files=files["model"], say=say)
-    summary = _summary(ext, source, adapt, data, export)
-    if sibling is not None:
-        summary.update(_graft(ext, sibling, final, data, files["into"]))
+    # a SIGTERM from here on (an export, the summary's scoring: minutes on a real model): Stopped
+    # (75) as in a training loop, not 143 and no word; the same command again does what is left
+    with faults.stopped_after_checkpoint(ext.adapt_iters, final.name):
+        _export_once(ext, export, primary=source, embeddings=final, files=files["model"], say=say)
+        summary = _summary(ext, source, adapt, data, export)
+        if sibling is not None:
+            summary.update(_graft(ext, sibling, final, data, files["into"]))
     return summary
 
 

@@ -458,6 +458,39 @@ def _save_scaled(model_dir: Path, scale: float) -> None:
     model.save_pretrained(str(model_dir))
 
 
+def test_a_sigterm_while_extend_scores_its_summary_stops_it_for_the_same_command(graft_runs, corpus, de_corpus,
+                                                                                   tmp_path, capsys, monkeypatch):
+    """extend exports and scores its summary (bits per byte three times) after Step 2's last
+    checkpoint: a SIGTERM there killed it with 143 and no word. It stops as a training loop does
+    (75, one line: the same command again); run again, it trains nothing and gives the summary."""
+    import os
+    import signal
+    import time
+
+    from mmadapt import extend
+
+    argv = ["extend", "--model", str(graft_runs["qwen2-base"].parent / "hf" / "qwen2-base"), "--lang", "de",
+            "--corpus", str(de_corpus), "--source_corpus", str(corpus), "--vocab_size", "500", "--minipost_iters", "2",
+            "--adapt_iters", "2", "--batch", "4", "--seq_length", "32", "--bpb_bytes", "512",
+            "--output_dir", str(tmp_path / "ext")]
+    summary = extend._summary
+
+    def preempted(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2)
+        return summary(*a, **k)
+    monkeypatch.setattr(extend, "_summary", preempted)
+    assert main(argv) == 75
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("stopped by SIGTERM at update 2: checkpoint "
+                                                                "step00000002 is complete; run the same command "
+                                                                "again to continue")
+    logged = (tmp_path / "ext" / "adapt" / "metrics.jsonl").read_text()
+    monkeypatch.setattr(extend, "_summary", summary)
+    assert main(argv) == 0
+    assert "done already" in capsys.readouterr().out and (tmp_path / "ext" / "summary.json").is_file()
+    assert (tmp_path / "ext" / "adapt" / "metrics.jsonl").read_text() == logged  # nothing trained again
+
+
 def test_extend_refuses_a_target_corpus_it_cannot_prepare_before_anything_trains(graft_runs, corpus, de_corpus,
                                                                                  tmp_path, capsys, monkeypatch):
     """The target corpus is prepared right after the import: one with no document for the 3%
