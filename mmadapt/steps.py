@@ -790,7 +790,9 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     # watchdog would then abort the waiting ranks, and the launcher rank 0 with them.
     if dist.is_initialized() and not parallel.is_rank0():
         return None
-    records, key = _sweep_records(source, runs, step, data_path, out / "sweep.json")
+    # a SIGTERM while it scores: Stopped (75) as in a depth's loop, not 143 and no word
+    with faults.stopped_after_checkpoint(step.train.train_iters, checkpoint.tag_for(step.train.train_iters)):
+        records, key = _sweep_records(source, runs, step, data_path, out / "sweep.json")
     summary = summarize(records, cfg.near_max)
     # sweep.json is read back by the next sweep (kept_result): whole or not at all
     checkpoint.atomic_write(out / "sweep.json", json.dumps({"source": str(source), "records": records,

@@ -568,6 +568,26 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     shutil.copytree(out / "2" / "embeddings" / "step00000003", stopped)
     meta = json.loads((stopped / "meta.json").read_text())
     (stopped / "meta.json").write_text(json.dumps({**meta, "step": 4, "off_schedule": True}))  # as a stop writes it
+    # a SIGTERM while it scores (scancel, preemption): stopped as a depth's loop stops (75, one
+    # line), where it died with 143 and no word; sweep.json kept as it was
+    import os
+    import signal
+
+    from mmadapt import steps
+    scores, kept = steps.plugin_records, (out / "sweep.json").read_text()
+
+    def preempted(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return scores(*a, **k)
+    steps.plugin_records = preempted
+    try:
+        assert main(["sweep", *args[:-1], "512"]) == 75
+    finally:
+        steps.plugin_records = scores
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("stopped by SIGTERM at update 6: checkpoint "
+                                                                "step00000006 is complete; run the same command "
+                                                                "again to continue")
+    assert (out / "sweep.json").read_text() == kept
     assert main(["sweep", *args[:-1], "512"]) == 0
     said = capsys.readouterr()
     assert "plug-in metric" in said.out + said.err and (out / "2" / "metrics.jsonl").read_text() == before
