@@ -38,8 +38,11 @@ class Diverged(RuntimeError):
     """Training cannot go on from here; the newest complete checkpoint is the last good one."""
 
 
-class Stopped(Exception):
-    """A signal (or the launcher's death) stopped the run after a complete checkpoint."""
+class Stopped(BaseException):
+    """A signal (or the launcher's death) stopped the run after a complete checkpoint. A
+    BaseException, as KeyboardInterrupt is: stopped_after_checkpoint raises it from a signal
+    handler inside whatever code runs, and a broad `except Exception` there (load_pt's, a
+    library's) turned it into that code's error (an intact artifact 'truncated', exit 2)."""
 
     def __init__(self, step: int, tag: str, reason: str):
         self.step, self.tag, self.reason = step, tag, reason

@@ -254,6 +254,28 @@ def test_consecutive_skipped_steps_are_a_divergence(tmp_path):
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
 
 
+def test_a_sigterm_after_the_last_checkpoint_stops_through_a_broad_except(tmp_path, monkeypatch):
+    """stopped_after_checkpoint raises Stopped from the SIGTERM handler inside whatever code runs:
+    inside checkpoint.load_pt (an extension's summary reading an artifact), whose `except
+    Exception` turned it into 'cannot be read ... it is truncated or not a PyTorch file; restore
+    or recreate it', exit 2, about an intact file. A BaseException, as Ctrl-C's, it goes through;
+    and the handler before the block is back after it."""
+    from mmadapt import checkpoint
+
+    torch.save({"w": torch.zeros(1)}, tmp_path / "embeddings.pt")
+    real = torch.load
+
+    def preempted(*a, **k):  # the signal lands while torch reads the file
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+    monkeypatch.setattr(checkpoint.torch, "load", preempted)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(faults.Stopped, match="stopped by SIGTERM at update 4: checkpoint step00000004 is complete"):
+        with faults.stopped_after_checkpoint(4, "step00000004"):
+            checkpoint.load_pt(tmp_path / "embeddings.pt", "Step-2 artifact file")
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_steps_skipped_before_a_stop_still_count_after_its_resume(tmp_path, monkeypatch):
     """A stop after two skipped fp16 steps saves at the update before them, their batches
     consumed; the resumed run counts them: its third skip in a row is the fifth, a divergence
