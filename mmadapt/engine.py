@@ -777,7 +777,7 @@ class LoopJob:
     counts the updates run to reach it (fp16 steps skipped on an overflow included: their forward
     and backward were computed, what FLOPs and tokens count) and `rows` the positions projected
     in them over every replica (None: not counted, or not since update 0: a checkpoint from
-    before the count was resumed); `scheduled` (a keyword) False for a stop's checkpoint, off the
+    before the count was resumed); `scheduled` (a keyword) False for a stop's checkpoint off the
     schedule (LoopConfig.saves_at) where the run's other checkpoints are.
     evaluate() -> this rank's validation losses [k] (as step_fn's), every `eval_interval`
     updates: logged as `valid_loss` (and `valid_head_losses`) rows. split_losses: step_fn's losses
@@ -952,7 +952,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     # steps were skipped since (their batches consumed): a stop's save races a kill
                     # deadline, and rewriting in place would lose the only copy. The resumed run
                     # replays those batches from the same loss scale and RNG states: the same skips.
-                    tag = saved if saved == checkpoint.tag_for(done) else save(scheduled=False)
+                    # Off the schedule unless this update is on it (a scheduled save that skipped
+                    # fp16 steps put off: update 0 of a run whose first updates were all skipped)
+                    tag = saved if saved == checkpoint.tag_for(done) else save(scheduled=loop.saves_at(done, total))
                     if rank0:
                         stop_file.unlink(missing_ok=True)
                     # Every rank leaves with rank 0, once its after_save is written: DeepSpeed's

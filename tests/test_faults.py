@@ -358,6 +358,20 @@ def test_a_stops_checkpoint_is_said_to_be_off_the_schedule(tmp_path):
         train_loop(FakeEngine(), step, job, TrainConfig(log_interval=1, save_interval=5), 20, run_dir=tmp_path,
                    resume=False)
     assert saved == [(5, True), (7, False)]
+    # A stop while every update so far was skipped (fp16 overflows from the first loss scale): its
+    # checkpoint is update 0's, on the schedule; marked off it, a Step-2 run's start artifact was
+    # left out of every curve once the run went on (artifact_dirs)
+    engine, saved[:] = FakeEngine(), []
+    (tmp_path / "b").mkdir()
+
+    def skipped(position):
+        engine.applied = False
+        os.kill(os.getpid(), signal.SIGTERM)
+        return torch.tensor([1.0])
+    with pytest.raises(faults.Stopped, match="at update 0"):
+        train_loop(engine, skipped, job, TrainConfig(log_interval=1, save_interval=5), 20, run_dir=tmp_path / "b",
+                   resume=False)
+    assert saved == [(0, True)]
 
 
 def test_the_rows_projected_are_counted_through_skips_and_resumes(tmp_path, monkeypatch):
