@@ -107,6 +107,7 @@ def _on_schedule(run: Path, found: list[Path]) -> list[Path]:
     time-to-target). A run's last artifact stays whatever it is: a run stopped and not continued
     ends there. Named by its directory, a stop's artifact is scored like any other."""
     off = [d for d in found[:-1] if (d / "meta.json").is_file()  # one without: refused where it is read
+           and d.name != checkpoint.tag_for(0)  # the start: on every schedule (marked off it on 2026-12-06)
            and checkpoint.read_json(d / "meta.json", "Step-2 artifact file").get("off_schedule")]
     if off:
         print(f"note: {run}: {', '.join(d.name for d in off)} left out, saved where the run was stopped and continued "

@@ -603,7 +603,7 @@ def test_a_stops_artifact_is_no_curve_point_of_a_continued_run(tmp_path, capsys)
             (emb / f"step{step:08d}" / "meta.json").write_text(json.dumps(meta))
         return emb
 
-    went_on, stopped = run("went_on", (0, 4, 6, 8), {6}), run("stopped", (0, 4, 6), {6})
+    went_on, stopped = run("went_on", (0, 4, 6, 8), {0, 6}), run("stopped", (0, 4, 6), {6})  # 0: the start
     assert artifact_dirs([tmp_path / "went_on"]) == [went_on / f"step{s:08d}" for s in (0, 4, 8)]
     err = capsys.readouterr().err
     assert f"note: {tmp_path / 'went_on'}: step00000006 left out, saved where the run was stopped" in err, err
