@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -40,8 +41,8 @@ from mmadapt import checkpoint, faults, parallel, steps
 from mmadapt.adapt import check_output_start, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, SCORING, ByteScorer, fold_caveat
-from mmadapt.config import (MIN_VOCAB_SIZE, MiniModelConfig, PreprocessConfig, TrainConfig, _f, check_declared,
-                            check_lang, given, output_inside_an_input)
+from mmadapt.config import (MIN_VOCAB_SIZE, TINY_ENV, MiniModelConfig, PreprocessConfig, TrainConfig, _f,
+                            check_declared, check_lang, given, output_inside_an_input)
 from mmadapt.corpora import check_bible_lang, resolve_corpus
 from mmadapt.data import (MANIFEST, UNKNOWN_REFUSE, DataError, NothingHeldOut, check_corpus, corpus_fingerprint,
                           follows_byte_fallback, read_manifest, sample_unknown_share)
@@ -195,7 +196,10 @@ def claim(ext: Extend) -> bool:
     def as_recorded(fields: dict) -> dict:  # as extend.json holds them (paths as text)
         return json.loads(json.dumps(fields, default=str))
 
-    out, mine = ext.output_dir, as_recorded(dataclasses.asdict(ext))
+    # and whether MMADAPT_TINY=1 capped its sizes: a call without it (or with it, on one made
+    # without) was refused naming a capped size the user never gave (head_iters 8, not 200)
+    tiny = os.environ.get(TINY_ENV) == "1"
+    out, mine = ext.output_dir, {**as_recorded(dataclasses.asdict(ext)), "tiny": tiny}
     checkpoint.check_output_dir(out)  # a file on its way: refused here, not by the first write
     record = out / RECORD
     if record.is_file():
@@ -203,7 +207,7 @@ def claim(ext: Extend) -> bool:
         # a field the record predates was its default then, compared as recorded
         defaults = as_recorded({f.name: f.default for f in dataclasses.fields(ext)
                                 if f.default is not dataclasses.MISSING})
-        recorded = {k: theirs.get(k, defaults.get(k)) for k in mine}
+        recorded = {k: theirs.get(k, defaults.get(k)) for k in mine if k != "tiny"}
         # but tokenizer_sample_lines, in a record from before it was one, is not compared: under
         # MMADAPT_TINY=1 that call sampled 2,000,000 lines, where the same command now caps them
         if "tokenizer_sample_lines" not in theirs:
@@ -211,9 +215,14 @@ def claim(ext: Extend) -> bool:
         for k in ("corpus", "source_corpus"):  # a record from before they were resolved holds them as typed
             if isinstance(recorded[k], str):
                 recorded[k] = _corpus_spec(recorded[k])
-        changed = sorted(k for k in mine if k not in NOT_IDENTITY and recorded[k] != mine[k])
+        changed = sorted(k for k in recorded if k not in NOT_IDENTITY and recorded[k] != mine[k])
         if changed:
-            name = changed[0]
+            name, made = changed[0], theirs.get("tiny")
+            if made is not None and made != tiny:
+                way = "with" if made else "without"
+                raise ValueError(f"{out} holds an extension made {way} {TINY_ENV}=1 ({name} {recorded[name]!r} "
+                                 f"there, {mine[name]!r} here): continue it {way} {TINY_ENV}=1 and the same "
+                                 "arguments, or choose a new --output_dir")
             raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {name} "
                              f"{recorded[name]!r}, not {mine[name]!r}: continue it with the same "
                              "arguments, or choose a new --output_dir")

@@ -718,6 +718,34 @@ def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(t
     assert not (tmp_path / "none").exists()
 
 
+def test_an_extension_made_under_mmadapt_tiny_is_told_apart_from_other_arguments(tmp_path, monkeypatch):
+    """The same command without MMADAPT_TINY=1 on an extension made with it (the README's first
+    try) was refused naming a capped size the user never gave ('head_iters 8, not 200: continue
+    it with the same arguments'), then, with that given, a size no flag sets. The refusal now
+    names MMADAPT_TINY, both ways; with it as it was, the same command continues."""
+    from mmadapt import cli, extend
+
+    model, seen = _config_only_model(tmp_path), []
+    monkeypatch.setattr(extend, "extend", seen.append)
+
+    def call(out: str, tiny: bool) -> bool:  # the command line's Extend, claimed as extend claims it
+        monkeypatch.setenv("MMADAPT_TINY", "1" if tiny else "0")
+        assert cli.main(["extend", "--model", str(model), "--lang", "de", "--corpus", "bible:de", "--output_dir",
+                         str(tmp_path / out)]) == 0
+        return extend.claim(seen[-1])
+    assert call("o", tiny=True) is True
+    record = (tmp_path / "o" / "extend.json").read_text()
+    with pytest.raises(ValueError, match=r"^\S+/o holds an extension made with MMADAPT_TINY=1 \(adapt_iters 8 there, "
+                                         r"600 here\): continue it with MMADAPT_TINY=1 and the same arguments, or "
+                                         r"choose a new --output_dir$"):
+        call("o", tiny=False)
+    assert call("o", tiny=True) is False and (tmp_path / "o" / "extend.json").read_text() == record
+    assert call("p", tiny=False) is True
+    with pytest.raises(ValueError, match=r"made without MMADAPT_TINY=1 \(adapt_iters 600 there, 8 here\): continue "
+                                         "it without MMADAPT_TINY=1"):
+        call("p", tiny=True)
+
+
 def test_a_step_1b_flag_under_bl_base_is_refused_before_the_import(tmp_path, monkeypatch):
     """--minipost_iters with --system bl_base says nothing about the model: it was refused after
     the output directory was claimed and the whole model imported (minutes for a large one).
