@@ -310,6 +310,8 @@ def _train_sentencepiece(corpus: Path, text: Path, prefix: Path, vocab_size: int
                             + (f", and {TINY_ENV}=1 caps --vocab_size at {TINY_FLAGS['vocab_size']}: run it without "
                                f"{TINY_ENV}=1, with --vocab_size {need} or more" if tiny else
                                f"; pass --vocab_size {need} or more")) from None
+        if "(all_chars_count) > (0)" in str(e):  # every character dropped by its normalization (nmt_nfkc)
+            raise no_text(corpus) from None
         raise DataError(f"SentencePiece could not train a {vocab_size}-piece vocabulary on {corpus}: "
                         f"{str(e).splitlines()[0]}") from None
     lines, _, long_lines, long_bytes, _ = counts
@@ -678,6 +680,13 @@ def sample_unknown_share(corpus: Path, tokenizer: Path, lines: int = 2_000) -> f
     return sum(i.count(UNK_ID) for i in ids) / pieces if pieces else 0.0
 
 
+def no_text(corpus) -> DataError:
+    """A corpus whose every line a tokenizer reads as nothing: blanks str.isspace does not know and
+    invisible characters (zero-width spaces), which SentencePiece's normalization drops."""
+    return DataError(f"corpus {corpus} holds no character a tokenizer keeps (only blanks and invisible ones, such as "
+                     "zero-width spaces, which SentencePiece's normalization drops): pass a file of text")
+
+
 def _dataset_entry(name: str) -> bool:
     """A file a preparation (finished or stopped) writes in its directory (a tokenizer killed while
     training leaves train_tokenizer's tokenizer.tmp<pid>.model, .vocab and .sample). Of the hidden names,
@@ -927,8 +936,8 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
         raise DataError(f"--valid_fraction {valid_fraction} held out every document of {corpus} "
                         f"({valid_counts[1]:,} of them): lower it, or give the corpus more documents (a document "
                         "ends at a blank line; documents that begin with the same line are held out together)")
-    if sentences == 0:
-        raise DataError(f"corpus {corpus} produced no training sentences")
+    if sentences == 0:  # every line encoded to no piece
+        raise no_text(corpus)
     if valid_fraction > 0 and valid_counts[0] == 0:
         raise NothingHeldOut(f"--valid_fraction {valid_fraction} held out none of the {documents:,} documents of "
                              f"{corpus} (a document ends at a blank line; documents that begin with the same line "

@@ -427,6 +427,14 @@ CASES = [
      "b16.txt looks like UTF-16 (50% of its first bytes are NUL): convert it (iconv -f UTF-16BE -t UTF-8)"),
     ("corpus-unicode-blanks-only", lambda c: c.pretrain(corpus=c.file("blank.txt", "\u3000\n\u2028\n\x85\n")),
      "is empty: it needs at least one non-blank line of text"),
+    # zero-width spaces are no blanks to str.isspace, but SentencePiece's normalization drops them: its
+    # internal check '(all_chars_count) > (0)' was the line
+    ("corpus-invisible-characters-only",
+     lambda c: c.pretrain(corpus=c.file("zw.txt", "\u200b\n\u200b \u00a0\n\n\u200b\n")),
+     "zw.txt holds no character a tokenizer keeps (only blanks and invisible ones, such as zero-width spaces, which "
+     "SentencePiece's normalization drops): pass a file of text"),
+    ("corpus-zero-width-spaces-only", lambda c: c.pretrain(corpus=c.file("zw.txt", "\u200b\n" * 5)),
+     "zw.txt holds no character a tokenizer keeps"),  # (the tokenizer's training saw no character at all)
     ("corpus-lines-too-long", lambda c: ["pretrain", "--corpus", c.file("long.txt", ("word " * 1000 + "\n") * 20),
                                          "--vocab_size", "100", "--output_dir", str(c.out)],
      "longer than 4192 bytes"),
