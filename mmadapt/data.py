@@ -47,6 +47,7 @@ own seeded order: a pure function of (seed, update, micro-batch, row) again.
 from __future__ import annotations
 
 import array
+import contextlib
 import gc
 import hashlib
 import itertools
@@ -735,6 +736,9 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     threads = (os.cpu_count() or 1) if cfg.tokenizer_threads is None else cfg.tokenizer_threads
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--output_dir {out_dir} is a file, not a directory: choose a directory for the dataset")
+    if out_dir.resolve() in corpus.resolve().parents:  # named as a dataset file (text.bin), the clean-up deleted it
+        raise DataError(f"corpus {corpus} is inside --output_dir {out_dir}, where the dataset is written: move the "
+                        "corpus out of it, or choose another --output_dir (nothing was changed)")
     if not (out_dir / MANIFEST).is_file():
         refuse_other_files(out_dir, _dataset_entry, "prepared dataset")
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
@@ -784,13 +788,28 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         say(f"{out_dir} already holds {corpus} prepared with this tokenizer: nothing to do")
         return old
     created = not out_dir.exists()
-    _refuse_live_preparation(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tok = out_dir / TOKENIZER
+    # This preparation's trace (.shards<pid>) is made before it looks for another's: of two started
+    # at once, one sees the other (each looked first, then made its own: both went on, and each
+    # one's clean-up below could remove the other's shards). Made before the tokenizer lands
+    # (_encode_into fills it): a preparation stopped after that leaves it beside the tokenizer,
+    # which tells its tokenizer from one put there by hand (check_own_tokenizer_kept).
+    own = out_dir / f".shards{os.getpid()}"
+    own.mkdir(exist_ok=True)
+    try:
+        _refuse_live_preparation(out_dir)
+    except DataError:
+        own.rmdir()
+        if created:  # unless another's trace is in it by now (a removal of the tree removed that)
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+        raise
     # What a preparation here left without finishing (no manifest): the indexes derived from its
     # text (a block index is keyed by seq_length alone, and would be read over the new text) and a
-    # killed run's shards. Its tokenizer is replaced below.
-    _remove_encoded(out_dir)
+    # killed run's shards (a live one's stay: this one's, and one started since). Its tokenizer is
+    # replaced below.
+    _remove_encoded(out_dir, keep_live=True)
     # what a preparation killed while its tokenizer trained left (train_tokenizer's files, its pid's)
     for stale in out_dir.glob(f"{tok.stem}.tmp*"):
         if _dataset_entry(stale.name):
@@ -799,10 +818,6 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     # --tokenizer may be the directory's own tokenizer.model (put there first, or a stopped
     # preparation's): it is then used in place, and a refusal below leaves it where it was
     given_here = tokenizer is not None and tok.is_file() and os.path.samefile(tokenizer, tok)
-    # Made before the tokenizer lands (_encode_into fills it): a preparation stopped after that
-    # leaves this trace beside it, which tells its tokenizer from one put there by hand
-    # (check_own_tokenizer_kept); the next preparation's clean-up above removes it.
-    (out_dir / f".shards{os.getpid()}").mkdir(exist_ok=True)
     try:
         if tokenizer is not None:
             if not given_here:
@@ -845,11 +860,14 @@ def _refuse_live_preparation(out_dir: Path) -> None:
                             f"another --output_dir (if no such preparation runs, delete {entry})")
 
 
-def _remove_encoded(out_dir: Path) -> None:
+def _remove_encoded(out_dir: Path, keep_live: bool = False) -> None:
     """Every entry of a preparation in `out_dir` but its tokenizer and manifest: the encoded text
-    and split, indexes derived from them, shards, temporaries (_dataset_entry)."""
+    and split, indexes derived from them, shards, temporaries (_dataset_entry). keep_live: but
+    the shards of a process that runs (`.shards<pid>`: this one's, or another's started since it
+    looked: that one refuses, seeing this one's)."""
     for entry in out_dir.iterdir():
-        if entry.name not in (TOKENIZER, MANIFEST) and _dataset_entry(entry.name):
+        live = keep_live and (m := re.fullmatch(r"\.shards(\d+)", entry.name)) and pid_alive(int(m.group(1)))
+        if entry.name not in (TOKENIZER, MANIFEST) and _dataset_entry(entry.name) and not live:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
@@ -943,6 +961,9 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
                              f"{corpus} (a document ends at a blank line; documents that begin with the same line "
                              "are held out together): raise it, or give the corpus more documents",
                              documents)
+    if corpus_fingerprint(corpus) != fingerprint:  # edited while the tokenizer trained or the text was encoded
+        raise DataError(f"corpus {corpus} changed while it was prepared: the tokens would not be the text its "
+                        "manifest records; run the command again once the file stays as it is")
     manifest = {"format": FORMAT, "corpus": str(corpus.resolve()), "corpus_fingerprint": fingerprint,
                 "tokenizer_sha256": file_sha256(tok), "vocab_size": sp.get_piece_size(), "dtype": dtype,
                 "sentences": sentences, "documents": documents, "tokens": tokens, "unknown": unknown,

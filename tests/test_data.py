@@ -1144,7 +1144,7 @@ def test_a_corpus_trains_the_tokenizer_of_its_clean_twin(corpus, tmp_path):
     assert D._line_counts(corpus).unclean == 0 and D._line_counts(crlf).unclean == D._line_counts(crlf).lines
 
 
-def test_a_preparation_into_a_directory_another_live_one_prepares_is_refused(corpus, tmp_path):
+def test_a_preparation_into_a_directory_another_live_one_prepares_is_refused(corpus, tmp_path, monkeypatch):
     """Two preparations into one --output_dir: the second's clean-up of what a stopped one left
     removed the first's shards while it encoded (it failed with a raw OSError). A live
     preparation's `.shards<pid>` is refused in one line, nothing touched; a dead one's is cleaned up."""
@@ -1157,12 +1157,52 @@ def test_a_preparation_into_a_directory_another_live_one_prepares_is_refused(cor
         with pytest.raises(D.DataError, match=rf"^{out} is being prepared by process {other.pid}: wait for it to "
                                               "finish, or choose another --output_dir"):
             prepare(corpus, out, 300, cfg=PreprocessConfig(workers=1))
+        assert sorted(p.name for p in out.iterdir()) == [f".shards{other.pid}"]  # its own trace gone with it
         assert (out / f".shards{other.pid}" / "00000.bin").read_bytes() == b"live"
+        # Two started at once: each looked for another's trace, then made its own, so both went on
+        # and each one's clean-up could remove the other's shards. Its own is made first now; one
+        # that comes between its look and its clean-up (and refuses, seeing this one's) is kept.
+        race, real = tmp_path / "race", D._refuse_live_preparation
+
+        def then_another(out_dir):
+            real(out_dir)
+            (out_dir / f".shards{other.pid}").mkdir()
+        monkeypatch.setattr(D, "_refuse_live_preparation", then_another)
+        assert prepare(corpus, race, 300, cfg=PreprocessConfig(workers=1))["vocab_size"] == 300
+        assert (race / f".shards{other.pid}").is_dir()
     finally:
         other.kill()
         other.wait()
+    monkeypatch.undo()
     manifest = prepare(corpus, out, 300, cfg=PreprocessConfig(workers=1))  # its holder is gone: cleaned up
     assert manifest["vocab_size"] == 300 and not list(out.glob(".shards*"))
+
+
+def test_a_corpus_inside_the_output_directory_or_edited_meanwhile_is_refused(corpus, tmp_path, monkeypatch):
+    """A corpus inside --output_dir named as a dataset file (text.bin) passed the check for other
+    files, and the clean-up of a stopped preparation deleted it: the user's only copy, then 'does
+    not exist'. A corpus edited while it was prepared (the tokenizer training) gave a dataset of the
+    new text under a manifest of the old one's fingerprint. Each is refused in one line, the corpus
+    kept and nothing prepared."""
+    inside = tmp_path / "d"
+    inside.mkdir()
+    (inside / "text.bin").write_bytes(Path(corpus).read_bytes())
+    with pytest.raises(D.DataError, match=rf"^corpus {inside / 'text.bin'} is inside --output_dir {inside}, where the "
+                                          "dataset is written: move the corpus out of it"):
+        prepare(inside / "text.bin", inside, 300, cfg=PreprocessConfig(workers=1))
+    assert (inside / "text.bin").read_bytes() == Path(corpus).read_bytes() and len(list(inside.iterdir())) == 1
+    edited, trained = tmp_path / "edited.txt", D.train_tokenizer
+    edited.write_bytes(Path(corpus).read_bytes())
+
+    def edit_meanwhile(*a, **k):  # the user's editor saves the file while the tokenizer trains
+        model = trained(*a, **k)
+        edited.write_text(edited.read_text().replace("God", "Zqx"))
+        return model
+    monkeypatch.setattr(D, "train_tokenizer", edit_meanwhile)
+    with pytest.raises(D.DataError, match=rf"^corpus {edited} changed while it was prepared: .* run the command "
+                                          "again once the file stays as it is$"):
+        prepare(edited, tmp_path / "out", 300, cfg=PreprocessConfig(workers=1))
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_corpus_path_with_a_comma_trains_a_tokenizer(corpus, tmp_path):
