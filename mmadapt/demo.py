@@ -42,6 +42,7 @@ import shutil
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Optional
 from pathlib import Path
@@ -267,6 +268,13 @@ def _exit_if_orphaned(wait: float = 0.0) -> None:
         if time.monotonic() >= deadline:
             return
         time.sleep(0.05)
+
+
+def _worker_lost(root: Path, labels: list[str]) -> faults.PeerFailed:
+    """The line of a demo (in `root`) whose worker process was killed while it ran one of `labels`."""
+    return faults.PeerFailed(f"a demo worker process was killed (a signal, or the out-of-memory killer) while it ran "
+                             f"one of {', '.join(labels)}; the other runs saved and stopped: run the same command "
+                             f"again to continue every run from its newest checkpoint (their logs: {root / 'logs'})")
 
 
 def _run_job(demo: "Demo", job: Job) -> tuple[float, object] | None:
@@ -527,6 +535,7 @@ class Demo:
               f"of its own at {threads} torch thread{'s' if threads > 1 else ''} (their output: {self.root / 'logs'})",
               flush=True)
         context = multiprocessing.get_context("spawn")
+        others, workers = {p.pid for p in multiprocessing.active_children()}, set()  # the pool's: every child since
         stop = context.Event()
         pool = ProcessPoolExecutor(n, mp_context=context, initializer=_worker_init,
                                    initargs=(threads, os.getpid(), stop))
@@ -538,6 +547,12 @@ class Demo:
                 while pending:
                     finished, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
                     bar.refresh()  # the elapsed time moves while the runs train
+                    # A worker gone while the runs go on: the pool notices only at its next event
+                    # (a worker spawned as a run was submitted is not among the processes it
+                    # watches until then), and a run that waits on nothing else waited for ever
+                    workers |= {p.pid for p in multiprocessing.active_children()} - others
+                    if not finished and workers - {p.pid for p in multiprocessing.active_children()}:
+                        raise _worker_lost(self.root, [job.label for f, job in running.items() if f in pending])
                     # A run's error first, then a stop it caused (a running job's Stopped, a queued job
                     # not started: None) beside it in the same wait, then the runs that finished
                     for done in sorted(finished, key=lambda f: (f.exception() is None,
@@ -550,6 +565,12 @@ class Demo:
                             continue
                         try:
                             finished_job = done.result()
+                        except BrokenProcessPool:
+                            # a worker killed (a signal, the out-of-memory killer): every unfinished run
+                            # comes back so, the one it ran unknown (the first named failed, a traceback)
+                            raise _worker_lost(self.root, [job.label for f, job in running.items()
+                                                           if f.done() and isinstance(f.exception(),
+                                                                                      BrokenProcessPool)]) from None
                         except BaseException:
                             print(f"{running[done].label} failed; its log: {running[done].log}", file=sys.stderr,
                                   flush=True)

@@ -689,6 +689,61 @@ def test_a_failed_demo_run_stops_the_others_and_starts_no_queued_one(tmp_path):
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists(), "a queued run started"
 
 
+_KILLED_WORKER_SCRIPT = '''
+import os, signal, sys, time
+from pathlib import Path
+from mmadapt import demo, faults
+
+class Runs:
+    """Stand-in demo runs: `nap` waits for a stop request as a training loop does; `dies` is
+    SIGKILLed (the out-of-memory killer) once the nap trains."""
+    cfg = demo.DemoConfig(workers=2, threads=1)
+    root = Path(sys.argv[1])
+
+    def say(self, what):
+        print(what, flush=True)
+
+    def nap(self):
+        with faults.StopRequest() as stop:
+            (self.root / "nap").write_text("started")
+            while stop.reason is None:
+                time.sleep(0.05)
+        (self.root / "nap.stopped").write_text(stop.reason)
+        raise faults.Stopped(0, "step00000000", stop.reason)
+
+    def dies(self):
+        while not (self.root / "nap").exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+if __name__ == "__main__":
+    log = str(Runs.root / "run.log")
+    jobs = [demo.Job("minijoint", "dies", (), 2, log), demo.Job("minipost", "nap", (), 1, log)]
+    try:
+        demo.Demo.run_jobs(Runs(), jobs)
+    except faults.PeerFailed as e:
+        print(f"raised {e}", flush=True)
+'''
+
+
+def test_a_demo_worker_killed_is_one_line_saying_to_run_the_demo_again(tmp_path):
+    """A worker SIGKILLed (the out-of-memory killer) broke the pool: every unfinished run came back
+    as BrokenProcessPool, the first of them named as the run that failed (one that was training
+    well in the other worker) and a traceback, exit 1. It is one line: a worker was killed while
+    it ran one of the unfinished runs; run the same command again. The other run saved and stopped."""
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_WORKER_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                          env=_cpu_env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stdout.splitlines() if line.startswith("raised ")]
+    assert said == ["raised a demo worker process was killed (a signal, or the out-of-memory killer) while it ran one "
+                    "of minijoint, minipost; the other runs saved and stopped: run the same command again to "
+                    f"continue every run from its newest checkpoint (their logs: {tmp_path / 'logs'})"], done.stdout
+    assert "failed; its log" not in done.stderr, done.stderr
+    assert (tmp_path / "nap.stopped").is_file()  # the other run stopped as on a signal, not killed
+
+
 _AFTER_SCRIPT = '''
 import json, sys, time
 from pathlib import Path
