@@ -41,8 +41,8 @@ from mmadapt import checkpoint, faults, parallel, steps
 from mmadapt.adapt import check_output_start, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BPB_BYTES, MIN_BPB_BYTES, SCORING, ByteScorer, fold_caveat
-from mmadapt.config import (MIN_VOCAB_SIZE, TINY_ENV, MiniModelConfig, PreprocessConfig, TrainConfig, _f,
-                            check_declared, check_lang, given, output_inside_an_input)
+from mmadapt.config import (MIN_VOCAB_SIZE, TINY_CAPS, TINY_ENV, TINY_FLAGS, MiniModelConfig, PreprocessConfig,
+                            TrainConfig, _f, check_declared, check_lang, given, output_inside_an_input)
 from mmadapt.corpora import check_bible_lang, resolve_corpus
 from mmadapt.data import (MANIFEST, UNKNOWN_REFUSE, DataError, NothingHeldOut, check_corpus, corpus_fingerprint,
                           follows_byte_fallback, read_manifest, sample_unknown_share)
@@ -217,12 +217,16 @@ def claim(ext: Extend) -> bool:
                 recorded[k] = _corpus_spec(recorded[k])
         changed = sorted(k for k in recorded if k not in NOT_IDENTITY and recorded[k] != mine[k])
         if changed:
-            name, made = changed[0], theirs.get("tiny")
-            if made is not None and made != tiny:
+            made, name = theirs.get("tiny"), changed[0]
+            # Where MMADAPT_TINY was set otherwise: its setting is the news if only sizes it caps
+            # differ; else the first field it does not cap (the one the user changed)
+            own = [k for k in changed if k not in TINY_FLAGS and k not in TINY_CAPS]
+            if made is not None and made != tiny and not own:
                 way = "with" if made else "without"
                 raise ValueError(f"{out} holds an extension made {way} {TINY_ENV}=1 ({name} {recorded[name]!r} "
                                  f"there, {mine[name]!r} here): continue it {way} {TINY_ENV}=1 and the same "
                                  "arguments, or choose a new --output_dir")
+            name = own[0] if made is not None and made != tiny else name
             raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {name} "
                              f"{recorded[name]!r}, not {mine[name]!r}: continue it with the same "
                              "arguments, or choose a new --output_dir")

@@ -740,6 +740,11 @@ def test_an_extension_made_under_mmadapt_tiny_is_told_apart_from_other_arguments
                                          r"choose a new --output_dir$"):
         call("o", tiny=False)
     assert call("o", tiny=True) is False and (tmp_path / "o" / "extend.json").read_text() == record
+    # a field it does not cap, changed too: that is the news (MMADAPT_TINY=1 would not continue it)
+    monkeypatch.setenv("MMADAPT_TINY", "0")
+    with pytest.raises(ValueError, match=r"^\S+/o holds the extension of \S+ with lr 0.001, not 0.0005: continue it "
+                                         "with the same arguments"):
+        extend.claim(dataclasses.replace(seen[-2], lr=5e-4))
     assert call("p", tiny=False) is True
     with pytest.raises(ValueError, match=r"made without MMADAPT_TINY=1 \(adapt_iters 600 there, 8 here\): continue "
                                          "it without MMADAPT_TINY=1"):
