@@ -736,7 +736,10 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     threads = (os.cpu_count() or 1) if cfg.tokenizer_threads is None else cfg.tokenizer_threads
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--output_dir {out_dir} is a file, not a directory: choose a directory for the dataset")
-    if out_dir.resolve() in corpus.resolve().parents:  # named as a dataset file (text.bin), the clean-up deleted it
+    # named as a dataset file (text.bin), the clean-up deleted it; as a link there, the link
+    where = out_dir.resolve()
+    if where in corpus.resolve().parents or where in (corpus.absolute().parent.resolve(),
+                                                      *corpus.absolute().parent.resolve().parents):
         raise DataError(f"corpus {corpus} is inside --output_dir {out_dir}, where the dataset is written: move the "
                         "corpus out of it, or choose another --output_dir (nothing was changed)")
     if not (out_dir / MANIFEST).is_file():

@@ -1191,6 +1191,12 @@ def test_a_corpus_inside_the_output_directory_or_edited_meanwhile_is_refused(cor
                                           "dataset is written: move the corpus out of it"):
         prepare(inside / "text.bin", inside, 300, cfg=PreprocessConfig(workers=1))
     assert (inside / "text.bin").read_bytes() == Path(corpus).read_bytes() and len(list(inside.iterdir())) == 1
+    linked = tmp_path / "linked"  # a link there to the text elsewhere: the link was deleted
+    linked.mkdir()
+    (linked / "text.bin").symlink_to(corpus)
+    with pytest.raises(D.DataError, match=rf"^corpus {linked / 'text.bin'} is inside --output_dir {linked}"):
+        prepare(linked / "text.bin", linked, 300, cfg=PreprocessConfig(workers=1))
+    assert (linked / "text.bin").is_symlink() and len(list(linked.iterdir())) == 1
     edited, trained = tmp_path / "edited.txt", D.train_tokenizer
     edited.write_bytes(Path(corpus).read_bytes())
 
