@@ -68,7 +68,9 @@ def _check(path: str | os.PathLike) -> Path:
 
 def _tsv(path: Path):
     csv.field_size_limit(sys.maxsize)
-    with open(path, encoding="utf-8", newline="") as f:
+    # -sig: a byte-order mark (a spreadsheet's save) is no part of the first column's name (XNLI's
+    # 'language' then went unseen, and every language's rows were scored as the one asked for)
+    with open(path, encoding="utf-8-sig", newline="") as f:
         yield from csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
 
 
@@ -114,7 +116,7 @@ def read_squad(path: str | os.PathLike, lang: str = "") -> list[QAExample]:
     question, answers: text, answer_start). Anything else is refused, naming where. lang: MLQA's
     language, which its metric normalises answers for (QAExample.lang)."""
     try:
-        data = json.loads(_check(path).read_text(encoding="utf-8"))
+        data = json.loads(_check(path).read_text(encoding="utf-8-sig"))  # a byte-order mark is not JSON's
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not JSON ({e.msg}, line {e.lineno}): SQuAD-format JSON expected") from None
     data = data.get("data") if isinstance(data, dict) else None

@@ -30,6 +30,27 @@ def test_xnli_test_tsv(tmp_path):
     assert [e.label for e in T.read_nli(f)] == [0, 2, 1]
 
 
+def test_a_byte_order_mark_is_no_part_of_a_dataset_file(tmp_path):
+    """A file saved with a byte-order mark (a spreadsheet's, Notepad's): XNLI's first column read as
+    '\ufefflanguage', so its language went unseen and every language's rows were read as the one
+    asked for (scored as German, exit 0); PAWS-X's header was 'not a PAWS-X TSV'; SQuAD JSON 'not
+    JSON (Unexpected UTF-8 BOM (decode using utf-8-sig))'. Each reads as without the mark."""
+    import json
+
+    rows = "language\tgold_label\tsentence1\tsentence2\nen\tentailment\tA man.\tA person.\n" \
+           "de\tneutral\tEin Mann.\tEine Person.\nfr\tcontradiction\tUn homme.\tPersonne.\n"
+    squad = json.dumps({"data": [{"paragraphs": [{"context": "In the beginning God created", "qas": [
+        {"id": "1", "question": "Who?", "answers": [{"text": "God", "answer_start": 17}]}]}]}]})
+    for name, text, read in (("xnli.tsv", rows, lambda f: T.read_nli(f, "de")),
+                             ("paws.tsv", "id\tsentence1\tsentence2\tlabel\n1\tA.\tB.\t1\n", T.read_pawsx),
+                             ("squad.json", squad, T.read_squad)):
+        plain, marked = tmp_path / name, tmp_path / f"bom-{name}"
+        plain.write_text(text, encoding="utf-8")
+        marked.write_text(text, encoding="utf-8-sig")
+        assert marked.read_bytes()[:3] == b"\xef\xbb\xbf" and read(marked) == read(plain) != []
+    assert [e.sentence1 for e in T.read_nli(tmp_path / "bom-xnli.tsv", "de")] == ["Ein Mann."]
+
+
 def test_multinli_train_tsv(tmp_path):
     header = ("index\tpromptID\tpairID\tgenre\tsentence1_binary_parse\tsentence2_binary_parse\tsentence1_parse\t"
               "sentence2_parse\tsentence1\tsentence2\tlabel1\tgold_label")
