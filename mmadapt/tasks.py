@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -65,6 +66,13 @@ def _read_own(name: str) -> Callable:
                 raise ValueError(f"{path}: its first row is labelled {defaults[2]!r}, once: a header line, read as a "
                                  "row where the columns are given by number; name them instead "
                                  f"(--{numbered[0]} <its name>, ...)")
+            # another column name (sentence,category): a class of its own, seen once where every
+            # other class is seen more often; maybe a real example, so said, not refused
+            if (name != "tag" and labels.count(labels[0]) == 1 and len(set(labels)) > 2
+                    and all(labels.count(other) > 1 for other in set(labels[1:]))):
+                print(f"warning: {path}: its first row is labelled {labels[0][0]!r}, a label no other row has: if it "
+                      f"is a header line, name the columns instead of numbering them (--{numbered[0]} <its name>, "
+                      "...); read as an example", file=sys.stderr, flush=True)
         return examples
     return read
 

@@ -139,7 +139,7 @@ def test_tagging_in_every_format(tmp_path, fmt):
     assert read_examples(get_task("tag"), str(default), "en", "train") == got
 
 
-def test_files_without_a_header_line_take_column_numbers(tmp_path):
+def test_files_without_a_header_line_take_column_numbers(tmp_path, capsys):
     """--text_column 0 --label_column 1: a CSV/TSV file with no header line (a spreadsheet's BOM
     ignored), columns counted from 0, other columns left alone; pairs and tags alike."""
     f = tmp_path / "plain.csv"
@@ -164,6 +164,14 @@ def test_files_without_a_header_line_take_column_numbers(tmp_path):
     with pytest.raises(ValueError, match="named.csv: its first row is labelled 'label', once: a header line"):
         read_examples(get_task("classify"), str(named), "en", "train",
                       FinetuneConfig(text_column="0", label_column="1"))
+    # another name for the label column: its class is seen once, the others often; maybe a real
+    # example, so said on stderr (it trained as a class of its own without a word)
+    other = write(tmp_path / "other.csv", "sentence,category\n" + "fine,pos\ngood,pos\nbad,neg\nawful,neg\n")
+    assert len(read_examples(get_task("classify"), str(other), "en", "train",
+                             FinetuneConfig(text_column="0", label_column="1"))) == 5
+    assert capsys.readouterr().err == (f"warning: {other}: its first row is labelled 'category', a label no other row "
+                                       "has: if it is a header line, name the columns instead of numbering them "
+                                       "(--text_column <its name>, ...); read as an example\n")
     named_tags = write(tmp_path / "named.tsv", "tokens\ttags\nIn the\tO O\n")
     with pytest.raises(ValueError, match="its first row is labelled 'tags', once"):
         read_examples(get_task("tag"), str(named_tags), "en", "train",
