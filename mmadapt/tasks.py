@@ -12,12 +12,14 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from mmadapt import parallel
 from mmadapt.config import COLUMN_FIELDS, OWN_TASK_COLUMNS, FinetuneConfig, given
 from mmadapt.corpora import (GENRE_TEST_PER_CLASS, GENRE_TRAIN_PER_CLASS, TESTAMENT_TEST_PER_CLASS,
                              TESTAMENT_TRAIN_PER_CLASS, genre_examples, testament_examples)
@@ -68,8 +70,10 @@ def _read_own(name: str) -> Callable:
                                  f"(--{numbered[0]} <its name>, ...)")
             # another column name (sentence,category): a class of its own, seen once where every
             # other class is seen more often; maybe a real example, so said, not refused
-            if (name != "tag" and labels.count(labels[0]) == 1 and len(set(labels)) > 2
-                    and all(labels.count(other) > 1 for other in set(labels[1:]))):
+            seen = Counter(labels)
+            if (name != "tag" and seen[labels[0]] == 1 and len(seen) > 2
+                    and min(seen[o] for o in seen if o != labels[0]) > 1
+                    and parallel.is_rank0()):  # (every rank reads the file)
                 print(f"warning: {path}: its first row is labelled {labels[0][0]!r}, a label no other row has: if it "
                       f"is a header line, name the columns instead of numbering them (--{numbered[0]} <its name>, "
                       "...); read as an example", file=sys.stderr, flush=True)
