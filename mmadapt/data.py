@@ -681,6 +681,14 @@ def sample_unknown_share(corpus: Path, tokenizer: Path, lines: int = 2_000) -> f
     return sum(i.count(UNK_ID) for i in ids) / pieces if pieces else 0.0
 
 
+def _links(path: Path) -> list[Path]:
+    """`path` (absolute) and each link it leads through to the file, in order."""
+    chain = [Path(os.path.abspath(path))]
+    while chain[-1].is_symlink() and len(chain) < 40:  # (a loop of links: open() refuses it later)
+        chain.append(Path(os.path.abspath(chain[-1].parent / os.readlink(chain[-1]))))
+    return chain
+
+
 def no_text(corpus) -> DataError:
     """A corpus whose every line a tokenizer reads as nothing: blanks str.isspace does not know and
     invisible characters (zero-width spaces), which SentencePiece's normalization drops."""
@@ -736,10 +744,10 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     threads = (os.cpu_count() or 1) if cfg.tokenizer_threads is None else cfg.tokenizer_threads
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"--output_dir {out_dir} is a file, not a directory: choose a directory for the dataset")
-    # named as a dataset file (text.bin), the clean-up deleted it; as a link there, the link
+    # named as a dataset file (text.bin), the clean-up deleted it; a link there (of a chain), the link
     where = out_dir.resolve()
-    if where in corpus.resolve().parents or where in (corpus.absolute().parent.resolve(),
-                                                      *corpus.absolute().parent.resolve().parents):
+    if any(where == d or where in d.parents for d in (*(link.parent.resolve() for link in _links(corpus)),
+                                                       corpus.resolve().parent)):
         raise DataError(f"corpus {corpus} is inside --output_dir {out_dir}, where the dataset is written: move the "
                         "corpus out of it, or choose another --output_dir (nothing was changed)")
     if not (out_dir / MANIFEST).is_file():

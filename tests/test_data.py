@@ -1197,6 +1197,14 @@ def test_a_corpus_inside_the_output_directory_or_edited_meanwhile_is_refused(cor
     with pytest.raises(D.DataError, match=rf"^corpus {linked / 'text.bin'} is inside --output_dir {linked}"):
         prepare(linked / "text.bin", linked, 300, cfg=PreprocessConfig(workers=1))
     assert (linked / "text.bin").is_symlink() and len(list(linked.iterdir())) == 1
+    (tmp_path / "via.txt").symlink_to(linked / "text.bin")  # through that link from elsewhere
+    with pytest.raises(D.DataError, match=rf"^corpus {tmp_path / 'via.txt'} is inside --output_dir {linked}"):
+        prepare(tmp_path / "via.txt", linked, 300, cfg=PreprocessConfig(workers=1))
+    assert (linked / "text.bin").is_symlink() and len(list(linked.iterdir())) == 1
+    texts = tmp_path / "texts"  # the output inside the corpus's directory: not refused
+    texts.mkdir()
+    (texts / "c.txt").write_bytes(Path(corpus).read_bytes())
+    assert prepare(texts / "c.txt", texts / "prep", 300, cfg=PreprocessConfig(workers=1))["vocab_size"] == 300
     edited, trained = tmp_path / "edited.txt", D.train_tokenizer
     edited.write_bytes(Path(corpus).read_bytes())
 
