@@ -289,9 +289,11 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike,
         cfg = mapping.model_config(hf_cfg)
     except ValueError as e:
         raise ValueError(f"{model_dir}: config.json describes a model mmadapt cannot build ({e})") from None
-    if len(tok) > cfg.vocab_size:
-        raise ValueError(f"{model_dir}: its tokenizer has {len(tok)} tokens but the model {cfg.vocab_size} "
-                         "embedding rows")
+    if len(tok) > cfg.vocab_size:  # (before the weights' shapes are checked against config.json: either is wrong)
+        raise ValueError(f"{model_dir}: its tokenizer has {len(tok)} tokens but config.json's vocab_size is "
+                         f"{cfg.vocab_size}: where tokens were added to the tokenizer, resize the model to it "
+                         "(model.resize_token_embeddings(len(tokenizer))) and save both again; where vocab_size is "
+                         "wrong, set it to the word embeddings' rows")
     specials, record = (mapping.special_ids(tok, hf_cfg, cfg.vocab_size, model_dir) if roles_from is None else
                         roles_of(Path(roles_from), tok, cfg.vocab_size, model_dir))
     hf_ids = hf_permutation(cfg.vocab_size, specials)

@@ -899,6 +899,11 @@ CASES = [
      "num_key_value_heads 4 x head dim 8)"),
     ("import-hf-vocab-size-disagrees", lambda c: c.import_damaged("qwen2", {"vocab_size": 700}),
      "model.embed_tokens.weight has shape (608, 32), but config.json implies (700, 32) (dimension 1: vocab_size 700)"),
+    # smaller than the tokenizer: 'the model 602 embedding rows' (the weights hold 608) and no fix
+    ("import-hf-vocab-size-below-the-tokenizer", lambda c: c.import_damaged("qwen2", {"vocab_size": 602}),
+     "tokens but config.json's vocab_size is 602: where tokens were added to the tokenizer, resize the model to it "
+     "(model.resize_token_embeddings(len(tokenizer))) and save both again; where vocab_size is wrong, set it to the "
+     "word embeddings' rows"),
     ("import-hf-ffn-size-disagrees", lambda c: c.import_damaged("llama", {"intermediate_size": 64}),
      "model.layers.0.mlp.gate_proj.weight has shape (48, 32), but config.json implies (64, 32) (dimension 1: "
      "intermediate_size 64)"),
