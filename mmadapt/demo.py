@@ -537,6 +537,11 @@ class Demo:
         context = multiprocessing.get_context("spawn")
         others, workers = {p.pid for p in multiprocessing.active_children()}, set()  # the pool's: every child since
         began = set()  # the futures seen running: the runs a killed worker may have been running
+
+        def lost(futures: set) -> list[str]:  # of `futures`, those seen to begin (else all), in queue order
+            return ([job.label for f, job in running.items() if f in futures and f in began]
+                    or [job.label for f, job in running.items() if f in futures])
+
         stop = context.Event()
         pool = ProcessPoolExecutor(n, mp_context=context, initializer=_worker_init,
                                    initargs=(threads, os.getpid(), stop))
@@ -551,11 +556,11 @@ class Demo:
                     # A worker gone while the runs go on: the pool notices only at its next event
                     # (a worker spawned as a run was submitted is not among the processes it
                     # watches until then), and a run that waits on nothing else waited for ever
-                    workers |= {p.pid for p in multiprocessing.active_children()} - others
+                    alive = {p.pid for p in multiprocessing.active_children()}
                     began |= {f for f in pending if f.running()}  # (and the one call the pool queues ahead)
-                    if not finished and workers - {p.pid for p in multiprocessing.active_children()}:
-                        raise _worker_lost(self.root, [job.label for f, job in running.items() if f in pending
-                                                       and f in began] or [running[f].label for f in pending])
+                    if not finished and workers - alive:
+                        raise _worker_lost(self.root, lost(pending))
+                    workers |= alive - others
                     # A run's error first, then a stop it caused (a running job's Stopped, a queued job
                     # not started: None) beside it in the same wait, then the runs that finished
                     for done in sorted(finished, key=lambda f: (f.exception() is None,
@@ -571,11 +576,8 @@ class Demo:
                         except BrokenProcessPool:
                             # a worker killed (a signal, the out-of-memory killer): every unfinished run
                             # comes back so, the one it ran unknown (the first named failed, a traceback)
-                            lost = [job.label for f, job in running.items()
-                                    if f.done() and isinstance(f.exception(), BrokenProcessPool)]
-                            # the runs that had begun (queued ones come back so too), if it saw them begin
-                            raise _worker_lost(self.root, [job.label for f, job in running.items()
-                                                           if job.label in lost and f in began] or lost) from None
+                            raise _worker_lost(self.root, lost({f for f in running if f.done() and isinstance(
+                                f.exception(), BrokenProcessPool)})) from None
                         except BaseException:
                             print(f"{running[done].label} failed; its log: {running[done].log}", file=sys.stderr,
                                   flush=True)

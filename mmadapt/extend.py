@@ -220,13 +220,14 @@ def claim(ext: Extend) -> bool:
             made, name = theirs.get("tiny"), changed[0]
             # Where MMADAPT_TINY was set otherwise: its setting is the news if only sizes it caps
             # differ; else the first field it does not cap (the one the user changed)
-            own = [k for k in changed if k not in TINY_FLAGS and k not in TINY_CAPS]
-            if made is not None and made != tiny and not own:
-                way = "with" if made else "without"
-                raise ValueError(f"{out} holds an extension made {way} {TINY_ENV}=1 ({name} {recorded[name]!r} "
-                                 f"there, {mine[name]!r} here): continue it {way} {TINY_ENV}=1 and the same "
-                                 "arguments, or choose a new --output_dir")
-            name = own[0] if made is not None and made != tiny else name
+            if made is not None and made != tiny:
+                own = [k for k in changed if k not in TINY_FLAGS and k not in TINY_CAPS]
+                if not own:
+                    way = "with" if made else "without"
+                    raise ValueError(f"{out} holds an extension made {way} {TINY_ENV}=1 ({name} {recorded[name]!r} "
+                                     f"there, {mine[name]!r} here): continue it {way} {TINY_ENV}=1 and the same "
+                                     "arguments, or choose a new --output_dir")
+                name = own[0]
             raise ValueError(f"{out} holds the extension of {theirs.get('model')} with {name} "
                              f"{recorded[name]!r}, not {mine[name]!r}: continue it with the same "
                              "arguments, or choose a new --output_dir")

@@ -64,13 +64,13 @@ def _read_own(name: str) -> Callable:
                     read_texts(path, text, label, pair, header))
         if numbered:  # a header line read as a row: its column name a label (a class) seen once
             labels = [tuple(ex.tags) if name == "tag" else (ex.label,) for ex in examples]
-            if labels[0] == (defaults[2],) and labels.count(labels[0]) == 1:
+            seen = Counter(labels)
+            if labels[0] == (defaults[2],) and seen[labels[0]] == 1:
                 raise ValueError(f"{path}: its first row is labelled {defaults[2]!r}, once: a header line, read as a "
                                  "row where the columns are given by number; name them instead "
                                  f"(--{numbered[0]} <its name>, ...)")
             # another column name (sentence,category): a class of its own, seen once where every
             # other class is seen more often; maybe a real example, so said, not refused
-            seen = Counter(labels)
             if (name != "tag" and seen[labels[0]] == 1 and len(seen) > 2
                     and min(seen[o] for o in seen if o != labels[0]) > 1
                     and parallel.is_rank0()):  # (every rank reads the file)
