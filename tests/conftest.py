@@ -7,9 +7,11 @@ import importlib.metadata
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -314,6 +316,16 @@ def store_ranks(monkeypatch, wait_s: float = 0.2):
         counts.clear()
     rank.store, rank.restart = store, restart
     return rank
+
+
+def sigterm_before(fn, wait: float = 0.0):
+    """`fn`, called after a SIGTERM to this process (scancel or a preemption while it runs): the
+    handler runs at the next bytecode, within the `wait` that follows the signal."""
+    def preempted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(wait)
+        return fn(*args, **kwargs)
+    return preempted
 
 
 def metrics(run_dir: Path) -> list[dict]:

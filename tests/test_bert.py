@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from conftest import REPO, metrics, run_pretrain
+from conftest import REPO, metrics, run_pretrain, sigterm_before
 from hf_models import (as_sentence_transformer, bert_body, bible_lines, framed_rows, import_all, make_bert,
                        make_headless_xlmr)
 from mmadapt import adapt as A
@@ -684,21 +684,12 @@ def test_a_sigterm_while_the_fitted_head_is_scored_stops_the_fit_for_resume(head
     there (scancel, preemption) killed it with 143 and no word, which the SLURM templates requeue
     only after their own warning. It stops as in the training loop (75, one line); --resume
     then scores the head without training."""
-    import os
-    import signal
-    import time
-
     from mmadapt import steps
 
     args = ["fit-head", "--primary", str(headless["run"]), "--corpus", str(corpus), "--output_dir",
             str(tmp_path / "head"), "--train_iters", "2", "--save_interval", "2", *E2E_SCHEDULE]
     scored = steps.masked_loss
-
-    def preempted(*a, **k):
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(2)
-        return scored(*a, **k)
-    monkeypatch.setattr(steps, "masked_loss", preempted)
+    monkeypatch.setattr(steps, "masked_loss", sigterm_before(scored, wait=2))
     assert main(args) == 75
     assert capsys.readouterr().err.strip().splitlines()[-1] == ("stopped by SIGTERM at update 2: checkpoint "
                                                                 "step00000002 is complete; run the same command "

@@ -17,7 +17,7 @@ import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, VOCAB, scored_rows
+from conftest import REPO, VOCAB, scored_rows, sigterm_before
 from mmadapt import steps
 from mmadapt.adapt import check_output_start, source_split
 from mmadapt.artifact import artifact_state, read_artifact
@@ -835,10 +835,6 @@ def test_a_sigterm_while_the_source_language_is_scored_stops_the_run_for_resume(
     SIGTERM there killed it with 143 and no word (the SLURM templates requeue that only after their
     own warning), run.json left unfinished. It stops as in the training loop (Stopped, exit 75);
     --resume then scores it without training."""
-    import os
-    import signal
-    import time
-
     from mmadapt import adapt
     from mmadapt.faults import Stopped
 
@@ -846,12 +842,7 @@ def test_a_sigterm_while_the_source_language_is_scored_stops_the_run_for_resume(
     run = RunSpec(output_dir=out, ds_config=ZERO0, corpus=de_corpus, tokenizer=de_tokenizer)
     step = steps.AdaptEmbeddings(system="minijoint", source=sources["roberta"], lang="de", train=train)
     report = adapt.Step2Start.report
-
-    def preempted(*args, **kw):  # scancel or a preemption while the source language is scored
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(2)
-        return report(*args, **kw)
-    monkeypatch.setattr(adapt.Step2Start, "report", preempted)
+    monkeypatch.setattr(adapt.Step2Start, "report", sigterm_before(report, wait=2))  # while the source is scored
     with pytest.raises(Stopped, match="stopped by SIGTERM at update 2: checkpoint step00000002 is complete"):
         steps.adapt_embeddings(run=run, step=step)
     record, logged = json.loads((out / "run.json").read_text()), (out / "metrics.jsonl").read_text()

@@ -260,15 +260,11 @@ def test_a_sigterm_after_the_last_checkpoint_stops_through_a_broad_except(tmp_pa
     Exception` turned it into 'cannot be read ... it is truncated or not a PyTorch file; restore
     or recreate it', exit 2, about an intact file. A BaseException, as Ctrl-C's, it goes through;
     and the handler before the block is back after it."""
+    from conftest import sigterm_before
     from mmadapt import checkpoint
 
     torch.save({"w": torch.zeros(1)}, tmp_path / "embeddings.pt")
-    real = torch.load
-
-    def preempted(*a, **k):  # the signal lands while torch reads the file
-        os.kill(os.getpid(), signal.SIGTERM)
-        return real(*a, **k)
-    monkeypatch.setattr(checkpoint.torch, "load", preempted)
+    monkeypatch.setattr(checkpoint.torch, "load", sigterm_before(torch.load))  # it lands while torch reads the file
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(faults.Stopped, match="stopped by SIGTERM at update 4: checkpoint step00000004 is complete"):
         with faults.stopped_after_checkpoint(4, "step00000004"):

@@ -463,10 +463,7 @@ def test_a_sigterm_while_extend_scores_its_summary_stops_it_for_the_same_command
     """extend exports and scores its summary (bits per byte three times) after Step 2's last
     checkpoint: a SIGTERM there killed it with 143 and no word. It stops as a training loop does
     (75, one line: the same command again); run again, it trains nothing and gives the summary."""
-    import os
-    import signal
-    import time
-
+    from conftest import sigterm_before
     from mmadapt import extend
 
     argv = ["extend", "--model", str(graft_runs["qwen2-base"].parent / "hf" / "qwen2-base"), "--lang", "de",
@@ -474,12 +471,7 @@ def test_a_sigterm_while_extend_scores_its_summary_stops_it_for_the_same_command
             "--adapt_iters", "2", "--batch", "4", "--seq_length", "32", "--bpb_bytes", "512",
             "--output_dir", str(tmp_path / "ext")]
     summary = extend._summary
-
-    def preempted(*a, **k):
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(2)
-        return summary(*a, **k)
-    monkeypatch.setattr(extend, "_summary", preempted)
+    monkeypatch.setattr(extend, "_summary", sigterm_before(summary, wait=2))
     assert main(argv) == 75
     assert capsys.readouterr().err.strip().splitlines()[-1] == ("stopped by SIGTERM at update 2: checkpoint "
                                                                 "step00000002 is complete; run the same command "

@@ -570,16 +570,10 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     (stopped / "meta.json").write_text(json.dumps({**meta, "step": 4, "off_schedule": True}))  # as a stop writes it
     # a SIGTERM while it scores (scancel, preemption): stopped as a depth's loop stops (75, one
     # line), where it died with 143 and no word; sweep.json kept as it was
-    import os
-    import signal
-
+    from conftest import sigterm_before
     from mmadapt import steps
     scores, kept = steps.plugin_records, (out / "sweep.json").read_text()
-
-    def preempted(*a, **k):
-        os.kill(os.getpid(), signal.SIGTERM)
-        return scores(*a, **k)
-    steps.plugin_records = preempted
+    steps.plugin_records = sigterm_before(scores)
     try:
         assert main(["sweep", *args[:-1], "512"]) == 75
     finally:
