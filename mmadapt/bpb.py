@@ -252,19 +252,25 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
         unk_bytes += sum(len(line[b:e].encode("utf-8")) for b, e in unk)
         in_unk = {k for b, e in unk for k in range(b, e)}  # charged already, as <unk>'s bytes
         # a character the tokenizer drops: its span is a neighbour's, so only encoding it alone (no
-        # piece at all), or between the probe's two (their pieces alone), tells
+        # piece at all), or between the probe's two (their pieces alone), tells. Whitespace alone is
+        # no piece either (a space): the probe alone tells a space (a boundary) from a control
+        # character Python calls whitespace that the normalizer deletes (U+000B, U+001F: "cre\x0bated"
+        # read as "created", charged nothing until 2026-12-07)
         for k, ch in enumerate(line):
             if ch not in dropped:
-                dropped[ch] = (not ch.isspace() and not (strips and unicodedata.category(ch) == "Mn")
-                               and (not sp.encode(ch) or probe is not None
-                                    and list(sp.encode(probe[0] + ch + probe[1])) == plain))
+                between = probe is not None and list(sp.encode(probe[0] + ch + probe[1])) == plain
+                dropped[ch] = between if ch.isspace() else (
+                    not (strips and unicodedata.category(ch) == "Mn") and (not sp.encode(ch) or between))
             unk_bytes += len(ch.encode("utf-8")) if dropped[ch] and k not in in_unk else 0
         # a run of whitespace a tokenizer reads as one boundary (SentencePiece's remove_extra_whitespaces,
-        # a WordPiece's split at whitespace): its characters after the first stand for nothing
+        # a WordPiece's split at whitespace): its characters after the first it reads stand for nothing
+        # (those it drops are charged above)
         if collapses is None:
             collapses = list(sp.encode("a  b")) == list(sp.encode("a b"))
         if collapses:
-            unk_bytes += sum(len(m.group()[1:].encode("utf-8")) for m in _WHITESPACE_RUN.finditer(line))
+            for m in _WHITESPACE_RUN.finditer(line):
+                read = [c for c in m.group() if not dropped[c]]
+                unk_bytes += len("".join(read[1:]).encode("utf-8"))
     return Rows(rows, pieces, unknown, unk_bytes)
 
 

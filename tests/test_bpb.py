@@ -194,6 +194,25 @@ def test_whitespace_a_tokenizer_collapses_is_charged_as_unknown(tokenizer):
     assert [g.unknown_bytes for g in got] == [0, 3, 1, 0, 0]
 
 
+def test_a_control_character_python_calls_whitespace_the_normalizer_drops_is_charged(tokenizer):
+    """U+000B and U+001C-U+001F are whitespace to Python and no piece to SentencePiece, whose
+    normalizer deletes them ("cre\x0bated" reads as "created"): they were taken for a space (a
+    fold) and charged nothing, so a text holding them scored better than the text without them.
+    Charged 8 bits a byte as U+0007 is, once, also inside a run of whitespace (where the spaces
+    either side of it are then a run of two, the second charged); a tab still reads as a space."""
+    from mmadapt.tokenizer import load
+
+    sp = load(tokenizer)
+    assert sp.encode("cre\x0bated") == sp.encode("created") and sp.encode("\x1f") == []
+    layout = B.Layout((EOS_ID,), ())
+    texts = ["God created", "God cre\x0bated", "God cre\x1c\x1dated", "God\x1f created", "God \x1e created",
+             "God\tcreated", "God\t\x1fcreated"]
+    for rows in (B.causal_rows, lambda *a: B.masked_rows(*a[:2], B.Layout((), (EOS_ID,)), a[3])):
+        got = [rows(sp, B.RawText((t,), "test"), layout, 64) for t in texts]
+        assert all(g.rows == got[0].rows for g in got)  # one reading of them all
+        assert [g.unknown_bytes for g in got] == [0, 1, 2, 1, 1 + 1, 0, 1]
+
+
 def _encoder(vocab: int, seed: int = 0) -> torch.nn.Module:
     cfg = dataclasses.replace(ROBERTA_PRESETS["tiny"][0], num_layers=2, head_layers=(2,), vocab_size=vocab,
                               max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
