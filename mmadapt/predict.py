@@ -601,9 +601,10 @@ class TaskModel:
         for i, ex in enumerate(examples, 1):
             pieces = (len(encode(ex.sentence1)) + len(encode(ex.sentence2)) + framing.pair_specials
                       if isinstance(ex, PairExample) else len(encode(ex[0])) + len(framing.start) + 1)
-            if pieces > n:
+            if pieces > n:  # a pair is cut longest-first, so "its first n" would say the wrong pieces
+                read = f"{n} of them, the longer text cut first" if isinstance(ex, PairExample) else f"its first {n}"
                 print(f"note: {_named(i, 'input')} is {pieces} pieces long with its layout; the {self.task.name} "
-                      f"model reads its first {n} (the run's seq_length, as fine-tuning and evaluate read it)",
+                      f"model reads {read} (the run's seq_length, as fine-tuning and evaluate read it)",
                       file=sys.stderr)
 
     def _say_cut_questions(self, examples: list) -> None:

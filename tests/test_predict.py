@@ -251,6 +251,21 @@ def test_classifier_probabilities_and_input_checks(de_tokenizer):
     assert [p["label"] in ("no", "yes") for p in pair.predict([("Er schläft.", "Niemand schläft.")])] == [True]
 
 
+def test_a_cut_input_is_said_as_it_is_cut(de_tokenizer, capsys):
+    """A classifier reads a single text's first seq_length pieces, a pair's seq_length with the
+    longer text cut first: the note said "its first N" of a pair, whose second text loses pieces."""
+    long = " ".join(_verses(12))
+    for task, labels, x, read in (("bible-genre", list(T.get_task("bible-genre").labels), long, "its first"),
+                                  ("pair", ["no", "yes"], ("Er schläft.", long), "")):
+        tm = _task_model(task, labels, de_tokenizer)
+        capsys.readouterr()
+        tm.predict([x])
+        err = capsys.readouterr().err.strip().splitlines()
+        n = CFG.seq_length
+        want = f"its first {n} (" if read else f"{n} of them, the longer text cut first (the run's seq_length"
+        assert len(err) == 1 and err[0].startswith("note: input 1 is ") and f"model reads {want}" in err[0], err
+
+
 # --- mmadapt predict's input ----------------------------------------------------------------------------
 
 def test_read_inputs_lines_tabs_and_json_lines(tmp_path):
