@@ -42,7 +42,7 @@ from mmadapt.models.layers import Padding
 from mmadapt.devices import device_of, host_to_device, on_eval_device, progress, swapped
 from mmadapt.parallel import device
 from mmadapt.run import RUN_FILE, load_checkpoint, read_source, require_kind, run_model, run_text_layout
-from mmadapt.tasks import (Task, chance_levels, check_one_file_per_language, encode, get_task, headline,
+from mmadapt.tasks import (Task, chance_levels, check_one_file_per_language, encode, get_task, headline, percent,
                            read_examples, scores)
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokens import PAD_ID
@@ -254,7 +254,7 @@ def retrieval_accuracy(src_vectors: torch.Tensor, trg_vectors: torch.Tensor) -> 
     side, which removes each language's common direction) is their translation."""
     s = torch.nn.functional.normalize(src_vectors - src_vectors.mean(0), dim=-1)
     t = torch.nn.functional.normalize(trg_vectors - trg_vectors.mean(0), dim=-1)
-    return 100 * float(((t @ s.T).argmax(1) == torch.arange(len(t))).float().mean())
+    return percent((t @ s.T).argmax(1) == torch.arange(len(t)))
 
 
 # --- Step 4 over series of Step-2 artifacts ------------------------------------------------------------

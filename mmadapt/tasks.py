@@ -285,17 +285,23 @@ def headline(task: Task, labels: list[str], cfg: FinetuneConfig) -> str:
     return cfg.metric or task.metric
 
 
+def percent(hits: torch.Tensor) -> float:
+    """The share of True in `hits` in percent, from the counts (an fp32 mean gave 13 of 40 as
+    32.499998807907104, as macro_f1 counts)."""
+    return 100 * int(hits.sum()) / hits.numel() if hits.numel() else float("nan")
+
+
 def scores(task: Task, logits: torch.Tensor, enc: Encoded, examples: list, labels: list[str],
            cfg: FinetuneConfig) -> dict[str, float]:
     """Every metric of `metric_names`, in percent, from the logits of `encode`'s rows."""
     pred = logits.argmax(-1)
     if task.kind == "classify":
-        return {"accuracy": 100 * float((pred == enc.labels).float().mean()), "macro_f1": macro_f1(pred, enc.labels)}
+        return {"accuracy": percent(pred == enc.labels), "macro_f1": macro_f1(pred, enc.labels)}
     if task.kind == "span":
         s = squad_scores(best_spans(logits, enc, examples, cfg.max_answer_length), examples)
         return {"squad_f1": s["f1"], "exact_match": s["exact_match"]}
     scored = enc.labels.ne(-100)
-    out = {"accuracy": 100 * float((pred[scored] == enc.labels[scored]).float().mean())}
+    out = {"accuracy": percent(pred[scored] == enc.labels[scored])}
     if "chunk_f1" in metric_names(task, labels):
         names = [*labels, "<unseen>"]
         pred_tags = sentence_tags(enc, pred, names)  # at the scored positions: each sentence's words

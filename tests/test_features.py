@@ -133,6 +133,32 @@ def test_chunk_f1_reads_a_gold_tag_the_training_file_lacked_as_written(sp):
     assert got["chunk_f1"] == 100.0 and got["accuracy"] == pytest.approx(200 / 3)
 
 
+def test_accuracy_is_the_share_of_counts_not_an_fp32_mean():
+    """13 right of 40 is 32.5 percent, in the record as in the table (an fp32 mean gave
+    32.499998807907104); a tagger's accuracy over its scored pieces likewise."""
+    from types import SimpleNamespace
+
+    from mmadapt.config import FinetuneConfig
+    from mmadapt.evaluate import retrieval_accuracy
+    from mmadapt.tasks import TASKS, scores
+
+    gold = torch.zeros(40, dtype=torch.long)
+    logits = torch.zeros(40, 2)
+    logits[13:, 1] = 1.0  # class 0 for the first 13 rows (the tie's first), class 1 after: 13 of 40 right
+    got = scores(TASKS["xnli"], logits, SimpleNamespace(labels=gold), [], ["a", "b"], FinetuneConfig())
+    assert got["accuracy"] == 32.5 and got["macro_f1"] == pytest.approx(100 * (2 * 13 / (2 * 13 + 27)) / 2)
+    tags = torch.tensor([[-100] + [0] * 40])
+    tag_logits = torch.zeros(1, 41, 2)
+    tag_logits[0, 1:14, 0] = 1.0
+    tag_logits[0, 14:, 1] = 1.0
+    assert scores(TASKS["pos"], tag_logits, SimpleNamespace(labels=tags), [], ["a", "b"],
+                  FinetuneConfig())["accuracy"] == 32.5
+    src = torch.eye(40)
+    trg = src.clone()
+    trg[13:] = src[torch.arange(14, 41) % 40]  # 13 of 40 nearest to their own translation
+    assert retrieval_accuracy(src, trg) == 32.5
+
+
 def test_an_answer_never_starts_or_ends_on_a_bare_word_start_piece(sp):
     """SentencePiece reads a word it has no piece for as a bare '▁' and the word's pieces: the '▁'
     stands for no character (piece_offsets: an empty span). An answer ending there lost the
