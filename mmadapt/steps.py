@@ -61,7 +61,7 @@ from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, prim
                              scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
 from mmadapt.report import VERDICT_PIECES
-from mmadapt.run import (RUN_TOKENIZER, ChangedRun, RunSpec, Source, Started, agreed_source, check_run,
+from mmadapt.run import (RUN_FILE, RUN_TOKENIZER, ChangedRun, RunSpec, Source, Started, agreed_source, check_run,
                          check_resumable, check_same_source, check_trained_positions, pretrained_blocks, read_run,
                          require_head, require_kind, resumed_tag, run_progress, run_text_layout, sampled_fingerprint,
                          start_run, weights_fingerprint)
@@ -699,6 +699,26 @@ def _sweep_records(source: Path, runs: dict, step: Sweep, data_path: Path, kept:
     return records, key
 
 
+def _refuse_another_sources_sweep(out: Path, source: Path, given) -> None:
+    """Refuse an --output_dir that holds a sweep over another run than `source` (resolved; `given`:
+    as the user spelt it): its sweep.json or a depth's run.json naming a run that exists and is
+    not this one. The depths this call trains are checked as resumed runs later; those it does not
+    were not, so a sweep of another source with --mini_layers of its own replaced sweep.json and
+    left two sources' depths side by side. A source that no longer exists where recorded (moved)
+    is left to those checks."""
+    recorded = []
+    if (out / "sweep.json").is_file():
+        recorded.append(("sweep.json", checkpoint.read_json(out / "sweep.json", "sweep results").get("source")))
+    for d in sorted(out.iterdir()) if out.is_dir() else ():
+        if (d.name.isdigit() or d.name == CEILING) and (d / RUN_FILE).is_file():
+            ref = checkpoint.read_json(d / RUN_FILE, "run file").get("frozen_from")
+            recorded.append((f"{d.name}/", ref.get("run_dir") if isinstance(ref, dict) else None))
+    for where, other in recorded:
+        if isinstance(other, str) and Path(other).is_dir() and Path(other).resolve() != source:
+            raise ValueError(f"--output_dir {out} holds a sweep over {other} (its {where}), not over --source "
+                             f"{given}: choose a new --output_dir, or pass --source {other} (nothing is overwritten)")
+
+
 def sweep(run: RunSpec, step: Sweep) -> dict | None:
     """Step 2 over each depth into <output_dir>/<N>/ (and, with cfg.ceiling, over the full
     primary model into <output_dir>/full/). Writes sweep.json (the records and the summary),
@@ -742,6 +762,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
         kept = ("sweep.json", "sweep.md", "sweep.png")
     checkpoint.refuse_other_files(out, lambda name: name.isdigit() or name.startswith(".") or name in (
         CEILING, "data", *kept), "sweep")
+    _refuse_another_sources_sweep(out, source, step.source)
     runs = {n: out / str(n) for n in depths}
     for run_dir in [*runs.values(), *([out / CEILING] if cfg.ceiling else [])]:
         checkpoint.refuse_other_than_a_run(run_dir)

@@ -595,6 +595,26 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     assert json.loads((out / "sweep.json").read_text())["records"] == rescored
     assert [r["score"] for r in rescored] == [r["score"] for r in records]  # the plug-in metric: the same blocks
     assert all(r["bpb_bytes"] > records[0]["bpb_bytes"] for r in rescored)
+    # Another source (the run copied elsewhere) with a depth of its own into this directory: refused
+    # in one line, sweep.json and every depth kept (it trained that depth, replaced sweep.json with
+    # its records alone and left two sources' depths side by side)
+    # (depth 4 and the ceiling left out of the directory: a depth both train is refused as a changed
+    # run already)
+    other, partial = tmp_path / "other_source", tmp_path / "partial"
+    shutil.copytree(three_head_run, other)
+    shutil.copytree(out, partial)
+    shutil.rmtree(partial / "4")
+    shutil.rmtree(partial / "full")
+    kept, listing = (partial / "sweep.json").read_text(), sorted(p.name for p in partial.iterdir())
+    capsys.readouterr()
+    given = {str(three_head_run): str(other), str(out): str(partial)}
+    no_ceiling = args[:args.index("--ceiling")] + args[args.index("--ceiling") + 2:]
+    assert main(["sweep", *[given.get(a, a) for a in no_ceiling], "--mini_layers", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --output_dir {partial} holds a sweep over {three_head_run.resolve()} (its sweep.json), not"
+                   f" over --source {other}: choose a new --output_dir, or pass --source {three_head_run.resolve()} "
+                   "(nothing is overwritten)"), err
+    assert (partial / "sweep.json").read_text() == kept and sorted(p.name for p in partial.iterdir()) == listing
 
 
 def test_sweep_on_a_corpus_with_an_expanded_vocabulary(three_head_run, de_corpus, tmp_path, capsys):
