@@ -46,7 +46,7 @@ from mmadapt.config import (MIN_VOCAB_SIZE, TINY_CAPS, TINY_ENV, TINY_FLAGS, Min
 from mmadapt.corpora import check_bible_lang, resolve_corpus
 from mmadapt.data import (MANIFEST, UNKNOWN_REFUSE, DataError, NothingHeldOut, check_corpus, corpus_fingerprint,
                           follows_byte_fallback, read_manifest, sample_unknown_share)
-from mmadapt.graft import check_siblings
+from mmadapt.graft import SiblingCheck, check_siblings
 from mmadapt.hf_classifier import is_classifier
 from mmadapt.heldout import Primary, Scorer
 from mmadapt.hf import (TRANSFORMERS, OtherVocabulary, export_hf, files_differ, files_digest, import_any,
@@ -350,7 +350,7 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     sources["into"], digests["into"] = {"model": str(ext.into), "files": files}, files_digest(files)
     same_path = _imported_from(sibling) == str(ext.into)
     if same_path and known and files_digest(known["files"]) == digests["into"]:
-        check = check_siblings(model, read_source(sibling), {"vocab_mode": ext.vocab_mode})
+        check = _a_sibling_not_a_copy(ext, check_siblings(model, read_source(sibling), {"vocab_mode": ext.vocab_mode}))
     else:  # first asked for, another --into than the last call's, or its files changed (or unrecorded): imported
         # and checked aside
         why = "its files changed since it was imported" if known else "no record of the files it was imported from"
@@ -365,7 +365,8 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
                 import_any(ext.into, staged, roles_from=imported if import_kind(ext.into) == TRANSFORMERS else None)
             except OtherVocabulary:
                 import_any(ext.into, staged)
-            check = check_siblings(model, read_source(staged), {"vocab_mode": ext.vocab_mode})
+            check = _a_sibling_not_a_copy(ext, check_siblings(model, read_source(staged),
+                                                              {"vocab_mode": ext.vocab_mode}))
         except BaseException as e:  # the sibling grafted before, if any, stays as it was
             shutil.rmtree(staged, ignore_errors=True)
             if isinstance(e, ValueError):  # named as the user named them, not as the runs made of them here
@@ -383,6 +384,17 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
     if parallel.is_rank0():  # the distances, and a sibling that moved too far, said before anything trains
         print("\n".join(check.lines()), flush=True)
     return imported, sibling, digests
+
+
+def _a_sibling_not_a_copy(ext: Extend, check: SiblingCheck) -> SiblingCheck:
+    """`check`, where the sibling's weights differ from the base's somewhere; refused where none
+    moved (--into a copy of --model: the same model in another directory, a cache's snapshot),
+    as --into naming --model itself is: the graft at the end (export_hf) takes it for the base
+    and refuses, after Step 2 had trained, in words about a --graft the user never gave."""
+    if not any(d > 0 for d in check.distance.values()):
+        raise ValueError(f"--into {ext.into} holds the same weights as --model {ext.model} (a copy of it): its "
+                         "extension is <output_dir>/export; drop --into (it takes a model fine-tuned from --model)")
+    return check
 
 
 def _entry(recorded: dict, name: str) -> dict:

@@ -334,6 +334,13 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "is not a sibling of" in err, err
     assert not (tmp_path / "new").exists()  # the imports it made before the check are gone with it, and its parents
+    # a copy of --model (the same files elsewhere) is --model itself: refused as that before anything
+    # trains (it passed the check, trained, and the graft at the end refused, naming a --graft)
+    assert main([*argv, "--output_dir", str(bad), "--into", str(hf / "qwen2-base")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --into {hf / 'qwen2-base'} holds the same weights as --model {base} (a copy of it): its extension "
+        "is <output_dir>/export; drop --into (it takes a model fine-tuned from --model)")
+    assert not (tmp_path / "new").exists()
     out = tmp_path / "ext"
     assert main([*argv, "--output_dir", str(out), "--into", str(hf / "qwen2-sibling")]) == 0
     said = capsys.readouterr().out
