@@ -387,11 +387,12 @@ def _imported(ext: Extend, say) -> tuple[Path, Path | None, dict]:
 
 
 def _a_sibling_not_a_copy(ext: Extend, check: SiblingCheck) -> SiblingCheck:
-    """`check`, where the sibling's weights differ from the base's somewhere; refused where none
-    moved (--into a copy of --model: the same model in another directory, a cache's snapshot),
-    as --into naming --model itself is: the graft at the end (export_hf) takes it for the base
-    and refuses, after Step 2 had trained, in words about a --graft the user never gave."""
-    if not any(d > 0 for d in check.distance.values()):
+    """`check`, where the sibling's weights are not the base's; refused where they are (--into a
+    copy of --model: the same model in another directory, a cache's snapshot), as --into naming
+    --model itself is. They are judged as the graft at the end judges them (export_hf: by the
+    sampled fingerprint), which refused them after Step 2 had trained, in words about a --graft
+    the user never gave."""
+    if check.same_weights:
         raise ValueError(f"--into {ext.into} holds the same weights as --model {ext.model} (a copy of it): its "
                          "extension is <output_dir>/export; drop --into (it takes a model fine-tuned from --model)")
     return check

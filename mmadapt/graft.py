@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mmadapt.artifact import SAMPLED_KEY, primary_changed, trained_for
-from mmadapt.run import Source, read_source
+from mmadapt.run import Source, read_source, sampled_fingerprint
 from mmadapt.tokenizer import HFTokenizer, SPECIAL_ROLES, is_hf, pieces
 
 
@@ -60,6 +60,9 @@ class SiblingCheck:
     sibling: Path
     distance: dict[str, float]
     warnings: tuple[str, ...] = ()  # check_siblings' own, beside the distances' (lines)
+    # the base's weights by the test export_hf's --graft applies (artifact.same_primary: the sampled
+    # fingerprint), which refuses to graft into them: extend refuses such an --into before it trains
+    same_weights: bool = False
 
     def lines(self) -> list[str]:
         """What export-hf prints of the check: the distances, a warning where a layer moved
@@ -151,6 +154,7 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
         raise ValueError(f"the embeddings were trained over {base.path} as its weights were when Step 2 ran, and they "
                          "have changed since (other weights under the same path): restore that model, or train "
                          "Step 2 again over it as it is")
+    same = sampled_fingerprint(mine) == sampled_fingerprint(theirs)
     # Each one's primary model: a MINIJOINT base also holds its mini-model's head (after layer N),
     # which its export, and so a model fine-tuned from that, lacks
     (base_cfg, mine), (sibling_cfg, theirs) = (src.family.primary_model(src.cfg, w)
@@ -216,7 +220,7 @@ def check_siblings(base: Source, sibling: Source, meta: dict,
         if ours != its:  # same shapes, other math: a long-context fine-tune's rotary scaling, say
             warnings.append(f"warning: its {field} is {its}, the base's {ours}: the embeddings were trained under the "
                             "base's; score the graft before serving it (evaluate --graft)")
-    return SiblingCheck(base.path, sibling.path, distance, tuple(warnings))
+    return SiblingCheck(base.path, sibling.path, distance, tuple(warnings), same)
 
 
 def _moved(base: torch.Tensor, sibling: torch.Tensor, source: Source) -> bool:

@@ -341,6 +341,24 @@ def test_extend_into_a_sibling_grafts_and_scores_it(graft_runs, corpus, de_corpu
         f"error: --into {hf / 'qwen2-base'} holds the same weights as --model {base} (a copy of it): its extension "
         "is <output_dir>/export; drop --into (it takes a model fine-tuned from --model)")
     assert not (tmp_path / "new").exists()
+    # ... judged as the graft at the end judges it (the sampled fingerprint): a sibling whose changes
+    # all fall between the sampled elements is refused up front as well, not after Step 2
+    from safetensors.torch import load_file, save_file
+
+    from mmadapt.run import SAMPLED_ELEMENTS
+    sparse = tmp_path / "sparse"
+    shutil.copytree(hf / "qwen2-base", sparse)
+    state = load_file(sparse / "model.safetensors")
+    flat = state["model.layers.0.mlp.down_proj.weight"].reshape(-1).clone()
+    between = torch.ones(flat.numel(), dtype=torch.bool)
+    between[torch.linspace(0, flat.numel() - 1, SAMPLED_ELEMENTS).long()] = False
+    assert between.any()
+    flat[between] += 0.05
+    state["model.layers.0.mlp.down_proj.weight"] = flat.reshape(state["model.layers.0.mlp.down_proj.weight"].shape)
+    save_file(state, str(sparse / "model.safetensors"), metadata={"format": "pt"})
+    assert main([*argv, "--output_dir", str(bad), "--into", str(sparse)]) == 2
+    assert "holds the same weights as --model" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
     out = tmp_path / "ext"
     assert main([*argv, "--output_dir", str(out), "--into", str(hf / "qwen2-sibling")]) == 0
     said = capsys.readouterr().out
