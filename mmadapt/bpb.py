@@ -207,6 +207,9 @@ class Rows:
 
 
 _WHITESPACE_RUN = re.compile(r"\s{2,}")
+# Two letters a tokenizer reads as pieces, between which a character it drops leaves their pieces
+# as they were (_rows): the first whose pieces hold no <unk>
+_PROBES = ("ab", "аб", "αβ", "अब", "אב", "اب", "一二", "12")
 
 
 def windows(words: list[int], room: int) -> list[tuple[int, int]]:
@@ -239,8 +242,9 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
     # two characters it reads as pieces of their own, between which a character it drops leaves them
     # as they were (a BPE whose byte fallback has no byte pieces drops what it cannot encode, and a
     # character alone it encodes as the word start '▁' its pre-tokenizer put before it)
-    plain = list(sp.encode("ab"))
-    probe = None if UNK_ID in plain else "ab"
+    # (two letters of another script where it has no Latin: a Russian vocabulary reads "ab" as <unk>)
+    probe = next((p for p in _PROBES if UNK_ID not in sp.encode(p)), None)
+    plain = list(sp.encode(probe)) if probe is not None else []
     for line in text.lines:
         ids, spans = piece_offsets(sp, line)
         words = word_index(line, spans)
@@ -263,14 +267,14 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
                     not (strips and unicodedata.category(ch) == "Mn") and (not sp.encode(ch) or between))
             unk_bytes += len(ch.encode("utf-8")) if dropped[ch] and k not in in_unk else 0
         # a run of whitespace a tokenizer reads as one boundary (SentencePiece's remove_extra_whitespaces,
-        # a WordPiece's split at whitespace): its characters after the first it reads stand for nothing
-        # (those it drops are charged above)
+        # a WordPiece's split at whitespace): its characters after the first stand for nothing. Runs
+        # of the text as it is read, without the characters it drops (charged above): "a \x07 b" is
+        # "a  b", whose second space was free
         if collapses is None:
             collapses = list(sp.encode("a  b")) == list(sp.encode("a b"))
         if collapses:
-            for m in _WHITESPACE_RUN.finditer(line):
-                read = [c for c in m.group() if not dropped[c]]
-                unk_bytes += len("".join(read[1:]).encode("utf-8"))
+            read = "".join(ch for ch in line if not dropped[ch])
+            unk_bytes += sum(len(m.group()[1:].encode("utf-8")) for m in _WHITESPACE_RUN.finditer(read))
     return Rows(rows, pieces, unknown, unk_bytes)
 
 

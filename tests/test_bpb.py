@@ -213,6 +213,25 @@ def test_a_control_character_python_calls_whitespace_the_normalizer_drops_is_cha
         assert [g.unknown_bytes for g in got] == [0, 1, 2, 1, 1 + 1, 0, 1]
 
 
+def test_a_dropped_character_is_charged_by_a_tokenizer_without_latin_and_its_spaces_join_one_run(tmp_path):
+    """A Russian SentencePiece reads "ab" as <unk>, which switched the probe off: U+000B and
+    U+001F, deleted by its normalizer, were charged nothing there (a probe of its own script now).
+    And the spaces either side of a character it drops are one run as it reads them ("a \x07 b"
+    is "a  b"): the second space was free, so inserting the character made the text cheaper."""
+    from mmadapt.corpora import write_bible_corpus
+    from mmadapt.data import train_tokenizer
+    from mmadapt.tokenizer import load
+
+    sp = load(train_tokenizer(write_bible_corpus("ru", tmp_path / "ru.txt", books=range(1, 3)), tmp_path / "spm", 1000))
+    assert UNK_ID in sp.encode("ab")
+    layout = B.Layout((EOS_ID,), ())
+    texts = ["Бог сотворил", "Бог сотво\x0bрил", "Бог сотво\x1fрил", "Бог сотво\x07рил", "Бог  сотворил",
+             "Бог \x07 сотворил", "Бог \u200b сотворил"]
+    got = [B.causal_rows(sp, B.RawText((t,), "test"), layout, 64) for t in texts]
+    assert all(g.rows == got[0].rows for g in got)
+    assert [g.unknown_bytes for g in got] == [0, 1, 1, 1, 1, 1 + 1, 3 + 1]
+
+
 def _encoder(vocab: int, seed: int = 0) -> torch.nn.Module:
     cfg = dataclasses.replace(ROBERTA_PRESETS["tiny"][0], num_layers=2, head_layers=(2,), vocab_size=vocab,
                               max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
