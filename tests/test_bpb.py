@@ -222,7 +222,8 @@ def test_a_dropped_character_is_charged_by_a_tokenizer_without_latin_and_its_spa
     from mmadapt.data import train_tokenizer
     from mmadapt.tokenizer import load
 
-    sp = load(train_tokenizer(write_bible_corpus("ru", tmp_path / "ru.txt", books=range(1, 3)), tmp_path / "spm", 1000))
+    corpus = write_bible_corpus("ru", tmp_path / "ru.txt", books=range(1, 3))
+    sp = load(train_tokenizer(corpus, tmp_path / "spm", 1000))
     assert UNK_ID in sp.encode("ab")
     layout = B.Layout((EOS_ID,), ())
     texts = ["Бог сотворил", "Бог сотво\x0bрил", "Бог сотво\x1fрил", "Бог сотво\x07рил", "Бог  сотворил",
