@@ -515,6 +515,9 @@ def resumed_tag(output_dir: Path, resume: bool, source: str | os.PathLike, tag: 
     if tag is not None or not resume or not record.is_file():
         return tag
     recorded = checkpoint.read_json(record, "run file").get(key) or {}
+    if not isinstance(recorded, dict):  # (a hand-edited record: a traceback before any check had read it)
+        raise ValueError(f"{record} is damaged: its {key} is {recorded!r}, not the record of the run it was built "
+                         "over; restore it, or start a new --output_dir")
     if recorded.get("run_dir") != str(Path(source).resolve()) or recorded.get("tag") is None:
         return None
     if recorded["tag"] not in checkpoint.complete_tags(Path(source) / "checkpoints"):

@@ -1024,6 +1024,9 @@ def test_a_resume_reads_the_source_checkpoint_it_started_from(sources, de_corpus
     (tmp_path / "ft").mkdir()
     (tmp_path / "ft" / "run.json").write_text(json.dumps({"primary": {"run_dir": str(src.resolve()), "tag": first}}))
     assert resumed_tag(tmp_path / "ft", True, src, None, "primary") == first
+    (tmp_path / "ft" / "run.json").write_text(json.dumps({"primary": "x"}))  # damaged: one line, no traceback
+    with pytest.raises(ValueError, match=r"ft/run.json is damaged: its primary is 'x', not the record of the run"):
+        resumed_tag(tmp_path / "ft", True, src, None, "primary")
     # the checkpoint it trained over, since pruned at the source (its --keep_last): said so
     shutil.rmtree(ckpt / first)
     with pytest.raises(ValueError, match=f"checkpoint {first}, which .* no longer holds"):
