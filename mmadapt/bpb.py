@@ -242,8 +242,11 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
     # two characters it reads as pieces of their own, between which a character it drops leaves them
     # as they were (a BPE whose byte fallback has no byte pieces drops what it cannot encode, and a
     # character alone it encodes as the word start '▁' its pre-tokenizer put before it)
-    # (two letters of another script where it has no Latin: a Russian vocabulary reads "ab" as <unk>)
-    probe = next((p for p in _PROBES if UNK_ID not in sp.encode(p)), None)
+    # (two letters of another script where it has no Latin: a Russian vocabulary reads "ab" as <unk>),
+    # which a space between them changes: a WordPiece reads "一 二" as "一二", and took every space
+    # for a dropped character
+    probe = next((p for p in _PROBES if UNK_ID not in sp.encode(p) and sp.encode(f"{p[0]} {p[1]}") != sp.encode(p)),
+                 None)
     plain = list(sp.encode(probe)) if probe is not None else []
     for line in text.lines:
         ids, spans = piece_offsets(sp, line)
@@ -268,12 +271,12 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
             unk_bytes += len(ch.encode("utf-8")) if dropped[ch] and k not in in_unk else 0
         # a run of whitespace a tokenizer reads as one boundary (SentencePiece's remove_extra_whitespaces,
         # a WordPiece's split at whitespace): its characters after the first stand for nothing. Runs
-        # of the text as it is read, without the characters it drops (charged above): "a \x07 b" is
-        # "a  b", whose second space was free
+        # of the text as it is read, without the characters it drops (charged above) or folds away
+        # (an accent-stripper's marks): "a \x07 b" is "a  b", whose second space was free
         if collapses is None:
             collapses = list(sp.encode("a  b")) == list(sp.encode("a b"))
         if collapses:
-            read = "".join(ch for ch in line if not dropped[ch])
+            read = "".join(ch for ch in line if not dropped[ch] and not (strips and unicodedata.category(ch) == "Mn"))
             unk_bytes += sum(len(m.group()[1:].encode("utf-8")) for m in _WHITESPACE_RUN.finditer(read))
     return Rows(rows, pieces, unknown, unk_bytes)
 

@@ -233,6 +233,57 @@ def test_a_dropped_character_is_charged_by_a_tokenizer_without_latin_and_its_spa
     assert [g.unknown_bytes for g in got] == [0, 1, 1, 1, 1, 1 + 1, 3 + 1]
 
 
+def _imported_wordpiece(out: Path, lines: list[str] | None = None, lowercase: bool = False):
+    """A WordPiece (of the English Bible, or of `lines`) imported with a tiny BERT: the run's tokenizer."""
+    import sys
+
+    import transformers as T
+    from tokenizers import BertWordPieceTokenizer
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from hf_models import make_wordpiece
+    from mmadapt.hf import import_hf
+    from mmadapt.tokenizer import load
+
+    model = out / "model"
+    if lines is None:
+        tok = make_wordpiece(model, lowercase=lowercase)
+    else:
+        model.mkdir(parents=True)
+        wp = BertWordPieceTokenizer(lowercase=False, strip_accents=None)
+        wp.train_from_iterator(lines, vocab_size=3000, min_frequency=2, show_progress=False,
+                               special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+        wp.save_model(str(model))
+        tok = T.BertTokenizerFast.from_pretrained(str(model))
+        (model / "vocab.txt").unlink()
+        tok.save_pretrained(str(model))
+    T.BertForMaskedLM(T.BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32, max_position_embeddings=64)).save_pretrained(str(model))
+    import_hf(model, out / "run")
+    return load(out / "run" / "tokenizer" / "spm.model")
+
+
+def test_a_wordpiece_isolating_chinese_characters_charges_no_space_and_a_folded_mark_joins_a_run(tmp_path):
+    """The dropped-character probe of a WordPiece of Chinese text was "一二", which it reads as
+    "一 二" as well: every space was then taken for a dropped character and charged 8 bits (a probe
+    whose letters a space parts now). And an accent-stripper folds a combining mark away, so the
+    spaces either side of it are one run as it reads them: the second space was free."""
+    from mmadapt.corpora import bible_verses
+
+    zh = _imported_wordpiece(tmp_path / "zh", [v[-1] for v in bible_verses("zh", books=range(1, 3))])
+    assert UNK_ID in zh.encode("ab") and zh.encode("一 二") == zh.encode("一二")
+    layout = B.Layout((BOS_ID,), (EOS_ID,))
+    texts = ["起初神创造天地", "起初 神创造天地", "起初\x0b神创造天地"]
+    got = [B.causal_rows(zh, B.RawText((t,), "test"), B.Layout((BOS_ID,), ()), 64) for t in texts]
+    assert all(g.rows == got[0].rows for g in got) and got[0].unknown == 0  # (a space parts words: causal rows)
+    assert [g.unknown_bytes for g in got] == [0, 0, 1]
+    uncased = _imported_wordpiece(tmp_path / "en", lowercase=True)
+    texts = ["God created", "God  created", "God \u0301 created", "God \x07 created"]
+    got = [B.masked_rows(uncased, B.RawText((t,), "test"), layout, 64) for t in texts]
+    assert all(g.rows == got[0].rows for g in got)
+    assert [g.unknown_bytes for g in got] == [0, 1, 1, 1 + 1]  # the mark folded (free), the second space not
+
+
 def _encoder(vocab: int, seed: int = 0) -> torch.nn.Module:
     cfg = dataclasses.replace(ROBERTA_PRESETS["tiny"][0], num_layers=2, head_layers=(2,), vocab_size=vocab,
                               max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)
