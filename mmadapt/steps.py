@@ -116,13 +116,24 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
     if size is not None and size != vocab_size:  # the target's size is its tokenizer's, as without expand_from
         raise DataError(f"tokenizer {tokenizer} has {size} pieces but --vocab_size is {vocab_size}: drop --vocab_size "
                         "or pass a matching tokenizer")
+    given = tokenizer
     with tempfile.TemporaryDirectory() as tmp:  # nothing lands in output_dir before data.prepare's checks
         if tokenizer is None:
             tokenizer = train_tokenizer(corpus, Path(tmp) / "target", vocab_size, seed=cfg.tokenizer_seed,
                                         max_sentences=cfg.tokenizer_sample_lines, threads=cfg.tokenizer_threads)
-        expansion = expand(Path(expand_from) / RUN_TOKENIZER, tokenizer)
-        merged = expansion.write(Path(tmp) / "merged.model")
-        return prepare_corpus(corpus, output_dir, expansion.size, tokenizer=merged, cfg=cfg)
+        merged = Path(tmp) / "merged.model"
+        try:
+            expansion = expand(Path(expand_from) / RUN_TOKENIZER, tokenizer)
+            expansion.write(merged)
+            return prepare_corpus(corpus, output_dir, expansion.size, tokenizer=merged, cfg=cfg)
+        except ValueError as e:  # named as the user gave them, not as files deleted by the time it is read
+            target = "a target tokenizer trained on the corpus" if given is None else f"--tokenizer {given}"
+            said = str(e).replace(str(merged), f"{expand_from}'s vocabulary expanded by {target}")
+            if given is None:
+                said = said.replace(f" {tokenizer} ", " trained on the corpus (--vocab_size) ")
+            if said == str(e):
+                raise
+            raise (DataError if isinstance(e, DataError) else ValueError)(said) from None
 
 
 # --- Step 1 -----------------------------------------------------------------------------------------

@@ -381,6 +381,16 @@ class Ctx:
         return ["extend", "--model", str(model), "--lang", "de", "--corpus", "bible:de", "--output_dir", str(self.out),
                 *extra]
 
+    def expanded_with_another_tokenizer(self) -> list[str]:
+        """preprocess --expand_from of German, over a dataset it prepared whose manifest records
+        another tokenizer (as another target tokenizer would have made it)."""
+        argv = ["preprocess", "--corpus", str(self.request.getfixturevalue("de_corpus")), "--expand_from",
+                str(self.primary), "--vocab_size", "500", "--output_dir", str(self.out)]
+        assert main(argv) == 0
+        manifest = json.loads((self.out / "manifest.json").read_text())
+        (self.out / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": "0" * 64}))
+        return argv
+
     def sentence_transformers_dir(self, modules: list[dict]) -> str:
         d = Path(self.bert_dir())
         (d / "modules.json").write_text(json.dumps(modules))
@@ -1258,6 +1268,15 @@ CASES = [
      "--expand_from extends the run's, which keeps its own or none: drop --byte_fallback"),
     ("preprocess-vocab-size-zero", lambda c: ["preprocess", "--corpus", str(c.corpus), "--vocab_size", "0",
                                               "--output_dir", str(c.out)], "argument --vocab_size: must be >= 8, got 0"),
+    # an expansion's target tokenizer is built in a temporary directory: the refusal named that file,
+    # deleted by then, where the user gave a run and a seed
+    ("preprocess-expand-again-with-another-target-tokenizer", lambda c: c.expanded_with_another_tokenizer(),
+     "'s vocabulary expanded by a target tokenizer trained on the corpus: choose a new --output_dir (nothing was "
+     "overwritten)"),
+    ("preprocess-expand-by-a-target-of-no-new-piece", lambda c: [
+        "preprocess", "--corpus", str(c.corpus), "--expand_from", str(c.primary), "--vocab_size", "500",
+        "--output_dir", str(c.out)],
+     "the target tokenizer trained on the corpus (--vocab_size) adds no piece to the source's"),
     ("preprocess-expand-from-an-adapt-run", lambda c: ["preprocess", "--corpus", str(c.corpus), "--expand_from",
                                                        c.kind_copy("adapt"), "--output_dir", str(c.out)],
      "is an adapt run (Step 2: its products are the artifacts under its embeddings/); this needs a pretrain"),
