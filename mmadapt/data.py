@@ -731,9 +731,10 @@ def check_own_tokenizer_kept(out_dir: str | os.PathLike, tokenizer: str | os.Pat
 
 def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int | None,
             tokenizer: str | os.PathLike | None = None, cfg: PreprocessConfig = PreprocessConfig(),
-            quiet: bool = False) -> dict:
+            quiet: bool = False, named: str | None = None) -> dict:
     """Prepare `corpus` once: train a `vocab_size`-piece SentencePiece model on a seeded sample of at
-    most cfg.tokenizer_sample_lines lines, or copy `tokenizer` (vocab_size None: its size; another
+    most cfg.tokenizer_sample_lines lines, or copy `tokenizer` (`named`: how messages name it where it
+    is a file the caller built, an expansion's; vocab_size None: its size; another
     size is refused), encode with cfg.workers processes
     (default: the CPU count) into megatron's indexed dataset (cfg.valid_fraction of the documents
     into a validation set beside it), write the manifest last. A no-op (said so) when `out_dir`
@@ -753,13 +754,16 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
     if not (out_dir / MANIFEST).is_file():
         refuse_other_files(out_dir, _dataset_entry, "prepared dataset")
     say = (lambda *a: None) if quiet else (lambda *a: print(*a, flush=True))
+    shown = named or tokenizer  # (the tokenizer copied into out_dir is gone once a refusal cleans up)
     if tokenizer is not None:
         vocab_size = load_checked_tokenizer(tokenizer, vocab_size).get_piece_size()
         unread = [] if is_hf(tokenizer) else unexportable(sp_proto(tokenizer))
         if unread:  # the runs train and score with it; only their Hugging Face export is refused
-            say(f"note: {tokenizer} was trained with {', '.join(unread)}: runs on this data train and score, but "
-                "mmadapt export-hf will refuse them (its tokenizer would read text otherwise); to export, prepare "
-                "with a tokenizer mmadapt trains (no --tokenizer)")
+            fix = ("the expansion keeps the kind of the run's tokenizer: to export, expand a run whose tokenizer "
+                   "mmadapt trained" if named else
+                   "to export, prepare with a tokenizer mmadapt trains (no --tokenizer)")
+            say(f"note: {shown} was trained with {', '.join(unread)}: runs on this data train and score, but "
+                f"mmadapt export-hf will refuse them (its tokenizer would read text otherwise); {fix}")
     elif vocab_size is None:
         raise DataError("a vocabulary size is needed to train a tokenizer: pass --vocab_size (or --tokenizer)")
     fingerprint = corpus_fingerprint(corpus)
@@ -775,7 +779,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
              lambda: f"from {corpus} as it was: its content changed since"),
             (lambda: old["vocab_size"] != vocab_size, lambda: f"at {old['vocab_size']} pieces, not {vocab_size}"),
             (lambda: tokenizer is not None and old["tokenizer_sha256"] != file_sha256(tokenizer),
-             lambda: f"with another tokenizer than {tokenizer}"),
+             lambda: f"with another tokenizer than {shown}"),
             (lambda: tokenizer is None and bool(old.get("byte_fallback")) != cfg.byte_fallback,
              lambda: f"{'without' if cfg.byte_fallback else 'with'} byte fallback, not "
                      f"{'with' if cfg.byte_fallback else 'without'} (--byte_fallback)"),
@@ -847,7 +851,7 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         raise
     try:
         return _encode_into(out_dir, tok, corpus, fingerprint, vocab_size, cfg, workers, say,
-                            threads if tokenizer is None else None, time.perf_counter() - t0)
+                            threads if tokenizer is None else None, time.perf_counter() - t0, shown)
     except DataError:  # refused: what this call wrote goes (a directory it made; else the tokenizer it put
         if created:    # there and the encoded text: a split that held out every document had written it)
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -897,11 +901,12 @@ def _same_sample(manifest: dict, lines: int, corpus: Path) -> bool:
 
 
 def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, vocab_size: int | None,
-                 cfg: PreprocessConfig, workers: int, say, threads: int | None, t_tok: float) -> dict:
+                 cfg: PreprocessConfig, workers: int, say, threads: int | None, t_tok: float,
+                 shown: str | os.PathLike | None = None) -> dict:
     """`prepare`'s encoding, once its tokenizer is at `tok` in `out_dir` (`threads`: trained here
     with that many, on a sample of cfg.tokenizer_sample_lines lines; None: copied; `t_tok`: the
-    seconds it took): the text and its validation split encoded, the manifest written last.
-    -> the manifest."""
+    seconds it took; `shown`: a copied one as the user named it): the text and its validation split
+    encoded, the manifest written last. -> the manifest."""
     valid_fraction, seed = cfg.valid_fraction, cfg.tokenizer_seed
     sp = load_checked_tokenizer(tok, vocab_size)
     dtype = np.dtype(np.uint16 if sp.get_piece_size() <= UINT16_MAX_PIECES else np.int32).name
@@ -941,7 +946,7 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
         else:
             with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
                 counts = pool.map(_encode_range, jobs, chunksize=1)
-        check_coverage(corpus, tok, [c[0] for c in counts] + [c[1] for c in counts])
+        check_coverage(corpus, shown or tok, [c[0] for c in counts] + [c[1] for c in counts])
         _merge([j[4] for j in jobs], str(out_dir / TEXT), dtype)
         if valid_fraction > 0:
             _merge([j[4] + ".valid" for j in jobs], str(out_dir / VALID), dtype)

@@ -121,19 +121,16 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
         if tokenizer is None:
             tokenizer = train_tokenizer(corpus, Path(tmp) / "target", vocab_size, seed=cfg.tokenizer_seed,
                                         max_sentences=cfg.tokenizer_sample_lines, threads=cfg.tokenizer_threads)
-        merged = Path(tmp) / "merged.model"
+        target = "a target tokenizer trained on the corpus" if given is None else f"--tokenizer {given}"
         try:
             expansion = expand(Path(expand_from) / RUN_TOKENIZER, tokenizer)
-            expansion.write(merged)
-            return prepare_corpus(corpus, output_dir, expansion.size, tokenizer=merged, cfg=cfg)
-        except ValueError as e:  # named as the user gave them, not as files deleted by the time it is read
-            target = "a target tokenizer trained on the corpus" if given is None else f"--tokenizer {given}"
-            said = str(e).replace(str(merged), f"{expand_from}'s vocabulary expanded by {target}")
-            if given is None:
-                said = said.replace(f" {tokenizer} ", " trained on the corpus (--vocab_size) ")
-            if said == str(e):
+        except ValueError as e:  # named as the user gave it, not as a file deleted by the time it is read
+            if given is not None:
                 raise
-            raise (DataError if isinstance(e, DataError) else ValueError)(said) from None
+            raise ValueError(str(e).replace(f" {tokenizer} ", " trained on the corpus (--vocab_size) ")) from None
+        merged = expansion.write(Path(tmp) / "merged.model")
+        return prepare_corpus(corpus, output_dir, expansion.size, tokenizer=merged, cfg=cfg,
+                              named=f"{expand_from}'s vocabulary expanded by {target}")
 
 
 # --- Step 1 -----------------------------------------------------------------------------------------

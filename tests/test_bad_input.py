@@ -1095,6 +1095,12 @@ CASES = [
     ("preprocess-text-the-tokenizer-cannot-read", lambda c: ["preprocess", "--corpus", c.russian(), "--tokenizer",
                                                              str(c.tokenizer), "--output_dir", str(c.out)],
      "are unknown to the tokenizer"),
+    # named as given: it named <output_dir>/tokenizer.model, removed by the refusal (an expansion's: a
+    # temporary file)
+    ("preprocess-expand-text-the-tokenizer-cannot-read", lambda c: [
+        "preprocess", "--corpus", c.russian(), "--expand_from", str(c.primary), "--tokenizer",
+        str(c.request.getfixturevalue("de_tokenizer")), "--output_dir", str(c.out)],
+     "'s vocabulary expanded by --tokenizer "),
     ("fit-head-text-the-tokenizer-cannot-read", lambda c: ["fit-head", "--primary", c.headless_run(), "--corpus",
                                                            c.russian(), "--output_dir", str(c.out)],
      "are unknown to the tokenizer"),

@@ -56,6 +56,26 @@ def test_any_number_of_workers_gives_the_same_bytes(prepared, corpus):
     assert corpus.stat().st_size // (64 << 10) >= 2  # the corpus was split into several ranges
 
 
+def test_an_unexportable_tokenizer_is_noted_as_the_user_named_it(corpus, tmp_path, capsys):
+    """A SentencePiece BPE given to prepare is noted (its runs train; export-hf refuses them) under
+    its own path, with the fix "no --tokenizer"; an expansion's (named: the run's vocabulary it
+    extends) was noted as the temporary merged.model, with a fix about a --tokenizer never given."""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "bpe"), vocab_size=500,
+                                   model_type="bpe", pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                                   control_symbols=["<mask>"], minloglevel=2)
+    bpe = tmp_path / "bpe.model"
+    prepare(corpus, tmp_path / "own", None, tokenizer=bpe, cfg=PreprocessConfig(workers=1))
+    out = capsys.readouterr().out
+    assert f"note: {bpe} was trained with model_type other than unigram" in out and "(no --tokenizer)" in out
+    prepare(corpus, tmp_path / "expanded", None, tokenizer=bpe, cfg=PreprocessConfig(workers=1),
+            named="run's vocabulary expanded by --tokenizer x")
+    out = capsys.readouterr().out
+    assert "note: run's vocabulary expanded by --tokenizer x was trained with model_type other than unigram" in out
+    assert "to export, expand a run whose tokenizer mmadapt trained" in out and "--tokenizer)" not in out
+
+
 def test_a_byte_order_mark_is_no_text(corpus, tokenizer, tmp_path):
     """A corpus saved with a UTF-8 byte-order mark prepares as the same text without it: the mark
     entered the first document's held-out draw (and a byte-fallback tokenizer's first pieces)."""
