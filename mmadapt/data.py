@@ -646,18 +646,22 @@ def check_prepared(data_path: str | os.PathLike, vocab_size: int | None = None,
 UNKNOWN_WARN, UNKNOWN_REFUSE = 0.02, 0.25
 
 
-def check_coverage(corpus: Path, tokenizer: Path, counts: list[list[int]]) -> float:
-    """Refuse a text whose tokenizer reads more than UNKNOWN_REFUSE of its pieces as <unk>; say so
+def check_coverage(corpus: Path, tokenizer: str | os.PathLike, counts: list[list[int]],
+                   trained: bool = False) -> float:
+    """Refuse a text whose tokenizer (`tokenizer`: as the user knows it; `trained`: on a sample of
+    this text, by the call) reads more than UNKNOWN_REFUSE of its pieces as <unk>; say so
     above UNKNOWN_WARN (on stderr, quiet or not). counts: per shard (sentences, documents, tokens,
     unknown), tokens holding one </s> per sentence and per document end. -> the share."""
     unknown = sum(c[3] for c in counts)
     pieces = sum(c[2] - c[0] - c[1] for c in counts)
     share = unknown / pieces if pieces else 0.0
     if share > UNKNOWN_REFUSE:
+        fix = (f"the sample of its lines it was trained on lacks that text: split lines longer than "
+               f"{SP_MAX_SENTENCE_BYTES} bytes (SentencePiece skips them), or raise --tokenizer_sample_lines"
+               if trained else "pass text in a language it was made for, or prepare this one with a tokenizer trained "
+               "on it (preprocess --vocab_size N, no --tokenizer)")
         raise DataError(f"{share:.0%} of the pieces of {corpus} are unknown to the tokenizer {tokenizer} ({unknown:,} "
-                        f"<unk> of {pieces:,}): it does not cover this text's script; pass text in a language it was "
-                        "made for, or prepare this one with a tokenizer trained on it (preprocess --vocab_size N, no "
-                        "--tokenizer)")
+                        f"<unk> of {pieces:,}): it does not cover this text's script; {fix}")
     if share > UNKNOWN_WARN:
         print(f"warning: {share:.1%} of the pieces of {corpus} are unknown to the tokenizer ({unknown:,} <unk>): the "
               "model learns nothing of them", file=sys.stderr)
@@ -946,7 +950,9 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
         else:
             with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
                 counts = pool.map(_encode_range, jobs, chunksize=1)
-        check_coverage(corpus, shown or tok, [c[0] for c in counts] + [c[1] for c in counts])
+        # (a tokenizer trained here is named as asked for: the refusal removes the file)
+        check_coverage(corpus, shown or f"trained on it ({sp.get_piece_size()} pieces, --vocab_size)",
+                       [c[0] for c in counts] + [c[1] for c in counts], trained=threads is not None)
         _merge([j[4] for j in jobs], str(out_dir / TEXT), dtype)
         if valid_fraction > 0:
             _merge([j[4] + ".valid" for j in jobs], str(out_dir / VALID), dtype)
