@@ -239,6 +239,10 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
     # does after NFD) as it drops the accent of a composed character: a fold, free either way
     # (charged, "cafe\u0301" cost 16 bits that "café" does not)
     strips = "accents" in folds(sp)
+
+    def folded(ch: str) -> bool:  # a mark it strips: free, and no character of the text as read
+        return strips and unicodedata.category(ch) == "Mn"
+
     # two characters it reads as pieces of their own, between which a character it drops leaves them
     # as they were (a BPE whose byte fallback has no byte pieces drops what it cannot encode, and a
     # character alone it encodes as the word start '▁' its pre-tokenizer put before it)
@@ -266,8 +270,7 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
         for k, ch in enumerate(line):
             if ch not in dropped:
                 between = probe is not None and list(sp.encode(probe[0] + ch + probe[1])) == plain
-                dropped[ch] = between if ch.isspace() else (
-                    not (strips and unicodedata.category(ch) == "Mn") and (not sp.encode(ch) or between))
+                dropped[ch] = between if ch.isspace() else not folded(ch) and (not sp.encode(ch) or between)
             unk_bytes += len(ch.encode("utf-8")) if dropped[ch] and k not in in_unk else 0
         # a run of whitespace a tokenizer reads as one boundary (SentencePiece's remove_extra_whitespaces,
         # a WordPiece's split at whitespace): its characters after the first stand for nothing. Runs
@@ -276,7 +279,7 @@ def _rows(sp, text: RawText, layout: Layout, positions: int, window_rows) -> Row
         if collapses is None:
             collapses = list(sp.encode("a  b")) == list(sp.encode("a b"))
         if collapses:
-            read = "".join(ch for ch in line if not dropped[ch] and not (strips and unicodedata.category(ch) == "Mn"))
+            read = "".join(ch for ch in line if not (dropped[ch] or folded(ch)))
             unk_bytes += sum(len(m.group()[1:].encode("utf-8")) for m in _WHITESPACE_RUN.finditer(read))
     return Rows(rows, pieces, unknown, unk_bytes)
 
