@@ -735,10 +735,11 @@ def check_own_tokenizer_kept(out_dir: str | os.PathLike, tokenizer: str | os.Pat
 
 def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int | None,
             tokenizer: str | os.PathLike | None = None, cfg: PreprocessConfig = PreprocessConfig(),
-            quiet: bool = False, named: str | None = None) -> dict:
+            quiet: bool = False, named: str | None = None, target_trained: bool = False) -> dict:
     """Prepare `corpus` once: train a `vocab_size`-piece SentencePiece model on a seeded sample of at
     most cfg.tokenizer_sample_lines lines, or copy `tokenizer` (`named`: how messages name it where it
-    is a file the caller built, an expansion's; vocab_size None: its size; another
+    is a file the caller built, an expansion's; `target_trained`: that expansion's target tokenizer
+    was trained on a sample of this corpus, as this call would have; vocab_size None: its size; another
     size is refused), encode with cfg.workers processes
     (default: the CPU count) into megatron's indexed dataset (cfg.valid_fraction of the documents
     into a validation set beside it), write the manifest last. A no-op (said so) when `out_dir`
@@ -855,7 +856,8 @@ def prepare(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: i
         raise
     try:
         return _encode_into(out_dir, tok, corpus, fingerprint, vocab_size, cfg, workers, say,
-                            threads if tokenizer is None else None, time.perf_counter() - t0, shown)
+                            threads if tokenizer is None else None, time.perf_counter() - t0, shown,
+                            target_trained)
     except DataError:  # refused: what this call wrote goes (a directory it made; else the tokenizer it put
         if created:    # there and the encoded text: a split that held out every document had written it)
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -906,10 +908,11 @@ def _same_sample(manifest: dict, lines: int, corpus: Path) -> bool:
 
 def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, vocab_size: int | None,
                  cfg: PreprocessConfig, workers: int, say, threads: int | None, t_tok: float,
-                 shown: str | os.PathLike | None = None) -> dict:
+                 shown: str | os.PathLike | None = None, target_trained: bool = False) -> dict:
     """`prepare`'s encoding, once its tokenizer is at `tok` in `out_dir` (`threads`: trained here
     with that many, on a sample of cfg.tokenizer_sample_lines lines; None: copied; `t_tok`: the
-    seconds it took; `shown`: a copied one as the user named it): the text and its validation split
+    seconds it took; `shown`, `target_trained`: a copied one as the user named it, and whether it was
+    trained on a sample of this corpus all the same, prepare's): the text and its validation split
     encoded, the manifest written last. -> the manifest."""
     valid_fraction, seed = cfg.valid_fraction, cfg.tokenizer_seed
     sp = load_checked_tokenizer(tok, vocab_size)
@@ -952,7 +955,7 @@ def _encode_into(out_dir: Path, tok: Path, corpus: Path, fingerprint: dict, voca
                 counts = pool.map(_encode_range, jobs, chunksize=1)
         # (a tokenizer trained here is named as asked for: the refusal removes the file)
         check_coverage(corpus, shown or f"trained on it ({sp.get_piece_size()} pieces, --vocab_size)",
-                       [c[0] for c in counts] + [c[1] for c in counts], trained=threads is not None)
+                       [c[0] for c in counts] + [c[1] for c in counts], trained=threads is not None or target_trained)
         _merge([j[4] for j in jobs], str(out_dir / TEXT), dtype)
         if valid_fraction > 0:
             _merge([j[4] + ".valid" for j in jobs], str(out_dir / VALID), dtype)

@@ -130,7 +130,7 @@ def preprocess(corpus: str | Path, output_dir: Path, vocab_size: int | None, cfg
             raise ValueError(str(e).replace(f" {tokenizer} ", " trained on the corpus (--vocab_size) ")) from None
         merged = expansion.write(Path(tmp) / "merged.model")
         return prepare_corpus(corpus, output_dir, expansion.size, tokenizer=merged, cfg=cfg,
-                              named=f"{expand_from}'s vocabulary expanded by {target}")
+                              named=f"{expand_from}'s vocabulary expanded by {target}", target_trained=given is None)
 
 
 # --- Step 1 -----------------------------------------------------------------------------------------

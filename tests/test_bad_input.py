@@ -295,13 +295,13 @@ class Ctx:
 
         return str(write_bible_corpus("ru", self.tmp / "ru.txt", books=range(1, 2)))
 
-    def english_and_long_russian_lines(self) -> str:
-        """Short English lines, then Russian (Genesis) in lines longer than SentencePiece reads
-        (4192 bytes): a tokenizer trained on it never saw Cyrillic."""
+    def english_and_long_russian_lines(self, short: Path | None = None) -> str:
+        """Short English lines (or `short`'s), then Russian (Genesis) in lines longer than
+        SentencePiece reads (4192 bytes): a tokenizer trained on it never saw Cyrillic."""
         words = Path(self.russian()).read_text(encoding="utf-8").split()
         long = [" ".join(words[i:i + 600]) for i in range(0, len(words), 600)]
-        english = self.corpus.read_text(encoding="utf-8").splitlines()[:300]
-        return self.file("mix.txt", "\n".join(english + long) + "\n")
+        lines = (short or self.corpus).read_text(encoding="utf-8").splitlines()[:300]
+        return self.file("mix.txt", "\n".join(lines + long) + "\n")
 
     def graft(self, primary: str, artifact: str, *extra: str) -> list[str]:
         """export-hf of the last artifact of the graft_runs run `artifact` into the run `primary` (a
@@ -1118,6 +1118,17 @@ CASES = [
         "--output_dir", str(c.out)],
      "the sample of its lines it was trained on lacks that text: split lines longer than 4192 bytes (SentencePiece "
      "skips them), or raise --tokenizer_sample_lines"),
+    # (an expansion whose target tokenizer was trained here: the same fix, not "--vocab_size N, no
+    # --tokenizer", which is what was run)
+    ("preprocess-expand-text-the-target-trained-here-cannot-read", lambda c: [
+        "preprocess", "--corpus", c.english_and_long_russian_lines(c.request.getfixturevalue("de_corpus")),
+        "--expand_from", str(c.primary), "--vocab_size", "500", "--output_dir", str(c.out)],
+     "'s vocabulary expanded by a target tokenizer trained on the corpus ("),
+    ("preprocess-expand-text-the-target-trained-here-cannot-read-says-why", lambda c: [
+        "preprocess", "--corpus", c.english_and_long_russian_lines(c.request.getfixturevalue("de_corpus")),
+        "--expand_from", str(c.primary), "--vocab_size", "500", "--output_dir", str(c.out)],
+     "does not cover this text's script; the sample of its lines it was trained on lacks that text: split lines "
+     "longer than 4192 bytes"),
     ("fit-head-text-the-tokenizer-cannot-read", lambda c: ["fit-head", "--primary", c.headless_run(), "--corpus",
                                                            c.russian(), "--output_dir", str(c.out)],
      "are unknown to the tokenizer"),
