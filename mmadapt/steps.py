@@ -707,16 +707,14 @@ def _sweep_records(source: Path, runs: dict, step: Sweep, data_path: Path, kept:
     return records, key
 
 
-def _refuse_another_sources_sweep(out: Path, source: Path, given) -> None:
+def _refuse_another_sources_sweep(out: Path, source: Path, given, swept: str | None) -> None:
     """Refuse an --output_dir that holds a sweep over another run than `source` (resolved; `given`:
-    as the user spelt it): its sweep.json or a depth's run.json naming a run that exists and is
-    not this one. The depths this call trains are checked as resumed runs later; those it does not
-    were not, so a sweep of another source with --mini_layers of its own replaced sweep.json and
-    left two sources' depths side by side. A source that no longer exists where recorded (moved)
-    is left to those checks."""
-    recorded = []
-    if (out / "sweep.json").is_file():
-        recorded.append(("sweep.json", checkpoint.read_json(out / "sweep.json", "sweep results").get("source")))
+    as the user spelt it): its sweep.json (`swept`: the source it records, read already) or a
+    depth's run.json naming a run that exists and is not this one. The depths this call trains are
+    checked as resumed runs later; those it does not were not, so a sweep of another source with
+    --mini_layers of its own replaced sweep.json and left two sources' depths side by side. A
+    source that no longer exists where recorded (moved) is left to those checks."""
+    recorded = [("sweep.json", swept)]
     for d in sorted(out.iterdir()) if out.is_dir() else ():
         if (d.name.isdigit() or d.name == CEILING) and (d / RUN_FILE).is_file():
             ref = checkpoint.read_json(d / RUN_FILE, "run file").get("frozen_from")
@@ -761,7 +759,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     # files (its --source's, somebody's sweep.md or sweep.json, a depth's directory of other
     # files) are refused before anything is written
     checkpoint.check_output_dir(out)
-    kept = ("sweep.json",)
+    kept, written = ("sweep.json",), {}
     if (out / "sweep.json").is_file():
         written = checkpoint.read_json(out / "sweep.json", "sweep results")
         if not (isinstance(written, dict) and {"source", "records", "summary"} <= written.keys()):
@@ -770,7 +768,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
         kept = ("sweep.json", "sweep.md", "sweep.png")
     checkpoint.refuse_other_files(out, lambda name: name.isdigit() or name.startswith(".") or name in (
         CEILING, "data", *kept), "sweep")
-    _refuse_another_sources_sweep(out, source, step.source)
+    _refuse_another_sources_sweep(out, source, step.source, written.get("source"))
     runs = {n: out / str(n) for n in depths}
     for run_dir in [*runs.values(), *([out / CEILING] if cfg.ceiling else [])]:
         checkpoint.refuse_other_than_a_run(run_dir)
