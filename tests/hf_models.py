@@ -304,16 +304,18 @@ BERT_SHAPE = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, in
 WORDPIECE_VOCAB = 800
 
 
-def make_wordpiece(out: Path, lowercase: bool = False, vocab_size: int = WORDPIECE_VOCAB):
+def make_wordpiece(out: Path, lowercase: bool = False, vocab_size: int = WORDPIECE_VOCAB,
+                   lines: list[str] | None = None):
     """BERT's WordPiece ([PAD] 0, [UNK] 1, [CLS] 2, [SEP] 3, [MASK] 4), trained on the English Bible
-    with tokenizers' BertWordPieceTokenizer (cased or uncased: lowercase and strip accents), saved
-    as vocab.txt and loaded as BertTokenizerFast (tokenizer.json)."""
+    (or `lines`) with tokenizers' BertWordPieceTokenizer (cased or uncased: lowercase and strip
+    accents), saved as vocab.txt and loaded as BertTokenizerFast (tokenizer.json)."""
     from tokenizers import BertWordPieceTokenizer
     from transformers import BertTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     wp = BertWordPieceTokenizer(lowercase=lowercase, strip_accents=lowercase)
-    wp.train_from_iterator(bible_lines("en"), vocab_size=vocab_size, min_frequency=2, show_progress=False,
+    wp.train_from_iterator(bible_lines("en") if lines is None else lines, vocab_size=vocab_size, min_frequency=2,
+                           show_progress=False,
                            special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
     wp.save_model(str(out))
     tok = BertTokenizerFast.from_pretrained(str(out), do_lower_case=lowercase, strip_accents=lowercase or None)

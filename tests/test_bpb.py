@@ -234,11 +234,11 @@ def test_a_dropped_character_is_charged_by_a_tokenizer_without_latin_and_its_spa
 
 
 def _imported_wordpiece(out: Path, lines: list[str] | None = None, lowercase: bool = False):
-    """A WordPiece (of the English Bible, or of `lines`) imported with a tiny BERT: the run's tokenizer."""
+    """A WordPiece (hf_models.make_wordpiece: of the English Bible, or 3,000 pieces of `lines`)
+    imported with a tiny BERT: the run's tokenizer."""
     import sys
 
     import transformers as T
-    from tokenizers import BertWordPieceTokenizer
 
     sys.path.insert(0, str(Path(__file__).parent))
     from hf_models import make_wordpiece
@@ -246,17 +246,7 @@ def _imported_wordpiece(out: Path, lines: list[str] | None = None, lowercase: bo
     from mmadapt.tokenizer import load
 
     model = out / "model"
-    if lines is None:
-        tok = make_wordpiece(model, lowercase=lowercase)
-    else:
-        model.mkdir(parents=True)
-        wp = BertWordPieceTokenizer(lowercase=False, strip_accents=None)
-        wp.train_from_iterator(lines, vocab_size=3000, min_frequency=2, show_progress=False,
-                               special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
-        wp.save_model(str(model))
-        tok = T.BertTokenizerFast.from_pretrained(str(model))
-        (model / "vocab.txt").unlink()
-        tok.save_pretrained(str(model))
+    tok = make_wordpiece(model, lowercase=lowercase, **({} if lines is None else {"lines": lines, "vocab_size": 3000}))
     T.BertForMaskedLM(T.BertConfig(vocab_size=len(tok), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                    intermediate_size=32, max_position_embeddings=64)).save_pretrained(str(model))
     import_hf(model, out / "run")
