@@ -462,6 +462,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def intact_tag(ckpt_dir: str | os.PathLike) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest complete checkpoint that is intact (None: there is no complete one) and the
+    newer complete ones passed over, (tag, why damaged), newest first. Refused in one line where
+    every complete one is damaged: what a --resume checks before it writes anything (run.start_run:
+    the record's FINISHED is cleared as a resume starts) and again where it loads."""
+    ckpt_dir = Path(ckpt_dir)
+    tags, passed = complete_tags(ckpt_dir), []
+    for tag in reversed(tags):
+        why = damaged(ckpt_dir / tag)
+        if why is None:
+            return tag, passed
+        passed.append((tag, why))
+    if tags:
+        raise ValueError(f"--resume: every complete checkpoint in {ckpt_dir} is damaged (the newest, {tags[-1]}: "
+                         f"{passed[0][1]}): restore its files and resume, or start a new --output_dir")
+    return None, []
+
+
 def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | None:
     """Collective. Load the newest complete checkpoint that is intact, saying which newer ones
     were skipped and why; None (with a message) when there is no complete one: the run starts at
@@ -472,19 +490,12 @@ def resume(engine, ckpt_dir: str | os.PathLike, strict: bool = True) -> dict | N
     ckpt_dir = Path(ckpt_dir)
 
     def newest_intact() -> str | None:
-        tags, passed = complete_tags(ckpt_dir), []  # passed: (tag, why damaged), newest first
-        for tag in reversed(tags):
-            why = damaged(ckpt_dir / tag)
-            if why is None:
-                for old, old_why in passed:
-                    print(f"checkpoint {old} is damaged ({old_why}): resuming from the one before it", file=sys.stderr)
-                return tag
-            passed.append((tag, why))
-        if tags:
-            raise ValueError(f"--resume: every complete checkpoint in {ckpt_dir} is damaged (the newest, {tags[-1]}: "
-                             f"{passed[0][1]}): restore its files and resume, or start a new --output_dir")
-        print(f"--resume: no complete checkpoint in {ckpt_dir}: starting at update 0", file=sys.stderr)
-        return None
+        tag, passed = intact_tag(ckpt_dir)
+        for old, old_why in passed:
+            print(f"checkpoint {old} is damaged ({old_why}): resuming from the one before it", file=sys.stderr)
+        if tag is None:
+            print(f"--resume: no complete checkpoint in {ckpt_dir}: starting at update 0", file=sys.stderr)
+        return tag
     # one choice for every rank: each rank's view of a shared file system may lag
     chosen = rank0_decides(newest_intact)
     if chosen is None:

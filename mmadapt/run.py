@@ -301,10 +301,13 @@ def check_resumable(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity
 
 
 def _same_run(run: RunSpec, record: RunRecord, data: DataPlan) -> None:
-    """A run recorded in run.output_dir (if any) is the one `record` and `data` describe."""
+    """A run recorded in run.output_dir (if any) is the one `record` and `data` describe, and one
+    it can resume: a run whose every complete checkpoint is damaged is refused before its record
+    (FINISHED cleared by RunRecord.write) or data are touched."""
     if record.exists():
         record.check_resume()
         data.check_resume(run)
+        checkpoint.intact_tag(run.checkpoints)
 
 
 def _checked_record(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict, data: DataPlan,

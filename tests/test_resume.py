@@ -255,6 +255,25 @@ def test_damaged_newest_checkpoint_falls_back_and_keep_last_prunes(uninterrupted
     assert losses(tmp_path) == uninterrupted
 
 
+def test_a_refused_resume_of_a_finished_run_leaves_its_record(corpus, tokenizer, tmp_path, capsys):
+    """A --resume of a finished run whose every checkpoint is damaged is refused before anything
+    is written. It was refused only where the checkpoint loads, after RunRecord.write had cleared
+    the record's FINISHED: restored, the finished run read as one to resume (run_progress), which
+    the demo, extend and sweep decide by."""
+    from mmadapt.cli import pretrain_main
+
+    out = tmp_path / "run"
+    run_pretrain(1, *_args(corpus, tokenizer, out, "--train_iters", "2"))
+    for model_file in (out / "checkpoints").glob("step*/mp_rank_00_model_states.pt"):
+        model_file.write_bytes(model_file.read_bytes()[:1000])
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert pretrain_main([*_args(corpus, tokenizer, out, "--train_iters", "2"), "--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --resume: every complete checkpoint in ") and "\n" not in err, err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert read_run(out)[FINISHED] == "step00000002"
+
+
 def test_sigterm_to_the_deepspeed_launcher_stops_every_rank(corpus, tokenizer, tmp_path):
     import psutil
 
