@@ -367,7 +367,13 @@ ST_CARRIED = ("Pooling", "Dense", "Normalize")
 # ships them so (all-MiniLM-L6-v2's modules.json names a 2_Normalize that is not there).
 ST_FILELESS = ("Normalize",)
 ST_FILES = ("modules.json", "config_sentence_transformers.json")  # the directory's own, beside the modules
-ST_TRANSFORMER_FILES = ("sentence_bert_config.json",)  # the transformer module's own (max_seq_length, ...)
+# The transformer module's own file (max_seq_length, do_lower_case): sentence-transformers reads
+# the first of these names whose content is not empty (older versions wrote one per model type;
+# Hub models ship them); a run keeps the one read under the first name, which the export writes.
+ST_CONFIG_NAMES = ("sentence_bert_config.json", "sentence_roberta_config.json", "sentence_distilbert_config.json",
+                   "sentence_camembert_config.json", "sentence_albert_config.json",
+                   "sentence_xlm-roberta_config.json", "sentence_xlnet_config.json")
+ST_TRANSFORMER_FILES = ST_CONFIG_NAMES[:1]
 
 
 def _module_path(path, transformer: bool) -> bool:
@@ -527,14 +533,16 @@ def import_sentence_transformers(st_dir: Path, output_dir: Path) -> dict:
         kept = tmp / SENTENCE_TRANSFORMERS
         kept.mkdir()
         _copy_modules(st_dir, kept, modules)
-        for f in [st_dir / n for n in ST_FILES] + [transformer / n for n in ST_TRANSFORMER_FILES]:
+        for f in [st_dir / n for n in ST_FILES]:
             if f.is_file():
                 shutil.copyfile(f, kept / f.name)
         settings = sentence_settings(transformer)
-        bert_config = kept / ST_TRANSFORMER_FILES[0]
-        if "max_seq_length" in settings:  # written where every sentence-transformers reads it: the export keeps it
-            written = json.loads(bert_config.read_text()) if bert_config.is_file() else {}
-            bert_config.write_text(json.dumps({**written, "max_seq_length": settings["max_seq_length"]}, indent=2))
+        # written where every sentence-transformers reads it first (the export keeps it), whichever
+        # name the source's had
+        read = sentence_config_file(transformer)
+        written = {**(json_file(read) if read else {}), **{k: settings[k] for k in ("max_seq_length",) if k in settings}}
+        if read or written:
+            (kept / ST_TRANSFORMER_FILES[0]).write_text(json.dumps(written, indent=2))
         run["imported_from"]["sentence_transformers"] = {"model": str(st_dir),
                                                          "modules": [m.get("type") for m in modules], **settings}
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
@@ -567,14 +575,23 @@ def _copy_modules(src: Path, dst: Path, modules: list[dict]) -> None:
             shutil.copytree(src / m["path"], dst / m["path"])
 
 
+def sentence_config_file(transformer: Path) -> Path | None:
+    """The transformer module's settings file as sentence-transformers picks it: the first of
+    ST_CONFIG_NAMES that is there and not empty (None: none is)."""
+    for name in ST_CONFIG_NAMES:
+        if (transformer / name).is_file() and json_file(transformer / name):
+            return transformer / name
+    return None
+
+
 def sentence_settings(transformer: Path) -> dict:
     """What the transformer module says of how it reads a text, as sentence-transformers applies
     it: `max_seq_length` (pieces kept, the rest cut) and `do_lower_case` (lower-cased before the
-    tokenizer) from its sentence_bert_config.json; sentence-transformers 6 writes no
+    tokenizer) from its settings file (sentence_config_file); sentence-transformers 6 writes no
     max_seq_length there but keeps it as the tokenizer's model_max_length, capped at the model's
     positions (tokenizer_config.json, config.json)."""
-    path = transformer / "sentence_bert_config.json"
-    found = json_file(path) if path.is_file() else {}
+    path = sentence_config_file(transformer)
+    found = json_file(path) if path else {}
     if not isinstance(found, dict):
         raise ValueError(f"{path} holds a JSON {type(found).__name__}, not an object: sentence-transformers writes one")
     out = {k: found[k] for k in ("max_seq_length", "do_lower_case") if found.get(k) is not None}  # null: unset

@@ -507,7 +507,7 @@ def _pooling(modules: Path, entries: list[dict], kinds: list[str]) -> tuple[str,
     unknown = [m for m in modes if m not in ST_POOLING]
     if unknown or not modes:
         raise ValueError(f"{modules / entry['path']}: pooling mode {unknown[0] if unknown else 'none'} is not one "
-                         f"mmadapt computes ({', '.join(ST_POOLING)})")
+                         f"mmadapt computes ({', '.join(ST_POOLING)}): encode with the exported directory")
     return tuple(modes)
 
 

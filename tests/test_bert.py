@@ -205,6 +205,47 @@ def test_a_sentence_transformers_6_directory_encodes_as_sentence_transformers_do
 
     assert json.loads((run / SENTENCE_TRANSFORMERS / "sentence_bert_config.json").read_text())["max_seq_length"] == 16
 
+def test_a_sentence_transformers_settings_file_of_an_older_name_is_read(headless, tmp_path):
+    """Older sentence-transformers wrote the transformer's settings as sentence_<type>_config.json
+    (Hub models ship sentence_xlm-roberta_config.json), which sentence-transformers still reads
+    (the first of its names not empty). Only sentence_bert_config.json was read: the cut and the
+    lower-casing were lost, in SentenceEncoder and in the export's settings file."""
+    from sentence_transformers import SentenceTransformer
+
+    from mmadapt.hf import SENTENCE_TRANSFORMERS
+    from mmadapt.predict import SentenceEncoder
+
+    st = as_sentence_transformer(headless["hf"], tmp_path / "st")
+    (st / "sentence_bert_config.json").write_text("{}")  # empty: passed over, as sentence-transformers does
+    (st / "sentence_xlm-roberta_config.json").write_text(json.dumps({"max_seq_length": 8, "do_lower_case": True}))
+    run = tmp_path / "run"
+    import_any(st, run)
+    texts = [TEXTS[0].upper(), " ".join(TEXTS)]  # capitals, and longer than 8 pieces
+    theirs = SentenceTransformer(str(st), device="cpu").encode(texts, convert_to_tensor=True)
+    assert theirs[0].sub(SentenceTransformer(str(st), device="cpu").encode([TEXTS[0].lower()],
+                                                                         convert_to_tensor=True)[0]).abs().max() == 0
+    encoder = SentenceEncoder.load(run)
+    assert (encoder.max_length, encoder.lower_case) == (8, True)
+    assert (encoder.encode(texts) - theirs).abs().max().item() <= 1e-5
+    assert json.loads((run / SENTENCE_TRANSFORMERS / "sentence_bert_config.json").read_text()) == {
+        "max_seq_length": 8, "do_lower_case": True}
+
+
+def test_a_pooling_sentence_encoder_does_not_compute_is_refused_where_it_loads(headless, tmp_path):
+    """weightedmean and lasttoken (sentence-transformers' other modes) import and export as they
+    are; SentenceEncoder refuses them in one line that says where to encode (docs/huggingface.md)."""
+    from mmadapt.predict import SentenceEncoder
+
+    st = as_sentence_transformer(headless["hf"], tmp_path / "st")
+    pooling = st / "1_Pooling" / "config.json"
+    for mode in ("weightedmean", "lasttoken"):
+        pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "pooling_mode": mode}))
+        import_any(st, tmp_path / mode)
+        with pytest.raises(ValueError, match=f"pooling mode {mode} is not one mmadapt computes .*: encode with the "
+                                             "exported directory$"):
+            SentenceEncoder.load(tmp_path / mode)
+
+
 def test_sentence_bert_config_settings_of_another_type_are_refused(tmp_path):
     """max_seq_length and do_lower_case are read as sentence-transformers applies them; a string
     ("128", "false") would cut nothing or lower-case every text: refused in one line naming the
