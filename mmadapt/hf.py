@@ -540,7 +540,8 @@ def import_sentence_transformers(st_dir: Path, output_dir: Path) -> dict:
         # written where every sentence-transformers reads it first (the export keeps it), whichever
         # name the source's had
         read = sentence_config_file(transformer)
-        written = {**(json_file(read) if read else {}), **{k: settings[k] for k in ("max_seq_length",) if k in settings}}
+        written = {**(json_file(read) if read else {}),
+                   **({"max_seq_length": settings["max_seq_length"]} if "max_seq_length" in settings else {})}
         if read or written:
             (kept / ST_TRANSFORMER_FILES[0]).write_text(json.dumps(written, indent=2))
         run["imported_from"]["sentence_transformers"] = {"model": str(st_dir),
