@@ -283,8 +283,11 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     come from). Global rank 0 holds the run lock until the step returns."""
     family = get_family(model)
     ds, record = _checked_record(run, model, loop, identity, data, family)
-    if run.resume:
+    if run.resume and record.exists():
         _same_run(run, record, data)
+        # refused before anything is written (RunRecord.write clears the record's FINISHED); not in
+        # _same_run: a caller's check of runs it will not train (a finished sweep depth) reads none
+        checkpoint.intact_tag(run.checkpoints)
     with run_lock(run.output_dir):
         prepared = data.prepare(run, model, loop, family)
         parallel.init_parallel(model.tensor_model_parallel_size, model.pipeline_model_parallel_size)
@@ -301,13 +304,10 @@ def check_resumable(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity
 
 
 def _same_run(run: RunSpec, record: RunRecord, data: DataPlan) -> None:
-    """A run recorded in run.output_dir (if any) is the one `record` and `data` describe, and one
-    it can resume: a run whose every complete checkpoint is damaged is refused before its record
-    (FINISHED cleared by RunRecord.write) or data are touched."""
+    """A run recorded in run.output_dir (if any) is the one `record` and `data` describe."""
     if record.exists():
         record.check_resume()
         data.check_resume(run)
-        checkpoint.intact_tag(run.checkpoints)
 
 
 def _checked_record(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict, data: DataPlan,

@@ -528,6 +528,16 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     assert (out / "2" / "metrics.jsonl").read_text() == before
     again = json.loads((out / "sweep.json").read_text())["records"]
     assert again == records
+    # A finished depth's checkpoints are not read: all of them damaged (a full disk), the sweep
+    # still takes its artifacts (it was refused as a --resume over damaged checkpoints)
+    models = sorted((out / "2" / "checkpoints").glob("step*/mp_rank_00_model_states.pt"))
+    whole = [m.read_bytes() for m in models]
+    for m in models:
+        m.write_bytes(m.read_bytes()[:1000])
+    assert models and main(["sweep", *args]) == 0, capsys.readouterr().err
+    for m, b in zip(models, whole):
+        m.write_bytes(b)
+    assert json.loads((out / "sweep.json").read_text())["records"] == records
     # A rank whose own view of the depths lags (another node's cached listing: each "new") takes
     # rank 0's (parallel.rank0_decides): it trains none of them either
     from mmadapt import parallel, steps
