@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VOCAB
+from conftest import REPO, VOCAB
 from mmadapt.cli import main
 from mmadapt.data import file_sha256
 
@@ -524,6 +524,10 @@ CASES = [
      'its fp16.enabled is "yes", not true or false'),
     ("ds-config-two-precisions", lambda c: c.pretrain("--ds_config", c.file(
         "ds.json", '{"bf16": {"enabled": true}, "fp16": {"enabled": true}}')), "enables both bf16 and fp16"),
+    # (the suite runs on a CPU) DeepSpeed's own refusal came after the model was built, with no fix
+    ("ds-config-fp16-off-a-gpu", lambda c: c.pretrain("--ds_config", str(REPO / "ds_configs" / "zero2_fp16.json")),
+     "zero2_fp16.json enables fp16, which DeepSpeed trains on a GPU only (this process trains on cpu): use "
+     "ds_configs/zero2_bf16.json or zero2.json"),
     ("ds-config-not-utf8", lambda c: c.pretrain("--ds_config", c.file("ds.json", b'{"bf16": "\xe9"}')),
      "is not UTF-8 text"),
     ("unknown-flag", lambda c: c.pretrain("--learning_rate", "1e-3"), "unrecognized arguments: --learning_rate"),
