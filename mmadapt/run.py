@@ -313,11 +313,29 @@ def _same_run(run: RunSpec, record: RunRecord, data: DataPlan) -> None:
 def _checked_record(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict, data: DataPlan,
                     family: ModelFamily) -> tuple[dict, RunRecord]:
     """start_run's checks of everything it is given -> (DeepSpeed's config, the run's record)."""
+    ds = check_layout(model, loop, run.ds_config, family)
+    fields = data.check(run, model, loop, family)
+    check_same_kind(run.output_dir, identity["step"])
+    checkpoint.refuse_overwrite(run.output_dir, run.resume)
+    # The data-parallel ranks set the global batch and each rank's share of the data: a --resume
+    # on another number would go on with another batch under the same schedule
+    tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
+    dp = parallel.launched_world_size() // (tp * pp)
+    record = RunRecord(run.output_dir, {"model": to_dict(model), CONFIG_KEYS[type(loop)]: to_dict(loop), **fields,
+                                        "ds_config": ds, "data_parallel_size": dp, **identity})
+    return ds, record
+
+
+def check_layout(model: ModelConfig, loop: LoopConfig, ds_config: Path, family: ModelFamily | None = None) -> dict:
+    """What start_run checks of the model as the run lays it out, its loop and the DeepSpeed
+    config, before it reads any data -> DeepSpeed's config. A step that prepares data before
+    start_run (sweep: its target corpus) calls it first, so that these refusals write nothing."""
+    family = family or get_family(model)
     family.validate(model)
     fusion.check_device(model)
     loop.validate(model)
     family.check_loop(loop)
-    ds = load_ds_config(run.ds_config, loop)
+    ds = load_ds_config(ds_config, loop)
     tp, pp = model.tensor_model_parallel_size, model.pipeline_model_parallel_size
     stage = zero_stage(ds)
     if pp > 1 and stage > 1:
@@ -330,15 +348,7 @@ def _checked_record(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity
         # TP ranks and asserts that no other tensor of the tuple needs a gradient; the carried
         # output of an intermediate head's layer does (pipeline.py), so send whole tensors.
         ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
-    fields = data.check(run, model, loop, family)
-    check_same_kind(run.output_dir, identity["step"])
-    checkpoint.refuse_overwrite(run.output_dir, run.resume)
-    # The data-parallel ranks set the global batch and each rank's share of the data: a --resume
-    # on another number would go on with another batch under the same schedule
-    dp = parallel.launched_world_size() // (tp * pp)
-    record = RunRecord(run.output_dir, {"model": to_dict(model), CONFIG_KEYS[type(loop)]: to_dict(loop), **fields,
-                                        "ds_config": ds, "data_parallel_size": dp, **identity})
-    return ds, record
+    return ds
 
 
 @contextlib.contextmanager

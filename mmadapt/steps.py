@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, faults, parallel
-from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings, final_artifact_written
+from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings, body_config, final_artifact_written
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.config import (MIN_VOCAB_SIZE, RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig,
@@ -49,7 +49,7 @@ from mmadapt.data import (MANIFEST, TEXT, DataError, EpochOrder, check_own_token
 from mmadapt.data import prepare as prepare_corpus
 from mmadapt.data import train_tokenizer
 from mmadapt.devices import device_of
-from mmadapt.engine import LoopJob, build_engine, load_ds_config, set_trainable, train_loop, trainable_by_names
+from mmadapt.engine import LoopJob, build_engine, set_trainable, train_loop, trainable_by_names
 from mmadapt.evaluate import eval_set, evaluate_artifacts, load_finetuned, score_set
 from mmadapt.expand import expand
 from mmadapt.family import ModelFamily
@@ -61,10 +61,10 @@ from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, prim
                              scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
 from mmadapt.report import VERDICT_PIECES
-from mmadapt.run import (RUN_FILE, RUN_TOKENIZER, ChangedRun, RunSpec, Source, Started, agreed_source, check_run,
-                         check_resumable, check_same_source, check_trained_positions, pretrained_blocks, read_run,
-                         require_head, require_kind, resumed_tag, run_progress, run_text_layout, sampled_fingerprint,
-                         start_run, weights_fingerprint)
+from mmadapt.run import (RUN_FILE, RUN_TOKENIZER, ChangedRun, RunSpec, Source, Started, agreed_source, check_layout,
+                         check_resumable, check_run, check_same_source, check_trained_positions, pretrained_blocks,
+                         read_run, require_head, require_kind, resumed_tag, run_progress, run_text_layout,
+                         sampled_fingerprint, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, check_one_file_per_language, get_task
 from mmadapt.tokenizer import load as load_tokenizer
@@ -754,7 +754,14 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
         src.family.minijoint_depth(src_cfg, n)
     if list(depths) != sorted(set(depths)):
         raise ValueError(f"--mini_layers {' '.join(map(str, depths))} must be ascending without repeats")
-    load_ds_config(run.ds_config, step.train)  # its refusals before the corpus is prepared into the output
+    # the full model is not calibrated to itself: its run keeps --primary_calibration's default
+    # (adapt.check_calibration refuses another), the depths take the sweep's
+    ceiling_train = dataclasses.replace(step.train, primary_calibration=TrainConfig.primary_calibration)
+    # each run's layout refused (fusion, ranks, DeepSpeed's config) before the corpus is prepared
+    # into the output, as start_run refuses it before a run's data (it left <output_dir>/data)
+    for n in (*depths, *((None,) if cfg.ceiling else ())):
+        check_layout(run.layout.apply(body_config(src.family, "bl_base" if n is None else "minijoint", src_cfg, n)),
+                     ceiling_train if n is None else step.train, run.ds_config)
     # a sweep's own entries (a stopped one's too: atomic writes' dot files): another directory's
     # files (its --source's, somebody's sweep.md or sweep.json, a depth's directory of other
     # files) are refused before anything is written
@@ -777,9 +784,6 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     if cfg.ceiling:
         runs[CEILING] = out / CEILING
         jobs.append(("bl_base", None, runs[CEILING]))
-    # the full model is not calibrated to itself: its run keeps --primary_calibration's default
-    # (adapt.check_calibration refuses another), the depths take the sweep's
-    ceiling_train = dataclasses.replace(step.train, primary_calibration=TrainConfig.primary_calibration)
 
     def spec(system, n, run_dir, resume):
         return (RunSpec(output_dir=run_dir, ds_config=run.ds_config, data_path=data_path, resume=resume,
