@@ -462,6 +462,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class DamagedRun(ValueError):
+    """A run to continue whose every complete checkpoint is damaged: `detail` says which; the
+    line a --resume gets says how it goes on. A command that continues its runs by itself (the
+    sweep, extend: the same command again) words its own line around `detail`."""
+
+    def __init__(self, detail: str):
+        super().__init__(f"--resume: {detail}: restore its files and resume, or start a new --output_dir")
+        self.detail = detail
+
+
 def intact_tag(ckpt_dir: str | os.PathLike) -> tuple[str | None, list[tuple[str, str]]]:
     """The newest complete checkpoint that is intact (None: there is no complete one) and the
     newer complete ones passed over, (tag, why damaged), newest first. Refused in one line where
@@ -475,8 +485,7 @@ def intact_tag(ckpt_dir: str | os.PathLike) -> tuple[str | None, list[tuple[str,
             return tag, passed
         passed.append((tag, why))
     if tags:
-        raise ValueError(f"--resume: every complete checkpoint in {ckpt_dir} is damaged (the newest, {tags[-1]}: "
-                         f"{passed[0][1]}): restore its files and resume, or start a new --output_dir")
+        raise DamagedRun(f"every complete checkpoint in {ckpt_dir} is damaged (the newest, {tags[-1]}: {passed[0][1]})")
     return None, []
 
 

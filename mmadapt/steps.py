@@ -809,6 +809,13 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
                 raise ValueError(f"{run_dir} holds a Step-2 run of a sweep with other settings: {e.detail}; run "
                                  "the sweep as it first ran, or choose a new --output_dir") from None
     for (system, n, run_dir), (state, written) in zip(jobs, states):
+        if state != "new" and not (state == "done" and written):  # a depth it resumes (a finished one is not read)
+            try:
+                checkpoint.intact_tag(run_dir / "checkpoints")
+            except checkpoint.DamagedRun as e:
+                raise ValueError(f"{e.detail}: restore its files and run the sweep again, or remove {run_dir} to "
+                                 "train that depth anew") from None
+    for (system, n, run_dir), (state, written) in zip(jobs, states):
         if state == "done" and written:
             continue
         if parallel.is_rank0():

@@ -496,6 +496,20 @@ def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_pat
         assert capsys.readouterr().err.strip() == line.replace("command again", "command with --resume")
 
 
+def test_extend_words_a_damaged_stage_for_a_command_without_resume(tmp_path):
+    """A stage of extend (no --resume: the same command again goes on) whose every checkpoint is
+    damaged is refused as its start_run refuses it, in extend's words."""
+    from mmadapt import checkpoint, extend
+
+    def refused(run):
+        assert run.resume is False and run.output_dir == tmp_path / "stage"
+        raise checkpoint.DamagedRun("every complete checkpoint in X is damaged (why)")
+    with pytest.raises(ValueError) as e:
+        extend._train(tmp_path / "stage", 4, refused)
+    assert str(e.value) == ("every complete checkpoint in X is damaged (why): restore its files and run the same "
+                            "command again, or start a new --output_dir")
+
+
 _ORPHAN_SCRIPT = '''
 import multiprocessing, os, sys, time
 from concurrent.futures import ProcessPoolExecutor

@@ -538,6 +538,28 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     for m, b in zip(models, whole):
         m.write_bytes(b)
     assert json.loads((out / "sweep.json").read_text())["records"] == records
+    # An interrupted depth (its final artifact not written) whose every checkpoint is damaged: refused
+    # before any depth trains (depth 2 trained in full first), in the sweep's words (no --resume; a
+    # new --output_dir threw away every finished depth)
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    shutil.move(out / "2", aside / "2")
+    shutil.move(out / "4" / "embeddings" / "step00000006", aside / "final4")
+    models = sorted((out / "4" / "checkpoints").glob("step*/mp_rank_00_model_states.pt"))
+    whole = [m.read_bytes() for m in models]
+    for m in models:
+        m.write_bytes(m.read_bytes()[:1000])
+    capsys.readouterr()
+    assert main(["sweep", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: every complete checkpoint in {out / '4' / 'checkpoints'} is damaged (the newest, "
+                          "step00000006: ") and err.endswith(
+        f"restore its files and run the sweep again, or remove {out / '4'} to train that depth anew"), err
+    assert not (out / "2").exists() and len(err.splitlines()) == 1
+    for m, b in zip(models, whole):
+        m.write_bytes(b)
+    shutil.move(aside / "2", out / "2")
+    shutil.move(aside / "final4", out / "4" / "embeddings" / "step00000006")
     # A rank whose own view of the depths lags (another node's cached listing: each "new") takes
     # rank 0's (parallel.rank0_decides): it trains none of them either
     from mmadapt import parallel, steps
