@@ -485,7 +485,8 @@ def intact_tag(ckpt_dir: str | os.PathLike) -> tuple[str | None, list[tuple[str,
             return tag, passed
         passed.append((tag, why))
     if tags:
-        raise DamagedRun(f"every complete checkpoint in {ckpt_dir} is damaged (the newest, {tags[-1]}: {passed[0][1]})")
+        raise DamagedRun(f"every complete checkpoint in {ckpt_dir} is damaged (the newest, {tags[-1]}: "
+                         f"{passed[0][1]})")
     return None, []
 
 

@@ -64,8 +64,8 @@ def load_ds_config(path: Path, cfg) -> dict:
     if ds.get("fp16", {}).get("enabled") and parallel.device().type != "cuda":  # DeepSpeed: "Type fp16 is not
         # supported on your device", after the model is built and with no fix
         raise ValueError(f"DeepSpeed config {path} enables fp16, which DeepSpeed trains on a GPU only (this process "
-                         f"trains on {parallel.device().type}): use ds_configs/zero2_bf16.json or zero2.json (a run that "
-                         "trained with it resumes on a GPU)")
+                         f"trains on {parallel.device().type}): use ds_configs/zero2_bf16.json or zero2.json (a run "
+                         "that trained with it resumes on a GPU)")
     clash = [k for k in _BATCH_KEYS if k in ds]
     if clash:
         raise ValueError(f"DeepSpeed config {path} sets {clash[0]}: batch sizes come from mmadapt's "
