@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import checkpoint, faults, parallel
-from mmadapt.adapt import AdaptEmbeddings, Step2Plan, adapt_embeddings, body_config, final_artifact_written
+from mmadapt.adapt import (AdaptEmbeddings, Step2Plan, adapt_embeddings, body_config, check_calibration,
+                           check_output_start, final_artifact_written)
 from mmadapt.artifact import artifact_dirs, meta_digests, read_artifact
 from mmadapt.bpb import BATCH_TOKENS, BPB_BYTES, MIN_BPB_BYTES
 from mmadapt.config import (MIN_VOCAB_SIZE, RECIPES, EvaluateConfig, FinetuneConfig, MiniModelConfig, ModelConfig,
@@ -757,11 +758,19 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     # the full model is not calibrated to itself: its run keeps --primary_calibration's default
     # (adapt.check_calibration refuses another), the depths take the sweep's
     ceiling_train = dataclasses.replace(step.train, primary_calibration=TrainConfig.primary_calibration)
-    # each run's layout refused (fusion, ranks, DeepSpeed's config) before the corpus is prepared
-    # into the output, as start_run refuses it before a run's data (it left <output_dir>/data)
-    for n in (*depths, *((None,) if cfg.ceiling else ())):
-        check_layout(run.layout.apply(body_config(src.family, "bl_base" if n is None else "minijoint", src_cfg, n)),
-                     ceiling_train if n is None else step.train, run.ds_config)
+
+    def adapt_step(system: str, n: int | None) -> AdaptEmbeddings:
+        return AdaptEmbeddings(system=system, source=source, lang=step.lang, train=ceiling_train
+                               if system == "bl_base" else step.train, source_tag=src.tag, mini_layers=n)
+    # each run's refusals that read no target data (its layout: fusion, ranks, DeepSpeed's config;
+    # its positions, calibration and expansion start) before the corpus is prepared into the
+    # output, as a run makes them before its data (they left <output_dir>/data, and a wait)
+    check_trained_positions(src, step.train.seq_length, "Step 2")
+    for system, n in [*(("minijoint", n) for n in depths), *((("bl_base", None),) if cfg.ceiling else ())]:
+        each, body = adapt_step(system, n), body_config(src.family, system, src_cfg, n)
+        check_layout(run.layout.apply(body), each.train, run.ds_config)
+        check_calibration(each, each.train.vocab_mode == "expand")
+        check_output_start(src.family, each.train, body)
     # a sweep's own entries (a stopped one's too: atomic writes' dot files): another directory's
     # files (its --source's, somebody's sweep.md or sweep.json, a depth's directory of other
     # files) are refused before anything is written
@@ -787,9 +796,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
 
     def spec(system, n, run_dir, resume):
         return (RunSpec(output_dir=run_dir, ds_config=run.ds_config, data_path=data_path, resume=resume,
-                        layout=run.layout),
-                AdaptEmbeddings(system=system, source=source, lang=step.lang, train=ceiling_train
-                                if system == "bl_base" else step.train, source_tag=src.tag, mini_layers=n))
+                        layout=run.layout), adapt_step(system, n))
 
     # Every depth trained before is this sweep's (source, language, data, schedule): checked for
     # all of them before any trains, so that a finished one is not taken for a changed sweep's
