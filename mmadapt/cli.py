@@ -55,8 +55,8 @@ def user_errors(main=None, *, resumes_itself: bool = False):
     line and exit 3; a stop on a signal one line and exit 75 (resume it); a pause at
     --exit_interval one line and 76 (resume it); Ctrl-C during start-up one line and 130.
     Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1 shows the traceback
-    of every failure. resumes_itself: a command with no --resume (sweep, extend: the same command
-    again goes on), which the stop and pause lines then do not name."""
+    of every failure. resumes_itself: a command with no --resume (sweep, extend, demo: the same
+    command again goes on), which the stop, pause and damaged-run lines then do not name."""
     if main is None:
         return functools.partial(user_errors, resumes_itself=resumes_itself)
 
@@ -73,6 +73,9 @@ def user_errors(main=None, *, resumes_itself: bool = False):
             import_plugins()  # families defined outside mmadapt (MMADAPT_IMPORT), before any flag is parsed
             return main(argv)
         except ValueError as e:
+            if resumes_itself and isinstance(e, checkpoint.DamagedRun):  # its words are a --resume's
+                return fail(faults.EXIT_USER, f"error: {e.detail}: restore its files and run the same command "
+                                              "again, or start a new --output_dir")
             return fail(faults.EXIT_USER, f"error: {e}")
         except OSError as e:
             if e.filename is None:
@@ -659,7 +662,7 @@ def report_main(argv=None) -> int:
     return 0
 
 
-@user_errors
+@user_errors(resumes_itself=True)
 def demo_main(argv=None) -> int:
     return demo_command(argv)
 

@@ -550,11 +550,7 @@ def _train(run_dir: Path, iters: int, step, corpus: str | None = None, data_path
         if parallel.is_rank0():
             print(f"  done already: {run_dir} (kept)", flush=True)
         return
-    try:
-        step(RunSpec(output_dir=run_dir, corpus=corpus, data_path=data_path, resume=state != "new"))
-    except checkpoint.DamagedRun as e:  # refused before anything is written; its words are a --resume's
-        raise ValueError(f"{e.detail}: restore its files and run the same command again, or start a new "
-                         "--output_dir") from None
+    step(RunSpec(output_dir=run_dir, corpus=corpus, data_path=data_path, resume=state != "new"))
 
 
 def _stage_printer():

@@ -472,9 +472,10 @@ def test_exit_interval_pauses_with_its_own_exception_and_a_finished_run_does_not
 
 
 def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_path, capsys):
-    """A pause or stop under sweep or extend (no --resume: the same command again goes on) said
-    "run the same command with --resume", which they refuse as an unrecognized argument."""
-    from mmadapt import cli, extend, steps
+    """A pause, a stop or a damaged run under sweep, extend or demo (no --resume: the same command
+    again goes on) said "run the same command with --resume" or "resume", which they refuse as an
+    unrecognized argument."""
+    from mmadapt import checkpoint, cli, extend, steps
     from mmadapt.config import TrainConfig
 
     monkeypatch.setattr(cli, "_schedule", lambda *a: TrainConfig())
@@ -485,29 +486,24 @@ def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_pat
                                 "run the same command again to go on"),
                                (faults.Stopped(3, "step00000003", "SIGTERM"), faults.EXIT_STOPPED,
                                 "stopped by SIGTERM at update 3: checkpoint step00000003 is complete; run the same "
-                                "command again to continue")):
+                                "command again to continue"),
+                               # a run it goes on with whose every checkpoint is damaged (start_run)
+                               (checkpoint.DamagedRun("every complete checkpoint in X is damaged (why)"),
+                                faults.EXIT_USER, "error: every complete checkpoint in X is damaged (why): restore "
+                                "its files and run the same command again, or start a new --output_dir")):
         monkeypatch.setattr(steps, "sweep", lambda run, step: (_ for _ in ()).throw(raised))
         monkeypatch.setattr(extend, "extend", lambda ext: (_ for _ in ()).throw(raised))
-        for argv in (["sweep", "--source", str(tmp_path / "src"), "--lang", "de"],
-                     ["extend", "--model", str(tmp_path / "model"), "--lang", "de", "--corpus", "bible:de"]):
-            assert cli.main([*argv, "--output_dir", str(tmp_path / "o")]) == code
+        monkeypatch.setattr(cli, "demo_command", lambda argv: (_ for _ in ()).throw(raised))
+        for argv in (["sweep", "--source", str(tmp_path / "src"), "--lang", "de", "--output_dir", str(tmp_path / "o")],
+                     ["extend", "--model", str(tmp_path / "model"), "--lang", "de", "--corpus", "bible:de",
+                      "--output_dir", str(tmp_path / "o")],
+                     ["demo"]):
+            assert cli.main(argv) == code
             assert capsys.readouterr().err.strip() == line
         assert cli.user_errors(lambda argv=None: (_ for _ in ()).throw(raised))() == code  # a step's command
-        assert capsys.readouterr().err.strip() == line.replace("command again", "command with --resume")
-
-
-def test_extend_words_a_damaged_stage_for_a_command_without_resume(tmp_path):
-    """A stage of extend (no --resume: the same command again goes on) whose every checkpoint is
-    damaged is refused as its start_run refuses it, in extend's words."""
-    from mmadapt import checkpoint, extend
-
-    def refused(run):
-        assert run.resume is False and run.output_dir == tmp_path / "stage"
-        raise checkpoint.DamagedRun("every complete checkpoint in X is damaged (why)")
-    with pytest.raises(ValueError) as e:
-        extend._train(tmp_path / "stage", 4, refused)
-    assert str(e.value) == ("every complete checkpoint in X is damaged (why): restore its files and run the same "
-                            "command again, or start a new --output_dir")
+        assert capsys.readouterr().err.strip() == line.replace("command again", "command with --resume").replace(
+            "restore its files and run the same command with --resume", "restore its files and resume").replace(
+            "error: every", "error: --resume: every")
 
 
 _ORPHAN_SCRIPT = '''
