@@ -130,13 +130,13 @@ def check_corpus(path: str | os.PathLike) -> Path:
                     order = "LE" if head[1::2].count(0) > head[0::2].count(0) else "BE"
                     raise DataError(f"corpus {path} looks like UTF-16 ({head.count(0) / len(head):.0%} of its first "
                                     f"bytes are NUL): convert it (iconv -f UTF-16{order} -t UTF-8)")
-            pending = len(decoder.getstate()[0])  # bytes of a character cut by the previous chunk
+            held = decoder.getstate()[0]  # bytes of a character cut by the previous chunk
             try:
                 decoded = decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                raise DataError(f"corpus {path} is not UTF-8: byte offset {offset - pending + e.start} "
-                                f"({chunk[e.start:e.start + 4]!r}); convert it (e.g. iconv -f <encoding> -t utf-8)"
-                                ) from None
+            except UnicodeDecodeError as e:  # e.start counts from the held bytes, which come first
+                raise DataError(f"corpus {path} is not UTF-8: byte offset {offset - len(held) + e.start} "
+                                f"({(held + chunk)[e.start:e.start + 4]!r}); convert it (e.g. iconv -f <encoding> -t "
+                                "utf-8)") from None
             text = text or bool(decoded.strip())  # as the encoder reads a line: Unicode's blanks are blank
             breaks |= {b for b in (b"\n", b"\r") if b not in breaks and b in chunk}
             offset += len(chunk)

@@ -1576,3 +1576,15 @@ def test_the_index_is_megatrons_written_a_chunk_at_a_time(dtype, tmp_path, monke
         with indexed_dataset._IndexWriter(str(tmp_path / "theirs.idx"), dtype) as writer:
             writer.write(lengths.tolist(), None, ends.tolist())
         assert (tmp_path / "mine.idx").read_bytes() == (tmp_path / "theirs.idx").read_bytes(), sizes
+
+
+def test_a_bad_byte_after_a_character_cut_by_the_read_is_shown_as_it_is(tmp_path):
+    """check_corpus reads 4 MiB at a time; after a character cut by a read, the decoder's offsets
+    count from that character's held bytes: the offset was right, the excerpt shifted past the
+    bad byte ('\\n' shown where the file holds '\\xff')."""
+    from mmadapt.data import DataError, check_corpus
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_bytes(b"a" * (2**22 - 1) + "é".encode() + b"\xff\n")
+    with pytest.raises(DataError, match=re.escape(f"is not UTF-8: byte offset {2**22 + 1} (b'\\xff\\n')")):
+        check_corpus(corpus)
