@@ -927,8 +927,11 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                         if rank0:
                             rows.append(row)
                             log.write(row, scalars)
+                            # shown by bar.update below, with this update's count (a refresh here showed
+                            # the loss beside the count of the update before)
                             bar.set_postfix({"loss": f"{row['loss']:.3f}", **{
-                                k: f"{v:.3f}" for k, v in row.items() if k.endswith("_loss") and v is not None}})
+                                k: f"{v:.3f}" for k, v in row.items() if k.endswith("_loss") and v is not None}},
+                                refresh=False)
                         loss_sum, since, timed, t_last, t_aside = None, 0, 0, time.perf_counter(), 0.0
                         window_rows = scored
                     evaluating = job.evaluate is not None and job.eval_interval and done % job.eval_interval == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -252,6 +253,15 @@ def test_consecutive_skipped_steps_are_a_divergence(tmp_path):
         _loop(tmp_path, engine, step, max_skipped_steps=4)
     assert positions == list(range(8))  # skipped steps consume data
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_the_progress_line_shows_a_loss_beside_its_own_update(tmp_path, capsys):
+    """Each loss the bar shows stands beside the count of the update it is of: set_postfix refreshed
+    the line before the bar counted the update (0/3 loss=<update 1's>)."""
+    losses = iter([5.0, 4.0, 3.0])
+    _loop(tmp_path, FakeEngine(), lambda position: torch.tensor([next(losses)]), total=3)
+    shown = re.findall(r"(\d)/3 .*?loss=(\d\.\d+)", capsys.readouterr().err.replace("\r", "\n"))
+    assert shown and all(float(loss) == 6.0 - int(count) for count, loss in shown), shown
 
 
 def test_a_sigterm_after_the_last_checkpoint_stops_through_a_broad_except(tmp_path, monkeypatch):
