@@ -324,8 +324,20 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike,
         tok.save_pretrained(str(tmp / "tokenizer" / "hf"))  # export-hf hands these back
         if (model_dir / GENERATION_CONFIG).is_file():  # and these (an instruct model's stop tokens, write_hf)
             shutil.copyfile(model_dir / GENERATION_CONFIG, tmp / "tokenizer" / "hf" / GENERATION_CONFIG)
+        elif (derived := _config_generation_ids(model_dir)).get("eos_token_id", tok.eos_token_id) != tok.eos_token_id:
+            # none: transformers generates with config.json's stop tokens (a list, as Llama-3.1's),
+            # where the export's config.json names the tokenizer's one eos: kept as transformers
+            # derives them
+            (tmp / "tokenizer" / "hf" / GENERATION_CONFIG).write_text(
+                json.dumps({**derived, "_from_model_config": True}, indent=2) + "\n", encoding="utf-8")
         (tmp / "run.json").write_text(json.dumps(run, indent=2))
     return run
+
+
+def _config_generation_ids(model_dir: Path) -> dict:
+    """config.json's special ids that transformers' generation reads (GenerationConfig.from_model_config)."""
+    cfg = config_json(model_dir)
+    return {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
 
 
 class OtherVocabulary(ValueError):
@@ -1098,7 +1110,8 @@ def write_generation_config(output_dir: Path, source_hf: Path | None, ids: dict,
     pieces by id are left out. Written as the source's file is, not through GenerationConfig:
     transformers refuses to save an edited config with flags it calls unused (a temperature
     without do_sample, as some chat models ship), which it loads with a warning. Nothing where the
-    source had no settings of its own (config.json's ids only) or its file is no JSON object."""
+    source had no settings of its own but config.json's ids, where the export's config.json names
+    the same eos, or its file is no JSON object."""
     source = None if source_hf is None else Path(source_hf) / GENERATION_CONFIG
     if source is None or not source.is_file():
         return
@@ -1109,8 +1122,11 @@ def write_generation_config(output_dir: Path, source_hf: Path | None, ids: dict,
     if not isinstance(settings, dict):
         print(f"export-hf: {GENERATION_CONFIG} of the source is no JSON object: not kept", flush=True)
         return
-    if settings.get("_from_model_config"):
-        return
+    if settings.get("_from_model_config"):  # transformers' copy of config.json's ids (or import_hf's)
+        if not same_ids or settings.get("eos_token_id") in (None, ids["eos"]):
+            return  # the export's config.json gives them
+        # config.json's stop tokens the export's config.json (the tokenizer's one eos) does not name
+        settings = {k: v for k, v in settings.items() if k != "_from_model_config"}
     if not same_ids:
         settings = {k: v for k, v in settings.items() if k not in PIECE_ID_SETTINGS}
         settings.update(pad_token_id=ids["pad"], bos_token_id=ids["bos"], eos_token_id=ids["eos"])

@@ -422,6 +422,32 @@ def test_a_decoder_whose_heads_do_not_split_the_hidden_size_imports_and_exports(
     assert (got[real] - ref[real]).abs().max().item() <= TOL
 
 
+def test_the_export_stops_generating_where_the_source_does(tmp_path):
+    """A model whose config.json lists several stop tokens (Llama-3.1's), with no
+    generation_config.json or with the one transformers derives from config.json: transformers
+    generates with the list; the export's config.json names the tokenizer's one eos, and the list
+    was lost (greedy generation ran past the second stop token)."""
+    from transformers import GenerationConfig
+
+    from hf_models import _decoder
+
+    src = tmp_path / "src"
+    tok = make_sp_tokenizer(src)
+    _decoder("llama", len(tok), 11, bos_token_id=1, eos_token_id=[2, 7], tie_word_embeddings=False
+             ).save_pretrained(str(src))
+    derived = GenerationConfig.from_pretrained(str(src)).to_dict()
+    assert derived["eos_token_id"] == [2, 7] and derived["_from_model_config"]
+    for name, keep in (("derived", True), ("none", False)):
+        if not keep:
+            (src / "generation_config.json").unlink()
+        import_hf(src, tmp_path / f"run-{name}")
+        export_hf(tmp_path / f"out-{name}", primary=tmp_path / f"run-{name}")
+        out = tmp_path / f"out-{name}"
+        assert json.loads((out / "config.json").read_text())["eos_token_id"] == 2
+        assert GenerationConfig.from_pretrained(str(out)).eos_token_id == [2, 7], name
+        assert hf_lm(out).generation_config.eos_token_id == [2, 7], name
+
+
 def de_artifact(run, de_tokenizer, out):
     """Random German embeddings (and output projection, for an untied model) for the imported `run`:
     export must carry them exactly."""
