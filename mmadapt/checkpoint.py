@@ -471,6 +471,9 @@ class DamagedRun(ValueError):
         super().__init__(f"--resume: {detail}: restore its files and resume, or start a new --output_dir")
         self.detail = detail
 
+    def __reduce__(self):  # pickled by its fields: a demo worker's run sends it to the demo's process
+        return type(self), (self.detail,)
+
 
 def intact_tag(ckpt_dir: str | os.PathLike) -> tuple[str | None, list[tuple[str, str]]]:
     """The newest complete checkpoint that is intact (None: there is no complete one) and the

@@ -159,7 +159,11 @@ class ChangedRun(ValueError):
 
     def __init__(self, detail: str, fix: str):
         super().__init__(f"--resume of a changed run: {detail}; {fix}, or start a new --output_dir")
-        self.detail = detail
+        self.detail, self.fix = detail, fix
+
+    def __reduce__(self):  # pickled by its fields: a demo worker's run sends it to the demo's process, where
+        # one that did not unpickle broke the pool (read as a killed worker, exit 1)
+        return type(self), (self.detail, self.fix)
 
 
 # the record keys a --resume compares first: what the run is (its step, system, language, task)

@@ -582,15 +582,30 @@ def test_a_demo_worker_stops_and_exits_when_the_demo_is_killed(tmp_path):
 def test_the_exceptions_a_demo_worker_raises_pickle_with_their_fields():
     """A demo worker's run sends its exception to the demo's process by pickle. An exception whose
     __init__ takes other arguments than its message did not unpickle there (TypeError), which broke
-    the pool: it sent SIGTERM to every other worker and its shutdown could hang."""
+    the pool: it sent SIGTERM to every other worker and its shutdown could hang
+    (ChangedRun, a refused run of a moved demo directory, was reported as a killed worker, exit 1;
+    DamagedRun came back with its line wrapped twice). Every exception of mmadapt's with an
+    __init__ of its own is among them."""
+    import importlib
+    import inspect
     import pickle
+    import pkgutil
 
+    import mmadapt
+    from mmadapt.checkpoint import DamagedRun
     from mmadapt.data import NothingHeldOut
+    from mmadapt.run import ChangedRun
 
-    for e in (faults.Stopped(3, "step00000003", "SIGTERM"), faults.Paused(2, 10, "step00000002"),
-              NothingHeldOut("none held out", 4)):
+    raised = (faults.Stopped(3, "step00000003", "SIGTERM"), faults.Paused(2, 10, "step00000002"),
+              NothingHeldOut("none held out", 4), ChangedRun("lr is 1 here but 2 there", "resume with the run's"),
+              DamagedRun("every complete checkpoint in X is damaged (why)"))
+    for e in raised:
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is type(e) and str(back) == str(e) and vars(back) == vars(e)
+    own = {c for m in pkgutil.walk_packages(mmadapt.__path__, "mmadapt.") if not m.name.endswith("__main__")
+           for _, c in inspect.getmembers(importlib.import_module(m.name), inspect.isclass)
+           if issubclass(c, BaseException) and c.__module__.startswith("mmadapt") and "__init__" in vars(c)}
+    assert own == {type(e) for e in raised}, own
 
 
 def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
