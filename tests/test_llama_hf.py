@@ -679,6 +679,17 @@ def test_what_cannot_be_exact_is_refused(what, dec_dirs, tmp_path, capsys):
         assert "LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM" in err
 
 
+def test_swish_is_silu(dec_dirs, tmp_path):
+    """hidden_act 'swish' is transformers' other name of SiLU (ACT2FN gives the same nn.SiLU): it
+    was refused as an activation other than SiLU; it imports, and the import's parity check
+    against transformers holds."""
+    model = tmp_path / "model"
+    shutil.copytree(dec_dirs["llama2"], model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "hidden_act": "swish"}))
+    assert main(["import-hf", "--model", str(model), "--output_dir", str(tmp_path / "run")]) == 0
+
+
 def test_llama_attention_bias_is_refused_unless_o_proj_has_none(dec_dirs, tmp_path, capsys):
     """Llama's attention_bias puts a bias on o_proj too: refused when it is not zero (a Qwen2 body
     that mmadapt exported has a zero one, and imports: test_export_of_an_adapted_causal_lm)."""

@@ -137,7 +137,8 @@ class LlamaMapping(HFMapping):
             if bad:
                 raise ValueError(f"{model_dir}: config.json's {why}: it cannot describe a working model")
         refused = [
-            (c.hidden_act != "silu", f"hidden_act is {c.hidden_act!r}; mmadapt's SwiGLU uses 'silu'"),
+            # ('swish': transformers' other name of SiLU, ACT2FN's same nn.SiLU)
+            (c.hidden_act not in ("silu", "swish"), f"hidden_act is {c.hidden_act!r}; mmadapt's SwiGLU uses 'silu'"),
             (getattr(c, "mlp_bias", False), "mlp_bias is true; mmadapt's SwiGLU has no biases"),
             (rope["rope_type"] not in ROPE_TYPES,
              f"rope scaling type {rope['rope_type']!r} is not supported: mmadapt computes rotary positions with no "
