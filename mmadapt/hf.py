@@ -324,7 +324,10 @@ def import_hf(model_dir: str | os.PathLike, output_dir: str | os.PathLike,
         tok.save_pretrained(str(tmp / "tokenizer" / "hf"))  # export-hf hands these back
         if (model_dir / GENERATION_CONFIG).is_file():  # and these (an instruct model's stop tokens, write_hf)
             shutil.copyfile(model_dir / GENERATION_CONFIG, tmp / "tokenizer" / "hf" / GENERATION_CONFIG)
-        elif (derived := _config_generation_ids(model_dir)).get("eos_token_id", tok.eos_token_id) != tok.eos_token_id:
+        elif (not family.objective.masked and tok.eos_token_id is not None  # a generating model (not an
+              # encoder, whose config.json may name an eos its tokenizer has not)
+              and (derived := _config_generation_ids(model_dir)).get("eos_token_id", tok.eos_token_id)
+              != tok.eos_token_id):
             # none: transformers generates with config.json's stop tokens (a list, as Llama-3.1's),
             # where the export's config.json names the tokenizer's one eos: kept as transformers
             # derives them
@@ -1100,7 +1103,8 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
     return hf_tok, hf_ids
 
 
-def write_generation_config(output_dir: Path, source_hf: Path | None, ids: dict, same_ids: bool) -> None:
+def write_generation_config(output_dir: Path, source_hf: Path | None, ids: dict, same_ids: bool,
+                            generates: bool = True) -> None:
     """The imported source's own generation settings (its generation_config.json, kept by
     import_hf beside its tokenizer) into an exported LM's `output_dir`, over the one transformers
     rebuilds from config.json (one eos, greedy): an instruct model's stop tokens (Qwen2-Instruct's
@@ -1123,8 +1127,8 @@ def write_generation_config(output_dir: Path, source_hf: Path | None, ids: dict,
         print(f"export-hf: {GENERATION_CONFIG} of the source is no JSON object: not kept", flush=True)
         return
     if settings.get("_from_model_config"):  # transformers' copy of config.json's ids (or import_hf's)
-        if not same_ids or settings.get("eos_token_id") in (None, ids["eos"]):
-            return  # the export's config.json gives them
+        if not (generates and same_ids) or settings.get("eos_token_id") in (None, ids["eos"]):
+            return  # the export's config.json gives them (an encoder: generates nothing)
         # config.json's stop tokens the export's config.json (the tokenizer's one eos) does not name
         settings = {k: v for k, v in settings.items() if k != "_from_model_config"}
     if not same_ids:
@@ -1167,6 +1171,7 @@ def write_hf(family: ModelFamily, output_dir: Path, cfg: ModelConfig, state: dic
     with staged_dir(output_dir) as tmp:
         model.save_pretrained(str(tmp))
         if kind is None:
-            write_generation_config(tmp, source_hf, ids, same_ids=is_hf(tokenizer))
+            write_generation_config(tmp, source_hf, ids, same_ids=is_hf(tokenizer),
+                                    generates=not family.objective.masked)
         hf_tok.save_pretrained(str(tmp))
     return {"architecture": arch, "vocab_size": cfg.vocab_size, "labels": labels, "output_dir": str(output_dir)}

@@ -205,6 +205,21 @@ def test_a_sentence_transformers_6_directory_encodes_as_sentence_transformers_do
 
     assert json.loads((run / SENTENCE_TRANSFORMERS / "sentence_bert_config.json").read_text())["max_seq_length"] == 16
 
+def test_an_encoder_gets_no_generation_config(hf_dirs, tmp_path):
+    """A BERT whose config.json names an eos its WordPiece has not (RobertaConfig's defaults over
+    a BertTokenizer): an encoder generates nothing, so neither its run nor its export gains the
+    generation_config.json a decoder's import derives from config.json's stop tokens (it carried
+    a WordPiece id as an eos the export's config.json does not name)."""
+    src = tmp_path / "src"
+    shutil.copytree(hf_dirs["cased"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "bos_token_id": 0, "eos_token_id": 2}))
+    import_hf(src, tmp_path / "run")
+    export_hf(tmp_path / "out", primary=tmp_path / "run")
+    assert not list((tmp_path / "run").rglob("generation_config.json"))
+    assert not (tmp_path / "out" / "generation_config.json").exists()
+
+
 def test_a_sentence_transformers_settings_file_of_an_older_name_is_read(headless, tmp_path):
     """Older sentence-transformers wrote the transformer's settings as sentence_<type>_config.json
     (Hub models ship sentence_xlm-roberta_config.json), which sentence-transformers still reads
