@@ -90,8 +90,11 @@ def transformers_config(cfg: dict, model_dir):
     the encoders' tokenizer load also validates the config, and was blamed for it."""
     import transformers  # the hf extra
 
+    from mmadapt import quiet
+
     verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # its warnings would break the one-line error
+    if not quiet.verbose():  # its warnings would break the one-line error; --verbose shows them
+        transformers.logging.set_verbosity_error()
     try:
         return transformers.CONFIG_MAPPING[cfg["model_type"]].from_dict(cfg)
     except Exception as e:  # strict dataclass validation raises several kinds; the user needs one line

@@ -48,6 +48,27 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def cpu_fallback(nvidia_devices=lambda: any(n.startswith("nvidia") and n[6:].isdigit()
+                                             for n in (os.listdir("/dev") if os.path.isdir("/dev") else ()))
+                 ) -> str | None:
+    """Why a process that could have had a GPU trains on the CPU (device()), or None: its torch
+    build has CUDA and sees no device (a job given no GPUs, CUDA_VISIBLE_DEVICES empty), or the
+    machine has NVIDIA devices and its torch build has no CUDA (a CPU wheel on a GPU node).
+    DeepSpeed's own notice of it is filtered (quiet.py), since a CPU machine's run is meant to
+    run there: this is the line that says it where it may not be."""
+    if torch.cuda.is_available():
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.version.cuda is not None:
+        why = (f"this torch build has CUDA {torch.version.cuda} and sees no GPU"
+               + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""))
+    elif nvidia_devices():
+        why = "this machine has NVIDIA devices and this torch build has no CUDA: install torch's CUDA build"
+    else:
+        return None
+    return f"note: training on the CPU: {why}"
+
+
 def named_device(name: str | torch.device) -> torch.device:
     """A device the user named (--device), refused in one line if it is not one or this machine
     does not have it: torch would fail only when the model is moved there."""

@@ -7,11 +7,13 @@ shows everything.
 What is filtered, and why it is noise:
     megatron-core   "Transformer Engine and Apex are not installed" (four at import): mmadapt uses
                     neither; megatron's torch fallbacks are the layers mmadapt builds on
-    DeepSpeed       its log line "Setting accelerator to CPU": a CPU run is meant to run on the CPU
+    DeepSpeed       its log line "Setting accelerator to CPU": a CPU machine's run is meant to run
+                    there; where it may not be (a CUDA build that sees no GPU, or NVIDIA devices
+                    under a CPU build), the run says so itself (parallel.cpu_fallback)
     torch           with a CUDA build on a machine without a GPU (a cluster's login node), the line
                     "No CUDA runtime is found, using CUDA_HOME=..." that torch.utils.cpp_extension
                     logs when DeepSpeed imports it: it concerns building CUDA extensions, which
-                    mmadapt never does; where the run trains is what its own log says
+                    mmadapt never does; where the run trains is what its own log says (above)
     torch           FutureWarnings that a torch.distributed function is deprecated: DeepSpeed calls
                     them, not the user's code; "nested tensors ... prototype" (attention_impl varlen
                     builds its jagged batches with them, as designed)

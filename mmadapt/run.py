@@ -295,6 +295,8 @@ def start_run(run: RunSpec, model: ModelConfig, loop: LoopConfig, identity: dict
     with run_lock(run.output_dir):
         prepared = data.prepare(run, model, loop, family)
         parallel.init_parallel(model.tensor_model_parallel_size, model.pipeline_model_parallel_size)
+        if parallel.is_rank0() and (why := parallel.cpu_fallback()):
+            print(why, flush=True)
         yield Started(for_replicas(ds, parallel.dp_world(), run.output_dir / "checkpoints" if run.resume else None),
                       prepared, record, family)
         if parallel.is_rank0() and record.exists():  # the step returned (a stop or a pause raises)

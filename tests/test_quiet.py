@@ -103,6 +103,50 @@ def test_a_cuda_build_without_a_gpu_keeps_its_cuda_home_line_out_and_other_lines
     assert keep.lines == ["Error checking compiler version for c++"]
 
 
+def test_a_run_that_could_have_had_a_gpu_says_it_trains_on_the_cpu(monkeypatch):
+    """DeepSpeed's "Setting accelerator to CPU" is filtered; a CUDA build that sees no GPU (a job
+    given none) or NVIDIA devices under a CPU build then said nothing anywhere of where the run
+    trained. start_run prints parallel.cpu_fallback's line; a CPU machine's CPU build, nothing."""
+    import torch
+
+    from mmadapt.parallel import cpu_fallback
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert cpu_fallback() == "note: training on the CPU: this torch build has CUDA 12.4 and sees no GPU " \
+                             "(CUDA_VISIBLE_DEVICES='')"
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert cpu_fallback(lambda: True) == ("note: training on the CPU: this machine has NVIDIA devices and this "
+                                          "torch build has no CUDA: install torch's CUDA build")
+    assert cpu_fallback(lambda: False) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu_fallback(lambda: True) is None
+
+
+def test_verbose_shows_what_the_models_and_config_checks_filtered(monkeypatch):
+    """MMADAPT_VERBOSE=1 shows every warning: layers.py filtered torch's nested-tensor notice at
+    import, and transformers_config silenced transformers' config warnings, whatever the switch."""
+    code = ("import logging, torch, transformers\n"
+            "import mmadapt.models.layers\n"
+            "from mmadapt.family import transformers_config\n"
+            "torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])\n"
+            "print('ok')\n"
+            "seen = []\n"
+            "class Keep(logging.Handler):\n"
+            "    def emit(self, record): seen.append(record.getMessage())\n"
+            "logging.getLogger('transformers').addHandler(Keep())\n"
+            "transformers_config({'model_type': 'llama', 'rope_scaling': {'rope_type': 'linear', 'factor': 2.0,"
+            " 'bogus_key': 1}}, 'm')\n"
+            "print('bogus_key' in ' '.join(seen))\n")
+    for verbose, shown in (("1", True), ("0", False)):
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                             env=child_env(PYTHONPATH=str(REPO), MMADAPT_VERBOSE=verbose))
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert ("nested tensors is in prototype stage" in out.stderr) is shown, out.stderr[-2000:]
+        assert out.stdout.split() == ["ok", str(shown)], out.stdout
+
+
 @pytest.mark.slow
 def test_a_short_pretraining_prints_no_warning(corpus, tokenizer, tmp_path):
     args = ["pretrain", "--preset", "tiny", "--corpus", str(corpus), "--tokenizer", str(tokenizer), "--vocab_size",

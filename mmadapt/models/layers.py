@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import warnings
 import zlib
 from typing import NamedTuple
 
@@ -421,9 +420,9 @@ def attention_mask(input_ids: torch.Tensor, padding: Padding | None, impl: str =
     return Jagged(token_index, F.pad(attend.sum(1).cumsum(0), (1, 0)), padding.max_len)
 
 
-# torch warns that nested tensors are a prototype when its CPU fallback builds strided ones;
-# "varlen" uses the jagged layout, the one torch recommends.
-warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
+# (torch warns that nested tensors are a prototype when its CPU fallback builds strided ones;
+# "varlen" uses the jagged layout, the one torch recommends: filtered by quiet.py, which
+# --verbose undoes.)
 
 
 # Never traced by torch.compile (--fusion compile): the jagged tensors are a tensor subclass, and
