@@ -73,21 +73,49 @@ def test_the_registry_refuses_what_would_make_a_preset_ambiguous():
     alien = {"registry-toy-tiny": (ModelConfig(family="llama"), TrainConfig())}
     with pytest.raises(ValueError, match="preset 'registry-toy-tiny' has ModelConfig.family 'llama'"):
         register_family(type("Alien", (_Toy,), {"presets": alien})())
+    # a name taken (mmadapt's own were replaced without a word), or none
+    with pytest.raises(ValueError, match="_Toy's name 'roberta' is the name of a family registered already "
+                                         r"\(RobertaFamily\): choose another name"):
+        register_family(type("_Toy", (_Toy,), {"name": "roberta"})())
+    with pytest.raises(ValueError, match="Nameless has no name"):
+        register_family(type("Nameless", (ModelFamily,), {})())
     assert "registry-toy" not in FAMILIES and "registry-toy-tiny" not in PRESETS
     try:
-        assert get_family(register_family(_Toy()).name).small_preset == "registry-toy-tiny"
+        toy = register_family(_Toy())
+        assert get_family(toy.name).small_preset == "registry-toy-tiny"
         assert find_preset("registry-toy-tiny")[0].name == "registry-toy"
+        assert register_family(toy) is toy  # the same one again: no change
+        with pytest.raises(ValueError, match="'registry-toy' is the name of a family registered already"):
+            register_family(_Toy())
     finally:
         del FAMILIES["registry-toy"], PRESETS["registry-toy-tiny"]
 
 
-def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys):
+def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("MMADAPT_IMPORT", "no_such_family_module")
     assert main(["flops", "--preset", "tiny"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: MMADAPT_IMPORT: cannot import no_such_family_module") and len(err.splitlines()) == 1
     with pytest.raises(ValueError, match="has no function nothing to register its families"):
         import_plugins("mmadapt.objectives:nothing")
+    # a module of the user's that fails as it is imported or registers: one line naming it, not a
+    # traceback and exit 1 (an internal error's); one whose own import is missing says to install it
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "raising_family.py").write_text("raise RuntimeError('boom')\n")
+    (plugins / "needs_dep.py").write_text("import not_installed_dep_xyz\n")
+    (plugins / "bad_register.py").write_text("def register():\n    return {}['x']\n")
+    monkeypatch.syspath_prepend(str(plugins))
+    for spec, message in (("raising_family", "MMADAPT_IMPORT: importing raising_family failed (RuntimeError: boom): "
+                                             "fix the module"),
+                          ("needs_dep", "MMADAPT_IMPORT: needs_dep imports not_installed_dep_xyz, which is not "
+                                        "installed: install it"),
+                          ("bad_register:register", "MMADAPT_IMPORT: bad_register:register() failed (KeyError: 'x'): "
+                                                    "fix it")):
+        monkeypatch.setenv("MMADAPT_IMPORT", spec)
+        assert main(["flops", "--preset", "tiny"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
     monkeypatch.delenv("MMADAPT_IMPORT")
     with pytest.raises(ValueError, match="unknown model family 'nowhere'.*MMADAPT_IMPORT=<module>"):
         get_family("nowhere")

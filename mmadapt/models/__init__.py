@@ -35,8 +35,17 @@ IMPORT_VARIABLE = "MMADAPT_IMPORT"
 
 def register_family(family: ModelFamily) -> ModelFamily:
     """Make `family` buildable by name (a run.json whose model config names it) and its presets
-    choosable. Refused (ValueError) when a preset name is taken by another family, when its small
-    preset is not one of its presets, or when a preset's config names another family."""
+    choosable. Refused (ValueError) when it has no name or another family has its name (a
+    registered family, mmadapt's own included, was replaced without a word; registering the same
+    one again is no change), when a preset name is taken by another family, when its small preset
+    is not one of its presets, or when a preset's config names another family."""
+    name = getattr(family, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{type(family).__name__} has no name (a class attribute `name = \"...\"`): runs and "
+                         "presets name their family by it")
+    if FAMILIES.get(name, family) is not family:
+        raise ValueError(f"{type(family).__name__}'s name {name!r} is the name of a family registered already "
+                         f"({type(FAMILIES[name]).__name__}): choose another name")
     taken = {name: f.name for f in FAMILIES.values() if f.name != family.name for name in f.presets}
     clash = next((n for n in family.presets if n in taken), None)
     if clash is not None:
@@ -84,13 +93,28 @@ def import_plugins(spec: str | None = None) -> None:
         module, _, function = item.partition(":")
         try:
             loaded = importlib.import_module(module)
-        except ImportError as e:
+        except ModuleNotFoundError as e:
+            if e.name is not None and module != e.name and not module.startswith(e.name + "."):
+                # found, and one of its own imports is not: installing that is the fix
+                raise ValueError(f"{IMPORT_VARIABLE}: {module} imports {e.name}, which is not installed: install "
+                                 "it") from None
             raise ValueError(f"{IMPORT_VARIABLE}: cannot import {module} ({e}): put its directory on PYTHONPATH, "
                              "or fix the module name") from None
+        except ValueError:  # its register_family's refusal, as it is
+            raise
+        except Exception as e:  # the user's module: a mistake in it is one line, not mmadapt's traceback
+            raise ValueError(f"{IMPORT_VARIABLE}: importing {module} failed ({type(e).__name__}: {e}): fix the "
+                             "module (MMADAPT_DEBUG=1 shows where)") from e
         if function:
             if not callable(getattr(loaded, function, None)):
                 raise ValueError(f"{IMPORT_VARIABLE}: {module} has no function {function} to register its families")
-            getattr(loaded, function)()
+            try:
+                getattr(loaded, function)()
+            except ValueError:
+                raise
+            except Exception as e:
+                raise ValueError(f"{IMPORT_VARIABLE}: {module}:{function}() failed ({type(e).__name__}: {e}): fix "
+                                 "it (MMADAPT_DEBUG=1 shows where)") from e
         _IMPORTED.add(item)
 
 
