@@ -99,6 +99,9 @@ class TaskData:
         if self.task.kind == "classify" and len(labels) < 2:
             raise ValueError(f"{self.train_file} has one label ({labels[0] if labels else 'none'}) in every example: a "
                              "task model learns from at least two classes")
+        if self.task.kind == "tag" and len(labels) < 2:  # (it trained a one-output head at loss 0)
+            raise ValueError(f"{self.train_file} has one tag ({labels[0] if labels else 'none'}) on every token: a "
+                             "tagger learns from at least two tags (check --label_column)")
         metric = headline(self.task, labels, cfg)
         framing = self.framing(run, family)
         enc = encode(self.task, load_tokenizer(self.primary.tokenizer), examples, labels, cfg, framing)
@@ -198,7 +201,7 @@ def at_chance(kind: str, counts: list[int], losses: list[float], accuracy: float
         return []
     out = []
     total = sum(counts)
-    chance_loss = -sum(c / total * math.log(c / total) for c in counts if c) if total else 0.0
+    chance_loss = max(0.0, -sum(c / total * math.log(c / total) for c in counts if c)) if total else 0.0  # not -0.0
     if losses and min(losses) >= chance_loss:
         out.append(f"the training loss never dropped below the chance loss {chance_loss:.3f} (the entropy of the "
                    f"training labels; ln {len(counts)} = {math.log(len(counts)):.3f} for balanced classes; lowest "

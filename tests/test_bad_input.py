@@ -782,6 +782,9 @@ CASES = [
      "the labels '0' and '0.0' are one number written two ways"),
     ("own-task-one-class", lambda c: c.own_task("t.csv", "text,label\nfine,pos\ngrim,pos\n"),
      "has one label (pos) in every example: a task model learns from at least two classes"),
+    ("own-tags-one-tag", lambda c: c.own_task("t.jsonl", '{"tokens": ["a", "b"], "tags": ["O", "O"]}\n'
+                                                         '{"tokens": ["c"], "tags": ["O"]}\n', task="tag"),
+     "has one tag (O) on every token: a tagger learns from at least two tags (check --label_column)"),
     ("own-task-not-utf8", lambda c: c.own_task("t.csv", b"text,label\ncaf\xe9,pos\n"),
      "t.csv is not UTF-8 text (byte offset 14): save it as UTF-8"),
     ("squad-without-id", lambda c: c.own_task("q.json", json.dumps({"data": [{"paragraphs": [{

@@ -285,6 +285,8 @@ def test_at_chance_by_hand():
     assert "chance loss 0.562" in at_chance("tag", [75, 25], [0.60, 0.57], None, None)[0]
     assert at_chance("tag", [75, 25], [0.60, 0.55], None, None) == []
     assert at_chance("span", [], [9.0], 0.0, None) == []
+    # one class among the counts (a built-in task's data): its entropy 0 said as 0.000, not -0.000
+    assert "chance loss 0.000 (" in at_chance("tag", [0, 40], [0.0], None, None)[0]
 
 
 def test_label_counts():
