@@ -57,7 +57,7 @@ def test_each_preset_belongs_to_one_family_and_names_it():
         find_preset("huge")
 
 
-class _Toy(ModelFamily):
+class _Toy(RobertaFamily):  # (its methods: a family defines them, models.REQUIRED_METHODS)
     name = "registry-toy"
     objective = MLM
     presets = {"registry-toy-tiny": (ModelConfig(family="registry-toy"), TrainConfig())}
@@ -79,6 +79,13 @@ def test_the_registry_refuses_what_would_make_a_preset_ambiguous():
         register_family(type("_Toy", (_Toy,), {"name": "roberta"})())
     with pytest.raises(ValueError, match="Nameless has no name"):
         register_family(type("Nameless", (ModelFamily,), {})())
+    # a method every family defines left out: refused at registration (a run hit its bare
+    # NotImplementedError after it had written its directory)
+    bare = type("Bare", (ModelFamily,), {k: getattr(_Toy, k) for k in ("name", "objective", "presets", "small_preset")
+                                         } | {"build_lm": RobertaFamily.build_lm})
+    with pytest.raises(ValueError, match="the registry-toy family \\(Bare\\) does not define build_task_model, "
+                                         "build_body, finetune_trainable, step_flops: every family defines "):
+        register_family(bare())
     assert "registry-toy" not in FAMILIES and "registry-toy-tiny" not in PRESETS
     try:
         toy = register_family(_Toy())

@@ -31,18 +31,25 @@ FAMILIES: dict[str, ModelFamily] = {}
 # Every registered family's presets: name -> (model config, schedule).
 PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {}
 IMPORT_VARIABLE = "MMADAPT_IMPORT"
+# What a family defines itself (ModelFamily's raise NotImplementedError): docs/model-families.md's list
+REQUIRED_METHODS = ("build_lm", "build_task_model", "build_body", "finetune_trainable", "step_flops")
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
     """Make `family` buildable by name (a run.json whose model config names it) and its presets
-    choosable. Refused (ValueError) when it has no name or another family has its name (a
-    registered family, mmadapt's own included, was replaced without a word; registering the same
-    one again is no change), when a preset name is taken by another family, when its small preset
-    is not one of its presets, or when a preset's config names another family."""
+    choosable. Refused (ValueError) when it has no name, does not define REQUIRED_METHODS, or
+    another family has its name (a registered family, mmadapt's own included, was replaced
+    without a word; registering the same one again is no change), when a preset name is taken by
+    another family, when its small preset is not one of its presets, or when a preset's config
+    names another family."""
     name = getattr(family, "name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{type(family).__name__} has no name (a class attribute `name = \"...\"`): runs and "
                          "presets name their family by it")
+    missing = [m for m in REQUIRED_METHODS if getattr(type(family), m, None) is getattr(ModelFamily, m)]
+    if missing:  # (each raised a NotImplementedError with no text, after a run had written its directory)
+        raise ValueError(f"the {name} family ({type(family).__name__}) does not define {', '.join(missing)}: every "
+                         f"family defines {', '.join(REQUIRED_METHODS)} (docs/model-families.md)")
     if FAMILIES.get(name, family) is not family:
         raise ValueError(f"{type(family).__name__}'s name {name!r} is the name of a family registered already "
                          f"({type(FAMILIES[name]).__name__}): choose another name")
