@@ -75,7 +75,7 @@ def test_the_registry_refuses_what_would_make_a_preset_ambiguous():
         register_family(type("Alien", (_Toy,), {"presets": alien})())
     # a name taken (mmadapt's own were replaced without a word), or none
     with pytest.raises(ValueError, match="_Toy's name 'roberta' is the name of a family registered already "
-                                         r"\(RobertaFamily\): choose another name"):
+                                         r"\(RobertaFamily, mmadapt.models.roberta\): choose another name"):
         register_family(type("_Toy", (_Toy,), {"name": "roberta"})())
     with pytest.raises(ValueError, match="Nameless has no name"):
         register_family(type("Nameless", (ModelFamily,), {})())
@@ -92,8 +92,12 @@ def test_the_registry_refuses_what_would_make_a_preset_ambiguous():
         assert get_family(toy.name).small_preset == "registry-toy-tiny"
         assert find_preset("registry-toy-tiny")[0].name == "registry-toy"
         assert register_family(toy) is toy  # the same one again: no change
-        with pytest.raises(ValueError, match="'registry-toy' is the name of a family registered already"):
-            register_family(_Toy())
+        # its class defined again (a notebook cell run twice, a module reloaded): replaces it
+        again = type("_Toy", (_Toy,), {"__module__": _Toy.__module__, "__qualname__": _Toy.__qualname__,
+                                       "presets": {"registry-toy-small": _Toy.presets["registry-toy-tiny"]},
+                                       "small_preset": "registry-toy-small"})()
+        assert register_family(again) is get_family("registry-toy") and "registry-toy-tiny" not in PRESETS
+        PRESETS["registry-toy-tiny"] = PRESETS.pop("registry-toy-small")  # (what finally removes)
     finally:
         del FAMILIES["registry-toy"], PRESETS["registry-toy-tiny"]
 
@@ -112,13 +116,21 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
     (plugins / "raising_family.py").write_text("raise RuntimeError('boom')\n")
     (plugins / "needs_dep.py").write_text("import not_installed_dep_xyz\n")
     (plugins / "bad_register.py").write_text("def register():\n    return {}['x']\n")
+    (plugins / "bad_value.py").write_text("LIMIT = int('x')\n")
+    (plugins / "mypkg").mkdir()
+    (plugins / "mypkg" / "__init__.py").write_text("import mypkg.helpers_typo\n")
     monkeypatch.syspath_prepend(str(plugins))
     for spec, message in (("raising_family", "MMADAPT_IMPORT: importing raising_family failed (RuntimeError: boom): "
                                              "fix the module"),
                           ("needs_dep", "MMADAPT_IMPORT: needs_dep imports not_installed_dep_xyz, which is not "
                                         "installed: install it"),
                           ("bad_register:register", "MMADAPT_IMPORT: bad_register:register() failed (KeyError: 'x'): "
-                                                    "fix it")):
+                                                    "fix it"),
+                          # (its own ValueError passed as it was, naming neither)
+                          ("bad_value", "MMADAPT_IMPORT: importing bad_value: invalid literal for int()"),
+                          # (told to install its own misnamed submodule)
+                          ("mypkg", "MMADAPT_IMPORT: mypkg imports mypkg.helpers_typo, which it does not have: fix "
+                                    "that import")):
         monkeypatch.setenv("MMADAPT_IMPORT", spec)
         assert main(["flops", "--preset", "tiny"]) == 2
         err = capsys.readouterr().err.strip()

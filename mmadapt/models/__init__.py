@@ -39,9 +39,9 @@ def register_family(family: ModelFamily) -> ModelFamily:
     """Make `family` buildable by name (a run.json whose model config names it) and its presets
     choosable. Refused (ValueError) when it has no name, does not define REQUIRED_METHODS, or
     another family has its name (a registered family, mmadapt's own included, was replaced
-    without a word; registering the same one again is no change), when a preset name is taken by
-    another family, when its small preset is not one of its presets, or when a preset's config
-    names another family."""
+    without a word; the same one again is no change, and its class defined again replaces it),
+    when a preset name is taken by another family, when its small preset is not one of its
+    presets, or when a preset's config names another family."""
     name = getattr(family, "name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{type(family).__name__} has no name (a class attribute `name = \"...\"`): runs and "
@@ -50,9 +50,10 @@ def register_family(family: ModelFamily) -> ModelFamily:
     if missing:  # (each raised a NotImplementedError with no text, after a run had written its directory)
         raise ValueError(f"the {name} family ({type(family).__name__}) does not define {', '.join(missing)}: every "
                          f"family defines {', '.join(REQUIRED_METHODS)} (docs/model-families.md)")
-    if FAMILIES.get(name, family) is not family:
+    old = FAMILIES.get(name, family)
+    if old is not family and _defined_at(old) != _defined_at(family):
         raise ValueError(f"{type(family).__name__}'s name {name!r} is the name of a family registered already "
-                         f"({type(FAMILIES[name]).__name__}): choose another name")
+                         f"({type(old).__name__}, {type(old).__module__}): choose another name")
     taken = {name: f.name for f in FAMILIES.values() if f.name != family.name for name in f.presets}
     clash = next((n for n in family.presets if n in taken), None)
     if clash is not None:
@@ -65,9 +66,15 @@ def register_family(family: ModelFamily) -> ModelFamily:
     if alien is not None:
         raise ValueError(f"the {family.name} family's preset {alien!r} has ModelConfig.family "
                          f"{family.presets[alien][0].family!r}")
+    for dropped in old.presets if old is not family else ():  # its class defined again (a notebook
+        PRESETS.pop(dropped, None)  # cell run twice, a module reloaded): this one replaces it
     FAMILIES[family.name] = family
     PRESETS.update(family.presets)
     return family
+
+
+def _defined_at(family: ModelFamily) -> tuple[str, str]:
+    return type(family).__module__, type(family).__qualname__
 
 
 def get_family(name_or_config: str | ModelConfig) -> ModelFamily:
@@ -101,14 +108,17 @@ def import_plugins(spec: str | None = None) -> None:
         try:
             loaded = importlib.import_module(module)
         except ModuleNotFoundError as e:
+            if e.name is not None and e.name.startswith(module + "."):  # the package's own, misnamed
+                raise ValueError(f"{IMPORT_VARIABLE}: {module} imports {e.name}, which it does not have: fix that "
+                                 "import") from e
             if e.name is not None and module != e.name and not module.startswith(e.name + "."):
                 # found, and one of its own imports is not: installing that is the fix
                 raise ValueError(f"{IMPORT_VARIABLE}: {module} imports {e.name}, which is not installed: install "
                                  "it") from None
             raise ValueError(f"{IMPORT_VARIABLE}: cannot import {module} ({e}): put its directory on PYTHONPATH, "
                              "or fix the module name") from None
-        except ValueError:  # its register_family's refusal, as it is
-            raise
+        except ValueError as e:  # register_family's refusal (or the module's own), said as coming from it
+            raise ValueError(f"{IMPORT_VARIABLE}: importing {module}: {e}") from e
         except Exception as e:  # the user's module: a mistake in it is one line, not mmadapt's traceback
             raise ValueError(f"{IMPORT_VARIABLE}: importing {module} failed ({type(e).__name__}: {e}): fix the "
                              "module (MMADAPT_DEBUG=1 shows where)") from e
@@ -117,8 +127,8 @@ def import_plugins(spec: str | None = None) -> None:
                 raise ValueError(f"{IMPORT_VARIABLE}: {module} has no function {function} to register its families")
             try:
                 getattr(loaded, function)()
-            except ValueError:
-                raise
+            except ValueError as e:
+                raise ValueError(f"{IMPORT_VARIABLE}: {module}:{function}(): {e}") from e
             except Exception as e:
                 raise ValueError(f"{IMPORT_VARIABLE}: {module}:{function}() failed ({type(e).__name__}: {e}): fix "
                                  "it (MMADAPT_DEBUG=1 shows where)") from e
