@@ -806,22 +806,22 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     iters = step.train.train_iters
     states = parallel.rank0_decides(lambda: [(run_progress(d, iters), final_artifact_written(d, iters))
                                              for _, _, d in jobs])
-    for (system, n, run_dir), (state, _) in zip(jobs, states):
-        if state != "new":
-            plan = Step2Plan.of(*spec(system, n, run_dir, True))
-            # the schedule the run trains with (the ceiling's calibration is the default)
-            try:
-                check_resumable(plan.run, plan.model, plan.step.train, plan.identity, plan.data)
-            except ChangedRun as e:  # its words are a --resume's, which a sweep is not given
-                raise ValueError(f"{run_dir} holds a Step-2 run of a sweep with other settings: {e.detail}; run "
-                                 "the sweep as it first ran, or choose a new --output_dir") from None
     for (system, n, run_dir), (state, written) in zip(jobs, states):
-        if state != "new" and not (state == "done" and written):  # a depth it resumes (a finished one is not read)
-            try:
+        if state == "new":
+            continue
+        plan = Step2Plan.of(*spec(system, n, run_dir, True))
+        # the schedule the run trains with (the ceiling's calibration is the default); the words
+        # of both refusals are a --resume's, which a sweep is not given
+        try:
+            check_resumable(plan.run, plan.model, plan.step.train, plan.identity, plan.data)
+            if not (state == "done" and written):  # a depth it resumes (a finished one's checkpoints are not read)
                 checkpoint.intact_tag(run_dir / "checkpoints")
-            except checkpoint.DamagedRun as e:
-                raise ValueError(f"{e.detail}: restore its files and run the sweep again, or remove {run_dir} to "
-                                 "train that depth anew") from None
+        except ChangedRun as e:
+            raise ValueError(f"{run_dir} holds a Step-2 run of a sweep with other settings: {e.detail}; run "
+                             "the sweep as it first ran, or choose a new --output_dir") from None
+        except checkpoint.DamagedRun as e:
+            raise ValueError(f"{e.detail}: restore its files and run the sweep again, or remove {run_dir} to "
+                             "train that depth anew") from None
     for (system, n, run_dir), (state, written) in zip(jobs, states):
         if state == "done" and written:
             continue
