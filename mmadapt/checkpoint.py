@@ -465,7 +465,7 @@ def _fsync_dir(path: Path) -> None:
 class DamagedRun(ValueError):
     """A run to continue whose every complete checkpoint is damaged: `detail` says which; the
     line a --resume gets says how it goes on. A command that continues its runs by itself (the
-    sweep, extend: the same command again) words its own line around `detail`."""
+    sweep, extend, the demo: the same command again) words its own line around `detail`."""
 
     def __init__(self, detail: str):
         super().__init__(f"--resume: {detail}: restore its files and resume, or start a new --output_dir")

@@ -61,10 +61,11 @@ def load_ds_config(path: Path, cfg) -> dict:
         raise ValueError(f"DeepSpeed config {path} uses ZeRO stage {stage}: mmadapt's later steps read checkpoints "
                          "of stages 0-2 only (a model replica fits one device here); use ds_configs/zero1.json or "
                          "zero2.json")
-    if ds.get("fp16", {}).get("enabled") and parallel.device().type != "cuda":  # DeepSpeed: "Type fp16 is not
-        # supported on your device", after the model is built and with no fix
+    trains_on = parallel.device().type
+    if ds.get("fp16", {}).get("enabled") and trains_on != "cuda":  # DeepSpeed: "Type fp16 is not supported on
+        # your device", after the model is built and with no fix
         raise ValueError(f"DeepSpeed config {path} enables fp16, which DeepSpeed trains on a GPU only (this process "
-                         f"trains on {parallel.device().type}): use ds_configs/zero2_bf16.json or zero2.json (a run "
+                         f"trains on {trains_on}): use ds_configs/zero2_bf16.json or zero2.json (a run "
                          "that trained with it resumes on a GPU)")
     clash = [k for k in _BATCH_KEYS if k in ds]
     if clash:

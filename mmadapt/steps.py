@@ -775,16 +775,16 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     # files (its --source's, somebody's sweep.md or sweep.json, a depth's directory of other
     # files) are refused before anything is written
     checkpoint.check_output_dir(out)
-    kept, written = ("sweep.json",), {}
+    kept, previous = ("sweep.json",), {}
     if (out / "sweep.json").is_file():
-        written = checkpoint.read_json(out / "sweep.json", "sweep results")
-        if not (isinstance(written, dict) and {"source", "records", "summary"} <= written.keys()):
+        previous = checkpoint.read_json(out / "sweep.json", "sweep results")
+        if not (isinstance(previous, dict) and {"source", "records", "summary"} <= previous.keys()):
             raise ValueError(f"--output_dir {out} holds a sweep.json that no sweep wrote: choose a new or empty "
                              "directory (nothing is overwritten)")
         kept = ("sweep.json", "sweep.md", "sweep.png")
     checkpoint.refuse_other_files(out, lambda name: name.isdigit() or name.startswith(".") or name in (
         CEILING, "data", *kept), "sweep")
-    _refuse_another_sources_sweep(out, source, step.source, written.get("source"))
+    _refuse_another_sources_sweep(out, source, step.source, previous.get("source"))
     runs = {n: out / str(n) for n in depths}
     for run_dir in [*runs.values(), *([out / CEILING] if cfg.ceiling else [])]:
         checkpoint.refuse_other_than_a_run(run_dir)
