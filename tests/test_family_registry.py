@@ -119,6 +119,9 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
     (plugins / "bad_value.py").write_text("LIMIT = int('x')\n")
     (plugins / "mypkg").mkdir()
     (plugins / "mypkg" / "__init__.py").write_text("import mypkg.helpers_typo\n")
+    (plugins / "otherpkg").mkdir()  # a family module within a package, importing a misnamed sibling
+    (plugins / "otherpkg" / "__init__.py").write_text("")
+    (plugins / "otherpkg" / "families.py").write_text("import otherpkg.helpers_typo\n")
     monkeypatch.syspath_prepend(str(plugins))
     for spec, message in (("raising_family", "MMADAPT_IMPORT: importing raising_family failed (RuntimeError: boom): "
                                              "fix the module"),
@@ -129,8 +132,11 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
                           # (its own ValueError passed as it was, naming neither)
                           ("bad_value", "MMADAPT_IMPORT: importing bad_value: invalid literal for int()"),
                           # (told to install its own misnamed submodule)
-                          ("mypkg", "MMADAPT_IMPORT: mypkg imports mypkg.helpers_typo, which it does not have: fix "
-                                    "that import")):
+                          ("mypkg", "MMADAPT_IMPORT: mypkg imports mypkg.helpers_typo, which mypkg does not have: "
+                                    "fix that import"),
+                          ("otherpkg.families", "MMADAPT_IMPORT: otherpkg.families imports otherpkg.helpers_typo, "
+                                                "which otherpkg does not have: fix that import"),
+                          ("otherpkg.missing", "MMADAPT_IMPORT: cannot import otherpkg.missing")):
         monkeypatch.setenv("MMADAPT_IMPORT", spec)
         assert main(["flops", "--preset", "tiny"]) == 2
         err = capsys.readouterr().err.strip()

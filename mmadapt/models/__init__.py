@@ -108,9 +108,11 @@ def import_plugins(spec: str | None = None) -> None:
         try:
             loaded = importlib.import_module(module)
         except ModuleNotFoundError as e:
-            if e.name is not None and e.name.startswith(module + "."):  # the package's own, misnamed
-                raise ValueError(f"{IMPORT_VARIABLE}: {module} imports {e.name}, which it does not have: fix that "
-                                 "import") from e
+            package = module.partition(".")[0]
+            if (e.name is not None and e.name.startswith(package + ".")  # its package's own module, misnamed
+                    and e.name != module and not module.startswith(e.name + ".")):
+                raise ValueError(f"{IMPORT_VARIABLE}: {module} imports {e.name}, which {package} does not have: "
+                                 "fix that import") from e
             if e.name is not None and module != e.name and not module.startswith(e.name + "."):
                 # found, and one of its own imports is not: installing that is the fix
                 raise ValueError(f"{IMPORT_VARIABLE}: {module} imports {e.name}, which is not installed: install "
