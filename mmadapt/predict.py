@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from mmadapt.artifact import (artifact_dir, artifact_embeddings, artifact_primary, artifact_state,
@@ -233,13 +234,16 @@ def _texts(texts) -> list[str]:
     return list(texts)
 
 
-def refuse_non_finite(run: Path, out: torch.Tensor, what: str, padding: float = 0.0) -> None:
+def refuse_non_finite(run: Path, out: torch.Tensor, what: str, padding: float = 0.0,
+                      example: np.ndarray | None = None) -> None:
     """Refuse a model's outputs [n, ...] that hold NaN or inf (padding positions, filled with
-    `padding`, aside), naming the run and the first input, before anything is written."""
+    `padding`, aside), naming the run and the first input, before anything is written. example:
+    [n] the input each row is of (a tagger's long sentence in rows, QA's context in windows;
+    None: a row per input)."""
     bad = ~torch.isfinite(out) & (out != padding)
     if bad.any():
-        first = int(bad.reshape(len(out), -1).any(1).nonzero()[0]) + 1
-        name = _named(first, what) if what != "window" else f"{what} {first}"
+        row = int(bad.reshape(len(out), -1).any(1).nonzero()[0])
+        name = _named((row if example is None else int(example[row])) + 1, what)
         raise ValueError(f"the model of {run} gives NaN or infinite outputs for {name}: its weights are "
                          "damaged or diverged (nothing is written)")
 
@@ -425,6 +429,7 @@ class SentenceEncoder:
              device: torch.device | None = None) -> "SentenceEncoder":
         run = path_arg(run, "run")
         embeddings = None if embeddings is None else path_arg(embeddings, "embeddings")
+        dev = named_device(device) if device is not None else default_device()  # as load(): one line
         source = read_source(run)
         settings = (source.record.get("imported_from") or {}).get("sentence_transformers")
         modules = source.path / SENTENCE_TRANSFORMERS
@@ -446,7 +451,7 @@ class SentenceEncoder:
                                   vocab_size=state[family.word].shape[0])
         body = family.build_body(cfg)
         body.load_state_dict({k: v for k, v in state.items() if k in body.state_dict()})
-        body = on_eval_device(body, device or default_device())
+        body = on_eval_device(body, dev)
         length = min(settings.get("max_seq_length") or cfg.max_position_embeddings, cfg.max_position_embeddings)
         return cls(run, family, cfg, body, load_tokenizer(tokenizer), pooling, "Normalize" in kinds,
                    bool(settings.get("do_lower_case")), length, _default_prompt(run, modules, entries, kinds))
@@ -626,8 +631,7 @@ class TaskModel:
         rows = EvalBatches.plan(enc.input_ids, self.cfg.eval_batch_tokens, device_of(self.finetuned.model()),
                                 enc.token_types)
         logits = set_logits(self.finetuned, EvalSet(examples, enc, rows), self.artifact)
-        refuse_non_finite(self.run, logits, "window" if self.task.kind == "span" else "input",
-                          PAD_LOGIT.get(self.task.kind, 0.0))
+        refuse_non_finite(self.run, logits, "input", PAD_LOGIT.get(self.task.kind, 0.0), enc.example)
         return examples, enc, logits
 
     def predict(self, inputs: list) -> list[dict]:

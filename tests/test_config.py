@@ -224,6 +224,9 @@ def test_every_numeric_field_declares_its_range():
     (lambda: __import__("mmadapt.predict").predict.load(["p", "q"]), "run takes one path, got ['p', 'q']"),
     (lambda: __import__("mmadapt.predict").predict.SentenceEncoder.load(["p", "q"]),
      "run takes one path, got ['p', 'q']"),
+    # (SentenceEncoder.load took a device string as a torch.device: an AttributeError deep in)
+    (lambda: __import__("mmadapt.predict").predict.SentenceEncoder.load("p", device="cuda:7"),
+     "--device cuda:7: this machine has"),
     (lambda: __import__("mmadapt.predict").predict.load("p", embeddings=123), "embeddings takes one path, got 123"),
     (lambda: __import__("mmadapt.predict").predict.load("p", embeddings="e", graft="no"),
      "graft takes True or False, got 'no'"),
@@ -250,7 +253,8 @@ def test_every_numeric_field_declares_its_range():
         "layout-fusion", "layout-dropout-nan", "adapt-mini-layers-zero", "sweep-mini-layers-zero",
         "extend-vocab-size", "run-spec-two-texts",
         "preprocess-expand-no-size", "evaluate-graft-str", "evaluate-cfg-type", "plugin-two-primaries", "plugin-allow-str", "preprocess-vocab-float", "preprocess-vocab-small", "preprocess-cfg-type",
-        "preprocess-output-inside-expand-from", "predict-two-runs", "encoder-two-runs", "predict-embeddings-type",
+        "preprocess-output-inside-expand-from", "predict-two-runs", "encoder-two-runs", "encoder-device",
+        "predict-embeddings-type",
         "predict-graft-str", "predict-tag-type", "evaluate-output-type", "step-run-type", "step-step-type",
         "extend-spec-type"])
 def test_the_python_api_is_refused_as_the_command_line_is(make, message):

@@ -232,6 +232,25 @@ def test_answers_score_as_step4_scores_spans(de_tokenizer, capsys):
                                                 f"long; the xquad model reads its first {CFG.max_query_length}")
 
 
+def test_nan_outputs_name_the_input_of_the_row(de_tokenizer):
+    """A damaged piece's row that only the last input reads: the refusal names that input, where a
+    tagger reads a long sentence in rows and QA a long context in windows (their row's number was
+    named: 'input 6' of 3, 'window 6')."""
+    long = " ".join(_verses(6))
+    for task, labels in (("tag", ["B", "I", "O"]), ("xquad", [])):
+        tm = _task_model(task, labels, de_tokenizer)
+        seen = set(tm.tokenizer.encode(long) + tm.tokenizer.encode("Wer?") + tm.tokenizer.encode("Gott"))
+        bad = next(p for p in tm.tokenizer.encode("Zebra Xylophon Quak") if p not in seen and p > 5)
+        tm.finetuned.model().state_dict()[ROBERTA.word][bad] = float("nan")
+        first = [long] if task == "tag" else [("Wer?", long)]
+        assert len(tm.encode(tm.examples(first)).input_ids) > 2  # read in rows (windows) of its own
+        last = tm.tokenizer.decode([bad])
+        inputs = [long, "Gott", "Gott " + last] if task == "tag" else [("Wer?", long), ("Wer?", "Gott"),
+                                                                     ("Wer?", "Gott " + last)]
+        with pytest.raises(ValueError, match="gives NaN or infinite outputs for input 3: its weights are damaged"):
+            tm.predict(inputs)
+
+
 def test_classifier_probabilities_and_input_checks(de_tokenizer):
     genres = list(T.get_task("bible-genre").labels)
     tm = _task_model("bible-genre", genres, de_tokenizer)
