@@ -1100,7 +1100,23 @@ def export_tokenizer(mapping: HFMapping, tokenizer: Path, kind: str | None, cfg:
         hf_tok = _document_tokenizer(HFTokenizer.read(tokenizer), cfg.max_position_embeddings, source_hf)
     if layout is not None:
         hf_tok = retemplated(hf_tok, hf_ids, layout, cfg.max_position_embeddings)
+    if kind == "tag":
+        _words_after_a_space(hf_tok)
     return hf_tok, hf_ids
+
+
+def _words_after_a_space(hf_tok) -> None:
+    """A byte-level BPE tagger's tokenizer (RoBERTa's) reading every word as it stands after a
+    space ('ĠIn'), a text's first word too, as Step 3 and Step 4 read a tagged sentence
+    (features.word_pieces): transformers' add_prefix_space, which its token classification needs
+    for pre-split words; without it the first word of every text read as 'In', another piece."""
+    from tokenizers import pre_tokenizers
+
+    pre = hf_tok.backend_tokenizer.pre_tokenizer
+    if isinstance(pre, pre_tokenizers.ByteLevel):  # (SentencePiece's Metaspace and WordPiece start words alike)
+        pre.add_prefix_space = True
+        hf_tok.add_prefix_space = True
+        hf_tok.init_kwargs["add_prefix_space"] = True  # saved: a class that builds its own pipeline reads it
 
 
 def write_generation_config(output_dir: Path, source_hf: Path | None, ids: dict, same_ids: bool,

@@ -132,7 +132,7 @@ def test_subword_mean_splits_a_piece_as_it_stands_in_a_text(name, runs):
             name, piece, surfaces)
 
 
-def test_a_byte_level_tagger_reads_words_as_transformers_token_classification_does(runs, hf_dirs):
+def test_a_byte_level_tagger_reads_words_as_transformers_token_classification_does(runs, hf_dirs, tmp_path):
     """A tagged sentence's rows, through RoBERTa's byte-level BPE: each word as it stands after a
     space ('Ġthe'), as transformers' tokenizer gives pre-split words (is_split_into_words with
     add_prefix_space, what its token classification needs), specials included."""
@@ -148,6 +148,15 @@ def test_a_byte_level_tagger_reads_words_as_transformers_token_classification_do
     enc = encode_tag(sp, [TaggedSentence(words, ["O"] * len(words))], ["O"], 64)
     assert sp.hf_ids[enc.input_ids[0][:len(theirs)].numpy()].tolist() == theirs
     assert enc.input_ids[0][len(theirs)] == PAD_ID
+    # A tagger's export reads words so with its own tokenizer (transformers' default for RoBERTa
+    # reads a text's first word as 'In', not 'ĠIn'), pre-split or as the pipeline's running text.
+    cfg, state = ROBERTA.primary_model(*load_weights(runs["roberta"]))
+    model = RobertaForTask(cfg, "tag", 2, seed=7)
+    full = {**model.state_dict(), **{k: v for k, v in state.items() if not k.startswith("heads.")}}
+    write_hf(ROBERTA, tmp_path / "tagger", cfg, full, "tag", ["O", "X"], runs["roberta"] / "tokenizer" / "spm.model")
+    exported = AutoTokenizer.from_pretrained(str(tmp_path / "tagger"))
+    assert exported(words, is_split_into_words=True)["input_ids"] == theirs
+    assert exported(" ".join(words))["input_ids"] == theirs
 
 
 def test_an_encoder_imports_with_its_bases_roles(runs, hf_dirs, tmp_path):
