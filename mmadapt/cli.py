@@ -249,10 +249,11 @@ def _later_step_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...], 
     add_dataclass_args(p, TrainConfig, defaults=train_presets(), step=step)
 
 
-def _schedule(args, source: str) -> TrainConfig:
-    """The TrainConfig of a step over the run `source`: its --preset's schedule (default: the
-    source family's small preset; another family's preset is refused) with the flags over it."""
-    src = read_source(source)
+def _schedule(args, source: str, kinds: tuple[str, ...] = ("pretrain", "minipost")) -> TrainConfig:
+    """The TrainConfig of a step over the run `source` (of one of `kinds`, the step's own: a run
+    of another is refused naming them): its --preset's schedule (default: the source family's
+    small preset; another family's preset is refused) with the flags over it."""
+    src = read_source(source, kinds=kinds)
     family = src.family
     preset = args.preset or family.small_preset
     owner, small, train = find_preset(preset)
@@ -285,7 +286,7 @@ def minipost_parser() -> argparse.ArgumentParser:
 @user_errors
 def minipost_main(argv=None) -> int:
     args = minipost_parser().parse_args(argv)
-    step = steps.BuildMinipost(primary=Path(args.primary), train=_schedule(args, args.primary),
+    step = steps.BuildMinipost(primary=Path(args.primary), train=_schedule(args, args.primary, ("pretrain",)),
                                mini=override(MiniModelConfig(), args), primary_tag=args.primary_tag)
     steps.build_minipost(run=_run_spec(args), step=step)
     _done(args.output_dir, f"MINIPOST mini-model in {args.output_dir}")
@@ -305,7 +306,8 @@ def fit_head_parser() -> argparse.ArgumentParser:
 @user_errors
 def fit_head_main(argv=None) -> int:
     args = fit_head_parser().parse_args(argv)
-    step = steps.FitHead(primary=Path(args.primary), train=_schedule(args, args.primary), primary_tag=args.primary_tag)
+    step = steps.FitHead(primary=Path(args.primary), train=_schedule(args, args.primary, ("pretrain",)),
+                         primary_tag=args.primary_tag)
     steps.fit_head(run=_run_spec(args), step=step)
     _done(args.output_dir, f"MLM head over {args.primary} in {args.output_dir}")
     return 0

@@ -389,8 +389,9 @@ def run_lock(output_dir: Path):
 
 # --- finished runs ------------------------------------------------------------------------------------
 
-def read_run(run_dir: str | os.PathLike) -> dict:
-    """run.json of a run with a complete checkpoint and a tokenizer."""
+def read_run(run_dir: str | os.PathLike, kinds: tuple[str, ...] = ("pretrain", "minipost")) -> dict:
+    """run.json of a run with a complete checkpoint and a tokenizer (one without, of a kind that
+    keeps none, is refused naming the `kinds` the caller takes)."""
     run_dir = Path(run_dir)
     if not (run_dir / RUN_FILE).is_file():
         raise ValueError(f"{run_dir} is not an mmadapt run directory (no run.json): pass the --output_dir of "
@@ -402,7 +403,7 @@ def read_run(run_dir: str | os.PathLike) -> dict:
         kind = KIND_OF_STEP.get(record.get("step", "pretrain"), record.get("step", "pretrain"))
         if kind in RUN_KINDS and kind not in ("pretrain", "minipost"):  # complete, and of a kind with no tokenizer
             raise ValueError(f"{run_dir} is {RUN_KINDS[kind]}, which reads the tokenizer of the run it was trained "
-                             "from: pass a pretrain, import-hf, fit-head or build_minipost run")
+                             "from: pass " + " or ".join(RUN_KINDS[k] for k in kinds))
         raise ValueError(f"{run_dir} has no tokenizer/spm.model: it is not a complete mmadapt run")
     return record
 
@@ -552,7 +553,7 @@ def read_source(run_dir: str | os.PathLike, tag: str | None = None,
     complete run (read_run, checkpoint_tag) of one of `kinds` (require_kind: a step that takes
     a Step-1 run alone names it so); its weights are not loaded yet."""
     path = Path(run_dir).resolve()
-    record = read_run(path)
+    record = read_run(path, kinds)
     require_kind(Path(run_dir), record, *kinds)
     cfg = dataclasses.replace(run_model(record, path), tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     return Source(path, record, checkpoint_tag(path, tag), cfg, get_family(cfg))

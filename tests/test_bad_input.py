@@ -1093,6 +1093,13 @@ CASES = [
      "is a finetune run (Step 3: a task model); this needs a pretrain or import-hf run (Step 1)"),
     ("minipost-primary-is-a-minipost-run", lambda c: c.minipost(primary=c.kind_copy("minipost")),
      "is a build_minipost run (Step 1b); this needs a pretrain or import-hf run (Step 1)"),
+    # (a run of a kind neither step takes: the schedule's read named build_minipost runs among those to pass)
+    ("minipost-primary-is-an-adapt-run", lambda c: c.minipost(primary=c.kind_copy("adapt")),
+     "is an adapt run (Step 2: its products are the artifacts under its embeddings/); this needs a pretrain or "
+     "import-hf run (Step 1)$"),
+    ("minipost-primary-is-a-finetune-run-of-its-own", lambda c: c.minipost(
+        primary=c.kind_copy_without_tokenizer("finetune")),
+     "which reads the tokenizer of the run it was trained from: pass a pretrain or import-hf run (Step 1)$"),
     ("fit-head-primary-is-a-minipost-run", lambda c: ["fit-head", "--primary", c.kind_copy("minipost"), "--corpus",
                                                       str(c.corpus), "--output_dir", str(c.out)],
      "is a build_minipost run (Step 1b); this needs a pretrain or import-hf run (Step 1)"),
@@ -1405,8 +1412,9 @@ def test_bad_input(build, message, tmp_path, corpus, tokenizer, primary_run, cap
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert "Traceback" not in err and len(err.splitlines()) == 1 and err.startswith("error: "), err
-    # (a tuple: every part in the one line, e.g. what was named and the fix)
-    assert all(m in err for m in ((message,) if isinstance(message, str) else message)), err
+    # (a tuple: every part in the one line, e.g. what was named and the fix; a part ending in "$" ends it)
+    assert all(err.endswith(m[:-1]) if m.endswith("$") else m in err
+               for m in ((message,) if isinstance(message, str) else message)), err
     assert snapshot(tmp_path, *ctx.inputs) == before
 
 
