@@ -64,7 +64,7 @@ from mmadapt.hf import SENTENCE_TRANSFORMERS
 from mmadapt.readers import PairExample, QAExample, TaggedSentence
 from mmadapt.run import RUN_FILE, Source, read_source, require_head, run_family, text_prefix
 from mmadapt.tasks import Task, get_task, sentence_tags
-from mmadapt.tokenizer import WORD_BOUNDARY, byte_piece_text
+from mmadapt.tokenizer import surface_text
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokens import BOS_ID, EOS_ID, MASK_ID, PAD_ID
 
@@ -183,12 +183,11 @@ def _sibling_check(sibling: Source, weights: dict | None = None, body_only: bool
 
 def _surface(tokenizer, i: int) -> dict:
     """A vocabulary entry as fill_mask and next_piece report it: id, piece, and its text (the
-    word-boundary marker as a space, stripped; a byte piece's: its ASCII character, else U+FFFD,
-    as transformers' pipelines write a byte that is not a whole character)."""
+    word-boundary marker as a space, stripped; byte pieces as the text they stand for, U+FFFD
+    for bytes that are not a whole character, as transformers' pipelines write them: a byte-level
+    piece of a character's first bytes, '<0x20><0xE0><0xA4>', is ' \ufffd')."""
     piece = tokenizer.id_to_piece(i)
-    text = byte_piece_text(piece)
-    text = piece if text is None else text or "\ufffd"
-    return {"id": i, "piece": piece, "text": text.replace(WORD_BOUNDARY, " ").strip()}
+    return {"id": i, "piece": piece, "text": surface_text(piece).strip()}
 
 
 # How messages name the inputs: `mmadapt predict` sets its inputs' file lines ("in.txt:5": blank

@@ -153,6 +153,17 @@ NON_UTF8_BYTES = (0xC0, 0xC1, *range(0xF5, 0x100))
 _BYTE_PIECE = re.compile(r"<0x([0-9A-F]{2})>")
 
 
+def surface_text(piece: str) -> str:
+    """The text a piece's surface stands for alone, as transformers decodes its one id: its byte
+    pieces (<0xE4>: SentencePiece's byte fallback, and byte_level_surface's form of a byte-level
+    piece that is not whole characters, '<0x20><0xE0><0xA4>') as bytes, the whole decoded as
+    UTF-8 with U+FFFD for bytes that are not a whole character, the word-boundary marker a space."""
+    parts = re.split(r"((?:<0x[0-9A-F]{2}>)+)", piece)  # text, bytes, text, ...
+    raw = b"".join(bytes(int(h, 16) for h in _BYTE_PIECE.findall(p)) if i % 2 else p.encode("utf-8")
+                   for i, p in enumerate(parts))
+    return raw.decode("utf-8", errors="replace").replace(WORD_BOUNDARY, " ")
+
+
 def byte_piece_text(piece: str) -> str | None:
     """The text a byte-fallback piece stands for alone: an ASCII byte's character (<0x41>: 'A'),
     nothing ('') for a byte of a longer UTF-8 character (<0xE4>); None for any other piece."""

@@ -638,7 +638,11 @@ def test_a_byte_piece_is_reported_as_the_text_it_stands_for():
     piece's name, '<0x29>'. Other pieces: the word-boundary marker as a space, stripped."""
     class Pieces:
         def id_to_piece(self, i):
-            return ["<0x29>", "<0xC3>", "▁Gott", "<0x20>", "<s>"][i]
+            # (a byte-level piece of a space and a character's first bytes, of bytes ending one
+            # character and holding a whole one, as byte_level_surface writes them: they were
+            # reported as their escapes)
+            return ["<0x29>", "<0xC3>", "▁Gott", "<0x20>", "<s>", "<0x20><0xE0><0xA4>", "<0x94><0xE0><0xA4><0xB0>"][i]
 
-    assert [predict._surface(Pieces(), i)["text"] for i in range(5)] == [")", "\ufffd", "Gott", "", "<s>"]
+    assert [predict._surface(Pieces(), i)["text"] for i in range(7)] == [")", "\ufffd", "Gott", "", "<s>", "\ufffd",
+                                                                        "\ufffdर"]
     assert predict._surface(Pieces(), 0) == {"id": 0, "piece": "<0x29>", "text": ")"}
