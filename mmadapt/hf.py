@@ -1110,11 +1110,13 @@ def _words_after_a_space(hf_tok) -> None:
     space ('ĠIn'), a text's first word too, as Step 3 and Step 4 read a tagged sentence
     (features.word_pieces): transformers' add_prefix_space, which its token classification needs
     for pre-split words; without it the first word of every text read as 'In', another piece."""
-    from tokenizers import pre_tokenizers
+    from tokenizers import pre_tokenizers, processors
 
-    pre = hf_tok.backend_tokenizer.pre_tokenizer
+    pre, post = hf_tok.backend_tokenizer.pre_tokenizer, hf_tok.backend_tokenizer.post_processor
     if isinstance(pre, pre_tokenizers.ByteLevel):  # (SentencePiece's Metaspace and WordPiece start words alike)
         pre.add_prefix_space = True
+        if isinstance(post, (processors.RobertaProcessing, processors.ByteLevel)):  # its offsets' trim agrees:
+            post.add_prefix_space = True  # tokenizer.json read alone gave the first word an empty span
         hf_tok.add_prefix_space = True
         hf_tok.init_kwargs["add_prefix_space"] = True  # saved: a class that builds its own pipeline reads it
 

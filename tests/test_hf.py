@@ -157,6 +157,12 @@ def test_a_byte_level_tagger_reads_words_as_transformers_token_classification_do
     exported = AutoTokenizer.from_pretrained(str(tmp_path / "tagger"))
     assert exported(words, is_split_into_words=True)["input_ids"] == theirs
     assert exported(" ".join(words))["input_ids"] == theirs
+    # ... and its tokenizer.json read alone (the tokenizers library) gives each word its span
+    from tokenizers import Tokenizer
+
+    alone = Tokenizer.from_file(str(tmp_path / "tagger" / "tokenizer.json")).encode(" ".join(words))
+    assert alone.ids == theirs and alone.offsets[1][0] == 0 != alone.offsets[1][1]  # ('In' begins at 0, not empty)
+    assert alone.offsets[1:-1] == exported(" ".join(words), return_offsets_mapping=True)["offset_mapping"][1:-1]
 
 
 def test_an_encoder_imports_with_its_bases_roles(runs, hf_dirs, tmp_path):
