@@ -488,7 +488,8 @@ def _finetune_source(run: RunSpec, step: Finetune, task) -> tuple[Source, ModelC
     if train_file is None:
         raise ValueError(f"--train_file is required for {task.name} (see mmadapt/readers.py for the data)")
     source = agreed_source(step.primary,
-                           lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag, "primary"))
+                           lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag, "primary"),
+                           kinds=("pretrain",))  # (a run of another kind refused naming Step 1 alone)
     check_primary(source)
     model_cfg = run.layout.apply(dataclasses.replace(source.cfg, head_layers=(), head_weights=()))
     family = source.family

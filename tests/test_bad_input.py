@@ -1100,6 +1100,12 @@ CASES = [
     ("minipost-primary-is-a-finetune-run-of-its-own", lambda c: c.minipost(
         primary=c.kind_copy_without_tokenizer("finetune")),
      "which reads the tokenizer of the run it was trained from: pass a pretrain or import-hf run (Step 1)$"),
+    ("finetune-primary-is-an-adapt-run", lambda c: c.finetune(primary=c.kind_copy("adapt")),
+     "is an adapt run (Step 2: its products are the artifacts under its embeddings/); this needs a pretrain or "
+     "import-hf run (Step 1)$"),
+    ("finetune-primary-is-a-finetune-run-of-its-own", lambda c: c.finetune(
+        primary=c.kind_copy_without_tokenizer("finetune")),
+     "which reads the tokenizer of the run it was trained from: pass a pretrain or import-hf run (Step 1)$"),
     ("fit-head-primary-is-a-minipost-run", lambda c: ["fit-head", "--primary", c.kind_copy("minipost"), "--corpus",
                                                       str(c.corpus), "--output_dir", str(c.out)],
      "is a build_minipost run (Step 1b); this needs a pretrain or import-hf run (Step 1)"),
