@@ -122,6 +122,8 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
     (plugins / "otherpkg").mkdir()  # a family module within a package, importing a misnamed sibling
     (plugins / "otherpkg" / "__init__.py").write_text("")
     (plugins / "otherpkg" / "families.py").write_text("import otherpkg.helpers_typo\n")
+    (plugins / "nspkg" / "myplug").mkdir(parents=True)  # a namespace package: its others are other distributions
+    (plugins / "nspkg" / "myplug" / "__init__.py").write_text("import nspkg.cloud_extra\n")
     monkeypatch.syspath_prepend(str(plugins))
     for spec, message in (("raising_family", "MMADAPT_IMPORT: importing raising_family failed (RuntimeError: boom): "
                                              "fix the module"),
@@ -136,7 +138,9 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
                                     "fix that import"),
                           ("otherpkg.families", "MMADAPT_IMPORT: otherpkg.families imports otherpkg.helpers_typo, "
                                                 "which otherpkg does not have: fix that import"),
-                          ("otherpkg.missing", "MMADAPT_IMPORT: cannot import otherpkg.missing")):
+                          ("otherpkg.missing", "MMADAPT_IMPORT: cannot import otherpkg.missing"),
+                          ("nspkg.myplug", "MMADAPT_IMPORT: nspkg.myplug imports nspkg.cloud_extra, which is not "
+                                           "installed: install it")):
         monkeypatch.setenv("MMADAPT_IMPORT", spec)
         assert main(["flops", "--preset", "tiny"]) == 2
         err = capsys.readouterr().err.strip()

@@ -19,6 +19,7 @@ names are unique across families, so a preset names its family too (`find_preset
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 from mmadapt.config import ModelConfig, TrainConfig
@@ -110,7 +111,7 @@ def import_plugins(spec: str | None = None) -> None:
         except ModuleNotFoundError as e:
             package = module.partition(".")[0]
             if (e.name is not None and e.name.startswith(package + ".")  # its package's own module, misnamed
-                    and e.name != module and not module.startswith(e.name + ".")):
+                    and e.name != module and not module.startswith(e.name + ".") and _regular_package(package)):
                 raise ValueError(f"{IMPORT_VARIABLE}: {module} imports {e.name}, which {package} does not have: "
                                  "fix that import") from e
             if e.name is not None and module != e.name and not module.startswith(e.name + "."):
@@ -138,6 +139,16 @@ def import_plugins(spec: str | None = None) -> None:
 
 
 _IMPORTED: set[str] = set()  # what import_plugins has imported in this process
+
+
+def _regular_package(name: str) -> bool:
+    """Whether `name` is a package of one directory (an __init__.py): a namespace package's
+    (google.*, a company's acme.*) other modules come from other distributions, to install."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin not in (None, "namespace")
 
 register_family(ROBERTA)
 register_family(LLAMA)
