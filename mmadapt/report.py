@@ -384,10 +384,12 @@ def near_max_hits(cs: dict, baseline: str = "bl_base", device: str = "v100-paper
 
 
 def has_target(cs: dict, baseline: str, task: str, lang: str) -> bool:
-    """Whether `baseline` has a curve for `task` in `lang` whose final score is above 0: 95% of
-    a score at or below 0 (a plug-in contextual gain can be negative) lies at or above it, and no
-    system's time to it means anything."""
-    return (baseline, task, lang) in cs and cs[(baseline, task, lang)][-1][1] > 0
+    """Whether `baseline` has a curve for `task` in `lang` with a trained checkpoint (not its
+    start alone: a run still training, or stopped, at update 0) whose final score is above 0: 95%
+    of a score at or below 0 (a plug-in contextual gain can be negative) lies at or above it, and
+    no system's time to it means anything."""
+    pts = cs.get((baseline, task, lang))
+    return pts is not None and pts[-1][0] > 0 and pts[-1][1] > 0
 
 
 def _at_target_from_the_start(cs: dict, baseline: str, task: str, systems: list[str], langs: list[str],
@@ -457,8 +459,8 @@ def ceiling_of(system: str) -> str:
     """The record name of `system`'s ceiling: Step 2 over the full model of its source
     (artifact.system_label), one per recipe, so `minijoint@4` and `minijoint` share `minijoint:full`;
     a decoder's scored at a fraction p (`minijoint p=0.25`) is measured against the ceiling scored
-    at that p (`minijoint:full p=0.25`)."""
-    name, mark, p = system.partition(SCORED_LABEL)
+    at that p (`minijoint:full p=0.25`); each of several runs (`minijoint [run-a]`) against it too."""
+    name, mark, p = system.split(" [", 1)[0].partition(SCORED_LABEL)  # one of several runs (run_label): the same
     return f"{name.split('@')[0]}:full{mark}{p}"
 
 
@@ -966,7 +968,11 @@ def _near_max_section(t: TaskScores, cs: dict, hits: dict, baseline: str, device
                   f"{len(missed)} ({', '.join(missed)})" if missed else "0"]
         out.append(f"| {s} | " + " | ".join(cells) + " |")
     none = [lang for lang in langs if (baseline, task, lang) in cs and not has_target(cs, baseline, task, lang)]
-    out += ["", f"No target in {', '.join(none)}: {baseline}'s final score there is not above 0."] if none else []
+    untrained = [lang for lang in none if cs[(baseline, task, lang)][-1][0] == 0]
+    below = [lang for lang in none if lang not in untrained]
+    out += ["", f"No target in {', '.join(below)}: {baseline}'s final score there is not above 0."] if below else []
+    out += ["", f"No target in {', '.join(untrained)}: {baseline} has no trained checkpoint there (its start, "
+            "update 0, alone)."] if untrained else []
     split = _split_baseline(t, baseline)
     out += ["", split + "."] if split else []
     early = _at_target_from_the_start(cs, baseline, task, t.systems, langs, f)
@@ -987,6 +993,21 @@ def _hit_cell(hits: dict, key: tuple) -> str:
 # --- plots (matplotlib, an optional dependency: pip install -e ".[plot]") ------------------------------
 
 COLORS = {"bl_base": "C0", "minijoint": "C1", "minipost": "C2", "bl_small": "C3", "minijoint:full": "C4"}  # one colour per system
+
+
+def system_colors(records: list[dict]) -> dict[str, object]:
+    """A colour for every system of `records`, the same in every plot: the paper's systems their
+    own (COLORS), the others (`minijoint@2`, `bl_base [run-a]`, `minijoint p=0.25`) the next
+    colours no system has (matplotlib's cycle restarted at C0 for them: minijoint@2 in bl_base's)."""
+    import matplotlib
+
+    systems = sorted({r["system"] for r in records} | {s for r in records for s in r.get("of") or []})
+    palette = [f"C{i}" for i in range(10)] + [matplotlib.colormaps["tab20b"](i) for i in range(20)]
+    free = [c for c in palette if c not in COLORS.values()]
+    out = {s: COLORS[s] for s in systems if s in COLORS}
+    for i, s in enumerate(s for s in systems if s not in COLORS):
+        out[s] = free[i % len(free)]
+    return out
 
 
 def pyplot():
@@ -1022,7 +1043,7 @@ def compute_axis(max_flops: float, device: str = "v100-paper") -> tuple[float, s
     return size, f"Step-2 compute ({name})"
 
 
-def _bpb_panel(ax, records: list[dict], systems: list[str], unit: float) -> None:
+def _bpb_panel(ax, records: list[dict], systems: list[str], unit: float, colors: dict) -> None:
     """One language's plug-in records in bits per byte against Step-2 compute: a line per system
     from its start (update 0) at 0 FLOPs, no adaptation dash-dotted."""
     for system in systems:
@@ -1034,7 +1055,7 @@ def _bpb_panel(ax, records: list[dict], systems: list[str], unit: float) -> None
         if pts[0][0] > 0:
             pts = [(0.0, mine[0]["start_bpb"]), *pts]
         ax.plot([x / unit for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=system,
-                color=COLORS.get(system))
+                color=colors[system])
     # one line per primary model (the demo scores three): its own tokenizer and embeddings, beside
     # the systems whose embeddings went into it
     nones = defaultdict(list)
@@ -1042,7 +1063,7 @@ def _bpb_panel(ax, records: list[dict], systems: list[str], unit: float) -> None
         if r.get("bpb") is not None and r["system"] not in nones[r["none_bpb"]]:
             nones[r["none_bpb"]].append(r["system"])
     for value, of in nones.items():
-        ax.axhline(value, color="black" if len(nones) == 1 else COLORS.get(of[0], "gray"), ls="-.", lw=1.0,
+        ax.axhline(value, color="black" if len(nones) == 1 else colors.get(of[0], "gray"), ls="-.", lw=1.0,
                    label="no adaptation (own tokenizer and embeddings)" if len(nones) == 1 else
                    f"no adaptation ({', '.join(sorted(of))}'s primary model)")
 
@@ -1061,14 +1082,14 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper", baseline:
     panels = [(task, lang, "score") for task, lang in sorted({(k[1], k[2]) for k in cs})]
     panels += [(task, lang, "bpb") for task, lang in sorted({(r["task"], r["lang"]) for r in records
                                                              if is_plugin(r["task"]) and r.get("bpb") is not None})]
-    systems = sorted({k[0] for k in cs})
+    systems, colors = sorted({k[0] for k in cs}), system_colors(records)
     unit, xlabel = compute_axis(max(x for pts in cs.values() for x, _ in pts), device)
     cols = min(4, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False)
     for ax, (task, lang, kind) in zip(axes.flat, panels):
         if kind == "bpb":
-            _bpb_panel(ax, [r for r in records if r["task"] == task and r["lang"] == lang], systems, unit)
+            _bpb_panel(ax, [r for r in records if r["task"] == task and r["lang"] == lang], systems, unit, colors)
             ax.set_title(f"{task} · {lang} · bits per byte", fontsize=9)
             ax.set_xlabel(xlabel, fontsize=8)
             ax.set_ylabel("bits per byte (lower is better)", fontsize=8)
@@ -1082,11 +1103,11 @@ def plot_curves(records: list[dict], path, device: str = "v100-paper", baseline:
                 pts = [(0.0, start[0]), *pts]
             if pts:
                 ax.plot([x / unit for x, _ in pts], [y for _, y in pts], marker="o", ms=3, label=system,
-                        color=COLORS.get(system))
+                        color=colors[system])
         for r in records:  # each fine-tuned model with no adaptation, in the colour of its first system
             if r["system"] == NO_ADAPTATION and r["task"] == task and r["lang"] == lang:
                 of = r.get("of") or []
-                ax.axhline(r["score"], color=COLORS.get(of[0], "gray") if of else "gray", ls="-.", lw=1.0,
+                ax.axhline(r["score"], color=colors.get(of[0], "gray") if of else "gray", ls="-.", lw=1.0,
                            label=f"no adaptation ({', '.join(of)}'s fine-tuned model)" if of else "no adaptation")
         if has_target(cs, baseline, task, lang):
             ax.axhline(near_max_target(cs[(baseline, task, lang)][-1][1]), color="gray", ls="--", lw=0.8,
@@ -1144,14 +1165,14 @@ def plot_speedup(records: list[dict], path, baseline: str = "bl_base", device: s
         return False
     plt = pyplot()
     tasks = sorted({t for _, t in sp})
-    systems = sorted({s for s, _ in sp})
+    systems, colors = sorted({s for s, _ in sp}), system_colors(records)
     fig, ax = plt.subplots(figsize=(1.2 + 1.4 * max(1, len(tasks)), 3.0))
     width = 0.8 / max(1, len(systems))
     for i, system in enumerate(systems):
         xs = [j + i * width for j in range(len(tasks))]
         got = [sp.get((system, t)) for t in tasks]
         ax.bar(xs, [0.0 if g is None or g.mean is None else g.mean for g in got], width, label=system,
-               color=COLORS.get(system))
+               color=colors[system])
         for x, g in zip(xs, got):
             if g is not None and g.never:  # the bar is the mean over the other languages only
                 ax.annotate(f"never {g.never}/{g.reached + g.never}", (x, 0.0 if g.mean is None else g.mean),

@@ -202,6 +202,14 @@ def test_task_table_gives_gains_over_chance_and_the_share_of_the_ceilings():
     assert "| bl_base | 1 | 0.386 | 36.0 | 38.0 | 37.0 | 100.0% | +17.0 | 100% | - |" in md
     assert "| minijoint | 1 | 0.386 | 32.0 | 34.0 | 33.0 | 89.2% | +13.0 | 76% | 93% |" in md
     assert "| minijoint:full | 1 | 0.386 | 33.0 | 35.0 | 34.0 | 91.9% | +14.0 | 82% | - |" in md
+    # Two minijoint runs told apart ('minijoint [run]'): each measured against minijoint:full too
+    # (the column was dropped: their ceiling was looked up as 'minijoint [a]:full')
+    split = records + [{**r, "system": "minijoint [b]", "score": r["score"] - 2} for r in records[2:4]]
+    for r in split[2:4]:
+        r["system"] = "minijoint [a]"
+    md = report_markdown(split)
+    assert "| minijoint [a] | 1 | 0.386 | 32.0 | 34.0 | 33.0 | 89.2% | +13.0 | 76% | 93% |" in md
+    assert "| minijoint [b] | 1 | 0.386 | 30.0 | 32.0 | 31.0 | 83.8% | +11.0 | 65% | 79% |" in md
     # No ceiling: no ceiling column; no chance level: neither gain column.
     assert "ceiling's gain" not in report_markdown(records[:4])
     assert "gain over chance" not in report_markdown([{k: v for k, v in r.items() if k != "chance"}
@@ -631,6 +639,34 @@ def test_a_baseline_score_of_zero_or_below_sets_no_target_and_no_retention():
     assert "No target in fr: bl_base's final score there is not above 0." in md
 
 
+def test_a_baseline_with_its_start_alone_sets_no_target_there():
+    """bl_base in fr has only its update-0 record (a run still training, or stopped there): fr has
+    no target, so minijoint is not 'never' there against 95% of an untrained start, the table and
+    speedup_table (the plot's 'never k/n') agree, and a line says why."""
+    day = 2.592e18
+    records = _curve("bl_base", [2 * day, 4 * day], [50, 60]) + _curve("minijoint", [day, 2 * day], [56, 58])
+    records += [{**r, "lang": "fr"} for r in _curve("minijoint", [day, 2 * day], [20, 25])]
+    records += [{"system": "bl_base", "task": "genre", "lang": "fr", "step": 0, "flops": 0.0, "score": 30.0}]
+    from mmadapt.report import Speedup, speedup_table
+
+    md = report_markdown(records)
+    assert "| minijoint | 1.5 (1–2) | - | 2.27× (1 langs) | 0 |" in md
+    assert "No target in fr: bl_base has no trained checkpoint there (its start, update 0, alone)." in md
+    assert "bl_base in fr" not in md  # (was 'already at the target before any Step-2 update': its start, itself)
+    assert speedup_table(records)[("minijoint", "genre")] == Speedup(pytest.approx(3.4 / 1.5), 1, 0)
+
+
+def test_every_system_of_a_plot_has_a_colour_of_its_own():
+    """minijoint@2, minijoint@4 and a run told apart were drawn in the colours the cycle restarts
+    at, bl_base's and minijoint's; the same colour in both plots."""
+    from mmadapt.report import COLORS, system_colors
+
+    names = ["bl_base", "minijoint", "minijoint@2", "minijoint@4", "bl_base [fvt]", "minijoint p=0.25"]
+    colors = system_colors([r for s in names for r in _curve(s, [1e18], [50])])
+    assert {s: colors[s] for s in ("bl_base", "minijoint")} == {s: COLORS[s] for s in ("bl_base", "minijoint")}
+    assert len({str(colors[s]) for s in names}) == len(names)
+
+
 def test_a_language_a_system_was_not_run_in_is_not_counted_as_never_reached():
     """bl_base in de and fr, minijoint in de only: its speedup is de's, and fr is no failure."""
     from mmadapt.report import speedup_table
@@ -800,17 +836,17 @@ def test_bits_per_byte_records_without_a_step_are_read():
 def test_the_bits_per_byte_panel_draws_each_primary_models_own_no_adaptation():
     """The demo scores three primary models: each one's own tokenizer and embeddings read the text
     at their own bits per byte, and every system was drawn against the first record's."""
-    from mmadapt.report import _bpb_panel, pyplot
+    from mmadapt.report import _bpb_panel, pyplot, system_colors
 
     plt = pyplot()
     records = [{**r, "none_bpb": 2.9} if r["system"] == "minipost" else r for r in _bpb_records()]
     fig, ax = plt.subplots()
-    _bpb_panel(ax, records, ["bl_base", "expand", "minipost"], 1e18)
+    _bpb_panel(ax, records, ["bl_base", "expand", "minipost"], 1e18, system_colors(records))
     nones = {line.get_label(): line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() == "-."}
     assert nones == {"no adaptation (bl_base, expand's primary model)": 2.7,
                      "no adaptation (minipost's primary model)": 2.9}
     ax.clear()
-    _bpb_panel(ax, _bpb_records(), ["bl_base", "expand", "minipost"], 1e18)
+    _bpb_panel(ax, _bpb_records(), ["bl_base", "expand", "minipost"], 1e18, system_colors(records))
     assert [line.get_label() for line in ax.get_lines() if line.get_linestyle() == "-."] == [
         "no adaptation (own tokenizer and embeddings)"]
     plt.close(fig)
