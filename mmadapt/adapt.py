@@ -934,9 +934,9 @@ class ArtifactWriter:
         if resume:
             for done in checkpoint.complete_tags(ckpt):
                 if not (embeddings / done / ARTIFACT_FILE).is_file() and checkpoint.damaged(ckpt / done) is None:
-                    update = int(done.removeprefix("step"))  # a stop's, off `train`'s schedule, marked so
+                    update = int(done.removeprefix("step"))  # a stop's or pause's, off `train`'s schedule, marked so
                     self(update, done, *checkpoint.work_run(ckpt / done),
-                         scheduled=train.saves_at(update, train.train_iters))
+                         scheduled=train.on_schedule(update, train.train_iters))
 
     def tensors(self, sd: dict) -> dict:
         """An artifact's tensors (artifact.write_artifact) from the checkpoint `sd` (the trained

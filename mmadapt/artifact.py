@@ -101,17 +101,19 @@ def artifact_dirs(paths: list[Path]) -> list[Path]:
 
 
 def _on_schedule(run: Path, found: list[Path]) -> list[Path]:
-    """An adapt run's artifacts (step order) less those saved where it was stopped (meta.json's
-    off_schedule) that a later one follows: a run stopped and continued holds a curve point at
-    the update it stopped at that no other run of its schedule has (it would move a curve's
-    time-to-target). A run's last artifact stays whatever it is: a run stopped and not continued
-    ends there. Named by its directory, a stop's artifact is scored like any other."""
+    """An adapt run's artifacts (step order) less those saved where it was stopped or paused by
+    --exit_interval (meta.json's off_schedule) that a later one follows: a run stopped and
+    continued holds a curve point at the update it stopped at that no other run of its schedule
+    has (it would move a curve's time-to-target). A run's last artifact stays whatever it is: a
+    run stopped and not continued ends there. Named by its directory, a stop's artifact is
+    scored like any other."""
     off = [d for d in found[:-1] if (d / "meta.json").is_file()  # one without: refused where it is read
            and d.name != checkpoint.tag_for(0)  # the start: on every schedule (marked off it on 2026-12-06)
            and checkpoint.read_json(d / "meta.json", "Step-2 artifact file").get("off_schedule")]
     if off:
-        print(f"note: {run}: {', '.join(d.name for d in off)} left out, saved where the run was stopped and continued "
-              "(off its --save_interval schedule): pass it by its directory to score it", file=sys.stderr)
+        print(f"note: {run}: {', '.join(d.name for d in off)} left out, saved where the run was stopped (or paused) "
+              "and continued (off its --save_interval schedule): pass it by its directory to score it",
+              file=sys.stderr)
     return [d for d in found if d not in off]
 
 

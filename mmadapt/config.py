@@ -537,13 +537,18 @@ class LoopConfig(Checked):
         """Blocks (or examples) per update over every data-parallel rank."""
         return self.train_micro_batch_size_per_gpu * self.gradient_accumulation_steps * data_parallel_size
 
+    def on_schedule(self, done: int, total: int) -> bool:
+        """Whether update `done` is on the save schedule of a run of `total` updates (update 0,
+        every save_interval, extra_save_steps, the last): what every run of the schedule saves,
+        however its jobs were cut. A stop's checkpoint (SIGTERM, the STOP file) and an
+        exit_interval pause (a flag a resume may change) are off it: their Step-2 artifacts are
+        marked off_schedule, points no other run of the schedule has (a curve leaves them out)."""
+        return done % self.save_interval == 0 or done in self.extra_save_steps or done == total
+
     def saves_at(self, done: int, total: int) -> bool:
-        """Whether a run of `total` updates checkpoints after update `done` on its schedule
-        (update 0, every save_interval, extra_save_steps, exit_interval's pauses, the last). A
-        stop's checkpoint (SIGTERM, the STOP file) is off it: its Step-2 artifact is marked
-        off_schedule, a point no other run of the schedule has (a sweep's curves leave it out)."""
-        return (done % self.save_interval == 0 or done in self.extra_save_steps or done == total
-                or (self.exit_interval > 0 and done % self.exit_interval == 0))
+        """Whether a run of `total` updates checkpoints after update `done`: on its schedule, or
+        at exit_interval's pauses."""
+        return self.on_schedule(done, total) or (self.exit_interval > 0 and done % self.exit_interval == 0)
 
     def warmup_iters(self, total: int) -> int:
         """Updates of linear warm-up before the linear decay to 0 at `total`."""

@@ -783,8 +783,8 @@ class LoopJob:
     counts the updates run to reach it (fp16 steps skipped on an overflow included: their forward
     and backward were computed, what FLOPs and tokens count) and `rows` the positions projected
     in them over every replica (None: not counted, or not since update 0: a checkpoint from
-    before the count was resumed); `scheduled` (a keyword) False for a stop's checkpoint off the
-    schedule (LoopConfig.saves_at) where the run's other checkpoints are.
+    before the count was resumed); `scheduled` (a keyword) False for a stop's or a pause's
+    checkpoint off the schedule (LoopConfig.on_schedule) where the run's other checkpoints are.
     evaluate() -> this rank's validation losses [k] (as step_fn's), every `eval_interval`
     updates: logged as `valid_loss` (and `valid_head_losses`) rows. split_losses: step_fn's losses
     end with two texts' (loss sum, count) pairs (layers.split_sums), logged as <name>_loss
@@ -949,8 +949,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                             rows.append(row)
                             log.write(row, scalars)
                     bar.update(1)
-                    if saving:
-                        saved = save()
+                    if saving:  # (a pause alone is off the schedule: its Step-2 artifact no curve point)
+                        saved = save(scheduled=loop.on_schedule(done, total))
                     t_aside += time.perf_counter() - t_eval
                     if exiting and done < total:
                         dist.barrier()  # leave with rank 0, once its after_save (Step 2's artifact) is written
@@ -963,7 +963,7 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     # replays those batches from the same loss scale and RNG states: the same skips.
                     # Off the schedule unless this update is on it (a scheduled save that skipped
                     # fp16 steps put off: update 0 of a run whose first updates were all skipped)
-                    tag = saved if saved == checkpoint.tag_for(done) else save(scheduled=loop.saves_at(done, total))
+                    tag = saved if saved == checkpoint.tag_for(done) else save(scheduled=loop.on_schedule(done, total))
                     if rank0:
                         stop_file.unlink(missing_ok=True)
                     # Every rank leaves with rank 0, once its after_save is written: DeepSpeed's

@@ -67,6 +67,9 @@ def test_a_resumed_run_writes_a_stops_lost_artifact_off_the_schedule(tmp_path):
     init_parallel(1, 1)
     writer.save_start(True, TrainConfig(train_iters=8, save_interval=4))
     assert calls == [(4, True), (6, False)]
+    calls[:] = []  # a pause's (exit_interval 6) the same: off the schedule, whatever the flag of the resume
+    writer.save_start(True, TrainConfig(train_iters=8, save_interval=4, exit_interval=6))
+    assert calls == [(4, True), (6, False)]
 
 
 def test_overlap_init_copies_exactly_the_shared_pieces():

@@ -378,6 +378,21 @@ def test_a_stops_checkpoint_is_said_to_be_off_the_schedule(tmp_path):
         train_loop(engine, skipped, job, TrainConfig(log_interval=1, save_interval=5), 20, run_dir=tmp_path / "b",
                    resume=False)
     assert saved == [(0, True)]
+    # An --exit_interval pause is off the schedule too (a flag a resume may change: a curve of the
+    # same training held a point where one job of it paused); a pause on the schedule is on it
+    saved[:] = []
+    (tmp_path / "c").mkdir(), (tmp_path / "d").mkdir()
+    with pytest.raises(faults.Paused):
+        train_loop(FakeEngine(), lambda position: torch.tensor([1.0]), job,
+                   TrainConfig(log_interval=1, save_interval=5, exit_interval=7), 20, run_dir=tmp_path / "c",
+                   resume=False)
+    assert saved == [(5, True), (7, False)]
+    saved[:] = []
+    with pytest.raises(faults.Paused):
+        train_loop(FakeEngine(), lambda position: torch.tensor([1.0]), job,
+                   TrainConfig(log_interval=1, save_interval=5, exit_interval=10), 20, run_dir=tmp_path / "d",
+                   resume=False)
+    assert saved == [(5, True), (10, True)]
 
 
 def test_the_rows_projected_are_counted_through_skips_and_resumes(tmp_path, monkeypatch):
