@@ -124,6 +124,9 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
     (plugins / "otherpkg" / "families.py").write_text("import otherpkg.helpers_typo\n")
     (plugins / "nspkg" / "myplug").mkdir(parents=True)  # a namespace package: its others are other distributions
     (plugins / "nspkg" / "myplug" / "__init__.py").write_text("import nspkg.cloud_extra\n")
+    (plugins / "nspkg" / "mmfamily").mkdir()  # a regular package within it, importing its own misnamed module
+    (plugins / "nspkg" / "mmfamily" / "__init__.py").write_text("")
+    (plugins / "nspkg" / "mmfamily" / "families.py").write_text("import nspkg.mmfamily.helpers_typo\n")
     monkeypatch.syspath_prepend(str(plugins))
     for spec, message in (("raising_family", "MMADAPT_IMPORT: importing raising_family failed (RuntimeError: boom): "
                                              "fix the module"),
@@ -140,7 +143,10 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
                                                 "which otherpkg does not have: fix that import"),
                           ("otherpkg.missing", "MMADAPT_IMPORT: cannot import otherpkg.missing"),
                           ("nspkg.myplug", "MMADAPT_IMPORT: nspkg.myplug imports nspkg.cloud_extra, which is not "
-                                           "installed: install it")):
+                                           "installed: install it"),
+                          ("nspkg.mmfamily.families", "MMADAPT_IMPORT: nspkg.mmfamily.families imports "
+                                                      "nspkg.mmfamily.helpers_typo, which nspkg.mmfamily does not "
+                                                      "have: fix that import")):
         monkeypatch.setenv("MMADAPT_IMPORT", spec)
         assert main(["flops", "--preset", "tiny"]) == 2
         err = capsys.readouterr().err.strip()

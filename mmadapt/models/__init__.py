@@ -109,9 +109,9 @@ def import_plugins(spec: str | None = None) -> None:
         try:
             loaded = importlib.import_module(module)
         except ModuleNotFoundError as e:
-            package = module.partition(".")[0]
-            if (e.name is not None and e.name.startswith(package + ".")  # its package's own module, misnamed
-                    and e.name != module and not module.startswith(e.name + ".") and _regular_package(package)):
+            package = _shared_package(module, e.name)  # acme.mmfamily of acme.mmfamily.{families,helpers_typo}
+            if (package and e.name != module and not module.startswith(e.name + ".")  # its package's own, misnamed
+                    and _regular_package(package)):
                 raise ValueError(f"{IMPORT_VARIABLE}: {module} imports {e.name}, which {package} does not have: "
                                  "fix that import") from e
             if e.name is not None and module != e.name and not module.startswith(e.name + "."):
@@ -139,6 +139,17 @@ def import_plugins(spec: str | None = None) -> None:
 
 
 _IMPORTED: set[str] = set()  # what import_plugins has imported in this process
+
+
+def _shared_package(module: str, missing: str | None) -> str:
+    """The deepest package holding both `module` and the `missing` module it imports ('' where
+    none does)."""
+    shared = []
+    for a, b in zip(module.split("."), (missing or "").split(".")[:-1]):
+        if a != b:
+            break
+        shared.append(a)
+    return ".".join(shared)
 
 
 def _regular_package(name: str) -> bool:
