@@ -788,7 +788,8 @@ def extend_main(argv=None) -> int:
     args = p.parse_args(argv)
     ext = Extend(**{k: getattr(args, k) for k in d if hasattr(args, k)})
     # under MMADAPT_TINY=1 the sizes no flag gives too (TINY_CAPS: the target vocabulary's sample)
-    extend(override(ext, args) if getattr(args, "_tiny_sizes", False) else ext)
+    tiny = getattr(args, "_tiny_sizes", False)
+    extend(override(ext, args) if tiny else ext, tiny=tiny)
     return 0
 
 

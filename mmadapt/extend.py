@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -92,12 +91,12 @@ class Extend:
                                      "vocabulary", flag=False, ge=1)
     system: str = "minipost"
     source_corpus: str = "bible:en"
-    seq_length: int = 64
-    batch: int = 32
+    seq_length: int = _f(64, "pieces per block in every stage", flag=False, ge=8)
+    batch: int = _f(32, "blocks per update in every stage", flag=False, ge=1)
     lr: float = 1e-3
-    head_iters: int = 200
-    minipost_iters: int = 500
-    adapt_iters: int = 600
+    head_iters: int = _f(200, "fit-head's updates", flag=False, ge=1)
+    minipost_iters: int = _f(500, "Step 1b's updates", flag=False, ge=1)
+    adapt_iters: int = _f(600, "Step 2's updates", flag=False, ge=1)
     # held-out target blocks each Step-2 checkpoint is scored on through the primary model (adapt
     # --plugin_eval_blocks): the progress line and the summary's plug-in loss
     plugin_eval_blocks: int = _f(256, "held-out target blocks per Step-2 checkpoint", flag=False, ge=1)
@@ -107,12 +106,14 @@ class Extend:
     def __post_init__(self):
         """Every argument checked here, before anything is written: a mistake found by a stage
         would come after the stages before it had trained and left their runs."""
+        # the declared types and ranges (the command line's), first: Path(None) was a TypeError, and a
+        # plugin_eval_blocks 0 failed at the summary
+        check_declared(self)
         self.model, self.output_dir = Path(self.model).resolve(), Path(self.output_dir)
         self.into = None if self.into is None else Path(self.into).resolve()
         # recorded as absolute paths: the same extension continued from another directory, or
         # with another spelling of its corpus, is the same extension
         self.corpus, self.source_corpus = _corpus_spec(self.corpus), _corpus_spec(self.source_corpus)
-        check_declared(self)  # the declared ranges (the command line's): plugin_eval_blocks 0 failed at the summary
         if self.system not in SYSTEMS:
             raise ValueError(f"--system {self.system}: extend adapts an imported model over {' or '.join(SYSTEMS)}")
         if self.system != "minipost" and _given(self, "minipost_iters"):  # known before the import, unlike fit-head's
@@ -189,16 +190,16 @@ def _corpus_spec(spec: str) -> str:
     return spec if spec.startswith("bible:") else str(Path(spec).resolve())
 
 
-def claim(ext: Extend) -> bool:
+def claim(ext: Extend, tiny: bool = False) -> bool:
     """The output directory is this extension's: new or empty (its record is written: -> True), or
     holding the record of the same extension (continued: -> False). Anything else is refused in
-    one line, nothing written."""
+    one line, nothing written. tiny: whether MMADAPT_TINY=1 capped `ext`'s sizes (the command
+    line's; a Python call's are as given, whatever the environment), recorded too: a call without
+    it (or with it, on one made without) was refused naming a capped size the user never gave
+    (head_iters 8, not 200)."""
     def as_recorded(fields: dict) -> dict:  # as extend.json holds them (paths as text)
         return json.loads(json.dumps(fields, default=str))
 
-    # and whether MMADAPT_TINY=1 capped its sizes: a call without it (or with it, on one made
-    # without) was refused naming a capped size the user never gave (head_iters 8, not 200)
-    tiny = os.environ.get(TINY_ENV) == "1"
     out, mine = ext.output_dir, {**as_recorded(dataclasses.asdict(ext)), "tiny": tiny}
     checkpoint.check_output_dir(out)  # a file on its way: refused here, not by the first write
     record = out / RECORD
@@ -244,9 +245,10 @@ def claim(ext: Extend) -> bool:
     return True
 
 
-def extend(ext: Extend) -> dict:
+def extend(ext: Extend, tiny: bool = False) -> dict:
     """The extension (module docstring). -> its summary: the plug-in loss of the new embeddings at
-    the start and at the end beside the target unigram reference, and the export's directories."""
+    the start and at the end beside the target unigram reference, and the export's directories.
+    tiny: `ext`'s sizes are MMADAPT_TINY=1's caps (the command line's, `claim`)."""
     if not isinstance(ext, Extend):  # its fields are checked when it is made
         raise ValueError(f"ext takes an Extend, got {type(ext).__name__}")
     world = parallel.launched_world_size()
@@ -255,7 +257,7 @@ def extend(ext: Extend) -> dict:
                          "extend`, not under deepspeed, torchrun or srun; for several GPUs launch its steps "
                          "(docs/huggingface.md, from xlm-roberta-base to XNLI)")
     made = checkpoint.missing_dirs(ext.output_dir)
-    fresh = claim(ext)
+    fresh = claim(ext, tiny)
     say = _stage_printer()
     try:
         imported, sibling, files = _imported(ext, say)

@@ -197,6 +197,12 @@ def test_every_numeric_field_declares_its_range():
     (lambda: __import__("mmadapt.extend").extend.Extend(model="m", lang="de", corpus="bible:de", output_dir="o",
                                                         vocab_size=7),
      "Extend.vocab_size must be >= 8, got 7"),
+    # (a path of None was a TypeError from pathlib; a schedule's 0 named --save_interval, no flag of extend's)
+    (lambda: __import__("mmadapt.extend").extend.Extend(model=None, lang="de", corpus="bible:de", output_dir="o"),
+     "Extend.model takes a path, got None"),
+    (lambda: __import__("mmadapt.extend").extend.Extend(model="m", lang="de", corpus="bible:de", output_dir="o",
+                                                        head_iters=0),
+     "Extend.head_iters must be >= 1, got 0"),
     (lambda: __import__("mmadapt.run").run.RunSpec(output_dir="o", data_path="d", corpus="bible:en"),
      "RunSpec takes one text: data_path (a prepared dataset) or corpus (raw text), not both"),
     (lambda: __import__("mmadapt.steps").steps.preprocess("bible:de", Path("o"), None, expand_from=Path("r")),
@@ -251,7 +257,7 @@ def test_every_numeric_field_declares_its_range():
         "evaluate-empty-list", "evaluate-plugin-blocks", "evaluate-eval-file", "evaluate-plugin-data",
         "adapt-vocab-size", "sweep-vocab-size", "extend-plugin-eval-blocks", "layout-tp-zero", "layout-pp-str",
         "layout-fusion", "layout-dropout-nan", "adapt-mini-layers-zero", "sweep-mini-layers-zero",
-        "extend-vocab-size", "run-spec-two-texts",
+        "extend-vocab-size", "extend-model-none", "extend-head-iters-zero", "run-spec-two-texts",
         "preprocess-expand-no-size", "evaluate-graft-str", "evaluate-cfg-type", "plugin-two-primaries", "plugin-allow-str", "preprocess-vocab-float", "preprocess-vocab-small", "preprocess-cfg-type",
         "preprocess-output-inside-expand-from", "predict-two-runs", "encoder-two-runs", "encoder-device",
         "predict-embeddings-type",
@@ -648,7 +654,7 @@ def test_mmadapt_tiny_caps_the_sample_extend_trains_its_vocabulary_on(monkeypatc
 
     model = _config_only_model(tmp_path)
     seen = []
-    monkeypatch.setattr(extend, "extend", seen.append)
+    monkeypatch.setattr(extend, "extend", lambda ext, tiny=False: seen.append(ext))
     argv = ["extend", "--model", str(model), "--lang", "de", "--corpus", "bible:de",
             "--output_dir", str(tmp_path / "o")]
     for tiny, lines in (("0", PreprocessConfig.tokenizer_sample_lines), ("1", TINY_CAPS["tokenizer_sample_lines"])):
@@ -736,13 +742,13 @@ def test_an_extension_made_under_mmadapt_tiny_is_told_apart_from_other_arguments
     from mmadapt import cli, extend
 
     model, seen = _config_only_model(tmp_path), []
-    monkeypatch.setattr(extend, "extend", seen.append)
+    monkeypatch.setattr(extend, "extend", lambda ext, tiny=False: seen.append((ext, tiny)))
 
     def call(out: str, tiny: bool) -> bool:  # the command line's Extend, claimed as extend claims it
         monkeypatch.setenv("MMADAPT_TINY", "1" if tiny else "0")
         assert cli.main(["extend", "--model", str(model), "--lang", "de", "--corpus", "bible:de", "--output_dir",
                          str(tmp_path / out)]) == 0
-        return extend.claim(seen[-1])
+        return extend.claim(*seen[-1])
     assert call("o", tiny=True) is True
     record = (tmp_path / "o" / "extend.json").read_text()
     with pytest.raises(ValueError, match=r"^\S+/o holds an extension made with MMADAPT_TINY=1 \(adapt_iters 8 there, "
@@ -754,11 +760,19 @@ def test_an_extension_made_under_mmadapt_tiny_is_told_apart_from_other_arguments
     monkeypatch.setenv("MMADAPT_TINY", "0")
     with pytest.raises(ValueError, match=r"^\S+/o holds the extension of \S+ with lr 0.001, not 0.0005: continue it "
                                          "with the same arguments"):
-        extend.claim(dataclasses.replace(seen[-2], lr=5e-4))
+        extend.claim(dataclasses.replace(seen[-2][0], lr=5e-4))
     assert call("p", tiny=False) is True
     with pytest.raises(ValueError, match=r"made without MMADAPT_TINY=1 \(adapt_iters 600 there, 8 here\): continue "
                                          "it without MMADAPT_TINY=1"):
         call("p", tiny=True)
+    # A Python call's sizes are as given, whatever the environment: recorded as not capped (it was
+    # recorded as tiny at 600 updates, and the command line under MMADAPT_TINY=1 then said
+    # 'adapt_iters 600, not 8: continue it with the same arguments', which it had)
+    monkeypatch.setenv("MMADAPT_TINY", "1")
+    assert extend.claim(extend.Extend(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "q")) is True
+    with pytest.raises(ValueError, match=r"made without MMADAPT_TINY=1 \(adapt_iters 600 there, 8 here\): continue "
+                                         "it without MMADAPT_TINY=1"):
+        call("q", tiny=True)
 
 
 def test_a_step_1b_flag_under_bl_base_is_refused_before_the_import(tmp_path, monkeypatch):

@@ -517,7 +517,7 @@ def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_pat
                                 faults.EXIT_USER, "error: every complete checkpoint in X is damaged (why): restore "
                                 "its files and run the same command again, or start a new --output_dir")):
         monkeypatch.setattr(steps, "sweep", lambda run, step: (_ for _ in ()).throw(raised))
-        monkeypatch.setattr(extend, "extend", lambda ext: (_ for _ in ()).throw(raised))
+        monkeypatch.setattr(extend, "extend", lambda ext, tiny=False: (_ for _ in ()).throw(raised))
         monkeypatch.setattr(cli, "demo_command", lambda argv: (_ for _ in ()).throw(raised))
         for argv in (["sweep", "--source", str(tmp_path / "src"), "--lang", "de", "--output_dir", str(tmp_path / "o")],
                      ["extend", "--model", str(tmp_path / "model"), "--lang", "de", "--corpus", "bible:de",
