@@ -245,6 +245,7 @@ def claim(ext: Extend, tiny: bool = False) -> bool:
     return True
 
 
+@faults.resumes_itself
 def extend(ext: Extend, tiny: bool = False) -> dict:
     """The extension (module docstring). -> its summary: the plug-in loss of the new embeddings at
     the start and at the end beside the target unigram reference, and the export's directories.

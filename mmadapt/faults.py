@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -77,6 +78,20 @@ class Paused(Exception):
 
     def __reduce__(self):  # pickled by its fields (Stopped's)
         return type(self), (self.step, self.total, self.tag)
+
+
+def resumes_itself(step):
+    """A step that continues its runs by itself (sweep, extend: the same call again, no resume
+    flag): a stop or pause inside it says so as it leaves, from Python too (the command line
+    words its own line, cli.user_errors)."""
+    @functools.wraps(step)
+    def wrapped(*args, **kwargs):
+        try:
+            return step(*args, **kwargs)
+        except (Stopped, Paused) as e:
+            e.args = (e.said(False),)
+            raise
+    return wrapped
 
 
 # --- signals -------------------------------------------------------------------------------------

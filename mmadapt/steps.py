@@ -727,6 +727,7 @@ def _refuse_another_sources_sweep(out: Path, source: Path, given, swept: str | N
                              f"{given}: choose a new --output_dir, or pass --source {other} (nothing is overwritten)")
 
 
+@faults.resumes_itself
 def sweep(run: RunSpec, step: Sweep) -> dict | None:
     """Step 2 over each depth into <output_dir>/<N>/ (and, with cfg.ceiling, over the full
     primary model into <output_dir>/full/). Writes sweep.json (the records and the summary),

@@ -496,6 +496,21 @@ def test_exit_interval_pauses_with_its_own_exception_and_a_finished_run_does_not
     assert rows[-1]["step"] == 8 and faults.EXIT_PAUSED == 76
 
 
+def test_a_step_that_resumes_by_itself_says_call_it_again_from_python_too():
+    """extend() and steps.sweep() from Python, stopped or paused inside: the exception said
+    'run the same command with --resume', which neither has."""
+    from mmadapt import extend, steps
+
+    for raised, said in ((faults.Stopped(3, "step00000003", "SIGINT"), "run the same command again to continue"),
+                         (faults.Paused(2, 4, "step00000002"), "run the same command again to go on")):
+        def step(*a, **kw):
+            raise raised
+        with pytest.raises(type(raised)) as e:
+            faults.resumes_itself(step)()
+        assert str(e.value).endswith(said) and "--resume" not in str(e.value)
+    assert all(getattr(f, "__wrapped__", None) for f in (extend.extend, steps.sweep))
+
+
 def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_path, capsys):
     """A pause, a stop or a damaged run under sweep, extend or demo (no --resume: the same command
     again goes on) said "run the same command with --resume" or "resume", which they refuse as an
