@@ -31,7 +31,7 @@ from mmadapt.report import (NO_ADAPTATION, PAPER, pyplot, adaptation_markdown, c
                             read_results, bpb_markdown, format_flops_table, paper_rows, plot_curves, plot_speedup,
                             report_markdown)
 from mmadapt.models import FAMILIES, PRESETS, find_preset, import_plugins
-from mmadapt.run import RunSpec, read_source
+from mmadapt.run import STEP_ONE, RunSpec, read_source
 from mmadapt.slurm import main as slurm_command
 from mmadapt.sweep import SweepConfig
 from mmadapt.tasks import TASKS
@@ -286,7 +286,7 @@ def minipost_parser() -> argparse.ArgumentParser:
 @user_errors
 def minipost_main(argv=None) -> int:
     args = minipost_parser().parse_args(argv)
-    step = steps.BuildMinipost(primary=Path(args.primary), train=_schedule(args, args.primary, ("pretrain",)),
+    step = steps.BuildMinipost(primary=Path(args.primary), train=_schedule(args, args.primary, STEP_ONE),
                                mini=override(MiniModelConfig(), args), primary_tag=args.primary_tag)
     steps.build_minipost(run=_run_spec(args), step=step)
     _done(args.output_dir, f"MINIPOST mini-model in {args.output_dir}")
@@ -306,7 +306,7 @@ def fit_head_parser() -> argparse.ArgumentParser:
 @user_errors
 def fit_head_main(argv=None) -> int:
     args = fit_head_parser().parse_args(argv)
-    step = steps.FitHead(primary=Path(args.primary), train=_schedule(args, args.primary, ("pretrain",)),
+    step = steps.FitHead(primary=Path(args.primary), train=_schedule(args, args.primary, STEP_ONE),
                          primary_tag=args.primary_tag)
     steps.fit_head(run=_run_spec(args), step=step)
     _done(args.output_dir, f"MLM head over {args.primary} in {args.output_dir}")

@@ -447,6 +447,8 @@ RUN_KINDS = {"pretrain": "a pretrain or import-hf run (Step 1)", "minipost": "a 
 
 # A head fit (steps.fit_head) writes a Step-1 run that every later step takes as a pretrain run's.
 KIND_OF_STEP = {"fit_head": "pretrain"}
+# The runs build_minipost, fit-head and finetune take: Step 1's alone (pretrain, import-hf, fit-head)
+STEP_ONE = ("pretrain",)
 # What each step's run is, said where a run directory is told from another (check_same_kind):
 # a head fit is its own run there, though later steps take it as a pretrain run's.
 STEP_RUNS = {**RUN_KINDS, "fit_head": "a fit-head run (Step 1: a new MLM head over a headless encoder)"}

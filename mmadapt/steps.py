@@ -62,9 +62,9 @@ from mmadapt.heldout import (Text, heldout_batches, masked_loss, on_device, prim
                              scoring_model, target_logprobs, unigram_logprobs, unigram_loss)
 from mmadapt.plugin import plugin_records
 from mmadapt.report import VERDICT_PIECES
-from mmadapt.run import (RUN_FILE, RUN_TOKENIZER, ChangedRun, RunSpec, Source, Started, agreed_source, check_layout,
-                         check_resumable, check_run, check_same_source, check_trained_positions, pretrained_blocks,
-                         read_run, require_head, require_kind, resumed_tag, run_progress, run_text_layout,
+from mmadapt.run import (RUN_FILE, RUN_TOKENIZER, STEP_ONE, ChangedRun, RunSpec, Source, Started, agreed_source,
+                         check_layout, check_resumable, check_run, check_same_source, check_trained_positions,
+                         pretrained_blocks, read_run, require_head, require_kind, resumed_tag, run_progress, run_text_layout,
                          sampled_fingerprint, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, check_one_file_per_language, get_task
@@ -215,7 +215,7 @@ def build_minipost(run: RunSpec, step: BuildMinipost) -> list[dict]:
     n, k = step.mini.one_depth("build_minipost"), step.mini.new_layers
     source = agreed_source(step.primary,
                            lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag),
-                           kinds=("pretrain",))  # a mini-model's bottom layers are no primary model's
+                           kinds=STEP_ONE)  # a mini-model's bottom layers are no primary model's
     require_head(source, "build_minipost")
     check_trained_positions(source, step.train.seq_length, "build_minipost")
     primary, src, tag, family = source.path, source.record, source.tag, source.family
@@ -282,7 +282,7 @@ def fit_head(run: RunSpec, step: FitHead) -> list[dict]:
     check_run(run, step, FitHead)
     source = agreed_source(step.primary,
                            lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag),
-                           kinds=("pretrain",))  # (a headless model is an import: Step 1)
+                           kinds=STEP_ONE)  # (a headless model is an import: Step 1)
     if not source.headless:
         raise ValueError(f"{source.path} has its MLM head already: fit-head trains one for a headless run (import-hf of "
                          "a BertModel, RobertaModel, XLMRobertaModel or CamembertModel, or of a sentence-transformers "
@@ -489,7 +489,7 @@ def _finetune_source(run: RunSpec, step: Finetune, task) -> tuple[Source, ModelC
         raise ValueError(f"--train_file is required for {task.name} (see mmadapt/readers.py for the data)")
     source = agreed_source(step.primary,
                            lambda: resumed_tag(run.output_dir, run.resume, step.primary, step.primary_tag, "primary"),
-                           kinds=("pretrain",))  # (a run of another kind refused naming Step 1 alone)
+                           kinds=STEP_ONE)  # (a run of another kind refused naming Step 1 alone)
     check_primary(source)
     model_cfg = run.layout.apply(dataclasses.replace(source.cfg, head_layers=(), head_weights=()))
     family = source.family
