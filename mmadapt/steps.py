@@ -64,8 +64,8 @@ from mmadapt.plugin import plugin_records
 from mmadapt.report import VERDICT_PIECES
 from mmadapt.run import (RUN_FILE, RUN_TOKENIZER, STEP_ONE, ChangedRun, RunSpec, Source, Started, agreed_source,
                          check_layout, check_resumable, check_run, check_same_source, check_trained_positions,
-                         pretrained_blocks, read_run, require_head, require_kind, resumed_tag, run_progress, run_text_layout,
-                         sampled_fingerprint, start_run, weights_fingerprint)
+                         pretrained_blocks, read_run, require_head, require_kind, resumed_tag, run_progress,
+                         run_text_layout, sampled_fingerprint, start_run, weights_fingerprint)
 from mmadapt.sweep import CEILING, SweepConfig, plot_sweep, summarize, sweep_markdown
 from mmadapt.tasks import chance_levels, check_one_file_per_language, get_task
 from mmadapt.tokenizer import load as load_tokenizer
