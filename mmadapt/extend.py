@@ -75,7 +75,7 @@ class Extend:
     (TrainConfig fields), sized for a CPU by default."""
     model: Path
     lang: str
-    corpus: str
+    corpus: str | Path  # a text file or bible:<lang>
     output_dir: Path
     vocab_mode: str = "replace"
     # FVT's start (the mean of each new piece's split under the source tokenizer): over
@@ -90,7 +90,7 @@ class Extend:
     tokenizer_sample_lines: int = _f(PreprocessConfig.tokenizer_sample_lines, "lines sampled to train the target "
                                      "vocabulary", flag=False, ge=1)
     system: str = "minipost"
-    source_corpus: str = "bible:en"
+    source_corpus: str | Path = "bible:en"
     seq_length: int = _f(64, "pieces per block in every stage", flag=False, ge=8)
     batch: int = _f(32, "blocks per update in every stage", flag=False, ge=1)
     lr: float = 1e-3

@@ -718,6 +718,8 @@ def test_an_extension_recorded_before_a_field_existed_continues_at_its_default(t
     model = _config_only_model(tmp_path)
     ext = Extend(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "ext")
     assert claim(ext) is True
+    # a corpus given as a Path is the same extension as its text (329d755 refused a Path)
+    assert dataclasses.replace(ext, corpus=Path(ext.corpus)).corpus == ext.corpus
     record = json.loads((ext.output_dir / "extend.json").read_text())
     del record["plugin_eval_blocks"], record["tokenizer_sample_lines"]
     (ext.output_dir / "extend.json").write_text(json.dumps(record))
