@@ -124,6 +124,8 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
     (plugins / "otherpkg" / "families.py").write_text("import otherpkg.helpers_typo\n")
     (plugins / "nspkg" / "myplug").mkdir(parents=True)  # a namespace package: its others are other distributions
     (plugins / "nspkg" / "myplug" / "__init__.py").write_text("import nspkg.cloud_extra\n")
+    (plugins / "optional_dep.py").write_text("raise ModuleNotFoundError('optional dependency foo missing')\n")
+    (plugins / "lazy_register.py").write_text("def register():\n    import some_missing_dep_xyz\n")
     (plugins / "nspkg" / "mmfamily").mkdir()  # a regular package within it, importing its own misnamed module
     (plugins / "nspkg" / "mmfamily" / "__init__.py").write_text("")
     (plugins / "nspkg" / "mmfamily" / "families.py").write_text("import nspkg.mmfamily.helpers_typo\n")
@@ -146,7 +148,13 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
                                            "installed: install it"),
                           ("nspkg.mmfamily.families", "MMADAPT_IMPORT: nspkg.mmfamily.families imports "
                                                       "nspkg.mmfamily.helpers_typo, which nspkg.mmfamily does not "
-                                                      "have: fix that import")):
+                                                      "have: fix that import"),
+                          # (found, its own code raising: was told to put it on PYTHONPATH)
+                          ("optional_dep", "MMADAPT_IMPORT: importing optional_dep failed (ModuleNotFoundError: "
+                                           "optional dependency foo missing): fix the module"),
+                          # (a function's import of a missing package: was told to fix the function)
+                          ("lazy_register:register", "MMADAPT_IMPORT: lazy_register:register() imports "
+                                                     "some_missing_dep_xyz, which is not installed: install it")):
         monkeypatch.setenv("MMADAPT_IMPORT", spec)
         assert main(["flops", "--preset", "tiny"]) == 2
         err = capsys.readouterr().err.strip()

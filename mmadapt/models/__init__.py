@@ -109,15 +109,12 @@ def import_plugins(spec: str | None = None) -> None:
         try:
             loaded = importlib.import_module(module)
         except ModuleNotFoundError as e:
-            package = _shared_package(module, e.name)  # acme.mmfamily of acme.mmfamily.{families,helpers_typo}
-            if (package and e.name != module and not module.startswith(e.name + ".")  # its package's own, misnamed
-                    and _regular_package(package)):
-                raise ValueError(f"{IMPORT_VARIABLE}: {module} imports {e.name}, which {package} does not have: "
-                                 "fix that import") from e
-            if e.name is not None and module != e.name and not module.startswith(e.name + "."):
-                # found, and one of its own imports is not: installing that is the fix
-                raise ValueError(f"{IMPORT_VARIABLE}: {module} imports {e.name}, which is not installed: install "
-                                 "it") from None
+            line = _missing_import(e, module, module)
+            if line is not None:
+                raise ValueError(line) from e
+            if e.name is None:  # raised by the module's own code (an optional dependency's check): it was found
+                raise ValueError(f"{IMPORT_VARIABLE}: importing {module} failed (ModuleNotFoundError: {e}): fix the "
+                                 "module (MMADAPT_DEBUG=1 shows where)") from e
             raise ValueError(f"{IMPORT_VARIABLE}: cannot import {module} ({e}): put its directory on PYTHONPATH, "
                              "or fix the module name") from None
         except ValueError as e:  # register_family's refusal (or the module's own), said as coming from it
@@ -132,6 +129,10 @@ def import_plugins(spec: str | None = None) -> None:
                 getattr(loaded, function)()
             except ValueError as e:
                 raise ValueError(f"{IMPORT_VARIABLE}: {module}:{function}(): {e}") from e
+            except ModuleNotFoundError as e:  # an import inside the function: as the module's own imports are said
+                line = _missing_import(e, module, f"{module}:{function}()")
+                raise ValueError(line or f"{IMPORT_VARIABLE}: {module}:{function}() failed (ModuleNotFoundError: "
+                                 f"{e}): fix it (MMADAPT_DEBUG=1 shows where)") from e
             except Exception as e:
                 raise ValueError(f"{IMPORT_VARIABLE}: {module}:{function}() failed ({type(e).__name__}: {e}): fix "
                                  "it (MMADAPT_DEBUG=1 shows where)") from e
@@ -139,6 +140,18 @@ def import_plugins(spec: str | None = None) -> None:
 
 
 _IMPORTED: set[str] = set()  # what import_plugins has imported in this process
+
+
+def _missing_import(e: ModuleNotFoundError, module: str, said: str) -> str | None:
+    """The line for `module` (said as `said`), found, whose import of another module (e.name)
+    failed: a module of its own regular package, misnamed (fix that import), else one to install;
+    None where `module` itself was not found, or the error names no module."""
+    if e.name is None or e.name == module or module.startswith(e.name + "."):
+        return None
+    package = _shared_package(module, e.name)  # acme.mmfamily of acme.mmfamily.{families,helpers_typo}
+    if package and _regular_package(package):
+        return f"{IMPORT_VARIABLE}: {said} imports {e.name}, which {package} does not have: fix that import"
+    return f"{IMPORT_VARIABLE}: {said} imports {e.name}, which is not installed: install it"
 
 
 def _shared_package(module: str, missing: str | None) -> str:
