@@ -1094,18 +1094,14 @@ CASES = [
     ("minipost-primary-is-a-minipost-run", lambda c: c.minipost(primary=c.kind_copy("minipost")),
      "is a build_minipost run (Step 1b); this needs a pretrain or import-hf run (Step 1)"),
     # (a run of a kind neither step takes: the schedule's read named build_minipost runs among those to pass)
-    ("minipost-primary-is-an-adapt-run", lambda c: c.minipost(primary=c.kind_copy("adapt")),
-     "is an adapt run (Step 2: its products are the artifacts under its embeddings/); this needs a pretrain or "
-     "import-hf run (Step 1)$"),
-    ("minipost-primary-is-a-finetune-run-of-its-own", lambda c: c.minipost(
-        primary=c.kind_copy_without_tokenizer("finetune")),
-     "which reads the tokenizer of the run it was trained from: pass a pretrain or import-hf run (Step 1)$"),
-    ("finetune-primary-is-an-adapt-run", lambda c: c.finetune(primary=c.kind_copy("adapt")),
-     "is an adapt run (Step 2: its products are the artifacts under its embeddings/); this needs a pretrain or "
-     "import-hf run (Step 1)$"),
-    ("finetune-primary-is-a-finetune-run-of-its-own", lambda c: c.finetune(
-        primary=c.kind_copy_without_tokenizer("finetune")),
-     "which reads the tokenizer of the run it was trained from: pass a pretrain or import-hf run (Step 1)$"),
+    *[row for command in ("minipost", "finetune") for row in (
+        (f"{command}-primary-is-an-adapt-run",
+         lambda c, command=command: getattr(c, command)(primary=c.kind_copy("adapt")),
+         "is an adapt run (Step 2: its products are the artifacts under its embeddings/); this needs a pretrain or "
+         "import-hf run (Step 1)$"),
+        (f"{command}-primary-is-a-finetune-run-of-its-own",
+         lambda c, command=command: getattr(c, command)(primary=c.kind_copy_without_tokenizer("finetune")),
+         "which reads the tokenizer of the run it was trained from: pass a pretrain or import-hf run (Step 1)$"))],
     ("fit-head-primary-is-a-minipost-run", lambda c: ["fit-head", "--primary", c.kind_copy("minipost"), "--corpus",
                                                       str(c.corpus), "--output_dir", str(c.out)],
      "is a build_minipost run (Step 1b); this needs a pretrain or import-hf run (Step 1)"),
