@@ -14,15 +14,19 @@
 #   bash benchmarks/gpu_quick.sh [RESULTS_DIR]      # results files there (default benchmarks/results)
 #
 # Through the device tool (files come back from $OUT alone, at most 8, and a call cut at its
-# timeout_s returns nothing written after the cut): BUDGET=S starts no step whose limit would end
-# past S seconds of the script, so that it ends in time to pack everything into one file. The
-# 2026-12 plan, in two calls (the per-step limits of both together are over one call's 600 s):
-#   A: STEPS="gpu-tests replicas-bf16 throughput-cudagraphs profile-cudagraphs-bl_base:adapt"
+# timeout_s returns nothing written after the cut; 15 minutes of device time a session, the
+# machine's start included): BUDGET=S starts no step whose limit would end past S seconds of the
+# script, and PACK=FILE packs the results directory into FILE after every step, so that a call cut
+# short (its timeout, or the session's device time spent) still brings back what it measured. The
+# 23 steps' limits add up to about 35 minutes: a call runs the STEPS chosen. The 2026-12 plan, in
+# two calls (the per-step limits of both together are over one call's 600 s):
+#   A: STEPS="gpu-tests replicas-bf16 throughput-cudagraphs profile-cudagraphs-bl_base:adapt", BUDGET=450
 #   B: STEPS="host-cost-d974fb8 host-cost host-cost-cudagraphs profile-compile-bl_base:adapt
-#             profile-compile-minijoint:adapt throughput-compile"   (the last only if its time is left)
-#   each: mkdir -p /tmp/res; export STEPS=...; BUDGET=500 bash benchmarks/gpu_quick.sh /tmp/res >/tmp/res/log.txt 2>&1;
-#         cp /tmp/host_cost_d974fb8.json /tmp/res/ 2>/dev/null; tar czf $OUT/res.tgz -C /tmp res
-#   with carry [".whl", ".devcache"] and timeout_s 600.
+#             profile-compile-minijoint:adapt throughput-compile"   (the last only if its time is left),
+#      BUDGET = the device time status says is left, less 60 s (A's 450 and the start leave ~330 s)
+#   each: mkdir -p /tmp/res; export STEPS=... BUDGET=... PACK=$OUT/res.tgz;
+#         bash benchmarks/gpu_quick.sh /tmp/res >/tmp/res/log.txt 2>&1
+#   with carry [".whl", ".devcache"] and timeout_s 600 (B's: its BUDGET + 30).
 #
 # On a GPU machine with no package registry (torch and transformers there, not deepspeed or
 # megatron-core), bring wheels in ./.whl and a Bible database cut to the two translations the
@@ -63,6 +67,13 @@ run_step() {  # keep going on failure; -k: a step that ignores the TERM is kille
     local t0=$SECONDS
     if eval "timeout -k 15 ${limit[$1]} ${command[$1]}"; then echo "=== $1: done in $((SECONDS - t0)) s"
     else echo "=== $1: FAILED or cut at ${limit[$1]} s (after $((SECONDS - t0)) s)"; failed+=("$1"); fi
+    pack
+}
+pack() {  # PACK=FILE: the results directory (and the host cost's older tree's figures) so far, whole
+    [ -n "${PACK:-}" ] || return 0
+    cp /tmp/host_cost_d974fb8.json "$MMADAPT_BENCH_RESULTS"/ 2>/dev/null
+    tar czf "$PACK.part" -C "$(dirname "$MMADAPT_BENCH_RESULTS")" "$(basename "$MMADAPT_BENCH_RESULTS")" \
+        && mv "$PACK.part" "$PACK"
 }
 
 CASES=(--only bl_base:pretrain minijoint:pretrain bl_base:adapt minijoint:adapt minipost:adapt)
