@@ -65,13 +65,14 @@ run_step() {  # keep going on failure; -k: a step that ignores the TERM is kille
         failed+=("$1"); return 0
     fi
     local t0=$SECONDS
-    if eval "timeout -k 15 ${limit[$1]} ${command[$1]}"; then echo "=== $1: done in $((SECONDS - t0)) s"
+    if eval "timeout -k 15 ${limit[$1]} ${command[$1]}"; then echo "=== $1: done in $((SECONDS - t0)) s"; ran+=("$1")
     else echo "=== $1: FAILED or cut at ${limit[$1]} s (after $((SECONDS - t0)) s)"; failed+=("$1"); fi
     pack
 }
-pack() {  # PACK=FILE: the results directory (and the host cost's older tree's figures) so far, whole
+ran=()
+pack() {  # PACK=FILE: the results directory so far, whole (and the older tree's host cost, if this call took it)
     [ -n "${PACK:-}" ] || return 0
-    cp /tmp/host_cost_d974fb8.json "$MMADAPT_BENCH_RESULTS"/ 2>/dev/null
+    if [[ " ${ran[*]} " == *" host-cost-d974fb8 "* ]]; then cp /tmp/host_cost_d974fb8.json "$MMADAPT_BENCH_RESULTS"/; fi
     tar czf "$PACK.part" -C "$(dirname "$MMADAPT_BENCH_RESULTS")" "$(basename "$MMADAPT_BENCH_RESULTS")" \
         && mv "$PACK.part" "$PACK"
 }

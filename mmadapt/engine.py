@@ -867,8 +867,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
         first = unchecked.first_nonfinite(engine.device)
         if first is not None:
             fix = "lower --lr, raise the warm-up or enable gradient clipping"
-            raise Diverged(f"{job.label}: the loss (or its gradient) is not finite at update {first} (of {total}); "
-                           f"stopped without saving it. {_last_good(ckpt_dir, fix)}")
+            situation = (f"{job.label}: the loss (or its gradient) is not finite at update {first} (of {total}); "
+                         "stopped without saving it.")
+            raise Diverged(f"{situation} {_last_good(ckpt_dir, fix)}", situation)
 
     def save(scheduled: bool = True) -> str:
         check_finite()
@@ -902,8 +903,9 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     check_finite()  # DeepSpeed also skips the steps of a non-finite loss: name that first
                     skipped += 1
                     if skipped > loop.max_skipped_steps:
-                        raise Diverged(f"{job.label}: {skipped} optimizer steps in a row were skipped (gradient "
-                                       f"overflow) after update {done}. {_last_good(ckpt_dir, 'lower --lr or use bf16')}")
+                        situation = (f"{job.label}: {skipped} optimizer steps in a row were skipped (gradient "
+                                     f"overflow) after update {done}.")
+                        raise Diverged(f"{situation} {_last_good(ckpt_dir, 'lower --lr or use bf16')}", situation)
                 else:
                     skipped = 0
                     loss_sum = local if loss_sum is None else loss_sum + local

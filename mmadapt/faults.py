@@ -36,7 +36,13 @@ EXIT_INTERNAL, EXIT_USER, EXIT_DIVERGED, EXIT_STOPPED, EXIT_PAUSED, EXIT_INTERRU
 
 
 class Diverged(RuntimeError):
-    """Training cannot go on from here; the newest complete checkpoint is the last good one."""
+    """Training cannot go on from here; the newest complete checkpoint is the last good one.
+    `situation`: what happened, the line without its advice (a command that continues its runs
+    by itself words its own: resumes_itself)."""
+
+    def __init__(self, line: str, situation: str | None = None):
+        super().__init__(line)
+        self.situation = situation
 
 
 class Stopped(BaseException):
@@ -83,7 +89,8 @@ class Paused(Exception):
 def resumes_itself(step):
     """A step that continues its runs by itself (sweep, extend: the same call again, no resume
     flag): a stop or pause inside it says so as it leaves, from Python too (the command line
-    words its own line, cli.user_errors)."""
+    words its own line, cli.user_errors); a divergence says to start anew with a lower --lr (the
+    same command again, with it changed, is refused as another extension or sweep)."""
     @functools.wraps(step)
     def wrapped(*args, **kwargs):
         try:
@@ -91,6 +98,12 @@ def resumes_itself(step):
         except (Stopped, Paused) as e:
             e.args = (e.said(False),)
             raise
+        except Diverged as e:  # its advice is a run's (a new one, or --resume): this command's are its runs
+            if e.situation is None:
+                raise
+            raise Diverged(f"{e.situation} Lower --lr and run the command into a new --output_dir: this one "
+                           "holds the settings it was started with, which the same command continues, and "
+                           "would diverge again", e.situation) from None
     return wrapped
 
 

@@ -509,6 +509,17 @@ def test_a_step_that_resumes_by_itself_says_call_it_again_from_python_too():
             faults.resumes_itself(step)()
         assert str(e.value).endswith(said) and "--resume" not in str(e.value)
     assert all(getattr(f, "__wrapped__", None) for f in (extend.extend, steps.sweep))
+    # a divergence: its advice was a run's ('run the command again (without --resume)' after lowering
+    # --lr, which the same extension refuses as another; warm-up and clipping flags extend lacks)
+    situation = "adapt: the loss (or its gradient) is not finite at update 2 (of 8); stopped without saving it."
+
+    def diverging():
+        raise faults.Diverged(f"{situation} No checkpoint was saved before it: lower --lr, raise the warm-up or "
+                              "enable gradient clipping and run the command again (without --resume)", situation)
+    with pytest.raises(faults.Diverged) as e:
+        faults.resumes_itself(diverging)()
+    assert str(e.value) == (f"{situation} Lower --lr and run the command into a new --output_dir: this one holds the "
+                            "settings it was started with, which the same command continues, and would diverge again")
 
 
 def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_path, capsys):
