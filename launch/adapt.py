@@ -14,7 +14,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from mmadapt.cli import adapt_main, run_process  # noqa: E402
+from mmadapt.faults import entry  # noqa: E402  (a Ctrl-C while mmadapt.cli imports: one line)
 
 if __name__ == "__main__":
-    sys.exit(run_process(adapt_main))
+    sys.exit(entry("adapt_main"))

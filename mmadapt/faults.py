@@ -86,6 +86,19 @@ class Paused(Exception):
         return type(self), (self.step, self.total, self.tag)
 
 
+def entry(command: str | None = None) -> int:
+    """A process's entry (the `mmadapt` command, the launch/ scripts): mmadapt.cli imports torch,
+    DeepSpeed and megatron-core, seconds in which a Ctrl-C printed their import traceback; it is
+    one line ("interrupted", 130) there too, as cli.user_errors says it after. command: the name
+    of the command's function in mmadapt.cli (None: `mmadapt`, which dispatches)."""
+    try:
+        from mmadapt import cli
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return cli.run_process(cli.main if command is None else getattr(cli, command))
+
+
 def resumes_itself(step):
     """A step that continues its runs by itself (sweep, extend: the same call again, no resume
     flag): a stop or pause inside it says so as it leaves, from Python too (the command line

@@ -279,5 +279,9 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except ValueError as e:
+        if os.environ.get("MMADAPT_DEBUG") == "1":  # as cli.user_errors: the traceback of every failure
+            import traceback
+
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER)

@@ -666,6 +666,15 @@ def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
     assert entry.main() == faults.EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err == "interrupted\n"
+    # ... and every launch/ script's (deepspeed launch/*.py: each rank printed the traceback)
+    import runpy
+
+    from conftest import REPO
+
+    for script in sorted((REPO / "launch").glob("*.py")):
+        with pytest.raises(SystemExit) as e:
+            runpy.run_path(str(script), run_name="__main__")
+        assert e.value.code == 130 and capsys.readouterr().err == "interrupted\n", script
 
 
 def test_interrupted_when_interrupts_inside_its_block_alone():

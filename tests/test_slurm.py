@@ -190,6 +190,12 @@ def test_a_hostfile_path_that_cannot_hold_it_is_refused_naming_the_flag(tmp_path
                            "/bin/true"], cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --launcher_args '--foo \"bar': No closing "
                                                            "quotation"), proc.stderr
+    # MMADAPT_DEBUG=1 shows the traceback of every failure, this entry's too (it printed the line alone)
+    proc = subprocess.run([sys.executable, "-m", "mmadapt.slurm", "--dry-run", "--launcher_args=--foo \"bar", "--",
+                           "/bin/true"], cwd=REPO, capture_output=True, text=True, env={**env, "MMADAPT_DEBUG": "1"},
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("Traceback (most recent call last):"), proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --launcher_args '--foo \"bar'"), proc.stderr
 
 
 # --- the sbatch templates ------------------------------------------------------------------------
