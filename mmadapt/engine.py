@@ -707,15 +707,18 @@ def _loss_row(step: int, mean: torch.Tensor, loss_names: tuple[str, ...] | None,
     return row, scalars
 
 
-def _last_good(ckpt_dir: Path, fix: str) -> str:
-    """What to do after a divergence. The newest complete checkpoint is the last good one, but
-    --resume is exact and refuses a changed --lr, so resuming it would diverge again: the fix is
-    a new run (or, with no checkpoint saved, the same command again)."""
+def _diverged(situation: str, ckpt_dir: Path, fix: str) -> Diverged:
+    """A divergence (`situation`: what happened) and what to do after it. The newest complete
+    checkpoint is the last good one, but --resume is exact and refuses a changed --lr, so
+    resuming it would diverge again: the fix is a new run (or, with no checkpoint saved, the
+    same command again)."""
     tag = checkpoint.latest_tag(ckpt_dir)
     if tag is None:
-        return f"No checkpoint was saved before it: {fix} and run the command again (without --resume)"
-    return (f"Checkpoint {tag} in {ckpt_dir} is the last good one, but --resume would repeat this exactly: {fix} "
-            "in a new --output_dir")
+        line = f"No checkpoint was saved before it: {fix} and run the command again (without --resume)"
+    else:
+        line = (f"Checkpoint {tag} in {ckpt_dir} is the last good one, but --resume would repeat this exactly: {fix} "
+                "in a new --output_dir")
+    return Diverged(f"{situation} {line}", situation, None if tag is None else (tag, str(ckpt_dir)))
 
 
 class Unchecked:
@@ -867,9 +870,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
         first = unchecked.first_nonfinite(engine.device)
         if first is not None:
             fix = "lower --lr, raise the warm-up or enable gradient clipping"
-            situation = (f"{job.label}: the loss (or its gradient) is not finite at update {first} (of {total}); "
-                         "stopped without saving it.")
-            raise Diverged(f"{situation} {_last_good(ckpt_dir, fix)}", situation)
+            raise _diverged(f"{job.label}: the loss (or its gradient) is not finite at update {first} (of {total}); "
+                            "stopped without saving it.", ckpt_dir, fix)
 
     def save(scheduled: bool = True) -> str:
         check_finite()
@@ -903,9 +905,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     check_finite()  # DeepSpeed also skips the steps of a non-finite loss: name that first
                     skipped += 1
                     if skipped > loop.max_skipped_steps:
-                        situation = (f"{job.label}: {skipped} optimizer steps in a row were skipped (gradient "
-                                     f"overflow) after update {done}.")
-                        raise Diverged(f"{situation} {_last_good(ckpt_dir, 'lower --lr or use bf16')}", situation)
+                        raise _diverged(f"{job.label}: {skipped} optimizer steps in a row were skipped (gradient "
+                                        f"overflow) after update {done}.", ckpt_dir, "lower --lr or use bf16")
                 else:
                     skipped = 0
                     loss_sum = local if loss_sum is None else loss_sum + local

@@ -37,12 +37,13 @@ EXIT_INTERNAL, EXIT_USER, EXIT_DIVERGED, EXIT_STOPPED, EXIT_PAUSED, EXIT_INTERRU
 
 class Diverged(RuntimeError):
     """Training cannot go on from here; the newest complete checkpoint is the last good one.
-    `situation`: what happened, the line without its advice (a command that continues its runs
-    by itself words its own: resumes_itself)."""
+    `situation`: what happened, and `last_good`: the newest complete checkpoint (None: none was
+    saved), the line's parts before its advice (a command that continues its runs by itself
+    words its own: resumes_itself)."""
 
-    def __init__(self, line: str, situation: str | None = None):
+    def __init__(self, line: str, situation: str | None = None, last_good: tuple[str, str] | None = None):
         super().__init__(line)
-        self.situation = situation
+        self.situation, self.last_good = situation, last_good  # last_good: (its tag, its checkpoints directory)
 
 
 class Stopped(BaseException):
@@ -103,7 +104,8 @@ def resumes_itself(step):
     """A step that continues its runs by itself (sweep, extend: the same call again, no resume
     flag): a stop or pause inside it says so as it leaves, from Python too (the command line
     words its own line, cli.user_errors); a divergence says to start anew with a lower --lr (the
-    same command again, with it changed, is refused as another extension or sweep)."""
+    same command again, with it changed, is refused as another extension or sweep, or goes on
+    from the last good checkpoint the same way)."""
     @functools.wraps(step)
     def wrapped(*args, **kwargs):
         try:
@@ -112,11 +114,12 @@ def resumes_itself(step):
             e.args = (e.said(False),)
             raise
         except Diverged as e:  # its advice is a run's (a new one, or --resume): this command's are its runs
-            if e.situation is None:
-                raise
-            raise Diverged(f"{e.situation} Lower --lr and run the command into a new --output_dir: this one "
-                           "holds the settings it was started with, which the same command continues, and "
-                           "would diverge again", e.situation) from None
+            if e.situation is not None:  # (the same exception, its traceback kept for MMADAPT_DEBUG=1)
+                tag, where = e.last_good or (None, None)
+                found = ("No checkpoint was saved before it" if tag is None else
+                         f"Checkpoint {tag} in {where} is the last good one, but the same command would repeat this")
+                e.args = (f"{e.situation} {found}: lower --lr and run the command into a new --output_dir",)
+            raise
     return wrapped
 
 

@@ -513,13 +513,16 @@ def test_a_step_that_resumes_by_itself_says_call_it_again_from_python_too():
     # --lr, which the same extension refuses as another; warm-up and clipping flags extend lacks)
     situation = "adapt: the loss (or its gradient) is not finite at update 2 (of 8); stopped without saving it."
 
-    def diverging():
-        raise faults.Diverged(f"{situation} No checkpoint was saved before it: lower --lr, raise the warm-up or "
-                              "enable gradient clipping and run the command again (without --resume)", situation)
-    with pytest.raises(faults.Diverged) as e:
-        faults.resumes_itself(diverging)()
-    assert str(e.value) == (f"{situation} Lower --lr and run the command into a new --output_dir: this one holds the "
-                            "settings it was started with, which the same command continues, and would diverge again")
+    for last_good, said in ((None, "No checkpoint was saved before it"),
+                            (("step00000001", "x/2/checkpoints"), "Checkpoint step00000001 in x/2/checkpoints is the "
+                                                                   "last good one, but the same command would repeat "
+                                                                   "this")):
+        def diverging():
+            raise faults.Diverged(f"{situation} (a run's advice)", situation, last_good)
+        with pytest.raises(faults.Diverged) as e:
+            faults.resumes_itself(diverging)()
+        assert str(e.value) == f"{situation} {said}: lower --lr and run the command into a new --output_dir"
+        assert e.traceback[-1].name == "diverging"  # raised where it happened (MMADAPT_DEBUG=1 shows it)
 
 
 def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_path, capsys):
