@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import importlib
 import json
 import os
 import signal
@@ -92,8 +93,8 @@ def entry(command: str | None = None) -> int:
     DeepSpeed and megatron-core, seconds in which a Ctrl-C printed their import traceback; it is
     one line ("interrupted", 130) there too, as cli.user_errors says it after. command: the name
     of the command's function in mmadapt.cli (None: `mmadapt`, which dispatches)."""
-    try:
-        from mmadapt import cli
+    try:  # (import_module: `from mmadapt import cli` takes the package's attribute where it is imported already)
+        cli = importlib.import_module("mmadapt.cli")
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

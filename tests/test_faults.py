@@ -642,7 +642,9 @@ def test_the_exceptions_a_demo_worker_raises_pickle_with_their_fields():
 
     raised = (faults.Stopped(3, "step00000003", "SIGTERM"), faults.Paused(2, 10, "step00000002"),
               NothingHeldOut("none held out", 4), ChangedRun("lr is 1 here but 2 there", "resume with the run's"),
-              DamagedRun("every complete checkpoint in X is damaged (why)"))
+              DamagedRun("every complete checkpoint in X is damaged (why)"),
+              faults.Diverged("adapt: not finite at update 2. Checkpoint s1 in x is the last good one: ...",
+                              "adapt: not finite at update 2.", ("s1", "x")))
     for e in raised:
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is type(e) and str(back) == str(e) and vars(back) == vars(e)
