@@ -113,15 +113,13 @@ def import_plugins(spec: str | None = None) -> None:
             if line is not None:
                 raise ValueError(line) from e
             if e.name is None:  # raised by the module's own code (an optional dependency's check): it was found
-                raise ValueError(f"{IMPORT_VARIABLE}: importing {module} failed (ModuleNotFoundError: {e}): fix the "
-                                 "module (MMADAPT_DEBUG=1 shows where)") from e
+                raise ValueError(_failed(f"importing {module}", e, "the module")) from e
             raise ValueError(f"{IMPORT_VARIABLE}: cannot import {module} ({e}): put its directory on PYTHONPATH, "
                              "or fix the module name") from None
         except ValueError as e:  # register_family's refusal (or the module's own), said as coming from it
             raise ValueError(f"{IMPORT_VARIABLE}: importing {module}: {e}") from e
         except Exception as e:  # the user's module: a mistake in it is one line, not mmadapt's traceback
-            raise ValueError(f"{IMPORT_VARIABLE}: importing {module} failed ({type(e).__name__}: {e}): fix the "
-                             "module (MMADAPT_DEBUG=1 shows where)") from e
+            raise ValueError(_failed(f"importing {module}", e, "the module")) from e
         if function:
             if not callable(getattr(loaded, function, None)):
                 raise ValueError(f"{IMPORT_VARIABLE}: {module} has no function {function} to register its families")
@@ -130,16 +128,19 @@ def import_plugins(spec: str | None = None) -> None:
             except ValueError as e:
                 raise ValueError(f"{IMPORT_VARIABLE}: {module}:{function}(): {e}") from e
             except ModuleNotFoundError as e:  # an import inside the function: as the module's own imports are said
-                line = _missing_import(e, module, f"{module}:{function}()")
-                raise ValueError(line or f"{IMPORT_VARIABLE}: {module}:{function}() failed (ModuleNotFoundError: "
-                                 f"{e}): fix it (MMADAPT_DEBUG=1 shows where)") from e
+                said = f"{module}:{function}()"
+                raise ValueError(_missing_import(e, module, said) or _failed(said, e, "it")) from e
             except Exception as e:
-                raise ValueError(f"{IMPORT_VARIABLE}: {module}:{function}() failed ({type(e).__name__}: {e}): fix "
-                                 "it (MMADAPT_DEBUG=1 shows where)") from e
+                raise ValueError(_failed(f"{module}:{function}()", e, "it")) from e
         _IMPORTED.add(item)
 
 
 _IMPORTED: set[str] = set()  # what import_plugins has imported in this process
+
+
+def _failed(said: str, e: Exception, fix: str) -> str:
+    """The line for a plugin module (or its function) that raised `e` itself: a mistake in it."""
+    return f"{IMPORT_VARIABLE}: {said} failed ({type(e).__name__}: {e}): fix {fix} (MMADAPT_DEBUG=1 shows where)"
 
 
 def _missing_import(e: ModuleNotFoundError, module: str, said: str) -> str | None:
