@@ -31,7 +31,7 @@ from mmadapt.report import (NO_ADAPTATION, PAPER, pyplot, adaptation_markdown, c
                             read_results, bpb_markdown, format_flops_table, paper_rows, plot_curves, plot_speedup,
                             report_markdown)
 from mmadapt.models import FAMILIES, PRESETS, find_preset, import_plugins
-from mmadapt.run import STEP_ONE, RunSpec, read_source
+from mmadapt.run import SOURCE_KINDS, STEP_ONE, RunSpec, read_source
 from mmadapt.slurm import main as slurm_command
 from mmadapt.sweep import SweepConfig
 from mmadapt.tasks import TASKS
@@ -249,7 +249,7 @@ def _later_step_args(p: argparse.ArgumentParser, model_fields: tuple[str, ...], 
     add_dataclass_args(p, TrainConfig, defaults=train_presets(), step=step)
 
 
-def _schedule(args, source: str, kinds: tuple[str, ...] = ("pretrain", "minipost")) -> TrainConfig:
+def _schedule(args, source: str, kinds: tuple[str, ...] = SOURCE_KINDS) -> TrainConfig:
     """The TrainConfig of a step over the run `source` (of one of `kinds`, the step's own: a run
     of another is refused naming them): its --preset's schedule (default: the source family's
     small preset; another family's preset is refused) with the flags over it."""

@@ -389,7 +389,13 @@ def run_lock(output_dir: Path):
 
 # --- finished runs ------------------------------------------------------------------------------------
 
-def read_run(run_dir: str | os.PathLike, kinds: tuple[str, ...] = ("pretrain", "minipost")) -> dict:
+# The kinds of run (RUN_KINDS) a step reads its model from: Step 1's or a mini-model of Step 1b's
+# (Step 2, the sweep, the plug-in metric); Step 1's alone (build_minipost, fit-head, finetune:
+# pretrain, import-hf and fit-head runs)
+SOURCE_KINDS, STEP_ONE = ("pretrain", "minipost"), ("pretrain",)
+
+
+def read_run(run_dir: str | os.PathLike, kinds: tuple[str, ...] = SOURCE_KINDS) -> dict:
     """run.json of a run with a complete checkpoint and a tokenizer (one without, of a kind that
     keeps none, is refused naming the `kinds` the caller takes)."""
     run_dir = Path(run_dir)
@@ -447,8 +453,6 @@ RUN_KINDS = {"pretrain": "a pretrain or import-hf run (Step 1)", "minipost": "a 
 
 # A head fit (steps.fit_head) writes a Step-1 run that every later step takes as a pretrain run's.
 KIND_OF_STEP = {"fit_head": "pretrain"}
-# The runs build_minipost, fit-head and finetune take: Step 1's alone (pretrain, import-hf, fit-head)
-STEP_ONE = ("pretrain",)
 # What each step's run is, said where a run directory is told from another (check_same_kind):
 # a head fit is its own run there, though later steps take it as a pretrain run's.
 STEP_RUNS = {**RUN_KINDS, "fit_head": "a fit-head run (Step 1: a new MLM head over a headless encoder)"}
@@ -550,7 +554,7 @@ def resumed_tag(output_dir: Path, resume: bool, source: str | os.PathLike, tag: 
 
 
 def read_source(run_dir: str | os.PathLike, tag: str | None = None,
-                kinds: tuple[str, ...] = ("pretrain", "minipost")) -> Source:
+                kinds: tuple[str, ...] = SOURCE_KINDS) -> Source:
     """The run `run_dir` at checkpoint `tag` (default: its newest complete one), checked to be a
     complete run (read_run, checkpoint_tag) of one of `kinds` (require_kind: a step that takes
     a Step-1 run alone names it so); its weights are not loaded yet."""
@@ -562,7 +566,7 @@ def read_source(run_dir: str | os.PathLike, tag: str | None = None,
 
 
 def agreed_source(run_dir: str | os.PathLike, choose: Callable[[], str | None] = lambda: None,
-                  kinds: tuple[str, ...] = ("pretrain", "minipost")) -> Source:
+                  kinds: tuple[str, ...] = SOURCE_KINDS) -> Source:
     """read_source(run_dir, choose()) for a step of a launched job: the checkpoint chosen on global
     rank 0 and read by every rank (parallel.rank0_decides; a refusal there raised on each). The
     source may still be saving (its pretraining running) as the step starts, and ranks listing its
