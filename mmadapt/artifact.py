@@ -138,6 +138,12 @@ def run_label(system: str, name: str) -> str:
     return f"{system} [{name}]"
 
 
+def system_of_run(label: str) -> str:
+    """run_label's inverse: the system a record's name counts for (`bl_base [run]` -> `bl_base`);
+    a name that is no run label, unchanged."""
+    return label.split(" [", 1)[0]
+
+
 def runs_of(system: str, systems) -> list[str]:
     """`system`'s runs told apart (run_label) among `systems`, sorted."""
     return sorted(s for s in systems if s.startswith(f"{system} ["))

@@ -19,7 +19,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL, run_label, run_names, runs_of
+from mmadapt.artifact import NO_ADAPTATION, SCORED_LABEL, run_label, run_names, runs_of, system_of_run
 from mmadapt.bpb import fold_caveat
 from mmadapt.checkpoint import atomic_write
 from mmadapt.config import MiniModelConfig, ModelConfig, TrainConfig, apply_recipe
@@ -460,7 +460,7 @@ def ceiling_of(system: str) -> str:
     (artifact.system_label), one per recipe, so `minijoint@4` and `minijoint` share `minijoint:full`;
     a decoder's scored at a fraction p (`minijoint p=0.25`) is measured against the ceiling scored
     at that p (`minijoint:full p=0.25`); each of several runs (`minijoint [run-a]`) against it too."""
-    name, mark, p = system.split(" [", 1)[0].partition(SCORED_LABEL)  # one of several runs (run_label): the same
+    name, mark, p = system_of_run(system).partition(SCORED_LABEL)
     return f"{name.split('@')[0]}:full{mark}{p}"
 
 

@@ -523,13 +523,15 @@ def test_a_scored_fraction_keeps_its_curves_apart_and_meets_its_own_ceiling():
     """Records of a decoder's Step 2 at score_fraction p are labelled `<system> p=<p>` (adapt.
     system_label), so the report shows p and never merges them with full scoring's curves; each
     label's ceiling is the one scored at the same p."""
-    from mmadapt.artifact import system_label
+    from mmadapt.artifact import run_label, system_label, system_of_run
     from mmadapt.report import ceiling_of, plugin_markdown
 
     assert system_label({"system": "minijoint", "score_fraction": 0.25}) == "minijoint p=0.25"
     assert system_label({"system": "minijoint"}) == "minijoint"
     assert [ceiling_of(s) for s in ("minijoint", "minijoint@4 p=0.5", "minijoint p=0.25")] == \
         ["minijoint:full", "minijoint:full p=0.5", "minijoint:full p=0.25"]
+    told_apart = run_label("minijoint@4 p=0.5", "run-a")  # one of several runs meets the same ceiling
+    assert system_of_run(told_apart) == "minijoint@4 p=0.5" and ceiling_of(told_apart) == "minijoint:full p=0.5"
     base = {"task": "plugin-lm", "lang": "de", "step": 10, "unigram_loss": 5.0, "masked_pieces": 64,
             "start_loss": 6.0}
     records = [{**base, "system": s, "flops": f, "score": g, "loss": 5.0 - g}
