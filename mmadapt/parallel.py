@@ -48,9 +48,13 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def cpu_fallback(nvidia_devices=lambda: any(n.startswith("nvidia") and n[6:].isdigit()
-                                             for n in (os.listdir("/dev") if os.path.isdir("/dev") else ()))
-                 ) -> str | None:
+def has_nvidia_devices() -> bool:
+    """Whether this machine shows an NVIDIA GPU (/dev/nvidia0, ...), whatever torch's build."""
+    return any(n.startswith("nvidia") and n[6:].isdigit()
+               for n in (os.listdir("/dev") if os.path.isdir("/dev") else ()))
+
+
+def cpu_fallback() -> str | None:
     """Why a process that could have had a GPU trains on the CPU (device()), or None: its torch
     build has CUDA and sees no device (a job given no GPUs, CUDA_VISIBLE_DEVICES empty), or the
     machine has NVIDIA devices and its torch build has no CUDA (a CPU wheel on a GPU node).
@@ -62,7 +66,7 @@ def cpu_fallback(nvidia_devices=lambda: any(n.startswith("nvidia") and n[6:].isd
     if torch.version.cuda is not None:
         why = (f"this torch build has CUDA {torch.version.cuda} and sees no GPU"
                + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""))
-    elif nvidia_devices():
+    elif has_nvidia_devices():
         why = "this machine has NVIDIA devices and this torch build has no CUDA: install torch's CUDA build"
     else:
         return None

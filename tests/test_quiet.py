@@ -109,6 +109,7 @@ def test_a_run_that_could_have_had_a_gpu_says_it_trains_on_the_cpu(monkeypatch):
     trained. start_run prints parallel.cpu_fallback's line; a CPU machine's CPU build, nothing."""
     import torch
 
+    from mmadapt import parallel
     from mmadapt.parallel import cpu_fallback
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -117,11 +118,14 @@ def test_a_run_that_could_have_had_a_gpu_says_it_trains_on_the_cpu(monkeypatch):
     assert cpu_fallback() == "note: training on the CPU: this torch build has CUDA 12.4 and sees no GPU " \
                              "(CUDA_VISIBLE_DEVICES='')"
     monkeypatch.setattr(torch.version, "cuda", None)
-    assert cpu_fallback(lambda: True) == ("note: training on the CPU: this machine has NVIDIA devices and this "
-                                          "torch build has no CUDA: install torch's CUDA build")
-    assert cpu_fallback(lambda: False) is None
+    monkeypatch.setattr(parallel.os, "listdir", lambda d: ["null", "nvidiactl", "nvidia0"] if d == "/dev" else [])
+    assert cpu_fallback() == ("note: training on the CPU: this machine has NVIDIA devices and this "
+                              "torch build has no CUDA: install torch's CUDA build")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cpu_fallback(lambda: True) is None
+    assert cpu_fallback() is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(parallel.os, "listdir", lambda d: ["null", "nvidiactl", "nvidia-uvm"])  # a driver, no GPU
+    assert cpu_fallback() is None
 
 
 def test_verbose_shows_what_the_models_and_config_checks_filtered(monkeypatch):
