@@ -396,6 +396,7 @@ class Demo:
                              cfg=PreprocessConfig(workers=1, valid_fraction=held_out), tokenizer=tok)
         return out
 
+    @faults.resumes_itself(fix="lower --pretrain_lr (Step 1) or --finetune_lr (Step 3)")  # Steps 1b and 2: fixed
     def run(self) -> dict:
         cfg, root = self.cfg, self.root
         self.say(f"prepare each Bible once: a {VOCAB}-piece SentencePiece vocabulary and the encoded text for en, "

@@ -46,6 +46,17 @@ class Diverged(RuntimeError):
         super().__init__(line)
         self.situation, self.last_good = situation, last_good  # last_good: (its tag, its checkpoints directory)
 
+    def start_anew(self, fix: str) -> None:
+        """Reword the advice (a run's: a new one, or --resume) for a command that continues its
+        runs by itself: the same command again goes on from the last good checkpoint and repeats
+        this, and with `fix` made (a lower learning rate) is refused as another extension, sweep
+        or demo. The same exception: its traceback stays for MMADAPT_DEBUG=1."""
+        if self.situation is not None:
+            tag, where = self.last_good or (None, None)
+            found = ("No checkpoint was saved before it" if tag is None else
+                     f"Checkpoint {tag} in {where} is the last good one, but the same command would repeat this")
+            self.args = (f"{self.situation} {found}: {fix} and run the command into a new --output_dir",)
+
 
 class Stopped(BaseException):
     """A signal (or the launcher's death) stopped the run after a complete checkpoint. A
@@ -101,12 +112,14 @@ def entry(command: str | None = None) -> int:
     return cli.run_process(cli.main if command is None else getattr(cli, command))
 
 
-def resumes_itself(step):
-    """A step that continues its runs by itself (sweep, extend: the same call again, no resume
-    flag): a stop or pause inside it says so as it leaves, from Python too (the command line
-    words its own line, cli.user_errors); a divergence says to start anew with a lower --lr (the
-    same command again, with it changed, is refused as another extension or sweep, or goes on
-    from the last good checkpoint the same way)."""
+def resumes_itself(step=None, *, fix: str = "lower --lr"):
+    """A step that continues its runs by itself (sweep, extend, the demo: the same call again,
+    no resume flag): a stop or pause inside it says so as it leaves, from Python too (the command
+    line words its own line, cli.user_errors); a divergence says to make `fix` (the step's
+    learning-rate flags) and start anew (Diverged.start_anew)."""
+    if step is None:  # @resumes_itself(fix=...)
+        return functools.partial(resumes_itself, fix=fix)
+
     @functools.wraps(step)
     def wrapped(*args, **kwargs):
         try:
@@ -114,12 +127,8 @@ def resumes_itself(step):
         except (Stopped, Paused) as e:
             e.args = (e.said(False),)
             raise
-        except Diverged as e:  # its advice is a run's (a new one, or --resume): this command's are its runs
-            if e.situation is not None:  # (the same exception, its traceback kept for MMADAPT_DEBUG=1)
-                tag, where = e.last_good or (None, None)
-                found = ("No checkpoint was saved before it" if tag is None else
-                         f"Checkpoint {tag} in {where} is the last good one, but the same command would repeat this")
-                e.args = (f"{e.situation} {found}: lower --lr and run the command into a new --output_dir",)
+        except Diverged as e:
+            e.start_anew(fix)
             raise
     return wrapped
 

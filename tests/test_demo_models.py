@@ -96,6 +96,23 @@ def test_another_step1_seed_needs_from_scratch_and_is_refused_before_anything_is
     Demo(DemoConfig(family="llama"), tmp_path / "d").check_sources()
 
 
+def test_a_demo_that_diverges_names_its_own_learning_rate_flags(tmp_path):
+    """A demo pretraining from scratch at a learning rate that diverges said a run's advice: lower
+    --lr, raise the warm-up or enable clipping (flags the demo lacks) and run the command again
+    without --resume; with --pretrain_lr lowered, the same --output_dir is refused as another demo."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "mmadapt", "demo", "--quick", "--from_scratch", "--pretrain_lr",
+                           "1e6", "--pretrain_iters", "4", "--output_dir", str(tmp_path / "d")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=child_env(MMADAPT_TINY="1"))
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: diverged: pretrain: the loss (or its gradient) is not finite at update 3 (of 4); stopped without "
+        "saving it. No checkpoint was saved before it: lower --pretrain_lr (Step 1) or --finetune_lr (Step 3) and "
+        "run the command into a new --output_dir")
+
+
 def test_family_dependent_settings_resolve_per_family_and_yield_to_the_command_line():
     """DemoConfig's None fields take their family's default (demo.FAMILY_DEFAULTS) when the demo
     is built; a value given on the command line is kept for either family."""

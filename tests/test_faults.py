@@ -499,7 +499,7 @@ def test_exit_interval_pauses_with_its_own_exception_and_a_finished_run_does_not
 def test_a_step_that_resumes_by_itself_says_call_it_again_from_python_too():
     """extend() and steps.sweep() from Python, stopped or paused inside: the exception said
     'run the same command with --resume', which neither has."""
-    from mmadapt import extend, steps
+    from mmadapt import demo, extend, steps
 
     for raised, said in ((faults.Stopped(3, "step00000003", "SIGINT"), "run the same command again to continue"),
                          (faults.Paused(2, 4, "step00000002"), "run the same command again to go on")):
@@ -508,7 +508,7 @@ def test_a_step_that_resumes_by_itself_says_call_it_again_from_python_too():
         with pytest.raises(type(raised)) as e:
             faults.resumes_itself(step)()
         assert str(e.value).endswith(said) and "--resume" not in str(e.value)
-    assert all(getattr(f, "__wrapped__", None) for f in (extend.extend, steps.sweep))
+    assert all(getattr(f, "__wrapped__", None) for f in (extend.extend, steps.sweep, demo.Demo.run))
     # a divergence: its advice was a run's ('run the command again (without --resume)' after lowering
     # --lr, which the same extension refuses as another; warm-up and clipping flags extend lacks)
     situation = "adapt: the loss (or its gradient) is not finite at update 2 (of 8); stopped without saving it."
@@ -523,6 +523,9 @@ def test_a_step_that_resumes_by_itself_says_call_it_again_from_python_too():
             faults.resumes_itself(diverging)()
         assert str(e.value) == f"{situation} {said}: lower --lr and run the command into a new --output_dir"
         assert e.traceback[-1].name == "diverging"  # raised where it happened (MMADAPT_DEBUG=1 shows it)
+        with pytest.raises(faults.Diverged) as e:  # the demo's: its learning rates have flags of their own
+            faults.resumes_itself(fix="lower --pretrain_lr")(diverging)()
+        assert str(e.value) == f"{situation} {said}: lower --pretrain_lr and run the command into a new --output_dir"
 
 
 def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_path, capsys):
