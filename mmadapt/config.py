@@ -900,12 +900,13 @@ TINY_FLAGS = {"vocab_size": 2000, "plugin_blocks": 8, "seq_length": 64,  # prepr
               "plugin_eval_blocks": 8}
 
 
-def given(name: str, value, default) -> bool:
-    """Whether field `name`'s `value` was given: it is neither its `default` nor, where the
-    environment sets MMADAPT_TINY=1, what that makes of the default (its TINY_FLAGS cap on a
-    command line, else its TINY_CAPS cap in the config built)."""
+def given(name: str, value, default, tiny: bool | None = None) -> bool:
+    """Whether field `name`'s `value` was given: it is neither its `default` nor, where the sizes
+    are MMADAPT_TINY=1's (`tiny`; None: where the environment sets it), what that makes of the
+    default (its TINY_FLAGS cap on a command line, else its TINY_CAPS cap in the config built)."""
     cap = TINY_FLAGS.get(name, TINY_CAPS.get(name))
-    if os.environ.get(TINY_ENV) == "1" and cap is not None and default is not None:
+    tiny = os.environ.get(TINY_ENV) == "1" if tiny is None else tiny
+    if tiny and cap is not None and default is not None:
         return value not in (default, min(default, type(default)(cap)))
     return value != default
 

@@ -116,9 +116,6 @@ class Extend:
         self.corpus, self.source_corpus = _corpus_spec(self.corpus), _corpus_spec(self.source_corpus)
         if self.system not in SYSTEMS:
             raise ValueError(f"--system {self.system}: extend adapts an imported model over {' or '.join(SYSTEMS)}")
-        if self.system != "minipost" and _given(self, "minipost_iters"):  # known before the import, unlike fit-head's
-            raise ValueError(f"--minipost_iters {self.minipost_iters} is for Step 1b, which --system {self.system} "
-                             "does not run: drop it")
         check_lang(self.lang)
         check_bible_lang(self.corpus, self.lang)
         if self.bpb_bytes < MIN_BPB_BYTES:
@@ -257,12 +254,15 @@ def extend(ext: Extend, tiny: bool = False) -> dict:
         raise ValueError(f"mmadapt extend runs in one process (the launcher started {world}): run it as `mmadapt "
                          "extend`, not under deepspeed, torchrun or srun; for several GPUs launch its steps "
                          "(docs/huggingface.md, from xlm-roberta-base to XNLI)")
+    if ext.system != "minipost" and _given(ext, "minipost_iters", tiny):  # known before the import, unlike fit-head's
+        raise ValueError(f"--minipost_iters {ext.minipost_iters} is for Step 1b, which --system {ext.system} "
+                         "does not run: drop it")
     made = checkpoint.missing_dirs(ext.output_dir)
     fresh = claim(ext, tiny)
     say = _stage_printer()
     try:
         imported, sibling, files = _imported(ext, say)
-        _check_stages_take(ext, imported)
+        _check_stages_take(ext, imported, tiny)
         _check_source_corpus(ext, imported)
         # The target corpus before any training: a corpus too small for the vocabulary, or for
         # a held-out part, is refused while the call has trained nothing (and a fresh one left nothing)
@@ -423,23 +423,24 @@ def _imported_from(run: Path) -> str | None:
     return (st or {}).get("model") or imported.get("model")
 
 
-def _given(ext: Extend, name: str) -> bool:
-    """Whether field `name` was given: it is not its default (under MMADAPT_TINY=1 the command
-    line's default is capped, 8 updates: not given either)."""
+def _given(ext: Extend, name: str, tiny: bool) -> bool:
+    """Whether field `name` was given: it is not its default (nor, where `tiny`, the command
+    line's MMADAPT_TINY=1 cap of it, 8 updates; a Python call's sizes are as given, whatever the
+    environment: claim)."""
     default = Extend.__dataclass_fields__[name].default
-    return given(name, getattr(ext, name), default)
+    return given(name, getattr(ext, name), default, tiny)
 
 
-def _check_stages_take(ext: Extend, imported: Path) -> None:
+def _check_stages_take(ext: Extend, imported: Path, tiny: bool) -> None:
     """A flag of a stage this extension does not run (fit-head over a model with its own head;
-    Step 1b's under --system bl_base: Extend refuses it) is refused: it trained nothing, yet,
-    recorded, it made the same extension without it another one (claim)."""
+    Step 1b's under --system bl_base: extend refuses it before the import) is refused: it trained
+    nothing, yet, recorded, it made the same extension without it another one (claim)."""
     headless, minipost = read_source(imported).headless, ext.system == "minipost"
     why = {"head_iters": None if headless else f"fit-head, which {ext.model} needs not (it has its own MLM head)",
            "source_corpus": None if minipost or headless else
            f"fit-head and Step 1b, neither of which runs here (--system {ext.system}; {ext.model} has its MLM head)"}
     for name, reason in why.items():
-        if reason is not None and _given(ext, name):
+        if reason is not None and _given(ext, name, tiny):
             raise ValueError(f"--{name} {getattr(ext, name)} is for {reason}: drop it")
 
 

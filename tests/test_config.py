@@ -780,18 +780,30 @@ def test_an_extension_made_under_mmadapt_tiny_is_told_apart_from_other_arguments
 def test_a_step_1b_flag_under_bl_base_is_refused_before_the_import(tmp_path, monkeypatch):
     """--minipost_iters with --system bl_base says nothing about the model: it was refused after
     the output directory was claimed and the whole model imported (minutes for a large one).
-    Extend refuses it as it is made; its default (capped under MMADAPT_TINY=1) is not given."""
+    extend refuses it before it claims anything; the command line's default (capped under
+    MMADAPT_TINY=1) is not given, a Python call's 8 is, whatever the environment (it was let
+    through under MMADAPT_TINY=1, recorded, and the same call without it refused as another)."""
+    from mmadapt import cli, extend
     from mmadapt.extend import Extend
 
     model = _config_only_model(tmp_path)
     given = dict(model=model, lang="de", corpus="bible:de", output_dir=tmp_path / "ext", system="bl_base")
     with pytest.raises(ValueError, match="^--minipost_iters 2 is for Step 1b, which --system bl_base does not run: "
                                          "drop it$"):
-        Extend(**given, minipost_iters=2)
+        extend.extend(Extend(**given, minipost_iters=2))
     assert Extend(**given).minipost_iters == 500
     monkeypatch.setenv("MMADAPT_TINY", "1")
-    assert Extend(**given, minipost_iters=8).minipost_iters == 8
+    with pytest.raises(ValueError, match="^--minipost_iters 8 is for Step 1b"):
+        extend.extend(Extend(**given, minipost_iters=8))
     assert not (tmp_path / "ext").exists()
+    claimed = []
+
+    def claim(ext, tiny):
+        claimed.append((ext.minipost_iters, tiny))
+        raise ValueError("claimed")
+    monkeypatch.setattr(extend, "claim", claim)
+    args = ["extend", "--model", str(model), "--lang", "de", "--corpus", "bible:de", "--system", "bl_base"]
+    assert cli.main([*args, "--output_dir", str(tmp_path / "ext")]) == 2 and claimed == [(8, True)]
 
 
 def test_an_extension_killed_while_it_claimed_its_directory_is_claimed_again(tmp_path):
