@@ -99,16 +99,30 @@ class Paused(Exception):
         return type(self), (self.step, self.total, self.tag)
 
 
+def _interrupted_while_importing(signum, frame) -> None:
+    """SIGINT's handler while entry imports: leave at once, raising nothing. A KeyboardInterrupt
+    raised inside an extension's initialisation (numpy's, as torch loads it) was swallowed there
+    (the command then ran to its end), or broke numpy's import (a RecursionError), or aborted the
+    process (pybind11: 'terminate called'); nothing is written while importing."""
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(EXIT_INTERRUPTED)
+
+
 def entry(command: str | None = None) -> int:
     """A process's entry (the `mmadapt` command, the launch/ scripts): mmadapt.cli imports torch,
     DeepSpeed and megatron-core, seconds in which a Ctrl-C printed their import traceback; it is
     one line ("interrupted", 130) there too, as cli.user_errors says it after. command: the name
     of the command's function in mmadapt.cli (None: `mmadapt`, which dispatches)."""
+    main_thread = threading.current_thread() is threading.main_thread()  # (the only one that may set a handler)
+    previous = signal.signal(signal.SIGINT, _interrupted_while_importing) if main_thread else None
     try:  # (import_module: `from mmadapt import cli` takes the package's attribute where it is imported already)
         cli = importlib.import_module("mmadapt.cli")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # raised by the import itself
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
     return cli.run_process(cli.main if command is None else getattr(cli, command))
 
 

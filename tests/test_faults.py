@@ -685,6 +685,43 @@ def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
         assert e.value.code == 130 and capsys.readouterr().err == "interrupted\n", script
 
 
+def test_ctrl_c_that_an_import_swallows_still_interrupts(tmp_path, monkeypatch):
+    """A Ctrl-C while torch loads numpy's extension was swallowed inside it (the command then ran
+    to its end: `launch/pretrain.py` would train), or broke numpy's import, or aborted the process:
+    a KeyboardInterrupt raised in C code. While entry imports, SIGINT's handler raises nothing: it
+    leaves with "interrupted", 130. Here an import that swallows its KeyboardInterrupt stands in."""
+    from conftest import REPO, child_env
+
+    script = tmp_path / "swallowing.py"
+    script.write_text(
+        "import importlib.abc, importlib.util, os, signal, sys, time, types\n"
+        "class Swallowing(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        return importlib.util.spec_from_loader(name, self) if name == 'mmadapt.cli' else None\n"
+        "    def create_module(self, spec):\n"
+        "        return None\n"
+        "    def exec_module(self, module):\n"
+        "        try:\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "            time.sleep(2)\n"
+        "        except KeyboardInterrupt:  # what an extension's C initialisation does with it\n"
+        "            pass\n"
+        "        module.run_process = lambda main: print('ran the command') or 0\n"
+        "        module.main = None\n"
+        "sys.meta_path.insert(0, Swallowing())\n"
+        "from mmadapt import faults\n"
+        "sys.exit(faults.entry())\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "interrupted\n")
+    # and the command runs under the SIGINT handler entry found (its Ctrl-C is cli.user_errors')
+    from mmadapt import cli
+
+    seen, before = [], signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(cli, "run_process", lambda main: seen.append(signal.getsignal(signal.SIGINT)) or 0)
+    assert faults.entry() == 0 and seen == [before] and signal.getsignal(signal.SIGINT) is before
+
+
 def test_interrupted_when_interrupts_inside_its_block_alone():
     """faults.interrupted_when: the event set while the block runs raises KeyboardInterrupt there
     (a sleep is cut short); once the block is left, the event set later raises nothing; SIGINT's
