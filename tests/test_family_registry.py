@@ -154,7 +154,10 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
                                            "optional dependency foo missing): fix the module"),
                           # (a function's import of a missing package: was told to fix the function)
                           ("lazy_register:register", "MMADAPT_IMPORT: lazy_register:register() imports "
-                                                     "some_missing_dep_xyz, which is not installed: install it")):
+                                                     "some_missing_dep_xyz, which is not installed: install it"),
+                          # (a relative name: was 'importing .fam failed (TypeError ...): fix the module')
+                          *((spec, f"MMADAPT_IMPORT: {spec!r} does not name a module: give its full dotted name")
+                            for spec in (".raising_family", ":register", "my-family"))):
         monkeypatch.setenv("MMADAPT_IMPORT", spec)
         assert main(["flops", "--preset", "tiny"]) == 2
         err = capsys.readouterr().err.strip()
