@@ -277,12 +277,15 @@ def _vocabulary(run: RunSpec, step: AdaptEmbeddings, source: Source, body: Model
 
 
 def check_output_start(family: ModelFamily, train: TrainConfig, body: ModelConfig) -> None:
-    """Refuse --embedding_init subword_mean where the bounded start would overwrite it (a tied
-    decoder's new rows are its output rows)."""
-    if (train.vocab_mode != "expand" or train.expand_output_start == "embedding_init"
-            or train.embedding_init != "subword_mean"):
+    """Refuse what --vocab_mode expand cannot start, before anything is written: a family that
+    does not say how its model scores the vocabulary (ModelFamily.output_path), and --embedding_init
+    subword_mean where the bounded start would overwrite it (a tied decoder's new rows are its
+    output rows)."""
+    if train.vocab_mode != "expand":
         return
     path = family.output_path(body)
+    if train.expand_output_start == "embedding_init" or train.embedding_init != "subword_mean":
+        return
     if path.bias is None and path.matrix == family.word:
         raise ValueError("--embedding_init subword_mean with a tied decoder: its new rows are its output rows too, "
                          f"which --expand_output_start {train.expand_output_start} starts at the source rows' mean; pass "

@@ -363,8 +363,12 @@ class ModelFamily:
         return dataclasses.replace(self.framing, start=tuple(run.get("task_start", (BOS_ID,))))
 
     def output_path(self, cfg: ModelConfig) -> OutputPath:
-        """The output path of a one-head model of `cfg` (OutputPath)."""
-        raise NotImplementedError
+        """The output path of a one-head model of `cfg` (OutputPath): what --vocab_mode expand
+        starts the new pieces' outputs by (adapt.check_output_start asks for it before a run
+        writes anything), and export-hf --graft. Not every family needs it: a ValueError here."""
+        raise ValueError(f"the {self.name} family does not define output_path (ModelFamily.output_path: how its "
+                         "one-head model scores the vocabulary), which --vocab_mode expand starts the new pieces' "
+                         "outputs by: define it (docs/model-families.md), or use --vocab_mode replace")
 
     def output_biases(self, cfg: ModelConfig) -> tuple[str, ...]:
         """The output bias [V] of every LM head of `cfg` (build_lm names): what Step 1 starts at

@@ -104,12 +104,19 @@ def resolved(fusion: str) -> str:
     return "compile" if parallel.device().type == "cuda" else "none"
 
 
-def check_device(config: ModelConfig) -> None:
-    """Refuse fusion 'cudagraphs' where this process trains off CUDA, in one line (run.start_run
-    calls it before a run writes anything)."""
+def check_device(config: ModelConfig, family=None) -> None:
+    """Refuse fusion 'cudagraphs' where this process trains off CUDA, and a fusion asked for by
+    name that `family` (a ModelFamily) has no modules for (its compiled_kinds, graphed_kinds: a
+    family of one's own that sets none trained eager and recorded the fusion), in one line
+    (run.start_run calls it before a run writes anything)."""
     if config.fusion == "cudagraphs" and parallel.device().type != "cuda":
         raise ValueError(f"--fusion cudagraphs needs a CUDA device (this process trains on "
                          f"{parallel.device().type}): use --fusion compile")
+    kinds = {"compile": "compiled_kinds", "cudagraphs": "graphed_kinds"}.get(config.fusion)
+    if family is not None and kinds is not None and not getattr(family, kinds):
+        raise ValueError(f"--fusion {config.fusion}: the {family.name} family names no modules to "
+                         f"{'compile' if config.fusion == 'compile' else 'replay as CUDA graphs'} (ModelFamily."
+                         f"{kinds}): use --fusion none, or set {kinds} (docs/model-families.md)")
 
 
 def apply_fusion(model: nn.Module, config: ModelConfig, kinds: tuple[type, ...],

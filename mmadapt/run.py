@@ -338,7 +338,7 @@ def check_layout(model: ModelConfig, loop: LoopConfig, ds_config: Path, family: 
     start_run (sweep: its target corpus) calls it first, so that these refusals write nothing."""
     family = family or get_family(model)
     family.validate(model)
-    fusion.check_device(model)
+    fusion.check_device(model, family)
     loop.validate(model)
     family.check_loop(loop)
     ds = load_ds_config(ds_config, loop)

@@ -10,7 +10,8 @@ import torch
 from mmadapt.cli import main
 from mmadapt.config import ModelConfig, TrainConfig
 from mmadapt.family import ModelFamily
-from mmadapt.models import FAMILIES, PRESETS, find_preset, get_family, import_plugins, register_family
+from mmadapt.models import (FAMILIES, PRESETS, REQUIRED_METHODS, find_preset, get_family, import_plugins,
+                            register_family)
 from mmadapt.models.llama import LLAMA
 from mmadapt.models.roberta import ROBERTA, RobertaFamily
 from mmadapt.objectives import MLM
@@ -81,8 +82,8 @@ def test_the_registry_refuses_what_would_make_a_preset_ambiguous():
         register_family(type("Nameless", (ModelFamily,), {})())
     # a method every family defines left out: refused at registration (a run hit its bare
     # NotImplementedError after it had written its directory)
-    bare = type("Bare", (ModelFamily,), {k: getattr(_Toy, k) for k in ("name", "objective", "presets", "small_preset")
-                                         } | {"build_lm": RobertaFamily.build_lm})
+    given = ("name", "objective", "task_kinds", "presets", "small_preset")
+    bare = type("Bare", (ModelFamily,), {k: getattr(_Toy, k) for k in given} | {"build_lm": RobertaFamily.build_lm})
     with pytest.raises(ValueError, match="the registry-toy family \\(Bare\\) does not define build_task_model, "
                                          "build_body, finetune_trainable, step_flops: every family defines "):
         register_family(bare())
@@ -100,6 +101,31 @@ def test_the_registry_refuses_what_would_make_a_preset_ambiguous():
         PRESETS["registry-toy-tiny"] = PRESETS.pop("registry-toy-small")  # (what finally removes)
     finally:
         del FAMILIES["registry-toy"], PRESETS["registry-toy-tiny"]
+
+
+def test_what_a_family_of_ones_own_leaves_out_is_refused_in_one_line():
+    """What docs/model-families.md's template leaves out, refused before a run writes anything:
+    no objective (an AttributeError as pretrain started), no output_path under --vocab_mode expand
+    (a bare NotImplementedError after the run had written its tokenizer), no compiled_kinds under
+    --fusion compile (the run trained eager and recorded 'compile')."""
+    from mmadapt.adapt import check_output_start
+    from mmadapt.fusion import check_device
+
+    with pytest.raises(ValueError, match=r"^the registry-toy family \(NoObjective\) does not set objective: every "
+                                         "family sets objective, task_kinds"):
+        register_family(type("NoObjective", (ModelFamily,), {k: getattr(_Toy, k) for k in (
+            "name", "task_kinds", "presets", "small_preset", *REQUIRED_METHODS)})())
+    assert "registry-toy" not in FAMILIES
+    no_output = type("NoOutput", (_Toy,), {"output_path": ModelFamily.output_path})()
+    check_output_start(no_output, TrainConfig(), ModelConfig())  # replace mode: not asked
+    with pytest.raises(ValueError, match=r"^the registry-toy family does not define output_path .*: define it "
+                                         r"\(docs/model-families.md\), or use --vocab_mode replace$"):
+        check_output_start(no_output, TrainConfig(vocab_mode="expand"), ModelConfig())
+    check_device(ModelConfig(fusion="compile"), _Toy())  # roberta's layers
+    check_device(ModelConfig(fusion="auto"), type("Eager", (_Toy,), {"compiled_kinds": ()})())
+    with pytest.raises(ValueError, match=r"^--fusion compile: the registry-toy family names no modules to compile "
+                                         r"\(ModelFamily.compiled_kinds\): use --fusion none, or set compiled_kinds"):
+        check_device(ModelConfig(fusion="compile"), type("Eager", (_Toy,), {"compiled_kinds": ()})())
 
 
 def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, tmp_path):

@@ -34,6 +34,7 @@ PRESETS: dict[str, tuple[ModelConfig, TrainConfig]] = {}
 IMPORT_VARIABLE = "MMADAPT_IMPORT"
 # What a family defines itself (ModelFamily's raise NotImplementedError): docs/model-families.md's list
 REQUIRED_METHODS = ("build_lm", "build_task_model", "build_body", "finetune_trainable", "step_flops")
+REQUIRED_ATTRIBUTES = ("objective", "task_kinds")  # (ModelFamily's annotations without a value)
 
 
 def register_family(family: ModelFamily) -> ModelFamily:
@@ -47,6 +48,10 @@ def register_family(family: ModelFamily) -> ModelFamily:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{type(family).__name__} has no name (a class attribute `name = \"...\"`): runs and "
                          "presets name their family by it")
+    unset = [a for a in REQUIRED_ATTRIBUTES if not hasattr(family, a)]
+    if unset:  # (an AttributeError in the middle of a run's start)
+        raise ValueError(f"the {name} family ({type(family).__name__}) does not set {', '.join(unset)}: every family "
+                         f"sets {', '.join(REQUIRED_ATTRIBUTES)} (docs/model-families.md)")
     missing = [m for m in REQUIRED_METHODS if getattr(type(family), m, None) is getattr(ModelFamily, m)]
     if missing:  # (each raised a NotImplementedError with no text, after a run had written its directory)
         raise ValueError(f"the {name} family ({type(family).__name__}) does not define {', '.join(missing)}: every "
