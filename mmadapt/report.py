@@ -37,7 +37,7 @@ NEAR_MAX = 0.95  # section 4.2: target = 95% of BL_BASE's final score for the la
 
 def read_results(files: list[str]) -> list[dict]:
     """The records of Step 4's results `files` (JSON lists, as `mmadapt evaluate --output` writes
-    them), each refused in one line unless it names a file once and holds whole records: a
+    them, or a sweep's sweep.json), each refused in one line unless it names a file once and holds whole records: a
     system, task and language, a finite score, finite FLOPs >= 0 and a step (where given) a
     whole number >= 0."""
     twice = next((f for i, f in enumerate(files) if any(Path(f).resolve() == Path(g).resolve() for g in files[:i])),
@@ -56,6 +56,8 @@ def read_results(files: list[str]) -> list[dict]:
                     if e.msg == "Extra data" else str(e))
             raise ValueError(f"cannot read results file {f}: {what}; pass the JSON list `mmadapt evaluate --output` "
                              "writes") from None
+        if isinstance(data, dict) and isinstance(data.get("records"), list) and "summary" in data:
+            data = data["records"]  # a sweep's sweep.json (steps.sweep): its records are evaluate's
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise ValueError(f"results file {f} is not a JSON list of records (as `mmadapt evaluate --output` "
                              "writes)")

@@ -681,6 +681,29 @@ def test_a_language_a_system_was_not_run_in_is_not_counted_as_never_reached():
     assert "| minijoint | 1.5 (1–2) | - | 2.27× (1 langs) | 0 |" in report_markdown(records)
 
 
+def test_a_sweeps_records_are_reported_from_its_sweep_json(tmp_path):
+    """`mmadapt report <output_dir>/sweep.json` was refused ('not a JSON list of records'): the
+    sweep's records, which evaluate's are, had to be cut out of it by hand. Its share of the
+    ceiling's gain, by hand: minijoint@2 0.30 / 0.25 = 120%, minijoint@4 0.20 / 0.25 = 80%."""
+    from mmadapt.report import plugin_markdown, read_results
+
+    base = {"task": "plugin-mlm", "lang": "de", "unigram_loss": 5.0, "masked_pieces": 256, "start_loss": 5.0,
+            "start_gain": 0.0}
+    records = [{**base, "system": system, "step": step, "flops": step * cost, "score": gain * step / 4,
+                "loss": 5.0 - gain * step / 4} for system, cost, gain in (("minijoint@2", 1e9, 0.30),
+                                                                           ("minijoint@4", 2e9, 0.20),
+                                                                           ("minijoint:full", 6e9, 0.25))
+               for step in (0, 2, 4)]
+    sweep, listed = tmp_path / "sweep.json", tmp_path / "records.json"
+    sweep.write_text(json.dumps({"source": "/runs/src", "records": records, "summary": {}, "key": {}}))
+    listed.write_text(json.dumps(records))
+    assert read_results([str(sweep)]) == read_results([str(listed)]) == records
+    rows = {line.split(" | ")[0][2:]: line for line in plugin_markdown(read_results([str(sweep)])).splitlines()
+            if line.startswith("| minijoint@")}
+    assert rows["minijoint@2"].endswith("| 120% at 17% of its compute |"), rows  # 4e9 / 24e9 FLOPs
+    assert rows["minijoint@4"].endswith("| 80% at 33% of its compute |"), rows
+
+
 def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_is_refused(tmp_path, capsys):
     """Two bl_base runs in de, each evaluated by its own `mmadapt evaluate` call: named after their
     runs as evaluate names two runs of one call (one curve took one run's start and the better
