@@ -123,9 +123,19 @@ def test_step4_takes_the_artifacts_vocabulary_size(step3, primary_run, de_tokeni
     cfg = FinetuneConfig(**{**ft.run["finetune"], "eval_batch_tokens": 1280})
     scores = [evaluate_score(ft, de, cfg, read_artifact(p)[0], de_tokenizer) for p in (same, more)]
     assert scores[0] == scores[1]
-    pairs = {"de": [("In the beginning God created the heaven.", "Im Anfang schuf Gott Himmel und Erde.")] * 4}
+    pairs = {"de": [("In the beginning God created the heaven.", "Im Anfang schuf Gott Himmel und Erde."),
+                    ("And God said, Let there be light.", "Und Gott sprach: Es werde Licht!"),
+                    ("And the evening and the morning were the first day.", "Da ward aus Abend und Morgen der "
+                     "erste Tag."),
+                    ("And God called the dry land Earth.", "Und Gott nannte das Trockene Erde.")]}
     rec = [retrieval_records(primary_run, [p], pairs)[0]["score"] for p in (same, more)]
     assert rec[0] == rec[1]
+    # pairs without the artifact's language (a KeyError), or with an empty text (every one pools to
+    # one vector, a tie): one line each
+    with pytest.raises(ValueError, match=r"v1000 is a de artifact and pairs holds no de sentences \(fr\): give "):
+        retrieval_records(primary_run, [same], {"fr": pairs["de"]})
+    with pytest.raises(ValueError, match=r"^pairs\['de'\]\[1\] is \('', 'x'\): each pair is two non-empty texts"):
+        retrieval_records(primary_run, [same], {"de": [pairs["de"][0], ("", "x")]})
 
 
 def _rows(vocab: int):
