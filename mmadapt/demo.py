@@ -304,6 +304,18 @@ def _run_job(demo: "Demo", job: Job) -> tuple[float, object] | None:
     return time.perf_counter() - t0, value
 
 
+def _divergence_advice(e: faults.Diverged) -> str:
+    """What a demo whose run diverged advises, by the step (its situation starts with the
+    training loop's label, LoopJob.label: the step's name). Steps 1b and 2 run at the family
+    preset's learning rate, which no demo flag sets."""
+    if e.situation.startswith("pretrain:"):  # (trained only with --from_scratch)
+        return "lower --pretrain_lr and run the command into a new --output_dir"
+    if e.situation.startswith("finetune "):
+        return "lower --finetune_lr and run the command into a new --output_dir"
+    return ("Steps 1b and 2 of the demo run at the model family preset's learning rate, which no demo flag changes: "
+            "this is mmadapt's to fix (MMADAPT_DEBUG=1 shows where; please report it)")
+
+
 def depth_cost(primary: str) -> int:
     """STEP2_COST of a primary model's depth: what its Step-3 run and its Step 4 cost, relative."""
     return STEP2_COST["bl_small" if primary == "bl_small" else "bl_base"]
@@ -396,7 +408,7 @@ class Demo:
                              cfg=PreprocessConfig(workers=1, valid_fraction=held_out), tokenizer=tok)
         return out
 
-    @faults.resumes_itself(fix="lower --pretrain_lr (Step 1) or --finetune_lr (Step 3)")  # Steps 1b and 2: fixed
+    @faults.resumes_itself(fix=_divergence_advice)
     def run(self) -> dict:
         cfg, root = self.cfg, self.root
         self.say(f"prepare each Bible once: a {VOCAB}-piece SentencePiece vocabulary and the encoded text for en, "

@@ -46,16 +46,19 @@ class Diverged(RuntimeError):
         super().__init__(line)
         self.situation, self.last_good = situation, last_good  # last_good: (its tag, its checkpoints directory)
 
-    def start_anew(self, fix: str) -> None:
+    def start_anew(self, fix) -> None:
         """Reword the advice (a run's: a new one, or --resume) for a command that continues its
         runs by itself: the same command again goes on from the last good checkpoint and repeats
         this, and with `fix` made (a lower learning rate) is refused as another extension, sweep
-        or demo. The same exception: its traceback stays for MMADAPT_DEBUG=1."""
+        or demo. fix: what to change, or a function of this exception that gives the whole advice
+        (the demo's, by the step that diverged). The same exception: its traceback stays for
+        MMADAPT_DEBUG=1."""
         if self.situation is not None:
             tag, where = self.last_good or (None, None)
             found = ("No checkpoint was saved before it" if tag is None else
                      f"Checkpoint {tag} in {where} is the last good one, but the same command would repeat this")
-            self.args = (f"{self.situation} {found}: {fix} and run the command into a new --output_dir",)
+            advice = fix(self) if callable(fix) else f"{fix} and run the command into a new --output_dir"
+            self.args = (f"{self.situation} {found}: {advice}",)
 
 
 class Stopped(BaseException):
@@ -113,24 +116,27 @@ def entry(command: str | None = None) -> int:
     DeepSpeed and megatron-core, seconds in which a Ctrl-C printed their import traceback; it is
     one line ("interrupted", 130) there too, as cli.user_errors says it after. command: the name
     of the command's function in mmadapt.cli (None: `mmadapt`, which dispatches)."""
-    main_thread = threading.current_thread() is threading.main_thread()  # (the only one that may set a handler)
-    previous = signal.signal(signal.SIGINT, _interrupted_while_importing) if main_thread else None
+    # Only the main thread may set a handler; a process started with SIGINT ignored (a background
+    # `&` job of a shell script) keeps ignoring it
+    deferred = (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+    previous = signal.signal(signal.SIGINT, _interrupted_while_importing) if deferred else None
     try:  # (import_module: `from mmadapt import cli` takes the package's attribute where it is imported already)
         cli = importlib.import_module("mmadapt.cli")
     except KeyboardInterrupt:  # raised by the import itself
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
-        if main_thread:
+        if deferred:
             signal.signal(signal.SIGINT, previous)
     return cli.run_process(cli.main if command is None else getattr(cli, command))
 
 
-def resumes_itself(step=None, *, fix: str = "lower --lr"):
+def resumes_itself(step=None, *, fix="lower --lr"):
     """A step that continues its runs by itself (sweep, extend, the demo: the same call again,
     no resume flag): a stop or pause inside it says so as it leaves, from Python too (the command
     line words its own line, cli.user_errors); a divergence says to make `fix` (the step's
-    learning-rate flags) and start anew (Diverged.start_anew)."""
+    learning-rate flags, or a function of the exception: Diverged.start_anew) and start anew."""
     if step is None:  # @resumes_itself(fix=...)
         return functools.partial(resumes_itself, fix=fix)
 

@@ -3,6 +3,7 @@ that name their family, the registry's checks, MMADAPT_IMPORT, and megatron's kv
 decoder (a head width other than hidden_size / heads, against transformers' Llama)."""
 
 import dataclasses
+import sys
 
 import pytest
 import torch
@@ -183,11 +184,16 @@ def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, t
                                                      "some_missing_dep_xyz, which is not installed: install it"),
                           # (a relative name: was 'importing .fam failed (TypeError ...): fix the module')
                           *((spec, f"MMADAPT_IMPORT: {spec!r} does not name a module: give its full dotted name")
-                            for spec in (".raising_family", ":register", "my-family"))):
+                            for spec in (".raising_family", ":register", "otherpkg..families"))):
         monkeypatch.setenv("MMADAPT_IMPORT", spec)
         assert main(["flops", "--preset", "tiny"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: {message}") and len(err.splitlines()) == 1, err
+    # a file name import_module takes though it is no identifier: imported, as it was
+    (plugins / "my-family.py").write_text("IMPORTED = True\n")
+    import_plugins("my-family")
+    assert sys.modules["my-family"].IMPORTED
+    monkeypatch.delitem(sys.modules, "my-family")
     monkeypatch.delenv("MMADAPT_IMPORT")
     with pytest.raises(ValueError, match="unknown model family 'nowhere'.*MMADAPT_IMPORT=<module>"):
         get_family("nowhere")

@@ -523,9 +523,20 @@ def test_a_step_that_resumes_by_itself_says_call_it_again_from_python_too():
             faults.resumes_itself(diverging)()
         assert str(e.value) == f"{situation} {said}: lower --lr and run the command into a new --output_dir"
         assert e.traceback[-1].name == "diverging"  # raised where it happened (MMADAPT_DEBUG=1 shows it)
-        with pytest.raises(faults.Diverged) as e:  # the demo's: its learning rates have flags of their own
-            faults.resumes_itself(fix="lower --pretrain_lr")(diverging)()
-        assert str(e.value) == f"{situation} {said}: lower --pretrain_lr and run the command into a new --output_dir"
+    # the demo's, by the step that diverged: Steps 1 and 3 have learning-rate flags of their own,
+    # Steps 1b and 2 none (it said to lower --pretrain_lr or --finetune_lr, which change neither)
+    for label, advice in (("pretrain", "lower --pretrain_lr and run the command into a new --output_dir"),
+                          ("finetune bible-genre", "lower --finetune_lr and run the command into a new --output_dir"),
+                          ("build_minipost", "Steps 1b and 2 of the demo run at the model family preset's learning "
+                           "rate, which no demo flag changes: this is mmadapt's to fix"),
+                          ("adapt", "Steps 1b and 2 of the demo run at the model family preset's learning rate")):
+        situation = f"{label}: the loss (or its gradient) is not finite at update 2 (of 8); stopped without saving it."
+
+        def diverging_demo():
+            raise faults.Diverged(f"{situation} (a run's advice)", situation, None)
+        with pytest.raises(faults.Diverged) as e:
+            faults.resumes_itself(fix=demo._divergence_advice)(diverging_demo)()
+        assert str(e.value).startswith(f"{situation} No checkpoint was saved before it: {advice}"), str(e.value)
 
 
 def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_path, capsys):
@@ -720,6 +731,33 @@ def test_ctrl_c_that_an_import_swallows_still_interrupts(tmp_path, monkeypatch):
     seen, before = [], signal.getsignal(signal.SIGINT)
     monkeypatch.setattr(cli, "run_process", lambda main: seen.append(signal.getsignal(signal.SIGINT)) or 0)
     assert faults.entry() == 0 and seen == [before] and signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_process_that_ignores_sigint_still_ignores_it_while_the_command_imports(tmp_path):
+    """A background job of a shell script starts with SIGINT ignored: entry's handler for the
+    import made a Ctrl-C there exit 130, where the process ignored it before."""
+    from conftest import REPO, child_env
+
+    script = tmp_path / "ignoring.py"
+    script.write_text(
+        "import importlib.abc, importlib.util, os, signal, sys\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "class Cli(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        return importlib.util.spec_from_loader(name, self) if name == 'mmadapt.cli' else None\n"
+        "    def create_module(self, spec):\n"
+        "        return None\n"
+        "    def exec_module(self, module):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        ignored = lambda: signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
+        "        module.run_process = lambda main: print('ran', ignored()) or 0\n"
+        "        module.main = None\n"
+        "sys.meta_path.insert(0, Cli())\n"
+        "from mmadapt import faults\n"
+        "sys.exit(faults.entry())\n")
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=child_env())
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "ran True\n", "")
 
 
 def test_interrupted_when_interrupts_inside_its_block_alone():

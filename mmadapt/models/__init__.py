@@ -111,7 +111,7 @@ def import_plugins(spec: str | None = None) -> None:
         if item in _IMPORTED:
             continue
         module, _, function = item.partition(":")
-        if not all(part.isidentifier() for part in module.split(".")):  # '.fam' (relative), '', 'my-family'
+        if not all(module.split(".")):  # '.fam' (relative: import_module's TypeError), '', 'a..b'
             raise ValueError(f"{IMPORT_VARIABLE}: {item!r} does not name a module: give its full dotted name "
                              "(acme.families or acme.families:register)")
         try:
