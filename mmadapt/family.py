@@ -368,7 +368,8 @@ class ModelFamily:
         writes anything), and export-hf --graft. Not every family needs it: a ValueError here."""
         raise ValueError(f"the {self.name} family does not define output_path (ModelFamily.output_path: how its "
                          "one-head model scores the vocabulary), which --vocab_mode expand starts the new pieces' "
-                         "outputs by: define it (docs/model-families.md), or use --vocab_mode replace")
+                         "outputs by and a graft reads: define it (docs/model-families.md), or use --vocab_mode "
+                         "replace")
 
     def output_biases(self, cfg: ModelConfig) -> tuple[str, ...]:
         """The output bias [V] of every LM head of `cfg` (build_lm names): what Step 1 starts at
