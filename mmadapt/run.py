@@ -189,8 +189,9 @@ def check_same_run(run_file: Path, expected: dict) -> None:
         if leaf in CHANGEABLE_ON_RESUME or saved.get(key) == value:
             continue
         if key in PATH_KEYS and isinstance(saved.get(key), str) and isinstance(value, str) and (
-                os.path.abspath(saved[key]) == os.path.abspath(value)):
-            continue  # the same file spelt another way (./t.csv, or recorded relative and resumed from there)
+                os.path.realpath(saved[key]) == os.path.realpath(value)):
+            continue  # the same file spelt another way (./t.csv, a link to it, /scratch for /lustre; or
+            # recorded relative and resumed from there): its contents are compared by their digest
         if key in saved and value in SAME_ON_RESUME.get(leaf, ()) and saved[key] in SAME_ON_RESUME[leaf]:
             continue
         if key not in saved:

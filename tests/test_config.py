@@ -464,6 +464,12 @@ def test_a_resume_names_the_training_file_however_it_is_spelt(tmp_path, monkeypa
             check_same_run(record, {"train_file": given})
         with pytest.raises(ValueError, match="train_file is other.csv here but"):
             check_same_run(record, {"train_file": "other.csv"})
+    # a link to it (or a linked directory, /scratch for /lustre) is the same file
+    (tmp_path / "t.csv").write_text("text,label\n")
+    (tmp_path / "link.csv").symlink_to(tmp_path / "t.csv")
+    (tmp_path / "linked").symlink_to(tmp_path, target_is_directory=True)
+    for given in ("link.csv", str(tmp_path / "linked" / "t.csv")):
+        check_same_run(record, {"train_file": given})
     # Step 2's --replay_data, a dataset directory (its content: the record's replay_digest)
     for saved in ("data/en", str(tmp_path / "data" / "en")):
         record.write_text(json.dumps({"train": {"replay_data": saved}}))
