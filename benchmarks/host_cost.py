@@ -176,8 +176,10 @@ def counting(counter):
 
 @functools.cache
 def view_like(name: str) -> bool:
-    """An ATen operator that launches nothing: a view (every overload's schema aliases its input)
-    or metadata (NO_LAUNCH)."""
+    """An ATen operator that launches nothing: a view (the schema of every overload that returns
+    tensors aliases its input: aten::slice's TorchScript overloads over lists and strings, slice.t
+    and slice.str, are no views, and counted every slice and narrow, DeepSpeed's flattening views
+    among them, as a launch) or metadata (NO_LAUNCH)."""
     import torch
 
     op = name.removeprefix("aten::")
@@ -185,7 +187,8 @@ def view_like(name: str) -> bool:
         return True
     packet = getattr(torch.ops.aten, op, None)
     overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
-    return bool(overloads) and all(o.is_view for o in overloads)
+    tensors = [o for o in overloads if any("Tensor" in str(r.type) for r in o._schema.returns)]
+    return bool(tensors) and all(o.is_view for o in tensors)
 
 
 @functools.cache
@@ -340,9 +343,13 @@ def measure(args) -> list[dict]:
         if args.fusion == "none":  # compiled regions do not run under a TorchDispatchMode
             with phased(engine, counting(counter)), counter.mode:
                 update()
+        # sys.setprofile sees this thread alone: on CUDA autograd runs backward, and the gradient
+        # hooks with it, on a device thread of its own, which counted no hook on a GPU (the H200's
+        # grad hooks 0 under ZeRO-2, whose hooks must fire): this update's backward runs here
         sys.setprofile(counter.profile)
         try:
-            update()
+            with torch.autograd.set_multithreading_enabled(False):
+                update()
         finally:
             sys.setprofile(None)
         times = timed(update, args.repeats)
