@@ -677,9 +677,16 @@ def test_epoch_order_is_a_seeded_permutation(n):
         assert first != list(range(n)) and first != [D.EpochOrder(n, seed=4)(g) for g in range(n)]
 
 
-def test_manifest_names_what_the_dataset_was_made_from(prepared):
+def test_manifest_names_what_the_dataset_was_made_from(prepared, corpus, tokenizer):
+    """What a dataset was made from, each value (the key names alone passed with a corpus path
+    that does not exist, under which read_manifest's 'changed since prepared' check never runs)."""
+    import mmadapt
+
     manifest = json.loads((prepared[1][1] / "manifest.json").read_text())
-    assert set(manifest) >= {"corpus", "corpus_fingerprint", "tokenizer_sha256", "vocab_size", "mmadapt_version"}
+    assert manifest["corpus"] == str(corpus.resolve())
+    assert manifest["corpus_fingerprint"] == D.corpus_fingerprint(corpus)
+    assert manifest["tokenizer_sha256"] == D.file_sha256(tokenizer) == D.file_sha256(prepared[1][1] / "tokenizer.model")
+    assert manifest["vocab_size"] == VOCAB and manifest["mmadapt_version"] == mmadapt.__version__
 
 
 def test_a_corpus_spec_given_as_a_prepared_dataset_is_told_how_to_prepare_it(tmp_path, monkeypatch):
