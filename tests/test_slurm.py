@@ -341,6 +341,7 @@ def test_the_templates_bible_defaults_prepare_pretrain_adapt_and_fine_tune(tmp_p
     proc = subprocess.run(["bash", str(REPO / "launch" / "slurm" / "preprocess.sbatch")], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / "prepared").exists()  # a dry run makes nothing
     prep = cli.preprocess_parser().parse_args(shlex.split(proc.stdout.strip().splitlines()[-1])[2:])
     assert prep.corpus == "bible:en"
     # the smallest Bible of the templates' languages trains that vocabulary
@@ -382,7 +383,8 @@ def test_adapt_template_without_extra_saves_and_pretrain_named_after_its_recipe(
     assert cli.finetune_parser().parse_args(script_args("finetune.sbatch")).seq_length is None
     assert cli.finetune_parser().parse_args(script_args("finetune.sbatch", SEQ_LENGTH="384")).seq_length == 384
     run = cli.pretrain_parser().parse_args(script_args("pretrain.sbatch", RECIPE="bl_base"))
-    assert run.output_dir == f"{repo}/runs/pretrain-bl_base" and (repo / "runs" / "pretrain-bl_base").is_dir()
+    assert run.output_dir == f"{repo}/runs/pretrain-bl_base"
+    assert not (repo / "runs").exists() and not (tmp_path / "adapt").exists()  # a dry run made every run directory
     # --mini_layers goes to the recipes it shapes (bl_base refuses it)
     assert cli.configs_from_args(run)[0].heads_after == (12,)
     for recipe, heads in (("minijoint", (4, 12)), ("bl_small", (4,))):
