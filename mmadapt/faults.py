@@ -264,7 +264,8 @@ def clear_stale_stop(stop_file: Path) -> None:
 class StopRequest:
     """While active, any of these sets `reason` instead of killing the process: SIGTERM or
     SIGINT; the death of a launcher above this rank (DeepSpeed's runner does not pass signals on
-    to its ranks, and a SIGKILL cannot be passed on); a file `<run_dir>/STOP` (what the SLURM
+    to its ranks, and a SIGKILL cannot be passed on; SIGINT not where the process was started
+    with it ignored); a file `<run_dir>/STOP` (what the SLURM
     templates create when SLURM warns of the time limit: one node's shell can stop ranks on
     every node); an event another process sets (stop_when: a demo worker's run, when the demo
     stops). The training loop then agrees on it with the other ranks, saves at the current
@@ -302,7 +303,10 @@ class StopRequest:
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGTERM, signal.SIGINT):
-                self._old[s] = signal.signal(s, self._handler)
+                # a process started with SIGINT ignored (a background job of a shell script: the
+                # script's Ctrl-C is not for it) keeps ignoring it, as entry does while it imports
+                if s != signal.SIGINT or signal.getsignal(s) is not signal.SIG_IGN:
+                    self._old[s] = signal.signal(s, self._handler)
         threading.Thread(target=self._watch, args=(launcher_ancestors(),), daemon=True, name="stop-watch").start()
         return self
 

@@ -171,6 +171,26 @@ def test_stop_request_from_a_signal_or_the_stop_file(tmp_path, capsys):
     assert "finishing this update" in capsys.readouterr().err
 
 
+def test_a_run_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
+    """A background job of a shell script starts with SIGINT ignored (the script's Ctrl-C is not
+    for it): the training loop's stop request caught it all the same, and the run stopped (75).
+    SIGTERM still stops it; SIGINT stays ignored, inside and after."""
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with faults.StopRequest(tmp_path / "STOP") as stop:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+            assert stop.reason is None
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert stop.reason == "SIGTERM"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 AFTER_STOP = """
 import os, signal, sys, time
 from mmadapt import faults
