@@ -466,6 +466,20 @@ def ceiling_of(system: str) -> str:
     return f"{name.split('@')[0]}:full{mark}{p}"
 
 
+def ceiling_among(system: str, systems) -> str | None:
+    """`system`'s ceiling among the record names `systems`: ceiling_of's, or where the ceilings'
+    runs are told apart too (two sweeps in one report: `minijoint:full [a/full]` and
+    `[b/full]`), the one run from the directory of `system`'s run (`minijoint@2 [a/2]`). None
+    where there is none, or no one such: every share read '-' with two sweeps reported."""
+    name = ceiling_of(system)
+    if name in systems:
+        return name
+    own = system[len(system_of_run(system)) + 2:-1]  # its run's name (run_label), '' where it is none
+    parent = lambda label: label.rpartition("/")[0]
+    same = [c for c in runs_of(name, systems) if own and parent(own) and parent(c[len(name) + 2:-1]) == parent(own)]
+    return same[0] if len(same) == 1 else None
+
+
 def plugin_markdown(records: list[dict]) -> str:
     """The plug-in metric (plugin.py: masked pieces for an encoder, next pieces for a decoder)
     with its references, per language: the unigram reference loss, and per system the
@@ -487,7 +501,7 @@ def plugin_markdown(records: list[dict]) -> str:
                 "|---|---|---|---|---|---|"]
         for system in sorted(last, key=lambda s: (s != "bl_base", s)):
             r = last[system]
-            ceiling = last.get(ceiling_of(system))
+            ceiling = last.get(ceiling_among(system, last))
             share = (f"{100 * r['score'] / ceiling['score']:.0f}% at {100 * r['flops'] / ceiling['flops']:.0f}% of its "
                     "compute" if ceiling and ceiling["score"] > 0 else "-")
             out.append(f"| {system} | {r['flops'] / 1e18:.3g} | {r['start_loss']:.3f} | {r['loss']:.3f} | "
@@ -885,7 +899,7 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
     retention and, with a chance level, the gain over it and its share of the baseline's (and
     the ceiling's); then the notes under it."""
     f, floors, gain = _score_format(t.task), t.floors, t.gain
-    with_ceiling = floors is not None and any(ceiling_of(s) in t.avg for s in t.systems)
+    with_ceiling = floors is not None and any(ceiling_among(s, t.avg) is not None for s in t.systems)
     extra = [] if floors is None else ["gain over chance", f"share of {baseline}'s gain"]
     extra += ["share of the ceiling's gain"] if with_ceiling else []
     out = [f"## {t.task}: score at the last checkpoint", ""]
@@ -900,8 +914,8 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
     out += [f"| system | Step-2 EFLOPs | {device} days | " + " | ".join(t.langs + ["avg", "retention"] + extra)
             + " |", "|---" * (len(t.langs) + 5 + len(extra)) + "|"]
 
-    def share(s: str, of: str) -> str:
-        part = t.gain_share(s, of)
+    def share(s: str, of: str | None) -> str:
+        part = float("nan") if of is None else t.gain_share(s, of)
         return "-" if math.isnan(part) else f"{100 * part:.0f}%"
 
     marks = {s: [_mark(everything, s, t.task, lang, v) if v is not None else "" for v, lang in zip(t.final[s], t.langs)]
@@ -916,7 +930,7 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
     for s in t.systems:
         ret = t.retention(s, baseline)
         cells = [] if floors is None else [format(gain[s], "+" + f), share(s, baseline)]
-        cells += [share(s, ceiling_of(s))] if with_ceiling else []
+        cells += [share(s, ceiling_among(s, t.avg))] if with_ceiling else []
         out.append(f"| {s}{' (!)' if s in t.warned else ''} | {t.cost[s] / 1e18:.3g} | "
                    f"{device_days(t.cost[s], device):.3g} | " +
                    " | ".join(["-" if v is None else format(v, f) + m for v, m in zip(t.final[s], marks[s])]

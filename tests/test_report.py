@@ -702,6 +702,19 @@ def test_a_sweeps_records_are_reported_from_its_sweep_json(tmp_path):
             if line.startswith("| minijoint@")}
     assert rows["minijoint@2"].endswith("| 120% at 17% of its compute |"), rows  # 4e9 / 24e9 FLOPs
     assert rows["minijoint@4"].endswith("| 80% at 33% of its compute |"), rows
+    # two sweeps in one report: every run told apart, each measured against its own sweep's
+    # ceiling (every share read '-': `minijoint:full` was no record name any more)
+    for name, scale in (("a", 1.0), ("b", 0.5)):
+        mine = [{**r, "score": r["score"] * (scale if r["system"] != "minijoint:full" else 1.0),
+                 "artifact": f"/runs/{name}/{r['system'].split('@')[-1].replace('minijoint:', '')}/embeddings/"
+                             f"step{r['step']:08d}"} for r in records]
+        (tmp_path / f"{name}.json").write_text(json.dumps({"source": "/runs/src", "records": mine, "summary": {}}))
+    both = read_results([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert {r["system"] for r in both} >= {"minijoint@2 [a/2]", "minijoint:full [a/full]", "minijoint@2 [b/2]"}
+    rows = {line.split(" | ")[0][2:]: line for line in plugin_markdown(both).splitlines() if "@" in line}
+    assert rows["minijoint@2 [a/2]"].endswith("| 120% at 17% of its compute |"), rows
+    assert rows["minijoint@2 [b/2]"].endswith("| 60% at 17% of its compute |"), rows
+    assert rows["minijoint@4 [b/4]"].endswith("| 40% at 33% of its compute |"), rows
 
 
 def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_is_refused(tmp_path, capsys):
