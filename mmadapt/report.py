@@ -466,18 +466,28 @@ def ceiling_of(system: str) -> str:
     return f"{name.split('@')[0]}:full{mark}{p}"
 
 
-def ceiling_among(system: str, systems) -> str | None:
-    """`system`'s ceiling among the record names `systems`: ceiling_of's, or where the ceilings'
-    runs are told apart too (two sweeps in one report: `minijoint:full [a/full]` and
-    `[b/full]`), the one run from the directory of `system`'s run (`minijoint@2 [a/2]`). None
-    where there is none, or no one such: every share read '-' with two sweeps reported."""
+def ceiling_among(system: str, systems, parents: dict[str, set] | None = None) -> str | None:
+    """`system`'s ceiling among the record names `systems`: ceiling_of's (one ceiling run: every
+    run of the recipe meets it), or where the ceilings' runs are told apart too (two sweeps in one
+    report: `minijoint:full [a/full]` and `[b/full]`) the one run from the directory that holds
+    `system`'s run (`parents`: each name's runs' parent directories, run_parents). None where
+    there is none, or no one such: every share read '-' with two sweeps reported."""
     name = ceiling_of(system)
     if name in systems:
         return name
-    own = system[len(system_of_run(system)) + 2:-1]  # its run's name (run_label), '' where it is none
-    parent = lambda label: label.rpartition("/")[0]
-    same = [c for c in runs_of(name, systems) if own and parent(own) and parent(c[len(name) + 2:-1]) == parent(own)]
+    mine = (parents or {}).get(system, set())
+    same = [c for c in runs_of(name, systems) if (parents or {}).get(c, set()) & mine]
     return same[0] if len(same) == 1 else None
+
+
+def run_parents(records: list[dict]) -> dict[str, set]:
+    """Each record name -> the directories that hold its Step-2 runs (a sweep's output directory:
+    an artifact's <dir>/<run>/embeddings/<tag>), what ceiling_among matches runs told apart by."""
+    out = defaultdict(set)
+    for r in records:
+        if r.get("artifact"):
+            out[r["system"]].add(Path(r["artifact"]).parent.parent.parent)
+    return out
 
 
 def plugin_markdown(records: list[dict]) -> str:
@@ -493,7 +503,7 @@ def plugin_markdown(records: list[dict]) -> str:
         last = {}
         for r in sorted(mine, key=lambda r: r["flops"]):
             last[r["system"]] = r
-        objective = plugin_objective(mine[0]["task"])
+        objective, parents = plugin_objective(mine[0]["task"]), run_parents(mine)
         name, pieces = f"plug-in {objective.label}", objective.scored
         out += [f"## {name}, {lang}: held-out loss through the primary model (unigram reference "
                 f"{mine[0]['unigram_loss']:.3f} nats on {mine[0]['masked_pieces']} {pieces})", "",
@@ -501,7 +511,7 @@ def plugin_markdown(records: list[dict]) -> str:
                 "|---|---|---|---|---|---|"]
         for system in sorted(last, key=lambda s: (s != "bl_base", s)):
             r = last[system]
-            ceiling = last.get(ceiling_among(system, last))
+            ceiling = last.get(ceiling_among(system, last, parents))
             share = (f"{100 * r['score'] / ceiling['score']:.0f}% at {100 * r['flops'] / ceiling['flops']:.0f}% of its "
                     "compute" if ceiling and ceiling["score"] > 0 else "-")
             out.append(f"| {system} | {r['flops'] / 1e18:.3g} | {r['start_loss']:.3f} | {r['loss']:.3f} | "
@@ -899,7 +909,8 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
     retention and, with a chance level, the gain over it and its share of the baseline's (and
     the ceiling's); then the notes under it."""
     f, floors, gain = _score_format(t.task), t.floors, t.gain
-    with_ceiling = floors is not None and any(ceiling_among(s, t.avg) is not None for s in t.systems)
+    parents = run_parents([r for r in everything if r["task"] == t.task])
+    with_ceiling = floors is not None and any(ceiling_among(s, t.avg, parents) is not None for s in t.systems)
     extra = [] if floors is None else ["gain over chance", f"share of {baseline}'s gain"]
     extra += ["share of the ceiling's gain"] if with_ceiling else []
     out = [f"## {t.task}: score at the last checkpoint", ""]
@@ -930,7 +941,7 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
     for s in t.systems:
         ret = t.retention(s, baseline)
         cells = [] if floors is None else [format(gain[s], "+" + f), share(s, baseline)]
-        cells += [share(s, ceiling_among(s, t.avg))] if with_ceiling else []
+        cells += [share(s, ceiling_among(s, t.avg, parents))] if with_ceiling else []
         out.append(f"| {s}{' (!)' if s in t.warned else ''} | {t.cost[s] / 1e18:.3g} | "
                    f"{device_days(t.cost[s], device):.3g} | " +
                    " | ".join(["-" if v is None else format(v, f) + m for v, m in zip(t.final[s], marks[s])]

@@ -715,6 +715,26 @@ def test_a_sweeps_records_are_reported_from_its_sweep_json(tmp_path):
     assert rows["minijoint@2 [a/2]"].endswith("| 120% at 17% of its compute |"), rows
     assert rows["minijoint@2 [b/2]"].endswith("| 60% at 17% of its compute |"), rows
     assert rows["minijoint@4 [b/4]"].endswith("| 40% at 33% of its compute |"), rows
+    # matched by the runs' directories, not their labels' spelling (run_names shortens each group's
+    # paths apart: `[mini]` beside `[exp1/full]`; `[runs/a/2]` beside `[a/full]`)
+    def sweep(file, runs, ceiling_gain):
+        rows = [{**r, "score": r["score"] * (ceiling_gain / 0.25 if r["system"] == "minijoint:full" else 1.0),
+                 "artifact": f"{runs[r['system']]}/embeddings/step{r['step']:08d}"}
+                for r in records if r["system"] in runs]
+        (tmp_path / file).write_text(json.dumps({"records": rows, "summary": {}}))
+        return str(tmp_path / file)
+    for layout, want in (
+            ([({"minijoint@2": "/w/exp1/mini", "minijoint:full": "/w/exp1/full"}, 0.25),
+              ({"minijoint@2": "/w/exp2/mini_b", "minijoint:full": "/w/exp2/full"}, 0.5)],
+             {"minijoint@2 [mini]": "120%", "minijoint@2 [mini_b]": "60%"}),
+            ([({"minijoint@2": "/runs/a/2", "minijoint:full": "/runs/a/full"}, 0.25),
+              ({"minijoint@2": "/runs/b/2", "minijoint:full": "/runs/b/full"}, 0.5),
+              ({"minijoint@2": "/old/a/2"}, None)],
+             {"minijoint@2 [runs/a/2]": "120%", "minijoint@2 [b/2]": "60%", "minijoint@2 [old/a/2]": "-"})):
+        got = read_results([sweep(f"{i}.json", runs, gain) for i, (runs, gain) in enumerate(layout)])
+        rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1].split()[0] for line in plugin_markdown(got).splitlines()
+                if line.startswith("| minijoint@")}
+        assert rows == want, rows
 
 
 def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_is_refused(tmp_path, capsys):
