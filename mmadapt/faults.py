@@ -230,7 +230,14 @@ def interrupted_when(event, poll: float = 0.1):
                     done.set()
                     signal.pthread_kill(main, signal.SIGINT)
 
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)  # the SIGINT raises through it
+    # the SIGINT raises through it; in a process started with SIGINT ignored (a demo run in the
+    # background of a script: its workers inherit that) only the watcher's own, once `event` is set
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+    def only_ours(signum, frame):
+        if event.is_set():
+            raise KeyboardInterrupt
+    old = signal.signal(signal.SIGINT, only_ours if ignored else signal.default_int_handler)
     watcher = threading.Thread(target=watch, daemon=True, name="interrupt-watch")
     watcher.start()
     try:

@@ -799,6 +799,22 @@ def test_interrupted_when_interrupts_inside_its_block_alone():
     later.set()
     time.sleep(0.1)  # a watcher left running would interrupt this
     assert signal.getsignal(signal.SIGINT) is before
+    # a demo worker of a demo started with SIGINT ignored (a background job: its workers inherit
+    # that): a SIGINT from outside changes nothing (it raised, and stopped the demo); the event still
+    # interrupts the block
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        stop, t0, survived = threading.Event(), time.monotonic(), False
+        with pytest.raises(KeyboardInterrupt):
+            with faults.interrupted_when(stop, poll=0.01):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.1)
+                survived = True
+                stop.set()
+                time.sleep(30)
+        assert survived and time.monotonic() - t0 < 10 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _cpu_env() -> dict:
