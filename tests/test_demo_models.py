@@ -109,8 +109,8 @@ def test_a_demo_that_diverges_names_its_own_learning_rate_flags(tmp_path):
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: diverged: pretrain: the loss (or its gradient) is not finite at update 3 (of 4); stopped without "
-        "saving it. No checkpoint was saved before it: lower --pretrain_lr (Step 1) or --finetune_lr (Step 3) and "
-        "run the command into a new --output_dir")
+        "saving it. No checkpoint was saved before it: lower --pretrain_lr and run the command into a new "
+        "--output_dir")
 
 
 def test_family_dependent_settings_resolve_per_family_and_yield_to_the_command_line():
