@@ -476,8 +476,17 @@ def ceiling_among(system: str, systems, parents: dict[str, set] | None = None) -
     if name in systems:
         return name
     mine = (parents or {}).get(system, set())
-    same = [c for c in runs_of(name, systems) if (parents or {}).get(c, set()) & mine]
+    same = [c for c in runs_of(name, systems) if any(_same_dir(a, b) for a in mine for b in (parents or {}).get(c, ()))]
     return same[0] if len(same) == 1 else None
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    """Whether two spellings name one directory as _run_spellings reads them: equal, or a relative
+    one whose parts end the other's (runs/a, as one evaluate call was given it; /w/runs/a in another)."""
+    if a == b:
+        return True
+    short, long = sorted((a, b), key=lambda p: len(p.parts))
+    return not short.is_absolute() and long.parts[len(long.parts) - len(short.parts):] == short.parts
 
 
 def run_parents(records: list[dict]) -> dict[str, set]:

@@ -730,7 +730,11 @@ def test_a_sweeps_records_are_reported_from_its_sweep_json(tmp_path):
             ([({"minijoint@2": "/runs/a/2", "minijoint:full": "/runs/a/full"}, 0.25),
               ({"minijoint@2": "/runs/b/2", "minijoint:full": "/runs/b/full"}, 0.5),
               ({"minijoint@2": "/old/a/2"}, None)],
-             {"minijoint@2 [runs/a/2]": "120%", "minijoint@2 [b/2]": "60%", "minijoint@2 [old/a/2]": "-"})):
+             {"minijoint@2 [runs/a/2]": "120%", "minijoint@2 [b/2]": "60%", "minijoint@2 [old/a/2]": "-"}),
+            # a ceiling scored from the directory above (relative) beside runs given absolute paths
+            ([({"minijoint@2": "/w/runs/a/2"}, None), ({"minijoint:full": "runs/a/full"}, 0.25),
+              ({"minijoint@2": "/w/runs/b/2", "minijoint:full": "/w/runs/b/full"}, 0.5)],
+             {"minijoint@2 [a/2]": "120%", "minijoint@2 [b/2]": "60%"})):
         got = read_results([sweep(f"{i}.json", runs, gain) for i, (runs, gain) in enumerate(layout)])
         rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1].split()[0] for line in plugin_markdown(got).splitlines()
                 if line.startswith("| minijoint@")}
