@@ -243,6 +243,8 @@ def interrupted_when(event, poll: float = 0.1):
     try:
         yield
     finally:
+        if ignored:  # first: a second SIGINT raising here left only_ours installed, the event still set
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         with lock:
             done.set()
         watcher.join()

@@ -813,6 +813,22 @@ def test_interrupted_when_interrupts_inside_its_block_alone():
                 stop.set()
                 time.sleep(30)
         assert survived and time.monotonic() - t0 < 10 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        # an outside SIGINT while the block is left (the watcher joined): it raised there, past the
+        # restore, and the handler stayed installed with the event set: every later SIGINT raised
+        class Joining(threading.Thread):
+            def join(self, *a):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                return super().join(*a)
+        stop = threading.Event()
+        with pytest.raises(KeyboardInterrupt), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(faults.threading, "Thread", Joining)
+            with faults.interrupted_when(stop, poll=0.01):
+                stop.set()
+                time.sleep(30)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # ignored
     finally:
         signal.signal(signal.SIGINT, before)
 
