@@ -716,34 +716,43 @@ def test_ctrl_c_while_the_command_imports_is_one_line(monkeypatch, capsys):
         assert e.value.code == 130 and capsys.readouterr().err == "interrupted\n", script
 
 
-def test_ctrl_c_that_an_import_swallows_still_interrupts(tmp_path, monkeypatch):
-    """A Ctrl-C while torch loads numpy's extension was swallowed inside it (the command then ran
-    to its end: `launch/pretrain.py` would train), or broke numpy's import, or aborted the process:
-    a KeyboardInterrupt raised in C code. While entry imports, SIGINT's handler raises nothing: it
-    leaves with "interrupted", 130. Here an import that swallows its KeyboardInterrupt stands in."""
+def _entry_with_a_stand_in_cli(tmp_path, import_body: str, ignore_sigint: bool = False):
+    """faults.entry() in a process of its own whose `mmadapt.cli` is a stand-in: a module whose
+    import runs `import_body` (indented code that sets module.run_process), where torch's import
+    would be. -> the finished process."""
     from conftest import REPO, child_env
 
-    script = tmp_path / "swallowing.py"
+    script = tmp_path / "entry.py"
     script.write_text(
-        "import importlib.abc, importlib.util, os, signal, sys, time, types\n"
-        "class Swallowing(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
+        "import importlib.abc, importlib.util, os, signal, sys, time\n"
+        + ("signal.signal(signal.SIGINT, signal.SIG_IGN)\n" if ignore_sigint else "") +
+        "class Cli(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        return importlib.util.spec_from_loader(name, self) if name == 'mmadapt.cli' else None\n"
         "    def create_module(self, spec):\n"
         "        return None\n"
         "    def exec_module(self, module):\n"
+        + import_body +
+        "        module.main = None\n"
+        "sys.meta_path.insert(0, Cli())\n"
+        "from mmadapt import faults\n"
+        "sys.exit(faults.entry())\n")
+    return subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=child_env())
+
+
+def test_ctrl_c_that_an_import_swallows_still_interrupts(tmp_path, monkeypatch):
+    """A Ctrl-C while torch loads numpy's extension was swallowed inside it (the command then ran
+    to its end: `launch/pretrain.py` would train), or broke numpy's import, or aborted the process:
+    a KeyboardInterrupt raised in C code. While entry imports, SIGINT's handler raises nothing: it
+    leaves with "interrupted", 130. Here an import that swallows its KeyboardInterrupt stands in."""
+    proc = _entry_with_a_stand_in_cli(tmp_path, (
         "        try:\n"
         "            os.kill(os.getpid(), signal.SIGINT)\n"
         "            time.sleep(2)\n"
         "        except KeyboardInterrupt:  # what an extension's C initialisation does with it\n"
         "            pass\n"
-        "        module.run_process = lambda main: print('ran the command') or 0\n"
-        "        module.main = None\n"
-        "sys.meta_path.insert(0, Swallowing())\n"
-        "from mmadapt import faults\n"
-        "sys.exit(faults.entry())\n")
-    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=child_env())
+        "        module.run_process = lambda main: print('ran the command') or 0\n"))
     assert (proc.returncode, proc.stdout, proc.stderr) == (130, "", "interrupted\n")
     # and the command runs under the SIGINT handler entry found (its Ctrl-C is cli.user_errors')
     from mmadapt import cli
@@ -756,27 +765,10 @@ def test_ctrl_c_that_an_import_swallows_still_interrupts(tmp_path, monkeypatch):
 def test_a_process_that_ignores_sigint_still_ignores_it_while_the_command_imports(tmp_path):
     """A background job of a shell script starts with SIGINT ignored: entry's handler for the
     import made a Ctrl-C there exit 130, where the process ignored it before."""
-    from conftest import REPO, child_env
-
-    script = tmp_path / "ignoring.py"
-    script.write_text(
-        "import importlib.abc, importlib.util, os, signal, sys\n"
-        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-        "class Cli(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        return importlib.util.spec_from_loader(name, self) if name == 'mmadapt.cli' else None\n"
-        "    def create_module(self, spec):\n"
-        "        return None\n"
-        "    def exec_module(self, module):\n"
+    proc = _entry_with_a_stand_in_cli(tmp_path, (
         "        os.kill(os.getpid(), signal.SIGINT)\n"
         "        ignored = lambda: signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
-        "        module.run_process = lambda main: print('ran', ignored()) or 0\n"
-        "        module.main = None\n"
-        "sys.meta_path.insert(0, Cli())\n"
-        "from mmadapt import faults\n"
-        "sys.exit(faults.entry())\n")
-    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=child_env())
+        "        module.run_process = lambda main: print('ran', ignored()) or 0\n"), ignore_sigint=True)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "ran True\n", "")
 
 
