@@ -37,9 +37,9 @@ NEAR_MAX = 0.95  # section 4.2: target = 95% of BL_BASE's final score for the la
 
 def read_results(files: list[str]) -> list[dict]:
     """The records of Step 4's results `files` (JSON lists, as `mmadapt evaluate --output` writes
-    them, or a sweep's sweep.json), each refused in one line unless it names a file once and holds whole records: a
-    system, task and language, a finite score, finite FLOPs >= 0 and a step (where given) a
-    whole number >= 0."""
+    them, or a sweep's sweep.json), each refused in one line unless it names a file once and
+    holds whole records: a system, task and language, a finite score, finite FLOPs >= 0 and a
+    step (where given) a whole number >= 0."""
     twice = next((f for i, f in enumerate(files) if any(Path(f).resolve() == Path(g).resolve() for g in files[:i])),
                  None)
     if twice is not None:
@@ -475,8 +475,9 @@ def ceiling_among(system: str, systems, parents: dict[str, set] | None = None) -
     name = ceiling_of(system)
     if name in systems:
         return name
-    mine = (parents or {}).get(system, set())
-    same = [c for c in runs_of(name, systems) if any(_same_dir(a, b) for a in mine for b in (parents or {}).get(c, ()))]
+    parents = parents or {}
+    same = [c for c in runs_of(name, systems)
+            if any(_same_dir(a, b) for a in parents.get(system, ()) for b in parents.get(c, ()))]
     return same[0] if len(same) == 1 else None
 
 
