@@ -487,7 +487,8 @@ def _same_dir(a: Path, b: Path) -> bool:
     if a == b:
         return True
     short, long = sorted((a, b), key=lambda p: len(p.parts))
-    return not short.is_absolute() and long.parts[len(long.parts) - len(short.parts):] == short.parts
+    # '.' (a run given from inside its sweep's directory) has no parts: it ends no other directory
+    return bool(short.parts) and not short.is_absolute() and long.parts[-len(short.parts):] == short.parts
 
 
 def run_parents(records: list[dict]) -> dict[str, set]:

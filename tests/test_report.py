@@ -734,7 +734,12 @@ def test_a_sweeps_records_are_reported_from_its_sweep_json(tmp_path):
             # a ceiling scored from the directory above (relative) beside runs given absolute paths
             ([({"minijoint@2": "/w/runs/a/2"}, None), ({"minijoint:full": "runs/a/full"}, 0.25),
               ({"minijoint@2": "/w/runs/b/2", "minijoint:full": "/w/runs/b/full"}, 0.5)],
-             {"minijoint@2 [a/2]": "120%", "minijoint@2 [b/2]": "60%"})):
+             {"minijoint@2 [a/2]": "120%", "minijoint@2 [b/2]": "60%"}),
+            # a ceiling given from inside its sweep's directory ('.': it ended every other directory)
+            ([({"minijoint@2": "/w/runs/a/2"}, None), ({"minijoint:full": "full_a"}, 0.25),
+              ({"minijoint@2": "/w/runs/b/2", "minijoint:full": "/w/runs/b/full"}, 0.5),
+              ({"minijoint@2": "/x/c/2"}, None)],
+             {"minijoint@2 [a/2]": "-", "minijoint@2 [b/2]": "60%", "minijoint@2 [c/2]": "-"})):
         got = read_results([sweep(f"{i}.json", runs, gain) for i, (runs, gain) in enumerate(layout)])
         rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1].split()[0] for line in plugin_markdown(got).splitlines()
                 if line.startswith("| minijoint@")}
