@@ -78,13 +78,36 @@ def load_ds_config(path: Path, cfg) -> dict:
               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
               gradient_clipping=cfg.gradient_clipping)
     ds.setdefault("steps_per_print", 2**31 - 1)  # mmadapt logs; DeepSpeed's own prints are noise
+    offload = ds.get("zero_optimization", {}).get("offload_optimizer")
+    if isinstance(offload, dict) and offload.get("device", "none") != "none":
+        # ZeRO-Offload refuses a client optimizer unless told otherwise (it wants its CPU Adam);
+        # mmadapt's torch AdamW steps the offloaded fp32 partitions, the losses equal ZeRO-2's
+        ds.setdefault("zero_force_ds_cpu_optimizer", False)
+    _check_with_deepspeed(path, ds)
     return ds
+
+
+def _check_with_deepspeed(path: Path, ds: dict) -> None:
+    """DeepSpeed's own reading of the config, before anything is written: a section it refuses
+    ("amp") failed inside deepspeed.initialize, after the run had written its directory."""
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+
+    try:
+        DeepSpeedConfig(ds)
+    except DeepSpeedConfigError as e:
+        raise ValueError(f"DeepSpeed config {path}: DeepSpeed refuses it ({str(e).splitlines()[0]})") from None
+    except Exception:  # read here without the job's world and mesh: deepspeed.initialize judges the rest
+        pass
 
 
 def _check_sections(path: Path, ds: dict) -> None:
     """The sections mmadapt reads before DeepSpeed does (the precision, the ZeRO stage), in
     DeepSpeed's shapes, and none that mmadapt's flags replace unsaid (the optimizer and its
     schedule: --lr, --lr_warmup_iters, --weight_decay, ... build them)."""
+    if "bfloat16" in ds:  # DeepSpeed trains it as bf16; mmadapt's checks and optimizer path read "bf16" alone
+        raise ValueError(f'DeepSpeed config {path} sets "bfloat16", DeepSpeed\'s older name for "bf16", which '
+                         "mmadapt reads (the precision chooses the optimizer and the fp32 master weights a "
+                         'checkpoint keeps): rename it "bf16"')
     for key in ("optimizer", "scheduler"):
         if key in ds:
             raise ValueError(f"DeepSpeed config {path} sets {key}: mmadapt builds the optimizer and its schedule from "

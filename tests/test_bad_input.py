@@ -530,6 +530,13 @@ CASES = [
      "ds_configs/zero2_bf16.json or zero2.json"),
     ("ds-config-not-utf8", lambda c: c.pretrain("--ds_config", c.file("ds.json", b'{"bf16": "\xe9"}')),
      "is not UTF-8 text"),
+    # (DeepSpeed trained "bfloat16" as bf16 on its unfused path, where mmadapt read fp32 and saved no
+    # fp32 master weights: later steps started from bf16-rounded weights)
+    ("ds-config-bfloat16", lambda c: c.pretrain("--ds_config", c.file("ds.json", '{"bfloat16": {"enabled": true}}')),
+     'sets "bfloat16", DeepSpeed\'s older name for "bf16", which mmadapt reads'),
+    # (DeepSpeed's own refusal came inside deepspeed.initialize, after the run had written its directory)
+    ("ds-config-deepspeed-refuses", lambda c: c.pretrain("--ds_config", c.file("ds.json", '{"amp": {"enabled": true}}')),
+     "DeepSpeed refuses it (NVIDIA Apex AMP integration has been removed"),
     ("unknown-flag", lambda c: c.pretrain("--learning_rate", "1e-3"), "unrecognized arguments: --learning_rate"),
     ("flag-wrong-type", lambda c: c.pretrain("--train_iters", "many"), "invalid int value: 'many'"),
     ("unknown-recipe", lambda c: c.pretrain("--recipe", "bl_huge"), "invalid choice: 'bl_huge'"),
