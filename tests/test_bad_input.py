@@ -535,7 +535,8 @@ CASES = [
     ("ds-config-bfloat16", lambda c: c.pretrain("--ds_config", c.file("ds.json", '{"bfloat16": {"enabled": true}}')),
      'sets "bfloat16", DeepSpeed\'s older name for "bf16", which mmadapt reads'),
     # (DeepSpeed's own refusal came inside deepspeed.initialize, after the run had written its directory)
-    ("ds-config-deepspeed-refuses", lambda c: c.pretrain("--ds_config", c.file("ds.json", '{"amp": {"enabled": true}}')),
+    ("ds-config-deepspeed-refuses",
+     lambda c: c.pretrain("--ds_config", c.file("ds.json", '{"amp": {"enabled": true}}')),
      "DeepSpeed refuses it (NVIDIA Apex AMP integration has been removed"),
     ("unknown-flag", lambda c: c.pretrain("--learning_rate", "1e-3"), "unrecognized arguments: --learning_rate"),
     ("flag-wrong-type", lambda c: c.pretrain("--train_iters", "many"), "invalid int value: 'many'"),

@@ -16,7 +16,7 @@ from mmadapt.engine import adamw, for_replicas, load_ds_config
 from mmadapt.models import PRESETS, get_family
 from mmadapt.parallel import init_parallel
 from mmadapt.tokens import IGNORE_INDEX
-from mmadapt.train import LMJob, host_batch, lm_engine, lm_step, train_step
+from mmadapt.train import host_batch, lm_engine, lm_step, train_step
 
 MODEL = dataclasses.replace(PRESETS["tiny"][0], num_layers=2, vocab_size=300, hidden_dropout=0.0, attention_dropout=0.0)
 
