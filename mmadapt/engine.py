@@ -78,8 +78,7 @@ def load_ds_config(path: Path, cfg) -> dict:
               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
               gradient_clipping=cfg.gradient_clipping)
     ds.setdefault("steps_per_print", 2**31 - 1)  # mmadapt logs; DeepSpeed's own prints are noise
-    offload = ds.get("zero_optimization", {}).get("offload_optimizer")
-    if isinstance(offload, dict) and offload.get("device", "none") != "none":
+    if _offloads(ds, "offload_optimizer"):
         # ZeRO-Offload refuses a client optimizer unless told otherwise (it wants its CPU Adam);
         # mmadapt's torch AdamW steps the offloaded fp32 partitions, the losses equal ZeRO-2's
         ds.setdefault("zero_force_ds_cpu_optimizer", False)
@@ -181,10 +180,15 @@ def for_replicas(ds: dict, dp: int, ckpt_dir: Path | None = None) -> dict:
 
 def _needs_zero(ds: dict) -> bool:
     """Whether the JSON asks for what the one-replica paths of for_replicas do not give."""
+    return (_offloads(ds, "offload_optimizer", "offload_param")
+            or ds.get("data_types", {}).get("grad_accum_dtype", "fp32") != "fp32")
+
+
+def _offloads(ds: dict, *sections: str) -> bool:
+    """Whether the JSON's ZeRO offloads one of `sections` (offload_optimizer, offload_param) to a
+    device (its "none" offloads nothing)."""
     zero = ds.get("zero_optimization", {})
-    offload = any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none"
-                  for k in ("offload_optimizer", "offload_param"))
-    return offload or ds.get("data_types", {}).get("grad_accum_dtype", "fp32") != "fp32"
+    return any(isinstance(zero.get(k), dict) and zero[k].get("device", "none") != "none" for k in sections)
 
 
 def param_groups(module: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
