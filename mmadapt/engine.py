@@ -735,17 +735,10 @@ def _loss_row(step: int, mean: torch.Tensor, loss_names: tuple[str, ...] | None,
 
 
 def _diverged(situation: str, ckpt_dir: Path, fix: str) -> Diverged:
-    """A divergence (`situation`: what happened) and what to do after it. The newest complete
-    checkpoint is the last good one, but --resume is exact and refuses a changed --lr, so
-    resuming it would diverge again: the fix is a new run (or, with no checkpoint saved, the
-    same command again)."""
+    """A divergence (`situation`: what happened) with the run's advice (Diverged.of_run): the
+    newest complete checkpoint in `ckpt_dir` is the last good one."""
     tag = checkpoint.latest_tag(ckpt_dir)
-    if tag is None:
-        line = f"No checkpoint was saved before it: {fix} and run the command again (without --resume)"
-    else:
-        line = (f"Checkpoint {tag} in {ckpt_dir} is the last good one, but --resume would repeat this exactly: {fix} "
-                "in a new --output_dir")
-    return Diverged(f"{situation} {line}", situation, None if tag is None else (tag, str(ckpt_dir)))
+    return Diverged.of_run(situation, None if tag is None else (tag, str(ckpt_dir)), fix)
 
 
 class Unchecked:

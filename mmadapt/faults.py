@@ -46,6 +46,18 @@ class Diverged(RuntimeError):
         super().__init__(line)
         self.situation, self.last_good = situation, last_good  # last_good: (its tag, its checkpoints directory)
 
+    @classmethod
+    def of_run(cls, situation: str, last_good: tuple[str, str] | None, fix: str) -> "Diverged":
+        """A run's divergence and its advice: --resume is exact and refuses a changed --lr, so
+        resuming the last good checkpoint would diverge again; `fix` (a lower --lr) in a new run,
+        or, with no checkpoint saved, the same command again."""
+        if last_good is None:
+            advice = f"No checkpoint was saved before it: {fix} and run the command again (without --resume)"
+        else:
+            advice = (f"Checkpoint {last_good[0]} in {last_good[1]} is the last good one, but --resume would repeat "
+                      f"this exactly: {fix} in a new --output_dir")
+        return cls(f"{situation} {advice}", situation, last_good)
+
     def start_anew(self, fix) -> None:
         """Reword the advice (a run's: a new one, or --resume) for a command that continues its
         runs by itself: the same command again goes on from the last good checkpoint and repeats
@@ -102,6 +114,13 @@ class Paused(Exception):
         return type(self), (self.step, self.total, self.tag)
 
 
+def sigint_ignored() -> bool:
+    """Whether this process was started with SIGINT ignored (a background `&` job of a shell
+    script: the script's Ctrl-C is not for it): entry, the training loop's StopRequest and
+    interrupted_when leave it ignored, from start-up to the end."""
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
 def _interrupted_while_importing(signum, frame) -> None:
     """SIGINT's handler while entry imports: leave at once, raising nothing. A KeyboardInterrupt
     raised inside an extension's initialisation (numpy's, as torch loads it) was swallowed there
@@ -116,10 +135,8 @@ def entry(command: str | None = None) -> int:
     DeepSpeed and megatron-core, seconds in which a Ctrl-C printed their import traceback; it is
     one line ("interrupted", 130) there too, as cli.user_errors says it after. command: the name
     of the command's function in mmadapt.cli (None: `mmadapt`, which dispatches)."""
-    # Only the main thread may set a handler; a process started with SIGINT ignored (a background
-    # `&` job of a shell script) keeps ignoring it
-    deferred = (threading.current_thread() is threading.main_thread()
-                and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+    # (only the main thread may set a handler)
+    deferred = threading.current_thread() is threading.main_thread() and not sigint_ignored()
     previous = signal.signal(signal.SIGINT, _interrupted_while_importing) if deferred else None
     try:  # (import_module: `from mmadapt import cli` takes the package's attribute where it is imported already)
         cli = importlib.import_module("mmadapt.cli")
@@ -230,9 +247,9 @@ def interrupted_when(event, poll: float = 0.1):
                     done.set()
                     signal.pthread_kill(main, signal.SIGINT)
 
-    # the SIGINT raises through it; in a process started with SIGINT ignored (a demo run in the
-    # background of a script: its workers inherit that) only the watcher's own, once `event` is set
-    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    # the SIGINT raises through it; where SIGINT is ignored (a demo run in the background of a
+    # script: its workers inherit that) only the watcher's own, once `event` is set
+    ignored = sigint_ignored()
 
     def only_ours(signum, frame):
         if event.is_set():
@@ -312,9 +329,7 @@ class StopRequest:
     def __enter__(self) -> "StopRequest":
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGTERM, signal.SIGINT):
-                # a process started with SIGINT ignored (a background job of a shell script: the
-                # script's Ctrl-C is not for it) keeps ignoring it, as entry does while it imports
-                if s != signal.SIGINT or signal.getsignal(s) is not signal.SIG_IGN:
+                if s != signal.SIGINT or not sigint_ignored():
                     self._old[s] = signal.signal(s, self._handler)
         threading.Thread(target=self._watch, args=(launcher_ancestors(),), daemon=True, name="stop-watch").start()
         return self
