@@ -146,7 +146,7 @@ def system_of_run(label: str) -> str:
 
 def runs_of(system: str, systems) -> list[str]:
     """`system`'s runs told apart (run_label) among `systems`, sorted."""
-    return sorted(s for s in systems if s.startswith(f"{system} ["))
+    return sorted(s for s in systems if s != system and system_of_run(s) == system)
 
 
 def given_once(paths: list[Path], what: str, given: list[Path] | None = None) -> None:

@@ -214,7 +214,7 @@ def _run_spellings(dirs: set[Path]) -> dict[Path, Path]:
     def longest(d: Path) -> Path:
         if d.is_absolute():
             return d
-        same = [e for e in dirs if len(e.parts) > len(d.parts) and e.parts[-len(d.parts):] == d.parts]
+        same = [e for e in dirs if len(e.parts) > len(d.parts) and _same_dir(d, e)]
         return max(same, key=lambda e: (len(e.parts), str(e))) if same else d
     return {d: longest(d) for d in dirs}
 
@@ -482,7 +482,7 @@ def ceiling_among(system: str, systems, parents: dict[str, set] | None = None) -
 
 
 def _same_dir(a: Path, b: Path) -> bool:
-    """Whether two spellings name one directory as _run_spellings reads them: equal, or a relative
+    """Whether two spellings name one directory (what _run_spellings merges): equal, or a relative
     one whose parts end the other's (runs/a, as one evaluate call was given it; /w/runs/a in another)."""
     if a == b:
         return True
