@@ -305,12 +305,11 @@ def _run_job(demo: "Demo", job: Job) -> tuple[float, object] | None:
 
 
 def _divergence_advice(e: faults.Diverged) -> str:
-    """What a demo whose run diverged advises, by the step (its situation starts with the
-    training loop's label, LoopJob.label: the step's name). Steps 1b and 2 run at the family
-    preset's learning rate, which no demo flag sets."""
-    if e.situation.startswith("pretrain:"):  # (trained only with --from_scratch)
+    """What a demo whose run diverged advises, by the step whose run it was (Diverged.step).
+    Steps 1b and 2 run at the family preset's learning rate, which no demo flag sets."""
+    if e.step == "pretrain":  # (trained only with --from_scratch)
         return "lower --pretrain_lr and run the command into a new --output_dir"
-    if e.situation.startswith("finetune "):
+    if e.step == "finetune":
         return "lower --finetune_lr and run the command into a new --output_dir"
     return ("Steps 1b and 2 of the demo run at the model family preset's learning rate, which no demo flag changes: "
             "this is mmadapt's to fix (MMADAPT_DEBUG=1 shows where; please report it)")

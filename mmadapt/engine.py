@@ -734,11 +734,11 @@ def _loss_row(step: int, mean: torch.Tensor, loss_names: tuple[str, ...] | None,
     return row, scalars
 
 
-def _diverged(situation: str, ckpt_dir: Path, fix: str) -> Diverged:
-    """A divergence (`situation`: what happened) with the run's advice (Diverged.of_run): the
+def _diverged(job: "LoopJob", what: str, ckpt_dir: Path, fix: str) -> Diverged:
+    """A divergence of `job` (`what` happened) with the run's advice (Diverged.of_run): the
     newest complete checkpoint in `ckpt_dir` is the last good one."""
     tag = checkpoint.latest_tag(ckpt_dir)
-    return Diverged.of_run(situation, None if tag is None else (tag, str(ckpt_dir)), fix)
+    return Diverged.of_run(f"{job.label}: {what}", None if tag is None else (tag, str(ckpt_dir)), fix, job.step)
 
 
 class Unchecked:
@@ -795,7 +795,9 @@ SKIPPED_IN_A_ROW = "skipped_in_a_row"  # a checkpoint's client state: fp16 steps
 class LoopJob:
     """What train_loop needs to know of the job it runs, beyond LoopConfig's settings.
 
-    names and client_state go into every checkpoint (checkpoint.save); exclude_frozen leaves
+    step: the step it trains (one of flops.STEPS, or "finetune"), `task` that step's task where
+    it has one: the progress bar and a divergence's line say both (`label`), a Diverged carries
+    the step. names and client_state go into every checkpoint (checkpoint.save); exclude_frozen leaves
     frozen parameters out of them. loss_names: one per entry of step_fn's losses (the heads'
     layers; None: one loss); loss_weights: how they make the logged loss
     (ModelConfig.loss_weights; None: their mean). scored_rows() -> the positions this rank's
@@ -812,7 +814,7 @@ class LoopJob:
     updates: logged as `valid_loss` (and `valid_head_losses`) rows. split_losses: step_fn's losses
     end with two texts' (loss sum, count) pairs (layers.split_sums), logged as <name>_loss
     (Step 2's replay: ("source", "target"))."""
-    label: str
+    step: str
     names: dict
     client_state: dict
     exclude_frozen: bool
@@ -824,6 +826,11 @@ class LoopJob:
     evaluate: Callable[[], torch.Tensor] | None = None
     eval_interval: int = 0
     split_losses: tuple[str, str] | None = None
+    task: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.step if self.task is None else f"{self.step} {self.task}"
 
 
 def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loop: LoopConfig, total: int,
@@ -890,8 +897,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
         first = unchecked.first_nonfinite(engine.device)
         if first is not None:
             fix = "lower --lr, raise the warm-up or enable gradient clipping"
-            raise _diverged(f"{job.label}: the loss (or its gradient) is not finite at update {first} (of {total}); "
-                            "stopped without saving it.", ckpt_dir, fix)
+            raise _diverged(job, f"the loss (or its gradient) is not finite at update {first} (of {total}); "
+                                 "stopped without saving it.", ckpt_dir, fix)
 
     def save(scheduled: bool = True) -> str:
         check_finite()
@@ -925,8 +932,8 @@ def train_loop(engine, step_fn: Callable[[int], torch.Tensor], job: LoopJob, loo
                     check_finite()  # DeepSpeed also skips the steps of a non-finite loss: name that first
                     skipped += 1
                     if skipped > loop.max_skipped_steps:
-                        raise _diverged(f"{job.label}: {skipped} optimizer steps in a row were skipped (gradient "
-                                        f"overflow) after update {done}.", ckpt_dir, "lower --lr or use bf16")
+                        raise _diverged(job, f"{skipped} optimizer steps in a row were skipped (gradient "
+                                             f"overflow) after update {done}.", ckpt_dir, "lower --lr or use bf16")
                 else:
                     skipped = 0
                     loss_sum = local if loss_sum is None else loss_sum + local

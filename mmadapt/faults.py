@@ -40,14 +40,18 @@ class Diverged(RuntimeError):
     """Training cannot go on from here; the newest complete checkpoint is the last good one.
     `situation`: what happened, and `last_good`: the newest complete checkpoint (None: none was
     saved), the line's parts before its advice (a command that continues its runs by itself
-    words its own: resumes_itself)."""
+    words its own: resumes_itself); `step`: the training loop's (engine.LoopJob.step), which a
+    command running several steps advises by (the demo's flags set some steps' rates alone)."""
 
-    def __init__(self, line: str, situation: str | None = None, last_good: tuple[str, str] | None = None):
+    def __init__(self, line: str, situation: str | None = None, last_good: tuple[str, str] | None = None,
+                 step: str | None = None):
         super().__init__(line)
         self.situation, self.last_good = situation, last_good  # last_good: (its tag, its checkpoints directory)
+        self.step = step
 
     @classmethod
-    def of_run(cls, situation: str, last_good: tuple[str, str] | None, fix: str) -> "Diverged":
+    def of_run(cls, situation: str, last_good: tuple[str, str] | None, fix: str,
+               step: str | None = None) -> "Diverged":
         """A run's divergence and its advice: --resume is exact and refuses a changed --lr, so
         resuming the last good checkpoint would diverge again; `fix` (a lower --lr) in a new run,
         or, with no checkpoint saved, the same command again."""
@@ -56,7 +60,7 @@ class Diverged(RuntimeError):
         else:
             advice = (f"Checkpoint {last_good[0]} in {last_good[1]} is the last good one, but --resume would repeat "
                       f"this exactly: {fix} in a new --output_dir")
-        return cls(f"{situation} {advice}", situation, last_good)
+        return cls(f"{situation} {advice}", situation, last_good, step)
 
     def start_anew(self, fix) -> None:
         """Reword the advice (a run's: a new one, or --resume) for a command that continues its

@@ -514,7 +514,7 @@ def _finetune_engine(started: Started, model_cfg: ModelConfig, cfg: FinetuneConf
     apply_fusion(module, model_cfg, family.compiled_kinds, family.graphed_kinds)
     engine, layout = build_engine(module, names, trainable, cfg, lr, plan.updates, started.ds_config, state)
     global_batch = cfg.global_batch(parallel.dp_world())
-    job = LoopJob(label=f"finetune {task.name}", names=names, client_state=client_state(family, model_cfg, layout),
+    job = LoopJob(step="finetune", task=task.name, names=names, client_state=client_state(family, model_cfg, layout),
                   exclude_frozen=True, perf=lambda seconds, rows: {"examples_per_s": global_batch / seconds})
     return engine, job
 

@@ -598,7 +598,7 @@ def train_lm(started: Started, run: RunSpec, model_cfg: ModelConfig, train: Trai
         fit.after(position)
         return losses
 
-    loop_job = LoopJob(label=job.step, names=names, client_state=client_state(family, model_cfg, layout),
+    loop_job = LoopJob(step=job.step, names=names, client_state=client_state(family, model_cfg, layout),
                        exclude_frozen=job.trainable is not None, loss_names=tuple(str(l) for l in model_cfg.heads_after),
                        loss_weights=model_cfg.loss_weights, perf=perf, after_save=after_save, evaluate=evaluate,
                        eval_interval=train.eval_interval, scored_rows=lambda: scored[0],

@@ -256,7 +256,7 @@ class FakeEngine:
 
 def _loop(tmp_path, engine, step_fn, total=10**6, **loop):
     init_parallel(1, 1)
-    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False)
+    job = LoopJob(step="test", names={}, client_state={}, exclude_frozen=False)
     cfg = TrainConfig(**{"log_interval": 1, "save_interval": 10**6, **loop})
     return train_loop(engine, step_fn, job, cfg, total, run_dir=tmp_path, resume=False)
 
@@ -321,7 +321,7 @@ def test_steps_skipped_before_a_stop_still_count_after_its_resume(tmp_path, monk
     assert (saved["step"], saved["position"], saved["skipped_in_a_row"]) == (2, 4, 2)
     monkeypatch.setattr(engine_module.checkpoint, "resume", lambda engine, ckpt_dir, strict: saved)
     positions.clear()
-    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False)
+    job = LoopJob(step="test", names={}, client_state={}, exclude_frozen=False)
     with pytest.raises(faults.Diverged, match="5 optimizer steps in a row were skipped .*after update 2"):
         train_loop(engine, step, job, TrainConfig(log_interval=1, save_interval=10**6, max_skipped_steps=4), 10**6,
                    run_dir=tmp_path, resume=True)
@@ -358,7 +358,7 @@ def test_skipped_steps_count_in_the_time_and_the_compute_of_a_checkpoint(tmp_pat
         return torch.tensor([1.0])
 
     init_parallel(1, 1)
-    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False,
+    job = LoopJob(step="test", names={}, client_state={}, exclude_frozen=False,
                   perf=lambda dt, rows: {"sec_per_update": dt},
                   after_save=lambda done, tag, run, rows, scheduled: saved.append((done, tag, run)))
     rows = train_loop(engine, step, job, TrainConfig(log_interval=2, save_interval=2), 4, run_dir=tmp_path,
@@ -378,7 +378,7 @@ def test_a_stops_checkpoint_is_said_to_be_off_the_schedule(tmp_path):
         return torch.tensor([1.0])
 
     init_parallel(1, 1)
-    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False,
+    job = LoopJob(step="test", names={}, client_state={}, exclude_frozen=False,
                   after_save=lambda done, tag, run, rows, scheduled: saved.append((done, scheduled)))
     with pytest.raises(faults.Stopped, match="at update 7"):
         train_loop(FakeEngine(), step, job, TrainConfig(log_interval=1, save_interval=5), 20, run_dir=tmp_path,
@@ -428,7 +428,7 @@ def test_the_rows_projected_are_counted_through_skips_and_resumes(tmp_path, monk
         return torch.tensor([1.0])
 
     def run(run_dir, total, resume):
-        job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False,
+        job = LoopJob(step="test", names={}, client_state={}, exclude_frozen=False,
                       perf=lambda dt, rows: rates.append(rows) or {}, scored_rows=lambda: counted[0],
                       after_save=lambda done, tag, run, rows, scheduled: saved.append((done, run, rows)))
         train_loop(engine, step, job, TrainConfig(log_interval=2, save_interval=2), total, run_dir=run_dir,
@@ -516,7 +516,7 @@ def test_exit_interval_pauses_with_its_own_exception_and_a_finished_run_does_not
     assert rows[-1]["step"] == 8 and faults.EXIT_PAUSED == 76
 
 
-def test_a_step_that_resumes_by_itself_says_call_it_again_from_python_too():
+def test_a_step_that_resumes_by_itself_says_call_it_again_from_python_too(tmp_path):
     """extend() and steps.sweep() from Python, stopped or paused inside: the exception said
     'run the same command with --resume', which neither has."""
     from mmadapt import demo, extend, steps
@@ -543,20 +543,28 @@ def test_a_step_that_resumes_by_itself_says_call_it_again_from_python_too():
             faults.resumes_itself(diverging)()
         assert str(e.value) == f"{situation} {said}: lower --lr and run the command into a new --output_dir"
         assert e.traceback[-1].name == "diverging"  # raised where it happened (MMADAPT_DEBUG=1 shows it)
-    # the demo's, by the step that diverged: Steps 1 and 3 have learning-rate flags of their own,
-    # Steps 1b and 2 none (it said to lower --pretrain_lr or --finetune_lr, which change neither)
-    for label, advice in (("pretrain", "lower --pretrain_lr and run the command into a new --output_dir"),
-                          ("finetune bible-genre", "lower --finetune_lr and run the command into a new --output_dir"),
-                          ("build_minipost", "Steps 1b and 2 of the demo run at the model family preset's learning "
-                           "rate, which no demo flag changes: this is mmadapt's to fix"),
-                          ("adapt", "Steps 1b and 2 of the demo run at the model family preset's learning rate")):
-        situation = f"{label}: the loss (or its gradient) is not finite at update 2 (of 8); stopped without saving it."
+    # the demo's, by the step that diverged (the training loop's Diverged.step, LoopJob's): Steps 1
+    # and 3 have learning-rate flags of their own, Steps 1b and 2 none (it said to lower
+    # --pretrain_lr or --finetune_lr, which change neither)
+    for step, task, advice in (
+            ("pretrain", None, "lower --pretrain_lr and run the command into a new --output_dir"),
+            ("finetune", "bible-genre", "lower --finetune_lr and run the command into a new --output_dir"),
+            ("minipost", None, "Steps 1b and 2 of the demo run at the model family preset's learning "
+             "rate, which no demo flag changes: this is mmadapt's to fix"),
+            ("adapt", None, "Steps 1b and 2 of the demo run at the model family preset's learning rate")):
+        run_dir = tmp_path / f"{step}_run"
+        run_dir.mkdir()
+        init_parallel(1, 1)
+        job = LoopJob(step=step, task=task, names={}, client_state={}, exclude_frozen=False)
 
         def diverging_demo():
-            raise faults.Diverged(f"{situation} (a run's advice)", situation, None)
+            train_loop(FakeEngine(), lambda position: torch.tensor([float("nan")]), job,
+                       TrainConfig(log_interval=1, save_interval=10**6), 8, run_dir, resume=False)
         with pytest.raises(faults.Diverged) as e:
             faults.resumes_itself(fix=demo._divergence_advice)(diverging_demo)()
-        assert str(e.value).startswith(f"{situation} No checkpoint was saved before it: {advice}"), str(e.value)
+        assert e.value.step == step
+        assert str(e.value).startswith(f"{job.label}: the loss (or its gradient) is not finite at update 1 (of 8); "
+                                       f"stopped without saving it. No checkpoint was saved before it: {advice}")
 
 
 def test_a_command_that_resumes_by_itself_says_run_it_again(monkeypatch, tmp_path, capsys):
@@ -678,7 +686,7 @@ def test_the_exceptions_a_demo_worker_raises_pickle_with_their_fields():
               NothingHeldOut("none held out", 4), ChangedRun("lr is 1 here but 2 there", "resume with the run's"),
               DamagedRun("every complete checkpoint in X is damaged (why)"),
               faults.Diverged("adapt: not finite at update 2. Checkpoint s1 in x is the last good one: ...",
-                              "adapt: not finite at update 2.", ("s1", "x")))
+                              "adapt: not finite at update 2.", ("s1", "x"), "adapt"))
     for e in raised:
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is type(e) and str(back) == str(e) and vars(back) == vars(e)
@@ -1052,7 +1060,7 @@ def test_a_log_row_times_its_updates_alone_at_the_rate_they_trained_at(tmp_path,
         return torch.tensor([2.0])
 
     init_parallel(1, 1)
-    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, evaluate=evaluate, eval_interval=2,
+    job = LoopJob(step="test", names={}, client_state={}, exclude_frozen=False, evaluate=evaluate, eval_interval=2,
                   perf=lambda dt, rows: {"sec_per_update": dt},
                   after_save=lambda done, tag, run, rows, scheduled: clock.__setitem__(0, clock[0] + 1000.0))
     cfg = TrainConfig(log_interval=2, save_interval=2)
@@ -1068,7 +1076,7 @@ def test_an_error_after_a_checkpoint_reaches_the_loop_that_saved(tmp_path):
         raise OSError(28, "No space left on device")
 
     init_parallel(1, 1)
-    job = LoopJob(label="test", names={}, client_state={}, exclude_frozen=False, after_save=fail)
+    job = LoopJob(step="test", names={}, client_state={}, exclude_frozen=False, after_save=fail)
     with pytest.raises(OSError, match="No space left on device"):
         train_loop(FakeEngine(), lambda position: torch.tensor([1.0]), job,
                    TrainConfig(log_interval=1, save_interval=2), 4, run_dir=tmp_path, resume=False)

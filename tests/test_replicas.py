@@ -409,7 +409,7 @@ def test_a_non_finite_gradient_skips_the_bf16_step_on_the_device(clip, tmp_path,
         seen.append(position)
         return lm_step(engine, [batches(3)[position]], 1)
 
-    job = LoopJob(label="adapt", names={}, client_state={}, exclude_frozen=False)
+    job = LoopJob(step="adapt", names={}, client_state={}, exclude_frozen=False)
     loop = TrainConfig(log_interval=1, save_interval=10**6)
     with pytest.raises(Diverged, match=r"adapt: the loss \(or its gradient\) is not finite at update 2 \(of 3\)"):
         train_loop(engine, step_fn, job, loop, 3, run_dir=tmp_path, resume=False)
