@@ -711,6 +711,8 @@ def check_output(root: Path, settings: dict) -> None:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    # every process would run the whole demo, its workers and its runs into one directory
+    parallel.check_one_process("mmadapt demo", "run it as `mmadapt demo`, not under deepspeed, torchrun or srun")
     cfg = override(QUICK if args.quick else DemoConfig(), args)
     if cfg.family not in DEMO_FAMILIES:
         raise ValueError(f"--family {cfg.family}: the demo runs {' or '.join(DEMO_FAMILIES)} (the families whose "

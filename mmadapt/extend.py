@@ -249,11 +249,9 @@ def extend(ext: Extend, tiny: bool = False) -> dict:
     tiny: `ext`'s sizes are MMADAPT_TINY=1's caps (the command line's, `claim`)."""
     if not isinstance(ext, Extend):  # its fields are checked when it is made
         raise ValueError(f"ext takes an Extend, got {type(ext).__name__}")
-    world = parallel.launched_world_size()
-    if world > 1:  # every rank would claim, import, prepare and export into the same directories
-        raise ValueError(f"mmadapt extend runs in one process (the launcher started {world}): run it as `mmadapt "
-                         "extend`, not under deepspeed, torchrun or srun; for several GPUs launch its steps "
-                         "(docs/huggingface.md, from xlm-roberta-base to XNLI)")
+    # every rank would claim, import, prepare and export into the same directories
+    parallel.check_one_process("mmadapt extend", "run it as `mmadapt extend`, not under deepspeed, torchrun or srun; "
+                               "for several GPUs launch its steps (docs/huggingface.md, from xlm-roberta-base to XNLI)")
     if ext.system != "minipost" and _given(ext, "minipost_iters", tiny):  # known before the import, unlike fit-head's
         raise ValueError(f"--minipost_iters {ext.minipost_iters} is for Step 1b, which --system {ext.system} "
                          "does not run: drop it")

@@ -93,13 +93,15 @@ def named_device(name: str | torch.device) -> torch.device:
 
 
 def init_distributed() -> None:
-    """Join the job that the launcher (deepspeed, torchrun, srun) describes in the environment;
-    a plain `python` run becomes a world of one, with no rendezvous (and no port) at all."""
+    """Join the job that the launcher (deepspeed, torchrun; under srun, through mmadapt
+    slurm-env) describes in the environment; a plain `python` run becomes a world of one, with
+    no rendezvous (and no port) at all."""
     if dist.is_initialized():
         return
+    world = launched_world_size()  # refuses srun's tasks without a launcher
     for key in ("RANK", "LOCAL_RANK"):
         os.environ.setdefault(key, "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("WORLD_SIZE", str(world))
     # megatron-core's tensor-parallel layers warn about this on every layer when it is unset
     # (they exist only once the groups do); on a GPU it is the right value.
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
@@ -113,7 +115,7 @@ def init_distributed() -> None:
     from datetime import timedelta
 
     backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", timedelta(seconds=DIST_TIMEOUT_S)
-    if launched_world_size() == 1:
+    if world == 1:
         # A world of one meets no one: an in-process store instead of a TCP rendezvous. A port
         # picked free and bound later by torch's store could be taken in between by another run
         # starting alike (two demo workers, two `python launch/...` runs): EADDRINUSE at start.
@@ -370,8 +372,25 @@ def _unlink_shm_allreduce_buffer() -> None:
 
 def launched_world_size() -> int:
     """The job's size as the launcher describes it, before any process group exists (1 for a
-    plain `python` run)."""
+    plain `python` run). srun's tasks started without a launcher between (no WORLD_SIZE) are
+    refused: torch.distributed reads no SLURM variable, so each would train alone, a world of
+    one, into the same directories."""
+    if "WORLD_SIZE" not in os.environ:
+        tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")  # set by srun for its tasks alone (not sbatch's script)
+        if tasks.isdigit() and int(tasks) > 1:
+            raise ValueError(f"srun started {tasks} tasks of this command and no launcher told them of each other "
+                             "(WORLD_SIZE is unset), so each would train alone into the same directories: launch "
+                             "one task per node through `mmadapt slurm-env` (launch/slurm/*.sbatch, docs/cluster.md), "
+                             "or run it with srun -n 1")
     return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def check_one_process(command: str, fix: str) -> None:
+    """Refuse a command that runs in one process (and starts its own workers, or claims its
+    directories once) where a launcher started several: every one would run it whole."""
+    world = launched_world_size()
+    if world > 1:
+        raise ValueError(f"{command} runs in one process (the launcher started {world}): {fix}")
 
 
 def check_world_size(world: int, tensor_model_parallel_size: int, pipeline_model_parallel_size: int) -> None:

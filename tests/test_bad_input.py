@@ -379,6 +379,13 @@ class Ctx:
         d = damaged_copy(Path(self.bert_dir()), self.tmp / "bert_with_head", None, add_head)
         return ["import-hf", "--model", str(d), "--output_dir", str(self.out)]
 
+    def srun_tasks(self, n: int) -> None:
+        """This process as one of `n` tasks that srun started straight, with no launcher between
+        (SLURM_STEP_NUM_TASKS; no WORLD_SIZE)."""
+        monkeypatch = self.request.getfixturevalue("monkeypatch")
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+        monkeypatch.setenv("SLURM_STEP_NUM_TASKS", str(n))
+
     def extend(self, *extra: str) -> list[str]:
         """mmadapt extend of a directory whose checks pass (config.json), German from the packaged
         Bible, into the run directory; `extra` after, so that a flag given there wins."""
@@ -1254,6 +1261,14 @@ CASES = [
     ("extend-lr-nan", lambda c: c.extend("--lr", "nan"), "lr must be a finite number, got nan"),
     ("extend-launched-on-two-ranks", lambda c: c.request.getfixturevalue("monkeypatch").setenv("WORLD_SIZE", "2")
      or c.extend(), "mmadapt extend runs in one process (the launcher started 2): run it as `mmadapt extend`"),
+    ("demo-launched-on-two-ranks", lambda c: c.request.getfixturevalue("monkeypatch").setenv("WORLD_SIZE", "2")
+     or ["demo", "--output_dir", str(c.out)], "mmadapt demo runs in one process (the launcher started 2): run it as "
+     "`mmadapt demo`"),
+    # `srun -n 4 python launch/pretrain.py`: four worlds of one, each training into the same directory
+    ("pretrain-srun-tasks-without-a-launcher", lambda c: c.srun_tasks(4) or c.pretrain(),
+     "srun started 4 tasks of this command and no launcher told them of each other (WORLD_SIZE is unset)"),
+    ("extend-srun-tasks-without-a-launcher", lambda c: c.srun_tasks(2) or c.extend(),
+     "srun started 2 tasks of this command and no launcher told them of each other"),
     ("extend-plugin-eval-blocks-zero", lambda c: c.extend("--plugin_eval_blocks", "0"),
      "argument --plugin_eval_blocks: must be >= 1, got 0"),
     ("extend-lang-with-a-slash", lambda c: c.extend("--lang", "de/x"), "argument --lang: 'de/x' is no language code"),
