@@ -250,8 +250,9 @@ def extend(ext: Extend, tiny: bool = False) -> dict:
     if not isinstance(ext, Extend):  # its fields are checked when it is made
         raise ValueError(f"ext takes an Extend, got {type(ext).__name__}")
     # every rank would claim, import, prepare and export into the same directories
-    parallel.check_one_process("mmadapt extend", "run it as `mmadapt extend`, not under deepspeed, torchrun or srun; "
-                               "for several GPUs launch its steps (docs/huggingface.md, from xlm-roberta-base to XNLI)")
+    parallel.check_one_process("mmadapt extend", "run it as `mmadapt extend`, not under deepspeed, torchrun or "
+                               "srun; for several GPUs launch its steps (docs/huggingface.md, from xlm-roberta-base "
+                               "to XNLI)")
     if ext.system != "minipost" and _given(ext, "minipost_iters", tiny):  # known before the import, unlike fit-head's
         raise ValueError(f"--minipost_iters {ext.minipost_iters} is for Step 1b, which --system {ext.system} "
                          "does not run: drop it")
