@@ -81,7 +81,12 @@ def load_ds_config(path: Path, cfg) -> dict:
     if _offloads(ds, "offload_optimizer"):
         # ZeRO-Offload refuses a client optimizer unless told otherwise (it wants its CPU Adam);
         # mmadapt's torch AdamW steps the offloaded fp32 partitions, the losses equal ZeRO-2's
-        ds.setdefault("zero_force_ds_cpu_optimizer", False)
+        if ds.get("zero_force_ds_cpu_optimizer", False) is not False:  # DeepSpeed's default, in its examples
+            raise ValueError(f"DeepSpeed config {path} sets zero_force_ds_cpu_optimizer "
+                             f"{json.dumps(ds['zero_force_ds_cpu_optimizer'])} beside offload_optimizer, which "
+                             "refuses any optimizer but DeepSpeed's CPU Adam; mmadapt steps the offloaded state "
+                             "with its torch AdamW: remove it from the JSON (or set it false)")
+        ds["zero_force_ds_cpu_optimizer"] = False
     _check_with_deepspeed(path, ds)
     return ds
 
@@ -89,12 +94,17 @@ def load_ds_config(path: Path, cfg) -> dict:
 def _check_with_deepspeed(path: Path, ds: dict) -> None:
     """DeepSpeed's own reading of the config, before anything is written: a section it refuses
     ("amp") failed inside deepspeed.initialize, after the run had written its directory."""
+    import pydantic  # DeepSpeed's configs are pydantic models
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 
     try:
         DeepSpeedConfig(ds)
     except DeepSpeedConfigError as e:
         raise ValueError(f"DeepSpeed config {path}: DeepSpeed refuses it ({str(e).splitlines()[0]})") from None
+    except pydantic.ValidationError as e:  # a section's field of another type or name: its first, in one line
+        where = ".".join(str(part) for part in e.errors()[0]["loc"])
+        raise ValueError(f"DeepSpeed config {path}: DeepSpeed refuses it ({e.title}: {where}: "
+                         f"{e.errors()[0]['msg']})") from None
     except Exception:  # read here without the job's world and mesh: deepspeed.initialize judges the rest
         pass
 

@@ -545,6 +545,21 @@ CASES = [
     ("ds-config-deepspeed-refuses",
      lambda c: c.pretrain("--ds_config", c.file("ds.json", '{"amp": {"enabled": true}}')),
      "DeepSpeed refuses it (NVIDIA Apex AMP integration has been removed"),
+    # (a field of another type or name: pydantic's error, let through, came from deepspeed.initialize
+    # after the model was built, in five lines)
+    ("ds-config-field-of-another-type", lambda c: c.pretrain("--ds_config", c.file("ds.json", json.dumps(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": None}}}))),
+     "DeepSpeed refuses it (DeepSpeedZeroConfig: offload_optimizer.device: Input should be 'none', 'cpu' or 'nvme')"),
+    ("ds-config-misspelt-field", lambda c: c.pretrain("--ds_config", c.file("ds.json", json.dumps(
+        {"zero_optimization": {"stage": 2, "offload_optimiser": {"device": "cpu"}}}))),
+     "DeepSpeed refuses it (DeepSpeedZeroConfig: offload_optimiser: Extra inputs are not permitted)"),
+    # (DeepSpeed's default, copied from its examples: ZeRO-Offload then refused mmadapt's AdamW inside
+    # deepspeed.initialize, a traceback and exit 1, the run's tokenizer left behind)
+    ("ds-config-forces-deepspeeds-cpu-adam", lambda c: c.pretrain("--ds_config", c.file("ds.json", json.dumps(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+         "zero_force_ds_cpu_optimizer": True}))),
+     "sets zero_force_ds_cpu_optimizer true beside offload_optimizer, which refuses any optimizer but DeepSpeed's "
+     "CPU Adam"),
     ("unknown-flag", lambda c: c.pretrain("--learning_rate", "1e-3"), "unrecognized arguments: --learning_rate"),
     ("flag-wrong-type", lambda c: c.pretrain("--train_iters", "many"), "invalid int value: 'many'"),
     ("unknown-recipe", lambda c: c.pretrain("--recipe", "bl_huge"), "invalid choice: 'bl_huge'"),
