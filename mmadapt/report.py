@@ -57,7 +57,7 @@ def read_results(files: list[str]) -> list[dict]:
             raise ValueError(f"cannot read results file {f}: {what}; pass the JSON list `mmadapt evaluate --output` "
                              "writes") from None
         if isinstance(data, dict) and isinstance(data.get("records"), list) and "summary" in data:
-            data = data["records"]  # a sweep's sweep.json (steps.sweep): its records are evaluate's
+            data = [_beside(r, Path(f)) for r in data["records"]]  # a sweep's sweep.json (steps.sweep): evaluate's
         if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
             raise ValueError(f"results file {f} is not a JSON list of records (as `mmadapt evaluate --output` "
                              "writes)")
@@ -90,6 +90,19 @@ def read_results(files: list[str]) -> list[dict]:
     _one_point_per_checkpoint(records)
     _one_no_adaptation_score(records)
     return [{k: v for k, v in r.items() if k != "_file"} for r in records]
+
+
+def _beside(record, sweep_json: Path):
+    """A sweep.json's record with its artifact where the file lies beside it: a sweep records
+    <output_dir>/<depth>/embeddings/<tag> as --output_dir was spelt, relative to a working
+    directory no file keeps, so two sweeps given as `sweep-de` from two directories read as one
+    (two scores of one checkpoint) and a depth was matched to another sweep's ceiling. Left as
+    recorded where the file was copied away from its runs."""
+    artifact = record.get("artifact") if isinstance(record, dict) else None
+    if not isinstance(artifact, str) or Path(artifact).is_absolute() or len(Path(artifact).parts) < 3:
+        return record
+    there = sweep_json.resolve().parent.joinpath(*Path(artifact).parts[-3:])
+    return {**record, "artifact": str(there)} if there.is_dir() else record
 
 
 def _one_point_per_checkpoint(records: list[dict]) -> None:
@@ -467,18 +480,19 @@ def ceiling_of(system: str) -> str:
 
 
 def ceiling_among(system: str, systems, parents: dict[str, set] | None = None) -> str | None:
-    """`system`'s ceiling among the record names `systems`: ceiling_of's (one ceiling run: every
-    run of the recipe meets it), or where the ceilings' runs are told apart too (two sweeps in one
-    report: `minijoint:full [a/full]` and `[b/full]`) the one run from the directory that holds
-    `system`'s run (`parents`: each name's runs' parent directories, run_parents). None where
-    there is none, or no one such: every share read '-' with two sweeps reported."""
-    name = ceiling_of(system)
-    if name in systems:
-        return name
-    parents = parents or {}
-    same = [c for c in runs_of(name, systems)
-            if any(_same_dir(a, b) for a in parents.get(system, ()) for b in parents.get(c, ()))]
-    return same[0] if len(same) == 1 else None
+    """`system`'s ceiling among the record names `systems`: the one ceiling run from the directory
+    that holds `system`'s run (two sweeps in one report: `minijoint:full [a/full]` and `[b/full]`;
+    `parents`: each name's runs' parent directories, run_parents), else ceiling_of's (one ceiling
+    run: every run of the recipe meets it). None where there is neither: with two sweeps reported
+    and no directory to tell their runs by, every share reads '-'."""
+    name, parents = ceiling_of(system), parents or {}
+    # the directory first: a plain `minijoint:full` may be another language's sweep's, pooled with
+    # this one's in the task table, where no language of `system` has a score of it
+    same = [c for c in (name, *runs_of(name, systems)) if c in systems
+            and any(_same_dir(a, b) for a in parents.get(system, ()) for b in parents.get(c, ()))]
+    if len(same) == 1:
+        return same[0]
+    return name if name in systems else None
 
 
 def _same_dir(a: Path, b: Path) -> bool:

@@ -746,6 +746,62 @@ def test_a_sweeps_records_are_reported_from_its_sweep_json(tmp_path):
         assert rows == want, rows
 
 
+def test_two_sweeps_spelt_alike_from_two_directories_stay_two_and_meet_their_own_ceilings(tmp_path, monkeypatch):
+    """Two sweeps, each run as `--output_dir sweep-de` from its own directory (exp1/, exp2/): their
+    sweep.json files record the same relative artifacts, which read as one run scored twice
+    (refused: 'one checkpoint evaluated twice'). A sweep.json's artifacts are where the file lies
+    beside its runs. Shares by hand: 0.30 / 0.25 = 120% in exp1, 0.30 / 0.50 = 60% in exp2."""
+    from mmadapt.report import plugin_markdown, read_results
+
+    base = {"task": "plugin-mlm", "lang": "de", "unigram_loss": 5.0, "masked_pieces": 256, "start_loss": 5.0,
+            "start_gain": 0.0}
+    files = []
+    for exp, ceiling_gain in (("exp1", 0.25), ("exp2", 0.5)):
+        out = tmp_path / exp / "sweep-de"
+        records = []
+        for system, run, cost, gain in (("minijoint@2", "2", 1e9, 0.30), ("minijoint:full", "full", 6e9, ceiling_gain)):
+            for step in (0, 2, 4):
+                (out / run / "embeddings" / f"step{step:08d}").mkdir(parents=True)
+                records.append({**base, "system": system, "step": step, "flops": step * cost,
+                                "score": gain * step / 4, "loss": 5.0 - gain * step / 4,
+                                "artifact": f"sweep-de/{run}/embeddings/step{step:08d}"})
+        (out / "sweep.json").write_text(json.dumps({"records": records, "summary": {}}))
+        files.append(str(out / "sweep.json"))
+    monkeypatch.chdir(tmp_path)
+    got = read_results(files)
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1].split()[0] for line in plugin_markdown(got).splitlines()
+            if line.startswith("| minijoint@")}
+    assert rows == {"minijoint@2 [exp1/sweep-de/2]": "120%", "minijoint@2 [exp2/sweep-de/2]": "60%"}, rows
+    # a sweep.json copied away from its runs keeps its records as written (one of them alone reports)
+    (tmp_path / "copy.json").write_text((tmp_path / "exp1" / "sweep-de" / "sweep.json").read_text())
+    assert {r["artifact"] for r in read_results([str(tmp_path / "copy.json")])} == {
+        f"sweep-de/{run}/embeddings/step{step:08d}" for run in ("2", "full") for step in (0, 2, 4)}
+
+
+def test_a_run_meets_its_own_sweeps_ceiling_where_another_languages_is_named_plainly(tmp_path):
+    """The task table pools every language's systems: de's two sweeps (a, b) name their ceilings
+    apart, fr's one sweep (c) names its own `minijoint:full` plainly, which every de run took for
+    its ceiling (no de score of it: each de share read '-'). Shares by hand: de's a 10 / 20 = 50%,
+    b 10 / 40 = 25%, fr's 10 / 20 = 50%."""
+    from mmadapt.report import read_results, report_markdown
+
+    def rec(system, lang, run, score):
+        return {"system": system, "task": "genre", "lang": lang, "step": 1, "flops": 1e18, "score": score,
+                "chance": 20.0, "artifact": f"/w/{run}/embeddings/step00000001"}
+    files = {"de_a": [rec("minijoint@2", "de", "de/a/2", 30.0), rec("minijoint:full", "de", "de/a/full", 40.0)],
+             "de_b": [rec("minijoint@2", "de", "de/b/2", 30.0), rec("minijoint:full", "de", "de/b/full", 60.0)],
+             "fr_c": [rec("minijoint@2", "fr", "fr/c/2", 30.0), rec("minijoint:full", "fr", "fr/c/full", 40.0)],
+             "base": [rec("bl_base", lang, f"base/{lang}", 50.0) for lang in ("de", "fr")]}
+    for name, records in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(records))
+    table = report_markdown(read_results([str(tmp_path / f"{name}.json") for name in files]))
+    shares = {}
+    for line in table.splitlines():  # the task table's rows (the first of each name); its last column the share
+        if line.startswith("| minijoint@2"):
+            shares.setdefault(line.split(" | ")[0][2:], line.split(" | ")[-1].split()[0])
+    assert shares == {"minijoint@2": "50%", "minijoint@2 [a/2]": "50%", "minijoint@2 [b/2]": "25%"}, shares
+
+
 def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_is_refused(tmp_path, capsys):
     """Two bl_base runs in de, each evaluated by its own `mmadapt evaluate` call: named after their
     runs as evaluate names two runs of one call (one curve took one run's start and the better
