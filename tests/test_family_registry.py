@@ -117,6 +117,12 @@ def test_what_a_family_of_ones_own_leaves_out_is_refused_in_one_line():
         register_family(type("NoObjective", (ModelFamily,), {k: getattr(_Toy, k) for k in (
             "name", "task_kinds", "presets", "small_preset", *REQUIRED_METHODS)})())
     assert "registry-toy" not in FAMILIES
+    # the class where its instance is meant (as a decorator): registered with none of its methods
+    # checked, it failed later in a run ('missing 1 required positional argument')
+    with pytest.raises(ValueError, match=r"^register_family takes a family, an instance: register_family\(Bare\(\)\), "
+                                         "not the class Bare$"):
+        register_family(type("Bare", (ModelFamily,), {"name": "registry-toy"}))
+    assert "registry-toy" not in FAMILIES
     no_output = type("NoOutput", (_Toy,), {"output_path": ModelFamily.output_path})()
     check_output_start(no_output, TrainConfig(), ModelConfig())  # replace mode: not asked
     with pytest.raises(ValueError, match=r"^the registry-toy family does not define output_path .*: define it "

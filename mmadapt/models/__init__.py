@@ -43,7 +43,11 @@ def register_family(family: ModelFamily) -> ModelFamily:
     another family has its name (a registered family, mmadapt's own included, was replaced
     without a word; the same one again is no change, and its class defined again replaces it),
     when a preset name is taken by another family, when its small preset is not one of its
-    presets, or when a preset's config names another family."""
+    presets, or when a preset's config names another family, or a class given (as a decorator)
+    where its instance is meant."""
+    if isinstance(family, type):  # (its methods then went unchecked: they are the class's either way)
+        raise ValueError(f"register_family takes a family, an instance: register_family({family.__name__}()), not "
+                         f"the class {family.__name__}")
     name = getattr(family, "name", None)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{type(family).__name__} has no name (a class attribute `name = \"...\"`): runs and "
