@@ -106,17 +106,23 @@ def resolved(fusion: str) -> str:
 
 def check_device(config: ModelConfig, family=None) -> None:
     """Refuse fusion 'cudagraphs' where this process trains off CUDA, and a fusion asked for by
-    name that `family` (a ModelFamily) has no modules for (its compiled_kinds, graphed_kinds: a
-    family of one's own that sets none trained eager and recorded the fusion), in one line
-    (run.start_run calls it before a run writes anything)."""
+    name that `family` (a ModelFamily) has no modules for (its compiled_kinds; its graphed_kinds
+    that are compiled kinds too: a family of one's own that sets none trained eager and recorded
+    the fusion), in one line (run.start_run calls it before a run writes anything)."""
     if config.fusion == "cudagraphs" and parallel.device().type != "cuda":
         raise ValueError(f"--fusion cudagraphs needs a CUDA device (this process trains on "
                          f"{parallel.device().type}): use --fusion compile")
     kinds = {"compile": "compiled_kinds", "cudagraphs": "graphed_kinds"}.get(config.fusion)
-    if family is not None and kinds is not None and not getattr(family, kinds):
+    if family is None or kinds is None:
+        return
+    compiled = tuple(family.compiled_kinds)
+    # apply_fusion replays those graphed kinds that are compiled kinds too (docs/model-families.md: "of those")
+    named = compiled if kinds == "compiled_kinds" else [g for g in family.graphed_kinds if issubclass(g, compiled)]
+    if not named:
         raise ValueError(f"--fusion {config.fusion}: the {family.name} family names no modules to "
                          f"{'compile' if config.fusion == 'compile' else 'replay as CUDA graphs'} (ModelFamily."
-                         f"{kinds}): use --fusion none, or set {kinds} (docs/model-families.md)")
+                         f"{kinds}{'' if kinds == 'compiled_kinds' else ', among its compiled_kinds'}): use --fusion "
+                         f"none, or set {kinds} (docs/model-families.md)")
 
 
 def apply_fusion(model: nn.Module, config: ModelConfig, kinds: tuple[type, ...],

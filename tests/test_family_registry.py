@@ -104,7 +104,7 @@ def test_the_registry_refuses_what_would_make_a_preset_ambiguous():
         del FAMILIES["registry-toy"], PRESETS["registry-toy-tiny"]
 
 
-def test_what_a_family_of_ones_own_leaves_out_is_refused_in_one_line():
+def test_what_a_family_of_ones_own_leaves_out_is_refused_in_one_line(monkeypatch):
     """What docs/model-families.md's template leaves out, refused before a run writes anything:
     no objective (an AttributeError as pretrain started), no output_path under --vocab_mode expand
     (a bare NotImplementedError after the run had written its tokenizer), no compiled_kinds under
@@ -133,6 +133,15 @@ def test_what_a_family_of_ones_own_leaves_out_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"^--fusion compile: the registry-toy family names no modules to compile "
                                          r"\(ModelFamily.compiled_kinds\): use --fusion none, or set compiled_kinds"):
         check_device(ModelConfig(fusion="compile"), type("Eager", (_Toy,), {"compiled_kinds": ()})())
+    # --fusion cudagraphs (on a CUDA device): graphed kinds that are no compiled kinds, which
+    # apply_fusion never reaches (it replays compiled modules alone): the run trained eager
+    monkeypatch.setattr("mmadapt.fusion.parallel.device", lambda: torch.device("cuda", 0))
+    check_device(ModelConfig(fusion="cudagraphs"), _Toy())
+    for graphed in ((), (torch.nn.Linear,)):
+        with pytest.raises(ValueError, match=r"^--fusion cudagraphs: the registry-toy family names no modules to "
+                                             r"replay as CUDA graphs \(ModelFamily.graphed_kinds, among its "
+                                             "compiled_kinds\): use --fusion none"):
+            check_device(ModelConfig(fusion="cudagraphs"), type("Ungraphed", (_Toy,), {"graphed_kinds": graphed})())
 
 
 def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, tmp_path):
