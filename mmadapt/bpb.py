@@ -379,24 +379,38 @@ def _strip_accents(text: str) -> str:
 FOLDS = {"case": str.lower, "accents": _strip_accents,
          # a WordPiece splits at punctuation and whitespace alike: "God, said" and "God ,said" are one
          "punctuation spacing": lambda t: re.sub(r"([,:;]) (?=\w)", r" \1", t)}
+# Unicode normalisation (SentencePiece's nmt_nfkc and XLM-R's NFKC; a byte-level BPE's NFC) reads
+# a form as another of more bytes, free: a score is flattered by it only on a text that holds such
+# forms (the Bibles here are NFC, but the Chinese one's punctuation is full-width, NFKC's ASCII), so
+# each is asked only where the scored text does. what -> (what it makes of a text, whether a line
+# holds forms it changes)
+NORMALIZATION_FOLDS = {
+    "compatibility forms": (lambda t: "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in t),  # full-width
+                            lambda line: unicodedata.normalize("NFKC", line) != unicodedata.normalize("NFC", line)),
+    "composition": (lambda t: unicodedata.normalize("NFD", t),
+                    lambda line: unicodedata.normalize("NFC", line) != line)}
 # Short texts, each asked alone: one <unk> (a rare letter) leaves the others' answer standing
-FOLD_TEXTS = ("The Lord God said unto Moses", "Noël über café à Sião", "Ärger über Öl",
+FOLD_TEXTS = ("The Lord God said unto Moses", "Noël über café à Sião", "Ärger über Öl", "für die Brüder",
               "And God said, Let there be light: and",
               "И сказал Господь Бог Моисею", "Йосиф и Ёлка", "И сказал Бог: да будет свет, и",
               "Και είπεν ο Κύριος ο Θεός", "Γενηθήτω φως, και εγένετο",
               "परमेश्वर ने मूसा से कहा", "उजियाला हो, और")
 
 
-def folds(sp) -> list[str]:
+def folds(sp, lines=()) -> list[str]:
     """What tokenizer `sp` reads two texts as one of (FOLDS): "case" (an uncased tokenizer),
     "accents" (one that strips them), "punctuation spacing" (one that does not read whether a
-    space stands before or after a punctuation mark: BERT's WordPiece). Asked of each FOLD_TEXTS
-    text that the fold changes and that `sp` reads without <unk> on either side (none such:
-    nothing is known to be folded). Bits per byte charge a text's bytes but score only what its
-    tokenizer keeps: such a tokenizer is not charged for the information it drops, and reads
-    lower than one that keeps it (docs/bits-per-byte.md)."""
+    space stands before or after a punctuation mark: BERT's WordPiece); and where the scored text
+    `lines` holds forms a Unicode normalisation changes (NORMALIZATION_FOLDS), "compatibility
+    forms" (NFKC: full-width letters and punctuation, ligatures) and "composition" (NFC: a
+    decomposed accent). Asked of each FOLD_TEXTS text that the fold changes and that `sp` reads
+    without <unk> on either side (none such: nothing is known to be folded). Bits per byte
+    charge a text's bytes but score only what its tokenizer keeps: such a tokenizer is not
+    charged for the information it drops, and reads lower than one that keeps it
+    (docs/bits-per-byte.md)."""
+    asked = {**FOLDS, **{what: fold for what, (fold, holds) in NORMALIZATION_FOLDS.items() if any(map(holds, lines))}}
     out = []
-    for what, fold in FOLDS.items():
+    for what, fold in asked.items():
         read = [(sp.encode(t), sp.encode(fold(t))) for t in FOLD_TEXTS if fold(t) != t]
         read = [(list(a), list(b)) for a, b in read if UNK_ID not in a and UNK_ID not in b]
         if read and all(a == b for a, b in read):
@@ -486,14 +500,14 @@ class ByteScorer:
             nats += float(-torch.log_softmax(scores[:, :rows].double(), -1).gather(1, targets[:, None]).sum())
         return scored.bpb(nats)
 
-    def folds(self, tokenizer: str | Path) -> list[str]:
-        """bpb.folds of `tokenizer` (read once per file)."""
+    def folds(self, tokenizer: str | Path, text: RawText) -> list[str]:
+        """bpb.folds of `tokenizer` on `text` (read once per file and text)."""
         from mmadapt.data import file_sha256
         from mmadapt.tokenizer import load
 
-        key = file_sha256(tokenizer)
+        key = (file_sha256(tokenizer), text.digest)
         if key not in self._folds:
-            self._folds[key] = folds(load(tokenizer))
+            self._folds[key] = folds(load(tokenizer), text.lines)
         return self._folds[key]
 
     def unknown_share(self, text: RawText, tokenizer: str | Path) -> float:

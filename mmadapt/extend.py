@@ -507,8 +507,8 @@ def _graft(ext: Extend, sibling: Path, final: Path, data: Path, files: str) -> d
         raw = per_byte.text(data)
         emb, tok, meta = read_artifact(final)
         scores = {"graft_bpb": per_byte.score(raw, tok, emb, meta)["bpb"],
-                  "graft_no_adaptation_bpb": per_byte.none(raw), "graft_bpb_folds": per_byte.folds(tok),
-                  "graft_no_adaptation_bpb_folds": per_byte.folds(per_byte.own_tokenizer)}
+                  "graft_no_adaptation_bpb": per_byte.none(raw), "graft_bpb_folds": per_byte.folds(tok, raw),
+                  "graft_no_adaptation_bpb_folds": per_byte.folds(per_byte.own_tokenizer, raw)}
         if parallel.is_rank0():
             checkpoint.atomic_write(ext.output_dir / GRAFT, json.dumps({"key": key, **scores}, indent=2))
     print(f"Grafted into {ext.into}: {ext.lang} at {scores['graft_bpb']:.3f} bits per byte through it, "
@@ -590,8 +590,8 @@ def _summary(ext: Extend, source: Path, adapt: Path, data: Path, export: Path) -
                "unigram_loss": last["unigram_loss"], "step": last["step"], "flops": last["flops"],
                "start_bpb": per_byte.score(raw, start_tok, start_emb, first)["bpb"],
                "final_bpb": per_byte.score(raw, tok, emb, last)["bpb"], "no_adaptation_bpb": per_byte.none(raw),
-               "bpb_bytes": raw.bytes, "bpb_folds": per_byte.folds(tok),
-               "no_adaptation_bpb_folds": per_byte.folds(per_byte.own_tokenizer)}
+               "bpb_bytes": raw.bytes, "bpb_folds": per_byte.folds(tok, raw),
+               "no_adaptation_bpb_folds": per_byte.folds(per_byte.own_tokenizer, raw)}
     summary = _exports_named(summary, export)
     gain = summary["no_adaptation_bpb"] - summary["final_bpb"]
     text = (f"{ext.lang} through the primary model (plug-in loss, held-out text): {summary['start_loss']:.3f} at the "

@@ -154,7 +154,7 @@ def plugin_records(primary_run: Path, adapt_runs: list[Path], data_paths: dict[s
                   "bpb_text": raw.digest, "heldout_tokenizer": prepared[lang][:16],
                   "bpb_unknown_share": per_byte.unknown_share(raw, tok),
                   "none_bpb_unknown_share": per_byte.unknown_share(raw, per_byte.own_tokenizer),
-                  "bpb_folds": per_byte.folds(tok), "none_bpb_folds": per_byte.folds(per_byte.own_tokenizer),
+                  "bpb_folds": per_byte.folds(tok, raw), "none_bpb_folds": per_byte.folds(per_byte.own_tokenizer, raw),
                   **_source_bits(per_byte, run, primary, tok, emb, meta)}
         records.append(record if artifact_primary_ref(meta).same(ref) else grafted(record, primary_run))
     apart_runs(records)  # two runs of one system and language: two curves, as the task records keep them

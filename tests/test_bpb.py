@@ -536,6 +536,31 @@ def test_a_validation_split_too_small_for_a_figure_is_scored_with_a_warning(prim
     assert "warning" not in capsys.readouterr().out
 
 
+def test_a_normalisation_is_a_fold_where_the_scored_text_holds_its_forms(de_tokenizer):
+    """SentencePiece's NFKC reads a ligature or full-width letters as the plain ones, and NFC a
+    decomposed accent as the composed one: the same pieces for more bytes, a lower figure, where a
+    tokenizer that normalises nothing (Llama-2's byte fallback) pays for each byte, and nothing
+    said so. Named as folds of the text scored (the Bibles here are NFC; the Chinese one's
+    punctuation is full-width): where it holds no such form there is nothing to flatter. (A German
+    tokenizer: an English one reads every accented probe with <unk>, which answers nothing.)"""
+    from mmadapt.tokenizer import load
+
+    sp = load(de_tokenizer)
+    assert sp.encode("And he said \ufb01ne") == sp.encode("And he said fine")  # the reviewer's pair
+    assert B.folds(sp) == B.folds(sp, ["And God said, Let there be light"]) == []
+    assert B.folds(sp, ["And he said \ufb01ne"]) == ["compatibility forms"]
+    assert B.folds(sp, ["\u795e\u8bf4\uff0c\u8981\u6709\u5149"]) == ["compatibility forms"]  # full-width comma
+    assert B.folds(sp, ["And Noe\u0308l said"]) == ["composition"]
+
+    class Verbatim:  # reads every character as it is (no normaliser)
+        def encode(self, text):
+            return [ord(c) for c in text]
+    lines = ["And he said \ufb01ne", "And Noe\u0308l said"]
+    assert B.folds(Verbatim(), lines) == []
+    assert B.fold_caveat("the target", B.folds(sp, lines), B.folds(Verbatim(), lines)).startswith(
+        "Not comparable as they stand: the target folds compatibility forms and composition where the other keeps it")
+
+
 def test_a_tokenizer_of_another_script_is_not_said_to_fold_what_it_reads_as_unknown(tmp_path):
     """A Russian SentencePiece reads the Latin probes as <unk>s on both sides, the same pieces:
     it was said to fold case and accents (a false 'not comparable' beside a cased English
