@@ -726,10 +726,11 @@ def export_hf_main(argv=None) -> int:
     p.add_argument("--embeddings", help="a Step-2 artifact (<adapt run>/embeddings/<tag>): its word embeddings, "
                    "output bias or untied output projection, and tokenizer replace the model's (zero-shot "
                    "target-language model)")
-    p.add_argument("--graft", action="store_true", help="with --primary and --embeddings: the embeddings were trained "
-                   "over a base model and --primary is a model fine-tuned from it (an instruct or chat sibling, the "
-                   "same architecture and vocabulary): checked, the distance of its body from the base printed per "
-                   "layer, the embeddings grafted into it (docs/huggingface.md)")
+    p.add_argument("--graft", action="store_true", help="with --primary or --finetuned, and --embeddings: the "
+                   "embeddings were trained over a base model and the model is one fine-tuned from it (an instruct "
+                   "or chat sibling, a classifier's body; the same architecture and vocabulary): checked, the "
+                   "distance of its body from the base printed per layer, the embeddings grafted into it "
+                   "(docs/huggingface.md)")
     p.add_argument("--output_dir", required=True, help="the directory to write (must not exist or be empty)")
     args = p.parse_args(argv)
     out = export_hf(Path(args.output_dir), primary=_path(args.primary), finetuned=_path(args.finetuned),
