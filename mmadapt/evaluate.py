@@ -254,8 +254,9 @@ def retrieval_accuracy(src_vectors: torch.Tensor, trg_vectors: torch.Tensor,
     """Percent of target sentences whose nearest source sentence (cosine, after centring each
     side, which removes each language's common direction) is their translation. pairs: the
     (source, target) texts of the rows: a hit is then a source of the same text as the
-    translation, or one whose own translation has the query's text. A text that is in the
-    sample twice (a verse the Bible repeats: es's "Y fué á mí palabra de Jehová, diciendo:")
+    translation, or one whose own translation has the query's text (retrieval_records gives each
+    text as the pieces its tokenizer reads: two spellings read alike are one text to the model,
+    e.g. a decomposed accent under NFKC). A text that is in the sample twice (a verse the Bible repeats: es's "Y fué á mí palabra de Jehová, diciendo:")
     gives two equal vectors, which the arg-max settles for one of them alone: a perfect model
     scored 99.6 on ru's 500 pairs."""
     s = torch.nn.functional.normalize(src_vectors - src_vectors.mean(0), dim=-1)
@@ -508,8 +509,10 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
     # whose row no decoder trained), as Step 3's task rows do
     framing = family.task_framing(run_text_layout(source.record).get("prefix"))
     empty = next(((lang, i) for lang, given in pairs.items() for i, pair in enumerate(given)
-                  if not all(isinstance(t, str) and t.strip() for t in pair)), None)
-    if empty is not None:  # (every empty text pools to one vector: a tie the arg-max settles for one)
+                  if not (isinstance(pair, (tuple, list)) and len(pair) == 2
+                          and all(isinstance(t, str) and t.strip() for t in pair))), None)
+    if empty is not None:  # (every empty text pools to one vector: a tie the arg-max settles for one;
+        # a string of two letters was scored as a pair of them, three texts failed to unpack)
         raise ValueError(f"pairs[{empty[0]!r}][{empty[1]}] is {pairs[empty[0]][empty[1]]!r}: each pair is two "
                          "non-empty texts (source, target)")
     src_sp, src_vectors, records = load_tokenizer(source.tokenizer), {}, []
@@ -526,10 +529,12 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
                                                  framing)
         key = (swap_key(emb, ["word_embeddings"], meta, tok), lang)
         if key not in scored:
+            tgt_sp = load_tokenizer(tok)
             with swapped(model, {word: artifact_embeddings(emb, model.get_parameter(word))}):
-                trg = sentence_vectors(model, load_tokenizer(tok), [b for _, b in pairs[lang]], seq_length, layer,
-                                       framing)
-            scored[key] = retrieval_accuracy(src_vectors[lang], trg, pairs[lang])
+                trg = sentence_vectors(model, tgt_sp, [b for _, b in pairs[lang]], seq_length, layer, framing)
+            # hits by the pieces each side reads (NFD and NFC spellings of a verse are one to the model)
+            read = [(tuple(src_sp.encode(a)), tuple(tgt_sp.encode(b))) for a, b in pairs[lang]]
+            scored[key] = retrieval_accuracy(src_vectors[lang], trg, read)
         records.append({**record_base(meta, "retrieval"), "metric": "accuracy", "chance": 100 / len(pairs[lang]),
                         "score": scored[key], "artifact": str(path)})
     return records

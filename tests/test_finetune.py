@@ -136,6 +136,18 @@ def test_step4_takes_the_artifacts_vocabulary_size(step3, primary_run, de_tokeni
         retrieval_records(primary_run, [same], {"fr": pairs["de"]})
     with pytest.raises(ValueError, match=r"^pairs\['de'\]\[1\] is \('', 'x'\): each pair is two non-empty texts"):
         retrieval_records(primary_run, [same], {"de": [pairs["de"][0], ("", "x")]})
+    for bad in (("a", "b", "c"), "ab"):  # (three texts failed to unpack; a string was a pair of its letters)
+        with pytest.raises(ValueError, match=r"^pairs\['de'\]\[1\] is .*: each pair is two non-empty texts"):
+            retrieval_records(primary_run, [same], {"de": [pairs["de"][0], bad]})
+    # a verse spelt twice, composed (NFC) and decomposed (NFD): the tokenizer (NFKC) reads one text,
+    # the two target vectors are equal, and both queries find the first source: a hit for both,
+    # as a text given twice is (scored by its spelling, the second was a miss: 50)
+    import unicodedata
+    verse = "Und Gott segnete die Söhne Noahs."
+    spelt = {"de": [("And God blessed the sons of Noah.", verse),
+                    ("And God blessed Noah and his sons.", unicodedata.normalize("NFD", verse))]}
+    assert spelt["de"][0][1] != spelt["de"][1][1]
+    assert retrieval_records(primary_run, [same], spelt)[0]["score"] == 100.0
 
 
 def _rows(vocab: int):
