@@ -81,7 +81,7 @@ def load_ds_config(path: Path, cfg) -> dict:
     if _offloads(ds, "offload_optimizer"):
         # ZeRO-Offload refuses a client optimizer unless told otherwise (it wants its CPU Adam);
         # mmadapt's torch AdamW steps the offloaded fp32 partitions, the losses equal ZeRO-2's
-        if ds.get("zero_force_ds_cpu_optimizer", False) is not False:  # DeepSpeed's default, in its examples
+        if ds.get("zero_force_ds_cpu_optimizer"):  # DeepSpeed's default, in its examples (refused where truthy)
             raise ValueError(f"DeepSpeed config {path} sets zero_force_ds_cpu_optimizer "
                              f"{json.dumps(ds['zero_force_ds_cpu_optimizer'])} beside offload_optimizer, which "
                              "refuses any optimizer but DeepSpeed's CPU Adam; mmadapt steps the offloaded state "

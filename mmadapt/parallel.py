@@ -379,9 +379,9 @@ def launched_world_size() -> int:
         tasks = os.environ.get("SLURM_STEP_NUM_TASKS", "1")  # set by srun for its tasks alone (not sbatch's script)
         if tasks.isdigit() and int(tasks) > 1:
             raise ValueError(f"srun started {tasks} tasks of this command and no launcher told them of each other "
-                             "(WORLD_SIZE is unset), so each would train alone into the same directories: launch "
-                             "one task per node through `mmadapt slurm-env` (launch/slurm/*.sbatch, docs/cluster.md), "
-                             "or run it with srun -n 1")
+                             "(WORLD_SIZE is unset), so each would train alone: launch one task per node through "
+                             "`mmadapt slurm-env` (launch/slurm/*.sbatch, docs/cluster.md), or run it with srun -n 1 "
+                             "(independent runs, one per task into its own --output_dir: set WORLD_SIZE=1)")
     return int(os.environ.get("WORLD_SIZE", 1))
 
 

@@ -1281,7 +1281,12 @@ CASES = [
      "`mmadapt demo`"),
     # `srun -n 4 python launch/pretrain.py`: four worlds of one, each training into the same directory
     ("pretrain-srun-tasks-without-a-launcher", lambda c: c.srun_tasks(4) or c.pretrain(),
-     "srun started 4 tasks of this command and no launcher told them of each other (WORLD_SIZE is unset)"),
+     "srun started 4 tasks of this command and no launcher told them of each other (WORLD_SIZE is unset), so each "
+     "would train alone: launch one task per node through `mmadapt slurm-env`"),
+    # (0 or null is false to DeepSpeed too: it trains)
+    ("ds-config-forces-deepspeeds-cpu-adam-with-one", lambda c: c.pretrain("--ds_config", c.file("ds.json", json.dumps(
+        {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+         "zero_force_ds_cpu_optimizer": 1}))), "sets zero_force_ds_cpu_optimizer 1 beside offload_optimizer"),
     ("extend-srun-tasks-without-a-launcher", lambda c: c.srun_tasks(2) or c.extend(),
      "srun started 2 tasks of this command and no launcher told them of each other"),
     ("extend-plugin-eval-blocks-zero", lambda c: c.extend("--plugin_eval_blocks", "0"),

@@ -110,6 +110,26 @@ def test_world_size_not_divisible(capsys, args, tmp_path, monkeypatch):
     expect_error(capsys, tmp_path / "run", args("--tensor_model_parallel_size", "2"), "3 ranks cannot hold")
 
 
+def test_srun_tasks_count_as_a_world_only_without_one_described(monkeypatch):
+    """srun's tasks with no launcher between (SLURM_STEP_NUM_TASKS, no WORLD_SIZE) are refused
+    (test_bad_input); a task whose WORLD_SIZE says what it is (a launcher's rank, or 1: independent
+    runs packed into one step, each into its own --output_dir) is taken as said, and an srun
+    spelling that is not a count (a task list) or one task is a world of one."""
+    from mmadapt.parallel import launched_world_size
+
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    for world in ("1", "8"):
+        monkeypatch.setenv("WORLD_SIZE", world)
+        assert launched_world_size() == int(world)
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ValueError, match=r"^srun started 4 tasks .*\(independent runs, one per task into its own "
+                                         r"--output_dir: set WORLD_SIZE=1\)$"):
+        launched_world_size()
+    for tasks in ("1", "", "2(x3)"):
+        monkeypatch.setenv("SLURM_STEP_NUM_TASKS", tasks)
+        assert launched_world_size() == 1
+
+
 # --- Step 1b and Step 2 ------------------------------------------------------------------------
 
 def expect_cli_error(capsys, main, out: Path, argv: list[str], message: str):

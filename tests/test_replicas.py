@@ -86,6 +86,10 @@ def test_zero_offload_trains_as_zero2_does(tmp_path):
         "device": "cpu"}}}))
     offload = load_ds_config(tmp_path / "offload.json", train)
     assert offload["zero_force_ds_cpu_optimizer"] is False and for_replicas(offload, 1) == offload
+    for falsy in (False, 0, None):  # what DeepSpeed reads as false is taken (its true refused: test_bad_input)
+        (tmp_path / "falsy.json").write_text(json.dumps({"zero_optimization": {"stage": 2, "offload_optimizer": {
+            "device": "cpu"}}, "zero_force_ds_cpu_optimizer": falsy}))
+        assert load_ds_config(tmp_path / "falsy.json", train) == offload
     zl, zw, _, _ = run(ds, train)
     ol, ow, oopt, engine = run(offload, train)
     assert oopt == "DeepSpeedZeroOptimizer" and engine.zero_cpu_offload()
