@@ -16,6 +16,7 @@ import dataclasses
 import io
 import json
 import math
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -101,8 +102,10 @@ def _beside(record, sweep_json: Path):
     artifact = record.get("artifact") if isinstance(record, dict) else None
     if not isinstance(artifact, str) or Path(artifact).is_absolute() or len(Path(artifact).parts) < 3:
         return record
-    there = sweep_json.resolve().parent.joinpath(*Path(artifact).parts[-3:])
-    return {**record, "artifact": str(there)} if there.is_dir() else record
+    # by its run's directory (a checkpoint's removed since it was scored is still this sweep's)
+    here = Path(os.path.realpath(sweep_json)).parent
+    run, *at = Path(artifact).parts[-3:]
+    return {**record, "artifact": str(here.joinpath(run, *at))} if (here / run).is_dir() else record
 
 
 def _one_point_per_checkpoint(records: list[dict]) -> None:
@@ -221,15 +224,16 @@ def _apart_across_files(records: list[dict]) -> None:
 
 
 def _run_spellings(dirs: set[Path]) -> dict[Path, Path]:
-    """Each run directory -> the spelling it is known by: a relative path whose parts end another
-    one's (runs/adapt/x, as one evaluate call was given it; /work/runs/adapt/x in another) is that
-    run, the longest such path, not a run of its own."""
-    def longest(d: Path) -> Path:
+    """Each run directory -> the spelling it is known by: an absolute one by its real path (one
+    directory through a link, or spelt with '..', is one run); a relative one whose parts end
+    another's (runs/adapt/x or ../adapt/x, as one evaluate call was given it; /work/runs/adapt/x in
+    another) as that one, absolute first, then the longest: that run, not a run of its own."""
+    def known(d: Path) -> Path:
         if d.is_absolute():
-            return d
-        same = [e for e in dirs if len(e.parts) > len(d.parts) and _same_dir(d, e)]
-        return max(same, key=lambda e: (len(e.parts), str(e))) if same else d
-    return {d: longest(d) for d in dirs}
+            return Path(os.path.realpath(d))
+        ends = [e for e in dirs if e != d and (e.is_absolute() or len(e.parts) > len(d.parts)) and _same_dir(d, e)]
+        return known(max(ends, key=lambda e: (e.is_absolute(), len(e.parts), str(e)))) if ends else d
+    return {d: known(d) for d in dirs}
 
 
 def is_plugin(task: str) -> bool:
@@ -487,22 +491,39 @@ def ceiling_among(system: str, systems, parents: dict[str, set] | None = None) -
     and no directory to tell their runs by, every share reads '-'."""
     name, parents = ceiling_of(system), parents or {}
     # the directory first: a plain `minijoint:full` may be another language's sweep's, pooled with
-    # this one's in the task table, where no language of `system` has a score of it
-    same = [c for c in (name, *runs_of(name, systems)) if c in systems
-            and any(_same_dir(a, b) for a in parents.get(system, ()) for b in parents.get(c, ()))]
-    if len(same) == 1:
-        return same[0]
+    # this one's in the task table, where no language of `system` has a score of it; one spelt
+    # alike before one whose relative spelling ends it (`sweep` ends /x/sweep and /y/sweep)
+    ceilings = [c for c in (name, *runs_of(name, systems)) if c in systems]
+    for alike in (lambda a, b: a == b or a.is_absolute() and b.is_absolute() and _same_dir(a, b), _same_dir):
+        same = [c for c in ceilings if any(alike(a, b) for a in parents.get(system, ()) for b in parents.get(c, ()))]
+        if len(same) == 1:
+            return same[0]
     return name if name in systems else None
 
 
 def _same_dir(a: Path, b: Path) -> bool:
-    """Whether two spellings name one directory (what _run_spellings merges): equal, or a relative
-    one whose parts end the other's (runs/a, as one evaluate call was given it; /w/runs/a in another)."""
+    """Whether two spellings name one directory (what _run_spellings merges): equal (two absolute
+    ones once links and '..' are resolved), or a relative one whose parts after its leading '..'
+    end the other's (runs/a or ../runs/a, as one evaluate call was given it; /w/runs/a in another)."""
     if a == b:
         return True
-    short, long = sorted((a, b), key=lambda p: len(p.parts))
-    # '.' (a run given from inside its sweep's directory) has no parts: it ends no other directory
-    return bool(short.parts) and not short.is_absolute() and long.parts[-len(short.parts):] == short.parts
+    if a.is_absolute() and b.is_absolute():
+        return os.path.realpath(a) == os.path.realpath(b)
+    if a.is_absolute() or b.is_absolute():  # the relative one against the absolute one's real spelling too
+        rel, absolute = (b, a) if a.is_absolute() else (a, b)
+        return any(_ends(rel, Path(p)) for p in {absolute, Path(os.path.realpath(absolute))})
+    return _ends(a, b) or _ends(b, a)
+
+
+def _ends(short: Path, long: Path) -> bool:
+    """Whether the relative `short`'s parts after its leading '..' (a directory not known here)
+    end `long`'s and are fewer. '.' (a run given from inside its sweep's directory) has no parts:
+    it ends no other directory."""
+    parts = tuple(p for p in short.parts if p != ".")
+    while parts and parts[0] == "..":
+        parts = parts[1:]
+    return (bool(parts) and not short.is_absolute() and len(parts) <= len(long.parts)
+            and long.parts[-len(parts):] == parts and ".." not in parts)
 
 
 def run_parents(records: list[dict]) -> dict[str, set]:

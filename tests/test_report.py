@@ -776,6 +776,24 @@ def test_two_sweeps_spelt_alike_from_two_directories_stay_two_and_meet_their_own
     (tmp_path / "copy.json").write_text((tmp_path / "exp1" / "sweep-de" / "sweep.json").read_text())
     assert {r["artifact"] for r in read_results([str(tmp_path / "copy.json")])} == {
         f"sweep-de/{run}/embeddings/step{step:08d}" for run in ("2", "full") for step in (0, 2, 4)}
+    # a checkpoint removed since it was scored is still its sweep's (by its run's directory): it
+    # went to the other sweep, one checkpoint scored twice
+    (tmp_path / "exp1" / "sweep-de" / "2" / "embeddings" / "step00000000").rmdir()
+    assert {r["system"] for r in read_results(files)} == {f"{s} [exp{i}/sweep-de/{run}]" for i in (1, 2)
+                                                          for s, run in (("minijoint@2", "2"), ("minijoint:full", "full"))}
+    # the same runs scored again by evaluate, given them as ../sweep-de/2 (from exp1/evals) or as
+    # an absolute path through a link to exp1: one checkpoint scored twice, refused (re-anchored,
+    # the sweep's spelling had ended neither and they read as two runs)
+    (tmp_path / "exp1" / "evals").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "exp1")
+    sweep = json.loads((tmp_path / "exp1" / "sweep-de" / "sweep.json").read_text())["records"]
+    for i, spelt in enumerate(("../sweep-de/", f"{tmp_path}/link/sweep-de/")):
+        again = tmp_path / "exp1" / "evals" / f"de{i}.json"
+        again.write_text(json.dumps([{**r, "artifact": spelt + r["artifact"].removeprefix("sweep-de/")}
+                                     for r in sweep]))
+        with pytest.raises(ValueError, match=r"both hold minijoint@2's plugin-mlm score in de at step 0: one "
+                                             "checkpoint evaluated twice"):
+            read_results([files[0], str(again)])
 
 
 def test_a_run_meets_its_own_sweeps_ceiling_where_another_languages_is_named_plainly(tmp_path):
@@ -800,6 +818,20 @@ def test_a_run_meets_its_own_sweeps_ceiling_where_another_languages_is_named_pla
         if line.startswith("| minijoint@2"):
             shares.setdefault(line.split(" | ")[0][2:], line.split(" | ")[-1].split()[0])
     assert shares == {"minijoint@2": "50%", "minijoint@2 [a/2]": "50%", "minijoint@2 [b/2]": "25%"}, shares
+    # fr's plain ceiling scored with relative paths (`sweep/full`, which ends de's /x/sweep and
+    # /y/sweep): each de run still meets the ceiling of its own directory, not the plain one
+    files["fr_c"] = [rec("minijoint@2", "fr", "../sweep/2", 30.0), rec("minijoint:full", "fr", "../sweep/full", 40.0)]
+    files["de_a"] = [rec("minijoint@2", "de", "x/sweep/2", 30.0), rec("minijoint:full", "de", "x/sweep/full", 40.0)]
+    files["de_b"] = [rec("minijoint@2", "de", "y/sweep/2", 30.0), rec("minijoint:full", "de", "y/sweep/full", 60.0)]
+    for name, records in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps([{**r, "artifact": r["artifact"].replace("/w/../", "")}
+                                                           for r in records]))
+    table = report_markdown(read_results([str(tmp_path / f"{name}.json") for name in files]))
+    shares = {}
+    for line in table.splitlines():
+        if line.startswith("| minijoint@2"):
+            shares.setdefault(line.split(" | ")[0][2:], line.split(" | ")[-1].split()[0])
+    assert shares == {"minijoint@2": "50%", "minijoint@2 [x/sweep/2]": "50%", "minijoint@2 [y/sweep/2]": "25%"}, shares
 
 
 def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_is_refused(tmp_path, capsys):
