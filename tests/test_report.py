@@ -779,8 +779,8 @@ def test_two_sweeps_spelt_alike_from_two_directories_stay_two_and_meet_their_own
     # a checkpoint removed since it was scored is still its sweep's (by its run's directory): it
     # went to the other sweep, one checkpoint scored twice
     (tmp_path / "exp1" / "sweep-de" / "2" / "embeddings" / "step00000000").rmdir()
-    assert {r["system"] for r in read_results(files)} == {f"{s} [exp{i}/sweep-de/{run}]" for i in (1, 2)
-                                                          for s, run in (("minijoint@2", "2"), ("minijoint:full", "full"))}
+    assert {r["system"] for r in read_results(files)} == {
+        f"{s} [exp{i}/sweep-de/{run}]" for i in (1, 2) for s, run in (("minijoint@2", "2"), ("minijoint:full", "full"))}
     # the same runs scored again by evaluate, given them as ../sweep-de/2 (from exp1/evals) or as
     # an absolute path through a link to exp1: one checkpoint scored twice, refused (re-anchored,
     # the sweep's spelling had ended neither and they read as two runs)
