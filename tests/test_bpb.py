@@ -536,7 +536,7 @@ def test_a_validation_split_too_small_for_a_figure_is_scored_with_a_warning(prim
     assert "warning" not in capsys.readouterr().out
 
 
-def test_a_normalisation_is_a_fold_where_the_scored_text_holds_its_forms(de_tokenizer):
+def test_a_normalisation_is_a_fold_where_the_scored_text_holds_its_forms(de_tokenizer, tmp_path):
     """SentencePiece's NFKC reads a ligature or full-width letters as the plain ones, and NFC a
     decomposed accent as the composed one: the same pieces for more bytes, a lower figure, where a
     tokenizer that normalises nothing (Llama-2's byte fallback) pays for each byte, and nothing
@@ -549,13 +549,23 @@ def test_a_normalisation_is_a_fold_where_the_scored_text_holds_its_forms(de_toke
     assert sp.encode("And he said \ufb01ne") == sp.encode("And he said fine")  # the reviewer's pair
     assert B.folds(sp) == B.folds(sp, ["And God said, Let there be light"]) == []
     assert B.folds(sp, ["And he said \ufb01ne"]) == ["compatibility forms"]
-    assert B.folds(sp, ["\u795e\u8bf4\uff0c\u8981\u6709\u5149"]) == ["compatibility forms"]  # full-width comma
-    assert B.folds(sp, ["And Noe\u0308l said"]) == ["composition"]
+    assert B.folds(sp, ["Und Gott sprach\uff0c Es werde Licht"]) == ["compatibility forms"]  # a full-width comma
+    # asked of the scored lines: a Chinese tokenizer reads every probe of FOLD_TEXTS with <unk>,
+    # and was said to fold nothing on the Chinese Bible, whose punctuation is full-width
+    from mmadapt.corpora import write_bible_corpus
+    from mmadapt.data import train_tokenizer
+
+    zh = load(train_tokenizer(write_bible_corpus("zh", tmp_path / "zh.txt", books=range(1, 2)), tmp_path / "zh",
+                              2000, threads=1))
+    verses = (tmp_path / "zh.txt").read_text(encoding="utf-8").splitlines()[:40]
+    assert any("\uff0c" in v for v in verses) and all(UNK_ID in zh.encode(t) for t in B.FOLD_TEXTS)
+    assert B.folds(zh, verses) == ["compatibility forms"]
+    assert B.folds(sp, ["Und Gott segnete die So\u0308hne Noahs"]) == ["composition"]
 
     class Verbatim:  # reads every character as it is (no normaliser)
         def encode(self, text):
             return [ord(c) for c in text]
-    lines = ["And he said \ufb01ne", "And Noe\u0308l said"]
+    lines = ["And he said \ufb01ne", "Und Gott segnete die So\u0308hne Noahs"]
     assert B.folds(Verbatim(), lines) == []
     assert B.fold_caveat("the target", B.folds(sp, lines), B.folds(Verbatim(), lines)).startswith(
         "Not comparable as they stand: the target folds compatibility forms and composition where the other keeps it")
