@@ -116,8 +116,10 @@ def check_device(config: ModelConfig, family=None) -> None:
     if family is None or kinds is None:
         return
     compiled = tuple(family.compiled_kinds)
-    # apply_fusion replays those graphed kinds that are compiled kinds too (docs/model-families.md: "of those")
-    named = compiled if kinds == "compiled_kinds" else [g for g in family.graphed_kinds if issubclass(g, compiled)]
+    # apply_fusion replays a module of a compiled kind and a graphed kind (docs/model-families.md:
+    # "of those"): one class a subclass of the other, either way (a compiled subclass of a graphed one)
+    named = compiled if kinds == "compiled_kinds" else [
+        g for g in family.graphed_kinds if any(issubclass(g, c) or issubclass(c, g) for c in compiled)]
     if not named:
         raise ValueError(f"--fusion {config.fusion}: the {family.name} family names no modules to "
                          f"{'compile' if config.fusion == 'compile' else 'replay as CUDA graphs'} (ModelFamily."

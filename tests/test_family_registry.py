@@ -142,6 +142,10 @@ def test_what_a_family_of_ones_own_leaves_out_is_refused_in_one_line(monkeypatch
                                              r"replay as CUDA graphs \(ModelFamily.graphed_kinds, among its "
                                              "compiled_kinds\): use --fusion none"):
             check_device(ModelConfig(fusion="cudagraphs"), type("Ungraphed", (_Toy,), {"graphed_kinds": graphed})())
+    # a compiled kind of one's own derived from the graphed one: its frozen layers are replayed
+    from mmadapt.models.roberta.model import MLMHeads, TransformerLayer
+    mine = type("MyLayer", (TransformerLayer,), {})
+    check_device(ModelConfig(fusion="cudagraphs"), type("Derived", (_Toy,), {"compiled_kinds": (mine, MLMHeads)})())
 
 
 def test_mmadapt_import_names_the_module_it_cannot_import(monkeypatch, capsys, tmp_path):
