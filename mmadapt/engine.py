@@ -807,8 +807,8 @@ class LoopJob:
 
     step: the step it trains (one of flops.STEPS, or "finetune"), `task` that step's task where
     it has one: the progress bar and a divergence's line say both (`label`), a Diverged carries
-    the step. names and client_state go into every checkpoint (checkpoint.save); exclude_frozen leaves
-    frozen parameters out of them. loss_names: one per entry of step_fn's losses (the heads'
+    the step. names and client_state go into every checkpoint (checkpoint.save); exclude_frozen
+    leaves frozen parameters out of them. loss_names: one per entry of step_fn's losses (the heads'
     layers; None: one loss); loss_weights: how they make the logged loss
     (ModelConfig.loss_weights; None: their mean). scored_rows() -> the positions this rank's
     heads projected (its batches' scored positions) over the updates this invocation ran, a

@@ -256,9 +256,9 @@ def retrieval_accuracy(src_vectors: torch.Tensor, trg_vectors: torch.Tensor,
     (source, target) texts of the rows: a hit is then a source of the same text as the
     translation, or one whose own translation has the query's text (retrieval_records gives each
     text as the pieces its tokenizer reads: two spellings read alike are one text to the model,
-    e.g. a decomposed accent under NFKC). A text that is in the sample twice (a verse the Bible repeats: es's "Y fué á mí palabra de Jehová, diciendo:")
-    gives two equal vectors, which the arg-max settles for one of them alone: a perfect model
-    scored 99.6 on ru's 500 pairs."""
+    e.g. a decomposed accent under NFKC). A text that is in the sample twice (a verse the Bible
+    repeats: es's "Y fué á mí palabra de Jehová, diciendo:") gives two equal vectors, which the
+    arg-max settles for one of them alone: a perfect model scored 99.6 on ru's 500 pairs."""
     s = torch.nn.functional.normalize(src_vectors - src_vectors.mean(0), dim=-1)
     t = torch.nn.functional.normalize(trg_vectors - trg_vectors.mean(0), dim=-1)
     found = (t @ s.T).argmax(1)
