@@ -264,12 +264,32 @@ def interrupted_when(event, poll: float = 0.1):
     try:
         yield
     finally:
-        if ignored:  # first: a second SIGINT raising here left only_ours installed, the event still set
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        with lock:
-            done.set()
-        watcher.join()
-        signal.signal(signal.SIGINT, old)
+        def stop_watching():
+            with lock:
+                done.set()
+        # each to its end: a SIGINT (the watcher's, sent as the block ended, or another) runs its
+        # handler as a call here begins and raised out of the finally, the handler left installed
+        # (only_ours, with the event set: every later outside SIGINT raised). It is raised after.
+        steps = [stop_watching, watcher.join, lambda: signal.signal(signal.SIGINT, old)]
+        if ignored:  # first: ignored from here on
+            steps.insert(0, lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        interrupted = _to_the_end(*steps)
+        if interrupted is not None:
+            raise interrupted
+
+
+def _to_the_end(*steps) -> KeyboardInterrupt | None:
+    """Run each of `steps`, again where a KeyboardInterrupt cut it short (raised by a SIGINT
+    handler as the call began, before it did anything); returns the first such interrupt."""
+    interrupted = None
+    for step in steps:
+        while True:
+            try:
+                step()
+                break
+            except KeyboardInterrupt as e:
+                interrupted = interrupted or e
+    return interrupted
 
 
 def clear_stale_stop(stop_file: Path) -> None:
