@@ -103,9 +103,22 @@ def _beside(record, sweep_json: Path):
     if not isinstance(artifact, str) or Path(artifact).is_absolute() or len(Path(artifact).parts) < 3:
         return record
     # by its run's directory (a checkpoint's removed since it was scored is still this sweep's)
-    here = Path(os.path.realpath(sweep_json)).parent
+    here = _as_given(sweep_json).parent
     run, *at = Path(artifact).parts[-3:]
     return {**record, "artifact": str(here.joinpath(run, *at))} if (here / run).is_dir() else record
+
+
+def _as_given(path: Path) -> Path:
+    """`path` made absolute from the working directory as the shell spells it (PWD: through a
+    link as typed, as evaluate records a run given from there; os.getcwd resolves links)."""
+    cwd = os.getcwd()
+    pwd = os.environ.get("PWD")
+    try:
+        if pwd and os.path.isabs(pwd) and os.path.samefile(pwd, cwd):
+            cwd = pwd
+    except OSError:
+        pass
+    return Path(os.path.normpath(os.path.join(cwd, path)))
 
 
 def _one_point_per_checkpoint(records: list[dict]) -> None:
@@ -224,15 +237,21 @@ def _apart_across_files(records: list[dict]) -> None:
 
 
 def _run_spellings(dirs: set[Path]) -> dict[Path, Path]:
-    """Each run directory -> the spelling it is known by: an absolute one by its real path (one
-    directory through a link, or spelt with '..', is one run); a relative one whose parts end
-    another's (runs/adapt/x or ../adapt/x, as one evaluate call was given it; /work/runs/adapt/x in
-    another) as that one, absolute first, then the longest: that run, not a run of its own."""
+    """Each run directory -> the spelling it is known by: a relative one whose parts (after its
+    leading '..') end another's (runs/adapt/x or ../adapt/x, as one evaluate call was given it;
+    /work/runs/adapt/x in another) as that one, the most specific (absolute first, then the most
+    parts): that run, not a run of its own, unless it ends two that are not one; an absolute one
+    as spelt (a link resolved now may point elsewhere than when the run was scored)."""
+    def specific(e: Path) -> tuple:
+        return e.is_absolute(), len(_named(e)), len(e.parts), str(e)
+
     def known(d: Path) -> Path:
         if d.is_absolute():
-            return Path(os.path.realpath(d))
-        ends = [e for e in dirs if e != d and (e.is_absolute() or len(e.parts) > len(d.parts)) and _same_dir(d, e)]
-        return known(max(ends, key=lambda e: (e.is_absolute(), len(e.parts), str(e)))) if ends else d
+            return Path(os.path.normpath(d))
+        ends = [e for e in dirs if specific(e) > specific(d) and _ends(d, e)]
+        if any(not _same_dir(e, f) for e in ends for f in ends):  # (../sweep/2 ends de-1/ and de-2/sweep/2)
+            return d  # two runs it may be: a run of its own, as before it was ever matched
+        return known(max(ends, key=specific)) if ends else d
     return {d: known(d) for d in dirs}
 
 
@@ -503,27 +522,28 @@ def ceiling_among(system: str, systems, parents: dict[str, set] | None = None) -
 
 def _same_dir(a: Path, b: Path) -> bool:
     """Whether two spellings name one directory (what _run_spellings merges): equal (two absolute
-    ones once links and '..' are resolved), or a relative one whose parts after its leading '..'
-    end the other's (runs/a or ../runs/a, as one evaluate call was given it; /w/runs/a in another)."""
-    if a == b:
-        return True
+    ones with '..' folded), or a relative one whose parts after its leading '..' end the other's
+    (runs/a or ../runs/a, as one evaluate call was given it; /w/runs/a in another)."""
     if a.is_absolute() and b.is_absolute():
-        return os.path.realpath(a) == os.path.realpath(b)
-    if a.is_absolute() or b.is_absolute():  # the relative one against the absolute one's real spelling too
-        rel, absolute = (b, a) if a.is_absolute() else (a, b)
-        return any(_ends(rel, Path(p)) for p in {absolute, Path(os.path.realpath(absolute))})
-    return _ends(a, b) or _ends(b, a)
+        return os.path.normpath(a) == os.path.normpath(b)
+    return a == b or _ends(a, b) or _ends(b, a)
+
+
+def _named(path: Path) -> tuple[str, ...]:
+    """A relative path's parts after its leading '..' (directories not known here) and any '.'."""
+    parts = tuple(p for p in path.parts if p != ".")
+    while parts and parts[0] == "..":
+        parts = parts[1:]
+    return parts
 
 
 def _ends(short: Path, long: Path) -> bool:
-    """Whether the relative `short`'s parts after its leading '..' (a directory not known here)
-    end `long`'s and are fewer. '.' (a run given from inside its sweep's directory) has no parts:
-    it ends no other directory."""
-    parts = tuple(p for p in short.parts if p != ".")
-    while parts and parts[0] == "..":
-        parts = parts[1:]
-    return (bool(parts) and not short.is_absolute() and len(parts) <= len(long.parts)
-            and long.parts[-len(parts):] == parts and ".." not in parts)
+    """Whether the relative `short`'s named parts (_named) end `long`'s. '.' (a run given from
+    inside its sweep's directory) names none: it ends no other directory; nor does one with '..'
+    past its start."""
+    parts = _named(short)
+    return (bool(parts) and not short.is_absolute() and ".." not in parts and len(parts) <= len(long.parts)
+            and long.parts[-len(parts):] == parts)
 
 
 def run_parents(records: list[dict]) -> dict[str, set]:

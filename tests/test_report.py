@@ -781,19 +781,28 @@ def test_two_sweeps_spelt_alike_from_two_directories_stay_two_and_meet_their_own
     (tmp_path / "exp1" / "sweep-de" / "2" / "embeddings" / "step00000000").rmdir()
     assert {r["system"] for r in read_results(files)} == {
         f"{s} [exp{i}/sweep-de/{run}]" for i in (1, 2) for s, run in (("minijoint@2", "2"), ("minijoint:full", "full"))}
-    # the same runs scored again by evaluate, given them as ../sweep-de/2 (from exp1/evals) or as
-    # an absolute path through a link to exp1: one checkpoint scored twice, refused (re-anchored,
-    # the sweep's spelling had ended neither and they read as two runs)
+    # the same runs scored again by evaluate, given them as ../sweep-de/2 (from exp1/evals), or
+    # through a link to exp1 as the sweep.json is given: one checkpoint scored twice, refused
+    # (re-anchored, the sweep's spelling had ended neither and they read as two runs). A link is
+    # not resolved: one pointed elsewhere since may hold another run.
     (tmp_path / "exp1" / "evals").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "exp1")
     sweep = json.loads((tmp_path / "exp1" / "sweep-de" / "sweep.json").read_text())["records"]
-    for i, spelt in enumerate(("../sweep-de/", f"{tmp_path}/link/sweep-de/")):
+    for i, (spelt, given) in enumerate((("../sweep-de/", files[0]),
+                                        (f"{tmp_path}/link/sweep-de/", f"{tmp_path}/link/sweep-de/sweep.json"))):
         again = tmp_path / "exp1" / "evals" / f"de{i}.json"
         again.write_text(json.dumps([{**r, "artifact": spelt + r["artifact"].removeprefix("sweep-de/")}
                                      for r in sweep]))
         with pytest.raises(ValueError, match=r"both hold minijoint@2's plugin-mlm score in de at step 0: one "
                                              "checkpoint evaluated twice"):
-            read_results([files[0], str(again)])
+            read_results([given, str(again)])
+    # a link given as the working directory (PWD, as the shell spells it): the sweep.json given from
+    # there is re-anchored through it, as evaluate recorded the run typed from there
+    monkeypatch.chdir(tmp_path / "link")
+    monkeypatch.setenv("PWD", str(tmp_path / "link"))
+    with pytest.raises(ValueError, match=r"both hold minijoint@2's plugin-mlm score in de at step 0: one "
+                                         "checkpoint evaluated twice"):
+        read_results(["sweep-de/sweep.json", str(tmp_path / "exp1" / "evals" / "de1.json")])
 
 
 def test_a_run_meets_its_own_sweeps_ceiling_where_another_languages_is_named_plainly(tmp_path):
@@ -832,6 +841,37 @@ def test_a_run_meets_its_own_sweeps_ceiling_where_another_languages_is_named_pla
         if line.startswith("| minijoint@2"):
             shares.setdefault(line.split(" | ")[0][2:], line.split(" | ")[-1].split()[0])
     assert shares == {"minijoint@2": "50%", "minijoint@2 [x/sweep/2]": "50%", "minijoint@2 [y/sweep/2]": "25%"}, shares
+
+
+def test_spellings_of_runs_merge_only_where_they_name_one_directory(tmp_path):
+    """A relative spelling is the run whose path it ends, but one that ends two runs (../../sweep/2
+    ends de-1/sweep/2 and de-2/sweep/2) is a run of its own: taken for one of them, its steps 6 and
+    8 joined that run's curve (or, as three files, made the two one run scored twice). An absolute
+    spelling is kept as given: a link resolved when the report runs (`latest`, pointed at another
+    sweep since it was scored) made two runs one, and its labels named directories nobody typed."""
+    import os
+
+    from mmadapt.report import read_results
+
+    def rec(artifact, step, score):
+        return {"system": "minijoint@2", "task": "genre", "lang": "de", "step": step, "flops": step * 1e15,
+                "score": score, "artifact": f"{artifact}/embeddings/step{step:08d}"}
+    files = {"a": [rec("de-1/sweep/2", s, 30.0 + s) for s in (0, 2, 4)],
+             "b": [rec("de-2/sweep/2", s, 20.0 + s) for s in (0, 2, 4)],
+             "c": [rec("../../sweep/2", s, 40.0 + s) for s in (6, 8)]}
+    for name, records in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(records))
+    got = read_results([str(tmp_path / f"{n}.json") for n in files])
+    assert sorted({r["system"] for r in got}) == ["minijoint@2 [../sweep/2]", "minijoint@2 [de-1/sweep/2]",
+                                                  "minijoint@2 [de-2/sweep/2]"]
+    for name in ("sweep-1201", "sweep-1207"):
+        (tmp_path / name / "2").mkdir(parents=True)
+    (tmp_path / "latest").symlink_to(tmp_path / "sweep-1207")  # scored as latest/2 while it was sweep-1201
+    (tmp_path / "a.json").write_text(json.dumps([rec(f"{tmp_path}/latest/2", s, 30.0 + s) for s in (0, 2, 4)]))
+    (tmp_path / "b.json").write_text(json.dumps([rec(f"{tmp_path}/sweep-1207/2", s, 20.0 + s) for s in (0, 2, 4)]))
+    assert os.path.realpath(tmp_path / "latest") == str(tmp_path / "sweep-1207")
+    got = read_results([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert sorted({r["system"] for r in got}) == ["minijoint@2 [latest/2]", "minijoint@2 [sweep-1207/2]"]
 
 
 def test_two_runs_in_two_results_files_stay_two_curves_and_one_checkpoint_twice_is_refused(tmp_path, capsys):
