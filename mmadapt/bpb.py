@@ -382,13 +382,16 @@ FOLDS = {"case": str.lower, "accents": _strip_accents,
 # Unicode normalisation (SentencePiece's nmt_nfkc and XLM-R's NFKC; a byte-level BPE's NFC) reads
 # a form as another of more bytes, free: a score is flattered by it only on a text that holds such
 # forms (the Bibles here are NFC, but the Chinese one's punctuation is full-width, NFKC's ASCII).
-# Each is asked of the scored text's own lines that hold such forms (a Chinese tokenizer reads
-# every probe of FOLD_TEXTS with <unk>): what -> (a line as given, the line as the normalisation
-# makes it), compared where they differ.
+# Each is asked where the scored text holds such forms, of its own lines that do (a Chinese
+# tokenizer reads every probe of FOLD_TEXTS with <unk>), else, where the tokenizer reads none of
+# them without <unk> (an English one, of Chinese), of the probes made so: what -> (a line as
+# given, as the normalisation makes it, a probe text made of such forms)
 NORMALIZATION_FOLDS = {
     "compatibility forms": (lambda line: unicodedata.normalize("NFC", line),  # full-width forms, ligatures
-                            lambda line: unicodedata.normalize("NFKC", line)),
-    "composition": (lambda line: line, lambda line: unicodedata.normalize("NFC", line))}  # a decomposed accent
+                            lambda line: unicodedata.normalize("NFKC", line),
+                            lambda t: "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in t)),
+    "composition": (lambda line: line, lambda line: unicodedata.normalize("NFC", line),  # a decomposed accent
+                    lambda t: unicodedata.normalize("NFD", t))}
 FOLD_LINES = 16  # of the scored text's, per normalisation: a few lines answer as well as all
 # Short texts, each asked alone: one <unk> (a rare letter) leaves the others' answer standing
 FOLD_TEXTS = ("The Lord God said unto Moses", "Noël über café à Sião", "Ärger über Öl",
@@ -409,15 +412,18 @@ def folds(sp, lines=()) -> list[str]:
     folded). Bits per byte charge a text's bytes but score only what its tokenizer keeps: such a
     tokenizer is not charged for the information it drops, and reads lower than one that keeps
     it (docs/bits-per-byte.md)."""
-    asked = {what: [(t, fold(t)) for t in FOLD_TEXTS] for what, fold in FOLDS.items()}
-    for what, (given, normal) in NORMALIZATION_FOLDS.items():
-        asked[what] = [(given(line), normal(line)) for line in lines]
-    out = []
-    for what, texts in asked.items():
+    def answer(texts) -> bool | None:  # texts: (a, b) pairs; None: none read without <unk>
         read = [(sp.encode(a), sp.encode(b)) for a, b in [t for t in texts if t[0] != t[1]][:FOLD_LINES]]
         read = [(list(a), list(b)) for a, b in read if UNK_ID not in a and UNK_ID not in b]
-        if read and all(a == b for a, b in read):
-            out.append(what)
+        return all(a == b for a, b in read) if read else None
+
+    out = [what for what, fold in FOLDS.items() if answer((t, fold(t)) for t in FOLD_TEXTS)]
+    for what, (given, normal, probe) in NORMALIZATION_FOLDS.items():
+        held = [(given(line), normal(line)) for line in lines]
+        if any(a != b for a, b in held):
+            said = answer(held)
+            if said if said is not None else answer((t, probe(t)) for t in FOLD_TEXTS):
+                out.append(what)
     return out
 
 
