@@ -837,16 +837,17 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     # watchdog would then abort the waiting ranks, and the launcher rank 0 with them.
     if dist.is_initialized() and not parallel.is_rank0():
         return None
-    # a SIGTERM while it scores: Stopped (75) as in a depth's loop, not 143 and no word
+    # a SIGTERM while it scores or writes its results: Stopped (75) as in a depth's loop, not 143
+    # and no word (the same command again reads sweep.json's records back and writes the rest)
     with faults.stopped_after_checkpoint(step.train.train_iters, checkpoint.tag_for(step.train.train_iters)):
         records, key = _sweep_records(source, runs, step, data_path, out / "sweep.json")
-    summary = summarize(records, cfg.near_max)
-    # sweep.json is read back by the next sweep (kept_result): whole or not at all
-    checkpoint.atomic_write(out / "sweep.json", json.dumps({"source": str(source), "records": records,
-                                                            "summary": summary, "key": key}, indent=1) + "\n")
-    checkpoint.atomic_write(out / "sweep.md", sweep_markdown(summary, str(source)) + "\n")
-    try:
-        plot_sweep(summary, out / "sweep.png")
-    except ValueError as e:  # matplotlib missing: the table still stands
-        print(f"note: no sweep.png ({e})")
+        summary = summarize(records, cfg.near_max)
+        # sweep.json is read back by the next sweep (kept_result): whole or not at all
+        checkpoint.atomic_write(out / "sweep.json", json.dumps({"source": str(source), "records": records,
+                                                                "summary": summary, "key": key}, indent=1) + "\n")
+        checkpoint.atomic_write(out / "sweep.md", sweep_markdown(summary, str(source)) + "\n")
+        try:
+            plot_sweep(summary, out / "sweep.png")
+        except ValueError as e:  # matplotlib missing: the table still stands
+            print(f"note: no sweep.png ({e})")
     return summary

@@ -619,6 +619,15 @@ def test_sweep_end_to_end(three_head_run, de_corpus, tmp_path, capsys):
     assert "plug-in metric" in said.out + said.err and (out / "2" / "metrics.jsonl").read_text() == before
     rescored = json.loads((out / "sweep.json").read_text())["records"]
     assert [(r["mini_layers"], r["step"]) for r in rescored] == [(r["mini_layers"], r["step"]) for r in records]
+    # and while it writes its results (its plot): the same, where the default action exited 143 with
+    # no word (the next run reads sweep.json's records back and writes the rest)
+    plot = steps.plot_sweep
+    steps.plot_sweep = sigterm_before(plot)
+    try:
+        assert main(["sweep", *args[:-1], "512"]) == 75
+    finally:
+        steps.plot_sweep = plot
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("stopped by SIGTERM at update 6")
     # run again with another --save_interval (changeable): the depths' checkpoints are the same points
     capsys.readouterr()
     assert main(["sweep", *args[:-1], "512", "--save_interval", "2"]) == 0
