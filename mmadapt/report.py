@@ -110,15 +110,18 @@ def _beside(record, sweep_json: Path):
 
 def _as_given(path: Path) -> Path:
     """`path` made absolute from the working directory as the shell spells it (PWD: through a
-    link as typed, as evaluate records a run given from there; os.getcwd resolves links)."""
-    cwd = os.getcwd()
+    link as typed, as evaluate records a run given from there; os.getcwd resolves links), where
+    that spelling names the file read (a '..' folded against a link's name may not): else its
+    real path."""
     pwd = os.environ.get("PWD")
-    try:
-        if pwd and os.path.isabs(pwd) and os.path.samefile(pwd, cwd):
-            cwd = pwd
-    except OSError:
-        pass
-    return Path(os.path.normpath(os.path.join(cwd, path)))
+    if pwd and os.path.isabs(pwd):
+        spelt = os.path.normpath(os.path.join(pwd, path))
+        try:
+            if os.path.samefile(spelt, path):
+                return Path(spelt)
+        except OSError:
+            pass
+    return Path(os.path.realpath(path))
 
 
 def _one_point_per_checkpoint(records: list[dict]) -> None:

@@ -803,6 +803,14 @@ def test_two_sweeps_spelt_alike_from_two_directories_stay_two_and_meet_their_own
     with pytest.raises(ValueError, match=r"both hold minijoint@2's plugin-mlm score in de at step 0: one "
                                          "checkpoint evaluated twice"):
         read_results(["sweep-de/sweep.json", str(tmp_path / "exp1" / "evals" / "de1.json")])
+    # ... but not where that spelling names another file: from a link to exp1/evals, ../sweep-de
+    # folded against the link's name is tmp/sweep-de, where the file read is exp1's (its records
+    # kept exp1's relative spelling, which ended exp2's run: one checkpoint scored twice)
+    (tmp_path / "to-evals").symlink_to(tmp_path / "exp1" / "evals")
+    monkeypatch.chdir(tmp_path / "to-evals")
+    monkeypatch.setenv("PWD", str(tmp_path / "to-evals"))
+    assert {r["system"] for r in read_results(["../sweep-de/sweep.json", files[1]])} == {
+        f"{s} [exp{i}/sweep-de/{run}]" for i in (1, 2) for s, run in (("minijoint@2", "2"), ("minijoint:full", "full"))}
 
 
 def test_a_run_meets_its_own_sweeps_ceiling_where_another_languages_is_named_plainly(tmp_path):
