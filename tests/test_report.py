@@ -759,7 +759,8 @@ def test_two_sweeps_spelt_alike_from_two_directories_stay_two_and_meet_their_own
     for exp, ceiling_gain in (("exp1", 0.25), ("exp2", 0.5)):
         out = tmp_path / exp / "sweep-de"
         records = []
-        for system, run, cost, gain in (("minijoint@2", "2", 1e9, 0.30), ("minijoint:full", "full", 6e9, ceiling_gain)):
+        for system, run, cost, gain in (("minijoint@2", "2", 1e9, 0.30),
+                                        ("minijoint:full", "full", 6e9, ceiling_gain)):
             for step in (0, 2, 4):
                 (out / run / "embeddings" / f"step{step:08d}").mkdir(parents=True)
                 records.append({**base, "system": system, "step": step, "flops": step * cost,
@@ -768,6 +769,8 @@ def test_two_sweeps_spelt_alike_from_two_directories_stay_two_and_meet_their_own
         (out / "sweep.json").write_text(json.dumps({"records": records, "summary": {}}))
         files.append(str(out / "sweep.json"))
     monkeypatch.chdir(tmp_path)
+    two_sweeps = {f"{s} [exp{i}/sweep-de/{run}]" for i in (1, 2)
+                  for s, run in (("minijoint@2", "2"), ("minijoint:full", "full"))}
     got = read_results(files)
     rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1].split()[0] for line in plugin_markdown(got).splitlines()
             if line.startswith("| minijoint@")}
@@ -779,8 +782,7 @@ def test_two_sweeps_spelt_alike_from_two_directories_stay_two_and_meet_their_own
     # a checkpoint removed since it was scored is still its sweep's (by its run's directory): it
     # went to the other sweep, one checkpoint scored twice
     (tmp_path / "exp1" / "sweep-de" / "2" / "embeddings" / "step00000000").rmdir()
-    assert {r["system"] for r in read_results(files)} == {
-        f"{s} [exp{i}/sweep-de/{run}]" for i in (1, 2) for s, run in (("minijoint@2", "2"), ("minijoint:full", "full"))}
+    assert {r["system"] for r in read_results(files)} == two_sweeps
     # the same runs scored again by evaluate, given them as ../sweep-de/2 (from exp1/evals), or
     # through a link to exp1 as the sweep.json is given: one checkpoint scored twice, refused
     # (re-anchored, the sweep's spelling had ended neither and they read as two runs). A link is
@@ -809,8 +811,7 @@ def test_two_sweeps_spelt_alike_from_two_directories_stay_two_and_meet_their_own
     (tmp_path / "to-evals").symlink_to(tmp_path / "exp1" / "evals")
     monkeypatch.chdir(tmp_path / "to-evals")
     monkeypatch.setenv("PWD", str(tmp_path / "to-evals"))
-    assert {r["system"] for r in read_results(["../sweep-de/sweep.json", files[1]])} == {
-        f"{s} [exp{i}/sweep-de/{run}]" for i in (1, 2) for s, run in (("minijoint@2", "2"), ("minijoint:full", "full"))}
+    assert {r["system"] for r in read_results(["../sweep-de/sweep.json", files[1]])} == two_sweeps
 
 
 def test_a_run_meets_its_own_sweeps_ceiling_where_another_languages_is_named_plainly(tmp_path):
