@@ -515,7 +515,7 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
         # a string of two letters was scored as a pair of them, three texts failed to unpack)
         raise ValueError(f"pairs[{empty[0]!r}][{empty[1]}] is {pairs[empty[0]][empty[1]]!r}: each pair is two "
                          "non-empty texts (source, target)")
-    src_sp, src_vectors, records = load_tokenizer(source.tokenizer), {}, []
+    src_sp, src_vectors, src_read, records = load_tokenizer(source.tokenizer), {}, {}, []
     scored = {}  # accuracy by swap_key and language: an artifact like an earlier one scores the same
     for path in progress(artifact_dirs(adapt_runs), "retrieval"):
         emb, tok, meta = read_artifact(path)
@@ -527,13 +527,14 @@ def retrieval_records(primary_run: Path, adapt_runs: list[Path], pairs: dict[str
         if lang not in src_vectors:
             src_vectors[lang] = sentence_vectors(model, src_sp, [a for a, _ in pairs[lang]], seq_length, layer,
                                                  framing)
+            src_read[lang] = [tuple(src_sp.encode(a)) for a, _ in pairs[lang]]  # (hits by the pieces read)
         key = (swap_key(emb, ["word_embeddings"], meta, tok), lang)
         if key not in scored:
             tgt_sp = load_tokenizer(tok)
             with swapped(model, {word: artifact_embeddings(emb, model.get_parameter(word))}):
                 trg = sentence_vectors(model, tgt_sp, [b for _, b in pairs[lang]], seq_length, layer, framing)
             # hits by the pieces each side reads (NFD and NFC spellings of a verse are one to the model)
-            read = [(tuple(src_sp.encode(a)), tuple(tgt_sp.encode(b))) for a, b in pairs[lang]]
+            read = [(a, tuple(tgt_sp.encode(b))) for a, (_, b) in zip(src_read[lang], pairs[lang])]
             scored[key] = retrieval_accuracy(src_vectors[lang], trg, read)
         records.append({**record_base(meta, "retrieval"), "metric": "accuracy", "chance": 100 / len(pairs[lang]),
                         "score": scored[key], "artifact": str(path)})

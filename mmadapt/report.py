@@ -979,7 +979,8 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
     the ceiling's); then the notes under it."""
     f, floors, gain = _score_format(t.task), t.floors, t.gain
     parents = run_parents([r for r in everything if r["task"] == t.task])
-    with_ceiling = floors is not None and any(ceiling_among(s, t.avg, parents) is not None for s in t.systems)
+    ceilings = {s: ceiling_among(s, t.avg, parents) for s in t.systems}
+    with_ceiling = floors is not None and any(c is not None for c in ceilings.values())
     extra = [] if floors is None else ["gain over chance", f"share of {baseline}'s gain"]
     extra += ["share of the ceiling's gain"] if with_ceiling else []
     out = [f"## {t.task}: score at the last checkpoint", ""]
@@ -1010,7 +1011,7 @@ def _final_table(t: TaskScores, everything: list[dict], baseline: str, device: s
     for s in t.systems:
         ret = t.retention(s, baseline)
         cells = [] if floors is None else [format(gain[s], "+" + f), share(s, baseline)]
-        cells += [share(s, ceiling_among(s, t.avg, parents))] if with_ceiling else []
+        cells += [share(s, ceilings[s])] if with_ceiling else []
         out.append(f"| {s}{' (!)' if s in t.warned else ''} | {t.cost[s] / 1e18:.3g} | "
                    f"{device_days(t.cost[s], device):.3g} | " +
                    " | ".join(["-" if v is None else format(v, f) + m for v, m in zip(t.final[s], marks[s])]
