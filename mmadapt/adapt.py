@@ -213,7 +213,7 @@ class Step2Plan:
         if step.train.plugin_eval_blocks and not (manifest or {}).get("valid"):
             raise ValueError("--plugin_eval_blocks scores held-out target text: pass --data_path, a dataset prepared "
                              "with mmadapt preprocess --valid_fraction 0.03 (a raw --corpus has no validation split)")
-        check_calibration(step, expand)
+        check_calibration(step, expand, source.family)
         target = run.data_path / TOKENIZER if run.data_path is not None else run.tokenizer
         replay = replay_text(step.train, source.tokenizer if expand else target, run.layout.apply(body))
         model, data, expanded = _vocabulary(run, step, source, body, manifest)
@@ -501,15 +501,17 @@ class StartRule:
         return target_logprobs(data, len(counts), primary.family.objective, primary.text_prefix(data), counts)
 
 
-def check_calibration(step: AdaptEmbeddings, expanded: bool) -> None:
+def check_calibration(step: AdaptEmbeddings, expanded: bool, family: ModelFamily) -> None:
     """Refuse, in one line, a --primary_calibration other than its default where it does not apply
     (calibrates_at_all false): run.json would record a calibration no artifact had."""
     train = step.train
     value, default = train.primary_calibration, TrainConfig.primary_calibration
-    if value == default or calibrates_at_all(step, expanded):  # (none is a choice there: artifacts as trained)
+    if value == default or calibrates_at_all(step, expanded, family):  # (none is a choice there: as trained)
         return
     why = ("it trains over the full model" if step.system not in MINI_SYSTEMS else
-           "it expands the vocabulary" if expanded else "its output bias is frozen (--train_output_bias false)")
+           "it expands the vocabulary" if expanded else
+           f"the {family.name} family's model has no output bias" if not has_output_bias(family) else
+           "its output bias is frozen (--train_output_bias false)")
     raise ValueError(f"--primary_calibration {value} fits a mini-model's artifacts to the primary model (minijoint or "
                      f"minipost, replace mode, the output bias trained), and this run has none to fit: {why}; drop "
                      "the flag")
@@ -519,16 +521,22 @@ FIT_POSITIONS = 2048  # scored positions of target text the output bias is fitte
 MINI_SYSTEMS = ("minijoint", "minipost")  # Step 2 over a mini-model, for a deeper primary model
 
 
-def calibrates_at_all(step: AdaptEmbeddings, expanded: bool) -> bool:
-    """Whether --primary_calibration applies to `step`: Step 2 over a mini-model, replace mode
-    (`expanded` false), the output bias trained."""
-    return step.train.train_output_bias and step.system in MINI_SYSTEMS and not expanded
+def has_output_bias(family: ModelFamily) -> bool:
+    """Whether `family`'s models have an output bias an artifact holds (a decoder's have none)."""
+    return "output_bias" in family.artifact_keys()
 
 
-def calibrated(step: AdaptEmbeddings, expanded: bool) -> bool:
+def calibrates_at_all(step: AdaptEmbeddings, expanded: bool, family: ModelFamily) -> bool:
+    """Whether --primary_calibration applies to `step` over a model of `family`: Step 2 over a
+    mini-model, replace mode (`expanded` false), an output bias and trained (what is fitted)."""
+    return (step.train.train_output_bias and has_output_bias(family) and step.system in MINI_SYSTEMS
+            and not expanded)
+
+
+def calibrated(step: AdaptEmbeddings, expanded: bool, family: ModelFamily) -> bool:
     """Whether `step`'s artifacts are fitted to the primary model (PrimaryCalibration): where
     --primary_calibration applies (calibrates_at_all) and is not none."""
-    return step.train.primary_calibration != "none" and calibrates_at_all(step, expanded)
+    return step.train.primary_calibration != "none" and calibrates_at_all(step, expanded, family)
 
 
 def bias_fit_text(data: Path, train: TrainConfig, family: ModelFamily) -> Text:
@@ -610,7 +618,7 @@ class Step2Start:
         elif logp is not None and family.artifact_keys().get("output_bias") in start.init:
             # Where every artifact is calibrated to the primary, the start's bias serves training
             # alone: fitted through the model Step 2 trains (the mini-model), not the primary.
-            start.fit_output_bias(data, train, logp, over_trained=calibrated(step, start.expanded))
+            start.fit_output_bias(data, train, logp, over_trained=calibrated(step, start.expanded, family))
         if not (parallel.is_rank0() and (train.plugin_eval_blocks or start.calibrates(step))):
             # only global rank 0's checkpoint probe and calibration score again before the end
             start._scorer = None
@@ -619,7 +627,7 @@ class Step2Start:
     def calibrates(self, step: AdaptEmbeddings) -> bool:
         """Whether `step`'s artifacts are fitted to the primary model (PrimaryCalibration, every
         artifact's): `calibrated`, with the output bias fitted at the start."""
-        return calibrated(step, self.expanded) and self.logp is not None
+        return calibrated(step, self.expanded, self.family) and self.logp is not None
 
     def calibration(self, step: AdaptEmbeddings, data: Path) -> "PrimaryCalibration | None":
         """What fits `step`'s artifacts to the primary model, on the prepared target data `data`'s

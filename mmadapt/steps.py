@@ -771,7 +771,7 @@ def sweep(run: RunSpec, step: Sweep) -> dict | None:
     for system, n in [*(("minijoint", n) for n in depths), *((("bl_base", None),) if cfg.ceiling else ())]:
         each, body = adapt_step(system, n), body_config(src.family, system, src_cfg, n)
         check_layout(run.layout.apply(body), each.train, run.ds_config)
-        check_calibration(each, each.train.vocab_mode == "expand")
+        check_calibration(each, each.train.vocab_mode == "expand", src.family)
         check_output_start(src.family, each.train, body)
     # a sweep's own entries (a stopped one's too: atomic writes' dot files): another directory's
     # files (its --source's, somebody's sweep.md or sweep.json, a depth's directory of other

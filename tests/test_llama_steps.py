@@ -302,6 +302,19 @@ def test_decoder_options_the_encoder_refuses(decoder_runs, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("system,source", [("minijoint", "mj"), ("minipost", "post")])
+def test_decoder_refuses_a_calibration_it_has_no_bias_for(decoder_runs, german, tmp_path, system, source):
+    """A decoder has no output bias: --primary_calibration has nothing to fit over its mini-model
+    (it ran and recorded "scale" in run.json, and no artifact was calibrated)."""
+    for value in ("scale", "none"):
+        with pytest.raises(ValueError, match=f"--primary_calibration {value} fits a mini-model's artifacts .* the "
+                                             "llama family's model has no output bias; drop the flag"):
+            steps.adapt_embeddings(run=RunSpec(output_dir=tmp_path / "x", ds_config=ZERO0, data_path=german),
+                                   step=steps.AdaptEmbeddings(system=system, source=decoder_runs / source, lang="de",
+                                                              train=_train(2, primary_calibration=value)))
+        assert not (tmp_path / "x").exists()
+
+
 def test_decoder_retrieval_rows_start_as_the_decoder_read_text(decoder_runs, monkeypatch):
     """Parallel-verse retrieval through a decoder (no fine-tuning) lays each row out as Step 3's
     task rows: </s> first, not the <s> whose row no decoder trains."""
