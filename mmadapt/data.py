@@ -116,7 +116,8 @@ def check_corpus(path: str | os.PathLike) -> Path:
                         "and pass that (a UTF-8 text file, one sentence per line)")
     if not path.is_file():
         raise DataError(f"corpus {path} does not exist: pass --corpus a UTF-8 text file (one sentence per line)")
-    decoder, offset, text, breaks = codecs.getincrementaldecoder("utf-8")(), 0, False, set()
+    decoder, offset, text = codecs.getincrementaldecoder("utf-8")(), 0, False
+    lone, newlines, crlf, cut = 0, 0, 0, False  # '\r's alone, '\n's, '\r\n's; a '\r' ends the last chunk
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             if offset == 0:
@@ -137,8 +138,12 @@ def check_corpus(path: str | os.PathLike) -> Path:
                 raise DataError(f"corpus {path} is not UTF-8: byte offset {offset - len(held) + e.start} "
                                 f"({(held + chunk)[e.start:e.start + 4]!r}); convert it (e.g. iconv -f <encoding> -t "
                                 "utf-8)") from None
+            if offset == 0:  # a byte-order mark is no text (line_text): a file of one alone is empty
+                decoded = decoded.removeprefix("\ufeff")
             text = text or bool(decoded.strip())  # as the encoder reads a line: Unicode's blanks are blank
-            breaks |= {b for b in (b"\n", b"\r") if b not in breaks and b in chunk}
+            pairs = chunk.count(b"\r\n") + (cut and chunk.startswith(b"\n"))
+            lone, crlf = lone + chunk.count(b"\r") - pairs, crlf + pairs
+            newlines, cut = newlines + chunk.count(b"\n"), chunk.endswith(b"\r")
             offset += len(chunk)
         try:
             decoder.decode(b"", final=True)
@@ -147,9 +152,13 @@ def check_corpus(path: str | os.PathLike) -> Path:
                             f"{offset})") from None
     if not text:
         raise DataError(f"corpus {path} is empty: it needs at least one non-blank line of text")
-    if breaks == {b"\r"}:  # every line is read up to a '\n': the whole text one sentence, or skipped in training
-        raise DataError(f"corpus {path} ends its lines with '\\r' alone (old Mac line endings), which reads as one "
-                        f"line: convert them (tr '\\r' '\\n' < {path.name} > {path.stem}-lf{path.suffix})")
+    if lone and lone >= newlines:  # every stage reads a line up to a '\n': the text between two, one sentence
+        # (or none, skipped in training for its length); a stray '\r' among '\n' lines is read inside its line
+        rest = f" and {newlines:,} with a newline" if newlines else ""
+        fix = "sed -e 's/\\r$//' -e 's/\\r/\\n/g'" if crlf else "tr '\\r' '\\n'"  # (tr: a CRLF a document's end)
+        raise DataError(f"corpus {path} ends {lone:,} of its lines with '\\r' alone (old Mac line endings){rest}, "
+                        f"and every stage reads a line up to a newline: convert them ({fix} < {path.name} > "
+                        f"{path.stem}-lf{path.suffix})")
     return path
 
 

@@ -441,7 +441,8 @@ CASES = [
     ("corpus-empty", lambda c: c.pretrain(corpus=c.file("empty.txt", "\n \n")),
      "is empty: it needs at least one non-blank line of text"),
     ("corpus-old-mac-line-ends", lambda c: c.pretrain(corpus=c.file("cr.txt", "In the beginning.\rAnd God said.\r" * 50)),
-     "ends its lines with '\\r' alone (old Mac line endings), which reads as one line: convert them (tr "),
+     "ends 100 of its lines with '\\r' alone (old Mac line endings), and every stage reads a line up to a "
+     "newline: convert them (tr "),
     ("corpus-gzip", lambda c: c.pretrain(corpus=c.file("c.txt.gz", __import__("gzip").compress(b"In the beginning.\n"))),
      "is a compressed file: unpack it (gunzip) and pass the text"),
     # no byte-order mark: it decodes as UTF-8 (NUL after every ASCII letter), trained to one-letter pieces

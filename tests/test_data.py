@@ -1595,3 +1595,41 @@ def test_a_bad_byte_after_a_character_cut_by_the_read_is_shown_as_it_is(tmp_path
     corpus.write_bytes(b"a" * (2**22 - 1) + "é".encode() + b"\xff\n")
     with pytest.raises(DataError, match=re.escape(f"is not UTF-8: byte offset {2**22 + 1} (b'\\xff\\n')")):
         check_corpus(corpus)
+
+
+def test_line_ends_of_lone_carriage_returns_are_counted_across_reads(tmp_path):
+    """check_corpus refuses a text whose lines end mostly in '\\r' alone, a newline or two among them
+    (a final one: the lines were read as one sentence, or it was skipped in training for its
+    length), and reads a CRLF cut by its 4 MiB reads as a CRLF; a stray '\\r' among lines that end
+    in a newline is read inside its line."""
+    from mmadapt.data import DataError, check_corpus
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_bytes(b"In the beginning.\rAnd God said.\r" * 50 + b"\n")
+    with pytest.raises(DataError, match=re.escape("ends 99 of its lines with '\\r' alone (old Mac line endings) and "
+                                                  "1 with a newline, and every stage reads a line up to a newline: "
+                                                  "convert them (sed -e 's/\\r$//' -e 's/\\r/\\n/g' < c.txt >")):
+        check_corpus(corpus)
+    corpus.write_bytes(b"In the beginning.\rAnd God said.\r" * 50 + b"Amen.\n")
+    with pytest.raises(DataError, match=re.escape("ends 100 of its lines with '\\r' alone (old Mac line endings) and "
+                                                  "1 with a newline, and every stage reads a line up to a newline: "
+                                                  "convert them (tr '\\r' '\\n' < c.txt >")):
+        check_corpus(corpus)
+    line = b"a" * 99 + b"\r\n"  # 101 bytes; a CRLF whose '\r' ends the first 4 MiB read
+    corpus.write_bytes(b"a" * (2**22 - len(line) * 3 + 1) + line * 4)
+    assert corpus.read_bytes()[2**22 - 1:2**22 + 1] == b"\r\n"
+    assert check_corpus(corpus) == corpus
+    corpus.write_bytes(b"In the beginning.\nAnd God\r said.\n")
+    assert check_corpus(corpus) == corpus
+
+
+@pytest.mark.parametrize("data", [b"\xef\xbb\xbf", b"\xef\xbb\xbf\n \n"])
+def test_a_corpus_of_a_byte_order_mark_alone_is_empty(tmp_path, data):
+    """A byte-order mark is no text to any stage (line_text): a file of one alone (an editor's empty
+    file) was taken as text and SentencePiece's training failed on no sentences."""
+    from mmadapt.data import DataError, check_corpus
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_bytes(data)
+    with pytest.raises(DataError, match="is empty: it needs at least one non-blank line of text"):
+        check_corpus(corpus)
