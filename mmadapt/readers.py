@@ -257,9 +257,12 @@ def read_table(path: str | os.PathLike, header: bool = True) -> tuple[list[str],
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line, object_pairs_hook=one_key_each)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{n}: not JSON ({e.msg}); JSON Lines hold one object per line") from None
+                except TwiceNamed as e:  # json keeps the last silently; a header line's twice is refused
+                    raise ValueError(f"{path}:{n}: the object names {e.args[0]!r} twice: give each column once, so "
+                                     "that the row is read as written") from None
                 if not isinstance(row, dict):
                     raise ValueError(f"{path}:{n}: a JSON Lines row must be an object {{column: value}}, "
                                      f"not a {type(row).__name__}")
@@ -301,7 +304,8 @@ def read_table(path: str | os.PathLike, header: bool = True) -> tuple[list[str],
                 # after it (tabs, line ends and all) up to the next quote: rows lost, no count off
                 raise ValueError(f"{path}:{line}: a field runs over several lines and holds tabs: a text starting with "
                                  'a quote (") is read as a quoted field; quote such a text whole, its quotes doubled '
-                                 '("""Hi"" there"), or drop the quote')
+                                 '("""Hi"" there"), or drop the quote (a text that holds tabs and line ends both: '
+                                 "write the file as .csv or .jsonl)")
             if len(r) != width:
                 raise ValueError(f"{path}:{line}: {len(r)} field{'s' if len(r) != 1 else ''} where {where} has "
                                  f"{width}: quote a field that holds a {'comma' if kind == 'csv' else 'tab'} "
@@ -380,6 +384,18 @@ def _own_columns(path: Path, flags: dict[str, str | None]) -> None:
             raise ValueError(f"{path}: --{other} and --{flag} both name column {name!r}: each reads its own column")
 
 
+class TwiceNamed(Exception):
+    """A JSON object naming one key twice (args: the key)."""
+
+
+def one_key_each(pairs: list[tuple[str, object]]) -> dict:
+    """json's object_pairs_hook: the object, or TwiceNamed for a key given twice."""
+    row = dict(pairs)
+    if len(row) != len(pairs):
+        raise TwiceNamed(next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i])))
+    return row
+
+
 def _one_spelling(path: Path, labels: set[str]) -> None:
     """Refuse one number written two ways as labels ("0" and "0.0", "1" and "01"), or one word in
     two cases ("pos" and "Pos"): two classes to the run, one to whoever wrote the file."""
@@ -404,7 +420,8 @@ def _tokens(path: Path, n: int, row: dict, column: str) -> list[str]:
     if isinstance(value, str) and value.strip().startswith("[") and value.strip().endswith("]"):
         # a list written as text (a JSON list in a CSV cell, pandas' ['a', 'b']): split at its
         # spaces, its brackets, quotes and commas became tokens and tags ('["B-PER",')
-        value = _listed(value.strip()) or value
+        listed = _listed(value.strip())  # ('[]' is an empty list: refused as an empty one is)
+        value = value if listed is None else listed
     if isinstance(value, str):
         return value.split()
     if isinstance(value, list) and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):

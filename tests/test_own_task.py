@@ -73,6 +73,16 @@ def test_a_tsv_text_starting_with_a_quote_is_refused_not_merged(tmp_path):
     texts = ['She said "yes"', "a\tb", "two\nlines", '"quoted" first']
     quoted = write_csv(tmp_path / "quoted.tsv", ["text", "label"], [[t, "pos"] for t in texts], "\t")
     assert [e.text for e in read_examples(get_task("classify"), str(quoted), "en", "train")] == texts
+    # A text holding a tab and a line end both, quoted as csv writes it: not told apart from a
+    # stray quote's swallowed rows in a .tsv, so refused, with the formats that read it as written
+    both = [*texts, "Title:\tGenesis\nIn the beginning"]
+    quoted = write_csv(tmp_path / "both.tsv", ["text", "label"], [[t, "pos"] for t in both], "\t")
+    with pytest.raises(ValueError, match=re.escape("both.tsv:7: a field runs over several lines and holds tabs") +
+                       ".*" + re.escape("(a text that holds tabs and line ends both: write the file as .csv or .jsonl)")):
+        read_examples(get_task("classify"), str(quoted), "en", "train")
+    for f in (write_csv(tmp_path / "both.csv", ["text", "label"], [[t, "pos"] for t in both]),
+              write_jsonl(tmp_path / "both.jsonl", [{"text": t, "label": "pos"} for t in both])):
+        assert [e.text for e in read_examples(get_task("classify"), str(f), "en", "train")] == both
 
 
 def test_a_text_starting_with_a_quoted_word_is_refused_not_unquoted(tmp_path):
@@ -137,6 +147,27 @@ def test_tagging_in_every_format(tmp_path, fmt):
     assert label_names(get_task("tag"), got) == ["B-PER", "B-TIME", "O"]
     default = write_jsonl(tmp_path / "default.jsonl", [{"tokens": w, "tags": t} for w, t in sentences])
     assert read_examples(get_task("tag"), str(default), "en", "train") == got
+
+
+def test_an_empty_list_written_in_a_tag_cell_is_refused_as_an_empty_row(tmp_path):
+    """A CSV/TSV tag cell holding '[]' (an empty list written out) was read as the word '[]' tagged
+    '[]': a class of its own, and chunk F1 refused for the file; JSON Lines refused the row."""
+    for tokens, tags, what in (("[]", "[]", "empty text in column 'tokens'"),
+                               ('["In", "the"]', "[]", "2 tokens but 0 tags: give one tag per token")):
+        f = write_csv(tmp_path / "tags.csv", ["tokens", "tags"], [["In the beginning", "O O B-TIME"], [tokens, tags]])
+        with pytest.raises(ValueError, match=re.escape(f"{f}, row 2: {what}")):
+            read_examples(get_task("tag"), str(f), "en", "train")
+    f = write_jsonl(tmp_path / "tags.jsonl", [{"tokens": ["In"], "tags": ["O"]}, {"tokens": [], "tags": []}])
+    with pytest.raises(ValueError, match=re.escape(f"{f}, row 2: empty text in column 'tokens'")):
+        read_examples(get_task("tag"), str(f), "en", "train")
+
+
+def test_a_json_lines_row_naming_a_column_twice_is_refused(tmp_path):
+    """json.loads keeps the last of a key given twice: {"text": "a", "text": "b"} was read as "b",
+    silently (a header line naming a column twice is refused)."""
+    f = write(tmp_path / "t.jsonl", '{"text": "a", "label": "x"}\n{"text": "a", "text": "b", "label": "x"}\n')
+    with pytest.raises(ValueError, match=re.escape(f"{f}:2: the object names 'text' twice: give each column once")):
+        read_examples(get_task("classify"), str(f), "en", "train")
 
 
 def test_files_without_a_header_line_take_column_numbers(tmp_path, capsys, monkeypatch):
