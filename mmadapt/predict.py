@@ -61,7 +61,7 @@ from mmadapt.parallel import device as default_device
 from mmadapt.parallel import named_device
 from mmadapt.heldout import scoring_model
 from mmadapt.hf import SENTENCE_TRANSFORMERS
-from mmadapt.readers import PairExample, QAExample, TaggedSentence
+from mmadapt.readers import PairExample, QAExample, TaggedSentence, TwiceNamed, one_key_each
 from mmadapt.run import RUN_FILE, Source, read_source, require_head, run_family, text_prefix
 from mmadapt.tasks import Task, get_task, sentence_tags
 from mmadapt.tokenizer import surface_text
@@ -584,6 +584,12 @@ class TaskModel:
                     raise ValueError(f"{_named(n, 'input')}: a QA model takes (question, context)")
                 out.append(QAExample(str(n - 1), x[1], x[0]))
             _refuse_lone_surrogate(_named(n, "input"), [x] if isinstance(x, str) else x)
+            if kind != "tag":  # (a tagger's words are refused above) as Steps 3 and 4 refuse an empty text
+                keys = TASK_INPUT_KEYS["pair" if self.task.pairs else kind]
+                empty = next((k for k, t in zip(keys, [x] if isinstance(x, str) else x) if not t.strip()), None)
+                if empty is not None:
+                    raise ValueError(f"{_named(n, 'input')}: {empty!r} is empty: every input needs its "
+                                     f"{' and '.join(keys)} (a model fine-tuned on texts has nothing to read)")
         return out
 
     def encode(self, examples: list) -> Encoded:
@@ -706,9 +712,11 @@ def read_inputs(path: str, kind: str, jsonl: bool | None = None) -> Inputs:
         names.append(f"{where}:{n}")
         if jsonl:
             try:
-                row = json.loads(line)
+                row = json.loads(line, object_pairs_hook=one_key_each)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}:{n}: not JSON ({e.msg}); JSON Lines hold one object per line") from None
+            except TwiceNamed as e:  # json keeps the last silently
+                raise ValueError(f"{where}:{n}: the object names {e.args[0]!r} twice: give each key once") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{where}:{n}: a JSON Lines input is an object with {', '.join(keys)}")
             if kind == "tag" and "words" in row:

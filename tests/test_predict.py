@@ -632,6 +632,30 @@ def test_a_tagger_under_predict_names_an_input_by_its_line(de_tokenizer, tmp_pat
         tm.predict(["Im Anfang", ["a\udc80"]])
 
 
+def test_an_empty_text_is_refused_as_steps_3_and_4_refuse_it(de_tokenizer, tmp_path):
+    """A blank text (a pair line with a trailing tab, {"text": "   "}, a QA line's empty context)
+    was classified or answered (""), where fine-tuning and evaluation refuse it in one line; a
+    JSON Lines key given twice was read as its last value."""
+    pair, genre = _task_model("pair", ["no", "yes"], de_tokenizer), _task_model("bible-genre", ["a", "b"], de_tokenizer)
+    qa = _task_model("xquad", [], de_tokenizer)
+    f = tmp_path / "pair.txt"
+    f.write_text("Er schläft.\tNiemand schläft.\n\nIm Anfang\t\n")
+    with pytest.raises(ValueError, match=f"^{f}:3: 'text_pair' is empty: every input needs its text and text_pair"):
+        predict.predict_rows(pair, predict.read_inputs(str(f), "pair"))
+    f = tmp_path / "genre.jsonl"
+    f.write_text('{"text": "Im Anfang"}\n{"text": "   "}\n')
+    with pytest.raises(ValueError, match=f"^{f}:2: 'text' is empty: every input needs its text "):
+        predict.predict_rows(genre, predict.read_inputs(str(f), "classify"))
+    with pytest.raises(ValueError, match="^input 1: 'context' is empty: every input needs its question and context"):
+        qa.predict([("Wer?", " ")])
+    with pytest.raises(ValueError, match="^input 2: 'text' is empty"):
+        genre.predict(["Im Anfang", ""])
+    f.write_text('{"text": "Im Anfang", "text": "Gott"}\n')
+    with pytest.raises(ValueError, match=f"^{f}:1: the object names 'text' twice: give each key once$"):
+        predict.read_inputs(str(f), "classify")
+    assert [p["label"] in ("no", "yes") for p in pair.predict([("Er schläft.", "Niemand schläft.")])] == [True]
+
+
 def test_a_byte_piece_is_reported_as_the_text_it_stands_for():
     """fill_mask's and next_piece's `text` of a byte-fallback vocabulary's byte piece: its ASCII
     character (transformers' token_str), U+FFFD for a byte of a longer character; it was the
