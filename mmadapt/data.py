@@ -117,7 +117,9 @@ def check_corpus(path: str | os.PathLike) -> Path:
     if not path.is_file():
         raise DataError(f"corpus {path} does not exist: pass --corpus a UTF-8 text file (one sentence per line)")
     decoder, offset, text = codecs.getincrementaldecoder("utf-8")(), 0, False
-    lone, newlines, crlf, cut = 0, 0, 0, False  # '\r's alone, '\n's, '\r\n's; a '\r' ends the last chunk
+    # '\r's that end a line alone (not before a '\n' or another '\r': a '\r\r\n' line reads as
+    # its text), '\n's, '\r\n's; whether a '\r' ended the last read
+    lone, newlines, crlf, cut = 0, 0, 0, False
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             if offset == 0:
@@ -141,10 +143,11 @@ def check_corpus(path: str | os.PathLike) -> Path:
             if offset == 0:  # a byte-order mark is no text (line_text): a file of one alone is empty
                 decoded = decoded.removeprefix("\ufeff")
             text = text or bool(decoded.strip())  # as the encoder reads a line: Unicode's blanks are blank
-            pairs = chunk.count(b"\r\n") + (cut and chunk.startswith(b"\n"))
-            lone, crlf = lone + chunk.count(b"\r") - pairs, crlf + pairs
+            lone += len(LONE_CR.findall(chunk)) + (cut and chunk[:1] not in b"\r\n")
+            crlf += chunk.count(b"\r\n") + (cut and chunk.startswith(b"\n"))
             newlines, cut = newlines + chunk.count(b"\n"), chunk.endswith(b"\r")
             offset += len(chunk)
+        lone += cut  # (a '\r' ends the file)
         try:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError:
@@ -155,12 +158,14 @@ def check_corpus(path: str | os.PathLike) -> Path:
     if lone and lone >= newlines:  # every stage reads a line up to a '\n': the text between two, one sentence
         # (or none, skipped in training for its length); a stray '\r' among '\n' lines is read inside its line
         rest = f" and {newlines:,} with a newline" if newlines else ""
-        fix = "sed -e 's/\\r$//' -e 's/\\r/\\n/g'" if crlf else "tr '\\r' '\\n'"  # (tr: a CRLF a document's end)
+        fix = "sed -e 's/\\r*$//' -e 's/\\r/\\n/g'" if crlf else "tr '\\r' '\\n'"  # (tr: a CRLF a document's end)
         raise DataError(f"corpus {path} ends {lone:,} of its lines with '\\r' alone (old Mac line endings){rest}, "
                         f"and every stage reads a line up to a newline: convert them ({fix} < {path.name} > "
                         f"{path.stem}-lf{path.suffix})")
     return path
 
+
+LONE_CR = re.compile(rb"\r(?=[^\r\n])")  # a '\r' a line's text follows (within one read)
 
 # a compressed corpus's first bytes -> the tool that unpacks it
 PACKED = {b"\x1f\x8b": "gunzip", b"BZh": "bunzip2", b"\xfd7zXZ\x00": "unxz", b"\x28\xb5\x2f\xfd": "unzstd",

@@ -1608,7 +1608,7 @@ def test_line_ends_of_lone_carriage_returns_are_counted_across_reads(tmp_path):
     corpus.write_bytes(b"In the beginning.\rAnd God said.\r" * 50 + b"\n")
     with pytest.raises(DataError, match=re.escape("ends 99 of its lines with '\\r' alone (old Mac line endings) and "
                                                   "1 with a newline, and every stage reads a line up to a newline: "
-                                                  "convert them (sed -e 's/\\r$//' -e 's/\\r/\\n/g' < c.txt >")):
+                                                  "convert them (sed -e 's/\\r*$//' -e 's/\\r/\\n/g' < c.txt >")):
         check_corpus(corpus)
     corpus.write_bytes(b"In the beginning.\rAnd God said.\r" * 50 + b"Amen.\n")
     with pytest.raises(DataError, match=re.escape("ends 100 of its lines with '\\r' alone (old Mac line endings) and "
@@ -1621,6 +1621,14 @@ def test_line_ends_of_lone_carriage_returns_are_counted_across_reads(tmp_path):
     assert check_corpus(corpus) == corpus
     corpus.write_bytes(b"In the beginning.\nAnd God\r said.\n")
     assert check_corpus(corpus) == corpus
+    # '\r\r\n' (a CRLF written in text mode on Windows) reads as its text: no line ends alone
+    corpus.write_bytes(b"In the beginning.\r\r\nAnd God said.\r\r\n\r\r\nAnother.\r\r\n" * 20)
+    assert check_corpus(corpus) == corpus
+    corpus.write_bytes(b"a" * (2**22 - 1) + b"\r\r\nb\r\r\n")  # the run of '\r's cut by a read
+    assert check_corpus(corpus) == corpus
+    corpus.write_bytes(b"a" * (2**22 - 1) + b"\rb\rc\r\rd\r")  # old Mac, a blank line, one cut by a read
+    with pytest.raises(DataError, match="ends 4 of its lines with '\\\\r' alone"):
+        check_corpus(corpus)
 
 
 @pytest.mark.parametrize("data", [b"\xef\xbb\xbf", b"\xef\xbb\xbf\n \n"])
