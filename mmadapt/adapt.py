@@ -49,8 +49,8 @@ import torch
 from mmadapt import checkpoint, faults, parallel
 from mmadapt.parallel import from_rank0
 from mmadapt.artifact import ARTIFACT_FILE, SAMPLED_KEY, read_artifact, write_artifact
-from mmadapt.config import (EMBEDDING_INITS, MIN_VOCAB_SIZE, SOURCE_RECIPES, SYSTEMS, MiniModelConfig, ModelConfig,
-                            StepSpec, TrainConfig, _f, check_lang)
+from mmadapt.config import (EMBEDDING_INITS, MIN_VOCAB_SIZE, PRIMARY_CALIBRATIONS, SOURCE_RECIPES, SYSTEMS,
+                            MiniModelConfig, ModelConfig, StepSpec, TrainConfig, _f, check_lang)
 from mmadapt.corpora import check_bible_lang
 from mmadapt.data import (TEXT, TOKENIZER, check_prepared, file_sha256, follows_byte_fallback, read_tokenizer,
                           replay_blocks)
@@ -128,6 +128,7 @@ def adapt_embeddings(run: RunSpec, step: AdaptEmbeddings) -> list[dict]:
     Returns the metrics rows of this invocation (global rank 0; empty elsewhere)."""
     check_run(run, step, AdaptEmbeddings)
     plan = Step2Plan.of(run, step)
+    step = plan.step  # (resumed_calibration's)
     with start_run(plan.run, plan.model, step.train, plan.identity, plan.data) as started:
         tokenizer = started.data / TOKENIZER
         # A resumed run starts as it started: its frozen start values (a frozen bias, an expanded
@@ -213,7 +214,9 @@ class Step2Plan:
         if step.train.plugin_eval_blocks and not (manifest or {}).get("valid"):
             raise ValueError("--plugin_eval_blocks scores held-out target text: pass --data_path, a dataset prepared "
                              "with mmadapt preprocess --valid_fraction 0.03 (a raw --corpus has no validation split)")
-        check_calibration(step, expand, source.family)
+        recorded = recorded_calibration(run)
+        step = resumed_calibration(step, expand, source.family, recorded)
+        check_calibration(step, expand, source.family, recorded)
         target = run.data_path / TOKENIZER if run.data_path is not None else run.tokenizer
         replay = replay_text(step.train, source.tokenizer if expand else target, run.layout.apply(body))
         model, data, expanded = _vocabulary(run, step, source, body, manifest)
@@ -501,12 +504,35 @@ class StartRule:
         return target_logprobs(data, len(counts), primary.family.objective, primary.text_prefix(data), counts)
 
 
-def check_calibration(step: AdaptEmbeddings, expanded: bool, family: ModelFamily) -> None:
+def recorded_calibration(run: RunSpec) -> str | None:
+    """The --primary_calibration the run.json of the run `run` resumes records (None: not a
+    resume, or no record yet)."""
+    record = run.output_dir / "run.json"
+    if not (run.resume and record.is_file()):
+        return None
+    recorded = checkpoint.read_json(record, "run file").get("train", {}).get("primary_calibration")
+    return recorded if recorded in PRIMARY_CALIBRATIONS else None
+
+
+def resumed_calibration(step: AdaptEmbeddings, expanded: bool, family: ModelFamily,
+                        recorded: str | None) -> AdaptEmbeddings:
+    """`step` as a --resume continues it: where --primary_calibration does not apply
+    (calibrates_at_all false), with the value its run.json records (`recorded`), which changed
+    nothing. A decoder's run begun before check_calibration refused one there (2026-12-07)
+    recorded the value it was given and calibrated nothing: it resumes with the flag or without."""
+    if recorded is None or recorded == step.train.primary_calibration or calibrates_at_all(step, expanded, family):
+        return step
+    return dataclasses.replace(step, train=dataclasses.replace(step.train, primary_calibration=recorded))
+
+
+def check_calibration(step: AdaptEmbeddings, expanded: bool, family: ModelFamily,
+                      recorded: str | None = None) -> None:
     """Refuse, in one line, a --primary_calibration other than its default where it does not apply
-    (calibrates_at_all false): run.json would record a calibration no artifact had."""
+    (calibrates_at_all false): run.json would record a calibration no artifact had; `recorded`:
+    the value the record of a resumed run holds (resumed_calibration), taken."""
     train = step.train
     value, default = train.primary_calibration, TrainConfig.primary_calibration
-    if value == default or calibrates_at_all(step, expanded, family):  # (none is a choice there: as trained)
+    if value in (default, recorded) or calibrates_at_all(step, expanded, family):  # (none: as trained)
         return
     why = ("it trains over the full model" if step.system not in MINI_SYSTEMS else
            "it expands the vocabulary" if expanded else

@@ -315,6 +315,31 @@ def test_decoder_refuses_a_calibration_it_has_no_bias_for(decoder_runs, german, 
         assert not (tmp_path / "x").exists()
 
 
+def test_a_decoder_run_begun_with_a_calibration_resumes_with_it_or_without(decoder_runs, german, tmp_path,
+                                                                          monkeypatch):
+    """A decoder's Step 2 begun with --primary_calibration scale before the flag was refused there
+    recorded 'scale' and calibrated nothing: a --resume with the flag was refused by the check,
+    one without it as a changed run; it resumes either way, the record's value kept."""
+    import json
+
+    from mmadapt import adapt
+
+    def step(**changes):
+        return steps.AdaptEmbeddings(system="minijoint", source=decoder_runs / "mj", lang="de",
+                                     train=dataclasses.replace(_train(4), save_interval=2, **changes))
+    for resumed_with in ({"primary_calibration": "scale"}, {}):
+        out = tmp_path / str(len(resumed_with))
+        with monkeypatch.context() as m:  # the run as it began then
+            m.setattr(adapt, "check_calibration", lambda *a: None)
+            with pytest.raises(faults.Paused):
+                steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, data_path=german),
+                                       step=step(primary_calibration="scale", exit_interval=2))
+        steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, data_path=german, resume=True),
+                               step=step(**resumed_with))
+        assert json.loads((out / "run.json").read_text())["train"]["primary_calibration"] == "scale"
+        assert (out / "embeddings" / "step00000004").is_dir()
+
+
 def test_decoder_retrieval_rows_start_as_the_decoder_read_text(decoder_runs, monkeypatch):
     """Parallel-verse retrieval through a decoder (no fine-tuning) lays each row out as Step 3's
     task rows: </s> first, not the <s> whose row no decoder trains."""
