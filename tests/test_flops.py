@@ -143,6 +143,40 @@ def test_minipost_count_equals_exact(heads):
     assert counted == pytest.approx(ids.shape[0] * minipost_flops(cfg, ids.shape[1], p, 2), rel=1e-9)
 
 
+def test_minipost_count_holds_over_megatron_cores_layers(monkeypatch):
+    """Above tensor parallel 1 the layers are megatron-core's, whose ColumnParallelLinear computes
+    its input gradient whether or not its input needs one; the lowest trained layer calls its
+    weights through torch's linear instead, so the QKV input gradient (6sh^2) is skipped at every
+    size, as counted. Counted on the model built from megatron-core's layers in one process (a
+    tensor-parallel group of one rank: the products of every rank, which the exact count sums)."""
+    from mmadapt.mcore import tensor_parallel
+    from mmadapt.models.layers import mp_config
+    from mmadapt.models.roberta import model as roberta_model
+
+    def column(config, i, o, init, bias=True):
+        return tensor_parallel.ColumnParallelLinear(i, o, config=mp_config(config), init_method=init, bias=bias,
+                                                    gather_output=False)
+
+    def row(config, i, o, init, bias=True):
+        return tensor_parallel.RowParallelLinear(i, o, config=mp_config(config), init_method=init, bias=bias,
+                                                 input_is_parallel=True, skip_bias_add=False)
+    monkeypatch.setattr(roberta_model, "column_linear", column)
+    monkeypatch.setattr(roberta_model, "row_linear", row)
+    cfg = ROBERTA.one_head(tiny(), 6)
+    ids, labels, p = masked_batch(cfg)
+    init_parallel(1, 1)
+    model = RobertaMLM(cfg)
+    assert type(model.layers[4].qkv).__name__ == "ColumnParallelLinear"
+    freeze(model, ROBERTA.minipost_trainable(4, 2))
+    counted, (b, s) = count_update(model, ids, labels), ids.shape
+    assert counted == pytest.approx(b * minipost_flops(dataclasses.replace(cfg, tensor_model_parallel_size=2), s, p, 2),
+                                    rel=1e-9)
+    # the layer's own call (what the model avoids) computes it
+    x = torch.randn(b, s, cfg.hidden_size)
+    own = counted_flops(lambda: model.layers[4].qkv(x)[0].sum().backward())
+    assert own == 3 * 2 * b * s * cfg.hidden_size * 3 * cfg.hidden_size
+
+
 @pytest.mark.parametrize("step", ["adapt", "pretrain"])
 def test_a_count_by_projected_rows_equals_exact(step):
     """family.row_flops: an update's FLOPs as per sequence with no row projected plus per row the
