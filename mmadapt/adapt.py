@@ -510,7 +510,8 @@ def recorded_calibration(run: RunSpec) -> str | None:
     record = run.output_dir / "run.json"
     if not (run.resume and record.is_file()):
         return None
-    recorded = checkpoint.read_json(record, "run file").get("train", {}).get("primary_calibration")
+    train = checkpoint.read_json(record, "run file").get("train")  # (a damaged one: start_run's checks name it)
+    recorded = train.get("primary_calibration") if isinstance(train, dict) else None
     return recorded if recorded in PRIMARY_CALIBRATIONS else None
 
 

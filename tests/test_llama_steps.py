@@ -338,6 +338,12 @@ def test_a_decoder_run_begun_with_a_calibration_resumes_with_it_or_without(decod
                                step=step(**resumed_with))
         assert json.loads((out / "run.json").read_text())["train"]["primary_calibration"] == "scale"
         assert (out / "embeddings" / "step00000004").is_dir()
+    # a damaged record ("train" no object): refused as the resume's checks refuse it, not an AttributeError
+    record = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**record, "train": None}))
+    with pytest.raises(ValueError, match="--resume of a changed run: train"):
+        steps.adapt_embeddings(run=RunSpec(output_dir=out, ds_config=ZERO0, data_path=german, resume=True),
+                               step=step())
 
 
 def test_decoder_retrieval_rows_start_as_the_decoder_read_text(decoder_runs, monkeypatch):
