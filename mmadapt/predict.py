@@ -576,7 +576,7 @@ class TaskModel:
             elif kind == "tag":
                 # a list or tuple of words (a dict's keys, a number, None: refused as not one)
                 words = x.split() if isinstance(x, str) else list(x) if isinstance(x, (list, tuple)) else None
-                if not words or not all(isinstance(w, str) and w for w in words):
+                if not words or not all(isinstance(w, str) and w.strip() for w in words):
                     raise ValueError(f"{_named(n, 'input')}: a tagger takes a text or a list of words, not {x!r}")
                 out.append(TaggedSentence(words, [self.labels[0]] * len(words)))
             else:
@@ -584,9 +584,11 @@ class TaskModel:
                     raise ValueError(f"{_named(n, 'input')}: a QA model takes (question, context)")
                 out.append(QAExample(str(n - 1), x[1], x[0]))
             _refuse_lone_surrogate(_named(n, "input"), [x] if isinstance(x, str) else x)
-            if kind != "tag":  # (a tagger's words are refused above) as Steps 3 and 4 refuse an empty text
+            if kind != "tag":  # (a tagger's blank words are refused above) as Steps 3 and 4 refuse an empty text
                 keys = TASK_INPUT_KEYS["pair" if self.task.pairs else kind]
-                empty = next((k for k, t in zip(keys, [x] if isinstance(x, str) else x) if not t.strip()), None)
+                texts = [x] if isinstance(x, str) else x
+                # (QA: the context; a question may be empty, as SQuAD's files are read)
+                empty = next((k for k, t in zip(keys, texts) if not t.strip() and k != "question"), None)
                 if empty is not None:
                     raise ValueError(f"{_named(n, 'input')}: {empty!r} is empty: every input needs its "
                                      f"{' and '.join(keys)} (a model fine-tuned on texts has nothing to read)")

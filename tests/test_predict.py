@@ -648,6 +648,11 @@ def test_an_empty_text_is_refused_as_steps_3_and_4_refuse_it(de_tokenizer, tmp_p
         predict.predict_rows(genre, predict.read_inputs(str(f), "classify"))
     with pytest.raises(ValueError, match="^input 1: 'context' is empty: every input needs its question and context"):
         qa.predict([("Wer?", " ")])
+    assert set(qa.predict([("", "Im Anfang schuf Gott")])[0]) == {"answer", "start", "end"}  # as SQuAD's files read
+    tagger = _task_model("tag", ["B-NAME", "O"], de_tokenizer)
+    for words in ([" "], ["Im", "\xa0", "Anfang"]):  # Step 3 refuses a blank word (readers._tokens)
+        with pytest.raises(ValueError, match="^input 1: a tagger takes a text or a list of words, not "):
+            tagger.predict([words])
     with pytest.raises(ValueError, match="^input 2: 'text' is empty"):
         genre.predict(["Im Anfang", ""])
     f.write_text('{"text": "Im Anfang", "text": "Gott"}\n')
