@@ -102,6 +102,20 @@ def missing_pieces(source: list[str], target_pieces: list[str], ordinary: list[b
     return new
 
 
+def _normal_forms(source: sp_model.ModelProto, candidates: list[str]) -> list[str]:
+    """The `candidates` (in their order) that the SentencePiece model `source`'s normaliser leaves
+    as they are: the merged model keeps that normaliser, so a piece it rewrites (a target trained
+    without NFKC: full-width letters, ligatures, 'ｏ' for 'o') would be a row no text reaches."""
+    import sentencepiece as spm
+
+    bare = sp_model.ModelProto()
+    bare.CopyFrom(source)
+    bare.normalizer_spec.add_dummy_prefix = False  # a piece as it is: '▁' where it has one, not added
+    bare.normalizer_spec.remove_extra_whitespaces = False
+    sp = spm.SentencePieceProcessor(model_proto=bare.SerializeToString())
+    return [c for c in candidates if sp.normalize(c.replace(WORD_BOUNDARY, " ")) == c]
+
+
 def _formable_by_bpe(source: sp_model.ModelProto, candidates: list[str]) -> list[str]:
     """The `candidates` (in their order) that the SentencePiece BPE model `source` can form once they
     are appended, each merge ranked after every source merge and in the candidates' order (as
@@ -148,7 +162,7 @@ def expand(source: Path, target: Path) -> Expansion:
     if merged is None:
         model, new = expand_hf(source, candidates, EXPAND_MULTIPLE, {form(p.piece): p.score for p in trg.pieces})
     else:
-        new = cut_to_multiple(len(src_pieces), candidates, EXPAND_MULTIPLE)
+        new = cut_to_multiple(len(src_pieces), _normal_forms(merged, candidates), EXPAND_MULTIPLE)
         if bpe:  # only pieces a merge forms; again after each cut (a dropped piece may be another's part)
             while (formable := _formable_by_bpe(merged, new)) != new:
                 new = cut_to_multiple(len(src_pieces), formable, EXPAND_MULTIPLE)

@@ -997,6 +997,27 @@ def test_a_sentencepiece_bpe_source_gets_only_pieces_its_merges_can_form(tmp_pat
         assert source.unk_id() in source.encode(word) and merged.unk_id() not in merged.encode(word), word
 
 
+def test_a_target_trained_without_the_sources_normaliser_gets_no_piece_it_rewrites(tokenizer, tmp_path):
+    """The merged model keeps the source's normaliser (NFKC): a target trained without it (an
+    identity normaliser, text with ligatures and full-width letters) had 'ﬁ', 'ｏ' and '▁Ｇｏｔｔ'
+    appended, rows no text reaches (the normaliser reads them 'fi', 'o', '▁Gott')."""
+    import unicodedata
+
+    from mmadapt.corpora import bible_verses
+    from mmadapt.tokens import BOS_ID, EOS_ID, PAD_ID
+
+    text = [t.replace("fi", "\ufb01").replace("Gott", "Ｇｏｔｔ") for *_, t in bible_verses("de")][:3000]
+    (tmp_path / "de.txt").write_text("\n".join(text) + "\n", encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "de.txt"), model_prefix=str(tmp_path / "de"), vocab_size=800,
+                                   pad_id=PAD_ID, unk_id=1, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=2, num_threads=1,
+                                   user_defined_symbols=["<mask>"], normalization_rule_name="identity")
+    assert {"ﬁ", "▁Ｇｏｔｔ"} <= set(pieces(tmp_path / "de.model"))
+    e = expand(tokenizer, tmp_path / "de.model")
+    assert e.new and all(unicodedata.normalize("NFKC", p) == p for p in e.new), [
+        p for p in e.new if unicodedata.normalize("NFKC", p) != p]
+    assert not {"ﬁ", "▁Ｇｏｔｔ"} & set(e.new)
+
+
 def test_a_resume_reads_the_source_checkpoint_it_started_from(sources, de_corpus, de_tokenizer, tmp_path):
     """A requeued Step 2 (--resume, no --source_tag) goes on over the source checkpoint its record
     names, though the source's pretraining has saved a newer one since (run.resumed_tag): the
