@@ -166,6 +166,12 @@ class SlurmJob:
             raise ValueError(f"{count}={env[count]} but the node list {nodelist!r} names {len(hosts)} hosts")
         if "SLURM_NODEID" not in env:
             raise ValueError("SLURM_NODEID is not set: start this with srun, one task per node")
+        tasks = env.get("SLURM_STEP_NUM_TASKS", "").strip() if step else ""
+        if tasks.isdigit() and int(tasks) != len(hosts):
+            # each task would start its node's every rank: ranks twice over, one rendezvous
+            raise ValueError(f"this step runs {tasks} tasks on {len(hosts)} node{'s' if len(hosts) > 1 else ''} "
+                             "(SLURM_STEP_NUM_TASKS), and each would start every rank of its node: run it with "
+                             "srun --ntasks-per-node=1 (as launch/slurm/*.sbatch do)")
         node_rank = _whole(env, "SLURM_NODEID")
         if not 0 <= node_rank < len(hosts):
             raise ValueError(f"SLURM_NODEID={node_rank} is outside 0..{len(hosts) - 1}")

@@ -6,6 +6,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import re
 import sys
 from pathlib import Path
 
@@ -101,6 +102,13 @@ def test_a_step_on_some_of_the_jobs_nodes_reads_the_steps_list():
         SlurmJob.from_env({**env, "SLURM_STEP_NUM_NODES": "3"})
     with pytest.raises(ValueError, match="--gpus_per_node is -6: a node runs one rank per GPU"):
         SlurmJob.from_env(env, gpus_per_node=-6)
+    # one task per node (the templates' srun --ntasks-per-node=1); several per node (an allocation
+    # made with --ntasks-per-node=8) each started the node's every rank: global ranks twice over
+    assert SlurmJob.from_env({**env, "SLURM_STEP_NUM_TASKS": "2"}).node_rank == 1
+    with pytest.raises(ValueError, match=re.escape("this step runs 4 tasks on 2 nodes (SLURM_STEP_NUM_TASKS), and each "
+                                                   "would start every rank of its node: run it with srun "
+                                                   "--ntasks-per-node=1")):
+        SlurmJob.from_env({**env, "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "1"})
 
 
 def test_devices_other_than_the_first_are_warned_of():
