@@ -105,7 +105,8 @@ def missing_pieces(source: list[str], target_pieces: list[str], ordinary: list[b
 def _normal_forms(source: sp_model.ModelProto, candidates: list[str]) -> list[str]:
     """The `candidates` (in their order) that the SentencePiece model `source`'s normaliser leaves
     as they are: the merged model keeps that normaliser, so a piece it rewrites (a target trained
-    without NFKC: full-width letters, ligatures, 'ｏ' for 'o') would be a row no text reaches."""
+    without NFKC: full-width letters, ligatures, 'ｏ' for 'o'; '▁▁' where it collapses spaces)
+    would be a row no text reaches."""
     import sentencepiece as spm
 
     bare = sp_model.ModelProto()
@@ -113,7 +114,10 @@ def _normal_forms(source: sp_model.ModelProto, candidates: list[str]) -> list[st
     bare.normalizer_spec.add_dummy_prefix = False  # a piece as it is: '▁' where it has one, not added
     bare.normalizer_spec.remove_extra_whitespaces = False
     sp = spm.SentencePieceProcessor(model_proto=bare.SerializeToString())
-    return [c for c in candidates if sp.normalize(c.replace(WORD_BOUNDARY, " ")) == c]
+    # (and where it collapses runs of whitespace, a piece holding two '▁' together: a target
+    # trained on double spaces with remove_extra_whitespaces false)
+    run = 2 * WORD_BOUNDARY if source.normalizer_spec.remove_extra_whitespaces else None
+    return [c for c in candidates if sp.normalize(c.replace(WORD_BOUNDARY, " ")) == c and not (run and run in c)]
 
 
 def _formable_by_bpe(source: sp_model.ModelProto, candidates: list[str]) -> list[str]:

@@ -1016,6 +1016,15 @@ def test_a_target_trained_without_the_sources_normaliser_gets_no_piece_it_rewrit
     assert e.new and all(unicodedata.normalize("NFKC", p) == p for p in e.new), [
         p for p in e.new if unicodedata.normalize("NFKC", p) != p]
     assert not {"ﬁ", "▁Ｇｏｔｔ"} & set(e.new)
+    # a target trained on doubled spaces, kept: '▁▁die' is no text's piece where the source collapses them
+    (tmp_path / "de2.txt").write_text("\n".join(t.replace(" ", "  ") for t in text) + "\n", encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "de2.txt"), model_prefix=str(tmp_path / "de2"),
+                                   vocab_size=800, pad_id=PAD_ID, unk_id=1, bos_id=BOS_ID, eos_id=EOS_ID, minloglevel=2,
+                                   num_threads=1, user_defined_symbols=["<mask>"], remove_extra_whitespaces=False,
+                                   allow_whitespace_only_pieces=True, split_by_whitespace=False)
+    assert any("▁▁" in p for p in pieces(tmp_path / "de2.model"))
+    e = expand(tokenizer, tmp_path / "de2.model")
+    assert e.new and not [p for p in e.new if "▁▁" in p]
 
 
 def test_a_resume_reads_the_source_checkpoint_it_started_from(sources, de_corpus, de_tokenizer, tmp_path):
