@@ -500,11 +500,18 @@ class RunLock:
                         print(f"taking over {self.path}: its holder was SLURM job {holder['slurm'][0]} before it "
                               "was requeued as this one", file=sys.stderr)
                     continue
+                if not holder:  # (a lock written before its writer removed one it could not finish)
+                    raise ValueError(f"{self.path} names no holder (empty or unreadable: a start whose write of it "
+                                     f"failed?): if no process is writing {self.path.parent}, delete {self.path}")
                 who = f"process {holder.get('pid', '?')} on {holder.get('host', '?')} (since {holder.get('since', '?')})"
                 raise ValueError(f"{self.path.parent} is being written by {who}: wait for it to finish, or if it "
                                  f"is no longer running, delete {self.path}")
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(me, f)
+            except BaseException:  # (a full disk): an empty lock would refuse every later start, holder unknown
+                self.path.unlink(missing_ok=True)
+                raise
             self.held = True
             return self
         raise ValueError(f"could not take {self.path}: another process took it at the same time")

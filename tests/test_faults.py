@@ -47,6 +47,23 @@ def test_run_lock_refuses_a_second_writer_and_takes_over_a_dead_ones(tmp_path, c
         faults.RunLock(tmp_path).acquire()
 
 
+def test_a_lock_whose_write_failed_is_removed_and_an_empty_one_named_as_such(tmp_path, monkeypatch):
+    """A full disk failed the lock's write after its exclusive create: the empty lock it left
+    refused every later start as 'process ? on ?' (a requeued job too), holder unknown."""
+    def full(*a, **k):
+        raise OSError(28, "No space left on device")
+    with monkeypatch.context() as m:
+        m.setattr(faults.json, "dump", full)
+        with pytest.raises(OSError, match="No space left on device"):
+            faults.RunLock(tmp_path).acquire()
+    assert not (tmp_path / "run.lock").exists()
+    (tmp_path / "run.lock").write_text("")  # one left all the same (a node lost mid-write)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'run.lock'} names no holder (empty or unreadable: a "
+                                                   f"start whose write of it failed?): if no process is writing "
+                                                   f"{tmp_path}, delete {tmp_path / 'run.lock'}")):
+        faults.RunLock(tmp_path).acquire()
+
+
 def test_a_dead_holders_lock_is_taken_over_under_the_takeover_mutex(tmp_path):
     """Two starters that find the same dead holder: the one that holds the takeover mutex removes
     the lock; the other removes nothing (before, it could remove the lock the first had just
@@ -1099,6 +1116,37 @@ def test_an_error_after_a_checkpoint_reaches_the_loop_that_saved(tmp_path):
         train_loop(FakeEngine(), lambda position: torch.tensor([1.0]), job,
                    TrainConfig(log_interval=1, save_interval=2), 4, run_dir=tmp_path, resume=False)
     assert (tmp_path / "checkpoints" / "step00000002" / "COMPLETE").is_file()
+
+
+def test_a_checkpoint_a_full_disk_cut_short_is_one_line_the_complete_ones_kept(tmp_path, monkeypatch):
+    """A full disk fails torch's zip writer with a RuntimeError (not an OSError): it reached the
+    user as an internal error, a traceback and exit 1. Now an OSError naming the tag and the space
+    left (mmadapt's commands: one line, exit 2); the tag before it complete, this one not."""
+    from mmadapt import checkpoint
+    saves = []
+
+    def save(obj, f, *a, **k):
+        saves.append(f)
+        if len(saves) == 2:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 7708800 vs 7708692")
+        return real(obj, f, *a, **k)
+    real = torch.save
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    init_parallel(1, 1)
+    job = LoopJob(step="test", names={}, client_state={}, exclude_frozen=False)
+    with pytest.raises(OSError) as e:
+        train_loop(FakeEngine(), lambda position: torch.tensor([1.0]), job,
+                   TrainConfig(log_interval=1, save_interval=2), 4, run_dir=tmp_path, resume=False)
+    assert e.value.filename == str(tmp_path / "checkpoints" / "step00000004")
+    assert re.fullmatch(r"could not write checkpoint step00000004 \([\d,]+ MiB free there; torch: \[enforce fail at "
+                        r"inline_container\.cc:672\] \. unexpected pos 7708800 vs 7708692\): the complete checkpoints "
+                        r"before it are kept; free space, then --resume", e.value.strerror), e.value.strerror
+    assert checkpoint.complete_tags(tmp_path / "checkpoints") == ["step00000002"]
+    monkeypatch.setattr(checkpoint.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
+    (tmp_path / "b").mkdir()
+    with pytest.raises(RuntimeError, match="^other$"):  # any other error is what it was
+        train_loop(FakeEngine(), lambda position: torch.tensor([1.0]), job,
+                   TrainConfig(log_interval=1, save_interval=2), 4, run_dir=tmp_path / "b", resume=False)
 
 
 @pytest.mark.parametrize("error, says, aside", [
