@@ -19,6 +19,7 @@ before it is used (`resume`). keep_last > 0 deletes all but the newest keep_last
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import os
@@ -363,21 +364,48 @@ def damaged(tag_dir: Path) -> str | None:
 
 
 def prune(ckpt_dir: Path, keep_last: int, saved: str) -> None:
-    """Delete all but the newest `keep_last` complete tags up to `saved` (the tag just written),
-    and incomplete tags older than them (rank 0). COMPLETE goes first, so a tag being deleted is
+    """Delete all but the newest `keep_last` intact complete tags up to `saved` (the tag just
+    written), and incomplete or damaged tags older than them (rank 0). COMPLETE goes first, so a tag being deleted is
     never taken for a usable one. A tag after `saved` is neither counted nor deleted: one that
     `resume` passed over as damaged, which would otherwise count as the newest and take every
     intact tag with it (a save at its update writes it anew; without one it stays, damaged,
     for you to delete). Within keep_last, the incomplete tags older than the oldest complete one
     go: a prune killed after a tag's COMPLETE left its files whole, which no resume reads."""
-    tags = [t for t in complete_tags(ckpt_dir) if t <= saved]
-    if keep_last <= 0 or not tags:
+    if keep_last <= 0:
+        return
+    # intact ones: a damaged tag (one resume fell back from) took the place of an intact one
+    tags = [t for t in complete_tags(ckpt_dir) if t <= saved and not damaged(ckpt_dir / t)]
+    if not tags:
         return
     oldest_kept = tags[-min(keep_last, len(tags))]
     for d in sorted(ckpt_dir.iterdir()):
         if _TAG.match(d.name) and d.name < oldest_kept:
             (d / "COMPLETE").unlink(missing_ok=True)
             shutil.rmtree(d, ignore_errors=True)
+
+
+# what torch's zip writer raises where a write fails (a full disk, a lost file system): a RuntimeError
+_WRITE_FAILED = ("PytorchStreamWriter failed", "inline_container", "file write failed")
+
+
+@contextlib.contextmanager
+def _write_failures(tag_dir: Path):
+    """A checkpoint write that torch's zip writer could not finish (a full disk raises its
+    RuntimeError, not an OSError) as an OSError naming the tag and the space left: one line, the
+    tag left without COMPLETE (no resume reads it), the complete ones before it kept."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not any(m in str(e) for m in _WRITE_FAILED):
+            raise
+        try:
+            free = f"{shutil.disk_usage(tag_dir.parent).free / 2**20:,.0f} MiB free there"
+        except OSError:
+            free = "its file system unreadable"
+        reason = str(e).strip().splitlines()[0][:160]
+        raise OSError(errno.EIO, f"could not write checkpoint {tag_dir.name} ({free}; torch: {reason}): the "
+                                 "complete checkpoints before it are kept; free space, then --resume",
+                      str(tag_dir)) from None
 
 
 def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, names: dict[str, str | None],
@@ -389,17 +417,17 @@ def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, nam
     if is_rank0():  # rewriting a tag (one a damaged newer tag's fallback left behind): not usable meanwhile
         (ckpt_dir / tag / "COMPLETE").unlink(missing_ok=True)
     dist.barrier()
-    with _recording_saves(engine) as written:
+    with _write_failures(ckpt_dir / tag), _recording_saves(engine) as written:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={**client_state, "step": step},
                                save_latest=False, exclude_frozen_parameters=exclude_frozen)
-    (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
-    if engine.bfloat16_enabled() or engine.fp16_enabled():
-        master = ckpt_dir / tag / f"fp32_tp{tp_rank():02d}_pp{pp_rank():02d}.pt"
-        _save_fp32_master(engine, master, names)
-        if dp_rank() == 0:  # its writer
-            written.append(master)
-    written.append(ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
-    torch.save(rng_state(), written[-1])
+        (ckpt_dir / tag).mkdir(parents=True, exist_ok=True)
+        if engine.bfloat16_enabled() or engine.fp16_enabled():
+            master = ckpt_dir / tag / f"fp32_tp{tp_rank():02d}_pp{pp_rank():02d}.pt"
+            _save_fp32_master(engine, master, names)
+            if dp_rank() == 0:  # its writer
+                written.append(master)
+        written.append(ckpt_dir / tag / f"rng_rank{dist.get_rank():05d}.pt")
+        torch.save(rng_state(), written[-1])
     # Each rank's own files on disk before COMPLETE says the tag is whole: a node lost after it
     # (a client's write-back cache on a parallel file system) must not leave a COMPLETE tag whose
     # data were lost, the older tags pruned. On NFS and Lustre only the writing client can flush.

@@ -324,6 +324,26 @@ def test_keep_last_counts_only_the_tags_up_to_the_one_just_saved(tmp_path):
     assert complete_tags(tmp_path) == ["step00000150", "step00000200"] and not (tmp_path / "step00000120").exists()
 
 
+def test_keep_last_keeps_intact_tags_a_damaged_one_does_not_count_as(tmp_path):
+    """A resume fell back from a damaged tag (3) to 2; the saves after it passed the damaged one,
+    which then counted as one of the keep_last newest: keep_last 2 at save 4 deleted the intact
+    2, leaving one usable checkpoint."""
+    import json
+
+    from mmadapt.checkpoint import complete_tags, prune
+
+    for n in (2, 3, 4):
+        tag = tmp_path / f"step{n:08d}"
+        tag.mkdir()
+        (tag / "model.pt").write_bytes(b"x" * 100)
+        (tag / "COMPLETE").write_text(json.dumps({"step": n, "files": {"model.pt": 100}}))
+    (tmp_path / "step00000003" / "model.pt").write_bytes(b"x" * 10)  # damaged
+    prune(tmp_path, 2, "step00000004")
+    assert complete_tags(tmp_path) == ["step00000002", "step00000003", "step00000004"]
+    prune(tmp_path, 1, "step00000004")  # older than the newest intact one: the damaged one goes too
+    assert complete_tags(tmp_path) == ["step00000004"]
+
+
 def test_what_a_cut_short_start_leaves_is_still_a_run(tmp_path):
     """A directory holding only what a run writes before its run.json (SLURM's STOP file, come
     while the run started; an atomic write's temporary file) is the run's, not somebody's other
