@@ -889,6 +889,26 @@ def shown_prog(name: str) -> str:
 # whether a flag or the preset set them. Nothing else changes: paths, systems, recipes, data
 # formats and their size (a corpus is read whole, fine-tuning runs one epoch of its file), and an
 # imported model's own shape.
+DIST_TIMEOUT_ENV = "MMADAPT_DIST_TIMEOUT_S"
+
+
+def dist_timeout_s(default: float = 1800.0) -> float:
+    """The seconds a collective (and the rendezvous) may wait, MMADAPT_DIST_TIMEOUT_S (unset or
+    empty: `default`); ValueError in one line for a value that is not a positive number (a
+    traceback at import, or gloo's 'Invalid timeout' after the corpus was prepared)."""
+    raw = os.environ.get(DIST_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{DIST_TIMEOUT_ENV} is {raw!r}: set it to a positive number of seconds (default "
+                         f"{default:g}), or unset it")
+    return value
+
+
 TINY_ENV = "MMADAPT_TINY"
 TINY_CAPS = {"train_iters": 8, "lr_warmup_iters": 2, "log_interval": 4, "seq_length": 64,
              "train_micro_batch_size_per_gpu": 4, "epochs": 1.0, "eval_iters": 2, "plugin_eval_blocks": 8,  # steps
@@ -967,6 +987,9 @@ class Parser(argparse.ArgumentParser):
         command that only computes from its flags (flops)."""
         if kwargs.get("prog"):
             kwargs["prog"] = shown_prog(kwargs["prog"])
+        # a flag is its field's name, whole: argparse took any unique prefix (--lr_warm for
+        # --lr_warmup_iters; another command's --source as finetune's --source_lang)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         self.tiny = tiny
         self.add_argument("--verbose", action="store_true", help="show all that the libraries under mmadapt print "
@@ -974,6 +997,7 @@ class Parser(argparse.ArgumentParser):
                           "mmadapt/quiet.py; MMADAPT_VERBOSE=1 does the same)")
 
     def parse_args(self, args=None, namespace=None):
+        self._refuse_repeated(sys.argv[1:] if args is None else list(args))
         parsed = super().parse_args(args, namespace)
         # `--output_dir "$OUT"` with $OUT unset: '' reads as '.', and the run would write where it stands
         blank = next((a for a in self._actions if a.nargs != argparse.REMAINDER
@@ -984,11 +1008,33 @@ class Parser(argparse.ArgumentParser):
         inside = output_inside_an_input(getattr(parsed, "output_dir", None), vars(parsed))
         if inside:
             self.error(inside)
+        try:
+            dist_timeout_s()  # (read when a run starts its ranks; refused before anything is written)
+        except ValueError as e:
+            self.error(str(e))
         tiny = os.environ.get(TINY_ENV, "") if self.tiny else ""
         if tiny not in ("", "0", "1"):  # a value read as "off" would run the real sizes unannounced
             self.error(f"{TINY_ENV} is {tiny!r}: set it to 1 for the tiny sizes, or to 0 (or unset it) for the sizes "
                        "as given")
         return tiny_sizes(parsed) if tiny == "1" else parsed
+
+    def _refuse_repeated(self, argv: list[str]) -> None:
+        """A list flag given twice: argparse keeps the last list alone, silently (`--mini_layers 2 4
+        ... --mini_layers 6` trained depth 6 alone). A single value given again replaces the one
+        before (argparse's rule, a command line's way to override). Up to `--`; not for a command
+        that passes arguments on (argparse.REMAINDER: slurm-env's script's own)."""
+        if any(a.nargs == argparse.REMAINDER for a in self._actions):
+            return
+        lists = {o: a for a in self._actions if a.nargs in ("+", "*") for o in a.option_strings}
+        seen = set()
+        for token in argv:
+            if token == "--":
+                break
+            flag = token.split("=", 1)[0]
+            if flag in lists and lists[flag] in seen:
+                self.error(f"{flag} is given twice: give all its values at once ({flag} 2 4; the second list would "
+                           "replace the first)")
+            seen.add(lists.get(flag))
 
     def error(self, message: str):
         print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)

@@ -60,7 +60,8 @@ def bible_verses(lang: str, books: range | None = None):
         con.close()
 
 
-CACHE = Path(os.environ.get("MMADAPT_CACHE", Path.home() / ".cache" / "mmadapt"))
+# empty as unset (`MMADAPT_CACHE=$CACHE_DIR` with no CACHE_DIR: '' read as '.', the Bible written where one stands)
+CACHE = Path(os.environ.get("MMADAPT_CACHE", "").strip() or Path.home() / ".cache" / "mmadapt")
 
 
 @functools.cache

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mmadapt import quiet
+from mmadapt.config import dist_timeout_s
 from mmadapt.faults import PeerFailed, clear_stale_extension_lock
 from mmadapt.mcore import parallel_state
 
@@ -29,7 +30,10 @@ from mmadapt.mcore import parallel_state
 # left to the backend's default: no mmadapt step waits on data preparation in a collective
 # (rank0_prepares: the other ranks poll the job's store), so the default only
 # has to cover a checkpoint write and the slowest update. Override it for slow shared file systems.
-DIST_TIMEOUT_S = float(os.environ.get("MMADAPT_DIST_TIMEOUT_S", 1800))
+try:  # (a bad value: refused in one line by every command's parser, config.Parser)
+    DIST_TIMEOUT_S = dist_timeout_s()
+except ValueError:
+    DIST_TIMEOUT_S = 1800.0
 
 
 def from_rank0(t: torch.Tensor) -> torch.Tensor:

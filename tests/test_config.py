@@ -3,10 +3,13 @@
 import contextlib
 import dataclasses
 import io
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
+from mmadapt import cli
 from mmadapt.cli import configs_from_args, pretrain_parser
 from mmadapt.config import Layout, TrainConfig, apply_recipe, check_output_file, override
 from mmadapt.models import PRESETS, find_preset
@@ -856,3 +859,52 @@ def test_an_output_file_under_a_directory_one_cannot_write_is_refused_first(tmp_
     with pytest.raises(ValueError, match=rf"^--output {tmp_path}/new/r.json cannot be written: {tmp_path} is not "
                                          "writable by you; choose another path$"):
         check_output_file(tmp_path / "new" / "r.json", "--output")
+
+
+def test_a_flag_is_its_whole_name_and_a_list_flag_is_given_once(capsys):
+    """argparse took any unique prefix of a flag (--lr_warm for --lr_warmup_iters; adapt's --source
+    given to finetune became --source_lang, a run trained); a list flag given twice kept its last
+    list alone (--mini_layers 2 4 ... --mini_layers 6: depth 6). A single value given again
+    replaces the one before (argparse's rule: a command line's override)."""
+    base = ["--output_dir", "o"]
+    for parser, argv, said in (
+            (cli.pretrain_parser, [*base, "--lr_warm", "5"], "unrecognized arguments: --lr_warm 5"),
+            (cli.finetune_parser, ["--task", "classify", "--primary", "p", "--train_file", "f", *base, "--source", "s"],
+             "unrecognized arguments: --source s"),
+            (cli.pretrain_parser, [*base, "--mini_layers", "2", "4", "--mini_layers", "6"],
+             "--mini_layers is given twice: give all its values at once"),
+            (cli.pretrain_parser, [*base, "--extra_save_steps=5", "--extra_save_steps", "7"],
+             "--extra_save_steps is given twice")):
+        with pytest.raises(SystemExit) as e:
+            parser().parse_args(argv)
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    assert cli.pretrain_parser().parse_args([*base, "--train_iters", "3", "--train_iters", "5"]).train_iters == 5
+
+
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "inf", "nan"])
+def test_a_collective_timeout_that_is_no_positive_number_is_refused_before_anything_runs(value, capsys, monkeypatch):
+    """MMADAPT_DIST_TIMEOUT_S was read with float() at import: 'abc' a traceback from every command
+    (--help too), '-5' and 'inf' a traceback after the corpus was prepared, 'nan' a line naming no
+    variable."""
+    from mmadapt.config import dist_timeout_s
+
+    monkeypatch.setenv("MMADAPT_DIST_TIMEOUT_S", value)
+    with pytest.raises(SystemExit) as e:
+        cli.pretrain_parser().parse_args(["--output_dir", "o"])
+    assert e.value.code == 2 and (f"MMADAPT_DIST_TIMEOUT_S is '{value}': set it to a positive number of seconds "
+                                  "(default 1800), or unset it") in capsys.readouterr().err
+    monkeypatch.setenv("MMADAPT_DIST_TIMEOUT_S", " 90 ")
+    assert dist_timeout_s() == 90.0
+    monkeypatch.setenv("MMADAPT_DIST_TIMEOUT_S", "")
+    assert dist_timeout_s() == 1800.0
+
+
+def test_an_empty_cache_variable_is_an_unset_one():
+    """MMADAPT_CACHE= (a variable set from an unset one) read as '.': the Bible written into the
+    directory the command was started in."""
+    import subprocess
+
+    code = "from mmadapt.corpora import CACHE; from pathlib import Path; print(CACHE == Path.home() / '.cache/mmadapt')"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MMADAPT_CACHE": " "}, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "True"
