@@ -890,6 +890,8 @@ def shown_prog(name: str) -> str:
 # formats and their size (a corpus is read whole, fine-tuning runs one epoch of its file), and an
 # imported model's own shape.
 DIST_TIMEOUT_ENV = "MMADAPT_DIST_TIMEOUT_S"
+# a year: beyond ~1e9 s timedelta overflows, or torch's store reads it in ms and times out at once
+DIST_TIMEOUT_MAX_S = 365 * 24 * 3600
 
 
 def dist_timeout_s(default: float = 1800.0) -> float:
@@ -903,9 +905,9 @@ def dist_timeout_s(default: float = 1800.0) -> float:
         value = float(raw)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{DIST_TIMEOUT_ENV} is {raw!r}: set it to a positive number of seconds (default "
-                         f"{default:g}), or unset it")
+    if not (math.isfinite(value) and 0 < value <= DIST_TIMEOUT_MAX_S):
+        raise ValueError(f"{DIST_TIMEOUT_ENV} is {raw!r}: set it to a positive number of seconds up to "
+                         f"{DIST_TIMEOUT_MAX_S:,} (default {default:g}), or unset it")
     return value
 
 

@@ -30,10 +30,10 @@ from mmadapt.mcore import parallel_state
 # left to the backend's default: no mmadapt step waits on data preparation in a collective
 # (rank0_prepares: the other ranks poll the job's store), so the default only
 # has to cover a checkpoint write and the slowest update. Override it for slow shared file systems.
-try:  # (a bad value: refused in one line by every command's parser, config.Parser)
+try:  # a bad value: refused in one line by every command's parser (config.Parser), and at init_distributed
     DIST_TIMEOUT_S = dist_timeout_s()
 except ValueError:
-    DIST_TIMEOUT_S = 1800.0
+    DIST_TIMEOUT_S = None
 
 
 def from_rank0(t: torch.Tensor) -> torch.Tensor:
@@ -102,6 +102,8 @@ def init_distributed() -> None:
     no rendezvous (and no port) at all."""
     if dist.is_initialized():
         return
+    if DIST_TIMEOUT_S is None:  # (a run from Python, no command's parser before it)
+        dist_timeout_s()  # raises its one line
     world = launched_world_size()  # refuses srun's tasks without a launcher
     for key in ("RANK", "LOCAL_RANK"):
         os.environ.setdefault(key, "0")

@@ -881,7 +881,7 @@ def test_a_flag_is_its_whole_name_and_a_list_flag_is_given_once(capsys):
     assert cli.pretrain_parser().parse_args([*base, "--train_iters", "3", "--train_iters", "5"]).train_iters == 5
 
 
-@pytest.mark.parametrize("value", ["abc", "-5", "0", "inf", "nan"])
+@pytest.mark.parametrize("value", ["abc", "-5", "0", "inf", "nan", "1e14"])
 def test_a_collective_timeout_that_is_no_positive_number_is_refused_before_anything_runs(value, capsys, monkeypatch):
     """MMADAPT_DIST_TIMEOUT_S was read with float() at import: 'abc' a traceback from every command
     (--help too), '-5' and 'inf' a traceback after the corpus was prepared, 'nan' a line naming no
@@ -892,11 +892,23 @@ def test_a_collective_timeout_that_is_no_positive_number_is_refused_before_anyth
     with pytest.raises(SystemExit) as e:
         cli.pretrain_parser().parse_args(["--output_dir", "o"])
     assert e.value.code == 2 and (f"MMADAPT_DIST_TIMEOUT_S is '{value}': set it to a positive number of seconds "
-                                  "(default 1800), or unset it") in capsys.readouterr().err
+                                  "up to 31,536,000 (default 1800), or unset it") in capsys.readouterr().err
     monkeypatch.setenv("MMADAPT_DIST_TIMEOUT_S", " 90 ")
     assert dist_timeout_s() == 90.0
     monkeypatch.setenv("MMADAPT_DIST_TIMEOUT_S", "")
     assert dist_timeout_s() == 1800.0
+
+
+def test_a_run_from_python_with_a_bad_collective_timeout_is_refused_as_it_starts_its_ranks():
+    """With no command's parser before it (the Python API), a bad MMADAPT_DIST_TIMEOUT_S ('1h')
+    raised at import; read as 1800 s it would have run 30 minutes where an hour was meant."""
+    import subprocess
+
+    code = ("from mmadapt import parallel\ntry:\n    parallel.init_distributed()\nexcept ValueError as e:\n"
+            "    print(e)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MMADAPT_DIST_TIMEOUT_S": "1h"},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.startswith("MMADAPT_DIST_TIMEOUT_S is '1h': set it to a positive number of seconds"), out
 
 
 def test_an_empty_cache_variable_is_an_unset_one():

@@ -1140,7 +1140,8 @@ def test_a_checkpoint_a_full_disk_cut_short_is_one_line_the_complete_ones_kept(t
     assert e.value.filename == str(tmp_path / "checkpoints" / "step00000004")
     assert re.fullmatch(r"could not write checkpoint step00000004 \([\d,]+ MiB free there; torch: \[enforce fail at "
                         r"inline_container\.cc:672\] \. unexpected pos 7708800 vs 7708692\): the complete checkpoints "
-                        r"before it are kept; free space, then --resume", e.value.strerror), e.value.strerror
+                        r"before it are kept; free space, then resume \(--resume; sweep, extend and demo: the same command "
+                        r"again\)", e.value.strerror), e.value.strerror
     assert checkpoint.complete_tags(tmp_path / "checkpoints") == ["step00000002"]
     monkeypatch.setattr(checkpoint.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
     (tmp_path / "b").mkdir()
