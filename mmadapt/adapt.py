@@ -521,8 +521,9 @@ def resumed_calibration(step: AdaptEmbeddings, expanded: bool, family: ModelFami
     (calibrates_at_all false), with the value its run.json records (`recorded`), which changed
     nothing. A decoder's run begun before check_calibration refused one there (2026-12-07)
     recorded the value it was given and calibrated nothing: it resumes with the flag or without."""
-    if recorded is None or recorded == step.train.primary_calibration or calibrates_at_all(step, expanded, family):
-        return step
+    if (recorded in (None, TrainConfig.primary_calibration, step.train.primary_calibration)
+            or calibrates_at_all(step, expanded, family)):
+        return step  # (a run that recorded the default: another value is refused, as in a new run)
     return dataclasses.replace(step, train=dataclasses.replace(step.train, primary_calibration=recorded))
 
 

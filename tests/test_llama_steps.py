@@ -338,6 +338,11 @@ def test_a_decoder_run_begun_with_a_calibration_resumes_with_it_or_without(decod
                                step=step(**resumed_with))
         assert json.loads((out / "run.json").read_text())["train"]["primary_calibration"] == "scale"
         assert (out / "embeddings" / "step00000004").is_dir()
+    # a run that recorded the default: another value is refused on --resume as in a new run (not taken
+    # for the record's and dropped silently)
+    with pytest.raises(ValueError, match="--primary_calibration scale fits a mini-model's artifacts .* drop the flag"):
+        steps.adapt_embeddings(run=RunSpec(output_dir=decoder_runs / "minijoint-de", ds_config=ZERO0,
+                                           data_path=german, resume=True), step=step(primary_calibration="scale"))
     # a damaged record ("train" no object): refused as the resume's checks refuse it, not an AttributeError
     record = json.loads((out / "run.json").read_text())
     (out / "run.json").write_text(json.dumps({**record, "train": None}))
