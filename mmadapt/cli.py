@@ -83,6 +83,8 @@ def user_errors(main=None, *, resumes_itself: bool = False):
             if isinstance(e, (FileExistsError, NotADirectoryError)) and Path(e.filename).is_file():
                 return fail(faults.EXIT_USER, f"error: {e.filename} is a file where a directory is needed: choose "
                                               "another path")
+            if e.errno in faults.IO_ERRNOS:  # (a full disk mid-run: what was complete before it stays)
+                return fail(faults.EXIT_IO, f"error: {e.filename}: {e.strerror or e}")
             return fail(faults.EXIT_USER, f"error: {e.filename}: {e.strerror or e}")
         except faults.Diverged as e:
             return fail(faults.EXIT_DIVERGED, f"error: diverged: {e}", every_rank=False)

@@ -7,6 +7,9 @@ Exit statuses of every mmadapt command:
     2   a user's mistake (one `error:` line; nothing was written)
     3   the run diverged (a non-finite loss, or too many consecutive skipped fp16 steps); the
         newest complete checkpoint is the last good one
+    74  a write the disk or file system failed (full, over quota, an I/O error; EX_IOERR): one
+        `error:` line naming the file; what was complete before it is kept: free space, then
+        run the same command with --resume (not requeued: it needs someone)
     75  stopped by a signal after saving a complete checkpoint at the current update: run the
         same command with --resume (75 is EX_TEMPFAIL, "try again": SLURM templates requeue on it)
     76  paused by --exit_interval before train_iters, after a complete checkpoint: run the same
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import importlib
 import json
@@ -34,6 +38,8 @@ import time
 from pathlib import Path
 
 EXIT_INTERNAL, EXIT_USER, EXIT_DIVERGED, EXIT_STOPPED, EXIT_PAUSED, EXIT_INTERRUPTED = 1, 2, 3, 75, 76, 130
+EXIT_IO = 74  # EX_IOERR: a write the disk or file system failed (full, over quota, an I/O error)
+IO_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO)  # what a run meets mid-way, not a mistake in its input
 
 
 class Diverged(RuntimeError):

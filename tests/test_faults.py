@@ -1118,10 +1118,10 @@ def test_an_error_after_a_checkpoint_reaches_the_loop_that_saved(tmp_path):
     assert (tmp_path / "checkpoints" / "step00000002" / "COMPLETE").is_file()
 
 
-def test_a_checkpoint_a_full_disk_cut_short_is_one_line_the_complete_ones_kept(tmp_path, monkeypatch):
+def test_a_checkpoint_a_full_disk_cut_short_is_one_line_the_complete_ones_kept(tmp_path, monkeypatch, capsys):
     """A full disk fails torch's zip writer with a RuntimeError (not an OSError): it reached the
     user as an internal error, a traceback and exit 1. Now an OSError naming the tag and the space
-    left (mmadapt's commands: one line, exit 2); the tag before it complete, this one not."""
+    left (mmadapt's commands: one line, exit 74); the tag before it complete, this one not."""
     from mmadapt import checkpoint
     saves = []
 
@@ -1143,6 +1143,13 @@ def test_a_checkpoint_a_full_disk_cut_short_is_one_line_the_complete_ones_kept(t
                         r"before it are kept; free space, then resume \(--resume; sweep, extend and demo: the same command "
                         r"again\)", e.value.strerror), e.value.strerror
     assert checkpoint.complete_tags(tmp_path / "checkpoints") == ["step00000002"]
+    # a command: one line and EX_IOERR (74), not 2 (a mistake in the input, nothing written) nor requeued
+    from mmadapt.cli import user_errors
+
+    capsys.readouterr()
+    for error in (e.value, OSError(28, "No space left on device", "run/log.jsonl")):
+        assert user_errors(lambda argv: (_ for _ in ()).throw(error))([]) == faults.EXIT_IO == 74
+        assert capsys.readouterr().err == f"error: {error.filename}: {error.strerror}\n"
     monkeypatch.setattr(checkpoint.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
     (tmp_path / "b").mkdir()
     with pytest.raises(RuntimeError, match="^other$"):  # any other error is what it was
