@@ -518,9 +518,10 @@ def recorded_calibration(run: RunSpec) -> str | None:
 def resumed_calibration(step: AdaptEmbeddings, expanded: bool, family: ModelFamily,
                         recorded: str | None) -> AdaptEmbeddings:
     """`step` as a --resume continues it: where --primary_calibration does not apply
-    (calibrates_at_all false), with the value its run.json records (`recorded`), which changed
-    nothing. A decoder's run begun before check_calibration refused one there (2026-12-07)
-    recorded the value it was given and calibrated nothing: it resumes with the flag or without."""
+    (calibrates_at_all false), with a value other than the default that its run.json records
+    (`recorded`), which changed nothing. A decoder's run begun before check_calibration refused
+    one there (2026-12-07) recorded the value it was given and calibrated nothing: it resumes
+    with the flag or without."""
     if (recorded in (None, TrainConfig.primary_calibration, step.train.primary_calibration)
             or calibrates_at_all(step, expanded, family)):
         return step  # (a run that recorded the default: another value is refused, as in a new run)

@@ -365,12 +365,13 @@ def damaged(tag_dir: Path) -> str | None:
 
 def prune(ckpt_dir: Path, keep_last: int, saved: str) -> None:
     """Delete all but the newest `keep_last` intact complete tags up to `saved` (the tag just
-    written), and incomplete or damaged tags older than them (rank 0). COMPLETE goes first, so a tag being deleted is
-    never taken for a usable one. A tag after `saved` is neither counted nor deleted: one that
-    `resume` passed over as damaged, which would otherwise count as the newest and take every
-    intact tag with it (a save at its update writes it anew; without one it stays, damaged,
-    for you to delete). Within keep_last, the incomplete tags older than the oldest complete one
-    go: a prune killed after a tag's COMPLETE left its files whole, which no resume reads."""
+    written), and incomplete or damaged tags older than them (rank 0). COMPLETE goes first, so a
+    tag being deleted is never taken for a usable one. A tag after `saved` is neither counted nor
+    deleted: one that `resume` passed over as damaged, which would otherwise count as the newest
+    and take every intact tag with it (a save at its update writes it anew; without one it
+    stays, damaged, for you to delete). Within keep_last, the incomplete tags older than the
+    oldest complete one go: a prune killed after a tag's COMPLETE left its files whole, which no
+    resume reads."""
     if keep_last <= 0:
         return
     # intact ones: a damaged tag (one resume fell back from) took the place of an intact one

@@ -878,17 +878,6 @@ def shown_prog(name: str) -> str:
     return f"mmadapt {base}" if how == "mmadapt" else f"launch/{base}.py" if how == "launch" else name
 
 
-# MMADAPT_TINY=1: every command's model and schedule at a size two CPU cores train in seconds, its
-# flags otherwise as written, so that a documented command line runs as it stands in the docs
-# (tests/test_documented_commands.py runs them so, on small files) and a user can try one before
-# the real run. Once the flags are read (Parser.parse_args), a preset becomes its family's small
-# one (roberta-base -> tiny, qwen2-0.5b -> llama-tiny) and the flags in TINY_FLAGS, given or by
-# their parser's default, are capped (a vocabulary trained here at the small presets' 2000 pieces,
-# so that a prepared dataset still fits its model; an existing tokenizer's, preprocess
-# --tokenizer, is kept); `override` then caps the sizes in TINY_CAPS of every config it builds,
-# whether a flag or the preset set them. Nothing else changes: paths, systems, recipes, data
-# formats and their size (a corpus is read whole, fine-tuning runs one epoch of its file), and an
-# imported model's own shape.
 DIST_TIMEOUT_ENV = "MMADAPT_DIST_TIMEOUT_S"
 # a year: beyond ~1e9 s timedelta overflows, or torch's store reads it in ms and times out at once
 DIST_TIMEOUT_MAX_S = 365 * 24 * 3600
@@ -911,6 +900,17 @@ def dist_timeout_s(default: float = 1800.0) -> float:
     return value
 
 
+# MMADAPT_TINY=1: every command's model and schedule at a size two CPU cores train in seconds, its
+# flags otherwise as written, so that a documented command line runs as it stands in the docs
+# (tests/test_documented_commands.py runs them so, on small files) and a user can try one before
+# the real run. Once the flags are read (Parser.parse_args), a preset becomes its family's small
+# one (roberta-base -> tiny, qwen2-0.5b -> llama-tiny) and the flags in TINY_FLAGS, given or by
+# their parser's default, are capped (a vocabulary trained here at the small presets' 2000 pieces,
+# so that a prepared dataset still fits its model; an existing tokenizer's, preprocess
+# --tokenizer, is kept); `override` then caps the sizes in TINY_CAPS of every config it builds,
+# whether a flag or the preset set them. Nothing else changes: paths, systems, recipes, data
+# formats and their size (a corpus is read whole, fine-tuning runs one epoch of its file), and an
+# imported model's own shape.
 TINY_ENV = "MMADAPT_TINY"
 TINY_CAPS = {"train_iters": 8, "lr_warmup_iters": 2, "log_interval": 4, "seq_length": 64,
              "train_micro_batch_size_per_gpu": 4, "epochs": 1.0, "eval_iters": 2, "plugin_eval_blocks": 8,  # steps
