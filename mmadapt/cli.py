@@ -51,8 +51,9 @@ def train_presets() -> dict[str, TrainConfig]:
 def user_errors(main=None, *, resumes_itself: bool = False):
     """What a command's failures look like (faults.py lists the exit statuses): a user's mistake
     (ValueError, DataError included, or an OS error on a path the user gave) is one `error:`
-    line and exit 2 (the steps check their inputs before they write anything); a divergence one
-    line and exit 3; a stop on a signal one line and exit 75 (resume it); a pause at
+    line and exit 2 (the steps check their inputs before they write anything); a write that the
+    disk or file system failed (faults.IO_ERRNOS: full, over quota, an I/O error) one line and
+    74; a divergence one line and exit 3; a stop on a signal one line and exit 75 (resume it); a pause at
     --exit_interval one line and 76 (resume it); Ctrl-C during start-up one line and 130.
     Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1 shows the traceback
     of every failure. resumes_itself: a command with no --resume (sweep, extend, demo: the same
@@ -78,6 +79,10 @@ def user_errors(main=None, *, resumes_itself: bool = False):
                                               "again, or start a new --output_dir")
             return fail(faults.EXIT_USER, f"error: {e}")
         except OSError as e:
+            if e.filename is None and e.errno in faults.IO_ERRNOS:  # (a write of an open file: f.write, fsync)
+                return fail(faults.EXIT_IO, f"error: {e.strerror or e}: a write failed (the disk full, over quota "
+                                            "or failing): free space, then resume (--resume; sweep, extend and demo: "
+                                            "the same command again)")
             if e.filename is None:
                 raise
             if isinstance(e, (FileExistsError, NotADirectoryError)) and Path(e.filename).is_file():

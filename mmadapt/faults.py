@@ -8,8 +8,8 @@ Exit statuses of every mmadapt command:
     3   the run diverged (a non-finite loss, or too many consecutive skipped fp16 steps); the
         newest complete checkpoint is the last good one
     74  a write the disk or file system failed (full, over quota, an I/O error; EX_IOERR): one
-        `error:` line naming the file; what was complete before it is kept: free space, then
-        run the same command with --resume (not requeued: it needs someone)
+        `error:` line (naming the file where the error does); what was complete before it is
+        kept: free space, then run the same command with --resume (not requeued: it needs someone)
     75  stopped by a signal after saving a complete checkpoint at the current update: run the
         same command with --resume (75 is EX_TEMPFAIL, "try again": SLURM templates requeue on it)
     76  paused by --exit_interval before train_iters, after a complete checkpoint: run the same

@@ -1150,6 +1150,11 @@ def test_a_checkpoint_a_full_disk_cut_short_is_one_line_the_complete_ones_kept(t
     for error in (e.value, OSError(28, "No space left on device", "run/log.jsonl")):
         assert user_errors(lambda argv: (_ for _ in ()).throw(error))([]) == faults.EXIT_IO == 74
         assert capsys.readouterr().err == f"error: {error.filename}: {error.strerror}\n"
+    # a write to an open file (f.write, fsync: no file name), as a full disk fails it
+    assert user_errors(lambda argv: (_ for _ in ()).throw(OSError(28, "No space left on device")))([]) == 74
+    assert capsys.readouterr().err == ("error: No space left on device: a write failed (the disk full, over quota or "
+                                       "failing): free space, then resume (--resume; sweep, extend and demo: the same "
+                                       "command again)\n")
     monkeypatch.setattr(checkpoint.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
     (tmp_path / "b").mkdir()
     with pytest.raises(RuntimeError, match="^other$"):  # any other error is what it was

@@ -46,7 +46,8 @@ run_requeueable() {
     fi
     # After the warning, a step killed by a signal (status > 128: it could not say whether it
     # saved) is requeued too, --resume takes the newest complete checkpoint; one that finished
-    # (0) or failed (1-3: a traceback, bad input, a divergence) is not: it would only run again
+    # (0) or failed (1-3: a traceback, bad input, a divergence; 74: a full disk) is not: it would
+    # only run again
     if [[ $rc -eq 75 || $rc -eq 76 || ( $stopping -eq 1 && $rc -gt 128 ) ]] && [[ -n "${SLURM_JOB_ID:-}" ]]; then
         echo "stopped with a complete checkpoint in $run_dir: requeueing job $SLURM_JOB_ID to resume it"
         scontrol requeue "$SLURM_JOB_ID"
