@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import errno
 import functools
 import gc
 import json
@@ -79,7 +80,9 @@ def user_errors(main=None, *, resumes_itself: bool = False):
                                               "again, or start a new --output_dir")
             return fail(faults.EXIT_USER, f"error: {e}")
         except OSError as e:
-            if e.filename is None and e.errno in faults.IO_ERRNOS:  # (a write of an open file: f.write, fsync)
+            # a write to an open file (f.write, fsync) names no file; ENOSPC and EDQUOT are a write's alone
+            # (EIO may be a read's: an input on a failing disk is no "free space, then resume")
+            if e.filename is None and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 return fail(faults.EXIT_IO, f"error: {e.strerror or e}: a write failed (the disk full, over quota "
                                             "or failing): free space, then resume (--resume; sweep, extend and demo: "
                                             "the same command again)")

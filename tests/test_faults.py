@@ -1155,6 +1155,9 @@ def test_a_checkpoint_a_full_disk_cut_short_is_one_line_the_complete_ones_kept(t
     assert capsys.readouterr().err == ("error: No space left on device: a write failed (the disk full, over quota or "
                                        "failing): free space, then resume (--resume; sweep, extend and demo: the same "
                                        "command again)\n")
+    # an I/O error with no file name may be a read's (an input on a failing disk): not said to be a write
+    with pytest.raises(OSError, match="Input/output error"):
+        user_errors(lambda argv: (_ for _ in ()).throw(OSError(5, "Input/output error")))([])
     monkeypatch.setattr(checkpoint.torch, "save", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("other")))
     (tmp_path / "b").mkdir()
     with pytest.raises(RuntimeError, match="^other$"):  # any other error is what it was
