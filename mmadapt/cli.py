@@ -83,8 +83,8 @@ def user_errors(main=None, *, resumes_itself: bool = False):
             # a write to an open file (f.write, fsync) names no file; ENOSPC and EDQUOT are a write's alone
             # (EIO may be a read's: an input on a failing disk is no "free space, then resume")
             if e.filename is None and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                return fail(faults.EXIT_IO, f"error: {e.strerror or e}: a write failed (the disk full, over quota "
-                                            "or failing): free space, then resume (--resume; sweep, extend and demo: "
+                return fail(faults.EXIT_IO, f"error: {e.strerror or e}: a write failed (the disk full or over "
+                                            "quota): free space, then resume (--resume; sweep, extend and demo: "
                                             "the same command again)")
             if e.filename is None:
                 raise

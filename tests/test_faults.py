@@ -1152,8 +1152,8 @@ def test_a_checkpoint_a_full_disk_cut_short_is_one_line_the_complete_ones_kept(t
         assert capsys.readouterr().err == f"error: {error.filename}: {error.strerror}\n"
     # a write to an open file (f.write, fsync: no file name), as a full disk fails it
     assert user_errors(lambda argv: (_ for _ in ()).throw(OSError(28, "No space left on device")))([]) == 74
-    assert capsys.readouterr().err == ("error: No space left on device: a write failed (the disk full, over quota or "
-                                       "failing): free space, then resume (--resume; sweep, extend and demo: the same "
+    assert capsys.readouterr().err == ("error: No space left on device: a write failed (the disk full or over quota): "
+                                       "free space, then resume (--resume; sweep, extend and demo: the same "
                                        "command again)\n")
     # an I/O error with no file name may be a read's (an input on a failing disk): not said to be a write
     with pytest.raises(OSError, match="Input/output error"):
