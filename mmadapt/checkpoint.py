@@ -405,8 +405,8 @@ def _write_failures(tag_dir: Path):
             free = "its file system unreadable"
         reason = str(e).strip().splitlines()[0][:160]
         raise OSError(errno.EIO, f"could not write checkpoint {tag_dir.name} ({free}; torch: {reason}): the "
-                                 "complete checkpoints before it are kept; free space, then resume (--resume; "
-                                 "sweep, extend and demo: the same command again)", str(tag_dir)) from None
+                                 "complete checkpoints before it are kept; free space, then run the same command "
+                                 "again (with --resume where the command takes it)", str(tag_dir)) from None
 
 
 def save(engine, ckpt_dir: str | os.PathLike, step: int, client_state: dict, names: dict[str, str | None],

@@ -83,9 +83,7 @@ def user_errors(main=None, *, resumes_itself: bool = False):
             # a write to an open file (f.write, fsync) names no file; ENOSPC and EDQUOT are a write's alone
             # (EIO may be a read's: an input on a failing disk is no "free space, then resume")
             if e.filename is None and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                return fail(faults.EXIT_IO, f"error: {e.strerror or e}: a write failed (the disk full or over "
-                                            "quota): free space, then resume (--resume; sweep, extend and demo: "
-                                            "the same command again)")
+                return fail(faults.EXIT_IO, f"error: {e.strerror or e}: {DISK_FULL}")
             if e.filename is None:
                 raise
             if isinstance(e, (FileExistsError, NotADirectoryError)) and Path(e.filename).is_file():
@@ -104,7 +102,17 @@ def user_errors(main=None, *, resumes_itself: bool = False):
             return fail(1, f"error: {e}")
         except KeyboardInterrupt:
             return fail(faults.EXIT_INTERRUPTED, "interrupted", every_rank=False)
+        except Exception as e:  # a library's own error for a full disk (safetensors' writer: SafetensorError)
+            said = str(e)
+            if not any(m in said for m in ("No space left on device", "Disk quota exceeded")):
+                raise
+            return fail(faults.EXIT_IO, f"error: {said.strip().splitlines()[0][:200]}: {DISK_FULL}")
     return wrapped
+
+
+# how a run goes on after a write that a full disk failed (what was complete before it is kept)
+DISK_FULL = ("a write failed (the disk full or over quota): free space, then run the same command again (with "
+             "--resume where the command takes it)")
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:

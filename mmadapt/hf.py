@@ -266,6 +266,9 @@ def read_hf_tokenizer(model_dir: Path):
 
 def _fresh_output(output_dir: Path) -> None:
     check_output_dir(output_dir)  # a file on its way, a directory this user cannot write
+    if Path(os.path.abspath(output_dir)) == Path.cwd():  # written whole beside it, then moved into its place
+        raise ValueError(f"--output_dir {output_dir} is the directory this command runs in, which the written "
+                         "directory would take the place of: name a new one (--output_dir export)")
     if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
         raise ValueError(f"{output_dir} already exists and is not empty: choose a new --output_dir "
                          "(nothing is overwritten)")

@@ -1140,8 +1140,8 @@ def test_a_checkpoint_a_full_disk_cut_short_is_one_line_the_complete_ones_kept(t
     assert e.value.filename == str(tmp_path / "checkpoints" / "step00000004")
     assert re.fullmatch(r"could not write checkpoint step00000004 \([\d,]+ MiB free there; torch: \[enforce fail at "
                         r"inline_container\.cc:672\] \. unexpected pos 7708800 vs 7708692\): the complete checkpoints "
-                        r"before it are kept; free space, then resume \(--resume; sweep, extend and demo: the same command "
-                        r"again\)", e.value.strerror), e.value.strerror
+                        r"before it are kept; free space, then run the same command again \(with --resume where the command "
+                        r"takes it\)", e.value.strerror), e.value.strerror
     assert checkpoint.complete_tags(tmp_path / "checkpoints") == ["step00000002"]
     # a command: one line and EX_IOERR (74), not 2 (a mistake in the input, nothing written) nor requeued
     from mmadapt.cli import user_errors
@@ -1153,8 +1153,17 @@ def test_a_checkpoint_a_full_disk_cut_short_is_one_line_the_complete_ones_kept(t
     # a write to an open file (f.write, fsync: no file name), as a full disk fails it
     assert user_errors(lambda argv: (_ for _ in ()).throw(OSError(28, "No space left on device")))([]) == 74
     assert capsys.readouterr().err == ("error: No space left on device: a write failed (the disk full or over quota): "
-                                       "free space, then resume (--resume; sweep, extend and demo: the same "
-                                       "command again)\n")
+                                       "free space, then run the same command again (with --resume where the "
+                                       "command takes it)\n")
+    # a library's own error for it (safetensors' writer raises SafetensorError, no OSError)
+    class SafetensorError(Exception):
+        pass
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert user_errors(lambda argv: (_ for _ in ()).throw(full))([]) == 74
+    assert capsys.readouterr().err.startswith("error: Error while serializing: I/O error: No space left on device "
+                                              "(os error 28): a write failed (the disk full or over quota)")
+    with pytest.raises(SafetensorError, match="header too large"):  # another of its errors is what it was
+        user_errors(lambda argv: (_ for _ in ()).throw(SafetensorError("header too large")))([])
     # an I/O error with no file name may be a read's (an input on a failing disk): not said to be a write
     with pytest.raises(OSError, match="Input/output error"):
         user_errors(lambda argv: (_ for _ in ()).throw(OSError(5, "Input/output error")))([])

@@ -9,6 +9,8 @@ that disagree with the weights, impossible config values, a tensor nobody reads)
 tests/test_bad_input.py; here, the same checks' messages on the encoder's mapping too."""
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,3 +216,19 @@ def test_a_model_directory_is_known_by_its_files_not_its_path(tiny_hf, tmp_path)
     assert "0_Transformer/model.safetensors" in listed and "0_Transformer/config.json" in listed
     assert files_differ(listed, {**listed, "0_Transformer/config.json": {"sha256": "1"}}) == (
         "0_Transformer/config.json changed")
+
+
+def test_an_output_dir_that_is_the_working_directory_is_refused_before_anything_is_read(tmp_path, monkeypatch):
+    """import-hf and export-hf write their directory whole beside it, then move it into place:
+    `--output_dir .` (an empty working directory) failed after the model was read with
+    "PosixPath('.') has an empty name"; moved into place it would have left the shell in a
+    removed directory."""
+    from mmadapt.hf import _fresh_output
+
+    monkeypatch.chdir(tmp_path)
+    for given in (Path("."), tmp_path, Path("sub/..")):
+        with pytest.raises(ValueError, match=f"^--output_dir {re.escape(str(given))} is the directory this command "
+                                             "runs in, which the written directory would take the place of: name a "
+                                             r"new one \(--output_dir export\)$"):
+            _fresh_output(given)
+    _fresh_output(Path("export"))  # a new one inside it
