@@ -23,6 +23,7 @@ import errno
 import glob
 import json
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -303,6 +304,11 @@ def load_pt(path: str | os.PathLike, what: str = "file", weights_only: bool = Fa
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as e:  # pickle, zip and torch errors all mean: not a readable checkpoint file
+        if weights_only and isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
+            # a whole file holding objects beside its tensors (code a load would run): not read, not "truncated"
+            raise ValueError(f"{what} {path} holds objects other than tensors, which mmadapt does not load (a "
+                             "pickle runs code): save its weights as safetensors (save_pretrained's default) and "
+                             "read that") from None
         reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise ValueError(f"{what} {path} cannot be read ({reason}): it is truncated or not a PyTorch file; "
                          "restore or recreate it") from None

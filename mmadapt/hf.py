@@ -110,7 +110,11 @@ def read_hf_config(model_dir: Path) -> tuple[dict, object]:
                          "names (as save_pretrained writes it): fix it, or leave it out (model_type then decides)")
     arch = archs[0] if archs else _architecture_of(cfg, model_dir)
     family = _mappings().get(arch)
-    if family is None or cfg.get("model_type") != family.hf.architectures[arch]:
+    if family is not None and cfg.get("model_type") != family.hf.architectures[arch]:  # (a supported class)
+        raise ValueError(f"{model_dir / 'config.json'}: its model_type is {cfg.get('model_type')!r} but its "
+                         f"architectures names {arch} (model_type {family.hf.architectures[arch]!r}): fix "
+                         "config.json, or save the model again (save_pretrained)")
+    if family is None:
         raise ValueError(f"{model_dir} holds a {arch or 'model without architectures'} (model_type "
                          f"{cfg.get('model_type')}); import-hf supports {supported()}")
     cfg = {**_defaults(cfg["model_type"], family.hf.defaulted), **cfg,

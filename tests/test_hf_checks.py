@@ -232,3 +232,35 @@ def test_an_output_dir_that_is_the_working_directory_is_refused_before_anything_
                                              r"new one \(--output_dir export\)$"):
             _fresh_output(given)
     _fresh_output(Path("export"))  # a new one inside it
+
+
+def test_a_model_type_other_than_its_architectures_is_named_as_such(tiny_hf, tmp_path):
+    """config.json naming LlamaForCausalLM with model_type qwen2 was refused as 'holds a
+    LlamaForCausalLM (model_type qwen2); import-hf supports ..., LlamaForCausalLM, ...'."""
+    hf_dir = damaged_copy(tiny_hf["llama"], tmp_path / "hf", {"model_type": "qwen2"})
+    with pytest.raises(ValueError, match=re.escape(f"{hf_dir / 'config.json'}: its model_type is 'qwen2' but its "
+                                                   "architectures names LlamaForCausalLM (model_type 'llama'): fix "
+                                                   "config.json, or save the model again (save_pretrained)")):
+        import_hf(hf_dir, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_weight_file_holding_objects_beside_its_tensors_is_not_called_truncated(tmp_path):
+    """A whole pytorch_model.bin that weights_only refuses (an object a load would run) was
+    reported as 'truncated or not a PyTorch file; restore or recreate it', with torch's terminal
+    escapes, cut short."""
+    from mmadapt.checkpoint import load_pt
+
+    torch.save({"w": torch.zeros(2), "x": _Runs()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=re.escape(f"weight file {tmp_path / 'pytorch_model.bin'} holds objects other "
+                                                   "than tensors, which mmadapt does not load (a pickle runs code): "
+                                                   "save its weights as safetensors")):
+        load_pt(tmp_path / "pytorch_model.bin", "weight file", weights_only=True)
+    (tmp_path / "cut.bin").write_bytes((tmp_path / "pytorch_model.bin").read_bytes()[:100])
+    with pytest.raises(ValueError, match="cannot be read .*: it is truncated or not a PyTorch file"):
+        load_pt(tmp_path / "cut.bin", "weight file", weights_only=True)
+
+
+class _Runs:
+    def __reduce__(self):
+        return (print, ("a pickle ran",))
