@@ -304,7 +304,7 @@ def load_pt(path: str | os.PathLike, what: str = "file", weights_only: bool = Fa
     try:
         return torch.load(path, map_location="cpu", weights_only=weights_only)
     except Exception as e:  # pickle, zip and torch errors all mean: not a readable checkpoint file
-        if weights_only and isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
+        if weights_only and isinstance(e, pickle.UnpicklingError) and "Unsupported global" in str(e):
             # a whole file holding objects beside its tensors (code a load would run): not read, not "truncated"
             raise ValueError(f"{what} {path} holds objects other than tensors, which mmadapt does not load (a "
                              "pickle runs code): save its weights as safetensors (save_pretrained's default) and "
