@@ -63,7 +63,8 @@ from mmadapt.models.layers import derive_seed, new_rows_name
 from mmadapt.run import (RUN_TOKENIZER, RunSpec, Source, agreed_source, check_run, check_same_source,
                          check_trained_positions, load_checkpoint, read_source, require_head, resumed_tag,
                          run_text_layout, sampled_fingerprint, start_run)
-from mmadapt.tokenizer import WORD_BOUNDARY, byte_piece_text, byte_surfaces, has_byte_fallback, sp_proto
+from mmadapt.tokenizer import (WORD_BOUNDARY, bare_proto, byte_piece_text, byte_surfaces, has_byte_fallback,
+                               sp_proto)
 from mmadapt.tokenizer import load as load_tokenizer
 from mmadapt.tokenizer import pieces as tokenizer_pieces
 from mmadapt.tokenizer import source_form
@@ -361,10 +362,7 @@ def source_split(src_tokenizer: Path):
     tok = load_tokenizer(src_tokenizer)
     if not isinstance(tok, spm.SentencePieceProcessor):
         return tok.split_surface  # an imported tokenizer (HFTokenizer)
-    proto = sp_proto(src_tokenizer)
-    proto.normalizer_spec.add_dummy_prefix = False
-    proto.normalizer_spec.remove_extra_whitespaces = False
-    tok = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+    tok = spm.SentencePieceProcessor(model_proto=bare_proto(sp_proto(src_tokenizer)).SerializeToString())
 
     def split(piece: str) -> list[int]:
         return [i for i in tok.encode(piece.replace(WORD_BOUNDARY, " ")) if i != UNK_ID]

@@ -60,7 +60,8 @@ from mmadapt.heldout import Primary, Scorer, Text, pretrained_on
 from mmadapt.models.layers import new_rows_name
 from mmadapt.parallel import from_rank0, is_rank0, launched_world_size, rank0_prepares
 from mmadapt.run import RunSpec, Source
-from mmadapt.tokenizer import WORD_BOUNDARY, cut_to_multiple, expand_hf, is_hf, pieces, source_form, sp_proto
+from mmadapt.tokenizer import (WORD_BOUNDARY, bare_proto, cut_to_multiple, expand_hf, is_hf, pieces, source_form,
+                               sp_proto)
 
 
 # --- the merged vocabulary ---------------------------------------------------------------------------
@@ -109,11 +110,7 @@ def _normal_forms(source: sp_model.ModelProto, candidates: list[str]) -> list[st
     would be a row no text reaches."""
     import sentencepiece as spm
 
-    bare = sp_model.ModelProto()
-    bare.CopyFrom(source)
-    bare.normalizer_spec.add_dummy_prefix = False  # a piece as it is: '▁' where it has one, not added
-    bare.normalizer_spec.remove_extra_whitespaces = False
-    sp = spm.SentencePieceProcessor(model_proto=bare.SerializeToString())
+    sp = spm.SentencePieceProcessor(model_proto=bare_proto(source).SerializeToString())
     # (and where it collapses runs of whitespace, a piece holding two '▁' together: a target
     # trained on double spaces with remove_extra_whitespaces false)
     run = 2 * WORD_BOUNDARY if source.normalizer_spec.remove_extra_whitespaces else None
@@ -133,10 +130,7 @@ def _formable_by_bpe(source: sp_model.ModelProto, candidates: list[str]) -> list
     at once."""
     import sentencepiece as spm
 
-    check = sp_model.ModelProto()
-    check.CopyFrom(source)
-    check.normalizer_spec.add_dummy_prefix = False  # a piece as it is: '▁' where it has one, not added
-    check.normalizer_spec.remove_extra_whitespaces = False
+    check = bare_proto(source)  # a piece as it is: '▁' where it has one, not added
     lowest = min((p.score for p in source.pieces if p.type == _NORMAL), default=0.0)
     rank = {c: i for i, c in enumerate(candidates)}
     kept: set[str] = set()

@@ -85,6 +85,18 @@ def sp_proto(path: str | os.PathLike):
     return proto
 
 
+def bare_proto(proto):
+    """A copy of the SentencePiece model `proto` (sp_proto's) that reads a piece as it is: no '▁'
+    added before the text, runs of whitespace kept (a piece's own '▁'s are its text)."""
+    from sentencepiece import sentencepiece_model_pb2 as pb
+
+    bare = pb.ModelProto()
+    bare.CopyFrom(proto)
+    bare.normalizer_spec.add_dummy_prefix = False
+    bare.normalizer_spec.remove_extra_whitespaces = False
+    return bare
+
+
 def unexportable(proto) -> list[str]:
     """What of a SentencePiece model (its `proto`, sp_proto's) hf.spm_to_hf's pipeline does not
     follow, named as its training flags: a model given to mmadapt preprocess --tokenizer may
