@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import errno
 import functools
 import gc
 import json
@@ -54,8 +53,8 @@ def user_errors(main=None, *, resumes_itself: bool = False):
     (ValueError, DataError included, or an OS error on a path the user gave) is one `error:`
     line and exit 2 (the steps check their inputs before they write anything); a write that the
     disk or file system failed (faults.IO_ERRNOS: full, over quota, an I/O error) one line and
-    74; a divergence one line and exit 3; a stop on a signal one line and exit 75 (resume it); a pause at
-    --exit_interval one line and 76 (resume it); Ctrl-C during start-up one line and 130.
+    74; a divergence one line and exit 3; a stop on a signal one line and exit 75 (resume it); a
+    pause at --exit_interval one line and 76 (resume it); Ctrl-C during start-up one line and 130.
     Anything else is an internal error: a traceback, exit 1. MMADAPT_DEBUG=1 shows the traceback
     of every failure. resumes_itself: a command with no --resume (sweep, extend, demo: the same
     command again goes on), which the stop, pause and damaged-run lines then do not name."""
@@ -82,7 +81,7 @@ def user_errors(main=None, *, resumes_itself: bool = False):
         except OSError as e:
             # a write to an open file (f.write, fsync) names no file; ENOSPC and EDQUOT are a write's alone
             # (EIO may be a read's: an input on a failing disk is no "free space, then resume")
-            if e.filename is None and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            if e.filename is None and e.errno in faults.FULL_ERRNOS:
                 return fail(faults.EXIT_IO, f"error: {e.strerror or e}: {DISK_FULL}")
             if e.filename is None:
                 raise
@@ -104,7 +103,7 @@ def user_errors(main=None, *, resumes_itself: bool = False):
             return fail(faults.EXIT_INTERRUPTED, "interrupted", every_rank=False)
         except Exception as e:  # a library's own error for a full disk (safetensors' writer: SafetensorError)
             said = str(e)
-            if not any(m in said for m in ("No space left on device", "Disk quota exceeded")):
+            if not any(os.strerror(n) in said for n in faults.FULL_ERRNOS):  # (the OS's words, as Rust's quote them)
                 raise
             return fail(faults.EXIT_IO, f"error: {said.strip().splitlines()[0][:200]}: {DISK_FULL}")
     return wrapped

@@ -39,7 +39,8 @@ from pathlib import Path
 
 EXIT_INTERNAL, EXIT_USER, EXIT_DIVERGED, EXIT_STOPPED, EXIT_PAUSED, EXIT_INTERRUPTED = 1, 2, 3, 75, 76, 130
 EXIT_IO = 74  # EX_IOERR: a write the disk or file system failed (full, over quota, an I/O error)
-IO_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO)  # what a run meets mid-way, not a mistake in its input
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # a write's alone (a full disk, a quota)
+IO_ERRNOS = (*FULL_ERRNOS, errno.EIO)  # what a run meets mid-way, not a mistake in its input
 
 
 class Diverged(RuntimeError):

@@ -585,7 +585,7 @@ class TaskModel:
                 out.append(QAExample(str(n - 1), x[1], x[0]))
             _refuse_lone_surrogate(_named(n, "input"), [x] if isinstance(x, str) else x)
             if kind != "tag":  # (a tagger's blank words are refused above) as Steps 3 and 4 refuse an empty text
-                keys = TASK_INPUT_KEYS["pair" if self.task.pairs else kind]
+                keys = input_keys("pair" if self.task.pairs else kind)
                 texts = [x] if isinstance(x, str) else x
                 # (QA: the context; a question may be empty, as SQuAD's files are read)
                 empty = next((k for k, t in zip(keys, texts) if not t.strip() and k != "question"), None)
